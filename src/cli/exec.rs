@@ -1,0 +1,155 @@
+//! `stowage exec`: run a command holding image locks.
+
+use std::ffi::OsString;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::Command;
+
+use anyhow::{Context, Result};
+
+use crate::error::{self, Error};
+use crate::ident;
+use crate::session::{Outcome, Request, Session};
+use crate::signals::Forwarder;
+use crate::store::Store;
+
+#[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    stowage exec --read alpine:3.17 --write app -- ch-image build -t app .\n  \
+    stowage exec --write base --wait 30 -- ./pull base\n\n\
+    Exit status: the command's own; 128+N if it died of signal N; 64 bad usage or name;\n\
+    66 an image to read does not exist or is not ready; 69 locking does not work here;\n\
+    75 a lock was busy past --wait/--no-wait (or --conflict-exit-code); 1 other failures.")]
+pub struct Args {
+    /// Take a shared lock on IMG, which must exist and be ready
+    #[arg(long = "read", value_name = "IMG")]
+    read: Vec<OsString>,
+    /// Take an exclusive lock on IMG, creating it if new
+    #[arg(long = "write", value_name = "IMG")]
+    write: Vec<OsString>,
+    /// Give up after SECONDS (fractional) waiting for locks [default: wait forever]
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
+    wait: Option<String>,
+    /// Fail at once if a lock is busy
+    #[arg(long, conflicts_with = "wait")]
+    no_wait: bool,
+    /// Exit with N instead of 75 when a lock is not acquired in time
+    #[arg(long, value_name = "N")]
+    conflict_exit_code: Option<u8>,
+    /// Keep the lock descriptors in stowage alone (the command does not
+    /// inherit them, and is killed if stowage dies)
+    #[arg(long)]
+    no_inherit: bool,
+    /// The command and its arguments (after --)
+    #[arg(
+        value_name = "CMD",
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
+    command: Vec<OsString>,
+}
+
+pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    let reads = super::names(&args.read)?;
+    let writes = super::names(&args.write)?;
+    if let Some(both) = reads.iter().find(|r| writes.contains(r)) {
+        return Err(Error::Usage(format!(
+            "image '{both}' is both --read and --write; --write alone gives the command full access"
+        ))
+        .into());
+    }
+    let (deadline, no_wait) = super::deadline(args.wait.as_deref(), args.no_wait)?;
+
+    // Before any other thread exists, so that every thread inherits the mask.
+    let signals = Forwarder::install().context("cannot set up signal handling")?;
+
+    let shown: Vec<String> = args
+        .command
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let req = Request {
+        reads,
+        writes,
+        base: None,
+        deadline,
+        no_wait,
+        command: ident::shell_join(&shown),
+    };
+    let session = match Session::begin(store, &req) {
+        Ok(s) => s,
+        Err(e) => {
+            if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), args.conflict_exit_code)
+            {
+                eprintln!("stowage: {e:#}");
+                return Ok(code);
+            }
+            return Err(e);
+        }
+    };
+    store.ctx().detail(&format!(
+        "locks acquired in {:.1} ms",
+        session.elapsed().as_secs_f64() * 1e3
+    ));
+
+    let mut cmd = Command::new(&args.command[0]);
+    cmd.args(&args.command[1..]);
+    cmd.env("STOWAGE_ROOT", store.root().dir());
+    cmd.env("STOWAGE_IMAGES_DIR", session.images_dir());
+    let written: Vec<_> = session.writes().cloned().collect();
+    if let [only] = written.as_slice() {
+        cmd.env("STOWAGE_IMAGE_DIR", session.image_dir(only));
+    } else {
+        cmd.env_remove("STOWAGE_IMAGE_DIR");
+    }
+    if args.no_inherit {
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                // The command must not outlive the locks that protect it.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != parent {
+                    libc::_exit(128 + libc::SIGKILL);
+                }
+                Ok(())
+            });
+        }
+    } else {
+        session
+            .set_inheritable(true)
+            .context("cannot pass the locks to the command")?;
+    }
+
+    let mut child = match signals.spawn(|| cmd.spawn()) {
+        Ok(Ok(child)) => child,
+        Ok(Err(sig)) => {
+            session.abandon(store)?;
+            return Err(Error::Interrupted(sig).into());
+        }
+        Err(e) => {
+            let what = shown[0].clone();
+            session.abandon(store)?;
+            return Err(e).with_context(|| format!("cannot run '{what}'"));
+        }
+    };
+    let status = signals
+        .wait(&mut child)
+        .context("cannot wait for the command")?;
+    let code = match (status.code(), status.signal()) {
+        (Some(c), _) => c as u8,
+        (None, Some(sig)) => 128u8.saturating_add(sig as u8),
+        (None, None) => error::code::FAILURE,
+    };
+    let outcome = if status.success() {
+        Outcome::Success
+    } else {
+        Outcome::Failure
+    };
+    session.finish(store, outcome).with_context(|| {
+        format!("the command exited with status {code}, but recording that failed")
+    })?;
+    Ok(code)
+}

@@ -1,0 +1,151 @@
+//! The command line. Parsing and dispatch live here, one file per command
+//! beside it; errors become one line on stderr and an exit code here and
+//! nowhere else.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+use crate::error::{self, Error};
+use crate::name::ImageName;
+use crate::root::Root;
+use crate::store::Store;
+
+mod exec;
+mod images;
+mod init;
+mod lock_status;
+
+#[derive(Parser)]
+#[command(
+    name = "stowage",
+    version,
+    about = "Locks and storage for a shared directory of build images",
+    long_about = "Locks and storage for a shared directory of build images.\n\n\
+        Builds call 'stowage exec --read BASE --write NEW -- BUILDER ...': shared locks on the \
+        images they read, exclusive locks on the images they write, so parallel builds share \
+        base images safely. 'stowage lock-status' shows who holds what."
+)]
+struct Cli {
+    /// The storage root [default: $STOWAGE_ROOT, else /var/tmp/$USER.stowage]
+    #[arg(long, global = true, value_name = "DIR")]
+    root: Option<PathBuf>,
+    /// Say more about what is happening
+    #[arg(short, long, global = true)]
+    verbose: bool,
+    /// Say nothing but errors (no waiting messages)
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create the layout and adopt existing image directories
+    Init(init::Args),
+    /// Run a command holding image locks
+    Exec(exec::Args),
+    /// List images
+    #[command(visible_alias = "ls")]
+    Images(images::Args),
+    /// Show who holds and awaits which lock
+    LockStatus(lock_status::Args),
+}
+
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return parse_failure(e),
+    };
+    match run(cli) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("stowage: {e:#}");
+            ExitCode::from(error::exit_code(&e))
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<u8> {
+    let mut store = Store::new(Root::resolve(cli.root.as_deref())?);
+    store.ctx_mut().quiet = cli.quiet;
+    store.ctx_mut().verbose = cli.verbose;
+    match cli.command {
+        Command::Init(args) => init::run(args, &mut store),
+        Command::Exec(args) => exec::run(args, &mut store),
+        Command::Images(args) => images::run(args, &mut store),
+        Command::LockStatus(args) => lock_status::run(args, &mut store),
+    }
+}
+
+/// Help and version go to stdout with exit 0; anything else is a usage
+/// error: one line, exit 64.
+fn parse_failure(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            ExitCode::SUCCESS
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            ExitCode::from(error::code::USAGE)
+        }
+        _ => {
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("stowage: {first} (see 'stowage --help')");
+            ExitCode::from(error::code::USAGE)
+        }
+    }
+}
+
+/// Validates image names from the command line.
+fn names(raw: &[OsString]) -> Result<Vec<ImageName>> {
+    raw.iter()
+        .map(|r| ImageName::parse_os(r).map_err(|e| Error::from(e).into()))
+        .collect()
+}
+
+/// The longest bounded wait accepted: ten years. Anything longer is surely
+/// a mistake; waiting forever is the default.
+const MAX_WAIT_SECS: f64 = 10.0 * 365.0 * 86_400.0;
+
+/// Parses `--wait SECONDS` (fractional, finite, not negative).
+fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
+    let secs: f64 = raw
+        .trim()
+        .parse()
+        .map_err(|_| Error::Usage(format!("{flag} {raw:?}: not a number of seconds")))?;
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(Error::Usage(format!(
+            "{flag} {raw:?}: must be a finite number of seconds, 0 or more"
+        ))
+        .into());
+    }
+    if secs > MAX_WAIT_SECS {
+        return Err(Error::Usage(format!(
+            "{flag} {raw:?}: too long (at most {MAX_WAIT_SECS:.0} seconds; omit {flag} to wait forever)"
+        ))
+        .into());
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// The deadline for `--wait S` / `--no-wait` / neither (forever).
+fn deadline(wait: Option<&str>, no_wait: bool) -> Result<(Option<Instant>, bool)> {
+    match (wait, no_wait) {
+        (_, true) => Ok((Some(Instant::now()), true)),
+        (Some(raw), false) => {
+            let d = parse_seconds("--wait", raw)?;
+            Ok((Some(Instant::now() + d), d.is_zero()))
+        }
+        (None, false) => Ok((None, false)),
+    }
+}

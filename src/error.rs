@@ -1,0 +1,124 @@
+//! Typed errors for the conditions a caller must tell apart, and the exit
+//! code each maps to.
+//!
+//! Everything else travels as `anyhow::Error` with context naming the object
+//! and the cause. The CLI finds a typed [`Error`] anywhere in the chain
+//! ([`exit_code`]), so no code ever matches on error text.
+
+use std::io;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::name::InvalidName;
+
+/// Exit codes fixed by the contract (sysexits.h values).
+pub mod code {
+    pub const FAILURE: u8 = 1;
+    pub const USAGE: u8 = 64;
+    pub const NO_INPUT: u8 = 66;
+    pub const UNAVAILABLE: u8 = 69;
+    pub const TEMPFAIL: u8 = 75;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Bad arguments (exit 64).
+    #[error("{0}")]
+    Usage(String),
+
+    /// A name broke one of the naming rules (exit 64).
+    #[error(transparent)]
+    InvalidName(#[from] InvalidName),
+
+    /// The image has no row (exit 66).
+    #[error("image '{0}' does not exist")]
+    NoSuchImage(String),
+
+    /// The image exists but cannot be read in its state (exit 66).
+    #[error("image '{name}' is not ready (state: {state})")]
+    NotReady { name: String, state: String },
+
+    /// flock(2) does not work on this filesystem (exit 69).
+    #[error("cannot lock {what} ({}): {cause}{}", path.display(), lock_advice(cause))]
+    LockingUnavailable {
+        what: String,
+        path: PathBuf,
+        cause: io::Error,
+    },
+
+    /// A lock was not acquired in time (exit 75, or --conflict-exit-code).
+    #[error("{0}")]
+    Busy(Busy),
+
+    /// A termination signal arrived before the command started.
+    #[error("interrupted by signal {0} while waiting")]
+    Interrupted(i32),
+}
+
+/// A lock that stayed busy past the caller's deadline.
+#[derive(Debug)]
+pub struct Busy {
+    /// What was waited for, e.g. "write lock on image 'app'".
+    pub what: String,
+    /// Who held it when the wait began, already phrased ("held (read) by …").
+    pub holders: String,
+    pub waited: Duration,
+}
+
+impl std::fmt::Display for Busy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.waited.is_zero() {
+            write!(f, "{} is busy: {}", self.what, self.holders)
+        } else {
+            write!(
+                f,
+                "gave up after {:.1} s waiting for {}: {}",
+                self.waited.as_secs_f64(),
+                self.what,
+                self.holders
+            )
+        }
+    }
+}
+
+impl Error {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Error::Usage(_) | Error::InvalidName(_) => code::USAGE,
+            Error::NoSuchImage(_) | Error::NotReady { .. } => code::NO_INPUT,
+            Error::LockingUnavailable { .. } => code::UNAVAILABLE,
+            Error::Busy(_) => code::TEMPFAIL,
+            Error::Interrupted(sig) => 128u8.saturating_add(*sig as u8),
+        }
+    }
+}
+
+/// The exit code for any error: the first typed [`Error`] in the chain
+/// decides, anything else is a plain failure.
+pub fn exit_code(err: &anyhow::Error) -> u8 {
+    err.chain()
+        .find_map(|e| e.downcast_ref::<Error>())
+        .map_or(code::FAILURE, Error::exit_code)
+}
+
+/// The typed error in the chain, if any.
+pub fn typed(err: &anyhow::Error) -> Option<&Error> {
+    err.chain().find_map(|e| e.downcast_ref::<Error>())
+}
+
+/// True for errno values meaning "this filesystem cannot lock at all", as
+/// opposed to a transient failure.
+pub fn is_locking_unsupported(err: &io::Error) -> bool {
+    matches!(
+        err.raw_os_error(),
+        Some(libc::ENOLCK) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+    )
+}
+
+fn lock_advice(err: &io::Error) -> &'static str {
+    if is_locking_unsupported(err) {
+        " — is this NFS mounted with 'nolock', or a filesystem without flock? run 'stowage doctor'"
+    } else {
+        ""
+    }
+}

@@ -1,0 +1,200 @@
+//! Who a process is, as recorded next to the locks it holds or awaits, and
+//! how a record's liveness is judged.
+//!
+//! A record is information, never the truth about a lock (the kernel is). It
+//! carries enough to judge the process's liveness where that is possible:
+//! on the same host and boot, a pid plus its start time identifies a process
+//! even across pid reuse. Records from another host cannot be checked by pid;
+//! `STOWAGE_HOSTNAME` overrides the recorded host name so tests can play
+//! "another host".
+
+use std::fs;
+
+pub const HOSTNAME_ENV: &str = "STOWAGE_HOSTNAME";
+
+/// The identity this process records.
+#[derive(Debug, Clone)]
+pub struct Me {
+    pub pid: u32,
+    pub pid_start: Option<u64>,
+    pub host: String,
+    pub boot_id: Option<String>,
+    pub user: String,
+}
+
+impl Me {
+    pub fn current() -> Me {
+        let pid = std::process::id();
+        Me {
+            pid,
+            pid_start: start_time(pid),
+            host: host_name(),
+            boot_id: boot_id(),
+            user: user_name(),
+        }
+    }
+}
+
+/// The host name, or its override.
+pub fn host_name() -> String {
+    if let Ok(h) = std::env::var(HOSTNAME_ENV)
+        && !h.is_empty()
+    {
+        return h;
+    }
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// The real host name, ignoring the override: the host whose /proc we read.
+pub fn real_host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// `$USER`, else the password database, else the numeric uid.
+pub fn user_name() -> String {
+    if let Ok(u) = std::env::var("USER")
+        && !u.is_empty()
+    {
+        return u;
+    }
+    user_name_of(nix::unistd::getuid().as_raw())
+}
+
+pub fn user_name_of(uid: u32) -> String {
+    nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+        .ok()
+        .flatten()
+        .map_or_else(|| uid.to_string(), |u| u.name)
+}
+
+fn boot_id() -> Option<String> {
+    fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|s| s.trim().to_owned())
+}
+
+/// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None
+/// when the process is gone or a zombie (a zombie holds no locks).
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may contain spaces or
+    // parentheses itself: parse from the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    // `rest` starts at field 3 (state); field 22 is 19 further on.
+    fields.nth(18)?.parse().ok()
+}
+
+/// The command line of a local process, for showing holders that stowage
+/// did not start.
+pub fn command_line(pid: u32) -> Option<String> {
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<String> = raw
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    (!args.is_empty()).then(|| shell_join(&args))
+}
+
+/// The owner of a local process.
+pub fn process_user(pid: u32) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let uid = fs::metadata(format!("/proc/{pid}")).ok()?.uid();
+    Some(user_name_of(uid))
+}
+
+/// Liveness of a recorded process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    Alive,
+    Dead,
+    /// On another host (or this host's identity could not be read).
+    Unknown,
+}
+
+/// Judges a record made by (`host`, `boot_id`, `pid`, `pid_start`).
+pub fn liveness(
+    me: &Me,
+    host: &str,
+    boot: Option<&str>,
+    pid: u32,
+    pid_start: Option<u64>,
+) -> Liveness {
+    if host != me.host {
+        return Liveness::Unknown;
+    }
+    if let (Some(theirs), Some(ours)) = (boot, me.boot_id.as_deref())
+        && theirs != ours
+    {
+        return Liveness::Dead;
+    }
+    match (start_time(pid), pid_start) {
+        (None, _) => Liveness::Dead,
+        (Some(now), Some(then)) if now != then => Liveness::Dead,
+        _ => Liveness::Alive,
+    }
+}
+
+/// Joins arguments into one line a user could paste into a shell.
+pub fn shell_join<S: AsRef<str>>(args: &[S]) -> String {
+    args.iter()
+        .map(|a| quote(a.as_ref()))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn quote(arg: &str) -> String {
+    let plain = !arg.is_empty()
+        && arg
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:=@%+,".contains(c));
+    if plain {
+        arg.to_owned()
+    } else {
+        format!("'{}'", arg.replace('\'', r"'\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_start_time_is_readable() {
+        assert!(start_time(std::process::id()).is_some());
+    }
+
+    #[test]
+    fn judges_own_record_alive_and_fake_pid_dead() {
+        let me = Me::current();
+        let alive = liveness(&me, &me.host, me.boot_id.as_deref(), me.pid, me.pid_start);
+        assert_eq!(alive, Liveness::Alive);
+        let reused = liveness(&me, &me.host, None, me.pid, me.pid_start.map(|t| t + 1));
+        assert_eq!(reused, Liveness::Dead);
+        let other = liveness(&me, "elsewhere.invalid", None, me.pid, me.pid_start);
+        assert_eq!(other, Liveness::Unknown);
+    }
+
+    #[test]
+    fn quotes_for_the_shell() {
+        assert_eq!(
+            shell_join(&["ch-image", "build", "-t", "app", "."]),
+            "ch-image build -t app ."
+        );
+        assert_eq!(
+            shell_join(&["sh", "-c", "echo 'hi' there"]),
+            r"sh -c 'echo '\''hi'\'' there'"
+        );
+    }
+}

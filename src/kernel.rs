@@ -1,0 +1,276 @@
+//! What the kernel says about locks — the truth that records are judged by.
+//!
+//! On a local filesystem the kernel's lock table (`/proc/locks`) lists every
+//! flock with the pid that took it, including blocked requests, and reading
+//! it disturbs nobody. On NFS, Lustre and the like it lists only this
+//! client's locks, so there a lock's state is found by probing it (briefly
+//! trying it), which sees holders on every host but not who they are.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use crate::lock::{self, Mode, Probe};
+
+/// A filesystem, as statfs(2) names it.
+#[derive(Debug, Clone)]
+pub struct Filesystem {
+    pub name: String,
+    pub magic: i64,
+    /// True when every lock on it is visible in this host's lock table.
+    pub local: bool,
+}
+
+pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
+    let st = nix::sys::statfs::statfs(path).map_err(io::Error::from)?;
+    #[allow(clippy::unnecessary_cast)]
+    let magic = st.filesystem_type().0 as i64;
+    let (name, local) = match magic {
+        0x0102_1994 => ("tmpfs", true),
+        0xEF53 => ("ext4", true),
+        0x5846_5342 => ("xfs", true),
+        0x9123_683E => ("btrfs", true),
+        0x2FC1_2FC1 => ("zfs", true),
+        0x794C_7630 => ("overlay", true),
+        0xF2F5_2010 => ("f2fs", true),
+        0x8584_58F6 => ("ramfs", true),
+        0x5265_4973 => ("reiserfs", true),
+        0x6969 => ("nfs", false),
+        0x0BD0_0BD0 => ("lustre", false),
+        0x4750_4653 => ("gpfs", false),
+        0xFF53_4D42 => ("cifs", false),
+        0xFE53_4D42 => ("smb2", false),
+        0x00C3_6400 => ("ceph", false),
+        0x1983_0326 => ("beegfs", false),
+        0x6573_5546 => ("fuse", false),
+        0x0000_564C => ("ncp", false),
+        0x7366_7673 => ("afs", false),
+        0x5346_414F => ("afs", false),
+        _ => ("", false),
+    };
+    let name = if name.is_empty() {
+        format!("unknown (0x{magic:x})")
+    } else {
+        name.to_owned()
+    };
+    Ok(Filesystem { name, magic, local })
+}
+
+/// One entry of the kernel's lock table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    /// The process that took the lock; None when the kernel no longer knows
+    /// it (it exited while a child kept the inherited descriptor).
+    pub pid: Option<u32>,
+    pub mode: Mode,
+    /// A request waiting for the lock rather than holding it.
+    pub blocked: bool,
+}
+
+/// A lock as the kernel sees it.
+#[derive(Debug, Clone, Default)]
+pub struct LockView {
+    pub state: Option<Probe>,
+    /// Holders with pids, where the lock table is available.
+    pub holders: Vec<Entry>,
+    /// Blocked requests, where the lock table is available.
+    pub waiters: Vec<Entry>,
+}
+
+impl LockView {
+    pub fn is_held(&self) -> bool {
+        matches!(self.state, Some(Probe::Shared | Probe::Exclusive))
+    }
+}
+
+/// A snapshot of the kernel's view of one directory's locks.
+pub struct KernelView {
+    table: Option<HashMap<(u64, u64), Vec<Entry>>>,
+}
+
+impl KernelView {
+    /// Uses the lock table when `dir` is on a local filesystem and the table
+    /// is readable; probes otherwise.
+    pub fn new(dir: &Path) -> KernelView {
+        let local = filesystem(dir).map(|f| f.local).unwrap_or(false);
+        let table = if local { read_table().ok() } else { None };
+        KernelView { table }
+    }
+
+    /// A view that always probes (for filesystems whose table is partial).
+    pub fn probing() -> KernelView {
+        KernelView { table: None }
+    }
+
+    pub fn has_table(&self) -> bool {
+        self.table.is_some()
+    }
+
+    pub fn view(&self, path: &Path) -> io::Result<LockView> {
+        let Some(table) = &self.table else {
+            return Ok(LockView {
+                state: Some(lock::probe(path)?),
+                ..LockView::default()
+            });
+        };
+        let meta = match fs::symlink_metadata(path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Ok(LockView {
+                    state: Some(Probe::Missing),
+                    ..LockView::default()
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        let entries = table
+            .get(&(meta.dev(), meta.ino()))
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        Ok(view_of(entries))
+    }
+
+    /// Inodes on device `dev` that someone holds or awaits a lock on, for
+    /// finding locks taken outside stowage. None without a lock table.
+    pub fn locked_inodes(&self, dev: u64) -> Option<Vec<u64>> {
+        let table = self.table.as_ref()?;
+        Some(
+            table
+                .keys()
+                .filter(|(d, _)| *d == dev)
+                .map(|(_, i)| *i)
+                .collect(),
+        )
+    }
+
+    /// The view of an inode found by [`KernelView::locked_inodes`].
+    pub fn view_inode(&self, dev: u64, ino: u64) -> LockView {
+        let entries = self
+            .table
+            .as_ref()
+            .and_then(|t| t.get(&(dev, ino)))
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        view_of(entries)
+    }
+}
+
+fn view_of(entries: &[Entry]) -> LockView {
+    let holders: Vec<Entry> = entries.iter().filter(|e| !e.blocked).copied().collect();
+    let waiters: Vec<Entry> = entries.iter().filter(|e| e.blocked).copied().collect();
+    let state = if holders.iter().any(|e| e.mode == Mode::Exclusive) {
+        Probe::Exclusive
+    } else if holders.is_empty() {
+        Probe::Free
+    } else {
+        Probe::Shared
+    };
+    LockView {
+        state: Some(state),
+        holders,
+        waiters,
+    }
+}
+
+fn read_table() -> io::Result<HashMap<(u64, u64), Vec<Entry>>> {
+    Ok(parse_table(&fs::read_to_string("/proc/locks")?))
+}
+
+/// Parses /proc/locks, keeping flock(2) entries:
+///
+/// ```text
+/// 1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF
+/// 1: -> FLOCK  ADVISORY  WRITE 4130 00:2a:123456 0 EOF
+/// ```
+///
+/// The device is `major:minor` in hex, the inode in decimal.
+fn parse_table(text: &str) -> HashMap<(u64, u64), Vec<Entry>> {
+    let mut table: HashMap<(u64, u64), Vec<Entry>> = HashMap::new();
+    for line in text.lines() {
+        let mut f = line.split_whitespace().skip(1).peekable();
+        let blocked = f.peek() == Some(&"->");
+        if blocked {
+            f.next();
+        }
+        let (Some("FLOCK"), Some(_), Some(rw), Some(pid), Some(id)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let mode = match rw {
+            "WRITE" => Mode::Exclusive,
+            "READ" => Mode::Shared,
+            _ => continue,
+        };
+        let mut parts = id.split(':');
+        let (Some(maj), Some(min), Some(ino)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let (Ok(maj), Ok(min), Ok(ino)) = (
+            u32::from_str_radix(maj, 16),
+            u32::from_str_radix(min, 16),
+            ino.parse::<u64>(),
+        ) else {
+            continue;
+        };
+        let pid = pid.parse::<i64>().ok().filter(|p| *p > 0).map(|p| p as u32);
+        table
+            .entry((libc::makedev(maj, min), ino))
+            .or_default()
+            .push(Entry { pid, mode, blocked });
+    }
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_lock_table() {
+        let t = parse_table(
+            "1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF\n\
+             1: -> FLOCK  ADVISORY  READ 4130 00:2a:123456 0 EOF\n\
+             2: POSIX  ADVISORY  WRITE 99 08:01:5 0 EOF\n\
+             3: FLOCK  ADVISORY  READ 0 fd:01:77 0 EOF\n",
+        );
+        let e = &t[&(libc::makedev(0, 0x2a), 123456)];
+        assert_eq!(e.len(), 2);
+        assert_eq!(
+            e[0],
+            Entry {
+                pid: Some(4121),
+                mode: Mode::Exclusive,
+                blocked: false
+            }
+        );
+        assert_eq!(
+            e[1],
+            Entry {
+                pid: Some(4130),
+                mode: Mode::Shared,
+                blocked: true
+            }
+        );
+        assert!(
+            !t.contains_key(&(libc::makedev(8, 1), 5)),
+            "POSIX locks are not flocks"
+        );
+        assert_eq!(t[&(libc::makedev(0xfd, 1), 77)][0].pid, None);
+    }
+
+    #[test]
+    fn sees_our_own_lock_in_the_table() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.lock");
+        let _g = lock::try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let kv = KernelView::new(d.path());
+        let v = kv.view(&p).unwrap();
+        assert_eq!(v.state, Some(Probe::Exclusive));
+        if kv.has_table() {
+            assert_eq!(v.holders[0].pid, Some(std::process::id()));
+        }
+    }
+}

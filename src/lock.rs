@@ -1,0 +1,725 @@
+//! File locks: the only module that calls flock(2).
+//!
+//! Everything else asks for a [`Guard`]. The rules this module keeps:
+//!
+//! - **Open mode.** Lock files are opened read-write (NFS emulates flock with
+//!   byte-range locks, and an exclusive byte-range lock needs a writable
+//!   descriptor), close-on-exec (a lock reaches a child only when the caller
+//!   asks, see [`Guard::set_inheritable`]) and without following a symlink at
+//!   the final component.
+//! - **The unlink race.** A lock file may be unlinked only by a holder of its
+//!   exclusive lock. Every acquirer checks, after flock returns, that the file
+//!   it locked still has links and is still the file at the path (device and
+//!   inode); if not it locked a ghost, and it retries on the new file.
+//! - **Release is close.** Dropping a guard closes its descriptor and never
+//!   calls `LOCK_UN`: a child that inherited the descriptor shares the lock,
+//!   and `LOCK_UN` would drop it under the child's feet.
+//! - **Contention is a value.** [`try_lock`] returns `Ok(None)` when busy;
+//!   a bounded wait that runs out returns [`Waited::TimedOut`].
+//! - **Waiting does not spin.** A blocked flock(2) sleeps in the kernel, in a
+//!   helper thread, and is woken by the kernel the moment the lock is free.
+//!   A deadline or a cancellation interrupts it with [`wake_signal`], whose
+//!   handler does nothing, so the call returns `EINTR`. Waiting for any one of
+//!   several files (slots) blocks on all of them at once the same way.
+
+#![allow(clippy::disallowed_methods)] // this is the one module that may call flock
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::thread::JoinHandleExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once, mpsc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use fs2::FileExt;
+
+/// How a lock is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mode {
+    Shared,
+    Exclusive,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Shared => "shared",
+            Mode::Exclusive => "exclusive",
+        }
+    }
+
+    /// "read"/"write", as messages about image locks say it.
+    pub fn verb(self) -> &'static str {
+        match self {
+            Mode::Shared => "read",
+            Mode::Exclusive => "write",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Mode> {
+        match s {
+            "shared" => Some(Mode::Shared),
+            "exclusive" => Some(Mode::Exclusive),
+            _ => None,
+        }
+    }
+}
+
+/// A held lock. Dropping it closes the descriptor, which releases the lock
+/// unless a child process inherited the descriptor (then the lock lives until
+/// the child closes it too).
+#[must_use = "the lock is released when the guard is dropped"]
+#[derive(Debug)]
+pub struct Guard {
+    file: File,
+    path: PathBuf,
+    mode: Mode,
+    dev: u64,
+    ino: u64,
+}
+
+impl Guard {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Device and inode of the locked file: what /proc/locks reports.
+    pub fn identity(&self) -> (u64, u64) {
+        (self.dev, self.ino)
+    }
+
+    pub fn raw_fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+
+    /// Whether a spawned child inherits this lock's descriptor (and so keeps
+    /// the lock as long as it lives). Off by default.
+    pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
+        let fd = self.file.as_raw_fd();
+        // SAFETY: plain fcntl on a descriptor we own.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        if flags < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let flags = if inherit {
+            flags & !libc::FD_CLOEXEC
+        } else {
+            flags | libc::FD_CLOEXEC
+        };
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, flags) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Unlinks the lock file. Only an exclusive holder may do this: anyone
+    /// blocked on the file, or who opened it before the unlink, will find it
+    /// unlinked after locking and retry on a fresh file.
+    pub fn unlink(self) -> io::Result<()> {
+        assert_eq!(
+            self.mode,
+            Mode::Exclusive,
+            "unlink needs the exclusive lock"
+        );
+        match fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The outcome of a wait.
+#[derive(Debug)]
+pub enum Waited<T> {
+    Acquired(T),
+    TimedOut,
+    /// [`interrupt_waits`] was called with this signal number.
+    Interrupted(i32),
+}
+
+/// How long to wait, and what to say if it takes a while.
+#[derive(Default)]
+pub struct Wait<'a> {
+    /// `None`: wait until acquired.
+    pub deadline: Option<Instant>,
+    /// Called once if the lock is still not acquired after this long.
+    pub notice: Option<(Duration, Box<dyn FnMut() + 'a>)>,
+}
+
+impl<'a> Wait<'a> {
+    pub fn until(deadline: Option<Instant>) -> Self {
+        Wait {
+            deadline,
+            notice: None,
+        }
+    }
+}
+
+/// Opens a lock file: read-write, close-on-exec, never through a symlink.
+fn open(path: &Path, create: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(create)
+        .mode(0o666)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
+    let r = match mode {
+        Mode::Shared => FileExt::try_lock_shared(file),
+        Mode::Exclusive => FileExt::try_lock_exclusive(file),
+    };
+    match r {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == fs2::lock_contended_error().raw_os_error() => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
+    match mode {
+        Mode::Shared => FileExt::lock_shared(file),
+        Mode::Exclusive => FileExt::lock_exclusive(file),
+    }
+}
+
+/// Is the file we locked still the one at `path`?
+fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
+    let ours = file.metadata()?;
+    if ours.nlink() == 0 {
+        return Ok(None);
+    }
+    match fs::symlink_metadata(path) {
+        Ok(at) if at.dev() == ours.dev() && at.ino() == ours.ino() => {
+            Ok(Some((ours.dev(), ours.ino())))
+        }
+        Ok(_) => Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// How many times a lock is retried after finding its file unlinked before
+/// giving up: each retry means some holder deleted the file in between,
+/// which cannot go on forever unless something is badly wrong.
+const MAX_GHOSTS: usize = 1000;
+
+fn ghost_error(path: &Path) -> io::Error {
+    io::Error::other(format!(
+        "lock file {} keeps being replaced while locking it",
+        path.display()
+    ))
+}
+
+/// Takes the lock if it is free right now. `Ok(None)`: someone holds it in a
+/// conflicting mode. With `create` false a missing file is `NotFound`.
+pub fn try_lock(path: &Path, mode: Mode, create: bool) -> io::Result<Option<Guard>> {
+    for _ in 0..MAX_GHOSTS {
+        let file = open(path, create)?;
+        if !flock_try(&file, mode)? {
+            return Ok(None);
+        }
+        if let Some((dev, ino)) = still_linked(&file, path)? {
+            return Ok(Some(Guard {
+                file,
+                path: path.to_owned(),
+                mode,
+                dev,
+                ino,
+            }));
+        }
+    }
+    Err(ghost_error(path))
+}
+
+/// Takes the lock, waiting as `wait` allows. Tries first without blocking.
+pub fn lock(path: &Path, mode: Mode, create: bool, wait: &mut Wait) -> io::Result<Waited<Guard>> {
+    let paths = [path.to_owned()];
+    Ok(match lock_any(&paths, mode, create, wait)? {
+        Waited::Acquired((_, guard)) => Waited::Acquired(guard),
+        Waited::TimedOut => Waited::TimedOut,
+        Waited::Interrupted(sig) => Waited::Interrupted(sig),
+    })
+}
+
+/// Takes a lock on whichever of `paths` becomes free first, trying them in
+/// order before blocking on all of them at once. Returns its index.
+pub fn lock_any(
+    paths: &[PathBuf],
+    mode: Mode,
+    create: bool,
+    wait: &mut Wait,
+) -> io::Result<Waited<(usize, Guard)>> {
+    assert!(!paths.is_empty());
+    for _ in 0..MAX_GHOSTS {
+        let mut files = Vec::with_capacity(paths.len());
+        for (i, path) in paths.iter().enumerate() {
+            let file = open(path, create)?;
+            if flock_try(&file, mode)? {
+                match still_linked(&file, path)? {
+                    Some((dev, ino)) => {
+                        return Ok(Waited::Acquired((i, guard(file, path, mode, dev, ino))));
+                    }
+                    None => continue,
+                }
+            }
+            files.push((i, file));
+        }
+        if files.len() < paths.len() {
+            // Some file was a ghost: start over with fresh opens.
+            continue;
+        }
+        let refs: Vec<&File> = files.iter().map(|(_, f)| f).collect();
+        match block_any(&refs, mode, wait)? {
+            Waited::Acquired(k) => {
+                let (i, file) = files.swap_remove(k);
+                if let Some((dev, ino)) = still_linked(&file, &paths[i])? {
+                    return Ok(Waited::Acquired((
+                        i,
+                        guard(file, &paths[i], mode, dev, ino),
+                    )));
+                }
+            }
+            Waited::TimedOut => return Ok(Waited::TimedOut),
+            Waited::Interrupted(sig) => return Ok(Waited::Interrupted(sig)),
+        }
+    }
+    Err(ghost_error(&paths[0]))
+}
+
+fn guard(file: File, path: &Path, mode: Mode, dev: u64, ino: u64) -> Guard {
+    Guard {
+        file,
+        path: path.to_owned(),
+        mode,
+        dev,
+        ino,
+    }
+}
+
+/// What a lock file's lock looks like from outside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    Missing,
+    Free,
+    Shared,
+    Exclusive,
+}
+
+/// Finds out whether anyone holds the lock, without waiting. This briefly
+/// takes the lock itself (shared, then exclusive), so a concurrent
+/// non-blocking attempt may see it busy for a few microseconds: prefer the
+/// kernel's lock table where it is complete (local filesystems).
+pub fn probe(path: &Path) -> io::Result<Probe> {
+    let file = match open(path, false) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Probe::Missing),
+        Err(e) => return Err(e),
+    };
+    if !flock_try(&file, Mode::Shared)? {
+        return Ok(Probe::Exclusive);
+    }
+    // We hold it shared; converting to exclusive succeeds only if nobody else
+    // holds it. A failed conversion leaves us without a lock, which is fine.
+    Ok(if flock_try(&file, Mode::Exclusive)? {
+        Probe::Free
+    } else {
+        Probe::Shared
+    })
+}
+
+/// Whether two opens of one file exclude each other here, as they must for
+/// flock to mean anything: `Ok(true)` if they do.
+pub fn opens_conflict(path: &Path) -> io::Result<bool> {
+    let a = open(path, true)?;
+    let b = open(path, false)?;
+    if !flock_try(&a, Mode::Exclusive)? {
+        return Err(io::Error::other("the test file is locked by someone else"));
+    }
+    Ok(!flock_try(&b, Mode::Exclusive)?)
+}
+
+// ---------------------------------------------------------------------------
+// Waiting: helper threads blocked in flock(2), interrupted by a signal.
+
+/// The signal that interrupts a blocked flock(2) in a helper thread. Its
+/// handler does nothing; it is installed without `SA_RESTART`, so the call
+/// returns `EINTR`. Signals are sent only to stowage's own helper threads.
+pub fn wake_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 5
+}
+
+extern "C" fn do_nothing(_: libc::c_int) {}
+
+fn install_wake_handler() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        // SAFETY: installs a handler that touches nothing; sa is zeroed and
+        // its mask emptied before use.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = do_nothing as *const () as libc::sighandler_t;
+            sa.sa_flags = 0;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(wake_signal(), &sa, std::ptr::null_mut());
+        }
+    });
+}
+
+enum Event {
+    /// Worker `i` finished: `Ok(true)` acquired, `Ok(false)` stopped.
+    Done(usize, io::Result<bool>),
+    Cancelled(i32),
+}
+
+struct Registry {
+    fired: Option<i32>,
+    next_id: u64,
+    waiters: Vec<(u64, mpsc::Sender<Event>)>,
+}
+
+static CANCEL: Mutex<Registry> = Mutex::new(Registry {
+    fired: None,
+    next_id: 0,
+    waiters: Vec::new(),
+});
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    CANCEL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Makes every current and future wait in this process return
+/// [`Waited::Interrupted`]. The CLI calls it when a termination signal
+/// arrives before its command has started.
+pub fn interrupt_waits(sig: i32) {
+    let mut reg = registry();
+    reg.fired = Some(sig);
+    for (_, tx) in &reg.waiters {
+        let _ = tx.send(Event::Cancelled(sig));
+    }
+}
+
+/// The signal passed to [`interrupt_waits`], if it was called.
+pub fn interrupted() -> Option<i32> {
+    registry().fired
+}
+
+struct Registration(u64);
+
+impl Registration {
+    fn new(tx: mpsc::Sender<Event>) -> Result<Registration, i32> {
+        let mut reg = registry();
+        if let Some(sig) = reg.fired {
+            return Err(sig);
+        }
+        let id = reg.next_id;
+        reg.next_id += 1;
+        reg.waiters.push((id, tx));
+        Ok(Registration(id))
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        registry().waiters.retain(|(id, _)| *id != self.0);
+    }
+}
+
+struct Worker {
+    handle: Option<thread::JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+    finished: bool,
+}
+
+/// How long a stopped worker may take to answer before it is left behind.
+/// Only a flock(2) that ignores signals (a hard NFS mount whose server is
+/// gone) takes that long; the abandoned thread releases anything it later
+/// acquires.
+const STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// Blocks until one of `files` is locked in `mode`; returns its index.
+fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
+    install_wake_handler();
+    let (tx, rx) = mpsc::channel();
+    let _registration = match Registration::new(tx.clone()) {
+        Ok(r) => r,
+        Err(sig) => return Ok(Waited::Interrupted(sig)),
+    };
+
+    let mut workers = Vec::with_capacity(files.len());
+    for (i, file) in files.iter().enumerate() {
+        // The duplicate shares the open file description, so a lock taken
+        // through it is a lock on `file` itself.
+        let dup = file.try_clone()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let handle = spawn_worker(i, dup, mode, Arc::clone(&stop), tx.clone())?;
+        workers.push(Worker {
+            handle: Some(handle),
+            stop,
+            finished: false,
+        });
+    }
+    drop(tx);
+
+    let started = Instant::now();
+    let mut notice = wait.notice.take();
+    let outcome = loop {
+        let now = Instant::now();
+        let mut until = wait.deadline;
+        if let Some((after, _)) = &notice {
+            let at = started + *after;
+            until = Some(until.map_or(at, |d| d.min(at)));
+        }
+        let event = match until {
+            None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+            Some(t) => rx.recv_timeout(t.saturating_duration_since(now)),
+        };
+        match event {
+            Ok(Event::Done(i, Ok(true))) => {
+                workers[i].finished = true;
+                break Ok(Waited::Acquired(i));
+            }
+            Ok(Event::Done(i, Ok(false))) => workers[i].finished = true,
+            Ok(Event::Done(i, Err(e))) => {
+                workers[i].finished = true;
+                break Err(e);
+            }
+            Ok(Event::Cancelled(sig)) => break Ok(Waited::Interrupted(sig)),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Some((after, mut say)) = notice.take()
+                    && Instant::now() >= started + after
+                {
+                    say();
+                    continue;
+                }
+                if wait.deadline.is_some_and(|d| Instant::now() >= d) {
+                    break Ok(Waited::TimedOut);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                break Err(io::Error::other("lock wait helpers vanished"));
+            }
+        }
+    };
+
+    // Stop the others. A worker that acquired in the meantime releases what
+    // it took unless it is the winner; nobody else has seen those locks.
+    let winner = match outcome {
+        Ok(Waited::Acquired(i)) => Some(i),
+        _ => None,
+    };
+    stop_workers(&mut workers, files, &rx, winner);
+    outcome
+}
+
+fn spawn_worker(
+    i: usize,
+    file: File,
+    mode: Mode,
+    stop: Arc<AtomicBool>,
+    tx: mpsc::Sender<Event>,
+) -> io::Result<thread::JoinHandle<()>> {
+    thread::Builder::new()
+        .name("stowage-lock-wait".into())
+        .stack_size(64 * 1024)
+        .spawn(move || {
+            let result = loop {
+                if stop.load(Ordering::Acquire) {
+                    break Ok(false);
+                }
+                match flock_blocking(&file, mode) {
+                    Ok(()) => break Ok(true),
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                    Err(e) => break Err(e),
+                }
+            };
+            if matches!(result, Ok(true)) && stop.load(Ordering::Acquire) {
+                // Abandoned after its grace period: nobody will use this lock.
+                let _ = FileExt::unlock(&file);
+            }
+            let _ = tx.send(Event::Done(i, result));
+        })
+}
+
+fn stop_workers(
+    workers: &mut [Worker],
+    files: &[&File],
+    rx: &mpsc::Receiver<Event>,
+    winner: Option<usize>,
+) {
+    for w in workers.iter() {
+        w.stop.store(true, Ordering::Release);
+    }
+    let give_up = Instant::now() + STOP_GRACE;
+    while workers.iter().any(|w| !w.finished) && Instant::now() < give_up {
+        for w in workers.iter().filter(|w| !w.finished) {
+            if let Some(h) = &w.handle {
+                // SAFETY: the thread has not been joined, so its pthread_t is
+                // valid; the signal's handler does nothing.
+                unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
+            }
+        }
+        match rx.recv_timeout(Duration::from_millis(5)) {
+            Ok(Event::Done(i, r)) => {
+                workers[i].finished = true;
+                if matches!(r, Ok(true)) && Some(i) != winner {
+                    let _ = FileExt::unlock(files[i]);
+                }
+            }
+            Ok(Event::Cancelled(_)) | Err(_) => {}
+        }
+    }
+    for w in workers.iter_mut() {
+        // An unfinished worker is left detached: its stop flag is set, so it
+        // unlocks whatever it acquires.
+        if let Some(h) = w.handle.take()
+            && w.finished
+        {
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp() -> tempfile::TempDir {
+        tempfile::tempdir().unwrap()
+    }
+
+    #[test]
+    fn shared_locks_coexist_and_exclude_writers() {
+        let d = tmp();
+        let p = d.path().join("a.lock");
+        let r1 = try_lock(&p, Mode::Shared, true).unwrap().unwrap();
+        let r2 = try_lock(&p, Mode::Shared, true).unwrap().unwrap();
+        assert!(try_lock(&p, Mode::Exclusive, true).unwrap().is_none());
+        assert_eq!(probe(&p).unwrap(), Probe::Shared);
+        drop((r1, r2));
+        assert_eq!(probe(&p).unwrap(), Probe::Free);
+        let w = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        assert!(try_lock(&p, Mode::Shared, true).unwrap().is_none());
+        assert_eq!(probe(&p).unwrap(), Probe::Exclusive);
+        drop(w);
+    }
+
+    #[test]
+    fn missing_file_without_create() {
+        let d = tmp();
+        let e = try_lock(&d.path().join("nope.lock"), Mode::Shared, false).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(!d.path().join("nope.lock").exists());
+        assert_eq!(probe(&d.path().join("nope.lock")).unwrap(), Probe::Missing);
+    }
+
+    #[test]
+    fn refuses_symlinks() {
+        let d = tmp();
+        let target = d.path().join("target");
+        std::os::unix::fs::symlink(&target, d.path().join("link.lock")).unwrap();
+        let e = try_lock(&d.path().join("link.lock"), Mode::Exclusive, true).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ELOOP));
+        assert!(!target.exists());
+    }
+
+    #[test]
+    fn timed_wait_times_out_and_then_succeeds() {
+        let d = tmp();
+        let p = d.path().join("a.lock");
+        let held = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let t0 = Instant::now();
+        let r = lock(
+            &p,
+            Mode::Shared,
+            true,
+            &mut Wait::until(Some(t0 + Duration::from_millis(200))),
+        )
+        .unwrap();
+        assert!(matches!(r, Waited::TimedOut));
+        assert!(t0.elapsed() >= Duration::from_millis(200));
+        let p2 = p.clone();
+        let releaser = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            drop(held);
+            p2
+        });
+        let r = lock(
+            &p,
+            Mode::Exclusive,
+            true,
+            &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
+        )
+        .unwrap();
+        assert!(matches!(r, Waited::Acquired(_)));
+        releaser.join().unwrap();
+    }
+
+    #[test]
+    fn waiter_retries_when_holder_unlinks() {
+        let d = tmp();
+        let p = d.path().join("a.lock");
+        let held = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let t = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            held.unlink().unwrap();
+        });
+        let g = match lock(&p, Mode::Exclusive, true, &mut Wait::default()).unwrap() {
+            Waited::Acquired(g) => g,
+            other => panic!("{other:?}"),
+        };
+        t.join().unwrap();
+        // The lock must be on the file now at the path (the inode number
+        // may be reused, so check by locking the path).
+        assert_eq!(fs::metadata(&p).unwrap().ino(), g.identity().1);
+        assert!(try_lock(&p, Mode::Shared, false).unwrap().is_none());
+    }
+
+    #[test]
+    fn any_of_several() {
+        let d = tmp();
+        let paths: Vec<PathBuf> = (0..3).map(|i| d.path().join(format!("{i}.lock"))).collect();
+        let a = try_lock(&paths[0], Mode::Exclusive, true).unwrap().unwrap();
+        let b = try_lock(&paths[1], Mode::Exclusive, true).unwrap().unwrap();
+        let (i, c) = match lock_any(&paths, Mode::Exclusive, true, &mut Wait::default()).unwrap() {
+            Waited::Acquired(x) => x,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(i, 2);
+        let t = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            drop(b);
+        });
+        let got = lock_any(
+            &paths,
+            Mode::Exclusive,
+            true,
+            &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
+        )
+        .unwrap();
+        assert!(matches!(got, Waited::Acquired((1, _))), "{got:?}");
+        t.join().unwrap();
+        // The losing helper (blocked on 0 and 2) must not have kept anything.
+        drop(a);
+        drop(c);
+        assert_eq!(probe(&paths[0]).unwrap(), Probe::Free);
+        assert_eq!(probe(&paths[2]).unwrap(), Probe::Free);
+    }
+
+    #[test]
+    fn two_opens_conflict_here() {
+        let d = tmp();
+        assert!(opens_conflict(&d.path().join("t.lock")).unwrap());
+    }
+}

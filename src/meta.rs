@@ -1,0 +1,614 @@
+//! The metadata: an SQLite database at `ROOT/stowage.db`.
+//!
+//! Invariants:
+//! - The database is read and written only inside a [`Tx`], and a `Tx` owns
+//!   the global lock: the type system makes "only while the global lock is
+//!   held" impossible to get wrong. SQLite's own locks are then never
+//!   contended by stowage, only by outside programs.
+//! - Rollback journal, never WAL: WAL needs shared memory between the
+//!   processes that open the database, which NFS cannot provide.
+//! - The schema is an append-only list of migrations keyed on
+//!   `PRAGMA user_version`. Never remove or edit a migration; add a new one.
+//!   Migrating is a store-wide operation (see `store.rs`).
+//! - Rows are information about images and lock holders; the image
+//!   directories and the kernel's lock table are the truth, and the database
+//!   can be rebuilt from the images directory.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use rusqlite::{OptionalExtension, params};
+
+use crate::clock::Millis;
+use crate::lock::{self, Mode};
+
+/// The schema, one migration per entry. Append only.
+const MIGRATIONS: &[&str] = &[
+    // 1: images, holder/waiter records, settings.
+    r#"
+    CREATE TABLE config (
+        key   TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    ) WITHOUT ROWID;
+    CREATE TABLE images (
+        name         TEXT PRIMARY KEY,
+        state        TEXT NOT NULL CHECK (state IN
+                         ('creating', 'writing', 'ready', 'incomplete', 'deleting')),
+        base         TEXT,
+        created_ms   INTEGER NOT NULL,
+        last_used_ms INTEGER NOT NULL,
+        size_bytes   INTEGER
+    ) WITHOUT ROWID;
+    CREATE INDEX images_by_last_use ON images (last_used_ms);
+    CREATE TABLE records (
+        id        INTEGER PRIMARY KEY,
+        kind      TEXT NOT NULL CHECK (kind IN ('global', 'image', 'slot')),
+        name      TEXT NOT NULL,
+        lockfile  TEXT NOT NULL,
+        role      TEXT NOT NULL CHECK (role IN ('holder', 'waiter')),
+        mode      TEXT NOT NULL CHECK (mode IN ('shared', 'exclusive')),
+        pid       INTEGER NOT NULL,
+        pid_start INTEGER,
+        host      TEXT NOT NULL,
+        boot_id   TEXT,
+        user      TEXT NOT NULL,
+        command   TEXT NOT NULL,
+        since_ms  INTEGER NOT NULL
+    );
+    CREATE INDEX records_by_lock ON records (kind, name);
+    "#,
+    // 2: slot classes (counting semaphores per runtime).
+    r#"
+    CREATE TABLE slot_classes (
+        name         TEXT PRIMARY KEY,
+        lim          INTEGER NOT NULL CHECK (lim >= 0),
+        reserve_high INTEGER NOT NULL DEFAULT 0 CHECK (reserve_high >= 0)
+    ) WITHOUT ROWID;
+    "#,
+];
+
+/// A hidden hook for testing migrations: makes this binary know only the
+/// first N migrations, as an older release would.
+pub const SCHEMA_LIMIT_ENV: &str = "STOWAGE_DEBUG_SCHEMA_LIMIT";
+
+/// The schema version this binary writes.
+pub fn schema_version() -> i64 {
+    let all = MIGRATIONS.len() as i64;
+    std::env::var(SCHEMA_LIMIT_ENV)
+        .ok()
+        .and_then(|v| v.parse::<i64>().ok())
+        .map_or(all, |n| n.clamp(1, all))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageState {
+    Creating,
+    Writing,
+    Ready,
+    Incomplete,
+    Deleting,
+}
+
+impl ImageState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ImageState::Creating => "creating",
+            ImageState::Writing => "writing",
+            ImageState::Ready => "ready",
+            ImageState::Incomplete => "incomplete",
+            ImageState::Deleting => "deleting",
+        }
+    }
+
+    fn parse(s: &str) -> ImageState {
+        match s {
+            "creating" => ImageState::Creating,
+            "writing" => ImageState::Writing,
+            "ready" => ImageState::Ready,
+            "deleting" => ImageState::Deleting,
+            // The CHECK constraint admits nothing else; treat the impossible
+            // as the safe choice.
+            _ => ImageState::Incomplete,
+        }
+    }
+
+    /// A writer is (or was) at work: if its lock is free, it died.
+    pub fn being_written(self) -> bool {
+        matches!(self, ImageState::Creating | ImageState::Writing)
+    }
+}
+
+impl std::fmt::Display for ImageState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ImageRow {
+    pub name: String,
+    pub state: ImageState,
+    pub base: Option<String>,
+    pub created: Millis,
+    pub last_used: Millis,
+    pub size_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockKind {
+    Global,
+    Image,
+    Slot,
+}
+
+impl LockKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LockKind::Global => "global",
+            LockKind::Image => "image",
+            LockKind::Slot => "slot",
+        }
+    }
+
+    fn parse(s: &str) -> LockKind {
+        match s {
+            "global" => LockKind::Global,
+            "slot" => LockKind::Slot,
+            _ => LockKind::Image,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Holder,
+    Waiter,
+}
+
+impl Role {
+    fn as_str(self) -> &'static str {
+        match self {
+            Role::Holder => "holder",
+            Role::Waiter => "waiter",
+        }
+    }
+}
+
+/// Who holds or awaits a lock, as recorded by stowage.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub id: i64,
+    pub kind: LockKind,
+    /// Image name or slot class.
+    pub name: String,
+    /// The lock file, relative to `ROOT/locks`.
+    pub lockfile: String,
+    pub role: Role,
+    pub mode: Mode,
+    pub pid: u32,
+    pub pid_start: Option<u64>,
+    pub host: String,
+    pub boot_id: Option<String>,
+    pub user: String,
+    pub command: String,
+    pub since: Millis,
+}
+
+#[derive(Debug, Clone)]
+pub struct SlotClass {
+    pub name: String,
+    pub limit: u32,
+    pub reserve_high: u32,
+}
+
+/// Opens the database file. Never follows a symlink at the database path.
+pub fn open(path: &Path) -> Result<rusqlite::Connection> {
+    use rusqlite::OpenFlags;
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_CREATE
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        | OpenFlags::SQLITE_OPEN_NOFOLLOW;
+    let conn = rusqlite::Connection::open_with_flags(path, flags)
+        .with_context(|| format!("cannot open metadata database {}", path.display()))?;
+    // Only outside programs (an sqlite3 shell) can hold SQLite's own locks
+    // while we hold the global lock; give them a moment, then say so.
+    conn.busy_timeout(std::time::Duration::from_secs(10))?;
+    Ok(conn)
+}
+
+/// Is this error SQLite saying the file is not a healthy database?
+pub fn is_corruption(err: &anyhow::Error) -> bool {
+    err.chain().any(|e| {
+        matches!(
+            e.downcast_ref::<rusqlite::Error>(),
+            Some(rusqlite::Error::SqliteFailure(f, _))
+                if matches!(f.code, rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase)
+        )
+    })
+}
+
+/// Schema status of a database, read inside a transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schema {
+    Current,
+    /// Older than this binary: a store-wide migration is needed.
+    Behind(i64),
+    /// Newer than this binary: refuse to touch it.
+    Ahead(i64),
+}
+
+/// A metadata transaction. It owns the global lock, which it releases after
+/// the transaction ends (commit or rollback on drop).
+pub struct Tx<'c> {
+    // Declared before the guard so that it ends first on drop.
+    tx: rusqlite::Transaction<'c>,
+    _global: lock::Guard,
+}
+
+impl<'c> Tx<'c> {
+    /// Begins a write transaction; `global` proves the global lock is held.
+    pub fn begin(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Result<Tx<'c>> {
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        Ok(Tx {
+            tx,
+            _global: global,
+        })
+    }
+
+    pub fn commit(self) -> Result<()> {
+        self.tx.commit()?;
+        Ok(())
+    }
+
+    pub fn schema(&self) -> Result<Schema> {
+        let v: i64 = self.tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        let ours = schema_version();
+        Ok(match v {
+            v if v == ours => Schema::Current,
+            v if v < ours => Schema::Behind(v),
+            v => Schema::Ahead(v),
+        })
+    }
+
+    /// Applies the migrations this database lacks. The caller must have
+    /// made sure no image lock is held (a store-wide operation).
+    pub fn migrate(&self) -> Result<()> {
+        let have: i64 = self.tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        let want = schema_version();
+        for (i, sql) in MIGRATIONS
+            .iter()
+            .enumerate()
+            .take(want as usize)
+            .skip(have.max(0) as usize)
+        {
+            self.tx
+                .execute_batch(sql)
+                .with_context(|| format!("schema migration {} failed", i + 1))?;
+        }
+        self.tx.pragma_update(None, "user_version", want)?;
+        Ok(())
+    }
+
+    // --- settings ---------------------------------------------------------
+
+    pub fn config(&self, key: &str) -> Result<Option<String>> {
+        Ok(self
+            .tx
+            .query_row("SELECT value FROM config WHERE key = ?1", [key], |r| {
+                r.get(0)
+            })
+            .optional()?)
+    }
+
+    pub fn set_config(&self, key: &str, value: &str) -> Result<()> {
+        self.tx.execute(
+            "INSERT INTO config (key, value) VALUES (?1, ?2)
+             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            [key, value],
+        )?;
+        Ok(())
+    }
+
+    /// The images directory: the configured one, else `ROOT/img`.
+    pub fn images_dir(&self, root: &crate::root::Root) -> Result<PathBuf> {
+        Ok(self
+            .config("images_dir")?
+            .map_or_else(|| root.default_images_dir(), PathBuf::from))
+    }
+
+    // --- images -----------------------------------------------------------
+
+    pub fn image(&self, name: &str) -> Result<Option<ImageRow>> {
+        Ok(self
+            .tx
+            .query_row(
+                "SELECT name, state, base, created_ms, last_used_ms, size_bytes
+                 FROM images WHERE name = ?1",
+                [name],
+                image_row,
+            )
+            .optional()?)
+    }
+
+    pub fn images(&self) -> Result<Vec<ImageRow>> {
+        let mut st = self.tx.prepare(
+            "SELECT name, state, base, created_ms, last_used_ms, size_bytes
+             FROM images ORDER BY name",
+        )?;
+        let rows = st
+            .query_map([], image_row)?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(rows)
+    }
+
+    pub fn images_in_states(&self, states: &[ImageState]) -> Result<Vec<ImageRow>> {
+        let list = states
+            .iter()
+            .map(|s| format!("'{}'", s.as_str()))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut st = self.tx.prepare(&format!(
+            "SELECT name, state, base, created_ms, last_used_ms, size_bytes
+             FROM images WHERE state IN ({list}) ORDER BY name"
+        ))?;
+        let rows = st
+            .query_map([], image_row)?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(rows)
+    }
+
+    pub fn image_count(&self) -> Result<u64> {
+        let n: i64 = self
+            .tx
+            .query_row("SELECT count(*) FROM images", [], |r| r.get(0))?;
+        Ok(n as u64)
+    }
+
+    pub fn insert_image(&self, row: &ImageRow) -> Result<()> {
+        self.tx
+            .prepare_cached(
+                "INSERT INTO images (name, state, base, created_ms, last_used_ms, size_bytes)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )?
+            .execute(params![
+                row.name,
+                row.state.as_str(),
+                row.base,
+                row.created,
+                row.last_used,
+                row.size_bytes.map(|s| s as i64)
+            ])?;
+        Ok(())
+    }
+
+    pub fn set_state(&self, name: &str, state: ImageState) -> Result<()> {
+        self.tx.execute(
+            "UPDATE images SET state = ?2 WHERE name = ?1",
+            params![name, state.as_str()],
+        )?;
+        Ok(())
+    }
+
+    pub fn set_base(&self, name: &str, base: Option<&str>) -> Result<()> {
+        self.tx.execute(
+            "UPDATE images SET base = ?2 WHERE name = ?1",
+            params![name, base],
+        )?;
+        Ok(())
+    }
+
+    pub fn touch(&self, name: &str, now: Millis) -> Result<()> {
+        self.tx.execute(
+            "UPDATE images SET last_used_ms = ?2 WHERE name = ?1",
+            params![name, now],
+        )?;
+        Ok(())
+    }
+
+    pub fn set_size(&self, name: &str, size: Option<u64>) -> Result<()> {
+        self.tx.execute(
+            "UPDATE images SET size_bytes = ?2 WHERE name = ?1",
+            params![name, size.map(|s| s as i64)],
+        )?;
+        Ok(())
+    }
+
+    pub fn delete_image(&self, name: &str) -> Result<()> {
+        self.tx
+            .execute("DELETE FROM images WHERE name = ?1", [name])?;
+        Ok(())
+    }
+
+    // --- holder and waiter records ------------------------------------------
+
+    pub fn insert_record(&self, r: &Record) -> Result<i64> {
+        self.tx.execute(
+            "INSERT INTO records (kind, name, lockfile, role, mode, pid, pid_start, host,
+                                  boot_id, user, command, since_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+            params![
+                r.kind.as_str(),
+                r.name,
+                r.lockfile,
+                r.role.as_str(),
+                r.mode.as_str(),
+                r.pid,
+                r.pid_start.map(|t| t as i64),
+                r.host,
+                r.boot_id,
+                r.user,
+                r.command,
+                r.since
+            ],
+        )?;
+        Ok(self.tx.last_insert_rowid())
+    }
+
+    pub fn delete_record(&self, id: i64) -> Result<()> {
+        self.tx.execute("DELETE FROM records WHERE id = ?1", [id])?;
+        Ok(())
+    }
+
+    /// Holder records for an image lock in `mode` (or any mode) — used to
+    /// drop records that the caller's own lock proves stale.
+    pub fn delete_image_holders(&self, name: &str, mode: Option<Mode>) -> Result<usize> {
+        let n = match mode {
+            Some(m) => self.tx.execute(
+                "DELETE FROM records WHERE kind = 'image' AND name = ?1 AND role = 'holder' AND mode = ?2",
+                params![name, m.as_str()],
+            )?,
+            None => self.tx.execute(
+                "DELETE FROM records WHERE kind = 'image' AND name = ?1 AND role = 'holder'",
+                [name],
+            )?,
+        };
+        Ok(n)
+    }
+
+    pub fn records_for(&self, kind: LockKind, name: &str) -> Result<Vec<Record>> {
+        let mut st = self.tx.prepare_cached(&format!(
+            "{RECORD_SELECT} WHERE kind = ?1 AND name = ?2 ORDER BY id"
+        ))?;
+        let rows = st
+            .query_map(params![kind.as_str(), name], record_row)?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(rows)
+    }
+
+    pub fn all_records(&self) -> Result<Vec<Record>> {
+        let mut st = self.tx.prepare(&format!("{RECORD_SELECT} ORDER BY id"))?;
+        let rows = st
+            .query_map([], record_row)?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(rows)
+    }
+
+    // --- slot classes ---------------------------------------------------------
+
+    pub fn slot_classes(&self) -> Result<Vec<SlotClass>> {
+        let mut st = self
+            .tx
+            .prepare("SELECT name, lim, reserve_high FROM slot_classes ORDER BY name")?;
+        let rows = st
+            .query_map([], slot_row)?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(rows)
+    }
+
+    pub fn slot_class(&self, name: &str) -> Result<Option<SlotClass>> {
+        Ok(self
+            .tx
+            .query_row(
+                "SELECT name, lim, reserve_high FROM slot_classes WHERE name = ?1",
+                [name],
+                slot_row,
+            )
+            .optional()?)
+    }
+
+    pub fn set_slot_class(&self, class: &SlotClass) -> Result<()> {
+        self.tx.execute(
+            "INSERT INTO slot_classes (name, lim, reserve_high) VALUES (?1, ?2, ?3)
+             ON CONFLICT (name) DO UPDATE SET lim = excluded.lim, reserve_high = excluded.reserve_high",
+            params![class.name, class.limit, class.reserve_high],
+        )?;
+        Ok(())
+    }
+
+    pub fn delete_slot_class(&self, name: &str) -> Result<bool> {
+        Ok(self
+            .tx
+            .execute("DELETE FROM slot_classes WHERE name = ?1", [name])?
+            > 0)
+    }
+
+    /// Raw access for the few queries not worth a method (doctor's checks).
+    pub fn sql(&self) -> &rusqlite::Connection {
+        &self.tx
+    }
+}
+
+const RECORD_SELECT: &str =
+    "SELECT id, kind, name, lockfile, role, mode, pid, pid_start, host, boot_id,
+                                    user, command, since_ms FROM records";
+
+fn image_row(r: &rusqlite::Row) -> rusqlite::Result<ImageRow> {
+    Ok(ImageRow {
+        name: r.get(0)?,
+        state: ImageState::parse(&r.get::<_, String>(1)?),
+        base: r.get(2)?,
+        created: r.get(3)?,
+        last_used: r.get(4)?,
+        size_bytes: r.get::<_, Option<i64>>(5)?.map(|s| s.max(0) as u64),
+    })
+}
+
+fn record_row(r: &rusqlite::Row) -> rusqlite::Result<Record> {
+    Ok(Record {
+        id: r.get(0)?,
+        kind: LockKind::parse(&r.get::<_, String>(1)?),
+        name: r.get(2)?,
+        lockfile: r.get(3)?,
+        role: if r.get::<_, String>(4)? == "waiter" {
+            Role::Waiter
+        } else {
+            Role::Holder
+        },
+        mode: Mode::parse(&r.get::<_, String>(5)?).unwrap_or(Mode::Exclusive),
+        pid: r.get(6)?,
+        pid_start: r.get::<_, Option<i64>>(7)?.map(|t| t as u64),
+        host: r.get(8)?,
+        boot_id: r.get(9)?,
+        user: r.get(10)?,
+        command: r.get(11)?,
+        since: r.get(12)?,
+    })
+}
+
+fn slot_row(r: &rusqlite::Row) -> rusqlite::Result<SlotClass> {
+    Ok(SlotClass {
+        name: r.get(0)?,
+        limit: r.get(1)?,
+        reserve_high: r.get(2)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tx_on<'a>(conn: &'a mut rusqlite::Connection, dir: &Path) -> Tx<'a> {
+        let g = lock::try_lock(&dir.join("global.lock"), Mode::Exclusive, true)
+            .unwrap()
+            .unwrap();
+        Tx::begin(conn, g).unwrap()
+    }
+
+    #[test]
+    fn migrate_twice_is_a_no_op() {
+        let d = tempfile::tempdir().unwrap();
+        let mut conn = open(&d.path().join("db")).unwrap();
+        let tx = tx_on(&mut conn, d.path());
+        assert_eq!(tx.schema().unwrap(), Schema::Behind(0));
+        tx.migrate().unwrap();
+        tx.commit().unwrap();
+        let tx = tx_on(&mut conn, d.path());
+        assert_eq!(tx.schema().unwrap(), Schema::Current);
+        tx.migrate().unwrap();
+        assert_eq!(tx.schema().unwrap(), Schema::Current);
+        tx.commit().unwrap();
+    }
+
+    #[test]
+    fn journal_is_a_rollback_journal() {
+        let d = tempfile::tempdir().unwrap();
+        let mut conn = open(&d.path().join("db")).unwrap();
+        let tx = tx_on(&mut conn, d.path());
+        tx.migrate().unwrap();
+        tx.commit().unwrap();
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(mode, "delete");
+    }
+}

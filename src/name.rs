@@ -1,0 +1,323 @@
+//! Image names and their on-disk encoding.
+//!
+//! A name follows container image references (`alpine:3.17`,
+//! `registry.example:5000/team/app:v1`, `app@sha256:…`). Its encoded form ENC
+//! replaces `/` with `%` and `:` with `+` — exactly Charliecloud's mapping, so
+//! stowage and ch-image name the same directory. Because `%` and `+` are not
+//! allowed in names, the mapping is a bijection and decoding is exact.
+//!
+//! Invariant: an [`ImageName`] is always valid; ENC is a single path
+//! component that is neither `.` nor `..` and contains no `/`, so joining it
+//! to a directory can never escape that directory.
+
+use std::fmt;
+
+/// The longest encoded name accepted, in bytes (the usual NAME_MAX).
+pub const MAX_ENCODED_LEN: usize = 255;
+
+/// Why a name was rejected. Each variant is one rule of the contract, and its
+/// message names the rule so the user can fix the name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameRule {
+    #[error("the name is empty")]
+    Empty,
+    #[error("the name is not valid UTF-8")]
+    NotUtf8,
+    #[error("the name is {0} bytes long once encoded; the limit is {MAX_ENCODED_LEN}")]
+    TooLong(usize),
+    #[error("a name may not start with '{0}'")]
+    LeadingChar(char),
+    #[error("a name may not contain '//'")]
+    DoubleSlash,
+    #[error("a name may not contain a '{0}' path component")]
+    DotComponent(&'static str),
+    #[error("a name may not contain '{0}' (reserved for the encoded form)")]
+    Reserved(char),
+    #[error("a name may not contain whitespace")]
+    Whitespace,
+    #[error("a name may not contain control characters")]
+    Control,
+    #[error(
+        "a name may not contain {0:?} (allowed: ASCII letters, digits, '.', '_', '-', '/', ':', '@')"
+    )]
+    NotAllowed(char),
+}
+
+/// A rejected name together with the rule it broke.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid image name {name:?}: {rule}")]
+pub struct InvalidName {
+    pub name: String,
+    pub rule: NameRule,
+}
+
+/// A valid image name and its encoded file name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ImageName {
+    // Field order matters for the derived `Ord`: the lock order is ascending
+    // ENC, and ENC is a bijection of the name, so sorting by it is total.
+    enc: String,
+    name: String,
+}
+
+impl ImageName {
+    /// Validates `name` against the contract's rules.
+    pub fn parse(name: &str) -> Result<Self, InvalidName> {
+        check(name).map_err(|rule| InvalidName {
+            name: name.to_owned(),
+            rule,
+        })?;
+        Ok(ImageName {
+            enc: encode(name),
+            name: name.to_owned(),
+        })
+    }
+
+    /// Validates a raw command-line argument, which may not be UTF-8.
+    pub fn parse_os(name: &std::ffi::OsStr) -> Result<Self, InvalidName> {
+        match name.to_str() {
+            Some(s) => Self::parse(s),
+            None => Err(InvalidName {
+                name: name.to_string_lossy().into_owned(),
+                rule: NameRule::NotUtf8,
+            }),
+        }
+    }
+
+    /// Decodes a file name found in an images directory. Returns the rule
+    /// broken when the decoded name is not a valid image name (such entries
+    /// are not images stowage can manage).
+    pub fn from_encoded(enc: &str) -> Result<Self, InvalidName> {
+        let name: String = enc
+            .chars()
+            .map(|c| match c {
+                '%' => '/',
+                '+' => ':',
+                c => c,
+            })
+            .collect();
+        // A '/' or ':' in ENC would decode to itself and not round-trip.
+        if let Some(c) = enc.chars().find(|c| *c == '/' || *c == ':') {
+            return Err(InvalidName {
+                name,
+                rule: NameRule::NotAllowed(c),
+            });
+        }
+        Self::parse(&name)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.name
+    }
+
+    /// The encoded form: the image's directory and lock file name.
+    pub fn encoded(&self) -> &str {
+        &self.enc
+    }
+}
+
+impl fmt::Display for ImageName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+fn encode(name: &str) -> String {
+    name.chars()
+        .map(|c| match c {
+            '/' => '%',
+            ':' => '+',
+            c => c,
+        })
+        .collect()
+}
+
+fn check(name: &str) -> Result<(), NameRule> {
+    let first = name.chars().next().ok_or(NameRule::Empty)?;
+    // Character rules first: they are the most specific message for names
+    // like "a b" or "x%y".
+    for c in name.chars() {
+        match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '_' | '-' | '/' | ':' | '@' => {}
+            '%' | '+' => return Err(NameRule::Reserved(c)),
+            c if c.is_whitespace() => return Err(NameRule::Whitespace),
+            c if c.is_control() => return Err(NameRule::Control),
+            c => return Err(NameRule::NotAllowed(c)),
+        }
+    }
+    if matches!(first, '.' | '-' | '/') {
+        return Err(NameRule::LeadingChar(first));
+    }
+    if name.contains("//") {
+        return Err(NameRule::DoubleSlash);
+    }
+    for component in name.split('/') {
+        match component {
+            "." => return Err(NameRule::DotComponent(".")),
+            ".." => return Err(NameRule::DotComponent("..")),
+            _ => {}
+        }
+    }
+    // Encoding maps one ASCII byte to one ASCII byte, so the encoded length
+    // is the name's length.
+    if name.len() > MAX_ENCODED_LEN {
+        return Err(NameRule::TooLong(name.len()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(name: &str) -> NameRule {
+        ImageName::parse(name).unwrap_err().rule
+    }
+
+    #[test]
+    fn accepts_references() {
+        for name in [
+            "alpine",
+            "alpine:3.17",
+            "registry.example:5000/team/app:v1",
+            "app@sha256:0123456789abcdef",
+            "a",
+            "x.y_z-w",
+            "team/app",
+            "a..b",
+            "a/.b",
+        ] {
+            ImageName::parse(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+    }
+
+    #[test]
+    fn encodes_like_charliecloud() {
+        let n = ImageName::parse("registry.example:5000/team/app:v1").unwrap();
+        assert_eq!(n.encoded(), "registry.example+5000%team%app+v1");
+        assert_eq!(
+            ImageName::parse("alpine:3.17").unwrap().encoded(),
+            "alpine+3.17"
+        );
+        assert_eq!(
+            ImageName::parse("team/app:v1").unwrap().encoded(),
+            "team%app+v1"
+        );
+    }
+
+    #[test]
+    fn decodes_charliecloud_names() {
+        assert_eq!(
+            ImageName::from_encoded("alpine+3.17").unwrap().as_str(),
+            "alpine:3.17"
+        );
+        assert_eq!(
+            ImageName::from_encoded("team%app+v1").unwrap().as_str(),
+            "team/app:v1"
+        );
+    }
+
+    #[test]
+    fn round_trips() {
+        for name in [
+            "alpine",
+            "alpine:3.17",
+            "a/b/c:d@sha256:ff",
+            "r.ex:5000/x_y-z:1.0",
+        ] {
+            let n = ImageName::parse(name).unwrap();
+            let back = ImageName::from_encoded(n.encoded()).unwrap();
+            assert_eq!(back, n);
+            assert_eq!(back.as_str(), name);
+        }
+    }
+
+    #[test]
+    fn rejects_undecodable_file_names() {
+        assert!(ImageName::from_encoded("has space").is_err());
+        assert!(ImageName::from_encoded(".hidden").is_err());
+        assert!(ImageName::from_encoded("a:b").is_err());
+        assert!(ImageName::from_encoded("%lead").is_err());
+    }
+
+    #[test]
+    fn empty() {
+        assert_eq!(rule(""), NameRule::Empty);
+    }
+
+    #[test]
+    fn too_long() {
+        assert!(ImageName::parse(&"a".repeat(255)).is_ok());
+        assert_eq!(rule(&"a".repeat(256)), NameRule::TooLong(256));
+    }
+
+    #[test]
+    fn leading_characters() {
+        assert_eq!(rule(".alpine"), NameRule::LeadingChar('.'));
+        assert_eq!(rule("-alpine"), NameRule::LeadingChar('-'));
+        assert_eq!(rule("/alpine"), NameRule::LeadingChar('/'));
+    }
+
+    #[test]
+    fn double_slash() {
+        assert_eq!(rule("team//app"), NameRule::DoubleSlash);
+    }
+
+    #[test]
+    fn dot_components() {
+        assert_eq!(rule("team/./app"), NameRule::DotComponent("."));
+        assert_eq!(rule("team/../app"), NameRule::DotComponent(".."));
+        assert_eq!(rule("team/.."), NameRule::DotComponent(".."));
+        assert_eq!(rule("a/."), NameRule::DotComponent("."));
+    }
+
+    #[test]
+    fn reserved_characters() {
+        assert_eq!(rule("a%b"), NameRule::Reserved('%'));
+        assert_eq!(rule("a+b"), NameRule::Reserved('+'));
+    }
+
+    #[test]
+    fn whitespace_and_control() {
+        assert_eq!(rule("a b"), NameRule::Whitespace);
+        assert_eq!(rule("a\tb"), NameRule::Whitespace);
+        assert_eq!(rule("a\nb"), NameRule::Whitespace);
+        assert_eq!(rule("a\u{1}b"), NameRule::Control);
+        assert_eq!(rule("a\u{7f}b"), NameRule::Control);
+    }
+
+    #[test]
+    fn other_characters() {
+        assert_eq!(rule("a*b"), NameRule::NotAllowed('*'));
+        assert_eq!(rule("café"), NameRule::NotAllowed('é'));
+        assert_eq!(rule("a\\b"), NameRule::NotAllowed('\\'));
+    }
+
+    #[test]
+    fn not_utf8() {
+        use std::os::unix::ffi::OsStrExt;
+        let raw = std::ffi::OsStr::from_bytes(b"a\xffb");
+        assert_eq!(
+            ImageName::parse_os(raw).unwrap_err().rule,
+            NameRule::NotUtf8
+        );
+    }
+
+    #[test]
+    fn messages_name_the_rule() {
+        let e = ImageName::parse("a b").unwrap_err().to_string();
+        assert!(e.contains("\"a b\"") && e.contains("whitespace"), "{e}");
+    }
+
+    #[test]
+    fn order_is_by_encoded_name() {
+        // ':' (0x3a) sorts after '.', but its encoding '+' (0x2b) sorts
+        // before it: the order must follow ENC, as every process sorts.
+        let mut v = [
+            ImageName::parse("a.b").unwrap(),
+            ImageName::parse("a:b").unwrap(),
+        ];
+        v.sort();
+        assert_eq!(v[0].as_str(), "a:b");
+    }
+}

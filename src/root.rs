@@ -1,0 +1,166 @@
+//! The storage root: where it is and what lives in it.
+//!
+//! ```text
+//! ROOT/
+//!   stowage.db              metadata (SQLite, rollback journal, never WAL)
+//!   locks/global.lock       the global metadata lock
+//!   locks/images/ENC.lock   one per image
+//!   locks/slots/CLASS/…     slot lock files
+//!   img/ENC/                image trees (the default images directory)
+//!   trash/                  removals in progress
+//! ```
+//!
+//! The images directory may live elsewhere (`init --images-dir`); it then
+//! holds image trees only, never a file of stowage's own. Directories are
+//! created lazily, on the first operation that needs them, so the fast path
+//! of `exec` makes no mkdir calls.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+
+use crate::name::ImageName;
+
+pub const ROOT_ENV: &str = "STOWAGE_ROOT";
+
+#[derive(Debug, Clone)]
+pub struct Root {
+    dir: PathBuf,
+}
+
+impl Root {
+    /// `--root`, else `$STOWAGE_ROOT`, else `/var/tmp/$USER.stowage`.
+    pub fn resolve(flag: Option<&Path>) -> Result<Root> {
+        let dir = match flag {
+            Some(d) => d.to_owned(),
+            None => match std::env::var_os(ROOT_ENV) {
+                Some(d) if !d.is_empty() => PathBuf::from(d),
+                _ => PathBuf::from(format!("/var/tmp/{}.stowage", crate::ident::user_name())),
+            },
+        };
+        Ok(Root {
+            dir: std::path::absolute(&dir)
+                .with_context(|| format!("cannot resolve root {}", dir.display()))?,
+        })
+    }
+
+    pub fn at(dir: impl Into<PathBuf>) -> Root {
+        Root { dir: dir.into() }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn db(&self) -> PathBuf {
+        self.dir.join("stowage.db")
+    }
+
+    pub fn locks(&self) -> PathBuf {
+        self.dir.join("locks")
+    }
+
+    pub fn global_lock(&self) -> PathBuf {
+        self.dir.join("locks/global.lock")
+    }
+
+    pub fn image_locks(&self) -> PathBuf {
+        self.dir.join("locks/images")
+    }
+
+    pub fn image_lock(&self, name: &ImageName) -> PathBuf {
+        self.image_locks().join(lock_file_name(name.encoded()))
+    }
+
+    pub fn slot_locks(&self) -> PathBuf {
+        self.dir.join("locks/slots")
+    }
+
+    pub fn default_images_dir(&self) -> PathBuf {
+        self.dir.join("img")
+    }
+
+    pub fn trash(&self) -> PathBuf {
+        self.dir.join("trash")
+    }
+
+    /// Creates the root and its directories. Idempotent.
+    pub fn create_layout(&self) -> Result<()> {
+        for d in [
+            self.dir.clone(),
+            self.locks(),
+            self.image_locks(),
+            self.slot_locks(),
+            self.default_images_dir(),
+            self.trash(),
+        ] {
+            make_dir(&d)?;
+        }
+        Ok(())
+    }
+}
+
+/// Creates `dir` (and missing parents). An existing symlink in its place is
+/// refused rather than followed: in a shared directory it could point
+/// anywhere.
+pub fn make_dir(dir: &Path) -> Result<()> {
+    match fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(m) if m.file_type().is_symlink() => {
+            anyhow::bail!(
+                "{} is a symlink, not a directory; refusing to use it",
+                dir.display()
+            )
+        }
+        Ok(_) => anyhow::bail!("{} exists and is not a directory", dir.display()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", dir.display())),
+    }
+    match fs::create_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("cannot create directory {}", dir.display())),
+    }
+}
+
+/// The lock file name for an encoded image name: `ENC.lock`. An ENC so long
+/// that `ENC.lock` would exceed NAME_MAX is shortened and suffixed with a
+/// hash of the whole ENC; a hash collision would make two images share a lock
+/// (more exclusion, never less).
+pub fn lock_file_name(enc: &str) -> String {
+    const SUFFIX: &str = ".lock";
+    if enc.len() + SUFFIX.len() <= crate::name::MAX_ENCODED_LEN {
+        return format!("{enc}{SUFFIX}");
+    }
+    // ENC is ASCII, so any byte index is a char boundary.
+    format!("{}~{:016x}{SUFFIX}", &enc[..200], fnv1a(enc.as_bytes()))
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_names_fit_name_max() {
+        assert_eq!(lock_file_name("alpine+3.17"), "alpine+3.17.lock");
+        let long = "a".repeat(255);
+        let n = lock_file_name(&long);
+        assert!(n.len() <= 255, "{}", n.len());
+        assert_ne!(n, lock_file_name(&"a".repeat(254)));
+    }
+
+    #[test]
+    fn refuses_symlinked_dirs() {
+        let d = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("/", d.path().join("evil")).unwrap();
+        assert!(make_dir(&d.path().join("evil")).is_err());
+    }
+}

@@ -1,0 +1,487 @@
+//! One `exec`: its image locks, from acquisition to the recorded outcome.
+//!
+//! The protocol, in lock order:
+//! 1. Image locks in ascending ENC order — shared for reads, exclusive for
+//!    writes — each tried first without blocking. If one is busy, a short
+//!    transaction records us as a waiter and reads who holds it; then we wait
+//!    for it holding no global lock.
+//! 2. One transaction (the *start*): images checked (reads must be `ready`),
+//!    new images inserted `creating` with their empty directory made, existing
+//!    ones marked `writing`, holders recorded, our waiter records dropped.
+//! 3. The command runs. 4. One transaction (the *finish*): written images
+//!    become `ready` (exit 0) or `incomplete`, last-use times and sizes are
+//!    recorded, holder records dropped. 5. Locks are released by closing.
+//!
+//! A crash anywhere leaves either no trace (before 2), or records and
+//! `creating`/`writing` states whose locks are free — which the next process
+//! that looks finds stale and marks `incomplete` (see `status::sweep`).
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::clock;
+use crate::error::{Busy, Error};
+use crate::lock::{self, Guard, Mode, Wait, Waited};
+use crate::meta::{ImageRow, ImageState, LockKind, Record, Role, Tx};
+use crate::name::ImageName;
+use crate::status;
+use crate::store::{Ctx, NeedsMigration, Store, lock_error};
+use crate::usage;
+
+/// What an exec asks for.
+#[derive(Debug, Default)]
+pub struct Request {
+    pub reads: Vec<ImageName>,
+    pub writes: Vec<ImageName>,
+    /// Base recorded as the lineage of the (single) written image.
+    pub base: Option<ImageName>,
+    /// When to give up waiting; `None` waits forever.
+    pub deadline: Option<Instant>,
+    /// Fail at once if any lock is busy.
+    pub no_wait: bool,
+    /// The command line, as recorded for lock-status.
+    pub command: String,
+}
+
+struct Held {
+    name: ImageName,
+    mode: Mode,
+    guard: Guard,
+    /// For writes: the state before this session (None: created by it).
+    prev: Option<ImageState>,
+}
+
+/// Image locks held for one command.
+#[must_use = "finish() records the outcome; dropping releases the locks and leaves images to be found incomplete"]
+pub struct Session {
+    held: Vec<Held>,
+    records: Vec<i64>,
+    images_dir: PathBuf,
+    started: Instant,
+}
+
+/// How the command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    Failure,
+}
+
+impl Session {
+    /// Acquires every lock the request names and records the start.
+    pub fn begin(store: &mut Store, req: &Request) -> Result<Session> {
+        let started = Instant::now();
+        let mut wanted: Vec<(ImageName, Mode)> = req
+            .reads
+            .iter()
+            .map(|n| (n.clone(), Mode::Shared))
+            .chain(req.writes.iter().map(|n| (n.clone(), Mode::Exclusive)))
+            .collect();
+        // The lock order: ascending ENC. A name both read and written is
+        // taken once, exclusively (sorted after its shared twin, kept last).
+        wanted.sort();
+        wanted.dedup_by(|later, earlier| {
+            if later.0 == earlier.0 {
+                earlier.1 = earlier.1.max(later.1);
+                true
+            } else {
+                false
+            }
+        });
+        loop {
+            let mut held = Vec::with_capacity(wanted.len());
+            let mut waits = Vec::new();
+            let mut migrate = false;
+            for (name, mode) in &wanted {
+                match acquire(store, name, *mode, req) {
+                    Ok((guard, waiter)) => {
+                        held.push(Held {
+                            name: name.clone(),
+                            mode: *mode,
+                            guard,
+                            prev: None,
+                        });
+                        waits.extend(waiter);
+                    }
+                    Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {
+                        migrate = true;
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            if !migrate {
+                match start(store, &mut held, &waits, req) {
+                    Ok((images_dir, records)) => {
+                        return Ok(Session {
+                            held,
+                            records,
+                            images_dir,
+                            started,
+                        });
+                    }
+                    Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            // Never migrate while holding image locks: the migration waits
+            // for every image lock to be free, ours included.
+            drop(held);
+            store.migrate(req.deadline)?;
+        }
+    }
+
+    /// The images directory, for the command's environment.
+    pub fn images_dir(&self) -> &Path {
+        &self.images_dir
+    }
+
+    /// The directory of an image.
+    pub fn image_dir(&self, name: &ImageName) -> PathBuf {
+        self.images_dir.join(name.encoded())
+    }
+
+    /// Images held exclusively, in lock order.
+    pub fn writes(&self) -> impl Iterator<Item = &ImageName> {
+        self.held
+            .iter()
+            .filter(|h| h.mode == Mode::Exclusive)
+            .map(|h| &h.name)
+    }
+
+    /// Lets spawned children inherit the lock descriptors (like flock(1)),
+    /// so the locks live as long as any process that may still write.
+    pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
+        self.held
+            .iter()
+            .try_for_each(|h| h.guard.set_inheritable(inherit))
+    }
+
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Records the outcome and releases the locks.
+    pub fn finish(self, store: &mut Store, outcome: Outcome) -> Result<()> {
+        // Sizes are measured before the transaction, under our own write
+        // locks: walking a tree is far too slow to do under the global lock.
+        let sizes: Vec<Option<u64>> = self
+            .held
+            .iter()
+            .map(|h| match h.mode {
+                Mode::Exclusive => usage::disk_usage(&self.images_dir.join(h.name.encoded())).ok(),
+                Mode::Shared => None,
+            })
+            .collect();
+        let (tx, ctx) = store.begin(None)?;
+        let now = clock::now_ms();
+        for (h, size) in self.held.iter().zip(sizes) {
+            tx.touch(h.name.as_str(), now)?;
+            if h.mode == Mode::Exclusive {
+                let state = match outcome {
+                    Outcome::Success => ImageState::Ready,
+                    Outcome::Failure => ImageState::Incomplete,
+                };
+                tx.set_state(h.name.as_str(), state)?;
+                tx.set_size(h.name.as_str(), size)?;
+                ctx.detail(&format!("image '{}' is {state}", h.name));
+            }
+        }
+        for id in &self.records {
+            tx.delete_record(*id)?;
+        }
+        tx.commit()?;
+        drop(self.held);
+        Ok(())
+    }
+
+    /// Undoes the start when the command never ran (it could not be
+    /// started, or a signal came first): images this session created are
+    /// removed again (their directories are still empty), and images it
+    /// marked `writing` get their previous state back.
+    pub fn abandon(self, store: &mut Store) -> Result<()> {
+        let (tx, _) = store.begin(None)?;
+        for h in self.held.iter().filter(|h| h.mode == Mode::Exclusive) {
+            match h.prev {
+                None => {
+                    tx.delete_image(h.name.as_str())?;
+                    // Only an empty directory goes: if something appeared in
+                    // it after all, keep it for the user to inspect.
+                    let _ = std::fs::remove_dir(self.images_dir.join(h.name.encoded()));
+                }
+                Some(prev) => tx.set_state(h.name.as_str(), prev)?,
+            }
+        }
+        for id in &self.records {
+            tx.delete_record(*id)?;
+        }
+        tx.commit()
+    }
+}
+
+/// Takes one image lock, waiting as the request allows. Returns the guard
+/// and the id of the waiter record made while waiting, if any.
+fn acquire(
+    store: &mut Store,
+    name: &ImageName,
+    mode: Mode,
+    req: &Request,
+) -> Result<(Guard, Option<i64>)> {
+    let path = store.root().image_lock(name);
+    let what = format!("{} lock on image '{name}'", mode.verb());
+    let create = mode == Mode::Exclusive;
+    let first = match lock::try_lock(&path, mode, create) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if create {
+                // The layout does not exist yet: first use of this root.
+                store.root().create_layout()?;
+            } else {
+                // No lock file: either no such image (say so, creating
+                // nothing), or an adopted image never locked before.
+                require_readable(store, name, req.deadline)?;
+            }
+            lock::try_lock(&path, mode, true)
+        }
+        other => other,
+    };
+    if let Some(g) = first.map_err(|e| lock_error(&format!("image '{name}'"), &path, e))? {
+        return Ok((g, None));
+    }
+
+    // Busy. Record ourselves as a waiter and find out who holds it.
+    let (waiter, holders) = {
+        let (tx, ctx) = store.begin(req.deadline)?;
+        let kv = crate::kernel::KernelView::new(&ctx.root.image_locks());
+        let view = kv.view(&path)?;
+        let records = tx.records_for(LockKind::Image, name.as_str())?;
+        let (holders, _) = status::judge(&tx, ctx, &kv, &view, &records)?;
+        let id = if req.no_wait {
+            None
+        } else {
+            Some(tx.insert_record(&record(ctx, name, mode, Role::Waiter, &req.command))?)
+        };
+        tx.commit()?;
+        (id, status::phrase(&holders))
+    };
+    if req.no_wait {
+        return Err(Error::Busy(Busy {
+            what,
+            holders,
+            waited: Duration::ZERO,
+        })
+        .into());
+    }
+    store.ctx().say(&format!("waiting for {what}: {holders}"));
+    let t0 = Instant::now();
+    let mut wait = Wait::until(req.deadline);
+    let outcome = lock::lock(&path, mode, true, &mut wait)
+        .map_err(|e| lock_error(&format!("image '{name}'"), &path, e));
+    let failure = match outcome {
+        Ok(Waited::Acquired(g)) => return Ok((g, waiter)),
+        Ok(Waited::TimedOut) => anyhow::Error::from(Error::Busy(Busy {
+            what,
+            holders,
+            waited: t0.elapsed(),
+        })),
+        Ok(Waited::Interrupted(sig)) => Error::Interrupted(sig).into(),
+        Err(e) => e,
+    };
+    if let Some(id) = waiter {
+        // Best effort: if this fails, the record is judged stale later
+        // (its process is gone).
+        let _ = store.begin(None).and_then(|(tx, _)| {
+            tx.delete_record(id)?;
+            tx.commit()
+        });
+    }
+    Err(failure)
+}
+
+/// For a read of an image that has no lock file: fails unless the image
+/// exists and is ready.
+fn require_readable(store: &mut Store, name: &ImageName, deadline: Option<Instant>) -> Result<()> {
+    let (tx, _) = store.begin(deadline)?;
+    let row = tx.image(name.as_str())?;
+    drop(tx);
+    match row {
+        None => Err(Error::NoSuchImage(name.as_str().to_owned()).into()),
+        Some(r) if r.state != ImageState::Ready => Err(Error::NotReady {
+            name: r.name,
+            state: r.state.as_str().to_owned(),
+        }
+        .into()),
+        Some(_) => Ok(()),
+    }
+}
+
+fn record(ctx: &Ctx, name: &ImageName, mode: Mode, role: Role, command: &str) -> Record {
+    Record {
+        id: 0,
+        kind: LockKind::Image,
+        name: name.as_str().to_owned(),
+        lockfile: format!("images/{}", crate::root::lock_file_name(name.encoded())),
+        role,
+        mode,
+        pid: ctx.me.pid,
+        pid_start: ctx.me.pid_start,
+        host: ctx.me.host.clone(),
+        boot_id: ctx.me.boot_id.clone(),
+        user: ctx.me.user.clone(),
+        command: command.to_owned(),
+        since: clock::now_ms(),
+    }
+}
+
+/// The start transaction. Returns the images directory and the ids of the
+/// holder records it made.
+fn start(
+    store: &mut Store,
+    held: &mut [Held],
+    waits: &[i64],
+    req: &Request,
+) -> Result<(PathBuf, Vec<i64>)> {
+    let (tx, ctx) = store.begin(req.deadline)?;
+    let images_dir = tx.images_dir(&ctx.root)?;
+    let now = clock::now_ms();
+    for id in waits {
+        tx.delete_record(*id)?;
+    }
+    let mut refusal = None;
+    let mut records = Vec::with_capacity(held.len());
+    for h in held.iter_mut() {
+        let name = h.name.as_str();
+        // Our own lock proves some records stale: holding it exclusively,
+        // nobody else holds it at all; holding it shared, nobody holds it
+        // exclusively. Dropping them here keeps SIGKILLed holders from
+        // piling up records without anyone having to sweep.
+        tx.delete_image_holders(name, (h.mode == Mode::Shared).then_some(Mode::Exclusive))?;
+        let row = tx.image(name)?;
+        match h.mode {
+            Mode::Shared => match row {
+                None => {
+                    refusal = Some(Error::NoSuchImage(name.to_owned()));
+                    break;
+                }
+                Some(r) if r.state == ImageState::Ready => tx.touch(name, now)?,
+                Some(r) => {
+                    // We hold the lock shared, so no writer is at work: one
+                    // that left the image creating/writing is gone.
+                    let state = if r.state.being_written() {
+                        tx.set_state(name, ImageState::Incomplete)?;
+                        ImageState::Incomplete
+                    } else {
+                        r.state
+                    };
+                    refusal = Some(Error::NotReady {
+                        name: name.to_owned(),
+                        state: state.as_str().to_owned(),
+                    });
+                    break;
+                }
+            },
+            Mode::Exclusive => {
+                h.prev = row.as_ref().map(|r| r.state);
+                prepare_write(&tx, ctx, &images_dir, &h.name, row, req, now)?;
+            }
+        }
+        records.push(tx.insert_record(&record(
+            ctx,
+            &h.name,
+            h.mode,
+            Role::Holder,
+            &req.command,
+        ))?);
+    }
+    if let Some(err) = refusal {
+        // Keep what was learned (stale records, dead writers), refuse the rest.
+        drop(tx);
+        return Err(err.into());
+    }
+    tx.commit()?;
+    Ok((images_dir, records))
+}
+
+fn prepare_write(
+    tx: &Tx,
+    ctx: &Ctx,
+    images_dir: &Path,
+    name: &ImageName,
+    row: Option<ImageRow>,
+    req: &Request,
+    now: clock::Millis,
+) -> Result<()> {
+    let dir = images_dir.join(name.encoded());
+    let exists = match std::fs::symlink_metadata(&dir) {
+        Ok(m) if m.is_dir() => true,
+        Ok(m) if m.file_type().is_symlink() => {
+            bail!(
+                "image '{name}': {} is a symlink; refusing to write through it",
+                dir.display()
+            )
+        }
+        Ok(_) => bail!(
+            "image '{name}': {} exists and is not a directory",
+            dir.display()
+        ),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+        Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", dir.display())),
+    };
+    if !exists {
+        if !images_dir.is_dir() {
+            if *images_dir == ctx.root.default_images_dir() {
+                crate::root::make_dir(images_dir)?;
+            } else {
+                bail!(
+                    "images directory {} does not exist (is it mounted?)",
+                    images_dir.display()
+                );
+            }
+        }
+        std::fs::create_dir(&dir)
+            .with_context(|| format!("cannot create image directory {}", dir.display()))?;
+    }
+    let base = req.base.as_ref().map(|b| b.as_str().to_owned());
+    match row {
+        None => {
+            if exists {
+                ctx.detail(&format!(
+                    "image '{name}': adopting the existing directory {}",
+                    dir.display()
+                ));
+            }
+            tx.insert_image(&ImageRow {
+                name: name.as_str().to_owned(),
+                state: if exists {
+                    ImageState::Writing
+                } else {
+                    ImageState::Creating
+                },
+                base,
+                created: now,
+                last_used: now,
+                size_bytes: None,
+            })?;
+        }
+        Some(r) => {
+            let state = if exists {
+                ImageState::Writing
+            } else {
+                ImageState::Creating
+            };
+            if r.state.being_written() {
+                ctx.detail(&format!(
+                    "image '{name}': its previous writer is gone; writing it anew"
+                ));
+            }
+            tx.set_state(name.as_str(), state)?;
+            tx.touch(name.as_str(), now)?;
+            if base.is_some() {
+                tx.set_base(name.as_str(), base.as_deref())?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,130 @@
+//! Termination signals during `exec`.
+//!
+//! SIGINT, SIGTERM, SIGHUP and SIGQUIT are blocked in every thread and taken
+//! by one thread with sigwaitinfo(2), so no system call elsewhere is ever
+//! interrupted by them. Before the command starts, such a signal interrupts
+//! the lock waits (the exec then exits 128+N, leaving nothing behind). Once
+//! the command runs, the signal is forwarded to it — unless the terminal
+//! sent it (si_code SI_KERNEL): the terminal already signalled the whole
+//! foreground process group, the command included, and a second copy would
+//! make many programs treat one Ctrl-C as two.
+//!
+//! The handoff is race-free: the state moves Waiting → Running(pid) under a
+//! mutex while spawning, so a signal is either seen before the spawn (and the
+//! command never starts) or forwarded after it; and Running → Done happens
+//! after the child exited but before it is reaped, so a late signal can
+//! never hit a recycled pid.
+
+use std::io;
+use std::process::{Child, ExitStatus};
+use std::sync::{Arc, Mutex};
+
+use nix::sys::signal::{SigSet, Signal};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Waiting,
+    Interrupted(i32),
+    Running(i32),
+    Done,
+}
+
+pub struct Forwarder {
+    state: Arc<Mutex<State>>,
+}
+
+fn forwarded() -> SigSet {
+    let mut set = SigSet::empty();
+    for s in [
+        Signal::SIGINT,
+        Signal::SIGTERM,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+    ] {
+        set.add(s);
+    }
+    set
+}
+
+impl Forwarder {
+    /// Blocks the signals and starts the thread that takes them. Call it
+    /// before any other thread exists, so every thread inherits the mask.
+    pub fn install() -> io::Result<Forwarder> {
+        let set = forwarded();
+        set.thread_block().map_err(io::Error::from)?;
+        let state = Arc::new(Mutex::new(State::Waiting));
+        let shared = Arc::clone(&state);
+        std::thread::Builder::new()
+            .name("stowage-signals".into())
+            .stack_size(64 * 1024)
+            .spawn(move || take_signals(set, &shared))?;
+        Ok(Forwarder { state })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The signal that arrived before the command started, if any.
+    pub fn interrupted(&self) -> Option<i32> {
+        match *self.lock() {
+            State::Interrupted(sig) => Some(sig),
+            _ => None,
+        }
+    }
+
+    /// Spawns the command unless a signal came first (`Ok(Err(sig))`).
+    pub fn spawn(
+        &self,
+        spawn: impl FnOnce() -> io::Result<Child>,
+    ) -> io::Result<Result<Child, i32>> {
+        let mut st = self.lock();
+        if let State::Interrupted(sig) = *st {
+            return Ok(Err(sig));
+        }
+        let child = spawn()?;
+        *st = State::Running(child.id() as i32);
+        Ok(Ok(child))
+    }
+
+    /// Waits for the command; stops forwarding before the child is reaped.
+    pub fn wait(&self, child: &mut Child) -> io::Result<ExitStatus> {
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        loop {
+            use nix::sys::wait::{Id, WaitPidFlag, waitid};
+            match waitid(Id::Pid(pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT) {
+                Ok(_) => break,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        *self.lock() = State::Done;
+        child.wait()
+    }
+}
+
+fn take_signals(set: SigSet, state: &Mutex<State>) {
+    loop {
+        // SAFETY: sigwaitinfo fills `info`, which we own; `set` is a valid
+        // signal set of signals blocked in this thread.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let sig = unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) };
+        if sig < 0 {
+            continue;
+        }
+        let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+        match *st {
+            State::Waiting => {
+                *st = State::Interrupted(sig);
+                crate::lock::interrupt_waits(sig);
+            }
+            State::Running(pid) => {
+                if info.si_code != libc::SI_KERNEL {
+                    // SAFETY: plain kill(2); pid is our unreaped child.
+                    unsafe { libc::kill(pid, sig) };
+                }
+            }
+            State::Interrupted(_) | State::Done => {}
+        }
+    }
+}

@@ -1,0 +1,570 @@
+//! Who holds and awaits which lock: records judged against the kernel.
+//!
+//! The kernel is the truth; records are information. A holder record is
+//! kept only while its lock is really held in the recorded mode (and, where
+//! the lock table shows pids, held by the recorded process or by a child
+//! that outlived it). A waiter record is kept only while its process may be
+//! alive and the lock it awaits is held. A lock held by a process stowage did
+//! not start (flock(1) in a script) still shows as held, with its pid where
+//! the lock table has one. Everything here runs inside a metadata
+//! transaction, so stale records are deleted as they are found.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::unix::fs::{DirEntryExt, MetadataExt};
+use std::path::Path;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::clock::{self, Millis};
+use crate::ident::{self, Liveness};
+use crate::kernel::{Entry, KernelView, LockView};
+use crate::lock::{Mode, Probe};
+use crate::meta::{ImageState, LockKind, Record, Role, Tx};
+use crate::name::ImageName;
+use crate::store::Ctx;
+
+/// A holder or waiter, from a record or straight from the kernel.
+#[derive(Debug, Clone)]
+pub struct Party {
+    pub pid: Option<u32>,
+    pub host: Option<String>,
+    pub user: Option<String>,
+    pub mode: Mode,
+    pub command: Option<String>,
+    pub since: Option<Millis>,
+    /// False for a process stowage did not start.
+    pub stowage: bool,
+}
+
+/// One lock's state, holders and waiters.
+#[derive(Debug, Clone)]
+pub struct LockReport {
+    pub kind: LockKind,
+    pub name: String,
+    pub state: Probe,
+    pub holders: Vec<Party>,
+    pub waiters: Vec<Party>,
+    /// For image locks: the image's state, when it has a row.
+    pub image_state: Option<ImageState>,
+}
+
+/// Judges the records of one lock against the kernel's view, deletes the
+/// stale ones, and adds holders and waiters the kernel knows of but no
+/// record names.
+pub fn judge(
+    tx: &Tx,
+    ctx: &Ctx,
+    kv: &KernelView,
+    view: &LockView,
+    records: &[Record],
+) -> Result<(Vec<Party>, Vec<Party>)> {
+    let mut holders = Vec::new();
+    let mut waiters = Vec::new();
+    let mut claimed = vec![false; view.holders.len()];
+    let mut claimed_waits = vec![false; view.waiters.len()];
+    for rec in records {
+        let live = ident::liveness(
+            &ctx.me,
+            &rec.host,
+            rec.boot_id.as_deref(),
+            rec.pid,
+            rec.pid_start,
+        );
+        let valid = match rec.role {
+            Role::Holder => holder_valid(rec, live, kv, view, &mut claimed),
+            Role::Waiter => {
+                if let Some(i) = view.waiters.iter().position(|e| e.pid == Some(rec.pid)) {
+                    claimed_waits[i] = true;
+                }
+                live != Liveness::Dead && view.is_held()
+            }
+        };
+        if !valid {
+            tx.delete_record(rec.id)?;
+            continue;
+        }
+        let party = Party {
+            pid: Some(rec.pid),
+            host: Some(rec.host.clone()),
+            user: Some(rec.user.clone()),
+            mode: rec.mode,
+            command: Some(rec.command.clone()),
+            since: Some(rec.since),
+            stowage: true,
+        };
+        match rec.role {
+            Role::Holder => holders.push(party),
+            Role::Waiter => waiters.push(party),
+        }
+    }
+    for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
+        holders.push(outsider(ctx, e));
+    }
+    for (e, _) in view
+        .waiters
+        .iter()
+        .zip(&claimed_waits)
+        .filter(|(_, c)| !**c)
+    {
+        waiters.push(outsider(ctx, e));
+    }
+    // No record and no lock table: someone holds it, we cannot say who.
+    if holders.is_empty() && view.is_held() {
+        holders.push(Party {
+            pid: None,
+            host: None,
+            user: None,
+            mode: if view.state == Some(Probe::Exclusive) {
+                Mode::Exclusive
+            } else {
+                Mode::Shared
+            },
+            command: None,
+            since: None,
+            stowage: false,
+        });
+    }
+    Ok((holders, waiters))
+}
+
+fn holder_valid(
+    rec: &Record,
+    live: Liveness,
+    kv: &KernelView,
+    view: &LockView,
+    claimed: &mut [bool],
+) -> bool {
+    let compatible = matches!(
+        (view.state, rec.mode),
+        (Some(Probe::Exclusive), Mode::Exclusive) | (Some(Probe::Shared), Mode::Shared)
+    );
+    if !compatible {
+        return false;
+    }
+    if !kv.has_table() || live == Liveness::Unknown {
+        // Held in the recorded mode is all that can be checked.
+        return true;
+    }
+    // The table names the process that took each lock, or no pid when that
+    // process is gone but a child kept the inherited descriptor.
+    let pos = view.holders.iter().enumerate().position(|(i, e)| {
+        !claimed[i]
+            && e.mode == rec.mode
+            && match e.pid {
+                Some(p) => p == rec.pid && live == Liveness::Alive,
+                None => live == Liveness::Dead,
+            }
+    });
+    match pos {
+        Some(i) => {
+            claimed[i] = true;
+            true
+        }
+        None => false,
+    }
+}
+
+fn outsider(ctx: &Ctx, e: &Entry) -> Party {
+    Party {
+        pid: e.pid,
+        host: Some(ctx.me.host.clone()),
+        user: e.pid.and_then(ident::process_user),
+        mode: e.mode,
+        command: e.pid.and_then(ident::command_line),
+        since: None,
+        stowage: false,
+    }
+}
+
+/// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"
+pub fn phrase(holders: &[Party]) -> String {
+    if holders.is_empty() {
+        return "no holder is known (it may have just been released)".into();
+    }
+    let first = &holders[0];
+    let mut s = format!("held ({}) by ", first.mode.verb());
+    let shown: Vec<String> = holders.iter().take(3).map(describe).collect();
+    s.push_str(&shown.join("; "));
+    if holders.len() > 3 {
+        s.push_str(&format!("; and {} more", holders.len() - 3));
+    }
+    s
+}
+
+fn describe(p: &Party) -> String {
+    let mut s = match p.pid {
+        Some(pid) => format!("pid {pid}"),
+        None if p.stowage => "a process".into(),
+        None => "a process".into(),
+    };
+    if let Some(h) = &p.host {
+        s.push_str(&format!(" on {h}"));
+    }
+    if let Some(c) = &p.command {
+        s.push_str(&format!(" ({})", truncate(c, 80)));
+    }
+    if let Some(t) = p.since {
+        s.push_str(&format!(" since {}", clock::local_short(t)));
+    }
+    if !p.stowage {
+        s.push_str(if p.pid.is_some() {
+            ", not started by stowage"
+        } else {
+            " that stowage cannot identify (outside stowage, or on another host)"
+        });
+    }
+    s
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_owned()
+    } else {
+        let cut: String = s.chars().take(max - 1).collect();
+        format!("{cut}…")
+    }
+}
+
+/// Holders of an image lock, phrased, judged inside `tx`.
+pub fn phrase_lock_holders(tx: &Tx, ctx: &Ctx, label: &str, path: &Path) -> String {
+    let kv = KernelView::new(&ctx.root.image_locks());
+    let Ok(view) = kv.view(path) else {
+        return "its holder is unknown".into();
+    };
+    let name = label
+        .strip_prefix("image '")
+        .and_then(|s| s.strip_suffix('\''))
+        .unwrap_or(label);
+    let records = tx.records_for(LockKind::Image, name).unwrap_or_default();
+    match judge(tx, ctx, &kv, &view, &records) {
+        Ok((holders, _)) => phrase(&holders),
+        Err(_) => "its holder is unknown".into(),
+    }
+}
+
+/// Who holds the global lock, for the rare message about waiting for it.
+/// Read without the global lock, so from the kernel only.
+pub fn global_holder_phrase(root: &crate::root::Root) -> String {
+    let path = root.global_lock();
+    let kv = KernelView::new(&root.locks());
+    let view = kv.view(&path).unwrap_or_default();
+    let me = crate::ident::Me::current();
+    let holders: Vec<Party> = view
+        .holders
+        .iter()
+        .map(|e| Party {
+            pid: e.pid,
+            host: Some(me.host.clone()),
+            user: e.pid.and_then(ident::process_user),
+            mode: e.mode,
+            command: e.pid.and_then(ident::command_line),
+            since: None,
+            stowage: e
+                .pid
+                .and_then(ident::command_line)
+                .is_some_and(|c| c.contains("stowage")),
+        })
+        .collect();
+    if holders.is_empty() {
+        "held by a process stowage cannot identify (on another host, or stopped)".into()
+    } else {
+        phrase(&holders)
+    }
+}
+
+/// Judges every record and every image a writer was working on: deletes
+/// stale records, marks images whose writer is gone `incomplete`. Returns
+/// the reports of the image locks that are held or awaited.
+pub fn sweep(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<BTreeMap<String, LockReport>> {
+    let mut by_lock: BTreeMap<(String, String), Vec<Record>> = BTreeMap::new();
+    for rec in tx.all_records()? {
+        by_lock
+            .entry((rec.kind.as_str().to_owned(), rec.name.clone()))
+            .or_default()
+            .push(rec);
+    }
+    let mut reports = BTreeMap::new();
+    for ((kind, name), records) in by_lock {
+        let path = ctx.root.locks().join(&records[0].lockfile);
+        let view = kv.view(&path)?;
+        let (holders, waiters) = judge(tx, ctx, kv, &view, &records)?;
+        if kind == LockKind::Image.as_str() {
+            reports.insert(
+                name.clone(),
+                LockReport {
+                    kind: LockKind::Image,
+                    name,
+                    state: settle(view.state),
+                    holders,
+                    waiters,
+                    image_state: None,
+                },
+            );
+        }
+    }
+    // A writer that died leaves its image creating/writing with the lock
+    // free: that image is incomplete. The lock cannot be taken between this
+    // check and the update, because taking it and marking the image both
+    // need the global lock, which we hold.
+    for row in tx.images_in_states(&[ImageState::Creating, ImageState::Writing])? {
+        let Ok(name) = ImageName::parse(&row.name) else {
+            continue;
+        };
+        let view = kv.view(&ctx.root.image_lock(&name))?;
+        if !matches!(view.state, Some(Probe::Exclusive)) {
+            tx.set_state(&row.name, ImageState::Incomplete)?;
+            ctx.detail(&format!(
+                "image '{}': its writer is gone; marked incomplete",
+                row.name
+            ));
+        }
+    }
+    Ok(reports)
+}
+
+fn settle(p: Option<Probe>) -> Probe {
+    match p {
+        Some(Probe::Missing) | None => Probe::Free,
+        Some(p) => p,
+    }
+}
+
+/// Image locks the kernel says are held or awaited, by image name, for
+/// locks taken outside stowage (no record). Needs the lock table.
+pub fn kernel_locked_images(ctx: &Ctx, kv: &KernelView) -> Result<Vec<(String, LockView)>> {
+    let dir = ctx.root.image_locks();
+    let Ok(meta) = std::fs::metadata(&dir) else {
+        return Ok(Vec::new());
+    };
+    let Some(inodes) = kv.locked_inodes(meta.dev()) else {
+        return Ok(Vec::new());
+    };
+    if inodes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let wanted: std::collections::HashSet<u64> = inodes.into_iter().collect();
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&dir)?.flatten() {
+        if !wanted.contains(&entry.ino()) {
+            continue;
+        }
+        let fname = entry.file_name();
+        let Some(enc) = fname.to_str().and_then(|f| f.strip_suffix(".lock")) else {
+            continue;
+        };
+        if let Ok(name) = ImageName::from_encoded(enc) {
+            out.push((
+                name.as_str().to_owned(),
+                kv.view_inode(meta.dev(), entry.ino()),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------
+// lock-status
+
+#[derive(Debug, Serialize)]
+pub struct StatusJson {
+    pub root: String,
+    pub filesystem: String,
+    pub locks: Vec<LockJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LockJson {
+    pub kind: &'static str,
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_state: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserve_high: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub in_use: Option<u32>,
+    pub state: &'static str,
+    pub holders: Vec<PartyJson>,
+    pub waiters: Vec<PartyJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PartyJson {
+    pub pid: Option<u32>,
+    pub host: Option<String>,
+    pub user: Option<String>,
+    pub mode: &'static str,
+    pub command: Option<String>,
+    pub since: Option<String>,
+    /// False for a lock taken outside stowage.
+    pub stowage: bool,
+}
+
+impl From<&Party> for PartyJson {
+    fn from(p: &Party) -> Self {
+        PartyJson {
+            pid: p.pid,
+            host: p.host.clone(),
+            user: p.user.clone(),
+            mode: p.mode.as_str(),
+            command: p.command.clone(),
+            since: p.since.map(clock::rfc3339),
+            stowage: p.stowage,
+        }
+    }
+}
+
+pub fn state_str(p: Probe) -> &'static str {
+    match p {
+        Probe::Missing | Probe::Free => "free",
+        Probe::Shared => "shared",
+        Probe::Exclusive => "exclusive",
+    }
+}
+
+impl LockReport {
+    pub fn to_json(&self) -> LockJson {
+        LockJson {
+            kind: self.kind.as_str(),
+            name: self.name.clone(),
+            image_state: self.image_state.map(ImageState::as_str),
+            limit: None,
+            reserve_high: None,
+            in_use: None,
+            state: state_str(self.state),
+            holders: self.holders.iter().map(PartyJson::from).collect(),
+            waiters: self.waiters.iter().map(PartyJson::from).collect(),
+        }
+    }
+}
+
+/// Which image locks lock-status shows.
+#[derive(Debug, Default)]
+pub struct Selection {
+    /// Named images (shown whatever their state).
+    pub names: Vec<ImageName>,
+    /// Every image.
+    pub all: bool,
+}
+
+/// Gathers everything lock-status shows: the global lock, then image locks.
+pub fn gather(
+    store: &mut crate::store::Store,
+    sel: &Selection,
+) -> Result<(String, Vec<LockReport>)> {
+    let root = store.root().clone();
+    // The global lock is looked at before we take it ourselves.
+    let kv_global = KernelView::new(&root.locks());
+    let global = global_report(store.ctx(), &kv_global, &root.global_lock());
+    let fs_name =
+        crate::kernel::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
+
+    let images = store.with_tx(None, |tx, ctx| {
+        let kv = KernelView::new(&ctx.root.image_locks());
+        let mut reports = sweep(tx, ctx, &kv)?;
+        for (name, view) in kernel_locked_images(ctx, &kv)? {
+            if reports.contains_key(&name) {
+                continue;
+            }
+            let (holders, waiters) = judge(tx, ctx, &kv, &view, &[])?;
+            if holders.is_empty() && waiters.is_empty() {
+                continue;
+            }
+            reports.insert(
+                name.clone(),
+                LockReport {
+                    kind: LockKind::Image,
+                    name,
+                    state: settle(view.state),
+                    holders,
+                    waiters,
+                    image_state: None,
+                },
+            );
+        }
+        let extra: Vec<String> = if sel.all {
+            tx.images()?.into_iter().map(|r| r.name).collect()
+        } else {
+            sel.names.iter().map(|n| n.as_str().to_owned()).collect()
+        };
+        for name in extra {
+            if reports.contains_key(&name) {
+                continue;
+            }
+            let Ok(n) = ImageName::parse(&name) else {
+                continue;
+            };
+            let view = kv.view(&ctx.root.image_lock(&n))?;
+            let (holders, waiters) = judge(tx, ctx, &kv, &view, &[])?;
+            reports.insert(
+                name.clone(),
+                LockReport {
+                    kind: LockKind::Image,
+                    name,
+                    state: settle(view.state),
+                    holders,
+                    waiters,
+                    image_state: None,
+                },
+            );
+        }
+        // Without --all or names, only held or awaited locks are shown.
+        let named: std::collections::HashSet<&str> =
+            sel.names.iter().map(ImageName::as_str).collect();
+        let mut out = Vec::new();
+        for (name, mut r) in reports {
+            let shown = sel.all
+                || named.contains(name.as_str())
+                || r.state != Probe::Free
+                || !r.waiters.is_empty();
+            if !shown || (!named.is_empty() && !named.contains(name.as_str()) && !sel.all) {
+                continue;
+            }
+            r.image_state = tx.image(&name)?.map(|row| row.state);
+            out.push(r);
+        }
+        Ok(out)
+    })?;
+    let mut locks = vec![global];
+    locks.extend(images);
+    Ok((fs_name, locks))
+}
+
+fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {
+    let view = kv.view(path).unwrap_or_default();
+    let holders = view
+        .holders
+        .iter()
+        .map(|e| {
+            let mut p = outsider(ctx, e);
+            // Holders of the global lock are almost always stowage itself,
+            // in one of its short transactions.
+            p.stowage = p.command.as_deref().is_some_and(|c| c.contains("stowage"));
+            p
+        })
+        .collect();
+    LockReport {
+        kind: LockKind::Global,
+        name: "global".into(),
+        state: settle(view.state),
+        holders,
+        waiters: view.waiters.iter().map(|e| outsider(ctx, e)).collect(),
+        image_state: None,
+    }
+}
+
+/// Which images are in use (their lock held), for `stowage images`.
+pub fn in_use(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<HashMap<String, bool>> {
+    let mut out: HashMap<String, bool> = HashMap::new();
+    for (name, r) in sweep(tx, ctx, kv)? {
+        out.insert(name, r.state != Probe::Free);
+    }
+    for (name, view) in kernel_locked_images(ctx, kv)? {
+        if view.is_held() {
+            out.insert(name, true);
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,359 @@
+//! A store: a root, its global lock and its metadata.
+//!
+//! Invariants:
+//! - The global lock is the last lock in the order (slots → images →
+//!   global). It is held for exactly one short metadata transaction ([`Tx`])
+//!   and never while waiting for another lock; under it a process may *try*
+//!   image locks, never wait for one.
+//! - Store-wide operations ([`Store::store_wide`]: schema migration, rebuild)
+//!   conflict with every image lock. Holding the global lock, they try every
+//!   image lock exclusively; if one is busy they release everything, wait for
+//!   that image without holding anything, and start over. An image lock
+//!   taken after the check cannot be used before the operation ends, because
+//!   an image is only created, marked or recorded inside a transaction.
+//! - A process holding image locks never migrates: if its transaction finds
+//!   the schema behind ([`NeedsMigration`]), it releases its image locks,
+//!   migrates, and acquires again.
+
+use std::cell::Cell;
+use std::io;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::error::{Busy, Error, is_locking_unsupported};
+use crate::ident::Me;
+use crate::lock::{self, Mode, Wait, Waited};
+use crate::meta::{self, Schema, Tx};
+use crate::name::ImageName;
+use crate::root::Root;
+use crate::status;
+
+/// A transaction found the schema older than this binary.
+#[derive(Debug, thiserror::Error)]
+#[error("the metadata schema must be migrated first")]
+pub struct NeedsMigration;
+
+/// What every operation needs to know besides the database.
+pub struct Ctx {
+    pub root: Root,
+    pub me: Me,
+    pub quiet: bool,
+    pub verbose: bool,
+    /// Set once a "waiting for the global lock" notice has been printed.
+    noticed_global: Cell<bool>,
+}
+
+impl Ctx {
+    /// Prints a progress or waiting message unless quiet.
+    pub fn say(&self, msg: &str) {
+        if !self.quiet {
+            eprintln!("stowage: {msg}");
+        }
+    }
+
+    /// Prints a message only with --verbose.
+    pub fn detail(&self, msg: &str) {
+        if self.verbose && !self.quiet {
+            eprintln!("stowage: {msg}");
+        }
+    }
+}
+
+pub struct Store {
+    conn: Option<rusqlite::Connection>,
+    ctx: Ctx,
+}
+
+/// How long a wait for the global lock goes before it is reported: it is
+/// normally held for microseconds, so a long wait means a stuck holder.
+const GLOBAL_NOTICE: Duration = Duration::from_secs(2);
+
+impl Store {
+    /// A store at `root`. No I/O happens until the first operation.
+    pub fn new(root: Root) -> Store {
+        Store {
+            conn: None,
+            ctx: Ctx {
+                root,
+                me: Me::current(),
+                quiet: false,
+                verbose: false,
+                noticed_global: Cell::new(false),
+            },
+        }
+    }
+
+    pub fn ctx(&self) -> &Ctx {
+        &self.ctx
+    }
+
+    pub fn ctx_mut(&mut self) -> &mut Ctx {
+        &mut self.ctx
+    }
+
+    pub fn root(&self) -> &Root {
+        &self.ctx.root
+    }
+
+    /// Takes the global lock, creating the layout on first use.
+    fn global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
+        let path = ctx.root.global_lock();
+        let mut created = false;
+        loop {
+            let first = lock::try_lock(&path, Mode::Exclusive, true);
+            match first {
+                Ok(Some(g)) => return Ok(g),
+                Ok(None) => break,
+                Err(e) if e.kind() == io::ErrorKind::NotFound && !created => {
+                    ctx.root.create_layout()?;
+                    created = true;
+                }
+                Err(e) => return Err(lock_error("the global lock", &path, e)),
+            }
+        }
+        let mut wait = Wait::until(deadline);
+        if !ctx.noticed_global.get() {
+            let root = ctx.root.clone();
+            let quiet = ctx.quiet;
+            let noticed = &ctx.noticed_global;
+            wait.notice = Some((
+                GLOBAL_NOTICE,
+                Box::new(move || {
+                    noticed.set(true);
+                    if !quiet {
+                        eprintln!(
+                            "stowage: waiting for the global metadata lock ({}): {}",
+                            root.global_lock().display(),
+                            status::global_holder_phrase(&root)
+                        );
+                    }
+                }),
+            ));
+        }
+        match lock::lock(&path, Mode::Exclusive, true, &mut wait)
+            .map_err(|e| lock_error("the global lock", &path, e))?
+        {
+            Waited::Acquired(g) => Ok(g),
+            Waited::TimedOut => Err(Error::Busy(Busy {
+                what: "the global metadata lock".into(),
+                holders: status::global_holder_phrase(&ctx.root),
+                waited: Duration::ZERO,
+            })
+            .into()),
+            Waited::Interrupted(sig) => Err(Error::Interrupted(sig).into()),
+        }
+    }
+
+    /// Begins a transaction without looking at the schema version.
+    fn begin_raw(&mut self, deadline: Option<Instant>) -> Result<(Tx<'_>, &Ctx)> {
+        let global = Self::global(&self.ctx, deadline)?;
+        let db = self.ctx.root.db();
+        if self.conn.is_none() {
+            let conn = meta::open(&db)?;
+            // WAL would be silently unsafe on NFS; nothing of ours sets it,
+            // but an sqlite3 shell could. Reading the mode is nearly free.
+            let mode: String = conn
+                .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+                .map_err(anyhow::Error::from)
+                .map_err(|e| damaged(&db, e))?;
+            if mode.eq_ignore_ascii_case("wal") {
+                conn.pragma_update(None, "journal_mode", "DELETE")
+                    .with_context(|| {
+                        format!(
+                            "cannot switch {} from WAL to a rollback journal",
+                            db.display()
+                        )
+                    })?;
+            }
+            self.conn = Some(conn);
+        }
+        let conn = self.conn.as_mut().expect("opened above");
+        let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
+        Ok((tx, &self.ctx))
+    }
+
+    /// Begins a transaction on a current schema. Fails with
+    /// [`NeedsMigration`] when the schema is behind: the caller releases
+    /// any image locks and calls [`Store::migrate`].
+    pub fn begin(&mut self, deadline: Option<Instant>) -> Result<(Tx<'_>, &Ctx)> {
+        let db = self.ctx.root.db();
+        let (tx, ctx) = self.begin_raw(deadline)?;
+        match tx.schema().map_err(|e| damaged(&db, e))? {
+            Schema::Current => Ok((tx, ctx)),
+            Schema::Behind(_) => Err(NeedsMigration.into()),
+            Schema::Ahead(v) => bail!(
+                "metadata database {} has schema version {v}, newer than this stowage knows ({}); use a newer stowage",
+                db.display(),
+                meta::schema_version()
+            ),
+        }
+    }
+
+    /// Runs `f` in one transaction and commits. For callers that hold no
+    /// image lock: migrates the schema first when needed.
+    pub fn with_tx<T>(
+        &mut self,
+        deadline: Option<Instant>,
+        f: impl FnOnce(&Tx, &Ctx) -> Result<T>,
+    ) -> Result<T> {
+        let mut f = Some(f);
+        loop {
+            let err = match self.begin(deadline) {
+                Ok((tx, ctx)) => {
+                    let out = (f.take().expect("runs once"))(&tx, ctx)?;
+                    tx.commit()?;
+                    return Ok(out);
+                }
+                Err(e) => e,
+            };
+            if err.downcast_ref::<NeedsMigration>().is_none() {
+                return Err(err);
+            }
+            self.migrate(deadline)?;
+        }
+    }
+
+    /// Brings the schema up to date: a store-wide operation.
+    pub fn migrate(&mut self, deadline: Option<Instant>) -> Result<()> {
+        let db = self.ctx.root.db();
+        self.store_wide("upgrading the metadata schema", deadline, |tx, ctx| {
+            match tx.schema()? {
+                Schema::Current => {}
+                Schema::Behind(v) => {
+                    if v > 0 {
+                        ctx.say(&format!(
+                            "upgrading metadata schema {} from version {v} to {}",
+                            db.display(),
+                            meta::schema_version()
+                        ));
+                    }
+                    tx.migrate()?;
+                }
+                Schema::Ahead(v) => bail!(
+                    "metadata database {} has schema version {v}, newer than this stowage knows ({})",
+                    db.display(),
+                    meta::schema_version()
+                ),
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `f` in a transaction while no image lock is held by anyone.
+    pub fn store_wide<T>(
+        &mut self,
+        what: &str,
+        deadline: Option<Instant>,
+        f: impl FnOnce(&Tx, &Ctx) -> Result<T>,
+    ) -> Result<T> {
+        let mut f = Some(f);
+        let mut told = false;
+        loop {
+            let (tx, ctx) = self.begin_raw(deadline)?;
+            let busy = first_busy_image(ctx)?;
+            let Some((path, name)) = busy else {
+                let out = (f.take().expect("runs once"))(&tx, ctx)?;
+                tx.commit()?;
+                return Ok(out);
+            };
+            let holders = if told {
+                String::new()
+            } else {
+                status::phrase_lock_holders(&tx, ctx, &name, &path)
+            };
+            drop(tx);
+            if !told {
+                ctx.say(&format!(
+                    "waiting for {name} to be released before {what}: {holders}"
+                ));
+                told = true;
+            }
+            let mut wait = Wait::until(deadline);
+            match lock::lock(&path, Mode::Exclusive, false, &mut wait) {
+                Ok(Waited::Acquired(g)) => drop(g),
+                Ok(Waited::TimedOut) => {
+                    return Err(Error::Busy(Busy {
+                        what: format!("{name} (needed free before {what})"),
+                        holders,
+                        waited: Duration::ZERO,
+                    })
+                    .into());
+                }
+                Ok(Waited::Interrupted(sig)) => return Err(Error::Interrupted(sig).into()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(lock_error(&name, &path, e)),
+            }
+        }
+    }
+}
+
+/// Under the global lock: the first image lock someone holds, if any.
+fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
+    let dir = ctx.root.image_locks();
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", dir.display())),
+    };
+    for entry in entries {
+        let entry = entry.with_context(|| format!("cannot list {}", dir.display()))?;
+        let file_name = entry.file_name();
+        let Some(fname) = file_name.to_str() else {
+            continue;
+        };
+        if !fname.ends_with(".lock") {
+            continue;
+        }
+        let path = entry.path();
+        match lock::try_lock(&path, Mode::Exclusive, false) {
+            Ok(Some(g)) => drop(g),
+            Ok(None) => return Ok(Some((path, lock_file_label(fname)))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(lock_error(&lock_file_label(fname), &path, e)),
+        }
+    }
+    Ok(None)
+}
+
+/// "image 'alpine:3.17'" for a lock file name, or the file name itself when
+/// it is not a decodable image (a shortened long name).
+pub fn lock_file_label(fname: &str) -> String {
+    let enc = fname.strip_suffix(".lock").unwrap_or(fname);
+    match ImageName::from_encoded(enc) {
+        Ok(n) => format!("image '{n}'"),
+        Err(_) => format!("image lock {fname}"),
+    }
+}
+
+/// Wraps a lock failure: "locking is unavailable here" is typed (exit 69);
+/// anything else names the lock and the file.
+pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error {
+    if is_locking_unsupported(&e) {
+        Error::LockingUnavailable {
+            what: what.to_owned(),
+            path: path.to_owned(),
+            cause: e,
+        }
+        .into()
+    } else if e.raw_os_error() == Some(libc::ELOOP) {
+        anyhow::anyhow!(
+            "cannot lock {what}: {} is a symlink; refusing to follow it",
+            path.display()
+        )
+    } else {
+        anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
+    }
+}
+
+/// Adds "the database is damaged" advice to SQLite corruption errors.
+fn damaged(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
+    if meta::is_corruption(&e) {
+        e.context(format!(
+            "metadata database {} is damaged; run 'stowage doctor --repair' (no image is lost)",
+            db.display()
+        ))
+    } else {
+        e.context(format!("metadata database {}", db.display()))
+    }
+}
