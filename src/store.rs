@@ -69,6 +69,12 @@ pub struct Store {
 /// normally held for microseconds, so a long wait means a stuck holder.
 const GLOBAL_NOTICE: Duration = Duration::from_secs(2);
 
+/// A caller's deadline is about the locks it asked for; the global lock is
+/// only ever held for one short transaction, so even `--no-wait` waits for
+/// it — up to this long past the caller's deadline, which still bounds the
+/// wait when a holder is stuck (a stopped process, a hung NFS server).
+const GLOBAL_GRACE: Duration = Duration::from_secs(5);
+
 impl Store {
     /// A store at `root`. No I/O happens until the first operation.
     pub fn new(root: Root) -> Store {
@@ -99,6 +105,7 @@ impl Store {
     /// Takes the global lock, creating the layout on first use.
     fn global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
         let path = ctx.root.global_lock();
+        let deadline = deadline.map(|d| d.max(Instant::now() + GLOBAL_GRACE));
         let mut created = false;
         loop {
             let first = lock::try_lock(&path, Mode::Exclusive, true);

@@ -36,7 +36,6 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 store.root().dir().display()
             );
         }
-        make_dir(dir)?;
     }
     let (dir, adopted, skipped) = store.with_tx(None, |tx, ctx| {
         let current = tx.images_dir(&ctx.root)?;
@@ -52,6 +51,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                     dir.display()
                 );
             }
+            make_dir(dir)?;
             tx.set_config("images_dir", &dir.display().to_string())?;
         }
         let dir = tx.images_dir(&ctx.root)?;

@@ -1,0 +1,352 @@
+//! The test harness: a store in a temporary directory, the real binary, and
+//! bounded waits. Nothing here sleeps to synchronise: processes signal
+//! progress through sentinel files, and every wait has a deadline that fails
+//! the test instead of hanging it.
+
+#![allow(dead_code)]
+
+use std::ffi::OsStr;
+use std::fs;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Deadline for anything that should take a moment: generous, because
+/// these machines are shared and slow at times; reaching it is a failure.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_stowage")
+}
+
+/// A fresh store root in a temporary directory, plus a scratch directory
+/// for sentinel files.
+pub struct Env {
+    pub tmp: tempfile::TempDir,
+    pub root: PathBuf,
+    pub scratch: PathBuf,
+}
+
+impl Env {
+    pub fn new() -> Env {
+        let tmp = tempfile::Builder::new()
+            .prefix("stowage-it.")
+            .tempdir()
+            .unwrap();
+        let root = tmp.path().join("root");
+        let scratch = tmp.path().join("scratch");
+        fs::create_dir(&scratch).unwrap();
+        Env { tmp, root, scratch }
+    }
+
+    /// `stowage --root ROOT ARGS…`
+    pub fn cmd<I, S>(&self, args: I) -> Command
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut c = Command::new(bin());
+        c.arg("--root").arg(&self.root).args(args);
+        c.env_remove("STOWAGE_ROOT")
+            .env_remove("STOWAGE_HOSTNAME")
+            .env_remove("STOWAGE_NOW");
+        c.stdin(Stdio::null());
+        c
+    }
+
+    /// Runs stowage to completion (bounded).
+    pub fn run<I, S>(&self, args: I) -> Output
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        output(self.cmd(args))
+    }
+
+    /// Runs stowage and insists on exit 0.
+    pub fn ok<I, S>(&self, args: I) -> Output
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let out = self.run(args);
+        assert_eq!(out.status.code(), Some(0), "stowage failed: {}", show(&out));
+        out
+    }
+
+    /// Creates a ready image with one file in it.
+    pub fn make_image(&self, name: &str) {
+        self.ok([
+            "exec",
+            "--write",
+            name,
+            "--",
+            "sh",
+            "-c",
+            "echo content > \"$STOWAGE_IMAGE_DIR/file\"",
+        ]);
+    }
+
+    /// Starts stowage in the background, in its own process group so a
+    /// test can kill it together with its command.
+    pub fn spawn<I, S>(&self, args: I) -> Bg
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut c = self.cmd(args);
+        c.process_group(0)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        Bg {
+            child: Some(c.spawn().expect("spawn stowage")),
+        }
+    }
+
+    pub fn sentinel(&self, name: &str) -> PathBuf {
+        self.scratch.join(name)
+    }
+
+    /// A command that creates sentinel `started`, then waits (bounded) for
+    /// sentinel `release` before exiting 0.
+    pub fn hold_cmd(&self, started: &str, release: &str) -> Vec<String> {
+        vec![
+            "sh".into(),
+            "-c".into(),
+            format!(
+                "touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; [ -e '{r}' ]",
+                s = self.sentinel(started).display(),
+                r = self.sentinel(release).display()
+            ),
+        ]
+    }
+
+    pub fn release(&self, release: &str) {
+        fs::write(self.sentinel(release), "").unwrap();
+    }
+
+    pub fn images_json(&self) -> Vec<Value> {
+        let out = self.ok(["images", "--json"]);
+        serde_json::from_slice::<Value>(&out.stdout)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .clone()
+    }
+
+    pub fn image(&self, name: &str) -> Option<Value> {
+        self.images_json().into_iter().find(|i| i["name"] == name)
+    }
+
+    pub fn state(&self, name: &str) -> Option<String> {
+        self.image(name)
+            .map(|i| i["state"].as_str().unwrap().to_owned())
+    }
+
+    pub fn status_json<I, S>(&self, args: I) -> Value
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut c = self.cmd(["lock-status", "--json"]);
+        c.args(args);
+        let out = output(c);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "lock-status failed: {}",
+            show(&out)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// The lock-status entry for an image, if shown.
+    pub fn lock_entry(&self, image: &str) -> Option<Value> {
+        let st = self.status_json([image]);
+        st["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["kind"] == "image" && l["name"] == image)
+            .cloned()
+    }
+
+    pub fn lock_file(&self, enc: &str) -> PathBuf {
+        self.root.join("locks/images").join(format!("{enc}.lock"))
+    }
+}
+
+/// A background process, killed (with its group) if the test forgets it.
+pub struct Bg {
+    pub child: Option<Child>,
+}
+
+impl Bg {
+    /// A background process from any command, in its own process group.
+    pub fn from_command(mut c: Command) -> Bg {
+        c.process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        Bg {
+            child: Some(c.spawn().expect("spawn")),
+        }
+    }
+
+    /// Like [`Bg::from_command`], but keeps a stderr the caller redirected.
+    pub fn from_command_keep_stderr(mut c: Command) -> Bg {
+        c.process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        Bg {
+            child: Some(c.spawn().expect("spawn")),
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// Waits (bounded) for exit and returns the output.
+    pub fn finish(mut self) -> Output {
+        let child = self.child.take().unwrap();
+        wait_output(child, PATIENCE)
+    }
+
+    /// Sends a signal to the stowage process only.
+    pub fn signal(&self, sig: i32) {
+        unsafe { libc::kill(self.pid() as i32, sig) };
+    }
+
+    /// Sends a signal to the whole process group (stowage and its command).
+    pub fn signal_group(&self, sig: i32) {
+        unsafe { libc::kill(-(self.pid() as i32), sig) };
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().unwrap().try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Bg {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs a command to completion within [`PATIENCE`].
+pub fn output(mut c: Command) -> Output {
+    c.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let child = c.spawn().expect("spawn");
+    wait_output(child, PATIENCE)
+}
+
+/// Waits for a child, killing its group and failing if it takes too long.
+pub fn wait_output(mut child: Child, limit: Duration) -> Output {
+    let deadline = Instant::now() + limit;
+    // Drain pipes in threads so a chatty child never blocks on a full pipe.
+    let out = child.stdout.take().map(|mut s| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut s, &mut v);
+            v
+        })
+    });
+    let err = child.stderr.take().map(|mut s| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut s, &mut v);
+            v
+        })
+    });
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+            let _ = child.wait();
+            panic!("process {} did not finish within {limit:?}", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    Output {
+        status,
+        stdout: out.map(|t| t.join().unwrap()).unwrap_or_default(),
+        stderr: err.map(|t| t.join().unwrap()).unwrap_or_default(),
+    }
+}
+
+/// Polls `cond` until it holds, failing with `what` after [`PATIENCE`].
+pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn wait_for_file(p: &Path) {
+    wait_until(&format!("{} exists", p.display()), || p.exists());
+}
+
+pub fn show(out: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout\n{}--- stderr\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Is the lock on this file free right now? Asked with flock(1), an
+/// independent implementation.
+pub fn flock_free(path: &Path) -> bool {
+    let st = Command::new("flock")
+        .args(["-n", "-x"])
+        .arg(path)
+        .arg("true")
+        .status()
+        .expect("flock(1)");
+    st.success()
+}
+
+/// Every path under `dir` (relative), for "nothing created or deleted".
+pub fn tree(dir: &Path) -> Vec<String> {
+    if !dir.exists() {
+        return Vec::new();
+    }
+    let mut v: Vec<String> = walkdir(dir)
+        .into_iter()
+        .map(|p| p.strip_prefix(dir).unwrap().display().to_string())
+        .collect();
+    v.sort();
+    v
+}
+
+fn walkdir(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if e.file_type().unwrap().is_dir() {
+                stack.push(p.clone());
+            }
+            out.push(p);
+        }
+    }
+    out
+}

@@ -1,0 +1,134 @@
+//! SIGKILL at the worst moments: no lock stays held, no image is lost or
+//! left looking ready.
+
+use crate::common::*;
+
+fn holder_args(env: &Env, image: &str, extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["exec".to_string()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(["--write".into(), image.into(), "--".into()]);
+    args.extend(env.hold_cmd("started", "release"));
+    args
+}
+
+#[test]
+fn sigkill_of_stowage_and_command_mid_write() {
+    let env = Env::new();
+    env.make_image("base");
+    let mut args = holder_args(&env, "app", &[]);
+    args.splice(1..1, ["--read".to_string(), "base".to_string()]);
+    let bg = env.spawn(&args);
+    wait_for_file(&env.sentinel("started"));
+    assert!(!flock_free(&env.lock_file("app")));
+    bg.signal_group(libc::SIGKILL);
+    drop(bg);
+
+    assert!(
+        flock_free(&env.lock_file("app")),
+        "the kernel released the lock"
+    );
+    assert!(flock_free(&env.lock_file("base")));
+    // The next process that looks finds the dead writer.
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["state"], "free", "{entry}");
+    assert!(
+        entry["holders"].as_array().unwrap().is_empty(),
+        "no holder shown: {entry}"
+    );
+    assert_eq!(entry["image_state"], "incomplete", "{entry}");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert_eq!(
+        env.state("base").as_deref(),
+        Some("ready"),
+        "the base is untouched"
+    );
+    // Nothing stale remains for the base either.
+    let base = env.lock_entry("base").unwrap();
+    assert!(base["holders"].as_array().unwrap().is_empty(), "{base}");
+    // And the image can be written again.
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn a_reader_finds_a_dead_writer() {
+    let env = Env::new();
+    let bg = env.spawn(holder_args(&env, "app", &[]));
+    wait_for_file(&env.sentinel("started"));
+    bg.signal_group(libc::SIGKILL);
+    drop(bg);
+    let out = env.run(["exec", "--read", "app", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(stderr(&out).contains("incomplete"), "{}", stderr(&out));
+}
+
+#[test]
+fn sigkill_of_stowage_alone_leaves_the_command_holding_the_lock() {
+    let env = Env::new();
+    let mut bg = env.spawn(holder_args(&env, "app", &[]));
+    wait_for_file(&env.sentinel("started"));
+    let stowage_pid = bg.pid();
+    bg.signal(libc::SIGKILL);
+    wait_until("stowage is dead", || !bg.is_running());
+
+    // The command still runs and still holds the inherited lock.
+    assert!(
+        !flock_free(&env.lock_file("app")),
+        "the command must keep the lock"
+    );
+    let out = env.run(["exec", "--read", "app", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["state"], "exclusive", "{entry}");
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{entry}");
+    assert_eq!(
+        holders[0]["pid"], stowage_pid,
+        "the record still stands for the holder: {entry}"
+    );
+    assert_eq!(env.state("app").as_deref(), Some("creating"));
+
+    // When the command ends, the lock is free and the image incomplete
+    // (nobody recorded a success).
+    env.release("release");
+    wait_until("the command released the lock", || {
+        flock_free(&env.lock_file("app"))
+    });
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    let entry = env.lock_entry("app").unwrap();
+    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry}");
+}
+
+#[test]
+fn with_no_inherit_the_command_dies_with_stowage() {
+    let env = Env::new();
+    let mut bg = env.spawn(holder_args(&env, "app", &["--no-inherit"]));
+    wait_for_file(&env.sentinel("started"));
+    bg.signal(libc::SIGKILL);
+    wait_until("stowage is dead", || !bg.is_running());
+    // The command was killed too, so nothing writes without a lock.
+    wait_until("the lock is free", || flock_free(&env.lock_file("app")));
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
+#[test]
+fn sigkill_of_a_waiter_leaves_no_waiter_record() {
+    let env = Env::new();
+    let holder = env.spawn(holder_args(&env, "app", &[]));
+    wait_for_file(&env.sentinel("started"));
+    let waiter = env.spawn(["exec", "--read", "app", "--", "true"]);
+    wait_until("the waiter is recorded", || {
+        env.lock_entry("app")
+            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+    });
+    waiter.signal_group(libc::SIGKILL);
+    drop(waiter);
+    let entry = env.lock_entry("app").unwrap();
+    assert!(
+        entry["waiters"].as_array().unwrap().is_empty(),
+        "dead waiter dropped: {entry}"
+    );
+    assert_eq!(entry["holders"].as_array().unwrap().len(), 1);
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+}

@@ -1,0 +1,369 @@
+//! `stowage exec`: exit codes, environment, states, waiting, signals.
+
+use std::fs;
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+
+#[test]
+fn passes_the_child_status_through() {
+    let env = Env::new();
+    assert_eq!(
+        env.run(["exec", "--write", "a", "--", "sh", "-c", "exit 7"])
+            .status
+            .code(),
+        Some(7)
+    );
+    assert_eq!(
+        env.run(["exec", "--write", "a", "--", "true"])
+            .status
+            .code(),
+        Some(0)
+    );
+    assert_eq!(env.run(["exec", "--", "false"]).status.code(), Some(1));
+}
+
+#[test]
+fn write_outcome_sets_the_image_state() {
+    let env = Env::new();
+    env.ok(["exec", "--write", "good", "--", "true"]);
+    assert_eq!(env.state("good").as_deref(), Some("ready"));
+    env.run(["exec", "--write", "bad", "--", "false"]);
+    assert_eq!(env.state("bad").as_deref(), Some("incomplete"));
+    // Rewriting an incomplete image successfully makes it ready again.
+    env.ok(["exec", "--write", "bad", "--", "true"]);
+    assert_eq!(env.state("bad").as_deref(), Some("ready"));
+    // A failed rewrite of a ready image makes it incomplete.
+    env.run(["exec", "--write", "good", "--", "false"]);
+    assert_eq!(env.state("good").as_deref(), Some("incomplete"));
+}
+
+#[test]
+fn read_of_missing_or_unready_image_exits_66_and_creates_nothing() {
+    let env = Env::new();
+    env.make_image("base");
+    let before = tree(&env.root);
+    let out = env.run([
+        "exec",
+        "--read",
+        "nosuch",
+        "--",
+        "touch",
+        env.sentinel("ran").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(stderr(&out).contains("'nosuch'"), "{}", stderr(&out));
+    assert_eq!(
+        tree(&env.root),
+        before,
+        "a read of a missing image leaves no trace"
+    );
+    env.run(["exec", "--write", "broken", "--", "false"]);
+    let out = env.run([
+        "exec",
+        "--read",
+        "broken",
+        "--",
+        "touch",
+        env.sentinel("ran").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(stderr(&out).contains("incomplete"), "{}", stderr(&out));
+    assert!(!env.sentinel("ran").exists());
+}
+
+#[test]
+fn environment_and_new_image_directory() {
+    let env = Env::new();
+    let report = env.sentinel("env");
+    let script = format!(
+        "{{ echo \"root=$STOWAGE_ROOT\"; echo \"images=$STOWAGE_IMAGES_DIR\"; echo \"image=${{STOWAGE_IMAGE_DIR-unset}}\"; \
+         ls -A \"$STOWAGE_IMAGE_DIR\" | wc -l; [ -d \"$STOWAGE_IMAGE_DIR\" ] && echo isdir; }} > '{}'",
+        report.display()
+    );
+    env.ok(["exec", "--write", "team/app:v1", "--", "sh", "-c", &script]);
+    let text = fs::read_to_string(&report).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], format!("root={}", env.root.display()));
+    assert_eq!(
+        lines[1],
+        format!("images={}", env.root.join("img").display())
+    );
+    assert_eq!(
+        lines[2],
+        format!("image={}", env.root.join("img/team%app+v1").display())
+    );
+    assert_eq!(
+        lines[3].trim(),
+        "0",
+        "a new image's directory exists and is empty when CMD starts"
+    );
+    assert_eq!(lines[4], "isdir");
+
+    // With two writes there is no single image directory.
+    env.run([
+        "exec", "--write", "x", "--write", "y", "--", "sh", "-c", &script,
+    ]);
+    let text = fs::read_to_string(&report).unwrap();
+    assert!(text.contains("image=unset"), "{text}");
+}
+
+#[test]
+fn command_inherits_image_locks_but_nothing_else() {
+    let env = Env::new();
+    env.make_image("base");
+    let fds = env.sentinel("fds");
+    let list = format!("ls -l /proc/$$/fd > '{}'", fds.display());
+    env.ok([
+        "exec", "--read", "base", "--write", "new", "--", "sh", "-c", &list,
+    ]);
+    let text = fs::read_to_string(&fds).unwrap();
+    assert!(text.contains("locks/images/base.lock"), "{text}");
+    assert!(text.contains("locks/images/new.lock"), "{text}");
+    assert!(
+        !text.contains("global.lock"),
+        "the global lock is never inherited: {text}"
+    );
+    assert!(
+        !text.contains("stowage.db"),
+        "the database is never inherited: {text}"
+    );
+
+    env.ok([
+        "exec",
+        "--no-inherit",
+        "--read",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        &list,
+    ]);
+    let text = fs::read_to_string(&fds).unwrap();
+    assert!(
+        !text.contains(".lock"),
+        "--no-inherit keeps locks in stowage: {text}"
+    );
+}
+
+#[test]
+fn bounded_wait_gives_75_naming_the_holder() {
+    let env = Env::new();
+    env.make_image("app");
+    let mut args = vec![
+        "exec".to_string(),
+        "--write".into(),
+        "app".into(),
+        "--".into(),
+    ];
+    args.extend(env.hold_cmd("started", "release"));
+    let holder = env.spawn(&args);
+    wait_for_file(&env.sentinel("started"));
+
+    let t0 = Instant::now();
+    let out = env.run([
+        "exec",
+        "--read",
+        "app",
+        "--wait",
+        "0.5",
+        "--",
+        "touch",
+        env.sentinel("ran").to_str().unwrap(),
+    ]);
+    let waited = t0.elapsed();
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(
+        waited >= Duration::from_millis(450),
+        "gave up too early: {waited:?}"
+    );
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("pid {}", holder.pid())),
+        "names the holder's pid: {err}"
+    );
+    assert!(err.contains("sh -c"), "names the holder's command: {err}");
+    assert!(
+        err.contains("waiting for read lock on image 'app'"),
+        "{err}"
+    );
+    assert!(!env.sentinel("ran").exists());
+
+    // --no-wait: no waiting at all.
+    let out = env.run(["exec", "--read", "app", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(!stderr(&out).contains("waiting for"), "{}", stderr(&out));
+
+    // --conflict-exit-code replaces 75.
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--no-wait",
+        "--conflict-exit-code",
+        "3",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", show(&out));
+    let out = env.run([
+        "exec",
+        "--read",
+        "app",
+        "--wait",
+        "0",
+        "--conflict-exit-code",
+        "0",
+        "--",
+        "false",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    // The timed-out waiters left no waiter records behind.
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["waiters"].as_array().unwrap().len(), 0, "{entry}");
+}
+
+#[test]
+fn waiter_gets_the_lock_when_the_holder_finishes() {
+    let env = Env::new();
+    let mut args = vec![
+        "exec".to_string(),
+        "--write".into(),
+        "app".into(),
+        "--".into(),
+    ];
+    args.extend(env.hold_cmd("started", "release"));
+    let holder = env.spawn(&args);
+    wait_for_file(&env.sentinel("started"));
+    let waiter = env.spawn([
+        "exec",
+        "--read",
+        "app",
+        "--",
+        "touch",
+        env.sentinel("read").to_str().unwrap(),
+    ]);
+    wait_until("the waiter is recorded", || {
+        env.lock_entry("app")
+            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+    });
+    assert!(
+        !env.sentinel("read").exists(),
+        "the reader must wait for the writer"
+    );
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(env.sentinel("read").exists());
+}
+
+#[test]
+fn sigterm_is_forwarded_and_gives_143() {
+    let env = Env::new();
+    let started = env.sentinel("started");
+    let script = format!("touch '{}'; exec sleep 60", started.display());
+    let bg = env.spawn(["exec", "--write", "app", "--", "sh", "-c", &script]);
+    wait_for_file(&started);
+    bg.signal(libc::SIGTERM);
+    let out = bg.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert!(flock_free(&env.lock_file("app")));
+}
+
+#[test]
+fn signal_while_waiting_exits_without_running_the_command() {
+    let env = Env::new();
+    let mut args = vec![
+        "exec".to_string(),
+        "--write".into(),
+        "app".into(),
+        "--".into(),
+    ];
+    args.extend(env.hold_cmd("started", "release"));
+    let holder = env.spawn(&args);
+    wait_for_file(&env.sentinel("started"));
+    let ran = env.sentinel("ran");
+    let waiter = env.spawn([
+        "exec",
+        "--write",
+        "app",
+        "--write",
+        "other",
+        "--",
+        "touch",
+        ran.to_str().unwrap(),
+    ]);
+    wait_until("the waiter is recorded", || {
+        env.lock_entry("app")
+            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+    });
+    waiter.signal(libc::SIGINT);
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(130), "{}", show(&out));
+    assert!(!ran.exists());
+    let entry = env.lock_entry("app").unwrap();
+    assert!(entry["waiters"].as_array().unwrap().is_empty(), "{entry}");
+    env.release("release");
+    holder.finish();
+    assert_eq!(
+        env.state("other"),
+        None,
+        "an image never written is not left behind"
+    );
+}
+
+#[test]
+fn a_command_that_cannot_start_leaves_nothing() {
+    let env = Env::new();
+    env.make_image("base");
+    let out = env.run([
+        "exec",
+        "--read",
+        "base",
+        "--write",
+        "new",
+        "--",
+        "/nonexistent/builder",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("/nonexistent/builder"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(env.state("new"), None);
+    assert!(!env.root.join("img/new").exists());
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
+#[test]
+fn bad_arguments_exit_64() {
+    let env = Env::new();
+    for args in [
+        vec!["exec", "--wait", "-1", "--", "true"],
+        vec!["exec", "--wait", "nan", "--", "true"],
+        vec!["exec", "--wait", "inf", "--", "true"],
+        vec!["exec", "--wait", "1e300", "--", "true"],
+        vec!["exec", "--wait", "soon", "--", "true"],
+        vec!["exec", "--wait", "1", "--no-wait", "--", "true"],
+        vec!["exec", "--read", "a", "--write", "a", "--", "true"],
+        vec!["exec", "--write", "a"],
+        vec!["exec", "--conflict-exit-code", "256", "--", "true"],
+        vec!["frobnicate"],
+    ] {
+        let out = env.run(&args);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
+        assert_eq!(
+            stderr(&out).trim_end().lines().count(),
+            1,
+            "{args:?}: one line: {}",
+            stderr(&out)
+        );
+    }
+    assert!(!env.root.exists());
+}

@@ -1,0 +1,122 @@
+//! `stowage init`: layout, adoption of existing image directories, and an
+//! images directory that stowage adds nothing of its own to.
+
+use std::fs;
+
+use crate::common::*;
+
+#[test]
+fn creates_the_layout_idempotently() {
+    let env = Env::new();
+    env.ok(["init"]);
+    for d in ["locks/images", "locks/slots", "img", "trash"] {
+        assert!(env.root.join(d).is_dir(), "{d}");
+    }
+    assert!(env.root.join("stowage.db").is_file());
+    let before = tree(&env.root);
+    env.ok(["init"]);
+    assert_eq!(tree(&env.root), before);
+}
+
+#[test]
+fn adopts_charliecloud_named_directories() {
+    let env = Env::new();
+    let img = env.root.join("img");
+    fs::create_dir_all(img.join("alpine+3.17/bin")).unwrap();
+    fs::write(img.join("alpine+3.17/bin/sh"), "x").unwrap();
+    fs::create_dir_all(img.join("team%app+v1")).unwrap();
+    fs::create_dir_all(img.join("bad name")).unwrap();
+    fs::write(img.join("notes.txt"), "not an image").unwrap();
+
+    let out = env.ok(["init"]);
+    assert!(
+        stderr(&out).contains("bad name"),
+        "reports what it skipped: {}",
+        stderr(&out)
+    );
+    let names: Vec<String> = env
+        .images_json()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["alpine:3.17", "team/app:v1"]);
+    assert_eq!(env.state("alpine:3.17").as_deref(), Some("ready"));
+    // Adopted images are usable at once, and sized on first listing.
+    env.ok([
+        "exec",
+        "--read",
+        "alpine:3.17",
+        "--",
+        "test",
+        "-e",
+        &img.join("alpine+3.17/bin/sh").display().to_string(),
+    ]);
+    assert!(
+        env.image("alpine:3.17").unwrap()["size_bytes"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    // Adoption again finds nothing new.
+    env.ok(["init"]);
+    assert_eq!(env.images_json().len(), 2);
+}
+
+#[test]
+fn an_outside_images_directory_gets_nothing_of_stowages_own() {
+    let env = Env::new();
+    let storage = env.tmp.path().join("ch");
+    let img = storage.join("img");
+    fs::create_dir_all(img.join("alpine+3.17")).unwrap();
+    fs::write(storage.join("version"), "7\n").unwrap();
+    let img_arg = img.display().to_string();
+    let before_storage = fs::read_dir(&storage).unwrap().count();
+
+    env.ok(["init", "--images-dir", &img_arg]);
+    env.ok(["init", "--images-dir", &img_arg]);
+    env.ok([
+        "exec",
+        "--read",
+        "alpine:3.17",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "touch \"$STOWAGE_IMAGE_DIR/built\"",
+    ]);
+    let out = env.ok([
+        "exec",
+        "--write",
+        "x",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$STOWAGE_IMAGES_DIR\"",
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), img_arg);
+
+    let mut entries: Vec<String> = fs::read_dir(&img)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    entries.sort();
+    assert_eq!(
+        entries,
+        ["alpine+3.17", "app", "x"],
+        "only image trees in the images directory"
+    );
+    assert_eq!(
+        fs::read_dir(&storage).unwrap().count(),
+        before_storage,
+        "nothing added beside it"
+    );
+    assert!(img.join("app/built").exists());
+    assert!(!env.root.join("img/app").exists());
+
+    // Switching a populated store to another images directory is refused.
+    let other = env.tmp.path().join("other");
+    let out = env.run(["init", "--images-dir", other.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("refusing"), "{}", stderr(&out));
+}

@@ -1,0 +1,12 @@
+//! Integration tests: the real binary, real processes, a real directory.
+//! One test binary with modules keeps link time down.
+
+mod common;
+
+mod concurrency;
+mod crash;
+mod exec;
+mod init;
+mod lock_status;
+mod migration;
+mod names;

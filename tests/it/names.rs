@@ -1,0 +1,116 @@
+//! Every invalid-name rule: exit 64, the rule named, nothing created or
+//! deleted anywhere.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+
+use crate::common::*;
+
+const BAD: &[(&str, &str)] = &[
+    ("", "empty"),
+    (".hidden", "may not start with '.'"),
+    ("-flag", "may not start with '-'"),
+    ("/abs", "may not start with '/'"),
+    ("team//app", "'//'"),
+    ("team/./app", "'.' path component"),
+    ("team/../app", "'..' path component"),
+    ("a%b", "'%'"),
+    ("a+b", "'+'"),
+    ("a b", "whitespace"),
+    ("a\tb", "whitespace"),
+    ("a\u{1}b", "control characters"),
+    ("a*b", "'*'"),
+    ("café", "'é'"),
+];
+
+#[test]
+fn every_rule_exits_64_naming_it_and_creates_nothing() {
+    let env = Env::new();
+    let long = "a".repeat(256);
+    let mut cases: Vec<(String, &str)> = BAD.iter().map(|(n, r)| (n.to_string(), *r)).collect();
+    cases.push((long, "256 bytes"));
+    for (name, rule) in &cases {
+        for flag in ["--read", "--write"] {
+            let out = env.run([
+                "exec",
+                flag,
+                name,
+                "--",
+                "touch",
+                env.sentinel("ran").to_str().unwrap(),
+            ]);
+            assert_eq!(
+                out.status.code(),
+                Some(64),
+                "{flag} {name:?}: {}",
+                show(&out)
+            );
+            let err = stderr(&out);
+            assert!(
+                err.contains(rule),
+                "{flag} {name:?}: message must name the rule ({rule}): {err}"
+            );
+            assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+        }
+        let out = env.run(["lock-status", name.as_str()]);
+        assert_eq!(
+            out.status.code(),
+            Some(64),
+            "lock-status {name:?}: {}",
+            show(&out)
+        );
+    }
+    assert!(!env.sentinel("ran").exists(), "the command must not run");
+    assert!(
+        !env.root.exists(),
+        "an invalid name must not even create the root"
+    );
+}
+
+#[test]
+fn non_utf8_name_exits_64() {
+    let env = Env::new();
+    let mut c = env.cmd(["exec", "--write"]);
+    c.arg(OsStr::from_bytes(b"bad\xffname"))
+        .args(["--", "true"]);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(stderr(&out).contains("UTF-8"));
+    assert!(!env.root.exists());
+}
+
+#[test]
+fn invalid_name_in_an_existing_store_changes_nothing() {
+    let env = Env::new();
+    env.make_image("base");
+    let before = tree(&env.root);
+    let out = env.run(["exec", "--read", "base", "--write", "x//y", "--", "true"]);
+    assert_eq!(out.status.code(), Some(64));
+    assert_eq!(tree(&env.root), before);
+}
+
+#[test]
+fn valid_references_are_accepted_and_encoded_like_charliecloud() {
+    let env = Env::new();
+    env.make_image("registry.example:5000/team/app:v1");
+    env.make_image("app@sha256:0123abcd");
+    assert!(
+        env.root
+            .join("img/registry.example+5000%team%app+v1/file")
+            .exists()
+    );
+    assert!(env.root.join("img/app@sha256+0123abcd").is_dir());
+    assert_eq!(
+        env.state("registry.example:5000/team/app:v1").as_deref(),
+        Some("ready")
+    );
+}
+
+#[test]
+fn the_longest_name_works() {
+    let env = Env::new();
+    let name = "a".repeat(255);
+    env.make_image(&name);
+    assert_eq!(env.state(&name).as_deref(), Some("ready"));
+    env.ok(["exec", "--read", &name, "--", "true"]);
+}
