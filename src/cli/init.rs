@@ -28,14 +28,15 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         ),
         None => None,
     };
-    if let Some(dir) = &wanted {
-        if dir.starts_with(store.root().dir()) && *dir != store.root().default_images_dir() {
-            bail!(
-                "images directory {} is inside the root {}; use the default (omit --images-dir) or a directory outside it",
-                dir.display(),
-                store.root().dir().display()
-            );
-        }
+    if let Some(dir) = &wanted
+        && dir.starts_with(store.root().dir())
+        && *dir != store.root().default_images_dir()
+    {
+        bail!(
+            "images directory {} is inside the root {}; use the default (omit --images-dir) or a directory outside it",
+            dir.display(),
+            store.root().dir().display()
+        );
     }
     let (dir, adopted, skipped) = store.with_tx(None, |tx, ctx| {
         let current = tx.images_dir(&ctx.root)?;
