@@ -40,7 +40,7 @@ fn writers_never_overlap() {
             c.args(["-c", &loop_script, &script]);
             c
         })
-        .map(|c| Bg::from_command(c))
+        .map(Bg::from_command)
         .collect();
     for w in workers {
         let out = w.finish();
@@ -64,11 +64,7 @@ fn the_overlap_detector_detects_overlap() {
     let workers: Vec<_> = (0..8)
         .map(|_| {
             let mut c = Command::new("sh");
-            c.args([
-                "-c",
-                &format!("for i in $(seq 5); do sh -c \"$0\"; done"),
-                &script,
-            ]);
+            c.args(["-c", "for i in $(seq 5); do sh -c \"$0\"; done", &script]);
             Bg::from_command(c)
         })
         .collect();
@@ -132,7 +128,7 @@ fn random_multi_image_requests_all_finish() {
                 let mut picked: Vec<(&str, bool)> = Vec::new();
                 for img in IMAGES {
                     if rng.bool() {
-                        picked.push((img, rng.u8(..) % 3 == 0));
+                        picked.push((img, rng.u8(..).is_multiple_of(3)));
                     }
                 }
                 if picked.is_empty() {
