@@ -51,6 +51,7 @@ pub mod name;
 pub mod root;
 pub mod session;
 pub mod signals;
+pub mod slots;
 pub mod status;
 pub mod store;
 pub mod usage;

@@ -153,16 +153,37 @@ pub struct Wait<'a> {
     pub deadline: Option<Instant>,
     /// Called once if the lock is still not acquired after this long.
     pub notice: Option<(Duration, Box<dyn FnMut() + 'a>)>,
+    /// Re-issue blocked requests this often. On NFS a blocked lock request
+    /// is retried by the client with a back-off that grows to 30 s (NFSv4),
+    /// so a freed lock may sit unnoticed that long; interrupting and
+    /// re-issuing the request makes the client ask again at once. Local
+    /// filesystems wake waiters themselves and need none.
+    pub rearm: Option<Duration>,
 }
 
 impl<'a> Wait<'a> {
     pub fn until(deadline: Option<Instant>) -> Self {
         Wait {
             deadline,
-            notice: None,
+            ..Wait::default()
+        }
+    }
+
+    /// A wait suited to the filesystem holding the lock files in `dir`.
+    pub fn on(dir: &Path, deadline: Option<Instant>) -> Self {
+        let local = crate::kernel::filesystem(dir)
+            .map(|f| f.local)
+            .unwrap_or(false);
+        Wait {
+            deadline,
+            rearm: (!local).then_some(REMOTE_REARM),
+            ..Wait::default()
         }
     }
 }
+
+/// How often blocked requests are re-issued on remote filesystems.
+pub const REMOTE_REARM: Duration = Duration::from_millis(250);
 
 /// Opens a lock file: read-write, close-on-exec, never through a symlink.
 fn open(path: &Path, create: bool) -> io::Result<File> {
@@ -474,11 +495,17 @@ fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<
 
     let started = Instant::now();
     let mut notice = wait.notice.take();
+    let mut next_rearm = wait.rearm.map(|r| started + r);
     let outcome = loop {
         let now = Instant::now();
         let mut until = wait.deadline;
-        if let Some((after, _)) = &notice {
-            let at = started + *after;
+        for at in [
+            notice.as_ref().map(|(after, _)| started + *after),
+            next_rearm,
+        ]
+        .into_iter()
+        .flatten()
+        {
             until = Some(until.map_or(at, |d| d.min(at)));
         }
         let event = match until {
@@ -497,11 +524,24 @@ fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<
             }
             Ok(Event::Cancelled(sig)) => break Ok(Waited::Interrupted(sig)),
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Some((after, mut say)) = notice.take()
-                    && Instant::now() >= started + after
+                if let Some((after, mut say)) = notice.take() {
+                    if Instant::now() >= started + after {
+                        say();
+                    } else {
+                        notice = Some((after, say));
+                    }
+                }
+                if let (Some(at), Some(every)) = (next_rearm, wait.rearm)
+                    && Instant::now() >= at
                 {
-                    say();
-                    continue;
+                    // Interrupted workers see no stop flag and block again.
+                    for w in workers.iter().filter(|w| !w.finished) {
+                        if let Some(h) = &w.handle {
+                            // SAFETY: see stop_workers.
+                            unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
+                        }
+                    }
+                    next_rearm = Some(Instant::now() + every);
                 }
                 if wait.deadline.is_some_and(|d| Instant::now() >= d) {
                     break Ok(Waited::TimedOut);
@@ -715,6 +755,27 @@ mod tests {
         drop(c);
         assert_eq!(probe(&paths[0]).unwrap(), Probe::Free);
         assert_eq!(probe(&paths[2]).unwrap(), Probe::Free);
+    }
+
+    #[test]
+    fn rearmed_waits_still_acquire() {
+        let d = tmp();
+        let p = d.path().join("a.lock");
+        let held = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let t = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(120));
+            drop(held);
+        });
+        let mut wait = Wait {
+            rearm: Some(Duration::from_millis(10)),
+            deadline: Some(Instant::now() + Duration::from_secs(30)),
+            ..Wait::default()
+        };
+        assert!(matches!(
+            lock(&p, Mode::Exclusive, true, &mut wait).unwrap(),
+            Waited::Acquired(_)
+        ));
+        t.join().unwrap();
     }
 
     #[test]

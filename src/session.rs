@@ -42,6 +42,8 @@ pub struct Request {
     pub deadline: Option<Instant>,
     /// Fail at once if any lock is busy.
     pub no_wait: bool,
+    /// A slot to take first: class and priority.
+    pub slot: Option<(String, crate::slots::Priority)>,
     /// The command line, as recorded for lock-status.
     pub command: String,
 }
@@ -57,6 +59,7 @@ struct Held {
 /// Image locks held for one command.
 #[must_use = "finish() records the outcome; dropping releases the locks and leaves images to be found incomplete"]
 pub struct Session {
+    slot: Option<crate::slots::SlotGuard>,
     held: Vec<Held>,
     records: Vec<i64>,
     images_dir: PathBuf,
@@ -92,6 +95,19 @@ impl Session {
             }
         });
         loop {
+            // Slots first in the lock order. No image lock is held yet, so a
+            // migration found while reading the class is done on the spot.
+            let mut slot = match &req.slot {
+                Some((class, prio)) => crate::slots::acquire_unrecorded(
+                    store,
+                    class,
+                    *prio,
+                    req.deadline,
+                    req.no_wait,
+                    &req.command,
+                )?,
+                None => None,
+            };
             let mut held = Vec::with_capacity(wanted.len());
             let mut waits = Vec::new();
             let mut migrate = false;
@@ -114,9 +130,10 @@ impl Session {
                 }
             }
             if !migrate {
-                match start(store, &mut held, &waits, req) {
+                match start(store, &mut held, slot.as_mut(), &waits, req) {
                     Ok((images_dir, records)) => {
                         return Ok(Session {
+                            slot,
                             held,
                             records,
                             images_dir,
@@ -130,6 +147,7 @@ impl Session {
             // Never migrate while holding image locks: the migration waits
             // for every image lock to be free, ours included.
             drop(held);
+            drop(slot);
             store.migrate(req.deadline)?;
         }
     }
@@ -155,9 +173,17 @@ impl Session {
     /// Lets spawned children inherit the lock descriptors (like flock(1)),
     /// so the locks live as long as any process that may still write.
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
+        if let Some(s) = &self.slot {
+            s.set_inheritable(inherit)?;
+        }
         self.held
             .iter()
             .try_for_each(|h| h.guard.set_inheritable(inherit))
+    }
+
+    /// The slot file held, if any.
+    pub fn slot_file(&self) -> Option<&Path> {
+        self.slot.as_ref().map(|s| s.slot_file())
     }
 
     pub fn elapsed(&self) -> Duration {
@@ -190,11 +216,16 @@ impl Session {
                 ctx.detail(&format!("image '{}' is {state}", h.name));
             }
         }
-        for id in &self.records {
+        for id in self
+            .records
+            .iter()
+            .chain(self.slot.as_ref().and_then(|s| s.record_id()).as_ref())
+        {
             tx.delete_record(*id)?;
         }
         tx.commit()?;
         drop(self.held);
+        drop(self.slot);
         Ok(())
     }
 
@@ -215,7 +246,11 @@ impl Session {
                 Some(prev) => tx.set_state(h.name.as_str(), prev)?,
             }
         }
-        for id in &self.records {
+        for id in self
+            .records
+            .iter()
+            .chain(self.slot.as_ref().and_then(|s| s.record_id()).as_ref())
+        {
             tx.delete_record(*id)?;
         }
         tx.commit()
@@ -276,7 +311,7 @@ fn acquire(
     }
     store.ctx().say(&format!("waiting for {what}: {holders}"));
     let t0 = Instant::now();
-    let mut wait = Wait::until(req.deadline);
+    let mut wait = Wait::on(&store.root().image_locks(), req.deadline);
     let outcome = lock::lock(&path, mode, true, &mut wait)
         .map_err(|e| lock_error(&format!("image '{name}'"), &path, e));
     let failure = match outcome {
@@ -336,10 +371,11 @@ fn record(ctx: &Ctx, name: &ImageName, mode: Mode, role: Role, command: &str) ->
 }
 
 /// The start transaction. Returns the images directory and the ids of the
-/// holder records it made.
+/// image holder records it made (the slot's id goes into its guard).
 fn start(
     store: &mut Store,
     held: &mut [Held],
+    slot: Option<&mut crate::slots::SlotGuard>,
     waits: &[i64],
     req: &Request,
 ) -> Result<(PathBuf, Vec<i64>)> {
@@ -348,6 +384,13 @@ fn start(
     let now = clock::now_ms();
     for id in waits {
         tx.delete_record(*id)?;
+    }
+    let mut slot_id = None;
+    if let Some(s) = &slot {
+        if let Some(w) = s.waiter {
+            tx.delete_record(w)?;
+        }
+        slot_id = Some(tx.insert_record(&s.holder_record(ctx, &req.command))?);
     }
     let mut refusal = None;
     let mut records = Vec::with_capacity(held.len());
@@ -401,6 +444,10 @@ fn start(
         return Err(err.into());
     }
     tx.commit()?;
+    if let (Some(s), Some(id)) = (slot, slot_id) {
+        s.waiter = None;
+        s.set_record(id);
+    }
     Ok((images_dir, records))
 }
 

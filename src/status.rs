@@ -47,6 +47,8 @@ pub struct LockReport {
     pub waiters: Vec<Party>,
     /// For image locks: the image's state, when it has a row.
     pub image_state: Option<ImageState>,
+    /// For slot classes: limit, reserve for high priority, slots in use.
+    pub slot: Option<(u32, u32, u32)>,
 }
 
 /// Judges the records of one lock against the kernel's view, deletes the
@@ -179,11 +181,22 @@ fn outsider(ctx: &Ctx, e: &Entry) -> Party {
 
 /// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"
 pub fn phrase(holders: &[Party]) -> String {
+    match holders.first() {
+        Some(first) => phrase_as(&format!("held ({}) by ", first.mode.verb()), holders),
+        None => phrase_as("", holders),
+    }
+}
+
+/// "in use by pid 4121 on node07 (ch-image pull alpine) since 12:03:04"
+pub fn phrase_slots(holders: &[Party]) -> String {
+    phrase_as("in use by ", holders)
+}
+
+fn phrase_as(lead: &str, holders: &[Party]) -> String {
     if holders.is_empty() {
         return "no holder is known (it may have just been released)".into();
     }
-    let first = &holders[0];
-    let mut s = format!("held ({}) by ", first.mode.verb());
+    let mut s = lead.to_owned();
     let shown: Vec<String> = holders.iter().take(3).map(describe).collect();
     s.push_str(&shown.join("; "));
     if holders.len() > 3 {
@@ -275,33 +288,62 @@ pub fn global_holder_phrase(root: &crate::root::Root) -> String {
 
 /// Judges every record and every image a writer was working on: deletes
 /// stale records, marks images whose writer is gone `incomplete`. Returns
-/// the reports of the image locks that are held or awaited.
-pub fn sweep(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<BTreeMap<String, LockReport>> {
-    let mut by_lock: BTreeMap<(String, String), Vec<Record>> = BTreeMap::new();
+/// the reports of the image locks that have records, and of every slot class.
+pub fn sweep(
+    tx: &Tx,
+    ctx: &Ctx,
+    kv: &KernelView,
+) -> Result<(BTreeMap<String, LockReport>, Vec<LockReport>)> {
+    let mut images: BTreeMap<String, Vec<Record>> = BTreeMap::new();
+    let mut orphans = Vec::new();
+    let classes = tx.slot_classes()?;
     for rec in tx.all_records()? {
-        by_lock
-            .entry((rec.kind.as_str().to_owned(), rec.name.clone()))
-            .or_default()
-            .push(rec);
+        match rec.kind {
+            LockKind::Image => images.entry(rec.name.clone()).or_default().push(rec),
+            LockKind::Slot if classes.iter().any(|c| c.name == rec.name) => {}
+            _ => orphans.push(rec),
+        }
     }
     let mut reports = BTreeMap::new();
-    for ((kind, name), records) in by_lock {
+    for (name, records) in images {
         let path = ctx.root.locks().join(&records[0].lockfile);
         let view = kv.view(&path)?;
         let (holders, waiters) = judge(tx, ctx, kv, &view, &records)?;
-        if kind == LockKind::Image.as_str() {
-            reports.insert(
-                name.clone(),
-                LockReport {
-                    kind: LockKind::Image,
-                    name,
-                    state: settle(view.state),
-                    holders,
-                    waiters,
-                    image_state: None,
-                },
-            );
-        }
+        reports.insert(
+            name.clone(),
+            LockReport {
+                kind: LockKind::Image,
+                name,
+                state: settle(view.state),
+                holders,
+                waiters,
+                image_state: None,
+                slot: None,
+            },
+        );
+    }
+    // Records of removed slot classes (or of kinds nobody records any more)
+    // stand only while their lock file is held.
+    for rec in orphans {
+        let view = kv.view(&ctx.root.locks().join(&rec.lockfile))?;
+        judge(tx, ctx, kv, &view, std::slice::from_ref(&rec))?;
+    }
+    let mut slots = Vec::new();
+    for class in &classes {
+        let r = crate::slots::class_report(tx, ctx, kv, class)?;
+        slots.push(LockReport {
+            kind: LockKind::Slot,
+            name: class.name.clone(),
+            state: if r.in_use > 0 {
+                Probe::Shared
+            } else {
+                Probe::Free
+            },
+            holders: r.holders,
+            waiters: r.waiters,
+            image_state: None,
+            slot: Some((class.limit, class.reserve_high, r.in_use)),
+        });
     }
     // A writer that died leaves its image creating/writing with the lock
     // free: that image is incomplete. The lock cannot be taken between this
@@ -320,7 +362,7 @@ pub fn sweep(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<BTreeMap<String, Loc
             ));
         }
     }
-    Ok(reports)
+    Ok((reports, slots))
 }
 
 fn settle(p: Option<Probe>) -> Probe {
@@ -430,9 +472,9 @@ impl LockReport {
             kind: self.kind.as_str(),
             name: self.name.clone(),
             image_state: self.image_state.map(ImageState::as_str),
-            limit: None,
-            reserve_high: None,
-            in_use: None,
+            limit: self.slot.map(|s| s.0),
+            reserve_high: self.slot.map(|s| s.1),
+            in_use: self.slot.map(|s| s.2),
             state: state_str(self.state),
             holders: self.holders.iter().map(PartyJson::from).collect(),
             waiters: self.waiters.iter().map(PartyJson::from).collect(),
@@ -462,8 +504,8 @@ pub fn gather(
         crate::kernel::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
 
     let images = store.with_tx(None, |tx, ctx| {
-        let kv = KernelView::new(&ctx.root.image_locks());
-        let mut reports = sweep(tx, ctx, &kv)?;
+        let kv = KernelView::new(&ctx.root.locks());
+        let (mut reports, slots) = sweep(tx, ctx, &kv)?;
         for (name, view) in kernel_locked_images(ctx, &kv)? {
             if reports.contains_key(&name) {
                 continue;
@@ -481,6 +523,7 @@ pub fn gather(
                     holders,
                     waiters,
                     image_state: None,
+                    slot: None,
                 },
             );
         }
@@ -507,6 +550,7 @@ pub fn gather(
                     holders,
                     waiters,
                     image_state: None,
+                    slot: None,
                 },
             );
         }
@@ -525,6 +569,7 @@ pub fn gather(
             r.image_state = tx.image(&name)?.map(|row| row.state);
             out.push(r);
         }
+        out.extend(slots);
         Ok(out)
     })?;
     let mut locks = vec![global];
@@ -552,13 +597,14 @@ fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {
         holders,
         waiters: view.waiters.iter().map(|e| outsider(ctx, e)).collect(),
         image_state: None,
+        slot: None,
     }
 }
 
 /// Which images are in use (their lock held), for `stowage images`.
 pub fn in_use(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<HashMap<String, bool>> {
     let mut out: HashMap<String, bool> = HashMap::new();
-    for (name, r) in sweep(tx, ctx, kv)? {
+    for (name, r) in sweep(tx, ctx, kv)?.0 {
         out.insert(name, r.state != Probe::Free);
     }
     for (name, view) in kernel_locked_images(ctx, kv)? {

@@ -119,7 +119,7 @@ impl Store {
                 Err(e) => return Err(lock_error("the global lock", &path, e)),
             }
         }
-        let mut wait = Wait::until(deadline);
+        let mut wait = Wait::on(&ctx.root.locks(), deadline);
         if !ctx.noticed_global.get() {
             let root = ctx.root.clone();
             let quiet = ctx.quiet;
@@ -276,7 +276,7 @@ impl Store {
                 ));
                 told = true;
             }
-            let mut wait = Wait::until(deadline);
+            let mut wait = Wait::on(&ctx.root.image_locks(), deadline);
             match lock::lock(&path, Mode::Exclusive, false, &mut wait) {
                 Ok(Waited::Acquired(g)) => drop(g),
                 Ok(Waited::TimedOut) => {

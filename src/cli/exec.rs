@@ -10,6 +10,7 @@ use crate::error::{self, Error};
 use crate::ident;
 use crate::session::{Outcome, Request, Session};
 use crate::signals::Forwarder;
+use crate::slots::Priority;
 use crate::store::Store;
 
 #[derive(clap::Args)]
@@ -26,6 +27,12 @@ pub struct Args {
     /// Take an exclusive lock on IMG, creating it if new
     #[arg(long = "write", value_name = "IMG")]
     write: Vec<OsString>,
+    /// Take a slot of CLASS before any image lock (see 'stowage slots')
+    #[arg(long, value_name = "CLASS")]
+    slot: Option<String>,
+    /// Slot priority: high may also take the slots reserved for it
+    #[arg(long, value_enum, value_name = "PRIORITY", requires = "slot")]
+    priority: Option<Priority>,
     /// Give up after SECONDS (fractional) waiting for locks [default: wait forever]
     #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
     wait: Option<String>,
@@ -50,6 +57,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    if let Some(class) = &args.slot {
+        crate::slots::validate_class(class)?;
+    }
     let reads = super::names(&args.read)?;
     let writes = super::names(&args.write)?;
     if let Some(both) = reads.iter().find(|r| writes.contains(r)) {
@@ -74,6 +84,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         base: None,
         deadline,
         no_wait,
+        slot: args
+            .slot
+            .map(|class| (class, args.priority.unwrap_or_default())),
         command: ident::shell_join(&shown),
     };
     let session = match Session::begin(store, &req) {

@@ -19,6 +19,7 @@ mod exec;
 mod images;
 mod init;
 mod lock_status;
+mod slots;
 
 #[derive(Parser)]
 #[command(
@@ -55,6 +56,8 @@ enum Command {
     Images(images::Args),
     /// Show who holds and awaits which lock
     LockStatus(lock_status::Args),
+    /// Show or configure slot classes (limits on heavy work per runtime)
+    Slots(slots::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -80,6 +83,7 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Exec(args) => exec::run(args, &mut store),
         Command::Images(args) => images::run(args, &mut store),
         Command::LockStatus(args) => lock_status::run(args, &mut store),
+        Command::Slots(args) => slots::run(args, &mut store),
     }
 }
 
@@ -97,10 +101,17 @@ fn parse_failure(e: clap::Error) -> ExitCode {
             ExitCode::from(error::code::USAGE)
         }
         _ => {
+            // clap's first paragraph says what is wrong (sometimes over
+            // several lines); usage and tips follow. Keep it to one line.
             let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or("invalid arguments");
-            let first = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("stowage: {first} (see 'stowage --help')");
+            let what: Vec<&str> = text
+                .lines()
+                .take_while(|l| !l.trim().is_empty())
+                .map(str::trim)
+                .collect();
+            let what = what.join(" ");
+            let what = what.strip_prefix("error: ").unwrap_or(&what);
+            eprintln!("stowage: {what} (see 'stowage --help')");
             ExitCode::from(error::code::USAGE)
         }
     }

@@ -226,6 +226,19 @@ impl Bg {
         unsafe { libc::kill(-(self.pid() as i32), sig) };
     }
 
+    /// SIGKILLs stowage and everything it started, and waits (bounded) until
+    /// every process of the group has exited — orphans included, whose exit
+    /// (and so the release of inherited locks) is asynchronous.
+    pub fn kill_all(mut self) {
+        let pgid = self.pid() as i32;
+        self.signal_group(libc::SIGKILL);
+        let mut child = self.child.take().unwrap();
+        let _ = child.wait();
+        wait_until(&format!("process group {pgid} is gone"), || {
+            group_members(pgid) == 0
+        });
+    }
+
     pub fn is_running(&mut self) -> bool {
         self.child.as_mut().unwrap().try_wait().unwrap().is_none()
     }
@@ -349,4 +362,34 @@ fn walkdir(dir: &Path) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+/// utime + stime of a process, in clock ticks (including its threads).
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // fields 14 and 15 (utime, stime) are at 11 and 12 after the state (field 3)
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// Live (non-zombie) processes in a process group.
+pub fn group_members(pgid: i32) -> usize {
+    fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .filter_map(|e| fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            let Some(close) = stat.rfind(')') else {
+                return false;
+            };
+            let f: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+            f.len() > 2 && f[0] != "Z" && f[2] == pgid.to_string()
+        })
+        .count()
 }

@@ -20,8 +20,7 @@ fn sigkill_of_stowage_and_command_mid_write() {
     let bg = env.spawn(&args);
     wait_for_file(&env.sentinel("started"));
     assert!(!flock_free(&env.lock_file("app")));
-    bg.signal_group(libc::SIGKILL);
-    drop(bg);
+    bg.kill_all();
 
     assert!(
         flock_free(&env.lock_file("app")),
@@ -55,8 +54,7 @@ fn a_reader_finds_a_dead_writer() {
     let env = Env::new();
     let bg = env.spawn(holder_args(&env, "app", &[]));
     wait_for_file(&env.sentinel("started"));
-    bg.signal_group(libc::SIGKILL);
-    drop(bg);
+    bg.kill_all();
     let out = env.run(["exec", "--read", "app", "--", "true"]);
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
     assert!(stderr(&out).contains("incomplete"), "{}", stderr(&out));
@@ -121,8 +119,7 @@ fn sigkill_of_a_waiter_leaves_no_waiter_record() {
         env.lock_entry("app")
             .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
     });
-    waiter.signal_group(libc::SIGKILL);
-    drop(waiter);
+    waiter.kill_all();
     let entry = env.lock_entry("app").unwrap();
     assert!(
         entry["waiters"].as_array().unwrap().is_empty(),

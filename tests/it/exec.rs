@@ -367,3 +367,32 @@ fn bad_arguments_exit_64() {
     }
     assert!(!env.root.exists());
 }
+
+#[test]
+fn waiting_for_an_image_burns_no_cpu() {
+    let env = Env::new();
+    let mut args = vec![
+        "exec".to_string(),
+        "--write".into(),
+        "app".into(),
+        "--".into(),
+    ];
+    args.extend(env.hold_cmd("started", "release"));
+    let holder = env.spawn(&args);
+    wait_for_file(&env.sentinel("started"));
+    let waiter = env.spawn(["exec", "--read", "app", "--wait", "600", "--", "true"]);
+    wait_until("the waiter is recorded", || {
+        env.lock_entry("app")
+            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+    });
+    let before = cpu_ticks(waiter.pid());
+    std::thread::sleep(Duration::from_secs(2)); // the measurement window
+    let used = cpu_ticks(waiter.pid()) - before;
+    assert!(
+        used <= 5,
+        "a bounded waiter used {used} clock ticks of CPU in 2 s"
+    );
+    env.release("release");
+    holder.finish();
+    assert_eq!(waiter.finish().status.code(), Some(0));
+}

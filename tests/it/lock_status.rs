@@ -156,8 +156,7 @@ fn a_record_from_another_host_whose_lock_is_free_is_dropped() {
     let entry = env.lock_entry("app").unwrap();
     assert_eq!(entry["holders"][0]["host"], "node07.elsewhere", "{entry}");
 
-    remote.signal_group(libc::SIGKILL);
-    drop(remote);
+    remote.kill_all();
     let entry = env.lock_entry("app").unwrap();
     assert!(
         entry["holders"].as_array().unwrap().is_empty(),

@@ -10,3 +10,4 @@ mod init;
 mod lock_status;
 mod migration;
 mod names;
+mod slots;

@@ -1,0 +1,158 @@
+//! `stowage slots`: show, set and remove slot classes.
+
+use anyhow::Result;
+use clap::Subcommand;
+use serde::Serialize;
+
+use crate::error::Error;
+use crate::kernel::KernelView;
+use crate::meta::SlotClass;
+use crate::slots::{self, MAX_LIMIT, MAX_RESERVE};
+use crate::status::PartyJson;
+use crate::store::Store;
+
+#[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    stowage slots set pull 4 --reserve-high 1   # 4 pulls at once, +1 for urgent small requests\n  \
+    stowage slots set load/podman 2             # a daemonless runtime: 2 loads at once\n  \
+    stowage slots set load/docker 0             # a daemon coordinates: no limit\n  \
+    stowage exec --slot pull --write alpine -- ./pull alpine")]
+pub struct Args {
+    #[command(subcommand)]
+    action: Option<Action>,
+    /// Print JSON (when showing)
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum Action {
+    /// Create or change a class: at most LIMIT normal holders (0: unlimited)
+    Set {
+        class: String,
+        /// Normal holders at once (0 = unlimited)
+        limit: String,
+        /// Extra slots only --priority high may take
+        #[arg(long, value_name = "N", default_value = "0")]
+        reserve_high: String,
+    },
+    /// Remove a class (current holders keep their slots until they finish)
+    Rm { class: String },
+}
+
+#[derive(Serialize)]
+struct ClassJson {
+    name: String,
+    limit: u32,
+    reserve_high: u32,
+    in_use: u32,
+    holders: Vec<PartyJson>,
+    waiters: Vec<PartyJson>,
+}
+
+pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    match args.action {
+        None => show(store, args.json),
+        Some(Action::Set {
+            class,
+            limit,
+            reserve_high,
+        }) => {
+            slots::validate_class(&class)?;
+            let limit = number("LIMIT", &limit, MAX_LIMIT)?;
+            let reserve_high = number("--reserve-high", &reserve_high, MAX_RESERVE)?;
+            if limit == 0 && reserve_high > 0 {
+                return Err(Error::Usage(format!(
+                    "slot class '{class}': a reserve for high priority needs a limit (LIMIT 0 means unlimited)"
+                ))
+                .into());
+            }
+            let c = SlotClass {
+                name: class.clone(),
+                limit,
+                reserve_high,
+            };
+            store.with_tx(None, |tx, _| tx.set_slot_class(&c))?;
+            store.ctx().say(&match (limit, reserve_high) {
+                (0, _) => format!("slot class '{class}': unlimited"),
+                (n, 0) => format!("slot class '{class}': at most {n} at once"),
+                (n, r) => {
+                    format!("slot class '{class}': at most {n} at once, {r} more for high priority")
+                }
+            });
+            Ok(0)
+        }
+        Some(Action::Rm { class }) => {
+            let busy = slots::remove_class(store, &class)?;
+            store.ctx().say(&if busy > 0 {
+                format!("slot class '{class}' removed; {busy} holder(s) keep their slots until they finish")
+            } else {
+                format!("slot class '{class}' removed")
+            });
+            Ok(0)
+        }
+    }
+}
+
+fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
+    match raw.trim().parse::<u32>() {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(Error::Usage(format!(
+            "{what} {raw:?}: must be a whole number from 0 to {max}"
+        ))
+        .into()),
+    }
+}
+
+fn show(store: &mut Store, json: bool) -> Result<u8> {
+    let reports = store.with_tx(None, |tx, ctx| {
+        let kv = KernelView::new(&ctx.root.locks());
+        tx.slot_classes()?
+            .iter()
+            .map(|c| slots::class_report(tx, ctx, &kv, c))
+            .collect::<Result<Vec<_>>>()
+    })?;
+    if json {
+        let out: Vec<ClassJson> = reports
+            .iter()
+            .map(|r| ClassJson {
+                name: r.class.name.clone(),
+                limit: r.class.limit,
+                reserve_high: r.class.reserve_high,
+                in_use: r.in_use,
+                holders: r.holders.iter().map(PartyJson::from).collect(),
+                waiters: r.waiters.iter().map(PartyJson::from).collect(),
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(0);
+    }
+    if reports.is_empty() {
+        println!(
+            "no slot classes; add one with 'stowage slots set CLASS LIMIT [--reserve-high N]'"
+        );
+        return Ok(0);
+    }
+    let mut rows = vec![[
+        "CLASS".to_owned(),
+        "LIMIT".into(),
+        "RESERVE HIGH".into(),
+        "IN USE".into(),
+        "WAITING".into(),
+    ]];
+    for r in &reports {
+        rows.push([
+            r.class.name.clone(),
+            if r.class.limit == 0 {
+                "unlimited".into()
+            } else {
+                r.class.limit.to_string()
+            },
+            r.class.reserve_high.to_string(),
+            r.in_use.to_string(),
+            r.waiters.len().to_string(),
+        ]);
+    }
+    super::images::print_table(&rows);
+    Ok(0)
+}

@@ -1,0 +1,456 @@
+//! Slots: cross-process counting semaphores, one class per runtime or kind
+//! of heavy work (`pull`, `load/podman`).
+//!
+//! A class with limit N and reserve R is N + R lock files:
+//!
+//! ```text
+//! ROOT/locks/slots/ENC/0.lock … (N-1).lock          normal slots
+//! ROOT/locks/slots/ENC/high-0.lock … high-(R-1).lock  reserved for --priority high
+//! ```
+//!
+//! (ENC is the class name with `/` → `%`, as for images.) Normal work takes
+//! any free normal slot, so at most N run at once; high-priority work takes a
+//! reserved slot first, else a normal one, so the total is at most N + R and
+//! a small urgent request never waits behind a wall of big transfers (the
+//! BuildKit design). Limit 0 means unlimited: no lock at all.
+//!
+//! Invariants:
+//! - A slot is an exclusive flock, so the kernel frees it when its holder
+//!   dies: no token is ever lost (unlike a make jobserver's pipe).
+//! - Slots come first in the lock order (slots → images → global).
+//! - The configuration lives in the metadata and is read by each acquirer,
+//!   so a change applies to the next acquirer; lowering a limit never
+//!   disturbs current holders (they keep their higher-numbered files).
+//! - Waiting for "any of N" blocks on all N files at once (see `lock.rs`),
+//!   so a freed slot is taken as soon as the kernel wakes a waiter; on remote
+//!   filesystems the blocked requests are re-issued every 250 ms.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+use crate::clock;
+use crate::error::{Busy, Error};
+use crate::kernel::KernelView;
+use crate::lock::{self, Guard, Mode, Probe, Wait, Waited};
+use crate::meta::{LockKind, Record, Role, SlotClass, Tx};
+use crate::status::{self, Party};
+use crate::store::{Ctx, Store, lock_error};
+
+/// The largest limit (each waiter blocks on every slot file at once).
+pub const MAX_LIMIT: u32 = 256;
+/// The largest reserve for high-priority work.
+pub const MAX_RESERVE: u32 = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Priority {
+    #[default]
+    Normal,
+    High,
+}
+
+/// Checks a class name: lowercase letters, digits, `.`, `_`, `-`, in
+/// components separated by single `/`, at most 64 bytes.
+pub fn validate_class(class: &str) -> Result<(), Error> {
+    let bad = |why: &str| Err(Error::Usage(format!("invalid slot class {class:?}: {why}")));
+    if class.is_empty() {
+        return bad("the name is empty");
+    }
+    if class.len() > 64 {
+        return bad("longer than 64 bytes");
+    }
+    for comp in class.split('/') {
+        if comp.is_empty() {
+            return bad("empty component (leading, trailing or double '/')");
+        }
+        if !comp.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit()) {
+            return bad("each component must start with a lowercase letter or digit");
+        }
+        if let Some(c) = comp.chars().find(|c| {
+            !(c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '_' | '-'))
+        }) {
+            return bad(&format!(
+                "{c:?} is not allowed (use lowercase letters, digits, '.', '_', '-', '/')"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `ROOT/locks/slots/ENC`.
+pub fn class_dir(ctx: &Ctx, class: &str) -> PathBuf {
+    ctx.root.slot_locks().join(class.replace('/', "%"))
+}
+
+/// The files an acquirer of `priority` may take, in the order it tries them.
+fn candidates(dir: &Path, class: &SlotClass, priority: Priority) -> Vec<PathBuf> {
+    let normal = (0..class.limit).map(|i| dir.join(format!("{i}.lock")));
+    let high = (0..class.reserve_high).map(|i| dir.join(format!("high-{i}.lock")));
+    match priority {
+        Priority::Normal => normal.collect(),
+        Priority::High => high.chain(normal).collect(),
+    }
+}
+
+/// A held slot. Dropping it releases the slot (closing the descriptor).
+#[must_use = "the slot is released when the guard is dropped"]
+#[derive(Debug)]
+pub struct SlotGuard {
+    guard: Guard,
+    class: String,
+    /// The waiter record made while waiting, to drop when recording the hold.
+    pub(crate) waiter: Option<i64>,
+    /// The holder record, once made.
+    record: Option<i64>,
+}
+
+impl SlotGuard {
+    pub fn class(&self) -> &str {
+        &self.class
+    }
+
+    /// The slot file held, e.g. `ROOT/locks/slots/pull/2.lock`.
+    pub fn slot_file(&self) -> &Path {
+        self.guard.path()
+    }
+
+    pub(crate) fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
+        self.guard.set_inheritable(inherit)
+    }
+
+    /// The holder record for this slot (inserted by the caller's transaction).
+    pub(crate) fn holder_record(&self, ctx: &Ctx, command: &str) -> Record {
+        record(
+            ctx,
+            &self.class,
+            lockfile_rel(ctx, self.guard.path()),
+            Role::Holder,
+            command,
+        )
+    }
+
+    pub(crate) fn set_record(&mut self, id: i64) {
+        self.record = Some(id);
+    }
+
+    pub(crate) fn record_id(&self) -> Option<i64> {
+        self.record
+    }
+
+    /// Releases the slot and deletes its holder record.
+    pub fn release(self, store: &mut Store) -> Result<()> {
+        if let Some(id) = self.record {
+            store.with_tx(None, |tx, _| tx.delete_record(id))?;
+        }
+        drop(self.guard);
+        Ok(())
+    }
+}
+
+fn lockfile_rel(ctx: &Ctx, path: &Path) -> String {
+    path.strip_prefix(ctx.root.locks())
+        .unwrap_or(path)
+        .display()
+        .to_string()
+}
+
+fn record(ctx: &Ctx, class: &str, lockfile: String, role: Role, command: &str) -> Record {
+    Record {
+        id: 0,
+        kind: LockKind::Slot,
+        name: class.to_owned(),
+        lockfile,
+        role,
+        mode: Mode::Exclusive,
+        pid: ctx.me.pid,
+        pid_start: ctx.me.pid_start,
+        host: ctx.me.host.clone(),
+        boot_id: ctx.me.boot_id.clone(),
+        user: ctx.me.user.clone(),
+        command: command.to_owned(),
+        since: clock::now_ms(),
+    }
+}
+
+/// Takes a slot of `class`, recording the holder. `Ok(None)` when the class
+/// is unlimited (nothing to take).
+///
+/// ```no_run
+/// use stowage::{Root, Store, slots::{self, Priority}};
+///
+/// let mut store = Store::new(Root::at("/var/tmp/me.stowage"));
+/// // At most `limit` pulls at once across every process using this root.
+/// if let Some(slot) = slots::acquire(&mut store, "pull", Priority::Normal, None, "my-puller")? {
+///     // ... pull ...
+///     slot.release(&mut store)?;
+/// }
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+pub fn acquire(
+    store: &mut Store,
+    class: &str,
+    priority: Priority,
+    deadline: Option<Instant>,
+    command: &str,
+) -> Result<Option<SlotGuard>> {
+    let Some(mut slot) = acquire_unrecorded(store, class, priority, deadline, false, command)?
+    else {
+        return Ok(None);
+    };
+    let id = store.with_tx(deadline, |tx, ctx| {
+        if let Some(w) = slot.waiter {
+            tx.delete_record(w)?;
+        }
+        tx.insert_record(&slot.holder_record(ctx, command))
+    })?;
+    slot.waiter = None;
+    slot.set_record(id);
+    Ok(Some(slot))
+}
+
+/// Takes a slot without recording the holder: `exec` records it in its
+/// start transaction, saving a round trip.
+pub(crate) fn acquire_unrecorded(
+    store: &mut Store,
+    class: &str,
+    priority: Priority,
+    deadline: Option<Instant>,
+    no_wait: bool,
+    command: &str,
+) -> Result<Option<SlotGuard>> {
+    validate_class(class)?;
+    let config = store.with_tx(deadline, |tx, _| lookup(tx, class))?;
+    if config.limit == 0 {
+        return Ok(None);
+    }
+    let dir = class_dir(store.ctx(), class);
+    crate::root::make_dir(&dir)?;
+    let files = candidates(&dir, &config, priority);
+    let label = format!("a {} slot of class '{class}'", priority_word(priority));
+    let mut wait = Wait::on(&dir, Some(Instant::now()));
+    let wait_err = |e| lock_error(&label, &dir, e);
+    if let Waited::Acquired((_, guard)) =
+        lock::lock_any(&files, Mode::Exclusive, true, &mut wait).map_err(wait_err)?
+    {
+        return Ok(Some(SlotGuard {
+            guard,
+            class: class.to_owned(),
+            waiter: None,
+            record: None,
+        }));
+    }
+
+    // All busy: record ourselves as a waiter and say who holds the slots.
+    let (waiter, holders) = store.with_tx(deadline, |tx, ctx| {
+        let kv = KernelView::new(&dir);
+        let report = class_report(tx, ctx, &kv, &config)?;
+        let id = if no_wait {
+            None
+        } else {
+            let rel = lockfile_rel(ctx, &dir);
+            Some(tx.insert_record(&record(ctx, class, rel, Role::Waiter, command))?)
+        };
+        Ok((id, status::phrase_slots(&report.holders)))
+    })?;
+    let what = format!(
+        "{label} (limit {}, {} reserved for high priority)",
+        config.limit, config.reserve_high
+    );
+    if no_wait {
+        return Err(Error::Busy(Busy {
+            what,
+            holders,
+            waited: Duration::ZERO,
+        })
+        .into());
+    }
+    store
+        .ctx()
+        .say(&format!("waiting for {what}: all {holders}"));
+    let t0 = Instant::now();
+    let mut wait = Wait::on(&dir, deadline);
+    let failure: anyhow::Error =
+        match lock::lock_any(&files, Mode::Exclusive, true, &mut wait).map_err(wait_err) {
+            Ok(Waited::Acquired((_, guard))) => {
+                return Ok(Some(SlotGuard {
+                    guard,
+                    class: class.to_owned(),
+                    waiter,
+                    record: None,
+                }));
+            }
+            Ok(Waited::TimedOut) => Error::Busy(Busy {
+                what,
+                holders,
+                waited: t0.elapsed(),
+            })
+            .into(),
+            Ok(Waited::Interrupted(sig)) => Error::Interrupted(sig).into(),
+            Err(e) => e,
+        };
+    if let Some(id) = waiter {
+        let _ = store.with_tx(None, |tx, _| tx.delete_record(id));
+    }
+    Err(failure)
+}
+
+fn priority_word(p: Priority) -> &'static str {
+    match p {
+        Priority::Normal => "normal",
+        Priority::High => "high-priority",
+    }
+}
+
+/// The configuration of a class; an unknown class is a usage error that
+/// lists the configured ones.
+pub fn lookup(tx: &Tx, class: &str) -> Result<SlotClass> {
+    if let Some(c) = tx.slot_class(class)? {
+        return Ok(c);
+    }
+    let known: Vec<String> = tx.slot_classes()?.into_iter().map(|c| c.name).collect();
+    let hint = if known.is_empty() {
+        "no slot classes are configured; add one with 'stowage slots set CLASS LIMIT'".to_owned()
+    } else {
+        format!("configured classes: {}", known.join(", "))
+    };
+    Err(Error::Usage(format!("unknown slot class '{class}' ({hint})")).into())
+}
+
+/// A slot class as lock-status shows it.
+#[derive(Debug, Clone)]
+pub struct ClassReport {
+    pub class: SlotClass,
+    pub in_use: u32,
+    pub holders: Vec<Party>,
+    pub waiters: Vec<Party>,
+}
+
+/// Judges a class's records against the kernel (deleting stale ones) and
+/// counts the slots in use: every slot file present, including ones above a
+/// lowered limit that a holder still has.
+pub fn class_report(tx: &Tx, ctx: &Ctx, kv: &KernelView, class: &SlotClass) -> Result<ClassReport> {
+    let dir = class_dir(ctx, &class.name);
+    let records = tx.records_for(LockKind::Slot, &class.name)?;
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "lock"))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    files.sort();
+    let mut in_use = 0;
+    let mut holders = Vec::new();
+    let mut held_any = false;
+    for file in &files {
+        let view = kv.view(file)?;
+        if view.is_held() {
+            in_use += 1;
+            held_any = true;
+        }
+        let rel = lockfile_rel(ctx, file);
+        let mine: Vec<Record> = records
+            .iter()
+            .filter(|r| r.role == Role::Holder && r.lockfile == rel)
+            .cloned()
+            .collect();
+        let (h, _) = status::judge(tx, ctx, kv, &view, &mine)?;
+        holders.extend(h);
+    }
+    // Holder records whose slot file no longer exists are stale.
+    for r in records.iter().filter(|r| r.role == Role::Holder) {
+        if !files.iter().any(|f| lockfile_rel(ctx, f) == r.lockfile) {
+            tx.delete_record(r.id)?;
+        }
+    }
+    // A waiter waits for the class as a whole: it is stale once its process
+    // is gone, or once no slot of the class is held at all.
+    let class_view = crate::kernel::LockView {
+        state: Some(if held_any { Probe::Shared } else { Probe::Free }),
+        ..Default::default()
+    };
+    let waiting: Vec<Record> = records
+        .iter()
+        .filter(|r| r.role == Role::Waiter)
+        .cloned()
+        .collect();
+    let (_, waiters) = status::judge(tx, ctx, kv, &class_view, &waiting)?;
+    Ok(ClassReport {
+        class: class.clone(),
+        in_use,
+        holders,
+        waiters,
+    })
+}
+
+/// Removes a class: its configuration, then every slot file nobody holds
+/// (unlinked under its exclusive lock, as the unlink rule requires).
+/// Returns how many slots were still held (their files stay until released).
+pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
+    validate_class(class)?;
+    store.with_tx(None, |tx, _| {
+        lookup(tx, class)?;
+        tx.delete_slot_class(class)?;
+        Ok(())
+    })?;
+    let dir = class_dir(store.ctx(), class);
+    let mut busy = 0;
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            match lock::try_lock(&e.path(), Mode::Exclusive, false) {
+                Ok(Some(g)) => g.unlink()?,
+                Ok(None) => busy += 1,
+                Err(_) => {}
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(&dir);
+    Ok(busy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn class_names() {
+        for ok in ["pull", "load/podman", "a.b_c-d", "0", "x/y/z"] {
+            assert!(validate_class(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "Pull",
+            "/pull",
+            "pull/",
+            "a//b",
+            "-x",
+            "a b",
+            "a%b",
+            "a:b",
+            &"x".repeat(65),
+        ] {
+            assert!(validate_class(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn high_priority_tries_the_reserve_first() {
+        let class = SlotClass {
+            name: "pull".into(),
+            limit: 2,
+            reserve_high: 1,
+        };
+        let d = Path::new("/r");
+        let names = |p| {
+            candidates(d, &class, p)
+                .iter()
+                .map(|f| f.file_name().unwrap().to_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(Priority::Normal), ["0.lock", "1.lock"]);
+        assert_eq!(names(Priority::High), ["high-0.lock", "0.lock", "1.lock"]);
+    }
+}
