@@ -61,8 +61,9 @@ pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
 /// One entry of the kernel's lock table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
-    /// The process that took the lock; None when the kernel no longer knows
-    /// it (it exited while a child kept the inherited descriptor).
+    /// The process that took the lock. After it exits while a child keeps
+    /// the inherited descriptor, the initial pid namespace still shows its
+    /// pid, a child namespace shows none (None here).
     pub pid: Option<u32>,
     pub mode: Mode,
     /// A request waiting for the lock rather than holding it.
@@ -94,8 +95,27 @@ impl KernelView {
     /// Uses the lock table when `dir` is on a local filesystem and the table
     /// is readable; probes otherwise.
     pub fn new(dir: &Path) -> KernelView {
+        Self::verified(dir, None)
+    }
+
+    /// Like [`KernelView::new`], but trusts the table only if it shows a
+    /// lock this process holds on that filesystem (`held`: device and inode,
+    /// e.g. of the global lock during a transaction). Device numbers in the
+    /// table are the superblock's, which is not always what stat(2) reports
+    /// (btrfs subvolumes): a table that does not match our own lock would
+    /// make every held lock look free, so it is not used.
+    pub fn verified(dir: &Path, held: Option<(u64, u64)>) -> KernelView {
         let local = filesystem(dir).map(|f| f.local).unwrap_or(false);
-        let table = if local { read_table().ok() } else { None };
+        let mut table = if local { read_table().ok() } else { None };
+        if let (Some(t), Some(id)) = (&table, held) {
+            let me = std::process::id();
+            let seen = t
+                .get(&id)
+                .is_some_and(|es| es.iter().any(|e| !e.blocked && e.pid == Some(me)));
+            if !seen {
+                table = None;
+            }
+        }
         KernelView { table }
     }
 

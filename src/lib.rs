@@ -42,6 +42,7 @@
 
 pub mod cli;
 pub mod clock;
+pub mod debug;
 pub mod error;
 pub mod ident;
 pub mod kernel;

@@ -153,6 +153,9 @@ pub struct Wait<'a> {
     pub deadline: Option<Instant>,
     /// Called once if the lock is still not acquired after this long.
     pub notice: Option<(Duration, Box<dyn FnMut() + 'a>)>,
+    /// Ignore [`interrupt_waits`]: for cleanup that must happen even after a
+    /// termination signal (undoing a start, recording an outcome).
+    pub uninterruptible: bool,
     /// Re-issue blocked requests this often. On NFS a blocked lock request
     /// is retried by the client with a back-off that grows to 30 s (NFSv4),
     /// so a freed lock may sit unnoticed that long; interrupting and
@@ -217,7 +220,12 @@ fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
 
 /// Is the file we locked still the one at `path`?
 fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
-    let ours = file.metadata()?;
+    let ours = match file.metadata() {
+        Ok(m) => m,
+        // NFS: the file was unlinked on the server since we opened it.
+        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(None),
+        Err(e) => return Err(e),
+    };
     if ours.nlink() == 0 {
         return Ok(None);
     }
@@ -226,7 +234,9 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
             Ok(Some((ours.dev(), ours.ino())))
         }
         Ok(_) => Ok(None),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESTALE) => {
+            Ok(None)
+        }
         Err(e) => Err(e),
     }
 }
@@ -473,9 +483,13 @@ const STOP_GRACE: Duration = Duration::from_secs(2);
 fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
     install_wake_handler();
     let (tx, rx) = mpsc::channel();
-    let _registration = match Registration::new(tx.clone()) {
-        Ok(r) => r,
-        Err(sig) => return Ok(Waited::Interrupted(sig)),
+    let _registration = if wait.uninterruptible {
+        None
+    } else {
+        match Registration::new(tx.clone()) {
+            Ok(r) => Some(r),
+            Err(sig) => return Ok(Waited::Interrupted(sig)),
+        }
     };
 
     let mut workers = Vec::with_capacity(files.len());
@@ -574,6 +588,15 @@ fn spawn_worker(
         .name("stowage-lock-wait".into())
         .stack_size(64 * 1024)
         .spawn(move || {
+            // The mask is inherited (even across exec, from whoever started
+            // us); a blocked wake signal would leave this thread deaf.
+            // SAFETY: sigset manipulation on a local set.
+            unsafe {
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, wake_signal());
+                libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+            }
             let result = loop {
                 if stop.load(Ordering::Acquire) {
                     break Ok(false);

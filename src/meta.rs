@@ -242,22 +242,30 @@ pub enum Schema {
 pub struct Tx<'c> {
     // Declared before the guard so that it ends first on drop.
     tx: rusqlite::Transaction<'c>,
-    _global: lock::Guard,
+    global: lock::Guard,
 }
 
 impl<'c> Tx<'c> {
     /// Begins a write transaction; `global` proves the global lock is held.
     pub fn begin(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Result<Tx<'c>> {
         let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-        Ok(Tx {
-            tx,
-            _global: global,
-        })
+        Ok(Tx { tx, global })
     }
 
     pub fn commit(self) -> Result<()> {
         self.tx.commit()?;
         Ok(())
+    }
+
+    /// Device and inode of the global lock this transaction holds.
+    pub fn global_identity(&self) -> (u64, u64) {
+        self.global.identity()
+    }
+
+    /// The kernel's view of the locks under `dir`, checked against the
+    /// global lock this transaction holds.
+    pub fn kernel_view(&self, dir: &Path) -> crate::kernel::KernelView {
+        crate::kernel::KernelView::verified(dir, Some(self.global_identity()))
     }
 
     pub fn schema(&self) -> Result<Schema> {

@@ -112,7 +112,18 @@ impl Session {
             let mut waits = Vec::new();
             let mut migrate = false;
             for (name, mode) in &wanted {
-                match acquire(store, name, *mode, req) {
+                let want = Want {
+                    mode: *mode,
+                    need: if *mode == Mode::Exclusive {
+                        Need::Create
+                    } else {
+                        Need::Ready
+                    },
+                    deadline: req.deadline,
+                    no_wait: req.no_wait,
+                    command: &req.command,
+                };
+                match acquire_image(store, name, &want) {
                     Ok((guard, waiter)) => {
                         held.push(Held {
                             name: name.clone(),
@@ -202,7 +213,7 @@ impl Session {
                 Mode::Shared => None,
             })
             .collect();
-        let (tx, ctx) = store.begin(None)?;
+        let (tx, ctx) = store.begin_cleanup()?;
         let now = clock::now_ms();
         for (h, size) in self.held.iter().zip(sizes) {
             tx.touch(h.name.as_str(), now)?;
@@ -234,7 +245,7 @@ impl Session {
     /// removed again (their directories are still empty), and images it
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
-        let (tx, _) = store.begin(None)?;
+        let (tx, _) = store.begin_cleanup()?;
         for h in self.held.iter().filter(|h| h.mode == Mode::Exclusive) {
             match h.prev {
                 None => {
@@ -257,26 +268,44 @@ impl Session {
     }
 }
 
-/// Takes one image lock, waiting as the request allows. Returns the guard
-/// and the id of the waiter record made while waiting, if any.
-fn acquire(
+/// What an image lock is taken for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Need {
+    /// Writing: the image may be new, so its lock file may be created.
+    Create,
+    /// Reading: the image must exist and be ready.
+    Ready,
+}
+
+/// How to take one image lock.
+pub(crate) struct Want<'a> {
+    pub mode: Mode,
+    pub need: Need,
+    pub deadline: Option<Instant>,
+    pub no_wait: bool,
+    pub command: &'a str,
+}
+
+/// Takes one image lock, waiting as allowed. Returns the guard and the id
+/// of the waiter record made while waiting, if any. Creates nothing for an
+/// image that does not exist unless `need` is [`Need::Create`].
+pub(crate) fn acquire_image(
     store: &mut Store,
     name: &ImageName,
-    mode: Mode,
-    req: &Request,
+    want: &Want,
 ) -> Result<(Guard, Option<i64>)> {
+    let mode = want.mode;
     let path = store.root().image_lock(name);
     let what = format!("{} lock on image '{name}'", mode.verb());
-    let create = mode == Mode::Exclusive;
-    let first = match lock::try_lock(&path, mode, create) {
+    let first = match lock::try_lock(&path, mode, want.need == Need::Create) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            if create {
+            if want.need == Need::Create {
                 // The layout does not exist yet: first use of this root.
                 store.root().create_layout()?;
             } else {
                 // No lock file: either no such image (say so, creating
                 // nothing), or an adopted image never locked before.
-                require_readable(store, name, req.deadline)?;
+                require(store, name, want.need, want.deadline)?;
             }
             lock::try_lock(&path, mode, true)
         }
@@ -288,20 +317,27 @@ fn acquire(
 
     // Busy. Record ourselves as a waiter and find out who holds it.
     let (waiter, holders) = {
-        let (tx, ctx) = store.begin(req.deadline)?;
-        let kv = crate::kernel::KernelView::new(&ctx.root.image_locks());
+        let (tx, ctx) = store.begin(want.deadline)?;
+        let kv = tx.kernel_view(&ctx.root.image_locks());
         let view = kv.view(&path)?;
         let records = tx.records_for(LockKind::Image, name.as_str())?;
         let (holders, _) = status::judge(&tx, ctx, &kv, &view, &records)?;
-        let id = if req.no_wait {
+        let id = if want.no_wait {
             None
         } else {
-            Some(tx.insert_record(&record(ctx, name, mode, Role::Waiter, &req.command))?)
+            Some(tx.insert_record(&record(ctx, name, mode, Role::Waiter, want.command))?)
         };
         tx.commit()?;
         (id, status::phrase(&holders))
     };
-    if req.no_wait {
+    if want.no_wait {
+        // A probe by lock-status or a store-wide check may have held it for
+        // a few microseconds: look once more before calling it busy.
+        if let Some(g) = lock::try_lock(&path, mode, true)
+            .map_err(|e| lock_error(&format!("image '{name}'"), &path, e))?
+        {
+            return Ok((g, None));
+        }
         return Err(Error::Busy(Busy {
             what,
             holders,
@@ -311,7 +347,7 @@ fn acquire(
     }
     store.ctx().say(&format!("waiting for {what}: {holders}"));
     let t0 = Instant::now();
-    let mut wait = Wait::on(&store.root().image_locks(), req.deadline);
+    let mut wait = Wait::on(&store.root().image_locks(), want.deadline);
     let outcome = lock::lock(&path, mode, true, &mut wait)
         .map_err(|e| lock_error(&format!("image '{name}'"), &path, e));
     let failure = match outcome {
@@ -327,7 +363,7 @@ fn acquire(
     if let Some(id) = waiter {
         // Best effort: if this fails, the record is judged stale later
         // (its process is gone).
-        let _ = store.begin(None).and_then(|(tx, _)| {
+        let _ = store.begin_cleanup().and_then(|(tx, _)| {
             tx.delete_record(id)?;
             tx.commit()
         });
@@ -335,15 +371,20 @@ fn acquire(
     Err(failure)
 }
 
-/// For a read of an image that has no lock file: fails unless the image
-/// exists and is ready.
-fn require_readable(store: &mut Store, name: &ImageName, deadline: Option<Instant>) -> Result<()> {
+/// For an image that has no lock file: fails unless the image exists (and,
+/// for [`Need::Ready`], is ready).
+fn require(
+    store: &mut Store,
+    name: &ImageName,
+    need: Need,
+    deadline: Option<Instant>,
+) -> Result<()> {
     let (tx, _) = store.begin(deadline)?;
     let row = tx.image(name.as_str())?;
     drop(tx);
     match row {
         None => Err(Error::NoSuchImage(name.as_str().to_owned()).into()),
-        Some(r) if r.state != ImageState::Ready => Err(Error::NotReady {
+        Some(r) if need == Need::Ready && r.state != ImageState::Ready => Err(Error::NotReady {
             name: r.name,
             state: r.state.as_str().to_owned(),
         }
@@ -382,35 +423,29 @@ fn start(
     let (tx, ctx) = store.begin(req.deadline)?;
     let images_dir = tx.images_dir(&ctx.root)?;
     let now = clock::now_ms();
-    for id in waits {
+    for id in waits
+        .iter()
+        .chain(slot.as_ref().and_then(|s| s.waiter.as_ref()))
+    {
         tx.delete_record(*id)?;
     }
-    let mut slot_id = None;
-    if let Some(s) = &slot {
-        if let Some(w) = s.waiter {
-            tx.delete_record(w)?;
-        }
-        slot_id = Some(tx.insert_record(&s.holder_record(ctx, &req.command))?);
-    }
+
+    // First what our locks prove, and whether every read can go ahead.
     let mut refusal = None;
-    let mut records = Vec::with_capacity(held.len());
-    for h in held.iter_mut() {
+    let mut rows = Vec::with_capacity(held.len());
+    for h in held.iter() {
         let name = h.name.as_str();
-        // Our own lock proves some records stale: holding it exclusively,
-        // nobody else holds it at all; holding it shared, nobody holds it
-        // exclusively. Dropping them here keeps SIGKILLed holders from
-        // piling up records without anyone having to sweep.
+        // Holding the lock exclusively, nobody else holds it at all; holding
+        // it shared, nobody holds it exclusively. Dropping the records that
+        // say otherwise keeps SIGKILLed holders from piling up records.
         tx.delete_image_holders(name, (h.mode == Mode::Shared).then_some(Mode::Exclusive))?;
         let row = tx.image(name)?;
-        match h.mode {
-            Mode::Shared => match row {
-                None => {
-                    refusal = Some(Error::NoSuchImage(name.to_owned()));
-                    break;
-                }
-                Some(r) if r.state == ImageState::Ready => tx.touch(name, now)?,
+        if h.mode == Mode::Shared && refusal.is_none() {
+            match &row {
+                None => refusal = Some(Error::NoSuchImage(name.to_owned())),
+                Some(r) if r.state == ImageState::Ready => {}
                 Some(r) => {
-                    // We hold the lock shared, so no writer is at work: one
+                    // No writer is at work (we hold the lock shared): one
                     // that left the image creating/writing is gone.
                     let state = if r.state.being_written() {
                         tx.set_state(name, ImageState::Incomplete)?;
@@ -422,9 +457,27 @@ fn start(
                         name: name.to_owned(),
                         state: state.as_str().to_owned(),
                     });
-                    break;
                 }
-            },
+            }
+        }
+        rows.push(row);
+    }
+    if let Some(err) = refusal {
+        // Keep what was learned (stale records, dead writers, our waiter
+        // records gone), claim nothing.
+        tx.commit()?;
+        return Err(err.into());
+    }
+
+    // Then claim: mark, create, record.
+    let slot_id = match &slot {
+        Some(s) => Some(tx.insert_record(&s.holder_record(ctx, &req.command))?),
+        None => None,
+    };
+    let mut records = Vec::with_capacity(held.len());
+    for (h, row) in held.iter_mut().zip(rows) {
+        match h.mode {
+            Mode::Shared => tx.touch(h.name.as_str(), now)?,
             Mode::Exclusive => {
                 h.prev = row.as_ref().map(|r| r.state);
                 prepare_write(&tx, ctx, &images_dir, &h.name, row, req, now)?;
@@ -437,11 +490,6 @@ fn start(
             Role::Holder,
             &req.command,
         ))?);
-    }
-    if let Some(err) = refusal {
-        // Keep what was learned (stale records, dead writers), refuse the rest.
-        drop(tx);
-        return Err(err.into());
     }
     tx.commit()?;
     if let (Some(s), Some(id)) = (slot, slot_id) {

@@ -2,7 +2,8 @@
 //!
 //! SIGINT, SIGTERM, SIGHUP and SIGQUIT are blocked in every thread and taken
 //! by one thread with sigwaitinfo(2), so no system call elsewhere is ever
-//! interrupted by them. Before the command starts, such a signal interrupts
+//! interrupted by them. Signals the parent made us ignore stay ignored
+//! (`nohup stowage exec …` survives a hangup, like its command). Before the command starts, such a signal interrupts
 //! the lock waits (the exec then exits 128+N, leaving nothing behind). Once
 //! the command runs, the signal is forwarded to it — unless the terminal
 //! sent it (si_code SI_KERNEL): the terminal already signalled the whole
@@ -33,6 +34,10 @@ pub struct Forwarder {
     state: Arc<Mutex<State>>,
 }
 
+/// The termination signals we take, minus those our parent made us ignore
+/// (`nohup` ignores SIGHUP; a shell's background job ignores SIGINT and
+/// SIGQUIT): a blocked signal is never discarded, so taking an ignored one
+/// would act on it.
 fn forwarded() -> SigSet {
     let mut set = SigSet::empty();
     for s in [
@@ -41,15 +46,45 @@ fn forwarded() -> SigSet {
         Signal::SIGHUP,
         Signal::SIGQUIT,
     ] {
-        set.add(s);
+        // SAFETY: queries the disposition only (no new action).
+        let ignored = unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(s as libc::c_int, std::ptr::null(), &mut old) == 0
+                && old.sa_sigaction == libc::SIG_IGN
+        };
+        if !ignored {
+            set.add(s);
+        }
     }
     set
+}
+
+/// Makes a spawned command start with no signal blocked: it must not
+/// inherit the mask that routes termination signals to our signal thread
+/// (shells reset it; most programs do not). Dispositions the parent chose
+/// to ignore stay ignored, as with any exec. Async-signal-safe: meant for
+/// `pre_exec`.
+pub fn reset_mask_in_child() -> io::Result<()> {
+    // SAFETY: sigprocmask with a local empty set is async-signal-safe.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        if libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut()) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 impl Forwarder {
     /// Blocks the signals and starts the thread that takes them. Call it
     /// before any other thread exists, so every thread inherits the mask.
     pub fn install() -> io::Result<Forwarder> {
+        // An ignored SIGCHLD (inherited from whoever started us) makes the
+        // kernel reap the command itself, and its exit status would be lost.
+        // SAFETY: restores the default action; no handler is involved.
+        unsafe { nix::sys::signal::signal(Signal::SIGCHLD, nix::sys::signal::SigHandler::SigDfl) }
+            .map_err(io::Error::from)?;
         let set = forwarded();
         set.thread_block().map_err(io::Error::from)?;
         let state = Arc::new(Mutex::new(State::Waiting));

@@ -244,7 +244,7 @@ pub(crate) fn acquire_unrecorded(
 
     // All busy: record ourselves as a waiter and say who holds the slots.
     let (waiter, holders) = store.with_tx(deadline, |tx, ctx| {
-        let kv = KernelView::new(&dir);
+        let kv = tx.kernel_view(&dir);
         let report = class_report(tx, ctx, &kv, &config)?;
         let id = if no_wait {
             None
@@ -291,7 +291,10 @@ pub(crate) fn acquire_unrecorded(
             Err(e) => e,
         };
     if let Some(id) = waiter {
-        let _ = store.with_tx(None, |tx, _| tx.delete_record(id));
+        let _ = store.begin_cleanup().and_then(|(tx, _)| {
+            tx.delete_record(id)?;
+            tx.commit()
+        });
     }
     Err(failure)
 }

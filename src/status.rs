@@ -148,13 +148,15 @@ fn holder_valid(
         // Held in the recorded mode is all that can be checked.
         return true;
     }
-    // The table names the process that took each lock, or no pid when that
-    // process is gone but a child kept the inherited descriptor.
     let pos = view.holders.iter().enumerate().position(|(i, e)| {
         !claimed[i]
             && e.mode == rec.mode
             && match e.pid {
-                Some(p) => p == rec.pid && live == Liveness::Alive,
+                // The pid that took the lock: alive, or gone while a child
+                // kept the inherited descriptor (the initial pid namespace
+                // keeps showing a gone taker's pid).
+                Some(p) => p == rec.pid,
+                // A child pid namespace shows no pid for a gone taker.
                 None => live == Liveness::Dead,
             }
     });
@@ -241,7 +243,7 @@ fn truncate(s: &str, max: usize) -> String {
 
 /// Holders of an image lock, phrased, judged inside `tx`.
 pub fn phrase_lock_holders(tx: &Tx, ctx: &Ctx, label: &str, path: &Path) -> String {
-    let kv = KernelView::new(&ctx.root.image_locks());
+    let kv = tx.kernel_view(&ctx.root.image_locks());
     let Ok(view) = kv.view(path) else {
         return "its holder is unknown".into();
     };
@@ -504,7 +506,7 @@ pub fn gather(
         crate::kernel::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
 
     let images = store.with_tx(None, |tx, ctx| {
-        let kv = KernelView::new(&ctx.root.locks());
+        let kv = tx.kernel_view(&ctx.root.locks());
         let (mut reports, slots) = sweep(tx, ctx, &kv)?;
         for (name, view) in kernel_locked_images(ctx, &kv)? {
             if reports.contains_key(&name) {
@@ -578,7 +580,14 @@ pub fn gather(
 }
 
 fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {
-    let view = kv.view(path).unwrap_or_default();
+    let mut view = kv.view(path).unwrap_or_default();
+    // The table may not cover this filesystem (it is not verified here, as
+    // we hold no lock yet): a probe has the last word on "held".
+    if !view.is_held()
+        && let Ok(p @ (Probe::Shared | Probe::Exclusive)) = crate::lock::probe(path)
+    {
+        view.state = Some(p);
+    }
     let holders = view
         .holders
         .iter()

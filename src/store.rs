@@ -75,6 +75,12 @@ const GLOBAL_NOTICE: Duration = Duration::from_secs(2);
 /// wait when a holder is stuck (a stopped process, a hung NFS server).
 const GLOBAL_GRACE: Duration = Duration::from_secs(5);
 
+/// How long cleanup waits for the global lock. If a holder is stuck even
+/// longer, the cleanup is left undone and the next process that looks finds
+/// the stale state (records of a dead process, an image whose writer is
+/// gone) and repairs it.
+pub const CLEANUP_PATIENCE: Duration = Duration::from_secs(30);
+
 impl Store {
     /// A store at `root`. No I/O happens until the first operation.
     pub fn new(root: Root) -> Store {
@@ -103,7 +109,7 @@ impl Store {
     }
 
     /// Takes the global lock, creating the layout on first use.
-    fn global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
+    fn global(ctx: &Ctx, deadline: Option<Instant>, cleanup: bool) -> Result<lock::Guard> {
         let path = ctx.root.global_lock();
         let deadline = deadline.map(|d| d.max(Instant::now() + GLOBAL_GRACE));
         let mut created = false;
@@ -120,6 +126,7 @@ impl Store {
             }
         }
         let mut wait = Wait::on(&ctx.root.locks(), deadline);
+        wait.uninterruptible = cleanup;
         if !ctx.noticed_global.get() {
             let root = ctx.root.clone();
             let quiet = ctx.quiet;
@@ -153,8 +160,8 @@ impl Store {
     }
 
     /// Begins a transaction without looking at the schema version.
-    fn begin_raw(&mut self, deadline: Option<Instant>) -> Result<(Tx<'_>, &Ctx)> {
-        let global = Self::global(&self.ctx, deadline)?;
+    fn begin_raw(&mut self, deadline: Option<Instant>, cleanup: bool) -> Result<(Tx<'_>, &Ctx)> {
+        let global = Self::global(&self.ctx, deadline, cleanup)?;
         let db = self.ctx.root.db();
         if self.conn.is_none() {
             let conn = meta::open(&db)?;
@@ -184,8 +191,24 @@ impl Store {
     /// [`NeedsMigration`] when the schema is behind: the caller releases
     /// any image locks and calls [`Store::migrate`].
     pub fn begin(&mut self, deadline: Option<Instant>) -> Result<(Tx<'_>, &Ctx)> {
+        self.begin_checked(deadline, false)
+    }
+
+    /// Begins a transaction for cleanup that must happen even after a
+    /// termination signal cancelled every other wait: undoing a start,
+    /// recording an outcome, dropping a waiter record. Waits for the global
+    /// lock up to [`CLEANUP_PATIENCE`].
+    pub fn begin_cleanup(&mut self) -> Result<(Tx<'_>, &Ctx)> {
+        self.begin_checked(Some(Instant::now() + CLEANUP_PATIENCE), true)
+    }
+
+    fn begin_checked(
+        &mut self,
+        deadline: Option<Instant>,
+        cleanup: bool,
+    ) -> Result<(Tx<'_>, &Ctx)> {
         let db = self.ctx.root.db();
-        let (tx, ctx) = self.begin_raw(deadline)?;
+        let (tx, ctx) = self.begin_raw(deadline, cleanup)?;
         match tx.schema().map_err(|e| damaged(&db, e))? {
             Schema::Current => Ok((tx, ctx)),
             Schema::Behind(_) => Err(NeedsMigration.into()),
@@ -257,7 +280,7 @@ impl Store {
         let mut f = Some(f);
         let mut told = false;
         loop {
-            let (tx, ctx) = self.begin_raw(deadline)?;
+            let (tx, ctx) = self.begin_raw(deadline, false)?;
             let busy = first_busy_image(ctx)?;
             let Some((path, name)) = busy else {
                 let out = (f.take().expect("runs once"))(&tx, ctx)?;

@@ -22,10 +22,10 @@ use crate::store::Store;
     75 a lock was busy past --wait/--no-wait (or --conflict-exit-code); 1 other failures.")]
 pub struct Args {
     /// Take a shared lock on IMG, which must exist and be ready
-    #[arg(long = "read", value_name = "IMG")]
+    #[arg(long = "read", value_name = "IMG", allow_hyphen_values = true)]
     read: Vec<OsString>,
     /// Take an exclusive lock on IMG, creating it if new
-    #[arg(long = "write", value_name = "IMG")]
+    #[arg(long = "write", value_name = "IMG", allow_hyphen_values = true)]
     write: Vec<OsString>,
     /// Take a slot of CLASS before any image lock (see 'stowage slots')
     #[arg(long, value_name = "CLASS")]
@@ -47,12 +47,9 @@ pub struct Args {
     #[arg(long)]
     no_inherit: bool,
     /// The command and its arguments (after --)
-    #[arg(
-        value_name = "CMD",
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true
-    )]
+    // Only after `--`, as the contract writes it: a misspelled option is
+    // then an error rather than a command to run.
+    #[arg(value_name = "CMD", required = true, last = true)]
     command: Vec<OsString>,
 }
 
@@ -115,11 +112,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     } else {
         cmd.env_remove("STOWAGE_IMAGE_DIR");
     }
-    if args.no_inherit {
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
+    let no_inherit = args.no_inherit;
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            crate::signals::reset_mask_in_child()?;
+            if no_inherit {
                 // The command must not outlive the locks that protect it.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
@@ -127,15 +126,17 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 if libc::getppid() != parent {
                     libc::_exit(128 + libc::SIGKILL);
                 }
-                Ok(())
-            });
-        }
-    } else {
+            }
+            Ok(())
+        });
+    }
+    if !no_inherit {
         session
             .set_inheritable(true)
             .context("cannot pass the locks to the command")?;
     }
 
+    crate::debug::pause("exec-before-spawn");
     let mut child = match signals.spawn(|| cmd.spawn()) {
         Ok(Ok(child)) => child,
         Ok(Err(sig)) => {
@@ -148,9 +149,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             return Err(e).with_context(|| format!("cannot run '{what}'"));
         }
     };
-    let status = signals
-        .wait(&mut child)
-        .context("cannot wait for the command")?;
+    let status = match signals.wait(&mut child) {
+        Ok(s) => s,
+        Err(e) => {
+            // Without its status the outcome is unknown: not ready.
+            let _ = session.finish(store, Outcome::Failure);
+            return Err(anyhow::Error::new(e).context("cannot wait for the command"));
+        }
+    };
     let code = match (status.code(), status.signal()) {
         (Some(c), _) => c as u8,
         (None, Some(sig)) => 128u8.saturating_add(sig as u8),

@@ -6,7 +6,6 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::clock;
-use crate::kernel::KernelView;
 use crate::lock::{self, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
@@ -34,7 +33,7 @@ struct ImageJson<'a> {
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let (mut rows, in_use, images_dir) = store.with_tx(None, |tx, ctx| {
-        let kv = KernelView::new(&ctx.root.image_locks());
+        let kv = tx.kernel_view(&ctx.root.image_locks());
         let in_use = status::in_use(tx, ctx, &kv)?;
         Ok((tx.images()?, in_use, tx.images_dir(&ctx.root)?))
     })?;

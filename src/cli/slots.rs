@@ -5,7 +5,6 @@ use clap::Subcommand;
 use serde::Serialize;
 
 use crate::error::Error;
-use crate::kernel::KernelView;
 use crate::meta::SlotClass;
 use crate::slots::{self, MAX_LIMIT, MAX_RESERVE};
 use crate::status::PartyJson;
@@ -106,7 +105,7 @@ fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
 
 fn show(store: &mut Store, json: bool) -> Result<u8> {
     let reports = store.with_tx(None, |tx, ctx| {
-        let kv = KernelView::new(&ctx.root.locks());
+        let kv = tx.kernel_view(&ctx.root.locks());
         tx.slot_classes()?
             .iter()
             .map(|c| slots::class_report(tx, ctx, &kv, c))

@@ -58,6 +58,20 @@ fn a_reader_finds_a_dead_writer() {
     let out = env.run(["exec", "--read", "app", "--", "true"]);
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
     assert!(stderr(&out).contains("incomplete"), "{}", stderr(&out));
+    // The reader's refusal kept what it learned: the state is recorded and
+    // the dead writer's record is gone (read straight from the database,
+    // since any stowage command that looks would also fix it).
+    let conn = stowage::meta::open(&env.root.join("stowage.db")).unwrap();
+    let state: String = conn
+        .query_row("SELECT state FROM images WHERE name = 'app'", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(state, "incomplete");
+    let records: i64 = conn
+        .query_row("SELECT count(*) FROM records", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(records, 0);
 }
 
 #[test]
@@ -83,6 +97,11 @@ fn sigkill_of_stowage_alone_leaves_the_command_holding_the_lock() {
     assert_eq!(
         holders[0]["pid"], stowage_pid,
         "the record still stands for the holder: {entry}"
+    );
+    assert_eq!(holders[0]["stowage"], true, "{entry}");
+    assert!(
+        holders[0]["command"].as_str().unwrap().starts_with("sh -c"),
+        "{entry}"
     );
     assert_eq!(env.state("app").as_deref(), Some("creating"));
 

@@ -355,6 +355,8 @@ fn bad_arguments_exit_64() {
         vec!["exec", "--write", "a"],
         vec!["exec", "--conflict-exit-code", "256", "--", "true"],
         vec!["frobnicate"],
+        vec!["exec", "--wirte", "a", "--", "true"],
+        vec!["exec", "--write", "a", "true"],
     ] {
         let out = env.run(&args);
         assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
@@ -395,4 +397,96 @@ fn waiting_for_an_image_burns_no_cpu() {
     env.release("release");
     holder.finish();
     assert_eq!(waiter.finish().status.code(), Some(0));
+}
+
+#[test]
+fn the_command_starts_with_no_signal_blocked() {
+    let env = Env::new();
+    let out = env.ok(["exec", "--", "grep", "SigBlk", "/proc/self/status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("0000000000000000"), "{text}");
+}
+
+#[test]
+fn an_ignored_sighup_stays_ignored() {
+    // nohup (SIGHUP ignored): a hangup must neither stop the wait nor the command.
+    let env = Env::new();
+    env.make_image("app");
+    let mut args = vec![
+        "exec".to_string(),
+        "--write".into(),
+        "app".into(),
+        "--".into(),
+    ];
+    args.extend(env.hold_cmd("started", "release"));
+    let holder = env.spawn(&args);
+    wait_for_file(&env.sentinel("started"));
+    let ran = env.sentinel("ran");
+    let mut c = std::process::Command::new("nohup");
+    c.arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--read", "app", "--", "touch"])
+        .arg(&ran);
+    let waiter = Bg::from_command(c);
+    wait_until("the waiter is recorded", || {
+        env.lock_entry("app")
+            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+    });
+    waiter.signal(libc::SIGHUP);
+    env.release("release");
+    holder.finish();
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(ran.exists());
+}
+
+#[test]
+fn an_ignored_sigchld_does_not_lose_the_outcome() {
+    let env = Env::new();
+    let mut c = std::process::Command::new("sh");
+    c.arg("-c")
+        .arg("trap '' CHLD; exec \"$0\" --root \"$1\" exec --write app -- sh -c 'exit 0'")
+        .arg(bin())
+        .arg(&env.root);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn a_signal_before_the_command_starts_undoes_the_start() {
+    // The start transaction has marked 'base' writing (and created 'fresh');
+    // a SIGTERM then arrives while another process holds the global lock.
+    // The undo must still happen: base ready again, fresh gone.
+    let env = Env::new();
+    env.make_image("base");
+    let paused = env.sentinel("paused");
+    let mut c = env.cmd(["exec", "--write", "base", "--write", "fresh", "--", "touch"]);
+    c.arg(env.sentinel("ran"));
+    c.env(
+        "STOWAGE_DEBUG_PAUSE",
+        format!("exec-before-spawn:{}", paused.display()),
+    );
+    let bg = Bg::from_command(c);
+    wait_for_file(&paused);
+    let started = env.sentinel("global-held");
+    let mut f = std::process::Command::new("flock");
+    f.arg("-x").arg(env.root.join("locks/global.lock")).args([
+        "sh",
+        "-c",
+        &format!("touch '{}'; sleep 0.5", started.display()),
+    ]);
+    let global = Bg::from_command(f);
+    wait_for_file(&started);
+    bg.signal(libc::SIGTERM);
+    let out = bg.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    global.finish();
+    assert!(!env.sentinel("ran").exists());
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.state("fresh"), None);
+    assert!(!env.root.join("img/fresh").exists());
+    let entry = env.lock_entry("base").unwrap();
+    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry}");
 }
