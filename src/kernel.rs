@@ -58,6 +58,73 @@ pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
     Ok(Filesystem { name, magic, local })
 }
 
+/// A mount, from /proc/self/mountinfo.
+#[derive(Debug, Clone)]
+pub struct Mount {
+    pub mount_point: std::path::PathBuf,
+    pub fstype: String,
+    pub source: String,
+    /// Per-mount and superblock options together.
+    pub options: Vec<String>,
+}
+
+/// The mount that holds `path` (the longest mount point that contains it).
+pub fn mount_of(path: &Path) -> Option<Mount> {
+    let path = fs::canonicalize(path).ok()?;
+    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    parse_mountinfo(&text)
+        .into_iter()
+        .filter(|m| path.starts_with(&m.mount_point))
+        .max_by_key(|m| m.mount_point.as_os_str().len())
+}
+
+fn parse_mountinfo(text: &str) -> Vec<Mount> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        // id parent maj:min root mount-point options [optional...] - fstype source super-options
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let l: Vec<&str> = left.split(' ').collect();
+        let r: Vec<&str> = right.split(' ').collect();
+        if l.len() < 6 || r.len() < 3 {
+            continue;
+        }
+        let options = l[5]
+            .split(',')
+            .chain(r[2].split(','))
+            .map(str::to_owned)
+            .collect();
+        out.push(Mount {
+            mount_point: std::path::PathBuf::from(unescape(l[4])),
+            fstype: r[0].to_owned(),
+            source: unescape(r[1]),
+            options,
+        });
+    }
+    out
+}
+
+/// mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape(s: &str) -> String {
+    let mut out = String::new();
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            let oct: String = chars.by_ref().take(3).collect();
+            if let Ok(v) = u8::from_str_radix(&oct, 8) {
+                out.push(v as char);
+                continue;
+            }
+            out.push(c);
+            out.push_str(&oct);
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// One entry of the kernel's lock table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
@@ -279,6 +346,20 @@ mod tests {
             "POSIX locks are not flocks"
         );
         assert_eq!(t[&(libc::makedev(0xfd, 1), 77)][0].pid, None);
+    }
+
+    #[test]
+    fn parses_mountinfo() {
+        let m = parse_mountinfo(
+            "36 35 98:0 /mnt1 /mnt/with\\040space rw,noatime master:1 - nfs4 server:/export rw,vers=4.2,local_lock=flock\n\
+             22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n",
+        );
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].mount_point, Path::new("/mnt/with space"));
+        assert_eq!(m[0].fstype, "nfs4");
+        assert!(m[0].options.contains(&"local_lock=flock".to_owned()));
+        assert!(m[0].options.contains(&"noatime".to_owned()));
+        assert!(mount_of(Path::new("/")).is_some());
     }
 
     #[test]

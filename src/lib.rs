@@ -42,13 +42,17 @@
 
 pub mod cli;
 pub mod clock;
+pub mod clone;
 pub mod debug;
+pub mod doctor;
 pub mod error;
+pub mod gc;
 pub mod ident;
 pub mod kernel;
 pub mod lock;
 pub mod meta;
 pub mod name;
+pub mod remove;
 pub mod root;
 pub mod session;
 pub mod signals;

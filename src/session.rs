@@ -275,6 +275,8 @@ pub(crate) enum Need {
     Create,
     /// Reading: the image must exist and be ready.
     Ready,
+    /// Removing: the image must exist, in any state.
+    Exists,
 }
 
 /// How to take one image lock.

@@ -241,20 +241,17 @@ fn truncate(s: &str, max: usize) -> String {
     }
 }
 
-/// Holders of an image lock, phrased, judged inside `tx`.
-pub fn phrase_lock_holders(tx: &Tx, ctx: &Ctx, label: &str, path: &Path) -> String {
-    let kv = tx.kernel_view(&ctx.root.image_locks());
-    let Ok(view) = kv.view(path) else {
-        return "its holder is unknown".into();
-    };
-    let name = label
-        .strip_prefix("image '")
-        .and_then(|s| s.strip_suffix('\''))
-        .unwrap_or(label);
-    let records = tx.records_for(LockKind::Image, name).unwrap_or_default();
-    match judge(tx, ctx, &kv, &view, &records) {
-        Ok((holders, _)) => phrase(&holders),
-        Err(_) => "its holder is unknown".into(),
+/// Who holds a lock, from the kernel alone (no records): for messages
+/// where the database may be unusable, such as waiting to rebuild it.
+pub fn kernel_holders_phrase(ctx: &Ctx, path: &Path) -> String {
+    let view = KernelView::new(&ctx.root.locks())
+        .view(path)
+        .unwrap_or_default();
+    let holders: Vec<Party> = view.holders.iter().map(|e| outsider(ctx, e)).collect();
+    if holders.is_empty() {
+        "held by a process stowage cannot identify (on another host?)".into()
+    } else {
+        phrase(&holders).replace(", not started by stowage", "")
     }
 }
 

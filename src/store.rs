@@ -109,7 +109,7 @@ impl Store {
     }
 
     /// Takes the global lock, creating the layout on first use.
-    fn global(ctx: &Ctx, deadline: Option<Instant>, cleanup: bool) -> Result<lock::Guard> {
+    fn take_global(ctx: &Ctx, deadline: Option<Instant>, cleanup: bool) -> Result<lock::Guard> {
         let path = ctx.root.global_lock();
         let deadline = deadline.map(|d| d.max(Instant::now() + GLOBAL_GRACE));
         let mut created = false;
@@ -161,28 +161,9 @@ impl Store {
 
     /// Begins a transaction without looking at the schema version.
     fn begin_raw(&mut self, deadline: Option<Instant>, cleanup: bool) -> Result<(Tx<'_>, &Ctx)> {
-        let global = Self::global(&self.ctx, deadline, cleanup)?;
+        let global = Self::take_global(&self.ctx, deadline, cleanup)?;
         let db = self.ctx.root.db();
-        if self.conn.is_none() {
-            let conn = meta::open(&db)?;
-            // WAL would be silently unsafe on NFS; nothing of ours sets it,
-            // but an sqlite3 shell could. Reading the mode is nearly free.
-            let mode: String = conn
-                .query_row("PRAGMA journal_mode", [], |r| r.get(0))
-                .map_err(anyhow::Error::from)
-                .map_err(|e| damaged(&db, e))?;
-            if mode.eq_ignore_ascii_case("wal") {
-                conn.pragma_update(None, "journal_mode", "DELETE")
-                    .with_context(|| {
-                        format!(
-                            "cannot switch {} from WAL to a rollback journal",
-                            db.display()
-                        )
-                    })?;
-            }
-            self.conn = Some(conn);
-        }
-        let conn = self.conn.as_mut().expect("opened above");
+        let conn = connection(&mut self.conn, &db)?;
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         Ok((tx, &self.ctx))
     }
@@ -277,29 +258,38 @@ impl Store {
         deadline: Option<Instant>,
         f: impl FnOnce(&Tx, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        let mut f = Some(f);
+        let global = self.global_with_images_free(what, deadline)?;
+        let db = self.ctx.root.db();
+        let conn = connection(&mut self.conn, &db)?;
+        let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
+        let out = f(&tx, &self.ctx)?;
+        tx.commit()?;
+        Ok(out)
+    }
+
+    /// Takes the global lock at a moment when nobody holds any image lock:
+    /// the basis of every store-wide operation. Needs no database, so it
+    /// also serves to rebuild a damaged one.
+    pub fn global_with_images_free(
+        &mut self,
+        what: &str,
+        deadline: Option<Instant>,
+    ) -> Result<lock::Guard> {
         let mut told = false;
         loop {
-            let (tx, ctx) = self.begin_raw(deadline, false)?;
-            let busy = first_busy_image(ctx)?;
-            let Some((path, name)) = busy else {
-                let out = (f.take().expect("runs once"))(&tx, ctx)?;
-                tx.commit()?;
-                return Ok(out);
+            let global = Self::take_global(&self.ctx, deadline, false)?;
+            let Some((path, name)) = first_busy_image(&self.ctx)? else {
+                return Ok(global);
             };
-            let holders = if told {
-                String::new()
-            } else {
-                status::phrase_lock_holders(&tx, ctx, &name, &path)
-            };
-            drop(tx);
+            drop(global);
+            let holders = status::kernel_holders_phrase(&self.ctx, &path);
             if !told {
-                ctx.say(&format!(
+                self.ctx.say(&format!(
                     "waiting for {name} to be released before {what}: {holders}"
                 ));
                 told = true;
             }
-            let mut wait = Wait::on(&ctx.root.image_locks(), deadline);
+            let mut wait = Wait::on(&self.ctx.root.image_locks(), deadline);
             match lock::lock(&path, Mode::Exclusive, false, &mut wait) {
                 Ok(Waited::Acquired(g)) => drop(g),
                 Ok(Waited::TimedOut) => {
@@ -316,6 +306,45 @@ impl Store {
             }
         }
     }
+
+    /// Takes the global lock alone, without touching the database (doctor
+    /// inspects a possibly damaged database under it).
+    pub fn global(&self) -> Result<lock::Guard> {
+        Self::take_global(&self.ctx, None, false)
+    }
+
+    /// Forgets the open database connection (before the file is replaced).
+    pub fn close_db(&mut self) {
+        self.conn = None;
+    }
+}
+
+/// The database connection, opened on first use (with the global lock held
+/// by the caller).
+fn connection<'c>(
+    conn: &'c mut Option<rusqlite::Connection>,
+    db: &std::path::Path,
+) -> Result<&'c mut rusqlite::Connection> {
+    if conn.is_none() {
+        let c = meta::open(db)?;
+        // WAL would be silently unsafe on NFS; nothing of ours sets it, but
+        // an sqlite3 shell could. Reading the mode is nearly free.
+        let mode: String = c
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .map_err(anyhow::Error::from)
+            .map_err(|e| damaged(db, e))?;
+        if mode.eq_ignore_ascii_case("wal") {
+            c.pragma_update(None, "journal_mode", "DELETE")
+                .with_context(|| {
+                    format!(
+                        "cannot switch {} from WAL to a rollback journal",
+                        db.display()
+                    )
+                })?;
+        }
+        *conn = Some(c);
+    }
+    Ok(conn.as_mut().expect("opened above"))
 }
 
 /// Under the global lock: the first image lock someone holds, if any.
@@ -379,10 +408,11 @@ pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::E
 /// Adds "the database is damaged" advice to SQLite corruption errors.
 fn damaged(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
     if meta::is_corruption(&e) {
-        e.context(format!(
-            "metadata database {} is damaged; run 'stowage doctor --repair' (no image is lost)",
+        // SQLite's own words once (its error chain repeats them).
+        anyhow::anyhow!(
+            "metadata database {} is damaged ({e}); run 'stowage doctor --repair' (no image is lost)",
             db.display()
-        ))
+        )
     } else {
         e.context(format!("metadata database {}", db.display()))
     }

@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::error::{self, Error};
 use crate::ident;
+use crate::name::ImageName;
 use crate::session::{Outcome, Request, Session};
 use crate::signals::Forwarder;
 use crate::slots::Priority;
@@ -27,6 +28,10 @@ pub struct Args {
     /// Take an exclusive lock on IMG, creating it if new
     #[arg(long = "write", value_name = "IMG", allow_hyphen_values = true)]
     write: Vec<OsString>,
+    /// Start the (single) --write image as a copy of BASE (read-locked):
+    /// reflinked where the filesystem can, copied elsewhere
+    #[arg(long, value_name = "BASE", allow_hyphen_values = true)]
+    from: Option<OsString>,
     /// Take a slot of CLASS before any image lock (see 'stowage slots')
     #[arg(long, value_name = "CLASS")]
     slot: Option<String>,
@@ -65,6 +70,33 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         ))
         .into());
     }
+    let from = match &args.from {
+        Some(raw) => Some(ImageName::parse_os(raw).map_err(Error::from)?),
+        None => None,
+    };
+    let mut reads = reads;
+    if let Some(base) = &from {
+        if writes.len() != 1 {
+            return Err(Error::Usage(
+                "--from needs exactly one --write (the image to start as a copy)".into(),
+            )
+            .into());
+        }
+        if writes[0] == *base {
+            return Err(
+                Error::Usage(format!("--from '{base}' names the image being written")).into(),
+            );
+        }
+        if !reads.contains(base) {
+            reads.push(base.clone());
+        }
+    }
+    // Lineage: the --from image, else the one image read by a one-image write.
+    let base = match (&from, reads.as_slice(), writes.len()) {
+        (Some(b), _, _) => Some(b.clone()),
+        (None, [only], 1) => Some(only.clone()),
+        _ => None,
+    };
     let (deadline, no_wait) = super::deadline(args.wait.as_deref(), args.no_wait)?;
 
     // Before any other thread exists, so that every thread inherits the mask.
@@ -78,7 +110,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let req = Request {
         reads,
         writes,
-        base: None,
+        base,
         deadline,
         no_wait,
         slot: args
@@ -101,6 +133,15 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         "locks acquired in {:.1} ms",
         session.elapsed().as_secs_f64() * 1e3
     ));
+
+    if let Some(base) = &from {
+        let target = req.writes[0].clone();
+        if let Err(e) = clone_into(store, &session, base, &target) {
+            // A half-made copy must never look ready.
+            let _ = session.finish(store, Outcome::Failure);
+            return Err(e);
+        }
+    }
 
     let mut cmd = Command::new(&args.command[0]);
     cmd.args(&args.command[1..]);
@@ -171,4 +212,47 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         format!("the command exited with status {code}, but recording that failed")
     })?;
     Ok(code)
+}
+
+/// Makes the written image a copy of `base` (emptying it first if it had
+/// content: it is being rebuilt from the base).
+fn clone_into(
+    store: &Store,
+    session: &Session,
+    base: &ImageName,
+    target: &ImageName,
+) -> Result<()> {
+    use std::io::IsTerminal;
+    let src = session.image_dir(base);
+    let dst = session.image_dir(target);
+    if !std::fs::symlink_metadata(&src).is_ok_and(|m| m.is_dir()) {
+        anyhow::bail!(
+            "image '{base}': {} is not a directory; cannot copy it",
+            src.display()
+        );
+    }
+    for entry in
+        std::fs::read_dir(&dst).with_context(|| format!("cannot list {}", dst.display()))?
+    {
+        crate::remove::remove_tree(&entry?.path())?;
+    }
+    let t0 = std::time::Instant::now();
+    let show = std::io::stderr().is_terminal() && !store.ctx().quiet;
+    let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
+    let done = crate::clone::copy_tree(&src, &dst, &mut bar)
+        .with_context(|| format!("cannot copy image '{base}' to '{target}'"))?;
+    store.ctx().detail(&format!(
+        "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
+        done.files,
+        crate::usage::human(done.bytes),
+        done.reflinked,
+        t0.elapsed().as_secs_f64()
+    ));
+    if done.skipped_special > 0 {
+        store.ctx().say(&format!(
+            "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
+            done.skipped_special
+        ));
+    }
+    Ok(())
 }

@@ -54,6 +54,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             }
             make_dir(dir)?;
             tx.set_config("images_dir", &dir.display().to_string())?;
+            // Kept beside the database too, so that rebuilding a damaged
+            // database still finds the images.
+            crate::doctor::write_images_dir_note(&ctx.root, dir)?;
         }
         let dir = tx.images_dir(&ctx.root)?;
         let (adopted, skipped) = adopt(tx, &dir)?;

@@ -15,10 +15,13 @@ use crate::name::ImageName;
 use crate::root::Root;
 use crate::store::Store;
 
+mod doctor;
 mod exec;
+mod gc;
 mod images;
 mod init;
 mod lock_status;
+mod rm;
 mod slots;
 
 #[derive(Parser)]
@@ -56,8 +59,14 @@ enum Command {
     Images(images::Args),
     /// Show who holds and awaits which lock
     LockStatus(lock_status::Args),
+    /// Remove images (each under its write lock)
+    Rm(rm::Args),
+    /// Remove incomplete, unused and least recently used images
+    Gc(gc::Args),
     /// Show or configure slot classes (limits on heavy work per runtime)
     Slots(slots::Args),
+    /// Check the store (flock, database, consistency) and repair it
+    Doctor(doctor::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -84,6 +93,9 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Images(args) => images::run(args, &mut store),
         Command::LockStatus(args) => lock_status::run(args, &mut store),
         Command::Slots(args) => slots::run(args, &mut store),
+        Command::Rm(args) => rm::run(args, &mut store),
+        Command::Gc(args) => gc::run(args, &mut store),
+        Command::Doctor(args) => doctor::run(args, &mut store),
     }
 }
 

@@ -7,6 +7,7 @@ mod concurrency;
 mod crash;
 mod exec;
 mod init;
+mod lifecycle;
 mod lock_status;
 mod migration;
 mod names;

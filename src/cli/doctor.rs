@@ -1,0 +1,49 @@
+//! `stowage doctor`: check (and with --repair, fix) the store.
+
+use anyhow::Result;
+
+use crate::doctor::{self, Status};
+use crate::error::code;
+use crate::store::Store;
+
+#[derive(clap::Args)]
+#[command(
+    after_help = "Exit status: 0 healthy (or fully repaired); 1 problems remain;\n\
+    69 flock does not work, or is not safe, on the root's filesystem."
+)]
+pub struct Args {
+    /// Fix what is safe to fix, and say what was done
+    #[arg(long)]
+    repair: bool,
+    /// Print a JSON report
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    let report = doctor::run(store, args.repair)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("root {} ({})", report.root, report.filesystem);
+        for c in &report.checks {
+            let tag = match c.status {
+                Status::Ok => "ok",
+                Status::Info => "note",
+                Status::Problem => "PROBLEM",
+                Status::Repaired => "repaired",
+            };
+            println!("{tag:>8}  {:<10}  {}", c.check, c.detail);
+        }
+        if !report.healthy && !args.repair && report.locking {
+            println!("run 'stowage doctor --repair' to fix what is safe to fix");
+        }
+    }
+    Ok(if !report.locking {
+        code::UNAVAILABLE
+    } else if report.healthy {
+        0
+    } else {
+        code::FAILURE
+    })
+}

@@ -1,0 +1,101 @@
+//! `stowage gc`: remove incomplete, unused and least recently used images.
+
+use anyhow::Result;
+
+use crate::error::Error;
+use crate::gc::{self, Policy};
+use crate::store::Store;
+use crate::usage;
+
+#[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    stowage gc                          # incomplete images and leftovers only\n  \
+    stowage gc --unused-for 7d          # also images unused for a week\n  \
+    stowage gc --max-size 20G --dry-run # what would go to fit 20 GiB\n\
+    An image in use (locked) is never removed, however old.")]
+pub struct Args {
+    /// Remove least recently used images until the images fit SIZE (500M, 20G)
+    #[arg(long, value_name = "SIZE")]
+    max_size: Option<String>,
+    /// Remove images not used for DURATION (30m, 12h, 7d)
+    #[arg(long, value_name = "DURATION")]
+    unused_for: Option<String>,
+    /// Only say what would be removed
+    #[arg(long)]
+    dry_run: bool,
+    /// Print a JSON report
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    let max_size = match &args.max_size {
+        Some(raw) => Some(gc::parse_size(raw).ok_or_else(|| {
+            Error::Usage(format!(
+                "--max-size {raw:?}: not a size (e.g. 500M, 20G, 1.5T, or bytes)"
+            ))
+        })?),
+        None => None,
+    };
+    let unused_for = match &args.unused_for {
+        Some(raw) => Some(humantime::parse_duration(raw).map_err(|e| {
+            Error::Usage(format!(
+                "--unused-for {raw:?}: not a duration (e.g. 30m, 12h, 7d): {e}"
+            ))
+        })?),
+        None => None,
+    };
+    let policy = Policy {
+        max_size,
+        unused_for,
+        dry_run: args.dry_run,
+    };
+    let report = gc::run(store, &policy)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(0);
+    }
+    let verb = if args.dry_run {
+        "would remove"
+    } else {
+        "removed"
+    };
+    for name in &report.interrupted_removals {
+        println!("{verb} '{name}' (an interrupted removal)");
+    }
+    if report.trash_entries > 0 {
+        println!(
+            "{verb} {} leftover trash entr{}",
+            report.trash_entries,
+            if report.trash_entries == 1 {
+                "y"
+            } else {
+                "ies"
+            }
+        );
+    }
+    for r in &report.removed {
+        println!(
+            "{verb} '{}' ({}, {}): {}",
+            r.name,
+            r.state,
+            usage::human(r.size_bytes),
+            r.reason.describe()
+        );
+    }
+    for name in &report.busy {
+        println!("kept '{name}': in use");
+    }
+    let budget = match report.max_size {
+        Some(m) => format!(" (budget {})", usage::human(m)),
+        None => String::new(),
+    };
+    println!(
+        "{} {}; images {} {}{budget}",
+        if args.dry_run { "would free" } else { "freed" },
+        usage::human(report.bytes_freed),
+        if args.dry_run { "would use" } else { "now use" },
+        usage::human(report.size_after)
+    );
+    Ok(0)
+}

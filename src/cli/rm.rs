@@ -1,0 +1,75 @@
+//! `stowage rm`: remove images, crash-safely.
+
+use std::ffi::OsString;
+
+use anyhow::Result;
+
+use crate::error::{self, Error};
+use crate::lock::Mode;
+use crate::remove;
+use crate::session::{Need, Want, acquire_image};
+use crate::store::Store;
+use crate::usage;
+
+#[derive(clap::Args)]
+#[command(
+    after_help = "Each image is removed under its write lock: an image in use is not touched.\n\
+    Exit status: 0 removed; 66 an image does not exist (nothing removed); 75 an image\n\
+    stayed locked past --wait/--no-wait (nothing removed); 64 bad name or usage."
+)]
+pub struct Args {
+    /// Images to remove
+    #[arg(value_name = "IMG", required = true, allow_hyphen_values = true)]
+    images: Vec<OsString>,
+    /// Give up after SECONDS waiting for an image in use [default: wait forever]
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
+    wait: Option<String>,
+    /// Fail at once if an image is in use
+    #[arg(long, conflicts_with = "wait")]
+    no_wait: bool,
+}
+
+pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    let mut names = super::names(&args.images)?;
+    let (deadline, no_wait) = super::deadline(args.wait.as_deref(), args.no_wait)?;
+    // The lock order, and each image once.
+    names.sort();
+    names.dedup();
+    let command = format!(
+        "stowage rm {}",
+        names
+            .iter()
+            .map(|n| n.as_str())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    // All locks first, so that either every image goes or none does.
+    let mut held = Vec::with_capacity(names.len());
+    for name in &names {
+        let want = Want {
+            mode: Mode::Exclusive,
+            need: Need::Exists,
+            deadline,
+            no_wait,
+            command: &command,
+        };
+        let (guard, waiter) = acquire_image(store, name, &want)?;
+        if let Some(id) = waiter {
+            store.with_tx(None, |tx, _| tx.delete_record(id))?;
+        }
+        held.push((name.clone(), guard));
+    }
+    let removed = remove::remove_locked(store, held).map_err(|e| match error::typed(&e) {
+        Some(Error::NoSuchImage(_)) => e,
+        _ => e.context("removal failed; 'stowage gc' or 'stowage doctor --repair' finishes it"),
+    })?;
+    for r in &removed {
+        store.ctx().say(&format!(
+            "removed '{}' ({}, {})",
+            r.name,
+            r.state,
+            usage::human(r.bytes)
+        ));
+    }
+    Ok(0)
+}

@@ -1,0 +1,677 @@
+//! `stowage doctor`: is this store safe to use, and is it consistent?
+//!
+//! Checks, in order: the filesystem and whether flock(2) really excludes
+//! there (two opens of one file must conflict); NFS mounts whose locks are
+//! local only (cross-host exclusion silently off); the database (integrity,
+//! schema, journal mode); records whose locks say otherwise; rows without
+//! trees and trees without rows; incomplete images; removals a crash
+//! interrupted, trash, stray lock files.
+//!
+//! Without `--repair` nothing changes (judgements run in transactions that
+//! are rolled back). With it, what is safe is fixed: stale records dropped,
+//! dead writers' images marked incomplete, interrupted removals finished,
+//! orphan trees adopted, rows of vanished trees dropped, trash emptied, the
+//! schema migrated — and a damaged database is moved aside (never deleted)
+//! and rebuilt from the images directory, so no image is lost.
+
+use std::collections::{HashMap, HashSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::clock;
+use crate::kernel;
+use crate::lock;
+use crate::meta::{self, ImageRow, ImageState, SlotClass, Tx};
+use crate::name::ImageName;
+use crate::remove;
+use crate::status;
+use crate::store::{Ctx, Store};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    /// Worth knowing, not a fault.
+    Info,
+    Problem,
+    Repaired,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Check {
+    pub check: &'static str,
+    pub status: Status,
+    pub detail: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub root: String,
+    pub filesystem: String,
+    /// False when flock does not work (or is unsafe) here: exit 69.
+    pub locking: bool,
+    pub healthy: bool,
+    pub checks: Vec<Check>,
+}
+
+impl Report {
+    fn add(&mut self, check: &'static str, status: Status, detail: impl Into<String>) {
+        self.checks.push(Check {
+            check,
+            status,
+            detail: detail.into(),
+        });
+    }
+}
+
+/// The file that remembers a non-default images directory outside the
+/// database, so a rebuild of a damaged database still finds the images.
+pub fn images_dir_note(root: &crate::root::Root) -> PathBuf {
+    root.dir().join("images-dir")
+}
+
+/// Records the images directory beside the database (atomically).
+pub fn write_images_dir_note(root: &crate::root::Root, dir: &Path) -> Result<()> {
+    let note = images_dir_note(root);
+    let tmp = note.with_extension("tmp");
+    fs::write(&tmp, format!("{}\n", dir.display()))
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    fs::rename(&tmp, &note).with_context(|| format!("cannot write {}", note.display()))
+}
+
+pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
+    store.root().create_layout()?;
+    let root = store.root().clone();
+    let fs_info = kernel::filesystem(root.dir()).ok();
+    let mut report = Report {
+        root: root.dir().display().to_string(),
+        filesystem: fs_info
+            .as_ref()
+            .map_or_else(|| "unknown".into(), |f| f.name.clone()),
+        locking: true,
+        healthy: true,
+        checks: Vec::new(),
+    };
+    if let Some(f) = &fs_info {
+        let kind = if f.local {
+            "local: the kernel's lock table shows every holder"
+        } else {
+            "shared or unknown: lock-status probes locks, and waits re-issue blocked requests every 250 ms"
+        };
+        report.add("filesystem", Status::Info, format!("{} ({kind})", f.name));
+    }
+
+    // Does flock exclude here at all?
+    let probe = root.locks().join(".doctor.lock");
+    match lock::opens_conflict(&probe) {
+        Ok(true) => report.add(
+            "flock",
+            Status::Ok,
+            "two opens of one file exclude each other",
+        ),
+        Ok(false) => {
+            report.locking = false;
+            report.add(
+                "flock",
+                Status::Problem,
+                "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem",
+            );
+        }
+        Err(e) => {
+            report.locking = false;
+            let advice = if crate::error::is_locking_unsupported(&e) {
+                " — is this NFS mounted with 'nolock', or a filesystem without flock? mount it with locking, or put the root elsewhere"
+            } else {
+                ""
+            };
+            report.add(
+                "flock",
+                Status::Problem,
+                format!("cannot lock {}: {e}{advice}", probe.display()),
+            );
+        }
+    }
+    let _ = fs::remove_file(&probe);
+
+    // NFS mounted with locks local to each client.
+    if let Some(m) = kernel::mount_of(root.dir()) {
+        let local_only: Vec<&String> = m
+            .options
+            .iter()
+            .filter(|o| *o == "nolock" || *o == "local_lock=flock" || *o == "local_lock=all")
+            .collect();
+        if m.fstype.starts_with("nfs") && !local_only.is_empty() {
+            report.locking = false;
+            report.add(
+                "mount",
+                Status::Problem,
+                format!(
+                    "{} is NFS mounted with {}: locks are local to each client, so builds on different hosts do not exclude each other; remount without it",
+                    m.mount_point.display(),
+                    local_only.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",")
+                ),
+            );
+        } else {
+            report.add(
+                "mount",
+                Status::Ok,
+                format!("{} ({}) on {}", m.mount_point.display(), m.fstype, m.source),
+            );
+        }
+    }
+    if !report.locking {
+        report.healthy = false;
+        return Ok(report);
+    }
+
+    // The database.
+    match database(store, repair, &mut report)? {
+        Db::Usable => consistency(store, repair, &mut report)?,
+        Db::Unusable => {}
+    }
+    report.healthy = !report.checks.iter().any(|c| c.status == Status::Problem);
+    Ok(report)
+}
+
+enum Db {
+    Usable,
+    Unusable,
+}
+
+fn database(store: &mut Store, repair: bool, report: &mut Report) -> Result<Db> {
+    let db = store.root().db();
+    let health = inspect_db(store)?;
+    match health {
+        Health::Good { version } => {
+            let ours = meta::schema_version();
+            if version == ours || version == 0 {
+                report.add(
+                    "database",
+                    Status::Ok,
+                    format!("{}: intact, schema version {ours}", db.display()),
+                );
+                if version == 0 {
+                    store.migrate(None)?;
+                }
+                Ok(Db::Usable)
+            } else if version < ours {
+                if repair {
+                    store.migrate(None)?;
+                    report.add(
+                        "database",
+                        Status::Repaired,
+                        format!(
+                            "{}: schema upgraded from version {version} to {ours}",
+                            db.display()
+                        ),
+                    );
+                    Ok(Db::Usable)
+                } else {
+                    report.add(
+                        "database",
+                        Status::Problem,
+                        format!("{}: schema version {version}, this stowage uses {ours} (any command upgrades it)", db.display()),
+                    );
+                    Ok(Db::Unusable)
+                }
+            } else {
+                report.add(
+                    "database",
+                    Status::Problem,
+                    format!("{}: schema version {version} is newer than this stowage ({ours}); use a newer stowage", db.display()),
+                );
+                Ok(Db::Unusable)
+            }
+        }
+        Health::Damaged(why) => {
+            if repair {
+                let r = rebuild(store)?;
+                report.add(
+                    "database",
+                    Status::Repaired,
+                    format!(
+                        "{} was damaged ({why}); moved to {} and rebuilt from {}: {} images ({} with their recorded state){}",
+                        db.display(),
+                        r.moved_to.display(),
+                        r.images_dir.display(),
+                        r.images,
+                        r.salvaged,
+                        if r.slot_classes_lost { "; slot classes could not be recovered: set them again with 'stowage slots set'" } else { "" }
+                    ),
+                );
+                Ok(Db::Usable)
+            } else {
+                report.add(
+                    "database",
+                    Status::Problem,
+                    format!("{} is damaged ({why}); 'stowage doctor --repair' moves it aside and rebuilds it from the images directory (no image is lost)", db.display()),
+                );
+                Ok(Db::Unusable)
+            }
+        }
+    }
+}
+
+enum Health {
+    Good { version: i64 },
+    Damaged(String),
+}
+
+/// Opens the database under the global lock and asks SQLite whether it is
+/// intact. Never fails on a damaged file: that is a finding.
+fn inspect_db(store: &mut Store) -> Result<Health> {
+    let global = store.global()?;
+    let db = store.root().db();
+    store.close_db();
+    let result = (|| -> rusqlite::Result<(String, i64)> {
+        let conn = meta::open(&db).map_err(|_| rusqlite::Error::InvalidQuery)?;
+        let check: String = conn.query_row("PRAGMA quick_check", [], |r| r.get(0))?;
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        Ok((check, version))
+    })();
+    drop(global);
+    Ok(match result {
+        Ok((check, version)) if check == "ok" => Health::Good { version },
+        Ok((check, _)) => Health::Damaged(check),
+        Err(e) => Health::Damaged(e.to_string()),
+    })
+}
+
+struct Rebuilt {
+    moved_to: PathBuf,
+    images_dir: PathBuf,
+    images: usize,
+    salvaged: usize,
+    slot_classes_lost: bool,
+}
+
+/// Moves a damaged database aside and builds a new one from the images
+/// directory, keeping whatever the damaged file still yields (states,
+/// lineage, times, the images directory, slot classes). A store-wide
+/// operation: it waits until no image lock is held.
+fn rebuild(store: &mut Store) -> Result<Rebuilt> {
+    let global = store.global_with_images_free("rebuilding the metadata database", None)?;
+    store.close_db();
+    let root = store.root().clone();
+    let db = root.db();
+    let salvage = salvage(&db);
+    let stamp = clock::rfc3339(clock::now_ms()).replace(':', "");
+    let moved_to = db.with_file_name(format!("stowage.db.damaged-{stamp}"));
+    fs::rename(&db, &moved_to).with_context(|| format!("cannot move {} aside", db.display()))?;
+    let journal = db.with_file_name("stowage.db-journal");
+    if journal.exists() {
+        let _ = fs::rename(&journal, moved_to.with_extension("journal"));
+    }
+
+    let images_dir = salvage
+        .config
+        .get("images_dir")
+        .map(PathBuf::from)
+        .or_else(|| {
+            fs::read_to_string(images_dir_note(&root))
+                .ok()
+                .map(|s| PathBuf::from(s.trim()))
+        })
+        .unwrap_or_else(|| root.default_images_dir());
+
+    let mut conn = meta::open(&db)?;
+    let tx = Tx::begin(&mut conn, global)?;
+    tx.migrate()?;
+    if images_dir != root.default_images_dir() {
+        tx.set_config("images_dir", &images_dir.display().to_string())?;
+    }
+    let classes_lost = salvage.slot_classes.is_none();
+    for c in salvage.slot_classes.unwrap_or_default() {
+        tx.set_slot_class(&c)?;
+    }
+    let (images, salvaged) = adopt_all(&tx, &images_dir, &salvage.images)?;
+    tx.commit()?;
+    Ok(Rebuilt {
+        moved_to,
+        images_dir,
+        images,
+        salvaged,
+        slot_classes_lost: classes_lost,
+    })
+}
+
+#[derive(Default)]
+struct Salvage {
+    images: HashMap<String, ImageRow>,
+    config: HashMap<String, String>,
+    /// None when the table could not be read at all.
+    slot_classes: Option<Vec<SlotClass>>,
+}
+
+/// Reads what it can from a damaged database, table by table.
+fn salvage(db: &Path) -> Salvage {
+    let mut out = Salvage::default();
+    let Ok(conn) = rusqlite::Connection::open_with_flags(
+        db,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NOFOLLOW,
+    ) else {
+        return out;
+    };
+    if let Ok(mut st) =
+        conn.prepare("SELECT name, state, base, created_ms, last_used_ms, size_bytes FROM images")
+    {
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+                r.get::<_, i64>(3)?,
+                r.get::<_, i64>(4)?,
+                r.get::<_, Option<i64>>(5)?,
+            ))
+        });
+        if let Ok(rows) = rows {
+            for (name, state, base, created, last_used, size) in rows.flatten() {
+                let state = match state.as_str() {
+                    "ready" => ImageState::Ready,
+                    _ => ImageState::Incomplete,
+                };
+                out.images.insert(
+                    name.clone(),
+                    ImageRow {
+                        name,
+                        state,
+                        base,
+                        created,
+                        last_used,
+                        size_bytes: size.map(|s| s.max(0) as u64),
+                    },
+                );
+            }
+        }
+    }
+    if let Ok(mut st) = conn.prepare("SELECT key, value FROM config")
+        && let Ok(rows) = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+    {
+        out.config = rows.flatten().collect();
+    }
+    if let Ok(mut st) = conn.prepare("SELECT name, lim, reserve_high FROM slot_classes")
+        && let Ok(rows) = st.query_map([], |r| {
+            Ok(SlotClass {
+                name: r.get(0)?,
+                limit: r.get(1)?,
+                reserve_high: r.get(2)?,
+            })
+        })
+    {
+        out.slot_classes = Some(rows.flatten().collect());
+    }
+    out
+}
+
+/// Inserts a row for every image tree: its salvaged row where there is one,
+/// else `ready` for a non-empty tree (as `init` adopts) and `incomplete` for
+/// an empty one. Returns (images, of which salvaged).
+fn adopt_all(tx: &Tx, dir: &Path, known: &HashMap<String, ImageRow>) -> Result<(usize, usize)> {
+    let now = clock::now_ms();
+    let (mut n, mut salvaged) = (0, 0);
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Ok((0, 0));
+    };
+    for e in entries.flatten() {
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let Some(name) = e
+            .file_name()
+            .to_str()
+            .and_then(|s| ImageName::from_encoded(s).ok())
+        else {
+            continue;
+        };
+        if tx.image(name.as_str())?.is_some() {
+            continue;
+        }
+        let row = match known.get(name.as_str()) {
+            Some(r) => {
+                salvaged += 1;
+                r.clone()
+            }
+            None => new_row(&name, &e.path(), now),
+        };
+        tx.insert_image(&row)?;
+        n += 1;
+    }
+    Ok((n, salvaged))
+}
+
+fn new_row(name: &ImageName, tree: &Path, now: clock::Millis) -> ImageRow {
+    let empty = fs::read_dir(tree)
+        .map(|mut d| d.next().is_none())
+        .unwrap_or(true);
+    let created = fs::metadata(tree)
+        .ok()
+        .and_then(|m| m.modified().ok())
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(now, |d| d.as_millis() as i64);
+    ImageRow {
+        name: name.as_str().to_owned(),
+        state: if empty {
+            ImageState::Incomplete
+        } else {
+            ImageState::Ready
+        },
+        base: None,
+        created,
+        last_used: created,
+        size_bytes: None,
+    }
+}
+
+/// Records, rows and trees, leftovers.
+fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
+    let found = {
+        let (tx, ctx) = store.begin(None)?;
+        let found = judge(&tx, ctx, repair)?;
+        if repair {
+            tx.commit()?;
+        }
+        found
+    };
+    let fixed = if repair {
+        Status::Repaired
+    } else {
+        Status::Problem
+    };
+    match found.stale_records {
+        0 => report.add(
+            "records",
+            Status::Ok,
+            "every holder and waiter record matches a lock",
+        ),
+        n => report.add(
+            "records",
+            fixed,
+            format!(
+                "{n} stale holder/waiter record(s){}",
+                done(repair, "dropped")
+            ),
+        ),
+    }
+    if !found.dead_writers.is_empty() {
+        report.add(
+            "writers",
+            fixed,
+            format!(
+                "writer gone for {}{}",
+                list(&found.dead_writers),
+                done(repair, "marked incomplete")
+            ),
+        );
+    }
+    match found.missing_trees.len() {
+        0 => report.add("rows", Status::Ok, "every image has its tree"),
+        _ => report.add(
+            "rows",
+            fixed,
+            format!(
+                "no tree for {}{}",
+                list(&found.missing_trees),
+                done(repair, "rows dropped")
+            ),
+        ),
+    }
+    match found.orphan_trees.len() {
+        0 => report.add(
+            "trees",
+            Status::Ok,
+            "every tree in the images directory has a row",
+        ),
+        _ => report.add(
+            "trees",
+            fixed,
+            format!(
+                "no row for {}{}",
+                list(&found.orphan_trees),
+                done(repair, "adopted")
+            ),
+        ),
+    }
+    if !found.incomplete.is_empty() {
+        report.add(
+            "incomplete",
+            Status::Info,
+            format!(
+                "{} (their writers failed; 'stowage gc' removes them)",
+                list(&found.incomplete)
+            ),
+        );
+    }
+    let left = remove::finish_interrupted(store, repair)?;
+    if left.is_empty() {
+        report.add(
+            "leftovers",
+            Status::Ok,
+            "no interrupted removal, empty trash",
+        );
+    } else {
+        let mut parts = Vec::new();
+        if !left.removals.is_empty() {
+            parts.push(format!("interrupted removal of {}", list(&left.removals)));
+        }
+        if !left.trash.is_empty() {
+            parts.push(format!(
+                "{} trash entr{}",
+                left.trash.len(),
+                if left.trash.len() == 1 { "y" } else { "ies" }
+            ));
+        }
+        if !left.lock_files.is_empty() {
+            parts.push(format!(
+                "{} lock file(s) of images that no longer exist",
+                left.lock_files.len()
+            ));
+        }
+        report.add(
+            "leftovers",
+            fixed,
+            format!("{}{}", parts.join("; "), done(repair, "cleaned up")),
+        );
+    }
+    Ok(())
+}
+
+fn done(repair: bool, what: &str) -> String {
+    if repair {
+        format!(" — {what}")
+    } else {
+        String::new()
+    }
+}
+
+fn list(names: &[String]) -> String {
+    let shown: Vec<String> = names.iter().take(8).map(|n| format!("'{n}'")).collect();
+    if names.len() > 8 {
+        format!("{} and {} more", shown.join(", "), names.len() - 8)
+    } else {
+        shown.join(", ")
+    }
+}
+
+#[derive(Default)]
+struct Found {
+    stale_records: usize,
+    dead_writers: Vec<String>,
+    missing_trees: Vec<String>,
+    orphan_trees: Vec<String>,
+    incomplete: Vec<String>,
+}
+
+/// Inside one transaction (committed only when repairing).
+fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
+    let mut found = Found::default();
+    let before_records = tx.all_records()?.len();
+    let writing: Vec<String> = tx
+        .images_in_states(&[ImageState::Creating, ImageState::Writing])?
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
+    let kv = tx.kernel_view(&ctx.root.locks());
+    status::sweep(tx, ctx, &kv)?;
+    found.stale_records = before_records - tx.all_records()?.len();
+    let rows = tx.images()?;
+    found.dead_writers = rows
+        .iter()
+        .filter(|r| writing.contains(&r.name) && r.state == ImageState::Incomplete)
+        .map(|r| r.name.clone())
+        .collect();
+
+    let images_dir = tx.images_dir(&ctx.root)?;
+    let known: HashSet<&str> = rows.iter().map(|r| r.name.as_str()).collect();
+    for r in &rows {
+        let Ok(n) = ImageName::parse(&r.name) else {
+            continue;
+        };
+        let tree = images_dir.join(n.encoded());
+        let present = fs::symlink_metadata(&tree).is_ok_and(|m| m.is_dir());
+        if !present && matches!(r.state, ImageState::Ready | ImageState::Incomplete) {
+            // Only an image nobody holds can be forgotten (under the global
+            // lock a try is allowed; a missing lock file is free).
+            let free = match lock::try_lock(&ctx.root.image_lock(&n), lock::Mode::Exclusive, false)
+            {
+                Ok(g) => g.is_some(),
+                Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+            };
+            if free {
+                found.missing_trees.push(r.name.clone());
+                if repair {
+                    tx.delete_image(&r.name)?;
+                }
+            }
+        }
+        if r.state == ImageState::Incomplete && present {
+            found.incomplete.push(r.name.clone());
+        }
+    }
+    if let Ok(entries) = fs::read_dir(&images_dir) {
+        let now = clock::now_ms();
+        for e in entries.flatten() {
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let Some(name) = e
+                .file_name()
+                .to_str()
+                .and_then(|s| ImageName::from_encoded(s).ok())
+            else {
+                continue;
+            };
+            if known.contains(name.as_str()) {
+                continue;
+            }
+            found.orphan_trees.push(name.as_str().to_owned());
+            if repair {
+                tx.insert_image(&new_row(&name, &e.path(), now))?;
+            }
+        }
+    }
+    Ok(found)
+}

@@ -1,0 +1,289 @@
+//! Garbage collection: make room without ever touching an image in use.
+//!
+//! In order, gc removes:
+//! 1. leftovers of interrupted removals (rows left `deleting`, the trash);
+//! 2. incomplete images, whose writer is gone (a writer that died leaves its
+//!    image `creating`/`writing` with a free lock; gc first marks those);
+//! 3. with `--unused-for D`, ready images not used for D;
+//! 4. with `--max-size S`, least recently used images until the images fit S.
+//!
+//! Invariants: every image is removed under its exclusive lock, taken
+//! without waiting — a busy image is skipped, however old. After the lock is
+//! taken the image's row is read again, so a reason that stopped holding
+//! (the image was just rebuilt or used) keeps it. Sizes are allocated
+//! blocks, hard links counted once, symlinks never followed. `--dry-run`
+//! changes nothing: the same decisions, every lock released at once, every
+//! transaction rolled back.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::clock::{self, Millis};
+use crate::lock::{self, Mode};
+use crate::meta::{ImageRow, ImageState};
+use crate::name::ImageName;
+use crate::remove::{self, Leftovers};
+use crate::status;
+use crate::store::Store;
+use crate::usage;
+
+/// What to remove beyond incomplete images.
+#[derive(Debug, Clone, Default)]
+pub struct Policy {
+    pub max_size: Option<u64>,
+    pub unused_for: Option<Duration>,
+    pub dry_run: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Reason {
+    /// Its writer failed or died.
+    Incomplete,
+    /// Not used for longer than `--unused-for`.
+    Unused,
+    /// Least recently used while the images exceed `--max-size`.
+    OverBudget,
+}
+
+impl Reason {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Reason::Incomplete => "incomplete",
+            Reason::Unused => "unused",
+            Reason::OverBudget => "least recently used, over budget",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Removed {
+    pub name: String,
+    pub state: &'static str,
+    pub size_bytes: u64,
+    pub reason: Reason,
+    #[serde(skip)]
+    pub last_used: Millis,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    pub dry_run: bool,
+    pub removed: Vec<Removed>,
+    /// Images that qualified but were in use (locked), and so kept.
+    pub busy: Vec<String>,
+    pub bytes_freed: u64,
+    pub size_before: u64,
+    pub size_after: u64,
+    pub max_size: Option<u64>,
+    pub unused_for_seconds: Option<u64>,
+    /// Interrupted removals finished and trash entries deleted.
+    pub interrupted_removals: Vec<String>,
+    pub trash_entries: usize,
+}
+
+pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
+    let mut report = Report {
+        dry_run: policy.dry_run,
+        max_size: policy.max_size,
+        unused_for_seconds: policy.unused_for.map(|d| d.as_secs()),
+        ..Report::default()
+    };
+
+    // 1. Leftovers of interrupted removals.
+    let left: Leftovers = remove::finish_interrupted(store, !policy.dry_run)?;
+    report.interrupted_removals = left.removals;
+    report.trash_entries = left.trash.len();
+
+    // Look at every image: dead writers become incomplete (in a dry run the
+    // transaction is rolled back, so nothing changes).
+    let (rows, images_dir) = {
+        let (tx, ctx) = store.begin(None)?;
+        let kv = tx.kernel_view(&ctx.root.locks());
+        status::sweep(&tx, ctx, &kv)?;
+        let out = (tx.images()?, tx.images_dir(&ctx.root)?);
+        if !policy.dry_run {
+            tx.commit()?;
+        }
+        out
+    };
+    let mut rows: Vec<ImageRow> = rows
+        .into_iter()
+        .filter(|r| !policy.dry_run || !report.interrupted_removals.contains(&r.name))
+        .collect();
+
+    // Sizes not known yet (adopted images) are measured now.
+    let mut measured = Vec::new();
+    for r in rows.iter_mut().filter(|r| r.size_bytes.is_none()) {
+        let Ok(n) = ImageName::parse(&r.name) else {
+            continue;
+        };
+        let size = usage::disk_usage(&images_dir.join(n.encoded())).unwrap_or(0);
+        r.size_bytes = Some(size);
+        measured.push((r.name.clone(), size));
+    }
+    if !policy.dry_run && !measured.is_empty() {
+        store.with_tx(None, |tx, _| {
+            measured
+                .iter()
+                .try_for_each(|(n, s)| tx.set_size(n, Some(*s)))
+        })?;
+    }
+    let size = |r: &ImageRow| r.size_bytes.unwrap_or(0);
+    report.size_before = rows.iter().map(size).sum();
+    let mut total = report.size_before;
+
+    // 2. Incomplete images, 3. unused ones, 4. least recently used — in
+    // that order, each phase oldest first.
+    let now = clock::now_ms();
+    let cutoff = policy.unused_for.map(|d| now - d.as_millis() as Millis);
+    rows.sort_by(|a, b| {
+        a.last_used
+            .cmp(&b.last_used)
+            .then_with(|| a.name.cmp(&b.name))
+    });
+    for reason in [Reason::Incomplete, Reason::Unused] {
+        let (these, rest): (Vec<ImageRow>, Vec<ImageRow>) =
+            rows.into_iter().partition(|r| match reason {
+                Reason::Incomplete => r.state == ImageState::Incomplete,
+                _ => r.state == ImageState::Ready && cutoff.is_some_and(|c| r.last_used < c),
+            });
+        rows = rest;
+        for r in these {
+            match collect(store, &r, reason, policy.dry_run, &mut report)? {
+                Some(freed) => total = total.saturating_sub(freed),
+                None => rows.push(r),
+            }
+        }
+        rows.sort_by(|a, b| {
+            a.last_used
+                .cmp(&b.last_used)
+                .then_with(|| a.name.cmp(&b.name))
+        });
+    }
+    if let Some(max) = policy.max_size {
+        for r in rows {
+            if total <= max {
+                break;
+            }
+            if let Some(freed) =
+                collect(store, &r, Reason::OverBudget, policy.dry_run, &mut report)?
+            {
+                total = total.saturating_sub(freed);
+            }
+        }
+    }
+    report.size_after = total;
+    report.bytes_freed = report.removed.iter().map(|r| r.size_bytes).sum();
+    Ok(report)
+}
+
+/// Removes one image if its lock is free and its reason still holds.
+/// Returns the bytes freed, or None if it was kept.
+fn collect(
+    store: &mut Store,
+    row: &ImageRow,
+    reason: Reason,
+    dry_run: bool,
+    report: &mut Report,
+) -> Result<Option<u64>> {
+    let Ok(name) = ImageName::parse(&row.name) else {
+        return Ok(None);
+    };
+    let path = store.root().image_lock(&name);
+    // A dry run creates no lock file: a missing one is simply free.
+    let guard = match lock::try_lock(&path, Mode::Exclusive, !dry_run) {
+        Ok(Some(g)) => Some(g),
+        Ok(None) => {
+            report.busy.push(row.name.clone());
+            return Ok(None);
+        }
+        Err(e) if dry_run && e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            return Err(crate::store::lock_error(
+                &format!("image '{name}'"),
+                &path,
+                e,
+            ));
+        }
+    };
+    // Under the lock, the reason must still hold.
+    let current = store.with_tx(None, |tx, _| tx.image(name.as_str()))?;
+    let still = match (&current, reason) {
+        (None, _) => false,
+        // Holding the lock, a creating/writing image has lost its writer
+        // (a dry run sees the mark it did not commit).
+        (Some(c), Reason::Incomplete) => {
+            c.state == ImageState::Incomplete || c.state.being_written()
+        }
+        (Some(c), Reason::Unused) => c.state == ImageState::Ready && c.last_used == row.last_used,
+        (Some(c), Reason::OverBudget) => c.last_used == row.last_used,
+    };
+    if !still {
+        return Ok(None);
+    }
+    let bytes = row.size_bytes.unwrap_or(0);
+    if let Some(g) = guard {
+        if dry_run {
+            drop(g);
+        } else {
+            remove::remove_locked(store, vec![(name.clone(), g)])?;
+        }
+    }
+    report.removed.push(Removed {
+        name: row.name.clone(),
+        state: row.state.as_str(),
+        size_bytes: bytes,
+        reason,
+        last_used: row.last_used,
+    });
+    Ok(Some(bytes))
+}
+
+/// Parses a size: `500M`, `20G`, `1.5T`, `4096` (bytes); K, M, G, T, P are
+/// powers of 1024, with an optional `B` or `iB`.
+pub fn parse_size(raw: &str) -> Option<u64> {
+    let s = raw.trim();
+    let digits = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(digits);
+    let num: f64 = num.parse().ok()?;
+    let unit = unit.trim();
+    let unit = unit
+        .strip_suffix("iB")
+        .or_else(|| unit.strip_suffix('B'))
+        .unwrap_or(unit);
+    let mult: f64 = match unit.to_ascii_uppercase().as_str() {
+        "" => 1.0,
+        "K" => 1024.0,
+        "M" => 1024f64.powi(2),
+        "G" => 1024f64.powi(3),
+        "T" => 1024f64.powi(4),
+        "P" => 1024f64.powi(5),
+        _ => return None,
+    };
+    let bytes = num * mult;
+    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("500M"), Some(500 << 20));
+        assert_eq!(parse_size("20G"), Some(20 << 30));
+        assert_eq!(parse_size("1.5K"), Some(1536));
+        assert_eq!(parse_size("2GiB"), Some(2 << 30));
+        assert_eq!(parse_size("3 MB"), Some(3 << 20));
+        assert_eq!(parse_size("0"), Some(0));
+        for bad in ["", "-1G", "lots", "5X", "1e3", "nanG"] {
+            assert_eq!(parse_size(bad), None, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,691 @@
+//! Image lifecycle: clone from a base, rm, gc, doctor — and crashes in
+//! the middle of each.
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
+use std::path::Path;
+use std::process::Command;
+
+use crate::common::*;
+
+/// A base image with the awkward things a root filesystem has.
+fn make_rich_base(env: &Env, outside: &Path) {
+    let script = format!(
+        "set -e; cd \"$STOWAGE_IMAGE_DIR\"; mkdir -p bin etc/private empty; \
+         printf 'tool' > bin/tool; chmod 4755 bin/tool; ln bin/tool bin/tool-again; \
+         printf 'secret' > etc/private/key; chmod 0640 etc/private/key; chmod 0750 etc/private; \
+         ln -s '{}' escape; ln -s ../bin/tool etc/tool-link; mkfifo pipe; \
+         touch -d '2020-01-02 03:04:05' etc/private/key",
+        outside.display()
+    );
+    env.ok(["exec", "--write", "base", "--", "sh", "-c", &script]);
+}
+
+#[test]
+fn a_clone_is_a_faithful_copy_sharing_no_inode() {
+    let env = Env::new();
+    let outside = env.tmp.path().join("outside.txt");
+    fs::write(&outside, "outside").unwrap();
+    make_rich_base(&env, &outside);
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+
+    let base = env.root.join("img/base");
+    let app = env.root.join("img/app");
+    let mut count = 0;
+    for entry in walk(&base) {
+        let rel = entry.strip_prefix(&base).unwrap();
+        let (a, b) = (
+            fs::symlink_metadata(&entry).unwrap(),
+            fs::symlink_metadata(app.join(rel)).unwrap(),
+        );
+        assert_eq!(a.file_type(), b.file_type(), "{rel:?}");
+        assert_eq!(a.mode(), b.mode(), "{rel:?} mode");
+        assert_eq!(a.uid(), b.uid(), "{rel:?} owner");
+        if !a.file_type().is_symlink() {
+            assert_eq!(a.mtime(), b.mtime(), "{rel:?} mtime");
+        }
+        if a.is_file() {
+            assert_eq!(
+                fs::read(&entry).unwrap(),
+                fs::read(app.join(rel)).unwrap(),
+                "{rel:?}"
+            );
+            assert_ne!(a.ino(), b.ino(), "{rel:?} shares an inode with the base");
+        }
+        if a.file_type().is_symlink() {
+            assert_eq!(
+                fs::read_link(&entry).unwrap(),
+                fs::read_link(app.join(rel)).unwrap()
+            );
+        }
+        count += 1;
+    }
+    assert!(count >= 9, "walked {count} entries");
+    let t1 = fs::metadata(app.join("bin/tool")).unwrap();
+    let t2 = fs::metadata(app.join("bin/tool-again")).unwrap();
+    assert_eq!(
+        t1.ino(),
+        t2.ino(),
+        "hard links stay hard links within the copy"
+    );
+    assert_eq!(t1.mode() & 0o7777, 0o4755);
+    assert_eq!(
+        fs::read_to_string(&outside).unwrap(),
+        "outside",
+        "a symlink out is copied, not followed"
+    );
+    assert_eq!(
+        env.image("app").unwrap()["base"],
+        "base",
+        "lineage recorded"
+    );
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            }
+            out.push(e.path());
+        }
+    }
+    out
+}
+
+#[test]
+fn from_rules() {
+    let env = Env::new();
+    env.make_image("base");
+    let cases: [(&[&str], i32); 5] = [
+        (
+            &["exec", "--write", "a", "--from", "nosuch", "--", "true"],
+            66,
+        ),
+        (
+            &[
+                "exec", "--write", "a", "--write", "b", "--from", "base", "--", "true",
+            ],
+            64,
+        ),
+        (&["exec", "--read", "x", "--from", "base", "--", "true"], 64),
+        (
+            &["exec", "--write", "base", "--from", "base", "--", "true"],
+            64,
+        ),
+        (
+            &["exec", "--write", "a", "--from", "bad name", "--", "true"],
+            64,
+        ),
+    ];
+    for (args, code) in cases {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {}", show(&out));
+    }
+    assert_eq!(env.state("a"), None);
+    // Rebuilding an existing image from a base replaces its content.
+    env.ok([
+        "exec",
+        "--write",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        "touch \"$STOWAGE_IMAGE_DIR/stale\"",
+    ]);
+    env.ok(["exec", "--write", "a", "--from", "base", "--", "true"]);
+    assert!(!env.root.join("img/a/stale").exists());
+    assert!(env.root.join("img/a/file").exists());
+}
+
+#[test]
+fn a_clone_killed_midway_is_never_ready() {
+    let env = Env::new();
+    env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "for i in 1 2 3 4 5; do echo $i > \"$STOWAGE_IMAGE_DIR/f$i\"; done",
+    ]);
+    let paused = env.sentinel("paused");
+    let mut c = env.cmd(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    c.env(
+        "STOWAGE_DEBUG_PAUSE",
+        format!("clone-copying:{}", paused.display()),
+    );
+    let bg = Bg::from_command(c);
+    wait_for_file(&paused);
+    bg.kill_all();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    let out = env.run(["exec", "--read", "app", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66));
+    // Rewriting it from the base completes it.
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(fs::read_dir(env.root.join("img/app")).unwrap().count(), 5);
+}
+
+#[test]
+fn reflink_clone_costs_no_space_on_btrfs() {
+    let Some(mnt) = BtrfsLoop::new() else { return };
+    let root = mnt.dir.join("root");
+    let run = |args: &[&str]| {
+        let mut c = Command::new(bin());
+        c.arg("--root").arg(&root).args(args);
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    };
+    run(&[
+        "exec",
+        "--write",
+        "big",
+        "--",
+        "sh",
+        "-c",
+        "head -c 104857600 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    ]);
+    let before = mnt.used();
+    run(&["exec", "--write", "copy", "--from", "big", "--", "true"]);
+    let grew = mnt.used().saturating_sub(before);
+    assert!(grew < 8 << 20, "a 100 MiB clone used {grew} bytes");
+    assert_eq!(
+        fs::read(root.join("img/big/blob")).unwrap(),
+        fs::read(root.join("img/copy/blob")).unwrap()
+    );
+}
+
+/// A btrfs filesystem on a loop device, for the reflink test; None (with
+/// the reason printed) when this machine cannot make one.
+struct BtrfsLoop {
+    dir: std::path::PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl BtrfsLoop {
+    fn new() -> Option<BtrfsLoop> {
+        if !nix_is_root() {
+            eprintln!("skipping: the btrfs reflink test needs root (loop mount)");
+            return None;
+        }
+        if Command::new("mkfs.btrfs")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipping: mkfs.btrfs not found (install btrfs-progs)");
+            return None;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let img = tmp.path().join("fs.img");
+        let dir = tmp.path().join("mnt");
+        fs::create_dir(&dir).unwrap();
+        let ok = Command::new("truncate")
+            .args(["-s", "400M"])
+            .arg(&img)
+            .status()
+            .is_ok_and(|s| s.success())
+            && Command::new("mkfs.btrfs")
+                .arg("-q")
+                .arg(&img)
+                .output()
+                .is_ok_and(|o| o.status.success())
+            && Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&img)
+                .arg(&dir)
+                .output()
+                .is_ok_and(|o| o.status.success());
+        if !ok {
+            eprintln!("skipping: cannot make and mount a btrfs loop device here");
+            return None;
+        }
+        Some(BtrfsLoop { dir, _tmp: tmp })
+    }
+
+    fn used(&self) -> u64 {
+        let _ = Command::new("sync").status();
+        let st = nix::sys::statvfs::statvfs(&self.dir).unwrap();
+        (st.blocks() - st.blocks_free()) * st.fragment_size()
+    }
+}
+
+impl Drop for BtrfsLoop {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.dir).status();
+    }
+}
+
+fn nix_is_root() -> bool {
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn rm_removes_everything_of_the_image_and_nothing_else() {
+    let env = Env::new();
+    let outside = env.tmp.path().join("precious");
+    fs::create_dir(&outside).unwrap();
+    fs::write(outside.join("data"), "keep me").unwrap();
+    let script = format!(
+        "ln -s '{o}' \"$STOWAGE_IMAGE_DIR/dir-link\"; ln -s '{o}/data' \"$STOWAGE_IMAGE_DIR/file-link\"; \
+         mkdir \"$STOWAGE_IMAGE_DIR/sub\"; ln -s '{o}' \"$STOWAGE_IMAGE_DIR/sub/deeper\"",
+        o = outside.display()
+    );
+    env.ok(["exec", "--write", "app", "--", "sh", "-c", &script]);
+    env.make_image("other");
+    env.ok(["rm", "app"]);
+    assert_eq!(env.state("app"), None);
+    assert!(!env.root.join("img/app").exists());
+    assert!(!env.lock_file("app").exists(), "the lock file goes too");
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+    assert_eq!(fs::read_to_string(outside.join("data")).unwrap(), "keep me");
+    assert_eq!(env.state("other").as_deref(), Some("ready"));
+}
+
+#[test]
+fn rm_of_an_image_dir_swapped_for_a_symlink_removes_only_the_link() {
+    let env = Env::new();
+    env.make_image("app");
+    let outside = env.tmp.path().join("elsewhere");
+    fs::create_dir(&outside).unwrap();
+    fs::write(outside.join("data"), "keep me").unwrap();
+    let tree = env.root.join("img/app");
+    fs::remove_dir_all(&tree).unwrap();
+    symlink(&outside, &tree).unwrap();
+    env.ok(["rm", "app"]);
+    assert_eq!(fs::read_to_string(outside.join("data")).unwrap(), "keep me");
+    assert!(fs::symlink_metadata(&tree).is_err());
+    // Writing through such a link is refused too.
+    symlink(&outside, &tree).unwrap();
+    let out = env.run(["exec", "--write", "app", "--", "true"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("symlink"), "{}", stderr(&out));
+}
+
+#[test]
+fn rm_of_a_locked_image_gives_75_and_keeps_it() {
+    let env = Env::new();
+    env.make_image("app");
+    env.make_image("free");
+    let mut args = vec![
+        "exec".to_string(),
+        "--read".into(),
+        "app".into(),
+        "--".into(),
+    ];
+    args.extend(env.hold_cmd("started", "release"));
+    let reader = env.spawn(&args);
+    wait_for_file(&env.sentinel("started"));
+    let out = env.run(["rm", "--no-wait", "free", "app"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = env.run(["rm", "--wait", "0.3", "app"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(
+        env.state("free").as_deref(),
+        Some("ready"),
+        "all or nothing"
+    );
+    assert!(env.root.join("img/app/file").exists());
+    // Without a bound, rm waits for the reader and then removes.
+    let rm = env.spawn(["rm", "app"]);
+    wait_until("rm is recorded as waiting", || {
+        env.lock_entry("app")
+            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+    });
+    assert!(
+        env.root.join("img/app/file").exists(),
+        "nothing removed while read"
+    );
+    env.release("release");
+    assert_eq!(reader.finish().status.code(), Some(0));
+    assert_eq!(rm.finish().status.code(), Some(0));
+    assert_eq!(env.state("app"), None);
+    let out = env.run(["rm", "app", "free"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert_eq!(
+        env.state("free").as_deref(),
+        Some("ready"),
+        "nothing removed when one is missing"
+    );
+}
+
+#[test]
+fn sigkill_during_rm_is_finished_by_repair() {
+    for point in ["rm-marked", "rm-moved"] {
+        let env = Env::new();
+        env.make_image("doomed");
+        env.make_image("keeper");
+        let paused = env.sentinel("paused");
+        let mut c = env.cmd(["rm", "doomed"]);
+        c.env(
+            "STOWAGE_DEBUG_PAUSE",
+            format!("{point}:{}", paused.display()),
+        );
+        let bg = Bg::from_command(c);
+        wait_for_file(&paused);
+        bg.kill_all();
+        // Half-removed, and never looking ready.
+        assert_ne!(env.state("doomed").as_deref(), Some("ready"), "{point}");
+        let out = env.run(["doctor"]);
+        assert_eq!(out.status.code(), Some(1), "{point}: {}", show(&out));
+        let out = env.run(["doctor", "--repair"]);
+        assert_eq!(out.status.code(), Some(0), "{point}: {}", show(&out));
+        assert_eq!(env.state("doomed"), None, "{point}");
+        assert!(!env.root.join("img/doomed").exists(), "{point}");
+        assert!(!env.lock_file("doomed").exists(), "{point}");
+        assert_eq!(
+            fs::read_dir(env.root.join("trash")).unwrap().count(),
+            0,
+            "{point}"
+        );
+        assert_eq!(env.state("keeper").as_deref(), Some("ready"), "{point}");
+        assert_eq!(env.run(["doctor"]).status.code(), Some(0), "{point}");
+    }
+}
+
+#[test]
+fn gc_finishes_an_interrupted_removal() {
+    let env = Env::new();
+    env.make_image("doomed");
+    let paused = env.sentinel("paused");
+    let mut c = env.cmd(["rm", "doomed"]);
+    c.env(
+        "STOWAGE_DEBUG_PAUSE",
+        format!("rm-moved:{}", paused.display()),
+    );
+    let bg = Bg::from_command(c);
+    wait_for_file(&paused);
+    bg.kill_all();
+    env.ok(["gc"]);
+    assert_eq!(env.state("doomed"), None);
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+}
+
+/// Four 1 MiB images used in the order a, b, c, d (a least recently), with
+/// the clock faked instead of sleeping.
+fn lru_store() -> Env {
+    let env = Env::new();
+    for (i, name) in ["a", "b", "c", "d"].iter().enumerate() {
+        let mut c = env.cmd([
+            "exec",
+            "--write",
+            name,
+            "--",
+            "sh",
+            "-c",
+            "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+        ]);
+        c.env("STOWAGE_NOW", format!("2026-01-0{}T00:00:00Z", i + 1));
+        assert_eq!(output(c).status.code(), Some(0));
+    }
+    env
+}
+
+fn gc_json(env: &Env, args: &[&str], now: &str) -> serde_json::Value {
+    let mut c = env.cmd(["gc", "--json"]);
+    c.args(args).env("STOWAGE_NOW", now);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn removed(report: &serde_json::Value) -> Vec<String> {
+    report["removed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn gc_dry_run_changes_nothing() {
+    let env = lru_store();
+    env.run(["exec", "--write", "broken", "--", "false"]);
+    let listing = env.images_json();
+    let files = tree(&env.root);
+    let db = fs::read(env.root.join("stowage.db")).unwrap();
+    let report = gc_json(
+        &env,
+        &["--dry-run", "--max-size", "2M", "--unused-for", "1d"],
+        "2026-01-04T12:00:00Z",
+    );
+    assert_eq!(report["dry_run"], true);
+    assert_eq!(removed(&report), ["broken", "a", "b", "c"]);
+    assert_eq!(tree(&env.root), files, "no file touched");
+    assert_eq!(
+        fs::read(env.root.join("stowage.db")).unwrap(),
+        db,
+        "no metadata changed"
+    );
+    assert_eq!(env.images_json(), listing);
+}
+
+#[test]
+fn gc_removes_least_recently_used_until_the_budget_fits() {
+    let env = lru_store();
+    let report = gc_json(&env, &["--max-size", "2.5M"], "2026-02-01T00:00:00Z");
+    assert_eq!(removed(&report), ["a", "b"], "oldest first");
+    assert!(report["size_after"].as_u64().unwrap() <= 5 << 19);
+    assert_eq!(
+        report["bytes_freed"].as_u64().unwrap(),
+        report["size_before"].as_u64().unwrap() - report["size_after"].as_u64().unwrap()
+    );
+    assert!(report["removed"][0]["size_bytes"].as_u64().unwrap() >= 1 << 20);
+    assert_eq!(env.state("c").as_deref(), Some("ready"));
+    assert_eq!(env.state("a"), None);
+    assert!(!env.root.join("img/a").exists());
+}
+
+#[test]
+fn gc_never_touches_a_locked_image_even_the_oldest() {
+    let env = lru_store();
+    let mut args = vec!["exec".to_string(), "--read".into(), "a".into(), "--".into()];
+    args.extend(env.hold_cmd("started", "release"));
+    // The reader's use of 'a' is dated before the others', so 'a' stays
+    // the least recently used.
+    let mut c = env.cmd(&args);
+    c.env("STOWAGE_NOW", "2026-01-01T00:00:00Z");
+    let reader = Bg::from_command(c);
+    wait_for_file(&env.sentinel("started"));
+    let report = gc_json(&env, &["--max-size", "2.5M"], "2026-02-01T00:00:00Z");
+    assert_eq!(
+        removed(&report),
+        ["b", "c"],
+        "a is in use; the next oldest go instead"
+    );
+    assert_eq!(report["busy"], serde_json::json!(["a"]));
+    assert!(
+        report["size_after"].as_u64().unwrap() <= 5 << 19,
+        "budget met: {report}"
+    );
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.release("release");
+    reader.finish();
+}
+
+#[test]
+fn gc_removes_incomplete_and_unused_images() {
+    let env = lru_store();
+    env.run(["exec", "--write", "broken", "--", "false"]);
+    // A writer that died: found and removed too.
+    let mut args = vec![
+        "exec".to_string(),
+        "--write".into(),
+        "dead".into(),
+        "--".into(),
+    ];
+    args.extend(env.hold_cmd("started", "release"));
+    let bg = env.spawn(&args);
+    wait_for_file(&env.sentinel("started"));
+    bg.kill_all();
+    // "Now" is Jan 10: a..d were last used Jan 1..4.
+    let report = gc_json(&env, &["--unused-for", "7d"], "2026-01-10T00:00:00Z");
+    let gone = removed(&report);
+    assert!(
+        gone.contains(&"broken".to_owned()) && gone.contains(&"dead".to_owned()),
+        "{report}"
+    );
+    assert!(
+        gone.contains(&"a".to_owned()) && gone.contains(&"b".to_owned()),
+        "{report}"
+    );
+    assert!(
+        !gone.contains(&"c".to_owned()) && !gone.contains(&"d".to_owned()),
+        "{report}"
+    );
+    let reasons: Vec<&str> = report["removed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap())
+        .collect();
+    assert!(
+        reasons.contains(&"incomplete") && reasons.contains(&"unused"),
+        "{report}"
+    );
+}
+
+#[test]
+fn gc_bad_arguments_exit_64() {
+    let env = Env::new();
+    for args in [
+        vec!["gc", "--max-size", "lots"],
+        vec!["gc", "--max-size", "-1G"],
+        vec!["gc", "--unused-for", "soon"],
+        vec!["gc", "--unused-for", "-3d"],
+    ] {
+        let out = env.run(&args);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
+    }
+}
+
+#[test]
+fn a_damaged_database_is_reported_and_rebuilt_without_losing_an_image() {
+    let env = Env::new();
+    let storage = env.tmp.path().join("storage/img");
+    fs::create_dir_all(&storage).unwrap();
+    env.ok(["init", "--images-dir", storage.to_str().unwrap()]);
+    env.make_image("alpine:3.17");
+    env.make_image("app");
+    env.run(["exec", "--write", "broken", "--", "false"]);
+    fs::write(env.root.join("stowage.db"), vec![0x5a; 8192]).unwrap();
+
+    for args in [
+        vec!["images"],
+        vec!["exec", "--read", "app", "--", "true"],
+        vec!["lock-status"],
+    ] {
+        let out = env.run(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("stowage.db") && err.contains("doctor --repair"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    }
+    assert!(
+        storage.join("alpine+3.17/file").exists(),
+        "images intact on disk"
+    );
+    let out = env.run(["doctor"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    // The damaged file was moved aside, not deleted.
+    let aside: Vec<_> = fs::read_dir(&env.root)
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("stowage.db.damaged-")
+        })
+        .collect();
+    assert_eq!(aside.len(), 1);
+    assert_eq!(env.state("alpine:3.17").as_deref(), Some("ready"));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "alpine:3.17", "--", "true"]);
+    let out = env.ok([
+        "exec",
+        "--write",
+        "x",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$STOWAGE_IMAGES_DIR\"",
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        storage.to_str().unwrap(),
+        "images directory remembered"
+    );
+    assert_eq!(env.run(["doctor"]).status.code(), Some(0));
+}
+
+#[test]
+fn doctor_finds_and_repairs_inconsistencies() {
+    let env = Env::new();
+    env.make_image("ok");
+    env.make_image("vanished");
+    fs::remove_dir_all(env.root.join("img/vanished")).unwrap();
+    fs::create_dir_all(env.root.join("img/stray+1/bin")).unwrap();
+    fs::write(env.root.join("img/stray+1/bin/x"), "x").unwrap();
+    fs::create_dir_all(env.root.join("trash/leftover/deep")).unwrap();
+    let out = env.run(["doctor", "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["healthy"], false);
+    assert_eq!(report["locking"], true);
+    let problems: Vec<&str> = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["status"] == "problem")
+        .map(|c| c["check"].as_str().unwrap())
+        .collect();
+    assert_eq!(problems, ["rows", "trees", "leftovers"], "{report}");
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("vanished"), None);
+    assert_eq!(env.state("stray:1").as_deref(), Some("ready"));
+    assert_eq!(env.state("ok").as_deref(), Some("ready"));
+    assert!(!env.root.join("trash/leftover").exists());
+    let out = env.run(["doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
+
+#[test]
+fn doctor_reports_the_filesystem_and_flock() {
+    let env = Env::new();
+    let out = env.ok(["doctor", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["filesystem"].as_str().is_some_and(|f| !f.is_empty()));
+    let flock = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["check"] == "flock")
+        .unwrap();
+    assert_eq!(flock["status"], "ok");
+    assert_eq!(report["healthy"], true);
+    assert!(
+        fs::read_dir(env.root.join("locks")).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .contains("doctor")),
+        "its probe file is gone"
+    );
+    let _ = PermissionsExt::mode(&fs::metadata(&env.root).unwrap().permissions());
+}
