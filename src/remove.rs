@@ -95,6 +95,13 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         guard
             .unlink()
             .with_context(|| format!("cannot remove the lock file of image '{name}'"))?;
+        // The gate too, under its own exclusive lock; if a reader is just
+        // passing it, the file stays (a few bytes, reused if the name is).
+        if let Ok(Some(gate)) =
+            lock::try_lock(&store.root().image_gate(&name), Mode::Exclusive, false)
+        {
+            let _ = gate.unlink();
+        }
     }
     // 5. Outside every lock.
     for t in trashed {
@@ -241,7 +248,10 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
     if let Ok(entries) = fs::read_dir(store.root().image_locks()) {
         for e in entries.flatten() {
             let fname = e.file_name();
-            let Some(enc) = fname.to_str().and_then(|f| f.strip_suffix(".lock")) else {
+            let Some(enc) = fname
+                .to_str()
+                .and_then(|f| f.strip_suffix(".lock").or_else(|| f.strip_suffix(".gate")))
+            else {
                 continue;
             };
             let Ok(n) = ImageName::from_encoded(enc) else {

@@ -74,6 +74,12 @@ impl Root {
         self.image_locks().join(lock_file_name(name.encoded()))
     }
 
+    /// The image's gate: what a waiting writer holds so that new readers
+    /// queue behind it (see `session.rs`).
+    pub fn image_gate(&self, name: &ImageName) -> PathBuf {
+        self.image_locks().join(named(name.encoded(), ".gate"))
+    }
+
     pub fn slot_locks(&self) -> PathBuf {
         self.dir.join("locks/slots")
     }
@@ -130,12 +136,15 @@ pub fn make_dir(dir: &Path) -> Result<()> {
 /// hash of the whole ENC; a hash collision would make two images share a lock
 /// (more exclusion, never less).
 pub fn lock_file_name(enc: &str) -> String {
-    const SUFFIX: &str = ".lock";
-    if enc.len() + SUFFIX.len() <= crate::name::MAX_ENCODED_LEN {
-        return format!("{enc}{SUFFIX}");
+    named(enc, ".lock")
+}
+
+fn named(enc: &str, suffix: &str) -> String {
+    if enc.len() + suffix.len() <= crate::name::MAX_ENCODED_LEN {
+        return format!("{enc}{suffix}");
     }
     // ENC is ASCII, so any byte index is a char boundary.
-    format!("{}~{:016x}{SUFFIX}", &enc[..200], fnv1a(enc.as_bytes()))
+    format!("{}~{:016x}{suffix}", &enc[..200], fnv1a(enc.as_bytes()))
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {

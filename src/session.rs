@@ -291,6 +291,15 @@ pub(crate) struct Want<'a> {
 /// Takes one image lock, waiting as allowed. Returns the guard and the id
 /// of the waiter record made while waiting, if any. Creates nothing for an
 /// image that does not exist unless `need` is [`Need::Create`].
+///
+/// Writer preference: each image has a *gate* file beside its lock. A
+/// writer that has to wait holds the gate exclusively while it waits for the
+/// lock; a reader passes the gate (shared) before taking the lock, so once a
+/// writer waits, new readers queue behind it and the writer gets in as soon
+/// as the readers already inside finish. Uncontended, a writer never touches
+/// the gate and a reader only tries it (one extra lock operation, no file
+/// created). In the lock order each image's gate comes just before its
+/// lock, so multi-image requests stay deadlock-free.
 pub(crate) fn acquire_image(
     store: &mut Store,
     name: &ImageName,
@@ -298,8 +307,10 @@ pub(crate) fn acquire_image(
 ) -> Result<(Guard, Option<i64>)> {
     let mode = want.mode;
     let path = store.root().image_lock(name);
+    let gate = store.root().image_gate(name);
     let what = format!("{} lock on image '{name}'", mode.verb());
-    let first = match lock::try_lock(&path, mode, want.need == Need::Create) {
+    let err = |e| lock_error(&format!("image '{name}'"), &path, e);
+    let first = match try_image(&gate, &path, mode, want.need == Need::Create) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             if want.need == Need::Create {
                 // The layout does not exist yet: first use of this root.
@@ -309,16 +320,18 @@ pub(crate) fn acquire_image(
                 // nothing), or an adopted image never locked before.
                 require(store, name, want.need, want.deadline)?;
             }
-            lock::try_lock(&path, mode, true)
+            try_image(&gate, &path, mode, true)
         }
         other => other,
     };
-    if let Some(g) = first.map_err(|e| lock_error(&format!("image '{name}'"), &path, e))? {
-        return Ok((g, None));
-    }
+    let writer_ahead = match first.map_err(err)? {
+        Tried::Got(g) => return Ok((g, None)),
+        Tried::Held => false,
+        Tried::WriterWaiting => true,
+    };
 
     // Busy. Record ourselves as a waiter and find out who holds it.
-    let (waiter, holders) = {
+    let (waiter, mut holders) = {
         let (tx, ctx) = store.begin(want.deadline)?;
         let kv = tx.kernel_view(&ctx.root.image_locks());
         let view = kv.view(&path)?;
@@ -332,12 +345,13 @@ pub(crate) fn acquire_image(
         tx.commit()?;
         (id, status::phrase(&holders))
     };
+    if writer_ahead {
+        holders.push_str("; and a writer waits ahead of new readers");
+    }
     if want.no_wait {
         // A probe by lock-status or a store-wide check may have held it for
         // a few microseconds: look once more before calling it busy.
-        if let Some(g) = lock::try_lock(&path, mode, true)
-            .map_err(|e| lock_error(&format!("image '{name}'"), &path, e))?
-        {
+        if let Tried::Got(g) = try_image(&gate, &path, mode, true).map_err(err)? {
             return Ok((g, None));
         }
         return Err(Error::Busy(Busy {
@@ -350,9 +364,7 @@ pub(crate) fn acquire_image(
     store.ctx().say(&format!("waiting for {what}: {holders}"));
     let t0 = Instant::now();
     let mut wait = Wait::on(&store.root().image_locks(), want.deadline);
-    let outcome = lock::lock(&path, mode, true, &mut wait)
-        .map_err(|e| lock_error(&format!("image '{name}'"), &path, e));
-    let failure = match outcome {
+    let failure = match wait_image(&gate, &path, mode, &mut wait).map_err(err) {
         Ok(Waited::Acquired(g)) => return Ok((g, waiter)),
         Ok(Waited::TimedOut) => anyhow::Error::from(Error::Busy(Busy {
             what,
@@ -371,6 +383,47 @@ pub(crate) fn acquire_image(
         });
     }
     Err(failure)
+}
+
+enum Tried {
+    Got(Guard),
+    /// Someone holds the lock in a conflicting mode.
+    Held,
+    /// A writer waits at the gate: a reader must queue behind it.
+    WriterWaiting,
+}
+
+/// One non-blocking attempt. A writer goes straight for the lock; a reader
+/// takes the lock, then checks that no writer waits at the gate (a missing
+/// gate file means none ever waited).
+fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<Tried> {
+    let Some(g) = lock::try_lock(path, mode, create)? else {
+        return Ok(Tried::Held);
+    };
+    if mode == Mode::Exclusive {
+        return Ok(Tried::Got(g));
+    }
+    match lock::try_lock(gate, Mode::Shared, false) {
+        Ok(Some(_passed)) => Ok(Tried::Got(g)),
+        Ok(None) => Ok(Tried::WriterWaiting),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
+        Err(e) => Err(e),
+    }
+}
+
+/// Waits through the gate: takes it in our mode (a writer exclusively,
+/// which holds back new readers; a reader shared, queueing behind a waiting
+/// writer), holds it while waiting for the lock, then lets it go. The gate
+/// descriptor is never inherited, so releasing it is a plain close.
+fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Result<Waited<Guard>> {
+    let passage = match lock::lock(gate, mode, true, wait)? {
+        Waited::Acquired(g) => g,
+        Waited::TimedOut => return Ok(Waited::TimedOut),
+        Waited::Interrupted(sig) => return Ok(Waited::Interrupted(sig)),
+    };
+    let got = lock::lock(path, mode, true, wait);
+    drop(passage);
+    got
 }
 
 /// For an image that has no lock file: fails unless the image exists (and,

@@ -6,6 +6,7 @@ mod common;
 mod concurrency;
 mod crash;
 mod exec;
+mod fairness;
 mod init;
 mod lifecycle;
 mod lock_status;
