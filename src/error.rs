@@ -116,9 +116,18 @@ pub fn is_locking_unsupported(err: &io::Error) -> bool {
 }
 
 fn lock_advice(err: &io::Error) -> &'static str {
-    if is_locking_unsupported(err) {
-        " — is this NFS mounted with 'nolock', or a filesystem without flock? run 'stowage doctor'"
-    } else {
-        ""
+    match err.raw_os_error() {
+        Some(libc::EROFS) => {
+            " — the filesystem is read-only; stowage writes its lock files and metadata in the root (use a --root on a writable filesystem)"
+        }
+        _ if is_locking_unsupported(err) => {
+            " — is this NFS mounted with 'nolock', or a filesystem without flock? run 'stowage doctor'"
+        }
+        _ => "",
     }
+}
+
+/// True when locks cannot be taken at all on this filesystem (exit 69).
+pub fn is_locking_unavailable(err: &io::Error) -> bool {
+    is_locking_unsupported(err) || err.raw_os_error() == Some(libc::EROFS)
 }

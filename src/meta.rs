@@ -204,16 +204,78 @@ pub struct SlotClass {
 /// Opens the database file. Never follows a symlink at the database path.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     use rusqlite::OpenFlags;
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+        anyhow::bail!(
+            "metadata database {} is a symlink; refusing to open it",
+            path.display()
+        );
+    }
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_NO_MUTEX
         | OpenFlags::SQLITE_OPEN_NOFOLLOW;
-    let conn = rusqlite::Connection::open_with_flags(path, flags)
-        .with_context(|| format!("cannot open metadata database {}", path.display()))?;
+    let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(|e| {
+        // SQLite's error repeats its message in its source: say it once.
+        anyhow::anyhow!("cannot open metadata database {}: {e}", path.display())
+    })?;
     // Only outside programs (an sqlite3 shell) can hold SQLite's own locks
     // while we hold the global lock; give them a moment, then say so.
-    conn.busy_timeout(std::time::Duration::from_secs(10))?;
+    conn.busy_timeout(busy_timeout())?;
     Ok(conn)
+}
+
+/// Names the database in an SQLite error that does not say which file it is
+/// about, and says what to do about a full disk.
+pub fn annotate(err: anyhow::Error, db: &Path) -> anyhow::Error {
+    let sqlite = err
+        .chain()
+        .find_map(|e| e.downcast_ref::<rusqlite::Error>());
+    let Some(sqlite) = sqlite else { return err };
+    if err.to_string().contains("metadata database") {
+        return err;
+    }
+    let full = matches!(sqlite, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull);
+    let hint = if full {
+        " (no space left on its filesystem: free some, e.g. with 'stowage gc')"
+    } else {
+        ""
+    };
+    err.context(format!("metadata database {}{hint}", db.display()))
+}
+
+/// Makes the database group-writable if we own it and it is not already.
+pub fn share_with_group(path: &Path) -> Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let m = std::fs::metadata(path)?;
+    if m.uid() == nix::unistd::geteuid().as_raw() && m.mode() & 0o060 != 0o060 {
+        std::fs::set_permissions(
+            path,
+            std::fs::Permissions::from_mode((m.mode() | 0o060) & 0o7777),
+        )
+        .with_context(|| format!("cannot share {} with its group", path.display()))?;
+    }
+    Ok(())
+}
+
+/// How long to wait for SQLite's own lock, held only by outside programs.
+/// `STOWAGE_DEBUG_DB_BUSY_MS` shortens it for tests.
+pub fn busy_timeout() -> std::time::Duration {
+    let ms = std::env::var("STOWAGE_DEBUG_DB_BUSY_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    std::time::Duration::from_millis(ms)
+}
+
+/// Is this error SQLite saying its lock stayed busy?
+pub fn is_busy(err: &anyhow::Error) -> bool {
+    err.chain().any(|e| {
+        matches!(
+            e.downcast_ref::<rusqlite::Error>(),
+            Some(rusqlite::Error::SqliteFailure(f, _))
+                if matches!(f.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+        )
+    })
 }
 
 /// Is this error SQLite saying the file is not a healthy database?

@@ -49,6 +49,9 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     if held.is_empty() {
         return Ok(Vec::new());
     }
+    // The trash must be usable before anything is marked (a symlink planted
+    // in its place is refused here, not half-way through).
+    crate::root::make_dir(&store.root().trash())?;
     // 1. Mark.
     let (images_dir, rows) = store.with_tx(None, |tx, ctx| {
         let mut rows = Vec::with_capacity(held.len());

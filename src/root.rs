@@ -92,8 +92,28 @@ impl Root {
         self.dir.join("trash")
     }
 
-    /// Creates the root and its directories. Idempotent.
+    /// Creates the root and its directories. Idempotent. The root's parent
+    /// must exist: a mistyped path should not grow a directory tree.
     pub fn create_layout(&self) -> Result<()> {
+        match fs::symlink_metadata(&self.dir) {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(&self.dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => anyhow::bail!(
+                    "cannot create root {}: its parent directory does not exist",
+                    self.dir.display()
+                ),
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("cannot create root {}", self.dir.display()));
+                }
+            },
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("cannot inspect root {}", self.dir.display()));
+            }
+        }
         for d in [
             self.dir.clone(),
             self.locks(),
@@ -106,6 +126,72 @@ impl Root {
         }
         Ok(())
     }
+
+    /// Refuses a root that someone else could control, and says whether it
+    /// is shared with a group. A root must be a directory owned by us (or
+    /// root) or writable by a group of ours; never writable by everyone
+    /// without the sticky bit; and if it is a symlink, the link must be ours
+    /// (in a world-writable parent like /var/tmp anyone can plant one).
+    /// Within a root that passes, only we (or our group) can create or
+    /// replace anything, so nothing below needs checking again.
+    pub fn check(&self) -> Result<Sharing> {
+        use std::os::unix::fs::MetadataExt;
+        let euid = nix::unistd::geteuid().as_raw();
+        let link = match fs::symlink_metadata(&self.dir) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Sharing::Private),
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("cannot inspect root {}", self.dir.display()));
+            }
+        };
+        if link.file_type().is_symlink() && link.uid() != euid && link.uid() != 0 {
+            anyhow::bail!(
+                "root {} is a symlink owned by uid {}, not by you: refusing to follow it",
+                self.dir.display(),
+                link.uid()
+            );
+        }
+        let m = fs::metadata(&self.dir)
+            .with_context(|| format!("cannot inspect root {}", self.dir.display()))?;
+        if !m.is_dir() {
+            anyhow::bail!("root {} is not a directory", self.dir.display());
+        }
+        let group_writable = m.mode() & 0o020 != 0;
+        let shared = group_writable && in_group(m.gid());
+        if m.uid() != euid && m.uid() != 0 && !shared {
+            anyhow::bail!(
+                "root {} belongs to uid {} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)",
+                self.dir.display(),
+                m.uid()
+            );
+        }
+        if m.mode() & 0o002 != 0 && m.mode() & 0o1000 == 0 {
+            anyhow::bail!(
+                "root {} is writable by everyone: refusing to use it (anyone could replace its lock files); chmod o-w it",
+                self.dir.display()
+            );
+        }
+        Ok(if group_writable {
+            Sharing::Group
+        } else {
+            Sharing::Private
+        })
+    }
+}
+
+/// Who a root is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    Private,
+    /// Group-writable: files and directories are created so that every
+    /// member of the group can lock and update them.
+    Group,
+}
+
+fn in_group(gid: u32) -> bool {
+    nix::unistd::getegid().as_raw() == gid
+        || nix::unistd::getgroups().is_ok_and(|gs| gs.iter().any(|g| g.as_raw() == gid))
 }
 
 /// Creates `dir` (and missing parents). An existing symlink in its place is

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::error::{Busy, Error, is_locking_unsupported};
+use crate::error::{Busy, Error};
 use crate::ident::Me;
 use crate::lock::{self, Mode, Wait, Waited};
 use crate::meta::{self, Schema, Tx};
@@ -40,6 +40,11 @@ pub struct Ctx {
     pub me: Me,
     pub quiet: bool,
     pub verbose: bool,
+    /// The umask a spawned command gets back, when ours was changed for a
+    /// group-shared store.
+    pub child_umask: Option<u32>,
+    /// The root is shared by a group: what we create must be group-writable.
+    pub shared: bool,
     /// Set once a "waiting for the global lock" notice has been printed.
     noticed_global: Cell<bool>,
 }
@@ -91,6 +96,8 @@ impl Store {
                 me: Me::current(),
                 quiet: false,
                 verbose: false,
+                child_umask: None,
+                shared: false,
                 noticed_global: Cell::new(false),
             },
         }
@@ -163,7 +170,7 @@ impl Store {
     fn begin_raw(&mut self, deadline: Option<Instant>, cleanup: bool) -> Result<(Tx<'_>, &Ctx)> {
         let global = Self::take_global(&self.ctx, deadline, cleanup)?;
         let db = self.ctx.root.db();
-        let conn = connection(&mut self.conn, &db)?;
+        let conn = connection(&mut self.conn, &db, self.ctx.shared)?;
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         Ok((tx, &self.ctx))
     }
@@ -260,7 +267,7 @@ impl Store {
     ) -> Result<T> {
         let global = self.global_with_images_free(what, deadline)?;
         let db = self.ctx.root.db();
-        let conn = connection(&mut self.conn, &db)?;
+        let conn = connection(&mut self.conn, &db, self.ctx.shared)?;
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         let out = f(&tx, &self.ctx)?;
         tx.commit()?;
@@ -324,9 +331,15 @@ impl Store {
 fn connection<'c>(
     conn: &'c mut Option<rusqlite::Connection>,
     db: &std::path::Path,
+    shared: bool,
 ) -> Result<&'c mut rusqlite::Connection> {
     if conn.is_none() {
         let c = meta::open(db)?;
+        if shared {
+            // SQLite creates files at most 0644; a group's store needs its
+            // database group-writable (the journal copies its mode).
+            meta::share_with_group(db)?;
+        }
         // WAL would be silently unsafe on NFS; nothing of ours sets it, but
         // an sqlite3 shell could. Reading the mode is nearly free.
         let mode: String = c
@@ -357,6 +370,11 @@ fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
     };
     for entry in entries {
         let entry = entry.with_context(|| format!("cannot list {}", dir.display()))?;
+        // Only regular files are lock files; anything else planted here
+        // (a symlink) is not ours to lock, and not followed.
+        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
         let file_name = entry.file_name();
         let Some(fname) = file_name.to_str() else {
             continue;
@@ -388,7 +406,7 @@ pub fn lock_file_label(fname: &str) -> String {
 /// Wraps a lock failure: "locking is unavailable here" is typed (exit 69);
 /// anything else names the lock and the file.
 pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error {
-    if is_locking_unsupported(&e) {
+    if crate::error::is_locking_unavailable(&e) {
         Error::LockingUnavailable {
             what: what.to_owned(),
             path: path.to_owned(),
@@ -400,6 +418,11 @@ pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::E
             "cannot lock {what}: {} is a symlink; refusing to follow it",
             path.display()
         )
+    } else if e.kind() == io::ErrorKind::PermissionDenied {
+        anyhow::anyhow!(
+            "cannot lock {what} ({}): {e} — a store shared by a group needs a group-writable (setgid) root, and you in its group",
+            path.display()
+        )
     } else {
         anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
     }
@@ -407,6 +430,16 @@ pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::E
 
 /// Adds "the database is damaged" advice to SQLite corruption errors.
 fn damaged(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
+    if meta::is_busy(&e) {
+        // Stowage touches the database only under its global lock, so only
+        // an outside program can hold SQLite's own lock this long.
+        return Error::Busy(Busy {
+            what: format!("the metadata database {}", db.display()),
+            holders: "locked by a program outside stowage (an sqlite3 shell?) for longer than stowage waits".into(),
+            waited: meta::busy_timeout(),
+        })
+        .into();
+    }
     if meta::is_corruption(&e) {
         // SQLite's own words once (its error chain repeats them).
         anyhow::anyhow!(

@@ -155,10 +155,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     let no_inherit = args.no_inherit;
     let parent = std::process::id() as libc::pid_t;
+    let child_umask = store.ctx().child_umask;
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             crate::signals::reset_mask_in_child()?;
+            if let Some(mask) = child_umask {
+                libc::umask(mask as libc::mode_t);
+            }
             if no_inherit {
                 // The command must not outlive the locks that protect it.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {

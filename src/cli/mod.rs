@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 
 use crate::error::{self, Error};
 use crate::name::ImageName;
-use crate::root::Root;
+use crate::root::{Root, Sharing};
 use crate::store::Store;
 
 mod doctor;
@@ -77,17 +77,31 @@ pub fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("stowage: {e:#}");
+            eprintln!("stowage: {}", one_line(&e));
             ExitCode::from(error::exit_code(&e))
         }
     }
 }
 
 fn run(cli: Cli) -> Result<u8> {
-    let mut store = Store::new(Root::resolve(cli.root.as_deref())?);
+    let root = Root::resolve(cli.root.as_deref())?;
+    let sharing = root.check()?;
+    let mut store = Store::new(root);
     store.ctx_mut().quiet = cli.quiet;
     store.ctx_mut().verbose = cli.verbose;
-    match cli.command {
+    if sharing == Sharing::Group {
+        // Everything we create in a group's store must be usable by the
+        // group: lock files are opened read-write, the database is written.
+        // (Directories inherit the group from a setgid root.) The command
+        // gets the original umask back.
+        let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+        let shared = old.bits() & !0o070;
+        nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(shared));
+        store.ctx_mut().child_umask = Some(old.bits() as u32);
+        store.ctx_mut().shared = true;
+    }
+    let db = store.root().db();
+    let result = match cli.command {
         Command::Init(args) => init::run(args, &mut store),
         Command::Exec(args) => exec::run(args, &mut store),
         Command::Images(args) => images::run(args, &mut store),
@@ -96,7 +110,30 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Rm(args) => rm::run(args, &mut store),
         Command::Gc(args) => gc::run(args, &mut store),
         Command::Doctor(args) => doctor::run(args, &mut store),
+    };
+    result.map_err(|e| crate::meta::annotate(e, &db))
+}
+
+/// The error chain on one line, outermost first, leaving out a cause whose
+/// words are already there (SQLite's errors repeat their message as their
+/// source: "database is locked: Error code 5: database is locked").
+fn one_line(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        let words = match text.split_once(": ") {
+            Some((head, rest)) if head.starts_with("Error code ") => rest,
+            _ => text.as_str(),
+        };
+        if line.contains(words) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
     }
+    line.replace('\n', " ")
 }
 
 /// Help and version go to stdout with exit 0; anything else is a usage

@@ -4,7 +4,6 @@ use std::ffi::OsString;
 
 use anyhow::Result;
 
-use crate::error::{self, Error};
 use crate::lock::Mode;
 use crate::remove;
 use crate::session::{Need, Want, acquire_image};
@@ -59,10 +58,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         }
         held.push((name.clone(), guard));
     }
-    let removed = remove::remove_locked(store, held).map_err(|e| match error::typed(&e) {
-        Some(Error::NoSuchImage(_)) => e,
-        _ => e.context("removal failed; 'stowage gc' or 'stowage doctor --repair' finishes it"),
-    })?;
+    let removed = remove::remove_locked(store, held)?;
     for r in &removed {
         store.ctx().say(&format!(
             "removed '{}' ({}, {})",

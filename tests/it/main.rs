@@ -7,6 +7,7 @@ mod concurrency;
 mod crash;
 mod exec;
 mod fairness;
+mod hostile;
 mod init;
 mod lifecycle;
 mod lock_status;
