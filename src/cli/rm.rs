@@ -18,7 +18,7 @@ use crate::usage;
 )]
 pub struct Args {
     /// Images to remove
-    #[arg(value_name = "IMG", required = true, allow_hyphen_values = true)]
+    #[arg(value_name = "IMG", required = true)]
     images: Vec<OsString>,
     /// Give up after SECONDS waiting for an image in use [default: wait forever]
     #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]

@@ -14,3 +14,4 @@ mod lock_status;
 mod migration;
 mod names;
 mod slots;
+mod stress;
