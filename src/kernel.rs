@@ -145,6 +145,30 @@ pub struct LockView {
     pub holders: Vec<Entry>,
     /// Blocked requests, where the lock table is available.
     pub waiters: Vec<Entry>,
+    /// Set when only the lock table says the lock is free. /proc/locks is
+    /// read a page at a time, and entries that move while it is read can be
+    /// missed, so "free" from the table must be confirmed (with
+    /// [`LockView::confirmed`]) before anything is destroyed because of it.
+    pub unconfirmed_free: Option<std::path::PathBuf>,
+}
+
+impl LockView {
+    /// This view, with a table's "free" checked by probing the lock file.
+    pub fn confirmed(&self) -> LockView {
+        match &self.unconfirmed_free {
+            Some(path) => match lock::probe(path) {
+                Ok(p @ (Probe::Shared | Probe::Exclusive)) => LockView {
+                    state: Some(p),
+                    ..LockView::default()
+                },
+                _ => LockView {
+                    unconfirmed_free: None,
+                    ..self.clone()
+                },
+            },
+            None => self.clone(),
+        }
+    }
 }
 
 impl LockView {
@@ -216,7 +240,11 @@ impl KernelView {
             .get(&(meta.dev(), meta.ino()))
             .map(Vec::as_slice)
             .unwrap_or(&[]);
-        Ok(view_of(entries))
+        let mut view = view_of(entries);
+        if entries.is_empty() {
+            view.unconfirmed_free = Some(path.to_owned());
+        }
+        Ok(view)
     }
 
     /// Inodes on device `dev` that someone holds or awaits a lock on, for
@@ -258,6 +286,7 @@ fn view_of(entries: &[Entry]) -> LockView {
         state: Some(state),
         holders,
         waiters,
+        unconfirmed_free: None,
     }
 }
 
@@ -360,6 +389,24 @@ mod tests {
         assert!(m[0].options.contains(&"local_lock=flock".to_owned()));
         assert!(m[0].options.contains(&"noatime".to_owned()));
         assert!(mount_of(Path::new("/")).is_some());
+    }
+
+    #[test]
+    fn a_free_verdict_from_the_table_is_confirmed_by_probing() {
+        // A table that missed the entry (as a page-wise read of /proc/locks
+        // can while locks change) must not make a held lock look free.
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.lock");
+        let _g = lock::try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let kv = KernelView {
+            table: Some(HashMap::new()),
+        };
+        let v = kv.view(&p).unwrap();
+        assert_eq!(v.state, Some(Probe::Free));
+        assert!(v.unconfirmed_free.is_some());
+        assert_eq!(v.confirmed().state, Some(Probe::Exclusive));
+        drop(_g);
+        assert_eq!(kv.view(&p).unwrap().confirmed().state, Some(Probe::Free));
     }
 
     #[test]

@@ -61,6 +61,15 @@ pub fn judge(
     view: &LockView,
     records: &[Record],
 ) -> Result<(Vec<Party>, Vec<Party>)> {
+    // A table's "free" is not trusted for deciding records are stale.
+    let confirmed;
+    let (view, table) = if view.unconfirmed_free.is_some() && !records.is_empty() {
+        confirmed = view.confirmed();
+        let table = confirmed.unconfirmed_free.is_some();
+        (&confirmed, table)
+    } else {
+        (view, kv.has_table())
+    };
     let mut holders = Vec::new();
     let mut waiters = Vec::new();
     let mut claimed = vec![false; view.holders.len()];
@@ -74,7 +83,7 @@ pub fn judge(
             rec.pid_start,
         );
         let valid = match rec.role {
-            Role::Holder => holder_valid(rec, live, kv, view, &mut claimed),
+            Role::Holder => holder_valid(rec, live, table, view, &mut claimed),
             Role::Waiter => {
                 if let Some(i) = view.waiters.iter().position(|e| e.pid == Some(rec.pid)) {
                     claimed_waits[i] = true;
@@ -133,7 +142,7 @@ pub fn judge(
 fn holder_valid(
     rec: &Record,
     live: Liveness,
-    kv: &KernelView,
+    table: bool,
     view: &LockView,
     claimed: &mut [bool],
 ) -> bool {
@@ -144,7 +153,7 @@ fn holder_valid(
     if !compatible {
         return false;
     }
-    if !kv.has_table() || live == Liveness::Unknown {
+    if !table || live == Liveness::Unknown {
         // Held in the recorded mode is all that can be checked.
         return true;
     }
@@ -352,7 +361,7 @@ pub fn sweep(
         let Ok(name) = ImageName::parse(&row.name) else {
             continue;
         };
-        let view = kv.view(&ctx.root.image_lock(&name))?;
+        let view = kv.view(&ctx.root.image_lock(&name))?.confirmed();
         if !matches!(view.state, Some(Probe::Exclusive)) {
             tx.set_state(&row.name, ImageState::Incomplete)?;
             ctx.detail(&format!(
