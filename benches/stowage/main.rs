@@ -1,7 +1,7 @@
 //! The performance targets of the spec, measured in one run.
 //!
 //! `bash scripts/bench` builds, runs this and draws the plot; or run
-//! `cargo bench --bench stowage -- [--quick] [--dir DIR]`.
+//! `cargo bench --bench stowage -- [--quick] [--images N] [--dir DIR]`.
 //!
 //! Everything runs in a fresh directory on a tmpfs (/dev/shm) unless
 //! `--dir` names another filesystem. Every comparison is paired: the two
@@ -16,12 +16,14 @@
 //! - `exec`: `stowage exec` against `flock(1)` as whole processes ([`exec`]);
 //! - `builders`: 32 concurrent builders reading one base, and the curve
 //!   over 1 … 32 builders ([`exec::concurrent`]);
+//! - `images`: init, exec and lock-status with 100,000 images ([`scale`]);
 
 mod exec;
 mod floor;
 mod library;
 mod process;
 mod report;
+mod scale;
 mod stats;
 
 use std::path::{Path, PathBuf};
@@ -33,20 +35,22 @@ use serde_json::json;
 
 use report::Report;
 
-const SECTIONS: &[&str] = &["library", "exec", "builders"];
+const SECTIONS: &[&str] = &["library", "exec", "builders", "images"];
 
 const USAGE: &str = "\
 usage: cargo bench --bench stowage -- [OPTIONS]   (or: bash scripts/bench [OPTIONS])
 
-  --quick        a smoke run: few iterations (seconds)
+  --quick        a smoke run: few iterations, 2,000 images (seconds)
+  --images N     images for the scale figures [default: 100000]
   --dir DIR      benchmark on the filesystem of DIR [default: /dev/shm, a tmpfs]
   --out DIR      where results.{json,md,txt} go [default: target/bench]
   --only LIST    run only these sections (comma-separated):
-                 library, exec, builders
+                 library, exec, builders, images
 ";
 
 struct Options {
     quick: bool,
+    images: Option<usize>,
     dir: Option<PathBuf>,
     out: PathBuf,
     only: Vec<String>,
@@ -55,6 +59,7 @@ struct Options {
 fn parse_args(args: &[String]) -> Result<Option<Options>> {
     let mut o = Options {
         quick: false,
+        images: None,
         dir: None,
         out: Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench"),
         only: SECTIONS.iter().map(|s| s.to_string()).collect(),
@@ -70,6 +75,13 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
             // cargo bench passes --bench to benches without a harness.
             "--bench" => {}
             "--quick" => o.quick = true,
+            "--images" => {
+                let n: usize = value()?.parse().context("--images: not a number")?;
+                if n < 10 {
+                    bail!("--images: at least 10 (the busy lock-status case uses several)");
+                }
+                o.images = Some(n);
+            }
             "--dir" => o.dir = Some(PathBuf::from(value()?)),
             "--out" => o.out = PathBuf::from(value()?),
             "--only" => {
@@ -131,16 +143,18 @@ fn run(o: Options) -> Result<()> {
     let dir = tmp.path();
     let fs = stowage::kernel::filesystem(dir).map_or_else(|_| "unknown".into(), |f| f.name);
     let q = o.quick;
+    let images = o.images.unwrap_or(if q { 2_000 } else { 100_000 });
 
     let mut report = Report {
         meta: machine(dir, &fs),
         ..Report::default()
     };
-    report
-        .meta
-        .insert("options".into(), json!({"quick": q, "sections": o.only}));
+    report.meta.insert(
+        "options".into(),
+        json!({"quick": q, "images": images, "sections": o.only}),
+    );
     eprintln!(
-        "stowage bench: {} on {fs} ({}){}",
+        "stowage bench: {} on {fs} ({}), {images} images{}",
         dir.display(),
         report.meta["cpu"].as_str().unwrap_or("?"),
         if q { ", quick" } else { "" }
@@ -180,6 +194,20 @@ fn run(o: Options) -> Result<()> {
             eprintln!("== concurrent builders");
             exec::concurrent(&root, &lock, &plan, &mut report)?;
         }
+    }
+    if on("images") {
+        eprintln!("== {images} images");
+        scale::run(
+            dir,
+            &scale::Plan {
+                images,
+                pairs: if q { 20 } else { 200 },
+                warmup: if q { 2 } else { 10 },
+                status_runs: if q { 3 } else { 15 },
+                curve_rounds: if q { 5 } else { 40 },
+            },
+            &mut report,
+        )?;
     }
 
     let took = started.elapsed().as_secs_f64();
@@ -263,7 +291,7 @@ fn summary(r: &Report) -> String {
     let m = &r.meta;
     let s = |k: &str| m.get(k).map(|v| v.to_string().trim_matches('"').to_owned());
     format!(
-        "stowage {} ({}) on {} CPUs ({}), Linux {}, {} at {}; {}{}",
+        "stowage {} ({}) on {} CPUs ({}), Linux {}, {} at {}; {}; {} images{}",
         s("stowage").unwrap_or_default(),
         s("commit").unwrap_or_default(),
         s("cpus").unwrap_or_default(),
@@ -272,6 +300,7 @@ fn summary(r: &Report) -> String {
         s("filesystem").unwrap_or_default(),
         s("dir").unwrap_or_default(),
         s("date").unwrap_or_default(),
+        m["options"]["images"],
         if m["options"]["quick"] == json!(true) {
             " (quick run)"
         } else {

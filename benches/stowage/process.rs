@@ -5,7 +5,7 @@ use std::ffi::{OsStr, OsString};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Barrier;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 
@@ -231,4 +231,64 @@ pub fn load(cmd: &Cmd, builders: usize, iters: usize) -> Result<Load> {
         cpu_per_run: cpu / latencies.len() as f64,
         latencies,
     })
+}
+
+/// Waits (bounded) until `path` exists: how background processes say they
+/// are ready.
+pub fn await_file(path: &Path, what: &str) -> Result<()> {
+    let give_up = Instant::now() + Duration::from_secs(60);
+    while !path.exists() {
+        if Instant::now() > give_up {
+            bail!(
+                "timed out waiting for {what} ({} never appeared)",
+                path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
+/// The kernel's id of a file in /proc/locks: `MAJ:MIN:INODE`.
+fn lock_table_id(path: &Path) -> Result<String> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path)?;
+    Ok(format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(m.dev()),
+        libc::minor(m.dev()),
+        m.ino()
+    ))
+}
+
+/// How many blocked flock requests wait on `path` right now.
+pub fn blocked_on(path: &Path) -> Result<usize> {
+    let id = lock_table_id(path)?;
+    let table = std::fs::read_to_string("/proc/locks")?;
+    Ok(table
+        .lines()
+        .filter(|l| l.contains(" -> FLOCK ") && l.split_whitespace().any(|f| f == id))
+        .count())
+}
+
+/// Waits (bounded) until someone is blocked on `path` and stays blocked for
+/// a moment — stowage's first attempt can block briefly before it records
+/// itself as a waiter and blocks for good.
+pub fn await_blocked(path: &Path) -> Result<()> {
+    let give_up = Instant::now() + Duration::from_secs(60);
+    let mut since: Option<Instant> = None;
+    loop {
+        if blocked_on(path)? > 0 {
+            let t = *since.get_or_insert_with(Instant::now);
+            if t.elapsed() >= Duration::from_millis(100) {
+                return Ok(());
+            }
+        } else {
+            since = None;
+        }
+        if Instant::now() > give_up {
+            bail!("timed out waiting for a blocked lock on {}", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
