@@ -17,6 +17,7 @@
 //! - `builders`: 32 concurrent builders reading one base, and the curve
 //!   over 1 … 32 builders ([`exec::concurrent`]);
 //! - `images`: init, exec and lock-status with 100,000 images ([`scale`]);
+//! - `slots`: slot handover latency and a waiter's CPU use ([`slots`]).
 
 mod exec;
 mod floor;
@@ -24,18 +25,19 @@ mod library;
 mod process;
 mod report;
 mod scale;
+mod slots;
 mod stats;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::json;
 
 use report::Report;
 
-const SECTIONS: &[&str] = &["library", "exec", "builders", "images"];
+const SECTIONS: &[&str] = &["library", "exec", "builders", "images", "slots"];
 
 const USAGE: &str = "\
 usage: cargo bench --bench stowage -- [OPTIONS]   (or: bash scripts/bench [OPTIONS])
@@ -45,7 +47,7 @@ usage: cargo bench --bench stowage -- [OPTIONS]   (or: bash scripts/bench [OPTIO
   --dir DIR      benchmark on the filesystem of DIR [default: /dev/shm, a tmpfs]
   --out DIR      where results.{json,md,txt} go [default: target/bench]
   --only LIST    run only these sections (comma-separated):
-                 library, exec, builders, images
+                 library, exec, builders, images, slots
 ";
 
 struct Options {
@@ -106,6 +108,16 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // The slot bench's waiter command: stamp the clock and leave, first of
+    // all, so the stamp is as close to the command's start as it gets.
+    if let [flag, file] = args.as_slice()
+        && flag == "--stamp"
+    {
+        return match slots::stamp(Path::new(file)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(_) => ExitCode::FAILURE,
+        };
+    }
     // `cargo test --benches` runs bench binaries without --bench: these
     // figures take minutes and assert nothing, so do nothing then.
     if !args
@@ -205,6 +217,17 @@ fn run(o: Options) -> Result<()> {
                 warmup: if q { 2 } else { 10 },
                 status_runs: if q { 3 } else { 15 },
                 curve_rounds: if q { 5 } else { 40 },
+            },
+            &mut report,
+        )?;
+    }
+    if on("slots") {
+        eprintln!("== slots");
+        slots::run(
+            dir,
+            &slots::Plan {
+                rounds: if q { 5 } else { 20 },
+                cpu_wait: Duration::from_secs(if q { 1 } else { 2 }),
             },
             &mut report,
         )?;

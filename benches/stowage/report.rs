@@ -10,6 +10,8 @@ pub enum Unit {
     /// A dimensionless ratio, shown as `1.23×`.
     Ratio,
     Seconds,
+    /// A fraction of one CPU, shown as a percentage.
+    Cpu,
 }
 
 impl Unit {
@@ -17,6 +19,7 @@ impl Unit {
         match self {
             Unit::Ratio => "ratio",
             Unit::Seconds => "seconds",
+            Unit::Cpu => "cpu_fraction",
         }
     }
 
@@ -24,6 +27,7 @@ impl Unit {
         match self {
             Unit::Ratio => format!("{v:.2}×"),
             Unit::Seconds => time(v),
+            Unit::Cpu => format!("{:.2}% CPU", v * 100.0),
         }
     }
 }
