@@ -57,6 +57,7 @@ pub mod root;
 pub mod session;
 pub mod signals;
 pub mod slots;
+pub mod spawn;
 pub mod status;
 pub mod store;
 pub mod usage;

@@ -17,7 +17,7 @@
 //! never hit a recycled pid.
 
 use std::io;
-use std::process::{Child, ExitStatus};
+use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
 
 use nix::sys::signal::{SigSet, Signal};
@@ -108,33 +108,46 @@ impl Forwarder {
         }
     }
 
-    /// Spawns the command unless a signal came first (`Ok(Err(sig))`).
+    /// Spawns the command (`spawn` returns its pid) unless a signal came
+    /// first (`Ok(Err(sig))`).
     pub fn spawn(
         &self,
-        spawn: impl FnOnce() -> io::Result<Child>,
-    ) -> io::Result<Result<Child, i32>> {
+        spawn: impl FnOnce() -> io::Result<libc::pid_t>,
+    ) -> io::Result<Result<libc::pid_t, i32>> {
         let mut st = self.lock();
         if let State::Interrupted(sig) = *st {
             return Ok(Err(sig));
         }
-        let child = spawn()?;
-        *st = State::Running(child.id() as i32);
-        Ok(Ok(child))
+        let pid = spawn()?;
+        *st = State::Running(pid);
+        Ok(Ok(pid))
     }
 
     /// Waits for the command; stops forwarding before the child is reaped.
-    pub fn wait(&self, child: &mut Child) -> io::Result<ExitStatus> {
-        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    pub fn wait(&self, pid: libc::pid_t) -> io::Result<ExitStatus> {
+        use std::os::unix::process::ExitStatusExt;
+        let p = nix::unistd::Pid::from_raw(pid);
         loop {
             use nix::sys::wait::{Id, WaitPidFlag, waitid};
-            match waitid(Id::Pid(pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT) {
+            match waitid(Id::Pid(p), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT) {
                 Ok(_) => break,
                 Err(nix::errno::Errno::EINTR) => continue,
                 Err(e) => return Err(e.into()),
             }
         }
         *self.lock() = State::Done;
-        child.wait()
+        let mut status = 0;
+        loop {
+            // SAFETY: waitpid on our own child, status written to a local.
+            let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+            if r == pid {
+                return Ok(ExitStatus::from_raw(status));
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(e);
+            }
+        }
     }
 }
 

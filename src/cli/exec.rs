@@ -143,47 +143,39 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         }
     }
 
-    let mut cmd = Command::new(&args.command[0]);
-    cmd.args(&args.command[1..]);
-    cmd.env("STOWAGE_ROOT", store.root().dir());
-    cmd.env("STOWAGE_IMAGES_DIR", session.images_dir());
+    let mut env: Vec<(OsString, OsString)> = std::env::vars_os()
+        .filter(|(k, _)| !k.to_str().is_some_and(|k| k.starts_with("STOWAGE_IMAGE")))
+        .collect();
+    env.push(("STOWAGE_ROOT".into(), store.root().dir().into()));
+    env.push(("STOWAGE_IMAGES_DIR".into(), session.images_dir().into()));
     let written: Vec<_> = session.writes().cloned().collect();
     if let [only] = written.as_slice() {
-        cmd.env("STOWAGE_IMAGE_DIR", session.image_dir(only));
-    } else {
-        cmd.env_remove("STOWAGE_IMAGE_DIR");
+        env.push(("STOWAGE_IMAGE_DIR".into(), session.image_dir(only).into()));
     }
-    let no_inherit = args.no_inherit;
-    let parent = std::process::id() as libc::pid_t;
-    let child_umask = store.ctx().child_umask;
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            crate::signals::reset_mask_in_child()?;
-            if let Some(mask) = child_umask {
-                libc::umask(mask as libc::mode_t);
-            }
-            if no_inherit {
-                // The command must not outlive the locks that protect it.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if libc::getppid() != parent {
-                    libc::_exit(128 + libc::SIGKILL);
-                }
-            }
-            Ok(())
-        });
-    }
-    if !no_inherit {
+    if !args.no_inherit {
         session
             .set_inheritable(true)
             .context("cannot pass the locks to the command")?;
     }
 
     crate::debug::pause("exec-before-spawn");
-    let mut child = match signals.spawn(|| cmd.spawn()) {
-        Ok(Ok(child)) => child,
+    let child_umask = store.ctx().child_umask;
+    let started = signals.spawn(|| {
+        if args.no_inherit {
+            spawn_dying_with_us(&args.command, &env, child_umask)
+        } else {
+            // posix_spawn cannot set a umask: give the child ours back for
+            // the moment of the spawn (no other thread creates files).
+            let ours = child_umask.map(|m| unsafe { libc::umask(m as libc::mode_t) });
+            let pid = crate::spawn::spawn(&args.command, &env);
+            if let Some(m) = ours {
+                unsafe { libc::umask(m) };
+            }
+            pid
+        }
+    });
+    let pid = match started {
+        Ok(Ok(pid)) => pid,
         Ok(Err(sig)) => {
             session.abandon(store)?;
             return Err(Error::Interrupted(sig).into());
@@ -194,7 +186,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             return Err(e).with_context(|| format!("cannot run '{what}'"));
         }
     };
-    let status = match signals.wait(&mut child) {
+    let status = match signals.wait(pid) {
         Ok(s) => s,
         Err(e) => {
             // Without its status the outcome is unknown: not ready.
@@ -259,4 +251,36 @@ fn clone_into(
         ));
     }
     Ok(())
+}
+
+/// `--no-inherit`: the locks stay in stowage, so the command must not
+/// outlive it — PR_SET_PDEATHSIG kills it if stowage dies. That needs code
+/// between fork and exec, hence std's fork path.
+fn spawn_dying_with_us(
+    argv: &[OsString],
+    env: &[(OsString, OsString)],
+    umask: Option<u32>,
+) -> std::io::Result<libc::pid_t> {
+    let parent = std::process::id() as libc::pid_t;
+    let mut cmd = Command::new(&argv[0]);
+    cmd.args(&argv[1..]).env_clear().envs(env.iter().map(|(k, v)| (k, v)));
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            crate::signals::reset_mask_in_child()?;
+            if let Some(mask) = umask {
+                libc::umask(mask as libc::mode_t);
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                libc::_exit(128 + libc::SIGKILL);
+            }
+            Ok(())
+        });
+    }
+    // The child is waited for by pid (see signals.rs); std's handle is not
+    // needed, and dropping it neither waits nor kills.
+    Ok(cmd.spawn()?.id() as libc::pid_t)
 }
