@@ -417,12 +417,16 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     ch.dockerfile("Dockerfile", &gated("app"));
     let one = Bg::from_command(ch.ch_build(["-t", "one", "--build-arg", "ID=one"]));
     ch.wait_started("one", "one");
+    let app = ch.env.lock_entry("app").unwrap();
+    assert_eq!(app["state"], "exclusive", "{app}");
     let two = Bg::from_command(ch.ch_build(["-t", "two", "--build-arg", "ID=two"]));
+    let lock = ch.env.lock_file("app");
     wait_until("the second build waits for 'app'", || {
-        ch.waiters("app").iter().any(|w| w["mode"] == "exclusive")
+        someone_waits_for(&lock)
     });
     assert!(!ch.img("two").exists(), "the second build started early");
-    assert_eq!(ch.env.state("app").as_deref(), Some("writing"));
+    // The lock is exclusive, but app is only read from: it stays ready.
+    assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
 
     ch.go("one", "one");
     let out = one.finish();
@@ -434,16 +438,51 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     );
     ch.wait_started("two", "two");
     ch.go("two", "two");
-    assert_ok(two.finish());
+    let out = two.finish();
+    assert_ok_ref(&out);
+    assert!(
+        stderr(&out).contains("waiting for exclusive lock on base 'app'"),
+        "{}",
+        show(&out)
+    );
     assert_eq!(ch.file("two", "app"), "app");
     assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
 
-    // A failed build from app leaves its own tag incomplete, never the base.
+    // A failed build from app leaves its own tag incomplete, never the base;
+    // and an incomplete image is no base.
     let bad = ch.dockerfile("Dockerfile.bad", "FROM app\nRUN false\n");
     let out = output(ch.ch_build(["-t", "bad", "-f", &bad]));
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert_eq!(ch.env.state("bad").as_deref(), Some("incomplete"));
     assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
+    let df = ch.dockerfile("Dockerfile.worse", "FROM bad\nRUN true\n");
+    let out = output(ch.ch_build(["-t", "worse", "-f", &df]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("base image not ready: bad (incomplete)"),
+        "{}",
+        show(&out)
+    );
+    assert!(!ch.img("worse").exists());
+}
+
+/// Is a process blocked in flock(2) on this file? /proc/locks lists each
+/// waiter as a "->" line naming the file's device (hex major:minor) and inode.
+fn someone_waits_for(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = fs::metadata(path) else {
+        return false;
+    };
+    let id = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(md.dev()),
+        libc::minor(md.dev()),
+        md.ino()
+    );
+    fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains("->") && l.split_whitespace().any(|f| f == id))
 }
 
 #[test]
@@ -591,10 +630,12 @@ fn ch_build_derives_locks_from_from_lines() {
     assert_ok_ref(&out);
     let storage = ch.storage.display();
     let ctx = ch.ctx.display();
+    let locks = ch.env.root.join("locks/images");
+    let locks = locks.display();
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
         format!(
-            "stowage exec --write tools:2 --write scratch -- \
+            "flock -x {locks}/scratch.lock flock -x {locks}/tools+2.lock \
              stowage exec --read team/base:1.0 --write app --write app_stage0 \
              --write app_stage1 --write app_stage2 -- \
              ch-image -s {storage} --no-lock --no-cache build -t app \
@@ -609,7 +650,7 @@ fn ch_build_derives_locks_from_from_lines() {
     );
     assert!(!err.contains("'team/base:1.0' exclusively"), "{err}");
 
-    // --root goes to stowage; a base linked to the cache alone is one exec.
+    // --root goes to stowage; bases linked to the cache need no flock.
     let df = ch.dockerfile("Dockerfile.one", "FROM team/base:1.0\n");
     let out = output(ch.ch_build([
         "--dry-run",
