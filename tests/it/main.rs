@@ -3,6 +3,7 @@
 
 mod common;
 
+mod charliecloud;
 mod concurrency;
 mod crash;
 mod exec;
