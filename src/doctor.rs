@@ -105,7 +105,11 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     }
 
     // Does flock exclude here at all?
-    let probe = root.locks().join(".doctor.lock");
+    // Private to this process: two doctors at once must not test against
+    // each other's lock.
+    let probe = root
+        .locks()
+        .join(format!(".doctor.{}.lock", std::process::id()));
     match lock::opens_conflict(&probe) {
         Ok(true) => report.add(
             "flock",

@@ -205,17 +205,28 @@ impl Session {
     pub fn finish(self, store: &mut Store, outcome: Outcome) -> Result<()> {
         // Sizes are measured before the transaction, under our own write
         // locks: walking a tree is far too slow to do under the global lock.
-        let sizes: Vec<Option<u64>> = self
+        // A written image whose directory is gone was deleted by the command
+        // (`ch-image delete` under a write lock): it goes from the records.
+        let written: Vec<(Option<u64>, bool)> = self
             .held
             .iter()
             .map(|h| match h.mode {
-                Mode::Exclusive => usage::disk_usage(&self.images_dir.join(h.name.encoded())).ok(),
-                Mode::Shared => None,
+                Mode::Exclusive => {
+                    let dir = self.images_dir.join(h.name.encoded());
+                    let gone = std::fs::symlink_metadata(&dir).is_err();
+                    (usage::disk_usage(&dir).ok(), gone)
+                }
+                Mode::Shared => (None, false),
             })
             .collect();
         let (tx, ctx) = store.begin_cleanup()?;
         let now = clock::now_ms();
-        for (h, size) in self.held.iter().zip(sizes) {
+        for (h, (size, gone)) in self.held.iter().zip(&written) {
+            if *gone {
+                tx.delete_image(h.name.as_str())?;
+                ctx.detail(&format!("image '{}' was deleted by the command", h.name));
+                continue;
+            }
             tx.touch(h.name.as_str(), now)?;
             if h.mode == Mode::Exclusive {
                 let state = match outcome {
@@ -223,7 +234,7 @@ impl Session {
                     Outcome::Failure => ImageState::Incomplete,
                 };
                 tx.set_state(h.name.as_str(), state)?;
-                tx.set_size(h.name.as_str(), size)?;
+                tx.set_size(h.name.as_str(), *size)?;
                 ctx.detail(&format!("image '{}' is {state}", h.name));
             }
         }
@@ -235,7 +246,17 @@ impl Session {
             tx.delete_record(*id)?;
         }
         tx.commit()?;
-        drop(self.held);
+        // The lock files of deleted images go too, under our exclusive locks
+        // (the unlink rule), with their gates.
+        for (h, (_, gone)) in self.held.into_iter().zip(written) {
+            if gone {
+                let gate = store.root().image_gate(&h.name);
+                let _ = h.guard.unlink();
+                if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
+                    let _ = g.unlink();
+                }
+            }
+        }
         drop(self.slot);
         Ok(())
     }

@@ -16,7 +16,9 @@ use std::os::unix::ffi::OsStrExt;
 /// Spawns `argv` with exactly `env` as its environment; returns its pid.
 /// Descriptors without close-on-exec are inherited, as with exec(2).
 pub fn spawn(argv: &[OsString], env: &[(OsString, OsString)]) -> io::Result<libc::pid_t> {
-    let cstr = |s: &OsStr| CString::new(s.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput));
+    let cstr = |s: &OsStr| {
+        CString::new(s.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    };
     let args: Vec<CString> = argv.iter().map(|a| cstr(a)).collect::<io::Result<_>>()?;
     let vars: Vec<CString> = env
         .iter()
@@ -66,7 +68,11 @@ pub fn spawn(argv: &[OsString], env: &[(OsString, OsString)]) -> io::Result<libc
 }
 
 fn check(rc: libc::c_int) -> io::Result<()> {
-    if rc == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(rc)) }
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(rc))
+    }
 }
 
 #[cfg(test)]
@@ -75,8 +81,14 @@ mod tests {
 
     #[test]
     fn runs_with_the_given_environment_and_reports_a_missing_program() {
-        let argv: Vec<OsString> = ["sh", "-c", "exit $CODE"].iter().map(OsString::from).collect();
-        let env = vec![(OsString::from("CODE"), OsString::from("7")), (OsString::from("PATH"), OsString::from("/usr/bin:/bin"))];
+        let argv: Vec<OsString> = ["sh", "-c", "exit $CODE"]
+            .iter()
+            .map(OsString::from)
+            .collect();
+        let env = vec![
+            (OsString::from("CODE"), OsString::from("7")),
+            (OsString::from("PATH"), OsString::from("/usr/bin:/bin")),
+        ];
         let pid = spawn(&argv, &env).unwrap();
         let mut status = 0;
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);

@@ -17,6 +17,7 @@
 
 use std::cell::Cell;
 use std::io;
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -53,14 +54,16 @@ impl Ctx {
     /// Prints a progress or waiting message unless quiet.
     pub fn say(&self, msg: &str) {
         if !self.quiet {
-            eprintln!("stowage: {msg}");
+            // Never eprintln!: it panics when stderr is gone, and a panic
+            // mid-exec would release locks the command still relies on.
+            let _ = writeln!(std::io::stderr(), "stowage: {msg}");
         }
     }
 
     /// Prints a message only with --verbose.
     pub fn detail(&self, msg: &str) {
         if self.verbose && !self.quiet {
-            eprintln!("stowage: {msg}");
+            let _ = writeln!(std::io::stderr(), "stowage: {msg}");
         }
     }
 }
@@ -143,7 +146,8 @@ impl Store {
                 Box::new(move || {
                     noticed.set(true);
                     if !quiet {
-                        eprintln!(
+                        let _ = writeln!(
+                            std::io::stderr(),
                             "stowage: waiting for the global metadata lock ({}): {}",
                             root.global_lock().display(),
                             status::global_holder_phrase(&root)

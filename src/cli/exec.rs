@@ -123,7 +123,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         Err(e) => {
             if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), args.conflict_exit_code)
             {
-                eprintln!("stowage: {e:#}");
+                store.ctx().say(&format!("{e:#}"));
                 return Ok(code);
             }
             return Err(e);
@@ -263,7 +263,9 @@ fn spawn_dying_with_us(
 ) -> std::io::Result<libc::pid_t> {
     let parent = std::process::id() as libc::pid_t;
     let mut cmd = Command::new(&argv[0]);
-    cmd.args(&argv[1..]).env_clear().envs(env.iter().map(|(k, v)| (k, v)));
+    cmd.args(&argv[1..])
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k, v)));
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {

@@ -74,6 +74,13 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return parse_failure(e),
     };
+    if !matches!(cli.command, Command::Exec(_)) {
+        // A listing piped into `head` ends quietly when the reader goes
+        // away, as Unix tools do, instead of panicking on EPIPE. (exec keeps
+        // SIGPIPE ignored: it must survive to record its command's outcome.)
+        // SAFETY: restores the default action; no handler is involved.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     match run(cli) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {

@@ -689,3 +689,44 @@ fn doctor_reports_the_filesystem_and_flock() {
     );
     let _ = PermissionsExt::mode(&fs::metadata(&env.root).unwrap().permissions());
 }
+
+#[test]
+fn a_write_whose_command_deletes_the_image_removes_it() {
+    // How a builder's own delete runs under stowage:
+    // stowage exec --write IMG -- ch-image delete IMG
+    let env = Env::new();
+    env.make_image("app");
+    env.ok([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "rm -rf \"$STOWAGE_IMAGE_DIR\"",
+    ]);
+    assert_eq!(env.state("app"), None);
+    assert!(!env.lock_file("app").exists());
+    assert_eq!(env.run(["doctor"]).status.code(), Some(0));
+}
+
+#[test]
+fn a_listing_into_a_closed_pipe_ends_quietly() {
+    let env = Env::new();
+    // More rows than a pipe buffer holds, so the writer does hit EPIPE.
+    for i in 0..3000 {
+        fs::create_dir_all(env.root.join(format!("img/image-number-{i:05}"))).unwrap();
+    }
+    env.ok(["init"]);
+    let out = output({
+        let mut c = Command::new("sh");
+        c.arg("-c").arg(format!(
+            "'{}' --root '{}' images | head -1",
+            bin(),
+            env.root.display()
+        ));
+        c
+    });
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+}
