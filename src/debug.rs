@@ -20,7 +20,10 @@ pub fn pause(point: &str) {
             let until = Instant::now() + Duration::from_secs(60);
             // A termination signal ends the pause, so the test can watch
             // what the process does next.
-            while Instant::now() < until && crate::lock::interrupted().is_none() {
+            while Instant::now() < until
+                && crate::lock::interrupted().is_none()
+                && !crate::signals::termination_pending()
+            {
                 std::thread::sleep(Duration::from_millis(10));
             }
         }

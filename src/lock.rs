@@ -430,6 +430,15 @@ fn registry() -> std::sync::MutexGuard<'static, Registry> {
     CANCEL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+static BEFORE_WAIT: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Registers a function to run before any wait begins (once registered,
+/// for good). The CLI starts its signal-watching thread this way, so that a
+/// process that never waits never starts it.
+pub fn before_waiting(f: fn()) {
+    let _ = BEFORE_WAIT.set(f);
+}
+
 /// Makes every current and future wait in this process return
 /// [`Waited::Interrupted`]. The CLI calls it when a termination signal
 /// arrives before its command has started.
@@ -481,6 +490,9 @@ const STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Blocks until one of `files` is locked in `mode`; returns its index.
 fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
+    if let Some(f) = BEFORE_WAIT.get() {
+        f();
+    }
     install_wake_handler();
     let (tx, rx) = mpsc::channel();
     let _registration = if wait.uninterruptible {

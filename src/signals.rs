@@ -1,24 +1,32 @@
 //! Termination signals during `exec`.
 //!
-//! SIGINT, SIGTERM, SIGHUP and SIGQUIT are blocked in every thread and taken
-//! by one thread with sigwaitinfo(2), so no system call elsewhere is ever
+//! SIGINT, SIGTERM, SIGHUP and SIGQUIT (and SIGCHLD) are blocked in every
+//! thread and taken with sigwaitinfo(2), so no system call anywhere is ever
 //! interrupted by them. Signals the parent made us ignore stay ignored
-//! (`nohup stowage exec …` survives a hangup, like its command). Before the command starts, such a signal interrupts
-//! the lock waits (the exec then exits 128+N, leaving nothing behind). Once
-//! the command runs, the signal is forwarded to it — unless the terminal
-//! sent it (si_code SI_KERNEL): the terminal already signalled the whole
-//! foreground process group, the command included, and a second copy would
-//! make many programs treat one Ctrl-C as two.
+//! (`nohup stowage exec …` survives a hangup, like its command).
 //!
-//! The handoff is race-free: the state moves Waiting → Running(pid) under a
-//! mutex while spawning, so a signal is either seen before the spawn (and the
-//! command never starts) or forwarded after it; and Running → Done happens
-//! after the child exited but before it is reaped, so a late signal can
-//! never hit a recycled pid.
+//! - **Before the command starts**, a termination signal cancels the lock
+//!   waits (the exec then exits 128+N, leaving nothing behind). Waiting needs
+//!   someone to watch for signals while the main thread waits, so a thread
+//!   that takes them is started — lazily, when the first wait begins: an
+//!   uncontended exec never starts it. A signal that arrives before any
+//!   wait stays pending and is seen before the spawn.
+//! - **While the command runs**, the signal is forwarded to it — unless the
+//!   terminal sent it (si_code SI_KERNEL): the terminal already signalled the
+//!   whole foreground process group, the command included, and a second copy
+//!   would make many programs treat one Ctrl-C as two. The main thread does
+//!   this itself, taking SIGCHLD in the same sigwaitinfo to learn that the
+//!   command ended (or leaves it to the thread, if one was started).
+//!
+//! The hand-over is race-free: the state moves Waiting → Running(pid) under
+//! a mutex while spawning, so a signal is either seen before the spawn (and
+//! the command never starts) or forwarded after it; and Running → Done
+//! happens after the child exited but before it is reaped, so a late signal
+//! can never hit a recycled pid.
 
 use std::io;
 use std::process::ExitStatus;
-use std::sync::{Arc, Mutex};
+use std::sync::{Mutex, Once, OnceLock};
 
 use nix::sys::signal::{SigSet, Signal};
 
@@ -30,8 +38,19 @@ enum State {
     Done,
 }
 
+struct Shared {
+    state: Mutex<State>,
+    /// The termination signals we take.
+    set: SigSet,
+    thread: Once,
+}
+
+static SHARED: OnceLock<Shared> = OnceLock::new();
+
+/// The handle `exec` uses; the state itself is process-wide, because the
+/// lock waits that start the signal thread know nothing of `exec`.
 pub struct Forwarder {
-    state: Arc<Mutex<State>>,
+    shared: &'static Shared,
 }
 
 /// The termination signals we take, minus those our parent made us ignore
@@ -60,10 +79,9 @@ fn forwarded() -> SigSet {
 }
 
 /// Makes a spawned command start with no signal blocked: it must not
-/// inherit the mask that routes termination signals to our signal thread
-/// (shells reset it; most programs do not). Dispositions the parent chose
-/// to ignore stay ignored, as with any exec. Async-signal-safe: meant for
-/// `pre_exec`.
+/// inherit the mask that routes termination signals to us (shells reset
+/// it; most programs do not). Dispositions the parent chose to ignore stay
+/// ignored, as with any exec. Async-signal-safe: meant for `pre_exec`.
 pub fn reset_mask_in_child() -> io::Result<()> {
     // SAFETY: sigprocmask with a local empty set is async-signal-safe.
     unsafe {
@@ -76,9 +94,27 @@ pub fn reset_mask_in_child() -> io::Result<()> {
     Ok(())
 }
 
+/// True if a termination signal we take is pending (for code that sleeps
+/// without the signal thread, like the test pause hook).
+pub fn termination_pending() -> bool {
+    let Some(shared) = SHARED.get() else {
+        return false;
+    };
+    // SAFETY: sigpending fills a local set.
+    let pending = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigpending(&mut set);
+        set
+    };
+    shared
+        .set
+        .iter()
+        .any(|s| unsafe { libc::sigismember(&pending, s as libc::c_int) } == 1)
+}
+
 impl Forwarder {
-    /// Blocks the signals and starts the thread that takes them. Call it
-    /// before any other thread exists, so every thread inherits the mask.
+    /// Blocks the signals. Call it before any other thread exists, so that
+    /// every thread inherits the mask.
     pub fn install() -> io::Result<Forwarder> {
         // An ignored SIGCHLD (inherited from whoever started us) makes the
         // kernel reap the command itself, and its exit status would be lost.
@@ -86,18 +122,20 @@ impl Forwarder {
         unsafe { nix::sys::signal::signal(Signal::SIGCHLD, nix::sys::signal::SigHandler::SigDfl) }
             .map_err(io::Error::from)?;
         let set = forwarded();
-        set.thread_block().map_err(io::Error::from)?;
-        let state = Arc::new(Mutex::new(State::Waiting));
-        let shared = Arc::clone(&state);
-        std::thread::Builder::new()
-            .name("stowage-signals".into())
-            .stack_size(64 * 1024)
-            .spawn(move || take_signals(set, &shared))?;
-        Ok(Forwarder { state })
+        let mut blocked = set;
+        blocked.add(Signal::SIGCHLD);
+        blocked.thread_block().map_err(io::Error::from)?;
+        let shared = SHARED.get_or_init(|| Shared {
+            state: Mutex::new(State::Waiting),
+            set,
+            thread: Once::new(),
+        });
+        crate::lock::before_waiting(start_thread);
+        Ok(Forwarder { shared })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The signal that arrived before the command started, if any.
@@ -118,21 +156,40 @@ impl Forwarder {
         if let State::Interrupted(sig) = *st {
             return Ok(Err(sig));
         }
+        // Without the thread, a signal since install is still pending.
+        if let Some((sig, _)) = take(&self.shared.set, Some(0)) {
+            *st = State::Interrupted(sig);
+            return Ok(Err(sig));
+        }
         let pid = spawn()?;
         *st = State::Running(pid);
         Ok(Ok(pid))
     }
 
-    /// Waits for the command; stops forwarding before the child is reaped.
+    /// Waits for the command, forwarding termination signals to it, and
+    /// stops forwarding before the child is reaped.
     pub fn wait(&self, pid: libc::pid_t) -> io::Result<ExitStatus> {
         use std::os::unix::process::ExitStatusExt;
         let p = nix::unistd::Pid::from_raw(pid);
+        let mut watch = self.shared.set;
+        watch.add(Signal::SIGCHLD);
         loop {
             use nix::sys::wait::{Id, WaitPidFlag, waitid};
-            match waitid(Id::Pid(p), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT) {
+            let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT | WaitPidFlag::WNOHANG;
+            match waitid(Id::Pid(p), flags) {
+                Ok(nix::sys::wait::WaitStatus::StillAlive) => {}
                 Ok(_) => break,
                 Err(nix::errno::Errno::EINTR) => continue,
                 Err(e) => return Err(e.into()),
+            }
+            // Still running: take the next signal. SIGCHLD says it may have
+            // ended; a termination signal is forwarded. (If the signal thread
+            // runs, it takes those first and forwards them; a SIGCHLD still
+            // comes here.)
+            if let Some((sig, code)) = take(&watch, None)
+                && sig != libc::SIGCHLD
+            {
+                forward(&self.shared.state, sig, code);
             }
         }
         *self.lock() = State::Done;
@@ -151,28 +208,60 @@ impl Forwarder {
     }
 }
 
-fn take_signals(set: SigSet, state: &Mutex<State>) {
-    loop {
-        // SAFETY: sigwaitinfo fills `info`, which we own; `set` is a valid
-        // signal set of signals blocked in this thread.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        let sig = unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) };
-        if sig < 0 {
-            continue;
+/// Takes one signal of `set`: waits up to `timeout_ms` (None: forever).
+/// Returns the signal and its si_code.
+fn take(set: &SigSet, timeout_ms: Option<u64>) -> Option<(i32, i32)> {
+    // SAFETY: sigtimedwait/sigwaitinfo fill `info`, which we own; `set` is a
+    // valid set of signals blocked in this thread.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let sig = match timeout_ms {
+        None => unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) },
+        Some(ms) => {
+            let ts = libc::timespec {
+                tv_sec: (ms / 1000) as libc::time_t,
+                tv_nsec: ((ms % 1000) * 1_000_000) as libc::c_long,
+            };
+            unsafe { libc::sigtimedwait(set.as_ref(), &mut info, &ts) }
         }
-        let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
-        match *st {
-            State::Waiting => {
-                *st = State::Interrupted(sig);
-                crate::lock::interrupt_waits(sig);
-            }
-            State::Running(pid) => {
-                if info.si_code != libc::SI_KERNEL {
-                    // SAFETY: plain kill(2); pid is our unreaped child.
-                    unsafe { libc::kill(pid, sig) };
-                }
-            }
-            State::Interrupted(_) | State::Done => {}
+    };
+    (sig > 0).then_some((sig, info.si_code))
+}
+
+/// What a termination signal means in the current state.
+fn forward(state: &Mutex<State>, sig: i32, code: i32) {
+    let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+    match *st {
+        State::Waiting => {
+            *st = State::Interrupted(sig);
+            crate::lock::interrupt_waits(sig);
         }
+        State::Running(pid) => {
+            if code != libc::SI_KERNEL {
+                // SAFETY: plain kill(2); pid is our unreaped child.
+                unsafe { libc::kill(pid, sig) };
+            }
+        }
+        State::Interrupted(_) | State::Done => {}
     }
+}
+
+/// Starts the thread that takes termination signals, once, when the first
+/// lock wait begins.
+fn start_thread() {
+    let Some(shared) = SHARED.get() else { return };
+    shared.thread.call_once(|| {
+        let spawned = std::thread::Builder::new()
+            .name("stowage-signals".into())
+            .stack_size(64 * 1024)
+            .spawn(move || {
+                loop {
+                    if let Some((sig, code)) = take(&shared.set, None) {
+                        forward(&shared.state, sig, code);
+                    }
+                }
+            });
+        // Without the thread a signal still ends the wait at the latest
+        // when the lock is acquired (it stays pending until the spawn).
+        drop(spawned);
+    });
 }
