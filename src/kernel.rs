@@ -180,6 +180,9 @@ impl LockView {
 /// A snapshot of the kernel's view of one directory's locks.
 pub struct KernelView {
     table: Option<HashMap<(u64, u64), Vec<Entry>>>,
+    /// Locks already accounted for: the verifying lock and every file
+    /// viewed, so that [`KernelView::unexplained_inodes`] lists only the rest.
+    explained: std::cell::RefCell<std::collections::HashSet<(u64, u64)>>,
 }
 
 impl KernelView {
@@ -207,12 +210,16 @@ impl KernelView {
                 table = None;
             }
         }
-        KernelView { table }
+        let explained = std::cell::RefCell::new(held.into_iter().collect());
+        KernelView { table, explained }
     }
 
     /// A view that always probes (for filesystems whose table is partial).
     pub fn probing() -> KernelView {
-        KernelView { table: None }
+        KernelView {
+            table: None,
+            explained: Default::default(),
+        }
     }
 
     pub fn has_table(&self) -> bool {
@@ -236,6 +243,7 @@ impl KernelView {
             }
             Err(e) => return Err(e),
         };
+        self.explained.borrow_mut().insert((meta.dev(), meta.ino()));
         let entries = table
             .get(&(meta.dev(), meta.ino()))
             .map(Vec::as_slice)
@@ -247,20 +255,22 @@ impl KernelView {
         Ok(view)
     }
 
-    /// Inodes on device `dev` that someone holds or awaits a lock on, for
-    /// finding locks taken outside stowage. None without a lock table.
-    pub fn locked_inodes(&self, dev: u64) -> Option<Vec<u64>> {
+    /// Inodes on device `dev` that someone holds or awaits a lock on and
+    /// that no view so far accounted for: locks taken outside stowage. None
+    /// without a lock table.
+    pub fn unexplained_inodes(&self, dev: u64) -> Option<Vec<u64>> {
         let table = self.table.as_ref()?;
+        let explained = self.explained.borrow();
         Some(
             table
                 .keys()
-                .filter(|(d, _)| *d == dev)
+                .filter(|k| k.0 == dev && !explained.contains(k))
                 .map(|(_, i)| *i)
                 .collect(),
         )
     }
 
-    /// The view of an inode found by [`KernelView::locked_inodes`].
+    /// The view of an inode found by [`KernelView::unexplained_inodes`].
     pub fn view_inode(&self, dev: u64, ino: u64) -> LockView {
         let entries = self
             .table
@@ -400,6 +410,7 @@ mod tests {
         let _g = lock::try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
         let kv = KernelView {
             table: Some(HashMap::new()),
+            explained: Default::default(),
         };
         let v = kv.view(&p).unwrap();
         assert_eq!(v.state, Some(Probe::Free));

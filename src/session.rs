@@ -227,8 +227,11 @@ impl Session {
                 ctx.detail(&format!("image '{}' was deleted by the command", h.name));
                 continue;
             }
-            tx.touch(h.name.as_str(), now)?;
+            // A read's last use was recorded when it began; updating it
+            // again would cost a page write per image for no decision gc
+            // makes (an image in use is never collected).
             if h.mode == Mode::Exclusive {
+                tx.touch(h.name.as_str(), now)?;
                 let state = match outcome {
                     Outcome::Success => ImageState::Ready,
                     Outcome::Failure => ImageState::Incomplete,

@@ -387,7 +387,9 @@ pub fn kernel_locked_images(ctx: &Ctx, kv: &KernelView) -> Result<Vec<(String, L
     let Ok(meta) = std::fs::metadata(&dir) else {
         return Ok(Vec::new());
     };
-    let Some(inodes) = kv.locked_inodes(meta.dev()) else {
+    // Listing the directory costs O(images): only when some held lock is
+    // not one already seen (ours, a recorded holder's, a slot).
+    let Some(inodes) = kv.unexplained_inodes(meta.dev()) else {
         return Ok(Vec::new());
     };
     if inodes.is_empty() {

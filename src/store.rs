@@ -135,6 +135,20 @@ impl Store {
                 Err(e) => return Err(lock_error("the global lock", &path, e)),
             }
         }
+        // It is held for one short transaction: a few quick retries usually
+        // see it released, without the helper thread a real wait starts.
+        for i in 0..16 {
+            if i < 6 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(40));
+            }
+            match lock::try_lock(&path, Mode::Exclusive, true) {
+                Ok(Some(g)) => return Ok(g),
+                Ok(None) => {}
+                Err(e) => return Err(lock_error("the global lock", &path, e)),
+            }
+        }
         let mut wait = Wait::on(&ctx.root.locks(), deadline);
         wait.uninterruptible = cleanup;
         if !ctx.noticed_global.get() {
@@ -344,24 +358,33 @@ fn connection<'c>(
             // database group-writable (the journal copies its mode).
             meta::share_with_group(db)?;
         }
-        // A rollback journal that persists between transactions (its header
-        // zeroed at commit) saves creating and unlinking it each time — two
-        // round trips on NFS. Setting the mode also takes a database out of
-        // WAL (which an sqlite3 shell could have set, and which is unsafe
-        // on NFS), in the same single statement.
-        let mode: String = c
-            .query_row("PRAGMA journal_mode = PERSIST", [], |r| r.get(0))
-            .map_err(anyhow::Error::from)
-            .map_err(|e| damaged(db, e))?;
-        if !mode.eq_ignore_ascii_case("persist") {
-            anyhow::bail!(
-                "cannot give {} a rollback journal (it is in {mode} mode)",
-                db.display()
-            );
+        if in_wal(db) {
+            c.pragma_update(None, "journal_mode", "DELETE")
+                .with_context(|| {
+                    format!(
+                        "cannot switch {} from WAL to a rollback journal",
+                        db.display()
+                    )
+                })?;
         }
         *conn = Some(c);
     }
     Ok(conn.as_mut().expect("opened above"))
+}
+
+/// The database keeps SQLite's default rollback journal (created and
+/// deleted by each write transaction; no setting to repeat per connection).
+/// WAL would be silently unsafe on NFS — its index lives in shared memory
+/// that NFS cannot share — and nothing of ours sets it, but an sqlite3 shell
+/// could. A database in WAL mode says so in bytes 18 and 19 of its header
+/// (format versions 2); reading them directly costs one small read, where
+/// asking SQLite would cost a whole locked read transaction.
+fn in_wal(db: &std::path::Path) -> bool {
+    use std::io::Read;
+    let mut header = [0u8; 20];
+    std::fs::File::open(db)
+        .and_then(|mut f| f.read_exact(&mut header))
+        .is_ok_and(|()| header[18] == 2 || header[19] == 2)
 }
 
 /// Under the global lock: the first image lock someone holds, if any.

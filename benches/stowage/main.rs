@@ -46,6 +46,8 @@ usage: cargo bench --bench stowage -- [OPTIONS]   (or: bash scripts/bench [OPTIO
   --images N     images for the scale figures [default: 100000]
   --dir DIR      benchmark on the filesystem of DIR [default: /dev/shm, a tmpfs]
   --out DIR      where results.{json,md,txt} go [default: target/bench]
+  --stowage PATH the stowage binary to measure [default: the one cargo built]
+                 (scripts/bench measures the static build scripts/install makes)
   --only LIST    run only these sections (comma-separated):
                  library, exec, builders, images, slots
 ";
@@ -86,6 +88,13 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
             }
             "--dir" => o.dir = Some(PathBuf::from(value()?)),
             "--out" => o.out = PathBuf::from(value()?),
+            "--stowage" => {
+                let p = PathBuf::from(value()?);
+                if !p.is_file() {
+                    bail!("--stowage: {} is not a file", p.display());
+                }
+                let _ = process::STOWAGE.set(p);
+            }
             "--only" => {
                 let v = value()?;
                 o.only = v.split(',').map(str::to_owned).collect();
@@ -303,6 +312,17 @@ fn machine(dir: &Path, fs: &str) -> serde_json::Map<String, serde_json::Value> {
         )),
     );
     m.insert("flock".into(), json!(first_line("flock", &["--version"])));
+    let bin = process::stowage_bin();
+    let linking = first_line("file", &["-b", &bin.display().to_string()]).map(|f| {
+        if f.contains("static") {
+            "static"
+        } else {
+            "dynamic"
+        }
+        .to_owned()
+    });
+    m.insert("binary".into(), json!(bin.display().to_string()));
+    m.insert("linking".into(), json!(linking));
     m.insert(
         "date".into(),
         json!(stowage::clock::rfc3339(stowage::clock::now_ms())),
@@ -314,9 +334,10 @@ fn summary(r: &Report) -> String {
     let m = &r.meta;
     let s = |k: &str| m.get(k).map(|v| v.to_string().trim_matches('"').to_owned());
     format!(
-        "stowage {} ({}) on {} CPUs ({}), Linux {}, {} at {}; {}; {} images{}",
+        "stowage {} ({}, {} build) on {} CPUs ({}), Linux {}, {} at {}; {}; {} images{}",
         s("stowage").unwrap_or_default(),
         s("commit").unwrap_or_default(),
+        s("linking").unwrap_or_default(),
         s("cpus").unwrap_or_default(),
         s("cpu").unwrap_or_default(),
         s("kernel").unwrap_or_default(),

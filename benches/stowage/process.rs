@@ -11,8 +11,13 @@ use anyhow::{Result, bail};
 
 use crate::stats::ratios;
 
-pub fn stowage_bin() -> &'static str {
-    env!("CARGO_BIN_EXE_stowage")
+/// The binary under test: `--stowage PATH`, else the one cargo built.
+pub static STOWAGE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+pub fn stowage_bin() -> &'static Path {
+    STOWAGE
+        .get()
+        .map_or(Path::new(env!("CARGO_BIN_EXE_stowage")), |p| p.as_path())
 }
 
 /// A command line, run as often as needed with its output discarded.

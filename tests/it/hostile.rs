@@ -392,3 +392,35 @@ fn a_store_shared_by_a_group_is_usable_by_its_members() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     assert_eq!(env.state("derived").as_deref(), Some("ready"));
 }
+
+#[test]
+fn a_database_switched_to_wal_by_an_outside_program_is_switched_back() {
+    // WAL needs shared memory that NFS cannot share: never keep it.
+    let env = Env::new();
+    env.make_image("a");
+    let db = env.root.join("stowage.db");
+    let script = format!(
+        "import sqlite3; c = sqlite3.connect('{}'); print(c.execute('PRAGMA journal_mode=WAL').fetchone()[0]); c.close()",
+        db.display()
+    );
+    let Ok(out) = Command::new("python3").args(["-c", &script]).output() else {
+        eprintln!("skipping: python3 is not available");
+        return;
+    };
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "wal");
+    let header = fs::read(&db).unwrap();
+    assert_eq!(
+        (header[18], header[19]),
+        (2, 2),
+        "the outside program set WAL"
+    );
+    env.ok(["exec", "--read", "a", "--", "true"]);
+    let header = fs::read(&db).unwrap();
+    assert_eq!(
+        (header[18], header[19]),
+        (1, 1),
+        "back to a rollback journal"
+    );
+    assert!(!env.root.join("stowage.db-wal").exists());
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+}

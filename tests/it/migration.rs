@@ -72,7 +72,7 @@ fn migration_waits_for_image_lock_holders() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     assert_eq!(new.finish().status.code(), Some(0));
     assert!(env.sentinel("ran").exists());
-    assert_eq!(schema_version(&env), 2);
+    assert_eq!(schema_version(&env), 3, "migrated to the latest schema");
     assert_eq!(env.state("base").as_deref(), Some("ready"));
     assert_eq!(env.state("fresh").as_deref(), Some("ready"));
 
