@@ -97,6 +97,33 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
 }
 
 #[test]
+fn a_clone_keeps_device_nodes_and_ownership_as_root() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: creating device nodes and giving files away needs root");
+        return;
+    }
+    let env = Env::new();
+    env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir dev && mknod dev/null c 1 3 && chmod 666 dev/null \
+         && echo x > owned && chown 1234:5678 owned",
+    ]);
+    env.ok(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    let node = fs::symlink_metadata(env.root.join("img/copy/dev/null")).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_char_device(
+        &node.file_type()
+    ));
+    assert_eq!(node.rdev(), fs::metadata("/dev/null").unwrap().rdev());
+    let owned = fs::metadata(env.root.join("img/copy/owned")).unwrap();
+    assert_eq!((owned.uid(), owned.gid()), (1234, 5678));
+}
+
+#[test]
 fn from_rules() {
     let env = Env::new();
     env.make_image("base");
