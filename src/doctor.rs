@@ -417,20 +417,7 @@ fn salvage(db: &Path) -> Salvage {
 fn adopt_all(tx: &Tx, dir: &Path, known: &HashMap<String, ImageRow>) -> Result<(usize, usize)> {
     let now = clock::now_ms();
     let (mut n, mut salvaged) = (0, 0);
-    let Ok(entries) = fs::read_dir(dir) else {
-        return Ok((0, 0));
-    };
-    for e in entries.flatten() {
-        if !e.file_type().is_ok_and(|t| t.is_dir()) {
-            continue;
-        }
-        let Some(name) = e
-            .file_name()
-            .to_str()
-            .and_then(|s| ImageName::from_encoded(s).ok())
-        else {
-            continue;
-        };
+    for (name, tree) in crate::root::image_trees(dir) {
         if tx.image(name.as_str())?.is_some() {
             continue;
         }
@@ -439,7 +426,7 @@ fn adopt_all(tx: &Tx, dir: &Path, known: &HashMap<String, ImageRow>) -> Result<(
                 salvaged += 1;
                 r.clone()
             }
-            None => new_row(&name, &e.path(), now),
+            None => new_row(&name, &tree, now),
         };
         tx.insert_image(&row)?;
         n += 1;
@@ -655,26 +642,14 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
             found.incomplete.push(r.name.clone());
         }
     }
-    if let Ok(entries) = fs::read_dir(&images_dir) {
-        let now = clock::now_ms();
-        for e in entries.flatten() {
-            if !e.file_type().is_ok_and(|t| t.is_dir()) {
-                continue;
-            }
-            let Some(name) = e
-                .file_name()
-                .to_str()
-                .and_then(|s| ImageName::from_encoded(s).ok())
-            else {
-                continue;
-            };
-            if known.contains(name.as_str()) {
-                continue;
-            }
-            found.orphan_trees.push(name.as_str().to_owned());
-            if repair {
-                tx.insert_image(&new_row(&name, &e.path(), now))?;
-            }
+    let now = clock::now_ms();
+    for (name, tree) in crate::root::image_trees(&images_dir) {
+        if known.contains(name.as_str()) {
+            continue;
+        }
+        found.orphan_trees.push(name.as_str().to_owned());
+        if repair {
+            tx.insert_image(&new_row(&name, &tree, now))?;
         }
     }
     Ok(found)

@@ -300,8 +300,31 @@ fn view_of(entries: &[Entry]) -> LockView {
     }
 }
 
+/// Reads /proc/locks. The kernel produces it a page at a time, and entries
+/// that move while it is read can be skipped or repeated. So it is read
+/// until two reads agree (at most four times), everything seen is kept, and
+/// repeated entries are folded: a lock held throughout is all but certain to
+/// be seen, and one released meanwhile may still show — the safe side, since
+/// only a "free" leads anyone to drop records or mark images.
 fn read_table() -> io::Result<HashMap<(u64, u64), Vec<Entry>>> {
-    Ok(parse_table(&fs::read_to_string("/proc/locks")?))
+    let mut table: HashMap<(u64, u64), Vec<Entry>> = HashMap::new();
+    let mut previous: Option<String> = None;
+    for _ in 0..4 {
+        let text = fs::read_to_string("/proc/locks")?;
+        for (key, entries) in parse_table(&text) {
+            let all = table.entry(key).or_default();
+            for e in entries {
+                if !all.contains(&e) {
+                    all.push(e);
+                }
+            }
+        }
+        if previous.as_deref() == Some(text.as_str()) {
+            break;
+        }
+        previous = Some(text);
+    }
+    Ok(table)
 }
 
 /// Parses /proc/locks, keeping flock(2) entries:
@@ -342,10 +365,11 @@ fn parse_table(text: &str) -> HashMap<(u64, u64), Vec<Entry>> {
             continue;
         };
         let pid = pid.parse::<i64>().ok().filter(|p| *p > 0).map(|p| p as u32);
-        table
-            .entry((libc::makedev(maj, min), ino))
-            .or_default()
-            .push(Entry { pid, mode, blocked });
+        let entries = table.entry((libc::makedev(maj, min), ino)).or_default();
+        let e = Entry { pid, mode, blocked };
+        if !entries.contains(&e) {
+            entries.push(e);
+        }
     }
     table
 }

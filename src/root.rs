@@ -180,6 +180,22 @@ impl Root {
     }
 }
 
+/// The image trees in an images directory: its subdirectories whose names
+/// decode to valid image names (symlinks and other entries are not trees).
+pub fn image_trees(dir: &Path) -> Vec<(ImageName, PathBuf)> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| {
+            let name = ImageName::from_encoded(e.file_name().to_str()?).ok()?;
+            Some((name, e.path()))
+        })
+        .collect()
+}
+
 /// Who a root is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sharing {

@@ -399,12 +399,7 @@ pub(crate) fn acquire_image(
         Err(e) => e,
     };
     if let Some(id) = waiter {
-        // Best effort: if this fails, the record is judged stale later
-        // (its process is gone).
-        let _ = store.begin_cleanup().and_then(|(tx, _)| {
-            tx.delete_record(id)?;
-            tx.commit()
-        });
+        store.forget_record(id);
     }
     Err(failure)
 }

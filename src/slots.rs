@@ -291,10 +291,7 @@ pub(crate) fn acquire_unrecorded(
             Err(e) => e,
         };
     if let Some(id) = waiter {
-        let _ = store.begin_cleanup().and_then(|(tx, _)| {
-            tx.delete_record(id)?;
-            tx.commit()
-        });
+        store.forget_record(id);
     }
     Err(failure)
 }

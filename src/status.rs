@@ -319,15 +319,7 @@ pub fn sweep(
         let (holders, waiters) = judge(tx, ctx, kv, &view, &records)?;
         reports.insert(
             name.clone(),
-            LockReport {
-                kind: LockKind::Image,
-                name,
-                state: settle(view.state),
-                holders,
-                waiters,
-                image_state: None,
-                slot: None,
-            },
+            LockReport::image(name, &view, holders, waiters),
         );
     }
     // Records of removed slot classes (or of kinds nobody records any more)
@@ -477,6 +469,23 @@ pub fn state_str(p: Probe) -> &'static str {
 }
 
 impl LockReport {
+    fn image(
+        name: String,
+        view: &LockView,
+        holders: Vec<Party>,
+        waiters: Vec<Party>,
+    ) -> LockReport {
+        LockReport {
+            kind: LockKind::Image,
+            name,
+            state: settle(view.state),
+            holders,
+            waiters,
+            image_state: None,
+            slot: None,
+        }
+    }
+
     pub fn to_json(&self) -> LockJson {
         LockJson {
             kind: self.kind.as_str(),
@@ -526,15 +535,7 @@ pub fn gather(
             }
             reports.insert(
                 name.clone(),
-                LockReport {
-                    kind: LockKind::Image,
-                    name,
-                    state: settle(view.state),
-                    holders,
-                    waiters,
-                    image_state: None,
-                    slot: None,
-                },
+                LockReport::image(name, &view, holders, waiters),
             );
         }
         let extra: Vec<String> = if sel.all {
@@ -549,19 +550,15 @@ pub fn gather(
             let Ok(n) = ImageName::parse(&name) else {
                 continue;
             };
+            // An image asked for by name gets a table's "free" confirmed
+            // (a probe); --all trusts the table, as probing every image
+            // would take every lock in turn.
             let view = kv.view(&ctx.root.image_lock(&n))?;
+            let view = if sel.all { view } else { view.confirmed() };
             let (holders, waiters) = judge(tx, ctx, &kv, &view, &[])?;
             reports.insert(
                 name.clone(),
-                LockReport {
-                    kind: LockKind::Image,
-                    name,
-                    state: settle(view.state),
-                    holders,
-                    waiters,
-                    image_state: None,
-                    slot: None,
-                },
+                LockReport::image(name, &view, holders, waiters),
             );
         }
         // Without --all or names, only held or awaited locks are shown.

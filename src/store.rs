@@ -332,6 +332,15 @@ impl Store {
         }
     }
 
+    /// Deletes a record, best effort, even after a termination signal: if
+    /// this fails the record is judged stale later (its process is gone).
+    pub fn forget_record(&mut self, id: i64) {
+        let _ = self.begin_cleanup().and_then(|(tx, _)| {
+            tx.delete_record(id)?;
+            tx.commit()
+        });
+    }
+
     /// Takes the global lock alone, without touching the database (doctor
     /// inspects a possibly damaged database under it).
     pub fn global(&self) -> Result<lock::Guard> {

@@ -124,6 +124,27 @@ impl Env {
         ]
     }
 
+    /// Starts `stowage exec LOCKS... -- CMD` in the background, where CMD
+    /// creates sentinel `started` and waits (bounded) for sentinel
+    /// `release`; returns once CMD runs, so the locks are held.
+    pub fn hold(&self, locks: &[&str], started: &str) -> Bg {
+        let mut args: Vec<String> = vec!["exec".into()];
+        args.extend(locks.iter().map(|s| s.to_string()));
+        args.push("--".into());
+        args.extend(self.hold_cmd(started, "release"));
+        let bg = self.spawn(&args);
+        wait_for_file(&self.sentinel(started));
+        bg
+    }
+
+    /// Waits (bounded) until lock-status shows a waiter on `image`.
+    pub fn wait_for_waiter(&self, image: &str) {
+        wait_until(&format!("a waiter on '{image}' is recorded"), || {
+            self.lock_entry(image)
+                .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+        });
+    }
+
     pub fn release(&self, release: &str) {
         fs::write(self.sentinel(release), "").unwrap();
     }

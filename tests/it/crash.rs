@@ -134,10 +134,7 @@ fn sigkill_of_a_waiter_leaves_no_waiter_record() {
     let holder = env.spawn(holder_args(&env, "app", &[]));
     wait_for_file(&env.sentinel("started"));
     let waiter = env.spawn(["exec", "--read", "app", "--", "true"]);
-    wait_until("the waiter is recorded", || {
-        env.lock_entry("app")
-            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
-    });
+    env.wait_for_waiter("app");
     waiter.kill_all();
     let entry = env.lock_entry("app").unwrap();
     assert!(

@@ -150,15 +150,7 @@ fn command_inherits_image_locks_but_nothing_else() {
 fn bounded_wait_gives_75_naming_the_holder() {
     let env = Env::new();
     env.make_image("app");
-    let mut args = vec![
-        "exec".to_string(),
-        "--write".into(),
-        "app".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let holder = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let holder = env.hold(&["--write", "app"], "started");
 
     let t0 = Instant::now();
     let out = env.run([
@@ -229,15 +221,7 @@ fn bounded_wait_gives_75_naming_the_holder() {
 #[test]
 fn waiter_gets_the_lock_when_the_holder_finishes() {
     let env = Env::new();
-    let mut args = vec![
-        "exec".to_string(),
-        "--write".into(),
-        "app".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let holder = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let holder = env.hold(&["--write", "app"], "started");
     let waiter = env.spawn([
         "exec",
         "--read",
@@ -246,10 +230,7 @@ fn waiter_gets_the_lock_when_the_holder_finishes() {
         "touch",
         env.sentinel("read").to_str().unwrap(),
     ]);
-    wait_until("the waiter is recorded", || {
-        env.lock_entry("app")
-            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
-    });
+    env.wait_for_waiter("app");
     assert!(
         !env.sentinel("read").exists(),
         "the reader must wait for the writer"
@@ -278,15 +259,7 @@ fn sigterm_is_forwarded_and_gives_143() {
 #[test]
 fn signal_while_waiting_exits_without_running_the_command() {
     let env = Env::new();
-    let mut args = vec![
-        "exec".to_string(),
-        "--write".into(),
-        "app".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let holder = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let holder = env.hold(&["--write", "app"], "started");
     let ran = env.sentinel("ran");
     let waiter = env.spawn([
         "exec",
@@ -298,10 +271,7 @@ fn signal_while_waiting_exits_without_running_the_command() {
         "touch",
         ran.to_str().unwrap(),
     ]);
-    wait_until("the waiter is recorded", || {
-        env.lock_entry("app")
-            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
-    });
+    env.wait_for_waiter("app");
     waiter.signal(libc::SIGINT);
     let out = waiter.finish();
     assert_eq!(out.status.code(), Some(130), "{}", show(&out));
@@ -373,20 +343,9 @@ fn bad_arguments_exit_64() {
 #[test]
 fn waiting_for_an_image_burns_no_cpu() {
     let env = Env::new();
-    let mut args = vec![
-        "exec".to_string(),
-        "--write".into(),
-        "app".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let holder = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let holder = env.hold(&["--write", "app"], "started");
     let waiter = env.spawn(["exec", "--read", "app", "--wait", "600", "--", "true"]);
-    wait_until("the waiter is recorded", || {
-        env.lock_entry("app")
-            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
-    });
+    env.wait_for_waiter("app");
     let before = cpu_ticks(waiter.pid());
     std::thread::sleep(Duration::from_secs(2)); // the measurement window
     let used = cpu_ticks(waiter.pid()) - before;
@@ -412,15 +371,7 @@ fn an_ignored_sighup_stays_ignored() {
     // nohup (SIGHUP ignored): a hangup must neither stop the wait nor the command.
     let env = Env::new();
     env.make_image("app");
-    let mut args = vec![
-        "exec".to_string(),
-        "--write".into(),
-        "app".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let holder = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let holder = env.hold(&["--write", "app"], "started");
     let ran = env.sentinel("ran");
     let mut c = std::process::Command::new("nohup");
     c.arg(bin())
@@ -429,10 +380,7 @@ fn an_ignored_sighup_stays_ignored() {
         .args(["exec", "--read", "app", "--", "touch"])
         .arg(&ran);
     let waiter = Bg::from_command(c);
-    wait_until("the waiter is recorded", || {
-        env.lock_entry("app")
-            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
-    });
+    env.wait_for_waiter("app");
     waiter.signal(libc::SIGHUP);
     env.release("release");
     holder.finish();

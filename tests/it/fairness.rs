@@ -68,15 +68,7 @@ fn a_writer_gets_in_despite_a_stream_of_readers() {
 fn a_waiting_writer_shows_in_lock_status_and_holds_back_new_readers() {
     let env = Env::new();
     env.make_image("base");
-    let mut args = vec![
-        "exec".to_string(),
-        "--read".into(),
-        "base".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let reader = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let reader = env.hold(&["--read", "base"], "started");
     let writer = env.spawn(["exec", "--write", "base", "--", "true"]);
     wait_until("the writer is recorded as waiting", || {
         env.lock_entry("base").is_some_and(|e| {

@@ -342,15 +342,7 @@ fn rm_of_a_locked_image_gives_75_and_keeps_it() {
     let env = Env::new();
     env.make_image("app");
     env.make_image("free");
-    let mut args = vec![
-        "exec".to_string(),
-        "--read".into(),
-        "app".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let reader = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let reader = env.hold(&["--read", "app"], "started");
     let out = env.run(["rm", "--no-wait", "free", "app"]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     let out = env.run(["rm", "--wait", "0.3", "app"]);
@@ -545,15 +537,7 @@ fn gc_removes_incomplete_and_unused_images() {
     let env = lru_store();
     env.run(["exec", "--write", "broken", "--", "false"]);
     // A writer that died: found and removed too.
-    let mut args = vec![
-        "exec".to_string(),
-        "--write".into(),
-        "dead".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let bg = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let bg = env.hold(&["--write", "dead"], "started");
     bg.kill_all();
     // "Now" is Jan 10: a..d were last used Jan 1..4.
     let report = gc_json(&env, &["--unused-for", "7d"], "2026-01-10T00:00:00Z");

@@ -15,20 +15,9 @@ fn is_rfc3339_utc(v: &Value) -> bool {
 fn holder_and_waiter_with_every_field() {
     let env = Env::new();
     env.make_image("alpine:3.17");
-    let mut args = vec![
-        "exec".to_string(),
-        "--read".into(),
-        "alpine:3.17".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let holder = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let holder = env.hold(&["--read", "alpine:3.17"], "started");
     let waiter = env.spawn(["exec", "--write", "alpine:3.17", "--", "true"]);
-    wait_until("the waiter is recorded", || {
-        env.lock_entry("alpine:3.17")
-            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
-    });
+    env.wait_for_waiter("alpine:3.17");
 
     let st = env.status_json(Vec::<String>::new());
     assert_eq!(st["root"], env.root.display().to_string());

@@ -356,17 +356,7 @@ fn unknown_classes_and_bad_settings_are_usage_errors() {
 fn slots_compose_with_image_locks() {
     let env = Env::new();
     env.ok(["slots", "set", "pull", "1"]);
-    let mut args = vec![
-        "exec".to_string(),
-        "--slot".into(),
-        "pull".into(),
-        "--write".into(),
-        "alpine".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let a = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let a = env.hold(&["--slot", "pull", "--write", "alpine"], "started");
     let entry = env.lock_entry("alpine").unwrap();
     assert_eq!(entry["state"], "exclusive");
     // The slot is busy, so a second pull of another image waits for the slot.
