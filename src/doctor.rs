@@ -14,7 +14,7 @@
 //! schema migrated — and a damaged database is moved aside (never deleted)
 //! and rebuilt from the images directory, so no image is lost.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -141,30 +141,23 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     let _ = fs::remove_file(&probe);
 
     // NFS mounted with locks local to each client.
-    if let Some(m) = kernel::mount_of(root.dir()) {
-        let local_only: Vec<&String> = m
-            .options
-            .iter()
-            .filter(|o| *o == "nolock" || *o == "local_lock=flock" || *o == "local_lock=all")
-            .collect();
-        if m.fstype.starts_with("nfs") && !local_only.is_empty() {
-            report.locking = false;
-            report.add(
-                "mount",
-                Status::Problem,
-                format!(
-                    "{} is NFS mounted with {}: locks are local to each client, so builds on different hosts do not exclude each other; remount without it",
-                    m.mount_point.display(),
-                    local_only.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",")
-                ),
-            );
-        } else {
-            report.add(
-                "mount",
-                Status::Ok,
-                format!("{} ({}) on {}", m.mount_point.display(), m.fstype, m.source),
-            );
-        }
+    if let Some((m, bad)) = kernel::local_only_nfs(root.dir()) {
+        report.locking = false;
+        report.add(
+            "mount",
+            Status::Problem,
+            format!(
+                "{} is NFS mounted with {}: locks are local to each client, so builds on different hosts do not exclude each other; remount without it",
+                m.mount_point.display(),
+                bad.join(",")
+            ),
+        );
+    } else if let Some(m) = kernel::mount_of(root.dir()) {
+        report.add(
+            "mount",
+            Status::Ok,
+            format!("{} ({}) on {}", m.mount_point.display(), m.fstype, m.source),
+        );
     }
     if !report.locking {
         report.healthy = false;
@@ -415,46 +408,19 @@ fn salvage(db: &Path) -> Salvage {
 /// else `ready` for a non-empty tree (as `init` adopts) and `incomplete` for
 /// an empty one. Returns (images, of which salvaged).
 fn adopt_all(tx: &Tx, dir: &Path, known: &HashMap<String, ImageRow>) -> Result<(usize, usize)> {
-    let now = clock::now_ms();
-    let (mut n, mut salvaged) = (0, 0);
-    for (name, tree) in crate::root::image_trees(dir) {
-        if tx.image(name.as_str())?.is_some() {
-            continue;
-        }
+    let found = crate::adopt::orphans(tx, dir)?;
+    let mut salvaged = 0;
+    for (name, tree) in &found.trees {
         let row = match known.get(name.as_str()) {
             Some(r) => {
                 salvaged += 1;
                 r.clone()
             }
-            None => new_row(&name, &tree, now),
+            None => crate::adopt::row_for(name, tree, crate::adopt::Adopt::ByContent),
         };
         tx.insert_image(&row)?;
-        n += 1;
     }
-    Ok((n, salvaged))
-}
-
-fn new_row(name: &ImageName, tree: &Path, now: clock::Millis) -> ImageRow {
-    let empty = fs::read_dir(tree)
-        .map(|mut d| d.next().is_none())
-        .unwrap_or(true);
-    let created = fs::metadata(tree)
-        .ok()
-        .and_then(|m| m.modified().ok())
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(now, |d| d.as_millis() as i64);
-    ImageRow {
-        name: name.as_str().to_owned(),
-        state: if empty {
-            ImageState::Incomplete
-        } else {
-            ImageState::Ready
-        },
-        base: None,
-        created,
-        last_used: created,
-        size_bytes: None,
-    }
+    Ok((found.trees.len(), salvaged))
 }
 
 /// Records, rows and trees, leftovers.
@@ -616,7 +582,6 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
         .collect();
 
     let images_dir = tx.images_dir(&ctx.root)?;
-    let known: HashSet<&str> = rows.iter().map(|r| r.name.as_str()).collect();
     for r in &rows {
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
@@ -642,14 +607,14 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
             found.incomplete.push(r.name.clone());
         }
     }
-    let now = clock::now_ms();
-    for (name, tree) in crate::root::image_trees(&images_dir) {
-        if known.contains(name.as_str()) {
-            continue;
-        }
+    for (name, tree) in crate::adopt::orphans(tx, &images_dir)?.trees {
         found.orphan_trees.push(name.as_str().to_owned());
         if repair {
-            tx.insert_image(&new_row(&name, &tree, now))?;
+            tx.insert_image(&crate::adopt::row_for(
+                &name,
+                &tree,
+                crate::adopt::Adopt::ByContent,
+            ))?;
         }
     }
     Ok(found)

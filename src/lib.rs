@@ -40,6 +40,7 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+pub mod adopt;
 pub mod cli;
 pub mod clock;
 pub mod clone;

@@ -180,20 +180,22 @@ impl Root {
     }
 }
 
-/// The image trees in an images directory: its subdirectories whose names
-/// decode to valid image names (symlinks and other entries are not trees).
-pub fn image_trees(dir: &Path) -> Vec<(ImageName, PathBuf)> {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-        .filter_map(|e| {
-            let name = ImageName::from_encoded(e.file_name().to_str()?).ok()?;
-            Some((name, e.path()))
-        })
-        .collect()
+impl Root {
+    /// Refuses a root whose locks would not exclude other hosts: NFS
+    /// mounted with `nolock` or `local_lock=flock|all`. (`doctor` reports it
+    /// instead of refusing.)
+    pub fn check_locking(&self) -> Result<()> {
+        if let Some((mount, bad)) = crate::kernel::local_only_nfs(&self.dir) {
+            return Err(crate::Error::UnsafeLocking(format!(
+                "root {} is on NFS mounted with {} ({}): locks stay local to each client, so builds on other hosts would not be excluded; remount without it (see 'stowage doctor')",
+                self.dir.display(),
+                bad.join(","),
+                mount.mount_point.display()
+            ))
+            .into());
+        }
+        Ok(())
+    }
 }
 
 /// Who a root is for.

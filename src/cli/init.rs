@@ -4,9 +4,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 
-use crate::clock;
-use crate::meta::{ImageRow, ImageState};
-use crate::name::ImageName;
 use crate::root::make_dir;
 use crate::store::Store;
 
@@ -28,6 +25,15 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         ),
         None => None,
     };
+    if let Some(dir) = &wanted
+        && store.root().dir().starts_with(dir)
+    {
+        bail!(
+            "images directory {} contains the root {}: its trees and stowage's own files would mix",
+            dir.display(),
+            store.root().dir().display()
+        );
+    }
     if let Some(dir) = &wanted
         && dir.starts_with(store.root().dir())
         && *dir != store.root().default_images_dir()
@@ -51,6 +57,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                     current.display(),
                     dir.display()
                 );
+            }
+            // Its parent must exist: a mistyped path should not grow a tree.
+            if !dir.is_dir() {
+                std::fs::create_dir(dir).with_context(|| {
+                    format!("cannot create images directory {} (does its parent exist?)", dir.display())
+                })?;
             }
             make_dir(dir)?;
             tx.set_config("images_dir", &dir.display().to_string())?;
@@ -84,58 +96,15 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     Ok(0)
 }
 
-/// Inserts a `ready` row for every image directory without one. Entries
-/// that are not directories, or whose names do not decode to valid image
-/// names, are reported and left alone.
+/// Inserts a row for every image tree without one (see `adopt.rs`).
 fn adopt(tx: &crate::meta::Tx, dir: &std::path::Path) -> Result<(usize, Vec<(String, String)>)> {
-    let now = clock::now_ms();
-    let known: std::collections::HashSet<String> =
-        tx.images()?.into_iter().map(|r| r.name).collect();
-    let mut adopted = 0;
-    let mut skipped = Vec::new();
-    let entries = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot list images directory {}", dir.display()))?;
-    for entry in entries {
-        let entry =
-            entry.with_context(|| format!("cannot list images directory {}", dir.display()))?;
-        let raw = entry.file_name();
-        let Some(enc) = raw.to_str() else {
-            skipped.push((
-                raw.to_string_lossy().into_owned(),
-                "the name is not valid UTF-8".into(),
-            ));
-            continue;
-        };
-        let ft = entry.file_type()?;
-        if !ft.is_dir() {
-            // Not an image tree; a symlink is never followed.
-            continue;
-        }
-        let name = match ImageName::from_encoded(enc) {
-            Ok(n) => n,
-            Err(e) => {
-                skipped.push((enc.to_owned(), e.rule.to_string()));
-                continue;
-            }
-        };
-        if known.contains(name.as_str()) {
-            continue;
-        }
-        let created = entry
-            .metadata()
-            .ok()
-            .and_then(|m| m.modified().ok())
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(now, |d| d.as_millis() as i64);
-        tx.insert_image(&ImageRow {
-            name: name.as_str().to_owned(),
-            state: ImageState::Ready,
-            base: None,
-            created,
-            last_used: created,
-            size_bytes: None,
-        })?;
-        adopted += 1;
+    let found = crate::adopt::orphans(tx, dir)?;
+    for (name, tree) in &found.trees {
+        tx.insert_image(&crate::adopt::row_for(
+            name,
+            tree,
+            crate::adopt::Adopt::AsReady,
+        ))?;
     }
-    Ok((adopted, skipped))
+    Ok((found.trees.len(), found.skipped))
 }

@@ -25,6 +25,10 @@ fn adopts_charliecloud_named_directories() {
     fs::create_dir_all(img.join("alpine+3.17/bin")).unwrap();
     fs::write(img.join("alpine+3.17/bin/sh"), "x").unwrap();
     fs::create_dir_all(img.join("team%app+v1")).unwrap();
+    fs::write(img.join("team%app+v1/file"), "x").unwrap();
+    // init takes what is there as ready, empty or not (a repair is more
+    // careful: see lifecycle::doctor_finds_and_repairs_inconsistencies).
+    fs::create_dir_all(img.join("empty")).unwrap();
     fs::create_dir_all(img.join("bad name")).unwrap();
     fs::write(img.join("notes.txt"), "not an image").unwrap();
 
@@ -39,8 +43,9 @@ fn adopts_charliecloud_named_directories() {
         .iter()
         .map(|i| i["name"].as_str().unwrap().to_owned())
         .collect();
-    assert_eq!(names, ["alpine:3.17", "team/app:v1"]);
+    assert_eq!(names, ["alpine:3.17", "empty", "team/app:v1"]);
     assert_eq!(env.state("alpine:3.17").as_deref(), Some("ready"));
+    assert_eq!(env.state("empty").as_deref(), Some("ready"));
     // Adopted images are usable at once, and sized on first listing.
     env.ok([
         "exec",
@@ -59,7 +64,7 @@ fn adopts_charliecloud_named_directories() {
     );
     // Adoption again finds nothing new.
     env.ok(["init"]);
-    assert_eq!(env.images_json().len(), 2);
+    assert_eq!(env.images_json().len(), 3);
 }
 
 #[test]
@@ -67,7 +72,7 @@ fn an_outside_images_directory_gets_nothing_of_stowages_own() {
     let env = Env::new();
     let storage = env.tmp.path().join("ch");
     let img = storage.join("img");
-    fs::create_dir_all(img.join("alpine+3.17")).unwrap();
+    fs::create_dir_all(img.join("alpine+3.17/bin")).unwrap();
     fs::write(storage.join("version"), "7\n").unwrap();
     let img_arg = img.display().to_string();
     let before_storage = fs::read_dir(&storage).unwrap().count();
@@ -119,4 +124,33 @@ fn an_outside_images_directory_gets_nothing_of_stowages_own() {
     let out = env.run(["init", "--images-dir", other.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert!(stderr(&out).contains("refusing"), "{}", stderr(&out));
+}
+
+#[test]
+fn an_images_directory_must_not_contain_the_root_nor_grow_missing_parents() {
+    let env = Env::new();
+    let before = tree(env.tmp.path());
+    let out = env.run(["init", "--images-dir", env.tmp.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("contains the root"),
+        "{}",
+        stderr(&out)
+    );
+    let typo = env.tmp.path().join("typo/deep/img");
+    let out = env.run(["init", "--images-dir", typo.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        !env.tmp.path().join("typo").exists(),
+        "no missing parent created"
+    );
+    let after: Vec<String> = tree(env.tmp.path())
+        .into_iter()
+        .filter(|p| !p.starts_with("root"))
+        .collect();
+    let before: Vec<String> = before
+        .into_iter()
+        .filter(|p| !p.starts_with("root"))
+        .collect();
+    assert_eq!(after, before, "nothing created beside the root");
 }
