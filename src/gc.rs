@@ -138,7 +138,12 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // 2. Incomplete images, 3. unused ones, 4. least recently used — in
     // that order, each phase oldest first.
     let now = clock::now_ms();
-    let cutoff = policy.unused_for.map(|d| now - d.as_millis() as Millis);
+    // Saturating: a duration longer than history (1000000000y) means "no
+    // image is that old", not a wrapped-around cutoff in the future.
+    let cutoff = policy.unused_for.map(|d| {
+        let ms = Millis::try_from(d.as_millis()).unwrap_or(Millis::MAX);
+        now.saturating_sub(ms)
+    });
     rows.sort_by(|a, b| {
         a.last_used
             .cmp(&b.last_used)
@@ -210,7 +215,7 @@ fn collect(
         }
     };
     // Under the lock, the reason must still hold.
-    let current = store.with_tx(None, |tx, _| tx.image(name.as_str()))?;
+    let current = store.with_tx_locked(None, |tx, _| tx.image(name.as_str()))?;
     let still = match (&current, reason) {
         (None, _) => false,
         // Holding the lock, a creating/writing image has lost its writer

@@ -53,7 +53,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     // in its place is refused here, not half-way through).
     crate::root::make_dir(&store.root().trash())?;
     // 1. Mark.
-    let (images_dir, rows) = store.with_tx(None, |tx, ctx| {
+    let (images_dir, rows) = store.with_tx_locked(None, |tx, ctx| {
         let mut rows = Vec::with_capacity(held.len());
         for (name, _) in &held {
             match tx.image(name.as_str())? {
@@ -88,7 +88,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     debug::pause("rm-moved");
 
     // 3. Drop the rows; 4. the lock files.
-    store.with_tx(None, |tx, _| {
+    store.with_tx_locked(None, |tx, _| {
         for (name, _) in &held {
             tx.delete_image(name.as_str())?;
         }
@@ -268,7 +268,8 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
             if let Ok(Some(guard)) = lock::try_lock(&e.path(), Mode::Exclusive, false) {
                 // Re-check under the lock: the image may have been created
                 // (and finished) since we listed the rows.
-                let exists = store.with_tx(None, |tx, _| Ok(tx.image(n.as_str())?.is_some()))?;
+                let exists =
+                    store.with_tx_locked(None, |tx, _| Ok(tx.image(n.as_str())?.is_some()))?;
                 if exists {
                     continue;
                 }

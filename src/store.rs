@@ -250,6 +250,22 @@ impl Store {
         }
     }
 
+    /// Runs `f` in one transaction and commits, for a caller that holds
+    /// image locks: it never migrates (a migration waits until no image
+    /// lock is held — the caller's included — so it would wait for itself).
+    /// Such callers bring the schema up to date before taking locks; a
+    /// schema found behind anyway is an error, not a hang.
+    pub fn with_tx_locked<T>(
+        &mut self,
+        deadline: Option<Instant>,
+        f: impl FnOnce(&Tx, &Ctx) -> Result<T>,
+    ) -> Result<T> {
+        let (tx, ctx) = self.begin(deadline)?;
+        let out = f(&tx, ctx)?;
+        tx.commit()?;
+        Ok(out)
+    }
+
     /// Brings the schema up to date: a store-wide operation.
     pub fn migrate(&mut self, deadline: Option<Instant>) -> Result<()> {
         let db = self.ctx.root.db();

@@ -42,6 +42,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             .collect::<Vec<_>>()
             .join(" ")
     );
+    // The schema is brought up to date before any lock is taken: migrating
+    // waits until nobody holds an image lock, and we are about to.
+    store.with_tx(deadline, |_, _| Ok(()))?;
     // All locks first, so that either every image goes or none does.
     let mut held = Vec::with_capacity(names.len());
     for name in &names {
@@ -54,7 +57,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         };
         let (guard, waiter) = acquire_image(store, name, &want)?;
         if let Some(id) = waiter {
-            store.with_tx(None, |tx, _| tx.delete_record(id))?;
+            store.with_tx_locked(None, |tx, _| tx.delete_record(id))?;
         }
         held.push((name.clone(), guard));
     }

@@ -87,3 +87,17 @@ fn migration_waits_for_image_lock_holders() {
         stderr(&out)
     );
 }
+
+#[test]
+fn rm_as_the_first_command_after_an_upgrade_migrates_first() {
+    // rm takes its image locks itself; migrating while holding them would
+    // wait for itself forever.
+    let env = Env::new();
+    let mut c = env.cmd(["exec", "--write", "old", "--", "true"]);
+    c.env(OLD.0, OLD.1);
+    assert_eq!(output(c).status.code(), Some(0));
+    let out = env.run(["rm", "old"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(schema_version(&env), 3);
+    assert_eq!(env.state("old"), None);
+}
