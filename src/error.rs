@@ -46,12 +46,16 @@ pub enum Error {
         cause: io::Error,
     },
 
+    /// Locks work here, but would not exclude other hosts (exit 69).
+    #[error("{0}")]
+    UnsafeLocking(String),
+
     /// A lock was not acquired in time (exit 75, or --conflict-exit-code).
     #[error("{0}")]
     Busy(Busy),
 
     /// A termination signal arrived before the command started.
-    #[error("interrupted by signal {0} while waiting")]
+    #[error("interrupted by signal {0} before the command started")]
     Interrupted(i32),
 }
 
@@ -86,7 +90,7 @@ impl Error {
         match self {
             Error::Usage(_) | Error::InvalidName(_) => code::USAGE,
             Error::NoSuchImage(_) | Error::NotReady { .. } => code::NO_INPUT,
-            Error::LockingUnavailable { .. } => code::UNAVAILABLE,
+            Error::LockingUnavailable { .. } | Error::UnsafeLocking(_) => code::UNAVAILABLE,
             Error::Busy(_) => code::TEMPFAIL,
             Error::Interrupted(sig) => 128u8.saturating_add(*sig as u8),
         }

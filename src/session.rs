@@ -192,11 +192,6 @@ impl Session {
             .try_for_each(|h| h.guard.set_inheritable(inherit))
     }
 
-    /// The slot file held, if any.
-    pub fn slot_file(&self) -> Option<&Path> {
-        self.slot.as_ref().map(|s| s.slot_file())
-    }
-
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
     }
@@ -538,8 +533,15 @@ fn start(
     }
     if let Some(err) = refusal {
         // Keep what was learned (stale records, dead writers, our waiter
-        // records gone), claim nothing.
+        // records gone), claim nothing — and leave nothing: the lock file of
+        // an image this exec would have created goes again (we hold it
+        // exclusively, as the unlink rule requires).
         tx.commit()?;
+        for (h, row) in held.iter().zip(&rows) {
+            if h.mode == Mode::Exclusive && row.is_none() {
+                let _ = std::fs::remove_file(h.guard.path());
+            }
+        }
         return Err(err.into());
     }
 
@@ -548,24 +550,39 @@ fn start(
         Some(s) => Some(tx.insert_record(&s.holder_record(ctx, &req.command))?),
         None => None,
     };
-    let mut records = Vec::with_capacity(held.len());
-    for (h, row) in held.iter_mut().zip(rows) {
-        match h.mode {
-            Mode::Shared => tx.touch(h.name.as_str(), now)?,
-            Mode::Exclusive => {
-                h.prev = row.as_ref().map(|r| r.state);
-                prepare_write(&tx, ctx, &images_dir, &h.name, row, req, now)?;
+    // Directories made here are not part of the transaction: if it does not
+    // commit, they go again (a directory without a row would later be
+    // adopted).
+    let mut made = Vec::new();
+    let claimed = (|| -> Result<Vec<i64>> {
+        let mut records = Vec::with_capacity(held.len());
+        for (h, row) in held.iter_mut().zip(rows) {
+            match h.mode {
+                Mode::Shared => tx.touch(h.name.as_str(), now)?,
+                Mode::Exclusive => {
+                    h.prev = row.as_ref().map(|r| r.state);
+                    prepare_write(&tx, ctx, &images_dir, &h.name, row, req, now, &mut made)?;
+                }
             }
+            records.push(tx.insert_record(&record(
+                ctx,
+                &h.name,
+                h.mode,
+                Role::Holder,
+                &req.command,
+            ))?);
         }
-        records.push(tx.insert_record(&record(
-            ctx,
-            &h.name,
-            h.mode,
-            Role::Holder,
-            &req.command,
-        ))?);
-    }
-    tx.commit()?;
+        Ok(records)
+    })();
+    let records = match claimed.and_then(|records| tx.commit().map(|()| records)) {
+        Ok(records) => records,
+        Err(e) => {
+            for dir in &made {
+                let _ = std::fs::remove_dir(dir);
+            }
+            return Err(e);
+        }
+    };
     if let (Some(s), Some(id)) = (slot, slot_id) {
         s.waiter = None;
         s.set_record(id);
@@ -573,6 +590,7 @@ fn start(
     Ok((images_dir, records))
 }
 
+#[allow(clippy::too_many_arguments)] // one call site; the pieces are the start transaction's
 fn prepare_write(
     tx: &Tx,
     ctx: &Ctx,
@@ -581,6 +599,7 @@ fn prepare_write(
     row: Option<ImageRow>,
     req: &Request,
     now: clock::Millis,
+    made: &mut Vec<PathBuf>,
 ) -> Result<()> {
     let dir = images_dir.join(name.encoded());
     let exists = match std::fs::symlink_metadata(&dir) {
@@ -611,6 +630,7 @@ fn prepare_write(
         }
         std::fs::create_dir(&dir)
             .with_context(|| format!("cannot create image directory {}", dir.display()))?;
+        made.push(dir.clone());
     }
     let base = req.base.as_ref().map(|b| b.as_str().to_owned());
     match row {

@@ -174,15 +174,25 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             pid
         }
     });
+    // If the command never starts, the start is undone — unless a copy
+    // from the base already changed the image: then it is incomplete, like
+    // any write that did not finish.
+    let undo = |session: Session, store: &mut Store| {
+        if from.is_some() {
+            session.finish(store, Outcome::Failure)
+        } else {
+            session.abandon(store)
+        }
+    };
     let pid = match started {
         Ok(Ok(pid)) => pid,
         Ok(Err(sig)) => {
-            session.abandon(store)?;
+            undo(session, store)?;
             return Err(Error::Interrupted(sig).into());
         }
         Err(e) => {
             let what = shown[0].clone();
-            session.abandon(store)?;
+            undo(session, store)?;
             return Err(e).with_context(|| format!("cannot run '{what}'"));
         }
     };

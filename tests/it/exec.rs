@@ -438,3 +438,24 @@ fn a_signal_before_the_command_starts_undoes_the_start() {
     let entry = env.lock_entry("base").unwrap();
     assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry}");
 }
+
+#[test]
+fn a_start_that_fails_leaves_no_directory_and_no_lock_file() {
+    let env = Env::new();
+    env.ok(["init"]);
+    // 'b' cannot be written (its directory is a symlink): 'a', created in
+    // the same transaction, must not stay behind without a row.
+    std::os::unix::fs::symlink("/tmp", env.root.join("img/b")).unwrap();
+    let out = env.run(["exec", "--write", "a", "--write", "b", "--", "true"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(!env.root.join("img/a").exists());
+    let out = env.ok(["init"]);
+    assert!(!stderr(&out).contains("adopted"), "{}", stderr(&out));
+    assert_eq!(env.state("a"), None);
+    // A refused read leaves no lock file for the image it would have made.
+    env.run(["exec", "--write", "broken", "--", "false"]);
+    let out = env.run(["exec", "--write", "app2", "--from", "broken", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(!env.lock_file("app2").exists());
+    assert!(!env.root.join("img/app2").exists());
+}

@@ -741,3 +741,57 @@ fn a_listing_into_a_closed_pipe_ends_quietly() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
 }
+
+#[test]
+fn a_clone_whose_command_cannot_start_is_incomplete_not_restored() {
+    // The copy changed the image before the command failed to start: its
+    // old state must not come back with the base's content in it.
+    let env = Env::new();
+    env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "echo BASE > \"$STOWAGE_IMAGE_DIR/content\"",
+    ]);
+    env.ok([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "echo APP > \"$STOWAGE_IMAGE_DIR/content\"",
+    ]);
+    for image in ["app", "fresh"] {
+        let out = env.run([
+            "exec",
+            "--write",
+            image,
+            "--from",
+            "base",
+            "--",
+            "/nonexistent/builder",
+        ]);
+        assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+        assert_eq!(env.state(image).as_deref(), Some("incomplete"), "{image}");
+    }
+    assert_eq!(
+        env.run(["doctor"]).status.code(),
+        Some(0),
+        "no tree without a row"
+    );
+}
+
+#[test]
+fn an_unused_for_longer_than_history_removes_nothing() {
+    let env = lru_store();
+    let report = gc_json(
+        &env,
+        &["--unused-for", "1000000000y", "--dry-run"],
+        "2026-02-01T00:00:00Z",
+    );
+    assert!(removed(&report).is_empty(), "{report}");
+}
