@@ -125,6 +125,25 @@ fn unescape(s: &str) -> String {
     out
 }
 
+/// If `path` is on NFS mounted so that locks stay local to each client
+/// (`nolock`, `local_lock=flock|all`), the offending options. Cheap where
+/// it matters: one statfs(2), and /proc/self/mountinfo only on NFS.
+pub fn local_only_nfs(path: &Path) -> Option<(Mount, Vec<String>)> {
+    // A root not made yet lives where its nearest existing ancestor does.
+    let path = path.ancestors().find(|p| p.exists())?;
+    if filesystem(path).ok()?.name != "nfs" {
+        return None;
+    }
+    let m = mount_of(path)?;
+    let bad: Vec<String> = m
+        .options
+        .iter()
+        .filter(|o| *o == "nolock" || *o == "local_lock=flock" || *o == "local_lock=all")
+        .cloned()
+        .collect();
+    (!bad.is_empty()).then_some((m, bad))
+}
+
 /// One entry of the kernel's lock table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
@@ -212,14 +231,6 @@ impl KernelView {
         }
         let explained = std::cell::RefCell::new(held.into_iter().collect());
         KernelView { table, explained }
-    }
-
-    /// A view that always probes (for filesystems whose table is partial).
-    pub fn probing() -> KernelView {
-        KernelView {
-            table: None,
-            explained: Default::default(),
-        }
     }
 
     pub fn has_table(&self) -> bool {

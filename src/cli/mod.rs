@@ -93,6 +93,9 @@ pub fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<u8> {
     let root = Root::resolve(cli.root.as_deref())?;
     let sharing = root.check()?;
+    if !matches!(cli.command, Command::Doctor(_)) {
+        root.check_locking()?;
+    }
     let mut store = Store::new(root);
     store.ctx_mut().quiet = cli.quiet;
     store.ctx_mut().verbose = cli.verbose;
