@@ -1,6 +1,8 @@
 //! SIGKILL at the worst moments: no lock stays held, no image is lost or
 //! left looking ready.
 
+use std::fs;
+
 use crate::common::*;
 
 fn holder_args(env: &Env, image: &str, extra: &[&str]) -> Vec<String> {
@@ -119,13 +121,44 @@ fn sigkill_of_stowage_alone_leaves_the_command_holding_the_lock() {
 #[test]
 fn with_no_inherit_the_command_dies_with_stowage() {
     let env = Env::new();
-    let mut bg = env.spawn(holder_args(&env, "app", &["--no-inherit"]));
-    wait_for_file(&env.sentinel("started"));
+    let pidfile = env.sentinel("pid");
+    let script = format!("echo $$ > '{}'; exec sleep 600", pidfile.display());
+    let mut bg = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    wait_until("the command runs", || {
+        fs::read_to_string(&pidfile).is_ok_and(|s| s.ends_with('\n'))
+    });
+    let command: i32 = fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     bg.signal(libc::SIGKILL);
     wait_until("stowage is dead", || !bg.is_running());
-    // The command was killed too, so nothing writes without a lock.
-    wait_until("the lock is free", || flock_free(&env.lock_file("app")));
+    // The command dies with it (PR_SET_PDEATHSIG), so nothing writes
+    // without a lock. (Zombies count as dead: they hold nothing.)
+    wait_until("the command is gone", || !alive(command));
+    assert!(flock_free(&env.lock_file("app")));
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
+/// Is a process alive (and not a zombie)?
+fn alive(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        let state = s[s.rfind(')').unwrap() + 2..]
+            .split_whitespace()
+            .next()
+            .unwrap_or("");
+        state != "Z" && state != "X"
+    })
 }
 
 #[test]

@@ -11,9 +11,9 @@ use crate::common::*;
 /// the `done` sentinel exists (bounded).
 fn reader_loop(env: &Env, hold: &str, tag: usize) -> Bg {
     let script = format!(
-        "i=0; while [ ! -e '{done}' ] && [ $i -lt 200 ]; do \
+        "i=0; while [ ! -e '{done}' ] && [ $i -lt 40 ]; do \
          '{bin}' --root '{root}' -q exec --read base -- sh -c 'touch \"$0\"; sleep {hold}' '{started}' || exit 1; \
-         i=$((i+1)); done",
+         i=$((i+1)); done; [ -e '{done}' ] || exit 9",
         done = env.sentinel("done").display(),
         bin = bin(),
         root = env.root.display(),
@@ -56,7 +56,9 @@ fn a_writer_gets_in_despite_a_stream_of_readers() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     eprintln!("the writer got in after {waited:?} behind 1 s readers");
     for l in loops {
-        assert_eq!(l.finish().status.code(), Some(0));
+        let out = l.finish();
+        // 9: the loop ran out before the awaited process got in — starvation.
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     }
     assert_eq!(
         fs::read_to_string(env.root.join("img/base/file")).unwrap(),
@@ -115,7 +117,7 @@ fn readers_get_in_between_a_stream_of_writers() {
         format!(
             "i=0; while [ ! -e '{done}' ] && [ $i -lt 100 ]; do \
              '{bin}' --root '{root}' -q exec --write base -- sh -c 'touch \"$0\"; sleep 0.3' '{started}' || exit 1; \
-             i=$((i+1)); done",
+             i=$((i+1)); done; [ -e '{done}' ] || exit 9",
             done = env.sentinel("done").display(),
             bin = bin(),
             root = env.root.display(),
@@ -141,6 +143,8 @@ fn readers_get_in_between_a_stream_of_writers() {
     ]);
     assert_eq!(reader.finish().status.code(), Some(0));
     for l in loops {
-        assert_eq!(l.finish().status.code(), Some(0));
+        let out = l.finish();
+        // 9: the loop ran out before the awaited process got in — starvation.
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     }
 }
