@@ -161,8 +161,6 @@ fn copy_file(
     // std copies with copy_file_range(2) where it can (in-kernel, and
     // sparse-aware on some filesystems).
     io::copy(&mut &src, &mut dst)?;
-    drop(src);
-    dst.sync_data().ok();
     Ok(false)
 }
 

@@ -48,14 +48,6 @@ pub fn host_name() -> String {
         .unwrap_or_else(|| "localhost".to_owned())
 }
 
-/// The real host name, ignoring the override: the host whose /proc we read.
-pub fn real_host_name() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "localhost".to_owned())
-}
-
 /// `$USER`, else the password database, else the numeric uid.
 pub fn user_name() -> String {
     if let Ok(u) = std::env::var("USER")
@@ -105,6 +97,14 @@ pub fn command_line(pid: u32) -> Option<String> {
         .map(|a| String::from_utf8_lossy(a).into_owned())
         .collect();
     (!args.is_empty()).then(|| shell_join(&args))
+}
+
+/// Is a local process running this same stowage executable? (The global
+/// lock has no records: its holders are recognised by what they run.)
+pub fn runs_stowage(pid: u32) -> bool {
+    let theirs = fs::read_link(format!("/proc/{pid}/exe"));
+    let ours = fs::read_link("/proc/self/exe");
+    matches!((theirs, ours), (Ok(a), Ok(b)) if a == b)
 }
 
 /// The owner of a local process.

@@ -138,14 +138,6 @@ impl Forwarder {
         self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The signal that arrived before the command started, if any.
-    pub fn interrupted(&self) -> Option<i32> {
-        match *self.lock() {
-            State::Interrupted(sig) => Some(sig),
-            _ => None,
-        }
-    }
-
     /// Spawns the command (`spawn` returns its pid) unless a signal came
     /// first (`Ok(Err(sig))`).
     pub fn spawn(

@@ -219,7 +219,6 @@ fn phrase_as(lead: &str, holders: &[Party]) -> String {
 fn describe(p: &Party) -> String {
     let mut s = match p.pid {
         Some(pid) => format!("pid {pid}"),
-        None if p.stowage => "a process".into(),
         None => "a process".into(),
     };
     if let Some(h) = &p.host {
@@ -281,10 +280,7 @@ pub fn global_holder_phrase(root: &crate::root::Root) -> String {
             mode: e.mode,
             command: e.pid.and_then(ident::command_line),
             since: None,
-            stowage: e
-                .pid
-                .and_then(ident::command_line)
-                .is_some_and(|c| c.contains("stowage")),
+            stowage: e.pid.is_some_and(ident::runs_stowage),
         })
         .collect();
     if holders.is_empty() {
@@ -600,7 +596,7 @@ fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {
             let mut p = outsider(ctx, e);
             // Holders of the global lock are almost always stowage itself,
             // in one of its short transactions.
-            p.stowage = p.command.as_deref().is_some_and(|c| c.contains("stowage"));
+            p.stowage = e.pid.is_some_and(ident::runs_stowage);
             p
         })
         .collect();
