@@ -135,6 +135,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     report.size_before = rows.iter().map(size).sum();
     let mut total = report.size_before;
 
+    crate::debug::pause("gc-listed");
     // 2. Incomplete images, 3. unused ones, 4. least recently used — in
     // that order, each phase oldest first.
     let now = clock::now_ms();
@@ -227,6 +228,14 @@ fn collect(
         (Some(c), Reason::OverBudget) => c.last_used == row.last_used,
     };
     if !still {
+        // Gone since we listed it: the lock file is ours (perhaps just
+        // created) and names nothing; it goes, under our exclusive lock.
+        if current.is_none()
+            && !dry_run
+            && let Some(g) = guard
+        {
+            let _ = g.unlink();
+        }
         return Ok(None);
     }
     let bytes = row.size_bytes.unwrap_or(0);

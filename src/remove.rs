@@ -53,19 +53,29 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     // in its place is refused here, not half-way through).
     crate::root::make_dir(&store.root().trash())?;
     // 1. Mark.
-    let (images_dir, rows) = store.with_tx_locked(None, |tx, ctx| {
+    let marked = store.with_tx_locked(None, |tx, ctx| {
         let mut rows = Vec::with_capacity(held.len());
-        for (name, _) in &held {
+        for (i, (name, _)) in held.iter().enumerate() {
             match tx.image(name.as_str())? {
                 Some(r) => rows.push(r),
-                None => return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into()),
+                None => return Ok(Err(i)),
             }
         }
         for (name, _) in &held {
             tx.set_state(name.as_str(), ImageState::Deleting)?;
         }
-        Ok((tx.images_dir(&ctx.root)?, rows))
+        Ok(Ok((tx.images_dir(&ctx.root)?, rows)))
     })?;
+    let (images_dir, rows) = match marked {
+        Ok(marked) => marked,
+        Err(i) => {
+            // Removed by someone else since the caller locked it: its lock
+            // file (perhaps created by that very lock) names nothing now.
+            let (name, guard) = held.into_iter().nth(i).expect("index of a held image");
+            let _ = guard.unlink();
+            return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into());
+        }
+    };
     debug::pause("rm-marked");
 
     // 2. Take the trees out of the images directory.
@@ -223,6 +233,7 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
             tx.images()?.into_iter().map(|r| r.name).collect();
         Ok((deleting, names))
     })?;
+    debug::pause("interrupted-listed");
     for name in deleting {
         let Ok(n) = ImageName::parse(&name) else {
             continue;
@@ -231,9 +242,22 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
         // (A missing lock file is free too; it is created only to fix.)
         match lock::try_lock(&store.root().image_lock(&n), Mode::Exclusive, fix) {
             Ok(Some(guard)) => {
-                found.removals.push(name);
-                if fix {
-                    remove_locked(store, vec![(n, guard)])?;
+                // Re-check under the lock: the remover we took for crashed
+                // may have finished in between (and unlinked the lock file
+                // we just recreated).
+                let row = store.with_tx_locked(None, |tx, _| tx.image(n.as_str()))?;
+                match row {
+                    Some(r) if r.state == ImageState::Deleting => {
+                        found.removals.push(name);
+                        if fix {
+                            remove_locked(store, vec![(n, guard)])?;
+                        }
+                    }
+                    Some(_) => {}
+                    None if fix => {
+                        let _ = guard.unlink();
+                    }
+                    None => {}
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => found.removals.push(name),

@@ -338,6 +338,7 @@ pub(crate) fn acquire_image(
                 // No lock file: either no such image (say so, creating
                 // nothing), or an adopted image never locked before.
                 require(store, name, want.need, want.deadline)?;
+                crate::debug::pause("image-required");
             }
             try_image(&gate, &path, mode, true)
         }

@@ -429,6 +429,115 @@ fn gc_finishes_an_interrupted_removal() {
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
 
+/// gc lists an image as `deleting` while its remover is merely slow; the
+/// remover then finishes. gc must not take the finished removal for a crash:
+/// no error, and no lock file left for an image that no longer exists.
+#[test]
+fn gc_does_not_redo_a_removal_that_finished_after_it_looked() {
+    let env = Env::new();
+    env.make_image("doomed");
+    let rm_paused = env.sentinel("rm-paused");
+    let mut c = env.cmd(["rm", "doomed"]);
+    c.env(
+        "STOWAGE_DEBUG_PAUSE",
+        format!("rm-marked:{}", rm_paused.display()),
+    );
+    let rm = Bg::from_command(c);
+    wait_for_file(&rm_paused);
+    assert_eq!(env.state("doomed").as_deref(), Some("deleting"));
+
+    let gc_paused = env.sentinel("gc-paused");
+    let mut c = env.cmd(["gc"]);
+    c.env(
+        "STOWAGE_DEBUG_PAUSE",
+        format!("interrupted-listed:{}", gc_paused.display()),
+    );
+    let gc = Bg::from_command(c);
+    wait_for_file(&gc_paused);
+
+    // The remover goes on and finishes while gc holds its stale list.
+    fs::remove_file(&rm_paused).unwrap();
+    let out = rm.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("doomed"), None);
+
+    fs::remove_file(&gc_paused).unwrap();
+    let out = gc.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(
+        !env.lock_file("doomed").exists(),
+        "no lock file for a removed image"
+    );
+    let out = env.run(["doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
+
+/// An image gc chose is removed by someone else before gc locks it: gc
+/// skips it and leaves no lock file behind for the image that is gone.
+#[test]
+fn gc_skips_an_image_removed_after_it_chose_it() {
+    let env = Env::new();
+    let out = env.run(["exec", "--write", "broken", "--", "false"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(env.state("broken").as_deref(), Some("incomplete"));
+
+    let paused = env.sentinel("gc-paused");
+    let mut c = env.cmd(["gc", "--json"]);
+    c.env(
+        "STOWAGE_DEBUG_PAUSE",
+        format!("gc-listed:{}", paused.display()),
+    );
+    let gc = Bg::from_command(c);
+    wait_for_file(&paused);
+    env.ok(["rm", "broken"]);
+    assert!(!env.lock_file("broken").exists());
+
+    fs::remove_file(&paused).unwrap();
+    let out = gc.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(removed(&report), Vec::<String>::new(), "{report}");
+    assert!(
+        !env.lock_file("broken").exists(),
+        "no lock file for a removed image"
+    );
+    let out = env.run(["doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
+
+/// Two removals of an image that has no lock file yet (adopted, never
+/// locked): the loser says the image does not exist and leaves no lock file
+/// behind.
+#[test]
+fn the_losing_rm_of_a_race_leaves_no_lock_file() {
+    let env = Env::new();
+    env.make_image("x");
+    fs::remove_file(env.lock_file("x")).unwrap();
+    let paused = env.sentinel("paused");
+    let mut c = env.cmd(["rm", "x"]);
+    c.env(
+        "STOWAGE_DEBUG_PAUSE",
+        format!("image-required:{}", paused.display()),
+    );
+    let slow = Bg::from_command(c);
+    wait_for_file(&paused);
+    env.ok(["rm", "x"]);
+    fs::remove_file(&paused).unwrap();
+    let out = slow.finish();
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("'x' does not exist"),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        !env.lock_file("x").exists(),
+        "no lock file for a removed image"
+    );
+    let out = env.run(["doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
+
 /// Four 1 MiB images used in the order a, b, c, d (a least recently), with
 /// the clock faked instead of sleeping.
 fn lru_store() -> Env {
