@@ -147,7 +147,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
             "mount",
             Status::Problem,
             format!(
-                "{} is NFS mounted with {}: locks are local to each client, so builds on different hosts do not exclude each other; remount without it",
+                "{} is NFS mounted with {}: locks are local to each client, so builds and metadata updates on different hosts do not exclude each other; remount without it",
                 m.mount_point.display(),
                 bad.join(",")
             ),

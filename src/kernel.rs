@@ -126,7 +126,7 @@ fn unescape(s: &str) -> String {
 }
 
 /// If `path` is on NFS mounted so that locks stay local to each client
-/// (`nolock`, `local_lock=flock|all`), the offending options. Cheap where
+/// (`nolock`, `local_lock=flock|posix|all`), the offending options. Cheap where
 /// it matters: one statfs(2), and /proc/self/mountinfo only on NFS.
 pub fn local_only_nfs(path: &Path) -> Option<(Mount, Vec<String>)> {
     // A root not made yet lives where its nearest existing ancestor does.
@@ -135,13 +135,25 @@ pub fn local_only_nfs(path: &Path) -> Option<(Mount, Vec<String>)> {
         return None;
     }
     let m = mount_of(path)?;
-    let bad: Vec<String> = m
-        .options
-        .iter()
-        .filter(|o| *o == "nolock" || *o == "local_lock=flock" || *o == "local_lock=all")
-        .cloned()
-        .collect();
+    let bad = local_only_options(&m.options);
     (!bad.is_empty()).then_some((m, bad))
+}
+
+/// The NFS mount options that keep locks on the client. `local_lock=flock`
+/// breaks the image and global locks outright. `local_lock=posix` looks
+/// harmless — SQLite's fcntl locks are only taken under the global flock,
+/// which still reaches the server — but the NFS client revalidates a file's
+/// cached pages when a lock *on that file* goes to the server: with SQLite's
+/// locks local, a process could read stale database pages cached before
+/// another host's transaction, and write a transaction on top of them.
+fn local_only_options(options: &[String]) -> Vec<String> {
+    options
+        .iter()
+        .filter(|o| {
+            o.as_str() == "nolock" || (o.starts_with("local_lock=") && *o != "local_lock=none")
+        })
+        .cloned()
+        .collect()
 }
 
 /// One entry of the kernel's lock table.
@@ -434,6 +446,28 @@ mod tests {
         assert!(m[0].options.contains(&"local_lock=flock".to_owned()));
         assert!(m[0].options.contains(&"noatime".to_owned()));
         assert!(mount_of(Path::new("/")).is_some());
+    }
+
+    #[test]
+    fn only_mounts_that_keep_flock_local_are_unsafe() {
+        let opts = |o: &str| o.split(',').map(str::to_owned).collect::<Vec<_>>();
+        for unsafe_ in [
+            "rw,nolock",
+            "rw,vers=3,local_lock=flock",
+            "rw,local_lock=posix",
+            "local_lock=all,hard",
+        ] {
+            assert_eq!(local_only_options(&opts(unsafe_)).len(), 1, "{unsafe_}");
+        }
+        for safe in [
+            "rw,vers=4.2,local_lock=none",
+            "rw,lock,hard",
+            "rw,nolocks_are_not_a_thing",
+        ] {
+            assert!(local_only_options(&opts(safe)).is_empty(), "{safe}");
+        }
+        // A local filesystem is never NFS, whatever its options.
+        assert!(local_only_nfs(Path::new("/")).is_none());
     }
 
     #[test]

@@ -182,12 +182,12 @@ impl Root {
 
 impl Root {
     /// Refuses a root whose locks would not exclude other hosts: NFS
-    /// mounted with `nolock` or `local_lock=flock|all`. (`doctor` reports it
+    /// mounted with `nolock` or `local_lock=flock|posix|all`. (`doctor` reports it
     /// instead of refusing.)
     pub fn check_locking(&self) -> Result<()> {
         if let Some((mount, bad)) = crate::kernel::local_only_nfs(&self.dir) {
             return Err(crate::Error::UnsafeLocking(format!(
-                "root {} is on NFS mounted with {} ({}): locks stay local to each client, so builds on other hosts would not be excluded; remount without it (see 'stowage doctor')",
+                "root {} is on NFS mounted with {} ({}): locks stay local to each client, so other hosts' builds and metadata updates would not be excluded; remount without it (see 'stowage doctor')",
                 self.dir.display(),
                 bad.join(","),
                 mount.mount_point.display()
