@@ -16,6 +16,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def builders_axis(ax, b, ylabel, title):
+    """The x axis both load panels share: builders, log scale, one tick each."""
+    if b:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(b, [str(x) for x in b])
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    ax.set_xlabel("concurrent builders reading one base")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+
+
 def main(results_path, out_path):
     with open(results_path) as f:
         r = json.load(f)
@@ -54,14 +67,7 @@ def main(results_path, out_path):
         ax.plot(b, [p["flock_per_s"] for p in builders], marker="s", color="gray", label="flock -s")
         ax.plot(b, [0.7 * p["flock_per_s"] for p in builders], color="tab:red", linestyle="--",
                 linewidth=1, label="target: 0.7 × flock(1)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(b, [str(x) for x in b])
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
-    ax.set_xlabel("concurrent builders reading one base")
-    ax.set_ylabel("commands completed per second")
-    ax.set_title("throughput against concurrent builders")
-    ax.grid(True, alpha=0.3)
+    builders_axis(ax, b, "commands completed per second", "throughput against concurrent builders")
 
     ax = axes[2]
     if builders:
@@ -69,14 +75,7 @@ def main(results_path, out_path):
         ax.plot(b, [p["stowage_latency_p95_s"] * ms for p in builders], marker="o", linestyle="--",
                 color="tab:blue", alpha=0.5, label="stowage exec (p95)")
         ax.plot(b, [p["flock_latency_s"] * ms for p in builders], marker="s", color="gray", label="flock -s (median)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(b, [str(x) for x in b])
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
-    ax.set_xlabel("concurrent builders reading one base")
-    ax.set_ylabel("wall time per command (ms)")
-    ax.set_title("per-command wall time under load")
-    ax.grid(True, alpha=0.3)
+    builders_axis(ax, b, "wall time per command (ms)", "per-command wall time under load")
 
     fig.suptitle(
         "stowage {} ({}): {} CPUs ({}), Linux {}, {}{}".format(

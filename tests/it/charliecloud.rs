@@ -170,6 +170,11 @@ impl Ch {
         c
     }
 
+    /// `scripts/ch-build -t TAG --build-arg ID=ID` in the background.
+    fn build(&self, tag: &str, id: &str) -> Bg {
+        Bg::from_command(self.ch_build(["-t", tag, "--build-arg", &format!("ID={id}")]))
+    }
+
     fn dockerfile(&self, name: &str, text: &str) -> String {
         let p = self.ctx.join(name);
         fs::write(&p, text).unwrap();
@@ -263,14 +268,7 @@ fn parallel_builds_from_one_base_share_it() {
     const N: usize = 6;
     ch.dockerfile("Dockerfile", &gated("base"));
     let builds: Vec<Bg> = (0..N)
-        .map(|i| {
-            Bg::from_command(ch.ch_build([
-                "-t".to_owned(),
-                format!("app{i}"),
-                "--build-arg".into(),
-                format!("ID={i}"),
-            ]))
-        })
+        .map(|i| ch.build(&format!("app{i}"), &i.to_string()))
         .collect();
     for i in 0..N {
         ch.wait_started(&format!("app{i}"), &i.to_string());
@@ -318,9 +316,9 @@ fn parallel_builds_from_one_base_share_it() {
 fn two_builds_of_one_tag_serialize() {
     let Some(ch) = Ch::new() else { return };
     ch.dockerfile("Dockerfile", &gated("base"));
-    let first = Bg::from_command(ch.ch_build(["-t", "app", "--build-arg", "ID=first"]));
+    let first = ch.build("app", "first");
     ch.wait_started("app", "first");
-    let second = Bg::from_command(ch.ch_build(["-t", "app", "--build-arg", "ID=second"]));
+    let second = ch.build("app", "second");
     wait_until("the second build waits for 'app'", || {
         !ch.waiters("app").is_empty()
     });
@@ -349,14 +347,7 @@ fn deleting_a_base_waits_for_the_builds_reading_it() {
     ch.dockerfile("Dockerfile", &gated("base"));
     let builds: Vec<Bg> = ["a", "b"]
         .iter()
-        .map(|id| {
-            Bg::from_command(ch.ch_build([
-                "-t".to_owned(),
-                format!("app-{id}"),
-                "--build-arg".into(),
-                format!("ID={id}"),
-            ]))
-        })
+        .map(|id| ch.build(&format!("app-{id}"), id))
         .collect();
     ch.wait_started("app-a", "a");
     ch.wait_started("app-b", "b");
@@ -415,11 +406,11 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     assert!(!ch.img("app/.git").exists());
 
     ch.dockerfile("Dockerfile", &gated("app"));
-    let one = Bg::from_command(ch.ch_build(["-t", "one", "--build-arg", "ID=one"]));
+    let one = ch.build("one", "one");
     ch.wait_started("one", "one");
     let app = ch.env.lock_entry("app").unwrap();
     assert_eq!(app["state"], "exclusive", "{app}");
-    let two = Bg::from_command(ch.ch_build(["-t", "two", "--build-arg", "ID=two"]));
+    let two = ch.build("two", "two");
     let lock = ch.env.lock_file("app");
     wait_until("the second build waits for 'app'", || {
         someone_waits_for(&lock)
@@ -577,14 +568,7 @@ fn an_import_by_build_runs_beside_builds() {
     assert!(!ch.storage.join("imgtmp").exists());
     ch.dockerfile("Dockerfile", "FROM base\nARG ID\nRUN echo \"$ID\" > /id\n");
     let builds: Vec<Bg> = (0..3)
-        .map(|i| {
-            Bg::from_command(ch.ch_build([
-                "-t".to_owned(),
-                format!("app{i}"),
-                "--build-arg".into(),
-                format!("ID={i}"),
-            ]))
-        })
+        .map(|i| ch.build(&format!("app{i}"), &i.to_string()))
         .collect();
     for b in builds {
         assert_ok(b.finish());

@@ -106,6 +106,26 @@ impl Env {
         }
     }
 
+    /// Starts stowage in the background with the debug pause at `point`,
+    /// and returns once it waits there, with the file whose removal lets it
+    /// go on. The file is named after the point, so several processes can
+    /// be paused at once.
+    pub fn paused<I, S>(&self, args: I, point: &str) -> (Bg, PathBuf)
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let file = self.sentinel(&format!("paused.{point}"));
+        let mut c = self.cmd(args);
+        c.env(
+            stowage::debug::PAUSE_ENV,
+            format!("{point}:{}", file.display()),
+        );
+        let bg = Bg::from_command(c);
+        wait_for_file(&file);
+        (bg, file)
+    }
+
     pub fn sentinel(&self, name: &str) -> PathBuf {
         self.scratch.join(name)
     }

@@ -5,22 +5,11 @@ use std::fs;
 
 use crate::common::*;
 
-fn holder_args(env: &Env, image: &str, extra: &[&str]) -> Vec<String> {
-    let mut args = vec!["exec".to_string()];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args.extend(["--write".into(), image.into(), "--".into()]);
-    args.extend(env.hold_cmd("started", "release"));
-    args
-}
-
 #[test]
 fn sigkill_of_stowage_and_command_mid_write() {
     let env = Env::new();
     env.make_image("base");
-    let mut args = holder_args(&env, "app", &[]);
-    args.splice(1..1, ["--read".to_string(), "base".to_string()]);
-    let bg = env.spawn(&args);
-    wait_for_file(&env.sentinel("started"));
+    let bg = env.hold(&["--read", "base", "--write", "app"], "started");
     assert!(!flock_free(&env.lock_file("app")));
     bg.kill_all();
 
@@ -54,8 +43,7 @@ fn sigkill_of_stowage_and_command_mid_write() {
 #[test]
 fn a_reader_finds_a_dead_writer() {
     let env = Env::new();
-    let bg = env.spawn(holder_args(&env, "app", &[]));
-    wait_for_file(&env.sentinel("started"));
+    let bg = env.hold(&["--write", "app"], "started");
     bg.kill_all();
     let out = env.run(["exec", "--read", "app", "--", "true"]);
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
@@ -79,8 +67,7 @@ fn a_reader_finds_a_dead_writer() {
 #[test]
 fn sigkill_of_stowage_alone_leaves_the_command_holding_the_lock() {
     let env = Env::new();
-    let mut bg = env.spawn(holder_args(&env, "app", &[]));
-    wait_for_file(&env.sentinel("started"));
+    let mut bg = env.hold(&["--write", "app"], "started");
     let stowage_pid = bg.pid();
     bg.signal(libc::SIGKILL);
     wait_until("stowage is dead", || !bg.is_running());
@@ -164,8 +151,7 @@ fn alive(pid: i32) -> bool {
 #[test]
 fn sigkill_of_a_waiter_leaves_no_waiter_record() {
     let env = Env::new();
-    let holder = env.spawn(holder_args(&env, "app", &[]));
-    wait_for_file(&env.sentinel("started"));
+    let holder = env.hold(&["--write", "app"], "started");
     let waiter = env.spawn(["exec", "--read", "app", "--", "true"]);
     env.wait_for_waiter("app");
     waiter.kill_all();

@@ -180,17 +180,12 @@ fn a_clone_killed_midway_is_never_ready() {
         "-c",
         "for i in 1 2 3 4 5; do echo $i > \"$STOWAGE_IMAGE_DIR/f$i\"; done",
     ]);
-    let paused = env.sentinel("paused");
-    let mut c = env.cmd(["exec", "--write", "app", "--from", "base", "--", "true"]);
-    c.env(
-        "STOWAGE_DEBUG_PAUSE",
-        format!("clone-copying:{}", paused.display()),
+    let (bg, _) = env.paused(
+        ["exec", "--write", "app", "--from", "base", "--", "true"],
+        "clone-copying",
     );
-    let bg = Bg::from_command(c);
-    wait_for_file(&paused);
     bg.kill_all();
-    let out = env.run(["doctor", "--repair"]);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    env.ok(["doctor", "--repair"]);
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
     assert_eq!(env.state("base").as_deref(), Some("ready"));
     let out = env.run(["exec", "--read", "app", "--", "true"]);
@@ -356,10 +351,7 @@ fn rm_of_a_locked_image_gives_75_and_keeps_it() {
     assert!(env.root.join("img/app/file").exists());
     // Without a bound, rm waits for the reader and then removes.
     let rm = env.spawn(["rm", "app"]);
-    wait_until("rm is recorded as waiting", || {
-        env.lock_entry("app")
-            .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
-    });
+    env.wait_for_waiter("app");
     assert!(
         env.root.join("img/app/file").exists(),
         "nothing removed while read"
@@ -383,14 +375,7 @@ fn sigkill_during_rm_is_finished_by_repair() {
         let env = Env::new();
         env.make_image("doomed");
         env.make_image("keeper");
-        let paused = env.sentinel("paused");
-        let mut c = env.cmd(["rm", "doomed"]);
-        c.env(
-            "STOWAGE_DEBUG_PAUSE",
-            format!("{point}:{}", paused.display()),
-        );
-        let bg = Bg::from_command(c);
-        wait_for_file(&paused);
+        let (bg, _) = env.paused(["rm", "doomed"], point);
         bg.kill_all();
         // Half-removed, and never looking ready.
         assert_ne!(env.state("doomed").as_deref(), Some("ready"), "{point}");
@@ -415,14 +400,7 @@ fn sigkill_during_rm_is_finished_by_repair() {
 fn gc_finishes_an_interrupted_removal() {
     let env = Env::new();
     env.make_image("doomed");
-    let paused = env.sentinel("paused");
-    let mut c = env.cmd(["rm", "doomed"]);
-    c.env(
-        "STOWAGE_DEBUG_PAUSE",
-        format!("rm-moved:{}", paused.display()),
-    );
-    let bg = Bg::from_command(c);
-    wait_for_file(&paused);
+    let (bg, _) = env.paused(["rm", "doomed"], "rm-moved");
     bg.kill_all();
     env.ok(["gc"]);
     assert_eq!(env.state("doomed"), None);
@@ -436,24 +414,10 @@ fn gc_finishes_an_interrupted_removal() {
 fn gc_does_not_redo_a_removal_that_finished_after_it_looked() {
     let env = Env::new();
     env.make_image("doomed");
-    let rm_paused = env.sentinel("rm-paused");
-    let mut c = env.cmd(["rm", "doomed"]);
-    c.env(
-        "STOWAGE_DEBUG_PAUSE",
-        format!("rm-marked:{}", rm_paused.display()),
-    );
-    let rm = Bg::from_command(c);
-    wait_for_file(&rm_paused);
+    let (rm, rm_paused) = env.paused(["rm", "doomed"], "rm-marked");
     assert_eq!(env.state("doomed").as_deref(), Some("deleting"));
 
-    let gc_paused = env.sentinel("gc-paused");
-    let mut c = env.cmd(["gc"]);
-    c.env(
-        "STOWAGE_DEBUG_PAUSE",
-        format!("interrupted-listed:{}", gc_paused.display()),
-    );
-    let gc = Bg::from_command(c);
-    wait_for_file(&gc_paused);
+    let (gc, gc_paused) = env.paused(["gc"], "interrupted-listed");
 
     // The remover goes on and finishes while gc holds its stale list.
     fs::remove_file(&rm_paused).unwrap();
@@ -468,8 +432,7 @@ fn gc_does_not_redo_a_removal_that_finished_after_it_looked() {
         !env.lock_file("doomed").exists(),
         "no lock file for a removed image"
     );
-    let out = env.run(["doctor"]);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    env.ok(["doctor"]);
 }
 
 /// An image gc chose is removed by someone else before gc locks it: gc
@@ -481,14 +444,7 @@ fn gc_skips_an_image_removed_after_it_chose_it() {
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert_eq!(env.state("broken").as_deref(), Some("incomplete"));
 
-    let paused = env.sentinel("gc-paused");
-    let mut c = env.cmd(["gc", "--json"]);
-    c.env(
-        "STOWAGE_DEBUG_PAUSE",
-        format!("gc-listed:{}", paused.display()),
-    );
-    let gc = Bg::from_command(c);
-    wait_for_file(&paused);
+    let (gc, paused) = env.paused(["gc", "--json"], "gc-listed");
     env.ok(["rm", "broken"]);
     assert!(!env.lock_file("broken").exists());
 
@@ -501,8 +457,7 @@ fn gc_skips_an_image_removed_after_it_chose_it() {
         !env.lock_file("broken").exists(),
         "no lock file for a removed image"
     );
-    let out = env.run(["doctor"]);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    env.ok(["doctor"]);
 }
 
 /// Two removals of an image that has no lock file yet (adopted, never
@@ -513,14 +468,7 @@ fn the_losing_rm_of_a_race_leaves_no_lock_file() {
     let env = Env::new();
     env.make_image("x");
     fs::remove_file(env.lock_file("x")).unwrap();
-    let paused = env.sentinel("paused");
-    let mut c = env.cmd(["rm", "x"]);
-    c.env(
-        "STOWAGE_DEBUG_PAUSE",
-        format!("image-required:{}", paused.display()),
-    );
-    let slow = Bg::from_command(c);
-    wait_for_file(&paused);
+    let (slow, paused) = env.paused(["rm", "x"], "image-required");
     env.ok(["rm", "x"]);
     fs::remove_file(&paused).unwrap();
     let out = slow.finish();
@@ -534,8 +482,7 @@ fn the_losing_rm_of_a_race_leaves_no_lock_file() {
         !env.lock_file("x").exists(),
         "no lock file for a removed image"
     );
-    let out = env.run(["doctor"]);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    env.ok(["doctor"]);
 }
 
 /// Four 1 MiB images used in the order a, b, c, d (a least recently), with
@@ -720,8 +667,7 @@ fn a_damaged_database_is_reported_and_rebuilt_without_losing_an_image() {
     );
     let out = env.run(["doctor"]);
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
-    let out = env.run(["doctor", "--repair"]);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    env.ok(["doctor", "--repair"]);
     // The damaged file was moved aside, not deleted.
     let aside: Vec<_> = fs::read_dir(&env.root)
         .unwrap()
@@ -775,14 +721,12 @@ fn doctor_finds_and_repairs_inconsistencies() {
         .map(|c| c["check"].as_str().unwrap())
         .collect();
     assert_eq!(problems, ["rows", "trees", "leftovers"], "{report}");
-    let out = env.run(["doctor", "--repair"]);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    env.ok(["doctor", "--repair"]);
     assert_eq!(env.state("vanished"), None);
     assert_eq!(env.state("stray:1").as_deref(), Some("ready"));
     assert_eq!(env.state("ok").as_deref(), Some("ready"));
     assert!(!env.root.join("trash/leftover").exists());
-    let out = env.run(["doctor"]);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    env.ok(["doctor"]);
 }
 
 #[test]

@@ -161,22 +161,16 @@ fn all_lists_every_image_and_names_select() {
     for n in ["a", "b", "c"] {
         env.make_image(n);
     }
-    let st = env.status_json(["--all"]);
-    let names: Vec<&str> = st["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|l| l["name"].as_str())
-        .collect();
-    assert_eq!(names, ["global", "a", "b", "c"]);
-    let st = env.status_json(["b"]);
-    let names: Vec<&str> = st["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|l| l["name"].as_str())
-        .collect();
-    assert_eq!(names, ["global", "b"]);
+    let names = |args: &[&str]| -> Vec<String> {
+        env.status_json(args)["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l["name"].as_str().map(str::to_owned))
+            .collect()
+    };
+    assert_eq!(names(&["--all"]), ["global", "a", "b", "c"]);
+    assert_eq!(names(&["b"]), ["global", "b"]);
 }
 
 #[test]

@@ -22,6 +22,15 @@ fn counting_cmd(env: &Env, target: usize, total: usize) -> Vec<String> {
     ]
 }
 
+/// `stowage exec OPTS -- <counting_cmd>` in the background.
+fn counting_worker(env: &Env, opts: &[&str], target: usize, total: usize) -> Bg {
+    let mut args = vec!["exec".to_string()];
+    args.extend(opts.iter().map(|o| o.to_string()));
+    args.push("--".into());
+    args.extend(counting_cmd(env, target, total));
+    env.spawn(&args)
+}
+
 fn max_count(env: &Env) -> usize {
     fs::read_to_string(env.scratch.join("counts"))
         .unwrap()
@@ -36,16 +45,7 @@ fn limit_three_with_nine_contenders() {
     let env = Env::new();
     env.ok(["slots", "set", "pull", "3"]);
     let workers: Vec<_> = (0..9)
-        .map(|_| {
-            let mut args = vec![
-                "exec".to_string(),
-                "--slot".into(),
-                "pull".into(),
-                "--".into(),
-            ];
-            args.extend(counting_cmd(&env, 3, 9));
-            env.spawn(&args)
-        })
+        .map(|_| counting_worker(&env, &["--slot", "pull"], 3, 9))
         .collect();
     for w in workers {
         let out = w.finish();
@@ -68,17 +68,7 @@ fn unlimited_class_lets_everyone_in_at_once() {
     let env = Env::new();
     env.ok(["slots", "set", "load/docker", "0"]);
     let workers: Vec<_> = (0..5)
-        .map(|_| {
-            let mut args = vec![
-                "exec".to_string(),
-                "--slot".into(),
-                "load/docker".into(),
-                "--no-wait".into(),
-                "--".into(),
-            ];
-            args.extend(counting_cmd(&env, 5, 5));
-            env.spawn(&args)
-        })
+        .map(|_| counting_worker(&env, &["--slot", "load/docker", "--no-wait"], 5, 5))
         .collect();
     for w in workers {
         assert_eq!(w.finish().status.code(), Some(0));
@@ -91,18 +81,29 @@ fn unlimited_class_lets_everyone_in_at_once() {
 }
 
 fn holder(env: &Env, class: &str, priority: &str, tag: &str) -> Bg {
-    let mut args = vec![
-        "exec".to_string(),
-        "--slot".into(),
-        class.into(),
-        "--priority".into(),
-        priority.into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd(&format!("started.{tag}"), "release"));
-    let bg = env.spawn(&args);
-    wait_for_file(&env.sentinel(&format!("started.{tag}")));
-    bg
+    env.hold(
+        &["--slot", class, "--priority", priority],
+        &format!("started.{tag}"),
+    )
+}
+
+/// The lock-status entry of the (only) slot class.
+fn slot_entry(env: &Env) -> serde_json::Value {
+    let st = env.status_json(Vec::<String>::new());
+    st["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "slot")
+        .unwrap()
+        .clone()
+}
+
+/// Waits (bounded) until lock-status shows a waiter on the slot class.
+fn wait_for_slot_waiter(env: &Env) {
+    wait_until("the slot waiter is recorded", || {
+        !slot_entry(env)["waiters"].as_array().unwrap().is_empty()
+    });
 }
 
 #[test]
@@ -144,14 +145,7 @@ fn high_priority_gets_the_reserved_slot() {
     ]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
 
-    let st = env.status_json(Vec::<String>::new());
-    let slot = st["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["kind"] == "slot")
-        .unwrap()
-        .clone();
+    let slot = slot_entry(&env);
     assert_eq!(slot["name"], "pull");
     assert_eq!(slot["limit"], 2);
     assert_eq!(slot["reserve_high"], 1);
@@ -170,14 +164,7 @@ fn high_priority_gets_the_reserved_slot() {
     for bg in [a, b, c] {
         assert_eq!(bg.finish().status.code(), Some(0));
     }
-    let st = env.status_json(Vec::<String>::new());
-    let slot = st["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["kind"] == "slot")
-        .unwrap()
-        .clone();
+    let slot = slot_entry(&env);
     assert_eq!(slot["in_use"], 0, "{slot}");
     assert_eq!(slot["state"], "free");
     assert!(slot["holders"].as_array().unwrap().is_empty());
@@ -197,22 +184,8 @@ fn a_waiter_shows_in_lock_status_and_gets_the_freed_slot() {
         "touch",
         ran.to_str().unwrap(),
     ]);
-    wait_until("the slot waiter is recorded", || {
-        let st = env.status_json(Vec::<String>::new());
-        st["locks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|l| l["kind"] == "slot" && l["waiters"].as_array().unwrap().len() == 1)
-    });
-    let st = env.status_json(Vec::<String>::new());
-    let slot = st["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["kind"] == "slot")
-        .unwrap()
-        .clone();
+    wait_for_slot_waiter(&env);
+    let slot = slot_entry(&env);
     let w = &slot["waiters"][0];
     assert_eq!(w["pid"], waiter.pid());
     assert_eq!(w["command"], format!("touch {}", ran.display()));
@@ -236,14 +209,7 @@ fn sigkill_of_a_holder_frees_its_slot() {
     assert_eq!(out.status.code(), Some(75));
     a.kill_all();
     env.ok(["exec", "--slot", "pull", "--no-wait", "--", "true"]);
-    let st = env.status_json(Vec::<String>::new());
-    let slot = st["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["kind"] == "slot")
-        .unwrap()
-        .clone();
+    let slot = slot_entry(&env);
     assert!(
         slot["holders"].as_array().unwrap().is_empty(),
         "the dead holder's record is gone: {slot}"
@@ -276,14 +242,7 @@ fn waiting_for_a_slot_burns_no_cpu() {
     let a = holder(&env, "pull", "normal", "a");
     let b = holder(&env, "pull", "normal", "b");
     let waiter = env.spawn(["exec", "--slot", "pull", "--", "true"]);
-    wait_until("the slot waiter is recorded", || {
-        let st = env.status_json(Vec::<String>::new());
-        st["locks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|l| l["kind"] == "slot" && !l["waiters"].as_array().unwrap().is_empty())
-    });
+    wait_for_slot_waiter(&env);
     let before = cpu_ticks(waiter.pid());
     std::thread::sleep(Duration::from_secs(2)); // the measurement window
     let used = cpu_ticks(waiter.pid()) - before;
