@@ -215,27 +215,27 @@ fn collect(
             ));
         }
     };
-    // Under the lock, the reason must still hold.
-    let current = store.with_tx_locked(None, |tx, _| tx.image(name.as_str()))?;
-    let still = match (&current, reason) {
-        (None, _) => false,
+    // Under the lock, the image must still exist and its reason still hold.
+    let (guard, current) = match guard {
+        Some(g) => match remove::recheck(store, &name, g, !dry_run)? {
+            Some((g, current)) => (Some(g), current),
+            None => return Ok(None),
+        },
+        None => match store.with_tx_locked(None, |tx, _| tx.image(name.as_str()))? {
+            Some(current) => (None, current),
+            None => return Ok(None),
+        },
+    };
+    let still = match reason {
         // Holding the lock, a creating/writing image has lost its writer
         // (a dry run sees the mark it did not commit).
-        (Some(c), Reason::Incomplete) => {
-            c.state == ImageState::Incomplete || c.state.being_written()
+        Reason::Incomplete => {
+            current.state == ImageState::Incomplete || current.state.being_written()
         }
-        (Some(c), Reason::Unused) => c.state == ImageState::Ready && c.last_used == row.last_used,
-        (Some(c), Reason::OverBudget) => c.last_used == row.last_used,
+        Reason::Unused => current.state == ImageState::Ready && current.last_used == row.last_used,
+        Reason::OverBudget => current.last_used == row.last_used,
     };
     if !still {
-        // Gone since we listed it: the lock file is ours (perhaps just
-        // created) and names nothing; it goes, under our exclusive lock.
-        if current.is_none()
-            && !dry_run
-            && let Some(g) = guard
-        {
-            let _ = g.unlink();
-        }
         return Ok(None);
     }
     let bytes = row.size_bytes.unwrap_or(0);

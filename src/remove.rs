@@ -30,7 +30,7 @@ use anyhow::{Context, Result};
 use crate::clock;
 use crate::debug;
 use crate::lock::{self, Guard, Mode};
-use crate::meta::ImageState;
+use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
 use crate::store::{Ctx, Store};
 use crate::usage;
@@ -218,6 +218,28 @@ impl Leftovers {
     }
 }
 
+/// Reads `name`'s row again under an exclusive lock of it (its lock file,
+/// or its gate): a decision made from an earlier list must be re-checked,
+/// because the image may have been removed, created or rebuilt in between.
+/// If it is gone, the file — which our try may have just recreated — names
+/// nothing, and with `tidy` it is unlinked (we hold it: the unlink rule).
+pub(crate) fn recheck(
+    store: &mut Store,
+    name: &ImageName,
+    guard: Guard,
+    tidy: bool,
+) -> Result<Option<(Guard, ImageRow)>> {
+    match store.with_tx_locked(None, |tx, _| tx.image(name.as_str()))? {
+        Some(row) => Ok(Some((guard, row))),
+        None => {
+            if tidy {
+                guard.unlink()?;
+            }
+            Ok(None)
+        }
+    }
+}
+
 /// Finds removals a crash interrupted and, with `fix`, finishes them: a
 /// `deleting` image whose lock is free is removed; trash is emptied; lock
 /// files of images without rows are unlinked (under their exclusive lock).
@@ -242,22 +264,14 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
         // (A missing lock file is free too; it is created only to fix.)
         match lock::try_lock(&store.root().image_lock(&n), Mode::Exclusive, fix) {
             Ok(Some(guard)) => {
-                // Re-check under the lock: the remover we took for crashed
-                // may have finished in between (and unlinked the lock file
-                // we just recreated).
-                let row = store.with_tx_locked(None, |tx, _| tx.image(n.as_str()))?;
-                match row {
-                    Some(r) if r.state == ImageState::Deleting => {
-                        found.removals.push(name);
-                        if fix {
-                            remove_locked(store, vec![(n, guard)])?;
-                        }
+                // The remover we took for crashed may just have been slow.
+                if let Some((guard, row)) = recheck(store, &n, guard, fix)?
+                    && row.state == ImageState::Deleting
+                {
+                    found.removals.push(name);
+                    if fix {
+                        remove_locked(store, vec![(n, guard)])?;
                     }
-                    Some(_) => {}
-                    None if fix => {
-                        let _ = guard.unlink();
-                    }
-                    None => {}
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => found.removals.push(name),
@@ -289,18 +303,11 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
             }
             // An exec creating this image holds the lock until its start
             // transaction made the row: only a free lock file is a leftover.
-            if let Ok(Some(guard)) = lock::try_lock(&e.path(), Mode::Exclusive, false) {
-                // Re-check under the lock: the image may have been created
-                // (and finished) since we listed the rows.
-                let exists =
-                    store.with_tx_locked(None, |tx, _| Ok(tx.image(n.as_str())?.is_some()))?;
-                if exists {
-                    continue;
-                }
+            // The image may have been created since we listed the rows.
+            if let Ok(Some(guard)) = lock::try_lock(&e.path(), Mode::Exclusive, false)
+                && recheck(store, &n, guard, fix)?.is_none()
+            {
                 found.lock_files.push(e.path());
-                if fix {
-                    guard.unlink()?;
-                }
             }
         }
     }
