@@ -38,6 +38,9 @@ pub struct Copied {
 
 /// Reports progress; `None` when nothing should be shown.
 pub trait Progress {
+    /// Whether progress may be shown at all: if not, the copy does not walk
+    /// the base an extra time to learn its total.
+    fn shown(&self) -> bool;
     fn total(&mut self, bytes: u64);
     fn advance(&mut self, bytes: u64);
     fn finish(&mut self);
@@ -45,15 +48,17 @@ pub trait Progress {
 
 /// Copies the tree at `src` into the existing, empty directory `dst`.
 pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<Copied> {
-    let total: u64 = walkdir::WalkDir::new(src)
-        .follow_links(false)
-        .into_iter()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_type().is_file())
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum();
-    progress.total(total);
+    if progress.shown() {
+        let total: u64 = walkdir::WalkDir::new(src)
+            .follow_links(false)
+            .into_iter()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_file())
+            .filter_map(|e| e.metadata().ok())
+            .map(|m| m.len())
+            .sum();
+        progress.total(total);
+    }
 
     let mut out = Copied::default();
     let mut links: HashMap<(u64, u64), std::path::PathBuf> = HashMap::new();
@@ -86,7 +91,7 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
             dirs.push((to, meta));
             continue;
         }
-        if meta.nlink() > 1 && !ft.is_dir() {
+        if meta.nlink() > 1 {
             if let Some(first) = links.get(&(meta.dev(), meta.ino())) {
                 fs::hard_link(first, &to).with_context(ctx)?;
                 continue;
@@ -256,6 +261,10 @@ impl Bar {
 const SHOW_AFTER: Duration = Duration::from_millis(700);
 
 impl Progress for Bar {
+    fn shown(&self) -> bool {
+        self.enabled
+    }
+
     fn total(&mut self, bytes: u64) {
         self.total = bytes;
     }
@@ -291,6 +300,9 @@ impl Progress for Bar {
 pub struct Silent;
 
 impl Progress for Silent {
+    fn shown(&self) -> bool {
+        false
+    }
     fn total(&mut self, _: u64) {}
     fn advance(&mut self, _: u64) {}
     fn finish(&mut self) {}

@@ -18,7 +18,6 @@ use crate::lock::{self, Mode, Probe};
 #[derive(Debug, Clone)]
 pub struct Filesystem {
     pub name: String,
-    pub magic: i64,
     /// True when every lock on it is visible in this host's lock table.
     pub local: bool,
 }
@@ -55,7 +54,7 @@ pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
     } else {
         name.to_owned()
     };
-    Ok(Filesystem { name, magic, local })
+    Ok(Filesystem { name, local })
 }
 
 /// A mount, from /proc/self/mountinfo.
@@ -129,9 +128,13 @@ fn unescape(s: &str) -> String {
 /// (`nolock`, `local_lock=flock|posix|all`), the offending options. Cheap where
 /// it matters: one statfs(2), and /proc/self/mountinfo only on NFS.
 pub fn local_only_nfs(path: &Path) -> Option<(Mount, Vec<String>)> {
-    // A root not made yet lives where its nearest existing ancestor does.
-    let path = path.ancestors().find(|p| p.exists())?;
-    if filesystem(path).ok()?.name != "nfs" {
+    // A root not made yet lives where its nearest existing ancestor does;
+    // the common case (it exists) costs the one statfs.
+    let (path, fs) = path.ancestors().find_map(|p| match filesystem(p) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        other => Some((p, other)),
+    })?;
+    if fs.ok()?.name != "nfs" {
         return None;
     }
     let m = mount_of(path)?;

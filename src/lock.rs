@@ -26,7 +26,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::thread::JoinHandleExt;
 use std::path::{Path, PathBuf};
@@ -87,17 +87,9 @@ impl Guard {
         &self.path
     }
 
-    pub fn mode(&self) -> Mode {
-        self.mode
-    }
-
     /// Device and inode of the locked file: what /proc/locks reports.
     pub fn identity(&self) -> (u64, u64) {
         (self.dev, self.ino)
-    }
-
-    pub fn raw_fd(&self) -> RawFd {
-        self.file.as_raw_fd()
     }
 
     /// Whether a spawned child inherits this lock's descriptor (and so keeps
@@ -490,6 +482,10 @@ const STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Blocks until one of `files` is locked in `mode`; returns its index.
 fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
+    // A deadline already past (a try pass) needs no threads to say so.
+    if wait.deadline.is_some_and(|d| Instant::now() >= d) {
+        return Ok(Waited::TimedOut);
+    }
     if let Some(f) = BEFORE_WAIT.get() {
         f();
     }

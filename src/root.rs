@@ -152,8 +152,13 @@ impl Root {
                 link.uid()
             );
         }
-        let m = fs::metadata(&self.dir)
-            .with_context(|| format!("cannot inspect root {}", self.dir.display()))?;
+        // Only a symlink needs a second look, at what it names.
+        let m = if link.file_type().is_symlink() {
+            fs::metadata(&self.dir)
+                .with_context(|| format!("cannot inspect root {}", self.dir.display()))?
+        } else {
+            link
+        };
         if !m.is_dir() {
             anyhow::bail!("root {} is not a directory", self.dir.display());
         }
