@@ -10,7 +10,7 @@
 //! that are not directories (symlinks are never followed) or whose names do
 //! not decode to valid image names are reported and left alone.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -67,6 +67,30 @@ pub enum Adopt {
     /// `ready` if it has content, `incomplete` if empty: a tree a crash may
     /// have left (repair).
     ByContent,
+}
+
+/// Inserts a row for every tree in `dir` without one: the row `salvaged`
+/// still holds for it if any (a rebuild), else a fresh one made `how`.
+/// Returns what was found, and how many rows came from `salvaged`.
+pub fn adopt(
+    tx: &Tx,
+    dir: &Path,
+    how: Adopt,
+    salvaged: &HashMap<String, ImageRow>,
+) -> Result<(Orphans, usize)> {
+    let found = orphans(tx, dir)?;
+    let mut from_salvage = 0;
+    for (name, tree) in &found.trees {
+        let row = match salvaged.get(name.as_str()) {
+            Some(r) => {
+                from_salvage += 1;
+                r.clone()
+            }
+            None => row_for(name, tree, how),
+        };
+        tx.insert_image(&row)?;
+    }
+    Ok((found, from_salvage))
 }
 
 /// The row an adopted tree gets; created and last used when the directory

@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+use crate::adopt::{self, Adopt};
 use crate::clock;
 use crate::kernel;
 use crate::lock;
@@ -164,92 +165,72 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         return Ok(report);
     }
 
-    // The database.
-    match database(store, repair, &mut report)? {
-        Db::Usable => consistency(store, repair, &mut report)?,
-        Db::Unusable => {}
+    // The database: its consistency is checked only if it is usable.
+    let (status, detail) = database(store, repair)?;
+    report.add("database", status, detail);
+    if status != Status::Problem {
+        consistency(store, repair, &mut report)?;
     }
     report.healthy = !report.checks.iter().any(|c| c.status == Status::Problem);
     Ok(report)
 }
 
-enum Db {
-    Usable,
-    Unusable,
-}
-
-fn database(store: &mut Store, repair: bool, report: &mut Report) -> Result<Db> {
+/// The database's verdict, upgrading or rebuilding it when repairing.
+fn database(store: &mut Store, repair: bool) -> Result<(Status, String)> {
     let db = store.root().db();
-    let health = inspect_db(store)?;
-    match health {
-        Health::Good { version } => {
-            let ours = meta::schema_version();
-            if version == ours || version == 0 {
-                report.add(
-                    "database",
-                    Status::Ok,
-                    format!("{}: intact, schema version {ours}", db.display()),
-                );
-                if version == 0 {
-                    store.migrate(None)?;
-                }
-                Ok(Db::Usable)
-            } else if version < ours {
-                if repair {
-                    store.migrate(None)?;
-                    report.add(
-                        "database",
-                        Status::Repaired,
-                        format!(
-                            "{}: schema upgraded from version {version} to {ours}",
-                            db.display()
-                        ),
-                    );
-                    Ok(Db::Usable)
-                } else {
-                    report.add(
-                        "database",
-                        Status::Problem,
-                        format!("{}: schema version {version}, this stowage uses {ours} (any command upgrades it)", db.display()),
-                    );
-                    Ok(Db::Unusable)
-                }
-            } else {
-                report.add(
-                    "database",
-                    Status::Problem,
-                    format!("{}: schema version {version} is newer than this stowage ({ours}); use a newer stowage", db.display()),
-                );
-                Ok(Db::Unusable)
+    let db = db.display();
+    let ours = meta::schema_version();
+    Ok(match inspect_db(store)? {
+        Health::Good { version } if version == ours || version == 0 => {
+            if version == 0 {
+                store.migrate(None)?;
             }
+            (Status::Ok, format!("{db}: intact, schema version {ours}"))
         }
-        Health::Damaged(why) => {
-            if repair {
-                let r = rebuild(store)?;
-                report.add(
-                    "database",
-                    Status::Repaired,
-                    format!(
-                        "{} was damaged ({why}); moved to {} and rebuilt from {}: {} images ({} with their recorded state){}",
-                        db.display(),
-                        r.moved_to.display(),
-                        r.images_dir.display(),
-                        r.images,
-                        r.salvaged,
-                        if r.slot_classes_lost { "; slot classes could not be recovered: set them again with 'stowage slots set'" } else { "" }
-                    ),
-                );
-                Ok(Db::Usable)
-            } else {
-                report.add(
-                    "database",
-                    Status::Problem,
-                    format!("{} is damaged ({why}); 'stowage doctor --repair' moves it aside and rebuilds it from the images directory (no image is lost)", db.display()),
-                );
-                Ok(Db::Unusable)
-            }
+        Health::Good { version } if version < ours && repair => {
+            store.migrate(None)?;
+            (
+                Status::Repaired,
+                format!("{db}: schema upgraded from version {version} to {ours}"),
+            )
         }
-    }
+        Health::Good { version } if version < ours => (
+            Status::Problem,
+            format!(
+                "{db}: schema version {version}, this stowage uses {ours} (any command upgrades it)"
+            ),
+        ),
+        Health::Good { version } => (
+            Status::Problem,
+            format!(
+                "{db}: schema version {version} is newer than this stowage ({ours}); use a newer stowage"
+            ),
+        ),
+        Health::Damaged(why) if repair => {
+            let r = rebuild(store)?;
+            (
+                Status::Repaired,
+                format!(
+                    "{db} was damaged ({why}); moved to {} and rebuilt from {}: {} images ({} with their recorded state){}",
+                    r.moved_to.display(),
+                    r.images_dir.display(),
+                    r.images,
+                    r.salvaged,
+                    if r.slot_classes_lost {
+                        "; slot classes could not be recovered: set them again with 'stowage slots set'"
+                    } else {
+                        ""
+                    }
+                ),
+            )
+        }
+        Health::Damaged(why) => (
+            Status::Problem,
+            format!(
+                "{db} is damaged ({why}); 'stowage doctor --repair' moves it aside and rebuilds it from the images directory (no image is lost)"
+            ),
+        ),
+    })
 }
 
 enum Health {
@@ -324,7 +305,9 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     for c in salvage.slot_classes.unwrap_or_default() {
         tx.set_slot_class(&c)?;
     }
-    let (images, salvaged) = adopt_all(&tx, &images_dir, &salvage.images)?;
+    // Salvaged rows where there are any; the rest judged by content.
+    let (found, salvaged) = adopt::adopt(&tx, &images_dir, Adopt::ByContent, &salvage.images)?;
+    let images = found.trees.len();
     tx.commit()?;
     Ok(Rebuilt {
         moved_to,
@@ -402,25 +385,6 @@ fn salvage(db: &Path) -> Salvage {
         out.slot_classes = Some(rows.flatten().collect());
     }
     out
-}
-
-/// Inserts a row for every image tree: its salvaged row where there is one,
-/// else `ready` for a non-empty tree (as `init` adopts) and `incomplete` for
-/// an empty one. Returns (images, of which salvaged).
-fn adopt_all(tx: &Tx, dir: &Path, known: &HashMap<String, ImageRow>) -> Result<(usize, usize)> {
-    let found = crate::adopt::orphans(tx, dir)?;
-    let mut salvaged = 0;
-    for (name, tree) in &found.trees {
-        let row = match known.get(name.as_str()) {
-            Some(r) => {
-                salvaged += 1;
-                r.clone()
-            }
-            None => crate::adopt::row_for(name, tree, crate::adopt::Adopt::ByContent),
-        };
-        tx.insert_image(&row)?;
-    }
-    Ok((found.trees.len(), salvaged))
 }
 
 /// Records, rows and trees, leftovers.
@@ -607,15 +571,12 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
             found.incomplete.push(r.name.clone());
         }
     }
-    for (name, tree) in crate::adopt::orphans(tx, &images_dir)?.trees {
-        found.orphan_trees.push(name.as_str().to_owned());
-        if repair {
-            tx.insert_image(&crate::adopt::row_for(
-                &name,
-                &tree,
-                crate::adopt::Adopt::ByContent,
-            ))?;
-        }
-    }
+    // Adopted in any case: without repair the transaction is rolled back.
+    let (orphans, _) = adopt::adopt(tx, &images_dir, Adopt::ByContent, &HashMap::new())?;
+    found.orphan_trees = orphans
+        .trees
+        .iter()
+        .map(|(name, _)| name.as_str().to_owned())
+        .collect();
     Ok(found)
 }

@@ -100,9 +100,7 @@ impl Error {
 /// The exit code for any error: the first typed [`Error`] in the chain
 /// decides, anything else is a plain failure.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
-    err.chain()
-        .find_map(|e| e.downcast_ref::<Error>())
-        .map_or(code::FAILURE, Error::exit_code)
+    typed(err).map_or(code::FAILURE, Error::exit_code)
 }
 
 /// The typed error in the chain, if any.

@@ -64,8 +64,6 @@ pub struct Removed {
     pub state: &'static str,
     pub size_bytes: u64,
     pub reason: Reason,
-    #[serde(skip)]
-    pub last_used: Millis,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -145,11 +143,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         let ms = Millis::try_from(d.as_millis()).unwrap_or(Millis::MAX);
         now.saturating_sub(ms)
     });
-    rows.sort_by(|a, b| {
-        a.last_used
-            .cmp(&b.last_used)
-            .then_with(|| a.name.cmp(&b.name))
-    });
+    rows.sort_by(oldest_first);
     for reason in [Reason::Incomplete, Reason::Unused] {
         let (these, rest): (Vec<ImageRow>, Vec<ImageRow>) =
             rows.into_iter().partition(|r| match reason {
@@ -163,11 +157,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
                 None => rows.push(r),
             }
         }
-        rows.sort_by(|a, b| {
-            a.last_used
-                .cmp(&b.last_used)
-                .then_with(|| a.name.cmp(&b.name))
-        });
+        rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
         for r in rows {
@@ -184,6 +174,13 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     report.size_after = total;
     report.bytes_freed = report.removed.iter().map(|r| r.size_bytes).sum();
     Ok(report)
+}
+
+/// Least recently used first; by name among equals, so runs repeat.
+fn oldest_first(a: &ImageRow, b: &ImageRow) -> std::cmp::Ordering {
+    a.last_used
+        .cmp(&b.last_used)
+        .then_with(|| a.name.cmp(&b.name))
 }
 
 /// Removes one image if its lock is free and its reason still holds.
@@ -251,7 +248,6 @@ fn collect(
         state: row.state.as_str(),
         size_bytes: bytes,
         reason,
-        last_used: row.last_used,
     });
     Ok(Some(bytes))
 }

@@ -203,6 +203,35 @@ pub struct Record {
     pub since: Millis,
 }
 
+impl Record {
+    /// A record of this process for a lock it holds or awaits, from now.
+    pub fn ours(
+        me: &crate::ident::Me,
+        kind: LockKind,
+        name: &str,
+        lockfile: String,
+        role: Role,
+        mode: Mode,
+        command: &str,
+    ) -> Record {
+        Record {
+            id: 0,
+            kind,
+            name: name.to_owned(),
+            lockfile,
+            role,
+            mode,
+            pid: me.pid,
+            pid_start: me.pid_start,
+            host: me.host.clone(),
+            boot_id: me.boot_id.clone(),
+            user: me.user.clone(),
+            command: command.to_owned(),
+            since: crate::clock::now_ms(),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SlotClass {
     pub name: String,
@@ -642,7 +671,8 @@ impl<'c> Tx<'c> {
             > 0)
     }
 
-    /// Raw access for the few queries not worth a method (doctor's checks).
+    /// Raw access, for tests that inspect the schema.
+    #[cfg(test)]
     pub fn sql(&self) -> &rusqlite::Connection {
         &self.tx
     }

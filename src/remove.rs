@@ -246,13 +246,13 @@ pub(crate) fn recheck(
 pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
     let mut found = Leftovers::default();
     let (deleting, names) = store.with_tx(None, |tx, _| {
-        let deleting: Vec<String> = tx
-            .images_in_states(&[ImageState::Deleting])?
-            .into_iter()
-            .map(|r| r.name)
+        let rows = tx.images()?;
+        let deleting: Vec<String> = rows
+            .iter()
+            .filter(|r| r.state == ImageState::Deleting)
+            .map(|r| r.name.clone())
             .collect();
-        let names: std::collections::HashSet<String> =
-            tx.images()?.into_iter().map(|r| r.name).collect();
+        let names: std::collections::HashSet<String> = rows.into_iter().map(|r| r.name).collect();
         Ok((deleting, names))
     })?;
     debug::pause("interrupted-listed");

@@ -208,8 +208,11 @@ impl Session {
             .map(|h| match h.mode {
                 Mode::Exclusive => {
                     let dir = self.images_dir.join(h.name.encoded());
-                    let gone = std::fs::symlink_metadata(&dir).is_err();
-                    (usage::disk_usage(&dir).ok(), gone)
+                    if std::fs::symlink_metadata(&dir).is_err() {
+                        (None, true)
+                    } else {
+                        (usage::disk_usage(&dir).ok(), false)
+                    }
                 }
                 Mode::Shared => (None, false),
             })
@@ -236,12 +239,8 @@ impl Session {
                 ctx.detail(&format!("image '{}' is {state}", h.name));
             }
         }
-        for id in self
-            .records
-            .iter()
-            .chain(self.slot.as_ref().and_then(|s| s.record_id()).as_ref())
-        {
-            tx.delete_record(*id)?;
+        for id in self.record_ids() {
+            tx.delete_record(id)?;
         }
         tx.commit()?;
         // The lock files of deleted images go too, under our exclusive locks
@@ -257,6 +256,14 @@ impl Session {
         }
         drop(self.slot);
         Ok(())
+    }
+
+    /// Every record this session made: its image holders and its slot's.
+    fn record_ids(&self) -> impl Iterator<Item = i64> + '_ {
+        self.records
+            .iter()
+            .copied()
+            .chain(self.slot.as_ref().and_then(|s| s.record_id()))
     }
 
     /// Undoes the start when the command never ran (it could not be
@@ -276,12 +283,8 @@ impl Session {
                 Some(prev) => tx.set_state(h.name.as_str(), prev)?,
             }
         }
-        for id in self
-            .records
-            .iter()
-            .chain(self.slot.as_ref().and_then(|s| s.record_id()).as_ref())
-        {
-            tx.delete_record(*id)?;
+        for id in self.record_ids() {
+            tx.delete_record(id)?;
         }
         tx.commit()
     }
@@ -382,10 +385,26 @@ pub(crate) fn acquire_image(
         .into());
     }
     store.ctx().say(&format!("waiting for {what}: {holders}"));
-    let t0 = Instant::now();
     let mut wait = Wait::on(&store.root().image_locks(), want.deadline);
-    let failure = match wait_image(&gate, &path, mode, &mut wait).map_err(err) {
-        Ok(Waited::Acquired(g)) => return Ok((g, waiter)),
+    let guard = wait_as_waiter(store, waiter, what, holders, || {
+        wait_image(&gate, &path, mode, &mut wait).map_err(err)
+    })?;
+    Ok((guard, waiter))
+}
+
+/// Runs a wait announced as `what`, held by `holders`, and makes its
+/// outcome the caller's: a timeout is [`Error::Busy`] (exit 75), a signal
+/// [`Error::Interrupted`]. On any failure the waiter record goes again.
+pub(crate) fn wait_as_waiter<T>(
+    store: &mut Store,
+    waiter: Option<i64>,
+    what: String,
+    holders: String,
+    wait: impl FnOnce() -> Result<Waited<T>>,
+) -> Result<T> {
+    let t0 = Instant::now();
+    let failure = match wait() {
+        Ok(Waited::Acquired(got)) => return Ok(got),
         Ok(Waited::TimedOut) => anyhow::Error::from(Error::Busy(Busy {
             what,
             holders,
@@ -464,21 +483,15 @@ fn require(
 }
 
 fn record(ctx: &Ctx, name: &ImageName, mode: Mode, role: Role, command: &str) -> Record {
-    Record {
-        id: 0,
-        kind: LockKind::Image,
-        name: name.as_str().to_owned(),
-        lockfile: format!("images/{}", crate::root::lock_file_name(name.encoded())),
+    Record::ours(
+        &ctx.me,
+        LockKind::Image,
+        name.as_str(),
+        format!("images/{}", crate::root::lock_file_name(name.encoded())),
         role,
         mode,
-        pid: ctx.me.pid,
-        pid_start: ctx.me.pid_start,
-        host: ctx.me.host.clone(),
-        boot_id: ctx.me.boot_id.clone(),
-        user: ctx.me.user.clone(),
-        command: command.to_owned(),
-        since: clock::now_ms(),
-    }
+        command,
+    )
 }
 
 /// The start transaction. Returns the images directory and the ids of the
@@ -634,6 +647,12 @@ fn prepare_write(
         made.push(dir.clone());
     }
     let base = req.base.as_ref().map(|b| b.as_str().to_owned());
+    // An existing tree is being rewritten; a fresh directory, created.
+    let state = if exists {
+        ImageState::Writing
+    } else {
+        ImageState::Creating
+    };
     match row {
         None => {
             if exists {
@@ -644,11 +663,7 @@ fn prepare_write(
             }
             tx.insert_image(&ImageRow {
                 name: name.as_str().to_owned(),
-                state: if exists {
-                    ImageState::Writing
-                } else {
-                    ImageState::Creating
-                },
+                state,
                 base,
                 created: now,
                 last_used: now,
@@ -656,11 +671,6 @@ fn prepare_write(
             })?;
         }
         Some(r) => {
-            let state = if exists {
-                ImageState::Writing
-            } else {
-                ImageState::Creating
-            };
             if r.state.being_written() {
                 ctx.detail(&format!(
                     "image '{name}': its previous writer is gone; writing it anew"

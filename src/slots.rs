@@ -31,7 +31,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use crate::clock;
 use crate::error::{Busy, Error};
 use crate::kernel::KernelView;
 use crate::lock::{self, Guard, Mode, Probe, Wait, Waited};
@@ -157,21 +156,15 @@ fn lockfile_rel(ctx: &Ctx, path: &Path) -> String {
 }
 
 fn record(ctx: &Ctx, class: &str, lockfile: String, role: Role, command: &str) -> Record {
-    Record {
-        id: 0,
-        kind: LockKind::Slot,
-        name: class.to_owned(),
+    Record::ours(
+        &ctx.me,
+        LockKind::Slot,
+        class,
         lockfile,
         role,
-        mode: Mode::Exclusive,
-        pid: ctx.me.pid,
-        pid_start: ctx.me.pid_start,
-        host: ctx.me.host.clone(),
-        boot_id: ctx.me.boot_id.clone(),
-        user: ctx.me.user.clone(),
-        command: command.to_owned(),
-        since: clock::now_ms(),
-    }
+        Mode::Exclusive,
+        command,
+    )
 }
 
 /// Takes a slot of `class`, recording the holder. `Ok(None)` when the class
@@ -229,7 +222,8 @@ pub(crate) fn acquire_unrecorded(
     crate::root::make_dir(&dir)?;
     let files = candidates(&dir, &config, priority);
     let label = format!("a {} slot of class '{class}'", priority_word(priority));
-    let mut wait = Wait::on(&dir, Some(Instant::now()));
+    // One pass of tries: the deadline is now, so nothing blocks.
+    let mut wait = Wait::until(Some(Instant::now()));
     let wait_err = |e| lock_error(&label, &dir, e);
     if let Waited::Acquired((_, guard)) =
         lock::lock_any(&files, Mode::Exclusive, true, &mut wait).map_err(wait_err)?
@@ -269,31 +263,16 @@ pub(crate) fn acquire_unrecorded(
     store
         .ctx()
         .say(&format!("waiting for {what}: all {holders}"));
-    let t0 = Instant::now();
     let mut wait = Wait::on(&dir, deadline);
-    let failure: anyhow::Error =
-        match lock::lock_any(&files, Mode::Exclusive, true, &mut wait).map_err(wait_err) {
-            Ok(Waited::Acquired((_, guard))) => {
-                return Ok(Some(SlotGuard {
-                    guard,
-                    class: class.to_owned(),
-                    waiter,
-                    record: None,
-                }));
-            }
-            Ok(Waited::TimedOut) => Error::Busy(Busy {
-                what,
-                holders,
-                waited: t0.elapsed(),
-            })
-            .into(),
-            Ok(Waited::Interrupted(sig)) => Error::Interrupted(sig).into(),
-            Err(e) => e,
-        };
-    if let Some(id) = waiter {
-        store.forget_record(id);
-    }
-    Err(failure)
+    let (_, guard) = crate::session::wait_as_waiter(store, waiter, what, holders, || {
+        lock::lock_any(&files, Mode::Exclusive, true, &mut wait).map_err(wait_err)
+    })?;
+    Ok(Some(SlotGuard {
+        guard,
+        class: class.to_owned(),
+        waiter,
+        record: None,
+    }))
 }
 
 fn priority_word(p: Priority) -> &'static str {

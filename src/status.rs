@@ -265,24 +265,11 @@ pub fn kernel_holders_phrase(ctx: &Ctx, path: &Path) -> String {
 
 /// Who holds the global lock, for the rare message about waiting for it.
 /// Read without the global lock, so from the kernel only.
-pub fn global_holder_phrase(root: &crate::root::Root) -> String {
-    let path = root.global_lock();
-    let kv = KernelView::new(&root.locks());
+pub fn global_holder_phrase(ctx: &Ctx) -> String {
+    let path = ctx.root.global_lock();
+    let kv = KernelView::new(&ctx.root.locks());
     let view = kv.view(&path).unwrap_or_default();
-    let me = crate::ident::Me::current();
-    let holders: Vec<Party> = view
-        .holders
-        .iter()
-        .map(|e| Party {
-            pid: e.pid,
-            host: Some(me.host.clone()),
-            user: e.pid.and_then(ident::process_user),
-            mode: e.mode,
-            command: e.pid.and_then(ident::command_line),
-            since: None,
-            stowage: e.pid.is_some_and(ident::runs_stowage),
-        })
-        .collect();
+    let holders = global_holders(ctx, &view);
     if holders.is_empty() {
         "held by a process stowage cannot identify (on another host, or stopped)".into()
     } else {
@@ -534,8 +521,20 @@ pub fn gather(
                 LockReport::image(name, &view, holders, waiters),
             );
         }
-        let extra: Vec<String> = if sel.all {
-            tx.images()?.into_iter().map(|r| r.name).collect()
+        // With --all every row is read once, here, for the names and the
+        // states below; otherwise the few shown are looked up one by one.
+        let states: Option<HashMap<String, ImageState>> = if sel.all {
+            Some(
+                tx.images()?
+                    .into_iter()
+                    .map(|r| (r.name, r.state))
+                    .collect(),
+            )
+        } else {
+            None
+        };
+        let extra: Vec<String> = if let Some(states) = &states {
+            states.keys().cloned().collect()
         } else {
             sel.names.iter().map(|n| n.as_str().to_owned()).collect()
         };
@@ -569,7 +568,10 @@ pub fn gather(
             if !shown || (!named.is_empty() && !named.contains(name.as_str()) && !sel.all) {
                 continue;
             }
-            r.image_state = tx.image(&name)?.map(|row| row.state);
+            r.image_state = match &states {
+                Some(states) => states.get(&name).copied(),
+                None => tx.image(&name)?.map(|row| row.state),
+            };
             out.push(r);
         }
         out.extend(slots);
@@ -589,17 +591,7 @@ fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {
     {
         view.state = Some(p);
     }
-    let holders = view
-        .holders
-        .iter()
-        .map(|e| {
-            let mut p = outsider(ctx, e);
-            // Holders of the global lock are almost always stowage itself,
-            // in one of its short transactions.
-            p.stowage = e.pid.is_some_and(ident::runs_stowage);
-            p
-        })
-        .collect();
+    let holders = global_holders(ctx, &view);
     LockReport {
         kind: LockKind::Global,
         name: "global".into(),
@@ -609,6 +601,18 @@ fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {
         image_state: None,
         slot: None,
     }
+}
+
+/// The global lock's holders, from the kernel's table: there are no records
+/// of it. They are almost always stowage itself, in a short transaction.
+fn global_holders(ctx: &Ctx, view: &LockView) -> Vec<Party> {
+    view.holders
+        .iter()
+        .map(|e| Party {
+            stowage: e.pid.is_some_and(ident::runs_stowage),
+            ..outsider(ctx, e)
+        })
+        .collect()
 }
 
 /// Which images are in use (their lock held), for `stowage images`.

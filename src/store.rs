@@ -42,15 +42,18 @@ pub struct Ctx {
     pub quiet: bool,
     pub verbose: bool,
     /// The umask a spawned command gets back, when ours was changed for a
-    /// group-shared store.
+    /// group-shared store (which is also how to tell that it is one).
     pub child_umask: Option<u32>,
-    /// The root is shared by a group: what we create must be group-writable.
-    pub shared: bool,
     /// Set once a "waiting for the global lock" notice has been printed.
     noticed_global: Cell<bool>,
 }
 
 impl Ctx {
+    /// The root is shared by a group: what we create must be group-writable.
+    pub fn shared(&self) -> bool {
+        self.child_umask.is_some()
+    }
+
     /// Prints a progress or waiting message unless quiet.
     pub fn say(&self, msg: &str) {
         if !self.quiet {
@@ -100,7 +103,6 @@ impl Store {
                 quiet: false,
                 verbose: false,
                 child_umask: None,
-                shared: false,
                 noticed_global: Cell::new(false),
             },
         }
@@ -152,19 +154,16 @@ impl Store {
         let mut wait = Wait::on(&ctx.root.locks(), deadline);
         wait.uninterruptible = cleanup;
         if !ctx.noticed_global.get() {
-            let root = ctx.root.clone();
-            let quiet = ctx.quiet;
-            let noticed = &ctx.noticed_global;
             wait.notice = Some((
                 GLOBAL_NOTICE,
                 Box::new(move || {
-                    noticed.set(true);
-                    if !quiet {
+                    ctx.noticed_global.set(true);
+                    if !ctx.quiet {
                         let _ = writeln!(
                             std::io::stderr(),
                             "stowage: waiting for the global metadata lock ({}): {}",
-                            root.global_lock().display(),
-                            status::global_holder_phrase(&root)
+                            ctx.root.global_lock().display(),
+                            status::global_holder_phrase(ctx)
                         );
                     }
                 }),
@@ -176,7 +175,7 @@ impl Store {
             Waited::Acquired(g) => Ok(g),
             Waited::TimedOut => Err(Error::Busy(Busy {
                 what: "the global metadata lock".into(),
-                holders: status::global_holder_phrase(&ctx.root),
+                holders: status::global_holder_phrase(ctx),
                 waited: Duration::ZERO,
             })
             .into()),
@@ -188,7 +187,7 @@ impl Store {
     fn begin_raw(&mut self, deadline: Option<Instant>, cleanup: bool) -> Result<(Tx<'_>, &Ctx)> {
         let global = Self::take_global(&self.ctx, deadline, cleanup)?;
         let db = self.ctx.root.db();
-        let conn = connection(&mut self.conn, &db, self.ctx.shared)?;
+        let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         Ok((tx, &self.ctx))
     }
@@ -301,7 +300,7 @@ impl Store {
     ) -> Result<T> {
         let global = self.global_with_images_free(what, deadline)?;
         let db = self.ctx.root.db();
-        let conn = connection(&mut self.conn, &db, self.ctx.shared)?;
+        let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         let out = f(&tx, &self.ctx)?;
         tx.commit()?;

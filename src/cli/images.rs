@@ -79,7 +79,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             },
         ]);
     }
-    print_table(&table);
+    print!("{}", super::table(&table));
     Ok(0)
 }
 
@@ -121,25 +121,4 @@ fn fill_sizes(
         })?;
     }
     Ok(())
-}
-
-/// Prints rows as left-aligned columns.
-pub fn print_table<const N: usize>(rows: &[[String; N]]) {
-    let mut widths = [0usize; N];
-    for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    for row in rows {
-        let mut line = String::new();
-        for (i, (cell, w)) in row.iter().zip(widths).enumerate() {
-            if i + 1 == N {
-                line.push_str(cell);
-            } else {
-                line.push_str(&format!("{cell:<w$}  "));
-            }
-        }
-        println!("{}", line.trim_end());
-    }
 }

@@ -1,9 +1,11 @@
 //! `stowage init`: create the layout and adopt existing image directories.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 
+use crate::adopt::{self, Adopt};
 use crate::root::make_dir;
 use crate::store::Store;
 
@@ -71,8 +73,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             crate::doctor::write_images_dir_note(&ctx.root, dir)?;
         }
         let dir = tx.images_dir(&ctx.root)?;
-        let (adopted, skipped) = adopt(tx, &dir)?;
-        Ok((dir, adopted, skipped))
+        let (found, _) = adopt::adopt(tx, &dir, Adopt::AsReady, &HashMap::new())?;
+        Ok((dir, found.trees.len(), found.skipped))
     })?;
     for (entry, why) in &skipped {
         store.ctx().say(&format!(
@@ -94,17 +96,4 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         }
     ));
     Ok(0)
-}
-
-/// Inserts a row for every image tree without one (see `adopt.rs`).
-fn adopt(tx: &crate::meta::Tx, dir: &std::path::Path) -> Result<(usize, Vec<(String, String)>)> {
-    let found = crate::adopt::orphans(tx, dir)?;
-    for (name, tree) in &found.trees {
-        tx.insert_image(&crate::adopt::row_for(
-            name,
-            tree,
-            crate::adopt::Adopt::AsReady,
-        ))?;
-    }
-    Ok((found.trees.len(), found.skipped))
 }

@@ -97,28 +97,7 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
             rows.push([String::new(), String::new(), String::new(), more.clone()]);
         }
     }
-    let mut widths = [0usize; 3];
-    for r in &rows {
-        for i in 0..3 {
-            widths[i] = widths[i].max(r[i].chars().count());
-        }
-    }
-    let mut s = format!("root {} ({fs})\n", root.display());
-    for r in &rows {
-        let line = format!(
-            "{:<w0$}  {:<w1$}  {:<w2$}  {}",
-            r[0],
-            r[1],
-            r[2],
-            r[3],
-            w0 = widths[0],
-            w1 = widths[1],
-            w2 = widths[2]
-        );
-        s.push_str(line.trim_end());
-        s.push('\n');
-    }
-    s
+    format!("root {} ({fs})\n{}", root.display(), super::table(&rows))
 }
 
 fn party(p: &Party) -> String {

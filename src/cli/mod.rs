@@ -108,7 +108,6 @@ fn run(cli: Cli) -> Result<u8> {
         let shared = old.bits() & !0o070;
         nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(shared));
         store.ctx_mut().child_umask = Some(old.bits() as u32);
-        store.ctx_mut().shared = true;
     }
     let db = store.root().db();
     let result = match cli.command {
@@ -218,4 +217,29 @@ fn deadline(wait: Option<&str>, no_wait: bool) -> Result<(Option<Instant>, bool)
         }
         (None, false) => Ok((None, false)),
     }
+}
+
+/// Rows as left-aligned columns, two spaces apart; the last column is not
+/// padded, and no line ends in spaces.
+fn table<const N: usize>(rows: &[[String; N]]) -> String {
+    let mut widths = [0usize; N];
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for row in rows {
+        let mut line = String::new();
+        for (i, (cell, w)) in row.iter().zip(widths).enumerate() {
+            if i + 1 == N {
+                line.push_str(cell);
+            } else {
+                line.push_str(&format!("{cell:<w$}  "));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
 }

@@ -152,6 +152,6 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
             r.waiters.len().to_string(),
         ]);
     }
-    super::images::print_table(&rows);
+    print!("{}", super::table(&rows));
     Ok(0)
 }
