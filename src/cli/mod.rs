@@ -91,7 +91,7 @@ pub fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<u8> {
-    let root = Root::resolve(cli.root.as_deref())?;
+    let mut root = Root::resolve(cli.root.as_deref())?;
     let sharing = root.check()?;
     if !matches!(cli.command, Command::Doctor(_)) {
         root.check_locking()?;
