@@ -201,6 +201,58 @@ impl Root {
         Ok(())
     }
 
+    /// Like [`Root::create_layout`], for `doctor`: an existing entry in
+    /// place of one of the root's directories that is not a directory (a
+    /// planted symlink) is passed to `bad` with a phrase saying what it is,
+    /// instead of failing. Returns whether the lock directories are usable.
+    pub fn create_layout_reporting(&self, mut bad: impl FnMut(&str, &str)) -> Result<bool> {
+        if fs::symlink_metadata(&self.dir).is_err() {
+            return self.create_layout().map(|()| true);
+        }
+        self.open()?;
+        let mut locks_ok = true;
+        for name in ["locks", "locks/images", "locks/slots", "img", "trash"] {
+            let path = self.dir.join(name);
+            let what = match fs::symlink_metadata(&path) {
+                Ok(m) if m.is_dir() => continue,
+                Ok(m) if m.file_type().is_symlink() => "a symlink, not a directory",
+                Ok(_) => "not a directory",
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    if locks_ok {
+                        make_dir(&path)?;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("cannot inspect {}", path.display()));
+                }
+            };
+            bad(name, what);
+            if name.starts_with("locks") {
+                locks_ok = false;
+            }
+        }
+        Ok(locks_ok)
+    }
+
+    /// Replaces a non-directory entry `name` of the root (a planted
+    /// symlink: only the link goes) with an empty directory.
+    pub fn replace_with_dir(&self, name: &str) -> Result<()> {
+        let root = self.open()?;
+        let path = self.dir.join(name);
+        match root.stat_at(name)? {
+            Some(e) if e.is_dir() => return Ok(()),
+            Some(e) => {
+                root.unlink_if(name, e.dev, e.ino)
+                    .with_context(|| format!("cannot remove {}", path.display()))?;
+            }
+            None => {}
+        }
+        root.mkdir(name, 0o777)
+            .with_context(|| format!("cannot create directory {}", path.display()))?;
+        Ok(())
+    }
+
     /// Refuses a root that someone else could control, and says whether it
     /// is shared with a group. A root must be a directory owned by us (or
     /// root) or writable by a group of ours; never writable by everyone

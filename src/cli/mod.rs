@@ -69,6 +69,25 @@ enum Command {
     Doctor(doctor::Args),
 }
 
+impl Command {
+    /// Whether the command creates the root when it does not exist: those
+    /// that write (the spec's `exec`, `init`, `slots set`; `gc` and `doctor
+    /// --repair` set up what they clean). The others say it is missing.
+    fn creates_root(&self) -> bool {
+        match self {
+            Command::Init(_) | Command::Exec(_) | Command::Gc(_) => true,
+            Command::Slots(a) => a.creates(),
+            Command::Doctor(a) => a.creates(),
+            Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) => false,
+        }
+    }
+}
+
+/// Nothing at `path`, not even a dangling symlink.
+fn fs_missing(path: &std::path::Path) -> bool {
+    std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+}
+
 pub fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -95,6 +114,11 @@ fn run(cli: Cli) -> Result<u8> {
     let sharing = root.check()?;
     if !matches!(cli.command, Command::Doctor(_)) {
         root.check_locking()?;
+    }
+    // A command that only reads never creates a store: a mistyped --root
+    // is said so, not answered with an empty table.
+    if !cli.command.creates_root() && fs_missing(root.dir()) {
+        return Err(Error::NoRoot(root.dir().to_owned()).into());
     }
     let mut store = Store::new(root);
     store.ctx_mut().quiet = cli.quiet;
