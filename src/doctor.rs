@@ -137,7 +137,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
                 "access",
                 Status::Problem,
                 format!(
-                    "cannot create a file in {}: {e} — you may not write this store ({}), and stowage needs to write its lock files and database to check or use it; 'stowage images' and 'stowage lock-status' show it read-only",
+                    "cannot create a file in {}: {e} — you may not write this store ({}); stowage needs to write its lock files and database to check or use it (ask its owner, or share it with a group: see docs/design.md)",
                     root.locks().display(),
                     owner_phrase(root.dir())
                 ),

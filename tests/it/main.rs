@@ -8,6 +8,7 @@ mod concurrency;
 mod crash;
 mod exec;
 mod fairness;
+mod files;
 mod hostile;
 mod init;
 mod lifecycle;
