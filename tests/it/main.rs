@@ -15,5 +15,6 @@ mod lock_status;
 mod migration;
 mod names;
 mod runtimes;
+mod shell;
 mod slots;
 mod stress;
