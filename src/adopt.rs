@@ -185,7 +185,7 @@ impl Mount {
                 dir.display()
             )),
             Mount::Empty(_) => Some(format!(
-                "images directory {} is empty while images are recorded: is it mounted?",
+                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images)",
                 dir.display()
             )),
             Mount::Other { recorded, now } => Some(format!(

@@ -13,8 +13,9 @@
 //! - Renames and deletions are `renameat`/`unlinkat` relative to those
 //!   descriptors; what was checked is what is acted on.
 //! - Deleting a tree ([`Dir::remove_entry`]) never follows a symlink (it is
-//!   unlinked), never crosses into another filesystem (a mount inside a tree
-//!   stops the walk with an error), and holds a bounded number of
+//!   unlinked), never crosses into another mount (a mount inside a tree,
+//!   bind mounts of the same filesystem included, stops the walk with an
+//!   error), and holds a bounded number of
 //!   descriptors whatever the depth — deeper than PATH_MAX is fine. Levels
 //!   above the last few are closed and reopened through `..`, which must be
 //!   the very directory that was left (device and inode): a tree moved away
@@ -111,6 +112,26 @@ impl Dir {
         // SAFETY: st is a valid out-pointer.
         check(unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) })?;
         Ok(entry(&st))
+    }
+
+    /// The id of the mount this directory is on, where the kernel says
+    /// (Linux 5.8+). Unlike the device number it tells a bind mount of the
+    /// same filesystem apart.
+    fn mount_id(&self) -> Option<u64> {
+        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+        let empty = c"";
+        // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, and
+        // an out-pointer to a zeroed statx.
+        let r = unsafe {
+            libc::statx(
+                self.fd.as_raw_fd(),
+                empty.as_ptr(),
+                libc::AT_EMPTY_PATH,
+                libc::STATX_MNT_ID,
+                &mut stx,
+            )
+        };
+        (r == 0 && stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
     }
 
     /// The entry `name`, not followed; `None` if there is none.
@@ -283,6 +304,7 @@ struct Level {
 fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
     let st = top.stat()?;
     let dev = st.dev;
+    let mount = top.mount_id();
     top.make_writable(&st);
     let pending = top.names()?;
     let mut stack = vec![Level {
@@ -329,7 +351,12 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
             match pdir.unlinkat(&done.name, libc::AT_REMOVEDIR) {
                 Ok(()) => *removed += 1,
                 Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
-                    // Written to after we emptied it: go through it again.
+                    // Written to after we emptied it: go through it again
+                    // (a bounded number of times).
+                    parent.relisted += 1;
+                    if parent.relisted > RELISTS {
+                        return Err(e);
+                    }
                     parent.pending.push(done.name);
                 }
                 Err(e) => return Err(e),
@@ -346,7 +373,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         }
         if st.dev != dev {
             return Err(io::Error::other(format!(
-                "{} is a mount point (another filesystem); unmount it first",
+                "{} is a mount point; unmount it first (nothing is deleted across a mount)",
                 Path::new(&name).display()
             )));
         }
@@ -361,9 +388,9 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
             Err(e) => return Err(e),
         };
         let sst = sub.stat()?;
-        if sst.dev != dev {
+        if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
             return Err(io::Error::other(format!(
-                "{} is a mount point (another filesystem); unmount it first",
+                "{} is a mount point; unmount it first (nothing is deleted across a mount)",
                 Path::new(&name).display()
             )));
         }

@@ -682,3 +682,51 @@ fn doctor_by_a_user_who_may_not_write_the_store_says_so() {
     );
     assert_eq!(stderr(&out).lines().count(), 1, "{}", show(&out));
 }
+
+#[test]
+fn a_mount_inside_an_image_stops_its_deletion() {
+    if !is_root() {
+        eprintln!("skipping: bind mounts need root");
+        return;
+    }
+    let env = Env::new();
+    env.ok([
+        "exec",
+        "--write",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        "mkdir \"$STOWAGE_IMAGE_DIR/mnt\"",
+    ]);
+    // A build that bind-mounted a directory of the same filesystem into its
+    // tree and died before unmounting it.
+    let v = victim(&env);
+    let mnt = env.root.join("img/a/mnt");
+    let ok = Command::new("mount")
+        .arg("--bind")
+        .arg(&v)
+        .arg(&mnt)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    }
+    let out = env.run(["rm", "a"]);
+    let trash = env.root.join("trash");
+    let left: Vec<PathBuf> = fs::read_dir(&trash)
+        .unwrap()
+        .map(|e| e.unwrap().path().join("mnt"))
+        .collect();
+    for m in left.iter().chain([&mnt]) {
+        let _ = Command::new("umount").arg(m).status();
+    }
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("mount point"), "{}", show(&out));
+    assert_intact(&v);
+    // Unmounted, the leftover goes with the next gc.
+    env.ok(["gc"]);
+    assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
+    assert_intact(&v);
+}
