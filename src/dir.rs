@@ -214,6 +214,12 @@ impl Dir {
         }
     }
 
+    /// Removes the directory `name` if it is empty (a missing one is not an
+    /// error).
+    pub fn rmdir(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
+        self.unlinkat(name.as_ref(), libc::AT_REMOVEDIR)
+    }
+
     /// Unlinks `name` only if it is still the file `(dev, ino)`: a lock
     /// file we hold, say, and not whatever replaced it since.
     pub fn unlink_if(&self, name: impl AsRef<OsStr>, dev: u64, ino: u64) -> io::Result<bool> {

@@ -78,8 +78,21 @@ pub fn images_dir_note(root: &crate::root::Root) -> PathBuf {
 pub fn write_images_dir_note(root: &crate::root::Root, dir: &Path) -> Result<()> {
     let note = images_dir_note(root);
     let tmp = note.with_extension("tmp");
-    fs::write(&tmp, format!("{}\n", dir.display()))
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    // Never through a link planted at the temporary name: it goes first,
+    // and the file is created anew without following one.
+    let _ = fs::remove_file(&tmp);
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        writeln!(f, "{}", dir.display())
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+    }
     fs::rename(&tmp, &note).with_context(|| format!("cannot write {}", note.display()))
 }
 
@@ -159,7 +172,9 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
             );
         }
     }
-    let _ = fs::remove_file(&probe);
+    if let (Ok(locks), Some(name)) = (root.open_sub("locks"), probe.file_name()) {
+        let _ = locks.unlink(name);
+    }
 
     // NFS mounted with locks local to each client.
     if let Some((m, bad)) = kernel::local_only_nfs(root.dir()) {

@@ -267,6 +267,15 @@ pub fn unlink_lock(root: &Root, guard: Guard) -> Result<()> {
     Ok(())
 }
 
+/// Removes an image's directory if it is empty (undoing a start), through
+/// a descriptor of the images directory. Anything in it stays for the user
+/// to inspect.
+pub fn remove_empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) {
+    if let Ok(images) = root.open_images_dir(images_dir) {
+        let _ = images.rmdir(name.encoded());
+    }
+}
+
 /// Empties an image's directory without following any link in it (`exec
 /// --from` rebuilding an image from its base).
 pub fn empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) -> Result<()> {

@@ -279,14 +279,14 @@ impl Session {
     /// removed again (their directories are still empty), and images it
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
-        let (tx, _) = store.begin_cleanup()?;
+        let (tx, ctx) = store.begin_cleanup()?;
         for h in self.held.iter().filter(|h| h.mode == Mode::Exclusive) {
             match h.prev {
                 None => {
                     tx.delete_image(h.name.as_str())?;
                     // Only an empty directory goes: if something appeared in
                     // it after all, keep it for the user to inspect.
-                    let _ = std::fs::remove_dir(self.images_dir.join(h.name.encoded()));
+                    crate::remove::remove_empty_image_dir(&ctx.root, &self.images_dir, &h.name);
                 }
                 Some(prev) => tx.set_state(h.name.as_str(), prev)?,
             }
@@ -611,8 +611,10 @@ fn start(
     let records = match claimed.and_then(|records| tx.commit().map(|()| records)) {
         Ok(records) => records,
         Err(e) => {
-            for dir in &made {
-                let _ = std::fs::remove_dir(dir);
+            if let Ok(images) = ctx.root.open_images_dir(&images_dir) {
+                for dir in made.iter().filter_map(|d| d.file_name()) {
+                    let _ = images.rmdir(dir);
+                }
             }
             return Err(e);
         }
