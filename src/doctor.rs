@@ -98,6 +98,9 @@ pub fn write_images_dir_note(root: &crate::root::Root, dir: &Path) -> Result<()>
 
 pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     let root = store.root().clone();
+    if !repair && !root.exists() {
+        return Err(crate::Error::NoRoot(root.dir().to_owned()).into());
+    }
     let fs_info = kernel::filesystem(root.dir()).ok();
     let mut report = Report {
         root: root.dir().display().to_string(),

@@ -46,6 +46,9 @@ pub struct Ctx {
     pub child_umask: Option<u32>,
     /// Set once a "waiting for the global lock" notice has been printed.
     noticed_global: Cell<bool>,
+    /// Whether a root that does not exist is created (commands that write)
+    /// or reported, creating nothing ([`Error::NoRoot`]: commands that read).
+    pub creates_root: bool,
 }
 
 impl Ctx {
@@ -104,6 +107,7 @@ impl Store {
                 verbose: false,
                 child_umask: None,
                 noticed_global: Cell::new(false),
+                creates_root: true,
             },
         }
     }
@@ -131,6 +135,9 @@ impl Store {
                 Ok(Some(g)) => return Ok(g),
                 Ok(None) => break,
                 Err(e) if e.kind() == io::ErrorKind::NotFound && !created => {
+                    if !ctx.creates_root && !ctx.root.exists() {
+                        return Err(Error::NoRoot(ctx.root.dir().to_owned()).into());
+                    }
                     ctx.root.create_layout()?;
                     created = true;
                 }

@@ -103,11 +103,6 @@ impl Command {
     }
 }
 
-/// Nothing at `path`, not even a dangling symlink.
-fn fs_missing(path: &std::path::Path) -> bool {
-    std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
-}
-
 pub fn main() -> ExitCode {
     shell::complete_if_asked(Cli::command);
     let cli = match Cli::try_parse() {
@@ -152,12 +147,11 @@ fn run(cli: Cli) -> Result<u8> {
     if !matches!(cli.command, Command::Doctor(_)) {
         root.check_locking()?;
     }
-    // A command that only reads never creates a store: a mistyped --root
-    // is said so, not answered with an empty table.
-    if !cli.command.creates_root() && fs_missing(root.dir()) {
-        return Err(Error::NoRoot(root.dir().to_owned()).into());
-    }
     let mut store = Store::new(root);
+    // A command that only reads never creates a store: a mistyped --root
+    // is said so, not answered with an empty table (after its arguments
+    // are checked: bad input is 64 whatever the root).
+    store.ctx_mut().creates_root = cli.command.creates_root();
     store.ctx_mut().quiet = cli.quiet;
     store.ctx_mut().verbose = cli.verbose;
     if sharing == Sharing::Group {
