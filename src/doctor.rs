@@ -619,6 +619,9 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
                 if left.trash.len() == 1 { "y" } else { "ies" }
             ));
         }
+        if !left.failed.is_empty() {
+            parts.push(format!("not finished: {}", left.failed.join("; ")));
+        }
         if !left.lock_files.is_empty() {
             parts.push(format!(
                 "{} lock file(s) of images that no longer exist",
@@ -627,7 +630,11 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
         }
         report.add(
             "leftovers",
-            fixed,
+            if left.failed.is_empty() {
+                fixed
+            } else {
+                Status::Problem
+            },
             format!("{}{}", parts.join("; "), done(repair, "cleaned up")),
         );
     }

@@ -304,6 +304,8 @@ pub struct Leftovers {
     pub trash: Vec<PathBuf>,
     /// Lock files of images that have no row, not held by anyone.
     pub lock_files: Vec<PathBuf>,
+    /// What could not be finished, one line each (the others were).
+    pub failed: Vec<String>,
 }
 
 impl Leftovers {
@@ -338,7 +340,9 @@ pub(crate) fn recheck(
 /// `deleting` image whose lock is free is removed; trash is emptied; lock
 /// files of images without rows are unlinked (under their exclusive lock).
 /// A trash or lock directory that is not a real directory (a planted
-/// symlink) is an error: nothing in it is touched.
+/// symlink) is an error: nothing in it is touched. A removal or trash
+/// entry that cannot be finished is reported in `failed` and the rest go
+/// on: one immutable tree must not stop every later gc.
 pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
     let mut found = Leftovers::default();
     let (deleting, names) = store.with_tx(None, |tx, _| {
@@ -365,8 +369,8 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                     && row.state == ImageState::Deleting
                 {
                     found.removals.push(name);
-                    if fix {
-                        remove_locked(store, vec![(n, guard)])?;
+                    if fix && let Err(e) = remove_locked(store, vec![(n, guard)]) {
+                        found.failed.push(format!("{e:#}"));
                     }
                 }
             }
@@ -382,11 +386,11 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                 .with_context(|| format!("cannot list {}", root.trash().display()))?
             {
                 let path = root.trash().join(&entry);
-                if fix {
-                    let mut n = 0;
-                    trash
-                        .remove_entry(&entry, &mut n)
-                        .with_context(|| format!("cannot delete {}", path.display()))?;
+                let mut n = 0;
+                if fix && let Err(e) = trash.remove_entry(&entry, &mut n) {
+                    found
+                        .failed
+                        .push(format!("cannot delete {}: {e}", path.display()));
                 }
                 found.trash.push(path);
             }

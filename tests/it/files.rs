@@ -377,13 +377,18 @@ fn a_removal_that_cannot_move_the_tree_is_undone() {
     assert_eq!(env.state("a"), None);
     assert_eq!(env.state("b").as_deref(), Some("ready"));
 
-    // gc: an incomplete image it cannot remove stays incomplete.
-    let out = env.run(["exec", "--write", "c", "--", "false"]);
-    assert_eq!(code(&out), Some(1));
+    // gc: an incomplete image it cannot remove stays incomplete, and the
+    // others are removed all the same.
+    for n in ["c", "d"] {
+        let out = env.run(["exec", "--write", n, "--", "false"]);
+        assert_eq!(code(&out), Some(1));
+    }
     let pin_c = Immutable::set(&env.root.join("img/c")).unwrap();
     let out = env.run(["gc"]);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("'c'"), "{}", show(&out));
     assert_eq!(env.state("c").as_deref(), Some("incomplete"));
+    assert_eq!(env.state("d"), None, "{}", show(&out));
 
     drop((pin, pin_c));
     env.ok(["rm", "b", "c"]);
