@@ -660,6 +660,18 @@ fn your_own_symlink_as_the_root_of_an_existing_store_works() {
     let out = output(c);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("\"a\""));
+    // A root below a symlinked directory, new and then existing.
+    let real = env.tmp.path().join("real");
+    fs::create_dir(&real).unwrap();
+    let via = env.tmp.path().join("via");
+    symlink(&real, &via).unwrap();
+    for args in [&["exec", "--write", "b", "--", "true"][..], &["images"]] {
+        let mut c = Command::new(bin());
+        c.arg("--root").arg(via.join("r")).args(args);
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    assert!(real.join("r/img/b").is_dir());
 }
 
 #[test]
