@@ -219,3 +219,14 @@ pub fn mount(tx: &Tx, root: &crate::root::Root, dir: &Path, recorded_trees: bool
         Mount::Ours(images)
     })
 }
+
+/// Whether a tree missing from `dir` may be the images directory's fault
+/// (missing, or not the directory recorded) rather than a deletion: the
+/// reason, if so. (An empty directory is no sign here: deleting the last
+/// image leaves one.)
+pub fn unmounted(tx: &Tx, root: &crate::root::Root, dir: &Path) -> Result<Option<String>> {
+    Ok(match mount(tx, root, dir, false)? {
+        m @ (Mount::Missing(_) | Mount::Other { .. }) => m.doubt(dir),
+        Mount::Ours(_) | Mount::Empty(_) => None,
+    })
+}

@@ -228,9 +228,19 @@ impl Session {
         let (tx, ctx) = store.begin_cleanup()?;
         let now = clock::now_ms();
         for (h, (size, gone)) in self.held.iter().zip(&written) {
-            if *gone {
+            let doubt = match gone {
+                true => crate::adopt::unmounted(&tx, &ctx.root, &self.images_dir)?,
+                false => None,
+            };
+            if *gone && doubt.is_none() {
                 tx.delete_image(h.name.as_str())?;
                 ctx.detail(&format!("image '{}' was deleted by the command", h.name));
+                continue;
+            }
+            if let Some(doubt) = doubt {
+                // Not seen, so not ready; but not forgotten either.
+                ctx.say(&format!("image '{}' is incomplete: {doubt}", h.name));
+                tx.set_state(h.name.as_str(), ImageState::Incomplete)?;
                 continue;
             }
             // A read's last use was recorded when it began; updating it

@@ -747,3 +747,36 @@ fn a_mount_inside_an_image_stops_its_deletion() {
     assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
     assert_intact(&v);
 }
+
+#[test]
+fn a_write_whose_images_directory_vanished_keeps_its_row() {
+    let env = Env::new();
+    env.make_image("base");
+    // The images directory goes away under the command (unmounted, say):
+    // the tree is not found, which is no sign the command deleted it.
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "echo x > \"$STOWAGE_IMAGE_DIR/f\" && mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.away\"",
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("incomplete"), "{}", show(&out));
+    fs::rename(env.root.join("img.away"), env.root.join("img")).unwrap();
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    // A command that really deletes its image still removes the row.
+    env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "rm -r \"$STOWAGE_IMAGE_DIR\"",
+    ]);
+    assert_eq!(env.state("base"), None);
+}
