@@ -276,7 +276,9 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     let root = store.root().clone();
     let db = root.db();
     let salvage = salvage(&db);
-    let stamp = clock::rfc3339(clock::now_ms()).replace(':', "");
+    let stamp = clock::rfc3339(clock::now_ms())
+        .unwrap_or_else(|| "unknown-time".into())
+        .replace(':', "");
     let moved_to = db.with_file_name(format!("stowage.db.damaged-{stamp}"));
     fs::rename(&db, &moved_to).with_context(|| format!("cannot move {} aside", db.display()))?;
     let journal = db.with_file_name("stowage.db-journal");

@@ -26,8 +26,9 @@ struct ImageJson<'a> {
     state: &'static str,
     size_bytes: Option<u64>,
     base: Option<&'a str>,
-    created: String,
-    last_used: String,
+    /// null for a stored time RFC 3339 cannot express.
+    created: Option<String>,
+    last_used: Option<String>,
     in_use: bool,
 }
 

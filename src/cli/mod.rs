@@ -91,6 +91,9 @@ pub fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<u8> {
+    // Before anything is recorded: a clock given in the wrong unit would
+    // write times no later command can show.
+    crate::clock::check_env()?;
     let root = Root::resolve(cli.root.as_deref())?;
     let sharing = root.check()?;
     if !matches!(cli.command, Command::Doctor(_)) {
