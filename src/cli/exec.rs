@@ -260,6 +260,15 @@ fn clone_into(
             done.skipped_special
         ));
     }
+    if let Some(lost) = done.xattrs_summary() {
+        store.ctx().say(&format!(
+            "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
+            if store.ctx().verbose { "" } else { " (-v lists the files)" }
+        ));
+        for d in &done.xattr_details {
+            store.ctx().detail(&format!("  not kept: {d}"));
+        }
+    }
     Ok(())
 }
 

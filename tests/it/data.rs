@@ -1,6 +1,11 @@
 //! Image contents, sizes, gc's budget, clocks, printed records and a full
 //! filesystem: what a store holds and what it says about it.
 
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
 use crate::common::*;
 
 /// Sets a time column of an image's row directly, as another host's clock
@@ -107,4 +112,247 @@ fn control_characters_of_a_recorded_command_are_escaped_when_printed() {
     let raw = serde_json::to_string(&st).unwrap();
     assert!(raw.contains(r"\u001b[2J"), "{raw}");
     env.release("release");
+}
+
+// --- what a clone keeps ---------------------------------------------------
+
+fn is_root() -> bool {
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// A tmpfs of a given size, mounted for one test; None (with the reason
+/// printed) where this machine cannot mount one.
+struct Tmpfs {
+    dir: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn new(size: &str) -> Option<Tmpfs> {
+        if !is_root() {
+            eprintln!("skipping: mounting a tmpfs needs root");
+            return None;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("mnt");
+        fs::create_dir(&dir).unwrap();
+        let ok = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0755"),
+                "tmpfs",
+            ])
+            .arg(&dir)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            eprintln!("skipping: cannot mount a tmpfs here");
+            return None;
+        }
+        Some(Tmpfs { dir, _tmp: tmp })
+    }
+
+    /// An Env whose root is on this tmpfs.
+    fn env(&self) -> Env {
+        let mut env = Env::new();
+        env.root = self.dir.join("root");
+        env
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+    }
+}
+
+fn sh(script: &str) -> std::process::Output {
+    let out = Command::new("sh").args(["-c", script]).output().unwrap();
+    assert!(out.status.success(), "{script}: {}", show(&out));
+    out
+}
+
+#[test]
+fn a_clone_on_tmpfs_keeps_holes() {
+    let Some(t) = Tmpfs::new("64m") else { return };
+    let env = t.env();
+    env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "cd \"$STOWAGE_IMAGE_DIR\" && truncate -s 3G sparse && \
+         dd if=/dev/urandom of=sparse bs=1M count=1 seek=1024 conv=notrunc status=none",
+    ]);
+    let out = env.run(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let a = fs::metadata(env.root.join("img/base/sparse")).unwrap();
+    let b = fs::metadata(env.root.join("img/copy/sparse")).unwrap();
+    assert_eq!(b.len(), 3 << 30);
+    assert!(
+        b.blocks() * 512 <= 2 << 20,
+        "the copy of a 3 GiB file with 1 MiB of data allocates {} bytes",
+        b.blocks() * 512
+    );
+    assert_eq!(a.blocks(), b.blocks());
+    let same = sh(&format!(
+        "cmp '{}' '{}' && echo same",
+        env.root.join("img/base/sparse").display(),
+        env.root.join("img/copy/sparse").display()
+    ));
+    assert!(String::from_utf8_lossy(&same.stdout).contains("same"));
+    let img = env.image("copy").unwrap();
+    assert!(img["size_bytes"].as_u64().unwrap() < 4 << 20, "{img}");
+}
+
+#[test]
+fn a_clone_keeps_capabilities_acls_and_user_attributes() {
+    for tool in [
+        "setfattr", "getfattr", "setcap", "getcap", "setfacl", "getfacl",
+    ] {
+        if !have(tool) {
+            eprintln!("skipping: {tool} not found");
+            return;
+        }
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let dir = env.root.join("img/base");
+    fs::write(dir.join("ping"), b"#!/bin/sh\n").unwrap();
+    fs::create_dir(dir.join("shared")).unwrap();
+    let d = dir.display();
+    let tried = Command::new("sh")
+        .args([
+            "-c",
+            &format!(
+                "setfattr -n user.origin -v base '{d}/file' && \
+                 setfattr -n user.dir -v yes '{d}/shared' && \
+                 setcap cap_net_raw+ep '{d}/ping' && \
+                 setfacl -m u:nobody:r '{d}/file' && \
+                 setfacl -d -m g:nogroup:rx '{d}/shared'"
+            ),
+        ])
+        .output()
+        .unwrap();
+    if !tried.status.success() {
+        eprintln!(
+            "skipping: this filesystem does not take these attributes: {}",
+            stderr(&tried)
+        );
+        return;
+    }
+    let out = env.ok(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    assert!(
+        !stderr(&out).contains("not kept"),
+        "everything can be kept here: {}",
+        stderr(&out)
+    );
+    let c = env.root.join("img/copy");
+    let c = c.display();
+    let got = |script: String| String::from_utf8_lossy(&sh(&script).stdout).into_owned();
+    assert!(
+        got(format!("getfattr --only-values -n user.origin '{c}/file'")).contains("base"),
+        "user.* attribute lost"
+    );
+    assert!(got(format!("getfattr --only-values -n user.dir '{c}/shared'")).contains("yes"));
+    assert!(
+        got(format!("getcap '{c}/ping'")).contains("cap_net_raw"),
+        "file capability lost"
+    );
+    assert!(
+        got(format!("getfacl -p '{c}/file'")).contains("user:nobody:r--"),
+        "access ACL lost"
+    );
+    assert!(
+        got(format!("getfacl -p '{c}/shared'")).contains("default:group:nogroup:r-x"),
+        "default ACL lost"
+    );
+    // Modes are what the base has (an ACL did not widen them).
+    for f in ["file", "ping", "shared"] {
+        assert_eq!(
+            fs::metadata(env.root.join("img/base").join(f))
+                .unwrap()
+                .mode(),
+            fs::metadata(env.root.join("img/copy").join(f))
+                .unwrap()
+                .mode(),
+            "{f}"
+        );
+    }
+}
+
+/// Makes `depth` nested directories of 200-byte names under `top` (deeper
+/// than PATH_MAX) with a file of 64 KiB at the bottom, by descriptor.
+fn deep_tree(top: &Path, depth: usize) {
+    use std::ffi::CString;
+    let name = CString::new("d".repeat(200)).unwrap();
+    let top = CString::new(top.as_os_str().as_encoded_bytes()).unwrap();
+    unsafe {
+        let mut fd = libc::open(top.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY);
+        assert!(fd >= 0);
+        for _ in 0..depth {
+            assert_eq!(libc::mkdirat(fd, name.as_ptr(), 0o755), 0);
+            let next = libc::openat(fd, name.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY);
+            assert!(next >= 0);
+            libc::close(fd);
+            fd = next;
+        }
+        let f = libc::openat(
+            fd,
+            c"bottom".as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT,
+            0o644,
+        );
+        assert!(f >= 0);
+        let data = vec![7u8; 65536];
+        assert_eq!(libc::write(f, data.as_ptr().cast(), data.len()), 65536);
+        libc::close(f);
+        libc::close(fd);
+    }
+}
+
+#[test]
+fn trees_deeper_than_path_max_are_cloned_and_measured() {
+    let env = Env::new();
+    env.make_image("base");
+    deep_tree(&env.root.join("img/base"), 30);
+    // Forget the size recorded when it was built, so it is measured again.
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    conn.execute("UPDATE images SET size_bytes = NULL", [])
+        .unwrap();
+    let img = env.image("base").unwrap();
+    assert!(
+        img["size_bytes"].as_u64().is_some_and(|s| s >= 65536),
+        "{img}"
+    );
+    let out = env.run(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let found = sh(&format!(
+        "find '{}' -name bottom -size 64k | wc -l",
+        env.root.join("img/copy").display()
+    ));
+    assert_eq!(String::from_utf8_lossy(&found.stdout).trim(), "1");
+    let img = env.image("copy").unwrap();
+    assert!(
+        img["size_bytes"].as_u64().is_some_and(|s| s >= 65536),
+        "{img}"
+    );
+    // gc's budget counts it: with room for one image, one goes.
+    let out = env.ok(["gc", "--max-size", "100K", "--dry-run", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        report["size_before"].as_u64().unwrap() >= 2 * 65536,
+        "{report}"
+    );
 }
