@@ -678,9 +678,9 @@ fn prepare_write(
             }
             tx.set_state(name.as_str(), state)?;
             tx.touch(name.as_str(), now)?;
-            if base.is_some() {
-                tx.set_base(name.as_str(), base.as_deref())?;
-            }
+            // The lineage is this write's: rewritten without a base, the
+            // image no longer derives from the one an earlier --from named.
+            tx.set_base(name.as_str(), base.as_deref())?;
         }
     }
     Ok(())

@@ -356,3 +356,220 @@ fn trees_deeper_than_path_max_are_cloned_and_measured() {
         "{report}"
     );
 }
+
+// --- sizes, shared extents and gc's budget ---------------------------------
+
+/// A btrfs filesystem on a loop device; None (with the reason printed)
+/// when this machine cannot make one.
+struct BtrfsLoop {
+    dir: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl BtrfsLoop {
+    fn new() -> Option<BtrfsLoop> {
+        if !is_root() {
+            eprintln!("skipping: a btrfs loop device needs root");
+            return None;
+        }
+        if !have("mkfs.btrfs") {
+            eprintln!("skipping: mkfs.btrfs not found (install btrfs-progs)");
+            return None;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let img = tmp.path().join("fs.img");
+        let dir = tmp.path().join("mnt");
+        fs::create_dir(&dir).unwrap();
+        let ok = Command::new("truncate")
+            .args(["-s", "600M"])
+            .arg(&img)
+            .status()
+            .is_ok_and(|s| s.success())
+            && Command::new("mkfs.btrfs")
+                .arg("-q")
+                .arg(&img)
+                .output()
+                .is_ok_and(|o| o.status.success())
+            && Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&img)
+                .arg(&dir)
+                .output()
+                .is_ok_and(|o| o.status.success());
+        if !ok {
+            eprintln!("skipping: cannot make and mount a btrfs loop device here");
+            return None;
+        }
+        Some(BtrfsLoop { dir, _tmp: tmp })
+    }
+
+    fn used(&self) -> u64 {
+        let _ = Command::new("sync").arg("-f").arg(&self.dir).status();
+        let st = nix::sys::statvfs::statvfs(&self.dir).unwrap();
+        (st.blocks() - st.blocks_free()) * st.fragment_size()
+    }
+
+    fn env(&self) -> Env {
+        let mut env = Env::new();
+        env.root = self.dir.join("root");
+        env
+    }
+}
+
+impl Drop for BtrfsLoop {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.dir).status();
+    }
+}
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn gc_budget_counts_reflinked_extents_once() {
+    let Some(mnt) = BtrfsLoop::new() else { return };
+    let env = mnt.env();
+    env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "head -c 104857600 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    ]);
+    let before = mnt.used();
+    for c in ["c1", "c2", "c3"] {
+        env.ok(["exec", "--write", c, "--from", "base", "--", "true"]);
+    }
+    let grew = mnt.used().saturating_sub(before);
+    assert!(grew < 16 * MIB, "three clones used {grew} bytes of disk");
+
+    // images: every image shares its 100 MiB; removing one alone frees
+    // almost nothing.
+    for img in env.images_json() {
+        let size = img["size_bytes"].as_u64().unwrap();
+        let shared = img["shared_bytes"].as_u64().unwrap();
+        let own = img["exclusive_bytes"].as_u64().unwrap();
+        assert!(size >= 100 * MIB, "{img}");
+        assert!(shared >= 99 * MIB, "{img}");
+        assert!(own < MIB, "{img}");
+    }
+    let table = String::from_utf8_lossy(&env.ok(["images"]).stdout).into_owned();
+    assert!(table.contains("on the filesystem"), "{table}");
+
+    // The images take about one copy: a budget of 150 MiB holds them all.
+    let out = env.ok(["gc", "--max-size", "150M", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let taken = report["size_before"].as_u64().unwrap();
+    assert!(
+        (100 * MIB..116 * MIB).contains(&taken),
+        "images take {taken} bytes by gc's count: {report}"
+    );
+    assert!(
+        report["removed"].as_array().unwrap().is_empty(),
+        "gc removed images that fit: {report}"
+    );
+    assert_eq!(env.images_json().len(), 4);
+
+    // A budget they do not fit: what gc says it freed is what df gets back.
+    let before = mnt.used();
+    let out = env.ok(["gc", "--max-size", "50M", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let freed = report["bytes_freed"].as_u64().unwrap();
+    let got_back = before.saturating_sub(mnt.used());
+    assert!(
+        freed.abs_diff(got_back) < 16 * MIB,
+        "gc says it freed {freed}, df got back {got_back}: {report}"
+    );
+    assert!(
+        report["size_after"].as_u64().unwrap() <= 50 * MIB,
+        "{report}"
+    );
+}
+
+#[test]
+fn gc_does_not_overwrite_a_finished_writers_size() {
+    let env = Env::new();
+    // A writer at work on a new image (its size unknown until it ends).
+    let script = format!(
+        "touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; \
+         head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+        s = env.sentinel("started").display(),
+        r = env.sentinel("release").display()
+    );
+    let writer = env.spawn(["exec", "--write", "new", "--", "sh", "-c", &script]);
+    wait_for_file(&env.sentinel("started"));
+    // gc measures the image while it is still empty, and stops there.
+    let (gc, go_on) = env.paused(["gc"], "gc-measured");
+    // The writer finishes and records its real size.
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let real = env.image("new").unwrap()["size_bytes"].as_u64().unwrap();
+    assert!(real >= MIB);
+    // gc goes on: its stale measurement must not replace the real size.
+    fs::remove_file(go_on).unwrap();
+    let out = gc.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.image("new").unwrap()["size_bytes"].as_u64(), Some(real));
+}
+
+#[test]
+fn images_does_not_overwrite_a_rewriters_size() {
+    let env = Env::new();
+    env.make_image("app");
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    conn.execute("UPDATE images SET size_bytes = NULL", [])
+        .unwrap();
+    // `images` measures the small image, and stops before recording it.
+    let (lister, go_on) = env.paused(["images", "--json"], "images-measured");
+    env.ok([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    ]);
+    let real = env.image("app").unwrap()["size_bytes"].as_u64().unwrap();
+    assert!(real >= MIB);
+    fs::remove_file(go_on).unwrap();
+    let out = lister.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.image("app").unwrap()["size_bytes"].as_u64(), Some(real));
+}
+
+#[test]
+fn an_incomplete_image_has_a_size() {
+    let env = Env::new();
+    let script = format!(
+        "head -c 262144 /dev/urandom > \"$STOWAGE_IMAGE_DIR/part\"; touch '{}'; sleep 60",
+        env.sentinel("started").display()
+    );
+    let writer = env.spawn(["exec", "--write", "half", "--", "sh", "-c", &script]);
+    wait_for_file(&env.sentinel("started"));
+    writer.kill_all();
+    let img = env.image("half").unwrap();
+    assert_eq!(img["state"], "incomplete", "{img}");
+    assert!(
+        img["size_bytes"].as_u64().is_some_and(|s| s >= 262_144),
+        "{img}"
+    );
+    let table = String::from_utf8_lossy(&env.ok(["images"]).stdout).into_owned();
+    let row = table.lines().find(|l| l.starts_with("half")).unwrap();
+    assert!(!row.contains(" ? "), "{row}");
+}
+
+#[test]
+fn rewriting_without_from_forgets_the_base() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(env.image("app").unwrap()["base"], "base");
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    assert!(env.image("app").unwrap()["base"].is_null());
+    // A rewrite that reads one image records it as the base again.
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(env.image("app").unwrap()["base"], "base");
+}
