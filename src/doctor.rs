@@ -391,13 +391,20 @@ fn salvage(db: &Path) -> Salvage {
 
 /// Records, rows and trees, leftovers.
 fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
-    let found = {
+    let looked = store.retry_full(|store| {
         let (tx, ctx) = store.begin(None)?;
         let found = judge(&tx, ctx, repair)?;
         if repair {
             tx.commit()?;
         }
-        found
+        Ok(found)
+    });
+    let found = match looked {
+        // A full filesystem, even the reserve used: look without writing.
+        Err(e) if !repair && crate::space::is_full(&e) => {
+            store.view_tx(|tx, ctx| judge(tx, ctx, false))?
+        }
+        other => other?,
     };
     let fixed = if repair {
         Status::Repaired

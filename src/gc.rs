@@ -103,15 +103,24 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
 
     // Look at every image: dead writers become incomplete (in a dry run the
     // transaction is rolled back, so nothing changes).
-    let (rows, images_dir) = {
-        let (tx, ctx) = store.begin(None)?;
+    let sweep = |tx: &crate::meta::Tx, ctx: &crate::store::Ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
-        status::sweep(&tx, ctx, &kv)?;
-        let out = (tx.images()?, tx.images_dir(&ctx.root)?);
+        status::sweep(tx, ctx, &kv)?;
+        Ok((tx.images()?, tx.images_dir(&ctx.root)?))
+    };
+    let looked = store.retry_full(|store| {
+        let (tx, ctx) = store.begin(None)?;
+        let out = sweep(&tx, ctx)?;
         if !policy.dry_run {
             tx.commit()?;
         }
-        out
+        Ok(out)
+    });
+    let (rows, images_dir) = match looked {
+        // A dry run on a full filesystem, even the reserve used: it changes
+        // nothing anyway, so it looks without a journal on disk.
+        Err(e) if policy.dry_run && crate::space::is_full(&e) => store.view_tx(sweep)?,
+        other => other?,
     };
     let mut rows: Vec<ImageRow> = rows
         .into_iter()
@@ -232,6 +241,10 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         }
     }
     report.size_after = total;
+    if !policy.dry_run {
+        // Space was freed: the metadata's reserve gets what it lacks.
+        crate::space::refill(store.root());
+    }
     report.bytes_freed = report.removed.iter().map(|r| r.size_bytes).sum();
     Ok(report)
 }

@@ -58,6 +58,7 @@ pub mod root;
 pub mod session;
 pub mod signals;
 pub mod slots;
+pub mod space;
 pub mod spawn;
 pub mod status;
 pub mod store;

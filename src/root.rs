@@ -124,6 +124,8 @@ impl Root {
         ] {
             make_dir(&d)?;
         }
+        // Space for the metadata on a full filesystem (space.rs).
+        crate::space::refill(self);
         Ok(())
     }
 

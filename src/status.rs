@@ -505,7 +505,7 @@ pub fn gather(
     let fs_name =
         crate::kernel::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
 
-    let images = store.with_tx(None, |tx, ctx| {
+    let images = store.read_tx(|tx, ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
         let (mut reports, slots) = sweep(tx, ctx, &kv)?;
         for (name, view) in kernel_locked_images(ctx, &kv)? {

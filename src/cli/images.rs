@@ -39,7 +39,7 @@ struct ImageJson<'a> {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
-    let (mut rows, in_use, images_dir) = store.with_tx(None, |tx, ctx| {
+    let (mut rows, in_use, images_dir) = store.read_tx(|tx, ctx| {
         let kv = tx.kernel_view(&ctx.root.image_locks());
         let in_use = status::in_use(tx, ctx, &kv)?;
         Ok((tx.images()?, in_use, tx.images_dir(&ctx.root)?))
@@ -203,12 +203,17 @@ fn fill_sizes(
     }
     crate::debug::pause("images-measured");
     if !found.is_empty() {
-        store.with_tx(None, |tx, _| {
+        let recorded = store.with_tx(None, |tx, _| {
             for (seen, size) in &found {
                 tx.set_size_if_unchanged(seen, *size)?;
             }
             Ok(())
-        })?;
+        });
+        match recorded {
+            // On a full disk the sizes are shown, and measured again next time.
+            Err(e) if crate::space::is_full(&e) => {}
+            other => other?,
+        }
     }
     Ok(())
 }

@@ -573,3 +573,122 @@ fn rewriting_without_from_forgets_the_base() {
     env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
     assert_eq!(env.image("app").unwrap()["base"], "base");
 }
+
+// --- a full filesystem -------------------------------------------------------
+
+fn free_bytes(dir: &Path) -> u64 {
+    let st = nix::sys::statvfs::statvfs(dir).unwrap();
+    st.blocks_available() * st.fragment_size()
+}
+
+#[test]
+fn a_build_that_fills_the_filesystem_does_not_wedge_the_store() {
+    let Some(t) = Tmpfs::new("8m") else { return };
+    let env = t.env();
+    env.make_image("base");
+    // A writer at work, to be killed once the filesystem is full: whoever
+    // looks next must record that it is gone.
+    let script = format!(
+        "touch '{}'; exec sleep 60",
+        env.sentinel("started").display()
+    );
+    let writer = env.spawn(["exec", "--write", "killed", "--", "sh", "-c", &script]);
+    wait_for_file(&env.sentinel("started"));
+    // The build writes until the filesystem is full.
+    let fill = [
+        "exec",
+        "--write",
+        "big",
+        "--",
+        "sh",
+        "-c",
+        "dd if=/dev/zero of=\"$STOWAGE_IMAGE_DIR/blob\" bs=64k count=1000 status=none",
+    ];
+    let out = env.run(fill);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(free_bytes(&t.dir) < 64 << 10, "the filesystem is not full");
+    let err = stderr(&out);
+    assert!(
+        err.contains("image 'big' is incomplete") && err.contains("full"),
+        "{err}"
+    );
+    assert!(!err.contains("recording that failed"), "{err}");
+    writer.kill_all();
+
+    // Reading commands work on the full filesystem.
+    assert_eq!(env.state("big").as_deref(), Some("incomplete"));
+    assert_eq!(env.state("killed").as_deref(), Some("incomplete"));
+    env.status_json(["--all"]);
+    env.ok(["lock-status"]);
+    env.ok(["slots"]);
+    env.ok(["doctor"]);
+    env.ok(["gc", "--dry-run"]);
+
+    // rm frees the space; everything works again, no file touched by hand.
+    env.ok(["rm", "big"]);
+    assert!(free_bytes(&t.dir) > 6 << 20);
+    env.make_image("after");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    let out = env.ok(["doctor"]);
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("PROBLEM"),
+        "{}",
+        show(&out)
+    );
+
+    // The same again, freed by gc instead of rm.
+    let fill2 = fill.map(|a| if a == "big" { "big2" } else { a });
+    let out = env.run(fill2);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(env.state("big2").as_deref(), Some("incomplete"));
+    env.ok(["gc"]);
+    assert!(env.image("big2").is_none() && env.image("killed").is_none());
+    assert!(free_bytes(&t.dir) > 6 << 20);
+    env.make_image("after2");
+}
+
+#[test]
+fn reading_commands_work_when_even_the_reserve_is_gone() {
+    let Some(t) = Tmpfs::new("8m") else { return };
+    let env = t.env();
+    env.make_image("base");
+    let script = format!(
+        "touch '{}'; exec sleep 60",
+        env.sentinel("started").display()
+    );
+    let writer = env.spawn(["exec", "--write", "killed", "--", "sh", "-c", &script]);
+    wait_for_file(&env.sentinel("started"));
+    writer.kill_all();
+    // The filesystem full, and no reserve left to use.
+    let _ = fs::remove_file(env.root.join("reserve"));
+    let filler = t.dir.join("filler");
+    let _ = Command::new("dd")
+        .args(["if=/dev/zero", "bs=4k", "status=none"])
+        .arg(format!("of={}", filler.display()))
+        .output();
+    assert!(free_bytes(&t.dir) < 4096);
+    // They show what they would record (the writer is gone) and write
+    // nothing.
+    let before = fs::read(env.root.join("stowage.db")).unwrap();
+    assert_eq!(env.state("killed").as_deref(), Some("incomplete"));
+    env.status_json(["--all"]);
+    env.ok(["lock-status"]);
+    env.ok(["gc", "--dry-run"]);
+    // doctor reports (the stale record it could not drop is a problem
+    // until --repair can run), it does not fail.
+    let out = env.run(["doctor"]);
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("intact") && stderr(&out).is_empty(),
+        "{}",
+        show(&out)
+    );
+    assert!(fs::read(env.root.join("stowage.db")).unwrap() == before);
+    fs::remove_file(&filler).unwrap();
+    env.ok(["gc"]);
+    assert!(env.image("killed").is_none());
+    assert!(
+        env.root.join("reserve").exists(),
+        "gc recreates the reserve"
+    );
+}
