@@ -59,9 +59,11 @@ pub mod root;
 pub mod session;
 pub mod signals;
 pub mod slots;
+pub mod space;
 pub mod spawn;
 pub mod status;
 pub mod store;
+pub mod tree;
 pub mod usage;
 
 pub use error::Error;

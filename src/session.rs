@@ -225,32 +225,38 @@ impl Session {
                 Mode::Shared => (None, false),
             })
             .collect();
-        let (tx, ctx) = store.begin_cleanup()?;
-        let now = clock::now_ms();
-        for (h, (size, gone)) in self.held.iter().zip(&written) {
-            if *gone {
-                tx.delete_image(h.name.as_str())?;
-                ctx.detail(&format!("image '{}' was deleted by the command", h.name));
-                continue;
+        // A build that filled the filesystem is recorded in the space kept
+        // in reserve (space.rs).
+        let held = &self.held;
+        let ids: Vec<i64> = self.record_ids().collect();
+        store.retry_full(|store| {
+            let (tx, ctx) = store.begin_cleanup()?;
+            let now = clock::now_ms();
+            for (h, (size, gone)) in held.iter().zip(&written) {
+                if *gone {
+                    tx.delete_image(h.name.as_str())?;
+                    ctx.detail(&format!("image '{}' was deleted by the command", h.name));
+                    continue;
+                }
+                // A read's last use was recorded when it began; updating it
+                // again would cost a page write per image for no decision gc
+                // makes (an image in use is never collected).
+                if h.mode == Mode::Exclusive {
+                    tx.touch(h.name.as_str(), now)?;
+                    let state = match outcome {
+                        Outcome::Success => ImageState::Ready,
+                        Outcome::Failure => ImageState::Incomplete,
+                    };
+                    tx.set_state(h.name.as_str(), state)?;
+                    tx.set_size(h.name.as_str(), *size)?;
+                    ctx.detail(&format!("image '{}' is {state}", h.name));
+                }
             }
-            // A read's last use was recorded when it began; updating it
-            // again would cost a page write per image for no decision gc
-            // makes (an image in use is never collected).
-            if h.mode == Mode::Exclusive {
-                tx.touch(h.name.as_str(), now)?;
-                let state = match outcome {
-                    Outcome::Success => ImageState::Ready,
-                    Outcome::Failure => ImageState::Incomplete,
-                };
-                tx.set_state(h.name.as_str(), state)?;
-                tx.set_size(h.name.as_str(), *size)?;
-                ctx.detail(&format!("image '{}' is {state}", h.name));
+            for id in &ids {
+                tx.delete_record(*id)?;
             }
-        }
-        for id in self.record_ids() {
-            tx.delete_record(id)?;
-        }
-        tx.commit()?;
+            tx.commit()
+        })?;
         // The lock files of deleted images go too, under our exclusive locks
         // (the unlink rule), with their gates.
         for (h, (_, gone)) in self.held.into_iter().zip(written) {
@@ -700,9 +706,9 @@ fn prepare_write(
             }
             tx.set_state(name.as_str(), state)?;
             tx.touch(name.as_str(), now)?;
-            if base.is_some() {
-                tx.set_base(name.as_str(), base.as_deref())?;
-            }
+            // The lineage is this write's: rewritten without a base, the
+            // image no longer derives from the one an earlier --from named.
+            tx.set_base(name.as_str(), base.as_deref())?;
         }
     }
     Ok(())

@@ -214,10 +214,43 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     } else {
         Outcome::Failure
     };
+    let full = if outcome == Outcome::Failure && !written.is_empty() {
+        full_note(session.images_dir())
+    } else {
+        None
+    };
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
     })?;
+    if !written.is_empty() && full.is_none() {
+        crate::space::ensure(store.root());
+    }
+    if let Some(note) = full {
+        store.ctx().say(&format!(
+            "{} incomplete: the command failed with {note}",
+            written
+                .iter()
+                .map(|w| format!("image '{w}' is"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     Ok(code)
+}
+
+/// "its filesystem full (12 KiB free in /img): free space with 'stowage
+/// rm' or 'stowage gc'" — when a failed writer left the images directory's
+/// filesystem (nearly) full, which is then the likely cause.
+fn full_note(images_dir: &std::path::Path) -> Option<String> {
+    let free = crate::space::free_bytes(images_dir)?;
+    // Less than a reserve's worth: no build can write there.
+    (free < 1 << 20).then(|| {
+        format!(
+            "the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
+            images_dir.display(),
+            crate::usage::human(free)
+        )
+    })
 }
 
 /// Makes the written image a copy of `base` (emptying it first if it had
@@ -255,6 +288,15 @@ fn clone_into(
             "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
             done.skipped_special
         ));
+    }
+    if let Some(lost) = done.xattrs_summary() {
+        store.ctx().say(&format!(
+            "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
+            if store.ctx().verbose { "" } else { " (-v lists the files)" }
+        ));
+        for d in &done.xattr_details {
+            store.ctx().detail(&format!("  not kept: {d}"));
+        }
     }
     Ok(())
 }

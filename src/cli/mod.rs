@@ -142,6 +142,9 @@ fn run(cli: Cli) -> Result<u8> {
         }
         _ => {}
     }
+    // Before anything is recorded: a clock given in the wrong unit would
+    // write times no later command can show.
+    crate::clock::check_env()?;
     let mut root = Root::resolve(cli.root.as_deref())?;
     let sharing = root.check()?;
     if !matches!(cli.command, Command::Doctor(_)) {

@@ -64,6 +64,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         held.push((name.clone(), guard));
     }
     let removed = remove::remove_locked(store, held)?;
+    // Space was freed: the metadata's reserve gets what it lacks.
+    crate::space::refill(store.root());
     for r in &removed {
         store.ctx().say(&format!(
             "removed '{}' ({}, {})",

@@ -111,7 +111,7 @@ fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
 }
 
 fn show(store: &mut Store, json: bool) -> Result<u8> {
-    let reports = store.with_tx(None, |tx, ctx| {
+    let reports = store.read_tx(|tx, ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
         tx.slot_classes()?
             .iter()

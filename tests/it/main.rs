@@ -6,6 +6,7 @@ mod common;
 mod charliecloud;
 mod concurrency;
 mod crash;
+mod data;
 mod docs;
 mod exec;
 mod fairness;
