@@ -331,6 +331,62 @@ fn guard(file: File, path: &Path, mode: Mode, dev: u64, ino: u64) -> Guard {
     }
 }
 
+/// The lock this process already holds on the file at `path` through a
+/// descriptor it did not take here — one inherited from an enclosing
+/// command, as `stowage exec` passes its lock descriptors on (like
+/// flock(1)). The kernel says so itself: `/proc/self/fdinfo/N` lists, under
+/// `lock:`, the flocks of that descriptor's open file description. `None`
+/// when no descriptor of ours locks that file (or /proc is not mounted).
+///
+/// A wait for a conflicting lock on such a file would wait for ourselves.
+pub fn held_here(path: &Path) -> Option<Mode> {
+    let at = fs::symlink_metadata(path).ok()?;
+    let fds = fs::read_dir("/proc/self/fd").ok()?;
+    let mut held = None;
+    for entry in fds.flatten() {
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: fstat on a descriptor number into a zeroed buffer; a
+        // number that is no longer open (the listing's own) fails harmlessly.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd, &mut st) } != 0
+            || st.st_dev != at.dev()
+            || st.st_ino != at.ino()
+        {
+            continue;
+        }
+        let Ok(info) = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
+            continue;
+        };
+        if let Some(m) = fdinfo_flock(&info) {
+            held = held.max(Some(m));
+        }
+    }
+    held
+}
+
+/// The flock mode in an fdinfo text, from lines like
+/// `lock:\t1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF`.
+fn fdinfo_flock(info: &str) -> Option<Mode> {
+    info.lines()
+        .filter_map(|l| l.strip_prefix("lock:"))
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // "1:" "FLOCK" "ADVISORY" "WRITE" …; a blocked request has "->".
+            match f.as_slice() {
+                [_, "FLOCK", _, "WRITE", ..] => Some(Mode::Exclusive),
+                [_, "FLOCK", _, "READ", ..] => Some(Mode::Shared),
+                _ => None,
+            }
+        })
+        .max()
+}
+
 /// What a lock file's lock looks like from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Probe {
@@ -807,6 +863,34 @@ mod tests {
             Waited::Acquired(_)
         ));
         t.join().unwrap();
+    }
+
+    #[test]
+    fn an_inherited_flock_is_seen_in_fdinfo() {
+        assert_eq!(
+            fdinfo_flock(
+                "pos:\t0\nflags:\t02\nlock:\t1: FLOCK  ADVISORY  WRITE 12 00:2a:5 0 EOF\n"
+            ),
+            Some(Mode::Exclusive)
+        );
+        assert_eq!(
+            fdinfo_flock("lock:\t1: FLOCK  ADVISORY  READ 12 00:2a:5 0 EOF\n"),
+            Some(Mode::Shared)
+        );
+        assert_eq!(
+            fdinfo_flock("lock:\t1: POSIX  ADVISORY  WRITE 12 00:2a:5 0 EOF\n"),
+            None
+        );
+        // Our own lock, through our own descriptor: the check sees it.
+        let d = tmp();
+        let p = d.path().join("a.lock");
+        assert_eq!(held_here(&p), None);
+        let g = try_lock(&p, Mode::Shared, true).unwrap().unwrap();
+        if std::path::Path::new("/proc/self/fdinfo").exists() {
+            assert_eq!(held_here(&p), Some(Mode::Shared));
+        }
+        drop(g);
+        assert_eq!(held_here(&p), None);
     }
 
     #[test]

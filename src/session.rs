@@ -352,6 +352,11 @@ pub(crate) fn acquire_image(
         Tried::Held => false,
         Tried::WriterWaiting => true,
     };
+    if let Some(held) = crate::kernel::enclosing_hold(&path)
+        && (mode == Mode::Exclusive || held == Mode::Exclusive)
+    {
+        return Err(waits_for_itself(name, mode, held));
+    }
 
     // Busy. Record ourselves as a waiter and find out who holds it.
     let (waiter, mut holders) = {
@@ -390,6 +395,31 @@ pub(crate) fn acquire_image(
         wait_image(&gate, &path, mode, &mut wait).map_err(err)
     })?;
     Ok((guard, waiter))
+}
+
+/// The error for a lock that this process's enclosing command holds in a
+/// conflicting mode (`held`): waiting would never end, since the enclosing
+/// command waits for us. A read of an image it writes finds the image not
+/// ready (exit 66); a write of an image it holds is a lock that cannot be
+/// had (exit 75).
+fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
+    let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
+    match mode {
+        Mode::Shared => Error::NotReady {
+            name: name.as_str().to_owned(),
+            state: format!("being written by {by}"),
+        }
+        .into(),
+        Mode::Exclusive => Error::Busy(Busy {
+            what: format!("write lock on image '{name}'"),
+            holders: format!(
+                "held ({}) by {by}; waiting for it would never end",
+                held.verb()
+            ),
+            waited: Duration::ZERO,
+        })
+        .into(),
+    }
 }
 
 /// Runs a wait announced as `what`, held by `holders`, and makes its
@@ -439,6 +469,11 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
     }
     match lock::try_lock(gate, Mode::Shared, false) {
         Ok(Some(_passed)) => Ok(Tried::Got(g)),
+        // A reader whose enclosing command already reads the image is part
+        // of that hold: the writer at the gate waits for the enclosing
+        // reader, which waits for us, so queueing behind the writer would
+        // be a cycle. It passes, as it would under flock(1).
+        Ok(None) if crate::kernel::enclosing_hold(path).is_some() => Ok(Tried::Got(g)),
         Ok(None) => Ok(Tried::WriterWaiting),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
         Err(e) => Err(e),

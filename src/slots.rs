@@ -236,6 +236,20 @@ pub(crate) fn acquire_unrecorded(
         }));
     }
 
+    // All busy. If one of them is held by our enclosing command (an exec
+    // with this slot runs us), we work under its slot: waiting for another
+    // could wait for ourselves (limit 1), and the enclosing command's slot
+    // already counts this work.
+    if files
+        .iter()
+        .any(|f| crate::kernel::enclosing_hold(f).is_some())
+    {
+        store.ctx().detail(&format!(
+            "an enclosing command holds a slot of class '{class}'; working under it"
+        ));
+        return Ok(None);
+    }
+
     // All busy: record ourselves as a waiter and say who holds the slots.
     let (waiter, holders) = store.with_tx(deadline, |tx, ctx| {
         let kv = tx.kernel_view(&dir);

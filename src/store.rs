@@ -322,6 +322,18 @@ impl Store {
                 return Ok(global);
             };
             drop(global);
+            if let Some(held) = crate::kernel::enclosing_hold(&path) {
+                // Our enclosing command holds it and waits for us.
+                return Err(Error::Busy(Busy {
+                    what: format!("{name} (needed free before {what})"),
+                    holders: format!(
+                        "held ({}) by an enclosing command of this process (a 'stowage exec' that runs it); waiting for it would never end",
+                        held.verb()
+                    ),
+                    waited: Duration::ZERO,
+                })
+                .into());
+            }
             let holders = status::kernel_holders_phrase(&self.ctx, &path);
             if !told {
                 self.ctx.say(&format!(

@@ -12,6 +12,7 @@ mod hostile;
 mod init;
 mod lifecycle;
 mod lock_status;
+mod locks;
 mod migration;
 mod names;
 mod slots;
