@@ -105,6 +105,7 @@ impl Session {
                     req.deadline,
                     req.no_wait,
                     &req.command,
+                    &req.reads,
                 )?,
                 None => None,
             };
@@ -122,6 +123,7 @@ impl Session {
                     deadline: req.deadline,
                     no_wait: req.no_wait,
                     command: &req.command,
+                    must_exist: &req.reads,
                 };
                 match acquire_image(store, name, &want) {
                     Ok((guard, waiter)) => {
@@ -137,7 +139,10 @@ impl Session {
                         migrate = true;
                         break;
                     }
-                    Err(e) => return Err(e),
+                    Err(e) => {
+                        give_up(store, held, &waits, slot);
+                        return Err(e);
+                    }
                 }
             }
             if !migrate {
@@ -152,7 +157,10 @@ impl Session {
                         });
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
-                    Err(e) => return Err(e),
+                    Err(e) => {
+                        give_up(store, held, &waits, slot);
+                        return Err(e);
+                    }
                 }
             }
             // Never migrate while holding image locks: the migration waits
@@ -247,11 +255,7 @@ impl Session {
         // (the unlink rule), with their gates.
         for (h, (_, gone)) in self.held.into_iter().zip(written) {
             if gone {
-                let gate = store.root().image_gate(&h.name);
-                let _ = h.guard.unlink();
-                if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
-                    let _ = g.unlink();
-                }
+                unlink_image_lock(store, &h.name, h.guard);
             }
         }
         drop(self.slot);
@@ -286,7 +290,63 @@ impl Session {
         for id in self.record_ids() {
             tx.delete_record(id)?;
         }
-        tx.commit()
+        tx.commit()?;
+        // Images this session created are gone again: so are their lock
+        // files and gates (under our exclusive locks, as the unlink rule
+        // requires), or doctor would find lock files without images.
+        for h in self.held {
+            if h.mode == Mode::Exclusive && h.prev.is_none() {
+                unlink_image_lock(store, &h.name, h.guard);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A request that failed before its command could run (a lock busy past
+/// the deadline, a signal, a refused start) leaves nothing behind: the
+/// waiter records it made for locks it did get, and the lock files and
+/// gates of images it would have created (those without a row), which it
+/// holds exclusively. Best effort: what this misses is found stale later.
+fn give_up(
+    store: &mut Store,
+    held: Vec<Held>,
+    waits: &[i64],
+    slot: Option<crate::slots::SlotGuard>,
+) {
+    let slot_waiter = slot.as_ref().and_then(|s| s.waiter);
+    let unborn: Vec<bool> = match store.begin_cleanup() {
+        Ok((tx, _)) => {
+            let r = (|| -> Result<Vec<bool>> {
+                for id in waits.iter().chain(slot_waiter.as_ref()) {
+                    tx.delete_record(*id)?;
+                }
+                let unborn = held
+                    .iter()
+                    .map(|h| Ok(h.mode == Mode::Exclusive && tx.image(h.name.as_str())?.is_none()))
+                    .collect::<Result<_>>()?;
+                tx.commit()?;
+                Ok(unborn)
+            })();
+            r.unwrap_or_default()
+        }
+        Err(_) => Vec::new(),
+    };
+    for (h, unborn) in held.into_iter().zip(unborn) {
+        if unborn {
+            unlink_image_lock(store, &h.name, h.guard);
+        }
+    }
+    drop(slot);
+}
+
+/// Unlinks an image's lock file (we hold it exclusively) and its gate
+/// (if nobody is passing it right now).
+fn unlink_image_lock(store: &Store, name: &ImageName, guard: Guard) {
+    let gate = store.root().image_gate(name);
+    let _ = guard.unlink();
+    if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
+        let _ = g.unlink();
     }
 }
 
@@ -308,6 +368,11 @@ pub(crate) struct Want<'a> {
     pub deadline: Option<Instant>,
     pub no_wait: bool,
     pub command: &'a str,
+    /// Images that must exist for the request to go ahead (its reads):
+    /// checked before any wait, so that a request that can only fail says
+    /// so at once instead of after the wait (they are checked again under
+    /// the locks, by the start transaction).
+    pub must_exist: &'a [ImageName],
 }
 
 /// Takes one image lock, waiting as allowed. Returns the guard and the id
@@ -365,6 +430,7 @@ pub(crate) fn acquire_image(
         let view = kv.view(&path)?;
         let records = tx.records_for(LockKind::Image, name.as_str())?;
         let (holders, _) = status::judge(&tx, ctx, &kv, &view, &records)?;
+        require_all(&tx, want.must_exist)?;
         let id = if want.no_wait {
             None
         } else {
@@ -495,6 +561,18 @@ fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Resu
     got
 }
 
+/// Before a wait: fails with [`Error::NoSuchImage`] (exit 66) if one of
+/// `names` has no row. An image in any state may still become readable
+/// while we wait (its writer finishes), so only absence is final.
+pub(crate) fn require_all(tx: &Tx, names: &[ImageName]) -> Result<()> {
+    for n in names {
+        if tx.image(n.as_str())?.is_none() {
+            return Err(Error::NoSuchImage(n.as_str().to_owned()).into());
+        }
+    }
+    Ok(())
+}
+
 /// For an image that has no lock file: fails unless the image exists (and,
 /// for [`Need::Ready`], is ready).
 fn require(
@@ -582,15 +660,10 @@ fn start(
     }
     if let Some(err) = refusal {
         // Keep what was learned (stale records, dead writers, our waiter
-        // records gone), claim nothing — and leave nothing: the lock file of
-        // an image this exec would have created goes again (we hold it
-        // exclusively, as the unlink rule requires).
+        // records gone), claim nothing — and leave nothing: the caller
+        // unlinks the lock files of images this exec would have created
+        // (see `give_up`).
         tx.commit()?;
-        for (h, row) in held.iter().zip(&rows) {
-            if h.mode == Mode::Exclusive && row.is_none() {
-                let _ = std::fs::remove_file(h.guard.path());
-            }
-        }
         return Err(err.into());
     }
 

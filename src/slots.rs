@@ -188,7 +188,7 @@ pub fn acquire(
     deadline: Option<Instant>,
     command: &str,
 ) -> Result<Option<SlotGuard>> {
-    let Some(mut slot) = acquire_unrecorded(store, class, priority, deadline, false, command)?
+    let Some(mut slot) = acquire_unrecorded(store, class, priority, deadline, false, command, &[])?
     else {
         return Ok(None);
     };
@@ -212,6 +212,7 @@ pub(crate) fn acquire_unrecorded(
     deadline: Option<Instant>,
     no_wait: bool,
     command: &str,
+    must_exist: &[crate::name::ImageName],
 ) -> Result<Option<SlotGuard>> {
     validate_class(class)?;
     let config = store.with_tx(deadline, |tx, _| lookup(tx, class))?;
@@ -254,6 +255,7 @@ pub(crate) fn acquire_unrecorded(
     let (waiter, holders) = store.with_tx(deadline, |tx, ctx| {
         let kv = tx.kernel_view(&dir);
         let report = class_report(tx, ctx, &kv, &config)?;
+        crate::session::require_all(tx, must_exist)?;
         let id = if no_wait {
             None
         } else {

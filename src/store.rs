@@ -73,6 +73,8 @@ impl Ctx {
 
 pub struct Store {
     conn: Option<rusqlite::Connection>,
+    /// Device and inode of the database file `conn` has open.
+    conn_file: Option<(u64, u64)>,
     ctx: Ctx,
 }
 
@@ -97,6 +99,7 @@ impl Store {
     pub fn new(root: Root) -> Store {
         Store {
             conn: None,
+            conn_file: None,
             ctx: Ctx {
                 root,
                 me: Me::current(),
@@ -187,7 +190,12 @@ impl Store {
     fn begin_raw(&mut self, deadline: Option<Instant>, cleanup: bool) -> Result<(Tx<'_>, &Ctx)> {
         let global = Self::take_global(&self.ctx, deadline, cleanup)?;
         let db = self.ctx.root.db();
+        let id = self.forget_replaced_db(&db);
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
+        if self.conn_file.is_none() {
+            // A database created just now had no identity before.
+            self.conn_file = id.or_else(|| file_id(&db));
+        }
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         Ok((tx, &self.ctx))
     }
@@ -300,7 +308,12 @@ impl Store {
     ) -> Result<T> {
         let global = self.global_with_images_free(what, deadline)?;
         let db = self.ctx.root.db();
+        let id = self.forget_replaced_db(&db);
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
+        if self.conn_file.is_none() {
+            // A database created just now had no identity before.
+            self.conn_file = id.or_else(|| file_id(&db));
+        }
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         let out = f(&tx, &self.ctx)?;
         tx.commit()?;
@@ -377,7 +390,31 @@ impl Store {
     /// Forgets the open database connection (before the file is replaced).
     pub fn close_db(&mut self) {
         self.conn = None;
+        self.conn_file = None;
     }
+
+    /// Under the global lock: drops a connection whose file is no longer
+    /// the database at the path — `doctor --repair` moved a damaged one
+    /// aside and built a new one while this process kept its connection
+    /// (a slot waiter, `lock-status --watch`, an exec whose command ran).
+    /// Writing through the old connection would fail ("readonly database")
+    /// or, worse, go to the file moved aside. One stat per transaction
+    /// (which also names the file a new connection opens).
+    fn forget_replaced_db(&mut self, db: &std::path::Path) -> Option<(u64, u64)> {
+        let id = file_id(db);
+        if self.conn.is_some() && id != self.conn_file {
+            self.close_db();
+        }
+        id
+    }
+}
+
+/// Device and inode of a file, if it exists.
+fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// The database connection, opened on first use (with the global lock held

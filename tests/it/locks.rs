@@ -3,7 +3,9 @@
 //! operations against every lock an older release may hold, and the checks
 //! that stand in for NFS behaviour that cannot be reproduced here.
 
+use std::fs;
 use std::path::PathBuf;
+use std::process::Command;
 
 use crate::common::*;
 
@@ -137,4 +139,144 @@ fn nested_migration_fails_instead_of_waiting_for_its_enclosing_command() {
     let out = output(c);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     assert!(stderr(&out).contains("enclosing command"), "{}", show(&out));
+}
+
+#[test]
+fn a_missing_image_to_read_is_reported_before_any_wait() {
+    let env = Env::new();
+    let busy = env.hold(&["--write", "busy"], "busy");
+    let out = env.run([
+        "exec", "--read", "missing", "--write", "busy", "--wait", "20", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("'missing' does not exist"),
+        "{}",
+        show(&out)
+    );
+    assert!(!stderr(&out).contains("waiting"), "{}", show(&out));
+    // The same before a wait for a slot.
+    env.ok(["slots", "set", "one", "1"]);
+    let slot = env.hold(&["--slot", "one"], "slot");
+    let out = env.run([
+        "exec", "--slot", "one", "--read", "missing", "--wait", "20", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    env.release("release");
+    for bg in [busy, slot] {
+        let out = bg.finish();
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    }
+    assert!(!env.lock_file("missing").exists());
+}
+
+#[test]
+fn lock_status_of_an_image_that_does_not_exist_says_so() {
+    let env = Env::new();
+    env.make_image("base");
+    let out = env.run(["lock-status", "nosuch", "base"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("image 'nosuch' does not exist"),
+        "{}",
+        show(&out)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("base") && !text.contains("nosuch"), "{text}");
+    env.ok(["lock-status", "base"]);
+}
+
+/// Waiter records in the database, read directly (not through stowage,
+/// which would judge and drop stale ones before showing them).
+fn waiter_rows(env: &Env) -> Option<String> {
+    let out = Command::new("sqlite3")
+        .arg(env.root.join("stowage.db"))
+        .arg("SELECT kind, name FROM records WHERE role = 'waiter'")
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn a_request_that_times_out_on_a_later_lock_leaves_no_waiter_record() {
+    let env = Env::new();
+    if waiter_rows(&env).is_none() && Command::new("sqlite3").arg("-version").output().is_err() {
+        eprintln!("skipped: no sqlite3 to read the records with");
+        return;
+    }
+    let mut args = vec!["exec".to_owned(), "--write".into(), "a".into(), "--".into()];
+    args.extend(env.hold_cmd("a", "release-a"));
+    let a = env.spawn(&args);
+    wait_for_file(&env.sentinel("a"));
+    let b = env.hold(&["--write", "b"], "b");
+    let w = env.spawn([
+        "exec", "--write", "a", "--write", "b", "--wait", "2", "--", "true",
+    ]);
+    env.wait_for_waiter("a");
+    env.release("release-a");
+    let out = w.finish();
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert_eq!(
+        waiter_rows(&env).as_deref(),
+        Some(""),
+        "waiter records left"
+    );
+    env.release("release");
+    for bg in [a, b] {
+        assert_eq!(bg.finish().status.code(), Some(0));
+    }
+}
+
+#[test]
+fn starts_that_fail_leave_no_lock_file_or_gate() {
+    let env = Env::new();
+    // A start that fails: the command cannot be run.
+    let out = env.run(["exec", "--write", "new", "--", "/nonexistent/cmd"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(!env.lock_file("new").exists());
+    // A request that times out after it created a lock file for a new
+    // image earlier in the lock order.
+    let zzz = env.hold(&["--write", "zzz"], "zzz");
+    let out = env.run([
+        "exec", "--write", "aaa", "--write", "zzz", "--wait", "0.5", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(!env.lock_file("aaa").exists());
+    env.release("release");
+    assert_eq!(zzz.finish().status.code(), Some(0));
+    // A writer that waited (making the gate), then found the image gone
+    // (its holder's command deleted it) and could not start its command.
+    let mut args = vec!["exec".to_owned(), "--write".into(), "n".into(), "--".into()];
+    let mut hold = env.hold_cmd("n", "release-n");
+    hold[2] = format!("{}; rm -rf \"$STOWAGE_IMAGE_DIR\"", hold[2]);
+    args.extend(hold);
+    let holder = env.spawn(&args);
+    wait_for_file(&env.sentinel("n"));
+    let w = env.spawn(["exec", "--write", "n", "--", "/nonexistent/cmd"]);
+    env.wait_for_waiter("n");
+    env.release("release-n");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    assert_eq!(w.finish().status.code(), Some(1));
+    assert!(env.image("n").is_none());
+    assert!(!env.lock_file("n").exists());
+    assert!(!gate_file(&env, "n").exists());
+}
+
+#[test]
+fn a_process_with_an_open_connection_survives_a_database_rebuild() {
+    let env = Env::new();
+    env.make_image("base");
+    // No lock file: the reader looks the image up first (a transaction,
+    // which opens its connection) and stops there.
+    fs::remove_file(env.lock_file("base")).unwrap();
+    let (reader, go) = env.paused(["exec", "--read", "base", "--", "true"], "image-required");
+    fs::write(env.root.join("stowage.db"), vec![0x5a; 8192]).unwrap();
+    env.ok(["doctor", "--repair"]);
+    // Whatever readiness the rebuild gave it, make it ready again.
+    env.make_image("base");
+    fs::remove_file(go).unwrap();
+    let out = reader.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
 }
