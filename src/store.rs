@@ -460,10 +460,42 @@ fn in_wal(db: &std::path::Path) -> bool {
         .is_ok_and(|()| header[18] == 2 || header[19] == 2)
 }
 
-/// Under the global lock: the first image lock someone holds, if any.
+/// Under the global lock: the first image or slot lock someone holds, if
+/// any. Slots count too: a process of an older release that holds only a
+/// slot (an exec with `--slot` and no image) still records and deletes its
+/// holder record against the schema it knows, so a migration under it
+/// would make its exec fail after its command succeeded.
 fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
-    let dir = ctx.root.image_locks();
-    let entries = match std::fs::read_dir(&dir) {
+    if let Some(busy) = first_busy_in(&ctx.root.image_locks(), lock_file_label)? {
+        return Ok(Some(busy));
+    }
+    let slots = ctx.root.slot_locks();
+    let classes = match std::fs::read_dir(&slots) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", slots.display())),
+    };
+    for class in classes {
+        let class = class.with_context(|| format!("cannot list {}", slots.display()))?;
+        // A real directory only; a symlink planted here is not followed.
+        if !class.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let name = class.file_name().to_string_lossy().replace('%', "/");
+        let label = |f: &str| format!("slot {} of class '{name}'", f.trim_end_matches(".lock"));
+        if let Some(busy) = first_busy_in(&class.path(), label)? {
+            return Ok(Some(busy));
+        }
+    }
+    Ok(None)
+}
+
+/// The first `*.lock` file in `dir` that someone holds, with its label.
+fn first_busy_in(
+    dir: &std::path::Path,
+    label: impl Fn(&str) -> String,
+) -> Result<Option<(std::path::PathBuf, String)>> {
+    let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("cannot list {}", dir.display())),
@@ -485,9 +517,9 @@ fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
         let path = entry.path();
         match lock::try_lock(&path, Mode::Exclusive, false) {
             Ok(Some(g)) => drop(g),
-            Ok(None) => return Ok(Some((path, lock_file_label(fname)))),
+            Ok(None) => return Ok(Some((path, label(fname)))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(lock_error(&lock_file_label(fname), &path, e)),
+            Err(e) => return Err(lock_error(&label(fname), &path, e)),
         }
     }
     Ok(None)
