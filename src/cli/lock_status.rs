@@ -118,7 +118,12 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
             .collect();
         who.extend(l.waiters.iter().map(|p| format!("waiting: {}", party(p))));
         let first = who.first().cloned().unwrap_or_default();
-        rows.push([l.name.clone(), l.kind.as_str().into(), state, first]);
+        let name = if l.kind == crate::meta::LockKind::Slot && l.slot.is_none() {
+            format!("{} (removed)", l.name)
+        } else {
+            l.name.clone()
+        };
+        rows.push([name, l.kind.as_str().into(), state, first]);
         for more in who.iter().skip(1) {
             rows.push([String::new(), String::new(), String::new(), more.clone()]);
         }
