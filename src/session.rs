@@ -105,6 +105,7 @@ impl Session {
                     req.deadline,
                     req.no_wait,
                     &req.command,
+                    &req.reads,
                 )?,
                 None => None,
             };
@@ -122,6 +123,7 @@ impl Session {
                     deadline: req.deadline,
                     no_wait: req.no_wait,
                     command: &req.command,
+                    must_exist: &req.reads,
                 };
                 match acquire_image(store, name, &want) {
                     Ok((guard, waiter)) => {
@@ -138,7 +140,7 @@ impl Session {
                         break;
                     }
                     Err(e) => {
-                        crate::remove::release_unclaimed(store, unclaimed(held), Some(name));
+                        give_up(store, held, &waits, slot, Some(name));
                         return Err(e);
                     }
                 }
@@ -156,7 +158,7 @@ impl Session {
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
                     Err(e) => {
-                        crate::remove::release_unclaimed(store, unclaimed(held), None);
+                        give_up(store, held, &waits, slot, None);
                         return Err(e);
                     }
                 }
@@ -261,11 +263,7 @@ impl Session {
         // (the unlink rule), with their gates.
         for (h, (_, gone)) in self.held.into_iter().zip(written) {
             if gone {
-                let gate = store.root().image_gate(&h.name);
-                let _ = crate::remove::unlink_lock(store.root(), h.guard);
-                if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
-                    let _ = crate::remove::unlink_lock(store.root(), g);
-                }
+                unlink_image_lock(store, &h.name, h.guard);
             }
         }
         drop(self.slot);
@@ -301,15 +299,54 @@ impl Session {
             tx.delete_record(id)?;
         }
         tx.commit()?;
-        // Their lock files and gates go too: nothing is left of them.
-        let created = self
-            .held
-            .into_iter()
-            .filter(|h| h.mode == Mode::Exclusive && h.prev.is_none())
-            .map(|h| (h.name, h.guard))
-            .collect();
-        crate::remove::release_unclaimed(store, created, None);
+        // Images this session created are gone again: so are their lock
+        // files and gates (under our exclusive locks, as the unlink rule
+        // requires), or doctor would find lock files without images.
+        for h in self.held {
+            if h.mode == Mode::Exclusive && h.prev.is_none() {
+                unlink_image_lock(store, &h.name, h.guard);
+            }
+        }
         Ok(())
+    }
+}
+
+/// A request that failed before its command could run (a lock busy past
+/// the deadline, a signal, a refused start) leaves nothing behind: the
+/// waiter records it made for locks it did get, and the lock files and
+/// gates of images it would have created (those without a row), which it
+/// holds exclusively. Best effort: what this misses is found stale later.
+///
+/// `waited_for` is the image whose wait failed: its lock file may have been
+/// created by our open, for an image that has no row.
+fn give_up(
+    store: &mut Store,
+    held: Vec<Held>,
+    waits: &[i64],
+    slot: Option<crate::slots::SlotGuard>,
+    waited_for: Option<&ImageName>,
+) {
+    let slot_waiter = slot.as_ref().and_then(|s| s.waiter);
+    if let Ok((tx, _)) = store.begin_cleanup() {
+        let r = (|| -> Result<()> {
+            for id in waits.iter().chain(slot_waiter.as_ref()) {
+                tx.delete_record(*id)?;
+            }
+            tx.commit()
+        })();
+        drop(r);
+    }
+    crate::remove::release_unclaimed(store, unclaimed(held), waited_for);
+    drop(slot);
+}
+
+/// Unlinks an image's lock file (we hold it exclusively) and its gate
+/// (if nobody is passing it right now).
+fn unlink_image_lock(store: &Store, name: &ImageName, guard: Guard) {
+    let gate = store.root().image_gate(name);
+    let _ = crate::remove::unlink_lock(store.root(), guard);
+    if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
+        let _ = crate::remove::unlink_lock(store.root(), g);
     }
 }
 
@@ -340,6 +377,11 @@ pub(crate) struct Want<'a> {
     pub deadline: Option<Instant>,
     pub no_wait: bool,
     pub command: &'a str,
+    /// Images that must exist for the request to go ahead (its reads):
+    /// checked before any wait, so that a request that can only fail says
+    /// so at once instead of after the wait (they are checked again under
+    /// the locks, by the start transaction).
+    pub must_exist: &'a [ImageName],
 }
 
 /// Takes one image lock, waiting as allowed. Returns the guard and the id
@@ -384,6 +426,11 @@ pub(crate) fn acquire_image(
         Tried::Held => false,
         Tried::WriterWaiting => true,
     };
+    if let Some(held) = crate::kernel::enclosing_hold(&path)
+        && (mode == Mode::Exclusive || held == Mode::Exclusive)
+    {
+        return Err(waits_for_itself(name, mode, held));
+    }
 
     // Busy. Record ourselves as a waiter and find out who holds it.
     let (waiter, mut holders) = {
@@ -392,6 +439,7 @@ pub(crate) fn acquire_image(
         let view = kv.view(&path)?;
         let records = tx.records_for(LockKind::Image, name.as_str())?;
         let (holders, _) = status::judge(&tx, ctx, &kv, &view, &records)?;
+        require_all(&tx, want.must_exist)?;
         let id = if want.no_wait {
             None
         } else {
@@ -422,6 +470,31 @@ pub(crate) fn acquire_image(
         wait_image(&gate, &path, mode, &mut wait).map_err(err)
     })?;
     Ok((guard, waiter))
+}
+
+/// The error for a lock that this process's enclosing command holds in a
+/// conflicting mode (`held`): waiting would never end, since the enclosing
+/// command waits for us. A read of an image it writes finds the image not
+/// ready (exit 66); a write of an image it holds is a lock that cannot be
+/// had (exit 75).
+fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
+    let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
+    match mode {
+        Mode::Shared => Error::NotReady {
+            name: name.as_str().to_owned(),
+            state: format!("being written by {by}"),
+        }
+        .into(),
+        Mode::Exclusive => Error::Busy(Busy {
+            what: format!("write lock on image '{name}'"),
+            holders: format!(
+                "held ({}) by {by}; waiting for it would never end",
+                held.verb()
+            ),
+            waited: Duration::ZERO,
+        })
+        .into(),
+    }
 }
 
 /// Runs a wait announced as `what`, held by `holders`, and makes its
@@ -471,6 +544,11 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
     }
     match lock::try_lock(gate, Mode::Shared, false) {
         Ok(Some(_passed)) => Ok(Tried::Got(g)),
+        // A reader whose enclosing command already reads the image is part
+        // of that hold: the writer at the gate waits for the enclosing
+        // reader, which waits for us, so queueing behind the writer would
+        // be a cycle. It passes, as it would under flock(1).
+        Ok(None) if crate::kernel::enclosing_hold(path).is_some() => Ok(Tried::Got(g)),
         Ok(None) => Ok(Tried::WriterWaiting),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
         Err(e) => Err(e),
@@ -490,6 +568,18 @@ fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Resu
     let got = lock::lock(path, mode, true, wait);
     drop(passage);
     got
+}
+
+/// Before a wait: fails with [`Error::NoSuchImage`] (exit 66) if one of
+/// `names` has no row. An image in any state may still become readable
+/// while we wait (its writer finishes), so only absence is final.
+pub(crate) fn require_all(tx: &Tx, names: &[ImageName]) -> Result<()> {
+    for n in names {
+        if tx.image(n.as_str())?.is_none() {
+            return Err(Error::NoSuchImage(n.as_str().to_owned()).into());
+        }
+    }
+    Ok(())
 }
 
 /// For an image that has no lock file: fails unless the image exists (and,
@@ -580,7 +670,8 @@ fn start(
     if let Some(err) = refusal {
         // Keep what was learned (stale records, dead writers, our waiter
         // records gone), claim nothing — and leave nothing: the caller
-        // unlinks the lock files of images this exec would have created.
+        // unlinks the lock files of images this exec would have created
+        // (see `give_up`).
         tx.commit()?;
         return Err(err.into());
     }

@@ -15,6 +15,7 @@ mod hostile;
 mod init;
 mod lifecycle;
 mod lock_status;
+mod locks;
 mod migration;
 mod names;
 mod runtimes;
