@@ -53,6 +53,7 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
             .follow_links(false)
             .into_iter()
             .filter_map(|e| e.ok())
+            .take_while(|_| crate::signals::cancelled().is_none())
             .filter(|e| e.file_type().is_file())
             .filter_map(|e| e.metadata().ok())
             .map(|m| m.len())
@@ -73,6 +74,7 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
     dirs.push((dst.to_owned(), root_meta));
 
     for entry in walkdir::WalkDir::new(src).follow_links(false).min_depth(1) {
+        crate::signals::check()?;
         let entry = entry.with_context(|| format!("cannot walk {}", src.display()))?;
         let rel = entry
             .path()

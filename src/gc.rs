@@ -115,6 +115,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // Sizes not known yet (adopted images) are measured now.
     let mut measured = Vec::new();
     for r in rows.iter_mut().filter(|r| r.size_bytes.is_none()) {
+        crate::signals::check()?;
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
         };
@@ -152,6 +153,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
             });
         rows = rest;
         for r in these {
+            crate::signals::check()?;
             match collect(store, &r, reason, policy.dry_run, &mut report)? {
                 Some(freed) => total = total.saturating_sub(freed),
                 None => rows.push(r),
@@ -164,6 +166,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
             if total <= max {
                 break;
             }
+            crate::signals::check()?;
             if let Some(freed) =
                 collect(store, &r, Reason::OverBudget, policy.dry_run, &mut report)?
             {

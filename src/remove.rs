@@ -161,6 +161,7 @@ fn trash_name(ctx: &Ctx, enc: &str) -> String {
 /// `path` itself is unlinked, not followed. Tolerates a concurrent deleter.
 pub fn remove_tree(path: &Path) -> Result<()> {
     for _ in 0..3 {
+        crate::signals::check()?;
         let r = match fs::symlink_metadata(path) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
             Err(e) => Err(e),
@@ -189,6 +190,9 @@ fn make_writable(path: &Path) {
         .into_iter()
         .flatten()
     {
+        if crate::signals::cancelled().is_some() {
+            return;
+        }
         if e.file_type().is_dir()
             && let Ok(m) = e.metadata()
             && m.permissions().mode() & 0o700 != 0o700

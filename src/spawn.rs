@@ -79,7 +79,10 @@ pub fn spawn_with(
                     libc::POSIX_SPAWN_SETPGROUP | libc::POSIX_SPAWN_SETSIGDEF
                 }
             };
-            check(libc::posix_spawnattr_setflags(&mut attr, flags as libc::c_short))?;
+            check(libc::posix_spawnattr_setflags(
+                &mut attr,
+                flags as libc::c_short,
+            ))?;
             let mut pid: libc::pid_t = 0;
             let rc = match path {
                 Some(p) => libc::posix_spawn(

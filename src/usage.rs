@@ -16,6 +16,7 @@ pub fn disk_usage(dir: &Path) -> io::Result<u64> {
         .follow_links(false)
         .same_file_system(true);
     for entry in walk {
+        crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let entry = match entry {
             Ok(e) => e,
             Err(e)

@@ -7,9 +7,9 @@ use anyhow::{Context, Result};
 
 use crate::error::{self, Error};
 use crate::ident;
+use crate::keeper::Keeper;
 use crate::name::ImageName;
 use crate::session::{Outcome, Request, Session};
-use crate::keeper::Keeper;
 use crate::signals::{Forwarder, Target};
 use crate::slots::Priority;
 use crate::store::Store;
@@ -159,11 +159,17 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 
     let mut images = vec![
         ("STOWAGE_ROOT", store.root().dir().as_os_str().to_owned()),
-        ("STOWAGE_IMAGES_DIR", session.images_dir().as_os_str().to_owned()),
+        (
+            "STOWAGE_IMAGES_DIR",
+            session.images_dir().as_os_str().to_owned(),
+        ),
     ];
     let written: Vec<_> = session.writes().cloned().collect();
     if let [only] = written.as_slice() {
-        images.push(("STOWAGE_IMAGE_DIR", session.image_dir(only).into_os_string()));
+        images.push((
+            "STOWAGE_IMAGE_DIR",
+            session.image_dir(only).into_os_string(),
+        ));
     }
     let env = command_env(std::env::vars_os(), &images);
 

@@ -209,7 +209,9 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         && sub.as_ref().is_some_and(|(name, _)| name == "exec")
         && value(ContextKind::InvalidArg).is_some_and(|a| a.contains("CMD"))
     {
-        eprintln!("stowage: no command to run: put it after '--', e.g. stowage exec --write app -- make");
+        eprintln!(
+            "stowage: no command to run: put it after '--', e.g. stowage exec --write app -- make"
+        );
         eprintln!("Usage: stowage exec [OPTIONS] -- CMD [ARG]...   (see 'stowage exec --help')");
         return ExitCode::from(error::code::USAGE);
     }
@@ -277,9 +279,7 @@ fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
         ))
     };
     let t = raw.trim();
-    let split = t
-        .find(|c: char| c.is_ascii_alphabetic())
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
     let scale = match unit.trim() {
         "" | "s" | "sec" | "secs" => 1.0,
@@ -313,7 +313,6 @@ fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
     }
     Ok(Duration::from_secs_f64(secs))
 }
-
 
 /// The deadline for `--wait S` / `--no-wait` / neither (forever).
 fn deadline(wait: Option<&str>, no_wait: bool) -> Result<(Option<Instant>, bool)> {
@@ -368,7 +367,9 @@ mod tests {
         assert_eq!(s("2h"), Some(7200.0));
         assert_eq!(s("1d"), Some(86_400.0));
         assert_eq!(s(" 3 s "), Some(3.0));
-        for bad in ["", "s", "-1", "-1s", "10x", "inf", "NaN", "1e3", "ten", "1.2.3"] {
+        for bad in [
+            "", "s", "-1", "-1s", "10x", "inf", "NaN", "1e3", "ten", "1.2.3",
+        ] {
             assert_eq!(s(bad), None, "{bad:?} must be refused");
         }
         assert_eq!(s("100000d"), None, "beyond ten years");

@@ -14,5 +14,6 @@ mod lifecycle;
 mod lock_status;
 mod migration;
 mod names;
+mod procs;
 mod slots;
 mod stress;
