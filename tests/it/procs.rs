@@ -13,10 +13,11 @@ use crate::common::*;
 
 /// A command (for `sh -c`) that appends a line to FILE every 10 ms, in the
 /// background of a shell that waits for it, after touching STARTED. Bounded:
-/// it ends by itself after about a minute, should a test fail.
+/// it ends by itself after about a minute, should a test fail. Its output
+/// goes nowhere, so the test's pipes do not wait for it.
 fn background_writer(file: &Path, started: &Path) -> String {
     format!(
-        "( i=0; while [ $i -lt 6000 ]; do echo x >> '{f}'; sleep 0.01; i=$((i+1)); done ) & touch '{s}'; wait",
+        "( i=0; while [ $i -lt 6000 ]; do echo x >> '{f}'; sleep 0.01; i=$((i+1)); done ) </dev/null >/dev/null 2>&1 & touch '{s}'; wait",
         f = file.display(),
         s = started.display()
     )
@@ -130,7 +131,11 @@ fn no_inherit_holds_the_locks_until_the_whole_tree_has_exited() {
     let env = Env::new();
     let late = env.root.join("img/app/late");
     // The shell exits at once; its background job writes half a second on.
-    let script = format!("( sleep 0.5; echo done > '{}' ) &", late.display());
+    // Its output goes nowhere: the test's pipes must not wait for it.
+    let script = format!(
+        "( sleep 0.5; echo done > '{}' ) </dev/null >/dev/null 2>&1 &",
+        late.display()
+    );
     let out = env.run([
         "exec",
         "--no-inherit",
@@ -236,60 +241,60 @@ fn the_command_gets_each_stowage_variable_once_from_this_exec() {
     let env = Env::new();
     env.make_image("a");
     let other = env.tmp.path().join("callers-store");
-    let report = env.sentinel("env");
-    let mut c = env.cmd([
-        "exec",
-        "--write",
-        "w",
-        "--",
-        "sh",
-        "-c",
-        &format!(
-            "env > '{r}' && '{bin}' exec --read a -- true",
-            r = report.display(),
-            bin = bin()
-        ),
-    ]);
-    c.env("STOWAGE_ROOT", &other)
-        .env("STOWAGE_IMAGE_DIR", "/stale/x")
-        .env("STOWAGE_IMAGES_DIR", "/stale");
-    let out = output(c);
+    // The caller works in another store. No shell in between: a shell
+    // would tidy duplicate entries away, a C, Rust or Go program reads the
+    // first.
+    let with_callers_env = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env("STOWAGE_ROOT", &other)
+            .env("STOWAGE_IMAGE_DIR", "/stale/x")
+            .env("STOWAGE_IMAGES_DIR", "/stale");
+        output(c)
+    };
+    let out = with_callers_env(&["exec", "--write", "w", "--", "env"]);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    let text = fs::read_to_string(&report).unwrap();
-    let values = |k: &str| -> Vec<String> {
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let values = |text: &str, k: &str| -> Vec<String> {
         text.lines()
             .filter_map(|l| l.strip_prefix(&format!("{k}=")))
             .map(str::to_owned)
             .collect()
     };
-    assert_eq!(values("STOWAGE_ROOT"), [env.root.display().to_string()]);
     assert_eq!(
-        values("STOWAGE_IMAGES_DIR"),
+        values(&text, "STOWAGE_ROOT"),
+        [env.root.display().to_string()]
+    );
+    assert_eq!(
+        values(&text, "STOWAGE_IMAGES_DIR"),
         [env.root.join("img").display().to_string()]
     );
     assert_eq!(
-        values("STOWAGE_IMAGE_DIR"),
+        values(&text, "STOWAGE_IMAGE_DIR"),
         [env.root.join("img/w").display().to_string()]
     );
-    assert!(!other.exists(), "the caller's store was created: {text}");
 
-    // Two writes: no single image directory, and none left from the caller.
-    let mut c = env.cmd([
+    // A nested exec works in this exec's store.
+    let out = with_callers_env(&[
         "exec",
         "--write",
-        "x",
-        "--write",
-        "y",
+        "w",
         "--",
-        "sh",
-        "-c",
-        &format!("env > '{}'", report.display()),
+        bin(),
+        "exec",
+        "--read",
+        "a",
+        "--",
+        "true",
     ]);
-    c.env("STOWAGE_IMAGE_DIR", "/stale/x");
-    let out = output(c);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    let text = fs::read_to_string(&report).unwrap();
-    assert!(!text.contains("STOWAGE_IMAGE_DIR="), "{text}");
+    assert!(!other.exists(), "the caller's store was created");
+
+    // Two writes: no single image directory, and none left from the caller.
+    let out = with_callers_env(&["exec", "--write", "x", "--write", "y", "--", "env"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(values(&text, "STOWAGE_IMAGE_DIR").is_empty(), "{text}");
+    assert_eq!(values(&text, "STOWAGE_ROOT").len(), 1, "{text}");
 }
 
 // ---------------------------------------------------------------------------
