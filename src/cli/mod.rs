@@ -194,25 +194,21 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
             Some(p) if !args.iter().any(|a| a == "--") => {
                 fixed.insert(p - 1, "--".into());
                 eprintln!(
-                    "stowage: unexpected argument '{arg}': put the command after '--', as in: stowage {}",
+                    "stowage: unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
                     fixed.join(" ")
                 );
             }
             _ => eprintln!(
-                "stowage: unexpected argument '{arg}' before '--' (only options go there; the command goes after '--')"
+                "stowage: unexpected argument '{arg}' before '--': only options go there, the command after '--' ({EXEC_USAGE})"
             ),
         }
-        eprintln!("Usage: stowage exec [OPTIONS] -- CMD [ARG]...   (see 'stowage exec --help')");
         return ExitCode::from(error::code::USAGE);
     }
     if e.kind() == ErrorKind::MissingRequiredArgument
         && sub.as_ref().is_some_and(|(name, _)| name == "exec")
         && value(ContextKind::InvalidArg).is_some_and(|a| a.contains("CMD"))
     {
-        eprintln!(
-            "stowage: no command to run: put it after '--', e.g. stowage exec --write app -- make"
-        );
-        eprintln!("Usage: stowage exec [OPTIONS] -- CMD [ARG]...   (see 'stowage exec --help')");
+        eprintln!("stowage: no command to run: put it after '--' ({EXEC_USAGE})");
         return ExitCode::from(error::code::USAGE);
     }
     // clap's first paragraph says what is wrong (sometimes over several
@@ -241,6 +237,9 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     eprintln!("stowage: {what}{hint} (see '{help}')");
     ExitCode::from(error::code::USAGE)
 }
+
+/// exec's usage, for the mistakes made with it (one line, as every error).
+const EXEC_USAGE: &str = "usage: stowage exec [--read IMG]... [--write IMG]... [OPTIONS] -- CMD [ARG]...; see 'stowage exec --help'";
 
 /// The subcommand named on the command line and its index: the first
 /// argument that is neither a global option nor its value.

@@ -555,7 +555,8 @@ fn a_command_without_the_double_dash_is_explained() {
         err.contains("exec --write app -- ch-image build -t app ."),
         "{err}"
     );
-    assert!(err.contains("Usage: stowage exec"), "{err}");
+    assert!(err.contains("usage: stowage exec"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
     assert!(!env.root.exists(), "nothing created");
 }
 
