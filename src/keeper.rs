@@ -288,14 +288,14 @@ fn reap_exited(command: libc::pid_t, status: &mut Option<i32>) -> bool {
 }
 
 /// The keeper's `main`: `args` are what follows [`ARG`]. Returns its exit
-/// code (what matters to stowage is on the status pipe).
+/// code; what matters to stowage is on the status pipe, and an error is
+/// seen there as a keeper that ended without starting the command. The
+/// keeper never writes to the terminal: it runs in a background process
+/// group, where a write could stop it (TOSTOP).
 pub fn main(args: &[OsString]) -> u8 {
     match run(args) {
         Ok(()) => 0,
-        Err(e) => {
-            eprintln!("stowage: keeper: {e}");
-            1
-        }
+        Err(_) => 1,
     }
 }
 
