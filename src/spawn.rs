@@ -6,8 +6,8 @@
 //! `pre_exec` hook, which forces a full fork(2) of this process; glibc's
 //! posix_spawn takes a signal mask and default dispositions as attributes
 //! and starts the child with a vfork-style clone, without copying our page
-//! tables. (`--no-inherit` still needs a hook, for PR_SET_PDEATHSIG, and
-//! uses std.)
+//! tables. `--no-inherit` starts our own keeper this way (see
+//! `keeper.rs`), which, single-threaded, starts the command with std.
 
 use std::ffi::{CString, OsStr, OsString};
 use std::io;

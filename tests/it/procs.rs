@@ -611,3 +611,38 @@ fn a_trailing_slash_is_an_invalid_name() {
     );
     assert!(!env.root.join("img").exists(), "nothing created");
 }
+
+#[test]
+fn a_daemonised_descendant_is_still_part_of_the_tree() {
+    let env = Env::new();
+    let img_file = env.root.join("img/app/log");
+    let started = env.sentinel("started");
+    // The command double-forks a writer into a session of its own and
+    // exits at once, as a daemon does.
+    let script = env.sentinel("daemon.sh");
+    fs::write(&script, background_writer(&img_file, &started)).unwrap();
+    let daemon = format!(
+        "setsid sh '{}' </dev/null >/dev/null 2>&1 &",
+        script.display()
+    );
+    let mut bg = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &daemon,
+    ]);
+    wait_for_file(&started);
+    wait_until("the daemon writes", || lines(&img_file) > 2);
+    // The command has exited, but its daemon writes: the image stays held.
+    assert!(bg.is_running(), "stowage returned while the daemon writes");
+    let out = env.run(["exec", "--write", "app", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    bg.signal(libc::SIGKILL);
+    let out = env.run(["exec", "--write", "app", "--wait", "30", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(!still_written(&img_file), "the daemon outlived the locks");
+}
