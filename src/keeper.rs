@@ -136,7 +136,13 @@ impl Keeper {
         ];
         args.extend(argv.iter().cloned());
         let exe = CString::new("/proc/self/exe").expect("no NUL");
-        let pid = crate::spawn::spawn_with(Some(&exe), &args, env, crate::spawn::Start::Keeper)?;
+        let pid = crate::spawn::spawn_with(Some(&exe), &args, env, crate::spawn::Start::Keeper)
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot start stowage's keeper process (/proc/self/exe): {e}"),
+                )
+            })?;
         drop(status_wr);
         drop(alive_rd);
         let mut keeper = Keeper {
