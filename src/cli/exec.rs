@@ -149,6 +149,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         if let Err(e) = clone_into(store, &session, base, &target) {
             // A half-made copy must never look ready.
             let _ = session.finish(store, Outcome::Failure);
+            // Stopped by a termination signal (wherever the walk noticed
+            // it, even inside an I/O error): exit 128+N, like any signal
+            // before the command starts.
+            if let Some(sig) = crate::signals::cancelled()
+                && error::typed(&e).is_none()
+            {
+                return Err(e.context(Error::Interrupted(sig)));
+            }
             return Err(e);
         }
         if !keep_base && let Err(e) = session.release_read(store, base) {
@@ -247,10 +255,43 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     } else {
         Outcome::Failure
     };
+    let full = if outcome == Outcome::Failure && !written.is_empty() {
+        full_note(session.images_dir())
+    } else {
+        None
+    };
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
     })?;
+    if !written.is_empty() && full.is_none() {
+        crate::space::ensure(store.root());
+    }
+    if let Some(note) = full {
+        store.ctx().say(&format!(
+            "{} incomplete: the command failed with {note}",
+            written
+                .iter()
+                .map(|w| format!("image '{w}' is"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     Ok(code)
+}
+
+/// "its filesystem full (12 KiB free in /img): free space with 'stowage
+/// rm' or 'stowage gc'" — when a failed writer left the images directory's
+/// filesystem (nearly) full, which is then the likely cause.
+fn full_note(images_dir: &std::path::Path) -> Option<String> {
+    let free = crate::space::free_bytes(images_dir)?;
+    // Less than a reserve's worth: no build can write there.
+    (free < 1 << 20).then(|| {
+        format!(
+            "the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
+            images_dir.display(),
+            crate::usage::human(free)
+        )
+    })
 }
 
 /// Makes the written image a copy of `base` (emptying it first if it had
@@ -270,11 +311,7 @@ fn clone_into(
             src.display()
         );
     }
-    for entry in
-        std::fs::read_dir(&dst).with_context(|| format!("cannot list {}", dst.display()))?
-    {
-        crate::remove::remove_tree(&entry?.path())?;
-    }
+    crate::remove::empty_image_dir(store.root(), session.images_dir(), target)?;
     let t0 = std::time::Instant::now();
     let show = std::io::stderr().is_terminal() && !store.ctx().quiet;
     let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
@@ -292,6 +329,15 @@ fn clone_into(
             "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
             done.skipped_special
         ));
+    }
+    if let Some(lost) = done.xattrs_summary() {
+        store.ctx().say(&format!(
+            "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
+            if store.ctx().verbose { "" } else { " (-v lists the files)" }
+        ));
+        for d in &done.xattr_details {
+            store.ctx().detail(&format!("  not kept: {d}"));
+        }
     }
     Ok(())
 }
