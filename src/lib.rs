@@ -50,6 +50,7 @@ pub mod doctor;
 pub mod error;
 pub mod gc;
 pub mod ident;
+pub mod keeper;
 pub mod kernel;
 pub mod lock;
 pub mod meta;

@@ -82,6 +82,12 @@ pub struct Guard {
     ino: u64,
 }
 
+impl std::os::fd::AsRawFd for Guard {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
+    }
+}
+
 impl Guard {
     pub fn path(&self) -> &Path {
         &self.path

@@ -200,6 +200,39 @@ impl Session {
             .try_for_each(|h| h.guard.set_inheritable(inherit))
     }
 
+    /// The descriptors of every lock held (slot included), for a process
+    /// that must hold them on our behalf (the `--no-inherit` keeper).
+    pub fn lock_fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.slot
+            .iter()
+            .map(|s| s.raw_fd())
+            .chain(self.held.iter().map(|h| h.guard.as_raw_fd()))
+            .collect()
+    }
+
+    /// Releases the read lock on `name` before the session ends (a `--from`
+    /// base once copied), dropping its holder record first, so that the
+    /// record never claims a lock we no longer hold. Does nothing for an
+    /// image not held shared.
+    pub fn release_read(&mut self, store: &mut Store, name: &ImageName) -> Result<()> {
+        let Some(i) = self
+            .held
+            .iter()
+            .position(|h| h.name == *name && h.mode == Mode::Shared)
+        else {
+            return Ok(());
+        };
+        if let Some(&id) = self.records.get(i) {
+            let (tx, _) = store.begin_cleanup()?;
+            tx.delete_record(id)?;
+            tx.commit()?;
+            self.records.remove(i);
+        }
+        self.held.remove(i);
+        Ok(())
+    }
+
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
     }

@@ -127,6 +127,10 @@ impl SlotGuard {
         self.guard.set_inheritable(inherit)
     }
 
+    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.guard)
+    }
+
     /// The holder record for this slot (inserted by the caller's transaction).
     pub(crate) fn holder_record(&self, ctx: &Ctx, command: &str) -> Record {
         record(

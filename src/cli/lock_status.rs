@@ -21,7 +21,7 @@ pub struct Args {
     /// Print one JSON object (with --watch, one per line)
     #[arg(long)]
     json: bool,
-    /// Refresh every SECONDS until interrupted
+    /// Refresh every SECONDS (fractional, or with a unit: 500ms, 2s, 1m) until interrupted
     #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
     watch: Option<String>,
 }

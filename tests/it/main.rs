@@ -18,6 +18,7 @@ mod lock_status;
 mod locks;
 mod migration;
 mod names;
+mod procs;
 mod runtimes;
 mod shell;
 mod slots;
