@@ -373,7 +373,9 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     let root = store.root().clone();
     let db = root.db();
     let salvage = salvage(&db);
-    let stamp = clock::rfc3339(clock::now_ms()).replace(':', "");
+    let stamp = clock::rfc3339(clock::now_ms())
+        .unwrap_or_else(|| "unknown-time".into())
+        .replace(':', "");
     let moved_to = db.with_file_name(format!("stowage.db.damaged-{stamp}"));
     fs::rename(&db, &moved_to).with_context(|| format!("cannot move {} aside", db.display()))?;
     let journal = db.with_file_name("stowage.db-journal");
@@ -504,13 +506,20 @@ fn salvage(db: &Path) -> Salvage {
 
 /// Records, rows and trees, leftovers.
 fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
-    let found = {
+    let looked = store.retry_full(|store| {
         let (tx, ctx) = store.begin(None)?;
         let found = judge(&tx, ctx, repair)?;
         if repair {
             tx.commit()?;
         }
-        found
+        Ok(found)
+    });
+    let found = match looked {
+        // A full filesystem, even the reserve used: look without writing.
+        Err(e) if !repair && crate::space::is_full(&e) => {
+            store.view_tx(|tx, ctx| judge(tx, ctx, false))?
+        }
+        other => other?,
     };
     let fixed = if repair {
         Status::Repaired

@@ -171,6 +171,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     }
     // 5. Outside every lock.
     for t in trashed {
+        crate::signals::check()?;
         let mut n = 0;
         trash.remove_entry(&t, &mut n).with_context(|| {
             format!("cannot delete {}", store.root().trash().join(&t).display())
@@ -289,6 +290,7 @@ pub fn empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) -> Resu
         .names()
         .with_context(|| format!("cannot list {}", path.display()))?
     {
+        crate::signals::check()?;
         dir.remove_entry(&entry, &mut n)
             .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
     }

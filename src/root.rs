@@ -198,6 +198,8 @@ impl Root {
         // Checked again on what was created or found: someone may have
         // made the root between the caller's check and our mkdir.
         self.open()?;
+        // Space for the metadata on a full filesystem (space.rs).
+        crate::space::refill(self);
         Ok(())
     }
 

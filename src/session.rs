@@ -105,6 +105,7 @@ impl Session {
                     req.deadline,
                     req.no_wait,
                     &req.command,
+                    &req.reads,
                 )?,
                 None => None,
             };
@@ -122,6 +123,7 @@ impl Session {
                     deadline: req.deadline,
                     no_wait: req.no_wait,
                     command: &req.command,
+                    must_exist: &req.reads,
                 };
                 match acquire_image(store, name, &want) {
                     Ok((guard, waiter)) => {
@@ -138,7 +140,7 @@ impl Session {
                         break;
                     }
                     Err(e) => {
-                        crate::remove::release_unclaimed(store, unclaimed(held), Some(name));
+                        give_up(store, held, &waits, slot, Some(name));
                         return Err(e);
                     }
                 }
@@ -156,7 +158,7 @@ impl Session {
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
                     Err(e) => {
-                        crate::remove::release_unclaimed(store, unclaimed(held), None);
+                        give_up(store, held, &waits, slot, None);
                         return Err(e);
                     }
                 }
@@ -198,6 +200,39 @@ impl Session {
             .try_for_each(|h| h.guard.set_inheritable(inherit))
     }
 
+    /// The descriptors of every lock held (slot included), for a process
+    /// that must hold them on our behalf (the `--no-inherit` keeper).
+    pub fn lock_fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.slot
+            .iter()
+            .map(|s| s.raw_fd())
+            .chain(self.held.iter().map(|h| h.guard.as_raw_fd()))
+            .collect()
+    }
+
+    /// Releases the read lock on `name` before the session ends (a `--from`
+    /// base once copied), dropping its holder record first, so that the
+    /// record never claims a lock we no longer hold. Does nothing for an
+    /// image not held shared.
+    pub fn release_read(&mut self, store: &mut Store, name: &ImageName) -> Result<()> {
+        let Some(i) = self
+            .held
+            .iter()
+            .position(|h| h.name == *name && h.mode == Mode::Shared)
+        else {
+            return Ok(());
+        };
+        if let Some(&id) = self.records.get(i) {
+            let (tx, _) = store.begin_cleanup()?;
+            tx.delete_record(id)?;
+            tx.commit()?;
+            self.records.remove(i);
+        }
+        self.held.remove(i);
+        Ok(())
+    }
+
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
     }
@@ -225,51 +260,54 @@ impl Session {
                 Mode::Shared => (None, false),
             })
             .collect();
-        let (tx, ctx) = store.begin_cleanup()?;
-        let now = clock::now_ms();
-        for (h, (size, gone)) in self.held.iter().zip(&written) {
-            let doubt = match gone {
-                true => crate::adopt::unmounted(&tx, &ctx.root, &self.images_dir)?,
-                false => None,
-            };
-            if *gone && doubt.is_none() {
-                tx.delete_image(h.name.as_str())?;
-                ctx.detail(&format!("image '{}' was deleted by the command", h.name));
-                continue;
-            }
-            if let Some(doubt) = doubt {
-                // Not seen, so not ready; but not forgotten either.
-                ctx.say(&format!("image '{}' is incomplete: {doubt}", h.name));
-                tx.set_state(h.name.as_str(), ImageState::Incomplete)?;
-                continue;
-            }
-            // A read's last use was recorded when it began; updating it
-            // again would cost a page write per image for no decision gc
-            // makes (an image in use is never collected).
-            if h.mode == Mode::Exclusive {
-                tx.touch(h.name.as_str(), now)?;
-                let state = match outcome {
-                    Outcome::Success => ImageState::Ready,
-                    Outcome::Failure => ImageState::Incomplete,
+        // A build that filled the filesystem is recorded in the space kept
+        // in reserve (space.rs).
+        let held = &self.held;
+        let images_dir = &self.images_dir;
+        let ids: Vec<i64> = self.record_ids().collect();
+        store.retry_full(|store| {
+            let (tx, ctx) = store.begin_cleanup()?;
+            let now = clock::now_ms();
+            for (h, (size, gone)) in held.iter().zip(&written) {
+                let doubt = match gone {
+                    true => crate::adopt::unmounted(&tx, &ctx.root, images_dir)?,
+                    false => None,
                 };
-                tx.set_state(h.name.as_str(), state)?;
-                tx.set_size(h.name.as_str(), *size)?;
-                ctx.detail(&format!("image '{}' is {state}", h.name));
+                if *gone && doubt.is_none() {
+                    tx.delete_image(h.name.as_str())?;
+                    ctx.detail(&format!("image '{}' was deleted by the command", h.name));
+                    continue;
+                }
+                if let Some(doubt) = doubt {
+                    // Not seen, so not ready; but not forgotten either.
+                    ctx.say(&format!("image '{}' is incomplete: {doubt}", h.name));
+                    tx.set_state(h.name.as_str(), ImageState::Incomplete)?;
+                    continue;
+                }
+                // A read's last use was recorded when it began; updating it
+                // again would cost a page write per image for no decision gc
+                // makes (an image in use is never collected).
+                if h.mode == Mode::Exclusive {
+                    tx.touch(h.name.as_str(), now)?;
+                    let state = match outcome {
+                        Outcome::Success => ImageState::Ready,
+                        Outcome::Failure => ImageState::Incomplete,
+                    };
+                    tx.set_state(h.name.as_str(), state)?;
+                    tx.set_size(h.name.as_str(), *size)?;
+                    ctx.detail(&format!("image '{}' is {state}", h.name));
+                }
             }
-        }
-        for id in self.record_ids() {
-            tx.delete_record(id)?;
-        }
-        tx.commit()?;
+            for id in &ids {
+                tx.delete_record(*id)?;
+            }
+            tx.commit()
+        })?;
         // The lock files of deleted images go too, under our exclusive locks
         // (the unlink rule), with their gates.
         for (h, (_, gone)) in self.held.into_iter().zip(written) {
             if gone {
-                let gate = store.root().image_gate(&h.name);
-                let _ = crate::remove::unlink_lock(store.root(), h.guard);
-                if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
-                    let _ = crate::remove::unlink_lock(store.root(), g);
-                }
+                unlink_image_lock(store, &h.name, h.guard);
             }
         }
         drop(self.slot);
@@ -305,15 +343,54 @@ impl Session {
             tx.delete_record(id)?;
         }
         tx.commit()?;
-        // Their lock files and gates go too: nothing is left of them.
-        let created = self
-            .held
-            .into_iter()
-            .filter(|h| h.mode == Mode::Exclusive && h.prev.is_none())
-            .map(|h| (h.name, h.guard))
-            .collect();
-        crate::remove::release_unclaimed(store, created, None);
+        // Images this session created are gone again: so are their lock
+        // files and gates (under our exclusive locks, as the unlink rule
+        // requires), or doctor would find lock files without images.
+        for h in self.held {
+            if h.mode == Mode::Exclusive && h.prev.is_none() {
+                unlink_image_lock(store, &h.name, h.guard);
+            }
+        }
         Ok(())
+    }
+}
+
+/// A request that failed before its command could run (a lock busy past
+/// the deadline, a signal, a refused start) leaves nothing behind: the
+/// waiter records it made for locks it did get, and the lock files and
+/// gates of images it would have created (those without a row), which it
+/// holds exclusively. Best effort: what this misses is found stale later.
+///
+/// `waited_for` is the image whose wait failed: its lock file may have been
+/// created by our open, for an image that has no row.
+fn give_up(
+    store: &mut Store,
+    held: Vec<Held>,
+    waits: &[i64],
+    slot: Option<crate::slots::SlotGuard>,
+    waited_for: Option<&ImageName>,
+) {
+    let slot_waiter = slot.as_ref().and_then(|s| s.waiter);
+    if let Ok((tx, _)) = store.begin_cleanup() {
+        let r = (|| -> Result<()> {
+            for id in waits.iter().chain(slot_waiter.as_ref()) {
+                tx.delete_record(*id)?;
+            }
+            tx.commit()
+        })();
+        drop(r);
+    }
+    crate::remove::release_unclaimed(store, unclaimed(held), waited_for);
+    drop(slot);
+}
+
+/// Unlinks an image's lock file (we hold it exclusively) and its gate
+/// (if nobody is passing it right now).
+fn unlink_image_lock(store: &Store, name: &ImageName, guard: Guard) {
+    let gate = store.root().image_gate(name);
+    let _ = crate::remove::unlink_lock(store.root(), guard);
+    if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
+        let _ = crate::remove::unlink_lock(store.root(), g);
     }
 }
 
@@ -344,6 +421,11 @@ pub(crate) struct Want<'a> {
     pub deadline: Option<Instant>,
     pub no_wait: bool,
     pub command: &'a str,
+    /// Images that must exist for the request to go ahead (its reads):
+    /// checked before any wait, so that a request that can only fail says
+    /// so at once instead of after the wait (they are checked again under
+    /// the locks, by the start transaction).
+    pub must_exist: &'a [ImageName],
 }
 
 /// Takes one image lock, waiting as allowed. Returns the guard and the id
@@ -388,6 +470,11 @@ pub(crate) fn acquire_image(
         Tried::Held => false,
         Tried::WriterWaiting => true,
     };
+    if let Some(held) = crate::kernel::enclosing_hold(&path)
+        && (mode == Mode::Exclusive || held == Mode::Exclusive)
+    {
+        return Err(waits_for_itself(name, mode, held));
+    }
 
     // Busy. Record ourselves as a waiter and find out who holds it.
     let (waiter, mut holders) = {
@@ -396,6 +483,7 @@ pub(crate) fn acquire_image(
         let view = kv.view(&path)?;
         let records = tx.records_for(LockKind::Image, name.as_str())?;
         let (holders, _) = status::judge(&tx, ctx, &kv, &view, &records)?;
+        require_all(&tx, want.must_exist)?;
         let id = if want.no_wait {
             None
         } else {
@@ -426,6 +514,31 @@ pub(crate) fn acquire_image(
         wait_image(&gate, &path, mode, &mut wait).map_err(err)
     })?;
     Ok((guard, waiter))
+}
+
+/// The error for a lock that this process's enclosing command holds in a
+/// conflicting mode (`held`): waiting would never end, since the enclosing
+/// command waits for us. A read of an image it writes finds the image not
+/// ready (exit 66); a write of an image it holds is a lock that cannot be
+/// had (exit 75).
+fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
+    let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
+    match mode {
+        Mode::Shared => Error::NotReady {
+            name: name.as_str().to_owned(),
+            state: format!("being written by {by}"),
+        }
+        .into(),
+        Mode::Exclusive => Error::Busy(Busy {
+            what: format!("write lock on image '{name}'"),
+            holders: format!(
+                "held ({}) by {by}; waiting for it would never end",
+                held.verb()
+            ),
+            waited: Duration::ZERO,
+        })
+        .into(),
+    }
 }
 
 /// Runs a wait announced as `what`, held by `holders`, and makes its
@@ -475,6 +588,11 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
     }
     match lock::try_lock(gate, Mode::Shared, false) {
         Ok(Some(_passed)) => Ok(Tried::Got(g)),
+        // A reader whose enclosing command already reads the image is part
+        // of that hold: the writer at the gate waits for the enclosing
+        // reader, which waits for us, so queueing behind the writer would
+        // be a cycle. It passes, as it would under flock(1).
+        Ok(None) if crate::kernel::enclosing_hold(path).is_some() => Ok(Tried::Got(g)),
         Ok(None) => Ok(Tried::WriterWaiting),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
         Err(e) => Err(e),
@@ -494,6 +612,18 @@ fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Resu
     let got = lock::lock(path, mode, true, wait);
     drop(passage);
     got
+}
+
+/// Before a wait: fails with [`Error::NoSuchImage`] (exit 66) if one of
+/// `names` has no row. An image in any state may still become readable
+/// while we wait (its writer finishes), so only absence is final.
+pub(crate) fn require_all(tx: &Tx, names: &[ImageName]) -> Result<()> {
+    for n in names {
+        if tx.image(n.as_str())?.is_none() {
+            return Err(Error::NoSuchImage(n.as_str().to_owned()).into());
+        }
+    }
+    Ok(())
 }
 
 /// For an image that has no lock file: fails unless the image exists (and,
@@ -584,7 +714,8 @@ fn start(
     if let Some(err) = refusal {
         // Keep what was learned (stale records, dead writers, our waiter
         // records gone), claim nothing — and leave nothing: the caller
-        // unlinks the lock files of images this exec would have created.
+        // unlinks the lock files of images this exec would have created
+        // (see `give_up`).
         tx.commit()?;
         return Err(err.into());
     }
@@ -710,9 +841,9 @@ fn prepare_write(
             }
             tx.set_state(name.as_str(), state)?;
             tx.touch(name.as_str(), now)?;
-            if base.is_some() {
-                tx.set_base(name.as_str(), base.as_deref())?;
-            }
+            // The lineage is this write's: rewritten without a base, the
+            // image no longer derives from the one an earlier --from named.
+            tx.set_base(name.as_str(), base.as_deref())?;
         }
     }
     Ok(())

@@ -1,16 +1,16 @@
 //! `stowage exec`: run a command holding image locks.
 
 use std::ffi::OsString;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::Command;
+use std::os::unix::process::ExitStatusExt;
 
 use anyhow::{Context, Result};
 
 use crate::error::{self, Error};
 use crate::ident;
+use crate::keeper::Keeper;
 use crate::name::ImageName;
 use crate::session::{Outcome, Request, Session};
-use crate::signals::Forwarder;
+use crate::signals::{Forwarder, Target};
 use crate::slots::Priority;
 use crate::store::Store;
 
@@ -28,8 +28,9 @@ pub struct Args {
     /// Take an exclusive lock on IMG, creating it if new
     #[arg(long = "write", value_name = "IMG", allow_hyphen_values = true)]
     write: Vec<OsString>,
-    /// Start the (single) --write image as a copy of BASE (read-locked):
-    /// reflinked where the filesystem can, copied elsewhere
+    /// Start the (single) --write image as a copy of BASE: reflinked where
+    /// the filesystem can, copied elsewhere. BASE is read-locked for the
+    /// copy only (also give --read BASE to keep it locked while CMD runs)
     #[arg(long, value_name = "BASE", allow_hyphen_values = true)]
     from: Option<OsString>,
     /// Take a slot of CLASS before any image lock (see 'stowage slots')
@@ -38,7 +39,8 @@ pub struct Args {
     /// Slot priority: high may also take the slots reserved for it
     #[arg(long, value_enum, value_name = "PRIORITY", requires = "slot")]
     priority: Option<Priority>,
-    /// Give up after SECONDS (fractional) waiting for locks [default: wait forever]
+    /// Give up after SECONDS (fractional, or with a unit: 500ms, 10s, 2m, 1h)
+    /// waiting for locks [default: wait forever]
     #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
     wait: Option<String>,
     /// Fail at once if a lock is busy
@@ -47,8 +49,9 @@ pub struct Args {
     /// Exit with N instead of 75 when a lock is not acquired in time
     #[arg(long, value_name = "N")]
     conflict_exit_code: Option<u8>,
-    /// Keep the lock descriptors in stowage alone (the command does not
-    /// inherit them, and is killed if stowage dies)
+    /// Keep the lock descriptors from the command: stowage holds the locks
+    /// until the command and every process it started have exited, and
+    /// kills them all if it dies
     #[arg(long)]
     no_inherit: bool,
     /// The command and its arguments (after --)
@@ -91,6 +94,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             reads.push(base.clone());
         }
     }
+    // The base is locked for the copy; while the command runs only if the
+    // caller also asked to read it.
+    let keep_base = from.as_ref().is_some_and(|b| {
+        args.read
+            .iter()
+            .any(|r| ImageName::parse_os(r).is_ok_and(|n| n == *b))
+    });
     // Lineage: the --from image, else the one image read by a one-image write.
     let base = match (&from, reads.as_slice(), writes.len()) {
         (Some(b), _, _) => Some(b.clone()),
@@ -118,7 +128,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             .map(|class| (class, args.priority.unwrap_or_default())),
         command: ident::shell_join(&shown),
     };
-    let session = match Session::begin(store, &req) {
+    let mut session = match Session::begin(store, &req) {
         Ok(s) => s,
         Err(e) => {
             if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), args.conflict_exit_code)
@@ -139,30 +149,54 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         if let Err(e) = clone_into(store, &session, base, &target) {
             // A half-made copy must never look ready.
             let _ = session.finish(store, Outcome::Failure);
+            // Stopped by a termination signal (wherever the walk noticed
+            // it, even inside an I/O error): exit 128+N, like any signal
+            // before the command starts.
+            if let Some(sig) = crate::signals::cancelled()
+                && error::typed(&e).is_none()
+            {
+                return Err(e.context(Error::Interrupted(sig)));
+            }
             return Err(e);
+        }
+        if !keep_base && let Err(e) = session.release_read(store, base) {
+            let _ = session.finish(store, Outcome::Failure);
+            return Err(e.context(format!("cannot release image '{base}' after copying it")));
         }
     }
 
-    let mut env: Vec<(OsString, OsString)> = std::env::vars_os()
-        .filter(|(k, _)| !k.to_str().is_some_and(|k| k.starts_with("STOWAGE_IMAGE")))
-        .collect();
-    env.push(("STOWAGE_ROOT".into(), store.root().dir().into()));
-    env.push(("STOWAGE_IMAGES_DIR".into(), session.images_dir().into()));
+    let mut images = vec![
+        ("STOWAGE_ROOT", store.root().dir().as_os_str().to_owned()),
+        (
+            "STOWAGE_IMAGES_DIR",
+            session.images_dir().as_os_str().to_owned(),
+        ),
+    ];
     let written: Vec<_> = session.writes().cloned().collect();
     if let [only] = written.as_slice() {
-        env.push(("STOWAGE_IMAGE_DIR".into(), session.image_dir(only).into()));
+        images.push((
+            "STOWAGE_IMAGE_DIR",
+            session.image_dir(only).into_os_string(),
+        ));
     }
-    if !args.no_inherit {
-        session
-            .set_inheritable(true)
-            .context("cannot pass the locks to the command")?;
-    }
+    let env = command_env(std::env::vars_os(), &images);
 
     crate::debug::pause("exec-before-spawn");
     let child_umask = store.ctx().child_umask;
+    let no_inherit = args.no_inherit;
+    let mut keeper: Option<Keeper> = None;
     let started = signals.spawn(|| {
-        if args.no_inherit {
-            spawn_dying_with_us(&args.command, &env, child_umask)
+        // Inheritable for the moment of the spawn: the command's (like
+        // flock(1)), or for --no-inherit its keeper's, which hides them
+        // from the command.
+        session.set_inheritable(true)?;
+        let spawned = if no_inherit {
+            crate::keeper::become_subreaper().and_then(|()| {
+                let k = Keeper::spawn(&args.command, &env, &session.lock_fds(), child_umask)?;
+                let pid = k.pid;
+                keeper = Some(k);
+                Ok(Target::Keeper(pid))
+            })
         } else {
             // posix_spawn cannot set a umask: give the child ours back for
             // the moment of the spawn (no other thread creates files).
@@ -171,8 +205,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             if let Some(m) = ours {
                 unsafe { libc::umask(m) };
             }
-            pid
+            pid.map(Target::Command)
+        };
+        if no_inherit || spawned.is_err() {
+            session.set_inheritable(false)?;
         }
+        spawned
     });
     // If the command never starts, the start is undone — unless a copy
     // from the base already changed the image: then it is incomplete, like
@@ -196,7 +234,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             return Err(e).with_context(|| format!("cannot run '{what}'"));
         }
     };
-    let status = match signals.wait(pid) {
+    let status = match signals.wait(pid).and_then(|s| match keeper {
+        Some(k) => k.outcome(s).map(std::process::ExitStatus::from_raw),
+        None => Ok(s),
+    }) {
         Ok(s) => s,
         Err(e) => {
             // Without its status the outcome is unknown: not ready.
@@ -214,10 +255,43 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     } else {
         Outcome::Failure
     };
+    let full = if outcome == Outcome::Failure && !written.is_empty() {
+        full_note(session.images_dir())
+    } else {
+        None
+    };
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
     })?;
+    if !written.is_empty() && full.is_none() {
+        crate::space::ensure(store.root());
+    }
+    if let Some(note) = full {
+        store.ctx().say(&format!(
+            "{} incomplete: the command failed with {note}",
+            written
+                .iter()
+                .map(|w| format!("image '{w}' is"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     Ok(code)
+}
+
+/// "its filesystem full (12 KiB free in /img): free space with 'stowage
+/// rm' or 'stowage gc'" — when a failed writer left the images directory's
+/// filesystem (nearly) full, which is then the likely cause.
+fn full_note(images_dir: &std::path::Path) -> Option<String> {
+    let free = crate::space::free_bytes(images_dir)?;
+    // Less than a reserve's worth: no build can write there.
+    (free < 1 << 20).then(|| {
+        format!(
+            "the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
+            images_dir.display(),
+            crate::usage::human(free)
+        )
+    })
 }
 
 /// Makes the written image a copy of `base` (emptying it first if it had
@@ -256,39 +330,65 @@ fn clone_into(
             done.skipped_special
         ));
     }
+    if let Some(lost) = done.xattrs_summary() {
+        store.ctx().say(&format!(
+            "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
+            if store.ctx().verbose { "" } else { " (-v lists the files)" }
+        ));
+        for d in &done.xattr_details {
+            store.ctx().detail(&format!("  not kept: {d}"));
+        }
+    }
     Ok(())
 }
 
-/// `--no-inherit`: the locks stay in stowage, so the command must not
-/// outlive it — PR_SET_PDEATHSIG kills it if stowage dies. That needs code
-/// between fork and exec, hence std's fork path.
-fn spawn_dying_with_us(
-    argv: &[OsString],
-    env: &[(OsString, OsString)],
-    umask: Option<u32>,
-) -> std::io::Result<libc::pid_t> {
-    let parent = std::process::id() as libc::pid_t;
-    let mut cmd = Command::new(&argv[0]);
-    cmd.args(&argv[1..])
-        .env_clear()
-        .envs(env.iter().map(|(k, v)| (k, v)));
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            crate::signals::reset_mask_in_child()?;
-            if let Some(mask) = umask {
-                libc::umask(mask as libc::mode_t);
-            }
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != parent {
-                libc::_exit(128 + libc::SIGKILL);
-            }
-            Ok(())
-        });
+/// The command's environment: ours, without any `STOWAGE_*` variable that
+/// this exec sets or that describes images (`STOWAGE_IMAGE_DIR` of an outer
+/// exec would name another image), then the ones this exec means, once
+/// each. Programs read the first of duplicate entries, so a caller's
+/// `STOWAGE_ROOT` left in would win over `--root`.
+fn command_env(
+    ours: impl Iterator<Item = (OsString, OsString)>,
+    set: &[(&str, OsString)],
+) -> Vec<(OsString, OsString)> {
+    let replaced = |k: &OsString| {
+        k.to_str().is_some_and(|k| {
+            k.starts_with("STOWAGE_IMAGE") || set.iter().any(|(name, _)| *name == k)
+        })
+    };
+    ours.filter(|(k, _)| !replaced(k))
+        .chain(set.iter().map(|(k, v)| (OsString::from(k), v.clone())))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_stowage_variable_once_and_ours() {
+        let caller = [
+            ("PATH", "/bin"),
+            ("STOWAGE_ROOT", "/caller"),
+            ("STOWAGE_IMAGE_DIR", "/caller/img/x"),
+            ("STOWAGE_IMAGES_DIR", "/caller/img"),
+            ("STOWAGE_HOSTNAME", "kept"),
+        ]
+        .map(|(k, v)| (OsString::from(k), OsString::from(v)));
+        let env = command_env(
+            caller.into_iter(),
+            &[
+                ("STOWAGE_ROOT", "/r".into()),
+                ("STOWAGE_IMAGES_DIR", "/r/img".into()),
+            ],
+        );
+        let get = |k: &str| -> Vec<&OsString> {
+            env.iter().filter(|(n, _)| n == k).map(|(_, v)| v).collect()
+        };
+        assert_eq!(get("STOWAGE_ROOT"), [&OsString::from("/r")]);
+        assert_eq!(get("STOWAGE_IMAGES_DIR"), [&OsString::from("/r/img")]);
+        assert!(get("STOWAGE_IMAGE_DIR").is_empty(), "no single image here");
+        assert_eq!(get("STOWAGE_HOSTNAME"), [&OsString::from("kept")]);
+        assert_eq!(get("PATH"), [&OsString::from("/bin")]);
     }
-    // The child is waited for by pid (see signals.rs); std's handle is not
-    // needed, and dropping it neither waits nor kills.
-    Ok(cmd.spawn()?.id() as libc::pid_t)
 }
