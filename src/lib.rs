@@ -61,6 +61,7 @@ pub mod slots;
 pub mod spawn;
 pub mod status;
 pub mod store;
+pub mod store_wide;
 pub mod usage;
 
 pub use error::Error;

@@ -16,8 +16,10 @@ use crate::store::Store;
 
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
-    stowage exec --read alpine:3.17 --write app -- ch-image build -t app .\n  \
-    stowage exec --write base --wait 30 -- ./pull base\n\n\
+    stowage exec --read alpine:3.17 --write app -- \\\n      \
+    ch-image --no-lock --no-cache build -t app .\n  \
+    stowage exec --write base --wait 30 -- ./pull base\n  \
+    stowage exec --store-wide -- ch-image --no-lock build-cache --gc\n\n\
     Exit status: the command's own; 128+N if it died of signal N; 64 bad usage or name;\n\
     66 an image to read does not exist or is not ready; 69 locking does not work here;\n\
     75 a lock was busy past --wait/--no-wait (or --conflict-exit-code); 1 other failures.")]
@@ -28,6 +30,20 @@ pub struct Args {
     /// Take an exclusive lock on IMG, creating it if new
     #[arg(long = "write", value_name = "IMG", allow_hyphen_values = true)]
     write: Vec<OsString>,
+    /// Take an exclusive lock on IMG, which must exist and be ready, without
+    /// writing it: its state stays (for a builder that rewrites a base's
+    /// metadata in place)
+    #[arg(
+        long = "read-exclusive",
+        value_name = "IMG",
+        allow_hyphen_values = true
+    )]
+    read_exclusive: Vec<OsString>,
+    /// Run CMD while no image lock is held or granted: it waits for every
+    /// image user, and every later one waits for it (whole-store commands
+    /// such as 'ch-image build-cache --reset')
+    #[arg(long, conflicts_with_all = ["read", "write", "read_exclusive", "from", "slot"])]
+    store_wide: bool,
     /// Start the (single) --write image as a copy of BASE (read-locked):
     /// reflinked where the filesystem can, copied elsewhere
     #[arg(long, value_name = "BASE", allow_hyphen_values = true)]
@@ -64,9 +80,18 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     let reads = super::names(&args.read)?;
     let writes = super::names(&args.write)?;
+    let exclusive_reads = super::names(&args.read_exclusive)?;
     if let Some(both) = reads.iter().find(|r| writes.contains(r)) {
         return Err(Error::Usage(format!(
             "image '{both}' is both --read and --write; --write alone gives the command full access"
+        ))
+        .into());
+    }
+    if let Some(both) = exclusive_reads.iter().find(|r| {
+        reads.contains(r) || writes.contains(r) || args.from.as_deref() == Some(r.as_str().as_ref())
+    }) {
+        return Err(Error::Usage(format!(
+            "image '{both}' is --read-exclusive and also --read, --write or --from; name it once"
         ))
         .into());
     }
@@ -107,9 +132,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .iter()
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
+    if args.store_wide {
+        return run_store_wide(args, store, signals, deadline, no_wait, shown);
+    }
     let req = Request {
         reads,
         writes,
+        exclusive_reads,
         base,
         deadline,
         no_wait,
@@ -218,6 +247,68 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         format!("the command exited with status {code}, but recording that failed")
     })?;
     Ok(code)
+}
+
+/// `--store-wide`: the command runs while no image lock is held or granted.
+fn run_store_wide(
+    args: Args,
+    store: &mut Store,
+    signals: Forwarder,
+    deadline: Option<std::time::Instant>,
+    no_wait: bool,
+    shown: Vec<String>,
+) -> Result<u8> {
+    let hold =
+        match crate::store_wide::Hold::take(store, &ident::shell_join(&shown), deadline, no_wait) {
+            Ok(h) => h,
+            Err(e) => {
+                if let (Some(Error::Busy(_)), Some(code)) =
+                    (error::typed(&e), args.conflict_exit_code)
+                {
+                    store.ctx().say(&format!("{e:#}"));
+                    return Ok(code);
+                }
+                return Err(e);
+            }
+        };
+    let images_dir = store.with_tx(None, |tx, ctx| tx.images_dir(&ctx.root));
+    let run = || -> Result<u8> {
+        let mut env: Vec<(OsString, OsString)> = std::env::vars_os()
+            .filter(|(k, _)| !k.to_str().is_some_and(|k| k.starts_with("STOWAGE_IMAGE")))
+            .collect();
+        env.push(("STOWAGE_ROOT".into(), store.root().dir().into()));
+        env.push(("STOWAGE_IMAGES_DIR".into(), images_dir?.into()));
+        if !args.no_inherit {
+            hold.set_inheritable(true)
+                .context("cannot pass the lock to the command")?;
+        }
+        let umask = store.ctx().child_umask;
+        let pid = match signals.spawn(|| {
+            if args.no_inherit {
+                spawn_dying_with_us(&args.command, &env, umask)
+            } else {
+                let ours = umask.map(|m| unsafe { libc::umask(m as libc::mode_t) });
+                let pid = crate::spawn::spawn(&args.command, &env);
+                if let Some(m) = ours {
+                    unsafe { libc::umask(m) };
+                }
+                pid
+            }
+        }) {
+            Ok(Ok(pid)) => pid,
+            Ok(Err(sig)) => return Err(Error::Interrupted(sig).into()),
+            Err(e) => return Err(e).with_context(|| format!("cannot run '{}'", shown[0])),
+        };
+        let status = signals.wait(pid).context("cannot wait for the command")?;
+        Ok(match (status.code(), status.signal()) {
+            (Some(c), _) => c as u8,
+            (None, Some(sig)) => 128u8.saturating_add(sig as u8),
+            (None, None) => error::code::FAILURE,
+        })
+    };
+    let code = run();
+    hold.release(store);
+    code
 }
 
 /// Makes the written image a copy of `base` (emptying it first if it had
