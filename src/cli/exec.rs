@@ -116,8 +116,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             reads.push(base.clone());
         }
     }
-    // Lineage: the --from image, else the one image read by a one-image write.
-    let base = match (&from, reads.as_slice(), writes.len()) {
+    // Lineage: the --from image, else the one image read (shared or
+    // exclusively) by a one-image write.
+    let read_any: Vec<ImageName> = reads.iter().chain(&exclusive_reads).cloned().collect();
+    let base = match (&from, read_any.as_slice(), writes.len()) {
         (Some(b), _, _) => Some(b.clone()),
         (None, [only], 1) => Some(only.clone()),
         _ => None,
