@@ -534,7 +534,8 @@ fn start(
     req: &Request,
 ) -> Result<(PathBuf, Vec<i64>)> {
     let (tx, ctx) = store.begin(req.deadline)?;
-    crate::store_wide::check(&tx, ctx)?;
+    // A store-wide command runs: claim nothing (below), wait, start over.
+    let store_held = crate::store_wide::check(&tx, ctx).err();
     let images_dir = tx.images_dir(&ctx.root)?;
     let now = clock::now_ms();
     for id in waits
@@ -576,7 +577,7 @@ fn start(
         }
         rows.push(row);
     }
-    if let Some(err) = refusal {
+    if refusal.is_some() || store_held.is_some() {
         // Keep what was learned (stale records, dead writers, our waiter
         // records gone), claim nothing — and leave nothing: the lock file of
         // an image this exec would have created goes again (we hold it
@@ -587,7 +588,7 @@ fn start(
                 let _ = std::fs::remove_file(h.guard.path());
             }
         }
-        return Err(err.into());
+        return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));
     }
 
     // Then claim: mark, create, record.

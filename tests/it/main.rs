@@ -15,4 +15,5 @@ mod lock_status;
 mod migration;
 mod names;
 mod slots;
+mod store_wide;
 mod stress;
