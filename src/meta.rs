@@ -785,3 +785,37 @@ mod tests {
         assert_eq!(mode, "delete");
     }
 }
+
+// --- peeking without the global lock ------------------------------------
+
+/// What [`peek_names`] lists.
+#[derive(Debug, Clone, Copy)]
+pub enum Peek {
+    Images,
+    ReadyImages,
+    SlotClasses,
+}
+
+/// Names for shell completion, read without the global lock and without
+/// waiting: the database is opened read-only, SQLite's busy timeout is zero,
+/// and a store in the middle of a write simply offers nothing. Never
+/// creates, migrates or repairs anything.
+pub fn peek_names(path: &Path, what: Peek) -> Result<Vec<String>> {
+    use rusqlite::OpenFlags;
+    configure_sqlite();
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        | OpenFlags::SQLITE_OPEN_NOFOLLOW;
+    let conn = rusqlite::Connection::open_with_flags(path, flags)?;
+    conn.busy_timeout(std::time::Duration::ZERO)?;
+    let sql = match what {
+        Peek::Images => "SELECT name FROM images ORDER BY name",
+        Peek::ReadyImages => "SELECT name FROM images WHERE state = 'ready' ORDER BY name",
+        Peek::SlotClasses => "SELECT name FROM slot_classes ORDER BY name",
+    };
+    let mut stmt = conn.prepare(sql)?;
+    let names = stmt
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(names)
+}

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::error::{self, Error};
 use crate::name::ImageName;
@@ -22,6 +22,7 @@ mod images;
 mod init;
 mod lock_status;
 mod rm;
+mod shell;
 mod slots;
 
 #[derive(Parser)]
@@ -67,9 +68,28 @@ enum Command {
     Slots(slots::Args),
     /// Check the store (flock, database, consistency) and repair it
     Doctor(doctor::Args),
+    /// Print a shell completion script (bash, zsh, fish)
+    #[command(after_help = "Load it with, e.g.:\n  \
+        bash:  source <(stowage completions bash)     (or save it to\n         \
+        /usr/share/bash-completion/completions/stowage)\n  \
+        zsh:   source <(stowage completions zsh)\n  \
+        fish:  stowage completions fish > ~/.config/fish/completions/stowage.fish\n\
+        Image names and slot classes complete from the store, without waiting on any lock.")]
+    Completions {
+        /// bash, zsh or fish
+        #[arg(value_parser = ["bash", "zsh", "fish"])]
+        shell: String,
+    },
+    /// Write the manual pages (stowage.1, stowage-COMMAND.1) into DIR
+    #[command(hide = true)]
+    Man {
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
 }
 
 pub fn main() -> ExitCode {
+    shell::complete_if_asked(Cli::command);
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return parse_failure(e),
@@ -91,6 +111,22 @@ pub fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<u8> {
+    // These describe the program, not a store: no root is looked at.
+    match &cli.command {
+        Command::Completions { shell } => {
+            shell::write_completions(shell, &mut std::io::stdout().lock())?;
+            return Ok(0);
+        }
+        Command::Man { dir } => {
+            for page in shell::write_man_pages(Cli::command(), dir)? {
+                if cli.verbose {
+                    eprintln!("stowage: wrote {}", page.display());
+                }
+            }
+            return Ok(0);
+        }
+        _ => {}
+    }
     let root = Root::resolve(cli.root.as_deref())?;
     let sharing = root.check()?;
     if !matches!(cli.command, Command::Doctor(_)) {
@@ -119,6 +155,7 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Rm(args) => rm::run(args, &mut store),
         Command::Gc(args) => gc::run(args, &mut store),
         Command::Doctor(args) => doctor::run(args, &mut store),
+        Command::Completions { .. } | Command::Man { .. } => unreachable!("handled above"),
     };
     result.map_err(|e| crate::meta::annotate(e, &db))
 }

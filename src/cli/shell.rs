@@ -1,0 +1,244 @@
+//! What a shell and `man` need from the command line: completion scripts
+//! (`stowage completions SHELL`) and manual pages (`stowage man DIR`, used
+//! by `scripts/install`), both generated from the clap definitions so they
+//! cannot drift from the real flags.
+//!
+//! Completion is dynamic: the script a shell loads calls stowage back with
+//! the words typed so far (in `_STOWAGE_COMPLETE`), so image names and slot
+//! classes come from the store itself. That callback never waits on a lock
+//! and never writes: it reads the database read-only with SQLite's busy
+//! timeout at zero, and offers nothing rather than wait when a writer is
+//! inside. It never creates a root either.
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::{Arg, Command};
+use clap_complete::engine::{ArgValueCandidates, CompletionCandidate};
+use clap_complete::env::{Bash, EnvCompleter, Fish, Zsh};
+
+use crate::error::Error;
+use crate::root::Root;
+
+/// The variable through which a completion script calls stowage back. A
+/// name of stowage's own, so that a `COMPLETE` meant for another tool in a
+/// build's environment never turns an exec into a completion.
+const COMPLETE_ENV: &str = "_STOWAGE_COMPLETE";
+
+/// Answers a completion callback and exits, if this run is one.
+pub fn complete_if_asked(command: fn() -> Command) {
+    if std::env::var_os(COMPLETE_ENV).is_none() {
+        return;
+    }
+    clap_complete::CompleteEnv::with_factory(move || with_candidates(command()))
+        .var(COMPLETE_ENV)
+        .complete();
+}
+
+/// `stowage completions SHELL`: the script that `source` or fish loads.
+pub fn write_completions(shell: &str, out: &mut dyn Write) -> Result<()> {
+    let completer: &dyn EnvCompleter = match shell {
+        "bash" => &Bash,
+        "zsh" => &Zsh,
+        "fish" => &Fish,
+        other => {
+            return Err(Error::Usage(format!(
+                "no completions for shell '{other}' (bash, zsh, fish)"
+            ))
+            .into());
+        }
+    };
+    // The script calls whichever stowage is on PATH, so it stays right
+    // across upgrades (the callback protocol is the binary's own).
+    completer
+        .write_registration(COMPLETE_ENV, "stowage", "stowage", "stowage", out)
+        .context("cannot write the completion script")
+}
+
+/// `stowage man DIR`: stowage.1 and one page per subcommand.
+pub fn write_man_pages(cmd: Command, dir: &Path) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut cmd = cmd;
+    cmd.build();
+    let mut written = vec![write_page(&cmd, "stowage", dir)?];
+    for sub in cmd
+        .get_subcommands()
+        .filter(|s| !s.is_hide_set() && s.get_name() != "help")
+    {
+        let name = format!("stowage-{}", sub.get_name());
+        let sub = sub.clone().name(name.clone());
+        written.push(write_page(&sub, &name, dir)?);
+    }
+    Ok(written)
+}
+
+fn write_page(cmd: &Command, name: &str, dir: &Path) -> Result<PathBuf> {
+    let man = clap_mangen::Man::new(cmd.clone())
+        .title(name.to_uppercase())
+        .section("1")
+        .manual("stowage manual");
+    let mut page = Vec::new();
+    man.render_title(&mut page)?;
+    man.render_name_section(&mut page)?;
+    man.render_synopsis_section(&mut page)?;
+    man.render_description_section(&mut page)?;
+    if cmd.get_arguments().any(|a| !a.is_hide_set()) {
+        man.render_options_section(&mut page)?;
+    }
+    if cmd.has_subcommands() {
+        man.render_subcommands_section(&mut page)?;
+    }
+    if let Some(text) = cmd.get_after_long_help().or_else(|| cmd.get_after_help()) {
+        // Examples and notes, kept line for line as --help shows them.
+        page.extend_from_slice(b".SH NOTES\n.nf\n");
+        for line in text.to_string().lines() {
+            page.extend_from_slice(roff_line(line).as_bytes());
+            page.push(b'\n');
+        }
+        page.extend_from_slice(b".fi\n");
+    }
+    page.extend_from_slice(COMMON_SECTIONS.as_bytes());
+    if name == "stowage" {
+        page.extend_from_slice(SEE_ALSO.as_bytes());
+    }
+    let path = dir.join(format!("{name}.1"));
+    std::fs::write(&path, page).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(path)
+}
+
+/// One line of text for a no-fill block: backslashes and hyphens escaped,
+/// and a leading `.` or `'` kept from reading as a request.
+fn roff_line(line: &str) -> String {
+    let escaped = line.replace('\\', "\\e").replace('-', "\\-");
+    if escaped.starts_with('.') || escaped.starts_with('\'') {
+        format!("\\&{escaped}")
+    } else {
+        escaped
+    }
+}
+
+/// Exit status, environment and files: the same for every command.
+const COMMON_SECTIONS: &str = r#".SH "EXIT STATUS"
+.TP
+\fB0\fR
+Success (for \fBexec\fR: the command's own status).
+.TP
+\fB128+N\fR
+\fBexec\fR: the command died of signal N.
+.TP
+\fB64\fR
+Bad usage or an invalid image name.
+.TP
+\fB66\fR
+No such image, or an image to read is not ready; a root that does not exist for a reading command.
+.TP
+\fB69\fR
+Locking is unavailable or unsafe on the root's filesystem (e.g. NFS mounted with local locks).
+.TP
+\fB75\fR
+A lock was not acquired in time (\fB\-\-wait\fR, \fB\-\-no\-wait\fR; \fBexec \-\-conflict\-exit\-code\fR changes it).
+.TP
+\fB1\fR
+Any other failure. Every failure prints one line on standard error naming the object and the cause.
+.SH ENVIRONMENT
+.TP
+\fBSTOWAGE_ROOT\fR
+The store root when \fB\-\-root\fR is not given (default: /var/tmp/$USER.stowage).
+.TP
+\fBSTOWAGE_IMAGES_DIR\fR, \fBSTOWAGE_IMAGE_DIR\fR
+Set by \fBexec\fR for its command: the images directory, and the directory of the one \fB\-\-write\fR image.
+.TP
+\fBSTOWAGE_NOW\fR
+Seconds since the epoch to use as the current time (tests and gc rehearsals).
+.SH FILES
+.TP
+\fIROOT\fB/stowage.db\fR
+The metadata (SQLite, rollback journal).
+.TP
+\fIROOT\fB/locks/global.lock\fR
+The global lock, held for one short metadata transaction at a time.
+.TP
+\fIROOT\fB/locks/images/\fIENC\fB.lock\fR
+One flock(2) lock per image; ENC is the name with '/' as '%' and ':' as '+'. \fBflock\fR(1) can take the same lock.
+.TP
+\fIROOT\fB/locks/slots/\fICLASS\fB/\fR
+The lock files of a slot class.
+.TP
+\fIROOT\fB/img/\fIENC\fB/\fR
+Image trees (unless \fBstowage init \-\-images\-dir\fR put them elsewhere).
+.TP
+\fIROOT\fB/trash/\fR
+Removals in progress.
+"#;
+
+const SEE_ALSO: &str = r#".SH "SEE ALSO"
+\fBflock\fR(1), \fBflock\fR(2), \fBch-image\fR(1)
+"#;
+
+/// The command line with image names and slot classes offered as values.
+fn with_candidates(cmd: Command) -> Command {
+    let images = |a: Arg| a.add(ArgValueCandidates::new(|| names(Names::Images)));
+    let ready = |a: Arg| a.add(ArgValueCandidates::new(|| names(Names::Ready)));
+    let classes = |a: Arg| a.add(ArgValueCandidates::new(|| names(Names::Classes)));
+    cmd.mut_subcommand("exec", |c| {
+        c.mut_arg("read", ready)
+            .mut_arg("from", ready)
+            .mut_arg("write", images)
+            .mut_arg("slot", classes)
+    })
+    .mut_subcommand("rm", |c| c.mut_arg("images", images))
+    .mut_subcommand("lock-status", |c| c.mut_arg("images", images))
+    .mut_subcommand("slots", |c| {
+        c.mut_subcommand("set", |c| c.mut_arg("class", classes))
+            .mut_subcommand("rm", |c| c.mut_arg("class", classes))
+    })
+}
+
+#[derive(Clone, Copy)]
+enum Names {
+    Images,
+    Ready,
+    Classes,
+}
+
+fn names(which: Names) -> Vec<CompletionCandidate> {
+    let Some(db) = completion_root().map(|r| r.db()) else {
+        return Vec::new();
+    };
+    let found = match which {
+        Names::Images => crate::meta::peek_names(&db, crate::meta::Peek::Images),
+        Names::Ready => crate::meta::peek_names(&db, crate::meta::Peek::ReadyImages),
+        Names::Classes => crate::meta::peek_names(&db, crate::meta::Peek::SlotClasses),
+    };
+    found
+        .unwrap_or_default()
+        .into_iter()
+        .map(CompletionCandidate::new)
+        .collect()
+}
+
+/// The root the command line being completed names (`--root DIR` or
+/// `--root=DIR` among the words), else the usual default. Never created.
+fn completion_root() -> Option<Root> {
+    // The callback's arguments: `stowage -- stowage [WORD...]`.
+    let words: Vec<OsString> = std::env::args_os()
+        .skip(1)
+        .skip_while(|w| w != "--")
+        .skip(2)
+        // After exec's `--` come the command's words, not ours.
+        .take_while(|w| w != "--")
+        .collect();
+    let mut flag = None;
+    for (i, w) in words.iter().enumerate() {
+        let w = w.to_string_lossy();
+        if w == "--root" {
+            flag = words.get(i + 1).map(PathBuf::from);
+        } else if let Some(v) = w.strip_prefix("--root=") {
+            flag = Some(PathBuf::from(v));
+        }
+    }
+    let root = Root::resolve(flag.as_deref()).ok()?;
+    root.db().is_file().then_some(root)
+}
