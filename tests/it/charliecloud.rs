@@ -488,20 +488,30 @@ fn someone_waits_for(path: &Path) -> bool {
 #[test]
 fn a_base_that_loses_its_cache_link_while_awaited_is_locked_anew() {
     let Some(ch) = Ch::new() else { return };
-    let mut hold = ch.stowage(["exec", "--write", "base", "--"]);
-    hold.args(ch.env.hold_cmd("held", "release"));
-    let holder = Bg::from_command(hold);
-    wait_for_file(&ch.env.sentinel("held"));
-
+    // A reader holds base; a rewrite of base (which drops its build-cache
+    // link, as a --no-cache rebuild does) queues for it.
+    let reader = ch.env.hold(&["--read", "base"], "held");
+    let rewrite = Bg::from_command(ch.stowage([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "rm -rf \"$STOWAGE_IMAGE_DIR/.git\"",
+    ]));
+    wait_until("the rewrite waits for 'base'", || {
+        ch.waiters("base").iter().any(|w| w["mode"] == "exclusive")
+    });
+    // The build plans while base is linked, and queues behind the rewrite.
     ch.dockerfile("Dockerfile", "FROM base\nRUN echo x > /x\n");
     let build = Bg::from_command(ch.ch_build(["-t", "app"]));
     wait_until("the build waits for 'base'", || {
         ch.waiters("base").iter().any(|w| w["mode"] == "shared")
     });
-    // What a --no-cache rebuild of base would do while the build waits.
-    fs::remove_file(ch.img("base/.git")).unwrap();
     ch.env.release("release");
-    assert_ok(holder.finish());
+    assert_ok(reader.finish());
+    assert_ok(rewrite.finish());
 
     let out = build.finish();
     assert_ok_ref(&out);
