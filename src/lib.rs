@@ -65,6 +65,7 @@ pub mod spawn;
 pub mod status;
 pub mod store;
 pub mod tree;
+pub mod store_wide;
 pub mod usage;
 
 pub use error::Error;
