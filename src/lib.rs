@@ -64,8 +64,8 @@ pub mod space;
 pub mod spawn;
 pub mod status;
 pub mod store;
-pub mod tree;
 pub mod store_wide;
+pub mod tree;
 pub mod usage;
 
 pub use error::Error;
