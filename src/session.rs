@@ -36,6 +36,10 @@ use crate::usage;
 pub struct Request {
     pub reads: Vec<ImageName>,
     pub writes: Vec<ImageName>,
+    /// Images locked exclusively but only read: they must be ready, their
+    /// state stays, their last use is recorded (a builder that rewrites a
+    /// base's metadata in place, see docs/charliecloud.md).
+    pub exclusive_reads: Vec<ImageName>,
     /// Base recorded as the lineage of the (single) written image.
     pub base: Option<ImageName>,
     /// When to give up waiting; `None` waits forever.
@@ -54,6 +58,15 @@ struct Held {
     guard: Guard,
     /// For writes: the state before this session (None: created by it).
     prev: Option<ImageState>,
+    /// An exclusive read: the image is not written (its state stays).
+    keep: bool,
+}
+
+impl Held {
+    /// Written by the command: its state follows the outcome.
+    fn writes(&self) -> bool {
+        self.mode == Mode::Exclusive && !self.keep
+    }
 }
 
 /// Image locks held for one command.
@@ -82,6 +95,11 @@ impl Session {
             .iter()
             .map(|n| (n.clone(), Mode::Shared))
             .chain(req.writes.iter().map(|n| (n.clone(), Mode::Exclusive)))
+            .chain(
+                req.exclusive_reads
+                    .iter()
+                    .map(|n| (n.clone(), Mode::Exclusive)),
+            )
             .collect();
         // The lock order: ascending ENC. A name both read and written is
         // taken once, exclusively (sorted after its shared twin, kept last).
@@ -112,10 +130,12 @@ impl Session {
             let mut held = Vec::with_capacity(wanted.len());
             let mut waits = Vec::new();
             let mut migrate = false;
+            let mut store_held = None;
             for (name, mode) in &wanted {
+                let keep = req.exclusive_reads.contains(name);
                 let want = Want {
                     mode: *mode,
-                    need: if *mode == Mode::Exclusive {
+                    need: if *mode == Mode::Exclusive && !keep {
                         Need::Create
                     } else {
                         Need::Ready
@@ -132,6 +152,7 @@ impl Session {
                             mode: *mode,
                             guard,
                             prev: None,
+                            keep,
                         });
                         waits.extend(waiter);
                     }
@@ -157,17 +178,26 @@ impl Session {
                         });
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
-                    Err(e) => {
-                        give_up(store, held, &waits, slot, None);
-                        return Err(e);
-                    }
+                    Err(e) => match e.downcast::<crate::store_wide::StoreHeld>() {
+                        Ok(sw) => store_held = Some(sw),
+                        Err(e) => {
+                            give_up(store, held, &waits, slot, None);
+                            return Err(e);
+                        }
+                    },
                 }
             }
             // Never migrate while holding image locks: the migration waits
             // for every image lock to be free, ours included.
             drop(held);
             drop(slot);
-            store.migrate(req.deadline)?;
+            match store_held {
+                // Holding nothing, wait for the store-wide command.
+                Some(h) => {
+                    crate::store_wide::wait_until_free(store, &h, req.deadline, req.no_wait)?
+                }
+                None => store.migrate(req.deadline)?,
+            }
         }
     }
 
@@ -183,10 +213,7 @@ impl Session {
 
     /// Images held exclusively, in lock order.
     pub fn writes(&self) -> impl Iterator<Item = &ImageName> {
-        self.held
-            .iter()
-            .filter(|h| h.mode == Mode::Exclusive)
-            .map(|h| &h.name)
+        self.held.iter().filter(|h| h.writes()).map(|h| &h.name)
     }
 
     /// Lets spawned children inherit the lock descriptors (like flock(1)),
@@ -246,18 +273,18 @@ impl Session {
         let written: Vec<(Option<u64>, bool)> = self
             .held
             .iter()
-            .map(|h| match h.mode {
-                Mode::Exclusive => {
-                    let dir = self.images_dir.join(h.name.encoded());
-                    // Only "no such file" means deleted: an I/O error
-                    // (EIO, ESTALE on NFS) says nothing about the tree.
-                    match std::fs::symlink_metadata(&dir) {
-                        Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true),
-                        Err(_) => (None, false),
-                        Ok(_) => (usage::disk_usage(&dir).ok(), false),
-                    }
+            .map(|h| {
+                if !h.writes() {
+                    return (None, false);
                 }
-                Mode::Shared => (None, false),
+                let dir = self.images_dir.join(h.name.encoded());
+                // Only "no such file" means deleted: an I/O error (EIO,
+                // ESTALE on NFS) says nothing about the tree.
+                match std::fs::symlink_metadata(&dir) {
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true),
+                    Err(_) => (None, false),
+                    Ok(_) => (usage::disk_usage(&dir).ok(), false),
+                }
             })
             .collect();
         // A build that filled the filesystem is recorded in the space kept
@@ -287,7 +314,10 @@ impl Session {
                 // A read's last use was recorded when it began; updating it
                 // again would cost a page write per image for no decision gc
                 // makes (an image in use is never collected).
-                if h.mode == Mode::Exclusive {
+                if h.keep {
+                    // Used until now: gc's "unused for" counts from here.
+                    tx.touch(h.name.as_str(), now)?;
+                } else if h.mode == Mode::Exclusive {
                     tx.touch(h.name.as_str(), now)?;
                     let state = match outcome {
                         Outcome::Success => ImageState::Ready,
@@ -328,7 +358,7 @@ impl Session {
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
         let (tx, ctx) = store.begin_cleanup()?;
-        for h in self.held.iter().filter(|h| h.mode == Mode::Exclusive) {
+        for h in self.held.iter().filter(|h| h.writes()) {
             match h.prev {
                 None => {
                     tx.delete_image(h.name.as_str())?;
@@ -347,7 +377,7 @@ impl Session {
         // files and gates (under our exclusive locks, as the unlink rule
         // requires), or doctor would find lock files without images.
         for h in self.held {
-            if h.mode == Mode::Exclusive && h.prev.is_none() {
+            if h.writes() && h.prev.is_none() {
                 unlink_image_lock(store, &h.name, h.guard);
             }
         }
@@ -592,7 +622,16 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
         // of that hold: the writer at the gate waits for the enclosing
         // reader, which waits for us, so queueing behind the writer would
         // be a cycle. It passes, as it would under flock(1).
-        Ok(None) if crate::kernel::enclosing_hold(path).is_some() => Ok(Tried::Got(g)),
+        // (Our own lock on it, just taken, is no such hold.)
+        Ok(None)
+            if crate::kernel::enclosing_hold_except(
+                path,
+                Some(std::os::fd::AsRawFd::as_raw_fd(&g)),
+            )
+            .is_some() =>
+        {
+            Ok(Tried::Got(g))
+        }
         Ok(None) => Ok(Tried::WriterWaiting),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
         Err(e) => Err(e),
@@ -670,6 +709,8 @@ fn start(
     req: &Request,
 ) -> Result<(PathBuf, Vec<i64>)> {
     let (tx, ctx) = store.begin(req.deadline)?;
+    // A store-wide command runs: claim nothing (below), wait, start over.
+    let store_held = crate::store_wide::check(&tx, ctx).err();
     let images_dir = tx.images_dir(&ctx.root)?;
     let now = clock::now_ms();
     for id in waits
@@ -689,7 +730,7 @@ fn start(
         // say otherwise keeps SIGKILLed holders from piling up records.
         tx.delete_image_holders(name, (h.mode == Mode::Shared).then_some(Mode::Exclusive))?;
         let row = tx.image(name)?;
-        if h.mode == Mode::Shared && refusal.is_none() {
+        if (h.mode == Mode::Shared || h.keep) && refusal.is_none() {
             match &row {
                 None => refusal = Some(Error::NoSuchImage(name.to_owned())),
                 Some(r) if r.state == ImageState::Ready => {}
@@ -711,13 +752,18 @@ fn start(
         }
         rows.push(row);
     }
-    if let Some(err) = refusal {
+    if refusal.is_some() || store_held.is_some() {
         // Keep what was learned (stale records, dead writers, our waiter
         // records gone), claim nothing — and leave nothing: the caller
         // unlinks the lock files of images this exec would have created
         // (see `give_up`).
         tx.commit()?;
-        return Err(err.into());
+        for (h, row) in held.iter().zip(&rows) {
+            if h.writes() && row.is_none() {
+                let _ = std::fs::remove_file(h.guard.path());
+            }
+        }
+        return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));
     }
 
     // Then claim: mark, create, record.
@@ -733,6 +779,7 @@ fn start(
         let mut records = Vec::with_capacity(held.len());
         for (h, row) in held.iter_mut().zip(rows) {
             match h.mode {
+                _ if h.keep => tx.touch(h.name.as_str(), now)?,
                 Mode::Shared => tx.touch(h.name.as_str(), now)?,
                 Mode::Exclusive => {
                     h.prev = row.as_ref().map(|r| r.state);

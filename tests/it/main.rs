@@ -22,4 +22,5 @@ mod procs;
 mod runtimes;
 mod shell;
 mod slots;
+mod store_wide;
 mod stress;
