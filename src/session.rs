@@ -760,7 +760,7 @@ fn start(
         tx.commit()?;
         for (h, row) in held.iter().zip(&rows) {
             if h.writes() && row.is_none() {
-                let _ = std::fs::remove_file(h.guard.path());
+                let _ = crate::remove::unlink_held_lock(&ctx.root, &h.guard);
             }
         }
         return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));
