@@ -780,3 +780,52 @@ fn a_write_whose_images_directory_vanished_keeps_its_row() {
     ]);
     assert_eq!(env.state("base"), None);
 }
+
+#[test]
+fn an_images_directory_on_another_filesystem_is_emptied_in_place_safely() {
+    if !is_root() {
+        eprintln!("skipping: mounting a tmpfs needs root");
+        return;
+    }
+    let env = Env::new();
+    let ext = env.tmp.path().join("ext");
+    fs::create_dir(&ext).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "stowage-it"])
+        .arg(&ext)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("skipping: cannot mount a tmpfs here");
+        return;
+    }
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _guard = Unmount(ext.clone());
+    let img = ext.join("img");
+    env.ok(["init", "--images-dir", img.to_str().unwrap()]);
+    let v = victim(&env);
+    env.ok([
+        "exec",
+        "--write",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/f\" && ln -s '{}' \"$STOWAGE_IMAGE_DIR/d/link\"",
+            v.display()
+        ),
+    ]);
+    // The trash is on the root's filesystem: the tree cannot be renamed
+    // there, and is deleted where it is, under the lock.
+    env.ok(["rm", "a"]);
+    assert!(!img.join("a").exists());
+    assert_eq!(env.state("a"), None);
+    assert_intact(&v);
+    env.ok(["doctor"]);
+}
