@@ -683,11 +683,13 @@ fn doctor_by_a_user_who_may_not_write_the_store_says_so() {
     c.arg(bin()).arg("--root").arg(&env.root).arg("doctor");
     let out = output(c);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("may not write this store"),
+        stdout.contains("may not write this store"),
         "{}",
         show(&out)
     );
+    assert!(!stdout.contains("--repair"), "{}", show(&out));
     let mut c = as_nobody().unwrap();
     c.arg(bin()).arg("--root").arg(&env.root).arg("images");
     let out = output(c);
