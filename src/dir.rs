@@ -134,6 +134,14 @@ impl Dir {
         (r == 0 && stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
     }
 
+    /// The filesystem type (statfs magic) this directory is on.
+    pub fn fs_magic(&self) -> io::Result<u64> {
+        let mut sf: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid descriptor and out-pointer.
+        check(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
+        Ok(sf.f_type as u64)
+    }
+
     /// The entry `name`, not followed; `None` if there is none.
     pub fn stat_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<Entry>> {
         let c = cstr(name.as_ref())?;
