@@ -692,3 +692,43 @@ fn reading_commands_work_when_even_the_reserve_is_gone() {
         "gc recreates the reserve"
     );
 }
+
+// --- lock-status snapshots -------------------------------------------------
+
+#[test]
+fn lock_status_never_shows_a_lock_held_two_ways_at_once() {
+    let env = Env::new();
+    env.make_image("app");
+    // Many short transactions: the global lock changes hands constantly.
+    let stop = env.sentinel("stop");
+    let churn: Vec<Bg> = (0..3)
+        .map(|_| {
+            let script = format!(
+                "i=0; while [ ! -e '{s}' ] && [ $i -lt 3000 ]; do '{b}' --root '{r}' exec --read app -- true; i=$((i+1)); done",
+                s = stop.display(),
+                b = bin(),
+                r = env.root.display()
+            );
+            let mut c = Command::new("sh");
+            c.args(["-c", &script]);
+            Bg::from_command(c)
+        })
+        .collect();
+    let mut held_twice = Vec::new();
+    for _ in 0..300 {
+        let st = env.status_json(["app"]);
+        for l in st["locks"].as_array().unwrap() {
+            let holders = l["holders"].as_array().unwrap();
+            let exclusive = holders.iter().filter(|h| h["mode"] == "exclusive").count();
+            if exclusive > 1 || (exclusive == 1 && holders.len() > 1) {
+                held_twice.push(l.clone());
+            }
+        }
+    }
+    fs::write(&stop, "").unwrap();
+    for c in churn {
+        let out = c.finish();
+        assert!(out.status.success(), "{}", show(&out));
+    }
+    assert!(held_twice.is_empty(), "{held_twice:#?}");
+}
