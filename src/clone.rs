@@ -142,9 +142,6 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
             .with_context(|| format!("cannot set attributes of {}", at()))?;
             continue;
         };
-        if crate::signals::termination_pending() {
-            anyhow::bail!("interrupted");
-        }
         let from = || trail.show(src, Some(&name));
         let to = || trail.show(dst, Some(&name));
         let ctx = || format!("cannot copy {} to {}", from(), to());
@@ -215,6 +212,9 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
                     Ok(()) => {}
                     Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                         out.skipped_special += 1;
+                        // Its other names are skipped too, not linked to
+                        // nothing.
+                        links.remove(&(meta.st_dev, meta.st_ino));
                         continue;
                     }
                     Err(e) => return Err(e).with_context(ctx),

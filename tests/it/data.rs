@@ -732,3 +732,25 @@ fn lock_status_never_shows_a_lock_held_two_ways_at_once() {
     }
     assert!(held_twice.is_empty(), "{held_twice:#?}");
 }
+
+#[test]
+fn a_symlink_or_fifo_planted_at_the_reserve_is_never_written_through() {
+    let env = Env::new();
+    env.make_image("app");
+    let reserve = env.root.join("reserve");
+    assert!(reserve.exists(), "the layout has a reserve");
+    let outside = env.tmp.path().join("precious");
+    fs::write(&outside, "keep me").unwrap();
+    fs::remove_file(&reserve).unwrap();
+    std::os::unix::fs::symlink(&outside, &reserve).unwrap();
+    env.ok(["gc"]);
+    env.ok(["rm", "app"]);
+    env.make_image("app");
+    assert_eq!(fs::read_to_string(&outside).unwrap(), "keep me");
+    fs::remove_file(&reserve).unwrap();
+    let c = std::ffi::CString::new(reserve.as_os_str().as_encoded_bytes()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // Bounded by the harness: a blocking open would hang these.
+    env.ok(["gc"]);
+    env.ok(["exec", "--write", "app", "--", "true"]);
+}
