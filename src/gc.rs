@@ -86,6 +86,8 @@ pub struct Report {
     /// Interrupted removals finished and trash entries deleted.
     pub interrupted_removals: Vec<String>,
     pub trash_entries: usize,
+    /// Removals that failed (the images keep their state), one line each.
+    pub failed: Vec<String>,
 }
 
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
@@ -100,6 +102,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let left: Leftovers = remove::finish_interrupted(store, !policy.dry_run)?;
     report.interrupted_removals = left.removals;
     report.trash_entries = left.trash.len();
+    report.failed = left.failed;
 
     // Look at every image: dead writers become incomplete (in a dry run the
     // transaction is rolled back, so nothing changes).
@@ -327,8 +330,10 @@ fn collect(
     if let Some(g) = guard {
         if dry_run {
             drop(g);
-        } else {
-            remove::remove_locked(store, vec![(name.clone(), g)])?;
+        } else if let Err(e) = remove::remove_locked(store, vec![(name.clone(), g)]) {
+            // Undone (see remove.rs): say so, and go on with the others.
+            report.failed.push(format!("{e:#}"));
+            return Ok(false);
         }
     }
     report.removed.push(Removed {

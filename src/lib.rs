@@ -45,6 +45,7 @@ pub mod cli;
 pub mod clock;
 pub mod clone;
 pub mod debug;
+pub mod dir;
 pub mod doctor;
 pub mod error;
 pub mod gc;

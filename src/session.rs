@@ -137,7 +137,10 @@ impl Session {
                         migrate = true;
                         break;
                     }
-                    Err(e) => return Err(e),
+                    Err(e) => {
+                        crate::remove::release_unclaimed(store, unclaimed(held), Some(name));
+                        return Err(e);
+                    }
                 }
             }
             if !migrate {
@@ -152,7 +155,10 @@ impl Session {
                         });
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
-                    Err(e) => return Err(e),
+                    Err(e) => {
+                        crate::remove::release_unclaimed(store, unclaimed(held), None);
+                        return Err(e);
+                    }
                 }
             }
             // Never migrate while holding image locks: the migration waits
@@ -208,10 +214,12 @@ impl Session {
             .map(|h| match h.mode {
                 Mode::Exclusive => {
                     let dir = self.images_dir.join(h.name.encoded());
-                    if std::fs::symlink_metadata(&dir).is_err() {
-                        (None, true)
-                    } else {
-                        (usage::disk_usage(&dir).ok(), false)
+                    // Only "no such file" means deleted: an I/O error
+                    // (EIO, ESTALE on NFS) says nothing about the tree.
+                    match std::fs::symlink_metadata(&dir) {
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true),
+                        Err(_) => (None, false),
+                        Ok(_) => (usage::disk_usage(&dir).ok(), false),
                     }
                 }
                 Mode::Shared => (None, false),
@@ -254,9 +262,9 @@ impl Session {
         for (h, (_, gone)) in self.held.into_iter().zip(written) {
             if gone {
                 let gate = store.root().image_gate(&h.name);
-                let _ = h.guard.unlink();
+                let _ = crate::remove::unlink_lock(store.root(), h.guard);
                 if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
-                    let _ = g.unlink();
+                    let _ = crate::remove::unlink_lock(store.root(), g);
                 }
             }
         }
@@ -277,14 +285,14 @@ impl Session {
     /// removed again (their directories are still empty), and images it
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
-        let (tx, _) = store.begin_cleanup()?;
+        let (tx, ctx) = store.begin_cleanup()?;
         for h in self.held.iter().filter(|h| h.mode == Mode::Exclusive) {
             match h.prev {
                 None => {
                     tx.delete_image(h.name.as_str())?;
                     // Only an empty directory goes: if something appeared in
                     // it after all, keep it for the user to inspect.
-                    let _ = std::fs::remove_dir(self.images_dir.join(h.name.encoded()));
+                    crate::remove::remove_empty_image_dir(&ctx.root, &self.images_dir, &h.name);
                 }
                 Some(prev) => tx.set_state(h.name.as_str(), prev)?,
             }
@@ -292,8 +300,26 @@ impl Session {
         for id in self.record_ids() {
             tx.delete_record(id)?;
         }
-        tx.commit()
+        tx.commit()?;
+        // Their lock files and gates go too: nothing is left of them.
+        let created = self
+            .held
+            .into_iter()
+            .filter(|h| h.mode == Mode::Exclusive && h.prev.is_none())
+            .map(|h| (h.name, h.guard))
+            .collect();
+        crate::remove::release_unclaimed(store, created, None);
+        Ok(())
     }
+}
+
+/// The exclusive locks of a start that did not happen, for
+/// [`crate::remove::release_unclaimed`].
+fn unclaimed(held: Vec<Held>) -> Vec<(ImageName, Guard)> {
+    held.into_iter()
+        .filter(|h| h.mode == Mode::Exclusive)
+        .map(|h| (h.name, h.guard))
+        .collect()
 }
 
 /// What an image lock is taken for.
@@ -553,15 +579,9 @@ fn start(
     }
     if let Some(err) = refusal {
         // Keep what was learned (stale records, dead writers, our waiter
-        // records gone), claim nothing — and leave nothing: the lock file of
-        // an image this exec would have created goes again (we hold it
-        // exclusively, as the unlink rule requires).
+        // records gone), claim nothing — and leave nothing: the caller
+        // unlinks the lock files of images this exec would have created.
         tx.commit()?;
-        for (h, row) in held.iter().zip(&rows) {
-            if h.mode == Mode::Exclusive && row.is_none() {
-                let _ = std::fs::remove_file(h.guard.path());
-            }
-        }
         return Err(err.into());
     }
 
@@ -597,8 +617,10 @@ fn start(
     let records = match claimed.and_then(|records| tx.commit().map(|()| records)) {
         Ok(records) => records,
         Err(e) => {
-            for dir in &made {
-                let _ = std::fs::remove_dir(dir);
+            if let Ok(images) = ctx.root.open_images_dir(&images_dir) {
+                for dir in made.iter().filter_map(|d| d.file_name()) {
+                    let _ = images.rmdir(dir);
+                }
             }
             return Err(e);
         }

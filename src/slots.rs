@@ -380,7 +380,7 @@ pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
     if let Ok(entries) = std::fs::read_dir(&dir) {
         for e in entries.flatten() {
             match lock::try_lock(&e.path(), Mode::Exclusive, false) {
-                Ok(Some(g)) => g.unlink()?,
+                Ok(Some(g)) => crate::remove::unlink_lock(store.root(), g)?,
                 Ok(None) => busy += 1,
                 Err(_) => {}
             }

@@ -46,6 +46,9 @@ pub struct Ctx {
     pub child_umask: Option<u32>,
     /// Set once a "waiting for the global lock" notice has been printed.
     noticed_global: Cell<bool>,
+    /// Whether a root that does not exist is created (commands that write)
+    /// or reported, creating nothing ([`Error::NoRoot`]: commands that read).
+    pub creates_root: bool,
 }
 
 impl Ctx {
@@ -104,6 +107,7 @@ impl Store {
                 verbose: false,
                 child_umask: None,
                 noticed_global: Cell::new(false),
+                creates_root: true,
             },
         }
     }
@@ -131,6 +135,9 @@ impl Store {
                 Ok(Some(g)) => return Ok(g),
                 Ok(None) => break,
                 Err(e) if e.kind() == io::ErrorKind::NotFound && !created => {
+                    if !ctx.creates_root && !ctx.root.exists() {
+                        return Err(Error::NoRoot(ctx.root.dir().to_owned()).into());
+                    }
                     ctx.root.create_layout()?;
                     created = true;
                 }
@@ -533,8 +540,9 @@ pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::E
         )
     } else if e.kind() == io::ErrorKind::PermissionDenied {
         anyhow::anyhow!(
-            "cannot lock {what} ({}): {e} — a store shared by a group needs a group-writable (setgid) root, and you in its group",
-            path.display()
+            "cannot lock {what} ({}): {e} — you may not write this store{}; every stowage command, even one that only reads, locks files in the root (opened for writing, as NFS requires) and drops stale records as it reads, so there is no read-only view: a store for several users must be shared with a group (a group-writable setgid root, with them in its group)",
+            path.display(),
+            owner_of(path)
         )
     } else {
         anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
@@ -562,4 +570,22 @@ fn damaged(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
     } else {
         e.context(format!("metadata database {}", db.display()))
     }
+}
+
+/// " (DIR is owned by uid U, group G, mode M)" for the directory holding
+/// `path`, for permission messages.
+fn owner_of(path: &std::path::Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    path.parent()
+        .and_then(|d| std::fs::metadata(d).ok().map(|m| (d, m)))
+        .map(|(d, m)| {
+            format!(
+                " ({} is owned by uid {}, group {}, mode {:o})",
+                d.display(),
+                m.uid(),
+                m.gid(),
+                m.mode() & 0o7777
+            )
+        })
+        .unwrap_or_default()
 }

@@ -270,11 +270,7 @@ fn clone_into(
             src.display()
         );
     }
-    for entry in
-        std::fs::read_dir(&dst).with_context(|| format!("cannot list {}", dst.display()))?
-    {
-        crate::remove::remove_tree(&entry?.path())?;
-    }
+    crate::remove::empty_image_dir(store.root(), session.images_dir(), target)?;
     let t0 = std::time::Instant::now();
     let show = std::io::stderr().is_terminal() && !store.ctx().quiet;
     let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);

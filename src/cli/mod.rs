@@ -88,6 +88,21 @@ enum Command {
     },
 }
 
+impl Command {
+    /// Whether the command creates the root when it does not exist: those
+    /// that write (the spec's `exec`, `init`, `slots set`; `gc` and `doctor
+    /// --repair` set up what they clean). The others say it is missing.
+    fn creates_root(&self) -> bool {
+        match self {
+            Command::Init(_) | Command::Exec(_) | Command::Gc(_) => true,
+            Command::Slots(a) => a.creates(),
+            Command::Doctor(a) => a.creates(),
+            Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) => false,
+            Command::Completions { .. } | Command::Man { .. } => false,
+        }
+    }
+}
+
 pub fn main() -> ExitCode {
     shell::complete_if_asked(Cli::command);
     let cli = match Cli::try_parse() {
@@ -130,12 +145,16 @@ fn run(cli: Cli) -> Result<u8> {
     // Before anything is recorded: a clock given in the wrong unit would
     // write times no later command can show.
     crate::clock::check_env()?;
-    let root = Root::resolve(cli.root.as_deref())?;
+    let mut root = Root::resolve(cli.root.as_deref())?;
     let sharing = root.check()?;
     if !matches!(cli.command, Command::Doctor(_)) {
         root.check_locking()?;
     }
     let mut store = Store::new(root);
+    // A command that only reads never creates a store: a mistyped --root
+    // is said so, not answered with an empty table (after its arguments
+    // are checked: bad input is 64 whatever the root).
+    store.ctx_mut().creates_root = cli.command.creates_root();
     store.ctx_mut().quiet = cli.quiet;
     store.ctx_mut().verbose = cli.verbose;
     if sharing == Sharing::Group {

@@ -13,8 +13,10 @@ use crate::usage;
 #[derive(clap::Args)]
 #[command(
     after_help = "Each image is removed under its write lock: an image in use is not touched.\n\
-    Exit status: 0 removed; 66 an image does not exist (nothing removed); 75 an image\n\
-    stayed locked past --wait/--no-wait (nothing removed); 64 bad name or usage."
+    Exit status: 0 removed; 66 an image does not exist, or the root does not (nothing\n\
+    removed); 75 an image stayed locked past --wait/--no-wait (nothing removed); 64 bad\n\
+    name or usage; 1 a tree could not be taken out (that image and the ones after it\n\
+    keep their state; the ones before it are removed)."
 )]
 pub struct Args {
     /// Images to remove

@@ -49,6 +49,13 @@ struct ClassJson {
     waiters: Vec<PartyJson>,
 }
 
+impl Args {
+    /// Whether this creates a store that does not exist (only `set` does).
+    pub fn creates(&self) -> bool {
+        matches!(self.action, Some(Action::Set { .. }))
+    }
+}
+
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     match args.action {
         None => show(store, args.json),

@@ -10,6 +10,7 @@ mod data;
 mod docs;
 mod exec;
 mod fairness;
+mod files;
 mod hostile;
 mod init;
 mod lifecycle;
