@@ -2,7 +2,7 @@
 //! filesystem: what a store holds and what it says about it.
 
 use std::fs;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -753,4 +753,69 @@ fn a_symlink_or_fifo_planted_at_the_reserve_is_never_written_through() {
     // Bounded by the harness: a blocking open would hang these.
     env.ok(["gc"]);
     env.ok(["exec", "--write", "app", "--", "true"]);
+}
+
+#[test]
+fn a_clone_says_which_attributes_the_target_refused() {
+    if !is_root() || !have("setpriv") || !have("setcap") {
+        eprintln!("skipping: needs root, setpriv and setcap (to clone as another user)");
+        return;
+    }
+    let env = Env::new();
+    // The store belongs to nobody, who cannot give a file capabilities.
+    fs::set_permissions(env.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    fs::create_dir(&env.root).unwrap();
+    std::os::unix::fs::chown(&env.root, Some(65534), Some(65534)).unwrap();
+    let as_nobody = |args: &[&str]| {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
+            .arg(bin())
+            .arg("--root")
+            .arg(&env.root)
+            .args(args)
+            .env_remove("STOWAGE_ROOT")
+            .env("USER", "nobody");
+        output(c)
+    };
+    let out = as_nobody(&[
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "echo x > \"$STOWAGE_IMAGE_DIR/ping\"",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let ping = env.root.join("img/base/ping");
+    let set = Command::new("setcap")
+        .arg("cap_net_raw+ep")
+        .arg(&ping)
+        .output()
+        .unwrap();
+    if !set.status.success() {
+        eprintln!("skipping: setcap refused here: {}", stderr(&set));
+        return;
+    }
+    let out = as_nobody(&[
+        "-v", "exec", "--write", "copy", "--from", "base", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let err = stderr(&out);
+    let line: Vec<&str> = err.lines().filter(|l| l.contains("not kept")).collect();
+    assert!(
+        line.iter().any(|l| l.contains("security.capability")
+            && l.contains("image 'copy'")
+            && l.contains("Operation not permitted")),
+        "{err}"
+    );
+    assert!(
+        line.iter().any(|l| l.contains("copy/ping")),
+        "-v names the file: {err}"
+    );
+    assert_eq!(
+        fs::read(env.root.join("img/copy/ping")).unwrap(),
+        b"x\n",
+        "the file itself is copied"
+    );
 }
