@@ -623,6 +623,12 @@ fn a_build_that_fills_the_filesystem_does_not_wedge_the_store() {
     env.ok(["slots"]);
     env.ok(["doctor"]);
     env.ok(["gc", "--dry-run"]);
+    // So does running something that only reads an image.
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    assert!(
+        free_bytes(&t.dir) < 64 << 10,
+        "the filesystem is still full"
+    );
 
     // rm frees the space; everything works again, no file touched by hand.
     env.ok(["rm", "big"]);
