@@ -142,6 +142,7 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
             .with_context(|| format!("cannot set attributes of {}", at()))?;
             continue;
         };
+        crate::signals::check()?;
         let from = || trail.show(src, Some(&name));
         let to = || trail.show(dst, Some(&name));
         let ctx = || format!("cannot copy {} to {}", from(), to());

@@ -329,6 +329,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         relisted: 0,
     }];
     loop {
+        crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let depth = stack.len();
         let level = stack.last_mut().expect("the walk ends when the stack does");
         let dir = level.dir.as_ref().expect("the current level is open");

@@ -138,6 +138,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let mut cost: HashMap<String, Cost> = HashMap::new();
     let mut measured = Vec::new();
     for r in rows.iter_mut() {
+        crate::signals::check()?;
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
         };
@@ -207,6 +208,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
             });
         rows = rest;
         for r in these {
+            crate::signals::check()?;
             let bytes = frees(&footprint, &r);
             if collect(store, &r, reason, bytes, policy.dry_run, &mut report)? {
                 total = total.saturating_sub(bytes);
@@ -224,6 +226,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         // the least recently used goes, which unshares the others.
         let mut left = rows;
         while total > max && !left.is_empty() {
+            crate::signals::check()?;
             let i = left
                 .iter()
                 .position(|r| frees(&footprint, r) > 0)

@@ -50,6 +50,7 @@ pub mod doctor;
 pub mod error;
 pub mod gc;
 pub mod ident;
+pub mod keeper;
 pub mod kernel;
 pub mod lock;
 pub mod meta;
@@ -63,6 +64,7 @@ pub mod space;
 pub mod spawn;
 pub mod status;
 pub mod store;
+pub mod store_wide;
 pub mod tree;
 pub mod usage;
 

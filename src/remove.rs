@@ -85,7 +85,8 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         )
     })?;
     // 1. Mark.
-    let marked = store.with_tx_locked(None, |tx, _| {
+    let marked = store.with_tx_locked(None, |tx, ctx| {
+        crate::store_wide::check_busy(tx, ctx)?;
         let mut rows = Vec::with_capacity(held.len());
         for (i, (name, _)) in held.iter().enumerate() {
             match tx.image(name.as_str())? {
@@ -171,6 +172,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     }
     // 5. Outside every lock.
     for t in trashed {
+        crate::signals::check()?;
         let mut n = 0;
         trash.remove_entry(&t, &mut n).with_context(|| {
             format!("cannot delete {}", store.root().trash().join(&t).display())
@@ -289,6 +291,7 @@ pub fn empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) -> Resu
         .names()
         .with_context(|| format!("cannot list {}", path.display()))?
     {
+        crate::signals::check()?;
         dir.remove_entry(&entry, &mut n)
             .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
     }

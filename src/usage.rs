@@ -110,6 +110,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
     let mut stack = vec![(top, names.into_iter())];
     let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
     while let Some((d, names)) = stack.last_mut() {
+        crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let Some(name) = names.next() else {
             stack.pop();
             trail.0.pop();

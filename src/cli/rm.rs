@@ -22,7 +22,8 @@ pub struct Args {
     /// Images to remove
     #[arg(value_name = "IMG", required = true)]
     images: Vec<OsString>,
-    /// Give up after SECONDS waiting for an image in use [default: wait forever]
+    /// Give up after SECONDS (fractional, or with a unit: 500ms, 10s, 2m, 1h)
+    /// waiting for an image in use [default: wait forever]
     #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
     wait: Option<String>,
     /// Fail at once if an image is in use
@@ -56,6 +57,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             deadline,
             no_wait,
             command: &command,
+            must_exist: &[],
         };
         let (guard, waiter) = acquire_image(store, name, &want)?;
         if let Some(id) = waiter {
