@@ -370,6 +370,12 @@ fn guard(file: File, path: &Path, mode: Mode, dev: u64, ino: u64) -> Guard {
 ///
 /// A wait for a conflicting lock on such a file would wait for ourselves.
 pub fn held_here(path: &Path) -> Option<Mode> {
+    held_here_except(path, None)
+}
+
+/// [`held_here`], not counting descriptor `except` — the one the caller
+/// just locked itself, which is no enclosing command's hold.
+pub fn held_here_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Option<Mode> {
     let at = fs::symlink_metadata(path).ok()?;
     let fds = fs::read_dir("/proc/self/fd").ok()?;
     let mut held = None;
@@ -378,6 +384,7 @@ pub fn held_here(path: &Path) -> Option<Mode> {
             .file_name()
             .to_str()
             .and_then(|n| n.parse::<i32>().ok())
+            .filter(|fd| Some(*fd) != except)
         else {
             continue;
         };

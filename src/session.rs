@@ -611,7 +611,16 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
         // of that hold: the writer at the gate waits for the enclosing
         // reader, which waits for us, so queueing behind the writer would
         // be a cycle. It passes, as it would under flock(1).
-        Ok(None) if crate::kernel::enclosing_hold(path).is_some() => Ok(Tried::Got(g)),
+        // (Our own lock on it, just taken, is no such hold.)
+        Ok(None)
+            if crate::kernel::enclosing_hold_except(
+                path,
+                Some(std::os::fd::AsRawFd::as_raw_fd(&g)),
+            )
+            .is_some() =>
+        {
+            Ok(Tried::Got(g))
+        }
         Ok(None) => Ok(Tried::WriterWaiting),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
         Err(e) => Err(e),
