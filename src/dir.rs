@@ -33,6 +33,14 @@ pub struct Dir {
     fd: OwnedFd,
 }
 
+impl AsRawFd for Dir {
+    /// For walks that need calls this type does not wrap (the copy's
+    /// `fsetxattr`, `mknodat`, `FIEMAP`; see tree.rs).
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
 /// What `fstatat` says about an entry, without following it.
 #[derive(Debug, Clone, Copy)]
 pub struct Entry {
