@@ -274,6 +274,13 @@ impl Dir {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
             Err(e) => return Err(e),
         };
+        // The walk keeps to the filesystem of the tree it starts at, so a
+        // mount at the top itself (an image directory bind-mounted, a mount
+        // directly in an image being emptied) must be caught here.
+        let (here, there) = (self.stat()?, top.stat()?);
+        if here.dev != there.dev || self.mount_id() != top.mount_id() {
+            return Err(mount_point(name));
+        }
         empty_tree(top, removed)?;
         self.unlinkat(name, libc::AT_REMOVEDIR)?;
         *removed += 1;
@@ -290,6 +297,13 @@ impl Dir {
             unsafe { libc::fchmod(self.fd.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _) };
         }
     }
+}
+
+fn mount_point(name: &OsStr) -> io::Error {
+    io::Error::other(format!(
+        "{} is a mount point; unmount it first (nothing is deleted across a mount)",
+        Path::new(name).display()
+    ))
 }
 
 fn entry(st: &libc::stat) -> Entry {
@@ -395,10 +409,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
             continue;
         }
         if st.dev != dev {
-            return Err(io::Error::other(format!(
-                "{} is a mount point; unmount it first (nothing is deleted across a mount)",
-                Path::new(&name).display()
-            )));
+            return Err(mount_point(&name));
         }
         let sub = match dir.sub(&name) {
             Ok(d) => d,
@@ -412,10 +423,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         };
         let sst = sub.stat()?;
         if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
-            return Err(io::Error::other(format!(
-                "{} is a mount point; unmount it first (nothing is deleted across a mount)",
-                Path::new(&name).display()
-            )));
+            return Err(mount_point(&name));
         }
         sub.make_writable(&sst);
         let pending = sub.names()?;

@@ -19,6 +19,7 @@ mod locks;
 mod migration;
 mod names;
 mod procs;
+mod review_files;
 mod runtimes;
 mod shell;
 mod slots;

@@ -1,0 +1,115 @@
+//! Files, removal, repair and sizes under attack: mounts at the top of a
+//! tree being deleted, another filesystem of the same type mounted as the
+//! images directory, and commands that should change nothing.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::common::*;
+
+fn is_root() -> bool {
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn code(out: &std::process::Output) -> Option<i32> {
+    out.status.code()
+}
+
+/// A directory outside the root with things in it that must survive.
+fn victim(env: &Env) -> PathBuf {
+    let v = env.tmp.path().join("victim");
+    fs::create_dir_all(v.join("sub")).unwrap();
+    fs::write(v.join("keep"), "precious").unwrap();
+    fs::write(v.join("sub/keep"), "precious").unwrap();
+    v
+}
+
+fn assert_intact(v: &Path) {
+    assert_eq!(fs::read_to_string(v.join("keep")).unwrap(), "precious");
+    assert_eq!(fs::read_to_string(v.join("sub/keep")).unwrap(), "precious");
+}
+
+/// Mounts (`mount ARGS… TARGET`) and unmounts on drop; `None` where this
+/// machine cannot mount.
+struct Mounted(PathBuf);
+
+impl Mounted {
+    fn new(args: &[&str], target: &Path) -> Option<Mounted> {
+        let ok = Command::new("mount")
+            .args(args)
+            .arg(target)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Mounted(target.to_owned()))
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn rebuilding_from_a_base_never_empties_a_mount_at_the_top_of_the_image() {
+    if !is_root() {
+        eprintln!("skipping: bind mounts need root");
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.ok([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "mkdir \"$STOWAGE_IMAGE_DIR/mnt\"",
+    ]);
+    // A build bind-mounted a directory into its tree, directly under the
+    // image directory, and died before unmounting it.
+    let v = victim(&env);
+    let Some(_m) = Mounted::new(
+        &["--bind", v.to_str().unwrap()],
+        &env.root.join("img/app/mnt"),
+    ) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let out = env.run(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("mount point"), "{}", show(&out));
+    assert_intact(&v);
+}
+
+#[test]
+fn removing_in_place_never_empties_an_image_directory_that_is_a_mount() {
+    if !is_root() {
+        eprintln!("skipping: mounts need root");
+        return;
+    }
+    let env = Env::new();
+    // The images directory on another filesystem: trees are deleted in
+    // place. The image's own directory is a bind mount of a victim.
+    let images = env.tmp.path().join("images");
+    fs::create_dir(&images).unwrap();
+    let Some(_fs) = Mounted::new(&["-t", "tmpfs", "-o", "size=4m", "tmpfs"], &images) else {
+        eprintln!("skipping: cannot mount a tmpfs here");
+        return;
+    };
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.make_image("app");
+    let v = victim(&env);
+    let Some(_m) = Mounted::new(&["--bind", v.to_str().unwrap()], &images.join("app")) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let out = env.run(["rm", "app"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("mount point"), "{}", show(&out));
+    assert_intact(&v);
+    // Nothing went, so nothing was damaged: the image is ready again.
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
