@@ -150,6 +150,18 @@ impl Dir {
         Ok(sf.f_type as u64)
     }
 
+    /// The filesystem's id (`f_fsid`), 0 where the filesystem gives none
+    /// (NFS). Local filesystems derive it from their UUID or device, so two
+    /// filesystems of one type tell apart by it where their root inodes do
+    /// not (every ext4's root is inode 2).
+    pub fn fs_id(&self) -> io::Result<u64> {
+        let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid descriptor and out-pointer.
+        check(unsafe { libc::fstatvfs(self.fd.as_raw_fd(), &mut sv) })?;
+        #[allow(clippy::unnecessary_cast)]
+        Ok(sv.f_fsid as u64)
+    }
+
     /// The entry `name`, not followed; `None` if there is none.
     pub fn stat_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<Entry>> {
         let c = cstr(name.as_ref())?;

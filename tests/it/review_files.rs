@@ -113,3 +113,72 @@ fn removing_in_place_never_empties_an_image_directory_that_is_a_mount() {
     // Nothing went, so nothing was damaged: the image is ready again.
     assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
+
+/// A fresh ext4 filesystem in a file under `dir`, for loop mounts.
+fn ext4_file(dir: &Path, name: &str) -> Option<PathBuf> {
+    let f = dir.join(name);
+    fs::File::create(&f).unwrap().set_len(16 << 20).unwrap();
+    Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&f)
+        .status()
+        .is_ok_and(|s| s.success())
+        .then_some(f)
+}
+
+#[test]
+fn another_filesystem_of_the_same_type_mounted_as_the_images_directory_loses_no_row() {
+    if !is_root() {
+        eprintln!("skipping: loop mounts need root");
+        return;
+    }
+    let env = Env::new();
+    let (Some(a), Some(b)) = (
+        ext4_file(env.tmp.path(), "a.ext4"),
+        ext4_file(env.tmp.path(), "b.ext4"),
+    ) else {
+        eprintln!("skipping: no mkfs.ext4 here");
+        return;
+    };
+    let images = env.tmp.path().join("images");
+    fs::create_dir(&images).unwrap();
+    let opts = |f: &Path| vec!["-o".to_owned(), "loop".to_owned(), f.display().to_string()];
+    let mount = |f: &Path| {
+        let o = opts(f);
+        Mounted::new(&o.iter().map(String::as_str).collect::<Vec<_>>(), &images)
+    };
+    let Some(m) = mount(&a) else {
+        eprintln!("skipping: cannot loop-mount here");
+        return;
+    };
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.make_image("base");
+    // The wrong disk is mounted there: a filesystem of the same type, whose
+    // root directory has the same inode number as every ext4's.
+    drop(m);
+    let Some(m) = mount(&b) else {
+        eprintln!("skipping: cannot loop-mount here");
+        return;
+    };
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("not the directory recorded"),
+        "{}",
+        show(&out)
+    );
+    drop(m);
+    // The right one back: the image is there, ready, as it was.
+    let Some(_m) = mount(&a) else {
+        eprintln!("skipping: cannot loop-mount here");
+        return;
+    };
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(
+        env.state("base").as_deref(),
+        Some("ready"),
+        "{}",
+        show(&out)
+    );
+}
