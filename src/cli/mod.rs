@@ -90,14 +90,16 @@ enum Command {
 
 impl Command {
     /// Whether the command creates the root when it does not exist: those
-    /// that write (the spec's `exec`, `init`, `slots set`; `gc` and `doctor
-    /// --repair` set up what they clean). The others say it is missing.
+    /// that write (the spec's `exec`, `init`, `slots set`; `doctor
+    /// --repair` sets up what it repairs). The others say it is missing —
+    /// `gc`, like `rm`, too: a missing root has nothing to remove, and a
+    /// mistyped root in a cron job must not grow a store.
     fn creates_root(&self) -> bool {
         match self {
-            Command::Init(_) | Command::Exec(_) | Command::Gc(_) => true,
+            Command::Init(_) | Command::Exec(_) => true,
             Command::Slots(a) => a.creates(),
             Command::Doctor(a) => a.creates(),
-            Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) => false,
+            Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) | Command::Gc(_) => false,
             Command::Completions { .. } | Command::Man { .. } => false,
         }
     }

@@ -182,3 +182,24 @@ fn another_filesystem_of_the_same_type_mounted_as_the_images_directory_loses_no_
         show(&out)
     );
 }
+
+#[test]
+fn gc_on_a_missing_root_says_so_and_creates_nothing() {
+    let env = Env::new();
+    for args in [
+        &["gc", "--dry-run"][..],
+        &["gc"],
+        &["gc", "--max-size", "1G"],
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(66), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("does not exist") && err.contains(env.root.to_str().unwrap()),
+            "{args:?}: {}",
+            show(&out)
+        );
+        assert_eq!(err.lines().count(), 1, "{args:?}: {}", show(&out));
+        assert!(!env.root.exists(), "{args:?} created the root");
+    }
+}
