@@ -99,13 +99,27 @@ struct Frame {
 
 /// Copies the tree at `src` into the existing, empty directory `dst`.
 pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<Copied> {
+    let src_root = Dir::open_top(src).with_context(|| format!("cannot open {}", src.display()))?;
+    let dst_root = Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?;
+    copy_tree_at(src_root, src, dst_root, dst, progress)
+}
+
+/// [`copy_tree`] between directories already open (`src` and `dst` name
+/// them in messages): the caller opened them from the images directory's
+/// descriptor, so a symlink swapped in for a directory above them since
+/// cannot redirect the copy out of the store.
+pub fn copy_tree_at(
+    src_root: Dir,
+    src: &Path,
+    dst_root: Dir,
+    dst: &Path,
+    progress: &mut dyn Progress,
+) -> Result<Copied> {
     let _files = tree::MoreFiles::raise();
     if progress.shown() {
         let total = crate::usage::apparent_size(src).unwrap_or(0);
         progress.total(total);
     }
-    let src_root = Dir::open_top(src).with_context(|| format!("cannot open {}", src.display()))?;
-    let dst_root = Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?;
     let meta = src_root
         .lstat()
         .with_context(|| format!("cannot read {}", src.display()))?;
@@ -123,7 +137,9 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
     // writing into it would change its mtime.
     let mut stack = vec![Frame {
         src: src_root,
-        dst: Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?,
+        dst: dst_root
+            .sub(".")
+            .with_context(|| format!("cannot open {}", dst.display()))?,
         meta,
         names: names.into_iter(),
     }];

@@ -438,10 +438,20 @@ fn clone_into(
         );
     }
     crate::remove::empty_image_dir(store.root(), session.images_dir(), target)?;
+    crate::debug::pause("clone-emptied");
     let t0 = std::time::Instant::now();
     let show = std::io::stderr().is_terminal() && !store.ctx().quiet;
     let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
-    let done = crate::clone::copy_tree(&src, &dst, &mut bar)
+    // Both ends from one descriptor of the images directory, never a path
+    // resolved again: a link swapped in above them cannot move the copy.
+    let images = store.root().open_images_dir(session.images_dir())?;
+    let open = |name: &ImageName, path: &std::path::Path| {
+        images
+            .sub(name.encoded())
+            .with_context(|| format!("cannot open {}", path.display()))
+    };
+    let (s, d) = (open(base, &src)?, open(target, &dst)?);
+    let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar)
         .with_context(|| format!("cannot copy image '{base}' to '{target}'"))?;
     store.ctx().detail(&format!(
         "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",

@@ -203,3 +203,34 @@ fn gc_on_a_missing_root_says_so_and_creates_nothing() {
         assert!(!env.root.exists(), "{args:?} created the root");
     }
 }
+
+#[test]
+fn a_symlink_swapped_in_for_the_images_directory_before_a_clone_gets_nothing() {
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("app");
+    // A directory outside the root with entries named like the images.
+    let v = env.tmp.path().join("victim");
+    fs::create_dir_all(v.join("app")).unwrap();
+    fs::create_dir_all(v.join("base")).unwrap();
+    fs::write(v.join("base/planted"), "x").unwrap();
+    fs::write(v.join("app/keep"), "precious").unwrap();
+    let (bg, pause) = env.paused(
+        ["exec", "--write", "app", "--from", "base", "--", "true"],
+        "clone-emptied",
+    );
+    // Someone who can write the root swaps `img` for a link while the
+    // rebuild is between emptying the image and copying into it.
+    let img = env.root.join("img");
+    fs::rename(&img, env.tmp.path().join("img-aside")).unwrap();
+    std::os::unix::fs::symlink(&v, &img).unwrap();
+    fs::remove_file(&pause).unwrap();
+    let out = bg.finish();
+    let names: Vec<_> = fs::read_dir(v.join("app"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["keep"], "copied outside the root: {}", show(&out));
+    assert_eq!(fs::read_to_string(v.join("app/keep")).unwrap(), "precious");
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+}
