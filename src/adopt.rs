@@ -49,8 +49,7 @@ pub fn orphans(tx: &Tx, images: &Dir, dir: &Path) -> Result<Orphans> {
         trees: Vec::new(),
         skipped: Vec::new(),
     };
-    let entries = images
-        .names()
+    let entries = tree_names(images)
         .with_context(|| format!("cannot list images directory {}", dir.display()))?;
     for raw in entries {
         if !images
@@ -75,6 +74,19 @@ pub fn orphans(tx: &Tx, images: &Dir, dir: &Path) -> Result<Orphans> {
         }
     }
     Ok(out)
+}
+
+/// The entries of the images directory that may be image trees. An
+/// images directory that is the root of its filesystem has the
+/// filesystem's `lost+found` (ext4 makes one): it decodes to the valid name
+/// `lost:found`, but it is fsck's, never an image to adopt, measure or
+/// delete — nor a sign that a fresh filesystem holds trees.
+fn tree_names(images: &Dir) -> io::Result<Vec<std::ffi::OsString>> {
+    let mut names = images.names()?;
+    if names.iter().any(|n| n == "lost+found") && images.is_mount_root()? {
+        names.retain(|n| n != "lost+found");
+    }
+    Ok(names)
 }
 
 /// How an adopted tree starts out.
@@ -234,8 +246,7 @@ pub fn mount(tx: &Tx, root: &crate::root::Root, dir: &Path, recorded_trees: bool
     {
         return Ok(Mount::Other { recorded, now });
     }
-    let empty = images
-        .names()
+    let empty = tree_names(&images)
         .with_context(|| format!("cannot list images directory {}", dir.display()))?
         .is_empty();
     Ok(if empty && recorded_trees {

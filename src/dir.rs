@@ -162,6 +162,13 @@ impl Dir {
         Ok(sv.f_fsid as u64)
     }
 
+    /// Whether this directory is the root of a mount (`..` is on another
+    /// device or mount).
+    pub fn is_mount_root(&self) -> io::Result<bool> {
+        let up = self.sub("..")?;
+        Ok(up.stat()?.dev != self.stat()?.dev || up.mount_id() != self.mount_id())
+    }
+
     /// The entry `name`, not followed; `None` if there is none.
     pub fn stat_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<Entry>> {
         let c = cstr(name.as_ref())?;

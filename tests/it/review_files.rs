@@ -234,3 +234,35 @@ fn a_symlink_swapped_in_for_the_images_directory_before_a_clone_gets_nothing() {
     assert_eq!(fs::read_to_string(v.join("app/keep")).unwrap(), "precious");
     assert_ne!(code(&out), Some(0), "{}", show(&out));
 }
+
+#[test]
+fn the_lost_and_found_of_an_images_filesystem_is_no_image() {
+    if !is_root() {
+        eprintln!("skipping: loop mounts need root");
+        return;
+    }
+    let env = Env::new();
+    let Some(a) = ext4_file(env.tmp.path(), "a.ext4") else {
+        eprintln!("skipping: no mkfs.ext4 here");
+        return;
+    };
+    let images = env.tmp.path().join("images");
+    fs::create_dir(&images).unwrap();
+    let Some(_m) = Mounted::new(&["-o", "loop", a.to_str().unwrap()], &images) else {
+        eprintln!("skipping: cannot loop-mount here");
+        return;
+    };
+    assert!(images.join("lost+found").is_dir());
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.make_image("app");
+    let out = env.ok(["doctor", "--repair"]);
+    let names: Vec<String> = env
+        .images_json()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["app"], "{}", show(&out));
+    env.ok(["gc", "--max-size", "0"]);
+    assert!(env.images_json().is_empty());
+    assert!(images.join("lost+found").is_dir(), "gc deleted lost+found");
+}
