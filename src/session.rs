@@ -185,9 +185,13 @@ impl Session {
             drop(slot);
             match store_held {
                 // Holding nothing, wait for the store-wide command.
-                Some(h) => {
-                    crate::store_wide::wait_until_free(store, &h, req.deadline, req.no_wait)?
-                }
+                Some(h) => crate::store_wide::wait_until_free(
+                    store,
+                    &h,
+                    req.deadline,
+                    req.no_wait,
+                    &req.command,
+                )?,
                 None => store.migrate(req.deadline)?,
             }
         }

@@ -104,6 +104,7 @@ pub fn wait_until_free(
     held: &StoreHeld,
     deadline: Option<Instant>,
     no_wait: bool,
+    command: &str,
 ) -> Result<()> {
     let busy = |waited| {
         Error::Busy(Busy {
@@ -115,15 +116,29 @@ pub fn wait_until_free(
     if no_wait {
         return Err(busy(Duration::ZERO).into());
     }
-    let ctx = store.ctx();
-    ctx.say(&format!(
+    store.ctx().say(&format!(
         "waiting for the store-wide command to finish: {}",
         held.holder
     ));
+    // Recorded, so that lock-status names us among its waiters.
+    let waiter = store.with_tx(deadline, |tx, ctx| {
+        tx.insert_record(&Record::ours(
+            &ctx.me,
+            LockKind::Global,
+            NAME,
+            FILE.into(),
+            Role::Waiter,
+            Mode::Shared,
+            command,
+        ))
+    })?;
+    let ctx = store.ctx();
     let p = path(ctx);
     let t0 = Instant::now();
     let mut wait = Wait::on(&ctx.root.locks(), deadline);
-    match lock::lock(&p, Mode::Shared, false, &mut wait) {
+    let waited = lock::lock(&p, Mode::Shared, false, &mut wait);
+    store.forget_record(waiter);
+    match waited {
         Ok(Waited::Acquired(_)) => Ok(()),
         Ok(Waited::TimedOut) => Err(busy(t0.elapsed()).into()),
         Ok(Waited::Interrupted(sig)) => Err(Error::Interrupted(sig).into()),

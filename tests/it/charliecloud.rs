@@ -1110,4 +1110,50 @@ fn a_dependency_chain_launched_at_once_builds() {
         "{}",
         show(&out)
     );
+    // A signal ends a ch-build that waits for its base to be started.
+    let log = ch.env.tmp.path().join("waiting.log");
+    let mut c = ch.ch_build(["--wait", "600", "-t", "x", "-f", &df]);
+    c.stderr(fs::File::create(&log).unwrap());
+    let waiting = Bg::from_command_keep_stderr(c);
+    wait_until("ch-build waits for 'later' to be started", || {
+        fs::read_to_string(&log).is_ok_and(|l| l.contains("waits for base 'later'"))
+    });
+    waiting.signal(libc::SIGTERM);
+    let out = waiting.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    assert!(!ch.img("x").exists());
+}
+
+/// A cache-mode import (it renames through STORAGE/imgtmp, which no other
+/// ch-image command may see) runs under --store-wide while builds come and
+/// go, and `stowage init` inside the hold adopts the image it made: builds
+/// then read it shared.
+#[test]
+fn a_cache_mode_import_runs_store_wide() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let before = ch.build("app-a", "a");
+    ch.wait_started("app-a", "a");
+    let tarball = ch.env.tmp.path().join("base.tar");
+    let script = format!(
+        "ch-image -s '{}' --no-lock import '{}' base2 && stowage init",
+        ch.storage.display(),
+        tarball.display()
+    );
+    let import = Bg::from_command(ch.stowage(["exec", "--store-wide", "--", "sh", "-c", &script]));
+    wait_until("the import waits for the build", || {
+        someone_waits_for(&ch.env.lock_file("app-a"))
+            || someone_waits_for(&ch.env.lock_file("base"))
+    });
+    assert!(!ch.img("base2").exists());
+    ch.go("app-a", "a");
+    assert_ok(before.finish());
+    assert_ok(import.finish());
+    assert!(ch.img("base2/.git").exists());
+    assert_eq!(ch.env.state("base2").as_deref(), Some("ready"));
+    let df = ch.dockerfile("Dockerfile.b2", "FROM base2\nRUN echo b2 > /b2\n");
+    let plan = dry_run(&ch, &["-t", "app-b", "-f", &df, ch.ctx.to_str().unwrap()]);
+    assert!(plan.contains("--read base2 --write app-b"), "{plan}");
+    assert_ok(output(ch.ch_build(["-t", "app-b", "-f", &df])));
+    assert_eq!(ch.ch_list(), ch.stowage_list());
 }

@@ -78,6 +78,24 @@ fn a_store_wide_command_waits_for_image_users_and_new_ones_wait_for_it() {
         waiting >= 2 && waited_on(&store_lock(&env))
     });
     assert!(!env.root.join("img/b").exists());
+    // lock-status shows the hold, its command and who queues for it.
+    let status = env.status_json::<[&str; 0], &str>([]);
+    let store = status["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "global" && l["name"] == "store")
+        .cloned()
+        .unwrap_or_else(|| panic!("no store-wide entry: {status}"));
+    assert_eq!(store["state"], "exclusive", "{store}");
+    assert!(
+        store["holders"][0]["command"]
+            .as_str()
+            .unwrap()
+            .starts_with("sh -c"),
+        "{store}"
+    );
+    assert_eq!(store["waiters"].as_array().unwrap().len(), 2, "{store}");
 
     env.release("release");
     assert_eq!(reader.finish().status.code(), Some(0));
