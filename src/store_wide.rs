@@ -64,6 +64,11 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
             // Our own command (a wrapper calling stowage again) runs
             // under the hold: it has the store, and must not wait for it.
             Ok(None) if lock::inherited_exclusive(&path(ctx)) => {}
+            // The command of an image user (it inherited that image's lock)
+            // calls stowage again: the hold is still waiting for that very
+            // lock, so waiting for the hold would deadlock. Going ahead is
+            // safe: the hold's command starts only once our locks are free.
+            Ok(None) if inherits_image_lock(ctx) => {}
             Ok(None) => {
                 return Err(StoreHeld {
                     holder: format!(
@@ -82,6 +87,32 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Does this process hold a descriptor of an image lock file inherited from
+/// the exec whose command it is part of? Inherited descriptors are the ones
+/// without close-on-exec: stowage opens its own with it, and clears it only
+/// on the locks it hands to its command.
+fn inherits_image_lock(ctx: &Ctx) -> bool {
+    let Ok(dir) = std::fs::canonicalize(ctx.root.image_locks()) else {
+        return false;
+    };
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
+        return false;
+    };
+    fds.flatten().any(|e| {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            return false;
+        };
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        flags >= 0
+            && flags & libc::FD_CLOEXEC == 0
+            && std::fs::read_link(e.path()).is_ok_and(|target| {
+                target.parent() == Some(dir.as_path())
+                    && target.extension().is_some_and(|x| x == "lock")
+            })
+    })
 }
 
 /// [`check`] for a caller that does not wait (a removal): a live hold is a

@@ -262,3 +262,41 @@ fn read_exclusive_refuses_what_cannot_be_read() {
     }
     assert!(env.image("x").is_none());
 }
+
+/// A command holding an image lock calls stowage again while a store-wide
+/// command waits for that lock: the nested call goes ahead (waiting for the
+/// hold would wait for itself), and the hold starts once the outer command
+/// is done.
+#[test]
+fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let nested = format!(
+        "touch '{started}'; while [ ! -e '{go}' ]; do sleep 0.01; done; \
+         '{bin}' --root '{root}' exec --wait 20 --read b -- true",
+        started = env.sentinel("outer").display(),
+        go = env.sentinel("go").display(),
+        bin = bin(),
+        root = env.root.display()
+    );
+    let outer = env.spawn(["exec", "--write", "a", "--", "sh", "-c", &nested]);
+    wait_for_file(&env.sentinel("outer"));
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_until("the store-wide command waits for 'a'", || {
+        waited_on(&env.lock_file("a"))
+    });
+    env.release("go");
+    let out = outer.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    wait_for_file(&env.sentinel("wide"));
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+    // An unrelated exec with locks of its own still waits for the hold.
+    let wide = store_wide_hold(&env, "wide2", "wide2-go");
+    wait_for_file(&env.sentinel("wide2"));
+    let out = env.run(["exec", "--no-wait", "--read", "a", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    env.release("wide2-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+}
