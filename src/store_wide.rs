@@ -263,4 +263,10 @@ impl Hold {
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
         self.guard.set_inheritable(inherit)
     }
+
+    /// The descriptor of the hold, for a keeper to keep (`--no-inherit`).
+    pub fn lock_fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        vec![self.guard.as_raw_fd()]
+    }
 }
