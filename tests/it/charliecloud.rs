@@ -880,18 +880,24 @@ fn the_exec_help_example_works_in_parallel() {
     let words: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
     assert_eq!(words[0], "stowage");
     assert!(words.iter().any(|w| w == "app"), "{line}");
-    let script = format!(
-        "ch-image -s '{}' --no-lock import '{}' alpine:3.17 && stowage init",
-        ch.storage.display(),
-        ch.env.tmp.path().join("base.tar").display()
-    );
+    let storage = ch.storage.display().to_string();
+    let tarball = ch.env.tmp.path().join("base.tar").display().to_string();
     assert_ok(output(ch.stowage([
         "exec",
         "--store-wide",
         "--",
-        "sh",
-        "-c",
-        &script,
+        bin(),
+        "exec",
+        "--write",
+        "alpine:3.17",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "import",
+        &tarball,
+        "alpine:3.17",
     ])));
     ch.dockerfile(
         "Dockerfile",
@@ -1137,21 +1143,33 @@ fn a_dependency_chain_launched_at_once_builds() {
 
 /// A cache-mode import (it renames through STORAGE/imgtmp, which no other
 /// ch-image command may see) runs under --store-wide while builds come and
-/// go, and `stowage init` inside the hold adopts the image it made: builds
-/// then read it shared.
+/// go, recorded by an exec --write inside the hold: builds then read the
+/// image shared.
 #[test]
 fn a_cache_mode_import_runs_store_wide() {
     let Some(ch) = Ch::new() else { return };
     ch.dockerfile("Dockerfile", &gated("base"));
     let before = ch.build("app-a", "a");
     ch.wait_started("app-a", "a");
-    let tarball = ch.env.tmp.path().join("base.tar");
-    let script = format!(
-        "ch-image -s '{}' --no-lock import '{}' base2 && stowage init",
-        ch.storage.display(),
-        tarball.display()
-    );
-    let import = Bg::from_command(ch.stowage(["exec", "--store-wide", "--", "sh", "-c", &script]));
+    let storage = ch.storage.display().to_string();
+    let tarball = ch.env.tmp.path().join("base.tar").display().to_string();
+    let import = Bg::from_command(ch.stowage([
+        "exec",
+        "--store-wide",
+        "--",
+        bin(),
+        "exec",
+        "--write",
+        "base2",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "import",
+        &tarball,
+        "base2",
+    ]));
     wait_until("the import waits for the build", || {
         someone_waits_for(&ch.env.lock_file("app-a"))
             || someone_waits_for(&ch.env.lock_file("base"))
