@@ -211,6 +211,21 @@ fn read_exclusive_excludes_others_and_keeps_the_state() {
     assert_eq!(st["image_state"], "ready", "{st}");
     let out = env.run(["exec", "--no-wait", "--read", "base", "--", "true"]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = env.run([
+        "exec",
+        "--wait",
+        "0.2",
+        "--read-exclusive",
+        "base",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("waiting for exclusive read lock on image 'base'"),
+        "{}",
+        show(&out)
+    );
     env.release("release");
     assert_eq!(holder.finish().status.code(), Some(0));
     assert_eq!(env.image("app").unwrap()["base"], "base");
