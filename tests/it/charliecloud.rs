@@ -772,6 +772,13 @@ fn ch_build_refuses_before_taking_any_lock() {
     c.env("CH_IMAGE_STORAGE", "relative");
     let out = output(c);
     assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    // A storage directory that does not exist is not made by asking ch-image.
+    let missing = ch.env.tmp.path().join("no-storage");
+    let mut c = ch.ch_build(["-t", "app", "-f", &df]);
+    c.env("CH_IMAGE_STORAGE", &missing);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(!missing.exists());
     assert!(!ch.img("app").exists());
 }
 
