@@ -772,6 +772,24 @@ fn ch_build_refuses_before_taking_any_lock() {
     c.env("CH_IMAGE_STORAGE", "relative");
     let out = output(c);
     assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    // A build that fails after it started leaves its images incomplete —
+    // the last stage, never reached, an empty directory — which neither
+    // `ch-image list` nor a rebuild trips over.
+    let df = ch.dockerfile(
+        "Dockerfile.fail",
+        "FROM base AS one\nRUN false\nFROM base\nRUN true\n",
+    );
+    let out = output(ch.ch_build(["-t", "multi", "-f", &df]));
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(ch.env.state("multi").as_deref(), Some("incomplete"));
+    assert_eq!(ch.env.state("multi_stage0").as_deref(), Some("incomplete"));
+    assert_eq!(ch.ch_list(), ["base", "multi", "multi_stage0"]);
+    let df = ch.dockerfile(
+        "Dockerfile.ok",
+        "FROM base AS one\nRUN true\nFROM base\nRUN true\n",
+    );
+    assert_ok(output(ch.ch_build(["-t", "multi", "-f", &df])));
+    assert_eq!(ch.env.state("multi").as_deref(), Some("ready"));
     // A storage directory that does not exist is not made by asking ch-image.
     let missing = ch.env.tmp.path().join("no-storage");
     let mut c = ch.ch_build(["-t", "app", "-f", &df]);
