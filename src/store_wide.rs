@@ -36,7 +36,8 @@ use anyhow::Result;
 
 use crate::error::{Busy, Error};
 use crate::lock::{self, Guard, Mode, Wait, Waited};
-use crate::meta::{LockKind, Record, Role, Tx};
+use crate::meta::{ImageState, LockKind, Record, Role, Tx};
+use crate::name::ImageName;
 use crate::store::{Ctx, Store, lock_error};
 
 /// The record's name (kind `global`).
@@ -113,6 +114,55 @@ fn inherits_image_lock(ctx: &Ctx) -> bool {
                     && target.extension().is_some_and(|x| x == "lock")
             })
     })
+}
+
+/// Drops the rows (and lock files) of images whose trees the store-wide
+/// command removed (`ch-image build-cache --reset` deletes the images linked
+/// to the cache), so that no image is listed `ready` without a tree. Nobody
+/// else uses any image meanwhile. An images directory that looks unmounted
+/// (missing, empty while images are recorded, another filesystem) says
+/// nothing about the trees: then no row goes, and the reason is said.
+fn forget_deleted(store: &mut Store) -> Result<()> {
+    let gone = store.with_tx(None, |tx, ctx| {
+        let dir = tx.images_dir(&ctx.root)?;
+        let rows = tx.images()?;
+        let mount = crate::adopt::mount(tx, &ctx.root, &dir, !rows.is_empty())?;
+        if let Some(why) = mount.doubt(&dir) {
+            ctx.say(&format!("not checking for deleted images: {why}"));
+            return Ok(Vec::new());
+        }
+        let mut gone = Vec::new();
+        for row in rows {
+            if row.state == ImageState::Deleting {
+                continue; // a removal's own business (gc finishes it)
+            }
+            let Ok(name) = ImageName::parse(&row.name) else {
+                continue;
+            };
+            if let Err(e) = std::fs::symlink_metadata(dir.join(name.encoded()))
+                && e.kind() == io::ErrorKind::NotFound
+            {
+                tx.delete_image(&row.name)?;
+                gone.push(name);
+            }
+        }
+        Ok(gone)
+    })?;
+    for name in gone {
+        store.ctx().say(&format!(
+            "image '{name}' was deleted by the store-wide command"
+        ));
+        // The unlink rule: only under our exclusive lock.
+        for file in [
+            store.root().image_lock(&name),
+            store.root().image_gate(&name),
+        ] {
+            if let Ok(Some(g)) = lock::try_lock(&file, Mode::Exclusive, false) {
+                let _ = g.unlink();
+            }
+        }
+    }
+    Ok(())
 }
 
 /// [`check`] for a caller that does not wait (a removal): a live hold is a
@@ -254,8 +304,14 @@ impl Hold {
         }
     }
 
-    /// Ends the hold: the record goes before the lease.
+    /// Ends the hold: the records of images the command deleted go (still
+    /// under the hold), then the hold's record, then the lease.
     pub fn release(self, store: &mut Store) {
+        if let Err(e) = forget_deleted(store) {
+            store
+                .ctx()
+                .say(&format!("after the store-wide command: {e:#}"));
+        }
         store.forget_record(self.record);
         drop(self.guard);
     }

@@ -1211,3 +1211,40 @@ fn a_cache_mode_import_runs_store_wide() {
     assert_ok(output(ch.ch_build(["-t", "app-b", "-f", &df])));
     assert_eq!(ch.ch_list(), ch.stowage_list());
 }
+
+/// `ch-image build-cache --reset` deletes the images linked to the cache
+/// (here `base`). Run store-wide, it leaves stowage's records true: the
+/// deleted image is gone from `stowage images` too, and builds from it are
+/// refused (66) rather than sent to a registry.
+#[test]
+fn a_build_cache_reset_store_wide_keeps_the_records_true() {
+    let Some(ch) = Ch::new() else { return };
+    derived(&ch, "app", "base");
+    let storage = ch.storage.display().to_string();
+    let out = output(ch.stowage([
+        "exec",
+        "--store-wide",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "build-cache",
+        "--reset",
+    ]));
+    assert_ok_ref(&out);
+    assert!(
+        !ch.img("base").exists(),
+        "ch-image no longer deletes linked images?"
+    );
+    assert!(
+        stderr(&out).contains("image 'base' was deleted by the store-wide command"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(ch.stowage_list(), ch.ch_list());
+    assert_eq!(ch.stowage_list(), ["app"]);
+    let df = ch.dockerfile("Dockerfile.x", "FROM base\nRUN true\n");
+    let out = output(ch.ch_build(["-t", "x", "-f", &df]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+}

@@ -315,3 +315,42 @@ fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
     env.release("wide2-go");
     assert_eq!(wide.finish().status.code(), Some(0));
 }
+
+/// Images whose trees a store-wide command removed are forgotten when it
+/// ends — unless the images directory looks unmounted (empty while images
+/// are recorded), which says nothing about the trees.
+#[test]
+fn images_a_store_wide_command_deleted_are_forgotten() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let img = env.root.join("img");
+    let out = env.ok([
+        "exec",
+        "--store-wide",
+        "--",
+        "rm",
+        "-rf",
+        img.join("a").to_str().unwrap(),
+    ]);
+    assert!(
+        stderr(&out).contains("image 'a' was deleted by the store-wide command"),
+        "{}",
+        show(&out)
+    );
+    assert!(env.image("a").is_none());
+    assert!(!env.lock_file("a").exists());
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+    // Everything gone at once looks like an unmounted directory: kept.
+    let out = env.ok([
+        "exec",
+        "--store-wide",
+        "--",
+        "rm",
+        "-rf",
+        img.join("b").to_str().unwrap(),
+    ]);
+    assert!(stderr(&out).contains("is it mounted?"), "{}", show(&out));
+    assert!(env.image("b").is_some());
+    env.ok(["exec", "--write", "c", "--", "true"]);
+}
