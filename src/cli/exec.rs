@@ -159,7 +159,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             .map(|class| (class, args.priority.unwrap_or_default())),
         command: ident::shell_join(&shown),
     };
-    let mut session = match Session::begin(store, &req) {
+    // A start that fails leaves nothing behind, so one that found the disk
+    // full can simply run again in the space kept in reserve (space.rs):
+    // reading an image on a full filesystem works.
+    let mut session = match store.retry_full(|store| Session::begin(store, &req)) {
         Ok(s) => s,
         Err(e) => {
             if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), args.conflict_exit_code)
