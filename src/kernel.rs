@@ -159,6 +159,62 @@ fn local_only_options(options: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// The lock that this process, or one of its ancestors, holds on the file
+/// at `path`: the hold of an enclosing command. Found through a descriptor
+/// this process inherited ([`lock::held_here`], on every filesystem), else
+/// through the lock table, whose holder pid is one of our ancestors (local
+/// filesystems; this covers an enclosing `exec --no-inherit`, whose command
+/// does not inherit the descriptors). Waiting for a conflicting lock on such
+/// a file would wait for ourselves: the ancestor waits for us to finish.
+pub fn enclosing_hold(path: &Path) -> Option<Mode> {
+    enclosing_hold_except(path, None)
+}
+
+/// [`enclosing_hold`], not counting our own descriptor `except` (a lock
+/// the caller has just taken on that file).
+pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Option<Mode> {
+    if let Some(m) = lock::held_here_except(path, except) {
+        return Some(m);
+    }
+    let dir = path.parent()?;
+    if !filesystem(dir).is_ok_and(|f| f.local) {
+        return None;
+    }
+    let meta = fs::symlink_metadata(path).ok()?;
+    let table = read_table().ok()?;
+    let entries = table.get(&(meta.dev(), meta.ino()))?;
+    let ancestors = ancestors();
+    entries
+        .iter()
+        .filter(|e| !e.blocked && e.pid.is_some_and(|p| ancestors.contains(&p)))
+        .map(|e| e.mode)
+        .max()
+}
+
+/// The pids of our ancestors (parent, grandparent, … up to init), from
+/// /proc: the process tree of this pid namespace, which is the one the lock
+/// table's pids are in.
+fn ancestors() -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut pid = std::os::unix::process::parent_id();
+    while pid > 1 && out.len() < 4096 {
+        out.push(pid);
+        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            break;
+        };
+        // "pid (comm) state ppid …"; comm may hold spaces and parentheses.
+        let Some(ppid) = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            break;
+        };
+        pid = ppid;
+    }
+    out
+}
+
 /// One entry of the kernel's lock table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {

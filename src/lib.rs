@@ -67,6 +67,7 @@ pub mod space;
 pub mod spawn;
 pub mod status;
 pub mod store;
+pub mod store_wide;
 pub mod tree;
 pub mod usage;
 

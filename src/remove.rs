@@ -85,7 +85,8 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         )
     })?;
     // 1. Mark.
-    let marked = store.with_tx_locked(None, |tx, _| {
+    let marked = store.with_tx_locked(None, |tx, ctx| {
+        crate::store_wide::check_busy(tx, ctx)?;
         let mut rows = Vec::with_capacity(held.len());
         for (i, (name, _)) in held.iter().enumerate() {
             match tx.image(name.as_str())? {

@@ -36,6 +36,10 @@ use crate::usage;
 pub struct Request {
     pub reads: Vec<ImageName>,
     pub writes: Vec<ImageName>,
+    /// Images locked exclusively but only read: they must be ready, their
+    /// state stays, their last use is recorded (a builder that rewrites a
+    /// base's metadata in place, see docs/charliecloud.md).
+    pub exclusive_reads: Vec<ImageName>,
     /// Base recorded as the lineage of the (single) written image.
     pub base: Option<ImageName>,
     /// When to give up waiting; `None` waits forever.
@@ -54,6 +58,15 @@ struct Held {
     guard: Guard,
     /// For writes: the state before this session (None: created by it).
     prev: Option<ImageState>,
+    /// An exclusive read: the image is not written (its state stays).
+    keep: bool,
+}
+
+impl Held {
+    /// Written by the command: its state follows the outcome.
+    fn writes(&self) -> bool {
+        self.mode == Mode::Exclusive && !self.keep
+    }
 }
 
 /// Image locks held for one command.
@@ -82,6 +95,11 @@ impl Session {
             .iter()
             .map(|n| (n.clone(), Mode::Shared))
             .chain(req.writes.iter().map(|n| (n.clone(), Mode::Exclusive)))
+            .chain(
+                req.exclusive_reads
+                    .iter()
+                    .map(|n| (n.clone(), Mode::Exclusive)),
+            )
             .collect();
         // The lock order: ascending ENC. A name both read and written is
         // taken once, exclusively (sorted after its shared twin, kept last).
@@ -105,16 +123,19 @@ impl Session {
                     req.deadline,
                     req.no_wait,
                     &req.command,
+                    &req.reads,
                 )?,
                 None => None,
             };
             let mut held = Vec::with_capacity(wanted.len());
             let mut waits = Vec::new();
             let mut migrate = false;
+            let mut store_held = None;
             for (name, mode) in &wanted {
+                let keep = req.exclusive_reads.contains(name);
                 let want = Want {
                     mode: *mode,
-                    need: if *mode == Mode::Exclusive {
+                    need: if *mode == Mode::Exclusive && !keep {
                         Need::Create
                     } else {
                         Need::Ready
@@ -122,6 +143,7 @@ impl Session {
                     deadline: req.deadline,
                     no_wait: req.no_wait,
                     command: &req.command,
+                    must_exist: &req.reads,
                 };
                 match acquire_image(store, name, &want) {
                     Ok((guard, waiter)) => {
@@ -130,6 +152,7 @@ impl Session {
                             mode: *mode,
                             guard,
                             prev: None,
+                            keep,
                         });
                         waits.extend(waiter);
                     }
@@ -138,7 +161,7 @@ impl Session {
                         break;
                     }
                     Err(e) => {
-                        crate::remove::release_unclaimed(store, unclaimed(held), Some(name));
+                        give_up(store, held, &waits, slot, Some(name));
                         return Err(e);
                     }
                 }
@@ -155,17 +178,26 @@ impl Session {
                         });
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
-                    Err(e) => {
-                        crate::remove::release_unclaimed(store, unclaimed(held), None);
-                        return Err(e);
-                    }
+                    Err(e) => match e.downcast::<crate::store_wide::StoreHeld>() {
+                        Ok(sw) => store_held = Some(sw),
+                        Err(e) => {
+                            give_up(store, held, &waits, slot, None);
+                            return Err(e);
+                        }
+                    },
                 }
             }
             // Never migrate while holding image locks: the migration waits
             // for every image lock to be free, ours included.
             drop(held);
             drop(slot);
-            store.migrate(req.deadline)?;
+            match store_held {
+                // Holding nothing, wait for the store-wide command.
+                Some(h) => {
+                    crate::store_wide::wait_until_free(store, &h, req.deadline, req.no_wait)?
+                }
+                None => store.migrate(req.deadline)?,
+            }
         }
     }
 
@@ -181,10 +213,7 @@ impl Session {
 
     /// Images held exclusively, in lock order.
     pub fn writes(&self) -> impl Iterator<Item = &ImageName> {
-        self.held
-            .iter()
-            .filter(|h| h.mode == Mode::Exclusive)
-            .map(|h| &h.name)
+        self.held.iter().filter(|h| h.writes()).map(|h| &h.name)
     }
 
     /// Lets spawned children inherit the lock descriptors (like flock(1)),
@@ -244,18 +273,18 @@ impl Session {
         let written: Vec<(Option<u64>, bool)> = self
             .held
             .iter()
-            .map(|h| match h.mode {
-                Mode::Exclusive => {
-                    let dir = self.images_dir.join(h.name.encoded());
-                    // Only "no such file" means deleted: an I/O error
-                    // (EIO, ESTALE on NFS) says nothing about the tree.
-                    match std::fs::symlink_metadata(&dir) {
-                        Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true),
-                        Err(_) => (None, false),
-                        Ok(_) => (usage::disk_usage(&dir).ok(), false),
-                    }
+            .map(|h| {
+                if !h.writes() {
+                    return (None, false);
                 }
-                Mode::Shared => (None, false),
+                let dir = self.images_dir.join(h.name.encoded());
+                // Only "no such file" means deleted: an I/O error (EIO,
+                // ESTALE on NFS) says nothing about the tree.
+                match std::fs::symlink_metadata(&dir) {
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true),
+                    Err(_) => (None, false),
+                    Ok(_) => (usage::disk_usage(&dir).ok(), false),
+                }
             })
             .collect();
         // A build that filled the filesystem is recorded in the space kept
@@ -274,7 +303,10 @@ impl Session {
                 // A read's last use was recorded when it began; updating it
                 // again would cost a page write per image for no decision gc
                 // makes (an image in use is never collected).
-                if h.mode == Mode::Exclusive {
+                if h.keep {
+                    // Used until now: gc's "unused for" counts from here.
+                    tx.touch(h.name.as_str(), now)?;
+                } else if h.mode == Mode::Exclusive {
                     tx.touch(h.name.as_str(), now)?;
                     let state = match outcome {
                         Outcome::Success => ImageState::Ready,
@@ -294,11 +326,7 @@ impl Session {
         // (the unlink rule), with their gates.
         for (h, (_, gone)) in self.held.into_iter().zip(written) {
             if gone {
-                let gate = store.root().image_gate(&h.name);
-                let _ = crate::remove::unlink_lock(store.root(), h.guard);
-                if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
-                    let _ = crate::remove::unlink_lock(store.root(), g);
-                }
+                unlink_image_lock(store, &h.name, h.guard);
             }
         }
         drop(self.slot);
@@ -319,7 +347,7 @@ impl Session {
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
         let (tx, ctx) = store.begin_cleanup()?;
-        for h in self.held.iter().filter(|h| h.mode == Mode::Exclusive) {
+        for h in self.held.iter().filter(|h| h.writes()) {
             match h.prev {
                 None => {
                     tx.delete_image(h.name.as_str())?;
@@ -334,15 +362,54 @@ impl Session {
             tx.delete_record(id)?;
         }
         tx.commit()?;
-        // Their lock files and gates go too: nothing is left of them.
-        let created = self
-            .held
-            .into_iter()
-            .filter(|h| h.mode == Mode::Exclusive && h.prev.is_none())
-            .map(|h| (h.name, h.guard))
-            .collect();
-        crate::remove::release_unclaimed(store, created, None);
+        // Images this session created are gone again: so are their lock
+        // files and gates (under our exclusive locks, as the unlink rule
+        // requires), or doctor would find lock files without images.
+        for h in self.held {
+            if h.writes() && h.prev.is_none() {
+                unlink_image_lock(store, &h.name, h.guard);
+            }
+        }
         Ok(())
+    }
+}
+
+/// A request that failed before its command could run (a lock busy past
+/// the deadline, a signal, a refused start) leaves nothing behind: the
+/// waiter records it made for locks it did get, and the lock files and
+/// gates of images it would have created (those without a row), which it
+/// holds exclusively. Best effort: what this misses is found stale later.
+///
+/// `waited_for` is the image whose wait failed: its lock file may have been
+/// created by our open, for an image that has no row.
+fn give_up(
+    store: &mut Store,
+    held: Vec<Held>,
+    waits: &[i64],
+    slot: Option<crate::slots::SlotGuard>,
+    waited_for: Option<&ImageName>,
+) {
+    let slot_waiter = slot.as_ref().and_then(|s| s.waiter);
+    if let Ok((tx, _)) = store.begin_cleanup() {
+        let r = (|| -> Result<()> {
+            for id in waits.iter().chain(slot_waiter.as_ref()) {
+                tx.delete_record(*id)?;
+            }
+            tx.commit()
+        })();
+        drop(r);
+    }
+    crate::remove::release_unclaimed(store, unclaimed(held), waited_for);
+    drop(slot);
+}
+
+/// Unlinks an image's lock file (we hold it exclusively) and its gate
+/// (if nobody is passing it right now).
+fn unlink_image_lock(store: &Store, name: &ImageName, guard: Guard) {
+    let gate = store.root().image_gate(name);
+    let _ = crate::remove::unlink_lock(store.root(), guard);
+    if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
+        let _ = crate::remove::unlink_lock(store.root(), g);
     }
 }
 
@@ -373,6 +440,11 @@ pub(crate) struct Want<'a> {
     pub deadline: Option<Instant>,
     pub no_wait: bool,
     pub command: &'a str,
+    /// Images that must exist for the request to go ahead (its reads):
+    /// checked before any wait, so that a request that can only fail says
+    /// so at once instead of after the wait (they are checked again under
+    /// the locks, by the start transaction).
+    pub must_exist: &'a [ImageName],
 }
 
 /// Takes one image lock, waiting as allowed. Returns the guard and the id
@@ -417,6 +489,11 @@ pub(crate) fn acquire_image(
         Tried::Held => false,
         Tried::WriterWaiting => true,
     };
+    if let Some(held) = crate::kernel::enclosing_hold(&path)
+        && (mode == Mode::Exclusive || held == Mode::Exclusive)
+    {
+        return Err(waits_for_itself(name, mode, held));
+    }
 
     // Busy. Record ourselves as a waiter and find out who holds it.
     let (waiter, mut holders) = {
@@ -425,6 +502,7 @@ pub(crate) fn acquire_image(
         let view = kv.view(&path)?;
         let records = tx.records_for(LockKind::Image, name.as_str())?;
         let (holders, _) = status::judge(&tx, ctx, &kv, &view, &records)?;
+        require_all(&tx, want.must_exist)?;
         let id = if want.no_wait {
             None
         } else {
@@ -455,6 +533,31 @@ pub(crate) fn acquire_image(
         wait_image(&gate, &path, mode, &mut wait).map_err(err)
     })?;
     Ok((guard, waiter))
+}
+
+/// The error for a lock that this process's enclosing command holds in a
+/// conflicting mode (`held`): waiting would never end, since the enclosing
+/// command waits for us. A read of an image it writes finds the image not
+/// ready (exit 66); a write of an image it holds is a lock that cannot be
+/// had (exit 75).
+fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
+    let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
+    match mode {
+        Mode::Shared => Error::NotReady {
+            name: name.as_str().to_owned(),
+            state: format!("being written by {by}"),
+        }
+        .into(),
+        Mode::Exclusive => Error::Busy(Busy {
+            what: format!("write lock on image '{name}'"),
+            holders: format!(
+                "held ({}) by {by}; waiting for it would never end",
+                held.verb()
+            ),
+            waited: Duration::ZERO,
+        })
+        .into(),
+    }
 }
 
 /// Runs a wait announced as `what`, held by `holders`, and makes its
@@ -504,6 +607,20 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
     }
     match lock::try_lock(gate, Mode::Shared, false) {
         Ok(Some(_passed)) => Ok(Tried::Got(g)),
+        // A reader whose enclosing command already reads the image is part
+        // of that hold: the writer at the gate waits for the enclosing
+        // reader, which waits for us, so queueing behind the writer would
+        // be a cycle. It passes, as it would under flock(1).
+        // (Our own lock on it, just taken, is no such hold.)
+        Ok(None)
+            if crate::kernel::enclosing_hold_except(
+                path,
+                Some(std::os::fd::AsRawFd::as_raw_fd(&g)),
+            )
+            .is_some() =>
+        {
+            Ok(Tried::Got(g))
+        }
         Ok(None) => Ok(Tried::WriterWaiting),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
         Err(e) => Err(e),
@@ -523,6 +640,18 @@ fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Resu
     let got = lock::lock(path, mode, true, wait);
     drop(passage);
     got
+}
+
+/// Before a wait: fails with [`Error::NoSuchImage`] (exit 66) if one of
+/// `names` has no row. An image in any state may still become readable
+/// while we wait (its writer finishes), so only absence is final.
+pub(crate) fn require_all(tx: &Tx, names: &[ImageName]) -> Result<()> {
+    for n in names {
+        if tx.image(n.as_str())?.is_none() {
+            return Err(Error::NoSuchImage(n.as_str().to_owned()).into());
+        }
+    }
+    Ok(())
 }
 
 /// For an image that has no lock file: fails unless the image exists (and,
@@ -569,6 +698,8 @@ fn start(
     req: &Request,
 ) -> Result<(PathBuf, Vec<i64>)> {
     let (tx, ctx) = store.begin(req.deadline)?;
+    // A store-wide command runs: claim nothing (below), wait, start over.
+    let store_held = crate::store_wide::check(&tx, ctx).err();
     let images_dir = tx.images_dir(&ctx.root)?;
     let now = clock::now_ms();
     for id in waits
@@ -588,7 +719,7 @@ fn start(
         // say otherwise keeps SIGKILLed holders from piling up records.
         tx.delete_image_holders(name, (h.mode == Mode::Shared).then_some(Mode::Exclusive))?;
         let row = tx.image(name)?;
-        if h.mode == Mode::Shared && refusal.is_none() {
+        if (h.mode == Mode::Shared || h.keep) && refusal.is_none() {
             match &row {
                 None => refusal = Some(Error::NoSuchImage(name.to_owned())),
                 Some(r) if r.state == ImageState::Ready => {}
@@ -610,12 +741,18 @@ fn start(
         }
         rows.push(row);
     }
-    if let Some(err) = refusal {
+    if refusal.is_some() || store_held.is_some() {
         // Keep what was learned (stale records, dead writers, our waiter
         // records gone), claim nothing — and leave nothing: the caller
-        // unlinks the lock files of images this exec would have created.
+        // unlinks the lock files of images this exec would have created
+        // (see `give_up`).
         tx.commit()?;
-        return Err(err.into());
+        for (h, row) in held.iter().zip(&rows) {
+            if h.writes() && row.is_none() {
+                let _ = std::fs::remove_file(h.guard.path());
+            }
+        }
+        return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));
     }
 
     // Then claim: mark, create, record.
@@ -631,6 +768,7 @@ fn start(
         let mut records = Vec::with_capacity(held.len());
         for (h, row) in held.iter_mut().zip(rows) {
             match h.mode {
+                _ if h.keep => tx.touch(h.name.as_str(), now)?,
                 Mode::Shared => tx.touch(h.name.as_str(), now)?,
                 Mode::Exclusive => {
                     h.prev = row.as_ref().map(|r| r.state);

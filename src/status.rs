@@ -305,13 +305,47 @@ pub fn sweep(
             LockReport::image(name, &view, holders, waiters),
         );
     }
-    // Records of removed slot classes (or of kinds nobody records any more)
-    // stand only while their lock file is held.
+    // Records of kinds nobody records any more stand only while their lock
+    // file is held. Those of removed slot classes are judged like any
+    // class's, and the class is shown while they stand: its holders run on
+    // after `slots rm`, and its waiters until they notice.
+    let mut removed: Vec<String> = Vec::new();
     for rec in orphans {
+        if rec.kind == LockKind::Slot {
+            if !removed.contains(&rec.name) {
+                removed.push(rec.name.clone());
+            }
+            continue;
+        }
         let view = kv.view(&ctx.root.locks().join(&rec.lockfile))?;
         judge(tx, ctx, kv, &view, std::slice::from_ref(&rec))?;
     }
     let mut slots = Vec::new();
+    for name in removed {
+        let gone = crate::meta::SlotClass {
+            name: name.clone(),
+            limit: 0,
+            reserve_high: 0,
+        };
+        let r = crate::slots::class_report(tx, ctx, kv, &gone)?;
+        if r.holders.is_empty() && r.waiters.is_empty() {
+            continue;
+        }
+        slots.push(LockReport {
+            kind: LockKind::Slot,
+            name,
+            state: if r.in_use > 0 {
+                Probe::Shared
+            } else {
+                Probe::Free
+            },
+            holders: r.holders,
+            waiters: r.waiters,
+            image_state: None,
+            // No configuration: no limit to show (lock-status says "removed").
+            slot: None,
+        });
+    }
     for class in &classes {
         let r = crate::slots::class_report(tx, ctx, kv, class)?;
         slots.push(LockReport {

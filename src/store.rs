@@ -76,6 +76,8 @@ impl Ctx {
 
 pub struct Store {
     conn: Option<rusqlite::Connection>,
+    /// Device and inode of the database file `conn` has open.
+    conn_file: Option<(u64, u64)>,
     ctx: Ctx,
 }
 
@@ -100,6 +102,7 @@ impl Store {
     pub fn new(root: Root) -> Store {
         Store {
             conn: None,
+            conn_file: None,
             ctx: Ctx {
                 root,
                 me: Me::current(),
@@ -194,7 +197,12 @@ impl Store {
     fn begin_raw(&mut self, deadline: Option<Instant>, cleanup: bool) -> Result<(Tx<'_>, &Ctx)> {
         let global = Self::take_global(&self.ctx, deadline, cleanup)?;
         let db = self.ctx.root.db();
+        let id = self.forget_replaced_db(&db);
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
+        if self.conn_file.is_none() {
+            // A database created just now had no identity before.
+            self.conn_file = id.or_else(|| file_id(&db));
+        }
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         Ok((tx, &self.ctx))
     }
@@ -369,7 +377,12 @@ impl Store {
     ) -> Result<T> {
         let global = self.global_with_images_free(what, deadline)?;
         let db = self.ctx.root.db();
+        let id = self.forget_replaced_db(&db);
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
+        if self.conn_file.is_none() {
+            // A database created just now had no identity before.
+            self.conn_file = id.or_else(|| file_id(&db));
+        }
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         let out = f(&tx, &self.ctx)?;
         tx.commit()?;
@@ -391,6 +404,18 @@ impl Store {
                 return Ok(global);
             };
             drop(global);
+            if let Some(held) = crate::kernel::enclosing_hold(&path) {
+                // Our enclosing command holds it and waits for us.
+                return Err(Error::Busy(Busy {
+                    what: format!("{name} (needed free before {what})"),
+                    holders: format!(
+                        "held ({}) by an enclosing command of this process (a 'stowage exec' that runs it); waiting for it would never end",
+                        held.verb()
+                    ),
+                    waited: Duration::ZERO,
+                })
+                .into());
+            }
             let holders = status::kernel_holders_phrase(&self.ctx, &path);
             if !told {
                 self.ctx.say(&format!(
@@ -434,7 +459,31 @@ impl Store {
     /// Forgets the open database connection (before the file is replaced).
     pub fn close_db(&mut self) {
         self.conn = None;
+        self.conn_file = None;
     }
+
+    /// Under the global lock: drops a connection whose file is no longer
+    /// the database at the path — `doctor --repair` moved a damaged one
+    /// aside and built a new one while this process kept its connection
+    /// (a slot waiter, `lock-status --watch`, an exec whose command ran).
+    /// Writing through the old connection would fail ("readonly database")
+    /// or, worse, go to the file moved aside. One stat per transaction
+    /// (which also names the file a new connection opens).
+    fn forget_replaced_db(&mut self, db: &std::path::Path) -> Option<(u64, u64)> {
+        let id = file_id(db);
+        if self.conn.is_some() && id != self.conn_file {
+            self.close_db();
+        }
+        id
+    }
+}
+
+/// Device and inode of a file, if it exists.
+fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// The database connection, opened on first use (with the global lock held
@@ -480,10 +529,42 @@ fn in_wal(db: &std::path::Path) -> bool {
         .is_ok_and(|()| header[18] == 2 || header[19] == 2)
 }
 
-/// Under the global lock: the first image lock someone holds, if any.
+/// Under the global lock: the first image or slot lock someone holds, if
+/// any. Slots count too: a process of an older release that holds only a
+/// slot (an exec with `--slot` and no image) still records and deletes its
+/// holder record against the schema it knows, so a migration under it
+/// would make its exec fail after its command succeeded.
 fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
-    let dir = ctx.root.image_locks();
-    let entries = match std::fs::read_dir(&dir) {
+    if let Some(busy) = first_busy_in(&ctx.root.image_locks(), lock_file_label)? {
+        return Ok(Some(busy));
+    }
+    let slots = ctx.root.slot_locks();
+    let classes = match std::fs::read_dir(&slots) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", slots.display())),
+    };
+    for class in classes {
+        let class = class.with_context(|| format!("cannot list {}", slots.display()))?;
+        // A real directory only; a symlink planted here is not followed.
+        if !class.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let name = class.file_name().to_string_lossy().replace('%', "/");
+        let label = |f: &str| format!("slot {} of class '{name}'", f.trim_end_matches(".lock"));
+        if let Some(busy) = first_busy_in(&class.path(), label)? {
+            return Ok(Some(busy));
+        }
+    }
+    Ok(None)
+}
+
+/// The first `*.lock` file in `dir` that someone holds, with its label.
+fn first_busy_in(
+    dir: &std::path::Path,
+    label: impl Fn(&str) -> String,
+) -> Result<Option<(std::path::PathBuf, String)>> {
+    let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("cannot list {}", dir.display())),
@@ -505,9 +586,9 @@ fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
         let path = entry.path();
         match lock::try_lock(&path, Mode::Exclusive, false) {
             Ok(Some(g)) => drop(g),
-            Ok(None) => return Ok(Some((path, lock_file_label(fname)))),
+            Ok(None) => return Ok(Some((path, label(fname)))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(lock_error(&lock_file_label(fname), &path, e)),
+            Err(e) => return Err(lock_error(&label(fname), &path, e)),
         }
     }
     Ok(None)

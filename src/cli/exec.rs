@@ -16,8 +16,10 @@ use crate::store::Store;
 
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
-    stowage exec --read alpine:3.17 --write app -- ch-image build -t app .\n  \
-    stowage exec --write base --wait 30 -- ./pull base\n\n\
+    stowage exec --read alpine:3.17 --write app -- \\\n      \
+    ch-image --no-lock --no-cache build -t app .\n  \
+    stowage exec --write base --wait 30 -- ./pull base\n  \
+    stowage exec --store-wide -- ch-image --no-lock build-cache --gc\n\n\
     Exit status: the command's own; 128+N if it died of signal N; 64 bad usage or name;\n\
     66 an image to read does not exist or is not ready; 69 locking does not work here;\n\
     75 a lock was busy past --wait/--no-wait (or --conflict-exit-code); 1 other failures.")]
@@ -28,6 +30,20 @@ pub struct Args {
     /// Take an exclusive lock on IMG, creating it if new
     #[arg(long = "write", value_name = "IMG", allow_hyphen_values = true)]
     write: Vec<OsString>,
+    /// Take an exclusive lock on IMG, which must exist and be ready, without
+    /// writing it: its state stays (for a builder that rewrites a base's
+    /// metadata in place)
+    #[arg(
+        long = "read-exclusive",
+        value_name = "IMG",
+        allow_hyphen_values = true
+    )]
+    read_exclusive: Vec<OsString>,
+    /// Run CMD while no image lock is held or granted: it waits for every
+    /// image user, and every later one waits for it (whole-store commands
+    /// such as 'ch-image build-cache --reset')
+    #[arg(long, conflicts_with_all = ["read", "write", "read_exclusive", "from", "slot"])]
+    store_wide: bool,
     /// Start the (single) --write image as a copy of BASE: reflinked where
     /// the filesystem can, copied elsewhere. BASE is read-locked for the
     /// copy only (also give --read BASE to keep it locked while CMD runs)
@@ -67,9 +83,18 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     let reads = super::names(&args.read)?;
     let writes = super::names(&args.write)?;
+    let exclusive_reads = super::names(&args.read_exclusive)?;
     if let Some(both) = reads.iter().find(|r| writes.contains(r)) {
         return Err(Error::Usage(format!(
             "image '{both}' is both --read and --write; --write alone gives the command full access"
+        ))
+        .into());
+    }
+    if let Some(both) = exclusive_reads.iter().find(|r| {
+        reads.contains(r) || writes.contains(r) || args.from.as_deref() == Some(r.as_str().as_ref())
+    }) {
+        return Err(Error::Usage(format!(
+            "image '{both}' is --read-exclusive and also --read, --write or --from; name it once"
         ))
         .into());
     }
@@ -101,8 +126,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             .iter()
             .any(|r| ImageName::parse_os(r).is_ok_and(|n| n == *b))
     });
-    // Lineage: the --from image, else the one image read by a one-image write.
-    let base = match (&from, reads.as_slice(), writes.len()) {
+    // Lineage: the --from image, else the one image read (shared or
+    // exclusively) by a one-image write.
+    let read_any: Vec<ImageName> = reads.iter().chain(&exclusive_reads).cloned().collect();
+    let base = match (&from, read_any.as_slice(), writes.len()) {
         (Some(b), _, _) => Some(b.clone()),
         (None, [only], 1) => Some(only.clone()),
         _ => None,
@@ -117,9 +144,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .iter()
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
+    if args.store_wide {
+        return run_store_wide(args, store, signals, deadline, no_wait, shown);
+    }
     let req = Request {
         reads,
         writes,
+        exclusive_reads,
         base,
         deadline,
         no_wait,
@@ -186,35 +217,16 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 
     crate::debug::pause("exec-before-spawn");
     let child_umask = store.ctx().child_umask;
-    let no_inherit = args.no_inherit;
-    let mut keeper: Option<Keeper> = None;
-    let started = signals.spawn(|| {
-        // Inheritable for the moment of the spawn: the command's (like
-        // flock(1)), or for --no-inherit its keeper's, which hides them
-        // from the command.
-        session.set_inheritable(true)?;
-        let spawned = if no_inherit {
-            crate::keeper::become_subreaper().and_then(|()| {
-                let k = Keeper::spawn(&args.command, &env, &session.lock_fds(), child_umask)?;
-                let pid = k.pid;
-                keeper = Some(k);
-                Ok(Target::Keeper(pid))
-            })
-        } else {
-            // posix_spawn cannot set a umask: give the child ours back for
-            // the moment of the spawn (no other thread creates files).
-            let ours = child_umask.map(|m| unsafe { libc::umask(m as libc::mode_t) });
-            let pid = crate::spawn::spawn(&args.command, &env);
-            if let Some(m) = ours {
-                unsafe { libc::umask(m) };
-            }
-            pid.map(Target::Command)
-        };
-        if no_inherit || spawned.is_err() {
-            session.set_inheritable(false)?;
-        }
-        spawned
-    });
+    let lock_fds = session.lock_fds();
+    let started = start_command(
+        &signals,
+        &args.command,
+        &env,
+        child_umask,
+        args.no_inherit,
+        &lock_fds,
+        &|inherit| session.set_inheritable(inherit),
+    );
     // If the command never starts, the start is undone — unless a copy
     // from the base already changed the image: then it is incomplete, like
     // any write that did not finish.
@@ -225,8 +237,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             session.abandon(store)
         }
     };
-    let pid = match started {
-        Ok(Ok(pid)) => pid,
+    let (pid, keeper) = match started {
+        Ok(Ok(started)) => started,
         Ok(Err(sig)) => {
             undo(session, store)?;
             return Err(Error::Interrupted(sig).into());
@@ -237,10 +249,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             return Err(e).with_context(|| format!("cannot run '{what}'"));
         }
     };
-    let status = match signals.wait(pid).and_then(|s| match keeper {
-        Some(k) => k.outcome(s).map(std::process::ExitStatus::from_raw),
-        None => Ok(s),
-    }) {
+    let status = match wait_command(&signals, pid, keeper) {
         Ok(s) => s,
         Err(e) => {
             // Without its status the outcome is unknown: not ready.
@@ -248,11 +257,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             return Err(anyhow::Error::new(e).context("cannot wait for the command"));
         }
     };
-    let code = match (status.code(), status.signal()) {
-        (Some(c), _) => c as u8,
-        (None, Some(sig)) => 128u8.saturating_add(sig as u8),
-        (None, None) => error::code::FAILURE,
-    };
+    let code = exit_code(&status);
     let outcome = if status.success() {
         Outcome::Success
     } else {
@@ -295,6 +300,124 @@ fn full_note(images_dir: &std::path::Path) -> Option<String> {
             crate::usage::human(free)
         )
     })
+}
+
+/// Starts the command. By default it inherits the lock descriptors (made
+/// inheritable by `set_inheritable` for the moment of the spawn), like
+/// flock(1); with `no_inherit` a keeper holds them (`lock_fds`), hides them
+/// from the command, and ends the command's whole tree before they go
+/// ([`crate::keeper`]). `Ok(Err(sig))`: a termination signal came first.
+fn start_command(
+    signals: &Forwarder,
+    command: &[OsString],
+    env: &[(OsString, OsString)],
+    umask: Option<u32>,
+    no_inherit: bool,
+    lock_fds: &[std::os::fd::RawFd],
+    set_inheritable: &dyn Fn(bool) -> std::io::Result<()>,
+) -> std::io::Result<Result<(libc::pid_t, Option<Keeper>), i32>> {
+    let mut keeper: Option<Keeper> = None;
+    let started = signals.spawn(|| {
+        set_inheritable(true)?;
+        let spawned = if no_inherit {
+            crate::keeper::become_subreaper().and_then(|()| {
+                let k = Keeper::spawn(command, env, lock_fds, umask)?;
+                let pid = k.pid;
+                keeper = Some(k);
+                Ok(Target::Keeper(pid))
+            })
+        } else {
+            // posix_spawn cannot set a umask: give the child ours back for
+            // the moment of the spawn (no other thread creates files).
+            // SAFETY: umask(2) only swaps the process's mask.
+            let ours = umask.map(|m| unsafe { libc::umask(m as libc::mode_t) });
+            let pid = crate::spawn::spawn(command, env);
+            if let Some(m) = ours {
+                // SAFETY: as above, restoring our own mask.
+                unsafe { libc::umask(m) };
+            }
+            pid.map(Target::Command)
+        };
+        if no_inherit || spawned.is_err() {
+            set_inheritable(false)?;
+        }
+        spawned
+    })?;
+    Ok(started.map(|pid| (pid, keeper)))
+}
+
+/// Waits for the command (through its keeper's report for --no-inherit).
+fn wait_command(
+    signals: &Forwarder,
+    pid: libc::pid_t,
+    keeper: Option<Keeper>,
+) -> std::io::Result<std::process::ExitStatus> {
+    let status = signals.wait(pid)?;
+    match keeper {
+        Some(k) => k.outcome(status).map(std::process::ExitStatus::from_raw),
+        None => Ok(status),
+    }
+}
+
+/// The exit code of an exec: the command's, or 128+N for a death by
+/// signal N (real-time signals included).
+fn exit_code(status: &std::process::ExitStatus) -> u8 {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => c as u8,
+        (None, Some(sig)) => 128u8.saturating_add(sig as u8),
+        (None, None) => error::code::FAILURE,
+    }
+}
+
+/// `--store-wide`: the command runs while no image lock is held or granted.
+fn run_store_wide(
+    args: Args,
+    store: &mut Store,
+    signals: Forwarder,
+    deadline: Option<std::time::Instant>,
+    no_wait: bool,
+    shown: Vec<String>,
+) -> Result<u8> {
+    let hold =
+        match crate::store_wide::Hold::take(store, &ident::shell_join(&shown), deadline, no_wait) {
+            Ok(h) => h,
+            Err(e) => {
+                if let (Some(Error::Busy(_)), Some(code)) =
+                    (error::typed(&e), args.conflict_exit_code)
+                {
+                    store.ctx().say(&format!("{e:#}"));
+                    return Ok(code);
+                }
+                return Err(e);
+            }
+        };
+    let images_dir = store.with_tx(None, |tx, ctx| tx.images_dir(&ctx.root));
+    let run = || -> Result<u8> {
+        let images = [
+            ("STOWAGE_ROOT", store.root().dir().as_os_str().to_owned()),
+            ("STOWAGE_IMAGES_DIR", images_dir?.into_os_string()),
+        ];
+        let env = command_env(std::env::vars_os(), &images);
+        let started = start_command(
+            &signals,
+            &args.command,
+            &env,
+            store.ctx().child_umask,
+            args.no_inherit,
+            &hold.lock_fds(),
+            &|inherit| hold.set_inheritable(inherit),
+        );
+        let (pid, keeper) = match started {
+            Ok(Ok(started)) => started,
+            Ok(Err(sig)) => return Err(Error::Interrupted(sig).into()),
+            Err(e) => return Err(e).with_context(|| format!("cannot run '{}'", shown[0])),
+        };
+        let status = wait_command(&signals, pid, keeper).context("cannot wait for the command")?;
+        Ok(exit_code(&status))
+    };
+    let code = run();
+    hold.release(store);
+    code
 }
 
 /// Makes the written image a copy of `base` (emptying it first if it had

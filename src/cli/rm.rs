@@ -57,6 +57,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             deadline,
             no_wait,
             command: &command,
+            must_exist: &[],
         };
         let (guard, waiter) = acquire_image(store, name, &want)?;
         if let Some(id) = waiter {

@@ -79,6 +79,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 reserve_high,
             };
             store.with_tx(None, |tx, _| tx.set_slot_class(&c))?;
+            // Waiters on this host re-read the class at once.
+            slots::notify_change(store.ctx(), &class);
             store.ctx().say(&match (limit, reserve_high) {
                 (0, _) => format!("slot class '{class}': unlimited"),
                 (n, 0) => format!("slot class '{class}': at most {n} at once"),
