@@ -104,8 +104,11 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         Err(i) => {
             // Removed by someone else since the caller locked it: its lock
             // file (perhaps created by that very lock) names nothing now.
+            // So is its gate, which a removal that waited for the lock
+            // (the loser of two `rm` of one image) held and let go.
             let (name, guard) = held.into_iter().nth(i).expect("index of a held image");
             let _ = unlink_lock(store.root(), guard);
+            unlink_gate(store.root(), &name);
             return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into());
         }
     };
@@ -162,13 +165,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     for (name, guard) in held.into_iter().take(done) {
         unlink_lock(store.root(), guard)
             .with_context(|| format!("cannot remove the lock file of image '{name}'"))?;
-        // The gate too, under its own exclusive lock; if a reader is just
-        // passing it, the file stays (a few bytes, reused if the name is).
-        if let Ok(Some(gate)) =
-            lock::try_lock(&store.root().image_gate(&name), Mode::Exclusive, false)
-        {
-            let _ = unlink_lock(store.root(), gate);
-        }
+        unlink_gate(store.root(), &name);
     }
     // 5. Outside every lock.
     for t in trashed {
@@ -232,6 +229,15 @@ fn take_out(ctx: &Ctx, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName)
             tree.display(),
             ctx.root.trash().display()
         ))),
+    }
+}
+
+/// Unlinks the gate of an image that has no row, under the gate's own
+/// exclusive lock; if a reader is just passing it, the file stays (a few
+/// bytes, reused if the name is).
+fn unlink_gate(root: &Root, name: &ImageName) {
+    if let Ok(Some(gate)) = lock::try_lock(&root.image_gate(name), Mode::Exclusive, false) {
+        let _ = unlink_lock(root, gate);
     }
 }
 
@@ -445,15 +451,16 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
 /// refusal, a command that could not run): the lock files and gates of
 /// images that still have no row go again, so nothing is left behind for
 /// an image that does not exist. `held` are exclusive locks we hold;
-/// `waited_for` an image whose lock or gate we may have created while
-/// waiting — its files go only if nobody holds them. Best effort: what is
-/// left is a harmless leftover that `gc` and `doctor --repair` remove.
+/// `waited_for` images whose lock or gate we may have created while
+/// waiting (and no longer hold) — their files go only if nobody holds
+/// them. Best effort: what is left is a harmless leftover that `gc` and
+/// `doctor --repair` remove.
 pub(crate) fn release_unclaimed(
     store: &mut Store,
     held: Vec<(ImageName, Guard)>,
-    waited_for: Option<&ImageName>,
+    waited_for: &[ImageName],
 ) {
-    if held.is_empty() && waited_for.is_none() {
+    if held.is_empty() && waited_for.is_empty() {
         return;
     }
     let root = store.root().clone();
@@ -471,9 +478,7 @@ pub(crate) fn release_unclaimed(
             }
         }
     }
-    if let Some(name) = waited_for
-        && rowless(name)
-    {
+    for name in waited_for.iter().filter(|n| rowless(n)) {
         if let Ok(Some(g)) = lock::try_lock(&root.image_lock(name), Mode::Exclusive, false) {
             doomed.push(g);
         }

@@ -266,3 +266,64 @@ fn the_lost_and_found_of_an_images_filesystem_is_no_image() {
     assert!(env.images_json().is_empty());
     assert!(images.join("lost+found").is_dir(), "gc deleted lost+found");
 }
+
+#[test]
+fn the_loser_of_two_removals_of_one_image_leaves_no_lock_file() {
+    let env = Env::new();
+    env.make_image("a");
+    let reader = env.hold(&["--read", "a"], "reading");
+    let first = env.spawn(["rm", "a"]);
+    env.wait_for_waiter("a");
+    let second = env.spawn(["rm", "a"]);
+    wait_until("both removals wait", || {
+        env.lock_entry("a")
+            .is_some_and(|e| e["waiters"].as_array().unwrap().len() == 2)
+    });
+    env.release("release");
+    assert!(reader.finish().status.success());
+    let outs = [first.finish(), second.finish()];
+    let mut codes: Vec<_> = outs.iter().map(code).collect();
+    codes.sort();
+    assert_eq!(
+        codes,
+        [Some(0), Some(66)],
+        "{}\n{}",
+        show(&outs[0]),
+        show(&outs[1])
+    );
+    let left: Vec<_> = fs::read_dir(env.root.join("locks/images"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+#[test]
+fn a_reader_queued_behind_a_removal_leaves_no_lock_file() {
+    let env = Env::new();
+    env.make_image("a");
+    let reader = env.hold(&["--read", "a"], "reading");
+    let rm = env.spawn(["rm", "a"]);
+    env.wait_for_waiter("a");
+    // A second reader queues behind the removal (a writer waits ahead).
+    let late = env.spawn(["exec", "--read", "a", "--", "true"]);
+    wait_until("both wait", || {
+        env.lock_entry("a")
+            .is_some_and(|e| e["waiters"].as_array().unwrap().len() == 2)
+    });
+    env.release("release");
+    assert!(reader.finish().status.success());
+    let out = rm.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = late.finish();
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let left: Vec<_> = fs::read_dir(env.root.join("locks/images"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
