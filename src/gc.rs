@@ -333,10 +333,19 @@ fn collect(
     if let Some(g) = guard {
         if dry_run {
             drop(g);
-        } else if let Err(e) = remove::remove_locked(store, vec![(name.clone(), g)]) {
-            // Undone (see remove.rs): say so, and go on with the others.
-            report.failed.push(format!("{e:#}"));
-            return Ok(false);
+        } else {
+            match remove::remove_locked(store, vec![(name.clone(), g)]) {
+                // Removed; a tree left in the trash is said, and retried
+                // by the next gc.
+                Ok(done) => report
+                    .failed
+                    .extend(done.into_iter().filter_map(|r| r.left_in_trash)),
+                // Undone (see remove.rs): say so, and go on with the others.
+                Err(e) => {
+                    report.failed.push(format!("{e:#}"));
+                    return Ok(false);
+                }
+            }
         }
     }
     report.removed.push(Removed {

@@ -50,6 +50,9 @@ pub struct Removed {
     pub name: String,
     pub state: ImageState,
     pub bytes: u64,
+    /// The image is gone, but its tree could not be deleted from the
+    /// trash (why); `gc` deletes it once the cause is fixed.
+    pub left_in_trash: Option<String>,
 }
 
 /// How taking one tree out of the images directory went.
@@ -124,7 +127,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
             .size_bytes
             .unwrap_or_else(|| usage::disk_usage(&tree).unwrap_or(0));
         match take_out(store.ctx(), &images, &trash, &tree, name) {
-            Taken::Trashed(t) => trashed.push(t),
+            Taken::Trashed(t) => trashed.push((out.len(), t)),
             Taken::Gone => {}
             Taken::Refused(e) => {
                 failed = Some((i, e, false));
@@ -139,6 +142,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
             name: name.as_str().to_owned(),
             state: row.state,
             bytes,
+            left_in_trash: None,
         });
     }
     debug::pause("rm-moved");
@@ -167,13 +171,18 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
             .with_context(|| format!("cannot remove the lock file of image '{name}'"))?;
         unlink_gate(store.root(), &name);
     }
-    // 5. Outside every lock.
-    for t in trashed {
+    // 5. Outside every lock. One tree that cannot be deleted (an immutable
+    // file) stops neither the others nor the report of what was removed.
+    for (k, t) in trashed {
         crate::signals::check()?;
         let mut n = 0;
-        trash.remove_entry(&t, &mut n).with_context(|| {
-            format!("cannot delete {}", store.root().trash().join(&t).display())
-        })?;
+        if let Err(e) = trash.remove_entry(&t, &mut n) {
+            out[k].left_in_trash = Some(format!(
+                "image '{}' was removed, but its tree could not be deleted from the trash ('stowage gc' deletes it once the cause is fixed): cannot delete {}: {e}",
+                out[k].name,
+                store.root().trash().join(&t).display()
+            ));
+        }
     }
     if let Some((i, e, partial)) = failed {
         let name = &rows[i].name;
@@ -384,8 +393,13 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                     && row.state == ImageState::Deleting
                 {
                     found.removals.push(name);
-                    if fix && let Err(e) = remove_locked(store, vec![(n, guard)]) {
-                        found.failed.push(format!("{e:#}"));
+                    if fix {
+                        match remove_locked(store, vec![(n, guard)]) {
+                            Ok(done) => found
+                                .failed
+                                .extend(done.into_iter().filter_map(|r| r.left_in_trash)),
+                            Err(e) => found.failed.push(format!("{e:#}")),
+                        }
                     }
                 }
             }
@@ -402,10 +416,13 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
             {
                 let path = root.trash().join(&entry);
                 let mut n = 0;
+                // What could not be deleted is reported as such, not as
+                // a trash entry that was removed.
                 if fix && let Err(e) = trash.remove_entry(&entry, &mut n) {
                     found
                         .failed
                         .push(format!("cannot delete {}: {e}", path.display()));
+                    continue;
                 }
                 found.trash.push(path);
             }

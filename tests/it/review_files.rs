@@ -327,3 +327,60 @@ fn a_reader_queued_behind_a_removal_leaves_no_lock_file() {
     let out = env.run(["doctor"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
+
+/// `chattr +i` on `path`; false where the filesystem cannot.
+fn immutable(path: &Path, on: bool) -> bool {
+    Command::new("chattr")
+        .arg(if on { "+i" } else { "-i" })
+        .arg(path)
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn one_tree_that_cannot_leave_the_trash_keeps_neither_the_others_nor_the_report() {
+    if !is_root() {
+        eprintln!("skipping: chattr +i needs root");
+        return;
+    }
+    let env = Env::new();
+    for name in ["a", "b"] {
+        env.ok([
+            "exec",
+            "--write",
+            name,
+            "--",
+            "sh",
+            "-c",
+            "mkdir \"$STOWAGE_IMAGE_DIR/d\" && echo x > \"$STOWAGE_IMAGE_DIR/d/f\"",
+        ]);
+    }
+    let stuck = env.root.join("img/a/d/f");
+    if !immutable(&stuck, true) {
+        eprintln!("skipping: no chattr +i on this filesystem");
+        return;
+    }
+    let out = env.run(["rm", "a", "b"]);
+    let trash = env.root.join("trash");
+    let left: Vec<PathBuf> = fs::read_dir(&trash)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    for l in &left {
+        immutable(&l.join("d/f"), false);
+    }
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("removed 'a'") && err.contains("removed 'b'"),
+        "{}",
+        show(&out)
+    );
+    assert!(err.contains("image 'a' was removed, but"), "{}", show(&out));
+    assert!(env.images_json().is_empty());
+    // Only a's tree stays behind, for the next gc.
+    assert_eq!(left.len(), 1, "{left:?}: {}", show(&out));
+    assert!(left[0].to_string_lossy().ends_with(".a"), "{left:?}");
+    env.ok(["gc"]);
+    assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
+}
