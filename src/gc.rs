@@ -109,7 +109,9 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let sweep = |tx: &crate::meta::Tx, ctx: &crate::store::Ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
         status::sweep(tx, ctx, &kv)?;
-        Ok((tx.images()?, tx.images_dir(&ctx.root)?))
+        let dir = tx.images_dir(&ctx.root)?;
+        let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
+        Ok((tx.images()?, dir, doubt))
     };
     let looked = store.retry_full(|store| {
         let (tx, ctx) = store.begin(None)?;
@@ -119,12 +121,18 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         }
         Ok(out)
     });
-    let (rows, images_dir) = match looked {
+    let (rows, images_dir, doubt) = match looked {
         // A dry run on a full filesystem, even the reserve used: it changes
         // nothing anyway, so it looks without a journal on disk.
         Err(e) if policy.dry_run && crate::space::is_full(&e) => store.view_tx(sweep)?,
         other => other?,
     };
+    // Trees missing from an unmounted images directory are not gone:
+    // removing their images would free nothing and orphan the trees.
+    if let Some(why) = doubt {
+        report.failed.push(format!("no image removed: {why}"));
+        return Ok(report);
+    }
     let mut rows: Vec<ImageRow> = rows
         .into_iter()
         .filter(|r| !policy.dry_run || !report.interrupted_removals.contains(&r.name))

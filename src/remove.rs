@@ -80,7 +80,16 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     // marked (a symlink planted in their place is refused here, not
     // half-way through).
     let trash = store.root().open_or_make_sub("trash")?;
-    let images_dir = store.with_tx_locked(None, |tx, ctx| tx.images_dir(&ctx.root))?;
+    let (images_dir, doubt) = store.with_tx_locked(None, |tx, ctx| {
+        let dir = tx.images_dir(&ctx.root)?;
+        let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
+        Ok((dir, doubt))
+    })?;
+    // A tree missing from an images directory that is not the one recorded
+    // (unmounted) is not gone: dropping its row would orphan it.
+    if let Some(why) = doubt {
+        anyhow::bail!("cannot remove images: {why}");
+    }
     let images = store.root().open_images_dir(&images_dir).with_context(|| {
         format!(
             "cannot remove images: images directory {} is not usable (is it mounted?)",

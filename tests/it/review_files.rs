@@ -384,3 +384,56 @@ fn one_tree_that_cannot_leave_the_trash_keeps_neither_the_others_nor_the_report(
     env.ok(["gc"]);
     assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
 }
+
+#[test]
+fn nothing_is_removed_while_the_images_directory_is_unmounted() {
+    if !is_root() {
+        eprintln!("skipping: mounts need root");
+        return;
+    }
+    let env = Env::new();
+    let images = env.tmp.path().join("images");
+    fs::create_dir(&images).unwrap();
+    let tmpfs = ["-t", "tmpfs", "-o", "size=4m", "tmpfs"];
+    let Some(m) = Mounted::new(&tmpfs, &images) else {
+        eprintln!("skipping: cannot mount a tmpfs here");
+        return;
+    };
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    for name in ["a", "b", "c"] {
+        env.make_image(name);
+    }
+    // Move the filesystem away (as an unmount would, keeping its trees)
+    // and leave the empty mount point.
+    let aside = env.tmp.path().join("aside");
+    fs::create_dir(&aside).unwrap();
+    let moved = Command::new("mount")
+        .arg("--move")
+        .arg(&images)
+        .arg(&aside)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(moved);
+    std::mem::forget(m);
+    let _m = Mounted(aside.clone());
+    for args in [
+        &["gc", "--max-size", "0"][..],
+        &["gc", "--max-size", "0", "--dry-run"],
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        assert!(stderr(&out).contains("mounted"), "{args:?}: {}", show(&out));
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("remove 'a'"),
+            "{}",
+            show(&out)
+        );
+    }
+    let out = env.run(["rm", "a"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("mounted"), "{}", show(&out));
+    for name in ["a", "b", "c"] {
+        assert_eq!(env.state(name).as_deref(), Some("ready"), "{name}");
+        assert!(aside.join(name).join("file").exists());
+    }
+}
