@@ -103,6 +103,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     report.interrupted_removals = left.removals;
     report.trash_entries = left.trash.len();
     report.failed = left.failed;
+    report.bytes_freed = left.bytes;
 
     // Look at every image: dead writers become incomplete (in a dry run the
     // transaction is rolled back, so nothing changes).
@@ -259,7 +260,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         // Space was freed: the metadata's reserve gets what it lacks.
         crate::space::refill(store.root());
     }
-    report.bytes_freed = report.removed.iter().map(|r| r.size_bytes).sum();
+    report.bytes_freed += report.removed.iter().map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
 }
 

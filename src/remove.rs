@@ -59,8 +59,10 @@ pub struct Removed {
 enum Taken {
     /// Moved to the trash under this name.
     Trashed(OsString),
-    /// Gone: there was no tree, or it was deleted in place.
+    /// There was no tree: nothing was freed.
     Gone,
+    /// Deleted in place.
+    Deleted,
     /// Nothing moved: the removal can be undone.
     Refused(anyhow::Error),
     /// Deleted in place only in part: the tree is damaged.
@@ -132,12 +134,15 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     let mut failed = None;
     for (i, ((name, _), row)) in held.iter().zip(&rows).enumerate() {
         let tree = images_dir.join(name.encoded());
-        let bytes = row
+        let mut bytes = row
             .size_bytes
             .unwrap_or_else(|| usage::disk_usage(&tree).unwrap_or(0));
         match take_out(store.ctx(), &images, &trash, &tree, name) {
             Taken::Trashed(t) => trashed.push((out.len(), t)),
-            Taken::Gone => {}
+            Taken::Deleted => {}
+            // A row without a tree (a removal that crashed after the move
+            // leaves its tree in the trash, counted there): nothing freed.
+            Taken::Gone => bytes = 0,
             Taken::Refused(e) => {
                 failed = Some((i, e, false));
                 break;
@@ -230,7 +235,7 @@ fn take_out(ctx: &Ctx, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName)
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
             let mut removed = 0;
             match images.remove_entry(enc, &mut removed) {
-                Ok(()) => Taken::Gone,
+                Ok(()) => Taken::Deleted,
                 Err(e) => {
                     let e =
                         anyhow::Error::new(e).context(format!("cannot delete {}", tree.display()));
@@ -339,6 +344,9 @@ pub struct Leftovers {
     pub lock_files: Vec<PathBuf>,
     /// What could not be finished, one line each (the others were).
     pub failed: Vec<String>,
+    /// Bytes the finished removals and the deleted trash gave back (the
+    /// trash as it would, without `fix`).
+    pub bytes: u64,
 }
 
 impl Leftovers {
@@ -404,9 +412,12 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                     found.removals.push(name);
                     if fix {
                         match remove_locked(store, vec![(n, guard)]) {
-                            Ok(done) => found
-                                .failed
-                                .extend(done.into_iter().filter_map(|r| r.left_in_trash)),
+                            Ok(done) => {
+                                found.bytes += done.iter().map(|r| r.bytes).sum::<u64>();
+                                found
+                                    .failed
+                                    .extend(done.into_iter().filter_map(|r| r.left_in_trash));
+                            }
                             Err(e) => found.failed.push(format!("{e:#}")),
                         }
                     }
@@ -424,6 +435,7 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                 .with_context(|| format!("cannot list {}", root.trash().display()))?
             {
                 let path = root.trash().join(&entry);
+                let bytes = usage::disk_usage(&path).unwrap_or(0);
                 let mut n = 0;
                 // What could not be deleted is reported as such, not as
                 // a trash entry that was removed.
@@ -433,6 +445,7 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                         .push(format!("cannot delete {}: {e}", path.display()));
                     continue;
                 }
+                found.bytes += bytes;
                 found.trash.push(path);
             }
         }

@@ -437,3 +437,31 @@ fn nothing_is_removed_while_the_images_directory_is_unmounted() {
         assert!(aside.join(name).join("file").exists());
     }
 }
+
+#[test]
+fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
+    for point in ["rm-marked", "rm-moved"] {
+        let env = Env::new();
+        env.ok([
+            "exec",
+            "--write",
+            "big",
+            "--",
+            "sh",
+            "-c",
+            "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\"",
+        ]);
+        let (bg, _pause) = env.paused(["rm", "big"], point);
+        bg.kill_all();
+        let out = env.ok(["gc", "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let freed = report["bytes_freed"].as_u64().unwrap();
+        assert!(
+            (1 << 20..2 << 20).contains(&freed),
+            "{point}: freed {freed}: {}",
+            show(&out)
+        );
+        assert!(env.images_json().is_empty(), "{point}");
+        assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+    }
+}
