@@ -465,3 +465,39 @@ fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
         assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
     }
 }
+
+#[test]
+fn a_rebuild_killed_after_the_damaged_database_was_set_aside_loses_no_image() {
+    let env = Env::new();
+    let storage = env.tmp.path().join("storage/img");
+    fs::create_dir_all(&storage).unwrap();
+    env.ok(["init", "--images-dir", storage.to_str().unwrap()]);
+    env.make_image("app");
+    fs::write(env.root.join("stowage.db"), vec![0x5a; 8192]).unwrap();
+    let (bg, _pause) = env.paused(["doctor", "--repair"], "rebuild-moved-aside");
+    bg.kill_all();
+    // Whatever the kill left, the store is still the damaged one or the
+    // rebuilt one: never a fresh, empty database that forgot the images
+    // directory and every image.
+    let out = env.run(["doctor", "--repair"]);
+    assert!(storage.join("app/file").exists());
+    assert_eq!(
+        env.state("app").as_deref(),
+        Some("incomplete"),
+        "{}",
+        show(&out)
+    );
+    let out = env.ok([
+        "exec",
+        "--write",
+        "x",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$STOWAGE_IMAGES_DIR\"",
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        storage.to_str().unwrap()
+    );
+}
