@@ -781,7 +781,8 @@ pub enum Woke {
 ///
 /// The kernel releases a flock when the last descriptor of its open file
 /// description is closed, and that last close is exactly when inotify
-/// reports `IN_CLOSE_WRITE` (lock files are opened read-write): so a waiter
+/// reports `IN_CLOSE_WRITE` — or `IN_CLOSE_NOWRITE` for a holder that
+/// opened the file read-only, as flock(1) does: both are watched, so a waiter
 /// that watches the directory before it tries the files wakes the moment
 /// one of them may be free. Other hosts' closes are not seen (NFS): callers
 /// poll there too. Without inotify (limits on instances) it only sleeps.
@@ -814,7 +815,11 @@ impl Waker {
         let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
             return Waker::none();
         };
-        let mask = libc::IN_CLOSE_WRITE | libc::IN_CREATE | libc::IN_MOVED_TO | libc::IN_ONLYDIR;
+        let mask = libc::IN_CLOSE_WRITE
+            | libc::IN_CLOSE_NOWRITE
+            | libc::IN_CREATE
+            | libc::IN_MOVED_TO
+            | libc::IN_ONLYDIR;
         // SAFETY: a valid inotify descriptor and a NUL-terminated path.
         if unsafe { libc::inotify_add_watch(fd, c.as_ptr(), mask) } < 0 {
             return Waker::none();

@@ -29,7 +29,8 @@
 //!   make a wait fail): the waiter keeps the N descriptors open, watches the
 //!   class directory with inotify — the last close of a lock file's
 //!   descriptor is both the release of its lock and an `IN_CLOSE_WRITE`
-//!   event — and tries the files again when woken. Where closes cannot be
+//!   event (`IN_CLOSE_NOWRITE` for a read-only holder such as flock(1)) —
+//!   and tries the files again when woken. Where closes cannot be
 //!   seen (another host on NFS; no inotify) it polls: every 250 ms on
 //!   remote filesystems, 50 ms locally.
 
