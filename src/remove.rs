@@ -286,7 +286,11 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
             }
         }
     }
-    if let Ok(entries) = fs::read_dir(store.root().image_locks()) {
+    // On a filesystem not known to be local, lock files are kept on
+    // purpose (see lock::Guard::unlink): they are no leftovers.
+    let locks = store.root().image_locks();
+    let kept = !lock::unlinks_allowed(&locks.join("x.lock"));
+    if !kept && let Ok(entries) = fs::read_dir(&locks) {
         for e in entries.flatten() {
             let fname = e.file_name();
             let Some(enc) = fname

@@ -205,30 +205,56 @@ impl Session {
     }
 
     /// Records the outcome and releases the locks.
+    ///
+    /// A written image is `ready` only if the command succeeded *and* each
+    /// write lock is still ours (see [`Guard::verify`]: an NFS lock lost
+    /// while the command ran means another host may have written the image
+    /// too): otherwise it is `incomplete`, and a lost lock is an error.
     pub fn finish(self, store: &mut Store, outcome: Outcome) -> Result<()> {
         // Sizes are measured before the transaction, under our own write
         // locks: walking a tree is far too slow to do under the global lock.
         // A written image whose directory is gone was deleted by the command
         // (`ch-image delete` under a write lock): it goes from the records.
-        let written: Vec<(Option<u64>, bool)> = self
+        // Only "not found" means gone: another error (EIO, ESTALE) leaves
+        // the image, incomplete.
+        let mut trouble: Vec<String> = Vec::new();
+        let written: Vec<(Option<u64>, bool, bool)> = self
             .held
             .iter()
             .map(|h| match h.mode {
                 Mode::Exclusive => {
                     let dir = self.images_dir.join(h.name.encoded());
-                    if std::fs::symlink_metadata(&dir).is_err() {
-                        (None, true)
-                    } else {
-                        (usage::disk_usage(&dir).ok(), false)
+                    let trusted = match h.guard.verify() {
+                        Ok(()) => true,
+                        Err(e) => {
+                            trouble.push(format!(
+                                "lost the write lock on image '{}' ({}) while the command ran: {e} — another host may have taken it (an NFS lease expired?); the image is marked incomplete",
+                                h.name,
+                                h.guard.path().display()
+                            ));
+                            false
+                        }
+                    };
+                    match std::fs::symlink_metadata(&dir) {
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true, trusted),
+                        Err(e) => {
+                            trouble.push(format!(
+                                "cannot inspect image '{}' ({}): {e}; the image is marked incomplete",
+                                h.name,
+                                dir.display()
+                            ));
+                            (None, false, false)
+                        }
+                        Ok(_) => (usage::disk_usage(&dir).ok(), false, trusted),
                     }
                 }
-                Mode::Shared => (None, false),
+                Mode::Shared => (None, false, true),
             })
             .collect();
         let (tx, ctx) = store.begin_cleanup()?;
         let now = clock::now_ms();
-        for (h, (size, gone)) in self.held.iter().zip(&written) {
-            if *gone {
+        for (h, (size, gone, trusted)) in self.held.iter().zip(&written) {
+            if *gone && *trusted {
                 tx.delete_image(h.name.as_str())?;
                 ctx.detail(&format!("image '{}' was deleted by the command", h.name));
                 continue;
@@ -239,8 +265,8 @@ impl Session {
             if h.mode == Mode::Exclusive {
                 tx.touch(h.name.as_str(), now)?;
                 let state = match outcome {
-                    Outcome::Success => ImageState::Ready,
-                    Outcome::Failure => ImageState::Incomplete,
+                    Outcome::Success if *trusted => ImageState::Ready,
+                    _ => ImageState::Incomplete,
                 };
                 tx.set_state(h.name.as_str(), state)?;
                 tx.set_size(h.name.as_str(), *size)?;
@@ -253,13 +279,17 @@ impl Session {
         tx.commit()?;
         // The lock files of deleted images go too, under our exclusive locks
         // (the unlink rule), with their gates.
-        for (h, (_, gone)) in self.held.into_iter().zip(written) {
-            if gone {
+        for (h, (_, gone, trusted)) in self.held.into_iter().zip(written) {
+            if gone && trusted {
                 unlink_image_lock(store, &h.name, h.guard);
             }
         }
         drop(self.slot);
-        Ok(())
+        if trouble.is_empty() {
+            Ok(())
+        } else {
+            bail!("{}", trouble.join("; "))
+        }
     }
 
     /// Every record this session made: its image holders and its slot's.

@@ -146,6 +146,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let mut env: Vec<(OsString, OsString)> = std::env::vars_os()
         .filter(|(k, _)| !k.to_str().is_some_and(|k| k.starts_with("STOWAGE_IMAGE")))
         .collect();
+    // Lets a stowage inside the command tell that we hold its locks.
+    env.retain(|(k, _)| k != crate::kernel::EXEC_PIDS_ENV);
+    env.push((
+        crate::kernel::EXEC_PIDS_ENV.into(),
+        crate::kernel::exec_pids_for_command(std::process::id()).into(),
+    ));
     env.push(("STOWAGE_ROOT".into(), store.root().dir().into()));
     env.push(("STOWAGE_IMAGES_DIR".into(), session.images_dir().into()));
     let written: Vec<_> = session.writes().cloned().collect();
