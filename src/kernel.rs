@@ -312,7 +312,13 @@ pub fn exec_pids_for_command(me: u32) -> String {
 /// descriptors). Waiting for a conflicting lock on such a file would wait
 /// for ourselves.
 pub fn enclosing_hold(path: &Path) -> Option<Mode> {
-    if let Some(m) = lock::held_here(path) {
+    enclosing_hold_except(path, None)
+}
+
+/// [`enclosing_hold`], not counting our own descriptor `except` (a lock
+/// the caller has just taken on that file).
+pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Option<Mode> {
+    if let Some(m) = lock::held_here_except(path, except) {
         return Some(m);
     }
     let dir = path.parent()?;

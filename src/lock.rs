@@ -91,6 +91,12 @@ pub struct Guard {
     ino: u64,
 }
 
+impl std::os::fd::AsRawFd for Guard {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
+    }
+}
+
 impl Guard {
     pub fn path(&self) -> &Path {
         &self.path
@@ -246,6 +252,30 @@ fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
         Err(e) if e.raw_os_error() == fs2::lock_contended_error().raw_os_error() => Ok(false),
         Err(e) => Err(e),
     }
+}
+
+/// Is an exclusive lock on `path` held through a descriptor this process
+/// inherited (it runs under the holder, as a command inherits its locks)?
+/// Such a descriptor's lock is ours already: taking it again is a no-op.
+pub fn inherited_exclusive(path: &Path) -> bool {
+    let Ok(target) = fs::metadata(path) else {
+        return false;
+    };
+    let Ok(fds) = fs::read_dir("/proc/self/fd") else {
+        return false;
+    };
+    fds.flatten().any(|e| {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            return false;
+        };
+        // SAFETY: borrowed for fstat/flock only; the descriptor stays open.
+        let file = std::mem::ManuallyDrop::new(unsafe {
+            <File as std::os::fd::FromRawFd>::from_raw_fd(fd)
+        });
+        file.metadata()
+            .is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino())
+            && flock_try(&file, Mode::Exclusive).unwrap_or(false)
+    })
 }
 
 fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
@@ -442,6 +472,12 @@ fn guard(file: File, path: &Path, mode: Mode, dev: u64, ino: u64) -> Guard {
 ///
 /// A wait for a conflicting lock on such a file would wait for ourselves.
 pub fn held_here(path: &Path) -> Option<Mode> {
+    held_here_except(path, None)
+}
+
+/// [`held_here`], not counting descriptor `except` — the one the caller
+/// just locked itself, which is no enclosing command's hold.
+pub fn held_here_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Option<Mode> {
     let at = fs::symlink_metadata(path).ok()?;
     let fds = fs::read_dir("/proc/self/fd").ok()?;
     let mut held = None;
@@ -450,6 +486,7 @@ pub fn held_here(path: &Path) -> Option<Mode> {
             .file_name()
             .to_str()
             .and_then(|n| n.parse::<i32>().ok())
+            .filter(|fd| Some(*fd) != except)
         else {
             continue;
         };

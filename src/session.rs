@@ -36,6 +36,10 @@ use crate::usage;
 pub struct Request {
     pub reads: Vec<ImageName>,
     pub writes: Vec<ImageName>,
+    /// Images locked exclusively but only read: they must be ready, their
+    /// state stays, their last use is recorded (a builder that rewrites a
+    /// base's metadata in place, see docs/charliecloud.md).
+    pub exclusive_reads: Vec<ImageName>,
     /// Base recorded as the lineage of the (single) written image.
     pub base: Option<ImageName>,
     /// When to give up waiting; `None` waits forever.
@@ -54,6 +58,15 @@ struct Held {
     guard: Guard,
     /// For writes: the state before this session (None: created by it).
     prev: Option<ImageState>,
+    /// An exclusive read: the image is not written (its state stays).
+    keep: bool,
+}
+
+impl Held {
+    /// Written by the command: its state follows the outcome.
+    fn writes(&self) -> bool {
+        self.mode == Mode::Exclusive && !self.keep
+    }
 }
 
 /// Image locks held for one command.
@@ -82,6 +95,11 @@ impl Session {
             .iter()
             .map(|n| (n.clone(), Mode::Shared))
             .chain(req.writes.iter().map(|n| (n.clone(), Mode::Exclusive)))
+            .chain(
+                req.exclusive_reads
+                    .iter()
+                    .map(|n| (n.clone(), Mode::Exclusive)),
+            )
             .collect();
         // The lock order: ascending ENC. A name both read and written is
         // taken once, exclusively (sorted after its shared twin, kept last).
@@ -112,10 +130,12 @@ impl Session {
             let mut held = Vec::with_capacity(wanted.len());
             let mut waits = Vec::new();
             let mut migrate = false;
+            let mut store_held = None;
             for (name, mode) in &wanted {
+                let keep = req.exclusive_reads.contains(name);
                 let want = Want {
                     mode: *mode,
-                    need: if *mode == Mode::Exclusive {
+                    need: if *mode == Mode::Exclusive && !keep {
                         Need::Create
                     } else {
                         Need::Ready
@@ -132,6 +152,7 @@ impl Session {
                             mode: *mode,
                             guard,
                             prev: None,
+                            keep,
                         });
                         waits.extend(waiter);
                     }
@@ -140,7 +161,7 @@ impl Session {
                         break;
                     }
                     Err(e) => {
-                        give_up(store, held, &waits, slot);
+                        give_up(store, held, &waits, slot, Some(name));
                         return Err(e);
                     }
                 }
@@ -157,17 +178,26 @@ impl Session {
                         });
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
-                    Err(e) => {
-                        give_up(store, held, &waits, slot);
-                        return Err(e);
-                    }
+                    Err(e) => match e.downcast::<crate::store_wide::StoreHeld>() {
+                        Ok(sw) => store_held = Some(sw),
+                        Err(e) => {
+                            give_up(store, held, &waits, slot, None);
+                            return Err(e);
+                        }
+                    },
                 }
             }
             // Never migrate while holding image locks: the migration waits
             // for every image lock to be free, ours included.
             drop(held);
             drop(slot);
-            store.migrate(req.deadline)?;
+            match store_held {
+                // Holding nothing, wait for the store-wide command.
+                Some(h) => {
+                    crate::store_wide::wait_until_free(store, &h, req.deadline, req.no_wait)?
+                }
+                None => store.migrate(req.deadline)?,
+            }
         }
     }
 
@@ -183,10 +213,7 @@ impl Session {
 
     /// Images held exclusively, in lock order.
     pub fn writes(&self) -> impl Iterator<Item = &ImageName> {
-        self.held
-            .iter()
-            .filter(|h| h.mode == Mode::Exclusive)
-            .map(|h| &h.name)
+        self.held.iter().filter(|h| h.writes()).map(|h| &h.name)
     }
 
     /// Lets spawned children inherit the lock descriptors (like flock(1)),
@@ -198,6 +225,39 @@ impl Session {
         self.held
             .iter()
             .try_for_each(|h| h.guard.set_inheritable(inherit))
+    }
+
+    /// The descriptors of every lock held (slot included), for a process
+    /// that must hold them on our behalf (the `--no-inherit` keeper).
+    pub fn lock_fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.slot
+            .iter()
+            .map(|s| s.raw_fd())
+            .chain(self.held.iter().map(|h| h.guard.as_raw_fd()))
+            .collect()
+    }
+
+    /// Releases the read lock on `name` before the session ends (a `--from`
+    /// base once copied), dropping its holder record first, so that the
+    /// record never claims a lock we no longer hold. Does nothing for an
+    /// image not held shared.
+    pub fn release_read(&mut self, store: &mut Store, name: &ImageName) -> Result<()> {
+        let Some(i) = self
+            .held
+            .iter()
+            .position(|h| h.name == *name && h.mode == Mode::Shared)
+        else {
+            return Ok(());
+        };
+        if let Some(&id) = self.records.get(i) {
+            let (tx, _) = store.begin_cleanup()?;
+            tx.delete_record(id)?;
+            tx.commit()?;
+            self.records.remove(i);
+        }
+        self.held.remove(i);
+        Ok(())
     }
 
     pub fn elapsed(&self) -> Duration {
@@ -215,68 +275,70 @@ impl Session {
         // locks: walking a tree is far too slow to do under the global lock.
         // A written image whose directory is gone was deleted by the command
         // (`ch-image delete` under a write lock): it goes from the records.
-        // Only "not found" means gone: another error (EIO, ESTALE) leaves
-        // the image, incomplete.
         let mut trouble: Vec<String> = Vec::new();
         let written: Vec<(Option<u64>, bool, bool)> = self
             .held
             .iter()
-            .map(|h| match h.mode {
-                Mode::Exclusive => {
-                    let dir = self.images_dir.join(h.name.encoded());
-                    let trusted = match h.guard.verify() {
-                        Ok(()) => true,
-                        Err(e) => {
-                            trouble.push(format!(
-                                "lost the write lock on image '{}' ({}) while the command ran: {e} — another host may have taken it (an NFS lease expired?); the image is marked incomplete",
-                                h.name,
-                                h.guard.path().display()
-                            ));
-                            false
-                        }
-                    };
-                    match std::fs::symlink_metadata(&dir) {
-                        Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true, trusted),
-                        Err(e) => {
-                            trouble.push(format!(
-                                "cannot inspect image '{}' ({}): {e}; the image is marked incomplete",
-                                h.name,
-                                dir.display()
-                            ));
-                            (None, false, false)
-                        }
-                        Ok(_) => (usage::disk_usage(&dir).ok(), false, trusted),
-                    }
+            .map(|h| {
+                if !h.writes() {
+                    return (None, false, true);
                 }
-                Mode::Shared => (None, false, true),
+                let dir = self.images_dir.join(h.name.encoded());
+                let trusted = match h.guard.verify() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        trouble.push(format!(
+                            "lost the write lock on image '{}' ({}) while the command ran: {e} — another host may have taken it (an NFS lease expired?); the image is marked incomplete",
+                            h.name,
+                            h.guard.path().display()
+                        ));
+                        false
+                    }
+                };
+                // Only "no such file" means deleted: an I/O error (EIO,
+                // ESTALE on NFS, EACCES) says nothing about the tree.
+                match std::fs::symlink_metadata(&dir) {
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true, trusted),
+                    Err(_) => (None, false, trusted),
+                    Ok(_) => (usage::disk_usage(&dir).ok(), false, trusted),
+                }
             })
             .collect();
-        let (tx, ctx) = store.begin_cleanup()?;
-        let now = clock::now_ms();
-        for (h, (size, gone, trusted)) in self.held.iter().zip(&written) {
-            if *gone && *trusted {
-                tx.delete_image(h.name.as_str())?;
-                ctx.detail(&format!("image '{}' was deleted by the command", h.name));
-                continue;
+        // A build that filled the filesystem is recorded in the space kept
+        // in reserve (space.rs).
+        let held = &self.held;
+        let ids: Vec<i64> = self.record_ids().collect();
+        store.retry_full(|store| {
+            let (tx, ctx) = store.begin_cleanup()?;
+            let now = clock::now_ms();
+            for (h, (size, gone, trusted)) in held.iter().zip(&written) {
+                if *gone && *trusted {
+                    tx.delete_image(h.name.as_str())?;
+                    ctx.detail(&format!("image '{}' was deleted by the command", h.name));
+                    continue;
+                }
+                // A read's last use was recorded when it began; updating it
+                // again would cost a page write per image for no decision gc
+                // makes (an image in use is never collected).
+                if h.keep {
+                    // Used until now: gc's "unused for" counts from here.
+                    tx.touch(h.name.as_str(), now)?;
+                } else if h.mode == Mode::Exclusive {
+                    tx.touch(h.name.as_str(), now)?;
+                    let state = match outcome {
+                        Outcome::Success if *trusted => ImageState::Ready,
+                        _ => ImageState::Incomplete,
+                    };
+                    tx.set_state(h.name.as_str(), state)?;
+                    tx.set_size(h.name.as_str(), *size)?;
+                    ctx.detail(&format!("image '{}' is {state}", h.name));
+                }
             }
-            // A read's last use was recorded when it began; updating it
-            // again would cost a page write per image for no decision gc
-            // makes (an image in use is never collected).
-            if h.mode == Mode::Exclusive {
-                tx.touch(h.name.as_str(), now)?;
-                let state = match outcome {
-                    Outcome::Success if *trusted => ImageState::Ready,
-                    _ => ImageState::Incomplete,
-                };
-                tx.set_state(h.name.as_str(), state)?;
-                tx.set_size(h.name.as_str(), *size)?;
-                ctx.detail(&format!("image '{}' is {state}", h.name));
+            for id in &ids {
+                tx.delete_record(*id)?;
             }
-        }
-        for id in self.record_ids() {
-            tx.delete_record(id)?;
-        }
-        tx.commit()?;
+            tx.commit()
+        })?;
         // The lock files of deleted images go too, under our exclusive locks
         // (the unlink rule), with their gates.
         for (h, (_, gone, trusted)) in self.held.into_iter().zip(written) {
@@ -305,14 +367,14 @@ impl Session {
     /// removed again (their directories are still empty), and images it
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
-        let (tx, _) = store.begin_cleanup()?;
-        for h in self.held.iter().filter(|h| h.mode == Mode::Exclusive) {
+        let (tx, ctx) = store.begin_cleanup()?;
+        for h in self.held.iter().filter(|h| h.writes()) {
             match h.prev {
                 None => {
                     tx.delete_image(h.name.as_str())?;
                     // Only an empty directory goes: if something appeared in
                     // it after all, keep it for the user to inspect.
-                    let _ = std::fs::remove_dir(self.images_dir.join(h.name.encoded()));
+                    crate::remove::remove_empty_image_dir(&ctx.root, &self.images_dir, &h.name);
                 }
                 Some(prev) => tx.set_state(h.name.as_str(), prev)?,
             }
@@ -325,7 +387,7 @@ impl Session {
         // files and gates (under our exclusive locks, as the unlink rule
         // requires), or doctor would find lock files without images.
         for h in self.held {
-            if h.mode == Mode::Exclusive && h.prev.is_none() {
+            if h.writes() && h.prev.is_none() {
                 unlink_image_lock(store, &h.name, h.guard);
             }
         }
@@ -338,35 +400,27 @@ impl Session {
 /// waiter records it made for locks it did get, and the lock files and
 /// gates of images it would have created (those without a row), which it
 /// holds exclusively. Best effort: what this misses is found stale later.
+///
+/// `waited_for` is the image whose wait failed: its lock file may have been
+/// created by our open, for an image that has no row.
 fn give_up(
     store: &mut Store,
     held: Vec<Held>,
     waits: &[i64],
     slot: Option<crate::slots::SlotGuard>,
+    waited_for: Option<&ImageName>,
 ) {
     let slot_waiter = slot.as_ref().and_then(|s| s.waiter);
-    let unborn: Vec<bool> = match store.begin_cleanup() {
-        Ok((tx, _)) => {
-            let r = (|| -> Result<Vec<bool>> {
-                for id in waits.iter().chain(slot_waiter.as_ref()) {
-                    tx.delete_record(*id)?;
-                }
-                let unborn = held
-                    .iter()
-                    .map(|h| Ok(h.mode == Mode::Exclusive && tx.image(h.name.as_str())?.is_none()))
-                    .collect::<Result<_>>()?;
-                tx.commit()?;
-                Ok(unborn)
-            })();
-            r.unwrap_or_default()
-        }
-        Err(_) => Vec::new(),
-    };
-    for (h, unborn) in held.into_iter().zip(unborn) {
-        if unborn {
-            unlink_image_lock(store, &h.name, h.guard);
-        }
+    if let Ok((tx, _)) = store.begin_cleanup() {
+        let r = (|| -> Result<()> {
+            for id in waits.iter().chain(slot_waiter.as_ref()) {
+                tx.delete_record(*id)?;
+            }
+            tx.commit()
+        })();
+        drop(r);
     }
+    crate::remove::release_unclaimed(store, unclaimed(held), waited_for);
     drop(slot);
 }
 
@@ -374,10 +428,19 @@ fn give_up(
 /// (if nobody is passing it right now).
 fn unlink_image_lock(store: &Store, name: &ImageName, guard: Guard) {
     let gate = store.root().image_gate(name);
-    let _ = guard.unlink();
+    let _ = crate::remove::unlink_lock(store.root(), guard);
     if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
-        let _ = g.unlink();
+        let _ = crate::remove::unlink_lock(store.root(), g);
     }
+}
+
+/// The exclusive locks of a start that did not happen, for
+/// [`crate::remove::release_unclaimed`].
+fn unclaimed(held: Vec<Held>) -> Vec<(ImageName, Guard)> {
+    held.into_iter()
+        .filter(|h| h.mode == Mode::Exclusive)
+        .map(|h| (h.name, h.guard))
+        .collect()
 }
 
 /// What an image lock is taken for.
@@ -569,7 +632,16 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
         // of that hold: the writer at the gate waits for the enclosing
         // reader, which waits for us, so queueing behind the writer would
         // be a cycle. It passes, as it would under flock(1).
-        Ok(None) if crate::kernel::enclosing_hold(path).is_some() => Ok(Tried::Got(g)),
+        // (Our own lock on it, just taken, is no such hold.)
+        Ok(None)
+            if crate::kernel::enclosing_hold_except(
+                path,
+                Some(std::os::fd::AsRawFd::as_raw_fd(&g)),
+            )
+            .is_some() =>
+        {
+            Ok(Tried::Got(g))
+        }
         Ok(None) => Ok(Tried::WriterWaiting),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
         Err(e) => Err(e),
@@ -647,6 +719,8 @@ fn start(
     req: &Request,
 ) -> Result<(PathBuf, Vec<i64>)> {
     let (tx, ctx) = store.begin(req.deadline)?;
+    // A store-wide command runs: claim nothing (below), wait, start over.
+    let store_held = crate::store_wide::check(&tx, ctx).err();
     let images_dir = tx.images_dir(&ctx.root)?;
     let now = clock::now_ms();
     for id in waits
@@ -666,7 +740,7 @@ fn start(
         // say otherwise keeps SIGKILLed holders from piling up records.
         tx.delete_image_holders(name, (h.mode == Mode::Shared).then_some(Mode::Exclusive))?;
         let row = tx.image(name)?;
-        if h.mode == Mode::Shared && refusal.is_none() {
+        if (h.mode == Mode::Shared || h.keep) && refusal.is_none() {
             match &row {
                 None => refusal = Some(Error::NoSuchImage(name.to_owned())),
                 Some(r) if r.state == ImageState::Ready => {}
@@ -688,13 +762,18 @@ fn start(
         }
         rows.push(row);
     }
-    if let Some(err) = refusal {
+    if refusal.is_some() || store_held.is_some() {
         // Keep what was learned (stale records, dead writers, our waiter
         // records gone), claim nothing — and leave nothing: the caller
         // unlinks the lock files of images this exec would have created
         // (see `give_up`).
         tx.commit()?;
-        return Err(err.into());
+        for (h, row) in held.iter().zip(&rows) {
+            if h.writes() && row.is_none() {
+                let _ = std::fs::remove_file(h.guard.path());
+            }
+        }
+        return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));
     }
 
     // Then claim: mark, create, record.
@@ -710,6 +789,7 @@ fn start(
         let mut records = Vec::with_capacity(held.len());
         for (h, row) in held.iter_mut().zip(rows) {
             match h.mode {
+                _ if h.keep => tx.touch(h.name.as_str(), now)?,
                 Mode::Shared => tx.touch(h.name.as_str(), now)?,
                 Mode::Exclusive => {
                     h.prev = row.as_ref().map(|r| r.state);
@@ -729,8 +809,10 @@ fn start(
     let records = match claimed.and_then(|records| tx.commit().map(|()| records)) {
         Ok(records) => records,
         Err(e) => {
-            for dir in &made {
-                let _ = std::fs::remove_dir(dir);
+            if let Ok(images) = ctx.root.open_images_dir(&images_dir) {
+                for dir in made.iter().filter_map(|d| d.file_name()) {
+                    let _ = images.rmdir(dir);
+                }
             }
             return Err(e);
         }
@@ -816,9 +898,9 @@ fn prepare_write(
             }
             tx.set_state(name.as_str(), state)?;
             tx.touch(name.as_str(), now)?;
-            if base.is_some() {
-                tx.set_base(name.as_str(), base.as_deref())?;
-            }
+            // The lineage is this write's: rewritten without a base, the
+            // image no longer derives from the one an earlier --from named.
+            tx.set_base(name.as_str(), base.as_deref())?;
         }
     }
     Ok(())

@@ -128,6 +128,10 @@ impl SlotGuard {
         self.guard.set_inheritable(inherit)
     }
 
+    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.guard)
+    }
+
     /// The holder record for this slot (inserted by the caller's transaction).
     pub(crate) fn holder_record(&self, ctx: &Ctx, command: &str) -> Record {
         record(
@@ -654,7 +658,7 @@ pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
     if let Ok(entries) = std::fs::read_dir(&dir) {
         for e in entries.flatten() {
             match lock::try_lock(&e.path(), Mode::Exclusive, false) {
-                Ok(Some(g)) => g.unlink()?,
+                Ok(Some(g)) => crate::remove::unlink_lock(store.root(), g)?,
                 Ok(None) => busy += 1,
                 Err(_) => {}
             }

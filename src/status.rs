@@ -222,10 +222,10 @@ fn describe(p: &Party) -> String {
         None => "a process".into(),
     };
     if let Some(h) = &p.host {
-        s.push_str(&format!(" on {h}"));
+        s.push_str(&format!(" on {}", ident::printable(h)));
     }
     if let Some(c) = &p.command {
-        s.push_str(&format!(" ({})", truncate(c, 80)));
+        s.push_str(&format!(" ({})", truncate(&ident::printable(c), 80)));
     }
     if let Some(t) = p.since {
         s.push_str(&format!(" since {}", clock::local_short(t)));
@@ -471,7 +471,7 @@ impl From<&Party> for PartyJson {
             user: p.user.clone(),
             mode: p.mode.as_str(),
             command: p.command.clone(),
-            since: p.since.map(clock::rfc3339),
+            since: p.since.and_then(clock::rfc3339),
             stowage: p.stowage,
         }
     }
@@ -539,7 +539,7 @@ pub fn gather(
     let fs_name =
         crate::kernel::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
 
-    let images = store.with_tx(None, |tx, ctx| {
+    let images = store.read_tx(|tx, ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
         let (mut reports, slots) = sweep(tx, ctx, &kv)?;
         for (name, view) in kernel_locked_images(ctx, &kv)? {

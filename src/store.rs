@@ -46,6 +46,9 @@ pub struct Ctx {
     pub child_umask: Option<u32>,
     /// Set once a "waiting for the global lock" notice has been printed.
     noticed_global: Cell<bool>,
+    /// Whether a root that does not exist is created (commands that write)
+    /// or reported, creating nothing ([`Error::NoRoot`]: commands that read).
+    pub creates_root: bool,
 }
 
 impl Ctx {
@@ -107,6 +110,7 @@ impl Store {
                 verbose: false,
                 child_umask: None,
                 noticed_global: Cell::new(false),
+                creates_root: true,
             },
         }
     }
@@ -134,6 +138,9 @@ impl Store {
                 Ok(Some(g)) => return Ok(g),
                 Ok(None) => break,
                 Err(e) if e.kind() == io::ErrorKind::NotFound && !created => {
+                    if !ctx.creates_root && !ctx.root.exists() {
+                        return Err(Error::NoRoot(ctx.root.dir().to_owned()).into());
+                    }
                     ctx.root.create_layout()?;
                     created = true;
                 }
@@ -234,27 +241,29 @@ impl Store {
     }
 
     /// Runs `f` in one transaction and commits. For callers that hold no
-    /// image lock: migrates the schema first when needed.
+    /// image lock: migrates the schema first when needed. On a full disk it
+    /// runs once more in the space kept in reserve ([`Store::retry_full`]).
     pub fn with_tx<T>(
         &mut self,
         deadline: Option<Instant>,
-        f: impl FnOnce(&Tx, &Ctx) -> Result<T>,
+        mut f: impl FnMut(&Tx, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        let mut f = Some(f);
-        loop {
-            let err = match self.begin(deadline) {
-                Ok((tx, ctx)) => {
-                    let out = (f.take().expect("runs once"))(&tx, ctx)?;
-                    tx.commit()?;
-                    return Ok(out);
+        self.retry_full(|store| {
+            loop {
+                let err = match store.begin(deadline) {
+                    Ok((tx, ctx)) => {
+                        let out = f(&tx, ctx)?;
+                        tx.commit()?;
+                        return Ok(out);
+                    }
+                    Err(e) => e,
+                };
+                if err.downcast_ref::<NeedsMigration>().is_none() {
+                    return Err(err);
                 }
-                Err(e) => e,
-            };
-            if err.downcast_ref::<NeedsMigration>().is_none() {
-                return Err(err);
+                store.migrate(deadline)?;
             }
-            self.migrate(deadline)?;
-        }
+        })
     }
 
     /// Runs `f` in one transaction and commits, for a caller that holds
@@ -265,12 +274,72 @@ impl Store {
     pub fn with_tx_locked<T>(
         &mut self,
         deadline: Option<Instant>,
-        f: impl FnOnce(&Tx, &Ctx) -> Result<T>,
+        mut f: impl FnMut(&Tx, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        let (tx, ctx) = self.begin(deadline)?;
-        let out = f(&tx, ctx)?;
-        tx.commit()?;
-        Ok(out)
+        self.retry_full(|store| {
+            let (tx, ctx) = store.begin(deadline)?;
+            let out = f(&tx, ctx)?;
+            tx.commit()?;
+            Ok(out)
+        })
+    }
+
+    /// Runs `f` (one or more metadata transactions); if it fails because
+    /// the disk is full, empties the reserve (see `space.rs`), runs it once
+    /// more, and fills the reserve again with what is left free. `f` must be
+    /// a transaction that can simply be repeated (a failed one rolled back).
+    pub fn retry_full<T>(&mut self, mut f: impl FnMut(&mut Store) -> Result<T>) -> Result<T> {
+        match f(self) {
+            Err(e) if crate::space::is_full(&e) && crate::space::release(&self.ctx.root) => {
+                self.ctx.detail(&format!(
+                    "the filesystem of {} is full: using the space kept in reserve for the metadata",
+                    self.ctx.root.dir().display()
+                ));
+                let out = f(self);
+                crate::space::refill(&self.ctx.root);
+                out
+            }
+            other => other,
+        }
+    }
+
+    /// Like [`Store::with_tx`], for a command that only shows the store:
+    /// if even the reserve cannot make room for the metadata's journal, `f`
+    /// runs in a transaction that is rolled back and journalled in memory,
+    /// so the command still shows what it would record (stale records,
+    /// writers found gone) and writes nothing.
+    pub fn read_tx<T>(&mut self, mut f: impl FnMut(&Tx, &Ctx) -> Result<T>) -> Result<T> {
+        match self.with_tx(None, &mut f) {
+            Err(e) if crate::space::is_full(&e) => {
+                self.ctx.detail(&format!(
+                    "the filesystem of {} is full: showing the store without recording anything",
+                    self.ctx.root.dir().display()
+                ));
+                self.view_tx(f)
+            }
+            other => other,
+        }
+    }
+
+    /// Runs `f` in a transaction that is always rolled back, with the
+    /// journal in memory and the page cache never spilled to the file: it
+    /// needs no disk space, and writes nothing to the database file.
+    pub fn view_tx<T>(&mut self, mut f: impl FnMut(&Tx, &Ctx) -> Result<T>) -> Result<T> {
+        let global = Self::take_global(&self.ctx, None, false)?;
+        let db = self.ctx.root.db();
+        let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
+        conn.execute_batch("PRAGMA journal_mode = MEMORY; PRAGMA cache_spill = OFF;")?;
+        let out = (|| {
+            let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
+            match tx.schema()? {
+                Schema::Current => f(&tx, &self.ctx),
+                _ => bail!("the metadata schema needs an upgrade, which needs disk space"),
+            }
+            // Dropping `tx` rolls it back.
+        })();
+        let conn = self.conn.as_mut().expect("opened above");
+        conn.execute_batch("PRAGMA journal_mode = DELETE; PRAGMA cache_spill = ON;")?;
+        out
     }
 
     /// Brings the schema up to date: a store-wide operation.
@@ -552,8 +621,9 @@ pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::E
         )
     } else if e.kind() == io::ErrorKind::PermissionDenied {
         anyhow::anyhow!(
-            "cannot lock {what} ({}): {e} — a store shared by a group needs a group-writable (setgid) root, and you in its group",
-            path.display()
+            "cannot lock {what} ({}): {e} — you may not write this store{}; every stowage command, even one that only reads, locks files in the root (opened for writing, as NFS requires) and drops stale records as it reads, so there is no read-only view: a store for several users must be shared with a group (a group-writable setgid root, with them in its group)",
+            path.display(),
+            owner_of(path)
         )
     } else {
         anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
@@ -581,4 +651,22 @@ fn damaged(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
     } else {
         e.context(format!("metadata database {}", db.display()))
     }
+}
+
+/// " (DIR is owned by uid U, group G, mode M)" for the directory holding
+/// `path`, for permission messages.
+fn owner_of(path: &std::path::Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    path.parent()
+        .and_then(|d| std::fs::metadata(d).ok().map(|m| (d, m)))
+        .map(|(d, m)| {
+            format!(
+                " ({} is owned by uid {}, group {}, mode {:o})",
+                d.display(),
+                m.uid(),
+                m.gid(),
+                m.mode() & 0o7777
+            )
+        })
+        .unwrap_or_default()
 }

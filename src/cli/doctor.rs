@@ -8,7 +8,8 @@ use crate::store::Store;
 
 #[derive(clap::Args)]
 #[command(
-    after_help = "Exit status: 0 healthy (or fully repaired); 1 problems remain;\n\
+    after_help = "Exit status: 0 healthy (or fully repaired); 1 problems remain (including a store\n\
+    you may not write); 66 the root does not exist (without --repair nothing is created);\n\
     69 flock does not work, or is not safe, on the root's filesystem."
 )]
 pub struct Args {
@@ -22,6 +23,13 @@ pub struct Args {
     /// sharing the root to see: the two-host check that locks reach across
     #[arg(long, value_name = "SECONDS", conflicts_with_all = ["repair", "json"])]
     hold_probe: Option<String>,
+}
+
+impl Args {
+    /// Whether this may create a store that does not exist (only a repair).
+    pub fn creates(&self) -> bool {
+        self.repair
+    }
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {

@@ -6,6 +6,7 @@ use std::io::{IsTerminal, Write};
 use anyhow::Result;
 
 use crate::clock;
+use crate::ident::printable;
 use crate::status::{self, LockReport, Party, Selection, StatusJson};
 use crate::store::Store;
 
@@ -20,7 +21,7 @@ pub struct Args {
     /// Print one JSON object (with --watch, one per line)
     #[arg(long)]
     json: bool,
-    /// Refresh every SECONDS until interrupted
+    /// Refresh every SECONDS (fractional, or with a unit: 500ms, 2s, 1m) until interrupted
     #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
     watch: Option<String>,
 }
@@ -137,14 +138,14 @@ fn party(p: &Party) -> String {
         None => "unknown process".into(),
     };
     if let Some(h) = &p.host {
-        s.push_str(&format!(" on {h}"));
+        s.push_str(&format!(" on {}", printable(h)));
     }
     if let Some(u) = &p.user {
-        s.push_str(&format!(" by {u}"));
+        s.push_str(&format!(" by {}", printable(u)));
     }
     s.push_str(&format!(" ({})", p.mode.as_str()));
     if let Some(c) = &p.command {
-        s.push_str(&format!(": {c}"));
+        s.push_str(&format!(": {}", printable(c)));
     }
     if let Some(t) = p.since {
         s.push_str(&format!(

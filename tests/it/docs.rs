@@ -123,6 +123,11 @@ fn prepare(env: &Env, example: &str) -> Command {
     fn image_like(w: &&str) -> bool {
         !w.starts_with('-') && !w.starts_with('$') && !w.contains('"')
     }
+    // A store exists (reading commands on a missing root say so), except
+    // for the examples that make one.
+    if words.get(1) != Some(&"init") {
+        fs::create_dir_all(&env.root).unwrap();
+    }
     let mut reads = values_of(&words, &["--read", "--from"]);
     if words.get(1) == Some(&"rm") {
         reads.extend(words[2..].iter().copied().filter(image_like));

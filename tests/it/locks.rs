@@ -535,6 +535,8 @@ fn fake_mount(env: &Env, cmd: &mut Command, fstype: &str, options: &str) {
 #[test]
 fn node_local_locking_on_lustre_and_beegfs_is_refused() {
     let env = Env::new();
+    // A store that exists, so that doctor has one to look at.
+    env.ok(["init"]);
     let conf = env.sentinel("beegfs-client.conf");
     for (fstype, options, conf_text, refused) in [
         ("lustre", "rw,localflock", "", Some("localflock")),
@@ -701,16 +703,14 @@ fn an_image_directory_that_cannot_be_inspected_is_not_taken_for_deleted() {
         "-c",
         "mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.aside\" && touch \"$STOWAGE_IMAGES_DIR\"",
     ]);
-    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
-    assert!(
-        stderr(&out).contains("cannot inspect image 'app'"),
-        "{}",
-        show(&out)
-    );
+    // The build succeeded and its lock was ours throughout: an error that
+    // says nothing about the tree keeps the row (files.rs has the EACCES
+    // case, as an unprivileged user).
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     let img = env.root.join("img");
     fs::remove_file(&img).unwrap();
     fs::rename(env.root.join("img.aside"), &img).unwrap();
-    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
 
 #[test]
