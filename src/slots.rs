@@ -345,16 +345,11 @@ const POLL: Duration = Duration::from_millis(50);
 /// Tells waiters of `class` on this host to re-read its configuration
 /// (others re-read it every [`RECHECK`]). Best effort.
 pub fn notify_change(ctx: &Ctx, class: &str) {
-    let dir = class_dir(ctx, class);
-    if dir.is_dir() {
-        use std::os::unix::fs::OpenOptionsExt;
-        let _ = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o666)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(dir.join(CHANGED));
+    // Through descriptors, never a symlink planted in the path: a group
+    // member could otherwise make us create `changed` elsewhere.
+    let rel = format!("locks/slots/{}", class.replace('/', "%"));
+    if let Ok(dir) = ctx.root.open_sub(&rel) {
+        let _ = dir.touch_closed(CHANGED);
     }
 }
 
