@@ -28,8 +28,17 @@
 //! - **Waiting does not spin.** A blocked flock(2) sleeps in the kernel, in a
 //!   helper thread, and is woken by the kernel the moment the lock is free.
 //!   A deadline or a cancellation interrupts it with [`wake_signal`], whose
-//!   handler does nothing, so the call returns `EINTR`. Waiting for any one of
-//!   several files (slots) blocks on all of them at once the same way.
+//!   handler does nothing, so the call returns `EINTR`. If no helper thread
+//!   can be started (a pids limit), the wait polls instead of failing.
+//! - **Waiting for one of many needs one thread.** A slot waiter keeps its
+//!   [`FileSet`] open and sleeps on a [`Waker`] (inotify on the directory:
+//!   the last close of a lock file is its release), so a pids limit cannot
+//!   make the wait fail, and its tries open and close nothing that would
+//!   wake other waiters. [`lock_any`] (a helper thread per file) remains for
+//!   library callers with a few files.
+//! - **Nested holds.** [`held_here`] finds a lock this process holds through
+//!   an inherited descriptor: the caller's enclosing command's hold, which a
+//!   wait must never wait for.
 
 #![allow(clippy::disallowed_methods)] // this is the one module that may call flock
 

@@ -4,13 +4,26 @@
 //! 1. Image locks in ascending ENC order — shared for reads, exclusive for
 //!    writes — each tried first without blocking. If one is busy, a short
 //!    transaction records us as a waiter and reads who holds it; then we wait
-//!    for it holding no global lock.
+//!    for it holding no global lock. That transaction also checks that every
+//!    image to read exists: a request that can only fail says so (66)
+//!    before it waits.
 //! 2. One transaction (the *start*): images checked (reads must be `ready`),
 //!    new images inserted `creating` with their empty directory made, existing
 //!    ones marked `writing`, holders recorded, our waiter records dropped.
 //! 3. The command runs. 4. One transaction (the *finish*): written images
-//!    become `ready` (exit 0) or `incomplete`, last-use times and sizes are
+//!    become `ready` (exit 0, and each write lock still ours: see
+//!    `Guard::verify`) or `incomplete`, last-use times and sizes are
 //!    recorded, holder records dropped. 5. Locks are released by closing.
+//!
+//! Invariants:
+//! - **No wait for oneself.** A process whose enclosing command holds a
+//!   lock (`kernel::enclosing_hold`) is part of that hold: a reader passes
+//!   the gate, and a wait that could only end with the process itself (a
+//!   write nested in any hold of the image, a read nested in a write)
+//!   fails at once.
+//! - **A failed request leaves nothing.** Whatever way acquisition fails,
+//!   the waiter records made for it go, and the lock files and gates of
+//!   images that still have no row are unlinked (we hold them).
 //!
 //! A crash anywhere leaves either no trace (before 2), or records and
 //! `creating`/`writing` states whose locks are free — which the next process
