@@ -33,6 +33,14 @@ pub struct Dir {
     fd: OwnedFd,
 }
 
+impl AsRawFd for Dir {
+    /// For walks that need calls this type does not wrap (the copy's
+    /// `fsetxattr`, `mknodat`, `FIEMAP`; see tree.rs).
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
 /// What `fstatat` says about an entry, without following it.
 #[derive(Debug, Clone, Copy)]
 pub struct Entry {
@@ -132,6 +140,14 @@ impl Dir {
             )
         };
         (r == 0 && stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
+    }
+
+    /// The filesystem type (statfs magic) this directory is on.
+    pub fn fs_magic(&self) -> io::Result<u64> {
+        let mut sf: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid descriptor and out-pointer.
+        check(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
+        Ok(sf.f_type as u64)
     }
 
     /// The entry `name`, not followed; `None` if there is none.

@@ -15,6 +15,9 @@
 //!   transaction cannot exist without the global lock.
 //! - [`session`] is the exec protocol; [`status`] judges recorded holders
 //!   against the kernel ([`kernel`]), which is the truth.
+//! - [`signals`] routes termination signals to the command and lets long
+//!   work stop for them; [`keeper`] runs the command for `--no-inherit`, so
+//!   that its whole process tree is gone before the locks are released.
 //! - [`cli`] is the command line, one file per command.
 //!
 //! # Lock order

@@ -271,7 +271,16 @@ impl Root {
         let euid = nix::unistd::geteuid().as_raw();
         let link = match fs::symlink_metadata(&self.dir) {
             Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Sharing::Private),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // Symlinks above the root are the user's choice; resolved
+                // once, so SQLite (which refuses any) gets a real path.
+                if let (Some(parent), Some(name)) = (self.dir.parent(), self.dir.file_name())
+                    && let Ok(real) = fs::canonicalize(parent)
+                {
+                    self.dir = real.join(name);
+                }
+                return Ok(Sharing::Private);
+            }
             Err(e) => {
                 return Err(e)
                     .with_context(|| format!("cannot inspect root {}", self.dir.display()));
@@ -301,6 +310,9 @@ impl Root {
             self.dir = real;
             m
         } else {
+            if let Ok(real) = fs::canonicalize(&self.dir) {
+                self.dir = real;
+            }
             link
         };
         if !m.is_dir() {

@@ -320,14 +320,25 @@ impl Session {
         // A build that filled the filesystem is recorded in the space kept
         // in reserve (space.rs).
         let held = &self.held;
+        let images_dir = &self.images_dir;
         let ids: Vec<i64> = self.record_ids().collect();
         store.retry_full(|store| {
             let (tx, ctx) = store.begin_cleanup()?;
             let now = clock::now_ms();
             for (h, (size, gone, trusted)) in held.iter().zip(&written) {
-                if *gone && *trusted {
+                let doubt = match gone {
+                    true => crate::adopt::unmounted(&tx, &ctx.root, images_dir)?,
+                    false => None,
+                };
+                if *gone && *trusted && doubt.is_none() {
                     tx.delete_image(h.name.as_str())?;
                     ctx.detail(&format!("image '{}' was deleted by the command", h.name));
+                    continue;
+                }
+                if let Some(doubt) = doubt {
+                    // Not seen, so not ready; but not forgotten either.
+                    ctx.say(&format!("image '{}' is incomplete: {doubt}", h.name));
+                    tx.set_state(h.name.as_str(), ImageState::Incomplete)?;
                     continue;
                 }
                 // A read's last use was recorded when it began; updating it
@@ -783,7 +794,7 @@ fn start(
         tx.commit()?;
         for (h, row) in held.iter().zip(&rows) {
             if h.writes() && row.is_none() {
-                let _ = std::fs::remove_file(h.guard.path());
+                let _ = crate::remove::unlink_held_lock(&ctx.root, &h.guard);
             }
         }
         return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));

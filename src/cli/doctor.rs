@@ -52,7 +52,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             };
             println!("{tag:>8}  {:<10}  {}", c.check, c.detail);
         }
-        if !report.healthy && !args.repair && report.locking {
+        // (A repair needs write access: no advice to someone without it.)
+        let writable = !report.checks.iter().any(|c| c.check == "access");
+        if !report.healthy && !args.repair && report.locking && writable {
             println!("run 'stowage doctor --repair' to fix what is safe to fix");
         }
     }
