@@ -94,16 +94,17 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
         .into());
     };
     let since = clock::now_ms();
-    fs::write(
-        &path,
-        format!(
-            "{}\t{}\t{}\n",
-            ctx.me.host,
-            ctx.me.pid,
-            clock::rfc3339(since).unwrap_or_else(|| "?".into())
-        ),
-    )
-    .with_context(|| format!("cannot write {}", path.display()))?;
+    guard
+        .set_contents(
+            format!(
+                "{}\t{}\t{}\n",
+                ctx.me.host,
+                ctx.me.pid,
+                clock::rfc3339(since).unwrap_or_else(|| "?".into())
+            )
+            .as_bytes(),
+        )
+        .with_context(|| format!("cannot write {}", path.display()))?;
     ctx.say(&format!(
         "holding the probe lock {} on host {} for {:.0} s: run 'stowage doctor' on another host sharing this root now",
         path.display(),

@@ -321,6 +321,12 @@ pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) ->
     if let Some(m) = lock::held_here_except(path, except) {
         return Some(m);
     }
+    // Cheapest first: not run by an exec at all, nothing more to look at.
+    let execs: Vec<u32> = std::env::var(EXEC_PIDS_ENV)
+        .ok()?
+        .split(':')
+        .filter_map(|p| p.parse().ok())
+        .collect();
     let dir = path.parent()?;
     if !filesystem(dir).is_ok_and(|f| f.local) {
         return None;
@@ -328,11 +334,6 @@ pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) ->
     let meta = fs::symlink_metadata(path).ok()?;
     let table = read_table().ok()?;
     let entries = table.get(&(meta.dev(), meta.ino()))?;
-    let execs: Vec<u32> = std::env::var(EXEC_PIDS_ENV)
-        .ok()?
-        .split(':')
-        .filter_map(|p| p.parse().ok())
-        .collect();
     let ancestors: Vec<u32> = ancestors()
         .into_iter()
         .filter(|p| execs.contains(p))

@@ -136,6 +136,18 @@ impl Guard {
         Ok(())
     }
 
+    /// Replaces the lock file's contents (a note for others, such as who
+    /// holds the probe lock), through the locked descriptor: never through
+    /// the path, where a symlink could have been planted since.
+    pub fn set_contents(&self, bytes: &[u8]) -> io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        self.file.set_len(0)?;
+        self.file.write_all_at(bytes, 0)?;
+        // On NFS, what is written reaches the server (and other hosts) on
+        // a sync or a close; we keep the descriptor open.
+        self.file.sync_data()
+    }
+
     /// Checks that the lock is still ours as far as the filesystem can
     /// tell. After a network partition longer than an NFS server's lease the
     /// server drops the client's locks (another host may then take them),
