@@ -755,3 +755,35 @@ fn on_a_shared_filesystem_lock_files_are_never_unlinked() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     assert!(flock_free(&env.lock_file("app")));
 }
+
+#[test]
+fn a_parent_that_is_no_exec_is_waited_for_like_anyone() {
+    // flock(1) -o holds the lock in the parent, not in the child: the
+    // parent is no exec running us, and may well release it while we wait.
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "one", "1"]);
+    let slot = env.root.join("locks/slots/one/0.lock");
+    let run_under_flock = |file: &std::path::Path, args: &[&str]| {
+        let mut c = Command::new("flock");
+        c.args(["-o", "-x"])
+            .arg(file)
+            .arg(bin())
+            .arg("--root")
+            .arg(&env.root);
+        c.args(args);
+        c.env_remove(stowage::kernel::EXEC_PIDS_ENV);
+        output(c)
+    };
+    fs::create_dir_all(slot.parent().unwrap()).unwrap();
+    let out = run_under_flock(
+        &slot,
+        &["exec", "--slot", "one", "--wait", "0.3", "--", "true"],
+    );
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = run_under_flock(
+        &env.lock_file("base"),
+        &["exec", "--read", "base", "--wait", "0.3", "--", "true"],
+    );
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+}
