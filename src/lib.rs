@@ -24,7 +24,9 @@
 //! **slots → image locks in ascending encoded-name order → global lock.**
 //! The global lock is held only for one short metadata transaction; while it
 //! is held a process may *try* image locks, never wait for one. Store-wide
-//! operations (schema migration) conflict with every image lock.
+//! operations (schema migration, [`store_wide`] holds for a whole command)
+//! conflict with every image lock; a store-wide hold's lease
+//! (`locks/store.lock`) is waited for only by a process holding nothing.
 //!
 //! # Example
 //! ```no_run

@@ -206,9 +206,13 @@ impl Session {
             drop(slot);
             match store_held {
                 // Holding nothing, wait for the store-wide command.
-                Some(h) => {
-                    crate::store_wide::wait_until_free(store, &h, req.deadline, req.no_wait)?
-                }
+                Some(h) => crate::store_wide::wait_until_free(
+                    store,
+                    &h,
+                    req.deadline,
+                    req.no_wait,
+                    &req.command,
+                )?,
                 None => store.migrate(req.deadline)?,
             }
         }
@@ -512,7 +516,13 @@ pub(crate) fn acquire_image(
     let mode = want.mode;
     let path = store.root().image_lock(name);
     let gate = store.root().image_gate(name);
-    let what = format!("{} lock on image '{name}'", mode.verb());
+    // An exclusive lock on an image that must be ready is --read-exclusive.
+    let verb = if mode == Mode::Exclusive && want.need == Need::Ready {
+        "exclusive read"
+    } else {
+        mode.verb()
+    };
+    let what = format!("{verb} lock on image '{name}'");
     let err = |e| lock_error(&format!("image '{name}'"), &path, e);
     let first = match try_image(&gate, &path, mode, want.need == Need::Create) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
