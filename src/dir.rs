@@ -114,6 +114,42 @@ impl Dir {
         })
     }
 
+    /// Like [`Dir::sub`], for a deletion: a directory of ours that we may
+    /// not read or search (a build can leave one mode 000) is first given
+    /// owner access, else it could never be deleted. The mode is changed
+    /// through an `O_PATH|O_NOFOLLOW` descriptor of the very directory (a
+    /// symlink swapped in is refused, never followed to its target).
+    fn sub_for_deletion(&self, name: &OsStr) -> io::Result<Dir> {
+        match self.sub(name) {
+            Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+                let c = cstr(name)?;
+                // SAFETY: valid descriptor and C string; owned at once.
+                let fd = check(unsafe {
+                    libc::openat(
+                        self.fd.as_raw_fd(),
+                        c.as_ptr(),
+                        libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                    )
+                })?;
+                let path = Dir {
+                    fd: unsafe { OwnedFd::from_raw_fd(fd) },
+                };
+                let st = path.stat()?;
+                // fchmod refuses an O_PATH descriptor; its /proc name is
+                // the directory itself, whatever happens to `name`.
+                let proc = CString::new(format!("/proc/self/fd/{fd}"))
+                    .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+                // SAFETY: a valid C string.
+                check(unsafe {
+                    libc::chmod(proc.as_ptr(), ((st.mode & 0o7777) | 0o700) as libc::mode_t)
+                })
+                .map_err(|_| e)?;
+                self.sub(name)
+            }
+            other => other,
+        }
+    }
+
     /// The directory itself.
     pub fn stat(&self) -> io::Result<Entry> {
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -301,7 +337,7 @@ impl Dir {
             *removed += 1;
             return Ok(());
         }
-        let top = match self.sub(name) {
+        let top = match self.sub_for_deletion(name) {
             Ok(d) => d,
             // Replaced by a non-directory since the stat: unlink that.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
@@ -449,7 +485,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         if st.dev != dev {
             return Err(mount_point(&name));
         }
-        let sub = match dir.sub(&name) {
+        let sub = match dir.sub_for_deletion(&name) {
             Ok(d) => d,
             Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
                 dir.unlink(&name)?;

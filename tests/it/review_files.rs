@@ -501,3 +501,65 @@ fn a_rebuild_killed_after_the_damaged_database_was_set_aside_loses_no_image() {
         storage.to_str().unwrap()
     );
 }
+
+/// `stowage ARGS…` as an unprivileged user: as root, uid 65534 through
+/// setpriv (root needs no permission, so the case would not arise);
+/// otherwise as ourselves.
+fn unprivileged(env: &Env, args: &[&str]) -> std::process::Output {
+    let mut c = if is_root() {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", bin()]);
+        c
+    } else {
+        Command::new(bin())
+    };
+    c.arg("--root").arg(&env.root).args(args);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    c.stdin(std::process::Stdio::null());
+    output(c)
+}
+
+#[test]
+fn a_directory_without_permissions_in_ones_own_image_is_deleted() {
+    let env = Env::new();
+    if is_root() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = env.tmp.path();
+        fs::set_permissions(t, fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::chown(t, Some(65534), Some(65534)).unwrap();
+    }
+    // A build that left a directory nobody may read or search.
+    let out = unprivileged(
+        &env,
+        &[
+            "exec",
+            "--write",
+            "a",
+            "--",
+            "sh",
+            "-c",
+            "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/f\" && chmod 000 \"$STOWAGE_IMAGE_DIR/d/e\" && chmod 500 \"$STOWAGE_IMAGE_DIR/d\"",
+        ],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = unprivileged(&env, &["rm", "a"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+    // The same for a rebuild from a base, which empties the image first.
+    for args in [
+        &["exec", "--write", "base", "--", "true"][..],
+        &[
+            "exec",
+            "--write",
+            "b",
+            "--",
+            "sh",
+            "-c",
+            "mkdir \"$STOWAGE_IMAGE_DIR/e\" && chmod 000 \"$STOWAGE_IMAGE_DIR/e\"",
+        ],
+        &["exec", "--write", "b", "--from", "base", "--", "true"],
+    ] {
+        let out = unprivileged(&env, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+}
