@@ -563,3 +563,41 @@ fn a_directory_without_permissions_in_ones_own_image_is_deleted() {
         assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
     }
 }
+
+#[test]
+fn the_root_seen_through_a_bind_mount_or_a_symlink_is_no_images_directory() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let t = env.tmp.path();
+    // A symlink among the parents: the same directories under other names.
+    std::os::unix::fs::symlink(t, t.join("alias")).unwrap();
+    let via_link = t.join("alias/root");
+    let inside = t.join("alias/root/locks");
+    let mut tries = vec![via_link, inside, t.join("alias")];
+    // A bind mount of the root.
+    let bind = t.join("bind");
+    fs::create_dir(&bind).unwrap();
+    let _m = if is_root() {
+        Mounted::new(&["--bind", env.root.to_str().unwrap()], &bind)
+    } else {
+        None
+    };
+    if _m.is_some() {
+        tries.push(bind.clone());
+    }
+    for dir in &tries {
+        let out = env.run(["init", "--images-dir", dir.to_str().unwrap()]);
+        assert_eq!(code(&out), Some(1), "{dir:?}: {}", show(&out));
+        assert!(stderr(&out).contains("root"), "{dir:?}: {}", show(&out));
+        assert!(env.images_json().is_empty(), "{dir:?}: {}", show(&out));
+    }
+    for d in ["locks", "img", "trash"] {
+        assert!(env.root.join(d).is_dir());
+    }
+    // The default images directory named explicitly is still fine.
+    env.ok([
+        "init",
+        "--images-dir",
+        env.root.join("img").to_str().unwrap(),
+    ]);
+}
