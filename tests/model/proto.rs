@@ -969,10 +969,12 @@ impl Proto {
                             }
                             // Refused: a lock file this exec made for an
                             // image it would have created goes again.
+                            // (It is unlinked after the commit and closed at
+                            // once: nothing happens to the image between.)
                             if let Some(w) = write
                                 && s.rows[w as usize].is_none()
                             {
-                                s.file[w as usize] = None;
+                                Self::unlink(s, p, w);
                             }
                             s.procs[p].pc = Pc::Release;
                             return;
