@@ -1,22 +1,36 @@
 //! Adopting image trees that have no row: `init` (directories a builder
 //! made before stowage), `doctor --repair` (trees whose rows were lost) and
-//! the rebuild of a damaged database.
+//! the rebuild of a damaged database; and knowing whether the images
+//! directory is the one whose trees the rows describe.
 //!
-//! `init` adopts every tree as `ready`, as the contract says: they are what
-//! a builder put there. A repair is more careful ([`Adopt::ByContent`]): a
-//! tree found without its row after a crash may be a creation that never
-//! finished (the process died between making the directory and recording
-//! the image), so an empty one is `incomplete` and never readable. Entries
-//! that are not directories (symlinks are never followed) or whose names do
-//! not decode to valid image names are reported and left alone.
+//! The rule: a tree whose readiness is not known is adopted `incomplete`.
+//! Only `init` adopting a directory that stowage never managed (no image
+//! recorded, no identity recorded) calls its trees `ready` — they are what
+//! a builder put there. In a store stowage manages, a tree without a row
+//! may be a failed build's partial tree or a creation a crash cut short;
+//! content says nothing about which, so it is never readable until a
+//! writer makes it ready (`stowage exec --write NAME -- true`). A rebuild
+//! keeps the state the damaged database still yields for a tree.
+//!
+//! Rows are information about trees; a missing tree normally means the row
+//! goes. But an images directory that is missing, empty, or not the
+//! directory recorded (another inode or filesystem type: an unmounted or
+//! wrongly mounted filesystem) says nothing about the trees, so no row is dropped
+//! and no tree adopted from it ([`Mount`]). The identity is recorded by
+//! `init` and by `doctor --repair`; `init` also accepts a new one.
+//!
+//! Entries that are not directories (symlinks are never followed) or whose
+//! names do not decode to valid image names are reported and left alone.
 
 use std::collections::{HashMap, HashSet};
 use std::fs;
+use std::io;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
 use crate::clock::{self, Millis};
+use crate::dir::Dir;
 use crate::meta::{ImageRow, ImageState, Tx};
 use crate::name::ImageName;
 
@@ -27,20 +41,24 @@ pub struct Orphans {
     pub skipped: Vec<(String, String)>,
 }
 
-/// Lists the trees in the images directory that no row names.
-pub fn orphans(tx: &Tx, dir: &Path) -> Result<Orphans> {
+/// Lists the trees in the images directory `images` (at `dir`) that no row
+/// names.
+pub fn orphans(tx: &Tx, images: &Dir, dir: &Path) -> Result<Orphans> {
     let known: HashSet<String> = tx.images()?.into_iter().map(|r| r.name).collect();
     let mut out = Orphans {
         trees: Vec::new(),
         skipped: Vec::new(),
     };
-    let entries = fs::read_dir(dir)
+    let entries = images
+        .names()
         .with_context(|| format!("cannot list images directory {}", dir.display()))?;
-    for entry in entries {
-        let entry =
-            entry.with_context(|| format!("cannot list images directory {}", dir.display()))?;
-        let raw = entry.file_name();
-        if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+    for raw in entries {
+        if !images
+            .stat_at(&raw)
+            .ok()
+            .flatten()
+            .is_some_and(|e| e.is_dir())
+        {
             continue;
         }
         let Some(enc) = raw.to_str() else {
@@ -51,7 +69,7 @@ pub fn orphans(tx: &Tx, dir: &Path) -> Result<Orphans> {
             continue;
         };
         match ImageName::from_encoded(enc) {
-            Ok(name) if !known.contains(name.as_str()) => out.trees.push((name, entry.path())),
+            Ok(name) if !known.contains(name.as_str()) => out.trees.push((name, dir.join(&raw))),
             Ok(_) => {}
             Err(e) => out.skipped.push((enc.to_owned(), e.rule.to_string())),
         }
@@ -62,11 +80,11 @@ pub fn orphans(tx: &Tx, dir: &Path) -> Result<Orphans> {
 /// How an adopted tree starts out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adopt {
-    /// `ready`: a tree a builder put there (`init`).
+    /// `ready`: a tree a builder put there before stowage managed the
+    /// directory (`init`, the first time).
     AsReady,
-    /// `ready` if it has content, `incomplete` if empty: a tree a crash may
-    /// have left (repair).
-    ByContent,
+    /// `incomplete`: readiness unknown (repair, rebuild, a later `init`).
+    Unknown,
 }
 
 /// Inserts a row for every tree in `dir` without one: the row `salvaged`
@@ -74,11 +92,12 @@ pub enum Adopt {
 /// Returns what was found, and how many rows came from `salvaged`.
 pub fn adopt(
     tx: &Tx,
+    images: &Dir,
     dir: &Path,
     how: Adopt,
     salvaged: &HashMap<String, ImageRow>,
 ) -> Result<(Orphans, usize)> {
-    let found = orphans(tx, dir)?;
+    let found = orphans(tx, images, dir)?;
     let mut from_salvage = 0;
     for (name, tree) in &found.trees {
         let row = match salvaged.get(name.as_str()) {
@@ -97,10 +116,6 @@ pub fn adopt(
 /// was last modified.
 pub fn row_for(name: &ImageName, tree: &Path, how: Adopt) -> ImageRow {
     let now = clock::now_ms();
-    let empty = how == Adopt::ByContent
-        && fs::read_dir(tree)
-            .map(|mut d| d.next().is_none())
-            .unwrap_or(true);
     let created: Millis = fs::metadata(tree)
         .ok()
         .and_then(|m| m.modified().ok())
@@ -108,14 +123,115 @@ pub fn row_for(name: &ImageName, tree: &Path, how: Adopt) -> ImageRow {
         .map_or(now, |d| d.as_millis() as Millis);
     ImageRow {
         name: name.as_str().to_owned(),
-        state: if empty {
-            ImageState::Incomplete
-        } else {
-            ImageState::Ready
+        state: match how {
+            Adopt::AsReady => ImageState::Ready,
+            Adopt::Unknown => ImageState::Incomplete,
         },
         base: None,
         created,
         last_used: created,
         size_bytes: None,
     }
+}
+
+/// The config key holding the images directory's identity.
+const IDENTITY: &str = "images_dir_identity";
+
+/// "INO@FSTYPE" of an open images directory: its inode number and the
+/// filesystem's type (statfs magic, in hex). Not the device number: NFS and
+/// others number devices anew at each mount, and a remount of the same
+/// filesystem must not look like another one. An unmounted directory (the
+/// mount point on the filesystem below) or another filesystem mounted
+/// there differs in one or the other.
+fn identity_of(images: &Dir) -> io::Result<String> {
+    let st = images.stat()?;
+    Ok(format!("{}@{:x}", st.ino, images.fs_magic()?))
+}
+
+/// Whether stowage ever managed the images directory `images`: an image
+/// is recorded, or its identity is.
+pub fn managed(tx: &Tx, images: &Dir) -> Result<bool> {
+    if tx.image_count()? > 0 {
+        return Ok(true);
+    }
+    let id = identity_of(images).context("cannot inspect the images directory")?;
+    Ok(tx.config(IDENTITY)?.as_deref() == Some(id.as_str()))
+}
+
+/// Records `images` as the images directory whose trees the rows describe.
+pub fn record_identity(tx: &Tx, images: &Dir) -> Result<()> {
+    let id = identity_of(images).context("cannot inspect the images directory")?;
+    if tx.config(IDENTITY)?.as_deref() != Some(id.as_str()) {
+        tx.set_config(IDENTITY, &id)?;
+    }
+    Ok(())
+}
+
+/// What the images directory looks like, for deciding whether a missing
+/// tree means a missing image.
+pub enum Mount {
+    /// The recorded directory (or none recorded yet), with entries.
+    Ours(Dir),
+    /// Missing or unusable.
+    Missing(String),
+    /// Empty, while rows say there are trees.
+    Empty(Dir),
+    /// Another directory than the one recorded.
+    Other { recorded: String, now: String },
+}
+
+impl Mount {
+    /// Why rows cannot be judged by this directory, if they cannot.
+    pub fn doubt(&self, dir: &Path) -> Option<String> {
+        match self {
+            Mount::Ours(_) => None,
+            Mount::Missing(why) => Some(format!(
+                "images directory {} is not usable ({why}): is it mounted?",
+                dir.display()
+            )),
+            Mount::Empty(_) => Some(format!(
+                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images)",
+                dir.display()
+            )),
+            Mount::Other { recorded, now } => Some(format!(
+                "images directory {} is not the directory recorded (inode@filesystem {now}, recorded {recorded}): is the right filesystem mounted? ('stowage init' accepts it as the images directory if it is)",
+                dir.display()
+            )),
+        }
+    }
+}
+
+/// Looks at the images directory `dir` of `root`. `recorded_trees` says
+/// whether any row expects a tree there.
+pub fn mount(tx: &Tx, root: &crate::root::Root, dir: &Path, recorded_trees: bool) -> Result<Mount> {
+    let images = match root.open_images_dir(dir) {
+        Ok(d) => d,
+        Err(e) => return Ok(Mount::Missing(format!("{e:#}"))),
+    };
+    let now = identity_of(&images).context("cannot inspect the images directory")?;
+    if let Some(recorded) = tx.config(IDENTITY)?
+        && recorded != now
+    {
+        return Ok(Mount::Other { recorded, now });
+    }
+    let empty = images
+        .names()
+        .with_context(|| format!("cannot list images directory {}", dir.display()))?
+        .is_empty();
+    Ok(if empty && recorded_trees {
+        Mount::Empty(images)
+    } else {
+        Mount::Ours(images)
+    })
+}
+
+/// Whether a tree missing from `dir` may be the images directory's fault
+/// (missing, or not the directory recorded) rather than a deletion: the
+/// reason, if so. (An empty directory is no sign here: deleting the last
+/// image leaves one.)
+pub fn unmounted(tx: &Tx, root: &crate::root::Root, dir: &Path) -> Result<Option<String>> {
+    Ok(match mount(tx, root, dir, false)? {
+        m @ (Mount::Missing(_) | Mount::Other { .. }) => m.doubt(dir),
+        Mount::Ours(_) | Mount::Empty(_) => None,
+    })
 }

@@ -4,6 +4,13 @@
 //! tests of time-based policy (gc's "unused for", LRU order) fake the passage
 //! of time instead of sleeping. It affects recorded times only, never how
 //! long anything waits.
+//!
+//! Invariants: every time stowage records lies between the epoch and the end
+//! of year 9999 (what RFC 3339 can write). A `STOWAGE_NOW` outside that range
+//! — typically milliseconds given where seconds are meant — or one that does
+//! not parse is refused before any command runs ([`check_env`]), and a
+//! stored time outside it (written by another host's clock, or by an older
+//! release) is rendered as unknown, never a panic.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -14,8 +21,13 @@ pub const NOW_ENV: &str = "STOWAGE_NOW";
 /// Milliseconds since the epoch.
 pub type Millis = i64;
 
+/// The last millisecond of year 9999: the latest time RFC 3339 can write.
+pub const MAX_MS: Millis = 253_402_300_799_999;
+
 pub fn now_ms() -> Millis {
     match std::env::var(NOW_ENV) {
+        // Checked at start ([`check_env`]); a value that slipped past (a
+        // library caller) falls back to the real clock.
         Ok(v) if !v.is_empty() => parse_time(&v).unwrap_or_else(|_| real_now_ms()),
         _ => real_now_ms(),
     }
@@ -24,31 +36,69 @@ pub fn now_ms() -> Millis {
 fn real_now_ms() -> Millis {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as Millis)
+        .map_or(0, |d| (d.as_millis() as Millis).clamp(0, MAX_MS))
 }
 
-/// Parses RFC 3339 (`2026-11-29T12:03:04Z`) or plain epoch seconds.
+/// Refuses a `STOWAGE_NOW` that is not a time stowage can record: the one
+/// line names the variable and what is wrong (exit 64 as bad input).
+pub fn check_env() -> std::result::Result<(), crate::Error> {
+    match std::env::var_os(NOW_ENV) {
+        None => Ok(()),
+        Some(v) if v.is_empty() => Ok(()),
+        Some(v) => {
+            let s = v.to_string_lossy();
+            parse_time(&s)
+                .map(|_| ())
+                .map_err(|e| crate::Error::Usage(format!("{NOW_ENV}={s:?}: {e:#}")))
+        }
+    }
+}
+
+/// Parses RFC 3339 (`2026-11-29T12:03:04Z`) or plain epoch seconds, between
+/// the epoch and the end of year 9999.
 pub fn parse_time(s: &str) -> Result<Millis> {
     if let Ok(secs) = s.parse::<f64>() {
         if !secs.is_finite() {
-            bail!("{s:?} is not a time");
+            bail!("not a time");
         }
-        return Ok((secs * 1000.0) as Millis);
+        let ms = secs * 1000.0;
+        if !(0.0..=MAX_MS as f64).contains(&ms) {
+            bail!(
+                "{s} seconds since the epoch is {}, not a time stowage can record \
+                 (seconds are expected, not milliseconds)",
+                if ms < 0.0 {
+                    "before 1970"
+                } else {
+                    "after year 9999"
+                }
+            );
+        }
+        return Ok(ms as Millis);
     }
     let t = humantime::parse_rfc3339_weak(s)
-        .with_context(|| format!("{s:?} is not an RFC 3339 time"))?;
-    Ok(t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as Millis))
+        .context("not a time (RFC 3339, e.g. 2026-11-29T12:03:04Z, or epoch seconds)")?;
+    let ms = t
+        .duration_since(UNIX_EPOCH)
+        .map_err(|_| anyhow::anyhow!("before 1970, not a time stowage can record"))?
+        .as_millis();
+    Ok(ms.min(MAX_MS as u128) as Millis)
 }
 
-/// RFC 3339 UTC with second precision, as in the JSON contract.
-pub fn rfc3339(ms: Millis) -> String {
-    let t = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
-    humantime::format_rfc3339_seconds(t).to_string()
+/// RFC 3339 UTC with second precision, as in the JSON contract; None for a
+/// stored time it cannot express (before 1970 or after year 9999).
+pub fn rfc3339(ms: Millis) -> Option<String> {
+    if !(0..=MAX_MS).contains(&ms) {
+        return None;
+    }
+    let t = UNIX_EPOCH + Duration::from_millis(ms as u64);
+    Some(humantime::format_rfc3339_seconds(t).to_string())
 }
 
 /// Local wall-clock time for messages: `12:03:04` today, else with the date.
 pub fn local_short(ms: Millis) -> String {
+    if !(0..=MAX_MS).contains(&ms) {
+        return "an unknown time".into();
+    }
     let (date, time) = local_parts(ms);
     let (today, _) = local_parts(now_ms());
     if date == today {
@@ -60,6 +110,9 @@ pub fn local_short(ms: Millis) -> String {
 
 /// Local date and time for tables: `2026-11-29 12:03`.
 pub fn local_minutes(ms: Millis) -> String {
+    if !(0..=MAX_MS).contains(&ms) {
+        return "unknown".into();
+    }
     let (date, time) = local_parts(ms);
     format!("{date} {}", &time[..5])
 }
@@ -70,7 +123,7 @@ fn local_parts(ms: Millis) -> (String, String) {
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
     let ok = unsafe { !libc::localtime_r(&secs, &mut tm).is_null() };
     if !ok {
-        let s = rfc3339(ms);
+        let s = rfc3339(ms).unwrap_or_else(|| "????-??-??T??:??:??Z".into());
         return (s[..10].to_owned(), s[11..19].to_owned());
     }
     (
@@ -86,7 +139,7 @@ fn local_parts(ms: Millis) -> (String, String) {
 
 /// "3 s", "12 min", "5 h", "2 days": how long ago, for humans.
 pub fn ago(ms: Millis) -> String {
-    let secs = ((now_ms() - ms) / 1000).max(0);
+    let secs = (now_ms().saturating_sub(ms) / 1000).max(0);
     match secs {
         s if s < 120 => format!("{s} s"),
         s if s < 7200 => format!("{} min", s / 60),
@@ -101,7 +154,16 @@ mod tests {
 
     #[test]
     fn formats_rfc3339_utc() {
-        assert_eq!(rfc3339(1_795_953_784_000), "2026-11-29T12:03:04Z");
+        assert_eq!(
+            rfc3339(1_795_953_784_000).as_deref(),
+            Some("2026-11-29T12:03:04Z")
+        );
+        assert_eq!(rfc3339(MAX_MS + 1), None);
+        assert_eq!(rfc3339(i64::MAX), None);
+        assert_eq!(rfc3339(-1), None);
+        assert_eq!(local_minutes(i64::MAX), "unknown");
+        assert_eq!(local_short(i64::MIN), "an unknown time");
+        let _ = ago(i64::MIN);
     }
 
     #[test]
@@ -113,5 +175,8 @@ mod tests {
         assert_eq!(parse_time("1795953784").unwrap(), 1_795_953_784_000);
         assert!(parse_time("yesterday").is_err());
         assert!(parse_time("nan").is_err());
+        // Milliseconds where seconds are meant: year 58880.
+        assert!(parse_time("1795953784000").is_err());
+        assert!(parse_time("-5").is_err());
     }
 }

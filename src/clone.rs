@@ -3,30 +3,42 @@
 //! The copy keeps what a root filesystem needs: file types (regular files,
 //! directories, symlinks, FIFOs, sockets, device nodes where permitted),
 //! permission bits including setuid/setgid/sticky, ownership where
-//! permitted, modification and access times, and hard links — two names for
-//! one inode in the base are two names for one (new) inode in the copy.
+//! permitted, modification and access times, hard links — two names for
+//! one inode in the base are two names for one (new) inode in the copy —,
+//! holes — a sparse file stays sparse —, and extended attributes: file
+//! capabilities (`security.capability`), POSIX ACLs (`system.posix_acl_*`),
+//! `user.*` and whatever else the target accepts. What it cannot keep (a
+//! device node without privilege, an attribute the target refuses) is
+//! counted and reported, never silently dropped.
 //! Regular files are cloned with FICLONE where the filesystem can (btrfs,
-//! XFS), so a clone costs no space; elsewhere they are copied.
+//! XFS), so a clone costs no space; elsewhere only their data is copied
+//! (SEEK_DATA/SEEK_HOLE, then copy_file_range).
 //!
-//! Invariants: nothing is ever followed. Sources are opened with
-//! `O_NOFOLLOW`, symlinks are copied as links, the walk does not descend
-//! through them, and every destination is created fresh (`O_EXCL`) inside the
-//! new image's (empty) directory, so the copy cannot write outside it. No
-//! inode is shared with the base.
+//! Invariants: nothing is ever followed, and no path is ever built: the walk
+//! goes by directory descriptor ([`crate::tree`]), so it works at any depth.
+//! Sources are opened with `O_NOFOLLOW`, symlinks are copied as links, the
+//! walk does not descend through them, and every destination is created
+//! fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) inside the new
+//! image's (empty) directory, so the copy cannot write outside it. No inode
+//! is shared with the base. Attributes are set in an order that keeps them:
+//! owner (which clears setuid bits and capabilities), then mode, then
+//! extended attributes (an ACL rewrites the group bits the mode set), then
+//! times.
 
-use std::collections::HashMap;
-use std::ffi::CString;
-use std::fs::{self, OpenOptions};
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{CStr, CString};
+use std::fs::File;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
+use crate::tree::{self, Dir, DirExt, Trail};
+
 /// What a copy did.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Copied {
     pub files: u64,
     pub bytes: u64,
@@ -34,7 +46,38 @@ pub struct Copied {
     pub reflinked: u64,
     /// Special files that could not be created (no permission).
     pub skipped_special: u64,
+    /// Extended attributes the target refused, by attribute name: how many,
+    /// and the first cause.
+    pub xattrs_lost: BTreeMap<String, (u64, String)>,
+    /// The first few refusals in full (file, attribute, cause), for -v.
+    pub xattr_details: Vec<String>,
 }
+
+impl Copied {
+    /// "security.selinux ×3 (Operation not permitted), user.x (…)" — one
+    /// line about what could not be kept; None if everything was.
+    pub fn xattrs_summary(&self) -> Option<String> {
+        if self.xattrs_lost.is_empty() {
+            return None;
+        }
+        let parts: Vec<String> = self
+            .xattrs_lost
+            .iter()
+            .map(|(name, (n, cause))| {
+                let name = crate::ident::printable(name);
+                if *n == 1 {
+                    format!("{name} ({cause})")
+                } else {
+                    format!("{name} ×{n} ({cause})")
+                }
+            })
+            .collect();
+        Some(parts.join(", "))
+    }
+}
+
+/// How many refusals -v lists one by one.
+const DETAILS: usize = 20;
 
 /// Reports progress; `None` when nothing should be shown.
 pub trait Progress {
@@ -46,110 +89,194 @@ pub trait Progress {
     fn finish(&mut self);
 }
 
+/// A directory being copied: the source, its copy, the names left to copy.
+struct Frame {
+    src: Dir,
+    dst: Dir,
+    meta: libc::stat,
+    names: std::vec::IntoIter<CString>,
+}
+
 /// Copies the tree at `src` into the existing, empty directory `dst`.
 pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<Copied> {
+    let _files = tree::MoreFiles::raise();
     if progress.shown() {
-        let total: u64 = walkdir::WalkDir::new(src)
-            .follow_links(false)
-            .into_iter()
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_type().is_file())
-            .filter_map(|e| e.metadata().ok())
-            .map(|m| m.len())
-            .sum();
+        let total = crate::usage::apparent_size(src).unwrap_or(0);
         progress.total(total);
     }
+    let src_root = Dir::open_top(src).with_context(|| format!("cannot open {}", src.display()))?;
+    let dst_root = Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?;
+    let meta = src_root
+        .lstat()
+        .with_context(|| format!("cannot read {}", src.display()))?;
+    let names = src_root
+        .entries()
+        .with_context(|| format!("cannot list {}", src.display()))?;
 
     let mut out = Copied::default();
-    let mut links: HashMap<(u64, u64), std::path::PathBuf> = HashMap::new();
+    // First copy of each hard-linked inode, as names from `dst`.
+    let mut links: HashMap<(u64, u64), Vec<CString>> = HashMap::new();
     let mut reflink_works = true;
+    let mut trail = Trail::default();
     // Directories get their mode and times after their contents are in
     // place: a read-only directory must stay writable while we fill it, and
     // writing into it would change its mtime.
-    let mut dirs: Vec<(std::path::PathBuf, fs::Metadata)> = Vec::new();
-
-    let root_meta =
-        fs::symlink_metadata(src).with_context(|| format!("cannot read {}", src.display()))?;
-    dirs.push((dst.to_owned(), root_meta));
-
-    for entry in walkdir::WalkDir::new(src).follow_links(false).min_depth(1) {
-        let entry = entry.with_context(|| format!("cannot walk {}", src.display()))?;
-        let rel = entry
-            .path()
-            .strip_prefix(src)
-            .expect("walk stays under src");
-        let to = dst.join(rel);
-        let meta = entry
-            .metadata()
-            .with_context(|| format!("cannot read {}", entry.path().display()))?;
-        let ft = meta.file_type();
-        let ctx = || format!("cannot copy {} to {}", entry.path().display(), to.display());
-        if ft.is_dir() {
-            fs::create_dir(&to).with_context(ctx)?;
+    let mut stack = vec![Frame {
+        src: src_root,
+        dst: Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?,
+        meta,
+        names: names.into_iter(),
+    }];
+    while let Some(top) = stack.last_mut() {
+        let Some(name) = top.names.next() else {
+            let done = stack.pop().expect("not empty");
+            trail.0.pop();
+            let at = || trail.show(dst, None);
+            set_attrs(
+                Target::Fd(done.dst.fd()),
+                Target::Fd(done.src.fd()),
+                &done.meta,
+                &mut out,
+                &at,
+            )
+            .with_context(|| format!("cannot set attributes of {}", at()))?;
+            continue;
+        };
+        crate::signals::check()?;
+        let from = || trail.show(src, Some(&name));
+        let to = || trail.show(dst, Some(&name));
+        let ctx = || format!("cannot copy {} to {}", from(), to());
+        let meta = top.src.lstat_at(&name).with_context(ctx)?;
+        let ft = tree::file_type(&meta);
+        if ft == libc::S_IFDIR {
             // Owner rwx while filling; the real mode is set at the end.
-            fs::set_permissions(&to, fs::Permissions::from_mode(0o700)).with_context(ctx)?;
-            dirs.push((to, meta));
+            mkdirat(&top.dst, &name).with_context(ctx)?;
+            let s = top.src.open_at(&name).with_context(ctx)?;
+            let d = top.dst.open_at(&name).with_context(ctx)?;
+            let names = s.entries().with_context(ctx)?;
+            trail.0.push(name);
+            stack.push(Frame {
+                src: s,
+                dst: d,
+                meta,
+                names: names.into_iter(),
+            });
             continue;
         }
-        if meta.nlink() > 1 {
-            if let Some(first) = links.get(&(meta.dev(), meta.ino())) {
-                fs::hard_link(first, &to).with_context(ctx)?;
+        if meta.st_nlink > 1 {
+            let key = (meta.st_dev, meta.st_ino);
+            if let Some(first) = links.get(&key) {
+                link_to(&dst_root, first, &top.dst, &name).with_context(ctx)?;
                 continue;
             }
-            links.insert((meta.dev(), meta.ino()), to.clone());
+            let mut names = trail.0.clone();
+            names.push(name.clone());
+            links.insert(key, names);
         }
-        if ft.is_symlink() {
-            let target = fs::read_link(entry.path()).with_context(ctx)?;
-            std::os::unix::fs::symlink(&target, &to).with_context(ctx)?;
-        } else if ft.is_file() {
-            let reflinked =
-                copy_file(entry.path(), &to, &meta, &mut reflink_works).with_context(ctx)?;
-            out.files += 1;
-            out.bytes += meta.len();
-            out.reflinked += u64::from(reflinked);
-            progress.advance(meta.len());
-            if out.files == 1 {
-                crate::debug::pause("clone-copying");
+        let at = || to();
+        match ft {
+            libc::S_IFLNK => {
+                let target = readlinkat(&top.src, &name).with_context(ctx)?;
+                symlinkat(&target, &top.dst, &name).with_context(ctx)?;
+                set_attrs(
+                    Target::At(&top.dst, &name),
+                    Target::At(&top.src, &name),
+                    &meta,
+                    &mut out,
+                    &at,
+                )
+                .with_context(ctx)?;
             }
-        } else if ft.is_fifo() || ft.is_socket() || ft.is_char_device() || ft.is_block_device() {
-            match mknod(&to, &meta) {
-                Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                    out.skipped_special += 1;
-                    continue;
+            libc::S_IFREG => {
+                let (src_f, dst_f) =
+                    open_pair(&top.src, &top.dst, &name, &meta).with_context(ctx)?;
+                let reflinked = copy_data(&src_f, &dst_f, &mut reflink_works).with_context(ctx)?;
+                set_attrs(
+                    Target::Fd(dst_f.as_raw_fd()),
+                    Target::Fd(src_f.as_raw_fd()),
+                    &meta,
+                    &mut out,
+                    &at,
+                )
+                .with_context(ctx)?;
+                let len = meta.st_size as u64;
+                out.files += 1;
+                out.bytes += len;
+                out.reflinked += u64::from(reflinked);
+                progress.advance(len);
+                if out.files == 1 {
+                    crate::debug::pause("clone-copying");
                 }
-                Err(e) => return Err(e).with_context(ctx),
+            }
+            _ => {
+                match mknodat(&top.dst, &name, &meta) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                        out.skipped_special += 1;
+                        // Its other names are skipped too, not linked to
+                        // nothing.
+                        links.remove(&(meta.st_dev, meta.st_ino));
+                        continue;
+                    }
+                    Err(e) => return Err(e).with_context(ctx),
+                }
+                set_attrs(
+                    Target::At(&top.dst, &name),
+                    Target::At(&top.src, &name),
+                    &meta,
+                    &mut out,
+                    &at,
+                )
+                .with_context(ctx)?;
             }
         }
-        set_owner_mode_times(&to, &meta, !ft.is_symlink()).with_context(ctx)?;
     }
-    for (dir, meta) in dirs.iter().rev() {
-        set_owner_mode_times(dir, meta, true)
-            .with_context(|| format!("cannot set attributes of {}", dir.display()))?;
-    }
+    drop(dst_root);
     progress.finish();
     Ok(out)
 }
 
-/// Copies one regular file; returns whether it was reflinked.
-fn copy_file(
-    from: &Path,
-    to: &Path,
-    meta: &fs::Metadata,
-    reflink_works: &mut bool,
-) -> io::Result<bool> {
-    let src = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(from)?;
-    let mut dst = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(to)?;
-    if *reflink_works && meta.len() > 0 {
-        match reflink_copy::reflink_file(&src, &dst) {
+/// Opens a regular file of the base and creates its copy. The source is
+/// opened without blocking (a FIFO swapped in after the look would
+/// otherwise hang the copy) and must still be the file that was looked at.
+fn open_pair(src: &Dir, dst: &Dir, name: &CStr, meta: &libc::stat) -> io::Result<(File, File)> {
+    // SAFETY: valid descriptors and C strings; descriptors owned at once.
+    let fd = unsafe {
+        libc::openat(
+            src.fd(),
+            name.as_ptr(),
+            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let s = unsafe { File::from_raw_fd(fd) };
+    let now = tree::fstat(s.as_raw_fd())?;
+    if tree::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
+        return Err(io::Error::other("changed while being copied"));
+    }
+    let fd = unsafe {
+        libc::openat(
+            dst.fd(),
+            name.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o600 as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((s, unsafe { File::from_raw_fd(fd) }))
+}
+
+/// Copies one regular file's data; returns whether it was reflinked.
+/// Without reflink only the data regions are copied and the length set
+/// after: holes stay holes.
+fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<bool> {
+    let len = tree::fstat(src.as_raw_fd())?.st_size as u64;
+    if *reflink_works && len > 0 {
+        match reflink_copy::reflink_file(src, dst) {
             Ok(()) => return Ok(true),
             Err(e)
                 if matches!(
@@ -163,26 +290,109 @@ fn copy_file(
             Err(e) => return Err(e),
         }
     }
-    // std copies with copy_file_range(2) where it can (in-kernel, and
-    // sparse-aware on some filesystems).
-    io::copy(&mut &src, &mut dst)?;
+    let (s, d) = (src.as_raw_fd(), dst.as_raw_fd());
+    let mut pos: u64 = 0;
+    while pos < len {
+        // SAFETY: plain lseek on our descriptor.
+        let data = unsafe { libc::lseek(s, pos as libc::off_t, libc::SEEK_DATA) };
+        let data = if data < 0 {
+            match io::Error::last_os_error().raw_os_error() {
+                // No data after `pos`: the rest is a hole.
+                Some(libc::ENXIO) => break,
+                // No hole support here: all of it is data.
+                Some(libc::EINVAL | libc::EOPNOTSUPP) => pos,
+                _ => return Err(io::Error::last_os_error()),
+            }
+        } else {
+            data as u64
+        };
+        let hole = unsafe { libc::lseek(s, data as libc::off_t, libc::SEEK_HOLE) };
+        let hole = if hole < 0 {
+            len
+        } else {
+            (hole as u64).min(len)
+        };
+        if hole <= data {
+            break;
+        }
+        copy_range(s, d, data, hole - data)?;
+        pos = hole;
+    }
+    // The length, with a trailing hole if there is one.
+    // SAFETY: plain ftruncate on our descriptor.
+    if unsafe { libc::ftruncate(d, len as libc::off_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
     Ok(false)
 }
 
-fn cpath(p: &Path) -> io::Result<CString> {
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+/// Copies `len` bytes at `off` from `s` to the same offset of `d`: in the
+/// kernel where it can, else through a buffer.
+fn copy_range(s: RawFd, d: RawFd, off: u64, len: u64) -> io::Result<()> {
+    let (mut off_in, mut off_out) = (off as libc::loff_t, off as libc::loff_t);
+    let end = off + len;
+    let mut kernel = true;
+    let mut buf = Vec::new();
+    while (off_in as u64) < end {
+        let want = (end - off_in as u64).min(1 << 30) as usize;
+        if kernel {
+            // SAFETY: valid descriptors and offset pointers.
+            let n = unsafe { libc::copy_file_range(s, &mut off_in, d, &mut off_out, want, 0) };
+            if n > 0 {
+                continue;
+            }
+            if n == 0 {
+                return Ok(()); // The file shrank under us.
+            }
+            match io::Error::last_os_error().raw_os_error() {
+                Some(
+                    libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | libc::EPERM,
+                ) => {
+                    kernel = false;
+                    buf.resize(1 << 20, 0);
+                }
+                Some(libc::EINTR) => {}
+                _ => return Err(io::Error::last_os_error()),
+            }
+            continue;
+        }
+        let chunk = want.min(buf.len());
+        // SAFETY: the buffer holds `chunk` bytes.
+        let n = unsafe { libc::pread(s, buf.as_mut_ptr().cast(), chunk, off_in as libc::off_t) };
+        if n < 0 {
+            if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(io::Error::last_os_error());
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let mut written = 0usize;
+        while written < n as usize {
+            let w = unsafe {
+                libc::pwrite(
+                    d,
+                    buf[written..].as_ptr().cast(),
+                    n as usize - written,
+                    (off_out as usize + written) as libc::off_t,
+                )
+            };
+            if w < 0 {
+                if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                return Err(io::Error::last_os_error());
+            }
+            written += w as usize;
+        }
+        off_in += n as libc::loff_t;
+        off_out += n as libc::loff_t;
+    }
+    Ok(())
 }
 
-fn mknod(to: &Path, meta: &fs::Metadata) -> io::Result<()> {
-    let c = cpath(to)?;
-    // SAFETY: plain mknod with a valid C string.
-    let r = unsafe {
-        libc::mknod(
-            c.as_ptr(),
-            meta.mode() as libc::mode_t,
-            meta.rdev() as libc::dev_t,
-        )
-    };
+fn cvt(r: libc::c_int) -> io::Result<()> {
     if r == 0 {
         Ok(())
     } else {
@@ -190,46 +400,213 @@ fn mknod(to: &Path, meta: &fs::Metadata) -> io::Result<()> {
     }
 }
 
-/// Ownership (where permitted), mode and times, never following a symlink.
-fn set_owner_mode_times(path: &Path, meta: &fs::Metadata, set_mode: bool) -> io::Result<()> {
-    let c = cpath(path)?;
-    // SAFETY: calls on a valid C string; no pointers are kept.
-    unsafe {
-        if libc::lchown(c.as_ptr(), meta.uid(), meta.gid()) != 0 {
-            let e = io::Error::last_os_error();
-            // An unprivileged user cannot give files away: keep our own.
-            if e.raw_os_error() != Some(libc::EPERM) {
-                return Err(e);
-            }
+fn mkdirat(dir: &Dir, name: &CStr) -> io::Result<()> {
+    // SAFETY: valid descriptor and C string.
+    cvt(unsafe { libc::mkdirat(dir.fd(), name.as_ptr(), 0o700) })
+}
+
+fn mknodat(dir: &Dir, name: &CStr, meta: &libc::stat) -> io::Result<()> {
+    // SAFETY: valid descriptor and C string.
+    cvt(unsafe { libc::mknodat(dir.fd(), name.as_ptr(), meta.st_mode, meta.st_rdev) })
+}
+
+fn readlinkat(dir: &Dir, name: &CStr) -> io::Result<CString> {
+    let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
+    // SAFETY: the buffer holds buf.len() bytes.
+    let n =
+        unsafe { libc::readlinkat(dir.fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    buf.truncate(n as usize);
+    CString::new(buf).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
+}
+
+fn symlinkat(target: &CStr, dir: &Dir, name: &CStr) -> io::Result<()> {
+    // SAFETY: valid descriptor and C strings.
+    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.fd(), name.as_ptr()) })
+}
+
+/// A second name for the copy of a hard-linked inode: the first copy is
+/// found again from the top of the copy, one directory at a time.
+fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
+    let (last, parents) = first.split_last().expect("a name");
+    let mut owned: Option<Dir> = None;
+    for p in parents {
+        let next = owned.as_ref().unwrap_or(dst_root).open_at(p)?;
+        owned = Some(next);
+    }
+    let parent = owned.as_ref().unwrap_or(dst_root);
+    // SAFETY: valid descriptors and C strings; flags 0 never follow.
+    cvt(unsafe { libc::linkat(parent.fd(), last.as_ptr(), dir.fd(), name.as_ptr(), 0) })
+}
+
+/// Where attributes are read or set: an open file, or a name in a
+/// directory (symlinks and special files, which are not opened).
+enum Target<'a> {
+    Fd(RawFd),
+    At(&'a Dir, &'a CStr),
+}
+
+/// Owner (where permitted), mode, extended attributes and times, in that
+/// order, never following a symlink.
+fn set_attrs(
+    dst: Target,
+    src: Target,
+    meta: &libc::stat,
+    out: &mut Copied,
+    at: &dyn Fn() -> String,
+) -> io::Result<()> {
+    let symlink = tree::file_type(meta) == libc::S_IFLNK;
+    // SAFETY: calls on valid descriptors and C strings; no pointers kept.
+    let r = match &dst {
+        Target::Fd(fd) => unsafe { libc::fchown(*fd, meta.st_uid, meta.st_gid) },
+        Target::At(d, n) => unsafe {
+            libc::fchownat(
+                d.fd(),
+                n.as_ptr(),
+                meta.st_uid,
+                meta.st_gid,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        },
+    };
+    if r != 0 {
+        let e = io::Error::last_os_error();
+        // An unprivileged user cannot give files away: keep our own.
+        if e.raw_os_error() != Some(libc::EPERM) {
+            return Err(e);
         }
     }
-    if set_mode {
+    if !symlink {
         // After chown, which clears setuid/setgid bits.
-        fs::set_permissions(path, fs::Permissions::from_mode(meta.mode() & 0o7777))?;
+        let mode = meta.st_mode & 0o7777;
+        match &dst {
+            Target::Fd(fd) => cvt(unsafe { libc::fchmod(*fd, mode) })?,
+            // A FIFO, socket or device node we just created, not a symlink.
+            Target::At(d, n) => cvt(unsafe { libc::fchmodat(d.fd(), n.as_ptr(), mode, 0) })?,
+        }
     }
+    copy_xattrs(&src, &dst, out, at);
     let times = [
         libc::timespec {
-            tv_sec: meta.atime() as libc::time_t,
-            tv_nsec: meta.atime_nsec() as _,
+            tv_sec: meta.st_atime,
+            tv_nsec: meta.st_atime_nsec as _,
         },
         libc::timespec {
-            tv_sec: meta.mtime() as libc::time_t,
-            tv_nsec: meta.mtime_nsec() as _,
+            tv_sec: meta.st_mtime,
+            tv_nsec: meta.st_mtime_nsec as _,
         },
     ];
-    // SAFETY: valid path and a two-element array, as utimensat requires.
-    let r = unsafe {
-        libc::utimensat(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            times.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
+    // SAFETY: a two-element array, as utimensat requires.
+    match &dst {
+        Target::Fd(fd) => cvt(unsafe { libc::futimens(*fd, times.as_ptr()) }),
+        Target::At(d, n) => cvt(unsafe {
+            libc::utimensat(
+                d.fd(),
+                n.as_ptr(),
+                times.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        }),
+    }
+}
+
+/// Reads the list or a value of extended attributes into a growing buffer.
+fn xattr_read(mut call: impl FnMut(*mut libc::c_void, usize) -> isize) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; 256];
+    loop {
+        let n = call(buf.as_mut_ptr().cast(), buf.len());
+        if n >= 0 {
+            buf.truncate(n as usize);
+            return Ok(buf);
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ERANGE) || buf.len() >= 1 << 24 {
+            return Err(e);
+        }
+        // Ask for the size needed, then try again with it.
+        let need = call(std::ptr::null_mut(), 0);
+        if need < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        buf.resize((need as usize).max(buf.len() * 2), 0);
+    }
+}
+
+fn list_xattrs(t: &Target) -> io::Result<Vec<u8>> {
+    // SAFETY: each call gets a buffer of the length it is told.
+    match t {
+        Target::Fd(fd) => xattr_read(|p, n| unsafe { libc::flistxattr(*fd, p.cast(), n) }),
+        Target::At(d, name) => {
+            let p = d.proc_path(name);
+            xattr_read(|b, n| unsafe { libc::llistxattr(p.as_ptr(), b.cast(), n) })
+        }
+    }
+}
+
+fn get_xattr(t: &Target, key: &CStr) -> io::Result<Vec<u8>> {
+    // SAFETY: as above.
+    match t {
+        Target::Fd(fd) => xattr_read(|p, n| unsafe { libc::fgetxattr(*fd, key.as_ptr(), p, n) }),
+        Target::At(d, name) => {
+            let path = d.proc_path(name);
+            xattr_read(|p, n| unsafe { libc::lgetxattr(path.as_ptr(), key.as_ptr(), p, n) })
+        }
+    }
+}
+
+fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
+    // SAFETY: the value pointer and length describe `value`.
+    let r = match t {
+        Target::Fd(fd) => unsafe {
+            libc::fsetxattr(*fd, key.as_ptr(), value.as_ptr().cast(), value.len(), 0)
+        },
+        Target::At(d, name) => {
+            let path = d.proc_path(name);
+            unsafe {
+                libc::lsetxattr(
+                    path.as_ptr(),
+                    key.as_ptr(),
+                    value.as_ptr().cast(),
+                    value.len(),
+                    0,
+                )
+            }
+        }
     };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
+    cvt(r)
+}
+
+/// Copies every extended attribute the source has and the target accepts;
+/// counts the refusals. An attribute the target already has with the same
+/// value (a label the filesystem gave it) is left alone.
+fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> String) {
+    let names = match list_xattrs(src) {
+        Ok(n) => n,
+        // No extended attributes here at all, or none readable.
+        Err(_) => return,
+    };
+    for key in names.split(|b| *b == 0).filter(|k| !k.is_empty()) {
+        let Ok(key) = CString::new(key) else { continue };
+        let result = get_xattr(src, &key).and_then(|value| {
+            if get_xattr(dst, &key).is_ok_and(|have| have == value) {
+                return Ok(());
+            }
+            set_xattr(dst, &key, &value)
+        });
+        if let Err(e) = result {
+            let name = String::from_utf8_lossy(key.to_bytes()).into_owned();
+            if out.xattr_details.len() < DETAILS {
+                out.xattr_details.push(format!(
+                    "{}: {}: {e}",
+                    crate::ident::printable(&at()),
+                    crate::ident::printable(&name)
+                ));
+            }
+            let entry = out.xattrs_lost.entry(name).or_insert((0, e.to_string()));
+            entry.0 += 1;
+        }
     }
 }
 
@@ -311,7 +688,8 @@ impl Progress for Silent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::symlink;
+    use std::fs;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt, symlink};
 
     #[test]
     fn copies_faithfully() {
@@ -328,7 +706,7 @@ mod tests {
         fs::create_dir(src.join("ro")).unwrap();
         fs::write(src.join("ro/f"), b"x").unwrap();
         fs::set_permissions(src.join("ro"), fs::Permissions::from_mode(0o555)).unwrap();
-        let fifo = cpath(&src.join("fifo")).unwrap();
+        let fifo = CString::new(src.join("fifo").into_os_string().into_encoded_bytes()).unwrap();
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o640) }, 0);
 
         let out = copy_tree(&src, &dst, &mut Silent).unwrap();

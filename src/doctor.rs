@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use crate::adopt::{self, Adopt};
+use crate::adopt::{self, Adopt, Mount};
 use crate::clock;
 use crate::kernel;
 use crate::lock;
@@ -78,14 +78,29 @@ pub fn images_dir_note(root: &crate::root::Root) -> PathBuf {
 pub fn write_images_dir_note(root: &crate::root::Root, dir: &Path) -> Result<()> {
     let note = images_dir_note(root);
     let tmp = note.with_extension("tmp");
-    fs::write(&tmp, format!("{}\n", dir.display()))
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    // Never through a link planted at the temporary name: it goes first,
+    // and the file is created anew without following one.
+    let _ = fs::remove_file(&tmp);
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        writeln!(f, "{}", dir.display())
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+    }
     fs::rename(&tmp, &note).with_context(|| format!("cannot write {}", note.display()))
 }
 
 pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
-    store.root().create_layout()?;
     let root = store.root().clone();
+    if !repair && !root.exists() {
+        return Err(crate::Error::NoRoot(root.dir().to_owned()).into());
+    }
     let fs_info = kernel::filesystem(root.dir()).ok();
     let mut report = Report {
         root: root.dir().display().to_string(),
@@ -103,6 +118,13 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
             "shared or unknown: lock-status probes locks, and waits re-issue blocked requests every 250 ms"
         };
         report.add("filesystem", Status::Info, format!("{} ({kind})", f.name));
+    }
+
+    // The layout: a symlink planted in place of one of the root's
+    // directories is reported, never followed.
+    if !layout(&root, repair, &mut report)? {
+        report.healthy = false;
+        return Ok(report);
     }
 
     // Does flock exclude here at all?
@@ -125,6 +147,20 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
                 "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem",
             );
         }
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            // Not a locking fault: this user may not write the store.
+            report.add(
+                "access",
+                Status::Problem,
+                format!(
+                    "cannot create a file in {}: {e} — you may not write this store ({}); stowage needs to write its lock files and database to check or use it (ask its owner, or share it with a group: see docs/design.md)",
+                    root.locks().display(),
+                    owner_phrase(root.dir())
+                ),
+            );
+            report.healthy = false;
+            return Ok(report);
+        }
         Err(e) => {
             report.locking = false;
             let advice = if crate::error::is_locking_unsupported(&e) {
@@ -139,7 +175,9 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
             );
         }
     }
-    let _ = fs::remove_file(&probe);
+    if let (Ok(locks), Some(name)) = (root.open_sub("locks"), probe.file_name()) {
+        let _ = locks.unlink(name);
+    }
 
     // NFS mounted with locks local to each client.
     if let Some((m, bad)) = kernel::local_only_nfs(root.dir()) {
@@ -173,6 +211,65 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     }
     report.healthy = !report.checks.iter().any(|c| c.status == Status::Problem);
     Ok(report)
+}
+
+/// "owned by uid U, group G, mode M" of a directory, for permission
+/// messages.
+fn owner_phrase(dir: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    match fs::metadata(dir) {
+        Ok(m) => format!(
+            "{} is owned by uid {}, group {}, mode {:o}",
+            dir.display(),
+            m.uid(),
+            m.gid(),
+            m.mode() & 0o7777
+        ),
+        Err(e) => format!("{}: {e}", dir.display()),
+    }
+}
+
+/// Checks that the root's own directories are directories, creating the
+/// missing ones. A symlink in place of the trash is replaced when
+/// repairing (only the link goes; nothing is followed); one in place of
+/// anything else is reported with advice, as it may have been made on
+/// purpose. Returns whether the locks directories are usable.
+fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result<bool> {
+    root.create_layout_reporting(|name, bad| {
+        let path = root.dir().join(name);
+        let target = fs::read_link(&path)
+            .map(|t| format!(" (to {})", t.display()))
+            .unwrap_or_default();
+        if name == "trash" && repair {
+            let fixed = root.replace_with_dir(name);
+            report.add(
+                "layout",
+                if fixed.is_ok() {
+                    Status::Repaired
+                } else {
+                    Status::Problem
+                },
+                match fixed {
+                    Ok(()) => format!(
+                        "{} was {bad}{target}; nothing in it was touched — replaced with an empty directory",
+                        path.display()
+                    ),
+                    Err(e) => format!("{} is {bad}{target}: {e:#}", path.display()),
+                },
+            );
+            return;
+        }
+        let advice = match name {
+            "img" => " — stowage never deletes through it; to keep images elsewhere use 'stowage init --images-dir DIR' on a new root",
+            "trash" => " — nothing in it is touched; 'stowage doctor --repair' replaces it with a directory",
+            _ => " — stowage will not use it; remove it (with no stowage running) and run any command to recreate it",
+        };
+        report.add(
+            "layout",
+            Status::Problem,
+            format!("{} is {bad}{target}{advice}", path.display()),
+        );
+    })
 }
 
 /// The database's verdict, upgrading or rebuilding it when repairing.
@@ -276,7 +373,9 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     let root = store.root().clone();
     let db = root.db();
     let salvage = salvage(&db);
-    let stamp = clock::rfc3339(clock::now_ms()).replace(':', "");
+    let stamp = clock::rfc3339(clock::now_ms())
+        .unwrap_or_else(|| "unknown-time".into())
+        .replace(':', "");
     let moved_to = db.with_file_name(format!("stowage.db.damaged-{stamp}"));
     fs::rename(&db, &moved_to).with_context(|| format!("cannot move {} aside", db.display()))?;
     let journal = db.with_file_name("stowage.db-journal");
@@ -305,9 +404,27 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     for c in salvage.slot_classes.unwrap_or_default() {
         tx.set_slot_class(&c)?;
     }
-    // Salvaged rows where there are any; the rest judged by content.
-    let (found, salvaged) = adopt::adopt(&tx, &images_dir, Adopt::ByContent, &salvage.images)?;
-    let images = found.trees.len();
+    if let Some(id) = salvage.config.get("images_dir_identity") {
+        tx.set_config("images_dir_identity", id)?;
+    }
+    // Every salvaged row, whether its tree is there or not: a missing tree
+    // is judged next by the consistency check, which keeps rows while the
+    // images directory looks unmounted.
+    for row in salvage.images.values() {
+        tx.insert_image(row)?;
+    }
+    let salvaged = salvage.images.len();
+    // The other trees' readiness is unknown (see adopt.rs).
+    let adopted = match adopt::mount(&tx, &root, &images_dir, false)? {
+        Mount::Ours(d) | Mount::Empty(d) => {
+            adopt::adopt(&tx, &d, &images_dir, Adopt::Unknown, &HashMap::new())?
+                .0
+                .trees
+                .len()
+        }
+        Mount::Missing(_) | Mount::Other { .. } => 0,
+    };
+    let images = salvaged + adopted;
     tx.commit()?;
     Ok(Rebuilt {
         moved_to,
@@ -389,13 +506,20 @@ fn salvage(db: &Path) -> Salvage {
 
 /// Records, rows and trees, leftovers.
 fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
-    let found = {
+    let looked = store.retry_full(|store| {
         let (tx, ctx) = store.begin(None)?;
         let found = judge(&tx, ctx, repair)?;
         if repair {
             tx.commit()?;
         }
-        found
+        Ok(found)
+    });
+    let found = match looked {
+        // A full filesystem, even the reserve used: look without writing.
+        Err(e) if !repair && crate::space::is_full(&e) => {
+            store.view_tx(|tx, ctx| judge(tx, ctx, false))?
+        }
+        other => other?,
     };
     let fixed = if repair {
         Status::Repaired
@@ -428,7 +552,18 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
             ),
         );
     }
+    if let Some(doubt) = &found.doubt {
+        report.add(
+            "images",
+            Status::Problem,
+            format!(
+                "{doubt} — {} row(s) without a tree kept, no tree adopted",
+                found.kept_rows
+            ),
+        );
+    }
     match found.missing_trees.len() {
+        0 if found.kept_rows > 0 => {}
         0 => report.add("rows", Status::Ok, "every image has its tree"),
         _ => report.add(
             "rows",
@@ -441,6 +576,7 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
         ),
     }
     match found.orphan_trees.len() {
+        0 if found.doubt.is_some() => {}
         0 => report.add(
             "trees",
             Status::Ok,
@@ -466,7 +602,14 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
             ),
         );
     }
-    let left = remove::finish_interrupted(store, repair)?;
+    let left = match remove::finish_interrupted(store, repair) {
+        Ok(left) => left,
+        // A trash or lock directory that is not one (reported above).
+        Err(e) => {
+            report.add("leftovers", Status::Problem, format!("not checked: {e:#}"));
+            return Ok(());
+        }
+    };
     if left.is_empty() {
         report.add(
             "leftovers",
@@ -485,6 +628,9 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
                 if left.trash.len() == 1 { "y" } else { "ies" }
             ));
         }
+        if !left.failed.is_empty() {
+            parts.push(format!("not finished: {}", left.failed.join("; ")));
+        }
         if !left.lock_files.is_empty() {
             parts.push(format!(
                 "{} lock file(s) of images that no longer exist",
@@ -493,7 +639,11 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
         }
         report.add(
             "leftovers",
-            fixed,
+            if left.failed.is_empty() {
+                fixed
+            } else {
+                Status::Problem
+            },
             format!("{}{}", parts.join("; "), done(repair, "cleaned up")),
         );
     }
@@ -524,6 +674,10 @@ struct Found {
     missing_trees: Vec<String>,
     orphan_trees: Vec<String>,
     incomplete: Vec<String>,
+    /// Why trees could not be judged (the images directory looks
+    /// unmounted), and how many rows without a tree were kept for it.
+    doubt: Option<String>,
+    kept_rows: usize,
 }
 
 /// Inside one transaction (committed only when repairing).
@@ -546,13 +700,32 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
         .collect();
 
     let images_dir = tx.images_dir(&ctx.root)?;
+    let expects_trees = rows
+        .iter()
+        .any(|r| matches!(r.state, ImageState::Ready | ImageState::Incomplete));
+    // A missing, empty or foreign images directory says nothing about the
+    // trees: no row is dropped and no tree adopted by it (see adopt.rs).
+    let mount = adopt::mount(tx, &ctx.root, &images_dir, expects_trees)?;
+    found.doubt = mount.doubt(&images_dir);
+    let images = match mount {
+        Mount::Ours(d) | Mount::Empty(d) => Some(d),
+        Mount::Missing(_) | Mount::Other { .. } => None,
+    };
     for r in &rows {
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
         };
-        let tree = images_dir.join(n.encoded());
-        let present = fs::symlink_metadata(&tree).is_ok_and(|m| m.is_dir());
+        let present = images.as_ref().is_some_and(|d| {
+            d.stat_at(n.encoded())
+                .ok()
+                .flatten()
+                .is_some_and(|e| e.is_dir())
+        });
         if !present && matches!(r.state, ImageState::Ready | ImageState::Incomplete) {
+            if found.doubt.is_some() {
+                found.kept_rows += 1;
+                continue;
+            }
             // Only an image nobody holds can be forgotten (under the global
             // lock a try is allowed; a missing lock file is free).
             let free = match lock::try_lock(&ctx.root.image_lock(&n), lock::Mode::Exclusive, false)
@@ -571,8 +744,13 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
             found.incomplete.push(r.name.clone());
         }
     }
+    let Some(images) = images.filter(|_| found.doubt.is_none()) else {
+        return Ok(found);
+    };
+    // This is the directory the rows describe (recorded when repairing).
+    adopt::record_identity(tx, &images)?;
     // Adopted in any case: without repair the transaction is rolled back.
-    let (orphans, _) = adopt::adopt(tx, &images_dir, Adopt::ByContent, &HashMap::new())?;
+    let (orphans, _) = adopt::adopt(tx, &images, &images_dir, Adopt::Unknown, &HashMap::new())?;
     found.orphan_trees = orphans
         .trees
         .iter()

@@ -34,6 +34,10 @@ pub enum Error {
     #[error("image '{0}' does not exist")]
     NoSuchImage(String),
 
+    /// The root does not exist, and the command only reads (exit 66).
+    #[error("root {} does not exist (nothing to show or remove; 'stowage --root {} init' creates it)", .0.display(), .0.display())]
+    NoRoot(PathBuf),
+
     /// The image exists but cannot be read in its state (exit 66).
     #[error("image '{name}' is not ready (state: {state})")]
     NotReady { name: String, state: String },
@@ -89,7 +93,7 @@ impl Error {
     pub fn exit_code(&self) -> u8 {
         match self {
             Error::Usage(_) | Error::InvalidName(_) => code::USAGE,
-            Error::NoSuchImage(_) | Error::NotReady { .. } => code::NO_INPUT,
+            Error::NoSuchImage(_) | Error::NotReady { .. } | Error::NoRoot(_) => code::NO_INPUT,
             Error::LockingUnavailable { .. } | Error::UnsafeLocking(_) => code::UNAVAILABLE,
             Error::Busy(_) => code::TEMPFAIL,
             Error::Interrupted(sig) => 128u8.saturating_add(*sig as u8),

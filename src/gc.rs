@@ -11,10 +11,16 @@
 //! without waiting — a busy image is skipped, however old. After the lock is
 //! taken the image's row is read again, so a reason that stopped holding
 //! (the image was just rebuilt or used) keeps it. Sizes are allocated
-//! blocks, hard links counted once, symlinks never followed. `--dry-run`
+//! blocks, hard links counted once, symlinks never followed; `--max-size`
+//! is the space the images take on the filesystem — on one that shares
+//! extents (reflink clones), each shared extent once — and an image whose
+//! removal would free nothing is not removed for the budget. A size gc
+//! measures is recorded only if the row is unchanged since it was read (a
+//! writer that finished meanwhile recorded its own). `--dry-run`
 //! changes nothing: the same decisions, every lock released at once, every
 //! transaction rolled back.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -80,6 +86,8 @@ pub struct Report {
     /// Interrupted removals finished and trash entries deleted.
     pub interrupted_removals: Vec<String>,
     pub trash_entries: usize,
+    /// Removals that failed (the images keep their state), one line each.
+    pub failed: Vec<String>,
 }
 
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
@@ -94,44 +102,92 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let left: Leftovers = remove::finish_interrupted(store, !policy.dry_run)?;
     report.interrupted_removals = left.removals;
     report.trash_entries = left.trash.len();
+    report.failed = left.failed;
 
     // Look at every image: dead writers become incomplete (in a dry run the
     // transaction is rolled back, so nothing changes).
-    let (rows, images_dir) = {
-        let (tx, ctx) = store.begin(None)?;
+    let sweep = |tx: &crate::meta::Tx, ctx: &crate::store::Ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
-        status::sweep(&tx, ctx, &kv)?;
-        let out = (tx.images()?, tx.images_dir(&ctx.root)?);
+        status::sweep(tx, ctx, &kv)?;
+        Ok((tx.images()?, tx.images_dir(&ctx.root)?))
+    };
+    let looked = store.retry_full(|store| {
+        let (tx, ctx) = store.begin(None)?;
+        let out = sweep(&tx, ctx)?;
         if !policy.dry_run {
             tx.commit()?;
         }
-        out
+        Ok(out)
+    });
+    let (rows, images_dir) = match looked {
+        // A dry run on a full filesystem, even the reserve used: it changes
+        // nothing anyway, so it looks without a journal on disk.
+        Err(e) if policy.dry_run && crate::space::is_full(&e) => store.view_tx(sweep)?,
+        other => other?,
     };
     let mut rows: Vec<ImageRow> = rows
         .into_iter()
         .filter(|r| !policy.dry_run || !report.interrupted_removals.contains(&r.name))
         .collect();
 
-    // Sizes not known yet (adopted images) are measured now.
+    // What each image takes, and what removing it frees (see usage.rs):
+    // with a budget on a filesystem that shares extents, every image's
+    // extent map is read, so the budget is the space the images really
+    // take and a removal counts only what it frees.
+    let shares = policy.max_size.is_some() && usage::can_share(&images_dir);
+    let mut cost: HashMap<String, Cost> = HashMap::new();
     let mut measured = Vec::new();
-    for r in rows.iter_mut().filter(|r| r.size_bytes.is_none()) {
+    for r in rows.iter_mut() {
+        crate::signals::check()?;
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
         };
-        let size = usage::disk_usage(&images_dir.join(n.encoded())).unwrap_or(0);
-        r.size_bytes = Some(size);
-        measured.push((r.name.clone(), size));
+        let c = if shares || r.size_bytes.is_none() {
+            let m = usage::measure(&images_dir.join(n.encoded()), shares).ok();
+            if r.size_bytes.is_none()
+                && let Some(m) = &m
+            {
+                measured.push((r.clone(), m.allocated));
+                r.size_bytes = Some(m.allocated);
+            }
+            match m {
+                Some(m) => Cost {
+                    own: m.allocated.saturating_sub(m.shared),
+                    shared_ranges: m.shared_ranges,
+                },
+                // Unreadable: it counts what was recorded, if anything.
+                None => Cost {
+                    own: r.size_bytes.unwrap_or(0),
+                    shared_ranges: Vec::new(),
+                },
+            }
+        } else {
+            Cost {
+                own: r.size_bytes.unwrap_or(0),
+                shared_ranges: Vec::new(),
+            }
+        };
+        cost.insert(r.name.clone(), c);
     }
+    crate::debug::pause("gc-measured");
     if !policy.dry_run && !measured.is_empty() {
+        // A measurement is recorded only if the row is still what it was
+        // when measured: a writer that finished meanwhile recorded its own.
         store.with_tx(None, |tx, _| {
             measured
                 .iter()
-                .try_for_each(|(n, s)| tx.set_size(n, Some(*s)))
+                .filter(|(r, _)| !r.state.being_written())
+                .try_for_each(|(r, s)| tx.set_size_if_unchanged(r, *s).map(|_| ()))
         })?;
     }
-    let size = |r: &ImageRow| r.size_bytes.unwrap_or(0);
-    report.size_before = rows.iter().map(size).sum();
+    let mut footprint = usage::Footprint::new(cost.values().map(|c| c.shared_ranges.as_slice()));
+    report.size_before = cost.values().map(|c| c.own).sum::<u64>() + footprint.bytes();
     let mut total = report.size_before;
+    // What removing `r` would free now, and forgetting it once removed.
+    let frees = |fp: &usage::Footprint, r: &ImageRow| {
+        cost.get(&r.name)
+            .map_or(0, |c| c.own + fp.unique(&c.shared_ranges))
+    };
 
     crate::debug::pause("gc-listed");
     // 2. Incomplete images, 3. unused ones, 4. least recently used — in
@@ -152,28 +208,66 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
             });
         rows = rest;
         for r in these {
-            match collect(store, &r, reason, policy.dry_run, &mut report)? {
-                Some(freed) => total = total.saturating_sub(freed),
-                None => rows.push(r),
+            crate::signals::check()?;
+            let bytes = frees(&footprint, &r);
+            if collect(store, &r, reason, bytes, policy.dry_run, &mut report)? {
+                total = total.saturating_sub(bytes);
+                forget(&mut footprint, &cost, &r);
+            } else {
+                rows.push(r);
             }
         }
         rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
-        for r in rows {
-            if total <= max {
-                break;
-            }
-            if let Some(freed) =
-                collect(store, &r, Reason::OverBudget, policy.dry_run, &mut report)?
-            {
-                total = total.saturating_sub(freed);
+        // Least recently used first, but passing over an image whose
+        // removal would free nothing now (all its data shared with images
+        // that stay) while a later one frees something; when none does,
+        // the least recently used goes, which unshares the others.
+        let mut left = rows;
+        while total > max && !left.is_empty() {
+            crate::signals::check()?;
+            let i = left
+                .iter()
+                .position(|r| frees(&footprint, r) > 0)
+                .unwrap_or(0);
+            let r = left.remove(i);
+            let bytes = frees(&footprint, &r);
+            if collect(
+                store,
+                &r,
+                Reason::OverBudget,
+                bytes,
+                policy.dry_run,
+                &mut report,
+            )? {
+                total = total.saturating_sub(bytes);
+                forget(&mut footprint, &cost, &r);
             }
         }
     }
     report.size_after = total;
+    if !policy.dry_run {
+        // Space was freed: the metadata's reserve gets what it lacks.
+        crate::space::refill(store.root());
+    }
     report.bytes_freed = report.removed.iter().map(|r| r.size_bytes).sum();
     Ok(report)
+}
+
+/// What an image takes on the filesystem beyond what it shares.
+struct Cost {
+    /// Allocated bytes in no shared extent.
+    own: u64,
+    /// Physical ranges of its shared extents (empty where nothing is shared
+    /// or extents were not read).
+    shared_ranges: Vec<(u64, u64)>,
+}
+
+fn forget(fp: &mut usage::Footprint, cost: &HashMap<String, Cost>, r: &ImageRow) {
+    if let Some(c) = cost.get(&r.name) {
+        fp.release(&c.shared_ranges);
+    }
 }
 
 /// Least recently used first; by name among equals, so runs repeat.
@@ -183,17 +277,18 @@ fn oldest_first(a: &ImageRow, b: &ImageRow) -> std::cmp::Ordering {
         .then_with(|| a.name.cmp(&b.name))
 }
 
-/// Removes one image if its lock is free and its reason still holds.
-/// Returns the bytes freed, or None if it was kept.
+/// Removes one image if its lock is free and its reason still holds;
+/// `bytes` is what its removal frees. Returns whether it was removed.
 fn collect(
     store: &mut Store,
     row: &ImageRow,
     reason: Reason,
+    bytes: u64,
     dry_run: bool,
     report: &mut Report,
-) -> Result<Option<u64>> {
+) -> Result<bool> {
     let Ok(name) = ImageName::parse(&row.name) else {
-        return Ok(None);
+        return Ok(false);
     };
     let path = store.root().image_lock(&name);
     // A dry run creates no lock file: a missing one is simply free.
@@ -201,7 +296,7 @@ fn collect(
         Ok(Some(g)) => Some(g),
         Ok(None) => {
             report.busy.push(row.name.clone());
-            return Ok(None);
+            return Ok(false);
         }
         Err(e) if dry_run && e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => {
@@ -216,11 +311,11 @@ fn collect(
     let (guard, current) = match guard {
         Some(g) => match remove::recheck(store, &name, g, !dry_run)? {
             Some((g, current)) => (Some(g), current),
-            None => return Ok(None),
+            None => return Ok(false),
         },
         None => match store.with_tx_locked(None, |tx, _| tx.image(name.as_str()))? {
             Some(current) => (None, current),
-            None => return Ok(None),
+            None => return Ok(false),
         },
     };
     let still = match reason {
@@ -233,14 +328,15 @@ fn collect(
         Reason::OverBudget => current.last_used == row.last_used,
     };
     if !still {
-        return Ok(None);
+        return Ok(false);
     }
-    let bytes = row.size_bytes.unwrap_or(0);
     if let Some(g) = guard {
         if dry_run {
             drop(g);
-        } else {
-            remove::remove_locked(store, vec![(name.clone(), g)])?;
+        } else if let Err(e) = remove::remove_locked(store, vec![(name.clone(), g)]) {
+            // Undone (see remove.rs): say so, and go on with the others.
+            report.failed.push(format!("{e:#}"));
+            return Ok(false);
         }
     }
     report.removed.push(Removed {
@@ -249,7 +345,7 @@ fn collect(
         size_bytes: bytes,
         reason,
     });
-    Ok(Some(bytes))
+    Ok(true)
 }
 
 /// Parses a size: `500M`, `20G`, `1.5T`, `4096` (bytes); K, M, G, T, P are

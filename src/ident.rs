@@ -146,6 +146,38 @@ pub fn liveness(
     }
 }
 
+/// A recorded command, host or user name as it may be printed on a
+/// terminal. These come from other users' processes: a control character
+/// (an escape sequence, a newline, a carriage return) or a bidirectional
+/// override printed raw would break the table or drive the reader's
+/// terminal. Each such character is shown as a visible escape (`\n`,
+/// `\x1b`, `\u{202e}`); everything else is kept. Every text printer of a
+/// recorded party uses this one function; JSON output needs none (its
+/// encoder escapes control characters).
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    fn risky(c: char) -> bool {
+        c.is_control()
+            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{2028}' | '\u{2029}')
+            || ('\u{202a}'..='\u{202e}').contains(&c)
+            || ('\u{2066}'..='\u{2069}').contains(&c)
+    }
+    if !s.chars().any(risky) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if risky(c) && (c as u32) < 0x100 => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c if risky(c) => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Joins arguments into one line a user could paste into a shell.
 pub fn shell_join<S: AsRef<str>>(args: &[S]) -> String {
     args.iter()
@@ -184,6 +216,19 @@ mod tests {
         assert_eq!(reused, Liveness::Dead);
         let other = liveness(&me, "elsewhere.invalid", None, me.pid, me.pid_start);
         assert_eq!(other, Liveness::Unknown);
+    }
+
+    #[test]
+    fn printable_escapes_what_drives_a_terminal() {
+        assert_eq!(
+            printable("ch-image build -t app ."),
+            "ch-image build -t app ."
+        );
+        assert_eq!(
+            printable("a\x1b[2J\nb\rc\u{202e}d\u{9b}"),
+            r"a\x1b[2J\nb\rc\u{202e}d\x9b"
+        );
+        assert_eq!(printable("naïve"), "naïve");
     }
 
     #[test]

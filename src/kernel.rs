@@ -159,6 +159,62 @@ fn local_only_options(options: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// The lock that this process, or one of its ancestors, holds on the file
+/// at `path`: the hold of an enclosing command. Found through a descriptor
+/// this process inherited ([`lock::held_here`], on every filesystem), else
+/// through the lock table, whose holder pid is one of our ancestors (local
+/// filesystems; this covers an enclosing `exec --no-inherit`, whose command
+/// does not inherit the descriptors). Waiting for a conflicting lock on such
+/// a file would wait for ourselves: the ancestor waits for us to finish.
+pub fn enclosing_hold(path: &Path) -> Option<Mode> {
+    enclosing_hold_except(path, None)
+}
+
+/// [`enclosing_hold`], not counting our own descriptor `except` (a lock
+/// the caller has just taken on that file).
+pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Option<Mode> {
+    if let Some(m) = lock::held_here_except(path, except) {
+        return Some(m);
+    }
+    let dir = path.parent()?;
+    if !filesystem(dir).is_ok_and(|f| f.local) {
+        return None;
+    }
+    let meta = fs::symlink_metadata(path).ok()?;
+    let table = read_table().ok()?;
+    let entries = table.get(&(meta.dev(), meta.ino()))?;
+    let ancestors = ancestors();
+    entries
+        .iter()
+        .filter(|e| !e.blocked && e.pid.is_some_and(|p| ancestors.contains(&p)))
+        .map(|e| e.mode)
+        .max()
+}
+
+/// The pids of our ancestors (parent, grandparent, … up to init), from
+/// /proc: the process tree of this pid namespace, which is the one the lock
+/// table's pids are in.
+fn ancestors() -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut pid = std::os::unix::process::parent_id();
+    while pid > 1 && out.len() < 4096 {
+        out.push(pid);
+        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            break;
+        };
+        // "pid (comm) state ppid …"; comm may hold spaces and parentheses.
+        let Some(ppid) = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            break;
+        };
+        pid = ppid;
+    }
+    out
+}
+
 /// One entry of the kernel's lock table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
@@ -328,29 +384,85 @@ fn view_of(entries: &[Entry]) -> LockView {
 
 /// Reads /proc/locks. The kernel produces it a page at a time, and entries
 /// that move while it is read can be skipped or repeated. So it is read
-/// until two reads agree (at most four times), everything seen is kept, and
-/// repeated entries are folded: a lock held throughout is all but certain to
-/// be seen, and one released meanwhile may still show — the safe side, since
-/// only a "free" leads anyone to drop records or mark images.
+/// until two reads agree (at most four times) and the reads are folded
+/// ([`fold`]).
 fn read_table() -> io::Result<HashMap<(u64, u64), Vec<Entry>>> {
-    let mut table: HashMap<(u64, u64), Vec<Entry>> = HashMap::new();
-    let mut previous: Option<String> = None;
+    let mut reads: Vec<String> = Vec::with_capacity(4);
     for _ in 0..4 {
         let text = fs::read_to_string("/proc/locks")?;
-        for (key, entries) in parse_table(&text) {
-            let all = table.entry(key).or_default();
+        let agree = reads.last().is_some_and(|p| *p == text);
+        reads.push(text);
+        if agree {
+            break;
+        }
+    }
+    Ok(fold(&reads))
+}
+
+/// Folds several reads of the lock table into one. Everything seen is kept,
+/// so a lock held throughout is all but certain to be seen and one released
+/// meanwhile may still show — the safe side, since only a "free" leads
+/// anyone to drop records or mark images. But a lock's entries must be a
+/// state the lock was really in: reads from different moments can show a
+/// lock taken exclusively, in turn, by two processes (the global lock, held
+/// for microseconds at a time) — two exclusive holders, or an exclusive and
+/// shared ones, which no moment ever had. Such a lock gets its entries from
+/// the latest read that shows it holding together (held either way).
+fn fold(reads: &[String]) -> HashMap<(u64, u64), Vec<Entry>> {
+    let parsed: Vec<HashMap<(u64, u64), Vec<Entry>>> =
+        reads.iter().map(|t| parse_table(t)).collect();
+    let mut table: HashMap<(u64, u64), Vec<Entry>> = HashMap::new();
+    for one in &parsed {
+        for (key, entries) in one {
+            let all = table.entry(*key).or_default();
             for e in entries {
-                if !all.contains(&e) {
-                    all.push(e);
+                if !all.contains(e) {
+                    all.push(*e);
                 }
             }
         }
-        if previous.as_deref() == Some(text.as_str()) {
-            break;
-        }
-        previous = Some(text);
     }
-    Ok(table)
+    for (key, entries) in table.iter_mut() {
+        if consistent(entries) {
+            continue;
+        }
+        let latest = parsed
+            .iter()
+            .rev()
+            .filter_map(|one| one.get(key))
+            .find(|es| consistent(es) && es.iter().any(|e| !e.blocked));
+        *entries = match latest {
+            Some(es) => es.clone(),
+            // No single read holds together (a lock moved within a read):
+            // one exclusive holder, and the waiters.
+            None => {
+                let holder = entries
+                    .iter()
+                    .rev()
+                    .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+                    .copied();
+                holder
+                    .into_iter()
+                    .chain(entries.iter().filter(|e| e.blocked).copied())
+                    .collect()
+            }
+        };
+    }
+    table
+}
+
+/// Could one lock be held this way at one moment: one exclusive holder,
+/// or any number of shared ones?
+fn consistent(entries: &[Entry]) -> bool {
+    let exclusive = entries
+        .iter()
+        .filter(|e| !e.blocked && e.mode == Mode::Exclusive)
+        .count();
+    let shared = entries
+        .iter()
+        .filter(|e| !e.blocked && e.mode == Mode::Shared)
+        .count();
+    exclusive == 0 || (exclusive == 1 && shared == 0)
 }
 
 /// Parses /proc/locks, keeping flock(2) entries:
@@ -403,6 +515,39 @@ fn parse_table(text: &str) -> HashMap<(u64, u64), Vec<Entry>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn folded_reads_show_a_state_the_lock_was_really_in() {
+        let global = (libc::makedev(0, 0x2a), 7);
+        let image = (libc::makedev(0, 0x2a), 8);
+        // The global lock taken in turn by 100 and 200 between reads; an
+        // image lock held shared throughout, a second reader arriving.
+        let reads = [
+            "1: FLOCK  ADVISORY  WRITE 100 00:2a:7 0 EOF\n\
+             2: FLOCK  ADVISORY  READ 300 00:2a:8 0 EOF\n"
+                .to_owned(),
+            "1: FLOCK  ADVISORY  WRITE 200 00:2a:7 0 EOF\n\
+             2: FLOCK  ADVISORY  READ 300 00:2a:8 0 EOF\n\
+             3: FLOCK  ADVISORY  READ 301 00:2a:8 0 EOF\n"
+                .to_owned(),
+            "2: FLOCK  ADVISORY  READ 300 00:2a:8 0 EOF\n".to_owned(),
+        ];
+        let t = fold(&reads);
+        let g = &t[&global];
+        assert_eq!(g.len(), 1, "{g:?}");
+        assert_eq!(g[0].pid, Some(200));
+        // Shared holders from several reads are consistent: all kept.
+        assert_eq!(t[&image].len(), 2);
+        // A lock seen only in an earlier read still shows (the safe side).
+        assert!(!fold(&reads[..2]).is_empty());
+        // Exclusive then shared, across reads: the latest state.
+        let t = fold(&[
+            "1: FLOCK  ADVISORY  WRITE 100 00:2a:7 0 EOF\n".to_owned(),
+            "1: FLOCK  ADVISORY  READ 400 00:2a:7 0 EOF\n".to_owned(),
+        ]);
+        assert_eq!(t[&global].len(), 1);
+        assert_eq!(t[&global][0].mode, Mode::Shared);
+    }
 
     #[test]
     fn parses_the_lock_table() {

@@ -82,6 +82,12 @@ pub struct Guard {
     ino: u64,
 }
 
+impl std::os::fd::AsRawFd for Guard {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
+    }
+}
+
 impl Guard {
     pub fn path(&self) -> &Path {
         &self.path
@@ -201,6 +207,30 @@ fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
         Err(e) if e.raw_os_error() == fs2::lock_contended_error().raw_os_error() => Ok(false),
         Err(e) => Err(e),
     }
+}
+
+/// Is an exclusive lock on `path` held through a descriptor this process
+/// inherited (it runs under the holder, as a command inherits its locks)?
+/// Such a descriptor's lock is ours already: taking it again is a no-op.
+pub fn inherited_exclusive(path: &Path) -> bool {
+    let Ok(target) = fs::metadata(path) else {
+        return false;
+    };
+    let Ok(fds) = fs::read_dir("/proc/self/fd") else {
+        return false;
+    };
+    fds.flatten().any(|e| {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            return false;
+        };
+        // SAFETY: borrowed for fstat/flock only; the descriptor stays open.
+        let file = std::mem::ManuallyDrop::new(unsafe {
+            <File as std::os::fd::FromRawFd>::from_raw_fd(fd)
+        });
+        file.metadata()
+            .is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino())
+            && flock_try(&file, Mode::Exclusive).unwrap_or(false)
+    })
 }
 
 fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
@@ -331,6 +361,69 @@ fn guard(file: File, path: &Path, mode: Mode, dev: u64, ino: u64) -> Guard {
     }
 }
 
+/// The lock this process already holds on the file at `path` through a
+/// descriptor it did not take here — one inherited from an enclosing
+/// command, as `stowage exec` passes its lock descriptors on (like
+/// flock(1)). The kernel says so itself: `/proc/self/fdinfo/N` lists, under
+/// `lock:`, the flocks of that descriptor's open file description. `None`
+/// when no descriptor of ours locks that file (or /proc is not mounted).
+///
+/// A wait for a conflicting lock on such a file would wait for ourselves.
+pub fn held_here(path: &Path) -> Option<Mode> {
+    held_here_except(path, None)
+}
+
+/// [`held_here`], not counting descriptor `except` — the one the caller
+/// just locked itself, which is no enclosing command's hold.
+pub fn held_here_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Option<Mode> {
+    let at = fs::symlink_metadata(path).ok()?;
+    let fds = fs::read_dir("/proc/self/fd").ok()?;
+    let mut held = None;
+    for entry in fds.flatten() {
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+            .filter(|fd| Some(*fd) != except)
+        else {
+            continue;
+        };
+        // SAFETY: fstat on a descriptor number into a zeroed buffer; a
+        // number that is no longer open (the listing's own) fails harmlessly.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd, &mut st) } != 0
+            || st.st_dev != at.dev()
+            || st.st_ino != at.ino()
+        {
+            continue;
+        }
+        let Ok(info) = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
+            continue;
+        };
+        if let Some(m) = fdinfo_flock(&info) {
+            held = held.max(Some(m));
+        }
+    }
+    held
+}
+
+/// The flock mode in an fdinfo text, from lines like
+/// `lock:\t1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF`.
+fn fdinfo_flock(info: &str) -> Option<Mode> {
+    info.lines()
+        .filter_map(|l| l.strip_prefix("lock:"))
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // "1:" "FLOCK" "ADVISORY" "WRITE" …; a blocked request has "->".
+            match f.as_slice() {
+                [_, "FLOCK", _, "WRITE", ..] => Some(Mode::Exclusive),
+                [_, "FLOCK", _, "READ", ..] => Some(Mode::Shared),
+                _ => None,
+            }
+        })
+        .max()
+}
+
 /// What a lock file's lock looks like from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Probe {
@@ -431,6 +524,14 @@ pub fn before_waiting(f: fn()) {
     let _ = BEFORE_WAIT.set(f);
 }
 
+/// Runs the function registered with [`before_waiting`]: for waits that
+/// do not go through [`lock`] (a polled wait for a slot).
+pub fn starting_to_wait() {
+    if let Some(f) = BEFORE_WAIT.get() {
+        f();
+    }
+}
+
 /// Makes every current and future wait in this process return
 /// [`Waited::Interrupted`]. The CLI calls it when a termination signal
 /// arrives before its command has started.
@@ -440,6 +541,25 @@ pub fn interrupt_waits(sig: i32) {
     for (_, tx) in &reg.waiters {
         let _ = tx.send(Event::Cancelled(sig));
     }
+    // Polled waits (see [`Waker`]) watch the pipe. It is never drained:
+    // once fired, every wait of this process is over.
+    if let Some((_, w)) = cancel_pipe() {
+        // SAFETY: a one-byte write from a live buffer to our own pipe.
+        unsafe { libc::write(*w, [1u8].as_ptr().cast(), 1) };
+    }
+}
+
+/// The pipe that [`interrupt_waits`] makes readable: (read end, write end).
+fn cancel_pipe() -> Option<&'static (i32, i32)> {
+    static PIPE: std::sync::OnceLock<Option<(i32, i32)>> = std::sync::OnceLock::new();
+    PIPE.get_or_init(|| {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 into a two-element array. Both ends live for the
+        // whole process (close-on-exec: no command inherits them).
+        let r = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        (r == 0).then_some((fds[0], fds[1]))
+    })
+    .as_ref()
 }
 
 /// The signal passed to [`interrupt_waits`], if it was called.
@@ -506,7 +626,20 @@ fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<
         // through it is a lock on `file` itself.
         let dup = file.try_clone()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let handle = spawn_worker(i, dup, mode, Arc::clone(&stop), tx.clone())?;
+        let handle = match spawn_worker(i, dup, mode, Arc::clone(&stop), tx.clone()) {
+            Ok(h) => h,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.raw_os_error() == Some(libc::EAGAIN) =>
+            {
+                // No thread to be had (a pids limit in a container or a
+                // job's cgroup): wait without one, polling.
+                drop(tx);
+                stop_workers(&mut workers, files, &rx, None);
+                return poll_any(files, mode, wait);
+            }
+            Err(e) => return Err(e),
+        };
         workers.push(Worker {
             handle: Some(handle),
             stop,
@@ -583,6 +716,281 @@ fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<
     };
     stop_workers(&mut workers, files, &rx, winner);
     outcome
+}
+
+/// How often a polled wait retries at most, and at least: a freed lock is
+/// taken within [`POLL_MAX`] (the slots' handover promise is 100 ms).
+const POLL_MIN: Duration = Duration::from_millis(2);
+const POLL_MAX: Duration = Duration::from_millis(50);
+
+/// Waits for any of `files` without helper threads: non-blocking tries
+/// with a capped backoff, woken early by a cancellation.
+fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
+    let waker = Waker::none();
+    let started = Instant::now();
+    let mut notice = wait.notice.take();
+    let mut pause = POLL_MIN;
+    loop {
+        for (i, f) in files.iter().enumerate() {
+            if flock_try(f, mode)? {
+                return Ok(Waited::Acquired(i));
+            }
+        }
+        if let Some((after, mut say)) = notice.take() {
+            if started.elapsed() >= after {
+                say();
+            } else {
+                notice = Some((after, say));
+            }
+        }
+        let now = Instant::now();
+        if wait.deadline.is_some_and(|d| now >= d) {
+            return Ok(Waited::TimedOut);
+        }
+        let mut until = now + pause;
+        if let Some(d) = wait.deadline {
+            until = until.min(d);
+        }
+        pause = (pause * 2).min(POLL_MAX);
+        if wait.uninterruptible {
+            thread::sleep(until.saturating_duration_since(Instant::now()));
+        } else if let Woke::Interrupted(sig) = waker.sleep(Some(until))? {
+            return Ok(Waited::Interrupted(sig));
+        }
+    }
+}
+
+/// Why [`Waker::sleep`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Woke {
+    /// Something happened in the watched directory: a file opened for
+    /// writing was closed (a lock file's last descriptor, so its locks are
+    /// gone) or created. `named` is true if that file was the one named in
+    /// [`Waker::watch`] (a configuration change, for slots).
+    Changed { named: bool },
+    /// The time given ran out.
+    Timeout,
+    /// [`interrupt_waits`] was called.
+    Interrupted(i32),
+}
+
+/// Sleeps until a directory changes, a time passes, or the waits of this
+/// process are interrupted — in the calling thread, needing no helper
+/// thread (waiting for one of many lock files must not need one thread per
+/// file: a pids limit would make such a wait fail).
+///
+/// The kernel releases a flock when the last descriptor of its open file
+/// description is closed, and that last close is exactly when inotify
+/// reports `IN_CLOSE_WRITE` (lock files are opened read-write): so a waiter
+/// that watches the directory before it tries the files wakes the moment
+/// one of them may be free. Other hosts' closes are not seen (NFS): callers
+/// poll there too. Without inotify (limits on instances) it only sleeps.
+pub struct Waker {
+    inotify: Option<std::os::fd::OwnedFd>,
+    named: Option<std::ffi::OsString>,
+}
+
+impl Waker {
+    /// Sleeps only until a time or an interruption.
+    pub fn none() -> Waker {
+        Waker {
+            inotify: None,
+            named: None,
+        }
+    }
+
+    /// Watches `dir` for closes and creations; `named` is a file in it
+    /// whose changes are told apart.
+    pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
+        use std::os::fd::FromRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        // SAFETY: inotify_init1 returns a new descriptor or -1.
+        let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
+        if fd < 0 {
+            return Waker::none();
+        }
+        // SAFETY: fd was just returned to us and is owned from here on.
+        let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+            return Waker::none();
+        };
+        let mask = libc::IN_CLOSE_WRITE | libc::IN_CREATE | libc::IN_MOVED_TO | libc::IN_ONLYDIR;
+        // SAFETY: a valid inotify descriptor and a NUL-terminated path.
+        if unsafe { libc::inotify_add_watch(fd, c.as_ptr(), mask) } < 0 {
+            return Waker::none();
+        }
+        Waker {
+            inotify: Some(owned),
+            named: named.map(Into::into),
+        }
+    }
+
+    /// Whether closes in the directory wake this waker.
+    pub fn watching(&self) -> bool {
+        self.inotify.is_some()
+    }
+
+    /// Sleeps until the directory changes, `until` passes (`None`: no
+    /// limit) or the process's waits are interrupted.
+    pub fn sleep(&self, until: Option<Instant>) -> io::Result<Woke> {
+        use std::os::fd::AsRawFd;
+        if let Some(sig) = interrupted() {
+            return Ok(Woke::Interrupted(sig));
+        }
+        let cancel = cancel_pipe().map(|(r, _)| *r);
+        let mut fds = Vec::with_capacity(2);
+        if let Some(ino) = &self.inotify {
+            fds.push(libc::pollfd {
+                fd: ino.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        if let Some(c) = cancel {
+            fds.push(libc::pollfd {
+                fd: c,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        let timeout = match until {
+            None => -1,
+            Some(t) => {
+                let left = t.saturating_duration_since(Instant::now());
+                // Round up: waking a hair early would only loop once more.
+                left.as_millis().min(i32::MAX as u128 - 1) as i32
+                    + i32::from(left.subsec_nanos() % 1_000_000 != 0)
+            }
+        };
+        // SAFETY: poll on a live array of pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                return Ok(Woke::Timeout);
+            }
+            return Err(e);
+        }
+        if let Some(sig) = interrupted() {
+            return Ok(Woke::Interrupted(sig));
+        }
+        if n == 0 {
+            return Ok(Woke::Timeout);
+        }
+        Ok(Woke::Changed {
+            named: self.drain(),
+        })
+    }
+
+    /// Reads every pending event; true if one concerned the named file.
+    fn drain(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let Some(ino) = &self.inotify else {
+            return false;
+        };
+        let mut named = false;
+        let mut buf = [0u8; 4096];
+        loop {
+            // SAFETY: read into a live buffer of its length.
+            let n = unsafe { libc::read(ino.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                return named;
+            }
+            let mut at = 0usize;
+            let head = std::mem::size_of::<libc::inotify_event>();
+            while at + head <= n as usize {
+                // SAFETY: the kernel wrote whole events; read_unaligned
+                // copes with the byte buffer's alignment.
+                let ev: libc::inotify_event =
+                    unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
+                let name = &buf[at + head..(at + head + ev.len as usize).min(n as usize)];
+                let name = name.split(|b| *b == 0).next().unwrap_or(&[]);
+                if let Some(want) = &self.named {
+                    use std::os::unix::ffi::OsStrExt;
+                    if name == want.as_bytes() {
+                        named = true;
+                    }
+                }
+                at += head + ev.len as usize;
+            }
+        }
+    }
+}
+
+/// Lock files tried again and again without closing them in between: the
+/// descriptors stay open while a waiter waits, so its tries make no close
+/// events that would wake other waiters (see [`Waker`]).
+pub struct FileSet {
+    paths: Vec<PathBuf>,
+    files: Vec<Option<File>>,
+    mode: Mode,
+}
+
+impl FileSet {
+    pub fn new(paths: Vec<PathBuf>, mode: Mode) -> FileSet {
+        let files = paths.iter().map(|_| None).collect();
+        FileSet { paths, files, mode }
+    }
+
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+
+    /// Tries each file once, in order, creating missing ones; the first
+    /// taken is returned with its index. A file found unlinked after
+    /// locking (a ghost) is reopened on the next try.
+    pub fn try_any(&mut self) -> io::Result<Option<(usize, Guard)>> {
+        for i in 0..self.paths.len() {
+            if self.files[i].is_none() {
+                self.files[i] = Some(open(&self.paths[i], true)?);
+            }
+            let file = self.files[i].as_ref().expect("opened above");
+            if !flock_try(file, self.mode)? {
+                continue;
+            }
+            let file = self.files[i].take().expect("opened above");
+            if let Some((dev, ino)) = still_linked(&file, &self.paths[i])? {
+                return Ok(Some((i, guard(file, &self.paths[i], self.mode, dev, ino))));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Gives back a lock taken by [`FileSet::try_any`] that the caller may
+    /// not keep after all. The descriptor stays open (closing it would wake
+    /// every waiter watching the directory, this one included); the lock is
+    /// dropped with `LOCK_UN`, safe here because no child ever had this
+    /// descriptor.
+    pub fn put_back(&mut self, i: usize, g: Guard) {
+        let _ = FileExt::unlock(&g.file);
+        self.files[i] = Some(g.file);
+    }
+
+    /// How many of the files that `include` accepts someone holds right now,
+    /// asked through our own descriptors (no open or close that would wake
+    /// other waiters). Missing files count as free and are not created.
+    pub fn held_count(&mut self, include: impl Fn(usize) -> bool) -> io::Result<usize> {
+        let mut held = 0;
+        for i in 0..self.paths.len() {
+            if !include(i) {
+                continue;
+            }
+            if self.files[i].is_none() {
+                match open(&self.paths[i], false) {
+                    Ok(f) => self.files[i] = Some(f),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+            let f = self.files[i].as_ref().expect("opened above");
+            if flock_try(f, Mode::Exclusive)? {
+                let _ = FileExt::unlock(f);
+            } else {
+                held += 1;
+            }
+        }
+        Ok(held)
+    }
 }
 
 fn spawn_worker(
@@ -807,6 +1215,98 @@ mod tests {
             Waited::Acquired(_)
         ));
         t.join().unwrap();
+    }
+
+    #[test]
+    fn an_inherited_flock_is_seen_in_fdinfo() {
+        assert_eq!(
+            fdinfo_flock(
+                "pos:\t0\nflags:\t02\nlock:\t1: FLOCK  ADVISORY  WRITE 12 00:2a:5 0 EOF\n"
+            ),
+            Some(Mode::Exclusive)
+        );
+        assert_eq!(
+            fdinfo_flock("lock:\t1: FLOCK  ADVISORY  READ 12 00:2a:5 0 EOF\n"),
+            Some(Mode::Shared)
+        );
+        assert_eq!(
+            fdinfo_flock("lock:\t1: POSIX  ADVISORY  WRITE 12 00:2a:5 0 EOF\n"),
+            None
+        );
+        // Our own lock, through our own descriptor: the check sees it.
+        let d = tmp();
+        let p = d.path().join("a.lock");
+        assert_eq!(held_here(&p), None);
+        let g = try_lock(&p, Mode::Shared, true).unwrap().unwrap();
+        if std::path::Path::new("/proc/self/fdinfo").exists() {
+            assert_eq!(held_here(&p), Some(Mode::Shared));
+        }
+        drop(g);
+        assert_eq!(held_here(&p), None);
+    }
+
+    #[test]
+    fn a_polled_wait_acquires_and_times_out() {
+        // The fallback when no helper thread can be started.
+        let d = tmp();
+        let p = d.path().join("a.lock");
+        let held = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let f = open(&p, false).unwrap();
+        let t0 = Instant::now();
+        let r = poll_any(
+            &[&f],
+            Mode::Exclusive,
+            &mut Wait::until(Some(t0 + Duration::from_millis(100))),
+        )
+        .unwrap();
+        assert!(matches!(r, Waited::TimedOut));
+        assert!(t0.elapsed() >= Duration::from_millis(100));
+        let t = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(50));
+            drop(held);
+        });
+        let r = poll_any(
+            &[&f],
+            Mode::Exclusive,
+            &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
+        )
+        .unwrap();
+        assert!(matches!(r, Waited::Acquired(0)));
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn a_file_set_keeps_its_descriptors_and_a_waker_sees_closes() {
+        let d = tmp();
+        let paths: Vec<PathBuf> = (0..2).map(|i| d.path().join(format!("{i}.lock"))).collect();
+        let a = try_lock(&paths[0], Mode::Exclusive, true).unwrap().unwrap();
+        let b = try_lock(&paths[1], Mode::Exclusive, true).unwrap().unwrap();
+        let waker = Waker::watch(d.path(), Some("changed"));
+        let mut set = FileSet::new(paths.clone(), Mode::Exclusive);
+        assert!(set.try_any().unwrap().is_none());
+        assert_eq!(set.held_count(|_| true).unwrap(), 2);
+        if waker.watching() {
+            // Nothing closed yet: the tries made no event.
+            assert_eq!(
+                waker
+                    .sleep(Some(Instant::now() + Duration::from_millis(20)))
+                    .unwrap(),
+                Woke::Timeout
+            );
+        }
+        drop(b); // the last descriptor of that lock closes: wake
+        if waker.watching() {
+            assert_eq!(waker.sleep(None).unwrap(), Woke::Changed { named: false });
+        }
+        let (i, g) = set.try_any().unwrap().unwrap();
+        assert_eq!(i, 1);
+        set.put_back(i, g);
+        assert_eq!(set.held_count(|_| true).unwrap(), 1);
+        std::fs::write(d.path().join("changed"), "").unwrap();
+        if waker.watching() {
+            assert_eq!(waker.sleep(None).unwrap(), Woke::Changed { named: true });
+        }
+        drop(a);
     }
 
     #[test]

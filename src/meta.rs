@@ -305,7 +305,7 @@ pub fn annotate(err: anyhow::Error, db: &Path) -> anyhow::Error {
     }
     let full = matches!(sqlite, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull);
     let hint = if full {
-        " (no space left on its filesystem: free some, e.g. with 'stowage gc')"
+        " (no space left on its filesystem: free some with 'stowage rm IMAGE' or 'stowage gc')"
     } else {
         ""
     };
@@ -560,6 +560,26 @@ impl<'c> Tx<'c> {
             params![name, size.map(|s| s as i64)],
         )?;
         Ok(())
+    }
+
+    /// Records a size measured from `seen` only if the row is still as it
+    /// was then (same state, creation, last use) and its size still
+    /// unknown; returns whether it was recorded. A measurement races with
+    /// writers: one that finished meanwhile has recorded its own size.
+    pub fn set_size_if_unchanged(&self, seen: &ImageRow, size: u64) -> Result<bool> {
+        let n = self.tx.execute(
+            "UPDATE images SET size_bytes = ?2
+             WHERE name = ?1 AND size_bytes IS NULL AND state = ?3
+               AND created_ms = ?4 AND last_used_ms = ?5",
+            params![
+                seen.name,
+                size as i64,
+                seen.state.as_str(),
+                seen.created,
+                seen.last_used
+            ],
+        )?;
+        Ok(n > 0)
     }
 
     pub fn delete_image(&self, name: &str) -> Result<()> {

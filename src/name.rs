@@ -29,6 +29,8 @@ pub enum NameRule {
     LeadingChar(char),
     #[error("a name may not contain '//'")]
     DoubleSlash,
+    #[error("a name may not end with '/'")]
+    TrailingSlash,
     #[error("a name may not contain a '{0}' path component")]
     DotComponent(&'static str),
     #[error("a name may not contain '{0}' (reserved for the encoded form)")]
@@ -151,6 +153,11 @@ fn check(name: &str) -> Result<(), NameRule> {
     if name.contains("//") {
         return Err(NameRule::DoubleSlash);
     }
+    // `q/` would be an image distinct from `q` (ENC `q%`): an empty last
+    // component, the same mistake as `//`.
+    if name.ends_with('/') {
+        return Err(NameRule::TrailingSlash);
+    }
     for component in name.split('/') {
         match component {
             "." => return Err(NameRule::DotComponent(".")),
@@ -261,6 +268,13 @@ mod tests {
     #[test]
     fn double_slash() {
         assert_eq!(rule("team//app"), NameRule::DoubleSlash);
+    }
+
+    #[test]
+    fn trailing_slash() {
+        assert_eq!(rule("q/"), NameRule::TrailingSlash);
+        assert_eq!(rule("team/app/"), NameRule::TrailingSlash);
+        assert!(ImageName::from_encoded("q%").is_err());
     }
 
     #[test]

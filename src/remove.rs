@@ -15,12 +15,19 @@
 //! `doctor --repair` finish each ([`finish_interrupted`]). At no point does a
 //! half-deleted tree sit in the images directory under a `ready` row.
 //!
-//! Nothing outside the images directory is ever deleted: a rename moves a
-//! symlink, not its target, and trees are deleted with `remove_dir_all`,
-//! which never follows symlinks (it works with `openat`/`unlinkat`
-//! relative to directory descriptors opened without following links).
+//! A removal that fails before its tree moved (the rename refused: an
+//! immutable tree, permissions in a shared root, a busy mount) is undone:
+//! the image gets its previous state back and the error says why. Images of
+//! the same batch whose trees did move are finished.
+//!
+//! Nothing outside the images directory is ever deleted: the trash, the
+//! images directory and the lock directories are opened as descriptors that
+//! refuse a symlink in their place, trees move with `renameat` relative to
+//! them (a symlink moves as a link) and are deleted with the descriptor
+//! walk of [`crate::dir`], which never follows a link or leaves its
+//! filesystem.
 
-use std::fs;
+use std::ffi::OsString;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,9 +36,11 @@ use anyhow::{Context, Result};
 
 use crate::clock;
 use crate::debug;
+use crate::dir::Dir;
 use crate::lock::{self, Guard, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
+use crate::root::Root;
 use crate::store::{Ctx, Store};
 use crate::usage;
 
@@ -43,17 +52,41 @@ pub struct Removed {
     pub bytes: u64,
 }
 
+/// How taking one tree out of the images directory went.
+enum Taken {
+    /// Moved to the trash under this name.
+    Trashed(OsString),
+    /// Gone: there was no tree, or it was deleted in place.
+    Gone,
+    /// Nothing moved: the removal can be undone.
+    Refused(anyhow::Error),
+    /// Deleted in place only in part: the tree is damaged.
+    Partial(anyhow::Error),
+}
+
 /// Removes images whose exclusive locks the caller holds. All must exist:
-/// if one has no row, nothing is removed (exit 66 for `rm`).
+/// if one has no row, nothing is removed (exit 66 for `rm`). If a tree
+/// cannot be taken out of the images directory, that image and the ones
+/// after it get their previous states back and the error is returned; the
+/// ones before it are removed.
 pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result<Vec<Removed>> {
     if held.is_empty() {
         return Ok(Vec::new());
     }
-    // The trash must be usable before anything is marked (a symlink planted
-    // in its place is refused here, not half-way through).
-    crate::root::make_dir(&store.root().trash())?;
+    // The trash and the images directory must be usable before anything is
+    // marked (a symlink planted in their place is refused here, not
+    // half-way through).
+    let trash = store.root().open_or_make_sub("trash")?;
+    let images_dir = store.with_tx_locked(None, |tx, ctx| tx.images_dir(&ctx.root))?;
+    let images = store.root().open_images_dir(&images_dir).with_context(|| {
+        format!(
+            "cannot remove images: images directory {} is not usable (is it mounted?)",
+            images_dir.display()
+        )
+    })?;
     // 1. Mark.
     let marked = store.with_tx_locked(None, |tx, ctx| {
+        crate::store_wide::check_busy(tx, ctx)?;
         let mut rows = Vec::with_capacity(held.len());
         for (i, (name, _)) in held.iter().enumerate() {
             match tx.image(name.as_str())? {
@@ -64,30 +97,40 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         for (name, _) in &held {
             tx.set_state(name.as_str(), ImageState::Deleting)?;
         }
-        Ok(Ok((tx.images_dir(&ctx.root)?, rows)))
+        Ok(Ok(rows))
     })?;
-    let (images_dir, rows) = match marked {
-        Ok(marked) => marked,
+    let rows = match marked {
+        Ok(rows) => rows,
         Err(i) => {
             // Removed by someone else since the caller locked it: its lock
             // file (perhaps created by that very lock) names nothing now.
             let (name, guard) = held.into_iter().nth(i).expect("index of a held image");
-            let _ = guard.unlink();
+            let _ = unlink_lock(store.root(), guard);
             return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into());
         }
     };
     debug::pause("rm-marked");
 
-    // 2. Take the trees out of the images directory.
+    // 2. Take the trees out of the images directory, until one refuses.
     let mut out = Vec::with_capacity(held.len());
     let mut trashed = Vec::new();
-    for ((name, _), row) in held.iter().zip(&rows) {
+    let mut failed = None;
+    for (i, ((name, _), row)) in held.iter().zip(&rows).enumerate() {
         let tree = images_dir.join(name.encoded());
         let bytes = row
             .size_bytes
             .unwrap_or_else(|| usage::disk_usage(&tree).unwrap_or(0));
-        if let Some(t) = to_trash(store.ctx(), &tree, name)? {
-            trashed.push(t);
+        match take_out(store.ctx(), &images, &trash, &tree, name) {
+            Taken::Trashed(t) => trashed.push(t),
+            Taken::Gone => {}
+            Taken::Refused(e) => {
+                failed = Some((i, e, false));
+                break;
+            }
+            Taken::Partial(e) => {
+                failed = Some((i, e, true));
+                break;
+            }
         }
         out.push(Removed {
             name: name.as_str().to_owned(),
@@ -97,52 +140,98 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     }
     debug::pause("rm-moved");
 
-    // 3. Drop the rows; 4. the lock files.
+    // 3. Drop the rows of the trees that went; undo the rest.
+    let done = failed.as_ref().map_or(held.len(), |(i, _, _)| *i);
     store.with_tx_locked(None, |tx, _| {
-        for (name, _) in &held {
+        for (name, _) in &held[..done] {
             tx.delete_image(name.as_str())?;
+        }
+        for (k, ((name, _), row)) in held.iter().zip(&rows).enumerate().skip(done) {
+            // A tree half deleted in place is not what it was: incomplete.
+            let damaged = failed.as_ref().is_some_and(|(i, _, p)| *p && *i == k);
+            let state = if damaged {
+                ImageState::Incomplete
+            } else {
+                row.state
+            };
+            tx.set_state(name.as_str(), state)?;
         }
         Ok(())
     })?;
-    for (name, guard) in held {
-        guard
-            .unlink()
+    // 4. The lock files of removed images, under their exclusive locks.
+    for (name, guard) in held.into_iter().take(done) {
+        unlink_lock(store.root(), guard)
             .with_context(|| format!("cannot remove the lock file of image '{name}'"))?;
         // The gate too, under its own exclusive lock; if a reader is just
         // passing it, the file stays (a few bytes, reused if the name is).
         if let Ok(Some(gate)) =
             lock::try_lock(&store.root().image_gate(&name), Mode::Exclusive, false)
         {
-            let _ = gate.unlink();
+            let _ = unlink_lock(store.root(), gate);
         }
     }
     // 5. Outside every lock.
     for t in trashed {
-        remove_tree(&t)?;
+        crate::signals::check()?;
+        let mut n = 0;
+        trash.remove_entry(&t, &mut n).with_context(|| {
+            format!("cannot delete {}", store.root().trash().join(&t).display())
+        })?;
+    }
+    if let Some((i, e, partial)) = failed {
+        let name = &rows[i].name;
+        let undone = if partial {
+            format!(
+                "image '{name}' was deleted only in part and is now incomplete ('stowage gc' removes it once the cause is fixed)"
+            )
+        } else {
+            format!(
+                "nothing of image '{name}' was removed; it is {} again",
+                rows[i].state
+            )
+        };
+        return Err(e.context(undone));
     }
     Ok(out)
 }
 
-/// Moves an image tree into the trash. Returns the trash path, or None if
-/// there was no tree or it was deleted in place (images directory on another
-/// filesystem than the root).
-fn to_trash(ctx: &Ctx, tree: &Path, name: &ImageName) -> Result<Option<PathBuf>> {
-    match fs::symlink_metadata(tree) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", tree.display())),
-        Ok(_) => {}
-    }
-    crate::root::make_dir(&ctx.root.trash())?;
-    let dest = ctx.root.trash().join(trash_name(ctx, name.encoded()));
-    match fs::rename(tree, &dest) {
-        Ok(()) => Ok(Some(dest)),
-        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-            remove_tree(tree)?;
-            Ok(None)
-        }
+/// Takes an image tree out of the images directory: moves it into the
+/// trash, or deletes it in place when the images directory is on another
+/// filesystem than the root.
+fn take_out(ctx: &Ctx, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName) -> Taken {
+    let enc = name.encoded();
+    match images.stat_at(enc) {
+        Ok(None) => return Taken::Gone,
+        Ok(Some(_)) => {}
         Err(e) => {
-            Err(e).with_context(|| format!("cannot move {} to {}", tree.display(), dest.display()))
+            return Taken::Refused(
+                anyhow::Error::new(e).context(format!("cannot inspect {}", tree.display())),
+            );
         }
+    }
+    let dest = trash_name(ctx, enc);
+    match images.rename_to(enc, trash, &dest) {
+        Ok(()) => Taken::Trashed(dest.into()),
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            let mut removed = 0;
+            match images.remove_entry(enc, &mut removed) {
+                Ok(()) => Taken::Gone,
+                Err(e) => {
+                    let e =
+                        anyhow::Error::new(e).context(format!("cannot delete {}", tree.display()));
+                    if removed == 0 {
+                        Taken::Refused(e)
+                    } else {
+                        Taken::Partial(e)
+                    }
+                }
+            }
+        }
+        Err(e) => Taken::Refused(anyhow::Error::new(e).context(format!(
+            "cannot move {} to {}",
+            tree.display(),
+            ctx.root.trash().display()
+        ))),
     }
 }
 
@@ -157,48 +246,62 @@ fn trash_name(ctx: &Ctx, enc: &str) -> String {
     )
 }
 
-/// Deletes a tree without following any symlink in it; a symlink or file at
-/// `path` itself is unlinked, not followed. Tolerates a concurrent deleter.
-pub fn remove_tree(path: &Path) -> Result<()> {
-    for _ in 0..3 {
-        let r = match fs::symlink_metadata(path) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => Err(e),
-            Ok(m) if m.is_dir() => {
-                make_writable(path);
-                fs::remove_dir_all(path)
-            }
-            Ok(_) => fs::remove_file(path),
-        };
-        match r {
-            Ok(()) => return Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e).with_context(|| format!("cannot delete {}", path.display())),
-        }
-    }
+/// Unlinks a lock file we hold exclusively (the unlink rule), through
+/// descriptors of the lock directories: a symlink planted in place of
+/// `locks/` or `locks/images/` is refused, and only the very file we
+/// locked is unlinked, not whatever took its name since.
+pub fn unlink_lock(root: &Root, guard: Guard) -> Result<()> {
+    unlink_held_lock(root, &guard)
+}
+
+/// [`unlink_lock`] for a lock whose guard the caller keeps (it releases it
+/// later; whoever locks the unlinked file meanwhile finds it unlinked and
+/// retries, as the unlink rule has it).
+pub fn unlink_held_lock(root: &Root, guard: &Guard) -> Result<()> {
+    let path = guard.path().to_owned();
+    let rel = path
+        .strip_prefix(root.dir())
+        .with_context(|| format!("lock file {} is not in the root", path.display()))?;
+    let (Some(parent), Some(file)) = (rel.parent(), rel.file_name()) else {
+        anyhow::bail!("lock file {} is not in the root", path.display());
+    };
+    let parent = parent
+        .to_str()
+        .with_context(|| format!("lock file {} has a name that is not UTF-8", path.display()))?;
+    let dir = root.open_sub(parent)?;
+    let (dev, ino) = guard.identity();
+    dir.unlink_if(file, dev, ino)
+        .with_context(|| format!("cannot unlink {}", path.display()))?;
     Ok(())
 }
 
-/// Gives the owner write access to every directory in the tree (without
-/// following symlinks), so read-only directories inside an image can be
-/// emptied — as root this does not matter, as anyone else it does.
-fn make_writable(path: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    for e in walkdir::WalkDir::new(path)
-        .follow_links(false)
-        .into_iter()
-        .flatten()
-    {
-        if e.file_type().is_dir()
-            && let Ok(m) = e.metadata()
-            && m.permissions().mode() & 0o700 != 0o700
-        {
-            let _ = fs::set_permissions(
-                e.path(),
-                fs::Permissions::from_mode(m.permissions().mode() | 0o700),
-            );
-        }
+/// Removes an image's directory if it is empty (undoing a start), through
+/// a descriptor of the images directory. Anything in it stays for the user
+/// to inspect.
+pub fn remove_empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) {
+    if let Ok(images) = root.open_images_dir(images_dir) {
+        let _ = images.rmdir(name.encoded());
     }
+}
+
+/// Empties an image's directory without following any link in it (`exec
+/// --from` rebuilding an image from its base).
+pub fn empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) -> Result<()> {
+    let path = images_dir.join(name.encoded());
+    let dir = root
+        .open_images_dir(images_dir)?
+        .sub(name.encoded())
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    let mut n = 0;
+    for entry in dir
+        .names()
+        .with_context(|| format!("cannot list {}", path.display()))?
+    {
+        crate::signals::check()?;
+        dir.remove_entry(&entry, &mut n)
+            .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
+    }
+    Ok(())
 }
 
 /// What [`finish_interrupted`] found and did.
@@ -210,6 +313,8 @@ pub struct Leftovers {
     pub trash: Vec<PathBuf>,
     /// Lock files of images that have no row, not held by anyone.
     pub lock_files: Vec<PathBuf>,
+    /// What could not be finished, one line each (the others were).
+    pub failed: Vec<String>,
 }
 
 impl Leftovers {
@@ -233,7 +338,7 @@ pub(crate) fn recheck(
         Some(row) => Ok(Some((guard, row))),
         None => {
             if tidy {
-                guard.unlink()?;
+                unlink_lock(store.root(), guard)?;
             }
             Ok(None)
         }
@@ -243,6 +348,10 @@ pub(crate) fn recheck(
 /// Finds removals a crash interrupted and, with `fix`, finishes them: a
 /// `deleting` image whose lock is free is removed; trash is emptied; lock
 /// files of images without rows are unlinked (under their exclusive lock).
+/// A trash or lock directory that is not a real directory (a planted
+/// symlink) is an error: nothing in it is touched. A removal or trash
+/// entry that cannot be finished is reported in `failed` and the rest go
+/// on: one immutable tree must not stop every later gc.
 pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
     let mut found = Leftovers::default();
     let (deleting, names) = store.with_tx(None, |tx, _| {
@@ -269,8 +378,8 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                     && row.state == ImageState::Deleting
                 {
                     found.removals.push(name);
-                    if fix {
-                        remove_locked(store, vec![(n, guard)])?;
+                    if fix && let Err(e) = remove_locked(store, vec![(n, guard)]) {
+                        found.failed.push(format!("{e:#}"));
                     }
                 }
             }
@@ -278,38 +387,103 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
             _ => {}
         }
     }
-    if let Ok(entries) = fs::read_dir(store.root().trash()) {
-        for e in entries.flatten() {
-            found.trash.push(e.path());
-            if fix {
-                remove_tree(&e.path())?;
+    let root = store.root().clone();
+    match root.open_sub("trash") {
+        Ok(trash) => {
+            for entry in trash
+                .names()
+                .with_context(|| format!("cannot list {}", root.trash().display()))?
+            {
+                let path = root.trash().join(&entry);
+                let mut n = 0;
+                if fix && let Err(e) = trash.remove_entry(&entry, &mut n) {
+                    found
+                        .failed
+                        .push(format!("cannot delete {}: {e}", path.display()));
+                }
+                found.trash.push(path);
             }
         }
+        // No trash yet: nothing was ever removed.
+        Err(_) if root.trash().symlink_metadata().is_err() => {}
+        Err(e) => return Err(e),
     }
-    if let Ok(entries) = fs::read_dir(store.root().image_locks()) {
-        for e in entries.flatten() {
-            let fname = e.file_name();
-            let Some(enc) = fname
-                .to_str()
-                .and_then(|f| f.strip_suffix(".lock").or_else(|| f.strip_suffix(".gate")))
-            else {
-                continue;
-            };
-            let Ok(n) = ImageName::from_encoded(enc) else {
-                continue;
-            };
-            if names.contains(n.as_str()) {
-                continue;
-            }
-            // An exec creating this image holds the lock until its start
-            // transaction made the row: only a free lock file is a leftover.
-            // The image may have been created since we listed the rows.
-            if let Ok(Some(guard)) = lock::try_lock(&e.path(), Mode::Exclusive, false)
-                && recheck(store, &n, guard, fix)?.is_none()
-            {
-                found.lock_files.push(e.path());
-            }
+    let locks = match root.open_sub("locks/images") {
+        Ok(d) => d
+            .names()
+            .with_context(|| format!("cannot list {}", root.image_locks().display()))?,
+        Err(_) if root.image_locks().symlink_metadata().is_err() => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    for fname in locks {
+        let Some(enc) = fname
+            .to_str()
+            .and_then(|f| f.strip_suffix(".lock").or_else(|| f.strip_suffix(".gate")))
+        else {
+            continue;
+        };
+        let Ok(n) = ImageName::from_encoded(enc) else {
+            continue;
+        };
+        if names.contains(n.as_str()) {
+            continue;
+        }
+        let path = root.image_locks().join(&fname);
+        // An exec creating this image holds the lock until its start
+        // transaction made the row: only a free lock file is a leftover.
+        // The image may have been created since we listed the rows.
+        if let Ok(Some(guard)) = lock::try_lock(&path, Mode::Exclusive, false)
+            && recheck(store, &n, guard, fix)?.is_none()
+        {
+            found.lock_files.push(path);
         }
     }
     Ok(found)
+}
+
+/// After a start that did not happen (a later lock timed out, a signal, a
+/// refusal, a command that could not run): the lock files and gates of
+/// images that still have no row go again, so nothing is left behind for
+/// an image that does not exist. `held` are exclusive locks we hold;
+/// `waited_for` an image whose lock or gate we may have created while
+/// waiting — its files go only if nobody holds them. Best effort: what is
+/// left is a harmless leftover that `gc` and `doctor --repair` remove.
+pub(crate) fn release_unclaimed(
+    store: &mut Store,
+    held: Vec<(ImageName, Guard)>,
+    waited_for: Option<&ImageName>,
+) {
+    if held.is_empty() && waited_for.is_none() {
+        return;
+    }
+    let root = store.root().clone();
+    let Ok((tx, _)) = store.begin_cleanup() else {
+        return;
+    };
+    let rowless = |n: &ImageName| matches!(tx.image(n.as_str()), Ok(None));
+    let gate = |n: &ImageName| lock::try_lock(&root.image_gate(n), Mode::Exclusive, false);
+    let mut doomed = Vec::new();
+    for (name, guard) in held {
+        if rowless(&name) {
+            doomed.push(guard);
+            if let Ok(Some(g)) = gate(&name) {
+                doomed.push(g);
+            }
+        }
+    }
+    if let Some(name) = waited_for
+        && rowless(name)
+    {
+        if let Ok(Some(g)) = lock::try_lock(&root.image_lock(name), Mode::Exclusive, false) {
+            doomed.push(g);
+        }
+        if let Ok(Some(g)) = gate(name) {
+            doomed.push(g);
+        }
+    }
+    // Under the global lock still: nobody can create a row meanwhile.
+    for g in doomed {
+        let _ = unlink_lock(&root, g);
+    }
+    drop(tx);
 }

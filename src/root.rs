@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
+use crate::dir::Dir;
 use crate::name::ImageName;
 
 pub const ROOT_ENV: &str = "STOWAGE_ROOT";
@@ -28,26 +29,96 @@ pub const ROOT_ENV: &str = "STOWAGE_ROOT";
 #[derive(Debug, Clone)]
 pub struct Root {
     dir: PathBuf,
+    /// The default root, `/var/tmp/$USER.stowage`: it must be the user's
+    /// own (anyone may create that name in /var/tmp before its user does).
+    default: bool,
 }
 
 impl Root {
     /// `--root`, else `$STOWAGE_ROOT`, else `/var/tmp/$USER.stowage`.
     pub fn resolve(flag: Option<&Path>) -> Result<Root> {
-        let dir = match flag {
-            Some(d) => d.to_owned(),
+        let (dir, default) = match flag {
+            Some(d) => (d.to_owned(), false),
             None => match std::env::var_os(ROOT_ENV) {
-                Some(d) if !d.is_empty() => PathBuf::from(d),
-                _ => PathBuf::from(format!("/var/tmp/{}.stowage", crate::ident::user_name())),
+                Some(d) if !d.is_empty() => (PathBuf::from(d), false),
+                _ => (
+                    PathBuf::from(format!("/var/tmp/{}.stowage", crate::ident::user_name())),
+                    true,
+                ),
             },
         };
         Ok(Root {
             dir: std::path::absolute(&dir)
                 .with_context(|| format!("cannot resolve root {}", dir.display()))?,
+            default,
         })
     }
 
     pub fn at(dir: impl Into<PathBuf>) -> Root {
-        Root { dir: dir.into() }
+        Root {
+            dir: dir.into(),
+            default: false,
+        }
+    }
+
+    /// Whether the root directory exists (a symlink to one counts).
+    pub fn exists(&self) -> bool {
+        self.dir.is_dir()
+    }
+
+    /// Opens the root directory. Its ownership is checked again on the
+    /// open descriptor: whatever is done through it is done in the
+    /// directory that passed.
+    pub fn open(&self) -> Result<Dir> {
+        let d = Dir::open(&self.dir)
+            .with_context(|| format!("cannot open root {}", self.dir.display()))?;
+        let st = d
+            .stat()
+            .with_context(|| format!("cannot inspect root {}", self.dir.display()))?;
+        self.check_owner(st.uid, st.mode, st.gid)?;
+        Ok(d)
+    }
+
+    /// Opens `ROOT/NAME` (e.g. `trash`, `locks/images`), one component at a
+    /// time, refusing a symlink or anything else that is not a directory in
+    /// the place of any of them.
+    pub fn open_sub(&self, name: &str) -> Result<Dir> {
+        let mut d = self.open()?;
+        let mut at = self.dir.clone();
+        for part in name.split('/') {
+            at.push(part);
+            d = d.sub(part).map_err(|e| not_a_dir(&at, e))?;
+        }
+        Ok(d)
+    }
+
+    /// Like [`Root::open_sub`] for a directory directly in the root, which
+    /// is created if missing.
+    pub fn open_or_make_sub(&self, name: &str) -> Result<Dir> {
+        let root = self.open()?;
+        let at = self.dir.join(name);
+        match root.sub(name) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => match root.mkdir(name, 0o777) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("cannot create directory {}", at.display()));
+                }
+            },
+            other => return other.map_err(|e| not_a_dir(&at, e)),
+        }
+        root.sub(name).map_err(|e| not_a_dir(&at, e))
+    }
+
+    /// Opens the images directory `dir` (the default one through the root's
+    /// descriptor). A symlink in its place is refused.
+    pub fn open_images_dir(&self, dir: &Path) -> Result<Dir> {
+        if dir == self.default_images_dir() {
+            self.open_sub("img")
+        } else {
+            Dir::open_nofollow(dir).map_err(|e| not_a_dir(dir, e))
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -124,6 +195,63 @@ impl Root {
         ] {
             make_dir(&d)?;
         }
+        // Checked again on what was created or found: someone may have
+        // made the root between the caller's check and our mkdir.
+        self.open()?;
+        // Space for the metadata on a full filesystem (space.rs).
+        crate::space::refill(self);
+        Ok(())
+    }
+
+    /// Like [`Root::create_layout`], for `doctor`: an existing entry in
+    /// place of one of the root's directories that is not a directory (a
+    /// planted symlink) is passed to `bad` with a phrase saying what it is,
+    /// instead of failing. Returns whether the lock directories are usable.
+    pub fn create_layout_reporting(&self, mut bad: impl FnMut(&str, &str)) -> Result<bool> {
+        if fs::symlink_metadata(&self.dir).is_err() {
+            return self.create_layout().map(|()| true);
+        }
+        self.open()?;
+        let mut locks_ok = true;
+        for name in ["locks", "locks/images", "locks/slots", "img", "trash"] {
+            let path = self.dir.join(name);
+            let what = match fs::symlink_metadata(&path) {
+                Ok(m) if m.is_dir() => continue,
+                Ok(m) if m.file_type().is_symlink() => "a symlink, not a directory",
+                Ok(_) => "not a directory",
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    if locks_ok {
+                        make_dir(&path)?;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("cannot inspect {}", path.display()));
+                }
+            };
+            bad(name, what);
+            if name.starts_with("locks") {
+                locks_ok = false;
+            }
+        }
+        Ok(locks_ok)
+    }
+
+    /// Replaces a non-directory entry `name` of the root (a planted
+    /// symlink: only the link goes) with an empty directory.
+    pub fn replace_with_dir(&self, name: &str) -> Result<()> {
+        let root = self.open()?;
+        let path = self.dir.join(name);
+        match root.stat_at(name)? {
+            Some(e) if e.is_dir() => return Ok(()),
+            Some(e) => {
+                root.unlink_if(name, e.dev, e.ino)
+                    .with_context(|| format!("cannot remove {}", path.display()))?;
+            }
+            None => {}
+        }
+        root.mkdir(name, 0o777)
+            .with_context(|| format!("cannot create directory {}", path.display()))?;
         Ok(())
     }
 
@@ -134,18 +262,32 @@ impl Root {
     /// (in a world-writable parent like /var/tmp anyone can plant one).
     /// Within a root that passes, only we (or our group) can create or
     /// replace anything, so nothing below needs checking again.
-    pub fn check(&self) -> Result<Sharing> {
+    ///
+    /// A symlink that passes is resolved once, here: every later use goes to
+    /// the directory that was checked (and SQLite, which refuses symlinks
+    /// anywhere in a database path, is given the real one).
+    pub fn check(&mut self) -> Result<Sharing> {
         use std::os::unix::fs::MetadataExt;
         let euid = nix::unistd::geteuid().as_raw();
         let link = match fs::symlink_metadata(&self.dir) {
             Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Sharing::Private),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // Symlinks above the root are the user's choice; resolved
+                // once, so SQLite (which refuses any) gets a real path.
+                if let (Some(parent), Some(name)) = (self.dir.parent(), self.dir.file_name())
+                    && let Ok(real) = fs::canonicalize(parent)
+                {
+                    self.dir = real.join(name);
+                }
+                return Ok(Sharing::Private);
+            }
             Err(e) => {
                 return Err(e)
                     .with_context(|| format!("cannot inspect root {}", self.dir.display()));
             }
         };
-        if link.file_type().is_symlink() && link.uid() != euid && link.uid() != 0 {
+        if link.file_type().is_symlink() && link.uid() != euid && (link.uid() != 0 || self.default)
+        {
             anyhow::bail!(
                 "root {} is a symlink owned by uid {}, not by you: refusing to follow it",
                 self.dir.display(),
@@ -154,35 +296,77 @@ impl Root {
         }
         // Only a symlink needs a second look, at what it names.
         let m = if link.file_type().is_symlink() {
-            fs::metadata(&self.dir)
-                .with_context(|| format!("cannot inspect root {}", self.dir.display()))?
+            let real = fs::canonicalize(&self.dir).with_context(|| {
+                format!(
+                    "root {} is a symlink to {}, which cannot be used",
+                    self.dir.display(),
+                    fs::read_link(&self.dir)
+                        .map(|t| t.display().to_string())
+                        .unwrap_or_else(|_| "?".into())
+                )
+            })?;
+            let m = fs::metadata(&real)
+                .with_context(|| format!("cannot inspect root {}", real.display()))?;
+            self.dir = real;
+            m
         } else {
+            if let Ok(real) = fs::canonicalize(&self.dir) {
+                self.dir = real;
+            }
             link
         };
         if !m.is_dir() {
             anyhow::bail!("root {} is not a directory", self.dir.display());
         }
-        let group_writable = m.mode() & 0o020 != 0;
-        let shared = group_writable && in_group(m.gid());
-        if m.uid() != euid && m.uid() != 0 && !shared {
-            anyhow::bail!(
-                "root {} belongs to uid {} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)",
-                self.dir.display(),
-                m.uid()
-            );
-        }
-        if m.mode() & 0o002 != 0 && m.mode() & 0o1000 == 0 {
-            anyhow::bail!(
-                "root {} is writable by everyone: refusing to use it (anyone could replace its lock files); chmod o-w it",
-                self.dir.display()
-            );
-        }
-        Ok(if group_writable {
+        self.check_owner(m.uid(), m.mode(), m.gid())?;
+        Ok(if m.mode() & 0o020 != 0 {
             Sharing::Group
         } else {
             Sharing::Private
         })
     }
+
+    /// The ownership rules of [`Root::check`], for a directory owned by
+    /// `uid` with `mode` and group `gid`.
+    fn check_owner(&self, uid: u32, mode: u32, gid: u32) -> Result<()> {
+        let euid = nix::unistd::geteuid().as_raw();
+        if self.default && uid != euid {
+            anyhow::bail!(
+                "default root {} belongs to uid {}, not to you: refusing to use it (anyone can create that name in its parent before you do, and whoever owns the root controls its locks and what stowage deletes); remove it, or choose a root with --root or STOWAGE_ROOT",
+                self.dir.display(),
+                uid
+            );
+        }
+        let shared = mode & 0o020 != 0 && in_group(gid);
+        if uid != euid && uid != 0 && !shared {
+            anyhow::bail!(
+                "root {} belongs to uid {} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)",
+                self.dir.display(),
+                uid
+            );
+        }
+        if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+            anyhow::bail!(
+                "root {} is writable by everyone: refusing to use it (anyone could replace its lock files); chmod o-w it",
+                self.dir.display()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// "PATH is a symlink/not a directory; refusing to use it" for the errors
+/// an `O_NOFOLLOW|O_DIRECTORY` open gives for those.
+fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
+    if !matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
+        return anyhow::Error::new(e).context(format!("cannot open {}", path.display()));
+    }
+    // Linux says ENOTDIR for a symlink opened O_DIRECTORY|O_NOFOLLOW: look.
+    let what = match fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => "a symlink, not a directory",
+        _ => "not a directory",
+    };
+    anyhow::anyhow!("{} is {what}; refusing to use it", path.display())
 }
 
 impl Root {

@@ -36,6 +36,10 @@ use crate::usage;
 pub struct Request {
     pub reads: Vec<ImageName>,
     pub writes: Vec<ImageName>,
+    /// Images locked exclusively but only read: they must be ready, their
+    /// state stays, their last use is recorded (a builder that rewrites a
+    /// base's metadata in place, see docs/charliecloud.md).
+    pub exclusive_reads: Vec<ImageName>,
     /// Base recorded as the lineage of the (single) written image.
     pub base: Option<ImageName>,
     /// When to give up waiting; `None` waits forever.
@@ -54,6 +58,15 @@ struct Held {
     guard: Guard,
     /// For writes: the state before this session (None: created by it).
     prev: Option<ImageState>,
+    /// An exclusive read: the image is not written (its state stays).
+    keep: bool,
+}
+
+impl Held {
+    /// Written by the command: its state follows the outcome.
+    fn writes(&self) -> bool {
+        self.mode == Mode::Exclusive && !self.keep
+    }
 }
 
 /// Image locks held for one command.
@@ -82,6 +95,11 @@ impl Session {
             .iter()
             .map(|n| (n.clone(), Mode::Shared))
             .chain(req.writes.iter().map(|n| (n.clone(), Mode::Exclusive)))
+            .chain(
+                req.exclusive_reads
+                    .iter()
+                    .map(|n| (n.clone(), Mode::Exclusive)),
+            )
             .collect();
         // The lock order: ascending ENC. A name both read and written is
         // taken once, exclusively (sorted after its shared twin, kept last).
@@ -105,16 +123,19 @@ impl Session {
                     req.deadline,
                     req.no_wait,
                     &req.command,
+                    &req.reads,
                 )?,
                 None => None,
             };
             let mut held = Vec::with_capacity(wanted.len());
             let mut waits = Vec::new();
             let mut migrate = false;
+            let mut store_held = None;
             for (name, mode) in &wanted {
+                let keep = req.exclusive_reads.contains(name);
                 let want = Want {
                     mode: *mode,
-                    need: if *mode == Mode::Exclusive {
+                    need: if *mode == Mode::Exclusive && !keep {
                         Need::Create
                     } else {
                         Need::Ready
@@ -122,6 +143,7 @@ impl Session {
                     deadline: req.deadline,
                     no_wait: req.no_wait,
                     command: &req.command,
+                    must_exist: &req.reads,
                 };
                 match acquire_image(store, name, &want) {
                     Ok((guard, waiter)) => {
@@ -130,6 +152,7 @@ impl Session {
                             mode: *mode,
                             guard,
                             prev: None,
+                            keep,
                         });
                         waits.extend(waiter);
                     }
@@ -137,7 +160,10 @@ impl Session {
                         migrate = true;
                         break;
                     }
-                    Err(e) => return Err(e),
+                    Err(e) => {
+                        give_up(store, held, &waits, slot, Some(name));
+                        return Err(e);
+                    }
                 }
             }
             if !migrate {
@@ -152,14 +178,30 @@ impl Session {
                         });
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
-                    Err(e) => return Err(e),
+                    Err(e) => match e.downcast::<crate::store_wide::StoreHeld>() {
+                        Ok(sw) => store_held = Some(sw),
+                        Err(e) => {
+                            give_up(store, held, &waits, slot, None);
+                            return Err(e);
+                        }
+                    },
                 }
             }
             // Never migrate while holding image locks: the migration waits
             // for every image lock to be free, ours included.
             drop(held);
             drop(slot);
-            store.migrate(req.deadline)?;
+            match store_held {
+                // Holding nothing, wait for the store-wide command.
+                Some(h) => crate::store_wide::wait_until_free(
+                    store,
+                    &h,
+                    req.deadline,
+                    req.no_wait,
+                    &req.command,
+                )?,
+                None => store.migrate(req.deadline)?,
+            }
         }
     }
 
@@ -175,10 +217,7 @@ impl Session {
 
     /// Images held exclusively, in lock order.
     pub fn writes(&self) -> impl Iterator<Item = &ImageName> {
-        self.held
-            .iter()
-            .filter(|h| h.mode == Mode::Exclusive)
-            .map(|h| &h.name)
+        self.held.iter().filter(|h| h.writes()).map(|h| &h.name)
     }
 
     /// Lets spawned children inherit the lock descriptors (like flock(1)),
@@ -190,6 +229,39 @@ impl Session {
         self.held
             .iter()
             .try_for_each(|h| h.guard.set_inheritable(inherit))
+    }
+
+    /// The descriptors of every lock held (slot included), for a process
+    /// that must hold them on our behalf (the `--no-inherit` keeper).
+    pub fn lock_fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.slot
+            .iter()
+            .map(|s| s.raw_fd())
+            .chain(self.held.iter().map(|h| h.guard.as_raw_fd()))
+            .collect()
+    }
+
+    /// Releases the read lock on `name` before the session ends (a `--from`
+    /// base once copied), dropping its holder record first, so that the
+    /// record never claims a lock we no longer hold. Does nothing for an
+    /// image not held shared.
+    pub fn release_read(&mut self, store: &mut Store, name: &ImageName) -> Result<()> {
+        let Some(i) = self
+            .held
+            .iter()
+            .position(|h| h.name == *name && h.mode == Mode::Shared)
+        else {
+            return Ok(());
+        };
+        if let Some(&id) = self.records.get(i) {
+            let (tx, _) = store.begin_cleanup()?;
+            tx.delete_record(id)?;
+            tx.commit()?;
+            self.records.remove(i);
+        }
+        self.held.remove(i);
+        Ok(())
     }
 
     pub fn elapsed(&self) -> Duration {
@@ -205,53 +277,71 @@ impl Session {
         let written: Vec<(Option<u64>, bool)> = self
             .held
             .iter()
-            .map(|h| match h.mode {
-                Mode::Exclusive => {
-                    let dir = self.images_dir.join(h.name.encoded());
-                    if std::fs::symlink_metadata(&dir).is_err() {
-                        (None, true)
-                    } else {
-                        (usage::disk_usage(&dir).ok(), false)
-                    }
+            .map(|h| {
+                if !h.writes() {
+                    return (None, false);
                 }
-                Mode::Shared => (None, false),
+                let dir = self.images_dir.join(h.name.encoded());
+                // Only "no such file" means deleted: an I/O error (EIO,
+                // ESTALE on NFS) says nothing about the tree.
+                match std::fs::symlink_metadata(&dir) {
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true),
+                    Err(_) => (None, false),
+                    Ok(_) => (usage::disk_usage(&dir).ok(), false),
+                }
             })
             .collect();
-        let (tx, ctx) = store.begin_cleanup()?;
-        let now = clock::now_ms();
-        for (h, (size, gone)) in self.held.iter().zip(&written) {
-            if *gone {
-                tx.delete_image(h.name.as_str())?;
-                ctx.detail(&format!("image '{}' was deleted by the command", h.name));
-                continue;
-            }
-            // A read's last use was recorded when it began; updating it
-            // again would cost a page write per image for no decision gc
-            // makes (an image in use is never collected).
-            if h.mode == Mode::Exclusive {
-                tx.touch(h.name.as_str(), now)?;
-                let state = match outcome {
-                    Outcome::Success => ImageState::Ready,
-                    Outcome::Failure => ImageState::Incomplete,
+        // A build that filled the filesystem is recorded in the space kept
+        // in reserve (space.rs).
+        let held = &self.held;
+        let images_dir = &self.images_dir;
+        let ids: Vec<i64> = self.record_ids().collect();
+        store.retry_full(|store| {
+            let (tx, ctx) = store.begin_cleanup()?;
+            let now = clock::now_ms();
+            for (h, (size, gone)) in held.iter().zip(&written) {
+                let doubt = match gone {
+                    true => crate::adopt::unmounted(&tx, &ctx.root, images_dir)?,
+                    false => None,
                 };
-                tx.set_state(h.name.as_str(), state)?;
-                tx.set_size(h.name.as_str(), *size)?;
-                ctx.detail(&format!("image '{}' is {state}", h.name));
+                if *gone && doubt.is_none() {
+                    tx.delete_image(h.name.as_str())?;
+                    ctx.detail(&format!("image '{}' was deleted by the command", h.name));
+                    continue;
+                }
+                if let Some(doubt) = doubt {
+                    // Not seen, so not ready; but not forgotten either.
+                    ctx.say(&format!("image '{}' is incomplete: {doubt}", h.name));
+                    tx.set_state(h.name.as_str(), ImageState::Incomplete)?;
+                    continue;
+                }
+                // A read's last use was recorded when it began; updating it
+                // again would cost a page write per image for no decision gc
+                // makes (an image in use is never collected).
+                if h.keep {
+                    // Used until now: gc's "unused for" counts from here.
+                    tx.touch(h.name.as_str(), now)?;
+                } else if h.mode == Mode::Exclusive {
+                    tx.touch(h.name.as_str(), now)?;
+                    let state = match outcome {
+                        Outcome::Success => ImageState::Ready,
+                        Outcome::Failure => ImageState::Incomplete,
+                    };
+                    tx.set_state(h.name.as_str(), state)?;
+                    tx.set_size(h.name.as_str(), *size)?;
+                    ctx.detail(&format!("image '{}' is {state}", h.name));
+                }
             }
-        }
-        for id in self.record_ids() {
-            tx.delete_record(id)?;
-        }
-        tx.commit()?;
+            for id in &ids {
+                tx.delete_record(*id)?;
+            }
+            tx.commit()
+        })?;
         // The lock files of deleted images go too, under our exclusive locks
         // (the unlink rule), with their gates.
         for (h, (_, gone)) in self.held.into_iter().zip(written) {
             if gone {
-                let gate = store.root().image_gate(&h.name);
-                let _ = h.guard.unlink();
-                if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
-                    let _ = g.unlink();
-                }
+                unlink_image_lock(store, &h.name, h.guard);
             }
         }
         drop(self.slot);
@@ -271,14 +361,14 @@ impl Session {
     /// removed again (their directories are still empty), and images it
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
-        let (tx, _) = store.begin_cleanup()?;
-        for h in self.held.iter().filter(|h| h.mode == Mode::Exclusive) {
+        let (tx, ctx) = store.begin_cleanup()?;
+        for h in self.held.iter().filter(|h| h.writes()) {
             match h.prev {
                 None => {
                     tx.delete_image(h.name.as_str())?;
                     // Only an empty directory goes: if something appeared in
                     // it after all, keep it for the user to inspect.
-                    let _ = std::fs::remove_dir(self.images_dir.join(h.name.encoded()));
+                    crate::remove::remove_empty_image_dir(&ctx.root, &self.images_dir, &h.name);
                 }
                 Some(prev) => tx.set_state(h.name.as_str(), prev)?,
             }
@@ -286,8 +376,65 @@ impl Session {
         for id in self.record_ids() {
             tx.delete_record(id)?;
         }
-        tx.commit()
+        tx.commit()?;
+        // Images this session created are gone again: so are their lock
+        // files and gates (under our exclusive locks, as the unlink rule
+        // requires), or doctor would find lock files without images.
+        for h in self.held {
+            if h.writes() && h.prev.is_none() {
+                unlink_image_lock(store, &h.name, h.guard);
+            }
+        }
+        Ok(())
     }
+}
+
+/// A request that failed before its command could run (a lock busy past
+/// the deadline, a signal, a refused start) leaves nothing behind: the
+/// waiter records it made for locks it did get, and the lock files and
+/// gates of images it would have created (those without a row), which it
+/// holds exclusively. Best effort: what this misses is found stale later.
+///
+/// `waited_for` is the image whose wait failed: its lock file may have been
+/// created by our open, for an image that has no row.
+fn give_up(
+    store: &mut Store,
+    held: Vec<Held>,
+    waits: &[i64],
+    slot: Option<crate::slots::SlotGuard>,
+    waited_for: Option<&ImageName>,
+) {
+    let slot_waiter = slot.as_ref().and_then(|s| s.waiter);
+    if let Ok((tx, _)) = store.begin_cleanup() {
+        let r = (|| -> Result<()> {
+            for id in waits.iter().chain(slot_waiter.as_ref()) {
+                tx.delete_record(*id)?;
+            }
+            tx.commit()
+        })();
+        drop(r);
+    }
+    crate::remove::release_unclaimed(store, unclaimed(held), waited_for);
+    drop(slot);
+}
+
+/// Unlinks an image's lock file (we hold it exclusively) and its gate
+/// (if nobody is passing it right now).
+fn unlink_image_lock(store: &Store, name: &ImageName, guard: Guard) {
+    let gate = store.root().image_gate(name);
+    let _ = crate::remove::unlink_lock(store.root(), guard);
+    if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
+        let _ = crate::remove::unlink_lock(store.root(), g);
+    }
+}
+
+/// The exclusive locks of a start that did not happen, for
+/// [`crate::remove::release_unclaimed`].
+fn unclaimed(held: Vec<Held>) -> Vec<(ImageName, Guard)> {
+    held.into_iter()
+        .filter(|h| h.mode == Mode::Exclusive)
+        .map(|h| (h.name, h.guard))
+        .collect()
 }
 
 /// What an image lock is taken for.
@@ -308,6 +455,11 @@ pub(crate) struct Want<'a> {
     pub deadline: Option<Instant>,
     pub no_wait: bool,
     pub command: &'a str,
+    /// Images that must exist for the request to go ahead (its reads):
+    /// checked before any wait, so that a request that can only fail says
+    /// so at once instead of after the wait (they are checked again under
+    /// the locks, by the start transaction).
+    pub must_exist: &'a [ImageName],
 }
 
 /// Takes one image lock, waiting as allowed. Returns the guard and the id
@@ -330,7 +482,13 @@ pub(crate) fn acquire_image(
     let mode = want.mode;
     let path = store.root().image_lock(name);
     let gate = store.root().image_gate(name);
-    let what = format!("{} lock on image '{name}'", mode.verb());
+    // An exclusive lock on an image that must be ready is --read-exclusive.
+    let verb = if mode == Mode::Exclusive && want.need == Need::Ready {
+        "exclusive read"
+    } else {
+        mode.verb()
+    };
+    let what = format!("{verb} lock on image '{name}'");
     let err = |e| lock_error(&format!("image '{name}'"), &path, e);
     let first = match try_image(&gate, &path, mode, want.need == Need::Create) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -352,6 +510,11 @@ pub(crate) fn acquire_image(
         Tried::Held => false,
         Tried::WriterWaiting => true,
     };
+    if let Some(held) = crate::kernel::enclosing_hold(&path)
+        && (mode == Mode::Exclusive || held == Mode::Exclusive)
+    {
+        return Err(waits_for_itself(name, mode, held));
+    }
 
     // Busy. Record ourselves as a waiter and find out who holds it.
     let (waiter, mut holders) = {
@@ -360,6 +523,7 @@ pub(crate) fn acquire_image(
         let view = kv.view(&path)?;
         let records = tx.records_for(LockKind::Image, name.as_str())?;
         let (holders, _) = status::judge(&tx, ctx, &kv, &view, &records)?;
+        require_all(&tx, want.must_exist)?;
         let id = if want.no_wait {
             None
         } else {
@@ -390,6 +554,31 @@ pub(crate) fn acquire_image(
         wait_image(&gate, &path, mode, &mut wait).map_err(err)
     })?;
     Ok((guard, waiter))
+}
+
+/// The error for a lock that this process's enclosing command holds in a
+/// conflicting mode (`held`): waiting would never end, since the enclosing
+/// command waits for us. A read of an image it writes finds the image not
+/// ready (exit 66); a write of an image it holds is a lock that cannot be
+/// had (exit 75).
+fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
+    let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
+    match mode {
+        Mode::Shared => Error::NotReady {
+            name: name.as_str().to_owned(),
+            state: format!("being written by {by}"),
+        }
+        .into(),
+        Mode::Exclusive => Error::Busy(Busy {
+            what: format!("write lock on image '{name}'"),
+            holders: format!(
+                "held ({}) by {by}; waiting for it would never end",
+                held.verb()
+            ),
+            waited: Duration::ZERO,
+        })
+        .into(),
+    }
 }
 
 /// Runs a wait announced as `what`, held by `holders`, and makes its
@@ -439,6 +628,20 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
     }
     match lock::try_lock(gate, Mode::Shared, false) {
         Ok(Some(_passed)) => Ok(Tried::Got(g)),
+        // A reader whose enclosing command already reads the image is part
+        // of that hold: the writer at the gate waits for the enclosing
+        // reader, which waits for us, so queueing behind the writer would
+        // be a cycle. It passes, as it would under flock(1).
+        // (Our own lock on it, just taken, is no such hold.)
+        Ok(None)
+            if crate::kernel::enclosing_hold_except(
+                path,
+                Some(std::os::fd::AsRawFd::as_raw_fd(&g)),
+            )
+            .is_some() =>
+        {
+            Ok(Tried::Got(g))
+        }
         Ok(None) => Ok(Tried::WriterWaiting),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
         Err(e) => Err(e),
@@ -458,6 +661,18 @@ fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Resu
     let got = lock::lock(path, mode, true, wait);
     drop(passage);
     got
+}
+
+/// Before a wait: fails with [`Error::NoSuchImage`] (exit 66) if one of
+/// `names` has no row. An image in any state may still become readable
+/// while we wait (its writer finishes), so only absence is final.
+pub(crate) fn require_all(tx: &Tx, names: &[ImageName]) -> Result<()> {
+    for n in names {
+        if tx.image(n.as_str())?.is_none() {
+            return Err(Error::NoSuchImage(n.as_str().to_owned()).into());
+        }
+    }
+    Ok(())
 }
 
 /// For an image that has no lock file: fails unless the image exists (and,
@@ -504,6 +719,8 @@ fn start(
     req: &Request,
 ) -> Result<(PathBuf, Vec<i64>)> {
     let (tx, ctx) = store.begin(req.deadline)?;
+    // A store-wide command runs: claim nothing (below), wait, start over.
+    let store_held = crate::store_wide::check(&tx, ctx).err();
     let images_dir = tx.images_dir(&ctx.root)?;
     let now = clock::now_ms();
     for id in waits
@@ -523,7 +740,7 @@ fn start(
         // say otherwise keeps SIGKILLed holders from piling up records.
         tx.delete_image_holders(name, (h.mode == Mode::Shared).then_some(Mode::Exclusive))?;
         let row = tx.image(name)?;
-        if h.mode == Mode::Shared && refusal.is_none() {
+        if (h.mode == Mode::Shared || h.keep) && refusal.is_none() {
             match &row {
                 None => refusal = Some(Error::NoSuchImage(name.to_owned())),
                 Some(r) if r.state == ImageState::Ready => {}
@@ -545,18 +762,18 @@ fn start(
         }
         rows.push(row);
     }
-    if let Some(err) = refusal {
+    if refusal.is_some() || store_held.is_some() {
         // Keep what was learned (stale records, dead writers, our waiter
-        // records gone), claim nothing — and leave nothing: the lock file of
-        // an image this exec would have created goes again (we hold it
-        // exclusively, as the unlink rule requires).
+        // records gone), claim nothing — and leave nothing: the caller
+        // unlinks the lock files of images this exec would have created
+        // (see `give_up`).
         tx.commit()?;
         for (h, row) in held.iter().zip(&rows) {
-            if h.mode == Mode::Exclusive && row.is_none() {
-                let _ = std::fs::remove_file(h.guard.path());
+            if h.writes() && row.is_none() {
+                let _ = crate::remove::unlink_held_lock(&ctx.root, &h.guard);
             }
         }
-        return Err(err.into());
+        return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));
     }
 
     // Then claim: mark, create, record.
@@ -572,6 +789,7 @@ fn start(
         let mut records = Vec::with_capacity(held.len());
         for (h, row) in held.iter_mut().zip(rows) {
             match h.mode {
+                _ if h.keep => tx.touch(h.name.as_str(), now)?,
                 Mode::Shared => tx.touch(h.name.as_str(), now)?,
                 Mode::Exclusive => {
                     h.prev = row.as_ref().map(|r| r.state);
@@ -591,8 +809,10 @@ fn start(
     let records = match claimed.and_then(|records| tx.commit().map(|()| records)) {
         Ok(records) => records,
         Err(e) => {
-            for dir in &made {
-                let _ = std::fs::remove_dir(dir);
+            if let Ok(images) = ctx.root.open_images_dir(&images_dir) {
+                for dir in made.iter().filter_map(|d| d.file_name()) {
+                    let _ = images.rmdir(dir);
+                }
             }
             return Err(e);
         }
@@ -678,9 +898,9 @@ fn prepare_write(
             }
             tx.set_state(name.as_str(), state)?;
             tx.touch(name.as_str(), now)?;
-            if base.is_some() {
-                tx.set_base(name.as_str(), base.as_deref())?;
-            }
+            // The lineage is this write's: rewritten without a base, the
+            // image no longer derives from the one an earlier --from named.
+            tx.set_base(name.as_str(), base.as_deref())?;
         }
     }
     Ok(())

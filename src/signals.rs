@@ -11,12 +11,20 @@
 //!   that takes them is started — lazily, when the first wait begins: an
 //!   uncontended exec never starts it. A signal that arrives before any
 //!   wait stays pending and is seen before the spawn.
-//! - **While the command runs**, the signal is forwarded to it — unless the
-//!   terminal sent it (si_code SI_KERNEL): the terminal already signalled the
-//!   whole foreground process group, the command included, and a second copy
-//!   would make many programs treat one Ctrl-C as two. The main thread does
-//!   this itself, taking SIGCHLD in the same sigwaitinfo to learn that the
+//! - **While the command runs**, the signal is forwarded to it. A signal
+//!   the terminal sent (si_code SI_KERNEL) is not forwarded only when the
+//!   terminal certainly sent it to the command too: the command is in our
+//!   process group (the terminal signals a whole group), and it is not the
+//!   hangup that the kernel sends to a session leader alone. So Ctrl-C is
+//!   one SIGINT for a command in our group, and still reaches a command that
+//!   moved to its own group (GNU `timeout`) or a stowage that leads its
+//!   session (`setsid`, `script`, `ssh -t`). The main thread does this
+//!   itself, taking SIGCHLD in the same sigwaitinfo to learn that the
 //!   command ended (or leaves it to the thread, if one was started).
+//! - **Between the locks and the command** (a `--from` copy) and **after
+//!   it** (measuring what it wrote), long work asks [`check`] between
+//!   steps, which takes a pending signal: the work stops and the exec ends
+//!   128+N (see `docs/reliability.md`).
 //!
 //! The hand-over is race-free: the state moves Waiting → Running(pid) under
 //! a mutex while spawning, so a signal is either seen before the spawn (and
@@ -34,8 +42,27 @@ use nix::sys::signal::{SigSet, Signal};
 enum State {
     Waiting,
     Interrupted(i32),
-    Running(i32),
+    Running(Target),
     Done,
+}
+
+/// What a forwarded signal is sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The command itself, our child.
+    Command(libc::pid_t),
+    /// The keeper that runs the command for `--no-inherit`
+    /// ([`crate::keeper`]). It gets every signal, tagged with whether the
+    /// terminal sent it, and decides as we would, knowing the command.
+    Keeper(libc::pid_t),
+}
+
+impl Target {
+    fn pid(self) -> libc::pid_t {
+        match self {
+            Target::Command(p) | Target::Keeper(p) => p,
+        }
+    }
 }
 
 struct Shared {
@@ -94,6 +121,64 @@ pub fn reset_mask_in_child() -> io::Result<()> {
     Ok(())
 }
 
+/// A termination signal that came while no command ran (before it started,
+/// or after it ended): long work stops for it.
+static CANCELLED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// When [`check`] last looked for a pending signal, in ms since [`epoch`].
+/// (`u64::MAX`: never looked.)
+static LAST_LOOK_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+
+fn epoch() -> std::time::Instant {
+    static EPOCH: OnceLock<std::time::Instant> = OnceLock::new();
+    *EPOCH.get_or_init(std::time::Instant::now)
+}
+
+/// The one cancellation check for long work (a copy, a size measurement,
+/// a deletion): call it between steps. `Err(Error::Interrupted(sig))` once
+/// a termination signal asked this process to stop — the caller stops,
+/// leaving its work in a state the next process can finish or undo, and the
+/// exec exits 128+N.
+///
+/// Only an `exec` routes termination signals to itself ([`Forwarder`]);
+/// in any other command they keep their default action, which ends the
+/// process at once (every such command is crash-safe), so this returns
+/// `Ok`. Cheap enough for every file of a walk: it looks at the pending
+/// signals at most every few milliseconds.
+pub fn check() -> Result<(), crate::error::Error> {
+    match cancelled() {
+        Some(sig) => Err(crate::error::Error::Interrupted(sig)),
+        None => Ok(()),
+    }
+}
+
+/// The signal [`check`] reports, if any.
+pub fn cancelled() -> Option<i32> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let shared = SHARED.get()?;
+    let seen = CANCELLED.load(Relaxed);
+    if seen != 0 {
+        return Some(seen);
+    }
+    if let Some(sig) = crate::lock::interrupted() {
+        return Some(sig);
+    }
+    let now = epoch().elapsed().as_millis() as u64;
+    let last = LAST_LOOK_MS.load(Relaxed);
+    if last != u64::MAX && now.saturating_sub(last) < 5 {
+        return None;
+    }
+    LAST_LOOK_MS.store(now, Relaxed);
+    // Without the signal thread, a signal stays pending until taken here.
+    if let Some((sig, code)) = take(&shared.set, Some(0)) {
+        forward(&shared.state, sig, code);
+    }
+    match CANCELLED.load(Relaxed) {
+        0 => crate::lock::interrupted(),
+        sig => Some(sig),
+    }
+}
+
 /// True if a termination signal we take is pending (for code that sleeps
 /// without the signal thread, like the test pause hook).
 pub fn termination_pending() -> bool {
@@ -138,11 +223,11 @@ impl Forwarder {
         self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Spawns the command (`spawn` returns its pid) unless a signal came
-    /// first (`Ok(Err(sig))`).
+    /// Spawns the command (`spawn` returns its pid, or its keeper's) unless
+    /// a signal came first (`Ok(Err(sig))`).
     pub fn spawn(
         &self,
-        spawn: impl FnOnce() -> io::Result<libc::pid_t>,
+        spawn: impl FnOnce() -> io::Result<Target>,
     ) -> io::Result<Result<libc::pid_t, i32>> {
         let mut st = self.lock();
         if let State::Interrupted(sig) = *st {
@@ -153,26 +238,20 @@ impl Forwarder {
             *st = State::Interrupted(sig);
             return Ok(Err(sig));
         }
-        let pid = spawn()?;
-        *st = State::Running(pid);
-        Ok(Ok(pid))
+        let target = spawn()?;
+        *st = State::Running(target);
+        Ok(Ok(target.pid()))
     }
 
     /// Waits for the command, forwarding termination signals to it, and
     /// stops forwarding before the child is reaped.
     pub fn wait(&self, pid: libc::pid_t) -> io::Result<ExitStatus> {
         use std::os::unix::process::ExitStatusExt;
-        let p = nix::unistd::Pid::from_raw(pid);
         let mut watch = self.shared.set;
         watch.add(Signal::SIGCHLD);
         loop {
-            use nix::sys::wait::{Id, WaitPidFlag, waitid};
-            let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT | WaitPidFlag::WNOHANG;
-            match waitid(Id::Pid(p), flags) {
-                Ok(nix::sys::wait::WaitStatus::StillAlive) => {}
-                Ok(_) => break,
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(e) => return Err(e.into()),
+            if exited(pid)? {
+                break;
             }
             // Still running: take the next signal. SIGCHLD says it may have
             // ended; a termination signal is forwarded. (If the signal thread
@@ -200,6 +279,71 @@ impl Forwarder {
     }
 }
 
+/// Whether our child `pid` has exited, without reaping it. libc's waitid,
+/// not nix's: nix cannot represent a death by a real-time signal (34–64)
+/// and fails with EINVAL.
+fn exited(pid: libc::pid_t) -> io::Result<bool> {
+    loop {
+        // SAFETY: waitid fills `info`, which we own.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT | libc::WNOHANG,
+            )
+        };
+        if r == 0 {
+            // WNOHANG with nothing to report leaves si_pid 0.
+            return Ok(unsafe { info.si_pid() } == pid);
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
+/// Whether a signal that the kernel sent (si_code SI_KERNEL: the terminal)
+/// certainly reached the command as well, so forwarding it would deliver it
+/// twice. The terminal signals its foreground process group — the command
+/// got it too if it is in ours — except for a hangup, which goes to the
+/// session leader alone. `command_pgid` is the command's process group
+/// (None: unknown, e.g. it just exited).
+pub fn terminal_reached_command(
+    sig: i32,
+    code: i32,
+    command_pgid: Option<libc::pid_t>,
+    our_pgid: libc::pid_t,
+    we_lead_session: bool,
+) -> bool {
+    if code != libc::SI_KERNEL {
+        return false;
+    }
+    if sig == libc::SIGHUP && we_lead_session {
+        return false;
+    }
+    command_pgid == Some(our_pgid)
+}
+
+/// Our process group, and whether we lead our session.
+pub fn our_group() -> (libc::pid_t, bool) {
+    // SAFETY: plain queries of our own process.
+    unsafe { (libc::getpgrp(), libc::getsid(0) == libc::getpid()) }
+}
+
+/// The process group of `pid`, if it can be known.
+pub fn group_of(pid: libc::pid_t) -> Option<libc::pid_t> {
+    // SAFETY: plain query.
+    let g = unsafe { libc::getpgid(pid) };
+    (g > 0).then_some(g)
+}
+
+/// The value a keeper finds in a signal we queue to it: 1 if the terminal
+/// sent the signal to us.
+pub const FROM_TERMINAL: usize = 1;
+
 /// Takes one signal of `set`: waits up to `timeout_ms` (None: forever).
 /// Returns the signal and its si_code.
 fn take(set: &SigSet, timeout_ms: Option<u64>) -> Option<(i32, i32)> {
@@ -225,15 +369,38 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
     match *st {
         State::Waiting => {
             *st = State::Interrupted(sig);
+            CANCELLED.store(sig, std::sync::atomic::Ordering::Relaxed);
             crate::lock::interrupt_waits(sig);
         }
-        State::Running(pid) => {
-            if code != libc::SI_KERNEL {
+        State::Running(Target::Command(pid)) => {
+            let (ours, leader) = our_group();
+            if !terminal_reached_command(sig, code, group_of(pid), ours, leader) {
                 // SAFETY: plain kill(2); pid is our unreaped child.
                 unsafe { libc::kill(pid, sig) };
             }
         }
-        State::Interrupted(_) | State::Done => {}
+        State::Running(Target::Keeper(pid)) => {
+            let tag = if code == libc::SI_KERNEL {
+                FROM_TERMINAL
+            } else {
+                0
+            };
+            // SAFETY: sigqueue(3) to our unreaped child; the value is a tag,
+            // never dereferenced.
+            unsafe {
+                libc::sigqueue(
+                    pid,
+                    sig,
+                    libc::sigval {
+                        sival_ptr: tag as *mut libc::c_void,
+                    },
+                )
+            };
+        }
+        State::Done => {
+            CANCELLED.store(sig, std::sync::atomic::Ordering::Relaxed);
+        }
+        State::Interrupted(_) => {}
     }
 }
 
@@ -256,4 +423,27 @@ fn start_thread() {
         // when the lock is acquired (it stays pending until the spawn).
         drop(spawned);
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_terminal_signal_is_held_back_only_when_the_command_got_it_too() {
+        let (int, hup, k, user) = (libc::SIGINT, libc::SIGHUP, libc::SI_KERNEL, libc::SI_USER);
+        // Ctrl-C, command in our (foreground) group: it got it.
+        assert!(terminal_reached_command(int, k, Some(10), 10, false));
+        assert!(terminal_reached_command(int, k, Some(10), 10, true));
+        // Command in its own group (GNU timeout): forward.
+        assert!(!terminal_reached_command(int, k, Some(11), 10, false));
+        // Group unknown: forward rather than lose it.
+        assert!(!terminal_reached_command(int, k, None, 10, false));
+        // Hangup to the session leader alone: forward.
+        assert!(!terminal_reached_command(hup, k, Some(10), 10, true));
+        // Hangup of a session leader that exited, to our group: it got it.
+        assert!(terminal_reached_command(hup, k, Some(10), 10, false));
+        // Sent by a process: always forward.
+        assert!(!terminal_reached_command(int, user, Some(10), 10, false));
+    }
 }

@@ -19,11 +19,19 @@
 //!   dies: no token is ever lost (unlike a make jobserver's pipe).
 //! - Slots come first in the lock order (slots → images → global).
 //! - The configuration lives in the metadata and is read by each acquirer,
-//!   so a change applies to the next acquirer; lowering a limit never
-//!   disturbs current holders (they keep their higher-numbered files).
-//! - Waiting for "any of N" blocks on all N files at once (see `lock.rs`),
-//!   so a freed slot is taken as soon as the kernel wakes a waiter; on remote
-//!   filesystems the blocked requests are re-issued every 250 ms.
+//!   and re-read by each waiter when `slots set`/`slots rm` touches the
+//!   class's `changed` file, and at least every [`RECHECK`]: a raised limit
+//!   (or 0) lets waiters in, a lowered one binds them, a removed class ends
+//!   their wait. Lowering a limit never disturbs current holders (they keep
+//!   their higher-numbered files), and their slots count against the new
+//!   limit until they end.
+//! - Waiting for "any of N" needs no thread per file (a pids limit must not
+//!   make a wait fail): the waiter keeps the N descriptors open, watches the
+//!   class directory with inotify — the last close of a lock file's
+//!   descriptor is both the release of its lock and an `IN_CLOSE_WRITE`
+//!   event — and tries the files again when woken. Where closes cannot be
+//!   seen (another host on NFS; no inotify) it polls: every 250 ms on
+//!   remote filesystems, 50 ms locally.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -33,12 +41,12 @@ use anyhow::Result;
 
 use crate::error::{Busy, Error};
 use crate::kernel::KernelView;
-use crate::lock::{self, Guard, Mode, Probe, Wait, Waited};
+use crate::lock::{self, FileSet, Guard, Mode, Probe, Waker, Woke};
 use crate::meta::{LockKind, Record, Role, SlotClass, Tx};
 use crate::status::{self, Party};
 use crate::store::{Ctx, Store, lock_error};
 
-/// The largest limit (each waiter blocks on every slot file at once).
+/// The largest limit (each waiter keeps every slot file open while it waits).
 pub const MAX_LIMIT: u32 = 256;
 /// The largest reserve for high-priority work.
 pub const MAX_RESERVE: u32 = 16;
@@ -119,6 +127,10 @@ impl SlotGuard {
         self.guard.set_inheritable(inherit)
     }
 
+    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.guard)
+    }
+
     /// The holder record for this slot (inserted by the caller's transaction).
     pub(crate) fn holder_record(&self, ctx: &Ctx, command: &str) -> Record {
         record(
@@ -188,7 +200,7 @@ pub fn acquire(
     deadline: Option<Instant>,
     command: &str,
 ) -> Result<Option<SlotGuard>> {
-    let Some(mut slot) = acquire_unrecorded(store, class, priority, deadline, false, command)?
+    let Some(mut slot) = acquire_unrecorded(store, class, priority, deadline, false, command, &[])?
     else {
         return Ok(None);
     };
@@ -205,6 +217,12 @@ pub fn acquire(
 
 /// Takes a slot without recording the holder: `exec` records it in its
 /// start transaction, saving a round trip.
+///
+/// A waiter follows the configuration: it re-reads the class when `slots
+/// set`/`slots rm` says it changed (a close of the class's `changed` file,
+/// seen through inotify) and at least every [`RECHECK`] (changes made on
+/// another host). A raised limit or 0 (unlimited) lets it in at once; a
+/// lowered one binds it; a removed class ends its wait (exit 64).
 pub(crate) fn acquire_unrecorded(
     store: &mut Store,
     class: &str,
@@ -212,6 +230,7 @@ pub(crate) fn acquire_unrecorded(
     deadline: Option<Instant>,
     no_wait: bool,
     command: &str,
+    must_exist: &[crate::name::ImageName],
 ) -> Result<Option<SlotGuard>> {
     validate_class(class)?;
     let config = store.with_tx(deadline, |tx, _| lookup(tx, class))?;
@@ -219,27 +238,38 @@ pub(crate) fn acquire_unrecorded(
         return Ok(None);
     }
     let dir = class_dir(store.ctx(), class);
-    crate::root::make_dir(&dir)?;
-    let files = candidates(&dir, &config, priority);
     let label = format!("a {} slot of class '{class}'", priority_word(priority));
-    // One pass of tries: the deadline is now, so nothing blocks.
-    let mut wait = Wait::until(Some(Instant::now()));
-    let wait_err = |e| lock_error(&label, &dir, e);
-    if let Waited::Acquired((_, guard)) =
-        lock::lock_any(&files, Mode::Exclusive, true, &mut wait).map_err(wait_err)?
-    {
-        return Ok(Some(SlotGuard {
-            guard,
-            class: class.to_owned(),
-            waiter: None,
-            record: None,
-        }));
+    let err = |e| lock_error(&label, &dir, e);
+    let slot = |guard| SlotGuard {
+        guard,
+        class: class.to_owned(),
+        waiter: None,
+        record: None,
+    };
+    let mut slots = Slots::new(&dir, &config, priority)?;
+    if let Some(guard) = slots.try_take().map_err(err)? {
+        return Ok(Some(slot(guard)));
     }
 
-    // All busy: record ourselves as a waiter and say who holds the slots.
+    // All busy. If one of them is held by our enclosing command (an exec
+    // with this slot runs us), we work under its slot: waiting for another
+    // could wait for ourselves (limit 1), and the enclosing command's slot
+    // already counts this work.
+    if slots
+        .every_file()
+        .any(|f| crate::kernel::enclosing_hold(f).is_some())
+    {
+        store.ctx().detail(&format!(
+            "an enclosing command holds a slot of class '{class}'; working under it"
+        ));
+        return Ok(None);
+    }
+
+    // Record ourselves as a waiter and say who holds the slots.
     let (waiter, holders) = store.with_tx(deadline, |tx, ctx| {
         let kv = tx.kernel_view(&dir);
         let report = class_report(tx, ctx, &kv, &config)?;
+        crate::session::require_all(tx, must_exist)?;
         let id = if no_wait {
             None
         } else {
@@ -263,16 +293,249 @@ pub(crate) fn acquire_unrecorded(
     store
         .ctx()
         .say(&format!("waiting for {what}: all {holders}"));
-    let mut wait = Wait::on(&dir, deadline);
-    let (_, guard) = crate::session::wait_as_waiter(store, waiter, what, holders, || {
-        lock::lock_any(&files, Mode::Exclusive, true, &mut wait).map_err(wait_err)
-    })?;
-    Ok(Some(SlotGuard {
-        guard,
-        class: class.to_owned(),
-        waiter,
-        record: None,
-    }))
+    let t0 = Instant::now();
+    match wait_for_slot(store, class, priority, &dir, config, slots, deadline) {
+        Ok(Got::Slot(guard)) => Ok(Some(SlotGuard {
+            waiter,
+            ..slot(guard)
+        })),
+        Ok(got) => {
+            if let Some(id) = waiter {
+                store.forget_record(id);
+            }
+            match got {
+                Got::Unlimited => Ok(None),
+                _ => Err(Error::Busy(Busy {
+                    what,
+                    holders,
+                    waited: t0.elapsed(),
+                })
+                .into()),
+            }
+        }
+        Err(e) => {
+            if let Some(id) = waiter {
+                store.forget_record(id);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The file whose close tells waiters that the class's configuration
+/// changed: `ROOT/locks/slots/ENC/changed`.
+const CHANGED: &str = "changed";
+
+/// How often a waiting acquirer re-reads its class's configuration even
+/// without being told (a change made on another host is not seen locally).
+pub const RECHECK: Duration = Duration::from_secs(2);
+
+/// How often a waiter retries when closes cannot wake it: the local promise
+/// is a freed slot taken within 100 ms.
+const POLL: Duration = Duration::from_millis(50);
+
+/// Tells waiters of `class` on this host to re-read its configuration
+/// (others re-read it every [`RECHECK`]). Best effort.
+pub fn notify_change(ctx: &Ctx, class: &str) {
+    let dir = class_dir(ctx, class);
+    if dir.is_dir() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let _ = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o666)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(dir.join(CHANGED));
+    }
+}
+
+enum Got {
+    Slot(Guard),
+    /// The class became unlimited: no slot is needed.
+    Unlimited,
+    TimedOut,
+}
+
+/// Waits for a slot in the calling thread: no helper thread per slot file
+/// (a pids limit must not make a wait fail). Closes in the class directory
+/// wake it (see [`lock::Waker`]); where they cannot (no inotify, or another
+/// host's close on NFS) it polls.
+fn wait_for_slot(
+    store: &mut Store,
+    class: &str,
+    priority: Priority,
+    dir: &Path,
+    mut config: SlotClass,
+    mut slots: Slots,
+    deadline: Option<Instant>,
+) -> Result<Got> {
+    lock::starting_to_wait();
+    let label = format!("a {} slot of class '{class}'", priority_word(priority));
+    let err = |e| lock_error(&label, dir, e);
+    // Watch first, then try: a slot freed in between is not missed.
+    let waker = Waker::watch(dir, Some(CHANGED));
+    let local = crate::kernel::filesystem(dir).is_ok_and(|f| f.local);
+    let poll = match (local, waker.watching()) {
+        (true, true) => None,
+        (true, false) => Some(POLL),
+        (false, _) => Some(lock::REMOTE_REARM),
+    };
+    let mut recheck_at = Instant::now() + RECHECK;
+    let mut recheck = false;
+    loop {
+        if recheck {
+            recheck = false;
+            recheck_at = Instant::now() + RECHECK;
+            let now = store.with_tx(deadline, |tx, _| tx.slot_class(class))?;
+            let Some(now) = now else {
+                return Err(Error::Usage(format!(
+                    "slot class '{class}' was removed while waiting for it"
+                ))
+                .into());
+            };
+            if now.limit == 0 {
+                store
+                    .ctx()
+                    .detail(&format!("slot class '{class}' is unlimited now"));
+                return Ok(Got::Unlimited);
+            }
+            if (now.limit, now.reserve_high) != (config.limit, config.reserve_high) {
+                store.ctx().detail(&format!(
+                    "slot class '{class}' changed: limit {}, {} reserved for high priority",
+                    now.limit, now.reserve_high
+                ));
+                slots = Slots::new(dir, &now, priority)?;
+                config = now;
+            }
+        }
+        match slots.try_take() {
+            Ok(Some(guard)) => return Ok(Got::Slot(guard)),
+            Ok(None) => {}
+            // A file went with its class (`slots rm`): look again.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                recheck = true;
+                continue;
+            }
+            Err(e) => return Err(err(e)),
+        }
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
+            return Ok(Got::TimedOut);
+        }
+        let mut until = recheck_at;
+        if let Some(d) = deadline {
+            until = until.min(d);
+        }
+        if let Some(p) = poll {
+            until = until.min(now + p);
+        }
+        match waker.sleep(Some(until)).map_err(err)? {
+            Woke::Interrupted(sig) => return Err(Error::Interrupted(sig).into()),
+            Woke::Changed { named: true } => recheck = true,
+            Woke::Changed { named: false } => {}
+            Woke::Timeout => recheck = Instant::now() >= recheck_at,
+        }
+    }
+}
+
+/// The slot files one acquirer may take under one configuration, and the
+/// files of slots above it (left by a lowered limit while held).
+struct Slots {
+    candidates: FileSet,
+    /// How many of `candidates` (the first ones) are reserved slots.
+    high: usize,
+    limit: usize,
+    reserve: usize,
+    /// Normal and reserved slot files beyond the configuration.
+    beyond: FileSet,
+    beyond_high: FileSet,
+}
+
+impl Slots {
+    fn new(dir: &Path, config: &SlotClass, priority: Priority) -> Result<Slots> {
+        let files = candidates(dir, config, priority);
+        let high = match priority {
+            Priority::High => config.reserve_high as usize,
+            Priority::Normal => 0,
+        };
+        // The listing also makes the directory on first use.
+        let present: Vec<String> = match std::fs::read_dir(dir) {
+            Ok(entries) => entries
+                .flatten()
+                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                crate::root::make_dir(dir)?;
+                Vec::new()
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("cannot list slot files in {}", dir.display())));
+            }
+        };
+        let index = |name: &str, prefix: &str| -> Option<u32> {
+            name.strip_suffix(".lock")?
+                .strip_prefix(prefix)?
+                .parse::<u32>()
+                .ok()
+        };
+        let beyond: Vec<PathBuf> = present
+            .iter()
+            .filter(|n| index(n, "").is_some_and(|i| i >= config.limit))
+            .map(|n| dir.join(n))
+            .collect();
+        let beyond_high: Vec<PathBuf> = present
+            .iter()
+            .filter(|n| index(n, "high-").is_some_and(|i| i >= config.reserve_high))
+            .map(|n| dir.join(n))
+            .collect();
+        Ok(Slots {
+            candidates: FileSet::new(files, Mode::Exclusive),
+            high,
+            limit: config.limit as usize,
+            reserve: config.reserve_high as usize,
+            beyond: FileSet::new(beyond, Mode::Exclusive),
+            beyond_high: FileSet::new(beyond_high, Mode::Exclusive),
+        })
+    }
+
+    fn every_file(&self) -> impl Iterator<Item = &PathBuf> {
+        self.candidates
+            .paths()
+            .iter()
+            .chain(self.beyond.paths())
+            .chain(self.beyond_high.paths())
+    }
+
+    /// One pass of tries. A slot is kept only if, with it, the slots of its
+    /// kind in use stay within the configuration: after a lowered limit,
+    /// holders above it keep their slots and count against it.
+    fn try_take(&mut self) -> std::io::Result<Option<Guard>> {
+        let Some((i, guard)) = self.candidates.try_any()? else {
+            return Ok(None);
+        };
+        let is_high = i < self.high;
+        let (beyond, bound) = if is_high {
+            (&mut self.beyond_high, self.reserve)
+        } else {
+            (&mut self.beyond, self.limit)
+        };
+        if beyond.paths().is_empty() {
+            return Ok(Some(guard));
+        }
+        let mut in_use = beyond.held_count(|_| true)? + 1;
+        // The other slots of the same kind among our candidates.
+        let high = self.high;
+        in_use += self
+            .candidates
+            .held_count(|j| j != i && (j < high) == is_high)?;
+        if in_use > bound {
+            self.candidates.put_back(i, guard);
+            return Ok(None);
+        }
+        Ok(Some(guard))
+    }
 }
 
 fn priority_word(p: Priority) -> &'static str {
@@ -375,12 +638,14 @@ pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
         tx.delete_slot_class(class)?;
         Ok(())
     })?;
+    // Its waiters stop waiting (they re-read the class and find it gone).
+    notify_change(store.ctx(), class);
     let dir = class_dir(store.ctx(), class);
     let mut busy = 0;
     if let Ok(entries) = std::fs::read_dir(&dir) {
         for e in entries.flatten() {
             match lock::try_lock(&e.path(), Mode::Exclusive, false) {
-                Ok(Some(g)) => g.unlink()?,
+                Ok(Some(g)) => crate::remove::unlink_lock(store.root(), g)?,
                 Ok(None) => busy += 1,
                 Err(_) => {}
             }

@@ -6,8 +6,8 @@
 //! `pre_exec` hook, which forces a full fork(2) of this process; glibc's
 //! posix_spawn takes a signal mask and default dispositions as attributes
 //! and starts the child with a vfork-style clone, without copying our page
-//! tables. (`--no-inherit` still needs a hook, for PR_SET_PDEATHSIG, and
-//! uses std.)
+//! tables. `--no-inherit` starts our own keeper this way (see
+//! `keeper.rs`), which, single-threaded, starts the command with std.
 
 use std::ffi::{CString, OsStr, OsString};
 use std::io;
@@ -16,6 +16,28 @@ use std::os::unix::ffi::OsStrExt;
 /// Spawns `argv` with exactly `env` as its environment; returns its pid.
 /// Descriptors without close-on-exec are inherited, as with exec(2).
 pub fn spawn(argv: &[OsString], env: &[(OsString, OsString)]) -> io::Result<libc::pid_t> {
+    spawn_with(None, argv, env, Start::Command)
+}
+
+/// How a process is started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// The user's command: no signal blocked, SIGPIPE at its default.
+    Command,
+    /// Our own keeper ([`crate::keeper`]): it keeps our signal mask, so the
+    /// termination signals stay blocked until it takes them itself, and it
+    /// leads a process group of its own, so that a signal to our group (a
+    /// `kill -9 -PGID`) leaves it to clean up after the command.
+    Keeper,
+}
+
+/// [`spawn`] with a program path (`None`: `argv[0]`, searched in PATH).
+pub fn spawn_with(
+    path: Option<&std::ffi::CStr>,
+    argv: &[OsString],
+    env: &[(OsString, OsString)],
+    how: Start,
+) -> io::Result<libc::pid_t> {
     let cstr = |s: &OsStr| {
         CString::new(s.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
     };
@@ -40,26 +62,47 @@ pub fn spawn(argv: &[OsString], env: &[(OsString, OsString)]) -> io::Result<libc
         let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
         check(libc::posix_spawnattr_init(&mut attr))?;
         let result = (|| {
-            let mut none: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut none);
-            check(libc::posix_spawnattr_setsigmask(&mut attr, &none))?;
             let mut default: libc::sigset_t = std::mem::zeroed();
             libc::sigemptyset(&mut default);
             libc::sigaddset(&mut default, libc::SIGPIPE);
+            libc::sigaddset(&mut default, libc::SIGCHLD);
             check(libc::posix_spawnattr_setsigdefault(&mut attr, &default))?;
+            let flags = match how {
+                Start::Command => {
+                    let mut none: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut none);
+                    check(libc::posix_spawnattr_setsigmask(&mut attr, &none))?;
+                    libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF
+                }
+                Start::Keeper => {
+                    check(libc::posix_spawnattr_setpgroup(&mut attr, 0))?;
+                    libc::POSIX_SPAWN_SETPGROUP | libc::POSIX_SPAWN_SETSIGDEF
+                }
+            };
             check(libc::posix_spawnattr_setflags(
                 &mut attr,
-                (libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF) as libc::c_short,
+                flags as libc::c_short,
             ))?;
             let mut pid: libc::pid_t = 0;
-            check(libc::posix_spawnp(
-                &mut pid,
-                args[0].as_ptr(),
-                std::ptr::null(),
-                &attr,
-                argp.as_ptr(),
-                envp.as_ptr(),
-            ))?;
+            let rc = match path {
+                Some(p) => libc::posix_spawn(
+                    &mut pid,
+                    p.as_ptr(),
+                    std::ptr::null(),
+                    &attr,
+                    argp.as_ptr(),
+                    envp.as_ptr(),
+                ),
+                None => libc::posix_spawnp(
+                    &mut pid,
+                    args[0].as_ptr(),
+                    std::ptr::null(),
+                    &attr,
+                    argp.as_ptr(),
+                    envp.as_ptr(),
+                ),
+            };
+            check(rc)?;
             Ok(pid)
         })();
         libc::posix_spawnattr_destroy(&mut attr);

@@ -222,10 +222,10 @@ fn describe(p: &Party) -> String {
         None => "a process".into(),
     };
     if let Some(h) = &p.host {
-        s.push_str(&format!(" on {h}"));
+        s.push_str(&format!(" on {}", ident::printable(h)));
     }
     if let Some(c) = &p.command {
-        s.push_str(&format!(" ({})", truncate(c, 80)));
+        s.push_str(&format!(" ({})", truncate(&ident::printable(c), 80)));
     }
     if let Some(t) = p.since {
         s.push_str(&format!(" since {}", clock::local_short(t)));
@@ -305,13 +305,47 @@ pub fn sweep(
             LockReport::image(name, &view, holders, waiters),
         );
     }
-    // Records of removed slot classes (or of kinds nobody records any more)
-    // stand only while their lock file is held.
+    // Records of kinds nobody records any more stand only while their lock
+    // file is held. Those of removed slot classes are judged like any
+    // class's, and the class is shown while they stand: its holders run on
+    // after `slots rm`, and its waiters until they notice.
+    let mut removed: Vec<String> = Vec::new();
     for rec in orphans {
+        if rec.kind == LockKind::Slot {
+            if !removed.contains(&rec.name) {
+                removed.push(rec.name.clone());
+            }
+            continue;
+        }
         let view = kv.view(&ctx.root.locks().join(&rec.lockfile))?;
         judge(tx, ctx, kv, &view, std::slice::from_ref(&rec))?;
     }
     let mut slots = Vec::new();
+    for name in removed {
+        let gone = crate::meta::SlotClass {
+            name: name.clone(),
+            limit: 0,
+            reserve_high: 0,
+        };
+        let r = crate::slots::class_report(tx, ctx, kv, &gone)?;
+        if r.holders.is_empty() && r.waiters.is_empty() {
+            continue;
+        }
+        slots.push(LockReport {
+            kind: LockKind::Slot,
+            name,
+            state: if r.in_use > 0 {
+                Probe::Shared
+            } else {
+                Probe::Free
+            },
+            holders: r.holders,
+            waiters: r.waiters,
+            image_state: None,
+            // No configuration: no limit to show (lock-status says "removed").
+            slot: None,
+        });
+    }
     for class in &classes {
         let r = crate::slots::class_report(tx, ctx, kv, class)?;
         slots.push(LockReport {
@@ -437,7 +471,7 @@ impl From<&Party> for PartyJson {
             user: p.user.clone(),
             mode: p.mode.as_str(),
             command: p.command.clone(),
-            since: p.since.map(clock::rfc3339),
+            since: p.since.and_then(clock::rfc3339),
             stowage: p.stowage,
         }
     }
@@ -505,7 +539,7 @@ pub fn gather(
     let fs_name =
         crate::kernel::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
 
-    let images = store.with_tx(None, |tx, ctx| {
+    let images = store.read_tx(|tx, ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
         let (mut reports, slots) = sweep(tx, ctx, &kv)?;
         for (name, view) in kernel_locked_images(ctx, &kv)? {
@@ -574,12 +608,35 @@ pub fn gather(
             };
             out.push(r);
         }
+        out.extend(store_wide_report(tx, ctx, &kv)?);
         out.extend(slots);
         Ok(out)
     })?;
     let mut locks = vec![global];
     locks.extend(images);
     Ok((fs_name, locks))
+}
+
+/// A store-wide hold (`exec --store-wide`), while held or awaited: a
+/// `global` entry named `store`, its holder the recorded command, its
+/// waiters the processes queued for it (from the kernel).
+fn store_wide_report(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<Option<LockReport>> {
+    let path = ctx.root.locks().join("store.lock");
+    let view = kv.view(&path)?;
+    let records = tx.records_for(LockKind::Global, "store")?;
+    if !view.is_held() && records.is_empty() {
+        return Ok(None);
+    }
+    let (holders, waiters) = judge(tx, ctx, kv, &view, &records)?;
+    Ok(Some(LockReport {
+        kind: LockKind::Global,
+        name: "store".into(),
+        state: settle(view.state),
+        holders,
+        waiters,
+        image_state: None,
+        slot: None,
+    }))
 }
 
 fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {

@@ -46,6 +46,9 @@ pub struct Ctx {
     pub child_umask: Option<u32>,
     /// Set once a "waiting for the global lock" notice has been printed.
     noticed_global: Cell<bool>,
+    /// Whether a root that does not exist is created (commands that write)
+    /// or reported, creating nothing ([`Error::NoRoot`]: commands that read).
+    pub creates_root: bool,
 }
 
 impl Ctx {
@@ -73,6 +76,8 @@ impl Ctx {
 
 pub struct Store {
     conn: Option<rusqlite::Connection>,
+    /// Device and inode of the database file `conn` has open.
+    conn_file: Option<(u64, u64)>,
     ctx: Ctx,
 }
 
@@ -97,6 +102,7 @@ impl Store {
     pub fn new(root: Root) -> Store {
         Store {
             conn: None,
+            conn_file: None,
             ctx: Ctx {
                 root,
                 me: Me::current(),
@@ -104,6 +110,7 @@ impl Store {
                 verbose: false,
                 child_umask: None,
                 noticed_global: Cell::new(false),
+                creates_root: true,
             },
         }
     }
@@ -131,6 +138,9 @@ impl Store {
                 Ok(Some(g)) => return Ok(g),
                 Ok(None) => break,
                 Err(e) if e.kind() == io::ErrorKind::NotFound && !created => {
+                    if !ctx.creates_root && !ctx.root.exists() {
+                        return Err(Error::NoRoot(ctx.root.dir().to_owned()).into());
+                    }
                     ctx.root.create_layout()?;
                     created = true;
                 }
@@ -187,7 +197,12 @@ impl Store {
     fn begin_raw(&mut self, deadline: Option<Instant>, cleanup: bool) -> Result<(Tx<'_>, &Ctx)> {
         let global = Self::take_global(&self.ctx, deadline, cleanup)?;
         let db = self.ctx.root.db();
+        let id = self.forget_replaced_db(&db);
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
+        if self.conn_file.is_none() {
+            // A database created just now had no identity before.
+            self.conn_file = id.or_else(|| file_id(&db));
+        }
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         Ok((tx, &self.ctx))
     }
@@ -226,27 +241,29 @@ impl Store {
     }
 
     /// Runs `f` in one transaction and commits. For callers that hold no
-    /// image lock: migrates the schema first when needed.
+    /// image lock: migrates the schema first when needed. On a full disk it
+    /// runs once more in the space kept in reserve ([`Store::retry_full`]).
     pub fn with_tx<T>(
         &mut self,
         deadline: Option<Instant>,
-        f: impl FnOnce(&Tx, &Ctx) -> Result<T>,
+        mut f: impl FnMut(&Tx, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        let mut f = Some(f);
-        loop {
-            let err = match self.begin(deadline) {
-                Ok((tx, ctx)) => {
-                    let out = (f.take().expect("runs once"))(&tx, ctx)?;
-                    tx.commit()?;
-                    return Ok(out);
+        self.retry_full(|store| {
+            loop {
+                let err = match store.begin(deadline) {
+                    Ok((tx, ctx)) => {
+                        let out = f(&tx, ctx)?;
+                        tx.commit()?;
+                        return Ok(out);
+                    }
+                    Err(e) => e,
+                };
+                if err.downcast_ref::<NeedsMigration>().is_none() {
+                    return Err(err);
                 }
-                Err(e) => e,
-            };
-            if err.downcast_ref::<NeedsMigration>().is_none() {
-                return Err(err);
+                store.migrate(deadline)?;
             }
-            self.migrate(deadline)?;
-        }
+        })
     }
 
     /// Runs `f` in one transaction and commits, for a caller that holds
@@ -257,12 +274,72 @@ impl Store {
     pub fn with_tx_locked<T>(
         &mut self,
         deadline: Option<Instant>,
-        f: impl FnOnce(&Tx, &Ctx) -> Result<T>,
+        mut f: impl FnMut(&Tx, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        let (tx, ctx) = self.begin(deadline)?;
-        let out = f(&tx, ctx)?;
-        tx.commit()?;
-        Ok(out)
+        self.retry_full(|store| {
+            let (tx, ctx) = store.begin(deadline)?;
+            let out = f(&tx, ctx)?;
+            tx.commit()?;
+            Ok(out)
+        })
+    }
+
+    /// Runs `f` (one or more metadata transactions); if it fails because
+    /// the disk is full, empties the reserve (see `space.rs`), runs it once
+    /// more, and fills the reserve again with what is left free. `f` must be
+    /// a transaction that can simply be repeated (a failed one rolled back).
+    pub fn retry_full<T>(&mut self, mut f: impl FnMut(&mut Store) -> Result<T>) -> Result<T> {
+        match f(self) {
+            Err(e) if crate::space::is_full(&e) && crate::space::release(&self.ctx.root) => {
+                self.ctx.detail(&format!(
+                    "the filesystem of {} is full: using the space kept in reserve for the metadata",
+                    self.ctx.root.dir().display()
+                ));
+                let out = f(self);
+                crate::space::refill(&self.ctx.root);
+                out
+            }
+            other => other,
+        }
+    }
+
+    /// Like [`Store::with_tx`], for a command that only shows the store:
+    /// if even the reserve cannot make room for the metadata's journal, `f`
+    /// runs in a transaction that is rolled back and journalled in memory,
+    /// so the command still shows what it would record (stale records,
+    /// writers found gone) and writes nothing.
+    pub fn read_tx<T>(&mut self, mut f: impl FnMut(&Tx, &Ctx) -> Result<T>) -> Result<T> {
+        match self.with_tx(None, &mut f) {
+            Err(e) if crate::space::is_full(&e) => {
+                self.ctx.detail(&format!(
+                    "the filesystem of {} is full: showing the store without recording anything",
+                    self.ctx.root.dir().display()
+                ));
+                self.view_tx(f)
+            }
+            other => other,
+        }
+    }
+
+    /// Runs `f` in a transaction that is always rolled back, with the
+    /// journal in memory and the page cache never spilled to the file: it
+    /// needs no disk space, and writes nothing to the database file.
+    pub fn view_tx<T>(&mut self, mut f: impl FnMut(&Tx, &Ctx) -> Result<T>) -> Result<T> {
+        let global = Self::take_global(&self.ctx, None, false)?;
+        let db = self.ctx.root.db();
+        let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
+        conn.execute_batch("PRAGMA journal_mode = MEMORY; PRAGMA cache_spill = OFF;")?;
+        let out = (|| {
+            let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
+            match tx.schema()? {
+                Schema::Current => f(&tx, &self.ctx),
+                _ => bail!("the metadata schema needs an upgrade, which needs disk space"),
+            }
+            // Dropping `tx` rolls it back.
+        })();
+        let conn = self.conn.as_mut().expect("opened above");
+        conn.execute_batch("PRAGMA journal_mode = DELETE; PRAGMA cache_spill = ON;")?;
+        out
     }
 
     /// Brings the schema up to date: a store-wide operation.
@@ -300,7 +377,12 @@ impl Store {
     ) -> Result<T> {
         let global = self.global_with_images_free(what, deadline)?;
         let db = self.ctx.root.db();
+        let id = self.forget_replaced_db(&db);
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
+        if self.conn_file.is_none() {
+            // A database created just now had no identity before.
+            self.conn_file = id.or_else(|| file_id(&db));
+        }
         let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
         let out = f(&tx, &self.ctx)?;
         tx.commit()?;
@@ -322,6 +404,18 @@ impl Store {
                 return Ok(global);
             };
             drop(global);
+            if let Some(held) = crate::kernel::enclosing_hold(&path) {
+                // Our enclosing command holds it and waits for us.
+                return Err(Error::Busy(Busy {
+                    what: format!("{name} (needed free before {what})"),
+                    holders: format!(
+                        "held ({}) by an enclosing command of this process (a 'stowage exec' that runs it); waiting for it would never end",
+                        held.verb()
+                    ),
+                    waited: Duration::ZERO,
+                })
+                .into());
+            }
             let holders = status::kernel_holders_phrase(&self.ctx, &path);
             if !told {
                 self.ctx.say(&format!(
@@ -365,7 +459,31 @@ impl Store {
     /// Forgets the open database connection (before the file is replaced).
     pub fn close_db(&mut self) {
         self.conn = None;
+        self.conn_file = None;
     }
+
+    /// Under the global lock: drops a connection whose file is no longer
+    /// the database at the path — `doctor --repair` moved a damaged one
+    /// aside and built a new one while this process kept its connection
+    /// (a slot waiter, `lock-status --watch`, an exec whose command ran).
+    /// Writing through the old connection would fail ("readonly database")
+    /// or, worse, go to the file moved aside. One stat per transaction
+    /// (which also names the file a new connection opens).
+    fn forget_replaced_db(&mut self, db: &std::path::Path) -> Option<(u64, u64)> {
+        let id = file_id(db);
+        if self.conn.is_some() && id != self.conn_file {
+            self.close_db();
+        }
+        id
+    }
+}
+
+/// Device and inode of a file, if it exists.
+fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// The database connection, opened on first use (with the global lock held
@@ -411,10 +529,42 @@ fn in_wal(db: &std::path::Path) -> bool {
         .is_ok_and(|()| header[18] == 2 || header[19] == 2)
 }
 
-/// Under the global lock: the first image lock someone holds, if any.
+/// Under the global lock: the first image or slot lock someone holds, if
+/// any. Slots count too: a process of an older release that holds only a
+/// slot (an exec with `--slot` and no image) still records and deletes its
+/// holder record against the schema it knows, so a migration under it
+/// would make its exec fail after its command succeeded.
 fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
-    let dir = ctx.root.image_locks();
-    let entries = match std::fs::read_dir(&dir) {
+    if let Some(busy) = first_busy_in(&ctx.root.image_locks(), lock_file_label)? {
+        return Ok(Some(busy));
+    }
+    let slots = ctx.root.slot_locks();
+    let classes = match std::fs::read_dir(&slots) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", slots.display())),
+    };
+    for class in classes {
+        let class = class.with_context(|| format!("cannot list {}", slots.display()))?;
+        // A real directory only; a symlink planted here is not followed.
+        if !class.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let name = class.file_name().to_string_lossy().replace('%', "/");
+        let label = |f: &str| format!("slot {} of class '{name}'", f.trim_end_matches(".lock"));
+        if let Some(busy) = first_busy_in(&class.path(), label)? {
+            return Ok(Some(busy));
+        }
+    }
+    Ok(None)
+}
+
+/// The first `*.lock` file in `dir` that someone holds, with its label.
+fn first_busy_in(
+    dir: &std::path::Path,
+    label: impl Fn(&str) -> String,
+) -> Result<Option<(std::path::PathBuf, String)>> {
+    let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("cannot list {}", dir.display())),
@@ -436,9 +586,9 @@ fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
         let path = entry.path();
         match lock::try_lock(&path, Mode::Exclusive, false) {
             Ok(Some(g)) => drop(g),
-            Ok(None) => return Ok(Some((path, lock_file_label(fname)))),
+            Ok(None) => return Ok(Some((path, label(fname)))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(lock_error(&lock_file_label(fname), &path, e)),
+            Err(e) => return Err(lock_error(&label(fname), &path, e)),
         }
     }
     Ok(None)
@@ -471,8 +621,9 @@ pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::E
         )
     } else if e.kind() == io::ErrorKind::PermissionDenied {
         anyhow::anyhow!(
-            "cannot lock {what} ({}): {e} — a store shared by a group needs a group-writable (setgid) root, and you in its group",
-            path.display()
+            "cannot lock {what} ({}): {e} — you may not write this store{}; every stowage command, even one that only reads, locks files in the root (opened for writing, as NFS requires) and drops stale records as it reads, so there is no read-only view: a store for several users must be shared with a group (a group-writable setgid root, with them in its group)",
+            path.display(),
+            owner_of(path)
         )
     } else {
         anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
@@ -500,4 +651,22 @@ fn damaged(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
     } else {
         e.context(format!("metadata database {}", db.display()))
     }
+}
+
+/// " (DIR is owned by uid U, group G, mode M)" for the directory holding
+/// `path`, for permission messages.
+fn owner_of(path: &std::path::Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    path.parent()
+        .and_then(|d| std::fs::metadata(d).ok().map(|m| (d, m)))
+        .map(|(d, m)| {
+            format!(
+                " ({} is owned by uid {}, group {}, mode {:o})",
+                d.display(),
+                m.uid(),
+                m.gid(),
+                m.mode() & 0o7777
+            )
+        })
+        .unwrap_or_default()
 }

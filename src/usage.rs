@@ -1,38 +1,318 @@
 //! Disk usage of an image tree, as gc and `images` count it: allocated
-//! blocks (so sparse files and reflinked copies count what they really
-//! use), each hard-linked inode once, symlinks as themselves (never
-//! followed), and never crossing into another filesystem.
+//! blocks (so sparse files count what they really use), each hard-linked
+//! inode once, symlinks as themselves (never followed), and never crossing
+//! into another filesystem.
+//!
+//! Shared extents. On a filesystem that can share data between files
+//! (btrfs, XFS, bcachefs: reflink copies, which `--from` makes), an image's
+//! allocated blocks are not what removing it frees: a base and three clones
+//! take about one copy of disk. There the walk also reads each file's extent
+//! map (FIEMAP) and keeps the physical ranges flagged
+//! `FIEMAP_EXTENT_SHARED`. A [`Footprint`] of all images then says what the
+//! images take on the filesystem together (every shared range once) and
+//! what removing one image would free (its unshared blocks plus the shared
+//! ranges no other image refers to). A range shared only with something
+//! outside the store (a snapshot) is counted as the image's own: stowage
+//! cannot see the other owner, and says so in docs/storage.md.
+//!
+//! The walk goes by directory descriptor ([`crate::tree`]): it works at any
+//! depth, and an error names a bounded path.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::CStr;
 use std::io;
-use std::os::unix::fs::MetadataExt;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
+
+use crate::tree::{self, Dir, DirExt, Trail};
+
+/// What one image tree takes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Measure {
+    /// Allocated bytes of every inode once.
+    pub allocated: u64,
+    /// Of those, bytes in extents shared with another file (in this image,
+    /// another image, or outside the store).
+    pub shared: u64,
+    /// The physical ranges of those extents, sorted and merged: `[start, end)`.
+    pub shared_ranges: Vec<(u64, u64)>,
+}
 
 /// Bytes allocated under `dir`. A missing directory uses nothing.
 pub fn disk_usage(dir: &Path) -> io::Result<u64> {
+    Ok(measure(dir, false)?.allocated)
+}
+
+/// The sum of the lengths of the regular files under `dir` (what a copy
+/// reads), for progress.
+pub fn apparent_size(dir: &Path) -> io::Result<u64> {
+    let mut total = 0;
+    walk(dir, &mut |_, _, st| {
+        if tree::file_type(st) == libc::S_IFREG {
+            total += st.st_size as u64;
+        }
+        Ok(())
+    })?;
+    Ok(total)
+}
+
+/// Measures `dir`; with `extents`, also which of its blocks are shared.
+pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
     let mut seen: HashSet<(u64, u64)> = HashSet::new();
-    let mut total = 0u64;
-    let walk = walkdir::WalkDir::new(dir)
-        .follow_links(false)
-        .same_file_system(true);
-    for entry in walk {
-        let entry = match entry {
-            Ok(e) => e,
-            Err(e)
-                if e.io_error()
-                    .is_some_and(|io| io.kind() == io::ErrorKind::NotFound) =>
-            {
-                continue;
-            }
-            Err(e) => return Err(e.into()),
+    let mut out = Measure::default();
+    let mut ranges = Vec::new();
+    walk(dir, &mut |parent, name, st| {
+        let ft = tree::file_type(st);
+        if st.st_nlink > 1 && ft != libc::S_IFDIR && !seen.insert((st.st_dev, st.st_ino)) {
+            return Ok(());
+        }
+        let blocks = st.st_blocks as u64 * 512;
+        out.allocated += blocks;
+        if extents && ft == libc::S_IFREG && blocks > 0 {
+            out.shared += shared_extents(parent, name, &mut ranges).min(blocks);
+        }
+        Ok(())
+    })?;
+    out.shared_ranges = merge(ranges);
+    Ok(out)
+}
+
+/// Can files on the filesystem of `dir` share extents (reflink)?
+pub fn can_share(dir: &Path) -> bool {
+    match nix::sys::statfs::statfs(dir) {
+        #[allow(clippy::unnecessary_cast)]
+        Ok(st) => matches!(
+            st.filesystem_type().0 as i64,
+            // btrfs, XFS, bcachefs
+            0x9123_683E | 0x5846_5342 | 0xCA45_1A4E
+        ),
+        Err(_) => false,
+    }
+}
+
+type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
+
+/// Calls `visit` for every entry under `dir` (the top included, as
+/// `(dir, ".")`), depth first, staying on the top's filesystem. Entries that
+/// vanish while walked are skipped; a missing top is an empty tree.
+pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
+    let _files = tree::MoreFiles::raise();
+    let top = match Dir::open_top(dir) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
+    };
+    let st = top.lstat()?;
+    let dev = st.st_dev;
+    visit(&top, c".", &st)?;
+    let names = top.entries()?;
+    let mut trail = Trail::default();
+    let mut stack = vec![(top, names.into_iter())];
+    let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);
+    while let Some((d, names)) = stack.last_mut() {
+        crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
+        let Some(name) = names.next() else {
+            stack.pop();
+            trail.0.pop();
+            continue;
         };
-        let meta = entry.metadata().map_err(io::Error::from)?;
-        if meta.nlink() > 1 && !meta.is_dir() && !seen.insert((meta.dev(), meta.ino())) {
+        let bounded = |e: io::Error, trail: &Trail, name: &CStr| {
+            io::Error::new(e.kind(), format!("{}: {e}", trail.show(dir, Some(name))))
+        };
+        let st = match d.lstat_at(&name) {
+            Ok(st) => st,
+            Err(e) if gone(&e) => continue,
+            Err(e) => return Err(bounded(e, &trail, &name)),
+        };
+        if st.st_dev != dev {
             continue;
         }
-        total += meta.blocks() * 512;
+        visit(d, &name, &st).map_err(|e| bounded(e, &trail, &name))?;
+        if tree::file_type(&st) == libc::S_IFDIR {
+            let sub = match d.open_at(&name) {
+                Ok(s) => s,
+                Err(e) if gone(&e) => continue,
+                Err(e) => return Err(bounded(e, &trail, &name)),
+            };
+            let names = sub.entries().map_err(|e| bounded(e, &trail, &name))?;
+            trail.0.push(name);
+            stack.push((sub, names.into_iter()));
+        }
     }
-    Ok(total)
+    Ok(())
+}
+
+// The FIEMAP ioctl (linux/fiemap.h).
+const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
+const FIEMAP_EXTENT_LAST: u32 = 0x1;
+const FIEMAP_EXTENT_UNKNOWN: u32 = 0x2;
+const FIEMAP_EXTENT_DELALLOC: u32 = 0x4;
+const FIEMAP_EXTENT_DATA_INLINE: u32 = 0x200;
+const FIEMAP_EXTENT_SHARED: u32 = 0x2000;
+const EXTENTS_PER_CALL: usize = 256;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FiemapExtent {
+    logical: u64,
+    physical: u64,
+    length: u64,
+    reserved64: [u64; 2],
+    flags: u32,
+    reserved: [u32; 3],
+}
+
+#[repr(C)]
+struct Fiemap {
+    start: u64,
+    length: u64,
+    flags: u32,
+    mapped_extents: u32,
+    extent_count: u32,
+    reserved: u32,
+    extents: [FiemapExtent; EXTENTS_PER_CALL],
+}
+
+/// Bytes of `name`'s extents flagged shared; their physical ranges go to
+/// `ranges`. A file that cannot be opened or mapped counts as unshared.
+fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u64 {
+    // SAFETY: valid descriptor and C string; the descriptor is owned at once.
+    let fd = unsafe {
+        libc::openat(
+            parent.fd(),
+            name.as_ptr(),
+            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY,
+        )
+    };
+    if fd < 0 {
+        return 0;
+    }
+    let file = unsafe { OwnedFd::from_raw_fd(fd) };
+    fiemap_shared(std::os::fd::AsRawFd::as_raw_fd(&file), ranges)
+}
+
+fn fiemap_shared(fd: RawFd, ranges: &mut Vec<(u64, u64)>) -> u64 {
+    let mut map: Box<Fiemap> = Box::new(Fiemap {
+        start: 0,
+        length: u64::MAX,
+        flags: 0,
+        mapped_extents: 0,
+        extent_count: EXTENTS_PER_CALL as u32,
+        reserved: 0,
+        extents: [FiemapExtent::default(); EXTENTS_PER_CALL],
+    });
+    let mut shared = 0u64;
+    let mut start = 0u64;
+    loop {
+        map.start = start;
+        map.length = u64::MAX - start;
+        map.mapped_extents = 0;
+        // SAFETY: `map` is a fiemap header followed by room for
+        // extent_count extents, as the ioctl requires.
+        if unsafe { libc::ioctl(fd, FS_IOC_FIEMAP as _, &mut *map as *mut Fiemap) } != 0 {
+            return shared;
+        }
+        let n = (map.mapped_extents as usize).min(EXTENTS_PER_CALL);
+        if n == 0 {
+            return shared;
+        }
+        let mut last = false;
+        for e in &map.extents[..n] {
+            last |= e.flags & FIEMAP_EXTENT_LAST != 0;
+            let unplaced =
+                FIEMAP_EXTENT_UNKNOWN | FIEMAP_EXTENT_DELALLOC | FIEMAP_EXTENT_DATA_INLINE;
+            if e.flags & FIEMAP_EXTENT_SHARED != 0 && e.flags & unplaced == 0 {
+                shared += e.length;
+                ranges.push((e.physical, e.physical.saturating_add(e.length)));
+            }
+        }
+        let e = map.extents[n - 1];
+        if last || n < EXTENTS_PER_CALL {
+            return shared;
+        }
+        start = e.logical.saturating_add(e.length);
+    }
+}
+
+/// Sorts ranges and merges those that overlap or touch.
+fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (s, e) in ranges {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// The shared ranges of a set of images, each range counted once however
+/// many images refer to it: what the images take together, and what
+/// removing one of them frees.
+#[derive(Debug, Default)]
+pub struct Footprint {
+    /// Disjoint segments `start → (end, how many images refer to it)`.
+    segs: BTreeMap<u64, (u64, u32)>,
+}
+
+impl Footprint {
+    /// From each image's merged shared ranges.
+    pub fn new<'a>(images: impl IntoIterator<Item = &'a [(u64, u64)]> + Clone) -> Footprint {
+        let mut points: Vec<u64> = images
+            .clone()
+            .into_iter()
+            .flat_map(|r| r.iter().flat_map(|&(s, e)| [s, e]))
+            .collect();
+        points.sort_unstable();
+        points.dedup();
+        let mut segs: BTreeMap<u64, (u64, u32)> =
+            points.windows(2).map(|w| (w[0], (w[1], 0))).collect();
+        for ranges in images {
+            for &(s, e) in ranges {
+                for (_, seg) in segs.range_mut(s..e) {
+                    seg.1 += 1;
+                }
+            }
+        }
+        Footprint { segs }
+    }
+
+    /// Bytes referred to by at least one image.
+    pub fn bytes(&self) -> u64 {
+        self.segs
+            .iter()
+            .filter(|(_, (_, n))| *n > 0)
+            .map(|(s, (e, _))| e - s)
+            .sum()
+    }
+
+    /// Bytes of `ranges` that no other image refers to.
+    pub fn unique(&self, ranges: &[(u64, u64)]) -> u64 {
+        ranges
+            .iter()
+            .flat_map(|&(s, e)| self.segs.range(s..e))
+            .filter(|(_, (_, n))| *n == 1)
+            .map(|(s, (e, _))| e - s)
+            .sum()
+    }
+
+    /// Forgets an image's ranges; returns the bytes nothing refers to any
+    /// more (what its removal freed of them).
+    pub fn release(&mut self, ranges: &[(u64, u64)]) -> u64 {
+        let mut freed = 0;
+        for &(s, e) in ranges {
+            for (start, seg) in self.segs.range_mut(s..e) {
+                if seg.1 > 0 {
+                    seg.1 -= 1;
+                    if seg.1 == 0 {
+                        freed += seg.0 - start;
+                    }
+                }
+            }
+        }
+        freed
+    }
 }
 
 /// "1.5 GiB" — for tables.
@@ -77,6 +357,53 @@ mod tests {
             disk_usage(Path::new("/nonexistent/stowage-test")).unwrap(),
             0
         );
+    }
+
+    #[test]
+    fn footprint_counts_shared_ranges_once() {
+        let base = vec![(0u64, 100u64)];
+        let clone1 = vec![(0, 100)];
+        let clone2 = vec![(50, 150)];
+        let fp = Footprint::new([&base[..], &clone1[..], &clone2[..]]);
+        assert_eq!(fp.bytes(), 150);
+        assert_eq!(fp.unique(&base), 0);
+        assert_eq!(fp.unique(&clone2), 50);
+        let mut fp = fp;
+        assert_eq!(fp.release(&base), 0);
+        assert_eq!(fp.release(&clone1), 50);
+        assert_eq!(fp.bytes(), 100);
+        assert_eq!(fp.release(&clone2), 100);
+        assert_eq!(fp.bytes(), 0);
+        assert_eq!(
+            merge(vec![(5, 9), (0, 3), (3, 4), (8, 12)]),
+            vec![(0, 4), (5, 12)]
+        );
+    }
+
+    #[test]
+    fn walks_deeper_than_path_max() {
+        let d = tempfile::tempdir().unwrap();
+        let mut dir = Dir::open_top(d.path()).unwrap();
+        let name = std::ffi::CString::new("d".repeat(200)).unwrap();
+        for _ in 0..40 {
+            assert_eq!(unsafe { libc::mkdirat(dir.fd(), name.as_ptr(), 0o755) }, 0);
+            dir = dir.open_at(&name).unwrap();
+        }
+        let f = unsafe {
+            libc::openat(
+                dir.fd(),
+                c"f".as_ptr(),
+                libc::O_WRONLY | libc::O_CREAT,
+                0o644,
+            )
+        };
+        assert!(f >= 0);
+        assert_eq!(
+            unsafe { libc::write(f, [1u8; 8192].as_ptr().cast(), 8192) },
+            8192
+        );
+        unsafe { libc::close(f) };
+        assert!(disk_usage(d.path()).unwrap() >= 8192);
     }
 
     #[test]

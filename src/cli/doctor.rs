@@ -8,7 +8,8 @@ use crate::store::Store;
 
 #[derive(clap::Args)]
 #[command(
-    after_help = "Exit status: 0 healthy (or fully repaired); 1 problems remain;\n\
+    after_help = "Exit status: 0 healthy (or fully repaired); 1 problems remain (including a store\n\
+    you may not write); 66 the root does not exist (without --repair nothing is created);\n\
     69 flock does not work, or is not safe, on the root's filesystem."
 )]
 pub struct Args {
@@ -18,6 +19,13 @@ pub struct Args {
     /// Print a JSON report
     #[arg(long)]
     json: bool,
+}
+
+impl Args {
+    /// Whether this may create a store that does not exist (only a repair).
+    pub fn creates(&self) -> bool {
+        self.repair
+    }
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
@@ -35,7 +43,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             };
             println!("{tag:>8}  {:<10}  {}", c.check, c.detail);
         }
-        if !report.healthy && !args.repair && report.locking {
+        // (A repair needs write access: no advice to someone without it.)
+        let writable = !report.checks.iter().any(|c| c.check == "access");
+        if !report.healthy && !args.repair && report.locking && writable {
             println!("run 'stowage doctor --repair' to fix what is safe to fix");
         }
     }

@@ -51,9 +51,18 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         dry_run: args.dry_run,
     };
     let report = gc::run(store, &policy)?;
+    for why in &report.failed {
+        eprintln!("stowage: {why}");
+    }
+    // Everything else was done; a removal that failed is an error.
+    let code = if report.failed.is_empty() {
+        0
+    } else {
+        crate::error::code::FAILURE
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(0);
+        return Ok(code);
     }
     let verb = if args.dry_run {
         "would remove"
@@ -97,5 +106,5 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         if args.dry_run { "would use" } else { "now use" },
         usage::human(report.size_after)
     );
-    Ok(0)
+    Ok(code)
 }

@@ -1,7 +1,7 @@
 //! `stowage init`: create the layout and adopt existing image directories.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
@@ -20,13 +20,23 @@ pub struct Args {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
-    store.root().create_layout()?;
     let wanted = match &args.images_dir {
         Some(d) => Some(
             std::path::absolute(d).with_context(|| format!("cannot resolve {}", d.display()))?,
         ),
         None => None,
     };
+    // What can be refused is refused before anything is created: a failed
+    // init leaves no root behind.
+    if let Some(dir) = &wanted
+        && !dir.is_dir()
+        && !dir.parent().is_some_and(Path::is_dir)
+    {
+        bail!(
+            "cannot create images directory {}: its parent directory does not exist",
+            dir.display()
+        );
+    }
     if let Some(dir) = &wanted
         && store.root().dir().starts_with(dir)
     {
@@ -46,7 +56,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             store.root().dir().display()
         );
     }
-    let (dir, adopted, skipped) = store.with_tx(None, |tx, ctx| {
+    store.root().create_layout()?;
+    let (dir, adopted, skipped, how) = store.with_tx(None, |tx, ctx| {
         let current = tx.images_dir(&ctx.root)?;
         if let Some(dir) = &wanted
             && *dir != current
@@ -73,8 +84,17 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             crate::doctor::write_images_dir_note(&ctx.root, dir)?;
         }
         let dir = tx.images_dir(&ctx.root)?;
-        let (found, _) = adopt::adopt(tx, &dir, Adopt::AsReady, &HashMap::new())?;
-        Ok((dir, found.trees.len(), found.skipped))
+        let images = ctx.root.open_images_dir(&dir)?;
+        // Ready only in a directory stowage never managed (see adopt.rs).
+        let how = if adopt::managed(tx, &images)? {
+            Adopt::Unknown
+        } else {
+            Adopt::AsReady
+        };
+        let (found, _) = adopt::adopt(tx, &images, &dir, how, &HashMap::new())?;
+        // This is the images directory from now on (accepting a remount).
+        adopt::record_identity(tx, &images)?;
+        Ok((dir, found.trees.len(), found.skipped, how))
     })?;
     for (entry, why) in &skipped {
         store.ctx().say(&format!(
@@ -88,8 +108,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         dir.display(),
         if adopted > 0 {
             format!(
-                "; adopted {adopted} existing image{}",
-                if adopted == 1 { "" } else { "s" }
+                "; adopted {adopted} existing image{}{}",
+                if adopted == 1 { "" } else { "s" },
+                if how == Adopt::Unknown {
+                    " as incomplete (this store was already managed, so whether they are complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
+                } else {
+                    " as ready"
+                }
             )
         } else {
             String::new()

@@ -6,6 +6,7 @@ use std::io::{IsTerminal, Write};
 use anyhow::Result;
 
 use crate::clock;
+use crate::ident::printable;
 use crate::status::{self, LockReport, Party, Selection, StatusJson};
 use crate::store::Store;
 
@@ -20,7 +21,7 @@ pub struct Args {
     /// Print one JSON object (with --watch, one per line)
     #[arg(long)]
     json: bool,
-    /// Refresh every SECONDS until interrupted
+    /// Refresh every SECONDS (fractional, or with a unit: 500ms, 2s, 1m) until interrupted
     #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
     watch: Option<String>,
 }
@@ -44,8 +45,33 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         None => None,
     };
     let tty = std::io::stdout().is_terminal();
+    let mut missing_said = false;
+    let mut missing_any = false;
     loop {
-        let (fs, locks) = status::gather(store, &sel)?;
+        let (fs, mut locks) = status::gather(store, &sel)?;
+        // An image asked for by name that has no row, and whose lock nobody
+        // holds or awaits, does not exist: say so rather than show it free.
+        let missing: Vec<String> = locks
+            .iter()
+            .filter(|l| {
+                l.kind == crate::meta::LockKind::Image
+                    && l.image_state.is_none()
+                    && l.holders.is_empty()
+                    && l.waiters.is_empty()
+                    && sel.names.iter().any(|n| n.as_str() == l.name)
+            })
+            .map(|l| l.name.clone())
+            .collect();
+        locks.retain(|l| !(l.kind == crate::meta::LockKind::Image && missing.contains(&l.name)));
+        if !missing.is_empty() {
+            missing_any = true;
+            if !missing_said {
+                for name in &missing {
+                    let _ = writeln!(std::io::stderr(), "stowage: image '{name}' does not exist");
+                }
+                missing_said = true;
+            }
+        }
         let text = if args.json {
             let doc = StatusJson {
                 root: store.root().dir().display().to_string(),
@@ -68,6 +94,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         out.flush()?;
         match every {
             Some(d) => std::thread::sleep(d),
+            None if missing_any => return Ok(crate::error::code::NO_INPUT),
             None => return Ok(0),
         }
     }
@@ -92,7 +119,12 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
             .collect();
         who.extend(l.waiters.iter().map(|p| format!("waiting: {}", party(p))));
         let first = who.first().cloned().unwrap_or_default();
-        rows.push([l.name.clone(), l.kind.as_str().into(), state, first]);
+        let name = if l.kind == crate::meta::LockKind::Slot && l.slot.is_none() {
+            format!("{} (removed)", l.name)
+        } else {
+            l.name.clone()
+        };
+        rows.push([name, l.kind.as_str().into(), state, first]);
         for more in who.iter().skip(1) {
             rows.push([String::new(), String::new(), String::new(), more.clone()]);
         }
@@ -106,14 +138,14 @@ fn party(p: &Party) -> String {
         None => "unknown process".into(),
     };
     if let Some(h) = &p.host {
-        s.push_str(&format!(" on {h}"));
+        s.push_str(&format!(" on {}", printable(h)));
     }
     if let Some(u) = &p.user {
-        s.push_str(&format!(" by {u}"));
+        s.push_str(&format!(" by {}", printable(u)));
     }
     s.push_str(&format!(" ({})", p.mode.as_str()));
     if let Some(c) = &p.command {
-        s.push_str(&format!(": {c}"));
+        s.push_str(&format!(": {}", printable(c)));
     }
     if let Some(t) = p.since {
         s.push_str(&format!(

@@ -88,11 +88,30 @@ enum Command {
     },
 }
 
+impl Command {
+    /// Whether the command creates the root when it does not exist: those
+    /// that write (the spec's `exec`, `init`, `slots set`; `gc` and `doctor
+    /// --repair` set up what they clean). The others say it is missing.
+    fn creates_root(&self) -> bool {
+        match self {
+            Command::Init(_) | Command::Exec(_) | Command::Gc(_) => true,
+            Command::Slots(a) => a.creates(),
+            Command::Doctor(a) => a.creates(),
+            Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) => false,
+            Command::Completions { .. } | Command::Man { .. } => false,
+        }
+    }
+}
+
 pub fn main() -> ExitCode {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == crate::keeper::ARG) {
+        return ExitCode::from(crate::keeper::main(&args[2..]));
+    }
     shell::complete_if_asked(Cli::command);
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
-        Err(e) => return parse_failure(e),
+        Err(e) => return parse_failure(e, &args),
     };
     if !matches!(cli.command, Command::Exec(_)) {
         // A listing piped into `head` ends quietly when the reader goes
@@ -127,12 +146,19 @@ fn run(cli: Cli) -> Result<u8> {
         }
         _ => {}
     }
-    let root = Root::resolve(cli.root.as_deref())?;
+    // Before anything is recorded: a clock given in the wrong unit would
+    // write times no later command can show.
+    crate::clock::check_env()?;
+    let mut root = Root::resolve(cli.root.as_deref())?;
     let sharing = root.check()?;
     if !matches!(cli.command, Command::Doctor(_)) {
         root.check_locking()?;
     }
     let mut store = Store::new(root);
+    // A command that only reads never creates a store: a mistyped --root
+    // is said so, not answered with an empty table (after its arguments
+    // are checked: bad input is 64 whatever the root).
+    store.ctx_mut().creates_root = cli.command.creates_root();
     store.ctx_mut().quiet = cli.quiet;
     store.ctx_mut().verbose = cli.verbose;
     if sharing == Sharing::Group {
@@ -183,33 +209,110 @@ fn one_line(err: &anyhow::Error) -> String {
 }
 
 /// Help and version go to stdout with exit 0; anything else is a usage
-/// error: one line, exit 64.
-fn parse_failure(e: clap::Error) -> ExitCode {
-    use clap::error::ErrorKind;
+/// error: one line saying what is wrong, with clap's suggestion for a typo
+/// (`--wirte`: did you mean '--write'?), exit 64. A command given to `exec`
+/// without `--` gets the fix spelled out and exec's usage.
+fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
     match e.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
             let _ = e.print();
-            ExitCode::SUCCESS
+            return ExitCode::SUCCESS;
         }
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
             let _ = e.print();
-            ExitCode::from(error::code::USAGE)
+            return ExitCode::from(error::code::USAGE);
         }
-        _ => {
-            // clap's first paragraph says what is wrong (sometimes over
-            // several lines); usage and tips follow. Keep it to one line.
-            let text = e.render().to_string();
-            let what: Vec<&str> = text
-                .lines()
-                .take_while(|l| !l.trim().is_empty())
-                .map(str::trim)
-                .collect();
-            let what = what.join(" ");
-            let what = what.strip_prefix("error: ").unwrap_or(&what);
-            eprintln!("stowage: {what} (see 'stowage --help')");
-            ExitCode::from(error::code::USAGE)
+        _ => {}
+    }
+    let sub = subcommand(args);
+    let value = |kind| match e.get(kind) {
+        Some(ContextValue::String(s)) => Some(s.clone()),
+        Some(ContextValue::Strings(v)) => v.first().cloned(),
+        _ => None,
+    };
+    let invalid = value(ContextKind::InvalidArg);
+    if e.kind() == ErrorKind::UnknownArgument
+        && sub.as_ref().is_some_and(|(name, _)| name == "exec")
+        && let Some(arg) = invalid.as_deref().filter(|a| !a.starts_with('-'))
+    {
+        // `stowage exec --write app ch-image build …`: the command must
+        // come after `--`. Show the line as it should have been.
+        let at = sub.as_ref().map_or(0, |(_, i)| *i);
+        let pos = args
+            .iter()
+            .skip(at + 1)
+            .position(|a| a == arg)
+            .map(|p| p + at + 1);
+        let mut fixed: Vec<String> = args
+            .iter()
+            .skip(1)
+            .map(|a| crate::ident::shell_join(&[a.to_string_lossy().into_owned()]))
+            .collect();
+        match pos {
+            Some(p) if !args.iter().any(|a| a == "--") => {
+                fixed.insert(p - 1, "--".into());
+                eprintln!(
+                    "stowage: unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
+                    fixed.join(" ")
+                );
+            }
+            _ => eprintln!(
+                "stowage: unexpected argument '{arg}' before '--': only options go there, the command after '--' ({EXEC_USAGE})"
+            ),
+        }
+        return ExitCode::from(error::code::USAGE);
+    }
+    if e.kind() == ErrorKind::MissingRequiredArgument
+        && sub.as_ref().is_some_and(|(name, _)| name == "exec")
+        && value(ContextKind::InvalidArg).is_some_and(|a| a.contains("CMD"))
+    {
+        eprintln!("stowage: no command to run: put it after '--' ({EXEC_USAGE})");
+        return ExitCode::from(error::code::USAGE);
+    }
+    // clap's first paragraph says what is wrong (sometimes over several
+    // lines); usage and tips follow. Keep it to one line.
+    let text = e.render().to_string();
+    let what: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let what = what.join(" ");
+    let what = what.strip_prefix("error: ").unwrap_or(&what);
+    let hint = match (
+        value(ContextKind::SuggestedArg),
+        value(ContextKind::SuggestedSubcommand),
+    ) {
+        (Some(s), _) | (None, Some(s)) => format!("; did you mean '{s}'?"),
+        (None, None) => String::new(),
+    };
+    let help = match &sub {
+        Some((name, _)) if e.kind() != ErrorKind::InvalidSubcommand => {
+            format!("stowage {name} --help")
+        }
+        _ => "stowage --help".into(),
+    };
+    eprintln!("stowage: {what}{hint} (see '{help}')");
+    ExitCode::from(error::code::USAGE)
+}
+
+/// exec's usage, for the mistakes made with it (one line, as every error).
+const EXEC_USAGE: &str = "usage: stowage exec [--read IMG]... [--write IMG]... [OPTIONS] -- CMD [ARG]...; see 'stowage exec --help'";
+
+/// The subcommand named on the command line and its index: the first
+/// argument that is neither a global option nor its value.
+fn subcommand(args: &[OsString]) -> Option<(String, usize)> {
+    let mut i = 1;
+    while i < args.len() {
+        let a = args[i].to_str()?;
+        match a {
+            "--root" => i += 2,
+            _ if a.starts_with('-') => i += 1,
+            _ => return Some((a.to_owned(), i)),
         }
     }
+    None
 }
 
 /// Validates image names from the command line.
@@ -223,12 +326,37 @@ fn names(raw: &[OsString]) -> Result<Vec<ImageName>> {
 /// a mistake; waiting forever is the default.
 const MAX_WAIT_SECS: f64 = 10.0 * 365.0 * 86_400.0;
 
-/// Parses `--wait SECONDS` (fractional, finite, not negative).
+/// Parses a time given on the command line (`--wait`, `--watch`): a plain
+/// number is seconds, fractional allowed (`2.5`), as the contract writes it;
+/// a unit may follow (`500ms`, `10s`, `1.5m`, `2h`, `1d`), as `gc
+/// --unused-for` takes. Finite, not negative.
 fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
-    let secs: f64 = raw
-        .trim()
-        .parse()
-        .map_err(|_| Error::Usage(format!("{flag} {raw:?}: not a number of seconds")))?;
+    let bad = || {
+        Error::Usage(format!(
+            "{flag} {raw:?}: not a time (seconds, e.g. 10 or 2.5, or with a unit: 500ms, 10s, 2m, 1h, 1d)"
+        ))
+    };
+    let t = raw.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let scale = match unit.trim() {
+        "" | "s" | "sec" | "secs" => 1.0,
+        "ms" => 1e-3,
+        "m" | "min" | "mins" => 60.0,
+        "h" => 3600.0,
+        "d" => 86_400.0,
+        _ => return Err(bad().into()),
+    };
+    let number = number.trim();
+    // f64's parser takes "inf", "NaN" and "1e3"; a time is digits and a point.
+    if number.is_empty()
+        || !number
+            .chars()
+            .all(|c| c.is_ascii_digit() || c == '.' || c == '-' || c == '+')
+    {
+        return Err(bad().into());
+    }
+    let secs = number.parse::<f64>().map_err(|_| bad())? * scale;
     if !secs.is_finite() || secs < 0.0 {
         return Err(Error::Usage(format!(
             "{flag} {raw:?}: must be a finite number of seconds, 0 or more"
@@ -279,4 +407,29 @@ fn table<const N: usize>(rows: &[[String; N]]) -> String {
         out.push('\n');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_in_seconds_or_with_units() {
+        let s = |raw: &str| parse_seconds("--wait", raw).map(|d| d.as_secs_f64()).ok();
+        assert_eq!(s("10"), Some(10.0));
+        assert_eq!(s("2.5"), Some(2.5));
+        assert_eq!(s("0"), Some(0.0));
+        assert_eq!(s("10s"), Some(10.0));
+        assert_eq!(s("500ms"), Some(0.5));
+        assert_eq!(s("1.5m"), Some(90.0));
+        assert_eq!(s("2h"), Some(7200.0));
+        assert_eq!(s("1d"), Some(86_400.0));
+        assert_eq!(s(" 3 s "), Some(3.0));
+        for bad in [
+            "", "s", "-1", "-1s", "10x", "inf", "NaN", "1e3", "ten", "1.2.3",
+        ] {
+            assert_eq!(s(bad), None, "{bad:?} must be refused");
+        }
+        assert_eq!(s("100000d"), None, "beyond ten years");
+    }
 }

@@ -13,14 +13,17 @@ use crate::usage;
 #[derive(clap::Args)]
 #[command(
     after_help = "Each image is removed under its write lock: an image in use is not touched.\n\
-    Exit status: 0 removed; 66 an image does not exist (nothing removed); 75 an image\n\
-    stayed locked past --wait/--no-wait (nothing removed); 64 bad name or usage."
+    Exit status: 0 removed; 66 an image does not exist, or the root does not (nothing\n\
+    removed); 75 an image stayed locked past --wait/--no-wait (nothing removed); 64 bad\n\
+    name or usage; 1 a tree could not be taken out (that image and the ones after it\n\
+    keep their state; the ones before it are removed)."
 )]
 pub struct Args {
     /// Images to remove
     #[arg(value_name = "IMG", required = true)]
     images: Vec<OsString>,
-    /// Give up after SECONDS waiting for an image in use [default: wait forever]
+    /// Give up after SECONDS (fractional, or with a unit: 500ms, 10s, 2m, 1h)
+    /// waiting for an image in use [default: wait forever]
     #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
     wait: Option<String>,
     /// Fail at once if an image is in use
@@ -54,6 +57,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             deadline,
             no_wait,
             command: &command,
+            must_exist: &[],
         };
         let (guard, waiter) = acquire_image(store, name, &want)?;
         if let Some(id) = waiter {
@@ -62,6 +66,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         held.push((name.clone(), guard));
     }
     let removed = remove::remove_locked(store, held)?;
+    // Space was freed: the metadata's reserve gets what it lacks.
+    crate::space::refill(store.root());
     for r in &removed {
         store.ctx().say(&format!(
             "removed '{}' ({}, {})",

@@ -49,6 +49,13 @@ struct ClassJson {
     waiters: Vec<PartyJson>,
 }
 
+impl Args {
+    /// Whether this creates a store that does not exist (only `set` does).
+    pub fn creates(&self) -> bool {
+        matches!(self.action, Some(Action::Set { .. }))
+    }
+}
+
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     match args.action {
         None => show(store, args.json),
@@ -72,6 +79,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 reserve_high,
             };
             store.with_tx(None, |tx, _| tx.set_slot_class(&c))?;
+            // Waiters on this host re-read the class at once.
+            slots::notify_change(store.ctx(), &class);
             store.ctx().say(&match (limit, reserve_high) {
                 (0, _) => format!("slot class '{class}': unlimited"),
                 (n, 0) => format!("slot class '{class}': at most {n} at once"),
@@ -104,7 +113,7 @@ fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
 }
 
 fn show(store: &mut Store, json: bool) -> Result<u8> {
-    let reports = store.with_tx(None, |tx, ctx| {
+    let reports = store.read_tx(|tx, ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
         tx.slot_classes()?
             .iter()

@@ -19,6 +19,7 @@ use serde_json::Value;
 use crate::common::*;
 
 const CH_BUILD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ch-build");
+const CH_DELETE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ch-delete");
 
 /// A store whose images live in a Charliecloud storage directory.
 struct Ch {
@@ -410,10 +411,17 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     ch.wait_started("one", "one");
     let app = ch.env.lock_entry("app").unwrap();
     assert_eq!(app["state"], "exclusive", "{app}");
+    // The holder is the build, named by its tag: no anonymous flock(1).
+    let holders = app["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{app}");
+    let command = holders[0]["command"].as_str().unwrap();
+    assert!(
+        command.contains("ch-build --locked -t one -- ch-image"),
+        "{app}"
+    );
     let two = ch.build("two", "two");
-    let lock = ch.env.lock_file("app");
     wait_until("the second build waits for 'app'", || {
-        someone_waits_for(&lock)
+        !ch.waiters("app").is_empty()
     });
     assert!(!ch.img("two").exists(), "the second build started early");
     // The lock is exclusive, but app is only read from: it stays ready.
@@ -432,8 +440,9 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     let out = two.finish();
     assert_ok_ref(&out);
     assert!(
-        stderr(&out).contains("waiting for exclusive lock on base 'app'"),
-        "{}",
+        stderr(&out).contains("lock on image 'app': held (write) by")
+            && stderr(&out).contains("ch-build --locked -t one"),
+        "names the build it waits for: {}",
         show(&out)
     );
     assert_eq!(ch.file("two", "app"), "app");
@@ -450,7 +459,7 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     let out = output(ch.ch_build(["-t", "worse", "-f", &df]));
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
     assert!(
-        stderr(&out).contains("base image not ready: bad (incomplete)"),
+        stderr(&out).contains("image 'bad' is not ready (state: incomplete)"),
         "{}",
         show(&out)
     );
@@ -479,20 +488,30 @@ fn someone_waits_for(path: &Path) -> bool {
 #[test]
 fn a_base_that_loses_its_cache_link_while_awaited_is_locked_anew() {
     let Some(ch) = Ch::new() else { return };
-    let mut hold = ch.stowage(["exec", "--write", "base", "--"]);
-    hold.args(ch.env.hold_cmd("held", "release"));
-    let holder = Bg::from_command(hold);
-    wait_for_file(&ch.env.sentinel("held"));
-
+    // A reader holds base; a rewrite of base (which drops its build-cache
+    // link, as a --no-cache rebuild does) queues for it.
+    let reader = ch.env.hold(&["--read", "base"], "held");
+    let rewrite = Bg::from_command(ch.stowage([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "rm -rf \"$STOWAGE_IMAGE_DIR/.git\"",
+    ]));
+    wait_until("the rewrite waits for 'base'", || {
+        ch.waiters("base").iter().any(|w| w["mode"] == "exclusive")
+    });
+    // The build plans while base is linked, and queues behind the rewrite.
     ch.dockerfile("Dockerfile", "FROM base\nRUN echo x > /x\n");
     let build = Bg::from_command(ch.ch_build(["-t", "app"]));
     wait_until("the build waits for 'base'", || {
         ch.waiters("base").iter().any(|w| w["mode"] == "shared")
     });
-    // What a --no-cache rebuild of base would do while the build waits.
-    fs::remove_file(ch.img("base/.git")).unwrap();
     ch.env.release("release");
-    assert_ok(holder.finish());
+    assert_ok(reader.finish());
+    assert_ok(rewrite.finish());
 
     let out = build.finish();
     assert_ok_ref(&out);
@@ -590,112 +609,642 @@ fn an_import_by_build_runs_beside_builds() {
     assert_eq!(ch.ch_list(), ch.stowage_list());
 }
 
-/// --dry-run needs no ch-image: the locks follow from the FROM lines and
-/// from which bases are linked to the build cache.
-#[test]
-fn ch_build_derives_locks_from_from_lines() {
-    let ch = Ch::empty();
-    for d in ["team%base+1.0/.git", "tools+2", "scratch"] {
-        fs::create_dir_all(ch.storage.join("img").join(d)).unwrap();
-    }
-    ch.dockerfile(
-        "Dockerfile",
-        "# syntax comment\n\
-         ARG BASE=team/base:1.0\n\
-         ARG TOOLS\n\
-         from --platform=linux/amd64 ${BASE} AS build\n\
-         RUN make \\\n  FROM not/a/base\n\
-         FROM $TOOLS as tools\n\
-         FROM team/base:1.0\n\
-         FROM scratch\n\
-         COPY --from=build /x /x\n",
+/// A base built by ch-build (no build-cache link) whose /which says `name`.
+fn derived(ch: &Ch, name: &str, from: &str) {
+    let df = ch.dockerfile(
+        &format!("Dockerfile.{name}"),
+        &format!("FROM {from}\nRUN echo {name} > /which\n"),
     );
-    let out = output(ch.ch_build(["--dry-run", "-t", "app", "--build-arg", "TOOLS=tools:2"]));
+    assert_ok(output(ch.ch_build(["-t", name, "-f", &df])));
+}
+
+/// The command ch-build --dry-run prints, on one line.
+fn dry_run(ch: &Ch, args: &[&str]) -> String {
+    let mut c = ch.command(CH_BUILD);
+    c.arg("--dry-run").args(args);
+    let out = output(c);
+    assert_ok_ref(&out);
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// The bases come from ch-image's own resolution of the Dockerfile, so
+/// ch-build locks exactly what ch-image reads — including where ch-image's
+/// substitution differs from what a reader expects.
+#[test]
+fn ch_build_locks_the_base_ch_image_resolves() {
+    let Some(ch) = Ch::new() else { return };
+    derived(&ch, "base2", "base");
+    derived(&ch, "mid", "base");
+    // ch-image substitutes $B inside $B2: FROM $B2 is base2, not mid.
+    let df = ch.dockerfile(
+        "Dockerfile.args",
+        "ARG B=base\nARG B2=mid\nFROM $B2\nRUN true\n",
+    );
+    let plan = dry_run(&ch, &["-t", "app", "-f", &df, ch.ctx.to_str().unwrap()]);
+    assert!(
+        plan.contains("--read-exclusive base2 --write app --"),
+        "{plan}"
+    );
+    assert!(!plan.contains("mid"), "{plan}");
+    assert_ok(output(ch.ch_build(["-t", "app", "-f", &df])));
+    assert_eq!(ch.file("app", "which"), "base2");
+
+    // FROM --arg sets the variable for that FROM only.
+    let df = ch.dockerfile("Dockerfile.fromarg", "FROM --arg=b=base2 $b\nRUN true\n");
+    let plan = dry_run(&ch, &["-t", "app2", "-f", &df, ch.ctx.to_str().unwrap()]);
+    assert!(
+        plan.contains("--read-exclusive base2 --write app2 --"),
+        "{plan}"
+    );
+    assert_ok(output(ch.ch_build(["-t", "app2", "-f", &df])));
+    assert_eq!(ch.file("app2", "which"), "base2");
+
+    // CRLF line ends: the base is 'mid', not 'mid\r'.
+    let df = ch.dockerfile(
+        "Dockerfile.crlf",
+        "ARG B=mid\r\nFROM $B\r\nRUN echo crlf > /crlf\r\n",
+    );
+    assert_ok(output(ch.ch_build(["-t", "app3", "-f", &df])));
+    assert_eq!(ch.file("app3", "which"), "mid");
+    assert_eq!(ch.file("app3", "crlf"), "crlf");
+
+    // --build-arg overrides an ARG default, as ch-image applies it.
+    let df = ch.dockerfile("Dockerfile.ba", "ARG B=base\nFROM $B\nRUN true\n");
+    let plan = dry_run(
+        &ch,
+        &[
+            "-t",
+            "app4",
+            "-f",
+            &df,
+            "--build-arg",
+            "B=mid",
+            ch.ctx.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        plan.contains("--read-exclusive mid --write app4 --"),
+        "{plan}"
+    );
+    for img in ["app", "app2", "app3", "base2", "mid"] {
+        assert_eq!(ch.env.state(img).as_deref(), Some("ready"), "{img}");
+    }
+}
+
+/// Whatever ch-image would refuse is refused before any lock is taken: no
+/// image directory, no lock file, no row — nothing for `ch-image list` or
+/// stowage to trip over afterwards.
+#[test]
+fn ch_build_refuses_before_taking_any_lock() {
+    let Some(ch) = Ch::new() else { return };
+    let img_before = tree(&ch.storage.join("img"));
+    let locks_before = tree(&ch.env.root.join("locks"));
+    let refused = |text: &str, tag: &str, extra: &[&str], says: &str| {
+        let df = ch.dockerfile("Dockerfile.t", text);
+        let mut c = ch.command(CH_BUILD);
+        c.args(["-t", tag, "-f", &df]).args(extra).arg(&ch.ctx);
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(64), "{text}: {}", show(&out));
+        assert!(stderr(&out).contains(says), "{text}: {}", show(&out));
+    };
+    refused(
+        "ARG B=base\nFROM ${B}\nRUN true\n",
+        "app",
+        &[],
+        "can't parse",
+    );
+    refused(
+        "FROM --platform=linux/amd64 base\nRUN true\n",
+        "app",
+        &[],
+        "--platform",
+    );
+    refused("FROM base\nRUN true\n", "MyApp", &[], "image ref syntax");
+    refused(
+        "FROM base AS one\nRUN true\nFROM base\nRUN true\nBOGUS x\n",
+        "multi",
+        &[],
+        "can't parse",
+    );
+    refused(
+        "FROM base\n",
+        "app",
+        &["--build-arg", "X=1"],
+        "not consumed: X",
+    );
+    refused(
+        "FROM base AS build\nFROM build\n",
+        "app",
+        &[],
+        "names an earlier stage",
+    );
+    refused("FROM base\nRUN true\n", "base", &[], "same as FROM");
+    assert_eq!(tree(&ch.storage.join("img")), img_before);
+    assert_eq!(tree(&ch.env.root.join("locks")), locks_before);
+    assert_eq!(ch.stowage_list(), ["base"]);
+    assert_eq!(ch.ch_list(), ["base"]);
+
+    let out = output(ch.ch_build(["-t", "app", "-f", "/nonexistent/Dockerfile"]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    let df = ch.dockerfile("Dockerfile.t", "FROM nowhere\nRUN true\n");
+    let out = output(ch.ch_build(["-t", "app", "-f", &df]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("base image 'nowhere' is not in"),
+        "{}",
+        show(&out)
+    );
+    // Locks in a root whose images are elsewhere would protect nothing; the
+    // advice names the root that was given.
+    let other = ch.env.tmp.path().join("other-root");
+    let df = ch.dockerfile("Dockerfile.t", "FROM base\n");
+    let out = output(ch.ch_build(["--root", other.to_str().unwrap(), "-t", "app", "-f", &df]));
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(
+        stderr(&out).contains(&format!(
+            "run: stowage --root {} init --images-dir",
+            other.display()
+        )),
+        "{}",
+        show(&out)
+    );
+    let mut c = ch.ch_build(["-t", "app", "-f", &df]);
+    c.env("CH_IMAGE_STORAGE", "relative");
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    // A build that fails after it started leaves its images incomplete —
+    // the last stage, never reached, an empty directory — which neither
+    // `ch-image list` nor a rebuild trips over.
+    let df = ch.dockerfile(
+        "Dockerfile.fail",
+        "FROM base AS one\nRUN false\nFROM base\nRUN true\n",
+    );
+    let out = output(ch.ch_build(["-t", "multi", "-f", &df]));
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(ch.env.state("multi").as_deref(), Some("incomplete"));
+    assert_eq!(ch.env.state("multi_stage0").as_deref(), Some("incomplete"));
+    assert_eq!(ch.ch_list(), ["base", "multi", "multi_stage0"]);
+    let df = ch.dockerfile(
+        "Dockerfile.ok",
+        "FROM base AS one\nRUN true\nFROM base\nRUN true\n",
+    );
+    assert_ok(output(ch.ch_build(["-t", "multi", "-f", &df])));
+    assert_eq!(ch.env.state("multi").as_deref(), Some("ready"));
+    // A storage directory that does not exist is not made by asking ch-image.
+    let missing = ch.env.tmp.path().join("no-storage");
+    let mut c = ch.ch_build(["-t", "app", "-f", &df]);
+    c.env("CH_IMAGE_STORAGE", &missing);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(!missing.exists());
+    assert!(!ch.img("app").exists());
+}
+
+/// -v and --dry-run say which lock each image gets, and why.
+#[test]
+fn ch_build_explains_its_locks() {
+    let Some(ch) = Ch::new() else { return };
+    derived(&ch, "tools", "base");
+    let df = ch.dockerfile(
+        "Dockerfile.multi",
+        "FROM base AS build\nRUN true\nFROM tools\nCOPY --from=build /bin/busybox /x\n",
+    );
+    let mut c = ch.ch_build(["-v", "--dry-run", "--wait", "5", "-t", "app", "-f", &df]);
+    c.arg("--root").arg(&ch.env.root);
+    let out = output(c);
     assert_ok_ref(&out);
     let storage = ch.storage.display();
     let ctx = ch.ctx.display();
-    let locks = ch.env.root.join("locks/images");
-    let locks = locks.display();
+    let root = ch.env.root.display();
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
         format!(
-            "flock -x {locks}/scratch.lock flock -x {locks}/tools+2.lock \
-             stowage exec --read team/base:1.0 --write app --write app_stage0 \
-             --write app_stage1 --write app_stage2 -- \
-             ch-image -s {storage} --no-lock --no-cache build -t app \
-             --build-arg TOOLS=tools:2 {ctx}"
-        )
-    );
-    let err = stderr(&out);
-    assert!(
-        err.contains("locking base 'tools:2' exclusively")
-            && err.contains("locking base 'scratch' exclusively"),
-        "{err}"
-    );
-    assert!(!err.contains("'team/base:1.0' exclusively"), "{err}");
-
-    // --root goes to stowage; bases linked to the cache need no flock.
-    let df = ch.dockerfile("Dockerfile.one", "FROM team/base:1.0\n");
-    let out = output(ch.ch_build([
-        "--dry-run",
-        "--root",
-        "/r",
-        "--wait",
-        "5",
-        "-t",
-        "x",
-        "-f",
-        &df,
-    ]));
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        format!(
-            "stowage --root /r exec --wait 5 --read team/base:1.0 --write x -- \
-             ch-image -s {storage} --no-lock --no-cache build -t x -f {df} {ctx}"
+            "stowage --root {root} exec --wait 5 --read base --read-exclusive tools \
+             --write app_stage0 --write app -- \
+             ch-image -s {storage} --no-lock --no-cache build -t app -f {df} {ctx}"
         ),
         "{}",
         show(&out)
     );
+    let err = stderr(&out);
+    for says in [
+        "base 'base': shared lock (--read): it is linked to the build cache",
+        "locking base 'tools' exclusively (--read-exclusive): it is not linked",
+        "image 'app_stage0': exclusive lock (--write): ch-image keeps each earlier stage",
+        "image 'app': exclusive lock (--write): the image this build makes",
+    ] {
+        assert!(err.contains(says), "{says}: {err}");
+    }
+    // Nothing ran.
+    assert!(!ch.img("app").exists() && !ch.img("app_stage0").exists());
 }
 
+/// A store-wide command (here `ch-image build-cache --gc`, which needs the
+/// whole storage) waits for the builds at work, and builds started while it
+/// waits or runs wait for it: it never runs beside an image user.
 #[test]
-fn ch_build_refuses_what_it_cannot_lock_correctly() {
-    let ch = Ch::empty();
-    fs::create_dir_all(ch.storage.join("img/base/.git")).unwrap();
-    let img = ch.storage.join("img").display().to_string();
-    ch.env.ok(["init", "--images-dir", &img]);
-    let refused = |text: &str, env: &[(&str, &str)], code: i32, says: &str| {
-        let df = ch.dockerfile("Dockerfile.t", text);
-        let mut c = ch.ch_build(["-t", "app", "-f", &df]);
-        c.envs(env.iter().copied());
-        let out = output(c);
-        assert_eq!(out.status.code(), Some(code), "{text}: {}", show(&out));
-        assert!(stderr(&out).contains(says), "{text}: {}", show(&out));
-    };
-    // ch-image 0.31 reads FROM STAGE as an image to pull, not the stage.
-    refused(
-        "FROM base AS build\nFROM build\n",
-        &[],
-        64,
-        "names an earlier stage",
+fn a_store_wide_command_is_queued_among_builds() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let first = ch.build("app-a", "a");
+    ch.wait_started("app-a", "a");
+
+    let ran = ch.env.tmp.path().join("store-wide-ran");
+    let storage = ch.storage.display().to_string();
+    let script = format!(
+        "test ! -e {img}/app-b && touch {ran} && exec ch-image -s {storage} --no-lock build-cache --gc",
+        img = ch.storage.join("img").display(),
+        ran = ran.display()
     );
-    refused("FROM nowhere\n", &[], 66, "base image 'nowhere' is not in");
-    refused("FROM $B\n", &[], 64, "$B, which has no value");
-    refused("FROM app\n", &[], 64, "an image this build writes");
-    refused("RUN true\n", &[], 64, "no FROM line");
-    refused(
-        "FROM base\n",
-        &[("CH_IMAGE_STORAGE", "relative")],
-        64,
-        "must be absolute",
+    let wide = Bg::from_command(ch.stowage(["exec", "--store-wide", "--", "sh", "-c", &script]));
+    // It waits for the build's locks, holding nothing they need.
+    wait_until("the store-wide command waits for the build", || {
+        ch.waiters("app-a").len() + ch.waiters("base").len() > 0
+            || someone_waits_for(&ch.env.lock_file("app-a"))
+            || someone_waits_for(&ch.env.lock_file("base"))
+    });
+    assert!(!ran.exists());
+
+    // A build started now waits for the store-wide command.
+    ch.dockerfile("Dockerfile", "FROM base\nRUN echo b > /b\n");
+    let second = Bg::from_command(ch.ch_build(["-t", "app-b"]));
+    let store_lock = ch.env.root.join("locks/store.lock");
+    wait_until("the second build waits for the store", || {
+        someone_waits_for(&store_lock)
+    });
+    assert!(!ch.img("app-b").exists());
+
+    ch.go("app-a", "a");
+    assert_ok(first.finish());
+    assert_ok(wide.finish());
+    assert!(ran.exists());
+    let out = second.finish();
+    assert_ok_ref(&out);
+    assert!(
+        stderr(&out).contains("waiting for the store-wide command to finish"),
+        "{}",
+        show(&out)
     );
-    // Locks in a root whose images are elsewhere would protect nothing.
-    let other = ch.env.tmp.path().join("other-root").display().to_string();
-    refused(
-        "FROM base\n",
-        &[("STOWAGE_ROOT", other.as_str())],
-        64,
-        "stowage init --images-dir",
+    assert_eq!(ch.file("app-b", "b"), "b");
+    assert_eq!(ch.ch_list(), ch.stowage_list());
+}
+
+/// The first example of `stowage exec --help`, run literally three times at
+/// once for three tags (with the base it names imported and linked): all
+/// succeed. With ch-image's own storage lock, two of three failed ("storage
+/// directory is already in use").
+#[test]
+fn the_exec_help_example_works_in_parallel() {
+    let Some(ch) = Ch::new() else { return };
+    let help = output(ch.stowage(["exec", "--help"]));
+    let text = String::from_utf8_lossy(&help.stdout).replace("\\\n", " ");
+    let line = text
+        .lines()
+        .find(|l| l.contains("--read alpine:3.17"))
+        .expect("the example");
+    let words: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
+    assert_eq!(words[0], "stowage");
+    assert!(words.iter().any(|w| w == "app"), "{line}");
+    let storage = ch.storage.display().to_string();
+    let tarball = ch.env.tmp.path().join("base.tar").display().to_string();
+    assert_ok(output(ch.stowage([
+        "exec",
+        "--store-wide",
+        "--",
+        bin(),
+        "exec",
+        "--write",
+        "alpine:3.17",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "import",
+        &tarball,
+        "alpine:3.17",
+    ])));
+    ch.dockerfile(
+        "Dockerfile",
+        "FROM alpine:3.17\nRUN sleep 1; echo app > /app\n",
     );
+    let runs: Vec<Bg> = (0..3)
+        .map(|i| {
+            let mut c = ch.command(bin());
+            c.arg("--root").arg(&ch.env.root);
+            for w in &words[1..] {
+                c.arg(if w == "app" {
+                    format!("app{i}")
+                } else {
+                    w.clone()
+                });
+            }
+            c.current_dir(&ch.ctx);
+            Bg::from_command(c)
+        })
+        .collect();
+    for r in runs {
+        assert_ok(r.finish());
+    }
+    for i in 0..3 {
+        assert_eq!(ch.file(&format!("app{i}"), "app"), "app");
+    }
+}
+
+/// `ch-image delete X` also deletes X_stageN: ch-delete locks every image
+/// ch-image will delete, waits for their users, and stowage forgets them.
+#[test]
+fn ch_delete_locks_and_forgets_the_stage_images() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    let df = ch.dockerfile(
+        "Dockerfile.multi",
+        "FROM base AS one\nRUN echo one > /one\nFROM base\nRUN echo two > /two\n",
+    );
+    assert_ok(output(ch.ch_build(["-t", "multi", "-f", &df])));
+    assert_eq!(ch.stowage_list(), ["base", "multi", "multi_stage0"]);
+
+    // A reader of the stage image holds the delete back.
+    let mut hold = ch.stowage(["exec", "--read", "multi_stage0", "--"]);
+    hold.args(ch.env.hold_cmd("held", "release"));
+    let reader = Bg::from_command(hold);
+    wait_for_file(&ch.env.sentinel("held"));
+    let mut delete = ch.command(CH_DELETE);
+    delete.arg("multi");
+    let delete = Bg::from_command(delete);
+    wait_until("the delete waits for 'multi_stage0'", || {
+        !ch.waiters("multi_stage0").is_empty()
+    });
+    assert!(
+        ch.img("multi_stage0/one").is_file(),
+        "deleted under a reader"
+    );
+    assert!(
+        ch.img("multi/two").is_file(),
+        "deleted while a stage was read"
+    );
+    ch.env.release("release");
+    assert_ok(reader.finish());
+    assert_ok(delete.finish());
+    assert_eq!(ch.stowage_list(), ["base"]);
+    assert_eq!(ch.ch_list(), ["base"]);
+    let out = output(ch.stowage(["exec", "--read", "multi_stage0", "--", "true"]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+}
+
+/// SIGTERM to ch-build stops the build — stowage, ch-image and the RUN
+/// step — and the image is left incomplete with its lock free.
+#[test]
+fn sigterm_to_ch_build_stops_the_whole_build() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let b = ch.build("app", "term-7731");
+    ch.wait_started("app", "term-7731");
+    b.signal(libc::SIGTERM);
+    let out = b.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    // No process of the build is left (the RUN step's command line holds
+    // its ID), and none writes the image any more.
+    wait_until("no process of the build is left", || {
+        processes_mentioning("term-7731").is_empty()
+    });
+    assert!(flock_free(&ch.env.lock_file("app")));
+    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
+    assert!(ch.img("app/started-term-7731").exists());
+}
+
+/// Pids of live processes whose command line contains `token`.
+fn processes_mentioning(token: &str) -> Vec<u32> {
+    let me = std::process::id();
+    fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let zombie = stat
+                .rfind(')')
+                .is_some_and(|i| stat[i + 2..].starts_with('Z'));
+            !zombie
+                && fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(token))
+        })
+        .collect()
+}
+
+/// A base locked exclusively (not linked to the build cache) counts as used
+/// by the builds from it: gc --unused-for does not offer it.
+#[test]
+fn a_base_locked_exclusively_records_its_use() {
+    let Some(ch) = Ch::new() else { return };
+    let df = ch.dockerfile("Dockerfile.mid", "FROM base\nRUN echo mid > /which\n");
+    let mut c = ch.ch_build(["-t", "mid", "-f", &df]);
+    c.env("STOWAGE_NOW", "2026-01-01T00:00:00Z");
+    assert_ok(output(c));
+    let df = ch.dockerfile("Dockerfile.app", "FROM mid\nRUN true\n");
+    let out = output(ch.ch_build(["-t", "app", "-f", &df]));
+    assert_ok_ref(&out);
+    assert!(
+        stderr(&out).contains("locking base 'mid' exclusively"),
+        "{}",
+        show(&out)
+    );
+    let mid = ch.env.image("mid").unwrap();
+    assert!(
+        mid["last_used"].as_str().unwrap() > "2026-06-01",
+        "the build from mid is its last use: {mid}"
+    );
+    let out = ch.env.ok(["gc", "--unused-for", "1d", "--dry-run"]);
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(!said.contains("mid"), "gc offers a base just used: {said}");
+    assert_eq!(ch.env.state("mid").as_deref(), Some("ready"));
+}
+
+/// A base built with --cache is linked to the build cache, so builds FROM
+/// it read it together (shared lock) and leave it untouched.
+#[test]
+fn builds_from_a_cache_built_base_share_it() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    let df = ch.dockerfile("Dockerfile.mid", "FROM base\nRUN echo mid > /which\n");
+    assert_ok(output(ch.ch_build(["--cache", "-t", "mid", "-f", &df])));
+    assert!(ch.img("mid/.git").exists());
+    let before = snapshot(&ch.img("mid"));
+
+    const N: usize = 4;
+    ch.dockerfile("Dockerfile", &gated("mid"));
+    let builds: Vec<Bg> = (0..N)
+        .map(|i| ch.build(&format!("app{i}"), &i.to_string()))
+        .collect();
+    for i in 0..N {
+        ch.wait_started(&format!("app{i}"), &i.to_string());
+    }
+    let mid = ch.env.lock_entry("mid").unwrap();
+    assert_eq!(mid["state"], "shared", "{mid}");
+    assert_eq!(mid["holders"].as_array().unwrap().len(), N, "{mid}");
+    for i in 0..N {
+        ch.go(&format!("app{i}"), &i.to_string());
+    }
+    for b in builds {
+        assert_ok(b.finish());
+    }
+    for i in 0..N {
+        assert_eq!(ch.file(&format!("app{i}"), "which"), "mid");
+    }
+    assert_eq!(snapshot(&ch.img("mid")), before, "a build wrote its base");
+}
+
+/// Every file under `dir` (but .git) with its content and mtime.
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>, i64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut v: Vec<_> = tree(dir)
+        .into_iter()
+        .filter(|p| !p.starts_with(".git"))
+        .filter_map(|p| {
+            let full = dir.join(&p);
+            let md = fs::symlink_metadata(&full).ok()?;
+            md.is_file().then(|| {
+                (
+                    p.clone(),
+                    fs::read(&full).unwrap(),
+                    md.mtime_nsec() + md.mtime() * 1_000_000_000,
+                )
+            })
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// base → mid → app launched at once, app first: app waits for mid to be
+/// started and then for it to be finished, and builds from it.
+#[test]
+fn a_dependency_chain_launched_at_once_builds() {
+    let Some(ch) = Ch::new() else { return };
+    let app_df = ch.dockerfile("Dockerfile.app", "FROM mid\nRUN echo app > /app\n");
+    let app = Bg::from_command(ch.ch_build(["--wait", "60", "-t", "app", "-f", &app_df]));
+    // mid's build holds at its RUN step until released.
+    ch.dockerfile(
+        "Dockerfile",
+        &gated("base").replace("ARG ID", "ARG ID\nRUN echo mid > /which"),
+    );
+    let mid = ch.build("mid", "m");
+    ch.wait_started("mid", "m");
+    wait_until("app waits for mid", || !ch.waiters("mid").is_empty());
     assert!(!ch.img("app").exists());
+    ch.go("mid", "m");
+    assert_ok(mid.finish());
+    let out = app.finish();
+    assert_ok_ref(&out);
+    assert_eq!(ch.file("app", "which"), "mid");
+    assert_eq!(ch.file("app", "app"), "app");
+
+    // Without --wait a missing base is refused at once (66), as before.
+    let df = ch.dockerfile("Dockerfile.x", "FROM later\nRUN true\n");
+    let out = output(ch.ch_build(["-t", "x", "-f", &df]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    // With a bound, it gives up after the bound.
+    let out = output(ch.ch_build(["--wait", "0.3", "-t", "x", "-f", &df]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("or start its build within --wait 0.3"),
+        "{}",
+        show(&out)
+    );
+    // A signal ends a ch-build that waits for its base to be started.
+    let log = ch.env.tmp.path().join("waiting.log");
+    let mut c = ch.ch_build(["--wait", "600", "-t", "x", "-f", &df]);
+    c.stderr(fs::File::create(&log).unwrap());
+    let waiting = Bg::from_command_keep_stderr(c);
+    wait_until("ch-build waits for 'later' to be started", || {
+        fs::read_to_string(&log).is_ok_and(|l| l.contains("waits for base 'later'"))
+    });
+    waiting.signal(libc::SIGTERM);
+    let out = waiting.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    assert!(!ch.img("x").exists());
+}
+
+/// A cache-mode import (it renames through STORAGE/imgtmp, which no other
+/// ch-image command may see) runs under --store-wide while builds come and
+/// go, recorded by an exec --write inside the hold: builds then read the
+/// image shared.
+#[test]
+fn a_cache_mode_import_runs_store_wide() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let before = ch.build("app-a", "a");
+    ch.wait_started("app-a", "a");
+    let storage = ch.storage.display().to_string();
+    let tarball = ch.env.tmp.path().join("base.tar").display().to_string();
+    let import = Bg::from_command(ch.stowage([
+        "exec",
+        "--store-wide",
+        "--",
+        bin(),
+        "exec",
+        "--write",
+        "base2",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "import",
+        &tarball,
+        "base2",
+    ]));
+    wait_until("the import waits for the build", || {
+        someone_waits_for(&ch.env.lock_file("app-a"))
+            || someone_waits_for(&ch.env.lock_file("base"))
+    });
+    assert!(!ch.img("base2").exists());
+    ch.go("app-a", "a");
+    assert_ok(before.finish());
+    assert_ok(import.finish());
+    assert!(ch.img("base2/.git").exists());
+    assert_eq!(ch.env.state("base2").as_deref(), Some("ready"));
+    let df = ch.dockerfile("Dockerfile.b2", "FROM base2\nRUN echo b2 > /b2\n");
+    let plan = dry_run(&ch, &["-t", "app-b", "-f", &df, ch.ctx.to_str().unwrap()]);
+    assert!(plan.contains("--read base2 --write app-b"), "{plan}");
+    assert_ok(output(ch.ch_build(["-t", "app-b", "-f", &df])));
+    assert_eq!(ch.ch_list(), ch.stowage_list());
+}
+
+/// `ch-image build-cache --reset` deletes the images linked to the cache
+/// (here `base`). Run store-wide, it leaves stowage's records true: the
+/// deleted image is gone from `stowage images` too, and builds from it are
+/// refused (66) rather than sent to a registry.
+#[test]
+fn a_build_cache_reset_store_wide_keeps_the_records_true() {
+    let Some(ch) = Ch::new() else { return };
+    derived(&ch, "app", "base");
+    let storage = ch.storage.display().to_string();
+    let out = output(ch.stowage([
+        "exec",
+        "--store-wide",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "build-cache",
+        "--reset",
+    ]));
+    assert_ok_ref(&out);
+    assert!(
+        !ch.img("base").exists(),
+        "ch-image no longer deletes linked images?"
+    );
+    assert!(
+        stderr(&out).contains("image 'base' was deleted by the store-wide command"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(ch.stowage_list(), ch.ch_list());
+    assert_eq!(ch.stowage_list(), ["app"]);
+    let df = ch.dockerfile("Dockerfile.x", "FROM base\nRUN true\n");
+    let out = output(ch.ch_build(["-t", "x", "-f", &df]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
 }

@@ -133,7 +133,9 @@ fn with_no_inherit_the_command_dies_with_stowage() {
     // The command dies with it (PR_SET_PDEATHSIG), so nothing writes
     // without a lock. (Zombies count as dead: they hold nothing.)
     wait_until("the command is gone", || !alive(command));
-    assert!(flock_free(&env.lock_file("app")));
+    // The keeper that held the locks ends after the command's tree, so the
+    // lock goes a moment later.
+    wait_until("the lock is free", || flock_free(&env.lock_file("app")));
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
 }
 

@@ -26,8 +26,8 @@ fn adopts_charliecloud_named_directories() {
     fs::write(img.join("alpine+3.17/bin/sh"), "x").unwrap();
     fs::create_dir_all(img.join("team%app+v1")).unwrap();
     fs::write(img.join("team%app+v1/file"), "x").unwrap();
-    // init takes what is there as ready, empty or not (a repair is more
-    // careful: see lifecycle::doctor_finds_and_repairs_inconsistencies).
+    // init takes what is there as ready, empty or not, in a directory
+    // stowage never managed (see files::init_adopts_as_ready_only_in_...).
     fs::create_dir_all(img.join("empty")).unwrap();
     fs::create_dir_all(img.join("bad name")).unwrap();
     fs::write(img.join("notes.txt"), "not an image").unwrap();

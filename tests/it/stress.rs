@@ -152,12 +152,27 @@ fn pick(rng: &mut fastrand::Rng, token: u64) -> Op {
         if rng.u32(0..10) == 0 {
             envs.push(("FAIL".into(), rng.u32(1..9).to_string()));
         }
-        args.extend([
-            "--".into(),
-            "sh".into(),
-            "-c".into(),
-            format!("{LIB}\n{body}"),
-        ]);
+        if rng.u32(0..4) == 0 {
+            // The writer runs in a background process of the command: with
+            // --no-inherit, nothing of the command's tree may outlive the
+            // locks (a SIGKILL of stowage alone included).
+            args.extend([
+                "--no-inherit".into(),
+                "--".into(),
+                "sh".into(),
+                "-c".into(),
+                "sh -c \"$1\" & wait $!".into(),
+                "_".into(),
+                format!("{LIB}\n{body}"),
+            ]);
+        } else {
+            args.extend([
+                "--".into(),
+                "sh".into(),
+                "-c".into(),
+                format!("{LIB}\n{body}"),
+            ]);
+        }
         op("write", args, &[0, 3, 66, 75], envs)
     } else if roll < 75 {
         let reads = &names[..1 + rng.usize(0..3)];

@@ -1,0 +1,485 @@
+//! Directory descriptors: how stowage moves and deletes anything.
+//!
+//! A path is resolved again by the kernel every time it is used, so a check
+//! made on a path ("trash is a directory") says nothing about the next use
+//! if someone who can write the parent swaps in a symlink between the two.
+//! Every destructive operation therefore works from descriptors.
+//!
+//! Invariants:
+//! - A walk starts at a trusted directory (the root, or the images directory
+//!   the user configured), opened once. Everything below it is opened with
+//!   `openat(parent, name, O_DIRECTORY|O_NOFOLLOW)`: a symlink planted where
+//!   a directory should be is an error, never followed.
+//! - Renames and deletions are `renameat`/`unlinkat` relative to those
+//!   descriptors; what was checked is what is acted on.
+//! - Deleting a tree ([`Dir::remove_entry`]) never follows a symlink (it is
+//!   unlinked), never crosses into another mount (a mount inside a tree,
+//!   bind mounts of the same filesystem included, stops the walk with an
+//!   error), and holds a bounded number of
+//!   descriptors whatever the depth — deeper than PATH_MAX is fine. Levels
+//!   above the last few are closed and reopened through `..`, which must be
+//!   the very directory that was left (device and inode): a tree moved away
+//!   in the middle of the walk stops it instead of redirecting it.
+
+use std::ffi::{CString, OsStr, OsString};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// An open directory.
+#[derive(Debug)]
+pub struct Dir {
+    fd: OwnedFd,
+}
+
+impl AsRawFd for Dir {
+    /// For walks that need calls this type does not wrap (the copy's
+    /// `fsetxattr`, `mknodat`, `FIEMAP`; see tree.rs).
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// What `fstatat` says about an entry, without following it.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry {
+    pub dev: u64,
+    pub ino: u64,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Entry {
+    pub fn is_dir(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFDIR
+    }
+
+    pub fn is_symlink(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFLNK
+    }
+}
+
+fn cstr(name: &OsStr) -> io::Result<CString> {
+    CString::new(name.as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+fn check(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+const DIR_FLAGS: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
+
+impl Dir {
+    /// Opens a directory the user named (the root, a configured images
+    /// directory): symlinks in the path are followed, as the user's own
+    /// choice; everything below is opened with [`Dir::sub`].
+    pub fn open(path: &Path) -> io::Result<Dir> {
+        Self::open_flags(path, DIR_FLAGS)
+    }
+
+    /// Opens a directory whose last component must not be a symlink.
+    pub fn open_nofollow(path: &Path) -> io::Result<Dir> {
+        Self::open_flags(path, DIR_FLAGS | libc::O_NOFOLLOW)
+    }
+
+    fn open_flags(path: &Path, flags: libc::c_int) -> io::Result<Dir> {
+        let c = cstr(path.as_os_str())?;
+        // SAFETY: a valid C string; the descriptor is owned from here on.
+        let fd = check(unsafe { libc::open(c.as_ptr(), flags) })?;
+        Ok(Dir {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Opens the subdirectory `name`, refusing a symlink in its place
+    /// (ELOOP, or ENOTDIR for anything else that is not a directory).
+    pub fn sub(&self, name: impl AsRef<OsStr>) -> io::Result<Dir> {
+        let c = cstr(name.as_ref())?;
+        // SAFETY: as in open_flags.
+        let fd = check(unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                DIR_FLAGS | libc::O_NOFOLLOW,
+            )
+        })?;
+        Ok(Dir {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// The directory itself.
+    pub fn stat(&self) -> io::Result<Entry> {
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: st is a valid out-pointer.
+        check(unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) })?;
+        Ok(entry(&st))
+    }
+
+    /// The id of the mount this directory is on, where the kernel says
+    /// (Linux 5.8+). Unlike the device number it tells a bind mount of the
+    /// same filesystem apart.
+    fn mount_id(&self) -> Option<u64> {
+        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+        let empty = c"";
+        // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, and
+        // an out-pointer to a zeroed statx.
+        let r = unsafe {
+            libc::statx(
+                self.fd.as_raw_fd(),
+                empty.as_ptr(),
+                libc::AT_EMPTY_PATH,
+                libc::STATX_MNT_ID,
+                &mut stx,
+            )
+        };
+        (r == 0 && stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
+    }
+
+    /// The filesystem type (statfs magic) this directory is on.
+    pub fn fs_magic(&self) -> io::Result<u64> {
+        let mut sf: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid descriptor and out-pointer.
+        check(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
+        Ok(sf.f_type as u64)
+    }
+
+    /// The entry `name`, not followed; `None` if there is none.
+    pub fn stat_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<Entry>> {
+        let c = cstr(name.as_ref())?;
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid C string and out-pointer.
+        let r = unsafe {
+            libc::fstatat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        match check(r) {
+            Ok(_) => Ok(Some(entry(&st))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The names in the directory (without `.` and `..`).
+    pub fn names(&self) -> io::Result<Vec<OsString>> {
+        // A fresh descriptor for the stream: readdir moves its offset.
+        let own = self.sub(".")?;
+        let mut d = nix::dir::Dir::from_fd(own.fd).map_err(io::Error::from)?;
+        let mut out = Vec::new();
+        for e in d.iter() {
+            let e = e.map_err(io::Error::from)?;
+            let n = e.file_name().to_bytes();
+            if n != b"." && n != b".." {
+                out.push(OsStr::from_bytes(n).to_owned());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Creates the subdirectory `name` (mode before umask).
+    pub fn mkdir(&self, name: impl AsRef<OsStr>, mode: u32) -> io::Result<()> {
+        let c = cstr(name.as_ref())?;
+        // SAFETY: valid C string.
+        check(unsafe { libc::mkdirat(self.fd.as_raw_fd(), c.as_ptr(), mode as libc::mode_t) })?;
+        Ok(())
+    }
+
+    /// Moves `name` to `to/to_name` (a symlink moves as a link).
+    pub fn rename_to(
+        &self,
+        name: impl AsRef<OsStr>,
+        to: &Dir,
+        to_name: impl AsRef<OsStr>,
+    ) -> io::Result<()> {
+        let a = cstr(name.as_ref())?;
+        let b = cstr(to_name.as_ref())?;
+        // SAFETY: valid C strings and descriptors.
+        check(unsafe {
+            libc::renameat(
+                self.fd.as_raw_fd(),
+                a.as_ptr(),
+                to.fd.as_raw_fd(),
+                b.as_ptr(),
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Unlinks a non-directory entry. A missing entry is not an error.
+    pub fn unlink(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
+        self.unlinkat(name.as_ref(), 0)
+    }
+
+    fn unlinkat(&self, name: &OsStr, flags: libc::c_int) -> io::Result<()> {
+        let c = cstr(name)?;
+        // SAFETY: valid C string.
+        match check(unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), flags) }) {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes the directory `name` if it is empty (a missing one is not an
+    /// error).
+    pub fn rmdir(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
+        self.unlinkat(name.as_ref(), libc::AT_REMOVEDIR)
+    }
+
+    /// Unlinks `name` only if it is still the file `(dev, ino)`: a lock
+    /// file we hold, say, and not whatever replaced it since.
+    pub fn unlink_if(&self, name: impl AsRef<OsStr>, dev: u64, ino: u64) -> io::Result<bool> {
+        let name = name.as_ref();
+        match self.stat_at(name)? {
+            Some(e) if e.dev == dev && e.ino == ino && !e.is_dir() => {
+                self.unlink(name)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Deletes the entry `name` whatever it is: a tree is emptied and
+    /// removed (see the module doc), anything else unlinked. A missing entry
+    /// is not an error. `removed` counts what was deleted, so a caller can
+    /// tell a failure before anything went from one half-way.
+    pub fn remove_entry(&self, name: impl AsRef<OsStr>, removed: &mut u64) -> io::Result<()> {
+        let name = name.as_ref();
+        let Some(st) = self.stat_at(name)? else {
+            return Ok(());
+        };
+        if !st.is_dir() {
+            self.unlink(name)?;
+            *removed += 1;
+            return Ok(());
+        }
+        let top = match self.sub(name) {
+            Ok(d) => d,
+            // Replaced by a non-directory since the stat: unlink that.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
+                self.unlink(name)?;
+                *removed += 1;
+                return Ok(());
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        empty_tree(top, removed)?;
+        self.unlinkat(name, libc::AT_REMOVEDIR)?;
+        *removed += 1;
+        Ok(())
+    }
+
+    /// Gives the owner full access to this directory if it lacks it, so a
+    /// read-only directory inside an image can be emptied (root needs no
+    /// such thing; anyone else does).
+    fn make_writable(&self, st: &Entry) {
+        if st.mode & 0o700 != 0o700 {
+            // SAFETY: plain fchmod on our descriptor; failure is harmless
+            // (the unlinks that follow report the real error).
+            unsafe { libc::fchmod(self.fd.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _) };
+        }
+    }
+}
+
+fn entry(st: &libc::stat) -> Entry {
+    Entry {
+        dev: st.st_dev,
+        ino: st.st_ino,
+        mode: st.st_mode,
+        uid: st.st_uid,
+        gid: st.st_gid,
+    }
+}
+
+/// How many levels of a walk keep their descriptor open. Deeper levels are
+/// reopened through `..` when the walk climbs back to them.
+const OPEN_LEVELS: usize = 16;
+
+/// How often a directory is listed again because entries kept appearing
+/// in it while it was being emptied (a process still writing).
+const RELISTS: u32 = 8;
+
+struct Level {
+    dir: Option<Dir>,
+    /// Device and inode of this directory, to recognise it through `..`.
+    id: (u64, u64),
+    /// Its name in its parent.
+    name: OsString,
+    pending: Vec<OsString>,
+    relisted: u32,
+}
+
+/// Empties the tree `top`, without following
+/// any symlink or leaving its filesystem, with at most [`OPEN_LEVELS`]
+/// descriptors open. `top` itself is left for the caller to remove.
+fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
+    let st = top.stat()?;
+    let dev = st.dev;
+    let mount = top.mount_id();
+    top.make_writable(&st);
+    let pending = top.names()?;
+    let mut stack = vec![Level {
+        dir: Some(top),
+        id: (st.dev, st.ino),
+        name: OsString::new(),
+        pending,
+        relisted: 0,
+    }];
+    loop {
+        crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
+        let depth = stack.len();
+        let level = stack.last_mut().expect("the walk ends when the stack does");
+        let dir = level.dir.as_ref().expect("the current level is open");
+        let Some(name) = level.pending.pop() else {
+            // Emptied (unless something appeared meanwhile: look again).
+            let again = dir.names()?;
+            if !again.is_empty() {
+                level.relisted += 1;
+                if level.relisted > RELISTS {
+                    return Err(io::Error::from_raw_os_error(libc::ENOTEMPTY));
+                }
+                level.pending = again;
+                continue;
+            }
+            if depth == 1 {
+                return Ok(());
+            }
+            let done = stack.pop().expect("depth > 1");
+            let parent = stack.last_mut().expect("depth > 1");
+            if parent.dir.is_none() {
+                // Climb back through `..`, which must be the directory we
+                // came down from: if the tree was moved, stop.
+                let up = done.dir.as_ref().expect("open").sub("..")?;
+                let id = up.stat()?;
+                if (id.dev, id.ino) != parent.id {
+                    return Err(io::Error::other(
+                        "the tree was moved while being deleted; stopped",
+                    ));
+                }
+                parent.dir = Some(up);
+            }
+            drop(done.dir);
+            let pdir = parent.dir.as_ref().expect("reopened above");
+            match pdir.unlinkat(&done.name, libc::AT_REMOVEDIR) {
+                Ok(()) => *removed += 1,
+                Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
+                    // Written to after we emptied it: go through it again
+                    // (a bounded number of times).
+                    parent.relisted += 1;
+                    if parent.relisted > RELISTS {
+                        return Err(e);
+                    }
+                    parent.pending.push(done.name);
+                }
+                Err(e) => return Err(e),
+            }
+            continue;
+        };
+        let Some(st) = dir.stat_at(&name)? else {
+            continue;
+        };
+        if !st.is_dir() {
+            dir.unlink(&name)?;
+            *removed += 1;
+            continue;
+        }
+        if st.dev != dev {
+            return Err(io::Error::other(format!(
+                "{} is a mount point; unmount it first (nothing is deleted across a mount)",
+                Path::new(&name).display()
+            )));
+        }
+        let sub = match dir.sub(&name) {
+            Ok(d) => d,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
+                dir.unlink(&name)?;
+                *removed += 1;
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        let sst = sub.stat()?;
+        if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
+            return Err(io::Error::other(format!(
+                "{} is a mount point; unmount it first (nothing is deleted across a mount)",
+                Path::new(&name).display()
+            )));
+        }
+        sub.make_writable(&sst);
+        let pending = sub.names()?;
+        stack.push(Level {
+            dir: Some(sub),
+            id: (sst.dev, sst.ino),
+            name,
+            pending,
+            relisted: 0,
+        });
+        // Keep only the last few levels open.
+        let open = stack.iter().filter(|l| l.dir.is_some()).count();
+        if open > OPEN_LEVELS
+            && let Some(l) = stack.iter_mut().find(|l| l.dir.is_some())
+        {
+            l.dir = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn deletes_a_tree_deeper_than_path_max_without_following_links() {
+        let t = tempfile::tempdir().unwrap();
+        let victim = t.path().join("victim");
+        fs::create_dir(&victim).unwrap();
+        fs::write(victim.join("keep"), "x").unwrap();
+        let top = Dir::open(t.path()).unwrap();
+        top.mkdir("tree", 0o755).unwrap();
+        // 3000 levels of 3-byte names: a path of 12000 bytes.
+        let mut d = top.sub("tree").unwrap();
+        for _ in 0..3000 {
+            d.mkdir("abc", 0o755).unwrap();
+            d = d.sub("abc").unwrap();
+        }
+        let c = CString::new("f").unwrap();
+        let fd = unsafe {
+            libc::openat(
+                d.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
+                0o644,
+            )
+        };
+        assert!(fd >= 0);
+        unsafe { libc::close(fd) };
+        let l = CString::new(victim.as_os_str().as_bytes()).unwrap();
+        let n = CString::new("link").unwrap();
+        assert_eq!(
+            unsafe { libc::symlinkat(l.as_ptr(), d.fd.as_raw_fd(), n.as_ptr()) },
+            0
+        );
+        drop(d);
+        let mut removed = 0;
+        top.remove_entry("tree", &mut removed).unwrap();
+        assert!(top.stat_at("tree").unwrap().is_none());
+        assert_eq!(removed, 3000 + 1 + 2);
+        assert_eq!(fs::read_to_string(victim.join("keep")).unwrap(), "x");
+        symlink(&victim, t.path().join("l")).unwrap();
+        assert!(top.sub("l").is_err(), "a symlink is never opened as a dir");
+    }
+}

@@ -1,0 +1,500 @@
+//! The keeper: the process that runs the command for `exec --no-inherit`,
+//! so that no process of the command's tree outlives the locks.
+//!
+//! With `--no-inherit` the command does not get the lock descriptors, so
+//! the kernel cannot tie the locks to the command's processes: stowage must.
+//! PR_SET_PDEATHSIG reaches one process only, and forwarding a signal to the
+//! command reaches only the command; a background job it started, or a
+//! process that moved to its own group or session, would go on writing the
+//! image after the locks were released. Hence:
+//!
+//! - stowage re-executes itself as the *keeper* (a fresh, single-threaded
+//!   process, so it may fork freely), which inherits the lock descriptors
+//!   (the command does not), becomes a child subreaper
+//!   (PR_SET_CHILD_SUBREAPER: every orphan of the command's tree becomes its
+//!   child, never init's), and starts the command in stowage's process
+//!   group (so the terminal treats it as before) while it leads a group of
+//!   its own (so a `kill -9 -PGID` of stowage's group leaves it standing).
+//! - The command ending is not the end: the keeper reports the command's
+//!   status only once **every** process of its tree has exited. Until then
+//!   it holds the locks, and so does stowage, which is waiting for it.
+//! - A termination signal that stowage forwards goes to the command; once
+//!   the command is gone, to every process left in its tree, and what is
+//!   still there [`GRACE`] later is killed.
+//! - If stowage dies (even by SIGKILL) the keeper sees the end of a pipe,
+//!   kills the whole tree, reaps it, and only then exits — releasing the
+//!   locks last.
+//! - If the keeper dies, the command dies with it (PR_SET_PDEATHSIG), and
+//!   stowage, a subreaper too, inherits the rest of the tree and kills it
+//!   before it records the outcome and releases.
+//!
+//! What remains possible: both stowage and its keeper killed by SIGKILL at
+//! once, aimed at each (e.g. `pkill -9 stowage`), leaves the tree to init.
+//! Killing a cgroup or a container kills the tree as well.
+//!
+//! Protocol on the status pipe (keeper → stowage): an 8-byte message
+//! `b"S\0\0\0" + errno` once the command started (errno 0) or failed to,
+//! then `b"X\0\0\0" + wait status` once the tree is gone.
+
+use std::ffi::{CString, OsStr, OsString};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::time::{Duration, Instant};
+
+/// The hidden first argument that makes stowage a keeper.
+pub const ARG: &str = "__keeper";
+
+/// How long processes left in the tree after a termination signal may take
+/// to end before they are killed.
+pub const GRACE: Duration = Duration::from_secs(5);
+
+const STARTED: u32 = u32::from_le_bytes(*b"S\0\0\0");
+const EXITED: u32 = u32::from_le_bytes(*b"X\0\0\0");
+
+/// A running keeper, seen from stowage.
+pub struct Keeper {
+    pub pid: libc::pid_t,
+    status: std::fs::File,
+    /// Held open for our whole life: its end tells the keeper we are gone.
+    _alive: OwnedFd,
+}
+
+/// Makes this process a child subreaper: orphans of its descendants become
+/// its children, so it can find and end them.
+pub fn become_subreaper() -> io::Result<()> {
+    // SAFETY: plain prctl.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors are new and ours.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn set_cloexec(fd: RawFd, on: bool) -> io::Result<()> {
+    // SAFETY: plain fcntl on a descriptor the caller names.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFD);
+        if flags < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let flags = if on {
+            flags | libc::FD_CLOEXEC
+        } else {
+            flags & !libc::FD_CLOEXEC
+        };
+        if libc::fcntl(fd, libc::F_SETFD, flags) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+impl Keeper {
+    /// Starts a keeper that runs `argv` with `env`. `lock_fds` must be
+    /// inheritable for the moment of this call (the keeper inherits them and
+    /// hides them from the command). Returns once the command started, or
+    /// with the error that kept it from starting (the keeper is then reaped).
+    pub fn spawn(
+        argv: &[OsString],
+        env: &[(OsString, OsString)],
+        lock_fds: &[RawFd],
+        umask: Option<u32>,
+    ) -> io::Result<Keeper> {
+        let (status_rd, status_wr) = pipe()?;
+        let (alive_rd, alive_wr) = pipe()?;
+        set_cloexec(status_wr.as_raw_fd(), false)?;
+        set_cloexec(alive_rd.as_raw_fd(), false)?;
+        let fds = if lock_fds.is_empty() {
+            "-".to_owned()
+        } else {
+            lock_fds
+                .iter()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let mut args: Vec<OsString> = vec![
+            "stowage".into(),
+            ARG.into(),
+            status_wr.as_raw_fd().to_string().into(),
+            alive_rd.as_raw_fd().to_string().into(),
+            // SAFETY: plain query.
+            unsafe { libc::getpgrp() }.to_string().into(),
+            umask.map_or("-".to_owned(), |m| m.to_string()).into(),
+            fds.into(),
+            "--".into(),
+        ];
+        args.extend(argv.iter().cloned());
+        let exe = CString::new("/proc/self/exe").expect("no NUL");
+        let pid = crate::spawn::spawn_with(Some(&exe), &args, env, crate::spawn::Start::Keeper)
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot start stowage's keeper process (/proc/self/exe): {e}"),
+                )
+            })?;
+        drop(status_wr);
+        drop(alive_rd);
+        let mut keeper = Keeper {
+            pid,
+            status: std::fs::File::from(status_rd),
+            _alive: alive_wr,
+        };
+        match keeper.message() {
+            Some((STARTED, 0)) => Ok(keeper),
+            other => {
+                reap(pid);
+                Err(match other {
+                    Some((STARTED, errno)) => io::Error::from_raw_os_error(errno),
+                    _ => io::Error::other("the keeper process ended before starting the command"),
+                })
+            }
+        }
+    }
+
+    fn message(&mut self) -> Option<(u32, i32)> {
+        let mut buf = [0u8; 8];
+        self.status.read_exact(&mut buf).ok()?;
+        let tag = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
+        let value = i32::from_le_bytes(buf[4..].try_into().expect("4 bytes"));
+        Some((tag, value))
+    }
+
+    /// After the keeper exited: the command's wait status. If the keeper
+    /// died without reporting it (killed), whatever is left of the command's
+    /// tree has become our child (we are a subreaper): it is killed and
+    /// reaped first, and the outcome is an error.
+    pub fn outcome(mut self, keeper: std::process::ExitStatus) -> io::Result<i32> {
+        if let Some((EXITED, status)) = self.message() {
+            return Ok(status);
+        }
+        kill_tree(None);
+        Err(io::Error::other(format!(
+            "its keeper process (pid {}) ended without reporting the command's status ({keeper}); \
+             the command's processes were killed",
+            self.pid
+        )))
+    }
+}
+
+fn reap(pid: libc::pid_t) {
+    let mut st = 0;
+    // SAFETY: waitpid on our own child.
+    while unsafe { libc::waitpid(pid, &mut st, 0) } < 0
+        && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+    {}
+}
+
+/// Every live descendant of this process, found through /proc (parents
+/// before children). With a subreaper, the orphans among them are our
+/// children, so the set is exactly the processes we started, directly or
+/// not, that have not left through another subreaper.
+fn descendants() -> Vec<libc::pid_t> {
+    // SAFETY: plain query.
+    let me = unsafe { libc::getpid() };
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut parent_of: Vec<(libc::pid_t, libc::pid_t)> = Vec::new();
+    for e in dir.flatten() {
+        let Some(pid) = e
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let mut f = stat[close + 1..].split_whitespace();
+        let (Some(_state), Some(ppid)) = (f.next(), f.next()) else {
+            continue;
+        };
+        if let Ok(ppid) = ppid.parse() {
+            parent_of.push((pid, ppid));
+        }
+    }
+    let mut out = vec![me];
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i];
+        out.extend(parent_of.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    out.remove(0);
+    out
+}
+
+/// Sends `sig` to every descendant.
+fn signal_tree(sig: i32) {
+    for p in descendants() {
+        // SAFETY: plain kill(2).
+        unsafe { libc::kill(p, sig) };
+    }
+}
+
+/// Kills every descendant and reaps them all: returns once this process
+/// has no child left. A process forked while we look is orphaned to us when
+/// its parent dies, and found by the next look. `command`'s status is kept.
+fn kill_tree(command: Option<(libc::pid_t, &mut Option<i32>)>) {
+    let mut command = command;
+    loop {
+        signal_tree(libc::SIGKILL);
+        let mut st = 0;
+        // SAFETY: waitpid on any child; status written to a local.
+        let r = unsafe { libc::waitpid(-1, &mut st, 0) };
+        if r < 0 {
+            match io::Error::last_os_error().raw_os_error() {
+                Some(libc::EINTR) => continue,
+                _ => return, // ECHILD: nothing left
+            }
+        }
+        if let Some((pid, status)) = command.as_mut()
+            && r == *pid
+        {
+            **status = Some(st);
+        }
+    }
+}
+
+/// Reaps every child that has exited; returns whether any child is left.
+fn reap_exited(command: libc::pid_t, status: &mut Option<i32>) -> bool {
+    loop {
+        let mut st = 0;
+        // SAFETY: waitpid on any child; status written to a local.
+        let r = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
+        match r {
+            0 => return true,
+            r if r > 0 => {
+                if r == command {
+                    *status = Some(st);
+                }
+            }
+            _ => match io::Error::last_os_error().raw_os_error() {
+                Some(libc::EINTR) => {}
+                _ => return false,
+            },
+        }
+    }
+}
+
+/// The keeper's `main`: `args` are what follows [`ARG`]. Returns its exit
+/// code; what matters to stowage is on the status pipe, and an error is
+/// seen there as a keeper that ended without starting the command. The
+/// keeper never writes to the terminal: it runs in a background process
+/// group, where a write could stop it (TOSTOP).
+pub fn main(args: &[OsString]) -> u8 {
+    match run(args) {
+        Ok(()) => 0,
+        Err(_) => 1,
+    }
+}
+
+fn parse<T: std::str::FromStr>(a: Option<&OsString>) -> io::Result<T> {
+    a.and_then(|s| s.to_str())
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+fn run(args: &[OsString]) -> io::Result<()> {
+    let status_fd: RawFd = parse(args.first())?;
+    let alive_fd: RawFd = parse(args.get(1))?;
+    let group: libc::pid_t = parse(args.get(2))?;
+    let umask: Option<u32> = match args.get(3).and_then(|s| s.to_str()) {
+        Some("-") => None,
+        _ => Some(parse(args.get(3))?),
+    };
+    let lock_fds: Vec<RawFd> = match args.get(4).and_then(|s| s.to_str()) {
+        Some("-") => Vec::new(),
+        Some(list) => list
+            .split(',')
+            .map(|f| f.parse())
+            .collect::<Result<_, _>>()
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+        None => return Err(io::ErrorKind::InvalidInput.into()),
+    };
+    if args.get(5).map(OsString::as_os_str) != Some(OsStr::new("--")) || args.len() < 7 {
+        return Err(io::ErrorKind::InvalidInput.into());
+    }
+    let argv = &args[6..];
+    // SAFETY: the descriptors were passed to us by stowage and are ours.
+    let mut status = unsafe { std::fs::File::from_raw_fd(status_fd) };
+    let alive = unsafe { OwnedFd::from_raw_fd(alive_fd) };
+    for fd in [status_fd, alive_fd].iter().chain(&lock_fds) {
+        set_cloexec(*fd, true)?;
+    }
+    // SAFETY: plain queries.
+    let (stowage, leader) = unsafe { (libc::getppid(), libc::getsid(0) == libc::getppid()) };
+    become_subreaper()?;
+
+    // The termination signals and SIGCHLD arrive blocked (stowage's mask);
+    // keep them so and read them from a signalfd.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sigset operations on a local set; sigprocmask on this thread.
+    let sfd = unsafe {
+        libc::sigemptyset(&mut set);
+        for s in [
+            libc::SIGINT,
+            libc::SIGTERM,
+            libc::SIGHUP,
+            libc::SIGQUIT,
+            libc::SIGCHLD,
+        ] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        libc::signalfd(-1, &set, libc::SFD_CLOEXEC)
+    };
+    if sfd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor, ours.
+    let sfd = unsafe { OwnedFd::from_raw_fd(sfd) };
+
+    let me = unsafe { libc::getpid() };
+    let mut cmd = std::process::Command::new(&argv[0]);
+    cmd.args(&argv[1..]).process_group(group);
+    // SAFETY: only async-signal-safe calls between fork and exec (and this
+    // process has one thread).
+    unsafe {
+        cmd.pre_exec(move || {
+            crate::signals::reset_mask_in_child()?;
+            if let Some(mask) = umask {
+                libc::umask(mask as libc::mode_t);
+            }
+            // If the keeper is killed, the command goes with it; stowage
+            // inherits the rest of the tree.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::getppid() != me {
+                libc::_exit(128 + libc::SIGKILL);
+            }
+            Ok(())
+        });
+    }
+    let send = |status: &mut std::fs::File, tag: u32, value: i32| {
+        let mut buf = [0u8; 8];
+        buf[..4].copy_from_slice(&tag.to_le_bytes());
+        buf[4..].copy_from_slice(&value.to_le_bytes());
+        // If stowage is gone, nobody reads it: that is seen below.
+        let _ = status.write_all(&buf);
+    };
+    let child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            send(&mut status, STARTED, e.raw_os_error().unwrap_or(libc::EIO));
+            return Ok(());
+        }
+    };
+    let command = child.id() as libc::pid_t;
+    drop(child); // waited for by pid below
+    send(&mut status, STARTED, 0);
+
+    let mut exit: Option<i32> = None;
+    let mut terminating: Option<i32> = None;
+    let mut kill_at: Option<Instant> = None;
+    loop {
+        let left = reap_exited(command, &mut exit);
+        if exit.is_some() {
+            if !left {
+                send(&mut status, EXITED, exit.unwrap_or(0));
+                return Ok(());
+            }
+            if let (Some(sig), None) = (terminating, kill_at) {
+                signal_tree(sig);
+                kill_at = Some(Instant::now() + GRACE);
+            }
+            if kill_at.is_some_and(|t| Instant::now() >= t) {
+                kill_tree(None);
+                continue;
+            }
+        }
+        let timeout = kill_at.map_or(-1, |t| {
+            t.saturating_duration_since(Instant::now())
+                .as_millis()
+                .min(i32::MAX as u128) as i32
+                + 1
+        });
+        let mut fds = [
+            libc::pollfd {
+                fd: sfd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: alive.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: poll on two valid descriptors in a local array.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+        if n < 0 {
+            if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(io::Error::last_os_error());
+        }
+        if fds[1].revents != 0 {
+            // stowage is gone, its locks with it but ours: end the tree,
+            // then release by exiting.
+            kill_tree(Some((command, &mut exit)));
+            return Ok(());
+        }
+        if fds[0].revents & libc::POLLIN == 0 {
+            continue;
+        }
+        // SAFETY: signalfd reads whole signalfd_siginfo records.
+        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+        let r = unsafe {
+            libc::read(
+                sfd.as_raw_fd(),
+                &mut info as *mut _ as *mut libc::c_void,
+                std::mem::size_of::<libc::signalfd_siginfo>(),
+            )
+        };
+        if r != std::mem::size_of::<libc::signalfd_siginfo>() as isize {
+            continue;
+        }
+        let sig = info.ssi_signo as i32;
+        if sig == libc::SIGCHLD {
+            continue;
+        }
+        terminating = Some(sig);
+        if exit.is_none() {
+            // stowage tags what the terminal sent it; decide as it would.
+            let code = if info.ssi_code == libc::SI_QUEUE
+                && info.ssi_pid as libc::pid_t == stowage
+                && info.ssi_ptr as usize == crate::signals::FROM_TERMINAL
+            {
+                libc::SI_KERNEL
+            } else {
+                0
+            };
+            let pgid = crate::signals::group_of(command);
+            if !crate::signals::terminal_reached_command(sig, code, pgid, group, leader) {
+                // SAFETY: plain kill(2) of our unreaped child.
+                unsafe { libc::kill(command, sig) };
+            }
+        } else {
+            signal_tree(sig);
+            kill_at.get_or_insert(Instant::now() + GRACE);
+        }
+    }
+}

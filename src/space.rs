@@ -1,0 +1,131 @@
+//! Space kept in reserve for the metadata, so a full filesystem never
+//! wedges the store.
+//!
+//! With the images on the root's filesystem (the default, and a tmpfs is
+//! the common case), a build that fills it leaves SQLite no room for a
+//! rollback journal: without a reserve, recording that build's outcome
+//! fails, and so does every later command, `rm` and `gc` included, until
+//! files are deleted by hand.
+//!
+//! The store therefore keeps `ROOT/reserve`, a file of allocated blocks
+//! ([`target`]: 1 MiB, less on a small filesystem). When a metadata
+//! transaction fails because the disk is full, the reserve is emptied, the
+//! transaction runs again in the space it gave back, and the reserve is
+//! filled again right after with whatever the transaction left free
+//! ([`crate::store::Store::retry_full`]). So recording an outcome, marking
+//! an image incomplete and the metadata steps of `rm` and `gc` succeed on a
+//! full filesystem, and the reserve is there for the next time. Commands
+//! that free space (`rm`, `gc`, `doctor --repair`) top the reserve up
+//! afterwards. Reading commands that find even the reserve used up show
+//! their view without recording anything (see `Store::read_tx`).
+//!
+//! Invariants: the reserve is only ever truncated or extended in place, and
+//! opened without following symlinks; two processes filling it at once
+//! allocate the same range (harmless). Losing it (deleted by hand) costs
+//! nothing but the protection, and it is recreated by the next command that
+//! frees space or creates the layout.
+
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::PathBuf;
+
+use crate::root::Root;
+
+/// The reserve file of a store.
+pub fn path(root: &Root) -> PathBuf {
+    root.dir().join("reserve")
+}
+
+/// Is this error the disk (or a quota) being full, from SQLite or the OS?
+pub fn is_full(err: &anyhow::Error) -> bool {
+    err.chain().any(|e| {
+        if let Some(rusqlite::Error::SqliteFailure(f, _)) = e.downcast_ref::<rusqlite::Error>() {
+            return f.code == rusqlite::ErrorCode::DiskFull;
+        }
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| matches!(io.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)))
+    })
+}
+
+/// How big the reserve is: 1 MiB, or 1/64 of a smaller filesystem (a
+/// metadata transaction needs a few pages of journal).
+pub fn target(root: &Root) -> u64 {
+    const MAX: u64 = 1 << 20;
+    match nix::sys::statvfs::statvfs(root.dir()) {
+        #[allow(clippy::unnecessary_cast)]
+        Ok(st) => (st.blocks() as u64 * st.fragment_size() as u64 / 64).clamp(64 << 10, MAX),
+        Err(_) => MAX,
+    }
+}
+
+/// Opens the reserve for writing: never through a symlink, never blocking
+/// on a FIFO planted in its place, and only if it is a regular file.
+fn open(root: &Root, create: bool) -> Option<std::fs::File> {
+    let f = OpenOptions::new()
+        .write(true)
+        .create(create)
+        .mode(0o666)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path(root))
+        .ok()?;
+    f.metadata().is_ok_and(|m| m.is_file()).then_some(f)
+}
+
+/// Empties the reserve; true if it gave back any space.
+pub fn release(root: &Root) -> bool {
+    let Some(f) = open(root, false) else {
+        return false;
+    };
+    let had = f.metadata().map(|m| m.blocks()).unwrap_or(0) > 0;
+    had && f.set_len(0).is_ok()
+}
+
+/// Fills the reserve up to its size with whatever is free (best effort:
+/// a full filesystem gets back what the last transaction left).
+pub fn refill(root: &Root) {
+    let Some(f) = open(root, true) else {
+        return;
+    };
+    let want = target(root);
+    let have = f.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
+    if have >= want {
+        return;
+    }
+    let fd = f.as_raw_fd();
+    // SAFETY: fallocate on our descriptor.
+    if unsafe { libc::fallocate(fd, 0, 0, want as libc::off_t) } == 0 {
+        return;
+    }
+    // Not all of it is free (or fallocate is not supported): take what can
+    // be had, a chunk at a time, writing zeros where fallocate is missing.
+    const CHUNK: u64 = 16 << 10;
+    let zeros = [0u8; CHUNK as usize];
+    let mut at = 0u64;
+    while at < want {
+        let ok = unsafe { libc::fallocate(fd, 0, at as libc::off_t, CHUNK as libc::off_t) } == 0
+            || unsafe { libc::pwrite(fd, zeros.as_ptr().cast(), zeros.len(), at as libc::off_t) }
+                == CHUNK as isize;
+        if !ok {
+            break;
+        }
+        at += CHUNK;
+    }
+}
+
+/// Creates the reserve if it is missing or empty (a store made by an older
+/// release, the file deleted by hand, a process killed between emptying and
+/// refilling it): one stat when it is there.
+pub fn ensure(root: &Root) {
+    match std::fs::symlink_metadata(path(root)) {
+        Ok(m) if m.blocks() > 0 || !m.is_file() => {}
+        _ => refill(root),
+    }
+}
+
+/// Bytes free for an unprivileged writer on the filesystem of `dir`.
+pub fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    let st = nix::sys::statvfs::statvfs(dir).ok()?;
+    #[allow(clippy::unnecessary_cast)]
+    Some(st.blocks_available() as u64 * st.fragment_size() as u64)
+}

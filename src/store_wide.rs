@@ -1,0 +1,328 @@
+//! Store-wide holds: `exec --store-wide` runs a command while nobody holds
+//! or can use any image lock — for commands of a builder that act on the
+//! whole storage (`ch-image build-cache --reset`, `reset`, a cache-mode
+//! import that renames through the storage's top level).
+//!
+//! Invariants:
+//! - The holder takes `ROOT/locks/store.lock` exclusively first, holding
+//!   nothing else (waiting there is safe). Then, like every store-wide
+//!   operation, it records itself (a `global` holder record named `store`)
+//!   and then takes the global lock at a moment when every image lock is
+//!   free ([`Store::global_with_images_free`]): from then on it runs.
+//! - While that record stands and its lease (`store.lock`) is held, every
+//!   transaction that would claim an image — an exec's start, a removal's
+//!   mark — refuses ([`StoreHeld`]). An exec then releases everything it
+//!   took and waits for `store.lock` shared, holding nothing, and starts
+//!   over. So the command never runs beside an image user, no image user
+//!   starts beside it, and none starts while it waits for those at work
+//!   (no starvation by a stream of builds): images are only created, marked or recorded in
+//!   those transactions (the argument of docs/design.md, store-wide
+//!   operations).
+//! - The command itself, and whatever it starts, inherits the lease (unless
+//!   `--no-inherit`): a stowage exec holding that descriptor is inside the
+//!   hold and goes ahead, rather than wait for itself.
+//! - Nobody waits for `store.lock` while holding another lock, and the
+//!   holder only *tries* image locks (under the global lock): no cycle.
+//! - A holder that dies leaves a record whose lock is free: stale, dropped
+//!   by the next transaction that looks.
+//! - The uncontended exec pays one indexed lookup in its start transaction
+//!   and no extra lock.
+
+use std::io;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+use crate::error::{Busy, Error};
+use crate::lock::{self, Guard, Mode, Wait, Waited};
+use crate::meta::{ImageState, LockKind, Record, Role, Tx};
+use crate::name::ImageName;
+use crate::store::{Ctx, Store, lock_error};
+
+/// The record's name (kind `global`).
+const NAME: &str = "store";
+/// The lease, under `ROOT/locks`.
+const FILE: &str = "store.lock";
+
+/// A transaction found a live store-wide hold.
+#[derive(Debug, thiserror::Error)]
+#[error("a store-wide command runs: {holder}")]
+pub struct StoreHeld {
+    pub holder: String,
+}
+
+fn path(ctx: &Ctx) -> PathBuf {
+    ctx.root.locks().join(FILE)
+}
+
+/// Under the global lock: fails with [`StoreHeld`] while a store-wide
+/// command runs; drops the records of holders that are gone.
+pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
+    for rec in tx.records_for(LockKind::Global, NAME)? {
+        // A try, never a wait: the global lock is held.
+        match lock::try_lock(&path(ctx), Mode::Shared, false) {
+            // Our own command (a wrapper calling stowage again) runs
+            // under the hold: it has the store, and must not wait for it.
+            Ok(None) if lock::inherited_exclusive(&path(ctx)) => {}
+            // The command of an image user (it inherited that image's lock)
+            // calls stowage again: the hold is still waiting for that very
+            // lock, so waiting for the hold would deadlock. Going ahead is
+            // safe: the hold's command starts only once our locks are free.
+            Ok(None) if inherits_image_lock(ctx) => {}
+            Ok(None) => {
+                return Err(StoreHeld {
+                    holder: format!(
+                        "pid {} on {} ({}) since {}",
+                        rec.pid,
+                        rec.host,
+                        rec.command,
+                        crate::clock::local_short(rec.since)
+                    ),
+                }
+                .into());
+            }
+            Ok(Some(_)) => tx.delete_record(rec.id)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => tx.delete_record(rec.id)?,
+            Err(e) => return Err(lock_error("the store", &path(ctx), e)),
+        }
+    }
+    Ok(())
+}
+
+/// Does this process hold a descriptor of an image lock file inherited from
+/// the exec whose command it is part of? Inherited descriptors are the ones
+/// without close-on-exec: stowage opens its own with it, and clears it only
+/// on the locks it hands to its command.
+fn inherits_image_lock(ctx: &Ctx) -> bool {
+    let Ok(dir) = std::fs::canonicalize(ctx.root.image_locks()) else {
+        return false;
+    };
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
+        return false;
+    };
+    fds.flatten().any(|e| {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            return false;
+        };
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        flags >= 0
+            && flags & libc::FD_CLOEXEC == 0
+            && std::fs::read_link(e.path()).is_ok_and(|target| {
+                target.parent() == Some(dir.as_path())
+                    && target.extension().is_some_and(|x| x == "lock")
+            })
+    })
+}
+
+/// Drops the rows (and lock files) of images whose trees the store-wide
+/// command removed (`ch-image build-cache --reset` deletes the images linked
+/// to the cache), so that no image is listed `ready` without a tree. Nobody
+/// else uses any image meanwhile. An images directory that looks unmounted
+/// (missing, empty while images are recorded, another filesystem) says
+/// nothing about the trees: then no row goes, and the reason is said.
+fn forget_deleted(store: &mut Store) -> Result<()> {
+    let gone = store.with_tx(None, |tx, ctx| {
+        let dir = tx.images_dir(&ctx.root)?;
+        let rows = tx.images()?;
+        let mount = crate::adopt::mount(tx, &ctx.root, &dir, !rows.is_empty())?;
+        if let Some(why) = mount.doubt(&dir) {
+            ctx.say(&format!("not checking for deleted images: {why}"));
+            return Ok(Vec::new());
+        }
+        let mut gone = Vec::new();
+        for row in rows {
+            if row.state == ImageState::Deleting {
+                continue; // a removal's own business (gc finishes it)
+            }
+            let Ok(name) = ImageName::parse(&row.name) else {
+                continue;
+            };
+            if let Err(e) = std::fs::symlink_metadata(dir.join(name.encoded()))
+                && e.kind() == io::ErrorKind::NotFound
+            {
+                tx.delete_image(&row.name)?;
+                gone.push(name);
+            }
+        }
+        Ok(gone)
+    })?;
+    for name in gone {
+        store.ctx().say(&format!(
+            "image '{name}' was deleted by the store-wide command"
+        ));
+        // The unlink rule: only under our exclusive lock.
+        for file in [
+            store.root().image_lock(&name),
+            store.root().image_gate(&name),
+        ] {
+            if let Ok(Some(g)) = lock::try_lock(&file, Mode::Exclusive, false) {
+                let _ = g.unlink();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`check`] for a caller that does not wait (a removal): a live hold is a
+/// busy lock (exit 75).
+pub fn check_busy(tx: &Tx, ctx: &Ctx) -> Result<()> {
+    check(tx, ctx).map_err(|e| match e.downcast::<StoreHeld>() {
+        Ok(held) => Error::Busy(Busy {
+            what: "the store".into(),
+            holders: held.to_string(),
+            waited: Duration::ZERO,
+        })
+        .into(),
+        Err(e) => e,
+    })
+}
+
+/// Holding nothing: waits until the store-wide command ends.
+pub fn wait_until_free(
+    store: &mut Store,
+    held: &StoreHeld,
+    deadline: Option<Instant>,
+    no_wait: bool,
+    command: &str,
+) -> Result<()> {
+    let busy = |waited| {
+        Error::Busy(Busy {
+            what: "the store".into(),
+            holders: format!("a store-wide command runs: {}", held.holder),
+            waited,
+        })
+    };
+    if no_wait {
+        return Err(busy(Duration::ZERO).into());
+    }
+    store.ctx().say(&format!(
+        "waiting for the store-wide command to finish: {}",
+        held.holder
+    ));
+    // Recorded, so that lock-status names us among its waiters.
+    let waiter = store.with_tx(deadline, |tx, ctx| {
+        tx.insert_record(&Record::ours(
+            &ctx.me,
+            LockKind::Global,
+            NAME,
+            FILE.into(),
+            Role::Waiter,
+            Mode::Shared,
+            command,
+        ))
+    })?;
+    let ctx = store.ctx();
+    let p = path(ctx);
+    let t0 = Instant::now();
+    let mut wait = Wait::on(&ctx.root.locks(), deadline);
+    let waited = lock::lock(&p, Mode::Shared, false, &mut wait);
+    store.forget_record(waiter);
+    match waited {
+        Ok(Waited::Acquired(_)) => Ok(()),
+        Ok(Waited::TimedOut) => Err(busy(t0.elapsed()).into()),
+        Ok(Waited::Interrupted(sig)) => Err(Error::Interrupted(sig).into()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(lock_error("the store", &p, e)),
+    }
+}
+
+/// A store-wide hold: release it with [`Hold::release`].
+#[must_use = "release() drops the record; dropping leaves it to be found stale"]
+pub struct Hold {
+    guard: Guard,
+    record: i64,
+}
+
+impl Hold {
+    /// Waits (as allowed) until nobody holds any image lock, and holds the
+    /// store from then on.
+    pub fn take(
+        store: &mut Store,
+        command: &str,
+        deadline: Option<Instant>,
+        no_wait: bool,
+    ) -> Result<Hold> {
+        store.root().create_layout()?;
+        let p = path(store.ctx());
+        let err = |e| lock_error("the store", &p, e);
+        let guard = match lock::try_lock(&p, Mode::Exclusive, true).map_err(err)? {
+            Some(g) => g,
+            None => {
+                let holders = crate::status::kernel_holders_phrase(store.ctx(), &p);
+                let busy = |waited| {
+                    Error::Busy(Busy {
+                        what: "the store-wide lock".into(),
+                        holders: holders.clone(),
+                        waited,
+                    })
+                };
+                if no_wait {
+                    return Err(busy(Duration::ZERO).into());
+                }
+                store
+                    .ctx()
+                    .say(&format!("waiting for the store-wide lock: {holders}"));
+                let t0 = Instant::now();
+                let mut wait = Wait::on(&store.ctx().root.locks(), deadline);
+                match lock::lock(&p, Mode::Exclusive, true, &mut wait).map_err(err)? {
+                    Waited::Acquired(g) => g,
+                    Waited::TimedOut => return Err(busy(t0.elapsed()).into()),
+                    Waited::Interrupted(sig) => return Err(Error::Interrupted(sig).into()),
+                }
+            }
+        };
+        let deadline = if no_wait {
+            Some(Instant::now())
+        } else {
+            deadline
+        };
+        // Recorded first, so that no new image user starts while we wait
+        // for those already at work: a stream of builds cannot starve us.
+        let record = store.with_tx(deadline, |tx, ctx| {
+            // Records of earlier holders are stale: we hold their lease.
+            for rec in tx.records_for(LockKind::Global, NAME)? {
+                tx.delete_record(rec.id)?;
+            }
+            tx.insert_record(&Record::ours(
+                &ctx.me,
+                LockKind::Global,
+                NAME,
+                FILE.into(),
+                Role::Holder,
+                Mode::Exclusive,
+                command,
+            ))
+        })?;
+        match store.store_wide("running a store-wide command", deadline, |_, _| Ok(())) {
+            Ok(()) => Ok(Hold { guard, record }),
+            Err(e) => {
+                store.forget_record(record);
+                Err(e)
+            }
+        }
+    }
+
+    /// Ends the hold: the records of images the command deleted go (still
+    /// under the hold), then the hold's record, then the lease.
+    pub fn release(self, store: &mut Store) {
+        if let Err(e) = forget_deleted(store) {
+            store
+                .ctx()
+                .say(&format!("after the store-wide command: {e:#}"));
+        }
+        store.forget_record(self.record);
+        drop(self.guard);
+    }
+
+    pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
+        self.guard.set_inheritable(inherit)
+    }
+
+    /// The descriptor of the hold, for a keeper to keep (`--no-inherit`).
+    pub fn lock_fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        vec![self.guard.as_raw_fd()]
+    }
+}

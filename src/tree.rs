@@ -1,0 +1,187 @@
+//! Image trees by directory descriptor, for the walks that copy and measure
+//! them — on the same [`Dir`] as every destructive operation (dir.rs), with
+//! what those walks need beyond it.
+//!
+//! Invariants: every step goes from an open directory to a name in it
+//! (`openat`, `fstatat`, `mkdirat` …), so a walk works at any depth — a
+//! path is never built, and so never exceeds PATH_MAX — and nothing is ever
+//! followed: directories are opened with `O_NOFOLLOW | O_DIRECTORY`, entries
+//! are looked at with `AT_SYMLINK_NOFOLLOW`. Paths exist only for messages,
+//! and those are bounded ([`Trail::show`]).
+
+use std::ffi::{CStr, CString, OsStr};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::Path;
+
+pub use crate::dir::Dir;
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// What the reading walks need of a directory beyond what [`Dir`] offers:
+/// every field of an entry's `lstat`, names as C strings, the descriptor.
+pub trait DirExt {
+    fn fd(&self) -> RawFd;
+    /// Opens a directory by path (the start of a walk); a symlink there is
+    /// refused.
+    fn open_top(path: &Path) -> io::Result<Dir>;
+    /// Opens the subdirectory `name`, never following a symlink.
+    fn open_at(&self, name: &CStr) -> io::Result<Dir>;
+    /// The names in this directory (without `.` and `..`).
+    fn entries(&self) -> io::Result<Vec<CString>>;
+    /// lstat of `name` in this directory.
+    fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat>;
+    /// fstat of the directory itself.
+    fn lstat(&self) -> io::Result<libc::stat>;
+    /// A short path naming `name` in this directory through /proc, for the
+    /// few calls that have no descriptor form (`l*xattr` on a symlink or a
+    /// device node): `l*` calls do not follow its last component.
+    fn proc_path(&self, name: &CStr) -> CString;
+}
+
+impl DirExt for Dir {
+    fn fd(&self) -> RawFd {
+        self.as_raw_fd()
+    }
+
+    fn open_top(path: &Path) -> io::Result<Dir> {
+        Dir::open_nofollow(path)
+    }
+
+    fn open_at(&self, name: &CStr) -> io::Result<Dir> {
+        self.sub(OsStr::from_bytes(name.to_bytes()))
+    }
+
+    fn entries(&self) -> io::Result<Vec<CString>> {
+        Ok(self
+            .names()?
+            .into_iter()
+            .filter_map(|n| CString::new(n.into_vec()).ok())
+            .collect())
+    }
+
+    fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat> {
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid descriptor, C string and out-pointer.
+        cvt(unsafe {
+            libc::fstatat(self.fd(), name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW)
+        })?;
+        Ok(st)
+    }
+
+    fn lstat(&self) -> io::Result<libc::stat> {
+        fstat(self.fd())
+    }
+
+    fn proc_path(&self, name: &CStr) -> CString {
+        let mut p = format!("/proc/self/fd/{}/", self.fd()).into_bytes();
+        p.extend_from_slice(name.to_bytes());
+        CString::new(p).expect("no NUL in a directory entry")
+    }
+}
+
+pub fn fstat(fd: RawFd) -> io::Result<libc::stat> {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer.
+    cvt(unsafe { libc::fstat(fd, &mut st) })?;
+    Ok(st)
+}
+
+pub fn file_type(st: &libc::stat) -> libc::mode_t {
+    st.st_mode & libc::S_IFMT
+}
+
+/// The names from the top of a walk to where it is, for messages only.
+#[derive(Debug, Default, Clone)]
+pub struct Trail(pub Vec<CString>);
+
+/// How much of a path a message shows: both ends of a deeper one.
+const SHOWN: usize = 160;
+
+impl Trail {
+    /// `top/a/b/name`, or for a path longer than a line
+    /// `top/a/b/…(2400 more bytes, depth 1200)…/y/name`.
+    pub fn show(&self, top: &Path, name: Option<&CStr>) -> String {
+        let mut parts: Vec<String> = vec![top.display().to_string()];
+        parts.extend(
+            self.0
+                .iter()
+                .map(CString::as_c_str)
+                .chain(name)
+                .map(|c| String::from_utf8_lossy(c.to_bytes()).into_owned()),
+        );
+        let full = parts.join("/");
+        if full.len() <= SHOWN {
+            return full;
+        }
+        let head: String = full.chars().take(SHOWN / 3).collect();
+        let tail_rev: String = full.chars().rev().take(SHOWN / 2).collect();
+        let tail: String = tail_rev.chars().rev().collect();
+        format!(
+            "{head}…({} more bytes, depth {})…{tail}",
+            full.len() - head.len() - tail.len(),
+            parts.len() - 1
+        )
+    }
+}
+
+/// Raises the soft limit on open files to the hard one for as long as it
+/// lives (a deep walk holds one or two descriptors per level), and puts the
+/// old limit back after, so a command started later gets the usual one.
+pub struct MoreFiles(Option<libc::rlimit>);
+
+impl MoreFiles {
+    pub fn raise() -> MoreFiles {
+        let mut old: libc::rlimit = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) } != 0
+            || old.rlim_cur >= old.rlim_max
+        {
+            return MoreFiles(None);
+        }
+        let new = libc::rlimit {
+            rlim_cur: old.rlim_max,
+            rlim_max: old.rlim_max,
+        };
+        // SAFETY: valid pointer.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &new) } != 0 {
+            return MoreFiles(None);
+        }
+        MoreFiles(Some(old))
+    }
+}
+
+impl Drop for MoreFiles {
+    fn drop(&mut self) {
+        if let Some(old) = self.0 {
+            // SAFETY: valid pointer.
+            unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &old) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deep_path_is_shown_bounded() {
+        let t = Trail(vec![CString::new("d".repeat(200)).unwrap(); 40]);
+        let s = t.show(Path::new("/store/img/base"), Some(c"bottom"));
+        assert!(s.len() < 300, "{} bytes", s.len());
+        assert!(s.starts_with("/store/img/base/"), "{s}");
+        assert!(s.ends_with("/bottom"), "{s}");
+        assert!(s.contains("depth 41"), "{s}");
+        assert_eq!(
+            Trail(vec![CString::new("a").unwrap()]).show(Path::new("/r"), None),
+            "/r/a"
+        );
+    }
+}

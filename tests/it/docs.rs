@@ -1,0 +1,246 @@
+//! Every `stowage …` example in README.md and docs/*.md runs as written.
+//!
+//! Documentation drifts: a flag renamed, a subcommand that never had the
+//! option shown beside it. This test extracts each command line that starts
+//! with `stowage` from the `sh`/`bash` code blocks (continuation lines
+//! joined, trailing comments and `&` dropped) and runs it with `sh -c`, word
+//! for word, in a fresh store of its own. What the example assumes is made
+//! first: the images it reads (`--read`, `--from`, `rm`'s arguments) exist
+//! and are ready, the slot class it names is configured, and the builders it
+//! calls (`./build`, `ch-image`, `skopeo`, …) are stand-ins that succeed.
+//! Stowage itself is never a stand-in. An example must exit 0; those that
+//! cannot run unattended (`--watch`, placeholders such as `BASE…`) are
+//! skipped by a rule stated below.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::common::*;
+
+const DOCS: &str = env!("CARGO_MANIFEST_DIR");
+
+/// A command line from the docs, and where it stands.
+struct Example {
+    file: String,
+    line: usize,
+    text: String,
+}
+
+fn examples() -> Vec<Example> {
+    let mut files = vec![PathBuf::from(DOCS).join("README.md")];
+    let mut docs: Vec<PathBuf> = fs::read_dir(Path::new(DOCS).join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    let mut found = Vec::new();
+    for file in files {
+        let text = fs::read_to_string(&file).unwrap();
+        let name = file.strip_prefix(DOCS).unwrap().display().to_string();
+        let mut in_shell = false;
+        let mut pending: Option<(usize, String)> = None;
+        for (i, raw) in text.lines().enumerate() {
+            let trimmed = raw.trim_start();
+            if let Some(lang) = trimmed.strip_prefix("```") {
+                in_shell = !in_shell && matches!(lang.trim(), "sh" | "bash" | "shell" | "console");
+                pending = None;
+                continue;
+            }
+            if !in_shell {
+                continue;
+            }
+            let line = trimmed.strip_prefix("$ ").unwrap_or(trimmed);
+            let (start, joined) = match pending.take() {
+                Some((start, so_far)) => (start, format!("{so_far} {line}")),
+                None => (i + 1, line.to_owned()),
+            };
+            if let Some(cont) = joined.strip_suffix('\\') {
+                pending = Some((start, cont.trim_end().to_owned()));
+                continue;
+            }
+            let command = strip_comment(&joined);
+            let command = command.trim().trim_end_matches('&').trim();
+            if command.starts_with("stowage ") || command == "stowage" {
+                found.push(Example {
+                    file: name.clone(),
+                    line: start,
+                    text: command.to_owned(),
+                });
+            }
+        }
+    }
+    found
+}
+
+/// The line without a trailing `# comment` (a `#` after a blank, outside
+/// quotes).
+fn strip_comment(line: &str) -> String {
+    let (mut single, mut double) = (false, false);
+    let mut prev = ' ';
+    for (i, c) in line.char_indices() {
+        match c {
+            '\'' if !double => single = !single,
+            '"' if !single => double = !double,
+            '#' if !single && !double && prev.is_whitespace() => return line[..i].to_owned(),
+            _ => {}
+        }
+        prev = c;
+    }
+    line.to_owned()
+}
+
+/// Why an example cannot run unattended, if it cannot.
+fn unrunnable(text: &str) -> Option<&'static str> {
+    if text.contains('…') || text.contains("[--") || text.contains(" BASE") {
+        return Some("a synopsis with placeholders, not a command");
+    }
+    if text.contains("--watch") {
+        return Some("--watch runs until interrupted");
+    }
+    None
+}
+
+/// The words after each of `flags` in `words`.
+fn values_of<'a>(words: &[&'a str], flags: &[&str]) -> Vec<&'a str> {
+    words
+        .windows(2)
+        .filter(|w| flags.contains(&w[0]))
+        .map(|w| w[1].trim_matches('"'))
+        .collect()
+}
+
+/// Makes what `example` assumes, in `env`, and returns the command to run.
+fn prepare(env: &Env, example: &str) -> Command {
+    // Words of stowage's own part (before the command's `--`).
+    let words: Vec<&str> = example
+        .split_whitespace()
+        .take_while(|w| *w != "--")
+        .collect();
+    fn image_like(w: &&str) -> bool {
+        !w.starts_with('-') && !w.starts_with('$') && !w.contains('"')
+    }
+    // A store exists (reading commands on a missing root say so), except
+    // for the examples that make one.
+    if words.get(1) != Some(&"init") {
+        fs::create_dir_all(&env.root).unwrap();
+    }
+    let mut reads = values_of(&words, &["--read", "--from"]);
+    if words.get(1) == Some(&"rm") {
+        reads.extend(words[2..].iter().copied().filter(image_like));
+    }
+    for name in reads.into_iter().filter(image_like) {
+        if env.image(name).is_none() {
+            env.make_image(name);
+        }
+    }
+    let is_slots_set = words.get(1) == Some(&"slots") && words.get(2) == Some(&"set");
+    for class in values_of(&words, &["--slot"]) {
+        if !is_slots_set {
+            env.ok(["slots", "set", class, "2", "--reserve-high", "1"]);
+        }
+    }
+    if words.get(1) == Some(&"slots") && words.get(2) == Some(&"rm") {
+        env.ok(["slots", "set", words[3], "1"]);
+    }
+
+    // Stand-ins for the builders and tools the examples call.
+    let stubs = env.tmp.path().join("stubs");
+    let work = env.tmp.path().join("work");
+    for dir in [&stubs, &work, &work.join("src")] {
+        fs::create_dir_all(dir).unwrap();
+    }
+    let stub = |path: PathBuf| {
+        fs::write(&path, "#!/bin/sh\nexit 0\n").unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
+    };
+    for tool in ["ch-image", "skopeo", "podman", "docker"] {
+        stub(stubs.join(tool));
+    }
+    for script in [
+        "build",
+        "pull",
+        "fetch-manifest",
+        "add-debug-tools",
+        "build-into",
+    ] {
+        stub(work.join(script));
+    }
+    let storage = env.tmp.path().join("ch-storage");
+    fs::create_dir_all(storage.join("img")).unwrap();
+
+    let stowage_dir = Path::new(bin()).parent().unwrap();
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg(example)
+        .arg("sh")
+        .arg("alpine:3.17") // $1 of the wrapper-script examples
+        .current_dir(&work)
+        .env(
+            "PATH",
+            format!(
+                "{}:{}:{}",
+                stubs.display(),
+                stowage_dir.display(),
+                std::env::var("PATH").unwrap_or_default()
+            ),
+        )
+        .env("STOWAGE_ROOT", &env.root)
+        .env("CH_IMAGE_STORAGE", &storage)
+        .env_remove("STOWAGE_NOW")
+        .stdin(std::process::Stdio::null());
+    c
+}
+
+#[test]
+fn every_stowage_example_in_the_docs_runs() {
+    let examples = examples();
+    assert!(
+        examples.len() >= 30,
+        "found only {} examples: is the extraction broken?",
+        examples.len()
+    );
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for ex in &examples {
+        if let Some(why) = unrunnable(&ex.text) {
+            eprintln!("skipping {}:{} ({why}): {}", ex.file, ex.line, ex.text);
+            continue;
+        }
+        let env = Env::new();
+        let out = output(prepare(&env, &ex.text));
+        ran += 1;
+        if out.status.code() != Some(0) {
+            failures.push(format!(
+                "{}:{}: {}\n    exit {:?}: {}",
+                ex.file,
+                ex.line,
+                ex.text,
+                out.status.code(),
+                stderr(&out).trim()
+            ));
+        }
+    }
+    eprintln!("ran {ran} of {} examples", examples.len());
+    assert!(
+        failures.is_empty(),
+        "{} examples fail:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn the_extraction_finds_continued_and_commented_lines() {
+    assert_eq!(strip_comment("stowage gc   # all of it"), "stowage gc   ");
+    assert_eq!(
+        strip_comment("stowage exec -- sh -c 'echo # not a comment'"),
+        "stowage exec -- sh -c 'echo # not a comment'"
+    );
+    let found = examples();
+    assert!(found.iter().any(|e| e.text.starts_with("stowage exec")));
+    assert!(found.iter().all(|e| !e.text.ends_with('\\')));
+}

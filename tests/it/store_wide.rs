@@ -1,0 +1,356 @@
+//! `exec --store-wide` and `exec --read-exclusive`, with the real binary.
+//!
+//! A store-wide command runs while no image lock is held or granted; an
+//! exclusive read locks an image as a writer would but leaves its state.
+
+use std::fs;
+use std::path::Path;
+
+use crate::common::*;
+
+fn store_lock(env: &Env) -> std::path::PathBuf {
+    env.root.join("locks/store.lock")
+}
+
+/// Is a process blocked in flock(2) on this file (a "->" line of
+/// /proc/locks naming its device and inode)?
+fn waited_on(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = fs::metadata(path) else {
+        return false;
+    };
+    let id = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(md.dev()),
+        libc::minor(md.dev()),
+        md.ino()
+    );
+    fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains("->") && l.split_whitespace().any(|f| f == id))
+}
+
+/// `exec --store-wide -- sh -c 'touch STARTED; wait for RELEASE'`.
+fn store_wide_hold(env: &Env, started: &str, release: &str) -> Bg {
+    let mut args: Vec<String> = vec!["exec".into(), "--store-wide".into(), "--".into()];
+    args.extend(env.hold_cmd(started, release));
+    env.spawn(&args)
+}
+
+#[test]
+fn a_store_wide_command_waits_for_image_users_and_new_ones_wait_for_it() {
+    let env = Env::new();
+    env.make_image("a");
+    let reader = env.hold(&["--read", "a"], "reader");
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    // It waits for the reader, holding nothing a reader or writer needs...
+    wait_until("the store-wide command waits for 'a'", || {
+        waited_on(&env.lock_file("a"))
+    });
+    assert!(!env.sentinel("wide").exists());
+    // ...and from now on no new image user starts: not a reader of a
+    // ready image, not a writer of a new one.
+    let later_reader = env.spawn([
+        "exec",
+        "--read",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        &format!("test -e '{}'", env.sentinel("wide").display()),
+    ]);
+    let later_writer = env.spawn([
+        "exec",
+        "--write",
+        "b",
+        "--",
+        "sh",
+        "-c",
+        &format!("test -e '{}'", env.sentinel("wide").display()),
+    ]);
+    wait_until("both later users wait for the store", || {
+        let waiting = fs::read_to_string("/proc/locks")
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("->"))
+            .count();
+        waiting >= 2 && waited_on(&store_lock(&env))
+    });
+    assert!(!env.root.join("img/b").exists());
+    // lock-status shows the hold, its command and who queues for it.
+    let status = env.status_json::<[&str; 0], &str>([]);
+    let store = status["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "global" && l["name"] == "store")
+        .cloned()
+        .unwrap_or_else(|| panic!("no store-wide entry: {status}"));
+    assert_eq!(store["state"], "exclusive", "{store}");
+    assert!(
+        store["holders"][0]["command"]
+            .as_str()
+            .unwrap()
+            .starts_with("sh -c"),
+        "{store}"
+    );
+    assert_eq!(store["waiters"].as_array().unwrap().len(), 2, "{store}");
+
+    env.release("release");
+    assert_eq!(reader.finish().status.code(), Some(0));
+    wait_for_file(&env.sentinel("wide"));
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+    // The later users ran after the store-wide command had started (their
+    // command checks that it did), and said what they waited for.
+    for bg in [later_reader, later_writer] {
+        let out = bg.finish();
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+        assert!(
+            stderr(&out).contains("waiting for the store-wide command to finish"),
+            "{}",
+            show(&out)
+        );
+    }
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+}
+
+#[test]
+fn a_store_wide_command_may_call_stowage_itself() {
+    let env = Env::new();
+    env.make_image("a");
+    // The command (a wrapper script) runs stowage again: it is inside the
+    // hold and goes ahead instead of waiting for itself.
+    let out = env.run([
+        "exec",
+        "--wait",
+        "20",
+        "--store-wide",
+        "--",
+        bin(),
+        "--root",
+        env.root.to_str().unwrap(),
+        "exec",
+        "--wait",
+        "20",
+        "--read",
+        "a",
+        "--write",
+        "c",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("c").as_deref(), Some("ready"));
+}
+
+#[test]
+fn image_users_do_not_wait_past_their_bound_and_removals_are_refused() {
+    let env = Env::new();
+    env.make_image("a");
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_for_file(&env.sentinel("wide"));
+    let out = env.run(["exec", "--no-wait", "--read", "a", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("a store-wide command runs"),
+        "{}",
+        show(&out)
+    );
+    let out = env.run(["exec", "--wait", "0.2", "--write", "new", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = env.run([
+        "exec",
+        "--conflict-exit-code",
+        "9",
+        "--no-wait",
+        "--read",
+        "a",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(9), "{}", show(&out));
+    assert!(!env.root.join("img/new").exists());
+    assert!(!env.lock_file("new").exists());
+    assert!(env.image("new").is_none());
+    let out = env.run(["rm", "a"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    // A second store-wide command waits for the first.
+    let out = env.run(["exec", "--wait", "0.2", "--store-wide", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+    env.ok(["exec", "--no-wait", "--read", "a", "--", "true"]);
+    env.ok(["rm", "a"]);
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn a_killed_store_wide_holder_blocks_nobody() {
+    let env = Env::new();
+    env.make_image("a");
+    let wide = store_wide_hold(&env, "wide", "never");
+    wait_for_file(&env.sentinel("wide"));
+    wide.kill_all();
+    // Its record stands, but its lease is free: stale.
+    env.ok(["exec", "--no-wait", "--read", "a", "--", "true"]);
+    env.ok(["exec", "--no-wait", "--write", "b", "--", "true"]);
+    let out = env.ok(["doctor"]);
+    assert!(out.status.success(), "{}", show(&out));
+}
+
+#[test]
+fn read_exclusive_excludes_others_and_keeps_the_state() {
+    let env = Env::new();
+    env.make_image("base");
+    let holder = env.hold(&["--read-exclusive", "base", "--write", "app"], "held");
+    let st = env.lock_entry("base").unwrap();
+    assert_eq!(st["state"], "exclusive", "{st}");
+    assert_eq!(st["image_state"], "ready", "{st}");
+    let out = env.run(["exec", "--no-wait", "--read", "base", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = env.run([
+        "exec",
+        "--wait",
+        "0.2",
+        "--read-exclusive",
+        "base",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("waiting for exclusive read lock on image 'base'"),
+        "{}",
+        show(&out)
+    );
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    assert_eq!(env.image("app").unwrap()["base"], "base");
+
+    // A failed command leaves its exclusively read image ready, and records
+    // the use.
+    let mut c = env.cmd(["exec", "--read-exclusive", "base", "--", "false"]);
+    c.env("STOWAGE_NOW", "2031-01-01T00:00:00Z");
+    assert_eq!(output(c).status.code(), Some(1));
+    let img = env.image("base").unwrap();
+    assert_eq!(img["state"], "ready", "{img}");
+    assert_eq!(img["last_used"], "2031-01-01T00:00:00Z", "{img}");
+    // STOWAGE_IMAGE_DIR is for the written image only.
+    let out = env.ok([
+        "exec",
+        "--read-exclusive",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "test -z \"${STOWAGE_IMAGE_DIR-}\"",
+    ]);
+    assert!(out.status.success());
+}
+
+#[test]
+fn read_exclusive_refuses_what_cannot_be_read() {
+    let env = Env::new();
+    env.make_image("base");
+    let before = tree(&env.root);
+    let out = env.run(["exec", "--read-exclusive", "missing", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert_eq!(tree(&env.root), before, "created something");
+    env.run(["exec", "--write", "bad", "--", "false"]);
+    let out = env.run(["exec", "--read-exclusive", "bad", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert_eq!(env.state("bad").as_deref(), Some("incomplete"));
+    for args in [
+        &["--read-exclusive", "base", "--read", "base"][..],
+        &["--read-exclusive", "base", "--write", "base"][..],
+        &["--read-exclusive", "base", "--from", "base", "--write", "x"][..],
+        &["--store-wide", "--read", "base"][..],
+    ] {
+        let mut a = vec!["exec"];
+        a.extend_from_slice(args);
+        a.extend(["--", "true"]);
+        let out = env.run(&a);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
+    }
+    assert!(env.image("x").is_none());
+}
+
+/// A command holding an image lock calls stowage again while a store-wide
+/// command waits for that lock: the nested call goes ahead (waiting for the
+/// hold would wait for itself), and the hold starts once the outer command
+/// is done.
+#[test]
+fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let nested = format!(
+        "touch '{started}'; while [ ! -e '{go}' ]; do sleep 0.01; done; \
+         '{bin}' --root '{root}' exec --wait 20 --read b -- true",
+        started = env.sentinel("outer").display(),
+        go = env.sentinel("go").display(),
+        bin = bin(),
+        root = env.root.display()
+    );
+    let outer = env.spawn(["exec", "--write", "a", "--", "sh", "-c", &nested]);
+    wait_for_file(&env.sentinel("outer"));
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_until("the store-wide command waits for 'a'", || {
+        waited_on(&env.lock_file("a"))
+    });
+    env.release("go");
+    let out = outer.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    wait_for_file(&env.sentinel("wide"));
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+    // An unrelated exec with locks of its own still waits for the hold.
+    let wide = store_wide_hold(&env, "wide2", "wide2-go");
+    wait_for_file(&env.sentinel("wide2"));
+    let out = env.run(["exec", "--no-wait", "--read", "a", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    env.release("wide2-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+}
+
+/// Images whose trees a store-wide command removed are forgotten when it
+/// ends — unless the images directory looks unmounted (empty while images
+/// are recorded), which says nothing about the trees.
+#[test]
+fn images_a_store_wide_command_deleted_are_forgotten() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let img = env.root.join("img");
+    let out = env.ok([
+        "exec",
+        "--store-wide",
+        "--",
+        "rm",
+        "-rf",
+        img.join("a").to_str().unwrap(),
+    ]);
+    assert!(
+        stderr(&out).contains("image 'a' was deleted by the store-wide command"),
+        "{}",
+        show(&out)
+    );
+    assert!(env.image("a").is_none());
+    assert!(!env.lock_file("a").exists());
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+    // Everything gone at once looks like an unmounted directory: kept.
+    let out = env.ok([
+        "exec",
+        "--store-wide",
+        "--",
+        "rm",
+        "-rf",
+        img.join("b").to_str().unwrap(),
+    ]);
+    assert!(stderr(&out).contains("is it mounted?"), "{}", show(&out));
+    assert!(env.image("b").is_some());
+    env.ok(["exec", "--write", "c", "--", "true"]);
+}
