@@ -206,6 +206,7 @@ pub enum Pc {
     Wait(u8),
     Start,
     Clone,
+    ReleaseBase,
     Spawn,
     Command,
     Abandon,
@@ -246,6 +247,7 @@ impl Pc {
             Pc::Wait(_) => Step::Wait,
             Pc::Start => Step::Start,
             Pc::Clone => Step::Clone,
+            Pc::ReleaseBase => Step::ReleaseBase,
             Pc::Spawn => Step::Spawn,
             Pc::Command => Step::Command,
             Pc::Abandon => Step::Abandon,
@@ -904,6 +906,14 @@ impl Proto {
             Pc::Waiter(k) => {
                 let (img, mode) = Self::wanted(op)[k as usize];
                 self.look(s, |r| r.of == RecOf::Img(img));
+                // `require_all`: an image to read that has no row is an
+                // answer now (66), not after the wait.
+                if let Op::Exec { read: Some(r), .. } = op
+                    && s.rows[r as usize].is_none()
+                {
+                    s.procs[p].pc = Pc::Release;
+                    return;
+                }
                 Self::insert_record(
                     s,
                     Rec {
@@ -969,8 +979,9 @@ impl Proto {
                             }
                             // Refused: a lock file this exec made for an
                             // image it would have created goes again.
-                            // (It is unlinked after the commit and closed at
-                            // once: nothing happens to the image between.)
+                            // (Unlinked after the commit and closed when the
+                            // request gives up; it does nothing with the
+                            // image between, so one step here.)
                             if let Some(w) = write
                                 && s.rows[w as usize].is_none()
                             {
@@ -1016,7 +1027,23 @@ impl Proto {
                 }
                 s.procs[p].pc = if from { Pc::Clone } else { Pc::Spawn };
             }
-            Pc::Clone => s.procs[p].pc = Pc::Spawn,
+            Pc::Clone => s.procs[p].pc = Pc::ReleaseBase,
+            Pc::ReleaseBase => {
+                // The base is copied: its holder record goes (one short
+                // transaction), then its lock. (Also naming it --read would
+                // keep it; no menu does.)
+                let Op::Exec {
+                    read: Some(base), ..
+                } = op
+                else {
+                    unreachable!()
+                };
+                s.records.retain(|r| {
+                    !(r.owner as usize == p && r.of == RecOf::Img(base) && r.role == Role2::Holder)
+                });
+                Self::release_image(s, p, base);
+                s.procs[p].pc = Pc::Spawn;
+            }
             Pc::Spawn => {
                 s.procs[p].cmd = Cmd::Running;
                 s.procs[p].pc = Pc::Command;
@@ -1079,16 +1106,8 @@ impl Proto {
             }
             Pc::Trash(img, ret) => {
                 let i = img as usize;
-                let others_hold = s.procs.iter().enumerate().any(|(q, pr)| {
-                    q != p
-                        && (pr.held.iter().any(|(j, _, _)| *j == img)
-                            || (pr.cmd == Cmd::Running
-                                && pr.op.is_some_and(|o| {
-                                    Self::wanted(self.cfg.roles[q].menu[o as usize])
-                                        .iter()
-                                        .any(|(j, _)| *j == img)
-                                })))
-                });
+                let (writers, readers) = self.users(s, img);
+                let others_hold = writers.iter().chain(&readers).any(|&q| q != p);
                 if others_hold {
                     s.bad |= bad::DELETED_WHILE_LOCKED;
                 }
@@ -1272,6 +1291,9 @@ impl Proto {
             let cmd_mode = match op {
                 Some(op) if pr.cmd == Cmd::Running => Self::wanted(op)
                     .into_iter()
+                    .filter(|(_, m)| {
+                        !(matches!(op, Op::Exec { from: true, .. }) && *m == Mode::Shared)
+                    })
                     .find(|(i, _)| *i == img)
                     .map(|(_, m)| m),
                 _ => None,

@@ -16,6 +16,7 @@ pub enum Step {
     Wait,
     Start,
     Clone,
+    ReleaseBase,
     Spawn,
     Command,
     Abandon,
@@ -43,6 +44,7 @@ pub const ALL: &[Step] = &[
     Step::Wait,
     Step::Start,
     Step::Clone,
+    Step::ReleaseBase,
     Step::Spawn,
     Step::Command,
     Step::Abandon,
@@ -73,6 +75,7 @@ impl Step {
             Step::Wait => "wait",
             Step::Start => "start",
             Step::Clone => "clone",
+            Step::ReleaseBase => "release-base",
             Step::Spawn => "spawn",
             Step::Command => "command",
             Step::Abandon => "abandon",
@@ -108,16 +111,21 @@ impl Step {
             ],
             Step::Start => &["session::start", "session::prepare_write"],
             Step::Clone => &["cli::exec::clone_into"],
+            Step::ReleaseBase => &["session::release_read"],
             Step::Spawn => &["cli::exec::run", "lock::set_inheritable"],
             Step::Command => &["signals::wait"],
             Step::Abandon => &["session::abandon"],
             Step::Finish => &["session::finish"],
-            Step::Release => &["lock::Guard"],
+            Step::Release => &[
+                "lock::Guard",
+                "session::give_up",
+                "remove::release_unclaimed",
+            ],
             Step::Mark => &["remove::remove_locked", "remove::recheck"],
-            Step::Trash => &["remove::to_trash"],
+            Step::Trash => &["remove::take_out"],
             Step::DropRow => &["remove::remove_locked"],
-            Step::Unlink => &["lock::unlink"],
-            Step::DeleteTrash => &["remove::remove_tree"],
+            Step::Unlink => &["remove::unlink_lock", "dir::unlink_if"],
+            Step::DeleteTrash => &["dir::remove_entry"],
             Step::ListInterrupted => &["remove::finish_interrupted"],
             Step::LockInterrupted => &["remove::finish_interrupted", "remove::recheck"],
             Step::OrphanLock => &["remove::finish_interrupted", "remove::recheck"],
@@ -132,6 +140,7 @@ impl Step {
             self,
             Step::SlotWaiter
                 | Step::Waiter
+                | Step::ReleaseBase
                 | Step::Start
                 | Step::Abandon
                 | Step::Finish
@@ -157,8 +166,21 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
         (
             "exec",
             vec![
-                SlotTry, SlotWaiter, SlotWait, Try, Waiter, Gate, Wait, Start, Clone, Spawn,
-                Command, Abandon, Finish, Release,
+                SlotTry,
+                SlotWaiter,
+                SlotWait,
+                Try,
+                Waiter,
+                Gate,
+                Wait,
+                Start,
+                Clone,
+                ReleaseBase,
+                Spawn,
+                Command,
+                Abandon,
+                Finish,
+                Release,
             ],
         ),
         (
