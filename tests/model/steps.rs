@@ -98,10 +98,19 @@ impl Step {
     /// `Type::method` inside the module).
     pub fn code(self) -> &'static [&'static str] {
         match self {
-            Step::SlotTry => &["slots::acquire_unrecorded", "lock::lock_any"],
+            Step::SlotTry => &[
+                "slots::acquire_unrecorded",
+                "lock::lock_any",
+                "kernel::enclosing_hold",
+            ],
             Step::SlotWaiter => &["slots::acquire_unrecorded", "slots::class_report"],
             Step::SlotWait => &["lock::lock_any", "lock::block_any"],
-            Step::Try => &["session::try_image", "lock::try_lock", "lock::still_linked"],
+            Step::Try => &[
+                "session::try_image",
+                "lock::try_lock",
+                "lock::still_linked",
+                "kernel::enclosing_hold",
+            ],
             Step::Waiter => &["session::acquire_image", "status::judge"],
             Step::Gate => &["session::wait_image", "lock::lock"],
             Step::Wait => &[
@@ -112,7 +121,7 @@ impl Step {
             Step::Start => &["session::start", "session::prepare_write"],
             Step::Clone => &["cli::exec::clone_into"],
             Step::ReleaseBase => &["session::release_read"],
-            Step::Spawn => &["cli::exec::run", "lock::set_inheritable"],
+            Step::Spawn => &["cli::exec::run", "lock::set_inheritable", "keeper::main"],
             Step::Command => &["signals::wait"],
             Step::Abandon => &["session::abandon"],
             Step::Finish => &["session::finish"],
