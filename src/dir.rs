@@ -215,6 +215,25 @@ impl Dir {
         Ok(())
     }
 
+    /// Opens `name` for writing (creating it, never through a symlink) and
+    /// closes it again: the close is what inotify watchers of this
+    /// directory see (`IN_CLOSE_WRITE`). Nothing is written.
+    pub fn touch_closed(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
+        let c = cstr(name.as_ref())?;
+        // SAFETY: valid C string; the descriptor is closed at once.
+        let fd = check(unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::O_WRONLY | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                0o666 as libc::c_uint,
+            )
+        })?;
+        // SAFETY: fd was just opened by us.
+        unsafe { libc::close(fd) };
+        Ok(())
+    }
+
     /// Unlinks a non-directory entry. A missing entry is not an error.
     pub fn unlink(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
         self.unlinkat(name.as_ref(), 0)

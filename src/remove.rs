@@ -259,6 +259,12 @@ pub fn unlink_lock(root: &Root, guard: Guard) -> Result<()> {
 /// retries, as the unlink rule has it).
 pub fn unlink_held_lock(root: &Root, guard: &Guard) -> Result<()> {
     let path = guard.path().to_owned();
+    // On a filesystem not known to be local the file is kept: another
+    // host's cached lookup could still lead it to the unlinked file (see
+    // lock::Guard::unlink).
+    if !lock::unlinks_allowed(&path) {
+        return Ok(());
+    }
     let rel = path
         .strip_prefix(root.dir())
         .with_context(|| format!("lock file {} is not in the root", path.display()))?;
@@ -408,7 +414,11 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
         Err(_) if root.trash().symlink_metadata().is_err() => {}
         Err(e) => return Err(e),
     }
+    // On a filesystem not known to be local, lock files are kept on
+    // purpose (see lock::Guard::unlink): they are no leftovers.
+    let kept = !lock::unlinks_allowed(&root.image_locks().join("x.lock"));
     let locks = match root.open_sub("locks/images") {
+        _ if kept => Vec::new(),
         Ok(d) => d
             .names()
             .with_context(|| format!("cannot list {}", root.image_locks().display()))?,

@@ -371,15 +371,17 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
 
 impl Root {
     /// Refuses a root whose locks would not exclude other hosts: NFS
-    /// mounted with `nolock` or `local_lock=flock|posix|all`. (`doctor` reports it
-    /// instead of refusing.)
+    /// mounted with `nolock` or `local_lock=flock|posix|all`, Lustre with
+    /// `localflock` or `noflock`, BeeGFS without global file locks.
+    /// (`doctor` reports it instead of refusing.)
     pub fn check_locking(&self) -> Result<()> {
-        if let Some((mount, bad)) = crate::kernel::local_only_nfs(&self.dir) {
+        if let (crate::kernel::Reach::NodeLocal { why, advice }, mount) =
+            crate::kernel::lock_reach(&self.dir)
+        {
+            let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));
             return Err(crate::Error::UnsafeLocking(format!(
-                "root {} is on NFS mounted with {} ({}): locks stay local to each client, so other hosts' builds and metadata updates would not be excluded; remount without it (see 'stowage doctor')",
+                "root {}{at} is on {why}, so other hosts' builds and metadata updates would not be excluded; {advice} (see 'stowage doctor')",
                 self.dir.display(),
-                bad.join(","),
-                mount.mount_point.display()
             ))
             .into());
         }

@@ -208,6 +208,11 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             "STOWAGE_IMAGES_DIR",
             session.images_dir().as_os_str().to_owned(),
         ),
+        // Lets a stowage inside the command tell that we hold its locks.
+        (
+            crate::kernel::EXEC_PIDS_ENV,
+            crate::kernel::exec_pids_for_command(std::process::id()).into(),
+        ),
     ];
     let written: Vec<_> = session.writes().cloned().collect();
     if let [only] = written.as_slice() {
