@@ -380,6 +380,46 @@ fn a_nested_slot_wait_can_close_a_cycle_through_an_outside_slot_holder() {
     assert!(trace.contains("P2: SlotWait"), "{trace}");
 }
 
+/// The limit design.md states for nested calls ("a cycle through another
+/// process tree"): P0 holds A and its command wants B, P1 holds B and its
+/// command wants A. The lock order binds each process, not a process tree.
+#[test]
+fn nested_calls_in_two_trees_can_wait_for_each_other() {
+    let mut cfg = default_config();
+    cfg.crashes = 0;
+    cfg.roles = vec![
+        Role {
+            host: 0,
+            parent: None,
+            menu: vec![exec_read(A)],
+        },
+        Role {
+            host: 1,
+            parent: None,
+            menu: vec![exec_write(B)],
+        },
+        Role {
+            host: 0,
+            parent: Some(0),
+            menu: vec![exec_read(B)],
+        },
+        Role {
+            host: 1,
+            parent: Some(1),
+            menu: vec![exec_write(A)],
+        },
+    ];
+    let trace = mutation_found("two trees", cfg, "no deadlock");
+    assert!(
+        trace.contains("P2: Gate(0)") || trace.contains("P2: Wait(0)"),
+        "{trace}"
+    );
+    assert!(
+        trace.contains("P3: Gate(0)") || trace.contains("P3: Wait(0)"),
+        "{trace}"
+    );
+}
+
 /// A limit of the nested-call rule: under `--no-inherit` the enclosing
 /// hold is found through the lock table, which NFS does not have.
 #[test]
