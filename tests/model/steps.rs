@@ -124,7 +124,7 @@ impl Step {
             Step::Spawn => &["cli::exec::run", "lock::set_inheritable", "keeper::main"],
             Step::Command => &["signals::wait"],
             Step::Abandon => &["session::abandon"],
-            Step::Finish => &["session::finish"],
+            Step::Finish => &["session::finish", "lock::verify"],
             Step::Release => &[
                 "lock::Guard",
                 "session::give_up",
