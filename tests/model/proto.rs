@@ -304,7 +304,7 @@ pub enum RecOf {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Role2 {
+pub enum RecRole {
     Holder,
     Waiter,
 }
@@ -312,7 +312,7 @@ pub enum Role2 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Rec {
     pub of: RecOf,
-    pub role: Role2,
+    pub role: RecRole,
     pub mode: Mode,
     pub owner: u8,
 }
@@ -480,8 +480,8 @@ impl Proto {
     fn owner_dead(s: &State, r: &Rec) -> bool {
         let o = r.owner as usize;
         match r.role {
-            Role2::Waiter => !s.procs[o].alive,
-            Role2::Holder => match r.of {
+            RecRole::Waiter => !s.procs[o].alive,
+            RecRole::Holder => match r.of {
                 RecOf::Img(i) => !s
                     .locks
                     .iter()
@@ -504,20 +504,20 @@ impl Proto {
         };
         let o = r.owner as usize;
         match (r.role, r.of) {
-            (Role2::Holder, RecOf::Img(i)) => {
+            (RecRole::Holder, RecOf::Img(i)) => {
                 let Some(g) = s.file[i as usize] else {
                     return false;
                 };
                 let by = self.cfg.rules.owner_judged.then_some(r.owner);
                 held_in(Key::Img(i, g), Some(r.mode), by)
             }
-            (Role2::Holder, RecOf::Slot(f)) => held_in(Key::Slot(f), None, Some(r.owner)),
-            (Role2::Holder, RecOf::SlotClass) => false,
-            (Role2::Waiter, RecOf::Img(i)) => {
+            (RecRole::Holder, RecOf::Slot(f)) => held_in(Key::Slot(f), None, Some(r.owner)),
+            (RecRole::Holder, RecOf::SlotClass) => false,
+            (RecRole::Waiter, RecOf::Img(i)) => {
                 s.procs[o].alive
                     && s.file[i as usize].is_some_and(|g| held_in(Key::Img(i, g), None, None))
             }
-            (Role2::Waiter, _) => {
+            (RecRole::Waiter, _) => {
                 s.procs[o].alive && s.locks.iter().any(|(k, _, _)| matches!(k, Key::Slot(_)))
             }
         }
@@ -543,7 +543,7 @@ impl Proto {
         s.records.sort();
     }
 
-    fn drop_records(s: &mut State, p: usize, role: Option<Role2>) {
+    fn drop_records(s: &mut State, p: usize, role: Option<RecRole>) {
         s.records
             .retain(|r| !(r.owner as usize == p && role.is_none_or(|x| x == r.role)));
     }
@@ -738,18 +738,16 @@ impl Proto {
         }
     }
 
-    /// Where a gc or doctor goes after image `i` of a phase.
-    fn next_in_phase(&self, op: Op, ret: Ret, i: u8) -> Pc {
+    /// Where a removal, or gc's or doctor's pass over the images, goes
+    /// after image `i`.
+    fn next_in_phase(&self, ret: Ret, i: u8) -> Pc {
         let n = self.cfg.images;
         match ret {
             Ret::Rm => Pc::Done,
             Ret::Interrupted if i + 1 < n => Pc::LockInterrupted(i + 1),
             Ret::Interrupted => Pc::OrphanLock(0),
             Ret::Collect if i + 1 < n => Pc::Collect(i + 1),
-            Ret::Collect => {
-                let _ = op;
-                Pc::Done
-            }
+            Ret::Collect => Pc::Done,
         }
     }
 
@@ -833,7 +831,7 @@ impl Proto {
                     s,
                     Rec {
                         of: RecOf::SlotClass,
-                        role: Role2::Waiter,
+                        role: RecRole::Waiter,
                         mode: Mode::Exclusive,
                         owner: p as u8,
                     },
@@ -918,7 +916,7 @@ impl Proto {
                     s,
                     Rec {
                         of: RecOf::Img(img),
-                        role: Role2::Waiter,
+                        role: RecRole::Waiter,
                         mode,
                         owner: p as u8,
                     },
@@ -957,14 +955,14 @@ impl Proto {
                 else {
                     unreachable!()
                 };
-                Self::drop_records(s, p, Some(Role2::Waiter));
+                Self::drop_records(s, p, Some(RecRole::Waiter));
                 // What our locks prove: exclusive, nobody else holds it;
                 // shared, nobody holds it exclusively.
                 let held = s.procs[p].held.clone();
                 for (img, _, mode) in &held {
                     s.records.retain(|r| {
                         !(r.of == RecOf::Img(*img)
-                            && r.role == Role2::Holder
+                            && r.role == RecRole::Holder
                             && r.owner as usize != p
                             && (*mode == Mode::Exclusive || r.mode == Mode::Exclusive))
                     });
@@ -997,7 +995,7 @@ impl Proto {
                         s,
                         Rec {
                             of: RecOf::Slot(f),
-                            role: Role2::Holder,
+                            role: RecRole::Holder,
                             mode: Mode::Exclusive,
                             owner: p as u8,
                         },
@@ -1019,7 +1017,7 @@ impl Proto {
                         s,
                         Rec {
                             of: RecOf::Img(*img),
-                            role: Role2::Holder,
+                            role: RecRole::Holder,
                             mode: *mode,
                             owner: p as u8,
                         },
@@ -1039,7 +1037,9 @@ impl Proto {
                     unreachable!()
                 };
                 s.records.retain(|r| {
-                    !(r.owner as usize == p && r.of == RecOf::Img(base) && r.role == Role2::Holder)
+                    !(r.owner as usize == p
+                        && r.of == RecOf::Img(base)
+                        && r.role == RecRole::Holder)
                 });
                 Self::release_image(s, p, base);
                 s.procs[p].pc = Pc::Spawn;
@@ -1082,14 +1082,14 @@ impl Proto {
             Pc::Release => {
                 Self::close_all(s, p);
                 // A failed request leaves no waiter record behind.
-                Self::drop_records(s, p, Some(Role2::Waiter));
+                Self::drop_records(s, p, Some(RecRole::Waiter));
                 s.procs[p].pc = Pc::Done;
             }
             Pc::Mark(img, ret) => {
                 let i = img as usize;
                 if ret == Ret::Rm {
                     // `rm` drops its waiter record once it holds the lock.
-                    Self::drop_records(s, p, Some(Role2::Waiter));
+                    Self::drop_records(s, p, Some(RecRole::Waiter));
                 }
                 if s.rows[i].is_none() {
                     // Removed by someone else meanwhile: the lock file
@@ -1097,7 +1097,7 @@ impl Proto {
                     Self::unlink(s, p, img);
                     s.procs[p].pc = match ret {
                         Ret::Rm => Pc::Release,
-                        _ => self.next_in_phase(op, ret, img),
+                        _ => self.next_in_phase(ret, img),
                     };
                     return;
                 }
@@ -1126,7 +1126,7 @@ impl Proto {
             Pc::DeleteTrash(img, ret) => {
                 // The tree left the images directory at `trash`; deleting it
                 // touches nothing any lock protects.
-                s.procs[p].pc = self.next_in_phase(op, ret, img);
+                s.procs[p].pc = self.next_in_phase(ret, img);
             }
             Pc::ListInterrupted => {
                 let mut listed = 0;
@@ -1146,7 +1146,7 @@ impl Proto {
                 s.procs[p].pc = Pc::LockInterrupted(0);
             }
             Pc::LockInterrupted(img) => {
-                let next = self.next_in_phase(op, Ret::Interrupted, img);
+                let next = self.next_in_phase(Ret::Interrupted, img);
                 if s.procs[p].listed & (1 << img) == 0 {
                     s.procs[p].pc = next;
                     return;
@@ -1213,7 +1213,7 @@ impl Proto {
                 };
             }
             Pc::Collect(img) => {
-                let next = self.next_in_phase(op, Ret::Collect, img);
+                let next = self.next_in_phase(Ret::Collect, img);
                 if s.procs[p].listed & (1 << img) == 0 {
                     s.procs[p].pc = next;
                     return;
