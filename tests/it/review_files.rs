@@ -601,3 +601,40 @@ fn the_root_seen_through_a_bind_mount_or_a_symlink_is_no_images_directory() {
         env.root.join("img").to_str().unwrap(),
     ]);
 }
+
+#[test]
+fn an_image_with_a_directory_one_may_not_read_still_has_a_size() {
+    let env = Env::new();
+    if is_root() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = env.tmp.path();
+        fs::set_permissions(t, fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::chown(t, Some(65534), Some(65534)).unwrap();
+    }
+    let out = unprivileged(
+        &env,
+        &[
+            "exec",
+            "--write",
+            "a",
+            "--",
+            "sh",
+            "-c",
+            "head -c 300000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\" && mkdir \"$STOWAGE_IMAGE_DIR/locked\" && chmod 000 \"$STOWAGE_IMAGE_DIR/locked\"",
+        ],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = unprivileged(&env, &["images", "--json"]);
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let size = rows[0]["size_bytes"].as_u64();
+    assert!(size.is_some_and(|s| s >= 300_000), "{}", show(&out));
+    // So gc's budget sees it.
+    let out = unprivileged(&env, &["gc", "--max-size", "100K", "--dry-run", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["removed"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        show(&out)
+    );
+}
