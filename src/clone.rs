@@ -46,6 +46,8 @@ pub struct Copied {
     pub reflinked: u64,
     /// Special files that could not be created (no permission).
     pub skipped_special: u64,
+    /// Mount points inside the base, copied as empty directories.
+    pub mounts_left_out: Vec<String>,
     /// Extended attributes the target refused, by attribute name: how many,
     /// and the first cause.
     pub xattrs_lost: BTreeMap<String, (u64, String)>,
@@ -135,6 +137,7 @@ pub fn copy_tree_at(
     // Directories get their mode and times after their contents are in
     // place: a read-only directory must stay writable while we fill it, and
     // writing into it would change its mtime.
+    let dev = meta.st_dev;
     let mut stack = vec![Frame {
         src: src_root,
         dst: dst_root
@@ -169,7 +172,15 @@ pub fn copy_tree_at(
             mkdirat(&top.dst, &name).with_context(ctx)?;
             let s = top.src.open_at(&name).with_context(ctx)?;
             let d = top.dst.open_at(&name).with_context(ctx)?;
-            let names = s.entries().with_context(ctx)?;
+            // A filesystem mounted inside the base (a bind mount a build
+            // left) is not the base's tree, as measuring and deleting have
+            // it: its mount point is copied, its contents are not.
+            let names = if meta.st_dev == dev {
+                s.entries().with_context(ctx)?
+            } else {
+                out.mounts_left_out.push(from());
+                Vec::new()
+            };
             trail.0.push(name);
             stack.push(Frame {
                 src: s,

@@ -468,6 +468,11 @@ fn clone_into(
         done.reflinked,
         t0.elapsed().as_secs_f64()
     ));
+    for m in &done.mounts_left_out {
+        store.ctx().say(&format!(
+            "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
+        ));
+    }
     if done.skipped_special > 0 {
         store.ctx().say(&format!(
             "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",

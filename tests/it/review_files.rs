@@ -638,3 +638,41 @@ fn an_image_with_a_directory_one_may_not_read_still_has_a_size() {
         show(&out)
     );
 }
+
+#[test]
+fn a_copy_from_a_base_leaves_out_a_filesystem_mounted_inside_it() {
+    if !is_root() {
+        eprintln!("skipping: mounts need root");
+        return;
+    }
+    let env = Env::new();
+    env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "mkdir \"$STOWAGE_IMAGE_DIR/mnt\" && echo own > \"$STOWAGE_IMAGE_DIR/own\"",
+    ]);
+    // A build left a filesystem mounted in the base's tree.
+    let Some(_t) = Mounted::new(
+        &["-t", "tmpfs", "-o", "size=1m", "tmpfs"],
+        &env.root.join("img/base/mnt"),
+    ) else {
+        eprintln!("skipping: cannot mount a tmpfs here");
+        return;
+    };
+    fs::write(env.root.join("img/base/mnt/big"), "mounted").unwrap();
+    let out = env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    let app = env.root.join("img/app");
+    assert_eq!(fs::read_to_string(app.join("own")).unwrap(), "own\n");
+    assert!(app.join("mnt").is_dir());
+    assert_eq!(
+        fs::read_dir(app.join("mnt")).unwrap().count(),
+        0,
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).contains("mount point"), "{}", show(&out));
+}
