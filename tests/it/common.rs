@@ -434,3 +434,48 @@ pub fn group_members(pgid: i32) -> usize {
         })
         .count()
 }
+
+/// The exit code of a finished command (`None` when a signal ended it).
+pub fn code(out: &Output) -> Option<i32> {
+    out.status.code()
+}
+
+/// Whether this test runs as root (effective uid 0).
+pub fn is_root() -> bool {
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Whether this test runs as root; if not, prints "skipping: WHAT needs
+/// root" so the skip is visible, and the caller returns at once.
+pub fn root_or_skip(what: &str) -> bool {
+    if !is_root() {
+        eprintln!("skipping: {what} needs root");
+    }
+    is_root()
+}
+
+/// Whether `tool` is on PATH (asked of `sh`, as a test's script would).
+pub fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A directory outside the root (in the test's scratch directory) with
+/// files at two depths that must survive whatever the test does; check
+/// with [`assert_intact`].
+pub fn victim(env: &Env) -> PathBuf {
+    let v = env.tmp.path().join("victim");
+    fs::create_dir_all(v.join("sub")).unwrap();
+    fs::write(v.join("keep"), "precious").unwrap();
+    fs::write(v.join("sub/keep"), "precious").unwrap();
+    v
+}
+
+/// Fails unless both files [`victim`] planted are there, unchanged.
+pub fn assert_intact(v: &Path) {
+    assert_eq!(fs::read_to_string(v.join("keep")).unwrap(), "precious");
+    assert_eq!(fs::read_to_string(v.join("sub/keep")).unwrap(), "precious");
+}

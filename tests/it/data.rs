@@ -116,17 +116,6 @@ fn control_characters_of_a_recorded_command_are_escaped_when_printed() {
 
 // --- what a clone keeps ---------------------------------------------------
 
-fn is_root() -> bool {
-    unsafe { libc::geteuid() == 0 }
-}
-
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 /// A tmpfs of a given size, mounted for one test; None (with the reason
 /// printed) where this machine cannot mount one.
 struct Tmpfs {
@@ -136,8 +125,7 @@ struct Tmpfs {
 
 impl Tmpfs {
     fn new(size: &str) -> Option<Tmpfs> {
-        if !is_root() {
-            eprintln!("skipping: mounting a tmpfs needs root");
+        if !root_or_skip("mounting a tmpfs") {
             return None;
         }
         let tmp = tempfile::tempdir().unwrap();
@@ -368,8 +356,7 @@ struct BtrfsLoop {
 
 impl BtrfsLoop {
     fn new() -> Option<BtrfsLoop> {
-        if !is_root() {
-            eprintln!("skipping: a btrfs loop device needs root");
+        if !root_or_skip("a btrfs loop device") {
             return None;
         }
         if !have("mkfs.btrfs") {

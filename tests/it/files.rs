@@ -12,24 +12,6 @@ use std::process::Command;
 
 use crate::common::*;
 
-fn is_root() -> bool {
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// A directory outside the root with things in it that must survive.
-fn victim(env: &Env) -> PathBuf {
-    let v = env.tmp.path().join("victim");
-    fs::create_dir_all(v.join("sub")).unwrap();
-    fs::write(v.join("keep"), "precious").unwrap();
-    fs::write(v.join("sub/keep"), "precious").unwrap();
-    v
-}
-
-fn assert_intact(v: &Path) {
-    assert_eq!(fs::read_to_string(v.join("keep")).unwrap(), "precious");
-    assert_eq!(fs::read_to_string(v.join("sub/keep")).unwrap(), "precious");
-}
-
 /// Replaces `ROOT/NAME` (a directory) with a symlink to `target`.
 fn plant(env: &Env, name: &str, target: &Path) {
     let p = env.root.join(name);
@@ -39,10 +21,6 @@ fn plant(env: &Env, name: &str, target: &Path) {
         .join(format!("aside-{}", name.replace('/', "-")));
     fs::rename(&p, &aside).unwrap();
     symlink(target, &p).unwrap();
-}
-
-fn code(out: &std::process::Output) -> Option<i32> {
-    out.status.code()
 }
 
 #[test]
@@ -252,8 +230,7 @@ fn chown(p: &Path, uid: u32, gid: u32) {
 /// `setpriv` to run as nobody (65534), if this test runs as root and the
 /// tool is there.
 fn as_nobody() -> Option<Command> {
-    if !is_root() {
-        eprintln!("skipping: running as another user needs root");
+    if !root_or_skip("running as another user") {
         return None;
     }
     let ok = Command::new("setpriv")
@@ -271,8 +248,7 @@ fn as_nobody() -> Option<Command> {
 
 #[test]
 fn the_default_root_must_be_the_users_own() {
-    if !is_root() {
-        eprintln!("skipping: making a root owned by someone else needs root");
+    if !root_or_skip("making a root owned by someone else") {
         return;
     }
     // Created by someone else before the user's first use, group-writable
@@ -496,8 +472,7 @@ fn an_empty_images_directory_keeps_its_rows() {
 
 #[test]
 fn another_filesystem_on_the_images_directory_keeps_rows_and_adopts_nothing() {
-    if !is_root() {
-        eprintln!("skipping: mounting a tmpfs needs root");
+    if !root_or_skip("mounting a tmpfs") {
         return;
     }
     let env = Env::new();
@@ -704,8 +679,7 @@ fn doctor_by_a_user_who_may_not_write_the_store_says_so() {
 
 #[test]
 fn a_mount_inside_an_image_stops_its_deletion() {
-    if !is_root() {
-        eprintln!("skipping: bind mounts need root");
+    if !root_or_skip("bind mounts") {
         return;
     }
     let env = Env::new();
@@ -785,8 +759,7 @@ fn a_write_whose_images_directory_vanished_keeps_its_row() {
 
 #[test]
 fn an_images_directory_on_another_filesystem_is_emptied_in_place_safely() {
-    if !is_root() {
-        eprintln!("skipping: mounting a tmpfs needs root");
+    if !root_or_skip("mounting a tmpfs") {
         return;
     }
     let env = Env::new();

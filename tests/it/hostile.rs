@@ -10,10 +10,6 @@ use std::time::{Duration, Instant};
 
 use crate::common::*;
 
-fn is_root() -> bool {
-    unsafe { libc::geteuid() == 0 }
-}
-
 /// A decoy outside the root that a planted link points at.
 fn decoy(env: &Env) -> std::path::PathBuf {
     let d = env.tmp.path().join("decoy");
@@ -144,8 +140,7 @@ struct Tmpfs {
 
 impl Tmpfs {
     fn new(opts: &str) -> Option<Tmpfs> {
-        if !is_root() {
-            eprintln!("skipping: mounting a tmpfs needs root");
+        if !root_or_skip("mounting a tmpfs") {
             return None;
         }
         let tmp = tempfile::tempdir().unwrap();
@@ -336,8 +331,7 @@ fn a_stuck_global_lock_holder_bounds_a_bounded_exec() {
 
 #[test]
 fn a_store_shared_by_a_group_is_usable_by_its_members() {
-    if !is_root() {
-        eprintln!("skipping: needs root to act as another user");
+    if !root_or_skip("acting as another user") {
         return;
     }
     if Command::new("setpriv").arg("--version").output().is_err() {

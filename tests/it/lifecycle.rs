@@ -98,8 +98,7 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
 
 #[test]
 fn a_clone_keeps_device_nodes_and_ownership_as_root() {
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: creating device nodes and giving files away needs root");
+    if !root_or_skip("creating device nodes and giving files away") {
         return;
     }
     let env = Env::new();
@@ -234,7 +233,7 @@ struct BtrfsLoop {
 
 impl BtrfsLoop {
     fn new() -> Option<BtrfsLoop> {
-        if !nix_is_root() {
+        if !is_root() {
             eprintln!("skipping: the btrfs reflink test needs root (loop mount)");
             return None;
         }
@@ -284,10 +283,6 @@ impl Drop for BtrfsLoop {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(&self.dir).status();
     }
-}
-
-fn nix_is_root() -> bool {
-    unsafe { libc::geteuid() == 0 }
 }
 
 #[test]

@@ -8,28 +8,6 @@ use std::process::Command;
 
 use crate::common::*;
 
-fn is_root() -> bool {
-    unsafe { libc::geteuid() == 0 }
-}
-
-fn code(out: &std::process::Output) -> Option<i32> {
-    out.status.code()
-}
-
-/// A directory outside the root with things in it that must survive.
-fn victim(env: &Env) -> PathBuf {
-    let v = env.tmp.path().join("victim");
-    fs::create_dir_all(v.join("sub")).unwrap();
-    fs::write(v.join("keep"), "precious").unwrap();
-    fs::write(v.join("sub/keep"), "precious").unwrap();
-    v
-}
-
-fn assert_intact(v: &Path) {
-    assert_eq!(fs::read_to_string(v.join("keep")).unwrap(), "precious");
-    assert_eq!(fs::read_to_string(v.join("sub/keep")).unwrap(), "precious");
-}
-
 /// Mounts (`mount ARGS… TARGET`) and unmounts on drop; `None` where this
 /// machine cannot mount.
 struct Mounted(PathBuf);
@@ -53,8 +31,7 @@ impl Drop for Mounted {
 
 #[test]
 fn rebuilding_from_a_base_never_empties_a_mount_at_the_top_of_the_image() {
-    if !is_root() {
-        eprintln!("skipping: bind mounts need root");
+    if !root_or_skip("bind mounts") {
         return;
     }
     let env = Env::new();
@@ -86,8 +63,7 @@ fn rebuilding_from_a_base_never_empties_a_mount_at_the_top_of_the_image() {
 
 #[test]
 fn removing_in_place_never_empties_an_image_directory_that_is_a_mount() {
-    if !is_root() {
-        eprintln!("skipping: mounts need root");
+    if !root_or_skip("mounts") {
         return;
     }
     let env = Env::new();
@@ -128,8 +104,7 @@ fn ext4_file(dir: &Path, name: &str) -> Option<PathBuf> {
 
 #[test]
 fn another_filesystem_of_the_same_type_mounted_as_the_images_directory_loses_no_row() {
-    if !is_root() {
-        eprintln!("skipping: loop mounts need root");
+    if !root_or_skip("loop mounts") {
         return;
     }
     let env = Env::new();
@@ -237,8 +212,7 @@ fn a_symlink_swapped_in_for_the_images_directory_before_a_clone_gets_nothing() {
 
 #[test]
 fn the_lost_and_found_of_an_images_filesystem_is_no_image() {
-    if !is_root() {
-        eprintln!("skipping: loop mounts need root");
+    if !root_or_skip("loop mounts") {
         return;
     }
     let env = Env::new();
@@ -339,8 +313,7 @@ fn immutable(path: &Path, on: bool) -> bool {
 
 #[test]
 fn one_tree_that_cannot_leave_the_trash_keeps_neither_the_others_nor_the_report() {
-    if !is_root() {
-        eprintln!("skipping: chattr +i needs root");
+    if !root_or_skip("chattr +i") {
         return;
     }
     let env = Env::new();
@@ -387,8 +360,7 @@ fn one_tree_that_cannot_leave_the_trash_keeps_neither_the_others_nor_the_report(
 
 #[test]
 fn nothing_is_removed_while_the_images_directory_is_unmounted() {
-    if !is_root() {
-        eprintln!("skipping: mounts need root");
+    if !root_or_skip("mounts") {
         return;
     }
     let env = Env::new();
@@ -641,8 +613,7 @@ fn an_image_with_a_directory_one_may_not_read_still_has_a_size() {
 
 #[test]
 fn a_copy_from_a_base_leaves_out_a_filesystem_mounted_inside_it() {
-    if !is_root() {
-        eprintln!("skipping: mounts need root");
+    if !root_or_skip("mounts") {
         return;
     }
     let env = Env::new();

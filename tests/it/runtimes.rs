@@ -32,8 +32,7 @@ struct Podman {
 
 impl Podman {
     fn new(needs: &[&str]) -> Option<Podman> {
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipping: Podman with a private --root needs root here");
+        if !root_or_skip("Podman with a private --root") {
             return None;
         }
         for prog in needs {

@@ -14,14 +14,6 @@ use std::process::{Command, Stdio};
 
 use crate::common::*;
 
-fn have(prog: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {prog}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 /// A store with a ready image, an incomplete one and a slot class; PATH
 /// leads to this build's stowage, as an installed script expects.
 fn store() -> Env {
