@@ -479,3 +479,115 @@ pub fn assert_intact(v: &Path) {
     assert_eq!(fs::read_to_string(v.join("keep")).unwrap(), "precious");
     assert_eq!(fs::read_to_string(v.join("sub/keep")).unwrap(), "precious");
 }
+
+/// A filesystem mounted for one test. Dropping it takes the mount away
+/// (lazily if something still uses it), before the scratch directory it
+/// may sit in is removed, so no test leaves a mount behind.
+pub struct Mount {
+    pub dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl Mount {
+    /// `mount ARGS… TARGET` on an existing directory; `None` where this
+    /// machine cannot mount it (the caller says why it skips).
+    pub fn at(args: &[&str], target: &Path) -> Option<Mount> {
+        let ok = Command::new("mount")
+            .args(args)
+            .arg(target)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Mount::adopt(target))
+    }
+
+    /// Takes charge of a mount already at `dir`: unmounted on drop.
+    pub fn adopt(dir: &Path) -> Mount {
+        Mount {
+            dir: dir.to_owned(),
+            _tmp: None,
+        }
+    }
+
+    /// A tmpfs mounted with `-o OPTS` on a fresh directory of its own;
+    /// `None`, with the reason printed, unless this test runs as root on a
+    /// machine that lets it mount.
+    pub fn tmpfs(opts: &str) -> Option<Mount> {
+        if !root_or_skip("mounting a tmpfs") {
+            return None;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("mnt");
+        fs::create_dir(&dir).unwrap();
+        let Some(mut m) = Mount::at(&["-t", "tmpfs", "-o", opts, "tmpfs"], &dir) else {
+            eprintln!("skipping: cannot mount a tmpfs here");
+            return None;
+        };
+        m._tmp = Some(tmp);
+        Some(m)
+    }
+
+    /// A fresh btrfs of `size` (as truncate(1) takes it) on a loop device,
+    /// mounted on a directory of its own; `None`, with the reason printed,
+    /// unless this test runs as root with btrfs-progs on a machine that
+    /// lets it mount.
+    pub fn btrfs_loop(size: &str) -> Option<Mount> {
+        if !root_or_skip("a btrfs loop device") {
+            return None;
+        }
+        if !have("mkfs.btrfs") {
+            eprintln!("skipping: mkfs.btrfs not found (install btrfs-progs)");
+            return None;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let img = tmp.path().join("fs.img");
+        let dir = tmp.path().join("mnt");
+        fs::create_dir(&dir).unwrap();
+        let made = Command::new("truncate")
+            .args(["-s", size])
+            .arg(&img)
+            .status()
+            .is_ok_and(|s| s.success())
+            && Command::new("mkfs.btrfs")
+                .arg("-q")
+                .arg(&img)
+                .output()
+                .is_ok_and(|o| o.status.success());
+        let mounted = made
+            .then(|| Mount::at(&["-o", "loop", img.to_str().unwrap()], &dir))
+            .flatten();
+        let Some(mut m) = mounted else {
+            eprintln!("skipping: cannot make and mount a btrfs loop device here");
+            return None;
+        };
+        m._tmp = Some(tmp);
+        Some(m)
+    }
+
+    /// An [`Env`] whose root is `root` on this filesystem (not yet made).
+    pub fn env(&self) -> Env {
+        let mut env = Env::new();
+        env.root = self.dir.join("root");
+        env
+    }
+
+    /// Bytes in use on this filesystem, after syncing it so that what was
+    /// just written is counted.
+    pub fn used(&self) -> u64 {
+        let _ = Command::new("sync").arg("-f").arg(&self.dir).status();
+        let st = nix::sys::statvfs::statvfs(&self.dir).unwrap();
+        (st.blocks() - st.blocks_free()) * st.fragment_size()
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let gone = Command::new("umount")
+            .arg(&self.dir)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !gone {
+            let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+        }
+    }
+}

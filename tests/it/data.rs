@@ -3,7 +3,7 @@
 
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use crate::common::*;
@@ -116,53 +116,6 @@ fn control_characters_of_a_recorded_command_are_escaped_when_printed() {
 
 // --- what a clone keeps ---------------------------------------------------
 
-/// A tmpfs of a given size, mounted for one test; None (with the reason
-/// printed) where this machine cannot mount one.
-struct Tmpfs {
-    dir: PathBuf,
-    _tmp: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    fn new(size: &str) -> Option<Tmpfs> {
-        if !root_or_skip("mounting a tmpfs") {
-            return None;
-        }
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path().join("mnt");
-        fs::create_dir(&dir).unwrap();
-        let ok = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0755"),
-                "tmpfs",
-            ])
-            .arg(&dir)
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !ok {
-            eprintln!("skipping: cannot mount a tmpfs here");
-            return None;
-        }
-        Some(Tmpfs { dir, _tmp: tmp })
-    }
-
-    /// An Env whose root is on this tmpfs.
-    fn env(&self) -> Env {
-        let mut env = Env::new();
-        env.root = self.dir.join("root");
-        env
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
-    }
-}
-
 fn sh(script: &str) -> std::process::Output {
     let out = Command::new("sh").args(["-c", script]).output().unwrap();
     assert!(out.status.success(), "{script}: {}", show(&out));
@@ -171,7 +124,9 @@ fn sh(script: &str) -> std::process::Output {
 
 #[test]
 fn a_clone_on_tmpfs_keeps_holes() {
-    let Some(t) = Tmpfs::new("64m") else { return };
+    let Some(t) = Mount::tmpfs("size=64m,mode=0755") else {
+        return;
+    };
     let env = t.env();
     env.ok([
         "exec",
@@ -347,73 +302,13 @@ fn trees_deeper_than_path_max_are_cloned_and_measured() {
 
 // --- sizes, shared extents and gc's budget ---------------------------------
 
-/// A btrfs filesystem on a loop device; None (with the reason printed)
-/// when this machine cannot make one.
-struct BtrfsLoop {
-    dir: PathBuf,
-    _tmp: tempfile::TempDir,
-}
-
-impl BtrfsLoop {
-    fn new() -> Option<BtrfsLoop> {
-        if !root_or_skip("a btrfs loop device") {
-            return None;
-        }
-        if !have("mkfs.btrfs") {
-            eprintln!("skipping: mkfs.btrfs not found (install btrfs-progs)");
-            return None;
-        }
-        let tmp = tempfile::tempdir().unwrap();
-        let img = tmp.path().join("fs.img");
-        let dir = tmp.path().join("mnt");
-        fs::create_dir(&dir).unwrap();
-        let ok = Command::new("truncate")
-            .args(["-s", "600M"])
-            .arg(&img)
-            .status()
-            .is_ok_and(|s| s.success())
-            && Command::new("mkfs.btrfs")
-                .arg("-q")
-                .arg(&img)
-                .output()
-                .is_ok_and(|o| o.status.success())
-            && Command::new("mount")
-                .args(["-o", "loop"])
-                .arg(&img)
-                .arg(&dir)
-                .output()
-                .is_ok_and(|o| o.status.success());
-        if !ok {
-            eprintln!("skipping: cannot make and mount a btrfs loop device here");
-            return None;
-        }
-        Some(BtrfsLoop { dir, _tmp: tmp })
-    }
-
-    fn used(&self) -> u64 {
-        let _ = Command::new("sync").arg("-f").arg(&self.dir).status();
-        let st = nix::sys::statvfs::statvfs(&self.dir).unwrap();
-        (st.blocks() - st.blocks_free()) * st.fragment_size()
-    }
-
-    fn env(&self) -> Env {
-        let mut env = Env::new();
-        env.root = self.dir.join("root");
-        env
-    }
-}
-
-impl Drop for BtrfsLoop {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.dir).status();
-    }
-}
-
 const MIB: u64 = 1 << 20;
 
 #[test]
 fn gc_budget_counts_reflinked_extents_once() {
-    let Some(mnt) = BtrfsLoop::new() else { return };
+    let Some(mnt) = Mount::btrfs_loop("600M") else {
+        return;
+    };
     let env = mnt.env();
     env.ok([
         "exec",
@@ -570,7 +465,9 @@ fn free_bytes(dir: &Path) -> u64 {
 
 #[test]
 fn a_build_that_fills_the_filesystem_does_not_wedge_the_store() {
-    let Some(t) = Tmpfs::new("8m") else { return };
+    let Some(t) = Mount::tmpfs("size=8m,mode=0755") else {
+        return;
+    };
     let env = t.env();
     env.make_image("base");
     // A writer at work, to be killed once the filesystem is full: whoever
@@ -642,7 +539,9 @@ fn a_build_that_fills_the_filesystem_does_not_wedge_the_store() {
 
 #[test]
 fn reading_commands_work_when_even_the_reserve_is_gone() {
-    let Some(t) = Tmpfs::new("8m") else { return };
+    let Some(t) = Mount::tmpfs("size=8m,mode=0755") else {
+        return;
+    };
     let env = t.env();
     env.make_image("base");
     let script = format!(

@@ -479,22 +479,10 @@ fn another_filesystem_on_the_images_directory_keeps_rows_and_adopts_nothing() {
     env.make_image("a");
     env.ok(["doctor", "--repair"]);
     let img = env.root.join("img");
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m", "stowage-it"])
-        .arg(&img)
-        .status()
-        .is_ok_and(|s| s.success());
-    if !mounted {
+    let Some(guard) = Mount::at(&["-t", "tmpfs", "-o", "size=1m", "stowage-it"], &img) else {
         eprintln!("skipping: cannot mount a tmpfs here");
         return;
-    }
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg(&self.0).status();
-        }
-    }
-    let guard = Unmount(img.clone());
+    };
     fs::create_dir(img.join("stranger")).unwrap();
     fs::write(img.join("stranger/f"), "theirs").unwrap();
     let out = env.run(["doctor", "--repair"]);
@@ -765,22 +753,10 @@ fn an_images_directory_on_another_filesystem_is_emptied_in_place_safely() {
     let env = Env::new();
     let ext = env.tmp.path().join("ext");
     fs::create_dir(&ext).unwrap();
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=4m", "stowage-it"])
-        .arg(&ext)
-        .status()
-        .is_ok_and(|s| s.success());
-    if !mounted {
+    let Some(_guard) = Mount::at(&["-t", "tmpfs", "-o", "size=4m", "stowage-it"], &ext) else {
         eprintln!("skipping: cannot mount a tmpfs here");
         return;
-    }
-    struct Unmount(PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg(&self.0).status();
-        }
-    }
-    let _guard = Unmount(ext.clone());
+    };
     let img = ext.join("img");
     env.ok(["init", "--images-dir", img.to_str().unwrap()]);
     let v = victim(&env);

@@ -132,38 +132,6 @@ fn a_missing_root_parent_is_not_created() {
     assert!(!env.tmp.path().join("no").exists());
 }
 
-/// A small tmpfs of our own (root only).
-struct Tmpfs {
-    dir: std::path::PathBuf,
-    _tmp: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    fn new(opts: &str) -> Option<Tmpfs> {
-        if !root_or_skip("mounting a tmpfs") {
-            return None;
-        }
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path().join("mnt");
-        fs::create_dir(&dir).unwrap();
-        let ok = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", opts, "tmpfs"])
-            .arg(&dir)
-            .status();
-        if !ok.is_ok_and(|s| s.success()) {
-            eprintln!("skipping: cannot mount a tmpfs here");
-            return None;
-        }
-        Some(Tmpfs { dir, _tmp: tmp })
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.dir).status();
-    }
-}
-
 fn stowage_at(root: &std::path::Path, args: &[&str]) -> std::process::Output {
     let mut c = Command::new(bin());
     c.arg("--root").arg(root).args(args);
@@ -172,7 +140,7 @@ fn stowage_at(root: &std::path::Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn a_read_only_root_exits_69() {
-    let Some(fs_) = Tmpfs::new("size=8m") else {
+    let Some(fs_) = Mount::tmpfs("size=8m") else {
         return;
     };
     let root = fs_.dir.join("root");
@@ -201,7 +169,7 @@ fn a_read_only_root_exits_69() {
 
 #[test]
 fn a_full_filesystem_fails_cleanly_and_loses_nothing() {
-    let Some(fs_) = Tmpfs::new("size=2m") else {
+    let Some(fs_) = Mount::tmpfs("size=2m") else {
         return;
     };
     let root = fs_.dir.join("root");

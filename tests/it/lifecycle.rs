@@ -197,7 +197,9 @@ fn a_clone_killed_midway_is_never_ready() {
 
 #[test]
 fn reflink_clone_costs_no_space_on_btrfs() {
-    let Some(mnt) = BtrfsLoop::new() else { return };
+    let Some(mnt) = Mount::btrfs_loop("400M") else {
+        return;
+    };
     let root = mnt.dir.join("root");
     let run = |args: &[&str]| {
         let mut c = Command::new(bin());
@@ -222,67 +224,6 @@ fn reflink_clone_costs_no_space_on_btrfs() {
         fs::read(root.join("img/big/blob")).unwrap(),
         fs::read(root.join("img/copy/blob")).unwrap()
     );
-}
-
-/// A btrfs filesystem on a loop device, for the reflink test; None (with
-/// the reason printed) when this machine cannot make one.
-struct BtrfsLoop {
-    dir: std::path::PathBuf,
-    _tmp: tempfile::TempDir,
-}
-
-impl BtrfsLoop {
-    fn new() -> Option<BtrfsLoop> {
-        if !is_root() {
-            eprintln!("skipping: the btrfs reflink test needs root (loop mount)");
-            return None;
-        }
-        if Command::new("mkfs.btrfs")
-            .arg("--version")
-            .output()
-            .is_err()
-        {
-            eprintln!("skipping: mkfs.btrfs not found (install btrfs-progs)");
-            return None;
-        }
-        let tmp = tempfile::tempdir().unwrap();
-        let img = tmp.path().join("fs.img");
-        let dir = tmp.path().join("mnt");
-        fs::create_dir(&dir).unwrap();
-        let ok = Command::new("truncate")
-            .args(["-s", "400M"])
-            .arg(&img)
-            .status()
-            .is_ok_and(|s| s.success())
-            && Command::new("mkfs.btrfs")
-                .arg("-q")
-                .arg(&img)
-                .output()
-                .is_ok_and(|o| o.status.success())
-            && Command::new("mount")
-                .args(["-o", "loop"])
-                .arg(&img)
-                .arg(&dir)
-                .output()
-                .is_ok_and(|o| o.status.success());
-        if !ok {
-            eprintln!("skipping: cannot make and mount a btrfs loop device here");
-            return None;
-        }
-        Some(BtrfsLoop { dir, _tmp: tmp })
-    }
-
-    fn used(&self) -> u64 {
-        let _ = Command::new("sync").status();
-        let st = nix::sys::statvfs::statvfs(&self.dir).unwrap();
-        (st.blocks() - st.blocks_free()) * st.fragment_size()
-    }
-}
-
-impl Drop for BtrfsLoop {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.dir).status();
-    }
 }
 
 #[test]

@@ -8,27 +8,6 @@ use std::process::Command;
 
 use crate::common::*;
 
-/// Mounts (`mount ARGS… TARGET`) and unmounts on drop; `None` where this
-/// machine cannot mount.
-struct Mounted(PathBuf);
-
-impl Mounted {
-    fn new(args: &[&str], target: &Path) -> Option<Mounted> {
-        let ok = Command::new("mount")
-            .args(args)
-            .arg(target)
-            .status()
-            .is_ok_and(|s| s.success());
-        ok.then(|| Mounted(target.to_owned()))
-    }
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
 #[test]
 fn rebuilding_from_a_base_never_empties_a_mount_at_the_top_of_the_image() {
     if !root_or_skip("bind mounts") {
@@ -48,7 +27,7 @@ fn rebuilding_from_a_base_never_empties_a_mount_at_the_top_of_the_image() {
     // A build bind-mounted a directory into its tree, directly under the
     // image directory, and died before unmounting it.
     let v = victim(&env);
-    let Some(_m) = Mounted::new(
+    let Some(_m) = Mount::at(
         &["--bind", v.to_str().unwrap()],
         &env.root.join("img/app/mnt"),
     ) else {
@@ -71,14 +50,14 @@ fn removing_in_place_never_empties_an_image_directory_that_is_a_mount() {
     // place. The image's own directory is a bind mount of a victim.
     let images = env.tmp.path().join("images");
     fs::create_dir(&images).unwrap();
-    let Some(_fs) = Mounted::new(&["-t", "tmpfs", "-o", "size=4m", "tmpfs"], &images) else {
+    let Some(_fs) = Mount::at(&["-t", "tmpfs", "-o", "size=4m", "tmpfs"], &images) else {
         eprintln!("skipping: cannot mount a tmpfs here");
         return;
     };
     env.ok(["init", "--images-dir", images.to_str().unwrap()]);
     env.make_image("app");
     let v = victim(&env);
-    let Some(_m) = Mounted::new(&["--bind", v.to_str().unwrap()], &images.join("app")) else {
+    let Some(_m) = Mount::at(&["--bind", v.to_str().unwrap()], &images.join("app")) else {
         eprintln!("skipping: cannot bind-mount here");
         return;
     };
@@ -120,7 +99,7 @@ fn another_filesystem_of_the_same_type_mounted_as_the_images_directory_loses_no_
     let opts = |f: &Path| vec!["-o".to_owned(), "loop".to_owned(), f.display().to_string()];
     let mount = |f: &Path| {
         let o = opts(f);
-        Mounted::new(&o.iter().map(String::as_str).collect::<Vec<_>>(), &images)
+        Mount::at(&o.iter().map(String::as_str).collect::<Vec<_>>(), &images)
     };
     let Some(m) = mount(&a) else {
         eprintln!("skipping: cannot loop-mount here");
@@ -222,7 +201,7 @@ fn the_lost_and_found_of_an_images_filesystem_is_no_image() {
     };
     let images = env.tmp.path().join("images");
     fs::create_dir(&images).unwrap();
-    let Some(_m) = Mounted::new(&["-o", "loop", a.to_str().unwrap()], &images) else {
+    let Some(_m) = Mount::at(&["-o", "loop", a.to_str().unwrap()], &images) else {
         eprintln!("skipping: cannot loop-mount here");
         return;
     };
@@ -367,7 +346,7 @@ fn nothing_is_removed_while_the_images_directory_is_unmounted() {
     let images = env.tmp.path().join("images");
     fs::create_dir(&images).unwrap();
     let tmpfs = ["-t", "tmpfs", "-o", "size=4m", "tmpfs"];
-    let Some(m) = Mounted::new(&tmpfs, &images) else {
+    let Some(m) = Mount::at(&tmpfs, &images) else {
         eprintln!("skipping: cannot mount a tmpfs here");
         return;
     };
@@ -387,7 +366,7 @@ fn nothing_is_removed_while_the_images_directory_is_unmounted() {
         .is_ok_and(|s| s.success());
     assert!(moved);
     std::mem::forget(m);
-    let _m = Mounted(aside.clone());
+    let _m = Mount::adopt(&aside);
     for args in [
         &["gc", "--max-size", "0"][..],
         &["gc", "--max-size", "0", "--dry-run"],
@@ -550,7 +529,7 @@ fn the_root_seen_through_a_bind_mount_or_a_symlink_is_no_images_directory() {
     let bind = t.join("bind");
     fs::create_dir(&bind).unwrap();
     let _m = if is_root() {
-        Mounted::new(&["--bind", env.root.to_str().unwrap()], &bind)
+        Mount::at(&["--bind", env.root.to_str().unwrap()], &bind)
     } else {
         None
     };
@@ -627,7 +606,7 @@ fn a_copy_from_a_base_leaves_out_a_filesystem_mounted_inside_it() {
         "mkdir \"$STOWAGE_IMAGE_DIR/mnt\" && echo own > \"$STOWAGE_IMAGE_DIR/own\"",
     ]);
     // A build left a filesystem mounted in the base's tree.
-    let Some(_t) = Mounted::new(
+    let Some(_t) = Mount::at(
         &["-t", "tmpfs", "-o", "size=1m", "tmpfs"],
         &env.root.join("img/base/mnt"),
     ) else {
