@@ -23,6 +23,26 @@ fn background_writer(file: &Path, started: &Path) -> String {
     )
 }
 
+/// Starts `stowage exec FLAGS… --write app -- sh -c SCRIPT` in the
+/// background, where SCRIPT is `script(LOG, STARTED)`: LOG is a file in the
+/// image for the command's writer, STARTED a sentinel the script touches
+/// once that writer runs. Returns once STARTED exists, with LOG's path.
+fn exec_writing(
+    env: &Env,
+    flags: &[&str],
+    script: impl FnOnce(&Path, &Path) -> String,
+) -> (Bg, PathBuf) {
+    let img_file = env.root.join("img/app/log");
+    let started = env.sentinel("started");
+    let script = script(&img_file, &started);
+    let mut args = vec!["exec"];
+    args.extend(flags);
+    args.extend(["--write", "app", "--", "sh", "-c", &script]);
+    let bg = env.spawn(args);
+    wait_for_file(&started);
+    (bg, img_file)
+}
+
 fn lines(file: &Path) -> usize {
     fs::read_to_string(file).map_or(0, |t| t.lines().count())
 }
@@ -60,19 +80,7 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
 #[test]
 fn sigkill_of_stowage_with_no_inherit_leaves_no_writer_behind() {
     let env = Env::new();
-    let img_file = env.root.join("img/app/log");
-    let started = env.sentinel("started");
-    let bg = env.spawn([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        &background_writer(&img_file, &started),
-    ]);
-    wait_for_file(&started);
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], background_writer);
     wait_until("the background job writes", || lines(&img_file) > 2);
     // stowage alone, not its group (the command is in that group).
     bg.signal(libc::SIGKILL);
@@ -100,19 +108,7 @@ fn sigkill_of_stowage_with_no_inherit_leaves_no_writer_behind() {
 #[test]
 fn sigterm_of_stowage_with_no_inherit_ends_the_background_job_too() {
     let env = Env::new();
-    let img_file = env.root.join("img/app/log");
-    let started = env.sentinel("started");
-    let bg = env.spawn([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        &background_writer(&img_file, &started),
-    ]);
-    wait_for_file(&started);
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], background_writer);
     wait_until("the background job writes", || lines(&img_file) > 2);
     bg.signal(libc::SIGTERM);
     let out = bg.finish();
@@ -158,19 +154,7 @@ fn no_inherit_holds_the_locks_until_the_whole_tree_has_exited() {
 #[test]
 fn a_killed_keeper_takes_the_command_tree_with_it() {
     let env = Env::new();
-    let img_file = env.root.join("img/app/log");
-    let started = env.sentinel("started");
-    let bg = env.spawn([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        &background_writer(&img_file, &started),
-    ]);
-    wait_for_file(&started);
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], background_writer);
     let keeper = processes_mentioning("__keeper")
         .into_iter()
         .find(|p| {
@@ -192,18 +176,7 @@ fn a_killed_keeper_takes_the_command_tree_with_it() {
 #[test]
 fn by_default_descendants_keep_the_inherited_locks() {
     let env = Env::new();
-    let img_file = env.root.join("img/app/log");
-    let started = env.sentinel("started");
-    let bg = env.spawn([
-        "exec",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        &background_writer(&img_file, &started),
-    ]);
-    wait_for_file(&started);
+    let (bg, img_file) = exec_writing(&env, &[], background_writer);
     bg.signal(libc::SIGKILL);
     let out = env.run(["exec", "--write", "app", "--no-wait", "--", "true"]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
@@ -615,27 +588,16 @@ fn a_trailing_slash_is_an_invalid_name() {
 #[test]
 fn a_daemonised_descendant_is_still_part_of_the_tree() {
     let env = Env::new();
-    let img_file = env.root.join("img/app/log");
-    let started = env.sentinel("started");
     // The command double-forks a writer into a session of its own and
     // exits at once, as a daemon does.
-    let script = env.sentinel("daemon.sh");
-    fs::write(&script, background_writer(&img_file, &started)).unwrap();
-    let daemon = format!(
-        "setsid sh '{}' </dev/null >/dev/null 2>&1 &",
-        script.display()
-    );
-    let mut bg = env.spawn([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        &daemon,
-    ]);
-    wait_for_file(&started);
+    let daemon = env.sentinel("daemon.sh");
+    let (mut bg, img_file) = exec_writing(&env, &["--no-inherit"], |log, started| {
+        fs::write(&daemon, background_writer(log, started)).unwrap();
+        format!(
+            "setsid sh '{}' </dev/null >/dev/null 2>&1 &",
+            daemon.display()
+        )
+    });
     wait_until("the daemon writes", || lines(&img_file) > 2);
     // The command has exited, but its daemon writes: the image stays held.
     assert!(bg.is_running(), "stowage returned while the daemon writes");
@@ -650,25 +612,14 @@ fn a_daemonised_descendant_is_still_part_of_the_tree() {
 #[test]
 fn a_kill_of_stowages_whole_group_still_ends_a_daemonised_descendant() {
     let env = Env::new();
-    let img_file = env.root.join("img/app/log");
-    let started = env.sentinel("started");
-    let script = env.sentinel("daemon.sh");
-    fs::write(&script, background_writer(&img_file, &started)).unwrap();
-    let daemon = format!(
-        "setsid sh '{}' </dev/null >/dev/null 2>&1 & wait",
-        script.display()
-    );
-    let bg = env.spawn([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        &daemon,
-    ]);
-    wait_for_file(&started);
+    let daemon = env.sentinel("daemon.sh");
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], |log, started| {
+        fs::write(&daemon, background_writer(log, started)).unwrap();
+        format!(
+            "setsid sh '{}' </dev/null >/dev/null 2>&1 & wait",
+            daemon.display()
+        )
+    });
     wait_until("the daemon writes", || lines(&img_file) > 2);
     // `kill -9 -PGID`: stowage and the command's shell die together; the
     // daemon left the group, the keeper leads its own.
@@ -681,24 +632,13 @@ fn a_kill_of_stowages_whole_group_still_ends_a_daemonised_descendant() {
 #[test]
 fn a_leftover_that_ignores_sigterm_is_killed_after_the_grace_period() {
     let env = Env::new();
-    let img_file = env.root.join("img/app/log");
-    let started = env.sentinel("started");
-    let stubborn = format!(
-        "( trap '' TERM; i=0; while [ $i -lt 6000 ]; do echo x >> '{f}'; sleep 0.01; i=$((i+1)); done ) </dev/null >/dev/null 2>&1 & touch '{s}'; wait",
-        f = img_file.display(),
-        s = started.display()
-    );
-    let bg = env.spawn([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        &stubborn,
-    ]);
-    wait_for_file(&started);
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], |log, started| {
+        format!(
+            "( trap '' TERM; i=0; while [ $i -lt 6000 ]; do echo x >> '{f}'; sleep 0.01; i=$((i+1)); done ) </dev/null >/dev/null 2>&1 & touch '{s}'; wait",
+            f = log.display(),
+            s = started.display()
+        )
+    });
     wait_until("the background job writes", || lines(&img_file) > 2);
     bg.signal(libc::SIGTERM);
     let t0 = std::time::Instant::now();
