@@ -79,15 +79,14 @@ impl Env {
 
     /// Creates a ready image with one file in it.
     pub fn make_image(&self, name: &str) {
-        self.ok([
-            "exec",
-            "--write",
-            name,
-            "--",
-            "sh",
-            "-c",
-            "echo content > \"$STOWAGE_IMAGE_DIR/file\"",
-        ]);
+        self.build(name, "echo content > \"$STOWAGE_IMAGE_DIR/file\"");
+    }
+
+    /// Runs `sh -c SCRIPT` as the writer of image NAME (which it finds at
+    /// `$STOWAGE_IMAGE_DIR`), creating the image if need be; fails the test
+    /// unless that exits 0, so the image is ready with what SCRIPT made.
+    pub fn build(&self, name: &str, script: &str) -> Output {
+        self.ok(["exec", "--write", name, "--", "sh", "-c", script])
     }
 
     /// Starts stowage in the background, in its own process group so a

@@ -128,16 +128,11 @@ fn a_clone_on_tmpfs_keeps_holes() {
         return;
     };
     let env = t.env();
-    env.ok([
-        "exec",
-        "--write",
+    env.build(
         "base",
-        "--",
-        "sh",
-        "-c",
         "cd \"$STOWAGE_IMAGE_DIR\" && truncate -s 3G sparse && \
          dd if=/dev/urandom of=sparse bs=1M count=1 seek=1024 conv=notrunc status=none",
-    ]);
+    );
     let out = env.run(["exec", "--write", "copy", "--from", "base", "--", "true"]);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     let a = fs::metadata(env.root.join("img/base/sparse")).unwrap();
@@ -310,15 +305,10 @@ fn gc_budget_counts_reflinked_extents_once() {
         return;
     };
     let env = mnt.env();
-    env.ok([
-        "exec",
-        "--write",
+    env.build(
         "base",
-        "--",
-        "sh",
-        "-c",
         "head -c 104857600 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
-    ]);
+    );
     let before = mnt.used();
     for c in ["c1", "c2", "c3"] {
         env.ok(["exec", "--write", c, "--from", "base", "--", "true"]);
@@ -405,15 +395,10 @@ fn images_does_not_overwrite_a_rewriters_size() {
         .unwrap();
     // `images` measures the small image, and stops before recording it.
     let (lister, go_on) = env.paused(["images", "--json"], "images-measured");
-    env.ok([
-        "exec",
-        "--write",
+    env.build(
         "app",
-        "--",
-        "sh",
-        "-c",
         "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
-    ]);
+    );
     let real = env.image("app").unwrap()["size_bytes"].as_u64().unwrap();
     assert!(real >= MIB);
     fs::remove_file(go_on).unwrap();

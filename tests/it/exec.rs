@@ -81,7 +81,7 @@ fn environment_and_new_image_directory() {
          ls -A \"$STOWAGE_IMAGE_DIR\" | wc -l; [ -d \"$STOWAGE_IMAGE_DIR\" ] && echo isdir; }} > '{}'",
         report.display()
     );
-    env.ok(["exec", "--write", "team/app:v1", "--", "sh", "-c", &script]);
+    env.build("team/app:v1", &script);
     let text = fs::read_to_string(&report).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines[0], format!("root={}", env.root.display()));

@@ -671,15 +671,7 @@ fn a_mount_inside_an_image_stops_its_deletion() {
         return;
     }
     let env = Env::new();
-    env.ok([
-        "exec",
-        "--write",
-        "a",
-        "--",
-        "sh",
-        "-c",
-        "mkdir \"$STOWAGE_IMAGE_DIR/mnt\"",
-    ]);
+    env.build("a", "mkdir \"$STOWAGE_IMAGE_DIR/mnt\"");
     // A build that bind-mounted a directory of the same filesystem into its
     // tree and died before unmounting it.
     let v = victim(&env);
@@ -733,15 +725,7 @@ fn a_write_whose_images_directory_vanished_keeps_its_row() {
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
     assert_eq!(env.state("base").as_deref(), Some("ready"));
     // A command that really deletes its image still removes the row.
-    env.ok([
-        "exec",
-        "--write",
-        "base",
-        "--",
-        "sh",
-        "-c",
-        "rm -r \"$STOWAGE_IMAGE_DIR\"",
-    ]);
+    env.build("base", "rm -r \"$STOWAGE_IMAGE_DIR\"");
     assert_eq!(env.state("base"), None);
 }
 
@@ -760,18 +744,10 @@ fn an_images_directory_on_another_filesystem_is_emptied_in_place_safely() {
     let img = ext.join("img");
     env.ok(["init", "--images-dir", img.to_str().unwrap()]);
     let v = victim(&env);
-    env.ok([
-        "exec",
-        "--write",
-        "a",
-        "--",
-        "sh",
-        "-c",
-        &format!(
+    env.build("a", &format!(
             "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/f\" && ln -s '{}' \"$STOWAGE_IMAGE_DIR/d/link\"",
             v.display()
-        ),
-    ]);
+        ));
     // The trash is on the root's filesystem: the tree cannot be renamed
     // there, and is deleted where it is, under the lock.
     env.ok(["rm", "a"]);

@@ -90,15 +90,7 @@ fn an_outside_images_directory_gets_nothing_of_stowages_own() {
         "-c",
         "touch \"$STOWAGE_IMAGE_DIR/built\"",
     ]);
-    let out = env.ok([
-        "exec",
-        "--write",
-        "x",
-        "--",
-        "sh",
-        "-c",
-        "echo \"$STOWAGE_IMAGES_DIR\"",
-    ]);
+    let out = env.build("x", "echo \"$STOWAGE_IMAGES_DIR\"");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), img_arg);
 
     let mut entries: Vec<String> = fs::read_dir(&img)

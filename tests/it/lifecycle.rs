@@ -18,7 +18,7 @@ fn make_rich_base(env: &Env, outside: &Path) {
          touch -d '2020-01-02 03:04:05' etc/private/key",
         outside.display()
     );
-    env.ok(["exec", "--write", "base", "--", "sh", "-c", &script]);
+    env.build("base", &script);
 }
 
 #[test]
@@ -102,16 +102,11 @@ fn a_clone_keeps_device_nodes_and_ownership_as_root() {
         return;
     }
     let env = Env::new();
-    env.ok([
-        "exec",
-        "--write",
+    env.build(
         "base",
-        "--",
-        "sh",
-        "-c",
         "cd \"$STOWAGE_IMAGE_DIR\" && mkdir dev && mknod dev/null c 1 3 && chmod 666 dev/null \
          && echo x > owned && chown 1234:5678 owned",
-    ]);
+    );
     env.ok(["exec", "--write", "copy", "--from", "base", "--", "true"]);
     let node = fs::symlink_metadata(env.root.join("img/copy/dev/null")).unwrap();
     assert!(std::os::unix::fs::FileTypeExt::is_char_device(
@@ -153,15 +148,7 @@ fn from_rules() {
     }
     assert_eq!(env.state("a"), None);
     // Rebuilding an existing image from a base replaces its content.
-    env.ok([
-        "exec",
-        "--write",
-        "a",
-        "--",
-        "sh",
-        "-c",
-        "touch \"$STOWAGE_IMAGE_DIR/stale\"",
-    ]);
+    env.build("a", "touch \"$STOWAGE_IMAGE_DIR/stale\"");
     env.ok(["exec", "--write", "a", "--from", "base", "--", "true"]);
     assert!(!env.root.join("img/a/stale").exists());
     assert!(env.root.join("img/a/file").exists());
@@ -170,15 +157,10 @@ fn from_rules() {
 #[test]
 fn a_clone_killed_midway_is_never_ready() {
     let env = Env::new();
-    env.ok([
-        "exec",
-        "--write",
+    env.build(
         "base",
-        "--",
-        "sh",
-        "-c",
         "for i in 1 2 3 4 5; do echo $i > \"$STOWAGE_IMAGE_DIR/f$i\"; done",
-    ]);
+    );
     let (bg, _) = env.paused(
         ["exec", "--write", "app", "--from", "base", "--", "true"],
         "clone-copying",
@@ -237,7 +219,7 @@ fn rm_removes_everything_of_the_image_and_nothing_else() {
          mkdir \"$STOWAGE_IMAGE_DIR/sub\"; ln -s '{o}' \"$STOWAGE_IMAGE_DIR/sub/deeper\"",
         o = outside.display()
     );
-    env.ok(["exec", "--write", "app", "--", "sh", "-c", &script]);
+    env.build("app", &script);
     env.make_image("other");
     env.ok(["rm", "app"]);
     assert_eq!(env.state("app"), None);
@@ -623,15 +605,7 @@ fn a_damaged_database_is_reported_and_rebuilt_without_losing_an_image() {
     }
     env.ok(["exec", "--write", "alpine:3.17", "--", "true"]);
     env.ok(["exec", "--read", "alpine:3.17", "--", "true"]);
-    let out = env.ok([
-        "exec",
-        "--write",
-        "x",
-        "--",
-        "sh",
-        "-c",
-        "echo \"$STOWAGE_IMAGES_DIR\"",
-    ]);
+    let out = env.build("x", "echo \"$STOWAGE_IMAGES_DIR\"");
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
         storage.to_str().unwrap(),
@@ -704,15 +678,7 @@ fn a_write_whose_command_deletes_the_image_removes_it() {
     // stowage exec --write IMG -- ch-image delete IMG
     let env = Env::new();
     env.make_image("app");
-    env.ok([
-        "exec",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        "rm -rf \"$STOWAGE_IMAGE_DIR\"",
-    ]);
+    env.build("app", "rm -rf \"$STOWAGE_IMAGE_DIR\"");
     assert_eq!(env.state("app"), None);
     assert!(!env.lock_file("app").exists());
     assert_eq!(env.run(["doctor"]).status.code(), Some(0));
@@ -744,24 +710,8 @@ fn a_clone_whose_command_cannot_start_is_incomplete_not_restored() {
     // The copy changed the image before the command failed to start: its
     // old state must not come back with the base's content in it.
     let env = Env::new();
-    env.ok([
-        "exec",
-        "--write",
-        "base",
-        "--",
-        "sh",
-        "-c",
-        "echo BASE > \"$STOWAGE_IMAGE_DIR/content\"",
-    ]);
-    env.ok([
-        "exec",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        "echo APP > \"$STOWAGE_IMAGE_DIR/content\"",
-    ]);
+    env.build("base", "echo BASE > \"$STOWAGE_IMAGE_DIR/content\"");
+    env.build("app", "echo APP > \"$STOWAGE_IMAGE_DIR/content\"");
     for image in ["app", "fresh"] {
         let out = env.run([
             "exec",

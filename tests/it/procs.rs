@@ -439,7 +439,7 @@ fn sigterm_stops_a_from_copy_promptly() {
         "cd \"$STOWAGE_IMAGE_DIR\" && for d in $(seq 1 40); do mkdir d$d; for f in $(seq 1 {}); do echo $d$f > d$d/f$f; done; done",
         files / 40
     );
-    env.ok(["exec", "--write", "base", "--", "sh", "-c", &script]);
+    env.build("base", &script);
     let (bg, pause) = env.paused(
         ["exec", "--write", "copy", "--from", "base", "--", "true"],
         "clone-copying",

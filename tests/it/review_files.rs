@@ -15,15 +15,7 @@ fn rebuilding_from_a_base_never_empties_a_mount_at_the_top_of_the_image() {
     }
     let env = Env::new();
     env.make_image("base");
-    env.ok([
-        "exec",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        "mkdir \"$STOWAGE_IMAGE_DIR/mnt\"",
-    ]);
+    env.build("app", "mkdir \"$STOWAGE_IMAGE_DIR/mnt\"");
     // A build bind-mounted a directory into its tree, directly under the
     // image directory, and died before unmounting it.
     let v = victim(&env);
@@ -297,15 +289,10 @@ fn one_tree_that_cannot_leave_the_trash_keeps_neither_the_others_nor_the_report(
     }
     let env = Env::new();
     for name in ["a", "b"] {
-        env.ok([
-            "exec",
-            "--write",
+        env.build(
             name,
-            "--",
-            "sh",
-            "-c",
             "mkdir \"$STOWAGE_IMAGE_DIR/d\" && echo x > \"$STOWAGE_IMAGE_DIR/d/f\"",
-        ]);
+        );
     }
     let stuck = env.root.join("img/a/d/f");
     if !immutable(&stuck, true) {
@@ -393,15 +380,10 @@ fn nothing_is_removed_while_the_images_directory_is_unmounted() {
 fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
     for point in ["rm-marked", "rm-moved"] {
         let env = Env::new();
-        env.ok([
-            "exec",
-            "--write",
+        env.build(
             "big",
-            "--",
-            "sh",
-            "-c",
             "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\"",
-        ]);
+        );
         let (bg, _pause) = env.paused(["rm", "big"], point);
         bg.kill_all();
         let out = env.ok(["gc", "--json"]);
@@ -438,15 +420,7 @@ fn a_rebuild_killed_after_the_damaged_database_was_set_aside_loses_no_image() {
         "{}",
         show(&out)
     );
-    let out = env.ok([
-        "exec",
-        "--write",
-        "x",
-        "--",
-        "sh",
-        "-c",
-        "echo \"$STOWAGE_IMAGES_DIR\"",
-    ]);
+    let out = env.build("x", "echo \"$STOWAGE_IMAGES_DIR\"");
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
         storage.to_str().unwrap()
@@ -596,15 +570,10 @@ fn a_copy_from_a_base_leaves_out_a_filesystem_mounted_inside_it() {
         return;
     }
     let env = Env::new();
-    env.ok([
-        "exec",
-        "--write",
+    env.build(
         "base",
-        "--",
-        "sh",
-        "-c",
         "mkdir \"$STOWAGE_IMAGE_DIR/mnt\" && echo own > \"$STOWAGE_IMAGE_DIR/own\"",
-    ]);
+    );
     // A build left a filesystem mounted in the base's tree.
     let Some(_t) = Mount::at(
         &["-t", "tmpfs", "-o", "size=1m", "tmpfs"],
