@@ -147,12 +147,41 @@ impl Env {
     /// creates sentinel `started` and waits (bounded) for sentinel
     /// `release`; returns once CMD runs, so the locks are held.
     pub fn hold(&self, locks: &[&str], started: &str) -> Bg {
+        let bg = self.spawn(self.hold_args(locks, started));
+        wait_for_file(&self.sentinel(started));
+        bg
+    }
+
+    /// Like [`Env::hold`], with `tweak` applied to the stowage command
+    /// first (an environment variable, say); stdin is /dev/null. Returns
+    /// once the command runs, so the locks are held.
+    pub fn hold_with(&self, locks: &[&str], started: &str, tweak: impl FnOnce(&mut Command)) -> Bg {
+        let mut c = self.cmd(self.hold_args(locks, started));
+        tweak(&mut c);
+        let bg = Bg::from_command(c);
+        wait_for_file(&self.sentinel(started));
+        bg
+    }
+
+    fn hold_args(&self, locks: &[&str], started: &str) -> Vec<String> {
         let mut args: Vec<String> = vec!["exec".into()];
         args.extend(locks.iter().map(|s| s.to_string()));
         args.push("--".into());
         args.extend(self.hold_cmd(started, "release"));
-        let bg = self.spawn(&args);
-        wait_for_file(&self.sentinel(started));
+        args
+    }
+
+    /// Starts `stowage exec LOCKS... -- sh -c SCRIPT` in the background,
+    /// where SCRIPT is `script(STARTED)` and touches the sentinel file
+    /// STARTED once under way; returns once it has.
+    pub fn start_sh(&self, locks: &[&str], script: impl FnOnce(&Path) -> String) -> Bg {
+        let started = self.sentinel("started");
+        let script = script(&started);
+        let mut args = vec!["exec"];
+        args.extend(locks);
+        args.extend(["--", "sh", "-c", &script]);
+        let bg = self.spawn(args);
+        wait_for_file(&started);
         bg
     }
 

@@ -363,14 +363,14 @@ fn gc_budget_counts_reflinked_extents_once() {
 fn gc_does_not_overwrite_a_finished_writers_size() {
     let env = Env::new();
     // A writer at work on a new image (its size unknown until it ends).
-    let script = format!(
-        "touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; \
-         head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
-        s = env.sentinel("started").display(),
-        r = env.sentinel("release").display()
-    );
-    let writer = env.spawn(["exec", "--write", "new", "--", "sh", "-c", &script]);
-    wait_for_file(&env.sentinel("started"));
+    let writer = env.start_sh(&["--write", "new"], |started| {
+        format!(
+            "touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; \
+             head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+            s = started.display(),
+            r = env.sentinel("release").display()
+        )
+    });
     // gc measures the image while it is still empty, and stops there.
     let (gc, go_on) = env.paused(["gc"], "gc-measured");
     // The writer finishes and records its real size.
@@ -410,12 +410,12 @@ fn images_does_not_overwrite_a_rewriters_size() {
 #[test]
 fn an_incomplete_image_has_a_size() {
     let env = Env::new();
-    let script = format!(
-        "head -c 262144 /dev/urandom > \"$STOWAGE_IMAGE_DIR/part\"; touch '{}'; sleep 60",
-        env.sentinel("started").display()
-    );
-    let writer = env.spawn(["exec", "--write", "half", "--", "sh", "-c", &script]);
-    wait_for_file(&env.sentinel("started"));
+    let writer = env.start_sh(&["--write", "half"], |started| {
+        format!(
+            "head -c 262144 /dev/urandom > \"$STOWAGE_IMAGE_DIR/part\"; touch '{}'; sleep 60",
+            started.display()
+        )
+    });
     writer.kill_all();
     let img = env.image("half").unwrap();
     assert_eq!(img["state"], "incomplete", "{img}");
@@ -457,12 +457,9 @@ fn a_build_that_fills_the_filesystem_does_not_wedge_the_store() {
     env.make_image("base");
     // A writer at work, to be killed once the filesystem is full: whoever
     // looks next must record that it is gone.
-    let script = format!(
-        "touch '{}'; exec sleep 60",
-        env.sentinel("started").display()
-    );
-    let writer = env.spawn(["exec", "--write", "killed", "--", "sh", "-c", &script]);
-    wait_for_file(&env.sentinel("started"));
+    let writer = env.start_sh(&["--write", "killed"], |started| {
+        format!("touch '{}'; exec sleep 60", started.display())
+    });
     // The build writes until the filesystem is full.
     let fill = [
         "exec",
@@ -529,12 +526,9 @@ fn reading_commands_work_when_even_the_reserve_is_gone() {
     };
     let env = t.env();
     env.make_image("base");
-    let script = format!(
-        "touch '{}'; exec sleep 60",
-        env.sentinel("started").display()
-    );
-    let writer = env.spawn(["exec", "--write", "killed", "--", "sh", "-c", &script]);
-    wait_for_file(&env.sentinel("started"));
+    let writer = env.start_sh(&["--write", "killed"], |started| {
+        format!("touch '{}'; exec sleep 60", started.display())
+    });
     writer.kill_all();
     // The filesystem full, and no reserve left to use.
     let _ = fs::remove_file(env.root.join("reserve"));

@@ -244,10 +244,9 @@ fn waiter_gets_the_lock_when_the_holder_finishes() {
 #[test]
 fn sigterm_is_forwarded_and_gives_143() {
     let env = Env::new();
-    let started = env.sentinel("started");
-    let script = format!("touch '{}'; exec sleep 60", started.display());
-    let bg = env.spawn(["exec", "--write", "app", "--", "sh", "-c", &script]);
-    wait_for_file(&started);
+    let bg = env.start_sh(&["--write", "app"], |started| {
+        format!("touch '{}'; exec sleep 60", started.display())
+    });
     bg.signal(libc::SIGTERM);
     let out = bg.finish();
     assert_eq!(out.status.code(), Some(143), "{}", show(&out));

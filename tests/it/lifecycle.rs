@@ -482,14 +482,11 @@ fn gc_removes_least_recently_used_until_the_budget_fits() {
 #[test]
 fn gc_never_touches_a_locked_image_even_the_oldest() {
     let env = lru_store();
-    let mut args = vec!["exec".to_string(), "--read".into(), "a".into(), "--".into()];
-    args.extend(env.hold_cmd("started", "release"));
     // The reader's use of 'a' is dated before the others', so 'a' stays
     // the least recently used.
-    let mut c = env.cmd(&args);
-    c.env("STOWAGE_NOW", "2026-01-01T00:00:00Z");
-    let reader = Bg::from_command(c);
-    wait_for_file(&env.sentinel("started"));
+    let reader = env.hold_with(&["--read", "a"], "started", |c| {
+        c.env("STOWAGE_NOW", "2026-01-01T00:00:00Z");
+    });
     let report = gc_json(&env, &["--max-size", "2.5M"], "2026-02-01T00:00:00Z");
     assert_eq!(
         removed(&report),

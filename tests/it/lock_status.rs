@@ -129,17 +129,9 @@ fn a_record_from_another_host_whose_lock_is_free_is_dropped() {
     let env = Env::new();
     // A build on "another host" dies with its command: its record stays,
     // its pid cannot be checked from here, but its lock is free.
-    let mut args = vec![
-        "exec".to_string(),
-        "--write".into(),
-        "app".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let mut c = env.cmd(&args);
-    c.env("STOWAGE_HOSTNAME", "node07.elsewhere");
-    let remote = Bg::from_command(c);
-    wait_for_file(&env.sentinel("started"));
+    let remote = env.hold_with(&["--write", "app"], "started", |c| {
+        c.env("STOWAGE_HOSTNAME", "node07.elsewhere");
+    });
 
     // While its lock is held, the record is shown with its host.
     let entry = env.lock_entry("app").unwrap();

@@ -24,17 +24,9 @@ fn migration_waits_for_image_lock_holders() {
     assert_eq!(schema_version(&env), 1);
 
     // An older stowage holds an image lock...
-    let mut args = vec![
-        "exec".to_string(),
-        "--read".into(),
-        "base".into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd("started", "release"));
-    let mut c = env.cmd(&args);
-    c.env(OLD.0, OLD.1);
-    let old = Bg::from_command(c);
-    wait_for_file(&env.sentinel("started"));
+    let old = env.hold_with(&["--read", "base"], "started", |c| {
+        c.env(OLD.0, OLD.1);
+    });
 
     // ...so a newer one must wait before migrating, even for another image.
     let log = fs::File::create(env.sentinel("new.log")).unwrap();
