@@ -405,6 +405,21 @@ pub fn flock_free(path: &Path) -> bool {
     st.success()
 }
 
+/// Starts flock(1), an outside program, holding `path` exclusively while
+/// it runs `sh -c "touch STARTED; THEN"`; returns once STARTED exists, so
+/// the lock is held until THEN ends or the holder is killed.
+pub fn flock_holder(path: &Path, started: &Path, then: &str) -> Bg {
+    let mut c = Command::new("flock");
+    c.arg("-x").arg(path).args([
+        "sh",
+        "-c",
+        &format!("touch '{}'; {then}", started.display()),
+    ]);
+    let bg = Bg::from_command(c);
+    wait_for_file(started);
+    bg
+}
+
 /// Every path under `dir` (relative), for "nothing created or deleted".
 pub fn tree(dir: &Path) -> Vec<String> {
     if !dir.exists() {

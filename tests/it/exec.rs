@@ -414,14 +414,7 @@ fn a_signal_before_the_command_starts_undoes_the_start() {
         "exec-before-spawn",
     );
     let started = env.sentinel("global-held");
-    let mut f = std::process::Command::new("flock");
-    f.arg("-x").arg(env.root.join("locks/global.lock")).args([
-        "sh",
-        "-c",
-        &format!("touch '{}'; sleep 0.5", started.display()),
-    ]);
-    let global = Bg::from_command(f);
-    wait_for_file(&started);
+    let global = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 0.5");
     bg.signal(libc::SIGTERM);
     let out = bg.finish();
     assert_eq!(out.status.code(), Some(143), "{}", show(&out));

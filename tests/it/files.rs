@@ -596,14 +596,14 @@ fn an_interrupted_or_timed_out_wait_leaves_no_lock_file_or_gate() {
     // gate the waiting writer made goes with it.
     let lock = env.lock_file("ghost");
     let started = env.sentinel("flock-started");
-    let mut c = Command::new("flock");
-    c.arg(&lock).arg("-c").arg(format!(
-        "touch '{}'; i=0; while [ ! -e '{}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
-        started.display(),
-        env.sentinel("flock-release").display()
-    ));
-    let outside = Bg::from_command(c);
-    wait_for_file(&started);
+    let outside = flock_holder(
+        &lock,
+        &started,
+        &format!(
+            "i=0; while [ ! -e '{}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            env.sentinel("flock-release").display()
+        ),
+    );
     let out = env.run(["exec", "--write", "ghost", "--wait", "0.2", "--", "true"]);
     assert_eq!(code(&out), Some(75), "{}", show(&out));
     let gate = env.root.join("locks/images/ghost.gate");

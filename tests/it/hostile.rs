@@ -275,14 +275,7 @@ fn a_stuck_global_lock_holder_bounds_a_bounded_exec() {
     let env = Env::new();
     env.make_image("a");
     let started = env.sentinel("started");
-    let mut c = Command::new("flock");
-    c.arg("-x").arg(env.root.join("locks/global.lock")).args([
-        "sh",
-        "-c",
-        &format!("touch '{}'; sleep 60", started.display()),
-    ]);
-    let stuck = Bg::from_command(c);
-    wait_for_file(&started);
+    let stuck = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 60");
     let t0 = Instant::now();
     let out = env.run(["exec", "--read", "a", "--wait", "0.3", "--", "true"]);
     let took = t0.elapsed();

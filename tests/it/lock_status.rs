@@ -81,14 +81,7 @@ fn a_lock_taken_with_flock_shows_as_held() {
     let env = Env::new();
     env.make_image("app");
     let started = env.sentinel("started");
-    let mut c = Command::new("flock");
-    c.arg("-x").arg(env.lock_file("app")).args([
-        "sh",
-        "-c",
-        &format!("touch '{}'; sleep 60", started.display()),
-    ]);
-    let outsider = Bg::from_command(c);
-    wait_for_file(&started);
+    let outsider = flock_holder(&env.lock_file("app"), &started, "sleep 60");
 
     let entry = env.lock_entry("app").unwrap();
     assert_eq!(entry["state"], "exclusive", "{entry}");

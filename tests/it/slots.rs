@@ -345,18 +345,14 @@ fn a_slot_released_by_flock_1_wakes_its_waiter() {
     let dir = env.root.join("locks/slots/one");
     fs::create_dir_all(&dir).unwrap();
     let release = env.sentinel("release");
-    let mut holder = std::process::Command::new("flock");
-    holder.arg("-x").arg(dir.join("0.lock")).args([
-        "sh",
-        "-c",
+    let holder = flock_holder(
+        &dir.join("0.lock"),
+        &env.sentinel("held"),
         &format!(
-            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.01; done",
-            env.sentinel("held").display(),
+            "while [ ! -e '{}' ]; do sleep 0.01; done",
             release.display()
         ),
-    ]);
-    let holder = Bg::from_command(holder);
-    wait_for_file(&env.sentinel("held"));
+    );
     let waiter = env.spawn(["exec", "--slot", "one", "--wait", "20", "--", "true"]);
     wait_until("the exec waits for the slot", || {
         env.status_json(Vec::<String>::new())["locks"]
