@@ -193,6 +193,26 @@ impl Env {
         });
     }
 
+    /// lock-status's entry for slot class `class`, if it shows one.
+    pub fn slot_entry(&self, class: &str) -> Option<Value> {
+        let st = self.status_json(Vec::<&str>::new());
+        st["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["kind"] == "slot" && l["name"] == class)
+            .cloned()
+    }
+
+    /// Waits (bounded) until lock-status shows at least `n` waiters on
+    /// slot class `class`.
+    pub fn wait_for_slot_waiters(&self, class: &str, n: usize) {
+        wait_until(&format!("{n} waiter(s) on slot class '{class}'"), || {
+            self.slot_entry(class)
+                .is_some_and(|e| e["waiters"].as_array().unwrap().len() >= n)
+        });
+    }
+
     pub fn release(&self, release: &str) {
         fs::write(self.sentinel(release), "").unwrap();
     }

@@ -322,22 +322,6 @@ fn migration_waits_for_an_older_release_holding_only_a_slot() {
 }
 
 /// The lock-status entry of a slot class, if shown.
-fn slot_entry(env: &Env, class: &str) -> Option<serde_json::Value> {
-    let st = env.status_json(Vec::<&str>::new());
-    st["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["kind"] == "slot" && l["name"] == class)
-        .cloned()
-}
-
-fn wait_for_slot_waiters(env: &Env, class: &str, n: usize) {
-    wait_until(&format!("{n} waiter(s) on slot class '{class}'"), || {
-        slot_entry(env, class).is_some_and(|e| e["waiters"].as_array().unwrap().len() >= n)
-    });
-}
-
 /// `exec --slot CLASS -- <hold until sentinel RELEASE>` in the background,
 /// returning once it holds its slot.
 fn slot_holder(env: &Env, class: &str, started: &str, release: &str) -> Bg {
@@ -359,7 +343,7 @@ fn a_raised_or_lifted_slot_limit_lets_queued_waiters_in() {
     env.ok(["slots", "set", "one", "1"]);
     let mut holder = slot_holder(&env, "one", "held", "release");
     let first = env.spawn(["exec", "--slot", "one", "--", "true"]);
-    wait_for_slot_waiters(&env, "one", 1);
+    env.wait_for_slot_waiters("one", 1);
     env.ok(["slots", "set", "one", "2"]);
     let out = first.finish();
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
@@ -370,7 +354,7 @@ fn a_raised_or_lifted_slot_limit_lets_queued_waiters_in() {
 
     let second = slot_holder(&env, "one", "second", "release");
     let third = env.spawn(["exec", "--slot", "one", "--", "true"]);
-    wait_for_slot_waiters(&env, "one", 1);
+    env.wait_for_slot_waiters("one", 1);
     env.ok(["slots", "set", "one", "0"]);
     let out = third.finish();
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
@@ -395,14 +379,14 @@ fn a_lowered_slot_limit_binds_queued_waiters() {
         "touch",
         env.sentinel("waiter-ran").to_str().unwrap(),
     ]);
-    wait_for_slot_waiters(&env, "two", 1);
+    env.wait_for_slot_waiters("two", 1);
     env.ok(["slots", "set", "two", "1"]);
     env.release("release-a");
     assert_eq!(a.finish().status.code(), Some(0));
     // One slot is still in use (b keeps it), and the limit is 1 now: the
     // waiter must stay out however often it is woken. Watch it a while.
     for _ in 0..20 {
-        let e = slot_entry(&env, "two").unwrap();
+        let e = env.slot_entry("two").unwrap();
         assert_eq!(e["in_use"], 1, "{e}");
         assert!(
             !env.sentinel("waiter-ran").exists(),
@@ -423,7 +407,7 @@ fn a_removed_class_shows_its_holders_until_they_end_and_ends_its_waits() {
     env.ok(["slots", "set", "one", "1"]);
     let holder = slot_holder(&env, "one", "held", "release");
     let waiter = env.spawn(["exec", "--slot", "one", "--", "true"]);
-    wait_for_slot_waiters(&env, "one", 1);
+    env.wait_for_slot_waiters("one", 1);
     env.ok(["slots", "rm", "one"]);
     let out = waiter.finish();
     assert_eq!(out.status.code(), Some(64), "{}", show(&out));
@@ -432,13 +416,15 @@ fn a_removed_class_shows_its_holders_until_they_end_and_ends_its_waits() {
         "{}",
         show(&out)
     );
-    let e = slot_entry(&env, "one").expect("the removed class is shown while held");
+    let e = env
+        .slot_entry("one")
+        .expect("the removed class is shown while held");
     assert_eq!(e["holders"].as_array().unwrap().len(), 1, "{e}");
     let text = String::from_utf8_lossy(&env.ok(["lock-status"]).stdout).into_owned();
     assert!(text.contains("one (removed)"), "{text}");
     env.release("release");
     assert_eq!(holder.finish().status.code(), Some(0));
-    assert!(slot_entry(&env, "one").is_none());
+    assert!(env.slot_entry("one").is_none());
 }
 
 /// A pids cgroup (v1) of this test, removed when dropped. `None` (the test
@@ -503,7 +489,7 @@ fn a_slot_waiter_under_a_pids_limit_still_waits_and_gets_in() {
         root = env.root.display(),
         ran = env.sentinel("ran").display()
     )));
-    wait_for_slot_waiters(&env, "eight", 1);
+    env.wait_for_slot_waiters("eight", 1);
     env.release("release");
     let out = waiter.finish();
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));

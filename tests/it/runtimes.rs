@@ -320,7 +320,7 @@ fn urgent_metadata_read_passes_a_saturated_load_class() {
     let out = output(inspect("normal", &["--no-wait"]));
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     let queued = Bg::from_command(inspect("normal", &[]));
-    pm.env.wait_for_waiter_on_slot("load/podman");
+    pm.env.wait_for_slot_waiters("load/podman", 1);
 
     // High priority takes the reserved slot at once and really reads the
     // archive's metadata, while the loads and the queued read go on.
@@ -337,22 +337,4 @@ fn urgent_metadata_read_passes_a_saturated_load_class() {
     }
     let out = queued.finish();
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-}
-
-trait SlotWaiter {
-    fn wait_for_waiter_on_slot(&self, class: &str);
-}
-
-impl SlotWaiter for Env {
-    /// Waits (bounded) until lock-status shows a waiter on slot `class`.
-    fn wait_for_waiter_on_slot(&self, class: &str) {
-        wait_until(&format!("a waiter on slot '{class}'"), || {
-            let status = self.status_json(Vec::<String>::new());
-            status["locks"].as_array().unwrap().iter().any(|l| {
-                l["kind"] == "slot"
-                    && l["name"] == class
-                    && !l["waiters"].as_array().unwrap().is_empty()
-            })
-        });
-    }
 }

@@ -87,25 +87,6 @@ fn holder(env: &Env, class: &str, priority: &str, tag: &str) -> Bg {
     )
 }
 
-/// The lock-status entry of the (only) slot class.
-fn slot_entry(env: &Env) -> serde_json::Value {
-    let st = env.status_json(Vec::<String>::new());
-    st["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["kind"] == "slot")
-        .unwrap()
-        .clone()
-}
-
-/// Waits (bounded) until lock-status shows a waiter on the slot class.
-fn wait_for_slot_waiter(env: &Env) {
-    wait_until("the slot waiter is recorded", || {
-        !slot_entry(env)["waiters"].as_array().unwrap().is_empty()
-    });
-}
-
 #[test]
 fn high_priority_gets_the_reserved_slot() {
     let env = Env::new();
@@ -145,7 +126,7 @@ fn high_priority_gets_the_reserved_slot() {
     ]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
 
-    let slot = slot_entry(&env);
+    let slot = env.slot_entry("pull").unwrap();
     assert_eq!(slot["name"], "pull");
     assert_eq!(slot["limit"], 2);
     assert_eq!(slot["reserve_high"], 1);
@@ -164,7 +145,7 @@ fn high_priority_gets_the_reserved_slot() {
     for bg in [a, b, c] {
         assert_eq!(bg.finish().status.code(), Some(0));
     }
-    let slot = slot_entry(&env);
+    let slot = env.slot_entry("pull").unwrap();
     assert_eq!(slot["in_use"], 0, "{slot}");
     assert_eq!(slot["state"], "free");
     assert!(slot["holders"].as_array().unwrap().is_empty());
@@ -184,8 +165,8 @@ fn a_waiter_shows_in_lock_status_and_gets_the_freed_slot() {
         "touch",
         ran.to_str().unwrap(),
     ]);
-    wait_for_slot_waiter(&env);
-    let slot = slot_entry(&env);
+    env.wait_for_slot_waiters("load/podman", 1);
+    let slot = env.slot_entry("load/podman").unwrap();
     let w = &slot["waiters"][0];
     assert_eq!(w["pid"], waiter.pid());
     assert_eq!(w["command"], format!("touch {}", ran.display()));
@@ -209,7 +190,7 @@ fn sigkill_of_a_holder_frees_its_slot() {
     assert_eq!(out.status.code(), Some(75));
     a.kill_all();
     env.ok(["exec", "--slot", "pull", "--no-wait", "--", "true"]);
-    let slot = slot_entry(&env);
+    let slot = env.slot_entry("pull").unwrap();
     assert!(
         slot["holders"].as_array().unwrap().is_empty(),
         "the dead holder's record is gone: {slot}"
@@ -242,7 +223,7 @@ fn waiting_for_a_slot_burns_no_cpu() {
     let a = holder(&env, "pull", "normal", "a");
     let b = holder(&env, "pull", "normal", "b");
     let waiter = env.spawn(["exec", "--slot", "pull", "--", "true"]);
-    wait_for_slot_waiter(&env);
+    env.wait_for_slot_waiters("pull", 1);
     let before = cpu_ticks(waiter.pid());
     std::thread::sleep(Duration::from_secs(2)); // the measurement window
     let used = cpu_ticks(waiter.pid()) - before;
@@ -354,13 +335,7 @@ fn a_slot_released_by_flock_1_wakes_its_waiter() {
         ),
     );
     let waiter = env.spawn(["exec", "--slot", "one", "--wait", "20", "--", "true"]);
-    wait_until("the exec waits for the slot", || {
-        env.status_json(Vec::<String>::new())["locks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|l| l["kind"] == "slot" && !l["waiters"].as_array().unwrap().is_empty())
-    });
+    env.wait_for_slot_waiters("one", 1);
     fs::write(&release, "").unwrap();
     let released = std::time::Instant::now();
     assert_eq!(holder.finish().status.code(), Some(0));
