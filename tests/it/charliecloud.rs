@@ -466,25 +466,6 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     assert!(!ch.img("worse").exists());
 }
 
-/// Is a process blocked in flock(2) on this file? /proc/locks lists each
-/// waiter as a "->" line naming the file's device (hex major:minor) and inode.
-fn someone_waits_for(path: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(md) = fs::metadata(path) else {
-        return false;
-    };
-    let id = format!(
-        "{:02x}:{:02x}:{}",
-        libc::major(md.dev()),
-        libc::minor(md.dev()),
-        md.ino()
-    );
-    fs::read_to_string("/proc/locks")
-        .unwrap()
-        .lines()
-        .any(|l| l.contains("->") && l.split_whitespace().any(|f| f == id))
-}
-
 #[test]
 fn a_base_that_loses_its_cache_link_while_awaited_is_locked_anew() {
     let Some(ch) = Ch::new() else { return };
@@ -860,8 +841,8 @@ fn a_store_wide_command_is_queued_among_builds() {
     // It waits for the build's locks, holding nothing they need.
     wait_until("the store-wide command waits for the build", || {
         ch.waiters("app-a").len() + ch.waiters("base").len() > 0
-            || someone_waits_for(&ch.env.lock_file("app-a"))
-            || someone_waits_for(&ch.env.lock_file("base"))
+            || flock_waited_on(&ch.env.lock_file("app-a"))
+            || flock_waited_on(&ch.env.lock_file("base"))
     });
     assert!(!ran.exists());
 
@@ -870,7 +851,7 @@ fn a_store_wide_command_is_queued_among_builds() {
     let second = Bg::from_command(ch.ch_build(["-t", "app-b"]));
     let store_lock = ch.env.root.join("locks/store.lock");
     wait_until("the second build waits for the store", || {
-        someone_waits_for(&store_lock)
+        flock_waited_on(&store_lock)
     });
     assert!(!ch.img("app-b").exists());
 
@@ -1196,8 +1177,7 @@ fn a_cache_mode_import_runs_store_wide() {
         "base2",
     ]));
     wait_until("the import waits for the build", || {
-        someone_waits_for(&ch.env.lock_file("app-a"))
-            || someone_waits_for(&ch.env.lock_file("base"))
+        flock_waited_on(&ch.env.lock_file("app-a")) || flock_waited_on(&ch.env.lock_file("base"))
     });
     assert!(!ch.img("base2").exists());
     ch.go("app-a", "a");

@@ -425,6 +425,26 @@ pub fn flock_free(path: &Path) -> bool {
     st.success()
 }
 
+/// Whether some process is blocked in flock(2) on this file right now:
+/// /proc/locks lists each waiter as a "->" line naming the file's device
+/// (hex major:minor) and inode. False if the file does not exist.
+pub fn flock_waited_on(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = fs::metadata(path) else {
+        return false;
+    };
+    let id = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(md.dev()),
+        libc::minor(md.dev()),
+        md.ino()
+    );
+    fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains("->") && l.split_whitespace().any(|f| f == id))
+}
+
 /// Starts flock(1), an outside program, holding `path` exclusively while
 /// it runs `sh -c "touch STARTED; THEN"`; returns once STARTED exists, so
 /// the lock is held until THEN ends or the holder is killed.

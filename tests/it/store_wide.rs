@@ -4,31 +4,11 @@
 //! exclusive read locks an image as a writer would but leaves its state.
 
 use std::fs;
-use std::path::Path;
 
 use crate::common::*;
 
 fn store_lock(env: &Env) -> std::path::PathBuf {
     env.root.join("locks/store.lock")
-}
-
-/// Is a process blocked in flock(2) on this file (a "->" line of
-/// /proc/locks naming its device and inode)?
-fn waited_on(path: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(md) = fs::metadata(path) else {
-        return false;
-    };
-    let id = format!(
-        "{:02x}:{:02x}:{}",
-        libc::major(md.dev()),
-        libc::minor(md.dev()),
-        md.ino()
-    );
-    fs::read_to_string("/proc/locks")
-        .unwrap()
-        .lines()
-        .any(|l| l.contains("->") && l.split_whitespace().any(|f| f == id))
 }
 
 /// `exec --store-wide -- sh -c 'touch STARTED; wait for RELEASE'`.
@@ -46,7 +26,7 @@ fn a_store_wide_command_waits_for_image_users_and_new_ones_wait_for_it() {
     let wide = store_wide_hold(&env, "wide", "wide-go");
     // It waits for the reader, holding nothing a reader or writer needs...
     wait_until("the store-wide command waits for 'a'", || {
-        waited_on(&env.lock_file("a"))
+        flock_waited_on(&env.lock_file("a"))
     });
     assert!(!env.sentinel("wide").exists());
     // ...and from now on no new image user starts: not a reader of a
@@ -75,7 +55,7 @@ fn a_store_wide_command_waits_for_image_users_and_new_ones_wait_for_it() {
             .lines()
             .filter(|l| l.contains("->"))
             .count();
-        waiting >= 2 && waited_on(&store_lock(&env))
+        waiting >= 2 && flock_waited_on(&store_lock(&env))
     });
     assert!(!env.root.join("img/b").exists());
     // lock-status shows the hold, its command and who queues for it.
@@ -299,7 +279,7 @@ fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
     wait_for_file(&env.sentinel("outer"));
     let wide = store_wide_hold(&env, "wide", "wide-go");
     wait_until("the store-wide command waits for 'a'", || {
-        waited_on(&env.lock_file("a"))
+        flock_waited_on(&env.lock_file("a"))
     });
     env.release("go");
     let out = outer.finish();
