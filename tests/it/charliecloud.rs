@@ -263,28 +263,34 @@ fn gated(base: &str) -> String {
     )
 }
 
-#[test]
-fn parallel_builds_from_one_base_share_it() {
-    let Some(ch) = Ch::new() else { return };
-    const N: usize = 6;
-    ch.dockerfile("Dockerfile", &gated("base"));
-    let builds: Vec<Bg> = (0..N)
+/// Builds app0..appN-1 FROM `base` at once with the [`gated`] Dockerfile.
+/// While all N are inside their RUN step, `base` must be locked shared by
+/// exactly N holders; then they are let go and each must succeed.
+fn build_in_parallel_from(ch: &Ch, base: &str, n: usize) {
+    ch.dockerfile("Dockerfile", &gated(base));
+    let builds: Vec<Bg> = (0..n)
         .map(|i| ch.build(&format!("app{i}"), &i.to_string()))
         .collect();
-    for i in 0..N {
+    for i in 0..n {
         ch.wait_started(&format!("app{i}"), &i.to_string());
     }
     // All of them are inside their RUN step at once, each reading the base.
-    let base = ch.env.lock_entry("base").unwrap();
-    assert_eq!(base["state"], "shared", "{base}");
-    assert_eq!(base["holders"].as_array().unwrap().len(), N, "{base}");
-
-    for i in 0..N {
+    let entry = ch.env.lock_entry(base).unwrap();
+    assert_eq!(entry["state"], "shared", "{entry}");
+    assert_eq!(entry["holders"].as_array().unwrap().len(), n, "{entry}");
+    for i in 0..n {
         ch.go(&format!("app{i}"), &i.to_string());
     }
     for b in builds {
         assert_ok(b.finish());
     }
+}
+
+#[test]
+fn parallel_builds_from_one_base_share_it() {
+    let Some(ch) = Ch::new() else { return };
+    const N: usize = 6;
+    build_in_parallel_from(&ch, "base", N);
     for i in 0..N {
         assert_eq!(ch.file(&format!("app{i}"), "id"), i.to_string());
         assert!(!ch.img(&format!("app{i}")).join(format!("go-{i}")).exists());
@@ -1054,22 +1060,7 @@ fn builds_from_a_cache_built_base_share_it() {
     let before = snapshot(&ch.img("mid"));
 
     const N: usize = 4;
-    ch.dockerfile("Dockerfile", &gated("mid"));
-    let builds: Vec<Bg> = (0..N)
-        .map(|i| ch.build(&format!("app{i}"), &i.to_string()))
-        .collect();
-    for i in 0..N {
-        ch.wait_started(&format!("app{i}"), &i.to_string());
-    }
-    let mid = ch.env.lock_entry("mid").unwrap();
-    assert_eq!(mid["state"], "shared", "{mid}");
-    assert_eq!(mid["holders"].as_array().unwrap().len(), N, "{mid}");
-    for i in 0..N {
-        ch.go(&format!("app{i}"), &i.to_string());
-    }
-    for b in builds {
-        assert_ok(b.finish());
-    }
+    build_in_parallel_from(&ch, "mid", N);
     for i in 0..N {
         assert_eq!(ch.file(&format!("app{i}"), "which"), "mid");
     }
