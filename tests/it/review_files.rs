@@ -427,6 +427,20 @@ fn a_rebuild_killed_after_the_damaged_database_was_set_aside_loses_no_image() {
     );
 }
 
+/// A fresh store for [`unprivileged`]: as root, its scratch directory (and
+/// so the root inside it) is handed to uid 65534, searchable by all, so
+/// that user makes the store and owns what it builds.
+fn unprivileged_env() -> Env {
+    let env = Env::new();
+    if is_root() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = env.tmp.path();
+        fs::set_permissions(t, fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::chown(t, Some(65534), Some(65534)).unwrap();
+    }
+    env
+}
+
 /// `stowage ARGS…` as an unprivileged user: as root, uid 65534 through
 /// setpriv (root needs no permission, so the case would not arise);
 /// otherwise as ourselves.
@@ -446,13 +460,7 @@ fn unprivileged(env: &Env, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn a_directory_without_permissions_in_ones_own_image_is_deleted() {
-    let env = Env::new();
-    if is_root() {
-        use std::os::unix::fs::PermissionsExt;
-        let t = env.tmp.path();
-        fs::set_permissions(t, fs::Permissions::from_mode(0o755)).unwrap();
-        std::os::unix::fs::chown(t, Some(65534), Some(65534)).unwrap();
-    }
+    let env = unprivileged_env();
     // A build that left a directory nobody may read or search.
     let out = unprivileged(
         &env,
@@ -529,13 +537,7 @@ fn the_root_seen_through_a_bind_mount_or_a_symlink_is_no_images_directory() {
 
 #[test]
 fn an_image_with_a_directory_one_may_not_read_still_has_a_size() {
-    let env = Env::new();
-    if is_root() {
-        use std::os::unix::fs::PermissionsExt;
-        let t = env.tmp.path();
-        fs::set_permissions(t, fs::Permissions::from_mode(0o755)).unwrap();
-        std::os::unix::fs::chown(t, Some(65534), Some(65534)).unwrap();
-    }
+    let env = unprivileged_env();
     let out = unprivileged(
         &env,
         &[
