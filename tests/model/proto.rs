@@ -738,6 +738,18 @@ impl Proto {
         }
     }
 
+    /// One image of gc's or doctor's pass over the images it listed: true
+    /// when process `p` listed `img` and took its exclusive lock without
+    /// waiting (the lock file made if missing). Otherwise the pass skips
+    /// the image and `p` goes on at `next`.
+    fn lock_listed(s: &mut State, p: usize, img: u8, next: Pc) -> bool {
+        if s.procs[p].listed & (1 << img) == 0 || Self::try_exclusive(s, p, img, true).is_none() {
+            s.procs[p].pc = next;
+            return false;
+        }
+        true
+    }
+
     /// Where a removal, or gc's or doctor's pass over the images, goes
     /// after image `i`.
     fn next_in_phase(&self, ret: Ret, i: u8) -> Pc {
@@ -1147,12 +1159,7 @@ impl Proto {
             }
             Pc::LockInterrupted(img) => {
                 let next = self.next_in_phase(Ret::Interrupted, img);
-                if s.procs[p].listed & (1 << img) == 0 {
-                    s.procs[p].pc = next;
-                    return;
-                }
-                if Self::try_exclusive(s, p, img, true).is_none() {
-                    s.procs[p].pc = next;
+                if !Self::lock_listed(s, p, img, next) {
                     return;
                 }
                 match s.rows[img as usize] {
@@ -1214,12 +1221,7 @@ impl Proto {
             }
             Pc::Collect(img) => {
                 let next = self.next_in_phase(Ret::Collect, img);
-                if s.procs[p].listed & (1 << img) == 0 {
-                    s.procs[p].pc = next;
-                    return;
-                }
-                if Self::try_exclusive(s, p, img, true).is_none() {
-                    s.procs[p].pc = next;
+                if !Self::lock_listed(s, p, img, next) {
                     return;
                 }
                 match s.rows[img as usize] {
