@@ -193,6 +193,18 @@ impl Env {
         });
     }
 
+    /// Makes the store with its images directory on a 4 MiB tmpfs of its
+    /// own (`images` in the scratch directory), so trees there are deleted
+    /// in place; `None`, with the reason printed, where this machine cannot
+    /// mount one.
+    pub fn init_on_tmpfs(&self) -> Option<Mount> {
+        let images = self.tmp.path().join("images");
+        fs::create_dir(&images).unwrap();
+        let m = Mount::tmpfs_at(&images, "4m")?;
+        self.ok(["init", "--images-dir", images.to_str().unwrap()]);
+        Some(m)
+    }
+
     /// lock-status's entry for slot class `class`, if it shows one.
     pub fn slot_entry(&self, class: &str) -> Option<Value> {
         let st = self.status_json(Vec::<&str>::new());
@@ -581,6 +593,19 @@ impl Mount {
             .status()
             .is_ok_and(|s| s.success());
         ok.then(|| Mount::adopt(target))
+    }
+
+    /// A tmpfs of `size` mounted on the existing directory `target`;
+    /// `None`, with the reason printed, where this machine cannot mount it.
+    pub fn tmpfs_at(target: &Path, size: &str) -> Option<Mount> {
+        let m = Mount::at(
+            &["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"],
+            target,
+        );
+        if m.is_none() {
+            eprintln!("skipping: cannot mount a tmpfs here");
+        }
+        m
     }
 
     /// Takes charge of a mount already at `dir`: unmounted on drop.

@@ -40,13 +40,10 @@ fn removing_in_place_never_empties_an_image_directory_that_is_a_mount() {
     let env = Env::new();
     // The images directory on another filesystem: trees are deleted in
     // place. The image's own directory is a bind mount of a victim.
-    let images = env.tmp.path().join("images");
-    fs::create_dir(&images).unwrap();
-    let Some(_fs) = Mount::at(&["-t", "tmpfs", "-o", "size=4m", "tmpfs"], &images) else {
-        eprintln!("skipping: cannot mount a tmpfs here");
+    let Some(tmpfs) = env.init_on_tmpfs() else {
         return;
     };
-    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    let images = tmpfs.dir.clone();
     env.make_image("app");
     let v = victim(&env);
     let Some(_m) = Mount::at(&["--bind", v.to_str().unwrap()], &images.join("app")) else {
@@ -330,14 +327,10 @@ fn nothing_is_removed_while_the_images_directory_is_unmounted() {
         return;
     }
     let env = Env::new();
-    let images = env.tmp.path().join("images");
-    fs::create_dir(&images).unwrap();
-    let tmpfs = ["-t", "tmpfs", "-o", "size=4m", "tmpfs"];
-    let Some(m) = Mount::at(&tmpfs, &images) else {
-        eprintln!("skipping: cannot mount a tmpfs here");
+    let Some(m) = env.init_on_tmpfs() else {
         return;
     };
-    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    let images = m.dir.clone();
     for name in ["a", "b", "c"] {
         env.make_image(name);
     }
@@ -577,11 +570,7 @@ fn a_copy_from_a_base_leaves_out_a_filesystem_mounted_inside_it() {
         "mkdir \"$STOWAGE_IMAGE_DIR/mnt\" && echo own > \"$STOWAGE_IMAGE_DIR/own\"",
     );
     // A build left a filesystem mounted in the base's tree.
-    let Some(_t) = Mount::at(
-        &["-t", "tmpfs", "-o", "size=1m", "tmpfs"],
-        &env.root.join("img/base/mnt"),
-    ) else {
-        eprintln!("skipping: cannot mount a tmpfs here");
+    let Some(_t) = Mount::tmpfs_at(&env.root.join("img/base/mnt"), "1m") else {
         return;
     };
     fs::write(env.root.join("img/base/mnt/big"), "mounted").unwrap();
