@@ -346,21 +346,36 @@ fn sleeper(started: &Path) -> String {
     format!("touch '{}'; sleep 20", started.display())
 }
 
+/// Starts `stowage exec --write app [--no-inherit] -- PREFIX… sh -c
+/// SLEEPER` with `pty` as its controlling terminal, and returns once the
+/// sleeper runs.
+fn exec_on_terminal(
+    env: &Env,
+    pty: &Pty,
+    no_inherit: bool,
+    prefix: &[&str],
+) -> std::process::Child {
+    let started = env.sentinel("started");
+    let mut c = env.cmd(["exec", "--write", "app"]);
+    if no_inherit {
+        c.arg("--no-inherit");
+    }
+    c.arg("--")
+        .args(prefix)
+        .args(["sh", "-c", &sleeper(&started)]);
+    let child = pty.start(c);
+    wait_for_file(&started);
+    child
+}
+
 #[test]
 fn ctrl_c_reaches_a_command_in_its_own_process_group() {
     for no_inherit in [false, true] {
         let env = Env::new();
-        let started = env.sentinel("started");
         let pty = Pty::new();
-        let mut c = env.cmd(["exec", "--write", "app"]);
-        if no_inherit {
-            c.arg("--no-inherit");
-        }
         // GNU timeout moves itself into a process group of its own: the
         // terminal's Ctrl-C reaches stowage's group only.
-        c.args(["--", "timeout", "60", "sh", "-c", &sleeper(&started)]);
-        let child = pty.start(c);
-        wait_for_file(&started);
+        let child = exec_on_terminal(&env, &pty, no_inherit, &["timeout", "60"]);
         pty.type_bytes(b"\x03");
         let out = wait_output(child, PATIENCE);
         assert_eq!(
@@ -377,15 +392,8 @@ fn ctrl_c_reaches_a_command_in_its_own_process_group() {
 fn closing_the_terminal_of_a_session_leading_stowage_ends_the_command() {
     for no_inherit in [false, true] {
         let env = Env::new();
-        let started = env.sentinel("started");
         let pty = Pty::new();
-        let mut c = env.cmd(["exec", "--write", "app"]);
-        if no_inherit {
-            c.arg("--no-inherit");
-        }
-        c.args(["--", "sh", "-c", &sleeper(&started)]);
-        let child = pty.start(c);
-        wait_for_file(&started);
+        let child = exec_on_terminal(&env, &pty, no_inherit, &[]);
         // The hangup goes to the session leader — stowage — alone.
         let Pty { master, .. } = pty;
         drop(master);
