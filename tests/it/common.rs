@@ -699,3 +699,19 @@ impl Drop for Mount {
         }
     }
 }
+
+/// Fails unless `out`, from `stowage ARGS…` run against `env`, whose root
+/// does not exist, is the refusal the spec fixes: exit 66 and one line on
+/// stderr saying the root does not exist and naming it; and the root is
+/// still not there afterwards.
+pub fn assert_missing_root_refused(env: &Env, args: &[&str], out: &Output) {
+    assert_eq!(code(out), Some(66), "{args:?}: {}", show(out));
+    let err = stderr(out);
+    assert!(
+        err.contains("does not exist") && err.contains(env.root.to_str().unwrap()),
+        "{args:?}: {}",
+        show(out)
+    );
+    assert_eq!(err.lines().count(), 1, "{args:?}: {}", show(out));
+    assert!(!env.root.exists(), "{args:?} created the root");
+}

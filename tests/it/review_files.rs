@@ -135,15 +135,7 @@ fn gc_on_a_missing_root_says_so_and_creates_nothing() {
         &["gc", "--max-size", "1G"],
     ] {
         let out = env.run(args);
-        assert_eq!(code(&out), Some(66), "{args:?}: {}", show(&out));
-        let err = stderr(&out);
-        assert!(
-            err.contains("does not exist") && err.contains(env.root.to_str().unwrap()),
-            "{args:?}: {}",
-            show(&out)
-        );
-        assert_eq!(err.lines().count(), 1, "{args:?}: {}", show(&out));
-        assert!(!env.root.exists(), "{args:?} created the root");
+        assert_missing_root_refused(&env, args, &out);
     }
 }
 
