@@ -86,7 +86,15 @@ impl Env {
     /// `$STOWAGE_IMAGE_DIR`), creating the image if need be; fails the test
     /// unless that exits 0, so the image is ready with what SCRIPT made.
     pub fn build(&self, name: &str, script: &str) -> Output {
-        self.ok(["exec", "--write", name, "--", "sh", "-c", script])
+        let out = self.run_sh(name, script);
+        assert_eq!(out.status.code(), Some(0), "stowage failed: {}", show(&out));
+        out
+    }
+
+    /// Runs `sh -c SCRIPT` as the writer of image NAME, as
+    /// [`Env::build`] does, and returns how it ended, whatever that was.
+    pub fn run_sh(&self, name: &str, script: &str) -> Output {
+        self.run(["exec", "--write", name, "--", "sh", "-c", script])
     }
 
     /// Starts stowage in the background, in its own process group so a

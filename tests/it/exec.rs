@@ -8,12 +8,7 @@ use crate::common::*;
 #[test]
 fn passes_the_child_status_through() {
     let env = Env::new();
-    assert_eq!(
-        env.run(["exec", "--write", "a", "--", "sh", "-c", "exit 7"])
-            .status
-            .code(),
-        Some(7)
-    );
+    assert_eq!(env.run_sh("a", "exit 7").status.code(), Some(7));
     assert_eq!(
         env.run(["exec", "--write", "a", "--", "true"])
             .status

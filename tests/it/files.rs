@@ -420,15 +420,7 @@ fn a_tree_that_cannot_be_looked_at_is_not_taken_for_deleted() {
 fn repair_adopts_a_failed_builds_tree_as_incomplete() {
     let env = Env::new();
     env.make_image("good");
-    let out = env.run([
-        "exec",
-        "--write",
-        "bad",
-        "--",
-        "sh",
-        "-c",
-        "echo partial > \"$STOWAGE_IMAGE_DIR/f\"; exit 1",
-    ]);
+    let out = env.run_sh("bad", "echo partial > \"$STOWAGE_IMAGE_DIR/f\"; exit 1");
     assert_eq!(code(&out), Some(1));
     // The database is lost beyond salvage: nothing says which tree is
     // complete.
@@ -701,15 +693,7 @@ fn a_write_whose_images_directory_vanished_keeps_its_row() {
     env.make_image("base");
     // The images directory goes away under the command (unmounted, say):
     // the tree is not found, which is no sign the command deleted it.
-    let out = env.run([
-        "exec",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        "echo x > \"$STOWAGE_IMAGE_DIR/f\" && mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.away\"",
-    ]);
+    let out = env.run_sh("app", "echo x > \"$STOWAGE_IMAGE_DIR/f\" && mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.away\"");
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert!(stderr(&out).contains("incomplete"), "{}", show(&out));
     fs::rename(env.root.join("img.away"), env.root.join("img")).unwrap();

@@ -680,15 +680,10 @@ fn an_image_directory_that_cannot_be_inspected_is_not_taken_for_deleted() {
     env.make_image("app");
     // The command leaves the images directory unreadable as a directory
     // (ENOTDIR for the image's path, not ENOENT).
-    let out = env.run([
-        "exec",
-        "--write",
+    let out = env.run_sh(
         "app",
-        "--",
-        "sh",
-        "-c",
         "mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.aside\" && touch \"$STOWAGE_IMAGES_DIR\"",
-    ]);
+    );
     // The build succeeded and its lock was ours throughout: an error that
     // says nothing about the tree keeps the row (files.rs has the EACCES
     // case, as an unprivileged user).

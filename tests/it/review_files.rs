@@ -443,23 +443,22 @@ fn unprivileged(env: &Env, args: &[&str]) -> std::process::Output {
     output(c)
 }
 
+/// [`Env::build`] as an [`unprivileged`] user: `sh -c SCRIPT` as the
+/// writer of image NAME, which must exit 0.
+fn unprivileged_build(env: &Env, name: &str, script: &str) {
+    let out = unprivileged(env, &["exec", "--write", name, "--", "sh", "-c", script]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
 #[test]
 fn a_directory_without_permissions_in_ones_own_image_is_deleted() {
     let env = unprivileged_env();
     // A build that left a directory nobody may read or search.
-    let out = unprivileged(
+    unprivileged_build(
         &env,
-        &[
-            "exec",
-            "--write",
-            "a",
-            "--",
-            "sh",
-            "-c",
-            "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/f\" && chmod 000 \"$STOWAGE_IMAGE_DIR/d/e\" && chmod 500 \"$STOWAGE_IMAGE_DIR/d\"",
-        ],
+        "a",
+        "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/f\" && chmod 000 \"$STOWAGE_IMAGE_DIR/d/e\" && chmod 500 \"$STOWAGE_IMAGE_DIR/d\"",
     );
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
     let out = unprivileged(&env, &["rm", "a"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
@@ -523,19 +522,11 @@ fn the_root_seen_through_a_bind_mount_or_a_symlink_is_no_images_directory() {
 #[test]
 fn an_image_with_a_directory_one_may_not_read_still_has_a_size() {
     let env = unprivileged_env();
-    let out = unprivileged(
+    unprivileged_build(
         &env,
-        &[
-            "exec",
-            "--write",
-            "a",
-            "--",
-            "sh",
-            "-c",
-            "head -c 300000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\" && mkdir \"$STOWAGE_IMAGE_DIR/locked\" && chmod 000 \"$STOWAGE_IMAGE_DIR/locked\"",
-        ],
+        "a",
+        "head -c 300000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\" && mkdir \"$STOWAGE_IMAGE_DIR/locked\" && chmod 000 \"$STOWAGE_IMAGE_DIR/locked\"",
     );
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
     let out = unprivileged(&env, &["images", "--json"]);
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let size = rows[0]["size_bytes"].as_u64();
