@@ -326,9 +326,7 @@ fn two_builds_of_one_tag_serialize() {
     let first = ch.build("app", "first");
     ch.wait_started("app", "first");
     let second = ch.build("app", "second");
-    wait_until("the second build waits for 'app'", || {
-        !ch.waiters("app").is_empty()
-    });
+    ch.env.wait_for_waiter("app");
     // Waiting, it leaves the tree the first build is growing alone.
     assert_eq!(ch.file("app", "id"), "first");
     assert!(ch.img("app/started-first").exists());
@@ -373,9 +371,7 @@ fn deleting_a_base_waits_for_the_builds_reading_it() {
         "delete",
         "base",
     ]));
-    wait_until("the delete waits for 'base'", || {
-        !ch.waiters("base").is_empty()
-    });
+    ch.env.wait_for_waiter("base");
     assert!(
         ch.img("base/bin/busybox").is_file(),
         "deleted under readers"
@@ -426,9 +422,7 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
         "{app}"
     );
     let two = ch.build("two", "two");
-    wait_until("the second build waits for 'app'", || {
-        !ch.waiters("app").is_empty()
-    });
+    ch.env.wait_for_waiter("app");
     assert!(!ch.img("two").exists(), "the second build started early");
     // The lock is exclusive, but app is only read from: it stays ready.
     assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
@@ -959,9 +953,7 @@ fn ch_delete_locks_and_forgets_the_stage_images() {
     let mut delete = ch.command(CH_DELETE);
     delete.arg("multi");
     let delete = Bg::from_command(delete);
-    wait_until("the delete waits for 'multi_stage0'", || {
-        !ch.waiters("multi_stage0").is_empty()
-    });
+    ch.env.wait_for_waiter("multi_stage0");
     assert!(
         ch.img("multi_stage0/one").is_file(),
         "deleted under a reader"
@@ -1103,7 +1095,7 @@ fn a_dependency_chain_launched_at_once_builds() {
     );
     let mid = ch.build("mid", "m");
     ch.wait_started("mid", "m");
-    wait_until("app waits for mid", || !ch.waiters("mid").is_empty());
+    ch.env.wait_for_waiter("mid");
     assert!(!ch.img("app").exists());
     ch.go("mid", "m");
     assert_ok(mid.finish());

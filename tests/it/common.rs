@@ -195,9 +195,15 @@ impl Env {
 
     /// Waits (bounded) until lock-status shows a waiter on `image`.
     pub fn wait_for_waiter(&self, image: &str) {
-        wait_until(&format!("a waiter on '{image}' is recorded"), || {
+        self.wait_for_waiters(image, 1);
+    }
+
+    /// Waits (bounded) until lock-status shows at least `n` waiters on
+    /// `image`.
+    pub fn wait_for_waiters(&self, image: &str, n: usize) {
+        wait_until(&format!("{n} waiter(s) on '{image}' recorded"), || {
             self.lock_entry(image)
-                .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+                .is_some_and(|e| e["waiters"].as_array().unwrap().len() >= n)
         });
     }
 

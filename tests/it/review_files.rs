@@ -209,10 +209,7 @@ fn the_loser_of_two_removals_of_one_image_leaves_no_lock_file() {
     let first = env.spawn(["rm", "a"]);
     env.wait_for_waiter("a");
     let second = env.spawn(["rm", "a"]);
-    wait_until("both removals wait", || {
-        env.lock_entry("a")
-            .is_some_and(|e| e["waiters"].as_array().unwrap().len() == 2)
-    });
+    env.wait_for_waiters("a", 2);
     env.release("release");
     assert!(reader.finish().status.success());
     let outs = [first.finish(), second.finish()];
@@ -243,10 +240,7 @@ fn a_reader_queued_behind_a_removal_leaves_no_lock_file() {
     env.wait_for_waiter("a");
     // A second reader queues behind the removal (a writer waits ahead).
     let late = env.spawn(["exec", "--read", "a", "--", "true"]);
-    wait_until("both wait", || {
-        env.lock_entry("a")
-            .is_some_and(|e| e["waiters"].as_array().unwrap().len() == 2)
-    });
+    env.wait_for_waiters("a", 2);
     env.release("release");
     assert!(reader.finish().status.success());
     let out = rm.finish();
