@@ -992,26 +992,6 @@ fn sigterm_to_ch_build_stops_the_whole_build() {
     assert!(ch.img("app/started-term-7731").exists());
 }
 
-/// Pids of live processes whose command line contains `token`.
-fn processes_mentioning(token: &str) -> Vec<u32> {
-    let me = std::process::id();
-    fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| pid != me)
-        .filter(|pid| {
-            let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat
-                .rfind(')')
-                .is_some_and(|i| stat[i + 2..].starts_with('Z'));
-            !zombie
-                && fs::read(format!("/proc/{pid}/cmdline"))
-                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(token))
-        })
-        .collect()
-}
-
 /// A base locked exclusively (not linked to the build cache) counts as used
 /// by the builds from it: gc --unused-for does not offer it.
 #[test]

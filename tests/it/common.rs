@@ -514,6 +514,36 @@ fn walkdir(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// The state letter of process `pid` (field 3 of /proc/PID/stat: R, S,
+/// Z, …), or `None` once it is gone.
+pub fn proc_state(pid: u32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+/// Whether process `pid` still runs: it exists and is neither a zombie
+/// (Z) nor dead (X).
+pub fn alive(pid: u32) -> bool {
+    proc_state(pid).is_some_and(|s| s != 'Z' && s != 'X')
+}
+
+/// Every live process but this test's own whose command line contains
+/// `needle` (a test's own marker, such as a path in its scratch
+/// directory), to find what survived of a command's tree.
+pub fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let me = std::process::id();
+    fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me && alive(pid))
+        .filter(|pid| {
+            fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
+        })
+        .collect()
+}
+
 /// utime + stime of a process, in clock ticks (including its threads).
 pub fn cpu_ticks(pid: u32) -> u64 {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();

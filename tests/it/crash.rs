@@ -132,22 +132,11 @@ fn with_no_inherit_the_command_dies_with_stowage() {
     wait_until("stowage is dead", || !bg.is_running());
     // The command dies with it (PR_SET_PDEATHSIG), so nothing writes
     // without a lock. (Zombies count as dead: they hold nothing.)
-    wait_until("the command is gone", || !alive(command));
+    wait_until("the command is gone", || !alive(command as u32));
     // The keeper that held the locks ends after the command's tree, so the
     // lock goes a moment later.
     wait_until("the lock is free", || flock_free(&env.lock_file("app")));
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
-}
-
-/// Is a process alive (and not a zombie)?
-fn alive(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        let state = s[s.rfind(')').unwrap() + 2..]
-            .split_whitespace()
-            .next()
-            .unwrap_or("");
-        state != "Z" && state != "X"
-    })
 }
 
 #[test]

@@ -55,25 +55,6 @@ fn still_written(file: &Path) -> bool {
     lines(file) != a
 }
 
-/// Every process whose command line mentions `needle` (the tests' own
-/// markers), to check that nothing of a command's tree survived.
-fn processes_mentioning(needle: &str) -> Vec<u32> {
-    fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat
-                .rfind(')')
-                .is_some_and(|c| stat[c + 1..].trim_start().starts_with('Z'));
-            !zombie
-                && fs::read(format!("/proc/{pid}/cmdline"))
-                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
-        })
-        .collect()
-}
-
 // ---------------------------------------------------------------------------
 // --no-inherit: the whole tree of the command is gone before the locks go.
 
