@@ -3,7 +3,7 @@
 
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::common::*;
@@ -359,6 +359,19 @@ fn gc_budget_counts_reflinked_extents_once() {
     );
 }
 
+/// How both measuring races end: IMAGE has recorded its real size (at
+/// least 1 MiB); the measurer paused at `go_on` with the older, smaller
+/// measurement goes on, must succeed, and must leave the real size as it
+/// was.
+fn late_measurement_keeps_the_real_size(env: &Env, image: &str, late: Bg, go_on: PathBuf) {
+    let real = env.image(image).unwrap()["size_bytes"].as_u64().unwrap();
+    assert!(real >= MIB);
+    fs::remove_file(go_on).unwrap();
+    let out = late.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.image(image).unwrap()["size_bytes"].as_u64(), Some(real));
+}
+
 #[test]
 fn gc_does_not_overwrite_a_finished_writers_size() {
     let env = Env::new();
@@ -377,13 +390,8 @@ fn gc_does_not_overwrite_a_finished_writers_size() {
     env.release("release");
     let out = writer.finish();
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    let real = env.image("new").unwrap()["size_bytes"].as_u64().unwrap();
-    assert!(real >= MIB);
     // gc goes on: its stale measurement must not replace the real size.
-    fs::remove_file(go_on).unwrap();
-    let out = gc.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    assert_eq!(env.image("new").unwrap()["size_bytes"].as_u64(), Some(real));
+    late_measurement_keeps_the_real_size(&env, "new", gc, go_on);
 }
 
 #[test]
@@ -399,12 +407,7 @@ fn images_does_not_overwrite_a_rewriters_size() {
         "app",
         "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
     );
-    let real = env.image("app").unwrap()["size_bytes"].as_u64().unwrap();
-    assert!(real >= MIB);
-    fs::remove_file(go_on).unwrap();
-    let out = lister.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    assert_eq!(env.image("app").unwrap()["size_bytes"].as_u64(), Some(real));
+    late_measurement_keeps_the_real_size(&env, "app", lister, go_on);
 }
 
 #[test]
