@@ -115,6 +115,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         let (tx, ctx) = store.begin(None)?;
         let out = sweep(&tx, ctx)?;
         if !policy.dry_run {
+            // Leases of owners that died, under the global lock.
+            crate::lease::clean(&ctx.root.locks());
             tx.commit()?;
         }
         Ok(out)

@@ -427,6 +427,24 @@ pub struct KernelView {
     /// Locks already accounted for: the verifying lock and every file
     /// viewed, so that [`KernelView::unexplained_inodes`] lists only the rest.
     explained: std::cell::RefCell<std::collections::HashSet<(u64, u64)>>,
+    /// The root's locks directory, where leases live: set for views taken
+    /// in a transaction, which judge records ([`KernelView::lease`]).
+    locks: Option<std::path::PathBuf>,
+    /// Leases probed so far, by name: one probe per lease per look.
+    leases: std::cell::RefCell<HashMap<String, LeaseSeen>>,
+}
+
+/// A lease as one look sees it (see `lease.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseSeen {
+    /// Its owner is gone: every record naming it is stale.
+    Dead,
+    /// Its owner (or a command that inherited it) lives. `taker`: the
+    /// lease's entry in the lock table — the pid, as this pid namespace sees
+    /// it, of the stowage process that took it and so also took the owner's
+    /// image and slot locks. `None` when there is no table (NFS) or the
+    /// table does not show the lease (an owner outside our pid namespace).
+    Alive { taker: Option<Option<u32>> },
 }
 
 impl KernelView {
@@ -455,7 +473,45 @@ impl KernelView {
             }
         }
         let explained = std::cell::RefCell::new(held.into_iter().collect());
-        KernelView { table, explained }
+        KernelView {
+            table,
+            explained,
+            locks: None,
+            leases: Default::default(),
+        }
+    }
+
+    /// This view, judging leases under `locks` (the root's locks directory).
+    pub fn with_leases(mut self, locks: &Path) -> KernelView {
+        self.locks = Some(locks.to_owned());
+        self
+    }
+
+    /// Judges a lease by name: probed once per look. A probe that fails
+    /// (I/O error) counts as alive, the side on which nothing is dropped.
+    pub fn lease(&self, name: &str) -> LeaseSeen {
+        if let Some(seen) = self.leases.borrow().get(name) {
+            return *seen;
+        }
+        let seen = match &self.locks {
+            None => LeaseSeen::Alive { taker: None },
+            Some(locks) => match crate::lease::probe(locks, name) {
+                Ok(crate::lease::Liveness::Dead) => LeaseSeen::Dead,
+                Ok(crate::lease::Liveness::Alive { identity }) => {
+                    self.explained.borrow_mut().insert(identity);
+                    let taker = self.table.as_ref().and_then(|t| {
+                        t.get(&identity)?
+                            .iter()
+                            .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+                            .map(|e| e.pid)
+                    });
+                    LeaseSeen::Alive { taker }
+                }
+                Err(_) => LeaseSeen::Alive { taker: None },
+            },
+        };
+        self.leases.borrow_mut().insert(name.to_owned(), seen);
+        seen
     }
 
     pub fn has_table(&self) -> bool {
@@ -857,6 +913,8 @@ mod tests {
         let kv = KernelView {
             table: Some(HashMap::new()),
             explained: Default::default(),
+            locks: None,
+            leases: Default::default(),
         };
         let v = kv.view(&p).unwrap();
         assert_eq!(v.state, Some(Probe::Free));

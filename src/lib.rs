@@ -57,6 +57,7 @@ pub mod gc;
 pub mod ident;
 pub mod keeper;
 pub mod kernel;
+pub mod lease;
 pub mod lock;
 pub mod meta;
 pub mod name;

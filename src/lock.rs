@@ -172,6 +172,11 @@ impl Guard {
         self.file.metadata().map(|_| ())
     }
 
+    /// The locked file, for writing what it says about its holder (a lease).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     /// Unlinks the lock file. Only an exclusive holder may do this: anyone
     /// blocked on the file, or who opened it before the unlink, will find it
     /// unlinked after locking and retry on a fresh file.
@@ -576,6 +581,36 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
     } else {
         Probe::Shared
     })
+}
+
+/// Judges a lease (see `lease.rs`): `Some(device, inode)` while its owner
+/// holds it exclusively, `None` when the owner is gone (the file is missing,
+/// or a shared lock is granted). The shared lock taken to find out is
+/// dropped on return; it never makes an owner's own lock fail for long, and
+/// an owner that does find its fresh file busy takes another.
+pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
+    let opened = match open(path, false) {
+        // Another user's lease in a store without a shared group: a
+        // read-only descriptor takes a shared flock as well (not on NFS,
+        // where the probe then fails and says so).
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path),
+        other => other,
+    };
+    let file = match opened {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        // NFS: unlinked on the server since the lookup.
+        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if flock_try(&file, Mode::Shared)? {
+        return Ok(None);
+    }
+    let m = file.metadata()?;
+    Ok(Some((m.dev(), m.ino())))
 }
 
 /// Whether two opens of one file exclude each other here, as they must for

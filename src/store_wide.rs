@@ -317,12 +317,15 @@ impl Hold {
     }
 
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
+        crate::lease::set_inheritable(inherit)?;
         self.guard.set_inheritable(inherit)
     }
 
     /// The descriptor of the hold, for a keeper to keep (`--no-inherit`).
     pub fn lock_fds(&self) -> Vec<std::os::fd::RawFd> {
         use std::os::fd::AsRawFd;
-        vec![self.guard.as_raw_fd()]
+        let mut fds = vec![self.guard.as_raw_fd()];
+        fds.extend(crate::lease::raw_fds());
+        fds
     }
 }

@@ -120,7 +120,10 @@ pub fn main() -> ExitCode {
         // SAFETY: restores the default action; no handler is involved.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
-    match run(cli) {
+    let result = run(cli);
+    // Every lock of ours is closed by now: the lease goes too (one unlink).
+    crate::lease::retire();
+    match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("stowage: {}", one_line(&e));
