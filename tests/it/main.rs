@@ -13,6 +13,7 @@ mod fairness;
 mod files;
 mod hostile;
 mod init;
+mod leases;
 mod lifecycle;
 mod lock_status;
 mod locks;
