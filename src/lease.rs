@@ -103,7 +103,7 @@ pub fn set_inheritable(inherit: bool) -> io::Result<()> {
 pub fn retire() {
     let all = std::mem::take(&mut *mine_all());
     for (_, l) in all {
-        let _ = l.guard.unlink();
+        let _ = l.guard.unlink_lease();
     }
 }
 
@@ -264,7 +264,7 @@ pub fn clean(locks: &Path) -> usize {
         }
         let path: PathBuf = dir.join(name);
         if let Ok(Some(g)) = lock::try_lock(&path, Mode::Exclusive, false)
-            && g.unlink().is_ok()
+            && g.unlink_lease().is_ok()
         {
             gone += 1;
         }

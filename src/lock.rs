@@ -172,6 +172,27 @@ impl Guard {
         self.file.metadata().map(|_| ())
     }
 
+    /// Unlinks a lease file (`lease.rs`), on every filesystem. Lock files
+    /// are kept on shared filesystems (see the module doc) because two
+    /// processes could come to lock two files of one name; a lease has one
+    /// owner, who made it under a fresh name and re-checks it after locking
+    /// (re-opening the path there), and whoever unlinks it holds it
+    /// exclusively — a lock that goes to the server, so a lease its owner
+    /// holds is never taken for dead. Leaving leases would leave one file
+    /// per exec on NFS.
+    pub fn unlink_lease(self) -> io::Result<()> {
+        assert_eq!(
+            self.mode,
+            Mode::Exclusive,
+            "unlink needs the exclusive lock"
+        );
+        match fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The locked file, for writing what it says about its holder (a lease).
     pub fn file(&self) -> &File {
         &self.file
