@@ -5,6 +5,7 @@
 //! process in it at once: a host crash. Needs root; skipped (with the
 //! reason printed) where namespaces cannot be made.
 
+use std::collections::HashSet;
 use std::path::Path;
 use std::process::Command;
 
@@ -456,4 +457,159 @@ fn the_lease_goes_where_the_locks_go() {
         .map(|e| e.file_name())
         .collect();
     assert!(left.is_empty(), "{left:?}");
+}
+
+/// The party a "host" runs, several at once: random reads and writes of a
+/// few images, each held for a moment, until the namespace is killed.
+const PARTY: &str = r#"
+party() {
+  while :; do
+    n=$(od -An -N1 -tu1 /dev/urandom); n=$((n + 0))
+    case $((n % 4)) in
+      0|1) "$STOWAGE" exec --read base --wait 0.5 -- sleep 0.0$((n % 9 + 1)) ;;
+      2) "$STOWAGE" exec --write "img$((n % 3))" --wait 0.5 -- sleep 0.0$((n % 5 + 1)) ;;
+      3) "$STOWAGE" exec --read base --write "img$((n % 3))" --no-wait -- sleep 0.02 ;;
+    esac >/dev/null 2>&1
+  done
+}
+party & party & party &
+wait
+"#;
+
+/// Torture across hosts: parties run in N namespaces ("hosts", each with its
+/// own host name and pids) sharing the root, while whole namespaces are
+/// killed at random and replaced. After each crash, a look from this host
+/// must show no record of the dead host; every look must list each holder
+/// once (no lease twice on one lock, no outsider on a lock whose holders
+/// are all recorded). `STOWAGE_STRESS_HOSTS` (default 3) and
+/// `STOWAGE_STRESS_SECS` (default 10); `scripts/stress --hosts N` runs it.
+#[test]
+fn torture_hosts() {
+    if !namespaces() {
+        return;
+    }
+    let num = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(default)
+    };
+    let hosts = num("STOWAGE_STRESS_HOSTS", 3).max(1) as usize;
+    let secs = num("STOWAGE_STRESS_SECS", 10);
+    let seed = num("STOWAGE_STRESS_SEED", fastrand::u64(..));
+    eprintln!("stress --hosts: {hosts} hosts, {secs} s, seed {seed}");
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let env = Env::new();
+    for name in ["base", "img0", "img1", "img2"] {
+        env.make_image(name);
+    }
+    let start = |name: &str| -> Bg {
+        let mut c = Command::new("unshare");
+        c.args(["--pid", "--fork", "--uts", "--mount-proc", "sh", "-c"])
+            .arg(format!("hostname '{name}' && {PARTY}"));
+        c.env("STOWAGE", bin())
+            .env("STOWAGE_ROOT", &env.root)
+            .env_remove("STOWAGE_HOSTNAME");
+        Bg::from_command(c)
+    };
+    let mut generation = 0u64;
+    let mut live: Vec<(String, Bg)> = (0..hosts)
+        .map(|i| {
+            let name = format!("h{i}g0");
+            (name.clone(), start(&name))
+        })
+        .collect();
+    let (mut looks, mut crashes, mut listed) = (0u64, 0u64, 0u64);
+    let mut problems: Vec<String> = Vec::new();
+    let mut check = |dead: &[String], problems: &mut Vec<String>| {
+        let status = env.status_json(["--all"]);
+        looks += 1;
+        for lock in status["locks"].as_array().unwrap() {
+            let holders = lock["holders"].as_array().unwrap();
+            let waiters = lock["waiters"].as_array().unwrap();
+            let mut leases = HashSet::new();
+            for p in holders.iter().chain(waiters) {
+                if let Some(h) = p["host"].as_str()
+                    && dead.iter().any(|d| d == h)
+                {
+                    problems.push(format!("a record of dead host {h} survived a look: {lock}"));
+                }
+            }
+            for p in holders {
+                listed += 1;
+                if let Some(l) = p["lease"].as_str()
+                    && !leases.insert(l.to_owned())
+                {
+                    problems.push(format!("holder listed twice: {lock}"));
+                }
+            }
+            let recorded = holders.iter().filter(|p| p["stowage"] == true).count();
+            let outsiders = holders.len() - recorded;
+            // Nobody here takes a lock outside stowage. A stowage process
+            // between taking a lock and recording itself shows as an
+            // outsider for that moment, but never beside its own record:
+            // more outsiders than the lock's other holders is a double.
+            if outsiders > 0
+                && lock["kind"] == "image"
+                && lock["state"] == "exclusive"
+                && recorded > 0
+            {
+                problems.push(format!("an exclusive lock listed with two holders: {lock}"));
+            }
+        }
+    };
+    let mut dead: Vec<String> = Vec::new();
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_secs(secs) {
+        std::thread::sleep(std::time::Duration::from_millis(rng.u64(50..400)));
+        check(&dead, &mut problems);
+        // Crash a random host: kill its namespace's init, wait until every
+        // process of it is gone, and look at once.
+        let i = rng.usize(0..live.len());
+        let (name, bg) = live.swap_remove(i);
+        let host = Host { bg };
+        host.crash();
+        crashes += 1;
+        dead.push(name);
+        check(&dead, &mut problems);
+        generation += 1;
+        let name = format!("h{i}g{generation}");
+        live.push((name.clone(), start(&name)));
+    }
+    for (name, bg) in live.drain(..) {
+        Host { bg }.crash();
+        dead.push(name);
+    }
+    check(&dead, &mut problems);
+    let status = env.status_json(["--all"]);
+    for lock in status["locks"].as_array().unwrap() {
+        if lock["kind"] == "image" && lock["state"] != "free" {
+            problems.push(format!("held after every host died: {lock}"));
+        }
+    }
+    let leases = std::fs::read_dir(env.root.join("locks/leases"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    if leases != 0 {
+        problems.push(format!(
+            "{leases} lease files of dead hosts left after a look"
+        ));
+    }
+    let repair = env.run(["doctor", "--repair"]);
+    let clean = env.run(["doctor"]);
+    eprintln!(
+        "stress --hosts summary: seed {seed}, {hosts} hosts, {crashes} crashes, {looks} looks, \
+         {listed} holders listed, problems {}",
+        problems.len()
+    );
+    for p in problems.iter().take(10) {
+        eprintln!("problem: {p}");
+    }
+    assert!(
+        problems.is_empty(),
+        "seed {seed}: {} problems",
+        problems.len()
+    );
+    assert_eq!(repair.status.code(), Some(0), "{}", show(&repair));
+    assert_eq!(clean.status.code(), Some(0), "{}", show(&clean));
 }
