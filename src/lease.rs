@@ -36,6 +36,7 @@
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -251,8 +252,19 @@ fn valid_name(name: &str) -> bool {
 /// if we win the lock, and its owner then retries). Returns how many went.
 /// Call under the global lock, where no other stowage probes.
 pub fn clean(locks: &Path) -> usize {
-    let dir = locks.join(DIR);
-    let Ok(entries) = fs::read_dir(&dir) else {
+    // The directory is pinned by a descriptor that refused a symlink in its
+    // place, and every file is reached through it: a `leases` symlink
+    // planted by someone who can write `locks/` cannot steer the unlinks
+    // into another directory, not even by a swap in the middle of the walk.
+    let Ok(dir) = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(locks.join(DIR))
+    else {
+        return 0;
+    };
+    let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+    let Ok(entries) = fs::read_dir(&pinned) else {
         return 0;
     };
     let mut gone = 0;
@@ -262,8 +274,7 @@ pub fn clean(locks: &Path) -> usize {
         if !valid_name(name) || is_mine(name) {
             continue;
         }
-        let path: PathBuf = dir.join(name);
-        if let Ok(Some(g)) = lock::try_lock(&path, Mode::Exclusive, false)
+        if let Ok(Some(g)) = lock::try_lock(&pinned.join(name), Mode::Exclusive, false)
             && g.unlink_lease().is_ok()
         {
             gone += 1;

@@ -613,3 +613,32 @@ fn torture_hosts() {
     assert_eq!(repair.status.code(), Some(0), "{}", show(&repair));
     assert_eq!(clean.status.code(), Some(0), "{}", show(&clean));
 }
+
+#[test]
+fn cleaning_leases_never_follows_a_planted_symlink() {
+    let env = Env::new();
+    env.make_image("base");
+    // Someone who can write locks/ points locks/leases at a directory of
+    // theirs (or of a victim) holding an unlocked *.lease file.
+    let victim = env.scratch.join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("h-0-1-0.lease"), "not a lease of this store").unwrap();
+    let leases = env.root.join("locks/leases");
+    let _ = std::fs::remove_dir_all(&leases);
+    std::os::unix::fs::symlink(&victim, &leases).unwrap();
+    env.ok(["lock-status"]);
+    env.ok(["images"]);
+    env.ok(["gc"]);
+    assert!(
+        victim.join("h-0-1-0.lease").exists(),
+        "nothing outside the root is unlinked through the symlink"
+    );
+    // doctor names it.
+    let out = env.run(["doctor"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("locks/leases")
+            || stderr(&out).contains("locks/leases"),
+        "{}",
+        show(&out)
+    );
+}
