@@ -615,7 +615,11 @@ impl<'c> Tx<'c> {
         let lease = match (&r.lease, self.global.path().parent()) {
             _ if !leased => None,
             (Some(l), _) => Some(l.clone()),
-            (None, Some(locks)) if r.pid == std::process::id() => Some(crate::lease::mine(locks)?),
+            // A lease that cannot be made (a user who may lock the store's
+            // files but not create one under locks/) leaves the record to be
+            // judged by pid, as before leases: information only, never
+            // exclusion, depends on it.
+            (None, Some(locks)) if r.pid == std::process::id() => crate::lease::mine(locks).ok(),
             (None, _) => None,
         };
         let sql = if leased {
