@@ -91,6 +91,11 @@ pub struct Report {
 }
 
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
+    // gc locks images without recording itself: its lease names it to
+    // lock-status meanwhile (best effort; see lease.rs).
+    if !policy.dry_run {
+        let _ = crate::lease::mine(&store.root().locks());
+    }
     let mut report = Report {
         dry_run: policy.dry_run,
         max_size: policy.max_size,

@@ -432,6 +432,9 @@ pub struct KernelView {
     locks: Option<std::path::PathBuf>,
     /// Leases probed so far, by name: one probe per lease per look.
     leases: std::cell::RefCell<HashMap<String, LeaseSeen>>,
+    /// Live leases by the pid that the table shows took them: made once per
+    /// look, when a lock-table entry is claimed by no record.
+    takers: std::cell::RefCell<Option<HashMap<u32, String>>>,
 }
 
 /// A lease as one look sees it (see `lease.rs`).
@@ -478,7 +481,38 @@ impl KernelView {
             explained,
             locks: None,
             leases: Default::default(),
+            takers: Default::default(),
         }
+    }
+
+    /// The live lease that the process the table shows as `pid` took: a
+    /// stowage process that holds or awaits a lock it has not recorded (yet).
+    /// Needs the table (local filesystems) and costs one `stat` per lease
+    /// file, once per look; the table itself says which leases are held.
+    pub fn lease_taken_by(&self, pid: u32) -> Option<String> {
+        let table = self.table.as_ref()?;
+        let locks = self.locks.as_ref()?;
+        let mut takers = self.takers.borrow_mut();
+        let map = takers.get_or_insert_with(|| {
+            let dir = locks.join(crate::lease::DIR);
+            let mut map = HashMap::new();
+            for name in crate::lease::names(locks) {
+                let Ok(m) = fs::symlink_metadata(dir.join(&name)) else {
+                    continue;
+                };
+                let taker = table.get(&(m.dev(), m.ino())).and_then(|es| {
+                    es.iter()
+                        .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+                        .and_then(|e| e.pid)
+                });
+                if let Some(p) = taker {
+                    self.explained.borrow_mut().insert((m.dev(), m.ino()));
+                    map.insert(p, name);
+                }
+            }
+            map
+        });
+        map.get(&pid).cloned()
     }
 
     /// This view, judging leases under `locks` (the root's locks directory).
@@ -915,6 +949,7 @@ mod tests {
             explained: Default::default(),
             locks: None,
             leases: Default::default(),
+            takers: Default::default(),
         };
         let v = kv.view(&p).unwrap();
         assert_eq!(v.state, Some(Probe::Free));

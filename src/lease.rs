@@ -220,6 +220,51 @@ fn random() -> u64 {
     t ^ (u64::from(std::process::id()) << 32)
 }
 
+/// What a lease file says of its owner.
+#[derive(Debug, Clone, Default)]
+pub struct Identity {
+    pub host: String,
+    pub pid: Option<u32>,
+    pub user: String,
+    pub command: String,
+    pub since: Option<crate::clock::Millis>,
+}
+
+/// Reads what a lease says of its owner (None if it cannot be read).
+pub fn identity(locks: &Path, name: &str) -> Option<Identity> {
+    if !valid_name(name) {
+        return None;
+    }
+    let text = fs::read_to_string(locks.join(DIR).join(name)).ok()?;
+    let mut id = Identity::default();
+    for line in text.lines() {
+        let Some((k, v)) = line.split_once('=') else {
+            continue;
+        };
+        match k {
+            "host" => id.host = v.to_owned(),
+            "pid" => id.pid = v.parse().ok(),
+            "user" => id.user = v.to_owned(),
+            "command" => id.command = v.to_owned(),
+            "since" => id.since = v.parse().ok(),
+            _ => {}
+        }
+    }
+    (!id.host.is_empty()).then_some(id)
+}
+
+/// The lease files present, by name (live or not).
+pub fn names(locks: &Path) -> Vec<String> {
+    fs::read_dir(locks.join(DIR))
+        .map(|es| {
+            es.flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| valid_name(n))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Whether a lease, by file name, belongs to a live owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Liveness {

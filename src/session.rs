@@ -526,6 +526,9 @@ pub(crate) fn acquire_image(
     let mode = want.mode;
     let path = store.root().image_lock(name);
     let gate = store.root().image_gate(name);
+    // A holder that records nothing (rm) is still known by its lease; made
+    // already by an exec. A failure leaves it shown as an outsider.
+    let _ = crate::lease::mine(&store.root().locks());
     // An exclusive lock on an image that must be ready is --read-exclusive.
     let verb = if mode == Mode::Exclusive && want.need == Need::Ready {
         "exclusive read"

@@ -137,7 +137,7 @@ pub fn judge(
         }
     }
     for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
-        holders.push(outsider(ctx, e));
+        holders.push(unrecorded(ctx, kv, e));
     }
     for (e, _) in view
         .waiters
@@ -145,7 +145,7 @@ pub fn judge(
         .zip(&claimed_waits)
         .filter(|(_, c)| !**c)
     {
-        waiters.push(outsider(ctx, e));
+        waiters.push(unrecorded(ctx, kv, e));
     }
     // No record and no lock table: someone holds it, we cannot say who.
     if holders.is_empty() && view.is_held() {
@@ -243,6 +243,27 @@ fn holder_valid(
         }
         None => false,
     }
+}
+
+/// A lock-table entry no record claims: a stowage process that has not
+/// recorded itself (it took the lock a moment ago, or awaits it with
+/// `--no-wait`), known by the lease it took, else a process stowage did not
+/// start.
+fn unrecorded(ctx: &Ctx, kv: &KernelView, e: &Entry) -> Party {
+    let leased = e.pid.and_then(|p| kv.lease_taken_by(p)).and_then(|name| {
+        let id = crate::lease::identity(&ctx.root.locks(), &name)?;
+        Some(Party {
+            pid: id.pid,
+            host: Some(id.host),
+            user: Some(id.user),
+            mode: e.mode,
+            command: Some(id.command),
+            since: id.since,
+            stowage: true,
+            lease: Some(name),
+        })
+    });
+    leased.unwrap_or_else(|| outsider(ctx, e))
 }
 
 fn outsider(ctx: &Ctx, e: &Entry) -> Party {
