@@ -668,3 +668,36 @@ fn a_stowage_holder_without_a_record_is_known_by_its_lease() {
     std::fs::remove_file(paused).unwrap();
     assert_eq!(rm.finish().status.code(), Some(0));
 }
+
+#[test]
+fn a_slot_holder_in_a_container_is_listed_once() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "pull", "2"]);
+    let here = our_hostname();
+    let container = Host::hold(
+        &env,
+        None,
+        &["--read", "base", "--slot", "pull"],
+        "slot-in-container",
+    );
+    for (status, seen_from) in [
+        (env.status_json(Vec::<String>::new()), "this host"),
+        (status_from_elsewhere(&env, "hostC", "base"), "hostC"),
+    ] {
+        let slot = status["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["kind"] == "slot" && l["name"] == "pull")
+            .cloned()
+            .unwrap();
+        assert_eq!(slot["in_use"], 1, "from {seen_from}: {slot:#}");
+        assert_listed_once(&slot, &[("slot-in-container", here.as_str())], 0, seen_from);
+    }
+    env.release("release");
+    drop(container);
+}
