@@ -29,9 +29,11 @@
 //!   the build is still listed as the holder), and with `--no-inherit` the
 //!   keeper holds the lease with the locks.
 //!
-//! Cost: the lease is made lazily, the first time the process is about to
-//! record itself — once per exec: one open(O_CREAT), one flock, one fstat,
-//! one lstat (the re-check), one write. At the end the owner unlinks it.
+//! Cost: the lease is made lazily, by a process about to lock something
+//! (exec before its first lock, rm, gc) or to record itself — once per
+//! process: one open(O_CREAT), one flock, one fstat, one lstat (the
+//! re-check), one write. At the end the owner unlinks it ([`retire`]; a
+//! library caller that ends without it leaves the file to [`clean`]).
 
 use std::fs;
 use std::io::{self, Write};
