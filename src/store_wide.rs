@@ -63,7 +63,11 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
         match lock::try_lock(&path(ctx), Mode::Shared, false) {
             // Our own command (a wrapper calling stowage again) runs
             // under the hold: it has the store, and must not wait for it.
-            Ok(None) if lock::inherited_exclusive(&path(ctx)) => {}
+            // With --no-inherit the hold is not ours but an ancestor's
+            // (stowage's keeper keeps the lease): the kernel says so.
+            Ok(None)
+                if lock::inherited_exclusive(&path(ctx))
+                    || crate::kernel::enclosing_hold(&path(ctx)) == Some(Mode::Exclusive) => {}
             Ok(None) => {
                 return Err(StoreHeld {
                     holder: format!(
@@ -154,6 +158,18 @@ impl Hold {
         let guard = match lock::try_lock(&p, Mode::Exclusive, true).map_err(err)? {
             Some(g) => g,
             None => {
+                // A store-wide command inside another one would wait for
+                // its own enclosing command, which waits for it.
+                if crate::kernel::enclosing_hold(&p) == Some(Mode::Exclusive) {
+                    return Err(Error::Busy(Busy {
+                        what: "the store-wide lock".into(),
+                        holders: "held by an enclosing command of this process (a 'stowage exec \
+                                  --store-wide' that runs it); waiting for it would never end"
+                            .into(),
+                        waited: Duration::ZERO,
+                    })
+                    .into());
+                }
                 let holders = crate::status::kernel_holders_phrase(store.ctx(), &p);
                 let busy = |waited| {
                     Error::Busy(Busy {

@@ -19,6 +19,7 @@ mod locks;
 mod migration;
 mod names;
 mod procs;
+mod review_procs;
 mod runtimes;
 mod shell;
 mod slots;
