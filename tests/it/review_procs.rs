@@ -178,3 +178,43 @@ fn sigterm_ends_a_wait_that_could_start_no_thread() {
         drop(cg);
     }
 }
+
+#[test]
+fn a_tree_cut_short_by_sigterm_is_no_success() {
+    let env = Env::new();
+    let started = env.sentinel("bg-started");
+    let shell = env.sentinel("shell-pid");
+    // The command succeeds at once; its background job would go on
+    // writing the image.
+    let script = format!(
+        "echo $$ > '{p}'; (touch '{s}'; sleep 600; echo late > \"$STOWAGE_IMAGE_DIR/late\") & exit 0",
+        p = shell.display(),
+        s = started.display()
+    );
+    let bg = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    wait_for_file(&started);
+    wait_until("the command itself has exited", || {
+        let pid = std::fs::read_to_string(&shell).unwrap_or_default();
+        !pid.trim().is_empty() && !std::path::Path::new(&format!("/proc/{}", pid.trim())).exists()
+    });
+    // Only the background job is left: SIGTERM ends it before its work is
+    // done.
+    bg.signal(libc::SIGTERM);
+    let out = bg.finish();
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGTERM),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
