@@ -218,3 +218,30 @@ fn a_tree_cut_short_by_sigterm_is_no_success() {
     );
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
 }
+
+#[test]
+fn an_exec_whose_stderr_is_gone_still_exits_with_its_code() {
+    let env = Env::new();
+    env.make_image("a");
+    // stderr is a pipe nobody reads any more (a log reader that died):
+    // the error line cannot be written, the exit code must still be right.
+    let mut fds = [0; 2];
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    unsafe { libc::close(fds[0]) };
+    let stderr_gone = || {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a duplicate of our pipe's write end, owned by the Stdio.
+        std::process::Stdio::from(unsafe { std::fs::File::from_raw_fd(libc::dup(fds[1])) })
+    };
+    for (args, code) in [
+        (vec!["exec", "--read", "missing", "--", "true"], 66),
+        (vec!["exec", "--write", "-bad", "--", "true"], 64),
+        (vec!["exec", "--read", "a", "--", "/nonexistent/program"], 1),
+    ] {
+        let mut c = env.cmd(&args);
+        c.stdout(std::process::Stdio::null()).stderr(stderr_gone());
+        let status = c.status().unwrap();
+        assert_eq!(status.code(), Some(code), "{args:?}");
+    }
+    unsafe { libc::close(fds[1]) };
+}
