@@ -14,8 +14,8 @@
 //!
 //! Rows are information about trees; a missing tree normally means the row
 //! goes. But an images directory that is missing, empty, or not the
-//! directory recorded (another device or inode: an unmounted or wrongly
-//! mounted filesystem) says nothing about the trees, so no row is dropped
+//! directory recorded (another inode or filesystem type: an unmounted or
+//! wrongly mounted filesystem) says nothing about the trees, so no row is dropped
 //! and no tree adopted from it ([`Mount`]). The identity is recorded by
 //! `init` and by `doctor --repair`; `init` also accepts a new one.
 //!
@@ -137,10 +137,15 @@ pub fn row_for(name: &ImageName, tree: &Path, how: Adopt) -> ImageRow {
 /// The config key holding the images directory's identity.
 const IDENTITY: &str = "images_dir_identity";
 
-/// "DEV:INO" of an open images directory.
+/// "INO@FSTYPE" of an open images directory: its inode number and the
+/// filesystem's type (statfs magic, in hex). Not the device number: NFS and
+/// others number devices anew at each mount, and a remount of the same
+/// filesystem must not look like another one. An unmounted directory (the
+/// mount point on the filesystem below) or another filesystem mounted
+/// there differs in one or the other.
 fn identity_of(images: &Dir) -> io::Result<String> {
     let st = images.stat()?;
-    Ok(format!("{}:{}", st.dev, st.ino))
+    Ok(format!("{}@{:x}", st.ino, images.fs_magic()?))
 }
 
 /// Whether stowage ever managed the images directory `images`: an image
@@ -189,7 +194,7 @@ impl Mount {
                 dir.display()
             )),
             Mount::Other { recorded, now } => Some(format!(
-                "images directory {} is not the directory recorded (device:inode {now}, recorded {recorded}): is the right filesystem mounted? ('stowage init' accepts it as the images directory if it is)",
+                "images directory {} is not the directory recorded (inode@filesystem {now}, recorded {recorded}): is the right filesystem mounted? ('stowage init' accepts it as the images directory if it is)",
                 dir.display()
             )),
         }
@@ -217,5 +222,16 @@ pub fn mount(tx: &Tx, root: &crate::root::Root, dir: &Path, recorded_trees: bool
         Mount::Empty(images)
     } else {
         Mount::Ours(images)
+    })
+}
+
+/// Whether a tree missing from `dir` may be the images directory's fault
+/// (missing, or not the directory recorded) rather than a deletion: the
+/// reason, if so. (An empty directory is no sign here: deleting the last
+/// image leaves one.)
+pub fn unmounted(tx: &Tx, root: &crate::root::Root, dir: &Path) -> Result<Option<String>> {
+    Ok(match mount(tx, root, dir, false)? {
+        m @ (Mount::Missing(_) | Mount::Other { .. }) => m.doubt(dir),
+        Mount::Ours(_) | Mount::Empty(_) => None,
     })
 }

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
-use crate::tree::{self, Dir, Trail};
+use crate::tree::{self, Dir, DirExt, Trail};
 
 /// What a copy did.
 #[derive(Debug, Default, Clone)]
@@ -104,10 +104,10 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
         let total = crate::usage::apparent_size(src).unwrap_or(0);
         progress.total(total);
     }
-    let src_root = Dir::open(src).with_context(|| format!("cannot open {}", src.display()))?;
-    let dst_root = Dir::open(dst).with_context(|| format!("cannot open {}", dst.display()))?;
+    let src_root = Dir::open_top(src).with_context(|| format!("cannot open {}", src.display()))?;
+    let dst_root = Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?;
     let meta = src_root
-        .stat()
+        .lstat()
         .with_context(|| format!("cannot read {}", src.display()))?;
     let names = src_root
         .entries()
@@ -123,7 +123,7 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
     // writing into it would change its mtime.
     let mut stack = vec![Frame {
         src: src_root,
-        dst: Dir::open(dst).with_context(|| format!("cannot open {}", dst.display()))?,
+        dst: Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?,
         meta,
         names: names.into_iter(),
     }];
@@ -146,7 +146,7 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
         let from = || trail.show(src, Some(&name));
         let to = || trail.show(dst, Some(&name));
         let ctx = || format!("cannot copy {} to {}", from(), to());
-        let meta = top.src.stat_at(&name).with_context(ctx)?;
+        let meta = top.src.lstat_at(&name).with_context(ctx)?;
         let ft = tree::file_type(&meta);
         if ft == libc::S_IFDIR {
             // Owner rwx while filling; the real mode is set at the end.
@@ -213,6 +213,9 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
                     Ok(()) => {}
                     Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                         out.skipped_special += 1;
+                        // Its other names are skipped too, not linked to
+                        // nothing.
+                        links.remove(&(meta.st_dev, meta.st_ino));
                         continue;
                     }
                     Err(e) => return Err(e).with_context(ctx),
@@ -703,7 +706,7 @@ mod tests {
         fs::create_dir(src.join("ro")).unwrap();
         fs::write(src.join("ro/f"), b"x").unwrap();
         fs::set_permissions(src.join("ro"), fs::Permissions::from_mode(0o555)).unwrap();
-        let fifo = crate::tree::cstr(src.join("fifo").as_os_str()).unwrap();
+        let fifo = CString::new(src.join("fifo").into_os_string().into_encoded_bytes()).unwrap();
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o640) }, 0);
 
         let out = copy_tree(&src, &dst, &mut Silent).unwrap();

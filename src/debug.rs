@@ -31,3 +31,12 @@ pub fn pause(point: &str) {
         }
     }
 }
+
+/// Hidden test hook: `STOWAGE_DEBUG_LOST_LOCK=FILE_NAME` makes the check of
+/// that lock file before recording an outcome fail, as an NFS lock lost to
+/// a lease expiry would (the client then fails I/O on it with EIO).
+pub const LOST_LOCK_ENV: &str = "STOWAGE_DEBUG_LOST_LOCK";
+
+pub fn lost_lock(path: &std::path::Path) -> bool {
+    std::env::var_os(LOST_LOCK_ENV).is_some_and(|v| path.file_name() == Some(v.as_os_str()))
+}

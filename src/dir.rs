@@ -33,6 +33,14 @@ pub struct Dir {
     fd: OwnedFd,
 }
 
+impl AsRawFd for Dir {
+    /// For walks that need calls this type does not wrap (the copy's
+    /// `fsetxattr`, `mknodat`, `FIEMAP`; see tree.rs).
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
 /// What `fstatat` says about an entry, without following it.
 #[derive(Debug, Clone, Copy)]
 pub struct Entry {
@@ -134,6 +142,14 @@ impl Dir {
         (r == 0 && stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
     }
 
+    /// The filesystem type (statfs magic) this directory is on.
+    pub fn fs_magic(&self) -> io::Result<u64> {
+        let mut sf: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid descriptor and out-pointer.
+        check(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
+        Ok(sf.f_type as u64)
+    }
+
     /// The entry `name`, not followed; `None` if there is none.
     pub fn stat_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<Entry>> {
         let c = cstr(name.as_ref())?;
@@ -196,6 +212,25 @@ impl Dir {
                 b.as_ptr(),
             )
         })?;
+        Ok(())
+    }
+
+    /// Opens `name` for writing (creating it, never through a symlink) and
+    /// closes it again: the close is what inotify watchers of this
+    /// directory see (`IN_CLOSE_WRITE`). Nothing is written.
+    pub fn touch_closed(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
+        let c = cstr(name.as_ref())?;
+        // SAFETY: valid C string; the descriptor is closed at once.
+        let fd = check(unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::O_WRONLY | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                0o666 as libc::c_uint,
+            )
+        })?;
+        // SAFETY: fd was just opened by us.
+        unsafe { libc::close(fd) };
         Ok(())
     }
 

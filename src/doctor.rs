@@ -68,6 +68,92 @@ impl Report {
     }
 }
 
+/// The two-host probe's lock file: `ROOT/locks/probe.lock`.
+fn probe_file(root: &crate::root::Root) -> PathBuf {
+    root.locks().join("probe.lock")
+}
+
+/// `doctor --hold-probe SECONDS`: holds the probe lock that `doctor` on
+/// another host looks for, and says who holds it in the file. When that
+/// doctor sees it held, locks taken on this host exclude processes there —
+/// the real test where mount options cannot tell (Lustre's default, a
+/// client configuration out of reach).
+pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
+    let root = store.root();
+    root.create_layout()?;
+    let path = probe_file(root);
+    let ctx = store.ctx();
+    let Some(guard) = lock::try_lock(&path, lock::Mode::Exclusive, true)
+        .map_err(|e| crate::store::lock_error("the probe lock", &path, e))?
+    else {
+        return Err(crate::Error::Busy(crate::error::Busy {
+            what: format!("the probe lock {}", path.display()),
+            holders: format!("held by another probe: {}", probe_holder(&path)),
+            waited: std::time::Duration::ZERO,
+        })
+        .into());
+    };
+    let since = clock::now_ms();
+    guard
+        .set_contents(
+            format!(
+                "{}\t{}\t{}\n",
+                ctx.me.host,
+                ctx.me.pid,
+                clock::rfc3339(since).unwrap_or_else(|| "?".into())
+            )
+            .as_bytes(),
+        )
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    ctx.say(&format!(
+        "holding the probe lock {} on host {} for {:.0} s: run 'stowage doctor' on another host sharing this root now",
+        path.display(),
+        ctx.me.host,
+        secs.as_secs_f64()
+    ));
+    std::thread::sleep(secs);
+    drop(guard);
+    Ok(())
+}
+
+/// Who the probe file says holds it.
+fn probe_holder(path: &Path) -> String {
+    match fs::read_to_string(path) {
+        Ok(text) => {
+            let f: Vec<&str> = text.trim().split('\t').collect();
+            match f.as_slice() {
+                [host, pid, since] => format!("host {host}, pid {pid}, since {since}"),
+                _ => "an unknown holder".into(),
+            }
+        }
+        Err(_) => "an unknown holder".into(),
+    }
+}
+
+/// Reports a probe lock held by `doctor --hold-probe`, here or elsewhere.
+fn probe_check(ctx: &Ctx, report: &mut Report) {
+    let path = probe_file(&ctx.root);
+    let Ok(lock::Probe::Exclusive) = lock::probe(&path) else {
+        return;
+    };
+    let text = fs::read_to_string(&path).unwrap_or_default();
+    let host = text.split('\t').next().unwrap_or("");
+    let who = probe_holder(&path);
+    if host == ctx.me.host {
+        report.add(
+            "probe",
+            Status::Info,
+            format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"),
+        );
+    } else {
+        report.add(
+            "probe",
+            Status::Ok,
+            format!("the probe lock held on another host ({who}) is seen held here: locks taken there exclude processes here"),
+        );
+    }
+}
+
 /// The file that remembers a non-default images directory outside the
 /// database, so a rebuild of a damaged database still finds the images.
 pub fn images_dir_note(root: &crate::root::Root) -> PathBuf {
@@ -179,25 +265,38 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         let _ = locks.unlink(name);
     }
 
-    // NFS mounted with locks local to each client.
-    if let Some((m, bad)) = kernel::local_only_nfs(root.dir()) {
-        report.locking = false;
-        report.add(
+    // Shared filesystems mounted so that locks stay on each host.
+    let (reach, mount) = kernel::lock_reach(root.dir());
+    match reach {
+        kernel::Reach::NodeLocal { why, advice } => {
+            report.locking = false;
+            let at = mount
+                .as_ref()
+                .map_or_else(String::new, |m| format!("{}: ", m.mount_point.display()));
+            report.add(
+                "mount",
+                Status::Problem,
+                format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"),
+            );
+        }
+        kernel::Reach::Unknown { why } => report.add(
             "mount",
-            Status::Problem,
+            Status::Info,
             format!(
-                "{} is NFS mounted with {}: locks are local to each client, so builds and metadata updates on different hosts do not exclude each other; remount without it",
-                m.mount_point.display(),
-                bad.join(",")
+                "{why}; to check, run 'stowage doctor --hold-probe 60' on one host and 'stowage doctor' on another within the minute"
             ),
-        );
-    } else if let Some(m) = kernel::mount_of(root.dir()) {
-        report.add(
-            "mount",
-            Status::Ok,
-            format!("{} ({}) on {}", m.mount_point.display(), m.fstype, m.source),
-        );
+        ),
+        kernel::Reach::ClusterWide => {
+            if let Some(m) = mount.or_else(|| kernel::mount_of(root.dir())) {
+                report.add(
+                    "mount",
+                    Status::Ok,
+                    format!("{} ({}) on {}", m.mount_point.display(), m.fstype, m.source),
+                );
+            }
+        }
     }
+    probe_check(store.ctx(), &mut report);
     if !report.locking {
         report.healthy = false;
         return Ok(report);

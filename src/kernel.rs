@@ -22,8 +22,28 @@ pub struct Filesystem {
     pub local: bool,
 }
 
+/// Hidden test hook: `STOWAGE_DEBUG_FILESYSTEM=NAME` makes every
+/// filesystem look like NAME (`nfs`, `lustre`, `beegfs`, `tmpfs`, …), so
+/// that the code for shared filesystems runs, with real processes, where
+/// there is none.
+pub const FILESYSTEM_ENV: &str = "STOWAGE_DEBUG_FILESYSTEM";
+
+/// Hidden test hook: `STOWAGE_DEBUG_MOUNTINFO=FILE` is read instead of
+/// /proc/self/mountinfo (mount options of filesystems that are not here).
+pub const MOUNTINFO_ENV: &str = "STOWAGE_DEBUG_MOUNTINFO";
+
+/// Filesystems whose locks this host's lock table shows completely.
+const LOCAL: &[&str] = &[
+    "tmpfs", "ext4", "xfs", "btrfs", "zfs", "overlay", "f2fs", "ramfs", "reiserfs",
+];
+
 pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
     let st = nix::sys::statfs::statfs(path).map_err(io::Error::from)?;
+    if let Some(name) = std::env::var_os(FILESYSTEM_ENV) {
+        let name = name.to_string_lossy().into_owned();
+        let local = LOCAL.contains(&name.as_str());
+        return Ok(Filesystem { name, local });
+    }
     #[allow(clippy::unnecessary_cast)]
     let magic = st.filesystem_type().0 as i64;
     let (name, local) = match magic {
@@ -70,7 +90,9 @@ pub struct Mount {
 /// The mount that holds `path` (the longest mount point that contains it).
 pub fn mount_of(path: &Path) -> Option<Mount> {
     let path = fs::canonicalize(path).ok()?;
-    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let info = std::env::var_os(MOUNTINFO_ENV)
+        .map_or_else(|| "/proc/self/mountinfo".into(), std::path::PathBuf::from);
+    let text = fs::read_to_string(info).ok()?;
     parse_mountinfo(&text)
         .into_iter()
         .filter(|m| path.starts_with(&m.mount_point))
@@ -124,31 +146,139 @@ fn unescape(s: &str) -> String {
     out
 }
 
-/// If `path` is on NFS mounted so that locks stay local to each client
-/// (`nolock`, `local_lock=flock|posix|all`), the offending options. Cheap where
-/// it matters: one statfs(2), and /proc/self/mountinfo only on NFS.
-pub fn local_only_nfs(path: &Path) -> Option<(Mount, Vec<String>)> {
-    // A root not made yet lives where its nearest existing ancestor does;
-    // the common case (it exists) costs the one statfs.
-    let (path, fs) = path.ancestors().find_map(|p| match filesystem(p) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
-        other => Some((p, other)),
-    })?;
-    if fs.ok()?.name != "nfs" {
-        return None;
-    }
-    let m = mount_of(path)?;
-    let bad = local_only_options(&m.options);
-    (!bad.is_empty()).then_some((m, bad))
+/// Whether locks on a shared filesystem exclude other hosts, as far as its
+/// mount options and client configuration tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reach {
+    /// Nothing says otherwise (a local filesystem, or a shared one whose
+    /// settings give cluster-wide locks).
+    ClusterWide,
+    /// Locks exclude only processes on the same host: refused (exit 69).
+    NodeLocal { why: String, advice: String },
+    /// Could not be told (e.g. Lustre mounted without `flock` or
+    /// `localflock`, whose default differs between releases): doctor says
+    /// so and offers the two-host probe.
+    Unknown { why: String },
 }
 
-/// The NFS mount options that keep locks on the client. `local_lock=flock`
-/// breaks the image and global locks outright. `local_lock=posix` looks
-/// harmless — SQLite's fcntl locks are only taken under the global flock,
-/// which still reaches the server — but the NFS client revalidates a file's
-/// cached pages when a lock *on that file* goes to the server: with SQLite's
-/// locks local, a process could read stale database pages cached before
-/// another host's transaction, and write a transaction on top of them.
+/// How far locks on the filesystem of `path` reach, with the mount looked
+/// at. Cheap where it matters: one statfs(2); mountinfo (and a client
+/// configuration file) only on NFS, Lustre and BeeGFS.
+pub fn lock_reach(path: &Path) -> (Reach, Option<Mount>) {
+    // A root not made yet lives where its nearest existing ancestor does;
+    // the common case (it exists) costs the one statfs.
+    let Some((path, Ok(fs))) = path.ancestors().find_map(|p| match filesystem(p) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        other => Some((p, other)),
+    }) else {
+        return (Reach::ClusterWide, None);
+    };
+    if !matches!(fs.name.as_str(), "nfs" | "lustre" | "beegfs") {
+        return (Reach::ClusterWide, None);
+    }
+    let Some(m) = mount_of(path) else {
+        return (
+            Reach::Unknown {
+                why: format!("{} mount options could not be read", fs.name),
+            },
+            None,
+        );
+    };
+    let reach = match fs.name.as_str() {
+        "nfs" => nfs_reach(&m.options),
+        "lustre" => lustre_reach(&m.options),
+        _ => beegfs_reach(&m.options, |p| fs::read_to_string(p).ok()),
+    };
+    (reach, Some(m))
+}
+
+/// NFS: `nolock` and `local_lock=flock|posix|all` keep locks on the client.
+/// `local_lock=flock` breaks the image and global locks outright.
+/// `local_lock=posix` looks harmless — SQLite's fcntl locks are only taken
+/// under the global flock, which still reaches the server — but the NFS
+/// client revalidates a file's cached pages when a lock *on that file* goes
+/// to the server: with SQLite's locks local, a process could read stale
+/// database pages cached before another host's transaction, and write a
+/// transaction on top of them.
+fn nfs_reach(options: &[String]) -> Reach {
+    let bad = local_only_options(options);
+    if bad.is_empty() {
+        return Reach::ClusterWide;
+    }
+    Reach::NodeLocal {
+        why: format!(
+            "NFS mounted with {}: locks stay local to each client",
+            bad.join(",")
+        ),
+        advice: "remount without it".into(),
+    }
+}
+
+/// Lustre: `flock` gives cluster-wide flocks, `localflock` flocks that
+/// exclude only on one client node (how shared SQLite databases get
+/// corrupted on Lustre), `noflock` none at all (ENOSYS). With none of them
+/// the default depends on the Lustre release.
+fn lustre_reach(options: &[String]) -> Reach {
+    let has = |o: &str| options.iter().any(|x| x == o);
+    if has("localflock") {
+        Reach::NodeLocal {
+            why: "Lustre mounted with localflock: flocks exclude only processes on the same client node".into(),
+            advice: "remount with -o flock (cluster-wide locks)".into(),
+        }
+    } else if has("noflock") {
+        Reach::NodeLocal {
+            why: "Lustre mounted with noflock: flock is disabled".into(),
+            advice: "remount with -o flock (cluster-wide locks)".into(),
+        }
+    } else if has("flock") {
+        Reach::ClusterWide
+    } else {
+        Reach::Unknown {
+            why: "Lustre mounted without 'flock' or 'localflock': whether flocks reach other nodes depends on the Lustre release".into(),
+        }
+    }
+}
+
+/// BeeGFS: flocks are cluster-wide only with `tuneUseGlobalFileLocks =
+/// true` in the client configuration (the mount's `cfgFile=`, else
+/// /etc/beegfs/beegfs-client.conf); the default, false, keeps them on the
+/// node.
+fn beegfs_reach(options: &[String], read: impl Fn(&Path) -> Option<String>) -> Reach {
+    let conf = options
+        .iter()
+        .find_map(|o| o.strip_prefix("cfgFile="))
+        .unwrap_or("/etc/beegfs/beegfs-client.conf");
+    let Some(text) = read(Path::new(conf)) else {
+        return Reach::Unknown {
+            why: format!(
+                "BeeGFS client configuration {conf} could not be read (tuneUseGlobalFileLocks decides whether flocks reach other nodes)"
+            ),
+        };
+    };
+    let global = text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter_map(|l| l.split_once('='))
+        .rfind(|(k, _)| k.trim() == "tuneUseGlobalFileLocks")
+        .map(|(_, v)| v.trim().eq_ignore_ascii_case("true"));
+    if global == Some(true) {
+        Reach::ClusterWide
+    } else {
+        Reach::NodeLocal {
+            why: format!(
+                "BeeGFS with tuneUseGlobalFileLocks={} ({conf}): flocks exclude only processes on the same client node",
+                if global.is_some() {
+                    "false"
+                } else {
+                    "false (the default)"
+                }
+            ),
+            advice: format!("set tuneUseGlobalFileLocks = true in {conf} and remount"),
+        }
+    }
+}
+
+/// The NFS mount options that keep locks on the client.
 fn local_only_options(options: &[String]) -> Vec<String> {
     options
         .iter()
@@ -159,13 +289,28 @@ fn local_only_options(options: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// Set by `stowage exec` for its command: the pids of the execs that run
+/// it, outermost first, separated by `:` (each appends its own).
+pub const EXEC_PIDS_ENV: &str = "STOWAGE_EXEC_PIDS";
+
+/// The value of [`EXEC_PIDS_ENV`] for the command of an exec with pid `me`.
+pub fn exec_pids_for_command(me: u32) -> String {
+    match std::env::var(EXEC_PIDS_ENV) {
+        Ok(v) if !v.is_empty() => format!("{v}:{me}"),
+        _ => me.to_string(),
+    }
+}
+
 /// The lock that this process, or one of its ancestors, holds on the file
 /// at `path`: the hold of an enclosing command. Found through a descriptor
-/// this process inherited ([`lock::held_here`], on every filesystem), else
-/// through the lock table, whose holder pid is one of our ancestors (local
-/// filesystems; this covers an enclosing `exec --no-inherit`, whose command
-/// does not inherit the descriptors). Waiting for a conflicting lock on such
-/// a file would wait for ourselves: the ancestor waits for us to finish.
+/// this process inherited ([`lock::held_here`], on every filesystem: it
+/// holds the lock itself), else through the lock table, whose holder pid
+/// is an ancestor that is a `stowage exec` running us — named in
+/// [`EXEC_PIDS_ENV`] *and* found among our ancestors, since only an exec
+/// is known to wait for its command (local filesystems; this covers an
+/// enclosing `exec --no-inherit`, whose command does not inherit the
+/// descriptors). Waiting for a conflicting lock on such a file would wait
+/// for ourselves.
 pub fn enclosing_hold(path: &Path) -> Option<Mode> {
     enclosing_hold_except(path, None)
 }
@@ -176,6 +321,12 @@ pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) ->
     if let Some(m) = lock::held_here_except(path, except) {
         return Some(m);
     }
+    // Cheapest first: not run by an exec at all, nothing more to look at.
+    let execs: Vec<u32> = std::env::var(EXEC_PIDS_ENV)
+        .ok()?
+        .split(':')
+        .filter_map(|p| p.parse().ok())
+        .collect();
     let dir = path.parent()?;
     if !filesystem(dir).is_ok_and(|f| f.local) {
         return None;
@@ -183,7 +334,10 @@ pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) ->
     let meta = fs::symlink_metadata(path).ok()?;
     let table = read_table().ok()?;
     let entries = table.get(&(meta.dev(), meta.ino()))?;
-    let ancestors = ancestors();
+    let ancestors: Vec<u32> = ancestors()
+        .into_iter()
+        .filter(|p| execs.contains(p))
+        .collect();
     entries
         .iter()
         .filter(|e| !e.blocked && e.pid.is_some_and(|p| ancestors.contains(&p)))
@@ -384,29 +538,85 @@ fn view_of(entries: &[Entry]) -> LockView {
 
 /// Reads /proc/locks. The kernel produces it a page at a time, and entries
 /// that move while it is read can be skipped or repeated. So it is read
-/// until two reads agree (at most four times), everything seen is kept, and
-/// repeated entries are folded: a lock held throughout is all but certain to
-/// be seen, and one released meanwhile may still show — the safe side, since
-/// only a "free" leads anyone to drop records or mark images.
+/// until two reads agree (at most four times) and the reads are folded
+/// ([`fold`]).
 fn read_table() -> io::Result<HashMap<(u64, u64), Vec<Entry>>> {
-    let mut table: HashMap<(u64, u64), Vec<Entry>> = HashMap::new();
-    let mut previous: Option<String> = None;
+    let mut reads: Vec<String> = Vec::with_capacity(4);
     for _ in 0..4 {
         let text = fs::read_to_string("/proc/locks")?;
-        for (key, entries) in parse_table(&text) {
-            let all = table.entry(key).or_default();
+        let agree = reads.last().is_some_and(|p| *p == text);
+        reads.push(text);
+        if agree {
+            break;
+        }
+    }
+    Ok(fold(&reads))
+}
+
+/// Folds several reads of the lock table into one. Everything seen is kept,
+/// so a lock held throughout is all but certain to be seen and one released
+/// meanwhile may still show — the safe side, since only a "free" leads
+/// anyone to drop records or mark images. But a lock's entries must be a
+/// state the lock was really in: reads from different moments can show a
+/// lock taken exclusively, in turn, by two processes (the global lock, held
+/// for microseconds at a time) — two exclusive holders, or an exclusive and
+/// shared ones, which no moment ever had. Such a lock gets its entries from
+/// the latest read that shows it holding together (held either way).
+fn fold(reads: &[String]) -> HashMap<(u64, u64), Vec<Entry>> {
+    let parsed: Vec<HashMap<(u64, u64), Vec<Entry>>> =
+        reads.iter().map(|t| parse_table(t)).collect();
+    let mut table: HashMap<(u64, u64), Vec<Entry>> = HashMap::new();
+    for one in &parsed {
+        for (key, entries) in one {
+            let all = table.entry(*key).or_default();
             for e in entries {
-                if !all.contains(&e) {
-                    all.push(e);
+                if !all.contains(e) {
+                    all.push(*e);
                 }
             }
         }
-        if previous.as_deref() == Some(text.as_str()) {
-            break;
-        }
-        previous = Some(text);
     }
-    Ok(table)
+    for (key, entries) in table.iter_mut() {
+        if consistent(entries) {
+            continue;
+        }
+        let latest = parsed
+            .iter()
+            .rev()
+            .filter_map(|one| one.get(key))
+            .find(|es| consistent(es) && es.iter().any(|e| !e.blocked));
+        *entries = match latest {
+            Some(es) => es.clone(),
+            // No single read holds together (a lock moved within a read):
+            // one exclusive holder, and the waiters.
+            None => {
+                let holder = entries
+                    .iter()
+                    .rev()
+                    .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+                    .copied();
+                holder
+                    .into_iter()
+                    .chain(entries.iter().filter(|e| e.blocked).copied())
+                    .collect()
+            }
+        };
+    }
+    table
+}
+
+/// Could one lock be held this way at one moment: one exclusive holder,
+/// or any number of shared ones?
+fn consistent(entries: &[Entry]) -> bool {
+    let exclusive = entries
+        .iter()
+        .filter(|e| !e.blocked && e.mode == Mode::Exclusive)
+        .count();
+    let shared = entries
+        .iter()
+        .filter(|e| !e.blocked && e.mode == Mode::Shared)
+        .count();
+    exclusive == 0 || (exclusive == 1 && shared == 0)
 }
 
 /// Parses /proc/locks, keeping flock(2) entries:
@@ -459,6 +669,39 @@ fn parse_table(text: &str) -> HashMap<(u64, u64), Vec<Entry>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn folded_reads_show_a_state_the_lock_was_really_in() {
+        let global = (libc::makedev(0, 0x2a), 7);
+        let image = (libc::makedev(0, 0x2a), 8);
+        // The global lock taken in turn by 100 and 200 between reads; an
+        // image lock held shared throughout, a second reader arriving.
+        let reads = [
+            "1: FLOCK  ADVISORY  WRITE 100 00:2a:7 0 EOF\n\
+             2: FLOCK  ADVISORY  READ 300 00:2a:8 0 EOF\n"
+                .to_owned(),
+            "1: FLOCK  ADVISORY  WRITE 200 00:2a:7 0 EOF\n\
+             2: FLOCK  ADVISORY  READ 300 00:2a:8 0 EOF\n\
+             3: FLOCK  ADVISORY  READ 301 00:2a:8 0 EOF\n"
+                .to_owned(),
+            "2: FLOCK  ADVISORY  READ 300 00:2a:8 0 EOF\n".to_owned(),
+        ];
+        let t = fold(&reads);
+        let g = &t[&global];
+        assert_eq!(g.len(), 1, "{g:?}");
+        assert_eq!(g[0].pid, Some(200));
+        // Shared holders from several reads are consistent: all kept.
+        assert_eq!(t[&image].len(), 2);
+        // A lock seen only in an earlier read still shows (the safe side).
+        assert!(!fold(&reads[..2]).is_empty());
+        // Exclusive then shared, across reads: the latest state.
+        let t = fold(&[
+            "1: FLOCK  ADVISORY  WRITE 100 00:2a:7 0 EOF\n".to_owned(),
+            "1: FLOCK  ADVISORY  READ 400 00:2a:7 0 EOF\n".to_owned(),
+        ]);
+        assert_eq!(t[&global].len(), 1);
+        assert_eq!(t[&global][0].mode, Mode::Shared);
+    }
 
     #[test]
     fn parses_the_lock_table() {
@@ -526,7 +769,82 @@ mod tests {
             assert!(local_only_options(&opts(safe)).is_empty(), "{safe}");
         }
         // A local filesystem is never NFS, whatever its options.
-        assert!(local_only_nfs(Path::new("/")).is_none());
+        assert_eq!(lock_reach(Path::new("/")).0, Reach::ClusterWide);
+    }
+
+    /// Lines as /proc/self/mountinfo shows such mounts.
+    const FIXTURE: &str = "\
+101 30 0:60 / /lustre/scratch rw,relatime - lustre 10.0.0.1@o2ib:/scratch rw,localflock,lazystatfs\n\
+102 30 0:61 / /lustre/work rw,relatime - lustre 10.0.0.1@o2ib:/work rw,flock,lazystatfs\n\
+103 30 0:62 / /lustre/old rw,relatime - lustre 10.0.0.1@o2ib:/old rw,noflock\n\
+104 30 0:63 / /lustre/plain rw,relatime - lustre 10.0.0.1@o2ib:/plain rw,lazystatfs\n\
+105 30 0:64 / /mnt/beegfs rw,relatime - beegfs beegfs_nodev rw,cfgFile=/etc/beegfs/beegfs-client.conf,_netdev\n\
+106 30 0:65 / /mnt/nfs rw,relatime - nfs4 srv:/export rw,vers=4.2,local_lock=none\n";
+
+    fn reach_of(mount_point: &str, fstype: &str) -> Reach {
+        let m = parse_mountinfo(FIXTURE)
+            .into_iter()
+            .find(|m| m.mount_point == Path::new(mount_point))
+            .unwrap();
+        match fstype {
+            "lustre" => lustre_reach(&m.options),
+            "nfs" => nfs_reach(&m.options),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn lustre_mount_options_decide_the_reach_of_locks() {
+        assert!(matches!(
+            reach_of("/lustre/scratch", "lustre"),
+            Reach::NodeLocal { .. }
+        ));
+        assert!(matches!(
+            reach_of("/lustre/old", "lustre"),
+            Reach::NodeLocal { .. }
+        ));
+        assert_eq!(reach_of("/lustre/work", "lustre"), Reach::ClusterWide);
+        assert!(matches!(
+            reach_of("/lustre/plain", "lustre"),
+            Reach::Unknown { .. }
+        ));
+        assert_eq!(reach_of("/mnt/nfs", "nfs"), Reach::ClusterWide);
+    }
+
+    #[test]
+    fn beegfs_client_configuration_decides_the_reach_of_locks() {
+        let m = parse_mountinfo(FIXTURE)
+            .into_iter()
+            .find(|m| m.fstype == "beegfs")
+            .unwrap();
+        let conf = |text: &'static str| {
+            move |p: &Path| {
+                assert_eq!(p, Path::new("/etc/beegfs/beegfs-client.conf"));
+                Some(text.to_owned())
+            }
+        };
+        // The default is node-local.
+        assert!(matches!(
+            beegfs_reach(&m.options, conf("sysMgmtdHost = mgmt\n")),
+            Reach::NodeLocal { .. }
+        ));
+        assert!(matches!(
+            beegfs_reach(&m.options, conf("tuneUseGlobalFileLocks = false\n")),
+            Reach::NodeLocal { .. }
+        ));
+        assert_eq!(
+            beegfs_reach(
+                &m.options,
+                conf(
+                    "# tuneUseGlobalFileLocks = false\ntuneUseGlobalFileLocks   = true  # cluster-wide\n"
+                )
+            ),
+            Reach::ClusterWide
+        );
+        assert!(matches!(
+            beegfs_reach(&m.options, |_| None),
+            Reach::Unknown { .. }
+        ));
     }
 
     #[test]

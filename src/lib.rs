@@ -15,13 +15,18 @@
 //!   transaction cannot exist without the global lock.
 //! - [`session`] is the exec protocol; [`status`] judges recorded holders
 //!   against the kernel ([`kernel`]), which is the truth.
+//! - [`signals`] routes termination signals to the command and lets long
+//!   work stop for them; [`keeper`] runs the command for `--no-inherit`, so
+//!   that its whole process tree is gone before the locks are released.
 //! - [`cli`] is the command line, one file per command.
 //!
 //! # Lock order
 //! **slots → image locks in ascending encoded-name order → global lock.**
 //! The global lock is held only for one short metadata transaction; while it
 //! is held a process may *try* image locks, never wait for one. Store-wide
-//! operations (schema migration) conflict with every image lock.
+//! operations (schema migration, [`store_wide`] holds for a whole command)
+//! conflict with every image lock; a store-wide hold's lease
+//! (`locks/store.lock`) is waited for only by a process holding nothing.
 //!
 //! # Example
 //! ```no_run

@@ -305,7 +305,7 @@ pub fn annotate(err: anyhow::Error, db: &Path) -> anyhow::Error {
     }
     let full = matches!(sqlite, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull);
     let hint = if full {
-        " (no space left on its filesystem: free some, e.g. with 'stowage gc')"
+        " (no space left on its filesystem: free some with 'stowage rm IMAGE' or 'stowage gc')"
     } else {
         ""
     };

@@ -251,7 +251,20 @@ fn trash_name(ctx: &Ctx, enc: &str) -> String {
 /// `locks/` or `locks/images/` is refused, and only the very file we
 /// locked is unlinked, not whatever took its name since.
 pub fn unlink_lock(root: &Root, guard: Guard) -> Result<()> {
+    unlink_held_lock(root, &guard)
+}
+
+/// [`unlink_lock`] for a lock whose guard the caller keeps (it releases it
+/// later; whoever locks the unlinked file meanwhile finds it unlinked and
+/// retries, as the unlink rule has it).
+pub fn unlink_held_lock(root: &Root, guard: &Guard) -> Result<()> {
     let path = guard.path().to_owned();
+    // On a filesystem not known to be local the file is kept: another
+    // host's cached lookup could still lead it to the unlinked file (see
+    // lock::Guard::unlink).
+    if !lock::unlinks_allowed(&path) {
+        return Ok(());
+    }
     let rel = path
         .strip_prefix(root.dir())
         .with_context(|| format!("lock file {} is not in the root", path.display()))?;
@@ -265,7 +278,6 @@ pub fn unlink_lock(root: &Root, guard: Guard) -> Result<()> {
     let (dev, ino) = guard.identity();
     dir.unlink_if(file, dev, ino)
         .with_context(|| format!("cannot unlink {}", path.display()))?;
-    drop(guard);
     Ok(())
 }
 
@@ -402,7 +414,11 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
         Err(_) if root.trash().symlink_metadata().is_err() => {}
         Err(e) => return Err(e),
     }
+    // On a filesystem not known to be local, lock files are kept on
+    // purpose (see lock::Guard::unlink): they are no leftovers.
+    let kept = !lock::unlinks_allowed(&root.image_locks().join("x.lock"));
     let locks = match root.open_sub("locks/images") {
+        _ if kept => Vec::new(),
         Ok(d) => d
             .names()
             .with_context(|| format!("cannot list {}", root.image_locks().display()))?,

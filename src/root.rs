@@ -271,7 +271,16 @@ impl Root {
         let euid = nix::unistd::geteuid().as_raw();
         let link = match fs::symlink_metadata(&self.dir) {
             Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Sharing::Private),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // Symlinks above the root are the user's choice; resolved
+                // once, so SQLite (which refuses any) gets a real path.
+                if let (Some(parent), Some(name)) = (self.dir.parent(), self.dir.file_name())
+                    && let Ok(real) = fs::canonicalize(parent)
+                {
+                    self.dir = real.join(name);
+                }
+                return Ok(Sharing::Private);
+            }
             Err(e) => {
                 return Err(e)
                     .with_context(|| format!("cannot inspect root {}", self.dir.display()));
@@ -301,6 +310,9 @@ impl Root {
             self.dir = real;
             m
         } else {
+            if let Ok(real) = fs::canonicalize(&self.dir) {
+                self.dir = real;
+            }
             link
         };
         if !m.is_dir() {
@@ -359,15 +371,17 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
 
 impl Root {
     /// Refuses a root whose locks would not exclude other hosts: NFS
-    /// mounted with `nolock` or `local_lock=flock|posix|all`. (`doctor` reports it
-    /// instead of refusing.)
+    /// mounted with `nolock` or `local_lock=flock|posix|all`, Lustre with
+    /// `localflock` or `noflock`, BeeGFS without global file locks.
+    /// (`doctor` reports it instead of refusing.)
     pub fn check_locking(&self) -> Result<()> {
-        if let Some((mount, bad)) = crate::kernel::local_only_nfs(&self.dir) {
+        if let (crate::kernel::Reach::NodeLocal { why, advice }, mount) =
+            crate::kernel::lock_reach(&self.dir)
+        {
+            let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));
             return Err(crate::Error::UnsafeLocking(format!(
-                "root {} is on NFS mounted with {} ({}): locks stay local to each client, so other hosts' builds and metadata updates would not be excluded; remount without it (see 'stowage doctor')",
+                "root {}{at} is on {why}, so other hosts' builds and metadata updates would not be excluded; {advice} (see 'stowage doctor')",
                 self.dir.display(),
-                bad.join(","),
-                mount.mount_point.display()
             ))
             .into());
         }

@@ -4,13 +4,26 @@
 //! 1. Image locks in ascending ENC order — shared for reads, exclusive for
 //!    writes — each tried first without blocking. If one is busy, a short
 //!    transaction records us as a waiter and reads who holds it; then we wait
-//!    for it holding no global lock.
+//!    for it holding no global lock. That transaction also checks that every
+//!    image to read exists: a request that can only fail says so (66)
+//!    before it waits.
 //! 2. One transaction (the *start*): images checked (reads must be `ready`),
 //!    new images inserted `creating` with their empty directory made, existing
 //!    ones marked `writing`, holders recorded, our waiter records dropped.
 //! 3. The command runs. 4. One transaction (the *finish*): written images
-//!    become `ready` (exit 0) or `incomplete`, last-use times and sizes are
+//!    become `ready` (exit 0, and each write lock still ours: see
+//!    `Guard::verify`) or `incomplete`, last-use times and sizes are
 //!    recorded, holder records dropped. 5. Locks are released by closing.
+//!
+//! Invariants:
+//! - **No wait for oneself.** A process whose enclosing command holds a
+//!   lock (`kernel::enclosing_hold`) is part of that hold: a reader passes
+//!   the gate, and a wait that could only end with the process itself (a
+//!   write nested in any hold of the image, a read nested in a write)
+//!   fails at once.
+//! - **A failed request leaves nothing.** Whatever way acquisition fails,
+//!   the waiter records made for it go, and the lock files and gates of
+//!   images that still have no row are unlinked (we hold them).
 //!
 //! A crash anywhere leaves either no trace (before 2), or records and
 //! `creating`/`writing` states whose locks are free — which the next process
@@ -193,9 +206,13 @@ impl Session {
             drop(slot);
             match store_held {
                 // Holding nothing, wait for the store-wide command.
-                Some(h) => {
-                    crate::store_wide::wait_until_free(store, &h, req.deadline, req.no_wait)?
-                }
+                Some(h) => crate::store_wide::wait_until_free(
+                    store,
+                    &h,
+                    req.deadline,
+                    req.no_wait,
+                    &req.command,
+                )?,
                 None => store.migrate(req.deadline)?,
             }
         }
@@ -265,39 +282,67 @@ impl Session {
     }
 
     /// Records the outcome and releases the locks.
+    ///
+    /// A written image is `ready` only if the command succeeded *and* each
+    /// write lock is still ours (see [`Guard::verify`]: an NFS lock lost
+    /// while the command ran means another host may have written the image
+    /// too): otherwise it is `incomplete`, and a lost lock is an error.
     pub fn finish(self, store: &mut Store, outcome: Outcome) -> Result<()> {
         // Sizes are measured before the transaction, under our own write
         // locks: walking a tree is far too slow to do under the global lock.
         // A written image whose directory is gone was deleted by the command
         // (`ch-image delete` under a write lock): it goes from the records.
-        let written: Vec<(Option<u64>, bool)> = self
+        let mut trouble: Vec<String> = Vec::new();
+        let written: Vec<(Option<u64>, bool, bool)> = self
             .held
             .iter()
             .map(|h| {
                 if !h.writes() {
-                    return (None, false);
+                    return (None, false, true);
                 }
                 let dir = self.images_dir.join(h.name.encoded());
+                let trusted = match h.guard.verify() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        trouble.push(format!(
+                            "lost the write lock on image '{}' ({}) while the command ran: {e} — another host may have taken it (an NFS lease expired?); the image is marked incomplete",
+                            h.name,
+                            h.guard.path().display()
+                        ));
+                        false
+                    }
+                };
                 // Only "no such file" means deleted: an I/O error (EIO,
-                // ESTALE on NFS) says nothing about the tree.
+                // ESTALE on NFS, EACCES) says nothing about the tree.
                 match std::fs::symlink_metadata(&dir) {
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true),
-                    Err(_) => (None, false),
-                    Ok(_) => (usage::disk_usage(&dir).ok(), false),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true, trusted),
+                    Err(_) => (None, false, trusted),
+                    Ok(_) => (usage::disk_usage(&dir).ok(), false, trusted),
                 }
             })
             .collect();
         // A build that filled the filesystem is recorded in the space kept
         // in reserve (space.rs).
         let held = &self.held;
+        let images_dir = &self.images_dir;
         let ids: Vec<i64> = self.record_ids().collect();
         store.retry_full(|store| {
             let (tx, ctx) = store.begin_cleanup()?;
             let now = clock::now_ms();
-            for (h, (size, gone)) in held.iter().zip(&written) {
-                if *gone {
+            for (h, (size, gone, trusted)) in held.iter().zip(&written) {
+                let doubt = match gone {
+                    true => crate::adopt::unmounted(&tx, &ctx.root, images_dir)?,
+                    false => None,
+                };
+                if *gone && *trusted && doubt.is_none() {
                     tx.delete_image(h.name.as_str())?;
                     ctx.detail(&format!("image '{}' was deleted by the command", h.name));
+                    continue;
+                }
+                if let Some(doubt) = doubt {
+                    // Not seen, so not ready; but not forgotten either.
+                    ctx.say(&format!("image '{}' is incomplete: {doubt}", h.name));
+                    tx.set_state(h.name.as_str(), ImageState::Incomplete)?;
                     continue;
                 }
                 // A read's last use was recorded when it began; updating it
@@ -309,8 +354,8 @@ impl Session {
                 } else if h.mode == Mode::Exclusive {
                     tx.touch(h.name.as_str(), now)?;
                     let state = match outcome {
-                        Outcome::Success => ImageState::Ready,
-                        Outcome::Failure => ImageState::Incomplete,
+                        Outcome::Success if *trusted => ImageState::Ready,
+                        _ => ImageState::Incomplete,
                     };
                     tx.set_state(h.name.as_str(), state)?;
                     tx.set_size(h.name.as_str(), *size)?;
@@ -324,13 +369,17 @@ impl Session {
         })?;
         // The lock files of deleted images go too, under our exclusive locks
         // (the unlink rule), with their gates.
-        for (h, (_, gone)) in self.held.into_iter().zip(written) {
-            if gone {
+        for (h, (_, gone, trusted)) in self.held.into_iter().zip(written) {
+            if gone && trusted {
                 unlink_image_lock(store, &h.name, h.guard);
             }
         }
         drop(self.slot);
-        Ok(())
+        if trouble.is_empty() {
+            Ok(())
+        } else {
+            bail!("{}", trouble.join("; "))
+        }
     }
 
     /// Every record this session made: its image holders and its slot's.
@@ -467,7 +516,13 @@ pub(crate) fn acquire_image(
     let mode = want.mode;
     let path = store.root().image_lock(name);
     let gate = store.root().image_gate(name);
-    let what = format!("{} lock on image '{name}'", mode.verb());
+    // An exclusive lock on an image that must be ready is --read-exclusive.
+    let verb = if mode == Mode::Exclusive && want.need == Need::Ready {
+        "exclusive read"
+    } else {
+        mode.verb()
+    };
+    let what = format!("{verb} lock on image '{name}'");
     let err = |e| lock_error(&format!("image '{name}'"), &path, e);
     let first = match try_image(&gate, &path, mode, want.need == Need::Create) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -749,7 +804,7 @@ fn start(
         tx.commit()?;
         for (h, row) in held.iter().zip(&rows) {
             if h.writes() && row.is_none() {
-                let _ = std::fs::remove_file(h.guard.path());
+                let _ = crate::remove::unlink_held_lock(&ctx.root, &h.guard);
             }
         }
         return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));

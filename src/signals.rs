@@ -127,7 +127,8 @@ pub fn reset_mask_in_child() -> io::Result<()> {
 static CANCELLED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
 /// When [`check`] last looked for a pending signal, in ms since [`epoch`].
-static LAST_LOOK_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// (`u64::MAX`: never looked.)
+static LAST_LOOK_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
 
 fn epoch() -> std::time::Instant {
     static EPOCH: OnceLock<std::time::Instant> = OnceLock::new();
@@ -164,7 +165,8 @@ pub fn cancelled() -> Option<i32> {
         return Some(sig);
     }
     let now = epoch().elapsed().as_millis() as u64;
-    if now.saturating_sub(LAST_LOOK_MS.load(Relaxed)) < 5 {
+    let last = LAST_LOOK_MS.load(Relaxed);
+    if last != u64::MAX && now.saturating_sub(last) < 5 {
         return None;
     }
     LAST_LOOK_MS.store(now, Relaxed);
@@ -444,5 +446,28 @@ fn take_pending() {
     let Some(shared) = SHARED.get() else { return };
     if let Some((sig, code)) = take(&shared.set, Some(0)) {
         forward(&shared.state, sig, code);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_terminal_signal_is_held_back_only_when_the_command_got_it_too() {
+        let (int, hup, k, user) = (libc::SIGINT, libc::SIGHUP, libc::SI_KERNEL, libc::SI_USER);
+        // Ctrl-C, command in our (foreground) group: it got it.
+        assert!(terminal_reached_command(int, k, Some(10), 10, false));
+        assert!(terminal_reached_command(int, k, Some(10), 10, true));
+        // Command in its own group (GNU timeout): forward.
+        assert!(!terminal_reached_command(int, k, Some(11), 10, false));
+        // Group unknown: forward rather than lose it.
+        assert!(!terminal_reached_command(int, k, None, 10, false));
+        // Hangup to the session leader alone: forward.
+        assert!(!terminal_reached_command(hup, k, Some(10), 10, true));
+        // Hangup of a session leader that exited, to our group: it got it.
+        assert!(terminal_reached_command(hup, k, Some(10), 10, false));
+        // Sent by a process: always forward.
+        assert!(!terminal_reached_command(int, user, Some(10), 10, false));
     }
 }

@@ -20,7 +20,8 @@
 //! - Slots come first in the lock order (slots → images → global).
 //! - The configuration lives in the metadata and is read by each acquirer,
 //!   and re-read by each waiter when `slots set`/`slots rm` touches the
-//!   class's `changed` file, and at least every [`RECHECK`]: a raised limit
+//!   class's `changed` file, and every [`RECHECK`] where another host may
+//!   change it unannounced (30 s otherwise): a raised limit
 //!   (or 0) lets waiters in, a lowered one binds them, a removed class ends
 //!   their wait. Lowering a limit never disturbs current holders (they keep
 //!   their higher-numbered files), and their slots count against the new
@@ -29,7 +30,8 @@
 //!   make a wait fail): the waiter keeps the N descriptors open, watches the
 //!   class directory with inotify — the last close of a lock file's
 //!   descriptor is both the release of its lock and an `IN_CLOSE_WRITE`
-//!   event — and tries the files again when woken. Where closes cannot be
+//!   event (`IN_CLOSE_NOWRITE` for a read-only holder such as flock(1)) —
+//!   and tries the files again when woken. Where closes cannot be
 //!   seen (another host on NFS; no inotify) it polls: every 250 ms on
 //!   remote filesystems, 50 ms locally.
 
@@ -220,9 +222,10 @@ pub fn acquire(
 ///
 /// A waiter follows the configuration: it re-reads the class when `slots
 /// set`/`slots rm` says it changed (a close of the class's `changed` file,
-/// seen through inotify) and at least every [`RECHECK`] (changes made on
-/// another host). A raised limit or 0 (unlimited) lets it in at once; a
-/// lowered one binds it; a removed class ends its wait (exit 64).
+/// seen through inotify), and every [`RECHECK`] where changes made on
+/// another host cannot be seen (every 30 s otherwise). A raised limit or 0
+/// (unlimited) lets it in at once; a lowered one binds it; a removed class
+/// ends its wait (exit 64).
 pub(crate) fn acquire_unrecorded(
     store: &mut Store,
     class: &str,
@@ -327,8 +330,14 @@ pub(crate) fn acquire_unrecorded(
 const CHANGED: &str = "changed";
 
 /// How often a waiting acquirer re-reads its class's configuration even
-/// without being told (a change made on another host is not seen locally).
+/// without being told, where another host may change it unseen (a shared
+/// filesystem, or no inotify).
 pub const RECHECK: Duration = Duration::from_secs(2);
+
+/// The same on a local filesystem watched with inotify, where every change
+/// is announced (only an older release's `slots set` is not): a safety net
+/// that costs one transaction per waiter twice a minute.
+const RECHECK_LOCAL: Duration = Duration::from_secs(30);
 
 /// How often a waiter retries when closes cannot wake it: the local promise
 /// is a freed slot taken within 100 ms.
@@ -337,16 +346,11 @@ const POLL: Duration = Duration::from_millis(50);
 /// Tells waiters of `class` on this host to re-read its configuration
 /// (others re-read it every [`RECHECK`]). Best effort.
 pub fn notify_change(ctx: &Ctx, class: &str) {
-    let dir = class_dir(ctx, class);
-    if dir.is_dir() {
-        use std::os::unix::fs::OpenOptionsExt;
-        let _ = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o666)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(dir.join(CHANGED));
+    // Through descriptors, never a symlink planted in the path: a group
+    // member could otherwise make us create `changed` elsewhere.
+    let rel = format!("locks/slots/{}", class.replace('/', "%"));
+    if let Ok(dir) = ctx.root.open_sub(&rel) {
+        let _ = dir.touch_closed(CHANGED);
     }
 }
 
@@ -381,12 +385,17 @@ fn wait_for_slot(
         (true, false) => Some(POLL),
         (false, _) => Some(lock::REMOTE_REARM),
     };
-    let mut recheck_at = Instant::now() + RECHECK;
+    let every = if poll.is_none() {
+        RECHECK_LOCAL
+    } else {
+        RECHECK
+    };
+    let mut recheck_at = Instant::now() + every;
     let mut recheck = false;
     loop {
         if recheck {
             recheck = false;
-            recheck_at = Instant::now() + RECHECK;
+            recheck_at = Instant::now() + every;
             let now = store.with_tx(deadline, |tx, _| tx.slot_class(class))?;
             let Some(now) = now else {
                 return Err(Error::Usage(format!(

@@ -59,13 +59,22 @@ pub fn target(root: &Root) -> u64 {
     }
 }
 
+/// Opens the reserve for writing: never through a symlink, never blocking
+/// on a FIFO planted in its place, and only if it is a regular file.
+fn open(root: &Root, create: bool) -> Option<std::fs::File> {
+    let f = OpenOptions::new()
+        .write(true)
+        .create(create)
+        .mode(0o666)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path(root))
+        .ok()?;
+    f.metadata().is_ok_and(|m| m.is_file()).then_some(f)
+}
+
 /// Empties the reserve; true if it gave back any space.
 pub fn release(root: &Root) -> bool {
-    let Ok(f) = OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path(root))
-    else {
+    let Some(f) = open(root, false) else {
         return false;
     };
     let had = f.metadata().map(|m| m.blocks()).unwrap_or(0) > 0;
@@ -75,13 +84,7 @@ pub fn release(root: &Root) -> bool {
 /// Fills the reserve up to its size with whatever is free (best effort:
 /// a full filesystem gets back what the last transaction left).
 pub fn refill(root: &Root) {
-    let Ok(f) = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .mode(0o666)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path(root))
-    else {
+    let Some(f) = open(root, true) else {
         return;
     };
     let want = target(root);
@@ -110,11 +113,13 @@ pub fn refill(root: &Root) {
     }
 }
 
-/// Creates the reserve if it is missing (a store made by an older
-/// release, or the file deleted by hand): one stat when it is there.
+/// Creates the reserve if it is missing or empty (a store made by an older
+/// release, the file deleted by hand, a process killed between emptying and
+/// refilling it): one stat when it is there.
 pub fn ensure(root: &Root) {
-    if std::fs::symlink_metadata(path(root)).is_err() {
-        refill(root);
+    match std::fs::symlink_metadata(path(root)) {
+        Ok(m) if m.blocks() > 0 || !m.is_file() => {}
+        _ => refill(root),
     }
 }
 

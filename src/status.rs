@@ -608,12 +608,35 @@ pub fn gather(
             };
             out.push(r);
         }
+        out.extend(store_wide_report(tx, ctx, &kv)?);
         out.extend(slots);
         Ok(out)
     })?;
     let mut locks = vec![global];
     locks.extend(images);
     Ok((fs_name, locks))
+}
+
+/// A store-wide hold (`exec --store-wide`), while held or awaited: a
+/// `global` entry named `store`, its holder the recorded command, its
+/// waiters the processes queued for it (from the kernel).
+fn store_wide_report(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<Option<LockReport>> {
+    let path = ctx.root.locks().join("store.lock");
+    let view = kv.view(&path)?;
+    let records = tx.records_for(LockKind::Global, "store")?;
+    if !view.is_held() && records.is_empty() {
+        return Ok(None);
+    }
+    let (holders, waiters) = judge(tx, ctx, kv, &view, &records)?;
+    Ok(Some(LockReport {
+        kind: LockKind::Global,
+        name: "store".into(),
+        state: settle(view.state),
+        holders,
+        waiters,
+        image_state: None,
+        slot: None,
+    }))
 }
 
 fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {

@@ -36,7 +36,8 @@ use anyhow::Result;
 
 use crate::error::{Busy, Error};
 use crate::lock::{self, Guard, Mode, Wait, Waited};
-use crate::meta::{LockKind, Record, Role, Tx};
+use crate::meta::{ImageState, LockKind, Record, Role, Tx};
+use crate::name::ImageName;
 use crate::store::{Ctx, Store, lock_error};
 
 /// The record's name (kind `global`).
@@ -68,6 +69,11 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
             Ok(None)
                 if lock::inherited_exclusive(&path(ctx))
                     || crate::kernel::enclosing_hold(&path(ctx)) == Some(Mode::Exclusive) => {}
+            // The command of an image user (it inherited that image's lock)
+            // calls stowage again: the hold is still waiting for that very
+            // lock, so waiting for the hold would deadlock. Going ahead is
+            // safe: the hold's command starts only once our locks are free.
+            Ok(None) if inherits_image_lock(ctx) => {}
             Ok(None) => {
                 return Err(StoreHeld {
                     holder: format!(
@@ -83,6 +89,81 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
             Ok(Some(_)) => tx.delete_record(rec.id)?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => tx.delete_record(rec.id)?,
             Err(e) => return Err(lock_error("the store", &path(ctx), e)),
+        }
+    }
+    Ok(())
+}
+
+/// Does this process hold a descriptor of an image lock file inherited from
+/// the exec whose command it is part of? Inherited descriptors are the ones
+/// without close-on-exec: stowage opens its own with it, and clears it only
+/// on the locks it hands to its command.
+fn inherits_image_lock(ctx: &Ctx) -> bool {
+    let Ok(dir) = std::fs::canonicalize(ctx.root.image_locks()) else {
+        return false;
+    };
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
+        return false;
+    };
+    fds.flatten().any(|e| {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            return false;
+        };
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        flags >= 0
+            && flags & libc::FD_CLOEXEC == 0
+            && std::fs::read_link(e.path()).is_ok_and(|target| {
+                target.parent() == Some(dir.as_path())
+                    && target.extension().is_some_and(|x| x == "lock")
+            })
+    })
+}
+
+/// Drops the rows (and lock files) of images whose trees the store-wide
+/// command removed (`ch-image build-cache --reset` deletes the images linked
+/// to the cache), so that no image is listed `ready` without a tree. Nobody
+/// else uses any image meanwhile. An images directory that looks unmounted
+/// (missing, empty while images are recorded, another filesystem) says
+/// nothing about the trees: then no row goes, and the reason is said.
+fn forget_deleted(store: &mut Store) -> Result<()> {
+    let gone = store.with_tx(None, |tx, ctx| {
+        let dir = tx.images_dir(&ctx.root)?;
+        let rows = tx.images()?;
+        let mount = crate::adopt::mount(tx, &ctx.root, &dir, !rows.is_empty())?;
+        if let Some(why) = mount.doubt(&dir) {
+            ctx.say(&format!("not checking for deleted images: {why}"));
+            return Ok(Vec::new());
+        }
+        let mut gone = Vec::new();
+        for row in rows {
+            if row.state == ImageState::Deleting {
+                continue; // a removal's own business (gc finishes it)
+            }
+            let Ok(name) = ImageName::parse(&row.name) else {
+                continue;
+            };
+            if let Err(e) = std::fs::symlink_metadata(dir.join(name.encoded()))
+                && e.kind() == io::ErrorKind::NotFound
+            {
+                tx.delete_image(&row.name)?;
+                gone.push(name);
+            }
+        }
+        Ok(gone)
+    })?;
+    for name in gone {
+        store.ctx().say(&format!(
+            "image '{name}' was deleted by the store-wide command"
+        ));
+        // The unlink rule: only under our exclusive lock.
+        for file in [
+            store.root().image_lock(&name),
+            store.root().image_gate(&name),
+        ] {
+            if let Ok(Some(g)) = lock::try_lock(&file, Mode::Exclusive, false) {
+                let _ = g.unlink();
+            }
         }
     }
     Ok(())
@@ -108,6 +189,7 @@ pub fn wait_until_free(
     held: &StoreHeld,
     deadline: Option<Instant>,
     no_wait: bool,
+    command: &str,
 ) -> Result<()> {
     let busy = |waited| {
         Error::Busy(Busy {
@@ -119,15 +201,29 @@ pub fn wait_until_free(
     if no_wait {
         return Err(busy(Duration::ZERO).into());
     }
-    let ctx = store.ctx();
-    ctx.say(&format!(
+    store.ctx().say(&format!(
         "waiting for the store-wide command to finish: {}",
         held.holder
     ));
+    // Recorded, so that lock-status names us among its waiters.
+    let waiter = store.with_tx(deadline, |tx, ctx| {
+        tx.insert_record(&Record::ours(
+            &ctx.me,
+            LockKind::Global,
+            NAME,
+            FILE.into(),
+            Role::Waiter,
+            Mode::Shared,
+            command,
+        ))
+    })?;
+    let ctx = store.ctx();
     let p = path(ctx);
     let t0 = Instant::now();
     let mut wait = Wait::on(&ctx.root.locks(), deadline);
-    match lock::lock(&p, Mode::Shared, false, &mut wait) {
+    let waited = lock::lock(&p, Mode::Shared, false, &mut wait);
+    store.forget_record(waiter);
+    match waited {
         Ok(Waited::Acquired(_)) => Ok(()),
         Ok(Waited::TimedOut) => Err(busy(t0.elapsed()).into()),
         Ok(Waited::Interrupted(sig)) => Err(Error::Interrupted(sig).into()),
@@ -224,8 +320,14 @@ impl Hold {
         }
     }
 
-    /// Ends the hold: the record goes before the lease.
+    /// Ends the hold: the records of images the command deleted go (still
+    /// under the hold), then the hold's record, then the lease.
     pub fn release(self, store: &mut Store) {
+        if let Err(e) = forget_deleted(store) {
+            store
+                .ctx()
+                .say(&format!("after the store-wide command: {e:#}"));
+        }
         store.forget_record(self.record);
         drop(self.guard);
     }

@@ -1,5 +1,6 @@
 //! Image trees by directory descriptor, for the walks that copy and measure
-//! them.
+//! them — on the same [`Dir`] as every destructive operation (dir.rs), with
+//! what those walks need beyond it.
 //!
 //! Invariants: every step goes from an open directory to a name in it
 //! (`openat`, `fstatat`, `mkdirat` …), so a walk works at any depth — a
@@ -10,13 +11,11 @@
 
 use std::ffi::{CStr, CString, OsStr};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
-/// An open directory.
-#[derive(Debug)]
-pub struct Dir(OwnedFd);
+pub use crate::dir::Dir;
 
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
@@ -26,73 +25,49 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-pub fn cstr(p: &OsStr) -> io::Result<CString> {
-    CString::new(p.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
-}
-
-const DIR_FLAGS: libc::c_int =
-    libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-
-impl Dir {
+/// What the reading walks need of a directory beyond what [`Dir`] offers:
+/// every field of an entry's `lstat`, names as C strings, the descriptor.
+pub trait DirExt {
+    fn fd(&self) -> RawFd;
     /// Opens a directory by path (the start of a walk); a symlink there is
     /// refused.
-    pub fn open(path: &Path) -> io::Result<Dir> {
-        let c = cstr(path.as_os_str())?;
-        // SAFETY: a valid C string; the descriptor is owned at once.
-        let fd = cvt(unsafe { libc::open(c.as_ptr(), DIR_FLAGS) })?;
-        Ok(Dir(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
+    fn open_top(path: &Path) -> io::Result<Dir>;
     /// Opens the subdirectory `name`, never following a symlink.
-    pub fn open_at(&self, name: &CStr) -> io::Result<Dir> {
-        // SAFETY: as above.
-        let fd = cvt(unsafe { libc::openat(self.fd(), name.as_ptr(), DIR_FLAGS) })?;
-        Ok(Dir(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    pub fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-
+    fn open_at(&self, name: &CStr) -> io::Result<Dir>;
     /// The names in this directory (without `.` and `..`).
-    pub fn entries(&self) -> io::Result<Vec<CString>> {
-        // fdopendir takes ownership of its descriptor: give it a duplicate,
-        // rewound, so this can be called more than once.
-        let dup = cvt(unsafe { libc::fcntl(self.fd(), libc::F_DUPFD_CLOEXEC, 0) })?;
-        // SAFETY: `dup` is ours until closedir closes it.
-        unsafe { libc::lseek(dup, 0, libc::SEEK_SET) };
-        let dirp = unsafe { libc::fdopendir(dup) };
-        if dirp.is_null() {
-            let e = io::Error::last_os_error();
-            unsafe { libc::close(dup) };
-            return Err(e);
-        }
-        let mut out = Vec::new();
-        let result = loop {
-            // readdir reports an error only through errno.
-            unsafe { *libc::__errno_location() = 0 };
-            let ent = unsafe { libc::readdir(dirp) };
-            if ent.is_null() {
-                let errno = io::Error::last_os_error();
-                break if errno.raw_os_error() == Some(0) {
-                    Ok(())
-                } else {
-                    Err(errno)
-                };
-            }
-            // SAFETY: d_name is a NUL-terminated array inside `ent`.
-            let name = unsafe { CStr::from_ptr((*ent).d_name.as_ptr()) };
-            let b = name.to_bytes();
-            if b != b"." && b != b".." {
-                out.push(name.to_owned());
-            }
-        };
-        unsafe { libc::closedir(dirp) };
-        result.map(|()| out)
+    fn entries(&self) -> io::Result<Vec<CString>>;
+    /// lstat of `name` in this directory.
+    fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat>;
+    /// fstat of the directory itself.
+    fn lstat(&self) -> io::Result<libc::stat>;
+    /// A short path naming `name` in this directory through /proc, for the
+    /// few calls that have no descriptor form (`l*xattr` on a symlink or a
+    /// device node): `l*` calls do not follow its last component.
+    fn proc_path(&self, name: &CStr) -> CString;
+}
+
+impl DirExt for Dir {
+    fn fd(&self) -> RawFd {
+        self.as_raw_fd()
     }
 
-    /// lstat of `name` in this directory.
-    pub fn stat_at(&self, name: &CStr) -> io::Result<libc::stat> {
+    fn open_top(path: &Path) -> io::Result<Dir> {
+        Dir::open_nofollow(path)
+    }
+
+    fn open_at(&self, name: &CStr) -> io::Result<Dir> {
+        self.sub(OsStr::from_bytes(name.to_bytes()))
+    }
+
+    fn entries(&self) -> io::Result<Vec<CString>> {
+        Ok(self
+            .names()?
+            .into_iter()
+            .filter_map(|n| CString::new(n.into_vec()).ok())
+            .collect())
+    }
+
+    fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat> {
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: valid descriptor, C string and out-pointer.
         cvt(unsafe {
@@ -101,14 +76,11 @@ impl Dir {
         Ok(st)
     }
 
-    pub fn stat(&self) -> io::Result<libc::stat> {
+    fn lstat(&self) -> io::Result<libc::stat> {
         fstat(self.fd())
     }
 
-    /// A short path naming `name` in this directory through /proc, for the
-    /// few calls that have no descriptor form (`l*xattr` on a symlink or a
-    /// device node): `l*` calls do not follow its last component.
-    pub fn proc_path(&self, name: &CStr) -> CString {
+    fn proc_path(&self, name: &CStr) -> CString {
         let mut p = format!("/proc/self/fd/{}/", self.fd()).into_bytes();
         p.extend_from_slice(name.to_bytes());
         CString::new(p).expect("no NUL in a directory entry")

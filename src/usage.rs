@@ -24,7 +24,7 @@ use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
-use crate::tree::{self, Dir, Trail};
+use crate::tree::{self, Dir, DirExt, Trail};
 
 /// What one image tree takes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -97,12 +97,12 @@ type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 /// vanish while walked are skipped; a missing top is an empty tree.
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
     let _files = tree::MoreFiles::raise();
-    let top = match Dir::open(dir) {
+    let top = match Dir::open_top(dir) {
         Ok(d) => d,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
-    let st = top.stat()?;
+    let st = top.lstat()?;
     let dev = st.st_dev;
     visit(&top, c".", &st)?;
     let names = top.entries()?;
@@ -119,7 +119,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         let bounded = |e: io::Error, trail: &Trail, name: &CStr| {
             io::Error::new(e.kind(), format!("{}: {e}", trail.show(dir, Some(name))))
         };
-        let st = match d.stat_at(&name) {
+        let st = match d.lstat_at(&name) {
             Ok(st) => st,
             Err(e) if gone(&e) => continue,
             Err(e) => return Err(bounded(e, &trail, &name)),
@@ -383,7 +383,7 @@ mod tests {
     #[test]
     fn walks_deeper_than_path_max() {
         let d = tempfile::tempdir().unwrap();
-        let mut dir = Dir::open(d.path()).unwrap();
+        let mut dir = Dir::open_top(d.path()).unwrap();
         let name = std::ffi::CString::new("d".repeat(200)).unwrap();
         for _ in 0..40 {
             assert_eq!(unsafe { libc::mkdirat(dir.fd(), name.as_ptr(), 0o755) }, 0);

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use stowage::lock::{self, Mode};
 
-use crate::process::{Cmd, await_blocked};
+use crate::process::Cmd;
 use crate::report::{Bound, Report, Unit, time};
 use crate::stats::{median, p95, quantile};
 
@@ -42,6 +42,28 @@ pub fn mono_ns() -> u64 {
 pub fn stamp(file: &Path) -> std::io::Result<()> {
     let now = mono_ns();
     fs::write(file, now.to_string())
+}
+
+/// Waits until the slot waiter `pid` waits: it watches the class directory
+/// (an inotify descriptor) from just before its last round of tries, so a
+/// slot freed from then on wakes it.
+fn await_waiting(pid: u32) -> Result<()> {
+    let give_up = Instant::now() + Duration::from_secs(30);
+    loop {
+        let watching = fs::read_dir(format!("/proc/{pid}/fd"))?
+            .flatten()
+            .filter_map(|e| fs::read_link(e.path()).ok())
+            .any(|l| l.to_string_lossy().contains("inotify"));
+        if watching {
+            // Its last tries come right after the watch is set up.
+            std::thread::sleep(Duration::from_millis(20));
+            return Ok(());
+        }
+        if Instant::now() > give_up {
+            bail!("the slot waiter {pid} never started waiting");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// CPU time of every live thread of `pid`, in seconds (nanosecond
@@ -125,7 +147,7 @@ pub fn run(dir: &Path, plan: &Plan, report: &mut Report) -> Result<()> {
         let stamp_file = scratch.join(format!("stamp-{r}"));
         let guard = hold()?;
         let child = waiter(&stamp_file)?;
-        await_blocked(&slot)?;
+        await_waiting(child.id())?;
         let released = mono_ns();
         drop(guard);
         let cpu = reap_with_cpu(child)?;
@@ -155,7 +177,7 @@ pub fn run(dir: &Path, plan: &Plan, report: &mut Report) -> Result<()> {
     let guard = hold()?;
     let stamp_file = scratch.join("stamp-cpu");
     let child = waiter(&stamp_file)?;
-    await_blocked(&slot)?;
+    await_waiting(child.id())?;
     let pid = child.id();
     let c0 = cpu_seconds(pid)?;
     let t0 = Instant::now();

@@ -19,6 +19,10 @@ pub struct Args {
     /// Print a JSON report
     #[arg(long)]
     json: bool,
+    /// Hold a probe lock for SECONDS, for 'stowage doctor' on another host
+    /// sharing the root to see: the two-host check that locks reach across
+    #[arg(long, value_name = "SECONDS", conflicts_with_all = ["repair", "json"])]
+    hold_probe: Option<String>,
 }
 
 impl Args {
@@ -29,6 +33,11 @@ impl Args {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    if let Some(raw) = &args.hold_probe {
+        let secs = super::parse_seconds("--hold-probe", raw)?;
+        doctor::hold_probe(store, secs)?;
+        return Ok(0);
+    }
     let report = doctor::run(store, args.repair)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -43,7 +52,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             };
             println!("{tag:>8}  {:<10}  {}", c.check, c.detail);
         }
-        if !report.healthy && !args.repair && report.locking {
+        // (A repair needs write access: no advice to someone without it.)
+        let writable = !report.checks.iter().any(|c| c.check == "access");
+        if !report.healthy && !args.repair && report.locking && writable {
             println!("run 'stowage doctor --repair' to fix what is safe to fix");
         }
     }

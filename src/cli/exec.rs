@@ -159,7 +159,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             .map(|class| (class, args.priority.unwrap_or_default())),
         command: ident::shell_join(&shown),
     };
-    let mut session = match Session::begin(store, &req) {
+    // A start that fails leaves nothing behind, so one that found the disk
+    // full can simply run again in the space kept in reserve (space.rs):
+    // reading an image on a full filesystem works.
+    let mut session = match store.retry_full(|store| Session::begin(store, &req)) {
         Ok(s) => s,
         Err(e) => {
             if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), args.conflict_exit_code)
@@ -190,9 +193,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             }
             return Err(e);
         }
+        // Not fatal: if its record cannot be dropped, the base stays
+        // locked (and recorded) until the end, as it did before.
         if !keep_base && let Err(e) = session.release_read(store, base) {
-            let _ = session.finish(store, Outcome::Failure);
-            return Err(e.context(format!("cannot release image '{base}' after copying it")));
+            store.ctx().detail(&format!(
+                "image '{base}' stays read-locked until the command ends: {e:#}"
+            ));
         }
     }
 
@@ -201,6 +207,11 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         (
             "STOWAGE_IMAGES_DIR",
             session.images_dir().as_os_str().to_owned(),
+        ),
+        // Lets a stowage inside the command tell that we hold its locks.
+        (
+            crate::kernel::EXEC_PIDS_ENV,
+            crate::kernel::exec_pids_for_command(std::process::id()).into(),
         ),
     ];
     let written: Vec<_> = session.writes().cloned().collect();

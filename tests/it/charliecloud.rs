@@ -772,6 +772,31 @@ fn ch_build_refuses_before_taking_any_lock() {
     c.env("CH_IMAGE_STORAGE", "relative");
     let out = output(c);
     assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    // A build that fails after it started leaves its images incomplete —
+    // the last stage, never reached, an empty directory — which neither
+    // `ch-image list` nor a rebuild trips over.
+    let df = ch.dockerfile(
+        "Dockerfile.fail",
+        "FROM base AS one\nRUN false\nFROM base\nRUN true\n",
+    );
+    let out = output(ch.ch_build(["-t", "multi", "-f", &df]));
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(ch.env.state("multi").as_deref(), Some("incomplete"));
+    assert_eq!(ch.env.state("multi_stage0").as_deref(), Some("incomplete"));
+    assert_eq!(ch.ch_list(), ["base", "multi", "multi_stage0"]);
+    let df = ch.dockerfile(
+        "Dockerfile.ok",
+        "FROM base AS one\nRUN true\nFROM base\nRUN true\n",
+    );
+    assert_ok(output(ch.ch_build(["-t", "multi", "-f", &df])));
+    assert_eq!(ch.env.state("multi").as_deref(), Some("ready"));
+    // A storage directory that does not exist is not made by asking ch-image.
+    let missing = ch.env.tmp.path().join("no-storage");
+    let mut c = ch.ch_build(["-t", "app", "-f", &df]);
+    c.env("CH_IMAGE_STORAGE", &missing);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(!missing.exists());
     assert!(!ch.img("app").exists());
 }
 
@@ -865,7 +890,9 @@ fn a_store_wide_command_is_queued_among_builds() {
 }
 
 /// The first example of `stowage exec --help`, run literally three times at
-/// once (with the base it names imported): all succeed, one after another.
+/// once for three tags (with the base it names imported and linked): all
+/// succeed. With ch-image's own storage lock, two of three failed ("storage
+/// directory is already in use").
 #[test]
 fn the_exec_help_example_works_in_parallel() {
     let Some(ch) = Ch::new() else { return };
@@ -877,36 +904,51 @@ fn the_exec_help_example_works_in_parallel() {
         .expect("the example");
     let words: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
     assert_eq!(words[0], "stowage");
-    let tarball = ch.env.tmp.path().join("base.tar");
+    assert!(words.iter().any(|w| w == "app"), "{line}");
+    let storage = ch.storage.display().to_string();
+    let tarball = ch.env.tmp.path().join("base.tar").display().to_string();
     assert_ok(output(ch.stowage([
-        OsStr::new("exec"),
-        OsStr::new("--write"),
-        OsStr::new("alpine:3.17"),
-        OsStr::new("--"),
-        OsStr::new("ch-image"),
-        OsStr::new("-s"),
-        ch.storage.as_os_str(),
-        OsStr::new("--no-lock"),
-        OsStr::new("--no-cache"),
-        OsStr::new("import"),
-        tarball.as_os_str(),
-        OsStr::new("alpine:3.17"),
+        "exec",
+        "--store-wide",
+        "--",
+        bin(),
+        "exec",
+        "--write",
+        "alpine:3.17",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "import",
+        &tarball,
+        "alpine:3.17",
     ])));
-    ch.dockerfile("Dockerfile", "FROM alpine:3.17\nRUN echo app > /app\n");
+    ch.dockerfile(
+        "Dockerfile",
+        "FROM alpine:3.17\nRUN sleep 1; echo app > /app\n",
+    );
     let runs: Vec<Bg> = (0..3)
-        .map(|_| {
+        .map(|i| {
             let mut c = ch.command(bin());
-            c.arg("--root")
-                .arg(&ch.env.root)
-                .args(&words[1..])
-                .current_dir(&ch.ctx);
+            c.arg("--root").arg(&ch.env.root);
+            for w in &words[1..] {
+                c.arg(if w == "app" {
+                    format!("app{i}")
+                } else {
+                    w.clone()
+                });
+            }
+            c.current_dir(&ch.ctx);
             Bg::from_command(c)
         })
         .collect();
     for r in runs {
         assert_ok(r.finish());
     }
-    assert_eq!(ch.file("app", "app"), "app");
+    for i in 0..3 {
+        assert_eq!(ch.file(&format!("app{i}"), "app"), "app");
+    }
 }
 
 /// `ch-image delete X` also deletes X_stageN: ch-delete locks every image
@@ -1110,4 +1152,99 @@ fn a_dependency_chain_launched_at_once_builds() {
         "{}",
         show(&out)
     );
+    // A signal ends a ch-build that waits for its base to be started.
+    let log = ch.env.tmp.path().join("waiting.log");
+    let mut c = ch.ch_build(["--wait", "600", "-t", "x", "-f", &df]);
+    c.stderr(fs::File::create(&log).unwrap());
+    let waiting = Bg::from_command_keep_stderr(c);
+    wait_until("ch-build waits for 'later' to be started", || {
+        fs::read_to_string(&log).is_ok_and(|l| l.contains("waits for base 'later'"))
+    });
+    waiting.signal(libc::SIGTERM);
+    let out = waiting.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    assert!(!ch.img("x").exists());
+}
+
+/// A cache-mode import (it renames through STORAGE/imgtmp, which no other
+/// ch-image command may see) runs under --store-wide while builds come and
+/// go, recorded by an exec --write inside the hold: builds then read the
+/// image shared.
+#[test]
+fn a_cache_mode_import_runs_store_wide() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let before = ch.build("app-a", "a");
+    ch.wait_started("app-a", "a");
+    let storage = ch.storage.display().to_string();
+    let tarball = ch.env.tmp.path().join("base.tar").display().to_string();
+    let import = Bg::from_command(ch.stowage([
+        "exec",
+        "--store-wide",
+        "--",
+        bin(),
+        "exec",
+        "--write",
+        "base2",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "import",
+        &tarball,
+        "base2",
+    ]));
+    wait_until("the import waits for the build", || {
+        someone_waits_for(&ch.env.lock_file("app-a"))
+            || someone_waits_for(&ch.env.lock_file("base"))
+    });
+    assert!(!ch.img("base2").exists());
+    ch.go("app-a", "a");
+    assert_ok(before.finish());
+    assert_ok(import.finish());
+    assert!(ch.img("base2/.git").exists());
+    assert_eq!(ch.env.state("base2").as_deref(), Some("ready"));
+    let df = ch.dockerfile("Dockerfile.b2", "FROM base2\nRUN echo b2 > /b2\n");
+    let plan = dry_run(&ch, &["-t", "app-b", "-f", &df, ch.ctx.to_str().unwrap()]);
+    assert!(plan.contains("--read base2 --write app-b"), "{plan}");
+    assert_ok(output(ch.ch_build(["-t", "app-b", "-f", &df])));
+    assert_eq!(ch.ch_list(), ch.stowage_list());
+}
+
+/// `ch-image build-cache --reset` deletes the images linked to the cache
+/// (here `base`). Run store-wide, it leaves stowage's records true: the
+/// deleted image is gone from `stowage images` too, and builds from it are
+/// refused (66) rather than sent to a registry.
+#[test]
+fn a_build_cache_reset_store_wide_keeps_the_records_true() {
+    let Some(ch) = Ch::new() else { return };
+    derived(&ch, "app", "base");
+    let storage = ch.storage.display().to_string();
+    let out = output(ch.stowage([
+        "exec",
+        "--store-wide",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "build-cache",
+        "--reset",
+    ]));
+    assert_ok_ref(&out);
+    assert!(
+        !ch.img("base").exists(),
+        "ch-image no longer deletes linked images?"
+    );
+    assert!(
+        stderr(&out).contains("image 'base' was deleted by the store-wide command"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(ch.stowage_list(), ch.ch_list());
+    assert_eq!(ch.stowage_list(), ["app"]);
+    let df = ch.dockerfile("Dockerfile.x", "FROM base\nRUN true\n");
+    let out = output(ch.ch_build(["-t", "x", "-f", &df]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
 }

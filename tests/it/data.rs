@@ -2,7 +2,7 @@
 //! filesystem: what a store holds and what it says about it.
 
 use std::fs;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -623,6 +623,12 @@ fn a_build_that_fills_the_filesystem_does_not_wedge_the_store() {
     env.ok(["slots"]);
     env.ok(["doctor"]);
     env.ok(["gc", "--dry-run"]);
+    // So does running something that only reads an image.
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    assert!(
+        free_bytes(&t.dir) < 64 << 10,
+        "the filesystem is still full"
+    );
 
     // rm frees the space; everything works again, no file touched by hand.
     env.ok(["rm", "big"]);
@@ -690,5 +696,132 @@ fn reading_commands_work_when_even_the_reserve_is_gone() {
     assert!(
         env.root.join("reserve").exists(),
         "gc recreates the reserve"
+    );
+}
+
+// --- lock-status snapshots -------------------------------------------------
+
+#[test]
+fn lock_status_never_shows_a_lock_held_two_ways_at_once() {
+    let env = Env::new();
+    env.make_image("app");
+    // Many short transactions: the global lock changes hands constantly.
+    let stop = env.sentinel("stop");
+    let churn: Vec<Bg> = (0..3)
+        .map(|_| {
+            let script = format!(
+                "i=0; while [ ! -e '{s}' ] && [ $i -lt 3000 ]; do '{b}' --root '{r}' exec --read app -- true; i=$((i+1)); done",
+                s = stop.display(),
+                b = bin(),
+                r = env.root.display()
+            );
+            let mut c = Command::new("sh");
+            c.args(["-c", &script]);
+            Bg::from_command(c)
+        })
+        .collect();
+    let mut held_twice = Vec::new();
+    for _ in 0..300 {
+        let st = env.status_json(["app"]);
+        for l in st["locks"].as_array().unwrap() {
+            let holders = l["holders"].as_array().unwrap();
+            let exclusive = holders.iter().filter(|h| h["mode"] == "exclusive").count();
+            if exclusive > 1 || (exclusive == 1 && holders.len() > 1) {
+                held_twice.push(l.clone());
+            }
+        }
+    }
+    fs::write(&stop, "").unwrap();
+    for c in churn {
+        let out = c.finish();
+        assert!(out.status.success(), "{}", show(&out));
+    }
+    assert!(held_twice.is_empty(), "{held_twice:#?}");
+}
+
+#[test]
+fn a_symlink_or_fifo_planted_at_the_reserve_is_never_written_through() {
+    let env = Env::new();
+    env.make_image("app");
+    let reserve = env.root.join("reserve");
+    assert!(reserve.exists(), "the layout has a reserve");
+    let outside = env.tmp.path().join("precious");
+    fs::write(&outside, "keep me").unwrap();
+    fs::remove_file(&reserve).unwrap();
+    std::os::unix::fs::symlink(&outside, &reserve).unwrap();
+    env.ok(["gc"]);
+    env.ok(["rm", "app"]);
+    env.make_image("app");
+    assert_eq!(fs::read_to_string(&outside).unwrap(), "keep me");
+    fs::remove_file(&reserve).unwrap();
+    let c = std::ffi::CString::new(reserve.as_os_str().as_encoded_bytes()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // Bounded by the harness: a blocking open would hang these.
+    env.ok(["gc"]);
+    env.ok(["exec", "--write", "app", "--", "true"]);
+}
+
+#[test]
+fn a_clone_says_which_attributes_the_target_refused() {
+    if !is_root() || !have("setpriv") || !have("setcap") {
+        eprintln!("skipping: needs root, setpriv and setcap (to clone as another user)");
+        return;
+    }
+    let env = Env::new();
+    // The store belongs to nobody, who cannot give a file capabilities.
+    fs::set_permissions(env.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    fs::create_dir(&env.root).unwrap();
+    std::os::unix::fs::chown(&env.root, Some(65534), Some(65534)).unwrap();
+    let as_nobody = |args: &[&str]| {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
+            .arg(bin())
+            .arg("--root")
+            .arg(&env.root)
+            .args(args)
+            .env_remove("STOWAGE_ROOT")
+            .env("USER", "nobody");
+        output(c)
+    };
+    let out = as_nobody(&[
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "echo x > \"$STOWAGE_IMAGE_DIR/ping\"",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let ping = env.root.join("img/base/ping");
+    let set = Command::new("setcap")
+        .arg("cap_net_raw+ep")
+        .arg(&ping)
+        .output()
+        .unwrap();
+    if !set.status.success() {
+        eprintln!("skipping: setcap refused here: {}", stderr(&set));
+        return;
+    }
+    let out = as_nobody(&[
+        "-v", "exec", "--write", "copy", "--from", "base", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let err = stderr(&out);
+    let line: Vec<&str> = err.lines().filter(|l| l.contains("not kept")).collect();
+    assert!(
+        line.iter().any(|l| l.contains("security.capability")
+            && l.contains("image 'copy'")
+            && l.contains("Operation not permitted")),
+        "{err}"
+    );
+    assert!(
+        line.iter().any(|l| l.contains("copy/ping")),
+        "-v names the file: {err}"
+    );
+    assert_eq!(
+        fs::read(env.root.join("img/copy/ping")).unwrap(),
+        b"x\n",
+        "the file itself is copied"
     );
 }

@@ -660,6 +660,18 @@ fn your_own_symlink_as_the_root_of_an_existing_store_works() {
     let out = output(c);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("\"a\""));
+    // A root below a symlinked directory, new and then existing.
+    let real = env.tmp.path().join("real");
+    fs::create_dir(&real).unwrap();
+    let via = env.tmp.path().join("via");
+    symlink(&real, &via).unwrap();
+    for args in [&["exec", "--write", "b", "--", "true"][..], &["images"]] {
+        let mut c = Command::new(bin());
+        c.arg("--root").arg(via.join("r")).args(args);
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    assert!(real.join("r/img/b").is_dir());
 }
 
 #[test]
@@ -671,11 +683,13 @@ fn doctor_by_a_user_who_may_not_write_the_store_says_so() {
     c.arg(bin()).arg("--root").arg(&env.root).arg("doctor");
     let out = output(c);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("may not write this store"),
+        stdout.contains("may not write this store"),
         "{}",
         show(&out)
     );
+    assert!(!stdout.contains("--repair"), "{}", show(&out));
     let mut c = as_nobody().unwrap();
     c.arg(bin()).arg("--root").arg(&env.root).arg("images");
     let out = output(c);
@@ -734,4 +748,86 @@ fn a_mount_inside_an_image_stops_its_deletion() {
     env.ok(["gc"]);
     assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
     assert_intact(&v);
+}
+
+#[test]
+fn a_write_whose_images_directory_vanished_keeps_its_row() {
+    let env = Env::new();
+    env.make_image("base");
+    // The images directory goes away under the command (unmounted, say):
+    // the tree is not found, which is no sign the command deleted it.
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "echo x > \"$STOWAGE_IMAGE_DIR/f\" && mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.away\"",
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("incomplete"), "{}", show(&out));
+    fs::rename(env.root.join("img.away"), env.root.join("img")).unwrap();
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    // A command that really deletes its image still removes the row.
+    env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "rm -r \"$STOWAGE_IMAGE_DIR\"",
+    ]);
+    assert_eq!(env.state("base"), None);
+}
+
+#[test]
+fn an_images_directory_on_another_filesystem_is_emptied_in_place_safely() {
+    if !is_root() {
+        eprintln!("skipping: mounting a tmpfs needs root");
+        return;
+    }
+    let env = Env::new();
+    let ext = env.tmp.path().join("ext");
+    fs::create_dir(&ext).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "stowage-it"])
+        .arg(&ext)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("skipping: cannot mount a tmpfs here");
+        return;
+    }
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _guard = Unmount(ext.clone());
+    let img = ext.join("img");
+    env.ok(["init", "--images-dir", img.to_str().unwrap()]);
+    let v = victim(&env);
+    env.ok([
+        "exec",
+        "--write",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/f\" && ln -s '{}' \"$STOWAGE_IMAGE_DIR/d/link\"",
+            v.display()
+        ),
+    ]);
+    // The trash is on the root's filesystem: the tree cannot be renamed
+    // there, and is deleted where it is, under the lock.
+    env.ok(["rm", "a"]);
+    assert!(!img.join("a").exists());
+    assert_eq!(env.state("a"), None);
+    assert_intact(&v);
+    env.ok(["doctor"]);
 }

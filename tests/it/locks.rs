@@ -512,3 +512,278 @@ fn a_slot_waiter_under_a_pids_limit_still_waits_and_gets_in() {
         assert_eq!(h.finish().status.code(), Some(0));
     }
 }
+
+/// A mountinfo that puts the test's directory on a filesystem of `fstype`
+/// mounted with `options` (read through the hidden hook, with the
+/// filesystem type faked the same way).
+fn fake_mount(env: &Env, cmd: &mut Command, fstype: &str, options: &str) {
+    let dir = fs::canonicalize(env.tmp.path()).unwrap();
+    let info = env.sentinel("mountinfo");
+    fs::write(
+        &info,
+        format!(
+            "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n\
+             101 22 0:60 / {} rw,relatime - {fstype} srv:/export {options}\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    cmd.env(stowage::kernel::FILESYSTEM_ENV, fstype)
+        .env(stowage::kernel::MOUNTINFO_ENV, &info);
+}
+
+#[test]
+fn node_local_locking_on_lustre_and_beegfs_is_refused() {
+    let env = Env::new();
+    // A store that exists, so that doctor has one to look at.
+    env.ok(["init"]);
+    let conf = env.sentinel("beegfs-client.conf");
+    for (fstype, options, conf_text, refused) in [
+        ("lustre", "rw,localflock", "", Some("localflock")),
+        ("lustre", "rw,noflock", "", Some("noflock")),
+        ("lustre", "rw,flock", "", None),
+        (
+            "beegfs",
+            "rw,cfgFile=CONF",
+            "tuneUseGlobalFileLocks = false\n",
+            Some("tuneUseGlobalFileLocks"),
+        ),
+        (
+            "beegfs",
+            "rw,cfgFile=CONF",
+            "sysMgmtdHost = m\n",
+            Some("tuneUseGlobalFileLocks"),
+        ),
+        (
+            "beegfs",
+            "rw,cfgFile=CONF",
+            "tuneUseGlobalFileLocks = true\n",
+            None,
+        ),
+        (
+            "nfs",
+            "rw,vers=4.2,local_lock=flock",
+            "",
+            Some("local_lock=flock"),
+        ),
+    ] {
+        fs::write(&conf, conf_text).unwrap();
+        let options = options.replace("CONF", conf.to_str().unwrap());
+        let case = format!("{fstype} {options} {conf_text:?}");
+        let mut c = env.cmd(["exec", "--write", "app", "--", "true"]);
+        fake_mount(&env, &mut c, fstype, &options);
+        let out = output(c);
+        let mut d = env.cmd(["doctor"]);
+        fake_mount(&env, &mut d, fstype, &options);
+        let doc = output(d);
+        match refused {
+            Some(word) => {
+                assert_eq!(out.status.code(), Some(69), "{case}: {}", show(&out));
+                assert!(stderr(&out).contains(word), "{case}: {}", show(&out));
+                assert_eq!(
+                    stderr(&out).trim_end().lines().count(),
+                    1,
+                    "{case}: {}",
+                    show(&out)
+                );
+                assert_eq!(doc.status.code(), Some(69), "{case}: {}", show(&doc));
+                assert!(
+                    String::from_utf8_lossy(&doc.stdout).contains(word),
+                    "{case}: {}",
+                    show(&doc)
+                );
+            }
+            None => {
+                assert_eq!(out.status.code(), Some(0), "{case}: {}", show(&out));
+                assert_ne!(doc.status.code(), Some(69), "{case}: {}", show(&doc));
+            }
+        }
+    }
+    // Lustre without either option cannot be judged: doctor says how to
+    // check, and nothing is refused.
+    let mut d = env.cmd(["doctor"]);
+    fake_mount(&env, &mut d, "lustre", "rw,lazystatfs");
+    let doc = output(d);
+    assert_ne!(doc.status.code(), Some(69), "{}", show(&doc));
+    assert!(
+        String::from_utf8_lossy(&doc.stdout).contains("--hold-probe"),
+        "{}",
+        show(&doc)
+    );
+}
+
+#[test]
+fn a_hold_probe_on_another_host_is_seen_by_doctor() {
+    let env = Env::new();
+    env.ok(["init"]);
+    // Another "host": a new UTS and pid namespace (needs root).
+    let ok = Command::new("unshare")
+        .args(["--pid", "--fork", "--uts", "--mount-proc", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipped: cannot make a pid and UTS namespace (unshare needs root)");
+        return;
+    }
+    let mut c = Command::new("unshare");
+    c.args(["--pid", "--fork", "--uts", "--mount-proc", "sh", "-c"])
+        .arg(format!(
+            "hostname probe-host && exec '{bin}' --root '{root}' doctor --hold-probe 60",
+            bin = bin(),
+            root = env.root.display()
+        ))
+        .env_remove("STOWAGE_HOSTNAME");
+    let holder = Bg::from_command(c);
+    let file = env.root.join("locks/probe.lock");
+    wait_until("the probe is held", || {
+        fs::read_to_string(&file).is_ok_and(|t| t.starts_with("probe-host")) && !flock_free(&file)
+    });
+    let out = env.run(["doctor"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("probe lock held on another host (host probe-host"),
+        "{}",
+        show(&out)
+    );
+    // The other host goes away: its lock goes with it.
+    holder.kill_all();
+    let out = env.run(["doctor"]);
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("probe"),
+        "{}",
+        show(&out)
+    );
+    // A probe on this host is told apart from one elsewhere.
+    let here = env.spawn(["doctor", "--hold-probe", "60"]);
+    wait_until("the probe is held here", || {
+        fs::read_to_string(&file).is_ok_and(|t| !t.starts_with("probe-host")) && !flock_free(&file)
+    });
+    let out = env.run(["doctor"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("held on this host"),
+        "{}",
+        show(&out)
+    );
+    here.kill_all();
+}
+
+#[test]
+fn a_write_lock_lost_while_the_command_ran_makes_the_image_incomplete() {
+    // No NFS here: the hidden hook makes the check of app's lock fail as a
+    // lost NFS lock does (the Linux client fails I/O on it with EIO).
+    let env = Env::new();
+    env.make_image("base");
+    let mut c = env.cmd(["exec", "--read", "base", "--write", "app", "--", "true"]);
+    c.env(stowage::debug::LOST_LOCK_ENV, "app.lock");
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("lost the write lock on image 'app'"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    // Only written images are checked: base, read, is untouched.
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    // And an intact lock records ready as before.
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn an_image_directory_that_cannot_be_inspected_is_not_taken_for_deleted() {
+    let env = Env::new();
+    env.make_image("app");
+    // The command leaves the images directory unreadable as a directory
+    // (ENOTDIR for the image's path, not ENOENT).
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.aside\" && touch \"$STOWAGE_IMAGES_DIR\"",
+    ]);
+    // The build succeeded and its lock was ours throughout: an error that
+    // says nothing about the tree keeps the row (files.rs has the EACCES
+    // case, as an unprivileged user).
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let img = env.root.join("img");
+    fs::remove_file(&img).unwrap();
+    fs::rename(env.root.join("img.aside"), &img).unwrap();
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn on_a_shared_filesystem_lock_files_are_never_unlinked() {
+    // The hidden hook makes the store look like NFS: a stat of a path may
+    // then be stale (another host's unlink unseen), so no lock file is
+    // ever unlinked, and the check after locking re-opens the path.
+    let env = Env::new();
+    let nfs = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env(stowage::kernel::FILESYSTEM_ENV, "nfs");
+        output(c)
+    };
+    let out = nfs(&["exec", "--write", "app", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let out = nfs(&["rm", "app"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(env.lock_file("app").exists(), "kept after rm");
+    let out = nfs(&["exec", "--write", "new", "--", "/nonexistent/cmd"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(env.lock_file("new").exists(), "kept after a failed start");
+    // Kept lock files are no leftovers there.
+    let out = nfs(&["doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    // The name comes back: the kept file is reused.
+    let out = nfs(&["exec", "--write", "app", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+
+    // A ghost made anyway — by a host that sees the store as local (the
+    // NFS server itself) or an older release: a waiter blocked on the file
+    // it unlinks retries on the new one, verified by re-opening the path.
+    let (remover, go) = env.paused(["rm", "app"], "rm-moved");
+    let mut c = env.cmd(["exec", "--write", "app", "--", "true"]);
+    c.env(stowage::kernel::FILESYSTEM_ENV, "nfs");
+    let waiter = Bg::from_command(c);
+    env.wait_for_waiter("app");
+    fs::remove_file(go).unwrap();
+    assert_eq!(remover.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert!(flock_free(&env.lock_file("app")));
+}
+
+#[test]
+fn a_parent_that_is_no_exec_is_waited_for_like_anyone() {
+    // flock(1) -o holds the lock in the parent, not in the child: the
+    // parent is no exec running us, and may well release it while we wait.
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "one", "1"]);
+    let slot = env.root.join("locks/slots/one/0.lock");
+    let run_under_flock = |file: &std::path::Path, args: &[&str]| {
+        let mut c = Command::new("flock");
+        c.args(["-o", "-x"])
+            .arg(file)
+            .arg(bin())
+            .arg("--root")
+            .arg(&env.root);
+        c.args(args);
+        c.env_remove(stowage::kernel::EXEC_PIDS_ENV);
+        output(c)
+    };
+    fs::create_dir_all(slot.parent().unwrap()).unwrap();
+    let out = run_under_flock(
+        &slot,
+        &["exec", "--slot", "one", "--wait", "0.3", "--", "true"],
+    );
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = run_under_flock(
+        &env.lock_file("base"),
+        &["exec", "--read", "base", "--wait", "0.3", "--", "true"],
+    );
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+}

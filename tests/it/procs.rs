@@ -646,3 +646,65 @@ fn a_daemonised_descendant_is_still_part_of_the_tree() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     assert!(!still_written(&img_file), "the daemon outlived the locks");
 }
+
+#[test]
+fn a_kill_of_stowages_whole_group_still_ends_a_daemonised_descendant() {
+    let env = Env::new();
+    let img_file = env.root.join("img/app/log");
+    let started = env.sentinel("started");
+    let script = env.sentinel("daemon.sh");
+    fs::write(&script, background_writer(&img_file, &started)).unwrap();
+    let daemon = format!(
+        "setsid sh '{}' </dev/null >/dev/null 2>&1 & wait",
+        script.display()
+    );
+    let bg = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &daemon,
+    ]);
+    wait_for_file(&started);
+    wait_until("the daemon writes", || lines(&img_file) > 2);
+    // `kill -9 -PGID`: stowage and the command's shell die together; the
+    // daemon left the group, the keeper leads its own.
+    bg.signal_group(libc::SIGKILL);
+    let out = env.run(["exec", "--write", "app", "--wait", "30", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(!still_written(&img_file), "the daemon outlived the locks");
+}
+
+#[test]
+fn a_leftover_that_ignores_sigterm_is_killed_after_the_grace_period() {
+    let env = Env::new();
+    let img_file = env.root.join("img/app/log");
+    let started = env.sentinel("started");
+    let stubborn = format!(
+        "( trap '' TERM; i=0; while [ $i -lt 6000 ]; do echo x >> '{f}'; sleep 0.01; i=$((i+1)); done ) </dev/null >/dev/null 2>&1 & touch '{s}'; wait",
+        f = img_file.display(),
+        s = started.display()
+    );
+    let bg = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &stubborn,
+    ]);
+    wait_for_file(&started);
+    wait_until("the background job writes", || lines(&img_file) > 2);
+    bg.signal(libc::SIGTERM);
+    let t0 = std::time::Instant::now();
+    let out = bg.finish();
+    eprintln!("stowage ended {:?} after SIGTERM", t0.elapsed());
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    assert!(!still_written(&img_file), "the job outlived the locks");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}

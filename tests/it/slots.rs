@@ -332,3 +332,47 @@ fn slots_compose_with_image_locks() {
     assert_eq!(a.finish().status.code(), Some(0));
     assert_eq!(env.state("alpine").as_deref(), Some("ready"));
 }
+
+/// A slot held outside stowage by flock(1) — which opens the lock file
+/// read-only — wakes a waiting exec when it is let go, not at the waiter's
+/// next periodic look (30 s on a local filesystem) or the last try at its
+/// deadline (20 s below). Half the deadline is the bound: a release that is
+/// seen takes milliseconds, one that is missed takes the whole 20 s.
+#[test]
+fn a_slot_released_by_flock_1_wakes_its_waiter() {
+    let env = Env::new();
+    env.ok(["slots", "set", "one", "1"]);
+    let dir = env.root.join("locks/slots/one");
+    fs::create_dir_all(&dir).unwrap();
+    let release = env.sentinel("release");
+    let mut holder = std::process::Command::new("flock");
+    holder.arg("-x").arg(dir.join("0.lock")).args([
+        "sh",
+        "-c",
+        &format!(
+            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.01; done",
+            env.sentinel("held").display(),
+            release.display()
+        ),
+    ]);
+    let holder = Bg::from_command(holder);
+    wait_for_file(&env.sentinel("held"));
+    let waiter = env.spawn(["exec", "--slot", "one", "--wait", "20", "--", "true"]);
+    wait_until("the exec waits for the slot", || {
+        env.status_json(Vec::<String>::new())["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["kind"] == "slot" && !l["waiters"].as_array().unwrap().is_empty())
+    });
+    fs::write(&release, "").unwrap();
+    let released = std::time::Instant::now();
+    assert_eq!(holder.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "the waiter slept through the release ({took:?})"
+    );
+}

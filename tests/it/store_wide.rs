@@ -78,6 +78,24 @@ fn a_store_wide_command_waits_for_image_users_and_new_ones_wait_for_it() {
         waiting >= 2 && waited_on(&store_lock(&env))
     });
     assert!(!env.root.join("img/b").exists());
+    // lock-status shows the hold, its command and who queues for it.
+    let status = env.status_json::<[&str; 0], &str>([]);
+    let store = status["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "global" && l["name"] == "store")
+        .cloned()
+        .unwrap_or_else(|| panic!("no store-wide entry: {status}"));
+    assert_eq!(store["state"], "exclusive", "{store}");
+    assert!(
+        store["holders"][0]["command"]
+            .as_str()
+            .unwrap()
+            .starts_with("sh -c"),
+        "{store}"
+    );
+    assert_eq!(store["waiters"].as_array().unwrap().len(), 2, "{store}");
 
     env.release("release");
     assert_eq!(reader.finish().status.code(), Some(0));
@@ -193,6 +211,21 @@ fn read_exclusive_excludes_others_and_keeps_the_state() {
     assert_eq!(st["image_state"], "ready", "{st}");
     let out = env.run(["exec", "--no-wait", "--read", "base", "--", "true"]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = env.run([
+        "exec",
+        "--wait",
+        "0.2",
+        "--read-exclusive",
+        "base",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("waiting for exclusive read lock on image 'base'"),
+        "{}",
+        show(&out)
+    );
     env.release("release");
     assert_eq!(holder.finish().status.code(), Some(0));
     assert_eq!(env.image("app").unwrap()["base"], "base");
@@ -243,4 +276,81 @@ fn read_exclusive_refuses_what_cannot_be_read() {
         assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
     }
     assert!(env.image("x").is_none());
+}
+
+/// A command holding an image lock calls stowage again while a store-wide
+/// command waits for that lock: the nested call goes ahead (waiting for the
+/// hold would wait for itself), and the hold starts once the outer command
+/// is done.
+#[test]
+fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let nested = format!(
+        "touch '{started}'; while [ ! -e '{go}' ]; do sleep 0.01; done; \
+         '{bin}' --root '{root}' exec --wait 20 --read b -- true",
+        started = env.sentinel("outer").display(),
+        go = env.sentinel("go").display(),
+        bin = bin(),
+        root = env.root.display()
+    );
+    let outer = env.spawn(["exec", "--write", "a", "--", "sh", "-c", &nested]);
+    wait_for_file(&env.sentinel("outer"));
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_until("the store-wide command waits for 'a'", || {
+        waited_on(&env.lock_file("a"))
+    });
+    env.release("go");
+    let out = outer.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    wait_for_file(&env.sentinel("wide"));
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+    // An unrelated exec with locks of its own still waits for the hold.
+    let wide = store_wide_hold(&env, "wide2", "wide2-go");
+    wait_for_file(&env.sentinel("wide2"));
+    let out = env.run(["exec", "--no-wait", "--read", "a", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    env.release("wide2-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+}
+
+/// Images whose trees a store-wide command removed are forgotten when it
+/// ends — unless the images directory looks unmounted (empty while images
+/// are recorded), which says nothing about the trees.
+#[test]
+fn images_a_store_wide_command_deleted_are_forgotten() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let img = env.root.join("img");
+    let out = env.ok([
+        "exec",
+        "--store-wide",
+        "--",
+        "rm",
+        "-rf",
+        img.join("a").to_str().unwrap(),
+    ]);
+    assert!(
+        stderr(&out).contains("image 'a' was deleted by the store-wide command"),
+        "{}",
+        show(&out)
+    );
+    assert!(env.image("a").is_none());
+    assert!(!env.lock_file("a").exists());
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+    // Everything gone at once looks like an unmounted directory: kept.
+    let out = env.ok([
+        "exec",
+        "--store-wide",
+        "--",
+        "rm",
+        "-rf",
+        img.join("b").to_str().unwrap(),
+    ]);
+    assert!(stderr(&out).contains("is it mounted?"), "{}", show(&out));
+    assert!(env.image("b").is_some());
+    env.ok(["exec", "--write", "c", "--", "true"]);
 }

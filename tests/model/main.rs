@@ -1,0 +1,549 @@
+//! Model checking of the lock protocol: every interleaving of a few
+//! processes, crashes included (`cargo test --test model`).
+//!
+//! `proto` is the protocol as a state machine, `steps` the list of its steps
+//! with the functions of `src/` that implement them (compared with the
+//! block in docs/design.md), `trace` prints counterexamples. The default
+//! size runs with the test suite; `STOWAGE_MODEL_BIG=1` checks larger ones
+//! and prints state counts and times (see docs/reliability.md, "Model
+//! checking").
+
+mod proto;
+mod steps;
+mod trace;
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use stateright::{Checker, HasDiscoveries, Model};
+
+use proto::{Config, Op, Prio, Proto, Role, Rules, exec_read, exec_write};
+
+const A: u8 = 0;
+const B: u8 = 1;
+
+fn read_no_inherit(i: u8) -> Op {
+    Op::Exec {
+        read: Some(i),
+        write: None,
+        from: false,
+        slot: None,
+        inherit: false,
+    }
+}
+
+fn with_slot(op: Op, prio: Prio) -> Op {
+    match op {
+        Op::Exec {
+            read,
+            write,
+            from,
+            inherit,
+            ..
+        } => Op::Exec {
+            read,
+            write,
+            from,
+            slot: Some(prio),
+            inherit,
+        },
+        other => other,
+    }
+}
+
+fn from(base: u8, target: u8) -> Op {
+    Op::Exec {
+        read: Some(base),
+        write: Some(target),
+        from: true,
+        slot: None,
+        inherit: true,
+    }
+}
+
+/// 3 processes × 2 images, one crash (of a process or of a host): P0 and
+/// P1 on two hosts, P2 called by P0's command.
+fn default_config() -> Config {
+    Config {
+        images: 2,
+        roles: vec![
+            Role {
+                host: 0,
+                parent: None,
+                menu: vec![
+                    exec_read(A),
+                    read_no_inherit(A),
+                    exec_write(A),
+                    with_slot(exec_read(A), Prio::Normal),
+                    from(A, B),
+                ],
+            },
+            Role {
+                host: 1,
+                parent: None,
+                menu: vec![
+                    exec_write(A),
+                    exec_read(A),
+                    Op::Rm(A),
+                    Op::Gc,
+                    Op::Doctor,
+                    Op::Look,
+                    with_slot(exec_write(A), Prio::High),
+                    exec_write(B),
+                ],
+            },
+            Role {
+                host: 0,
+                parent: Some(0),
+                menu: vec![
+                    exec_read(A),
+                    exec_write(A),
+                    with_slot(exec_read(A), Prio::Normal),
+                    exec_read(B),
+                ],
+            },
+        ],
+        crashes: 1,
+        slot_limit: 1,
+        slot_reserve: 1,
+        rules: Rules::default(),
+        ready_at_start: vec![A],
+    }
+}
+
+/// Three independent processes and a nested one, one crash.
+fn big_config() -> Config {
+    let mut cfg = default_config();
+    cfg.roles.insert(
+        2,
+        Role {
+            host: 1,
+            parent: None,
+            menu: vec![
+                exec_read(A),
+                exec_write(A),
+                Op::Rm(A),
+                Op::Gc,
+                Op::Doctor,
+                with_slot(exec_read(B), Prio::Normal),
+            ],
+        },
+    );
+    cfg.roles[3].parent = Some(0);
+    // A nested call that waits for a slot while its enclosing command holds
+    // image locks can close a cycle through an outside slot holder (see
+    // `a_nested_slot_wait_can_close_a_cycle_through_an_outside_slot_holder`):
+    // a known limit, checked on its own, so left out here.
+    cfg.roles[3]
+        .menu
+        .retain(|op| !matches!(op, Op::Exec { slot: Some(_), .. }));
+    cfg
+}
+
+/// Three independent processes on one image: enough for a stream of
+/// readers to pass a waiting writer.
+fn readers_and_writer() -> Config {
+    Config {
+        images: 1,
+        roles: vec![
+            Role {
+                host: 0,
+                parent: None,
+                menu: vec![exec_read(A)],
+            },
+            Role {
+                host: 0,
+                parent: None,
+                menu: vec![exec_write(A)],
+            },
+            Role {
+                host: 1,
+                parent: None,
+                menu: vec![exec_read(A)],
+            },
+        ],
+        crashes: 0,
+        slot_limit: 1,
+        slot_reserve: 0,
+        rules: Rules::default(),
+        ready_at_start: vec![A],
+    }
+}
+
+struct Run {
+    unique: usize,
+    total: usize,
+    depth: usize,
+    secs: f64,
+    /// Property name and trace, for every property with a discovery.
+    found: Vec<(&'static str, String)>,
+}
+
+fn run(cfg: Config, stop_at: Option<&'static str>) -> Run {
+    let t0 = Instant::now();
+    let builder = Proto::new(cfg).checker().threads(1);
+    match stop_at {
+        Some(name) => {
+            // Breadth first: the shortest counterexample.
+            let builder = builder.finish_when(HasDiscoveries::AnyOf(BTreeSet::from([name])));
+            report(builder.spawn_bfs().join(), t0)
+        }
+        None => report(
+            builder
+                .finish_when(HasDiscoveries::AnyFailures)
+                .spawn_dfs()
+                .join(),
+            t0,
+        ),
+    }
+}
+
+fn report(checker: impl Checker<Proto>, t0: Instant) -> Run {
+    let secs = t0.elapsed().as_secs_f64();
+    let model = checker.model();
+    let mut found = Vec::new();
+    for p in model.properties() {
+        if let Some(path) = checker.discovery(p.name) {
+            found.push((p.name, trace::render(model, path.into_vec())));
+        }
+    }
+    Run {
+        unique: checker.unique_state_count(),
+        total: checker.state_count(),
+        depth: checker.max_depth(),
+        secs,
+        found,
+    }
+}
+
+fn failures(r: &Run) -> Vec<&(&'static str, String)> {
+    r.found
+        .iter()
+        .filter(|(name, _)| !SOMETIMES.contains(name))
+        .collect()
+}
+
+/// Checks every invariant exhaustively; `unreachable` names situations of
+/// [`SOMETIMES`] the configuration cannot reach.
+fn assert_holds(what: &str, cfg: Config, unreachable: &[&str]) {
+    let r = run(cfg, None);
+    eprintln!(
+        "{what}: {} states ({} generated), depth {}, {:.2} s",
+        r.unique, r.total, r.depth, r.secs
+    );
+    let bad = failures(&r);
+    for (name, trace) in &bad {
+        eprintln!("VIOLATED: {name}\n{trace}");
+    }
+    assert!(bad.is_empty(), "{what}: the protocol breaks an invariant");
+    // The model is not vacuous: the interesting situations happen.
+    for name in SOMETIMES.iter().filter(|n| !unreachable.contains(n)) {
+        assert!(
+            r.found.iter().any(|(n, _)| n == name),
+            "{what}: never reached: {name}"
+        );
+    }
+}
+
+/// Situations the default size must reach, so that the invariants are not
+/// true only because nothing interesting ever happens.
+const SOMETIMES: &[&str] = &[
+    "a nested reader holds the image while a writer waits",
+    "a waiter is blocked on an unlinked lock file",
+    "a command outlives its killed stowage, holding the lock",
+    "a dead writer's image is found incomplete",
+    "an image is removed",
+    "a process works under its enclosing command's slot",
+];
+
+#[test]
+fn protocol_holds_for_three_processes_two_images_with_crashes() {
+    assert_holds("3 processes × 2 images, 1 crash", default_config(), &[]);
+}
+
+/// `STOWAGE_MODEL_BIG=1 cargo test --release --test model big -- --nocapture`
+#[test]
+fn big_sizes_when_asked() {
+    if std::env::var_os("STOWAGE_MODEL_BIG").is_none() {
+        return;
+    }
+    let mut two_crashes = default_config();
+    two_crashes.crashes = 2;
+    assert_holds("3 processes × 2 images, 2 crashes", two_crashes, &[]);
+    // Its nested call takes no slot (see `big_config`).
+    assert_holds(
+        "4 processes × 2 images, 1 crash",
+        big_config(),
+        &["a process works under its enclosing command's slot"],
+    );
+}
+
+/// Checks that turning a rule off makes the checker find `property`
+/// violated, and prints the counterexample.
+fn mutation_found(what: &str, cfg: Config, property: &'static str) -> String {
+    let r = run(cfg, Some(property));
+    let (_, trace) = r
+        .found
+        .iter()
+        .find(|(n, _)| *n == property)
+        .unwrap_or_else(|| panic!("{what}: the checker did not find '{property}' violated"));
+    eprintln!(
+        "{what}: '{property}' violated ({} states, {:.2} s):\n{trace}",
+        r.unique, r.secs
+    );
+    trace.clone()
+}
+
+#[test]
+fn without_the_nested_call_rule_a_nested_reader_deadlocks() {
+    // The case of the issue: the command of a reader reads the same image
+    // again while a writer queues in between.
+    let mut cfg = default_config();
+    cfg.rules.nested = false;
+    cfg.crashes = 0;
+    cfg.roles[0].menu = vec![exec_read(A)];
+    cfg.roles[1].menu = vec![exec_write(A)];
+    cfg.roles[2].menu = vec![exec_read(A)];
+    let trace = mutation_found("no nested-call rule", cfg, "no deadlock");
+    // The writer waits for P0 holding the gate; P0's command waits for P2,
+    // which queues at the gate behind the writer.
+    assert!(trace.contains("P1: Wait(0)"), "{trace}");
+    assert!(trace.contains("P2: Gate(0)"), "{trace}");
+}
+
+#[test]
+fn without_the_unlink_recheck_two_writers_meet() {
+    let mut cfg = default_config();
+    cfg.rules.recheck = false;
+    cfg.crashes = 0;
+    let trace = mutation_found(
+        "no re-check after flock",
+        cfg,
+        "never two writers, never a reader during a write",
+    );
+    assert!(trace.contains("rm A"), "{trace}");
+}
+
+#[test]
+fn without_the_gate_new_readers_pass_a_waiting_writer() {
+    let mut cfg = readers_and_writer();
+    let r = run(cfg.clone(), None);
+    assert!(
+        failures(&r).is_empty(),
+        "2 readers and a writer: the gate fails"
+    );
+    cfg.rules.gate = false;
+    mutation_found("no gate", cfg, "no new reader passes a waiting writer");
+}
+
+#[test]
+fn without_the_keeper_a_no_inherit_command_outlives_its_locks() {
+    let mut cfg = default_config();
+    cfg.rules.keeper = false;
+    cfg.roles[2].menu = vec![exec_read(B)];
+    let trace = mutation_found(
+        "no keeper for --no-inherit",
+        cfg,
+        "never two writers, never a reader during a write",
+    );
+    assert!(trace.contains("--no-inherit"), "{trace}");
+}
+
+/// Not a mutation of a rule but a limit of today's code: on NFS, records
+/// can be judged only by the lock's mode, so a dead reader's record stands
+/// while another reader holds the image — what leases are to fix.
+#[test]
+fn judged_by_mode_alone_a_dead_readers_record_survives() {
+    let mut cfg = default_config();
+    cfg.rules.owner_judged = false;
+    mutation_found(
+        "records judged by mode alone",
+        cfg,
+        "no record of a dead owner survives a look",
+    );
+}
+
+/// A limit of the nested-call rule, found at the larger size: a nested call
+/// waits for a slot held by an outside exec, which waits for an image the
+/// enclosing command holds, while the enclosing command waits for the
+/// nested call. The lock order (slots first) binds each process, not a
+/// process tree; the rule covers only slots held by the enclosing command.
+#[test]
+fn a_nested_slot_wait_can_close_a_cycle_through_an_outside_slot_holder() {
+    let mut cfg = default_config();
+    cfg.crashes = 0;
+    cfg.slot_reserve = 0;
+    cfg.roles[0].menu = vec![exec_write(B)];
+    cfg.roles[1].menu = vec![with_slot(exec_read(B), Prio::Normal)];
+    cfg.roles[2].menu = vec![with_slot(exec_read(A), Prio::Normal)];
+    let trace = mutation_found("nested slot wait", cfg, "no deadlock");
+    assert!(trace.contains("P2: SlotWait"), "{trace}");
+}
+
+/// The limit design.md states for nested calls ("a cycle through another
+/// process tree"): P0 holds A and its command wants B, P1 holds B and its
+/// command wants A. The lock order binds each process, not a process tree.
+#[test]
+fn nested_calls_in_two_trees_can_wait_for_each_other() {
+    let mut cfg = default_config();
+    cfg.crashes = 0;
+    cfg.roles = vec![
+        Role {
+            host: 0,
+            parent: None,
+            menu: vec![exec_read(A)],
+        },
+        Role {
+            host: 1,
+            parent: None,
+            menu: vec![exec_write(B)],
+        },
+        Role {
+            host: 0,
+            parent: Some(0),
+            menu: vec![exec_read(B)],
+        },
+        Role {
+            host: 1,
+            parent: Some(1),
+            menu: vec![exec_write(A)],
+        },
+    ];
+    let trace = mutation_found("two trees", cfg, "no deadlock");
+    assert!(
+        trace.contains("P2: Gate(0)") || trace.contains("P2: Wait(0)"),
+        "{trace}"
+    );
+    assert!(
+        trace.contains("P3: Gate(0)") || trace.contains("P3: Wait(0)"),
+        "{trace}"
+    );
+}
+
+/// A limit of the nested-call rule: under `--no-inherit` the enclosing
+/// hold is found through the lock table, which NFS does not have.
+#[test]
+fn on_nfs_a_reader_nested_in_a_no_inherit_reader_deadlocks() {
+    let mut cfg = default_config();
+    cfg.rules.local_fs = false;
+    cfg.crashes = 0;
+    let trace = mutation_found("NFS", cfg, "no deadlock");
+    assert!(trace.contains("--no-inherit"), "{trace}");
+}
+
+// -- the model against the docs and the code --------------------------------
+
+fn repo(path: &str) -> String {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// The `<!-- model-steps -->` block of docs/design.md: `OP: step step …`
+/// lines and `step NAME: code, code` lines.
+/// Names, each with a list of words (steps, or functions).
+type Lists = Vec<(String, Vec<String>)>;
+
+fn design_block() -> (Lists, Lists) {
+    let doc = repo("docs/design.md");
+    let start = doc
+        .find("<!-- model-steps -->")
+        .expect("docs/design.md has a <!-- model-steps --> block");
+    let end = doc[start..]
+        .find("<!-- /model-steps -->")
+        .expect("the block is closed")
+        + start;
+    let mut ops = Vec::new();
+    let mut code = Vec::new();
+    for line in doc[start..end].lines() {
+        let line = line.trim().trim_start_matches('|').trim();
+        let Some((head, rest)) = line.split_once(':') else {
+            continue;
+        };
+        if head.contains(' ') && !head.starts_with("step ") {
+            continue;
+        }
+        let words = |s: &str| -> Vec<String> {
+            s.split([' ', ',', '|', '`', '→'])
+                .filter(|w| !w.is_empty())
+                .map(str::to_owned)
+                .collect()
+        };
+        if let Some(step) = head.strip_prefix("step ") {
+            // `step try: `session::try_image`, …` (functions after the colon
+            // that follows the name; `::` inside them is no separator).
+            let (_, funcs) = line.split_once(": ").expect("step line");
+            code.push((step.trim().to_owned(), words(funcs)));
+        } else if !rest.starts_with(':') {
+            ops.push((head.to_owned(), words(rest)));
+        }
+    }
+    (ops, code)
+}
+
+#[test]
+fn steps_match_design_md() {
+    let (ops, code) = design_block();
+    let model: Lists = steps::protocol()
+        .into_iter()
+        .map(|(op, steps)| {
+            (
+                op.to_owned(),
+                steps.iter().map(|s| s.name().to_owned()).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ops, model,
+        "docs/design.md's protocol steps differ from the model's"
+    );
+    let model_code: Lists = steps::ALL
+        .iter()
+        .map(|s| {
+            (
+                s.name().to_owned(),
+                s.code().iter().map(|c| (*c).to_owned()).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        code, model_code,
+        "docs/design.md's step functions differ from the model's"
+    );
+    // Every step the model knows is part of some operation.
+    for s in steps::ALL {
+        assert!(
+            steps::protocol().iter().any(|(_, st)| st.contains(s)),
+            "{s:?} belongs to no operation"
+        );
+    }
+}
+
+#[test]
+fn every_step_names_a_function_of_src() {
+    for s in steps::ALL {
+        for f in s.code() {
+            let parts: Vec<&str> = f.split("::").collect();
+            let (item, module) = parts.split_last().expect("module::item");
+            let file = format!("src/{}.rs", module.join("/"));
+            let text = repo(&file);
+            let found = [
+                format!("fn {item}("),
+                format!("fn {item}<"),
+                format!("struct {item} "),
+            ]
+            .iter()
+            .any(|pat| text.contains(pat.as_str()));
+            assert!(found, "{s:?} names {f}, which {file} does not define");
+        }
+    }
+}
+
+#[test]
+fn no_transaction_step_waits() {
+    for s in steps::ALL {
+        assert!(
+            !(s.in_transaction() && s.blocks()),
+            "{s:?} would wait for a lock while holding the global lock"
+        );
+    }
+}

@@ -1,0 +1,220 @@
+//! The protocol's steps: what each operation does, in order, and the
+//! function of `src/` that does it. docs/design.md lists the same steps in
+//! its "Protocol steps" block; `steps_match_design_md` compares the two, and
+//! `every_step_names_a_function_of_src` checks that each named function
+//! exists, so a renamed or removed function makes the model say so.
+
+/// One step of a process, as the model takes it (atomically).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Step {
+    SlotTry,
+    SlotWaiter,
+    SlotWait,
+    Try,
+    Waiter,
+    Gate,
+    Wait,
+    Start,
+    Clone,
+    ReleaseBase,
+    Spawn,
+    Command,
+    Abandon,
+    Finish,
+    Release,
+    Mark,
+    Trash,
+    DropRow,
+    Unlink,
+    DeleteTrash,
+    ListInterrupted,
+    LockInterrupted,
+    OrphanLock,
+    Sweep,
+    Collect,
+}
+
+pub const ALL: &[Step] = &[
+    Step::SlotTry,
+    Step::SlotWaiter,
+    Step::SlotWait,
+    Step::Try,
+    Step::Waiter,
+    Step::Gate,
+    Step::Wait,
+    Step::Start,
+    Step::Clone,
+    Step::ReleaseBase,
+    Step::Spawn,
+    Step::Command,
+    Step::Abandon,
+    Step::Finish,
+    Step::Release,
+    Step::Mark,
+    Step::Trash,
+    Step::DropRow,
+    Step::Unlink,
+    Step::DeleteTrash,
+    Step::ListInterrupted,
+    Step::LockInterrupted,
+    Step::OrphanLock,
+    Step::Sweep,
+    Step::Collect,
+];
+
+impl Step {
+    /// The name docs/design.md uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::SlotTry => "slot-try",
+            Step::SlotWaiter => "slot-waiter",
+            Step::SlotWait => "slot-wait",
+            Step::Try => "try",
+            Step::Waiter => "waiter",
+            Step::Gate => "gate",
+            Step::Wait => "wait",
+            Step::Start => "start",
+            Step::Clone => "clone",
+            Step::ReleaseBase => "release-base",
+            Step::Spawn => "spawn",
+            Step::Command => "command",
+            Step::Abandon => "abandon",
+            Step::Finish => "finish",
+            Step::Release => "release",
+            Step::Mark => "mark",
+            Step::Trash => "trash",
+            Step::DropRow => "drop-row",
+            Step::Unlink => "unlink",
+            Step::DeleteTrash => "delete-trash",
+            Step::ListInterrupted => "list-interrupted",
+            Step::LockInterrupted => "lock-interrupted",
+            Step::OrphanLock => "orphan-lock",
+            Step::Sweep => "sweep",
+            Step::Collect => "collect",
+        }
+    }
+
+    /// The functions of `src/` that implement the step (`module::function`,
+    /// `Type::method` inside the module).
+    pub fn code(self) -> &'static [&'static str] {
+        match self {
+            Step::SlotTry => &[
+                "slots::acquire_unrecorded",
+                "lock::lock_any",
+                "kernel::enclosing_hold",
+            ],
+            Step::SlotWaiter => &["slots::acquire_unrecorded", "slots::class_report"],
+            Step::SlotWait => &["lock::lock_any", "lock::block_any"],
+            Step::Try => &[
+                "session::try_image",
+                "lock::try_lock",
+                "lock::still_linked",
+                "kernel::enclosing_hold",
+            ],
+            Step::Waiter => &["session::acquire_image", "status::judge"],
+            Step::Gate => &["session::wait_image", "lock::lock"],
+            Step::Wait => &[
+                "session::wait_image",
+                "lock::lock_any",
+                "lock::still_linked",
+            ],
+            Step::Start => &["session::start", "session::prepare_write"],
+            Step::Clone => &["cli::exec::clone_into"],
+            Step::ReleaseBase => &["session::release_read"],
+            Step::Spawn => &["cli::exec::run", "lock::set_inheritable", "keeper::main"],
+            Step::Command => &["signals::wait"],
+            Step::Abandon => &["session::abandon"],
+            Step::Finish => &["session::finish", "lock::verify"],
+            Step::Release => &[
+                "lock::Guard",
+                "session::give_up",
+                "remove::release_unclaimed",
+            ],
+            Step::Mark => &["remove::remove_locked", "remove::recheck"],
+            Step::Trash => &["remove::take_out"],
+            Step::DropRow => &["remove::remove_locked"],
+            Step::Unlink => &["remove::unlink_lock", "dir::unlink_if"],
+            Step::DeleteTrash => &["dir::remove_entry"],
+            Step::ListInterrupted => &["remove::finish_interrupted"],
+            Step::LockInterrupted => &["remove::finish_interrupted", "remove::recheck"],
+            Step::OrphanLock => &["remove::finish_interrupted", "remove::recheck"],
+            Step::Sweep => &["status::sweep", "status::judge"],
+            Step::Collect => &["gc::collect", "remove::recheck"],
+        }
+    }
+
+    /// Steps that run inside one global-lock transaction.
+    pub fn in_transaction(self) -> bool {
+        matches!(
+            self,
+            Step::SlotWaiter
+                | Step::Waiter
+                | Step::ReleaseBase
+                | Step::Start
+                | Step::Abandon
+                | Step::Finish
+                | Step::Mark
+                | Step::DropRow
+                | Step::ListInterrupted
+                | Step::Sweep
+        )
+    }
+
+    /// Steps that may block on a lock.
+    pub fn blocks(self) -> bool {
+        matches!(self, Step::SlotWait | Step::Gate | Step::Wait)
+    }
+}
+
+/// The operations, with their steps in protocol order (a step that repeats,
+/// such as one image lock after another, is listed once).
+pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
+    use Step::*;
+    let remove = [Mark, Trash, DropRow, Unlink, DeleteTrash];
+    vec![
+        (
+            "exec",
+            vec![
+                SlotTry,
+                SlotWaiter,
+                SlotWait,
+                Try,
+                Waiter,
+                Gate,
+                Wait,
+                Start,
+                Clone,
+                ReleaseBase,
+                Spawn,
+                Command,
+                Abandon,
+                Finish,
+                Release,
+            ],
+        ),
+        (
+            "rm",
+            [Try, Waiter, Gate, Wait]
+                .into_iter()
+                .chain(remove)
+                .collect(),
+        ),
+        (
+            "gc",
+            [ListInterrupted, LockInterrupted]
+                .into_iter()
+                .chain(remove)
+                .chain([OrphanLock, Sweep, Collect])
+                .collect(),
+        ),
+        (
+            "doctor",
+            [Sweep, ListInterrupted, LockInterrupted]
+                .into_iter()
+                .chain(remove)
+                .chain([OrphanLock])
+                .collect(),
+        ),
+        ("look", vec![Sweep]),
+    ]
+}
