@@ -73,7 +73,7 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
             // calls stowage again: the hold is still waiting for that very
             // lock, so waiting for the hold would deadlock. Going ahead is
             // safe: the hold's command starts only once our locks are free.
-            Ok(None) if inherits_image_lock(ctx) => {}
+            Ok(None) if inherits_image_lock(ctx) || enclosing_exec_holds_image_lock(ctx) => {}
             Ok(None) => {
                 return Err(StoreHeld {
                     holder: format!(
@@ -92,6 +92,29 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Does an exec that runs us (with `--no-inherit`, its command holds no
+/// descriptor) hold an image lock file open? Its command is running, so
+/// what it holds open are the image locks it was granted.
+fn enclosing_exec_holds_image_lock(ctx: &Ctx) -> bool {
+    let execs = crate::kernel::enclosing_execs();
+    if execs.is_empty() {
+        return false;
+    }
+    let Ok(dir) = std::fs::canonicalize(ctx.root.image_locks()) else {
+        return false;
+    };
+    execs.iter().any(|pid| {
+        std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+            fds.flatten().any(|e| {
+                std::fs::read_link(e.path()).is_ok_and(|target| {
+                    target.parent() == Some(dir.as_path())
+                        && target.extension().is_some_and(|x| x == "lock")
+                })
+            })
+        })
+    })
 }
 
 /// Does this process hold a descriptor of an image lock file inherited from
