@@ -1,5 +1,7 @@
-//! Processes, signals and nested calls under attack: a command that calls
-//! stowage again inside a store-wide hold, with and without --no-inherit.
+//! Processes, signals and nested calls under attack: commands that call
+//! stowage again inside a store-wide hold or while one waits (with and
+//! without --no-inherit), a wait that can start no thread (pids limit), a
+//! command tree cut short by a signal, an exec whose stderr is gone.
 
 use crate::common::*;
 
