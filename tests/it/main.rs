@@ -20,6 +20,7 @@ mod migration;
 mod names;
 mod procs;
 mod review_files;
+mod review_procs;
 mod runtimes;
 mod shell;
 mod slots;
