@@ -49,8 +49,7 @@ pub fn orphans(tx: &Tx, images: &Dir, dir: &Path) -> Result<Orphans> {
         trees: Vec::new(),
         skipped: Vec::new(),
     };
-    let entries = images
-        .names()
+    let entries = tree_names(images)
         .with_context(|| format!("cannot list images directory {}", dir.display()))?;
     for raw in entries {
         if !images
@@ -75,6 +74,19 @@ pub fn orphans(tx: &Tx, images: &Dir, dir: &Path) -> Result<Orphans> {
         }
     }
     Ok(out)
+}
+
+/// The entries of the images directory that may be image trees. An
+/// images directory that is the root of its filesystem has the
+/// filesystem's `lost+found` (ext4 makes one): it decodes to the valid name
+/// `lost:found`, but it is fsck's, never an image to adopt, measure or
+/// delete — nor a sign that a fresh filesystem holds trees.
+fn tree_names(images: &Dir) -> io::Result<Vec<std::ffi::OsString>> {
+    let mut names = images.names()?;
+    if names.iter().any(|n| n == "lost+found") && images.is_mount_root()? {
+        names.retain(|n| n != "lost+found");
+    }
+    Ok(names)
 }
 
 /// How an adopted tree starts out.
@@ -137,15 +149,33 @@ pub fn row_for(name: &ImageName, tree: &Path, how: Adopt) -> ImageRow {
 /// The config key holding the images directory's identity.
 const IDENTITY: &str = "images_dir_identity";
 
-/// "INO@FSTYPE" of an open images directory: its inode number and the
-/// filesystem's type (statfs magic, in hex). Not the device number: NFS and
-/// others number devices anew at each mount, and a remount of the same
-/// filesystem must not look like another one. An unmounted directory (the
-/// mount point on the filesystem below) or another filesystem mounted
-/// there differs in one or the other.
+/// "INO@FSTYPE[@FSID]" of an open images directory: its inode number, the
+/// filesystem's type (statfs magic, in hex) and, where the filesystem has
+/// one, its id (`f_fsid`, hex). Not the device number: NFS and others
+/// number devices anew at each mount, and a remount of the same filesystem
+/// must not look like another one (NFS gives no fsid, so it is left out
+/// there). An unmounted directory (the mount point on the filesystem
+/// below) differs in inode or type; another filesystem of the same type
+/// mounted there — whose root has the same inode, as every ext4's does —
+/// in its id.
 fn identity_of(images: &Dir) -> io::Result<String> {
     let st = images.stat()?;
-    Ok(format!("{}@{:x}", st.ino, images.fs_magic()?))
+    let mut id = format!("{}@{:x}", st.ino, images.fs_magic()?);
+    match images.fs_id()? {
+        0 => {}
+        fsid => id.push_str(&format!("@{fsid:x}")),
+    }
+    Ok(id)
+}
+
+/// Whether the identity `now` is the `recorded` one. An identity recorded
+/// by an older release has no filesystem id: inode and type must match.
+fn same_identity(recorded: &str, now: &str) -> bool {
+    recorded == now
+        || (recorded.matches('@').count() == 1
+            && now
+                .strip_prefix(recorded)
+                .is_some_and(|rest| rest.starts_with('@')))
 }
 
 /// Whether stowage ever managed the images directory `images`: an image
@@ -155,7 +185,9 @@ pub fn managed(tx: &Tx, images: &Dir) -> Result<bool> {
         return Ok(true);
     }
     let id = identity_of(images).context("cannot inspect the images directory")?;
-    Ok(tx.config(IDENTITY)?.as_deref() == Some(id.as_str()))
+    Ok(tx
+        .config(IDENTITY)?
+        .is_some_and(|recorded| same_identity(&recorded, &id)))
 }
 
 /// Records `images` as the images directory whose trees the rows describe.
@@ -210,12 +242,11 @@ pub fn mount(tx: &Tx, root: &crate::root::Root, dir: &Path, recorded_trees: bool
     };
     let now = identity_of(&images).context("cannot inspect the images directory")?;
     if let Some(recorded) = tx.config(IDENTITY)?
-        && recorded != now
+        && !same_identity(&recorded, &now)
     {
         return Ok(Mount::Other { recorded, now });
     }
-    let empty = images
-        .names()
+    let empty = tree_names(&images)
         .with_context(|| format!("cannot list images directory {}", dir.display()))?
         .is_empty();
     Ok(if empty && recorded_trees {
@@ -234,4 +265,19 @@ pub fn unmounted(tx: &Tx, root: &crate::root::Root, dir: &Path) -> Result<Option
         m @ (Mount::Missing(_) | Mount::Other { .. }) => m.doubt(dir),
         Mount::Ours(_) | Mount::Empty(_) => None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_identity;
+
+    #[test]
+    fn an_identity_recorded_without_a_filesystem_id_matches_on_inode_and_type() {
+        assert!(same_identity("2@ef53@abc", "2@ef53@abc"));
+        assert!(!same_identity("2@ef53@abc", "2@ef53@abd"));
+        assert!(same_identity("2@ef53", "2@ef53@abc"));
+        assert!(!same_identity("2@ef53", "2@ef5@abc"));
+        assert!(!same_identity("2@ef53", "22@ef53@abc"));
+        assert!(!same_identity("2@ef53@abc", "2@ef53"));
+    }
 }

@@ -46,6 +46,8 @@ pub struct Copied {
     pub reflinked: u64,
     /// Special files that could not be created (no permission).
     pub skipped_special: u64,
+    /// Mount points inside the base, copied as empty directories.
+    pub mounts_left_out: Vec<String>,
     /// Extended attributes the target refused, by attribute name: how many,
     /// and the first cause.
     pub xattrs_lost: BTreeMap<String, (u64, String)>,
@@ -99,13 +101,27 @@ struct Frame {
 
 /// Copies the tree at `src` into the existing, empty directory `dst`.
 pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<Copied> {
+    let src_root = Dir::open_top(src).with_context(|| format!("cannot open {}", src.display()))?;
+    let dst_root = Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?;
+    copy_tree_at(src_root, src, dst_root, dst, progress)
+}
+
+/// [`copy_tree`] between directories already open (`src` and `dst` name
+/// them in messages): the caller opened them from the images directory's
+/// descriptor, so a symlink swapped in for a directory above them since
+/// cannot redirect the copy out of the store.
+pub fn copy_tree_at(
+    src_root: Dir,
+    src: &Path,
+    dst_root: Dir,
+    dst: &Path,
+    progress: &mut dyn Progress,
+) -> Result<Copied> {
     let _files = tree::MoreFiles::raise();
     if progress.shown() {
         let total = crate::usage::apparent_size(src).unwrap_or(0);
         progress.total(total);
     }
-    let src_root = Dir::open_top(src).with_context(|| format!("cannot open {}", src.display()))?;
-    let dst_root = Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?;
     let meta = src_root
         .lstat()
         .with_context(|| format!("cannot read {}", src.display()))?;
@@ -121,9 +137,12 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
     // Directories get their mode and times after their contents are in
     // place: a read-only directory must stay writable while we fill it, and
     // writing into it would change its mtime.
+    let dev = meta.st_dev;
     let mut stack = vec![Frame {
         src: src_root,
-        dst: Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?,
+        dst: dst_root
+            .sub(".")
+            .with_context(|| format!("cannot open {}", dst.display()))?,
         meta,
         names: names.into_iter(),
     }];
@@ -153,7 +172,15 @@ pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<
             mkdirat(&top.dst, &name).with_context(ctx)?;
             let s = top.src.open_at(&name).with_context(ctx)?;
             let d = top.dst.open_at(&name).with_context(ctx)?;
-            let names = s.entries().with_context(ctx)?;
+            // A filesystem mounted inside the base (a bind mount a build
+            // left) is not the base's tree, as measuring and deleting have
+            // it: its mount point is copied, its contents are not.
+            let names = if meta.st_dev == dev {
+                s.entries().with_context(ctx)?
+            } else {
+                out.mounts_left_out.push(from());
+                Vec::new()
+            };
             trail.0.push(name);
             stack.push(Frame {
                 src: s,

@@ -114,6 +114,42 @@ impl Dir {
         })
     }
 
+    /// Like [`Dir::sub`], for a deletion: a directory of ours that we may
+    /// not read or search (a build can leave one mode 000) is first given
+    /// owner access, else it could never be deleted. The mode is changed
+    /// through an `O_PATH|O_NOFOLLOW` descriptor of the very directory (a
+    /// symlink swapped in is refused, never followed to its target).
+    fn sub_for_deletion(&self, name: &OsStr) -> io::Result<Dir> {
+        match self.sub(name) {
+            Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+                let c = cstr(name)?;
+                // SAFETY: valid descriptor and C string; owned at once.
+                let fd = check(unsafe {
+                    libc::openat(
+                        self.fd.as_raw_fd(),
+                        c.as_ptr(),
+                        libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                    )
+                })?;
+                let path = Dir {
+                    fd: unsafe { OwnedFd::from_raw_fd(fd) },
+                };
+                let st = path.stat()?;
+                // fchmod refuses an O_PATH descriptor; its /proc name is
+                // the directory itself, whatever happens to `name`.
+                let proc = CString::new(format!("/proc/self/fd/{fd}"))
+                    .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+                // SAFETY: a valid C string.
+                check(unsafe {
+                    libc::chmod(proc.as_ptr(), ((st.mode & 0o7777) | 0o700) as libc::mode_t)
+                })
+                .map_err(|_| e)?;
+                self.sub(name)
+            }
+            other => other,
+        }
+    }
+
     /// The directory itself.
     pub fn stat(&self) -> io::Result<Entry> {
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -148,6 +184,25 @@ impl Dir {
         // SAFETY: valid descriptor and out-pointer.
         check(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
         Ok(sf.f_type as u64)
+    }
+
+    /// The filesystem's id (`f_fsid`), 0 where the filesystem gives none
+    /// (NFS). Local filesystems derive it from their UUID or device, so two
+    /// filesystems of one type tell apart by it where their root inodes do
+    /// not (every ext4's root is inode 2).
+    pub fn fs_id(&self) -> io::Result<u64> {
+        let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid descriptor and out-pointer.
+        check(unsafe { libc::fstatvfs(self.fd.as_raw_fd(), &mut sv) })?;
+        #[allow(clippy::unnecessary_cast)]
+        Ok(sv.f_fsid as u64)
+    }
+
+    /// Whether this directory is the root of a mount (`..` is on another
+    /// device or mount).
+    pub fn is_mount_root(&self) -> io::Result<bool> {
+        let up = self.sub("..")?;
+        Ok(up.stat()?.dev != self.stat()?.dev || up.mount_id() != self.mount_id())
     }
 
     /// The entry `name`, not followed; `None` if there is none.
@@ -282,7 +337,7 @@ impl Dir {
             *removed += 1;
             return Ok(());
         }
-        let top = match self.sub(name) {
+        let top = match self.sub_for_deletion(name) {
             Ok(d) => d,
             // Replaced by a non-directory since the stat: unlink that.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
@@ -293,6 +348,13 @@ impl Dir {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
             Err(e) => return Err(e),
         };
+        // The walk keeps to the filesystem of the tree it starts at, so a
+        // mount at the top itself (an image directory bind-mounted, a mount
+        // directly in an image being emptied) must be caught here.
+        let (here, there) = (self.stat()?, top.stat()?);
+        if here.dev != there.dev || self.mount_id() != top.mount_id() {
+            return Err(mount_point(name));
+        }
         empty_tree(top, removed)?;
         self.unlinkat(name, libc::AT_REMOVEDIR)?;
         *removed += 1;
@@ -309,6 +371,13 @@ impl Dir {
             unsafe { libc::fchmod(self.fd.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _) };
         }
     }
+}
+
+fn mount_point(name: &OsStr) -> io::Error {
+    io::Error::other(format!(
+        "{} is a mount point; unmount it first (nothing is deleted across a mount)",
+        Path::new(name).display()
+    ))
 }
 
 fn entry(st: &libc::stat) -> Entry {
@@ -414,12 +483,9 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
             continue;
         }
         if st.dev != dev {
-            return Err(io::Error::other(format!(
-                "{} is a mount point; unmount it first (nothing is deleted across a mount)",
-                Path::new(&name).display()
-            )));
+            return Err(mount_point(&name));
         }
-        let sub = match dir.sub(&name) {
+        let sub = match dir.sub_for_deletion(&name) {
             Ok(d) => d,
             Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
                 dir.unlink(&name)?;
@@ -431,10 +497,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         };
         let sst = sub.stat()?;
         if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
-            return Err(io::Error::other(format!(
-                "{} is a mount point; unmount it first (nothing is deleted across a mount)",
-                Path::new(&name).display()
-            )));
+            return Err(mount_point(&name));
         }
         sub.make_writable(&sst);
         let pending = sub.names()?;

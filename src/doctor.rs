@@ -475,12 +475,15 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     let stamp = clock::rfc3339(clock::now_ms())
         .unwrap_or_else(|| "unknown-time".into())
         .replace(':', "");
-    let moved_to = db.with_file_name(format!("stowage.db.damaged-{stamp}"));
-    fs::rename(&db, &moved_to).with_context(|| format!("cannot move {} aside", db.display()))?;
-    let journal = db.with_file_name("stowage.db-journal");
-    if journal.exists() {
-        let _ = fs::rename(&journal, moved_to.with_extension("journal"));
-    }
+    let mut moved_to = db.with_file_name(format!("stowage.db.damaged-{stamp}"));
+    // The new database is built beside the old one and renamed over it
+    // only when complete: a rebuild killed at any point leaves either the
+    // damaged database (the next repair starts again) or the rebuilt one,
+    // never a missing one that the next command would recreate empty —
+    // forgetting every image and the images directory.
+    let building = db.with_file_name("stowage.db.rebuilding");
+    let _ = fs::remove_file(&building);
+    let _ = fs::remove_file(db.with_file_name("stowage.db.rebuilding-journal"));
 
     let images_dir = salvage
         .config
@@ -493,7 +496,7 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
         })
         .unwrap_or_else(|| root.default_images_dir());
 
-    let mut conn = meta::open(&db)?;
+    let mut conn = meta::open(&building)?;
     let tx = Tx::begin(&mut conn, global)?;
     tx.migrate()?;
     if images_dir != root.default_images_dir() {
@@ -524,7 +527,44 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
         Mount::Missing(_) | Mount::Other { .. } => 0,
     };
     let images = salvaged + adopted;
-    tx.commit()?;
+    let global = tx.commit_keeping_global()?;
+    drop(conn);
+    // Set aside, never deleted: a second name for the damaged file, then
+    // the rebuilt one takes its place in one step. Its journal goes aside
+    // first, so SQLite never plays it back into the new file.
+    for n in 1.. {
+        match fs::hard_link(&db, &moved_to) {
+            Ok(()) => break,
+            // Set aside by a rebuild killed before it finished (or another
+            // in the same second): that name is taken, try the next.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 100 => {
+                moved_to = db.with_file_name(format!("stowage.db.damaged-{stamp}-{n}"));
+            }
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EPERM | libc::EOPNOTSUPP | libc::EMLINK)
+                ) =>
+            {
+                // No hard links here: a moment without a database is the
+                // price.
+                fs::rename(&db, &moved_to)
+                    .with_context(|| format!("cannot move {} aside", db.display()))?;
+                break;
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot move {} aside", db.display())),
+        }
+    }
+    crate::debug::pause("rebuild-moved-aside");
+    let journal = db.with_file_name("stowage.db-journal");
+    if journal.exists() {
+        let mut aside = moved_to.clone().into_os_string();
+        aside.push("-journal");
+        let _ = fs::rename(&journal, aside);
+    }
+    fs::rename(&building, &db)
+        .with_context(|| format!("cannot put the rebuilt {} in place", db.display()))?;
+    drop(global);
     Ok(Rebuilt {
         moved_to,
         images_dir,

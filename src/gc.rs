@@ -108,13 +108,16 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     report.interrupted_removals = left.removals;
     report.trash_entries = left.trash.len();
     report.failed = left.failed;
+    report.bytes_freed = left.bytes;
 
     // Look at every image: dead writers become incomplete (in a dry run the
     // transaction is rolled back, so nothing changes).
     let sweep = |tx: &crate::meta::Tx, ctx: &crate::store::Ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
         status::sweep(tx, ctx, &kv)?;
-        Ok((tx.images()?, tx.images_dir(&ctx.root)?))
+        let dir = tx.images_dir(&ctx.root)?;
+        let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
+        Ok((tx.images()?, dir, doubt))
     };
     let looked = store.retry_full(|store| {
         let (tx, ctx) = store.begin(None)?;
@@ -126,12 +129,18 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         }
         Ok(out)
     });
-    let (rows, images_dir) = match looked {
+    let (rows, images_dir, doubt) = match looked {
         // A dry run on a full filesystem, even the reserve used: it changes
         // nothing anyway, so it looks without a journal on disk.
         Err(e) if policy.dry_run && crate::space::is_full(&e) => store.view_tx(sweep)?,
         other => other?,
     };
+    // Trees missing from an unmounted images directory are not gone:
+    // removing their images would free nothing and orphan the trees.
+    if let Some(why) = doubt {
+        report.failed.push(format!("no image removed: {why}"));
+        return Ok(report);
+    }
     let mut rows: Vec<ImageRow> = rows
         .into_iter()
         .filter(|r| !policy.dry_run || !report.interrupted_removals.contains(&r.name))
@@ -258,7 +267,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         // Space was freed: the metadata's reserve gets what it lacks.
         crate::space::refill(store.root());
     }
-    report.bytes_freed = report.removed.iter().map(|r| r.size_bytes).sum();
+    report.bytes_freed += report.removed.iter().map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
 }
 
@@ -340,10 +349,19 @@ fn collect(
     if let Some(g) = guard {
         if dry_run {
             drop(g);
-        } else if let Err(e) = remove::remove_locked(store, vec![(name.clone(), g)]) {
-            // Undone (see remove.rs): say so, and go on with the others.
-            report.failed.push(format!("{e:#}"));
-            return Ok(false);
+        } else {
+            match remove::remove_locked(store, vec![(name.clone(), g)]) {
+                // Removed; a tree left in the trash is said, and retried
+                // by the next gc.
+                Ok(done) => report
+                    .failed
+                    .extend(done.into_iter().filter_map(|r| r.left_in_trash)),
+                // Undone (see remove.rs): say so, and go on with the others.
+                Err(e) => {
+                    report.failed.push(format!("{e:#}"));
+                    return Ok(false);
+                }
+            }
         }
     }
     report.removed.push(Removed {

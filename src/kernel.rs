@@ -301,6 +301,20 @@ pub fn exec_pids_for_command(me: u32) -> String {
     }
 }
 
+/// The `stowage exec` processes that run us, directly or not: named in
+/// [`EXEC_PIDS_ENV`] and found among our ancestors (a name alone could be
+/// a stale variable, or a recycled pid).
+pub fn enclosing_execs() -> Vec<u32> {
+    let Ok(named) = std::env::var(EXEC_PIDS_ENV) else {
+        return Vec::new();
+    };
+    let named: Vec<u32> = named.split(':').filter_map(|p| p.parse().ok()).collect();
+    ancestors()
+        .into_iter()
+        .filter(|p| named.contains(p))
+        .collect()
+}
+
 /// The lock that this process, or one of its ancestors, holds on the file
 /// at `path`: the hold of an enclosing command. Found through a descriptor
 /// this process inherited ([`lock::held_here`], on every filesystem: it

@@ -711,6 +711,17 @@ pub fn starting_to_wait() {
     }
 }
 
+/// A descriptor that is readable while a signal is pending that should end
+/// the waits, and the function that takes it (and calls
+/// [`interrupt_waits`]): for a process that could start no thread to watch
+/// for signals (a pids limit), so that its waits watch for them themselves.
+static SIGNAL_WATCH: std::sync::OnceLock<(std::os::fd::RawFd, fn())> = std::sync::OnceLock::new();
+
+/// Registers [`SIGNAL_WATCH`] (once, for good).
+pub fn watch_signals_while_waiting(fd: std::os::fd::RawFd, take: fn()) {
+    let _ = SIGNAL_WATCH.set((fd, take));
+}
+
 /// Makes every current and future wait in this process return
 /// [`Waited::Interrupted`]. The CLI calls it when a termination signal
 /// arrives before its command has started.
@@ -1049,7 +1060,15 @@ impl Waker {
             return Ok(Woke::Interrupted(sig));
         }
         let cancel = cancel_pipe().map(|(r, _)| *r);
-        let mut fds = Vec::with_capacity(2);
+        let mut fds = Vec::with_capacity(3);
+        let signals = SIGNAL_WATCH.get();
+        if let Some((fd, _)) = signals {
+            fds.push(libc::pollfd {
+                fd: *fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
         if let Some(ino) = &self.inotify {
             fds.push(libc::pollfd {
                 fd: ino.as_raw_fd(),
@@ -1081,6 +1100,11 @@ impl Waker {
                 return Ok(Woke::Timeout);
             }
             return Err(e);
+        }
+        if let Some((_, take)) = signals
+            && fds[0].revents != 0
+        {
+            take();
         }
         if let Some(sig) = interrupted() {
             return Ok(Woke::Interrupted(sig));

@@ -399,6 +399,13 @@ impl<'c> Tx<'c> {
         Ok(())
     }
 
+    /// Commits and hands back the global lock, for a step that must follow
+    /// the commit under the same lock (putting a rebuilt database in place).
+    pub fn commit_keeping_global(self) -> Result<lock::Guard> {
+        self.tx.commit()?;
+        Ok(self.global)
+    }
+
     /// Device and inode of the global lock this transaction holds.
     pub fn global_identity(&self) -> (u64, u64) {
         self.global.identity()

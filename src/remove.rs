@@ -50,14 +50,19 @@ pub struct Removed {
     pub name: String,
     pub state: ImageState,
     pub bytes: u64,
+    /// The image is gone, but its tree could not be deleted from the
+    /// trash (why); `gc` deletes it once the cause is fixed.
+    pub left_in_trash: Option<String>,
 }
 
 /// How taking one tree out of the images directory went.
 enum Taken {
     /// Moved to the trash under this name.
     Trashed(OsString),
-    /// Gone: there was no tree, or it was deleted in place.
+    /// There was no tree: nothing was freed.
     Gone,
+    /// Deleted in place.
+    Deleted,
     /// Nothing moved: the removal can be undone.
     Refused(anyhow::Error),
     /// Deleted in place only in part: the tree is damaged.
@@ -77,7 +82,16 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     // marked (a symlink planted in their place is refused here, not
     // half-way through).
     let trash = store.root().open_or_make_sub("trash")?;
-    let images_dir = store.with_tx_locked(None, |tx, ctx| tx.images_dir(&ctx.root))?;
+    let (images_dir, doubt) = store.with_tx_locked(None, |tx, ctx| {
+        let dir = tx.images_dir(&ctx.root)?;
+        let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
+        Ok((dir, doubt))
+    })?;
+    // A tree missing from an images directory that is not the one recorded
+    // (unmounted) is not gone: dropping its row would orphan it.
+    if let Some(why) = doubt {
+        anyhow::bail!("cannot remove images: {why}");
+    }
     let images = store.root().open_images_dir(&images_dir).with_context(|| {
         format!(
             "cannot remove images: images directory {} is not usable (is it mounted?)",
@@ -104,8 +118,11 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         Err(i) => {
             // Removed by someone else since the caller locked it: its lock
             // file (perhaps created by that very lock) names nothing now.
+            // So is its gate, which a removal that waited for the lock
+            // (the loser of two `rm` of one image) held and let go.
             let (name, guard) = held.into_iter().nth(i).expect("index of a held image");
             let _ = unlink_lock(store.root(), guard);
+            unlink_gate(store.root(), &name);
             return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into());
         }
     };
@@ -117,12 +134,15 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     let mut failed = None;
     for (i, ((name, _), row)) in held.iter().zip(&rows).enumerate() {
         let tree = images_dir.join(name.encoded());
-        let bytes = row
+        let mut bytes = row
             .size_bytes
             .unwrap_or_else(|| usage::disk_usage(&tree).unwrap_or(0));
         match take_out(store.ctx(), &images, &trash, &tree, name) {
-            Taken::Trashed(t) => trashed.push(t),
-            Taken::Gone => {}
+            Taken::Trashed(t) => trashed.push((out.len(), t)),
+            Taken::Deleted => {}
+            // A row without a tree (a removal that crashed after the move
+            // leaves its tree in the trash, counted there): nothing freed.
+            Taken::Gone => bytes = 0,
             Taken::Refused(e) => {
                 failed = Some((i, e, false));
                 break;
@@ -136,6 +156,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
             name: name.as_str().to_owned(),
             state: row.state,
             bytes,
+            left_in_trash: None,
         });
     }
     debug::pause("rm-moved");
@@ -162,21 +183,20 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     for (name, guard) in held.into_iter().take(done) {
         unlink_lock(store.root(), guard)
             .with_context(|| format!("cannot remove the lock file of image '{name}'"))?;
-        // The gate too, under its own exclusive lock; if a reader is just
-        // passing it, the file stays (a few bytes, reused if the name is).
-        if let Ok(Some(gate)) =
-            lock::try_lock(&store.root().image_gate(&name), Mode::Exclusive, false)
-        {
-            let _ = unlink_lock(store.root(), gate);
-        }
+        unlink_gate(store.root(), &name);
     }
-    // 5. Outside every lock.
-    for t in trashed {
+    // 5. Outside every lock. One tree that cannot be deleted (an immutable
+    // file) stops neither the others nor the report of what was removed.
+    for (k, t) in trashed {
         crate::signals::check()?;
         let mut n = 0;
-        trash.remove_entry(&t, &mut n).with_context(|| {
-            format!("cannot delete {}", store.root().trash().join(&t).display())
-        })?;
+        if let Err(e) = trash.remove_entry(&t, &mut n) {
+            out[k].left_in_trash = Some(format!(
+                "image '{}' was removed, but its tree could not be deleted from the trash ('stowage gc' deletes it once the cause is fixed): cannot delete {}: {e}",
+                out[k].name,
+                store.root().trash().join(&t).display()
+            ));
+        }
     }
     if let Some((i, e, partial)) = failed {
         let name = &rows[i].name;
@@ -215,7 +235,7 @@ fn take_out(ctx: &Ctx, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName)
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
             let mut removed = 0;
             match images.remove_entry(enc, &mut removed) {
-                Ok(()) => Taken::Gone,
+                Ok(()) => Taken::Deleted,
                 Err(e) => {
                     let e =
                         anyhow::Error::new(e).context(format!("cannot delete {}", tree.display()));
@@ -232,6 +252,15 @@ fn take_out(ctx: &Ctx, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName)
             tree.display(),
             ctx.root.trash().display()
         ))),
+    }
+}
+
+/// Unlinks the gate of an image that has no row, under the gate's own
+/// exclusive lock; if a reader is just passing it, the file stays (a few
+/// bytes, reused if the name is).
+fn unlink_gate(root: &Root, name: &ImageName) {
+    if let Ok(Some(gate)) = lock::try_lock(&root.image_gate(name), Mode::Exclusive, false) {
+        let _ = unlink_lock(root, gate);
     }
 }
 
@@ -321,6 +350,9 @@ pub struct Leftovers {
     pub lock_files: Vec<PathBuf>,
     /// What could not be finished, one line each (the others were).
     pub failed: Vec<String>,
+    /// Bytes the finished removals and the deleted trash gave back (the
+    /// trash as it would, without `fix`).
+    pub bytes: u64,
 }
 
 impl Leftovers {
@@ -384,8 +416,16 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                     && row.state == ImageState::Deleting
                 {
                     found.removals.push(name);
-                    if fix && let Err(e) = remove_locked(store, vec![(n, guard)]) {
-                        found.failed.push(format!("{e:#}"));
+                    if fix {
+                        match remove_locked(store, vec![(n, guard)]) {
+                            Ok(done) => {
+                                found.bytes += done.iter().map(|r| r.bytes).sum::<u64>();
+                                found
+                                    .failed
+                                    .extend(done.into_iter().filter_map(|r| r.left_in_trash));
+                            }
+                            Err(e) => found.failed.push(format!("{e:#}")),
+                        }
                     }
                 }
             }
@@ -401,12 +441,17 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                 .with_context(|| format!("cannot list {}", root.trash().display()))?
             {
                 let path = root.trash().join(&entry);
+                let bytes = usage::disk_usage(&path).unwrap_or(0);
                 let mut n = 0;
+                // What could not be deleted is reported as such, not as
+                // a trash entry that was removed.
                 if fix && let Err(e) = trash.remove_entry(&entry, &mut n) {
                     found
                         .failed
                         .push(format!("cannot delete {}: {e}", path.display()));
+                    continue;
                 }
+                found.bytes += bytes;
                 found.trash.push(path);
             }
         }
@@ -455,15 +500,16 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
 /// refusal, a command that could not run): the lock files and gates of
 /// images that still have no row go again, so nothing is left behind for
 /// an image that does not exist. `held` are exclusive locks we hold;
-/// `waited_for` an image whose lock or gate we may have created while
-/// waiting — its files go only if nobody holds them. Best effort: what is
-/// left is a harmless leftover that `gc` and `doctor --repair` remove.
+/// `waited_for` images whose lock or gate we may have created while
+/// waiting (and no longer hold) — their files go only if nobody holds
+/// them. Best effort: what is left is a harmless leftover that `gc` and
+/// `doctor --repair` remove.
 pub(crate) fn release_unclaimed(
     store: &mut Store,
     held: Vec<(ImageName, Guard)>,
-    waited_for: Option<&ImageName>,
+    waited_for: &[ImageName],
 ) {
-    if held.is_empty() && waited_for.is_none() {
+    if held.is_empty() && waited_for.is_empty() {
         return;
     }
     let root = store.root().clone();
@@ -481,9 +527,7 @@ pub(crate) fn release_unclaimed(
             }
         }
     }
-    if let Some(name) = waited_for
-        && rowless(name)
-    {
+    for name in waited_for.iter().filter(|n| rowless(n)) {
         if let Ok(Some(g)) = lock::try_lock(&root.image_lock(name), Mode::Exclusive, false) {
             doomed.push(g);
         }

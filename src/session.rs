@@ -458,7 +458,14 @@ fn give_up(
         })();
         drop(r);
     }
-    crate::remove::release_unclaimed(store, unclaimed(held), waited_for);
+    // A read lock taken after a wait may be on a lock file recreated for
+    // an image removed meanwhile (a reader queued behind `rm`): it is let
+    // go, and its files are looked at like those of the image waited for.
+    let (held, read): (Vec<Held>, Vec<Held>) =
+        held.into_iter().partition(|h| h.mode == Mode::Exclusive);
+    let mut looked_at: Vec<ImageName> = read.into_iter().map(|h| h.name).collect();
+    looked_at.extend(waited_for.cloned());
+    crate::remove::release_unclaimed(store, unclaimed(held), &looked_at);
     drop(slot);
 }
 

@@ -94,7 +94,8 @@ type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 
 /// Calls `visit` for every entry under `dir` (the top included, as
 /// `(dir, ".")`), depth first, staying on the top's filesystem. Entries that
-/// vanish while walked are skipped; a missing top is an empty tree.
+/// vanish while walked are skipped, and so is the inside of a directory we
+/// may not read; a missing top is an empty tree.
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
     let _files = tree::MoreFiles::raise();
     let top = match Dir::open_top(dir) {
@@ -129,12 +130,21 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         }
         visit(d, &name, &st).map_err(|e| bounded(e, &trail, &name))?;
         if tree::file_type(&st) == libc::S_IFDIR {
+            // A directory we may not read (a build left it mode 000)
+            // counts as itself: the rest of the tree still has a size,
+            // where failing would leave the image unmeasured and counted
+            // as nothing against gc's budget.
+            let denied = |e: &io::Error| e.raw_os_error() == Some(libc::EACCES);
             let sub = match d.open_at(&name) {
                 Ok(s) => s,
-                Err(e) if gone(&e) => continue,
+                Err(e) if gone(&e) || denied(&e) => continue,
                 Err(e) => return Err(bounded(e, &trail, &name)),
             };
-            let names = sub.entries().map_err(|e| bounded(e, &trail, &name))?;
+            let names = match sub.entries() {
+                Ok(n) => n,
+                Err(e) if denied(&e) => continue,
+                Err(e) => return Err(bounded(e, &trail, &name)),
+            };
             trail.0.push(name);
             stack.push((sub, names.into_iter()));
         }

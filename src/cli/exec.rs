@@ -404,6 +404,12 @@ fn run_store_wide(
         let images = [
             ("STOWAGE_ROOT", store.root().dir().as_os_str().to_owned()),
             ("STOWAGE_IMAGES_DIR", images_dir?.into_os_string()),
+            // A stowage inside the command tells by it that we hold the
+            // store's lease (the keeper does, with --no-inherit).
+            (
+                crate::kernel::EXEC_PIDS_ENV,
+                crate::kernel::exec_pids_for_command(std::process::id()).into(),
+            ),
         ];
         let env = command_env(std::env::vars_os(), &images);
         let started = start_command(
@@ -446,10 +452,20 @@ fn clone_into(
         );
     }
     crate::remove::empty_image_dir(store.root(), session.images_dir(), target)?;
+    crate::debug::pause("clone-emptied");
     let t0 = std::time::Instant::now();
     let show = std::io::stderr().is_terminal() && !store.ctx().quiet;
     let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
-    let done = crate::clone::copy_tree(&src, &dst, &mut bar)
+    // Both ends from one descriptor of the images directory, never a path
+    // resolved again: a link swapped in above them cannot move the copy.
+    let images = store.root().open_images_dir(session.images_dir())?;
+    let open = |name: &ImageName, path: &std::path::Path| {
+        images
+            .sub(name.encoded())
+            .with_context(|| format!("cannot open {}", path.display()))
+    };
+    let (s, d) = (open(base, &src)?, open(target, &dst)?);
+    let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar)
         .with_context(|| format!("cannot copy image '{base}' to '{target}'"))?;
     store.ctx().detail(&format!(
         "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
@@ -458,6 +474,11 @@ fn clone_into(
         done.reflinked,
         t0.elapsed().as_secs_f64()
     ));
+    for m in &done.mounts_left_out {
+        store.ctx().say(&format!(
+            "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
+        ));
+    }
     if done.skipped_special > 0 {
         store.ctx().say(&format!(
             "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",

@@ -56,6 +56,11 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             store.root().dir().display()
         );
     }
+    if let Some(dir) = &wanted
+        && *dir != store.root().default_images_dir()
+    {
+        refuse_overlap(store.root().dir(), dir)?;
+    }
     store.root().create_layout()?;
     let (dir, adopted, skipped, how) = store.with_tx(None, |tx, ctx| {
         let current = tx.images_dir(&ctx.root)?;
@@ -121,4 +126,56 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         }
     ));
     Ok(0)
+}
+
+/// The checks above compare paths; this compares directories. Through a
+/// bind mount of the root, or a symlink among the parents, a path that
+/// looks unrelated can be the root itself or lie inside it, and its
+/// `locks`, `img` and `trash` would be adopted as images (`gc` would then
+/// delete the lock directory). So the images directory (or, if it does not
+/// exist yet, its parent) must be neither the root nor one of the root's
+/// parents, and the root must not be one of its parents: compared by
+/// device and inode, climbing through `..`.
+fn refuse_overlap(root: &Path, dir: &Path) -> Result<()> {
+    use crate::dir::Dir;
+    // The directories from `d` up to `/`, as (device, inode).
+    let chain = |mut d: Dir| -> std::io::Result<Vec<(u64, u64)>> {
+        let mut ids = Vec::new();
+        loop {
+            let st = d.stat()?;
+            if ids.last() == Some(&(st.dev, st.ino)) || ids.len() > 4096 {
+                return Ok(ids);
+            }
+            ids.push((st.dev, st.ino));
+            d = d.sub("..")?;
+        }
+    };
+    let existing =
+        |p: &Path| Dir::open(p).or_else(|_| Dir::open(p.parent().unwrap_or(Path::new("/"))));
+    let (Ok(r), Ok(i)) = (existing(root), existing(dir)) else {
+        return Ok(()); // Reported by what follows.
+    };
+    let (Ok(root_ids), Ok(dir_ids)) = (chain(r), chain(i)) else {
+        return Ok(());
+    };
+    if dir.is_dir() && root_ids.contains(&dir_ids[0]) {
+        bail!(
+            "images directory {} is the root {} or contains it (a bind mount or a symlink): its trees and stowage's own files would mix",
+            dir.display(),
+            root.display()
+        );
+    }
+    let above = if dir.is_dir() {
+        &dir_ids[1..]
+    } else {
+        &dir_ids[..]
+    };
+    if root.is_dir() && above.contains(&root_ids[0]) {
+        bail!(
+            "images directory {} is inside the root {} (through a bind mount or a symlink); use the default (omit --images-dir) or a directory outside it",
+            dir.display(),
+            root.display()
+        );
+    }
+    Ok(())
 }

@@ -15,6 +15,16 @@ use crate::name::ImageName;
 use crate::root::{Root, Sharing};
 use crate::store::Store;
 
+/// `eprintln!` that never panics: with stderr gone (a closed pipe), an
+/// exec must still exit with its contract's code (66, 75, ...), not the
+/// 101 of a panic. Defined before the command modules, which use it too.
+macro_rules! complain {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod doctor;
 mod exec;
 mod gc;
@@ -90,14 +100,16 @@ enum Command {
 
 impl Command {
     /// Whether the command creates the root when it does not exist: those
-    /// that write (the spec's `exec`, `init`, `slots set`; `gc` and `doctor
-    /// --repair` set up what they clean). The others say it is missing.
+    /// that write (the spec's `exec`, `init`, `slots set`; `doctor
+    /// --repair` sets up what it repairs). The others say it is missing —
+    /// `gc`, like `rm`, too: a missing root has nothing to remove, and a
+    /// mistyped root in a cron job must not grow a store.
     fn creates_root(&self) -> bool {
         match self {
-            Command::Init(_) | Command::Exec(_) | Command::Gc(_) => true,
+            Command::Init(_) | Command::Exec(_) => true,
             Command::Slots(a) => a.creates(),
             Command::Doctor(a) => a.creates(),
-            Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) => false,
+            Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) | Command::Gc(_) => false,
             Command::Completions { .. } | Command::Man { .. } => false,
         }
     }
@@ -126,7 +138,7 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("stowage: {}", one_line(&e));
+            complain!("stowage: {}", one_line(&e));
             ExitCode::from(error::exit_code(&e))
         }
     }
@@ -142,7 +154,7 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Man { dir } => {
             for page in shell::write_man_pages(Cli::command(), dir)? {
                 if cli.verbose {
-                    eprintln!("stowage: wrote {}", page.display());
+                    complain!("stowage: wrote {}", page.display());
                 }
             }
             return Ok(0);
@@ -255,12 +267,12 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         match pos {
             Some(p) if !args.iter().any(|a| a == "--") => {
                 fixed.insert(p - 1, "--".into());
-                eprintln!(
+                complain!(
                     "stowage: unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
                     fixed.join(" ")
                 );
             }
-            _ => eprintln!(
+            _ => complain!(
                 "stowage: unexpected argument '{arg}' before '--': only options go there, the command after '--' ({EXEC_USAGE})"
             ),
         }
@@ -270,7 +282,7 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         && sub.as_ref().is_some_and(|(name, _)| name == "exec")
         && value(ContextKind::InvalidArg).is_some_and(|a| a.contains("CMD"))
     {
-        eprintln!("stowage: no command to run: put it after '--' ({EXEC_USAGE})");
+        complain!("stowage: no command to run: put it after '--' ({EXEC_USAGE})");
         return ExitCode::from(error::code::USAGE);
     }
     // clap's first paragraph says what is wrong (sometimes over several
@@ -296,7 +308,7 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         }
         _ => "stowage --help".into(),
     };
-    eprintln!("stowage: {what}{hint} (see '{help}')");
+    complain!("stowage: {what}{hint} (see '{help}')");
     ExitCode::from(error::code::USAGE)
 }
 

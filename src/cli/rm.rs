@@ -76,5 +76,11 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             usage::human(r.bytes)
         ));
     }
-    Ok(0)
+    // The images are gone; space that could not be freed is a failure.
+    let mut code = 0;
+    for why in removed.iter().filter_map(|r| r.left_in_trash.as_deref()) {
+        eprintln!("stowage: {why}");
+        code = crate::error::code::FAILURE;
+    }
+    Ok(code)
 }

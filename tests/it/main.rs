@@ -3,6 +3,8 @@
 
 mod common;
 
+mod adversarial_files;
+mod adversarial_procs;
 mod charliecloud;
 mod concurrency;
 mod crash;
