@@ -831,6 +831,9 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
     let kv = tx.kernel_view(&ctx.root.locks());
     status::sweep(tx, ctx, &kv)?;
     found.stale_records = before_records - tx.all_records()?.len();
+    if repair {
+        crate::lease::clean(&ctx.root.locks());
+    }
     let rows = tx.images()?;
     found.dead_writers = rows
         .iter()

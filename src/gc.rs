@@ -91,6 +91,11 @@ pub struct Report {
 }
 
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
+    // gc locks images without recording itself: its lease names it to
+    // lock-status meanwhile (best effort; see lease.rs).
+    if !policy.dry_run {
+        let _ = crate::lease::mine(&store.root().locks());
+    }
     let mut report = Report {
         dry_run: policy.dry_run,
         max_size: policy.max_size,
@@ -118,6 +123,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         let (tx, ctx) = store.begin(None)?;
         let out = sweep(&tx, ctx)?;
         if !policy.dry_run {
+            // Leases of owners that died, under the global lock.
+            crate::lease::clean(&ctx.root.locks());
             tx.commit()?;
         }
         Ok(out)

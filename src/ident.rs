@@ -1,12 +1,11 @@
 //! Who a process is, as recorded next to the locks it holds or awaits, and
 //! how a record's liveness is judged.
 //!
-//! A record is information, never the truth about a lock (the kernel is). It
-//! carries enough to judge the process's liveness where that is possible:
-//! on the same host and boot, a pid plus its start time identifies a process
-//! even across pid reuse. Records from another host cannot be checked by pid;
-//! `STOWAGE_HOSTNAME` overrides the recorded host name so tests can play
-//! "another host".
+//! A record is information, never the truth about a lock (the kernel is).
+//! Its liveness is its owner's lease (`lease.rs`): a pid means nothing on
+//! another host or in another pid namespace. [`liveness`] (pid plus start
+//! time, same host and boot) judges only records of older releases, which
+//! name no lease. `STOWAGE_HOSTNAME` overrides the recorded host name.
 
 use std::fs;
 

@@ -408,20 +408,30 @@ fn run(args: &[OsString]) -> io::Result<()> {
 
     let mut exit: Option<i32> = None;
     let mut terminating: Option<i32> = None;
+    // Processes left after the command ended were signalled: their work
+    // was cut short, so a command that succeeded does not make the
+    // outcome a success.
+    let mut cut_short = false;
     let mut kill_at: Option<Instant> = None;
     loop {
         let left = reap_exited(command, &mut exit);
         if exit.is_some() {
             if !left {
-                send(&mut status, EXITED, exit.unwrap_or(0));
+                send(
+                    &mut status,
+                    EXITED,
+                    tree_status(exit, cut_short, terminating),
+                );
                 return Ok(());
             }
             if let (Some(sig), None) = (terminating, kill_at) {
                 signal_tree(sig);
+                cut_short = true;
                 kill_at = Some(Instant::now() + GRACE);
             }
             if kill_at.is_some_and(|t| Instant::now() >= t) {
                 kill_tree(None);
+                cut_short = true;
                 continue;
             }
         }
@@ -494,7 +504,22 @@ fn run(args: &[OsString]) -> io::Result<()> {
             }
         } else {
             signal_tree(sig);
+            cut_short = true;
             kill_at.get_or_insert(Instant::now() + GRACE);
         }
+    }
+}
+
+/// The wait status the keeper reports: the command's, unless the command
+/// succeeded but processes of its tree had to be ended by a signal — then
+/// a death by that signal (the one forwarded, else SIGKILL), so that the
+/// exec exits 128+N and a written image is not recorded ready.
+fn tree_status(exit: Option<i32>, cut_short: bool, terminating: Option<i32>) -> i32 {
+    let exit = exit.unwrap_or(0);
+    let succeeded = libc::WIFEXITED(exit) && libc::WEXITSTATUS(exit) == 0;
+    if cut_short && succeeded {
+        terminating.unwrap_or(libc::SIGKILL)
+    } else {
+        exit
     }
 }

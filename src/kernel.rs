@@ -301,6 +301,20 @@ pub fn exec_pids_for_command(me: u32) -> String {
     }
 }
 
+/// The `stowage exec` processes that run us, directly or not: named in
+/// [`EXEC_PIDS_ENV`] and found among our ancestors (a name alone could be
+/// a stale variable, or a recycled pid).
+pub fn enclosing_execs() -> Vec<u32> {
+    let Ok(named) = std::env::var(EXEC_PIDS_ENV) else {
+        return Vec::new();
+    };
+    let named: Vec<u32> = named.split(':').filter_map(|p| p.parse().ok()).collect();
+    ancestors()
+        .into_iter()
+        .filter(|p| named.contains(p))
+        .collect()
+}
+
 /// The lock that this process, or one of its ancestors, holds on the file
 /// at `path`: the hold of an enclosing command. Found through a descriptor
 /// this process inherited ([`lock::held_here`], on every filesystem: it
@@ -427,6 +441,27 @@ pub struct KernelView {
     /// Locks already accounted for: the verifying lock and every file
     /// viewed, so that [`KernelView::unexplained_inodes`] lists only the rest.
     explained: std::cell::RefCell<std::collections::HashSet<(u64, u64)>>,
+    /// The root's locks directory, where leases live: set for views taken
+    /// in a transaction, which judge records ([`KernelView::lease`]).
+    locks: Option<std::path::PathBuf>,
+    /// Leases probed so far, by name: one probe per lease per look.
+    leases: std::cell::RefCell<HashMap<String, LeaseSeen>>,
+    /// Live leases by the pid that the table shows took them: made once per
+    /// look, when a lock-table entry is claimed by no record.
+    takers: std::cell::RefCell<Option<HashMap<u32, String>>>,
+}
+
+/// A lease as one look sees it (see `lease.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseSeen {
+    /// Its owner is gone: every record naming it is stale.
+    Dead,
+    /// Its owner (or a command that inherited it) lives. `taker`: the
+    /// lease's entry in the lock table — the pid, as this pid namespace sees
+    /// it, of the stowage process that took it and so also took the owner's
+    /// image and slot locks. `None` when there is no table (NFS) or the
+    /// table does not show the lease (an owner outside our pid namespace).
+    Alive { taker: Option<Option<u32>> },
 }
 
 impl KernelView {
@@ -455,7 +490,76 @@ impl KernelView {
             }
         }
         let explained = std::cell::RefCell::new(held.into_iter().collect());
-        KernelView { table, explained }
+        KernelView {
+            table,
+            explained,
+            locks: None,
+            leases: Default::default(),
+            takers: Default::default(),
+        }
+    }
+
+    /// The live lease that the process the table shows as `pid` took: a
+    /// stowage process that holds or awaits a lock it has not recorded (yet).
+    /// Needs the table (local filesystems) and costs one `stat` per lease
+    /// file, once per look; the table itself says which leases are held.
+    pub fn lease_taken_by(&self, pid: u32) -> Option<String> {
+        let table = self.table.as_ref()?;
+        let locks = self.locks.as_ref()?;
+        let mut takers = self.takers.borrow_mut();
+        let map = takers.get_or_insert_with(|| {
+            let dir = locks.join(crate::lease::DIR);
+            let mut map = HashMap::new();
+            for name in crate::lease::names(locks) {
+                let Ok(m) = fs::symlink_metadata(dir.join(&name)) else {
+                    continue;
+                };
+                let taker = table.get(&(m.dev(), m.ino())).and_then(|es| {
+                    es.iter()
+                        .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+                        .and_then(|e| e.pid)
+                });
+                if let Some(p) = taker {
+                    self.explained.borrow_mut().insert((m.dev(), m.ino()));
+                    map.insert(p, name);
+                }
+            }
+            map
+        });
+        map.get(&pid).cloned()
+    }
+
+    /// This view, judging leases under `locks` (the root's locks directory).
+    pub fn with_leases(mut self, locks: &Path) -> KernelView {
+        self.locks = Some(locks.to_owned());
+        self
+    }
+
+    /// Judges a lease by name: probed once per look. A probe that fails
+    /// (I/O error) counts as alive, the side on which nothing is dropped.
+    pub fn lease(&self, name: &str) -> LeaseSeen {
+        if let Some(seen) = self.leases.borrow().get(name) {
+            return *seen;
+        }
+        let seen = match &self.locks {
+            None => LeaseSeen::Alive { taker: None },
+            Some(locks) => match crate::lease::probe(locks, name) {
+                Ok(crate::lease::Liveness::Dead) => LeaseSeen::Dead,
+                Ok(crate::lease::Liveness::Alive { identity }) => {
+                    self.explained.borrow_mut().insert(identity);
+                    let taker = self.table.as_ref().and_then(|t| {
+                        t.get(&identity)?
+                            .iter()
+                            .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+                            .map(|e| e.pid)
+                    });
+                    LeaseSeen::Alive { taker }
+                }
+                Err(_) => LeaseSeen::Alive { taker: None },
+            },
+        };
+        self.leases.borrow_mut().insert(name.to_owned(), seen);
+        seen
     }
 
     pub fn has_table(&self) -> bool {
@@ -857,6 +961,9 @@ mod tests {
         let kv = KernelView {
             table: Some(HashMap::new()),
             explained: Default::default(),
+            locks: None,
+            leases: Default::default(),
+            takers: Default::default(),
         };
         let v = kv.view(&p).unwrap();
         assert_eq!(v.state, Some(Probe::Free));

@@ -14,7 +14,8 @@
 //! - [`store`] owns the global lock and the metadata ([`meta`]); a metadata
 //!   transaction cannot exist without the global lock.
 //! - [`session`] is the exec protocol; [`status`] judges recorded holders
-//!   against the kernel ([`kernel`]), which is the truth.
+//!   against the kernel ([`kernel`]), which is the truth, and each record's
+//!   liveness by its owner's [`lease`] — never by a pid.
 //! - [`signals`] routes termination signals to the command and lets long
 //!   work stop for them; [`keeper`] runs the command for `--no-inherit`, so
 //!   that its whole process tree is gone before the locks are released.
@@ -57,6 +58,7 @@ pub mod gc;
 pub mod ident;
 pub mod keeper;
 pub mod kernel;
+pub mod lease;
 pub mod lock;
 pub mod meta;
 pub mod name;

@@ -172,6 +172,32 @@ impl Guard {
         self.file.metadata().map(|_| ())
     }
 
+    /// Unlinks a lease file (`lease.rs`), on every filesystem. Lock files
+    /// are kept on shared filesystems (see the module doc) because two
+    /// processes could come to lock two files of one name; a lease has one
+    /// owner, who made it under a fresh name and re-checks it after locking
+    /// (re-opening the path there), and whoever unlinks it holds it
+    /// exclusively — a lock that goes to the server, so a lease its owner
+    /// holds is never taken for dead. Leaving leases would leave one file
+    /// per exec on NFS.
+    pub fn unlink_lease(self) -> io::Result<()> {
+        assert_eq!(
+            self.mode,
+            Mode::Exclusive,
+            "unlink needs the exclusive lock"
+        );
+        match fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The locked file, for writing what it says about its holder (a lease).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     /// Unlinks the lock file. Only an exclusive holder may do this: anyone
     /// blocked on the file, or who opened it before the unlink, will find it
     /// unlinked after locking and retry on a fresh file.
@@ -578,6 +604,36 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
     })
 }
 
+/// Judges a lease (see `lease.rs`): `Some(device, inode)` while its owner
+/// holds it exclusively, `None` when the owner is gone (the file is missing,
+/// or a shared lock is granted). The shared lock taken to find out is
+/// dropped on return; it never makes an owner's own lock fail for long, and
+/// an owner that does find its fresh file busy takes another.
+pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
+    let opened = match open(path, false) {
+        // Another user's lease in a store without a shared group: a
+        // read-only descriptor takes a shared flock as well (not on NFS,
+        // where the probe then fails and says so).
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path),
+        other => other,
+    };
+    let file = match opened {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        // NFS: unlinked on the server since the lookup.
+        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if flock_try(&file, Mode::Shared)? {
+        return Ok(None);
+    }
+    let m = file.metadata()?;
+    Ok(Some((m.dev(), m.ino())))
+}
+
 /// Whether two opens of one file exclude each other here, as they must for
 /// flock to mean anything: `Ok(true)` if they do.
 pub fn opens_conflict(path: &Path) -> io::Result<bool> {
@@ -653,6 +709,17 @@ pub fn starting_to_wait() {
     if let Some(f) = BEFORE_WAIT.get() {
         f();
     }
+}
+
+/// A descriptor that is readable while a signal is pending that should end
+/// the waits, and the function that takes it (and calls
+/// [`interrupt_waits`]): for a process that could start no thread to watch
+/// for signals (a pids limit), so that its waits watch for them themselves.
+static SIGNAL_WATCH: std::sync::OnceLock<(std::os::fd::RawFd, fn())> = std::sync::OnceLock::new();
+
+/// Registers [`SIGNAL_WATCH`] (once, for good).
+pub fn watch_signals_while_waiting(fd: std::os::fd::RawFd, take: fn()) {
+    let _ = SIGNAL_WATCH.set((fd, take));
 }
 
 /// Makes every current and future wait in this process return
@@ -993,7 +1060,15 @@ impl Waker {
             return Ok(Woke::Interrupted(sig));
         }
         let cancel = cancel_pipe().map(|(r, _)| *r);
-        let mut fds = Vec::with_capacity(2);
+        let mut fds = Vec::with_capacity(3);
+        let signals = SIGNAL_WATCH.get();
+        if let Some((fd, _)) = signals {
+            fds.push(libc::pollfd {
+                fd: *fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
         if let Some(ino) = &self.inotify {
             fds.push(libc::pollfd {
                 fd: ino.as_raw_fd(),
@@ -1025,6 +1100,11 @@ impl Waker {
                 return Ok(Woke::Timeout);
             }
             return Err(e);
+        }
+        if let Some((_, take)) = signals
+            && fds[0].revents != 0
+        {
+            take();
         }
         if let Some(sig) = interrupted() {
             return Ok(Woke::Interrupted(sig));

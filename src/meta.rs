@@ -74,6 +74,12 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX images_in_flux ON images (state)
         WHERE state IN ('creating', 'writing', 'deleting');
     "#,
+    // 4: each record names its owner's lease (lease.rs), which is how its
+    // liveness is judged on any host and in any pid namespace. NULL in
+    // records written before: those are judged by pid as they were.
+    r#"
+    ALTER TABLE records ADD COLUMN lease TEXT;
+    "#,
 ];
 
 /// A hidden hook for testing migrations: makes this binary know only the
@@ -201,6 +207,10 @@ pub struct Record {
     pub user: String,
     pub command: String,
     pub since: Millis,
+    /// The file name of the owner's lease under `ROOT/locks/leases` (None
+    /// for records of older releases). [`Tx::insert_record`] fills it in for
+    /// this process's own records.
+    pub lease: Option<String>,
 }
 
 impl Record {
@@ -228,6 +238,7 @@ impl Record {
             user: me.user.clone(),
             command: command.to_owned(),
             since: crate::clock::now_ms(),
+            lease: None,
         }
     }
 }
@@ -403,7 +414,11 @@ impl<'c> Tx<'c> {
     /// The kernel's view of the locks under `dir`, checked against the
     /// global lock this transaction holds.
     pub fn kernel_view(&self, dir: &Path) -> crate::kernel::KernelView {
-        crate::kernel::KernelView::verified(dir, Some(self.global_identity()))
+        let view = crate::kernel::KernelView::verified(dir, Some(self.global_identity()));
+        match self.global.path().parent() {
+            Some(locks) => view.with_leases(locks),
+            None => view,
+        }
     }
 
     pub fn schema(&self) -> Result<Schema> {
@@ -597,26 +612,51 @@ impl<'c> Tx<'c> {
 
     // --- holder and waiter records ------------------------------------------
 
+    /// Inserts a record. A record of this process without a lease gets this
+    /// process's lease, made now if it has none yet (under the global lock,
+    /// whose file tells where the locks live; exec makes it earlier).
     pub fn insert_record(&self, r: &Record) -> Result<i64> {
-        self.tx.execute(
+        // A binary playing an older release (the schema hook) writes no
+        // lease, as that release did.
+        let leased = schema_version() >= LEASE_SCHEMA;
+        let lease = match (&r.lease, self.global.path().parent()) {
+            _ if !leased => None,
+            (Some(l), _) => Some(l.clone()),
+            // A lease that cannot be made (a user who may lock the store's
+            // files but not create one under locks/) leaves the record to be
+            // judged by pid, as before leases: information only, never
+            // exclusion, depends on it.
+            (None, Some(locks)) if r.pid == std::process::id() => crate::lease::mine(locks).ok(),
+            (None, _) => None,
+        };
+        let sql = if leased {
+            "INSERT INTO records (kind, name, lockfile, role, mode, pid, pid_start, host,
+                                  boot_id, user, command, since_ms, lease)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"
+        } else {
             "INSERT INTO records (kind, name, lockfile, role, mode, pid, pid_start, host,
                                   boot_id, user, command, since_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
-            params![
-                r.kind.as_str(),
-                r.name,
-                r.lockfile,
-                r.role.as_str(),
-                r.mode.as_str(),
-                r.pid,
-                r.pid_start.map(|t| t as i64),
-                r.host,
-                r.boot_id,
-                r.user,
-                r.command,
-                r.since
-            ],
-        )?;
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"
+        };
+        let base = params![
+            r.kind.as_str(),
+            r.name,
+            r.lockfile,
+            r.role.as_str(),
+            r.mode.as_str(),
+            r.pid,
+            r.pid_start.map(|t| t as i64),
+            r.host,
+            r.boot_id,
+            r.user,
+            r.command,
+            r.since,
+        ];
+        let mut all: Vec<&dyn rusqlite::ToSql> = base.to_vec();
+        if leased {
+            all.push(&lease);
+        }
+        self.tx.execute(sql, all.as_slice())?;
         Ok(self.tx.last_insert_rowid())
     }
 
@@ -643,7 +683,8 @@ impl<'c> Tx<'c> {
 
     pub fn records_for(&self, kind: LockKind, name: &str) -> Result<Vec<Record>> {
         let mut st = self.tx.prepare_cached(&format!(
-            "{RECORD_SELECT} WHERE kind = ?1 AND name = ?2 ORDER BY id"
+            "{} WHERE kind = ?1 AND name = ?2 ORDER BY id",
+            record_select()
         ))?;
         let rows = st
             .query_map(params![kind.as_str(), name], record_row)?
@@ -652,7 +693,9 @@ impl<'c> Tx<'c> {
     }
 
     pub fn all_records(&self) -> Result<Vec<Record>> {
-        let mut st = self.tx.prepare(&format!("{RECORD_SELECT} ORDER BY id"))?;
+        let mut st = self
+            .tx
+            .prepare(&format!("{} ORDER BY id", record_select()))?;
         let rows = st
             .query_map([], record_row)?
             .collect::<rusqlite::Result<_>>()?;
@@ -705,9 +748,18 @@ impl<'c> Tx<'c> {
     }
 }
 
-const RECORD_SELECT: &str =
-    "SELECT id, kind, name, lockfile, role, mode, pid, pid_start, host, boot_id,
-                                    user, command, since_ms FROM records";
+/// The first schema whose records name a lease.
+const LEASE_SCHEMA: i64 = 4;
+
+fn record_select() -> &'static str {
+    if schema_version() >= LEASE_SCHEMA {
+        "SELECT id, kind, name, lockfile, role, mode, pid, pid_start, host, boot_id,
+                user, command, since_ms, lease FROM records"
+    } else {
+        "SELECT id, kind, name, lockfile, role, mode, pid, pid_start, host, boot_id,
+                user, command, since_ms, NULL FROM records"
+    }
+}
 
 fn image_row(r: &rusqlite::Row) -> rusqlite::Result<ImageRow> {
     Ok(ImageRow {
@@ -739,6 +791,7 @@ fn record_row(r: &rusqlite::Row) -> rusqlite::Result<Record> {
         user: r.get(10)?,
         command: r.get(11)?,
         since: r.get(12)?,
+        lease: r.get(13)?,
     })
 }
 

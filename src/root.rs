@@ -6,6 +6,7 @@
 //!   locks/global.lock       the global metadata lock
 //!   locks/images/ENC.lock   one per image
 //!   locks/slots/CLASS/…     slot lock files
+//!   locks/leases/*.lease    one per live stowage process (lease.rs)
 //!   img/ENC/                image trees (the default images directory)
 //!   trash/                  removals in progress
 //! ```
@@ -213,7 +214,14 @@ impl Root {
         }
         self.open()?;
         let mut locks_ok = true;
-        for name in ["locks", "locks/images", "locks/slots", "img", "trash"] {
+        for name in [
+            "locks",
+            "locks/images",
+            "locks/slots",
+            "locks/leases",
+            "img",
+            "trash",
+        ] {
             let path = self.dir.join(name);
             let what = match fs::symlink_metadata(&path) {
                 Ok(m) if m.is_dir() => continue,

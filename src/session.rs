@@ -125,6 +125,13 @@ impl Session {
                 false
             }
         });
+        if !wanted.is_empty() || req.slot.is_some() {
+            // The lease, before any lock and outside the global lock, so
+            // that records cost nothing more under it. A failure here (a
+            // root not made yet) is met again, and reported, when the first
+            // record is written.
+            let _ = crate::lease::mine(&store.root().locks());
+        }
         loop {
             // Slots first in the lock order. No image lock is held yet, so a
             // migration found while reading the class is done on the spot.
@@ -236,6 +243,8 @@ impl Session {
     /// Lets spawned children inherit the lock descriptors (like flock(1)),
     /// so the locks live as long as any process that may still write.
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
+        // The lease goes where the locks go (lease.rs).
+        crate::lease::set_inheritable(inherit)?;
         if let Some(s) = &self.slot {
             s.set_inheritable(inherit)?;
         }
@@ -252,6 +261,7 @@ impl Session {
             .iter()
             .map(|s| s.raw_fd())
             .chain(self.held.iter().map(|h| h.guard.as_raw_fd()))
+            .chain(crate::lease::raw_fds())
             .collect()
     }
 
@@ -523,6 +533,9 @@ pub(crate) fn acquire_image(
     let mode = want.mode;
     let path = store.root().image_lock(name);
     let gate = store.root().image_gate(name);
+    // A holder that records nothing (rm) is still known by its lease; made
+    // already by an exec. A failure leaves it shown as an outsider.
+    let _ = crate::lease::mine(&store.root().locks());
     // An exclusive lock on an image that must be ready is --read-exclusive.
     let verb = if mode == Mode::Exclusive && want.need == Need::Ready {
         "exclusive read"

@@ -9,8 +9,9 @@
 //!   waits (the exec then exits 128+N, leaving nothing behind). Waiting needs
 //!   someone to watch for signals while the main thread waits, so a thread
 //!   that takes them is started — lazily, when the first wait begins: an
-//!   uncontended exec never starts it. A signal that arrives before any
-//!   wait stays pending and is seen before the spawn.
+//!   uncontended exec never starts it (where none can be started, a pids
+//!   limit, the waits watch a signalfd themselves). A signal that arrives
+//!   before any wait stays pending and is seen before the spawn.
 //! - **While the command runs**, the signal is forwarded to it. A signal
 //!   the terminal sent (si_code SI_KERNEL) is not forwarded only when the
 //!   terminal certainly sent it to the command too: the command is in our
@@ -419,10 +420,33 @@ fn start_thread() {
                     }
                 }
             });
-        // Without the thread a signal still ends the wait at the latest
-        // when the lock is acquired (it stays pending until the spawn).
-        drop(spawned);
+        // No thread to be had (a pids limit in a container or a job's
+        // cgroup): the waits then run without helper threads too (see
+        // `lock::Waker`), and watch for the signals themselves.
+        if spawned.is_err() {
+            // SAFETY: signalfd with a valid set; the new descriptor (or -1)
+            // is kept for the life of the process.
+            let fd = unsafe {
+                libc::signalfd(
+                    -1,
+                    shared.set.as_ref(),
+                    libc::SFD_CLOEXEC | libc::SFD_NONBLOCK,
+                )
+            };
+            if fd >= 0 {
+                crate::lock::watch_signals_while_waiting(fd, take_pending);
+            }
+        }
     });
+}
+
+/// Takes a pending termination signal, if any, and acts on it (for waits
+/// that watch for signals themselves).
+fn take_pending() {
+    let Some(shared) = SHARED.get() else { return };
+    if let Some((sig, code)) = take(&shared.set, Some(0)) {
+        forward(&shared.state, sig, code);
+    }
 }
 
 #[cfg(test)]

@@ -597,17 +597,24 @@ pub fn class_report(tx: &Tx, ctx: &Ctx, kv: &KernelView, class: &SlotClass) -> R
     let mut holders = Vec::new();
     let mut held_any = false;
     for file in &files {
-        let view = kv.view(file)?;
-        if view.is_held() {
-            in_use += 1;
-            held_any = true;
-        }
         let rel = lockfile_rel(ctx, file);
         let mine: Vec<Record> = records
             .iter()
             .filter(|r| r.role == Role::Holder && r.lockfile == rel)
             .cloned()
             .collect();
+        let view = kv.view(file)?;
+        // A recorded slot the table calls free is probed: inside a pid
+        // namespace the table hides slots taken outside it.
+        let held = if view.unconfirmed_free.is_some() && !mine.is_empty() {
+            view.confirmed().is_held()
+        } else {
+            view.is_held()
+        };
+        if held {
+            in_use += 1;
+            held_any = true;
+        }
         let (h, _) = status::judge(tx, ctx, kv, &view, &mine)?;
         holders.extend(h);
     }

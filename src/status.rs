@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use crate::clock::{self, Millis};
 use crate::ident::{self, Liveness};
-use crate::kernel::{Entry, KernelView, LockView};
+use crate::kernel::{Entry, KernelView, LeaseSeen, LockView};
 use crate::lock::{Mode, Probe};
 use crate::meta::{ImageState, LockKind, Record, Role, Tx};
 use crate::name::ImageName;
@@ -35,6 +35,9 @@ pub struct Party {
     pub since: Option<Millis>,
     /// False for a process stowage did not start.
     pub stowage: bool,
+    /// The lease that proves the party alive (`lease.rs`); None for an
+    /// outsider or a record of an older release.
+    pub lease: Option<String>,
 }
 
 /// One lock's state, holders and waiters.
@@ -75,20 +78,43 @@ pub fn judge(
     let mut claimed = vec![false; view.holders.len()];
     let mut claimed_waits = vec![false; view.waiters.len()];
     for rec in records {
-        let live = ident::liveness(
-            &ctx.me,
-            &rec.host,
-            rec.boot_id.as_deref(),
-            rec.pid,
-            rec.pid_start,
-        );
-        let valid = match rec.role {
-            Role::Holder => holder_valid(rec, live, table, view, &mut claimed),
-            Role::Waiter => {
-                if let Some(i) = view.waiters.iter().position(|e| e.pid == Some(rec.pid)) {
-                    claimed_waits[i] = true;
+        let valid = match rec.lease.as_deref().map(|l| kv.lease(l)) {
+            // The owner is gone (and so is every command that inherited its
+            // locks): whatever the pids say, the record is stale.
+            Some(LeaseSeen::Dead) => false,
+            Some(LeaseSeen::Alive { taker }) => match rec.role {
+                Role::Holder => leased_holder_valid(rec, taker, table, view, &mut claimed),
+                Role::Waiter => {
+                    if let Some(Some(p)) = taker
+                        && let Some(i) = view
+                            .waiters
+                            .iter()
+                            .enumerate()
+                            .position(|(i, e)| !claimed_waits[i] && e.pid == Some(p))
+                    {
+                        claimed_waits[i] = true;
+                    }
+                    view.is_held()
                 }
-                live != Liveness::Dead && view.is_held()
+            },
+            // A record of an older release: judged by pid, as it was.
+            None => {
+                let live = ident::liveness(
+                    &ctx.me,
+                    &rec.host,
+                    rec.boot_id.as_deref(),
+                    rec.pid,
+                    rec.pid_start,
+                );
+                match rec.role {
+                    Role::Holder => holder_valid(rec, live, table, view, &mut claimed),
+                    Role::Waiter => {
+                        if let Some(i) = view.waiters.iter().position(|e| e.pid == Some(rec.pid)) {
+                            claimed_waits[i] = true;
+                        }
+                        live != Liveness::Dead && view.is_held()
+                    }
+                }
             }
         };
         if !valid {
@@ -103,6 +129,7 @@ pub fn judge(
             command: Some(rec.command.clone()),
             since: Some(rec.since),
             stowage: true,
+            lease: rec.lease.clone(),
         };
         match rec.role {
             Role::Holder => holders.push(party),
@@ -110,7 +137,7 @@ pub fn judge(
         }
     }
     for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
-        holders.push(outsider(ctx, e));
+        holders.push(unrecorded(ctx, kv, e));
     }
     for (e, _) in view
         .waiters
@@ -118,7 +145,7 @@ pub fn judge(
         .zip(&claimed_waits)
         .filter(|(_, c)| !**c)
     {
-        waiters.push(outsider(ctx, e));
+        waiters.push(unrecorded(ctx, kv, e));
     }
     // No record and no lock table: someone holds it, we cannot say who.
     if holders.is_empty() && view.is_held() {
@@ -134,9 +161,49 @@ pub fn judge(
             command: None,
             since: None,
             stowage: false,
+            lease: None,
         });
     }
     Ok((holders, waiters))
+}
+
+/// A holder record whose lease lives stands while its lock is held in the
+/// recorded mode. Where the lock table shows the lease's taker (the owner
+/// runs in our pid namespace or below it), the table must also show that
+/// same process holding this lock — the entry is then claimed, so the
+/// holder is not listed a second time as an outsider. Where it does not
+/// (no table on NFS; an owner in an outer or sibling pid namespace, whose
+/// locks this namespace's table hides), the lock's state is all there is.
+fn leased_holder_valid(
+    rec: &Record,
+    taker: Option<Option<u32>>,
+    table: bool,
+    view: &LockView,
+    claimed: &mut [bool],
+) -> bool {
+    let compatible = matches!(
+        (view.state, rec.mode),
+        (Some(Probe::Exclusive), Mode::Exclusive) | (Some(Probe::Shared), Mode::Shared)
+    );
+    if !compatible {
+        return false;
+    }
+    let Some(pid) = taker.filter(|_| table) else {
+        return true;
+    };
+    let pos = view
+        .holders
+        .iter()
+        .enumerate()
+        .position(|(i, e)| !claimed[i] && e.mode == rec.mode && e.pid == pid);
+    match pos {
+        Some(i) => {
+            claimed[i] = true;
+            true
+        }
+        // Some kernels show no pid for either entry: held is enough.
+        None => pid.is_none(),
+    }
 }
 
 fn holder_valid(
@@ -178,6 +245,27 @@ fn holder_valid(
     }
 }
 
+/// A lock-table entry no record claims: a stowage process that has not
+/// recorded itself (it took the lock a moment ago, or awaits it with
+/// `--no-wait`), known by the lease it took, else a process stowage did not
+/// start.
+fn unrecorded(ctx: &Ctx, kv: &KernelView, e: &Entry) -> Party {
+    let leased = e.pid.and_then(|p| kv.lease_taken_by(p)).and_then(|name| {
+        let id = crate::lease::identity(&ctx.root.locks(), &name)?;
+        Some(Party {
+            pid: id.pid,
+            host: Some(id.host),
+            user: Some(id.user),
+            mode: e.mode,
+            command: Some(id.command),
+            since: id.since,
+            stowage: true,
+            lease: Some(name),
+        })
+    });
+    leased.unwrap_or_else(|| outsider(ctx, e))
+}
+
 fn outsider(ctx: &Ctx, e: &Entry) -> Party {
     Party {
         pid: e.pid,
@@ -187,6 +275,7 @@ fn outsider(ctx: &Ctx, e: &Entry) -> Party {
         command: e.pid.and_then(ident::command_line),
         since: None,
         stowage: false,
+        lease: None,
     }
 }
 
@@ -300,6 +389,13 @@ pub fn sweep(
         let path = ctx.root.locks().join(&records[0].lockfile);
         let view = kv.view(&path)?;
         let (holders, waiters) = judge(tx, ctx, kv, &view, &records)?;
+        // The table's "free" is not the state to show either: inside a pid
+        // namespace the table hides every lock taken outside it.
+        let view = if view.unconfirmed_free.is_some() && !holders.is_empty() {
+            view.confirmed()
+        } else {
+            view
+        };
         reports.insert(
             name.clone(),
             LockReport::image(name, &view, holders, waiters),
@@ -461,6 +557,9 @@ pub struct PartyJson {
     pub since: Option<String>,
     /// False for a lock taken outside stowage.
     pub stowage: bool,
+    /// The file name of the party's lease under `ROOT/locks/leases`, which
+    /// proves it alive; null for an outsider.
+    pub lease: Option<String>,
 }
 
 impl From<&Party> for PartyJson {
@@ -473,6 +572,7 @@ impl From<&Party> for PartyJson {
             command: p.command.clone(),
             since: p.since.and_then(clock::rfc3339),
             stowage: p.stowage,
+            lease: p.lease.clone(),
         }
     }
 }
@@ -542,6 +642,7 @@ pub fn gather(
     let images = store.read_tx(|tx, ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
         let (mut reports, slots) = sweep(tx, ctx, &kv)?;
+        crate::lease::clean(&ctx.root.locks());
         for (name, view) in kernel_locked_images(ctx, &kv)? {
             if reports.contains_key(&name) {
                 continue;
@@ -675,7 +776,9 @@ fn global_holders(ctx: &Ctx, view: &LockView) -> Vec<Party> {
 /// Which images are in use (their lock held), for `stowage images`.
 pub fn in_use(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<HashMap<String, bool>> {
     let mut out: HashMap<String, bool> = HashMap::new();
-    for (name, r) in sweep(tx, ctx, kv)?.0 {
+    let swept = sweep(tx, ctx, kv)?.0;
+    crate::lease::clean(&ctx.root.locks());
+    for (name, r) in swept {
         out.insert(name, r.state != Probe::Free);
     }
     for (name, view) in kernel_locked_images(ctx, kv)? {

@@ -64,12 +64,16 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
         match lock::try_lock(&path(ctx), Mode::Shared, false) {
             // Our own command (a wrapper calling stowage again) runs
             // under the hold: it has the store, and must not wait for it.
-            Ok(None) if lock::inherited_exclusive(&path(ctx)) => {}
+            // With --no-inherit the hold is not ours but an ancestor's
+            // (stowage's keeper keeps the lease): the kernel says so.
+            Ok(None)
+                if lock::inherited_exclusive(&path(ctx))
+                    || crate::kernel::enclosing_hold(&path(ctx)) == Some(Mode::Exclusive) => {}
             // The command of an image user (it inherited that image's lock)
             // calls stowage again: the hold is still waiting for that very
             // lock, so waiting for the hold would deadlock. Going ahead is
             // safe: the hold's command starts only once our locks are free.
-            Ok(None) if inherits_image_lock(ctx) => {}
+            Ok(None) if inherits_image_lock(ctx) || enclosing_exec_holds_image_lock(ctx) => {}
             Ok(None) => {
                 return Err(StoreHeld {
                     holder: format!(
@@ -88,6 +92,29 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Does an exec that runs us (with `--no-inherit`, its command holds no
+/// descriptor) hold an image lock file open? Its command is running, so
+/// what it holds open are the image locks it was granted.
+fn enclosing_exec_holds_image_lock(ctx: &Ctx) -> bool {
+    let execs = crate::kernel::enclosing_execs();
+    if execs.is_empty() {
+        return false;
+    }
+    let Ok(dir) = std::fs::canonicalize(ctx.root.image_locks()) else {
+        return false;
+    };
+    execs.iter().any(|pid| {
+        std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+            fds.flatten().any(|e| {
+                std::fs::read_link(e.path()).is_ok_and(|target| {
+                    target.parent() == Some(dir.as_path())
+                        && target.extension().is_some_and(|x| x == "lock")
+                })
+            })
+        })
+    })
 }
 
 /// Does this process hold a descriptor of an image lock file inherited from
@@ -250,6 +277,18 @@ impl Hold {
         let guard = match lock::try_lock(&p, Mode::Exclusive, true).map_err(err)? {
             Some(g) => g,
             None => {
+                // A store-wide command inside another one would wait for
+                // its own enclosing command, which waits for it.
+                if crate::kernel::enclosing_hold(&p) == Some(Mode::Exclusive) {
+                    return Err(Error::Busy(Busy {
+                        what: "the store-wide lock".into(),
+                        holders: "held by an enclosing command of this process (a 'stowage exec \
+                                  --store-wide' that runs it); waiting for it would never end"
+                            .into(),
+                        waited: Duration::ZERO,
+                    })
+                    .into());
+                }
                 let holders = crate::status::kernel_holders_phrase(store.ctx(), &p);
                 let busy = |waited| {
                     Error::Busy(Busy {
@@ -317,12 +356,15 @@ impl Hold {
     }
 
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
+        crate::lease::set_inheritable(inherit)?;
         self.guard.set_inheritable(inherit)
     }
 
     /// The descriptor of the hold, for a keeper to keep (`--no-inherit`).
     pub fn lock_fds(&self) -> Vec<std::os::fd::RawFd> {
         use std::os::fd::AsRawFd;
-        vec![self.guard.as_raw_fd()]
+        let mut fds = vec![self.guard.as_raw_fd()];
+        fds.extend(crate::lease::raw_fds());
+        fds
     }
 }

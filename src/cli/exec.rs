@@ -404,6 +404,12 @@ fn run_store_wide(
         let images = [
             ("STOWAGE_ROOT", store.root().dir().as_os_str().to_owned()),
             ("STOWAGE_IMAGES_DIR", images_dir?.into_os_string()),
+            // A stowage inside the command tells by it that we hold the
+            // store's lease (the keeper does, with --no-inherit).
+            (
+                crate::kernel::EXEC_PIDS_ENV,
+                crate::kernel::exec_pids_for_command(std::process::id()).into(),
+            ),
         ];
         let env = command_env(std::env::vars_os(), &images);
         let started = start_command(

@@ -52,7 +52,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     };
     let report = gc::run(store, &policy)?;
     for why in &report.failed {
-        eprintln!("stowage: {why}");
+        complain!("stowage: {why}");
     }
     // Everything else was done; a removal that failed is an error.
     let code = if report.failed.is_empty() {

@@ -15,6 +15,16 @@ use crate::name::ImageName;
 use crate::root::{Root, Sharing};
 use crate::store::Store;
 
+/// `eprintln!` that never panics: with stderr gone (a closed pipe), an
+/// exec must still exit with its contract's code (66, 75, ...), not the
+/// 101 of a panic. Defined before the command modules, which use it too.
+macro_rules! complain {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod doctor;
 mod exec;
 mod gc;
@@ -122,10 +132,13 @@ pub fn main() -> ExitCode {
         // SAFETY: restores the default action; no handler is involved.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
-    match run(cli) {
+    let result = run(cli);
+    // Every lock of ours is closed by now: the lease goes too (one unlink).
+    crate::lease::retire();
+    match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("stowage: {}", one_line(&e));
+            complain!("stowage: {}", one_line(&e));
             ExitCode::from(error::exit_code(&e))
         }
     }
@@ -141,7 +154,7 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Man { dir } => {
             for page in shell::write_man_pages(Cli::command(), dir)? {
                 if cli.verbose {
-                    eprintln!("stowage: wrote {}", page.display());
+                    complain!("stowage: wrote {}", page.display());
                 }
             }
             return Ok(0);
@@ -254,12 +267,12 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         match pos {
             Some(p) if !args.iter().any(|a| a == "--") => {
                 fixed.insert(p - 1, "--".into());
-                eprintln!(
+                complain!(
                     "stowage: unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
                     fixed.join(" ")
                 );
             }
-            _ => eprintln!(
+            _ => complain!(
                 "stowage: unexpected argument '{arg}' before '--': only options go there, the command after '--' ({EXEC_USAGE})"
             ),
         }
@@ -269,7 +282,7 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         && sub.as_ref().is_some_and(|(name, _)| name == "exec")
         && value(ContextKind::InvalidArg).is_some_and(|a| a.contains("CMD"))
     {
-        eprintln!("stowage: no command to run: put it after '--' ({EXEC_USAGE})");
+        complain!("stowage: no command to run: put it after '--' ({EXEC_USAGE})");
         return ExitCode::from(error::code::USAGE);
     }
     // clap's first paragraph says what is wrong (sometimes over several
@@ -295,7 +308,7 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         }
         _ => "stowage --help".into(),
     };
-    eprintln!("stowage: {what}{hint} (see '{help}')");
+    complain!("stowage: {what}{hint} (see '{help}')");
     ExitCode::from(error::code::USAGE)
 }
 

@@ -3,6 +3,8 @@
 
 mod common;
 
+mod adversarial_files;
+mod adversarial_procs;
 mod charliecloud;
 mod concurrency;
 mod crash;
@@ -13,13 +15,13 @@ mod fairness;
 mod files;
 mod hostile;
 mod init;
+mod leases;
 mod lifecycle;
 mod lock_status;
 mod locks;
 mod migration;
 mod names;
 mod procs;
-mod review_files;
 mod runtimes;
 mod shell;
 mod slots;

@@ -1,0 +1,378 @@
+//! Holder leases: how a record's owner is known to be alive, on any host and
+//! in any pid namespace, without trusting a pid.
+//!
+//! Every stowage process that holds or awaits a lock owns one *lease*: a
+//! file `ROOT/locks/leases/HOST-BOOT-PID-RANDOM.lease` that it holds
+//! exclusively (flock) for its whole life and that states who it is (host,
+//! pid, pid namespace, boot id, user, command, since). Each record it writes
+//! names its lease. A record's owner is alive exactly while its lease is
+//! locked: the kernel drops the lock when the last descriptor goes (the
+//! process, or a command that inherited it, died), an NFS server when the
+//! client's lease expires. Pids are only information.
+//!
+//! Invariants (the temproots protocol of Nix, on flock):
+//! - **The owner** creates its file, locks it exclusively without waiting,
+//!   and checks that the file it locked is still the one at the path (same
+//!   device and inode, link count > 0): a prober may have found the fresh
+//!   file unlocked and unlinked it. If not, it tries again; if the lock is
+//!   busy (a prober has it), it takes a new name. Only then does it write its
+//!   identity and any record that names the lease.
+//! - **A prober** judges a lease by trying a shared lock without waiting:
+//!   granted means nobody holds it exclusively, so its owner is gone (or
+//!   never got as far as writing a record). A missing file is a gone owner.
+//! - **Unlinking** a lease is done only under its exclusive lock (the unlink
+//!   rule of every lock file here): by its owner when it ends, and by
+//!   [`clean`] for owners that died. Probes and cleaning run under the global
+//!   lock, so two stowage probers never see each other's probe as an owner.
+//! - **Inheritance** follows the image locks: a command that inherits the
+//!   lock descriptors inherits the lease too (so after stowage is SIGKILLed,
+//!   the build is still listed as the holder), and with `--no-inherit` the
+//!   keeper holds the lease with the locks.
+//!
+//! Cost: the lease is made lazily, by a process about to lock something
+//! (exec before its first lock, rm, gc) or to record itself — once per
+//! process: one open(O_CREAT), one flock, one fstat, one lstat (the
+//! re-check), one write. At the end the owner unlinks it ([`retire`]; a
+//! library caller that ends without it leaves the file to [`clean`]).
+
+use std::fs;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::lock::{self, Guard, Mode};
+
+/// The directory of leases, under the locks directory.
+pub const DIR: &str = "leases";
+const SUFFIX: &str = ".lease";
+
+/// This process's lease.
+#[derive(Debug)]
+pub struct Lease {
+    guard: Guard,
+    name: String,
+}
+
+impl Lease {
+    /// The lease's file name (what records store).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// The process's leases, one per root it used (a library caller may use
+/// several), by locks directory; taken out by [`retire`].
+static MINE: Mutex<Vec<(PathBuf, Lease)>> = Mutex::new(Vec::new());
+
+fn mine_all() -> std::sync::MutexGuard<'static, Vec<(PathBuf, Lease)>> {
+    MINE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The name of this process's lease under `locks` (the root's locks
+/// directory), making the lease first if there is none yet.
+pub fn mine(locks: &Path) -> io::Result<String> {
+    let mut all = mine_all();
+    if let Some((_, l)) = all.iter().find(|(d, _)| d == locks) {
+        return Ok(l.name.clone());
+    }
+    let lease = create(&locks.join(DIR))?;
+    let name = lease.name.clone();
+    all.push((locks.to_owned(), lease));
+    Ok(name)
+}
+
+/// The descriptors of this process's leases: for the `--no-inherit` keeper,
+/// which holds them along with the locks.
+pub fn raw_fds() -> Vec<RawFd> {
+    mine_all()
+        .iter()
+        .map(|(_, l)| l.guard.as_raw_fd())
+        .collect()
+}
+
+/// Whether a spawned command inherits the leases: exactly when it inherits
+/// the lock descriptors.
+pub fn set_inheritable(inherit: bool) -> io::Result<()> {
+    mine_all()
+        .iter()
+        .try_for_each(|(_, l)| l.guard.set_inheritable(inherit))
+}
+
+/// Ends this process's leases: unlinks each file under its lock, then closes
+/// it. Called when the process is done with every lock; a process that dies
+/// instead leaves its file to [`clean`].
+pub fn retire() {
+    let all = std::mem::take(&mut *mine_all());
+    for (_, l) in all {
+        let _ = l.guard.unlink_lease();
+    }
+}
+
+fn is_mine(name: &str) -> bool {
+    mine_all().iter().any(|(_, l)| l.name == name)
+}
+
+fn create(dir: &Path) -> io::Result<Lease> {
+    let me = crate::ident::Me::current();
+    let boot: String = me
+        .boot_id
+        .as_deref()
+        .unwrap_or("noboot")
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(8)
+        .collect();
+    let host = safe_part(&me.host);
+    let mut made_dir = false;
+    for _ in 0..100 {
+        let name = format!("{host}-{boot}-{}-{:016x}{SUFFIX}", me.pid, random());
+        let path = dir.join(&name);
+        let guard = match lock::try_lock(&path, Mode::Exclusive, true) {
+            Ok(Some(g)) => g,
+            // A prober holds our fresh file: take another name.
+            Ok(None) => continue,
+            // The first lease of this store: make the directory, and only
+            // it (a root or locks directory that is missing is an error).
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !made_dir => {
+                match fs::create_dir(dir) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                    Err(e) => {
+                        return Err(io::Error::new(
+                            e.kind(),
+                            format!("cannot create {}: {e}", dir.display()),
+                        ));
+                    }
+                }
+                made_dir = true;
+                continue;
+            }
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("cannot create lease {}: {e}", path.display()),
+                ));
+            }
+        };
+        let text = format!(
+            "host={}\npid={}\npid_ns={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\n",
+            me.host,
+            me.pid,
+            pid_namespace().unwrap_or_default(),
+            me.boot_id.as_deref().unwrap_or(""),
+            me.user,
+            crate::ident::shell_join(
+                &std::env::args_os()
+                    .map(|a| a.to_string_lossy().into_owned())
+                    .collect::<Vec<_>>()
+            )
+            .replace('\n', "\\n"),
+            crate::clock::now_ms(),
+        );
+        // The identity is information; a lease that could not be written
+        // (a full filesystem) still proves liveness.
+        let _ = guard.file().write_all(text.as_bytes());
+        return Ok(Lease { guard, name });
+    }
+    Err(io::Error::other(format!(
+        "cannot create a lease under {}: every fresh file was taken from us",
+        dir.display()
+    )))
+}
+
+/// The pid namespace of this process, as `/proc/self/ns/pid` names it.
+pub fn pid_namespace() -> Option<String> {
+    fs::read_link("/proc/self/ns/pid")
+        .ok()
+        .map(|p| p.to_string_lossy().into_owned())
+}
+
+/// A host name as a file name component: no '/', no control characters,
+/// bounded length.
+fn safe_part(s: &str) -> String {
+    let out: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    if out.is_empty() { "host".into() } else { out }
+}
+
+fn random() -> u64 {
+    let mut buf = [0u8; 8];
+    // SAFETY: getrandom writes at most buf.len() bytes into buf.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), libc::GRND_NONBLOCK) };
+    if n == buf.len() as isize {
+        return u64::from_ne_bytes(buf);
+    }
+    // No entropy yet (early boot): time and pid still make a fresh name,
+    // and a clash only costs a retry.
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
+}
+
+/// What a lease file says of its owner.
+#[derive(Debug, Clone, Default)]
+pub struct Identity {
+    pub host: String,
+    pub pid: Option<u32>,
+    pub user: String,
+    pub command: String,
+    pub since: Option<crate::clock::Millis>,
+}
+
+/// Reads what a lease says of its owner (None if it cannot be read).
+pub fn identity(locks: &Path, name: &str) -> Option<Identity> {
+    if !valid_name(name) {
+        return None;
+    }
+    let text = fs::read_to_string(locks.join(DIR).join(name)).ok()?;
+    let mut id = Identity::default();
+    for line in text.lines() {
+        let Some((k, v)) = line.split_once('=') else {
+            continue;
+        };
+        match k {
+            "host" => id.host = v.to_owned(),
+            "pid" => id.pid = v.parse().ok(),
+            "user" => id.user = v.to_owned(),
+            "command" => id.command = v.to_owned(),
+            "since" => id.since = v.parse().ok(),
+            _ => {}
+        }
+    }
+    (!id.host.is_empty()).then_some(id)
+}
+
+/// The lease files present, by name (live or not).
+pub fn names(locks: &Path) -> Vec<String> {
+    fs::read_dir(locks.join(DIR))
+        .map(|es| {
+            es.flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| valid_name(n))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether a lease, by file name, belongs to a live owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    /// Locked by its owner. `identity`: the lease file's device and inode,
+    /// which find its entry in the kernel's lock table (and so the pid of
+    /// its owner as this pid namespace sees it).
+    Alive {
+        identity: (u64, u64),
+    },
+    Dead,
+}
+
+/// Probes one lease. A name that is not a plain lease file name is dead.
+pub fn probe(locks: &Path, name: &str) -> io::Result<Liveness> {
+    if !valid_name(name) {
+        return Ok(Liveness::Dead);
+    }
+    Ok(match lock::probe_lease(&locks.join(DIR).join(name))? {
+        Some(identity) => Liveness::Alive { identity },
+        None => Liveness::Dead,
+    })
+}
+
+fn valid_name(name: &str) -> bool {
+    name.ends_with(SUFFIX) && !name.contains('/') && !name.starts_with('.')
+}
+
+/// Unlinks the leases of owners that are gone, each under its exclusive
+/// lock (so a fresh file whose owner has not locked it yet is unlinked only
+/// if we win the lock, and its owner then retries). Returns how many went.
+/// Call under the global lock, where no other stowage probes.
+pub fn clean(locks: &Path) -> usize {
+    // The directory is pinned by a descriptor that refused a symlink in its
+    // place, and every file is reached through it: a `leases` symlink
+    // planted by someone who can write `locks/` cannot steer the unlinks
+    // into another directory, not even by a swap in the middle of the walk.
+    let Ok(dir) = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(locks.join(DIR))
+    else {
+        return 0;
+    };
+    let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+    let Ok(entries) = fs::read_dir(&pinned) else {
+        return 0;
+    };
+    let mut gone = 0;
+    for e in entries.flatten() {
+        let fname = e.file_name();
+        let Some(name) = fname.to_str() else { continue };
+        if !valid_name(name) || is_mine(name) {
+            continue;
+        }
+        if let Ok(Some(g)) = lock::try_lock(&pinned.join(name), Mode::Exclusive, false)
+            && g.unlink_lease().is_ok()
+        {
+            gone += 1;
+        }
+    }
+    gone
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_names_become_safe_file_name_parts() {
+        assert_eq!(safe_part("node07.example"), "node07.example");
+        assert_eq!(safe_part("a/b\nc"), "a_b_c");
+        assert_eq!(safe_part(""), "host");
+    }
+
+    #[test]
+    fn a_lease_is_alive_while_held_and_cleaned_once_free() {
+        let d = tempfile::tempdir().unwrap();
+        let locks = d.path();
+        let lease = create(&locks.join(DIR)).unwrap();
+        let name = lease.name.clone();
+        assert!(matches!(
+            probe(locks, &name).unwrap(),
+            Liveness::Alive { .. }
+        ));
+        // Held: cleaning leaves it alone.
+        assert_eq!(clean(locks), 0);
+        assert!(locks.join(DIR).join(&name).exists());
+        let text = std::fs::read_to_string(locks.join(DIR).join(&name)).unwrap();
+        assert!(
+            text.contains(&format!("pid={}\n", std::process::id())),
+            "{text}"
+        );
+        assert!(text.contains("pid_ns=pid:["), "{text}");
+        // Its owner gone (the descriptor closed): dead, then cleaned.
+        drop(lease);
+        assert_eq!(probe(locks, &name).unwrap(), Liveness::Dead);
+        assert_eq!(clean(locks), 1);
+        assert!(!locks.join(DIR).join(&name).exists());
+        assert_eq!(probe(locks, &name).unwrap(), Liveness::Dead);
+    }
+
+    #[test]
+    fn only_plain_lease_names_are_probed() {
+        assert!(valid_name("h-1234abcd-42-00ff.lease"));
+        assert!(!valid_name("../images/app.lock"));
+        assert!(!valid_name("x/y.lease"));
+        assert!(!valid_name(".hidden.lease"));
+    }
+}

@@ -1,0 +1,703 @@
+//! Holders in other pid namespaces and on other "hosts" (UTS namespaces):
+//! real namespaces made with `unshare --pid --fork --uts --mount-proc`, each
+//! with its own /proc, so its lock table hides every lock taken outside it
+//! and its pids mean nothing outside. Killing a namespace's init kills every
+//! process in it at once: a host crash. Needs root; skipped (with the
+//! reason printed) where namespaces cannot be made.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+use crate::common::*;
+
+/// Whether real namespaces can be made here; prints why not when not.
+fn namespaces() -> bool {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: making pid and UTS namespaces needs root");
+        return false;
+    }
+    let ok = Command::new("unshare")
+        .args(["--pid", "--fork", "--uts", "--mount-proc", "true"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipped: `unshare --pid --fork --uts --mount-proc` does not work here");
+    }
+    ok
+}
+
+fn our_hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// A "host": a new pid, UTS and mount namespace (own /proc) named
+/// `hostname` (None: ours, as a container on this host has), whose init is
+/// `sh`, running `stowage ARGS` and waiting for it.
+struct Host {
+    bg: Bg,
+}
+
+/// `unshare … sh -c 'hostname NAME; "$@"' sh PROGRAM ARGS…`
+fn in_namespace(hostname: Option<&str>, program: &[String]) -> Command {
+    in_lingering_namespace(hostname, program, None)
+}
+
+/// Like [`in_namespace`], but the namespace's init (sh, pid 1) stays until
+/// file `linger` exists: when the init ends, the kernel kills the whole
+/// namespace, so a namespace that must outlive its stowage needs one.
+fn in_lingering_namespace(
+    hostname: Option<&str>,
+    program: &[String],
+    linger: Option<&Path>,
+) -> Command {
+    let mut c = Command::new("unshare");
+    c.args(["--pid", "--fork", "--uts", "--mount-proc", "sh", "-c"]);
+    let name = hostname.map_or(String::new(), |h| format!("hostname '{h}' && "));
+    let wait = linger.map_or(String::new(), |f| {
+        format!(
+            "i=0; while [ ! -e '{}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; ",
+            f.display()
+        )
+    });
+    c.arg(format!("{name}\"$@\"; st=$?; {wait}exit $st"));
+    c.arg("sh").args(program);
+    c.env_remove("STOWAGE_ROOT")
+        .env_remove("STOWAGE_HOSTNAME")
+        .env_remove("STOWAGE_NOW");
+    c
+}
+
+fn stowage_argv(env: &Env, args: &[String]) -> Vec<String> {
+    let mut v = vec![
+        bin().to_owned(),
+        "--root".into(),
+        env.root.display().to_string(),
+    ];
+    v.extend(args.iter().cloned());
+    v
+}
+
+impl Host {
+    /// Starts `stowage exec LOCKS -- CMD` in a new namespace, where CMD
+    /// creates sentinel `started` and waits for sentinel `release`; returns
+    /// once CMD runs.
+    fn hold(env: &Env, hostname: Option<&str>, locks: &[&str], started: &str) -> Host {
+        let mut args: Vec<String> = vec!["exec".into()];
+        args.extend(locks.iter().map(|s| s.to_string()));
+        args.push("--".into());
+        args.extend(env.hold_cmd(started, "release"));
+        let bg = Bg::from_command(in_lingering_namespace(
+            hostname,
+            &stowage_argv(env, &args),
+            Some(&env.sentinel("release")),
+        ));
+        wait_for_file(&env.sentinel(started));
+        Host { bg }
+    }
+
+    /// The namespace's init (its pid 1), as this namespace sees it.
+    fn init(&self) -> u32 {
+        let unshare = self.bg.pid();
+        let children =
+            std::fs::read_to_string(format!("/proc/{unshare}/task/{unshare}/children")).unwrap();
+        children
+            .split_whitespace()
+            .next()
+            .expect("unshare has forked the namespace's init")
+            .parse()
+            .unwrap()
+    }
+
+    /// Runs `stowage ARGS` inside this host's namespaces (pid, UTS, mount).
+    fn run(&self, env: &Env, args: &[&str]) -> std::process::Output {
+        let mut c = Command::new("nsenter");
+        c.args(["-t", &self.init().to_string(), "-p", "-u", "-m", "--"]);
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        c.args(stowage_argv(env, &args));
+        c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_HOSTNAME");
+        output(c)
+    }
+
+    /// A host crash: SIGKILL to the namespace's init, which takes every
+    /// process of the namespace with it; returns once all are gone.
+    fn crash(self) {
+        let init = self.init();
+        unsafe { libc::kill(init as i32, libc::SIGKILL) };
+        wait_until("the namespace's init is gone", || {
+            !Path::new(&format!("/proc/{init}")).exists()
+                || std::fs::read_to_string(format!("/proc/{init}/stat"))
+                    .is_ok_and(|s| s.contains(") Z "))
+        });
+        // unshare exits once its child (the init) is reaped; by then the
+        // kernel has killed the whole namespace and released its locks.
+        let out = self.bg.finish();
+        assert!(!out.status.success(), "the namespace was killed");
+    }
+}
+
+/// `lock-status --json IMAGE` run from a third "host".
+fn status_from_elsewhere(env: &Env, hostname: &str, image: &str) -> Value {
+    let args: Vec<String> = ["lock-status", "--json", image]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let out = output(in_namespace(Some(hostname), &stowage_argv(env, &args)));
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn parse(out: &std::process::Output) -> Value {
+    assert_eq!(out.status.code(), Some(0), "{}", show(out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn image_entry(status: &Value, image: &str) -> Value {
+    status["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "image" && l["name"] == image)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+/// The holders of an image lock whose command mentions `sentinel`: the
+/// stowage holder started with that sentinel, as listed.
+fn holders_of(entry: &Value, sentinel: &str) -> Vec<Value> {
+    entry["holders"]
+        .as_array()
+        .map(|hs| {
+            hs.iter()
+                .filter(|h| {
+                    h["command"]
+                        .as_str()
+                        .is_some_and(|c| c.contains(&format!("/{sentinel}'")))
+                })
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Each of `holders` (sentinel, host) is listed exactly once, as a stowage
+/// party of that host, and nobody else holds the lock except `outsiders`
+/// parties taken outside stowage.
+fn assert_listed_once(entry: &Value, holders: &[(&str, &str)], outsiders: usize, seen_from: &str) {
+    for (sentinel, host) in holders {
+        let found = holders_of(entry, sentinel);
+        assert_eq!(
+            found.len(),
+            1,
+            "from {seen_from}: the holder '{sentinel}' is listed once: {entry:#}"
+        );
+        assert_eq!(found[0]["host"], *host, "from {seen_from}: {entry:#}");
+        assert_eq!(found[0]["stowage"], true, "from {seen_from}: {entry:#}");
+        assert!(found[0]["lease"].is_string(), "from {seen_from}: {entry:#}");
+    }
+    let all = entry["holders"].as_array().unwrap();
+    assert_eq!(
+        all.len(),
+        holders.len() + outsiders,
+        "from {seen_from}: nobody listed twice, nobody extra: {entry:#}"
+    );
+    assert_eq!(
+        all.iter().filter(|h| h["stowage"] == false).count(),
+        outsiders,
+        "from {seen_from}: {entry:#}"
+    );
+}
+
+#[test]
+fn holders_in_other_pid_namespaces_are_listed_once_from_everywhere() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let here = our_hostname();
+    // A container on this host (same host name, its own pids), another host,
+    // a holder here, and a lock taken outside stowage.
+    let container = Host::hold(&env, None, &["--read", "base"], "in-container");
+    let host_b = Host::hold(&env, Some("hostB"), &["--read", "base"], "on-hostB");
+    let local = env.hold(&["--read", "base"], "local");
+    let mut flock = Command::new("flock");
+    flock
+        .arg("-s")
+        .arg(env.lock_file("base"))
+        .args(env.hold_cmd("by-flock", "release"));
+    let flock = Bg::from_command(flock);
+    wait_for_file(&env.sentinel("by-flock"));
+
+    let all = [
+        ("in-container", here.as_str()),
+        ("on-hostB", "hostB"),
+        ("local", here.as_str()),
+    ];
+    // From this host, which sees every lock in its table: each once, and
+    // flock(1) as the one outsider.
+    let from_here = env.lock_entry("base").unwrap();
+    assert_listed_once(&from_here, &all, 1, "this host");
+    let outsider = from_here["holders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["stowage"] == false)
+        .unwrap()
+        .clone();
+    assert_eq!(outsider["pid"], flock.pid(), "{from_here:#}");
+
+    // From inside each holder's own namespace, whose table hides everything
+    // taken outside it (flock(1) included: nobody can tell it is there).
+    for (h, name) in [(&container, "the container"), (&host_b, "hostB")] {
+        let entry = image_entry(
+            &parse(&h.run(&env, &["lock-status", "--json", "base"])),
+            "base",
+        );
+        assert_listed_once(&entry, &all, 0, name);
+        assert_eq!(entry["state"], "shared", "{entry:#}");
+    }
+    // From a third host.
+    let entry = image_entry(&status_from_elsewhere(&env, "hostC", "base"), "base");
+    assert_listed_once(&entry, &all, 0, "hostC");
+
+    // Listing judged nothing away: the records are all still there.
+    assert_listed_once(&env.lock_entry("base").unwrap(), &all, 1, "this host again");
+    env.release("release");
+    drop((container, host_b));
+    local.finish();
+    flock.finish();
+}
+
+#[test]
+fn a_writer_in_a_container_names_the_holder_outside() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let holder = env.hold(&["--read", "base"], "outside");
+    let here = our_hostname();
+    // The same host name, as a container has: its table shows nothing of
+    // the holder, and the holder's pid means nothing in it.
+    for hostname in [None, Some("hostW")] {
+        let args: Vec<String> = ["exec", "--write", "base", "--wait", "0.2", "--", "true"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let out = output(in_namespace(hostname, &stowage_argv(&env, &args)));
+        assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("held (read) by pid {} on {here} (", holder.pid()))
+                && err.contains("/outside'"),
+            "the wait names the holder outside (from {hostname:?}): {err}"
+        );
+    }
+    // The holder's record survived both looks.
+    let entry = env.lock_entry("base").unwrap();
+    assert_listed_once(&entry, &[("outside", here.as_str())], 0, "this host");
+    env.release("release");
+    holder.finish();
+}
+
+#[test]
+fn a_crashed_host_loses_its_holders_everywhere_and_its_writes_go_incomplete() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let here = our_hostname();
+    // hostK reads base and writes app; this host keeps reading base, so
+    // base stays held after the crash (a lock state alone cannot tell).
+    let keep = env.hold(&["--read", "base"], "survivor");
+    let host_k = Host::hold(&env, Some("hostK"), &["--read", "base"], "k-reader");
+    let writer = Host::hold(&env, Some("hostK2"), &["--write", "app"], "k-writer");
+    let before = env.lock_entry("base").unwrap();
+    assert_listed_once(
+        &before,
+        &[("survivor", here.as_str()), ("k-reader", "hostK")],
+        0,
+        "this host",
+    );
+    let leases_before = std::fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .count();
+    assert_eq!(leases_before, 3, "one lease per live stowage process");
+
+    host_k.crash();
+    writer.crash();
+
+    // The next look from another host already drops them.
+    let entry = image_entry(&status_from_elsewhere(&env, "hostC", "base"), "base");
+    assert_listed_once(&entry, &[("survivor", here.as_str())], 0, "hostC");
+    let app = image_entry(&status_from_elsewhere(&env, "hostC", "app"), "app");
+    assert_eq!(app["state"], "free", "{app:#}");
+    assert!(app["holders"].as_array().unwrap().is_empty(), "{app:#}");
+    assert_eq!(app["image_state"], "incomplete", "{app:#}");
+    // And from here: nothing of hostK left, and its leases are cleaned.
+    let entry = env.lock_entry("base").unwrap();
+    assert_listed_once(&entry, &[("survivor", here.as_str())], 0, "this host");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    let leases: Vec<_> = std::fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        leases.len(),
+        1,
+        "only the survivor's lease is left: {leases:?}"
+    );
+    assert!(leases[0].starts_with(&format!("{here}-")), "{leases:?}");
+    env.release("release");
+    keep.finish();
+}
+
+#[test]
+fn a_build_in_a_container_outlives_its_killed_stowage_as_the_holder() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let h = Host::hold(&env, Some("hostI"), &["--write", "base"], "inherits");
+    // SIGKILL the stowage process only (the init's child): its command
+    // keeps the inherited lock and lease, so it is still the holder.
+    let init = h.init();
+    let stowage: u32 = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children"))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let cmdline = std::fs::read(format!("/proc/{stowage}/cmdline")).unwrap();
+    assert!(
+        String::from_utf8_lossy(&cmdline).starts_with(bin()),
+        "pid {stowage} is stowage: {cmdline:?}"
+    );
+    unsafe { libc::kill(stowage as i32, libc::SIGKILL) };
+    wait_until("the stowage process is gone", || {
+        std::fs::read_to_string(format!("/proc/{stowage}/stat"))
+            .map_or(true, |s| s.contains(") Z "))
+    });
+    for entry in [
+        env.lock_entry("base").unwrap(),
+        image_entry(&status_from_elsewhere(&env, "hostC", "base"), "base"),
+    ] {
+        assert_listed_once(&entry, &[("inherits", "hostI")], 0, "here and hostC");
+        assert_eq!(entry["state"], "exclusive", "{entry:#}");
+    }
+    // The command ends: the lease goes with it, and the image is incomplete.
+    env.release("release");
+    h.bg.finish();
+    let entry = env.lock_entry("base").unwrap();
+    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry:#}");
+    assert_eq!(env.state("base").as_deref(), Some("incomplete"));
+}
+
+#[test]
+fn a_writer_here_names_the_holder_in_a_container_once() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let here = our_hostname();
+    // Same host name, other pids: the pid in its record is not one here.
+    let container = Host::hold(&env, None, &["--read", "base"], "in-container");
+    let out = env.run(["exec", "--write", "base", "--wait", "0.2", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let err = stderr(&out);
+    let named = err.lines().next().unwrap_or_default();
+    assert!(
+        named.contains(&format!(" on {here} (sh -c "))
+            && named.contains("/in-container'")
+            && named.matches(" since ").count() == 1
+            && !named.contains("not started by stowage"),
+        "the wait names the container's stowage holder, once, by its record: {err}"
+    );
+    env.release("release");
+    drop(container);
+}
+
+#[test]
+fn the_lease_goes_where_the_locks_go() {
+    let env = Env::new();
+    env.make_image("base");
+    // The command's open descriptors, by target.
+    let fds = |extra: &[&str]| -> String {
+        let mut args = vec!["exec", "--read", "base"];
+        args.extend(extra);
+        args.extend(["--", "sh", "-c", "ls -l /proc/$$/fd/"]);
+        String::from_utf8(env.ok(&args).stdout).unwrap()
+    };
+    let inherited = fds(&[]);
+    assert!(
+        inherited.contains("/locks/images/base.lock") && inherited.contains("/locks/leases/"),
+        "the command inherits the lock and the lease: {inherited}"
+    );
+    let kept = fds(&["--no-inherit"]);
+    assert!(
+        !kept.contains("/locks/images/") && !kept.contains("/locks/leases/"),
+        "with --no-inherit it gets neither: {kept}"
+    );
+    // Each stowage process unlinks its lease when it ends.
+    let left: Vec<_> = std::fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// The party a "host" runs, several at once: random reads and writes of a
+/// few images, each held for a moment, until the namespace is killed.
+const PARTY: &str = r#"
+party() {
+  while :; do
+    n=$(od -An -N1 -tu1 /dev/urandom); n=$((n + 0))
+    case $((n % 4)) in
+      0|1) "$STOWAGE" exec --read base --wait 0.5 -- sleep 0.0$((n % 9 + 1)) ;;
+      2) "$STOWAGE" exec --write "img$((n % 3))" --wait 0.5 -- sleep 0.0$((n % 5 + 1)) ;;
+      3) "$STOWAGE" exec --read base --write "img$((n % 3))" --no-wait -- sleep 0.02 ;;
+    esac >/dev/null 2>&1
+  done
+}
+party & party & party &
+wait
+"#;
+
+/// Torture across hosts: parties run in N namespaces ("hosts", each with its
+/// own host name and pids) sharing the root, while whole namespaces are
+/// killed at random and replaced. After each crash, a look from this host
+/// must show no record of the dead host; every look must list each holder
+/// once (no lease twice on one lock, no outsider on a lock whose holders
+/// are all recorded). `STOWAGE_STRESS_HOSTS` (default 3) and
+/// `STOWAGE_STRESS_SECS` (default 10); `scripts/stress --hosts N` runs it.
+#[test]
+fn torture_hosts() {
+    if !namespaces() {
+        return;
+    }
+    let num = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(default)
+    };
+    let hosts = num("STOWAGE_STRESS_HOSTS", 3).max(1) as usize;
+    let secs = num("STOWAGE_STRESS_SECS", 10);
+    let seed = num("STOWAGE_STRESS_SEED", fastrand::u64(..));
+    eprintln!("stress --hosts: {hosts} hosts, {secs} s, seed {seed}");
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let env = Env::new();
+    for name in ["base", "img0", "img1", "img2"] {
+        env.make_image(name);
+    }
+    let start = |name: &str| -> Bg {
+        let mut c = Command::new("unshare");
+        c.args(["--pid", "--fork", "--uts", "--mount-proc", "sh", "-c"])
+            .arg(format!("hostname '{name}' && {PARTY}"));
+        c.env("STOWAGE", bin())
+            .env("STOWAGE_ROOT", &env.root)
+            .env_remove("STOWAGE_HOSTNAME");
+        Bg::from_command(c)
+    };
+    let mut generation = 0u64;
+    let mut live: Vec<(String, Bg)> = (0..hosts)
+        .map(|i| {
+            let name = format!("h{i}g0");
+            (name.clone(), start(&name))
+        })
+        .collect();
+    let (mut looks, mut crashes, mut listed) = (0u64, 0u64, 0u64);
+    let mut problems: Vec<String> = Vec::new();
+    let mut check = |dead: &[String], problems: &mut Vec<String>| {
+        let status = env.status_json(["--all"]);
+        looks += 1;
+        for lock in status["locks"].as_array().unwrap() {
+            let holders = lock["holders"].as_array().unwrap();
+            let waiters = lock["waiters"].as_array().unwrap();
+            let mut leases = HashSet::new();
+            for p in holders.iter().chain(waiters) {
+                if let Some(h) = p["host"].as_str()
+                    && dead.iter().any(|d| d == h)
+                {
+                    problems.push(format!("a record of dead host {h} survived a look: {lock}"));
+                }
+            }
+            for p in holders {
+                listed += 1;
+                if let Some(l) = p["lease"].as_str()
+                    && !leases.insert(l.to_owned())
+                {
+                    problems.push(format!("holder listed twice: {lock}"));
+                }
+            }
+            // Nobody here takes a lock outside stowage: every holder is
+            // known by its record or, a moment before it records itself,
+            // by its lease — never as an outsider beside (or instead of)
+            // its record. (The lock table is read more than once and the
+            // reads are folded, so a process that released the lock and
+            // exited meanwhile may still show, with no command left to
+            // read: not a holder listed twice.)
+            if lock["kind"] == "image"
+                && holders
+                    .iter()
+                    .any(|p| p["stowage"] != true && !p["command"].is_null())
+            {
+                problems.push(format!("a stowage holder listed as an outsider: {lock}"));
+            }
+            if lock["kind"] == "image" && lock["state"] == "exclusive" && holders.len() > 1 {
+                problems.push(format!("an exclusive lock listed with two holders: {lock}"));
+            }
+        }
+    };
+    let mut dead: Vec<String> = Vec::new();
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_secs(secs) {
+        std::thread::sleep(std::time::Duration::from_millis(rng.u64(50..400)));
+        check(&dead, &mut problems);
+        // Crash a random host: kill its namespace's init, wait until every
+        // process of it is gone, and look at once.
+        let i = rng.usize(0..live.len());
+        let (name, bg) = live.swap_remove(i);
+        let host = Host { bg };
+        host.crash();
+        crashes += 1;
+        dead.push(name);
+        check(&dead, &mut problems);
+        generation += 1;
+        let name = format!("h{i}g{generation}");
+        live.push((name.clone(), start(&name)));
+    }
+    for (name, bg) in live.drain(..) {
+        Host { bg }.crash();
+        dead.push(name);
+    }
+    check(&dead, &mut problems);
+    let status = env.status_json(["--all"]);
+    for lock in status["locks"].as_array().unwrap() {
+        if lock["kind"] == "image" && lock["state"] != "free" {
+            problems.push(format!("held after every host died: {lock}"));
+        }
+    }
+    let leases = std::fs::read_dir(env.root.join("locks/leases"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    if leases != 0 {
+        problems.push(format!(
+            "{leases} lease files of dead hosts left after a look"
+        ));
+    }
+    let repair = env.run(["doctor", "--repair"]);
+    let clean = env.run(["doctor"]);
+    eprintln!(
+        "stress --hosts summary: seed {seed}, {hosts} hosts, {crashes} crashes, {looks} looks, \
+         {listed} holders listed, problems {}",
+        problems.len()
+    );
+    for p in problems.iter().take(10) {
+        eprintln!("problem: {p}");
+    }
+    assert!(
+        problems.is_empty(),
+        "seed {seed}: {} problems",
+        problems.len()
+    );
+    assert_eq!(repair.status.code(), Some(0), "{}", show(&repair));
+    assert_eq!(clean.status.code(), Some(0), "{}", show(&clean));
+}
+
+#[test]
+fn cleaning_leases_never_follows_a_planted_symlink() {
+    let env = Env::new();
+    env.make_image("base");
+    // Someone who can write locks/ points locks/leases at a directory of
+    // theirs (or of a victim) holding an unlocked *.lease file.
+    let victim = env.scratch.join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("h-0-1-0.lease"), "not a lease of this store").unwrap();
+    let leases = env.root.join("locks/leases");
+    let _ = std::fs::remove_dir_all(&leases);
+    std::os::unix::fs::symlink(&victim, &leases).unwrap();
+    env.ok(["lock-status"]);
+    env.ok(["images"]);
+    env.ok(["gc"]);
+    assert!(
+        victim.join("h-0-1-0.lease").exists(),
+        "nothing outside the root is unlinked through the symlink"
+    );
+    // doctor names it.
+    let out = env.run(["doctor"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("locks/leases")
+            || stderr(&out).contains("locks/leases"),
+        "{}",
+        show(&out)
+    );
+}
+
+#[test]
+fn a_stowage_holder_without_a_record_is_known_by_its_lease() {
+    let env = Env::new();
+    env.make_image("doomed");
+    // rm holds the image exclusively and records nothing.
+    let (rm, paused) = env.paused(["rm", "doomed"], "rm-marked");
+    let entry = env.lock_entry("doomed").unwrap();
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{entry:#}");
+    assert_eq!(holders[0]["stowage"], true, "not an outsider: {entry:#}");
+    assert_eq!(holders[0]["pid"], rm.pid(), "{entry:#}");
+    assert!(holders[0]["lease"].is_string(), "{entry:#}");
+    assert!(
+        holders[0]["command"]
+            .as_str()
+            .is_some_and(|c| c.contains(" rm doomed")),
+        "{entry:#}"
+    );
+    std::fs::remove_file(paused).unwrap();
+    assert_eq!(rm.finish().status.code(), Some(0));
+}
+
+#[test]
+fn a_slot_holder_in_a_container_is_listed_once() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "pull", "2"]);
+    let here = our_hostname();
+    let container = Host::hold(
+        &env,
+        None,
+        &["--read", "base", "--slot", "pull"],
+        "slot-in-container",
+    );
+    for (status, seen_from) in [
+        (env.status_json(Vec::<String>::new()), "this host"),
+        (status_from_elsewhere(&env, "hostC", "base"), "hostC"),
+    ] {
+        let slot = status["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["kind"] == "slot" && l["name"] == "pull")
+            .cloned()
+            .unwrap();
+        assert_eq!(slot["in_use"], 1, "from {seen_from}: {slot:#}");
+        assert_listed_once(&slot, &[("slot-in-container", here.as_str())], 0, seen_from);
+    }
+    env.release("release");
+    drop(container);
+}
