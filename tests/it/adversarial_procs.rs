@@ -248,24 +248,6 @@ fn an_exec_whose_stderr_is_gone_still_exits_with_its_code() {
     unsafe { libc::close(fds[1]) };
 }
 
-/// Whether someone waits (a blocked request, "->") for a lock on `path`.
-fn waited_on(path: &std::path::Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(md) = std::fs::metadata(path) else {
-        return false;
-    };
-    let id = format!(
-        "{:02x}:{:02x}:{}",
-        libc::major(md.dev()),
-        libc::minor(md.dev()),
-        md.ino()
-    );
-    std::fs::read_to_string("/proc/locks")
-        .unwrap()
-        .lines()
-        .any(|l| l.contains("->") && l.contains(&id))
-}
-
 #[test]
 fn a_nested_exec_under_no_inherit_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
     let env = Env::new();
@@ -297,7 +279,7 @@ fn a_nested_exec_under_no_inherit_is_not_held_back_by_a_hold_that_waits_for_its_
     args.extend(env.hold_cmd("wide", "wide-go"));
     let wide = env.spawn(&args);
     wait_until("the store-wide command waits for 'a'", || {
-        waited_on(&env.lock_file("a"))
+        flock_waited_on(&env.lock_file("a"))
     });
     env.release("go");
     let out = outer.finish();
