@@ -2,6 +2,13 @@
 //! bounded waits. Nothing here sleeps to synchronise: processes signal
 //! progress through sentinel files, and every wait has a deadline that fails
 //! the test instead of hanging it.
+//!
+//! It also holds every setup more than one test needs, so that each exists
+//! once: images made from a script (`Env::build`), commands held or started
+//! until a sentinel says they run, waits for waiter records, root-only skips
+//! (`root_or_skip`), mounts that go away with the test (`Mount`), locks held
+//! from outside by flock(1), and probes of /proc for lock waiters and for
+//! what is left of a command's process tree.
 
 #![allow(dead_code)]
 
