@@ -251,40 +251,11 @@ fn an_exec_whose_stderr_is_gone_still_exits_with_its_code() {
 #[test]
 fn a_nested_exec_under_no_inherit_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
     let env = Env::new();
-    env.make_image("a");
-    env.make_image("b");
     // The outer exec keeps its locks from the command (--no-inherit): the
     // nested call holds no descriptor, yet its parent's lock on 'a' is what
     // the store-wide hold waits for.
-    let nested = format!(
-        "touch '{started}'; while [ ! -e '{go}' ]; do sleep 0.01; done; \
-         '{bin}' --root '{root}' exec --wait 20 --read b -- true",
-        started = env.sentinel("outer").display(),
-        go = env.sentinel("go").display(),
-        bin = bin(),
-        root = env.root.display()
+    crate::store_wide::nested_exec_goes_ahead_of_a_hold_waiting_for_its_parent(
+        &env,
+        &["--no-inherit"],
     );
-    let outer = env.spawn([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "a",
-        "--",
-        "sh",
-        "-c",
-        &nested,
-    ]);
-    wait_for_file(&env.sentinel("outer"));
-    let mut args: Vec<String> = ["exec", "--store-wide", "--"].map(String::from).to_vec();
-    args.extend(env.hold_cmd("wide", "wide-go"));
-    let wide = env.spawn(&args);
-    wait_until("the store-wide command waits for 'a'", || {
-        flock_waited_on(&env.lock_file("a"))
-    });
-    env.release("go");
-    let out = outer.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    wait_for_file(&env.sentinel("wide"));
-    env.release("wide-go");
-    assert_eq!(wide.finish().status.code(), Some(0));
 }

@@ -258,13 +258,12 @@ fn read_exclusive_refuses_what_cannot_be_read() {
     assert!(env.image("x").is_none());
 }
 
-/// A command holding an image lock calls stowage again while a store-wide
-/// command waits for that lock: the nested call goes ahead (waiting for the
-/// hold would wait for itself), and the hold starts once the outer command
-/// is done.
-#[test]
-fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
-    let env = Env::new();
+/// The scenario of the nested-call tests, for an outer exec with `flags`:
+/// it writes image `a`, and its command, once a store-wide hold waits for
+/// `a`, calls stowage again to read `b`. That nested call must go ahead
+/// (waiting for the hold would wait for itself), the outer exec succeed,
+/// and the hold start and succeed once it is done.
+pub(crate) fn nested_exec_goes_ahead_of_a_hold_waiting_for_its_parent(env: &Env, flags: &[&str]) {
     env.make_image("a");
     env.make_image("b");
     let nested = format!(
@@ -275,9 +274,12 @@ fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
         bin = bin(),
         root = env.root.display()
     );
-    let outer = env.spawn(["exec", "--write", "a", "--", "sh", "-c", &nested]);
+    let mut args = vec!["exec"];
+    args.extend(flags);
+    args.extend(["--write", "a", "--", "sh", "-c", &nested]);
+    let outer = env.spawn(args);
     wait_for_file(&env.sentinel("outer"));
-    let wide = store_wide_hold(&env, "wide", "wide-go");
+    let wide = store_wide_hold(env, "wide", "wide-go");
     wait_until("the store-wide command waits for 'a'", || {
         flock_waited_on(&env.lock_file("a"))
     });
@@ -287,6 +289,16 @@ fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
     wait_for_file(&env.sentinel("wide"));
     env.release("wide-go");
     assert_eq!(wide.finish().status.code(), Some(0));
+}
+
+/// A command holding an image lock calls stowage again while a store-wide
+/// command waits for that lock: the nested call goes ahead (waiting for the
+/// hold would wait for itself), and the hold starts once the outer command
+/// is done.
+#[test]
+fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
+    let env = Env::new();
+    nested_exec_goes_ahead_of_a_hold_waiting_for_its_parent(&env, &[]);
     // An unrelated exec with locks of its own still waits for the hold.
     let wide = store_wide_hold(&env, "wide2", "wide2-go");
     wait_for_file(&env.sentinel("wide2"));
