@@ -766,3 +766,78 @@ pub fn assert_missing_root_refused(env: &Env, args: &[&str], out: &Output) {
     assert_eq!(err.lines().count(), 1, "{args:?}: {}", show(out));
     assert!(!env.root.exists(), "{args:?} created the root");
 }
+
+/// A pids cgroup (v1, or v2 where the controller is delegated) of this
+/// test, admitting at most `max` tasks. Its name is unique, so tests that
+/// run at once each get their own. Dropped, it waits (bounded) until the
+/// processes it held are reaped and removes it; a test that leaves one of
+/// them running fails there.
+pub struct PidsCgroup(PathBuf);
+
+impl PidsCgroup {
+    /// `None`, with the reason printed, where this process may not make
+    /// one (not root, no pids controller).
+    pub fn new(max: u32) -> Option<PidsCgroup> {
+        let name = format!("stowage-it.{}.{}", std::process::id(), fastrand::u32(..));
+        for base in ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"] {
+            let dir = Path::new(base).join(&name);
+            if fs::create_dir(&dir).is_err() {
+                continue;
+            }
+            if fs::write(dir.join("pids.max"), max.to_string()).is_ok() {
+                return Some(PidsCgroup(dir));
+            }
+            let _ = fs::remove_dir(&dir);
+        }
+        eprintln!("skipping: no pids cgroup can be made here (needs root and the pids controller)");
+        None
+    }
+
+    /// Makes `c` start inside the cgroup.
+    pub fn enter(&self, c: &mut Command) {
+        let procs = std::ffi::CString::new(
+            self.0
+                .join("cgroup.procs")
+                .into_os_string()
+                .into_encoded_bytes(),
+        )
+        .unwrap();
+        // SAFETY: only open/write/close between fork and exec.
+        unsafe {
+            c.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+                if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::close(fd);
+                Ok(())
+            });
+        }
+    }
+
+    /// `sh -c` that moves itself into the cgroup, then runs `cmd`.
+    pub fn wrap(&self, cmd: &str) -> Command {
+        let mut c = Command::new("sh");
+        c.args([
+            "-c",
+            &format!(
+                "echo $$ > '{}/cgroup.procs' && exec {cmd}",
+                self.0.display()
+            ),
+        ]);
+        c
+    }
+}
+
+impl Drop for PidsCgroup {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = fs::remove_dir(&self.0);
+            return;
+        }
+        // The cgroup empties as its processes are reaped.
+        wait_until("the test cgroup is empty", || {
+            fs::remove_dir(&self.0).is_ok()
+        });
+    }
+}

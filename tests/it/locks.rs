@@ -427,50 +427,6 @@ fn a_removed_class_shows_its_holders_until_they_end_and_ends_its_waits() {
     assert!(env.slot_entry("one").is_none());
 }
 
-/// A pids cgroup (v1) of this test, removed when dropped. `None` (the test
-/// is skipped, saying why) where one cannot be made: not root, no pids
-/// controller mounted.
-struct PidsCgroup(PathBuf);
-
-impl PidsCgroup {
-    fn new(max: u32) -> Option<PidsCgroup> {
-        let base = std::path::Path::new("/sys/fs/cgroup/pids");
-        let dir = base.join(format!(
-            "stowage-it-{}-{}",
-            std::process::id(),
-            fastrand::u32(..)
-        ));
-        if let Err(e) = fs::create_dir(&dir) {
-            eprintln!(
-                "skipped: cannot make a pids cgroup under {}: {e}",
-                base.display()
-            );
-            return None;
-        }
-        fs::write(dir.join("pids.max"), max.to_string()).ok()?;
-        Some(PidsCgroup(dir))
-    }
-
-    /// `sh -c` that moves itself into the cgroup, then runs `cmd`.
-    fn wrap(&self, cmd: &str) -> Command {
-        let mut c = Command::new("sh");
-        c.args([
-            "-c",
-            &format!(
-                "echo $$ > '{}/cgroup.procs' && exec {cmd}",
-                self.0.display()
-            ),
-        ]);
-        c
-    }
-}
-
-impl Drop for PidsCgroup {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir(&self.0);
-    }
-}
-
 #[test]
 fn a_slot_waiter_under_a_pids_limit_still_waits_and_gets_in() {
     let env = Env::new();
