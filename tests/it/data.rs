@@ -451,18 +451,27 @@ fn free_bytes(dir: &Path) -> u64 {
     st.blocks_available() * st.fragment_size()
 }
 
-#[test]
-fn a_build_that_fills_the_filesystem_does_not_wedge_the_store() {
-    let Some(t) = Mount::tmpfs("size=8m,mode=0755") else {
-        return;
-    };
+/// A store on an 8 MiB tmpfs of its own with a ready image `base`, and a
+/// writer of image `killed` under way (sleeping a minute at most) for the
+/// test to kill; `None`, with the reason printed, where no tmpfs can be
+/// mounted.
+fn small_store_with_a_writer() -> Option<(Mount, Env, Bg)> {
+    let t = Mount::tmpfs("size=8m,mode=0755")?;
     let env = t.env();
     env.make_image("base");
-    // A writer at work, to be killed once the filesystem is full: whoever
-    // looks next must record that it is gone.
     let writer = env.start_sh(&["--write", "killed"], |started| {
         format!("touch '{}'; exec sleep 60", started.display())
     });
+    Some((t, env, writer))
+}
+
+#[test]
+fn a_build_that_fills_the_filesystem_does_not_wedge_the_store() {
+    // A writer at work, to be killed once the filesystem is full: whoever
+    // looks next must record that it is gone.
+    let Some((t, env, writer)) = small_store_with_a_writer() else {
+        return;
+    };
     // The build writes until the filesystem is full.
     let fill = [
         "exec",
@@ -524,14 +533,9 @@ fn a_build_that_fills_the_filesystem_does_not_wedge_the_store() {
 
 #[test]
 fn reading_commands_work_when_even_the_reserve_is_gone() {
-    let Some(t) = Mount::tmpfs("size=8m,mode=0755") else {
+    let Some((t, env, writer)) = small_store_with_a_writer() else {
         return;
     };
-    let env = t.env();
-    env.make_image("base");
-    let writer = env.start_sh(&["--write", "killed"], |started| {
-        format!("touch '{}'; exec sleep 60", started.display())
-    });
     writer.kill_all();
     // The filesystem full, and no reserve left to use.
     let _ = fs::remove_file(env.root.join("reserve"));
