@@ -612,6 +612,17 @@ pub fn have(tool: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// Whether `tool` is on PATH; if not, prints "skipping: TOOL is not
+/// installed (Debian package PACKAGE)" so the skip is visible, and the
+/// caller returns at once.
+pub fn tool_or_skip(tool: &str, package: &str) -> bool {
+    let found = have(tool);
+    if !found {
+        eprintln!("skipping: {tool} is not installed (Debian package {package})");
+    }
+    found
+}
+
 /// A directory outside the root (in the test's scratch directory) with
 /// files at two depths that must survive whatever the test does; check
 /// with [`assert_intact`].

@@ -84,8 +84,7 @@ fn bash_complete(env: &Env, words: &[&str]) -> Vec<String> {
 
 #[test]
 fn bash_completes_subcommands_images_and_classes() {
-    if !have("bash") {
-        eprintln!("skipping: bash is not installed");
+    if !tool_or_skip("bash", "bash") {
         return;
     }
     let env = store();
@@ -107,8 +106,7 @@ fn bash_completes_subcommands_images_and_classes() {
 
 #[test]
 fn completion_follows_root_and_creates_nothing() {
-    if !have("bash") {
-        eprintln!("skipping: bash is not installed");
+    if !tool_or_skip("bash", "bash") {
         return;
     }
     let env = store();
@@ -125,8 +123,7 @@ fn completion_follows_root_and_creates_nothing() {
 
 #[test]
 fn zsh_completes_subcommands_and_images() {
-    if !have("zsh") {
-        eprintln!("skipping: zsh is not installed (Debian package zsh)");
+    if !tool_or_skip("zsh", "zsh") {
         return;
     }
     let env = store();
@@ -154,8 +151,7 @@ fn zsh_completes_subcommands_and_images() {
 
 #[test]
 fn fish_completes_subcommands_and_images() {
-    if !have("fish") {
-        eprintln!("skipping: fish is not installed (Debian package fish)");
+    if !tool_or_skip("fish", "fish") {
         return;
     }
     let env = store();
@@ -170,8 +166,7 @@ fn fish_completes_subcommands_and_images() {
 
 #[test]
 fn man_pages_render_without_warnings() {
-    if !have("groff") {
-        eprintln!("skipping: groff is not installed (Debian package groff-base)");
+    if !tool_or_skip("groff", "groff-base") {
         return;
     }
     let env = Env::new();
