@@ -707,8 +707,7 @@ impl Mount {
         if !root_or_skip("a btrfs loop device") {
             return None;
         }
-        if !have("mkfs.btrfs") {
-            eprintln!("skipping: mkfs.btrfs not found (install btrfs-progs)");
+        if !tool_or_skip("mkfs.btrfs", "btrfs-progs") {
             return None;
         }
         let tmp = tempfile::tempdir().unwrap();
