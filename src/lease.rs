@@ -222,6 +222,10 @@ fn random() -> u64 {
     t ^ (u64::from(std::process::id()) << 32)
 }
 
+/// The most of a lease file that is read: an identity is a few hundred
+/// bytes, a command line at most a few KiB.
+const IDENTITY_MAX: u64 = 64 * 1024;
+
 /// What a lease file says of its owner.
 #[derive(Debug, Clone, Default)]
 pub struct Identity {
@@ -237,7 +241,21 @@ pub fn identity(locks: &Path, name: &str) -> Option<Identity> {
     if !valid_name(name) {
         return None;
     }
-    let text = fs::read_to_string(locks.join(DIR).join(name)).ok()?;
+    // Anyone who can write the directory can plant a file under a lease's
+    // name: a FIFO (whose open or read would block this look, under the
+    // global lock, for good), a symlink, a huge file. Only a regular file is
+    // read, never waited on, and only as much as an identity can take.
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(locks.join(DIR).join(name))
+        .ok()?;
+    if !file.metadata().ok()?.file_type().is_file() {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    io::Read::read_to_end(&mut io::Read::take(&file, IDENTITY_MAX), &mut bytes).ok()?;
+    let text = String::from_utf8_lossy(&bytes);
     let mut id = Identity::default();
     for line in text.lines() {
         let Some((k, v)) = line.split_once('=') else {

@@ -1,0 +1,54 @@
+//! Attacks on holder leases (`lease.rs`): planted lease files, commands that
+//! drop the lease they inherited, owners killed at each step.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::time::Duration;
+
+use crate::common::*;
+
+/// Holds `path` exclusively, from this (test) process.
+fn hold(path: &std::path::Path) -> stowage::lock::Guard {
+    stowage::lock::try_lock(path, stowage::lock::Mode::Exclusive, false)
+        .unwrap()
+        .expect("free")
+}
+
+#[test]
+fn a_planted_fifo_lease_does_not_hang_lock_status() {
+    let env = Env::new();
+    env.make_image("app");
+    // Someone who can write locks/leases plants a FIFO under a lease's name,
+    // holds it exclusively (as an owner holds its lease) and holds an image
+    // lock, so that lock-status looks for the identity of the lock's taker
+    // in that "lease".
+    let fifo = env.root.join("locks/leases/evil.lease");
+    let c = CString::new(fifo.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+    // Opened read-write (as lock files are): a FIFO opened so never
+    // blocks, and counts as its own writer, so a reader would wait for data
+    // for good.
+    let planted = hold(&fifo);
+    let image = hold(&env.lock_file("app"));
+
+    let mut c = env.cmd(["lock-status", "--json", "app"]);
+    std::os::unix::process::CommandExt::process_group(&mut c, 0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = wait_output(c.spawn().unwrap(), Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let entry = v["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "image" && l["name"] == "app")
+        .cloned()
+        .unwrap();
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "still shown held: {entry:#}");
+    assert_eq!(holders[0]["pid"], std::process::id(), "{entry:#}");
+    assert_eq!(holders[0]["stowage"], false, "{entry:#}");
+    drop((planted, image));
+}
