@@ -52,3 +52,57 @@ fn a_planted_fifo_lease_does_not_hang_lock_status() {
     assert_eq!(holders[0]["stowage"], false, "{entry:#}");
     drop((planted, image));
 }
+
+#[test]
+fn a_command_that_closes_its_lease_stays_the_recorded_holder_after_stowage_dies() {
+    let env = Env::new();
+    env.make_image("app");
+    // A command that closes every descriptor it inherited but its image lock
+    // (closefrom, a daemon's hygiene): stowage's lease then lives only in
+    // stowage itself.
+    let started = env.sentinel("started");
+    let release = env.sentinel("release");
+    let script = format!(
+        "for fd in /proc/$$/fd/*; do case $(readlink \"$fd\") in */locks/leases/*) eval \"exec ${{fd##*/}}>&-\";; esac; done; \
+         touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+        s = started.display(),
+        r = release.display()
+    );
+    let mut bg = env.spawn([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "bash",
+        "-c",
+        &script,
+        "closes-its-lease",
+    ]);
+    wait_for_file(&started);
+    let stowage = bg.pid();
+    // SIGKILL stowage only: the command keeps the image lock, not the lease.
+    bg.signal(libc::SIGKILL);
+    let _ = bg.child.as_mut().unwrap().wait();
+    assert!(!flock_free(&env.lock_file("app")), "the command holds it");
+    let entry = env.lock_entry("app").unwrap();
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{entry:#}");
+    assert_eq!(holders[0]["stowage"], true, "not an outsider: {entry:#}");
+    assert_eq!(holders[0]["pid"], stowage, "{entry:#}");
+    assert!(
+        holders[0]["command"]
+            .as_str()
+            .is_some_and(|c| c.contains("closes-its-lease")),
+        "the record stands: {entry:#}"
+    );
+    assert_eq!(entry["state"], "exclusive", "{entry:#}");
+    // The command ends: its record goes, and the image is incomplete.
+    env.release("release");
+    wait_until("the command released the image lock", || {
+        flock_free(&env.lock_file("app"))
+    });
+    let entry = env.lock_entry("app").unwrap();
+    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry:#}");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    bg.kill_all();
+}
