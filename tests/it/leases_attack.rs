@@ -106,3 +106,45 @@ fn a_command_that_closes_its_lease_stays_the_recorded_holder_after_stowage_dies(
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
     bg.kill_all();
 }
+
+#[test]
+fn a_planted_leases_symlink_gets_no_lease_made_through_it() {
+    let env = Env::new();
+    env.make_image("app");
+    // Someone who can write locks/ points locks/leases at another directory.
+    let victim = env.scratch.join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    let leases = env.root.join("locks/leases");
+    let _ = std::fs::remove_dir_all(&leases);
+    std::os::unix::fs::symlink(&victim, &leases).unwrap();
+    // Every process that locks makes a lease: exec, rm, gc.
+    let listing = env.sentinel("listing");
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &format!("ls -A '{}' > '{}'", victim.display(), listing.display()),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(
+        std::fs::read_to_string(&listing).unwrap(),
+        "",
+        "no lease made outside the root while the command ran"
+    );
+    env.ok(["gc"]);
+    env.ok(["rm", "app"]);
+    assert!(
+        std::fs::read_dir(&victim).unwrap().next().is_none(),
+        "nothing created outside the root"
+    );
+    assert!(
+        std::fs::symlink_metadata(&leases)
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "left for doctor to name"
+    );
+}
