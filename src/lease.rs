@@ -53,6 +53,9 @@ const SUFFIX: &str = ".lease";
 pub struct Lease {
     guard: Guard,
     name: String,
+    /// The leases directory, opened refusing a symlink: the guard's path
+    /// goes through it, so the file is made, and unlinked, in the store.
+    _dir: fs::File,
 }
 
 impl Lease {
@@ -125,34 +128,37 @@ fn create(dir: &Path) -> io::Result<Lease> {
         .take(8)
         .collect();
     let host = safe_part(&me.host);
-    let mut made_dir = false;
+    // The first lease of this store makes the directory, and only it (a
+    // root or locks directory that is missing is an error). A symlink in
+    // its place (planted by anyone who can write `locks/`) is refused: the
+    // lease would be made in whatever directory it points to.
+    let open_dir = || {
+        fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(dir)
+    };
+    let pinned = match open_dir() {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(dir) {
+            Ok(()) => open_dir(),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => open_dir(),
+            Err(e) => Err(e),
+        },
+        other => other,
+    }
+    .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", dir.display())))?;
+    let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
     for _ in 0..100 {
         let name = format!("{host}-{boot}-{}-{:016x}{SUFFIX}", me.pid, random());
-        let path = dir.join(&name);
+        let path = via.join(&name);
         let guard = match lock::try_lock(&path, Mode::Exclusive, true) {
             Ok(Some(g)) => g,
             // A prober holds our fresh file: take another name.
             Ok(None) => continue,
-            // The first lease of this store: make the directory, and only
-            // it (a root or locks directory that is missing is an error).
-            Err(e) if e.kind() == io::ErrorKind::NotFound && !made_dir => {
-                match fs::create_dir(dir) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                    Err(e) => {
-                        return Err(io::Error::new(
-                            e.kind(),
-                            format!("cannot create {}: {e}", dir.display()),
-                        ));
-                    }
-                }
-                made_dir = true;
-                continue;
-            }
             Err(e) => {
                 return Err(io::Error::new(
                     e.kind(),
-                    format!("cannot create lease {}: {e}", path.display()),
+                    format!("cannot create lease {}: {e}", dir.join(&name).display()),
                 ));
             }
         };
@@ -174,7 +180,11 @@ fn create(dir: &Path) -> io::Result<Lease> {
         // The identity is information; a lease that could not be written
         // (a full filesystem) still proves liveness.
         let _ = guard.file().write_all(text.as_bytes());
-        return Ok(Lease { guard, name });
+        return Ok(Lease {
+            guard,
+            name,
+            _dir: pinned,
+        });
     }
     Err(io::Error::other(format!(
         "cannot create a lease under {}: every fresh file was taken from us",
@@ -222,6 +232,10 @@ fn random() -> u64 {
     t ^ (u64::from(std::process::id()) << 32)
 }
 
+/// The most of a lease file that is read: an identity is a few hundred
+/// bytes, a command line at most a few KiB.
+const IDENTITY_MAX: u64 = 64 * 1024;
+
 /// What a lease file says of its owner.
 #[derive(Debug, Clone, Default)]
 pub struct Identity {
@@ -237,7 +251,21 @@ pub fn identity(locks: &Path, name: &str) -> Option<Identity> {
     if !valid_name(name) {
         return None;
     }
-    let text = fs::read_to_string(locks.join(DIR).join(name)).ok()?;
+    // Anyone who can write the directory can plant a file under a lease's
+    // name: a FIFO (whose open or read would block this look, under the
+    // global lock, for good), a symlink, a huge file. Only a regular file is
+    // read, never waited on, and only as much as an identity can take.
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(locks.join(DIR).join(name))
+        .ok()?;
+    if !file.metadata().ok()?.file_type().is_file() {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    io::Read::read_to_end(&mut io::Read::take(&file, IDENTITY_MAX), &mut bytes).ok()?;
+    let text = String::from_utf8_lossy(&bytes);
     let mut id = Identity::default();
     for line in text.lines() {
         let Some((k, v)) = line.split_once('=') else {

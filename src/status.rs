@@ -77,10 +77,20 @@ pub fn judge(
     let mut waiters = Vec::new();
     let mut claimed = vec![false; view.holders.len()];
     let mut claimed_waits = vec![false; view.waiters.len()];
+    // Holder records whose lease is dead, judged once every live one has
+    // claimed its lock-table entry.
+    let mut orphans = Vec::new();
     for rec in records {
         let valid = match rec.lease.as_deref().map(|l| kv.lease(l)) {
-            // The owner is gone (and so is every command that inherited its
-            // locks): whatever the pids say, the record is stale.
+            // The owner is gone. A holder may still be its command, which
+            // closed the inherited lease but kept the lock (closefrom):
+            // see `orphan_holder_valid`.
+            Some(LeaseSeen::Dead) if rec.role == Role::Holder && table => {
+                orphans.push(rec);
+                continue;
+            }
+            // The owner is gone, and so is every command that inherited its
+            // locks: whatever the pids say, the record is stale.
             Some(LeaseSeen::Dead) => false,
             Some(LeaseSeen::Alive { taker }) => match rec.role {
                 Role::Holder => leased_holder_valid(rec, taker, table, view, &mut claimed),
@@ -135,6 +145,22 @@ pub fn judge(
             Role::Holder => holders.push(party),
             Role::Waiter => waiters.push(party),
         }
+    }
+    for rec in orphans {
+        if !orphan_holder_valid(ctx, rec, view, &mut claimed) {
+            tx.delete_record(rec.id)?;
+            continue;
+        }
+        holders.push(Party {
+            pid: Some(rec.pid),
+            host: Some(rec.host.clone()),
+            user: Some(rec.user.clone()),
+            mode: rec.mode,
+            command: Some(rec.command.clone()),
+            since: Some(rec.since),
+            stowage: true,
+            lease: rec.lease.clone(),
+        });
     }
     for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
         holders.push(unrecorded(ctx, kv, e));
@@ -203,6 +229,40 @@ fn leased_holder_valid(
         }
         // Some kernels show no pid for either entry: held is enough.
         None => pid.is_none(),
+    }
+}
+
+/// A holder record whose lease is dead stands only while the lock table
+/// shows the lock still held, in the recorded mode, under the recorded pid:
+/// the table keeps showing a gone taker's pid while a command that inherited
+/// the lock descriptor (and closed the lease's) holds it. Only for a record
+/// of this host and boot, whose pid is one of this kernel's, and only for an
+/// entry no record with a live lease claimed; a pid namespace that does not
+/// show the gone taker (a container looking) drops the record, as it cannot
+/// tell.
+fn orphan_holder_valid(ctx: &Ctx, rec: &Record, view: &LockView, claimed: &mut [bool]) -> bool {
+    let same_boot = match (rec.boot_id.as_deref(), ctx.me.boot_id.as_deref()) {
+        (Some(theirs), Some(ours)) => theirs == ours,
+        _ => false,
+    };
+    let compatible = matches!(
+        (view.state, rec.mode),
+        (Some(Probe::Exclusive), Mode::Exclusive) | (Some(Probe::Shared), Mode::Shared)
+    );
+    if rec.host != ctx.me.host || !same_boot || !compatible {
+        return false;
+    }
+    let pos = view
+        .holders
+        .iter()
+        .enumerate()
+        .position(|(i, e)| !claimed[i] && e.mode == rec.mode && e.pid == Some(rec.pid));
+    match pos {
+        Some(i) => {
+            claimed[i] = true;
+            true
+        }
+        None => false,
     }
 }
 

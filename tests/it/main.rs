@@ -16,6 +16,7 @@ mod files;
 mod hostile;
 mod init;
 mod leases;
+mod leases_attack;
 mod lifecycle;
 mod lock_status;
 mod locks;
