@@ -4,6 +4,7 @@
 mod common;
 
 mod adversarial_files;
+mod adversarial_leases;
 mod adversarial_procs;
 mod charliecloud;
 mod concurrency;
@@ -16,7 +17,6 @@ mod files;
 mod hostile;
 mod init;
 mod leases;
-mod leases_attack;
 mod lifecycle;
 mod lock_status;
 mod locks;
