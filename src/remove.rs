@@ -513,7 +513,7 @@ pub(crate) fn release_unclaimed(
         return;
     }
     let root = store.root().clone();
-    let Ok((tx, _)) = store.begin_cleanup() else {
+    let Ok((tx, _)) = store.begin_give_up() else {
         return;
     };
     let rowless = |n: &ImageName| matches!(tx.image(n.as_str()), Ok(None));

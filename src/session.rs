@@ -449,7 +449,8 @@ fn give_up(
     waited_for: Option<&ImageName>,
 ) {
     let slot_waiter = slot.as_ref().and_then(|s| s.waiter);
-    if let Ok((tx, _)) = store.begin_cleanup() {
+    let no_records = waits.is_empty() && slot_waiter.is_none();
+    if !no_records && let Ok((tx, _)) = store.begin_give_up() {
         let r = (|| -> Result<()> {
             for id in waits.iter().chain(slot_waiter.as_ref()) {
                 tx.delete_record(*id)?;

@@ -97,6 +97,9 @@ const GLOBAL_GRACE: Duration = Duration::from_secs(5);
 /// gone) and repairs it.
 pub const CLEANUP_PATIENCE: Duration = Duration::from_secs(30);
 
+/// How long a failed request's tidying waits for the global lock.
+pub const GIVE_UP_PATIENCE: Duration = Duration::from_millis(500);
+
 impl Store {
     /// A store at `root`. No I/O happens until the first operation.
     pub fn new(root: Root) -> Store {
@@ -130,7 +133,14 @@ impl Store {
     /// Takes the global lock, creating the layout on first use.
     fn take_global(ctx: &Ctx, deadline: Option<Instant>, cleanup: bool) -> Result<lock::Guard> {
         let path = ctx.root.global_lock();
-        let deadline = deadline.map(|d| d.max(Instant::now() + GLOBAL_GRACE));
+        // A caller's short bound is stretched to the grace period, since the
+        // lock is normally held for one quick transaction; cleanup states
+        // its own patience.
+        let deadline = if cleanup {
+            deadline
+        } else {
+            deadline.map(|d| d.max(Instant::now() + GLOBAL_GRACE))
+        };
         let mut created = false;
         loop {
             let first = lock::try_lock(&path, Mode::Exclusive, true);
@@ -220,6 +230,16 @@ impl Store {
     /// lock up to [`CLEANUP_PATIENCE`].
     pub fn begin_cleanup(&mut self) -> Result<(Tx<'_>, &Ctx)> {
         self.begin_checked(Some(Instant::now() + CLEANUP_PATIENCE), true)
+    }
+
+    /// [`Store::begin_cleanup`] for the tidying of a request that failed
+    /// (a wait that timed out, a refused start): it waits for the global
+    /// lock only [`GIVE_UP_PATIENCE`]. What it leaves is stale once the
+    /// process is gone and is dropped by the next look; waiting longer
+    /// would stretch a `--wait 0.3` that ran out into half a minute when
+    /// the global lock is what is stuck.
+    pub fn begin_give_up(&mut self) -> Result<(Tx<'_>, &Ctx)> {
+        self.begin_checked(Some(Instant::now() + GIVE_UP_PATIENCE), true)
     }
 
     fn begin_checked(
