@@ -13,8 +13,8 @@
 //!   inode); if not it locked a ghost, and it retries on the new file.
 //! - **Shared filesystems.** An NFS client may answer `lstat(path)` from its
 //!   caches for many seconds after another host unlinked the file (which
-//!   lives on as `.nfsXXXX` while its holder has it open), so there the
-//!   check re-opens the path — an open makes the client look the name up on
+//!   lives on under a `.nfs…` name while its holder has it open), so there
+//!   the check re-opens the path — an open makes the client look the name up on
 //!   the server — and compares the fresh descriptor. `ESTALE` (the file is
 //!   gone on the server) means "retry with a fresh open", never an error.
 //!   And on a filesystem not known to be local, lock files are never

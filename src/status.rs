@@ -207,29 +207,15 @@ fn leased_holder_valid(
     view: &LockView,
     claimed: &mut [bool],
 ) -> bool {
-    let compatible = matches!(
-        (view.state, rec.mode),
-        (Some(Probe::Exclusive), Mode::Exclusive) | (Some(Probe::Shared), Mode::Shared)
-    );
+    let compatible = held_as_recorded(view, rec);
     if !compatible {
         return false;
     }
     let Some(pid) = taker.filter(|_| table) else {
         return true;
     };
-    let pos = view
-        .holders
-        .iter()
-        .enumerate()
-        .position(|(i, e)| !claimed[i] && e.mode == rec.mode && e.pid == pid);
-    match pos {
-        Some(i) => {
-            claimed[i] = true;
-            true
-        }
-        // Some kernels show no pid for either entry: held is enough.
-        None => pid.is_none(),
-    }
+    // Some kernels show no pid for either entry: held is enough.
+    claim(view, claimed, |e| e.mode == rec.mode && e.pid == pid) || pid.is_none()
 }
 
 /// A holder record whose lease is dead stands only while the lock table
@@ -245,25 +231,13 @@ fn orphan_holder_valid(ctx: &Ctx, rec: &Record, view: &LockView, claimed: &mut [
         (Some(theirs), Some(ours)) => theirs == ours,
         _ => false,
     };
-    let compatible = matches!(
-        (view.state, rec.mode),
-        (Some(Probe::Exclusive), Mode::Exclusive) | (Some(Probe::Shared), Mode::Shared)
-    );
+    let compatible = held_as_recorded(view, rec);
     if rec.host != ctx.me.host || !same_boot || !compatible {
         return false;
     }
-    let pos = view
-        .holders
-        .iter()
-        .enumerate()
-        .position(|(i, e)| !claimed[i] && e.mode == rec.mode && e.pid == Some(rec.pid));
-    match pos {
-        Some(i) => {
-            claimed[i] = true;
-            true
-        }
-        None => false,
-    }
+    claim(view, claimed, |e| {
+        e.mode == rec.mode && e.pid == Some(rec.pid)
+    })
 }
 
 fn holder_valid(
@@ -273,10 +247,7 @@ fn holder_valid(
     view: &LockView,
     claimed: &mut [bool],
 ) -> bool {
-    let compatible = matches!(
-        (view.state, rec.mode),
-        (Some(Probe::Exclusive), Mode::Exclusive) | (Some(Probe::Shared), Mode::Shared)
-    );
+    let compatible = held_as_recorded(view, rec);
     if !compatible {
         return false;
     }
@@ -284,9 +255,8 @@ fn holder_valid(
         // Held in the recorded mode is all that can be checked.
         return true;
     }
-    let pos = view.holders.iter().enumerate().position(|(i, e)| {
-        !claimed[i]
-            && e.mode == rec.mode
+    claim(view, claimed, |e| {
+        e.mode == rec.mode
             && match e.pid {
                 // The pid that took the lock: alive, or gone while a child
                 // kept the inherited descriptor (the initial pid namespace
@@ -295,8 +265,27 @@ fn holder_valid(
                 // A child pid namespace shows no pid for a gone taker.
                 None => live == Liveness::Dead,
             }
-    });
-    match pos {
+    })
+}
+
+/// Whether the lock is held in the mode the record says.
+fn held_as_recorded(view: &LockView, rec: &Record) -> bool {
+    matches!(
+        (view.state, rec.mode),
+        (Some(Probe::Exclusive), Mode::Exclusive) | (Some(Probe::Shared), Mode::Shared)
+    )
+}
+
+/// Marks the first unclaimed lock-table entry that `fits` as this record's;
+/// false if there is none. Each entry stands for one holder, so it is
+/// claimed once.
+fn claim(view: &LockView, claimed: &mut [bool], fits: impl Fn(&Entry) -> bool) -> bool {
+    match view
+        .holders
+        .iter()
+        .enumerate()
+        .position(|(i, e)| !claimed[i] && fits(e))
+    {
         Some(i) => {
             claimed[i] = true;
             true
