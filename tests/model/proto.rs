@@ -25,12 +25,16 @@ pub enum Mode {
     Exclusive,
 }
 
-/// A lock file: an image's (with its generation), its gate, a slot file.
+/// A lock file: an image's (with its generation), its gate, a slot file,
+/// a lease (owner, name, generation: the owner makes a file anew under the
+/// same name when a prober unlinked the one it made), `store.lock`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Key {
     Img(u8, u8),
     Gate(u8),
     Slot(u8),
+    Lease(u8, u8, u8),
+    Store,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -57,12 +61,20 @@ pub enum Prio {
 /// What a process does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
-    /// `exec [--read R] [--write W [--from R]] [--slot C --priority P] [--no-inherit]`.
+    /// `exec [--read R | --read-exclusive R] [--write W [--from R]]
+    /// [--slot C --priority P] [--no-inherit]`.
     Exec {
         read: Option<u8>,
+        /// `read` is `--read-exclusive`: locked exclusively, must be ready,
+        /// its state left as it is.
+        read_excl: bool,
         write: Option<u8>,
         from: bool,
         slot: Option<Prio>,
+        inherit: bool,
+    },
+    /// `exec --store-wide [--no-inherit]`.
+    StoreWide {
         inherit: bool,
     },
     Rm(u8),
@@ -76,6 +88,7 @@ pub enum Op {
 pub fn exec_read(i: u8) -> Op {
     Op::Exec {
         read: Some(i),
+        read_excl: false,
         write: None,
         from: false,
         slot: None,
@@ -86,6 +99,7 @@ pub fn exec_read(i: u8) -> Op {
 pub fn exec_write(i: u8) -> Op {
     Op::Exec {
         read: None,
+        read_excl: false,
         write: Some(i),
         from: false,
         slot: None,
@@ -102,15 +116,17 @@ impl std::fmt::Display for Op {
         match *self {
             Op::Exec {
                 read,
+                read_excl,
                 write,
                 from,
                 slot,
                 inherit,
             } => {
                 write!(f, "exec")?;
-                match (read, from) {
-                    (Some(r), false) => write!(f, " --read {}", img_name(r))?,
-                    (Some(r), true) => write!(f, " --from {}", img_name(r))?,
+                match (read, from, read_excl) {
+                    (Some(r), false, false) => write!(f, " --read {}", img_name(r))?,
+                    (Some(r), false, true) => write!(f, " --read-exclusive {}", img_name(r))?,
+                    (Some(r), true, _) => write!(f, " --from {}", img_name(r))?,
                     _ => {}
                 }
                 if let Some(w) = write {
@@ -121,6 +137,13 @@ impl std::fmt::Display for Op {
                     Some(Prio::High) => write!(f, " --slot c --priority high")?,
                     None => {}
                 }
+                if !inherit {
+                    write!(f, " --no-inherit")?;
+                }
+                Ok(())
+            }
+            Op::StoreWide { inherit } => {
+                write!(f, "exec --store-wide")?;
                 if !inherit {
                     write!(f, " --no-inherit")?;
                 }
@@ -160,10 +183,19 @@ pub struct Rules {
     /// The lock table names holders (local filesystem): a `--no-inherit`
     /// ancestor's hold is found. On NFS only inherited descriptors are.
     pub local_fs: bool,
-    /// Holder records judged by their owner's liveness (the lease probe to
-    /// come; the lock table's pid locally). Off: by the lock's mode alone,
-    /// as on NFS today.
-    pub owner_judged: bool,
+    /// Records judged by their owner's lease (and, locally, holders by the
+    /// lock table's entry of the owner). Off: by the lock's mode alone, as
+    /// records of releases before leases are on NFS.
+    pub leases: bool,
+    /// The lease's owner, after locking its fresh file, checks that the file
+    /// is still the one at the path, and makes it again if not.
+    pub lease_recheck: bool,
+    /// A prober unlinks a lease only under its exclusive lock. Off: it
+    /// unlinks the leases its probe found free.
+    pub lease_unlink_locked: bool,
+    /// Claiming transactions (an exec's start, a removal's mark) honour a
+    /// live store-wide hold.
+    pub store_check: bool,
 }
 
 impl Default for Rules {
@@ -174,7 +206,10 @@ impl Default for Rules {
             gate: true,
             keeper: true,
             local_fs: true,
-            owner_judged: true,
+            leases: true,
+            lease_recheck: true,
+            lease_unlink_locked: true,
+            store_check: true,
         }
     }
 }
@@ -197,6 +232,18 @@ pub struct Config {
 pub enum Pc {
     /// Not started (a nested one: its parent's command has not called it).
     Choose,
+    /// The lease: open (creating) a fresh name, then lock it and re-check.
+    LeaseCreate,
+    LeaseLock,
+    /// `exec --store-wide`: `store.lock`, the record, the wait for every
+    /// image lock and slot to be free.
+    StoreLock,
+    StoreRecord,
+    StoreFree,
+    StoreWaitFree(Key),
+    /// An exec that found a store-wide hold at its start, holding nothing.
+    StoreAwait,
+    StoreEnd,
     SlotTry,
     SlotWaiter,
     SlotWait,
@@ -223,6 +270,9 @@ pub enum Pc {
     LockInterrupted(u8),
     OrphanLock(u8),
     Sweep,
+    /// Cleaning the leases of dead owners (in the look's transaction).
+    CleanLock,
+    CleanUnlink,
     Collect(u8),
     Done,
 }
@@ -238,6 +288,16 @@ impl Pc {
     pub fn step(self) -> Option<Step> {
         Some(match self {
             Pc::Choose | Pc::Done => return None,
+            Pc::LeaseCreate => Step::LeaseCreate,
+            Pc::LeaseLock => Step::LeaseLock,
+            Pc::StoreLock => Step::StoreLock,
+            Pc::StoreRecord => Step::StoreRecord,
+            Pc::StoreFree => Step::StoreFree,
+            Pc::StoreWaitFree(_) => Step::StoreWaitFree,
+            Pc::StoreAwait => Step::StoreAwait,
+            Pc::StoreEnd => Step::StoreEnd,
+            Pc::CleanLock => Step::CleanLock,
+            Pc::CleanUnlink => Step::CleanUnlink,
             Pc::SlotTry => Step::SlotTry,
             Pc::SlotWaiter => Step::SlotWaiter,
             Pc::SlotWait => Step::SlotWait,
@@ -294,6 +354,16 @@ pub struct Proc {
     pub names: u8,
     /// The command's outcome.
     pub ok: bool,
+    /// The lease: its name once made (records name it), the name being
+    /// made, and the generation of the file opened under that name.
+    pub lease: Option<u8>,
+    pub lname: u8,
+    pub lgen: u8,
+    /// Lease paths a cleaning prober is about to unlink.
+    pub doomed: Vec<(u8, u8)>,
+    /// Past its claim: an exec's start (or a store-wide hold's grant) until
+    /// its locks close.
+    pub claimed: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -322,6 +392,9 @@ pub mod bad {
     pub const STALE_RECORD: u8 = 1;
     pub const DELETED_WHILE_LOCKED: u8 = 2;
     pub const BYPASS: u8 = 4;
+    pub const LIVE_DROPPED: u8 = 8;
+    pub const LEASE_STALE: u8 = 16;
+    pub const LEASE_LEFT: u8 = 32;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -337,6 +410,13 @@ pub struct State {
     /// The truth about each image's last write: (in progress, succeeded).
     pub truth: Vec<(bool, bool)>,
     pub records: Vec<Rec>,
+    /// Lease files present: (owner, name, generation). Sorted.
+    pub lfiles: Vec<(u8, u8, u8)>,
+    /// Who holds the global lock across steps (a look that cleans leases
+    /// takes several; every other transaction is one step).
+    pub global: Option<u8>,
+    /// The store-wide holder record (its owner).
+    pub store_rec: Option<u8>,
     pub crashes: u8,
     pub bad: u8,
 }
@@ -374,9 +454,19 @@ impl Proto {
     /// The image locks an operation takes, in lock order (ascending ENC).
     pub fn wanted(op: Op) -> Vec<(u8, Mode)> {
         match op {
-            Op::Exec { read, write, .. } => {
+            Op::Exec {
+                read,
+                read_excl,
+                write,
+                ..
+            } => {
+                let rmode = if read_excl {
+                    Mode::Exclusive
+                } else {
+                    Mode::Shared
+                };
                 let mut w: Vec<(u8, Mode)> = read
-                    .map(|r| (r, Mode::Shared))
+                    .map(|r| (r, rmode))
                     .into_iter()
                     .chain(write.map(|w| (w, Mode::Exclusive)))
                     .collect();
@@ -415,11 +505,99 @@ impl Proto {
         s.locks.retain(|(k, o, _)| !(*k == key && *o as usize == p));
     }
 
-    /// Closes every descriptor of the process: its flocks go.
+    /// Closes every descriptor of the process: its flocks go, its lease's
+    /// too.
     fn close_all(s: &mut State, p: usize) {
         s.locks.retain(|(_, o, _)| *o as usize != p);
         s.procs[p].held.clear();
         s.procs[p].slot = None;
+        s.procs[p].claimed = false;
+        if s.global == Some(p as u8) {
+            s.global = None;
+        }
+    }
+
+    /// Closes the image and slot descriptors, keeping the lease (a request
+    /// that starts over).
+    fn close_locks(s: &mut State, p: usize) {
+        s.locks
+            .retain(|(k, o, _)| *o as usize != p || matches!(k, Key::Lease(..)));
+        s.procs[p].held.clear();
+        s.procs[p].slot = None;
+        s.procs[p].claimed = false;
+    }
+
+    // -- leases ------------------------------------------------------------
+
+    /// The generation of the lease file at path (owner, name), if any.
+    fn lease_file(s: &State, o: u8, n: u8) -> Option<u8> {
+        s.lfiles
+            .iter()
+            .find(|(fo, fname, _)| *fo == o && *fname == n)
+            .map(|f| f.2)
+    }
+
+    fn unlink_lease(s: &mut State, o: u8, n: u8) {
+        s.lfiles.retain(|(fo, fname, _)| !(*fo == o && *fname == n));
+    }
+
+    /// `lease::probe`: the owner's lease file is at its path and held
+    /// exclusively. A process without a lease records nothing.
+    fn lease_alive(s: &State, o: usize) -> bool {
+        let Some(n) = s.procs[o].lease else {
+            return false;
+        };
+        Self::lease_file(s, o as u8, n)
+            .is_some_and(|g| !Self::grantable(s, Key::Lease(o as u8, n, g), Mode::Shared))
+    }
+
+    /// The truth: the owner, or a command holding what it inherited, lives.
+    fn owner_lives(s: &State, o: usize) -> bool {
+        s.procs[o].alive || s.procs[o].cmd == Cmd::Running
+    }
+
+    // -- store-wide holds --------------------------------------------------
+
+    /// The holder of a store-wide record whose lease (`store.lock`) is held.
+    fn live_hold(s: &State) -> Option<usize> {
+        let h = s.store_rec?;
+        s.locks
+            .iter()
+            .any(|(k, o, m)| *k == Key::Store && *o == h && *m == Mode::Exclusive)
+            .then_some(h as usize)
+    }
+
+    /// `store_wide::check`: inside the hold (its command's tree), or in the
+    /// command of an image user that the hold waits for.
+    fn exempt_from_hold(&self, s: &State, p: usize) -> bool {
+        self.enclosing(s, p, Key::Store) == Some(Mode::Exclusive)
+            || s.locks
+                .iter()
+                .any(|(k, _, _)| matches!(k, Key::Img(..)) && self.enclosing(s, p, *k).is_some())
+    }
+
+    /// A claiming transaction looks at the store-wide record: a stale one
+    /// goes; a live one refuses the claim (true).
+    fn store_refuses(&self, s: &mut State, p: usize) -> bool {
+        if s.store_rec.is_none() {
+            return false;
+        }
+        if Self::live_hold(s).is_none() {
+            s.store_rec = None;
+            return false;
+        }
+        self.cfg.rules.store_check && !self.exempt_from_hold(s, p)
+    }
+
+    fn in_tree_of(&self, q: usize, h: usize) -> bool {
+        let mut at = self.cfg.roles[q].parent;
+        while let Some(a) = at {
+            if a as usize == h {
+                return true;
+            }
+            at = self.cfg.roles[a as usize].parent;
+        }
+        false
     }
 
     /// The file at the image's path, created if missing.
@@ -442,7 +620,9 @@ impl Proto {
     fn enclosing(&self, s: &State, p: usize, key: Key) -> Option<Mode> {
         let q = self.cfg.roles[p].parent? as usize;
         let visible = match self.op(s, q) {
-            Some(Op::Exec { inherit, .. }) => inherit || self.cfg.rules.local_fs,
+            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit }) => {
+                inherit || self.cfg.rules.local_fs
+            }
             _ => false,
         };
         if !visible {
@@ -495,46 +675,70 @@ impl Proto {
         }
     }
 
-    /// `status::judge`: does the record stand?
+    /// `status::judge`: does the record stand? Its owner's lease is probed
+    /// first: free or missing, the owner is gone and the record with it.
     fn stands(&self, s: &State, r: &Rec) -> bool {
         let held_in = |key: Key, mode: Option<Mode>, owner: Option<u8>| {
             s.locks.iter().any(|(k, o, m)| {
                 *k == key && mode.is_none_or(|x| x == *m) && owner.is_none_or(|x| x == *o)
             })
         };
+        let rules = &self.cfg.rules;
         let o = r.owner as usize;
+        // Without leases a waiter was judged by its pid (alive or not).
+        let owner_ok = if rules.leases {
+            Self::lease_alive(s, o)
+        } else {
+            r.role == RecRole::Holder || s.procs[o].alive
+        };
+        if !owner_ok {
+            return false;
+        }
         match (r.role, r.of) {
             (RecRole::Holder, RecOf::Img(i)) => {
                 let Some(g) = s.file[i as usize] else {
                     return false;
                 };
-                let by = self.cfg.rules.owner_judged.then_some(r.owner);
+                // The lock table names the lease's taker (local filesystems):
+                // the holder must be among the lock's entries.
+                let by = (rules.leases && rules.local_fs).then_some(r.owner);
                 held_in(Key::Img(i, g), Some(r.mode), by)
             }
             (RecRole::Holder, RecOf::Slot(f)) => held_in(Key::Slot(f), None, Some(r.owner)),
             (RecRole::Holder, RecOf::SlotClass) => false,
             (RecRole::Waiter, RecOf::Img(i)) => {
-                s.procs[o].alive
-                    && s.file[i as usize].is_some_and(|g| held_in(Key::Img(i, g), None, None))
+                s.file[i as usize].is_some_and(|g| held_in(Key::Img(i, g), None, None))
             }
-            (RecRole::Waiter, _) => {
-                s.procs[o].alive && s.locks.iter().any(|(k, _, _)| matches!(k, Key::Slot(_)))
-            }
+            (RecRole::Waiter, _) => s.locks.iter().any(|(k, _, _)| matches!(k, Key::Slot(_))),
         }
     }
 
-    /// A look at the records in `scope`: stale ones are deleted; a record
-    /// of a dead owner that survives it is a violation.
+    /// A look at the records in `scope`: stale ones are deleted. A record
+    /// of a dead owner (or with a free lease) that survives it, or one of a
+    /// live owner dropped for a lease judged dead, is a violation.
     fn look(&self, s: &mut State, scope: impl Fn(&Rec) -> bool) {
-        let keep: Vec<Rec> = s
-            .records
-            .iter()
-            .filter(|r| !scope(r) || self.stands(s, r))
-            .copied()
-            .collect();
+        let leases = self.cfg.rules.leases;
+        let mut keep = Vec::with_capacity(s.records.len());
+        for r in &s.records {
+            if !scope(r) || self.stands(s, r) {
+                keep.push(*r);
+            } else if leases
+                && !Self::lease_alive(s, r.owner as usize)
+                && Self::owner_lives(s, r.owner as usize)
+            {
+                s.bad |= bad::LIVE_DROPPED;
+            }
+        }
         s.records = keep;
         if s.records.iter().any(|r| scope(r) && Self::owner_dead(s, r)) {
             s.bad |= bad::STALE_RECORD;
+        }
+        if leases
+            && s.records
+                .iter()
+                .any(|r| scope(r) && !Self::lease_alive(s, r.owner as usize))
+        {
+            s.bad |= bad::LEASE_STALE;
         }
     }
 
@@ -558,8 +762,21 @@ impl Proto {
         let Some(op) = self.op(s, p) else {
             return false;
         };
+        // The global lock serialises transactions; a look that cleans
+        // leases holds it over several steps.
+        if pr.pc.step().is_some_and(Step::in_transaction)
+            && s.global.is_some_and(|g| g as usize != p)
+        {
+            return false;
+        }
         match pr.pc {
             Pc::Choose | Pc::Done | Pc::Command => false,
+            Pc::StoreLock => {
+                Self::grantable(s, Key::Store, Mode::Exclusive)
+                    || self.enclosing(s, p, Key::Store) == Some(Mode::Exclusive)
+            }
+            Pc::StoreWaitFree(k) => Self::grantable(s, k, Mode::Exclusive),
+            Pc::StoreAwait => Self::grantable(s, Key::Store, Mode::Shared),
             Pc::SlotWait => {
                 let Op::Exec {
                     slot: Some(prio), ..
@@ -656,7 +873,7 @@ impl Proto {
     /// SIGKILL of one stowage process.
     fn kill(&self, s: &mut State, p: usize) {
         let inherit = match self.op(s, p) {
-            Some(Op::Exec { inherit, .. }) => inherit,
+            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit }) => inherit,
             _ => true,
         };
         let pr = &mut s.procs[p];
@@ -729,10 +946,30 @@ impl Proto {
         }
     }
 
-    fn first(op: Op) -> Pc {
+    /// The first step: the lease, for a process that locks something and
+    /// records itself (exec, rm, gc; `store-wide`'s own record is judged by
+    /// `store.lock`, and looks lock nothing of their own).
+    fn first(&self, op: Op) -> Pc {
+        match op {
+            Op::Exec { .. } | Op::Rm(_) | Op::Gc if self.cfg.rules.leases => Pc::LeaseCreate,
+            _ => Self::after_lease(op),
+        }
+    }
+
+    /// The image locks, or what follows them when there are none.
+    fn images(op: Op) -> Pc {
+        if Self::wanted(op).is_empty() {
+            Self::after_images(op)
+        } else {
+            Pc::Try(0)
+        }
+    }
+
+    fn after_lease(op: Op) -> Pc {
         match op {
             Op::Exec { slot: Some(_), .. } => Pc::SlotTry,
-            Op::Exec { .. } | Op::Rm(_) => Pc::Try(0),
+            Op::Exec { .. } | Op::Rm(_) => Self::images(op),
+            Op::StoreWide { .. } => Pc::StoreLock,
             Op::Gc => Pc::ListInterrupted,
             Op::Doctor | Op::Look => Pc::Sweep,
         }
@@ -755,11 +992,11 @@ impl Proto {
     fn next_in_phase(&self, ret: Ret, i: u8) -> Pc {
         let n = self.cfg.images;
         match ret {
-            Ret::Rm => Pc::Done,
+            Ret::Rm => Pc::Release,
             Ret::Interrupted if i + 1 < n => Pc::LockInterrupted(i + 1),
             Ret::Interrupted => Pc::OrphanLock(0),
             Ret::Collect if i + 1 < n => Pc::Collect(i + 1),
-            Ret::Collect => Pc::Done,
+            Ret::Collect => Pc::Release,
         }
     }
 
@@ -810,6 +1047,139 @@ impl Proto {
         let pc = s.procs[p].pc;
         match pc {
             Pc::Choose | Pc::Done | Pc::Command => unreachable!(),
+            Pc::LeaseCreate => {
+                // open(O_CREAT) of our name: the file there, or a new one.
+                let (me, n) = (p as u8, s.procs[p].lname);
+                let g = match Self::lease_file(s, me, n) {
+                    Some(g) => g,
+                    None => {
+                        let g = s.procs[p].lgen + 1;
+                        s.lfiles.push((me, n, g));
+                        s.lfiles.sort();
+                        g
+                    }
+                };
+                s.procs[p].lgen = g;
+                s.procs[p].pc = Pc::LeaseLock;
+            }
+            Pc::LeaseLock => {
+                let (me, n, g) = (p as u8, s.procs[p].lname, s.procs[p].lgen);
+                let key = Key::Lease(me, n, g);
+                if !Self::grantable(s, key, Mode::Exclusive) {
+                    // A prober holds our fresh file: another name.
+                    s.procs[p].lname += 1;
+                    s.procs[p].lgen = 0;
+                    s.procs[p].pc = Pc::LeaseCreate;
+                    return;
+                }
+                if rules.lease_recheck && Self::lease_file(s, me, n) != Some(g) {
+                    // A prober found the fresh file unlocked and unlinked
+                    // it: the lock is on nothing. Make it again.
+                    s.procs[p].pc = Pc::LeaseCreate;
+                    return;
+                }
+                Self::take(s, key, p, Mode::Exclusive);
+                s.procs[p].lease = Some(n);
+                s.procs[p].pc = Self::after_lease(op);
+            }
+            Pc::CleanLock => {
+                let own = s.procs[p].lease.map(|n| (p as u8, n));
+                let files = s.lfiles.clone();
+                for (o, n, g) in files {
+                    if Some((o, n)) == own {
+                        continue;
+                    }
+                    let key = Key::Lease(o, n, g);
+                    if rules.lease_unlink_locked {
+                        if Self::grantable(s, key, Mode::Exclusive) {
+                            Self::take(s, key, p, Mode::Exclusive);
+                            s.procs[p].doomed.push((o, n));
+                        }
+                    } else if Self::grantable(s, key, Mode::Shared) {
+                        // The probe's shared lock, dropped at once.
+                        s.procs[p].doomed.push((o, n));
+                    }
+                }
+                // Every lease left is held, or is a fresh file whose live
+                // owner has not locked it yet.
+                if rules.lease_unlink_locked {
+                    let left = s.lfiles.iter().any(|&(o, n, g)| {
+                        let held = !Self::grantable(s, Key::Lease(o, n, g), Mode::Shared);
+                        let fresh = s.procs[o as usize].alive
+                            && s.procs[o as usize].pc == Pc::LeaseLock
+                            && s.procs[o as usize].lname == n;
+                        !held && !fresh && Some((o, n)) != own
+                    });
+                    if left {
+                        s.bad |= bad::LEASE_LEFT;
+                    }
+                }
+                s.procs[p].pc = Pc::CleanUnlink;
+            }
+            Pc::CleanUnlink => {
+                for (o, n) in std::mem::take(&mut s.procs[p].doomed) {
+                    Self::unlink_lease(s, o, n);
+                }
+                let own = s.procs[p].lease.map(|n| (p as u8, n));
+                s.locks.retain(|(k, q, _)| match k {
+                    Key::Lease(o, n, _) => *q as usize != p || Some((*o, *n)) == own,
+                    _ => true,
+                });
+                s.global = None;
+                s.procs[p].pc = match op {
+                    Op::Gc => Pc::Collect(0),
+                    Op::Doctor => Pc::ListInterrupted,
+                    _ => Pc::Done,
+                };
+            }
+            Pc::StoreLock => {
+                if Self::grantable(s, Key::Store, Mode::Exclusive) {
+                    Self::take(s, Key::Store, p, Mode::Exclusive);
+                    s.procs[p].pc = Pc::StoreRecord;
+                } else {
+                    // Inside a store-wide command: waiting for it would
+                    // never end (75).
+                    s.procs[p].pc = Pc::Release;
+                }
+            }
+            Pc::StoreRecord => {
+                // Records of earlier holders are stale: we hold their lease.
+                s.store_rec = Some(p as u8);
+                s.procs[p].pc = Pc::StoreFree;
+            }
+            Pc::StoreFree => {
+                let busy = s
+                    .locks
+                    .iter()
+                    .filter(|(k, _, _)| match k {
+                        Key::Img(i, g) => s.file[*i as usize] == Some(*g),
+                        Key::Slot(_) => true,
+                        _ => false,
+                    })
+                    .map(|(k, _, _)| *k)
+                    .next();
+                match busy {
+                    None => {
+                        s.procs[p].claimed = true;
+                        s.procs[p].pc = Pc::Spawn;
+                    }
+                    // Held by our enclosing command, which waits for us.
+                    Some(k) if self.enclosing(s, p, k).is_some() => s.procs[p].pc = Pc::StoreEnd,
+                    Some(k) => s.procs[p].pc = Pc::StoreWaitFree(k),
+                }
+            }
+            // Taken and dropped at once; then look again.
+            Pc::StoreWaitFree(_) => s.procs[p].pc = Pc::StoreFree,
+            Pc::StoreAwait => {
+                // Taken shared and dropped: the hold is over. Start over.
+                s.procs[p].pc = Self::after_lease(op);
+            }
+            Pc::StoreEnd => {
+                if s.store_rec == Some(p as u8) {
+                    s.store_rec = None;
+                }
+                s.procs[p].pc = Pc::Release;
+            }
             Pc::SlotTry => {
                 let Op::Exec {
                     slot: Some(prio), ..
@@ -825,14 +1195,14 @@ impl Proto {
                 {
                     Self::take(s, Key::Slot(f), p, Mode::Exclusive);
                     s.procs[p].slot = Some(f);
-                    s.procs[p].pc = Pc::Try(0);
+                    s.procs[p].pc = Self::images(op);
                 } else if rules.nested
                     && cands
                         .iter()
                         .any(|f| self.enclosing(s, p, Key::Slot(*f)).is_some())
                 {
                     // Works under the enclosing command's slot.
-                    s.procs[p].pc = Pc::Try(0);
+                    s.procs[p].pc = Self::images(op);
                 } else {
                     s.procs[p].pc = Pc::SlotWaiter;
                 }
@@ -864,7 +1234,7 @@ impl Proto {
                     .expect("enabled");
                 Self::take(s, Key::Slot(f), p, Mode::Exclusive);
                 s.procs[p].slot = Some(f);
-                s.procs[p].pc = Pc::Try(0);
+                s.procs[p].pc = Self::images(op);
             }
             Pc::Try(k) => {
                 let (img, mode) = Self::wanted(op)[k as usize];
@@ -873,7 +1243,7 @@ impl Proto {
                     // No lock file: only a write creates one unasked;
                     // otherwise `require` checks the row first.
                     let ok = match op {
-                        Op::Exec { .. } if mode == Mode::Exclusive => true,
+                        Op::Exec { write, .. } if write == Some(img) => true,
                         Op::Exec { .. } => s.rows[i] == Some(Row::Ready),
                         _ => s.rows[i].is_some(),
                     };
@@ -979,6 +1349,9 @@ impl Proto {
                             && (*mode == Mode::Exclusive || r.mode == Mode::Exclusive))
                     });
                 }
+                // A live store-wide hold: claim nothing, wait, start over.
+                let store_held = self.store_refuses(s, p);
+                let mut refused = false;
                 if let Some(r) = read {
                     let ri = r as usize;
                     match s.rows[ri] {
@@ -987,21 +1360,30 @@ impl Proto {
                             if other.is_some_and(Row::being_written) {
                                 s.rows[ri] = Some(Row::Incomplete);
                             }
-                            // Refused: a lock file this exec made for an
-                            // image it would have created goes again.
-                            // (Unlinked after the commit and closed when the
-                            // request gives up; it does nothing with the
-                            // image between, so one step here.)
-                            if let Some(w) = write
-                                && s.rows[w as usize].is_none()
-                            {
-                                Self::unlink(s, p, w);
-                            }
-                            s.procs[p].pc = Pc::Release;
-                            return;
+                            refused = true;
                         }
                     }
                 }
+                if refused || store_held {
+                    // A lock file this exec made for an image it would have
+                    // created goes again. (Unlinked after the commit and
+                    // closed when the request gives up; it does nothing
+                    // with the image between, so one step here.)
+                    if let Some(w) = write
+                        && s.rows[w as usize].is_none()
+                    {
+                        Self::unlink(s, p, w);
+                    }
+                    if store_held {
+                        // Holding nothing (the lease aside).
+                        Self::close_locks(s, p);
+                        s.procs[p].pc = Pc::StoreAwait;
+                    } else {
+                        s.procs[p].pc = Pc::Release;
+                    }
+                    return;
+                }
+                s.procs[p].claimed = true;
                 if let Some(f) = s.procs[p].slot {
                     Self::insert_record(
                         s,
@@ -1092,6 +1474,10 @@ impl Proto {
                 s.procs[p].pc = Pc::Release;
             }
             Pc::Release => {
+                // `lease::retire`: the lease file goes, under its lock.
+                if let Some(n) = s.procs[p].lease.take() {
+                    Self::unlink_lease(s, p as u8, n);
+                }
                 Self::close_all(s, p);
                 // A failed request leaves no waiter record behind.
                 Self::drop_records(s, p, Some(RecRole::Waiter));
@@ -1102,6 +1488,16 @@ impl Proto {
                 if ret == Ret::Rm {
                     // `rm` drops its waiter record once it holds the lock.
                     Self::drop_records(s, p, Some(RecRole::Waiter));
+                }
+                if self.store_refuses(s, p) {
+                    // A store-wide command runs: busy (75); gc and doctor
+                    // leave the image for later.
+                    Self::release_image(s, p, img);
+                    s.procs[p].pc = match ret {
+                        Ret::Rm => Pc::Release,
+                        _ => self.next_in_phase(ret, img),
+                    };
+                    return;
                 }
                 if s.rows[i].is_none() {
                     // Removed by someone else meanwhile: the lock file
@@ -1213,11 +1609,18 @@ impl Proto {
                     }
                 }
                 s.procs[p].listed = listed;
-                s.procs[p].pc = match op {
-                    Op::Gc => Pc::Collect(0),
-                    Op::Doctor => Pc::ListInterrupted,
-                    _ => Pc::Done,
-                };
+                if rules.leases {
+                    // Then, in the same transaction, the leases of owners
+                    // that died.
+                    s.global = Some(p as u8);
+                    s.procs[p].pc = Pc::CleanLock;
+                } else {
+                    s.procs[p].pc = match op {
+                        Op::Gc => Pc::Collect(0),
+                        Op::Doctor => Pc::ListInterrupted,
+                        _ => Pc::Done,
+                    };
+                }
             }
             Pc::Collect(img) => {
                 let next = self.next_in_phase(Ret::Collect, img);
@@ -1257,6 +1660,11 @@ impl Proto {
                     listed: 0,
                     names: 0,
                     ok: false,
+                    lease: None,
+                    lname: 0,
+                    lgen: 0,
+                    doomed: vec![],
+                    claimed: false,
                 };
                 self.cfg.roles.len()
             ],
@@ -1267,6 +1675,9 @@ impl Proto {
             tree: vec![false; n],
             truth: vec![(false, false); n],
             records: vec![],
+            lfiles: vec![],
+            global: None,
+            store_rec: None,
             crashes: 0,
             bad: 0,
         };
@@ -1327,6 +1738,55 @@ impl Proto {
             .all(|i| s.rows[i] != Some(Row::Ready) || (!s.truth[i].0 && s.truth[i].1))
     }
 
+    /// At work on an image or a slot: an exec past its start, or its
+    /// command; a removal past its mark.
+    fn at_work(&self, s: &State, q: usize) -> bool {
+        let pr = &s.procs[q];
+        match self.op(s, q) {
+            Some(Op::Exec { .. }) => pr.claimed || pr.cmd == Cmd::Running,
+            Some(Op::Rm(_) | Op::Gc | Op::Doctor) => {
+                pr.alive && matches!(pr.pc, Pc::Trash(..) | Pc::DropRow(..) | Pc::Unlink(..))
+            }
+            _ => false,
+        }
+    }
+
+    /// A store-wide hold that was granted and has not ended (its record
+    /// dropped, or its command gone with its stowage).
+    fn granted_hold(&self, s: &State) -> Option<usize> {
+        let h = s.store_rec? as usize;
+        (matches!(self.op(s, h), Some(Op::StoreWide { .. }))
+            && (s.procs[h].claimed || s.procs[h].cmd == Cmd::Running))
+            .then_some(h)
+    }
+
+    /// While a store-wide hold is granted, nobody outside its command is at
+    /// work on an image or a slot, and every image or slot lock held
+    /// outside it is a request's that will claim nothing.
+    pub fn store_hold_alone(&self, s: &State) -> bool {
+        let Some(h) = self.granted_hold(s) else {
+            return true;
+        };
+        (0..s.procs.len())
+            .filter(|&q| q != h && !self.in_tree_of(q, h))
+            .all(|q| !self.at_work(s, q))
+    }
+
+    /// An image held by `--read-exclusive` is ready, before, during and
+    /// after the command.
+    pub fn exclusive_read_leaves_ready(&self, s: &State) -> bool {
+        (0..s.procs.len()).all(|q| match self.op(s, q) {
+            Some(Op::Exec {
+                read: Some(r),
+                read_excl: true,
+                ..
+            }) if s.procs[q].claimed || s.procs[q].cmd == Cmd::Running => {
+                s.rows[r as usize] == Some(Row::Ready)
+            }
+            _ => true,
+        })
+    }
+
     pub fn slots_within_limits(&self, s: &State) -> bool {
         let l = self.cfg.slot_limit;
         s.procs.iter().enumerate().all(|(p, pr)| {
@@ -1379,7 +1839,7 @@ impl Model for Proto {
             Action::Choose(p, i) => {
                 let p = p as usize;
                 s.procs[p].op = Some(i);
-                s.procs[p].pc = Self::first(self.cfg.roles[p].menu[i as usize]);
+                s.procs[p].pc = self.first(self.cfg.roles[p].menu[i as usize]);
             }
             Action::Step(p) => self.step(&mut s, p as usize),
             Action::Fail(p) => {
@@ -1392,7 +1852,9 @@ impl Model for Proto {
                     }
                     Pc::Spawn => {
                         let from = matches!(self.op(&s, p), Some(Op::Exec { from: true, .. }));
-                        if from {
+                        if matches!(self.op(&s, p), Some(Op::StoreWide { .. })) {
+                            s.procs[p].pc = Pc::StoreEnd;
+                        } else if from {
                             s.procs[p].ok = false;
                             s.procs[p].pc = Pc::Finish;
                         } else {
@@ -1412,7 +1874,10 @@ impl Model for Proto {
                     }
                 }
                 if s.procs[p].alive {
-                    s.procs[p].pc = Pc::Finish;
+                    s.procs[p].pc = match self.op(&s, p) {
+                        Some(Op::StoreWide { .. }) => Pc::StoreEnd,
+                        _ => Pc::Finish,
+                    };
                 } else {
                     // The last holder of the inherited descriptors is gone.
                     Self::close_all(&mut s, p);
@@ -1454,6 +1919,24 @@ impl Model for Proto {
             Property::always("slots within their limits", |m: &Proto, s: &State| {
                 m.slots_within_limits(s)
             }),
+            Property::always(
+                "no record lives past a look once its lease is free",
+                |_, s: &State| s.bad & bad::LEASE_STALE == 0,
+            ),
+            Property::always("a live holder's record is never dropped", |_, s: &State| {
+                s.bad & bad::LIVE_DROPPED == 0
+            }),
+            Property::always("a clean leaves no lease of a dead owner", |_, s: &State| {
+                s.bad & bad::LEASE_LEFT == 0
+            }),
+            Property::always(
+                "while a store-wide hold is granted, nobody else is at work on an image or slot",
+                |m: &Proto, s: &State| m.store_hold_alone(s),
+            ),
+            Property::always(
+                "an exclusively read image stays ready",
+                |m: &Proto, s: &State| m.exclusive_read_leaves_ready(s),
+            ),
             Property::sometimes(
                 "a nested reader holds the image while a writer waits",
                 |m: &Proto, s: &State| {
@@ -1503,6 +1986,69 @@ impl Model for Proto {
                     .iter()
                     .any(|&i| s.rows[i as usize].is_none())
             }),
+            Property::sometimes(
+                "a prober unlinks a fresh lease before its owner locks it",
+                |_, s: &State| {
+                    s.procs.iter().enumerate().any(|(p, pr)| {
+                        pr.alive
+                            && pr.pc == Pc::LeaseLock
+                            && Self::lease_file(s, p as u8, pr.lname) != Some(pr.lgen)
+                    })
+                },
+            ),
+            Property::sometimes(
+                "an owner finds its fresh lease held by a prober",
+                |_, s: &State| {
+                    s.procs.iter().enumerate().any(|(p, pr)| {
+                        pr.alive
+                            && pr.pc == Pc::LeaseLock
+                            && !Self::grantable(
+                                s,
+                                Key::Lease(p as u8, pr.lname, pr.lgen),
+                                Mode::Exclusive,
+                            )
+                    })
+                },
+            ),
+            Property::sometimes(
+                "the lease of a dead owner waits to be cleaned",
+                |_, s: &State| {
+                    s.lfiles.iter().any(|&(o, n, g)| {
+                        !Self::owner_lives(s, o as usize)
+                            && Self::grantable(s, Key::Lease(o, n, g), Mode::Exclusive)
+                    })
+                },
+            ),
+            Property::sometimes(
+                "an exec waits for a granted store-wide hold",
+                |m: &Proto, s: &State| {
+                    m.granted_hold(s).is_some()
+                        && s.procs.iter().any(|pr| pr.alive && pr.pc == Pc::StoreAwait)
+                },
+            ),
+            Property::sometimes(
+                "a store-wide hold waits for an image user",
+                |_, s: &State| {
+                    s.procs
+                        .iter()
+                        .any(|pr| pr.alive && matches!(pr.pc, Pc::StoreWaitFree(Key::Img(..))))
+                },
+            ),
+            Property::sometimes(
+                "an exclusive reader's command runs",
+                |m: &Proto, s: &State| {
+                    (0..s.procs.len()).any(|q| {
+                        s.procs[q].cmd == Cmd::Running
+                            && matches!(
+                                m.op(s, q),
+                                Some(Op::Exec {
+                                    read_excl: true,
+                                    ..
+                                })
+                            )
+                    })
+                },
+            ),
             Property::sometimes(
                 "a process works under its enclosing command's slot",
                 |m: &Proto, s: &State| {

@@ -7,6 +7,14 @@
 /// One step of a process, as the model takes it (atomically).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Step {
+    LeaseCreate,
+    LeaseLock,
+    StoreLock,
+    StoreRecord,
+    StoreFree,
+    StoreWaitFree,
+    StoreAwait,
+    StoreEnd,
     SlotTry,
     SlotWaiter,
     SlotWait,
@@ -31,10 +39,20 @@ pub enum Step {
     LockInterrupted,
     OrphanLock,
     Sweep,
+    CleanLock,
+    CleanUnlink,
     Collect,
 }
 
 pub const ALL: &[Step] = &[
+    Step::LeaseCreate,
+    Step::LeaseLock,
+    Step::StoreLock,
+    Step::StoreRecord,
+    Step::StoreFree,
+    Step::StoreWaitFree,
+    Step::StoreAwait,
+    Step::StoreEnd,
     Step::SlotTry,
     Step::SlotWaiter,
     Step::SlotWait,
@@ -59,6 +77,8 @@ pub const ALL: &[Step] = &[
     Step::LockInterrupted,
     Step::OrphanLock,
     Step::Sweep,
+    Step::CleanLock,
+    Step::CleanUnlink,
     Step::Collect,
 ];
 
@@ -66,6 +86,14 @@ impl Step {
     /// The name docs/design.md uses.
     pub fn name(self) -> &'static str {
         match self {
+            Step::LeaseCreate => "lease-create",
+            Step::LeaseLock => "lease-lock",
+            Step::StoreLock => "store-lock",
+            Step::StoreRecord => "store-record",
+            Step::StoreFree => "store-free",
+            Step::StoreWaitFree => "store-wait-free",
+            Step::StoreAwait => "store-await",
+            Step::StoreEnd => "store-end",
             Step::SlotTry => "slot-try",
             Step::SlotWaiter => "slot-waiter",
             Step::SlotWait => "slot-wait",
@@ -90,6 +118,8 @@ impl Step {
             Step::LockInterrupted => "lock-interrupted",
             Step::OrphanLock => "orphan-lock",
             Step::Sweep => "sweep",
+            Step::CleanLock => "clean-lock",
+            Step::CleanUnlink => "clean-unlink",
             Step::Collect => "collect",
         }
     }
@@ -98,6 +128,18 @@ impl Step {
     /// `Type::method` inside the module).
     pub fn code(self) -> &'static [&'static str] {
         match self {
+            Step::LeaseCreate => &["lease::mine", "lease::create", "lock::open"],
+            Step::LeaseLock => &["lease::create", "lock::try_lock", "lock::still_linked"],
+            Step::StoreLock => &["store_wide::take", "lock::lock", "kernel::enclosing_hold"],
+            Step::StoreRecord => &["store_wide::take"],
+            Step::StoreFree => &[
+                "store::global_with_images_free",
+                "store::first_busy_image",
+                "kernel::enclosing_hold",
+            ],
+            Step::StoreWaitFree => &["store::global_with_images_free", "lock::lock"],
+            Step::StoreAwait => &["store_wide::wait_until_free", "lock::lock"],
+            Step::StoreEnd => &["store_wide::release", "store_wide::forget_deleted"],
             Step::SlotTry => &[
                 "slots::acquire_unrecorded",
                 "lock::lock_any",
@@ -111,14 +153,18 @@ impl Step {
                 "lock::still_linked",
                 "kernel::enclosing_hold",
             ],
-            Step::Waiter => &["session::acquire_image", "status::judge"],
+            Step::Waiter => &["session::acquire_image", "status::judge", "lease::probe"],
             Step::Gate => &["session::wait_image", "lock::lock"],
             Step::Wait => &[
                 "session::wait_image",
                 "lock::lock_any",
                 "lock::still_linked",
             ],
-            Step::Start => &["session::start", "session::prepare_write"],
+            Step::Start => &[
+                "session::start",
+                "session::prepare_write",
+                "store_wide::check",
+            ],
             Step::Clone => &["cli::exec::clone_into"],
             Step::ReleaseBase => &["session::release_read"],
             Step::Spawn => &["cli::exec::run", "lock::set_inheritable", "keeper::main"],
@@ -129,8 +175,13 @@ impl Step {
                 "lock::Guard",
                 "session::give_up",
                 "remove::release_unclaimed",
+                "lease::retire",
             ],
-            Step::Mark => &["remove::remove_locked", "remove::recheck"],
+            Step::Mark => &[
+                "remove::remove_locked",
+                "remove::recheck",
+                "store_wide::check_busy",
+            ],
             Step::Trash => &["remove::take_out"],
             Step::DropRow => &["remove::remove_locked"],
             Step::Unlink => &["remove::unlink_lock", "dir::unlink_if"],
@@ -138,7 +189,9 @@ impl Step {
             Step::ListInterrupted => &["remove::finish_interrupted"],
             Step::LockInterrupted => &["remove::finish_interrupted", "remove::recheck"],
             Step::OrphanLock => &["remove::finish_interrupted", "remove::recheck"],
-            Step::Sweep => &["status::sweep", "status::judge"],
+            Step::Sweep => &["status::sweep", "status::judge", "lease::probe"],
+            Step::CleanLock => &["lease::clean", "lock::try_lock"],
+            Step::CleanUnlink => &["lease::clean", "lock::unlink_lease"],
             Step::Collect => &["gc::collect", "remove::recheck"],
         }
     }
@@ -147,7 +200,12 @@ impl Step {
     pub fn in_transaction(self) -> bool {
         matches!(
             self,
-            Step::SlotWaiter
+            Step::StoreRecord
+                | Step::StoreFree
+                | Step::StoreEnd
+                | Step::CleanLock
+                | Step::CleanUnlink
+                | Step::SlotWaiter
                 | Step::Waiter
                 | Step::ReleaseBase
                 | Step::Start
@@ -162,7 +220,15 @@ impl Step {
 
     /// Steps that may block on a lock.
     pub fn blocks(self) -> bool {
-        matches!(self, Step::SlotWait | Step::Gate | Step::Wait)
+        matches!(
+            self,
+            Step::SlotWait
+                | Step::Gate
+                | Step::Wait
+                | Step::StoreLock
+                | Step::StoreWaitFree
+                | Step::StoreAwait
+        )
     }
 }
 
@@ -171,50 +237,74 @@ impl Step {
 pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
     use Step::*;
     let remove = [Mark, Trash, DropRow, Unlink, DeleteTrash];
+    let lease = [LeaseCreate, LeaseLock];
+    let look = [Sweep, CleanLock, CleanUnlink];
     vec![
         (
             "exec",
+            lease
+                .into_iter()
+                .chain([
+                    SlotTry,
+                    SlotWaiter,
+                    SlotWait,
+                    Try,
+                    Waiter,
+                    Gate,
+                    Wait,
+                    Start,
+                    StoreAwait,
+                    Clone,
+                    ReleaseBase,
+                    Spawn,
+                    Command,
+                    Abandon,
+                    Finish,
+                    Release,
+                ])
+                .collect(),
+        ),
+        (
+            "store-wide",
             vec![
-                SlotTry,
-                SlotWaiter,
-                SlotWait,
-                Try,
-                Waiter,
-                Gate,
-                Wait,
-                Start,
-                Clone,
-                ReleaseBase,
+                StoreLock,
+                StoreRecord,
+                StoreFree,
+                StoreWaitFree,
                 Spawn,
                 Command,
-                Abandon,
-                Finish,
+                StoreEnd,
                 Release,
             ],
         ),
         (
             "rm",
-            [Try, Waiter, Gate, Wait]
+            lease
                 .into_iter()
+                .chain([Try, Waiter, Gate, Wait])
                 .chain(remove)
+                .chain([Release])
                 .collect(),
         ),
         (
             "gc",
-            [ListInterrupted, LockInterrupted]
+            lease
                 .into_iter()
+                .chain([ListInterrupted, LockInterrupted])
                 .chain(remove)
-                .chain([OrphanLock, Sweep, Collect])
+                .chain([OrphanLock])
+                .chain(look)
+                .chain([Collect, Release])
                 .collect(),
         ),
         (
             "doctor",
-            [Sweep, ListInterrupted, LockInterrupted]
-                .into_iter()
+            look.into_iter()
+                .chain([ListInterrupted, LockInterrupted])
                 .chain(remove)
                 .chain([OrphanLock])
                 .collect(),
         ),
-        ("look", vec![Sweep]),
+        ("look", look.to_vec()),
     ]
 }

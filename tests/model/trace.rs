@@ -55,6 +55,8 @@ fn key(k: &Key) -> String {
         Key::Img(i, g) => format!("{}.lock#{g}", img_name(i)),
         Key::Gate(i) => format!("{}.gate", img_name(i)),
         Key::Slot(f) => format!("slot{f}"),
+        Key::Lease(o, n, g) => format!("lease P{o}.{n}#{g}"),
+        Key::Store => "store.lock".to_owned(),
     }
 }
 
@@ -100,6 +102,15 @@ pub fn summary(m: &Proto, s: &State) -> String {
         );
     }
     let _ = writeln!(out, "    records: {:?}", s.records);
+    let leases: Vec<String> = s
+        .lfiles
+        .iter()
+        .map(|&(o, n, g)| key(&Key::Lease(o, n, g)))
+        .collect();
+    let _ = writeln!(out, "    lease files: {}", leases.join("; "));
+    if let Some(h) = s.store_rec {
+        let _ = writeln!(out, "    store-wide record of P{h}");
+    }
     out
 }
 
