@@ -23,13 +23,14 @@ use serde::Serialize;
 
 use crate::adopt::{self, Adopt, Mount};
 use crate::clock;
-use crate::kernel;
+use crate::ctx::Ctx;
+use crate::filesystem;
 use crate::lock;
 use crate::meta::{self, ImageRow, ImageState, SlotClass, Tx};
 use crate::name::ImageName;
 use crate::remove;
 use crate::status;
-use crate::store::{Ctx, Store};
+use crate::store::Store;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -187,7 +188,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     if !repair && !root.exists() {
         return Err(crate::Error::NoRoot(root.dir().to_owned()).into());
     }
-    let fs_info = kernel::filesystem(root.dir()).ok();
+    let fs_info = filesystem::filesystem(root.dir()).ok();
     let mut report = Report {
         root: root.dir().display().to_string(),
         filesystem: fs_info
@@ -266,9 +267,9 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     }
 
     // Shared filesystems mounted so that locks stay on each host.
-    let (reach, mount) = kernel::lock_reach(root.dir());
+    let (reach, mount) = filesystem::lock_reach(root.dir());
     match reach {
-        kernel::Reach::NodeLocal { why, advice } => {
+        filesystem::Reach::NodeLocal { why, advice } => {
             report.locking = false;
             let at = mount
                 .as_ref()
@@ -279,15 +280,15 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
                 format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"),
             );
         }
-        kernel::Reach::Unknown { why } => report.add(
+        filesystem::Reach::Unknown { why } => report.add(
             "mount",
             Status::Info,
             format!(
                 "{why}; to check, run 'stowage doctor --hold-probe 60' on one host and 'stowage doctor' on another within the minute"
             ),
         ),
-        kernel::Reach::ClusterWide => {
-            if let Some(m) = mount.or_else(|| kernel::mount_of(root.dir())) {
+        filesystem::Reach::ClusterWide => {
+            if let Some(m) = mount.or_else(|| filesystem::mount_of(root.dir())) {
                 report.add(
                     "mount",
                     Status::Ok,

@@ -112,7 +112,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
 
     // Look at every image: dead writers become incomplete (in a dry run the
     // transaction is rolled back, so nothing changes).
-    let sweep = |tx: &crate::meta::Tx, ctx: &crate::store::Ctx| {
+    let sweep = |tx: &crate::meta::Tx, ctx: &crate::ctx::Ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());
         status::sweep(tx, ctx, &kv)?;
         let dir = tx.images_dir(&ctx.root)?;

@@ -260,7 +260,7 @@ impl<'a> Wait<'a> {
 
     /// A wait suited to the filesystem holding the lock files in `dir`.
     pub fn on(dir: &Path, deadline: Option<Instant>) -> Self {
-        let local = crate::kernel::filesystem(dir)
+        let local = crate::filesystem::filesystem(dir)
             .map(|f| f.local)
             .unwrap_or(false);
         Wait {
@@ -347,7 +347,7 @@ fn local_dir(path: &Path) -> bool {
         return *local;
     }
     // Unknown counts as shared: the careful side.
-    let local = crate::kernel::filesystem(dir).is_ok_and(|f| f.local);
+    let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
     seen.push((dir.to_owned(), local));
     local
 }

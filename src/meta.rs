@@ -82,14 +82,10 @@ const MIGRATIONS: &[&str] = &[
     "#,
 ];
 
-/// A hidden hook for testing migrations: makes this binary know only the
-/// first N migrations, as an older release would.
-pub const SCHEMA_LIMIT_ENV: &str = "STOWAGE_DEBUG_SCHEMA_LIMIT";
-
 /// The schema version this binary writes.
 pub fn schema_version() -> i64 {
     let all = MIGRATIONS.len() as i64;
-    std::env::var(SCHEMA_LIMIT_ENV)
+    std::env::var(crate::env::DEBUG_SCHEMA_LIMIT)
         .ok()
         .and_then(|v| v.parse::<i64>().ok())
         .map_or(all, |n| n.clamp(1, all))
@@ -340,7 +336,7 @@ pub fn share_with_group(path: &Path) -> Result<()> {
 /// How long to wait for SQLite's own lock, held only by outside programs.
 /// `STOWAGE_DEBUG_DB_BUSY_MS` shortens it for tests.
 pub fn busy_timeout() -> std::time::Duration {
-    let ms = std::env::var("STOWAGE_DEBUG_DB_BUSY_MS")
+    let ms = std::env::var(crate::env::DEBUG_DB_BUSY_MS)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10_000);

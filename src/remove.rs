@@ -35,13 +35,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::{Context, Result};
 
 use crate::clock;
+use crate::ctx::Ctx;
 use crate::debug;
 use crate::dir::Dir;
 use crate::lock::{self, Guard, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
 use crate::root::Root;
-use crate::store::{Ctx, Store};
+use crate::store::Store;
 use crate::usage;
 
 /// What one removal freed.

@@ -25,8 +25,6 @@ use anyhow::{Context, Result};
 use crate::dir::Dir;
 use crate::name::ImageName;
 
-pub const ROOT_ENV: &str = "STOWAGE_ROOT";
-
 #[derive(Debug, Clone)]
 pub struct Root {
     dir: PathBuf,
@@ -40,7 +38,7 @@ impl Root {
     pub fn resolve(flag: Option<&Path>) -> Result<Root> {
         let (dir, default) = match flag {
             Some(d) => (d.to_owned(), false),
-            None => match std::env::var_os(ROOT_ENV) {
+            None => match std::env::var_os(crate::env::ROOT) {
                 Some(d) if !d.is_empty() => (PathBuf::from(d), false),
                 _ => (
                     PathBuf::from(format!("/var/tmp/{}.stowage", crate::ident::user_name())),
@@ -383,8 +381,8 @@ impl Root {
     /// `localflock` or `noflock`, BeeGFS without global file locks.
     /// (`doctor` reports it instead of refusing.)
     pub fn check_locking(&self) -> Result<()> {
-        if let (crate::kernel::Reach::NodeLocal { why, advice }, mount) =
-            crate::kernel::lock_reach(&self.dir)
+        if let (crate::filesystem::Reach::NodeLocal { why, advice }, mount) =
+            crate::filesystem::lock_reach(&self.dir)
         {
             let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));
             return Err(crate::Error::UnsafeLocking(format!(

@@ -17,7 +17,7 @@
 //!
 //! Invariants:
 //! - **No wait for oneself.** A process whose enclosing command holds a
-//!   lock (`kernel::enclosing_hold`) is part of that hold: a reader passes
+//!   lock (`nested::enclosing_hold`) is part of that hold: a reader passes
 //!   the gate, and a wait that could only end with the process itself (a
 //!   write nested in any hold of the image, a read nested in a write)
 //!   fails at once.
@@ -36,12 +36,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::clock;
+use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::lock::{self, Guard, Mode, Wait, Waited};
 use crate::meta::{ImageRow, ImageState, LockKind, Record, Role, Tx};
 use crate::name::ImageName;
 use crate::status;
-use crate::store::{Ctx, NeedsMigration, Store, lock_error};
+use crate::store::{NeedsMigration, Store, lock_error};
 use crate::usage;
 
 /// What an exec asks for.
@@ -565,7 +566,7 @@ pub(crate) fn acquire_image(
         Tried::Held => false,
         Tried::WriterWaiting => true,
     };
-    if let Some(held) = crate::kernel::enclosing_hold(&path)
+    if let Some(held) = crate::nested::enclosing_hold(&path)
         && (mode == Mode::Exclusive || held == Mode::Exclusive)
     {
         return Err(waits_for_itself(name, mode, held));
@@ -689,7 +690,7 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
         // be a cycle. It passes, as it would under flock(1).
         // (Our own lock on it, just taken, is no such hold.)
         Ok(None)
-            if crate::kernel::enclosing_hold_except(
+            if crate::nested::enclosing_hold_except(
                 path,
                 Some(std::os::fd::AsRawFd::as_raw_fd(&g)),
             )

@@ -41,12 +41,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
+use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::kernel::KernelView;
 use crate::lock::{self, FileSet, Guard, Mode, Probe, Waker, Woke};
 use crate::meta::{LockKind, Record, Role, SlotClass, Tx};
 use crate::status::{self, Party};
-use crate::store::{Ctx, Store, lock_error};
+use crate::store::{Store, lock_error};
 
 /// The largest limit (each waiter keeps every slot file open while it waits).
 pub const MAX_LIMIT: u32 = 256;
@@ -260,7 +261,7 @@ pub(crate) fn acquire_unrecorded(
     // already counts this work.
     if slots
         .every_file()
-        .any(|f| crate::kernel::enclosing_hold(f).is_some())
+        .any(|f| crate::nested::enclosing_hold(f).is_some())
     {
         store.ctx().detail(&format!(
             "an enclosing command holds a slot of class '{class}'; working under it"
@@ -379,7 +380,7 @@ fn wait_for_slot(
     let err = |e| lock_error(&label, dir, e);
     // Watch first, then try: a slot freed in between is not missed.
     let waker = Waker::watch(dir, Some(CHANGED));
-    let local = crate::kernel::filesystem(dir).is_ok_and(|f| f.local);
+    let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
     let poll = match (local, waker.watching()) {
         (true, true) => None,
         (true, false) => Some(POLL),

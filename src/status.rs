@@ -17,12 +17,12 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::clock::{self, Millis};
+use crate::ctx::Ctx;
 use crate::ident::{self, Liveness};
 use crate::kernel::{Entry, KernelView, LeaseSeen, LockView};
 use crate::lock::{Mode, Probe};
 use crate::meta::{ImageState, LockKind, Record, Role, Tx};
 use crate::name::ImageName;
-use crate::store::Ctx;
 
 /// A holder or waiter, from a record or straight from the kernel.
 #[derive(Debug, Clone)]
@@ -686,7 +686,7 @@ pub fn gather(
     let kv_global = KernelView::new(&root.locks());
     let global = global_report(store.ctx(), &kv_global, &root.global_lock());
     let fs_name =
-        crate::kernel::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
+        crate::filesystem::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
 
     let images = store.read_tx(|tx, ctx| {
         let kv = tx.kernel_view(&ctx.root.locks());

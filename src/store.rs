@@ -15,15 +15,14 @@
 //!   the schema behind ([`NeedsMigration`]), it releases its image locks,
 //!   migrates, and acquires again.
 
-use std::cell::Cell;
 use std::io;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
-use crate::ident::Me;
 use crate::lock::{self, Mode, Wait, Waited};
 use crate::meta::{self, Schema, Tx};
 use crate::name::ImageName;
@@ -34,45 +33,6 @@ use crate::status;
 #[derive(Debug, thiserror::Error)]
 #[error("the metadata schema must be migrated first")]
 pub struct NeedsMigration;
-
-/// What every operation needs to know besides the database.
-pub struct Ctx {
-    pub root: Root,
-    pub me: Me,
-    pub quiet: bool,
-    pub verbose: bool,
-    /// The umask a spawned command gets back, when ours was changed for a
-    /// group-shared store (which is also how to tell that it is one).
-    pub child_umask: Option<u32>,
-    /// Set once a "waiting for the global lock" notice has been printed.
-    noticed_global: Cell<bool>,
-    /// Whether a root that does not exist is created (commands that write)
-    /// or reported, creating nothing ([`Error::NoRoot`]: commands that read).
-    pub creates_root: bool,
-}
-
-impl Ctx {
-    /// The root is shared by a group: what we create must be group-writable.
-    pub fn shared(&self) -> bool {
-        self.child_umask.is_some()
-    }
-
-    /// Prints a progress or waiting message unless quiet.
-    pub fn say(&self, msg: &str) {
-        if !self.quiet {
-            // Never eprintln!: it panics when stderr is gone, and a panic
-            // mid-exec would release locks the command still relies on.
-            let _ = writeln!(std::io::stderr(), "stowage: {msg}");
-        }
-    }
-
-    /// Prints a message only with --verbose.
-    pub fn detail(&self, msg: &str) {
-        if self.verbose && !self.quiet {
-            let _ = writeln!(std::io::stderr(), "stowage: {msg}");
-        }
-    }
-}
 
 pub struct Store {
     conn: Option<rusqlite::Connection>,
@@ -106,15 +66,7 @@ impl Store {
         Store {
             conn: None,
             conn_file: None,
-            ctx: Ctx {
-                root,
-                me: Me::current(),
-                quiet: false,
-                verbose: false,
-                child_umask: None,
-                noticed_global: Cell::new(false),
-                creates_root: true,
-            },
+            ctx: Ctx::new(root),
         }
     }
 
@@ -424,7 +376,7 @@ impl Store {
                 return Ok(global);
             };
             drop(global);
-            if let Some(held) = crate::kernel::enclosing_hold(&path) {
+            if let Some(held) = crate::nested::enclosing_hold(&path) {
                 // Our enclosing command holds it and waits for us.
                 return Err(Error::Busy(Busy {
                     what: format!("{name} (needed free before {what})"),

@@ -34,11 +34,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
+use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::lock::{self, Guard, Mode, Wait, Waited};
 use crate::meta::{ImageState, LockKind, Record, Role, Tx};
 use crate::name::ImageName;
-use crate::store::{Ctx, Store, lock_error};
+use crate::store::{Store, lock_error};
 
 /// The record's name (kind `global`).
 const NAME: &str = "store";
@@ -68,7 +69,7 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
             // (stowage's keeper keeps the lease): the kernel says so.
             Ok(None)
                 if lock::inherited_exclusive(&path(ctx))
-                    || crate::kernel::enclosing_hold(&path(ctx)) == Some(Mode::Exclusive) => {}
+                    || crate::nested::enclosing_hold(&path(ctx)) == Some(Mode::Exclusive) => {}
             // The command of an image user (it inherited that image's lock)
             // calls stowage again: the hold is still waiting for that very
             // lock, so waiting for the hold would deadlock. Going ahead is
@@ -98,7 +99,7 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
 /// descriptor) hold an image lock file open? Its command is running, so
 /// what it holds open are the image locks it was granted.
 fn enclosing_exec_holds_image_lock(ctx: &Ctx) -> bool {
-    let execs = crate::kernel::enclosing_execs();
+    let execs = crate::nested::enclosing_execs();
     if execs.is_empty() {
         return false;
     }
@@ -279,7 +280,7 @@ impl Hold {
             None => {
                 // A store-wide command inside another one would wait for
                 // its own enclosing command, which waits for it.
-                if crate::kernel::enclosing_hold(&p) == Some(Mode::Exclusive) {
+                if crate::nested::enclosing_hold(&p) == Some(Mode::Exclusive) {
                     return Err(Error::Busy(Busy {
                         what: "the store-wide lock".into(),
                         holders: "held by an enclosing command of this process (a 'stowage exec \

@@ -203,21 +203,21 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
 
     let mut images = vec![
-        ("STOWAGE_ROOT", store.root().dir().as_os_str().to_owned()),
+        (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
         (
-            "STOWAGE_IMAGES_DIR",
+            crate::env::IMAGES_DIR,
             session.images_dir().as_os_str().to_owned(),
         ),
         // Lets a stowage inside the command tell that we hold its locks.
         (
-            crate::kernel::EXEC_PIDS_ENV,
-            crate::kernel::exec_pids_for_command(std::process::id()).into(),
+            crate::env::EXEC_PIDS,
+            crate::nested::exec_pids_for_command(std::process::id()).into(),
         ),
     ];
     let written: Vec<_> = session.writes().cloned().collect();
     if let [only] = written.as_slice() {
         images.push((
-            "STOWAGE_IMAGE_DIR",
+            crate::env::IMAGE_DIR,
             session.image_dir(only).into_os_string(),
         ));
     }
@@ -402,13 +402,13 @@ fn run_store_wide(
     let images_dir = store.with_tx(None, |tx, ctx| tx.images_dir(&ctx.root));
     let run = || -> Result<u8> {
         let images = [
-            ("STOWAGE_ROOT", store.root().dir().as_os_str().to_owned()),
-            ("STOWAGE_IMAGES_DIR", images_dir?.into_os_string()),
+            (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
+            (crate::env::IMAGES_DIR, images_dir?.into_os_string()),
             // A stowage inside the command tells by it that we hold the
             // store's lease (the keeper does, with --no-inherit).
             (
-                crate::kernel::EXEC_PIDS_ENV,
-                crate::kernel::exec_pids_for_command(std::process::id()).into(),
+                crate::env::EXEC_PIDS,
+                crate::nested::exec_pids_for_command(std::process::id()).into(),
             ),
         ];
         let env = command_env(std::env::vars_os(), &images);
@@ -524,17 +524,17 @@ mod tests {
     fn each_stowage_variable_once_and_ours() {
         let caller = [
             ("PATH", "/bin"),
-            ("STOWAGE_ROOT", "/caller"),
-            ("STOWAGE_IMAGE_DIR", "/caller/img/x"),
-            ("STOWAGE_IMAGES_DIR", "/caller/img"),
+            (crate::env::ROOT, "/caller"),
+            (crate::env::IMAGE_DIR, "/caller/img/x"),
+            (crate::env::IMAGES_DIR, "/caller/img"),
             ("STOWAGE_HOSTNAME", "kept"),
         ]
         .map(|(k, v)| (OsString::from(k), OsString::from(v)));
         let env = command_env(
             caller.into_iter(),
             &[
-                ("STOWAGE_ROOT", "/r".into()),
-                ("STOWAGE_IMAGES_DIR", "/r/img".into()),
+                (crate::env::ROOT, "/r".into()),
+                (crate::env::IMAGES_DIR, "/r/img".into()),
             ],
         );
         let get = |k: &str| -> Vec<&OsString> {

@@ -101,7 +101,7 @@ impl Step {
             Step::SlotTry => &[
                 "slots::acquire_unrecorded",
                 "lock::lock_any",
-                "kernel::enclosing_hold",
+                "nested::enclosing_hold",
             ],
             Step::SlotWaiter => &["slots::acquire_unrecorded", "slots::class_report"],
             Step::SlotWait => &["lock::lock_any", "lock::block_any"],
@@ -109,7 +109,7 @@ impl Step {
                 "session::try_image",
                 "lock::try_lock",
                 "lock::still_linked",
-                "kernel::enclosing_hold",
+                "nested::enclosing_hold",
             ],
             Step::Waiter => &["session::acquire_image", "status::judge"],
             Step::Gate => &["session::wait_image", "lock::lock"],
