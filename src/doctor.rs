@@ -84,8 +84,8 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     root.create_layout()?;
     let path = probe_file(root);
     let ctx = store.ctx();
-    let Some(guard) = lock::try_lock(&path, lock::Mode::Exclusive, true)
-        .map_err(|e| crate::store::lock_error("the probe lock", &path, e))?
+    let Some(guard) = lock::acquire_no_wait(&path, lock::Mode::Exclusive, lock::IfMissing::Create)
+        .map_err(|e| crate::lock::error("the probe lock", &path, e))?
     else {
         return Err(crate::Error::Busy(crate::error::Busy {
             what: format!("the probe lock {}", path.display()),
@@ -871,8 +871,11 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
             }
             // Only an image nobody holds can be forgotten (under the global
             // lock a try is allowed; a missing lock file is free).
-            let free = match lock::try_lock(&ctx.root.image_lock(&n), lock::Mode::Exclusive, false)
-            {
+            let free = match lock::acquire_no_wait(
+                &ctx.root.image_lock(&n),
+                lock::Mode::Exclusive,
+                lock::IfMissing::Fail,
+            ) {
                 Ok(g) => g.is_some(),
                 Err(e) => e.kind() == std::io::ErrorKind::NotFound,
             };

@@ -265,7 +265,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     report.size_after = total;
     if !policy.dry_run {
         // Space was freed: the metadata's reserve gets what it lacks.
-        crate::space::refill(store.root());
+        crate::space::refill(&store.root().reserve());
     }
     report.bytes_freed += report.removed.iter().map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
@@ -308,21 +308,18 @@ fn collect(
     };
     let path = store.root().image_lock(&name);
     // A dry run creates no lock file: a missing one is simply free.
-    let guard = match lock::try_lock(&path, Mode::Exclusive, !dry_run) {
-        Ok(Some(g)) => Some(g),
-        Ok(None) => {
-            report.busy.push(row.name.clone());
-            return Ok(false);
-        }
-        Err(e) if dry_run && e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => {
-            return Err(crate::store::lock_error(
-                &format!("image '{name}'"),
-                &path,
-                e,
-            ));
-        }
-    };
+    let guard =
+        match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::create_if(!dry_run)) {
+            Ok(Some(g)) => Some(g),
+            Ok(None) => {
+                report.busy.push(row.name.clone());
+                return Ok(false);
+            }
+            Err(e) if dry_run && e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => {
+                return Err(crate::lock::error(&format!("image '{name}'"), &path, e));
+            }
+        };
     // Under the lock, the image must still exist and its reason still hold.
     let (guard, current) = match guard {
         Some(g) => match remove::recheck(store, &name, g, !dry_run)? {

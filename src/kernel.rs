@@ -479,7 +479,9 @@ mod tests {
         // can while locks change) must not make a held lock look free.
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("x.lock");
-        let _g = lock::try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let _g = lock::acquire_no_wait(&p, Mode::Exclusive, lock::IfMissing::Create)
+            .unwrap()
+            .unwrap();
         let kv = KernelView {
             table: Some(HashMap::new()),
             explained: Default::default(),
@@ -499,7 +501,9 @@ mod tests {
     fn sees_our_own_lock_in_the_table() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("x.lock");
-        let _g = lock::try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let _g = lock::acquire_no_wait(&p, Mode::Exclusive, lock::IfMissing::Create)
+            .unwrap()
+            .unwrap();
         let kv = KernelView::new(d.path());
         let v = kv.view(&p).unwrap();
         assert_eq!(v.state, Some(Probe::Exclusive));

@@ -151,7 +151,7 @@ fn create(dir: &Path) -> io::Result<Lease> {
     for _ in 0..100 {
         let name = format!("{host}-{boot}-{}-{:016x}{SUFFIX}", me.pid, random());
         let path = via.join(&name);
-        let guard = match lock::try_lock(&path, Mode::Exclusive, true) {
+        let guard = match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create) {
             Ok(Some(g)) => g,
             // A prober holds our fresh file: take another name.
             Ok(None) => continue,
@@ -349,7 +349,8 @@ pub fn clean(locks: &Path) -> usize {
         if !valid_name(name) || is_mine(name) {
             continue;
         }
-        if let Ok(Some(g)) = lock::try_lock(&pinned.join(name), Mode::Exclusive, false)
+        if let Ok(Some(g)) =
+            lock::acquire_no_wait(&pinned.join(name), Mode::Exclusive, lock::IfMissing::Fail)
             && g.unlink_lease().is_ok()
         {
             gone += 1;

@@ -804,9 +804,13 @@ mod tests {
     use super::*;
 
     fn tx_on<'a>(conn: &'a mut rusqlite::Connection, dir: &Path) -> Tx<'a> {
-        let g = lock::try_lock(&dir.join("global.lock"), Mode::Exclusive, true)
-            .unwrap()
-            .unwrap();
+        let g = lock::acquire_no_wait(
+            &dir.join("global.lock"),
+            Mode::Exclusive,
+            lock::IfMissing::Create,
+        )
+        .unwrap()
+        .unwrap();
         Tx::begin(conn, g).unwrap()
     }
 

@@ -260,7 +260,11 @@ fn take_out(ctx: &Ctx, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName)
 /// exclusive lock; if a reader is just passing it, the file stays (a few
 /// bytes, reused if the name is).
 fn unlink_gate(root: &Root, name: &ImageName) {
-    if let Ok(Some(gate)) = lock::try_lock(&root.image_gate(name), Mode::Exclusive, false) {
+    if let Ok(Some(gate)) = lock::acquire_no_wait(
+        &root.image_gate(name),
+        Mode::Exclusive,
+        lock::IfMissing::Fail,
+    ) {
         let _ = unlink_lock(root, gate);
     }
 }
@@ -410,7 +414,11 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
         };
         // A live remover holds the lock; only a free lock means a crash.
         // (A missing lock file is free too; it is created only to fix.)
-        match lock::try_lock(&store.root().image_lock(&n), Mode::Exclusive, fix) {
+        match lock::acquire_no_wait(
+            &store.root().image_lock(&n),
+            Mode::Exclusive,
+            lock::IfMissing::create_if(fix),
+        ) {
             Ok(Some(guard)) => {
                 // The remover we took for crashed may just have been slow.
                 if let Some((guard, row)) = recheck(store, &n, guard, fix)?
@@ -488,7 +496,8 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
         // An exec creating this image holds the lock until its start
         // transaction made the row: only a free lock file is a leftover.
         // The image may have been created since we listed the rows.
-        if let Ok(Some(guard)) = lock::try_lock(&path, Mode::Exclusive, false)
+        if let Ok(Some(guard)) =
+            lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail)
             && recheck(store, &n, guard, fix)?.is_none()
         {
             found.lock_files.push(path);
@@ -518,7 +527,9 @@ pub(crate) fn release_unclaimed(
         return;
     };
     let rowless = |n: &ImageName| matches!(tx.image(n.as_str()), Ok(None));
-    let gate = |n: &ImageName| lock::try_lock(&root.image_gate(n), Mode::Exclusive, false);
+    let gate = |n: &ImageName| {
+        lock::acquire_no_wait(&root.image_gate(n), Mode::Exclusive, lock::IfMissing::Fail)
+    };
     let mut doomed = Vec::new();
     for (name, guard) in held {
         if rowless(&name) {
@@ -529,7 +540,11 @@ pub(crate) fn release_unclaimed(
         }
     }
     for name in waited_for.iter().filter(|n| rowless(n)) {
-        if let Ok(Some(g)) = lock::try_lock(&root.image_lock(name), Mode::Exclusive, false) {
+        if let Ok(Some(g)) = lock::acquire_no_wait(
+            &root.image_lock(name),
+            Mode::Exclusive,
+            lock::IfMissing::Fail,
+        ) {
             doomed.push(g);
         }
         if let Ok(Some(g)) = gate(name) {

@@ -162,6 +162,11 @@ impl Root {
         self.dir.join("trash")
     }
 
+    /// Space kept in reserve for the metadata (`space.rs`).
+    pub fn reserve(&self) -> PathBuf {
+        self.dir.join("reserve")
+    }
+
     /// Creates the root and its directories. Idempotent. The root's parent
     /// must exist: a mistyped path should not grow a directory tree.
     pub fn create_layout(&self) -> Result<()> {
@@ -198,7 +203,7 @@ impl Root {
         // made the root between the caller's check and our mkdir.
         self.open()?;
         // Space for the metadata on a full filesystem (space.rs).
-        crate::space::refill(self);
+        crate::space::refill(&self.reserve());
         Ok(())
     }
 
@@ -452,6 +457,16 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+/// "image 'alpine:3.17'" for a lock file name, or the file name itself when
+/// it is not a decodable image (a shortened long name).
+pub fn lock_file_label(fname: &str) -> String {
+    let enc = fname.strip_suffix(".lock").unwrap_or(fname);
+    match ImageName::from_encoded(enc) {
+        Ok(n) => format!("image '{n}'"),
+        Err(_) => format!("image lock {fname}"),
+    }
 }
 
 #[cfg(test)]

@@ -42,7 +42,7 @@ use crate::lock::{self, Guard, Mode, Wait, Waited};
 use crate::meta::{ImageRow, ImageState, LockKind, Record, Role, Tx};
 use crate::name::ImageName;
 use crate::status;
-use crate::store::{NeedsMigration, Store, lock_error};
+use crate::store::{NeedsMigration, Store};
 use crate::usage;
 
 /// What an exec asks for.
@@ -476,7 +476,7 @@ fn give_up(
 fn unlink_image_lock(store: &Store, name: &ImageName, guard: Guard) {
     let gate = store.root().image_gate(name);
     let _ = crate::remove::unlink_lock(store.root(), guard);
-    if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
+    if let Ok(Some(g)) = lock::acquire_no_wait(&gate, Mode::Exclusive, lock::IfMissing::Fail) {
         let _ = crate::remove::unlink_lock(store.root(), g);
     }
 }
@@ -545,7 +545,7 @@ pub(crate) fn acquire_image(
         mode.verb()
     };
     let what = format!("{verb} lock on image '{name}'");
-    let err = |e| lock_error(&format!("image '{name}'"), &path, e);
+    let err = |e| lock::error(&format!("image '{name}'"), &path, e);
     let first = match try_image(&gate, &path, mode, want.need == Need::Create) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             if want.need == Need::Create {
@@ -676,13 +676,13 @@ enum Tried {
 /// takes the lock, then checks that no writer waits at the gate (a missing
 /// gate file means none ever waited).
 fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<Tried> {
-    let Some(g) = lock::try_lock(path, mode, create)? else {
+    let Some(g) = lock::acquire_no_wait(path, mode, lock::IfMissing::create_if(create))? else {
         return Ok(Tried::Held);
     };
     if mode == Mode::Exclusive {
         return Ok(Tried::Got(g));
     }
-    match lock::try_lock(gate, Mode::Shared, false) {
+    match lock::acquire_no_wait(gate, Mode::Shared, lock::IfMissing::Fail) {
         Ok(Some(_passed)) => Ok(Tried::Got(g)),
         // A reader whose enclosing command already reads the image is part
         // of that hold: the writer at the gate waits for the enclosing
@@ -709,12 +709,12 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
 /// writer), holds it while waiting for the lock, then lets it go. The gate
 /// descriptor is never inherited, so releasing it is a plain close.
 fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Result<Waited<Guard>> {
-    let passage = match lock::lock(gate, mode, true, wait)? {
+    let passage = match lock::acquire(gate, mode, lock::IfMissing::Create, wait)? {
         Waited::Acquired(g) => g,
         Waited::TimedOut => return Ok(Waited::TimedOut),
         Waited::Interrupted(sig) => return Ok(Waited::Interrupted(sig)),
     };
-    let got = lock::lock(path, mode, true, wait);
+    let got = lock::acquire(path, mode, lock::IfMissing::Create, wait);
     drop(passage);
     got
 }

@@ -47,7 +47,7 @@ use crate::kernel::KernelView;
 use crate::lock::{self, FileSet, Guard, Mode, Probe, Waker, Woke};
 use crate::meta::{LockKind, Record, Role, SlotClass, Tx};
 use crate::status::{self, Party};
-use crate::store::{Store, lock_error};
+use crate::store::Store;
 
 /// The largest limit (each waiter keeps every slot file open while it waits).
 pub const MAX_LIMIT: u32 = 256;
@@ -243,7 +243,7 @@ pub(crate) fn acquire_unrecorded(
     }
     let dir = class_dir(store.ctx(), class);
     let label = format!("a {} slot of class '{class}'", priority_word(priority));
-    let err = |e| lock_error(&label, &dir, e);
+    let err = |e| lock::error(&label, &dir, e);
     let slot = |guard| SlotGuard {
         guard,
         class: class.to_owned(),
@@ -377,7 +377,7 @@ fn wait_for_slot(
 ) -> Result<Got> {
     lock::starting_to_wait();
     let label = format!("a {} slot of class '{class}'", priority_word(priority));
-    let err = |e| lock_error(&label, dir, e);
+    let err = |e| lock::error(&label, dir, e);
     // Watch first, then try: a slot freed in between is not missed.
     let waker = Waker::watch(dir, Some(CHANGED));
     let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
@@ -661,7 +661,7 @@ pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
     let mut busy = 0;
     if let Ok(entries) = std::fs::read_dir(&dir) {
         for e in entries.flatten() {
-            match lock::try_lock(&e.path(), Mode::Exclusive, false) {
+            match lock::acquire_no_wait(&e.path(), Mode::Exclusive, lock::IfMissing::Fail) {
                 Ok(Some(g)) => crate::remove::unlink_lock(store.root(), g)?,
                 Ok(None) => busy += 1,
                 Err(_) => {}

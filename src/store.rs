@@ -25,7 +25,6 @@ use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::lock::{self, Mode, Wait, Waited};
 use crate::meta::{self, Schema, Tx};
-use crate::name::ImageName;
 use crate::root::Root;
 use crate::status;
 
@@ -95,7 +94,7 @@ impl Store {
         };
         let mut created = false;
         loop {
-            let first = lock::try_lock(&path, Mode::Exclusive, true);
+            let first = lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create);
             match first {
                 Ok(Some(g)) => return Ok(g),
                 Ok(None) => break,
@@ -106,7 +105,7 @@ impl Store {
                     ctx.root.create_layout()?;
                     created = true;
                 }
-                Err(e) => return Err(lock_error("the global lock", &path, e)),
+                Err(e) => return Err(lock::error("the global lock", &path, e)),
             }
         }
         // It is held for one short transaction: a few quick retries usually
@@ -117,10 +116,10 @@ impl Store {
             } else {
                 std::thread::sleep(Duration::from_micros(40));
             }
-            match lock::try_lock(&path, Mode::Exclusive, true) {
+            match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create) {
                 Ok(Some(g)) => return Ok(g),
                 Ok(None) => {}
-                Err(e) => return Err(lock_error("the global lock", &path, e)),
+                Err(e) => return Err(lock::error("the global lock", &path, e)),
             }
         }
         let mut wait = Wait::on(&ctx.root.locks(), deadline);
@@ -141,8 +140,8 @@ impl Store {
                 }),
             ));
         }
-        match lock::lock(&path, Mode::Exclusive, true, &mut wait)
-            .map_err(|e| lock_error("the global lock", &path, e))?
+        match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait)
+            .map_err(|e| lock::error("the global lock", &path, e))?
         {
             Waited::Acquired(g) => Ok(g),
             Waited::TimedOut => Err(Error::Busy(Busy {
@@ -262,13 +261,15 @@ impl Store {
     /// a transaction that can simply be repeated (a failed one rolled back).
     pub fn retry_full<T>(&mut self, mut f: impl FnMut(&mut Store) -> Result<T>) -> Result<T> {
         match f(self) {
-            Err(e) if crate::space::is_full(&e) && crate::space::release(&self.ctx.root) => {
+            Err(e)
+                if crate::space::is_full(&e) && crate::space::release(&self.ctx.root.reserve()) =>
+            {
                 self.ctx.detail(&format!(
                     "the filesystem of {} is full: using the space kept in reserve for the metadata",
                     self.ctx.root.dir().display()
                 ));
                 let out = f(self);
-                crate::space::refill(&self.ctx.root);
+                crate::space::refill(&self.ctx.root.reserve());
                 out
             }
             other => other,
@@ -396,7 +397,7 @@ impl Store {
                 told = true;
             }
             let mut wait = Wait::on(&self.ctx.root.image_locks(), deadline);
-            match lock::lock(&path, Mode::Exclusive, false, &mut wait) {
+            match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait) {
                 Ok(Waited::Acquired(g)) => drop(g),
                 Ok(Waited::TimedOut) => {
                     return Err(Error::Busy(Busy {
@@ -408,7 +409,7 @@ impl Store {
                 }
                 Ok(Waited::Interrupted(sig)) => return Err(Error::Interrupted(sig).into()),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(lock_error(&name, &path, e)),
+                Err(e) => return Err(lock::error(&name, &path, e)),
             }
         }
     }
@@ -507,7 +508,7 @@ fn in_wal(db: &std::path::Path) -> bool {
 /// holder record against the schema it knows, so a migration under it
 /// would make its exec fail after its command succeeded.
 fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
-    if let Some(busy) = first_busy_in(&ctx.root.image_locks(), lock_file_label)? {
+    if let Some(busy) = first_busy_in(&ctx.root.image_locks(), crate::root::lock_file_label)? {
         return Ok(Some(busy));
     }
     let slots = ctx.root.slot_locks();
@@ -556,50 +557,14 @@ fn first_busy_in(
             continue;
         }
         let path = entry.path();
-        match lock::try_lock(&path, Mode::Exclusive, false) {
+        match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail) {
             Ok(Some(g)) => drop(g),
             Ok(None) => return Ok(Some((path, label(fname)))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(lock_error(&label(fname), &path, e)),
+            Err(e) => return Err(lock::error(&label(fname), &path, e)),
         }
     }
     Ok(None)
-}
-
-/// "image 'alpine:3.17'" for a lock file name, or the file name itself when
-/// it is not a decodable image (a shortened long name).
-pub fn lock_file_label(fname: &str) -> String {
-    let enc = fname.strip_suffix(".lock").unwrap_or(fname);
-    match ImageName::from_encoded(enc) {
-        Ok(n) => format!("image '{n}'"),
-        Err(_) => format!("image lock {fname}"),
-    }
-}
-
-/// Wraps a lock failure: "locking is unavailable here" is typed (exit 69);
-/// anything else names the lock and the file.
-pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error {
-    if crate::error::is_locking_unavailable(&e) {
-        Error::LockingUnavailable {
-            what: what.to_owned(),
-            path: path.to_owned(),
-            cause: e,
-        }
-        .into()
-    } else if e.raw_os_error() == Some(libc::ELOOP) {
-        anyhow::anyhow!(
-            "cannot lock {what}: {} is a symlink; refusing to follow it",
-            path.display()
-        )
-    } else if e.kind() == io::ErrorKind::PermissionDenied {
-        anyhow::anyhow!(
-            "cannot lock {what} ({}): {e} — you may not write this store{}; every stowage command, even one that only reads, locks files in the root (opened for writing, as NFS requires) and drops stale records as it reads, so there is no read-only view: a store for several users must be shared with a group (a group-writable setgid root, with them in its group)",
-            path.display(),
-            owner_of(path)
-        )
-    } else {
-        anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
-    }
 }
 
 /// Adds "the database is damaged" advice to SQLite corruption errors.
@@ -623,22 +588,4 @@ fn damaged(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
     } else {
         e.context(format!("metadata database {}", db.display()))
     }
-}
-
-/// " (DIR is owned by uid U, group G, mode M)" for the directory holding
-/// `path`, for permission messages.
-fn owner_of(path: &std::path::Path) -> String {
-    use std::os::unix::fs::MetadataExt;
-    path.parent()
-        .and_then(|d| std::fs::metadata(d).ok().map(|m| (d, m)))
-        .map(|(d, m)| {
-            format!(
-                " ({} is owned by uid {}, group {}, mode {:o})",
-                d.display(),
-                m.uid(),
-                m.gid(),
-                m.mode() & 0o7777
-            )
-        })
-        .unwrap_or_default()
 }

@@ -280,7 +280,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         format!("the command exited with status {code}, but recording that failed")
     })?;
     if !written.is_empty() && full.is_none() {
-        crate::space::ensure(store.root());
+        crate::space::ensure(&store.root().reserve());
     }
     if let Some(note) = full {
         store.ctx().say(&format!(

@@ -192,8 +192,11 @@ fn fill_sizes(
         let Ok(name) = ImageName::parse(&r.name) else {
             continue;
         };
-        let Ok(Some(_guard)) = lock::try_lock(&store.root().image_lock(&name), Mode::Shared, true)
-        else {
+        let Ok(Some(_guard)) = lock::acquire_no_wait(
+            &store.root().image_lock(&name),
+            Mode::Shared,
+            lock::IfMissing::Create,
+        ) else {
             continue;
         };
         if let Ok(size) = usage::disk_usage(&images_dir.join(name.encoded())) {

@@ -67,7 +67,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     let removed = remove::remove_locked(store, held)?;
     // Space was freed: the metadata's reserve gets what it lacks.
-    crate::space::refill(store.root());
+    crate::space::refill(&store.root().reserve());
     for r in &removed {
         store.ctx().say(&format!(
             "removed '{}' ({}, {})",
