@@ -31,7 +31,6 @@ use crate::lock::{self, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
 use crate::remove::{self, Leftovers};
-use crate::status;
 use crate::store::Store;
 use crate::usage;
 
@@ -94,7 +93,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // gc locks images without recording itself: its lease names it to
     // lock-status meanwhile (best effort; see lease.rs).
     if !policy.dry_run {
-        let _ = crate::lease::mine(&store.root().locks());
+        let _ = crate::lease::mine(&store.root().leases());
     }
     let mut report = Report {
         dry_run: policy.dry_run,
@@ -113,8 +112,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // Look at every image: dead writers become incomplete (in a dry run the
     // transaction is rolled back, so nothing changes).
     let sweep = |tx: &crate::meta::Tx, ctx: &crate::ctx::Ctx| {
-        let kv = tx.kernel_view(&ctx.root.locks());
-        status::sweep(tx, ctx, &kv)?;
+        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
+        crate::judge::sweep(tx, ctx, &kv)?;
         let dir = tx.images_dir(&ctx.root)?;
         let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
         Ok((tx.images()?, dir, doubt))
@@ -124,7 +123,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         let out = sweep(&tx, ctx)?;
         if !policy.dry_run {
             // Leases of owners that died, under the global lock.
-            crate::lease::clean(&ctx.root.locks());
+            crate::lease::clean(&ctx.root.leases());
             tx.commit()?;
         }
         Ok(out)

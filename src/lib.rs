@@ -46,6 +46,7 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+pub mod acquire;
 pub mod adopt;
 pub mod cli;
 pub mod clock;
@@ -58,7 +59,9 @@ pub mod env;
 pub mod error;
 pub mod filesystem;
 pub mod gc;
+pub mod holders;
 pub mod ident;
+pub mod judge;
 pub mod keeper;
 pub mod kernel;
 pub mod lease;
@@ -73,7 +76,6 @@ pub mod signals;
 pub mod slots;
 pub mod space;
 pub mod spawn;
-pub mod status;
 pub mod store;
 pub mod store_wide;
 pub mod tree;

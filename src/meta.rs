@@ -204,8 +204,8 @@ pub struct Record {
     pub command: String,
     pub since: Millis,
     /// The file name of the owner's lease under `ROOT/locks/leases` (None
-    /// for records of older releases). [`Tx::insert_record`] fills it in for
-    /// this process's own records.
+    /// for records of older releases). `Ctx::record` fills it in for this
+    /// process's own records.
     pub lease: Option<String>,
 }
 
@@ -407,16 +407,6 @@ impl<'c> Tx<'c> {
         self.global.identity()
     }
 
-    /// The kernel's view of the locks under `dir`, checked against the
-    /// global lock this transaction holds.
-    pub fn kernel_view(&self, dir: &Path) -> crate::kernel::KernelView {
-        let view = crate::kernel::KernelView::verified(dir, Some(self.global_identity()));
-        match self.global.path().parent() {
-            Some(locks) => view.with_leases(locks),
-            None => view,
-        }
-    }
-
     pub fn schema(&self) -> Result<Schema> {
         let v: i64 = self.tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
         let ours = schema_version();
@@ -608,23 +598,12 @@ impl<'c> Tx<'c> {
 
     // --- holder and waiter records ------------------------------------------
 
-    /// Inserts a record. A record of this process without a lease gets this
-    /// process's lease, made now if it has none yet (under the global lock,
-    /// whose file tells where the locks live; exec makes it earlier).
+    /// Inserts a record.
     pub fn insert_record(&self, r: &Record) -> Result<i64> {
         // A binary playing an older release (the schema hook) writes no
         // lease, as that release did.
         let leased = schema_version() >= LEASE_SCHEMA;
-        let lease = match (&r.lease, self.global.path().parent()) {
-            _ if !leased => None,
-            (Some(l), _) => Some(l.clone()),
-            // A lease that cannot be made (a user who may lock the store's
-            // files but not create one under locks/) leaves the record to be
-            // judged by pid, as before leases: information only, never
-            // exclusion, depends on it.
-            (None, Some(locks)) if r.pid == std::process::id() => crate::lease::mine(locks).ok(),
-            (None, _) => None,
-        };
+        let lease = if leased { r.lease.clone() } else { None };
         let sql = if leased {
             "INSERT INTO records (kind, name, lockfile, role, mode, pid, pid_start, host,
                                   boot_id, user, command, since_ms, lease)

@@ -150,8 +150,43 @@ impl Root {
         self.image_locks().join(named(name.encoded(), ".gate"))
     }
 
+    /// The relative name of an image's lock file under `locks/`, as
+    /// holder records name it.
+    pub fn image_lock_rel(name: &ImageName) -> String {
+        format!("images/{}", lock_file_name(name.encoded()))
+    }
+
     pub fn slot_locks(&self) -> PathBuf {
         self.dir.join("locks/slots")
+    }
+
+    /// A slot class's directory: `locks/slots/ENC` (`/` → `%`).
+    pub fn slot_class_dir(&self, class: &str) -> PathBuf {
+        self.dir.join(Self::slot_class_rel(class))
+    }
+
+    /// [`Root::slot_class_dir`] relative to the root, for opening it
+    /// through the root's descriptor.
+    pub fn slot_class_rel(class: &str) -> String {
+        format!("locks/slots/{}", class.replace('/', "%"))
+    }
+
+    /// The lock of a store-wide hold (`store_wide.rs`).
+    pub fn store_wide_lock(&self) -> PathBuf {
+        self.dir.join("locks/store.lock")
+    }
+
+    /// Holder leases (`lease.rs`).
+    pub fn leases(&self) -> PathBuf {
+        self.dir.join("locks/leases")
+    }
+
+    /// A lock file's name relative to `locks/`, as records name it.
+    pub fn locks_rel(&self, path: &Path) -> String {
+        path.strip_prefix(self.locks())
+            .unwrap_or(path)
+            .display()
+            .to_string()
     }
 
     pub fn default_images_dir(&self) -> PathBuf {

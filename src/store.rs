@@ -16,7 +16,6 @@
 //!   migrates, and acquires again.
 
 use std::io;
-use std::io::Write;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -26,7 +25,6 @@ use crate::error::{Busy, Error};
 use crate::lock::{self, Mode, Wait, Waited};
 use crate::meta::{self, Schema, Tx};
 use crate::root::Root;
-use crate::status;
 
 /// A transaction found the schema older than this binary.
 #[derive(Debug, thiserror::Error)]
@@ -129,14 +127,14 @@ impl Store {
                 GLOBAL_NOTICE,
                 Box::new(move || {
                     ctx.noticed_global.set(true);
-                    if !ctx.quiet {
-                        let _ = writeln!(
-                            std::io::stderr(),
-                            "stowage: waiting for the global metadata lock ({}): {}",
-                            ctx.root.global_lock().display(),
-                            status::global_holder_phrase(ctx)
-                        );
-                    }
+                    crate::holders::announce_wait(
+                        ctx,
+                        &format!(
+                            "the global metadata lock ({})",
+                            ctx.root.global_lock().display()
+                        ),
+                        &crate::holders::global_holder_phrase(ctx),
+                    );
                 }),
             ));
         }
@@ -146,7 +144,7 @@ impl Store {
             Waited::Acquired(g) => Ok(g),
             Waited::TimedOut => Err(Error::Busy(Busy {
                 what: "the global metadata lock".into(),
-                holders: status::global_holder_phrase(ctx),
+                holders: crate::holders::global_holder_phrase(ctx),
                 waited: Duration::ZERO,
             })
             .into()),
@@ -389,11 +387,13 @@ impl Store {
                 })
                 .into());
             }
-            let holders = status::kernel_holders_phrase(&self.ctx, &path);
+            let holders = crate::holders::kernel_holders_phrase(&self.ctx, &path);
             if !told {
-                self.ctx.say(&format!(
-                    "waiting for {name} to be released before {what}: {holders}"
-                ));
+                crate::holders::announce_wait(
+                    &self.ctx,
+                    &format!("{name} to be released before {what}"),
+                    &holders,
+                );
                 told = true;
             }
             let mut wait = Wait::on(&self.ctx.root.image_locks(), deadline);

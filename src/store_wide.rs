@@ -37,7 +37,7 @@ use anyhow::Result;
 use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::lock::{self, Guard, Mode, Wait, Waited};
-use crate::meta::{ImageState, LockKind, Record, Role, Tx};
+use crate::meta::{ImageState, LockKind, Role, Tx};
 use crate::name::ImageName;
 use crate::store::Store;
 
@@ -227,14 +227,14 @@ pub fn wait_until_free(
     if no_wait {
         return Err(busy(Duration::ZERO).into());
     }
-    store.ctx().say(&format!(
-        "waiting for the store-wide command to finish: {}",
-        held.holder
-    ));
+    crate::holders::announce_wait(
+        store.ctx(),
+        "the store-wide command to finish",
+        &held.holder,
+    );
     // Recorded, so that lock-status names us among its waiters.
     let waiter = store.with_tx(deadline, |tx, ctx| {
-        tx.insert_record(&Record::ours(
-            &ctx.me,
+        tx.insert_record(&ctx.record(
             LockKind::Global,
             NAME,
             FILE.into(),
@@ -294,7 +294,7 @@ impl Hold {
                     })
                     .into());
                 }
-                let holders = crate::status::kernel_holders_phrase(store.ctx(), &p);
+                let holders = crate::holders::kernel_holders_phrase(store.ctx(), &p);
                 let busy = |waited| {
                     Error::Busy(Busy {
                         what: "the store-wide lock".into(),
@@ -305,9 +305,7 @@ impl Hold {
                 if no_wait {
                     return Err(busy(Duration::ZERO).into());
                 }
-                store
-                    .ctx()
-                    .say(&format!("waiting for the store-wide lock: {holders}"));
+                crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
                 let t0 = Instant::now();
                 let mut wait = Wait::on(&store.ctx().root.locks(), deadline);
                 match lock::acquire(&p, Mode::Exclusive, lock::IfMissing::Create, &mut wait)
@@ -331,8 +329,7 @@ impl Hold {
             for rec in tx.records_for(LockKind::Global, NAME)? {
                 tx.delete_record(rec.id)?;
             }
-            tx.insert_record(&Record::ours(
-                &ctx.me,
+            tx.insert_record(&ctx.record(
                 LockKind::Global,
                 NAME,
                 FILE.into(),

@@ -9,7 +9,6 @@ use crate::clock;
 use crate::lock::{self, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
-use crate::status;
 use crate::store::Store;
 use crate::usage;
 
@@ -40,8 +39,8 @@ struct ImageJson<'a> {
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let (mut rows, in_use, images_dir) = store.read_tx(|tx, ctx| {
-        let kv = tx.kernel_view(&ctx.root.image_locks());
-        let in_use = status::in_use(tx, ctx, &kv)?;
+        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.image_locks());
+        let in_use = crate::judge::in_use(tx, ctx, &kv)?;
         Ok((tx.images()?, in_use, tx.images_dir(&ctx.root)?))
     })?;
     fill_sizes(store, &mut rows, &in_use, &images_dir)?;

@@ -4,9 +4,9 @@ use std::ffi::OsString;
 
 use anyhow::Result;
 
+use crate::acquire::image::{Need, Want, acquire_image};
 use crate::lock::Mode;
 use crate::remove;
-use crate::session::{Need, Want, acquire_image};
 use crate::store::Store;
 use crate::usage;
 
