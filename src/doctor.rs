@@ -249,7 +249,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         }
         Err(e) => {
             report.locking = false;
-            let advice = if crate::error::is_locking_unsupported(&e) {
+            let advice = if crate::error::flock_unsupported(&e) {
                 " — is this NFS mounted with 'nolock', or a filesystem without flock? mount it with locking, or put the root elsewhere"
             } else {
                 ""

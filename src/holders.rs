@@ -75,22 +75,26 @@ pub fn announce_wait(ctx: &Ctx, what: &str, holders: &str) {
 /// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"
 pub fn phrase(holders: &[Party]) -> String {
     match holders.first() {
-        Some(first) => phrase_as(&format!("held ({}) by ", first.mode.verb()), holders),
-        None => phrase_as("", holders),
+        Some(first) => phrase_as(&format!("held ({}) by ", first.mode.verb()), holders, true),
+        None => phrase_as("", holders, true),
     }
 }
 
 /// "in use by pid 4121 on node07 (ch-image pull alpine) since 12:03:04"
 pub fn phrase_slots(holders: &[Party]) -> String {
-    phrase_as("in use by ", holders)
+    phrase_as("in use by ", holders, true)
 }
 
-fn phrase_as(lead: &str, holders: &[Party]) -> String {
+fn phrase_as(lead: &str, holders: &[Party], origin: bool) -> String {
     if holders.is_empty() {
         return "no holder is known (it may have just been released)".into();
     }
     let mut s = lead.to_owned();
-    let shown: Vec<String> = holders.iter().take(3).map(describe).collect();
+    let shown: Vec<String> = holders
+        .iter()
+        .take(3)
+        .map(|p| describe(p, origin))
+        .collect();
     s.push_str(&shown.join("; "));
     if holders.len() > 3 {
         s.push_str(&format!("; and {} more", holders.len() - 3));
@@ -98,7 +102,9 @@ fn phrase_as(lead: &str, holders: &[Party]) -> String {
     s
 }
 
-fn describe(p: &Party) -> String {
+/// One party; with `origin`, says when a process with a pid was not
+/// started by stowage.
+fn describe(p: &Party, origin: bool) -> String {
     let mut s = match p.pid {
         Some(pid) => format!("pid {pid}"),
         None => "a process".into(),
@@ -113,11 +119,11 @@ fn describe(p: &Party) -> String {
         s.push_str(&format!(" since {}", clock::local_short(t)));
     }
     if !p.stowage {
-        s.push_str(if p.pid.is_some() {
-            ", not started by stowage"
-        } else {
-            " that stowage cannot identify (outside stowage, or on another host)"
-        });
+        if p.pid.is_none() {
+            s.push_str(" that stowage cannot identify (outside stowage, or on another host)");
+        } else if origin {
+            s.push_str(", not started by stowage");
+        }
     }
     s
 }
@@ -141,7 +147,13 @@ pub fn kernel_holders_phrase(ctx: &Ctx, path: &Path) -> String {
     if holders.is_empty() {
         "held by a process stowage cannot identify (on another host?)".into()
     } else {
-        phrase(&holders).replace(", not started by stowage", "")
+        // Stowage's own processes or not, the kernel cannot say: no
+        // "not started by stowage" here.
+        phrase_as(
+            &format!("held ({}) by ", holders[0].mode.verb()),
+            &holders,
+            false,
+        )
     }
 }
 

@@ -54,6 +54,7 @@ pub mod clone;
 pub mod ctx;
 pub mod debug;
 pub mod dir;
+pub mod disk_usage;
 pub mod doctor;
 pub mod env;
 pub mod error;
@@ -79,7 +80,6 @@ pub mod spawn;
 pub mod store;
 pub mod store_wide;
 pub mod tree;
-pub mod usage;
 
 pub use error::Error;
 pub use name::ImageName;

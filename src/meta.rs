@@ -276,15 +276,22 @@ fn configure_sqlite() {
     });
 }
 
+/// An error whose message already names the metadata database, to which
+/// [`annotate`] adds nothing.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DatabaseError(pub String);
+
 /// Opens the database file. Never follows a symlink at the database path.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     use rusqlite::OpenFlags;
     configure_sqlite();
     if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
-        anyhow::bail!(
+        return Err(DatabaseError(format!(
             "metadata database {} is a symlink; refusing to open it",
             path.display()
-        );
+        ))
+        .into());
     }
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
@@ -292,7 +299,10 @@ pub fn open(path: &Path) -> Result<rusqlite::Connection> {
         | OpenFlags::SQLITE_OPEN_NOFOLLOW;
     let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(|e| {
         // SQLite's error repeats its message in its source: say it once.
-        anyhow::anyhow!("cannot open metadata database {}: {e}", path.display())
+        DatabaseError(format!(
+            "cannot open metadata database {}: {e}",
+            path.display()
+        ))
     })?;
     // Only outside programs (an sqlite3 shell) can hold SQLite's own locks
     // while we hold the global lock; give them a moment, then say so.
@@ -307,7 +317,7 @@ pub fn annotate(err: anyhow::Error, db: &Path) -> anyhow::Error {
         .chain()
         .find_map(|e| e.downcast_ref::<rusqlite::Error>());
     let Some(sqlite) = sqlite else { return err };
-    if err.to_string().contains("metadata database") {
+    if err.downcast_ref::<DatabaseError>().is_some() {
         return err;
     }
     let full = matches!(sqlite, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull);

@@ -38,12 +38,12 @@ use crate::clock;
 use crate::ctx::Ctx;
 use crate::debug;
 use crate::dir::Dir;
+use crate::disk_usage;
 use crate::lock::{self, Guard, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
 use crate::root::Root;
 use crate::store::Store;
-use crate::usage;
 
 /// What one removal freed.
 #[derive(Debug, Clone)]
@@ -83,7 +83,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     // marked (a symlink planted in their place is refused here, not
     // half-way through).
     let trash = store.root().open_or_make_sub("trash")?;
-    let (images_dir, doubt) = store.with_tx_locked(None, |tx, ctx| {
+    let (images_dir, doubt) = store.with_tx_holding_locks(None, |tx, ctx| {
         let dir = tx.images_dir(&ctx.root)?;
         let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
         Ok((dir, doubt))
@@ -100,7 +100,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         )
     })?;
     // 1. Mark.
-    let marked = store.with_tx_locked(None, |tx, ctx| {
+    let marked = store.with_tx_holding_locks(None, |tx, ctx| {
         crate::store_wide::check_busy(tx, ctx)?;
         let mut rows = Vec::with_capacity(held.len());
         for (i, (name, _)) in held.iter().enumerate() {
@@ -137,7 +137,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         let tree = images_dir.join(name.encoded());
         let mut bytes = row
             .size_bytes
-            .unwrap_or_else(|| usage::disk_usage(&tree).unwrap_or(0));
+            .unwrap_or_else(|| disk_usage::disk_usage(&tree).unwrap_or(0));
         match take_out(store.ctx(), &images, &trash, &tree, name) {
             Taken::Trashed(t) => trashed.push((out.len(), t)),
             Taken::Deleted => {}
@@ -164,7 +164,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
 
     // 3. Drop the rows of the trees that went; undo the rest.
     let done = failed.as_ref().map_or(held.len(), |(i, _, _)| *i);
-    store.with_tx_locked(None, |tx, _| {
+    store.with_tx_holding_locks(None, |tx, _| {
         for (name, _) in &held[..done] {
             tx.delete_image(name.as_str())?;
         }
@@ -377,7 +377,7 @@ pub(crate) fn recheck(
     guard: Guard,
     tidy: bool,
 ) -> Result<Option<(Guard, ImageRow)>> {
-    match store.with_tx_locked(None, |tx, _| tx.image(name.as_str()))? {
+    match store.with_tx_holding_locks(None, |tx, _| tx.image(name.as_str()))? {
         Some(row) => Ok(Some((guard, row))),
         None => {
             if tidy {
@@ -450,7 +450,7 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                 .with_context(|| format!("cannot list {}", root.trash().display()))?
             {
                 let path = root.trash().join(&entry);
-                let bytes = usage::disk_usage(&path).unwrap_or(0);
+                let bytes = disk_usage::disk_usage(&path).unwrap_or(0);
                 let mut n = 0;
                 // What could not be deleted is reported as such, not as
                 // a trash entry that was removed.

@@ -38,12 +38,12 @@ use anyhow::{Context, Result, bail};
 use crate::acquire::image::{Need, Want, acquire_image, record, unlink_image_lock};
 use crate::clock;
 use crate::ctx::Ctx;
+use crate::disk_usage;
 use crate::error::Error;
 use crate::lock::{Guard, Mode};
 use crate::meta::{ImageRow, ImageState, Role, Tx};
 use crate::name::ImageName;
 use crate::store::{NeedsMigration, Store};
-use crate::usage;
 
 /// What an exec asks for.
 #[derive(Debug, Default)]
@@ -328,7 +328,7 @@ impl Session {
                 match std::fs::symlink_metadata(&dir) {
                     Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true, trusted),
                     Err(_) => (None, false, trusted),
-                    Ok(_) => (usage::disk_usage(&dir).ok(), false, trusted),
+                    Ok(_) => (disk_usage::disk_usage(&dir).ok(), false, trusted),
                 }
             })
             .collect();

@@ -23,7 +23,7 @@ use anyhow::{Context, Result, bail};
 use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::lock::{self, Mode, Wait, Waited};
-use crate::meta::{self, Schema, Tx};
+use crate::meta::{self, DatabaseError, Schema, Tx};
 use crate::root::Root;
 
 /// A transaction found the schema older than this binary.
@@ -201,11 +201,12 @@ impl Store {
         match tx.schema().map_err(|e| damaged(&db, e))? {
             Schema::Current => Ok((tx, ctx)),
             Schema::Behind(_) => Err(NeedsMigration.into()),
-            Schema::Ahead(v) => bail!(
+            Schema::Ahead(v) => Err(DatabaseError(format!(
                 "metadata database {} has schema version {v}, newer than this stowage knows ({}); use a newer stowage",
                 db.display(),
                 meta::schema_version()
-            ),
+            ))
+            .into()),
         }
     }
 
@@ -240,7 +241,7 @@ impl Store {
     /// lock is held — the caller's included — so it would wait for itself).
     /// Such callers bring the schema up to date before taking locks; a
     /// schema found behind anyway is an error, not a hang.
-    pub fn with_tx_locked<T>(
+    pub fn with_tx_holding_locks<T>(
         &mut self,
         deadline: Option<Instant>,
         mut f: impl FnMut(&Tx, &Ctx) -> Result<T>,
@@ -329,11 +330,14 @@ impl Store {
                     }
                     tx.migrate()?;
                 }
-                Schema::Ahead(v) => bail!(
-                    "metadata database {} has schema version {v}, newer than this stowage knows ({})",
-                    db.display(),
-                    meta::schema_version()
-                ),
+                Schema::Ahead(v) => {
+                    return Err(DatabaseError(format!(
+                        "metadata database {} has schema version {v}, newer than this stowage knows ({})",
+                        db.display(),
+                        meta::schema_version()
+                    ))
+                    .into());
+                }
             }
             Ok(())
         })
@@ -581,11 +585,12 @@ fn damaged(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
     }
     if meta::is_corruption(&e) {
         // SQLite's own words once (its error chain repeats them).
-        anyhow::anyhow!(
+        DatabaseError(format!(
             "metadata database {} is damaged ({e}); run 'stowage doctor --repair' (no image is lost)",
             db.display()
-        )
+        ))
+        .into()
     } else {
-        e.context(format!("metadata database {}", db.display()))
+        e.context(DatabaseError(format!("metadata database {}", db.display())))
     }
 }

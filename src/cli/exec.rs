@@ -305,7 +305,7 @@ fn full_note(images_dir: &std::path::Path) -> Option<String> {
         format!(
             "the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
             images_dir.display(),
-            crate::usage::human(free)
+            crate::disk_usage::human(free)
         )
     })
 }
@@ -470,7 +470,7 @@ fn clone_into(
     store.ctx().detail(&format!(
         "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
         done.files,
-        crate::usage::human(done.bytes),
+        crate::disk_usage::human(done.bytes),
         done.reflinked,
         t0.elapsed().as_secs_f64()
     ));

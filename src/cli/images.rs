@@ -6,11 +6,11 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::clock;
+use crate::disk_usage;
 use crate::lock::{self, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
 use crate::store::Store;
-use crate::usage;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -77,7 +77,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         table.push([
             r.name.clone(),
             r.state.as_str().into(),
-            r.size_bytes.map_or_else(|| "?".into(), usage::human),
+            r.size_bytes.map_or_else(|| "?".into(), disk_usage::human),
             r.base.clone().unwrap_or_else(|| "-".into()),
             clock::local_minutes(r.created),
             clock::local_minutes(r.last_used),
@@ -99,14 +99,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 /// (reflink clones): what each image shares, and what removing it frees.
 /// Elsewhere nothing is shared and nothing is read.
 struct Sharing {
-    by_image: HashMap<String, usage::Measure>,
-    footprint: Option<usage::Footprint>,
+    by_image: HashMap<String, disk_usage::Measure>,
+    footprint: Option<disk_usage::Footprint>,
 }
 
 impl Sharing {
     fn measure(rows: &[ImageRow], images_dir: &std::path::Path) -> Sharing {
         let mut by_image = HashMap::new();
-        if !usage::can_share(images_dir) {
+        if !disk_usage::can_share(images_dir) {
             return Sharing {
                 by_image,
                 footprint: None,
@@ -116,12 +116,12 @@ impl Sharing {
             let Ok(name) = ImageName::parse(&r.name) else {
                 continue;
             };
-            if let Ok(m) = usage::measure(&images_dir.join(name.encoded()), true) {
+            if let Ok(m) = disk_usage::measure(&images_dir.join(name.encoded()), true) {
                 by_image.insert(r.name.clone(), m);
             }
         }
         let footprint =
-            usage::Footprint::new(by_image.values().map(|m| m.shared_ranges.as_slice()));
+            disk_usage::Footprint::new(by_image.values().map(|m| m.shared_ranges.as_slice()));
         Sharing {
             by_image,
             footprint: Some(footprint),
@@ -161,9 +161,9 @@ impl Sharing {
             .sum();
         Some(format!(
             "images take {} on the filesystem ({} allocated; {} in extents shared between files)",
-            usage::human(own + fp.bytes()),
-            usage::human(allocated),
-            usage::human(shared)
+            disk_usage::human(own + fp.bytes()),
+            disk_usage::human(allocated),
+            disk_usage::human(shared)
         ))
     }
 }
@@ -198,7 +198,7 @@ fn fill_sizes(
         ) else {
             continue;
         };
-        if let Ok(size) = usage::disk_usage(&images_dir.join(name.encoded())) {
+        if let Ok(size) = disk_usage::disk_usage(&images_dir.join(name.encoded())) {
             found.push((r.clone(), size));
             r.size_bytes = Some(size);
         }

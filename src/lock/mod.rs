@@ -709,7 +709,7 @@ impl FileSet {
 /// Wraps a lock failure: "locking is unavailable here" is typed (exit 69);
 /// anything else names the lock and the file.
 pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error {
-    if crate::error::is_locking_unavailable(&e) {
+    if crate::error::locking_unavailable(&e) {
         crate::error::Error::LockingUnavailable {
             what: what.to_owned(),
             path: path.to_owned(),
