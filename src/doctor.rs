@@ -26,7 +26,7 @@ use crate::clock;
 use crate::ctx::Ctx;
 use crate::filesystem;
 use crate::lock;
-use crate::meta::{self, ImageRow, ImageState, SlotClass, Tx};
+use crate::meta::{self, ImageState, Tx};
 use crate::name::ImageName;
 use crate::remove;
 use crate::store::Store;
@@ -442,9 +442,7 @@ fn inspect_db(store: &mut Store) -> Result<Health> {
     store.close_db();
     let result = (|| -> rusqlite::Result<(String, i64)> {
         let conn = meta::open(&db).map_err(|_| rusqlite::Error::InvalidQuery)?;
-        let check: String = conn.query_row("PRAGMA quick_check", [], |r| r.get(0))?;
-        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-        Ok((check, version))
+        meta::quick_check(&conn)
     })();
     drop(global);
     Ok(match result {
@@ -471,7 +469,7 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     store.close_db();
     let root = store.root().clone();
     let db = root.db();
-    let salvage = salvage(&db);
+    let salvage = meta::salvage(&db);
     let stamp = clock::rfc3339(clock::now_ms())
         .unwrap_or_else(|| "unknown-time".into())
         .replace(':', "");
@@ -572,75 +570,6 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
         salvaged,
         slot_classes_lost: classes_lost,
     })
-}
-
-#[derive(Default)]
-struct Salvage {
-    images: HashMap<String, ImageRow>,
-    config: HashMap<String, String>,
-    /// None when the table could not be read at all.
-    slot_classes: Option<Vec<SlotClass>>,
-}
-
-/// Reads what it can from a damaged database, table by table.
-fn salvage(db: &Path) -> Salvage {
-    let mut out = Salvage::default();
-    let Ok(conn) = rusqlite::Connection::open_with_flags(
-        db,
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NOFOLLOW,
-    ) else {
-        return out;
-    };
-    if let Ok(mut st) =
-        conn.prepare("SELECT name, state, base, created_ms, last_used_ms, size_bytes FROM images")
-    {
-        let rows = st.query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, Option<String>>(2)?,
-                r.get::<_, i64>(3)?,
-                r.get::<_, i64>(4)?,
-                r.get::<_, Option<i64>>(5)?,
-            ))
-        });
-        if let Ok(rows) = rows {
-            for (name, state, base, created, last_used, size) in rows.flatten() {
-                let state = match state.as_str() {
-                    "ready" => ImageState::Ready,
-                    _ => ImageState::Incomplete,
-                };
-                out.images.insert(
-                    name.clone(),
-                    ImageRow {
-                        name,
-                        state,
-                        base,
-                        created,
-                        last_used,
-                        size_bytes: size.map(|s| s.max(0) as u64),
-                    },
-                );
-            }
-        }
-    }
-    if let Ok(mut st) = conn.prepare("SELECT key, value FROM config")
-        && let Ok(rows) = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
-    {
-        out.config = rows.flatten().collect();
-    }
-    if let Ok(mut st) = conn.prepare("SELECT name, lim, reserve_high FROM slot_classes")
-        && let Ok(rows) = st.query_map([], |r| {
-            Ok(SlotClass {
-                name: r.get(0)?,
-                limit: r.get(1)?,
-                reserve_high: r.get(2)?,
-            })
-        })
-    {
-        out.slot_classes = Some(rows.flatten().collect());
-    }
-    out
 }
 
 /// Records, rows and trees, leftovers.

@@ -329,6 +329,30 @@ pub fn annotate(err: anyhow::Error, db: &Path) -> anyhow::Error {
     err.context(format!("metadata database {}{hint}", db.display()))
 }
 
+/// Journals in memory and never spills the page cache to the file (`on`),
+/// for a transaction that is rolled back and must need no disk space; or
+/// back to the rollback journal on disk.
+pub fn journal_in_memory(conn: &rusqlite::Connection, on: bool) -> rusqlite::Result<()> {
+    conn.execute_batch(if on {
+        "PRAGMA journal_mode = MEMORY; PRAGMA cache_spill = OFF;"
+    } else {
+        "PRAGMA journal_mode = DELETE; PRAGMA cache_spill = ON;"
+    })
+}
+
+/// Switches a database some outside program put in WAL mode back to the
+/// rollback journal (WAL's index in shared memory is unsafe on NFS).
+pub fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+    conn.pragma_update(None, "journal_mode", "DELETE")
+}
+
+/// SQLite's quick integrity check ("ok" when sound) and the schema version.
+pub fn quick_check(conn: &rusqlite::Connection) -> rusqlite::Result<(String, i64)> {
+    let check: String = conn.query_row("PRAGMA quick_check", [], |r| r.get(0))?;
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    Ok((check, version))
+}
+
 /// Makes the database group-writable if we own it and it is not already.
 pub fn share_with_group(path: &Path) -> Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -786,6 +810,75 @@ fn slot_row(r: &rusqlite::Row) -> rusqlite::Result<SlotClass> {
         limit: r.get(1)?,
         reserve_high: r.get(2)?,
     })
+}
+
+#[derive(Default)]
+pub struct Salvage {
+    pub images: std::collections::HashMap<String, ImageRow>,
+    pub config: std::collections::HashMap<String, String>,
+    /// None when the table could not be read at all.
+    pub slot_classes: Option<Vec<SlotClass>>,
+}
+
+/// Reads what it can from a damaged database, table by table.
+pub fn salvage(db: &Path) -> Salvage {
+    let mut out = Salvage::default();
+    let Ok(conn) = rusqlite::Connection::open_with_flags(
+        db,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NOFOLLOW,
+    ) else {
+        return out;
+    };
+    if let Ok(mut st) =
+        conn.prepare("SELECT name, state, base, created_ms, last_used_ms, size_bytes FROM images")
+    {
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+                r.get::<_, i64>(3)?,
+                r.get::<_, i64>(4)?,
+                r.get::<_, Option<i64>>(5)?,
+            ))
+        });
+        if let Ok(rows) = rows {
+            for (name, state, base, created, last_used, size) in rows.flatten() {
+                let state = match state.as_str() {
+                    "ready" => ImageState::Ready,
+                    _ => ImageState::Incomplete,
+                };
+                out.images.insert(
+                    name.clone(),
+                    ImageRow {
+                        name,
+                        state,
+                        base,
+                        created,
+                        last_used,
+                        size_bytes: size.map(|s| s.max(0) as u64),
+                    },
+                );
+            }
+        }
+    }
+    if let Ok(mut st) = conn.prepare("SELECT key, value FROM config")
+        && let Ok(rows) = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+    {
+        out.config = rows.flatten().collect();
+    }
+    if let Ok(mut st) = conn.prepare("SELECT name, lim, reserve_high FROM slot_classes")
+        && let Ok(rows) = st.query_map([], |r| {
+            Ok(SlotClass {
+                name: r.get(0)?,
+                limit: r.get(1)?,
+                reserve_high: r.get(2)?,
+            })
+        })
+    {
+        out.slot_classes = Some(rows.flatten().collect());
+    }
+    out
 }
 
 #[cfg(test)]

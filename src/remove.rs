@@ -259,7 +259,7 @@ fn take_out(ctx: &Ctx, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName)
 /// Unlinks the gate of an image that has no row, under the gate's own
 /// exclusive lock; if a reader is just passing it, the file stays (a few
 /// bytes, reused if the name is).
-fn unlink_gate(root: &Root, name: &ImageName) {
+pub(crate) fn unlink_gate(root: &Root, name: &ImageName) {
     if let Ok(Some(gate)) = lock::acquire_no_wait(
         &root.image_gate(name),
         Mode::Exclusive,
@@ -556,4 +556,11 @@ pub(crate) fn release_unclaimed(
         let _ = unlink_lock(&root, g);
     }
     drop(tx);
+}
+
+/// Unlinks an image's lock file (we hold it exclusively) and its gate
+/// (if nobody is passing it right now).
+pub(crate) fn unlink_image_lock(root: &Root, name: &ImageName, guard: Guard) {
+    let _ = unlink_lock(root, guard);
+    unlink_gate(root, name);
 }

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::acquire::image::{Need, Want, acquire_image, record, unlink_image_lock};
+use crate::acquire::image::{Need, Want, acquire_image, record};
 use crate::clock;
 use crate::ctx::Ctx;
 use crate::disk_usage;
@@ -43,6 +43,7 @@ use crate::error::Error;
 use crate::lock::{Guard, Mode};
 use crate::meta::{ImageRow, ImageState, Role, Tx};
 use crate::name::ImageName;
+use crate::remove::unlink_image_lock;
 use crate::store::{NeedsMigration, Store};
 
 /// What an exec asks for.
@@ -382,7 +383,7 @@ impl Session {
         // (the unlink rule), with their gates.
         for (h, (_, gone, trusted)) in self.held.into_iter().zip(written) {
             if gone && trusted {
-                unlink_image_lock(store, &h.name, h.guard);
+                unlink_image_lock(store.root(), &h.name, h.guard);
             }
         }
         drop(self.slot);
@@ -427,7 +428,7 @@ impl Session {
         // requires), or doctor would find lock files without images.
         for h in self.held {
             if h.writes() && h.prev.is_none() {
-                unlink_image_lock(store, &h.name, h.guard);
+                unlink_image_lock(store.root(), &h.name, h.guard);
             }
         }
         Ok(())

@@ -300,7 +300,7 @@ impl Store {
         let global = Self::take_global(&self.ctx, None, false)?;
         let db = self.ctx.root.db();
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
-        conn.execute_batch("PRAGMA journal_mode = MEMORY; PRAGMA cache_spill = OFF;")?;
+        meta::journal_in_memory(conn, true)?;
         let out = (|| {
             let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
             match tx.schema()? {
@@ -310,7 +310,7 @@ impl Store {
             // Dropping `tx` rolls it back.
         })();
         let conn = self.conn.as_mut().expect("opened above");
-        conn.execute_batch("PRAGMA journal_mode = DELETE; PRAGMA cache_spill = ON;")?;
+        meta::journal_in_memory(conn, false)?;
         out
     }
 
@@ -478,13 +478,12 @@ fn connection<'c>(
             meta::share_with_group(db)?;
         }
         if in_wal(db) {
-            c.pragma_update(None, "journal_mode", "DELETE")
-                .with_context(|| {
-                    format!(
-                        "cannot switch {} from WAL to a rollback journal",
-                        db.display()
-                    )
-                })?;
+            meta::leave_wal(&c).with_context(|| {
+                format!(
+                    "cannot switch {} from WAL to a rollback journal",
+                    db.display()
+                )
+            })?;
         }
         *conn = Some(c);
     }

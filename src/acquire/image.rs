@@ -17,16 +17,6 @@ use crate::store::Store;
 
 use super::wait_as_waiter;
 
-/// Unlinks an image's lock file (we hold it exclusively) and its gate
-/// (if nobody is passing it right now).
-pub(crate) fn unlink_image_lock(store: &Store, name: &ImageName, guard: Guard) {
-    let gate = store.root().image_gate(name);
-    let _ = crate::remove::unlink_lock(store.root(), guard);
-    if let Ok(Some(g)) = lock::acquire_no_wait(&gate, Mode::Exclusive, lock::IfMissing::Fail) {
-        let _ = crate::remove::unlink_lock(store.root(), g);
-    }
-}
-
 /// What an image lock is taken for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Need {
