@@ -16,8 +16,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
-pub const NOW_ENV: &str = "STOWAGE_NOW";
-
 /// Milliseconds since the epoch.
 pub type Millis = i64;
 
@@ -25,7 +23,7 @@ pub type Millis = i64;
 pub const MAX_MS: Millis = 253_402_300_799_999;
 
 pub fn now_ms() -> Millis {
-    match std::env::var(NOW_ENV) {
+    match std::env::var(crate::env::NOW) {
         // Checked at start ([`check_env`]); a value that slipped past (a
         // library caller) falls back to the real clock.
         Ok(v) if !v.is_empty() => parse_time(&v).unwrap_or_else(|_| real_now_ms()),
@@ -42,14 +40,14 @@ fn real_now_ms() -> Millis {
 /// Refuses a `STOWAGE_NOW` that is not a time stowage can record: the one
 /// line names the variable and what is wrong (exit 64 as bad input).
 pub fn check_env() -> std::result::Result<(), crate::Error> {
-    match std::env::var_os(NOW_ENV) {
+    match std::env::var_os(crate::env::NOW) {
         None => Ok(()),
         Some(v) if v.is_empty() => Ok(()),
         Some(v) => {
             let s = v.to_string_lossy();
             parse_time(&s)
                 .map(|_| ())
-                .map_err(|e| crate::Error::Usage(format!("{NOW_ENV}={s:?}: {e:#}")))
+                .map_err(|e| crate::Error::Usage(format!("{}={s:?}: {e:#}", crate::env::NOW)))
         }
     }
 }

@@ -6,10 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-pub const PAUSE_ENV: &str = "STOWAGE_DEBUG_PAUSE";
-
 pub fn pause(point: &str) {
-    let Some(spec) = std::env::var_os(PAUSE_ENV) else {
+    let Some(spec) = std::env::var_os(crate::env::DEBUG_PAUSE) else {
         return;
     };
     let spec = spec.to_string_lossy();
@@ -30,13 +28,4 @@ pub fn pause(point: &str) {
             }
         }
     }
-}
-
-/// Hidden test hook: `STOWAGE_DEBUG_LOST_LOCK=FILE_NAME` makes the check of
-/// that lock file before recording an outcome fail, as an NFS lock lost to
-/// a lease expiry would (the client then fails I/O on it with EIO).
-pub const LOST_LOCK_ENV: &str = "STOWAGE_DEBUG_LOST_LOCK";
-
-pub fn lost_lock(path: &std::path::Path) -> bool {
-    std::env::var_os(LOST_LOCK_ENV).is_some_and(|v| path.file_name() == Some(v.as_os_str()))
 }

@@ -9,8 +9,6 @@
 
 use std::fs;
 
-pub const HOSTNAME_ENV: &str = "STOWAGE_HOSTNAME";
-
 /// The identity this process records.
 #[derive(Debug, Clone)]
 pub struct Me {
@@ -36,7 +34,7 @@ impl Me {
 
 /// The host name, or its override.
 pub fn host_name() -> String {
-    if let Ok(h) = std::env::var(HOSTNAME_ENV)
+    if let Ok(h) = std::env::var(crate::env::HOSTNAME)
         && !h.is_empty()
     {
         return h;

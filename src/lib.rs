@@ -46,22 +46,32 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+pub mod acquire;
 pub mod adopt;
 pub mod cli;
 pub mod clock;
 pub mod clone;
+pub mod command;
+pub mod ctx;
 pub mod debug;
 pub mod dir;
+pub mod disk_usage;
 pub mod doctor;
+pub mod env;
 pub mod error;
+pub mod exec;
+pub mod filesystem;
 pub mod gc;
+pub mod holders;
 pub mod ident;
+pub mod judge;
 pub mod keeper;
 pub mod kernel;
 pub mod lease;
 pub mod lock;
 pub mod meta;
 pub mod name;
+pub mod nested;
 pub mod remove;
 pub mod root;
 pub mod session;
@@ -69,11 +79,9 @@ pub mod signals;
 pub mod slots;
 pub mod space;
 pub mod spawn;
-pub mod status;
 pub mod store;
 pub mod store_wide;
 pub mod tree;
-pub mod usage;
 
 pub use error::Error;
 pub use name::ImageName;

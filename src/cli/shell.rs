@@ -22,18 +22,13 @@ use clap_complete::env::{Bash, EnvCompleter, Fish, Zsh};
 use crate::error::Error;
 use crate::root::Root;
 
-/// The variable through which a completion script calls stowage back. A
-/// name of stowage's own, so that a `COMPLETE` meant for another tool in a
-/// build's environment never turns an exec into a completion.
-const COMPLETE_ENV: &str = "_STOWAGE_COMPLETE";
-
 /// Answers a completion callback and exits, if this run is one.
 pub fn complete_if_asked(command: fn() -> Command) {
-    if std::env::var_os(COMPLETE_ENV).is_none() {
+    if std::env::var_os(crate::env::COMPLETE).is_none() {
         return;
     }
     clap_complete::CompleteEnv::with_factory(move || with_candidates(command()))
-        .var(COMPLETE_ENV)
+        .var(crate::env::COMPLETE)
         .complete();
 }
 
@@ -53,7 +48,7 @@ pub fn write_completions(shell: &str, out: &mut dyn Write) -> Result<()> {
     // The script calls whichever stowage is on PATH, so it stays right
     // across upgrades (the callback protocol is the binary's own).
     completer
-        .write_registration(COMPLETE_ENV, "stowage", "stowage", "stowage", out)
+        .write_registration(crate::env::COMPLETE, "stowage", "stowage", "stowage", out)
         .context("cannot write the completion script")
 }
 

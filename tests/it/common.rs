@@ -132,7 +132,7 @@ impl Env {
         let file = self.sentinel(&format!("paused.{point}"));
         let mut c = self.cmd(args);
         c.env(
-            stowage::debug::PAUSE_ENV,
+            stowage::env::DEBUG_PAUSE,
             format!("{point}:{}", file.display()),
         );
         let bg = Bg::from_command(c);

@@ -125,17 +125,17 @@ fn nested_migration_fails_instead_of_waiting_for_its_enclosing_command() {
         "-c",
         "echo x > \"$STOWAGE_IMAGE_DIR/f\"",
     ]);
-    c.env(stowage::meta::SCHEMA_LIMIT_ENV, "2");
+    c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "2");
     let out = output(c);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     let cmd = format!(
         "env -u {lim} '{bin}' --root '{root}' exec --read base -- true",
-        lim = stowage::meta::SCHEMA_LIMIT_ENV,
+        lim = stowage::env::DEBUG_SCHEMA_LIMIT,
         bin = bin(),
         root = env.root.display()
     );
     let mut c = env.cmd(["exec", "--read", "base", "--", "sh", "-c", &cmd]);
-    c.env(stowage::meta::SCHEMA_LIMIT_ENV, "2");
+    c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "2");
     let out = output(c);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     assert!(stderr(&out).contains("enclosing command"), "{}", show(&out));
@@ -286,7 +286,7 @@ fn migration_waits_for_an_older_release_holding_only_a_slot() {
     let env = Env::new();
     let old = |args: &[&str]| {
         let mut c = env.cmd(args);
-        c.env(stowage::meta::SCHEMA_LIMIT_ENV, "2");
+        c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "2");
         c
     };
     assert_eq!(
@@ -470,8 +470,8 @@ fn fake_mount(env: &Env, cmd: &mut Command, fstype: &str, options: &str) {
         ),
     )
     .unwrap();
-    cmd.env(stowage::kernel::FILESYSTEM_ENV, fstype)
-        .env(stowage::kernel::MOUNTINFO_ENV, &info);
+    cmd.env(stowage::env::DEBUG_FILESYSTEM, fstype)
+        .env(stowage::env::DEBUG_MOUNTINFO, &info);
 }
 
 #[test]
@@ -616,7 +616,7 @@ fn a_write_lock_lost_while_the_command_ran_makes_the_image_incomplete() {
     let env = Env::new();
     env.make_image("base");
     let mut c = env.cmd(["exec", "--read", "base", "--write", "app", "--", "true"]);
-    c.env(stowage::debug::LOST_LOCK_ENV, "app.lock");
+    c.env(stowage::env::DEBUG_LOST_LOCK, "app.lock");
     let out = output(c);
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     let err = stderr(&out);
@@ -658,7 +658,7 @@ fn on_a_shared_filesystem_lock_files_are_never_unlinked() {
     let env = Env::new();
     let nfs = |args: &[&str]| {
         let mut c = env.cmd(args);
-        c.env(stowage::kernel::FILESYSTEM_ENV, "nfs");
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
         output(c)
     };
     let out = nfs(&["exec", "--write", "app", "--", "true"]);
@@ -682,7 +682,7 @@ fn on_a_shared_filesystem_lock_files_are_never_unlinked() {
     // it unlinks retries on the new one, verified by re-opening the path.
     let (remover, go) = env.paused(["rm", "app"], "rm-moved");
     let mut c = env.cmd(["exec", "--write", "app", "--", "true"]);
-    c.env(stowage::kernel::FILESYSTEM_ENV, "nfs");
+    c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
     let waiter = Bg::from_command(c);
     env.wait_for_waiter("app");
     fs::remove_file(go).unwrap();
@@ -709,7 +709,7 @@ fn a_parent_that_is_no_exec_is_waited_for_like_anyone() {
             .arg("--root")
             .arg(&env.root);
         c.args(args);
-        c.env_remove(stowage::kernel::EXEC_PIDS_ENV);
+        c.env_remove(stowage::env::EXEC_PIDS);
         output(c)
     };
     fs::create_dir_all(slot.parent().unwrap()).unwrap();

@@ -1,0 +1,45 @@
+//! Every environment variable stowage reads or sets, named once.
+//!
+//! Code refers to these constants, never to the string: a variable that is
+//! renamed or retired is then found by the compiler. The hidden `DEBUG_*`
+//! hooks exist for tests that make, with real processes, situations this
+//! machine cannot (another filesystem, a lost NFS lock, a pause at one step
+//! of the protocol); they are documented in docs/design.md.
+
+/// The store's root directory, when `--root` is not given.
+pub const ROOT: &str = "STOWAGE_ROOT";
+/// Set for an exec's command: the images directory.
+pub const IMAGES_DIR: &str = "STOWAGE_IMAGES_DIR";
+/// Set for an exec's command when it writes exactly one image: its tree.
+pub const IMAGE_DIR: &str = "STOWAGE_IMAGE_DIR";
+/// Set by `stowage exec` for its command: the pids of the execs that run it,
+/// outermost first, separated by `:` (each appends its own).
+pub const EXEC_PIDS: &str = "STOWAGE_EXEC_PIDS";
+/// Overrides the host name recorded for this process.
+pub const HOSTNAME: &str = "STOWAGE_HOSTNAME";
+/// The time "now" for `gc --unused-for` and last-use times (tests and
+/// reproducible reports): RFC 3339 or seconds since the epoch.
+pub const NOW: &str = "STOWAGE_NOW";
+/// The variable through which a completion script calls stowage back: a
+/// name of stowage's own, so that a `COMPLETE` meant for another tool in
+/// a build's environment never turns an exec into a completion.
+pub const COMPLETE: &str = "_STOWAGE_COMPLETE";
+
+/// Hidden test hook: `NAME` makes every filesystem look like NAME (`nfs`,
+/// `lustre`, `beegfs`, `tmpfs`, …), so that the code for shared filesystems
+/// runs, with real processes, where there is none.
+pub const DEBUG_FILESYSTEM: &str = "STOWAGE_DEBUG_FILESYSTEM";
+/// Hidden test hook: a file read instead of /proc/self/mountinfo (mount
+/// options of filesystems that are not here).
+pub const DEBUG_MOUNTINFO: &str = "STOWAGE_DEBUG_MOUNTINFO";
+/// Hidden test hook: `POINT:FILE[,POINT:FILE…]` pauses at a named step (see
+/// `debug::pause`), so a test can act at that moment.
+pub const DEBUG_PAUSE: &str = "STOWAGE_DEBUG_PAUSE";
+/// Hidden test hook: a lock file name whose lock is reported lost when it
+/// is verified, as a lock lost to an NFS lease expiry would be.
+pub const DEBUG_LOST_LOCK: &str = "STOWAGE_DEBUG_LOST_LOCK";
+/// Hidden test hook: the schema version this binary migrates up to (an
+/// older binary, for migration tests).
+pub const DEBUG_SCHEMA_LIMIT: &str = "STOWAGE_DEBUG_SCHEMA_LIMIT";
+/// Hidden test hook: SQLite's busy timeout in milliseconds.
+pub const DEBUG_DB_BUSY_MS: &str = "STOWAGE_DEBUG_DB_BUSY_MS";

@@ -1,0 +1,394 @@
+//! Filesystems: what statfs(2) and the mount table say about where a lock
+//! reaches — the one home of the filesystem table.
+//!
+//! A lock is only as good as the filesystem that keeps it. Local
+//! filesystems ([`LOCAL`]) show every lock in this host's lock table; NFS,
+//! Lustre and BeeGFS keep locks cluster-wide only with the right mount
+//! options or client configuration ([`lock_reach`]); anything else is
+//! treated as shared (locks reach other hosts, the table does not show
+//! them).
+
+use std::fs;
+use std::io;
+use std::path::Path;
+
+/// A filesystem, as statfs(2) names it.
+#[derive(Debug, Clone)]
+pub struct Filesystem {
+    pub name: String,
+    /// True when every lock on it is visible in this host's lock table.
+    pub local: bool,
+}
+
+/// Filesystems whose locks this host's lock table shows completely.
+const LOCAL: &[&str] = &[
+    "tmpfs", "ext4", "xfs", "btrfs", "zfs", "overlay", "f2fs", "ramfs", "reiserfs",
+];
+
+pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
+    let st = nix::sys::statfs::statfs(path).map_err(io::Error::from)?;
+    if let Some(name) = std::env::var_os(crate::env::DEBUG_FILESYSTEM) {
+        let name = name.to_string_lossy().into_owned();
+        let local = LOCAL.contains(&name.as_str());
+        return Ok(Filesystem { name, local });
+    }
+    #[allow(clippy::unnecessary_cast)]
+    let magic = st.filesystem_type().0 as i64;
+    let (name, local) = match magic {
+        0x0102_1994 => ("tmpfs", true),
+        0xEF53 => ("ext4", true),
+        0x5846_5342 => ("xfs", true),
+        0x9123_683E => ("btrfs", true),
+        0x2FC1_2FC1 => ("zfs", true),
+        0x794C_7630 => ("overlay", true),
+        0xF2F5_2010 => ("f2fs", true),
+        0x8584_58F6 => ("ramfs", true),
+        0x5265_4973 => ("reiserfs", true),
+        0x6969 => ("nfs", false),
+        0x0BD0_0BD0 => ("lustre", false),
+        0x4750_4653 => ("gpfs", false),
+        0xFF53_4D42 => ("cifs", false),
+        0xFE53_4D42 => ("smb2", false),
+        0x00C3_6400 => ("ceph", false),
+        0x1983_0326 => ("beegfs", false),
+        0x6573_5546 => ("fuse", false),
+        0x0000_564C => ("ncp", false),
+        0x7366_7673 => ("afs", false),
+        0x5346_414F => ("afs", false),
+        _ => ("", false),
+    };
+    let name = if name.is_empty() {
+        format!("unknown (0x{magic:x})")
+    } else {
+        name.to_owned()
+    };
+    Ok(Filesystem { name, local })
+}
+
+/// A mount, from /proc/self/mountinfo.
+#[derive(Debug, Clone)]
+pub struct Mount {
+    pub mount_point: std::path::PathBuf,
+    pub fstype: String,
+    pub source: String,
+    /// Per-mount and superblock options together.
+    pub options: Vec<String>,
+}
+
+/// The mount that holds `path` (the longest mount point that contains it).
+pub fn mount_of(path: &Path) -> Option<Mount> {
+    let path = fs::canonicalize(path).ok()?;
+    let info = std::env::var_os(crate::env::DEBUG_MOUNTINFO)
+        .map_or_else(|| "/proc/self/mountinfo".into(), std::path::PathBuf::from);
+    let text = fs::read_to_string(info).ok()?;
+    parse_mountinfo(&text)
+        .into_iter()
+        .filter(|m| path.starts_with(&m.mount_point))
+        .max_by_key(|m| m.mount_point.as_os_str().len())
+}
+
+fn parse_mountinfo(text: &str) -> Vec<Mount> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        // id parent maj:min root mount-point options [optional...] - fstype source super-options
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let l: Vec<&str> = left.split(' ').collect();
+        let r: Vec<&str> = right.split(' ').collect();
+        if l.len() < 6 || r.len() < 3 {
+            continue;
+        }
+        let options = l[5]
+            .split(',')
+            .chain(r[2].split(','))
+            .map(str::to_owned)
+            .collect();
+        out.push(Mount {
+            mount_point: std::path::PathBuf::from(unescape(l[4])),
+            fstype: r[0].to_owned(),
+            source: unescape(r[1]),
+            options,
+        });
+    }
+    out
+}
+
+/// mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape(s: &str) -> String {
+    let mut out = String::new();
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            let oct: String = chars.by_ref().take(3).collect();
+            if let Ok(v) = u8::from_str_radix(&oct, 8) {
+                out.push(v as char);
+                continue;
+            }
+            out.push(c);
+            out.push_str(&oct);
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Whether locks on a shared filesystem exclude other hosts, as far as its
+/// mount options and client configuration tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reach {
+    /// Nothing says otherwise (a local filesystem, or a shared one whose
+    /// settings give cluster-wide locks).
+    ClusterWide,
+    /// Locks exclude only processes on the same host: refused (exit 69).
+    NodeLocal { why: String, advice: String },
+    /// Could not be told (e.g. Lustre mounted without `flock` or
+    /// `localflock`, whose default differs between releases): doctor says
+    /// so and offers the two-host probe.
+    Unknown { why: String },
+}
+
+/// How far locks on the filesystem of `path` reach, with the mount looked
+/// at. Cheap where it matters: one statfs(2); mountinfo (and a client
+/// configuration file) only on NFS, Lustre and BeeGFS.
+pub fn lock_reach(path: &Path) -> (Reach, Option<Mount>) {
+    // A root not made yet lives where its nearest existing ancestor does;
+    // the common case (it exists) costs the one statfs.
+    let Some((path, Ok(fs))) = path.ancestors().find_map(|p| match filesystem(p) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        other => Some((p, other)),
+    }) else {
+        return (Reach::ClusterWide, None);
+    };
+    if !matches!(fs.name.as_str(), "nfs" | "lustre" | "beegfs") {
+        return (Reach::ClusterWide, None);
+    }
+    let Some(m) = mount_of(path) else {
+        return (
+            Reach::Unknown {
+                why: format!("{} mount options could not be read", fs.name),
+            },
+            None,
+        );
+    };
+    let reach = match fs.name.as_str() {
+        "nfs" => nfs_reach(&m.options),
+        "lustre" => lustre_reach(&m.options),
+        _ => beegfs_reach(&m.options, |p| fs::read_to_string(p).ok()),
+    };
+    (reach, Some(m))
+}
+
+/// NFS: `nolock` and `local_lock=flock|posix|all` keep locks on the client.
+/// `local_lock=flock` breaks the image and global locks outright.
+/// `local_lock=posix` looks harmless — SQLite's fcntl locks are only taken
+/// under the global flock, which still reaches the server — but the NFS
+/// client revalidates a file's cached pages when a lock *on that file* goes
+/// to the server: with SQLite's locks local, a process could read stale
+/// database pages cached before another host's transaction, and write a
+/// transaction on top of them.
+fn nfs_reach(options: &[String]) -> Reach {
+    let bad = local_only_options(options);
+    if bad.is_empty() {
+        return Reach::ClusterWide;
+    }
+    Reach::NodeLocal {
+        why: format!(
+            "NFS mounted with {}: locks stay local to each client",
+            bad.join(",")
+        ),
+        advice: "remount without it".into(),
+    }
+}
+
+/// Lustre: `flock` gives cluster-wide flocks, `localflock` flocks that
+/// exclude only on one client node (how shared SQLite databases get
+/// corrupted on Lustre), `noflock` none at all (ENOSYS). With none of them
+/// the default depends on the Lustre release.
+fn lustre_reach(options: &[String]) -> Reach {
+    let has = |o: &str| options.iter().any(|x| x == o);
+    if has("localflock") {
+        Reach::NodeLocal {
+            why: "Lustre mounted with localflock: flocks exclude only processes on the same client node".into(),
+            advice: "remount with -o flock (cluster-wide locks)".into(),
+        }
+    } else if has("noflock") {
+        Reach::NodeLocal {
+            why: "Lustre mounted with noflock: flock is disabled".into(),
+            advice: "remount with -o flock (cluster-wide locks)".into(),
+        }
+    } else if has("flock") {
+        Reach::ClusterWide
+    } else {
+        Reach::Unknown {
+            why: "Lustre mounted without 'flock' or 'localflock': whether flocks reach other nodes depends on the Lustre release".into(),
+        }
+    }
+}
+
+/// BeeGFS: flocks are cluster-wide only with `tuneUseGlobalFileLocks =
+/// true` in the client configuration (the mount's `cfgFile=`, else
+/// /etc/beegfs/beegfs-client.conf); the default, false, keeps them on the
+/// node.
+fn beegfs_reach(options: &[String], read: impl Fn(&Path) -> Option<String>) -> Reach {
+    let conf = options
+        .iter()
+        .find_map(|o| o.strip_prefix("cfgFile="))
+        .unwrap_or("/etc/beegfs/beegfs-client.conf");
+    let Some(text) = read(Path::new(conf)) else {
+        return Reach::Unknown {
+            why: format!(
+                "BeeGFS client configuration {conf} could not be read (tuneUseGlobalFileLocks decides whether flocks reach other nodes)"
+            ),
+        };
+    };
+    let global = text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter_map(|l| l.split_once('='))
+        .rfind(|(k, _)| k.trim() == "tuneUseGlobalFileLocks")
+        .map(|(_, v)| v.trim().eq_ignore_ascii_case("true"));
+    if global == Some(true) {
+        Reach::ClusterWide
+    } else {
+        Reach::NodeLocal {
+            why: format!(
+                "BeeGFS with tuneUseGlobalFileLocks={} ({conf}): flocks exclude only processes on the same client node",
+                if global.is_some() {
+                    "false"
+                } else {
+                    "false (the default)"
+                }
+            ),
+            advice: format!("set tuneUseGlobalFileLocks = true in {conf} and remount"),
+        }
+    }
+}
+
+/// The NFS mount options that keep locks on the client.
+fn local_only_options(options: &[String]) -> Vec<String> {
+    options
+        .iter()
+        .filter(|o| {
+            o.as_str() == "nolock" || (o.starts_with("local_lock=") && *o != "local_lock=none")
+        })
+        .cloned()
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_mountinfo() {
+        let m = parse_mountinfo(
+            "36 35 98:0 /mnt1 /mnt/with\\040space rw,noatime master:1 - nfs4 server:/export rw,vers=4.2,local_lock=flock\n\
+             22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n",
+        );
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].mount_point, Path::new("/mnt/with space"));
+        assert_eq!(m[0].fstype, "nfs4");
+        assert!(m[0].options.contains(&"local_lock=flock".to_owned()));
+        assert!(m[0].options.contains(&"noatime".to_owned()));
+        assert!(mount_of(Path::new("/")).is_some());
+    }
+
+    #[test]
+    fn only_mounts_that_keep_flock_local_are_unsafe() {
+        let opts = |o: &str| o.split(',').map(str::to_owned).collect::<Vec<_>>();
+        for unsafe_ in [
+            "rw,nolock",
+            "rw,vers=3,local_lock=flock",
+            "rw,local_lock=posix",
+            "local_lock=all,hard",
+        ] {
+            assert_eq!(local_only_options(&opts(unsafe_)).len(), 1, "{unsafe_}");
+        }
+        for safe in [
+            "rw,vers=4.2,local_lock=none",
+            "rw,lock,hard",
+            "rw,nolocks_are_not_a_thing",
+        ] {
+            assert!(local_only_options(&opts(safe)).is_empty(), "{safe}");
+        }
+        // A local filesystem is never NFS, whatever its options.
+        assert_eq!(lock_reach(Path::new("/")).0, Reach::ClusterWide);
+    }
+
+    /// Lines as /proc/self/mountinfo shows such mounts.
+    const FIXTURE: &str = "\
+101 30 0:60 / /lustre/scratch rw,relatime - lustre 10.0.0.1@o2ib:/scratch rw,localflock,lazystatfs\n\
+102 30 0:61 / /lustre/work rw,relatime - lustre 10.0.0.1@o2ib:/work rw,flock,lazystatfs\n\
+103 30 0:62 / /lustre/old rw,relatime - lustre 10.0.0.1@o2ib:/old rw,noflock\n\
+104 30 0:63 / /lustre/plain rw,relatime - lustre 10.0.0.1@o2ib:/plain rw,lazystatfs\n\
+105 30 0:64 / /mnt/beegfs rw,relatime - beegfs beegfs_nodev rw,cfgFile=/etc/beegfs/beegfs-client.conf,_netdev\n\
+106 30 0:65 / /mnt/nfs rw,relatime - nfs4 srv:/export rw,vers=4.2,local_lock=none\n";
+
+    fn reach_of(mount_point: &str, fstype: &str) -> Reach {
+        let m = parse_mountinfo(FIXTURE)
+            .into_iter()
+            .find(|m| m.mount_point == Path::new(mount_point))
+            .unwrap();
+        match fstype {
+            "lustre" => lustre_reach(&m.options),
+            "nfs" => nfs_reach(&m.options),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn lustre_mount_options_decide_the_reach_of_locks() {
+        assert!(matches!(
+            reach_of("/lustre/scratch", "lustre"),
+            Reach::NodeLocal { .. }
+        ));
+        assert!(matches!(
+            reach_of("/lustre/old", "lustre"),
+            Reach::NodeLocal { .. }
+        ));
+        assert_eq!(reach_of("/lustre/work", "lustre"), Reach::ClusterWide);
+        assert!(matches!(
+            reach_of("/lustre/plain", "lustre"),
+            Reach::Unknown { .. }
+        ));
+        assert_eq!(reach_of("/mnt/nfs", "nfs"), Reach::ClusterWide);
+    }
+
+    #[test]
+    fn beegfs_client_configuration_decides_the_reach_of_locks() {
+        let m = parse_mountinfo(FIXTURE)
+            .into_iter()
+            .find(|m| m.fstype == "beegfs")
+            .unwrap();
+        let conf = |text: &'static str| {
+            move |p: &Path| {
+                assert_eq!(p, Path::new("/etc/beegfs/beegfs-client.conf"));
+                Some(text.to_owned())
+            }
+        };
+        // The default is node-local.
+        assert!(matches!(
+            beegfs_reach(&m.options, conf("sysMgmtdHost = mgmt\n")),
+            Reach::NodeLocal { .. }
+        ));
+        assert!(matches!(
+            beegfs_reach(&m.options, conf("tuneUseGlobalFileLocks = false\n")),
+            Reach::NodeLocal { .. }
+        ));
+        assert_eq!(
+            beegfs_reach(
+                &m.options,
+                conf(
+                    "# tuneUseGlobalFileLocks = false\ntuneUseGlobalFileLocks   = true  # cluster-wide\n"
+                )
+            ),
+            Reach::ClusterWide
+        );
+        assert!(matches!(
+            beegfs_reach(&m.options, |_| None),
+            Reach::Unknown { .. }
+        ));
+    }
+}
