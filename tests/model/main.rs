@@ -370,6 +370,7 @@ const LEASES_REACHED: &[&str] = &[
     "a prober unlinks a fresh lease before its owner locks it",
     "an owner finds its fresh lease held by a prober",
     "the lease of a dead owner waits to be cleaned",
+    "a clean unlinks the lease of a dead owner",
 ];
 
 /// What the store-wide size must reach.
@@ -502,6 +503,12 @@ fn big_sizes_when_asked() {
         .copied()
         .collect();
     assert_holds("3 processes × 2 images, 2 crashes", two_crashes, &reach);
+    let mut leases = lease_config();
+    leases.crashes = 2;
+    assert_holds("leases, 2 crashes", leases, LEASES_REACHED);
+    let mut store = store_config();
+    store.crashes = 2;
+    assert_holds("store-wide, 2 crashes", store, STORE_REACHED);
     // Its nested call takes no slot (see `big_config`).
     let reach: Vec<&str> = reach
         .into_iter()
