@@ -451,16 +451,17 @@ fn an_exec_nested_in_a_slot_holder_can_wait_for_a_hold_that_waits_for_the_slot()
 }
 
 #[test]
-fn without_the_start_check_an_exec_runs_beside_a_store_wide_command() {
+fn without_the_store_wide_check_a_removal_runs_beside_a_store_wide_command() {
     let mut cfg = store_config();
     cfg.rules.store_check = false;
     cfg.crashes = 0;
     let trace = mutation_found(
-        "no store-wide check at the start",
+        "no store-wide check in claiming transactions",
         cfg,
         "while a store-wide hold is granted, nobody else is at work on an image or slot",
     );
     assert!(trace.contains("exec --store-wide"), "{trace}");
+    assert!(trace.contains("rm A: mark"), "{trace}");
 }
 
 #[test]
