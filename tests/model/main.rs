@@ -181,7 +181,12 @@ fn store_config() -> Config {
             Role {
                 host: 0,
                 parent: None,
-                menu: vec![STORE_WIDE, exec_write(A), read_exclusive(A)],
+                menu: vec![
+                    STORE_WIDE,
+                    Op::StoreWide { inherit: false },
+                    exec_write(A),
+                    read_exclusive(A),
+                ],
             },
             Role {
                 host: 1,
