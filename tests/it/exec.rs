@@ -442,3 +442,49 @@ fn a_start_that_fails_leaves_no_directory_and_no_lock_file() {
     assert!(!env.lock_file("app2").exists());
     assert!(!env.root.join("img/app2").exists());
 }
+
+/// A new image whose writer failed before putting anything in its tree
+/// leaves no directory behind (builders that list the images directory,
+/// like `ch-image list`, trip over empty ones): the row stays, incomplete,
+/// as the contract says. A tree a failed writer did write stays for
+/// inspection, and an existing image's directory is never removed. The
+/// image without a tree is an ordinary incomplete image for every command.
+#[test]
+fn a_failed_new_image_leaves_no_empty_directory() {
+    let env = Env::new();
+    let img = env.root.join("img");
+    let out = env.run(["exec", "--write", "empty", "--", "false"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(env.state("empty").as_deref(), Some("incomplete"));
+    assert!(!img.join("empty").exists(), "{:?}", tree(&img));
+    assert_eq!(env.image("empty").unwrap()["size_bytes"], 0);
+    // What a failed writer wrote stays.
+    let out = env.run_sh("kept", "echo x > \"$STOWAGE_IMAGE_DIR/f\"; exit 3");
+    assert_eq!(out.status.code(), Some(3), "{}", show(&out));
+    assert!(img.join("kept/f").exists());
+    // An existing image's (empty) directory is not this write's to remove.
+    env.build("old", "true");
+    env.run(["exec", "--write", "old", "--", "false"]);
+    assert_eq!(env.state("old").as_deref(), Some("incomplete"));
+    assert!(img.join("old").is_dir());
+    // Reading it says it is not ready; doctor finds nothing wrong.
+    let out = env.run(["exec", "--read", "empty", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    let out = env.run(["doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    // Writing it again makes its directory anew.
+    env.build(
+        "empty",
+        "test -d \"$STOWAGE_IMAGE_DIR\" && touch \"$STOWAGE_IMAGE_DIR/g\"",
+    );
+    assert_eq!(env.state("empty").as_deref(), Some("ready"));
+    assert!(img.join("empty/g").exists());
+    // rm and gc remove such images like any other.
+    env.run(["exec", "--write", "gone1", "--", "false"]);
+    env.run(["exec", "--write", "gone2", "--", "false"]);
+    env.ok(["rm", "gone1"]);
+    env.ok(["gc"]);
+    assert_eq!(env.state("gone1"), None);
+    assert_eq!(env.state("gone2"), None);
+    assert!(!img.join("gone2").exists());
+}
