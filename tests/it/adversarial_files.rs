@@ -400,44 +400,6 @@ fn a_rebuild_killed_after_the_damaged_database_was_set_aside_loses_no_image() {
     );
 }
 
-/// A fresh store for [`unprivileged`]: as root, its scratch directory (and
-/// so the root inside it) is handed to uid 65534, searchable by all, so
-/// that user makes the store and owns what it builds.
-fn unprivileged_env() -> Env {
-    let env = Env::new();
-    if is_root() {
-        use std::os::unix::fs::PermissionsExt;
-        let t = env.tmp.path();
-        fs::set_permissions(t, fs::Permissions::from_mode(0o755)).unwrap();
-        std::os::unix::fs::chown(t, Some(65534), Some(65534)).unwrap();
-    }
-    env
-}
-
-/// `stowage ARGS…` as an unprivileged user: as root, uid 65534 through
-/// setpriv (root needs no permission, so the case would not arise);
-/// otherwise as ourselves.
-fn unprivileged(env: &Env, args: &[&str]) -> std::process::Output {
-    let mut c = if is_root() {
-        let mut c = Command::new("setpriv");
-        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", bin()]);
-        c
-    } else {
-        Command::new(bin())
-    };
-    c.arg("--root").arg(&env.root).args(args);
-    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
-    c.stdin(std::process::Stdio::null());
-    output(c)
-}
-
-/// [`Env::build`] as an [`unprivileged`] user: `sh -c SCRIPT` as the
-/// writer of image NAME, which must exit 0.
-fn unprivileged_build(env: &Env, name: &str, script: &str) {
-    let out = unprivileged(env, &["exec", "--write", name, "--", "sh", "-c", script]);
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
-}
-
 #[test]
 fn a_directory_without_permissions_in_ones_own_image_is_deleted() {
     let env = unprivileged_env();

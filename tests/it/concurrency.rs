@@ -17,12 +17,6 @@ fn critical_section(dir: &std::path::Path) -> String {
     )
 }
 
-fn lines(p: &std::path::Path) -> usize {
-    fs::read_to_string(p)
-        .map(|s| s.lines().count())
-        .unwrap_or(0)
-}
-
 #[test]
 fn writers_never_overlap() {
     const PROCS: usize = 16;

@@ -295,10 +295,6 @@ fn trees_deeper_than_path_max_are_cloned_and_measured() {
     );
 }
 
-// --- sizes, shared extents and gc's budget ---------------------------------
-
-const MIB: u64 = 1 << 20;
-
 #[test]
 fn gc_budget_counts_reflinked_extents_once() {
     let Some(mnt) = Mount::btrfs_loop("600M") else {

@@ -222,30 +222,6 @@ impl Drop for DefaultRoot {
     }
 }
 
-fn chown(p: &Path, uid: u32, gid: u32) {
-    let c = CString::new(p.as_os_str().as_bytes()).unwrap();
-    assert_eq!(unsafe { libc::chown(c.as_ptr(), uid, gid) }, 0);
-}
-
-/// `setpriv` to run as nobody (65534), if this test runs as root and the
-/// tool is there.
-fn as_nobody() -> Option<Command> {
-    if !root_or_skip("running as another user") {
-        return None;
-    }
-    let ok = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "true"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("skipping: setpriv cannot switch to uid 65534 here");
-        return None;
-    }
-    let mut c = Command::new("setpriv");
-    c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"]);
-    Some(c)
-}
-
 #[test]
 fn the_default_root_must_be_the_users_own() {
     if !root_or_skip("making a root owned by someone else") {

@@ -30,13 +30,6 @@ fn namespaces() -> bool {
     ok
 }
 
-fn our_hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .unwrap()
-        .trim()
-        .to_owned()
-}
-
 /// A "host": a new pid, UTS and mount namespace (own /proc) named
 /// `hostname` (None: ours, as a container on this host has), whose init is
 /// `sh`, running `stowage ARGS` and waiting for it.
@@ -488,15 +481,9 @@ fn torture_hosts() {
     if !namespaces() {
         return;
     }
-    let num = |name: &str, default: u64| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(default)
-    };
-    let hosts = num("STOWAGE_STRESS_HOSTS", 3).max(1) as usize;
-    let secs = num("STOWAGE_STRESS_SECS", 10);
-    let seed = num("STOWAGE_STRESS_SEED", fastrand::u64(..));
+    let hosts = env_num("STOWAGE_STRESS_HOSTS", 3).max(1) as usize;
+    let secs = env_num("STOWAGE_STRESS_SECS", 10);
+    let seed = env_num("STOWAGE_STRESS_SEED", fastrand::u64(..));
     eprintln!("stress --hosts: {hosts} hosts, {secs} s, seed {seed}");
     let mut rng = fastrand::Rng::with_seed(seed);
     let env = Env::new();

@@ -32,7 +32,7 @@ fn a_clone_is_a_faithful_copy_sharing_no_inode() {
     let base = env.root.join("img/base");
     let app = env.root.join("img/app");
     let mut count = 0;
-    for entry in walk(&base) {
+    for entry in walkdir(&base) {
         let rel = entry.strip_prefix(&base).unwrap();
         let (a, b) = (
             fs::symlink_metadata(&entry).unwrap(),
@@ -80,20 +80,6 @@ fn a_clone_is_a_faithful_copy_sharing_no_inode() {
         "lineage recorded"
     );
     assert_eq!(env.state("app").as_deref(), Some("ready"));
-}
-
-fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_owned()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).unwrap().flatten() {
-            if e.file_type().unwrap().is_dir() {
-                stack.push(e.path());
-            }
-            out.push(e.path());
-        }
-    }
-    out
 }
 
 #[test]

@@ -1,7 +1,5 @@
 //! `stowage lock-status`: the JSON contract, the kernel as the truth.
 
-use std::process::Command;
-
 use serde_json::Value;
 
 use crate::common::*;
@@ -37,7 +35,7 @@ fn holder_and_waiter_with_every_field() {
     assert_eq!(img["image_state"], "ready");
     assert_eq!(img["state"], "shared");
     let user = std::env::var("USER").unwrap_or_else(|_| "root".into());
-    let host = nix_hostname();
+    let host = our_hostname();
 
     let h = &img["holders"][0];
     assert_eq!(h["pid"], holder.pid());
@@ -69,11 +67,6 @@ fn holder_and_waiter_with_every_field() {
     // Nothing is held now: only the global lock is listed.
     let st = env.status_json(Vec::<String>::new());
     assert_eq!(st["locks"].as_array().unwrap().len(), 1, "{st}");
-}
-
-fn nix_hostname() -> String {
-    let out = Command::new("hostname").output().unwrap();
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 #[test]

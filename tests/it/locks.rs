@@ -4,7 +4,6 @@
 //! that stand in for NFS behaviour that cannot be reproduced here.
 
 use std::fs;
-use std::path::PathBuf;
 use std::process::Command;
 
 use crate::common::*;
@@ -20,10 +19,6 @@ fn nested_script(env: &Env, started: &str, go: &str, args: &str) -> String {
         bin = bin(),
         root = env.root.display(),
     )
-}
-
-fn gate_file(env: &Env, enc: &str) -> PathBuf {
-    env.root.join("locks/images").join(format!("{enc}.gate"))
 }
 
 /// The writer gate must not turn a nested reader into a cycle: the outer
@@ -321,27 +316,11 @@ fn migration_waits_for_an_older_release_holding_only_a_slot() {
     assert_eq!(new.finish().status.code(), Some(0));
 }
 
-/// The lock-status entry of a slot class, if shown.
-/// `exec --slot CLASS -- <hold until sentinel RELEASE>` in the background,
-/// returning once it holds its slot.
-fn slot_holder(env: &Env, class: &str, started: &str, release: &str) -> Bg {
-    let mut args = vec![
-        "exec".to_owned(),
-        "--slot".into(),
-        class.into(),
-        "--".into(),
-    ];
-    args.extend(env.hold_cmd(started, release));
-    let bg = env.spawn(&args);
-    wait_for_file(&env.sentinel(started));
-    bg
-}
-
 #[test]
 fn a_raised_or_lifted_slot_limit_lets_queued_waiters_in() {
     let env = Env::new();
     env.ok(["slots", "set", "one", "1"]);
-    let mut holder = slot_holder(&env, "one", "held", "release");
+    let mut holder = env.hold_until(&["--slot", "one"], "held", "release");
     let first = env.spawn(["exec", "--slot", "one", "--", "true"]);
     env.wait_for_slot_waiters("one", 1);
     env.ok(["slots", "set", "one", "2"]);
@@ -352,7 +331,7 @@ fn a_raised_or_lifted_slot_limit_lets_queued_waiters_in() {
         "the raised limit let the waiter in, not the holder's end"
     );
 
-    let second = slot_holder(&env, "one", "second", "release");
+    let second = env.hold_until(&["--slot", "one"], "second", "release");
     let third = env.spawn(["exec", "--slot", "one", "--", "true"]);
     env.wait_for_slot_waiters("one", 1);
     env.ok(["slots", "set", "one", "0"]);
@@ -369,8 +348,8 @@ fn a_raised_or_lifted_slot_limit_lets_queued_waiters_in() {
 fn a_lowered_slot_limit_binds_queued_waiters() {
     let env = Env::new();
     env.ok(["slots", "set", "two", "2"]);
-    let a = slot_holder(&env, "two", "a", "release-a");
-    let b = slot_holder(&env, "two", "b", "release-b");
+    let a = env.hold_until(&["--slot", "two"], "a", "release-a");
+    let b = env.hold_until(&["--slot", "two"], "b", "release-b");
     let waiter = env.spawn([
         "exec",
         "--slot",
@@ -405,7 +384,7 @@ fn a_lowered_slot_limit_binds_queued_waiters() {
 fn a_removed_class_shows_its_holders_until_they_end_and_ends_its_waits() {
     let env = Env::new();
     env.ok(["slots", "set", "one", "1"]);
-    let holder = slot_holder(&env, "one", "held", "release");
+    let holder = env.hold_until(&["--slot", "one"], "held", "release");
     let waiter = env.spawn(["exec", "--slot", "one", "--", "true"]);
     env.wait_for_slot_waiters("one", 1);
     env.ok(["slots", "rm", "one"]);
@@ -437,7 +416,7 @@ fn a_slot_waiter_under_a_pids_limit_still_waits_and_gets_in() {
     };
     env.ok(["slots", "set", "eight", "8"]);
     let holders: Vec<Bg> = (0..8)
-        .map(|i| slot_holder(&env, "eight", &format!("h{i}"), "release"))
+        .map(|i| env.hold_until(&["--slot", "eight"], &format!("h{i}"), "release"))
         .collect();
     let waiter = Bg::from_command(cg.wrap(&format!(
         "'{bin}' --root '{root}' exec --slot eight -- touch '{ran}'",

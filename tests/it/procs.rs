@@ -43,10 +43,6 @@ fn exec_writing(
     (bg, img_file)
 }
 
-fn lines(file: &Path) -> usize {
-    fs::read_to_string(file).map_or(0, |t| t.lines().count())
-}
-
 /// Whether anything still appends to `file`: two looks 300 ms apart (the
 /// writer appends every 10 ms, so a live one is seen).
 fn still_written(file: &Path) -> bool {
@@ -439,7 +435,7 @@ fn sigterm_stops_a_from_copy_promptly() {
     let out = bg.finish();
     let took = t0.elapsed();
     assert_eq!(out.status.code(), Some(143), "{}", show(&out));
-    let copied = count_files(&env.root.join("img/copy"));
+    let copied = walkdir_files(&env.root.join("img/copy")).len();
     eprintln!("stopped after copying {copied} of {files} files, {took:?} after SIGTERM");
     assert!(
         copied < files / 2,
@@ -448,21 +444,6 @@ fn sigterm_stops_a_from_copy_promptly() {
     assert_eq!(env.state("copy").as_deref(), Some("incomplete"));
     assert!(flock_free(&env.lock_file("copy")));
     assert!(flock_free(&env.lock_file("base")));
-}
-
-fn count_files(dir: &Path) -> usize {
-    let mut n = 0;
-    let mut stack = vec![dir.to_owned()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
-            if e.file_type().unwrap().is_dir() {
-                stack.push(e.path());
-            } else {
-                n += 1;
-            }
-        }
-    }
-    n
 }
 
 // ---------------------------------------------------------------------------
