@@ -119,7 +119,7 @@ pub fn copy_tree_at(
 ) -> Result<Copied> {
     let _files = tree::MoreFiles::raise();
     if progress.shown() {
-        let total = crate::usage::apparent_size(src).unwrap_or(0);
+        let total = crate::disk_usage::apparent_size(src).unwrap_or(0);
         progress.total(total);
     }
     let meta = src_root

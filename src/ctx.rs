@@ -5,6 +5,8 @@ use std::cell::Cell;
 use std::io::Write;
 
 use crate::ident::Me;
+use crate::lock::Mode;
+use crate::meta::{LockKind, Record, Role};
 use crate::root::Root;
 
 /// What every operation needs to know besides the database.
@@ -56,5 +58,24 @@ impl Ctx {
         if self.verbose && !self.quiet {
             let _ = writeln!(std::io::stderr(), "stowage: {msg}");
         }
+    }
+
+    /// A record of this process for a lock it holds or awaits, from now,
+    /// naming its lease (made now if it has none yet). A lease that cannot
+    /// be made (a user who may lock the store's files but not create one
+    /// under `locks/`) leaves the record to be judged by pid, as before
+    /// leases: information only, never exclusion, depends on it.
+    pub fn record(
+        &self,
+        kind: LockKind,
+        name: &str,
+        lockfile: String,
+        role: Role,
+        mode: Mode,
+        command: &str,
+    ) -> Record {
+        let mut r = Record::ours(&self.me, kind, name, lockfile, role, mode, command);
+        r.lease = crate::lease::mine(&self.root.leases()).ok();
+        r
     }
 }

@@ -29,8 +29,3 @@ pub fn pause(point: &str) {
         }
     }
 }
-
-pub fn lost_lock(path: &std::path::Path) -> bool {
-    std::env::var_os(crate::env::DEBUG_LOST_LOCK)
-        .is_some_and(|v| path.file_name() == Some(v.as_os_str()))
-}

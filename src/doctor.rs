@@ -26,15 +26,14 @@ use crate::clock;
 use crate::ctx::Ctx;
 use crate::filesystem;
 use crate::lock;
-use crate::meta::{self, ImageRow, ImageState, SlotClass, Tx};
+use crate::meta::{self, ImageState, Tx};
 use crate::name::ImageName;
 use crate::remove;
-use crate::status;
 use crate::store::Store;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Status {
+pub enum Verdict {
     Ok,
     /// Worth knowing, not a fault.
     Info,
@@ -45,7 +44,7 @@ pub enum Status {
 #[derive(Debug, Serialize)]
 pub struct Check {
     pub check: &'static str,
-    pub status: Status,
+    pub status: Verdict,
     pub detail: String,
 }
 
@@ -60,7 +59,7 @@ pub struct Report {
 }
 
 impl Report {
-    fn add(&mut self, check: &'static str, status: Status, detail: impl Into<String>) {
+    fn add(&mut self, check: &'static str, status: Verdict, detail: impl Into<String>) {
         self.checks.push(Check {
             check,
             status,
@@ -84,8 +83,8 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     root.create_layout()?;
     let path = probe_file(root);
     let ctx = store.ctx();
-    let Some(guard) = lock::try_lock(&path, lock::Mode::Exclusive, true)
-        .map_err(|e| crate::store::lock_error("the probe lock", &path, e))?
+    let Some(guard) = lock::acquire_no_wait(&path, lock::Mode::Exclusive, lock::IfMissing::Create)
+        .map_err(|e| crate::lock::error("the probe lock", &path, e))?
     else {
         return Err(crate::Error::Busy(crate::error::Busy {
             what: format!("the probe lock {}", path.display()),
@@ -143,13 +142,13 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
     if host == ctx.me.host {
         report.add(
             "probe",
-            Status::Info,
+            Verdict::Info,
             format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"),
         );
     } else {
         report.add(
             "probe",
-            Status::Ok,
+            Verdict::Ok,
             format!("the probe lock held on another host ({who}) is seen held here: locks taken there exclude processes here"),
         );
     }
@@ -204,7 +203,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         } else {
             "shared or unknown: lock-status probes locks, and waits re-issue blocked requests every 250 ms"
         };
-        report.add("filesystem", Status::Info, format!("{} ({kind})", f.name));
+        report.add("filesystem", Verdict::Info, format!("{} ({kind})", f.name));
     }
 
     // The layout: a symlink planted in place of one of the root's
@@ -223,14 +222,14 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     match lock::opens_conflict(&probe) {
         Ok(true) => report.add(
             "flock",
-            Status::Ok,
+            Verdict::Ok,
             "two opens of one file exclude each other",
         ),
         Ok(false) => {
             report.locking = false;
             report.add(
                 "flock",
-                Status::Problem,
+                Verdict::Problem,
                 "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem",
             );
         }
@@ -238,7 +237,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
             // Not a locking fault: this user may not write the store.
             report.add(
                 "access",
-                Status::Problem,
+                Verdict::Problem,
                 format!(
                     "cannot create a file in {}: {e} — you may not write this store ({}); stowage needs to write its lock files and database to check or use it (ask its owner, or share it with a group: see docs/design.md)",
                     root.locks().display(),
@@ -250,14 +249,14 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         }
         Err(e) => {
             report.locking = false;
-            let advice = if crate::error::is_locking_unsupported(&e) {
+            let advice = if crate::error::flock_unsupported(&e) {
                 " — is this NFS mounted with 'nolock', or a filesystem without flock? mount it with locking, or put the root elsewhere"
             } else {
                 ""
             };
             report.add(
                 "flock",
-                Status::Problem,
+                Verdict::Problem,
                 format!("cannot lock {}: {e}{advice}", probe.display()),
             );
         }
@@ -276,13 +275,13 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
                 .map_or_else(String::new, |m| format!("{}: ", m.mount_point.display()));
             report.add(
                 "mount",
-                Status::Problem,
+                Verdict::Problem,
                 format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"),
             );
         }
         filesystem::Reach::Unknown { why } => report.add(
             "mount",
-            Status::Info,
+            Verdict::Info,
             format!(
                 "{why}; to check, run 'stowage doctor --hold-probe 60' on one host and 'stowage doctor' on another within the minute"
             ),
@@ -291,7 +290,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
             if let Some(m) = mount.or_else(|| filesystem::mount_of(root.dir())) {
                 report.add(
                     "mount",
-                    Status::Ok,
+                    Verdict::Ok,
                     format!("{} ({}) on {}", m.mount_point.display(), m.fstype, m.source),
                 );
             }
@@ -306,10 +305,10 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     // The database: its consistency is checked only if it is usable.
     let (status, detail) = database(store, repair)?;
     report.add("database", status, detail);
-    if status != Status::Problem {
+    if status != Verdict::Problem {
         consistency(store, repair, &mut report)?;
     }
-    report.healthy = !report.checks.iter().any(|c| c.status == Status::Problem);
+    report.healthy = !report.checks.iter().any(|c| c.status == Verdict::Problem);
     Ok(report)
 }
 
@@ -345,9 +344,9 @@ fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result
             report.add(
                 "layout",
                 if fixed.is_ok() {
-                    Status::Repaired
+                    Verdict::Repaired
                 } else {
-                    Status::Problem
+                    Verdict::Problem
                 },
                 match fixed {
                     Ok(()) => format!(
@@ -366,14 +365,14 @@ fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result
         };
         report.add(
             "layout",
-            Status::Problem,
+            Verdict::Problem,
             format!("{} is {bad}{target}{advice}", path.display()),
         );
     })
 }
 
 /// The database's verdict, upgrading or rebuilding it when repairing.
-fn database(store: &mut Store, repair: bool) -> Result<(Status, String)> {
+fn database(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let db = store.root().db();
     let db = db.display();
     let ours = meta::schema_version();
@@ -382,23 +381,23 @@ fn database(store: &mut Store, repair: bool) -> Result<(Status, String)> {
             if version == 0 {
                 store.migrate(None)?;
             }
-            (Status::Ok, format!("{db}: intact, schema version {ours}"))
+            (Verdict::Ok, format!("{db}: intact, schema version {ours}"))
         }
         Health::Good { version } if version < ours && repair => {
             store.migrate(None)?;
             (
-                Status::Repaired,
+                Verdict::Repaired,
                 format!("{db}: schema upgraded from version {version} to {ours}"),
             )
         }
         Health::Good { version } if version < ours => (
-            Status::Problem,
+            Verdict::Problem,
             format!(
                 "{db}: schema version {version}, this stowage uses {ours} (any command upgrades it)"
             ),
         ),
         Health::Good { version } => (
-            Status::Problem,
+            Verdict::Problem,
             format!(
                 "{db}: schema version {version} is newer than this stowage ({ours}); use a newer stowage"
             ),
@@ -406,7 +405,7 @@ fn database(store: &mut Store, repair: bool) -> Result<(Status, String)> {
         Health::Damaged(why) if repair => {
             let r = rebuild(store)?;
             (
-                Status::Repaired,
+                Verdict::Repaired,
                 format!(
                     "{db} was damaged ({why}); moved to {} and rebuilt from {}: {} images ({} with their recorded state){}",
                     r.moved_to.display(),
@@ -422,7 +421,7 @@ fn database(store: &mut Store, repair: bool) -> Result<(Status, String)> {
             )
         }
         Health::Damaged(why) => (
-            Status::Problem,
+            Verdict::Problem,
             format!(
                 "{db} is damaged ({why}); 'stowage doctor --repair' moves it aside and rebuilds it from the images directory (no image is lost)"
             ),
@@ -443,9 +442,7 @@ fn inspect_db(store: &mut Store) -> Result<Health> {
     store.close_db();
     let result = (|| -> rusqlite::Result<(String, i64)> {
         let conn = meta::open(&db).map_err(|_| rusqlite::Error::InvalidQuery)?;
-        let check: String = conn.query_row("PRAGMA quick_check", [], |r| r.get(0))?;
-        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-        Ok((check, version))
+        meta::quick_check(&conn)
     })();
     drop(global);
     Ok(match result {
@@ -472,7 +469,7 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     store.close_db();
     let root = store.root().clone();
     let db = root.db();
-    let salvage = salvage(&db);
+    let salvage = meta::salvage(&db);
     let stamp = clock::rfc3339(clock::now_ms())
         .unwrap_or_else(|| "unknown-time".into())
         .replace(':', "");
@@ -575,80 +572,11 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     })
 }
 
-#[derive(Default)]
-struct Salvage {
-    images: HashMap<String, ImageRow>,
-    config: HashMap<String, String>,
-    /// None when the table could not be read at all.
-    slot_classes: Option<Vec<SlotClass>>,
-}
-
-/// Reads what it can from a damaged database, table by table.
-fn salvage(db: &Path) -> Salvage {
-    let mut out = Salvage::default();
-    let Ok(conn) = rusqlite::Connection::open_with_flags(
-        db,
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NOFOLLOW,
-    ) else {
-        return out;
-    };
-    if let Ok(mut st) =
-        conn.prepare("SELECT name, state, base, created_ms, last_used_ms, size_bytes FROM images")
-    {
-        let rows = st.query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, Option<String>>(2)?,
-                r.get::<_, i64>(3)?,
-                r.get::<_, i64>(4)?,
-                r.get::<_, Option<i64>>(5)?,
-            ))
-        });
-        if let Ok(rows) = rows {
-            for (name, state, base, created, last_used, size) in rows.flatten() {
-                let state = match state.as_str() {
-                    "ready" => ImageState::Ready,
-                    _ => ImageState::Incomplete,
-                };
-                out.images.insert(
-                    name.clone(),
-                    ImageRow {
-                        name,
-                        state,
-                        base,
-                        created,
-                        last_used,
-                        size_bytes: size.map(|s| s.max(0) as u64),
-                    },
-                );
-            }
-        }
-    }
-    if let Ok(mut st) = conn.prepare("SELECT key, value FROM config")
-        && let Ok(rows) = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
-    {
-        out.config = rows.flatten().collect();
-    }
-    if let Ok(mut st) = conn.prepare("SELECT name, lim, reserve_high FROM slot_classes")
-        && let Ok(rows) = st.query_map([], |r| {
-            Ok(SlotClass {
-                name: r.get(0)?,
-                limit: r.get(1)?,
-                reserve_high: r.get(2)?,
-            })
-        })
-    {
-        out.slot_classes = Some(rows.flatten().collect());
-    }
-    out
-}
-
 /// Records, rows and trees, leftovers.
 fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let looked = store.retry_full(|store| {
         let (tx, ctx) = store.begin(None)?;
-        let found = judge(&tx, ctx, repair)?;
+        let found = find_inconsistencies(&tx, ctx, repair)?;
         if repair {
             tx.commit()?;
         }
@@ -657,19 +585,19 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
     let found = match looked {
         // A full filesystem, even the reserve used: look without writing.
         Err(e) if !repair && crate::space::is_full(&e) => {
-            store.view_tx(|tx, ctx| judge(tx, ctx, false))?
+            store.view_tx(|tx, ctx| find_inconsistencies(tx, ctx, false))?
         }
         other => other?,
     };
     let fixed = if repair {
-        Status::Repaired
+        Verdict::Repaired
     } else {
-        Status::Problem
+        Verdict::Problem
     };
     match found.stale_records {
         0 => report.add(
             "records",
-            Status::Ok,
+            Verdict::Ok,
             "every holder and waiter record matches a lock",
         ),
         n => report.add(
@@ -695,7 +623,7 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
     if let Some(doubt) = &found.doubt {
         report.add(
             "images",
-            Status::Problem,
+            Verdict::Problem,
             format!(
                 "{doubt} — {} row(s) without a tree kept, no tree adopted",
                 found.kept_rows
@@ -704,7 +632,7 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
     }
     match found.missing_trees.len() {
         0 if found.kept_rows > 0 => {}
-        0 => report.add("rows", Status::Ok, "every image has its tree"),
+        0 => report.add("rows", Verdict::Ok, "every image has its tree"),
         _ => report.add(
             "rows",
             fixed,
@@ -719,7 +647,7 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
         0 if found.doubt.is_some() => {}
         0 => report.add(
             "trees",
-            Status::Ok,
+            Verdict::Ok,
             "every tree in the images directory has a row",
         ),
         _ => report.add(
@@ -735,7 +663,7 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
     if !found.incomplete.is_empty() {
         report.add(
             "incomplete",
-            Status::Info,
+            Verdict::Info,
             format!(
                 "{} (their writers failed; 'stowage gc' removes them)",
                 list(&found.incomplete)
@@ -746,14 +674,14 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
         Ok(left) => left,
         // A trash or lock directory that is not one (reported above).
         Err(e) => {
-            report.add("leftovers", Status::Problem, format!("not checked: {e:#}"));
+            report.add("leftovers", Verdict::Problem, format!("not checked: {e:#}"));
             return Ok(());
         }
     };
     if left.is_empty() {
         report.add(
             "leftovers",
-            Status::Ok,
+            Verdict::Ok,
             "no interrupted removal, empty trash",
         );
     } else {
@@ -782,7 +710,7 @@ fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<(
             if left.failed.is_empty() {
                 fixed
             } else {
-                Status::Problem
+                Verdict::Problem
             },
             format!("{}{}", parts.join("; "), done(repair, "cleaned up")),
         );
@@ -821,7 +749,7 @@ struct Found {
 }
 
 /// Inside one transaction (committed only when repairing).
-fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
+fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
     let mut found = Found::default();
     let before_records = tx.all_records()?.len();
     let writing: Vec<String> = tx
@@ -829,11 +757,11 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
         .into_iter()
         .map(|r| r.name)
         .collect();
-    let kv = tx.kernel_view(&ctx.root.locks());
-    status::sweep(tx, ctx, &kv)?;
+    let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
+    crate::judge::sweep(tx, ctx, &kv)?;
     found.stale_records = before_records - tx.all_records()?.len();
     if repair {
-        crate::lease::clean(&ctx.root.locks());
+        crate::lease::clean(&ctx.root.leases());
     }
     let rows = tx.images()?;
     found.dead_writers = rows
@@ -871,8 +799,11 @@ fn judge(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
             }
             // Only an image nobody holds can be forgotten (under the global
             // lock a try is allowed; a missing lock file is free).
-            let free = match lock::try_lock(&ctx.root.image_lock(&n), lock::Mode::Exclusive, false)
-            {
+            let free = match lock::acquire_no_wait(
+                &ctx.root.image_lock(&n),
+                lock::Mode::Exclusive,
+                lock::IfMissing::Fail,
+            ) {
                 Ok(g) => g.is_some(),
                 Err(e) => e.kind() == std::io::ErrorKind::NotFound,
             };

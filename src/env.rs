@@ -20,7 +20,9 @@ pub const HOSTNAME: &str = "STOWAGE_HOSTNAME";
 /// The time "now" for `gc --unused-for` and last-use times (tests and
 /// reproducible reports): RFC 3339 or seconds since the epoch.
 pub const NOW: &str = "STOWAGE_NOW";
-/// Set by a shell's completion function when it asks for candidates.
+/// The variable through which a completion script calls stowage back: a
+/// name of stowage's own, so that a `COMPLETE` meant for another tool in
+/// a build's environment never turns an exec into a completion.
 pub const COMPLETE: &str = "_STOWAGE_COMPLETE";
 
 /// Hidden test hook: `NAME` makes every filesystem look like NAME (`nfs`,
@@ -30,7 +32,7 @@ pub const DEBUG_FILESYSTEM: &str = "STOWAGE_DEBUG_FILESYSTEM";
 /// Hidden test hook: a file read instead of /proc/self/mountinfo (mount
 /// options of filesystems that are not here).
 pub const DEBUG_MOUNTINFO: &str = "STOWAGE_DEBUG_MOUNTINFO";
-/// Hidden test hook: `POINT[:SECONDS]` pauses at a named step (see
+/// Hidden test hook: `POINT:FILE[,POINT:FILE…]` pauses at a named step (see
 /// `debug::pause`), so a test can act at that moment.
 pub const DEBUG_PAUSE: &str = "STOWAGE_DEBUG_PAUSE";
 /// Hidden test hook: a lock file name whose lock is reported lost when it

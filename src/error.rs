@@ -114,7 +114,7 @@ pub fn typed(err: &anyhow::Error) -> Option<&Error> {
 
 /// True for errno values meaning "this filesystem cannot lock at all", as
 /// opposed to a transient failure.
-pub fn is_locking_unsupported(err: &io::Error) -> bool {
+pub fn flock_unsupported(err: &io::Error) -> bool {
     matches!(
         err.raw_os_error(),
         Some(libc::ENOLCK) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
@@ -126,7 +126,7 @@ fn lock_advice(err: &io::Error) -> &'static str {
         Some(libc::EROFS) => {
             " — the filesystem is read-only; stowage writes its lock files and metadata in the root (use a --root on a writable filesystem)"
         }
-        _ if is_locking_unsupported(err) => {
+        _ if flock_unsupported(err) => {
             " — is this NFS mounted with 'nolock', or a filesystem without flock? run 'stowage doctor'"
         }
         _ => "",
@@ -134,6 +134,6 @@ fn lock_advice(err: &io::Error) -> &'static str {
 }
 
 /// True when locks cannot be taken at all on this filesystem (exit 69).
-pub fn is_locking_unavailable(err: &io::Error) -> bool {
-    is_locking_unsupported(err) || err.raw_os_error() == Some(libc::EROFS)
+pub fn locking_unavailable(err: &io::Error) -> bool {
+    flock_unsupported(err) || err.raw_os_error() == Some(libc::EROFS)
 }

@@ -27,13 +27,12 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::clock::{self, Millis};
+use crate::disk_usage;
 use crate::lock::{self, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
 use crate::remove::{self, Leftovers};
-use crate::status;
 use crate::store::Store;
-use crate::usage;
 
 /// What to remove beyond incomplete images.
 #[derive(Debug, Clone, Default)]
@@ -65,7 +64,7 @@ impl Reason {
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct Removed {
+pub struct Collected {
     pub name: String,
     pub state: &'static str,
     pub size_bytes: u64,
@@ -75,7 +74,7 @@ pub struct Removed {
 #[derive(Debug, Default, Serialize)]
 pub struct Report {
     pub dry_run: bool,
-    pub removed: Vec<Removed>,
+    pub removed: Vec<Collected>,
     /// Images that qualified but were in use (locked), and so kept.
     pub busy: Vec<String>,
     pub bytes_freed: u64,
@@ -94,7 +93,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // gc locks images without recording itself: its lease names it to
     // lock-status meanwhile (best effort; see lease.rs).
     if !policy.dry_run {
-        let _ = crate::lease::mine(&store.root().locks());
+        let _ = crate::lease::mine(&store.root().leases());
     }
     let mut report = Report {
         dry_run: policy.dry_run,
@@ -113,8 +112,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // Look at every image: dead writers become incomplete (in a dry run the
     // transaction is rolled back, so nothing changes).
     let sweep = |tx: &crate::meta::Tx, ctx: &crate::ctx::Ctx| {
-        let kv = tx.kernel_view(&ctx.root.locks());
-        status::sweep(tx, ctx, &kv)?;
+        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
+        crate::judge::sweep(tx, ctx, &kv)?;
         let dir = tx.images_dir(&ctx.root)?;
         let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
         Ok((tx.images()?, dir, doubt))
@@ -124,7 +123,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         let out = sweep(&tx, ctx)?;
         if !policy.dry_run {
             // Leases of owners that died, under the global lock.
-            crate::lease::clean(&ctx.root.locks());
+            crate::lease::clean(&ctx.root.leases());
             tx.commit()?;
         }
         Ok(out)
@@ -150,7 +149,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // with a budget on a filesystem that shares extents, every image's
     // extent map is read, so the budget is the space the images really
     // take and a removal counts only what it frees.
-    let shares = policy.max_size.is_some() && usage::can_share(&images_dir);
+    let shares = policy.max_size.is_some() && disk_usage::can_share(&images_dir);
     let mut cost: HashMap<String, Cost> = HashMap::new();
     let mut measured = Vec::new();
     for r in rows.iter_mut() {
@@ -159,7 +158,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
             continue;
         };
         let c = if shares || r.size_bytes.is_none() {
-            let m = usage::measure(&images_dir.join(n.encoded()), shares).ok();
+            let m = disk_usage::measure(&images_dir.join(n.encoded()), shares).ok();
             if r.size_bytes.is_none()
                 && let Some(m) = &m
             {
@@ -196,11 +195,12 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
                 .try_for_each(|(r, s)| tx.set_size_if_unchanged(r, *s).map(|_| ()))
         })?;
     }
-    let mut footprint = usage::Footprint::new(cost.values().map(|c| c.shared_ranges.as_slice()));
+    let mut footprint =
+        disk_usage::Footprint::new(cost.values().map(|c| c.shared_ranges.as_slice()));
     report.size_before = cost.values().map(|c| c.own).sum::<u64>() + footprint.bytes();
     let mut total = report.size_before;
     // What removing `r` would free now, and forgetting it once removed.
-    let frees = |fp: &usage::Footprint, r: &ImageRow| {
+    let frees = |fp: &disk_usage::Footprint, r: &ImageRow| {
         cost.get(&r.name)
             .map_or(0, |c| c.own + fp.unique(&c.shared_ranges))
     };
@@ -265,7 +265,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     report.size_after = total;
     if !policy.dry_run {
         // Space was freed: the metadata's reserve gets what it lacks.
-        crate::space::refill(store.root());
+        crate::space::refill(&store.root().reserve());
     }
     report.bytes_freed += report.removed.iter().map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
@@ -280,7 +280,7 @@ struct Cost {
     shared_ranges: Vec<(u64, u64)>,
 }
 
-fn forget(fp: &mut usage::Footprint, cost: &HashMap<String, Cost>, r: &ImageRow) {
+fn forget(fp: &mut disk_usage::Footprint, cost: &HashMap<String, Cost>, r: &ImageRow) {
     if let Some(c) = cost.get(&r.name) {
         fp.release(&c.shared_ranges);
     }
@@ -308,28 +308,25 @@ fn collect(
     };
     let path = store.root().image_lock(&name);
     // A dry run creates no lock file: a missing one is simply free.
-    let guard = match lock::try_lock(&path, Mode::Exclusive, !dry_run) {
-        Ok(Some(g)) => Some(g),
-        Ok(None) => {
-            report.busy.push(row.name.clone());
-            return Ok(false);
-        }
-        Err(e) if dry_run && e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => {
-            return Err(crate::store::lock_error(
-                &format!("image '{name}'"),
-                &path,
-                e,
-            ));
-        }
-    };
+    let guard =
+        match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::create_if(!dry_run)) {
+            Ok(Some(g)) => Some(g),
+            Ok(None) => {
+                report.busy.push(row.name.clone());
+                return Ok(false);
+            }
+            Err(e) if dry_run && e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => {
+                return Err(crate::lock::error(&format!("image '{name}'"), &path, e));
+            }
+        };
     // Under the lock, the image must still exist and its reason still hold.
     let (guard, current) = match guard {
         Some(g) => match remove::recheck(store, &name, g, !dry_run)? {
             Some((g, current)) => (Some(g), current),
             None => return Ok(false),
         },
-        None => match store.with_tx_locked(None, |tx, _| tx.image(name.as_str()))? {
+        None => match store.with_tx_holding_locks(None, |tx, _| tx.image(name.as_str()))? {
             Some(current) => (None, current),
             None => return Ok(false),
         },
@@ -364,7 +361,7 @@ fn collect(
             }
         }
     }
-    report.removed.push(Removed {
+    report.removed.push(Collected {
         name: row.name.clone(),
         state: row.state.as_str(),
         size_bytes: bytes,

@@ -72,9 +72,9 @@ pub struct KernelView {
     /// Locks already accounted for: the verifying lock and every file
     /// viewed, so that [`KernelView::unexplained_inodes`] lists only the rest.
     explained: std::cell::RefCell<std::collections::HashSet<(u64, u64)>>,
-    /// The root's locks directory, where leases live: set for views taken
+    /// The root's leases directory: set for views taken
     /// in a transaction, which judge records ([`KernelView::lease`]).
-    locks: Option<std::path::PathBuf>,
+    leases_dir: Option<std::path::PathBuf>,
     /// Leases probed so far, by name: one probe per lease per look.
     leases: std::cell::RefCell<HashMap<String, LeaseSeen>>,
     /// Live leases by the pid that the table shows took them: made once per
@@ -126,7 +126,7 @@ impl KernelView {
         KernelView {
             table,
             explained,
-            locks: None,
+            leases_dir: None,
             leases: Default::default(),
             takers: Default::default(),
         }
@@ -138,12 +138,12 @@ impl KernelView {
     /// file, once per look; the table itself says which leases are held.
     pub fn lease_taken_by(&self, pid: u32) -> Option<String> {
         let table = self.table.as_ref()?;
-        let locks = self.locks.as_ref()?;
+        let leases = self.leases_dir.as_ref()?;
         let mut takers = self.takers.borrow_mut();
         let map = takers.get_or_insert_with(|| {
-            let dir = locks.join(crate::lease::DIR);
+            let dir = leases;
             let mut map = HashMap::new();
-            for name in crate::lease::names(locks) {
+            for name in crate::lease::names(leases) {
                 let Ok(m) = fs::symlink_metadata(dir.join(&name)) else {
                     continue;
                 };
@@ -162,9 +162,9 @@ impl KernelView {
         map.get(&pid).cloned()
     }
 
-    /// This view, judging leases under `locks` (the root's locks directory).
-    pub fn with_leases(mut self, locks: &Path) -> KernelView {
-        self.locks = Some(locks.to_owned());
+    /// This view, judging leases in `leases` (the root's leases directory).
+    pub fn with_leases(mut self, leases: &Path) -> KernelView {
+        self.leases_dir = Some(leases.to_owned());
         self
     }
 
@@ -174,9 +174,9 @@ impl KernelView {
         if let Some(seen) = self.leases.borrow().get(name) {
             return *seen;
         }
-        let seen = match &self.locks {
+        let seen = match &self.leases_dir {
             None => LeaseSeen::Alive { taker: None },
-            Some(locks) => match crate::lease::probe(locks, name) {
+            Some(leases) => match crate::lease::probe(leases, name) {
                 Ok(crate::lease::Liveness::Dead) => LeaseSeen::Dead,
                 Ok(crate::lease::Liveness::Alive { identity }) => {
                     self.explained.borrow_mut().insert(identity);
@@ -479,11 +479,13 @@ mod tests {
         // can while locks change) must not make a held lock look free.
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("x.lock");
-        let _g = lock::try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let _g = lock::acquire_no_wait(&p, Mode::Exclusive, lock::IfMissing::Create)
+            .unwrap()
+            .unwrap();
         let kv = KernelView {
             table: Some(HashMap::new()),
             explained: Default::default(),
-            locks: None,
+            leases_dir: None,
             leases: Default::default(),
             takers: Default::default(),
         };
@@ -499,7 +501,9 @@ mod tests {
     fn sees_our_own_lock_in_the_table() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("x.lock");
-        let _g = lock::try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let _g = lock::acquire_no_wait(&p, Mode::Exclusive, lock::IfMissing::Create)
+            .unwrap()
+            .unwrap();
         let kv = KernelView::new(d.path());
         let v = kv.view(&p).unwrap();
         assert_eq!(v.state, Some(Probe::Exclusive));

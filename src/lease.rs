@@ -44,8 +44,6 @@ use std::sync::Mutex;
 
 use crate::lock::{self, Guard, Mode};
 
-/// The directory of leases, under the locks directory.
-pub const DIR: &str = "leases";
 const SUFFIX: &str = ".lease";
 
 /// This process's lease.
@@ -66,23 +64,23 @@ impl Lease {
 }
 
 /// The process's leases, one per root it used (a library caller may use
-/// several), by locks directory; taken out by [`retire`].
+/// several), by leases directory; taken out by [`retire`].
 static MINE: Mutex<Vec<(PathBuf, Lease)>> = Mutex::new(Vec::new());
 
 fn mine_all() -> std::sync::MutexGuard<'static, Vec<(PathBuf, Lease)>> {
     MINE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The name of this process's lease under `locks` (the root's locks
+/// The name of this process's lease in `leases` (the root's leases
 /// directory), making the lease first if there is none yet.
-pub fn mine(locks: &Path) -> io::Result<String> {
+pub fn mine(leases: &Path) -> io::Result<String> {
     let mut all = mine_all();
-    if let Some((_, l)) = all.iter().find(|(d, _)| d == locks) {
+    if let Some((_, l)) = all.iter().find(|(d, _)| d == leases) {
         return Ok(l.name.clone());
     }
-    let lease = create(&locks.join(DIR))?;
+    let lease = create(leases)?;
     let name = lease.name.clone();
-    all.push((locks.to_owned(), lease));
+    all.push((leases.to_owned(), lease));
     Ok(name)
 }
 
@@ -151,7 +149,7 @@ fn create(dir: &Path) -> io::Result<Lease> {
     for _ in 0..100 {
         let name = format!("{host}-{boot}-{}-{:016x}{SUFFIX}", me.pid, random());
         let path = via.join(&name);
-        let guard = match lock::try_lock(&path, Mode::Exclusive, true) {
+        let guard = match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create) {
             Ok(Some(g)) => g,
             // A prober holds our fresh file: take another name.
             Ok(None) => continue,
@@ -247,7 +245,7 @@ pub struct Identity {
 }
 
 /// Reads what a lease says of its owner (None if it cannot be read).
-pub fn identity(locks: &Path, name: &str) -> Option<Identity> {
+pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
     if !valid_name(name) {
         return None;
     }
@@ -258,7 +256,7 @@ pub fn identity(locks: &Path, name: &str) -> Option<Identity> {
     let file = fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(locks.join(DIR).join(name))
+        .open(leases.join(name))
         .ok()?;
     if !file.metadata().ok()?.file_type().is_file() {
         return None;
@@ -284,8 +282,8 @@ pub fn identity(locks: &Path, name: &str) -> Option<Identity> {
 }
 
 /// The lease files present, by name (live or not).
-pub fn names(locks: &Path) -> Vec<String> {
-    fs::read_dir(locks.join(DIR))
+pub fn names(leases: &Path) -> Vec<String> {
+    fs::read_dir(leases)
         .map(|es| {
             es.flatten()
                 .filter_map(|e| e.file_name().into_string().ok())
@@ -308,11 +306,11 @@ pub enum Liveness {
 }
 
 /// Probes one lease. A name that is not a plain lease file name is dead.
-pub fn probe(locks: &Path, name: &str) -> io::Result<Liveness> {
+pub fn probe(leases: &Path, name: &str) -> io::Result<Liveness> {
     if !valid_name(name) {
         return Ok(Liveness::Dead);
     }
-    Ok(match lock::probe_lease(&locks.join(DIR).join(name))? {
+    Ok(match lock::probe_lease(&leases.join(name))? {
         Some(identity) => Liveness::Alive { identity },
         None => Liveness::Dead,
     })
@@ -326,7 +324,7 @@ fn valid_name(name: &str) -> bool {
 /// lock (so a fresh file whose owner has not locked it yet is unlinked only
 /// if we win the lock, and its owner then retries). Returns how many went.
 /// Call under the global lock, where no other stowage probes.
-pub fn clean(locks: &Path) -> usize {
+pub fn clean(leases: &Path) -> usize {
     // The directory is pinned by a descriptor that refused a symlink in its
     // place, and every file is reached through it: a `leases` symlink
     // planted by someone who can write `locks/` cannot steer the unlinks
@@ -334,7 +332,7 @@ pub fn clean(locks: &Path) -> usize {
     let Ok(dir) = fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(locks.join(DIR))
+        .open(leases)
     else {
         return 0;
     };
@@ -349,7 +347,8 @@ pub fn clean(locks: &Path) -> usize {
         if !valid_name(name) || is_mine(name) {
             continue;
         }
-        if let Ok(Some(g)) = lock::try_lock(&pinned.join(name), Mode::Exclusive, false)
+        if let Ok(Some(g)) =
+            lock::acquire_no_wait(&pinned.join(name), Mode::Exclusive, lock::IfMissing::Fail)
             && g.unlink_lease().is_ok()
         {
             gone += 1;
@@ -372,17 +371,17 @@ mod tests {
     #[test]
     fn a_lease_is_alive_while_held_and_cleaned_once_free() {
         let d = tempfile::tempdir().unwrap();
-        let locks = d.path();
-        let lease = create(&locks.join(DIR)).unwrap();
+        let leases = &d.path().join("leases");
+        let lease = create(leases).unwrap();
         let name = lease.name.clone();
         assert!(matches!(
-            probe(locks, &name).unwrap(),
+            probe(leases, &name).unwrap(),
             Liveness::Alive { .. }
         ));
         // Held: cleaning leaves it alone.
-        assert_eq!(clean(locks), 0);
-        assert!(locks.join(DIR).join(&name).exists());
-        let text = std::fs::read_to_string(locks.join(DIR).join(&name)).unwrap();
+        assert_eq!(clean(leases), 0);
+        assert!(leases.join(&name).exists());
+        let text = std::fs::read_to_string(leases.join(&name)).unwrap();
         assert!(
             text.contains(&format!("pid={}\n", std::process::id())),
             "{text}"
@@ -390,10 +389,10 @@ mod tests {
         assert!(text.contains("pid_ns=pid:["), "{text}");
         // Its owner gone (the descriptor closed): dead, then cleaned.
         drop(lease);
-        assert_eq!(probe(locks, &name).unwrap(), Liveness::Dead);
-        assert_eq!(clean(locks), 1);
-        assert!(!locks.join(DIR).join(&name).exists());
-        assert_eq!(probe(locks, &name).unwrap(), Liveness::Dead);
+        assert_eq!(probe(leases, &name).unwrap(), Liveness::Dead);
+        assert_eq!(clean(leases), 1);
+        assert!(!leases.join(&name).exists());
+        assert_eq!(probe(leases, &name).unwrap(), Liveness::Dead);
     }
 
     #[test]

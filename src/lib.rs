@@ -46,6 +46,7 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+pub mod acquire;
 pub mod adopt;
 pub mod cli;
 pub mod clock;
@@ -53,12 +54,15 @@ pub mod clone;
 pub mod ctx;
 pub mod debug;
 pub mod dir;
+pub mod disk_usage;
 pub mod doctor;
 pub mod env;
 pub mod error;
 pub mod filesystem;
 pub mod gc;
+pub mod holders;
 pub mod ident;
+pub mod judge;
 pub mod keeper;
 pub mod kernel;
 pub mod lease;
@@ -73,11 +77,9 @@ pub mod signals;
 pub mod slots;
 pub mod space;
 pub mod spawn;
-pub mod status;
 pub mod store;
 pub mod store_wide;
 pub mod tree;
-pub mod usage;
 
 pub use error::Error;
 pub use name::ImageName;

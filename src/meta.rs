@@ -204,8 +204,8 @@ pub struct Record {
     pub command: String,
     pub since: Millis,
     /// The file name of the owner's lease under `ROOT/locks/leases` (None
-    /// for records of older releases). [`Tx::insert_record`] fills it in for
-    /// this process's own records.
+    /// for records of older releases). `Ctx::record` fills it in for this
+    /// process's own records.
     pub lease: Option<String>,
 }
 
@@ -276,15 +276,22 @@ fn configure_sqlite() {
     });
 }
 
+/// An error whose message already names the metadata database, to which
+/// [`annotate`] adds nothing.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DatabaseError(pub String);
+
 /// Opens the database file. Never follows a symlink at the database path.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     use rusqlite::OpenFlags;
     configure_sqlite();
     if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
-        anyhow::bail!(
+        return Err(DatabaseError(format!(
             "metadata database {} is a symlink; refusing to open it",
             path.display()
-        );
+        ))
+        .into());
     }
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
@@ -292,7 +299,10 @@ pub fn open(path: &Path) -> Result<rusqlite::Connection> {
         | OpenFlags::SQLITE_OPEN_NOFOLLOW;
     let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(|e| {
         // SQLite's error repeats its message in its source: say it once.
-        anyhow::anyhow!("cannot open metadata database {}: {e}", path.display())
+        DatabaseError(format!(
+            "cannot open metadata database {}: {e}",
+            path.display()
+        ))
     })?;
     // Only outside programs (an sqlite3 shell) can hold SQLite's own locks
     // while we hold the global lock; give them a moment, then say so.
@@ -307,7 +317,7 @@ pub fn annotate(err: anyhow::Error, db: &Path) -> anyhow::Error {
         .chain()
         .find_map(|e| e.downcast_ref::<rusqlite::Error>());
     let Some(sqlite) = sqlite else { return err };
-    if err.to_string().contains("metadata database") {
+    if err.downcast_ref::<DatabaseError>().is_some() {
         return err;
     }
     let full = matches!(sqlite, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull);
@@ -317,6 +327,30 @@ pub fn annotate(err: anyhow::Error, db: &Path) -> anyhow::Error {
         ""
     };
     err.context(format!("metadata database {}{hint}", db.display()))
+}
+
+/// Journals in memory and never spills the page cache to the file (`on`),
+/// for a transaction that is rolled back and must need no disk space; or
+/// back to the rollback journal on disk.
+pub fn journal_in_memory(conn: &rusqlite::Connection, on: bool) -> rusqlite::Result<()> {
+    conn.execute_batch(if on {
+        "PRAGMA journal_mode = MEMORY; PRAGMA cache_spill = OFF;"
+    } else {
+        "PRAGMA journal_mode = DELETE; PRAGMA cache_spill = ON;"
+    })
+}
+
+/// Switches a database some outside program put in WAL mode back to the
+/// rollback journal (WAL's index in shared memory is unsafe on NFS).
+pub fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+    conn.pragma_update(None, "journal_mode", "DELETE")
+}
+
+/// SQLite's quick integrity check ("ok" when sound) and the schema version.
+pub fn quick_check(conn: &rusqlite::Connection) -> rusqlite::Result<(String, i64)> {
+    let check: String = conn.query_row("PRAGMA quick_check", [], |r| r.get(0))?;
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    Ok((check, version))
 }
 
 /// Makes the database group-writable if we own it and it is not already.
@@ -405,16 +439,6 @@ impl<'c> Tx<'c> {
     /// Device and inode of the global lock this transaction holds.
     pub fn global_identity(&self) -> (u64, u64) {
         self.global.identity()
-    }
-
-    /// The kernel's view of the locks under `dir`, checked against the
-    /// global lock this transaction holds.
-    pub fn kernel_view(&self, dir: &Path) -> crate::kernel::KernelView {
-        let view = crate::kernel::KernelView::verified(dir, Some(self.global_identity()));
-        match self.global.path().parent() {
-            Some(locks) => view.with_leases(locks),
-            None => view,
-        }
     }
 
     pub fn schema(&self) -> Result<Schema> {
@@ -608,23 +632,12 @@ impl<'c> Tx<'c> {
 
     // --- holder and waiter records ------------------------------------------
 
-    /// Inserts a record. A record of this process without a lease gets this
-    /// process's lease, made now if it has none yet (under the global lock,
-    /// whose file tells where the locks live; exec makes it earlier).
+    /// Inserts a record.
     pub fn insert_record(&self, r: &Record) -> Result<i64> {
         // A binary playing an older release (the schema hook) writes no
         // lease, as that release did.
         let leased = schema_version() >= LEASE_SCHEMA;
-        let lease = match (&r.lease, self.global.path().parent()) {
-            _ if !leased => None,
-            (Some(l), _) => Some(l.clone()),
-            // A lease that cannot be made (a user who may lock the store's
-            // files but not create one under locks/) leaves the record to be
-            // judged by pid, as before leases: information only, never
-            // exclusion, depends on it.
-            (None, Some(locks)) if r.pid == std::process::id() => crate::lease::mine(locks).ok(),
-            (None, _) => None,
-        };
+        let lease = if leased { r.lease.clone() } else { None };
         let sql = if leased {
             "INSERT INTO records (kind, name, lockfile, role, mode, pid, pid_start, host,
                                   boot_id, user, command, since_ms, lease)
@@ -799,14 +812,87 @@ fn slot_row(r: &rusqlite::Row) -> rusqlite::Result<SlotClass> {
     })
 }
 
+#[derive(Default)]
+pub struct Salvage {
+    pub images: std::collections::HashMap<String, ImageRow>,
+    pub config: std::collections::HashMap<String, String>,
+    /// None when the table could not be read at all.
+    pub slot_classes: Option<Vec<SlotClass>>,
+}
+
+/// Reads what it can from a damaged database, table by table.
+pub fn salvage(db: &Path) -> Salvage {
+    let mut out = Salvage::default();
+    let Ok(conn) = rusqlite::Connection::open_with_flags(
+        db,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NOFOLLOW,
+    ) else {
+        return out;
+    };
+    if let Ok(mut st) =
+        conn.prepare("SELECT name, state, base, created_ms, last_used_ms, size_bytes FROM images")
+    {
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+                r.get::<_, i64>(3)?,
+                r.get::<_, i64>(4)?,
+                r.get::<_, Option<i64>>(5)?,
+            ))
+        });
+        if let Ok(rows) = rows {
+            for (name, state, base, created, last_used, size) in rows.flatten() {
+                let state = match state.as_str() {
+                    "ready" => ImageState::Ready,
+                    _ => ImageState::Incomplete,
+                };
+                out.images.insert(
+                    name.clone(),
+                    ImageRow {
+                        name,
+                        state,
+                        base,
+                        created,
+                        last_used,
+                        size_bytes: size.map(|s| s.max(0) as u64),
+                    },
+                );
+            }
+        }
+    }
+    if let Ok(mut st) = conn.prepare("SELECT key, value FROM config")
+        && let Ok(rows) = st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+    {
+        out.config = rows.flatten().collect();
+    }
+    if let Ok(mut st) = conn.prepare("SELECT name, lim, reserve_high FROM slot_classes")
+        && let Ok(rows) = st.query_map([], |r| {
+            Ok(SlotClass {
+                name: r.get(0)?,
+                limit: r.get(1)?,
+                reserve_high: r.get(2)?,
+            })
+        })
+    {
+        out.slot_classes = Some(rows.flatten().collect());
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn tx_on<'a>(conn: &'a mut rusqlite::Connection, dir: &Path) -> Tx<'a> {
-        let g = lock::try_lock(&dir.join("global.lock"), Mode::Exclusive, true)
-            .unwrap()
-            .unwrap();
+        let g = lock::acquire_no_wait(
+            &dir.join("global.lock"),
+            Mode::Exclusive,
+            lock::IfMissing::Create,
+        )
+        .unwrap()
+        .unwrap();
         Tx::begin(conn, g).unwrap()
     }
 

@@ -38,12 +38,12 @@ use crate::clock;
 use crate::ctx::Ctx;
 use crate::debug;
 use crate::dir::Dir;
+use crate::disk_usage;
 use crate::lock::{self, Guard, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
 use crate::root::Root;
 use crate::store::Store;
-use crate::usage;
 
 /// What one removal freed.
 #[derive(Debug, Clone)]
@@ -83,7 +83,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     // marked (a symlink planted in their place is refused here, not
     // half-way through).
     let trash = store.root().open_or_make_sub("trash")?;
-    let (images_dir, doubt) = store.with_tx_locked(None, |tx, ctx| {
+    let (images_dir, doubt) = store.with_tx_holding_locks(None, |tx, ctx| {
         let dir = tx.images_dir(&ctx.root)?;
         let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
         Ok((dir, doubt))
@@ -100,7 +100,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         )
     })?;
     // 1. Mark.
-    let marked = store.with_tx_locked(None, |tx, ctx| {
+    let marked = store.with_tx_holding_locks(None, |tx, ctx| {
         crate::store_wide::check_busy(tx, ctx)?;
         let mut rows = Vec::with_capacity(held.len());
         for (i, (name, _)) in held.iter().enumerate() {
@@ -137,7 +137,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
         let tree = images_dir.join(name.encoded());
         let mut bytes = row
             .size_bytes
-            .unwrap_or_else(|| usage::disk_usage(&tree).unwrap_or(0));
+            .unwrap_or_else(|| disk_usage::disk_usage(&tree).unwrap_or(0));
         match take_out(store.ctx(), &images, &trash, &tree, name) {
             Taken::Trashed(t) => trashed.push((out.len(), t)),
             Taken::Deleted => {}
@@ -164,7 +164,7 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
 
     // 3. Drop the rows of the trees that went; undo the rest.
     let done = failed.as_ref().map_or(held.len(), |(i, _, _)| *i);
-    store.with_tx_locked(None, |tx, _| {
+    store.with_tx_holding_locks(None, |tx, _| {
         for (name, _) in &held[..done] {
             tx.delete_image(name.as_str())?;
         }
@@ -259,8 +259,12 @@ fn take_out(ctx: &Ctx, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName)
 /// Unlinks the gate of an image that has no row, under the gate's own
 /// exclusive lock; if a reader is just passing it, the file stays (a few
 /// bytes, reused if the name is).
-fn unlink_gate(root: &Root, name: &ImageName) {
-    if let Ok(Some(gate)) = lock::try_lock(&root.image_gate(name), Mode::Exclusive, false) {
+pub(crate) fn unlink_gate(root: &Root, name: &ImageName) {
+    if let Ok(Some(gate)) = lock::acquire_no_wait(
+        &root.image_gate(name),
+        Mode::Exclusive,
+        lock::IfMissing::Fail,
+    ) {
         let _ = unlink_lock(root, gate);
     }
 }
@@ -373,7 +377,7 @@ pub(crate) fn recheck(
     guard: Guard,
     tidy: bool,
 ) -> Result<Option<(Guard, ImageRow)>> {
-    match store.with_tx_locked(None, |tx, _| tx.image(name.as_str()))? {
+    match store.with_tx_holding_locks(None, |tx, _| tx.image(name.as_str()))? {
         Some(row) => Ok(Some((guard, row))),
         None => {
             if tidy {
@@ -410,7 +414,11 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
         };
         // A live remover holds the lock; only a free lock means a crash.
         // (A missing lock file is free too; it is created only to fix.)
-        match lock::try_lock(&store.root().image_lock(&n), Mode::Exclusive, fix) {
+        match lock::acquire_no_wait(
+            &store.root().image_lock(&n),
+            Mode::Exclusive,
+            lock::IfMissing::create_if(fix),
+        ) {
             Ok(Some(guard)) => {
                 // The remover we took for crashed may just have been slow.
                 if let Some((guard, row)) = recheck(store, &n, guard, fix)?
@@ -442,7 +450,7 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                 .with_context(|| format!("cannot list {}", root.trash().display()))?
             {
                 let path = root.trash().join(&entry);
-                let bytes = usage::disk_usage(&path).unwrap_or(0);
+                let bytes = disk_usage::disk_usage(&path).unwrap_or(0);
                 let mut n = 0;
                 // What could not be deleted is reported as such, not as
                 // a trash entry that was removed.
@@ -488,7 +496,8 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
         // An exec creating this image holds the lock until its start
         // transaction made the row: only a free lock file is a leftover.
         // The image may have been created since we listed the rows.
-        if let Ok(Some(guard)) = lock::try_lock(&path, Mode::Exclusive, false)
+        if let Ok(Some(guard)) =
+            lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail)
             && recheck(store, &n, guard, fix)?.is_none()
         {
             found.lock_files.push(path);
@@ -518,7 +527,9 @@ pub(crate) fn release_unclaimed(
         return;
     };
     let rowless = |n: &ImageName| matches!(tx.image(n.as_str()), Ok(None));
-    let gate = |n: &ImageName| lock::try_lock(&root.image_gate(n), Mode::Exclusive, false);
+    let gate = |n: &ImageName| {
+        lock::acquire_no_wait(&root.image_gate(n), Mode::Exclusive, lock::IfMissing::Fail)
+    };
     let mut doomed = Vec::new();
     for (name, guard) in held {
         if rowless(&name) {
@@ -529,7 +540,11 @@ pub(crate) fn release_unclaimed(
         }
     }
     for name in waited_for.iter().filter(|n| rowless(n)) {
-        if let Ok(Some(g)) = lock::try_lock(&root.image_lock(name), Mode::Exclusive, false) {
+        if let Ok(Some(g)) = lock::acquire_no_wait(
+            &root.image_lock(name),
+            Mode::Exclusive,
+            lock::IfMissing::Fail,
+        ) {
             doomed.push(g);
         }
         if let Ok(Some(g)) = gate(name) {
@@ -541,4 +556,11 @@ pub(crate) fn release_unclaimed(
         let _ = unlink_lock(&root, g);
     }
     drop(tx);
+}
+
+/// Unlinks an image's lock file (we hold it exclusively) and its gate
+/// (if nobody is passing it right now).
+pub(crate) fn unlink_image_lock(root: &Root, name: &ImageName, guard: Guard) {
+    let _ = unlink_lock(root, guard);
+    unlink_gate(root, name);
 }

@@ -150,8 +150,43 @@ impl Root {
         self.image_locks().join(named(name.encoded(), ".gate"))
     }
 
+    /// The relative name of an image's lock file under `locks/`, as
+    /// holder records name it.
+    pub fn image_lock_rel(name: &ImageName) -> String {
+        format!("images/{}", lock_file_name(name.encoded()))
+    }
+
     pub fn slot_locks(&self) -> PathBuf {
         self.dir.join("locks/slots")
+    }
+
+    /// A slot class's directory: `locks/slots/ENC` (`/` → `%`).
+    pub fn slot_class_dir(&self, class: &str) -> PathBuf {
+        self.dir.join(Self::slot_class_rel(class))
+    }
+
+    /// [`Root::slot_class_dir`] relative to the root, for opening it
+    /// through the root's descriptor.
+    pub fn slot_class_rel(class: &str) -> String {
+        format!("locks/slots/{}", class.replace('/', "%"))
+    }
+
+    /// The lock of a store-wide hold (`store_wide.rs`).
+    pub fn store_wide_lock(&self) -> PathBuf {
+        self.dir.join("locks/store.lock")
+    }
+
+    /// Holder leases (`lease.rs`).
+    pub fn leases(&self) -> PathBuf {
+        self.dir.join("locks/leases")
+    }
+
+    /// A lock file's name relative to `locks/`, as records name it.
+    pub fn locks_rel(&self, path: &Path) -> String {
+        path.strip_prefix(self.locks())
+            .unwrap_or(path)
+            .display()
+            .to_string()
     }
 
     pub fn default_images_dir(&self) -> PathBuf {
@@ -160,6 +195,11 @@ impl Root {
 
     pub fn trash(&self) -> PathBuf {
         self.dir.join("trash")
+    }
+
+    /// Space kept in reserve for the metadata (`space.rs`).
+    pub fn reserve(&self) -> PathBuf {
+        self.dir.join("reserve")
     }
 
     /// Creates the root and its directories. Idempotent. The root's parent
@@ -198,7 +238,7 @@ impl Root {
         // made the root between the caller's check and our mkdir.
         self.open()?;
         // Space for the metadata on a full filesystem (space.rs).
-        crate::space::refill(self);
+        crate::space::refill(&self.reserve());
         Ok(())
     }
 
@@ -452,6 +492,16 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+/// "image 'alpine:3.17'" for a lock file name, or the file name itself when
+/// it is not a decodable image (a shortened long name).
+pub fn lock_file_label(fname: &str) -> String {
+    let enc = fname.strip_suffix(".lock").unwrap_or(fname);
+    match ImageName::from_encoded(enc) {
+        Ok(n) => format!("image '{n}'"),
+        Err(_) => format!("image lock {fname}"),
+    }
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@
 //!
 //! A crash anywhere leaves either no trace (before 2), or records and
 //! `creating`/`writing` states whose locks are free — which the next process
-//! that looks finds stale and marks `incomplete` (see `status::sweep`).
+//! that looks finds stale and marks `incomplete` (see `crate::judge::sweep`).
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -35,15 +35,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use crate::acquire::image::{Need, Want, acquire_image, record};
 use crate::clock;
 use crate::ctx::Ctx;
-use crate::error::{Busy, Error};
-use crate::lock::{self, Guard, Mode, Wait, Waited};
-use crate::meta::{ImageRow, ImageState, LockKind, Record, Role, Tx};
+use crate::disk_usage;
+use crate::error::Error;
+use crate::lock::{Guard, Mode};
+use crate::meta::{ImageRow, ImageState, Role, Tx};
 use crate::name::ImageName;
-use crate::status;
-use crate::store::{NeedsMigration, Store, lock_error};
-use crate::usage;
+use crate::remove::unlink_image_lock;
+use crate::store::{NeedsMigration, Store};
 
 /// What an exec asks for.
 #[derive(Debug, Default)]
@@ -86,7 +87,7 @@ impl Held {
 /// Image locks held for one command.
 #[must_use = "finish() records the outcome; dropping releases the locks and leaves images to be found incomplete"]
 pub struct Session {
-    slot: Option<crate::slots::SlotGuard>,
+    slot: Option<crate::acquire::slot::SlotGuard>,
     held: Vec<Held>,
     records: Vec<i64>,
     images_dir: PathBuf,
@@ -131,13 +132,13 @@ impl Session {
             // that records cost nothing more under it. A failure here (a
             // root not made yet) is met again, and reported, when the first
             // record is written.
-            let _ = crate::lease::mine(&store.root().locks());
+            let _ = crate::lease::mine(&store.root().leases());
         }
         loop {
             // Slots first in the lock order. No image lock is held yet, so a
             // migration found while reading the class is done on the spot.
             let mut slot = match &req.slot {
-                Some((class, prio)) => crate::slots::acquire_unrecorded(
+                Some((class, prio)) => crate::acquire::slot::acquire_unrecorded(
                     store,
                     class,
                     *prio,
@@ -328,7 +329,7 @@ impl Session {
                 match std::fs::symlink_metadata(&dir) {
                     Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true, trusted),
                     Err(_) => (None, false, trusted),
-                    Ok(_) => (usage::disk_usage(&dir).ok(), false, trusted),
+                    Ok(_) => (disk_usage::disk_usage(&dir).ok(), false, trusted),
                 }
             })
             .collect();
@@ -382,7 +383,7 @@ impl Session {
         // (the unlink rule), with their gates.
         for (h, (_, gone, trusted)) in self.held.into_iter().zip(written) {
             if gone && trusted {
-                unlink_image_lock(store, &h.name, h.guard);
+                unlink_image_lock(store.root(), &h.name, h.guard);
             }
         }
         drop(self.slot);
@@ -427,7 +428,7 @@ impl Session {
         // requires), or doctor would find lock files without images.
         for h in self.held {
             if h.writes() && h.prev.is_none() {
-                unlink_image_lock(store, &h.name, h.guard);
+                unlink_image_lock(store.root(), &h.name, h.guard);
             }
         }
         Ok(())
@@ -446,7 +447,7 @@ fn give_up(
     store: &mut Store,
     held: Vec<Held>,
     waits: &[i64],
-    slot: Option<crate::slots::SlotGuard>,
+    slot: Option<crate::acquire::slot::SlotGuard>,
     waited_for: Option<&ImageName>,
 ) {
     let slot_waiter = slot.as_ref().and_then(|s| s.waiter);
@@ -471,16 +472,6 @@ fn give_up(
     drop(slot);
 }
 
-/// Unlinks an image's lock file (we hold it exclusively) and its gate
-/// (if nobody is passing it right now).
-fn unlink_image_lock(store: &Store, name: &ImageName, guard: Guard) {
-    let gate = store.root().image_gate(name);
-    let _ = crate::remove::unlink_lock(store.root(), guard);
-    if let Ok(Some(g)) = lock::try_lock(&gate, Mode::Exclusive, false) {
-        let _ = crate::remove::unlink_lock(store.root(), g);
-    }
-}
-
 /// The exclusive locks of a start that did not happen, for
 /// [`crate::remove::release_unclaimed`].
 fn unclaimed(held: Vec<Held>) -> Vec<(ImageName, Guard)> {
@@ -490,287 +481,12 @@ fn unclaimed(held: Vec<Held>) -> Vec<(ImageName, Guard)> {
         .collect()
 }
 
-/// What an image lock is taken for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Need {
-    /// Writing: the image may be new, so its lock file may be created.
-    Create,
-    /// Reading: the image must exist and be ready.
-    Ready,
-    /// Removing: the image must exist, in any state.
-    Exists,
-}
-
-/// How to take one image lock.
-pub(crate) struct Want<'a> {
-    pub mode: Mode,
-    pub need: Need,
-    pub deadline: Option<Instant>,
-    pub no_wait: bool,
-    pub command: &'a str,
-    /// Images that must exist for the request to go ahead (its reads):
-    /// checked before any wait, so that a request that can only fail says
-    /// so at once instead of after the wait (they are checked again under
-    /// the locks, by the start transaction).
-    pub must_exist: &'a [ImageName],
-}
-
-/// Takes one image lock, waiting as allowed. Returns the guard and the id
-/// of the waiter record made while waiting, if any. Creates nothing for an
-/// image that does not exist unless `need` is [`Need::Create`].
-///
-/// Writer preference: each image has a *gate* file beside its lock. A
-/// writer that has to wait holds the gate exclusively while it waits for the
-/// lock; a reader passes the gate (shared) before taking the lock, so once a
-/// writer waits, new readers queue behind it and the writer gets in as soon
-/// as the readers already inside finish. Uncontended, a writer never touches
-/// the gate and a reader only tries it (one extra lock operation, no file
-/// created). In the lock order each image's gate comes just before its
-/// lock, so multi-image requests stay deadlock-free.
-pub(crate) fn acquire_image(
-    store: &mut Store,
-    name: &ImageName,
-    want: &Want,
-) -> Result<(Guard, Option<i64>)> {
-    let mode = want.mode;
-    let path = store.root().image_lock(name);
-    let gate = store.root().image_gate(name);
-    // A holder that records nothing (rm) is still known by its lease; made
-    // already by an exec. A failure leaves it shown as an outsider.
-    let _ = crate::lease::mine(&store.root().locks());
-    // An exclusive lock on an image that must be ready is --read-exclusive.
-    let verb = if mode == Mode::Exclusive && want.need == Need::Ready {
-        "exclusive read"
-    } else {
-        mode.verb()
-    };
-    let what = format!("{verb} lock on image '{name}'");
-    let err = |e| lock_error(&format!("image '{name}'"), &path, e);
-    let first = match try_image(&gate, &path, mode, want.need == Need::Create) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            if want.need == Need::Create {
-                // The layout does not exist yet: first use of this root.
-                store.root().create_layout()?;
-            } else {
-                // No lock file: either no such image (say so, creating
-                // nothing), or an adopted image never locked before.
-                require(store, name, want.need, want.deadline)?;
-                crate::debug::pause("image-required");
-            }
-            try_image(&gate, &path, mode, true)
-        }
-        other => other,
-    };
-    let writer_ahead = match first.map_err(err)? {
-        Tried::Got(g) => return Ok((g, None)),
-        Tried::Held => false,
-        Tried::WriterWaiting => true,
-    };
-    if let Some(held) = crate::nested::enclosing_hold(&path)
-        && (mode == Mode::Exclusive || held == Mode::Exclusive)
-    {
-        return Err(waits_for_itself(name, mode, held));
-    }
-
-    // Busy. Record ourselves as a waiter and find out who holds it.
-    let (waiter, mut holders) = {
-        let (tx, ctx) = store.begin(want.deadline)?;
-        let kv = tx.kernel_view(&ctx.root.image_locks());
-        let view = kv.view(&path)?;
-        let records = tx.records_for(LockKind::Image, name.as_str())?;
-        let (holders, _) = status::judge(&tx, ctx, &kv, &view, &records)?;
-        require_all(&tx, want.must_exist)?;
-        let id = if want.no_wait {
-            None
-        } else {
-            Some(tx.insert_record(&record(ctx, name, mode, Role::Waiter, want.command))?)
-        };
-        tx.commit()?;
-        (id, status::phrase(&holders))
-    };
-    if writer_ahead {
-        holders.push_str("; and a writer waits ahead of new readers");
-    }
-    if want.no_wait {
-        // A probe by lock-status or a store-wide check may have held it for
-        // a few microseconds: look once more before calling it busy.
-        if let Tried::Got(g) = try_image(&gate, &path, mode, true).map_err(err)? {
-            return Ok((g, None));
-        }
-        return Err(Error::Busy(Busy {
-            what,
-            holders,
-            waited: Duration::ZERO,
-        })
-        .into());
-    }
-    store.ctx().say(&format!("waiting for {what}: {holders}"));
-    let mut wait = Wait::on(&store.root().image_locks(), want.deadline);
-    let guard = wait_as_waiter(store, waiter, what, holders, || {
-        wait_image(&gate, &path, mode, &mut wait).map_err(err)
-    })?;
-    Ok((guard, waiter))
-}
-
-/// The error for a lock that this process's enclosing command holds in a
-/// conflicting mode (`held`): waiting would never end, since the enclosing
-/// command waits for us. A read of an image it writes finds the image not
-/// ready (exit 66); a write of an image it holds is a lock that cannot be
-/// had (exit 75).
-fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
-    let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
-    match mode {
-        Mode::Shared => Error::NotReady {
-            name: name.as_str().to_owned(),
-            state: format!("being written by {by}"),
-        }
-        .into(),
-        Mode::Exclusive => Error::Busy(Busy {
-            what: format!("write lock on image '{name}'"),
-            holders: format!(
-                "held ({}) by {by}; waiting for it would never end",
-                held.verb()
-            ),
-            waited: Duration::ZERO,
-        })
-        .into(),
-    }
-}
-
-/// Runs a wait announced as `what`, held by `holders`, and makes its
-/// outcome the caller's: a timeout is [`Error::Busy`] (exit 75), a signal
-/// [`Error::Interrupted`]. On any failure the waiter record goes again.
-pub(crate) fn wait_as_waiter<T>(
-    store: &mut Store,
-    waiter: Option<i64>,
-    what: String,
-    holders: String,
-    wait: impl FnOnce() -> Result<Waited<T>>,
-) -> Result<T> {
-    let t0 = Instant::now();
-    let failure = match wait() {
-        Ok(Waited::Acquired(got)) => return Ok(got),
-        Ok(Waited::TimedOut) => anyhow::Error::from(Error::Busy(Busy {
-            what,
-            holders,
-            waited: t0.elapsed(),
-        })),
-        Ok(Waited::Interrupted(sig)) => Error::Interrupted(sig).into(),
-        Err(e) => e,
-    };
-    if let Some(id) = waiter {
-        store.forget_record(id);
-    }
-    Err(failure)
-}
-
-enum Tried {
-    Got(Guard),
-    /// Someone holds the lock in a conflicting mode.
-    Held,
-    /// A writer waits at the gate: a reader must queue behind it.
-    WriterWaiting,
-}
-
-/// One non-blocking attempt. A writer goes straight for the lock; a reader
-/// takes the lock, then checks that no writer waits at the gate (a missing
-/// gate file means none ever waited).
-fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<Tried> {
-    let Some(g) = lock::try_lock(path, mode, create)? else {
-        return Ok(Tried::Held);
-    };
-    if mode == Mode::Exclusive {
-        return Ok(Tried::Got(g));
-    }
-    match lock::try_lock(gate, Mode::Shared, false) {
-        Ok(Some(_passed)) => Ok(Tried::Got(g)),
-        // A reader whose enclosing command already reads the image is part
-        // of that hold: the writer at the gate waits for the enclosing
-        // reader, which waits for us, so queueing behind the writer would
-        // be a cycle. It passes, as it would under flock(1).
-        // (Our own lock on it, just taken, is no such hold.)
-        Ok(None)
-            if crate::nested::enclosing_hold_except(
-                path,
-                Some(std::os::fd::AsRawFd::as_raw_fd(&g)),
-            )
-            .is_some() =>
-        {
-            Ok(Tried::Got(g))
-        }
-        Ok(None) => Ok(Tried::WriterWaiting),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Tried::Got(g)),
-        Err(e) => Err(e),
-    }
-}
-
-/// Waits through the gate: takes it in our mode (a writer exclusively,
-/// which holds back new readers; a reader shared, queueing behind a waiting
-/// writer), holds it while waiting for the lock, then lets it go. The gate
-/// descriptor is never inherited, so releasing it is a plain close.
-fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Result<Waited<Guard>> {
-    let passage = match lock::lock(gate, mode, true, wait)? {
-        Waited::Acquired(g) => g,
-        Waited::TimedOut => return Ok(Waited::TimedOut),
-        Waited::Interrupted(sig) => return Ok(Waited::Interrupted(sig)),
-    };
-    let got = lock::lock(path, mode, true, wait);
-    drop(passage);
-    got
-}
-
-/// Before a wait: fails with [`Error::NoSuchImage`] (exit 66) if one of
-/// `names` has no row. An image in any state may still become readable
-/// while we wait (its writer finishes), so only absence is final.
-pub(crate) fn require_all(tx: &Tx, names: &[ImageName]) -> Result<()> {
-    for n in names {
-        if tx.image(n.as_str())?.is_none() {
-            return Err(Error::NoSuchImage(n.as_str().to_owned()).into());
-        }
-    }
-    Ok(())
-}
-
-/// For an image that has no lock file: fails unless the image exists (and,
-/// for [`Need::Ready`], is ready).
-fn require(
-    store: &mut Store,
-    name: &ImageName,
-    need: Need,
-    deadline: Option<Instant>,
-) -> Result<()> {
-    let (tx, _) = store.begin(deadline)?;
-    let row = tx.image(name.as_str())?;
-    drop(tx);
-    match row {
-        None => Err(Error::NoSuchImage(name.as_str().to_owned()).into()),
-        Some(r) if need == Need::Ready && r.state != ImageState::Ready => Err(Error::NotReady {
-            name: r.name,
-            state: r.state.as_str().to_owned(),
-        }
-        .into()),
-        Some(_) => Ok(()),
-    }
-}
-
-fn record(ctx: &Ctx, name: &ImageName, mode: Mode, role: Role, command: &str) -> Record {
-    Record::ours(
-        &ctx.me,
-        LockKind::Image,
-        name.as_str(),
-        format!("images/{}", crate::root::lock_file_name(name.encoded())),
-        role,
-        mode,
-        command,
-    )
-}
-
 /// The start transaction. Returns the images directory and the ids of the
 /// image holder records it made (the slot's id goes into its guard).
 fn start(
     store: &mut Store,
     held: &mut [Held],
-    slot: Option<&mut crate::slots::SlotGuard>,
+    slot: Option<&mut crate::acquire::slot::SlotGuard>,
     waits: &[i64],
     req: &Request,
 ) -> Result<(PathBuf, Vec<i64>)> {

@@ -28,14 +28,7 @@
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::path::PathBuf;
-
-use crate::root::Root;
-
-/// The reserve file of a store.
-pub fn path(root: &Root) -> PathBuf {
-    root.dir().join("reserve")
-}
+use std::path::Path;
 
 /// Is this error the disk (or a quota) being full, from SQLite or the OS?
 pub fn is_full(err: &anyhow::Error) -> bool {
@@ -50,9 +43,9 @@ pub fn is_full(err: &anyhow::Error) -> bool {
 
 /// How big the reserve is: 1 MiB, or 1/64 of a smaller filesystem (a
 /// metadata transaction needs a few pages of journal).
-pub fn target(root: &Root) -> u64 {
+pub fn target(reserve: &Path) -> u64 {
     const MAX: u64 = 1 << 20;
-    match nix::sys::statvfs::statvfs(root.dir()) {
+    match nix::sys::statvfs::statvfs(reserve.parent().unwrap_or(Path::new("/"))) {
         #[allow(clippy::unnecessary_cast)]
         Ok(st) => (st.blocks() as u64 * st.fragment_size() as u64 / 64).clamp(64 << 10, MAX),
         Err(_) => MAX,
@@ -61,20 +54,20 @@ pub fn target(root: &Root) -> u64 {
 
 /// Opens the reserve for writing: never through a symlink, never blocking
 /// on a FIFO planted in its place, and only if it is a regular file.
-fn open(root: &Root, create: bool) -> Option<std::fs::File> {
+fn open(reserve: &Path, create: bool) -> Option<std::fs::File> {
     let f = OpenOptions::new()
         .write(true)
         .create(create)
         .mode(0o666)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(path(root))
+        .open(reserve)
         .ok()?;
     f.metadata().is_ok_and(|m| m.is_file()).then_some(f)
 }
 
 /// Empties the reserve; true if it gave back any space.
-pub fn release(root: &Root) -> bool {
-    let Some(f) = open(root, false) else {
+pub fn release(reserve: &Path) -> bool {
+    let Some(f) = open(reserve, false) else {
         return false;
     };
     let had = f.metadata().map(|m| m.blocks()).unwrap_or(0) > 0;
@@ -83,11 +76,11 @@ pub fn release(root: &Root) -> bool {
 
 /// Fills the reserve up to its size with whatever is free (best effort:
 /// a full filesystem gets back what the last transaction left).
-pub fn refill(root: &Root) {
-    let Some(f) = open(root, true) else {
+pub fn refill(reserve: &Path) {
+    let Some(f) = open(reserve, true) else {
         return;
     };
-    let want = target(root);
+    let want = target(reserve);
     let have = f.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
     if have >= want {
         return;
@@ -103,6 +96,8 @@ pub fn refill(root: &Root) {
     let zeros = [0u8; CHUNK as usize];
     let mut at = 0u64;
     while at < want {
+        // SAFETY: fallocate and pwrite on our descriptor, from a live buffer
+        // of the length passed.
         let ok = unsafe { libc::fallocate(fd, 0, at as libc::off_t, CHUNK as libc::off_t) } == 0
             || unsafe { libc::pwrite(fd, zeros.as_ptr().cast(), zeros.len(), at as libc::off_t) }
                 == CHUNK as isize;
@@ -116,15 +111,15 @@ pub fn refill(root: &Root) {
 /// Creates the reserve if it is missing or empty (a store made by an older
 /// release, the file deleted by hand, a process killed between emptying and
 /// refilling it): one stat when it is there.
-pub fn ensure(root: &Root) {
-    match std::fs::symlink_metadata(path(root)) {
+pub fn ensure(reserve: &Path) {
+    match std::fs::symlink_metadata(reserve) {
         Ok(m) if m.blocks() > 0 || !m.is_file() => {}
-        _ => refill(root),
+        _ => refill(reserve),
     }
 }
 
 /// Bytes free for an unprivileged writer on the filesystem of `dir`.
-pub fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+pub fn free_bytes(dir: &Path) -> Option<u64> {
     let st = nix::sys::statvfs::statvfs(dir).ok()?;
     #[allow(clippy::unnecessary_cast)]
     Some(st.blocks_available() as u64 * st.fragment_size() as u64)

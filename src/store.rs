@@ -16,7 +16,6 @@
 //!   migrates, and acquires again.
 
 use std::io;
-use std::io::Write;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -24,10 +23,8 @@ use anyhow::{Context, Result, bail};
 use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::lock::{self, Mode, Wait, Waited};
-use crate::meta::{self, Schema, Tx};
-use crate::name::ImageName;
+use crate::meta::{self, DatabaseError, Schema, Tx};
 use crate::root::Root;
-use crate::status;
 
 /// A transaction found the schema older than this binary.
 #[derive(Debug, thiserror::Error)]
@@ -95,7 +92,7 @@ impl Store {
         };
         let mut created = false;
         loop {
-            let first = lock::try_lock(&path, Mode::Exclusive, true);
+            let first = lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create);
             match first {
                 Ok(Some(g)) => return Ok(g),
                 Ok(None) => break,
@@ -106,7 +103,7 @@ impl Store {
                     ctx.root.create_layout()?;
                     created = true;
                 }
-                Err(e) => return Err(lock_error("the global lock", &path, e)),
+                Err(e) => return Err(lock::error("the global lock", &path, e)),
             }
         }
         // It is held for one short transaction: a few quick retries usually
@@ -117,10 +114,10 @@ impl Store {
             } else {
                 std::thread::sleep(Duration::from_micros(40));
             }
-            match lock::try_lock(&path, Mode::Exclusive, true) {
+            match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create) {
                 Ok(Some(g)) => return Ok(g),
                 Ok(None) => {}
-                Err(e) => return Err(lock_error("the global lock", &path, e)),
+                Err(e) => return Err(lock::error("the global lock", &path, e)),
             }
         }
         let mut wait = Wait::on(&ctx.root.locks(), deadline);
@@ -130,24 +127,24 @@ impl Store {
                 GLOBAL_NOTICE,
                 Box::new(move || {
                     ctx.noticed_global.set(true);
-                    if !ctx.quiet {
-                        let _ = writeln!(
-                            std::io::stderr(),
-                            "stowage: waiting for the global metadata lock ({}): {}",
-                            ctx.root.global_lock().display(),
-                            status::global_holder_phrase(ctx)
-                        );
-                    }
+                    crate::holders::announce_wait(
+                        ctx,
+                        &format!(
+                            "the global metadata lock ({})",
+                            ctx.root.global_lock().display()
+                        ),
+                        &crate::holders::global_holder_phrase(ctx),
+                    );
                 }),
             ));
         }
-        match lock::lock(&path, Mode::Exclusive, true, &mut wait)
-            .map_err(|e| lock_error("the global lock", &path, e))?
+        match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait)
+            .map_err(|e| lock::error("the global lock", &path, e))?
         {
             Waited::Acquired(g) => Ok(g),
             Waited::TimedOut => Err(Error::Busy(Busy {
                 what: "the global metadata lock".into(),
-                holders: status::global_holder_phrase(ctx),
+                holders: crate::holders::global_holder_phrase(ctx),
                 waited: Duration::ZERO,
             })
             .into()),
@@ -204,11 +201,12 @@ impl Store {
         match tx.schema().map_err(|e| damaged(&db, e))? {
             Schema::Current => Ok((tx, ctx)),
             Schema::Behind(_) => Err(NeedsMigration.into()),
-            Schema::Ahead(v) => bail!(
+            Schema::Ahead(v) => Err(DatabaseError(format!(
                 "metadata database {} has schema version {v}, newer than this stowage knows ({}); use a newer stowage",
                 db.display(),
                 meta::schema_version()
-            ),
+            ))
+            .into()),
         }
     }
 
@@ -243,7 +241,7 @@ impl Store {
     /// lock is held — the caller's included — so it would wait for itself).
     /// Such callers bring the schema up to date before taking locks; a
     /// schema found behind anyway is an error, not a hang.
-    pub fn with_tx_locked<T>(
+    pub fn with_tx_holding_locks<T>(
         &mut self,
         deadline: Option<Instant>,
         mut f: impl FnMut(&Tx, &Ctx) -> Result<T>,
@@ -262,13 +260,15 @@ impl Store {
     /// a transaction that can simply be repeated (a failed one rolled back).
     pub fn retry_full<T>(&mut self, mut f: impl FnMut(&mut Store) -> Result<T>) -> Result<T> {
         match f(self) {
-            Err(e) if crate::space::is_full(&e) && crate::space::release(&self.ctx.root) => {
+            Err(e)
+                if crate::space::is_full(&e) && crate::space::release(&self.ctx.root.reserve()) =>
+            {
                 self.ctx.detail(&format!(
                     "the filesystem of {} is full: using the space kept in reserve for the metadata",
                     self.ctx.root.dir().display()
                 ));
                 let out = f(self);
-                crate::space::refill(&self.ctx.root);
+                crate::space::refill(&self.ctx.root.reserve());
                 out
             }
             other => other,
@@ -300,7 +300,7 @@ impl Store {
         let global = Self::take_global(&self.ctx, None, false)?;
         let db = self.ctx.root.db();
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
-        conn.execute_batch("PRAGMA journal_mode = MEMORY; PRAGMA cache_spill = OFF;")?;
+        meta::journal_in_memory(conn, true)?;
         let out = (|| {
             let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
             match tx.schema()? {
@@ -310,7 +310,7 @@ impl Store {
             // Dropping `tx` rolls it back.
         })();
         let conn = self.conn.as_mut().expect("opened above");
-        conn.execute_batch("PRAGMA journal_mode = DELETE; PRAGMA cache_spill = ON;")?;
+        meta::journal_in_memory(conn, false)?;
         out
     }
 
@@ -330,11 +330,14 @@ impl Store {
                     }
                     tx.migrate()?;
                 }
-                Schema::Ahead(v) => bail!(
-                    "metadata database {} has schema version {v}, newer than this stowage knows ({})",
-                    db.display(),
-                    meta::schema_version()
-                ),
+                Schema::Ahead(v) => {
+                    return Err(DatabaseError(format!(
+                        "metadata database {} has schema version {v}, newer than this stowage knows ({})",
+                        db.display(),
+                        meta::schema_version()
+                    ))
+                    .into());
+                }
             }
             Ok(())
         })
@@ -388,15 +391,17 @@ impl Store {
                 })
                 .into());
             }
-            let holders = status::kernel_holders_phrase(&self.ctx, &path);
+            let holders = crate::holders::kernel_holders_phrase(&self.ctx, &path);
             if !told {
-                self.ctx.say(&format!(
-                    "waiting for {name} to be released before {what}: {holders}"
-                ));
+                crate::holders::announce_wait(
+                    &self.ctx,
+                    &format!("{name} to be released before {what}"),
+                    &holders,
+                );
                 told = true;
             }
             let mut wait = Wait::on(&self.ctx.root.image_locks(), deadline);
-            match lock::lock(&path, Mode::Exclusive, false, &mut wait) {
+            match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait) {
                 Ok(Waited::Acquired(g)) => drop(g),
                 Ok(Waited::TimedOut) => {
                     return Err(Error::Busy(Busy {
@@ -408,7 +413,7 @@ impl Store {
                 }
                 Ok(Waited::Interrupted(sig)) => return Err(Error::Interrupted(sig).into()),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(lock_error(&name, &path, e)),
+                Err(e) => return Err(lock::error(&name, &path, e)),
             }
         }
     }
@@ -473,13 +478,12 @@ fn connection<'c>(
             meta::share_with_group(db)?;
         }
         if in_wal(db) {
-            c.pragma_update(None, "journal_mode", "DELETE")
-                .with_context(|| {
-                    format!(
-                        "cannot switch {} from WAL to a rollback journal",
-                        db.display()
-                    )
-                })?;
+            meta::leave_wal(&c).with_context(|| {
+                format!(
+                    "cannot switch {} from WAL to a rollback journal",
+                    db.display()
+                )
+            })?;
         }
         *conn = Some(c);
     }
@@ -507,7 +511,7 @@ fn in_wal(db: &std::path::Path) -> bool {
 /// holder record against the schema it knows, so a migration under it
 /// would make its exec fail after its command succeeded.
 fn first_busy_image(ctx: &Ctx) -> Result<Option<(std::path::PathBuf, String)>> {
-    if let Some(busy) = first_busy_in(&ctx.root.image_locks(), lock_file_label)? {
+    if let Some(busy) = first_busy_in(&ctx.root.image_locks(), crate::root::lock_file_label)? {
         return Ok(Some(busy));
     }
     let slots = ctx.root.slot_locks();
@@ -556,50 +560,14 @@ fn first_busy_in(
             continue;
         }
         let path = entry.path();
-        match lock::try_lock(&path, Mode::Exclusive, false) {
+        match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail) {
             Ok(Some(g)) => drop(g),
             Ok(None) => return Ok(Some((path, label(fname)))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(lock_error(&label(fname), &path, e)),
+            Err(e) => return Err(lock::error(&label(fname), &path, e)),
         }
     }
     Ok(None)
-}
-
-/// "image 'alpine:3.17'" for a lock file name, or the file name itself when
-/// it is not a decodable image (a shortened long name).
-pub fn lock_file_label(fname: &str) -> String {
-    let enc = fname.strip_suffix(".lock").unwrap_or(fname);
-    match ImageName::from_encoded(enc) {
-        Ok(n) => format!("image '{n}'"),
-        Err(_) => format!("image lock {fname}"),
-    }
-}
-
-/// Wraps a lock failure: "locking is unavailable here" is typed (exit 69);
-/// anything else names the lock and the file.
-pub fn lock_error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error {
-    if crate::error::is_locking_unavailable(&e) {
-        Error::LockingUnavailable {
-            what: what.to_owned(),
-            path: path.to_owned(),
-            cause: e,
-        }
-        .into()
-    } else if e.raw_os_error() == Some(libc::ELOOP) {
-        anyhow::anyhow!(
-            "cannot lock {what}: {} is a symlink; refusing to follow it",
-            path.display()
-        )
-    } else if e.kind() == io::ErrorKind::PermissionDenied {
-        anyhow::anyhow!(
-            "cannot lock {what} ({}): {e} — you may not write this store{}; every stowage command, even one that only reads, locks files in the root (opened for writing, as NFS requires) and drops stale records as it reads, so there is no read-only view: a store for several users must be shared with a group (a group-writable setgid root, with them in its group)",
-            path.display(),
-            owner_of(path)
-        )
-    } else {
-        anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
-    }
 }
 
 /// Adds "the database is damaged" advice to SQLite corruption errors.
@@ -616,29 +584,12 @@ fn damaged(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
     }
     if meta::is_corruption(&e) {
         // SQLite's own words once (its error chain repeats them).
-        anyhow::anyhow!(
+        DatabaseError(format!(
             "metadata database {} is damaged ({e}); run 'stowage doctor --repair' (no image is lost)",
             db.display()
-        )
+        ))
+        .into()
     } else {
-        e.context(format!("metadata database {}", db.display()))
+        e.context(DatabaseError(format!("metadata database {}", db.display())))
     }
-}
-
-/// " (DIR is owned by uid U, group G, mode M)" for the directory holding
-/// `path`, for permission messages.
-fn owner_of(path: &std::path::Path) -> String {
-    use std::os::unix::fs::MetadataExt;
-    path.parent()
-        .and_then(|d| std::fs::metadata(d).ok().map(|m| (d, m)))
-        .map(|(d, m)| {
-            format!(
-                " ({} is owned by uid {}, group {}, mode {:o})",
-                d.display(),
-                m.uid(),
-                m.gid(),
-                m.mode() & 0o7777
-            )
-        })
-        .unwrap_or_default()
 }

@@ -37,9 +37,9 @@ use anyhow::Result;
 use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::lock::{self, Guard, Mode, Wait, Waited};
-use crate::meta::{ImageState, LockKind, Record, Role, Tx};
+use crate::meta::{ImageState, LockKind, Role, Tx};
 use crate::name::ImageName;
-use crate::store::{Store, lock_error};
+use crate::store::Store;
 
 /// The record's name (kind `global`).
 const NAME: &str = "store";
@@ -62,7 +62,7 @@ fn path(ctx: &Ctx) -> PathBuf {
 pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
     for rec in tx.records_for(LockKind::Global, NAME)? {
         // A try, never a wait: the global lock is held.
-        match lock::try_lock(&path(ctx), Mode::Shared, false) {
+        match lock::acquire_no_wait(&path(ctx), Mode::Shared, lock::IfMissing::Fail) {
             // Our own command (a wrapper calling stowage again) runs
             // under the hold: it has the store, and must not wait for it.
             // With --no-inherit the hold is not ours but an ancestor's
@@ -89,7 +89,7 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
             }
             Ok(Some(_)) => tx.delete_record(rec.id)?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => tx.delete_record(rec.id)?,
-            Err(e) => return Err(lock_error("the store", &path(ctx), e)),
+            Err(e) => return Err(lock::error("the store", &path(ctx), e)),
         }
     }
     Ok(())
@@ -185,7 +185,9 @@ fn forget_deleted(store: &mut Store) -> Result<()> {
             store.root().image_lock(&name),
             store.root().image_gate(&name),
         ] {
-            if let Ok(Some(g)) = lock::try_lock(&file, Mode::Exclusive, false) {
+            if let Ok(Some(g)) =
+                lock::acquire_no_wait(&file, Mode::Exclusive, lock::IfMissing::Fail)
+            {
                 let _ = g.unlink();
             }
         }
@@ -225,14 +227,14 @@ pub fn wait_until_free(
     if no_wait {
         return Err(busy(Duration::ZERO).into());
     }
-    store.ctx().say(&format!(
-        "waiting for the store-wide command to finish: {}",
-        held.holder
-    ));
+    crate::holders::announce_wait(
+        store.ctx(),
+        "the store-wide command to finish",
+        &held.holder,
+    );
     // Recorded, so that lock-status names us among its waiters.
     let waiter = store.with_tx(deadline, |tx, ctx| {
-        tx.insert_record(&Record::ours(
-            &ctx.me,
+        tx.insert_record(&ctx.record(
             LockKind::Global,
             NAME,
             FILE.into(),
@@ -245,14 +247,14 @@ pub fn wait_until_free(
     let p = path(ctx);
     let t0 = Instant::now();
     let mut wait = Wait::on(&ctx.root.locks(), deadline);
-    let waited = lock::lock(&p, Mode::Shared, false, &mut wait);
+    let waited = lock::acquire(&p, Mode::Shared, lock::IfMissing::Fail, &mut wait);
     store.forget_record(waiter);
     match waited {
         Ok(Waited::Acquired(_)) => Ok(()),
         Ok(Waited::TimedOut) => Err(busy(t0.elapsed()).into()),
         Ok(Waited::Interrupted(sig)) => Err(Error::Interrupted(sig).into()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(lock_error("the store", &p, e)),
+        Err(e) => Err(lock::error("the store", &p, e)),
     }
 }
 
@@ -274,8 +276,10 @@ impl Hold {
     ) -> Result<Hold> {
         store.root().create_layout()?;
         let p = path(store.ctx());
-        let err = |e| lock_error("the store", &p, e);
-        let guard = match lock::try_lock(&p, Mode::Exclusive, true).map_err(err)? {
+        let err = |e| lock::error("the store", &p, e);
+        let guard = match lock::acquire_no_wait(&p, Mode::Exclusive, lock::IfMissing::Create)
+            .map_err(err)?
+        {
             Some(g) => g,
             None => {
                 // A store-wide command inside another one would wait for
@@ -290,7 +294,7 @@ impl Hold {
                     })
                     .into());
                 }
-                let holders = crate::status::kernel_holders_phrase(store.ctx(), &p);
+                let holders = crate::holders::kernel_holders_phrase(store.ctx(), &p);
                 let busy = |waited| {
                     Error::Busy(Busy {
                         what: "the store-wide lock".into(),
@@ -301,12 +305,12 @@ impl Hold {
                 if no_wait {
                     return Err(busy(Duration::ZERO).into());
                 }
-                store
-                    .ctx()
-                    .say(&format!("waiting for the store-wide lock: {holders}"));
+                crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
                 let t0 = Instant::now();
                 let mut wait = Wait::on(&store.ctx().root.locks(), deadline);
-                match lock::lock(&p, Mode::Exclusive, true, &mut wait).map_err(err)? {
+                match lock::acquire(&p, Mode::Exclusive, lock::IfMissing::Create, &mut wait)
+                    .map_err(err)?
+                {
                     Waited::Acquired(g) => g,
                     Waited::TimedOut => return Err(busy(t0.elapsed()).into()),
                     Waited::Interrupted(sig) => return Err(Error::Interrupted(sig).into()),
@@ -325,8 +329,7 @@ impl Hold {
             for rec in tx.records_for(LockKind::Global, NAME)? {
                 tx.delete_record(rec.id)?;
             }
-            tx.insert_record(&Record::ours(
-                &ctx.me,
+            tx.insert_record(&ctx.record(
                 LockKind::Global,
                 NAME,
                 FILE.into(),

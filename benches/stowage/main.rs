@@ -162,7 +162,7 @@ fn run(o: Options) -> Result<()> {
         .tempdir_in(&base)
         .with_context(|| format!("cannot make a directory in {}", base.display()))?;
     let dir = tmp.path();
-    let fs = stowage::kernel::filesystem(dir).map_or_else(|_| "unknown".into(), |f| f.name);
+    let fs = stowage::filesystem::filesystem(dir).map_or_else(|_| "unknown".into(), |f| f.name);
     let q = o.quick;
     let images = o.images.unwrap_or(if q { 2_000 } else { 100_000 });
 

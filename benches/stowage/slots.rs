@@ -137,7 +137,7 @@ pub fn run(dir: &Path, plan: &Plan, report: &mut Report) -> Result<()> {
             .spawn()?)
     };
     let hold = || -> Result<lock::Guard> {
-        lock::try_lock(&slot, Mode::Exclusive, true)?
+        lock::acquire_no_wait(&slot, Mode::Exclusive, lock::IfMissing::Create)?
             .context("the bench slot is held by someone else")
     };
 

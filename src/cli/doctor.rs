@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 
-use crate::doctor::{self, Status};
+use crate::doctor::{self, Verdict};
 use crate::error::code;
 use crate::store::Store;
 
@@ -45,10 +45,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         println!("root {} ({})", report.root, report.filesystem);
         for c in &report.checks {
             let tag = match c.status {
-                Status::Ok => "ok",
-                Status::Info => "note",
-                Status::Problem => "PROBLEM",
-                Status::Repaired => "repaired",
+                Verdict::Ok => "ok",
+                Verdict::Info => "note",
+                Verdict::Problem => "PROBLEM",
+                Verdict::Repaired => "repaired",
             };
             println!("{tag:>8}  {:<10}  {}", c.check, c.detail);
         }

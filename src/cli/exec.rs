@@ -280,7 +280,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         format!("the command exited with status {code}, but recording that failed")
     })?;
     if !written.is_empty() && full.is_none() {
-        crate::space::ensure(store.root());
+        crate::space::ensure(&store.root().reserve());
     }
     if let Some(note) = full {
         store.ctx().say(&format!(
@@ -305,7 +305,7 @@ fn full_note(images_dir: &std::path::Path) -> Option<String> {
         format!(
             "the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
             images_dir.display(),
-            crate::usage::human(free)
+            crate::disk_usage::human(free)
         )
     })
 }
@@ -470,7 +470,7 @@ fn clone_into(
     store.ctx().detail(&format!(
         "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
         done.files,
-        crate::usage::human(done.bytes),
+        crate::disk_usage::human(done.bytes),
         done.reflinked,
         t0.elapsed().as_secs_f64()
     ));

@@ -2,10 +2,10 @@
 
 use anyhow::Result;
 
+use crate::disk_usage;
 use crate::error::Error;
 use crate::gc::{self, Policy};
 use crate::store::Store;
-use crate::usage;
 
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
@@ -88,7 +88,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             "{verb} '{}' ({}, {}): {}",
             r.name,
             r.state,
-            usage::human(r.size_bytes),
+            disk_usage::human(r.size_bytes),
             r.reason.describe()
         );
     }
@@ -96,15 +96,15 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         println!("kept '{name}': in use");
     }
     let budget = match report.max_size {
-        Some(m) => format!(" (budget {})", usage::human(m)),
+        Some(m) => format!(" (budget {})", disk_usage::human(m)),
         None => String::new(),
     };
     println!(
         "{} {}; images {} {}{budget}",
         if args.dry_run { "would free" } else { "freed" },
-        usage::human(report.bytes_freed),
+        disk_usage::human(report.bytes_freed),
         if args.dry_run { "would use" } else { "now use" },
-        usage::human(report.size_after)
+        disk_usage::human(report.size_after)
     );
     Ok(code)
 }

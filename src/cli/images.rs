@@ -6,12 +6,11 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::clock;
+use crate::disk_usage;
 use crate::lock::{self, Mode};
 use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
-use crate::status;
 use crate::store::Store;
-use crate::usage;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -40,8 +39,8 @@ struct ImageJson<'a> {
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let (mut rows, in_use, images_dir) = store.read_tx(|tx, ctx| {
-        let kv = tx.kernel_view(&ctx.root.image_locks());
-        let in_use = status::in_use(tx, ctx, &kv)?;
+        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.image_locks());
+        let in_use = crate::judge::in_use(tx, ctx, &kv)?;
         Ok((tx.images()?, in_use, tx.images_dir(&ctx.root)?))
     })?;
     fill_sizes(store, &mut rows, &in_use, &images_dir)?;
@@ -78,7 +77,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         table.push([
             r.name.clone(),
             r.state.as_str().into(),
-            r.size_bytes.map_or_else(|| "?".into(), usage::human),
+            r.size_bytes.map_or_else(|| "?".into(), disk_usage::human),
             r.base.clone().unwrap_or_else(|| "-".into()),
             clock::local_minutes(r.created),
             clock::local_minutes(r.last_used),
@@ -100,14 +99,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 /// (reflink clones): what each image shares, and what removing it frees.
 /// Elsewhere nothing is shared and nothing is read.
 struct Sharing {
-    by_image: HashMap<String, usage::Measure>,
-    footprint: Option<usage::Footprint>,
+    by_image: HashMap<String, disk_usage::Measure>,
+    footprint: Option<disk_usage::Footprint>,
 }
 
 impl Sharing {
     fn measure(rows: &[ImageRow], images_dir: &std::path::Path) -> Sharing {
         let mut by_image = HashMap::new();
-        if !usage::can_share(images_dir) {
+        if !disk_usage::can_share(images_dir) {
             return Sharing {
                 by_image,
                 footprint: None,
@@ -117,12 +116,12 @@ impl Sharing {
             let Ok(name) = ImageName::parse(&r.name) else {
                 continue;
             };
-            if let Ok(m) = usage::measure(&images_dir.join(name.encoded()), true) {
+            if let Ok(m) = disk_usage::measure(&images_dir.join(name.encoded()), true) {
                 by_image.insert(r.name.clone(), m);
             }
         }
         let footprint =
-            usage::Footprint::new(by_image.values().map(|m| m.shared_ranges.as_slice()));
+            disk_usage::Footprint::new(by_image.values().map(|m| m.shared_ranges.as_slice()));
         Sharing {
             by_image,
             footprint: Some(footprint),
@@ -162,9 +161,9 @@ impl Sharing {
             .sum();
         Some(format!(
             "images take {} on the filesystem ({} allocated; {} in extents shared between files)",
-            usage::human(own + fp.bytes()),
-            usage::human(allocated),
-            usage::human(shared)
+            disk_usage::human(own + fp.bytes()),
+            disk_usage::human(allocated),
+            disk_usage::human(shared)
         ))
     }
 }
@@ -192,11 +191,14 @@ fn fill_sizes(
         let Ok(name) = ImageName::parse(&r.name) else {
             continue;
         };
-        let Ok(Some(_guard)) = lock::try_lock(&store.root().image_lock(&name), Mode::Shared, true)
-        else {
+        let Ok(Some(_guard)) = lock::acquire_no_wait(
+            &store.root().image_lock(&name),
+            Mode::Shared,
+            lock::IfMissing::Create,
+        ) else {
             continue;
         };
-        if let Ok(size) = usage::disk_usage(&images_dir.join(name.encoded())) {
+        if let Ok(size) = disk_usage::disk_usage(&images_dir.join(name.encoded())) {
             found.push((r.clone(), size));
             r.size_bytes = Some(size);
         }

@@ -7,7 +7,18 @@ use anyhow::Result;
 
 use crate::clock;
 use crate::ident::printable;
-use crate::status::{self, LockReport, Party, Selection, StatusJson};
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::ctx::Ctx;
+use crate::holders::{Party, global_holders, outsider};
+use crate::judge::{self, LockReport, kernel_locked_images, settle, sweep};
+use crate::kernel::KernelView;
+use crate::lock::Probe;
+use crate::meta::{ImageState, LockKind, Tx};
+use crate::name::ImageName;
 use crate::store::Store;
 
 #[derive(clap::Args)]
@@ -48,7 +59,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let mut missing_said = false;
     let mut missing_any = false;
     loop {
-        let (fs, mut locks) = status::gather(store, &sel)?;
+        let (fs, mut locks) = gather(store, &sel)?;
         // An image asked for by name that has no row, and whose lock nobody
         // holds or awaits, does not exist: say so rather than show it free.
         let missing: Vec<String> = locks
@@ -76,7 +87,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             let doc = StatusJson {
                 root: store.root().dir().display().to_string(),
                 filesystem: fs,
-                locks: locks.iter().map(LockReport::to_json).collect(),
+                locks: locks.iter().map(lock_json).collect(),
             };
             if every.is_some() {
                 serde_json::to_string(&doc)?
@@ -109,8 +120,8 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
     ]];
     for l in locks {
         let state = match l.image_state {
-            Some(s) => format!("{} ({s})", status::state_str(l.state)),
-            None => status::state_str(l.state).to_owned(),
+            Some(s) => format!("{} ({s})", state_str(l.state)),
+            None => state_str(l.state).to_owned(),
         };
         let mut who: Vec<String> = l
             .holders
@@ -158,4 +169,223 @@ fn party(p: &Party) -> String {
         s.push_str(" [outside stowage]");
     }
     s
+}
+
+#[derive(Debug, Serialize)]
+pub struct StatusJson {
+    pub root: String,
+    pub filesystem: String,
+    pub locks: Vec<LockJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LockJson {
+    pub kind: &'static str,
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_state: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserve_high: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub in_use: Option<u32>,
+    pub state: &'static str,
+    pub holders: Vec<PartyJson>,
+    pub waiters: Vec<PartyJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PartyJson {
+    pub pid: Option<u32>,
+    pub host: Option<String>,
+    pub user: Option<String>,
+    pub mode: &'static str,
+    pub command: Option<String>,
+    pub since: Option<String>,
+    /// False for a lock taken outside stowage.
+    pub stowage: bool,
+    /// The file name of the party's lease under `ROOT/locks/leases`, which
+    /// proves it alive; null for an outsider.
+    pub lease: Option<String>,
+}
+
+impl From<&Party> for PartyJson {
+    fn from(p: &Party) -> Self {
+        PartyJson {
+            pid: p.pid,
+            host: p.host.clone(),
+            user: p.user.clone(),
+            mode: p.mode.as_str(),
+            command: p.command.clone(),
+            since: p.since.and_then(clock::rfc3339),
+            stowage: p.stowage,
+            lease: p.lease.clone(),
+        }
+    }
+}
+
+pub fn state_str(p: Probe) -> &'static str {
+    match p {
+        Probe::Missing | Probe::Free => "free",
+        Probe::Shared => "shared",
+        Probe::Exclusive => "exclusive",
+    }
+}
+
+/// Which image locks lock-status shows.
+#[derive(Debug, Default)]
+pub struct Selection {
+    /// Named images (shown whatever their state).
+    pub names: Vec<ImageName>,
+    /// Every image.
+    pub all: bool,
+}
+
+/// Gathers everything lock-status shows: the global lock, then image locks.
+pub fn gather(
+    store: &mut crate::store::Store,
+    sel: &Selection,
+) -> Result<(String, Vec<LockReport>)> {
+    let root = store.root().clone();
+    // The global lock is looked at before we take it ourselves.
+    let kv_global = KernelView::new(&root.locks());
+    let global = global_report(store.ctx(), &kv_global, &root.global_lock());
+    let fs_name =
+        crate::filesystem::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
+
+    let images = store.read_tx(|tx, ctx| {
+        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
+        let (mut reports, slots) = sweep(tx, ctx, &kv)?;
+        crate::lease::clean(&ctx.root.leases());
+        for (name, view) in kernel_locked_images(ctx, &kv)? {
+            if reports.contains_key(&name) {
+                continue;
+            }
+            let (holders, waiters) = judge::prune(tx, ctx, &kv, &view, &[])?;
+            if holders.is_empty() && waiters.is_empty() {
+                continue;
+            }
+            reports.insert(
+                name.clone(),
+                LockReport::image(name, &view, holders, waiters),
+            );
+        }
+        // With --all every row is read once, here, for the names and the
+        // states below; otherwise the few shown are looked up one by one.
+        let states: Option<HashMap<String, ImageState>> = if sel.all {
+            Some(
+                tx.images()?
+                    .into_iter()
+                    .map(|r| (r.name, r.state))
+                    .collect(),
+            )
+        } else {
+            None
+        };
+        let extra: Vec<String> = if let Some(states) = &states {
+            states.keys().cloned().collect()
+        } else {
+            sel.names.iter().map(|n| n.as_str().to_owned()).collect()
+        };
+        for name in extra {
+            if reports.contains_key(&name) {
+                continue;
+            }
+            let Ok(n) = ImageName::parse(&name) else {
+                continue;
+            };
+            // An image asked for by name gets a table's "free" confirmed
+            // (a probe); --all trusts the table, as probing every image
+            // would take every lock in turn.
+            let view = kv.view(&ctx.root.image_lock(&n))?;
+            let view = if sel.all { view } else { view.confirmed() };
+            let (holders, waiters) = judge::prune(tx, ctx, &kv, &view, &[])?;
+            reports.insert(
+                name.clone(),
+                LockReport::image(name, &view, holders, waiters),
+            );
+        }
+        // Without --all or names, only held or awaited locks are shown.
+        let named: std::collections::HashSet<&str> =
+            sel.names.iter().map(ImageName::as_str).collect();
+        let mut out = Vec::new();
+        for (name, mut r) in reports {
+            let shown = sel.all
+                || named.contains(name.as_str())
+                || r.state != Probe::Free
+                || !r.waiters.is_empty();
+            if !shown || (!named.is_empty() && !named.contains(name.as_str()) && !sel.all) {
+                continue;
+            }
+            r.image_state = match &states {
+                Some(states) => states.get(&name).copied(),
+                None => tx.image(&name)?.map(|row| row.state),
+            };
+            out.push(r);
+        }
+        out.extend(store_wide_report(tx, ctx, &kv)?);
+        out.extend(slots);
+        Ok(out)
+    })?;
+    let mut locks = vec![global];
+    locks.extend(images);
+    Ok((fs_name, locks))
+}
+
+/// A store-wide hold (`exec --store-wide`), while held or awaited: a
+/// `global` entry named `store`, its holder the recorded command, its
+/// waiters the processes queued for it (from the kernel).
+fn store_wide_report(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<Option<LockReport>> {
+    let path = ctx.root.locks().join("store.lock");
+    let view = kv.view(&path)?;
+    let records = tx.records_for(LockKind::Global, "store")?;
+    if !view.is_held() && records.is_empty() {
+        return Ok(None);
+    }
+    let (holders, waiters) = judge::prune(tx, ctx, kv, &view, &records)?;
+    Ok(Some(LockReport {
+        kind: LockKind::Global,
+        name: "store".into(),
+        state: settle(view.state),
+        holders,
+        waiters,
+        image_state: None,
+        slot: None,
+    }))
+}
+
+fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {
+    let mut view = kv.view(path).unwrap_or_default();
+    // The table may not cover this filesystem (it is not verified here, as
+    // we hold no lock yet): a probe has the last word on "held".
+    if !view.is_held()
+        && let Ok(p @ (Probe::Shared | Probe::Exclusive)) = crate::lock::probe(path)
+    {
+        view.state = Some(p);
+    }
+    let holders = global_holders(ctx, &view);
+    LockReport {
+        kind: LockKind::Global,
+        name: "global".into(),
+        state: settle(view.state),
+        holders,
+        waiters: view.waiters.iter().map(|e| outsider(ctx, e)).collect(),
+        image_state: None,
+        slot: None,
+    }
+}
+/// A lock report as JSON.
+fn lock_json(r: &LockReport) -> LockJson {
+    LockJson {
+        kind: r.kind.as_str(),
+        name: r.name.clone(),
+        image_state: r.image_state.map(ImageState::as_str),
+        limit: r.slot.map(|s| s.0),
+        reserve_high: r.slot.map(|s| s.1),
+        in_use: r.slot.map(|s| s.2),
+        state: state_str(r.state),
+        holders: r.holders.iter().map(PartyJson::from).collect(),
+        waiters: r.waiters.iter().map(PartyJson::from).collect(),
+    }
 }

@@ -4,11 +4,11 @@ use std::ffi::OsString;
 
 use anyhow::Result;
 
+use crate::acquire::image::{Need, Want, acquire_image};
+use crate::disk_usage;
 use crate::lock::Mode;
 use crate::remove;
-use crate::session::{Need, Want, acquire_image};
 use crate::store::Store;
-use crate::usage;
 
 #[derive(clap::Args)]
 #[command(
@@ -61,19 +61,19 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         };
         let (guard, waiter) = acquire_image(store, name, &want)?;
         if let Some(id) = waiter {
-            store.with_tx_locked(None, |tx, _| tx.delete_record(id))?;
+            store.with_tx_holding_locks(None, |tx, _| tx.delete_record(id))?;
         }
         held.push((name.clone(), guard));
     }
     let removed = remove::remove_locked(store, held)?;
     // Space was freed: the metadata's reserve gets what it lacks.
-    crate::space::refill(store.root());
+    crate::space::refill(&store.root().reserve());
     for r in &removed {
         store.ctx().say(&format!(
             "removed '{}' ({}, {})",
             r.name,
             r.state,
-            usage::human(r.bytes)
+            disk_usage::human(r.bytes)
         ));
     }
     // The images are gone; space that could not be freed is a failure.

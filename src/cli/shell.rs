@@ -22,10 +22,6 @@ use clap_complete::env::{Bash, EnvCompleter, Fish, Zsh};
 use crate::error::Error;
 use crate::root::Root;
 
-/// The variable through which a completion script calls stowage back. A
-/// name of stowage's own, so that a `COMPLETE` meant for another tool in a
-/// build's environment never turns an exec into a completion.
-
 /// Answers a completion callback and exits, if this run is one.
 pub fn complete_if_asked(command: fn() -> Command) {
     if std::env::var_os(crate::env::COMPLETE).is_none() {

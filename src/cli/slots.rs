@@ -4,10 +4,10 @@ use anyhow::Result;
 use clap::Subcommand;
 use serde::Serialize;
 
+use super::lock_status::PartyJson;
 use crate::error::Error;
 use crate::meta::SlotClass;
 use crate::slots::{self, MAX_LIMIT, MAX_RESERVE};
-use crate::status::PartyJson;
 use crate::store::Store;
 
 #[derive(clap::Args)]
@@ -114,10 +114,10 @@ fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
 
 fn show(store: &mut Store, json: bool) -> Result<u8> {
     let reports = store.read_tx(|tx, ctx| {
-        let kv = tx.kernel_view(&ctx.root.locks());
+        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
         tx.slot_classes()?
             .iter()
-            .map(|c| slots::class_report(tx, ctx, &kv, c))
+            .map(|c| crate::judge::class_report(tx, ctx, &kv, c))
             .collect::<Result<Vec<_>>>()
     })?;
     if json {

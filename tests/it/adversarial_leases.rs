@@ -9,9 +9,13 @@ use crate::common::*;
 
 /// Holds `path` exclusively, from this (test) process.
 fn hold(path: &std::path::Path) -> stowage::lock::Guard {
-    stowage::lock::try_lock(path, stowage::lock::Mode::Exclusive, false)
-        .unwrap()
-        .expect("free")
+    stowage::lock::acquire_no_wait(
+        path,
+        stowage::lock::Mode::Exclusive,
+        stowage::lock::IfMissing::Fail,
+    )
+    .unwrap()
+    .expect("free")
 }
 
 #[test]

@@ -525,7 +525,15 @@ fn every_step_names_a_function_of_src() {
             let parts: Vec<&str> = f.split("::").collect();
             let (item, module) = parts.split_last().expect("module::item");
             let file = format!("src/{}.rs", module.join("/"));
-            let text = repo(&file);
+            let folder = format!("src/{}/mod.rs", module.join("/"));
+            let text = if std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join(&file)
+                .exists()
+            {
+                repo(&file)
+            } else {
+                repo(&folder)
+            };
             let found = [
                 format!("fn {item}("),
                 format!("fn {item}<"),

@@ -99,23 +99,23 @@ impl Step {
     pub fn code(self) -> &'static [&'static str] {
         match self {
             Step::SlotTry => &[
-                "slots::acquire_unrecorded",
-                "lock::lock_any",
+                "acquire::slot::acquire_unrecorded",
+                "lock::acquire_any",
                 "nested::enclosing_hold",
             ],
-            Step::SlotWaiter => &["slots::acquire_unrecorded", "slots::class_report"],
-            Step::SlotWait => &["lock::lock_any", "lock::block_any"],
+            Step::SlotWaiter => &["acquire::slot::acquire_unrecorded", "judge::class_report"],
+            Step::SlotWait => &["lock::acquire_any", "lock::wait::block_any"],
             Step::Try => &[
-                "session::try_image",
-                "lock::try_lock",
+                "acquire::image::try_image",
+                "lock::acquire_no_wait",
                 "lock::still_linked",
                 "nested::enclosing_hold",
             ],
-            Step::Waiter => &["session::acquire_image", "status::judge"],
-            Step::Gate => &["session::wait_image", "lock::lock"],
+            Step::Waiter => &["acquire::image::acquire_image", "judge::prune"],
+            Step::Gate => &["acquire::image::wait_image", "lock::acquire"],
             Step::Wait => &[
-                "session::wait_image",
-                "lock::lock_any",
+                "acquire::image::wait_image",
+                "lock::acquire_any",
                 "lock::still_linked",
             ],
             Step::Start => &["session::start", "session::prepare_write"],
@@ -138,7 +138,7 @@ impl Step {
             Step::ListInterrupted => &["remove::finish_interrupted"],
             Step::LockInterrupted => &["remove::finish_interrupted", "remove::recheck"],
             Step::OrphanLock => &["remove::finish_interrupted", "remove::recheck"],
-            Step::Sweep => &["status::sweep", "status::judge"],
+            Step::Sweep => &["judge::sweep", "judge::prune"],
             Step::Collect => &["gc::collect", "remove::recheck"],
         }
     }

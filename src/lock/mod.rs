@@ -46,14 +46,18 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::os::unix::thread::JoinHandleExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Once, mpsc};
-use std::thread;
-use std::time::{Duration, Instant};
+use std::sync::Mutex;
 
 use fs2::FileExt;
+
+mod wait;
+
+use wait::block_any;
+pub use wait::{
+    REMOTE_REARM, Wait, Waited, Waker, Woke, before_waiting, interrupt_waits, interrupted,
+    starting_to_wait, wake_signal, watch_signals_while_waiting,
+};
 
 /// How a lock is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -158,7 +162,7 @@ impl Guard {
     /// for. `STOWAGE_DEBUG_LOST_LOCK=FILE_NAME` (a hidden test hook) makes
     /// the check fail for that lock file, as a lost NFS lock would.
     pub fn verify(&self) -> io::Result<()> {
-        if crate::debug::lost_lock(&self.path) {
+        if lost_in_test(&self.path) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         if !flock_try(&self.file, self.mode)? {
@@ -223,69 +227,18 @@ impl Guard {
     }
 }
 
-/// The outcome of a wait.
-#[derive(Debug)]
-pub enum Waited<T> {
-    Acquired(T),
-    TimedOut,
-    /// [`interrupt_waits`] was called with this signal number.
-    Interrupted(i32),
-}
-
-/// How long to wait, and what to say if it takes a while.
-#[derive(Default)]
-pub struct Wait<'a> {
-    /// `None`: wait until acquired.
-    pub deadline: Option<Instant>,
-    /// Called once if the lock is still not acquired after this long.
-    pub notice: Option<(Duration, Box<dyn FnMut() + 'a>)>,
-    /// Ignore [`interrupt_waits`]: for cleanup that must happen even after a
-    /// termination signal (undoing a start, recording an outcome).
-    pub uninterruptible: bool,
-    /// Re-issue blocked requests this often. On NFS a blocked lock request
-    /// is retried by the client with a back-off that grows to 30 s (NFSv4),
-    /// so a freed lock may sit unnoticed that long; interrupting and
-    /// re-issuing the request makes the client ask again at once. Local
-    /// filesystems wake waiters themselves and need none.
-    pub rearm: Option<Duration>,
-}
-
-impl<'a> Wait<'a> {
-    pub fn until(deadline: Option<Instant>) -> Self {
-        Wait {
-            deadline,
-            ..Wait::default()
-        }
-    }
-
-    /// A wait suited to the filesystem holding the lock files in `dir`.
-    pub fn on(dir: &Path, deadline: Option<Instant>) -> Self {
-        let local = crate::filesystem::filesystem(dir)
-            .map(|f| f.local)
-            .unwrap_or(false);
-        Wait {
-            deadline,
-            rearm: (!local).then_some(REMOTE_REARM),
-            ..Wait::default()
-        }
-    }
-}
-
-/// How often blocked requests are re-issued on remote filesystems.
-pub const REMOTE_REARM: Duration = Duration::from_millis(250);
-
 /// Opens a lock file: read-write, close-on-exec, never through a symlink.
-fn open(path: &Path, create: bool) -> io::Result<File> {
+fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     OpenOptions::new()
         .read(true)
         .write(true)
-        .create(create)
+        .create(missing == IfMissing::Create)
         .mode(0o666)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
 }
 
-fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
+pub(super) fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
     #[cfg(test)]
     if let Some(errno) = tests::injected() {
         return Err(io::Error::from_raw_os_error(errno));
@@ -325,7 +278,7 @@ pub fn inherited_exclusive(path: &Path) -> bool {
     })
 }
 
-fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
+pub(super) fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
     match mode {
         Mode::Shared => FileExt::lock_shared(file),
         Mode::Exclusive => FileExt::lock_exclusive(file),
@@ -372,7 +325,7 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
     if !local_dir(path) {
         // A stat of the path may come from the client's caches; an open
         // is looked up on the server (close-to-open consistency).
-        let at = match open(path, false).and_then(|f| f.metadata()) {
+        let at = match open(path, IfMissing::Fail).and_then(|f| f.metadata()) {
             Ok(m) => m,
             Err(e)
                 if e.kind() == io::ErrorKind::NotFound
@@ -411,11 +364,32 @@ fn ghost_error(path: &Path) -> io::Error {
     ))
 }
 
+/// What taking a lock does when its file does not exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IfMissing {
+    /// Creates the lock file (mode 0666 less the umask).
+    Create,
+    /// Fails with `NotFound`: the caller decides what a missing file means
+    /// (no such image, a lock nobody ever took).
+    Fail,
+}
+
+impl IfMissing {
+    /// [`IfMissing::Create`] when `create`, else [`IfMissing::Fail`].
+    pub fn create_if(create: bool) -> IfMissing {
+        if create {
+            IfMissing::Create
+        } else {
+            IfMissing::Fail
+        }
+    }
+}
+
 /// Takes the lock if it is free right now. `Ok(None)`: someone holds it in a
-/// conflicting mode. With `create` false a missing file is `NotFound`.
-pub fn try_lock(path: &Path, mode: Mode, create: bool) -> io::Result<Option<Guard>> {
+/// conflicting mode.
+pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Result<Option<Guard>> {
     for _ in 0..MAX_GHOSTS {
-        let file = open(path, create)?;
+        let file = open(path, missing)?;
         match flock_try(&file, mode) {
             Ok(true) => {}
             Ok(false) => return Ok(None),
@@ -436,9 +410,14 @@ pub fn try_lock(path: &Path, mode: Mode, create: bool) -> io::Result<Option<Guar
 }
 
 /// Takes the lock, waiting as `wait` allows. Tries first without blocking.
-pub fn lock(path: &Path, mode: Mode, create: bool, wait: &mut Wait) -> io::Result<Waited<Guard>> {
+pub fn acquire(
+    path: &Path,
+    mode: Mode,
+    missing: IfMissing,
+    wait: &mut Wait,
+) -> io::Result<Waited<Guard>> {
     let paths = [path.to_owned()];
-    Ok(match lock_any(&paths, mode, create, wait)? {
+    Ok(match acquire_any(&paths, mode, missing, wait)? {
         Waited::Acquired((_, guard)) => Waited::Acquired(guard),
         Waited::TimedOut => Waited::TimedOut,
         Waited::Interrupted(sig) => Waited::Interrupted(sig),
@@ -447,17 +426,17 @@ pub fn lock(path: &Path, mode: Mode, create: bool, wait: &mut Wait) -> io::Resul
 
 /// Takes a lock on whichever of `paths` becomes free first, trying them in
 /// order before blocking on all of them at once. Returns its index.
-pub fn lock_any(
+pub fn acquire_any(
     paths: &[PathBuf],
     mode: Mode,
-    create: bool,
+    missing: IfMissing,
     wait: &mut Wait,
 ) -> io::Result<Waited<(usize, Guard)>> {
     assert!(!paths.is_empty());
     for _ in 0..MAX_GHOSTS {
         let mut files = Vec::with_capacity(paths.len());
         for (i, path) in paths.iter().enumerate() {
-            let file = open(path, create)?;
+            let file = open(path, missing)?;
             let got = match flock_try(&file, mode) {
                 Ok(got) => got,
                 // Gone on the server: leave it out, so the pass starts over.
@@ -587,7 +566,7 @@ pub enum Probe {
 /// non-blocking attempt may see it busy for a few microseconds: prefer the
 /// kernel's lock table where it is complete (local filesystems).
 pub fn probe(path: &Path) -> io::Result<Probe> {
-    let file = match open(path, false) {
+    let file = match open(path, IfMissing::Fail) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Probe::Missing),
         Err(e) => return Err(e),
@@ -610,7 +589,7 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
 /// dropped on return; it never makes an owner's own lock fail for long, and
 /// an owner that does find its fresh file busy takes another.
 pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
-    let opened = match open(path, false) {
+    let opened = match open(path, IfMissing::Fail) {
         // Another user's lease in a store without a shared group: a
         // read-only descriptor takes a shared flock as well (not on NFS,
         // where the probe then fails and says so).
@@ -637,533 +616,12 @@ pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
 /// Whether two opens of one file exclude each other here, as they must for
 /// flock to mean anything: `Ok(true)` if they do.
 pub fn opens_conflict(path: &Path) -> io::Result<bool> {
-    let a = open(path, true)?;
-    let b = open(path, false)?;
+    let a = open(path, IfMissing::Create)?;
+    let b = open(path, IfMissing::Fail)?;
     if !flock_try(&a, Mode::Exclusive)? {
         return Err(io::Error::other("the test file is locked by someone else"));
     }
     Ok(!flock_try(&b, Mode::Exclusive)?)
-}
-
-// ---------------------------------------------------------------------------
-// Waiting: helper threads blocked in flock(2), interrupted by a signal.
-
-/// The signal that interrupts a blocked flock(2) in a helper thread. Its
-/// handler does nothing; it is installed without `SA_RESTART`, so the call
-/// returns `EINTR`. Signals are sent only to stowage's own helper threads.
-pub fn wake_signal() -> libc::c_int {
-    libc::SIGRTMIN() + 5
-}
-
-extern "C" fn do_nothing(_: libc::c_int) {}
-
-fn install_wake_handler() {
-    static INSTALL: Once = Once::new();
-    INSTALL.call_once(|| {
-        // SAFETY: installs a handler that touches nothing; sa is zeroed and
-        // its mask emptied before use.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = do_nothing as *const () as libc::sighandler_t;
-            sa.sa_flags = 0;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(wake_signal(), &sa, std::ptr::null_mut());
-        }
-    });
-}
-
-enum Event {
-    /// Worker `i` finished: `Ok(true)` acquired, `Ok(false)` stopped.
-    Done(usize, io::Result<bool>),
-    Cancelled(i32),
-}
-
-struct Registry {
-    fired: Option<i32>,
-    next_id: u64,
-    waiters: Vec<(u64, mpsc::Sender<Event>)>,
-}
-
-static CANCEL: Mutex<Registry> = Mutex::new(Registry {
-    fired: None,
-    next_id: 0,
-    waiters: Vec::new(),
-});
-
-fn registry() -> std::sync::MutexGuard<'static, Registry> {
-    CANCEL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-static BEFORE_WAIT: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
-
-/// Registers a function to run before any wait begins (once registered,
-/// for good). The CLI starts its signal-watching thread this way, so that a
-/// process that never waits never starts it.
-pub fn before_waiting(f: fn()) {
-    let _ = BEFORE_WAIT.set(f);
-}
-
-/// Runs the function registered with [`before_waiting`]: for waits that
-/// do not go through [`lock`] (a polled wait for a slot).
-pub fn starting_to_wait() {
-    if let Some(f) = BEFORE_WAIT.get() {
-        f();
-    }
-}
-
-/// A descriptor that is readable while a signal is pending that should end
-/// the waits, and the function that takes it (and calls
-/// [`interrupt_waits`]): for a process that could start no thread to watch
-/// for signals (a pids limit), so that its waits watch for them themselves.
-static SIGNAL_WATCH: std::sync::OnceLock<(std::os::fd::RawFd, fn())> = std::sync::OnceLock::new();
-
-/// Registers [`SIGNAL_WATCH`] (once, for good).
-pub fn watch_signals_while_waiting(fd: std::os::fd::RawFd, take: fn()) {
-    let _ = SIGNAL_WATCH.set((fd, take));
-}
-
-/// Makes every current and future wait in this process return
-/// [`Waited::Interrupted`]. The CLI calls it when a termination signal
-/// arrives before its command has started.
-pub fn interrupt_waits(sig: i32) {
-    let mut reg = registry();
-    reg.fired = Some(sig);
-    for (_, tx) in &reg.waiters {
-        let _ = tx.send(Event::Cancelled(sig));
-    }
-    // Polled waits (see [`Waker`]) watch the pipe. It is never drained:
-    // once fired, every wait of this process is over.
-    if let Some((_, w)) = cancel_pipe() {
-        // SAFETY: a one-byte write from a live buffer to our own pipe.
-        unsafe { libc::write(*w, [1u8].as_ptr().cast(), 1) };
-    }
-}
-
-/// The pipe that [`interrupt_waits`] makes readable: (read end, write end).
-fn cancel_pipe() -> Option<&'static (i32, i32)> {
-    static PIPE: std::sync::OnceLock<Option<(i32, i32)>> = std::sync::OnceLock::new();
-    PIPE.get_or_init(|| {
-        let mut fds = [0; 2];
-        // SAFETY: pipe2 into a two-element array. Both ends live for the
-        // whole process (close-on-exec: no command inherits them).
-        let r = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) };
-        (r == 0).then_some((fds[0], fds[1]))
-    })
-    .as_ref()
-}
-
-/// The signal passed to [`interrupt_waits`], if it was called.
-pub fn interrupted() -> Option<i32> {
-    registry().fired
-}
-
-struct Registration(u64);
-
-impl Registration {
-    fn new(tx: mpsc::Sender<Event>) -> Result<Registration, i32> {
-        let mut reg = registry();
-        if let Some(sig) = reg.fired {
-            return Err(sig);
-        }
-        let id = reg.next_id;
-        reg.next_id += 1;
-        reg.waiters.push((id, tx));
-        Ok(Registration(id))
-    }
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        registry().waiters.retain(|(id, _)| *id != self.0);
-    }
-}
-
-struct Worker {
-    handle: Option<thread::JoinHandle<()>>,
-    stop: Arc<AtomicBool>,
-    finished: bool,
-}
-
-/// How long a stopped worker may take to answer before it is left behind.
-/// Only a flock(2) that ignores signals (a hard NFS mount whose server is
-/// gone) takes that long; the abandoned thread releases anything it later
-/// acquires.
-const STOP_GRACE: Duration = Duration::from_secs(2);
-
-/// Blocks until one of `files` is locked in `mode`; returns its index.
-fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
-    // A deadline already past (a try pass) needs no threads to say so.
-    if wait.deadline.is_some_and(|d| Instant::now() >= d) {
-        return Ok(Waited::TimedOut);
-    }
-    if let Some(f) = BEFORE_WAIT.get() {
-        f();
-    }
-    install_wake_handler();
-    let (tx, rx) = mpsc::channel();
-    let _registration = if wait.uninterruptible {
-        None
-    } else {
-        match Registration::new(tx.clone()) {
-            Ok(r) => Some(r),
-            Err(sig) => return Ok(Waited::Interrupted(sig)),
-        }
-    };
-
-    let mut workers = Vec::with_capacity(files.len());
-    for (i, file) in files.iter().enumerate() {
-        // The duplicate shares the open file description, so a lock taken
-        // through it is a lock on `file` itself.
-        let dup = file.try_clone()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let handle = match spawn_worker(i, dup, mode, Arc::clone(&stop), tx.clone()) {
-            Ok(h) => h,
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.raw_os_error() == Some(libc::EAGAIN) =>
-            {
-                // No thread to be had (a pids limit in a container or a
-                // job's cgroup): wait without one, polling.
-                drop(tx);
-                stop_workers(&mut workers, files, &rx, None);
-                return poll_any(files, mode, wait);
-            }
-            Err(e) => return Err(e),
-        };
-        workers.push(Worker {
-            handle: Some(handle),
-            stop,
-            finished: false,
-        });
-    }
-    drop(tx);
-
-    let started = Instant::now();
-    let mut notice = wait.notice.take();
-    let mut next_rearm = wait.rearm.map(|r| started + r);
-    let outcome = loop {
-        let now = Instant::now();
-        let mut until = wait.deadline;
-        for at in [
-            notice.as_ref().map(|(after, _)| started + *after),
-            next_rearm,
-        ]
-        .into_iter()
-        .flatten()
-        {
-            until = Some(until.map_or(at, |d| d.min(at)));
-        }
-        let event = match until {
-            None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-            Some(t) => rx.recv_timeout(t.saturating_duration_since(now)),
-        };
-        match event {
-            Ok(Event::Done(i, Ok(true))) => {
-                workers[i].finished = true;
-                break Ok(Waited::Acquired(i));
-            }
-            Ok(Event::Done(i, Ok(false))) => workers[i].finished = true,
-            Ok(Event::Done(i, Err(e))) => {
-                workers[i].finished = true;
-                break Err(e);
-            }
-            Ok(Event::Cancelled(sig)) => break Ok(Waited::Interrupted(sig)),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Some((after, mut say)) = notice.take() {
-                    if Instant::now() >= started + after {
-                        say();
-                    } else {
-                        notice = Some((after, say));
-                    }
-                }
-                if let (Some(at), Some(every)) = (next_rearm, wait.rearm)
-                    && Instant::now() >= at
-                {
-                    // Interrupted workers see no stop flag and block again.
-                    for w in workers.iter().filter(|w| !w.finished) {
-                        if let Some(h) = &w.handle {
-                            // SAFETY: see stop_workers.
-                            unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
-                        }
-                    }
-                    next_rearm = Some(Instant::now() + every);
-                }
-                if wait.deadline.is_some_and(|d| Instant::now() >= d) {
-                    break Ok(Waited::TimedOut);
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                break Err(io::Error::other("lock wait helpers vanished"));
-            }
-        }
-    };
-
-    // Stop the others. A worker that acquired in the meantime releases what
-    // it took unless it is the winner; nobody else has seen those locks.
-    let winner = match outcome {
-        Ok(Waited::Acquired(i)) => Some(i),
-        _ => None,
-    };
-    stop_workers(&mut workers, files, &rx, winner);
-    outcome
-}
-
-/// How often a polled wait retries at most, and at least: a freed lock is
-/// taken within [`POLL_MAX`] (the slots' handover promise is 100 ms).
-const POLL_MIN: Duration = Duration::from_millis(2);
-const POLL_MAX: Duration = Duration::from_millis(50);
-
-/// Waits for any of `files` without helper threads: non-blocking tries
-/// with a capped backoff, woken early by a cancellation.
-fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
-    let waker = Waker::none();
-    let started = Instant::now();
-    let mut notice = wait.notice.take();
-    let mut pause = POLL_MIN;
-    loop {
-        for (i, f) in files.iter().enumerate() {
-            if flock_try(f, mode)? {
-                return Ok(Waited::Acquired(i));
-            }
-        }
-        if let Some((after, mut say)) = notice.take() {
-            if started.elapsed() >= after {
-                say();
-            } else {
-                notice = Some((after, say));
-            }
-        }
-        let now = Instant::now();
-        if wait.deadline.is_some_and(|d| now >= d) {
-            return Ok(Waited::TimedOut);
-        }
-        let mut until = now + pause;
-        if let Some(d) = wait.deadline {
-            until = until.min(d);
-        }
-        pause = (pause * 2).min(POLL_MAX);
-        if wait.uninterruptible {
-            thread::sleep(until.saturating_duration_since(Instant::now()));
-        } else if let Woke::Interrupted(sig) = waker.sleep(Some(until))? {
-            return Ok(Waited::Interrupted(sig));
-        }
-    }
-}
-
-/// Why [`Waker::sleep`] returned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Woke {
-    /// Something happened in the watched directory: a file opened for
-    /// writing was closed (a lock file's last descriptor, so its locks are
-    /// gone) or created. `named` is true if that file was the one named in
-    /// [`Waker::watch`] (a configuration change, for slots).
-    Changed { named: bool },
-    /// The time given ran out.
-    Timeout,
-    /// [`interrupt_waits`] was called.
-    Interrupted(i32),
-}
-
-/// Sleeps until a directory changes, a time passes, or the waits of this
-/// process are interrupted — in the calling thread, needing no helper
-/// thread (waiting for one of many lock files must not need one thread per
-/// file: a pids limit would make such a wait fail).
-///
-/// The kernel releases a flock when the last descriptor of its open file
-/// description is closed, and that last close is exactly when inotify
-/// reports `IN_CLOSE_WRITE` — or `IN_CLOSE_NOWRITE` for a holder that
-/// opened the file read-only, as flock(1) does: both are watched, so a waiter
-/// that watches the directory before it tries the files wakes the moment
-/// one of them may be free. Other hosts' closes are not seen (NFS): callers
-/// poll there too. Without inotify (limits on instances) it only sleeps.
-pub struct Waker {
-    inotify: Option<std::os::fd::OwnedFd>,
-    /// The watch on `inotify`, removed again on drop.
-    wd: i32,
-    named: Option<std::ffi::OsString>,
-}
-
-/// inotify instances of finished waits, kept for the next: closing one
-/// costs the closer an RCU grace period (measured: ~18 ms), which would
-/// land between a slot's release and its taker's command. They are
-/// close-on-exec, and there are never more than waits at once.
-static SPARE_INOTIFY: Mutex<Vec<std::os::fd::OwnedFd>> = Mutex::new(Vec::new());
-
-impl Waker {
-    /// Sleeps only until a time or an interruption.
-    pub fn none() -> Waker {
-        Waker {
-            inotify: None,
-            wd: -1,
-            named: None,
-        }
-    }
-
-    /// Watches `dir` for closes and creations; `named` is a file in it
-    /// whose changes are told apart.
-    pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
-        use std::os::fd::{AsRawFd, FromRawFd};
-        use std::os::unix::ffi::OsStrExt;
-        let spare = SPARE_INOTIFY
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop();
-        let owned = match spare {
-            Some(fd) => fd,
-            None => {
-                // SAFETY: inotify_init1 returns a new descriptor or -1.
-                let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
-                if fd < 0 {
-                    return Waker::none();
-                }
-                // SAFETY: fd was just returned to us and is owned from here on.
-                unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
-            }
-        };
-        let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
-            return Waker::none();
-        };
-        let mask = libc::IN_CLOSE_WRITE
-            | libc::IN_CLOSE_NOWRITE
-            | libc::IN_CREATE
-            | libc::IN_MOVED_TO
-            | libc::IN_ONLYDIR;
-        // SAFETY: a valid inotify descriptor and a NUL-terminated path.
-        let wd = unsafe { libc::inotify_add_watch(owned.as_raw_fd(), c.as_ptr(), mask) };
-        if wd < 0 {
-            SPARE_INOTIFY
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(owned);
-            return Waker::none();
-        }
-        let waker = Waker {
-            inotify: Some(owned),
-            wd,
-            named: named.map(Into::into),
-        };
-        // Whatever a previous wait left unread is not news for this one.
-        waker.drain();
-        waker
-    }
-
-    /// Whether closes in the directory wake this waker.
-    pub fn watching(&self) -> bool {
-        self.inotify.is_some()
-    }
-
-    /// Sleeps until the directory changes, `until` passes (`None`: no
-    /// limit) or the process's waits are interrupted.
-    pub fn sleep(&self, until: Option<Instant>) -> io::Result<Woke> {
-        use std::os::fd::AsRawFd;
-        if let Some(sig) = interrupted() {
-            return Ok(Woke::Interrupted(sig));
-        }
-        let cancel = cancel_pipe().map(|(r, _)| *r);
-        let mut fds = Vec::with_capacity(3);
-        let signals = SIGNAL_WATCH.get();
-        if let Some((fd, _)) = signals {
-            fds.push(libc::pollfd {
-                fd: *fd,
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
-        if let Some(ino) = &self.inotify {
-            fds.push(libc::pollfd {
-                fd: ino.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
-        if let Some(c) = cancel {
-            fds.push(libc::pollfd {
-                fd: c,
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
-        let timeout = match until {
-            None => -1,
-            Some(t) => {
-                let left = t.saturating_duration_since(Instant::now());
-                // Round up: waking a hair early would only loop once more.
-                left.as_millis().min(i32::MAX as u128 - 1) as i32
-                    + i32::from(left.subsec_nanos() % 1_000_000 != 0)
-            }
-        };
-        // SAFETY: poll on a live array of pollfds.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINTR) {
-                return Ok(Woke::Timeout);
-            }
-            return Err(e);
-        }
-        if let Some((_, take)) = signals
-            && fds[0].revents != 0
-        {
-            take();
-        }
-        if let Some(sig) = interrupted() {
-            return Ok(Woke::Interrupted(sig));
-        }
-        if n == 0 {
-            return Ok(Woke::Timeout);
-        }
-        Ok(Woke::Changed {
-            named: self.drain(),
-        })
-    }
-
-    /// Reads every pending event; true if one concerned the named file.
-    fn drain(&self) -> bool {
-        use std::os::fd::AsRawFd;
-        let Some(ino) = &self.inotify else {
-            return false;
-        };
-        let mut named = false;
-        let mut buf = [0u8; 4096];
-        loop {
-            // SAFETY: read into a live buffer of its length.
-            let n = unsafe { libc::read(ino.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n <= 0 {
-                return named;
-            }
-            let mut at = 0usize;
-            let head = std::mem::size_of::<libc::inotify_event>();
-            while at + head <= n as usize {
-                // SAFETY: the kernel wrote whole events; read_unaligned
-                // copes with the byte buffer's alignment.
-                let ev: libc::inotify_event =
-                    unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
-                let name = &buf[at + head..(at + head + ev.len as usize).min(n as usize)];
-                let name = name.split(|b| *b == 0).next().unwrap_or(&[]);
-                if let Some(want) = &self.named {
-                    use std::os::unix::ffi::OsStrExt;
-                    if ev.wd == self.wd && name == want.as_bytes() {
-                        named = true;
-                    }
-                }
-                at += head + ev.len as usize;
-            }
-        }
-    }
-}
-
-impl Drop for Waker {
-    fn drop(&mut self) {
-        use std::os::fd::AsRawFd;
-        if let Some(fd) = self.inotify.take() {
-            // SAFETY: removes our own watch from our own descriptor.
-            unsafe { libc::inotify_rm_watch(fd.as_raw_fd(), self.wd) };
-            SPARE_INOTIFY
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(fd);
-        }
-    }
 }
 
 /// Lock files tried again and again without closing them in between: the
@@ -1191,7 +649,7 @@ impl FileSet {
     pub fn try_any(&mut self) -> io::Result<Option<(usize, Guard)>> {
         for i in 0..self.paths.len() {
             if self.files[i].is_none() {
-                self.files[i] = Some(open(&self.paths[i], true)?);
+                self.files[i] = Some(open(&self.paths[i], IfMissing::Create)?);
             }
             let file = self.files[i].as_ref().expect("opened above");
             match flock_try(file, self.mode) {
@@ -1231,7 +689,7 @@ impl FileSet {
                 continue;
             }
             if self.files[i].is_none() {
-                match open(&self.paths[i], false) {
+                match open(&self.paths[i], IfMissing::Fail) {
                     Ok(f) => self.files[i] = Some(f),
                     Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                     Err(e) => return Err(e),
@@ -1248,86 +706,64 @@ impl FileSet {
     }
 }
 
-fn spawn_worker(
-    i: usize,
-    file: File,
-    mode: Mode,
-    stop: Arc<AtomicBool>,
-    tx: mpsc::Sender<Event>,
-) -> io::Result<thread::JoinHandle<()>> {
-    thread::Builder::new()
-        .name("stowage-lock-wait".into())
-        .stack_size(64 * 1024)
-        .spawn(move || {
-            // The mask is inherited (even across exec, from whoever started
-            // us); a blocked wake signal would leave this thread deaf.
-            // SAFETY: sigset manipulation on a local set.
-            unsafe {
-                let mut set: libc::sigset_t = std::mem::zeroed();
-                libc::sigemptyset(&mut set);
-                libc::sigaddset(&mut set, wake_signal());
-                libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
-            }
-            let result = loop {
-                if stop.load(Ordering::Acquire) {
-                    break Ok(false);
-                }
-                match flock_blocking(&file, mode) {
-                    Ok(()) => break Ok(true),
-                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                    Err(e) => break Err(e),
-                }
-            };
-            if matches!(result, Ok(true)) && stop.load(Ordering::Acquire) {
-                // Abandoned after its grace period: nobody will use this lock.
-                let _ = FileExt::unlock(&file);
-            }
-            let _ = tx.send(Event::Done(i, result));
-        })
+/// Wraps a lock failure: "locking is unavailable here" is typed (exit 69);
+/// anything else names the lock and the file.
+pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error {
+    if crate::error::locking_unavailable(&e) {
+        crate::error::Error::LockingUnavailable {
+            what: what.to_owned(),
+            path: path.to_owned(),
+            cause: e,
+        }
+        .into()
+    } else if e.raw_os_error() == Some(libc::ELOOP) {
+        anyhow::anyhow!(
+            "cannot lock {what}: {} is a symlink; refusing to follow it",
+            path.display()
+        )
+    } else if e.kind() == io::ErrorKind::PermissionDenied {
+        anyhow::anyhow!(
+            "cannot lock {what} ({}): {e} — you may not write this store{}; every stowage command, even one that only reads, locks files in the root (opened for writing, as NFS requires) and drops stale records as it reads, so there is no read-only view: a store for several users must be shared with a group (a group-writable setgid root, with them in its group)",
+            path.display(),
+            owner_of(path)
+        )
+    } else {
+        anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
+    }
 }
 
-fn stop_workers(
-    workers: &mut [Worker],
-    files: &[&File],
-    rx: &mpsc::Receiver<Event>,
-    winner: Option<usize>,
-) {
-    for w in workers.iter() {
-        w.stop.store(true, Ordering::Release);
-    }
-    let give_up = Instant::now() + STOP_GRACE;
-    while workers.iter().any(|w| !w.finished) && Instant::now() < give_up {
-        for w in workers.iter().filter(|w| !w.finished) {
-            if let Some(h) = &w.handle {
-                // SAFETY: the thread has not been joined, so its pthread_t is
-                // valid; the signal's handler does nothing.
-                unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
-            }
-        }
-        match rx.recv_timeout(Duration::from_millis(5)) {
-            Ok(Event::Done(i, r)) => {
-                workers[i].finished = true;
-                if matches!(r, Ok(true)) && Some(i) != winner {
-                    let _ = FileExt::unlock(files[i]);
-                }
-            }
-            Ok(Event::Cancelled(_)) | Err(_) => {}
-        }
-    }
-    for w in workers.iter_mut() {
-        // An unfinished worker is left detached: its stop flag is set, so it
-        // unlocks whatever it acquires.
-        if let Some(h) = w.handle.take()
-            && w.finished
-        {
-            let _ = h.join();
-        }
-    }
+/// " (DIR is owned by uid U, group G, mode M)" for the directory holding
+/// `path`, for permission messages.
+fn owner_of(path: &std::path::Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    path.parent()
+        .and_then(|d| std::fs::metadata(d).ok().map(|m| (d, m)))
+        .map(|(d, m)| {
+            format!(
+                " ({} is owned by uid {}, group {}, mode {:o})",
+                d.display(),
+                m.uid(),
+                m.gid(),
+                m.mode() & 0o7777
+            )
+        })
+        .unwrap_or_default()
+}
+
+/// Hidden test hook ([`crate::env::DEBUG_LOST_LOCK`]): the check of that
+/// lock file before recording an outcome fails, as an NFS lock lost to a
+/// lease expiry would (the client then fails I/O on it with EIO).
+fn lost_in_test(path: &Path) -> bool {
+    std::env::var_os(crate::env::DEBUG_LOST_LOCK)
+        .is_some_and(|v| path.file_name() == Some(v.as_os_str()))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::wait::poll_any;
     use super::*;
+    use std::thread;
+    use std::time::{Duration, Instant};
 
     thread_local! {
         /// Errors the next flock tries of this thread fail with.
@@ -1345,17 +781,23 @@ mod tests {
         let d = tmp();
         let p = d.path().join("a.lock");
         INJECT.with(|v| v.borrow_mut().extend([libc::ESTALE, libc::ESTALE]));
-        let g = try_lock(&p, Mode::Exclusive, true).unwrap();
+        let g = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create).unwrap();
         assert!(g.is_some(), "retried on a fresh open");
         drop(g);
         INJECT.with(|v| v.borrow_mut().push(libc::ESTALE));
         let paths = [p.clone()];
-        let got = lock_any(&paths, Mode::Shared, true, &mut Wait::default()).unwrap();
+        let got = acquire_any(
+            &paths,
+            Mode::Shared,
+            IfMissing::Create,
+            &mut Wait::default(),
+        )
+        .unwrap();
         assert!(matches!(got, Waited::Acquired((0, _))));
         // Anything else is still an error.
         INJECT.with(|v| v.borrow_mut().push(libc::EIO));
         assert_eq!(
-            try_lock(&p, Mode::Exclusive, true)
+            acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
                 .unwrap_err()
                 .raw_os_error(),
             Some(libc::EIO)
@@ -1370,14 +812,28 @@ mod tests {
     fn shared_locks_coexist_and_exclude_writers() {
         let d = tmp();
         let p = d.path().join("a.lock");
-        let r1 = try_lock(&p, Mode::Shared, true).unwrap().unwrap();
-        let r2 = try_lock(&p, Mode::Shared, true).unwrap().unwrap();
-        assert!(try_lock(&p, Mode::Exclusive, true).unwrap().is_none());
+        let r1 = acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
+            .unwrap()
+            .unwrap();
+        let r2 = acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
+            .unwrap()
+            .unwrap();
+        assert!(
+            acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
+                .unwrap()
+                .is_none()
+        );
         assert_eq!(probe(&p).unwrap(), Probe::Shared);
         drop((r1, r2));
         assert_eq!(probe(&p).unwrap(), Probe::Free);
-        let w = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
-        assert!(try_lock(&p, Mode::Shared, true).unwrap().is_none());
+        let w = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
+            .unwrap()
+            .unwrap();
+        assert!(
+            acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
+                .unwrap()
+                .is_none()
+        );
         assert_eq!(probe(&p).unwrap(), Probe::Exclusive);
         drop(w);
     }
@@ -1385,7 +841,8 @@ mod tests {
     #[test]
     fn missing_file_without_create() {
         let d = tmp();
-        let e = try_lock(&d.path().join("nope.lock"), Mode::Shared, false).unwrap_err();
+        let e = acquire_no_wait(&d.path().join("nope.lock"), Mode::Shared, IfMissing::Fail)
+            .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound);
         assert!(!d.path().join("nope.lock").exists());
         assert_eq!(probe(&d.path().join("nope.lock")).unwrap(), Probe::Missing);
@@ -1396,7 +853,12 @@ mod tests {
         let d = tmp();
         let target = d.path().join("target");
         std::os::unix::fs::symlink(&target, d.path().join("link.lock")).unwrap();
-        let e = try_lock(&d.path().join("link.lock"), Mode::Exclusive, true).unwrap_err();
+        let e = acquire_no_wait(
+            &d.path().join("link.lock"),
+            Mode::Exclusive,
+            IfMissing::Create,
+        )
+        .unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ELOOP));
         assert!(!target.exists());
     }
@@ -1405,12 +867,14 @@ mod tests {
     fn timed_wait_times_out_and_then_succeeds() {
         let d = tmp();
         let p = d.path().join("a.lock");
-        let held = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let held = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
+            .unwrap()
+            .unwrap();
         let t0 = Instant::now();
-        let r = lock(
+        let r = acquire(
             &p,
             Mode::Shared,
-            true,
+            IfMissing::Create,
             &mut Wait::until(Some(t0 + Duration::from_millis(200))),
         )
         .unwrap();
@@ -1422,10 +886,10 @@ mod tests {
             drop(held);
             p2
         });
-        let r = lock(
+        let r = acquire(
             &p,
             Mode::Exclusive,
-            true,
+            IfMissing::Create,
             &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
         )
         .unwrap();
@@ -1437,12 +901,15 @@ mod tests {
     fn waiter_retries_when_holder_unlinks() {
         let d = tmp();
         let p = d.path().join("a.lock");
-        let held = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let held = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
+            .unwrap()
+            .unwrap();
         let t = thread::spawn(move || {
             thread::sleep(Duration::from_millis(100));
             held.unlink().unwrap();
         });
-        let g = match lock(&p, Mode::Exclusive, true, &mut Wait::default()).unwrap() {
+        let g = match acquire(&p, Mode::Exclusive, IfMissing::Create, &mut Wait::default()).unwrap()
+        {
             Waited::Acquired(g) => g,
             other => panic!("{other:?}"),
         };
@@ -1450,16 +917,31 @@ mod tests {
         // The lock must be on the file now at the path (the inode number
         // may be reused, so check by locking the path).
         assert_eq!(fs::metadata(&p).unwrap().ino(), g.identity().1);
-        assert!(try_lock(&p, Mode::Shared, false).unwrap().is_none());
+        assert!(
+            acquire_no_wait(&p, Mode::Shared, IfMissing::Fail)
+                .unwrap()
+                .is_none()
+        );
     }
 
     #[test]
     fn any_of_several() {
         let d = tmp();
         let paths: Vec<PathBuf> = (0..3).map(|i| d.path().join(format!("{i}.lock"))).collect();
-        let a = try_lock(&paths[0], Mode::Exclusive, true).unwrap().unwrap();
-        let b = try_lock(&paths[1], Mode::Exclusive, true).unwrap().unwrap();
-        let (i, c) = match lock_any(&paths, Mode::Exclusive, true, &mut Wait::default()).unwrap() {
+        let a = acquire_no_wait(&paths[0], Mode::Exclusive, IfMissing::Create)
+            .unwrap()
+            .unwrap();
+        let b = acquire_no_wait(&paths[1], Mode::Exclusive, IfMissing::Create)
+            .unwrap()
+            .unwrap();
+        let (i, c) = match acquire_any(
+            &paths,
+            Mode::Exclusive,
+            IfMissing::Create,
+            &mut Wait::default(),
+        )
+        .unwrap()
+        {
             Waited::Acquired(x) => x,
             other => panic!("{other:?}"),
         };
@@ -1468,10 +950,10 @@ mod tests {
             thread::sleep(Duration::from_millis(100));
             drop(b);
         });
-        let got = lock_any(
+        let got = acquire_any(
             &paths,
             Mode::Exclusive,
-            true,
+            IfMissing::Create,
             &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
         )
         .unwrap();
@@ -1488,7 +970,9 @@ mod tests {
     fn rearmed_waits_still_acquire() {
         let d = tmp();
         let p = d.path().join("a.lock");
-        let held = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
+        let held = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
+            .unwrap()
+            .unwrap();
         let t = thread::spawn(move || {
             thread::sleep(Duration::from_millis(120));
             drop(held);
@@ -1499,7 +983,7 @@ mod tests {
             ..Wait::default()
         };
         assert!(matches!(
-            lock(&p, Mode::Exclusive, true, &mut wait).unwrap(),
+            acquire(&p, Mode::Exclusive, IfMissing::Create, &mut wait).unwrap(),
             Waited::Acquired(_)
         ));
         t.join().unwrap();
@@ -1525,7 +1009,9 @@ mod tests {
         let d = tmp();
         let p = d.path().join("a.lock");
         assert_eq!(held_here(&p), None);
-        let g = try_lock(&p, Mode::Shared, true).unwrap().unwrap();
+        let g = acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
+            .unwrap()
+            .unwrap();
         if std::path::Path::new("/proc/self/fdinfo").exists() {
             assert_eq!(held_here(&p), Some(Mode::Shared));
         }
@@ -1538,8 +1024,10 @@ mod tests {
         // The fallback when no helper thread can be started.
         let d = tmp();
         let p = d.path().join("a.lock");
-        let held = try_lock(&p, Mode::Exclusive, true).unwrap().unwrap();
-        let f = open(&p, false).unwrap();
+        let held = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
+            .unwrap()
+            .unwrap();
+        let f = open(&p, IfMissing::Fail).unwrap();
         let t0 = Instant::now();
         let r = poll_any(
             &[&f],
@@ -1567,8 +1055,12 @@ mod tests {
     fn a_file_set_keeps_its_descriptors_and_a_waker_sees_closes() {
         let d = tmp();
         let paths: Vec<PathBuf> = (0..2).map(|i| d.path().join(format!("{i}.lock"))).collect();
-        let a = try_lock(&paths[0], Mode::Exclusive, true).unwrap().unwrap();
-        let b = try_lock(&paths[1], Mode::Exclusive, true).unwrap().unwrap();
+        let a = acquire_no_wait(&paths[0], Mode::Exclusive, IfMissing::Create)
+            .unwrap()
+            .unwrap();
+        let b = acquire_no_wait(&paths[1], Mode::Exclusive, IfMissing::Create)
+            .unwrap()
+            .unwrap();
         let waker = Waker::watch(d.path(), Some("changed"));
         let mut set = FileSet::new(paths.clone(), Mode::Exclusive);
         assert!(set.try_any().unwrap().is_none());

@@ -1,0 +1,671 @@
+//! Waiting for locks: helper threads blocked in flock(2), woken by the
+//! kernel when the lock is free and interrupted by a signal for a deadline
+//! or a cancellation; and, for many files at once, a wait on inotify.
+//!
+//! Invariants:
+//! - A blocked flock(2) sleeps in the kernel in a helper thread; a deadline
+//!   or a cancellation interrupts it with [`wake_signal`], whose handler
+//!   does nothing, so the call returns `EINTR`. Nothing spins.
+//! - If no helper thread can be started (a pids limit), the wait polls
+//!   instead of failing.
+//! - A termination signal cancels every interruptible wait
+//!   ([`interrupt_waits`]); cleanup waits are uninterruptible and bounded.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::thread::JoinHandleExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once, mpsc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use fs2::FileExt;
+
+use super::{Mode, flock_blocking, flock_try};
+
+/// The outcome of a wait.
+#[derive(Debug)]
+pub enum Waited<T> {
+    Acquired(T),
+    TimedOut,
+    /// [`interrupt_waits`] was called with this signal number.
+    Interrupted(i32),
+}
+
+/// How long to wait, and what to say if it takes a while.
+#[derive(Default)]
+pub struct Wait<'a> {
+    /// `None`: wait until acquired.
+    pub deadline: Option<Instant>,
+    /// Called once if the lock is still not acquired after this long.
+    pub notice: Option<(Duration, Box<dyn FnMut() + 'a>)>,
+    /// Ignore [`interrupt_waits`]: for cleanup that must happen even after a
+    /// termination signal (undoing a start, recording an outcome).
+    pub uninterruptible: bool,
+    /// Re-issue blocked requests this often. On NFS a blocked lock request
+    /// is retried by the client with a back-off that grows to 30 s (NFSv4),
+    /// so a freed lock may sit unnoticed that long; interrupting and
+    /// re-issuing the request makes the client ask again at once. Local
+    /// filesystems wake waiters themselves and need none.
+    pub rearm: Option<Duration>,
+}
+
+impl<'a> Wait<'a> {
+    pub fn until(deadline: Option<Instant>) -> Self {
+        Wait {
+            deadline,
+            ..Wait::default()
+        }
+    }
+
+    /// A wait suited to the filesystem holding the lock files in `dir`.
+    pub fn on(dir: &Path, deadline: Option<Instant>) -> Self {
+        let local = crate::filesystem::filesystem(dir)
+            .map(|f| f.local)
+            .unwrap_or(false);
+        Wait {
+            deadline,
+            rearm: (!local).then_some(REMOTE_REARM),
+            ..Wait::default()
+        }
+    }
+}
+
+/// How often blocked requests are re-issued on remote filesystems.
+pub const REMOTE_REARM: Duration = Duration::from_millis(250);
+
+/// The signal that interrupts a blocked flock(2) in a helper thread. Its
+/// handler does nothing; it is installed without `SA_RESTART`, so the call
+/// returns `EINTR`. Signals are sent only to stowage's own helper threads.
+pub fn wake_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 5
+}
+
+extern "C" fn do_nothing(_: libc::c_int) {}
+
+fn install_wake_handler() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        // SAFETY: installs a handler that touches nothing; sa is zeroed and
+        // its mask emptied before use.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = do_nothing as *const () as libc::sighandler_t;
+            sa.sa_flags = 0;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(wake_signal(), &sa, std::ptr::null_mut());
+        }
+    });
+}
+
+enum Event {
+    /// Worker `i` finished: `Ok(true)` acquired, `Ok(false)` stopped.
+    Done(usize, io::Result<bool>),
+    Cancelled(i32),
+}
+
+struct Registry {
+    fired: Option<i32>,
+    next_id: u64,
+    waiters: Vec<(u64, mpsc::Sender<Event>)>,
+}
+
+static CANCEL: Mutex<Registry> = Mutex::new(Registry {
+    fired: None,
+    next_id: 0,
+    waiters: Vec::new(),
+});
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    CANCEL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+static BEFORE_WAIT: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Registers a function to run before any wait begins (once registered,
+/// for good). The CLI starts its signal-watching thread this way, so that a
+/// process that never waits never starts it.
+pub fn before_waiting(f: fn()) {
+    let _ = BEFORE_WAIT.set(f);
+}
+
+/// Runs the function registered with [`before_waiting`]: for waits that
+/// do not go through [`lock`] (a polled wait for a slot).
+pub fn starting_to_wait() {
+    if let Some(f) = BEFORE_WAIT.get() {
+        f();
+    }
+}
+
+/// A descriptor that is readable while a signal is pending that should end
+/// the waits, and the function that takes it (and calls
+/// [`interrupt_waits`]): for a process that could start no thread to watch
+/// for signals (a pids limit), so that its waits watch for them themselves.
+static SIGNAL_WATCH: std::sync::OnceLock<(std::os::fd::RawFd, fn())> = std::sync::OnceLock::new();
+
+/// Registers [`SIGNAL_WATCH`] (once, for good).
+pub fn watch_signals_while_waiting(fd: std::os::fd::RawFd, take: fn()) {
+    let _ = SIGNAL_WATCH.set((fd, take));
+}
+
+/// Makes every current and future wait in this process return
+/// [`Waited::Interrupted`]. The CLI calls it when a termination signal
+/// arrives before its command has started.
+pub fn interrupt_waits(sig: i32) {
+    let mut reg = registry();
+    reg.fired = Some(sig);
+    for (_, tx) in &reg.waiters {
+        let _ = tx.send(Event::Cancelled(sig));
+    }
+    // Polled waits (see [`Waker`]) watch the pipe. It is never drained:
+    // once fired, every wait of this process is over.
+    if let Some((_, w)) = cancel_pipe() {
+        // SAFETY: a one-byte write from a live buffer to our own pipe.
+        unsafe { libc::write(*w, [1u8].as_ptr().cast(), 1) };
+    }
+}
+
+/// The pipe that [`interrupt_waits`] makes readable: (read end, write end).
+fn cancel_pipe() -> Option<&'static (i32, i32)> {
+    static PIPE: std::sync::OnceLock<Option<(i32, i32)>> = std::sync::OnceLock::new();
+    PIPE.get_or_init(|| {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 into a two-element array. Both ends live for the
+        // whole process (close-on-exec: no command inherits them).
+        let r = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        (r == 0).then_some((fds[0], fds[1]))
+    })
+    .as_ref()
+}
+
+/// The signal passed to [`interrupt_waits`], if it was called.
+pub fn interrupted() -> Option<i32> {
+    registry().fired
+}
+
+struct Registration(u64);
+
+impl Registration {
+    fn new(tx: mpsc::Sender<Event>) -> Result<Registration, i32> {
+        let mut reg = registry();
+        if let Some(sig) = reg.fired {
+            return Err(sig);
+        }
+        let id = reg.next_id;
+        reg.next_id += 1;
+        reg.waiters.push((id, tx));
+        Ok(Registration(id))
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        registry().waiters.retain(|(id, _)| *id != self.0);
+    }
+}
+
+struct Worker {
+    handle: Option<thread::JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+    finished: bool,
+}
+
+/// How long a stopped worker may take to answer before it is left behind.
+/// Only a flock(2) that ignores signals (a hard NFS mount whose server is
+/// gone) takes that long; the abandoned thread releases anything it later
+/// acquires.
+const STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// Blocks until one of `files` is locked in `mode`; returns its index.
+pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
+    // A deadline already past (a try pass) needs no threads to say so.
+    if wait.deadline.is_some_and(|d| Instant::now() >= d) {
+        return Ok(Waited::TimedOut);
+    }
+    if let Some(f) = BEFORE_WAIT.get() {
+        f();
+    }
+    install_wake_handler();
+    let (tx, rx) = mpsc::channel();
+    let _registration = if wait.uninterruptible {
+        None
+    } else {
+        match Registration::new(tx.clone()) {
+            Ok(r) => Some(r),
+            Err(sig) => return Ok(Waited::Interrupted(sig)),
+        }
+    };
+
+    let mut workers = Vec::with_capacity(files.len());
+    for (i, file) in files.iter().enumerate() {
+        // The duplicate shares the open file description, so a lock taken
+        // through it is a lock on `file` itself.
+        let dup = file.try_clone()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let handle = match spawn_worker(i, dup, mode, Arc::clone(&stop), tx.clone()) {
+            Ok(h) => h,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.raw_os_error() == Some(libc::EAGAIN) =>
+            {
+                // No thread to be had (a pids limit in a container or a
+                // job's cgroup): wait without one, polling.
+                drop(tx);
+                stop_workers(&mut workers, files, &rx, None);
+                return poll_any(files, mode, wait);
+            }
+            Err(e) => return Err(e),
+        };
+        workers.push(Worker {
+            handle: Some(handle),
+            stop,
+            finished: false,
+        });
+    }
+    drop(tx);
+
+    let started = Instant::now();
+    let mut notice = wait.notice.take();
+    let mut next_rearm = wait.rearm.map(|r| started + r);
+    let outcome = loop {
+        let now = Instant::now();
+        let mut until = wait.deadline;
+        for at in [
+            notice.as_ref().map(|(after, _)| started + *after),
+            next_rearm,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            until = Some(until.map_or(at, |d| d.min(at)));
+        }
+        let event = match until {
+            None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+            Some(t) => rx.recv_timeout(t.saturating_duration_since(now)),
+        };
+        match event {
+            Ok(Event::Done(i, Ok(true))) => {
+                workers[i].finished = true;
+                break Ok(Waited::Acquired(i));
+            }
+            Ok(Event::Done(i, Ok(false))) => workers[i].finished = true,
+            Ok(Event::Done(i, Err(e))) => {
+                workers[i].finished = true;
+                break Err(e);
+            }
+            Ok(Event::Cancelled(sig)) => break Ok(Waited::Interrupted(sig)),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Some((after, mut say)) = notice.take() {
+                    if Instant::now() >= started + after {
+                        say();
+                    } else {
+                        notice = Some((after, say));
+                    }
+                }
+                if let (Some(at), Some(every)) = (next_rearm, wait.rearm)
+                    && Instant::now() >= at
+                {
+                    // Interrupted workers see no stop flag and block again.
+                    for w in workers.iter().filter(|w| !w.finished) {
+                        if let Some(h) = &w.handle {
+                            // SAFETY: see stop_workers.
+                            unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
+                        }
+                    }
+                    next_rearm = Some(Instant::now() + every);
+                }
+                if wait.deadline.is_some_and(|d| Instant::now() >= d) {
+                    break Ok(Waited::TimedOut);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                break Err(io::Error::other("lock wait helpers vanished"));
+            }
+        }
+    };
+
+    // Stop the others. A worker that acquired in the meantime releases what
+    // it took unless it is the winner; nobody else has seen those locks.
+    let winner = match outcome {
+        Ok(Waited::Acquired(i)) => Some(i),
+        _ => None,
+    };
+    stop_workers(&mut workers, files, &rx, winner);
+    outcome
+}
+
+/// How often a polled wait retries at most, and at least: a freed lock is
+/// taken within [`POLL_MAX`] (the slots' handover promise is 100 ms).
+const POLL_MIN: Duration = Duration::from_millis(2);
+const POLL_MAX: Duration = Duration::from_millis(50);
+
+/// Waits for any of `files` without helper threads: non-blocking tries
+/// with a capped backoff, woken early by a cancellation.
+pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
+    let waker = Waker::none();
+    let started = Instant::now();
+    let mut notice = wait.notice.take();
+    let mut pause = POLL_MIN;
+    loop {
+        for (i, f) in files.iter().enumerate() {
+            if flock_try(f, mode)? {
+                return Ok(Waited::Acquired(i));
+            }
+        }
+        if let Some((after, mut say)) = notice.take() {
+            if started.elapsed() >= after {
+                say();
+            } else {
+                notice = Some((after, say));
+            }
+        }
+        let now = Instant::now();
+        if wait.deadline.is_some_and(|d| now >= d) {
+            return Ok(Waited::TimedOut);
+        }
+        let mut until = now + pause;
+        if let Some(d) = wait.deadline {
+            until = until.min(d);
+        }
+        pause = (pause * 2).min(POLL_MAX);
+        if wait.uninterruptible {
+            thread::sleep(until.saturating_duration_since(Instant::now()));
+        } else if let Woke::Interrupted(sig) = waker.sleep(Some(until))? {
+            return Ok(Waited::Interrupted(sig));
+        }
+    }
+}
+
+/// Why [`Waker::sleep`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Woke {
+    /// Something happened in the watched directory: a file opened for
+    /// writing was closed (a lock file's last descriptor, so its locks are
+    /// gone) or created. `named` is true if that file was the one named in
+    /// [`Waker::watch`] (a configuration change, for slots).
+    Changed { named: bool },
+    /// The time given ran out.
+    Timeout,
+    /// [`interrupt_waits`] was called.
+    Interrupted(i32),
+}
+
+/// Sleeps until a directory changes, a time passes, or the waits of this
+/// process are interrupted — in the calling thread, needing no helper
+/// thread (waiting for one of many lock files must not need one thread per
+/// file: a pids limit would make such a wait fail).
+///
+/// The kernel releases a flock when the last descriptor of its open file
+/// description is closed, and that last close is exactly when inotify
+/// reports `IN_CLOSE_WRITE` — or `IN_CLOSE_NOWRITE` for a holder that
+/// opened the file read-only, as flock(1) does: both are watched, so a waiter
+/// that watches the directory before it tries the files wakes the moment
+/// one of them may be free. Other hosts' closes are not seen (NFS): callers
+/// poll there too. Without inotify (limits on instances) it only sleeps.
+pub struct Waker {
+    inotify: Option<std::os::fd::OwnedFd>,
+    /// The watch on `inotify`, removed again on drop.
+    wd: i32,
+    named: Option<std::ffi::OsString>,
+}
+
+/// inotify instances of finished waits, kept for the next: closing one
+/// costs the closer an RCU grace period (measured: ~18 ms), which would
+/// land between a slot's release and its taker's command. They are
+/// close-on-exec, and there are never more than waits at once.
+static SPARE_INOTIFY: Mutex<Vec<std::os::fd::OwnedFd>> = Mutex::new(Vec::new());
+
+impl Waker {
+    /// Sleeps only until a time or an interruption.
+    pub fn none() -> Waker {
+        Waker {
+            inotify: None,
+            wd: -1,
+            named: None,
+        }
+    }
+
+    /// Watches `dir` for closes and creations; `named` is a file in it
+    /// whose changes are told apart.
+    pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        use std::os::unix::ffi::OsStrExt;
+        let spare = SPARE_INOTIFY
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        let owned = match spare {
+            Some(fd) => fd,
+            None => {
+                // SAFETY: inotify_init1 returns a new descriptor or -1.
+                let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
+                if fd < 0 {
+                    return Waker::none();
+                }
+                // SAFETY: fd was just returned to us and is owned from here on.
+                unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
+            }
+        };
+        let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+            return Waker::none();
+        };
+        let mask = libc::IN_CLOSE_WRITE
+            | libc::IN_CLOSE_NOWRITE
+            | libc::IN_CREATE
+            | libc::IN_MOVED_TO
+            | libc::IN_ONLYDIR;
+        // SAFETY: a valid inotify descriptor and a NUL-terminated path.
+        let wd = unsafe { libc::inotify_add_watch(owned.as_raw_fd(), c.as_ptr(), mask) };
+        if wd < 0 {
+            SPARE_INOTIFY
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(owned);
+            return Waker::none();
+        }
+        let waker = Waker {
+            inotify: Some(owned),
+            wd,
+            named: named.map(Into::into),
+        };
+        // Whatever a previous wait left unread is not news for this one.
+        waker.drain();
+        waker
+    }
+
+    /// Whether closes in the directory wake this waker.
+    pub fn watching(&self) -> bool {
+        self.inotify.is_some()
+    }
+
+    /// Sleeps until the directory changes, `until` passes (`None`: no
+    /// limit) or the process's waits are interrupted.
+    pub fn sleep(&self, until: Option<Instant>) -> io::Result<Woke> {
+        use std::os::fd::AsRawFd;
+        if let Some(sig) = interrupted() {
+            return Ok(Woke::Interrupted(sig));
+        }
+        let cancel = cancel_pipe().map(|(r, _)| *r);
+        let mut fds = Vec::with_capacity(3);
+        let signals = SIGNAL_WATCH.get();
+        if let Some((fd, _)) = signals {
+            fds.push(libc::pollfd {
+                fd: *fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        if let Some(ino) = &self.inotify {
+            fds.push(libc::pollfd {
+                fd: ino.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        if let Some(c) = cancel {
+            fds.push(libc::pollfd {
+                fd: c,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        let timeout = match until {
+            None => -1,
+            Some(t) => {
+                let left = t.saturating_duration_since(Instant::now());
+                // Round up: waking a hair early would only loop once more.
+                left.as_millis().min(i32::MAX as u128 - 1) as i32
+                    + i32::from(left.subsec_nanos() % 1_000_000 != 0)
+            }
+        };
+        // SAFETY: poll on a live array of pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                return Ok(Woke::Timeout);
+            }
+            return Err(e);
+        }
+        if let Some((_, take)) = signals
+            && fds[0].revents != 0
+        {
+            take();
+        }
+        if let Some(sig) = interrupted() {
+            return Ok(Woke::Interrupted(sig));
+        }
+        if n == 0 {
+            return Ok(Woke::Timeout);
+        }
+        Ok(Woke::Changed {
+            named: self.drain(),
+        })
+    }
+
+    /// Reads every pending event; true if one concerned the named file.
+    fn drain(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let Some(ino) = &self.inotify else {
+            return false;
+        };
+        let mut named = false;
+        let mut buf = [0u8; 4096];
+        loop {
+            // SAFETY: read into a live buffer of its length.
+            let n = unsafe { libc::read(ino.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                return named;
+            }
+            let mut at = 0usize;
+            let head = std::mem::size_of::<libc::inotify_event>();
+            while at + head <= n as usize {
+                // SAFETY: the kernel wrote whole events; read_unaligned
+                // copes with the byte buffer's alignment.
+                let ev: libc::inotify_event =
+                    unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
+                let name = &buf[at + head..(at + head + ev.len as usize).min(n as usize)];
+                let name = name.split(|b| *b == 0).next().unwrap_or(&[]);
+                if let Some(want) = &self.named {
+                    use std::os::unix::ffi::OsStrExt;
+                    if ev.wd == self.wd && name == want.as_bytes() {
+                        named = true;
+                    }
+                }
+                at += head + ev.len as usize;
+            }
+        }
+    }
+}
+
+impl Drop for Waker {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        if let Some(fd) = self.inotify.take() {
+            // SAFETY: removes our own watch from our own descriptor.
+            unsafe { libc::inotify_rm_watch(fd.as_raw_fd(), self.wd) };
+            SPARE_INOTIFY
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(fd);
+        }
+    }
+}
+
+fn spawn_worker(
+    i: usize,
+    file: File,
+    mode: Mode,
+    stop: Arc<AtomicBool>,
+    tx: mpsc::Sender<Event>,
+) -> io::Result<thread::JoinHandle<()>> {
+    thread::Builder::new()
+        .name("stowage-lock-wait".into())
+        .stack_size(64 * 1024)
+        .spawn(move || {
+            // The mask is inherited (even across exec, from whoever started
+            // us); a blocked wake signal would leave this thread deaf.
+            // SAFETY: sigset manipulation on a local set.
+            unsafe {
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, wake_signal());
+                libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+            }
+            let result = loop {
+                if stop.load(Ordering::Acquire) {
+                    break Ok(false);
+                }
+                match flock_blocking(&file, mode) {
+                    Ok(()) => break Ok(true),
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                    Err(e) => break Err(e),
+                }
+            };
+            if matches!(result, Ok(true)) && stop.load(Ordering::Acquire) {
+                // Abandoned after its grace period: nobody will use this lock.
+                let _ = FileExt::unlock(&file);
+            }
+            let _ = tx.send(Event::Done(i, result));
+        })
+}
+
+fn stop_workers(
+    workers: &mut [Worker],
+    files: &[&File],
+    rx: &mpsc::Receiver<Event>,
+    winner: Option<usize>,
+) {
+    for w in workers.iter() {
+        w.stop.store(true, Ordering::Release);
+    }
+    let give_up = Instant::now() + STOP_GRACE;
+    while workers.iter().any(|w| !w.finished) && Instant::now() < give_up {
+        for w in workers.iter().filter(|w| !w.finished) {
+            if let Some(h) = &w.handle {
+                // SAFETY: the thread has not been joined, so its pthread_t is
+                // valid; the signal's handler does nothing.
+                unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
+            }
+        }
+        match rx.recv_timeout(Duration::from_millis(5)) {
+            Ok(Event::Done(i, r)) => {
+                workers[i].finished = true;
+                if matches!(r, Ok(true)) && Some(i) != winner {
+                    let _ = FileExt::unlock(files[i]);
+                }
+            }
+            Ok(Event::Cancelled(_)) | Err(_) => {}
+        }
+    }
+    for w in workers.iter_mut() {
+        // An unfinished worker is left detached: its stop flag is set, so it
+        // unlocks whatever it acquires.
+        if let Some(h) = w.handle.take()
+            && w.finished
+        {
+            let _ = h.join();
+        }
+    }
+}
