@@ -267,6 +267,64 @@ impl Session {
             .collect()
     }
 
+    /// Makes the written image a copy of `base` (emptying it first if it had
+    /// content: it is being rebuilt from the base).
+    pub fn clone_into(&self, store: &Store, base: &ImageName, target: &ImageName) -> Result<()> {
+        use std::io::IsTerminal;
+        let src = self.image_dir(base);
+        let dst = self.image_dir(target);
+        if !std::fs::symlink_metadata(&src).is_ok_and(|m| m.is_dir()) {
+            anyhow::bail!(
+                "image '{base}': {} is not a directory; cannot copy it",
+                src.display()
+            );
+        }
+        crate::remove::empty_image_dir(store.root(), self.images_dir(), target)?;
+        crate::debug::pause("clone-emptied");
+        let t0 = std::time::Instant::now();
+        let show = std::io::stderr().is_terminal() && !store.ctx().quiet;
+        let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
+        // Both ends from one descriptor of the images directory, never a path
+        // resolved again: a link swapped in above them cannot move the copy.
+        let images = store.root().open_images_dir(self.images_dir())?;
+        let open = |name: &ImageName, path: &std::path::Path| {
+            images
+                .sub(name.encoded())
+                .with_context(|| format!("cannot open {}", path.display()))
+        };
+        let (s, d) = (open(base, &src)?, open(target, &dst)?);
+        let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar)
+            .with_context(|| format!("cannot copy image '{base}' to '{target}'"))?;
+        store.ctx().detail(&format!(
+            "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
+            done.files,
+            crate::disk_usage::human(done.bytes),
+            done.reflinked,
+            t0.elapsed().as_secs_f64()
+        ));
+        for m in &done.mounts_left_out {
+            store.ctx().say(&format!(
+                "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
+            ));
+        }
+        if done.skipped_special > 0 {
+            store.ctx().say(&format!(
+                "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
+                done.skipped_special
+            ));
+        }
+        if let Some(lost) = done.xattrs_summary() {
+            store.ctx().say(&format!(
+                "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
+                if store.ctx().verbose { "" } else { " (-v lists the files)" }
+            ));
+            for d in &done.xattr_details {
+                store.ctx().detail(&format!("  not kept: {d}"));
+            }
+        }
+        Ok(())
+    }
+
     /// Releases the read lock on `name` before the session ends (a `--from`
     /// base once copied), dropping its holder record first, so that the
     /// record never claims a lock we no longer hold. Does nothing for an

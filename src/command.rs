@@ -1,0 +1,143 @@
+//! The command an exec runs: its environment, how it gets the locks
+//! (inherited descriptors, or a keeper that holds them for it), the umask it
+//! starts with, waiting for it, and its exit code.
+//!
+//! Invariants:
+//! - The lock descriptors are inheritable only for the moment of the spawn
+//!   (no other thread spawns meanwhile), so nothing else we start gets them.
+//! - With `--no-inherit` the keeper holds them and ends the command's whole
+//!   tree before they go (`keeper.rs`).
+//! - Termination signals are routed to the command (or its keeper) from the
+//!   moment it exists (`signals.rs`); a signal before that stops the start.
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+
+use crate::error;
+use crate::keeper::Keeper;
+use crate::signals::{Forwarder, Target};
+
+/// Starts the command. By default it inherits the lock descriptors (made
+/// inheritable by `set_inheritable` for the moment of the spawn), like
+/// flock(1); with `no_inherit` a keeper holds them (`lock_fds`), hides them
+/// from the command, and ends the command's whole tree before they go
+/// ([`crate::keeper`]). `Ok(Err(sig))`: a termination signal came first.
+pub fn start(
+    signals: &Forwarder,
+    command: &[OsString],
+    env: &[(OsString, OsString)],
+    umask: Option<u32>,
+    no_inherit: bool,
+    lock_fds: &[std::os::fd::RawFd],
+    set_inheritable: &dyn Fn(bool) -> std::io::Result<()>,
+) -> std::io::Result<Result<(libc::pid_t, Option<Keeper>), i32>> {
+    let mut keeper: Option<Keeper> = None;
+    let started = signals.spawn(|| {
+        set_inheritable(true)?;
+        let spawned = if no_inherit {
+            crate::keeper::become_subreaper().and_then(|()| {
+                let k = Keeper::spawn(command, env, lock_fds, umask)?;
+                let pid = k.pid;
+                keeper = Some(k);
+                Ok(Target::Keeper(pid))
+            })
+        } else {
+            with_umask(umask, || crate::spawn::spawn(command, env)).map(Target::Command)
+        };
+        if no_inherit || spawned.is_err() {
+            set_inheritable(false)?;
+        }
+        spawned
+    })?;
+    Ok(started.map(|pid| (pid, keeper)))
+}
+
+/// Runs `f` with the process umask set to `umask` (when given), restoring
+/// ours after. posix_spawn cannot set a child's umask, so the command of a
+/// group-shared store gets the caller's mask back this way for the moment
+/// of the spawn; no other thread creates files meanwhile.
+fn with_umask<T>(umask: Option<u32>, f: impl FnOnce() -> T) -> T {
+    // SAFETY: umask(2) cannot fail; it only swaps the process's mask.
+    let ours = umask.map(|m| unsafe { libc::umask(m as libc::mode_t) });
+    let out = f();
+    if let Some(m) = ours {
+        // SAFETY: as above, restoring our own mask.
+        unsafe { libc::umask(m) };
+    }
+    out
+}
+
+/// Waits for the command (through its keeper's report for --no-inherit).
+pub fn wait(
+    signals: &Forwarder,
+    pid: libc::pid_t,
+    keeper: Option<Keeper>,
+) -> std::io::Result<std::process::ExitStatus> {
+    let status = signals.wait(pid)?;
+    match keeper {
+        Some(k) => k.outcome(status).map(std::process::ExitStatus::from_raw),
+        None => Ok(status),
+    }
+}
+
+/// The exit code of an exec: the command's, or 128+N for a death by
+/// signal N (real-time signals included).
+pub fn exit_code(status: &std::process::ExitStatus) -> u8 {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => c as u8,
+        (None, Some(sig)) => 128u8.saturating_add(sig as u8),
+        (None, None) => error::code::FAILURE,
+    }
+}
+
+/// The command's environment: ours, without any `STOWAGE_*` variable that
+/// this exec sets or that describes images (`STOWAGE_IMAGE_DIR` of an outer
+/// exec would name another image), then the ones this exec means, once
+/// each. Programs read the first of duplicate entries, so a caller's
+/// `STOWAGE_ROOT` left in would win over `--root`.
+pub fn environment(
+    ours: impl Iterator<Item = (OsString, OsString)>,
+    set: &[(&str, OsString)],
+) -> Vec<(OsString, OsString)> {
+    let replaced = |k: &OsString| {
+        k.to_str().is_some_and(|k| {
+            [crate::env::IMAGE_DIR, crate::env::IMAGES_DIR].contains(&k)
+                || set.iter().any(|(name, _)| *name == k)
+        })
+    };
+    ours.filter(|(k, _)| !replaced(k))
+        .chain(set.iter().map(|(k, v)| (OsString::from(k), v.clone())))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_stowage_variable_once_and_ours() {
+        let caller = [
+            ("PATH", "/bin"),
+            (crate::env::ROOT, "/caller"),
+            (crate::env::IMAGE_DIR, "/caller/img/x"),
+            (crate::env::IMAGES_DIR, "/caller/img"),
+            ("STOWAGE_HOSTNAME", "kept"),
+        ]
+        .map(|(k, v)| (OsString::from(k), OsString::from(v)));
+        let env = environment(
+            caller.into_iter(),
+            &[
+                (crate::env::ROOT, "/r".into()),
+                (crate::env::IMAGES_DIR, "/r/img".into()),
+            ],
+        );
+        let get = |k: &str| -> Vec<&OsString> {
+            env.iter().filter(|(n, _)| n == k).map(|(_, v)| v).collect()
+        };
+        assert_eq!(get("STOWAGE_ROOT"), [&OsString::from("/r")]);
+        assert_eq!(get("STOWAGE_IMAGES_DIR"), [&OsString::from("/r/img")]);
+        assert!(get("STOWAGE_IMAGE_DIR").is_empty(), "no single image here");
+        assert_eq!(get("STOWAGE_HOSTNAME"), [&OsString::from("kept")]);
+        assert_eq!(get("PATH"), [&OsString::from("/bin")]);
+    }
+}

@@ -1,0 +1,301 @@
+//! One `stowage exec`, from a validated plan to the exit code: acquire
+//! the locks (`session.rs`), clone the base for `--from`, run the command
+//! (`command.rs`), record its outcome, release. Or, for `--store-wide`,
+//! the same around a store-wide hold (`store_wide.rs`).
+//!
+//! The command line's rules live in `cli/exec.rs`, which builds the
+//! [`Plan`]; nothing here parses arguments.
+
+use std::ffi::OsString;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+
+use crate::command;
+use crate::error::{self, Error};
+use crate::ident;
+use crate::name::ImageName;
+use crate::session::{Outcome, Request, Session};
+use crate::signals::Forwarder;
+use crate::store::Store;
+
+/// What an exec does, validated.
+#[derive(Debug)]
+pub struct Plan {
+    pub locks: Locks,
+    /// Start the single written image as a copy of this image.
+    pub from: Option<ImageName>,
+    /// Keep `from` read-locked while the command runs (it was also named
+    /// with `--read`); otherwise its lock goes after the copy.
+    pub keep_base: bool,
+    /// The command and its arguments.
+    pub argv: Vec<OsString>,
+    /// The command does not inherit the lock descriptors; a keeper holds
+    /// them.
+    pub no_inherit: bool,
+    /// Exit with this instead of 75 when a lock is busy past the deadline.
+    pub conflict_exit_code: Option<u8>,
+    /// For a store-wide hold (an image request carries its own).
+    pub deadline: Option<Instant>,
+    pub no_wait: bool,
+}
+
+/// The locks an exec holds while its command runs.
+#[derive(Debug)]
+pub enum Locks {
+    Images(Request),
+    /// Nothing else is held or granted meanwhile.
+    StoreWide,
+}
+
+/// Runs the exec; returns its exit code (the command's own, or 128+N).
+pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
+    // Before any other thread exists, so that every thread inherits the mask.
+    let signals = Forwarder::install().context("cannot set up signal handling")?;
+    let shown: Vec<String> = plan
+        .argv
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let req = match plan.locks {
+        Locks::StoreWide => return run_store_wide(store, plan, signals, shown),
+        Locks::Images(ref req) => req,
+    };
+    let from = plan.from.as_ref();
+    // A start that fails leaves nothing behind, so one that found the disk
+    // full can simply run again in the space kept in reserve (space.rs):
+    // reading an image on a full filesystem works.
+    let mut session = match store.retry_full(|store| Session::begin(store, req)) {
+        Ok(s) => s,
+        Err(e) => {
+            if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), plan.conflict_exit_code)
+            {
+                store.ctx().say(&format!("{e:#}"));
+                return Ok(code);
+            }
+            return Err(e);
+        }
+    };
+    store.ctx().detail(&format!(
+        "locks acquired in {:.1} ms",
+        session.elapsed().as_secs_f64() * 1e3
+    ));
+
+    if let Some(base) = from {
+        session = copy_base(store, session, plan, base, &req.writes[0])?;
+    }
+
+    let written: Vec<_> = session.writes().cloned().collect();
+    let env = command_environment(store, &session);
+
+    crate::debug::pause("exec-before-spawn");
+    let child_umask = store.ctx().child_umask;
+    let lock_fds = session.lock_fds();
+    let started = command::start(
+        &signals,
+        &plan.argv,
+        &env,
+        child_umask,
+        plan.no_inherit,
+        &lock_fds,
+        &|inherit| session.set_inheritable(inherit),
+    );
+    // If the command never starts, the start is undone — unless a copy
+    // from the base already changed the image: then it is incomplete, like
+    // any write that did not finish.
+    let undo = |session: Session, store: &mut Store| {
+        if from.is_some() {
+            session.finish(store, Outcome::Failure)
+        } else {
+            session.abandon(store)
+        }
+    };
+    let (pid, keeper) = match started {
+        Ok(Ok(started)) => started,
+        Ok(Err(sig)) => {
+            undo(session, store)?;
+            return Err(Error::Interrupted(sig).into());
+        }
+        Err(e) => {
+            let what = shown[0].clone();
+            undo(session, store)?;
+            return Err(e).with_context(|| format!("cannot run '{what}'"));
+        }
+    };
+    let status = match command::wait(&signals, pid, keeper) {
+        Ok(s) => s,
+        Err(e) => {
+            // Without its status the outcome is unknown: not ready.
+            let _ = session.finish(store, Outcome::Failure);
+            return Err(anyhow::Error::new(e).context("cannot wait for the command"));
+        }
+    };
+    record_outcome(store, session, &status, &written)
+}
+
+/// `--from`: makes the written image a copy of the base, then lets the base
+/// go unless the command is to read it too. A failed copy leaves the image
+/// incomplete, never ready.
+fn copy_base(
+    store: &mut Store,
+    mut session: Session,
+    plan: &Plan,
+    base: &ImageName,
+    target: &ImageName,
+) -> Result<Session> {
+    if let Err(e) = session.clone_into(store, base, target) {
+        // A half-made copy must never look ready.
+        let _ = session.finish(store, Outcome::Failure);
+        // Stopped by a termination signal (wherever the walk noticed
+        // it, even inside an I/O error): exit 128+N, like any signal
+        // before the command starts.
+        if let Some(sig) = crate::signals::cancelled()
+            && error::typed(&e).is_none()
+        {
+            return Err(e.context(Error::Interrupted(sig)));
+        }
+        return Err(e);
+    }
+    // Not fatal: if its record cannot be dropped, the base stays
+    // locked (and recorded) until the end, as it did before.
+    if !plan.keep_base
+        && let Err(e) = session.release_read(store, base)
+    {
+        store.ctx().detail(&format!(
+            "image '{base}' stays read-locked until the command ends: {e:#}"
+        ));
+    }
+    Ok(session)
+}
+
+/// The command's environment: ours, and where the images are.
+fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsString)> {
+    let mut images = vec![
+        (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
+        (
+            crate::env::IMAGES_DIR,
+            session.images_dir().as_os_str().to_owned(),
+        ),
+        // Lets a stowage inside the command tell that we hold its locks.
+        (
+            crate::env::EXEC_PIDS,
+            crate::nested::exec_pids_for_command(std::process::id()).into(),
+        ),
+    ];
+    let written: Vec<_> = session.writes().collect();
+    if let [only] = written.as_slice() {
+        images.push((
+            crate::env::IMAGE_DIR,
+            session.image_dir(only).into_os_string(),
+        ));
+    }
+    command::environment(std::env::vars_os(), &images)
+}
+
+/// Records how the command ended and returns the exec's exit code.
+fn record_outcome(
+    store: &mut Store,
+    session: Session,
+    status: &std::process::ExitStatus,
+    written: &[ImageName],
+) -> Result<u8> {
+    let code = command::exit_code(status);
+    let outcome = if status.success() {
+        Outcome::Success
+    } else {
+        Outcome::Failure
+    };
+    let full = if outcome == Outcome::Failure && !written.is_empty() {
+        full_note(session.images_dir())
+    } else {
+        None
+    };
+    session.finish(store, outcome).with_context(|| {
+        format!("the command exited with status {code}, but recording that failed")
+    })?;
+    if !written.is_empty() && full.is_none() {
+        crate::space::ensure(&store.root().reserve());
+    }
+    if let Some(note) = full {
+        store.ctx().say(&format!(
+            "{} incomplete: the command failed with {note}",
+            written
+                .iter()
+                .map(|w| format!("image '{w}' is"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Ok(code)
+}
+
+/// "its filesystem full (12 KiB free in /img): free space with 'stowage
+/// rm' or 'stowage gc'" — when a failed writer left the images directory's
+/// filesystem (nearly) full, which is then the likely cause.
+fn full_note(images_dir: &std::path::Path) -> Option<String> {
+    let free = crate::space::free_bytes(images_dir)?;
+    // Less than a reserve's worth: no build can write there.
+    (free < 1 << 20).then(|| {
+        format!(
+            "the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
+            images_dir.display(),
+            crate::disk_usage::human(free)
+        )
+    })
+}
+
+/// `--store-wide`: the command runs while no image lock is held or granted.
+fn run_store_wide(
+    store: &mut Store,
+    plan: &Plan,
+    signals: Forwarder,
+    shown: Vec<String>,
+) -> Result<u8> {
+    let (deadline, no_wait) = (plan.deadline, plan.no_wait);
+    let hold =
+        match crate::store_wide::Hold::take(store, &ident::shell_join(&shown), deadline, no_wait) {
+            Ok(h) => h,
+            Err(e) => {
+                if let (Some(Error::Busy(_)), Some(code)) =
+                    (error::typed(&e), plan.conflict_exit_code)
+                {
+                    store.ctx().say(&format!("{e:#}"));
+                    return Ok(code);
+                }
+                return Err(e);
+            }
+        };
+    let images_dir = store.with_tx(None, |tx, ctx| tx.images_dir(&ctx.root));
+    let run = || -> Result<u8> {
+        let images = [
+            (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
+            (crate::env::IMAGES_DIR, images_dir?.into_os_string()),
+            // A stowage inside the command tells by it that we hold the
+            // store's lease (the keeper does, with --no-inherit).
+            (
+                crate::env::EXEC_PIDS,
+                crate::nested::exec_pids_for_command(std::process::id()).into(),
+            ),
+        ];
+        let env = command::environment(std::env::vars_os(), &images);
+        let started = command::start(
+            &signals,
+            &plan.argv,
+            &env,
+            store.ctx().child_umask,
+            plan.no_inherit,
+            &hold.lock_fds(),
+            &|inherit| hold.set_inheritable(inherit),
+        );
+        let (pid, keeper) = match started {
+            Ok(Ok(started)) => started,
+            Ok(Err(sig)) => return Err(Error::Interrupted(sig).into()),
+            Err(e) => return Err(e).with_context(|| format!("cannot run '{}'", shown[0])),
+        };
+        let status = command::wait(&signals, pid, keeper).context("cannot wait for the command")?;
+        Ok(command::exit_code(&status))
+    };
+    let code = run();
+    hold.release(store);
+    code
+}
