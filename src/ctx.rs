@@ -21,7 +21,7 @@ pub struct Ctx {
     /// Set once a "waiting for the global lock" notice has been printed.
     pub(crate) noticed_global: Cell<bool>,
     /// Whether a root that does not exist is created (commands that write)
-    /// or reported, creating nothing ([`Error::NoRoot`]: commands that read).
+    /// or reported, creating nothing ([`crate::error::Error::NoRoot`]: commands that read).
     pub creates_root: bool,
 }
 

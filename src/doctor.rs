@@ -771,9 +771,8 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
         .collect();
 
     let images_dir = tx.images_dir(&ctx.root)?;
-    let expects_trees = rows
-        .iter()
-        .any(|r| matches!(r.state, ImageState::Ready | ImageState::Incomplete));
+    // Only a ready image must have a tree (an incomplete one may have none).
+    let expects_trees = rows.iter().any(|r| r.state == ImageState::Ready);
     // A missing, empty or foreign images directory says nothing about the
     // trees: no row is dropped and no tree adopted by it (see adopt.rs).
     let mount = adopt::mount(tx, &ctx.root, &images_dir, expects_trees)?;
@@ -792,7 +791,10 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
                 .flatten()
                 .is_some_and(|e| e.is_dir())
         });
-        if !present && matches!(r.state, ImageState::Ready | ImageState::Incomplete) {
+        // An incomplete image may have no tree: its writer failed before
+        // putting anything in the directory made for it, which then went
+        // (Session::finish). Only a ready image must have one.
+        if !present && r.state == ImageState::Ready {
             if found.doubt.is_some() {
                 found.kept_rows += 1;
                 continue;
@@ -814,7 +816,7 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
                 }
             }
         }
-        if r.state == ImageState::Incomplete && present {
+        if r.state == ImageState::Incomplete {
             found.incomplete.push(r.name.clone());
         }
     }

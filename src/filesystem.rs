@@ -2,7 +2,7 @@
 //! reaches — the one home of the filesystem table.
 //!
 //! A lock is only as good as the filesystem that keeps it. Local
-//! filesystems ([`LOCAL`]) show every lock in this host's lock table; NFS,
+//! filesystems (`LOCAL`) show every lock in this host's lock table; NFS,
 //! Lustre and BeeGFS keep locks cluster-wide only with the right mount
 //! options or client configuration ([`lock_reach`]); anything else is
 //! treated as shared (locks reach other hosts, the table does not show

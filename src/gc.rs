@@ -145,7 +145,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         .filter(|r| !policy.dry_run || !report.interrupted_removals.contains(&r.name))
         .collect();
 
-    // What each image takes, and what removing it frees (see usage.rs):
+    // What each image takes, and what removing it frees (see disk_usage.rs):
     // with a budget on a filesystem that shares extents, every image's
     // extent map is read, so the budget is the space the images really
     // take and a removal counts only what it frees.

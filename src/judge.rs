@@ -1,4 +1,7 @@
-//! Who holds and awaits which lock: records judged against the kernel.
+//! Judging holder and waiter records against the kernel — and cleaning:
+//! [`prune`] deletes the stale records of a lock as it lists who holds and
+//! awaits it, [`sweep`] does so for every record and marks the images of
+//! dead writers `incomplete`.
 //!
 //! The kernel is the truth; records are information. A holder record is
 //! kept only while its lock is really held in the recorded mode (and, where

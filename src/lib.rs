@@ -8,18 +8,39 @@
 //! parallel, base images are stored once, and no build reads an image that
 //! another is writing.
 //!
-//! # Architecture
-//! - [`lock`] is the only module that calls flock(2): guards, bounded and
-//!   cancellable waits, the unlink-race check.
-//! - [`store`] owns the global lock and the metadata ([`meta`]); a metadata
-//!   transaction cannot exist without the global lock.
-//! - [`session`] is the exec protocol; [`status`] judges recorded holders
-//!   against the kernel ([`kernel`]), which is the truth, and each record's
-//!   liveness by its owner's [`lease`] — never by a pid.
-//! - [`signals`] routes termination signals to the command and lets long
-//!   work stop for them; [`keeper`] runs the command for `--no-inherit`, so
-//!   that its whole process tree is gone before the locks are released.
-//! - [`cli`] is the command line, one file per command.
+//! # Map of the modules, by floor
+//! A module uses only modules on its own floor or below; the exec path
+//! reads downward: `cli::exec` (arguments → [`exec::Plan`]) → [`exec`] →
+//! [`session`] → [`acquire`] → [`lock`] and [`meta`]. No import circles.
+//!
+//! 1. **Ground** (no store state): [`env`](mod@env) every `STOWAGE_*` variable;
+//!    [`name`] image names; [`clock`]; [`ident`] who this process is;
+//!    [`error`] typed errors and exit codes; [`filesystem`] the statfs and
+//!    mount table, where a lock reaches; [`space`] the reserve file;
+//!    [`spawn`] posix_spawn.
+//! 2. **Locks and processes**: [`lock`] the only caller of flock(2)
+//!    (guards, `acquire`/`acquire_no_wait`, the unlink race;
+//!    `lock/wait.rs` the waiting engine); [`signals`] termination signals
+//!    routed to the command, cancelling waits; [`lease`] holder leases;
+//!    [`kernel`] /proc/locks; [`nested`] holds of an enclosing exec;
+//!    [`keeper`] `--no-inherit`; [`command`] starting and waiting for the
+//!    command; [`dir`], [`tree`] descriptor-based walks; [`debug`] test
+//!    pause points.
+//! 3. **Layout and metadata**: [`root`] every path of the layout; [`meta`]
+//!    all SQL; [`ctx`] what every operation needs; [`disk_usage`];
+//!    [`adopt`] trees without rows; [`clone`] copying a tree.
+//! 4. **Who holds what**: [`holders`] parties and how to say them (the one
+//!    "waiting for …" announcement); [`judge`] records against the kernel,
+//!    dropping stale ones; [`store`] the global lock and transactions;
+//!    [`store_wide`] `exec --store-wide`.
+//! 5. **Operations**: [`remove`] rm and its recovery; [`slots`] slot
+//!    classes; [`gc`]; [`doctor`]; [`acquire`] image and slot locks, gates,
+//!    waiter records.
+//! 6. **Exec**: [`session`] the exec protocol (begin, copy, finish,
+//!    abandon); [`exec`] a plan to an exit code.
+//! 7. **[`cli`]**: one file per command; arguments become a validated
+//!    request, then the library runs it. Output shapes live with the
+//!    command that prints them.
 //!
 //! # Lock order
 //! **slots → image locks in ascending encoded-name order → global lock.**

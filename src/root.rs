@@ -145,7 +145,7 @@ impl Root {
     }
 
     /// The image's gate: what a waiting writer holds so that new readers
-    /// queue behind it (see `session.rs`).
+    /// queue behind it (see `acquire/image.rs`).
     pub fn image_gate(&self, name: &ImageName) -> PathBuf {
         self.image_locks().join(named(name.encoded(), ".gate"))
     }

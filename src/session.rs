@@ -75,6 +75,8 @@ struct Held {
     prev: Option<ImageState>,
     /// An exclusive read: the image is not written (its state stays).
     keep: bool,
+    /// For writes: this session made the image's directory (it had none).
+    made_dir: bool,
 }
 
 impl Held {
@@ -175,6 +177,7 @@ impl Session {
                             guard,
                             prev: None,
                             keep,
+                            made_dir: false,
                         });
                         waits.extend(waiter);
                     }
@@ -387,6 +390,11 @@ impl Session {
                 match std::fs::symlink_metadata(&dir) {
                     Err(e) if e.kind() == io::ErrorKind::NotFound => (None, true, trusted),
                     Err(_) => (None, false, trusted),
+                    // A directory made for this write and left empty by a
+                    // failed command is removed below: it takes nothing.
+                    Ok(_) if h.made_dir && outcome == Outcome::Failure && empty_dir(&dir) => {
+                        (Some(0), false, trusted)
+                    }
                     Ok(_) => (disk_usage::disk_usage(&dir).ok(), false, trusted),
                 }
             })
@@ -438,10 +446,17 @@ impl Session {
             tx.commit()
         })?;
         // The lock files of deleted images go too, under our exclusive locks
-        // (the unlink rule), with their gates.
+        // (the unlink rule), with their gates. A directory this session made
+        // for a write that failed before putting anything in it goes as
+        // well (the row stays, incomplete): an empty tree is nothing to
+        // inspect, and a builder that lists the images directory (ch-image
+        // list) would trip over it. Only an empty directory is removed
+        // (rmdir), still under the write lock; what a writer left is kept.
         for (h, (_, gone, trusted)) in self.held.into_iter().zip(written) {
             if gone && trusted {
                 unlink_image_lock(store.root(), &h.name, h.guard);
+            } else if h.made_dir && trusted && outcome == Outcome::Failure {
+                crate::remove::remove_empty_image_dir(store.root(), images_dir, &h.name);
             }
         }
         drop(self.slot);
@@ -623,7 +638,9 @@ fn start(
                 Mode::Shared => tx.touch(h.name.as_str(), now)?,
                 Mode::Exclusive => {
                     h.prev = row.as_ref().map(|r| r.state);
+                    let before = made.len();
                     prepare_write(&tx, ctx, &images_dir, &h.name, row, req, now, &mut made)?;
+                    h.made_dir = made.len() > before;
                 }
             }
             records.push(tx.insert_record(&record(
@@ -734,4 +751,9 @@ fn prepare_write(
         }
     }
     Ok(())
+}
+
+/// Whether `dir` has no entries (an unreadable one counts as not empty).
+fn empty_dir(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_none())
 }

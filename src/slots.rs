@@ -20,7 +20,7 @@
 //! - Slots come first in the lock order (slots → images → global).
 //! - The configuration lives in the metadata and is read by each acquirer,
 //!   and re-read by each waiter when `slots set`/`slots rm` touches the
-//!   class's `changed` file, and every [`RECHECK`] where another host may
+//!   class's `changed` file, and every `acquire::slot::RECHECK` where another host may
 //!   change it unannounced (30 s otherwise): a raised limit
 //!   (or 0) lets waiters in, a lowered one binds them, a removed class ends
 //!   their wait. Lowering a limit never disturbs current holders (they keep
@@ -100,7 +100,7 @@ pub(crate) fn candidates(dir: &Path, class: &SlotClass, priority: Priority) -> V
 pub(crate) const CHANGED: &str = "changed";
 
 /// Tells waiters of `class` on this host to re-read its configuration
-/// (others re-read it every [`RECHECK`]). Best effort.
+/// (others re-read it every [`crate::acquire::slot::RECHECK`]). Best effort.
 pub fn notify_change(ctx: &Ctx, class: &str) {
     // Through descriptors, never a symlink planted in the path: a group
     // member could otherwise make us create `changed` elsewhere.

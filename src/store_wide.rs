@@ -154,7 +154,8 @@ fn forget_deleted(store: &mut Store) -> Result<()> {
     let gone = store.with_tx(None, |tx, ctx| {
         let dir = tx.images_dir(&ctx.root)?;
         let rows = tx.images()?;
-        let mount = crate::adopt::mount(tx, &ctx.root, &dir, !rows.is_empty())?;
+        let ready = rows.iter().any(|r| r.state == ImageState::Ready);
+        let mount = crate::adopt::mount(tx, &ctx.root, &dir, ready)?;
         if let Some(why) = mount.doubt(&dir) {
             ctx.say(&format!("not checking for deleted images: {why}"));
             return Ok(Vec::new());

@@ -2,7 +2,7 @@
 //!
 //! Everything that takes a lock a process may have to wait for, except the
 //! global lock (`store.rs`) and the store-wide hold (`store_wide.rs`), goes
-//! through here: [`image::acquire_image`] for images (exec, rm),
+//! through here: `image::acquire_image` for images (exec, rm),
 //! [`slot::acquire`] for slots. The rules they keep:
 //! - **Try, then announce, then wait.** A lock is first tried without
 //!   blocking; only a busy one gets a waiter record (so lock-status lists
@@ -11,7 +11,7 @@
 //! - **No wait for oneself.** A lock held by an enclosing `stowage exec`
 //!   (`nested.rs`) is never waited for.
 //! - **Nothing left after a failure.** A wait that times out or is
-//!   interrupted drops its waiter record ([`wait_as_waiter`]).
+//!   interrupted drops its waiter record (`wait_as_waiter`).
 
 use std::time::Instant;
 

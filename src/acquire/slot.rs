@@ -90,13 +90,13 @@ fn record(ctx: &Ctx, class: &str, lockfile: String, role: Role, command: &str) -
 /// is unlimited (nothing to take).
 ///
 /// ```no_run
-/// use stowage::{Root, Store, slots::{self, Priority}};
+/// use stowage::{Root, Store, acquire::slot, slots::Priority};
 ///
 /// let mut store = Store::new(Root::at("/var/tmp/me.stowage"));
 /// // At most `limit` pulls at once across every process using this root.
-/// if let Some(slot) = slots::acquire(&mut store, "pull", Priority::Normal, None, "my-puller")? {
+/// if let Some(held) = slot::acquire(&mut store, "pull", Priority::Normal, None, "my-puller")? {
 ///     // ... pull ...
-///     slot.release(&mut store)?;
+///     held.release(&mut store)?;
 /// }
 /// # Ok::<(), anyhow::Error>(())
 /// ```

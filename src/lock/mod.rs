@@ -23,7 +23,7 @@
 //! - **Release is close.** Dropping a guard closes its descriptor and never
 //!   calls `LOCK_UN`: a child that inherited the descriptor shares the lock,
 //!   and `LOCK_UN` would drop it under the child's feet.
-//! - **Contention is a value.** [`try_lock`] returns `Ok(None)` when busy;
+//! - **Contention is a value.** [`acquire_no_wait`] returns `Ok(None)` when busy;
 //!   a bounded wait that runs out returns [`Waited::TimedOut`].
 //! - **Waiting does not spin.** A blocked flock(2) sleeps in the kernel, in a
 //!   helper thread, and is woken by the kernel the moment the lock is free.
@@ -34,7 +34,7 @@
 //!   [`FileSet`] open and sleeps on a [`Waker`] (inotify on the directory:
 //!   the last close of a lock file is its release), so a pids limit cannot
 //!   make the wait fail, and its tries open and close nothing that would
-//!   wake other waiters. [`lock_any`] (a helper thread per file) remains for
+//!   wake other waiters. [`acquire_any`] (a helper thread per file) remains for
 //!   library callers with a few files.
 //! - **Nested holds.** [`held_here`] finds a lock this process holds through
 //!   an inherited descriptor: the caller's enclosing command's hold, which a

@@ -131,7 +131,7 @@ pub fn before_waiting(f: fn()) {
 }
 
 /// Runs the function registered with [`before_waiting`]: for waits that
-/// do not go through [`lock`] (a polled wait for a slot).
+/// do not go through [`super::acquire`] (a polled wait for a slot).
 pub fn starting_to_wait() {
     if let Some(f) = BEFORE_WAIT.get() {
         f();
@@ -144,7 +144,7 @@ pub fn starting_to_wait() {
 /// for signals (a pids limit), so that its waits watch for them themselves.
 static SIGNAL_WATCH: std::sync::OnceLock<(std::os::fd::RawFd, fn())> = std::sync::OnceLock::new();
 
-/// Registers [`SIGNAL_WATCH`] (once, for good).
+/// Registers `SIGNAL_WATCH` (once, for good).
 pub fn watch_signals_while_waiting(fd: std::os::fd::RawFd, take: fn()) {
     let _ = SIGNAL_WATCH.set((fd, take));
 }

@@ -753,9 +753,10 @@ fn ch_build_refuses_before_taking_any_lock() {
     c.env("CH_IMAGE_STORAGE", "relative");
     let out = output(c);
     assert_eq!(out.status.code(), Some(64), "{}", show(&out));
-    // A build that fails after it started leaves its images incomplete —
-    // the last stage, never reached, an empty directory — which neither
-    // `ch-image list` nor a rebuild trips over.
+    // A build that fails after it started leaves its images incomplete;
+    // the last stage, never reached, leaves no directory at all (its row
+    // stays, incomplete), so neither `ch-image list` nor a rebuild trips
+    // over an empty one.
     let df = ch.dockerfile(
         "Dockerfile.fail",
         "FROM base AS one\nRUN false\nFROM base\nRUN true\n",
@@ -764,7 +765,8 @@ fn ch_build_refuses_before_taking_any_lock() {
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert_eq!(ch.env.state("multi").as_deref(), Some("incomplete"));
     assert_eq!(ch.env.state("multi_stage0").as_deref(), Some("incomplete"));
-    assert_eq!(ch.ch_list(), ["base", "multi", "multi_stage0"]);
+    assert!(!ch.img("multi").exists());
+    assert_eq!(ch.ch_list(), ["base", "multi_stage0"]);
     let df = ch.dockerfile(
         "Dockerfile.ok",
         "FROM base AS one\nRUN true\nFROM base\nRUN true\n",

@@ -7,8 +7,9 @@
 //! once: images made from a script (`Env::build`), commands held or started
 //! until a sentinel says they run, waits for waiter records, root-only skips
 //! (`root_or_skip`), mounts that go away with the test (`Mount`), locks held
-//! from outside by flock(1), and probes of /proc for lock waiters and for
-//! what is left of a command's process tree.
+//! from outside by flock(1), stowage run as an unprivileged user
+//! (`unprivileged`, `as_nobody`), walks of a tree, and probes of /proc for
+//! lock waiters and for what is left of a command's process tree.
 
 #![allow(dead_code)]
 
@@ -162,7 +163,13 @@ impl Env {
     /// creates sentinel `started` and waits (bounded) for sentinel
     /// `release`; returns once CMD runs, so the locks are held.
     pub fn hold(&self, locks: &[&str], started: &str) -> Bg {
-        let bg = self.spawn(self.hold_args(locks, started));
+        self.hold_until(locks, started, "release")
+    }
+
+    /// Like [`Env::hold`], with CMD waiting for sentinel `release` (so
+    /// several holders can be let go one by one).
+    pub fn hold_until(&self, locks: &[&str], started: &str, release: &str) -> Bg {
+        let bg = self.spawn(self.hold_args(locks, started, release));
         wait_for_file(&self.sentinel(started));
         bg
     }
@@ -171,18 +178,18 @@ impl Env {
     /// first (an environment variable, say); stdin is /dev/null. Returns
     /// once the command runs, so the locks are held.
     pub fn hold_with(&self, locks: &[&str], started: &str, tweak: impl FnOnce(&mut Command)) -> Bg {
-        let mut c = self.cmd(self.hold_args(locks, started));
+        let mut c = self.cmd(self.hold_args(locks, started, "release"));
         tweak(&mut c);
         let bg = Bg::from_command(c);
         wait_for_file(&self.sentinel(started));
         bg
     }
 
-    fn hold_args(&self, locks: &[&str], started: &str) -> Vec<String> {
+    fn hold_args(&self, locks: &[&str], started: &str, release: &str) -> Vec<String> {
         let mut args: Vec<String> = vec!["exec".into()];
         args.extend(locks.iter().map(|s| s.to_string()));
         args.push("--".into());
-        args.extend(self.hold_cmd(started, "release"));
+        args.extend(self.hold_cmd(started, release));
         args
     }
 
@@ -509,7 +516,28 @@ pub fn tree(dir: &Path) -> Vec<String> {
     v
 }
 
-fn walkdir(dir: &Path) -> Vec<PathBuf> {
+/// Every file (anything but a directory) under `dir`; what cannot be read
+/// is passed over.
+pub fn walkdir_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(e.path());
+            } else {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+/// Every path under `dir`, directories included, depth first.
+pub fn walkdir(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_owned()];
     while let Some(d) = stack.pop() {
@@ -853,4 +881,95 @@ impl Drop for PidsCgroup {
             fs::remove_dir(&self.0).is_ok()
         });
     }
+}
+
+/// The number in environment variable `name`, or `default`.
+pub fn env_num(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A mebibyte, for sizes.
+pub const MIB: u64 = 1 << 20;
+
+/// The lines in a file, 0 while it does not exist.
+pub fn lines(file: &Path) -> usize {
+    fs::read_to_string(file).map_or(0, |t| t.lines().count())
+}
+
+/// This machine's host name, as a holder's record names it.
+pub fn our_hostname() -> String {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// The writer gate of the image whose encoded name is `enc`.
+pub fn gate_file(env: &Env, enc: &str) -> PathBuf {
+    env.root.join("locks/images").join(format!("{enc}.gate"))
+}
+
+/// Gives `p` to `uid`:`gid`.
+pub fn chown(p: &Path, uid: u32, gid: u32) {
+    std::os::unix::fs::chown(p, Some(uid), Some(gid)).unwrap();
+}
+
+/// `setpriv` to run as nobody (65534), if this test runs as root and the
+/// tool is there.
+pub fn as_nobody() -> Option<Command> {
+    if !root_or_skip("running as another user") {
+        return None;
+    }
+    let ok = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipping: setpriv cannot switch to uid 65534 here");
+        return None;
+    }
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"]);
+    Some(c)
+}
+
+/// A fresh store for [`unprivileged`]: as root, its scratch directory (and
+/// so the root inside it) is handed to uid 65534, searchable by all, so
+/// that user makes the store and owns what it builds.
+pub fn unprivileged_env() -> Env {
+    let env = Env::new();
+    if is_root() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = env.tmp.path();
+        fs::set_permissions(t, fs::Permissions::from_mode(0o755)).unwrap();
+        chown(t, 65534, 65534);
+    }
+    env
+}
+
+/// `stowage ARGS…` as an unprivileged user: as root, uid 65534 through
+/// setpriv (root needs no permission, so the case would not arise);
+/// otherwise as ourselves.
+pub fn unprivileged(env: &Env, args: &[&str]) -> Output {
+    let mut c = if is_root() {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", bin()]);
+        c
+    } else {
+        Command::new(bin())
+    };
+    c.arg("--root").arg(&env.root).args(args);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    c.stdin(Stdio::null());
+    output(c)
+}
+
+/// [`Env::build`] as an [`unprivileged`] user: `sh -c SCRIPT` as the
+/// writer of image NAME, which must exit 0.
+pub fn unprivileged_build(env: &Env, name: &str, script: &str) {
+    let out = unprivileged(env, &["exec", "--write", name, "--", "sh", "-c", script]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
 }

@@ -1,7 +1,11 @@
-//! `stowage exec`: exit codes, environment, states, waiting, signals.
+//! `stowage exec`: the command's exit status passed through, the image
+//! state a write's outcome records (also when the tree cannot be judged), the
+//! command's environment and inherited descriptors, starts that fail and leave
+//! nothing behind, and exec's command line.
 
 use std::fs;
-use std::time::{Duration, Instant};
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
 
 use crate::common::*;
 
@@ -16,6 +20,33 @@ fn passes_the_child_status_through() {
         Some(0)
     );
     assert_eq!(env.run(["exec", "--", "false"]).status.code(), Some(1));
+}
+
+#[test]
+fn an_exec_whose_stderr_is_gone_still_exits_with_its_code() {
+    let env = Env::new();
+    env.make_image("a");
+    // stderr is a pipe nobody reads any more (a log reader that died):
+    // the error line cannot be written, the exit code must still be right.
+    let mut fds = [0; 2];
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    unsafe { libc::close(fds[0]) };
+    let stderr_gone = || {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a duplicate of our pipe's write end, owned by the Stdio.
+        std::process::Stdio::from(unsafe { std::fs::File::from_raw_fd(libc::dup(fds[1])) })
+    };
+    for (args, code) in [
+        (vec!["exec", "--read", "missing", "--", "true"], 66),
+        (vec!["exec", "--write", "-bad", "--", "true"], 64),
+        (vec!["exec", "--read", "a", "--", "/nonexistent/program"], 1),
+    ] {
+        let mut c = env.cmd(&args);
+        c.stdout(std::process::Stdio::null()).stderr(stderr_gone());
+        let status = c.status().unwrap();
+        assert_eq!(status.code(), Some(code), "{args:?}");
+    }
+    unsafe { libc::close(fds[1]) };
 }
 
 #[test]
@@ -68,6 +99,102 @@ fn read_of_missing_or_unready_image_exits_66_and_creates_nothing() {
 }
 
 #[test]
+fn a_write_whose_command_deletes_the_image_removes_it() {
+    // How a builder's own delete runs under stowage:
+    // stowage exec --write IMG -- ch-image delete IMG
+    let env = Env::new();
+    env.make_image("app");
+    env.build("app", "rm -rf \"$STOWAGE_IMAGE_DIR\"");
+    assert_eq!(env.state("app"), None);
+    assert!(!env.lock_file("app").exists());
+    assert_eq!(env.run(["doctor"]).status.code(), Some(0));
+}
+
+#[test]
+fn a_write_whose_images_directory_vanished_keeps_its_row() {
+    let env = Env::new();
+    env.make_image("base");
+    // The images directory goes away under the command (unmounted, say):
+    // the tree is not found, which is no sign the command deleted it.
+    let out = env.run_sh("app", "echo x > \"$STOWAGE_IMAGE_DIR/f\" && mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.away\"");
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("incomplete"), "{}", show(&out));
+    fs::rename(env.root.join("img.away"), env.root.join("img")).unwrap();
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    // A command that really deletes its image still removes the row.
+    env.build("base", "rm -r \"$STOWAGE_IMAGE_DIR\"");
+    assert_eq!(env.state("base"), None);
+}
+
+#[test]
+fn a_tree_that_cannot_be_looked_at_is_not_taken_for_deleted() {
+    // The command makes the images directory unsearchable, so finish's
+    // lstat of the tree fails with EACCES — an error that, like EIO or
+    // ESTALE, says nothing about whether the tree is there. Root would not
+    // notice the mode: run as nobody.
+    let Some(mut c) = as_nobody() else { return };
+    let env = Env::new();
+    let base = env.tmp.path().join("nobody");
+    fs::create_dir(&base).unwrap();
+    chown(&base, 65534, 65534);
+    fs::set_permissions(env.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let root = base.join("root");
+    let stowage = |c: &mut Command, args: &[&str]| {
+        c.arg(bin()).arg("--root").arg(&root).args(args);
+    };
+    stowage(
+        &mut c,
+        &[
+            "exec",
+            "--write",
+            "app",
+            "--",
+            "sh",
+            "-c",
+            "echo x > \"$STOWAGE_IMAGE_DIR/f\" && chmod 0 \"$STOWAGE_IMAGES_DIR\"",
+        ],
+    );
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    fs::set_permissions(root.join("img"), fs::Permissions::from_mode(0o755)).unwrap();
+    let mut c = as_nobody().unwrap();
+    stowage(&mut c, &["images", "--json"]);
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let images: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let app = images
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"] == "app")
+        .unwrap_or_else(|| panic!("the successful build's row was dropped: {images}"));
+    assert_eq!(app["state"], "ready");
+}
+
+#[test]
+fn an_image_directory_that_cannot_be_inspected_is_not_taken_for_deleted() {
+    let env = Env::new();
+    env.make_image("app");
+    // The command leaves the images directory unreadable as a directory
+    // (ENOTDIR for the image's path, not ENOENT).
+    let out = env.run_sh(
+        "app",
+        "mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.aside\" && touch \"$STOWAGE_IMAGES_DIR\"",
+    );
+    // The build succeeded and its lock was ours throughout: an error that
+    // says nothing about the tree keeps the row (the EACCES case, as an
+    // unprivileged user, is a_tree_that_cannot_be_looked_at_is_not_taken_for_deleted).
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let img = env.root.join("img");
+    fs::remove_file(&img).unwrap();
+    fs::rename(env.root.join("img.aside"), &img).unwrap();
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+// --- the command's environment ----------------------------------------------
+
+#[test]
 fn environment_and_new_image_directory() {
     let env = Env::new();
     let report = env.sentinel("env");
@@ -101,6 +228,67 @@ fn environment_and_new_image_directory() {
     ]);
     let text = fs::read_to_string(&report).unwrap();
     assert!(text.contains("image=unset"), "{text}");
+}
+
+#[test]
+fn the_command_gets_each_stowage_variable_once_from_this_exec() {
+    let env = Env::new();
+    env.make_image("a");
+    let other = env.tmp.path().join("callers-store");
+    // The caller works in another store. No shell in between: a shell
+    // would tidy duplicate entries away, a C, Rust or Go program reads the
+    // first.
+    let with_callers_env = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env("STOWAGE_ROOT", &other)
+            .env("STOWAGE_IMAGE_DIR", "/stale/x")
+            .env("STOWAGE_IMAGES_DIR", "/stale");
+        output(c)
+    };
+    let out = with_callers_env(&["exec", "--write", "w", "--", "env"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let values = |text: &str, k: &str| -> Vec<String> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(&format!("{k}=")))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(
+        values(&text, "STOWAGE_ROOT"),
+        [env.root.display().to_string()]
+    );
+    assert_eq!(
+        values(&text, "STOWAGE_IMAGES_DIR"),
+        [env.root.join("img").display().to_string()]
+    );
+    assert_eq!(
+        values(&text, "STOWAGE_IMAGE_DIR"),
+        [env.root.join("img/w").display().to_string()]
+    );
+
+    // A nested exec works in this exec's store.
+    let out = with_callers_env(&[
+        "exec",
+        "--write",
+        "w",
+        "--",
+        bin(),
+        "exec",
+        "--read",
+        "a",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(!other.exists(), "the caller's store was created");
+
+    // Two writes: no single image directory, and none left from the caller.
+    let out = with_callers_env(&["exec", "--write", "x", "--write", "y", "--", "env"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(values(&text, "STOWAGE_IMAGE_DIR").is_empty(), "{text}");
+    assert_eq!(values(&text, "STOWAGE_ROOT").len(), 1, "{text}");
 }
 
 #[test]
@@ -141,144 +329,7 @@ fn command_inherits_image_locks_but_nothing_else() {
     );
 }
 
-#[test]
-fn bounded_wait_gives_75_naming_the_holder() {
-    let env = Env::new();
-    env.make_image("app");
-    let holder = env.hold(&["--write", "app"], "started");
-
-    let t0 = Instant::now();
-    let out = env.run([
-        "exec",
-        "--read",
-        "app",
-        "--wait",
-        "0.5",
-        "--",
-        "touch",
-        env.sentinel("ran").to_str().unwrap(),
-    ]);
-    let waited = t0.elapsed();
-    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
-    assert!(
-        waited >= Duration::from_millis(450),
-        "gave up too early: {waited:?}"
-    );
-    let err = stderr(&out);
-    assert!(
-        err.contains(&format!("pid {}", holder.pid())),
-        "names the holder's pid: {err}"
-    );
-    assert!(err.contains("sh -c"), "names the holder's command: {err}");
-    assert!(
-        err.contains("waiting for read lock on image 'app'"),
-        "{err}"
-    );
-    assert!(!env.sentinel("ran").exists());
-
-    // --no-wait: no waiting at all.
-    let out = env.run(["exec", "--read", "app", "--no-wait", "--", "true"]);
-    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
-    assert!(!stderr(&out).contains("waiting for"), "{}", stderr(&out));
-
-    // --conflict-exit-code replaces 75.
-    let out = env.run([
-        "exec",
-        "--write",
-        "app",
-        "--no-wait",
-        "--conflict-exit-code",
-        "3",
-        "--",
-        "true",
-    ]);
-    assert_eq!(out.status.code(), Some(3), "{}", show(&out));
-    env.ok([
-        "exec",
-        "--read",
-        "app",
-        "--wait",
-        "0",
-        "--conflict-exit-code",
-        "0",
-        "--",
-        "false",
-    ]);
-
-    env.release("release");
-    assert_eq!(holder.finish().status.code(), Some(0));
-    // The timed-out waiters left no waiter records behind.
-    let entry = env.lock_entry("app").unwrap();
-    assert_eq!(entry["waiters"].as_array().unwrap().len(), 0, "{entry}");
-}
-
-#[test]
-fn waiter_gets_the_lock_when_the_holder_finishes() {
-    let env = Env::new();
-    let holder = env.hold(&["--write", "app"], "started");
-    let waiter = env.spawn([
-        "exec",
-        "--read",
-        "app",
-        "--",
-        "touch",
-        env.sentinel("read").to_str().unwrap(),
-    ]);
-    env.wait_for_waiter("app");
-    assert!(
-        !env.sentinel("read").exists(),
-        "the reader must wait for the writer"
-    );
-    env.release("release");
-    assert_eq!(holder.finish().status.code(), Some(0));
-    let out = waiter.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    assert!(env.sentinel("read").exists());
-}
-
-#[test]
-fn sigterm_is_forwarded_and_gives_143() {
-    let env = Env::new();
-    let bg = env.start_sh(&["--write", "app"], |started| {
-        format!("touch '{}'; exec sleep 60", started.display())
-    });
-    bg.signal(libc::SIGTERM);
-    let out = bg.finish();
-    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
-    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
-    assert!(flock_free(&env.lock_file("app")));
-}
-
-#[test]
-fn signal_while_waiting_exits_without_running_the_command() {
-    let env = Env::new();
-    let holder = env.hold(&["--write", "app"], "started");
-    let ran = env.sentinel("ran");
-    let waiter = env.spawn([
-        "exec",
-        "--write",
-        "app",
-        "--write",
-        "other",
-        "--",
-        "touch",
-        ran.to_str().unwrap(),
-    ]);
-    env.wait_for_waiter("app");
-    waiter.signal(libc::SIGINT);
-    let out = waiter.finish();
-    assert_eq!(out.status.code(), Some(130), "{}", show(&out));
-    assert!(!ran.exists());
-    let entry = env.lock_entry("app").unwrap();
-    assert!(entry["waiters"].as_array().unwrap().is_empty(), "{entry}");
-    env.release("release");
-    holder.finish();
-    assert_eq!(
-        env.state("other"),
-        None,
-        "an image never written is not left behind"
-    );
-}
+// --- starts that fail -------------------------------------------------------
 
 #[test]
 fn a_command_that_cannot_start_leaves_nothing() {
@@ -303,6 +354,79 @@ fn a_command_that_cannot_start_leaves_nothing() {
     assert!(!env.root.join("img/new").exists());
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
+
+#[test]
+fn a_start_that_fails_leaves_no_directory_and_no_lock_file() {
+    let env = Env::new();
+    env.ok(["init"]);
+    // 'b' cannot be written (its directory is a symlink): 'a', created in
+    // the same transaction, must not stay behind without a row.
+    std::os::unix::fs::symlink("/tmp", env.root.join("img/b")).unwrap();
+    let out = env.run(["exec", "--write", "a", "--write", "b", "--", "true"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(!env.root.join("img/a").exists());
+    let out = env.ok(["init"]);
+    assert!(!stderr(&out).contains("adopted"), "{}", stderr(&out));
+    assert_eq!(env.state("a"), None);
+    // A refused read leaves no lock file for the image it would have made.
+    env.run(["exec", "--write", "broken", "--", "false"]);
+    let out = env.run(["exec", "--write", "app2", "--from", "broken", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(!env.lock_file("app2").exists());
+    assert!(!env.root.join("img/app2").exists());
+}
+
+#[test]
+fn a_start_that_fails_leaves_no_lock_file() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let out = env.run(["exec", "--write", "new", "--", "/nonexistent/command"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(!env.lock_file("new").exists());
+    // A read of a missing image next to a new write.
+    let out = env.run(["exec", "--write", "new", "--read", "zzz", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert!(!env.lock_file("new").exists());
+    assert_eq!(tree(&env.root.join("locks/images")), Vec::<String>::new());
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn starts_that_fail_leave_no_lock_file_or_gate() {
+    let env = Env::new();
+    // A start that fails: the command cannot be run.
+    let out = env.run(["exec", "--write", "new", "--", "/nonexistent/cmd"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(!env.lock_file("new").exists());
+    // A request that times out after it created a lock file for a new
+    // image earlier in the lock order.
+    let zzz = env.hold(&["--write", "zzz"], "zzz");
+    let out = env.run([
+        "exec", "--write", "aaa", "--write", "zzz", "--wait", "0.5", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(!env.lock_file("aaa").exists());
+    env.release("release");
+    assert_eq!(zzz.finish().status.code(), Some(0));
+    // A writer that waited (making the gate), then found the image gone
+    // (its holder's command deleted it) and could not start its command.
+    let mut args = vec!["exec".to_owned(), "--write".into(), "n".into(), "--".into()];
+    let mut hold = env.hold_cmd("n", "release-n");
+    hold[2] = format!("{}; rm -rf \"$STOWAGE_IMAGE_DIR\"", hold[2]);
+    args.extend(hold);
+    let holder = env.spawn(&args);
+    wait_for_file(&env.sentinel("n"));
+    let w = env.spawn(["exec", "--write", "n", "--", "/nonexistent/cmd"]);
+    env.wait_for_waiter("n");
+    env.release("release-n");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    assert_eq!(w.finish().status.code(), Some(1));
+    assert!(env.image("n").is_none());
+    assert!(!env.lock_file("n").exists());
+    assert!(!gate_file(&env, "n").exists());
+}
+
+// --- the command line -------------------------------------------------------
 
 #[test]
 fn bad_arguments_exit_64() {
@@ -334,111 +458,104 @@ fn bad_arguments_exit_64() {
 }
 
 #[test]
-fn waiting_for_an_image_burns_no_cpu() {
+fn a_command_without_the_double_dash_is_explained() {
     let env = Env::new();
-    let holder = env.hold(&["--write", "app"], "started");
-    let waiter = env.spawn(["exec", "--read", "app", "--wait", "600", "--", "true"]);
-    env.wait_for_waiter("app");
-    let before = cpu_ticks(waiter.pid());
-    std::thread::sleep(Duration::from_secs(2)); // the measurement window
-    let used = cpu_ticks(waiter.pid()) - before;
+    let out = env.run([
+        "exec", "--write", "app", "ch-image", "build", "-t", "app", ".",
+    ]);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("put the command after '--'"), "{err}");
     assert!(
-        used <= 5,
-        "a bounded waiter used {used} clock ticks of CPU in 2 s"
+        err.contains("exec --write app -- ch-image build -t app ."),
+        "{err}"
     );
-    env.release("release");
-    holder.finish();
-    assert_eq!(waiter.finish().status.code(), Some(0));
+    assert!(err.contains("usage: stowage exec"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(!env.root.exists(), "nothing created");
 }
 
 #[test]
-fn the_command_starts_with_no_signal_blocked() {
+fn typos_get_a_suggestion() {
     let env = Env::new();
-    let out = env.ok(["exec", "--", "grep", "SigBlk", "/proc/self/status"]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("0000000000000000"), "{text}");
+    for (args, want) in [
+        (&["exec", "--wirte", "app", "--", "true"][..], "'--write'"),
+        (&["image"][..], "'images'"),
+        (&["lock-status", "--wath", "1"][..], "'--watch'"),
+    ] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("did you mean {want}")),
+            "{args:?}: {err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
 }
 
 #[test]
-fn an_ignored_sighup_stays_ignored() {
-    // nohup (SIGHUP ignored): a hangup must neither stop the wait nor the command.
+fn times_take_units() {
     let env = Env::new();
-    env.make_image("app");
+    let out = env.run(["exec", "--write", "app", "--wait", "10s", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let out = env.run(["exec", "--write", "app", "--wait", "1.5", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    // A busy lock and a wait in milliseconds: 75 after the wait.
     let holder = env.hold(&["--write", "app"], "started");
-    let ran = env.sentinel("ran");
-    let mut c = std::process::Command::new("nohup");
-    c.arg(bin())
-        .arg("--root")
-        .arg(&env.root)
-        .args(["exec", "--read", "app", "--", "touch"])
-        .arg(&ran);
-    let waiter = Bg::from_command(c);
-    env.wait_for_waiter("app");
-    waiter.signal(libc::SIGHUP);
+    let out = env.run(["exec", "--write", "app", "--wait", "200ms", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     env.release("release");
     holder.finish();
-    let out = waiter.finish();
+    let out = env.run(["rm", "app", "--wait", "1m"]);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    assert!(ran.exists());
+    let out = env.run(["exec", "--write", "x", "--wait", "10 parsecs", "--", "true"]);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(stderr(&out).contains("--wait"), "{}", show(&out));
 }
 
+/// A new image whose writer failed before putting anything in its tree
+/// leaves no directory behind (builders that list the images directory,
+/// like `ch-image list`, trip over empty ones): the row stays, incomplete,
+/// as the contract says. A tree a failed writer did write stays for
+/// inspection, and an existing image's directory is never removed. The
+/// image without a tree is an ordinary incomplete image for every command.
 #[test]
-fn an_ignored_sigchld_does_not_lose_the_outcome() {
+fn a_failed_new_image_leaves_no_empty_directory() {
     let env = Env::new();
-    let mut c = std::process::Command::new("sh");
-    c.arg("-c")
-        .arg("trap '' CHLD; exec \"$0\" --root \"$1\" exec --write app -- sh -c 'exit 0'")
-        .arg(bin())
-        .arg(&env.root);
-    let out = output(c);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    assert_eq!(env.state("app").as_deref(), Some("ready"));
-}
-
-#[test]
-fn a_signal_before_the_command_starts_undoes_the_start() {
-    // The start transaction has marked 'base' writing (and created 'fresh');
-    // a SIGTERM then arrives while another process holds the global lock.
-    // The undo must still happen: base ready again, fresh gone.
-    let env = Env::new();
-    env.make_image("base");
-    let ran = env.sentinel("ran");
-    let exec = ["exec", "--write", "base", "--write", "fresh", "--", "touch"];
-    let (bg, _) = env.paused(
-        exec.into_iter().chain([ran.to_str().unwrap()]),
-        "exec-before-spawn",
-    );
-    let started = env.sentinel("global-held");
-    let global = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 0.5");
-    bg.signal(libc::SIGTERM);
-    let out = bg.finish();
-    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
-    global.finish();
-    assert!(!env.sentinel("ran").exists());
-    assert_eq!(env.state("base").as_deref(), Some("ready"));
-    assert_eq!(env.state("fresh"), None);
-    assert!(!env.root.join("img/fresh").exists());
-    let entry = env.lock_entry("base").unwrap();
-    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry}");
-}
-
-#[test]
-fn a_start_that_fails_leaves_no_directory_and_no_lock_file() {
-    let env = Env::new();
-    env.ok(["init"]);
-    // 'b' cannot be written (its directory is a symlink): 'a', created in
-    // the same transaction, must not stay behind without a row.
-    std::os::unix::fs::symlink("/tmp", env.root.join("img/b")).unwrap();
-    let out = env.run(["exec", "--write", "a", "--write", "b", "--", "true"]);
+    let img = env.root.join("img");
+    let out = env.run(["exec", "--write", "empty", "--", "false"]);
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
-    assert!(!env.root.join("img/a").exists());
-    let out = env.ok(["init"]);
-    assert!(!stderr(&out).contains("adopted"), "{}", stderr(&out));
-    assert_eq!(env.state("a"), None);
-    // A refused read leaves no lock file for the image it would have made.
-    env.run(["exec", "--write", "broken", "--", "false"]);
-    let out = env.run(["exec", "--write", "app2", "--from", "broken", "--", "true"]);
+    assert_eq!(env.state("empty").as_deref(), Some("incomplete"));
+    assert!(!img.join("empty").exists(), "{:?}", tree(&img));
+    assert_eq!(env.image("empty").unwrap()["size_bytes"], 0);
+    // What a failed writer wrote stays.
+    let out = env.run_sh("kept", "echo x > \"$STOWAGE_IMAGE_DIR/f\"; exit 3");
+    assert_eq!(out.status.code(), Some(3), "{}", show(&out));
+    assert!(img.join("kept/f").exists());
+    // An existing image's (empty) directory is not this write's to remove.
+    env.build("old", "true");
+    env.run(["exec", "--write", "old", "--", "false"]);
+    assert_eq!(env.state("old").as_deref(), Some("incomplete"));
+    assert!(img.join("old").is_dir());
+    // Reading it says it is not ready; doctor finds nothing wrong.
+    let out = env.run(["exec", "--read", "empty", "--", "true"]);
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
-    assert!(!env.lock_file("app2").exists());
-    assert!(!env.root.join("img/app2").exists());
+    let out = env.run(["doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    // Writing it again makes its directory anew.
+    env.build(
+        "empty",
+        "test -d \"$STOWAGE_IMAGE_DIR\" && touch \"$STOWAGE_IMAGE_DIR/g\"",
+    );
+    assert_eq!(env.state("empty").as_deref(), Some("ready"));
+    assert!(img.join("empty/g").exists());
+    // rm and gc remove such images like any other.
+    env.run(["exec", "--write", "gone1", "--", "false"]);
+    env.run(["exec", "--write", "gone2", "--", "false"]);
+    env.ok(["rm", "gone1"]);
+    env.ok(["gc"]);
+    assert_eq!(env.state("gone1"), None);
+    assert_eq!(env.state("gone2"), None);
+    assert!(!img.join("gone2").exists());
 }

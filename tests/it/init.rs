@@ -1,5 +1,7 @@
-//! `stowage init`: layout, adoption of existing image directories, and an
-//! images directory that stowage adds nothing of its own to.
+//! `stowage init`: the layout, adoption of existing image directories
+//! (as ready only where stowage never managed them), an images directory that
+//! stowage adds nothing of its own to and that may not be the root under
+//! another name, and a failed init that leaves no root.
 
 use std::fs;
 
@@ -27,7 +29,7 @@ fn adopts_charliecloud_named_directories() {
     fs::create_dir_all(img.join("team%app+v1")).unwrap();
     fs::write(img.join("team%app+v1/file"), "x").unwrap();
     // init takes what is there as ready, empty or not, in a directory
-    // stowage never managed (see files::init_adopts_as_ready_only_in_...).
+    // stowage never managed (see init_adopts_as_ready_only_in_...).
     fs::create_dir_all(img.join("empty")).unwrap();
     fs::create_dir_all(img.join("bad name")).unwrap();
     fs::write(img.join("notes.txt"), "not an image").unwrap();
@@ -145,4 +147,67 @@ fn an_images_directory_must_not_contain_the_root_nor_grow_missing_parents() {
         .filter(|p| !p.starts_with("root"))
         .collect();
     assert_eq!(after, before, "nothing created beside the root");
+}
+
+#[test]
+fn init_adopts_as_ready_only_in_a_directory_stowage_never_managed() {
+    let env = Env::new();
+    fs::create_dir_all(env.root.join("img/before")).unwrap();
+    fs::write(env.root.join("img/before/f"), "x").unwrap();
+    env.ok(["init"]);
+    assert_eq!(env.state("before").as_deref(), Some("ready"));
+    // Stowage manages this directory now: a tree appearing without a row
+    // may be anything (a failed build's leftovers).
+    fs::create_dir_all(env.root.join("img/after")).unwrap();
+    fs::write(env.root.join("img/after/f"), "x").unwrap();
+    let out = env.ok(["init"]);
+    assert!(stderr(&out).contains("incomplete"), "{}", show(&out));
+    assert_eq!(env.state("after").as_deref(), Some("incomplete"));
+}
+
+#[test]
+fn the_root_seen_through_a_bind_mount_or_a_symlink_is_no_images_directory() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let t = env.tmp.path();
+    // A symlink among the parents: the same directories under other names.
+    std::os::unix::fs::symlink(t, t.join("alias")).unwrap();
+    let via_link = t.join("alias/root");
+    let inside = t.join("alias/root/locks");
+    let mut tries = vec![via_link, inside, t.join("alias")];
+    // A bind mount of the root.
+    let bind = t.join("bind");
+    fs::create_dir(&bind).unwrap();
+    let _m = if is_root() {
+        Mount::at(&["--bind", env.root.to_str().unwrap()], &bind)
+    } else {
+        None
+    };
+    if _m.is_some() {
+        tries.push(bind.clone());
+    }
+    for dir in &tries {
+        let out = env.run(["init", "--images-dir", dir.to_str().unwrap()]);
+        assert_eq!(code(&out), Some(1), "{dir:?}: {}", show(&out));
+        assert!(stderr(&out).contains("root"), "{dir:?}: {}", show(&out));
+        assert!(env.images_json().is_empty(), "{dir:?}: {}", show(&out));
+    }
+    for d in ["locks", "img", "trash"] {
+        assert!(env.root.join(d).is_dir());
+    }
+    // The default images directory named explicitly is still fine.
+    env.ok([
+        "init",
+        "--images-dir",
+        env.root.join("img").to_str().unwrap(),
+    ]);
+}
+
+#[test]
+fn a_failed_init_leaves_no_root() {
+    let env = Env::new();
+    let out = env.run(["init", "--images-dir", "/nonexistent-stowage-it/img"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("parent"), "{}", show(&out));
+    assert!(!env.root.exists());
 }

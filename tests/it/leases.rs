@@ -1,13 +1,20 @@
-//! Holders in other pid namespaces and on other "hosts" (UTS namespaces):
-//! real namespaces made with `unshare --pid --fork --uts --mount-proc`, each
-//! with its own /proc, so its lock table hides every lock taken outside it
-//! and its pids mean nothing outside. Killing a namespace's init kills every
-//! process in it at once: a host crash. Needs root; skipped (with the
-//! reason printed) where namespaces cannot be made.
+//! Holder leases and holders on other hosts: each stowage process's lease
+//! (where it goes, how it names a holder that left no record), holders in
+//! other pid namespaces and on other "hosts" (UTS namespaces), and attacks on
+//! leases (planted lease files, commands that drop the lease they inherited).
+//!
+//! The hosts are real namespaces made with `unshare --pid --fork --uts
+//! --mount-proc`, each with its own /proc, so its lock table hides every lock
+//! taken outside it and its pids mean nothing outside. Killing a namespace's
+//! init kills every process in it at once: a host crash. Needs root; skipped
+//! (with the reason printed) where namespaces cannot be made.
 
 use std::collections::HashSet;
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -30,58 +37,11 @@ fn namespaces() -> bool {
     ok
 }
 
-fn our_hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .unwrap()
-        .trim()
-        .to_owned()
-}
-
 /// A "host": a new pid, UTS and mount namespace (own /proc) named
 /// `hostname` (None: ours, as a container on this host has), whose init is
 /// `sh`, running `stowage ARGS` and waiting for it.
 struct Host {
     bg: Bg,
-}
-
-/// `unshare … sh -c 'hostname NAME; "$@"' sh PROGRAM ARGS…`
-fn in_namespace(hostname: Option<&str>, program: &[String]) -> Command {
-    in_lingering_namespace(hostname, program, None)
-}
-
-/// Like [`in_namespace`], but the namespace's init (sh, pid 1) stays until
-/// file `linger` exists: when the init ends, the kernel kills the whole
-/// namespace, so a namespace that must outlive its stowage needs one.
-fn in_lingering_namespace(
-    hostname: Option<&str>,
-    program: &[String],
-    linger: Option<&Path>,
-) -> Command {
-    let mut c = Command::new("unshare");
-    c.args(["--pid", "--fork", "--uts", "--mount-proc", "sh", "-c"]);
-    let name = hostname.map_or(String::new(), |h| format!("hostname '{h}' && "));
-    let wait = linger.map_or(String::new(), |f| {
-        format!(
-            "i=0; while [ ! -e '{}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; ",
-            f.display()
-        )
-    });
-    c.arg(format!("{name}\"$@\"; st=$?; {wait}exit $st"));
-    c.arg("sh").args(program);
-    c.env_remove("STOWAGE_ROOT")
-        .env_remove("STOWAGE_HOSTNAME")
-        .env_remove("STOWAGE_NOW");
-    c
-}
-
-fn stowage_argv(env: &Env, args: &[String]) -> Vec<String> {
-    let mut v = vec![
-        bin().to_owned(),
-        "--root".into(),
-        env.root.display().to_string(),
-    ];
-    v.extend(args.iter().cloned());
-    v
 }
 
 impl Host {
@@ -140,6 +100,46 @@ impl Host {
         let out = self.bg.finish();
         assert!(!out.status.success(), "the namespace was killed");
     }
+}
+
+/// `unshare … sh -c 'hostname NAME; "$@"' sh PROGRAM ARGS…`
+fn in_namespace(hostname: Option<&str>, program: &[String]) -> Command {
+    in_lingering_namespace(hostname, program, None)
+}
+
+/// Like [`in_namespace`], but the namespace's init (sh, pid 1) stays until
+/// file `linger` exists: when the init ends, the kernel kills the whole
+/// namespace, so a namespace that must outlive its stowage needs one.
+fn in_lingering_namespace(
+    hostname: Option<&str>,
+    program: &[String],
+    linger: Option<&Path>,
+) -> Command {
+    let mut c = Command::new("unshare");
+    c.args(["--pid", "--fork", "--uts", "--mount-proc", "sh", "-c"]);
+    let name = hostname.map_or(String::new(), |h| format!("hostname '{h}' && "));
+    let wait = linger.map_or(String::new(), |f| {
+        format!(
+            "i=0; while [ ! -e '{}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; ",
+            f.display()
+        )
+    });
+    c.arg(format!("{name}\"$@\"; st=$?; {wait}exit $st"));
+    c.arg("sh").args(program);
+    c.env_remove("STOWAGE_ROOT")
+        .env_remove("STOWAGE_HOSTNAME")
+        .env_remove("STOWAGE_NOW");
+    c
+}
+
+fn stowage_argv(env: &Env, args: &[String]) -> Vec<String> {
+    let mut v = vec![
+        bin().to_owned(),
+        "--root".into(),
+        env.root.display().to_string(),
+    ];
+    v.extend(args.iter().cloned());
+    v
 }
 
 /// `lock-status --json IMAGE` run from a third "host".
@@ -488,15 +488,9 @@ fn torture_hosts() {
     if !namespaces() {
         return;
     }
-    let num = |name: &str, default: u64| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(default)
-    };
-    let hosts = num("STOWAGE_STRESS_HOSTS", 3).max(1) as usize;
-    let secs = num("STOWAGE_STRESS_SECS", 10);
-    let seed = num("STOWAGE_STRESS_SEED", fastrand::u64(..));
+    let hosts = env_num("STOWAGE_STRESS_HOSTS", 3).max(1) as usize;
+    let secs = env_num("STOWAGE_STRESS_SECS", 10);
+    let seed = env_num("STOWAGE_STRESS_SEED", fastrand::u64(..));
     eprintln!("stress --hosts: {hosts} hosts, {secs} s, seed {seed}");
     let mut rng = fastrand::Rng::with_seed(seed);
     let env = Env::new();
@@ -700,4 +694,152 @@ fn a_slot_holder_in_a_container_is_listed_once() {
     }
     env.release("release");
     drop(container);
+}
+
+// --- attacks on leases ------------------------------------------------------
+
+/// Holds `path` exclusively, from this (test) process.
+fn hold(path: &std::path::Path) -> stowage::lock::Guard {
+    stowage::lock::acquire_no_wait(
+        path,
+        stowage::lock::Mode::Exclusive,
+        stowage::lock::IfMissing::Fail,
+    )
+    .unwrap()
+    .expect("free")
+}
+
+#[test]
+fn a_planted_fifo_lease_does_not_hang_lock_status() {
+    let env = Env::new();
+    env.make_image("app");
+    // Someone who can write locks/leases plants a FIFO under a lease's name,
+    // holds it exclusively (as an owner holds its lease) and holds an image
+    // lock, so that lock-status looks for the identity of the lock's taker
+    // in that "lease".
+    let fifo = env.root.join("locks/leases/evil.lease");
+    let c = CString::new(fifo.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+    // Opened read-write (as lock files are): a FIFO opened so never
+    // blocks, and counts as its own writer, so a reader would wait for data
+    // for good.
+    let planted = hold(&fifo);
+    let image = hold(&env.lock_file("app"));
+
+    let mut c = env.cmd(["lock-status", "--json", "app"]);
+    std::os::unix::process::CommandExt::process_group(&mut c, 0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = wait_output(c.spawn().unwrap(), Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let entry = v["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "image" && l["name"] == "app")
+        .cloned()
+        .unwrap();
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "still shown held: {entry:#}");
+    assert_eq!(holders[0]["pid"], std::process::id(), "{entry:#}");
+    assert_eq!(holders[0]["stowage"], false, "{entry:#}");
+    drop((planted, image));
+}
+
+#[test]
+fn a_command_that_closes_its_lease_stays_the_recorded_holder_after_stowage_dies() {
+    let env = Env::new();
+    env.make_image("app");
+    // A command that closes every descriptor it inherited but its image lock
+    // (closefrom, a daemon's hygiene): stowage's lease then lives only in
+    // stowage itself.
+    let started = env.sentinel("started");
+    let release = env.sentinel("release");
+    let script = format!(
+        "for fd in /proc/$$/fd/*; do case $(readlink \"$fd\") in */locks/leases/*) eval \"exec ${{fd##*/}}>&-\";; esac; done; \
+         touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+        s = started.display(),
+        r = release.display()
+    );
+    let mut bg = env.spawn([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "bash",
+        "-c",
+        &script,
+        "closes-its-lease",
+    ]);
+    wait_for_file(&started);
+    let stowage = bg.pid();
+    // SIGKILL stowage only: the command keeps the image lock, not the lease.
+    bg.signal(libc::SIGKILL);
+    let _ = bg.child.as_mut().unwrap().wait();
+    assert!(!flock_free(&env.lock_file("app")), "the command holds it");
+    let entry = env.lock_entry("app").unwrap();
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{entry:#}");
+    assert_eq!(holders[0]["stowage"], true, "not an outsider: {entry:#}");
+    assert_eq!(holders[0]["pid"], stowage, "{entry:#}");
+    assert!(
+        holders[0]["command"]
+            .as_str()
+            .is_some_and(|c| c.contains("closes-its-lease")),
+        "the record stands: {entry:#}"
+    );
+    assert_eq!(entry["state"], "exclusive", "{entry:#}");
+    // The command ends: its record goes, and the image is incomplete.
+    env.release("release");
+    wait_until("the command released the image lock", || {
+        flock_free(&env.lock_file("app"))
+    });
+    let entry = env.lock_entry("app").unwrap();
+    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry:#}");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    bg.kill_all();
+}
+
+#[test]
+fn a_planted_leases_symlink_gets_no_lease_made_through_it() {
+    let env = Env::new();
+    env.make_image("app");
+    // Someone who can write locks/ points locks/leases at another directory.
+    let victim = env.scratch.join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    let leases = env.root.join("locks/leases");
+    let _ = std::fs::remove_dir_all(&leases);
+    std::os::unix::fs::symlink(&victim, &leases).unwrap();
+    // Every process that locks makes a lease: exec, rm, gc.
+    let listing = env.sentinel("listing");
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &format!("ls -A '{}' > '{}'", victim.display(), listing.display()),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(
+        std::fs::read_to_string(&listing).unwrap(),
+        "",
+        "no lease made outside the root while the command ran"
+    );
+    env.ok(["gc"]);
+    env.ok(["rm", "app"]);
+    assert!(
+        std::fs::read_dir(&victim).unwrap().next().is_none(),
+        "nothing created outside the root"
+    );
+    assert!(
+        std::fs::symlink_metadata(&leases)
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "left for doctor to name"
+    );
 }

@@ -1,30 +1,57 @@
 //! Integration tests: the real binary, real processes, a real directory.
 //! One test binary with modules keeps link time down.
+//!
+//! The modules are organised one way, by capability: a test lives with the
+//! capability it exercises, whatever defect it guards against.
+//!
+//! - `exec`: running a command — exit status, the state a write records,
+//!   the command's environment, starts that fail, exec's command line
+//! - `locking`: image locks — waits, the writer gate and fairness,
+//!   concurrency, exclusive reads, nested calls
+//! - `slots`: slot classes, their limits and their waiters
+//! - `store_wide`: `exec --store-wide` and the calls nested inside it
+//! - `clone`: `--from`, the copy of a base
+//! - `rm`, `gc`, `doctor`, `init`, `migration`: those commands
+//! - `status`: what `lock-status` and `images` show
+//! - `names`: image names valid and invalid
+//! - `leases`: holder leases and holders on other hosts
+//! - `signals`: signals and crashes of stowage, its command and its waiters
+//! - `hostile`: a hostile or broken environment — planted links, foreign
+//!   roots, read-only and full filesystems, outside programs
+//! - `filesystems`: where the images live — other filesystems, unmounted
+//!   ones, mounts inside trees, network and cluster filesystems
+//! - `charliecloud`, `runtimes`: stowage around real builders and runtimes
+//! - `shell`: completion scripts and manual pages
+//! - `docs`: every example in the documentation runs
+//! - `stress`: a randomized torture run with an independent checker
+//!
+//! Where two homes seem to fit, the narrower wins: a crash in the middle of
+//! rm's, gc's, a copy's or doctor's own work lives with that command (and
+//! `signals` holds those of exec and its command); a planted link or a
+//! foreign owner lives in `hostile`, a mount in `filesystems`, a call nested
+//! in a store-wide command in `store_wide`. Setup that more than one module
+//! needs is in `common`, once.
 
 mod common;
 
-mod adversarial_files;
-mod adversarial_leases;
-mod adversarial_procs;
 mod charliecloud;
-mod concurrency;
-mod crash;
-mod data;
+mod clone;
 mod docs;
+mod doctor;
 mod exec;
-mod fairness;
-mod files;
+mod filesystems;
+mod gc;
 mod hostile;
 mod init;
 mod leases;
-mod lifecycle;
-mod lock_status;
-mod locks;
+mod locking;
 mod migration;
 mod names;
-mod procs;
+mod rm;
 mod runtimes;
 mod shell;
+mod signals;
 mod slots;
+mod status;
 mod store_wide;
 mod stress;

@@ -1,5 +1,5 @@
 //! Schema migration is a store-wide operation: it waits until no image
-//! lock is held, so a process of an older release that holds an image lock
+//! lock or slot is held, so a process of an older release that holds one
 //! finishes against the schema it knows.
 
 use std::fs;
@@ -91,4 +91,44 @@ fn rm_as_the_first_command_after_an_upgrade_migrates_first() {
     env.ok(["rm", "old"]);
     assert_eq!(schema_version(&env), 4);
     assert_eq!(env.state("old"), None);
+}
+
+#[test]
+fn migration_waits_for_an_older_release_holding_only_a_slot() {
+    let env = Env::new();
+    let old = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "2");
+        c
+    };
+    assert_eq!(
+        output(old(&["slots", "set", "one", "1"])).status.code(),
+        Some(0)
+    );
+    // The older release holds a slot and no image lock.
+    let mut args = vec!["exec", "--slot", "one", "--"];
+    let hold = env.hold_cmd("started", "release");
+    args.extend(hold.iter().map(String::as_str));
+    let holder = Bg::from_command(old(&args));
+    wait_for_file(&env.sentinel("started"));
+    // The newer one must migrate, and so must wait for that slot.
+    let log = env.sentinel("new.log");
+    let mut c = env.cmd(["images"]);
+    c.stderr(std::process::Stdio::from(fs::File::create(&log).unwrap()));
+    let mut new = Bg::from_command_keep_stderr(c);
+    wait_until(
+        "the newer release waits for the slot, or has migrated",
+        || !new.is_running() || fs::read_to_string(&log).unwrap().contains("waiting for"),
+    );
+    assert!(
+        fs::read_to_string(&log)
+            .unwrap()
+            .contains("slot 0 of class 'one'"),
+        "{}",
+        fs::read_to_string(&log).unwrap()
+    );
+    env.release("release");
+    let out = holder.finish();
+    assert_eq!(out.status.code(), Some(0), "older holder: {}", show(&out));
+    assert_eq!(new.finish().status.code(), Some(0));
 }

@@ -1,5 +1,5 @@
 //! Every invalid-name rule: exit 64, the rule named, nothing created or
-//! deleted anywhere.
+//! deleted anywhere; and the valid references, encoded like Charliecloud's.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -77,6 +77,19 @@ fn non_utf8_name_exits_64() {
     assert_eq!(out.status.code(), Some(64), "{}", show(&out));
     assert!(stderr(&out).contains("UTF-8"));
     assert!(!env.root.exists());
+}
+
+#[test]
+fn a_trailing_slash_is_an_invalid_name() {
+    let env = Env::new();
+    let out = env.run(["exec", "--write", "q/", "--", "true"]);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("may not end with '/'"),
+        "{}",
+        show(&out)
+    );
+    assert!(!env.root.join("img").exists(), "nothing created");
 }
 
 #[test]

@@ -1,4 +1,6 @@
-//! Slots: counting semaphores per class, with a reserve for high priority.
+//! Slots: counting semaphores per class, with a reserve for high priority,
+//! waits for a slot, and limits changed or classes removed while holders and
+//! waiters are there.
 
 use std::fs;
 use std::time::Duration;
@@ -346,4 +348,124 @@ fn a_slot_released_by_flock_1_wakes_its_waiter() {
         took < Duration::from_secs(10),
         "the waiter slept through the release ({took:?})"
     );
+}
+
+// --- a changing configuration -----------------------------------------------
+
+#[test]
+fn a_raised_or_lifted_slot_limit_lets_queued_waiters_in() {
+    let env = Env::new();
+    env.ok(["slots", "set", "one", "1"]);
+    let mut holder = env.hold_until(&["--slot", "one"], "held", "release");
+    let first = env.spawn(["exec", "--slot", "one", "--", "true"]);
+    env.wait_for_slot_waiters("one", 1);
+    env.ok(["slots", "set", "one", "2"]);
+    let out = first.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(
+        holder.is_running(),
+        "the raised limit let the waiter in, not the holder's end"
+    );
+
+    let second = env.hold_until(&["--slot", "one"], "second", "release");
+    let third = env.spawn(["exec", "--slot", "one", "--", "true"]);
+    env.wait_for_slot_waiters("one", 1);
+    env.ok(["slots", "set", "one", "0"]);
+    let out = third.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(holder.is_running());
+    env.release("release");
+    for bg in [holder, second] {
+        assert_eq!(bg.finish().status.code(), Some(0));
+    }
+}
+
+#[test]
+fn a_lowered_slot_limit_binds_queued_waiters() {
+    let env = Env::new();
+    env.ok(["slots", "set", "two", "2"]);
+    let a = env.hold_until(&["--slot", "two"], "a", "release-a");
+    let b = env.hold_until(&["--slot", "two"], "b", "release-b");
+    let waiter = env.spawn([
+        "exec",
+        "--slot",
+        "two",
+        "--",
+        "touch",
+        env.sentinel("waiter-ran").to_str().unwrap(),
+    ]);
+    env.wait_for_slot_waiters("two", 1);
+    env.ok(["slots", "set", "two", "1"]);
+    env.release("release-a");
+    assert_eq!(a.finish().status.code(), Some(0));
+    // One slot is still in use (b keeps it), and the limit is 1 now: the
+    // waiter must stay out however often it is woken. Watch it a while.
+    for _ in 0..20 {
+        let e = env.slot_entry("two").unwrap();
+        assert_eq!(e["in_use"], 1, "{e}");
+        assert!(
+            !env.sentinel("waiter-ran").exists(),
+            "the lowered limit did not bind the waiter"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    env.release("release-b");
+    assert_eq!(b.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(env.sentinel("waiter-ran").exists());
+}
+
+#[test]
+fn a_removed_class_shows_its_holders_until_they_end_and_ends_its_waits() {
+    let env = Env::new();
+    env.ok(["slots", "set", "one", "1"]);
+    let holder = env.hold_until(&["--slot", "one"], "held", "release");
+    let waiter = env.spawn(["exec", "--slot", "one", "--", "true"]);
+    env.wait_for_slot_waiters("one", 1);
+    env.ok(["slots", "rm", "one"]);
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("removed while waiting"),
+        "{}",
+        show(&out)
+    );
+    let e = env
+        .slot_entry("one")
+        .expect("the removed class is shown while held");
+    assert_eq!(e["holders"].as_array().unwrap().len(), 1, "{e}");
+    let text = String::from_utf8_lossy(&env.ok(["lock-status"]).stdout).into_owned();
+    assert!(text.contains("one (removed)"), "{text}");
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    assert!(env.slot_entry("one").is_none());
+}
+
+#[test]
+fn a_slot_waiter_under_a_pids_limit_still_waits_and_gets_in() {
+    let env = Env::new();
+    // Four tasks: stowage, its signal thread, the command, and one spare.
+    // A helper thread per slot file (eight here) cannot start.
+    let Some(cg) = PidsCgroup::new(4) else {
+        return;
+    };
+    env.ok(["slots", "set", "eight", "8"]);
+    let holders: Vec<Bg> = (0..8)
+        .map(|i| env.hold_until(&["--slot", "eight"], &format!("h{i}"), "release"))
+        .collect();
+    let waiter = Bg::from_command(cg.wrap(&format!(
+        "'{bin}' --root '{root}' exec --slot eight -- touch '{ran}'",
+        bin = bin(),
+        root = env.root.display(),
+        ran = env.sentinel("ran").display()
+    )));
+    env.wait_for_slot_waiters("eight", 1);
+    env.release("release");
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(env.sentinel("ran").exists());
+    for h in holders {
+        assert_eq!(h.finish().status.code(), Some(0));
+    }
 }

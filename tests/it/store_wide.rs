@@ -1,7 +1,7 @@
-//! `exec --store-wide` and `exec --read-exclusive`, with the real binary.
-//!
-//! A store-wide command runs while no image lock is held or granted; an
-//! exclusive read locks an image as a writer would but leaves its state.
+//! `exec --store-wide`: a command that runs while no image lock is held or
+//! granted — waited for by new image users, bounded waits and refused
+//! removals, a killed holder that blocks nobody, images it deleted forgotten,
+//! and calls of stowage nested inside it or inside a command it waits for.
 
 use std::fs;
 
@@ -97,35 +97,6 @@ fn a_store_wide_command_waits_for_image_users_and_new_ones_wait_for_it() {
 }
 
 #[test]
-fn a_store_wide_command_may_call_stowage_itself() {
-    let env = Env::new();
-    env.make_image("a");
-    // The command (a wrapper script) runs stowage again: it is inside the
-    // hold and goes ahead instead of waiting for itself.
-    let out = env.run([
-        "exec",
-        "--wait",
-        "20",
-        "--store-wide",
-        "--",
-        bin(),
-        "--root",
-        env.root.to_str().unwrap(),
-        "exec",
-        "--wait",
-        "20",
-        "--read",
-        "a",
-        "--write",
-        "c",
-        "--",
-        "true",
-    ]);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    assert_eq!(env.state("c").as_deref(), Some("ready"));
-}
-
-#[test]
 fn image_users_do_not_wait_past_their_bound_and_removals_are_refused() {
     let env = Env::new();
     env.make_image("a");
@@ -181,81 +152,138 @@ fn a_killed_store_wide_holder_blocks_nobody() {
     assert!(out.status.success(), "{}", show(&out));
 }
 
+/// Images whose trees a store-wide command removed are forgotten when it
+/// ends — unless the images directory looks unmounted (empty while images
+/// are recorded), which says nothing about the trees.
 #[test]
-fn read_exclusive_excludes_others_and_keeps_the_state() {
+fn images_a_store_wide_command_deleted_are_forgotten() {
     let env = Env::new();
-    env.make_image("base");
-    let holder = env.hold(&["--read-exclusive", "base", "--write", "app"], "held");
-    let st = env.lock_entry("base").unwrap();
-    assert_eq!(st["state"], "exclusive", "{st}");
-    assert_eq!(st["image_state"], "ready", "{st}");
-    let out = env.run(["exec", "--no-wait", "--read", "base", "--", "true"]);
-    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
-    let out = env.run([
+    env.make_image("a");
+    env.make_image("b");
+    let img = env.root.join("img");
+    let out = env.ok([
         "exec",
-        "--wait",
-        "0.2",
-        "--read-exclusive",
-        "base",
+        "--store-wide",
         "--",
-        "true",
+        "rm",
+        "-rf",
+        img.join("a").to_str().unwrap(),
     ]);
-    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     assert!(
-        stderr(&out).contains("waiting for exclusive read lock on image 'base'"),
+        stderr(&out).contains("image 'a' was deleted by the store-wide command"),
         "{}",
         show(&out)
     );
-    env.release("release");
-    assert_eq!(holder.finish().status.code(), Some(0));
-    assert_eq!(env.image("app").unwrap()["base"], "base");
-
-    // A failed command leaves its exclusively read image ready, and records
-    // the use.
-    let mut c = env.cmd(["exec", "--read-exclusive", "base", "--", "false"]);
-    c.env("STOWAGE_NOW", "2031-01-01T00:00:00Z");
-    assert_eq!(output(c).status.code(), Some(1));
-    let img = env.image("base").unwrap();
-    assert_eq!(img["state"], "ready", "{img}");
-    assert_eq!(img["last_used"], "2031-01-01T00:00:00Z", "{img}");
-    // STOWAGE_IMAGE_DIR is for the written image only.
+    assert!(env.image("a").is_none());
+    assert!(!env.lock_file("a").exists());
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+    // Everything gone at once looks like an unmounted directory: kept.
     let out = env.ok([
         "exec",
-        "--read-exclusive",
-        "base",
+        "--store-wide",
         "--",
-        "sh",
-        "-c",
-        "test -z \"${STOWAGE_IMAGE_DIR-}\"",
+        "rm",
+        "-rf",
+        img.join("b").to_str().unwrap(),
     ]);
-    assert!(out.status.success());
+    assert!(stderr(&out).contains("is it mounted?"), "{}", show(&out));
+    assert!(env.image("b").is_some());
+    env.ok(["exec", "--write", "c", "--", "true"]);
+}
+
+// --- nested calls -----------------------------------------------------------
+
+#[test]
+fn a_store_wide_command_may_call_stowage_itself() {
+    let env = Env::new();
+    env.make_image("a");
+    // The command (a wrapper script) runs stowage again: it is inside the
+    // hold and goes ahead instead of waiting for itself.
+    let out = env.run([
+        "exec",
+        "--wait",
+        "20",
+        "--store-wide",
+        "--",
+        bin(),
+        "--root",
+        env.root.to_str().unwrap(),
+        "exec",
+        "--wait",
+        "20",
+        "--read",
+        "a",
+        "--write",
+        "c",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("c").as_deref(), Some("ready"));
+}
+
+/// `stowage --root ROOT exec ARGS…` as a command line for an outer exec.
+fn inner(env: &Env, args: &[&str]) -> Vec<String> {
+    let mut v = vec![
+        bin().to_owned(),
+        "--root".into(),
+        env.root.to_str().unwrap().to_owned(),
+    ];
+    v.extend(args.iter().map(|a| a.to_string()));
+    v
 }
 
 #[test]
-fn read_exclusive_refuses_what_cannot_be_read() {
+fn a_no_inherit_store_wide_command_may_call_stowage_itself() {
     let env = Env::new();
-    env.make_image("base");
-    let before = tree(&env.root);
-    let out = env.run(["exec", "--read-exclusive", "missing", "--", "true"]);
-    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
-    assert_eq!(tree(&env.root), before, "created something");
-    env.run(["exec", "--write", "bad", "--", "false"]);
-    let out = env.run(["exec", "--read-exclusive", "bad", "--", "true"]);
-    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
-    assert_eq!(env.state("bad").as_deref(), Some("incomplete"));
-    for args in [
-        &["--read-exclusive", "base", "--read", "base"][..],
-        &["--read-exclusive", "base", "--write", "base"][..],
-        &["--read-exclusive", "base", "--from", "base", "--write", "x"][..],
-        &["--store-wide", "--read", "base"][..],
-    ] {
-        let mut a = vec!["exec"];
-        a.extend_from_slice(args);
-        a.extend(["--", "true"]);
-        let out = env.run(&a);
-        assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
+    env.make_image("a");
+    // The keeper keeps the store's lease, not the command: the nested
+    // exec is still inside the hold (its ancestor holds it) and must go
+    // ahead rather than wait for the hold that waits for it.
+    let mut args: Vec<String> = ["exec", "--no-inherit", "--store-wide", "--"]
+        .map(String::from)
+        .to_vec();
+    args.extend(inner(
+        &env,
+        &[
+            "exec", "--wait", "20", "--read", "a", "--write", "c", "--", "true",
+        ],
+    ));
+    let out = env.run(&args);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("c").as_deref(), Some("ready"));
+
+    // A removal inside it is inside the hold too.
+    let mut args: Vec<String> = ["exec", "--no-inherit", "--store-wide", "--"]
+        .map(String::from)
+        .to_vec();
+    args.extend(inner(&env, &["rm", "--wait", "20", "c"]));
+    let out = env.run(&args);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("c"), None);
+}
+
+#[test]
+fn a_store_wide_command_inside_another_fails_at_once() {
+    for no_inherit in [false, true] {
+        let env = Env::new();
+        let mut args: Vec<String> = vec!["exec".into()];
+        if no_inherit {
+            args.push("--no-inherit".into());
+        }
+        args.extend(["--store-wide".into(), "--".into()]);
+        args.extend(inner(
+            &env,
+            &["exec", "--wait", "20", "--store-wide", "--", "true"],
+        ));
+        let out = env.run(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+        assert!(
+            err.contains("enclosing command") && !err.contains("waiting for the store-wide"),
+            "no-inherit {no_inherit}: should fail at once naming the enclosing hold: {err}"
+        );
     }
-    assert!(env.image("x").is_none());
 }
 
 /// The scenario of the nested-call tests, for an outer exec with `flags`:
@@ -263,7 +291,7 @@ fn read_exclusive_refuses_what_cannot_be_read() {
 /// `a`, calls stowage again to read `b`. That nested call must go ahead
 /// (waiting for the hold would wait for itself), the outer exec succeed,
 /// and the hold start and succeed once it is done.
-pub(crate) fn nested_exec_goes_ahead_of_a_hold_waiting_for_its_parent(env: &Env, flags: &[&str]) {
+fn nested_exec_goes_ahead_of_a_hold_waiting_for_its_parent(env: &Env, flags: &[&str]) {
     env.make_image("a");
     env.make_image("b");
     let nested = format!(
@@ -308,41 +336,11 @@ fn a_nested_exec_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
     assert_eq!(wide.finish().status.code(), Some(0));
 }
 
-/// Images whose trees a store-wide command removed are forgotten when it
-/// ends — unless the images directory looks unmounted (empty while images
-/// are recorded), which says nothing about the trees.
 #[test]
-fn images_a_store_wide_command_deleted_are_forgotten() {
+fn a_nested_exec_under_no_inherit_is_not_held_back_by_a_hold_that_waits_for_its_parent() {
     let env = Env::new();
-    env.make_image("a");
-    env.make_image("b");
-    let img = env.root.join("img");
-    let out = env.ok([
-        "exec",
-        "--store-wide",
-        "--",
-        "rm",
-        "-rf",
-        img.join("a").to_str().unwrap(),
-    ]);
-    assert!(
-        stderr(&out).contains("image 'a' was deleted by the store-wide command"),
-        "{}",
-        show(&out)
-    );
-    assert!(env.image("a").is_none());
-    assert!(!env.lock_file("a").exists());
-    assert_eq!(env.state("b").as_deref(), Some("ready"));
-    // Everything gone at once looks like an unmounted directory: kept.
-    let out = env.ok([
-        "exec",
-        "--store-wide",
-        "--",
-        "rm",
-        "-rf",
-        img.join("b").to_str().unwrap(),
-    ]);
-    assert!(stderr(&out).contains("is it mounted?"), "{}", show(&out));
-    assert!(env.image("b").is_some());
-    env.ok(["exec", "--write", "c", "--", "true"]);
+    // The outer exec keeps its locks from the command (--no-inherit): the
+    // nested call holds no descriptor, yet its parent's lock on 'a' is what
+    // the store-wide hold waits for.
+    nested_exec_goes_ahead_of_a_hold_waiting_for_its_parent(&env, &["--no-inherit"]);
 }

@@ -33,13 +33,6 @@ const POOL: [&str; 8] = [
 ];
 const FILES: usize = 8;
 
-fn env_num(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// The shell functions the commands run. `w DIR TOKEN` writes an image
 /// (detecting another live writer), `r DIR` checks one (detecting a live
 /// writer and torn content). Violations are appended to $V.
@@ -439,22 +432,4 @@ fn torture() {
     );
     assert!(total > workers, "seed {seed}: the run did almost nothing");
     let _ = HashMap::<u8, u8>::new();
-}
-
-fn walkdir_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_owned()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                stack.push(e.path());
-            } else {
-                out.push(e.path());
-            }
-        }
-    }
-    out
 }

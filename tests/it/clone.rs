@@ -1,0 +1,549 @@
+//! `exec --write IMAGE --from BASE`: the copy of a base a writer starts
+//! from — faithful (modes, owners, links, holes, attributes, trees deeper than
+//! PATH_MAX), shared extents where the filesystem can, the base locked only
+//! for the copy, and a copy killed, stopped or followed by a command that
+//! cannot start is never ready.
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::process::Command;
+
+use crate::common::*;
+
+/// A base image with the awkward things a root filesystem has.
+fn make_rich_base(env: &Env, outside: &Path) {
+    let script = format!(
+        "set -e; cd \"$STOWAGE_IMAGE_DIR\"; mkdir -p bin etc/private empty; \
+         printf 'tool' > bin/tool; chmod 4755 bin/tool; ln bin/tool bin/tool-again; \
+         printf 'secret' > etc/private/key; chmod 0640 etc/private/key; chmod 0750 etc/private; \
+         ln -s '{}' escape; ln -s ../bin/tool etc/tool-link; mkfifo pipe; \
+         touch -d '2020-01-02 03:04:05' etc/private/key",
+        outside.display()
+    );
+    env.build("base", &script);
+}
+
+#[test]
+fn a_clone_is_a_faithful_copy_sharing_no_inode() {
+    let env = Env::new();
+    let outside = env.tmp.path().join("outside.txt");
+    fs::write(&outside, "outside").unwrap();
+    make_rich_base(&env, &outside);
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+
+    let base = env.root.join("img/base");
+    let app = env.root.join("img/app");
+    let mut count = 0;
+    for entry in walkdir(&base) {
+        let rel = entry.strip_prefix(&base).unwrap();
+        let (a, b) = (
+            fs::symlink_metadata(&entry).unwrap(),
+            fs::symlink_metadata(app.join(rel)).unwrap(),
+        );
+        assert_eq!(a.file_type(), b.file_type(), "{rel:?}");
+        assert_eq!(a.mode(), b.mode(), "{rel:?} mode");
+        assert_eq!(a.uid(), b.uid(), "{rel:?} owner");
+        if !a.file_type().is_symlink() {
+            assert_eq!(a.mtime(), b.mtime(), "{rel:?} mtime");
+        }
+        if a.is_file() {
+            assert_eq!(
+                fs::read(&entry).unwrap(),
+                fs::read(app.join(rel)).unwrap(),
+                "{rel:?}"
+            );
+            assert_ne!(a.ino(), b.ino(), "{rel:?} shares an inode with the base");
+        }
+        if a.file_type().is_symlink() {
+            assert_eq!(
+                fs::read_link(&entry).unwrap(),
+                fs::read_link(app.join(rel)).unwrap()
+            );
+        }
+        count += 1;
+    }
+    assert!(count >= 9, "walked {count} entries");
+    let t1 = fs::metadata(app.join("bin/tool")).unwrap();
+    let t2 = fs::metadata(app.join("bin/tool-again")).unwrap();
+    assert_eq!(
+        t1.ino(),
+        t2.ino(),
+        "hard links stay hard links within the copy"
+    );
+    assert_eq!(t1.mode() & 0o7777, 0o4755);
+    assert_eq!(
+        fs::read_to_string(&outside).unwrap(),
+        "outside",
+        "a symlink out is copied, not followed"
+    );
+    assert_eq!(
+        env.image("app").unwrap()["base"],
+        "base",
+        "lineage recorded"
+    );
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn a_clone_keeps_device_nodes_and_ownership_as_root() {
+    if !root_or_skip("creating device nodes and giving files away") {
+        return;
+    }
+    let env = Env::new();
+    env.build(
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir dev && mknod dev/null c 1 3 && chmod 666 dev/null \
+         && echo x > owned && chown 1234:5678 owned",
+    );
+    env.ok(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    let node = fs::symlink_metadata(env.root.join("img/copy/dev/null")).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_char_device(
+        &node.file_type()
+    ));
+    assert_eq!(node.rdev(), fs::metadata("/dev/null").unwrap().rdev());
+    let owned = fs::metadata(env.root.join("img/copy/owned")).unwrap();
+    assert_eq!((owned.uid(), owned.gid()), (1234, 5678));
+}
+
+fn sh(script: &str) -> std::process::Output {
+    let out = Command::new("sh").args(["-c", script]).output().unwrap();
+    assert!(out.status.success(), "{script}: {}", show(&out));
+    out
+}
+
+#[test]
+fn a_clone_on_tmpfs_keeps_holes() {
+    let Some(t) = Mount::tmpfs("size=64m,mode=0755") else {
+        return;
+    };
+    let env = t.env();
+    env.build(
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && truncate -s 3G sparse && \
+         dd if=/dev/urandom of=sparse bs=1M count=1 seek=1024 conv=notrunc status=none",
+    );
+    let out = env.run(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let a = fs::metadata(env.root.join("img/base/sparse")).unwrap();
+    let b = fs::metadata(env.root.join("img/copy/sparse")).unwrap();
+    assert_eq!(b.len(), 3 << 30);
+    assert!(
+        b.blocks() * 512 <= 2 << 20,
+        "the copy of a 3 GiB file with 1 MiB of data allocates {} bytes",
+        b.blocks() * 512
+    );
+    assert_eq!(a.blocks(), b.blocks());
+    let same = sh(&format!(
+        "cmp '{}' '{}' && echo same",
+        env.root.join("img/base/sparse").display(),
+        env.root.join("img/copy/sparse").display()
+    ));
+    assert!(String::from_utf8_lossy(&same.stdout).contains("same"));
+    let img = env.image("copy").unwrap();
+    assert!(img["size_bytes"].as_u64().unwrap() < 4 << 20, "{img}");
+}
+
+#[test]
+fn a_clone_keeps_capabilities_acls_and_user_attributes() {
+    for tool in [
+        "setfattr", "getfattr", "setcap", "getcap", "setfacl", "getfacl",
+    ] {
+        if !have(tool) {
+            eprintln!("skipping: {tool} not found");
+            return;
+        }
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let dir = env.root.join("img/base");
+    fs::write(dir.join("ping"), b"#!/bin/sh\n").unwrap();
+    fs::create_dir(dir.join("shared")).unwrap();
+    let d = dir.display();
+    let tried = Command::new("sh")
+        .args([
+            "-c",
+            &format!(
+                "setfattr -n user.origin -v base '{d}/file' && \
+                 setfattr -n user.dir -v yes '{d}/shared' && \
+                 setcap cap_net_raw+ep '{d}/ping' && \
+                 setfacl -m u:nobody:r '{d}/file' && \
+                 setfacl -d -m g:nogroup:rx '{d}/shared'"
+            ),
+        ])
+        .output()
+        .unwrap();
+    if !tried.status.success() {
+        eprintln!(
+            "skipping: this filesystem does not take these attributes: {}",
+            stderr(&tried)
+        );
+        return;
+    }
+    let out = env.ok(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    assert!(
+        !stderr(&out).contains("not kept"),
+        "everything can be kept here: {}",
+        stderr(&out)
+    );
+    let c = env.root.join("img/copy");
+    let c = c.display();
+    let got = |script: String| String::from_utf8_lossy(&sh(&script).stdout).into_owned();
+    assert!(
+        got(format!("getfattr --only-values -n user.origin '{c}/file'")).contains("base"),
+        "user.* attribute lost"
+    );
+    assert!(got(format!("getfattr --only-values -n user.dir '{c}/shared'")).contains("yes"));
+    assert!(
+        got(format!("getcap '{c}/ping'")).contains("cap_net_raw"),
+        "file capability lost"
+    );
+    assert!(
+        got(format!("getfacl -p '{c}/file'")).contains("user:nobody:r--"),
+        "access ACL lost"
+    );
+    assert!(
+        got(format!("getfacl -p '{c}/shared'")).contains("default:group:nogroup:r-x"),
+        "default ACL lost"
+    );
+    // Modes are what the base has (an ACL did not widen them).
+    for f in ["file", "ping", "shared"] {
+        assert_eq!(
+            fs::metadata(env.root.join("img/base").join(f))
+                .unwrap()
+                .mode(),
+            fs::metadata(env.root.join("img/copy").join(f))
+                .unwrap()
+                .mode(),
+            "{f}"
+        );
+    }
+}
+
+#[test]
+fn a_clone_says_which_attributes_the_target_refused() {
+    if !is_root() || !have("setpriv") || !have("setcap") {
+        eprintln!("skipping: needs root, setpriv and setcap (to clone as another user)");
+        return;
+    }
+    let env = Env::new();
+    // The store belongs to nobody, who cannot give a file capabilities.
+    fs::set_permissions(env.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    fs::create_dir(&env.root).unwrap();
+    std::os::unix::fs::chown(&env.root, Some(65534), Some(65534)).unwrap();
+    let as_nobody = |args: &[&str]| {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
+            .arg(bin())
+            .arg("--root")
+            .arg(&env.root)
+            .args(args)
+            .env_remove("STOWAGE_ROOT")
+            .env("USER", "nobody");
+        output(c)
+    };
+    let out = as_nobody(&[
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "echo x > \"$STOWAGE_IMAGE_DIR/ping\"",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let ping = env.root.join("img/base/ping");
+    let set = Command::new("setcap")
+        .arg("cap_net_raw+ep")
+        .arg(&ping)
+        .output()
+        .unwrap();
+    if !set.status.success() {
+        eprintln!("skipping: setcap refused here: {}", stderr(&set));
+        return;
+    }
+    let out = as_nobody(&[
+        "-v", "exec", "--write", "copy", "--from", "base", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let err = stderr(&out);
+    let line: Vec<&str> = err.lines().filter(|l| l.contains("not kept")).collect();
+    assert!(
+        line.iter().any(|l| l.contains("security.capability")
+            && l.contains("image 'copy'")
+            && l.contains("Operation not permitted")),
+        "{err}"
+    );
+    assert!(
+        line.iter().any(|l| l.contains("copy/ping")),
+        "-v names the file: {err}"
+    );
+    assert_eq!(
+        fs::read(env.root.join("img/copy/ping")).unwrap(),
+        b"x\n",
+        "the file itself is copied"
+    );
+}
+
+/// Makes `depth` nested directories of 200-byte names under `top` (deeper
+/// than PATH_MAX) with a file of 64 KiB at the bottom, by descriptor.
+fn deep_tree(top: &Path, depth: usize) {
+    use std::ffi::CString;
+    let name = CString::new("d".repeat(200)).unwrap();
+    let top = CString::new(top.as_os_str().as_encoded_bytes()).unwrap();
+    unsafe {
+        let mut fd = libc::open(top.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY);
+        assert!(fd >= 0);
+        for _ in 0..depth {
+            assert_eq!(libc::mkdirat(fd, name.as_ptr(), 0o755), 0);
+            let next = libc::openat(fd, name.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY);
+            assert!(next >= 0);
+            libc::close(fd);
+            fd = next;
+        }
+        let f = libc::openat(
+            fd,
+            c"bottom".as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT,
+            0o644,
+        );
+        assert!(f >= 0);
+        let data = vec![7u8; 65536];
+        assert_eq!(libc::write(f, data.as_ptr().cast(), data.len()), 65536);
+        libc::close(f);
+        libc::close(fd);
+    }
+}
+
+#[test]
+fn trees_deeper_than_path_max_are_cloned_and_measured() {
+    let env = Env::new();
+    env.make_image("base");
+    deep_tree(&env.root.join("img/base"), 30);
+    // Forget the size recorded when it was built, so it is measured again.
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    conn.execute("UPDATE images SET size_bytes = NULL", [])
+        .unwrap();
+    let img = env.image("base").unwrap();
+    assert!(
+        img["size_bytes"].as_u64().is_some_and(|s| s >= 65536),
+        "{img}"
+    );
+    let out = env.run(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let found = sh(&format!(
+        "find '{}' -name bottom -size 64k | wc -l",
+        env.root.join("img/copy").display()
+    ));
+    assert_eq!(String::from_utf8_lossy(&found.stdout).trim(), "1");
+    let img = env.image("copy").unwrap();
+    assert!(
+        img["size_bytes"].as_u64().is_some_and(|s| s >= 65536),
+        "{img}"
+    );
+    // gc's budget counts it: with room for one image, one goes.
+    let out = env.ok(["gc", "--max-size", "100K", "--dry-run", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        report["size_before"].as_u64().unwrap() >= 2 * 65536,
+        "{report}"
+    );
+}
+
+#[test]
+fn reflink_clone_costs_no_space_on_btrfs() {
+    let Some(mnt) = Mount::btrfs_loop("400M") else {
+        return;
+    };
+    let root = mnt.dir.join("root");
+    let run = |args: &[&str]| {
+        let mut c = Command::new(bin());
+        c.arg("--root").arg(&root).args(args);
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    };
+    run(&[
+        "exec",
+        "--write",
+        "big",
+        "--",
+        "sh",
+        "-c",
+        "head -c 104857600 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    ]);
+    let before = mnt.used();
+    run(&["exec", "--write", "copy", "--from", "big", "--", "true"]);
+    let grew = mnt.used().saturating_sub(before);
+    assert!(grew < 8 << 20, "a 100 MiB clone used {grew} bytes");
+    assert_eq!(
+        fs::read(root.join("img/big/blob")).unwrap(),
+        fs::read(root.join("img/copy/blob")).unwrap()
+    );
+}
+
+#[test]
+fn from_rules() {
+    let env = Env::new();
+    env.make_image("base");
+    let cases: [(&[&str], i32); 5] = [
+        (
+            &["exec", "--write", "a", "--from", "nosuch", "--", "true"],
+            66,
+        ),
+        (
+            &[
+                "exec", "--write", "a", "--write", "b", "--from", "base", "--", "true",
+            ],
+            64,
+        ),
+        (&["exec", "--read", "x", "--from", "base", "--", "true"], 64),
+        (
+            &["exec", "--write", "base", "--from", "base", "--", "true"],
+            64,
+        ),
+        (
+            &["exec", "--write", "a", "--from", "bad name", "--", "true"],
+            64,
+        ),
+    ];
+    for (args, code) in cases {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {}", show(&out));
+    }
+    assert_eq!(env.state("a"), None);
+    // Rebuilding an existing image from a base replaces its content.
+    env.build("a", "touch \"$STOWAGE_IMAGE_DIR/stale\"");
+    env.ok(["exec", "--write", "a", "--from", "base", "--", "true"]);
+    assert!(!env.root.join("img/a/stale").exists());
+    assert!(env.root.join("img/a/file").exists());
+}
+
+#[test]
+fn rewriting_without_from_forgets_the_base() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(env.image("app").unwrap()["base"], "base");
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    assert!(env.image("app").unwrap()["base"].is_null());
+    // A rewrite that reads one image records it as the base again.
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(env.image("app").unwrap()["base"], "base");
+}
+
+#[test]
+fn from_releases_the_base_once_copied_unless_also_read() {
+    let env = Env::new();
+    env.make_image("base");
+    let hold = |extra: &[&str], started: &str| {
+        let mut locks = vec!["--write", "app", "--from", "base"];
+        locks.extend(extra);
+        env.hold(&locks, started)
+    };
+    let bg = hold(&[], "started1");
+    // The command runs: the base is free for a writer (a pull, an rm).
+    let out = env.run(["exec", "--write", "base", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let entry = env.lock_entry("base");
+    assert!(
+        entry
+            .as_ref()
+            .is_none_or(|e| e["holders"].as_array().unwrap().is_empty()),
+        "no holder is recorded for the released base: {entry:?}"
+    );
+    env.release("release");
+    assert_eq!(bg.finish().status.code(), Some(0));
+    assert_eq!(env.image("app").unwrap()["base"], "base");
+
+    // With --read BASE as well, it stays read-locked while the command runs.
+    fs::remove_file(env.sentinel("release")).unwrap();
+    let bg = hold(&["--read", "base"], "started2");
+    let out = env.run(["exec", "--write", "base", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    env.release("release");
+    assert_eq!(bg.finish().status.code(), Some(0));
+}
+
+// --- a copy cut short -------------------------------------------------------
+
+#[test]
+fn a_clone_killed_midway_is_never_ready() {
+    let env = Env::new();
+    env.build(
+        "base",
+        "for i in 1 2 3 4 5; do echo $i > \"$STOWAGE_IMAGE_DIR/f$i\"; done",
+    );
+    let (bg, _) = env.paused(
+        ["exec", "--write", "app", "--from", "base", "--", "true"],
+        "clone-copying",
+    );
+    bg.kill_all();
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    let out = env.run(["exec", "--read", "app", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66));
+    // Rewriting it from the base completes it.
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(fs::read_dir(env.root.join("img/app")).unwrap().count(), 5);
+}
+
+#[test]
+fn sigterm_stops_a_from_copy_promptly() {
+    let env = Env::new();
+    // A base of many small files: its copy takes far longer than a signal
+    // needs to be seen.
+    let files = 4000;
+    let script = format!(
+        "cd \"$STOWAGE_IMAGE_DIR\" && for d in $(seq 1 40); do mkdir d$d; for f in $(seq 1 {}); do echo $d$f > d$d/f$f; done; done",
+        files / 40
+    );
+    env.build("base", &script);
+    let (bg, pause) = env.paused(
+        ["exec", "--write", "copy", "--from", "base", "--", "true"],
+        "clone-copying",
+    );
+    bg.signal(libc::SIGTERM);
+    fs::remove_file(&pause).unwrap();
+    let t0 = std::time::Instant::now();
+    let out = bg.finish();
+    let took = t0.elapsed();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    let copied = walkdir_files(&env.root.join("img/copy")).len();
+    eprintln!("stopped after copying {copied} of {files} files, {took:?} after SIGTERM");
+    assert!(
+        copied < files / 2,
+        "the copy ran on after SIGTERM: {copied} of {files} files"
+    );
+    assert_eq!(env.state("copy").as_deref(), Some("incomplete"));
+    assert!(flock_free(&env.lock_file("copy")));
+    assert!(flock_free(&env.lock_file("base")));
+}
+
+#[test]
+fn a_clone_whose_command_cannot_start_is_incomplete_not_restored() {
+    // The copy changed the image before the command failed to start: its
+    // old state must not come back with the base's content in it.
+    let env = Env::new();
+    env.build("base", "echo BASE > \"$STOWAGE_IMAGE_DIR/content\"");
+    env.build("app", "echo APP > \"$STOWAGE_IMAGE_DIR/content\"");
+    for image in ["app", "fresh"] {
+        let out = env.run([
+            "exec",
+            "--write",
+            image,
+            "--from",
+            "base",
+            "--",
+            "/nonexistent/builder",
+        ]);
+        assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+        assert_eq!(env.state(image).as_deref(), Some("incomplete"), "{image}");
+    }
+    assert_eq!(
+        env.run(["doctor"]).status.code(),
+        Some(0),
+        "no tree without a row"
+    );
+}

@@ -1,0 +1,524 @@
+//! Where the images live: an images directory on another filesystem
+//! (emptied in place), unmounted, or replaced by another filesystem of the
+//! same type; mounts left inside image trees, which no copy or removal
+//! crosses; and the checks that stand in for network and cluster filesystems
+//! (NFS, Lustre, BeeGFS) whose behaviour cannot be reproduced here.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::common::*;
+
+// --- the images directory ---------------------------------------------------
+
+#[test]
+fn an_images_directory_on_another_filesystem_is_emptied_in_place_safely() {
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    let env = Env::new();
+    let ext = env.tmp.path().join("ext");
+    fs::create_dir(&ext).unwrap();
+    let Some(_guard) = Mount::tmpfs_at(&ext, "4m") else {
+        return;
+    };
+    let img = ext.join("img");
+    env.ok(["init", "--images-dir", img.to_str().unwrap()]);
+    let v = victim(&env);
+    env.build("a", &format!(
+            "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/f\" && ln -s '{}' \"$STOWAGE_IMAGE_DIR/d/link\"",
+            v.display()
+        ));
+    // The trash is on the root's filesystem: the tree cannot be renamed
+    // there, and is deleted where it is, under the lock.
+    env.ok(["rm", "a"]);
+    assert!(!img.join("a").exists());
+    assert_eq!(env.state("a"), None);
+    assert_intact(&v);
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn an_empty_images_directory_keeps_its_rows() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    // As if its filesystem were not mounted for a moment.
+    let img = env.root.join("img");
+    let away = env.tmp.path().join("img.away");
+    fs::rename(&img, &away).unwrap();
+    fs::create_dir(&img).unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("is empty while images are recorded"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+    // Mounted again: everything is there.
+    fs::remove_dir(&img).unwrap();
+    fs::rename(&away, &img).unwrap();
+    env.ok(["doctor"]);
+    env.ok(["exec", "--read", "a", "--read", "b", "--", "true"]);
+}
+
+#[test]
+fn another_filesystem_on_the_images_directory_keeps_rows_and_adopts_nothing() {
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    env.ok(["doctor", "--repair"]);
+    let img = env.root.join("img");
+    let Some(guard) = Mount::tmpfs_at(&img, "1m") else {
+        return;
+    };
+    fs::create_dir(img.join("stranger")).unwrap();
+    fs::write(img.join("stranger/f"), "theirs").unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("not the directory recorded"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    assert_eq!(env.state("stranger"), None, "a foreign tree was adopted");
+    // gc deletes nothing there either.
+    assert_eq!(
+        fs::read_to_string(img.join("stranger/f")).unwrap(),
+        "theirs"
+    );
+    drop(guard);
+    env.ok(["doctor"]);
+    env.ok(["exec", "--read", "a", "--", "true"]);
+}
+
+/// A fresh ext4 filesystem in a file under `dir`, for loop mounts.
+fn ext4_file(dir: &Path, name: &str) -> Option<PathBuf> {
+    let f = dir.join(name);
+    fs::File::create(&f).unwrap().set_len(16 << 20).unwrap();
+    Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&f)
+        .status()
+        .is_ok_and(|s| s.success())
+        .then_some(f)
+}
+
+#[test]
+fn another_filesystem_of_the_same_type_mounted_as_the_images_directory_loses_no_row() {
+    if !root_or_skip("loop mounts") {
+        return;
+    }
+    let env = Env::new();
+    let (Some(a), Some(b)) = (
+        ext4_file(env.tmp.path(), "a.ext4"),
+        ext4_file(env.tmp.path(), "b.ext4"),
+    ) else {
+        eprintln!("skipping: no mkfs.ext4 here");
+        return;
+    };
+    let images = env.tmp.path().join("images");
+    fs::create_dir(&images).unwrap();
+    let opts = |f: &Path| vec!["-o".to_owned(), "loop".to_owned(), f.display().to_string()];
+    let mount = |f: &Path| {
+        let o = opts(f);
+        Mount::at(&o.iter().map(String::as_str).collect::<Vec<_>>(), &images)
+    };
+    let Some(m) = mount(&a) else {
+        eprintln!("skipping: cannot loop-mount here");
+        return;
+    };
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.make_image("base");
+    // The wrong disk is mounted there: a filesystem of the same type, whose
+    // root directory has the same inode number as every ext4's.
+    drop(m);
+    let Some(m) = mount(&b) else {
+        eprintln!("skipping: cannot loop-mount here");
+        return;
+    };
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("not the directory recorded"),
+        "{}",
+        show(&out)
+    );
+    drop(m);
+    // The right one back: the image is there, ready, as it was.
+    let Some(_m) = mount(&a) else {
+        eprintln!("skipping: cannot loop-mount here");
+        return;
+    };
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(
+        env.state("base").as_deref(),
+        Some("ready"),
+        "{}",
+        show(&out)
+    );
+}
+
+#[test]
+fn nothing_is_removed_while_the_images_directory_is_unmounted() {
+    let env = Env::new();
+    let Some(m) = env.init_on_tmpfs() else {
+        return;
+    };
+    let images = m.dir.clone();
+    for name in ["a", "b", "c"] {
+        env.make_image(name);
+    }
+    // Move the filesystem away (as an unmount would, keeping its trees)
+    // and leave the empty mount point.
+    let aside = env.tmp.path().join("aside");
+    fs::create_dir(&aside).unwrap();
+    let moved = Command::new("mount")
+        .arg("--move")
+        .arg(&images)
+        .arg(&aside)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(moved);
+    std::mem::forget(m);
+    let _m = Mount::adopt(&aside);
+    for args in [
+        &["gc", "--max-size", "0"][..],
+        &["gc", "--max-size", "0", "--dry-run"],
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        assert!(stderr(&out).contains("mounted"), "{args:?}: {}", show(&out));
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("remove 'a'"),
+            "{}",
+            show(&out)
+        );
+    }
+    let out = env.run(["rm", "a"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("mounted"), "{}", show(&out));
+    for name in ["a", "b", "c"] {
+        assert_eq!(env.state(name).as_deref(), Some("ready"), "{name}");
+        assert!(aside.join(name).join("file").exists());
+    }
+}
+
+#[test]
+fn the_lost_and_found_of_an_images_filesystem_is_no_image() {
+    if !root_or_skip("loop mounts") {
+        return;
+    }
+    let env = Env::new();
+    let Some(a) = ext4_file(env.tmp.path(), "a.ext4") else {
+        eprintln!("skipping: no mkfs.ext4 here");
+        return;
+    };
+    let images = env.tmp.path().join("images");
+    fs::create_dir(&images).unwrap();
+    let Some(_m) = Mount::at(&["-o", "loop", a.to_str().unwrap()], &images) else {
+        eprintln!("skipping: cannot loop-mount here");
+        return;
+    };
+    assert!(images.join("lost+found").is_dir());
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.make_image("app");
+    let out = env.ok(["doctor", "--repair"]);
+    let names: Vec<String> = env
+        .images_json()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["app"], "{}", show(&out));
+    env.ok(["gc", "--max-size", "0"]);
+    assert!(env.images_json().is_empty());
+    assert!(images.join("lost+found").is_dir(), "gc deleted lost+found");
+}
+
+// --- mounts inside image trees ----------------------------------------------
+
+#[test]
+fn a_mount_inside_an_image_stops_its_deletion() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    let env = Env::new();
+    env.build("a", "mkdir \"$STOWAGE_IMAGE_DIR/mnt\"");
+    // A build that bind-mounted a directory of the same filesystem into its
+    // tree and died before unmounting it.
+    let v = victim(&env);
+    let mnt = env.root.join("img/a/mnt");
+    let ok = Command::new("mount")
+        .arg("--bind")
+        .arg(&v)
+        .arg(&mnt)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    }
+    let out = env.run(["rm", "a"]);
+    let trash = env.root.join("trash");
+    let left: Vec<PathBuf> = fs::read_dir(&trash)
+        .unwrap()
+        .map(|e| e.unwrap().path().join("mnt"))
+        .collect();
+    for m in left.iter().chain([&mnt]) {
+        let _ = Command::new("umount").arg(m).status();
+    }
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("mount point"), "{}", show(&out));
+    assert_intact(&v);
+    // Unmounted, the leftover goes with the next gc.
+    env.ok(["gc"]);
+    assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
+    assert_intact(&v);
+}
+
+#[test]
+fn removing_in_place_never_empties_an_image_directory_that_is_a_mount() {
+    let env = Env::new();
+    // The images directory on another filesystem: trees are deleted in
+    // place. The image's own directory is a bind mount of a victim.
+    let Some(tmpfs) = env.init_on_tmpfs() else {
+        return;
+    };
+    let images = tmpfs.dir.clone();
+    env.make_image("app");
+    let v = victim(&env);
+    let Some(_m) = Mount::at(&["--bind", v.to_str().unwrap()], &images.join("app")) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let out = env.run(["rm", "app"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("mount point"), "{}", show(&out));
+    assert_intact(&v);
+    // Nothing went, so nothing was damaged: the image is ready again.
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn rebuilding_from_a_base_never_empties_a_mount_at_the_top_of_the_image() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.build("app", "mkdir \"$STOWAGE_IMAGE_DIR/mnt\"");
+    // A build bind-mounted a directory into its tree, directly under the
+    // image directory, and died before unmounting it.
+    let v = victim(&env);
+    let Some(_m) = Mount::at(
+        &["--bind", v.to_str().unwrap()],
+        &env.root.join("img/app/mnt"),
+    ) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let out = env.run(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("mount point"), "{}", show(&out));
+    assert_intact(&v);
+}
+
+#[test]
+fn a_copy_from_a_base_leaves_out_a_filesystem_mounted_inside_it() {
+    if !root_or_skip("mounts") {
+        return;
+    }
+    let env = Env::new();
+    env.build(
+        "base",
+        "mkdir \"$STOWAGE_IMAGE_DIR/mnt\" && echo own > \"$STOWAGE_IMAGE_DIR/own\"",
+    );
+    // A build left a filesystem mounted in the base's tree.
+    let Some(_t) = Mount::tmpfs_at(&env.root.join("img/base/mnt"), "1m") else {
+        return;
+    };
+    fs::write(env.root.join("img/base/mnt/big"), "mounted").unwrap();
+    let out = env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    let app = env.root.join("img/app");
+    assert_eq!(fs::read_to_string(app.join("own")).unwrap(), "own\n");
+    assert!(app.join("mnt").is_dir());
+    assert_eq!(
+        fs::read_dir(app.join("mnt")).unwrap().count(),
+        0,
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).contains("mount point"), "{}", show(&out));
+}
+
+// --- network and cluster filesystems ----------------------------------------
+
+/// A mountinfo that puts the test's directory on a filesystem of `fstype`
+/// mounted with `options` (read through the hidden hook, with the
+/// filesystem type faked the same way).
+fn fake_mount(env: &Env, cmd: &mut Command, fstype: &str, options: &str) {
+    let dir = fs::canonicalize(env.tmp.path()).unwrap();
+    let info = env.sentinel("mountinfo");
+    fs::write(
+        &info,
+        format!(
+            "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n\
+             101 22 0:60 / {} rw,relatime - {fstype} srv:/export {options}\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    cmd.env(stowage::env::DEBUG_FILESYSTEM, fstype)
+        .env(stowage::env::DEBUG_MOUNTINFO, &info);
+}
+
+#[test]
+fn node_local_locking_on_lustre_and_beegfs_is_refused() {
+    let env = Env::new();
+    // A store that exists, so that doctor has one to look at.
+    env.ok(["init"]);
+    let conf = env.sentinel("beegfs-client.conf");
+    for (fstype, options, conf_text, refused) in [
+        ("lustre", "rw,localflock", "", Some("localflock")),
+        ("lustre", "rw,noflock", "", Some("noflock")),
+        ("lustre", "rw,flock", "", None),
+        (
+            "beegfs",
+            "rw,cfgFile=CONF",
+            "tuneUseGlobalFileLocks = false\n",
+            Some("tuneUseGlobalFileLocks"),
+        ),
+        (
+            "beegfs",
+            "rw,cfgFile=CONF",
+            "sysMgmtdHost = m\n",
+            Some("tuneUseGlobalFileLocks"),
+        ),
+        (
+            "beegfs",
+            "rw,cfgFile=CONF",
+            "tuneUseGlobalFileLocks = true\n",
+            None,
+        ),
+        (
+            "nfs",
+            "rw,vers=4.2,local_lock=flock",
+            "",
+            Some("local_lock=flock"),
+        ),
+    ] {
+        fs::write(&conf, conf_text).unwrap();
+        let options = options.replace("CONF", conf.to_str().unwrap());
+        let case = format!("{fstype} {options} {conf_text:?}");
+        let mut c = env.cmd(["exec", "--write", "app", "--", "true"]);
+        fake_mount(&env, &mut c, fstype, &options);
+        let out = output(c);
+        let mut d = env.cmd(["doctor"]);
+        fake_mount(&env, &mut d, fstype, &options);
+        let doc = output(d);
+        match refused {
+            Some(word) => {
+                assert_eq!(out.status.code(), Some(69), "{case}: {}", show(&out));
+                assert!(stderr(&out).contains(word), "{case}: {}", show(&out));
+                assert_eq!(
+                    stderr(&out).trim_end().lines().count(),
+                    1,
+                    "{case}: {}",
+                    show(&out)
+                );
+                assert_eq!(doc.status.code(), Some(69), "{case}: {}", show(&doc));
+                assert!(
+                    String::from_utf8_lossy(&doc.stdout).contains(word),
+                    "{case}: {}",
+                    show(&doc)
+                );
+            }
+            None => {
+                assert_eq!(out.status.code(), Some(0), "{case}: {}", show(&out));
+                assert_ne!(doc.status.code(), Some(69), "{case}: {}", show(&doc));
+            }
+        }
+    }
+    // Lustre without either option cannot be judged: doctor says how to
+    // check, and nothing is refused.
+    let mut d = env.cmd(["doctor"]);
+    fake_mount(&env, &mut d, "lustre", "rw,lazystatfs");
+    let doc = output(d);
+    assert_ne!(doc.status.code(), Some(69), "{}", show(&doc));
+    assert!(
+        String::from_utf8_lossy(&doc.stdout).contains("--hold-probe"),
+        "{}",
+        show(&doc)
+    );
+}
+
+#[test]
+fn on_a_shared_filesystem_lock_files_are_never_unlinked() {
+    // The hidden hook makes the store look like NFS: a stat of a path may
+    // then be stale (another host's unlink unseen), so no lock file is
+    // ever unlinked, and the check after locking re-opens the path.
+    let env = Env::new();
+    let nfs = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        output(c)
+    };
+    let out = nfs(&["exec", "--write", "app", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let out = nfs(&["rm", "app"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(env.lock_file("app").exists(), "kept after rm");
+    let out = nfs(&["exec", "--write", "new", "--", "/nonexistent/cmd"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(env.lock_file("new").exists(), "kept after a failed start");
+    // Kept lock files are no leftovers there.
+    let out = nfs(&["doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    // The name comes back: the kept file is reused.
+    let out = nfs(&["exec", "--write", "app", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+
+    // A ghost made anyway — by a host that sees the store as local (the
+    // NFS server itself) or an older release: a waiter blocked on the file
+    // it unlinks retries on the new one, verified by re-opening the path.
+    let (remover, go) = env.paused(["rm", "app"], "rm-moved");
+    let mut c = env.cmd(["exec", "--write", "app", "--", "true"]);
+    c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+    let waiter = Bg::from_command(c);
+    env.wait_for_waiter("app");
+    fs::remove_file(go).unwrap();
+    assert_eq!(remover.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert!(flock_free(&env.lock_file("app")));
+}
+
+#[test]
+fn a_write_lock_lost_while_the_command_ran_makes_the_image_incomplete() {
+    // No NFS here: the hidden hook makes the check of app's lock fail as a
+    // lost NFS lock does (the Linux client fails I/O on it with EIO).
+    let env = Env::new();
+    env.make_image("base");
+    let mut c = env.cmd(["exec", "--read", "base", "--write", "app", "--", "true"]);
+    c.env(stowage::env::DEBUG_LOST_LOCK, "app.lock");
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("lost the write lock on image 'app'"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    // Only written images are checked: base, read, is untouched.
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    // And an intact lock records ready as before.
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}

@@ -1,0 +1,336 @@
+//! `stowage gc`: least recently used images removed until a budget fits,
+//! incomplete and unused ones, never a locked one; removals others
+//! interrupted are finished; the bytes freed are counted as the filesystem
+//! counts them (shared extents once); the trash is emptied without following
+//! links.
+
+use std::fs;
+use std::os::unix::fs::symlink;
+
+use crate::common::*;
+
+/// Four 1 MiB images used in the order a, b, c, d (a least recently), with
+/// the clock faked instead of sleeping.
+fn lru_store() -> Env {
+    let env = Env::new();
+    for (i, name) in ["a", "b", "c", "d"].iter().enumerate() {
+        let mut c = env.cmd([
+            "exec",
+            "--write",
+            name,
+            "--",
+            "sh",
+            "-c",
+            "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+        ]);
+        c.env("STOWAGE_NOW", format!("2026-01-0{}T00:00:00Z", i + 1));
+        assert_eq!(output(c).status.code(), Some(0));
+    }
+    env
+}
+
+fn gc_json(env: &Env, args: &[&str], now: &str) -> serde_json::Value {
+    let mut c = env.cmd(["gc", "--json"]);
+    c.args(args).env("STOWAGE_NOW", now);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn removed(report: &serde_json::Value) -> Vec<String> {
+    report["removed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn gc_dry_run_changes_nothing() {
+    let env = lru_store();
+    env.run(["exec", "--write", "broken", "--", "false"]);
+    let listing = env.images_json();
+    let files = tree(&env.root);
+    let db = fs::read(env.root.join("stowage.db")).unwrap();
+    let report = gc_json(
+        &env,
+        &["--dry-run", "--max-size", "2M", "--unused-for", "1d"],
+        "2026-01-04T12:00:00Z",
+    );
+    assert_eq!(report["dry_run"], true);
+    assert_eq!(removed(&report), ["broken", "a", "b", "c"]);
+    assert_eq!(tree(&env.root), files, "no file touched");
+    assert_eq!(
+        fs::read(env.root.join("stowage.db")).unwrap(),
+        db,
+        "no metadata changed"
+    );
+    assert_eq!(env.images_json(), listing);
+}
+
+#[test]
+fn gc_removes_least_recently_used_until_the_budget_fits() {
+    let env = lru_store();
+    let report = gc_json(&env, &["--max-size", "2.5M"], "2026-02-01T00:00:00Z");
+    assert_eq!(removed(&report), ["a", "b"], "oldest first");
+    assert!(report["size_after"].as_u64().unwrap() <= 5 << 19);
+    assert_eq!(
+        report["bytes_freed"].as_u64().unwrap(),
+        report["size_before"].as_u64().unwrap() - report["size_after"].as_u64().unwrap()
+    );
+    assert!(report["removed"][0]["size_bytes"].as_u64().unwrap() >= 1 << 20);
+    assert_eq!(env.state("c").as_deref(), Some("ready"));
+    assert_eq!(env.state("a"), None);
+    assert!(!env.root.join("img/a").exists());
+}
+
+#[test]
+fn gc_never_touches_a_locked_image_even_the_oldest() {
+    let env = lru_store();
+    // The reader's use of 'a' is dated before the others', so 'a' stays
+    // the least recently used.
+    let reader = env.hold_with(&["--read", "a"], "started", |c| {
+        c.env("STOWAGE_NOW", "2026-01-01T00:00:00Z");
+    });
+    let report = gc_json(&env, &["--max-size", "2.5M"], "2026-02-01T00:00:00Z");
+    assert_eq!(
+        removed(&report),
+        ["b", "c"],
+        "a is in use; the next oldest go instead"
+    );
+    assert_eq!(report["busy"], serde_json::json!(["a"]));
+    assert!(
+        report["size_after"].as_u64().unwrap() <= 5 << 19,
+        "budget met: {report}"
+    );
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.release("release");
+    reader.finish();
+}
+
+#[test]
+fn gc_removes_incomplete_and_unused_images() {
+    let env = lru_store();
+    env.run(["exec", "--write", "broken", "--", "false"]);
+    // A writer that died: found and removed too.
+    let bg = env.hold(&["--write", "dead"], "started");
+    bg.kill_all();
+    // "Now" is Jan 10: a..d were last used Jan 1..4.
+    let report = gc_json(&env, &["--unused-for", "7d"], "2026-01-10T00:00:00Z");
+    let gone = removed(&report);
+    assert!(
+        gone.contains(&"broken".to_owned()) && gone.contains(&"dead".to_owned()),
+        "{report}"
+    );
+    assert!(
+        gone.contains(&"a".to_owned()) && gone.contains(&"b".to_owned()),
+        "{report}"
+    );
+    assert!(
+        !gone.contains(&"c".to_owned()) && !gone.contains(&"d".to_owned()),
+        "{report}"
+    );
+    let reasons: Vec<&str> = report["removed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap())
+        .collect();
+    assert!(
+        reasons.contains(&"incomplete") && reasons.contains(&"unused"),
+        "{report}"
+    );
+}
+
+#[test]
+fn an_unused_for_longer_than_history_removes_nothing() {
+    let env = lru_store();
+    let report = gc_json(
+        &env,
+        &["--unused-for", "1000000000y", "--dry-run"],
+        "2026-02-01T00:00:00Z",
+    );
+    assert!(removed(&report).is_empty(), "{report}");
+}
+
+#[test]
+fn gc_bad_arguments_exit_64() {
+    let env = Env::new();
+    for args in [
+        vec!["gc", "--max-size", "lots"],
+        vec!["gc", "--max-size", "-1G"],
+        vec!["gc", "--unused-for", "soon"],
+        vec!["gc", "--unused-for", "-3d"],
+    ] {
+        let out = env.run(&args);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
+    }
+}
+
+#[test]
+fn gc_budget_counts_reflinked_extents_once() {
+    let Some(mnt) = Mount::btrfs_loop("600M") else {
+        return;
+    };
+    let env = mnt.env();
+    env.build(
+        "base",
+        "head -c 104857600 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    let before = mnt.used();
+    for c in ["c1", "c2", "c3"] {
+        env.ok(["exec", "--write", c, "--from", "base", "--", "true"]);
+    }
+    let grew = mnt.used().saturating_sub(before);
+    assert!(grew < 16 * MIB, "three clones used {grew} bytes of disk");
+
+    // images: every image shares its 100 MiB; removing one alone frees
+    // almost nothing.
+    for img in env.images_json() {
+        let size = img["size_bytes"].as_u64().unwrap();
+        let shared = img["shared_bytes"].as_u64().unwrap();
+        let own = img["exclusive_bytes"].as_u64().unwrap();
+        assert!(size >= 100 * MIB, "{img}");
+        assert!(shared >= 99 * MIB, "{img}");
+        assert!(own < MIB, "{img}");
+    }
+    let table = String::from_utf8_lossy(&env.ok(["images"]).stdout).into_owned();
+    assert!(table.contains("on the filesystem"), "{table}");
+
+    // The images take about one copy: a budget of 150 MiB holds them all.
+    let out = env.ok(["gc", "--max-size", "150M", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let taken = report["size_before"].as_u64().unwrap();
+    assert!(
+        (100 * MIB..116 * MIB).contains(&taken),
+        "images take {taken} bytes by gc's count: {report}"
+    );
+    assert!(
+        report["removed"].as_array().unwrap().is_empty(),
+        "gc removed images that fit: {report}"
+    );
+    assert_eq!(env.images_json().len(), 4);
+
+    // A budget they do not fit: what gc says it freed is what df gets back.
+    let before = mnt.used();
+    let out = env.ok(["gc", "--max-size", "50M", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let freed = report["bytes_freed"].as_u64().unwrap();
+    let got_back = before.saturating_sub(mnt.used());
+    assert!(
+        freed.abs_diff(got_back) < 16 * MIB,
+        "gc says it freed {freed}, df got back {got_back}: {report}"
+    );
+    assert!(
+        report["size_after"].as_u64().unwrap() <= 50 * MIB,
+        "{report}"
+    );
+}
+
+#[test]
+fn links_inside_the_trash_are_unlinked_not_followed() {
+    let env = Env::new();
+    env.make_image("a");
+    let v = victim(&env);
+    let trash = env.root.join("trash");
+    symlink(&v, trash.join("entry-link")).unwrap();
+    fs::create_dir_all(trash.join("entry-dir/deeper")).unwrap();
+    symlink(&v, trash.join("entry-dir/deeper/link")).unwrap();
+    symlink(v.join("keep"), trash.join("entry-dir/file-link")).unwrap();
+    let out = env.ok(["gc", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["trash_entries"], 2, "{report}");
+    assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
+    assert_intact(&v);
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+}
+
+// --- interrupted removals ---------------------------------------------------
+
+#[test]
+fn gc_finishes_an_interrupted_removal() {
+    let env = Env::new();
+    env.make_image("doomed");
+    let (bg, _) = env.paused(["rm", "doomed"], "rm-moved");
+    bg.kill_all();
+    env.ok(["gc"]);
+    assert_eq!(env.state("doomed"), None);
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+}
+
+#[test]
+fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
+    for point in ["rm-marked", "rm-moved"] {
+        let env = Env::new();
+        env.build(
+            "big",
+            "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\"",
+        );
+        let (bg, _pause) = env.paused(["rm", "big"], point);
+        bg.kill_all();
+        let out = env.ok(["gc", "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let freed = report["bytes_freed"].as_u64().unwrap();
+        assert!(
+            (1 << 20..2 << 20).contains(&freed),
+            "{point}: freed {freed}: {}",
+            show(&out)
+        );
+        assert!(env.images_json().is_empty(), "{point}");
+        assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+    }
+}
+
+/// gc lists an image as `deleting` while its remover is merely slow; the
+/// remover then finishes. gc must not take the finished removal for a crash:
+/// no error, and no lock file left for an image that no longer exists.
+#[test]
+fn gc_does_not_redo_a_removal_that_finished_after_it_looked() {
+    let env = Env::new();
+    env.make_image("doomed");
+    let (rm, rm_paused) = env.paused(["rm", "doomed"], "rm-marked");
+    assert_eq!(env.state("doomed").as_deref(), Some("deleting"));
+
+    let (gc, gc_paused) = env.paused(["gc"], "interrupted-listed");
+
+    // The remover goes on and finishes while gc holds its stale list.
+    fs::remove_file(&rm_paused).unwrap();
+    let out = rm.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("doomed"), None);
+
+    fs::remove_file(&gc_paused).unwrap();
+    let out = gc.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(
+        !env.lock_file("doomed").exists(),
+        "no lock file for a removed image"
+    );
+    env.ok(["doctor"]);
+}
+
+/// An image gc chose is removed by someone else before gc locks it: gc
+/// skips it and leaves no lock file behind for the image that is gone.
+#[test]
+fn gc_skips_an_image_removed_after_it_chose_it() {
+    let env = Env::new();
+    let out = env.run(["exec", "--write", "broken", "--", "false"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(env.state("broken").as_deref(), Some("incomplete"));
+
+    let (gc, paused) = env.paused(["gc", "--json"], "gc-listed");
+    env.ok(["rm", "broken"]);
+    assert!(!env.lock_file("broken").exists());
+
+    fs::remove_file(&paused).unwrap();
+    let out = gc.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(removed(&report), Vec::<String>::new(), "{report}");
+    assert!(
+        !env.lock_file("broken").exists(),
+        "no lock file for a removed image"
+    );
+    env.ok(["doctor"]);
+}

@@ -1,0 +1,798 @@
+//! Image locks: bounded and unbounded waits and what they say, waiter
+//! records, the writer gate and fairness between readers and writers, mutual
+//! exclusion and real read concurrency proven with many processes, exclusive
+//! reads, calls of stowage nested inside a command that holds locks, and the
+//! lock files and gates a wait leaves behind.
+
+use std::fs;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+
+// --- waiting ----------------------------------------------------------------
+
+#[test]
+fn bounded_wait_gives_75_naming_the_holder() {
+    let env = Env::new();
+    env.make_image("app");
+    let holder = env.hold(&["--write", "app"], "started");
+
+    let t0 = Instant::now();
+    let out = env.run([
+        "exec",
+        "--read",
+        "app",
+        "--wait",
+        "0.5",
+        "--",
+        "touch",
+        env.sentinel("ran").to_str().unwrap(),
+    ]);
+    let waited = t0.elapsed();
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(
+        waited >= Duration::from_millis(450),
+        "gave up too early: {waited:?}"
+    );
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("pid {}", holder.pid())),
+        "names the holder's pid: {err}"
+    );
+    assert!(err.contains("sh -c"), "names the holder's command: {err}");
+    assert!(
+        err.contains("waiting for read lock on image 'app'"),
+        "{err}"
+    );
+    assert!(!env.sentinel("ran").exists());
+
+    // --no-wait: no waiting at all.
+    let out = env.run(["exec", "--read", "app", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(!stderr(&out).contains("waiting for"), "{}", stderr(&out));
+
+    // --conflict-exit-code replaces 75.
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--no-wait",
+        "--conflict-exit-code",
+        "3",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", show(&out));
+    env.ok([
+        "exec",
+        "--read",
+        "app",
+        "--wait",
+        "0",
+        "--conflict-exit-code",
+        "0",
+        "--",
+        "false",
+    ]);
+
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    // The timed-out waiters left no waiter records behind.
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["waiters"].as_array().unwrap().len(), 0, "{entry}");
+}
+
+#[test]
+fn waiter_gets_the_lock_when_the_holder_finishes() {
+    let env = Env::new();
+    let holder = env.hold(&["--write", "app"], "started");
+    let waiter = env.spawn([
+        "exec",
+        "--read",
+        "app",
+        "--",
+        "touch",
+        env.sentinel("read").to_str().unwrap(),
+    ]);
+    env.wait_for_waiter("app");
+    assert!(
+        !env.sentinel("read").exists(),
+        "the reader must wait for the writer"
+    );
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(env.sentinel("read").exists());
+}
+
+#[test]
+fn waiting_for_an_image_burns_no_cpu() {
+    let env = Env::new();
+    let holder = env.hold(&["--write", "app"], "started");
+    let waiter = env.spawn(["exec", "--read", "app", "--wait", "600", "--", "true"]);
+    env.wait_for_waiter("app");
+    let before = cpu_ticks(waiter.pid());
+    std::thread::sleep(Duration::from_secs(2)); // the measurement window
+    let used = cpu_ticks(waiter.pid()) - before;
+    assert!(
+        used <= 5,
+        "a bounded waiter used {used} clock ticks of CPU in 2 s"
+    );
+    env.release("release");
+    holder.finish();
+    assert_eq!(waiter.finish().status.code(), Some(0));
+}
+
+#[test]
+fn a_missing_image_to_read_is_reported_before_any_wait() {
+    let env = Env::new();
+    let busy = env.hold(&["--write", "busy"], "busy");
+    let out = env.run([
+        "exec", "--read", "missing", "--write", "busy", "--wait", "20", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("'missing' does not exist"),
+        "{}",
+        show(&out)
+    );
+    assert!(!stderr(&out).contains("waiting"), "{}", show(&out));
+    // The same before a wait for a slot.
+    env.ok(["slots", "set", "one", "1"]);
+    let slot = env.hold(&["--slot", "one"], "slot");
+    let out = env.run([
+        "exec", "--slot", "one", "--read", "missing", "--wait", "20", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    env.release("release");
+    for bg in [busy, slot] {
+        let out = bg.finish();
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    }
+    assert!(!env.lock_file("missing").exists());
+}
+
+/// A shell script that creates sentinel `started`, waits (bounded) for
+/// sentinel `go`, then runs `stowage ARGS…` against the same root.
+fn nested_script(env: &Env, started: &str, go: &str, args: &str) -> String {
+    format!(
+        "touch '{s}'; i=0; while [ ! -e '{g}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; \
+         '{bin}' --root '{root}' {args}",
+        s = env.sentinel(started).display(),
+        g = env.sentinel(go).display(),
+        bin = bin(),
+        root = env.root.display(),
+    )
+}
+
+/// The writer gate must not turn a nested reader into a cycle: the outer
+/// command reads `base` and runs `stowage exec --read base` again; a writer
+/// queued in between holds the gate and waits for the outer reader, which
+/// waits for its child. The inner reader is part of the outer hold and
+/// passes the gate, as it would under flock(1).
+fn nested_reader_passes_queued_writer(outer_flags: &[&str]) {
+    let env = Env::new();
+    env.make_image("base");
+    let script = nested_script(&env, "outer", "go", "exec --read base -- true");
+    let mut args: Vec<&str> = vec!["exec"];
+    args.extend_from_slice(outer_flags);
+    args.extend_from_slice(&["--read", "base", "--", "sh", "-c", &script]);
+    let outer = env.spawn(&args);
+    wait_for_file(&env.sentinel("outer"));
+    let writer = env.spawn(["exec", "--write", "base", "--", "true"]);
+    // Once the writer waits it holds the gate exclusively.
+    let gate = gate_file(&env, "base");
+    wait_until("the writer waits at the gate", || {
+        gate.exists() && !flock_free(&gate)
+    });
+    env.release("go");
+    let out = outer.finish();
+    assert_eq!(out.status.code(), Some(0), "outer: {}", show(&out));
+    let out = writer.finish();
+    assert_eq!(out.status.code(), Some(0), "writer: {}", show(&out));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
+/// Runs `stowage exec OUTER -- stowage exec INNER -- true` and returns the
+/// outcome (bounded: a wait for itself fails the test instead of hanging).
+fn nested(env: &Env, outer: &[&str], inner: &str) -> std::process::Output {
+    let cmd = format!(
+        "'{bin}' --root '{root}' exec {inner} -- true",
+        bin = bin(),
+        root = env.root.display()
+    );
+    let mut args: Vec<&str> = vec!["exec"];
+    args.extend_from_slice(outer);
+    args.extend_from_slice(&["--", "sh", "-c", &cmd]);
+    env.run(&args)
+}
+
+/// Waiter records in the database, read directly (not through stowage,
+/// which would judge and drop stale ones before showing them).
+fn waiter_rows(env: &Env) -> Option<String> {
+    let out = Command::new("sqlite3")
+        .arg(env.root.join("stowage.db"))
+        .arg("SELECT kind, name FROM records WHERE role = 'waiter'")
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn a_request_that_times_out_on_a_later_lock_leaves_no_waiter_record() {
+    let env = Env::new();
+    if waiter_rows(&env).is_none() && Command::new("sqlite3").arg("-version").output().is_err() {
+        eprintln!("skipped: no sqlite3 to read the records with");
+        return;
+    }
+    let mut args = vec!["exec".to_owned(), "--write".into(), "a".into(), "--".into()];
+    args.extend(env.hold_cmd("a", "release-a"));
+    let a = env.spawn(&args);
+    wait_for_file(&env.sentinel("a"));
+    let b = env.hold(&["--write", "b"], "b");
+    let w = env.spawn([
+        "exec", "--write", "a", "--write", "b", "--wait", "2", "--", "true",
+    ]);
+    env.wait_for_waiter("a");
+    env.release("release-a");
+    let out = w.finish();
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert_eq!(
+        waiter_rows(&env).as_deref(),
+        Some(""),
+        "waiter records left"
+    );
+    env.release("release");
+    for bg in [a, b] {
+        assert_eq!(bg.finish().status.code(), Some(0));
+    }
+}
+
+#[test]
+fn an_interrupted_or_timed_out_wait_leaves_no_lock_file_or_gate() {
+    let env = Env::new();
+    env.make_image("busy");
+    let holder = env.hold(&["--write", "busy"], "held");
+    // "aaa" is locked (and its file created) before the wait for "busy".
+    let waiter = env.spawn(["exec", "--write", "aaa", "--write", "busy", "--", "true"]);
+    env.wait_for_waiter("busy");
+    waiter.signal(libc::SIGTERM);
+    let out = waiter.finish();
+    assert_eq!(code(&out), Some(128 + libc::SIGTERM), "{}", show(&out));
+    assert!(!env.lock_file("aaa").exists(), "{}", show(&out));
+    let out = env.run([
+        "exec", "--write", "aaa", "--write", "busy", "--wait", "0.2", "--", "true",
+    ]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    assert!(!env.lock_file("aaa").exists(), "{}", show(&out));
+    env.release("release");
+    holder.finish();
+
+    // An image that does not exist, its lock held outside stowage: the
+    // gate the waiting writer made goes with it.
+    let lock = env.lock_file("ghost");
+    let started = env.sentinel("flock-started");
+    let outside = flock_holder(
+        &lock,
+        &started,
+        &format!(
+            "i=0; while [ ! -e '{}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            env.sentinel("flock-release").display()
+        ),
+    );
+    let out = env.run(["exec", "--write", "ghost", "--wait", "0.2", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    let gate = env.root.join("locks/images/ghost.gate");
+    assert!(!gate.exists(), "the gate was left behind");
+    env.release("flock-release");
+    outside.finish();
+}
+
+#[test]
+fn a_parent_that_is_no_exec_is_waited_for_like_anyone() {
+    // flock(1) -o holds the lock in the parent, not in the child: the
+    // parent is no exec running us, and may well release it while we wait.
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "one", "1"]);
+    let slot = env.root.join("locks/slots/one/0.lock");
+    let run_under_flock = |file: &std::path::Path, args: &[&str]| {
+        let mut c = Command::new("flock");
+        c.args(["-o", "-x"])
+            .arg(file)
+            .arg(bin())
+            .arg("--root")
+            .arg(&env.root);
+        c.args(args);
+        c.env_remove(stowage::env::EXEC_PIDS);
+        output(c)
+    };
+    fs::create_dir_all(slot.parent().unwrap()).unwrap();
+    let out = run_under_flock(
+        &slot,
+        &["exec", "--slot", "one", "--wait", "0.3", "--", "true"],
+    );
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = run_under_flock(
+        &env.lock_file("base"),
+        &["exec", "--read", "base", "--wait", "0.3", "--", "true"],
+    );
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+}
+
+// --- the writer gate and fairness -------------------------------------------
+
+/// A reader loop: `exec --read base -- sleep HOLD` again and again until
+/// the `done` sentinel exists (bounded).
+fn reader_loop(env: &Env, hold: &str, tag: usize) -> Bg {
+    let script = format!(
+        "i=0; while [ ! -e '{done}' ] && [ $i -lt 40 ]; do \
+         '{bin}' --root '{root}' -q exec --read base -- sh -c 'touch \"$0\"; sleep {hold}' '{started}' || exit 1; \
+         i=$((i+1)); done; [ -e '{done}' ] || exit 9",
+        done = env.sentinel("done").display(),
+        bin = bin(),
+        root = env.root.display(),
+        started = env.sentinel(&format!("reading.{tag}")).display(),
+    );
+    let mut c = std::process::Command::new("sh");
+    c.args(["-c", &script]);
+    Bg::from_command(c)
+}
+
+#[test]
+fn a_writer_gets_in_despite_a_stream_of_readers() {
+    let env = Env::new();
+    env.make_image("base");
+    // Four reader loops, each holding the image for 1 s, staggered so that
+    // the image is never free.
+    let mut loops = Vec::new();
+    for tag in 0..4 {
+        loops.push(reader_loop(&env, "1", tag));
+        wait_for_file(&env.sentinel(&format!("reading.{tag}")));
+        std::thread::sleep(std::time::Duration::from_millis(250)); // the stagger
+    }
+    // The writer stops the loops when it gets in; without writer preference
+    // it never would while they run, and the loops would end by their bound.
+    let t0 = Instant::now();
+    let writer = env.spawn([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "echo new > \"$STOWAGE_IMAGE_DIR/file\"; touch '{}'",
+            env.sentinel("done").display()
+        ),
+    ]);
+    let out = writer.finish();
+    let waited = t0.elapsed();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    eprintln!("the writer got in after {waited:?} behind 1 s readers");
+    for l in loops {
+        let out = l.finish();
+        // 9: the loop ran out before the awaited process got in — starvation.
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    }
+    assert_eq!(
+        fs::read_to_string(env.root.join("img/base/file")).unwrap(),
+        "new\n"
+    );
+}
+
+#[test]
+fn a_waiting_writer_shows_in_lock_status_and_holds_back_new_readers() {
+    let env = Env::new();
+    env.make_image("base");
+    let reader = env.hold(&["--read", "base"], "started");
+    let writer = env.spawn(["exec", "--write", "base", "--", "true"]);
+    wait_until("the writer is recorded as waiting", || {
+        env.lock_entry("base").is_some_and(|e| {
+            e["waiters"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|w| w["mode"] == "exclusive")
+        })
+    });
+    // It records itself, then takes the gate: wait for that too.
+    let gate = env.root.join("locks/images/base.gate");
+    wait_until("the writer holds the gate", || {
+        gate.exists()
+            && !std::process::Command::new("flock")
+                .args(["-n", "-s"])
+                .arg(&gate)
+                .arg("true")
+                .status()
+                .unwrap()
+                .success()
+    });
+    // A new reader may not overtake the waiting writer...
+    let out = env.run(["exec", "--read", "base", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("write"),
+        "says a writer is waiting: {}",
+        stderr(&out)
+    );
+    // ...but flock(1) on the image lock itself still sees only a reader.
+    env.release("release");
+    assert_eq!(reader.finish().status.code(), Some(0));
+    assert_eq!(writer.finish().status.code(), Some(0));
+    env.ok(["exec", "--read", "base", "--no-wait", "--", "true"]);
+}
+
+#[test]
+fn readers_get_in_between_a_stream_of_writers() {
+    let env = Env::new();
+    env.make_image("base");
+    // Two writer loops keep the image busy; a reader must still get in.
+    let script = |tag: usize| {
+        format!(
+            "i=0; while [ ! -e '{done}' ] && [ $i -lt 100 ]; do \
+             '{bin}' --root '{root}' -q exec --write base -- sh -c 'touch \"$0\"; sleep 0.3' '{started}' || exit 1; \
+             i=$((i+1)); done; [ -e '{done}' ] || exit 9",
+            done = env.sentinel("done").display(),
+            bin = bin(),
+            root = env.root.display(),
+            started = env.sentinel(&format!("writing.{tag}")).display(),
+        )
+    };
+    let loops: Vec<Bg> = (0..2)
+        .map(|tag| {
+            let mut c = std::process::Command::new("sh");
+            c.args(["-c", &script(tag)]);
+            let bg = Bg::from_command(c);
+            wait_for_file(&env.sentinel(&format!("writing.{tag}")));
+            bg
+        })
+        .collect();
+    let reader = env.spawn([
+        "exec",
+        "--read",
+        "base",
+        "--",
+        "touch",
+        env.sentinel("done").to_str().unwrap(),
+    ]);
+    assert_eq!(reader.finish().status.code(), Some(0));
+    for l in loops {
+        let out = l.finish();
+        // 9: the loop ran out before the awaited process got in — starvation.
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    }
+}
+
+// --- mutual exclusion and concurrency ---------------------------------------
+
+/// A critical section that detects overlap by itself: `mkdir` is atomic, so
+/// a second process inside at the same time fails to create the directory
+/// and records a violation.
+fn critical_section(dir: &std::path::Path) -> String {
+    format!(
+        "if mkdir '{d}/cs' 2>/dev/null; then sleep 0.002; rmdir '{d}/cs'; echo ok >> '{d}/entries'; \
+         else echo overlap >> '{d}/violations'; fi",
+        d = dir.display()
+    )
+}
+
+#[test]
+fn writers_never_overlap() {
+    const PROCS: usize = 16;
+    const ROUNDS: usize = 25;
+    let env = Env::new();
+    let script = critical_section(&env.scratch);
+    let workers: Vec<_> = (0..PROCS)
+        .map(|_| {
+            let loop_script = format!(
+                "for i in $(seq {ROUNDS}); do '{bin}' --root '{root}' -q exec --write app -- sh -c \"$0\" || exit 1; done",
+                bin = bin(),
+                root = env.root.display()
+            );
+            let mut c = Command::new("sh");
+            c.args(["-c", &loop_script, &script]);
+            c
+        })
+        .map(Bg::from_command)
+        .collect();
+    for w in workers {
+        let out = w.finish();
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    }
+    assert_eq!(
+        lines(&env.scratch.join("violations")),
+        0,
+        "two writers were inside at once"
+    );
+    assert_eq!(lines(&env.scratch.join("entries")), PROCS * ROUNDS);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// The overlap detector above can fail: without stowage, the same load
+/// overlaps. (Otherwise the test above would prove nothing.)
+#[test]
+fn the_overlap_detector_detects_overlap() {
+    let env = Env::new();
+    let script = critical_section(&env.scratch).replace("sleep 0.002", "sleep 0.05");
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let mut c = Command::new("sh");
+            c.args(["-c", "for i in $(seq 5); do sh -c \"$0\"; done", &script]);
+            Bg::from_command(c)
+        })
+        .collect();
+    for w in workers {
+        w.finish();
+    }
+    assert!(
+        lines(&env.scratch.join("violations")) > 0,
+        "the detector never fired without locks"
+    );
+}
+
+#[test]
+fn readers_really_run_at_the_same_time() {
+    const READERS: usize = 4;
+    let env = Env::new();
+    env.make_image("base");
+    // Each reader announces itself, then waits (bounded) until all readers
+    // are inside: that only completes if they hold the lock together.
+    let readers: Vec<_> = (0..READERS)
+        .map(|i| {
+            let script = format!(
+                "touch '{d}/in.{i}'; n=0; while [ $(ls '{d}' | grep -c '^in\\.') -lt {READERS} ]; do \
+                 sleep 0.01; n=$((n+1)); [ $n -gt 3000 ] && exit 1; done; exit 0",
+                d = env.scratch.display()
+            );
+            env.spawn(["exec", "--read", "base", "--no-wait", "--", "sh", "-c", &script])
+        })
+        .collect();
+    for r in readers {
+        let out = r.finish();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "reader did not see all others inside: {}",
+            show(&out)
+        );
+    }
+}
+
+#[test]
+fn random_multi_image_requests_all_finish() {
+    const PROCS: usize = 6;
+    const ROUNDS: usize = 12;
+    const IMAGES: [&str; 5] = ["a", "b:1", "c/d", "e", "f.g"];
+    let env = Env::new();
+    for img in IMAGES {
+        env.make_image(img);
+    }
+    let seed = fastrand::u64(..);
+    eprintln!("seed {seed}");
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let d = env.scratch.display().to_string();
+    let workers: Vec<_> = (0..PROCS)
+        .map(|_| {
+            // Each round: a random set of images, random modes, listed in a
+            // random order. The command checks exclusion per image: a writer
+            // marks its images, a reader checks no writer mark is present.
+            let mut script = String::new();
+            for _ in 0..ROUNDS {
+                let mut picked: Vec<(&str, bool)> = Vec::new();
+                for img in IMAGES {
+                    if rng.bool() {
+                        picked.push((img, rng.u8(..).is_multiple_of(3)));
+                    }
+                }
+                if picked.is_empty() {
+                    picked.push((IMAGES[rng.usize(..IMAGES.len())], true));
+                }
+                rng.shuffle(&mut picked);
+                let mut args = String::new();
+                let mut body = String::new();
+                for (img, write) in &picked {
+                    let tag = img.replace(['/', ':'], "_");
+                    if *write {
+                        args.push_str(&format!(" --write '{img}'"));
+                        body.push_str(&format!(
+                            "mkdir '{d}/w.{tag}' || echo 'overlap {img}' >> '{d}/violations'; "
+                        ));
+                    } else {
+                        args.push_str(&format!(" --read '{img}'"));
+                        body.push_str(&format!(
+                            "[ -e '{d}/w.{tag}' ] && echo 'read during write {img}' >> '{d}/violations'; "
+                        ));
+                    }
+                }
+                body.push_str(&format!("sleep 0.0{}; ", rng.u8(0..3)));
+                for (img, write) in &picked {
+                    if *write {
+                        body.push_str(&format!("rmdir '{d}/w.{}'; ", img.replace(['/', ':'], "_")));
+                    }
+                }
+                body.push_str(&format!("echo done >> '{d}/done'"));
+                script.push_str(&format!(
+                    "'{bin}' --root '{root}' -q exec{args} -- sh -c \"{body}\" || exit 1\n",
+                    bin = bin(),
+                    root = env.root.display()
+                ));
+            }
+            let mut c = Command::new("sh");
+            c.args(["-c", &script]);
+            Bg::from_command(c)
+        })
+        .collect();
+    for w in workers {
+        let out = w.finish();
+        assert_eq!(out.status.code(), Some(0), "seed {seed}: {}", show(&out));
+    }
+    let violations = fs::read_to_string(env.scratch.join("violations")).unwrap_or_default();
+    assert!(violations.is_empty(), "seed {seed}: {violations}");
+    assert_eq!(
+        lines(&env.scratch.join("done")),
+        PROCS * ROUNDS,
+        "seed {seed}"
+    );
+    for img in IMAGES {
+        assert_eq!(env.state(img).as_deref(), Some("ready"), "{img}");
+    }
+}
+
+// --- exclusive reads --------------------------------------------------------
+
+#[test]
+fn read_exclusive_excludes_others_and_keeps_the_state() {
+    let env = Env::new();
+    env.make_image("base");
+    let holder = env.hold(&["--read-exclusive", "base", "--write", "app"], "held");
+    let st = env.lock_entry("base").unwrap();
+    assert_eq!(st["state"], "exclusive", "{st}");
+    assert_eq!(st["image_state"], "ready", "{st}");
+    let out = env.run(["exec", "--no-wait", "--read", "base", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = env.run([
+        "exec",
+        "--wait",
+        "0.2",
+        "--read-exclusive",
+        "base",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("waiting for exclusive read lock on image 'base'"),
+        "{}",
+        show(&out)
+    );
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    assert_eq!(env.image("app").unwrap()["base"], "base");
+
+    // A failed command leaves its exclusively read image ready, and records
+    // the use.
+    let mut c = env.cmd(["exec", "--read-exclusive", "base", "--", "false"]);
+    c.env("STOWAGE_NOW", "2031-01-01T00:00:00Z");
+    assert_eq!(output(c).status.code(), Some(1));
+    let img = env.image("base").unwrap();
+    assert_eq!(img["state"], "ready", "{img}");
+    assert_eq!(img["last_used"], "2031-01-01T00:00:00Z", "{img}");
+    // STOWAGE_IMAGE_DIR is for the written image only.
+    let out = env.ok([
+        "exec",
+        "--read-exclusive",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "test -z \"${STOWAGE_IMAGE_DIR-}\"",
+    ]);
+    assert!(out.status.success());
+}
+
+#[test]
+fn read_exclusive_refuses_what_cannot_be_read() {
+    let env = Env::new();
+    env.make_image("base");
+    let before = tree(&env.root);
+    let out = env.run(["exec", "--read-exclusive", "missing", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert_eq!(tree(&env.root), before, "created something");
+    env.run(["exec", "--write", "bad", "--", "false"]);
+    let out = env.run(["exec", "--read-exclusive", "bad", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert_eq!(env.state("bad").as_deref(), Some("incomplete"));
+    for args in [
+        &["--read-exclusive", "base", "--read", "base"][..],
+        &["--read-exclusive", "base", "--write", "base"][..],
+        &["--read-exclusive", "base", "--from", "base", "--write", "x"][..],
+        &["--store-wide", "--read", "base"][..],
+    ] {
+        let mut a = vec!["exec"];
+        a.extend_from_slice(args);
+        a.extend(["--", "true"]);
+        let out = env.run(&a);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
+    }
+    assert!(env.image("x").is_none());
+}
+
+// --- nested calls -----------------------------------------------------------
+
+#[test]
+fn nested_reader_passes_a_writer_queued_behind_its_enclosing_reader() {
+    nested_reader_passes_queued_writer(&[]);
+}
+
+#[test]
+fn nested_reader_under_no_inherit_passes_a_queued_writer() {
+    // The command does not inherit the descriptors: the kernel's lock table
+    // names the enclosing stowage, an ancestor, as the holder.
+    nested_reader_passes_queued_writer(&["--no-inherit"]);
+}
+
+#[test]
+fn nested_writes_that_would_wait_for_themselves_fail_at_once() {
+    let env = Env::new();
+    env.make_image("base");
+    // A write inside a write of the same image: the lock is ours already.
+    let out = nested(&env, &["--write", "app"], "--write app");
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(stderr(&out).contains("enclosing command"), "{}", show(&out));
+    // A write inside a read of the same image.
+    let out = nested(&env, &["--read", "base"], "--write base");
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(stderr(&out).contains("enclosing command"), "{}", show(&out));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    // A read of the image being written: not ready, said at once.
+    let out = nested(&env, &["--write", "new"], "--read new");
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(stderr(&out).contains("being written by an enclosing command"));
+    // Reads inside reads, of course, just work.
+    let out = nested(&env, &["--read", "base"], "--read base");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
+
+#[test]
+fn nested_slot_of_a_full_class_works_under_the_enclosing_slot() {
+    let env = Env::new();
+    env.ok(["slots", "set", "one", "1"]);
+    let out = nested(&env, &["--slot", "one"], "--slot one");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
+
+#[test]
+fn nested_migration_fails_instead_of_waiting_for_its_enclosing_command() {
+    let env = Env::new();
+    // An older release (two migrations) makes the store and reads from it;
+    // inside, the current release finds the schema behind and must migrate,
+    // which needs every image lock free — the enclosing one included.
+    let mut c = env.cmd([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "echo x > \"$STOWAGE_IMAGE_DIR/f\"",
+    ]);
+    c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "2");
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let cmd = format!(
+        "env -u {lim} '{bin}' --root '{root}' exec --read base -- true",
+        lim = stowage::env::DEBUG_SCHEMA_LIMIT,
+        bin = bin(),
+        root = env.root.display()
+    );
+    let mut c = env.cmd(["exec", "--read", "base", "--", "sh", "-c", &cmd]);
+    c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "2");
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(stderr(&out).contains("enclosing command"), "{}", show(&out));
+}

@@ -1,0 +1,389 @@
+//! `stowage rm`: an image's tree, row and lock file go and nothing else; a
+//! locked image is waited for or kept; races between removals; a removal
+//! killed midway is finished later; a tree that cannot be moved or emptied is
+//! undone or left for gc; deep and unreadable trees are deleted.
+
+use std::ffi::CString;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::common::*;
+
+#[test]
+fn rm_removes_everything_of_the_image_and_nothing_else() {
+    let env = Env::new();
+    let outside = env.tmp.path().join("precious");
+    fs::create_dir(&outside).unwrap();
+    fs::write(outside.join("data"), "keep me").unwrap();
+    let script = format!(
+        "ln -s '{o}' \"$STOWAGE_IMAGE_DIR/dir-link\"; ln -s '{o}/data' \"$STOWAGE_IMAGE_DIR/file-link\"; \
+         mkdir \"$STOWAGE_IMAGE_DIR/sub\"; ln -s '{o}' \"$STOWAGE_IMAGE_DIR/sub/deeper\"",
+        o = outside.display()
+    );
+    env.build("app", &script);
+    env.make_image("other");
+    env.ok(["rm", "app"]);
+    assert_eq!(env.state("app"), None);
+    assert!(!env.root.join("img/app").exists());
+    assert!(!env.lock_file("app").exists(), "the lock file goes too");
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+    assert_eq!(fs::read_to_string(outside.join("data")).unwrap(), "keep me");
+    assert_eq!(env.state("other").as_deref(), Some("ready"));
+}
+
+#[test]
+fn rm_of_a_locked_image_gives_75_and_keeps_it() {
+    let env = Env::new();
+    env.make_image("app");
+    env.make_image("free");
+    let reader = env.hold(&["--read", "app"], "started");
+    let out = env.run(["rm", "--no-wait", "free", "app"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let out = env.run(["rm", "--wait", "0.3", "app"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(
+        env.state("free").as_deref(),
+        Some("ready"),
+        "all or nothing"
+    );
+    assert!(env.root.join("img/app/file").exists());
+    // Without a bound, rm waits for the reader and then removes.
+    let rm = env.spawn(["rm", "app"]);
+    env.wait_for_waiter("app");
+    assert!(
+        env.root.join("img/app/file").exists(),
+        "nothing removed while read"
+    );
+    env.release("release");
+    assert_eq!(reader.finish().status.code(), Some(0));
+    assert_eq!(rm.finish().status.code(), Some(0));
+    assert_eq!(env.state("app"), None);
+    let out = env.run(["rm", "app", "free"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert_eq!(
+        env.state("free").as_deref(),
+        Some("ready"),
+        "nothing removed when one is missing"
+    );
+}
+
+#[test]
+fn sigkill_during_rm_is_finished_by_repair() {
+    for point in ["rm-marked", "rm-moved"] {
+        let env = Env::new();
+        env.make_image("doomed");
+        env.make_image("keeper");
+        let (bg, _) = env.paused(["rm", "doomed"], point);
+        bg.kill_all();
+        // Half-removed, and never looking ready.
+        assert_ne!(env.state("doomed").as_deref(), Some("ready"), "{point}");
+        let out = env.run(["doctor"]);
+        assert_eq!(out.status.code(), Some(1), "{point}: {}", show(&out));
+        let out = env.run(["doctor", "--repair"]);
+        assert_eq!(out.status.code(), Some(0), "{point}: {}", show(&out));
+        assert_eq!(env.state("doomed"), None, "{point}");
+        assert!(!env.root.join("img/doomed").exists(), "{point}");
+        assert!(!env.lock_file("doomed").exists(), "{point}");
+        assert_eq!(
+            fs::read_dir(env.root.join("trash")).unwrap().count(),
+            0,
+            "{point}"
+        );
+        assert_eq!(env.state("keeper").as_deref(), Some("ready"), "{point}");
+        assert_eq!(env.run(["doctor"]).status.code(), Some(0), "{point}");
+    }
+}
+
+// --- races ------------------------------------------------------------------
+
+/// Two removals of an image that has no lock file yet (adopted, never
+/// locked): the loser says the image does not exist and leaves no lock file
+/// behind.
+#[test]
+fn the_losing_rm_of_a_race_leaves_no_lock_file() {
+    let env = Env::new();
+    env.make_image("x");
+    fs::remove_file(env.lock_file("x")).unwrap();
+    let (slow, paused) = env.paused(["rm", "x"], "image-required");
+    env.ok(["rm", "x"]);
+    fs::remove_file(&paused).unwrap();
+    let out = slow.finish();
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("'x' does not exist"),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        !env.lock_file("x").exists(),
+        "no lock file for a removed image"
+    );
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn the_loser_of_two_removals_of_one_image_leaves_no_lock_file() {
+    let env = Env::new();
+    env.make_image("a");
+    let reader = env.hold(&["--read", "a"], "reading");
+    let first = env.spawn(["rm", "a"]);
+    env.wait_for_waiter("a");
+    let second = env.spawn(["rm", "a"]);
+    env.wait_for_waiters("a", 2);
+    env.release("release");
+    assert!(reader.finish().status.success());
+    let outs = [first.finish(), second.finish()];
+    let mut codes: Vec<_> = outs.iter().map(code).collect();
+    codes.sort();
+    assert_eq!(
+        codes,
+        [Some(0), Some(66)],
+        "{}\n{}",
+        show(&outs[0]),
+        show(&outs[1])
+    );
+    let left: Vec<_> = fs::read_dir(env.root.join("locks/images"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+#[test]
+fn a_reader_queued_behind_a_removal_leaves_no_lock_file() {
+    let env = Env::new();
+    env.make_image("a");
+    let reader = env.hold(&["--read", "a"], "reading");
+    let rm = env.spawn(["rm", "a"]);
+    env.wait_for_waiter("a");
+    // A second reader queues behind the removal (a writer waits ahead).
+    let late = env.spawn(["exec", "--read", "a", "--", "true"]);
+    env.wait_for_waiters("a", 2);
+    env.release("release");
+    assert!(reader.finish().status.success());
+    let out = rm.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = late.finish();
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let left: Vec<_> = fs::read_dir(env.root.join("locks/images"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+// --- trees that resist ------------------------------------------------------
+
+/// Builds a chain of `depth` directories named `d` under `top`, with a
+/// file and a symlink to `link_to` at the bottom, using descriptors (the
+/// path is longer than PATH_MAX).
+fn deep_tree(top: &Path, depth: usize, link_to: &Path) {
+    let c = |s: &[u8]| CString::new(s).unwrap();
+    let t = c(top.as_os_str().as_bytes());
+    let mut fd = unsafe { libc::open(t.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
+    assert!(fd >= 0);
+    for _ in 0..depth {
+        let d = c(b"d");
+        assert_eq!(unsafe { libc::mkdirat(fd, d.as_ptr(), 0o755) }, 0);
+        let next = unsafe { libc::openat(fd, d.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
+        assert!(next >= 0);
+        unsafe { libc::close(fd) };
+        fd = next;
+    }
+    let f = c(b"file");
+    let ffd = unsafe { libc::openat(fd, f.as_ptr(), libc::O_CREAT | libc::O_WRONLY, 0o644) };
+    assert!(ffd >= 0);
+    unsafe { libc::close(ffd) };
+    let l = c(link_to.as_os_str().as_bytes());
+    let n = c(b"link");
+    assert_eq!(unsafe { libc::symlinkat(l.as_ptr(), fd, n.as_ptr()) }, 0);
+    unsafe { libc::close(fd) };
+}
+
+#[test]
+fn a_tree_deeper_than_path_max_is_removed_with_few_descriptors() {
+    let env = Env::new();
+    env.make_image("deep");
+    let v = victim(&env);
+    // 2500 levels of "d/": 5000 bytes, beyond PATH_MAX (4096).
+    deep_tree(&env.root.join("img/deep"), 2500, &v);
+    // Few descriptors allowed: a walk holding one per level would fail.
+    let mut c = env.cmd(["rm", "deep"]);
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 256,
+                rlim_max: 256,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("deep"), None);
+    assert!(!env.root.join("img/deep").exists());
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+    assert_intact(&v);
+}
+
+#[test]
+fn a_directory_without_permissions_in_ones_own_image_is_deleted() {
+    let env = unprivileged_env();
+    // A build that left a directory nobody may read or search.
+    unprivileged_build(
+        &env,
+        "a",
+        "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/f\" && chmod 000 \"$STOWAGE_IMAGE_DIR/d/e\" && chmod 500 \"$STOWAGE_IMAGE_DIR/d\"",
+    );
+    let out = unprivileged(&env, &["rm", "a"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+    // The same for a rebuild from a base, which empties the image first.
+    for args in [
+        &["exec", "--write", "base", "--", "true"][..],
+        &[
+            "exec",
+            "--write",
+            "b",
+            "--",
+            "sh",
+            "-c",
+            "mkdir \"$STOWAGE_IMAGE_DIR/e\" && chmod 000 \"$STOWAGE_IMAGE_DIR/e\"",
+        ],
+        &["exec", "--write", "b", "--from", "base", "--", "true"],
+    ] {
+        let out = unprivileged(&env, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+}
+
+/// `chattr +i` (`on`) or `chattr -i` on `path`; false where the filesystem
+/// cannot.
+fn immutable(path: &Path, on: bool) -> bool {
+    Command::new("chattr")
+        .arg(if on { "+i" } else { "-i" })
+        .arg(path)
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Makes `path` immutable (chattr +i) for the life of the guard, if the
+/// filesystem supports it.
+struct Immutable(PathBuf);
+
+impl Immutable {
+    fn set(path: &Path) -> Option<Immutable> {
+        if !immutable(path, true) {
+            eprintln!(
+                "skipping: cannot make {} immutable (chattr +i needs root and ext4, btrfs or xfs)",
+                path.display()
+            );
+            return None;
+        }
+        Some(Immutable(path.to_owned()))
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        immutable(&self.0, false);
+    }
+}
+
+#[test]
+fn a_removal_that_cannot_move_the_tree_is_undone() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let Some(pin) = Immutable::set(&env.root.join("img/b")) else {
+        return;
+    };
+    let out = env.run(["rm", "b"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("'b'") && err.contains("not permitted") && err.contains("ready again"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(err.lines().count(), 1, "{}", show(&out));
+    // As it was: readable at once, not left 'deleting' for ever.
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "b", "--", "true"]);
+
+    // In a batch, the images before the refusal go, the rest stay.
+    let out = env.run(["rm", "a", "b"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert_eq!(env.state("a"), None);
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+
+    // gc: an incomplete image it cannot remove stays incomplete, and the
+    // others are removed all the same.
+    for n in ["c", "d"] {
+        let out = env.run(["exec", "--write", n, "--", "false"]);
+        assert_eq!(code(&out), Some(1));
+    }
+    let pin_c = Immutable::set(&env.root.join("img/c")).unwrap();
+    let out = env.run(["gc"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("'c'"), "{}", show(&out));
+    assert_eq!(env.state("c").as_deref(), Some("incomplete"));
+    assert_eq!(env.state("d"), None, "{}", show(&out));
+
+    drop((pin, pin_c));
+    env.ok(["rm", "b", "c"]);
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn one_tree_that_cannot_leave_the_trash_keeps_neither_the_others_nor_the_report() {
+    if !root_or_skip("chattr +i") {
+        return;
+    }
+    let env = Env::new();
+    for name in ["a", "b"] {
+        env.build(
+            name,
+            "mkdir \"$STOWAGE_IMAGE_DIR/d\" && echo x > \"$STOWAGE_IMAGE_DIR/d/f\"",
+        );
+    }
+    let stuck = env.root.join("img/a/d/f");
+    if !immutable(&stuck, true) {
+        eprintln!("skipping: no chattr +i on this filesystem");
+        return;
+    }
+    let out = env.run(["rm", "a", "b"]);
+    let trash = env.root.join("trash");
+    let left: Vec<PathBuf> = fs::read_dir(&trash)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    for l in &left {
+        immutable(&l.join("d/f"), false);
+    }
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("removed 'a'") && err.contains("removed 'b'"),
+        "{}",
+        show(&out)
+    );
+    assert!(err.contains("image 'a' was removed, but"), "{}", show(&out));
+    assert!(env.images_json().is_empty());
+    // Only a's tree stays behind, for the next gc.
+    assert_eq!(left.len(), 1, "{left:?}: {}", show(&out));
+    assert!(left[0].to_string_lossy().ends_with(".a"), "{left:?}");
+    env.ok(["gc"]);
+    assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
+}

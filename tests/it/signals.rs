@@ -1,0 +1,776 @@
+//! Signals and crashes: signals forwarded to the command or ending a wait,
+//! SIGKILL of stowage, its command or a waiter at the worst moments (no lock
+//! stays held, no image is lost or left looking ready), the whole command
+//! tree under `--no-inherit`, signals from a terminal in every arrangement of
+//! groups and sessions, and real-time signals.
+
+use std::fs;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::common::*;
+
+// --- signals to stowage -----------------------------------------------------
+
+#[test]
+fn sigterm_is_forwarded_and_gives_143() {
+    let env = Env::new();
+    let bg = env.start_sh(&["--write", "app"], |started| {
+        format!("touch '{}'; exec sleep 60", started.display())
+    });
+    bg.signal(libc::SIGTERM);
+    let out = bg.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert!(flock_free(&env.lock_file("app")));
+}
+
+#[test]
+fn signal_while_waiting_exits_without_running_the_command() {
+    let env = Env::new();
+    let holder = env.hold(&["--write", "app"], "started");
+    let ran = env.sentinel("ran");
+    let waiter = env.spawn([
+        "exec",
+        "--write",
+        "app",
+        "--write",
+        "other",
+        "--",
+        "touch",
+        ran.to_str().unwrap(),
+    ]);
+    env.wait_for_waiter("app");
+    waiter.signal(libc::SIGINT);
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(130), "{}", show(&out));
+    assert!(!ran.exists());
+    let entry = env.lock_entry("app").unwrap();
+    assert!(entry["waiters"].as_array().unwrap().is_empty(), "{entry}");
+    env.release("release");
+    holder.finish();
+    assert_eq!(
+        env.state("other"),
+        None,
+        "an image never written is not left behind"
+    );
+}
+
+/// `exec ARGS -- sh -c 'touch STARTED; sleep 600'` in the background: a
+/// holder that stays until the test ends (killed with its group on drop).
+fn long_holder(env: &Env, locks: &[&str], started: &str) -> Bg {
+    let mut args: Vec<String> = vec!["exec".into()];
+    args.extend(locks.iter().map(|s| s.to_string()));
+    args.extend([
+        "--".into(),
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "touch '{}'; exec sleep 600",
+            env.sentinel(started).display()
+        ),
+    ]);
+    let bg = env.spawn(&args);
+    wait_for_file(&env.sentinel(started));
+    bg
+}
+
+#[test]
+fn sigterm_ends_a_wait_that_could_start_no_thread() {
+    let env = Env::new();
+    env.make_image("a");
+    env.ok(["slots", "set", "one", "1"]);
+    let _image = long_holder(&env, &["--write", "a"], "image-held");
+    let _slot = long_holder(&env, &["--slot", "one"], "slot-held");
+    for (what, args) in [
+        ("image", ["exec", "--read", "a", "--", "true"]),
+        ("slot", ["exec", "--slot", "one", "--", "true"]),
+    ] {
+        // A job's cgroup with no task to spare: the waiter is alone in it,
+        // so it cannot start the thread that watches for signals.
+        let Some(cg) = PidsCgroup::new(1) else {
+            return;
+        };
+        let mut c = env.cmd(args);
+        cg.enter(&mut c);
+        let mut waiter = Bg::from_command(c);
+        wait_until(&format!("the {what} waiter is recorded"), || {
+            let out = env.ok(["lock-status", "--json"]);
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            v["locks"].as_array().unwrap().iter().any(|l| {
+                l["waiters"]
+                    .as_array()
+                    .is_some_and(|w| w.iter().any(|w| w["pid"] == waiter.pid()))
+            })
+        });
+        waiter.signal(libc::SIGTERM);
+        // The holder never lets go: only the signal can end the wait.
+        wait_until(&format!("the {what} waiter ends on SIGTERM"), || {
+            !waiter.is_running()
+        });
+        let out = waiter.finish();
+        assert_eq!(out.status.code(), Some(143), "{what}: {}", show(&out));
+        drop(cg);
+    }
+}
+
+#[test]
+fn a_signal_before_the_command_starts_undoes_the_start() {
+    // The start transaction has marked 'base' writing (and created 'fresh');
+    // a SIGTERM then arrives while another process holds the global lock.
+    // The undo must still happen: base ready again, fresh gone.
+    let env = Env::new();
+    env.make_image("base");
+    let ran = env.sentinel("ran");
+    let exec = ["exec", "--write", "base", "--write", "fresh", "--", "touch"];
+    let (bg, _) = env.paused(
+        exec.into_iter().chain([ran.to_str().unwrap()]),
+        "exec-before-spawn",
+    );
+    let started = env.sentinel("global-held");
+    let global = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 0.5");
+    bg.signal(libc::SIGTERM);
+    let out = bg.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    global.finish();
+    assert!(!env.sentinel("ran").exists());
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.state("fresh"), None);
+    assert!(!env.root.join("img/fresh").exists());
+    let entry = env.lock_entry("base").unwrap();
+    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry}");
+}
+
+#[test]
+fn the_command_starts_with_no_signal_blocked() {
+    let env = Env::new();
+    let out = env.ok(["exec", "--", "grep", "SigBlk", "/proc/self/status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("0000000000000000"), "{text}");
+}
+
+#[test]
+fn an_ignored_sighup_stays_ignored() {
+    // nohup (SIGHUP ignored): a hangup must neither stop the wait nor the command.
+    let env = Env::new();
+    env.make_image("app");
+    let holder = env.hold(&["--write", "app"], "started");
+    let ran = env.sentinel("ran");
+    let mut c = std::process::Command::new("nohup");
+    c.arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--read", "app", "--", "touch"])
+        .arg(&ran);
+    let waiter = Bg::from_command(c);
+    env.wait_for_waiter("app");
+    waiter.signal(libc::SIGHUP);
+    env.release("release");
+    holder.finish();
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(ran.exists());
+}
+
+#[test]
+fn an_ignored_sigchld_does_not_lose_the_outcome() {
+    let env = Env::new();
+    let mut c = std::process::Command::new("sh");
+    c.arg("-c")
+        .arg("trap '' CHLD; exec \"$0\" --root \"$1\" exec --write app -- sh -c 'exit 0'")
+        .arg(bin())
+        .arg(&env.root);
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn a_command_killed_by_a_real_time_signal_gives_128_plus_n() {
+    let env = Env::new();
+    for inherit in [true, false] {
+        let mut args = vec!["exec", "--write", "app"];
+        if !inherit {
+            args.push("--no-inherit");
+        }
+        args.extend(["--", "sh", "-c", "kill -50 $$"]);
+        let out = env.run(&args);
+        assert_eq!(out.status.code(), Some(178), "{}", show(&out));
+        assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    }
+}
+
+// --- SIGKILL at the worst moments -------------------------------------------
+
+#[test]
+fn sigkill_of_stowage_and_command_mid_write() {
+    let env = Env::new();
+    env.make_image("base");
+    let bg = env.hold(&["--read", "base", "--write", "app"], "started");
+    assert!(!flock_free(&env.lock_file("app")));
+    bg.kill_all();
+
+    assert!(
+        flock_free(&env.lock_file("app")),
+        "the kernel released the lock"
+    );
+    assert!(flock_free(&env.lock_file("base")));
+    // The next process that looks finds the dead writer.
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["state"], "free", "{entry}");
+    assert!(
+        entry["holders"].as_array().unwrap().is_empty(),
+        "no holder shown: {entry}"
+    );
+    assert_eq!(entry["image_state"], "incomplete", "{entry}");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert_eq!(
+        env.state("base").as_deref(),
+        Some("ready"),
+        "the base is untouched"
+    );
+    // Nothing stale remains for the base either.
+    let base = env.lock_entry("base").unwrap();
+    assert!(base["holders"].as_array().unwrap().is_empty(), "{base}");
+    // And the image can be written again.
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn a_reader_finds_a_dead_writer() {
+    let env = Env::new();
+    let bg = env.hold(&["--write", "app"], "started");
+    bg.kill_all();
+    let out = env.run(["exec", "--read", "app", "--", "true"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(stderr(&out).contains("incomplete"), "{}", stderr(&out));
+    // The reader's refusal kept what it learned: the state is recorded and
+    // the dead writer's record is gone (read straight from the database,
+    // since any stowage command that looks would also fix it).
+    let conn = stowage::meta::open(&env.root.join("stowage.db")).unwrap();
+    let state: String = conn
+        .query_row("SELECT state FROM images WHERE name = 'app'", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(state, "incomplete");
+    let records: i64 = conn
+        .query_row("SELECT count(*) FROM records", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(records, 0);
+}
+
+#[test]
+fn sigkill_of_stowage_alone_leaves_the_command_holding_the_lock() {
+    let env = Env::new();
+    let mut bg = env.hold(&["--write", "app"], "started");
+    let stowage_pid = bg.pid();
+    bg.signal(libc::SIGKILL);
+    wait_until("stowage is dead", || !bg.is_running());
+
+    // The command still runs and still holds the inherited lock.
+    assert!(
+        !flock_free(&env.lock_file("app")),
+        "the command must keep the lock"
+    );
+    let out = env.run(["exec", "--read", "app", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["state"], "exclusive", "{entry}");
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{entry}");
+    assert_eq!(
+        holders[0]["pid"], stowage_pid,
+        "the record still stands for the holder: {entry}"
+    );
+    assert_eq!(holders[0]["stowage"], true, "{entry}");
+    assert!(
+        holders[0]["command"].as_str().unwrap().starts_with("sh -c"),
+        "{entry}"
+    );
+    assert_eq!(env.state("app").as_deref(), Some("creating"));
+
+    // When the command ends, the lock is free and the image incomplete
+    // (nobody recorded a success).
+    env.release("release");
+    wait_until("the command released the lock", || {
+        flock_free(&env.lock_file("app"))
+    });
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    let entry = env.lock_entry("app").unwrap();
+    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry}");
+}
+
+#[test]
+fn with_no_inherit_the_command_dies_with_stowage() {
+    let env = Env::new();
+    let pidfile = env.sentinel("pid");
+    let script = format!("echo $$ > '{}'; exec sleep 600", pidfile.display());
+    let mut bg = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    wait_until("the command runs", || {
+        fs::read_to_string(&pidfile).is_ok_and(|s| s.ends_with('\n'))
+    });
+    let command: i32 = fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    bg.signal(libc::SIGKILL);
+    wait_until("stowage is dead", || !bg.is_running());
+    // The command dies with it (PR_SET_PDEATHSIG), so nothing writes
+    // without a lock. (Zombies count as dead: they hold nothing.)
+    wait_until("the command is gone", || !alive(command as u32));
+    // The keeper that held the locks ends after the command's tree, so the
+    // lock goes a moment later.
+    wait_until("the lock is free", || flock_free(&env.lock_file("app")));
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
+#[test]
+fn sigkill_of_a_waiter_leaves_no_waiter_record() {
+    let env = Env::new();
+    let holder = env.hold(&["--write", "app"], "started");
+    let waiter = env.spawn(["exec", "--read", "app", "--", "true"]);
+    env.wait_for_waiter("app");
+    waiter.kill_all();
+    let entry = env.lock_entry("app").unwrap();
+    assert!(
+        entry["waiters"].as_array().unwrap().is_empty(),
+        "dead waiter dropped: {entry}"
+    );
+    assert_eq!(entry["holders"].as_array().unwrap().len(), 1);
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+}
+
+// --- --no-inherit: the whole tree of the command is gone before the locks go ---
+
+/// A command (for `sh -c`) that appends a line to FILE every 10 ms, in the
+/// background of a shell that waits for it, after touching STARTED. Bounded:
+/// it ends by itself after about a minute, should a test fail. Its output
+/// goes nowhere, so the test's pipes do not wait for it.
+fn background_writer(file: &Path, started: &Path) -> String {
+    format!(
+        "( i=0; while [ $i -lt 6000 ]; do echo x >> '{f}'; sleep 0.01; i=$((i+1)); done ) </dev/null >/dev/null 2>&1 & touch '{s}'; wait",
+        f = file.display(),
+        s = started.display()
+    )
+}
+
+/// Starts `stowage exec FLAGS… --write app -- sh -c SCRIPT` in the
+/// background, where SCRIPT is `script(LOG, STARTED)`: LOG is a file in the
+/// image for the command's writer, STARTED a sentinel the script touches
+/// once that writer runs. Returns once STARTED exists, with LOG's path.
+fn exec_writing(
+    env: &Env,
+    flags: &[&str],
+    script: impl FnOnce(&Path, &Path) -> String,
+) -> (Bg, PathBuf) {
+    let img_file = env.root.join("img/app/log");
+    let started = env.sentinel("started");
+    let script = script(&img_file, &started);
+    let mut args = vec!["exec"];
+    args.extend(flags);
+    args.extend(["--write", "app", "--", "sh", "-c", &script]);
+    let bg = env.spawn(args);
+    wait_for_file(&started);
+    (bg, img_file)
+}
+
+/// Whether anything still appends to `file`: two looks 300 ms apart (the
+/// writer appends every 10 ms, so a live one is seen).
+fn still_written(file: &Path) -> bool {
+    let a = lines(file);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    lines(file) != a
+}
+
+#[test]
+fn sigkill_of_stowage_with_no_inherit_leaves_no_writer_behind() {
+    let env = Env::new();
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], background_writer);
+    wait_until("the background job writes", || lines(&img_file) > 2);
+    // stowage alone, not its group (the command is in that group).
+    bg.signal(libc::SIGKILL);
+    // A second writer gets the image once the locks are free: by then
+    // nothing of the first command's tree may write any more.
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--wait",
+        "30",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "a=$(wc -l < '{f}'); sleep 0.3; b=$(wc -l < '{f}'); [ \"$a\" = \"$b\" ] || {{ echo \"still written: $a then $b\" >&2; exit 9; }}",
+            f = img_file.display()
+        ),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(!still_written(&img_file));
+    drop(bg);
+}
+
+#[test]
+fn sigterm_of_stowage_with_no_inherit_ends_the_background_job_too() {
+    let env = Env::new();
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], background_writer);
+    wait_until("the background job writes", || lines(&img_file) > 2);
+    bg.signal(libc::SIGTERM);
+    let out = bg.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    // stowage has exited, so its locks are free: nothing may write now.
+    assert!(
+        !still_written(&img_file),
+        "the background job outlived the locks"
+    );
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert!(flock_free(&env.lock_file("app")));
+}
+
+#[test]
+fn no_inherit_holds_the_locks_until_the_whole_tree_has_exited() {
+    let env = Env::new();
+    let late = env.root.join("img/app/late");
+    // The shell exits at once; its background job writes half a second on.
+    // Its output goes nowhere: the test's pipes must not wait for it.
+    let script = format!(
+        "( sleep 0.5; echo done > '{}' ) </dev/null >/dev/null 2>&1 &",
+        late.display()
+    );
+    let out = env.run([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(
+        fs::read_to_string(&late).unwrap_or_default(),
+        "done\n",
+        "exec returned (and released the image) before the background job ended"
+    );
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn a_killed_keeper_takes_the_command_tree_with_it() {
+    let env = Env::new();
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], background_writer);
+    let keeper = processes_mentioning("__keeper")
+        .into_iter()
+        .find(|p| {
+            fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&*img_file.to_string_lossy()))
+        })
+        .expect("the keeper runs");
+    unsafe { libc::kill(keeper as i32, libc::SIGKILL) };
+    let out = bg.finish();
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("keeper"), "{}", show(&out));
+    assert!(
+        !still_written(&img_file),
+        "the background job outlived the locks"
+    );
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
+#[test]
+fn by_default_descendants_keep_the_inherited_locks() {
+    let env = Env::new();
+    let (bg, img_file) = exec_writing(&env, &[], background_writer);
+    bg.signal(libc::SIGKILL);
+    let out = env.run(["exec", "--write", "app", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    drop(bg);
+    // Stop the writer (its group) so the temporary directory can go.
+    let marker = img_file.to_string_lossy().into_owned();
+    for p in processes_mentioning(&marker) {
+        unsafe { libc::kill(p as i32, libc::SIGKILL) };
+    }
+}
+
+#[test]
+fn a_tree_cut_short_by_sigterm_is_no_success() {
+    let env = Env::new();
+    let started = env.sentinel("bg-started");
+    let shell = env.sentinel("shell-pid");
+    // The command succeeds at once; its background job would go on
+    // writing the image.
+    let script = format!(
+        "echo $$ > '{p}'; (touch '{s}'; sleep 600; echo late > \"$STOWAGE_IMAGE_DIR/late\") & exit 0",
+        p = shell.display(),
+        s = started.display()
+    );
+    let bg = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    wait_for_file(&started);
+    wait_until("the command itself has exited", || {
+        let pid = std::fs::read_to_string(&shell).unwrap_or_default();
+        !pid.trim().is_empty() && !std::path::Path::new(&format!("/proc/{}", pid.trim())).exists()
+    });
+    // Only the background job is left: SIGTERM ends it before its work is
+    // done.
+    bg.signal(libc::SIGTERM);
+    let out = bg.finish();
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGTERM),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
+#[test]
+fn a_daemonised_descendant_is_still_part_of_the_tree() {
+    let env = Env::new();
+    // The command double-forks a writer into a session of its own and
+    // exits at once, as a daemon does.
+    let daemon = env.sentinel("daemon.sh");
+    let (mut bg, img_file) = exec_writing(&env, &["--no-inherit"], |log, started| {
+        fs::write(&daemon, background_writer(log, started)).unwrap();
+        format!(
+            "setsid sh '{}' </dev/null >/dev/null 2>&1 &",
+            daemon.display()
+        )
+    });
+    wait_until("the daemon writes", || lines(&img_file) > 2);
+    // The command has exited, but its daemon writes: the image stays held.
+    assert!(bg.is_running(), "stowage returned while the daemon writes");
+    let out = env.run(["exec", "--write", "app", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    bg.signal(libc::SIGKILL);
+    let out = env.run(["exec", "--write", "app", "--wait", "30", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(!still_written(&img_file), "the daemon outlived the locks");
+}
+
+#[test]
+fn a_kill_of_stowages_whole_group_still_ends_a_daemonised_descendant() {
+    let env = Env::new();
+    let daemon = env.sentinel("daemon.sh");
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], |log, started| {
+        fs::write(&daemon, background_writer(log, started)).unwrap();
+        format!(
+            "setsid sh '{}' </dev/null >/dev/null 2>&1 & wait",
+            daemon.display()
+        )
+    });
+    wait_until("the daemon writes", || lines(&img_file) > 2);
+    // `kill -9 -PGID`: stowage and the command's shell die together; the
+    // daemon left the group, the keeper leads its own.
+    bg.signal_group(libc::SIGKILL);
+    let out = env.run(["exec", "--write", "app", "--wait", "30", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(!still_written(&img_file), "the daemon outlived the locks");
+}
+
+#[test]
+fn a_leftover_that_ignores_sigterm_is_killed_after_the_grace_period() {
+    let env = Env::new();
+    let (bg, img_file) = exec_writing(&env, &["--no-inherit"], |log, started| {
+        format!(
+            "( trap '' TERM; i=0; while [ $i -lt 6000 ]; do echo x >> '{f}'; sleep 0.01; i=$((i+1)); done ) </dev/null >/dev/null 2>&1 & touch '{s}'; wait",
+            f = log.display(),
+            s = started.display()
+        )
+    });
+    wait_until("the background job writes", || lines(&img_file) > 2);
+    bg.signal(libc::SIGTERM);
+    let t0 = std::time::Instant::now();
+    let out = bg.finish();
+    eprintln!("stowage ended {:?} after SIGTERM", t0.elapsed());
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    assert!(!still_written(&img_file), "the job outlived the locks");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
+// --- signals from a terminal ------------------------------------------------
+
+/// A pseudo-terminal whose slave is the controlling terminal of a new
+/// session led by the process started on it.
+struct Pty {
+    master: OwnedFd,
+    slave: PathBuf,
+}
+
+impl Pty {
+    fn new() -> Pty {
+        unsafe {
+            let m = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC);
+            assert!(m >= 0, "posix_openpt");
+            assert_eq!(libc::grantpt(m), 0);
+            assert_eq!(libc::unlockpt(m), 0);
+            let mut buf = [0 as libc::c_char; 128];
+            assert_eq!(libc::ptsname_r(m, buf.as_mut_ptr(), buf.len()), 0);
+            let slave = std::ffi::CStr::from_ptr(buf.as_ptr())
+                .to_string_lossy()
+                .into_owned();
+            Pty {
+                master: OwnedFd::from_raw_fd(m),
+                slave: PathBuf::from(slave),
+            }
+        }
+    }
+
+    /// Starts `c` as the leader of a new session whose controlling terminal
+    /// is this pty, on its stdin/stdout/stderr.
+    fn start(&self, mut c: Command) -> std::process::Child {
+        let slave = std::ffi::CString::new(self.slave.to_str().unwrap()).unwrap();
+        c.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        unsafe {
+            c.pre_exec(move || {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let fd = libc::open(slave.as_ptr(), libc::O_RDWR);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::ioctl(fd, libc::TIOCSCTTY, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                for target in 0..3 {
+                    libc::dup2(fd, target);
+                }
+                Ok(())
+            });
+        }
+        c.spawn().expect("start on the pty")
+    }
+
+    /// Types on the terminal.
+    fn type_bytes(&self, bytes: &[u8]) {
+        let n = unsafe {
+            libc::write(
+                self.master.as_raw_fd(),
+                bytes.as_ptr() as *const libc::c_void,
+                bytes.len(),
+            )
+        };
+        assert_eq!(n, bytes.len() as isize);
+    }
+}
+
+/// A command that touches STARTED, then sleeps in the foreground for a
+/// while (bounded) — longer than any test waits for a signal to act.
+fn sleeper(started: &Path) -> String {
+    format!("touch '{}'; sleep 20", started.display())
+}
+
+/// Starts `stowage exec --write app [--no-inherit] -- PREFIX… sh -c
+/// SLEEPER` with `pty` as its controlling terminal, and returns once the
+/// sleeper runs.
+fn exec_on_terminal(
+    env: &Env,
+    pty: &Pty,
+    no_inherit: bool,
+    prefix: &[&str],
+) -> std::process::Child {
+    let started = env.sentinel("started");
+    let mut c = env.cmd(["exec", "--write", "app"]);
+    if no_inherit {
+        c.arg("--no-inherit");
+    }
+    c.arg("--")
+        .args(prefix)
+        .args(["sh", "-c", &sleeper(&started)]);
+    let child = pty.start(c);
+    wait_for_file(&started);
+    child
+}
+
+#[test]
+fn ctrl_c_reaches_a_command_in_its_own_process_group() {
+    for no_inherit in [false, true] {
+        let env = Env::new();
+        let pty = Pty::new();
+        // GNU timeout moves itself into a process group of its own: the
+        // terminal's Ctrl-C reaches stowage's group only.
+        let child = exec_on_terminal(&env, &pty, no_inherit, &["timeout", "60"]);
+        pty.type_bytes(b"\x03");
+        let out = wait_output(child, PATIENCE);
+        assert_eq!(
+            out.status.code(),
+            Some(130),
+            "no_inherit={no_inherit}: {}",
+            show(&out)
+        );
+        assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    }
+}
+
+#[test]
+fn closing_the_terminal_of_a_session_leading_stowage_ends_the_command() {
+    for no_inherit in [false, true] {
+        let env = Env::new();
+        let pty = Pty::new();
+        let child = exec_on_terminal(&env, &pty, no_inherit, &[]);
+        // The hangup goes to the session leader — stowage — alone.
+        let Pty { master, .. } = pty;
+        drop(master);
+        let out = wait_output(child, PATIENCE);
+        assert_eq!(
+            out.status.code(),
+            Some(129),
+            "no_inherit={no_inherit}: {}",
+            show(&out)
+        );
+        assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    }
+}
+
+#[test]
+fn ctrl_c_reaches_a_command_in_our_group_once() {
+    let env = Env::new();
+    let started = env.sentinel("started");
+    let log = env.sentinel("ints");
+    let pty = Pty::new();
+    // The command counts the SIGINTs it gets, then ends by itself.
+    let script = format!(
+        "trap 'echo INT >> \"{log}\"' INT; touch '{s}'; i=0; while [ $i -lt 100 ]; do sleep 0.01; i=$((i+1)); done",
+        log = log.display(),
+        s = started.display()
+    );
+    let c = env.cmd(["exec", "--write", "app", "--", "sh", "-c", &script]);
+    let child = pty.start(c);
+    wait_for_file(&started);
+    pty.type_bytes(b"\x03");
+    let out = wait_output(child, PATIENCE);
+    // The terminal signalled the whole group; stowage did not add a second.
+    assert_eq!(
+        fs::read_to_string(&log).unwrap_or_default(),
+        "INT\n",
+        "{}",
+        show(&out)
+    );
+}

@@ -1,0 +1,464 @@
+//! What the store says about itself: `lock-status` (its JSON contract,
+//! holders and waiters as the kernel shows them, never a lock held two ways at
+//! once) and `images` (sizes, also of incomplete and unreadable trees, and
+//! measurements that lose a race), the times they show, and records printed
+//! safely.
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+use crate::common::*;
+
+// --- lock-status ------------------------------------------------------------
+
+fn is_rfc3339_utc(v: &Value) -> bool {
+    let s = v.as_str().unwrap_or("");
+    s.len() == 20 && s.ends_with('Z') && s.as_bytes()[10] == b'T'
+}
+
+#[test]
+fn holder_and_waiter_with_every_field() {
+    let env = Env::new();
+    env.make_image("alpine:3.17");
+    let holder = env.hold(&["--read", "alpine:3.17"], "started");
+    let waiter = env.spawn(["exec", "--write", "alpine:3.17", "--", "true"]);
+    env.wait_for_waiter("alpine:3.17");
+
+    let st = env.status_json(Vec::<String>::new());
+    assert_eq!(st["root"], env.root.display().to_string());
+    assert!(st["filesystem"].as_str().is_some_and(|f| !f.is_empty()));
+    let locks = st["locks"].as_array().unwrap();
+    let global = locks
+        .iter()
+        .find(|l| l["kind"] == "global")
+        .expect("global lock shown");
+    assert_eq!(global["name"], "global");
+    assert!(["free", "exclusive"].contains(&global["state"].as_str().unwrap()));
+    let img = locks
+        .iter()
+        .find(|l| l["name"] == "alpine:3.17")
+        .expect("held lock shown without asking");
+    assert_eq!(img["kind"], "image");
+    assert_eq!(img["image_state"], "ready");
+    assert_eq!(img["state"], "shared");
+    let user = std::env::var("USER").unwrap_or_else(|_| "root".into());
+    let host = our_hostname();
+
+    let h = &img["holders"][0];
+    assert_eq!(h["pid"], holder.pid());
+    assert_eq!(h["host"], host);
+    assert_eq!(h["user"], user);
+    assert_eq!(h["mode"], "shared");
+    assert!(h["command"].as_str().unwrap().starts_with("sh -c "), "{h}");
+    assert!(is_rfc3339_utc(&h["since"]), "{h}");
+
+    let w = &img["waiters"][0];
+    assert_eq!(w["pid"], waiter.pid());
+    assert_eq!(w["host"], host);
+    assert_eq!(w["user"], user);
+    assert_eq!(w["mode"], "exclusive");
+    assert_eq!(w["command"], "true");
+    assert!(is_rfc3339_utc(&w["since"]), "{w}");
+
+    // The human form names the same.
+    let out = env.ok(["lock-status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("alpine:3.17") && text.contains(&format!("pid {}", holder.pid())),
+        "{text}"
+    );
+
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    assert_eq!(waiter.finish().status.code(), Some(0));
+    // Nothing is held now: only the global lock is listed.
+    let st = env.status_json(Vec::<String>::new());
+    assert_eq!(st["locks"].as_array().unwrap().len(), 1, "{st}");
+}
+
+#[test]
+fn a_lock_taken_with_flock_shows_as_held() {
+    let env = Env::new();
+    env.make_image("app");
+    let started = env.sentinel("started");
+    let outsider = flock_holder(&env.lock_file("app"), &started, "sleep 60");
+
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["state"], "exclusive", "{entry}");
+    let h = &entry["holders"][0];
+    assert_eq!(h["mode"], "exclusive");
+    assert_eq!(h["stowage"], false, "{h}");
+    // On a local filesystem the kernel's lock table names the process.
+    let fs = env.status_json(Vec::<String>::new())["filesystem"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    if ["ext4", "tmpfs", "xfs", "btrfs", "overlay"].contains(&fs.as_str()) {
+        assert_eq!(h["pid"], outsider.pid(), "{h}");
+        assert!(h["command"].as_str().unwrap().contains("flock"), "{h}");
+    }
+    // It is listed without being named, too.
+    let st = env.status_json(Vec::<String>::new());
+    assert!(
+        st["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["name"] == "app"),
+        "{st}"
+    );
+    // And stowage respects it.
+    let out = env.run(["exec", "--read", "app", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("not started by stowage"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_record_from_another_host_whose_lock_is_free_is_dropped() {
+    let env = Env::new();
+    // A build on "another host" dies with its command: its record stays,
+    // its pid cannot be checked from here, but its lock is free.
+    let remote = env.hold_with(&["--write", "app"], "started", |c| {
+        c.env("STOWAGE_HOSTNAME", "node07.elsewhere");
+    });
+
+    // While its lock is held, the record is shown with its host.
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["holders"][0]["host"], "node07.elsewhere", "{entry}");
+
+    remote.kill_all();
+    let entry = env.lock_entry("app").unwrap();
+    assert!(
+        entry["holders"].as_array().unwrap().is_empty(),
+        "stale remote record dropped: {entry}"
+    );
+    assert_eq!(entry["state"], "free");
+    assert_eq!(entry["image_state"], "incomplete");
+}
+
+#[test]
+fn all_lists_every_image_and_names_select() {
+    let env = Env::new();
+    for n in ["a", "b", "c"] {
+        env.make_image(n);
+    }
+    let names = |args: &[&str]| -> Vec<String> {
+        env.status_json(args)["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l["name"].as_str().map(str::to_owned))
+            .collect()
+    };
+    assert_eq!(names(&["--all"]), ["global", "a", "b", "c"]);
+    assert_eq!(names(&["b"]), ["global", "b"]);
+}
+
+#[test]
+fn watch_prints_repeatedly() {
+    use std::io::BufRead;
+    let env = Env::new();
+    env.make_image("a");
+    let mut c = env.cmd(["lock-status", "--json", "--watch", "0.05"]);
+    c.stdout(std::process::Stdio::piped());
+    let mut bg = Bg::from_command(c);
+    let stdout = bg.child.as_mut().unwrap().stdout.take().unwrap();
+    // Read three snapshots (bounded by the harness), then stop it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().take(3) {
+            let _ = tx.send(line.unwrap());
+        }
+    });
+    let docs: Vec<Value> = (0..3)
+        .map(|_| serde_json::from_str(&rx.recv_timeout(PATIENCE).expect("a snapshot")).unwrap())
+        .collect();
+    assert!(docs.iter().all(|d| d["locks"].is_array()));
+    bg.signal(libc::SIGTERM);
+    bg.finish();
+}
+
+#[test]
+fn lock_status_of_an_image_that_does_not_exist_says_so() {
+    let env = Env::new();
+    env.make_image("base");
+    let out = env.run(["lock-status", "nosuch", "base"]);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("image 'nosuch' does not exist"),
+        "{}",
+        show(&out)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("base") && !text.contains("nosuch"), "{text}");
+    env.ok(["lock-status", "base"]);
+}
+
+#[test]
+fn lock_status_never_shows_a_lock_held_two_ways_at_once() {
+    let env = Env::new();
+    env.make_image("app");
+    // Many short transactions: the global lock changes hands constantly.
+    let stop = env.sentinel("stop");
+    let churn: Vec<Bg> = (0..3)
+        .map(|_| {
+            let script = format!(
+                "i=0; while [ ! -e '{s}' ] && [ $i -lt 3000 ]; do '{b}' --root '{r}' exec --read app -- true; i=$((i+1)); done",
+                s = stop.display(),
+                b = bin(),
+                r = env.root.display()
+            );
+            let mut c = Command::new("sh");
+            c.args(["-c", &script]);
+            Bg::from_command(c)
+        })
+        .collect();
+    let mut held_twice = Vec::new();
+    for _ in 0..300 {
+        let st = env.status_json(["app"]);
+        for l in st["locks"].as_array().unwrap() {
+            let holders = l["holders"].as_array().unwrap();
+            let exclusive = holders.iter().filter(|h| h["mode"] == "exclusive").count();
+            if exclusive > 1 || (exclusive == 1 && holders.len() > 1) {
+                held_twice.push(l.clone());
+            }
+        }
+    }
+    fs::write(&stop, "").unwrap();
+    for c in churn {
+        let out = c.finish();
+        assert!(out.status.success(), "{}", show(&out));
+    }
+    assert!(held_twice.is_empty(), "{held_twice:#?}");
+}
+
+// --- printed records --------------------------------------------------------
+
+#[test]
+fn control_characters_of_a_recorded_command_are_escaped_when_printed() {
+    let env = Env::new();
+    env.make_image("app");
+    // The holder's command carries a screen-clearing escape and a newline
+    // that would forge a second table row.
+    let evil = "\u{1b}[2J\u{1b}]0;pwned\u{7}\nglobal  global  free  forged";
+    let mut args: Vec<String> = ["exec", "--write", "app", "--"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(env.hold_cmd("started", "release"));
+    args.push(evil.into());
+    let _h = env.spawn(&args);
+    wait_for_file(&env.sentinel("started"));
+
+    let out = env.ok(["lock-status"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        !text.contains('\u{1b}') && !text.contains('\u{7}'),
+        "{text:?}"
+    );
+    assert!(!text.contains("\nglobal  global  free  forged"), "{text}");
+    assert!(text.contains(r"\x1b[2J"), "{text}");
+
+    let out = env.run(["exec", "--read", "app", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+
+    // JSON keeps the exact command (its encoder escapes it).
+    let st = env.status_json(["app"]);
+    let raw = serde_json::to_string(&st).unwrap();
+    assert!(raw.contains(r"\u001b[2J"), "{raw}");
+    env.release("release");
+}
+
+#[test]
+fn a_listing_into_a_closed_pipe_ends_quietly() {
+    let env = Env::new();
+    // More rows than a pipe buffer holds, so the writer does hit EPIPE.
+    for i in 0..3000 {
+        fs::create_dir_all(env.root.join(format!("img/image-number-{i:05}"))).unwrap();
+    }
+    env.ok(["init"]);
+    let out = output({
+        let mut c = Command::new("sh");
+        c.arg("-c").arg(format!(
+            "'{}' --root '{}' images | head -1",
+            bin(),
+            env.root.display()
+        ));
+        c
+    });
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+}
+
+// --- times ------------------------------------------------------------------
+
+#[test]
+fn a_clock_in_milliseconds_or_bogus_is_refused_and_creates_nothing() {
+    let env = Env::new();
+    for bad in ["1795953784000", "bogus", "-3"] {
+        let mut c = env.cmd(["exec", "--write", "app", "--", "true"]);
+        c.env("STOWAGE_NOW", bad);
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(64), "{bad}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("STOWAGE_NOW"), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(!env.root.exists(), "{bad}: the store was created");
+    }
+    let mut c = env.cmd(["exec", "--write", "app", "--", "true"]);
+    c.env("STOWAGE_NOW", "1795953784");
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
+
+/// Sets a time column of an image's row directly, as another host's clock
+/// (or an older release) may have written it.
+fn set_stored_time(env: &Env, image: &str, column: &str, ms: i64) {
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    let n = conn
+        .execute(
+            &format!("UPDATE images SET {column} = ?1 WHERE name = ?2"),
+            rusqlite::params![ms, image],
+        )
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+#[test]
+fn a_stored_time_past_year_9999_is_shown_as_unknown_not_a_panic() {
+    let env = Env::new();
+    env.make_image("app");
+    set_stored_time(&env, "app", "created_ms", i64::MAX);
+    set_stored_time(&env, "app", "last_used_ms", 1_795_953_784_000_000);
+    let img = env.image("app").unwrap();
+    assert!(img["created"].is_null(), "{img}");
+    assert!(img["last_used"].is_null(), "{img}");
+    let out = env.ok(["images"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("unknown"));
+    env.status_json(["--all"]);
+    env.ok(["lock-status", "--all"]);
+    env.ok(["gc", "--unused-for", "1d", "--dry-run"]);
+    // A holder whose record says it started after year 9999.
+    let _h = env.hold(&["--read", "app"], "started");
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    conn.execute("UPDATE records SET since_ms = ?1", [i64::MAX])
+        .unwrap();
+    let st = env.status_json(["app"]);
+    let entry = st["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "app")
+        .unwrap()
+        .clone();
+    assert!(entry["holders"][0]["since"].is_null(), "{entry}");
+    env.ok(["lock-status"]);
+    env.release("release");
+}
+
+// --- sizes ------------------------------------------------------------------
+
+#[test]
+fn an_incomplete_image_has_a_size() {
+    let env = Env::new();
+    let writer = env.start_sh(&["--write", "half"], |started| {
+        format!(
+            "head -c 262144 /dev/urandom > \"$STOWAGE_IMAGE_DIR/part\"; touch '{}'; sleep 60",
+            started.display()
+        )
+    });
+    writer.kill_all();
+    let img = env.image("half").unwrap();
+    assert_eq!(img["state"], "incomplete", "{img}");
+    assert!(
+        img["size_bytes"].as_u64().is_some_and(|s| s >= 262_144),
+        "{img}"
+    );
+    let table = String::from_utf8_lossy(&env.ok(["images"]).stdout).into_owned();
+    let row = table.lines().find(|l| l.starts_with("half")).unwrap();
+    assert!(!row.contains(" ? "), "{row}");
+}
+
+#[test]
+fn an_image_with_a_directory_one_may_not_read_still_has_a_size() {
+    let env = unprivileged_env();
+    unprivileged_build(
+        &env,
+        "a",
+        "head -c 300000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\" && mkdir \"$STOWAGE_IMAGE_DIR/locked\" && chmod 000 \"$STOWAGE_IMAGE_DIR/locked\"",
+    );
+    let out = unprivileged(&env, &["images", "--json"]);
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let size = rows[0]["size_bytes"].as_u64();
+    assert!(size.is_some_and(|s| s >= 300_000), "{}", show(&out));
+    // So gc's budget sees it.
+    let out = unprivileged(&env, &["gc", "--max-size", "100K", "--dry-run", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["removed"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        show(&out)
+    );
+}
+
+/// How both measuring races end: IMAGE has recorded its real size (at
+/// least 1 MiB); the measurer paused at `go_on` with the older, smaller
+/// measurement goes on, must succeed, and must leave the real size as it
+/// was.
+fn late_measurement_keeps_the_real_size(env: &Env, image: &str, late: Bg, go_on: PathBuf) {
+    let real = env.image(image).unwrap()["size_bytes"].as_u64().unwrap();
+    assert!(real >= MIB);
+    fs::remove_file(go_on).unwrap();
+    let out = late.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.image(image).unwrap()["size_bytes"].as_u64(), Some(real));
+}
+
+#[test]
+fn gc_does_not_overwrite_a_finished_writers_size() {
+    let env = Env::new();
+    // A writer at work on a new image (its size unknown until it ends).
+    let writer = env.start_sh(&["--write", "new"], |started| {
+        format!(
+            "touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; \
+             head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+            s = started.display(),
+            r = env.sentinel("release").display()
+        )
+    });
+    // gc measures the image while it is still empty, and stops there.
+    let (gc, go_on) = env.paused(["gc"], "gc-measured");
+    // The writer finishes and records its real size.
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    // gc goes on: its stale measurement must not replace the real size.
+    late_measurement_keeps_the_real_size(&env, "new", gc, go_on);
+}
+
+#[test]
+fn images_does_not_overwrite_a_rewriters_size() {
+    let env = Env::new();
+    env.make_image("app");
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    conn.execute("UPDATE images SET size_bytes = NULL", [])
+        .unwrap();
+    // `images` measures the small image, and stops before recording it.
+    let (lister, go_on) = env.paused(["images", "--json"], "images-measured");
+    env.build(
+        "app",
+        "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    late_measurement_keeps_the_real_size(&env, "app", lister, go_on);
+}
