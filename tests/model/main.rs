@@ -456,7 +456,7 @@ fn an_exec_nested_in_a_slot_holder_can_wait_for_a_hold_that_waits_for_the_slot()
 }
 
 #[test]
-fn without_the_store_wide_check_a_removal_runs_beside_a_store_wide_command() {
+fn without_the_store_wide_check_an_image_user_runs_beside_a_store_wide_command() {
     let mut cfg = store_config();
     cfg.rules.store_check = false;
     cfg.crashes = 0;
@@ -466,7 +466,16 @@ fn without_the_store_wide_check_a_removal_runs_beside_a_store_wide_command() {
         "while a store-wide hold is granted, nobody else is at work on an image or slot",
     );
     assert!(trace.contains("exec --store-wide"), "{trace}");
-    assert!(trace.contains("rm A: mark"), "{trace}");
+    assert!(trace.contains("exec --read A: start"), "{trace}");
+    // The same rule keeps new image users from starving a waiting hold.
+    let mut cfg = store_config();
+    cfg.rules.store_check = false;
+    cfg.crashes = 0;
+    mutation_found(
+        "no store-wide check in claiming transactions",
+        cfg,
+        "no image user starts while a store-wide hold waits or runs",
+    );
 }
 
 #[test]

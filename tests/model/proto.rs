@@ -398,6 +398,7 @@ pub mod bad {
     /// Not a violation: a situation to reach (a clean unlinked the lease of
     /// an owner that is gone).
     pub const CLEANED_DEAD: u8 = 64;
+    pub const PASSED_HOLD: u8 = 128;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -590,6 +591,15 @@ impl Proto {
             return false;
         }
         self.cfg.rules.store_check && !self.exempt_from_hold(s, p)
+    }
+
+    /// A claim while a store-wide hold is recorded and live, by a process
+    /// outside its command and not in the command of an image user it
+    /// waits for: a stream of such claims could keep the hold waiting.
+    fn claim_past_hold(&self, s: &mut State, p: usize) {
+        if Self::live_hold(s).is_some() && !self.exempt_from_hold(s, p) {
+            s.bad |= bad::PASSED_HOLD;
+        }
     }
 
     fn in_tree_of(&self, q: usize, h: usize) -> bool {
@@ -1385,6 +1395,7 @@ impl Proto {
                     return;
                 }
                 s.procs[p].claimed = true;
+                self.claim_past_hold(s, p);
                 if let Some(f) = s.procs[p].slot {
                     Self::insert_record(
                         s,
@@ -1511,6 +1522,7 @@ impl Proto {
                     return;
                 }
                 s.rows[i] = Some(Row::Deleting);
+                self.claim_past_hold(s, p);
                 s.procs[p].pc = Pc::Trash(img, ret);
             }
             Pc::Trash(img, ret) => {
@@ -1934,6 +1946,10 @@ impl Model for Proto {
             Property::always(
                 "while a store-wide hold is granted, nobody else is at work on an image or slot",
                 |m: &Proto, s: &State| m.store_hold_alone(s),
+            ),
+            Property::always(
+                "no image user starts while a store-wide hold waits or runs",
+                |_, s: &State| s.bad & bad::PASSED_HOLD == 0,
             ),
             Property::always(
                 "an exclusively read image stays ready",
