@@ -25,6 +25,7 @@ use crate::kernel::{Entry, KernelView, LeaseSeen, LockView};
 use crate::lock::{Mode, Probe};
 use crate::meta::{ImageState, LockKind, Record, Role, SlotClass, Tx};
 use crate::name::ImageName;
+use crate::root::Root;
 
 /// One lock's state, holders and waiters.
 #[derive(Debug, Clone)]
@@ -56,10 +57,17 @@ pub fn prune(
     kv: &KernelView,
     view: &LockView,
     records: &[Record],
+    lockfile: &str,
 ) -> Result<(Vec<Party>, Vec<Party>)> {
-    // A table's "free" is not trusted for deciding records are stale.
+    // Holders and waiters with no record (readers) that their leases list.
+    let leased = kv.leased(lockfile);
+    // A table's "free" is not trusted for deciding records are stale, nor
+    // over a live lease that says it holds the lock (the table of a pid
+    // namespace hides locks taken outside it).
     let confirmed;
-    let (view, table) = if view.unconfirmed_free.is_some() && !records.is_empty() {
+    let (view, table) = if view.unconfirmed_free.is_some()
+        && (!records.is_empty() || leased.iter().any(|(_, _, h)| !h.awaits))
+    {
         confirmed = view.confirmed();
         let table = confirmed.unconfirmed_free.is_some();
         (&confirmed, table)
@@ -166,6 +174,59 @@ pub fn prune(
     {
         waiters.push(unrecorded(ctx, kv, e));
     }
+    // Holders and waiters their leases name, where neither a record nor
+    // the table did: a reader on another host (no table on NFS) or in a pid
+    // namespace ours does not see. A lease whose owner the table shows is
+    // left to the table: its entries were claimed above, or say the lease
+    // lists a lock no longer held.
+    let named: std::collections::HashSet<String> = holders
+        .iter()
+        .chain(&waiters)
+        .filter_map(|p| p.lease.clone())
+        .collect();
+    for (name, id, h) in leased {
+        if named.contains(&name) {
+            // Found through the table (not a record, which says it all):
+            // the lease says for which command, the table only which
+            // process.
+            let list = if h.awaits { &mut waiters } else { &mut holders };
+            for p in list.iter_mut().filter(|p| {
+                p.lease.as_deref() == Some(&name)
+                    && p.mode == h.mode
+                    && p.command.as_deref() == Some(id.command.as_str())
+            }) {
+                p.command = Some(h.command.clone());
+                p.since = Some(h.since);
+            }
+            continue;
+        }
+        let shown_by_table = matches!(
+            kv.lease(&name),
+            LeaseSeen::Alive {
+                taker: Some(Some(_))
+            }
+        );
+        if shown_by_table && table {
+            continue;
+        }
+        let party = Party {
+            pid: id.pid,
+            host: Some(id.host),
+            user: Some(id.user),
+            mode: h.mode,
+            command: Some(h.command),
+            since: Some(h.since),
+            stowage: true,
+            lease: Some(name),
+        };
+        if h.awaits {
+            if view.is_held() {
+                waiters.push(party);
+            }
+        } else if held_in(view, h.mode) {
+            holders.push(party);
+        }
+    }
     // No record and no lock table: someone holds it, we cannot say who.
     if holders.is_empty() && view.is_held() {
         holders.push(Party {
@@ -263,8 +324,13 @@ fn holder_valid(
 
 /// Whether the lock is held in the mode the record says.
 fn held_as_recorded(view: &LockView, rec: &Record) -> bool {
+    held_in(view, rec.mode)
+}
+
+/// Whether the lock is held in `mode`.
+fn held_in(view: &LockView, mode: Mode) -> bool {
     matches!(
-        (view.state, rec.mode),
+        (view.state, mode),
         (Some(Probe::Exclusive), Mode::Exclusive) | (Some(Probe::Shared), Mode::Shared)
     )
 }
@@ -305,11 +371,25 @@ pub fn sweep(
             _ => orphans.push(rec),
         }
     }
+    // Images whose locks live leases list: readers hold them without a
+    // record.
+    for lockfile in kv.leased_lockfiles() {
+        if let Some(name) = lockfile
+            .strip_prefix("images/")
+            .and_then(|f| f.strip_suffix(".lock"))
+            .and_then(|enc| ImageName::from_encoded(enc).ok())
+        {
+            images.entry(name.as_str().to_owned()).or_default();
+        }
+    }
     let mut reports = BTreeMap::new();
     for (name, records) in images {
-        let path = ctx.root.locks().join(&records[0].lockfile);
-        let view = kv.view(&path)?;
-        let (holders, waiters) = prune(tx, ctx, kv, &view, &records)?;
+        let Ok(image) = ImageName::parse(&name) else {
+            continue;
+        };
+        let lockfile = Root::image_lock_rel(&image);
+        let view = kv.view(&ctx.root.locks().join(&lockfile))?;
+        let (holders, waiters) = prune(tx, ctx, kv, &view, &records, &lockfile)?;
         // The table's "free" is not the state to show either: inside a pid
         // namespace the table hides every lock taken outside it.
         let view = if view.unconfirmed_free.is_some() && !holders.is_empty() {
@@ -335,7 +415,14 @@ pub fn sweep(
             continue;
         }
         let view = kv.view(&ctx.root.locks().join(&rec.lockfile))?;
-        prune(tx, ctx, kv, &view, std::slice::from_ref(&rec))?;
+        prune(
+            tx,
+            ctx,
+            kv,
+            &view,
+            std::slice::from_ref(&rec),
+            &rec.lockfile,
+        )?;
     }
     let mut slots = Vec::new();
     for name in removed {
@@ -525,7 +612,7 @@ pub fn class_report(tx: &Tx, ctx: &Ctx, kv: &KernelView, class: &SlotClass) -> R
             in_use += 1;
             held_any = true;
         }
-        let (h, _) = prune(tx, ctx, kv, &view, &mine)?;
+        let (h, _) = prune(tx, ctx, kv, &view, &mine, &rel)?;
         holders.extend(h);
     }
     // Holder records whose slot file no longer exists are stale.
@@ -545,7 +632,8 @@ pub fn class_report(tx: &Tx, ctx: &Ctx, kv: &KernelView, class: &SlotClass) -> R
         .filter(|r| r.role == Role::Waiter)
         .cloned()
         .collect();
-    let (_, waiters) = prune(tx, ctx, kv, &class_view, &waiting)?;
+    let class_rel = ctx.root.locks_rel(&dir);
+    let (_, waiters) = prune(tx, ctx, kv, &class_view, &waiting, &class_rel)?;
     Ok(ClassReport {
         class: class.clone(),
         in_use,

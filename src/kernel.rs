@@ -80,7 +80,13 @@ pub struct KernelView {
     /// Live leases by the pid that the table shows took them: made once per
     /// look, when a lock-table entry is claimed by no record.
     takers: std::cell::RefCell<Option<HashMap<u32, String>>>,
+    /// What every lease file says (owner and holdings), read once per look.
+    said: std::cell::RefCell<Option<Vec<(String, crate::lease::Identity)>>>,
 }
+
+/// A live lease that lists a lock: its name, what it says of its owner,
+/// and how it holds or awaits the lock.
+pub type Leased = (String, crate::lease::Identity, crate::lease::Holding);
 
 /// A lease as one look sees it (see `lease.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,6 +135,7 @@ impl KernelView {
             leases_dir: None,
             leases: Default::default(),
             takers: Default::default(),
+            said: Default::default(),
         }
     }
 
@@ -166,6 +173,55 @@ impl KernelView {
     pub fn with_leases(mut self, leases: &Path) -> KernelView {
         self.leases_dir = Some(leases.to_owned());
         self
+    }
+
+    /// The live leases that list `lockfile` (relative to the locks
+    /// directory) as held or awaited: how a holder that writes no record (a
+    /// reader) is named where the lock table cannot name it (NFS, or an
+    /// owner in a pid namespace this one does not see). Lease files are read
+    /// once per look, and only the live ones count.
+    pub fn leased(&self, lockfile: &str) -> Vec<Leased> {
+        self.load_said();
+        let said = self.said.borrow();
+        let mut out = Vec::new();
+        for (name, id) in said.iter().flatten() {
+            for h in id.holdings.iter().filter(|h| h.lockfile == lockfile) {
+                if matches!(self.lease(name), LeaseSeen::Alive { .. }) {
+                    out.push((name.clone(), id.clone(), h.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Every lock file that a live lease lists as held or awaited.
+    pub fn leased_lockfiles(&self) -> Vec<String> {
+        self.load_said();
+        let said = self.said.borrow();
+        let mut out: Vec<String> = Vec::new();
+        for (name, id) in said.iter().flatten() {
+            if id.holdings.is_empty() || !matches!(self.lease(name), LeaseSeen::Alive { .. }) {
+                continue;
+            }
+            out.extend(id.holdings.iter().map(|h| h.lockfile.clone()));
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    fn load_said(&self) {
+        if self.said.borrow().is_some() {
+            return;
+        }
+        let said = match &self.leases_dir {
+            Some(dir) => crate::lease::names(dir)
+                .into_iter()
+                .filter_map(|n| crate::lease::identity(dir, &n).map(|id| (n, id)))
+                .collect(),
+            None => Vec::new(),
+        };
+        *self.said.borrow_mut() = Some(said);
     }
 
     /// Judges a lease by name: probed once per look. A probe that fails
@@ -488,6 +544,7 @@ mod tests {
             leases_dir: None,
             leases: Default::default(),
             takers: Default::default(),
+            said: Default::default(),
         };
         let v = kv.view(&p).unwrap();
         assert_eq!(v.state, Some(Probe::Free));

@@ -4,8 +4,9 @@
 //! Every stowage process that holds or awaits a lock owns one *lease*: a
 //! file `ROOT/locks/leases/HOST-BOOT-PID-RANDOM.lease` that it holds
 //! exclusively (flock) for its whole life and that states who it is (host,
-//! pid, pid namespace, boot id, user, command, since). Each record it writes
-//! names its lease. A record's owner is alive exactly while its lease is
+//! pid, pid namespace, boot id, user, command, since) and what it holds and
+//! awaits ([`Holding`]: one line per lock). Each record it writes names its
+//! lease; a plain reader writes no record, and is named by its lease alone. A record's owner is alive exactly while its lease is
 //! locked: the kernel drops the lock when the last descriptor goes (the
 //! process, or a command that inherited it, died), an NFS server when the
 //! client's lease expires. Pids are only information.
@@ -51,6 +52,13 @@ const SUFFIX: &str = ".lease";
 pub struct Lease {
     guard: Guard,
     name: String,
+    /// What the file says of its owner (the first lines).
+    identity: String,
+    /// What it lists as held and awaited (the lines after).
+    holdings: Vec<Holding>,
+    /// How many bytes the file has: a shorter text is padded with empty
+    /// lines rather than truncated (a truncate is one more request on NFS).
+    written: usize,
     /// The leases directory, opened refusing a symlink: the guard's path
     /// goes through it, so the file is made, and unlinked, in the store.
     _dir: fs::File,
@@ -108,6 +116,108 @@ pub fn retire() {
     let all = std::mem::take(&mut *mine_all());
     for (_, l) in all {
         let _ = l.guard.unlink_lease();
+    }
+}
+
+/// A lock the owner of a lease holds or awaits, as the lease lists it:
+/// `hold=shared images/base.lock SINCE COMMAND` (or `await=…`): the mode,
+/// the lock file relative to the locks directory (as records name it),
+/// since when (ms since the epoch), and the command it is for. This is
+/// how a holder that writes no record (a reader) is named by lock-status
+/// where the kernel's lock table cannot say who holds a lock: on NFS, and
+/// in a pid namespace that does not see the holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holding {
+    pub mode: Mode,
+    pub lockfile: String,
+    /// Awaited, not (yet) held.
+    pub awaits: bool,
+    pub since: crate::clock::Millis,
+    /// The command the lock is taken for (what a record would say).
+    pub command: String,
+}
+
+impl Holding {
+    /// A holding taken now, for `command`.
+    pub fn now(mode: Mode, lockfile: String, awaits: bool, command: &str) -> Holding {
+        Holding {
+            mode,
+            lockfile,
+            awaits,
+            since: crate::clock::now_ms(),
+            command: command.to_owned(),
+        }
+    }
+
+    fn line(&self) -> String {
+        format!(
+            "{}={} {} {} {}\n",
+            if self.awaits { "await" } else { "hold" },
+            self.mode.as_str(),
+            self.lockfile,
+            self.since,
+            self.command.replace('\n', "\\n")
+        )
+    }
+
+    fn parse(key: &str, value: &str) -> Option<Holding> {
+        let awaits = match key {
+            "hold" => false,
+            "await" => true,
+            _ => return None,
+        };
+        let mut parts = value.splitn(4, ' ');
+        Some(Holding {
+            mode: Mode::parse(parts.next()?)?,
+            lockfile: parts.next()?.to_owned(),
+            awaits,
+            since: parts.next()?.parse().ok()?,
+            command: parts.next().unwrap_or_default().to_owned(),
+        })
+    }
+}
+
+impl Lease {
+    /// Writes the identity and the holdings over the file's start. Only
+    /// information: a failure (a full filesystem) changes nothing else.
+    fn rewrite(&mut self) {
+        use std::os::unix::fs::FileExt;
+        let mut text = self.identity.clone();
+        for h in &self.holdings {
+            text.push_str(&h.line());
+        }
+        if text.len() < self.written {
+            text.push_str(&"\n".repeat(self.written - text.len()));
+        }
+        if self.guard.file().write_all_at(text.as_bytes(), 0).is_ok() {
+            self.written = text.len();
+        }
+    }
+}
+
+/// Lists `h` in this process's lease for the store of `leases` (made now if
+/// there is none yet), replacing what it said of the same lock.
+pub fn note(leases: &Path, h: Holding) {
+    if mine(leases).is_err() {
+        return;
+    }
+    let mut all = mine_all();
+    if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases) {
+        l.holdings.retain(|o| o.lockfile != h.lockfile);
+        l.holdings.push(h);
+        l.rewrite();
+    }
+}
+
+/// Takes the lock file `lockfile` out of this process's lease: released,
+/// or no longer awaited.
+pub fn forget(leases: &Path, lockfile: &str) {
+    let mut all = mine_all();
+    if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases)
+        && l.holdings.iter().any(|o| o.lockfile == lockfile)
+    {
+        l.holdings.retain(|o| o.lockfile != lockfile);
+        l.rewrite();
     }
 }
 
@@ -177,10 +287,16 @@ fn create(dir: &Path) -> io::Result<Lease> {
         );
         // The identity is information; a lease that could not be written
         // (a full filesystem) still proves liveness.
-        let _ = guard.file().write_all(text.as_bytes());
+        let written = match guard.file().write_all(text.as_bytes()) {
+            Ok(()) => text.len(),
+            Err(_) => 0,
+        };
         return Ok(Lease {
             guard,
             name,
+            identity: text,
+            holdings: Vec::new(),
+            written,
             _dir: pinned,
         });
     }
@@ -242,6 +358,8 @@ pub struct Identity {
     pub user: String,
     pub command: String,
     pub since: Option<crate::clock::Millis>,
+    /// What the owner holds and awaits, as it listed it.
+    pub holdings: Vec<Holding>,
 }
 
 /// Reads what a lease says of its owner (None if it cannot be read).
@@ -275,6 +393,7 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             "user" => id.user = v.to_owned(),
             "command" => id.command = v.to_owned(),
             "since" => id.since = v.parse().ok(),
+            "hold" | "await" => id.holdings.extend(Holding::parse(k, v)),
             _ => {}
         }
     }

@@ -9,11 +9,14 @@
 //!    before it waits.
 //! 2. One transaction (the *start*): images checked (reads must be `ready`),
 //!    new images inserted `creating` with their empty directory made, existing
-//!    ones marked `writing`, holders recorded, our waiter records dropped.
+//!    ones marked `writing`, holders recorded (not plain readers: their
+//!    lease lists them, and a read changes nothing in the metadata unless
+//!    its image's last use is stale), our waiter records dropped.
 //! 3. The command runs. 4. One transaction (the *finish*): written images
 //!    become `ready` (exit 0, and each write lock still ours: see
 //!    `Guard::verify`) or `incomplete`, last-use times and sizes are
-//!    recorded, holder records dropped. 5. Locks are released by closing.
+//!    recorded, holder records dropped (none at all for plain reads: no
+//!    transaction). 5. Locks are released by closing.
 //!
 //! Invariants:
 //! - **No wait for oneself.** A process whose enclosing command holds a
@@ -77,6 +80,10 @@ struct Held {
     keep: bool,
     /// For writes: this session made the image's directory (it had none).
     made_dir: bool,
+    /// The holder record: none for a plain read, whose holder is named by
+    /// its lease (a read writes no metadata unless its image's last use is
+    /// older than [`LAST_USE_RESOLUTION`]).
+    record: Option<i64>,
 }
 
 impl Held {
@@ -84,14 +91,25 @@ impl Held {
     fn writes(&self) -> bool {
         self.mode == Mode::Exclusive && !self.keep
     }
+
+    /// The lock file, as records and leases name it.
+    fn lockfile(&self) -> String {
+        crate::root::Root::image_lock_rel(&self.name)
+    }
 }
+
+/// How stale an image's recorded last use may be before a read records it
+/// again (cargo's resolution for the same purpose): a read of an image
+/// used in the last five minutes writes nothing to the metadata, so most
+/// reads make a transaction that changes nothing (no journal, no fsync).
+/// `gc --unused-for` is that much coarser.
+pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
 
 /// Image locks held for one command.
 #[must_use = "finish() records the outcome; dropping releases the locks and leaves images to be found incomplete"]
 pub struct Session {
     slot: Option<crate::acquire::slot::SlotGuard>,
     held: Vec<Held>,
-    records: Vec<i64>,
     images_dir: PathBuf,
     started: Instant,
 }
@@ -178,6 +196,7 @@ impl Session {
                             prev: None,
                             keep,
                             made_dir: false,
+                            record: None,
                         });
                         waits.extend(waiter);
                     }
@@ -193,11 +212,25 @@ impl Session {
             }
             if !migrate {
                 match start(store, &mut held, slot.as_mut(), &waits, req) {
-                    Ok((images_dir, records)) => {
+                    Ok(images_dir) => {
+                        // The lease lists what we hold: how lock-status names
+                        // a reader, which has no record, where the kernel
+                        // cannot say who holds its lock.
+                        let leases = store.root().leases();
+                        for h in &held {
+                            crate::lease::note(
+                                &leases,
+                                crate::lease::Holding::now(
+                                    h.mode,
+                                    h.lockfile(),
+                                    false,
+                                    &req.command,
+                                ),
+                            );
+                        }
                         return Ok(Session {
                             slot,
                             held,
-                            records,
                             images_dir,
                             started,
                         });
@@ -340,13 +373,13 @@ impl Session {
         else {
             return Ok(());
         };
-        if let Some(&id) = self.records.get(i) {
+        if let Some(id) = self.held[i].record {
             let (tx, _) = store.begin_cleanup()?;
             tx.delete_record(id)?;
             tx.commit()?;
-            self.records.remove(i);
         }
-        self.held.remove(i);
+        let h = self.held.remove(i);
+        crate::lease::forget(&store.root().leases(), &h.lockfile());
         Ok(())
     }
 
@@ -404,7 +437,13 @@ impl Session {
         let held = &self.held;
         let images_dir = &self.images_dir;
         let ids: Vec<i64> = self.record_ids().collect();
+        self.forget_holdings(store);
+        // Plain reads have nothing to record: no transaction at all.
+        let nothing = ids.is_empty() && held.iter().all(|h| h.mode == Mode::Shared);
         store.retry_full(|store| {
+            if nothing {
+                return Ok(());
+            }
             let (tx, ctx) = store.begin_cleanup()?;
             let now = clock::now_ms();
             for (h, (size, gone, trusted)) in held.iter().zip(&written) {
@@ -469,10 +508,19 @@ impl Session {
 
     /// Every record this session made: its image holders and its slot's.
     fn record_ids(&self) -> impl Iterator<Item = i64> + '_ {
-        self.records
+        self.held
             .iter()
-            .copied()
+            .filter_map(|h| h.record)
             .chain(self.slot.as_ref().and_then(|s| s.record_id()))
+    }
+
+    /// Takes every image lock of this session out of the lease (they are
+    /// released next).
+    fn forget_holdings(&self, store: &Store) {
+        let leases = store.root().leases();
+        for h in &self.held {
+            crate::lease::forget(&leases, &h.lockfile());
+        }
     }
 
     /// Undoes the start when the command never ran (it could not be
@@ -480,6 +528,7 @@ impl Session {
     /// removed again (their directories are still empty), and images it
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
+        self.forget_holdings(store);
         let (tx, ctx) = store.begin_cleanup()?;
         for h in self.held.iter().filter(|h| h.writes()) {
             match h.prev {
@@ -562,7 +611,7 @@ fn start(
     slot: Option<&mut crate::acquire::slot::SlotGuard>,
     waits: &[i64],
     req: &Request,
-) -> Result<(PathBuf, Vec<i64>)> {
+) -> Result<PathBuf> {
     let (tx, ctx) = store.begin(req.deadline)?;
     // A store-wide command runs: claim nothing (below), wait, start over.
     let store_held = crate::store_wide::check(&tx, ctx).err();
@@ -630,12 +679,21 @@ fn start(
     // commit, they go again (a directory without a row would later be
     // adopted).
     let mut made = Vec::new();
-    let claimed = (|| -> Result<Vec<i64>> {
+    let resolution = LAST_USE_RESOLUTION.as_millis() as clock::Millis;
+    let claimed = (|| -> Result<Vec<Option<i64>>> {
         let mut records = Vec::with_capacity(held.len());
         for (h, row) in held.iter_mut().zip(rows) {
             match h.mode {
                 _ if h.keep => tx.touch(h.name.as_str(), now)?,
-                Mode::Shared => tx.touch(h.name.as_str(), now)?,
+                Mode::Shared => {
+                    // A plain read records nothing but a stale last use;
+                    // its lease names it as a holder (see Holding).
+                    if row.as_ref().is_none_or(|r| now - r.last_used >= resolution) {
+                        tx.touch(h.name.as_str(), now)?;
+                    }
+                    records.push(None);
+                    continue;
+                }
                 Mode::Exclusive => {
                     h.prev = row.as_ref().map(|r| r.state);
                     let before = made.len();
@@ -643,13 +701,13 @@ fn start(
                     h.made_dir = made.len() > before;
                 }
             }
-            records.push(tx.insert_record(&record(
+            records.push(Some(tx.insert_record(&record(
                 ctx,
                 &h.name,
                 h.mode,
                 Role::Holder,
                 &req.command,
-            ))?);
+            ))?));
         }
         Ok(records)
     })();
@@ -668,7 +726,10 @@ fn start(
         s.waiter = None;
         s.set_record(id);
     }
-    Ok((images_dir, records))
+    for (h, id) in held.iter_mut().zip(records) {
+        h.record = id;
+    }
+    Ok(images_dir)
 }
 
 #[allow(clippy::too_many_arguments)] // one call site; the pieces are the start transaction's

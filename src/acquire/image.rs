@@ -105,7 +105,8 @@ pub(crate) fn acquire_image(
         let kv = crate::judge::kernel_view(&tx, ctx, &ctx.root.image_locks());
         let view = kv.view(&path)?;
         let records = tx.records_for(LockKind::Image, name.as_str())?;
-        let (holders, _) = crate::judge::prune(&tx, ctx, &kv, &view, &records)?;
+        let lockfile = crate::root::Root::image_lock_rel(name);
+        let (holders, _) = crate::judge::prune(&tx, ctx, &kv, &view, &records, &lockfile)?;
         require_all(&tx, want.must_exist)?;
         let id = if want.no_wait {
             None
@@ -132,11 +133,20 @@ pub(crate) fn acquire_image(
         .into());
     }
     crate::holders::announce_wait(store.ctx(), &what, &holders);
+    // The lease says what we await while we wait (the waiter record says it
+    // too, where it could be made).
+    let leases = store.root().leases();
+    let lockfile = crate::root::Root::image_lock_rel(name);
+    crate::lease::note(
+        &leases,
+        crate::lease::Holding::now(mode, lockfile.clone(), true, want.command),
+    );
     let mut wait = Wait::on(&store.root().image_locks(), want.deadline);
-    let guard = wait_as_waiter(store, waiter, what, holders, || {
+    let got = wait_as_waiter(store, waiter, what, holders, || {
         wait_image(&gate, &path, mode, &mut wait).map_err(err)
-    })?;
-    Ok((guard, waiter))
+    });
+    crate::lease::forget(&leases, &lockfile);
+    Ok((got?, waiter))
 }
 
 /// The error for a lock that this process's enclosing command holds in a

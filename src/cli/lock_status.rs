@@ -262,7 +262,11 @@ pub fn gather(
             if reports.contains_key(&name) {
                 continue;
             }
-            let (holders, waiters) = judge::prune(tx, ctx, &kv, &view, &[])?;
+            let Ok(n) = ImageName::parse(&name) else {
+                continue;
+            };
+            let lockfile = crate::root::Root::image_lock_rel(&n);
+            let (holders, waiters) = judge::prune(tx, ctx, &kv, &view, &[], &lockfile)?;
             if holders.is_empty() && waiters.is_empty() {
                 continue;
             }
@@ -300,7 +304,8 @@ pub fn gather(
             // would take every lock in turn.
             let view = kv.view(&ctx.root.image_lock(&n))?;
             let view = if sel.all { view } else { view.confirmed() };
-            let (holders, waiters) = judge::prune(tx, ctx, &kv, &view, &[])?;
+            let lockfile = crate::root::Root::image_lock_rel(&n);
+            let (holders, waiters) = judge::prune(tx, ctx, &kv, &view, &[], &lockfile)?;
             reports.insert(
                 name.clone(),
                 LockReport::image(name, &view, holders, waiters),
@@ -343,7 +348,7 @@ fn store_wide_report(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<Option<LockR
     if !view.is_held() && records.is_empty() {
         return Ok(None);
     }
-    let (holders, waiters) = judge::prune(tx, ctx, kv, &view, &records)?;
+    let (holders, waiters) = judge::prune(tx, ctx, kv, &view, &records, "store.lock")?;
     Ok(Some(LockReport {
         kind: LockKind::Global,
         name: "store".into(),

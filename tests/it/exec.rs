@@ -559,3 +559,31 @@ fn a_failed_new_image_leaves_no_empty_directory() {
     assert_eq!(env.state("gone2"), None);
     assert!(!img.join("gone2").exists());
 }
+
+/// A read of an image used in the last five minutes writes nothing to the
+/// metadata (its holder is named by its lease, its last use is fresh
+/// enough): the database file is not touched. A read of an image last used
+/// longer ago records the use.
+#[test]
+fn a_read_writes_no_metadata_while_last_use_is_fresh() {
+    let env = Env::new();
+    env.make_image("base");
+    let db = env.root.join("stowage.db");
+    let last_used = || env.image("base").unwrap()["last_used"].clone();
+    let before = fs::read(&db).unwrap();
+    let used = last_used();
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    assert!(fs::read(&db).unwrap() == before, "the database changed");
+    assert_eq!(last_used(), used);
+    // Ten minutes on, a read records the use.
+    let mut c = env.cmd(["exec", "--read", "base", "--", "true"]);
+    let later = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    c.env("STOWAGE_NOW", later.to_string());
+    assert_eq!(output(c).status.code(), Some(0));
+    assert_ne!(last_used(), used, "a stale last use is recorded");
+}

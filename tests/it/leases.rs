@@ -843,3 +843,75 @@ fn a_planted_leases_symlink_gets_no_lease_made_through_it() {
         "left for doctor to name"
     );
 }
+
+/// A plain read writes no holder record: its lease lists the lock and the
+/// command it is for, and lock-status names the reader from there, once —
+/// with the kernel's lock table, without one (NFS, where the table shows
+/// nothing of other hosts), in the default view and asked by name, and
+/// after stowage itself died while its command (which inherited the lock
+/// and the lease) runs on.
+#[test]
+fn a_reader_is_named_by_its_lease_not_a_record() {
+    let env = Env::new();
+    env.make_image("base");
+    let mut bg = env.hold(&["--read", "base"], "started");
+    let stowage = bg.pid();
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    let records: i64 = conn
+        .query_row("SELECT count(*) FROM records", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(records, 0, "a read records no holder");
+    drop(conn);
+    let leases: Vec<String> = std::fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    assert!(
+        leases.iter().any(|t| t
+            .lines()
+            .any(|l| l.starts_with("hold=shared images/base.lock ") && l.contains(" sh -c "))),
+        "the lease lists the hold: {leases:?}"
+    );
+    let named_once = |entry: &Value, how: &str| {
+        let holders = entry["holders"].as_array().unwrap();
+        assert_eq!(holders.len(), 1, "{how}: {entry:#}");
+        assert_eq!(holders[0]["pid"], stowage, "{how}: {entry:#}");
+        assert_eq!(holders[0]["stowage"], true, "{how}: {entry:#}");
+        assert_eq!(holders[0]["mode"], "shared", "{how}: {entry:#}");
+        assert!(
+            holders[0]["command"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("sh -c ")),
+            "{how}: {entry:#}"
+        );
+        assert_eq!(entry["state"], "shared", "{how}: {entry:#}");
+    };
+    let nfs = |args: &[&str]| {
+        let mut c = env.cmd(["lock-status", "--json"]);
+        c.args(args).env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+        let st: Value = serde_json::from_slice(&out.stdout).unwrap();
+        image_entry(&st, "base")
+    };
+    let default_view = image_entry(&env.status_json::<[&str; 0], &str>([]), "base");
+    named_once(&default_view, "default view");
+    named_once(&env.lock_entry("base").unwrap(), "by name");
+    named_once(&nfs(&[]), "no lock table");
+    named_once(&nfs(&["base"]), "no lock table, by name");
+    // stowage dies; its command keeps the lock and the lease.
+    bg.signal(libc::SIGKILL);
+    let _ = bg.child.as_mut().unwrap().wait();
+    assert!(!flock_free(&env.lock_file("base")), "the command holds it");
+    named_once(&env.lock_entry("base").unwrap(), "after stowage died");
+    named_once(&nfs(&["base"]), "after stowage died, no lock table");
+    // The command ends: nobody is listed any more.
+    env.release("release");
+    wait_until("the command released the lock", || {
+        flock_free(&env.lock_file("base"))
+    });
+    let entry = env.lock_entry("base").unwrap();
+    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry:#}");
+    bg.kill_all();
+}

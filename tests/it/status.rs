@@ -348,8 +348,9 @@ fn a_stored_time_past_year_9999_is_shown_as_unknown_not_a_panic() {
     env.status_json(["--all"]);
     env.ok(["lock-status", "--all"]);
     env.ok(["gc", "--unused-for", "1d", "--dry-run"]);
-    // A holder whose record says it started after year 9999.
-    let _h = env.hold(&["--read", "app"], "started");
+    // A holder whose record says it started after year 9999 (an exclusive
+    // read: a plain read writes no record).
+    let _h = env.hold(&["--read-exclusive", "app"], "started");
     let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
     conn.execute("UPDATE records SET since_ms = ?1", [i64::MAX])
         .unwrap();

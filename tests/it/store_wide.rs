@@ -49,13 +49,15 @@ fn a_store_wide_command_waits_for_image_users_and_new_ones_wait_for_it() {
         "-c",
         &format!("test -e '{}'", env.sentinel("wide").display()),
     ]);
+    // Three blocked requests: the store-wide command's for 'a', and the
+    // later reader's and writer's for the store.
     wait_until("both later users wait for the store", || {
         let waiting = fs::read_to_string("/proc/locks")
             .unwrap()
             .lines()
             .filter(|l| l.contains("->"))
             .count();
-        waiting >= 2 && flock_waited_on(&store_lock(&env))
+        waiting >= 3 && flock_waited_on(&store_lock(&env))
     });
     assert!(!env.root.join("img/b").exists());
     // lock-status shows the hold, its command and who queues for it.
