@@ -603,17 +603,39 @@ fn without_the_keeper_a_no_inherit_command_outlives_its_locks() {
     assert!(trace.contains("--no-inherit"), "{trace}");
 }
 
-/// Not a mutation of a rule but a limit of today's code: on NFS, records
-/// can be judged only by the lock's mode, so a dead reader's record stands
-/// while another reader holds the image — what leases are to fix.
+/// Leases turned off: records judged by the lock's mode alone, as records
+/// without a lease (written by releases before leases) still are on NFS. A
+/// dead writer's record stands while another writer holds the image and
+/// has not started yet (its start drops it).
 #[test]
-fn judged_by_mode_alone_a_dead_readers_record_survives() {
+fn without_leases_a_dead_writers_record_survives() {
     let mut cfg = default_config();
     cfg.rules.leases = false;
-    mutation_found(
+    cfg.roles = vec![
+        Role {
+            host: 0,
+            parent: None,
+            menu: vec![exec_write(A)],
+        },
+        Role {
+            host: 1,
+            parent: None,
+            menu: vec![exec_write(A)],
+        },
+        Role {
+            host: 1,
+            parent: None,
+            menu: vec![Op::Look],
+        },
+    ];
+    let trace = mutation_found(
         "records judged by mode alone",
         cfg,
         "no record of a dead owner survives a look",
+    );
+    assert!(
+        trace.contains("SIGKILL") || trace.contains("dies"),
+        "{trace}"
     );
 }
 

@@ -1418,16 +1418,20 @@ impl Proto {
                     s.tree[wi] = true;
                     s.truth[wi].0 = true;
                 }
+                // A plain read (the `--from` base too) records nothing: its
+                // lease names it. Writers and exclusive readers record.
                 for (img, _, mode) in &held {
-                    Self::insert_record(
-                        s,
-                        Rec {
-                            of: RecOf::Img(*img),
-                            role: RecRole::Holder,
-                            mode: *mode,
-                            owner: p as u8,
-                        },
-                    );
+                    if *mode == Mode::Exclusive {
+                        Self::insert_record(
+                            s,
+                            Rec {
+                                of: RecOf::Img(*img),
+                                role: RecRole::Holder,
+                                mode: *mode,
+                                owner: p as u8,
+                            },
+                        );
+                    }
                 }
                 s.procs[p].pc = if from { Pc::Clone } else { Pc::Spawn };
             }
