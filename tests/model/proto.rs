@@ -14,6 +14,15 @@
 //! the image and slot descriptors unless `--no-inherit`; a lock file has a
 //! generation, so a process may hold a lock on a file that was unlinked
 //! since it opened it (a ghost).
+//!
+//! Leases are lock files too: one per process that locks something, made
+//! in two steps (open, then lock and re-check) so that a cleaning prober
+//! can come between, held by the process's descriptors (and so inherited
+//! with its image locks), probed to judge its records. The look that
+//! cleans them holds the global lock over several steps (`State::global`);
+//! every other transaction is one step. `exec --store-wide` is its
+//! `store.lock`, a record every claiming transaction honours, and the wait
+//! for every image lock and slot to be free.
 
 use stateright::{Model, Property};
 
