@@ -5,7 +5,7 @@
 //! Its liveness is its owner's lease (`lease.rs`): a pid means nothing on
 //! another host or in another pid namespace. [`liveness`] (pid plus start
 //! time, same host and boot) judges only records of older releases, which
-//! name no lease. `STOWAGE_HOSTNAME` overrides the recorded host name.
+//! name no lease.
 
 use std::fs;
 
@@ -32,13 +32,8 @@ impl Me {
     }
 }
 
-/// The host name, or its override.
+/// The host name (of this UTS namespace: a container's own).
 pub fn host_name() -> String {
-    if let Ok(h) = std::env::var(crate::env::HOSTNAME)
-        && !h.is_empty()
-    {
-        return h;
-    }
     nix::unistd::gethostname()
         .ok()
         .and_then(|h| h.into_string().ok())
