@@ -20,14 +20,26 @@ pub struct Me {
 }
 
 impl Me {
+    /// This process's identity, looked up once per process (it reads /proc,
+    /// the boot id, the host name and the user database, and is asked for by
+    /// the store and by the lease alike).
     pub fn current() -> Me {
+        static ME: std::sync::Mutex<Option<Me>> = std::sync::Mutex::new(None);
         let pid = std::process::id();
-        Me {
-            pid,
-            pid_start: start_time(pid),
-            host: host_name(),
-            boot_id: boot_id(),
-            user: user_name(),
+        let mut cached = ME.lock().unwrap_or_else(|e| e.into_inner());
+        match &*cached {
+            Some(me) if me.pid == pid => me.clone(),
+            _ => {
+                let me = Me {
+                    pid,
+                    pid_start: start_time(pid),
+                    host: host_name(),
+                    boot_id: boot_id(),
+                    user: user_name(),
+                };
+                *cached = Some(me.clone());
+                me
+            }
         }
     }
 }
