@@ -121,7 +121,7 @@ mod tests {
             (crate::env::ROOT, "/caller"),
             (crate::env::IMAGE_DIR, "/caller/img/x"),
             (crate::env::IMAGES_DIR, "/caller/img"),
-            ("STOWAGE_HOSTNAME", "kept"),
+            ("STOWAGE_NOW", "kept"),
         ]
         .map(|(k, v)| (OsString::from(k), OsString::from(v)));
         let env = environment(
@@ -137,7 +137,7 @@ mod tests {
         assert_eq!(get("STOWAGE_ROOT"), [&OsString::from("/r")]);
         assert_eq!(get("STOWAGE_IMAGES_DIR"), [&OsString::from("/r/img")]);
         assert!(get("STOWAGE_IMAGE_DIR").is_empty(), "no single image here");
-        assert_eq!(get("STOWAGE_HOSTNAME"), [&OsString::from("kept")]);
+        assert_eq!(get("STOWAGE_NOW"), [&OsString::from("kept")]);
         assert_eq!(get("PATH"), [&OsString::from("/bin")]);
     }
 }

@@ -15,8 +15,6 @@ pub const IMAGE_DIR: &str = "STOWAGE_IMAGE_DIR";
 /// Set by `stowage exec` for its command: the pids of the execs that run it,
 /// outermost first, separated by `:` (each appends its own).
 pub const EXEC_PIDS: &str = "STOWAGE_EXEC_PIDS";
-/// Overrides the host name recorded for this process.
-pub const HOSTNAME: &str = "STOWAGE_HOSTNAME";
 /// The time "now" for `gc --unused-for` and last-use times (tests and
 /// reproducible reports): RFC 3339 or seconds since the epoch.
 pub const NOW: &str = "STOWAGE_NOW";

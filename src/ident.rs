@@ -5,7 +5,7 @@
 //! Its liveness is its owner's lease (`lease.rs`): a pid means nothing on
 //! another host or in another pid namespace. [`liveness`] (pid plus start
 //! time, same host and boot) judges only records of older releases, which
-//! name no lease. `STOWAGE_HOSTNAME` overrides the recorded host name.
+//! name no lease.
 
 use std::fs;
 
@@ -20,25 +20,32 @@ pub struct Me {
 }
 
 impl Me {
+    /// This process's identity, looked up once per process (it reads /proc,
+    /// the boot id, the host name and the user database, and is asked for by
+    /// the store and by the lease alike).
     pub fn current() -> Me {
+        static ME: std::sync::Mutex<Option<Me>> = std::sync::Mutex::new(None);
         let pid = std::process::id();
-        Me {
-            pid,
-            pid_start: start_time(pid),
-            host: host_name(),
-            boot_id: boot_id(),
-            user: user_name(),
+        let mut cached = ME.lock().unwrap_or_else(|e| e.into_inner());
+        match &*cached {
+            Some(me) if me.pid == pid => me.clone(),
+            _ => {
+                let me = Me {
+                    pid,
+                    pid_start: start_time(pid),
+                    host: host_name(),
+                    boot_id: boot_id(),
+                    user: user_name(),
+                };
+                *cached = Some(me.clone());
+                me
+            }
         }
     }
 }
 
-/// The host name, or its override.
+/// The host name (of this UTS namespace: a container's own).
 pub fn host_name() -> String {
-    if let Ok(h) = std::env::var(crate::env::HOSTNAME)
-        && !h.is_empty()
-    {
-        return h;
-    }
     nix::unistd::gethostname()
         .ok()
         .and_then(|h| h.into_string().ok())

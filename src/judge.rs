@@ -407,6 +407,20 @@ pub fn sweep(
     // class's, and the class is shown while they stand: its holders run on
     // after `slots rm`, and its waiters until they notice.
     let mut removed: Vec<String> = Vec::new();
+    // Slot holders of a class no longer configured, named by their leases
+    // (a slot holder writes no record).
+    for lockfile in kv.leased_lockfiles() {
+        let Some(class) = lockfile
+            .strip_prefix("slots/")
+            .and_then(|f| f.rsplit_once('/'))
+            .map(|(enc, _)| enc.replace('%', "/"))
+        else {
+            continue;
+        };
+        if !classes.iter().any(|c| c.name == class) && !removed.contains(&class) {
+            removed.push(class);
+        }
+    }
     for rec in orphans {
         if rec.kind == LockKind::Slot {
             if !removed.contains(&rec.name) {
@@ -603,7 +617,9 @@ pub fn class_report(tx: &Tx, ctx: &Ctx, kv: &KernelView, class: &SlotClass) -> R
         let view = kv.view(file)?;
         // A recorded slot the table calls free is probed: inside a pid
         // namespace the table hides slots taken outside it.
-        let held = if view.unconfirmed_free.is_some() && !mine.is_empty() {
+        let held = if view.unconfirmed_free.is_some()
+            && (!mine.is_empty() || kv.leased(&rel).iter().any(|(_, _, h)| !h.awaits))
+        {
             view.confirmed().is_held()
         } else {
             view.is_held()

@@ -216,6 +216,9 @@ impl Session {
                         // The lease lists what we hold: how lock-status names
                         // a reader, which has no record, where the kernel
                         // cannot say who holds its lock.
+                        if let Some(s) = slot.as_mut() {
+                            s.announce(store.root(), &req.command);
+                        }
                         let leases = store.root().leases();
                         for h in &held {
                             crate::lease::note(
@@ -508,10 +511,7 @@ impl Session {
 
     /// Every record this session made: its image holders and its slot's.
     fn record_ids(&self) -> impl Iterator<Item = i64> + '_ {
-        self.held
-            .iter()
-            .filter_map(|h| h.record)
-            .chain(self.slot.as_ref().and_then(|s| s.record_id()))
+        self.held.iter().filter_map(|h| h.record)
     }
 
     /// Takes every image lock of this session out of the lease (they are
@@ -671,10 +671,6 @@ fn start(
     }
 
     // Then claim: mark, create, record.
-    let slot_id = match &slot {
-        Some(s) => Some(tx.insert_record(&s.holder_record(ctx, &req.command))?),
-        None => None,
-    };
     // Directories made here are not part of the transaction: if it does not
     // commit, they go again (a directory without a row would later be
     // adopted).
@@ -722,9 +718,8 @@ fn start(
             return Err(e);
         }
     };
-    if let (Some(s), Some(id)) = (slot, slot_id) {
+    if let Some(s) = slot {
         s.waiter = None;
-        s.set_record(id);
     }
     for (h, id) in held.iter_mut().zip(records) {
         h.record = id;

@@ -22,10 +22,12 @@ use crate::store::Store;
 pub struct SlotGuard {
     guard: Guard,
     class: String,
-    /// The waiter record made while waiting, to drop when recording the hold.
+    /// The waiter record made while waiting, to drop when the hold starts.
     pub(crate) waiter: Option<i64>,
-    /// The holder record, once made.
-    record: Option<i64>,
+    /// The leases directory and the slot file's name there, once the lease
+    /// lists this slot (a slot holder writes no record: its lease names it,
+    /// see [`SlotGuard::announce`]).
+    listed: Option<(PathBuf, String)>,
 }
 
 impl SlotGuard {
@@ -46,32 +48,33 @@ impl SlotGuard {
         std::os::fd::AsRawFd::as_raw_fd(&self.guard)
     }
 
-    /// The holder record for this slot (inserted by the caller's transaction).
-    pub(crate) fn holder_record(&self, ctx: &Ctx, command: &str) -> Record {
-        record(
-            ctx,
-            &self.class,
-            ctx.root.locks_rel(self.guard.path()),
-            Role::Holder,
-            command,
-        )
+    /// Lists the slot in this process's lease, for `command`: how
+    /// lock-status and waiting messages name a slot holder (no record is
+    /// written for it, so taking a slot changes nothing in the metadata).
+    pub(crate) fn announce(&mut self, root: &crate::root::Root, command: &str) {
+        let leases = root.leases();
+        let rel = root.locks_rel(self.guard.path());
+        crate::lease::note(
+            &leases,
+            crate::lease::Holding::now(Mode::Exclusive, rel.clone(), false, command),
+        );
+        self.listed = Some((leases, rel));
     }
 
-    pub(crate) fn set_record(&mut self, id: i64) {
-        self.record = Some(id);
-    }
-
-    pub(crate) fn record_id(&self) -> Option<i64> {
-        self.record
-    }
-
-    /// Releases the slot and deletes its holder record.
-    pub fn release(self, store: &mut Store) -> Result<()> {
-        if let Some(id) = self.record {
-            store.with_tx(None, |tx, _| tx.delete_record(id))?;
-        }
-        drop(self.guard);
+    /// Releases the slot.
+    pub fn release(self, _store: &mut Store) -> Result<()> {
+        drop(self);
         Ok(())
+    }
+}
+
+impl Drop for SlotGuard {
+    /// The slot goes out of the lease as it is released (the descriptor
+    /// closes right after).
+    fn drop(&mut self) {
+        if let Some((leases, rel)) = &self.listed {
+            crate::lease::forget(leases, rel);
+        }
     }
 }
 
@@ -111,14 +114,10 @@ pub fn acquire(
     else {
         return Ok(None);
     };
-    let id = store.with_tx(deadline, |tx, ctx| {
-        if let Some(w) = slot.waiter {
-            tx.delete_record(w)?;
-        }
-        tx.insert_record(&slot.holder_record(ctx, command))
-    })?;
-    slot.waiter = None;
-    slot.set_record(id);
+    if let Some(w) = slot.waiter.take() {
+        store.with_tx(deadline, |tx, _| tx.delete_record(w))?;
+    }
+    slot.announce(store.root(), command);
     Ok(Some(slot))
 }
 
@@ -152,7 +151,7 @@ pub(crate) fn acquire_unrecorded(
         guard,
         class: class.to_owned(),
         waiter: None,
-        record: None,
+        listed: None,
     };
     let mut slots = Slots::new(&dir, &config, priority)?;
     if let Some(guard) = slots.try_take().map_err(err)? {
@@ -201,10 +200,11 @@ pub(crate) fn acquire_unrecorded(
     crate::holders::announce_wait(store.ctx(), &what, &format!("all {holders}"));
     let t0 = Instant::now();
     match wait_for_slot(store, class, priority, &dir, config, slots, deadline) {
-        Ok(Got::Slot(guard)) => Ok(Some(SlotGuard {
-            waiter,
-            ..slot(guard)
-        })),
+        Ok(Got::Slot(guard)) => {
+            let mut held = slot(guard);
+            held.waiter = waiter;
+            Ok(Some(held))
+        }
         Ok(got) => {
             if let Some(id) = waiter {
                 store.forget_record(id);

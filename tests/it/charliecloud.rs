@@ -139,7 +139,6 @@ impl Ch {
             .env("CH_IMAGE_STORAGE", &self.storage)
             .env("STOWAGE_ROOT", &self.env.root)
             .env_remove("CH_IMAGE_CACHE")
-            .env_remove("STOWAGE_HOSTNAME")
             .env_remove("STOWAGE_NOW");
         for v in ["GIT_AUTHOR", "GIT_COMMITTER"] {
             c.env(format!("{v}_NAME"), "stowage tests")

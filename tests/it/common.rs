@@ -58,9 +58,7 @@ impl Env {
     {
         let mut c = Command::new(bin());
         c.arg("--root").arg(&self.root).args(args);
-        c.env_remove("STOWAGE_ROOT")
-            .env_remove("STOWAGE_HOSTNAME")
-            .env_remove("STOWAGE_NOW");
+        c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
         c.stdin(Stdio::null());
         c
     }

@@ -115,8 +115,7 @@ fn a_hold_probe_on_another_host_is_seen_by_doctor() {
             "hostname probe-host && exec '{bin}' --root '{root}' doctor --hold-probe 60",
             bin = bin(),
             root = env.root.display()
-        ))
-        .env_remove("STOWAGE_HOSTNAME");
+        ));
     let holder = Bg::from_command(c);
     let file = env.root.join("locks/probe.lock");
     wait_until("the probe is held", || {

@@ -81,7 +81,7 @@ impl Host {
         c.args(["-t", &self.init().to_string(), "-p", "-u", "-m", "--"]);
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         c.args(stowage_argv(env, &args));
-        c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_HOSTNAME");
+        c.env_remove("STOWAGE_ROOT");
         output(c)
     }
 
@@ -126,9 +126,7 @@ fn in_lingering_namespace(
     });
     c.arg(format!("{name}\"$@\"; st=$?; {wait}exit $st"));
     c.arg("sh").args(program);
-    c.env_remove("STOWAGE_ROOT")
-        .env_remove("STOWAGE_HOSTNAME")
-        .env_remove("STOWAGE_NOW");
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
     c
 }
 
@@ -501,9 +499,7 @@ fn torture_hosts() {
         let mut c = Command::new("unshare");
         c.args(["--pid", "--fork", "--uts", "--mount-proc", "sh", "-c"])
             .arg(format!("hostname '{name}' && {PARTY}"));
-        c.env("STOWAGE", bin())
-            .env("STOWAGE_ROOT", &env.root)
-            .env_remove("STOWAGE_HOSTNAME");
+        c.env("STOWAGE", bin()).env("STOWAGE_ROOT", &env.root);
         Bg::from_command(c)
     };
     let mut generation = 0u64;
@@ -914,4 +910,32 @@ fn a_reader_is_named_by_its_lease_not_a_record() {
     let entry = env.lock_entry("base").unwrap();
     assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry:#}");
     bg.kill_all();
+}
+
+/// A build on another host (a real one: its own UTS and pid namespaces)
+/// is shown with that host's name while its lock is held; once its host
+/// crashes, its lock is free and the next look drops its record and marks
+/// its image incomplete — its pid could never be checked from here.
+#[test]
+fn a_record_from_another_host_whose_lock_is_free_is_dropped() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    let remote = Host::hold(
+        &env,
+        Some("node07.elsewhere"),
+        &["--write", "app"],
+        "started",
+    );
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["holders"][0]["host"], "node07.elsewhere", "{entry}");
+    remote.crash();
+    let entry = env.lock_entry("app").unwrap();
+    assert!(
+        entry["holders"].as_array().unwrap().is_empty(),
+        "stale remote record dropped: {entry}"
+    );
+    assert_eq!(entry["state"], "free");
+    assert_eq!(entry["image_state"], "incomplete");
 }

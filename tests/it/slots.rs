@@ -469,3 +469,47 @@ fn a_slot_waiter_under_a_pids_limit_still_waits_and_gets_in() {
         assert_eq!(h.finish().status.code(), Some(0));
     }
 }
+
+/// Taking a slot writes nothing to the metadata: its holder is named by its
+/// lease (with the kernel's lock table and without one, as on NFS), and an
+/// exec that takes a slot and reads a fresh image leaves the database file
+/// as it was.
+#[test]
+fn a_slot_holder_is_named_by_its_lease_and_writes_no_metadata() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "pull", "2"]);
+    env.ok(["exec", "--slot", "pull", "--read", "base", "--", "true"]);
+    let db = env.root.join("stowage.db");
+    let before = fs::read(&db).unwrap();
+    env.ok(["exec", "--slot", "pull", "--read", "base", "--", "true"]);
+    assert!(fs::read(&db).unwrap() == before, "the database changed");
+    let holder = env.hold(&["--slot", "pull"], "held");
+    let named = |e: &serde_json::Value, how: &str| {
+        let h = e["holders"].as_array().unwrap();
+        assert_eq!(h.len(), 1, "{how}: {e}");
+        assert_eq!(h[0]["pid"], holder.pid(), "{how}: {e}");
+        assert!(
+            h[0]["command"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("sh -c ")),
+            "{how}: {e}"
+        );
+        assert_eq!(e["in_use"], 1, "{how}: {e}");
+    };
+    named(&env.slot_entry("pull").unwrap(), "with the lock table");
+    let mut c = env.cmd(["lock-status", "--json"]);
+    c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+    let out = output(c);
+    let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let e = st["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "slot" && l["name"] == "pull")
+        .cloned()
+        .unwrap();
+    named(&e, "without a lock table");
+    env.release("release");
+    assert_eq!(holder.finish().status.code(), Some(0));
+}

@@ -121,29 +121,6 @@ fn a_lock_taken_with_flock_shows_as_held() {
 }
 
 #[test]
-fn a_record_from_another_host_whose_lock_is_free_is_dropped() {
-    let env = Env::new();
-    // A build on "another host" dies with its command: its record stays,
-    // its pid cannot be checked from here, but its lock is free.
-    let remote = env.hold_with(&["--write", "app"], "started", |c| {
-        c.env("STOWAGE_HOSTNAME", "node07.elsewhere");
-    });
-
-    // While its lock is held, the record is shown with its host.
-    let entry = env.lock_entry("app").unwrap();
-    assert_eq!(entry["holders"][0]["host"], "node07.elsewhere", "{entry}");
-
-    remote.kill_all();
-    let entry = env.lock_entry("app").unwrap();
-    assert!(
-        entry["holders"].as_array().unwrap().is_empty(),
-        "stale remote record dropped: {entry}"
-    );
-    assert_eq!(entry["state"], "free");
-    assert_eq!(entry["image_state"], "incomplete");
-}
-
-#[test]
 fn all_lists_every_image_and_names_select() {
     let env = Env::new();
     for n in ["a", "b", "c"] {

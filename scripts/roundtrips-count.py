@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Counts the system calls one stowage command makes on the store's files,
+the way the contract counts server round trips: opens, closes, locks and
+unlocks (flock, and SQLite's fcntl locks), fsyncs, stats, reads, directory
+reads, renames/unlinks/mkdirs, setattrs. Buffered writes are shown but not
+counted. A lock the kernel releases for us counts as an unlock (closing a
+locked descriptor, or exiting with it open), and a regular file still open at
+exit counts as a close: so `flock -s LOCK true` counts exactly 4.
+
+usage: roundtrips-count.py ROOT STRACE_LOG [--list]
+       (the log from `strace -f -y -o STRACE_LOG ...`)
+Prints one JSON object: {"total": N, "by_category": {...}}; with --list,
+every counted call first.
+"""
+import collections
+import json
+import os
+import re
+import sys
+
+CATEGORIES = {
+    "open": {"open", "openat", "openat2", "creat"},
+    "close": {"close"},
+    "fsync": {"fsync", "fdatasync", "syncfs", "sync_file_range"},
+    "stat": {"stat", "lstat", "fstat", "newfstatat", "statx", "statfs", "fstatfs",
+             "access", "faccessat", "faccessat2", "readlink", "readlinkat"},
+    "read": {"read", "pread64", "readv", "preadv", "preadv2"},
+    "dirread": {"getdents", "getdents64"},
+    "namespace": {"rename", "renameat", "renameat2", "unlink", "unlinkat", "mkdir",
+                  "mkdirat", "rmdir", "link", "linkat", "symlink", "symlinkat"},
+    "setattr": {"fchown", "fchmod", "fchownat", "fchmodat", "chmod", "chown", "lchown",
+                "ftruncate", "truncate", "utimensat", "futimesat", "fallocate"},
+    "write": {"write", "pwrite64", "writev", "pwritev"},
+}
+NOT_COUNTED = {"write"}
+CALL = re.compile(r"^(\d+)\s+(?:<\.\.\. (\w+) resumed>|(\w+)\()(.*)$")
+
+
+def main():
+    root = os.path.realpath(sys.argv[1]).rstrip("/")
+    lines = open(sys.argv[2]).read().splitlines()
+    listing = "--list" in sys.argv
+    under = lambda p: p == root or p.startswith(root + "/")
+    fdpath = {}          # (pid, fd) -> path, from strace's -y annotations
+    open_fds = {}        # main process: fd -> path of store files open
+    locked = set()       # main process: fds holding a flock
+    main_pid = None
+    counted = []         # (category, call, path)
+
+    def add(cat, call, path):
+        counted.append((cat, call, path.replace(root, "ROOT")))
+
+    for line in lines:
+        m = CALL.match(line)
+        if not m or "unfinished" in m.group(4):
+            continue
+        pid, name, rest = m.group(1), m.group(3) or m.group(2), m.group(4)
+        if main_pid is None:
+            main_pid = pid
+        if name == "exit_group" and pid == main_pid:
+            for fd, p in sorted(open_fds.items()):
+                if os.path.isdir(p):
+                    continue
+                if fd in locked:
+                    add("unlock", "(exit)", p)
+                add("close", "(exit)", p)
+            continue
+        paths = re.findall(r"<(" + re.escape(root) + r"[^>]*)>", rest)
+        for q in re.findall(r'"(/[^"]*)"', rest):
+            fdref = re.match(r"/proc/self/fd/(\d+)(.*)", q)
+            if fdref and (pid, fdref.group(1)) in fdpath:
+                paths.append(fdpath[(pid, fdref.group(1))] + fdref.group(2))
+            elif under(q):
+                paths.append(q)
+        result = re.search(r"= (\d+)<([^>]*)>", rest)
+        if result:
+            fdpath[(pid, result.group(1))] = result.group(2)
+            if pid == main_pid and under(result.group(2)) and name in CATEGORIES["open"]:
+                open_fds[result.group(1)] = result.group(2)
+        first_fd = re.match(r"(\d+)<", rest)
+        if pid == main_pid and first_fd:
+            fd = first_fd.group(1)
+            if name == "close" and fd in open_fds:
+                path = open_fds.pop(fd)
+                if fd in locked:
+                    locked.discard(fd)
+                    add("unlock", "(close)", path)
+            if name == "flock" and rest.rstrip().endswith("= 0"):
+                if "LOCK_UN" in rest:
+                    locked.discard(fd)
+                else:
+                    locked.add(fd)
+        if not paths:
+            continue
+        cat = None
+        if name == "flock":
+            cat = "unlock" if "LOCK_UN" in rest else "lock"
+        elif name == "fcntl":
+            if re.search(r"F_(OFD_)?SETLKW?|F_(OFD_)?GETLK", rest):
+                cat = "unlock" if "F_UNLCK" in rest else "lock"
+        else:
+            cat = next((c for c, calls in CATEGORIES.items() if name in calls), None)
+        if cat is not None:
+            add(cat, name, paths[0])
+    by_cat = collections.Counter(c for c, _, _ in counted)
+    total = sum(n for c, n in by_cat.items() if c not in NOT_COUNTED)
+    if listing:
+        for cat, call, path in counted:
+            mark = " " if cat in NOT_COUNTED else "*"
+            print(f"{mark} {cat:9} {call:12} {path}", file=sys.stderr)
+    print(json.dumps({"total": total, "by_category": dict(sorted(by_cat.items()))}))
+
+
+if __name__ == "__main__":
+    main()
