@@ -378,7 +378,7 @@ pub struct Proc {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RecOf {
     Img(u8),
-    Slot(u8),
+    /// A slot class's waiter (holders of slots record nothing).
     SlotClass,
 }
 
@@ -688,10 +688,6 @@ impl Proto {
                     .locks
                     .iter()
                     .any(|(k, q, _)| matches!(k, Key::Img(j, _) if *j == i) && *q == r.owner),
-                RecOf::Slot(f) => !s
-                    .locks
-                    .iter()
-                    .any(|(k, q, _)| *k == Key::Slot(f) && *q == r.owner),
                 RecOf::SlotClass => true,
             },
         }
@@ -726,7 +722,6 @@ impl Proto {
                 let by = (rules.leases && rules.local_fs).then_some(r.owner);
                 held_in(Key::Img(i, g), Some(r.mode), by)
             }
-            (RecRole::Holder, RecOf::Slot(f)) => held_in(Key::Slot(f), None, Some(r.owner)),
             (RecRole::Holder, RecOf::SlotClass) => false,
             (RecRole::Waiter, RecOf::Img(i)) => {
                 s.file[i as usize].is_some_and(|g| held_in(Key::Img(i, g), None, None))
@@ -1228,7 +1223,7 @@ impl Proto {
                 }
             }
             Pc::SlotWaiter => {
-                self.look(s, |r| matches!(r.of, RecOf::Slot(_) | RecOf::SlotClass));
+                self.look(s, |r| r.of == RecOf::SlotClass);
                 Self::insert_record(
                     s,
                     Rec {
@@ -1405,17 +1400,7 @@ impl Proto {
                 }
                 s.procs[p].claimed = true;
                 self.claim_past_hold(s, p);
-                if let Some(f) = s.procs[p].slot {
-                    Self::insert_record(
-                        s,
-                        Rec {
-                            of: RecOf::Slot(f),
-                            role: RecRole::Holder,
-                            mode: Mode::Exclusive,
-                            owner: p as u8,
-                        },
-                    );
-                }
+                // A slot holder records nothing either: its lease names it.
                 if let Some(w) = write {
                     let wi = w as usize;
                     s.procs[p].prev = Some(s.rows[wi]);
