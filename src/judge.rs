@@ -374,11 +374,7 @@ pub fn sweep(
     // Images whose locks live leases list: readers hold them without a
     // record.
     for lockfile in kv.leased_lockfiles() {
-        if let Some(name) = lockfile
-            .strip_prefix("images/")
-            .and_then(|f| f.strip_suffix(".lock"))
-            .and_then(|enc| ImageName::from_encoded(enc).ok())
-        {
+        if let Some(name) = Root::image_of_lock_rel(&lockfile) {
             images.entry(name.as_str().to_owned()).or_default();
         }
     }
@@ -410,11 +406,7 @@ pub fn sweep(
     // Slot holders of a class no longer configured, named by their leases
     // (a slot holder writes no record).
     for lockfile in kv.leased_lockfiles() {
-        let Some(class) = lockfile
-            .strip_prefix("slots/")
-            .and_then(|f| f.rsplit_once('/'))
-            .map(|(enc, _)| enc.replace('%', "/"))
-        else {
+        let Some(class) = Root::slot_class_of_lock_rel(&lockfile) else {
             continue;
         };
         if !classes.iter().any(|c| c.name == class) && !removed.contains(&class) {
