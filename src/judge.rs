@@ -132,16 +132,7 @@ pub fn prune(
             tx.delete_record(rec.id)?;
             continue;
         }
-        let party = Party {
-            pid: Some(rec.pid),
-            host: Some(rec.host.clone()),
-            user: Some(rec.user.clone()),
-            mode: rec.mode,
-            command: Some(rec.command.clone()),
-            since: Some(rec.since),
-            stowage: true,
-            lease: rec.lease.clone(),
-        };
+        let party = Party::recorded(rec);
         match rec.role {
             Role::Holder => holders.push(party),
             Role::Waiter => waiters.push(party),
@@ -152,16 +143,7 @@ pub fn prune(
             tx.delete_record(rec.id)?;
             continue;
         }
-        holders.push(Party {
-            pid: Some(rec.pid),
-            host: Some(rec.host.clone()),
-            user: Some(rec.user.clone()),
-            mode: rec.mode,
-            command: Some(rec.command.clone()),
-            since: Some(rec.since),
-            stowage: true,
-            lease: rec.lease.clone(),
-        });
+        holders.push(Party::recorded(rec));
     }
     for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
         holders.push(unrecorded(ctx, kv, e));
