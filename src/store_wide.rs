@@ -68,11 +68,11 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
             Ok(None)
                 if lock::inherited_exclusive(&path(ctx))
                     || crate::nested::enclosing_hold(&path(ctx)) == Some(Mode::Exclusive) => {}
-            // The command of an image user (it inherited that image's lock)
+            // The command of an image or slot user (it inherited that lock)
             // calls stowage again: the hold is still waiting for that very
             // lock, so waiting for the hold would deadlock. Going ahead is
             // safe: the hold's command starts only once our locks are free.
-            Ok(None) if inherits_image_lock(ctx) || enclosing_exec_holds_image_lock(ctx) => {}
+            Ok(None) if inherits_lock(ctx) || enclosing_exec_holds_lock(ctx) => {}
             Ok(None) => {
                 return Err(StoreHeld {
                     holder: format!(
@@ -93,35 +93,47 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
     Ok(())
 }
 
+/// Is `target` an image lock or a slot file of this store (`dirs`: the
+/// image locks' and the slot classes' directories, canonical)?
+fn is_store_lock(target: &std::path::Path, dirs: &(PathBuf, PathBuf)) -> bool {
+    target.extension().is_some_and(|x| x == "lock")
+        && (target.parent() == Some(dirs.0.as_path())
+            || target.parent().and_then(|d| d.parent()) == Some(dirs.1.as_path()))
+}
+
+fn lock_dirs(ctx: &Ctx) -> Option<(PathBuf, PathBuf)> {
+    Some((
+        std::fs::canonicalize(ctx.root.image_locks()).ok()?,
+        std::fs::canonicalize(ctx.root.slot_locks()).ok()?,
+    ))
+}
+
 /// Does an exec that runs us (with `--no-inherit`, its command holds no
-/// descriptor) hold an image lock file open? Its command is running, so
-/// what it holds open are the image locks it was granted.
-fn enclosing_exec_holds_image_lock(ctx: &Ctx) -> bool {
+/// descriptor) hold an image lock or a slot file open? Its command is
+/// running, so what it holds open are the locks it was granted.
+fn enclosing_exec_holds_lock(ctx: &Ctx) -> bool {
     let execs = crate::nested::enclosing_execs();
     if execs.is_empty() {
         return false;
     }
-    let Ok(dir) = std::fs::canonicalize(ctx.root.image_locks()) else {
+    let Some(dirs) = lock_dirs(ctx) else {
         return false;
     };
     execs.iter().any(|pid| {
         std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
             fds.flatten().any(|e| {
-                std::fs::read_link(e.path()).is_ok_and(|target| {
-                    target.parent() == Some(dir.as_path())
-                        && target.extension().is_some_and(|x| x == "lock")
-                })
+                std::fs::read_link(e.path()).is_ok_and(|target| is_store_lock(&target, &dirs))
             })
         })
     })
 }
 
-/// Does this process hold a descriptor of an image lock file inherited from
-/// the exec whose command it is part of? Inherited descriptors are the ones
-/// without close-on-exec: stowage opens its own with it, and clears it only
-/// on the locks it hands to its command.
-fn inherits_image_lock(ctx: &Ctx) -> bool {
-    let Ok(dir) = std::fs::canonicalize(ctx.root.image_locks()) else {
+/// Does this process hold a descriptor of an image lock or a slot file
+/// inherited from the exec whose command it is part of? Inherited
+/// descriptors are the ones without close-on-exec: stowage opens its own
+/// with it, and clears it only on the locks it hands to its command.
+fn inherits_lock(ctx: &Ctx) -> bool {
+    let Some(dirs) = lock_dirs(ctx) else {
         return false;
     };
     let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
@@ -135,10 +147,7 @@ fn inherits_image_lock(ctx: &Ctx) -> bool {
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
         flags >= 0
             && flags & libc::FD_CLOEXEC == 0
-            && std::fs::read_link(e.path()).is_ok_and(|target| {
-                target.parent() == Some(dir.as_path())
-                    && target.extension().is_some_and(|x| x == "lock")
-            })
+            && std::fs::read_link(e.path()).is_ok_and(|target| is_store_lock(&target, &dirs))
     })
 }
 
@@ -274,6 +283,21 @@ impl Hold {
         no_wait: bool,
     ) -> Result<Hold> {
         store.root().create_layout()?;
+        // Inside the command of an exec that holds image locks or a slot: a
+        // store-wide command waits for every one of them to be free, that
+        // exec's included, which waits for us. Said at once, before waiting
+        // for another hold (which would itself wait for that exec).
+        if inherits_lock(store.ctx()) || enclosing_exec_holds_lock(store.ctx()) {
+            return Err(Error::Busy(Busy {
+                what: "the store-wide lock".into(),
+                holders: "this process runs in the command of a 'stowage exec' that holds \
+                          image locks or a slot, and a store-wide command waits for every one \
+                          of them to be free; waiting would never end"
+                    .into(),
+                waited: Duration::ZERO,
+            })
+            .into());
+        }
         let p = path(store.ctx());
         let err = |e| lock::error("the store", &p, e);
         let guard = match lock::acquire_no_wait(&p, Mode::Exclusive, lock::IfMissing::Create)

@@ -346,3 +346,71 @@ fn a_nested_exec_under_no_inherit_is_not_held_back_by_a_hold_that_waits_for_its_
     // the store-wide hold waits for.
     nested_exec_goes_ahead_of_a_hold_waiting_for_its_parent(&env, &["--no-inherit"]);
 }
+
+/// `exec --store-wide` called by the command of an image user, while
+/// another store-wide command holds the store and waits for that very
+/// image: waiting for the store would never end (the other hold waits for
+/// our enclosing exec, which waits for us). It fails at once (75), the
+/// enclosing build goes on and ends, and then the other hold runs.
+#[test]
+fn a_store_wide_call_inside_an_image_users_command_fails_at_once() {
+    let env = Env::new();
+    env.make_image("a");
+    let (go, code) = (env.sentinel("go"), env.sentinel("code"));
+    let script = format!(
+        "touch '{started}'; while [ ! -e '{go}' ]; do sleep 0.01; done; \
+         '{bin}' --root '{root}' exec --store-wide -- true; echo $? > '{code}'",
+        started = env.sentinel("user").display(),
+        go = go.display(),
+        bin = bin(),
+        root = env.root.display(),
+        code = code.display(),
+    );
+    let user = env.spawn(["exec", "--read", "a", "--", "sh", "-c", &script]);
+    wait_for_file(&env.sentinel("user"));
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_until("the other hold waits for 'a'", || {
+        flock_waited_on(&env.lock_file("a"))
+    });
+    fs::write(&go, "").unwrap();
+    let out = user.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(fs::read_to_string(&code).unwrap().trim(), "75");
+    wait_for_file(&env.sentinel("wide"));
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+}
+
+/// An exec called by the command of an exec that holds only a slot, while
+/// a store-wide command waits for that slot: it goes ahead, as under an
+/// image user (the hold waits for our enclosing exec, so waiting for the
+/// hold would never end), and the hold runs once the slot is free.
+#[test]
+fn an_exec_inside_a_slot_holders_command_passes_a_hold_waiting_for_the_slot() {
+    let env = Env::new();
+    env.make_image("a");
+    env.ok(["slots", "set", "pull", "1"]);
+    let (go, code) = (env.sentinel("go"), env.sentinel("code"));
+    let script = format!(
+        "touch '{started}'; while [ ! -e '{go}' ]; do sleep 0.01; done; \
+         '{bin}' --root '{root}' exec --read a -- true; echo $? > '{code}'",
+        started = env.sentinel("user").display(),
+        go = go.display(),
+        bin = bin(),
+        root = env.root.display(),
+        code = code.display(),
+    );
+    let user = env.spawn(["exec", "--slot", "pull", "--", "sh", "-c", &script]);
+    wait_for_file(&env.sentinel("user"));
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_until("the hold waits for the slot", || {
+        flock_waited_on(&env.root.join("locks/slots/pull/0.lock"))
+    });
+    fs::write(&go, "").unwrap();
+    let out = user.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(fs::read_to_string(&code).unwrap().trim(), "0");
+    wait_for_file(&env.sentinel("wide"));
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+}

@@ -202,10 +202,8 @@ fn store_config() -> Config {
             Role {
                 host: 0,
                 parent: Some(0),
-                // A store-wide call nested in an image user can wait for a
-                // hold that waits for its enclosing command (see
-                // `a_store_wide_call_nested_in_an_image_user_can_wait_for_a_waiting_hold`):
-                // checked on its own, so left out here.
+                // A store-wide call nested in an image user is checked on
+                // its own (`nested_store_wide_calls_and_claims_do_not_deadlock`).
                 menu: vec![exec_read(A), exec_write(B)],
             },
         ],
@@ -422,37 +420,55 @@ fn a_store_wide_call_inside_a_store_wide_command_fails_at_once() {
     assert_holds("store-wide inside store-wide", cfg, &[]);
 }
 
-/// A limit of the code: `exec --store-wide` called by the command of an
-/// image user waits for `store.lock` while another store-wide hold has it
-/// and waits for that image user's lock. Its own enclosing hold is found
-/// (it fails at once), an enclosing image user's is not. The lock order
-/// binds each process, not a process tree.
+/// Store-wide calls and claims nested in the command of an image or slot
+/// user: `Hold::take` fails at once there, and `store_wide::check` lets a
+/// claim pass a hold when the enclosing exec holds an image lock or a slot.
+/// Without that rule (the code before), the checker finds both deadlocks:
+/// a store-wide call in an image user's command waiting for the store while
+/// another hold waits for that image, and an exec in a slot holder's
+/// command waiting for a hold that waits for the slot.
 #[test]
-fn a_store_wide_call_nested_in_an_image_user_can_wait_for_a_waiting_hold() {
+fn without_the_nested_store_rule_nested_calls_deadlock_with_a_hold() {
     let mut cfg = store_config();
     cfg.crashes = 0;
+    cfg.rules.nested_store = false;
     cfg.roles[0].menu = vec![exec_write(A)];
     cfg.roles[1].menu = vec![STORE_WIDE];
     cfg.roles[2].menu = vec![STORE_WIDE];
     let trace = mutation_found("store-wide nested in an image user", cfg, "no deadlock");
     assert!(trace.contains("P1: StoreWaitFree"), "{trace}");
     assert!(trace.contains("P2: StoreLock"), "{trace}");
-}
 
-/// A limit of the code: an exec called by the command of an exec that
-/// holds only a slot (`exec --slot pull -- script`) finds a store-wide
-/// hold waiting for that slot, and waits for the hold. The exemption of
-/// `store_wide::check` follows inherited image locks, not slots.
-#[test]
-fn an_exec_nested_in_a_slot_holder_can_wait_for_a_hold_that_waits_for_the_slot() {
     let mut cfg = store_config();
     cfg.crashes = 0;
+    cfg.rules.nested_store = false;
     cfg.roles[0].menu = vec![slot_only(Prio::Normal)];
     cfg.roles[1].menu = vec![STORE_WIDE];
     cfg.roles[2].menu = vec![exec_read(A)];
     let trace = mutation_found("exec nested in a slot holder", cfg, "no deadlock");
     assert!(trace.contains("P1: StoreWaitFree(Slot"), "{trace}");
     assert!(trace.contains("P2: StoreAwait"), "{trace}");
+}
+
+/// With the rule, the same two situations have no deadlock (and every
+/// other invariant holds).
+#[test]
+fn nested_store_wide_calls_and_claims_do_not_deadlock() {
+    for menus in [
+        [vec![exec_write(A)], vec![STORE_WIDE], vec![STORE_WIDE]],
+        [
+            vec![slot_only(Prio::Normal)],
+            vec![STORE_WIDE],
+            vec![exec_read(A)],
+        ],
+    ] {
+        let mut cfg = store_config();
+        cfg.crashes = 0;
+        for (role, menu) in cfg.roles.iter_mut().zip(menus) {
+            role.menu = menu;
+        }
+        assert_holds("nested store-wide calls and claims", cfg, &[]);
+    }
 }
 
 #[test]

@@ -205,6 +205,11 @@ pub struct Rules {
     /// Claiming transactions (an exec's start, a removal's mark) honour a
     /// live store-wide hold.
     pub store_check: bool,
+    /// Inside the command of an image or slot user: a claim passes a live
+    /// store-wide hold (slots counted, not only images), and a store-wide
+    /// call fails at once instead of waiting for the store (Hold::take).
+    /// Off: the rules before, which the checker shows can deadlock.
+    pub nested_store: bool,
 }
 
 impl Default for Rules {
@@ -219,6 +224,7 @@ impl Default for Rules {
             lease_recheck: true,
             lease_unlink_locked: true,
             store_check: true,
+            nested_store: true,
         }
     }
 }
@@ -583,10 +589,18 @@ impl Proto {
     /// `store_wide::check`: inside the hold (its command's tree), or in the
     /// command of an image user that the hold waits for.
     fn exempt_from_hold(&self, s: &State, p: usize) -> bool {
-        self.enclosing(s, p, Key::Store) == Some(Mode::Exclusive)
-            || s.locks
-                .iter()
-                .any(|(k, _, _)| matches!(k, Key::Img(..)) && self.enclosing(s, p, *k).is_some())
+        self.enclosing(s, p, Key::Store) == Some(Mode::Exclusive) || self.nested_in_user(s, p)
+    }
+
+    /// `store_wide::inherits_lock` / `enclosing_exec_holds_lock`: the
+    /// enclosing command holds an image lock, or (under `nested_store`) a
+    /// slot.
+    fn nested_in_user(&self, s: &State, p: usize) -> bool {
+        s.locks.iter().any(|(k, _, _)| {
+            (matches!(k, Key::Img(..))
+                || (self.cfg.rules.nested_store && matches!(k, Key::Slot(..))))
+                && self.enclosing(s, p, *k).is_some()
+        })
     }
 
     /// A claiming transaction looks at the store-wide record: a stale one
@@ -791,6 +805,7 @@ impl Proto {
             Pc::StoreLock => {
                 Self::grantable(s, Key::Store, Mode::Exclusive)
                     || self.enclosing(s, p, Key::Store) == Some(Mode::Exclusive)
+                    || (self.cfg.rules.nested_store && self.nested_in_user(s, p))
             }
             Pc::StoreWaitFree(k) => Self::grantable(s, k, Mode::Exclusive),
             Pc::StoreAwait => Self::grantable(s, Key::Store, Mode::Shared),
@@ -1148,7 +1163,11 @@ impl Proto {
                 };
             }
             Pc::StoreLock => {
-                if Self::grantable(s, Key::Store, Mode::Exclusive) {
+                if self.cfg.rules.nested_store && self.nested_in_user(s, p) {
+                    // In the command of an image or slot user: the hold
+                    // would wait for that user, which waits for us (75).
+                    s.procs[p].pc = Pc::Release;
+                } else if Self::grantable(s, Key::Store, Mode::Exclusive) {
                     Self::take(s, Key::Store, p, Mode::Exclusive);
                     s.procs[p].pc = Pc::StoreRecord;
                 } else {
