@@ -102,7 +102,9 @@ impl Held {
 /// again (cargo's resolution for the same purpose): a read of an image
 /// used in the last five minutes writes nothing to the metadata, so most
 /// reads make a transaction that changes nothing (no journal, no fsync).
-/// `gc --unused-for` is that much coarser.
+/// `gc --unused-for D` is that much coarser, on the safe side: it takes an
+/// image for unused only once its recorded last use is older than D plus
+/// this (a read in the last D may have recorded nothing).
 pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
 
 /// Image locks held for one command.
