@@ -164,7 +164,29 @@ pub fn prune(
         });
     }
     for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
-        holders.push(unrecorded(ctx, kv, e));
+        let party = unrecorded(ctx, kv, e);
+        // Not a live lease's: a reader whose command closed the lease it
+        // inherited (closefrom) may still be named by its dead lease, like
+        // a writer by its record (`orphan_holder_valid`).
+        let party = match (party.stowage, e.pid) {
+            (false, Some(pid)) if table => kv
+                .dead_leased(lockfile)
+                .into_iter()
+                .find(|(_, id, h)| id.pid == Some(pid) && h.mode == e.mode)
+                .map(|(name, id, h)| Party {
+                    pid: id.pid,
+                    host: Some(id.host),
+                    user: Some(id.user),
+                    mode: h.mode,
+                    command: Some(h.command),
+                    since: Some(h.since),
+                    stowage: true,
+                    lease: Some(name),
+                })
+                .unwrap_or(party),
+            _ => party,
+        };
+        holders.push(party);
     }
     for (e, _) in view
         .waiters

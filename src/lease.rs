@@ -25,6 +25,9 @@
 //!   rule of every lock file here): by its owner when it ends, and by
 //!   [`clean`] for owners that died. Probes and cleaning run under the global
 //!   lock, so two stowage probers never see each other's probe as an owner.
+//!   A dead lease whose lock-table entry still stands (its command closed
+//!   the lease but kept a lock it lists, under its pid) is kept until that
+//!   lock is released: it is the only name of a reader, which has no record.
 //! - **Inheritance** follows the image locks: a command that inherits the
 //!   lock descriptors inherits the lease too (so after stowage is SIGKILLed,
 //!   the build is still listed as the holder), and with `--no-inherit` the
@@ -358,8 +361,25 @@ pub struct Identity {
     pub user: String,
     pub command: String,
     pub since: Option<crate::clock::Millis>,
+    /// The owner's boot and pid namespace: its pid is one of this kernel's,
+    /// as this namespace sees it, only where both are ours.
+    pub boot_id: Option<String>,
+    pub pid_ns: Option<String>,
     /// What the owner holds and awaits, as it listed it.
     pub holdings: Vec<Holding>,
+}
+
+impl Identity {
+    /// Whether the owner's pid means the same process to this one: same
+    /// host, boot and pid namespace.
+    pub fn pid_is_ours(&self) -> bool {
+        let me = crate::ident::Me::current();
+        self.host == me.host
+            && self.boot_id.is_some()
+            && self.boot_id == me.boot_id
+            && self.pid_ns.is_some()
+            && self.pid_ns == pid_namespace()
+    }
 }
 
 /// Reads what a lease says of its owner (None if it cannot be read).
@@ -393,6 +413,8 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             "user" => id.user = v.to_owned(),
             "command" => id.command = v.to_owned(),
             "since" => id.since = v.parse().ok(),
+            "boot_id" if !v.is_empty() => id.boot_id = Some(v.to_owned()),
+            "pid_ns" if !v.is_empty() => id.pid_ns = Some(v.to_owned()),
             "hold" | "await" => id.holdings.extend(Holding::parse(k, v)),
             _ => {}
         }
@@ -460,6 +482,8 @@ pub fn clean(leases: &Path) -> usize {
         return 0;
     };
     let mut gone = 0;
+    // A dead lease that still names a holder is kept (see `explains`).
+    let mut kv = None;
     for e in entries.flatten() {
         let fname = e.file_name();
         let Some(name) = fname.to_str() else { continue };
@@ -468,12 +492,39 @@ pub fn clean(leases: &Path) -> usize {
         }
         if let Ok(Some(g)) =
             lock::acquire_no_wait(&pinned.join(name), Mode::Exclusive, lock::IfMissing::Fail)
+            && !explains(leases, name, &mut kv)
             && g.unlink_lease().is_ok()
         {
             gone += 1;
         }
     }
     gone
+}
+
+/// Whether the dead lease `name` still names a holder: its owner's pid is
+/// one of this kernel's ([`Identity::pid_is_ours`]) and the lock table shows
+/// a lock it lists as held still held, in that mode, under that pid — a
+/// command that closed the inherited lease keeps the lock after stowage
+/// died, and a reader has no record to name it but this lease. Without a
+/// lock table nothing is kept. `kv`: the table, read at most once per clean.
+fn explains(leases: &Path, name: &str, kv: &mut Option<crate::kernel::KernelView>) -> bool {
+    let Some(id) = identity(leases, name) else {
+        return false;
+    };
+    let Some(pid) = id.pid else {
+        return false;
+    };
+    if !id.holdings.iter().any(|h| !h.awaits) || !id.pid_is_ours() {
+        return false;
+    }
+    let Some(locks) = leases.parent() else {
+        return false;
+    };
+    let kv = kv.get_or_insert_with(|| crate::kernel::KernelView::new(locks));
+    id.holdings
+        .iter()
+        .filter(|h| !h.awaits)
+        .any(|h| kv.held_by(&locks.join(&h.lockfile), h.mode, pid))
 }
 
 #[cfg(test)]
