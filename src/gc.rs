@@ -123,7 +123,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         let out = sweep(&tx, ctx)?;
         if !policy.dry_run {
             // Leases of owners that died, under the global lock.
-            crate::lease::clean(&ctx.root.leases());
+            crate::judge::clean_leases(ctx);
             tx.commit()?;
         }
         Ok(out)

@@ -27,7 +27,8 @@
 //!   lock, so two stowage probers never see each other's probe as an owner.
 //!   A dead lease whose lock-table entry still stands (its command closed
 //!   the lease but kept a lock it lists, under its pid) is kept until that
-//!   lock is released: it is the only name of a reader, which has no record.
+//!   lock is released: it is the only name of a reader, which has no record
+//!   (`judge::clean_leases` decides, with the lock table).
 //! - **Inheritance** follows the image locks: a command that inherits the
 //!   lock descriptors inherits the lease too (so after stowage is SIGKILLed,
 //!   the build is still listed as the holder), and with `--no-inherit` the
@@ -466,6 +467,12 @@ fn valid_name(name: &str) -> bool {
 /// if we win the lock, and its owner then retries). Returns how many went.
 /// Call under the global lock, where no other stowage probes.
 pub fn clean(leases: &Path) -> usize {
+    clean_keeping(leases, &mut |_| false)
+}
+
+/// [`clean`], but keeps the dead leases for whose name `keep` says yes: a
+/// dead lease that still names a holder (see `judge::clean_leases`).
+pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     // The directory is pinned by a descriptor that refused a symlink in its
     // place, and every file is reached through it: a `leases` symlink
     // planted by someone who can write `locks/` cannot steer the unlinks
@@ -482,8 +489,6 @@ pub fn clean(leases: &Path) -> usize {
         return 0;
     };
     let mut gone = 0;
-    // A dead lease that still names a holder is kept (see `explains`).
-    let mut kv = None;
     for e in entries.flatten() {
         let fname = e.file_name();
         let Some(name) = fname.to_str() else { continue };
@@ -492,39 +497,13 @@ pub fn clean(leases: &Path) -> usize {
         }
         if let Ok(Some(g)) =
             lock::acquire_no_wait(&pinned.join(name), Mode::Exclusive, lock::IfMissing::Fail)
-            && !explains(leases, name, &mut kv)
+            && !keep(name)
             && g.unlink_lease().is_ok()
         {
             gone += 1;
         }
     }
     gone
-}
-
-/// Whether the dead lease `name` still names a holder: its owner's pid is
-/// one of this kernel's ([`Identity::pid_is_ours`]) and the lock table shows
-/// a lock it lists as held still held, in that mode, under that pid — a
-/// command that closed the inherited lease keeps the lock after stowage
-/// died, and a reader has no record to name it but this lease. Without a
-/// lock table nothing is kept. `kv`: the table, read at most once per clean.
-fn explains(leases: &Path, name: &str, kv: &mut Option<crate::kernel::KernelView>) -> bool {
-    let Some(id) = identity(leases, name) else {
-        return false;
-    };
-    let Some(pid) = id.pid else {
-        return false;
-    };
-    if !id.holdings.iter().any(|h| !h.awaits) || !id.pid_is_ours() {
-        return false;
-    }
-    let Some(locks) = leases.parent() else {
-        return false;
-    };
-    let kv = kv.get_or_insert_with(|| crate::kernel::KernelView::new(locks));
-    id.holdings
-        .iter()
-        .filter(|h| !h.awaits)
-        .any(|h| kv.held_by(&locks.join(&h.lockfile), h.mode, pid))
 }
 
 #[cfg(test)]
