@@ -278,11 +278,13 @@ fn open_pair(src: &Dir, dst: &Dir, name: &CStr, meta: &libc::stat) -> io::Result
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
     let s = unsafe { File::from_raw_fd(fd) };
     let now = tree::fstat(s.as_raw_fd())?;
     if tree::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
         return Err(io::Error::other("changed while being copied"));
     }
+    // SAFETY: a valid directory descriptor and C string; the result is owned at once.
     let fd = unsafe {
         libc::openat(
             dst.fd(),
@@ -294,6 +296,7 @@ fn open_pair(src: &Dir, dst: &Dir, name: &CStr, meta: &libc::stat) -> io::Result
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
     Ok((s, unsafe { File::from_raw_fd(fd) }))
 }
 
@@ -333,6 +336,7 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
         } else {
             data as u64
         };
+        // SAFETY: lseek on our own open descriptor; no memory is passed.
         let hole = unsafe { libc::lseek(s, data as libc::off_t, libc::SEEK_HOLE) };
         let hole = if hole < 0 {
             len
@@ -397,6 +401,7 @@ fn copy_range(s: RawFd, d: RawFd, off: u64, len: u64) -> io::Result<()> {
         }
         let mut written = 0usize;
         while written < n as usize {
+            // SAFETY: pwrite from the live buffer `buf`, within its length, to our descriptor.
             let w = unsafe {
                 libc::pwrite(
                     d,
@@ -509,8 +514,10 @@ fn set_attrs(
         // After chown, which clears setuid/setgid bits.
         let mode = meta.st_mode & 0o7777;
         match &dst {
+            // SAFETY: fchmod/fchmodat on our descriptors and a valid C string; no memory is written.
             Target::Fd(fd) => cvt(unsafe { libc::fchmod(*fd, mode) })?,
             // A FIFO, socket or device node we just created, not a symlink.
+            // SAFETY: fchmod/fchmodat on our descriptors and a valid C string; no memory is written.
             Target::At(d, n) => cvt(unsafe { libc::fchmodat(d.fd(), n.as_ptr(), mode, 0) })?,
         }
     }
@@ -591,6 +598,8 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
         },
         Target::At(d, name) => {
             let path = d.proc_path(name);
+            // SAFETY: path and key are valid C strings, value a live buffer
+            // of the length passed.
             unsafe {
                 libc::lsetxattr(
                     path.as_ptr(),

@@ -110,6 +110,7 @@ impl Dir {
             )
         })?;
         Ok(Dir {
+            // SAFETY: fd was just returned by a successful open, and nothing else owns it.
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
         })
     }
@@ -132,6 +133,7 @@ impl Dir {
                     )
                 })?;
                 let path = Dir {
+                    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
                     fd: unsafe { OwnedFd::from_raw_fd(fd) },
                 };
                 let st = path.stat()?;
@@ -152,6 +154,7 @@ impl Dir {
 
     /// The directory itself.
     pub fn stat(&self) -> io::Result<Entry> {
+        // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: st is a valid out-pointer.
         check(unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) })?;
@@ -162,6 +165,7 @@ impl Dir {
     /// (Linux 5.8+). Unlike the device number it tells a bind mount of the
     /// same filesystem apart.
     fn mount_id(&self) -> Option<u64> {
+        // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut stx: libc::statx = unsafe { std::mem::zeroed() };
         let empty = c"";
         // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, and
@@ -180,6 +184,7 @@ impl Dir {
 
     /// The filesystem type (statfs magic) this directory is on.
     pub fn fs_magic(&self) -> io::Result<u64> {
+        // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut sf: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: valid descriptor and out-pointer.
         check(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
@@ -191,6 +196,7 @@ impl Dir {
     /// filesystems of one type tell apart by it where their root inodes do
     /// not (every ext4's root is inode 2).
     pub fn fs_id(&self) -> io::Result<u64> {
+        // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: valid descriptor and out-pointer.
         check(unsafe { libc::fstatvfs(self.fd.as_raw_fd(), &mut sv) })?;
@@ -208,6 +214,7 @@ impl Dir {
     /// The entry `name`, not followed; `None` if there is none.
     pub fn stat_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<Entry>> {
         let c = cstr(name.as_ref())?;
+        // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: valid C string and out-pointer.
         let r = unsafe {

@@ -197,6 +197,7 @@ fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u6
     if fd < 0 {
         return 0;
     }
+    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
     let file = unsafe { OwnedFd::from_raw_fd(fd) };
     fiemap_shared(std::os::fd::AsRawFd::as_raw_fd(&file), ranges)
 }

@@ -261,7 +261,10 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
             );
         }
     }
-    if let (Ok(locks), Some(name)) = (root.open_sub("locks"), probe.file_name()) {
+    if let (Ok(locks), Some(name)) = (
+        root.open_sub(crate::root::Root::LOCKS_REL),
+        probe.file_name(),
+    ) {
         let _ = locks.unlink(name);
     }
 

@@ -65,6 +65,22 @@ pub(crate) fn outsider(ctx: &Ctx, e: &Entry) -> Party {
     }
 }
 
+impl Party {
+    /// The party a record names.
+    pub fn recorded(rec: &crate::meta::Record) -> Party {
+        Party {
+            pid: Some(rec.pid),
+            host: Some(rec.host.clone()),
+            user: Some(rec.user.clone()),
+            mode: rec.mode,
+            command: Some(rec.command.clone()),
+            since: Some(rec.since),
+            stowage: true,
+            lease: rec.lease.clone(),
+        }
+    }
+}
+
 /// Says, once, before blocking, what a process waits for and who holds it:
 /// "stowage: waiting for write lock on image 'app': held (read) by …". The
 /// one place the sentence is made (quiet mode says nothing).

@@ -132,16 +132,7 @@ pub fn prune(
             tx.delete_record(rec.id)?;
             continue;
         }
-        let party = Party {
-            pid: Some(rec.pid),
-            host: Some(rec.host.clone()),
-            user: Some(rec.user.clone()),
-            mode: rec.mode,
-            command: Some(rec.command.clone()),
-            since: Some(rec.since),
-            stowage: true,
-            lease: rec.lease.clone(),
-        };
+        let party = Party::recorded(rec);
         match rec.role {
             Role::Holder => holders.push(party),
             Role::Waiter => waiters.push(party),
@@ -152,16 +143,7 @@ pub fn prune(
             tx.delete_record(rec.id)?;
             continue;
         }
-        holders.push(Party {
-            pid: Some(rec.pid),
-            host: Some(rec.host.clone()),
-            user: Some(rec.user.clone()),
-            mode: rec.mode,
-            command: Some(rec.command.clone()),
-            since: Some(rec.since),
-            stowage: true,
-            lease: rec.lease.clone(),
-        });
+        holders.push(Party::recorded(rec));
     }
     for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
         let party = unrecorded(ctx, kv, e);
@@ -396,11 +378,7 @@ pub fn sweep(
     // Images whose locks live leases list: readers hold them without a
     // record.
     for lockfile in kv.leased_lockfiles() {
-        if let Some(name) = lockfile
-            .strip_prefix("images/")
-            .and_then(|f| f.strip_suffix(".lock"))
-            .and_then(|enc| ImageName::from_encoded(enc).ok())
-        {
+        if let Some(name) = Root::image_of_lock_rel(&lockfile) {
             images.entry(name.as_str().to_owned()).or_default();
         }
     }
@@ -432,11 +410,7 @@ pub fn sweep(
     // Slot holders of a class no longer configured, named by their leases
     // (a slot holder writes no record).
     for lockfile in kv.leased_lockfiles() {
-        let Some(class) = lockfile
-            .strip_prefix("slots/")
-            .and_then(|f| f.rsplit_once('/'))
-            .map(|(enc, _)| enc.replace('%', "/"))
-        else {
+        let Some(class) = Root::slot_class_of_lock_rel(&lockfile) else {
             continue;
         };
         if !classes.iter().any(|c| c.name == class) && !removed.contains(&class) {

@@ -471,7 +471,7 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
     // On a filesystem not known to be local, lock files are kept on
     // purpose (see lock::Guard::unlink): they are no leftovers.
     let kept = !lock::unlinks_allowed(&root.image_locks().join("x.lock"));
-    let locks = match root.open_sub("locks/images") {
+    let locks = match root.open_sub(Root::IMAGE_LOCKS_REL) {
         _ if kept => Vec::new(),
         Ok(d) => d
             .names()

@@ -173,7 +173,28 @@ impl Root {
 
     /// The lock of a store-wide hold (`store_wide.rs`).
     pub fn store_wide_lock(&self) -> PathBuf {
-        self.dir.join("locks/store.lock")
+        self.locks().join(Self::STORE_WIDE_LOCK_REL)
+    }
+
+    /// [`Root::store_wide_lock`] relative to `locks/`, as records name it.
+    pub const STORE_WIDE_LOCK_REL: &'static str = "store.lock";
+
+    /// `locks/` and `locks/images/` relative to the root, for opening them
+    /// through the root's descriptor.
+    pub const LOCKS_REL: &'static str = "locks";
+    pub const IMAGE_LOCKS_REL: &'static str = "locks/images";
+
+    /// The image whose lock file `rel` (relative to `locks/`) is, if it is
+    /// one (the inverse of [`Root::image_lock_rel`], for decodable names).
+    pub fn image_of_lock_rel(rel: &str) -> Option<ImageName> {
+        let enc = rel.strip_prefix("images/")?.strip_suffix(".lock")?;
+        ImageName::from_encoded(enc).ok()
+    }
+
+    /// The slot class whose slot file `rel` (relative to `locks/`) is.
+    pub fn slot_class_of_lock_rel(rel: &str) -> Option<String> {
+        let (enc, _) = rel.strip_prefix("slots/")?.rsplit_once('/')?;
+        Some(enc.replace('%', "/"))
     }
 
     /// Holder leases (`lease.rs`).

@@ -195,6 +195,7 @@ pub fn termination_pending() -> bool {
     shared
         .set
         .iter()
+        // SAFETY: `pending` is a sigset filled by sigpending above.
         .any(|s| unsafe { libc::sigismember(&pending, s as libc::c_int) } == 1)
 }
 
@@ -297,6 +298,7 @@ fn exited(pid: libc::pid_t) -> io::Result<bool> {
         };
         if r == 0 {
             // WNOHANG with nothing to report leaves si_pid 0.
+            // SAFETY: waitid filled `info` for a child event, so si_pid is the valid field.
             return Ok(unsafe { info.si_pid() } == pid);
         }
         let e = io::Error::last_os_error();
@@ -358,6 +360,7 @@ fn take(set: &SigSet, timeout_ms: Option<u64>) -> Option<(i32, i32)> {
                 tv_sec: (ms / 1000) as libc::time_t,
                 tv_nsec: ((ms % 1000) * 1_000_000) as libc::c_long,
             };
+            // SAFETY: see above: `set` and `info` are valid, `ts` a live timespec.
             unsafe { libc::sigtimedwait(set.as_ref(), &mut info, &ts) }
         }
     };

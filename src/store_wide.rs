@@ -43,8 +43,6 @@ use crate::store::Store;
 
 /// The record's name (kind `global`).
 const NAME: &str = "store";
-/// The lease, under `ROOT/locks`.
-const FILE: &str = "store.lock";
 
 /// A transaction found a live store-wide hold.
 #[derive(Debug, thiserror::Error)]
@@ -54,7 +52,7 @@ pub struct StoreHeld {
 }
 
 fn path(ctx: &Ctx) -> PathBuf {
-    ctx.root.locks().join(FILE)
+    ctx.root.store_wide_lock()
 }
 
 /// Under the global lock: fails with [`StoreHeld`] while a store-wide
@@ -244,7 +242,7 @@ pub fn wait_until_free(
         tx.insert_record(&ctx.record(
             LockKind::Global,
             NAME,
-            FILE.into(),
+            crate::root::Root::STORE_WIDE_LOCK_REL.into(),
             Role::Waiter,
             Mode::Shared,
             command,
@@ -339,7 +337,7 @@ impl Hold {
             tx.insert_record(&ctx.record(
                 LockKind::Global,
                 NAME,
-                FILE.into(),
+                crate::root::Root::STORE_WIDE_LOCK_REL.into(),
                 Role::Holder,
                 Mode::Exclusive,
                 command,

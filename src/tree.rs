@@ -68,6 +68,7 @@ impl DirExt for Dir {
     }
 
     fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat> {
+        // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: valid descriptor, C string and out-pointer.
         cvt(unsafe {
@@ -88,6 +89,7 @@ impl DirExt for Dir {
 }
 
 pub fn fstat(fd: RawFd) -> io::Result<libc::stat> {
+    // SAFETY: all-zero bytes are a valid value of this plain C struct.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer.
     cvt(unsafe { libc::fstat(fd, &mut st) })?;
@@ -139,6 +141,7 @@ pub struct MoreFiles(Option<libc::rlimit>);
 
 impl MoreFiles {
     pub fn raise() -> MoreFiles {
+        // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut old: libc::rlimit = unsafe { std::mem::zeroed() };
         // SAFETY: valid out-pointer.
         if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) } != 0

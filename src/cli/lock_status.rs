@@ -342,13 +342,20 @@ pub fn gather(
 /// `global` entry named `store`, its holder the recorded command, its
 /// waiters the processes queued for it (from the kernel).
 fn store_wide_report(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<Option<LockReport>> {
-    let path = ctx.root.locks().join("store.lock");
+    let path = ctx.root.store_wide_lock();
     let view = kv.view(&path)?;
     let records = tx.records_for(LockKind::Global, "store")?;
     if !view.is_held() && records.is_empty() {
         return Ok(None);
     }
-    let (holders, waiters) = judge::prune(tx, ctx, kv, &view, &records, "store.lock")?;
+    let (holders, waiters) = judge::prune(
+        tx,
+        ctx,
+        kv,
+        &view,
+        &records,
+        crate::root::Root::STORE_WIDE_LOCK_REL,
+    )?;
     Ok(Some(LockReport {
         kind: LockKind::Global,
         name: "store".into(),

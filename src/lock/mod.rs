@@ -134,6 +134,7 @@ impl Guard {
         } else {
             flags | libc::FD_CLOEXEC
         };
+        // SAFETY: F_SETFD on our own descriptor; no memory is passed.
         if unsafe { libc::fcntl(fd, libc::F_SETFD, flags) } < 0 {
             return Err(io::Error::last_os_error());
         }
