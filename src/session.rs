@@ -826,10 +826,14 @@ fn prepare_write(
 /// nothing is removed.
 fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::MetadataExt;
-    let (dev, ino) = guard.identity();
     let mine = guard.as_raw_fd();
     let me = std::process::id();
+    // Descriptors are matched by what their /proc link reads (no stat: an
+    // unrelated descriptor on a hung NFS mount must not hang us), then
+    // compared by kcmp.
+    let Ok(ours) = std::fs::read_link(format!("/proc/self/fd/{mine}")) else {
+        return true;
+    };
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return true;
     };
@@ -846,7 +850,7 @@ fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
                 else {
                     return false;
                 };
-                if !std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino) {
+                if std::fs::read_link(fd.path()).ok().as_ref() != Some(&ours) {
                     return false;
                 }
                 // SAFETY: kcmp only compares two processes' descriptors.
