@@ -764,7 +764,7 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
     crate::judge::sweep(tx, ctx, &kv)?;
     found.stale_records = before_records - tx.all_records()?.len();
     if repair {
-        crate::lease::clean(&ctx.root.leases());
+        crate::judge::clean_leases(ctx);
     }
     let rows = tx.images()?;
     found.dead_writers = rows

@@ -123,7 +123,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         let out = sweep(&tx, ctx)?;
         if !policy.dry_run {
             // Leases of owners that died, under the global lock.
-            crate::lease::clean(&ctx.root.leases());
+            crate::judge::clean_leases(ctx);
             tx.commit()?;
         }
         Ok(out)
@@ -210,10 +210,15 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // that order, each phase oldest first.
     let now = clock::now_ms();
     // Saturating: a duration longer than history (1000000000y) means "no
-    // image is that old", not a wrapped-around cutoff in the future.
+    // image is that old", not a wrapped-around cutoff in the future. A read
+    // records its use only when the recorded last use is older than the
+    // resolution (a read writes no metadata otherwise): an image used in the
+    // last D may show a last use up to that much older, so only one whose
+    // last use is older than D plus the resolution is surely unused for D.
+    let resolution = crate::session::LAST_USE_RESOLUTION.as_millis() as Millis;
     let cutoff = policy.unused_for.map(|d| {
         let ms = Millis::try_from(d.as_millis()).unwrap_or(Millis::MAX);
-        now.saturating_sub(ms)
+        now.saturating_sub(ms).saturating_sub(resolution)
     });
     rows.sort_by(oldest_first);
     for reason in [Reason::Incomplete, Reason::Unused] {

@@ -146,7 +146,29 @@ pub fn prune(
         holders.push(Party::recorded(rec));
     }
     for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
-        holders.push(unrecorded(ctx, kv, e));
+        let party = unrecorded(ctx, kv, e);
+        // Not a live lease's: a reader whose command closed the lease it
+        // inherited (closefrom) may still be named by its dead lease, like
+        // a writer by its record (`orphan_holder_valid`).
+        let party = match (party.stowage, e.pid) {
+            (false, Some(pid)) if table => kv
+                .dead_leased(lockfile)
+                .into_iter()
+                .find(|(_, id, h)| id.pid == Some(pid) && h.mode == e.mode)
+                .map(|(name, id, h)| Party {
+                    pid: id.pid,
+                    host: Some(id.host),
+                    user: Some(id.user),
+                    mode: h.mode,
+                    command: Some(h.command),
+                    since: Some(h.since),
+                    stowage: true,
+                    lease: Some(name),
+                })
+                .unwrap_or(party),
+            _ => party,
+        };
+        holders.push(party);
     }
     for (e, _) in view
         .waiters
@@ -539,10 +561,39 @@ impl LockReport {
 }
 
 /// Which images are in use (their lock held), for `stowage images`.
+/// Unlinks the leases of owners that are gone ([`crate::lease::clean`]),
+/// but keeps a dead lease that still names a holder: its owner's pid is one
+/// of this kernel's ([`crate::lease::Identity::pid_is_ours`]) and the lock
+/// table shows a lock it lists as held still held, in that mode, under that
+/// pid — a command that closed the inherited lease keeps the lock after
+/// stowage died, and a reader has no record to name it but this lease (see
+/// [`prune`]). Without a lock table nothing is kept. Under the global lock.
+pub fn clean_leases(ctx: &Ctx) -> usize {
+    let leases = ctx.root.leases();
+    let locks = ctx.root.locks();
+    let mut kv: Option<KernelView> = None;
+    crate::lease::clean_keeping(&leases, &mut |name| {
+        let Some(id) = crate::lease::identity(&leases, name) else {
+            return false;
+        };
+        let Some(pid) = id.pid else {
+            return false;
+        };
+        if !id.holdings.iter().any(|h| !h.awaits) || !id.pid_is_ours() {
+            return false;
+        }
+        let kv = kv.get_or_insert_with(|| KernelView::new(&locks));
+        id.holdings
+            .iter()
+            .filter(|h| !h.awaits)
+            .any(|h| kv.held_by(&locks.join(&h.lockfile), h.mode, pid))
+    })
+}
+
 pub fn in_use(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<HashMap<String, bool>> {
     let mut out: HashMap<String, bool> = HashMap::new();
     let swept = sweep(tx, ctx, kv)?.0;
-    crate::lease::clean(&ctx.root.leases());
+    clean_leases(ctx);
     for (name, r) in swept {
         out.insert(name, r.state != Probe::Free);
     }

@@ -194,6 +194,48 @@ impl KernelView {
         out
     }
 
+    /// The dead leases that list `lockfile` as held, whose owner's pid is
+    /// one of this kernel's as we see it ([`crate::lease::Identity::pid_is_ours`]):
+    /// a reader (no record) whose command closed the inherited lease but
+    /// kept the lock, after stowage died. The lock table shows the lock
+    /// under the gone owner's pid; the lease still says for which command.
+    /// Needs the table.
+    pub fn dead_leased(&self, lockfile: &str) -> Vec<Leased> {
+        if self.table.is_none() {
+            return Vec::new();
+        }
+        self.load_said();
+        let said = self.said.borrow();
+        let mut out = Vec::new();
+        for (name, id) in said.iter().flatten() {
+            for h in id
+                .holdings
+                .iter()
+                .filter(|h| !h.awaits && h.lockfile == lockfile)
+            {
+                if self.lease(name) == LeaseSeen::Dead && id.pid_is_ours() {
+                    out.push((name.clone(), id.clone(), h.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether the lock table shows the lock file at `path` held in `mode`
+    /// by `pid` (false without a table).
+    pub fn held_by(&self, path: &Path, mode: Mode, pid: u32) -> bool {
+        let Some(table) = &self.table else {
+            return false;
+        };
+        let Ok(m) = fs::symlink_metadata(path) else {
+            return false;
+        };
+        table.get(&(m.dev(), m.ino())).is_some_and(|es| {
+            es.iter()
+                .any(|e| !e.blocked && e.mode == mode && e.pid == Some(pid))
+        })
+    }
+
     /// Every lock file that a live lease lists as held or awaited.
     pub fn leased_lockfiles(&self) -> Vec<String> {
         self.load_said();

@@ -25,6 +25,10 @@
 //!   rule of every lock file here): by its owner when it ends, and by
 //!   [`clean`] for owners that died. Probes and cleaning run under the global
 //!   lock, so two stowage probers never see each other's probe as an owner.
+//!   A dead lease whose lock-table entry still stands (its command closed
+//!   the lease but kept a lock it lists, under its pid) is kept until that
+//!   lock is released: it is the only name of a reader, which has no record
+//!   (`judge::clean_leases` decides, with the lock table).
 //! - **Inheritance** follows the image locks: a command that inherits the
 //!   lock descriptors inherits the lease too (so after stowage is SIGKILLed,
 //!   the build is still listed as the holder), and with `--no-inherit` the
@@ -358,8 +362,25 @@ pub struct Identity {
     pub user: String,
     pub command: String,
     pub since: Option<crate::clock::Millis>,
+    /// The owner's boot and pid namespace: its pid is one of this kernel's,
+    /// as this namespace sees it, only where both are ours.
+    pub boot_id: Option<String>,
+    pub pid_ns: Option<String>,
     /// What the owner holds and awaits, as it listed it.
     pub holdings: Vec<Holding>,
+}
+
+impl Identity {
+    /// Whether the owner's pid means the same process to this one: same
+    /// host, boot and pid namespace.
+    pub fn pid_is_ours(&self) -> bool {
+        let me = crate::ident::Me::current();
+        self.host == me.host
+            && self.boot_id.is_some()
+            && self.boot_id == me.boot_id
+            && self.pid_ns.is_some()
+            && self.pid_ns == pid_namespace()
+    }
 }
 
 /// Reads what a lease says of its owner (None if it cannot be read).
@@ -393,6 +414,8 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             "user" => id.user = v.to_owned(),
             "command" => id.command = v.to_owned(),
             "since" => id.since = v.parse().ok(),
+            "boot_id" if !v.is_empty() => id.boot_id = Some(v.to_owned()),
+            "pid_ns" if !v.is_empty() => id.pid_ns = Some(v.to_owned()),
             "hold" | "await" => id.holdings.extend(Holding::parse(k, v)),
             _ => {}
         }
@@ -444,6 +467,12 @@ fn valid_name(name: &str) -> bool {
 /// if we win the lock, and its owner then retries). Returns how many went.
 /// Call under the global lock, where no other stowage probes.
 pub fn clean(leases: &Path) -> usize {
+    clean_keeping(leases, &mut |_| false)
+}
+
+/// [`clean`], but keeps the dead leases for whose name `keep` says yes: a
+/// dead lease that still names a holder (see `judge::clean_leases`).
+pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     // The directory is pinned by a descriptor that refused a symlink in its
     // place, and every file is reached through it: a `leases` symlink
     // planted by someone who can write `locks/` cannot steer the unlinks
@@ -468,6 +497,7 @@ pub fn clean(leases: &Path) -> usize {
         }
         if let Ok(Some(g)) =
             lock::acquire_no_wait(&pinned.join(name), Mode::Exclusive, lock::IfMissing::Fail)
+            && !keep(name)
             && g.unlink_lease().is_ok()
         {
             gone += 1;

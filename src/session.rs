@@ -102,7 +102,9 @@ impl Held {
 /// again (cargo's resolution for the same purpose): a read of an image
 /// used in the last five minutes writes nothing to the metadata, so most
 /// reads make a transaction that changes nothing (no journal, no fsync).
-/// `gc --unused-for` is that much coarser.
+/// `gc --unused-for D` is that much coarser, on the safe side: it takes an
+/// image for unused only once its recorded last use is older than D plus
+/// this (a read in the last D may have recorded nothing).
 pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
 
 /// Image locks held for one command.
@@ -497,7 +499,11 @@ impl Session {
         for (h, (_, gone, trusted)) in self.held.into_iter().zip(written) {
             if gone && trusted {
                 unlink_image_lock(store.root(), &h.name, h.guard);
-            } else if h.made_dir && trusted && outcome == Outcome::Failure {
+            } else if h.made_dir
+                && trusted
+                && outcome == Outcome::Failure
+                && !open_elsewhere(&h.guard)
+            {
                 crate::remove::remove_empty_image_dir(store.root(), images_dir, &h.name);
             }
         }
@@ -807,6 +813,61 @@ fn prepare_write(
         }
     }
     Ok(())
+}
+
+/// Whether a process other than this one holds the lock of `guard` through
+/// the very open file description it locked: a process of the command's
+/// tree that outlived it with the inherited write lock (a background job),
+/// which may still write in the image's directory — so the directory stays.
+/// Another process that merely has the lock file open (a writer waiting
+/// for it, a probe) does not count: `kcmp` tells the two apart. Only a
+/// failed new write with an empty directory asks (a walk of /proc); where
+/// it cannot tell (no /proc, no kcmp), the answer is yes, the side on which
+/// nothing is removed.
+fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
+    use std::os::fd::AsRawFd;
+    let mine = guard.as_raw_fd();
+    let me = std::process::id();
+    // Descriptors are matched by what their /proc link reads (no stat: an
+    // unrelated descriptor on a hung NFS mount must not hang us), then
+    // compared by kcmp.
+    let Ok(ours) = std::fs::read_link(format!("/proc/self/fd/{mine}")) else {
+        return true;
+    };
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return true;
+    };
+    procs.flatten().any(|p| {
+        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            return false;
+        };
+        if pid == me {
+            return false;
+        }
+        std::fs::read_dir(p.path().join("fd")).is_ok_and(|fds| {
+            fds.flatten().any(|fd| {
+                let Some(theirs) = fd.file_name().to_str().and_then(|n| n.parse::<i32>().ok())
+                else {
+                    return false;
+                };
+                if std::fs::read_link(fd.path()).ok().as_ref() != Some(&ours) {
+                    return false;
+                }
+                // SAFETY: kcmp only compares two processes' descriptors.
+                let same = unsafe {
+                    libc::syscall(
+                        libc::SYS_kcmp,
+                        me as libc::pid_t,
+                        pid as libc::pid_t,
+                        0, // KCMP_FILE
+                        mine as libc::c_ulong,
+                        theirs as libc::c_ulong,
+                    )
+                };
+                same != 1 && same != 2 && same != 3
+            })
+        })
+    })
 }
 
 /// Whether `dir` has no entries (an unreadable one counts as not empty).

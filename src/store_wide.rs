@@ -172,6 +172,12 @@ fn forget_deleted(store: &mut Store) -> Result<()> {
             if row.state == ImageState::Deleting {
                 continue; // a removal's own business (gc finishes it)
             }
+            // An incomplete image may have no tree (its writer failed with
+            // an empty one, see Session::finish): a missing tree is no
+            // deletion, and the failure stays listed until gc or rm.
+            if row.state == ImageState::Incomplete {
+                continue;
+            }
             let Ok(name) = ImageName::parse(&row.name) else {
                 continue;
             };

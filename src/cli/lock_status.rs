@@ -257,7 +257,7 @@ pub fn gather(
     let images = store.read_tx(|tx, ctx| {
         let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
         let (mut reports, slots) = sweep(tx, ctx, &kv)?;
-        crate::lease::clean(&ctx.root.leases());
+        crate::judge::clean_leases(ctx);
         for (name, view) in kernel_locked_images(ctx, &kv)? {
             if reports.contains_key(&name) {
                 continue;

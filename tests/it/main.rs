@@ -47,6 +47,7 @@ mod leases;
 mod locking;
 mod migration;
 mod names;
+mod review_leases2;
 mod rm;
 mod runtimes;
 mod shell;
