@@ -113,6 +113,9 @@ pub struct Session {
     slot: Option<crate::acquire::slot::SlotGuard>,
     held: Vec<Held>,
     images_dir: PathBuf,
+    /// The image locks as the lease lists them; taken out of it when the
+    /// session ends, however it ends (a library caller may drop it).
+    listed: Listed,
     started: Instant,
 }
 
@@ -221,23 +224,13 @@ impl Session {
                         if let Some(s) = slot.as_mut() {
                             s.announce(store.root(), &req.command);
                         }
-                        let leases = store.root().leases();
-                        for h in &held {
-                            crate::lease::note(
-                                &leases,
-                                crate::lease::Holding::now(
-                                    h.mode,
-                                    h.lockfile(),
-                                    false,
-                                    &req.command,
-                                ),
-                            );
-                        }
+                        let listed = Listed::new(store, &held, &req.command);
                         return Ok(Session {
                             slot,
                             held,
                             images_dir,
                             started,
+                            listed,
                         });
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
@@ -384,7 +377,7 @@ impl Session {
             tx.commit()?;
         }
         let h = self.held.remove(i);
-        crate::lease::forget(&store.root().leases(), &h.lockfile());
+        self.listed.forget(&h.lockfile());
         Ok(())
     }
 
@@ -442,7 +435,7 @@ impl Session {
         let held = &self.held;
         let images_dir = &self.images_dir;
         let ids: Vec<i64> = self.record_ids().collect();
-        self.forget_holdings(store);
+        drop(self.listed);
         // Plain reads have nothing to record: no transaction at all.
         let nothing = ids.is_empty() && held.iter().all(|h| h.mode == Mode::Shared);
         store.retry_full(|store| {
@@ -520,21 +513,13 @@ impl Session {
         self.held.iter().filter_map(|h| h.record)
     }
 
-    /// Takes every image lock of this session out of the lease (they are
-    /// released next).
-    fn forget_holdings(&self, store: &Store) {
-        let leases = store.root().leases();
-        for h in &self.held {
-            crate::lease::forget(&leases, &h.lockfile());
-        }
-    }
-
     /// Undoes the start when the command never ran (it could not be
     /// started, or a signal came first): images this session created are
     /// removed again (their directories are still empty), and images it
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
-        self.forget_holdings(store);
+        let ids: Vec<i64> = self.record_ids().collect();
+        drop(self.listed);
         let (tx, ctx) = store.begin_cleanup()?;
         for h in self.held.iter().filter(|h| h.writes()) {
             match h.prev {
@@ -547,7 +532,7 @@ impl Session {
                 Some(prev) => tx.set_state(h.name.as_str(), prev)?,
             }
         }
-        for id in self.record_ids() {
+        for id in ids {
             tx.delete_record(id)?;
         }
         tx.commit()?;
@@ -873,4 +858,43 @@ fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
 /// Whether `dir` has no entries (an unreadable one counts as not empty).
 fn empty_dir(dir: &Path) -> bool {
     std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_none())
+}
+
+/// The image locks of a session, as its process's lease lists them (see
+/// `lease::Holding`): listed when the session starts, and taken out when
+/// it ends — dropped with it, so a session a library caller drops without
+/// finishing leaves no hold line behind for locks it no longer holds.
+struct Listed {
+    leases: PathBuf,
+    lockfiles: Vec<String>,
+}
+
+impl Listed {
+    fn new(store: &Store, held: &[Held], command: &str) -> Listed {
+        let leases = store.root().leases();
+        for h in held {
+            crate::lease::note(
+                &leases,
+                crate::lease::Holding::now(h.mode, h.lockfile(), false, command),
+            );
+        }
+        Listed {
+            leases,
+            lockfiles: held.iter().map(Held::lockfile).collect(),
+        }
+    }
+
+    /// One lock released before the others (`--from`'s base).
+    fn forget(&mut self, lockfile: &str) {
+        crate::lease::forget(&self.leases, lockfile);
+        self.lockfiles.retain(|l| l != lockfile);
+    }
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        for l in &self.lockfiles {
+            crate::lease::forget(&self.leases, l);
+        }
+    }
 }

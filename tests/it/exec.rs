@@ -587,3 +587,41 @@ fn a_read_writes_no_metadata_while_last_use_is_fresh() {
     assert_eq!(output(c).status.code(), Some(0));
     assert_ne!(last_used(), used, "a stale last use is recorded");
 }
+
+/// The empty directory of a new image whose writer failed goes at the
+/// finish — but not while a process of the failed command's tree that
+/// inherited the write lock (a background job) still works in it: what it
+/// writes there afterwards must not be lost with an unlinked directory.
+#[test]
+fn a_failed_writers_surviving_child_keeps_the_new_image_directory() {
+    let env = Env::new();
+    let go = env.sentinel("go");
+    let done = env.sentinel("done");
+    // The command enters the fresh (empty) directory, leaves a background
+    // job there that holds the inherited write lock, and fails at once.
+    let script = format!(
+        "cd \"$STOWAGE_IMAGE_DIR\" || exit 9; \
+         ( i=0; while [ ! -e '{g}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; \
+           echo late > written-late; touch '{d}' ) >/dev/null 2>&1 & exit 1",
+        g = go.display(),
+        d = done.display()
+    );
+    let out = env.run(["exec", "--write", "app", "--", "sh", "-c", &script]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    std::fs::write(&go, "").unwrap();
+    wait_for_file(&done);
+    assert!(
+        env.root.join("img/app/written-late").is_file(),
+        "the surviving writer's file is in the image directory: {:?}",
+        tree(&env.root.join("img"))
+    );
+    // Without a survivor, the empty directory still goes (the test can
+    // fail the other way).
+    let out = env.run(["exec", "--write", "other", "--", "false"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(!env.root.join("img/other").exists());
+    let out = env.run(["exec", "--no-inherit", "--write", "third", "--", "false"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(!env.root.join("img/third").exists());
+}

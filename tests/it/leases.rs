@@ -939,3 +939,106 @@ fn a_record_from_another_host_whose_lock_is_free_is_dropped() {
     assert_eq!(entry["state"], "free");
     assert_eq!(entry["image_state"], "incomplete");
 }
+
+/// A reader writes no record; its lease names it. A command that closes
+/// every descriptor it inherited but its image lock (closefrom) leaves the
+/// lease to stowage alone: once stowage is SIGKILLed the lease is dead
+/// while the command still holds the image. The reader must still be named
+/// (as the holder record of a writer is, see `leases::`), on every look,
+/// and its dead lease go once the lock is released.
+#[test]
+fn a_reader_whose_command_closes_its_lease_stays_named_after_stowage_dies() {
+    let env = Env::new();
+    env.make_image("app");
+    let started = env.sentinel("started");
+    let release = env.sentinel("release");
+    let script = format!(
+        "for fd in /proc/$$/fd/*; do case $(readlink \"$fd\") in */locks/leases/*) eval \"exec ${{fd##*/}}>&-\";; esac; done; \
+         touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+        s = started.display(),
+        r = release.display()
+    );
+    let mut bg = env.spawn([
+        "exec",
+        "--read",
+        "app",
+        "--",
+        "bash",
+        "-c",
+        &script,
+        "closes-its-lease",
+    ]);
+    wait_for_file(&started);
+    let stowage = bg.pid();
+    bg.signal(libc::SIGKILL);
+    let _ = bg.child.as_mut().unwrap().wait();
+    assert!(!flock_free(&env.lock_file("app")), "the command holds it");
+    // Every look names it (a look must not clean away what names it).
+    for look in 0..3 {
+        let entry = env.lock_entry("app").unwrap();
+        let holders = entry["holders"].as_array().unwrap();
+        assert_eq!(holders.len(), 1, "look {look}: {entry:#}");
+        assert_eq!(
+            holders[0]["stowage"], true,
+            "look {look}: not an outsider: {entry:#}"
+        );
+        assert_eq!(holders[0]["pid"], stowage, "look {look}: {entry:#}");
+        assert!(
+            holders[0]["command"]
+                .as_str()
+                .is_some_and(|c| c.contains("closes-its-lease")),
+            "look {look}: the reader's command: {entry:#}"
+        );
+        assert_eq!(entry["state"], "shared", "{entry:#}");
+        env.ok(["images"]);
+    }
+    env.release("release");
+    wait_until("the command released the image lock", || {
+        flock_free(&env.lock_file("app"))
+    });
+    let entry = env.lock_entry("app").unwrap();
+    assert!(entry["holders"].as_array().unwrap().is_empty(), "{entry:#}");
+    // The dead lease explains nothing now: it goes.
+    env.ok(["lock-status"]);
+    let left: Vec<_> = std::fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "dead leases left: {left:?}");
+    bg.kill_all();
+}
+
+/// A library caller that drops a session without finishing it releases its
+/// locks, and its lease stops listing them: a long-lived process is never
+/// named as the holder of a lock it let go (which another process may hold
+/// now, where only leases can name holders).
+#[test]
+fn a_dropped_library_session_leaves_no_hold_line() {
+    use stowage::session::{Request, Session};
+    let env = Env::new();
+    env.make_image("base");
+    let mut store = stowage::Store::new(stowage::Root::at(&env.root));
+    let req = Request {
+        reads: vec![stowage::ImageName::parse("base").unwrap()],
+        command: "library-reader".into(),
+        ..Request::default()
+    };
+    let hold_lines = || -> usize {
+        std::fs::read_dir(env.root.join("locks/leases"))
+            .unwrap()
+            .flatten()
+            .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+            .map(|t| {
+                t.lines()
+                    .filter(|l| l.starts_with("hold=shared images/base.lock "))
+                    .count()
+            })
+            .sum()
+    };
+    let session = Session::begin(&mut store, &req).unwrap();
+    assert_eq!(hold_lines(), 1);
+    drop(session);
+    assert_eq!(hold_lines(), 0, "the dropped session is still listed");
+    assert!(flock_free(&env.lock_file("base")));
+}

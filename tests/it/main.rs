@@ -47,7 +47,6 @@ mod leases;
 mod locking;
 mod migration;
 mod names;
-mod review_leases2;
 mod rm;
 mod runtimes;
 mod shell;

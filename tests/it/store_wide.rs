@@ -414,3 +414,49 @@ fn an_exec_inside_a_slot_holders_command_passes_a_hold_waiting_for_the_slot() {
     env.release("wide-go");
     assert_eq!(wide.finish().status.code(), Some(0));
 }
+
+/// A failed first build leaves an incomplete row and no directory. A
+/// store-wide command that deletes nothing must not take that missing tree
+/// for its own deletion: the failure stays listed, and nothing is said
+/// about a deletion that did not happen.
+#[test]
+fn a_store_wide_command_keeps_a_failed_build_without_a_tree() {
+    let env = Env::new();
+    env.make_image("kept");
+    // Another tree stays, so the images directory never looks unmounted.
+    env.make_image("stays");
+    let out = env.run(["exec", "--write", "failed", "--", "false"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(!env.root.join("img/failed").exists());
+    assert_eq!(env.state("failed").as_deref(), Some("incomplete"));
+    let out = env.ok(["exec", "--store-wide", "--", "true"]);
+    assert!(
+        !stderr(&out).contains("'failed' was deleted"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(
+        env.state("failed").as_deref(),
+        Some("incomplete"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("kept").as_deref(), Some("ready"));
+    // A tree the store-wide command does delete is still forgotten.
+    let out = env.ok([
+        "exec",
+        "--store-wide",
+        "--",
+        "sh",
+        "-c",
+        "rm -rf \"$STOWAGE_IMAGES_DIR/kept\"",
+    ]);
+    assert!(
+        stderr(&out).contains("'kept' was deleted"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("kept"), None);
+    assert_eq!(env.state("stays").as_deref(), Some("ready"));
+    assert_eq!(env.state("failed").as_deref(), Some("incomplete"));
+}
