@@ -19,7 +19,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use serde::Serialize;
 
 use crate::adopt::{self, Adopt, Mount};
 use crate::clock;
@@ -31,8 +30,7 @@ use crate::name::ImageName;
 use crate::remove;
 use crate::store::Store;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     Ok,
     /// Worth knowing, not a fault.
@@ -41,14 +39,26 @@ pub enum Verdict {
     Repaired,
 }
 
-#[derive(Debug, Serialize)]
+impl Verdict {
+    /// As `doctor --json` names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::Info => "info",
+            Verdict::Problem => "problem",
+            Verdict::Repaired => "repaired",
+        }
+    }
+}
+
+#[derive(Debug)]
 pub struct Check {
     pub check: &'static str,
     pub status: Verdict,
     pub detail: String,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug)]
 pub struct Report {
     pub root: String,
     pub filesystem: String,

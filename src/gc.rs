@@ -24,7 +24,6 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Result;
-use serde::Serialize;
 
 use crate::clock::{self, Millis};
 use crate::disk_usage;
@@ -42,8 +41,7 @@ pub struct Policy {
     pub dry_run: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
     /// Its writer failed or died.
     Incomplete,
@@ -54,6 +52,15 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// As `gc --json` names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Incomplete => "incomplete",
+            Reason::Unused => "unused",
+            Reason::OverBudget => "over-budget",
+        }
+    }
+
     pub fn describe(self) -> &'static str {
         match self {
             Reason::Incomplete => "incomplete",
@@ -63,7 +70,7 @@ impl Reason {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct Collected {
     pub name: String,
     pub state: &'static str,
@@ -71,7 +78,7 @@ pub struct Collected {
     pub reason: Reason,
 }
 
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default)]
 pub struct Report {
     pub dry_run: bool,
     pub removed: Vec<Collected>,
