@@ -486,15 +486,15 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     let stamp = clock::rfc3339(clock::now_ms())
         .unwrap_or_else(|| "unknown-time".into())
         .replace(':', "");
-    let mut moved_to = db.with_file_name(format!("stowage.db.damaged-{stamp}"));
+    let mut moved_to = root.db_aside(&stamp, 0);
     // The new database is built beside the old one and renamed over it
     // only when complete: a rebuild killed at any point leaves either the
     // damaged database (the next repair starts again) or the rebuilt one,
     // never a missing one that the next command would recreate empty —
     // forgetting every image and the images directory.
-    let building = db.with_file_name("stowage.db.rebuilding");
+    let (building, building_journal) = root.db_rebuilding();
     let _ = fs::remove_file(&building);
-    let _ = fs::remove_file(db.with_file_name("stowage.db.rebuilding-journal"));
+    let _ = fs::remove_file(&building_journal);
 
     let images_dir = salvage
         .config
@@ -549,7 +549,7 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
             // Set aside by a rebuild killed before it finished (or another
             // in the same second): that name is taken, try the next.
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 100 => {
-                moved_to = db.with_file_name(format!("stowage.db.damaged-{stamp}-{n}"));
+                moved_to = root.db_aside(&stamp, n);
             }
             Err(e)
                 if matches!(
@@ -567,7 +567,7 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
         }
     }
     crate::debug::pause("rebuild-moved-aside");
-    let journal = db.with_file_name("stowage.db-journal");
+    let journal = root.db_journal();
     if journal.exists() {
         let mut aside = moved_to.clone().into_os_string();
         aside.push("-journal");

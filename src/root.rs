@@ -218,6 +218,28 @@ impl Root {
         self.dir.join("trash")
     }
 
+    /// Where `doctor --repair` sets a damaged database aside: `stamp` is its
+    /// time, `n` > 0 when that name is taken.
+    pub fn db_aside(&self, stamp: &str, n: u32) -> PathBuf {
+        match n {
+            0 => self.dir.join(format!("stowage.db.damaged-{stamp}")),
+            n => self.dir.join(format!("stowage.db.damaged-{stamp}-{n}")),
+        }
+    }
+
+    /// Where `doctor --repair` builds the new database, and its journal.
+    pub fn db_rebuilding(&self) -> (PathBuf, PathBuf) {
+        (
+            self.dir.join("stowage.db.rebuilding"),
+            self.dir.join("stowage.db.rebuilding-journal"),
+        )
+    }
+
+    /// The database's rollback journal.
+    pub fn db_journal(&self) -> PathBuf {
+        self.dir.join("stowage.db-journal")
+    }
+
     /// Space kept in reserve for the metadata (`space.rs`).
     pub fn reserve(&self) -> PathBuf {
         self.dir.join("reserve")
