@@ -1,7 +1,7 @@
 //! The library against the raw floor, in one process: an image lock
-//! (`lock::try_lock` + drop) against open + flock + close with the same
+//! (`lock::acquire_no_wait` + drop) against open + flock + close with the same
 //! flags, and a whole session (`Session::begin` + `finish`: the lock plus
-//! two metadata transactions with holder records) for context.
+//! its metadata transactions) for context.
 //!
 //! Floor and library run in alternating batches and each batch pair gives
 //! one ratio, so a burst of noise on the machine hits both sides of a ratio.
@@ -97,7 +97,7 @@ pub fn run(dir: &Path, plan: &Plan, report: &mut Report) -> Result<()> {
         };
         report.target(
             &format!("library_try_lock_{m}_vs_floor"),
-            format!("library lock::try_lock {m} + drop vs open+flock({op})+close"),
+            format!("library lock::acquire_no_wait {m} + drop vs open+flock({op})+close"),
             median(&ratios(&lib, &raw)),
             Unit::Ratio,
             Bound::AtMost(3.0),
@@ -117,7 +117,7 @@ pub fn run(dir: &Path, plan: &Plan, report: &mut Report) -> Result<()> {
         );
         report.context(
             &format!("library_try_lock_{m}"),
-            format!("library: lock::try_lock {m} + drop"),
+            format!("library: lock::acquire_no_wait {m} + drop"),
             median(&lib),
             Unit::Seconds,
             format!("{how}; open, flock, fstat+lstat (unlink-race check), close"),
@@ -127,7 +127,7 @@ pub fn run(dir: &Path, plan: &Plan, report: &mut Report) -> Result<()> {
         }
     }
 
-    // Whole sessions, with holder records: what `exec` does minus the
+    // Whole sessions: what `exec` does minus the
     // processes. One store, so the database stays open as in a library
     // user that runs many sessions.
     let mut store = Store::new(Root::at(dir.join("library-root")));
@@ -177,14 +177,14 @@ pub fn run(dir: &Path, plan: &Plan, report: &mut Report) -> Result<()> {
     };
     report.context(
         "library_session_read",
-        "library: Session::begin+finish, one --read (shared, holder records)",
+        "library: Session::begin+finish, one --read (shared: no record, the lease names it)",
         median(&reads),
         Unit::Seconds,
         how(&reads),
     );
     report.context(
         "library_session_write",
-        "library: Session::begin+finish, one --write (exclusive, holder records)",
+        "library: Session::begin+finish, one --write (exclusive: state and holder record)",
         median(&writes),
         Unit::Seconds,
         how(&writes),
