@@ -347,9 +347,18 @@ fn torture() {
     // No process is left: orphaned commands of killed stowages finish on
     // their own (they are short), bounded.
     let groups = shared.groups.lock().unwrap().clone();
-    wait_until("every process of the run has exited", || {
-        groups.iter().all(|g| group_members(*g) == 0)
-    });
+    // On a timeout, say who is left and where each waits in the kernel, so
+    // that a rare hang can be diagnosed from the log of one run.
+    let deadline = Instant::now() + PATIENCE;
+    while !groups.iter().all(|g| group_members(*g) == 0) {
+        if Instant::now() > deadline {
+            panic!(
+                "processes of the run still alive after {PATIENCE:?}:\n{}",
+                left_in_groups(&groups)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 
     // No lock on the store's files is held.
     let mut inodes = HashSet::new();
@@ -432,4 +441,34 @@ fn torture() {
     );
     assert!(total > workers, "seed {seed}: the run did almost nothing");
     let _ = HashMap::<u8, u8>::new();
+}
+
+/// The live processes of `groups`: pid, state, kernel wait channel and
+/// command line, one per line.
+fn left_in_groups(groups: &[i32]) -> String {
+    let mut out = String::new();
+    for e in fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let f: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+        if f.len() < 3 || f[0] == "Z" || !groups.iter().any(|g| f[2] == g.to_string()) {
+            continue;
+        }
+        let wchan = fs::read_to_string(e.path().join("wchan")).unwrap_or_default();
+        let cmd = fs::read(e.path().join("cmdline"))
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .unwrap_or_default();
+        out.push_str(&format!(
+            "  pid {pid} state {} wchan {wchan}: {cmd}\n",
+            f[0]
+        ));
+    }
+    out
 }
