@@ -349,13 +349,18 @@ fn torture() {
     let groups = shared.groups.lock().unwrap().clone();
     // On a timeout, say who is left and where each waits in the kernel, so
     // that a rare hang can be diagnosed from the log of one run.
+    // A recorded group id outlives its processes and may be reused by an
+    // unrelated process that leads a group of its own (pid reuse): only
+    // members that belong to this run count — a stowage of this root, or a
+    // command whose environment names it.
     let deadline = Instant::now() + PATIENCE;
-    while !groups.iter().all(|g| group_members(*g) == 0) {
+    loop {
+        let left = left_in_groups(&groups, &env.root);
+        if left.is_empty() {
+            break;
+        }
         if Instant::now() > deadline {
-            panic!(
-                "processes of the run still alive after {PATIENCE:?}:\n{}",
-                left_in_groups(&groups)
-            );
+            panic!("processes of the run still alive after {PATIENCE:?}:\n{left}");
         }
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -443,9 +448,11 @@ fn torture() {
     let _ = HashMap::<u8, u8>::new();
 }
 
-/// The live processes of `groups`: pid, state, kernel wait channel and
-/// command line, one per line.
-fn left_in_groups(groups: &[i32]) -> String {
+/// The live processes of `groups` that belong to the run on `root` (its
+/// path in their command line or environment): pid, state, kernel wait
+/// channel and command line, one per line.
+fn left_in_groups(groups: &[i32], root: &Path) -> String {
+    let root = root.to_string_lossy().into_owned();
     let mut out = String::new();
     for e in fs::read_dir("/proc").unwrap().flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
@@ -465,6 +472,12 @@ fn left_in_groups(groups: &[i32]) -> String {
         let cmd = fs::read(e.path().join("cmdline"))
             .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
             .unwrap_or_default();
+        let environ = fs::read(e.path().join("environ"))
+            .map(|c| String::from_utf8_lossy(&c).into_owned())
+            .unwrap_or_default();
+        if !cmd.contains(&root) && !environ.contains(&root) {
+            continue;
+        }
         out.push_str(&format!(
             "  pid {pid} state {} wchan {wchan}: {cmd}\n",
             f[0]
