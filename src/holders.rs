@@ -32,21 +32,30 @@ pub struct Party {
 }
 
 /// A lock-table entry no record claims: a stowage process that has not
-/// recorded itself (it took the lock a moment ago, or awaits it with
-/// `--no-wait`), known by the lease it took, else a process stowage did not
-/// start.
-pub(crate) fn unrecorded(ctx: &Ctx, kv: &KernelView, e: &Entry) -> Party {
+/// recorded itself (a reader or slot holder, which never does; or a writer
+/// a moment before it does), known by the lease it took — for the command
+/// its lease lists with `lockfile` (relative to the locks directory), else
+/// stowage's own command line — and else a process stowage did not start.
+pub(crate) fn unrecorded(ctx: &Ctx, kv: &KernelView, e: &Entry, lockfile: &str) -> Party {
     let leased = e.pid.and_then(|p| kv.lease_taken_by(p)).and_then(|name| {
-        let id = crate::lease::identity(&ctx.root.leases(), &name)?;
-        Some(Party {
-            pid: id.pid,
-            host: Some(id.host),
-            user: Some(id.user),
-            mode: e.mode,
-            command: Some(id.command),
-            since: id.since,
-            stowage: true,
-            lease: Some(name),
+        let id = kv.said_by(&name)?;
+        let listed = id
+            .holdings
+            .iter()
+            .find(|h| h.lockfile == lockfile && h.mode == e.mode && h.awaits == e.blocked)
+            .cloned();
+        Some(match listed {
+            Some(h) => Party::leased(name, id, &h),
+            None => Party {
+                pid: id.pid,
+                host: Some(id.host),
+                user: Some(id.user),
+                mode: e.mode,
+                command: Some(id.command),
+                since: id.since,
+                stowage: true,
+                lease: Some(name),
+            },
         })
     });
     leased.unwrap_or_else(|| outsider(ctx, e))
@@ -66,6 +75,20 @@ pub(crate) fn outsider(ctx: &Ctx, e: &Entry) -> Party {
 }
 
 impl Party {
+    /// The party a lease names for one of the locks it lists.
+    pub fn leased(name: String, id: crate::lease::Identity, h: &crate::lease::Holding) -> Party {
+        Party {
+            pid: id.pid,
+            host: Some(id.host),
+            user: Some(id.user),
+            mode: h.mode,
+            command: Some(h.command.clone()),
+            since: Some(h.since),
+            stowage: true,
+            lease: Some(name),
+        }
+    }
+
     /// The party a record names.
     pub fn recorded(rec: &crate::meta::Record) -> Party {
         Party {

@@ -146,7 +146,7 @@ pub fn prune(
         holders.push(Party::recorded(rec));
     }
     for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
-        let party = unrecorded(ctx, kv, e);
+        let party = unrecorded(ctx, kv, e, lockfile);
         // Not a live lease's: a reader whose command closed the lease it
         // inherited (closefrom) may still be named by its dead lease, like
         // a writer by its record (`orphan_holder_valid`).
@@ -155,16 +155,7 @@ pub fn prune(
                 .dead_leased(lockfile)
                 .into_iter()
                 .find(|(_, id, h)| id.pid == Some(pid) && h.mode == e.mode)
-                .map(|(name, id, h)| Party {
-                    pid: id.pid,
-                    host: Some(id.host),
-                    user: Some(id.user),
-                    mode: h.mode,
-                    command: Some(h.command),
-                    since: Some(h.since),
-                    stowage: true,
-                    lease: Some(name),
-                })
+                .map(|(name, id, h)| Party::leased(name, id, &h))
                 .unwrap_or(party),
             _ => party,
         };
@@ -176,7 +167,7 @@ pub fn prune(
         .zip(&claimed_waits)
         .filter(|(_, c)| !**c)
     {
-        waiters.push(unrecorded(ctx, kv, e));
+        waiters.push(unrecorded(ctx, kv, e, lockfile));
     }
     // Holders and waiters their leases name, where neither a record nor
     // the table did: a reader on another host (no table on NFS) or in a pid
@@ -189,40 +180,16 @@ pub fn prune(
         .filter_map(|p| p.lease.clone())
         .collect();
     for (name, id, h) in leased {
-        if named.contains(&name) {
-            // Found through the table (not a record, which says it all):
-            // the lease says for which command, the table only which
-            // process.
-            let list = if h.awaits { &mut waiters } else { &mut holders };
-            for p in list.iter_mut().filter(|p| {
-                p.lease.as_deref() == Some(&name)
-                    && p.mode == h.mode
-                    && p.command.as_deref() == Some(id.command.as_str())
-            }) {
-                p.command = Some(h.command.clone());
-                p.since = Some(h.since);
-            }
-            continue;
-        }
         let shown_by_table = matches!(
             kv.lease(&name),
             LeaseSeen::Alive {
                 taker: Some(Some(_))
             }
         );
-        if shown_by_table && table {
+        if named.contains(&name) || (shown_by_table && table) {
             continue;
         }
-        let party = Party {
-            pid: id.pid,
-            host: Some(id.host),
-            user: Some(id.user),
-            mode: h.mode,
-            command: Some(h.command),
-            since: Some(h.since),
-            stowage: true,
-            lease: Some(name),
-        };
+        let party = Party::leased(name, id, &h);
         if h.awaits {
             if view.is_held() {
                 waiters.push(party);

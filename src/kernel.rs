@@ -181,17 +181,9 @@ impl KernelView {
     /// owner in a pid namespace this one does not see). Lease files are read
     /// once per look, and only the live ones count.
     pub fn leased(&self, lockfile: &str) -> Vec<Leased> {
-        self.load_said();
-        let said = self.said.borrow();
-        let mut out = Vec::new();
-        for (name, id) in said.iter().flatten() {
-            for h in id.holdings.iter().filter(|h| h.lockfile == lockfile) {
-                if matches!(self.lease(name), LeaseSeen::Alive { .. }) {
-                    out.push((name.clone(), id.clone(), h.clone()));
-                }
-            }
-        }
-        out
+        self.listing(lockfile, |name, _, _| {
+            matches!(self.lease(name), LeaseSeen::Alive { .. })
+        })
     }
 
     /// The dead leases that list `lockfile` as held, whose owner's pid is
@@ -204,16 +196,34 @@ impl KernelView {
         if self.table.is_none() {
             return Vec::new();
         }
+        self.listing(lockfile, |name, id, h| {
+            !h.awaits && self.lease(name) == LeaseSeen::Dead && id.pid_is_ours()
+        })
+    }
+
+    /// What the lease `name` says, as read in this look.
+    pub fn said_by(&self, name: &str) -> Option<crate::lease::Identity> {
+        self.load_said();
+        let said = self.said.borrow();
+        said.iter()
+            .flatten()
+            .find(|(n, _)| n == name)
+            .map(|(_, id)| id.clone())
+    }
+
+    /// The holdings of `lockfile` in the leases of this look that `wanted`
+    /// keeps.
+    fn listing(
+        &self,
+        lockfile: &str,
+        wanted: impl Fn(&str, &crate::lease::Identity, &crate::lease::Holding) -> bool,
+    ) -> Vec<Leased> {
         self.load_said();
         let said = self.said.borrow();
         let mut out = Vec::new();
         for (name, id) in said.iter().flatten() {
-            for h in id
-                .holdings
-                .iter()
-                .filter(|h| !h.awaits && h.lockfile == lockfile)
-            {
-                if self.lease(name) == LeaseSeen::Dead && id.pid_is_ours() {
+            for h in id.holdings.iter().filter(|h| h.lockfile == lockfile) {
+                if wanted(name, id, h) {
                     out.push((name.clone(), id.clone(), h.clone()));
                 }
             }
