@@ -751,26 +751,7 @@ fn a_command_that_closes_its_lease_stays_the_recorded_holder_after_stowage_dies(
     // A command that closes every descriptor it inherited but its image lock
     // (closefrom, a daemon's hygiene): stowage's lease then lives only in
     // stowage itself.
-    let started = env.sentinel("started");
-    let release = env.sentinel("release");
-    let script = format!(
-        "for fd in /proc/$$/fd/*; do case $(readlink \"$fd\") in */locks/leases/*) eval \"exec ${{fd##*/}}>&-\";; esac; done; \
-         touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
-        s = started.display(),
-        r = release.display()
-    );
-    let mut bg = env.spawn([
-        "exec",
-        "--write",
-        "app",
-        "--",
-        "bash",
-        "-c",
-        &script,
-        "closes-its-lease",
-    ]);
-    wait_for_file(&started);
-    let stowage = bg.pid();
+    let (mut bg, stowage) = start_closing_its_lease(&env, "--write");
     // SIGKILL stowage only: the command keeps the image lock, not the lease.
     bg.signal(libc::SIGKILL);
     let _ = bg.child.as_mut().unwrap().wait();
@@ -950,26 +931,7 @@ fn a_record_from_another_host_whose_lock_is_free_is_dropped() {
 fn a_reader_whose_command_closes_its_lease_stays_named_after_stowage_dies() {
     let env = Env::new();
     env.make_image("app");
-    let started = env.sentinel("started");
-    let release = env.sentinel("release");
-    let script = format!(
-        "for fd in /proc/$$/fd/*; do case $(readlink \"$fd\") in */locks/leases/*) eval \"exec ${{fd##*/}}>&-\";; esac; done; \
-         touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
-        s = started.display(),
-        r = release.display()
-    );
-    let mut bg = env.spawn([
-        "exec",
-        "--read",
-        "app",
-        "--",
-        "bash",
-        "-c",
-        &script,
-        "closes-its-lease",
-    ]);
-    wait_for_file(&started);
-    let stowage = bg.pid();
+    let (mut bg, stowage) = start_closing_its_lease(&env, "--read");
     bg.signal(libc::SIGKILL);
     let _ = bg.child.as_mut().unwrap().wait();
     assert!(!flock_free(&env.lock_file("app")), "the command holds it");
@@ -1041,4 +1003,31 @@ fn a_dropped_library_session_leaves_no_hold_line() {
     drop(session);
     assert_eq!(hold_lines(), 0, "the dropped session is still listed");
     assert!(flock_free(&env.lock_file("base")));
+}
+
+/// Starts `stowage exec MODE app -- bash -c …` whose command closes every
+/// inherited descriptor of a lease (closefrom, a daemon's hygiene), keeping
+/// the image lock, and waits for sentinel `release`; returns once the
+/// command runs, with stowage's pid.
+fn start_closing_its_lease(env: &Env, mode: &str) -> (Bg, u32) {
+    let started = env.sentinel("started");
+    let script = format!(
+        "for fd in /proc/$$/fd/*; do case $(readlink \"$fd\") in */locks/leases/*) eval \"exec ${{fd##*/}}>&-\";; esac; done; \
+         touch '{s}'; i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+        s = started.display(),
+        r = env.sentinel("release").display()
+    );
+    let bg = env.spawn([
+        "exec",
+        mode,
+        "app",
+        "--",
+        "bash",
+        "-c",
+        &script,
+        "closes-its-lease",
+    ]);
+    wait_for_file(&started);
+    let stowage = bg.pid();
+    (bg, stowage)
 }
