@@ -478,7 +478,21 @@ struct Rebuilt {
 /// lineage, times, the images directory, slot classes). A store-wide
 /// operation: it waits until no image lock is held.
 fn rebuild(store: &mut Store) -> Result<Rebuilt> {
+    // The store-wide lock first: reads of the fast path (record.rs) take no
+    // global lock, so it is what keeps them out while the rows are made
+    // again; then the ready tokens go, since the rebuilt rows vouch for
+    // none of them (the next read of each image writes its token again).
+    // Inside a store-wide command's own command, the hold is ours already.
+    let lease = store.root().store_wide_lock();
+    let inside = lock::inherited_exclusive(&lease)
+        || crate::nested::enclosing_hold(&lease) == Some(lock::Mode::Exclusive);
+    let _store_wide = match inside {
+        true => None,
+        false => Some(crate::store_wide::lock_store(store, None, false)?),
+    };
     let global = store.global_with_images_free("rebuilding the metadata database", None)?;
+    crate::record::invalidate_all(&store.root().image_locks())
+        .context("cannot clear the image records of the lock files")?;
     store.close_db();
     let root = store.root().clone();
     let db = root.db();
@@ -814,17 +828,23 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
             }
             // Only an image nobody holds can be forgotten (under the global
             // lock a try is allowed; a missing lock file is free).
-            let free = match lock::acquire_no_wait(
+            let (free, guard) = match lock::acquire_no_wait(
                 &ctx.root.image_lock(&n),
                 lock::Mode::Exclusive,
                 lock::IfMissing::Fail,
             ) {
-                Ok(g) => g.is_some(),
-                Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+                Ok(g) => (g.is_some(), g),
+                Err(e) => (e.kind() == std::io::ErrorKind::NotFound, None),
             };
             if free {
                 found.missing_trees.push(r.name.clone());
                 if repair {
+                    // The ready token goes first (record.rs), under the lock.
+                    if let Some(g) = &guard {
+                        crate::record::invalidate(g.file()).with_context(|| {
+                            format!("cannot write the lock file of image '{}'", r.name)
+                        })?;
+                    }
                     tx.delete_image(&r.name)?;
                 }
             }

@@ -27,7 +27,9 @@
 //!    command; [`dir`], [`tree`] descriptor-based walks; [`debug`] test
 //!    pause points.
 //! 3. **Layout and metadata**: [`root`] every path of the layout; [`meta`]
-//!    all SQL; [`ctx`] what every operation needs; [`disk_usage`];
+//!    all SQL; [`record`] the ready token in an image's lock file (how a
+//!    read learns "ready" without the database); [`ctx`] what every
+//!    operation needs; [`disk_usage`];
 //!    [`adopt`] trees without rows; [`clone`] copying a tree.
 //! 4. **Who holds what**: [`holders`] parties and how to say them (the one
 //!    "waiting for …" announcement); [`judge`] records against the kernel,
@@ -93,6 +95,7 @@ pub mod lock;
 pub mod meta;
 pub mod name;
 pub mod nested;
+pub mod record;
 pub mod remove;
 pub mod root;
 pub mod session;

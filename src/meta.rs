@@ -80,6 +80,12 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE records ADD COLUMN lease TEXT;
     "#,
+    // 5: image lock files carry ready tokens (record.rs), which every binary
+    // that changes an image's state must invalidate first: the version
+    // locks older binaries out of a store that has them.
+    r#"
+    INSERT OR REPLACE INTO config (key, value) VALUES ('image_records', '1');
+    "#,
 ];
 
 /// The schema version this binary writes.

@@ -99,7 +99,12 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
             images_dir.display()
         )
     })?;
-    // 1. Mark.
+    // 1. Mark — the ready tokens first, durably (record.rs): from the
+    // mark on, no read may find the image ready without the database.
+    for (name, guard) in &held {
+        crate::record::invalidate(guard.file())
+            .with_context(|| format!("cannot write the lock file of image '{name}'"))?;
+    }
     let marked = store.with_tx_holding_locks(None, |tx, ctx| {
         crate::store_wide::check_busy(tx, ctx)?;
         let mut rows = Vec::with_capacity(held.len());

@@ -98,14 +98,7 @@ impl Held {
     }
 }
 
-/// How stale an image's recorded last use may be before a read records it
-/// again (cargo's resolution for the same purpose): a read of an image
-/// used in the last five minutes writes nothing to the metadata, so most
-/// reads make a transaction that changes nothing (no journal, no fsync).
-/// `gc --unused-for D` is that much coarser, on the safe side: it takes an
-/// image for unused only once its recorded last use is older than D plus
-/// this (a read in the last D may have recorded nothing).
-pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
+pub use crate::record::LAST_USE_RESOLUTION;
 
 /// Image locks held for one command.
 #[must_use = "finish() records the outcome; dropping releases the locks and leaves images to be found incomplete"]
@@ -158,6 +151,9 @@ impl Session {
             // root not made yet) is met again, and reported, when the first
             // record is written.
             let _ = crate::lease::mine(&store.root().leases());
+        }
+        if let Some(s) = Session::begin_fast(store, req, &wanted, started) {
+            return Ok(s);
         }
         loop {
             // Slots first in the lock order. No image lock is held yet, so a
@@ -216,6 +212,20 @@ impl Session {
                 }
             }
             if !migrate {
+                // A write makes its image's ready token say nothing, durably,
+                // before the start marks its row (record.rs).
+                if let Err(e) = held
+                    .iter()
+                    .filter(|h| h.writes())
+                    .try_for_each(|h| crate::record::invalidate(h.guard.file()))
+                {
+                    let name = held.iter().find(|h| h.writes()).map(|h| h.name.clone());
+                    give_up(store, held, &waits, slot, None);
+                    return Err(anyhow::Error::new(e).context(format!(
+                        "cannot write the lock file of image '{}'",
+                        name.expect("a write failed")
+                    )));
+                }
                 match start(store, &mut held, slot.as_mut(), &waits, req) {
                     Ok(images_dir) => {
                         // The lease lists what we hold: how lock-status names
@@ -259,6 +269,56 @@ impl Session {
                 None => store.migrate(req.deadline)?,
             }
         }
+    }
+
+    /// A plain read (no write, no exclusive read, no slot) whose images all
+    /// carry a fresh `ready` token in their lock files (record.rs): no
+    /// global lock, no database, no metadata written. `None`: the slow way
+    /// decides (and writes the tokens for next time).
+    fn begin_fast(
+        store: &Store,
+        req: &Request,
+        wanted: &[(ImageName, Mode)],
+        started: Instant,
+    ) -> Option<Session> {
+        if req.slot.is_some() || wanted.is_empty() || wanted.iter().any(|w| w.1 != Mode::Shared) {
+            return None;
+        }
+        let mut held = Vec::with_capacity(wanted.len());
+        let mut images_dir: Option<PathBuf> = None;
+        for (name, _) in wanted {
+            let (guard, dir) = crate::acquire::image::try_ready(store.root(), name)?;
+            if images_dir.as_ref().is_some_and(|d| *d != dir) {
+                return None;
+            }
+            images_dir = Some(dir);
+            held.push(Held {
+                name: name.clone(),
+                mode: Mode::Shared,
+                guard,
+                prev: None,
+                keep: false,
+                made_dir: false,
+                record: None,
+            });
+        }
+        // A store-wide operation holds locks/store.lock exclusively from
+        // before it checks that every image lock is free until it ends.
+        // Asked after our image locks are taken: free now, any such
+        // operation that starts later finds them held and waits for us.
+        // Held (or unknown): the slow way waits for it — or passes it,
+        // for a command that runs inside it.
+        if !crate::store_wide::free_now(store.root()) {
+            return None;
+        }
+        let listed = Listed::new(store, &held, &req.command);
+        Some(Session {
+            slot: None,
+            held,
+            images_dir: images_dir?,
+            started,
+            listed,
+        })
     }
 
     /// The images directory, for the command's environment.
@@ -438,13 +498,17 @@ impl Session {
         drop(self.listed);
         // Plain reads have nothing to record: no transaction at all.
         let nothing = ids.is_empty() && held.iter().all(|h| h.mode == Mode::Shared);
+        // The images the transaction leaves ready: their tokens are written
+        // once it has committed, still under our exclusive locks.
+        let mut readied: Vec<usize> = Vec::new();
         store.retry_full(|store| {
+            readied.clear();
             if nothing {
                 return Ok(());
             }
             let (tx, ctx) = store.begin_cleanup()?;
             let now = clock::now_ms();
-            for (h, (size, gone, trusted)) in held.iter().zip(&written) {
+            for (i, (h, (size, gone, trusted))) in held.iter().zip(&written).enumerate() {
                 let doubt = match gone {
                     true => crate::adopt::unmounted(&tx, &ctx.root, images_dir)?,
                     false => None,
@@ -466,12 +530,16 @@ impl Session {
                 if h.keep {
                     // Used until now: gc's "unused for" counts from here.
                     tx.touch(h.name.as_str(), now)?;
+                    readied.push(i);
                 } else if h.mode == Mode::Exclusive {
                     tx.touch(h.name.as_str(), now)?;
                     let state = match outcome {
                         Outcome::Success if *trusted => ImageState::Ready,
                         _ => ImageState::Incomplete,
                     };
+                    if state == ImageState::Ready {
+                        readied.push(i);
+                    }
                     tx.set_state(h.name.as_str(), state)?;
                     tx.set_size(h.name.as_str(), *size)?;
                     ctx.detail(&format!("image '{}' is {state}", h.name));
@@ -482,6 +550,9 @@ impl Session {
             }
             tx.commit()
         })?;
+        for &i in &readied {
+            crate::record::write_ready(&held[i].guard, images_dir);
+        }
         // The lock files of deleted images go too, under our exclusive locks
         // (the unlink rule), with their gates. A directory this session made
         // for a write that failed before putting anything in it goes as
@@ -666,17 +737,25 @@ fn start(
     // commit, they go again (a directory without a row would later be
     // adopted).
     let mut made = Vec::new();
+    let mut tokens = Vec::new();
     let resolution = LAST_USE_RESOLUTION.as_millis() as clock::Millis;
     let claimed = (|| -> Result<Vec<Option<i64>>> {
         let mut records = Vec::with_capacity(held.len());
-        for (h, row) in held.iter_mut().zip(rows) {
+        for (i, (h, row)) in held.iter_mut().zip(rows).enumerate() {
             match h.mode {
                 _ if h.keep => tx.touch(h.name.as_str(), now)?,
                 Mode::Shared => {
                     // A plain read records nothing but a stale last use;
-                    // its lease names it as a holder (see Holding).
-                    if row.as_ref().is_none_or(|r| now - r.last_used >= resolution) {
+                    // its lease names it as a holder (see Holding). Where
+                    // the image's ready token is missing or stale, the use
+                    // is recorded and the token written after the commit,
+                    // so that the next read takes the fast path
+                    // (record.rs: the row's last use is never older than
+                    // the token's time).
+                    let token = crate::record::read_ready(&h.guard).is_some();
+                    if !token || row.as_ref().is_none_or(|r| now - r.last_used >= resolution) {
                         tx.touch(h.name.as_str(), now)?;
+                        tokens.push(i);
                     }
                     records.push(None);
                     continue;
@@ -709,6 +788,9 @@ fn start(
             return Err(e);
         }
     };
+    for i in tokens {
+        crate::record::write_ready(&held[i].guard, &images_dir);
+    }
     if let Some(s) = slot {
         s.waiter = None;
     }

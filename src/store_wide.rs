@@ -93,6 +93,14 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
     Ok(())
 }
 
+/// Whether no store-wide operation holds the store right now (a read of
+/// the fast path asks, holding its image locks: see `Session::begin`).
+/// Anything but a plain yes — held, or an error — is a no: the caller
+/// then goes the way that checks the metadata.
+pub fn free_now(root: &crate::root::Root) -> bool {
+    lock::free_now(&root.store_wide_lock(), Mode::Shared).unwrap_or(false)
+}
+
 /// Is `target` an image lock or a slot file of this store (`dirs`: the
 /// image locks' and the slot classes' directories, canonical)?
 fn is_store_lock(target: &std::path::Path, dirs: &(PathBuf, PathBuf)) -> bool {
@@ -184,6 +192,9 @@ fn forget_deleted(store: &mut Store) -> Result<()> {
             if let Err(e) = std::fs::symlink_metadata(dir.join(name.encoded()))
                 && e.kind() == io::ErrorKind::NotFound
             {
+                // Its ready token first (record.rs); the hold keeps every
+                // reader out, so no image lock is needed for it.
+                crate::record::invalidate_at(&ctx.root.image_lock(&name))?;
                 tx.delete_image(&row.name)?;
                 gone.push(name);
             }
@@ -272,43 +283,31 @@ pub fn wait_until_free(
     }
 }
 
-/// A store-wide hold: release it with [`Hold::release`].
-#[must_use = "release() drops the record; dropping leaves it to be found stale"]
-pub struct Hold {
-    guard: Guard,
-    record: i64,
-}
-
-impl Hold {
-    /// Waits (as allowed) until nobody holds any image lock, and holds the
-    /// store from then on.
-    pub fn take(
-        store: &mut Store,
-        command: &str,
-        deadline: Option<Instant>,
-        no_wait: bool,
-    ) -> Result<Hold> {
-        store.root().create_layout()?;
-        // Inside the command of an exec that holds image locks or a slot: a
-        // store-wide command waits for every one of them to be free, that
-        // exec's included, which waits for us. Said at once, before waiting
-        // for another hold (which would itself wait for that exec).
-        if inherits_lock(store.ctx()) || enclosing_exec_holds_lock(store.ctx()) {
-            return Err(Error::Busy(Busy {
-                what: "the store-wide lock".into(),
-                holders: "this process runs in the command of a 'stowage exec' that holds \
+/// Takes `locks/store.lock` exclusively, waiting as allowed, for a
+/// store-wide operation: the first lock it takes, holding nothing else. Fails at once where waiting could never end: inside the command
+/// of an exec that holds image locks or a slot (the operation waits for
+/// them to be free), or inside another store-wide hold.
+pub fn lock_store(store: &mut Store, deadline: Option<Instant>, no_wait: bool) -> Result<Guard> {
+    store.root().create_layout()?;
+    // Inside the command of an exec that holds image locks or a slot: a
+    // store-wide command waits for every one of them to be free, that
+    // exec's included, which waits for us. Said at once, before waiting
+    // for another hold (which would itself wait for that exec).
+    if inherits_lock(store.ctx()) || enclosing_exec_holds_lock(store.ctx()) {
+        return Err(Error::Busy(Busy {
+            what: "the store-wide lock".into(),
+            holders: "this process runs in the command of a 'stowage exec' that holds \
                           image locks or a slot, and a store-wide command waits for every one \
                           of them to be free; waiting would never end"
-                    .into(),
-                waited: Duration::ZERO,
-            })
-            .into());
-        }
-        let p = path(store.ctx());
-        let err = |e| lock::error("the store", &p, e);
-        let guard = match lock::acquire_no_wait(&p, Mode::Exclusive, lock::IfMissing::Create)
-            .map_err(err)?
-        {
+                .into(),
+            waited: Duration::ZERO,
+        })
+        .into());
+    }
+    let p = path(store.ctx());
+    let err = |e| lock::error("the store", &p, e);
+    let guard =
+        match lock::acquire_no_wait(&p, Mode::Exclusive, lock::IfMissing::Create).map_err(err)? {
             Some(g) => g,
             None => {
                 // A store-wide command inside another one would wait for
@@ -346,6 +345,26 @@ impl Hold {
                 }
             }
         };
+    Ok(guard)
+}
+
+/// A store-wide hold: release it with [`Hold::release`].
+#[must_use = "release() drops the record; dropping leaves it to be found stale"]
+pub struct Hold {
+    guard: Guard,
+    record: i64,
+}
+
+impl Hold {
+    /// Waits (as allowed) until nobody holds any image lock, and holds the
+    /// store from then on.
+    pub fn take(
+        store: &mut Store,
+        command: &str,
+        deadline: Option<Instant>,
+        no_wait: bool,
+    ) -> Result<Hold> {
+        let guard = lock_store(store, deadline, no_wait)?;
         let deadline = if no_wait {
             Some(Instant::now())
         } else {

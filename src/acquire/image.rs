@@ -3,7 +3,7 @@
 //! request must not leave behind.
 
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
@@ -147,6 +147,24 @@ pub(crate) fn acquire_image(
     });
     crate::lease::forget(&leases, &lockfile);
     Ok((got?, waiter))
+}
+
+/// A plain read's fast path (record.rs): the image lock taken at once, no
+/// writer waiting at the gate, and a fresh `ready` token in the lock file.
+/// Returns the lock and the images directory the token names. `None`
+/// sends the read the slow way (the database), which decides everything
+/// this does not: a missing lock file, a wait, a nested hold, an image
+/// not ready or not recorded lately.
+pub(crate) fn try_ready(root: &crate::root::Root, name: &ImageName) -> Option<(Guard, PathBuf)> {
+    let path = root.image_lock(name);
+    let gate = root.image_gate(name);
+    match try_image(&gate, &path, Mode::Shared, false) {
+        Ok(Tried::Got(g)) => {
+            let ready = crate::record::read_ready(&g)?;
+            Some((g, ready.images_dir))
+        }
+        _ => None,
+    }
 }
 
 /// The error for a lock that this process's enclosing command holds in a

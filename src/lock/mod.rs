@@ -102,6 +102,9 @@ pub struct Guard {
     mode: Mode,
     dev: u64,
     ino: u64,
+    /// The file's modification time when the lock was taken (ms since the
+    /// epoch): an image record's age (record.rs), at no extra stat.
+    modified_ms: i64,
 }
 
 impl std::os::fd::AsRawFd for Guard {
@@ -118,6 +121,11 @@ impl Guard {
     /// Device and inode of the locked file: what /proc/locks reports.
     pub fn identity(&self) -> (u64, u64) {
         (self.dev, self.ino)
+    }
+
+    /// The locked file's modification time as the lock found it.
+    pub fn modified_ms(&self) -> i64 {
+        self.modified_ms
     }
 
     /// Whether a spawned child inherits this lock's descriptor (and so keeps
@@ -313,7 +321,7 @@ fn is_stale(e: &io::Error) -> bool {
 }
 
 /// Is the file we locked still the one at `path`?
-fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
+fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
     let ours = match file.metadata() {
         Ok(m) => m,
         // NFS: the file was unlinked on the server since we opened it.
@@ -337,19 +345,32 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
             }
             Err(e) => return Err(e),
         };
-        return Ok(
-            (at.dev() == ours.dev() && at.ino() == ours.ino()).then_some((ours.dev(), ours.ino()))
-        );
+        return Ok((at.dev() == ours.dev() && at.ino() == ours.ino()).then(|| Linked::of(&ours)));
     }
     match fs::symlink_metadata(path) {
-        Ok(at) if at.dev() == ours.dev() && at.ino() == ours.ino() => {
-            Ok(Some((ours.dev(), ours.ino())))
-        }
+        Ok(at) if at.dev() == ours.dev() && at.ino() == ours.ino() => Ok(Some(Linked::of(&ours))),
         Ok(_) => Ok(None),
         Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESTALE) => {
             Ok(None)
         }
         Err(e) => Err(e),
+    }
+}
+
+/// What [`still_linked`] learned of a locked file that its path still names.
+struct Linked {
+    dev: u64,
+    ino: u64,
+    modified_ms: i64,
+}
+
+impl Linked {
+    fn of(m: &fs::Metadata) -> Linked {
+        Linked {
+            dev: m.dev(),
+            ino: m.ino(),
+            modified_ms: m.mtime().saturating_mul(1000) + m.mtime_nsec() / 1_000_000,
+        }
     }
 }
 
@@ -397,17 +418,20 @@ pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Resul
             Err(e) if is_stale(&e) => continue,
             Err(e) => return Err(e),
         }
-        if let Some((dev, ino)) = still_linked(&file, path)? {
-            return Ok(Some(Guard {
-                file,
-                path: path.to_owned(),
-                mode,
-                dev,
-                ino,
-            }));
+        if let Some(linked) = still_linked(&file, path)? {
+            return Ok(Some(guard(file, path, mode, linked)));
         }
     }
     Err(ghost_error(path))
+}
+
+/// Whether the lock on `path` could be taken in `mode` right now: one try,
+/// released at once (creating the file if missing, so that no answer rests
+/// on a file not existing — an NFS client may cache a negative lookup).
+/// No unlink-race check: only for a lock file that is never unlinked
+/// (`locks/store.lock`).
+pub fn free_now(path: &Path, mode: Mode) -> io::Result<bool> {
+    flock_try(&open(path, IfMissing::Create)?, mode)
 }
 
 /// Takes the lock, waiting as `wait` allows. Tries first without blocking.
@@ -446,8 +470,8 @@ pub fn acquire_any(
             };
             if got {
                 match still_linked(&file, path)? {
-                    Some((dev, ino)) => {
-                        return Ok(Waited::Acquired((i, guard(file, path, mode, dev, ino))));
+                    Some(linked) => {
+                        return Ok(Waited::Acquired((i, guard(file, path, mode, linked))));
                     }
                     None => continue,
                 }
@@ -466,11 +490,8 @@ pub fn acquire_any(
         match blocked {
             Waited::Acquired(k) => {
                 let (i, file) = files.swap_remove(k);
-                if let Some((dev, ino)) = still_linked(&file, &paths[i])? {
-                    return Ok(Waited::Acquired((
-                        i,
-                        guard(file, &paths[i], mode, dev, ino),
-                    )));
+                if let Some(linked) = still_linked(&file, &paths[i])? {
+                    return Ok(Waited::Acquired((i, guard(file, &paths[i], mode, linked))));
                 }
             }
             Waited::TimedOut => return Ok(Waited::TimedOut),
@@ -480,13 +501,14 @@ pub fn acquire_any(
     Err(ghost_error(&paths[0]))
 }
 
-fn guard(file: File, path: &Path, mode: Mode, dev: u64, ino: u64) -> Guard {
+fn guard(file: File, path: &Path, mode: Mode, linked: Linked) -> Guard {
     Guard {
         file,
         path: path.to_owned(),
         mode,
-        dev,
-        ino,
+        dev: linked.dev,
+        ino: linked.ino,
+        modified_ms: linked.modified_ms,
     }
 }
 
@@ -663,8 +685,8 @@ impl FileSet {
                 Err(e) => return Err(e),
             }
             let file = self.files[i].take().expect("opened above");
-            if let Some((dev, ino)) = still_linked(&file, &self.paths[i])? {
-                return Ok(Some((i, guard(file, &self.paths[i], self.mode, dev, ino))));
+            if let Some(linked) = still_linked(&file, &self.paths[i])? {
+                return Ok(Some((i, guard(file, &self.paths[i], self.mode, linked))));
             }
         }
         Ok(None)

@@ -1,0 +1,292 @@
+//! Image records: what an image's lock file says about the image, so that a
+//! reader learns "ready" from the lock it takes anyway, without the global
+//! lock or the database.
+//!
+//! The database stays the single source of truth for every image's state.
+//! A record is a *ready token* derived from it and kept in the first bytes
+//! of the image's lock file (`locks/images/ENC.lock`; the file remains an
+//! ordinary lock file, flock(1) on it works as before):
+//!
+//! ```text
+//! stowage-image 1
+//! state=ready
+//! images=/abs/images/dir
+//! crc=1a2b3c4d
+//! ```
+//!
+//! Invariants:
+//! - **A valid `ready` record exists only while the image's row says
+//!   `ready`.** Every change of a row away from `ready` — a write starting,
+//!   a removal marking it, doctor dropping it, a rebuild of the database —
+//!   first *invalidates* the record, durably (`fdatasync`), holding the
+//!   image's exclusive lock or the store-wide lock (`locks/store.lock`),
+//!   which excludes every reader of the fast path. A token is written only
+//!   by a holder of the image's lock that saw the row `ready` in a
+//!   transaction while holding that lock: a writer after committing
+//!   `ready` (exclusive), a reader of the slow path (shared: no writer can
+//!   change the row meanwhile, and two readers write the same bytes).
+//! - **A reader trusts only what it can check:** the format line (another
+//!   version means "ask the database"), the CRC of everything before the
+//!   `crc=` line (a torn write, after a power loss, fails it), `state=ready`
+//!   and an absolute images directory. Anything else, an empty file
+//!   included (a store made before records, a lock file made by flock(1)),
+//!   sends it to the database. A mistake can only ever cost a transaction.
+//! - **The record's modification time is the image's last use, to
+//!   [`crate::session::LAST_USE_RESOLUTION`]:** the fast path is taken only
+//!   while it is fresher than that; a slow-path reader records the use in
+//!   the database and then rewrites the record, so the row's last use is
+//!   never older than the record's time (gc's `--unused-for` slack covers
+//!   the resolution).
+//! - Bytes after the `crc=` line are ignored: a record is rewritten with
+//!   one `pwrite` at offset 0, never truncated (a setattr is one more round
+//!   trip on NFS), so a shorter record leaves the tail of a longer one.
+
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::lock::Guard;
+
+/// The first line; another version makes the record unusable here (the
+/// reader asks the database, which knows the schema).
+const FORMAT: &str = "stowage-image 1\n";
+
+/// Longer records are not written (a path near PATH_MAX): those images are
+/// read through the database every time.
+const MAX: usize = 4096;
+
+/// The schema version from which binaries keep records: a store migrated
+/// to it has locked out every binary that would change an image without
+/// invalidating its token. `STOWAGE_DEBUG_SCHEMA_LIMIT` below it acts as
+/// such an older binary, which neither reads nor writes records.
+const SINCE_SCHEMA: i64 = 5;
+
+fn enabled() -> bool {
+    crate::meta::schema_version() >= SINCE_SCHEMA
+}
+
+/// What a valid record says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ready {
+    /// The images directory the image's tree is in.
+    pub images_dir: PathBuf,
+}
+
+fn encode(state: &str, images_dir: Option<&Path>) -> Option<Vec<u8>> {
+    let mut body = format!("{FORMAT}state={state}\n");
+    if let Some(dir) = images_dir {
+        let dir = dir.to_str()?;
+        if !dir.starts_with('/') || dir.contains('\n') {
+            return None;
+        }
+        body.push_str(&format!("images={dir}\n"));
+    }
+    body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
+    (body.len() <= MAX).then(|| body.into_bytes())
+}
+
+/// Parses a record: `Some` only for a valid, current, `ready` one.
+fn decode(bytes: &[u8]) -> Option<Ready> {
+    let text = std::str::from_utf8(bytes).ok().or_else(|| {
+        // A longer record's tail may follow the crc line: valid UTF-8 up
+        // to the point the parse needs is enough.
+        let e = std::str::from_utf8(bytes).unwrap_err();
+        std::str::from_utf8(&bytes[..e.valid_up_to()]).ok()
+    })?;
+    let body_len = text.find("\ncrc=")? + 1;
+    let (body, rest) = text.split_at(body_len);
+    let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
+    if crc != format!("{:08x}", crc32(body.as_bytes())) {
+        return None;
+    }
+    let mut lines = body.strip_prefix(FORMAT)?.lines();
+    if lines.next()? != "state=ready" {
+        return None;
+    }
+    let dir = lines.next()?.strip_prefix("images=")?;
+    if !dir.starts_with('/') || lines.next().is_some() {
+        return None;
+    }
+    Some(Ready {
+        images_dir: PathBuf::from(dir),
+    })
+}
+
+/// How stale an image's recorded last use may be before a read records it
+/// again (cargo's resolution for the same purpose): a read of an image
+/// used in the last five minutes writes nothing to the metadata.
+/// `gc --unused-for D` is that much coarser, on the safe side: it takes an
+/// image for unused only once its recorded last use is older than D plus
+/// this (a read in the last D may have recorded nothing).
+pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
+
+/// Reads the record of a locked image: `Some` if it is a valid `ready`
+/// token written less than [`LAST_USE_RESOLUTION`] ago (less a second: the
+/// token is written just after the row's last use, see the module doc).
+/// One `pread`; the time comes from the stat the lock already made (see
+/// [`Guard::modified_ms`]).
+pub fn read_ready(guard: &Guard) -> Option<Ready> {
+    if !enabled() {
+        return None;
+    }
+    let fresh = LAST_USE_RESOLUTION - Duration::from_secs(1);
+    let age = crate::clock::now_ms() - guard.modified_ms();
+    // A time far in the future (a server clock ahead) is no proof of a
+    // recent use either.
+    if age.unsigned_abs() >= fresh.as_millis() as u64 {
+        return None;
+    }
+    read_valid(guard.file())
+}
+
+/// The record of a lock file, if it is a valid `ready` token, whatever its
+/// time.
+fn read_valid(file: &std::fs::File) -> Option<Ready> {
+    let mut buf = vec![0u8; MAX];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    decode(&buf[..n])
+}
+
+/// Writes the `ready` token, holding the image's lock after seeing its row
+/// `ready` (see the module doc). Not synced: a token lost in a crash only
+/// sends the next reader to the database. Best effort for the same reason.
+pub fn write_ready(guard: &Guard, images_dir: &Path) {
+    if !enabled() {
+        return;
+    }
+    if let Some(bytes) = encode("ready", Some(images_dir)) {
+        let _ = guard.file().write_all_at(&bytes, 0);
+    }
+}
+
+/// Makes the record say nothing, durably, before a row leaves `ready`
+/// (the caller holds the image's exclusive lock, or the store-wide lock).
+/// A lock file that has no valid token is left alone (nothing written: a
+/// new image's first write costs no sync).
+pub fn invalidate(file: &std::fs::File) -> io::Result<()> {
+    if !enabled() {
+        return Ok(());
+    }
+    if read_valid(file).is_none() {
+        return Ok(());
+    }
+    let bytes = encode("unknown", None).expect("a short record");
+    file.write_all_at(&bytes, 0)?;
+    // Durable before the row changes: after a power loss, a token that
+    // outlived the change would let a reader in on a tree being written.
+    file.sync_data()
+}
+
+/// Invalidates the records of every image of the root: a rebuilt database
+/// has no history to vouch for them. The caller holds the store-wide lock
+/// and the global lock while no image lock is held, so no reader of the
+/// fast path can be inside; readers of the slow path that took their locks
+/// since wait for the global lock and have decided nothing yet.
+pub fn invalidate_all(image_locks: &Path) -> io::Result<()> {
+    let entries = match std::fs::read_dir(image_locks) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for e in entries {
+        let e = e?;
+        if e.file_name().to_str().is_some_and(|n| n.ends_with(".lock")) {
+            invalidate_at(&e.path())?;
+        }
+    }
+    Ok(())
+}
+
+/// [`invalidate`] through the path of an image's lock file, for a caller
+/// that excludes the fast path by holding the store-wide lock (so needs no
+/// image lock). A missing file has nothing to invalidate; anything but a
+/// regular file (never a lock file stowage made) is left alone.
+pub fn invalidate_at(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ELOOP) => {
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    if file.metadata()?.is_file() {
+        invalidate(&file)?;
+    }
+    Ok(())
+}
+
+/// CRC-32 (IEEE 802.3, reflected), bitwise: records are a few hundred
+/// bytes, read once per exec.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    !crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc32_matches_the_standard_check_value() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn a_ready_record_reads_back() {
+        let b = encode("ready", Some(Path::new("/s/img"))).unwrap();
+        assert_eq!(
+            decode(&b),
+            Some(Ready {
+                images_dir: "/s/img".into()
+            })
+        );
+    }
+
+    #[test]
+    fn anything_but_a_valid_ready_record_is_none() {
+        let good = encode("ready", Some(Path::new("/s/img"))).unwrap();
+        assert_eq!(decode(b""), None);
+        assert_eq!(decode(&encode("unknown", None).unwrap()), None);
+        // A torn write: any byte changed fails the CRC.
+        for i in 0..good.len() - 1 {
+            let mut bad = good.clone();
+            bad[i] ^= 0x20;
+            assert_eq!(decode(&bad), None, "byte {i} changed");
+        }
+        let newer = String::from_utf8(good.clone())
+            .unwrap()
+            .replace("stowage-image 1", "stowage-image 2");
+        assert_eq!(decode(newer.as_bytes()), None);
+        assert_eq!(encode("ready", Some(Path::new("relative"))), None);
+        assert_eq!(encode("ready", Some(Path::new("/a\nb"))), None);
+    }
+
+    #[test]
+    fn a_shorter_record_over_a_longer_one_is_what_reads_back() {
+        let mut file = encode("ready", Some(Path::new("/a/long/images/dir"))).unwrap();
+        let short = encode("unknown", None).unwrap();
+        file[..short.len()].copy_from_slice(&short);
+        assert_eq!(decode(&file), None);
+        let ready = encode("ready", Some(Path::new("/s"))).unwrap();
+        file[..ready.len()].copy_from_slice(&ready);
+        assert_eq!(
+            decode(&file),
+            Some(Ready {
+                images_dir: "/s".into()
+            })
+        );
+    }
+}
