@@ -296,21 +296,28 @@ pub(super) fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
 
 /// Whether lock files in the directory of `path` may be unlinked: only
 /// where the filesystem is known to be local (see the module doc). Decided
-/// once per directory and process (one statfs).
+/// once per filesystem and process (one statfs).
 pub fn unlinks_allowed(path: &Path) -> bool {
-    local_dir(path)
+    local_dir(path, None)
 }
 
-fn local_dir(path: &Path) -> bool {
-    static SEEN: Mutex<Vec<(PathBuf, bool)>> = Mutex::new(Vec::new());
+/// Whether the directory of `path` is on a local filesystem. `dev`, the
+/// device of a file in it when known, names the filesystem: every
+/// directory of one device is on the same one, so the leases' and the
+/// image locks' directories of a root cost one statfs between them.
+fn local_dir(path: &Path, dev: Option<u64>) -> bool {
+    static SEEN: Mutex<Vec<(PathBuf, Option<u64>, bool)>> = Mutex::new(Vec::new());
     let dir = path.parent().unwrap_or(Path::new("/"));
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, local)) = seen.iter().find(|(d, _)| d == dir) {
+    if let Some((_, _, local)) = seen
+        .iter()
+        .find(|(d, v, _)| d == dir || (dev.is_some() && *v == dev))
+    {
         return *local;
     }
     // Unknown counts as shared: the careful side.
     let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
-    seen.push((dir.to_owned(), local));
+    seen.push((dir.to_owned(), dev, local));
     local
 }
 
@@ -331,7 +338,7 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
     if ours.nlink() == 0 {
         return Ok(None);
     }
-    if !local_dir(path) {
+    if !local_dir(path, Some(ours.dev())) {
         // A stat of the path may come from the client's caches; an open
         // is looked up on the server (close-to-open consistency).
         let at = match open(path, IfMissing::Fail).and_then(|f| f.metadata()) {
