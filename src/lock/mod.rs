@@ -236,6 +236,16 @@ impl Guard {
     }
 }
 
+/// Opens an existing lock file to write what it says (an image's hint),
+/// without locking it: `None` if it does not exist.
+pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
+    match open(path, IfMissing::Fail) {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Opens a lock file: read-write, close-on-exec, never through a symlink.
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     OpenOptions::new()
@@ -430,15 +440,6 @@ pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Resul
         }
     }
     Err(ghost_error(path))
-}
-
-/// Whether the lock on `path` could be taken in `mode` right now: one try,
-/// released at once (creating the file if missing, so that no answer rests
-/// on a file not existing — an NFS client may cache a negative lookup).
-/// No unlink-race check: only for a lock file that is never unlinked
-/// (`locks/store.lock`).
-pub fn free_now(path: &Path, mode: Mode) -> io::Result<bool> {
-    flock_try(&open(path, IfMissing::Create)?, mode)
 }
 
 /// Takes the lock, waiting as `wait` allows. Tries first without blocking.
