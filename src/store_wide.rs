@@ -25,8 +25,13 @@
 //!   holder only *tries* image locks (under the global lock): no cycle.
 //! - A holder that dies leaves a record whose lock is free: stale, dropped
 //!   by the next transaction that looks.
+//! - Reads of the fast path (record.rs) take no transaction: the hold also
+//!   sets the store-wide hint on every image lock file before it checks
+//!   that every image lock is free, and clears them when it ends; such a
+//!   read that sees the hint asks `store.lock` and, finding it held, goes
+//!   the way that honours the record.
 //! - The uncontended exec pays one indexed lookup in its start transaction
-//!   and no extra lock.
+//!   and no extra lock (a fast read: one byte of a read it makes anyway).
 
 use std::io;
 use std::path::PathBuf;
