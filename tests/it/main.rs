@@ -55,3 +55,4 @@ mod slots;
 mod status;
 mod store_wide;
 mod stress;
+mod tokens_review;
