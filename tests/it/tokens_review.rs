@@ -277,3 +277,53 @@ fn a_reader_inside_a_store_wide_command_cannot_revive_an_image_it_deleted() {
         show(&out)
     );
 }
+
+// --- a full filesystem ---------------------------------------------------------
+
+/// On a copy-on-write filesystem (btrfs), rewriting even a few bytes of a
+/// file needs free space. A build filled the filesystem: `rm` of a ready
+/// image (one read before, so its lock file holds a token) must still free
+/// space, without any file touched by hand — as it did before the token,
+/// whose invalidation now comes first and fails with ENOSPC.
+#[test]
+fn rm_of_a_read_image_frees_a_full_copy_on_write_filesystem() {
+    let Some(m) = Mount::btrfs_loop("256M") else {
+        return;
+    };
+    let env = m.env();
+    env.build(
+        "old",
+        "head -c 20000000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    env.ok(["exec", "--read", "old", "--", "true"]);
+    // The build writes until the filesystem is full (and fails).
+    let out = env.run([
+        "exec",
+        "--write",
+        "big",
+        "--",
+        "sh",
+        "-c",
+        "head -c 1000000000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"; \
+         i=0; while echo x > \"$STOWAGE_IMAGE_DIR/s$i\"; do i=$((i+1)); done 2>/dev/null; exit 1",
+    ]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    // Whatever the build left free (btrfs keeps some back for metadata)
+    // goes too: big files, then small ones.
+    let fill = format!(
+        "head -c 1000000000 /dev/zero > '{d}/filler' 2>/dev/null; \
+         i=0; while echo y > '{d}/fill.'$i; do i=$((i+1)); done 2>/dev/null; sync; \
+         ! echo z > '{d}/probe' 2>/dev/null",
+        d = m.dir.display()
+    );
+    let full = Command::new("sh").args(["-c", &fill]).status().unwrap();
+    assert!(full.success(), "the filesystem is not full");
+    let out = env.run(["rm", "old"]);
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "rm cannot free a full filesystem: {}",
+        show(&out)
+    );
+    assert!(env.image("old").is_none());
+}
