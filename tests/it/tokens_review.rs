@@ -327,3 +327,39 @@ fn rm_of_a_read_image_frees_a_full_copy_on_write_filesystem() {
     );
     assert!(env.image("old").is_none());
 }
+
+// --- the rebuild's store-wide lock ---------------------------------------------
+
+/// `doctor --repair` rebuilding a damaged database inside a store-wide
+/// command that keeps its hold in a keeper (`--no-inherit`) and runs the
+/// repair with a clean environment (`env -i`, as sudo or a sanitizing
+/// wrapper does): nothing tells the repair that the hold is its enclosing
+/// command's, and since the rebuild now waits for the store-wide lock,
+/// it waits for the command that waits for it. Before, the rebuild needed
+/// only free image locks, and went ahead.
+#[test]
+fn a_rebuild_inside_a_store_wide_command_with_a_clean_environment_does_not_hang() {
+    let env = Env::new();
+    env.make_image("keep");
+    let script = format!(
+        "printf 'ZZZZZZZZ%.0s' $(seq 1024) > '{db}'; \
+         timeout 20 env -i '{bin}' --root '{root}' doctor --repair >/dev/null; echo \"repair $?\"",
+        db = env.root.join("stowage.db").display(),
+        bin = bin(),
+        root = env.root.display()
+    );
+    let out = env.run([
+        "exec",
+        "--store-wide",
+        "--no-inherit",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("repair 0"),
+        "the repair waited for the store-wide command that runs it: {}",
+        show(&out)
+    );
+}
