@@ -246,7 +246,7 @@ fn a_reader_inside_a_store_wide_command_cannot_revive_an_image_it_deleted() {
     let script = format!(
         "rm -rf \"$STOWAGE_IMAGES_DIR/base\"; \
          (gdb -q -batch -x '{cmds}' --args '{bin}' --root '{root}' exec --read base -- true \
-           >'{log}' 2>&1 </dev/null; touch '{done}') & \
+           >'{log}' 2>&1 </dev/null; touch '{done}') >/dev/null 2>&1 </dev/null & \
          i=0; while [ ! -e '{paused}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; [ -e '{paused}' ]",
         cmds = gdb_cmds.display(),
         bin = bin(),
@@ -360,6 +360,51 @@ fn a_rebuild_inside_a_store_wide_command_with_a_clean_environment_does_not_hang(
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("repair 0"),
         "the repair waited for the store-wide command that runs it: {}",
+        show(&out)
+    );
+}
+
+/// The same without a debugger: an exclusive read (`--read-exclusive`,
+/// which records its use and writes the token when it *finishes*) started
+/// in the background by a store-wide command that deleted the image's
+/// tree, still running when the store-wide command ends. The hold forgets
+/// the image (row gone, token invalidated, lock file kept: the reader holds
+/// it); then the exclusive read finishes, its update of the missing row
+/// changes nothing, and it writes a fresh ready token.
+#[test]
+fn an_exclusive_read_outliving_a_store_wide_command_cannot_revive_an_image_it_deleted() {
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("base");
+    let started = env.sentinel("rx-started");
+    let done = env.sentinel("rx-done");
+    let release = env.sentinel("rx-release");
+    let script = format!(
+        "rm -rf \"$STOWAGE_IMAGES_DIR/base\"; \
+         ('{bin}' --root '{root}' exec --read-exclusive base -- sh -c \
+            \"touch '{started}'; i=0; while [ ! -e '{release}' ] && [ \\$i -lt 1200 ]; do sleep 0.05; i=\\$((i+1)); done\" \
+          ; touch '{done}') >/dev/null 2>&1 </dev/null & \
+         i=0; while [ ! -e '{started}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; [ -e '{started}' ]",
+        bin = bin(),
+        root = env.root.display(),
+        started = started.display(),
+        release = release.display(),
+        done = done.display()
+    );
+    let out = env.run(["exec", "--store-wide", "--", "sh", "-c", &script]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(
+        env.state("base"),
+        None,
+        "the store-wide command forgot 'base'"
+    );
+    fs::write(&release, "").unwrap();
+    wait_for_file(&done);
+    let out = env.run(["exec", "--read", "base", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(66),
+        "a read ran on an image that has no row and no tree: {}",
         show(&out)
     );
 }
