@@ -58,3 +58,4 @@ mod status;
 mod store_wide;
 mod stress;
 mod tokens;
+mod tokens_review;
