@@ -102,9 +102,6 @@ pub struct Guard {
     mode: Mode,
     dev: u64,
     ino: u64,
-    /// The file's modification time when the lock was taken (ms since the
-    /// epoch): an image record's age (record.rs), at no extra stat.
-    modified_ms: i64,
 }
 
 impl std::os::fd::AsRawFd for Guard {
@@ -121,11 +118,6 @@ impl Guard {
     /// Device and inode of the locked file: what /proc/locks reports.
     pub fn identity(&self) -> (u64, u64) {
         (self.dev, self.ino)
-    }
-
-    /// The locked file's modification time as the lock found it.
-    pub fn modified_ms(&self) -> i64 {
-        self.modified_ms
     }
 
     /// Whether a spawned child inherits this lock's descriptor (and so keeps
@@ -378,7 +370,6 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
 struct Linked {
     dev: u64,
     ino: u64,
-    modified_ms: i64,
 }
 
 impl Linked {
@@ -386,7 +377,6 @@ impl Linked {
         Linked {
             dev: m.dev(),
             ino: m.ino(),
-            modified_ms: m.mtime().saturating_mul(1000) + m.mtime_nsec() / 1_000_000,
         }
     }
 }
@@ -516,7 +506,6 @@ fn guard(file: File, path: &Path, mode: Mode, linked: Linked) -> Guard {
         mode,
         dev: linked.dev,
         ino: linked.ino,
-        modified_ms: linked.modified_ms,
     }
 }
 
