@@ -399,7 +399,16 @@ impl Root {
             self.dir = real;
             m
         } else {
-            if let Ok(real) = fs::canonicalize(&self.dir) {
+            // Not a symlink itself: its real path is its parent's and its
+            // name. Resolving only the parent spares a readlink of the
+            // root, a round trip on NFS, on every command.
+            let real = match (self.dir.parent(), self.dir.file_name()) {
+                (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
+                    fs::canonicalize(parent).map(|p| p.join(name))
+                }
+                _ => fs::canonicalize(&self.dir),
+            };
+            if let Ok(real) = real {
                 self.dir = real;
             }
             link
