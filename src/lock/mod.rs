@@ -308,19 +308,32 @@ pub fn unlinks_allowed(path: &Path) -> bool {
 /// directory of one device is on the same one, so the leases' and the
 /// image locks' directories of a root cost one statfs between them.
 fn local_dir(path: &Path, dev: Option<u64>) -> bool {
-    static SEEN: Mutex<Vec<(PathBuf, Option<u64>, bool)>> = Mutex::new(Vec::new());
     let dir = path.parent().unwrap_or(Path::new("/"));
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, _, local)) = seen
         .iter()
-        .find(|(d, v, _)| d == dir || (dev.is_some() && *v == dev))
+        .find(|(d, v, _)| d.as_deref() == Some(dir) || (dev.is_some() && *v == dev))
     {
         return *local;
     }
     // Unknown counts as shared: the careful side.
     let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
-    seen.push((dir.to_owned(), dev, local));
+    seen.push((Some(dir.to_owned()), dev, local));
     local
+}
+
+/// What is known of filesystems: directory or device, and whether local.
+type Seen = Vec<(Option<PathBuf>, Option<u64>, bool)>;
+static SEEN: Mutex<Seen> = Mutex::new(Vec::new());
+
+/// Tells the lock layer what the root's checks already found (the root's
+/// device, and whether its filesystem is local), so that the lock files
+/// under it cost no statfs of their own.
+pub fn note_filesystem(dev: u64, local: bool) {
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if !seen.iter().any(|(_, v, _)| *v == Some(dev)) {
+        seen.push((None, Some(dev), local));
+    }
 }
 
 /// `ESTALE`: the file behind a descriptor is gone on the (NFS) server —
