@@ -313,8 +313,18 @@ impl Session {
         // A hint: asked of store.lock — held (or unknown), the slow way
         // waits for it, or passes it for a command that runs inside it;
         // free, the hint is stale and cleared while we hold store.lock.
+        // The tokens are read again first, under store.lock: the operation
+        // may have been granted before our locks (none were held then),
+        // run, and taken tokens away as it ended — after we read them.
         if store_hinted {
             let guard = crate::store_wide::try_shared(store.root())?;
+            let db = std::cell::OnceCell::new();
+            for h in &held {
+                let seen = crate::record::read(&h.guard, store.root(), &h.name, &db);
+                if seen.ready.as_ref() != images_dir.as_ref() {
+                    return None;
+                }
+            }
             for h in &held {
                 let _ = crate::record::set_hint(
                     h.guard.file(),
