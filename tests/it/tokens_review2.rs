@@ -11,6 +11,7 @@
 
 use std::fs;
 use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::common::*;
 
@@ -263,6 +264,125 @@ fn a_rebuild_inside_a_reader_with_a_clean_environment_does_not_hang() {
     assert!(
         said.contains("repair ") && !said.contains("repair 124"),
         "a repair nested in a reader waited for it: {}",
+        show(&out)
+    );
+}
+
+// --- the recorded last use ----------------------------------------------------
+
+/// A slow-path read of an image whose recorded last use is stale records
+/// the use (an UPDATE in its start transaction) and writes the token with
+/// that new last use *inside* the transaction, before the commit. Killed
+/// between the two (held there by a debugger, as a SIGKILL, an OOM kill or
+/// a failing commit would leave it), the row keeps the old last use while
+/// the token says "used now": reads of the next five minutes take the fast
+/// path and record nothing, and `gc --unused-for` takes the image although
+/// it was just read.
+#[test]
+fn a_read_killed_before_its_start_commits_leaves_no_token_fresher_than_the_row() {
+    if !tool_or_skip("gdb", "gdb") {
+        return;
+    }
+    let env = Env::new();
+    let hour_ago = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        - 3600;
+    let out = output({
+        let mut c = env.cmd(["exec", "--write", "base", "--", "true"]);
+        c.env("STOWAGE_NOW", hour_ago.to_string());
+        c
+    });
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let cmds = env.sentinel("gdb-cmds");
+    fs::write(
+        &cmds,
+        "set pagination off\nset confirm off\n\
+         break stowage::record::write_ready\nrun\nfinish\nkill\nquit\n",
+    )
+    .unwrap();
+    let mut gdb = Command::new("gdb");
+    gdb.args(["-q", "-batch", "-x"])
+        .arg(&cmds)
+        .arg("--args")
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--read", "base", "--", "true"])
+        .env_remove("STOWAGE_ROOT")
+        .env_remove("STOWAGE_NOW")
+        .stdin(std::process::Stdio::null());
+    let log = output(gdb);
+    assert!(
+        String::from_utf8_lossy(&log.stdout).contains("write_ready"),
+        "the read never reached its token: {}",
+        show(&log)
+    );
+    // A read now, which runs its command: a use within any window.
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    let out = env.ok(["gc", "--unused-for", "10m"]);
+    assert_eq!(
+        env.state("base").as_deref(),
+        Some("ready"),
+        "gc --unused-for 10m took an image read a moment ago: {}",
+        show(&out)
+    );
+}
+
+// --- other token formats --------------------------------------------------------
+
+/// What fe60ad7 (an earlier build on main, schema 5 too, so not locked out
+/// of this store) wrote: the same format line, another layout. This build
+/// cannot decode it, so a write here leaves it in place, and that build's
+/// fast read of the image being written (or left incomplete) runs.
+/// Likewise that build leaves this build's tokens alone.
+const EARLIER_TOKEN: &str = "stowage-image 1\nstate=ready\nimages=/elsewhere/img\ncrc=6509d63c\n";
+
+/// A write takes away whatever token the lock file holds — not only one in
+/// the format this build reads — before its start marks the row: another
+/// build on the same schema trusts its own.
+#[test]
+fn a_write_takes_away_a_token_of_another_format() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    let lock = env.lock_file("base");
+    fs::write(&lock, EARLIER_TOKEN).unwrap();
+    let out = env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        &format!("cat '{}'", lock.display()),
+    ]);
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("state=ready"),
+        "a token said ready while the image was being written: {}",
+        show(&out)
+    );
+}
+
+// --- the store-wide pass over the lock files --------------------------------------
+
+/// The store-wide hint is set on every `*.lock` in locks/images, each opened
+/// read-write. An entry there that is not a lock file stowage made — a
+/// directory, a socket, an immutable file — fails the pass, and with it
+/// every store-wide command and every rebuild of a damaged database, until
+/// someone finds and removes it by hand. Such entries are meant to be left
+/// alone (record.rs).
+#[test]
+fn a_stray_entry_among_the_lock_files_does_not_stop_store_wide_commands() {
+    let env = Env::new();
+    env.make_image("keep");
+    fs::create_dir(env.root.join("locks/images/stray.lock")).unwrap();
+    let out = env.run(["exec", "--store-wide", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "a directory named like a lock file stopped a store-wide command: {}",
         show(&out)
     );
 }
