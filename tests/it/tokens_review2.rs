@@ -330,6 +330,40 @@ fn a_read_killed_before_its_start_commits_leaves_no_token_fresher_than_the_row()
     );
 }
 
+/// The same without a debugger: a read whose start fails after its token
+/// is written. `exec --read base --write zbad`, where zbad's place in the
+/// images directory is a file: the start touches base's stale last use,
+/// writes base's token with "used now", then refuses zbad and rolls back —
+/// the touch goes, the token stays. The next read runs on the fast path,
+/// recording nothing, and gc takes the image it just read.
+#[test]
+fn a_read_whose_start_fails_leaves_no_token_fresher_than_the_row() {
+    let env = Env::new();
+    let hour_ago = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        - 3600;
+    let out = output({
+        let mut c = env.cmd(["exec", "--write", "base", "--", "true"]);
+        c.env("STOWAGE_NOW", hour_ago.to_string());
+        c
+    });
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    fs::write(env.root.join("img/zbad"), "not a directory").unwrap();
+    let out = env.run(["exec", "--read", "base", "--write", "zbad", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    // A read now, which runs its command: a use within any window.
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    let out = env.ok(["gc", "--unused-for", "10m"]);
+    assert_eq!(
+        env.state("base").as_deref(),
+        Some("ready"),
+        "gc --unused-for 10m took an image read a moment ago: {}",
+        show(&out)
+    );
+}
+
 // --- other token formats --------------------------------------------------------
 
 /// What fe60ad7 (an earlier build on main, schema 5 too, so not locked out
