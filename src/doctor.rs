@@ -810,6 +810,12 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
     found.stale_records = before_records - tx.all_records()?.len();
     if repair {
         crate::judge::clean_leases(ctx);
+        // A database restored from a copy over the file keeps the copy's
+        // identity, and with it the ready tokens of images it may no longer
+        // call ready: a repair, which a restore must be followed by, makes
+        // every token stop counting (record.rs). The next read of each
+        // image asks the database and writes it again.
+        tx.renew_identity()?;
     }
     let rows = tx.images()?;
     found.dead_writers = rows

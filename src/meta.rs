@@ -289,6 +289,13 @@ fn configure_sqlite() {
 pub struct DatabaseError(pub String);
 
 /// Opens the database file. Never follows a symlink at the database path.
+/// Gives the database the identity `id` (SQLite's `application_id`, in
+/// its header), which ready tokens name (record.rs).
+pub fn set_identity(conn: &rusqlite::Connection, id: u32) -> Result<()> {
+    conn.pragma_update(None, "application_id", id as i32)?;
+    Ok(())
+}
+
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     use rusqlite::OpenFlags;
     configure_sqlite();
@@ -485,6 +492,17 @@ impl<'c> Tx<'c> {
                 r.get(0)
             })
             .optional()?)
+    }
+
+    /// Gives the database a new identity (see [`set_identity`]): every
+    /// ready token derived from it until now stops counting.
+    pub fn renew_identity(&self) -> Result<()> {
+        self.tx.pragma_update(
+            None,
+            "application_id",
+            crate::record::new_db_identity() as i32,
+        )?;
+        Ok(())
     }
 
     pub fn set_config(&self, key: &str, value: &str) -> Result<()> {

@@ -81,29 +81,32 @@ pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) ->
         .max()
 }
 
-/// Whether one of our ancestors holds the lock on `path` exclusively, as
-/// the kernel's lock table says (local filesystems): whatever it is, it
-/// holds that lock while it waits for us. For `locks/store.lock`, whose
-/// holder may keep it in a `--no-inherit` keeper and run us with an
-/// environment scrubbed of [`crate::env::EXEC_PIDS`] (`env -i`, sudo), so
-/// that [`enclosing_hold`] cannot tell.
-pub fn held_exclusively_by_ancestor(path: &Path) -> bool {
-    let Some(dir) = path.parent() else {
-        return false;
-    };
+/// The lock one of our ancestors holds on `path`, as the kernel's lock
+/// table says (local filesystems): whatever it is, it holds that lock while
+/// it waits for us. For a holder that keeps its locks in a `--no-inherit`
+/// keeper and runs us with an environment scrubbed of
+/// [`crate::env::EXEC_PIDS`] (`env -i`, sudo), which [`enclosing_hold`]
+/// cannot tell.
+pub fn held_by_ancestor(path: &Path) -> Option<Mode> {
+    let dir = path.parent()?;
     if !filesystem(dir).is_ok_and(|f| f.local) {
-        return false;
+        return None;
     }
-    let (Ok(meta), Ok(table)) = (fs::symlink_metadata(path), read_table()) else {
-        return false;
-    };
-    let Some(entries) = table.get(&(meta.dev(), meta.ino())) else {
-        return false;
-    };
+    let meta = fs::symlink_metadata(path).ok()?;
+    let table = read_table().ok()?;
+    let entries = table.get(&(meta.dev(), meta.ino()))?;
     let ancestors = ancestors();
-    entries.iter().any(|e| {
-        !e.blocked && e.mode == Mode::Exclusive && e.pid.is_some_and(|p| ancestors.contains(&p))
-    })
+    entries
+        .iter()
+        .filter(|e| !e.blocked && e.pid.is_some_and(|p| ancestors.contains(&p)))
+        .map(|e| e.mode)
+        .max()
+}
+
+/// Whether an ancestor holds the lock on `path` exclusively
+/// ([`held_by_ancestor`]): for `locks/store.lock`.
+pub fn held_exclusively_by_ancestor(path: &Path) -> bool {
+    held_by_ancestor(path) == Some(Mode::Exclusive)
 }
 
 /// The pids of our ancestors (parent, grandparent, … up to init), from

@@ -8,11 +8,11 @@
 //! ordinary lock file, flock(1) on it works as before):
 //!
 //! ```text
-//! stowage-image 1
+//! stowage-image 2
 //! state=ready
 //! image=alpine:3.17
 //! images=default                  (or the configured absolute directory)
-//! db=1234567:1764540000000        (the database file's inode and birth)
+//! db=5e1f00d2                     (the database's identity)
 //! used=1764543600000              (the row's last use, written with it)
 //! crc=1a2b3c4d
 //! ```
@@ -24,24 +24,30 @@
 //!   deletions, a rebuild of the database — first *invalidates* the token
 //!   (the file is truncated: that frees, so it works on a full
 //!   copy-on-write filesystem too), durably, holding the image's exclusive
-//!   lock or the store-wide lock. A token is written only by a holder of
-//!   the image's lock that saw the row `ready` in a transaction while
-//!   holding that lock: a writer after committing `ready` (exclusive); a
-//!   reader of the slow path, and an exclusive read at its finish, inside
-//!   the transaction, under the global lock — so that no transaction that
-//!   forgets the image can come between what it saw and what it writes.
+//!   lock or the store-wide lock; anything in the token area is taken away,
+//!   whatever it says (another layout, another release). A token is
+//!   written only by a holder of the image's lock that saw the row `ready`
+//!   in a transaction while holding that lock, once that transaction has
+//!   committed and while the global lock is still held — so that no
+//!   transaction that forgets the image can come between what it saw and
+//!   what it writes, and what it writes (the last use) is committed — and
+//!   only while no store-wide hold stands (a token written beside one,
+//!   by a command nested in it, would carry no store-wide hint): a writer
+//!   that made the row ready (exclusive), a reader of the slow path, an
+//!   exclusive read at its finish.
 //! - **A token speaks for one database and one image:** it names the
-//!   database file it was derived from (inode, and birth time where the
-//!   filesystem keeps one: a rebuilt, deleted or restored database is
-//!   another file, whatever binary made it) and the image (a lock file
-//!   copied onto another name says nothing). The images directory is
+//!   database's identity ([`DbId`]: random, given to every database when
+//!   stowage first opens it; a rebuilt one, one deleted and made anew, one
+//!   made by a release that gives none, is another) and the image (a lock
+//!   file copied onto another name says nothing). The images directory is
 //!   `default` (the root's `img`, as *this* process names the root: a
 //!   store seen at another path, by another host or a container, resolves
 //!   it there) or the configured absolute directory.
 //! - **A reader trusts only what it can check:** the format line (another
 //!   version means "ask the database"), the CRC of everything before the
 //!   `crc=` line (a torn write, after a power loss, fails it), `state=ready`,
-//!   its image's name, the database's identity (one `statx`), and the
+//!   its image's name, the database's identity (the header's four bytes:
+//!   open, read, close), and the
 //!   freshness of `used`. Anything else, an empty file included (a store
 //!   made before records, a lock file made by flock(1)), sends it to the
 //!   database. A mistake can only ever cost a transaction.
@@ -86,7 +92,7 @@ use crate::lock::Guard;
 
 /// The first line; another version makes the record unusable here (the
 /// reader asks the database, which knows the schema).
-const FORMAT: &str = "stowage-image 1\n";
+const FORMAT: &str = "stowage-image 2\n";
 
 /// Where the hints start: tokens end before (a longer one, with a path
 /// near PATH_MAX, is not written: such images are read through the
@@ -131,49 +137,56 @@ fn enabled() -> bool {
 /// this (a read in the last D may have recorded nothing).
 pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
 
-/// Which database file a token was derived from.
+/// Which database a token was derived from: the random identity every
+/// database is given when stowage first opens it (SQLite's
+/// `application_id`, header bytes 68–71; see `Store`). A database rebuilt
+/// (by any release), deleted and made anew, or made by a release that
+/// gives none (0) is another database, whatever inode it has. A copy of
+/// the same database restored over it is not told apart: `doctor
+/// --repair` gives the database a new identity, which is what a restore
+/// must be followed by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DbId {
-    ino: u64,
-    /// Birth time in ms, 0 where the filesystem keeps none (NFS): then the
-    /// inode alone (the server's file id, the same from every host).
-    born: i64,
-}
+pub struct DbId(u32);
 
 impl DbId {
-    /// The identity of the database file at `db`, if it exists.
+    /// The identity of the database at `db`, read from its header (open,
+    /// one read, close). `None`: no database, or one without identity.
     pub fn of(db: &Path) -> Option<DbId> {
-        let c = std::ffi::CString::new(db.as_os_str().as_encoded_bytes()).ok()?;
-        // SAFETY: statx writes into the zeroed buffer we pass; the path is
-        // a valid C string that outlives the call.
-        let mut st: libc::statx = unsafe { std::mem::zeroed() };
-        let r = unsafe {
-            libc::statx(
-                libc::AT_FDCWD,
-                c.as_ptr(),
-                libc::AT_SYMLINK_NOFOLLOW,
-                libc::STATX_INO | libc::STATX_BTIME,
-                &mut st,
-            )
-        };
-        if r != 0 {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(db)
+            .ok()?;
+        let mut header = [0u8; 72];
+        file.read_exact_at(&mut header, 0).ok()?;
+        if &header[..16] != b"SQLite format 3\0" {
             return None;
         }
-        let born = if st.stx_mask & libc::STATX_BTIME != 0 {
-            st.stx_btime.tv_sec.saturating_mul(1000) + i64::from(st.stx_btime.tv_nsec / 1_000_000)
-        } else {
-            0
-        };
-        Some(DbId {
-            ino: st.stx_ino,
-            born,
-        })
+        let id = u32::from_be_bytes(header[68..72].try_into().ok()?);
+        (id != 0).then_some(DbId(id))
     }
 
-    /// Whether a token's identity names this file: same inode, and the same
-    /// birth where both sides know one.
     fn matches(self, now: DbId) -> bool {
-        self.ino == now.ino && (self.born == 0 || now.born == 0 || self.born == now.born)
+        self == now
+    }
+}
+
+/// A fresh database identity: random, never 0 (which means none).
+pub fn new_db_identity() -> u32 {
+    loop {
+        let mut buf = [0u8; 4];
+        // SAFETY: getrandom writes at most buf.len() bytes into buf.
+        let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+        let id = u32::from_ne_bytes(buf);
+        if n == 4 && id != 0 {
+            return id;
+        }
+        if n < 0 {
+            // No entropy source: time and pid, still never 0.
+            let t = crate::clock::now_ms() as u32 ^ (std::process::id() << 16);
+            return t.max(1);
+        }
     }
 }
 
@@ -222,8 +235,8 @@ fn encode(t: &Token) -> Option<Vec<u8>> {
         return None;
     }
     let mut body = format!(
-        "{FORMAT}state=ready\nimage={}\nimages={images}\ndb={}:{}\nused={}\n",
-        t.image, t.db.ino, t.db.born, t.used
+        "{FORMAT}state=ready\nimage={}\nimages={images}\ndb={:08x}\nused={}\n",
+        t.image, t.db.0, t.used
     );
     body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
     (body.len() <= MAX).then(|| body.into_bytes())
@@ -253,11 +266,7 @@ fn decode(bytes: &[u8]) -> Option<Token> {
         dir if dir.starts_with('/') => Some(PathBuf::from(dir)),
         _ => return None,
     };
-    let (ino, born) = field("db")?.split_once(':')?;
-    let db = DbId {
-        ino: ino.parse().ok()?,
-        born: born.parse().ok()?,
-    };
+    let db = DbId(u32::from_str_radix(field("db")?, 16).ok()?);
     let used = field("used")?.parse().ok()?;
     if lines.next().is_some() {
         return None;
@@ -282,7 +291,7 @@ pub struct Seen {
 
 /// Reads the lock file of `name`, locked by `guard`, in one `pread`: the
 /// token counts if it is valid, names `name`, was derived from the
-/// database now at `root` (one `statx`, made only then), and its `used`
+/// database now at `root` (its header read, only then), and its `used`
 /// is within [`LAST_USE_RESOLUTION`] of our clock.
 /// `db` keeps the database's identity once looked up, for the other
 /// images of one request.
@@ -315,12 +324,14 @@ pub fn read(
     }
 }
 
-/// Whether the lock file holds a token at all, whatever it says.
-fn has_token(file: &std::fs::File) -> io::Result<Option<[bool; 2]>> {
+/// Whether anything is written in the lock file's token area (a token of
+/// any layout or release, valid or not), and its hints.
+fn token_area_used(file: &std::fs::File) -> io::Result<Option<[bool; 2]>> {
     let mut buf = vec![0u8; HINTS_AT + 2];
     let n = file.read_at(&mut buf, 0)?;
     let set = |h: Hint| (h.offset() as usize) < n && buf[h.offset() as usize] == b'1';
-    Ok(decode(&buf[..n.min(MAX)]).map(|_| [set(Hint::WriterWaits), set(Hint::StoreWide)]))
+    let used = buf[..n.min(MAX)].iter().any(|b| *b != 0);
+    Ok(used.then(|| [set(Hint::WriterWaits), set(Hint::StoreWide)]))
 }
 
 /// Sets or clears a hint (see the module doc for who may, holding what).
@@ -361,14 +372,14 @@ pub fn write_ready(guard: &Guard, token: &Token) {
 /// holds the image's exclusive lock, or the store-wide lock). The file is
 /// truncated — which frees, so a full copy-on-write filesystem allows it —
 /// and its hints are put back, best effort (a hint lost with the token
-/// costs nothing: without a token no read takes the fast path). A lock
-/// file without a token is left alone: a new image's first write costs no
-/// sync.
+/// costs nothing: without a token no read takes the fast path). Whatever
+/// is in the token area goes, in any layout; a lock file with nothing
+/// there is left alone: a new image's first write costs no sync.
 pub fn invalidate(file: &std::fs::File) -> io::Result<()> {
     if !enabled() {
         return Ok(());
     }
-    let Some(hints) = has_token(file)? else {
+    let Some(hints) = token_area_used(file)? else {
         return Ok(());
     };
     file.set_len(0)?;
@@ -412,8 +423,12 @@ fn each_lock_file(
     Ok(())
 }
 
-/// Opens an image lock file for its token: `None` if it is missing or not
-/// a regular file (never a lock file stowage made).
+/// Opens an image lock file for its token: `None` if it is missing or is
+/// no lock file a reader could take — a directory, a socket or FIFO, a
+/// link, a file nobody may open for writing (immutable, read-only
+/// filesystem): readers open lock files read-write, so nothing can be read
+/// through it and it has nothing to mark. Other errors (EIO, ESTALE) are
+/// errors: the caller cannot vouch for that file.
 fn open_lock_file(path: &Path) -> io::Result<Option<std::fs::File>> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = match std::fs::OpenOptions::new()
@@ -423,7 +438,21 @@ fn open_lock_file(path: &Path) -> io::Result<Option<std::fs::File>> {
         .open(path)
     {
         Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ELOOP) => {
+        Err(e)
+            if e.kind() == io::ErrorKind::NotFound
+                || matches!(
+                    e.raw_os_error(),
+                    Some(
+                        libc::ELOOP
+                            | libc::EISDIR
+                            | libc::ENXIO
+                            | libc::EACCES
+                            | libc::EPERM
+                            | libc::EROFS
+                            | libc::ETXTBSY
+                    )
+                ) =>
+        {
             return Ok(None);
         }
         Err(e) => return Err(e),
@@ -463,10 +492,7 @@ mod tests {
         Token {
             image: "alpine:3.17".into(),
             images_dir: images_dir.map(PathBuf::from),
-            db: DbId {
-                ino: 42,
-                born: 1_764_540_000_000,
-            },
+            db: DbId(0x5e1f_00d2),
             used: 1_764_543_600_000,
         }
     }
@@ -495,7 +521,7 @@ mod tests {
         }
         let newer = String::from_utf8(good.clone())
             .unwrap()
-            .replace("stowage-image 1", "stowage-image 2");
+            .replace("stowage-image 2", "stowage-image 3");
         assert_eq!(decode(newer.as_bytes()), None);
         assert_eq!(encode(&token(Some("relative"))), None);
         assert_eq!(encode(&token(Some("/a\nb"))), None);
@@ -511,11 +537,25 @@ mod tests {
     }
 
     #[test]
-    fn a_database_is_known_by_its_inode_and_its_birth_where_kept() {
-        let a = DbId { ino: 7, born: 100 };
-        assert!(a.matches(DbId { ino: 7, born: 100 }));
-        assert!(a.matches(DbId { ino: 7, born: 0 }));
-        assert!(!a.matches(DbId { ino: 7, born: 101 }));
-        assert!(!a.matches(DbId { ino: 8, born: 100 }));
+    fn a_database_without_identity_vouches_for_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("stowage.db");
+        assert_eq!(DbId::of(&db), None);
+        let mut header = vec![0u8; 100];
+        header[..16].copy_from_slice(b"SQLite format 3\0");
+        std::fs::write(&db, &header).unwrap();
+        assert_eq!(DbId::of(&db), None, "application_id 0");
+        header[68..72].copy_from_slice(&0x0102_0304u32.to_be_bytes());
+        std::fs::write(&db, &header).unwrap();
+        assert_eq!(DbId::of(&db), Some(DbId(0x0102_0304)));
+        std::fs::write(&db, b"not a database").unwrap();
+        assert_eq!(DbId::of(&db), None);
+    }
+
+    #[test]
+    fn identities_are_never_zero() {
+        for _ in 0..1000 {
+            assert_ne!(new_db_identity(), 0);
+        }
     }
 }

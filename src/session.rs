@@ -522,21 +522,22 @@ impl Session {
         drop(self.listed);
         // Plain reads have nothing to record: no transaction at all.
         let nothing = ids.is_empty() && held.iter().all(|h| h.mode == Mode::Shared);
-        // The images the transaction leaves ready, and the database it
-        // ran on: their tokens are written once it has committed, still
-        // under our exclusive locks (record.rs).
-        let mut readied: Vec<(usize, crate::record::Token)> = Vec::new();
+        // The images the transaction leaves ready get their tokens once it
+        // has committed, still under the global lock (so that no
+        // transaction that forgets an image — a store-wide command's end —
+        // comes between), and only while no store-wide hold stands: a token
+        // written beside one would carry no hint of it (record.rs).
         store.retry_full(|store| {
-            readied.clear();
             if nothing {
                 return Ok(());
             }
             let (tx, ctx) = store.begin_cleanup()?;
             let now = clock::now_ms();
-            let db = crate::record::DbId::of(&ctx.root.db());
-            let token = |name: &ImageName| {
-                db.map(|db| crate::record::Token::new(&ctx.root, name, images_dir, db, now))
+            let db = match crate::store_wide::check(&tx, ctx) {
+                Ok(false) => crate::record::DbId::of(&ctx.root.db()),
+                _ => None,
             };
+            let mut tokens: Vec<(usize, crate::record::Token)> = Vec::new();
             for (i, (h, (size, gone, trusted))) in held.iter().zip(&written).enumerate() {
                 let doubt = match gone {
                     true => crate::adopt::unmounted(&tx, &ctx.root, images_dir)?,
@@ -559,40 +560,39 @@ impl Session {
                 if h.keep {
                     // Used until now: gc's "unused for" counts from here.
                     tx.touch(h.name.as_str(), now)?;
-                    // Its state did not change, so its token is written
-                    // now, under the global lock: no transaction that
-                    // forgot the image meanwhile (a store-wide command's
-                    // deletions) can come between the row seen and the
-                    // token written.
-                    if let (Some(t), Some(row)) = (token(&h.name), tx.image(h.name.as_str())?)
-                        && row.state == ImageState::Ready
-                    {
-                        crate::record::write_ready(&h.guard, &t);
-                    }
                 } else if h.mode == Mode::Exclusive {
                     tx.touch(h.name.as_str(), now)?;
                     let state = match outcome {
                         Outcome::Success if *trusted => ImageState::Ready,
                         _ => ImageState::Incomplete,
                     };
-                    if state == ImageState::Ready
-                        && let Some(t) = token(&h.name)
-                    {
-                        readied.push((i, t));
-                    }
                     tx.set_state(h.name.as_str(), state)?;
                     tx.set_size(h.name.as_str(), *size)?;
                     ctx.detail(&format!("image '{}' is {state}", h.name));
+                } else {
+                    continue;
+                }
+                // A token only for a row that is there and ready now: a
+                // store-wide command's end may have dropped it meanwhile.
+                if let Some(db) = db
+                    && tx
+                        .image(h.name.as_str())?
+                        .is_some_and(|r| r.state == ImageState::Ready)
+                {
+                    let t = crate::record::Token::new(&ctx.root, &h.name, images_dir, db, now);
+                    tokens.push((i, t));
                 }
             }
             for id in &ids {
                 tx.delete_record(*id)?;
             }
-            tx.commit()
+            let global = tx.commit_keeping_global()?;
+            for (i, t) in &tokens {
+                crate::record::write_ready(&held[*i].guard, t);
+            }
+            drop(global);
+            Ok(())
         })?;
-        for (i, t) in &readied {
-            crate::record::write_ready(&held[*i].guard, t);
-        }
         // The lock files of deleted images go too, under our exclusive locks
         // (the unlink rule), with their gates. A directory this session made
         // for a write that failed before putting anything in it goes as
@@ -715,8 +715,12 @@ fn start(
     req: &Request,
 ) -> Result<PathBuf> {
     let (tx, ctx) = store.begin(req.deadline)?;
-    // A store-wide command runs: claim nothing (below), wait, start over.
-    let store_held = crate::store_wide::check(&tx, ctx).err();
+    // A store-wide command runs: claim nothing (below), wait, start over
+    // — unless we are inside it: then write no ready token (record.rs).
+    let (inside_hold, store_held) = match crate::store_wide::check(&tx, ctx) {
+        Ok(inside) => (inside, None),
+        Err(e) => (false, Some(e)),
+    };
     let images_dir = tx.images_dir(&ctx.root)?;
     let now = clock::now_ms();
     for id in waits
@@ -777,11 +781,12 @@ fn start(
     // commit, they go again (a directory without a row would later be
     // adopted).
     let mut made = Vec::new();
+    let mut tokens = Vec::new();
     let resolution = LAST_USE_RESOLUTION.as_millis() as clock::Millis;
     let db = std::cell::OnceCell::new();
     let claimed = (|| -> Result<Vec<Option<i64>>> {
         let mut records = Vec::with_capacity(held.len());
-        for (h, row) in held.iter_mut().zip(rows) {
+        for (i, (h, row)) in held.iter_mut().zip(rows).enumerate() {
             match h.mode {
                 _ if h.keep => tx.touch(h.name.as_str(), now)?,
                 Mode::Shared => {
@@ -790,11 +795,10 @@ fn start(
                     // the image's ready token does not vouch for it here
                     // and now, the token is written, with the row's last
                     // use (recorded now if stale), so that the next read
-                    // takes the fast path — inside the transaction, under
-                    // the global lock, so that no transaction that forgets
-                    // the image can come between the row seen and the
-                    // token written (record.rs). Its state does not
-                    // change here, whether or not this commits.
+                    // takes the fast path — once this has committed, and
+                    // still under the global lock, so that no transaction
+                    // that forgets the image can come between the row
+                    // seen and the token written (record.rs).
                     let token = crate::record::read(&h.guard, &ctx.root, &h.name, &db)
                         .ready
                         .is_some();
@@ -804,12 +808,14 @@ fn start(
                         used = now;
                     }
                     if (!token || used == now)
+                        && !inside_hold
                         && let Some(db) =
                             *db.get_or_init(|| crate::record::DbId::of(&ctx.root.db()))
                     {
-                        let t =
-                            crate::record::Token::new(&ctx.root, &h.name, &images_dir, db, used);
-                        crate::record::write_ready(&h.guard, &t);
+                        tokens.push((
+                            i,
+                            crate::record::Token::new(&ctx.root, &h.name, &images_dir, db, used),
+                        ));
                     }
                     records.push(None);
                     continue;
@@ -831,7 +837,15 @@ fn start(
         }
         Ok(records)
     })();
-    let records = match claimed.and_then(|records| tx.commit().map(|()| records)) {
+    let committed = claimed.and_then(|records| {
+        let global = tx.commit_keeping_global()?;
+        for (i, t) in &tokens {
+            crate::record::write_ready(&held[*i].guard, t);
+        }
+        drop(global);
+        Ok(records)
+    });
+    let records = match committed {
         Ok(records) => records,
         Err(e) => {
             if let Ok(images) = ctx.root.open_images_dir(&images_dir) {

@@ -379,7 +379,9 @@ impl Store {
                 return Ok(global);
             };
             drop(global);
-            if let Some(held) = crate::nested::enclosing_hold(&path) {
+            if let Some(held) = crate::nested::enclosing_hold(&path)
+                .or_else(|| crate::nested::held_by_ancestor(&path))
+            {
                 // Our enclosing command holds it and waits for us.
                 return Err(Error::Busy(Busy {
                     what: format!("{name} (needed free before {what})"),
@@ -477,7 +479,8 @@ fn connection<'c>(
             // database group-writable (the journal copies its mode).
             meta::share_with_group(db)?;
         }
-        if in_wal(db) {
+        let header = read_header(db);
+        if header.is_some_and(|h| h[18] == 2 || h[19] == 2) {
             meta::leave_wal(&c).with_context(|| {
                 format!(
                     "cannot switch {} from WAL to a rollback journal",
@@ -485,24 +488,35 @@ fn connection<'c>(
                 )
             })?;
         }
+        // Every database gets an identity of its own (record.rs: a ready
+        // token names the database it was derived from). A new one, a
+        // rebuilt one, one made by an older release: set here, once.
+        // Best effort: without one (a read-only or full store) no token
+        // is written or trusted, and reads take the database's way.
+        if header.is_none_or(|h| h[68..72] == [0; 4]) {
+            let _ = meta::set_identity(&c, crate::record::new_db_identity());
+        }
         *conn = Some(c);
     }
     Ok(conn.as_mut().expect("opened above"))
 }
 
-/// The database keeps SQLite's default rollback journal (created and
+/// The first 100 bytes of the database file (SQLite's header), if it has
+/// them. The database keeps SQLite's default rollback journal (created and
 /// deleted by each write transaction; no setting to repeat per connection).
 /// WAL would be silently unsafe on NFS — its index lives in shared memory
 /// that NFS cannot share — and nothing of ours sets it, but an sqlite3 shell
 /// could. A database in WAL mode says so in bytes 18 and 19 of its header
 /// (format versions 2); reading them directly costs one small read, where
-/// asking SQLite would cost a whole locked read transaction.
-fn in_wal(db: &std::path::Path) -> bool {
+/// asking SQLite would cost a whole locked read transaction. Bytes 68–71
+/// hold the database's identity (`application_id`).
+fn read_header(db: &std::path::Path) -> Option<[u8; 100]> {
     use std::io::Read;
-    let mut header = [0u8; 20];
+    let mut header = [0u8; 100];
     std::fs::File::open(db)
         .and_then(|mut f| f.read_exact(&mut header))
-        .is_ok_and(|()| header[18] == 2 || header[19] == 2)
+        .ok()
+        .map(|()| header)
 }
 
 /// Under the global lock: the first image or slot lock someone holds, if

@@ -61,8 +61,12 @@ fn path(ctx: &Ctx) -> PathBuf {
 }
 
 /// Under the global lock: fails with [`StoreHeld`] while a store-wide
-/// command runs; drops the records of holders that are gone.
-pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
+/// command runs; drops the records of holders that are gone. `Ok(true)`:
+/// one runs, and we are inside it (its command calls us) — what we do is
+/// part of its work, and a ready token written now would carry no
+/// store-wide hint (record.rs), so none is written.
+pub fn check(tx: &Tx, ctx: &Ctx) -> Result<bool> {
+    let mut inside = false;
     for rec in tx.records_for(LockKind::Global, NAME)? {
         // A try, never a wait: the global lock is held.
         match lock::acquire_no_wait(&path(ctx), Mode::Shared, lock::IfMissing::Fail) {
@@ -72,12 +76,16 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
             // (stowage's keeper keeps the lease): the kernel says so.
             Ok(None)
                 if lock::inherited_exclusive(&path(ctx))
-                    || crate::nested::enclosing_hold(&path(ctx)) == Some(Mode::Exclusive) => {}
+                    || crate::nested::enclosing_hold(&path(ctx)) == Some(Mode::Exclusive)
+                    || crate::nested::held_exclusively_by_ancestor(&path(ctx)) =>
+            {
+                inside = true
+            }
             // The command of an image or slot user (it inherited that lock)
             // calls stowage again: the hold is still waiting for that very
             // lock, so waiting for the hold would deadlock. Going ahead is
             // safe: the hold's command starts only once our locks are free.
-            Ok(None) if inherits_lock(ctx) || enclosing_exec_holds_lock(ctx) => {}
+            Ok(None) if inherits_lock(ctx) || enclosing_exec_holds_lock(ctx) => inside = true,
             Ok(None) => {
                 return Err(StoreHeld {
                     holder: format!(
@@ -95,7 +103,7 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
             Err(e) => return Err(lock::error("the store", &path(ctx), e)),
         }
     }
-    Ok(())
+    Ok(inside)
 }
 
 /// `locks/store.lock` taken shared if no store-wide operation holds the
@@ -235,7 +243,7 @@ fn forget_deleted(store: &mut Store) -> Result<()> {
 
 /// [`check`] for a caller that does not wait (a removal): a live hold is a
 /// busy lock (exit 75).
-pub fn check_busy(tx: &Tx, ctx: &Ctx) -> Result<()> {
+pub fn check_busy(tx: &Tx, ctx: &Ctx) -> Result<bool> {
     check(tx, ctx).map_err(|e| match e.downcast::<StoreHeld>() {
         Ok(held) => Error::Busy(Busy {
             what: "the store".into(),

@@ -46,11 +46,13 @@ started() { read -r l < "/proc/$1/stat" 2>/dev/null || return 1; l=${l##*) }; se
 alive() { [ -n "$1" ] && [ "$(started "$1")" = "$2" ]; }
 # A store-wide command's own command marks $V.sw while it runs; no image
 # user may run beside it.
-beside() { if [ -e "$V.sw" ]; then read -r p s < "$V.sw" 2>/dev/null && alive "$p" "$s" && echo "$1 of $2 beside store-wide command $p" >> "$V"; fi; }
+beside() { if [ -e "$V.sw" ]; then read -r p s < "$V.sw" 2>/dev/null && alive "$p" "$s" && echo "$1 of $2 beside store-wide command $p ($(date +%s.%N))" >> "$V"; fi; return 0; }
 sw() {
   echo "$$ $(started $$)" > "$V.sw"
+  echo "store-wide $$ from $(date +%s.%N)" >> "$V.log"
   sleep 0.0$((TOKEN % 5 + 1))
   [ -n "$DELETE" ] && rm -rf "$STOWAGE_IMAGES_DIR/$DELETE"
+  echo "store-wide $$ to $(date +%s.%N)" >> "$V.log"
   rm -f "$V.sw"
 }
 w() {
@@ -434,6 +436,10 @@ fn torture() {
     }
 
     let seen = fs::read_to_string(&violations).unwrap_or_default();
+    let _ = fs::copy(
+        format!("{}.log", violations.display()),
+        "/tmp/stowage-stress-debug.log",
+    );
     let unexpected = shared.unexpected.lock().unwrap().clone();
     let ops = shared.ops.lock().unwrap().clone();
     let total: u64 = ops.values().sum();

@@ -68,7 +68,7 @@ fn a_read_with_a_damaged_token_asks_the_database_and_writes_it_again() {
     let lock = env.lock_file("base");
     // Garbage where the token was (one byte changed: its CRC fails).
     let mut bytes = fs::read(&lock).unwrap();
-    assert!(bytes.starts_with(b"stowage-image 1\n"), "{bytes:?}");
+    assert!(bytes.starts_with(b"stowage-image 2\n"), "{bytes:?}");
     bytes[20] ^= 1;
     fs::write(&lock, &bytes).unwrap();
     {
@@ -347,12 +347,12 @@ fn a_read_costs_a_fraction_of_the_round_trips_it_did() {
         return;
     };
     eprintln!("exec --read: {read} counted calls");
-    assert!(read <= 19, "exec --read: {read} calls");
+    assert!(read <= 21, "exec --read: {read} calls");
     let two = round_trips(
         &env,
         &["exec", "--read", "base", "--read", "other", "--", "true"],
     );
-    assert!(two.unwrap() <= 26, "two reads: {two:?} calls");
+    assert!(two.unwrap() <= 28, "two reads: {two:?} calls");
 }
 
 /// The hint bytes of an image's lock file (record.rs): whether a writer

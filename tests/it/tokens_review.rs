@@ -230,13 +230,14 @@ fn a_reader_inside_a_store_wide_command_cannot_revive_an_image_it_deleted() {
     let paused = env.sentinel("reader-paused");
     let done = env.sentinel("reader-done");
     let gdb_cmds = env.sentinel("gdb-cmds");
-    // Once its start transaction has committed: say so, then wait until
+    // Once its start has committed and let the global lock go (the
+    // session is being handed to the command): say so, then wait until
     // the store-wide exec (the first pid of STOWAGE_EXEC_PIDS) has gone.
     fs::write(
         &gdb_cmds,
         format!(
             "set pagination off\n\
-             break stowage::meta::Tx::commit\n\
+             break stowage::session::Session::set_inheritable\n\
              run\n\
              delete\n\
              finish\n\
