@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use stateright::{Checker, Expectation, HasDiscoveries, Model};
 
-use proto::{Config, Op, Prio, Proto, Role, Rules, exec_read, exec_write};
+use proto::{Config, FastStore, Op, Prio, Proto, Role, Rules, exec_read, exec_write};
 
 const A: u8 = 0;
 const B: u8 = 1;
@@ -89,7 +89,10 @@ fn slot_only(prio: Prio) -> Op {
     }
 }
 
-const STORE_WIDE: Op = Op::StoreWide { inherit: true };
+const STORE_WIDE: Op = Op::StoreWide {
+    inherit: true,
+    deletes: None,
+};
 
 /// 3 processes × 2 images, one crash (of a process or of a host): P0 and
 /// P1 on two hosts, P2 called by P0's command.
@@ -183,7 +186,10 @@ fn store_config() -> Config {
                 parent: None,
                 menu: vec![
                     STORE_WIDE,
-                    Op::StoreWide { inherit: false },
+                    Op::StoreWide {
+                        inherit: false,
+                        deletes: None,
+                    },
                     exec_write(A),
                     read_exclusive(A),
                 ],
@@ -211,6 +217,54 @@ fn store_config() -> Config {
         slot_limit: 1,
         slot_reserve: 0,
         rules: Rules::default(),
+        ready_at_start: vec![A],
+    }
+}
+
+/// A store-wide command that deletes image A's tree (its stowage may be
+/// SIGKILLed, its command running on), among reads that take the fast path
+/// and the writers and removals that invalidate their tokens: 3 processes
+/// × 1 image, one crash. P2, called by P0's command, reads inside the hold
+/// or inside a read.
+fn token_config() -> Config {
+    Config {
+        images: 1,
+        roles: vec![
+            Role {
+                host: 0,
+                parent: None,
+                menu: vec![
+                    Op::StoreWide {
+                        inherit: true,
+                        deletes: Some(A),
+                    },
+                    Op::StoreWide {
+                        inherit: false,
+                        deletes: Some(A),
+                    },
+                    exec_write(A),
+                    exec_read(A),
+                ],
+            },
+            Role {
+                host: 1,
+                parent: None,
+                menu: vec![exec_read(A), Op::Rm(A), exec_write(A), Op::Gc, Op::Doctor],
+            },
+            Role {
+                host: 0,
+                parent: Some(0),
+                menu: vec![exec_read(A)],
+            },
+        ],
+        crashes: 1,
+        slot_limit: 1,
+        slot_reserve: 0,
+        rules: Rules {
+            // See `a_fast_read_can_run_on_an_image_a_store_wide_command_deleted`.
+            token_after_store: true,
+            ..Rules::default()
+        },
         ready_at_start: vec![A],
     }
 }
@@ -376,6 +430,18 @@ const LEASES_REACHED: &[&str] = &[
     "a clean unlinks the lease of a dead owner",
 ];
 
+/// The fast path and its tokens, at the default size.
+const TOKENS_REACHED: &[&str] = &[
+    "a read holds its image on a ready token, without the database",
+    "a ready image has no token",
+];
+
+/// What the token size must reach besides.
+const TOKENS_STORE_REACHED: &[&str] = &[
+    "a read of the fast path finds store.lock held",
+    "a store-wide command deleted an image's tree",
+];
+
 /// What the store-wide size must reach.
 const STORE_REACHED: &[&str] = &[
     "an exec waits for a granted store-wide hold",
@@ -388,9 +454,114 @@ fn protocol_holds_for_three_processes_two_images_with_crashes() {
     let reach: Vec<&str> = LOCKS_REACHED
         .iter()
         .chain(LEASES_REACHED)
+        .chain(TOKENS_REACHED)
         .copied()
         .collect();
     assert_holds("3 processes × 2 images, 1 crash", default_config(), &reach);
+}
+
+#[test]
+fn ready_tokens_hold_with_store_wide_deletions_and_crashes() {
+    let reach: Vec<&str> = TOKENS_REACHED
+        .iter()
+        .chain(TOKENS_STORE_REACHED)
+        .copied()
+        .collect();
+    assert_holds(
+        "tokens: 3 processes × 1 image, 1 crash",
+        token_config(),
+        &reach,
+    );
+}
+
+/// A writer that does not invalidate the token before its start: its
+/// command fails, the image is `incomplete`, and a read of the fast path
+/// finds the token still there.
+#[test]
+fn without_invalidation_before_start_a_fast_read_runs_on_a_failed_write() {
+    let mut cfg = token_config();
+    cfg.rules.writer_invalidates = false;
+    cfg.crashes = 0;
+    cfg.roles[0].menu = vec![exec_write(A)];
+    cfg.roles[1].menu = vec![exec_read(A)];
+    let trace = mutation_found(
+        "no invalidation before start",
+        cfg,
+        "no reader's command runs on an image whose row is not ready",
+    );
+    assert!(trace.contains("exec --read A: fast-try"), "{trace}");
+    assert!(trace.contains("row Some(Incomplete)"), "{trace}");
+}
+
+/// A removal that does not invalidate the token before its mark, SIGKILLed
+/// after it: the image is `deleting`, and a read of the fast path finds the
+/// token still there.
+#[test]
+fn without_invalidation_before_mark_a_fast_read_runs_on_a_removed_image() {
+    let mut cfg = token_config();
+    cfg.rules.remove_invalidates = false;
+    cfg.roles[0].menu = vec![exec_read(A)];
+    cfg.roles[1].menu = vec![Op::Rm(A)];
+    let trace = mutation_found(
+        "no invalidation before mark",
+        cfg,
+        "no reader's command runs on an image whose row is not ready",
+    );
+    assert!(trace.contains("rm A: SIGKILL"), "{trace}");
+    assert!(trace.contains("row Some(Deleting)"), "{trace}");
+}
+
+/// A read of the fast path that never asks `store.lock`, or asks before it
+/// holds its image locks (so that a hold starting between sees no image
+/// lock held and is granted), runs beside a store-wide command.
+#[test]
+fn without_the_store_lock_check_after_the_locks_a_fast_read_runs_beside_a_hold() {
+    for (rule, what) in [
+        (FastStore::Never, "no store.lock check"),
+        (
+            FastStore::BeforeLocks,
+            "store.lock checked before the locks",
+        ),
+    ] {
+        let mut cfg = token_config();
+        cfg.rules.fast_store = rule;
+        cfg.crashes = 0;
+        cfg.roles[0].menu = vec![STORE_WIDE];
+        cfg.roles[1].menu = vec![exec_read(A)];
+        let trace = mutation_found(
+            what,
+            cfg,
+            "while a store-wide hold is granted, nobody else is at work on an image or slot",
+        );
+        assert!(trace.contains("exec --read A: fast-"), "{trace}");
+        assert!(trace.contains("store-free"), "{trace}");
+    }
+}
+
+/// Found by the checker in the protocol as implemented: `try_ready` reads
+/// the token, and only then does `begin_fast` ask whether `store.lock` is
+/// free. A store-wide hold granted before the read took its image lock
+/// (so it does not wait for it) can run its whole command between the two:
+/// it deletes the image's tree, `forget_deleted` invalidates the token
+/// (already read) and drops the row, the hold ends, and the read finds
+/// `store.lock` free and runs on an image that no longer exists. With the
+/// token read after `store.lock` is found free (`token_after_store`, as
+/// `token_config` checks) the race is gone: a hold that ended before the
+/// check invalidated the token before it; one that starts after it waits
+/// for our image lock.
+#[test]
+fn a_fast_read_can_run_on_an_image_a_store_wide_command_deleted() {
+    let mut cfg = token_config();
+    cfg.rules.token_after_store = false;
+    cfg.crashes = 0;
+    let trace = mutation_found(
+        "the token read before store.lock",
+        cfg,
+        "no reader's command runs on an image whose row is not ready",
+    );
+    assert!(trace.contains("exec --read A: fast-try"), "{trace}");
+    assert!(trace.contains("store-end"), "{trace}");
+    assert!(trace.contains("exec --read A: fast-store"), "{trace}");
 }
 
 #[test]
@@ -476,13 +647,17 @@ fn without_the_store_wide_check_an_image_user_runs_beside_a_store_wide_command()
     let mut cfg = store_config();
     cfg.rules.store_check = false;
     cfg.crashes = 0;
+    // The exec's case (a removal's `mark` is refused by the same rule).
+    cfg.roles[1].menu.retain(|op| !matches!(op, Op::Rm(_)));
     let trace = mutation_found(
         "no store-wide check in claiming transactions",
         cfg,
         "while a store-wide hold is granted, nobody else is at work on an image or slot",
     );
     assert!(trace.contains("exec --store-wide"), "{trace}");
-    assert!(trace.contains("exec --read A: start"), "{trace}");
+    // (The shortest: an exclusive read; a plain one falls back from the
+    // fast path to the same `start`.)
+    assert!(trace.contains(": start Start"), "{trace}");
     // The same rule keeps new image users from starving a waiting hold.
     let mut cfg = store_config();
     cfg.rules.store_check = false;

@@ -82,9 +82,11 @@ pub enum Op {
         slot: Option<Prio>,
         inherit: bool,
     },
-    /// `exec --store-wide [--no-inherit]`.
+    /// `exec --store-wide [--no-inherit]`, whose command may delete an
+    /// image's tree (`ch-image build-cache --reset`).
     StoreWide {
         inherit: bool,
+        deletes: Option<u8>,
     },
     Rm(u8),
     Gc,
@@ -151,10 +153,13 @@ impl std::fmt::Display for Op {
                 }
                 Ok(())
             }
-            Op::StoreWide { inherit } => {
+            Op::StoreWide { inherit, deletes } => {
                 write!(f, "exec --store-wide")?;
                 if !inherit {
                     write!(f, " --no-inherit")?;
+                }
+                if let Some(i) = deletes {
+                    write!(f, " -- (deletes {})", img_name(i))?;
                 }
                 Ok(())
             }
@@ -210,6 +215,28 @@ pub struct Rules {
     /// call fails at once instead of waiting for the store (Hold::take).
     /// Off: the rules before, which the checker shows can deadlock.
     pub nested_store: bool,
+    /// A writer invalidates its image's ready token before its `start`.
+    pub writer_invalidates: bool,
+    /// A removal (rm, gc, doctor) invalidates the token before its `mark`.
+    pub remove_invalidates: bool,
+    /// Where a read of the fast path asks whether `store.lock` is free.
+    pub fast_store: FastStore,
+    /// The fast path reads the ready token after finding `store.lock`
+    /// free, not before (off: as `Session::begin_fast` does, reading it in
+    /// `try_ready`). See `a_fast_read_can_run_on_an_image_a_store_wide_command_deleted`.
+    pub token_after_store: bool,
+}
+
+/// When a read of the fast path tries `locks/store.lock` shared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FastStore {
+    /// After taking its image locks (`Session::begin_fast`): a store-wide
+    /// hold that starts later finds them held and waits.
+    AfterLocks,
+    /// Before its image locks (a mutation).
+    BeforeLocks,
+    /// Never (a mutation).
+    Never,
 }
 
 impl Default for Rules {
@@ -225,6 +252,10 @@ impl Default for Rules {
             lease_unlink_locked: true,
             store_check: true,
             nested_store: true,
+            writer_invalidates: true,
+            remove_invalidates: true,
+            fast_store: FastStore::AfterLocks,
+            token_after_store: false,
         }
     }
 }
@@ -238,7 +269,8 @@ pub struct Config {
     pub slot_limit: u8,
     pub slot_reserve: u8,
     pub rules: Rules,
-    /// Images that exist (ready) at the start.
+    /// Images that exist (ready, with a ready token in their lock files)
+    /// at the start.
     pub ready_at_start: Vec<u8>,
 }
 
@@ -250,6 +282,17 @@ pub enum Pc {
     /// The lease: open (creating) a fresh name, then lock it and re-check.
     LeaseCreate,
     LeaseLock,
+    /// A plain read's fast path (`Session::begin_fast`): the image lock
+    /// tried with the gate check and its ready token read, then
+    /// `store.lock` tried shared; any miss goes the slow way (`Try`).
+    FastTry,
+    FastStore,
+    /// A writer makes its images' ready tokens say nothing, before `Start`.
+    Invalidate,
+    /// The ready tokens written after a commit that saw (or made) the row
+    /// ready: a slow-path reader's `Start`, a writer's `Finish`.
+    StartToken,
+    FinishToken,
     /// `exec --store-wide`: `store.lock`, the record, the wait for every
     /// image lock and slot to be free.
     StoreLock,
@@ -258,7 +301,12 @@ pub enum Pc {
     StoreWaitFree(Key),
     /// An exec that found a store-wide hold at its start, holding nothing.
     StoreAwait,
-    StoreEnd,
+    /// `forget_deleted`: the tokens of images whose trees the command
+    /// deleted, then (`StoreEnd`) their rows, in one transaction.
+    StoreInvalidate,
+    /// The hold ends (`true`: `Hold::release`, which forgets deleted
+    /// images first; `false`: `Hold::take` failing).
+    StoreEnd(bool),
     SlotTry,
     SlotWaiter,
     SlotWait,
@@ -275,7 +323,8 @@ pub enum Pc {
     Finish,
     Release,
     /// Removal of an image whose exclusive lock is held; `Ret` says where
-    /// to go on.
+    /// to go on. Its token is invalidated first.
+    InvalidateRm(u8, Ret),
     Mark(u8, Ret),
     Trash(u8, Ret),
     DropRow(u8, Ret),
@@ -305,12 +354,16 @@ impl Pc {
             Pc::Choose | Pc::Done => return None,
             Pc::LeaseCreate => Step::LeaseCreate,
             Pc::LeaseLock => Step::LeaseLock,
+            Pc::FastTry => Step::FastTry,
+            Pc::FastStore => Step::FastStore,
+            Pc::Invalidate | Pc::InvalidateRm(..) | Pc::StoreInvalidate => Step::Invalidate,
+            Pc::StartToken | Pc::FinishToken => Step::Token,
             Pc::StoreLock => Step::StoreLock,
             Pc::StoreRecord => Step::StoreRecord,
             Pc::StoreFree => Step::StoreFree,
             Pc::StoreWaitFree(_) => Step::StoreWaitFree,
             Pc::StoreAwait => Step::StoreAwait,
-            Pc::StoreEnd => Step::StoreEnd,
+            Pc::StoreEnd(_) => Step::StoreEnd,
             Pc::CleanLock => Step::CleanLock,
             Pc::CleanUnlink => Step::CleanUnlink,
             Pc::SlotTry => Step::SlotTry,
@@ -436,6 +489,8 @@ pub struct State {
     pub global: Option<u8>,
     /// The store-wide holder record (its owner).
     pub store_rec: Option<u8>,
+    /// Valid ready tokens: (image, generation of its lock file). Sorted.
+    pub tokens: Vec<(u8, u8)>,
     pub crashes: u8,
     pub bad: u8,
 }
@@ -656,7 +711,7 @@ impl Proto {
     fn enclosing(&self, s: &State, p: usize, key: Key) -> Option<Mode> {
         let q = self.cfg.roles[p].parent? as usize;
         let visible = match self.op(s, q) {
-            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit }) => {
+            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit, .. }) => {
                 inherit || self.cfg.rules.local_fs
             }
             _ => false,
@@ -870,7 +925,7 @@ impl Proto {
             }
             if self.enabled(s, p) {
                 out.push(Action::Step(p as u8));
-                if matches!(pr.pc, Pc::Clone | Pc::Spawn) {
+                if matches!(pr.pc, Pc::Clone | Pc::Spawn) || self.stale_possible(s, p) {
                     out.push(Action::Fail(p as u8));
                 }
             }
@@ -879,6 +934,21 @@ impl Proto {
                 out.push(Action::Exit(p as u8, false));
             }
         }
+    }
+
+    /// At `fast-try` with a ready token: it may also be older than the
+    /// resolution (freshness is not modelled otherwise), which sends the
+    /// read the slow way.
+    fn stale_possible(&self, s: &State, p: usize) -> bool {
+        let at = match self.cfg.rules.token_after_store {
+            true => Pc::FastStore,
+            false => Pc::FastTry,
+        };
+        s.procs[p].pc == at
+            && self.op(s, p).is_some_and(|op| {
+                let (img, _) = Self::wanted(op)[0];
+                s.file[img as usize].is_some_and(|g| s.tokens.contains(&(img, g)))
+            })
     }
 
     fn started(pr: &Proc) -> bool {
@@ -905,7 +975,7 @@ impl Proto {
     /// SIGKILL of one stowage process.
     fn kill(&self, s: &mut State, p: usize) {
         let inherit = match self.op(s, p) {
-            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit }) => inherit,
+            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit, .. }) => inherit,
             _ => true,
         };
         let pr = &mut s.procs[p];
@@ -963,18 +1033,170 @@ impl Proto {
 
     // -- steps -------------------------------------------------------------
 
-    fn after_images(op: Op) -> Pc {
+    fn after_images(&self, op: Op) -> Pc {
         match op {
-            Op::Rm(i) => Pc::Mark(i, Ret::Rm),
+            Op::Rm(i) => self.remove(i, Ret::Rm),
+            Op::Exec { write: Some(_), .. } if self.cfg.rules.writer_invalidates => Pc::Invalidate,
             _ => Pc::Start,
         }
     }
 
-    fn next_image(op: Op, k: u8) -> Pc {
+    /// `remove::remove_locked`: the token first, then the mark.
+    fn remove(&self, img: u8, ret: Ret) -> Pc {
+        if self.cfg.rules.remove_invalidates {
+            Pc::InvalidateRm(img, ret)
+        } else {
+            Pc::Mark(img, ret)
+        }
+    }
+
+    fn next_image(&self, op: Op, k: u8) -> Pc {
         if (k as usize + 1) < Self::wanted(op).len() {
             Pc::Try(k + 1)
         } else {
-            Self::after_images(op)
+            self.after_images(op)
+        }
+    }
+
+    /// A plain read (no write, no exclusive read, no slot): the fast path
+    /// is tried first (`Session::begin_fast`).
+    fn fast_eligible(op: Op) -> bool {
+        matches!(
+            op,
+            Op::Exec {
+                read: Some(_),
+                read_excl: false,
+                write: None,
+                slot: None,
+                ..
+            }
+        )
+    }
+
+    /// What follows the lease on the first go: the fast path for a plain
+    /// read, the slow way for everything else (and for a read starting
+    /// over after a store-wide hold).
+    fn begin(&self, op: Op) -> Pc {
+        if !Self::fast_eligible(op) {
+            return self.after_lease(op);
+        }
+        match self.cfg.rules.fast_store {
+            FastStore::BeforeLocks => Pc::FastStore,
+            FastStore::AfterLocks | FastStore::Never => Pc::FastTry,
+        }
+    }
+
+    /// The fast path's claim: the command may run.
+    fn fast_claim(&self, s: &mut State, p: usize) {
+        s.procs[p].claimed = true;
+        self.claim_past_hold(s, p);
+        s.procs[p].pc = Pc::Spawn;
+    }
+
+    /// Images whose trees a store-wide command deleted, that
+    /// `forget_deleted` drops (not `deleting`: a removal's own business;
+    /// not `incomplete`: a failed write may have no tree).
+    fn deleted(&self, s: &State) -> Vec<u8> {
+        (0..self.cfg.images)
+            .filter(|&i| {
+                s.rows[i as usize].is_some_and(|r| r != Row::Deleting && r != Row::Incomplete)
+                    && !s.tree[i as usize]
+            })
+            .collect()
+    }
+
+    /// The tokens a step would write (`StartToken`, `FinishToken`): the
+    /// files the process holds. A step that would change nothing is not
+    /// taken (see `skip_noops`).
+    fn tokens_to_write(&self, s: &State, p: usize) -> Vec<(u8, u8)> {
+        let pr = &s.procs[p];
+        let Some(Op::Exec {
+            read,
+            read_excl,
+            write,
+            ..
+        }) = self.op(s, p)
+        else {
+            return vec![];
+        };
+        pr.held
+            .iter()
+            .filter(|&&(i, _, m)| match pr.pc {
+                // A slow-path reader, after its start committed.
+                Pc::StartToken => m == Mode::Shared,
+                // A writer whose write succeeded; an exclusive reader.
+                Pc::FinishToken => (write == Some(i) && pr.ok) || (read_excl && read == Some(i)),
+                _ => false,
+            })
+            .map(|&(i, g, _)| (i, g))
+            .filter(|t| !s.tokens.contains(t))
+            .collect()
+    }
+
+    /// The tokens an invalidation would make say nothing: the files of
+    /// images written (held exclusively), removed, or deleted by a
+    /// store-wide command.
+    fn tokens_to_invalidate(&self, s: &State, p: usize) -> Vec<(u8, u8)> {
+        let pr = &s.procs[p];
+        let held_excl = |img: u8| {
+            pr.held
+                .iter()
+                .filter(move |&&(i, _, m)| i == img && m == Mode::Exclusive)
+                .map(|&(i, g, _)| (i, g))
+        };
+        let cands: Vec<(u8, u8)> = match pr.pc {
+            Pc::Invalidate => match self.op(s, p) {
+                Some(Op::Exec { write: Some(w), .. }) => held_excl(w).collect(),
+                _ => vec![],
+            },
+            Pc::InvalidateRm(img, _) => held_excl(img).collect(),
+            // `record::invalidate_at`: the file at the path, no lock needed
+            // (the hold keeps every reader out).
+            Pc::StoreInvalidate => self
+                .deleted(s)
+                .into_iter()
+                .filter_map(|i| s.file[i as usize].map(|g| (i, g)))
+                .collect(),
+            _ => vec![],
+        };
+        cands.into_iter().filter(|t| s.tokens.contains(t)).collect()
+    }
+
+    /// A token step that would change nothing is no step: invalidating
+    /// what is not valid, writing what is there (`record::invalidate`
+    /// writes nothing then; `write_ready` would write the same bytes).
+    fn skip_noops(&self, s: &mut State, p: usize) {
+        loop {
+            let pc = s.procs[p].pc;
+            let next = match pc {
+                Pc::Invalidate | Pc::InvalidateRm(..) | Pc::StoreInvalidate
+                    if self.tokens_to_invalidate(s, p).is_empty() =>
+                {
+                    Self::after_invalidate(pc)
+                }
+                Pc::StartToken | Pc::FinishToken if self.tokens_to_write(s, p).is_empty() => {
+                    self.after_token(s, p)
+                }
+                _ => return,
+            };
+            s.procs[p].pc = next;
+        }
+    }
+
+    fn after_invalidate(pc: Pc) -> Pc {
+        match pc {
+            Pc::Invalidate => Pc::Start,
+            Pc::InvalidateRm(img, ret) => Pc::Mark(img, ret),
+            Pc::StoreInvalidate => Pc::StoreEnd(true),
+            _ => unreachable!(),
+        }
+    }
+
+    fn after_token(&self, s: &State, p: usize) -> Pc {
+        match (s.procs[p].pc, self.op(s, p)) {
+            (Pc::StartToken, Some(Op::Exec { from: true, .. })) => Pc::Clone,
+            (Pc::StartToken, _) => Pc::Spawn,
+            _ => Pc::Release,
         }
     }
 
@@ -984,23 +1206,23 @@ impl Proto {
     fn first(&self, op: Op) -> Pc {
         match op {
             Op::Exec { .. } | Op::Rm(_) | Op::Gc if self.cfg.rules.leases => Pc::LeaseCreate,
-            _ => Self::after_lease(op),
+            _ => self.begin(op),
         }
     }
 
     /// The image locks, or what follows them when there are none.
-    fn images(op: Op) -> Pc {
+    fn images(&self, op: Op) -> Pc {
         if Self::wanted(op).is_empty() {
-            Self::after_images(op)
+            self.after_images(op)
         } else {
             Pc::Try(0)
         }
     }
 
-    fn after_lease(op: Op) -> Pc {
+    fn after_lease(&self, op: Op) -> Pc {
         match op {
             Op::Exec { slot: Some(_), .. } => Pc::SlotTry,
-            Op::Exec { .. } | Op::Rm(_) => Self::images(op),
+            Op::Exec { .. } | Op::Rm(_) => self.images(op),
             Op::StoreWide { .. } => Pc::StoreLock,
             Op::Gc => Pc::ListInterrupted,
             Op::Doctor | Op::Look => Pc::Sweep,
@@ -1112,7 +1334,7 @@ impl Proto {
                 }
                 Self::take(s, key, p, Mode::Exclusive);
                 s.procs[p].lease = Some(n);
-                s.procs[p].pc = Self::after_lease(op);
+                s.procs[p].pc = self.begin(op);
             }
             Pc::CleanLock => {
                 let own = s.procs[p].lease.map(|n| (p as u8, n));
@@ -1198,7 +1420,9 @@ impl Proto {
                         s.procs[p].pc = Pc::Spawn;
                     }
                     // Held by our enclosing command, which waits for us.
-                    Some(k) if self.enclosing(s, p, k).is_some() => s.procs[p].pc = Pc::StoreEnd,
+                    Some(k) if self.enclosing(s, p, k).is_some() => {
+                        s.procs[p].pc = Pc::StoreEnd(false)
+                    }
                     Some(k) => s.procs[p].pc = Pc::StoreWaitFree(k),
                 }
             }
@@ -1206,13 +1430,105 @@ impl Proto {
             Pc::StoreWaitFree(_) => s.procs[p].pc = Pc::StoreFree,
             Pc::StoreAwait => {
                 // Taken shared and dropped: the hold is over. Start over.
-                s.procs[p].pc = Self::after_lease(op);
+                s.procs[p].pc = self.after_lease(op);
             }
-            Pc::StoreEnd => {
+            Pc::StoreInvalidate => {
+                for t in self.tokens_to_invalidate(s, p) {
+                    s.tokens.retain(|x| *x != t);
+                }
+                s.procs[p].pc = Pc::StoreEnd(true);
+            }
+            Pc::StoreEnd(forget) => {
+                if forget {
+                    // `forget_deleted`: the rows of deleted images go (their
+                    // tokens went at `StoreInvalidate`), then their lock
+                    // files, each under its exclusive lock if free.
+                    for i in self.deleted(s) {
+                        s.rows[i as usize] = None;
+                        s.truth[i as usize] = (false, false);
+                        if let Some(g) = s.file[i as usize]
+                            && Self::grantable(s, Key::Img(i, g), Mode::Exclusive)
+                        {
+                            s.file[i as usize] = None;
+                        }
+                    }
+                }
                 if s.store_rec == Some(p as u8) {
                     s.store_rec = None;
                 }
                 s.procs[p].pc = Pc::Release;
+            }
+            Pc::FastTry => {
+                // `try_ready`: the lock file must exist (no create), the
+                // lock be free in our mode and the gate passed, and the file
+                // hold a ready token; else the slow way, holding nothing.
+                let (img, _) = Self::wanted(op)[0];
+                let slow = self.after_lease(op);
+                let Some(g) = s.file[img as usize] else {
+                    s.procs[p].pc = slow;
+                    return;
+                };
+                let key = Key::Img(img, g);
+                let mut got = Self::grantable(s, key, Mode::Shared);
+                if got && rules.gate {
+                    let gate_free = Self::grantable(s, Key::Gate(img), Mode::Shared);
+                    let nested_pass = rules.nested && self.enclosing(s, p, key).is_some();
+                    got = gate_free || nested_pass;
+                }
+                let token_later =
+                    rules.token_after_store && rules.fast_store == FastStore::AfterLocks;
+                if !got || !(token_later || s.tokens.contains(&(img, g))) {
+                    s.procs[p].pc = slow;
+                    return;
+                }
+                if Self::writer_waits(s, img, &self.cfg) && !self.nested_in_holder(s, p, img) {
+                    s.bad |= bad::BYPASS;
+                }
+                Self::take(s, key, p, Mode::Shared);
+                s.procs[p].held.push((img, g, Mode::Shared));
+                match rules.fast_store {
+                    FastStore::AfterLocks => s.procs[p].pc = Pc::FastStore,
+                    FastStore::BeforeLocks | FastStore::Never => self.fast_claim(s, p),
+                }
+            }
+            Pc::FastStore => {
+                // `free_now`: store.lock tried shared and dropped at once
+                // (then, under `token_after_store`, the token read).
+                let token_now =
+                    rules.token_after_store && rules.fast_store == FastStore::AfterLocks;
+                let token_ok = !token_now
+                    || s.procs[p]
+                        .held
+                        .iter()
+                        .all(|&(i, g, _)| s.tokens.contains(&(i, g)));
+                if !Self::grantable(s, Key::Store, Mode::Shared) || !token_ok {
+                    // Held: the slow way waits for the hold (or passes it,
+                    // inside its command). Our image locks go first.
+                    Self::close_locks(s, p);
+                    s.procs[p].pc = self.after_lease(op);
+                    return;
+                }
+                match rules.fast_store {
+                    FastStore::BeforeLocks => s.procs[p].pc = Pc::FastTry,
+                    FastStore::AfterLocks | FastStore::Never => self.fast_claim(s, p),
+                }
+            }
+            Pc::Invalidate | Pc::InvalidateRm(..) => {
+                // `record::invalidate`, durably, under our exclusive lock,
+                // before the transaction that moves the row away from ready.
+                for t in self.tokens_to_invalidate(s, p) {
+                    s.tokens.retain(|x| *x != t);
+                }
+                s.procs[p].pc = Self::after_invalidate(pc);
+            }
+            Pc::StartToken | Pc::FinishToken => {
+                // `record::write_ready`, holding the lock, after the commit
+                // that saw (or made) the row ready.
+                for t in self.tokens_to_write(s, p) {
+                    s.tokens.push(t);
+                }
+                s.tokens.sort();
+                s.procs[p].pc = self.after_token(s, p);
             }
             Pc::SlotTry => {
                 let Op::Exec {
@@ -1229,14 +1545,14 @@ impl Proto {
                 {
                     Self::take(s, Key::Slot(f), p, Mode::Exclusive);
                     s.procs[p].slot = Some(f);
-                    s.procs[p].pc = Self::images(op);
+                    s.procs[p].pc = self.images(op);
                 } else if rules.nested
                     && cands
                         .iter()
                         .any(|f| self.enclosing(s, p, Key::Slot(*f)).is_some())
                 {
                     // Works under the enclosing command's slot.
-                    s.procs[p].pc = Self::images(op);
+                    s.procs[p].pc = self.images(op);
                 } else {
                     s.procs[p].pc = Pc::SlotWaiter;
                 }
@@ -1268,7 +1584,7 @@ impl Proto {
                     .expect("enabled");
                 Self::take(s, Key::Slot(f), p, Mode::Exclusive);
                 s.procs[p].slot = Some(f);
-                s.procs[p].pc = Self::images(op);
+                s.procs[p].pc = self.images(op);
             }
             Pc::Try(k) => {
                 let (img, mode) = Self::wanted(op)[k as usize];
@@ -1304,7 +1620,7 @@ impl Proto {
                     }
                     Self::take(s, key, p, mode);
                     s.procs[p].held.push((img, g, mode));
-                    s.procs[p].pc = Self::next_image(op, k);
+                    s.procs[p].pc = self.next_image(op, k);
                     return;
                 }
                 if rules.nested
@@ -1362,7 +1678,7 @@ impl Proto {
                 Self::take(s, Key::Img(img, g), p, mode);
                 s.procs[p].held.push((img, g, mode));
                 Self::drop_key(s, Key::Gate(img), p);
-                s.procs[p].pc = Self::next_image(op, k);
+                s.procs[p].pc = self.next_image(op, k);
             }
             Pc::Start => {
                 let Op::Exec {
@@ -1446,7 +1762,10 @@ impl Proto {
                         );
                     }
                 }
-                s.procs[p].pc = if from { Pc::Clone } else { Pc::Spawn };
+                // Readers write their tokens after the commit (`StartToken`
+                // goes on to `Clone` or `Spawn`).
+                let _ = from;
+                s.procs[p].pc = Pc::StartToken;
             }
             Pc::Clone => s.procs[p].pc = Pc::ReleaseBase,
             Pc::ReleaseBase => {
@@ -1500,7 +1819,7 @@ impl Proto {
                     s.truth[wi] = (false, ok);
                 }
                 Self::drop_records(s, p, None);
-                s.procs[p].pc = Pc::Release;
+                s.procs[p].pc = Pc::FinishToken;
             }
             Pc::Release => {
                 // `lease::retire`: the lease file goes, under its lock.
@@ -1589,7 +1908,7 @@ impl Proto {
                     return;
                 }
                 match s.rows[img as usize] {
-                    Some(Row::Deleting) => s.procs[p].pc = Pc::Mark(img, Ret::Interrupted),
+                    Some(Row::Deleting) => s.procs[p].pc = self.remove(img, Ret::Interrupted),
                     None => {
                         Self::unlink(s, p, img);
                         s.procs[p].pc = next;
@@ -1663,7 +1982,7 @@ impl Proto {
                         s.procs[p].pc = next;
                     }
                     Some(r) if r == Row::Incomplete || r.being_written() => {
-                        s.procs[p].pc = Pc::Mark(img, Ret::Collect);
+                        s.procs[p].pc = self.remove(img, Ret::Collect);
                     }
                     Some(_) => {
                         Self::release_image(s, p, img);
@@ -1708,6 +2027,7 @@ impl Proto {
             lfiles: vec![],
             global: None,
             store_rec: None,
+            tokens: vec![],
             crashes: 0,
             bad: 0,
         };
@@ -1718,6 +2038,7 @@ impl Proto {
             s.truth[i] = (false, true);
             s.file[i] = Some(0);
             s.next_gen[i] = 1;
+            s.tokens.push((i as u8, 0));
         }
         s
     }
@@ -1817,6 +2138,41 @@ impl Proto {
         })
     }
 
+    /// `record.rs`: a valid ready token (in the file at the image's path)
+    /// exists only while the image's row says ready.
+    pub fn token_means_ready(&self, s: &State) -> bool {
+        s.tokens
+            .iter()
+            .all(|&(i, g)| s.file[i as usize] != Some(g) || s.rows[i as usize] == Some(Row::Ready))
+    }
+
+    /// A plain reader (`--from`'s base too, while it is held) past its
+    /// claim — the slow path's `start` or the fast path's `fast-store` —
+    /// or whose command runs, reads a ready image.
+    pub fn readers_read_ready(&self, s: &State) -> bool {
+        (0..s.procs.len()).all(|q| match self.op(s, q) {
+            Some(Op::Exec {
+                read: Some(r),
+                read_excl: false,
+                from,
+                ..
+            }) => {
+                let pr = &s.procs[q];
+                let reading = (pr.claimed && pr.held.iter().any(|h| h.0 == r))
+                    || (pr.cmd == Cmd::Running && !from);
+                !reading || s.rows[r as usize] == Some(Row::Ready)
+            }
+            _ => true,
+        })
+    }
+
+    /// A read of the fast path at `fast-store`, holding its image.
+    fn fast_holding(s: &State) -> impl Iterator<Item = &Proc> {
+        s.procs
+            .iter()
+            .filter(|pr| pr.alive && pr.pc == Pc::FastStore && !pr.held.is_empty())
+    }
+
     pub fn slots_within_limits(&self, s: &State) -> bool {
         let l = self.cfg.slot_limit;
         s.procs.iter().enumerate().all(|(p, pr)| {
@@ -1875,6 +2231,12 @@ impl Model for Proto {
             Action::Fail(p) => {
                 let p = p as usize;
                 match s.procs[p].pc {
+                    // A token older than the resolution: the slow way.
+                    Pc::FastTry | Pc::FastStore => {
+                        let op = self.op(&s, p).expect("started");
+                        Self::close_locks(&mut s, p);
+                        s.procs[p].pc = self.after_lease(op);
+                    }
                     // A half-made copy is never ready.
                     Pc::Clone => {
                         s.procs[p].ok = false;
@@ -1883,7 +2245,7 @@ impl Model for Proto {
                     Pc::Spawn => {
                         let from = matches!(self.op(&s, p), Some(Op::Exec { from: true, .. }));
                         if matches!(self.op(&s, p), Some(Op::StoreWide { .. })) {
-                            s.procs[p].pc = Pc::StoreEnd;
+                            s.procs[p].pc = Pc::StoreInvalidate;
                         } else if from {
                             s.procs[p].ok = false;
                             s.procs[p].pc = Pc::Finish;
@@ -1896,6 +2258,12 @@ impl Model for Proto {
             }
             Action::Exit(p, ok) => {
                 let p = p as usize;
+                if let Some(Op::StoreWide {
+                    deletes: Some(i), ..
+                }) = self.op(&s, p)
+                {
+                    s.tree[i as usize] = false;
+                }
                 s.procs[p].cmd = Cmd::Exited;
                 s.procs[p].ok = ok;
                 for c in self.nested_children(p).collect::<Vec<_>>() {
@@ -1905,7 +2273,7 @@ impl Model for Proto {
                 }
                 if s.procs[p].alive {
                     s.procs[p].pc = match self.op(&s, p) {
-                        Some(Op::StoreWide { .. }) => Pc::StoreEnd,
+                        Some(Op::StoreWide { .. }) => Pc::StoreInvalidate,
                         _ => Pc::Finish,
                     };
                 } else {
@@ -1921,6 +2289,12 @@ impl Model for Proto {
                 s.crashes += 1;
                 self.host_dies(&mut s, h);
             }
+        }
+        if let Action::Choose(p, _) | Action::Step(p) | Action::Fail(p) | Action::Exit(p, _) =
+            action
+            && s.procs[p as usize].alive
+        {
+            self.skip_noops(&mut s, p as usize);
         }
         Some(s)
     }
@@ -1971,6 +2345,35 @@ impl Model for Proto {
             Property::always(
                 "an exclusively read image stays ready",
                 |m: &Proto, s: &State| m.exclusive_read_leaves_ready(s),
+            ),
+            Property::always(
+                "a ready token only on a ready row",
+                |m: &Proto, s: &State| m.token_means_ready(s),
+            ),
+            Property::always(
+                "no reader's command runs on an image whose row is not ready",
+                |m: &Proto, s: &State| m.readers_read_ready(s),
+            ),
+            Property::sometimes(
+                "a read holds its image on a ready token, without the database",
+                |_, s: &State| Self::fast_holding(s).next().is_some(),
+            ),
+            Property::sometimes(
+                "a read of the fast path finds store.lock held",
+                |_, s: &State| {
+                    Self::fast_holding(s).next().is_some()
+                        && !Self::grantable(s, Key::Store, Mode::Shared)
+                },
+            ),
+            Property::sometimes("a ready image has no token", |m: &Proto, s: &State| {
+                (0..m.cfg.images).any(|i| {
+                    s.rows[i as usize] == Some(Row::Ready)
+                        && s.file[i as usize].is_some_and(|g| !s.tokens.contains(&(i, g)))
+                })
+            }),
+            Property::sometimes(
+                "a store-wide command deleted an image's tree",
+                |m: &Proto, s: &State| !m.deleted(s).is_empty(),
             ),
             Property::sometimes(
                 "a nested reader holds the image while a writer waits",

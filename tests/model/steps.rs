@@ -9,6 +9,10 @@
 pub enum Step {
     LeaseCreate,
     LeaseLock,
+    FastTry,
+    FastStore,
+    Invalidate,
+    Token,
     StoreLock,
     StoreRecord,
     StoreFree,
@@ -47,6 +51,10 @@ pub enum Step {
 pub const ALL: &[Step] = &[
     Step::LeaseCreate,
     Step::LeaseLock,
+    Step::FastTry,
+    Step::FastStore,
+    Step::Invalidate,
+    Step::Token,
     Step::StoreLock,
     Step::StoreRecord,
     Step::StoreFree,
@@ -88,6 +96,10 @@ impl Step {
         match self {
             Step::LeaseCreate => "lease-create",
             Step::LeaseLock => "lease-lock",
+            Step::FastTry => "fast-try",
+            Step::FastStore => "fast-store",
+            Step::Invalidate => "invalidate",
+            Step::Token => "token",
             Step::StoreLock => "store-lock",
             Step::StoreRecord => "store-record",
             Step::StoreFree => "store-free",
@@ -134,6 +146,25 @@ impl Step {
                 "lock::acquire_no_wait",
                 "lock::still_linked",
             ],
+            Step::FastTry => &[
+                "session::begin_fast",
+                "acquire::image::try_ready",
+                "acquire::image::try_image",
+                "record::read_ready",
+            ],
+            Step::FastStore => &[
+                "session::begin_fast",
+                "store_wide::free_now",
+                "lock::free_now",
+            ],
+            Step::Invalidate => &[
+                "record::invalidate",
+                "record::invalidate_at",
+                "session::begin",
+                "remove::remove_locked",
+                "store_wide::forget_deleted",
+            ],
+            Step::Token => &["record::write_ready", "session::start", "session::finish"],
             Step::StoreLock => &[
                 "store_wide::take",
                 "lock::acquire",
@@ -248,7 +279,7 @@ impl Step {
 /// such as one image lock after another, is listed once).
 pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
     use Step::*;
-    let remove = [Mark, Trash, DropRow, Unlink, DeleteTrash];
+    let remove = [Invalidate, Mark, Trash, DropRow, Unlink, DeleteTrash];
     let lease = [LeaseCreate, LeaseLock];
     let look = [Sweep, CleanLock, CleanUnlink];
     vec![
@@ -257,6 +288,8 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
             lease
                 .into_iter()
                 .chain([
+                    FastTry,
+                    FastStore,
                     SlotTry,
                     SlotWaiter,
                     SlotWait,
@@ -264,7 +297,9 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
                     Waiter,
                     Gate,
                     Wait,
+                    Invalidate,
                     Start,
+                    Token,
                     StoreAwait,
                     Clone,
                     ReleaseBase,
@@ -285,6 +320,7 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
                 StoreWaitFree,
                 Spawn,
                 Command,
+                Invalidate,
                 StoreEnd,
                 Release,
             ],
