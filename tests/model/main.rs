@@ -715,6 +715,29 @@ fn big_sizes_when_asked() {
     let mut store = store_config();
     store.crashes = 2;
     assert_holds("store-wide, 2 crashes", store, STORE_REACHED);
+    let token_reach: Vec<&str> = TOKENS_REACHED
+        .iter()
+        .chain(TOKENS_STORE_REACHED)
+        .copied()
+        .collect();
+    let mut tokens = token_config();
+    tokens.crashes = 2;
+    assert_holds("tokens, 2 crashes", tokens, &token_reach);
+    // The protocol as implemented, with store-wide commands that delete
+    // nothing (see `a_fast_read_can_run_on_an_image_a_store_wide_command_deleted`).
+    let mut tokens = token_config();
+    tokens.crashes = 2;
+    tokens.rules.token_after_store = false;
+    for op in &mut tokens.roles[0].menu {
+        if let Op::StoreWide { deletes, .. } = op {
+            *deletes = None;
+        }
+    }
+    assert_holds(
+        "tokens as implemented, no deletion, 2 crashes",
+        tokens,
+        TOKENS_REACHED,
+    );
     // Its nested call takes no slot (see `big_config`).
     let reach: Vec<&str> = reach
         .into_iter()

@@ -23,6 +23,13 @@
 //! every other transaction is one step. `exec --store-wide` is its
 //! `store.lock`, a record every claiming transaction honours, and the wait
 //! for every image lock and slot to be free.
+//!
+//! Ready tokens (src/record.rs) belong to lock files: a plain read that
+//! finds one takes the fast path (its image lock, then a try of
+//! `store.lock`) and never transacts; every change of a row away from
+//! ready invalidates the token first, in a step of its own, and a token is
+//! written in a step after the commit that saw the row ready, so that a
+//! crash can fall between either pair.
 
 use stateright::{Model, Property};
 
@@ -1278,6 +1285,12 @@ impl Proto {
         }
     }
 
+    /// The lock file left the path: no reader can open it again, so its
+    /// token (if any) says nothing any more; the next file has none.
+    fn forget_tokens(s: &mut State, img: u8) {
+        s.tokens.retain(|(i, _)| *i != img);
+    }
+
     fn release_image(s: &mut State, p: usize, img: u8) {
         let held = std::mem::take(&mut s.procs[p].held);
         for (i, g, _) in &held {
@@ -1292,6 +1305,7 @@ impl Proto {
     /// descriptor closes.
     fn unlink(s: &mut State, p: usize, img: u8) {
         s.file[img as usize] = None;
+        Self::forget_tokens(s, img);
         Self::release_image(s, p, img);
     }
 
@@ -1450,6 +1464,7 @@ impl Proto {
                             && Self::grantable(s, Key::Img(i, g), Mode::Exclusive)
                         {
                             s.file[i as usize] = None;
+                            Self::forget_tokens(s, i);
                         }
                     }
                 }
