@@ -478,19 +478,35 @@ struct Rebuilt {
 /// lineage, times, the images directory, slot classes). A store-wide
 /// operation: it waits until no image lock is held.
 fn rebuild(store: &mut Store) -> Result<Rebuilt> {
-    // The store-wide lock first: reads of the fast path (record.rs) take no
-    // global lock, so it is what keeps them out while the rows are made
-    // again; then the ready tokens go, since the rebuilt rows vouch for
-    // none of them (the next read of each image writes its token again).
+    // The store-wide lock and its hints first: reads of the fast path
+    // (record.rs) take no global lock, so they are what keeps them out
+    // while the rows are made again; then the ready tokens go, since the
+    // rebuilt rows vouch for none of them (the next read of each image
+    // writes its token again).
     // Inside a store-wide command's own command, the hold is ours already.
     let lease = store.root().store_wide_lock();
     let inside = lock::inherited_exclusive(&lease)
         || crate::nested::enclosing_hold(&lease) == Some(lock::Mode::Exclusive);
-    let _store_wide = match inside {
-        true => None,
-        false => Some(crate::store_wide::lock_store(store, None, false)?),
-    };
+    if inside {
+        // Its hints are set, and stay until it ends.
+        return rebuild_marked(store);
+    }
+    let _store_wide = crate::store_wide::lock_store(store, None, false)?;
+    // The store-wide hint tells reads of the fast path to ask store.lock;
+    // cleared again, still holding it, however the rebuild ends.
+    let locks = store.root().image_locks();
+    let out = crate::record::mark_store_wide(&locks, true)
+        .context("cannot mark the image lock files")
+        .and_then(|()| rebuild_marked(store));
+    let _ = crate::record::mark_store_wide(&locks, false);
+    out
+}
+
+/// [`rebuild`], holding the store-wide lock with every image lock file
+/// marked.
+fn rebuild_marked(store: &mut Store) -> Result<Rebuilt> {
     let global = store.global_with_images_free("rebuilding the metadata database", None)?;
+    crate::debug::pause("rebuild-images-free");
     crate::record::invalidate_all(&store.root().image_locks())
         .context("cannot clear the image records of the lock files")?;
     store.close_db();

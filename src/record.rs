@@ -40,6 +40,28 @@
 //! - Bytes after the `crc=` line are ignored: a record is rewritten with
 //!   one `pwrite` at offset 0, never truncated (a setattr is one more round
 //!   trip on NFS), so a shorter record leaves the tail of a longer one.
+//!
+//! Two *hints* follow at fixed offsets ([`HINTS_AT`]), one byte each, read
+//! in the same `pread` as the token and never touched by a token write, so
+//! that an uncontended read opens neither the image's gate nor the store
+//! lock:
+//! - **writer waits** (`Hint::WriterWaits`): set by a writer that holds the
+//!   image's gate exclusively, before it waits for the lock; a reader that
+//!   sees it tries the gate (and queues behind the writer if it is held).
+//!   Cleared under the gate: by the writer once it has the lock and no
+//!   other writer holds the gate, or by a reader that finds the gate free.
+//!   Only fairness rests on it (writers are not starved); a lost hint
+//!   costs no exclusion.
+//! - **store-wide** (`Hint::StoreWide`): set on every image lock file by a
+//!   store-wide operation that holds `locks/store.lock` exclusively, before
+//!   it checks that every image lock is free; cleared when it ends (still
+//!   holding it), or by a reader that holds `store.lock` shared (no
+//!   operation can start meanwhile). A read that takes its image lock after
+//!   the operation's check therefore sees the hint and asks `store.lock`; one
+//!   that took it before is seen by the check. Lock files made after the
+//!   pass carry no token a fast read could use: a token is written only
+//!   after a start or finish transaction, which the operation's record
+//!   refuses (docs/design.md, "Ready tokens").
 
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -52,9 +74,39 @@ use crate::lock::Guard;
 /// reader asks the database, which knows the schema).
 const FORMAT: &str = "stowage-image 1\n";
 
-/// Longer records are not written (a path near PATH_MAX): those images are
-/// read through the database every time.
-const MAX: usize = 4096;
+/// Where the hints start: records end before (a longer one, with a path
+/// near PATH_MAX, is not written: such images are read through the
+/// database every time).
+pub const HINTS_AT: usize = 3072;
+const MAX: usize = HINTS_AT;
+
+/// A one-byte flag after the record (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hint {
+    /// A writer may be waiting at the image's gate.
+    WriterWaits,
+    /// A store-wide operation may hold the store.
+    StoreWide,
+}
+
+impl Hint {
+    fn offset(self) -> u64 {
+        (HINTS_AT
+            + match self {
+                Hint::WriterWaits => 0,
+                Hint::StoreWide => 1,
+            }) as u64
+    }
+}
+
+/// What one read of a lock file says: the token, if valid and fresh, and
+/// the hints.
+#[derive(Debug, Default)]
+pub struct Seen {
+    pub ready: Option<Ready>,
+    pub writer_waits: bool,
+    pub store_wide: bool,
+}
 
 /// The schema version from which binaries keep records: a store migrated
 /// to it has locked out every binary that would change an image without
@@ -127,17 +179,29 @@ pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
 /// One `pread`; the time comes from the stat the lock already made (see
 /// [`Guard::modified_ms`]).
 pub fn read_ready(guard: &Guard) -> Option<Ready> {
+    read(guard).ready
+}
+
+/// [`read_ready`] with the hints, in one `pread`.
+pub fn read(guard: &Guard) -> Seen {
     if !enabled() {
-        return None;
+        return Seen::default();
     }
+    let mut buf = vec![0u8; HINTS_AT + 2];
+    let Ok(n) = guard.file().read_at(&mut buf, 0) else {
+        return Seen::default();
+    };
+    let set = |h: Hint| (h.offset() as usize) < n && buf[h.offset() as usize] == b'1';
     let fresh = LAST_USE_RESOLUTION - Duration::from_secs(1);
     let age = crate::clock::now_ms() - guard.modified_ms();
     // A time far in the future (a server clock ahead) is no proof of a
     // recent use either.
-    if age.unsigned_abs() >= fresh.as_millis() as u64 {
-        return None;
+    let recent = age.unsigned_abs() < fresh.as_millis() as u64;
+    Seen {
+        ready: recent.then(|| decode(&buf[..n.min(MAX)])).flatten(),
+        writer_waits: set(Hint::WriterWaits),
+        store_wide: set(Hint::StoreWide),
     }
-    read_valid(guard.file())
 }
 
 /// The record of a lock file, if it is a valid `ready` token, whatever its
@@ -146,6 +210,27 @@ fn read_valid(file: &std::fs::File) -> Option<Ready> {
     let mut buf = vec![0u8; MAX];
     let n = file.read_at(&mut buf, 0).ok()?;
     decode(&buf[..n])
+}
+
+/// Sets or clears a hint (see the module doc for who may, holding what).
+/// `sync`: durable before the caller lets go of what it holds, so that on
+/// NFS a clearing cannot reach the server after a later setting.
+pub fn set_hint(file: &std::fs::File, hint: Hint, on: bool, sync: bool) -> io::Result<()> {
+    if !enabled() {
+        return Ok(());
+    }
+    file.write_all_at(if on { b"1" } else { b"0" }, hint.offset())?;
+    if sync { file.sync_data() } else { Ok(()) }
+}
+
+/// Sets (or clears) the store-wide hint on every image lock file: the
+/// caller holds `locks/store.lock` exclusively. Each file is closed after
+/// its write, which on NFS sends it to the server before the caller's
+/// check of the image locks.
+pub fn mark_store_wide(image_locks: &Path, on: bool) -> io::Result<()> {
+    each_lock_file(image_locks, |file| {
+        set_hint(file, Hint::StoreWide, on, false)
+    })
 }
 
 /// Writes the `ready` token, holding the image's lock after seeing its row
@@ -184,6 +269,15 @@ pub fn invalidate(file: &std::fs::File) -> io::Result<()> {
 /// fast path can be inside; readers of the slow path that took their locks
 /// since wait for the global lock and have decided nothing yet.
 pub fn invalidate_all(image_locks: &Path) -> io::Result<()> {
+    each_lock_file(image_locks, invalidate)
+}
+
+/// Runs `f` on every image lock file of `image_locks` (regular files named
+/// `*.lock`, opened without following links or creating anything).
+fn each_lock_file(
+    image_locks: &Path,
+    mut f: impl FnMut(&std::fs::File) -> io::Result<()>,
+) -> io::Result<()> {
     let entries = match std::fs::read_dir(image_locks) {
         Ok(e) => e,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
@@ -191,18 +285,18 @@ pub fn invalidate_all(image_locks: &Path) -> io::Result<()> {
     };
     for e in entries {
         let e = e?;
-        if e.file_name().to_str().is_some_and(|n| n.ends_with(".lock")) {
-            invalidate_at(&e.path())?;
+        if e.file_name().to_str().is_some_and(|n| n.ends_with(".lock"))
+            && let Some(file) = open_lock_file(&e.path())?
+        {
+            f(&file)?;
         }
     }
     Ok(())
 }
 
-/// [`invalidate`] through the path of an image's lock file, for a caller
-/// that excludes the fast path by holding the store-wide lock (so needs no
-/// image lock). A missing file has nothing to invalidate; anything but a
-/// regular file (never a lock file stowage made) is left alone.
-pub fn invalidate_at(path: &Path) -> io::Result<()> {
+/// Opens an image lock file for its record: `None` if it is missing or not
+/// a regular file (never a lock file stowage made).
+fn open_lock_file(path: &Path) -> io::Result<Option<std::fs::File>> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = match std::fs::OpenOptions::new()
         .read(true)
@@ -212,14 +306,22 @@ pub fn invalidate_at(path: &Path) -> io::Result<()> {
     {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ELOOP) => {
-            return Ok(());
+            return Ok(None);
         }
         Err(e) => return Err(e),
     };
-    if file.metadata()?.is_file() {
-        invalidate(&file)?;
+    Ok(file.metadata()?.is_file().then_some(file))
+}
+
+/// [`invalidate`] through the path of an image's lock file, for a caller
+/// that excludes the fast path by holding the store-wide lock (so needs no
+/// image lock). A missing file has nothing to invalidate; anything but a
+/// regular file (never a lock file stowage made) is left alone.
+pub fn invalidate_at(path: &Path) -> io::Result<()> {
+    match open_lock_file(path)? {
+        Some(file) => invalidate(&file),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// CRC-32 (IEEE 802.3, reflected), bitwise: records are a few hundred

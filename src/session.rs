@@ -286,11 +286,13 @@ impl Session {
         }
         let mut held = Vec::with_capacity(wanted.len());
         let mut images_dir: Option<PathBuf> = None;
+        let mut store_hinted = false;
         for (name, _) in wanted {
-            let (guard, dir) = crate::acquire::image::try_ready(store.root(), name)?;
+            let (guard, dir, hinted) = crate::acquire::image::try_ready(store.root(), name)?;
             if images_dir.as_ref().is_some_and(|d| *d != dir) {
                 return None;
             }
+            store_hinted |= hinted;
             images_dir = Some(dir);
             held.push(Held {
                 name: name.clone(),
@@ -302,14 +304,25 @@ impl Session {
                 record: None,
             });
         }
-        // A store-wide operation holds locks/store.lock exclusively from
-        // before it checks that every image lock is free until it ends.
-        // Asked after our image locks are taken: free now, any such
-        // operation that starts later finds them held and waits for us.
-        // Held (or unknown): the slow way waits for it — or passes it,
-        // for a command that runs inside it.
-        if !crate::store_wide::free_now(store.root()) {
-            return None;
+        // A store-wide operation holds locks/store.lock exclusively and
+        // sets the store-wide hint on every image lock file before it
+        // checks that every image lock is free, until it ends (record.rs).
+        // Read after our image locks were taken: no hint, and any such
+        // operation that checks later finds them held and waits for us.
+        // A hint: asked of store.lock — held (or unknown), the slow way
+        // waits for it, or passes it for a command that runs inside it;
+        // free, the hint is stale and cleared while we hold store.lock.
+        if store_hinted {
+            let guard = crate::store_wide::try_shared(store.root())?;
+            for h in &held {
+                let _ = crate::record::set_hint(
+                    h.guard.file(),
+                    crate::record::Hint::StoreWide,
+                    false,
+                    true,
+                );
+            }
+            drop(guard);
         }
         let listed = Listed::new(store, &held, &req.command);
         Some(Session {

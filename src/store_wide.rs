@@ -25,8 +25,13 @@
 //!   holder only *tries* image locks (under the global lock): no cycle.
 //! - A holder that dies leaves a record whose lock is free: stale, dropped
 //!   by the next transaction that looks.
+//! - Reads of the fast path (record.rs) take no transaction: the hold also
+//!   sets the store-wide hint on every image lock file before it checks
+//!   that every image lock is free, and clears them when it ends; such a
+//!   read that sees the hint asks `store.lock` and, finding it held, goes
+//!   the way that honours the record.
 //! - The uncontended exec pays one indexed lookup in its start transaction
-//!   and no extra lock.
+//!   and no extra lock (a fast read: one byte of a read it makes anyway).
 
 use std::io;
 use std::path::PathBuf;
@@ -93,12 +98,20 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<()> {
     Ok(())
 }
 
-/// Whether no store-wide operation holds the store right now (a read of
-/// the fast path asks, holding its image locks: see `Session::begin`).
-/// Anything but a plain yes — held, or an error — is a no: the caller
-/// then goes the way that checks the metadata.
-pub fn free_now(root: &crate::root::Root) -> bool {
-    lock::free_now(&root.store_wide_lock(), Mode::Shared).unwrap_or(false)
+/// `locks/store.lock` taken shared if no store-wide operation holds the
+/// store right now (a read of the fast path asks, holding its image locks,
+/// when a hint says one may: see `Session::begin`), created if missing so
+/// that no answer rests on a file not existing. Anything but a plain yes —
+/// held, or an error — is `None`: the caller then goes the way that checks
+/// the metadata. store.lock is never unlinked, so its path needs no check.
+pub fn try_shared(root: &crate::root::Root) -> Option<Guard> {
+    lock::acquire_no_wait(
+        &root.store_wide_lock(),
+        Mode::Shared,
+        lock::IfMissing::Create,
+    )
+    .ok()
+    .flatten()
 }
 
 /// Is `target` an image lock or a slot file of this store (`dirs`: the
@@ -386,9 +399,22 @@ impl Hold {
                 command,
             ))
         })?;
-        match store.store_wide("running a store-wide command", deadline, |_, _| Ok(())) {
+        // Then the hint on every image lock file, before the check that
+        // every image lock is free: a read of the fast path, which takes no
+        // transaction, learns of the hold from it (record.rs).
+        let locks = store.root().image_locks();
+        let marked = crate::record::mark_store_wide(&locks, true).map_err(|e| {
+            anyhow::Error::new(e).context(format!(
+                "cannot mark the image lock files in {}",
+                locks.display()
+            ))
+        });
+        match marked.and_then(|()| {
+            store.store_wide("running a store-wide command", deadline, |_, _| Ok(()))
+        }) {
             Ok(()) => Ok(Hold { guard, record }),
             Err(e) => {
+                let _ = crate::record::mark_store_wide(&locks, false);
                 store.forget_record(record);
                 Err(e)
             }
@@ -404,6 +430,9 @@ impl Hold {
                 .say(&format!("after the store-wide command: {e:#}"));
         }
         store.forget_record(self.record);
+        // Still holding store.lock: nobody can be setting the hints now. One
+        // left (a failure here, a crash) is cleared by the next reader.
+        let _ = crate::record::mark_store_wide(&store.root().image_locks(), false);
         drop(self.guard);
     }
 

@@ -149,22 +149,42 @@ pub(crate) fn acquire_image(
     Ok((got?, waiter))
 }
 
-/// A plain read's fast path (record.rs): the image lock taken at once, no
-/// writer waiting at the gate, and a fresh `ready` token in the lock file.
-/// Returns the lock and the images directory the token names. `None`
-/// sends the read the slow way (the database), which decides everything
-/// this does not: a missing lock file, a wait, a nested hold, an image
-/// not ready or not recorded lately.
-pub(crate) fn try_ready(root: &crate::root::Root, name: &ImageName) -> Option<(Guard, PathBuf)> {
+/// A plain read's fast path (record.rs): the image lock taken at once, a
+/// fresh `ready` token in the lock file, and no writer waiting at the gate
+/// (asked only when the file's hint says one may be; a stale hint is
+/// cleared under the gate). Returns the lock, the images directory the
+/// token names, and whether the store-wide hint is set (the caller asks
+/// `store.lock` then). `None` sends the read the slow way (the database),
+/// which decides everything this does not: a missing lock file, a wait, a
+/// nested hold, an image not ready or not recorded lately.
+pub(crate) fn try_ready(
+    root: &crate::root::Root,
+    name: &ImageName,
+) -> Option<(Guard, PathBuf, bool)> {
     let path = root.image_lock(name);
-    let gate = root.image_gate(name);
-    match try_image(&gate, &path, Mode::Shared, false) {
-        Ok(Tried::Got(g)) => {
-            let ready = crate::record::read_ready(&g)?;
-            Some((g, ready.images_dir))
+    let g = lock::acquire_no_wait(&path, Mode::Shared, lock::IfMissing::Fail).ok()??;
+    let seen = crate::record::read(&g);
+    let ready = seen.ready?;
+    if seen.writer_waits {
+        match lock::acquire_no_wait(&root.image_gate(name), Mode::Shared, lock::IfMissing::Fail) {
+            // No writer holds the gate: the hint is stale (its writer got
+            // in, or died waiting). Cleared while we hold the gate, when no
+            // writer can be setting it.
+            Ok(Some(_passed)) => {
+                let _ = crate::record::set_hint(
+                    g.file(),
+                    crate::record::Hint::WriterWaits,
+                    false,
+                    true,
+                );
+            }
+            // No gate file: nobody has it; the hint stays (clearing it
+            // without the gate could undo a writer's hint set meanwhile).
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            _ => return None,
         }
-        _ => None,
     }
+    Some((g, ready.images_dir, seen.store_wide))
 }
 
 /// The error for a lock that this process's enclosing command holds in a
@@ -237,12 +257,35 @@ fn try_image(gate: &Path, path: &Path, mode: Mode, create: bool) -> io::Result<T
 /// writer), holds it while waiting for the lock, then lets it go. The gate
 /// descriptor is never inherited, so releasing it is a plain close.
 fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Result<Waited<Guard>> {
+    use crate::record::{Hint, set_hint};
     let passage = match lock::acquire(gate, mode, lock::IfMissing::Create, wait)? {
         Waited::Acquired(g) => g,
         Waited::TimedOut => return Ok(Waited::TimedOut),
         Waited::Interrupted(sig) => return Ok(Waited::Interrupted(sig)),
     };
+    if mode == Mode::Exclusive {
+        // Holding the gate: tell readers of the fast path, which open it
+        // only when hinted, to queue behind us (record.rs). Closed before
+        // the wait, which on NFS sends the hint to the server.
+        if let Ok(Some(file)) = lock::open_existing(path) {
+            let _ = set_hint(&file, Hint::WriterWaits, true, false);
+        }
+    }
     let got = lock::acquire(path, mode, lock::IfMissing::Create, wait);
+    if mode == Mode::Exclusive
+        && let Ok(Waited::Acquired(g)) = &got
+    {
+        // In: the hint goes unless another writer now waits at the gate
+        // (a try of the gate, ours included, fails while one holds it —
+        // after we let it go).
+        drop(passage);
+        if let Ok(Some(_alone)) =
+            lock::acquire_no_wait(gate, Mode::Exclusive, lock::IfMissing::Fail)
+        {
+            let _ = set_hint(g.file(), Hint::WriterWaits, false, true);
+        }
+        return got;
+    }
     drop(passage);
     got
 }

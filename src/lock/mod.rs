@@ -236,6 +236,16 @@ impl Guard {
     }
 }
 
+/// Opens an existing lock file to write what it says (an image's hint),
+/// without locking it: `None` if it does not exist.
+pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
+    match open(path, IfMissing::Fail) {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Opens a lock file: read-write, close-on-exec, never through a symlink.
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     OpenOptions::new()
@@ -296,21 +306,28 @@ pub(super) fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
 
 /// Whether lock files in the directory of `path` may be unlinked: only
 /// where the filesystem is known to be local (see the module doc). Decided
-/// once per directory and process (one statfs).
+/// once per filesystem and process (one statfs).
 pub fn unlinks_allowed(path: &Path) -> bool {
-    local_dir(path)
+    local_dir(path, None)
 }
 
-fn local_dir(path: &Path) -> bool {
-    static SEEN: Mutex<Vec<(PathBuf, bool)>> = Mutex::new(Vec::new());
+/// Whether the directory of `path` is on a local filesystem. `dev`, the
+/// device of a file in it when known, names the filesystem: every
+/// directory of one device is on the same one, so the leases' and the
+/// image locks' directories of a root cost one statfs between them.
+fn local_dir(path: &Path, dev: Option<u64>) -> bool {
+    static SEEN: Mutex<Vec<(PathBuf, Option<u64>, bool)>> = Mutex::new(Vec::new());
     let dir = path.parent().unwrap_or(Path::new("/"));
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, local)) = seen.iter().find(|(d, _)| d == dir) {
+    if let Some((_, _, local)) = seen
+        .iter()
+        .find(|(d, v, _)| d == dir || (dev.is_some() && *v == dev))
+    {
         return *local;
     }
     // Unknown counts as shared: the careful side.
     let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
-    seen.push((dir.to_owned(), local));
+    seen.push((dir.to_owned(), dev, local));
     local
 }
 
@@ -331,7 +348,7 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
     if ours.nlink() == 0 {
         return Ok(None);
     }
-    if !local_dir(path) {
+    if !local_dir(path, Some(ours.dev())) {
         // A stat of the path may come from the client's caches; an open
         // is looked up on the server (close-to-open consistency).
         let at = match open(path, IfMissing::Fail).and_then(|f| f.metadata()) {
@@ -423,15 +440,6 @@ pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Resul
         }
     }
     Err(ghost_error(path))
-}
-
-/// Whether the lock on `path` could be taken in `mode` right now: one try,
-/// released at once (creating the file if missing, so that no answer rests
-/// on a file not existing — an NFS client may cache a negative lookup).
-/// No unlink-race check: only for a lock file that is never unlinked
-/// (`locks/store.lock`).
-pub fn free_now(path: &Path, mode: Mode) -> io::Result<bool> {
-    flock_try(&open(path, IfMissing::Create)?, mode)
 }
 
 /// Takes the lock, waiting as `wait` allows. Tries first without blocking.

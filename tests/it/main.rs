@@ -15,6 +15,8 @@
 //! - `status`: what `lock-status` and `images` show
 //! - `names`: image names valid and invalid
 //! - `leases`: holder leases and holders on other hosts
+//! - `tokens`: ready tokens — what a read learns from an image's lock file,
+//!   and every way an image stops being ready taking the token away
 //! - `signals`: signals and crashes of stowage, its command and its waiters
 //! - `hostile`: a hostile or broken environment — planted links, foreign
 //!   roots, read-only and full filesystems, outside programs
@@ -55,3 +57,5 @@ mod slots;
 mod status;
 mod store_wide;
 mod stress;
+mod tokens;
+mod tokens_review;
