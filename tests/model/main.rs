@@ -432,8 +432,9 @@ const LEASES_REACHED: &[&str] = &[
 
 /// The fast path and its tokens, at the default size.
 const TOKENS_REACHED: &[&str] = &[
-    "a read holds its image on a ready token, without the database",
+    "a read claims its image on a ready token, without the database",
     "a ready image has no token",
+    "a writer waits with its hint in the lock file",
 ];
 
 /// What the token size must reach besides.
@@ -511,13 +512,14 @@ fn without_invalidation_before_mark_a_fast_read_runs_on_a_removed_image() {
     assert!(trace.contains("row Some(Deleting)"), "{trace}");
 }
 
-/// A read of the fast path that never asks `store.lock`, or asks before it
-/// holds its image locks (so that a hold starting between sees no image
-/// lock held and is granted), runs beside a store-wide command.
+/// A read of the fast path that never asks `store.lock` (the store-wide
+/// hint ignored), or asks before it holds its image locks (so that a hold
+/// starting between sees no image lock held and is granted), runs beside a
+/// store-wide command.
 #[test]
 fn without_the_store_lock_check_after_the_locks_a_fast_read_runs_beside_a_hold() {
     for (rule, what) in [
-        (FastStore::Never, "no store.lock check"),
+        (FastStore::Never, "the store-wide hint ignored"),
         (
             FastStore::BeforeLocks,
             "store.lock checked before the locks",
@@ -538,17 +540,49 @@ fn without_the_store_lock_check_after_the_locks_a_fast_read_runs_beside_a_hold()
     }
 }
 
+/// A store-wide hold that does not set the store-wide hint before its
+/// check: a read that takes its image lock after the check finds no hint,
+/// asks nothing, and runs beside the hold's command.
+#[test]
+fn without_the_store_wide_hint_a_fast_read_runs_beside_a_hold() {
+    let mut cfg = token_config();
+    cfg.rules.store_marks = false;
+    cfg.crashes = 0;
+    cfg.roles[0].menu = vec![STORE_WIDE];
+    cfg.roles[1].menu = vec![exec_read(A)];
+    let trace = mutation_found(
+        "no store-wide hint",
+        cfg,
+        "while a store-wide hold is granted, nobody else is at work on an image or slot",
+    );
+    assert!(trace.contains("exec --read A: fast-try"), "{trace}");
+}
+
+/// A writer that waits without setting the writer-waits hint: reads of the
+/// fast path, which try the gate only when hinted, pass it.
+#[test]
+fn without_the_writers_hint_new_fast_reads_pass_a_waiting_writer() {
+    let mut cfg = readers_and_writer();
+    cfg.rules.writer_hints = false;
+    let trace = mutation_found(
+        "no writer-waits hint",
+        cfg,
+        "no new reader passes a waiting writer",
+    );
+    assert!(trace.contains("fast-try"), "{trace}");
+}
+
 /// Found by the checker in the protocol as implemented: `try_ready` reads
-/// the token, and only then does `begin_fast` ask whether `store.lock` is
-/// free. A store-wide hold granted before the read took its image lock
-/// (so it does not wait for it) can run its whole command between the two:
-/// it deletes the image's tree, `forget_deleted` invalidates the token
-/// (already read) and drops the row, the hold ends, and the read finds
-/// `store.lock` free and runs on an image that no longer exists. With the
-/// token read after `store.lock` is found free (`token_after_store`, as
-/// `token_config` checks) the race is gone: a hold that ended before the
-/// check invalidated the token before it; one that starts after it waits
-/// for our image lock.
+/// the token and the store-wide hint, and only then does `begin_fast` ask
+/// whether `store.lock` is free. A store-wide hold granted before the read
+/// took its image lock (so it does not wait for it) can run its whole
+/// command between the two: it deletes the image's tree, `forget_deleted`
+/// invalidates the token (already read) and drops the row, the hold ends,
+/// and the read finds `store.lock` free and runs on an image that no
+/// longer exists. With the tokens read again once `store.lock` is found
+/// free (`token_after_store`, as `token_config` checks) the race is gone:
+/// a hold that ended before the try invalidated the token before it ended;
+/// one that starts after it waits for our image lock.
 #[test]
 fn a_fast_read_can_run_on_an_image_a_store_wide_command_deleted() {
     let mut cfg = token_config();

@@ -228,21 +228,28 @@ pub struct Rules {
     pub remove_invalidates: bool,
     /// Where a read of the fast path asks whether `store.lock` is free.
     pub fast_store: FastStore,
-    /// The fast path reads the ready token after finding `store.lock`
-    /// free, not before (off: as `Session::begin_fast` does, reading it in
-    /// `try_ready`). See `a_fast_read_can_run_on_an_image_a_store_wide_command_deleted`.
+    /// A writer that waits sets the writer-waits hint, holding the gate.
+    pub writer_hints: bool,
+    /// A store-wide hold sets the store-wide hint on every image lock file
+    /// before it checks that every image lock is free.
+    pub store_marks: bool,
+    /// A fast read sent to `store.lock` by the store-wide hint reads its
+    /// tokens again once it finds `store.lock` free (off: as
+    /// `Session::begin_fast` does, trusting what `try_ready` read before).
+    /// See `a_fast_read_can_run_on_an_image_a_store_wide_command_deleted`.
     pub token_after_store: bool,
 }
 
 /// When a read of the fast path tries `locks/store.lock` shared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FastStore {
-    /// After taking its image locks (`Session::begin_fast`): a store-wide
-    /// hold that starts later finds them held and waits.
+    /// After taking its image locks, when the store-wide hint in a lock
+    /// file says a hold may run (`Session::begin_fast`): a hold that checks
+    /// the image locks later finds them held and waits.
     AfterLocks,
-    /// Before its image locks (a mutation).
+    /// Before its image locks, hint or not (a mutation).
     BeforeLocks,
-    /// Never (a mutation).
+    /// Never: the hint ignored (a mutation).
     Never,
 }
 
@@ -262,6 +269,8 @@ impl Default for Rules {
             writer_invalidates: true,
             remove_invalidates: true,
             fast_store: FastStore::AfterLocks,
+            writer_hints: true,
+            store_marks: true,
             token_after_store: false,
         }
     }
@@ -439,6 +448,9 @@ pub struct Proc {
     /// Past its claim: an exec's start (or a store-wide hold's grant) until
     /// its locks close.
     pub claimed: bool,
+    /// Claimed by the fast path (no transaction), until it spawns its
+    /// command (no longer: a situation to reach, kept short-lived).
+    pub fast: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -498,6 +510,10 @@ pub struct State {
     pub store_rec: Option<u8>,
     /// Valid ready tokens: (image, generation of its lock file). Sorted.
     pub tokens: Vec<(u8, u8)>,
+    /// The hints after the token (record.rs), set on these lock files:
+    /// writer waits, store-wide. Sorted.
+    pub ww: Vec<(u8, u8)>,
+    pub sw: Vec<(u8, u8)>,
     pub crashes: u8,
     pub bad: u8,
 }
@@ -593,6 +609,7 @@ impl Proto {
         s.procs[p].held.clear();
         s.procs[p].slot = None;
         s.procs[p].claimed = false;
+        s.procs[p].fast = false;
         if s.global == Some(p as u8) {
             s.global = None;
         }
@@ -947,11 +964,7 @@ impl Proto {
     /// resolution (freshness is not modelled otherwise), which sends the
     /// read the slow way.
     fn stale_possible(&self, s: &State, p: usize) -> bool {
-        let at = match self.cfg.rules.token_after_store {
-            true => Pc::FastStore,
-            false => Pc::FastTry,
-        };
-        s.procs[p].pc == at
+        s.procs[p].pc == Pc::FastTry
             && self.op(s, p).is_some_and(|op| {
                 let (img, _) = Self::wanted(op)[0];
                 s.file[img as usize].is_some_and(|g| s.tokens.contains(&(img, g)))
@@ -1096,6 +1109,7 @@ impl Proto {
     /// The fast path's claim: the command may run.
     fn fast_claim(&self, s: &mut State, p: usize) {
         s.procs[p].claimed = true;
+        s.procs[p].fast = true;
         self.claim_past_hold(s, p);
         s.procs[p].pc = Pc::Spawn;
     }
@@ -1289,6 +1303,26 @@ impl Proto {
     /// token (if any) says nothing any more; the next file has none.
     fn forget_tokens(s: &mut State, img: u8) {
         s.tokens.retain(|(i, _)| *i != img);
+        s.ww.retain(|(i, _)| *i != img);
+        s.sw.retain(|(i, _)| *i != img);
+    }
+
+    fn set(v: &mut Vec<(u8, u8)>, f: (u8, u8), on: bool) {
+        v.retain(|x| *x != f);
+        if on {
+            v.push(f);
+            v.sort();
+        }
+    }
+
+    /// `record::mark_store_wide`: the store-wide hint on every image lock
+    /// file at its path.
+    fn mark_store_wide(&self, s: &mut State, on: bool) {
+        for i in 0..self.cfg.images {
+            if let Some(g) = s.file[i as usize] {
+                Self::set(&mut s.sw, (i, g), on);
+            }
+        }
     }
 
     fn release_image(s: &mut State, p: usize, img: u8) {
@@ -1415,6 +1449,11 @@ impl Proto {
             Pc::StoreRecord => {
                 // Records of earlier holders are stale: we hold their lease.
                 s.store_rec = Some(p as u8);
+                // Then the store-wide hint on every image lock file, before
+                // the check that every image lock is free.
+                if rules.store_marks {
+                    self.mark_store_wide(s, true);
+                }
                 s.procs[p].pc = Pc::StoreFree;
             }
             Pc::StoreFree => {
@@ -1471,12 +1510,16 @@ impl Proto {
                 if s.store_rec == Some(p as u8) {
                     s.store_rec = None;
                 }
+                // Still holding store.lock: the hints go.
+                self.mark_store_wide(s, false);
                 s.procs[p].pc = Pc::Release;
             }
             Pc::FastTry => {
                 // `try_ready`: the lock file must exist (no create), the
-                // lock be free in our mode and the gate passed, and the file
-                // hold a ready token; else the slow way, holding nothing.
+                // lock be free, and one read of the file find a ready token
+                // and the hints. Writer waits: the gate tried (held, the slow
+                // way; free, the stale hint cleared under it). Else the slow
+                // way, holding nothing.
                 let (img, _) = Self::wanted(op)[0];
                 let slow = self.after_lease(op);
                 let Some(g) = s.file[img as usize] else {
@@ -1484,49 +1527,55 @@ impl Proto {
                     return;
                 };
                 let key = Key::Img(img, g);
-                let mut got = Self::grantable(s, key, Mode::Shared);
-                if got && rules.gate {
-                    let gate_free = Self::grantable(s, Key::Gate(img), Mode::Shared);
-                    let nested_pass = rules.nested && self.enclosing(s, p, key).is_some();
-                    got = gate_free || nested_pass;
-                }
-                let token_later =
-                    rules.token_after_store && rules.fast_store == FastStore::AfterLocks;
-                if !got || !(token_later || s.tokens.contains(&(img, g))) {
+                if !Self::grantable(s, key, Mode::Shared) || !s.tokens.contains(&(img, g)) {
                     s.procs[p].pc = slow;
                     return;
                 }
+                if rules.gate && s.ww.contains(&(img, g)) {
+                    if !Self::grantable(s, Key::Gate(img), Mode::Shared) {
+                        s.procs[p].pc = slow;
+                        return;
+                    }
+                    Self::set(&mut s.ww, (img, g), false);
+                }
+                let hinted = s.sw.contains(&(img, g));
                 if Self::writer_waits(s, img, &self.cfg) && !self.nested_in_holder(s, p, img) {
                     s.bad |= bad::BYPASS;
                 }
                 Self::take(s, key, p, Mode::Shared);
                 s.procs[p].held.push((img, g, Mode::Shared));
                 match rules.fast_store {
-                    FastStore::AfterLocks => s.procs[p].pc = Pc::FastStore,
-                    FastStore::BeforeLocks | FastStore::Never => self.fast_claim(s, p),
+                    FastStore::AfterLocks if hinted => s.procs[p].pc = Pc::FastStore,
+                    _ => self.fast_claim(s, p),
                 }
             }
             Pc::FastStore => {
-                // `free_now`: store.lock tried shared and dropped at once
-                // (then, under `token_after_store`, the token read).
-                let token_now =
-                    rules.token_after_store && rules.fast_store == FastStore::AfterLocks;
-                let token_ok = !token_now
-                    || s.procs[p]
-                        .held
-                        .iter()
-                        .all(|&(i, g, _)| s.tokens.contains(&(i, g)));
-                if !Self::grantable(s, Key::Store, Mode::Shared) || !token_ok {
-                    // Held: the slow way waits for the hold (or passes it,
-                    // inside its command). Our image locks go first.
+                // `store_wide::try_shared`: held, the slow way (which waits
+                // for the hold, or passes it inside its command), our image
+                // locks closed first. Free: the stale hints of our files
+                // cleared while we hold it shared (then, under
+                // `token_after_store`, the tokens read again).
+                if !Self::grantable(s, Key::Store, Mode::Shared) {
                     Self::close_locks(s, p);
                     s.procs[p].pc = self.after_lease(op);
                     return;
                 }
-                match rules.fast_store {
-                    FastStore::BeforeLocks => s.procs[p].pc = Pc::FastTry,
-                    FastStore::AfterLocks | FastStore::Never => self.fast_claim(s, p),
+                if rules.fast_store == FastStore::BeforeLocks {
+                    s.procs[p].pc = Pc::FastTry;
+                    return;
                 }
+                let held = s.procs[p].held.clone();
+                for &(i, g, _) in &held {
+                    Self::set(&mut s.sw, (i, g), false);
+                }
+                if rules.token_after_store
+                    && !held.iter().all(|&(i, g, _)| s.tokens.contains(&(i, g)))
+                {
+                    Self::close_locks(s, p);
+                    s.procs[p].pc = self.after_lease(op);
+                    return;
+                }
+                self.fast_claim(s, p);
             }
             Pc::Invalidate | Pc::InvalidateRm(..) => {
                 // `record::invalidate`, durably, under our exclusive lock,
@@ -1678,6 +1727,14 @@ impl Proto {
             Pc::Gate(k) => {
                 let (img, mode) = Self::wanted(op)[k as usize];
                 Self::take(s, Key::Gate(img), p, mode);
+                // A writer, holding the gate: the writer-waits hint in the
+                // lock file at the path, for reads of the fast path.
+                if mode == Mode::Exclusive
+                    && rules.writer_hints
+                    && let Some(g) = s.file[img as usize]
+                {
+                    Self::set(&mut s.ww, (img, g), true);
+                }
                 s.procs[p].wgen = Self::open_create(s, img);
                 s.procs[p].pc = Pc::Wait(k);
             }
@@ -1693,6 +1750,11 @@ impl Proto {
                 Self::take(s, Key::Img(img, g), p, mode);
                 s.procs[p].held.push((img, g, mode));
                 Self::drop_key(s, Key::Gate(img), p);
+                // A writer in: the hint goes, unless the gate (tried
+                // exclusively) is held by another writer, or a reader.
+                if mode == Mode::Exclusive && Self::grantable(s, Key::Gate(img), Mode::Exclusive) {
+                    Self::set(&mut s.ww, (img, g), false);
+                }
                 s.procs[p].pc = self.next_image(op, k);
             }
             Pc::Start => {
@@ -1802,6 +1864,7 @@ impl Proto {
                 s.procs[p].pc = Pc::Spawn;
             }
             Pc::Spawn => {
+                s.procs[p].fast = false;
                 s.procs[p].cmd = Cmd::Running;
                 s.procs[p].pc = Pc::Command;
             }
@@ -2029,6 +2092,7 @@ impl Proto {
                     lgen: 0,
                     doomed: vec![],
                     claimed: false,
+                    fast: false,
                 };
                 self.cfg.roles.len()
             ],
@@ -2043,6 +2107,8 @@ impl Proto {
             global: None,
             store_rec: None,
             tokens: vec![],
+            ww: vec![],
+            sw: vec![],
             crashes: 0,
             bad: 0,
         };
@@ -2370,8 +2436,17 @@ impl Model for Proto {
                 |m: &Proto, s: &State| m.readers_read_ready(s),
             ),
             Property::sometimes(
-                "a read holds its image on a ready token, without the database",
-                |_, s: &State| Self::fast_holding(s).next().is_some(),
+                "a read claims its image on a ready token, without the database",
+                |_, s: &State| s.procs.iter().any(|pr| pr.fast && pr.alive),
+            ),
+            Property::sometimes(
+                "a writer waits with its hint in the lock file",
+                |m: &Proto, s: &State| {
+                    (0..m.cfg.images).any(|i| {
+                        Self::writer_waits(s, i, &m.cfg)
+                            && s.file[i as usize].is_some_and(|g| s.ww.contains(&(i, g)))
+                    })
+                },
             ),
             Property::sometimes(
                 "a read of the fast path finds store.lock held",

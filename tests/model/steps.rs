@@ -149,13 +149,13 @@ impl Step {
             Step::FastTry => &[
                 "session::begin_fast",
                 "acquire::image::try_ready",
-                "acquire::image::try_image",
-                "record::read_ready",
+                "record::read",
+                "record::set_hint",
             ],
             Step::FastStore => &[
                 "session::begin_fast",
-                "store_wide::free_now",
-                "lock::free_now",
+                "store_wide::try_shared",
+                "record::set_hint",
             ],
             Step::Invalidate => &[
                 "record::invalidate",
@@ -170,7 +170,7 @@ impl Step {
                 "lock::acquire",
                 "nested::enclosing_hold",
             ],
-            Step::StoreRecord => &["store_wide::take"],
+            Step::StoreRecord => &["store_wide::take", "record::mark_store_wide"],
             Step::StoreFree => &[
                 "store::global_with_images_free",
                 "store::first_busy_image",
@@ -178,7 +178,11 @@ impl Step {
             ],
             Step::StoreWaitFree => &["store::global_with_images_free", "lock::acquire"],
             Step::StoreAwait => &["store_wide::wait_until_free", "lock::acquire"],
-            Step::StoreEnd => &["store_wide::release", "store_wide::forget_deleted"],
+            Step::StoreEnd => &[
+                "store_wide::release",
+                "store_wide::forget_deleted",
+                "record::mark_store_wide",
+            ],
             Step::SlotTry => &[
                 "acquire::slot::acquire_unrecorded",
                 "lock::acquire_any",
@@ -197,11 +201,16 @@ impl Step {
                 "judge::prune",
                 "lease::probe",
             ],
-            Step::Gate => &["acquire::image::wait_image", "lock::acquire"],
+            Step::Gate => &[
+                "acquire::image::wait_image",
+                "lock::acquire",
+                "record::set_hint",
+            ],
             Step::Wait => &[
                 "acquire::image::wait_image",
                 "lock::acquire_any",
                 "lock::still_linked",
+                "record::set_hint",
             ],
             Step::Start => &[
                 "session::start",
