@@ -540,6 +540,29 @@ fn without_the_store_lock_check_after_the_locks_a_fast_read_runs_beside_a_hold()
     }
 }
 
+/// `doctor --repair` dropping the row of a ready image whose tree a
+/// store-wide command deleted (its stowage SIGKILLed, its command running
+/// on) without invalidating the token: a fast read runs on no row.
+#[test]
+fn without_invalidation_by_doctor_a_fast_read_runs_on_a_dropped_row() {
+    let mut cfg = token_config();
+    cfg.rules.doctor_invalidates = false;
+    cfg.roles[0].menu = vec![Op::StoreWide {
+        inherit: true,
+        deletes: Some(A),
+    }];
+    cfg.roles[1].menu = vec![Op::Doctor];
+    cfg.roles[2].menu = vec![exec_read(A)];
+    cfg.roles[2].parent = None;
+    let trace = mutation_found(
+        "no invalidation by doctor",
+        cfg,
+        "no reader's command runs on an image whose row is not ready",
+    );
+    assert!(trace.contains("SIGKILL"), "{trace}");
+    assert!(trace.contains("doctor --repair: sweep"), "{trace}");
+}
+
 /// A store-wide hold that does not set the store-wide hint before its
 /// check: a read that takes its image lock after the check finds no hint,
 /// asks nothing, and runs beside the hold's command.

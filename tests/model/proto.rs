@@ -226,6 +226,9 @@ pub struct Rules {
     pub writer_invalidates: bool,
     /// A removal (rm, gc, doctor) invalidates the token before its `mark`.
     pub remove_invalidates: bool,
+    /// `doctor --repair` invalidates the token of a ready image whose tree
+    /// is gone before it drops the row.
+    pub doctor_invalidates: bool,
     /// Where a read of the fast path asks whether `store.lock` is free.
     pub fast_store: FastStore,
     /// A writer that waits sets the writer-waits hint, holding the gate.
@@ -268,6 +271,7 @@ impl Default for Rules {
             nested_store: true,
             writer_invalidates: true,
             remove_invalidates: true,
+            doctor_invalidates: true,
             fast_store: FastStore::AfterLocks,
             writer_hints: true,
             store_marks: true,
@@ -2017,6 +2021,27 @@ impl Proto {
             }
             Pc::Sweep => {
                 self.look(s, |_| true);
+                if op == Op::Doctor {
+                    // `find_inconsistencies`: a ready image without its tree
+                    // (a store-wide command's deletion that its SIGKILLed
+                    // stowage never forgot) loses its row, if its lock is
+                    // free — tried exclusively, its token invalidated under
+                    // it first.
+                    for i in 0..self.cfg.images {
+                        let ix = i as usize;
+                        let free = s.file[ix]
+                            .is_none_or(|g| Self::grantable(s, Key::Img(i, g), Mode::Exclusive));
+                        if s.rows[ix] == Some(Row::Ready) && !s.tree[ix] && free {
+                            if rules.doctor_invalidates
+                                && let Some(g) = s.file[ix]
+                            {
+                                Self::set(&mut s.tokens, (i, g), false);
+                            }
+                            s.rows[ix] = None;
+                            s.truth[ix] = (false, false);
+                        }
+                    }
+                }
                 // A writer that died leaves its image creating/writing with
                 // the lock free.
                 for i in 0..self.cfg.images as usize {

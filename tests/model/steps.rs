@@ -241,7 +241,12 @@ impl Step {
             Step::ListInterrupted => &["remove::finish_interrupted"],
             Step::LockInterrupted => &["remove::finish_interrupted", "remove::recheck"],
             Step::OrphanLock => &["remove::finish_interrupted", "remove::recheck"],
-            Step::Sweep => &["judge::sweep", "judge::prune", "lease::probe"],
+            Step::Sweep => &[
+                "judge::sweep",
+                "judge::prune",
+                "lease::probe",
+                "doctor::find_inconsistencies",
+            ],
             Step::CleanLock => &["lease::clean", "lock::acquire_no_wait"],
             Step::CleanUnlink => &["lease::clean", "lock::unlink_lease"],
             Step::Collect => &["gc::collect", "remove::recheck"],
