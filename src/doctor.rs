@@ -486,9 +486,14 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     // Inside a store-wide command's own command, the hold is ours already.
     let lease = store.root().store_wide_lock();
     let inside = lock::inherited_exclusive(&lease)
-        || crate::nested::enclosing_hold(&lease) == Some(lock::Mode::Exclusive);
+        || crate::nested::enclosing_hold(&lease) == Some(lock::Mode::Exclusive)
+        || crate::nested::held_exclusively_by_ancestor(&lease);
     if inside {
-        // Its hints are set, and stay until it ends.
+        // The hints are set again (whoever holds store.lock above us may
+        // not be a stowage hold that set them) and left for the holder,
+        // or the next reader, to clear.
+        crate::record::mark_store_wide(&store.root().image_locks(), true)
+            .context("cannot mark the image lock files")?;
         return rebuild_marked(store);
     }
     let _store_wide = crate::store_wide::lock_store(store, None, false)?;

@@ -153,14 +153,26 @@ pub enum Reach {
 /// at. Cheap where it matters: one statfs(2); mountinfo (and a client
 /// configuration file) only on NFS, Lustre and BeeGFS.
 pub fn lock_reach(path: &Path) -> (Reach, Option<Mount>) {
+    let (reach, mount, _) = lock_reach_with(path);
+    (reach, mount)
+}
+
+/// [`lock_reach`], with the filesystem of `path` itself when it exists.
+pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>) {
     // A root not made yet lives where its nearest existing ancestor does;
     // the common case (it exists) costs the one statfs.
-    let Some((path, Ok(fs))) = path.ancestors().find_map(|p| match filesystem(p) {
+    let Some((at, Ok(fs))) = path.ancestors().find_map(|p| match filesystem(p) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         other => Some((p, other)),
     }) else {
-        return (Reach::ClusterWide, None);
+        return (Reach::ClusterWide, None, None);
     };
+    let own = (at == path).then(|| fs.clone());
+    let (reach, mount) = reach_of(at, fs);
+    (reach, mount, own)
+}
+
+fn reach_of(path: &Path, fs: Filesystem) -> (Reach, Option<Mount>) {
     if !matches!(fs.name.as_str(), "nfs" | "lustre" | "beegfs") {
         return (Reach::ClusterWide, None);
     }

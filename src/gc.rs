@@ -365,6 +365,17 @@ fn collect(
                 Ok(done) => report
                     .failed
                     .extend(done.into_iter().filter_map(|r| r.left_in_trash)),
+                // Refused before anything moved because a store-wide
+                // command holds the store: busy, as an image in use is.
+                Err(e)
+                    if matches!(
+                        e.downcast_ref::<crate::Error>(),
+                        Some(crate::Error::Busy(_))
+                    ) =>
+                {
+                    report.busy.push(row.name.clone());
+                    return Ok(false);
+                }
                 // Undone (see remove.rs): say so, and go on with the others.
                 Err(e) => {
                     report.failed.push(format!("{e:#}"));

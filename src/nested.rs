@@ -81,6 +81,31 @@ pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) ->
         .max()
 }
 
+/// Whether one of our ancestors holds the lock on `path` exclusively, as
+/// the kernel's lock table says (local filesystems): whatever it is, it
+/// holds that lock while it waits for us. For `locks/store.lock`, whose
+/// holder may keep it in a `--no-inherit` keeper and run us with an
+/// environment scrubbed of [`crate::env::EXEC_PIDS`] (`env -i`, sudo), so
+/// that [`enclosing_hold`] cannot tell.
+pub fn held_exclusively_by_ancestor(path: &Path) -> bool {
+    let Some(dir) = path.parent() else {
+        return false;
+    };
+    if !filesystem(dir).is_ok_and(|f| f.local) {
+        return false;
+    }
+    let (Ok(meta), Ok(table)) = (fs::symlink_metadata(path), read_table()) else {
+        return false;
+    };
+    let Some(entries) = table.get(&(meta.dev(), meta.ino())) else {
+        return false;
+    };
+    let ancestors = ancestors();
+    entries.iter().any(|e| {
+        !e.blocked && e.mode == Mode::Exclusive && e.pid.is_some_and(|p| ancestors.contains(&p))
+    })
+}
+
 /// The pids of our ancestors (parent, grandparent, … up to init), from
 /// /proc: the process tree of this pid namespace, which is the one the lock
 /// table's pids are in.

@@ -10,36 +10,50 @@
 //! ```text
 //! stowage-image 1
 //! state=ready
-//! images=/abs/images/dir
+//! image=alpine:3.17
+//! images=default                  (or the configured absolute directory)
+//! db=1234567:1764540000000        (the database file's inode and birth)
+//! used=1764543600000              (the row's last use, written with it)
 //! crc=1a2b3c4d
 //! ```
 //!
 //! Invariants:
-//! - **A valid `ready` record exists only while the image's row says
+//! - **A valid `ready` token exists only while the image's row says
 //!   `ready`.** Every change of a row away from `ready` — a write starting,
-//!   a removal marking it, doctor dropping it, a rebuild of the database —
-//!   first *invalidates* the record, durably (`fdatasync`), holding the
-//!   image's exclusive lock or the store-wide lock (`locks/store.lock`),
-//!   which excludes every reader of the fast path. A token is written only
-//!   by a holder of the image's lock that saw the row `ready` in a
-//!   transaction while holding that lock: a writer after committing
-//!   `ready` (exclusive), a reader of the slow path (shared: no writer can
-//!   change the row meanwhile, and two readers write the same bytes).
+//!   a removal marking it, doctor dropping it, a store-wide command's
+//!   deletions, a rebuild of the database — first *invalidates* the token
+//!   (the file is truncated: that frees, so it works on a full
+//!   copy-on-write filesystem too), durably, holding the image's exclusive
+//!   lock or the store-wide lock. A token is written only by a holder of
+//!   the image's lock that saw the row `ready` in a transaction while
+//!   holding that lock: a writer after committing `ready` (exclusive); a
+//!   reader of the slow path, and an exclusive read at its finish, inside
+//!   the transaction, under the global lock — so that no transaction that
+//!   forgets the image can come between what it saw and what it writes.
+//! - **A token speaks for one database and one image:** it names the
+//!   database file it was derived from (inode, and birth time where the
+//!   filesystem keeps one: a rebuilt, deleted or restored database is
+//!   another file, whatever binary made it) and the image (a lock file
+//!   copied onto another name says nothing). The images directory is
+//!   `default` (the root's `img`, as *this* process names the root: a
+//!   store seen at another path, by another host or a container, resolves
+//!   it there) or the configured absolute directory.
 //! - **A reader trusts only what it can check:** the format line (another
 //!   version means "ask the database"), the CRC of everything before the
-//!   `crc=` line (a torn write, after a power loss, fails it), `state=ready`
-//!   and an absolute images directory. Anything else, an empty file
-//!   included (a store made before records, a lock file made by flock(1)),
-//!   sends it to the database. A mistake can only ever cost a transaction.
-//! - **The record's modification time is the image's last use, to
-//!   [`crate::session::LAST_USE_RESOLUTION`]:** the fast path is taken only
-//!   while it is fresher than that; a slow-path reader records the use in
-//!   the database and then rewrites the record, so the row's last use is
-//!   never older than the record's time (gc's `--unused-for` slack covers
-//!   the resolution).
-//! - Bytes after the `crc=` line are ignored: a record is rewritten with
-//!   one `pwrite` at offset 0, never truncated (a setattr is one more round
-//!   trip on NFS), so a shorter record leaves the tail of a longer one.
+//!   `crc=` line (a torn write, after a power loss, fails it), `state=ready`,
+//!   its image's name, the database's identity (one `statx`), and the
+//!   freshness of `used`. Anything else, an empty file included (a store
+//!   made before records, a lock file made by flock(1)), sends it to the
+//!   database. A mistake can only ever cost a transaction.
+//! - **`used` is the row's last use, to
+//!   [`LAST_USE_RESOLUTION`]:** the fast path is taken only while it is
+//!   within that of the reader's own clock (either way); otherwise the
+//!   slow path records the use and writes a token with it. So a read
+//!   without a transaction is one whose use the row already holds to the
+//!   resolution — judged by the clock of the process that reads, as the
+//!   row's last use always was (gc's `--unused-for` slack covers it).
+//! - Bytes after the `crc=` line are ignored: a token is written with one
+//!   `pwrite` at offset 0 over an empty or invalidated file.
 //!
 //! Two *hints* follow at fixed offsets ([`HINTS_AT`]), one byte each, read
 //! in the same `pread` as the token and never touched by a token write, so
@@ -74,13 +88,13 @@ use crate::lock::Guard;
 /// reader asks the database, which knows the schema).
 const FORMAT: &str = "stowage-image 1\n";
 
-/// Where the hints start: records end before (a longer one, with a path
+/// Where the hints start: tokens end before (a longer one, with a path
 /// near PATH_MAX, is not written: such images are read through the
 /// database every time).
 pub const HINTS_AT: usize = 3072;
 const MAX: usize = HINTS_AT;
 
-/// A one-byte flag after the record (see the module doc).
+/// A one-byte flag after the token (see the module doc).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Hint {
     /// A writer may be waiting at the image's gate.
@@ -99,70 +113,14 @@ impl Hint {
     }
 }
 
-/// What one read of a lock file says: the token, if valid and fresh, and
-/// the hints.
-#[derive(Debug, Default)]
-pub struct Seen {
-    pub ready: Option<Ready>,
-    pub writer_waits: bool,
-    pub store_wide: bool,
-}
-
-/// The schema version from which binaries keep records: a store migrated
+/// The schema version from which binaries keep tokens: a store migrated
 /// to it has locked out every binary that would change an image without
 /// invalidating its token. `STOWAGE_DEBUG_SCHEMA_LIMIT` below it acts as
-/// such an older binary, which neither reads nor writes records.
+/// such an older binary, which neither reads nor writes them.
 const SINCE_SCHEMA: i64 = 5;
 
 fn enabled() -> bool {
     crate::meta::schema_version() >= SINCE_SCHEMA
-}
-
-/// What a valid record says.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Ready {
-    /// The images directory the image's tree is in.
-    pub images_dir: PathBuf,
-}
-
-fn encode(state: &str, images_dir: Option<&Path>) -> Option<Vec<u8>> {
-    let mut body = format!("{FORMAT}state={state}\n");
-    if let Some(dir) = images_dir {
-        let dir = dir.to_str()?;
-        if !dir.starts_with('/') || dir.contains('\n') {
-            return None;
-        }
-        body.push_str(&format!("images={dir}\n"));
-    }
-    body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
-    (body.len() <= MAX).then(|| body.into_bytes())
-}
-
-/// Parses a record: `Some` only for a valid, current, `ready` one.
-fn decode(bytes: &[u8]) -> Option<Ready> {
-    let text = std::str::from_utf8(bytes).ok().or_else(|| {
-        // A longer record's tail may follow the crc line: valid UTF-8 up
-        // to the point the parse needs is enough.
-        let e = std::str::from_utf8(bytes).unwrap_err();
-        std::str::from_utf8(&bytes[..e.valid_up_to()]).ok()
-    })?;
-    let body_len = text.find("\ncrc=")? + 1;
-    let (body, rest) = text.split_at(body_len);
-    let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
-    if crc != format!("{:08x}", crc32(body.as_bytes())) {
-        return None;
-    }
-    let mut lines = body.strip_prefix(FORMAT)?.lines();
-    if lines.next()? != "state=ready" {
-        return None;
-    }
-    let dir = lines.next()?.strip_prefix("images=")?;
-    if !dir.starts_with('/') || lines.next().is_some() {
-        return None;
-    }
-    Some(Ready {
-        images_dir: PathBuf::from(dir),
-    })
 }
 
 /// How stale an image's recorded last use may be before a read records it
@@ -173,17 +131,167 @@ fn decode(bytes: &[u8]) -> Option<Ready> {
 /// this (a read in the last D may have recorded nothing).
 pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
 
-/// Reads the record of a locked image: `Some` if it is a valid `ready`
-/// token written less than [`LAST_USE_RESOLUTION`] ago (less a second: the
-/// token is written just after the row's last use, see the module doc).
-/// One `pread`; the time comes from the stat the lock already made (see
-/// [`Guard::modified_ms`]).
-pub fn read_ready(guard: &Guard) -> Option<Ready> {
-    read(guard).ready
+/// Which database file a token was derived from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DbId {
+    ino: u64,
+    /// Birth time in ms, 0 where the filesystem keeps none (NFS): then the
+    /// inode alone (the server's file id, the same from every host).
+    born: i64,
 }
 
-/// [`read_ready`] with the hints, in one `pread`.
-pub fn read(guard: &Guard) -> Seen {
+impl DbId {
+    /// The identity of the database file at `db`, if it exists.
+    pub fn of(db: &Path) -> Option<DbId> {
+        let c = std::ffi::CString::new(db.as_os_str().as_encoded_bytes()).ok()?;
+        // SAFETY: statx writes into the zeroed buffer we pass; the path is
+        // a valid C string that outlives the call.
+        let mut st: libc::statx = unsafe { std::mem::zeroed() };
+        let r = unsafe {
+            libc::statx(
+                libc::AT_FDCWD,
+                c.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+                libc::STATX_INO | libc::STATX_BTIME,
+                &mut st,
+            )
+        };
+        if r != 0 {
+            return None;
+        }
+        let born = if st.stx_mask & libc::STATX_BTIME != 0 {
+            st.stx_btime.tv_sec.saturating_mul(1000) + i64::from(st.stx_btime.tv_nsec / 1_000_000)
+        } else {
+            0
+        };
+        Some(DbId {
+            ino: st.stx_ino,
+            born,
+        })
+    }
+
+    /// Whether a token's identity names this file: same inode, and the same
+    /// birth where both sides know one.
+    fn matches(self, now: DbId) -> bool {
+        self.ino == now.ino && (self.born == 0 || now.born == 0 || self.born == now.born)
+    }
+}
+
+/// What a valid token says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Token {
+    /// The image's name.
+    pub image: String,
+    /// The configured images directory; `None`: the root's default one.
+    pub images_dir: Option<PathBuf>,
+    pub db: DbId,
+    /// The row's last use, as written with the token.
+    pub used: crate::clock::Millis,
+}
+
+impl Token {
+    /// A token for `name`, whose tree is in `images_dir` of `root`.
+    pub fn new(
+        root: &crate::root::Root,
+        name: &crate::name::ImageName,
+        images_dir: &Path,
+        db: DbId,
+        used: crate::clock::Millis,
+    ) -> Token {
+        Token {
+            image: name.as_str().to_owned(),
+            images_dir: (images_dir != root.default_images_dir()).then(|| images_dir.to_owned()),
+            db,
+            used,
+        }
+    }
+}
+
+fn encode(t: &Token) -> Option<Vec<u8>> {
+    let images = match &t.images_dir {
+        None => "default",
+        Some(dir) => {
+            let dir = dir.to_str()?;
+            if !dir.starts_with('/') {
+                return None;
+            }
+            dir
+        }
+    };
+    if images.contains('\n') || t.image.contains('\n') {
+        return None;
+    }
+    let mut body = format!(
+        "{FORMAT}state=ready\nimage={}\nimages={images}\ndb={}:{}\nused={}\n",
+        t.image, t.db.ino, t.db.born, t.used
+    );
+    body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
+    (body.len() <= MAX).then(|| body.into_bytes())
+}
+
+/// Parses a token: `Some` only for a valid, current, `ready` one.
+fn decode(bytes: &[u8]) -> Option<Token> {
+    let text = match std::str::from_utf8(bytes) {
+        Ok(t) => t,
+        // Bytes after the crc line (hints, zeros) need not be text.
+        Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).ok()?,
+    };
+    let body_len = text.find("\ncrc=")? + 1;
+    let (body, rest) = text.split_at(body_len);
+    let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
+    if crc != format!("{:08x}", crc32(body.as_bytes())) {
+        return None;
+    }
+    let mut lines = body.strip_prefix(FORMAT)?.lines();
+    let mut field = |key: &str| lines.next()?.strip_prefix(key)?.strip_prefix('=');
+    if field("state")? != "ready" {
+        return None;
+    }
+    let image = field("image")?.to_owned();
+    let images_dir = match field("images")? {
+        "default" => None,
+        dir if dir.starts_with('/') => Some(PathBuf::from(dir)),
+        _ => return None,
+    };
+    let (ino, born) = field("db")?.split_once(':')?;
+    let db = DbId {
+        ino: ino.parse().ok()?,
+        born: born.parse().ok()?,
+    };
+    let used = field("used")?.parse().ok()?;
+    if lines.next().is_some() {
+        return None;
+    }
+    Some(Token {
+        image,
+        images_dir,
+        db,
+        used,
+    })
+}
+
+/// What one read of a lock file says: where the image is if its token is
+/// valid here and now, and the hints.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// The images directory, if the token vouches for the image.
+    pub ready: Option<PathBuf>,
+    pub writer_waits: bool,
+    pub store_wide: bool,
+}
+
+/// Reads the lock file of `name`, locked by `guard`, in one `pread`: the
+/// token counts if it is valid, names `name`, was derived from the
+/// database now at `root` (one `statx`, made only then), and its `used`
+/// is within [`LAST_USE_RESOLUTION`] of our clock.
+/// `db` keeps the database's identity once looked up, for the other
+/// images of one request.
+pub fn read(
+    guard: &Guard,
+    root: &crate::root::Root,
+    name: &crate::name::ImageName,
+    db: &std::cell::OnceCell<Option<DbId>>,
+) -> Seen {
     if !enabled() {
         return Seen::default();
     }
@@ -192,24 +300,27 @@ pub fn read(guard: &Guard) -> Seen {
         return Seen::default();
     };
     let set = |h: Hint| (h.offset() as usize) < n && buf[h.offset() as usize] == b'1';
-    let fresh = LAST_USE_RESOLUTION - Duration::from_secs(1);
-    let age = crate::clock::now_ms() - guard.modified_ms();
-    // A time far in the future (a server clock ahead) is no proof of a
-    // recent use either.
-    let recent = age.unsigned_abs() < fresh.as_millis() as u64;
+    let ready = decode(&buf[..n.min(MAX)]).filter(|t| {
+        let age = crate::clock::now_ms() - t.used;
+        t.image == name.as_str()
+            && age.unsigned_abs() < LAST_USE_RESOLUTION.as_millis() as u64
+            && db
+                .get_or_init(|| DbId::of(&root.db()))
+                .is_some_and(|now| t.db.matches(now))
+    });
     Seen {
-        ready: recent.then(|| decode(&buf[..n.min(MAX)])).flatten(),
+        ready: ready.map(|t| t.images_dir.unwrap_or_else(|| root.default_images_dir())),
         writer_waits: set(Hint::WriterWaits),
         store_wide: set(Hint::StoreWide),
     }
 }
 
-/// The record of a lock file, if it is a valid `ready` token, whatever its
-/// time.
-fn read_valid(file: &std::fs::File) -> Option<Ready> {
-    let mut buf = vec![0u8; MAX];
-    let n = file.read_at(&mut buf, 0).ok()?;
-    decode(&buf[..n])
+/// Whether the lock file holds a token at all, whatever it says.
+fn has_token(file: &std::fs::File) -> io::Result<Option<[bool; 2]>> {
+    let mut buf = vec![0u8; HINTS_AT + 2];
+    let n = file.read_at(&mut buf, 0)?;
+    let set = |h: Hint| (h.offset() as usize) < n && buf[h.offset() as usize] == b'1';
+    Ok(decode(&buf[..n.min(MAX)]).map(|_| [set(Hint::WriterWaits), set(Hint::StoreWide)]))
 }
 
 /// Sets or clears a hint (see the module doc for who may, holding what).
@@ -233,41 +344,48 @@ pub fn mark_store_wide(image_locks: &Path, on: bool) -> io::Result<()> {
     })
 }
 
-/// Writes the `ready` token, holding the image's lock after seeing its row
-/// `ready` (see the module doc). Not synced: a token lost in a crash only
-/// sends the next reader to the database. Best effort for the same reason.
-pub fn write_ready(guard: &Guard, images_dir: &Path) {
+/// Writes a `ready` token, holding the image's lock after seeing its row
+/// `ready` (see the module doc for when). Not synced: a token lost in a
+/// crash only sends the next reader to the database. Best effort for the
+/// same reason.
+pub fn write_ready(guard: &Guard, token: &Token) {
     if !enabled() {
         return;
     }
-    if let Some(bytes) = encode("ready", Some(images_dir)) {
+    if let Some(bytes) = encode(token) {
         let _ = guard.file().write_all_at(&bytes, 0);
     }
 }
 
-/// Makes the record say nothing, durably, before a row leaves `ready`
-/// (the caller holds the image's exclusive lock, or the store-wide lock).
-/// A lock file that has no valid token is left alone (nothing written: a
-/// new image's first write costs no sync).
+/// Takes the token away, durably, before a row leaves `ready` (the caller
+/// holds the image's exclusive lock, or the store-wide lock). The file is
+/// truncated — which frees, so a full copy-on-write filesystem allows it —
+/// and its hints are put back, best effort (a hint lost with the token
+/// costs nothing: without a token no read takes the fast path). A lock
+/// file without a token is left alone: a new image's first write costs no
+/// sync.
 pub fn invalidate(file: &std::fs::File) -> io::Result<()> {
     if !enabled() {
         return Ok(());
     }
-    if read_valid(file).is_none() {
+    let Some(hints) = has_token(file)? else {
         return Ok(());
-    }
-    let bytes = encode("unknown", None).expect("a short record");
-    file.write_all_at(&bytes, 0)?;
+    };
+    file.set_len(0)?;
     // Durable before the row changes: after a power loss, a token that
     // outlived the change would let a reader in on a tree being written.
-    file.sync_data()
+    file.sync_data()?;
+    for (on, hint) in hints.into_iter().zip([Hint::WriterWaits, Hint::StoreWide]) {
+        if on {
+            let _ = set_hint(file, hint, true, false);
+        }
+    }
+    Ok(())
 }
 
-/// Invalidates the records of every image of the root: a rebuilt database
+/// Invalidates the tokens of every image of the root: a rebuilt database
 /// has no history to vouch for them. The caller holds the store-wide lock
-/// and the global lock while no image lock is held, so no reader of the
-/// fast path can be inside; readers of the slow path that took their locks
-/// since wait for the global lock and have decided nothing yet.
+/// (its hints set) and the global lock while no image lock is held.
 pub fn invalidate_all(image_locks: &Path) -> io::Result<()> {
     each_lock_file(image_locks, invalidate)
 }
@@ -294,7 +412,7 @@ fn each_lock_file(
     Ok(())
 }
 
-/// Opens an image lock file for its record: `None` if it is missing or not
+/// Opens an image lock file for its token: `None` if it is missing or not
 /// a regular file (never a lock file stowage made).
 fn open_lock_file(path: &Path) -> io::Result<Option<std::fs::File>> {
     use std::os::unix::fs::OpenOptionsExt;
@@ -341,27 +459,34 @@ fn crc32(bytes: &[u8]) -> u32 {
 mod tests {
     use super::*;
 
+    fn token(images_dir: Option<&str>) -> Token {
+        Token {
+            image: "alpine:3.17".into(),
+            images_dir: images_dir.map(PathBuf::from),
+            db: DbId {
+                ino: 42,
+                born: 1_764_540_000_000,
+            },
+            used: 1_764_543_600_000,
+        }
+    }
+
     #[test]
     fn crc32_matches_the_standard_check_value() {
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
     }
 
     #[test]
-    fn a_ready_record_reads_back() {
-        let b = encode("ready", Some(Path::new("/s/img"))).unwrap();
-        assert_eq!(
-            decode(&b),
-            Some(Ready {
-                images_dir: "/s/img".into()
-            })
-        );
+    fn a_token_reads_back() {
+        for t in [token(None), token(Some("/s/img"))] {
+            assert_eq!(decode(&encode(&t).unwrap()), Some(t));
+        }
     }
 
     #[test]
-    fn anything_but_a_valid_ready_record_is_none() {
-        let good = encode("ready", Some(Path::new("/s/img"))).unwrap();
+    fn anything_but_a_valid_token_is_none() {
+        let good = encode(&token(Some("/s/img"))).unwrap();
         assert_eq!(decode(b""), None);
-        assert_eq!(decode(&encode("unknown", None).unwrap()), None);
         // A torn write: any byte changed fails the CRC.
         for i in 0..good.len() - 1 {
             let mut bad = good.clone();
@@ -372,23 +497,25 @@ mod tests {
             .unwrap()
             .replace("stowage-image 1", "stowage-image 2");
         assert_eq!(decode(newer.as_bytes()), None);
-        assert_eq!(encode("ready", Some(Path::new("relative"))), None);
-        assert_eq!(encode("ready", Some(Path::new("/a\nb"))), None);
+        assert_eq!(encode(&token(Some("relative"))), None);
+        assert_eq!(encode(&token(Some("/a\nb"))), None);
     }
 
     #[test]
-    fn a_shorter_record_over_a_longer_one_is_what_reads_back() {
-        let mut file = encode("ready", Some(Path::new("/a/long/images/dir"))).unwrap();
-        let short = encode("unknown", None).unwrap();
-        file[..short.len()].copy_from_slice(&short);
-        assert_eq!(decode(&file), None);
-        let ready = encode("ready", Some(Path::new("/s"))).unwrap();
-        file[..ready.len()].copy_from_slice(&ready);
-        assert_eq!(
-            decode(&file),
-            Some(Ready {
-                images_dir: "/s".into()
-            })
-        );
+    fn bytes_after_the_token_are_ignored() {
+        let t = token(None);
+        let mut file = encode(&t).unwrap();
+        file.resize(HINTS_AT, 0);
+        file.extend_from_slice(b"11");
+        assert_eq!(decode(&file[..MAX]), Some(t));
+    }
+
+    #[test]
+    fn a_database_is_known_by_its_inode_and_its_birth_where_kept() {
+        let a = DbId { ino: 7, born: 100 };
+        assert!(a.matches(DbId { ino: 7, born: 100 }));
+        assert!(a.matches(DbId { ino: 7, born: 0 }));
+        assert!(!a.matches(DbId { ino: 7, born: 101 }));
+        assert!(!a.matches(DbId { ino: 8, born: 100 }));
     }
 }

@@ -31,6 +31,8 @@ pub struct Root {
     /// The default root, `/var/tmp/$USER.stowage`: it must be the user's
     /// own (anyone may create that name in /var/tmp before its user does).
     default: bool,
+    /// The root's device, once [`Root::check`] has looked at it.
+    dev: Option<u64>,
 }
 
 impl Root {
@@ -50,6 +52,7 @@ impl Root {
             dir: std::path::absolute(&dir)
                 .with_context(|| format!("cannot resolve root {}", dir.display()))?,
             default,
+            dev: None,
         })
     }
 
@@ -57,6 +60,7 @@ impl Root {
         Root {
             dir: dir.into(),
             default: false,
+            dev: None,
         }
     }
 
@@ -399,7 +403,16 @@ impl Root {
             self.dir = real;
             m
         } else {
-            if let Ok(real) = fs::canonicalize(&self.dir) {
+            // Not a symlink itself: its real path is its parent's and its
+            // name. Resolving only the parent spares a readlink of the
+            // root, a round trip on NFS, on every command.
+            let real = match (self.dir.parent(), self.dir.file_name()) {
+                (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
+                    fs::canonicalize(parent).map(|p| p.join(name))
+                }
+                _ => fs::canonicalize(&self.dir),
+            };
+            if let Ok(real) = real {
                 self.dir = real;
             }
             link
@@ -408,6 +421,7 @@ impl Root {
             anyhow::bail!("root {} is not a directory", self.dir.display());
         }
         self.check_owner(m.uid(), m.mode(), m.gid())?;
+        self.dev = Some(m.dev());
         Ok(if m.mode() & 0o020 != 0 {
             Sharing::Group
         } else {
@@ -464,9 +478,13 @@ impl Root {
     /// `localflock` or `noflock`, BeeGFS without global file locks.
     /// (`doctor` reports it instead of refusing.)
     pub fn check_locking(&self) -> Result<()> {
-        if let (crate::filesystem::Reach::NodeLocal { why, advice }, mount) =
-            crate::filesystem::lock_reach(&self.dir)
-        {
+        let (reach, mount, own) = crate::filesystem::lock_reach_with(&self.dir);
+        // What the statfs found serves every lock file on the root's
+        // filesystem (lock.rs decides by it whether they may be unlinked).
+        if let (Some(dev), Some(fs)) = (self.dev, own) {
+            crate::lock::note_filesystem(dev, fs.local);
+        }
+        if let crate::filesystem::Reach::NodeLocal { why, advice } = reach {
             let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));
             return Err(crate::Error::UnsafeLocking(format!(
                 "root {}{at} is on {why}, so other hosts' builds and metadata updates would not be excluded; {advice} (see 'stowage doctor')",

@@ -287,8 +287,9 @@ impl Session {
         let mut held = Vec::with_capacity(wanted.len());
         let mut images_dir: Option<PathBuf> = None;
         let mut store_hinted = false;
+        let db = std::cell::OnceCell::new();
         for (name, _) in wanted {
-            let (guard, dir, hinted) = crate::acquire::image::try_ready(store.root(), name)?;
+            let (guard, dir, hinted) = crate::acquire::image::try_ready(store.root(), name, &db)?;
             if images_dir.as_ref().is_some_and(|d| *d != dir) {
                 return None;
             }
@@ -312,8 +313,18 @@ impl Session {
         // A hint: asked of store.lock — held (or unknown), the slow way
         // waits for it, or passes it for a command that runs inside it;
         // free, the hint is stale and cleared while we hold store.lock.
+        // The tokens are read again first, under store.lock: the operation
+        // may have been granted before our locks (none were held then),
+        // run, and taken tokens away as it ended — after we read them.
         if store_hinted {
             let guard = crate::store_wide::try_shared(store.root())?;
+            let db = std::cell::OnceCell::new();
+            for h in &held {
+                let seen = crate::record::read(&h.guard, store.root(), &h.name, &db);
+                if seen.ready.as_ref() != images_dir.as_ref() {
+                    return None;
+                }
+            }
             for h in &held {
                 let _ = crate::record::set_hint(
                     h.guard.file(),
@@ -511,9 +522,10 @@ impl Session {
         drop(self.listed);
         // Plain reads have nothing to record: no transaction at all.
         let nothing = ids.is_empty() && held.iter().all(|h| h.mode == Mode::Shared);
-        // The images the transaction leaves ready: their tokens are written
-        // once it has committed, still under our exclusive locks.
-        let mut readied: Vec<usize> = Vec::new();
+        // The images the transaction leaves ready, and the database it
+        // ran on: their tokens are written once it has committed, still
+        // under our exclusive locks (record.rs).
+        let mut readied: Vec<(usize, crate::record::Token)> = Vec::new();
         store.retry_full(|store| {
             readied.clear();
             if nothing {
@@ -521,6 +533,10 @@ impl Session {
             }
             let (tx, ctx) = store.begin_cleanup()?;
             let now = clock::now_ms();
+            let db = crate::record::DbId::of(&ctx.root.db());
+            let token = |name: &ImageName| {
+                db.map(|db| crate::record::Token::new(&ctx.root, name, images_dir, db, now))
+            };
             for (i, (h, (size, gone, trusted))) in held.iter().zip(&written).enumerate() {
                 let doubt = match gone {
                     true => crate::adopt::unmounted(&tx, &ctx.root, images_dir)?,
@@ -543,15 +559,26 @@ impl Session {
                 if h.keep {
                     // Used until now: gc's "unused for" counts from here.
                     tx.touch(h.name.as_str(), now)?;
-                    readied.push(i);
+                    // Its state did not change, so its token is written
+                    // now, under the global lock: no transaction that
+                    // forgot the image meanwhile (a store-wide command's
+                    // deletions) can come between the row seen and the
+                    // token written.
+                    if let (Some(t), Some(row)) = (token(&h.name), tx.image(h.name.as_str())?)
+                        && row.state == ImageState::Ready
+                    {
+                        crate::record::write_ready(&h.guard, &t);
+                    }
                 } else if h.mode == Mode::Exclusive {
                     tx.touch(h.name.as_str(), now)?;
                     let state = match outcome {
                         Outcome::Success if *trusted => ImageState::Ready,
                         _ => ImageState::Incomplete,
                     };
-                    if state == ImageState::Ready {
-                        readied.push(i);
+                    if state == ImageState::Ready
+                        && let Some(t) = token(&h.name)
+                    {
+                        readied.push((i, t));
                     }
                     tx.set_state(h.name.as_str(), state)?;
                     tx.set_size(h.name.as_str(), *size)?;
@@ -563,8 +590,8 @@ impl Session {
             }
             tx.commit()
         })?;
-        for &i in &readied {
-            crate::record::write_ready(&held[i].guard, images_dir);
+        for (i, t) in &readied {
+            crate::record::write_ready(&held[*i].guard, t);
         }
         // The lock files of deleted images go too, under our exclusive locks
         // (the unlink rule), with their gates. A directory this session made
@@ -750,25 +777,39 @@ fn start(
     // commit, they go again (a directory without a row would later be
     // adopted).
     let mut made = Vec::new();
-    let mut tokens = Vec::new();
     let resolution = LAST_USE_RESOLUTION.as_millis() as clock::Millis;
+    let db = std::cell::OnceCell::new();
     let claimed = (|| -> Result<Vec<Option<i64>>> {
         let mut records = Vec::with_capacity(held.len());
-        for (i, (h, row)) in held.iter_mut().zip(rows).enumerate() {
+        for (h, row) in held.iter_mut().zip(rows) {
             match h.mode {
                 _ if h.keep => tx.touch(h.name.as_str(), now)?,
                 Mode::Shared => {
                     // A plain read records nothing but a stale last use;
                     // its lease names it as a holder (see Holding). Where
-                    // the image's ready token is missing or stale, the use
-                    // is recorded and the token written after the commit,
-                    // so that the next read takes the fast path
-                    // (record.rs: the row's last use is never older than
-                    // the token's time).
-                    let token = crate::record::read_ready(&h.guard).is_some();
-                    if !token || row.as_ref().is_none_or(|r| now - r.last_used >= resolution) {
+                    // the image's ready token does not vouch for it here
+                    // and now, the token is written, with the row's last
+                    // use (recorded now if stale), so that the next read
+                    // takes the fast path — inside the transaction, under
+                    // the global lock, so that no transaction that forgets
+                    // the image can come between the row seen and the
+                    // token written (record.rs). Its state does not
+                    // change here, whether or not this commits.
+                    let token = crate::record::read(&h.guard, &ctx.root, &h.name, &db)
+                        .ready
+                        .is_some();
+                    let mut used = row.as_ref().map_or(now, |r| r.last_used);
+                    if now - used >= resolution {
                         tx.touch(h.name.as_str(), now)?;
-                        tokens.push(i);
+                        used = now;
+                    }
+                    if (!token || used == now)
+                        && let Some(db) =
+                            *db.get_or_init(|| crate::record::DbId::of(&ctx.root.db()))
+                    {
+                        let t =
+                            crate::record::Token::new(&ctx.root, &h.name, &images_dir, db, used);
+                        crate::record::write_ready(&h.guard, &t);
                     }
                     records.push(None);
                     continue;
@@ -801,9 +842,6 @@ fn start(
             return Err(e);
         }
     };
-    for i in tokens {
-        crate::record::write_ready(&held[i].guard, &images_dir);
-    }
     if let Some(s) = slot {
         s.waiter = None;
     }

@@ -325,7 +325,9 @@ pub fn lock_store(store: &mut Store, deadline: Option<Instant>, no_wait: bool) -
             None => {
                 // A store-wide command inside another one would wait for
                 // its own enclosing command, which waits for it.
-                if crate::nested::enclosing_hold(&p) == Some(Mode::Exclusive) {
+                if crate::nested::enclosing_hold(&p) == Some(Mode::Exclusive)
+                    || crate::nested::held_exclusively_by_ancestor(&p)
+                {
                     return Err(Error::Busy(Busy {
                         what: "the store-wide lock".into(),
                         holders: "held by an enclosing command of this process (a 'stowage exec \

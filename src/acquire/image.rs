@@ -160,10 +160,11 @@ pub(crate) fn acquire_image(
 pub(crate) fn try_ready(
     root: &crate::root::Root,
     name: &ImageName,
+    db: &std::cell::OnceCell<Option<crate::record::DbId>>,
 ) -> Option<(Guard, PathBuf, bool)> {
     let path = root.image_lock(name);
     let g = lock::acquire_no_wait(&path, Mode::Shared, lock::IfMissing::Fail).ok()??;
-    let seen = crate::record::read(&g);
+    let seen = crate::record::read(&g, root, name, db);
     let ready = seen.ready?;
     if seen.writer_waits {
         match lock::acquire_no_wait(&root.image_gate(name), Mode::Shared, lock::IfMissing::Fail) {
@@ -184,7 +185,7 @@ pub(crate) fn try_ready(
             _ => return None,
         }
     }
-    Some((g, ready.images_dir, seen.store_wide))
+    Some((g, ready, seen.store_wide))
 }
 
 /// The error for a lock that this process's enclosing command holds in a

@@ -102,9 +102,6 @@ pub struct Guard {
     mode: Mode,
     dev: u64,
     ino: u64,
-    /// The file's modification time when the lock was taken (ms since the
-    /// epoch): an image record's age (record.rs), at no extra stat.
-    modified_ms: i64,
 }
 
 impl std::os::fd::AsRawFd for Guard {
@@ -121,11 +118,6 @@ impl Guard {
     /// Device and inode of the locked file: what /proc/locks reports.
     pub fn identity(&self) -> (u64, u64) {
         (self.dev, self.ino)
-    }
-
-    /// The locked file's modification time as the lock found it.
-    pub fn modified_ms(&self) -> i64 {
-        self.modified_ms
     }
 
     /// Whether a spawned child inherits this lock's descriptor (and so keeps
@@ -316,19 +308,32 @@ pub fn unlinks_allowed(path: &Path) -> bool {
 /// directory of one device is on the same one, so the leases' and the
 /// image locks' directories of a root cost one statfs between them.
 fn local_dir(path: &Path, dev: Option<u64>) -> bool {
-    static SEEN: Mutex<Vec<(PathBuf, Option<u64>, bool)>> = Mutex::new(Vec::new());
     let dir = path.parent().unwrap_or(Path::new("/"));
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, _, local)) = seen
         .iter()
-        .find(|(d, v, _)| d == dir || (dev.is_some() && *v == dev))
+        .find(|(d, v, _)| d.as_deref() == Some(dir) || (dev.is_some() && *v == dev))
     {
         return *local;
     }
     // Unknown counts as shared: the careful side.
     let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
-    seen.push((dir.to_owned(), dev, local));
+    seen.push((Some(dir.to_owned()), dev, local));
     local
+}
+
+/// What is known of filesystems: directory or device, and whether local.
+type Seen = Vec<(Option<PathBuf>, Option<u64>, bool)>;
+static SEEN: Mutex<Seen> = Mutex::new(Vec::new());
+
+/// Tells the lock layer what the root's checks already found (the root's
+/// device, and whether its filesystem is local), so that the lock files
+/// under it cost no statfs of their own.
+pub fn note_filesystem(dev: u64, local: bool) {
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if !seen.iter().any(|(_, v, _)| *v == Some(dev)) {
+        seen.push((None, Some(dev), local));
+    }
 }
 
 /// `ESTALE`: the file behind a descriptor is gone on the (NFS) server —
@@ -378,7 +383,6 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
 struct Linked {
     dev: u64,
     ino: u64,
-    modified_ms: i64,
 }
 
 impl Linked {
@@ -386,7 +390,6 @@ impl Linked {
         Linked {
             dev: m.dev(),
             ino: m.ino(),
-            modified_ms: m.mtime().saturating_mul(1000) + m.mtime_nsec() / 1_000_000,
         }
     }
 }
@@ -516,7 +519,6 @@ fn guard(file: File, path: &Path, mode: Mode, linked: Linked) -> Guard {
         mode,
         dev: linked.dev,
         ino: linked.ino,
-        modified_ms: linked.modified_ms,
     }
 }
 

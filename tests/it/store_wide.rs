@@ -130,6 +130,16 @@ fn image_users_do_not_wait_past_their_bound_and_removals_are_refused() {
     let out = env.run(["rm", "a"]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     assert_eq!(env.state("a").as_deref(), Some("ready"));
+    // gc keeps what it may not remove now, as it keeps an image in use:
+    // not a failure.
+    let out = env.run(["gc", "--max-size", "0"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("kept 'a': in use"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
     // A second store-wide command waits for the first.
     let out = env.run(["exec", "--wait", "0.2", "--store-wide", "--", "true"]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));

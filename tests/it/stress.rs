@@ -3,11 +3,13 @@
 //!
 //! Several workers run random operations — writes (some cloning a base,
 //! some taking a slot, some failing on purpose), reads, rm, gc, lock-status,
-//! doctor — on random sets of images in random order, while a killer
+//! doctor, store-wide commands (some deleting an image's tree) — on random
+//! sets of images in random order, while a killer
 //! SIGKILLs stowage processes, or whole process groups (stowage and its
 //! command), at random moments. The commands themselves detect what must
 //! never happen: two writers in one image, a read while a writer is at
-//! work, a ready image with torn content. Afterwards the checker verifies,
+//! work, a ready image with torn content (or none: a deleted one read), an
+//! image used beside a store-wide command. Afterwards the checker verifies,
 //! independently of stowage's own view: no violation was seen, every ready
 //! image has complete content, `doctor --repair` then `doctor` is clean, no
 //! lock on the store's files is held, no process is left.
@@ -42,8 +44,18 @@ const LIB: &str = r#"
 # (killed, not yet reaped) has closed its files: it counts as gone.
 started() { read -r l < "/proc/$1/stat" 2>/dev/null || return 1; l=${l##*) }; set -- $l; [ "$1" = Z ] && return 1; eval "echo \${20}"; }
 alive() { [ -n "$1" ] && [ "$(started "$1")" = "$2" ]; }
+# A store-wide command's own command marks $V.sw while it runs; no image
+# user may run beside it.
+beside() { if [ -e "$V.sw" ]; then read -r p s < "$V.sw" 2>/dev/null && alive "$p" "$s" && echo "$1 of $2 beside store-wide command $p" >> "$V"; fi; }
+sw() {
+  echo "$$ $(started $$)" > "$V.sw"
+  sleep 0.0$((TOKEN % 5 + 1))
+  [ -n "$DELETE" ] && rm -rf "$STOWAGE_IMAGES_DIR/$DELETE"
+  rm -f "$V.sw"
+}
 w() {
   d=$1
+  beside write "$d"
   if [ -e "$d/.writer" ]; then read -r p s < "$d/.writer"; alive "$p" "$s" && echo "two writers in $d ($p and $$)" >> "$V"; fi
   echo "$$ $(started $$)" > "$d/.writer"
   i=1
@@ -55,15 +67,18 @@ w() {
   done
   echo "$TOKEN" > "$d/MANIFEST"
   rm -f "$d/.writer"
+  beside write "$d"
 }
 r() {
   d=$1
+  beside read "$d"
   if [ -e "$d/.writer" ]; then read -r p s < "$d/.writer"; alive "$p" "$s" && echo "read of $d while writer $p works" >> "$V"; fi
   if ! read -r m < "$d/MANIFEST"; then echo "ready image $d has no manifest" >> "$V"; return; fi
   for i in 1 2 3 4 5 6 7 8; do
     read -r v < "$d/f$i" || v=missing
     [ "$v" = "$m" ] || echo "torn read of $d: f$i=$v manifest=$m" >> "$V"
   done
+  beside read "$d"
 }
 "#;
 
@@ -199,6 +214,18 @@ fn pick(rng: &mut fastrand::Rng, token: u64) -> Op {
         let what = if rng.bool() { "lock-status" } else { "images" };
         args.extend([what.into(), "--json".into()]);
         op(what, args, &[0], envs)
+    } else if roll < 97 {
+        // A store-wide command (as `ch-image build-cache --reset`), which
+        // sometimes deletes an image's tree: no image user may run beside
+        // it, and a deleted image must never be read again.
+        args.extend(["exec".into(), "--store-wide".into()]);
+        wait_flags(rng, &mut args);
+        args.extend(["--".into(), "sh".into(), "-c".into(), format!("{LIB}\nsw")]);
+        envs.push(("TOKEN".into(), token.to_string()));
+        if rng.u32(0..3) == 0 {
+            envs.push(("DELETE".into(), enc(names[0])));
+        }
+        op("store-wide", args, &[0, 75], envs)
     } else {
         args.push("doctor".into());
         op("doctor", args, &[0, 1], envs)

@@ -6,6 +6,9 @@
 //!
 //! Each test makes, with real processes, a situation in which the token
 //! and the database disagree, and checks what the database says wins.
+//! Two more guard what keeping tokens costs elsewhere: removing an image
+//! on a full copy-on-write filesystem, and a repair that now takes the
+//! store-wide lock.
 
 use std::fs;
 use std::process::Command;
