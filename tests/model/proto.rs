@@ -237,9 +237,9 @@ pub struct Rules {
     /// before it checks that every image lock is free.
     pub store_marks: bool,
     /// A fast read sent to `store.lock` by the store-wide hint reads its
-    /// tokens again once it finds `store.lock` free (off: as
-    /// `Session::begin_fast` does, trusting what `try_ready` read before).
-    /// See `a_fast_read_can_run_on_an_image_a_store_wide_command_deleted`.
+    /// tokens again once it holds `store.lock` shared (`Session::begin_fast`;
+    /// off: trusting what `try_ready` read before, as the first version
+    /// did). See `without_the_token_reread_a_fast_read_runs_on_an_image_a_store_wide_command_deleted`.
     pub token_after_store: bool,
 }
 
@@ -275,7 +275,7 @@ impl Default for Rules {
             fast_store: FastStore::AfterLocks,
             writer_hints: true,
             store_marks: true,
-            token_after_store: false,
+            token_after_store: true,
         }
     }
 }
@@ -309,9 +309,9 @@ pub enum Pc {
     FastStore,
     /// A writer makes its images' ready tokens say nothing, before `Start`.
     Invalidate,
-    /// The ready tokens written after a commit that saw (or made) the row
-    /// ready: a slow-path reader's `Start`, a writer's `Finish`.
-    StartToken,
+    /// The ready token a writer writes after its `Finish` committed the
+    /// row ready (a slow-path reader writes its token inside its `Start`
+    /// transaction, an exclusive reader inside its `Finish`).
     FinishToken,
     /// `exec --store-wide`: `store.lock`, the record, the wait for every
     /// image lock and slot to be free.
@@ -377,7 +377,7 @@ impl Pc {
             Pc::FastTry => Step::FastTry,
             Pc::FastStore => Step::FastStore,
             Pc::Invalidate | Pc::InvalidateRm(..) | Pc::StoreInvalidate => Step::Invalidate,
-            Pc::StartToken | Pc::FinishToken => Step::Token,
+            Pc::FinishToken => Step::Token,
             Pc::StoreLock => Step::StoreLock,
             Pc::StoreRecord => Step::StoreRecord,
             Pc::StoreFree => Step::StoreFree,
@@ -1147,15 +1147,27 @@ impl Proto {
         pr.held
             .iter()
             .filter(|&&(i, _, m)| match pr.pc {
-                // A slow-path reader, after its start committed.
-                Pc::StartToken => m == Mode::Shared,
-                // A writer whose write succeeded; an exclusive reader.
-                Pc::FinishToken => (write == Some(i) && pr.ok) || (read_excl && read == Some(i)),
+                // A slow-path reader, in its start transaction.
+                Pc::Start => m == Mode::Shared,
+                // A writer whose write succeeded, after its commit.
+                Pc::FinishToken => write == Some(i) && pr.ok,
+                // An exclusive reader, in its finish transaction, if its
+                // row is ready (a store-wide command's deletions may have
+                // forgotten it).
+                Pc::Finish => {
+                    read_excl && read == Some(i) && s.rows[i as usize] == Some(Row::Ready)
+                }
                 _ => false,
             })
             .map(|&(i, g, _)| (i, g))
             .filter(|t| !s.tokens.contains(t))
             .collect()
+    }
+
+    fn write_tokens(&self, s: &mut State, p: usize) {
+        for t in self.tokens_to_write(s, p) {
+            Self::set(&mut s.tokens, t, true);
+        }
     }
 
     /// The tokens an invalidation would make say nothing: the files of
@@ -1199,9 +1211,7 @@ impl Proto {
                 {
                     Self::after_invalidate(pc)
                 }
-                Pc::StartToken | Pc::FinishToken if self.tokens_to_write(s, p).is_empty() => {
-                    self.after_token(s, p)
-                }
+                Pc::FinishToken if self.tokens_to_write(s, p).is_empty() => Pc::Release,
                 _ => return,
             };
             s.procs[p].pc = next;
@@ -1214,14 +1224,6 @@ impl Proto {
             Pc::InvalidateRm(img, ret) => Pc::Mark(img, ret),
             Pc::StoreInvalidate => Pc::StoreEnd(true),
             _ => unreachable!(),
-        }
-    }
-
-    fn after_token(&self, s: &State, p: usize) -> Pc {
-        match (s.procs[p].pc, self.op(s, p)) {
-            (Pc::StartToken, Some(Op::Exec { from: true, .. })) => Pc::Clone,
-            (Pc::StartToken, _) => Pc::Spawn,
-            _ => Pc::Release,
         }
     }
 
@@ -1589,14 +1591,11 @@ impl Proto {
                 }
                 s.procs[p].pc = Self::after_invalidate(pc);
             }
-            Pc::StartToken | Pc::FinishToken => {
+            Pc::FinishToken => {
                 // `record::write_ready`, holding the lock, after the commit
-                // that saw (or made) the row ready.
-                for t in self.tokens_to_write(s, p) {
-                    s.tokens.push(t);
-                }
-                s.tokens.sort();
-                s.procs[p].pc = self.after_token(s, p);
+                // that made the row ready.
+                self.write_tokens(s, p);
+                s.procs[p].pc = Pc::Release;
             }
             Pc::SlotTry => {
                 let Op::Exec {
@@ -1843,10 +1842,11 @@ impl Proto {
                         );
                     }
                 }
-                // Readers write their tokens after the commit (`StartToken`
-                // goes on to `Clone` or `Spawn`).
-                let _ = from;
-                s.procs[p].pc = Pc::StartToken;
+                // A plain reader writes its token in the transaction, under
+                // the global lock (no transaction that forgets the image
+                // can come between the row seen and the token written).
+                self.write_tokens(s, p);
+                s.procs[p].pc = if from { Pc::Clone } else { Pc::Spawn };
             }
             Pc::Clone => s.procs[p].pc = Pc::ReleaseBase,
             Pc::ReleaseBase => {
@@ -1900,6 +1900,8 @@ impl Proto {
                     s.rows[wi] = Some(if ok { Row::Ready } else { Row::Incomplete });
                     s.truth[wi] = (false, ok);
                 }
+                // An exclusive reader's token, in the transaction.
+                self.write_tokens(s, p);
                 Self::drop_records(s, p, None);
                 s.procs[p].pc = Pc::FinishToken;
             }
