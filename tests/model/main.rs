@@ -591,6 +591,37 @@ fn without_the_writers_hint_new_fast_reads_pass_a_waiting_writer() {
     assert!(trace.contains("fast-try"), "{trace}");
 }
 
+/// Found by the checker in the fast path as implemented (with hints): an
+/// image made inside a store-wide command has a lock file made after the
+/// hold set its store-wide hints, so it has none; the nested write's
+/// `finish` (inside the hold, exempt) writes its token; a read from outside
+/// then finds a token and no hint, asks nothing, and runs while the hold's
+/// command runs. Reproduced with the real binary: `exec --store-wide --
+/// sh -c 'stowage exec --write b -- …; wait'`, and meanwhile `exec
+/// --no-wait --read b` runs (exit 0) where `exec --no-wait --read a` (an
+/// image older than the hold) says the store is busy (75). By the same
+/// reasoning (not checked here): a lock file whose hint a token's
+/// invalidation dropped (its hints read before the hold set them) and
+/// then a token written inside the hold, and an image written by a call
+/// nested in an image user the hold waits for. When the code keeps
+/// tokens from being written past a live hold (or hints what it writes
+/// then), this test fails, to be turned around.
+#[test]
+fn an_outside_fast_read_runs_beside_a_hold_on_an_image_made_inside_it() {
+    let mut cfg = store_config();
+    cfg.crashes = 0;
+    cfg.roles[0].menu = vec![STORE_WIDE];
+    cfg.roles[1].menu = vec![exec_read(B)];
+    cfg.roles[2].menu = vec![exec_write(B)];
+    let trace = mutation_found(
+        "an image made inside a hold",
+        cfg,
+        "while a store-wide hold is granted, nobody else is at work on an image or slot",
+    );
+    assert!(trace.contains("exec --write B: token"), "{trace}");
+    assert!(trace.contains("exec --read B: fast-try"), "{trace}");
+}
+
 /// Found by the checker in the first version of the fast path, reproduced
 /// with the real binary, fixed: `try_ready` reads the token and the
 /// store-wide hint, and only then does `begin_fast` ask whether
