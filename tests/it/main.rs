@@ -59,3 +59,4 @@ mod store_wide;
 mod stress;
 mod tokens;
 mod tokens_review;
+mod tokens_review2;
