@@ -605,7 +605,8 @@ fn without_the_writers_hint_new_fast_reads_pass_a_waiting_writer() {
 /// then a token written inside the hold, and an image written by a call
 /// nested in an image user the hold waits for. When the code keeps
 /// tokens from being written past a live hold (or hints what it writes
-/// then), this test fails, to be turned around.
+/// then), this test fails, to be turned around. Real processes:
+/// `tokens_review2::a_read_of_an_image_made_inside_a_store_wide_command_waits_for_it`.
 #[test]
 fn an_outside_fast_read_runs_beside_a_hold_on_an_image_made_inside_it() {
     let mut cfg = store_config();
