@@ -23,6 +23,13 @@
 //! every other transaction is one step. `exec --store-wide` is its
 //! `store.lock`, a record every claiming transaction honours, and the wait
 //! for every image lock and slot to be free.
+//!
+//! Ready tokens (src/record.rs) belong to lock files: a plain read that
+//! finds one takes the fast path (its image lock, then a try of
+//! `store.lock`) and never transacts; every change of a row away from
+//! ready invalidates the token first, in a step of its own, and a token is
+//! written in a step after the commit that saw the row ready, so that a
+//! crash can fall between either pair.
 
 use stateright::{Model, Property};
 
@@ -82,9 +89,11 @@ pub enum Op {
         slot: Option<Prio>,
         inherit: bool,
     },
-    /// `exec --store-wide [--no-inherit]`.
+    /// `exec --store-wide [--no-inherit]`, whose command may delete an
+    /// image's tree (`ch-image build-cache --reset`).
     StoreWide {
         inherit: bool,
+        deletes: Option<u8>,
     },
     Rm(u8),
     Gc,
@@ -151,10 +160,13 @@ impl std::fmt::Display for Op {
                 }
                 Ok(())
             }
-            Op::StoreWide { inherit } => {
+            Op::StoreWide { inherit, deletes } => {
                 write!(f, "exec --store-wide")?;
                 if !inherit {
                     write!(f, " --no-inherit")?;
+                }
+                if let Some(i) = deletes {
+                    write!(f, " -- (deletes {})", img_name(i))?;
                 }
                 Ok(())
             }
@@ -210,6 +222,38 @@ pub struct Rules {
     /// call fails at once instead of waiting for the store (Hold::take).
     /// Off: the rules before, which the checker shows can deadlock.
     pub nested_store: bool,
+    /// A writer invalidates its image's ready token before its `start`.
+    pub writer_invalidates: bool,
+    /// A removal (rm, gc, doctor) invalidates the token before its `mark`.
+    pub remove_invalidates: bool,
+    /// `doctor --repair` invalidates the token of a ready image whose tree
+    /// is gone before it drops the row.
+    pub doctor_invalidates: bool,
+    /// Where a read of the fast path asks whether `store.lock` is free.
+    pub fast_store: FastStore,
+    /// A writer that waits sets the writer-waits hint, holding the gate.
+    pub writer_hints: bool,
+    /// A store-wide hold sets the store-wide hint on every image lock file
+    /// before it checks that every image lock is free.
+    pub store_marks: bool,
+    /// A fast read sent to `store.lock` by the store-wide hint reads its
+    /// tokens again once it holds `store.lock` shared (`Session::begin_fast`;
+    /// off: trusting what `try_ready` read before, as the first version
+    /// did). See `without_the_token_reread_a_fast_read_runs_on_an_image_a_store_wide_command_deleted`.
+    pub token_after_store: bool,
+}
+
+/// When a read of the fast path tries `locks/store.lock` shared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FastStore {
+    /// After taking its image locks, when the store-wide hint in a lock
+    /// file says a hold may run (`Session::begin_fast`): a hold that checks
+    /// the image locks later finds them held and waits.
+    AfterLocks,
+    /// Before its image locks, hint or not (a mutation).
+    BeforeLocks,
+    /// Never: the hint ignored (a mutation).
+    Never,
 }
 
 impl Default for Rules {
@@ -225,6 +269,13 @@ impl Default for Rules {
             lease_unlink_locked: true,
             store_check: true,
             nested_store: true,
+            writer_invalidates: true,
+            remove_invalidates: true,
+            doctor_invalidates: true,
+            fast_store: FastStore::AfterLocks,
+            writer_hints: true,
+            store_marks: true,
+            token_after_store: true,
         }
     }
 }
@@ -238,7 +289,8 @@ pub struct Config {
     pub slot_limit: u8,
     pub slot_reserve: u8,
     pub rules: Rules,
-    /// Images that exist (ready) at the start.
+    /// Images that exist (ready, with a ready token in their lock files)
+    /// at the start.
     pub ready_at_start: Vec<u8>,
 }
 
@@ -250,6 +302,17 @@ pub enum Pc {
     /// The lease: open (creating) a fresh name, then lock it and re-check.
     LeaseCreate,
     LeaseLock,
+    /// A plain read's fast path (`Session::begin_fast`): the image lock
+    /// tried with the gate check and its ready token read, then
+    /// `store.lock` tried shared; any miss goes the slow way (`Try`).
+    FastTry,
+    FastStore,
+    /// A writer makes its images' ready tokens say nothing, before `Start`.
+    Invalidate,
+    /// The ready token a writer writes after its `Finish` committed the
+    /// row ready (a slow-path reader writes its token inside its `Start`
+    /// transaction, an exclusive reader inside its `Finish`).
+    FinishToken,
     /// `exec --store-wide`: `store.lock`, the record, the wait for every
     /// image lock and slot to be free.
     StoreLock,
@@ -258,7 +321,12 @@ pub enum Pc {
     StoreWaitFree(Key),
     /// An exec that found a store-wide hold at its start, holding nothing.
     StoreAwait,
-    StoreEnd,
+    /// `forget_deleted`: the tokens of images whose trees the command
+    /// deleted, then (`StoreEnd`) their rows, in one transaction.
+    StoreInvalidate,
+    /// The hold ends (`true`: `Hold::release`, which forgets deleted
+    /// images first; `false`: `Hold::take` failing).
+    StoreEnd(bool),
     SlotTry,
     SlotWaiter,
     SlotWait,
@@ -275,7 +343,8 @@ pub enum Pc {
     Finish,
     Release,
     /// Removal of an image whose exclusive lock is held; `Ret` says where
-    /// to go on.
+    /// to go on. Its token is invalidated first.
+    InvalidateRm(u8, Ret),
     Mark(u8, Ret),
     Trash(u8, Ret),
     DropRow(u8, Ret),
@@ -305,12 +374,16 @@ impl Pc {
             Pc::Choose | Pc::Done => return None,
             Pc::LeaseCreate => Step::LeaseCreate,
             Pc::LeaseLock => Step::LeaseLock,
+            Pc::FastTry => Step::FastTry,
+            Pc::FastStore => Step::FastStore,
+            Pc::Invalidate | Pc::InvalidateRm(..) | Pc::StoreInvalidate => Step::Invalidate,
+            Pc::FinishToken => Step::Token,
             Pc::StoreLock => Step::StoreLock,
             Pc::StoreRecord => Step::StoreRecord,
             Pc::StoreFree => Step::StoreFree,
             Pc::StoreWaitFree(_) => Step::StoreWaitFree,
             Pc::StoreAwait => Step::StoreAwait,
-            Pc::StoreEnd => Step::StoreEnd,
+            Pc::StoreEnd(_) => Step::StoreEnd,
             Pc::CleanLock => Step::CleanLock,
             Pc::CleanUnlink => Step::CleanUnlink,
             Pc::SlotTry => Step::SlotTry,
@@ -379,6 +452,9 @@ pub struct Proc {
     /// Past its claim: an exec's start (or a store-wide hold's grant) until
     /// its locks close.
     pub claimed: bool,
+    /// Claimed by the fast path (no transaction), until it spawns its
+    /// command (no longer: a situation to reach, kept short-lived).
+    pub fast: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -436,6 +512,12 @@ pub struct State {
     pub global: Option<u8>,
     /// The store-wide holder record (its owner).
     pub store_rec: Option<u8>,
+    /// Valid ready tokens: (image, generation of its lock file). Sorted.
+    pub tokens: Vec<(u8, u8)>,
+    /// The hints after the token (record.rs), set on these lock files:
+    /// writer waits, store-wide. Sorted.
+    pub ww: Vec<(u8, u8)>,
+    pub sw: Vec<(u8, u8)>,
     pub crashes: u8,
     pub bad: u8,
 }
@@ -531,6 +613,7 @@ impl Proto {
         s.procs[p].held.clear();
         s.procs[p].slot = None;
         s.procs[p].claimed = false;
+        s.procs[p].fast = false;
         if s.global == Some(p as u8) {
             s.global = None;
         }
@@ -656,7 +739,7 @@ impl Proto {
     fn enclosing(&self, s: &State, p: usize, key: Key) -> Option<Mode> {
         let q = self.cfg.roles[p].parent? as usize;
         let visible = match self.op(s, q) {
-            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit }) => {
+            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit, .. }) => {
                 inherit || self.cfg.rules.local_fs
             }
             _ => false,
@@ -870,7 +953,7 @@ impl Proto {
             }
             if self.enabled(s, p) {
                 out.push(Action::Step(p as u8));
-                if matches!(pr.pc, Pc::Clone | Pc::Spawn) {
+                if matches!(pr.pc, Pc::Clone | Pc::Spawn) || self.stale_possible(s, p) {
                     out.push(Action::Fail(p as u8));
                 }
             }
@@ -879,6 +962,17 @@ impl Proto {
                 out.push(Action::Exit(p as u8, false));
             }
         }
+    }
+
+    /// At `fast-try` with a ready token: it may also be older than the
+    /// resolution (freshness is not modelled otherwise), which sends the
+    /// read the slow way.
+    fn stale_possible(&self, s: &State, p: usize) -> bool {
+        s.procs[p].pc == Pc::FastTry
+            && self.op(s, p).is_some_and(|op| {
+                let (img, _) = Self::wanted(op)[0];
+                s.file[img as usize].is_some_and(|g| s.tokens.contains(&(img, g)))
+            })
     }
 
     fn started(pr: &Proc) -> bool {
@@ -905,7 +999,7 @@ impl Proto {
     /// SIGKILL of one stowage process.
     fn kill(&self, s: &mut State, p: usize) {
         let inherit = match self.op(s, p) {
-            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit }) => inherit,
+            Some(Op::Exec { inherit, .. } | Op::StoreWide { inherit, .. }) => inherit,
             _ => true,
         };
         let pr = &mut s.procs[p];
@@ -963,18 +1057,173 @@ impl Proto {
 
     // -- steps -------------------------------------------------------------
 
-    fn after_images(op: Op) -> Pc {
+    fn after_images(&self, op: Op) -> Pc {
         match op {
-            Op::Rm(i) => Pc::Mark(i, Ret::Rm),
+            Op::Rm(i) => self.remove(i, Ret::Rm),
+            Op::Exec { write: Some(_), .. } if self.cfg.rules.writer_invalidates => Pc::Invalidate,
             _ => Pc::Start,
         }
     }
 
-    fn next_image(op: Op, k: u8) -> Pc {
+    /// `remove::remove_locked`: the token first, then the mark.
+    fn remove(&self, img: u8, ret: Ret) -> Pc {
+        if self.cfg.rules.remove_invalidates {
+            Pc::InvalidateRm(img, ret)
+        } else {
+            Pc::Mark(img, ret)
+        }
+    }
+
+    fn next_image(&self, op: Op, k: u8) -> Pc {
         if (k as usize + 1) < Self::wanted(op).len() {
             Pc::Try(k + 1)
         } else {
-            Self::after_images(op)
+            self.after_images(op)
+        }
+    }
+
+    /// A plain read (no write, no exclusive read, no slot): the fast path
+    /// is tried first (`Session::begin_fast`).
+    fn fast_eligible(op: Op) -> bool {
+        matches!(
+            op,
+            Op::Exec {
+                read: Some(_),
+                read_excl: false,
+                write: None,
+                slot: None,
+                ..
+            }
+        )
+    }
+
+    /// What follows the lease on the first go: the fast path for a plain
+    /// read, the slow way for everything else (and for a read starting
+    /// over after a store-wide hold).
+    fn begin(&self, op: Op) -> Pc {
+        if !Self::fast_eligible(op) {
+            return self.after_lease(op);
+        }
+        match self.cfg.rules.fast_store {
+            FastStore::BeforeLocks => Pc::FastStore,
+            FastStore::AfterLocks | FastStore::Never => Pc::FastTry,
+        }
+    }
+
+    /// The fast path's claim: the command may run.
+    fn fast_claim(&self, s: &mut State, p: usize) {
+        s.procs[p].claimed = true;
+        s.procs[p].fast = true;
+        self.claim_past_hold(s, p);
+        s.procs[p].pc = Pc::Spawn;
+    }
+
+    /// Images whose trees a store-wide command deleted, that
+    /// `forget_deleted` drops (not `deleting`: a removal's own business;
+    /// not `incomplete`: a failed write may have no tree).
+    fn deleted(&self, s: &State) -> Vec<u8> {
+        (0..self.cfg.images)
+            .filter(|&i| {
+                s.rows[i as usize].is_some_and(|r| r != Row::Deleting && r != Row::Incomplete)
+                    && !s.tree[i as usize]
+            })
+            .collect()
+    }
+
+    /// The tokens a step would write (`StartToken`, `FinishToken`): the
+    /// files the process holds. A step that would change nothing is not
+    /// taken (see `skip_noops`).
+    fn tokens_to_write(&self, s: &State, p: usize) -> Vec<(u8, u8)> {
+        let pr = &s.procs[p];
+        let Some(Op::Exec {
+            read,
+            read_excl,
+            write,
+            ..
+        }) = self.op(s, p)
+        else {
+            return vec![];
+        };
+        pr.held
+            .iter()
+            .filter(|&&(i, _, m)| match pr.pc {
+                // A slow-path reader, in its start transaction.
+                Pc::Start => m == Mode::Shared,
+                // A writer whose write succeeded, after its commit.
+                Pc::FinishToken => write == Some(i) && pr.ok,
+                // An exclusive reader, in its finish transaction, if its
+                // row is ready (a store-wide command's deletions may have
+                // forgotten it).
+                Pc::Finish => {
+                    read_excl && read == Some(i) && s.rows[i as usize] == Some(Row::Ready)
+                }
+                _ => false,
+            })
+            .map(|&(i, g, _)| (i, g))
+            .filter(|t| !s.tokens.contains(t))
+            .collect()
+    }
+
+    fn write_tokens(&self, s: &mut State, p: usize) {
+        for t in self.tokens_to_write(s, p) {
+            Self::set(&mut s.tokens, t, true);
+        }
+    }
+
+    /// The tokens an invalidation would make say nothing: the files of
+    /// images written (held exclusively), removed, or deleted by a
+    /// store-wide command.
+    fn tokens_to_invalidate(&self, s: &State, p: usize) -> Vec<(u8, u8)> {
+        let pr = &s.procs[p];
+        let held_excl = |img: u8| {
+            pr.held
+                .iter()
+                .filter(move |&&(i, _, m)| i == img && m == Mode::Exclusive)
+                .map(|&(i, g, _)| (i, g))
+        };
+        let cands: Vec<(u8, u8)> = match pr.pc {
+            Pc::Invalidate => match self.op(s, p) {
+                Some(Op::Exec { write: Some(w), .. }) => held_excl(w).collect(),
+                _ => vec![],
+            },
+            Pc::InvalidateRm(img, _) => held_excl(img).collect(),
+            // `record::invalidate_at`: the file at the path, no lock needed
+            // (the hold keeps every reader out).
+            Pc::StoreInvalidate => self
+                .deleted(s)
+                .into_iter()
+                .filter_map(|i| s.file[i as usize].map(|g| (i, g)))
+                .collect(),
+            _ => vec![],
+        };
+        cands.into_iter().filter(|t| s.tokens.contains(t)).collect()
+    }
+
+    /// A token step that would change nothing is no step: invalidating
+    /// what is not valid, writing what is there (`record::invalidate`
+    /// writes nothing then; `write_ready` would write the same bytes).
+    fn skip_noops(&self, s: &mut State, p: usize) {
+        loop {
+            let pc = s.procs[p].pc;
+            let next = match pc {
+                Pc::Invalidate | Pc::InvalidateRm(..) | Pc::StoreInvalidate
+                    if self.tokens_to_invalidate(s, p).is_empty() =>
+                {
+                    Self::after_invalidate(pc)
+                }
+                Pc::FinishToken if self.tokens_to_write(s, p).is_empty() => Pc::Release,
+                _ => return,
+            };
+            s.procs[p].pc = next;
+        }
+    }
+
+    fn after_invalidate(pc: Pc) -> Pc {
+        match pc {
+            Pc::Invalidate => Pc::Start,
+            Pc::InvalidateRm(img, ret) => Pc::Mark(img, ret),
+            Pc::StoreInvalidate => Pc::StoreEnd(true),
+            _ => unreachable!(),
         }
     }
 
@@ -984,23 +1233,23 @@ impl Proto {
     fn first(&self, op: Op) -> Pc {
         match op {
             Op::Exec { .. } | Op::Rm(_) | Op::Gc if self.cfg.rules.leases => Pc::LeaseCreate,
-            _ => Self::after_lease(op),
+            _ => self.begin(op),
         }
     }
 
     /// The image locks, or what follows them when there are none.
-    fn images(op: Op) -> Pc {
+    fn images(&self, op: Op) -> Pc {
         if Self::wanted(op).is_empty() {
-            Self::after_images(op)
+            self.after_images(op)
         } else {
             Pc::Try(0)
         }
     }
 
-    fn after_lease(op: Op) -> Pc {
+    fn after_lease(&self, op: Op) -> Pc {
         match op {
             Op::Exec { slot: Some(_), .. } => Pc::SlotTry,
-            Op::Exec { .. } | Op::Rm(_) => Self::images(op),
+            Op::Exec { .. } | Op::Rm(_) => self.images(op),
             Op::StoreWide { .. } => Pc::StoreLock,
             Op::Gc => Pc::ListInterrupted,
             Op::Doctor | Op::Look => Pc::Sweep,
@@ -1056,6 +1305,32 @@ impl Proto {
         }
     }
 
+    /// The lock file left the path: no reader can open it again, so its
+    /// token (if any) says nothing any more; the next file has none.
+    fn forget_tokens(s: &mut State, img: u8) {
+        s.tokens.retain(|(i, _)| *i != img);
+        s.ww.retain(|(i, _)| *i != img);
+        s.sw.retain(|(i, _)| *i != img);
+    }
+
+    fn set(v: &mut Vec<(u8, u8)>, f: (u8, u8), on: bool) {
+        v.retain(|x| *x != f);
+        if on {
+            v.push(f);
+            v.sort();
+        }
+    }
+
+    /// `record::mark_store_wide`: the store-wide hint on every image lock
+    /// file at its path.
+    fn mark_store_wide(&self, s: &mut State, on: bool) {
+        for i in 0..self.cfg.images {
+            if let Some(g) = s.file[i as usize] {
+                Self::set(&mut s.sw, (i, g), on);
+            }
+        }
+    }
+
     fn release_image(s: &mut State, p: usize, img: u8) {
         let held = std::mem::take(&mut s.procs[p].held);
         for (i, g, _) in &held {
@@ -1070,6 +1345,7 @@ impl Proto {
     /// descriptor closes.
     fn unlink(s: &mut State, p: usize, img: u8) {
         s.file[img as usize] = None;
+        Self::forget_tokens(s, img);
         Self::release_image(s, p, img);
     }
 
@@ -1112,7 +1388,7 @@ impl Proto {
                 }
                 Self::take(s, key, p, Mode::Exclusive);
                 s.procs[p].lease = Some(n);
-                s.procs[p].pc = Self::after_lease(op);
+                s.procs[p].pc = self.begin(op);
             }
             Pc::CleanLock => {
                 let own = s.procs[p].lease.map(|n| (p as u8, n));
@@ -1179,6 +1455,11 @@ impl Proto {
             Pc::StoreRecord => {
                 // Records of earlier holders are stale: we hold their lease.
                 s.store_rec = Some(p as u8);
+                // Then the store-wide hint on every image lock file, before
+                // the check that every image lock is free.
+                if rules.store_marks {
+                    self.mark_store_wide(s, true);
+                }
                 s.procs[p].pc = Pc::StoreFree;
             }
             Pc::StoreFree => {
@@ -1198,7 +1479,9 @@ impl Proto {
                         s.procs[p].pc = Pc::Spawn;
                     }
                     // Held by our enclosing command, which waits for us.
-                    Some(k) if self.enclosing(s, p, k).is_some() => s.procs[p].pc = Pc::StoreEnd,
+                    Some(k) if self.enclosing(s, p, k).is_some() => {
+                        s.procs[p].pc = Pc::StoreEnd(false)
+                    }
                     Some(k) => s.procs[p].pc = Pc::StoreWaitFree(k),
                 }
             }
@@ -1206,12 +1489,112 @@ impl Proto {
             Pc::StoreWaitFree(_) => s.procs[p].pc = Pc::StoreFree,
             Pc::StoreAwait => {
                 // Taken shared and dropped: the hold is over. Start over.
-                s.procs[p].pc = Self::after_lease(op);
+                s.procs[p].pc = self.after_lease(op);
             }
-            Pc::StoreEnd => {
+            Pc::StoreInvalidate => {
+                for t in self.tokens_to_invalidate(s, p) {
+                    s.tokens.retain(|x| *x != t);
+                }
+                s.procs[p].pc = Pc::StoreEnd(true);
+            }
+            Pc::StoreEnd(forget) => {
+                if forget {
+                    // `forget_deleted`: the rows of deleted images go (their
+                    // tokens went at `StoreInvalidate`), then their lock
+                    // files, each under its exclusive lock if free.
+                    for i in self.deleted(s) {
+                        s.rows[i as usize] = None;
+                        s.truth[i as usize] = (false, false);
+                        if let Some(g) = s.file[i as usize]
+                            && Self::grantable(s, Key::Img(i, g), Mode::Exclusive)
+                        {
+                            s.file[i as usize] = None;
+                            Self::forget_tokens(s, i);
+                        }
+                    }
+                }
                 if s.store_rec == Some(p as u8) {
                     s.store_rec = None;
                 }
+                // Still holding store.lock: the hints go.
+                self.mark_store_wide(s, false);
+                s.procs[p].pc = Pc::Release;
+            }
+            Pc::FastTry => {
+                // `try_ready`: the lock file must exist (no create), the
+                // lock be free, and one read of the file find a ready token
+                // and the hints. Writer waits: the gate tried (held, the slow
+                // way; free, the stale hint cleared under it). Else the slow
+                // way, holding nothing.
+                let (img, _) = Self::wanted(op)[0];
+                let slow = self.after_lease(op);
+                let Some(g) = s.file[img as usize] else {
+                    s.procs[p].pc = slow;
+                    return;
+                };
+                let key = Key::Img(img, g);
+                if !Self::grantable(s, key, Mode::Shared) || !s.tokens.contains(&(img, g)) {
+                    s.procs[p].pc = slow;
+                    return;
+                }
+                if rules.gate && s.ww.contains(&(img, g)) {
+                    if !Self::grantable(s, Key::Gate(img), Mode::Shared) {
+                        s.procs[p].pc = slow;
+                        return;
+                    }
+                    Self::set(&mut s.ww, (img, g), false);
+                }
+                let hinted = s.sw.contains(&(img, g));
+                if Self::writer_waits(s, img, &self.cfg) && !self.nested_in_holder(s, p, img) {
+                    s.bad |= bad::BYPASS;
+                }
+                Self::take(s, key, p, Mode::Shared);
+                s.procs[p].held.push((img, g, Mode::Shared));
+                match rules.fast_store {
+                    FastStore::AfterLocks if hinted => s.procs[p].pc = Pc::FastStore,
+                    _ => self.fast_claim(s, p),
+                }
+            }
+            Pc::FastStore => {
+                // `store_wide::try_shared`: held, the slow way (which waits
+                // for the hold, or passes it inside its command), our image
+                // locks closed first. Free: the stale hints of our files
+                // cleared while we hold it shared (then, under
+                // `token_after_store`, the tokens read again).
+                if !Self::grantable(s, Key::Store, Mode::Shared) {
+                    Self::close_locks(s, p);
+                    s.procs[p].pc = self.after_lease(op);
+                    return;
+                }
+                if rules.fast_store == FastStore::BeforeLocks {
+                    s.procs[p].pc = Pc::FastTry;
+                    return;
+                }
+                let held = s.procs[p].held.clone();
+                for &(i, g, _) in &held {
+                    Self::set(&mut s.sw, (i, g), false);
+                }
+                if rules.token_after_store
+                    && !held.iter().all(|&(i, g, _)| s.tokens.contains(&(i, g)))
+                {
+                    Self::close_locks(s, p);
+                    s.procs[p].pc = self.after_lease(op);
+                    return;
+                }
+                self.fast_claim(s, p);
+            }
+            Pc::Invalidate | Pc::InvalidateRm(..) => {
+                // `record::invalidate`, durably, under our exclusive lock,
+                // before the transaction that moves the row away from ready.
+                for t in self.tokens_to_invalidate(s, p) {
+                    s.tokens.retain(|x| *x != t);
+                }
+                s.procs[p].pc = Self::after_invalidate(pc);
+            }
+            Pc::FinishToken => {
+                // `record::write_ready`, holding the lock, after the commit
+                // that made the row ready.
+                self.write_tokens(s, p);
                 s.procs[p].pc = Pc::Release;
             }
             Pc::SlotTry => {
@@ -1229,14 +1612,14 @@ impl Proto {
                 {
                     Self::take(s, Key::Slot(f), p, Mode::Exclusive);
                     s.procs[p].slot = Some(f);
-                    s.procs[p].pc = Self::images(op);
+                    s.procs[p].pc = self.images(op);
                 } else if rules.nested
                     && cands
                         .iter()
                         .any(|f| self.enclosing(s, p, Key::Slot(*f)).is_some())
                 {
                     // Works under the enclosing command's slot.
-                    s.procs[p].pc = Self::images(op);
+                    s.procs[p].pc = self.images(op);
                 } else {
                     s.procs[p].pc = Pc::SlotWaiter;
                 }
@@ -1268,7 +1651,7 @@ impl Proto {
                     .expect("enabled");
                 Self::take(s, Key::Slot(f), p, Mode::Exclusive);
                 s.procs[p].slot = Some(f);
-                s.procs[p].pc = Self::images(op);
+                s.procs[p].pc = self.images(op);
             }
             Pc::Try(k) => {
                 let (img, mode) = Self::wanted(op)[k as usize];
@@ -1304,7 +1687,7 @@ impl Proto {
                     }
                     Self::take(s, key, p, mode);
                     s.procs[p].held.push((img, g, mode));
-                    s.procs[p].pc = Self::next_image(op, k);
+                    s.procs[p].pc = self.next_image(op, k);
                     return;
                 }
                 if rules.nested
@@ -1347,6 +1730,14 @@ impl Proto {
             Pc::Gate(k) => {
                 let (img, mode) = Self::wanted(op)[k as usize];
                 Self::take(s, Key::Gate(img), p, mode);
+                // A writer, holding the gate: the writer-waits hint in the
+                // lock file at the path, for reads of the fast path.
+                if mode == Mode::Exclusive
+                    && rules.writer_hints
+                    && let Some(g) = s.file[img as usize]
+                {
+                    Self::set(&mut s.ww, (img, g), true);
+                }
                 s.procs[p].wgen = Self::open_create(s, img);
                 s.procs[p].pc = Pc::Wait(k);
             }
@@ -1362,7 +1753,12 @@ impl Proto {
                 Self::take(s, Key::Img(img, g), p, mode);
                 s.procs[p].held.push((img, g, mode));
                 Self::drop_key(s, Key::Gate(img), p);
-                s.procs[p].pc = Self::next_image(op, k);
+                // A writer in: the hint goes, unless the gate (tried
+                // exclusively) is held by another writer, or a reader.
+                if mode == Mode::Exclusive && Self::grantable(s, Key::Gate(img), Mode::Exclusive) {
+                    Self::set(&mut s.ww, (img, g), false);
+                }
+                s.procs[p].pc = self.next_image(op, k);
             }
             Pc::Start => {
                 let Op::Exec {
@@ -1446,6 +1842,10 @@ impl Proto {
                         );
                     }
                 }
+                // A plain reader writes its token in the transaction, under
+                // the global lock (no transaction that forgets the image
+                // can come between the row seen and the token written).
+                self.write_tokens(s, p);
                 s.procs[p].pc = if from { Pc::Clone } else { Pc::Spawn };
             }
             Pc::Clone => s.procs[p].pc = Pc::ReleaseBase,
@@ -1468,6 +1868,7 @@ impl Proto {
                 s.procs[p].pc = Pc::Spawn;
             }
             Pc::Spawn => {
+                s.procs[p].fast = false;
                 s.procs[p].cmd = Cmd::Running;
                 s.procs[p].pc = Pc::Command;
             }
@@ -1499,8 +1900,10 @@ impl Proto {
                     s.rows[wi] = Some(if ok { Row::Ready } else { Row::Incomplete });
                     s.truth[wi] = (false, ok);
                 }
+                // An exclusive reader's token, in the transaction.
+                self.write_tokens(s, p);
                 Self::drop_records(s, p, None);
-                s.procs[p].pc = Pc::Release;
+                s.procs[p].pc = Pc::FinishToken;
             }
             Pc::Release => {
                 // `lease::retire`: the lease file goes, under its lock.
@@ -1589,7 +1992,7 @@ impl Proto {
                     return;
                 }
                 match s.rows[img as usize] {
-                    Some(Row::Deleting) => s.procs[p].pc = Pc::Mark(img, Ret::Interrupted),
+                    Some(Row::Deleting) => s.procs[p].pc = self.remove(img, Ret::Interrupted),
                     None => {
                         Self::unlink(s, p, img);
                         s.procs[p].pc = next;
@@ -1620,6 +2023,27 @@ impl Proto {
             }
             Pc::Sweep => {
                 self.look(s, |_| true);
+                if op == Op::Doctor {
+                    // `find_inconsistencies`: a ready image without its tree
+                    // (a store-wide command's deletion that its SIGKILLed
+                    // stowage never forgot) loses its row, if its lock is
+                    // free — tried exclusively, its token invalidated under
+                    // it first.
+                    for i in 0..self.cfg.images {
+                        let ix = i as usize;
+                        let free = s.file[ix]
+                            .is_none_or(|g| Self::grantable(s, Key::Img(i, g), Mode::Exclusive));
+                        if s.rows[ix] == Some(Row::Ready) && !s.tree[ix] && free {
+                            if rules.doctor_invalidates
+                                && let Some(g) = s.file[ix]
+                            {
+                                Self::set(&mut s.tokens, (i, g), false);
+                            }
+                            s.rows[ix] = None;
+                            s.truth[ix] = (false, false);
+                        }
+                    }
+                }
                 // A writer that died leaves its image creating/writing with
                 // the lock free.
                 for i in 0..self.cfg.images as usize {
@@ -1663,7 +2087,7 @@ impl Proto {
                         s.procs[p].pc = next;
                     }
                     Some(r) if r == Row::Incomplete || r.being_written() => {
-                        s.procs[p].pc = Pc::Mark(img, Ret::Collect);
+                        s.procs[p].pc = self.remove(img, Ret::Collect);
                     }
                     Some(_) => {
                         Self::release_image(s, p, img);
@@ -1695,6 +2119,7 @@ impl Proto {
                     lgen: 0,
                     doomed: vec![],
                     claimed: false,
+                    fast: false,
                 };
                 self.cfg.roles.len()
             ],
@@ -1708,6 +2133,9 @@ impl Proto {
             lfiles: vec![],
             global: None,
             store_rec: None,
+            tokens: vec![],
+            ww: vec![],
+            sw: vec![],
             crashes: 0,
             bad: 0,
         };
@@ -1718,6 +2146,7 @@ impl Proto {
             s.truth[i] = (false, true);
             s.file[i] = Some(0);
             s.next_gen[i] = 1;
+            s.tokens.push((i as u8, 0));
         }
         s
     }
@@ -1817,6 +2246,41 @@ impl Proto {
         })
     }
 
+    /// `record.rs`: a valid ready token (in the file at the image's path)
+    /// exists only while the image's row says ready.
+    pub fn token_means_ready(&self, s: &State) -> bool {
+        s.tokens
+            .iter()
+            .all(|&(i, g)| s.file[i as usize] != Some(g) || s.rows[i as usize] == Some(Row::Ready))
+    }
+
+    /// A plain reader (`--from`'s base too, while it is held) past its
+    /// claim — the slow path's `start` or the fast path's `fast-store` —
+    /// or whose command runs, reads a ready image.
+    pub fn readers_read_ready(&self, s: &State) -> bool {
+        (0..s.procs.len()).all(|q| match self.op(s, q) {
+            Some(Op::Exec {
+                read: Some(r),
+                read_excl: false,
+                from,
+                ..
+            }) => {
+                let pr = &s.procs[q];
+                let reading = (pr.claimed && pr.held.iter().any(|h| h.0 == r))
+                    || (pr.cmd == Cmd::Running && !from);
+                !reading || s.rows[r as usize] == Some(Row::Ready)
+            }
+            _ => true,
+        })
+    }
+
+    /// A read of the fast path at `fast-store`, holding its image.
+    fn fast_holding(s: &State) -> impl Iterator<Item = &Proc> {
+        s.procs
+            .iter()
+            .filter(|pr| pr.alive && pr.pc == Pc::FastStore && !pr.held.is_empty())
+    }
+
     pub fn slots_within_limits(&self, s: &State) -> bool {
         let l = self.cfg.slot_limit;
         s.procs.iter().enumerate().all(|(p, pr)| {
@@ -1875,6 +2339,12 @@ impl Model for Proto {
             Action::Fail(p) => {
                 let p = p as usize;
                 match s.procs[p].pc {
+                    // A token older than the resolution: the slow way.
+                    Pc::FastTry | Pc::FastStore => {
+                        let op = self.op(&s, p).expect("started");
+                        Self::close_locks(&mut s, p);
+                        s.procs[p].pc = self.after_lease(op);
+                    }
                     // A half-made copy is never ready.
                     Pc::Clone => {
                         s.procs[p].ok = false;
@@ -1883,7 +2353,7 @@ impl Model for Proto {
                     Pc::Spawn => {
                         let from = matches!(self.op(&s, p), Some(Op::Exec { from: true, .. }));
                         if matches!(self.op(&s, p), Some(Op::StoreWide { .. })) {
-                            s.procs[p].pc = Pc::StoreEnd;
+                            s.procs[p].pc = Pc::StoreInvalidate;
                         } else if from {
                             s.procs[p].ok = false;
                             s.procs[p].pc = Pc::Finish;
@@ -1896,6 +2366,12 @@ impl Model for Proto {
             }
             Action::Exit(p, ok) => {
                 let p = p as usize;
+                if let Some(Op::StoreWide {
+                    deletes: Some(i), ..
+                }) = self.op(&s, p)
+                {
+                    s.tree[i as usize] = false;
+                }
                 s.procs[p].cmd = Cmd::Exited;
                 s.procs[p].ok = ok;
                 for c in self.nested_children(p).collect::<Vec<_>>() {
@@ -1905,7 +2381,7 @@ impl Model for Proto {
                 }
                 if s.procs[p].alive {
                     s.procs[p].pc = match self.op(&s, p) {
-                        Some(Op::StoreWide { .. }) => Pc::StoreEnd,
+                        Some(Op::StoreWide { .. }) => Pc::StoreInvalidate,
                         _ => Pc::Finish,
                     };
                 } else {
@@ -1921,6 +2397,12 @@ impl Model for Proto {
                 s.crashes += 1;
                 self.host_dies(&mut s, h);
             }
+        }
+        if let Action::Choose(p, _) | Action::Step(p) | Action::Fail(p) | Action::Exit(p, _) =
+            action
+            && s.procs[p as usize].alive
+        {
+            self.skip_noops(&mut s, p as usize);
         }
         Some(s)
     }
@@ -1971,6 +2453,44 @@ impl Model for Proto {
             Property::always(
                 "an exclusively read image stays ready",
                 |m: &Proto, s: &State| m.exclusive_read_leaves_ready(s),
+            ),
+            Property::always(
+                "a ready token only on a ready row",
+                |m: &Proto, s: &State| m.token_means_ready(s),
+            ),
+            Property::always(
+                "no reader's command runs on an image whose row is not ready",
+                |m: &Proto, s: &State| m.readers_read_ready(s),
+            ),
+            Property::sometimes(
+                "a read claims its image on a ready token, without the database",
+                |_, s: &State| s.procs.iter().any(|pr| pr.fast && pr.alive),
+            ),
+            Property::sometimes(
+                "a writer waits with its hint in the lock file",
+                |m: &Proto, s: &State| {
+                    (0..m.cfg.images).any(|i| {
+                        Self::writer_waits(s, i, &m.cfg)
+                            && s.file[i as usize].is_some_and(|g| s.ww.contains(&(i, g)))
+                    })
+                },
+            ),
+            Property::sometimes(
+                "a read of the fast path finds store.lock held",
+                |_, s: &State| {
+                    Self::fast_holding(s).next().is_some()
+                        && !Self::grantable(s, Key::Store, Mode::Shared)
+                },
+            ),
+            Property::sometimes("a ready image has no token", |m: &Proto, s: &State| {
+                (0..m.cfg.images).any(|i| {
+                    s.rows[i as usize] == Some(Row::Ready)
+                        && s.file[i as usize].is_some_and(|g| !s.tokens.contains(&(i, g)))
+                })
+            }),
+            Property::sometimes(
+                "a store-wide command deleted an image's tree",
+                |m: &Proto, s: &State| !m.deleted(s).is_empty(),
             ),
             Property::sometimes(
                 "a nested reader holds the image while a writer waits",

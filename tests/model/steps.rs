@@ -9,6 +9,10 @@
 pub enum Step {
     LeaseCreate,
     LeaseLock,
+    FastTry,
+    FastStore,
+    Invalidate,
+    Token,
     StoreLock,
     StoreRecord,
     StoreFree,
@@ -47,6 +51,10 @@ pub enum Step {
 pub const ALL: &[Step] = &[
     Step::LeaseCreate,
     Step::LeaseLock,
+    Step::FastTry,
+    Step::FastStore,
+    Step::Invalidate,
+    Step::Token,
     Step::StoreLock,
     Step::StoreRecord,
     Step::StoreFree,
@@ -88,6 +96,10 @@ impl Step {
         match self {
             Step::LeaseCreate => "lease-create",
             Step::LeaseLock => "lease-lock",
+            Step::FastTry => "fast-try",
+            Step::FastStore => "fast-store",
+            Step::Invalidate => "invalidate",
+            Step::Token => "token",
             Step::StoreLock => "store-lock",
             Step::StoreRecord => "store-record",
             Step::StoreFree => "store-free",
@@ -134,12 +146,31 @@ impl Step {
                 "lock::acquire_no_wait",
                 "lock::still_linked",
             ],
+            Step::FastTry => &[
+                "session::begin_fast",
+                "acquire::image::try_ready",
+                "record::read",
+                "record::set_hint",
+            ],
+            Step::FastStore => &[
+                "session::begin_fast",
+                "store_wide::try_shared",
+                "record::set_hint",
+            ],
+            Step::Invalidate => &[
+                "record::invalidate",
+                "record::invalidate_at",
+                "session::begin",
+                "remove::remove_locked",
+                "store_wide::forget_deleted",
+            ],
+            Step::Token => &["record::write_ready", "session::finish"],
             Step::StoreLock => &[
                 "store_wide::take",
                 "lock::acquire",
                 "nested::enclosing_hold",
             ],
-            Step::StoreRecord => &["store_wide::take"],
+            Step::StoreRecord => &["store_wide::take", "record::mark_store_wide"],
             Step::StoreFree => &[
                 "store::global_with_images_free",
                 "store::first_busy_image",
@@ -147,7 +178,11 @@ impl Step {
             ],
             Step::StoreWaitFree => &["store::global_with_images_free", "lock::acquire"],
             Step::StoreAwait => &["store_wide::wait_until_free", "lock::acquire"],
-            Step::StoreEnd => &["store_wide::release", "store_wide::forget_deleted"],
+            Step::StoreEnd => &[
+                "store_wide::release",
+                "store_wide::forget_deleted",
+                "record::mark_store_wide",
+            ],
             Step::SlotTry => &[
                 "acquire::slot::acquire_unrecorded",
                 "lock::acquire_any",
@@ -166,23 +201,29 @@ impl Step {
                 "judge::prune",
                 "lease::probe",
             ],
-            Step::Gate => &["acquire::image::wait_image", "lock::acquire"],
+            Step::Gate => &[
+                "acquire::image::wait_image",
+                "lock::acquire",
+                "record::set_hint",
+            ],
             Step::Wait => &[
                 "acquire::image::wait_image",
                 "lock::acquire_any",
                 "lock::still_linked",
+                "record::set_hint",
             ],
             Step::Start => &[
                 "session::start",
                 "session::prepare_write",
                 "store_wide::check",
+                "record::write_ready",
             ],
             Step::Clone => &["session::clone_into"],
             Step::ReleaseBase => &["session::release_read"],
             Step::Spawn => &["exec::run", "lock::set_inheritable", "keeper::main"],
             Step::Command => &["signals::wait"],
             Step::Abandon => &["session::abandon"],
-            Step::Finish => &["session::finish", "lock::verify"],
+            Step::Finish => &["session::finish", "lock::verify", "record::write_ready"],
             Step::Release => &[
                 "lock::Guard",
                 "session::give_up",
@@ -201,7 +242,12 @@ impl Step {
             Step::ListInterrupted => &["remove::finish_interrupted"],
             Step::LockInterrupted => &["remove::finish_interrupted", "remove::recheck"],
             Step::OrphanLock => &["remove::finish_interrupted", "remove::recheck"],
-            Step::Sweep => &["judge::sweep", "judge::prune", "lease::probe"],
+            Step::Sweep => &[
+                "judge::sweep",
+                "judge::prune",
+                "lease::probe",
+                "doctor::find_inconsistencies",
+            ],
             Step::CleanLock => &["lease::clean", "lock::acquire_no_wait"],
             Step::CleanUnlink => &["lease::clean", "lock::unlink_lease"],
             Step::Collect => &["gc::collect", "remove::recheck"],
@@ -248,7 +294,7 @@ impl Step {
 /// such as one image lock after another, is listed once).
 pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
     use Step::*;
-    let remove = [Mark, Trash, DropRow, Unlink, DeleteTrash];
+    let remove = [Invalidate, Mark, Trash, DropRow, Unlink, DeleteTrash];
     let lease = [LeaseCreate, LeaseLock];
     let look = [Sweep, CleanLock, CleanUnlink];
     vec![
@@ -257,6 +303,8 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
             lease
                 .into_iter()
                 .chain([
+                    FastTry,
+                    FastStore,
                     SlotTry,
                     SlotWaiter,
                     SlotWait,
@@ -264,6 +312,7 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
                     Waiter,
                     Gate,
                     Wait,
+                    Invalidate,
                     Start,
                     StoreAwait,
                     Clone,
@@ -272,6 +321,7 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
                     Command,
                     Abandon,
                     Finish,
+                    Token,
                     Release,
                 ])
                 .collect(),
@@ -285,6 +335,7 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
                 StoreWaitFree,
                 Spawn,
                 Command,
+                Invalidate,
                 StoreEnd,
                 Release,
             ],
