@@ -241,6 +241,12 @@ pub struct Rules {
     /// off: trusting what `try_ready` read before, as the first version
     /// did). See `without_the_token_reread_a_fast_read_runs_on_an_image_a_store_wide_command_deleted`.
     pub token_after_store: bool,
+    /// No ready token is written while a store-wide hold stands (a
+    /// transaction that passed one from inside, a finish that finds one):
+    /// a lock file made after the hold's pass has no store-wide hint, so a
+    /// token on it would let an outside read past the hold. See
+    /// `without_no_token_beside_a_hold_an_outside_read_runs_beside_it`.
+    pub no_token_beside_hold: bool,
 }
 
 /// When a read of the fast path tries `locks/store.lock` shared.
@@ -276,6 +282,7 @@ impl Default for Rules {
             writer_hints: true,
             store_marks: true,
             token_after_store: true,
+            no_token_beside_hold: true,
         }
     }
 }
@@ -1134,6 +1141,9 @@ impl Proto {
     /// files the process holds. A step that would change nothing is not
     /// taken (see `skip_noops`).
     fn tokens_to_write(&self, s: &State, p: usize) -> Vec<(u8, u8)> {
+        if self.cfg.rules.no_token_beside_hold && Self::live_hold(s).is_some() {
+            return vec![];
+        }
         let pr = &s.procs[p];
         let Some(Op::Exec {
             read,
@@ -1149,8 +1159,12 @@ impl Proto {
             .filter(|&&(i, _, m)| match pr.pc {
                 // A slow-path reader, in its start transaction.
                 Pc::Start => m == Mode::Shared,
-                // A writer whose write succeeded, after its commit.
-                Pc::FinishToken => write == Some(i) && pr.ok,
+                // A writer whose write succeeded, after its commit, for a
+                // row that is there and ready (a store-wide command's end
+                // may have forgotten it).
+                Pc::FinishToken => {
+                    write == Some(i) && pr.ok && s.rows[i as usize] == Some(Row::Ready)
+                }
                 // An exclusive reader, in its finish transaction, if its
                 // row is ready (a store-wide command's deletions may have
                 // forgotten it).
