@@ -438,6 +438,14 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
                                     .failed
                                     .extend(done.into_iter().filter_map(|r| r.left_in_trash));
                             }
+                            // Refused before anything moved: a store-wide
+                            // command holds the store. Finished later, as a
+                            // removal whose lock is held is.
+                            Err(e)
+                                if matches!(
+                                    e.downcast_ref::<crate::Error>(),
+                                    Some(crate::Error::Busy(_))
+                                ) => {}
                             Err(e) => found.failed.push(format!("{e:#}")),
                         }
                     }

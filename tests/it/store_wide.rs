@@ -470,3 +470,24 @@ fn a_store_wide_command_keeps_a_failed_build_without_a_tree() {
     assert_eq!(env.state("stays").as_deref(), Some("ready"));
     assert_eq!(env.state("failed").as_deref(), Some("incomplete"));
 }
+
+#[test]
+fn gc_leaves_an_interrupted_removal_to_after_a_store_wide_command() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    // A removal killed after marking: gc finishes such removals.
+    let (rm, _pause) = env.paused(["rm", "a"], "rm-marked");
+    rm.kill_all();
+    assert_eq!(env.state("a").as_deref(), Some("deleting"));
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_for_file(&env.sentinel("wide"));
+    // Refused before anything moved: not a failure, done later.
+    let out = env.run(["gc"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("deleting"));
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+    env.ok(["gc"]);
+    assert_eq!(env.state("a"), None);
+}
