@@ -662,14 +662,21 @@ impl<'c> Tx<'c> {
         // lease, as that release did.
         let leased = schema_version() >= LEASE_SCHEMA;
         let lease = if leased { r.lease.clone() } else { None };
+        // Ids are never reused (SQLite would give a deleted largest id to
+        // the next row): a process deletes its own record by the id it was
+        // given, possibly transactions later, after someone else dropped
+        // that record as stale — by then a reused id would name another
+        // process's record (a store-wide hold's, whose loss lets image
+        // users run beside its command). A random id is fresh.
+        let id = fresh_record_id();
         let sql = if leased {
             "INSERT INTO records (kind, name, lockfile, role, mode, pid, pid_start, host,
-                                  boot_id, user, command, since_ms, lease)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"
+                                  boot_id, user, command, since_ms, id, lease)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)"
         } else {
             "INSERT INTO records (kind, name, lockfile, role, mode, pid, pid_start, host,
-                                  boot_id, user, command, since_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"
+                                  boot_id, user, command, since_ms, id)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"
         };
         let base = params![
             r.kind.as_str(),
@@ -686,11 +693,12 @@ impl<'c> Tx<'c> {
             r.since,
         ];
         let mut all: Vec<&dyn rusqlite::ToSql> = base.to_vec();
+        all.push(&id);
         if leased {
             all.push(&lease);
         }
         self.tx.execute(sql, all.as_slice())?;
-        Ok(self.tx.last_insert_rowid())
+        Ok(id)
     }
 
     pub fn delete_record(&self, id: i64) -> Result<()> {
@@ -716,7 +724,7 @@ impl<'c> Tx<'c> {
 
     pub fn records_for(&self, kind: LockKind, name: &str) -> Result<Vec<Record>> {
         let mut st = self.tx.prepare_cached(&format!(
-            "{} WHERE kind = ?1 AND name = ?2 ORDER BY id",
+            "{} WHERE kind = ?1 AND name = ?2 ORDER BY since_ms, id",
             record_select()
         ))?;
         let rows = st
@@ -728,7 +736,7 @@ impl<'c> Tx<'c> {
     pub fn all_records(&self) -> Result<Vec<Record>> {
         let mut st = self
             .tx
-            .prepare(&format!("{} ORDER BY id", record_select()))?;
+            .prepare(&format!("{} ORDER BY since_ms, id", record_select()))?;
         let rows = st
             .query_map([], record_row)?
             .collect::<rusqlite::Result<_>>()?;
@@ -905,6 +913,20 @@ pub fn salvage(db: &Path) -> Salvage {
     out
 }
 
+/// A record id no record has had: random, positive (2^63 of them).
+fn fresh_record_id() -> i64 {
+    let mut buf = [0u8; 8];
+    // SAFETY: getrandom writes at most buf.len() bytes into buf.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    let r = if n == 8 {
+        u64::from_ne_bytes(buf)
+    } else {
+        // No entropy source: the clock and the pid, mixed.
+        (crate::clock::now_ms() as u64).rotate_left(20) ^ u64::from(std::process::id())
+    };
+    (r >> 1).max(1) as i64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -918,6 +940,34 @@ mod tests {
         .unwrap()
         .unwrap();
         Tx::begin(conn, g).unwrap()
+    }
+
+    #[test]
+    fn a_record_id_is_never_given_twice() {
+        // A process deletes its own record by id, maybe after another
+        // dropped it as stale: a reused id would name someone else's.
+        let d = tempfile::tempdir().unwrap();
+        let mut conn = open(&d.path().join("db")).unwrap();
+        let tx = tx_on(&mut conn, d.path());
+        tx.migrate().unwrap();
+        let me = crate::ident::Me::current();
+        let rec = |name: &str| {
+            Record::ours(
+                &me,
+                LockKind::Global,
+                name,
+                "store.lock".into(),
+                Role::Holder,
+                Mode::Exclusive,
+                "cmd",
+            )
+        };
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..50 {
+            let id = tx.insert_record(&rec(&format!("r{i}"))).unwrap();
+            assert!(seen.insert(id), "id {id} given twice");
+            tx.delete_record(id).unwrap();
+        }
     }
 
     #[test]

@@ -46,13 +46,15 @@ started() { read -r l < "/proc/$1/stat" 2>/dev/null || return 1; l=${l##*) }; se
 alive() { [ -n "$1" ] && [ "$(started "$1")" = "$2" ]; }
 # A store-wide command's own command marks $V.sw while it runs; no image
 # user may run beside it.
-beside() { if [ -e "$V.sw" ]; then read -r p s < "$V.sw" 2>/dev/null && alive "$p" "$s" && echo "$1 of $2 beside store-wide command $p ($(date +%s.%N))" >> "$V"; fi; return 0; }
+beside() { if [ -e "$V.sw" ]; then read -r p s < "$V.sw" 2>/dev/null && alive "$p" "$s" && echo "$1 of $2 beside store-wide command $p" >> "$V"; fi; return 0; }
+# A tree a store-wide command deleted may stay listed ready if its stowage
+# is killed before it ends the hold (which forgets such rows; so do the
+# next hold and doctor --repair): reads of it find no tree, and that is no
+# violation. A tree that is there must be whole.
 sw() {
   echo "$$ $(started $$)" > "$V.sw"
-  echo "store-wide $$ from $(date +%s.%N)" >> "$V.log"
   sleep 0.0$((TOKEN % 5 + 1))
-  [ -n "$DELETE" ] && rm -rf "$STOWAGE_IMAGES_DIR/$DELETE"
-  echo "store-wide $$ to $(date +%s.%N)" >> "$V.log"
+  if [ -n "$DELETE" ]; then : > "$V.gone.$DELETE"; rm -rf "$STOWAGE_IMAGES_DIR/$DELETE"; fi
   rm -f "$V.sw"
 }
 w() {
@@ -74,6 +76,7 @@ w() {
 r() {
   d=$1
   beside read "$d"
+  [ ! -e "$d" ] && [ -e "$V.gone.${d##*/}" ] && return 0
   if [ -e "$d/.writer" ]; then read -r p s < "$d/.writer"; alive "$p" "$s" && echo "read of $d while writer $p works" >> "$V"; fi
   if ! read -r m < "$d/MANIFEST"; then echo "ready image $d has no manifest" >> "$V"; return; fi
   for i in 1 2 3 4 5 6 7 8; do
@@ -436,10 +439,6 @@ fn torture() {
     }
 
     let seen = fs::read_to_string(&violations).unwrap_or_default();
-    let _ = fs::copy(
-        format!("{}.log", violations.display()),
-        "/tmp/stowage-stress-debug.log",
-    );
     let unexpected = shared.unexpected.lock().unwrap().clone();
     let ops = shared.ops.lock().unwrap().clone();
     let total: u64 = ops.values().sum();
