@@ -16,7 +16,10 @@
 //! - `names`: image names valid and invalid
 //! - `leases`: holder leases and holders on other hosts
 //! - `tokens`: ready tokens — what a read learns from an image's lock file,
-//!   and every way an image stops being ready taking the token away
+//!   and every way an image stops being ready taking the token away;
+//!   `tokens_database`: a token against the database, root and clock it
+//!   speaks for; `tokens_edges`: tokens beside store-wide holds, restores,
+//!   failed starts, other layouts, stray files
 //! - `signals`: signals and crashes of stowage, its command and its waiters
 //! - `hostile`: a hostile or broken environment — planted links, foreign
 //!   roots, read-only and full filesystems, outside programs
@@ -58,5 +61,5 @@ mod status;
 mod store_wide;
 mod stress;
 mod tokens;
-mod tokens_review;
-mod tokens_review2;
+mod tokens_database;
+mod tokens_edges;

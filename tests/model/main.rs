@@ -608,7 +608,7 @@ fn without_the_writers_hint_new_fast_reads_pass_a_waiting_writer() {
 /// then). Fixed in the code: no token is written while a hold stands
 /// (`Rules::no_token_beside_hold`); with that rule off, the checker finds
 /// it again. Real processes:
-/// `tokens_review2::a_read_of_an_image_made_inside_a_store_wide_command_waits_for_it`.
+/// `tokens_edges::a_read_of_an_image_made_inside_a_store_wide_command_waits_for_it`.
 #[test]
 fn without_no_token_beside_a_hold_an_outside_read_runs_beside_it() {
     let mut cfg = store_config();

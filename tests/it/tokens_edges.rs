@@ -1,6 +1,5 @@
-//! The read fast path (ready tokens and hints in image lock files,
-//! src/record.rs) as it stands after the first round of fixes, attacked
-//! again with real processes: a read never runs its command on an image the
+//! The edges of the read fast path (ready tokens and hints in image lock
+//! files, src/record.rs), with real processes: a read never runs its command on an image the
 //! database now at the root does not call ready, never beside a store-wide
 //! command (other than one nested in it), and nothing nested waits for
 //! itself.
