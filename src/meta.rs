@@ -497,11 +497,8 @@ impl<'c> Tx<'c> {
     /// Gives the database a new identity (see [`set_identity`]): every
     /// ready token derived from it until now stops counting.
     pub fn renew_identity(&self) -> Result<()> {
-        self.tx.pragma_update(
-            None,
-            "application_id",
-            crate::record::new_db_identity() as i32,
-        )?;
+        self.tx
+            .pragma_update(None, "application_id", new_identity() as i32)?;
         Ok(())
     }
 
@@ -913,6 +910,24 @@ pub fn salvage(db: &Path) -> Salvage {
     out
 }
 
+/// A fresh database identity: random, never 0 (which means none).
+pub fn new_identity() -> u32 {
+    loop {
+        let mut buf = [0u8; 4];
+        // SAFETY: getrandom writes at most buf.len() bytes into buf.
+        let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+        let id = u32::from_ne_bytes(buf);
+        if n == 4 && id != 0 {
+            return id;
+        }
+        if n < 0 {
+            // No entropy source: time and pid, still never 0.
+            let t = crate::clock::now_ms() as u32 ^ (std::process::id() << 16);
+            return t.max(1);
+        }
+    }
+}
+
 /// A record id no record has had: random, positive (2^63 of them).
 fn fresh_record_id() -> i64 {
     let mut buf = [0u8; 8];
@@ -940,6 +955,13 @@ mod tests {
         .unwrap()
         .unwrap();
         Tx::begin(conn, g).unwrap()
+    }
+
+    #[test]
+    fn identities_are_never_zero() {
+        for _ in 0..1000 {
+            assert_ne!(new_identity(), 0);
+        }
     }
 
     #[test]

@@ -172,24 +172,6 @@ impl DbId {
     }
 }
 
-/// A fresh database identity: random, never 0 (which means none).
-pub fn new_db_identity() -> u32 {
-    loop {
-        let mut buf = [0u8; 4];
-        // SAFETY: getrandom writes at most buf.len() bytes into buf.
-        let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
-        let id = u32::from_ne_bytes(buf);
-        if n == 4 && id != 0 {
-            return id;
-        }
-        if n < 0 {
-            // No entropy source: time and pid, still never 0.
-            let t = crate::clock::now_ms() as u32 ^ (std::process::id() << 16);
-            return t.max(1);
-        }
-    }
-}
-
 /// What a valid token says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Token {
@@ -550,12 +532,5 @@ mod tests {
         assert_eq!(DbId::of(&db), Some(DbId(0x0102_0304)));
         std::fs::write(&db, b"not a database").unwrap();
         assert_eq!(DbId::of(&db), None);
-    }
-
-    #[test]
-    fn identities_are_never_zero() {
-        for _ in 0..1000 {
-            assert_ne!(new_db_identity(), 0);
-        }
     }
 }

@@ -494,7 +494,7 @@ fn connection<'c>(
         // Best effort: without one (a read-only or full store) no token
         // is written or trusted, and reads take the database's way.
         if header.is_none_or(|h| h[68..72] == [0; 4]) {
-            let _ = meta::set_identity(&c, crate::record::new_db_identity());
+            let _ = meta::set_identity(&c, meta::new_identity());
         }
         *conn = Some(c);
     }
