@@ -494,6 +494,16 @@ impl<'c> Tx<'c> {
             .optional()?)
     }
 
+    /// The database's identity (see [`set_identity`]; 0: none), read by
+    /// SQLite inside the transaction — not through a descriptor of our own,
+    /// whose close would drop SQLite's POSIX locks in this process.
+    pub fn identity(&self) -> Result<u32> {
+        let id: i32 = self
+            .tx
+            .pragma_query_value(None, "application_id", |r| r.get(0))?;
+        Ok(id as u32)
+    }
+
     /// Gives the database a new identity (see [`set_identity`]): every
     /// ready token derived from it until now stops counting.
     pub fn renew_identity(&self) -> Result<()> {

@@ -150,7 +150,9 @@ pub struct DbId(u32);
 
 impl DbId {
     /// The identity of the database at `db`, read from its header (open,
-    /// one read, close). `None`: no database, or one without identity.
+    /// one read, close), for a reader that holds no SQLite lock (the fast
+    /// path); inside a transaction, ask it (`meta::Tx::identity`). `None`:
+    /// no database, or one without identity.
     pub fn of(db: &Path) -> Option<DbId> {
         use std::os::unix::fs::OpenOptionsExt;
         let file = std::fs::OpenOptions::new()
@@ -164,6 +166,11 @@ impl DbId {
             return None;
         }
         let id = u32::from_be_bytes(header[68..72].try_into().ok()?);
+        (id != 0).then_some(DbId(id))
+    }
+
+    /// The identity a transaction read (`meta::Tx::identity`).
+    pub fn from_id(id: u32) -> Option<DbId> {
         (id != 0).then_some(DbId(id))
     }
 

@@ -534,7 +534,7 @@ impl Session {
             let (tx, ctx) = store.begin_cleanup()?;
             let now = clock::now_ms();
             let db = match crate::store_wide::check(&tx, ctx) {
-                Ok(false) => crate::record::DbId::of(&ctx.root.db()),
+                Ok(false) => crate::record::DbId::from_id(tx.identity()?),
                 _ => None,
             };
             let mut tokens: Vec<(usize, crate::record::Token)> = Vec::new();
@@ -783,7 +783,10 @@ fn start(
     let mut made = Vec::new();
     let mut tokens = Vec::new();
     let resolution = LAST_USE_RESOLUTION.as_millis() as clock::Millis;
-    let db = std::cell::OnceCell::new();
+    // The database's identity as this transaction sees it (asked of
+    // SQLite: a descriptor of our own on the file would, once closed, drop
+    // SQLite's locks).
+    let db = std::cell::OnceCell::from(crate::record::DbId::from_id(tx.identity()?));
     let claimed = (|| -> Result<Vec<Option<i64>>> {
         let mut records = Vec::with_capacity(held.len());
         for (i, (h, row)) in held.iter_mut().zip(rows).enumerate() {
@@ -809,8 +812,7 @@ fn start(
                     }
                     if (!token || used == now)
                         && !inside_hold
-                        && let Some(db) =
-                            *db.get_or_init(|| crate::record::DbId::of(&ctx.root.db()))
+                        && let Some(db) = *db.get_or_init(|| None)
                     {
                         tokens.push((
                             i,
