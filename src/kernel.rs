@@ -147,26 +147,43 @@ impl KernelView {
         let table = self.table.as_ref()?;
         let leases = self.leases_dir.as_ref()?;
         let mut takers = self.takers.borrow_mut();
-        let map = takers.get_or_insert_with(|| {
-            let dir = leases;
-            let mut map = HashMap::new();
-            for name in crate::lease::names(leases) {
-                let Ok(m) = fs::symlink_metadata(dir.join(&name)) else {
-                    continue;
-                };
-                let taker = table.get(&(m.dev(), m.ino())).and_then(|es| {
-                    es.iter()
-                        .find(|e| !e.blocked && e.mode == Mode::Exclusive)
-                        .and_then(|e| e.pid)
-                });
-                if let Some(p) = taker {
-                    self.explained.borrow_mut().insert((m.dev(), m.ino()));
-                    map.insert(p, name);
-                }
+        let map = takers.get_or_insert_with(|| self.takers_in(leases, table));
+        if let Some(name) = map.get(&pid) {
+            return Some(name.clone());
+        }
+        // The table this pid was found in may be a later read than the one
+        // the map was made from (a look reads it more than once): a process
+        // that made its lease and took its lock in between is no outsider.
+        // One more read of the table, for the pids it does not explain.
+        let fresh = read_table().ok()?;
+        let more = self.takers_in(leases, &fresh);
+        let found = more.get(&pid).cloned();
+        map.extend(more);
+        found
+    }
+
+    /// Which pid holds each lease in `leases` exclusively, per `table`.
+    fn takers_in(
+        &self,
+        leases: &Path,
+        table: &HashMap<(u64, u64), Vec<Entry>>,
+    ) -> HashMap<u32, String> {
+        let mut map = HashMap::new();
+        for name in crate::lease::names(leases) {
+            let Ok(m) = fs::symlink_metadata(leases.join(&name)) else {
+                continue;
+            };
+            let taker = table.get(&(m.dev(), m.ino())).and_then(|es| {
+                es.iter()
+                    .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+                    .and_then(|e| e.pid)
+            });
+            if let Some(p) = taker {
+                self.explained.borrow_mut().insert((m.dev(), m.ino()));
+                map.insert(p, name);
             }
-            map
-        });
-        map.get(&pid).cloned()
+        }
+        map
     }
 
     /// This view, judging leases in `leases` (the root's leases directory).
@@ -204,11 +221,24 @@ impl KernelView {
     /// What the lease `name` says, as read in this look.
     pub fn said_by(&self, name: &str) -> Option<crate::lease::Identity> {
         self.load_said();
-        let said = self.said.borrow();
-        said.iter()
+        if let Some(id) = self
+            .said
+            .borrow()
+            .iter()
             .flatten()
             .find(|(n, _)| n == name)
             .map(|(_, id)| id.clone())
+        {
+            return Some(id);
+        }
+        // A lease made after this look listed the leases, by a process the
+        // look has since found holding a lock: read it now, or that
+        // process would be taken for one stowage did not start.
+        let id = crate::lease::identity(self.leases_dir.as_ref()?, name)?;
+        if let Some(said) = self.said.borrow_mut().as_mut() {
+            said.push((name.to_owned(), id.clone()));
+        }
+        Some(id)
     }
 
     /// The holdings of `lockfile` in the leases of this look that `wanted`
