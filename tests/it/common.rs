@@ -641,6 +641,22 @@ pub fn have(tool: &str) -> bool {
 /// Whether `tool` is on PATH; if not, prints "skipping: TOOL is not
 /// installed (Debian package PACKAGE)" so the skip is visible, and the
 /// caller returns at once.
+/// gdb present and allowed to run a program under ptrace (a container may
+/// forbid it): else the caller skips, saying why.
+pub fn gdb_or_skip() -> bool {
+    if !tool_or_skip("gdb", "gdb") {
+        return false;
+    }
+    let ran = Command::new("gdb")
+        .args(["-q", "-batch", "-ex", "run", "--args", "true"])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("exited normally"));
+    if !ran {
+        eprintln!("skipping: gdb cannot run a program here (ptrace not permitted?)");
+    }
+    ran
+}
+
 pub fn tool_or_skip(tool: &str, package: &str) -> bool {
     let found = have(tool);
     if !found {

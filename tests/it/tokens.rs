@@ -441,7 +441,7 @@ fn a_read_does_not_run_on_an_image_a_store_wide_command_deleted_while_it_looked(
     // before the read asks store.lock, the command deletes the image's
     // tree and ends, taking the token away. The read must not go on with
     // the token it read before.
-    if !tool_or_skip("gdb", "gdb") {
+    if !gdb_or_skip() {
         return;
     }
     let env = Env::new();

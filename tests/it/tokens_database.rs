@@ -212,7 +212,7 @@ fn after_the_database_is_lost_a_read_of_an_image_it_does_not_know_fails() {
 /// ready for an image without a row or a tree.
 #[test]
 fn a_reader_inside_a_store_wide_command_cannot_revive_an_image_it_deleted() {
-    if !tool_or_skip("gdb", "gdb") {
+    if !gdb_or_skip() {
         return;
     }
     let env = Env::new();

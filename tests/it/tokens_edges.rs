@@ -281,7 +281,7 @@ fn a_rebuild_inside_a_reader_with_a_clean_environment_does_not_hang() {
 /// it was just read.
 #[test]
 fn a_read_killed_before_its_start_commits_leaves_no_token_fresher_than_the_row() {
-    if !tool_or_skip("gdb", "gdb") {
+    if !gdb_or_skip() {
         return;
     }
     let env = Env::new();
