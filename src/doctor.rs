@@ -484,11 +484,7 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
     // rebuilt rows vouch for none of them (the next read of each image
     // writes its token again).
     // Inside a store-wide command's own command, the hold is ours already.
-    let lease = store.root().store_wide_lock();
-    let inside = lock::inherited_exclusive(&lease)
-        || crate::nested::enclosing_hold(&lease) == Some(lock::Mode::Exclusive)
-        || crate::nested::held_exclusively_by_ancestor(&lease);
-    if inside {
+    if crate::store_wide::inside_hold(store.root()) {
         // The hints are set again (whoever holds store.lock above us may
         // not be a stowage hold that set them) and left for the holder,
         // or the next reader, to clear.

@@ -173,10 +173,6 @@ impl DbId {
     pub fn from_id(id: u32) -> Option<DbId> {
         (id != 0).then_some(DbId(id))
     }
-
-    fn matches(self, now: DbId) -> bool {
-        self == now
-    }
 }
 
 /// What a valid token says.
@@ -304,7 +300,7 @@ pub fn read(
             && age.unsigned_abs() < LAST_USE_RESOLUTION.as_millis() as u64
             && db
                 .get_or_init(|| DbId::of(&root.db()))
-                .is_some_and(|now| t.db.matches(now))
+                .is_some_and(|now| now == t.db)
     });
     Seen {
         ready: ready.map(|t| t.images_dir.unwrap_or_else(|| root.default_images_dir())),

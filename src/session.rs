@@ -812,7 +812,7 @@ fn start(
                     }
                     if (!token || used == now)
                         && !inside_hold
-                        && let Some(db) = *db.get_or_init(|| None)
+                        && let Some(db) = db.get().copied().flatten()
                     {
                         tokens.push((
                             i,

@@ -60,6 +60,18 @@ fn path(ctx: &Ctx) -> PathBuf {
     ctx.root.store_wide_lock()
 }
 
+/// Whether this process runs inside a store-wide hold: its command, or
+/// something that command started, holding `store.lock` through an
+/// inherited descriptor, or under an ancestor that holds it (an enclosing
+/// exec named by the environment, or any ancestor the lock table shows —
+/// a `--no-inherit` keeper under a scrubbed environment).
+pub fn inside_hold(root: &crate::root::Root) -> bool {
+    let p = root.store_wide_lock();
+    lock::inherited_exclusive(&p)
+        || crate::nested::enclosing_hold(&p) == Some(Mode::Exclusive)
+        || crate::nested::held_exclusively_by_ancestor(&p)
+}
+
 /// Under the global lock: fails with [`StoreHeld`] while a store-wide
 /// command runs; drops the records of holders that are gone. `Ok(true)`:
 /// one runs, and we are inside it (its command calls us) — what we do is
@@ -74,13 +86,7 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<bool> {
             // under the hold: it has the store, and must not wait for it.
             // With --no-inherit the hold is not ours but an ancestor's
             // (stowage's keeper keeps the lease): the kernel says so.
-            Ok(None)
-                if lock::inherited_exclusive(&path(ctx))
-                    || crate::nested::enclosing_hold(&path(ctx)) == Some(Mode::Exclusive)
-                    || crate::nested::held_exclusively_by_ancestor(&path(ctx)) =>
-            {
-                inside = true
-            }
+            Ok(None) if inside_hold(&ctx.root) => inside = true,
             // The command of an image or slot user (it inherited that lock)
             // calls stowage again: the hold is still waiting for that very
             // lock, so waiting for the hold would deadlock. Going ahead is
@@ -333,9 +339,7 @@ pub fn lock_store(store: &mut Store, deadline: Option<Instant>, no_wait: bool) -
             None => {
                 // A store-wide command inside another one would wait for
                 // its own enclosing command, which waits for it.
-                if crate::nested::enclosing_hold(&p) == Some(Mode::Exclusive)
-                    || crate::nested::held_exclusively_by_ancestor(&p)
-                {
+                if inside_hold(store.root()) {
                     return Err(Error::Busy(Busy {
                         what: "the store-wide lock".into(),
                         holders: "held by an enclosing command of this process (a 'stowage exec \
