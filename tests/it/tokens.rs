@@ -256,29 +256,25 @@ fn an_image_a_store_wide_command_deletes_is_not_read() {
     );
 }
 
+/// `exec --store-wide` whose command runs until sentinel `hold-release`;
+/// returns once it runs.
+fn store_wide(env: &Env) -> Bg {
+    let mut args: Vec<String> = vec!["exec".into(), "--store-wide".into(), "--".into()];
+    args.extend(env.hold_cmd("hold-started", "hold-release"));
+    let hold = env.spawn(&args);
+    wait_for_file(&env.sentinel("hold-started"));
+    hold
+}
+
 #[test]
 fn a_read_does_not_start_while_a_store_wide_command_runs() {
     let env = Env::new();
     env.make_image("base");
-    let started = env.sentinel("hold-started");
-    let release = env.sentinel("hold-release");
-    let hold = env.spawn([
-        "exec",
-        "--store-wide",
-        "--",
-        "sh",
-        "-c",
-        &format!(
-            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
-            started.display(),
-            release.display()
-        ),
-    ]);
-    wait_for_file(&started);
+    let hold = store_wide(&env);
     let out = env.run(["exec", "--read", "base", "--no-wait", "--", "true"]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     assert!(stderr(&out).contains("store-wide"), "{}", show(&out));
-    fs::write(&release, "").unwrap();
+    env.release("hold-release");
     assert_eq!(hold.finish().status.code(), Some(0));
     env.ok(["exec", "--read", "base", "--no-wait", "--", "true"]);
 }
@@ -398,17 +394,7 @@ fn hints_left_by_killed_writers_and_holds_are_cleared_by_the_next_read() {
     writer.kill_all();
     reader.kill_all();
     // A store-wide command killed while it runs leaves its hint.
-    let started = env.sentinel("hold-started");
-    let hold = env.spawn([
-        "exec",
-        "--store-wide",
-        "--",
-        "sh",
-        "-c",
-        &format!("touch '{}'; sleep 60", started.display()),
-    ]);
-    wait_for_file(&started);
-    hold.kill_all();
+    store_wide(&env).kill_all();
     assert_eq!(hints(&env, "base"), (true, true));
     // Stale: the next read goes in, and takes both away.
     env.ok(["exec", "--read", "base", "--no-wait", "--", "true"]);
