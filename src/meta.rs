@@ -299,23 +299,25 @@ pub fn set_identity(conn: &rusqlite::Connection, id: u32) -> Result<()> {
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     use rusqlite::OpenFlags;
     configure_sqlite();
-    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
-        return Err(DatabaseError(format!(
-            "metadata database {} is a symlink; refusing to open it",
-            path.display()
-        ))
-        .into());
-    }
+    // SQLITE_OPEN_NOFOLLOW refuses a symlink itself (no stat of ours).
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_NO_MUTEX
         | OpenFlags::SQLITE_OPEN_NOFOLLOW;
-    let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(|e| {
+    let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(|e| match e {
+        rusqlite::Error::SqliteFailure(f, _)
+            if f.extended_code == rusqlite::ffi::SQLITE_CANTOPEN_SYMLINK =>
+        {
+            DatabaseError(format!(
+                "metadata database {} is a symlink; refusing to open it",
+                path.display()
+            ))
+        }
         // SQLite's error repeats its message in its source: say it once.
-        DatabaseError(format!(
+        e => DatabaseError(format!(
             "cannot open metadata database {}: {e}",
             path.display()
-        ))
+        )),
     })?;
     // Only outside programs (an sqlite3 shell) can hold SQLite's own locks
     // while we hold the global lock; give them a moment, then say so.
@@ -427,25 +429,61 @@ pub enum Schema {
 pub struct Tx<'c> {
     // Declared before the guard so that it ends first on drop.
     tx: rusqlite::Transaction<'c>,
+    conn: &'c rusqlite::Connection,
+    /// An outside program put the database in WAL mode: leave it once this
+    /// transaction has committed, still under the global lock.
+    leave_wal: bool,
     global: lock::Guard,
 }
 
 impl<'c> Tx<'c> {
     /// Begins a write transaction; `global` proves the global lock is held.
     pub fn begin(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Result<Tx<'c>> {
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-        Ok(Tx { tx, global })
+        let conn: &'c rusqlite::Connection = conn;
+        // `&mut` above is what guarantees no other transaction is open on
+        // this connection, as `Connection::transaction` would.
+        let tx =
+            rusqlite::Transaction::new_unchecked(conn, rusqlite::TransactionBehavior::Immediate)?;
+        Ok(Tx {
+            tx,
+            conn,
+            leave_wal: false,
+            global,
+        })
+    }
+
+    /// Looks at what the database's header says, which SQLite has read at
+    /// the transaction's start: a database some outside
+    /// program (an sqlite3 shell) put in WAL mode goes back to the rollback
+    /// journal when this transaction commits (WAL's index lives in shared
+    /// memory that NFS cannot share); a database without an identity (a new
+    /// one, a rebuilt one, one made by an older release) gets one, which
+    /// ready tokens name (record.rs). Asked inside a transaction that has read
+    /// the header anyway, this costs no system call.
+    pub fn settle_header(&mut self) -> Result<()> {
+        let mode: String = self
+            .tx
+            .pragma_query_value(None, "journal_mode", |r| r.get(0))?;
+        self.leave_wal = mode.eq_ignore_ascii_case("wal");
+        if self.identity()? == 0 {
+            // Best effort: without one (a read-only store) no token is
+            // written or trusted, and reads take the database's way.
+            let _ = self.renew_identity();
+        }
+        Ok(())
     }
 
     pub fn commit(self) -> Result<()> {
-        self.tx.commit()?;
-        Ok(())
+        self.commit_keeping_global().map(drop)
     }
 
     /// Commits and hands back the global lock, for a step that must follow
     /// the commit under the same lock (putting a rebuilt database in place).
     pub fn commit_keeping_global(self) -> Result<lock::Guard> {
         self.tx.commit()?;
+        if self.leave_wal {
+            leave_wal(self.conn)?;
+        }
         Ok(self.global)
     }
 

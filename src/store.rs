@@ -162,7 +162,7 @@ impl Store {
             // A database created just now had no identity before.
             self.conn_file = id.or_else(|| file_id(&db));
         }
-        let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
+        let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
         Ok((tx, &self.ctx))
     }
 
@@ -302,7 +302,7 @@ impl Store {
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
         meta::journal_in_memory(conn, true)?;
         let out = (|| {
-            let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
+            let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
             match tx.schema()? {
                 Schema::Current => f(&tx, &self.ctx),
                 _ => bail!("the metadata schema needs an upgrade, which needs disk space"),
@@ -358,7 +358,7 @@ impl Store {
             // A database created just now had no identity before.
             self.conn_file = id.or_else(|| file_id(&db));
         }
-        let tx = Tx::begin(conn, global).map_err(|e| damaged(&db, e))?;
+        let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
         let out = f(&tx, &self.ctx)?;
         tx.commit()?;
         Ok(out)
@@ -466,7 +466,10 @@ fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
 }
 
 /// The database connection, opened on first use (with the global lock held
-/// by the caller).
+/// by the caller). The database keeps SQLite's default rollback journal
+/// (created and deleted by each write transaction; no setting to repeat per
+/// connection); what its header says is looked at inside each transaction
+/// ([`begin_tx`]).
 fn connection<'c>(
     conn: &'c mut Option<rusqlite::Connection>,
     db: &std::path::Path,
@@ -479,44 +482,19 @@ fn connection<'c>(
             // database group-writable (the journal copies its mode).
             meta::share_with_group(db)?;
         }
-        let header = read_header(db);
-        if header.is_some_and(|h| h[18] == 2 || h[19] == 2) {
-            meta::leave_wal(&c).with_context(|| {
-                format!(
-                    "cannot switch {} from WAL to a rollback journal",
-                    db.display()
-                )
-            })?;
-        }
-        // Every database gets an identity of its own (record.rs: a ready
-        // token names the database it was derived from). A new one, a
-        // rebuilt one, one made by an older release: set here, once.
-        // Best effort: without one (a read-only or full store) no token
-        // is written or trusted, and reads take the database's way.
-        if header.is_none_or(|h| h[68..72] == [0; 4]) {
-            let _ = meta::set_identity(&c, meta::new_identity());
-        }
         *conn = Some(c);
     }
     Ok(conn.as_mut().expect("opened above"))
 }
 
-/// The first 100 bytes of the database file (SQLite's header), if it has
-/// them. The database keeps SQLite's default rollback journal (created and
-/// deleted by each write transaction; no setting to repeat per connection).
-/// WAL would be silently unsafe on NFS — its index lives in shared memory
-/// that NFS cannot share — and nothing of ours sets it, but an sqlite3 shell
-/// could. A database in WAL mode says so in bytes 18 and 19 of its header
-/// (format versions 2); reading them directly costs one small read, where
-/// asking SQLite would cost a whole locked read transaction. Bytes 68–71
-/// hold the database's identity (`application_id`).
-fn read_header(db: &std::path::Path) -> Option<[u8; 100]> {
-    use std::io::Read;
-    let mut header = [0u8; 100];
-    std::fs::File::open(db)
-        .and_then(|mut f| f.read_exact(&mut header))
-        .ok()
-        .map(|()| header)
+/// Begins a transaction and settles what the header says (WAL left,
+/// identity given: [`Tx::settle_header`]) — in every transaction, since
+/// the first one of a connection may be rolled back (a schema to migrate)
+/// and the header may change under a long-lived connection.
+fn begin_tx<'c>(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Result<Tx<'c>> {
+    let mut tx = Tx::begin(conn, global)?;
+    tx.settle_header()?;
+    Ok(tx)
 }
 
 /// Under the global lock: the first image or slot lock someone holds, if
