@@ -28,7 +28,9 @@
 //!    pause points.
 //! 3. **Layout and metadata**: [`root`] every path of the layout; [`meta`]
 //!    all SQL; [`record`] the ready token in an image's lock file (how a
-//!    read learns "ready" without the database); [`ctx`] what every
+//!    read learns "ready" without the database); [`slot_record`] a slot
+//!    class's limits in its slot files (how a slot is taken without it);
+//!    [`ctx`] what every
 //!    operation needs; [`disk_usage`];
 //!    [`adopt`] trees without rows; [`clone`] copying a tree.
 //! 4. **Who holds what**: [`holders`] parties and how to say them (the one
@@ -100,6 +102,7 @@ pub mod remove;
 pub mod root;
 pub mod session;
 pub mod signals;
+pub mod slot_record;
 pub mod slots;
 pub mod space;
 pub mod spawn;

@@ -86,6 +86,12 @@ const MIGRATIONS: &[&str] = &[
     r#"
     INSERT OR REPLACE INTO config (key, value) VALUES ('image_records', '1');
     "#,
+    // 6: slot files carry their class's limits (slot_record.rs), which
+    // every binary that changes a class must rewrite: the version locks
+    // older binaries out of a store that has them.
+    r#"
+    INSERT OR REPLACE INTO config (key, value) VALUES ('slot_records', '1');
+    "#,
 ];
 
 /// The schema version this binary writes.

@@ -146,7 +146,7 @@ pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
 /// --repair` gives the database a new identity, which is what a restore
 /// must be followed by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DbId(u32);
+pub struct DbId(pub(crate) u32);
 
 impl DbId {
     /// The identity of the database at `db`, read from its header (open,
@@ -388,7 +388,7 @@ pub fn invalidate_all(image_locks: &Path) -> io::Result<()> {
 
 /// Runs `f` on every image lock file of `image_locks` (regular files named
 /// `*.lock`, opened without following links or creating anything).
-fn each_lock_file(
+pub(crate) fn each_lock_file(
     image_locks: &Path,
     mut f: impl FnMut(&std::fs::File) -> io::Result<()>,
 ) -> io::Result<()> {
@@ -414,7 +414,7 @@ fn each_lock_file(
 /// filesystem): readers open lock files read-write, so nothing can be read
 /// through it and it has nothing to mark. Other errors (EIO, ESTALE) are
 /// errors: the caller cannot vouch for that file.
-fn open_lock_file(path: &Path) -> io::Result<Option<std::fs::File>> {
+pub(crate) fn open_lock_file(path: &Path) -> io::Result<Option<std::fs::File>> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = match std::fs::OpenOptions::new()
         .read(true)
@@ -458,7 +458,7 @@ pub fn invalidate_at(path: &Path) -> io::Result<()> {
 
 /// CRC-32 (IEEE 802.3, reflected), bitwise: records are a few hundred
 /// bytes, read once per exec.
-fn crc32(bytes: &[u8]) -> u32 {
+pub(crate) fn crc32(bytes: &[u8]) -> u32 {
     let mut crc = !0u32;
     for &b in bytes {
         crc ^= u32::from(b);

@@ -271,7 +271,7 @@ impl Session {
         }
     }
 
-    /// A plain read (no write, no exclusive read, no slot) whose images all
+    /// A plain read (no write, no exclusive read) whose images all
     /// carry a fresh `ready` token in their lock files (record.rs): no
     /// global lock, no database, no metadata written. `None`: the slow way
     /// decides (and writes the tokens for next time).
@@ -281,13 +281,27 @@ impl Session {
         wanted: &[(ImageName, Mode)],
         started: Instant,
     ) -> Option<Session> {
-        if req.slot.is_some() || wanted.is_empty() || wanted.iter().any(|w| w.1 != Mode::Shared) {
+        if wanted.is_empty() || wanted.iter().any(|w| w.1 != Mode::Shared) {
             return None;
         }
+        let db = std::cell::OnceCell::new();
+        // Slots first in the lock order; on its slot files' records, or
+        // the slow way takes it (slot_record.rs).
+        let mut slot = match &req.slot {
+            None => None,
+            Some((class, prio)) => {
+                match crate::acquire::slot::try_fast(store.root(), class, *prio, &db) {
+                    crate::acquire::slot::Fast::Got(g) => {
+                        Some(crate::acquire::slot::SlotGuard::new(g, class))
+                    }
+                    crate::acquire::slot::Fast::Unlimited => None,
+                    _ => return None,
+                }
+            }
+        };
         let mut held = Vec::with_capacity(wanted.len());
         let mut images_dir: Option<PathBuf> = None;
         let mut store_hinted = false;
-        let db = std::cell::OnceCell::new();
         for (name, _) in wanted {
             let (guard, dir, hinted) = crate::acquire::image::try_ready(store.root(), name, &db)?;
             if images_dir.as_ref().is_some_and(|d| *d != dir) {
@@ -335,9 +349,12 @@ impl Session {
             }
             drop(guard);
         }
+        if let Some(s) = slot.as_mut() {
+            s.announce(store.root(), &req.command);
+        }
         let listed = Listed::new(store, &held, &req.command);
         Some(Session {
-            slot: None,
+            slot,
             held,
             images_dir: images_dir?,
             started,

@@ -18,8 +18,11 @@
 //! - A slot is an exclusive flock, so the kernel frees it when its holder
 //!   dies: no token is ever lost (unlike a make jobserver's pipe).
 //! - Slots come first in the lock order (slots → images → global).
-//! - The configuration lives in the metadata and is read by each acquirer,
-//!   and re-read by each waiter when `slots set`/`slots rm` touches the
+//! - The configuration lives in the metadata, and a copy of it in every
+//!   slot file of the class (`slot_record.rs`), kept by whoever changes it
+//!   under the global lock: an acquirer reads the copy in the file it
+//!   locks and takes its slot without a transaction when the copy is
+//!   valid; otherwise it reads the metadata. Each waiter re-reads it when `slots set`/`slots rm` touches the
 //!   class's `changed` file, and every `acquire::slot::RECHECK` where another host may
 //!   change it unannounced (30 s otherwise): a raised limit
 //!   (or 0) lets waiters in, a lowered one binds them, a removed class ends
@@ -110,6 +113,26 @@ pub fn notify_change(ctx: &Ctx, class: &str) {
     }
 }
 
+/// Writes the records of `class` into its slot files — its configuration
+/// as `tx` reads it, or none when it is gone (slot_record.rs). The caller
+/// is inside that transaction, under the global lock: after a change of
+/// the class has committed, before a removal commits, or on finding a
+/// record wanting. Best effort: a record not written only sends acquirers
+/// to the database.
+pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&SlotClass>) {
+    let dir = ctx.root.slot_class_dir(class);
+    let db = match config {
+        Some(_) => tx.identity().ok().and_then(crate::record::DbId::from_id),
+        None => None,
+    };
+    // A class with slots gets its directory (an unlimited one none: its
+    // files, if any, are those of an earlier limit).
+    if db.is_some() && config.is_some_and(|c| c.limit > 0) && crate::root::make_dir(&dir).is_err() {
+        return;
+    }
+    let _ = crate::slot_record::write_all(&dir, config, db);
+}
+
 /// The configuration of a class; an unknown class is a usage error that
 /// lists the configured ones.
 pub fn lookup(tx: &Tx, class: &str) -> Result<SlotClass> {
@@ -130,8 +153,11 @@ pub fn lookup(tx: &Tx, class: &str) -> Result<SlotClass> {
 /// Returns how many slots were still held (their files stay until released).
 pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
     validate_class(class)?;
-    store.with_tx(None, |tx, _| {
+    store.with_tx(None, |tx, ctx| {
         lookup(tx, class)?;
+        // Its records go first: no acquirer takes a slot on them once the
+        // removal has committed.
+        write_records(tx, ctx, class, None);
         tx.delete_slot_class(class)?;
         Ok(())
     })?;

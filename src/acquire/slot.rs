@@ -31,6 +31,15 @@ pub struct SlotGuard {
 }
 
 impl SlotGuard {
+    pub(crate) fn new(guard: Guard, class: &str) -> SlotGuard {
+        SlotGuard {
+            guard,
+            class: class.to_owned(),
+            waiter: None,
+            listed: None,
+        }
+    }
+
     pub fn class(&self) -> &str {
         &self.class
     }
@@ -140,7 +149,20 @@ pub(crate) fn acquire_unrecorded(
     must_exist: &[crate::name::ImageName],
 ) -> Result<Option<SlotGuard>> {
     validate_class(class)?;
-    let config = store.with_tx(deadline, |tx, _| lookup(tx, class))?;
+    let db = std::cell::OnceCell::new();
+    let wanting = match try_fast(store.root(), class, priority, &db) {
+        Fast::Got(guard) => return Ok(Some(SlotGuard::new(guard, class))),
+        Fast::Unlimited => return Ok(None),
+        Fast::Busy => false,
+        Fast::Wanting => true,
+    };
+    let config = store.with_tx(deadline, |tx, ctx| {
+        let config = lookup(tx, class)?;
+        if wanting {
+            crate::slots::write_records(tx, ctx, class, Some(&config));
+        }
+        Ok(config)
+    })?;
     if config.limit == 0 {
         return Ok(None);
     }
@@ -226,6 +248,94 @@ pub(crate) fn acquire_unrecorded(
             Err(e)
         }
     }
+}
+
+/// What taking a slot on the slot files' records came to.
+pub(crate) enum Fast {
+    /// A slot, kept on the record of the file it holds.
+    Got(Guard),
+    /// The class is unlimited: no slot is needed.
+    Unlimited,
+    /// Every slot the record allows is held: the database's way waits.
+    Busy,
+    /// No record to go by (none, damaged, another database's, unsettled,
+    /// changing): the database's way, which writes them again.
+    Wanting,
+}
+
+/// Takes a slot of `class` without the global lock or the database, on the
+/// records its slot files carry (slot_record.rs): the record of `0.lock`
+/// says which files to try (a normal acquirer takes `0.lock` itself when
+/// free), and a slot is kept only on the record of the file it holds,
+/// within the limits that record states and agreeing with the first.
+/// Tried in the order of the database's way (reserved slots first for high
+/// priority); a missing file or any error is `Wanting`, never an error:
+/// the database's way says what is wrong. `db` keeps the database's
+/// identity once looked up, for the images of the same request.
+pub(crate) fn try_fast(
+    root: &crate::root::Root,
+    class: &str,
+    priority: Priority,
+    db: &std::cell::OnceCell<Option<crate::record::DbId>>,
+) -> Fast {
+    use crate::slot_record::{self, Kind};
+    if validate_class(class).is_err() {
+        return Fast::Wanting;
+    }
+    let dir = root.slot_class_dir(class);
+    let db_path = root.db();
+    let take = |kind: Kind| {
+        lock::acquire_no_wait(
+            &dir.join(kind.file_name()),
+            Mode::Exclusive,
+            lock::IfMissing::Fail,
+        )
+    };
+    let zero = match priority {
+        Priority::Normal => match take(Kind::Normal(0)) {
+            Ok(g) => g,
+            Err(_) => return Fast::Wanting,
+        },
+        Priority::High => None,
+    };
+    let limits = match &zero {
+        Some(g) => slot_record::read(g.file(), class, &db_path, db),
+        // Held, or not ours to try first: its record, read without its
+        // lock, only says where to look; the file taken says the rest.
+        None => match lock::open_existing(&dir.join(Kind::Normal(0).file_name())) {
+            Ok(Some(f)) => slot_record::read(&f, class, &db_path, db),
+            _ => None,
+        },
+    };
+    let Some(limits) = limits else {
+        return Fast::Wanting;
+    };
+    if limits.limit == 0 {
+        return Fast::Unlimited;
+    }
+    if let Some(g) = zero {
+        return Fast::Got(g);
+    }
+    let order: Vec<Kind> = match priority {
+        Priority::High => (0..limits.reserve)
+            .map(Kind::High)
+            .chain((0..limits.limit).map(Kind::Normal))
+            .collect(),
+        Priority::Normal => (1..limits.limit).map(Kind::Normal).collect(),
+    };
+    for kind in order {
+        match take(kind) {
+            Ok(Some(g)) => {
+                return match slot_record::read(g.file(), class, &db_path, db) {
+                    Some(own) if own == limits && kind.within(own) => Fast::Got(g),
+                    _ => Fast::Wanting,
+                };
+            }
+            Ok(None) => {}
+            Err(_) => return Fast::Wanting,
+        }
+    }
+    Fast::Busy
 }
 
 /// How often a waiting acquirer re-reads its class's configuration even

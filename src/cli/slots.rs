@@ -79,6 +79,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 reserve_high,
             };
             store.with_tx(None, |tx, _| tx.set_slot_class(&c))?;
+            // The slot files' records follow once it has committed (an
+            // acquirer takes its slot on them: slot_record.rs).
+            store.with_tx(None, |tx, ctx| {
+                let now = tx.slot_class(&class)?;
+                slots::write_records(tx, ctx, &class, now.as_ref());
+                Ok(())
+            })?;
             // Waiters on this host re-read the class at once.
             slots::notify_change(store.ctx(), &class);
             store.ctx().say(&match (limit, reserve_high) {

@@ -238,6 +238,12 @@ pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     }
 }
 
+/// Opens a lock file without locking it, making it if missing (a slot
+/// file given its record before anyone took it).
+pub fn open_or_create(path: &Path) -> io::Result<File> {
+    open(path, IfMissing::Create)
+}
+
 /// Opens a lock file: read-write, close-on-exec, never through a symlink.
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     OpenOptions::new()

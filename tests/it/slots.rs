@@ -513,3 +513,155 @@ fn a_slot_holder_is_named_by_its_lease_and_writes_no_metadata() {
     env.release("release");
     assert_eq!(holder.finish().status.code(), Some(0));
 }
+
+// --- slot records: taking a slot without the database ---------------------
+
+/// Holds the global lock with flock(1), as an outside program could.
+fn hold_global(env: &Env) -> Bg {
+    flock_holder(
+        &env.root.join("locks/global.lock"),
+        &env.sentinel("global-held"),
+        "sleep 60",
+    )
+}
+
+/// Holds a slot file with flock(1) (an outside holder counts as one).
+fn hold_slot_file(env: &Env, class_dir: &str, file: &str) -> Bg {
+    flock_holder(
+        &env.root.join("locks/slots").join(class_dir).join(file),
+        &env.sentinel(&format!("holding-{file}")),
+        "sleep 60",
+    )
+}
+
+fn record_of(env: &Env, class_dir: &str, file: &str) -> String {
+    let bytes = fs::read(env.root.join("locks/slots").join(class_dir).join(file)).unwrap();
+    String::from_utf8_lossy(&bytes)
+        .trim_end_matches('\0')
+        .to_owned()
+}
+
+#[test]
+fn a_slot_is_taken_on_its_files_records_without_the_global_lock() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "pull", "2"]);
+    assert!(
+        record_of(&env, "pull", "1.lock").contains("limit=2\n"),
+        "slots set writes the record into every slot file"
+    );
+    let global = hold_global(&env);
+    let read = [
+        "exec", "--slot", "pull", "--read", "base", "--wait", "0.3", "--", "true",
+    ];
+    let out = env.run(read);
+    assert_eq!(out.status.code(), Some(0), "slot 0: {}", show(&out));
+    // Slot 0 held elsewhere: slot 1, on its own record.
+    let zero = hold_slot_file(&env, "pull", "0.lock");
+    let out = env.run(read);
+    assert_eq!(out.status.code(), Some(0), "slot 1: {}", show(&out));
+    // Both held: the database's way, which waits for the global lock.
+    let one = hold_slot_file(&env, "pull", "1.lock");
+    let out = env.run(read);
+    assert_eq!(out.status.code(), Some(75), "all held: {}", show(&out));
+    for bg in [global, zero, one] {
+        bg.kill_all();
+    }
+}
+
+#[test]
+fn after_a_lowered_limit_slots_are_taken_the_database_way_until_those_beyond_it_end() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "pull", "3"]);
+    let one = hold_slot_file(&env, "pull", "1.lock");
+    let two = hold_slot_file(&env, "pull", "2.lock");
+    env.ok(["slots", "set", "pull", "1"]);
+    assert!(record_of(&env, "pull", "0.lock").contains("settled=0\n"));
+    // Slot 0 is free, but two holders beyond the new limit count against
+    // it: no slot on the record, and the database's way says all are held.
+    let global = hold_global(&env);
+    let read = [
+        "exec", "--slot", "pull", "--read", "base", "--wait", "0.3", "--", "true",
+    ];
+    let out = env.run(read);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    global.kill_all();
+    let out = env.run([
+        "exec",
+        "--slot",
+        "pull",
+        "--read",
+        "base",
+        "--no-wait",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    // They end; the next acquirer (the database's way) settles the records,
+    // and the one after takes its slot on them again.
+    one.kill_all();
+    two.kill_all();
+    env.ok([
+        "exec",
+        "--slot",
+        "pull",
+        "--read",
+        "base",
+        "--no-wait",
+        "--",
+        "true",
+    ]);
+    assert!(record_of(&env, "pull", "0.lock").contains("settled=1\n"));
+    let global = hold_global(&env);
+    let out = env.run(read);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    global.kill_all();
+}
+
+#[test]
+fn slot_records_of_another_database_are_written_anew_not_trusted() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "pull", "1"]);
+    let db_of = |record: &str| {
+        record
+            .lines()
+            .find_map(|l| l.strip_prefix("db=").map(str::to_owned))
+            .unwrap()
+    };
+    let before = db_of(&record_of(&env, "pull", "0.lock"));
+    // doctor --repair gives the database a new identity (what a restore
+    // must be followed by): the records speak for the old one.
+    env.ok(["doctor", "--repair"]);
+    env.ok(["exec", "--slot", "pull", "--read", "base", "--", "true"]);
+    let after = db_of(&record_of(&env, "pull", "0.lock"));
+    assert_ne!(
+        before, after,
+        "the acquirer went to the database and wrote them anew"
+    );
+    let header = fs::read(env.root.join("stowage.db")).unwrap();
+    assert_eq!(
+        after,
+        format!(
+            "{:08x}",
+            u32::from_be_bytes(header[68..72].try_into().unwrap())
+        )
+    );
+}
+
+#[test]
+fn a_removed_class_takes_the_records_of_its_held_slots_away() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let zero = hold_slot_file(&env, "pull", "0.lock");
+    env.ok(["slots", "rm", "pull"]);
+    assert_eq!(
+        record_of(&env, "pull", "0.lock"),
+        "",
+        "no record left to take a slot on"
+    );
+    let out = env.run(["exec", "--slot", "pull", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    zero.kill_all();
+}

@@ -1,0 +1,303 @@
+//! Slot records: what a slot file says about its class, so that taking a
+//! slot needs neither the global lock nor the database.
+//!
+//! The database stays the single source of truth for every slot class
+//! (`slots set` / `slots rm` change it in a transaction). A record is a
+//! copy of the class's configuration derived from it, kept in the first
+//! bytes of **every** slot file of the class (`locks/slots/ENC/N.lock`,
+//! `high-N.lock`; each stays an ordinary lock file):
+//!
+//! ```text
+//! stowage-slot 1
+//! class=pull
+//! limit=4
+//! reserve=1
+//! settled=1        (no slot file beyond the limits is held)
+//! db=5e1f00d2      (the database's identity, as in an image's record)
+//! crc=1a2b3c4d
+//! ```
+//!
+//! Invariants:
+//! - **A valid record says what the database says, or what it said a
+//!   moment ago.** Records are written (or taken away) only under the
+//!   global lock, inside a transaction that read the class: by `slots set`
+//!   after its change committed, by `slots rm` before it commits (taken
+//!   away), and by an acquirer that found a record wanting. They go to
+//!   every slot file of the class present then (and to every file the
+//!   configuration names, which they create), so a file beyond a lowered
+//!   limit never keeps the higher one. An acquirer that read the record
+//!   just before a change works under the configuration of a moment ago —
+//!   as one that took its slot a moment earlier would.
+//! - **A slot is taken on a record only from the file it holds:** the
+//!   acquirer reads the record of the file it has locked (on NFS the lock
+//!   makes the client read it anew), and keeps the slot only if that record
+//!   is valid (format, CRC, its class, this database's identity) and
+//!   *settled*, and the file is within the limits it states (`N.lock` for
+//!   N < limit; `high-N.lock` for N < reserve, only for high priority).
+//!   Anything else — an empty file, another layout, an unsettled class —
+//!   sends it to the database, which is never wrong; a mistake can only
+//!   cost a transaction.
+//! - **Settled:** when a limit is lowered, slots beyond it may still be
+//!   held, and count against it until they end (slots.rs). A record is
+//!   written settled only when no file beyond the limits is held at that
+//!   moment (tried under the global lock); an unsettled one sends every
+//!   acquirer to the database, whose way counts such holders, and the
+//!   first acquirer to find them all gone writes the records settled.
+//!   Nobody takes a file beyond the limits for a command: one taken on a
+//!   stale read is let go once its own record is read.
+//! - Records carry no hint and no durability: a record lost in a crash or
+//!   torn by a power loss only sends the next acquirer to the database.
+
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use crate::meta::SlotClass;
+use crate::record::{DbId, crc32};
+
+/// The first line; another version sends the acquirer to the database.
+const FORMAT: &str = "stowage-slot 1\n";
+
+/// Records end before this offset (the same area an image's record uses).
+const MAX: usize = crate::record::HINTS_AT;
+
+/// The schema version from which binaries keep slot records: a store
+/// migrated to it has locked out every binary that would change a class
+/// without them.
+const SINCE_SCHEMA: i64 = 6;
+
+fn enabled() -> bool {
+    crate::meta::schema_version() >= SINCE_SCHEMA
+}
+
+/// What a valid, settled record says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub limit: u32,
+    pub reserve: u32,
+}
+
+/// Which slot a file is, by its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Normal(u32),
+    High(u32),
+}
+
+impl Kind {
+    pub fn of(file_name: &str) -> Option<Kind> {
+        let stem = file_name.strip_suffix(".lock")?;
+        match stem.strip_prefix("high-") {
+            Some(n) => n.parse().ok().map(Kind::High),
+            None => stem.parse().ok().map(Kind::Normal),
+        }
+    }
+
+    pub fn file_name(self) -> String {
+        match self {
+            Kind::Normal(n) => format!("{n}.lock"),
+            Kind::High(n) => format!("high-{n}.lock"),
+        }
+    }
+
+    /// Whether the file is one of the class's slots under `limits`.
+    pub fn within(self, limits: Limits) -> bool {
+        match self {
+            Kind::Normal(n) => n < limits.limit,
+            Kind::High(n) => n < limits.reserve,
+        }
+    }
+}
+
+fn encode(class: &SlotClass, settled: bool, db: DbId) -> Vec<u8> {
+    let mut body = format!(
+        "{FORMAT}class={}\nlimit={}\nreserve={}\nsettled={}\ndb={:08x}\n",
+        class.name,
+        class.limit,
+        class.reserve_high,
+        u8::from(settled),
+        db.0
+    );
+    body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
+    body.into_bytes()
+}
+
+/// Parses a record of `class`: `Some` only for a valid, settled one.
+fn decode(bytes: &[u8], class: &str) -> Option<(Limits, DbId)> {
+    let text = match std::str::from_utf8(bytes) {
+        Ok(t) => t,
+        Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).ok()?,
+    };
+    let body_len = text.find("\ncrc=")? + 1;
+    let (body, rest) = text.split_at(body_len);
+    let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
+    if crc != format!("{:08x}", crc32(body.as_bytes())) {
+        return None;
+    }
+    let mut lines = body.strip_prefix(FORMAT)?.lines();
+    let mut field = |key: &str| lines.next()?.strip_prefix(key)?.strip_prefix('=');
+    if field("class")? != class {
+        return None;
+    }
+    let limit = field("limit")?.parse().ok()?;
+    let reserve = field("reserve")?.parse().ok()?;
+    if field("settled")? != "1" {
+        return None;
+    }
+    let db = DbId(u32::from_str_radix(field("db")?, 16).ok()?);
+    if lines.next().is_some() {
+        return None;
+    }
+    Some((Limits { limit, reserve }, db))
+}
+
+/// Reads the record of a slot file of `class` (one `pread`): the limits
+/// if it is valid, settled, and derived from the database now at `db_path`
+/// (its identity looked up once per process through `db`).
+pub fn read(
+    file: &std::fs::File,
+    class: &str,
+    db_path: &Path,
+    db: &std::cell::OnceCell<Option<DbId>>,
+) -> Option<Limits> {
+    if !enabled() {
+        return None;
+    }
+    let mut buf = vec![0u8; MAX];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    let (limits, id) = decode(&buf[..n], class)?;
+    db.get_or_init(|| DbId::of(db_path))
+        .is_some_and(|now| now == id)
+        .then_some(limits)
+}
+
+/// Writes the record of `class` into every slot file of its directory and
+/// into every file its configuration names (made if missing), or — `None`,
+/// or a database without identity — takes every record away. The caller
+/// holds the global lock, inside a transaction that read the class (see
+/// the module doc); it made the class directory if it writes records.
+/// Records are written over the whole area (never a longer one's tail
+/// left), not synced: see the module doc.
+pub fn write_all(dir: &Path, class: Option<&SlotClass>, db: Option<DbId>) -> io::Result<()> {
+    if !enabled() {
+        return Ok(());
+    }
+    let record = match (class, db) {
+        (Some(c), Some(db)) => {
+            // An unlimited class gets no file (nothing is ever locked):
+            // its acquirers ask the database, unless files of an earlier
+            // limit carry its record.
+            for kind in (0..c.limit)
+                .map(Kind::Normal)
+                .chain((0..c.reserve_high).map(Kind::High))
+            {
+                // Made like any slot file an acquirer makes.
+                drop(crate::lock::open_or_create(&dir.join(kind.file_name()))?);
+            }
+            // Unlimited: nobody is counted, so nothing is left to settle.
+            let settled = c.limit == 0 || !beyond_held(dir, c)?;
+            Some(encode(c, settled, db))
+        }
+        _ => None,
+    };
+    crate::record::each_lock_file(dir, |file| match &record {
+        Some(bytes) => {
+            let mut area = vec![0u8; MAX];
+            area[..bytes.len()].copy_from_slice(bytes);
+            file.write_all_at(&area, 0)
+        }
+        None => file.set_len(0),
+    })
+}
+
+/// Whether some slot file of `dir` beyond the limits of `class` is held
+/// right now (tried without waiting, as anything under the global lock).
+fn beyond_held(dir: &Path, class: &SlotClass) -> io::Result<bool> {
+    let limits = Limits {
+        limit: class.limit,
+        reserve: class.reserve_high,
+    };
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    for e in entries {
+        let e = e?;
+        let Some(kind) = e.file_name().to_str().and_then(Kind::of) else {
+            continue;
+        };
+        if kind.within(limits) {
+            continue;
+        }
+        if matches!(
+            crate::lock::probe(&e.path())?,
+            crate::lock::Probe::Shared | crate::lock::Probe::Exclusive
+        ) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn class(limit: u32, reserve_high: u32) -> SlotClass {
+        SlotClass {
+            name: "load/podman".into(),
+            limit,
+            reserve_high,
+        }
+    }
+
+    #[test]
+    fn a_record_says_its_class_and_nothing_else_passes() {
+        let db = DbId(0x5e1f_00d2);
+        let bytes = encode(&class(4, 1), true, db);
+        assert_eq!(
+            decode(&bytes, "load/podman"),
+            Some((
+                Limits {
+                    limit: 4,
+                    reserve: 1
+                },
+                db
+            ))
+        );
+        // Another class's name, an unsettled one, one flipped bit: no.
+        assert_eq!(decode(&bytes, "pull"), None);
+        assert_eq!(
+            decode(&encode(&class(4, 1), false, db), "load/podman"),
+            None
+        );
+        for i in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[i] ^= 0x04;
+            assert_eq!(decode(&b, "load/podman"), None, "byte {i}");
+        }
+        // Zeros after it (the rest of the area) are ignored.
+        let mut area = bytes.clone();
+        area.resize(MAX, 0);
+        assert!(decode(&area, "load/podman").is_some());
+        assert_eq!(decode(b"", "load/podman"), None);
+    }
+
+    #[test]
+    fn file_names_and_limits() {
+        let l = Limits {
+            limit: 2,
+            reserve: 1,
+        };
+        assert_eq!(Kind::of("0.lock"), Some(Kind::Normal(0)));
+        assert_eq!(Kind::of("high-0.lock"), Some(Kind::High(0)));
+        assert_eq!(Kind::of("changed"), None);
+        assert_eq!(Kind::of("x.lock"), None);
+        assert!(Kind::Normal(1).within(l));
+        assert!(!Kind::Normal(2).within(l));
+        assert!(Kind::High(0).within(l));
+        assert!(!Kind::High(1).within(l));
+        assert_eq!(Kind::High(3).file_name(), "high-3.lock");
+    }
+}
