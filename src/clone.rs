@@ -367,8 +367,23 @@ fn copy_range(s: RawFd, d: RawFd, off: u64, len: u64) -> io::Result<()> {
     while (off_in as u64) < end {
         let want = (end - off_in as u64).min(1 << 30) as usize;
         if kernel {
-            // SAFETY: valid descriptors and offset pointers.
-            let n = unsafe { libc::copy_file_range(s, &mut off_in, d, &mut off_out, want, 0) };
+            // The system call itself, not libc's wrapper: the standard
+            // library declares that symbol weak, and in a static build
+            // whose link-time optimisation merges the declarations a weak
+            // one can win, leaving the call to jump to address 0.
+            // SAFETY: valid descriptors and offset pointers, as the system
+            // call documents them.
+            let n = unsafe {
+                libc::syscall(
+                    libc::SYS_copy_file_range,
+                    s,
+                    &mut off_in as *mut libc::loff_t,
+                    d,
+                    &mut off_out as *mut libc::loff_t,
+                    want,
+                    0u32,
+                )
+            };
             if n > 0 {
                 continue;
             }

@@ -168,15 +168,19 @@ impl Dir {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut stx: libc::statx = unsafe { std::mem::zeroed() };
         let empty = c"";
+        // The system call itself, not libc's wrapper (see clone.rs,
+        // copy_range: a weak declaration of the symbol can win in a static
+        // build and leave the call jumping to address 0).
         // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, and
         // an out-pointer to a zeroed statx.
         let r = unsafe {
-            libc::statx(
+            libc::syscall(
+                libc::SYS_statx,
                 self.fd.as_raw_fd(),
                 empty.as_ptr(),
                 libc::AT_EMPTY_PATH,
                 libc::STATX_MNT_ID,
-                &mut stx,
+                &mut stx as *mut libc::statx,
             )
         };
         (r == 0 && stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)

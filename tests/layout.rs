@@ -153,3 +153,52 @@ fn the_map_in_lib_rs_names_every_module() {
         );
     }
 }
+
+/// Functions the standard library declares weak (it calls them only where
+/// the C library has them). In the static release build, whose link-time
+/// optimisation merges declarations, a weak one can win over ours: a direct
+/// `libc::NAME(...)` call then jumps to address 0 (`rm` and `gc` crashed so
+/// through `statx`). Such calls go through `libc::syscall` instead. The
+/// list is what `nm` shows weak and undefined in that binary (Rust 1.95,
+/// glibc 2.36); scripts/smoke runs every command on that binary in CI.
+const WEAK_IN_STD: &[&str] = &[
+    "statx",
+    "copy_file_range",
+    "gettid",
+    "pidfd_getpid",
+    "pidfd_spawnp",
+    "posix_spawn_file_actions_addchdir",
+    "posix_spawn_file_actions_addchdir_np",
+];
+
+#[test]
+fn no_direct_call_of_a_function_the_standard_library_declares_weak() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut stack = vec![src];
+    let mut found = Vec::new();
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            if p.extension().is_none_or(|x| x != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&p).unwrap();
+            for (n, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                for name in WEAK_IN_STD {
+                    if code.contains(&format!("libc::{name}(")) {
+                        found.push(format!("{}:{}: libc::{name}(", p.display(), n + 1));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "call these through libc::syscall(libc::SYS_...): {found:#?}"
+    );
+}
