@@ -361,8 +361,8 @@ fn commands_cost_no_more_round_trips_than_measured() {
     // scripts/roundtrips' figures; this store, two images of one file and
     // a slot class, counts a few more): what they cost must not creep up.
     for (args, most) in [
-        (&["exec", "--write", "base", "--", "true"][..], 119),
-        (&["exec", "--write", "new", "--", "true"][..], 118),
+        (&["exec", "--write", "base", "--", "true"][..], 116),
+        (&["exec", "--write", "new", "--", "true"][..], 115),
         (&["lock-status"][..], 72),
         (&["images"][..], 66),
     ] {
