@@ -257,10 +257,14 @@ impl Dir {
             let n = unsafe { libc::syscall(libc::SYS_getdents64, fd, buf.as_mut_ptr(), buf.len()) };
             if n < 0 {
                 let e = io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::EINTR) {
-                    continue;
+                match e.raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    // A directory removed meanwhile (by another removal of
+                    // the same tree) lists nothing more: the end, as
+                    // readdir(3) has it, not an error.
+                    Some(libc::ENOENT) => return Ok(out),
+                    _ => return Err(e),
                 }
-                return Err(e);
             }
             if n == 0 {
                 return Ok(out);
@@ -592,6 +596,11 @@ mod tests {
         }
         // The descriptor still serves *at() calls after a listing.
         assert!(d.stat_at("sub").unwrap().unwrap().is_dir());
+        // A directory removed while open lists nothing (readdir(3) says
+        // so too): another removal of the same tree got there first.
+        let sub = d.sub("sub").unwrap();
+        std::fs::remove_dir(t.path().join("sub")).unwrap();
+        assert!(sub.names().unwrap().is_empty());
     }
 
     #[test]
