@@ -21,8 +21,11 @@
 //! - **A valid record says what the database says, or what it said a
 //!   moment ago.** Records are written (or taken away) only under the
 //!   global lock, inside a transaction that read the class: by `slots set`
-//!   after its change committed, by `slots rm` before it commits (taken
-//!   away), and by an acquirer that found a record wanting. They go to
+//!   after its change committed, and by an acquirer that found a record
+//!   wanting. Both `slots set` and `slots rm` take them away inside the
+//!   changing transaction, before it commits, or fail: a change that
+//!   dies or fails before its new records are written leaves none, never
+//!   the old configuration valid beside the new one. They go to
 //!   every slot file of the class present then (and to every file the
 //!   configuration names, which they create), so a file beyond a lowered
 //!   limit never keeps the higher one. An acquirer that read the record
@@ -227,7 +230,10 @@ fn beyond_held(dir: &Path, class: &SlotClass) -> io::Result<bool> {
         let Some(kind) = e.file_name().to_str().and_then(Kind::of) else {
             continue;
         };
-        if kind.within(limits) {
+        // Only a regular file can be a held slot (acquirers open slot
+        // files without following links): anything else planted under a
+        // slot's name is nobody's slot, and must not stop the records.
+        if kind.within(limits) || !e.file_type()?.is_file() {
             continue;
         }
         if matches!(

@@ -133,6 +133,24 @@ pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&Slo
     let _ = crate::slot_record::write_all(&dir, config, db);
 }
 
+/// Takes every record of `class` away (slot_record.rs), inside the
+/// transaction that is about to change or remove the class, before it
+/// commits. Not best effort: a record left would go on saying the old
+/// configuration, valid and settled, to every acquirer — for good if the
+/// change's process dies before the records that follow it are written —
+/// so a record that cannot be taken away fails the change instead. Once
+/// they are gone, whatever happens to the process, acquirers go to the
+/// database, and the first one writes them anew.
+pub(crate) fn take_records_away(ctx: &Ctx, class: &str) -> Result<()> {
+    let dir = ctx.root.slot_class_dir(class);
+    crate::slot_record::write_all(&dir, None, None).map_err(|e| {
+        anyhow::Error::new(e).context(format!(
+            "cannot take the records of slot class '{class}' out of its slot files in {}",
+            dir.display()
+        ))
+    })
+}
+
 /// The configuration of a class; an unknown class is a usage error that
 /// lists the configured ones.
 pub fn lookup(tx: &Tx, class: &str) -> Result<SlotClass> {
@@ -157,7 +175,7 @@ pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
         lookup(tx, class)?;
         // Its records go first: no acquirer takes a slot on them once the
         // removal has committed.
-        write_records(tx, ctx, class, None);
+        take_records_away(ctx, class)?;
         tx.delete_slot_class(class)?;
         Ok(())
     })?;

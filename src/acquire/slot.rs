@@ -466,10 +466,15 @@ impl Slots {
             Priority::High => config.reserve_high as usize,
             Priority::Normal => 0,
         };
-        // The listing also makes the directory on first use.
+        // The listing also makes the directory on first use. Only regular
+        // files can be slots held beyond the configuration: a link or
+        // directory planted under a slot's name is nobody's slot, and
+        // counting it (opened without following links) would fail every
+        // acquirer of the class.
         let present: Vec<String> = match std::fs::read_dir(dir) {
             Ok(entries) => entries
                 .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
                 .filter_map(|e| e.file_name().to_str().map(str::to_owned))
                 .collect(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
