@@ -47,7 +47,15 @@
 //!   acquirer to the database, whose way counts such holders, and the
 //!   first acquirer to find them all gone writes the records settled.
 //!   Nobody takes a file beyond the limits for a command: one taken on a
-//!   stale read is let go once its own record is read.
+//!   stale read is let go once its own record is read. The records are
+//!   written unsettled everywhere *before* that question is asked, and
+//!   settled after: a file taken after the question carries the new
+//!   limits, and an acquirer that read the class from the database before
+//!   the change (and so took a file the change put beyond its limits)
+//!   finds them there, lets the file go and reads the class again (a
+//!   record settled or not, of this database, that states other limits
+//!   than the ones it went by); one that took it before the question is
+//!   what the question finds.
 //! - Records carry no hint and no durability: a record lost in a crash or
 //!   torn by a power loss only sends the next acquirer to the database.
 
@@ -127,6 +135,14 @@ fn encode(class: &SlotClass, settled: bool, db: DbId) -> Vec<u8> {
 
 /// Parses a record of `class`: `Some` only for a valid, settled one.
 fn decode(bytes: &[u8], class: &str) -> Option<(Limits, DbId)> {
+    match decode_any(bytes, class)? {
+        (limits, true, db) => Some((limits, db)),
+        _ => None,
+    }
+}
+
+/// Parses a valid record of `class`, settled or not.
+fn decode_any(bytes: &[u8], class: &str) -> Option<(Limits, bool, DbId)> {
     let text = match std::str::from_utf8(bytes) {
         Ok(t) => t,
         Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).ok()?,
@@ -144,14 +160,16 @@ fn decode(bytes: &[u8], class: &str) -> Option<(Limits, DbId)> {
     }
     let limit = field("limit")?.parse().ok()?;
     let reserve = field("reserve")?.parse().ok()?;
-    if field("settled")? != "1" {
-        return None;
-    }
+    let settled = match field("settled")? {
+        "1" => true,
+        "0" => false,
+        _ => return None,
+    };
     let db = DbId(u32::from_str_radix(field("db")?, 16).ok()?);
     if lines.next().is_some() {
         return None;
     }
-    Some((Limits { limit, reserve }, db))
+    Some((Limits { limit, reserve }, settled, db))
 }
 
 /// Reads the record of a slot file of `class` (one `pread`): the limits
@@ -174,6 +192,27 @@ pub fn read(
         .then_some(limits)
 }
 
+/// The limits a slot file's record states, settled or not, if it is a
+/// valid record of `class` derived from the database now at `db_path`:
+/// what an acquirer that read the class from the database checks the file
+/// it took against (a change may have come between its read and its take).
+pub fn read_any(
+    file: &std::fs::File,
+    class: &str,
+    db_path: &Path,
+    db: &std::cell::OnceCell<Option<DbId>>,
+) -> Option<Limits> {
+    if !enabled() {
+        return None;
+    }
+    let mut buf = vec![0u8; MAX];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    let (limits, _, id) = decode_any(&buf[..n], class)?;
+    db.get_or_init(|| DbId::of(db_path))
+        .is_some_and(|now| now == id)
+        .then_some(limits)
+}
+
 /// Writes the record of `class` into every slot file of its directory and
 /// into every file its configuration names (made if missing), or — `None`,
 /// or a database without identity — takes every record away. The caller
@@ -185,25 +224,36 @@ pub fn write_all(dir: &Path, class: Option<&SlotClass>, db: Option<DbId>) -> io:
     if !enabled() {
         return Ok(());
     }
-    let record = match (class, db) {
-        (Some(c), Some(db)) => {
-            // An unlimited class gets no file (nothing is ever locked):
-            // its acquirers ask the database, unless files of an earlier
-            // limit carry its record.
-            for kind in (0..c.limit)
-                .map(Kind::Normal)
-                .chain((0..c.reserve_high).map(Kind::High))
-            {
-                // Made like any slot file an acquirer makes.
-                drop(crate::lock::open_or_create(&dir.join(kind.file_name()))?);
-            }
-            // Unlimited: nobody is counted, so nothing is left to settle.
-            let settled = c.limit == 0 || !beyond_held(dir, c)?;
-            Some(encode(c, settled, db))
+    if let (Some(c), Some(db)) = (class, db) {
+        // An unlimited class gets no file (nothing is ever locked):
+        // its acquirers ask the database, unless files of an earlier
+        // limit carry its record.
+        for kind in (0..c.limit)
+            .map(Kind::Normal)
+            .chain((0..c.reserve_high).map(Kind::High))
+        {
+            // Made like any slot file an acquirer makes.
+            drop(crate::lock::open_or_create(&dir.join(kind.file_name()))?);
         }
-        _ => None,
-    };
-    crate::record::each_lock_file(dir, |file| match &record {
+        // Unsettled first, everywhere; only then is "no file beyond the
+        // limits held" asked, and the records settled if so. Whoever
+        // takes a file beyond the limits after that question reads
+        // this configuration in it and lets the file go (slot.rs); one
+        // who took it before is what the question finds.
+        write_each(dir, Some(&encode(c, false, db)))?;
+        // Unlimited: nobody is counted, so nothing is left to settle.
+        if c.limit == 0 || !beyond_held(dir, c)? {
+            write_each(dir, Some(&encode(c, true, db)))?;
+        }
+        return Ok(());
+    }
+    write_each(dir, None)
+}
+
+/// Writes `record` over the record area of every slot file of `dir`, or
+/// (`None`) empties them.
+fn write_each(dir: &Path, record: Option<&[u8]>) -> io::Result<()> {
+    crate::record::each_lock_file(dir, |file| match record {
         Some(bytes) => {
             let mut area = vec![0u8; MAX];
             area[..bytes.len()].copy_from_slice(bytes);
@@ -277,6 +327,18 @@ mod tests {
         assert_eq!(
             decode(&encode(&class(4, 1), false, db), "load/podman"),
             None
+        );
+        // An unsettled one still states its limits, for the database's way.
+        assert_eq!(
+            decode_any(&encode(&class(4, 1), false, db), "load/podman"),
+            Some((
+                Limits {
+                    limit: 4,
+                    reserve: 1
+                },
+                false,
+                db
+            ))
         );
         for i in 0..bytes.len() {
             let mut b = bytes.clone();

@@ -3,6 +3,7 @@
 //! names in a class directory. The limit the database holds is the one
 //! that binds, whatever was left in the slot files.
 
+use std::fs;
 use std::process::Command;
 
 use crate::common::*;
@@ -117,4 +118,80 @@ fn a_link_under_a_slot_name_does_not_fail_the_waiters() {
         show(&out)
     );
     assert_eq!(std::fs::read_to_string(&elsewhere).unwrap(), "keep");
+}
+
+/// An acquirer that read the class (limit 2) from the database and, before
+/// it tries the slot files, sees the limit lowered to 1 and a slot beyond
+/// it come free, with the records already settled (nothing beyond the
+/// limit held when they were written): it must not run in that slot,
+/// beside a holder of the one slot the limit allows. gdb stops it between
+/// the two (at `Slots::new`), as a slow machine or a waiter on another
+/// host can.
+#[test]
+fn a_slot_taken_on_a_class_read_before_a_lowered_limit_is_let_go() {
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let h0 = env.hold_until(&["--slot", "pull"], "h0", "r0");
+    let h1 = env.hold_until(&["--slot", "pull"], "h1", "r1");
+    let one = env.root.join("locks/slots/pull/1.lock");
+    let at = env.sentinel("at-slots-new");
+    let ran = env.sentinel("ran");
+    let cmds = env.sentinel("gdb-cmds");
+    fs::write(
+        &cmds,
+        format!(
+            "set pagination off\n\
+             break stowage::acquire::slot::Slots::new\n\
+             run\n\
+             delete\n\
+             shell touch '{at}'; touch '{r1}'; i=0; while ! flock -n -x '{one}' true && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; \
+             '{bin}' --root '{root}' slots set pull 1\n\
+             continue\n",
+            at = at.display(),
+            r1 = env.sentinel("r1").display(),
+            one = one.display(),
+            bin = bin(),
+            root = env.root.display(),
+        ),
+    )
+    .unwrap();
+    let mut c = Command::new("gdb");
+    c.args(["-q", "-batch", "-x"])
+        .arg(&cmds)
+        .arg("--args")
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--slot", "pull", "--"])
+        .args(env.hold_cmd("ran", "r2"));
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    let gdb = Bg::from_command(c);
+    wait_for_file(&at);
+    let out = h1.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    // Either it runs (in the slot beyond the new limit) or it waits.
+    wait_until("the acquirer runs or waits", || {
+        ran.exists()
+            || env
+                .slot_entry("pull")
+                .is_some_and(|e| !e["waiters"].as_array().unwrap().is_empty())
+    });
+    assert!(
+        !ran.exists(),
+        "a second holder runs beside the one limit 1 allows"
+    );
+    env.release("r0");
+    let out = h0.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    wait_for_file(&ran);
+    env.release("r2");
+    let out = gdb.finish();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("exited normally"),
+        "{}",
+        show(&out)
+    );
 }
