@@ -195,3 +195,69 @@ fn a_slot_taken_on_a_class_read_before_a_lowered_limit_is_let_go() {
         show(&out)
     );
 }
+
+/// An sqlite3 shell put the database in WAL mode and keeps a read
+/// transaction open in it. A write cannot leave WAL then; it must fail
+/// before it changes anything — not commit, then fail leaving WAL and say
+/// the change failed (an exec that never ran its command leaving an
+/// `incomplete` image, a `slots set` reported failed that took effect).
+#[test]
+fn a_write_beside_an_outside_reader_of_a_wal_database_changes_nothing() {
+    if !tool_or_skip("sqlite3", "sqlite3") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let db = env.root.join("stowage.db");
+    let out = Command::new("sqlite3")
+        .arg(&db)
+        .arg("PRAGMA journal_mode=WAL;")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let reading = env.sentinel("reading");
+    let done = env.sentinel("done");
+    let reader = Bg::from_command({
+        let mut c = Command::new("sh");
+        c.arg("-c").arg(format!(
+            "{{ printf 'BEGIN;\\nSELECT count(*) FROM images;\\n.shell touch %s\\n' '{reading}'; \
+             i=0; while [ ! -e '{done}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; \
+             echo 'COMMIT;'; }} | sqlite3 '{db}'",
+            reading = reading.display(),
+            done = done.display(),
+            db = db.display()
+        ));
+        c
+    });
+    wait_for_file(&reading);
+    let ran = env.sentinel("ran");
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "touch",
+        ran.to_str().unwrap(),
+    ]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(!ran.exists(), "the command ran: {}", show(&out));
+    let out = env.run(["slots", "set", "pull", "2"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    env.release("done");
+    let out = reader.finish();
+    assert!(out.status.success(), "{}", show(&out));
+    assert!(env.image("app").is_none(), "a failed exec left image 'app'");
+    assert!(
+        env.slot_entry("pull").is_none() && !env.ok(["slots"]).stdout.starts_with(b"CLASS"),
+        "a failed slots set took effect: {}",
+        String::from_utf8_lossy(&env.ok(["slots"]).stdout)
+    );
+    // With the reader gone, the next command leaves WAL and works.
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    let mode = Command::new("sqlite3")
+        .arg(&db)
+        .arg("PRAGMA journal_mode;")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&mode.stdout).trim(), "delete");
+}
