@@ -468,9 +468,20 @@ impl<'c> Tx<'c> {
 
     /// Rolls back and hands back the global lock (to leave WAL mode, which
     /// no transaction may do, and begin again under the same lock).
+    /// One that SQLite already ended ([`Tx::ended`]) is only let go.
     pub fn rollback_keeping_global(self) -> Result<lock::Guard> {
-        self.tx.rollback()?;
-        Ok(self.global)
+        let Tx { tx, global } = self;
+        if !tx.is_autocommit() {
+            tx.rollback()?;
+        }
+        Ok(global)
+    }
+
+    /// Whether SQLite ended this transaction itself: some errors (a full
+    /// filesystem, SQLITE_FULL; an I/O error) roll the whole transaction
+    /// back, and the statements after them would each run on their own.
+    pub fn ended(&self) -> bool {
+        self.tx.is_autocommit()
     }
 
     /// Gives a database without an identity (a new one, a rebuilt one, one
@@ -479,8 +490,9 @@ impl<'c> Tx<'c> {
     /// costs no system call.
     pub fn settle_header(&mut self) -> Result<()> {
         if self.identity()? == 0 {
-            // Best effort: without one (a read-only store) no token is
-            // written or trusted, and reads take the database's way.
+            // Best effort: without one (a read-only or full store) no token
+            // is written or trusted, and reads take the database's way. A
+            // failure may have ended the transaction: see `store::begin_tx`.
             let _ = self.renew_identity();
         }
         Ok(())

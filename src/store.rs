@@ -497,7 +497,7 @@ fn connection<'c>(
 /// open; failing then, before any change, leaves nothing half done — a
 /// commit followed by that failure would report an error for a change
 /// that was made. An identity is given to a database without one
-/// ([`Tx::settle_header`]).
+/// ([`Tx::settle_header`]) where it can be written.
 fn begin_tx<'c>(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Result<Tx<'c>> {
     // One transaction at a time on this `&mut` borrow, shared below so
     // that it can begin again after the rollback.
@@ -511,6 +511,13 @@ fn begin_tx<'c>(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Resu
         tx = Tx::begin_on(conn, global)?;
     }
     tx.settle_header()?;
+    if tx.ended() {
+        // The identity could not be written (a full filesystem), and SQLite
+        // rolled the transaction back with it: begin again, without one,
+        // rather than run the caller's statements each on its own.
+        let global = tx.rollback_keeping_global()?;
+        tx = Tx::begin_on(conn, global)?;
+    }
     Ok(tx)
 }
 

@@ -261,3 +261,44 @@ fn a_write_beside_an_outside_reader_of_a_wal_database_changes_nothing() {
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&mode.stdout).trim(), "delete");
 }
+
+/// A database without an identity (made by an older release, or set back
+/// by hand) on a full filesystem: writing the identity fails, and SQLite
+/// rolls back the transaction it was written in. Every command must still
+/// read the store and remove an image, as before identities were given
+/// inside the transaction — not fail with "no transaction is active".
+#[test]
+fn a_database_without_identity_on_a_full_filesystem_is_still_read_and_emptied() {
+    if !tool_or_skip("sqlite3", "sqlite3") {
+        return;
+    }
+    let Some(fs_) = Mount::tmpfs("size=2m") else {
+        return;
+    };
+    let env = fs_.env();
+    env.make_image("a");
+    env.make_image("b");
+    let out = Command::new("sqlite3")
+        .arg(env.root.join("stowage.db"))
+        .arg("PRAGMA application_id=0;")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    // Fill the filesystem to the last byte.
+    {
+        use std::io::Write;
+        let mut f = fs::File::create(fs_.dir.join("fill")).unwrap();
+        let chunk = vec![0u8; 64 * 1024];
+        while f.write_all(&chunk).is_ok() {}
+        while f.write_all(&chunk[..512]).is_ok() {}
+        while f.write_all(&chunk[..1]).is_ok() {}
+    }
+    let out = env.run(["images"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let listed = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(listed.contains("a ") && listed.contains("b "), "{listed}");
+    let out = env.run(["rm", "a"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(env.image("a").is_none(), "'a' is still there");
+    assert!(env.image("b").is_some());
+}
