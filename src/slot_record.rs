@@ -63,6 +63,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use crate::dir::Dir;
 use crate::meta::SlotClass;
 use crate::record::{DbId, crc32};
 
@@ -217,10 +218,13 @@ pub fn read_any(
 /// into every file its configuration names (made if missing), or — `None`,
 /// or a database without identity — takes every record away. The caller
 /// holds the global lock, inside a transaction that read the class (see
-/// the module doc); it made the class directory if it writes records.
-/// Records are written over the whole area (never a longer one's tail
-/// left), not synced: see the module doc.
-pub fn write_all(dir: &Path, class: Option<&SlotClass>, db: Option<DbId>) -> io::Result<()> {
+/// the module doc), and opened the class directory from the root without
+/// following a link at any step: everything here is done relative to that
+/// descriptor, so a symlink planted for the directory (or a file) never
+/// makes stowage write outside the root. Records are written over the
+/// whole area (never a longer one's tail left), not synced: see the module
+/// doc.
+pub fn write_all(dir: &Dir, class: Option<&SlotClass>, db: Option<DbId>) -> io::Result<()> {
     if !enabled() {
         return Ok(());
     }
@@ -233,7 +237,7 @@ pub fn write_all(dir: &Path, class: Option<&SlotClass>, db: Option<DbId>) -> io:
             .chain((0..c.reserve_high).map(Kind::High))
         {
             // Made like any slot file an acquirer makes.
-            drop(crate::lock::open_or_create(&dir.join(kind.file_name()))?);
+            drop(dir.open_rw(kind.file_name(), true)?);
         }
         // Unsettled first, everywhere; only then is "no file beyond the
         // limits held" asked, and the records settled if so. Whoever
@@ -250,10 +254,49 @@ pub fn write_all(dir: &Path, class: Option<&SlotClass>, db: Option<DbId>) -> io:
     write_each(dir, None)
 }
 
+/// The slot files of `dir`: its regular files named `*.lock`, opened
+/// through its descriptor without following links; anything else planted
+/// under such a name (a link, a directory, a FIFO) is nobody's slot file.
+fn each_slot_file(
+    dir: &Dir,
+    mut f: impl FnMut(&str, &std::fs::File) -> io::Result<()>,
+) -> io::Result<()> {
+    for name in dir.names()? {
+        let Some(name) = name.to_str().filter(|n| n.ends_with(".lock")) else {
+            continue;
+        };
+        let file = match dir.open_rw(name, false) {
+            Ok(file) => file,
+            Err(e)
+                if e.kind() == io::ErrorKind::NotFound
+                    || matches!(
+                        e.raw_os_error(),
+                        Some(
+                            libc::ELOOP
+                                | libc::EISDIR
+                                | libc::ENXIO
+                                | libc::EACCES
+                                | libc::EPERM
+                                | libc::EROFS
+                                | libc::ETXTBSY
+                        )
+                    ) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        if file.metadata()?.is_file() {
+            f(name, &file)?;
+        }
+    }
+    Ok(())
+}
+
 /// Writes `record` over the record area of every slot file of `dir`, or
 /// (`None`) empties them.
-fn write_each(dir: &Path, record: Option<&[u8]>) -> io::Result<()> {
-    crate::record::each_lock_file(dir, |file| match record {
+fn write_each(dir: &Dir, record: Option<&[u8]>) -> io::Result<()> {
+    each_slot_file(dir, |_, file| match record {
         Some(bytes) => {
             let mut area = vec![0u8; MAX];
             area[..bytes.len()].copy_from_slice(bytes);
@@ -265,35 +308,27 @@ fn write_each(dir: &Path, record: Option<&[u8]>) -> io::Result<()> {
 
 /// Whether some slot file of `dir` beyond the limits of `class` is held
 /// right now (tried without waiting, as anything under the global lock).
-fn beyond_held(dir: &Path, class: &SlotClass) -> io::Result<bool> {
+/// Only regular files can be held slots (acquirers open slot files
+/// without following links).
+fn beyond_held(dir: &Dir, class: &SlotClass) -> io::Result<bool> {
     let limits = Limits {
         limit: class.limit,
         reserve: class.reserve_high,
     };
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e),
-    };
-    for e in entries {
-        let e = e?;
-        let Some(kind) = e.file_name().to_str().and_then(Kind::of) else {
-            continue;
-        };
-        // Only a regular file can be a held slot (acquirers open slot
-        // files without following links): anything else planted under a
-        // slot's name is nobody's slot, and must not stop the records.
-        if kind.within(limits) || !e.file_type()?.is_file() {
-            continue;
+    let mut held = false;
+    each_slot_file(dir, |name, file| {
+        if !held
+            && Kind::of(name).is_some_and(|k| !k.within(limits))
+            && matches!(
+                crate::lock::probe_open(file)?,
+                crate::lock::Probe::Shared | crate::lock::Probe::Exclusive
+            )
+        {
+            held = true;
         }
-        if matches!(
-            crate::lock::probe(&e.path())?,
-            crate::lock::Probe::Shared | crate::lock::Probe::Exclusive
-        ) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
+        Ok(())
+    })?;
+    Ok(held)
 }
 
 #[cfg(test)]

@@ -130,7 +130,20 @@ pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&Slo
     if db.is_some() && config.is_some_and(|c| c.limit > 0) && crate::root::make_dir(&dir).is_err() {
         return;
     }
-    let _ = crate::slot_record::write_all(&dir, config, db);
+    if let Ok(Some(d)) = class_dir(ctx, class) {
+        let _ = crate::slot_record::write_all(&d, config, db);
+    }
+}
+
+/// The class's directory, opened from the root's descriptor without
+/// following a link at any step (a planted one is an error); `None` if it
+/// does not exist.
+fn class_dir(ctx: &Ctx, class: &str) -> Result<Option<crate::dir::Dir>> {
+    let rel = crate::root::Root::slot_class_rel(class);
+    match std::fs::symlink_metadata(ctx.root.dir().join(&rel)) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        _ => ctx.root.open_sub(&rel).map(Some),
+    }
 }
 
 /// Takes every record of `class` away (slot_record.rs), inside the
@@ -143,7 +156,10 @@ pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&Slo
 /// database, and the first one writes them anew.
 pub(crate) fn take_records_away(ctx: &Ctx, class: &str) -> Result<()> {
     let dir = ctx.root.slot_class_dir(class);
-    crate::slot_record::write_all(&dir, None, None).map_err(|e| {
+    let Some(d) = class_dir(ctx, class)? else {
+        return Ok(());
+    };
+    crate::slot_record::write_all(&d, None, None).map_err(|e| {
         anyhow::Error::new(e).context(format!(
             "cannot take the records of slot class '{class}' out of its slot files in {}",
             dir.display()

@@ -302,3 +302,34 @@ fn a_database_without_identity_on_a_full_filesystem_is_still_read_and_emptied() 
     assert!(env.image("a").is_none(), "'a' is still there");
     assert!(env.image("b").is_some());
 }
+
+/// A class directory replaced by a link to a directory outside the root
+/// (a member of the store's group can do that): changing or removing the
+/// class must never write records into, or empty, files there.
+#[test]
+fn a_linked_class_directory_never_has_files_outside_the_root_written() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let victim = env.scratch.join("victim");
+    fs::create_dir(&victim).unwrap();
+    fs::write(victim.join("x.lock"), "precious").unwrap();
+    fs::write(victim.join("0.lock"), "precious").unwrap();
+    let dir = env.root.join("locks/slots/pull");
+    fs::remove_dir_all(&dir).unwrap();
+    std::os::unix::fs::symlink(&victim, &dir).unwrap();
+    for args in [
+        &["slots", "set", "pull", "0"][..],
+        &["slots", "set", "pull", "3"],
+        &["slots", "rm", "pull"],
+    ] {
+        let out = env.run(args);
+        for f in ["x.lock", "0.lock"] {
+            assert_eq!(
+                fs::read_to_string(victim.join(f)).unwrap(),
+                "precious",
+                "{f} outside the root was written by {args:?}: {}",
+                show(&out)
+            );
+        }
+    }
+}
