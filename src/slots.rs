@@ -120,18 +120,60 @@ pub fn notify_change(ctx: &Ctx, class: &str) {
 /// record wanting. Best effort: a record not written only sends acquirers
 /// to the database.
 pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&SlotClass>) {
-    let dir = ctx.root.slot_class_dir(class);
     let db = match config {
         Some(_) => tx.identity().ok().and_then(crate::record::DbId::from_id),
         None => None,
     };
     // A class with slots gets its directory (an unlimited one none: its
     // files, if any, are those of an earlier limit).
-    if db.is_some() && config.is_some_and(|c| c.limit > 0) && crate::root::make_dir(&dir).is_err() {
-        return;
-    }
-    if let Ok(Some(d)) = class_dir(ctx, class) {
+    let d = if db.is_some() && config.is_some_and(|c| c.limit > 0) {
+        make_class_dir(&ctx.root, class).ok()
+    } else {
+        class_dir(ctx, class).ok().flatten()
+    };
+    if let Some(d) = d {
         let _ = crate::slot_record::write_all(&d, config, db);
+    }
+}
+
+/// Makes (if missing) and opens the class's directory, every step from the
+/// root's descriptor without following a link: a link planted for
+/// `locks/slots` or the class directory is an error, never a directory
+/// made or a file created elsewhere.
+pub(crate) fn make_class_dir(root: &crate::root::Root, class: &str) -> Result<crate::dir::Dir> {
+    let locks = root.open_or_make_sub("locks")?;
+    let rel = crate::root::Root::slot_class_rel(class);
+    let mut d = locks;
+    let mut at = root.locks();
+    for part in rel.split('/').skip(1) {
+        at.push(part);
+        match d.sub(part) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match d.mkdir(part, 0o777) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(anyhow::Error::new(e)
+                        .context(format!("cannot create directory {}", at.display())));
+                }
+            },
+            Err(e) => return Err(refused(&at, e)),
+            Ok(_) => {}
+        }
+        d = d.sub(part).map_err(|e| refused(&at, e))?;
+    }
+    Ok(d)
+}
+
+/// The error for a directory on the way to a class's slot files that
+/// cannot be opened without following a link.
+fn refused(at: &Path, e: std::io::Error) -> anyhow::Error {
+    if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
+        anyhow::anyhow!(
+            "{} is a symlink or not a directory; refusing to use it",
+            at.display()
+        )
+    } else {
+        anyhow::Error::new(e).context(format!("cannot open {}", at.display()))
     }
 }
 

@@ -175,7 +175,7 @@ pub(crate) fn acquire_unrecorded(
         waiter: None,
         listed: None,
     };
-    let mut slots = Slots::new(&dir, &config, priority)?;
+    let mut slots = Slots::new(store.root(), &dir, &config, priority)?;
     // A change may come between the read of the class and the take: the
     // file taken then says so (its record), and the class is read again.
     // Twice at most here; the wait below goes on the same way.
@@ -191,7 +191,7 @@ pub(crate) fn acquire_unrecorded(
         if config.limit == 0 {
             return Ok(None);
         }
-        slots = Slots::new(&dir, &config, priority)?;
+        slots = Slots::new(store.root(), &dir, &config, priority)?;
     }
 
     // All busy. If one of them is held by our enclosing command (an exec
@@ -468,7 +468,7 @@ fn wait_for_slot(
                     "slot class '{class}' changed: limit {}, {} reserved for high priority",
                     now.limit, now.reserve_high
                 ));
-                slots = Slots::new(dir, &now, priority)?;
+                slots = Slots::new(store.root(), dir, &now, priority)?;
                 config = now;
             }
         }
@@ -523,27 +523,32 @@ struct Slots {
 }
 
 impl Slots {
-    fn new(dir: &Path, config: &SlotClass, priority: Priority) -> Result<Slots> {
+    fn new(
+        root: &crate::root::Root,
+        dir: &Path,
+        config: &SlotClass,
+        priority: Priority,
+    ) -> Result<Slots> {
         let files = candidates(dir, config, priority);
         let high = match priority {
             Priority::High => config.reserve_high as usize,
             Priority::Normal => 0,
         };
-        // The listing also makes the directory on first use. Only regular
+        // The class directory is made (or checked) step by step from the
+        // root without following a link: slot files are never created
+        // through a link planted for it or for `locks/slots`. Only regular
         // files can be slots held beyond the configuration: a link or
         // directory planted under a slot's name is nobody's slot, and
         // counting it (opened without following links) would fail every
         // acquirer of the class.
+        drop(crate::slots::make_class_dir(root, &config.name)?);
         let present: Vec<String> = match std::fs::read_dir(dir) {
             Ok(entries) => entries
                 .flatten()
                 .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
                 .filter_map(|e| e.file_name().to_str().map(str::to_owned))
                 .collect(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                crate::root::make_dir(dir)?;
-                Vec::new()
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => {
                 return Err(anyhow::Error::new(e)
                     .context(format!("cannot list slot files in {}", dir.display())));

@@ -333,3 +333,32 @@ fn a_linked_class_directory_never_has_files_outside_the_root_written() {
         }
     }
 }
+
+/// `locks/slots` replaced by a link to a directory outside the root: no
+/// class directory and no slot file is made there, by a change of a class
+/// or by an acquirer (which refuses, naming the link).
+#[test]
+fn a_linked_slots_directory_never_has_anything_made_outside_the_root() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let victim = env.scratch.join("victim");
+    fs::create_dir(&victim).unwrap();
+    let slots = env.root.join("locks/slots");
+    fs::rename(&slots, env.root.join("locks/slots.real")).unwrap();
+    std::os::unix::fs::symlink(&victim, &slots).unwrap();
+    let set = env.run(["slots", "set", "pull", "3"]);
+    let out = env.run(["exec", "--slot", "pull", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("refusing to use it"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(
+        walkdir(&victim).len(),
+        0,
+        "made outside the root: {:?}\n{}",
+        walkdir(&victim),
+        show(&set)
+    );
+}
