@@ -439,6 +439,11 @@ fn wait_for_slot(
     // The file taken disagreed with the configuration: read it again and
     // write the records anew from the database.
     let mut disagreed = false;
+    // Disagreements in a row with the database read just before: records
+    // that cannot be written anew must not make the wait spin (one
+    // transaction per turn); past a few, the database, read afresh each
+    // time, is what counts.
+    let mut in_a_row = 0u32;
     loop {
         if recheck {
             recheck = false;
@@ -473,15 +478,16 @@ fn wait_for_slot(
             }
         }
         match slots.try_take() {
-            Ok(Some(guard)) if agrees(&guard, &config, &store.root().db()) => {
+            Ok(Some(guard)) if in_a_row >= 3 || agrees(&guard, &config, &store.root().db()) => {
                 return Ok(Got::Slot(guard));
             }
             Ok(Some(_)) => {
+                in_a_row += 1;
                 disagreed = true;
                 recheck = true;
                 continue;
             }
-            Ok(None) => {}
+            Ok(None) => in_a_row = 0,
             // A file went with its class (`slots rm`): look again.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 recheck = true;
