@@ -362,3 +362,78 @@ fn a_linked_slots_directory_never_has_anything_made_outside_the_root() {
         show(&set)
     );
 }
+
+/// `slots set pull 1` (from 2) stopped right after it found no slot beyond
+/// the new limit held, before it writes the records settled: an acquirer
+/// that comes then, while `0.lock` is held, must not take `1.lock` on the
+/// records of the old limit — it would run beside the holder of `0.lock`
+/// with the records about to say "settled", so nobody would count it.
+#[test]
+fn a_slot_is_not_taken_between_the_settled_question_and_the_records() {
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let h0 = env.hold_until(&["--slot", "pull"], "h0", "r0");
+    let at = env.sentinel("asked");
+    let go = env.sentinel("go");
+    let cmds = env.sentinel("gdb-cmds");
+    fs::write(
+        &cmds,
+        format!(
+            "set pagination off\n\
+             break stowage::slot_record::beyond_held\n\
+             run\n\
+             delete\n\
+             finish\n\
+             shell touch '{at}'; i=0; while [ ! -e '{go}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n\
+             continue\n",
+            at = at.display(),
+            go = go.display(),
+        ),
+    )
+    .unwrap();
+    let mut c = Command::new("gdb");
+    c.args(["-q", "-batch", "-x"])
+        .arg(&cmds)
+        .arg("--args")
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["slots", "set", "pull", "1"]);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    let set = Bg::from_command(c);
+    wait_for_file(&at);
+    let ran = env.sentinel("ran");
+    let acquirer = env.spawn([
+        "exec",
+        "--slot",
+        "pull",
+        "--no-wait",
+        "--",
+        "touch",
+        ran.to_str().unwrap(),
+    ]);
+    // It runs at once, or waits for the global lock the change holds.
+    let global = env.root.join("locks/global.lock");
+    wait_until("the acquirer runs or waits for the global lock", || {
+        ran.exists() || flock_waited_on(&global)
+    });
+    assert!(
+        !ran.exists(),
+        "a second holder ran beside the one limit 1 allows"
+    );
+    fs::write(&go, "").unwrap();
+    let out = set.finish();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("exited normally"),
+        "{}",
+        show(&out)
+    );
+    let out = acquirer.finish();
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    env.release("r0");
+    let out = h0.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
