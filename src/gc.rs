@@ -359,6 +359,7 @@ fn collect(
         if dry_run {
             drop(g);
         } else {
+            crate::debug::pause("gc-rechecked");
             match remove::remove_locked(store, vec![(name.clone(), g)]) {
                 // Removed; a tree left in the trash is said, and retried
                 // by the next gc.
@@ -374,6 +375,17 @@ fn collect(
                     ) =>
                 {
                     report.busy.push(row.name.clone());
+                    return Ok(false);
+                }
+                // Gone since the recheck, though we hold its lock: a
+                // store-wide command that deleted its tree forgot it as it
+                // ended (it takes no image lock for that). Nothing to do.
+                Err(e)
+                    if matches!(
+                        e.downcast_ref::<crate::Error>(),
+                        Some(crate::Error::NoSuchImage(_))
+                    ) =>
+                {
                     return Ok(false);
                 }
                 // Undone (see remove.rs): say so, and go on with the others.

@@ -491,3 +491,43 @@ fn gc_leaves_an_interrupted_removal_to_after_a_store_wide_command() {
     env.ok(["gc"]);
     assert_eq!(env.state("a"), None);
 }
+
+#[test]
+fn gc_finds_an_image_a_store_wide_command_forgot_under_its_lock_gone_not_failed() {
+    // gc takes an image's lock during a store-wide command (it only tries
+    // locks), rechecks it, and is about to remove it when the command ends
+    // having deleted that image's tree: its end forgets the row without
+    // the image's lock. gc then finds nothing to remove — not a failure.
+    let env = Env::new();
+    env.make_image("a");
+    // Another tree, so that the images directory does not look unmounted
+    // once 'a' is gone (an empty one says nothing about the trees).
+    env.make_image("b");
+    let dir = env.root.join("img/a");
+    let mut args: Vec<String> = vec!["exec".into(), "--store-wide".into(), "--".into()];
+    let script = format!(
+        "touch '{}'; while [ ! -e '{}' ]; do sleep 0.01; done; rm -rf '{}'",
+        env.sentinel("wide").display(),
+        env.sentinel("wide-go").display(),
+        dir.display()
+    );
+    args.extend(["sh".into(), "-c".into(), script]);
+    let wide = env.spawn(&args);
+    wait_for_file(&env.sentinel("wide"));
+    let (gc, pause) = env.paused(
+        ["gc", "--unused-for", "0s", "--max-size", "0"],
+        "gc-rechecked",
+    );
+    fs::write(env.sentinel("wide-go"), "").unwrap();
+    let out = wide.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("a"), None, "the store-wide command forgot it");
+    // Let it go on, here and at the next image it pauses for.
+    let mut gc = gc;
+    wait_until("gc ends", || {
+        let _ = fs::remove_file(&pause);
+        !gc.is_running()
+    });
+    let out = gc.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
