@@ -335,6 +335,30 @@ impl Dir {
         Ok(())
     }
 
+    /// Opens `name` read-write (made if `create` and missing, mode 0666
+    /// before umask, as lock files are), never through a symlink, without
+    /// blocking on a FIFO planted under that name.
+    pub fn open_rw(&self, name: impl AsRef<OsStr>, create: bool) -> io::Result<std::fs::File> {
+        use std::os::fd::FromRawFd;
+        let c = cstr(name.as_ref())?;
+        let flags = libc::O_RDWR
+            | libc::O_NOFOLLOW
+            | libc::O_CLOEXEC
+            | libc::O_NONBLOCK
+            | if create { libc::O_CREAT } else { 0 };
+        // SAFETY: valid C string; the descriptor is owned by the File.
+        let fd = check(unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                flags,
+                0o666 as libc::c_uint,
+            )
+        })?;
+        // SAFETY: fd was just opened by us and is owned by nothing else.
+        Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+    }
+
     /// Unlinks a non-directory entry. A missing entry is not an error.
     pub fn unlink(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
         self.unlinkat(name.as_ref(), 0)

@@ -435,45 +435,64 @@ pub enum Schema {
 pub struct Tx<'c> {
     // Declared before the guard so that it ends first on drop.
     tx: rusqlite::Transaction<'c>,
-    conn: &'c rusqlite::Connection,
-    /// An outside program put the database in WAL mode: leave it once this
-    /// transaction has committed, still under the global lock.
-    leave_wal: bool,
     global: lock::Guard,
 }
 
 impl<'c> Tx<'c> {
     /// Begins a write transaction; `global` proves the global lock is held.
     pub fn begin(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Result<Tx<'c>> {
-        let conn: &'c rusqlite::Connection = conn;
-        // `&mut` above is what guarantees no other transaction is open on
-        // this connection, as `Connection::transaction` would.
-        let tx =
-            rusqlite::Transaction::new_unchecked(conn, rusqlite::TransactionBehavior::Immediate)?;
-        Ok(Tx {
-            tx,
-            conn,
-            leave_wal: false,
-            global,
-        })
+        // `&mut` is what guarantees no other transaction is open on this
+        // connection, as `Connection::transaction` would.
+        Self::begin_on(conn, global)
     }
 
-    /// Looks at what the database's header says, which SQLite has read at
-    /// the transaction's start: a database some outside
-    /// program (an sqlite3 shell) put in WAL mode goes back to the rollback
-    /// journal when this transaction commits (WAL's index lives in shared
-    /// memory that NFS cannot share); a database without an identity (a new
-    /// one, a rebuilt one, one made by an older release) gets one, which
-    /// ready tokens name (record.rs). Asked inside a transaction that has read
-    /// the header anyway, this costs no system call.
-    pub fn settle_header(&mut self) -> Result<()> {
+    /// [`Tx::begin`] on a connection the caller borrows mutably and on
+    /// which it has no other transaction open (so that it can begin again
+    /// after a rollback on the same borrow).
+    pub(crate) fn begin_on(conn: &'c rusqlite::Connection, global: lock::Guard) -> Result<Tx<'c>> {
+        let tx =
+            rusqlite::Transaction::new_unchecked(conn, rusqlite::TransactionBehavior::Immediate)?;
+        Ok(Tx { tx, global })
+    }
+
+    /// Whether the database is in WAL mode, as the header SQLite read at
+    /// the transaction's start says (no system call): only an outside
+    /// program (an sqlite3 shell) puts it there, and WAL's index lives in
+    /// shared memory that NFS cannot share.
+    pub fn in_wal(&self) -> Result<bool> {
         let mode: String = self
             .tx
             .pragma_query_value(None, "journal_mode", |r| r.get(0))?;
-        self.leave_wal = mode.eq_ignore_ascii_case("wal");
+        Ok(mode.eq_ignore_ascii_case("wal"))
+    }
+
+    /// Rolls back and hands back the global lock (to leave WAL mode, which
+    /// no transaction may do, and begin again under the same lock).
+    /// One that SQLite already ended ([`Tx::ended`]) is only let go.
+    pub fn rollback_keeping_global(self) -> Result<lock::Guard> {
+        let Tx { tx, global } = self;
+        if !tx.is_autocommit() {
+            tx.rollback()?;
+        }
+        Ok(global)
+    }
+
+    /// Whether SQLite ended this transaction itself: some errors (a full
+    /// filesystem, SQLITE_FULL; an I/O error) roll the whole transaction
+    /// back, and the statements after them would each run on their own.
+    pub fn ended(&self) -> bool {
+        self.tx.is_autocommit()
+    }
+
+    /// Gives a database without an identity (a new one, a rebuilt one, one
+    /// made by an older release) one, which ready tokens name (record.rs).
+    /// Asked inside a transaction that has read the header anyway, this
+    /// costs no system call.
+    pub fn settle_header(&mut self) -> Result<()> {
         if self.identity()? == 0 {
-            // Best effort: without one (a read-only store) no token is
-            // written or trusted, and reads take the database's way.
+            // Best effort: without one (a read-only or full store) no token
+            // is written or trusted, and reads take the database's way. A
+            // failure may have ended the transaction: see `store::begin_tx`.
             let _ = self.renew_identity();
         }
         Ok(())
@@ -487,9 +506,6 @@ impl<'c> Tx<'c> {
     /// the commit under the same lock (putting a rebuilt database in place).
     pub fn commit_keeping_global(self) -> Result<lock::Guard> {
         self.tx.commit()?;
-        if self.leave_wal {
-            leave_wal(self.conn)?;
-        }
         Ok(self.global)
     }
 

@@ -21,8 +21,11 @@
 //! - **A valid record says what the database says, or what it said a
 //!   moment ago.** Records are written (or taken away) only under the
 //!   global lock, inside a transaction that read the class: by `slots set`
-//!   after its change committed, by `slots rm` before it commits (taken
-//!   away), and by an acquirer that found a record wanting. They go to
+//!   after its change committed, and by an acquirer that found a record
+//!   wanting. Both `slots set` and `slots rm` take them away inside the
+//!   changing transaction, before it commits, or fail: a change that
+//!   dies or fails before its new records are written leaves none, never
+//!   the old configuration valid beside the new one. They go to
 //!   every slot file of the class present then (and to every file the
 //!   configuration names, which they create), so a file beyond a lowered
 //!   limit never keeps the higher one. An acquirer that read the record
@@ -44,7 +47,15 @@
 //!   acquirer to the database, whose way counts such holders, and the
 //!   first acquirer to find them all gone writes the records settled.
 //!   Nobody takes a file beyond the limits for a command: one taken on a
-//!   stale read is let go once its own record is read.
+//!   stale read is let go once its own record is read. The records are
+//!   written unsettled everywhere *before* that question is asked, and
+//!   settled after: a file taken after the question carries the new
+//!   limits, and an acquirer that read the class from the database before
+//!   the change (and so took a file the change put beyond its limits)
+//!   finds them there, lets the file go and reads the class again (a
+//!   record settled or not, of this database, that states other limits
+//!   than the ones it went by); one that took it before the question is
+//!   what the question finds.
 //! - Records carry no hint and no durability: a record lost in a crash or
 //!   torn by a power loss only sends the next acquirer to the database.
 
@@ -52,6 +63,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use crate::dir::Dir;
 use crate::meta::SlotClass;
 use crate::record::{DbId, crc32};
 
@@ -124,6 +136,14 @@ fn encode(class: &SlotClass, settled: bool, db: DbId) -> Vec<u8> {
 
 /// Parses a record of `class`: `Some` only for a valid, settled one.
 fn decode(bytes: &[u8], class: &str) -> Option<(Limits, DbId)> {
+    match decode_any(bytes, class)? {
+        (limits, true, db) => Some((limits, db)),
+        _ => None,
+    }
+}
+
+/// Parses a valid record of `class`, settled or not.
+fn decode_any(bytes: &[u8], class: &str) -> Option<(Limits, bool, DbId)> {
     let text = match std::str::from_utf8(bytes) {
         Ok(t) => t,
         Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).ok()?,
@@ -141,14 +161,16 @@ fn decode(bytes: &[u8], class: &str) -> Option<(Limits, DbId)> {
     }
     let limit = field("limit")?.parse().ok()?;
     let reserve = field("reserve")?.parse().ok()?;
-    if field("settled")? != "1" {
-        return None;
-    }
+    let settled = match field("settled")? {
+        "1" => true,
+        "0" => false,
+        _ => return None,
+    };
     let db = DbId(u32::from_str_radix(field("db")?, 16).ok()?);
     if lines.next().is_some() {
         return None;
     }
-    Some((Limits { limit, reserve }, db))
+    Some((Limits { limit, reserve }, settled, db))
 }
 
 /// Reads the record of a slot file of `class` (one `pread`): the limits
@@ -171,36 +193,110 @@ pub fn read(
         .then_some(limits)
 }
 
+/// The limits a slot file's record states, settled or not, if it is a
+/// valid record of `class` derived from the database now at `db_path`:
+/// what an acquirer that read the class from the database checks the file
+/// it took against (a change may have come between its read and its take).
+pub fn read_any(
+    file: &std::fs::File,
+    class: &str,
+    db_path: &Path,
+    db: &std::cell::OnceCell<Option<DbId>>,
+) -> Option<Limits> {
+    if !enabled() {
+        return None;
+    }
+    let mut buf = vec![0u8; MAX];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    let (limits, _, id) = decode_any(&buf[..n], class)?;
+    db.get_or_init(|| DbId::of(db_path))
+        .is_some_and(|now| now == id)
+        .then_some(limits)
+}
+
 /// Writes the record of `class` into every slot file of its directory and
 /// into every file its configuration names (made if missing), or — `None`,
 /// or a database without identity — takes every record away. The caller
 /// holds the global lock, inside a transaction that read the class (see
-/// the module doc); it made the class directory if it writes records.
-/// Records are written over the whole area (never a longer one's tail
-/// left), not synced: see the module doc.
-pub fn write_all(dir: &Path, class: Option<&SlotClass>, db: Option<DbId>) -> io::Result<()> {
+/// the module doc), and opened the class directory from the root without
+/// following a link at any step: everything here is done relative to that
+/// descriptor, so a symlink planted for the directory (or a file) never
+/// makes stowage write outside the root. Records are written over the
+/// whole area (never a longer one's tail left), not synced: see the module
+/// doc.
+pub fn write_all(dir: &Dir, class: Option<&SlotClass>, db: Option<DbId>) -> io::Result<()> {
     if !enabled() {
         return Ok(());
     }
-    let record = match (class, db) {
-        (Some(c), Some(db)) => {
-            // An unlimited class gets no file (nothing is ever locked):
-            // its acquirers ask the database, unless files of an earlier
-            // limit carry its record.
-            for kind in (0..c.limit)
-                .map(Kind::Normal)
-                .chain((0..c.reserve_high).map(Kind::High))
-            {
-                // Made like any slot file an acquirer makes.
-                drop(crate::lock::open_or_create(&dir.join(kind.file_name()))?);
-            }
-            // Unlimited: nobody is counted, so nothing is left to settle.
-            let settled = c.limit == 0 || !beyond_held(dir, c)?;
-            Some(encode(c, settled, db))
+    if let (Some(c), Some(db)) = (class, db) {
+        // An unlimited class gets no file (nothing is ever locked):
+        // its acquirers ask the database, unless files of an earlier
+        // limit carry its record.
+        for kind in (0..c.limit)
+            .map(Kind::Normal)
+            .chain((0..c.reserve_high).map(Kind::High))
+        {
+            // Made like any slot file an acquirer makes.
+            drop(dir.open_rw(kind.file_name(), true)?);
         }
-        _ => None,
-    };
-    crate::record::each_lock_file(dir, |file| match &record {
+        // Unsettled first, everywhere; only then is "no file beyond the
+        // limits held" asked, and the records settled if so. Whoever
+        // takes a file beyond the limits after that question reads
+        // this configuration in it and lets the file go (slot.rs); one
+        // who took it before is what the question finds.
+        write_each(dir, Some(&encode(c, false, db)))?;
+        // Unlimited: nobody is counted, so nothing is left to settle.
+        if c.limit == 0 || !beyond_held(dir, c)? {
+            write_each(dir, Some(&encode(c, true, db)))?;
+        }
+        return Ok(());
+    }
+    write_each(dir, None)
+}
+
+/// The slot files of `dir`: its regular files named `*.lock`, opened
+/// through its descriptor without following links; anything else planted
+/// under such a name (a link, a directory, a FIFO) is nobody's slot file.
+fn each_slot_file(
+    dir: &Dir,
+    mut f: impl FnMut(&str, &std::fs::File) -> io::Result<()>,
+) -> io::Result<()> {
+    for name in dir.names()? {
+        let Some(name) = name.to_str().filter(|n| n.ends_with(".lock")) else {
+            continue;
+        };
+        let file = match dir.open_rw(name, false) {
+            Ok(file) => file,
+            Err(e)
+                if e.kind() == io::ErrorKind::NotFound
+                    || matches!(
+                        e.raw_os_error(),
+                        Some(
+                            libc::ELOOP
+                                | libc::EISDIR
+                                | libc::ENXIO
+                                | libc::EACCES
+                                | libc::EPERM
+                                | libc::EROFS
+                                | libc::ETXTBSY
+                        )
+                    ) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        if file.metadata()?.is_file() {
+            f(name, &file)?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes `record` over the record area of every slot file of `dir`, or
+/// (`None`) empties them.
+fn write_each(dir: &Dir, record: Option<&[u8]>) -> io::Result<()> {
+    each_slot_file(dir, |_, file| match record {
         Some(bytes) => {
             let mut area = vec![0u8; MAX];
             area[..bytes.len()].copy_from_slice(bytes);
@@ -212,32 +308,27 @@ pub fn write_all(dir: &Path, class: Option<&SlotClass>, db: Option<DbId>) -> io:
 
 /// Whether some slot file of `dir` beyond the limits of `class` is held
 /// right now (tried without waiting, as anything under the global lock).
-fn beyond_held(dir: &Path, class: &SlotClass) -> io::Result<bool> {
+/// Only regular files can be held slots (acquirers open slot files
+/// without following links).
+fn beyond_held(dir: &Dir, class: &SlotClass) -> io::Result<bool> {
     let limits = Limits {
         limit: class.limit,
         reserve: class.reserve_high,
     };
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e),
-    };
-    for e in entries {
-        let e = e?;
-        let Some(kind) = e.file_name().to_str().and_then(Kind::of) else {
-            continue;
-        };
-        if kind.within(limits) {
-            continue;
+    let mut held = false;
+    each_slot_file(dir, |name, file| {
+        if !held
+            && Kind::of(name).is_some_and(|k| !k.within(limits))
+            && matches!(
+                crate::lock::probe_open(file)?,
+                crate::lock::Probe::Shared | crate::lock::Probe::Exclusive
+            )
+        {
+            held = true;
         }
-        if matches!(
-            crate::lock::probe(&e.path())?,
-            crate::lock::Probe::Shared | crate::lock::Probe::Exclusive
-        ) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
+        Ok(())
+    })?;
+    Ok(held)
 }
 
 #[cfg(test)]
@@ -271,6 +362,18 @@ mod tests {
         assert_eq!(
             decode(&encode(&class(4, 1), false, db), "load/podman"),
             None
+        );
+        // An unsettled one still states its limits, for the database's way.
+        assert_eq!(
+            decode_any(&encode(&class(4, 1), false, db), "load/podman"),
+            Some((
+                Limits {
+                    limit: 4,
+                    reserve: 1
+                },
+                false,
+                db
+            ))
         );
         for i in 0..bytes.len() {
             let mut b = bytes.clone();

@@ -120,17 +120,93 @@ pub fn notify_change(ctx: &Ctx, class: &str) {
 /// record wanting. Best effort: a record not written only sends acquirers
 /// to the database.
 pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&SlotClass>) {
-    let dir = ctx.root.slot_class_dir(class);
     let db = match config {
         Some(_) => tx.identity().ok().and_then(crate::record::DbId::from_id),
         None => None,
     };
     // A class with slots gets its directory (an unlimited one none: its
     // files, if any, are those of an earlier limit).
-    if db.is_some() && config.is_some_and(|c| c.limit > 0) && crate::root::make_dir(&dir).is_err() {
-        return;
+    let d = if db.is_some() && config.is_some_and(|c| c.limit > 0) {
+        make_class_dir(&ctx.root, class).ok()
+    } else {
+        class_dir(ctx, class).ok().flatten()
+    };
+    if let Some(d) = d {
+        let _ = crate::slot_record::write_all(&d, config, db);
     }
-    let _ = crate::slot_record::write_all(&dir, config, db);
+}
+
+/// Makes (if missing) and opens the class's directory, every step from the
+/// root's descriptor without following a link: a link planted for
+/// `locks/slots` or the class directory is an error, never a directory
+/// made or a file created elsewhere.
+pub(crate) fn make_class_dir(root: &crate::root::Root, class: &str) -> Result<crate::dir::Dir> {
+    let locks = root.open_or_make_sub("locks")?;
+    let rel = crate::root::Root::slot_class_rel(class);
+    let mut d = locks;
+    let mut at = root.locks();
+    for part in rel.split('/').skip(1) {
+        at.push(part);
+        match d.sub(part) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match d.mkdir(part, 0o777) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(anyhow::Error::new(e)
+                        .context(format!("cannot create directory {}", at.display())));
+                }
+            },
+            Err(e) => return Err(refused(&at, e)),
+            Ok(_) => {}
+        }
+        d = d.sub(part).map_err(|e| refused(&at, e))?;
+    }
+    Ok(d)
+}
+
+/// The error for a directory on the way to a class's slot files that
+/// cannot be opened without following a link.
+fn refused(at: &Path, e: std::io::Error) -> anyhow::Error {
+    if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
+        anyhow::anyhow!(
+            "{} is a symlink or not a directory; refusing to use it",
+            at.display()
+        )
+    } else {
+        anyhow::Error::new(e).context(format!("cannot open {}", at.display()))
+    }
+}
+
+/// The class's directory, opened from the root's descriptor without
+/// following a link at any step (a planted one is an error); `None` if it
+/// does not exist.
+fn class_dir(ctx: &Ctx, class: &str) -> Result<Option<crate::dir::Dir>> {
+    let rel = crate::root::Root::slot_class_rel(class);
+    match std::fs::symlink_metadata(ctx.root.dir().join(&rel)) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        _ => ctx.root.open_sub(&rel).map(Some),
+    }
+}
+
+/// Takes every record of `class` away (slot_record.rs), inside the
+/// transaction that is about to change or remove the class, before it
+/// commits. Not best effort: a record left would go on saying the old
+/// configuration, valid and settled, to every acquirer — for good if the
+/// change's process dies before the records that follow it are written —
+/// so a record that cannot be taken away fails the change instead. Once
+/// they are gone, whatever happens to the process, acquirers go to the
+/// database, and the first one writes them anew.
+pub(crate) fn take_records_away(ctx: &Ctx, class: &str) -> Result<()> {
+    let dir = ctx.root.slot_class_dir(class);
+    let Some(d) = class_dir(ctx, class)? else {
+        return Ok(());
+    };
+    crate::slot_record::write_all(&d, None, None).map_err(|e| {
+        anyhow::Error::new(e).context(format!(
+            "cannot take the records of slot class '{class}' out of its slot files in {}",
+            dir.display()
+        ))
+    })
 }
 
 /// The configuration of a class; an unknown class is a usage error that
@@ -157,7 +233,7 @@ pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
         lookup(tx, class)?;
         // Its records go first: no acquirer takes a slot on them once the
         // removal has committed.
-        write_records(tx, ctx, class, None);
+        take_records_away(ctx, class)?;
         tx.delete_slot_class(class)?;
         Ok(())
     })?;

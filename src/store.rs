@@ -487,13 +487,37 @@ fn connection<'c>(
     Ok(conn.as_mut().expect("opened above"))
 }
 
-/// Begins a transaction and settles what the header says (WAL left,
-/// identity given: [`Tx::settle_header`]) — in every transaction, since
-/// the first one of a connection may be rolled back (a schema to migrate)
-/// and the header may change under a long-lived connection.
+/// Begins a transaction and settles what the header says — in every
+/// transaction, since the first one of a connection may be rolled back (a
+/// schema to migrate) and the header may change under a long-lived
+/// connection. A database an outside program put in WAL mode goes back to
+/// the rollback journal *before* anything is done in it: the transaction
+/// is rolled back, WAL left (still under the global lock), and a new one
+/// begun. Leaving WAL fails while that program still has the database
+/// open; failing then, before any change, leaves nothing half done — a
+/// commit followed by that failure would report an error for a change
+/// that was made. An identity is given to a database without one
+/// ([`Tx::settle_header`]) where it can be written.
 fn begin_tx<'c>(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Result<Tx<'c>> {
-    let mut tx = Tx::begin(conn, global)?;
+    // One transaction at a time on this `&mut` borrow, shared below so
+    // that it can begin again after the rollback.
+    let conn: &'c rusqlite::Connection = conn;
+    let mut tx = Tx::begin_on(conn, global)?;
+    if tx.in_wal()? {
+        let global = tx.rollback_keeping_global()?;
+        let db = conn.path().unwrap_or("the metadata database").to_owned();
+        meta::leave_wal(conn)
+            .with_context(|| format!("cannot switch {db} from WAL to a rollback journal"))?;
+        tx = Tx::begin_on(conn, global)?;
+    }
     tx.settle_header()?;
+    if tx.ended() {
+        // The identity could not be written (a full filesystem), and SQLite
+        // rolled the transaction back with it: begin again, without one,
+        // rather than run the caller's statements each on its own.
+        let global = tx.rollback_keeping_global()?;
+        tx = Tx::begin_on(conn, global)?;
+    }
     Ok(tx)
 }
 

@@ -156,7 +156,7 @@ pub(crate) fn acquire_unrecorded(
         Fast::Busy => false,
         Fast::Wanting => true,
     };
-    let config = store.with_tx(deadline, |tx, ctx| {
+    let mut config = store.with_tx(deadline, |tx, ctx| {
         let config = lookup(tx, class)?;
         if wanting {
             crate::slots::write_records(tx, ctx, class, Some(&config));
@@ -175,9 +175,23 @@ pub(crate) fn acquire_unrecorded(
         waiter: None,
         listed: None,
     };
-    let mut slots = Slots::new(&dir, &config, priority)?;
-    if let Some(guard) = slots.try_take().map_err(err)? {
-        return Ok(Some(slot(guard)));
+    let mut slots = Slots::new(store.root(), &dir, &config, priority)?;
+    // A change may come between the read of the class and the take: the
+    // file taken then says so (its record), and the class is read again.
+    // Twice at most here; the wait below goes on the same way.
+    for _ in 0..2 {
+        let Some(guard) = slots.try_take().map_err(err)? else {
+            break;
+        };
+        if agrees(&guard, &config, &store.root().db()) {
+            return Ok(Some(slot(guard)));
+        }
+        drop(guard);
+        config = reread(store, class, deadline)?;
+        if config.limit == 0 {
+            return Ok(None);
+        }
+        slots = Slots::new(store.root(), &dir, &config, priority)?;
     }
 
     // All busy. If one of them is held by our enclosing command (an exec
@@ -248,6 +262,38 @@ pub(crate) fn acquire_unrecorded(
             Err(e)
         }
     }
+}
+
+/// Whether a slot taken the database's way, under `config` as read from
+/// the database, may be kept: not if the file's own record (settled or
+/// not) states other limits. A change that committed after the read has
+/// written them, and may have found no file beyond its limits held just
+/// before this take — so this holder would count nowhere (slot_record.rs).
+/// A file without a valid record of this database says nothing.
+fn agrees(guard: &Guard, config: &SlotClass, db_path: &Path) -> bool {
+    // The identity is looked up anew: a wait can outlast a `doctor
+    // --repair` that renews it.
+    let db = std::cell::OnceCell::new();
+    crate::slot_record::read_any(guard.file(), &config.name, db_path, &db)
+        .is_none_or(|l| l.limit == config.limit && l.reserve == config.reserve_high)
+}
+
+/// Reads the class again after a slot file disagreed with it, and writes
+/// its records anew from what the database says (so that records left
+/// wrong cannot make every take disagree). A removed class is a usage
+/// error, as for a waiter.
+fn reread(store: &mut Store, class: &str, deadline: Option<Instant>) -> Result<SlotClass> {
+    let now = store.with_tx(deadline, |tx, ctx| {
+        let now = tx.slot_class(class)?;
+        crate::slots::write_records(tx, ctx, class, now.as_ref());
+        Ok(now)
+    })?;
+    now.ok_or_else(|| {
+        Error::Usage(format!(
+            "slot class '{class}' was removed while waiting for it"
+        ))
+        .into()
+    })
 }
 
 /// What taking a slot on the slot files' records came to.
@@ -390,11 +436,26 @@ fn wait_for_slot(
     };
     let mut recheck_at = Instant::now() + every;
     let mut recheck = false;
+    // The file taken disagreed with the configuration: read it again and
+    // write the records anew from the database.
+    let mut disagreed = false;
+    // Disagreements in a row with the database read just before: records
+    // that cannot be written anew must not make the wait spin (one
+    // transaction per turn); past a few, the database, read afresh each
+    // time, is what counts.
+    let mut in_a_row = 0u32;
     loop {
         if recheck {
             recheck = false;
             recheck_at = Instant::now() + every;
-            let now = store.with_tx(deadline, |tx, _| tx.slot_class(class))?;
+            let rewrite = std::mem::take(&mut disagreed);
+            let now = store.with_tx(deadline, |tx, ctx| {
+                let now = tx.slot_class(class)?;
+                if rewrite {
+                    crate::slots::write_records(tx, ctx, class, now.as_ref());
+                }
+                Ok(now)
+            })?;
             let Some(now) = now else {
                 return Err(Error::Usage(format!(
                     "slot class '{class}' was removed while waiting for it"
@@ -412,13 +473,21 @@ fn wait_for_slot(
                     "slot class '{class}' changed: limit {}, {} reserved for high priority",
                     now.limit, now.reserve_high
                 ));
-                slots = Slots::new(dir, &now, priority)?;
+                slots = Slots::new(store.root(), dir, &now, priority)?;
                 config = now;
             }
         }
         match slots.try_take() {
-            Ok(Some(guard)) => return Ok(Got::Slot(guard)),
-            Ok(None) => {}
+            Ok(Some(guard)) if in_a_row >= 3 || agrees(&guard, &config, &store.root().db()) => {
+                return Ok(Got::Slot(guard));
+            }
+            Ok(Some(_)) => {
+                in_a_row += 1;
+                disagreed = true;
+                recheck = true;
+                continue;
+            }
+            Ok(None) => in_a_row = 0,
             // A file went with its class (`slots rm`): look again.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 recheck = true;
@@ -460,22 +529,32 @@ struct Slots {
 }
 
 impl Slots {
-    fn new(dir: &Path, config: &SlotClass, priority: Priority) -> Result<Slots> {
+    fn new(
+        root: &crate::root::Root,
+        dir: &Path,
+        config: &SlotClass,
+        priority: Priority,
+    ) -> Result<Slots> {
         let files = candidates(dir, config, priority);
         let high = match priority {
             Priority::High => config.reserve_high as usize,
             Priority::Normal => 0,
         };
-        // The listing also makes the directory on first use.
+        // The class directory is made (or checked) step by step from the
+        // root without following a link: slot files are never created
+        // through a link planted for it or for `locks/slots`. Only regular
+        // files can be slots held beyond the configuration: a link or
+        // directory planted under a slot's name is nobody's slot, and
+        // counting it (opened without following links) would fail every
+        // acquirer of the class.
+        drop(crate::slots::make_class_dir(root, &config.name)?);
         let present: Vec<String> = match std::fs::read_dir(dir) {
             Ok(entries) => entries
                 .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
                 .filter_map(|e| e.file_name().to_str().map(str::to_owned))
                 .collect(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                crate::root::make_dir(dir)?;
-                Vec::new()
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => {
                 return Err(anyhow::Error::new(e)
                     .context(format!("cannot list slot files in {}", dir.display())));

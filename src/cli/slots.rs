@@ -78,9 +78,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 limit,
                 reserve_high,
             };
-            store.with_tx(None, |tx, _| tx.set_slot_class(&c))?;
-            // The slot files' records follow once it has committed (an
-            // acquirer takes its slot on them: slot_record.rs).
+            // The old records go before the change commits, the new ones
+            // follow once it has (an acquirer takes its slot on them:
+            // slot_record.rs). Killed or failing in between, this leaves no
+            // record, never the old limit standing beside the new one.
+            store.with_tx(None, |tx, ctx| {
+                slots::take_records_away(ctx, &class)?;
+                tx.set_slot_class(&c)
+            })?;
             store.with_tx(None, |tx, ctx| {
                 let now = tx.slot_class(&class)?;
                 slots::write_records(tx, ctx, &class, now.as_ref());

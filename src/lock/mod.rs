@@ -238,12 +238,6 @@ pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     }
 }
 
-/// Opens a lock file without locking it, making it if missing (a slot
-/// file given its record before anyone took it).
-pub fn open_or_create(path: &Path) -> io::Result<File> {
-    open(path, IfMissing::Create)
-}
-
 /// Opens a lock file: read-write, close-on-exec, never through a symlink.
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     OpenOptions::new()
@@ -616,6 +610,19 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
     // We hold it shared; converting to exclusive succeeds only if nobody else
     // holds it. A failed conversion leaves us without a lock, which is fine.
     Ok(if flock_try(&file, Mode::Exclusive)? {
+        Probe::Free
+    } else {
+        Probe::Shared
+    })
+}
+
+/// [`probe`] of a lock file already open (one opened through its
+/// directory's descriptor).
+pub fn probe_open(file: &File) -> io::Result<Probe> {
+    if !flock_try(file, Mode::Shared)? {
+        return Ok(Probe::Exclusive);
+    }
+    Ok(if flock_try(file, Mode::Exclusive)? {
         Probe::Free
     } else {
         Probe::Shared
