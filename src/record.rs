@@ -423,26 +423,30 @@ pub(crate) fn open_lock_file(path: &Path) -> io::Result<Option<std::fs::File>> {
         .open(path)
     {
         Ok(f) => f,
-        Err(e)
-            if e.kind() == io::ErrorKind::NotFound
-                || matches!(
-                    e.raw_os_error(),
-                    Some(
-                        libc::ELOOP
-                            | libc::EISDIR
-                            | libc::ENXIO
-                            | libc::EACCES
-                            | libc::EPERM
-                            | libc::EROFS
-                            | libc::ETXTBSY
-                    )
-                ) =>
-        {
-            return Ok(None);
-        }
+        Err(e) if no_lock_file_there(&e) => return Ok(None),
         Err(e) => return Err(e),
     };
     Ok(file.metadata()?.is_file().then_some(file))
+}
+
+/// Whether an open of a would-be lock file for reading and writing failed
+/// because there is no lock file a locker could use there (missing, a
+/// link, a directory, a socket or FIFO, not writable) — not an error of
+/// the filesystem (EIO, ESTALE), which the caller cannot vouch past.
+pub(crate) fn no_lock_file_there(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotFound
+        || matches!(
+            e.raw_os_error(),
+            Some(
+                libc::ELOOP
+                    | libc::EISDIR
+                    | libc::ENXIO
+                    | libc::EACCES
+                    | libc::EPERM
+                    | libc::EROFS
+                    | libc::ETXTBSY
+            )
+        )
 }
 
 /// [`invalidate`] through the path of an image's lock file, for a caller

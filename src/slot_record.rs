@@ -135,6 +135,7 @@ fn encode(class: &SlotClass, settled: bool, db: DbId) -> Vec<u8> {
 }
 
 /// Parses a record of `class`: `Some` only for a valid, settled one.
+#[cfg(test)]
 fn decode(bytes: &[u8], class: &str) -> Option<(Limits, DbId)> {
     match decode_any(bytes, class)? {
         (limits, true, db) => Some((limits, db)),
@@ -182,15 +183,7 @@ pub fn read(
     db_path: &Path,
     db: &std::cell::OnceCell<Option<DbId>>,
 ) -> Option<Limits> {
-    if !enabled() {
-        return None;
-    }
-    let mut buf = vec![0u8; MAX];
-    let n = file.read_at(&mut buf, 0).ok()?;
-    let (limits, id) = decode(&buf[..n], class)?;
-    db.get_or_init(|| DbId::of(db_path))
-        .is_some_and(|now| now == id)
-        .then_some(limits)
+    read_settled(file, class, db_path, db).and_then(|(limits, settled)| settled.then_some(limits))
 }
 
 /// The limits a slot file's record states, settled or not, if it is a
@@ -203,15 +196,27 @@ pub fn read_any(
     db_path: &Path,
     db: &std::cell::OnceCell<Option<DbId>>,
 ) -> Option<Limits> {
+    read_settled(file, class, db_path, db).map(|(limits, _)| limits)
+}
+
+/// One `pread` of a slot file's record: its limits and whether they are
+/// settled, if it is a valid record of `class` derived from the database
+/// now at `db_path`.
+fn read_settled(
+    file: &std::fs::File,
+    class: &str,
+    db_path: &Path,
+    db: &std::cell::OnceCell<Option<DbId>>,
+) -> Option<(Limits, bool)> {
     if !enabled() {
         return None;
     }
     let mut buf = vec![0u8; MAX];
     let n = file.read_at(&mut buf, 0).ok()?;
-    let (limits, _, id) = decode_any(&buf[..n], class)?;
+    let (limits, settled, id) = decode_any(&buf[..n], class)?;
     db.get_or_init(|| DbId::of(db_path))
         .is_some_and(|now| now == id)
-        .then_some(limits)
+        .then_some((limits, settled))
 }
 
 /// Writes the record of `class` into every slot file of its directory and
@@ -267,23 +272,7 @@ fn each_slot_file(
         };
         let file = match dir.open_rw(name, false) {
             Ok(file) => file,
-            Err(e)
-                if e.kind() == io::ErrorKind::NotFound
-                    || matches!(
-                        e.raw_os_error(),
-                        Some(
-                            libc::ELOOP
-                                | libc::EISDIR
-                                | libc::ENXIO
-                                | libc::EACCES
-                                | libc::EPERM
-                                | libc::EROFS
-                                | libc::ETXTBSY
-                        )
-                    ) =>
-            {
-                continue;
-            }
+            Err(e) if crate::record::no_lock_file_there(&e) => continue,
             Err(e) => return Err(e),
         };
         if file.metadata()?.is_file() {
