@@ -227,8 +227,10 @@ fn encode(t: &Token) -> Option<Vec<u8>> {
     (body.len() <= MAX).then(|| body.into_bytes())
 }
 
-/// Parses a token: `Some` only for a valid, current, `ready` one.
-fn decode(bytes: &[u8]) -> Option<Token> {
+/// The lines of a record after its format line `format`, if its CRC (of
+/// everything before the `crc=` line) holds; what follows that line
+/// (hints, zeros) is ignored. Shared by image and slot records.
+pub(crate) fn checked_body<'a>(bytes: &'a [u8], format: &str) -> Option<&'a str> {
     let text = match std::str::from_utf8(bytes) {
         Ok(t) => t,
         // Bytes after the crc line (hints, zeros) need not be text.
@@ -240,7 +242,12 @@ fn decode(bytes: &[u8]) -> Option<Token> {
     if crc != format!("{:08x}", crc32(body.as_bytes())) {
         return None;
     }
-    let mut lines = body.strip_prefix(FORMAT)?.lines();
+    body.strip_prefix(format)
+}
+
+/// Parses a token: `Some` only for a valid, current, `ready` one.
+fn decode(bytes: &[u8]) -> Option<Token> {
+    let mut lines = checked_body(bytes, FORMAT)?.lines();
     let mut field = |key: &str| lines.next()?.strip_prefix(key)?.strip_prefix('=');
     if field("state")? != "ready" {
         return None;

@@ -145,17 +145,7 @@ fn decode(bytes: &[u8], class: &str) -> Option<(Limits, DbId)> {
 
 /// Parses a valid record of `class`, settled or not.
 fn decode_any(bytes: &[u8], class: &str) -> Option<(Limits, bool, DbId)> {
-    let text = match std::str::from_utf8(bytes) {
-        Ok(t) => t,
-        Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).ok()?,
-    };
-    let body_len = text.find("\ncrc=")? + 1;
-    let (body, rest) = text.split_at(body_len);
-    let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
-    if crc != format!("{:08x}", crc32(body.as_bytes())) {
-        return None;
-    }
-    let mut lines = body.strip_prefix(FORMAT)?.lines();
+    let mut lines = crate::record::checked_body(bytes, FORMAT)?.lines();
     let mut field = |key: &str| lines.next()?.strip_prefix(key)?.strip_prefix('=');
     if field("class")? != class {
         return None;
