@@ -587,10 +587,11 @@ pub struct ClassReport {
 pub fn class_report(tx: &Tx, ctx: &Ctx, kv: &KernelView, class: &SlotClass) -> Result<ClassReport> {
     let dir = ctx.root.slot_class_dir(&class.name);
     let records = tx.records_for(LockKind::Slot, &class.name)?;
-    let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
-        Ok(entries) => entries
-            .flatten()
-            .map(|e| e.path())
+    // Listed through one descriptor (no opendir's second one and stat).
+    let mut files: Vec<PathBuf> = match crate::dir::Dir::open(&dir).and_then(|d| d.names()) {
+        Ok(names) => names
+            .into_iter()
+            .map(|n| dir.join(n))
             .filter(|p| p.extension().is_some_and(|x| x == "lock"))
             .collect(),
         Err(_) => Vec::new(),

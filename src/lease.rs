@@ -425,10 +425,11 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
 
 /// The lease files present, by name (live or not).
 pub fn names(leases: &Path) -> Vec<String> {
-    fs::read_dir(leases)
-        .map(|es| {
-            es.flatten()
-                .filter_map(|e| e.file_name().into_string().ok())
+    crate::dir::Dir::open(leases)
+        .and_then(|d| d.names())
+        .map(|ns| {
+            ns.into_iter()
+                .filter_map(|n| n.into_string().ok())
                 .filter(|n| valid_name(n))
                 .collect()
         })
@@ -477,20 +478,16 @@ pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize
     // place, and every file is reached through it: a `leases` symlink
     // planted by someone who can write `locks/` cannot steer the unlinks
     // into another directory, not even by a swap in the middle of the walk.
-    let Ok(dir) = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(leases)
-    else {
+    let Ok(dir) = crate::dir::Dir::open_nofollow(leases) else {
         return 0;
     };
     let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
-    let Ok(entries) = fs::read_dir(&pinned) else {
+    // Listed through that very descriptor (no second one to open).
+    let Ok(entries) = dir.names() else {
         return 0;
     };
     let mut gone = 0;
-    for e in entries.flatten() {
-        let fname = e.file_name();
+    for fname in entries {
         let Some(name) = fname.to_str() else { continue };
         if !valid_name(name) || is_mine(name) {
             continue;

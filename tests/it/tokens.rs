@@ -363,8 +363,8 @@ fn commands_cost_no_more_round_trips_than_measured() {
     for (args, most) in [
         (&["exec", "--write", "base", "--", "true"][..], 116),
         (&["exec", "--write", "new", "--", "true"][..], 115),
-        (&["lock-status"][..], 72),
-        (&["images"][..], 66),
+        (&["lock-status"][..], 67),
+        (&["images"][..], 61),
     ] {
         let n = round_trips(&env, args).unwrap();
         eprintln!("{args:?}: {n} counted calls");
