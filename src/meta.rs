@@ -363,8 +363,28 @@ pub fn journal_in_memory(conn: &rusqlite::Connection, on: bool) -> rusqlite::Res
 
 /// Switches a database some outside program put in WAL mode back to the
 /// rollback journal (WAL's index in shared memory is unsafe on NFS).
+///
+/// SQLite asks for the exclusive lock this needs without its busy handler:
+/// while the outside program still has the database open the switch fails
+/// at once with SQLITE_BUSY. It is tried again for as long as any other
+/// statement would wait ([`busy_timeout`]), so an outside program that
+/// closes the database in time costs a moment, not a failed command, and
+/// the "gave up after 10 s" said on failure is true.
 pub fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
-    conn.pragma_update(None, "journal_mode", "DELETE")
+    let until = std::time::Instant::now() + busy_timeout();
+    loop {
+        match conn.pragma_update(None, "journal_mode", "DELETE") {
+            Err(rusqlite::Error::SqliteFailure(f, _))
+                if matches!(
+                    f.code,
+                    rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+                ) && std::time::Instant::now() < until =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
 }
 
 /// SQLite's quick integrity check ("ok" when sound) and the schema version.

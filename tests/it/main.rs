@@ -52,6 +52,7 @@ mod leases;
 mod locking;
 mod migration;
 mod names;
+mod review_final;
 mod review_slots;
 mod rm;
 mod runtimes;

@@ -1,0 +1,84 @@
+//! Defects found by trying to break this round's changes with real
+//! processes: an outside program that keeps a WAL database open.
+
+use std::os::unix::process::CommandExt;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+
+/// An outside program's connection to the database in WAL mode, left open
+/// and idle (an sqlite3 shell at its prompt after a query).
+fn outside_wal_connection(env: &Env) -> rusqlite::Connection {
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+    let _: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+        .unwrap();
+    conn
+}
+
+/// Whether process `pid` has the file `path` open.
+fn has_open(pid: u32, path: &std::path::Path) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.flatten()
+                .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == path))
+        })
+        .unwrap_or(false)
+}
+
+/// SQLite leaves WAL without its busy handler: the switch failed at once
+/// while an outside program had the database open, and stowage said it had
+/// "gave up after 10.0 s" waiting. A program that closes the database
+/// while stowage waits must cost a moment, not a failed command.
+#[test]
+fn an_outside_program_closing_a_wal_database_in_time_fails_nothing() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let conn = outside_wal_connection(&env);
+    let db = std::fs::canonicalize(env.root.join("stowage.db")).unwrap();
+    let mut c = env.cmd(["images"]);
+    c.env("STOWAGE_DEBUG_DB_BUSY_MS", "60000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let mut child = c.spawn().unwrap();
+    let pid = child.id();
+    // Once stowage has the database open, the outside program leaves.
+    wait_until("stowage opens the database or ends", || {
+        has_open(pid, &db) || child.try_wait().unwrap().is_some()
+    });
+    drop(conn);
+    let out = wait_output(child, Duration::from_secs(60));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let mode: String = rusqlite::Connection::open(&db)
+        .unwrap()
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "delete");
+}
+
+/// With the outside program staying, the failure says how long stowage
+/// waited: that long must really have passed (it failed at once before).
+#[test]
+fn a_wal_database_held_open_is_waited_for_as_long_as_said() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let conn = outside_wal_connection(&env);
+    let mut c = env.cmd(["images"]);
+    c.env("STOWAGE_DEBUG_DB_BUSY_MS", "400");
+    let t0 = Instant::now();
+    let out = output(c);
+    let took = t0.elapsed();
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("gave up after 0.4 s") && took >= Duration::from_millis(400),
+        "said it waited 0.4 s, took {took:?}: {}",
+        show(&out)
+    );
+    drop(conn);
+}
