@@ -378,7 +378,9 @@ pub fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
                 if matches!(
                     f.code,
                     rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
-                ) && std::time::Instant::now() < until =>
+                ) && std::time::Instant::now() < until
+                    // A signal to an exec ends the wait now, not in 10 s.
+                    && crate::signals::cancelled().is_none() =>
             {
                 std::thread::sleep(std::time::Duration::from_millis(10));
             }

@@ -506,8 +506,12 @@ fn begin_tx<'c>(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Resu
     if tx.in_wal()? {
         let global = tx.rollback_keeping_global()?;
         let db = conn.path().unwrap_or("the metadata database").to_owned();
-        meta::leave_wal(conn)
-            .with_context(|| format!("cannot switch {db} from WAL to a rollback journal"))?;
+        if let Err(e) = meta::leave_wal(conn) {
+            // A signal that ended the wait is what to report, not the wait.
+            crate::signals::check()?;
+            return Err(e)
+                .with_context(|| format!("cannot switch {db} from WAL to a rollback journal"));
+        }
         tx = Tx::begin_on(conn, global)?;
     }
     tx.settle_header()?;

@@ -82,3 +82,32 @@ fn a_wal_database_held_open_is_waited_for_as_long_as_said() {
     );
     drop(conn);
 }
+
+/// A signal to an exec waiting to leave WAL ends the wait at once and is
+/// what it reports (not "gave up after …", which it had not).
+#[test]
+fn a_signal_ends_the_wait_to_leave_wal_and_is_reported() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let conn = outside_wal_connection(&env);
+    let db = std::fs::canonicalize(env.root.join("stowage.db")).unwrap();
+    let ran = env.sentinel("ran");
+    let mut c = env.cmd(["exec", "--write", "app", "--", "touch"]);
+    c.arg(&ran)
+        .env("STOWAGE_DEBUG_DB_BUSY_MS", "120000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let mut child = c.spawn().unwrap();
+    let pid = child.id();
+    wait_until("stowage opens the database or ends", || {
+        has_open(pid, &db) || child.try_wait().unwrap().is_some()
+    });
+    // SAFETY: a plain kill of our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let out = wait_output(child, Duration::from_secs(60));
+    drop(conn);
+    assert_eq!(code(&out), Some(128 + libc::SIGTERM), "{}", show(&out));
+    assert!(stderr(&out).contains("signal"), "{}", show(&out));
+    assert!(!ran.exists(), "the command ran: {}", show(&out));
+}
