@@ -444,6 +444,8 @@ fn wait_for_slot(
     // transaction per turn); past a few, the database, read afresh each
     // time, is what counts.
     let mut in_a_row = 0u32;
+    // A slot file was missing: rebuild the files to try after the recheck.
+    let mut missing = false;
     loop {
         if recheck {
             recheck = false;
@@ -468,7 +470,9 @@ fn wait_for_slot(
                     .detail(&format!("slot class '{class}' is unlimited now"));
                 return Ok(Got::Unlimited);
             }
-            if (now.limit, now.reserve_high) != (config.limit, config.reserve_high) {
+            if std::mem::take(&mut missing)
+                || (now.limit, now.reserve_high) != (config.limit, config.reserve_high)
+            {
                 store.ctx().detail(&format!(
                     "slot class '{class}' changed: limit {}, {} reserved for high priority",
                     now.limit, now.reserve_high
@@ -488,9 +492,13 @@ fn wait_for_slot(
                 continue;
             }
             Ok(None) => in_a_row = 0,
-            // A file went with its class (`slots rm`): look again.
+            // A file went with its class (`slots rm`): look again. If the
+            // class is still there, its directory went (removed by hand):
+            // make it and the files again, or every turn would find them
+            // missing and the wait would spin.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 recheck = true;
+                missing = true;
                 continue;
             }
             Err(e) => return Err(err(e)),

@@ -111,3 +111,51 @@ fn a_signal_ends_the_wait_to_leave_wal_and_is_reported() {
     assert!(stderr(&out).contains("signal"), "{}", show(&out));
     assert!(!ran.exists(), "the command ran: {}", show(&out));
 }
+
+/// A waiter whose class directory was removed by hand (the class still
+/// configured) found its slot file missing on every turn and looked again
+/// at once, forever: a spinning process that never took the slot freed
+/// since. It must make the directory again and take the slot.
+#[test]
+fn a_waiter_whose_class_directory_was_removed_takes_the_freed_slot() {
+    let env = Env::new();
+    env.ok(["init"]);
+    env.ok(["slots", "set", "c", "1"]);
+    let started = env.sentinel("started");
+    let done = env.sentinel("done");
+    let holder = Bg::from_command({
+        let mut c = env.cmd(["exec", "--slot", "c", "--", "sh", "-c"]);
+        c.arg(format!(
+            "touch '{}'; i=0; while [ ! -e '{}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done",
+            started.display(),
+            done.display()
+        ));
+        c
+    });
+    wait_for_file(&started);
+    let ran = env.sentinel("ran");
+    let mut c = env.cmd(["exec", "-q", "--slot", "c", "--", "touch"]);
+    c.arg(&ran)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let waiter = c.spawn().unwrap();
+    let class_dir = env.root.join("locks/slots/c");
+    wait_until("the waiter waits on the slot file", || {
+        flock_waited_on(&class_dir.join("0.lock")) || waiter_has_waiter_record(&env)
+    });
+    std::fs::remove_dir_all(&class_dir).unwrap();
+    env.release("done");
+    let out = holder.finish();
+    assert!(out.status.success(), "{}", show(&out));
+    let out = wait_output(waiter, Duration::from_secs(100));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(ran.exists());
+}
+
+fn waiter_has_waiter_record(env: &Env) -> bool {
+    env.run(["lock-status", "--all"])
+        .stdout
+        .windows(7)
+        .any(|w| w == b"waiting")
+}
