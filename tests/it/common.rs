@@ -657,6 +657,35 @@ pub fn gdb_or_skip() -> bool {
     ran
 }
 
+/// stowage with ARGS on `env`'s root under gdb running the command file
+/// `cmds` (breakpoints, `shell` steps, `continue`), with the environment
+/// the tests' own commands get. The caller runs or spawns it.
+pub fn stowage_under_gdb<I, S>(env: &Env, cmds: &Path, args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut c = Command::new("gdb");
+    c.args(["-q", "-batch", "-x"])
+        .arg(cmds)
+        .arg("--args")
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(args);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    c
+}
+
+/// Holds the global lock with flock(1), as an outside program could.
+pub fn hold_global(env: &Env) -> Bg {
+    flock_holder(
+        &env.root.join("locks/global.lock"),
+        &env.sentinel("global-held"),
+        "sleep 60",
+    )
+}
+
 pub fn tool_or_skip(tool: &str, package: &str) -> bool {
     let found = have(tool);
     if !found {

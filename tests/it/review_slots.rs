@@ -158,16 +158,8 @@ fn a_slot_taken_on_a_class_read_before_a_lowered_limit_is_let_go() {
         ),
     )
     .unwrap();
-    let mut c = Command::new("gdb");
-    c.args(["-q", "-batch", "-x"])
-        .arg(&cmds)
-        .arg("--args")
-        .arg(bin())
-        .arg("--root")
-        .arg(&env.root)
-        .args(["exec", "--slot", "pull", "--"])
-        .args(env.hold_cmd("ran", "r2"));
-    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    let mut c = stowage_under_gdb(&env, &cmds, ["exec", "--slot", "pull", "--"]);
+    c.args(env.hold_cmd("ran", "r2"));
     let gdb = Bg::from_command(c);
     wait_for_file(&at);
     let out = h1.finish();
@@ -400,16 +392,11 @@ fn a_slot_is_not_taken_between_the_settled_question_and_the_records() {
         ),
     )
     .unwrap();
-    let mut c = Command::new("gdb");
-    c.args(["-q", "-batch", "-x"])
-        .arg(&cmds)
-        .arg("--args")
-        .arg(bin())
-        .arg("--root")
-        .arg(&env.root)
-        .args(["slots", "set", "pull", "1"]);
-    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
-    let set = Bg::from_command(c);
+    let set = Bg::from_command(stowage_under_gdb(
+        &env,
+        &cmds,
+        ["slots", "set", "pull", "1"],
+    ));
     wait_for_file(&at);
     let ran = env.sentinel("ran");
     let acquirer = env.spawn([

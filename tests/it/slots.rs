@@ -516,15 +516,6 @@ fn a_slot_holder_is_named_by_its_lease_and_writes_no_metadata() {
 
 // --- slot records: taking a slot without the database ---------------------
 
-/// Holds the global lock with flock(1), as an outside program could.
-fn hold_global(env: &Env) -> Bg {
-    flock_holder(
-        &env.root.join("locks/global.lock"),
-        &env.sentinel("global-held"),
-        "sleep 60",
-    )
-}
-
 /// Holds a slot file with flock(1) (an outside holder counts as one).
 fn hold_slot_file(env: &Env, class_dir: &str, file: &str) -> Bg {
     flock_holder(

@@ -10,13 +10,6 @@ use crate::common::*;
 
 /// The global lock held by an outside program for as long as the test
 /// needs: whatever needs the metadata waits.
-fn hold_global(env: &Env) -> Bg {
-    flock_holder(
-        &env.root.join("locks/global.lock"),
-        &env.sentinel("global-held"),
-        "sleep 60",
-    )
-}
 
 #[test]
 fn a_read_of_a_ready_image_needs_neither_the_global_lock_nor_the_database() {
@@ -496,14 +489,10 @@ fn a_read_does_not_run_on_an_image_a_store_wide_command_deleted_while_it_looked(
             out
         }
     });
-    let mut c = Command::new("gdb");
-    c.args(["-q", "-batch", "-x"])
-        .arg(&cmds)
-        .arg("--args")
-        .arg(bin())
-        .arg("--root")
-        .arg(&env.root)
-        .args([
+    let c = stowage_under_gdb(
+        &env,
+        &cmds,
+        [
             "exec",
             "--read",
             "a",
@@ -511,8 +500,8 @@ fn a_read_does_not_run_on_an_image_a_store_wide_command_deleted_while_it_looked(
             "sh",
             "-c",
             "test -d \"$STOWAGE_IMAGES_DIR/a\" || exit 9",
-        ]);
-    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+        ],
+    );
     let out = output(c);
     let hold_out = watcher.join().unwrap();
     assert_eq!(hold_out.status.code(), Some(0), "{}", show(&hold_out));

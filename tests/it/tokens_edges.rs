@@ -303,17 +303,8 @@ fn a_read_killed_before_its_start_commits_leaves_no_token_fresher_than_the_row()
          break stowage::record::write_ready\nrun\nfinish\nkill\nquit\n",
     )
     .unwrap();
-    let mut gdb = Command::new("gdb");
-    gdb.args(["-q", "-batch", "-x"])
-        .arg(&cmds)
-        .arg("--args")
-        .arg(bin())
-        .arg("--root")
-        .arg(&env.root)
-        .args(["exec", "--read", "base", "--", "true"])
-        .env_remove("STOWAGE_ROOT")
-        .env_remove("STOWAGE_NOW")
-        .stdin(std::process::Stdio::null());
+    let mut gdb = stowage_under_gdb(&env, &cmds, ["exec", "--read", "base", "--", "true"]);
+    gdb.stdin(std::process::Stdio::null());
     let log = output(gdb);
     assert!(
         String::from_utf8_lossy(&log.stdout).contains("write_ready"),
