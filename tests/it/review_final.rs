@@ -31,6 +31,21 @@ fn has_open(pid: u32, path: &std::path::Path) -> bool {
         .unwrap_or(false)
 }
 
+/// Starts `c` (stowage, output captured, in its own process group) and
+/// returns once it has the root's database open, or has ended.
+fn spawn_until_db_open(env: &Env, mut c: std::process::Command) -> std::process::Child {
+    let db = std::fs::canonicalize(env.root.join("stowage.db")).unwrap();
+    c.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let mut child = c.spawn().unwrap();
+    let pid = child.id();
+    wait_until("stowage opens the database or ends", || {
+        has_open(pid, &db) || child.try_wait().unwrap().is_some()
+    });
+    child
+}
+
 /// SQLite leaves WAL without its busy handler: the switch failed at once
 /// while an outside program had the database open, and stowage said it had
 /// "gave up after 10.0 s" waiting. A program that closes the database
@@ -40,22 +55,14 @@ fn an_outside_program_closing_a_wal_database_in_time_fails_nothing() {
     let env = Env::new();
     env.ok(["init"]);
     let conn = outside_wal_connection(&env);
-    let db = std::fs::canonicalize(env.root.join("stowage.db")).unwrap();
     let mut c = env.cmd(["images"]);
-    c.env("STOWAGE_DEBUG_DB_BUSY_MS", "60000")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let mut child = c.spawn().unwrap();
-    let pid = child.id();
+    c.env("STOWAGE_DEBUG_DB_BUSY_MS", "60000");
     // Once stowage has the database open, the outside program leaves.
-    wait_until("stowage opens the database or ends", || {
-        has_open(pid, &db) || child.try_wait().unwrap().is_some()
-    });
+    let child = spawn_until_db_open(&env, c);
     drop(conn);
     let out = wait_output(child, Duration::from_secs(60));
     assert_eq!(code(&out), Some(0), "{}", show(&out));
-    let mode: String = rusqlite::Connection::open(&db)
+    let mode: String = rusqlite::Connection::open(env.root.join("stowage.db"))
         .unwrap()
         .query_row("PRAGMA journal_mode", [], |r| r.get(0))
         .unwrap();
@@ -90,19 +97,11 @@ fn a_signal_ends_the_wait_to_leave_wal_and_is_reported() {
     let env = Env::new();
     env.ok(["init"]);
     let conn = outside_wal_connection(&env);
-    let db = std::fs::canonicalize(env.root.join("stowage.db")).unwrap();
     let ran = env.sentinel("ran");
     let mut c = env.cmd(["exec", "--write", "app", "--", "touch"]);
-    c.arg(&ran)
-        .env("STOWAGE_DEBUG_DB_BUSY_MS", "120000")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let mut child = c.spawn().unwrap();
+    c.arg(&ran).env("STOWAGE_DEBUG_DB_BUSY_MS", "120000");
+    let child = spawn_until_db_open(&env, c);
     let pid = child.id();
-    wait_until("stowage opens the database or ends", || {
-        has_open(pid, &db) || child.try_wait().unwrap().is_some()
-    });
     // SAFETY: a plain kill of our own child.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     let out = wait_output(child, Duration::from_secs(60));
