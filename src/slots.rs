@@ -22,11 +22,11 @@
 //!   slot file of the class (`slot_record.rs`), kept by whoever changes it
 //!   under the global lock: an acquirer reads the copy in the file it
 //!   locks and takes its slot without a transaction when the copy is
-//!   valid; otherwise it reads the metadata. Each waiter re-reads it when `slots set`/`slots rm` touches the
-//!   class's `changed` file, and every `acquire::slot::RECHECK` where another host may
-//!   change it unannounced (30 s otherwise): a raised limit
-//!   (or 0) lets waiters in, a lowered one binds them, a removed class ends
-//!   their wait. Lowering a limit never disturbs current holders (they keep
+//!   valid; otherwise it reads the metadata. Each waiter re-reads it when
+//!   `slots set`/`slots rm` touches the class's `changed` file, and every
+//!   `acquire::slot::RECHECK` where another host may change it unannounced
+//!   (30 s otherwise): a raised limit (or 0) lets waiters in, a lowered one
+//!   binds them, a removed class ends their wait. Lowering a limit never disturbs current holders (they keep
 //!   their higher-numbered files), and their slots count against the new
 //!   limit until they end.
 //! - Waiting for "any of N" needs no thread per file (a pids limit must not

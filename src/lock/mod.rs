@@ -604,16 +604,7 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Probe::Missing),
         Err(e) => return Err(e),
     };
-    if !flock_try(&file, Mode::Shared)? {
-        return Ok(Probe::Exclusive);
-    }
-    // We hold it shared; converting to exclusive succeeds only if nobody else
-    // holds it. A failed conversion leaves us without a lock, which is fine.
-    Ok(if flock_try(&file, Mode::Exclusive)? {
-        Probe::Free
-    } else {
-        Probe::Shared
-    })
+    probe_open(&file)
 }
 
 /// [`probe`] of a lock file already open (one opened through its
@@ -622,6 +613,8 @@ pub fn probe_open(file: &File) -> io::Result<Probe> {
     if !flock_try(file, Mode::Shared)? {
         return Ok(Probe::Exclusive);
     }
+    // We hold it shared; converting to exclusive succeeds only if nobody else
+    // holds it. A failed conversion leaves us without a lock, which is fine.
     Ok(if flock_try(file, Mode::Exclusive)? {
         Probe::Free
     } else {
