@@ -26,7 +26,7 @@ CATEGORIES = {
              "access", "faccessat", "faccessat2", "readlink", "readlinkat"},
     "read": {"read", "pread64", "readv", "preadv", "preadv2"},
     "dirread": {"getdents", "getdents64"},
-    "namespace": {"rename", "renameat", "renameat2", "unlink", "unlinkat", "mkdir",
+    "namespace": {"rename", "renameat", "renameat2", "unlink", "unlinkat", "mkdir", "mknod", "mknodat",
                   "mkdirat", "rmdir", "link", "linkat", "symlink", "symlinkat"},
     "setattr": {"fchown", "fchmod", "fchownat", "fchmodat", "chmod", "chown", "lchown",
                 "ftruncate", "truncate", "utimensat", "futimesat", "fallocate"},

@@ -83,6 +83,11 @@ impl Dir {
         Self::open_flags(path, DIR_FLAGS)
     }
 
+    /// A directory opened elsewhere (`O_DIRECTORY`).
+    pub fn from_fd(fd: OwnedFd) -> Dir {
+        Dir { fd }
+    }
+
     /// Opens a directory whose last component must not be a symlink.
     pub fn open_nofollow(path: &Path) -> io::Result<Dir> {
         Self::open_flags(path, DIR_FLAGS | libc::O_NOFOLLOW)

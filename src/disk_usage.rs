@@ -43,6 +43,24 @@ pub fn disk_usage(dir: &Path) -> io::Result<u64> {
     Ok(measure(dir, false)?.allocated)
 }
 
+/// Bytes allocated under `dir`, or `None` if there is no `dir` (one
+/// walk: the top's own open tells).
+pub fn disk_usage_if_there(dir: &Path) -> io::Result<Option<u64>> {
+    let mut there = false;
+    let mut seen: HashSet<(u64, u64)> = HashSet::new();
+    let mut allocated = 0;
+    walk(dir, &mut |_, name, st| {
+        there |= name == c".";
+        let ft = tree::file_type(st);
+        if st.st_nlink > 1 && ft != libc::S_IFDIR && !seen.insert((st.st_dev, st.st_ino)) {
+            return Ok(());
+        }
+        allocated += st.st_blocks as u64 * 512;
+        Ok(())
+    })?;
+    Ok(there.then_some(allocated))
+}
+
 /// The sum of the lengths of the regular files under `dir` (what a copy
 /// reads), for progress.
 pub fn apparent_size(dir: &Path) -> io::Result<u64> {

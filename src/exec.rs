@@ -210,10 +210,13 @@ fn record_outcome(
     } else {
         None
     };
+    // The space kept in reserve is for the database, which a write that
+    // took none did not use (written.rs): its next user makes it again.
+    let recorded = !session.writes_without_database();
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
     })?;
-    if !written.is_empty() && full.is_none() {
+    if !written.is_empty() && full.is_none() && recorded {
         crate::space::ensure(&store.root().reserve());
     }
     if let Some(note) = full {

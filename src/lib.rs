@@ -109,6 +109,7 @@ pub mod spawn;
 pub mod store;
 pub mod store_wide;
 pub mod tree;
+pub mod written;
 
 pub use error::Error;
 pub use name::ImageName;

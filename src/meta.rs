@@ -92,6 +92,12 @@ const MIGRATIONS: &[&str] = &[
     r#"
     INSERT OR REPLACE INTO config (key, value) VALUES ('slot_records', '1');
     "#,
+    // 7: writers may rewrite an image without a transaction, leaving a
+    // marker (written.rs) that every binary must fold into the rows before
+    // it reads them: the version locks older binaries out of such a store.
+    r#"
+    INSERT OR REPLACE INTO config (key, value) VALUES ('writer_records', '1');
+    "#,
 ];
 
 /// The schema version this binary writes.

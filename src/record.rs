@@ -94,6 +94,27 @@ use crate::lock::Guard;
 /// reader asks the database, which knows the schema).
 const FORMAT: &str = "stowage-image 2\n";
 
+/// The first line of records written on a store whose binaries all fold
+/// writers' records (schema [`WRITERS_SINCE_SCHEMA`]): only a token in
+/// this format lets a writer skip the database (`crate::written`). A
+/// reader takes either.
+const FORMAT_WRITERS: &str = "stowage-image 3\n";
+
+/// The schema version from which every binary that uses the database
+/// folds writers' records first (`crate::written`): a token written by
+/// such a binary proves that the store is at it, since a token is only
+/// written after a transaction on the binary's own schema.
+pub const WRITERS_SINCE_SCHEMA: i64 = 7;
+
+/// The format this binary writes tokens in.
+fn format() -> &'static str {
+    if crate::meta::schema_version() >= WRITERS_SINCE_SCHEMA {
+        FORMAT_WRITERS
+    } else {
+        FORMAT
+    }
+}
+
 /// Where the hints start: tokens end before (a longer one, with a path
 /// near PATH_MAX, is not written: such images are read through the
 /// database every time).
@@ -175,9 +196,41 @@ impl DbId {
     }
 }
 
-/// What a valid token says.
+/// What a record says of its image's tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// Complete: a ready token.
+    Ready,
+    /// A writer that took no transaction is at work, or died at work
+    /// (a writer's record, see `crate::written`).
+    Writing,
+    /// That writer's command failed: the tree is not complete.
+    Incomplete,
+}
+
+impl State {
+    fn as_str(self) -> &'static str {
+        match self {
+            State::Ready => "ready",
+            State::Writing => "writing",
+            State::Incomplete => "incomplete",
+        }
+    }
+
+    fn parse(s: &str) -> Option<State> {
+        Some(match s {
+            "ready" => State::Ready,
+            "writing" => State::Writing,
+            "incomplete" => State::Incomplete,
+            _ => return None,
+        })
+    }
+}
+
+/// What a valid record says: a ready token, or a writer's record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Token {
+    pub state: State,
     /// The image's name.
     pub image: String,
     /// The configured images directory; `None`: the root's default one.
@@ -185,6 +238,8 @@ pub struct Token {
     pub db: DbId,
     /// The row's last use, as written with the token.
     pub used: crate::clock::Millis,
+    /// The tree's size, in a writer's record once it has measured it.
+    pub size: Option<u64>,
 }
 
 impl Token {
@@ -197,10 +252,12 @@ impl Token {
         used: crate::clock::Millis,
     ) -> Token {
         Token {
+            state: State::Ready,
             image: name.as_str().to_owned(),
             images_dir: (images_dir != root.default_images_dir()).then(|| images_dir.to_owned()),
             db,
             used,
+            size: None,
         }
     }
 }
@@ -220,9 +277,16 @@ fn encode(t: &Token) -> Option<Vec<u8>> {
         return None;
     }
     let mut body = format!(
-        "{FORMAT}state=ready\nimage={}\nimages={images}\ndb={:08x}\nused={}\n",
-        t.image, t.db.0, t.used
+        "{}state={}\nimage={}\nimages={images}\ndb={:08x}\nused={}\n",
+        format(),
+        t.state.as_str(),
+        t.image,
+        t.db.0,
+        t.used
     );
+    if let Some(size) = t.size {
+        body.push_str(&format!("size={size}\n"));
+    }
     body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
     (body.len() <= MAX).then(|| body.into_bytes())
 }
@@ -247,9 +311,19 @@ pub(crate) fn checked_body<'a>(bytes: &'a [u8], format: &str) -> Option<&'a str>
 
 /// Parses a token: `Some` only for a valid, current, `ready` one.
 fn decode(bytes: &[u8]) -> Option<Token> {
-    let mut lines = checked_body(bytes, FORMAT)?.lines();
+    decode_any(bytes).filter(|t| t.state == State::Ready)
+}
+
+/// Parses a record in either format, in any state.
+fn decode_any(bytes: &[u8]) -> Option<Token> {
+    let (body, writers) = match checked_body(bytes, FORMAT_WRITERS) {
+        Some(b) => (b, true),
+        None => (checked_body(bytes, FORMAT)?, false),
+    };
+    let mut lines = body.lines();
     let mut field = |key: &str| lines.next()?.strip_prefix(key)?.strip_prefix('=');
-    if field("state")? != "ready" {
+    let state = State::parse(field("state")?)?;
+    if !writers && state != State::Ready {
         return None;
     }
     let image = field("image")?.to_owned();
@@ -260,14 +334,21 @@ fn decode(bytes: &[u8]) -> Option<Token> {
     };
     let db = DbId(u32::from_str_radix(field("db")?, 16).ok()?);
     let used = field("used")?.parse().ok()?;
+    let size = match lines.next() {
+        None => None,
+        Some(line) if writers => Some(line.strip_prefix("size=")?.parse().ok()?),
+        Some(_) => return None,
+    };
     if lines.next().is_some() {
         return None;
     }
     Some(Token {
+        state,
         image,
         images_dir,
         db,
         used,
+        size,
     })
 }
 
@@ -314,6 +395,49 @@ pub fn read(
         writer_waits: set(Hint::WriterWaits),
         store_wide: set(Hint::StoreWide),
     }
+}
+
+/// What a writer that takes no transaction reads of its image's lock file
+/// (`crate::written`), holding it exclusively: the record in any state and
+/// format (with the bytes of its area, to put back if the write never
+/// starts), and whether the store-wide hint is set.
+pub struct Found {
+    pub record: Option<Token>,
+    /// Written on a store at [`WRITERS_SINCE_SCHEMA`] or later.
+    pub writers_format: bool,
+    pub bytes: Vec<u8>,
+    pub store_wide: bool,
+}
+
+/// Reads a lock file's record and hints in one `pread`.
+pub fn found(file: &std::fs::File) -> io::Result<Found> {
+    let mut buf = vec![0u8; HINTS_AT + 2];
+    let n = file.read_at(&mut buf, 0)?;
+    let set = |h: Hint| (h.offset() as usize) < n && buf[h.offset() as usize] == b'1';
+    let area = &buf[..n.min(MAX)];
+    Ok(Found {
+        record: decode_any(area),
+        writers_format: area.starts_with(FORMAT_WRITERS.as_bytes()),
+        bytes: area.to_vec(),
+        store_wide: set(Hint::StoreWide),
+    })
+}
+
+/// Writes a writer's record (any state) over the token area, durably: a
+/// `writing` record must be on disk before the command touches the tree,
+/// a `ready` one before the lock is let go (on NFS, before the next locker
+/// reads it). Bytes left after it from a longer record are ignored.
+pub fn write_record(file: &std::fs::File, t: &Token) -> io::Result<()> {
+    let bytes = encode(t).ok_or_else(|| io::Error::other("record too long"))?;
+    file.write_all_at(&bytes, 0)?;
+    file.sync_data()
+}
+
+/// Puts back the bytes of a token area read by [`found`] (a write that
+/// never started), durably.
+pub fn put_back(file: &std::fs::File, bytes: &[u8]) -> io::Result<()> {
+    file.write_all_at(bytes, 0)?;
+    file.sync_data()
 }
 
 /// Whether anything is written in the lock file's token area (a token of
@@ -486,10 +610,12 @@ mod tests {
 
     fn token(images_dir: Option<&str>) -> Token {
         Token {
+            state: State::Ready,
             image: "alpine:3.17".into(),
             images_dir: images_dir.map(PathBuf::from),
             db: DbId(0x5e1f_00d2),
             used: 1_764_543_600_000,
+            size: None,
         }
     }
 
@@ -517,10 +643,36 @@ mod tests {
         }
         let newer = String::from_utf8(good.clone())
             .unwrap()
-            .replace("stowage-image 2", "stowage-image 3");
+            .replace("stowage-image 3", "stowage-image 4");
         assert_eq!(decode(newer.as_bytes()), None);
         assert_eq!(encode(&token(Some("relative"))), None);
         assert_eq!(encode(&token(Some("/a\nb"))), None);
+    }
+
+    #[test]
+    fn a_writers_record_reads_back_and_only_ready_counts_as_a_token() {
+        for state in [State::Writing, State::Ready, State::Incomplete] {
+            let t = Token {
+                state,
+                size: Some(4096),
+                ..token(None)
+            };
+            let bytes = encode(&t).unwrap();
+            assert!(bytes.starts_with(FORMAT_WRITERS.as_bytes()));
+            assert_eq!(decode_any(&bytes), Some(t.clone()));
+            assert_eq!(decode(&bytes).is_some(), state == State::Ready, "{state:?}");
+        }
+        // The older format never says anything but ready, nor a size.
+        let old = String::from_utf8(encode(&token(None)).unwrap())
+            .unwrap()
+            .replace("stowage-image 3", "stowage-image 2");
+        let body = &old[..old.find("crc=").unwrap()];
+        let resealed = format!("{body}crc={:08x}\n", crc32(body.as_bytes()));
+        assert!(decode_any(resealed.as_bytes()).is_some());
+        let writing = resealed.replace("state=ready", "state=writing");
+        let body = &writing[..writing.find("crc=").unwrap()];
+        let writing = format!("{body}crc={:08x}\n", crc32(body.as_bytes()));
+        assert_eq!(decode_any(writing.as_bytes()), None);
     }
 
     #[test]

@@ -382,7 +382,13 @@ pub(crate) fn recheck(
     guard: Guard,
     tidy: bool,
 ) -> Result<Option<(Guard, ImageRow)>> {
-    match store.with_tx_holding_locks(None, |tx, _| tx.image(name.as_str()))? {
+    let looked = store.with_tx_holding_locks(None, |tx, ctx| {
+        // Under our lock, its record is the truth if a writer left one
+        // (written.rs): a decision from an earlier list must see it.
+        crate::written::fold_held(tx, ctx, name, guard.file())?;
+        tx.image(name.as_str())
+    })?;
+    match looked {
         Some(row) => Ok(Some((guard, row))),
         None => {
             if tidy {

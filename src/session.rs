@@ -84,6 +84,14 @@ struct Held {
     /// its lease (a read writes no metadata unless its image's last use is
     /// older than [`LAST_USE_RESOLUTION`]).
     record: Option<i64>,
+    /// A write that took no transaction (written.rs): what its lock file
+    /// held before (put back if the command never runs) and its record.
+    fast: Option<FastWrite>,
+}
+
+struct FastWrite {
+    before: Vec<u8>,
+    record: crate::record::Token,
 }
 
 impl Held {
@@ -198,6 +206,7 @@ impl Session {
                             keep,
                             made_dir: false,
                             record: None,
+                            fast: None,
                         });
                         waits.extend(waiter);
                     }
@@ -212,6 +221,16 @@ impl Session {
                 }
             }
             if !migrate {
+                // What a writer that took no transaction left (written.rs)
+                // is read before the token goes, for the start to fold.
+                let before: Vec<Option<crate::record::Found>> = held
+                    .iter()
+                    .map(|h| {
+                        h.writes()
+                            .then(|| crate::record::found(h.guard.file()).ok())
+                            .flatten()
+                    })
+                    .collect();
                 // A write makes its image's ready token say nothing, durably,
                 // before the start marks its row (record.rs).
                 if let Err(e) = held
@@ -226,7 +245,7 @@ impl Session {
                         name.expect("a write failed")
                     )));
                 }
-                match start(store, &mut held, slot.as_mut(), &waits, req) {
+                match start(store, &mut held, &before, slot.as_mut(), &waits, req) {
                     Ok(images_dir) => {
                         // The lease lists what we hold: how lock-status names
                         // a reader, which has no record, where the kernel
@@ -271,9 +290,11 @@ impl Session {
         }
     }
 
-    /// A plain read (no write, no exclusive read) whose images all
-    /// carry a fresh `ready` token in their lock files (record.rs): no
-    /// global lock, no database, no metadata written. `None`: the slow way
+    /// A request without the database: reads whose images all carry a
+    /// fresh `ready` token in their lock files (record.rs), and writes of
+    /// existing images whose locks are free and carry a ready token of a
+    /// store whose binaries fold writers' records (written.rs) — no global
+    /// lock, no database, no metadata written. `None`: the slow way
     /// decides (and writes the tokens for next time).
     fn begin_fast(
         store: &Store,
@@ -281,7 +302,10 @@ impl Session {
         wanted: &[(ImageName, Mode)],
         started: Instant,
     ) -> Option<Session> {
-        if wanted.is_empty() || wanted.iter().any(|w| w.1 != Mode::Shared) {
+        let writes_ok = req.base.is_none()
+            && req.exclusive_reads.is_empty()
+            && crate::meta::schema_version() >= crate::record::WRITERS_SINCE_SCHEMA;
+        if wanted.is_empty() || (!writes_ok && wanted.iter().any(|w| w.1 != Mode::Shared)) {
             return None;
         }
         let db = std::cell::OnceCell::new();
@@ -302,8 +326,23 @@ impl Session {
         let mut held = Vec::with_capacity(wanted.len());
         let mut images_dir: Option<PathBuf> = None;
         let mut store_hinted = false;
-        for (name, _) in wanted {
-            let (guard, dir, hinted) = crate::acquire::image::try_ready(store.root(), name, &db)?;
+        for (name, mode) in wanted {
+            let (guard, dir, hinted, fast) = match mode {
+                Mode::Shared => {
+                    let (g, dir, hinted) =
+                        crate::acquire::image::try_ready(store.root(), name, &db)?;
+                    (g, dir, hinted, None)
+                }
+                Mode::Exclusive => {
+                    let (g, record, before) =
+                        crate::acquire::image::try_write(store.root(), name, &db)?;
+                    let dir = record
+                        .images_dir
+                        .clone()
+                        .unwrap_or_else(|| store.root().default_images_dir());
+                    (g, dir, false, Some(FastWrite { before, record }))
+                }
+            };
             if images_dir.as_ref().is_some_and(|d| *d != dir) {
                 return None;
             }
@@ -311,12 +350,13 @@ impl Session {
             images_dir = Some(dir);
             held.push(Held {
                 name: name.clone(),
-                mode: Mode::Shared,
+                mode: *mode,
                 guard,
                 prev: None,
                 keep: false,
                 made_dir: false,
                 record: None,
+                fast,
             });
         }
         // A store-wide operation holds locks/store.lock exclusively and
@@ -330,7 +370,11 @@ impl Session {
         // The tokens are read again first, under store.lock: the operation
         // may have been granted before our locks (none were held then),
         // run, and taken tokens away as it ended — after we read them.
+        // (A write seeing the hint went the slow way already.)
         if store_hinted {
+            if held.iter().any(|h| h.fast.is_some()) {
+                return None;
+            }
             let guard = crate::store_wide::try_shared(store.root())?;
             let db = std::cell::OnceCell::new();
             for h in &held {
@@ -348,6 +392,9 @@ impl Session {
                 );
             }
             drop(guard);
+        }
+        if !start_fast_writes(store.root(), &held) {
+            return None;
         }
         if let Some(s) = slot.as_mut() {
             s.announce(store.root(), &req.command);
@@ -370,6 +417,11 @@ impl Session {
     /// The directory of an image.
     pub fn image_dir(&self, name: &ImageName) -> PathBuf {
         self.images_dir.join(name.encoded())
+    }
+
+    /// Whether this session's writes took no transaction (written.rs).
+    pub fn writes_without_database(&self) -> bool {
+        self.held.iter().any(|h| h.fast.is_some())
     }
 
     /// Images held exclusively, in lock order.
@@ -493,6 +545,58 @@ impl Session {
     /// while the command ran means another host may have written the image
     /// too): otherwise it is `incomplete`, and a lost lock is an error.
     pub fn finish(self, store: &mut Store, outcome: Outcome) -> Result<()> {
+        // Writes that took no transaction end without one where nothing
+        // unusual happened; otherwise the database's way below, whose
+        // transaction folds their records first (written.rs).
+        match self.finish_fast(outcome) {
+            None => Ok(()),
+            Some(this) => this.finish_recorded(store, outcome),
+        }
+    }
+
+    /// Step 4 of `crate::written` for a request that took no transaction:
+    /// each write lock still ours, each tree there and measured, its
+    /// record says `ready` (with size and time) or `incomplete`, synced;
+    /// then the locks go. `Some(self)`: a session with no such write, or
+    /// one where something was not as expected (a lock lost, a tree gone),
+    /// for the database's way.
+    fn finish_fast(self, outcome: Outcome) -> Option<Session> {
+        if !self.held.iter().any(|h| h.fast.is_some()) {
+            return Some(self);
+        }
+        let mut sizes = Vec::new();
+        for h in self.held.iter().filter(|h| h.fast.is_some()) {
+            if h.guard.still_held().is_err() {
+                return Some(self);
+            }
+            match disk_usage::disk_usage_if_there(&self.images_dir.join(h.name.encoded())) {
+                Ok(Some(size)) => sizes.push(size),
+                _ => return Some(self),
+            }
+        }
+        crate::debug::pause("fast-write-measured");
+        let now = clock::now_ms();
+        let state = match outcome {
+            Outcome::Success => crate::record::State::Ready,
+            Outcome::Failure => crate::record::State::Incomplete,
+        };
+        for (h, size) in self.held.iter().filter(|h| h.fast.is_some()).zip(sizes) {
+            let f = h.fast.as_ref().expect("filtered");
+            let record = crate::record::Token {
+                state,
+                used: now,
+                size: Some(size),
+                ..f.record.clone()
+            };
+            if crate::record::write_record(h.guard.file(), &record).is_err() {
+                return Some(self);
+            }
+        }
+        None
+    }
+
+    /// [`Session::finish`] through the database.
+    fn finish_recorded(self, store: &mut Store, outcome: Outcome) -> Result<()> {
         // Sizes are measured before the transaction, under our own write
         // locks: walking a tree is far too slow to do under the global lock.
         // A written image whose directory is gone was deleted by the command
@@ -646,6 +750,17 @@ impl Session {
     /// removed again (their directories are still empty), and images it
     /// marked `writing` get their previous state back.
     pub fn abandon(self, store: &mut Store) -> Result<()> {
+        // Writes that took no transaction: their lock files get back what
+        // they said before (a failure leaves the `writing` record, which
+        // folds to incomplete: never ready for a tree we cannot vouch for).
+        if self.held.iter().any(|h| h.fast.is_some()) {
+            for h in &self.held {
+                if let Some(f) = &h.fast {
+                    let _ = crate::record::put_back(h.guard.file(), &f.before);
+                }
+            }
+            return Ok(());
+        }
         let ids: Vec<i64> = self.record_ids().collect();
         drop(self.listed);
         let (tx, ctx) = store.begin_cleanup()?;
@@ -674,6 +789,41 @@ impl Session {
         }
         Ok(())
     }
+}
+
+/// Steps 2 and 3 of `crate::written` for the writes of a request without
+/// the database: every marker, then every `writing` record, synced, before
+/// the command can touch a tree. `false`: the slow way goes on from here
+/// (the records written are put back; a marker beside an untouched token
+/// folds to what the row says already).
+fn start_fast_writes(root: &crate::root::Root, held: &[Held]) -> bool {
+    let writes: Vec<(&Held, &FastWrite)> = held
+        .iter()
+        .filter_map(|h| h.fast.as_ref().map(|f| (h, f)))
+        .collect();
+    if writes
+        .iter()
+        .any(|(h, _)| crate::written::mark(root, &h.name).is_err())
+    {
+        return false;
+    }
+    crate::debug::pause("fast-write-marked");
+    let now = clock::now_ms();
+    for (i, (h, f)) in writes.iter().enumerate() {
+        let record = crate::record::Token {
+            state: crate::record::State::Writing,
+            used: now,
+            size: None,
+            ..f.record.clone()
+        };
+        if crate::record::write_record(h.guard.file(), &record).is_err() {
+            for (h, f) in &writes[..=i] {
+                let _ = crate::record::put_back(h.guard.file(), &f.before);
+            }
+            return false;
+        }
+    }
+    true
 }
 
 /// A request that failed before its command could run (a lock busy past
@@ -727,6 +877,7 @@ fn unclaimed(held: Vec<Held>) -> Vec<(ImageName, Guard)> {
 fn start(
     store: &mut Store,
     held: &mut [Held],
+    before: &[Option<crate::record::Found>],
     slot: Option<&mut crate::acquire::slot::SlotGuard>,
     waits: &[i64],
     req: &Request,
@@ -750,8 +901,16 @@ fn start(
     // First what our locks prove, and whether every read can go ahead.
     let mut refusal = None;
     let mut rows = Vec::with_capacity(held.len());
-    for h in held.iter() {
+    for (h, before) in held.iter().zip(before) {
         let name = h.name.as_str();
+        // A writer that took no transaction may have left its record
+        // (written.rs): the truth about the image until folded, and what
+        // our locks prove we may fold.
+        match before {
+            Some(found) => crate::written::fold_found(&tx, ctx, &h.name, found, h.guard.file())?,
+            None if !h.writes() => crate::written::fold_held(&tx, ctx, &h.name, h.guard.file())?,
+            None => {}
+        }
         // Holding the lock exclusively, nobody else holds it at all; holding
         // it shared, nobody holds it exclusively. Dropping the records that
         // say otherwise keeps SIGKILLed holders from piling up records.

@@ -36,6 +36,8 @@ pub struct Store {
     /// Device and inode of the database file `conn` has open.
     conn_file: Option<(u64, u64)>,
     ctx: Ctx,
+    /// See [`Store::being_written`].
+    being_written: Vec<String>,
 }
 
 /// How long a wait for the global lock goes before it is reported: it is
@@ -63,6 +65,7 @@ impl Store {
         Store {
             conn: None,
             conn_file: None,
+            being_written: Vec::new(),
             ctx: Ctx::new(root),
         }
     }
@@ -154,7 +157,7 @@ impl Store {
 
     /// Begins a transaction without looking at the schema version.
     fn begin_raw(&mut self, deadline: Option<Instant>, cleanup: bool) -> Result<(Tx<'_>, &Ctx)> {
-        let global = Self::take_global(&self.ctx, deadline, cleanup)?;
+        let mut global = Self::take_global(&self.ctx, deadline, cleanup)?;
         let db = self.ctx.root.db();
         let id = self.forget_replaced_db(&db);
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
@@ -162,8 +165,41 @@ impl Store {
             // A database created just now had no identity before.
             self.conn_file = id.or_else(|| file_id(&db));
         }
+        // Writers' records first, in a transaction of their own that
+        // commits before the markers go (written.rs); only when there is
+        // something to fold. Cleanup (an outcome, an undone start, waiter
+        // records) reads no row but those of images its caller has held
+        // since a transaction that folded them — exclusively, or shared:
+        // either way no writer could write them since.
+        let markers = if cleanup {
+            crate::written::Markers::default()
+        } else {
+            crate::written::markers(&self.ctx.root)?
+        };
+        self.being_written = markers.busy.clone();
+        if markers.any() {
+            let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
+            global = match tx.schema().map_err(|e| damaged(&db, e))? {
+                Schema::Current => {
+                    crate::written::fold(&tx, &self.ctx, &markers)?;
+                    let global = tx.commit_keeping_global()?;
+                    markers.unlink_folded();
+                    global
+                }
+                // Folded once the schema is brought up to date.
+                _ => tx.rollback_keeping_global()?,
+            };
+        }
+        let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
         let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
         Ok((tx, &self.ctx))
+    }
+
+    /// Images a writer that took no transaction holds now, as the last
+    /// transaction begun found them (written.rs): their rows still show
+    /// the state before that write.
+    pub fn being_written(&self) -> &[String] {
+        &self.being_written
     }
 
     /// Begins a transaction on a current schema. Fails with
@@ -302,9 +338,16 @@ impl Store {
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
         meta::journal_in_memory(conn, true)?;
         let out = (|| {
+            let markers = crate::written::markers(&self.ctx.root)?;
+            self.being_written = markers.busy.clone();
             let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
             match tx.schema()? {
-                Schema::Current => f(&tx, &self.ctx),
+                Schema::Current => {
+                    // Folded in this transaction only: rolled back, the
+                    // markers stay for one that commits.
+                    crate::written::fold(&tx, &self.ctx, &markers)?;
+                    f(&tx, &self.ctx)
+                }
                 _ => bail!("the metadata schema needs an upgrade, which needs disk space"),
             }
             // Dropping `tx` rolls it back.

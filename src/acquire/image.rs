@@ -188,6 +188,35 @@ pub(crate) fn try_ready(
     Some((g, ready, seen.store_wide))
 }
 
+/// A write's fast path (`crate::written`): the image lock taken at once,
+/// exclusively, over a valid ready token in the writers' format that names
+/// the image, and no store-wide hint. Returns the lock, the token and the
+/// token area's bytes (put back if the write never starts). `None` sends
+/// the write the slow way: a new image, a wait, an image not ready, a
+/// store not yet at the schema whose binaries fold writers' records.
+pub(crate) fn try_write(
+    root: &crate::root::Root,
+    name: &ImageName,
+    db: &std::cell::OnceCell<Option<crate::record::DbId>>,
+) -> Option<(Guard, crate::record::Token, Vec<u8>)> {
+    let path = root.image_lock(name);
+    let g = lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail).ok()??;
+    let found = crate::record::found(g.file()).ok()?;
+    let token = found.record.filter(|t| {
+        found.writers_format
+            && t.state == crate::record::State::Ready
+            && t.image == name.as_str()
+            && !found.store_wide
+            // Of the database there now, as a read checks: a write that
+            // succeeds is then recorded as ready by it (a damaged or
+            // replaced database sends the write its way, to fail or wait).
+            && db
+                .get_or_init(|| crate::record::DbId::of(&root.db()))
+                .is_some_and(|now| now == t.db)
+    })?;
+    Some((g, token, found.bytes))
+}
+
 /// The error for a lock that this process's enclosing command holds in a
 /// conflicting mode (`held`): waiting would never end, since the enclosing
 /// command waits for us. A read of an image it writes finds the image not

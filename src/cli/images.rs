@@ -43,6 +43,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         let in_use = crate::judge::in_use(tx, ctx, &kv)?;
         Ok((tx.images()?, in_use, tx.images_dir(&ctx.root)?))
     })?;
+    // A writer that took no transaction is at work on these: their rows
+    // still say what they were (written.rs).
+    for r in rows.iter_mut() {
+        if r.state == ImageState::Ready && store.being_written().contains(&r.name) {
+            r.state = ImageState::Writing;
+        }
+    }
     fill_sizes(store, &mut rows, &in_use, &images_dir)?;
     let sharing = Sharing::measure(&rows, &images_dir);
 

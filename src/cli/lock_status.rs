@@ -334,7 +334,13 @@ pub fn gather(
         Ok(out)
     })?;
     let mut locks = vec![global];
-    locks.extend(images);
+    locks.extend(images.into_iter().map(|mut r| {
+        // Written by a writer that took no transaction (written.rs).
+        if r.image_state == Some(ImageState::Ready) && store.being_written().contains(&r.name) {
+            r.image_state = Some(ImageState::Writing);
+        }
+        r
+    }));
     Ok((fs_name, locks))
 }
 

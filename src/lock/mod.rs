@@ -102,6 +102,7 @@ pub struct Guard {
     mode: Mode,
     dev: u64,
     ino: u64,
+    _registered: Registered,
 }
 
 impl std::os::fd::AsRawFd for Guard {
@@ -162,6 +163,19 @@ impl Guard {
     /// is read and stat'ed. Any failure means the lock cannot be vouched
     /// for. `STOWAGE_DEBUG_LOST_LOCK=FILE_NAME` (a hidden test hook) makes
     /// the check fail for that lock file, as a lost NFS lock would.
+    /// [`Guard::verify`] in one request, for a holder that writes and
+    /// syncs the file next (which would fail on a handle the server no
+    /// longer knows): the lock tried again on our descriptor.
+    pub fn still_held(&self) -> io::Result<()> {
+        if lost_in_test(&self.path) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        if !flock_try(&self.file, self.mode)? {
+            return Err(io::Error::other("the lock is held by someone else now"));
+        }
+        Ok(())
+    }
+
     pub fn verify(&self) -> io::Result<()> {
         if lost_in_test(&self.path) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -513,12 +527,49 @@ pub fn acquire_any(
 }
 
 fn guard(file: File, path: &Path, mode: Mode, linked: Linked) -> Guard {
+    let registered = Registered((mode == Mode::Exclusive).then_some((linked.dev, linked.ino)));
+    if let Some(id) = registered.0 {
+        own_exclusive().push(id);
+    }
     Guard {
         file,
         path: path.to_owned(),
         mode,
         dev: linked.dev,
         ino: linked.ino,
+        _registered: registered,
+    }
+}
+
+/// The files this process holds exclusively through guards of its own
+/// (one entry per guard): not locks inherited from an enclosing command,
+/// which `held_here` sees too.
+static OWN_EXCLUSIVE: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+
+fn own_exclusive() -> std::sync::MutexGuard<'static, Vec<(u64, u64)>> {
+    OWN_EXCLUSIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether a guard of this process holds the file `(dev, ino)`
+/// exclusively. A transaction that folds a writer's record
+/// (`crate::written`) reads the record of an image locked so through its
+/// own hold, where a lock of its own would wait for itself.
+pub fn held_exclusively_here(dev: u64, ino: u64) -> bool {
+    own_exclusive().contains(&(dev, ino))
+}
+
+/// A guard's entry in [`OWN_EXCLUSIVE`], taken out when the guard goes.
+#[derive(Debug)]
+struct Registered(Option<(u64, u64)>);
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        if let Some(id) = self.0 {
+            let mut own = own_exclusive();
+            if let Some(i) = own.iter().position(|e| *e == id) {
+                own.swap_remove(i);
+            }
+        }
     }
 }
 

@@ -790,8 +790,9 @@ fn a_stuck_global_lock_holder_bounds_a_bounded_exec() {
     let started = env.sentinel("started");
     let stuck = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 60");
     let t0 = Instant::now();
-    // A write: a read of a ready image takes no global lock (record.rs).
-    let out = env.run(["exec", "--write", "a", "--wait", "0.3", "--", "true"]);
+    // A new image: a read of a ready image, or a write of one, takes no
+    // global lock (record.rs, written.rs).
+    let out = env.run(["exec", "--write", "b", "--wait", "0.3", "--", "true"]);
     let took = t0.elapsed();
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     let err = stderr(&out);
@@ -825,7 +826,8 @@ fn a_database_switched_to_wal_by_an_outside_program_is_switched_back() {
         (2, 2),
         "the outside program set WAL"
     );
-    env.ok(["exec", "--write", "a", "--", "true"]);
+    // A new image: a write of an existing one opens no transaction.
+    env.ok(["exec", "--write", "b", "--", "true"]);
     let header = fs::read(&db).unwrap();
     assert_eq!(
         (header[18], header[19]),

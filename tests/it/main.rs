@@ -65,3 +65,4 @@ mod stress;
 mod tokens;
 mod tokens_database;
 mod tokens_edges;
+mod written;

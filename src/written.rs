@@ -1,0 +1,363 @@
+//! Writes without the database: a writer that finds its image's lock free
+//! and a ready token in it rewrites an existing image without a
+//! transaction; what it did reaches the database at the next transaction,
+//! whoever makes it, which *folds* it in first.
+//!
+//! The writer (`Session::begin` and `Session::finish`):
+//! 1. takes the image's lock exclusively without waiting, and reads a
+//!    ready token in the writers' format (`record::WRITERS_SINCE_SCHEMA`:
+//!    proof that every binary using the store folds) and no store-wide
+//!    hint;
+//! 2. makes the image's *marker* `locks/dirty/ENC` (an empty file);
+//! 3. replaces the token with a record `state=writing`, synced — after the
+//!    marker, so that no `writing` record is ever without one;
+//! 4. runs the command; then, still holding the lock (re-asserted) and the
+//!    tree measured, writes `state=ready` with the size and the time, or
+//!    `state=incomplete`, synced, and lets the lock go. The marker stays.
+//!
+//! Anything unusual at the end (the lock lost, the tree gone) takes the
+//! database's way, whose first transaction folds the marker like any.
+//!
+//! Invariants:
+//! - **While a marker exists, its image's record is the truth about the
+//!   image**; otherwise the database is. Every transaction begins, under
+//!   the global lock, by listing the markers ([`markers`], [`fold`]); for each
+//!   whose image lock it can hold (tried shared, never awaited; or held
+//!   exclusively by this very process) it reads the record and sets the
+//!   row: `ready` with the record's size, last use and no base, only for
+//!   a valid ready record of this database and images directory on a row
+//!   that is ready (or missing); `incomplete` for anything else — a
+//!   `writing` record (its writer is gone: we could lock), `incomplete`,
+//!   empty, torn, foreign. Readiness may be lost, never claimed. A ready
+//!   token beside a row left not ready is taken away (holding the image's
+//!   lock shared and the global lock excludes every writer of tokens).
+//! - **A marker goes only after its row is committed**, and while the
+//!   image's lock is still held by the folder: no writer can start
+//!   between the record read and the marker's unlink, and a crash between
+//!   the commit and the unlink only folds the same record again.
+//! - A marker whose lock another process holds exclusively is a write in
+//!   progress: left alone, and shown as `writing` (`Store::being_written`).
+//!
+//! Markers are listed and unlinked through a descriptor of `locks/dirty`
+//! opened with `openat2(RESOLVE_NO_SYMLINKS)`: a link planted there cannot
+//! steer an unlink out of the store. On NFS the marker's creation is synchronous at the server, so it
+//! is there before the `writing` record.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use anyhow::Result;
+
+use crate::ctx::Ctx;
+use crate::lock::{self, Mode};
+use crate::meta::{ImageRow, ImageState, Tx};
+use crate::name::ImageName;
+use crate::record::{State, Token};
+use crate::root::Root;
+
+/// The markers' directory, under the root.
+pub const DIRTY_REL: &str = "locks/dirty";
+
+/// Opens `path` refusing a symbolic link in any component (`openat2` with
+/// `RESOLVE_NO_SYMLINKS`); the root's own path is canonical (`Root`).
+fn open_no_symlinks(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<OwnedFd> {
+    use std::os::unix::ffi::OsStrExt;
+    #[repr(C)]
+    struct OpenHow {
+        flags: u64,
+        mode: u64,
+        resolve: u64,
+    }
+    const RESOLVE_NO_SYMLINKS: u64 = 0x04;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let how = OpenHow {
+        flags: (flags | libc::O_CLOEXEC) as u64,
+        mode: u64::from(mode),
+        resolve: RESOLVE_NO_SYMLINKS,
+    };
+    // SAFETY: a valid C string and a live open_how of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor just returned to us and owned by nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
+}
+
+/// Makes the marker of `name` (step 2 of the module doc); one that is
+/// there already is kept. One `mknod` by path, as lock files are made:
+/// whoever could plant a link in place of `locks/dirty` could as well in
+/// place of `locks/images`.
+pub fn mark(root: &Root, name: &ImageName) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = root.dir().join(DIRTY_REL).join(name.encoded());
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let make = || {
+        // SAFETY: a valid C string.
+        match unsafe { libc::mknodat(libc::AT_FDCWD, c.as_ptr(), libc::S_IFREG | 0o666, 0) } {
+            0 => Ok(()),
+            _ => match io::Error::last_os_error() {
+                e if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+                e => Err(e),
+            },
+        }
+    };
+    match make() {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            // The first marker of this store makes the directory, through
+            // the root's descriptors (a link in place of `locks` refused).
+            let locks = root
+                .open_sub(Root::LOCKS_REL)
+                .map_err(|e| io::Error::other(format!("{e:#}")))?;
+            match locks.mkdir("dirty", 0o777) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+            make()
+        }
+        other => other,
+    }
+}
+
+/// The markers' directory, if there is one.
+fn open_dirty(root: &Root) -> io::Result<Option<crate::dir::Dir>> {
+    match open_no_symlinks(
+        &root.dir().join(DIRTY_REL),
+        libc::O_RDONLY | libc::O_DIRECTORY,
+        0,
+    ) {
+        Ok(fd) => Ok(Some(crate::dir::Dir::from_fd(fd))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The markers found under the global lock, before any transaction: those
+/// whose image lock is held now (by us, or tried and got), to fold, and
+/// those a writer holds, left alone.
+#[derive(Default)]
+pub struct Markers {
+    dir: Option<crate::dir::Dir>,
+    /// Markers to fold: name, image, the lock taken for the fold (none:
+    /// this process holds it), the lock file.
+    todo: Vec<(
+        OsString,
+        ImageName,
+        Option<lock::Guard>,
+        Option<std::fs::File>,
+    )>,
+    /// Images a writer holds now.
+    pub busy: Vec<String>,
+}
+
+impl Markers {
+    /// Whether a transaction has anything to fold.
+    pub fn any(&self) -> bool {
+        !self.todo.is_empty()
+    }
+
+    /// Unlinks the markers folded, under the image locks still held: call
+    /// once the transaction that folded them has committed.
+    pub fn unlink_folded(self) {
+        let Some(dir) = self.dir else { return };
+        for (marker, _, guard, _) in self.todo {
+            let _ = dir.unlink(&marker);
+            // Only now may a writer start on the image again.
+            drop(guard);
+        }
+    }
+}
+
+/// Lists the markers and takes the image locks a fold needs (see the
+/// module doc). Call holding the global lock, before the transaction; no
+/// `locks/dirty` (a store no fast writer ever wrote): nothing.
+pub fn markers(root: &Root) -> Result<Markers> {
+    let mut out = Markers::default();
+    let Some(dir) = open_dirty(root)? else {
+        return Ok(out);
+    };
+    for marker in dir.names()? {
+        let Some(name) = marker
+            .to_str()
+            .and_then(|n| ImageName::from_encoded(n).ok())
+        else {
+            // Not a marker this release makes: nothing to fold.
+            continue;
+        };
+        let path = root.image_lock(&name);
+        let Some(file) = crate::record::open_lock_file(&path)? else {
+            // No lock file: the image was removed under its lock since
+            // (the unlink rule), its record with it.
+            out.todo.push((marker, name, None, None));
+            continue;
+        };
+        let st = file.metadata()?;
+        if lock::held_exclusively_here(st.dev(), st.ino()) {
+            out.todo.push((marker, name, None, Some(file)));
+            continue;
+        }
+        match lock::acquire_no_wait(&path, Mode::Shared, lock::IfMissing::Fail) {
+            Ok(Some(g)) => out.todo.push((marker, name, Some(g), None)),
+            // A writer is at work: its record is not final.
+            Ok(None) => out.busy.push(name.as_str().to_owned()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                out.todo.push((marker, name, None, None));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    out.dir = Some(dir);
+    Ok(out)
+}
+
+/// Folds the records of `m`'s markers into the rows, in `tx`.
+pub fn fold(tx: &Tx, ctx: &Ctx, m: &Markers) -> Result<()> {
+    let images_dir = tx.images_dir(&ctx.root)?;
+    let db = crate::record::DbId::from_id(tx.identity()?);
+    for (_, name, guard, own) in &m.todo {
+        let Some(file) = guard.as_ref().map(|g| g.file()).or(own.as_ref()) else {
+            continue;
+        };
+        let found = crate::record::found(file)?;
+        fold_one(tx, ctx, name, &found, &images_dir, db, file)?;
+    }
+    Ok(())
+}
+
+/// Whether a record read from a lock file is a writer's (a `writing` or
+/// `incomplete` record, or a `ready` one with the size a writer measured)
+/// rather than a token or nothing.
+pub fn is_writers(found: &crate::record::Found) -> bool {
+    found.writers_format
+        && found
+            .record
+            .as_ref()
+            .is_some_and(|t| t.state != State::Ready || t.size.is_some())
+}
+
+/// Folds the record `found` of an image whose lock the caller holds
+/// (shared or exclusively), if it is a writer's. A listing of the markers
+/// may miss a fresh one (an NFS client caches directory listings); the
+/// record read under one's own lock cannot. Folding a record again is
+/// harmless: a writer's record stays only while it describes the image's
+/// last change (any later one takes it away or writes a token over it).
+pub fn fold_found(
+    tx: &Tx,
+    ctx: &Ctx,
+    name: &ImageName,
+    found: &crate::record::Found,
+    file: &std::fs::File,
+) -> Result<()> {
+    if !is_writers(found) {
+        return Ok(());
+    }
+    let images_dir = tx.images_dir(&ctx.root)?;
+    let db = crate::record::DbId::from_id(tx.identity()?);
+    fold_one(tx, ctx, name, found, &images_dir, db, file)
+}
+
+/// [`fold_found`] on the record read now through `file`.
+pub fn fold_held(tx: &Tx, ctx: &Ctx, name: &ImageName, file: &std::fs::File) -> Result<()> {
+    fold_found(tx, ctx, name, &crate::record::found(file)?, file)
+}
+
+/// Sets the row of `name` from its record (the module doc's table).
+fn fold_one(
+    tx: &Tx,
+    ctx: &Ctx,
+    name: &ImageName,
+    found: &crate::record::Found,
+    images_dir: &Path,
+    db: Option<crate::record::DbId>,
+    file: &std::fs::File,
+) -> Result<()> {
+    let row = tx.image(name.as_str())?;
+    let vouches = |t: &Token| {
+        t.state == State::Ready
+            && t.image == name.as_str()
+            && Some(t.db) == db
+            && t.images_dir
+                .clone()
+                .unwrap_or_else(|| ctx.root.default_images_dir())
+                == images_dir
+    };
+    match (&found.record, &row) {
+        (Some(t), Some(r)) if vouches(t) && r.state == ImageState::Ready => {
+            // A token without a size is no writer's record: the write
+            // never started (or the database's way wrote it), and the
+            // row already says what it does.
+            if t.size.is_some() {
+                tx.touch(name.as_str(), t.used)?;
+                tx.set_size(name.as_str(), t.size)?;
+                tx.set_base(name.as_str(), None)?;
+                ctx.detail(&format!("image '{name}': its last write is recorded"));
+            }
+            return Ok(());
+        }
+        (Some(t), None) if vouches(t) => {
+            tx.insert_image(&ImageRow {
+                name: name.as_str().to_owned(),
+                state: ImageState::Ready,
+                base: None,
+                created: t.used,
+                last_used: t.used,
+                size_bytes: t.size,
+            })?;
+            return Ok(());
+        }
+        _ => {}
+    }
+    // Not ready: the row says so, and no token says otherwise.
+    if found
+        .record
+        .as_ref()
+        .is_some_and(|t| t.state == State::Ready)
+    {
+        crate::record::invalidate(file)?;
+    }
+    let writer = found
+        .record
+        .as_ref()
+        .is_some_and(|t| t.image == name.as_str() && t.state != State::Ready);
+    match row {
+        Some(r) if r.state == ImageState::Ready || r.state.being_written() => {
+            tx.set_state(name.as_str(), ImageState::Incomplete)?;
+            // Detail only: the writer's own exec reported a failed
+            // command, and whoever needs the image says it is not ready.
+            ctx.detail(&format!(
+                "image '{name}' is incomplete: {}",
+                match &found.record {
+                    Some(t) if writer && t.state == State::Incomplete => "its last write failed",
+                    Some(_) if writer => "its writer did not finish",
+                    _ => "its last write left no record of finishing",
+                }
+            ));
+        }
+        None if writer => {
+            tx.insert_image(&ImageRow {
+                name: name.as_str().to_owned(),
+                state: ImageState::Incomplete,
+                base: None,
+                created: found.record.as_ref().map_or(0, |t| t.used),
+                last_used: found.record.as_ref().map_or(0, |t| t.used),
+                size_bytes: None,
+            })?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
