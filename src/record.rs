@@ -2,13 +2,16 @@
 //! reader learns "ready" from the lock it takes anyway, without the global
 //! lock or the database.
 //!
-//! The database stays the single source of truth for every image's state.
-//! A record is a *ready token* derived from it and kept in the first bytes
-//! of the image's lock file (`locks/images/ENC.lock`; the file remains an
-//! ordinary lock file, flock(1) on it works as before):
+//! The database is the source of truth for every image's state, except
+//! while a writer's marker stands (`crate::written`: a write without the
+//! database leaves a record `writing`, then `ready` or `incomplete`, here,
+//! which is the truth until a transaction folds it in). Otherwise a record
+//! is a *ready token* derived from the database and kept in the first
+//! bytes of the image's lock file (`locks/images/ENC.lock`; the file
+//! remains an ordinary lock file, flock(1) on it works as before):
 //!
 //! ```text
-//! stowage-image 2
+//! stowage-image 3                 (2: written by a release before schema 7)
 //! state=ready
 //! image=alpine:3.17
 //! images=default                  (or the configured absolute directory)

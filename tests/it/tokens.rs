@@ -356,8 +356,10 @@ fn commands_cost_no_more_round_trips_than_measured() {
     env.ok(["images"]);
     let write = round_trips(&env, &["exec", "--write", "base", "--", "true"]).unwrap();
     eprintln!("exec --write (existing): {write} counted calls");
+    // 30 for an empty tree (scripts/roundtrips); this one has a file,
+    // whose lstat the tree's measure adds.
     assert!(
-        write <= 30,
+        write <= 31,
         "exec --write of an existing image: {write} calls"
     );
     // The next transaction folds that write in: one more of its own.
@@ -369,7 +371,7 @@ fn commands_cost_no_more_round_trips_than_measured() {
     // up.
     for (args, most) in [
         (&["images"][..], 65),
-        (&["exec", "--write", "new", "--", "true"][..], 120),
+        (&["exec", "--write", "new", "--", "true"][..], 121),
         (&["lock-status"][..], 71),
     ] {
         let n = round_trips(&env, args).unwrap();
