@@ -708,6 +708,12 @@ impl Session {
                 tx.delete_record(*id)?;
             }
             let global = tx.commit_keeping_global()?;
+            // A write begun without the database and finished this way:
+            // the row holds its outcome now, so its marker goes (under our
+            // lock) before its record is overwritten by the token.
+            for h in held.iter().filter(|h| h.fast.is_some()) {
+                crate::written::unmark(&ctx.root, &h.name);
+            }
             for (i, t) in &tokens {
                 crate::record::write_ready(&held[*i].guard, t);
             }

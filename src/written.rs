@@ -21,10 +21,9 @@
 //! Invariants:
 //! - **While a marker exists, its image's record is the truth about the
 //!   image**; otherwise the database is. Every transaction begins, under
-//!   the global lock, by listing the markers ([`markers`], [`fold`]); for each
-//!   whose image lock it can hold (tried shared, never awaited; or held
-//!   exclusively by this very process) it reads the record and sets the
-//!   row: `ready` with the record's size, last use and no base, only for
+//!   the global lock, by listing the markers ([`markers`], [`fold`]); for
+//!   each whose image lock it can hold (tried shared, never awaited) it
+//!   reads the record and sets the row: `ready` with the record's size, last use and no base, only for
 //!   a valid ready record of this database and images directory on a row
 //!   that is ready (or missing); `incomplete` for anything else — a
 //!   `writing` record (its writer is gone: we could lock), `incomplete`,
@@ -37,6 +36,16 @@
 //!   the commit and the unlink only folds the same record again.
 //! - A marker whose lock another process holds exclusively is a write in
 //!   progress: left alone, and shown as `writing` (`Store::being_written`).
+//!   One whose lock a guard of this very process holds exclusively (not a
+//!   descriptor inherited from an enclosing command) is left to that
+//!   holder, which folds the record it read under its lock — a write, before
+//!   it took the token away ([`fold_found`]) — and, for a write of its own
+//!   finished the database's way, takes the marker away once that
+//!   transaction has committed ([`unmark`]).
+//! - **Whoever holds an image folds the record it reads under its lock**,
+//!   listed or not: a listing may miss a fresh marker (NFS caches
+//!   directory listings); a record read under a lock is read from the
+//!   server.
 //!
 //! Markers are listed and unlinked through a descriptor of `locks/dirty`
 //! opened with `openat2(RESOLVE_NO_SYMLINKS)`: a link planted there cannot
@@ -133,6 +142,15 @@ pub fn mark(root: &Root, name: &ImageName) -> io::Result<()> {
     }
 }
 
+/// Takes away the marker of an image whose write this process finished
+/// the database's way (its transaction has committed the truth), holding
+/// the image's lock exclusively.
+pub fn unmark(root: &Root, name: &ImageName) {
+    if let Ok(Some(dir)) = open_dirty(root) {
+        let _ = dir.unlink(name.encoded());
+    }
+}
+
 /// The markers' directory, if there is one.
 fn open_dirty(root: &Root) -> io::Result<Option<crate::dir::Dir>> {
     match open_no_symlinks(
@@ -152,14 +170,9 @@ fn open_dirty(root: &Root) -> io::Result<Option<crate::dir::Dir>> {
 #[derive(Default)]
 pub struct Markers {
     dir: Option<crate::dir::Dir>,
-    /// Markers to fold: name, image, the lock taken for the fold (none:
-    /// this process holds it), the lock file.
-    todo: Vec<(
-        OsString,
-        ImageName,
-        Option<lock::Guard>,
-        Option<std::fs::File>,
-    )>,
+    /// Markers to fold: name, image, the lock taken for the fold (none: no
+    /// lock file, nothing to fold).
+    todo: Vec<(OsString, ImageName, Option<lock::Guard>)>,
     /// Images a writer holds now.
     pub busy: Vec<String>,
 }
@@ -174,7 +187,7 @@ impl Markers {
     /// once the transaction that folded them has committed.
     pub fn unlink_folded(self) {
         let Some(dir) = self.dir else { return };
-        for (marker, _, guard, _) in self.todo {
+        for (marker, _, guard) in self.todo {
             let _ = dir.unlink(&marker);
             // Only now may a writer start on the image again.
             drop(guard);
@@ -202,20 +215,22 @@ pub fn markers(root: &Root) -> Result<Markers> {
         let Some(file) = crate::record::open_lock_file(&path)? else {
             // No lock file: the image was removed under its lock since
             // (the unlink rule), its record with it.
-            out.todo.push((marker, name, None, None));
+            out.todo.push((marker, name, None));
             continue;
         };
         let st = file.metadata()?;
         if lock::held_exclusively_here(st.dev(), st.ino()) {
-            out.todo.push((marker, name, None, Some(file)));
+            // Ours: the caller folds the record it read under its lock
+            // (before taking any token away: `fold_found`), and a write
+            // of ours ends by taking its own marker away.
             continue;
         }
         match lock::acquire_no_wait(&path, Mode::Shared, lock::IfMissing::Fail) {
-            Ok(Some(g)) => out.todo.push((marker, name, Some(g), None)),
+            Ok(Some(g)) => out.todo.push((marker, name, Some(g))),
             // A writer is at work: its record is not final.
             Ok(None) => out.busy.push(name.as_str().to_owned()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                out.todo.push((marker, name, None, None));
+                out.todo.push((marker, name, None));
             }
             Err(e) => return Err(e.into()),
         }
@@ -228,8 +243,8 @@ pub fn markers(root: &Root) -> Result<Markers> {
 pub fn fold(tx: &Tx, ctx: &Ctx, m: &Markers) -> Result<()> {
     let images_dir = tx.images_dir(&ctx.root)?;
     let db = crate::record::DbId::from_id(tx.identity()?);
-    for (_, name, guard, own) in &m.todo {
-        let Some(file) = guard.as_ref().map(|g| g.file()).or(own.as_ref()) else {
+    for (_, name, guard) in &m.todo {
+        let Some(file) = guard.as_ref().map(|g| g.file()) else {
             continue;
         };
         let found = crate::record::found(file)?;

@@ -316,3 +316,27 @@ fn gc_sees_a_write_it_did_not_list_before_it_removes_an_image() {
     let out = env.ok(["gc", "--unused-for", "30d"]);
     assert_eq!(env.state("old").as_deref(), Some("ready"), "{}", show(&out));
 }
+
+#[test]
+fn a_write_whose_lock_was_lost_finishes_the_database_way_and_takes_its_marker() {
+    let env = Env::new();
+    env.make_image("app");
+    // The hidden hook fails the lock's check as a lost NFS lock does.
+    let mut c = env.cmd(["exec", "--write", "app", "--", "true"]);
+    c.env(stowage::env::DEBUG_LOST_LOCK, "app.lock");
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("lost the write lock on image 'app'"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    // Recorded by its own transaction; no marker left to fold it again.
+    assert!(!marker(&env, "app").exists());
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    // Written again (the database's way: no token vouches for it), it is
+    // ready again; and the next write takes no transaction.
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["exec", "--write", "app", "--", "true"]);
+    assert!(marker(&env, "app").exists());
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
