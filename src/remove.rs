@@ -382,12 +382,15 @@ pub(crate) fn recheck(
     guard: Guard,
     tidy: bool,
 ) -> Result<Option<(Guard, ImageRow)>> {
-    let looked = store.with_tx_holding_locks(None, |tx, ctx| {
+    let (folded, looked) = store.with_tx_holding_locks(None, |tx, ctx| {
         // Under our lock, its record is the truth if a writer left one
         // (written.rs): a decision from an earlier list must see it.
-        crate::written::fold_held(tx, ctx, name, guard.file())?;
-        tx.image(name.as_str())
+        let folded = crate::written::fold_held(tx, ctx, name, guard.file())?;
+        Ok((folded, tx.image(name.as_str())?))
     })?;
+    if folded {
+        crate::written::unmark(store.root(), name);
+    }
     match looked {
         Some(row) => Ok(Some((guard, row))),
         None => {

@@ -907,15 +907,21 @@ fn start(
     // First what our locks prove, and whether every read can go ahead.
     let mut refusal = None;
     let mut rows = Vec::with_capacity(held.len());
+    // Images whose writer's record this transaction folds: their markers
+    // go once it has committed (we hold their locks).
+    let mut folded: Vec<ImageName> = Vec::new();
     for (h, before) in held.iter().zip(before) {
         let name = h.name.as_str();
         // A writer that took no transaction may have left its record
         // (written.rs): the truth about the image until folded, and what
         // our locks prove we may fold.
-        match before {
+        let fold = match before {
             Some(found) => crate::written::fold_found(&tx, ctx, &h.name, found, h.guard.file())?,
             None if !h.writes() => crate::written::fold_held(&tx, ctx, &h.name, h.guard.file())?,
-            None => {}
+            None => false,
+        };
+        if fold {
+            folded.push(h.name.clone());
         }
         // Holding the lock exclusively, nobody else holds it at all; holding
         // it shared, nobody holds it exclusively. Dropping the records that
@@ -950,6 +956,9 @@ fn start(
         // unlinks the lock files of images this exec would have created
         // (see `give_up`).
         tx.commit()?;
+        for name in &folded {
+            crate::written::unmark(&ctx.root, name);
+        }
         for (h, row) in held.iter().zip(&rows) {
             if h.writes() && row.is_none() {
                 let _ = crate::remove::unlink_held_lock(&ctx.root, &h.guard);
@@ -1023,6 +1032,9 @@ fn start(
     })();
     let committed = claimed.and_then(|records| {
         let global = tx.commit_keeping_global()?;
+        for name in &folded {
+            crate::written::unmark(&ctx.root, name);
+        }
         for (i, t) in &tokens {
             crate::record::write_ready(&held[*i].guard, t);
         }

@@ -142,9 +142,10 @@ pub fn mark(root: &Root, name: &ImageName) -> io::Result<()> {
     }
 }
 
-/// Takes away the marker of an image whose write this process finished
-/// the database's way (its transaction has committed the truth), holding
-/// the image's lock exclusively.
+/// Takes away the marker of an image whose record this process folded, or
+/// whose write it finished the database's way, once that transaction has
+/// committed, holding the image's lock (shared or exclusively: no writer
+/// can start meanwhile).
 pub fn unmark(root: &Root, name: &ImageName) {
     if let Ok(Some(dir)) = open_dirty(root) {
         let _ = dir.unlink(name.encoded());
@@ -270,23 +271,29 @@ pub fn is_writers(found: &crate::record::Found) -> bool {
 /// record read under one's own lock cannot. Folding a record again is
 /// harmless: a writer's record stays only while it describes the image's
 /// last change (any later one takes it away or writes a token over it).
+///
+/// Returns whether it folded one: then the caller, once its transaction
+/// has committed and still holding the lock, takes the marker away
+/// ([`unmark`]) — left, it would be folded again later from whatever the
+/// lock file says then (nothing, after a write that took the token away).
 pub fn fold_found(
     tx: &Tx,
     ctx: &Ctx,
     name: &ImageName,
     found: &crate::record::Found,
     file: &std::fs::File,
-) -> Result<()> {
+) -> Result<bool> {
     if !is_writers(found) {
-        return Ok(());
+        return Ok(false);
     }
     let images_dir = tx.images_dir(&ctx.root)?;
     let db = crate::record::DbId::from_id(tx.identity()?);
-    fold_one(tx, ctx, name, found, &images_dir, db, file)
+    fold_one(tx, ctx, name, found, &images_dir, db, file)?;
+    Ok(true)
 }
 
 /// [`fold_found`] on the record read now through `file`.
-pub fn fold_held(tx: &Tx, ctx: &Ctx, name: &ImageName, file: &std::fs::File) -> Result<()> {
+pub fn fold_held(tx: &Tx, ctx: &Ctx, name: &ImageName, file: &std::fs::File) -> Result<bool> {
     fold_found(tx, ctx, name, &crate::record::found(file)?, file)
 }
 

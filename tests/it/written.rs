@@ -340,3 +340,32 @@ fn a_write_whose_lock_was_lost_finishes_the_database_way_and_takes_its_marker() 
     assert!(marker(&env, "app").exists());
     assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
+
+#[test]
+fn a_write_the_database_way_that_never_starts_leaves_an_unfolded_write_ready() {
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("other");
+    env.ok(["exec", "--write", "base", "--", "true"]);
+    assert!(
+        marker(&env, "base").exists(),
+        "written without the database"
+    );
+    // A read whose token is damaged sends the whole request the
+    // database's way, with base's lock taken at once: its start folds
+    // base's record, read before the write took it away.
+    let lock = env.lock_file("other");
+    let mut bytes = fs::read(&lock).unwrap();
+    bytes[20] ^= 1;
+    fs::write(&lock, &bytes).unwrap();
+    let (writer, _file) = env.paused(
+        ["exec", "--read", "other", "--write", "base", "--", "true"],
+        "exec-before-spawn",
+    );
+    writer.signal(libc::SIGTERM);
+    let out = writer.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    // Stopped before its command, it gives the image back as it was.
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "base", "--", "true"]);
+}
