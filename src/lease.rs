@@ -65,7 +65,7 @@ pub struct Lease {
     written: usize,
     /// The leases directory, opened refusing a symlink: the guard's path
     /// goes through it, so the file is made, and unlinked, in the store.
-    _dir: fs::File,
+    dir: fs::File,
 }
 
 impl Lease {
@@ -111,6 +111,16 @@ pub fn set_inheritable(inherit: bool) -> io::Result<()> {
     mine_all()
         .iter()
         .try_for_each(|(_, l)| l.guard.set_inheritable(inherit))
+}
+
+/// Runs `f` on the descriptor of the leases directory under which this
+/// process holds its lease for `leases` (opened refusing a symlink), if it
+/// has one: what a writer's marker is made through (`crate::written`).
+pub fn with_pinned_dir<T>(leases: &Path, f: impl FnOnce(RawFd) -> T) -> Option<T> {
+    let all = mine_all();
+    all.iter()
+        .find(|(d, _)| d == leases)
+        .map(|(_, l)| f(l.dir.as_raw_fd()))
 }
 
 /// Ends this process's leases: unlinks each file under its lock, then closes
@@ -301,7 +311,7 @@ fn create(dir: &Path) -> io::Result<Lease> {
             identity: text,
             holdings: Vec::new(),
             written,
-            _dir: pinned,
+            dir: pinned,
         });
     }
     Err(io::Error::other(format!(

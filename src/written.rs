@@ -8,7 +8,8 @@
 //!    ready token in the writers' format (`record::WRITERS_SINCE_SCHEMA`:
 //!    proof that every binary using the store folds) and no store-wide
 //!    hint;
-//! 2. makes the image's *marker* `locks/dirty/ENC` (an empty file);
+//! 2. makes the image's *marker* `locks/leases/ENC.dirty` (an empty file,
+//!    made through the leases directory's descriptor its lease holds);
 //! 3. replaces the token with a record `state=writing`, synced — after the
 //!    marker, so that no `writing` record is ever without one;
 //! 4. runs the command; then, still holding the lock (re-asserted) and the
@@ -47,9 +48,10 @@
 //!   directory listings); a record read under a lock is read from the
 //!   server.
 //!
-//! Markers are listed and unlinked through a descriptor of `locks/dirty`
-//! opened with `openat2(RESOLVE_NO_SYMLINKS)`: a link planted there cannot
-//! steer an unlink out of the store. On NFS the marker's creation is synchronous at the server, so it
+//! Markers are listed and unlinked through a descriptor of `locks/leases`
+//! opened with `openat2(RESOLVE_NO_SYMLINKS)`, and made through the one the
+//! writer's lease holds (opened refusing a link): a link planted in the
+//! store cannot steer either out of it. On NFS the marker's creation is synchronous at the server, so it
 //! is there before the `writing` record.
 
 use std::ffi::OsString;
@@ -67,8 +69,25 @@ use crate::name::ImageName;
 use crate::record::{State, Token};
 use crate::root::Root;
 
-/// The markers' directory, under the root.
-pub const DIRTY_REL: &str = "locks/dirty";
+/// The markers' directory, under the root: the leases directory, whose
+/// descriptor every writer holds already (its lease's), so that a marker
+/// costs one `mknodat` through it and never follows a link planted in the
+/// store. Markers are told from leases by their suffix.
+const MARKERS_REL: &str = "locks/leases";
+const SUFFIX: &str = ".dirty";
+
+/// The marker's file name for `name`: `ENC.dirty`. `None` for a name too
+/// long for that (such images are written the database's way).
+fn marker_name(name: &ImageName) -> Option<String> {
+    let m = format!("{}{SUFFIX}", name.encoded());
+    (m.len() <= 255).then_some(m)
+}
+
+/// The image a marker's file name stands for.
+fn marked_image(file: &std::ffi::OsStr) -> Option<ImageName> {
+    let enc = file.to_str()?.strip_suffix(SUFFIX)?;
+    ImageName::from_encoded(enc).ok()
+}
 
 /// Opens `path` refusing a symbolic link in any component (`openat2` with
 /// `RESOLVE_NO_SYMLINKS`); the root's own path is canonical (`Root`).
@@ -105,41 +124,26 @@ fn open_no_symlinks(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<Ow
     Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
 }
 
-/// Makes the marker of `name` (step 2 of the module doc); one that is
-/// there already is kept. One `mknod` by path, as lock files are made:
-/// whoever could plant a link in place of `locks/dirty` could as well in
-/// place of `locks/images`.
+/// Makes the marker of `name` (step 2 of the module doc), through the
+/// leases directory's descriptor this process's lease holds; one that is
+/// there already is kept. Fails (the write goes the database's way) for a
+/// process without a lease there or a name too long for a marker.
 pub fn mark(root: &Root, name: &ImageName) -> io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let path = root.dir().join(DIRTY_REL).join(name.encoded());
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    let make = || {
-        // SAFETY: a valid C string.
-        match unsafe { libc::mknodat(libc::AT_FDCWD, c.as_ptr(), libc::S_IFREG | 0o666, 0) } {
+    let marker =
+        marker_name(name).ok_or_else(|| io::Error::from_raw_os_error(libc::ENAMETOOLONG))?;
+    let c =
+        std::ffi::CString::new(marker).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    crate::lease::with_pinned_dir(&root.leases(), |fd| {
+        // SAFETY: a valid C string and a directory descriptor the lease keeps open.
+        match unsafe { libc::mknodat(fd, c.as_ptr(), libc::S_IFREG | 0o666, 0) } {
             0 => Ok(()),
             _ => match io::Error::last_os_error() {
                 e if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
                 e => Err(e),
             },
         }
-    };
-    match make() {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            // The first marker of this store makes the directory, through
-            // the root's descriptors (a link in place of `locks` refused).
-            let locks = root
-                .open_sub(Root::LOCKS_REL)
-                .map_err(|e| io::Error::other(format!("{e:#}")))?;
-            match locks.mkdir("dirty", 0o777) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(e),
-            }
-            make()
-        }
-        other => other,
-    }
+    })
+    .unwrap_or_else(|| Err(io::Error::from_raw_os_error(libc::ENOENT)))
 }
 
 /// Takes away the marker of an image whose record this process folded, or
@@ -147,21 +151,31 @@ pub fn mark(root: &Root, name: &ImageName) -> io::Result<()> {
 /// committed, holding the image's lock (shared or exclusively: no writer
 /// can start meanwhile).
 pub fn unmark(root: &Root, name: &ImageName) {
-    if let Ok(Some(dir)) = open_dirty(root) {
-        let _ = dir.unlink(name.encoded());
+    if let (Ok(Some(dir)), Some(marker)) = (open_dirty(root), marker_name(name)) {
+        let _ = dir.unlink(marker);
     }
 }
 
 /// The markers' directory, if there is one.
+///
+/// No directory there — missing, or a link or file planted in its place —
+/// holds no marker: one is made only through a lease's descriptor of a
+/// real directory. (Markers made before such a swap are not listed; the
+/// records they stand for are still folded by whoever locks the image.)
 fn open_dirty(root: &Root) -> io::Result<Option<crate::dir::Dir>> {
-    match open_no_symlinks(
-        &root.dir().join(DIRTY_REL),
-        libc::O_RDONLY | libc::O_DIRECTORY,
-        0,
-    ) {
+    let path = root.dir().join(MARKERS_REL);
+    match open_no_symlinks(&path, libc::O_RDONLY | libc::O_DIRECTORY, 0) {
         Ok(fd) => Ok(Some(crate::dir::Dir::from_fd(fd))),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
+        Err(e)
+            if e.kind() == io::ErrorKind::NotFound
+                || matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!("cannot list {}: {e}", path.display()),
+        )),
     }
 }
 
@@ -198,18 +212,15 @@ impl Markers {
 
 /// Lists the markers and takes the image locks a fold needs (see the
 /// module doc). Call holding the global lock, before the transaction; no
-/// `locks/dirty` (a store no fast writer ever wrote): nothing.
+/// leases directory: nothing.
 pub fn markers(root: &Root) -> Result<Markers> {
     let mut out = Markers::default();
     let Some(dir) = open_dirty(root)? else {
         return Ok(out);
     };
     for marker in dir.names()? {
-        let Some(name) = marker
-            .to_str()
-            .and_then(|n| ImageName::from_encoded(n).ok())
-        else {
-            // Not a marker this release makes: nothing to fold.
+        let Some(name) = marked_image(&marker) else {
+            // A lease, or nothing this release makes: nothing to fold.
             continue;
         };
         let path = root.image_lock(&name);

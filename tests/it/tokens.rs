@@ -351,7 +351,7 @@ fn commands_cost_no_more_round_trips_than_measured() {
     );
     assert!(slot.unwrap() <= read + 7, "slot + read: {slot:?} calls");
     // A write of an existing image takes no transaction (written.rs): the
-    // contract's 30. Warm first: the first such write makes locks/dirty.
+    // contract's 30.
     env.ok(["exec", "--write", "other", "--", "true"]);
     env.ok(["images"]);
     let write = round_trips(&env, &["exec", "--write", "base", "--", "true"]).unwrap();

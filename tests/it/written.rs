@@ -9,7 +9,7 @@ use std::fs;
 use crate::common::*;
 
 fn marker(env: &Env, enc: &str) -> std::path::PathBuf {
-    env.root.join("locks/dirty").join(enc)
+    env.root.join("locks/leases").join(format!("{enc}.dirty"))
 }
 
 fn lock_text(env: &Env, enc: &str) -> String {
@@ -285,7 +285,7 @@ fn an_older_store_writes_the_database_way_until_it_is_upgraded() {
 
 #[test]
 fn a_writers_record_counts_for_whoever_holds_the_image_even_unlisted() {
-    // An NFS client may list `locks/dirty` from its cache and miss a fresh
+    // An NFS client may list `locks/leases` from its cache and miss a fresh
     // marker: whoever locks the image reads its record and folds it anyway.
     let env = Env::new();
     env.make_image("base");
@@ -368,4 +368,38 @@ fn a_write_the_database_way_that_never_starts_leaves_an_unfolded_write_ready() {
     // Stopped before its command, it gives the image back as it was.
     assert_eq!(env.state("base").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "base", "--", "true"]);
+}
+
+#[test]
+fn a_link_planted_at_the_leases_directory_steers_no_marker_out_of_the_store() {
+    let env = Env::new();
+    env.make_image("base");
+    let outside = env.tmp.path().join("elsewhere");
+    fs::rename(env.root.join("locks/leases"), &outside).unwrap();
+    std::os::unix::fs::symlink(&outside, env.root.join("locks/leases")).unwrap();
+    // No lease can be made there, so no write skips the database; every
+    // command still works, and nothing appears outside the store.
+    env.build("base", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(fs::read_dir(&outside).unwrap().count(), 0);
+}
+
+#[test]
+fn entries_in_the_leases_directory_that_are_no_markers_are_left_alone() {
+    let env = Env::new();
+    env.make_image("base");
+    let leases = env.root.join("locks/leases");
+    fs::write(leases.join("no%%image.dirty"), "").unwrap();
+    fs::write(leases.join("notes.txt"), "keep").unwrap();
+    fs::write(leases.join("ghost.dirty"), "").unwrap();
+    env.ok(["images"]);
+    env.ok(["exec", "--write", "base", "--", "true"]);
+    env.ok(["images"]);
+    assert!(leases.join("no%%image.dirty").exists());
+    assert!(leases.join("notes.txt").exists());
+    // A marker of an image that has no lock file stands for nothing.
+    assert!(!leases.join("ghost.dirty").exists());
+    assert_eq!(env.state("ghost"), None);
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
