@@ -969,6 +969,14 @@ fn big_sizes_when_asked() {
         .filter(|n| *n != "a process works under its enclosing command's slot")
         .collect();
     assert_holds("4 processes × 2 images, 1 crash", big_config(), &reach);
+}
+
+/// `STOWAGE_MODEL_BIG=1 cargo test --release --test model big_writer -- --nocapture`
+#[test]
+fn big_writer_sizes_when_asked() {
+    if std::env::var_os("STOWAGE_MODEL_BIG").is_none() {
+        return;
+    }
     let mut writers = writer_config();
     writers.crashes = 2;
     writers.nfs_listing = true;
@@ -977,6 +985,31 @@ fn big_sizes_when_asked() {
         writers,
         WRITER_REACHED,
     );
+    assert_holds(
+        "writes without the database, 2 images, 1 crash",
+        writer_two_images(),
+        WRITER_REACHED,
+    );
+}
+
+/// The writer size with a second image B: writes that take the slow way
+/// beside an exclusive read of B, and a nested write of B (its fold must
+/// leave alone A's marker, which its enclosing command's lock covers).
+fn writer_two_images() -> Config {
+    let mut cfg = writer_config();
+    cfg.images = 2;
+    cfg.ready_at_start = vec![A, B];
+    cfg.roles[0].menu.push(Op::Exec {
+        read: Some(B),
+        read_excl: true,
+        write: Some(A),
+        from: false,
+        slot: None,
+        inherit: true,
+    });
+    cfg.roles[1].menu.push(exec_write(B));
+    cfg.roles[2].menu.push(exec_write(B));
+    cfg
 }
 
 /// Checks that turning a rule off makes the checker find `property`
@@ -1287,8 +1320,12 @@ fn no_transaction_step_waits() {
 /// reads the emptied lock file under its own lock and marks the row
 /// `incomplete` — the state its start saves as the one to restore. If its
 /// command never runs, the complete image stays `incomplete` (and the
-/// next `gc` collects it). Folding, for an image the writer holds, the
-/// record it read before taking the token away keeps it ready.
+/// next `gc` collects it: seen with the binary, `exec --read-exclusive B
+/// --write A -- /nonexistent` after a write of A without the database).
+/// Folding, for an image the writer holds, the record it read before
+/// taking the token away keeps it ready (`own_fold_reads_before`; once
+/// the code does so, that rule becomes the default and this test turns
+/// around).
 #[test]
 fn a_writer_that_gives_up_after_a_fast_write_leaves_a_complete_image_incomplete() {
     let mut cfg = writer_config();
