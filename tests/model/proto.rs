@@ -30,6 +30,21 @@
 //! ready invalidates the token first, in a step of its own, and a token is
 //! written in a step after the commit that saw the row ready, so that a
 //! crash can fall between either pair.
+//!
+//! Writes without the database (src/written.rs): a write of one image whose
+//! lock is free and holds a ready token takes it exclusively at once
+//! (`fast-write`), makes the marker (`marker`), replaces the token with a
+//! `writing` record (`writing`), runs its command and writes `ready` (a
+//! token) or `incomplete` (`record`), each a step of its own; one whose
+//! command never runs puts the token back (`put-back`). Every transaction
+//! that is not cleanup (`waiter`, `start`, `mark`, gc's and doctor's
+//! `sweep`) begins, under the global lock, with the fold: every marker
+//! whose image lock it gets shared without waiting, or holds exclusively
+//! itself, has its record folded into the row and committed (`fold`), then
+//! is unlinked while that lock is still held (`fold-unlink`); a crash may
+//! fall between. Holders fold what they read under their lock (`start`,
+//! gc's re-check). `whole` is the truth those guarantees are about: false
+//! from the start of a writer's command (or copy) until one exits 0.
 
 use stateright::{Model, Property};
 
@@ -247,6 +262,25 @@ pub struct Rules {
     /// token on it would let an outside read past the hold. See
     /// `without_no_token_beside_a_hold_an_outside_read_runs_beside_it`.
     pub no_token_beside_hold: bool,
+    /// A write without the database makes its marker before it replaces
+    /// the token with its `writing` record (off: after).
+    pub marker_first: bool,
+    /// A fold unlinks its markers after its transaction committed (off:
+    /// before the commit, a crash between them possible).
+    pub unlink_after_commit: bool,
+    /// A fold leaves alone a marker whose lock another process holds
+    /// exclusively (off: folds it anyway, reading the record of a write in
+    /// progress).
+    pub skip_busy: bool,
+    /// Whoever holds an image folds the record it reads under its lock:
+    /// the slow path's start (a writer: the record read before it took the
+    /// token away), gc's recheck.
+    pub holder_folds: bool,
+    /// (Not the code: a change it may want.) The fold of a marker whose
+    /// image the folding writer holds through its own guard reads the
+    /// record the writer read before it took the token away, not the
+    /// emptied lock file.
+    pub own_fold_reads_before: bool,
 }
 
 /// When a read of the fast path tries `locks/store.lock` shared.
@@ -283,6 +317,11 @@ impl Default for Rules {
             store_marks: true,
             token_after_store: true,
             no_token_beside_hold: true,
+            marker_first: true,
+            unlink_after_commit: true,
+            skip_busy: true,
+            holder_folds: true,
+            own_fold_reads_before: false,
         }
     }
 }
@@ -299,6 +338,12 @@ pub struct Config {
     /// Images that exist (ready, with a ready token in their lock files)
     /// at the start.
     pub ready_at_start: Vec<u8>,
+    /// Writes of an existing image try the way without the database
+    /// (src/written.rs) first.
+    pub fast_writes: bool,
+    /// A listing of `locks/dirty` may miss the markers (an NFS client's
+    /// cached directory), in which case the transaction folds nothing.
+    pub nfs_listing: bool,
 }
 
 /// The program counter of a process.
@@ -314,6 +359,16 @@ pub enum Pc {
     /// `store.lock` tried shared; any miss goes the slow way (`Try`).
     FastTry,
     FastStore,
+    /// A write without the database (src/written.rs): the image lock taken
+    /// at once, exclusively, over a ready token and no store-wide hint
+    /// (else the slow way, holding nothing); the marker; the `writing`
+    /// record; after the command, the `ready` or `incomplete` record; or,
+    /// when the command never ran, the token put back.
+    FastWrite,
+    FastMarker,
+    FastWriting,
+    FastRecord,
+    PutBack,
     /// A writer makes its images' ready tokens say nothing, before `Start`.
     Invalidate,
     /// The ready token a writer writes after its `Finish` committed the
@@ -383,6 +438,11 @@ impl Pc {
             Pc::LeaseLock => Step::LeaseLock,
             Pc::FastTry => Step::FastTry,
             Pc::FastStore => Step::FastStore,
+            Pc::FastWrite => Step::FastWrite,
+            Pc::FastMarker => Step::Marker,
+            Pc::FastWriting => Step::Writing,
+            Pc::FastRecord => Step::Record,
+            Pc::PutBack => Step::PutBack,
             Pc::Invalidate | Pc::InvalidateRm(..) | Pc::StoreInvalidate => Step::Invalidate,
             Pc::FinishToken => Step::Token,
             Pc::StoreLock => Step::StoreLock,
@@ -462,6 +522,40 @@ pub struct Proc {
     /// Claimed by the fast path (no transaction), until it spawns its
     /// command (no longer: a situation to reach, kept short-lived).
     pub fast: bool,
+    /// A write without the database (src/written.rs), from its lock on.
+    pub fw: bool,
+    /// A slow-path writer: the record of its image read before it took
+    /// the token away (folded in its start).
+    pub before: Found,
+    /// Where the fold of markers before its next transaction is.
+    pub fold: Fold,
+    /// Image locks taken shared for that fold.
+    pub fold_locks: Vec<(u8, u8)>,
+}
+
+/// What a lock file's token area holds (record.rs): a valid ready token
+/// (a writer's `ready` record is one too), a writer's `writing` or
+/// `incomplete` record, or nothing that counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Found {
+    Nothing,
+    Token,
+    Writing,
+    Failed,
+}
+
+/// The fold of markers that begins a transaction (`Store::begin_raw`),
+/// under the global lock held from the listing to the transaction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fold {
+    /// Not begun: the next transaction step lists the markers first.
+    Idle,
+    /// Rows committed; these markers to unlink next, their locks held.
+    Unlink(u8),
+    /// (Mutation) markers unlinked; these rows to commit next.
+    Commit(u8),
+    /// Folded (or nothing to fold): the transaction itself is next.
+    Done,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -525,6 +619,15 @@ pub struct State {
     /// writer waits, store-wide. Sorted.
     pub ww: Vec<(u8, u8)>,
     pub sw: Vec<(u8, u8)>,
+    /// Writers' records that are no token (`writing`, `incomplete`), on
+    /// lock files. Sorted.
+    pub wrecs: Vec<(u8, u8, Found)>,
+    /// Markers `locks/dirty/ENC`: a bit per image.
+    pub marks: u8,
+    /// No write left the image's tree incomplete: false from the moment a
+    /// writer's command (or copy) starts changing it until a command of a
+    /// writer exits 0.
+    pub whole: Vec<bool>,
     pub crashes: u8,
     pub bad: u8,
 }
@@ -621,6 +724,7 @@ impl Proto {
         s.procs[p].slot = None;
         s.procs[p].claimed = false;
         s.procs[p].fast = false;
+        s.procs[p].fold_locks.clear();
         if s.global == Some(p as u8) {
             s.global = None;
         }
@@ -960,7 +1064,10 @@ impl Proto {
             }
             if self.enabled(s, p) {
                 out.push(Action::Step(p as u8));
-                if matches!(pr.pc, Pc::Clone | Pc::Spawn) || self.stale_possible(s, p) {
+                if matches!(pr.pc, Pc::Clone | Pc::Spawn)
+                    || self.stale_possible(s, p)
+                    || self.listing_may_miss(s, p)
+                {
                     out.push(Action::Fail(p as u8));
                 }
             }
@@ -969,6 +1076,14 @@ impl Proto {
                 out.push(Action::Exit(p as u8, false));
             }
         }
+    }
+
+    /// On NFS, a fold's listing may miss the markers.
+    fn listing_may_miss(&self, s: &State, p: usize) -> bool {
+        self.cfg.nfs_listing
+            && s.procs[p].fold == Fold::Idle
+            && self.fold_pending(s, p)
+            && !matches!(s.procs[p].pc, Pc::Clone | Pc::Spawn | Pc::FastTry)
     }
 
     /// At `fast-try` with a ready token: it may also be older than the
@@ -988,7 +1103,7 @@ impl Proto {
 
     /// Nothing left to do for this process: done, never called, or dead
     /// with no command left running.
-    fn quiet(&self, s: &State, p: usize) -> bool {
+    pub fn quiet(&self, s: &State, p: usize) -> bool {
         let pr = &s.procs[p];
         let idle = pr.pc == Pc::Done || (pr.pc == Pc::Choose && !self.may_start(s, p));
         (idle || !pr.alive) && pr.cmd != Cmd::Running
@@ -1104,10 +1219,247 @@ impl Proto {
         )
     }
 
+    /// A write of one image, nothing else (`Session::begin_fast`'s
+    /// `writes_ok`: no base, no exclusive read; the model's menus give no
+    /// write a plain read beside it).
+    fn fast_write_eligible(op: Op) -> bool {
+        matches!(
+            op,
+            Op::Exec {
+                read: None,
+                read_excl: false,
+                write: Some(_),
+                from: false,
+                slot: None,
+                ..
+            }
+        )
+    }
+
+    // -- writes without the database (src/written.rs) ---------------------
+
+    /// What the token area of lock file `(i, g)` holds.
+    pub fn record_at(s: &State, i: u8, g: u8) -> Found {
+        if s.tokens.contains(&(i, g)) {
+            return Found::Token;
+        }
+        s.wrecs
+            .iter()
+            .find(|&&(j, h, _)| (j, h) == (i, g))
+            .map_or(Found::Nothing, |r| r.2)
+    }
+
+    /// Writes the token area of lock file `(i, g)`.
+    fn set_record(s: &mut State, i: u8, g: u8, r: Found) {
+        s.tokens.retain(|t| *t != (i, g));
+        s.wrecs.retain(|&(j, h, _)| (j, h) != (i, g));
+        match r {
+            Found::Nothing => {}
+            Found::Token => {
+                s.tokens.push((i, g));
+                s.tokens.sort();
+            }
+            w => {
+                s.wrecs.push((i, g, w));
+                s.wrecs.sort();
+            }
+        }
+    }
+
+    /// The transaction steps that begin with a fold of the markers (the
+    /// others are cleanup, `Store::begin_cleanup`, or a look's view that
+    /// rolls back).
+    fn folds_first(&self, s: &State, p: usize) -> bool {
+        if !self.cfg.fast_writes {
+            return false;
+        }
+        match s.procs[p].pc {
+            Pc::Start | Pc::Waiter(_) | Pc::Mark(..) => true,
+            Pc::Sweep => matches!(self.op(s, p), Some(Op::Gc | Op::Doctor)),
+            _ => false,
+        }
+    }
+
+    /// `written::markers`: the markers a transaction of `p` would fold now,
+    /// and whether it takes the image lock shared for it (false: no lock
+    /// file, or `p` holds it exclusively through its own guard, or — a
+    /// mutation — another process holds it exclusively).
+    fn foldable(&self, s: &State, p: usize) -> Vec<(u8, bool)> {
+        let mut out = vec![];
+        for i in 0..self.cfg.images {
+            if s.marks & (1 << i) == 0 {
+                continue;
+            }
+            let Some(g) = s.file[i as usize] else {
+                out.push((i, false));
+                continue;
+            };
+            let key = Key::Img(i, g);
+            let own = s
+                .locks
+                .iter()
+                .any(|&(k, o, m)| k == key && o as usize == p && m == Mode::Exclusive);
+            if own {
+                out.push((i, false));
+            } else if Self::grantable(s, key, Mode::Shared) {
+                out.push((i, true));
+            } else if !self.cfg.rules.skip_busy {
+                out.push((i, false));
+            }
+        }
+        out
+    }
+
+    /// Whether `p`'s next step is (or may be) a fold.
+    fn fold_pending(&self, s: &State, p: usize) -> bool {
+        match s.procs[p].fold {
+            Fold::Idle => self.folds_first(s, p) && !self.foldable(s, p).is_empty(),
+            Fold::Unlink(_) | Fold::Commit(_) => true,
+            Fold::Done => false,
+        }
+    }
+
+    /// The step `p` takes next, its fold included.
+    pub fn next_step(&self, s: &State, p: usize) -> Option<Step> {
+        let rules = &self.cfg.rules;
+        match s.procs[p].fold {
+            Fold::Unlink(_) => return Some(Step::FoldUnlink),
+            Fold::Commit(_) => return Some(Step::Fold),
+            Fold::Idle if self.fold_pending(s, p) => {
+                return Some(if rules.unlink_after_commit {
+                    Step::Fold
+                } else {
+                    Step::FoldUnlink
+                });
+            }
+            _ => {}
+        }
+        s.procs[p].pc.step()
+    }
+
+    /// `written::fold_one`: the row of image `i` set from the record `r`
+    /// of its lock file `g`. Readiness may be lost, never claimed.
+    fn fold_row(s: &mut State, i: u8, g: u8, r: Found) {
+        let ix = i as usize;
+        match (r, s.rows[ix]) {
+            (Found::Token, Some(Row::Ready)) => return,
+            (Found::Token, None) => {
+                s.rows[ix] = Some(Row::Ready);
+                s.truth[ix] = (false, true);
+                return;
+            }
+            _ => {}
+        }
+        if r == Found::Token {
+            // A ready token beside a row left not ready goes.
+            Self::set_record(s, i, g, Found::Nothing);
+        }
+        let writer = matches!(r, Found::Writing | Found::Failed);
+        match s.rows[ix] {
+            Some(row) if row == Row::Ready || row.being_written() => {
+                s.rows[ix] = Some(Row::Incomplete)
+            }
+            None if writer => s.rows[ix] = Some(Row::Incomplete),
+            _ => {}
+        }
+    }
+
+    /// The rows of the markers in `mask`, from the records `p` reads now.
+    fn fold_rows(&self, s: &mut State, p: usize, mask: u8) {
+        for i in 0..self.cfg.images {
+            if mask & (1 << i) != 0
+                && let Some(g) = s.file[i as usize]
+            {
+                let own_write = s.procs[p].before != Found::Nothing
+                    && s.locks
+                        .contains(&(Key::Img(i, g), p as u8, Mode::Exclusive));
+                let r = if self.cfg.rules.own_fold_reads_before && own_write {
+                    s.procs[p].before
+                } else {
+                    Self::record_at(s, i, g)
+                };
+                Self::fold_row(s, i, g, r);
+            }
+        }
+    }
+
+    /// `fold_found` by a holder: only a writer's record is folded.
+    fn fold_held(&self, s: &mut State, i: u8, g: u8, r: Found) {
+        if self.cfg.rules.holder_folds && matches!(r, Found::Writing | Found::Failed) {
+            Self::fold_row(s, i, g, r);
+        }
+    }
+
+    fn drop_fold_locks(s: &mut State, p: usize) {
+        for (i, g) in std::mem::take(&mut s.procs[p].fold_locks) {
+            let e = (Key::Img(i, g), p as u8, Mode::Shared);
+            if let Some(at) = s.locks.iter().position(|x| *x == e) {
+                s.locks.remove(at);
+            }
+        }
+    }
+
+    /// One step of the fold that begins `p`'s transaction; false when
+    /// there is none (the transaction itself is the step).
+    fn fold_step(&self, s: &mut State, p: usize) -> bool {
+        if !self.folds_first(s, p) {
+            return false;
+        }
+        match s.procs[p].fold {
+            Fold::Idle => {
+                let todo = self.foldable(s, p);
+                if todo.is_empty() {
+                    return false;
+                }
+                // Under the global lock until the transaction itself.
+                s.global = Some(p as u8);
+                let mut mask = 0;
+                for (i, lock) in todo {
+                    mask |= 1 << i;
+                    if lock {
+                        let g = s.file[i as usize].expect("a lock file");
+                        Self::take(s, Key::Img(i, g), p, Mode::Shared);
+                        s.procs[p].fold_locks.push((i, g));
+                    }
+                }
+                if self.cfg.rules.unlink_after_commit {
+                    self.fold_rows(s, p, mask);
+                    s.procs[p].fold = Fold::Unlink(mask);
+                } else {
+                    s.marks &= !mask;
+                    s.procs[p].fold = Fold::Commit(mask);
+                }
+                true
+            }
+            Fold::Unlink(mask) => {
+                s.marks &= !mask;
+                Self::drop_fold_locks(s, p);
+                s.procs[p].fold = Fold::Done;
+                true
+            }
+            Fold::Commit(mask) => {
+                self.fold_rows(s, p, mask);
+                Self::drop_fold_locks(s, p);
+                s.procs[p].fold = Fold::Done;
+                true
+            }
+            Fold::Done => {
+                if s.global == Some(p as u8) {
+                    s.global = None;
+                }
+                s.procs[p].fold = Fold::Idle;
+                false
+            }
+        }
+    }
+
     /// What follows the lease on the first go: the fast path for a plain
     /// read, the slow way for everything else (and for a read starting
     /// over after a store-wide hold).
     fn begin(&self, op: Op) -> Pc {
+        if self.cfg.fast_writes && Self::fast_write_eligible(op) {
+            return Pc::FastWrite;
+        }
         if !Self::fast_eligible(op) {
             return self.after_lease(op);
         }
@@ -1210,7 +1562,10 @@ impl Proto {
                 .collect(),
             _ => vec![],
         };
-        cands.into_iter().filter(|t| s.tokens.contains(t)).collect()
+        cands
+            .into_iter()
+            .filter(|&(i, g)| Self::record_at(s, i, g) != Found::Nothing)
+            .collect()
     }
 
     /// A token step that would change nothing is no step: invalidating
@@ -1323,6 +1678,7 @@ impl Proto {
     /// token (if any) says nothing any more; the next file has none.
     fn forget_tokens(s: &mut State, img: u8) {
         s.tokens.retain(|(i, _)| *i != img);
+        s.wrecs.retain(|(i, _, _)| *i != img);
         s.ww.retain(|(i, _)| *i != img);
         s.sw.retain(|(i, _)| *i != img);
     }
@@ -1363,12 +1719,93 @@ impl Proto {
         Self::release_image(s, p, img);
     }
 
+    /// `remove::recheck`: the record of the image just locked, folded.
+    fn recheck_fold(&self, s: &mut State, p: usize, img: u8) {
+        if !self.cfg.fast_writes {
+            return;
+        }
+        if let Some(&(_, g, _)) = s.procs[p].held.iter().find(|h| h.0 == img) {
+            let r = Self::record_at(s, img, g);
+            self.fold_held(s, img, g, r);
+        }
+    }
+
     fn step(&self, s: &mut State, p: usize) {
         let op = self.op(s, p).expect("a started process has an operation");
         let rules = &self.cfg.rules;
+        if self.fold_step(s, p) {
+            return;
+        }
         let pc = s.procs[p].pc;
         match pc {
             Pc::Choose | Pc::Done | Pc::Command => unreachable!(),
+            Pc::FastWrite => {
+                // `try_write`: the lock file there, its lock free, and one
+                // read of it finds a ready token and no store-wide hint.
+                // Else the slow way, holding nothing.
+                let Op::Exec { write: Some(w), .. } = op else {
+                    unreachable!()
+                };
+                let slow = self.after_lease(op);
+                let Some(g) = s.file[w as usize] else {
+                    s.procs[p].pc = slow;
+                    return;
+                };
+                let key = Key::Img(w, g);
+                if !Self::grantable(s, key, Mode::Exclusive)
+                    || Self::record_at(s, w, g) != Found::Token
+                    || s.sw.contains(&(w, g))
+                {
+                    s.procs[p].pc = slow;
+                    return;
+                }
+                Self::take(s, key, p, Mode::Exclusive);
+                s.procs[p].held.push((w, g, Mode::Exclusive));
+                s.procs[p].fw = true;
+                s.procs[p].claimed = true;
+                self.claim_past_hold(s, p);
+                s.procs[p].pc = if rules.marker_first {
+                    Pc::FastMarker
+                } else {
+                    Pc::FastWriting
+                };
+            }
+            Pc::FastMarker => {
+                let Op::Exec { write: Some(w), .. } = op else {
+                    unreachable!()
+                };
+                s.marks |= 1 << w;
+                s.procs[p].pc = if rules.marker_first {
+                    Pc::FastWriting
+                } else {
+                    Pc::Spawn
+                };
+            }
+            Pc::FastWriting => {
+                let &(w, g, _) = s.procs[p].held.first().expect("its write lock");
+                Self::set_record(s, w, g, Found::Writing);
+                s.procs[p].pc = if rules.marker_first {
+                    Pc::Spawn
+                } else {
+                    Pc::FastMarker
+                };
+            }
+            Pc::FastRecord => {
+                // `finish_fast`: the lock re-asserted (never lost here),
+                // `ready` (a valid token) or `incomplete`, synced.
+                let &(w, g, _) = s.procs[p].held.first().expect("its write lock");
+                let ok = s.procs[p].ok;
+                Self::set_record(s, w, g, if ok { Found::Token } else { Found::Failed });
+                s.truth[w as usize] = (false, ok);
+                s.procs[p].pc = Pc::Release;
+            }
+            Pc::PutBack => {
+                // The command never ran: the bytes read at `fast-write`
+                // (a ready token) go back.
+                let &(w, g, _) = s.procs[p].held.first().expect("its write lock");
+                Self::set_record(s, w, g, Found::Token);
+                s.procs[p].pc = Pc::Release;
+            }
             Pc::LeaseCreate => {
                 // open(O_CREAT) of our name: the file there, or a new one.
                 let (me, n) = (p as u8, s.procs[p].lname);
@@ -1506,8 +1943,8 @@ impl Proto {
                 s.procs[p].pc = self.after_lease(op);
             }
             Pc::StoreInvalidate => {
-                for t in self.tokens_to_invalidate(s, p) {
-                    s.tokens.retain(|x| *x != t);
+                for (i, g) in self.tokens_to_invalidate(s, p) {
+                    Self::set_record(s, i, g, Found::Nothing);
                 }
                 s.procs[p].pc = Pc::StoreEnd(true);
             }
@@ -1598,10 +2035,18 @@ impl Proto {
                 self.fast_claim(s, p);
             }
             Pc::Invalidate | Pc::InvalidateRm(..) => {
+                // A writer reads what a writer without the database left
+                // (for its start to fold) before the token goes.
+                if pc == Pc::Invalidate
+                    && let Op::Exec { write: Some(w), .. } = op
+                    && let Some(&(_, g, _)) = s.procs[p].held.iter().find(|h| h.0 == w)
+                {
+                    s.procs[p].before = Self::record_at(s, w, g);
+                }
                 // `record::invalidate`, durably, under our exclusive lock,
                 // before the transaction that moves the row away from ready.
-                for t in self.tokens_to_invalidate(s, p) {
-                    s.tokens.retain(|x| *x != t);
+                for (i, g) in self.tokens_to_invalidate(s, p) {
+                    Self::set_record(s, i, g, Found::Nothing);
                 }
                 s.procs[p].pc = Self::after_invalidate(pc);
             }
@@ -1782,9 +2227,19 @@ impl Proto {
                     unreachable!()
                 };
                 Self::drop_records(s, p, Some(RecRole::Waiter));
+                // What a writer without the database left, read under our
+                // locks (a writer's: before its token went).
+                let held = s.procs[p].held.clone();
+                for &(img, g, mode) in &held {
+                    let r = if mode == Mode::Exclusive && write == Some(img) {
+                        s.procs[p].before
+                    } else {
+                        Self::record_at(s, img, g)
+                    };
+                    self.fold_held(s, img, g, r);
+                }
                 // What our locks prove: exclusive, nobody else holds it;
                 // shared, nobody holds it exclusively.
-                let held = s.procs[p].held.clone();
                 for (img, _, mode) in &held {
                     s.records.retain(|r| {
                         !(r.of == RecOf::Img(*img)
@@ -1862,7 +2317,13 @@ impl Proto {
                 self.write_tokens(s, p);
                 s.procs[p].pc = if from { Pc::Clone } else { Pc::Spawn };
             }
-            Pc::Clone => s.procs[p].pc = Pc::ReleaseBase,
+            Pc::Clone => {
+                // The copy changes the tree.
+                if let Op::Exec { write: Some(w), .. } = op {
+                    s.whole[w as usize] = false;
+                }
+                s.procs[p].pc = Pc::ReleaseBase
+            }
             Pc::ReleaseBase => {
                 // The base is copied: its holder record goes (one short
                 // transaction), then its lock. (Also naming it --read would
@@ -1882,6 +2343,11 @@ impl Proto {
                 s.procs[p].pc = Pc::Spawn;
             }
             Pc::Spawn => {
+                // A writer's command changes the tree from now on.
+                if let Op::Exec { write: Some(w), .. } = op {
+                    s.whole[w as usize] = false;
+                    s.truth[w as usize].0 = true;
+                }
                 s.procs[p].fast = false;
                 s.procs[p].cmd = Cmd::Running;
                 s.procs[p].pc = Pc::Command;
@@ -2005,6 +2471,7 @@ impl Proto {
                 if !Self::lock_listed(s, p, img, next) {
                     return;
                 }
+                self.recheck_fold(s, p, img);
                 match s.rows[img as usize] {
                     Some(Row::Deleting) => s.procs[p].pc = self.remove(img, Ret::Interrupted),
                     None => {
@@ -2051,7 +2518,7 @@ impl Proto {
                             if rules.doctor_invalidates
                                 && let Some(g) = s.file[ix]
                             {
-                                Self::set(&mut s.tokens, (i, g), false);
+                                Self::set_record(s, i, g, Found::Nothing);
                             }
                             s.rows[ix] = None;
                             s.truth[ix] = (false, false);
@@ -2095,6 +2562,7 @@ impl Proto {
                 if !Self::lock_listed(s, p, img, next) {
                     return;
                 }
+                self.recheck_fold(s, p, img);
                 match s.rows[img as usize] {
                     None => {
                         Self::unlink(s, p, img);
@@ -2134,6 +2602,10 @@ impl Proto {
                     doomed: vec![],
                     claimed: false,
                     fast: false,
+                    fw: false,
+                    before: Found::Nothing,
+                    fold: Fold::Idle,
+                    fold_locks: vec![],
                 };
                 self.cfg.roles.len()
             ],
@@ -2150,6 +2622,9 @@ impl Proto {
             tokens: vec![],
             ww: vec![],
             sw: vec![],
+            wrecs: vec![],
+            marks: 0,
+            whole: vec![true; n],
             crashes: 0,
             bad: 0,
         };
@@ -2206,9 +2681,74 @@ impl Proto {
         })
     }
 
+    /// A row `ready` without a marker: the last write succeeded (with a
+    /// marker, the record says what the write did).
     pub fn ready_means_written(&self, s: &State) -> bool {
-        (0..self.cfg.images as usize)
-            .all(|i| s.rows[i] != Some(Row::Ready) || (!s.truth[i].0 && s.truth[i].1))
+        (0..self.cfg.images as usize).all(|i| {
+            s.rows[i] != Some(Row::Ready)
+                || s.marks & (1 << i) != 0
+                || (!s.truth[i].0 && s.truth[i].1)
+        })
+    }
+
+    /// A process reading image `r` (a read's or exclusive read's claim or
+    /// command, a `--from` copy's base while it is held).
+    fn reads(&self, s: &State, q: usize) -> Option<u8> {
+        let Some(Op::Exec {
+            read: Some(r),
+            from,
+            ..
+        }) = self.op(s, q)
+        else {
+            return None;
+        };
+        let pr = &s.procs[q];
+        let reading =
+            (pr.claimed && pr.held.iter().any(|h| h.0 == r)) || (pr.cmd == Cmd::Running && !from);
+        reading.then_some(r)
+    }
+
+    /// No reader (fast or slow) is past its claim or runs its command on a
+    /// tree a writer's command changed and did not finish successfully.
+    pub fn readers_see_whole(&self, s: &State) -> bool {
+        (0..s.procs.len()).all(|q| self.reads(s, q).is_none_or(|r| s.whole[r as usize]))
+    }
+
+    /// A valid ready token (a writer's `ready` record is one) in the lock
+    /// file at the path only for a complete tree.
+    pub fn token_means_whole(&self, s: &State) -> bool {
+        s.tokens
+            .iter()
+            .all(|&(i, g)| s.file[i as usize] != Some(g) || s.whole[i as usize])
+    }
+
+    /// A row `ready` with no marker only for a complete tree (a fold at
+    /// work on the image, holding the global lock and the image's, aside).
+    pub fn unmarked_ready_means_whole(&self, s: &State) -> bool {
+        let folding = s
+            .procs
+            .iter()
+            .filter(|pr| pr.alive)
+            .map(|pr| match pr.fold {
+                Fold::Commit(m) => m,
+                _ => 0,
+            })
+            .fold(0, |a, m| a | m);
+        (0..self.cfg.images as usize).all(|i| {
+            s.rows[i] != Some(Row::Ready) || (s.marks | folding) & (1 << i) != 0 || s.whole[i]
+        })
+    }
+
+    /// A `writing` record in the lock file at the path, beside a row that
+    /// says ready, has its marker: every write the row does not show is
+    /// announced to the folds.
+    pub fn writing_is_marked(&self, s: &State) -> bool {
+        s.wrecs.iter().all(|&(i, g, r)| {
+            r != Found::Writing
+                || s.file[i as usize] != Some(g)
+                || s.rows[i as usize] != Some(Row::Ready)
+                || s.marks & (1 << i) != 0
+        })
     }
 
     /// At work on an image or a slot: an exec past its start, or its
@@ -2350,6 +2890,11 @@ impl Model for Proto {
                 s.procs[p].pc = self.first(self.cfg.roles[p].menu[i as usize]);
             }
             Action::Step(p) => self.step(&mut s, p as usize),
+            Action::Fail(p) if self.listing_may_miss(&s, p as usize) => {
+                // The listing saw no marker: the transaction folds nothing.
+                s.procs[p as usize].fold = Fold::Done;
+                self.step(&mut s, p as usize);
+            }
             Action::Fail(p) => {
                 let p = p as usize;
                 match s.procs[p].pc {
@@ -2371,6 +2916,8 @@ impl Model for Proto {
                         } else if from {
                             s.procs[p].ok = false;
                             s.procs[p].pc = Pc::Finish;
+                        } else if s.procs[p].fw {
+                            s.procs[p].pc = Pc::PutBack;
                         } else {
                             s.procs[p].pc = Pc::Abandon;
                         }
@@ -2388,6 +2935,9 @@ impl Model for Proto {
                 }
                 s.procs[p].cmd = Cmd::Exited;
                 s.procs[p].ok = ok;
+                if ok && let Some(Op::Exec { write: Some(w), .. }) = self.op(&s, p) {
+                    s.whole[w as usize] = true;
+                }
                 for c in self.nested_children(p).collect::<Vec<_>>() {
                     if s.procs[c].pc == Pc::Choose {
                         s.procs[c].pc = Pc::Done;
@@ -2396,6 +2946,7 @@ impl Model for Proto {
                 if s.procs[p].alive {
                     s.procs[p].pc = match self.op(&s, p) {
                         Some(Op::StoreWide { .. }) => Pc::StoreInvalidate,
+                        _ if s.procs[p].fw => Pc::FastRecord,
                         _ => Pc::Finish,
                     };
                 } else {
@@ -2467,6 +3018,71 @@ impl Model for Proto {
             Property::always(
                 "an exclusively read image stays ready",
                 |m: &Proto, s: &State| m.exclusive_read_leaves_ready(s),
+            ),
+            Property::always(
+                "no reader runs on a tree a write left incomplete",
+                |m: &Proto, s: &State| m.readers_see_whole(s),
+            ),
+            Property::always(
+                "a valid ready token only for a complete tree",
+                |m: &Proto, s: &State| m.token_means_whole(s),
+            ),
+            Property::always(
+                "a ready row without a marker only for a complete tree",
+                |m: &Proto, s: &State| m.unmarked_ready_means_whole(s),
+            ),
+            Property::always(
+                "a writing record beside a ready row has its marker",
+                |m: &Proto, s: &State| m.writing_is_marked(s),
+            ),
+            Property::sometimes(
+                "without a crash, a complete image is left incomplete",
+                |m: &Proto, s: &State| {
+                    s.crashes == 0
+                        && (0..s.procs.len()).all(|p| m.quiet(s, p))
+                        && (0..m.cfg.images as usize)
+                            .any(|i| s.rows[i] == Some(Row::Incomplete) && s.whole[i] && s.tree[i])
+                },
+            ),
+            Property::sometimes(
+                "a write runs its command without the database",
+                |_, s: &State| s.procs.iter().any(|pr| pr.fw && pr.cmd == Cmd::Running),
+            ),
+            Property::sometimes(
+                "a fold finds a marker whose write is in progress",
+                |_, s: &State| {
+                    s.procs
+                        .iter()
+                        .any(|pr| pr.alive && pr.fw && pr.cmd == Cmd::Running)
+                        && s.procs.iter().any(|pr| pr.fold == Fold::Done)
+                },
+            ),
+            Property::sometimes(
+                "a crash falls between a fold's commit and its marker's unlink",
+                |_, s: &State| {
+                    s.procs
+                        .iter()
+                        .any(|pr| !pr.alive && matches!(pr.fold, Fold::Unlink(_)))
+                },
+            ),
+            Property::sometimes(
+                "a dead fast writer's record is folded to incomplete",
+                |_, s: &State| {
+                    s.wrecs.iter().any(|&(i, g, r)| {
+                        r == Found::Writing
+                            && s.file[i as usize] == Some(g)
+                            && s.rows[i as usize] == Some(Row::Incomplete)
+                            && s.marks & (1 << i) == 0
+                    })
+                },
+            ),
+            Property::sometimes(
+                "a marker outlives a successful write and a read follows",
+                |m: &Proto, s: &State| {
+                    s.marks != 0
+                        && (0..s.procs.len())
+                            .any(|q| m.reads(s, q).is_some() && s.procs[q].cmd == Cmd::Running)
+                },
             ),
             Property::always(
                 "a ready token only on a ready row",

@@ -11,6 +11,13 @@ pub enum Step {
     LeaseLock,
     FastTry,
     FastStore,
+    FastWrite,
+    Marker,
+    Writing,
+    Record,
+    PutBack,
+    Fold,
+    FoldUnlink,
     Invalidate,
     Token,
     StoreLock,
@@ -53,6 +60,13 @@ pub const ALL: &[Step] = &[
     Step::LeaseLock,
     Step::FastTry,
     Step::FastStore,
+    Step::FastWrite,
+    Step::Marker,
+    Step::Writing,
+    Step::Record,
+    Step::PutBack,
+    Step::Fold,
+    Step::FoldUnlink,
     Step::Invalidate,
     Step::Token,
     Step::StoreLock,
@@ -98,6 +112,13 @@ impl Step {
             Step::LeaseLock => "lease-lock",
             Step::FastTry => "fast-try",
             Step::FastStore => "fast-store",
+            Step::FastWrite => "fast-write",
+            Step::Marker => "marker",
+            Step::Writing => "writing",
+            Step::Record => "record",
+            Step::PutBack => "put-back",
+            Step::Fold => "fold",
+            Step::FoldUnlink => "fold-unlink",
             Step::Invalidate => "invalidate",
             Step::Token => "token",
             Step::StoreLock => "store-lock",
@@ -157,6 +178,28 @@ impl Step {
                 "store_wide::try_shared",
                 "record::set_hint",
             ],
+            Step::FastWrite => &[
+                "session::begin_fast",
+                "acquire::image::try_write",
+                "record::found",
+            ],
+            Step::Marker => &["session::start_fast_writes", "written::mark"],
+            Step::Writing => &["session::start_fast_writes", "record::write_record"],
+            Step::Record => &[
+                "session::finish_fast",
+                "lock::still_held",
+                "record::write_record",
+            ],
+            Step::PutBack => &["session::abandon", "record::put_back"],
+            Step::Fold => &[
+                "store::begin_raw",
+                "written::markers",
+                "lock::held_exclusively_here",
+                "written::fold",
+                "written::fold_found",
+                "remove::recheck",
+            ],
+            Step::FoldUnlink => &["store::begin_raw", "written::unlink_folded"],
             Step::Invalidate => &[
                 "record::invalidate",
                 "record::invalidate_at",
@@ -259,6 +302,8 @@ impl Step {
         matches!(
             self,
             Step::StoreRecord
+                | Step::Fold
+                | Step::FoldUnlink
                 | Step::StoreFree
                 | Step::StoreEnd
                 | Step::CleanLock
@@ -295,8 +340,11 @@ impl Step {
 pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
     use Step::*;
     let remove = [Invalidate, Mark, Trash, DropRow, Unlink, DeleteTrash];
+    // (A transaction's fold, listed once per operation where it first
+    // comes: before `waiter`, `start`, `mark`, `sweep`.)
     let lease = [LeaseCreate, LeaseLock];
     let look = [Sweep, CleanLock, CleanUnlink];
+    let fold = [Fold, FoldUnlink];
     vec![
         (
             "exec",
@@ -305,6 +353,9 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
                 .chain([
                     FastTry,
                     FastStore,
+                    FastWrite,
+                    Marker,
+                    Writing,
                     SlotTry,
                     SlotWaiter,
                     SlotWait,
@@ -313,13 +364,17 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
                     Gate,
                     Wait,
                     Invalidate,
+                    Fold,
+                    FoldUnlink,
                     Start,
                     StoreAwait,
                     Clone,
                     ReleaseBase,
                     Spawn,
                     Command,
+                    PutBack,
                     Abandon,
+                    Record,
                     Finish,
                     Token,
                     Release,
@@ -344,7 +399,7 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
             "rm",
             lease
                 .into_iter()
-                .chain([Try, Waiter, Gate, Wait])
+                .chain([Try, Fold, FoldUnlink, Waiter, Gate, Wait])
                 .chain(remove)
                 .chain([Release])
                 .collect(),
@@ -353,8 +408,9 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
             "gc",
             lease
                 .into_iter()
-                .chain([ListInterrupted, LockInterrupted])
-                .chain(remove)
+                .chain([ListInterrupted, LockInterrupted, Invalidate])
+                .chain(fold)
+                .chain(remove.into_iter().skip(1))
                 .chain([OrphanLock])
                 .chain(look)
                 .chain([Collect, Release])
@@ -362,7 +418,8 @@ pub fn protocol() -> Vec<(&'static str, Vec<Step>)> {
         ),
         (
             "doctor",
-            look.into_iter()
+            fold.into_iter()
+                .chain(look)
                 .chain([ListInterrupted, LockInterrupted])
                 .chain(remove)
                 .chain([OrphanLock])

@@ -6,6 +6,7 @@ use std::fmt::Write;
 use stateright::Model;
 
 use crate::proto::{Action, Cmd, Key, Mode, Proto, State, img_name};
+use crate::steps::Step;
 
 fn who(m: &Proto, s: &State, p: u8) -> String {
     let role = &m.cfg.roles[p as usize];
@@ -27,11 +28,13 @@ pub fn describe(m: &Proto, s: &State, a: Action) -> String {
         }
         Action::Step(p) | Action::Fail(p) => {
             let pc = s.procs[p as usize].pc;
-            let step = pc.step().expect("a step has a name");
-            let fail = if matches!(a, Action::Fail(_)) {
-                " — FAILS"
-            } else {
-                ""
+            let step = m.next_step(s, p as usize).expect("a step has a name");
+            let fail = match (a, step) {
+                (Action::Fail(_), Step::Fold | Step::FoldUnlink) => {
+                    " — THE LISTING MISSES THE MARKERS (NFS)"
+                }
+                (Action::Fail(_), _) => " — FAILS",
+                _ => "",
             };
             format!(
                 "{}: {} {pc:?}{fail}   [{}]",
@@ -94,11 +97,25 @@ pub fn summary(m: &Proto, s: &State) -> String {
     for i in 0..m.cfg.images as usize {
         let _ = writeln!(
             out,
-            "    image {}: row {:?}, lock file {}, tree {}",
+            "    image {}: row {:?}, lock file {}{}, tree {}{}{}",
             img_name(i as u8),
             s.rows[i],
             s.file[i].map_or("none".to_owned(), |g| format!("#{g}")),
-            if s.tree[i] { "present" } else { "gone" }
+            s.file[i].map_or(String::new(), |g| format!(
+                " (record {:?})",
+                Proto::record_at(s, i as u8, g)
+            )),
+            if s.tree[i] { "present" } else { "gone" },
+            if s.whole[i] {
+                ""
+            } else {
+                ", left incomplete by a write"
+            },
+            if s.marks & (1 << i) != 0 {
+                ", marker"
+            } else {
+                ""
+            }
         );
     }
     let _ = writeln!(out, "    records: {:?}", s.records);
