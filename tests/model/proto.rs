@@ -276,10 +276,12 @@ pub struct Rules {
     /// the slow path's start (a writer: the record read before it took the
     /// token away), gc's recheck.
     pub holder_folds: bool,
-    /// (Not the code: a change it may want.) The fold of a marker whose
-    /// image the folding writer holds through its own guard reads the
-    /// record the writer read before it took the token away, not the
-    /// emptied lock file.
+    /// The fold of a marker whose image the folding writer holds through
+    /// its own guard reads the record the writer read before it took the
+    /// token away, not the emptied lock file. (The code leaves such a
+    /// marker out of its listing; the holder's start folds that record
+    /// and takes the marker away after its commit: the same row, the same
+    /// marker gone under the same locks.)
     pub own_fold_reads_before: bool,
 }
 
@@ -321,7 +323,7 @@ impl Default for Rules {
             unlink_after_commit: true,
             skip_busy: true,
             holder_folds: true,
-            own_fold_reads_before: false,
+            own_fold_reads_before: true,
         }
     }
 }
