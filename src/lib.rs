@@ -89,6 +89,7 @@ pub mod filesystem;
 pub mod gc;
 pub mod holders;
 pub mod ident;
+pub mod idle;
 pub mod judge;
 pub mod keeper;
 pub mod kernel;

@@ -169,6 +169,27 @@ impl DbId {
         (id != 0).then_some(DbId(id))
     }
 
+    /// The identity and the schema version (`PRAGMA user_version`) of the
+    /// database at `db`, read from its header like [`DbId::of`] (open, one
+    /// read, close). `None` unless it is a database in rollback-journal
+    /// mode: in WAL mode the header in the main file may lag the log.
+    pub fn with_schema(db: &Path) -> Option<(Option<DbId>, i64)> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(db)
+            .ok()?;
+        let mut header = [0u8; 72];
+        file.read_exact_at(&mut header, 0).ok()?;
+        if &header[..16] != b"SQLite format 3\0" || header[18] != 1 || header[19] != 1 {
+            return None;
+        }
+        let schema = i32::from_be_bytes(header[60..64].try_into().ok()?);
+        let id = u32::from_be_bytes(header[68..72].try_into().ok()?);
+        Some(((id != 0).then_some(DbId(id)), i64::from(schema)))
+    }
+
     /// The identity a transaction read (`meta::Tx::identity`).
     pub fn from_id(id: u32) -> Option<DbId> {
         (id != 0).then_some(DbId(id))

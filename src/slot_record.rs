@@ -209,6 +209,19 @@ fn read_settled(
         .then_some((limits, settled))
 }
 
+/// One `pread` of a slot file's record, for a look that checks the
+/// database's identity itself (`idle.rs`): its limits, whether they are
+/// settled, and the identity of the database they were derived from, if it
+/// is a valid record of `class`.
+pub fn read_unchecked(file: &std::fs::File, class: &str) -> Option<(Limits, bool, DbId)> {
+    if !enabled() {
+        return None;
+    }
+    let mut buf = vec![0u8; MAX];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    decode_any(&buf[..n], class)
+}
+
 /// Writes the record of `class` into every slot file of its directory and
 /// into every file its configuration names (made if missing), or — `None`,
 /// or a database without identity — takes every record away. The caller
@@ -224,10 +237,10 @@ pub fn write_all(dir: &Dir, class: Option<&SlotClass>, db: Option<DbId>) -> io::
         return Ok(());
     }
     if let (Some(c), Some(db)) = (class, db) {
-        // An unlimited class gets no file (nothing is ever locked):
-        // its acquirers ask the database, unless files of an earlier
-        // limit carry its record.
-        for kind in (0..c.limit)
+        // An unlimited class gets one file, `0.lock`, beyond its limit
+        // (nobody runs a command on it): it carries the record that tells
+        // its acquirers no slot is needed, and lock-status its limit.
+        for kind in (0..c.limit.max(1))
             .map(Kind::Normal)
             .chain((0..c.reserve_high).map(Kind::High))
         {

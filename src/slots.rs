@@ -48,6 +48,12 @@ use crate::lock::{self, Mode};
 use crate::meta::{SlotClass, Tx};
 use crate::store::Store;
 
+/// The schema version from which every configured class has its directory
+/// `locks/slots/ENC` (made before the class is committed, and by the
+/// migration to it for the classes already there): what lets `lock-status`
+/// list the classes without the database (idle.rs).
+pub const CLASS_DIRS_SCHEMA: i64 = 7;
+
 /// The largest limit (each waiter keeps every slot file open while it waits).
 pub const MAX_LIMIT: u32 = 256;
 /// The largest reserve for high-priority work.
@@ -124,9 +130,9 @@ pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&Slo
         Some(_) => tx.identity().ok().and_then(crate::record::DbId::from_id),
         None => None,
     };
-    // A class with slots gets its directory (an unlimited one none: its
-    // files, if any, are those of an earlier limit).
-    let d = if db.is_some() && config.is_some_and(|c| c.limit > 0) {
+    // A class gets its directory (an unlimited one too: its `0.lock`
+    // carries its record); a removed one keeps what is left of it.
+    let d = if db.is_some() && config.is_some() {
         make_class_dir(&ctx.root, class).ok()
     } else {
         class_dir(ctx, class).ok().flatten()
@@ -134,6 +140,19 @@ pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&Slo
     if let Some(d) = d {
         let _ = crate::slot_record::write_all(&d, config, db);
     }
+}
+
+/// Gives every configured class its directory, and its records (an
+/// unlimited class's `0.lock` with them): what the migration to
+/// [`CLASS_DIRS_SCHEMA`] and a rebuilt database's salvaged classes need.
+/// Inside the transaction that commits the schema or the classes: a
+/// directory that cannot be made fails it; the records are best effort.
+pub(crate) fn make_class_dirs(tx: &Tx, ctx: &Ctx) -> Result<()> {
+    for c in tx.slot_classes()? {
+        make_class_dir(&ctx.root, &c.name)?;
+        write_records(tx, ctx, &c.name, Some(&c));
+    }
+    Ok(())
 }
 
 /// Makes (if missing) and opens the class's directory, every step from the

@@ -329,6 +329,11 @@ impl Store {
                         ));
                     }
                     tx.migrate()?;
+                    if v < crate::slots::CLASS_DIRS_SCHEMA
+                        && meta::schema_version() >= crate::slots::CLASS_DIRS_SCHEMA
+                    {
+                        crate::slots::make_class_dirs(tx, ctx)?;
+                    }
                 }
                 Schema::Ahead(v) => {
                     return Err(DatabaseError(format!(
