@@ -18,9 +18,14 @@
 //!     (`filesystem::Filesystem::table_device_is_stat_device`; btrfs and
 //!     overlayfs are not), the table must show no lock of any kind (flock,
 //!     POSIX, OFD, lease) on the root's device but flocks on the global
-//!     lock: a lease, image lock, gate, slot, the store-wide lock or
-//!     SQLite's locks on the database would show there. A lock on another
-//!     file of that filesystem, the store's or not, is doubt. Looked at
+//!     lock and locks on files that are not the store's: a lease, image
+//!     lock, gate, slot, the store-wide lock or SQLite's locks on the
+//!     database would show there. Whether a locked inode is the store's is
+//!     asked only when the filesystem has locks besides the global lock's:
+//!     by listing the root and its locks tree (their entries' inodes; on
+//!     these filesystems a listing's inode is stat's), so a lock of another
+//!     program elsewhere on the filesystem costs those listings, not the
+//!     database's way. Looked at
 //!     from the initial pid namespace, the table shows every lock of the
 //!     host, so that is all. From another one it hides locks taken outside
 //!     it, and the database's view then counts on the leases: the leases
@@ -93,11 +98,22 @@ pub fn look(ctx: &Ctx) -> Option<Vec<LockReport>> {
                 Some((m.dev(), m.ino()))
             }
         };
-        if ours
-            .iter()
-            .any(|k| Some(*k) != global_key || table.others.contains(k))
-        {
+        if global_key.is_some_and(|k| table.others.contains(&k)) {
             return None;
+        }
+        // Locks on other files of the filesystem: whose? Doubt if any is
+        // on a file of the root or its locks tree (listed, for their
+        // inodes, only then).
+        let others: Vec<u64> = ours
+            .iter()
+            .filter(|k| Some(**k) != global_key)
+            .map(|k| k.1)
+            .collect();
+        if !others.is_empty() {
+            let inodes = store_inodes(root.dir(), &root.locks())?;
+            if others.iter().any(|i| inodes.contains(i)) {
+                return None;
+            }
         }
         let mut view = global_key
             .and_then(|k| table.flocks.get(&k))
@@ -150,6 +166,35 @@ pub fn look(ctx: &Ctx) -> Option<Vec<LockReport>> {
     Some(rows)
 }
 
+/// The inodes of the root's entries and of everything in its locks tree
+/// (`locks/`, `images/`, `leases/`, `slots/`, each class's directory), from
+/// their listings: every file stowage locks is one of them. `None` if a
+/// directory cannot be listed or does not say an entry's type.
+fn store_inodes(root: &Path, locks: &Path) -> Option<std::collections::HashSet<u64>> {
+    let mut inodes = std::collections::HashSet::new();
+    let list = |dir: &Path| -> Option<Vec<crate::dir::DirEntry>> {
+        match crate::dir::Dir::open_nofollow(dir) {
+            Ok(d) => d.listing().ok(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(Vec::new()),
+            Err(_) => None,
+        }
+    };
+    inodes.extend(list(root)?.iter().map(|e| e.ino));
+    // The locks tree is three levels deep (locks/slots/CLASS/N.lock).
+    let mut dirs = vec![(locks.to_owned(), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        for e in list(&dir)? {
+            inodes.insert(e.ino);
+            match e.kind {
+                libc::DT_DIR if depth < 3 => dirs.push((dir.join(&e.name), depth + 1)),
+                libc::DT_UNKNOWN => return None,
+                _ => {}
+            }
+        }
+    }
+    Some(inodes)
+}
+
 /// Whether the leases directory holds no lease (a missing one holds none).
 fn no_lease(ctx: &Ctx) -> bool {
     let l = crate::lease::listing(&ctx.root.leases());
@@ -163,8 +208,7 @@ fn no_lease(ctx: &Ctx) -> bool {
 /// /proc shows it in that namespace (`PROC_PID_INIT_INO`), so /proc/locks
 /// hides no process of the host.
 fn in_initial_pid_namespace() -> bool {
-    std::fs::read_link("/proc/self/ns/pid")
-        .is_ok_and(|l| l.as_os_str() == "pid:[4026531836]")
+    std::fs::read_link("/proc/self/ns/pid").is_ok_and(|l| l.as_os_str() == "pid:[4026531836]")
 }
 
 /// Every slot class, free, from the `locks/slots` directory and each

@@ -253,8 +253,9 @@ pub fn gather(
     // The root's filesystem, found when the root was checked.
     let fs_name = match root.filesystem() {
         Some(f) => f.name.clone(),
-        None => crate::filesystem::filesystem(root.dir())
-            .map_or_else(|_| "unknown".into(), |f| f.name),
+        None => {
+            crate::filesystem::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name)
+        }
     };
     if sel.names.is_empty()
         && !sel.all
