@@ -74,11 +74,6 @@ pub fn look(ctx: &Ctx) -> Option<Vec<LockReport>> {
     let root = &ctx.root;
     let fs = root.filesystem()?;
     let dev = root.dev()?;
-    let (db, schema) = DbId::with_schema(&root.db())?;
-    if schema != crate::meta::schema_version() || schema < crate::slots::CLASS_DIRS_SCHEMA {
-        return None;
-    }
-    let db = db?;
     let global_path = root.global_lock();
     let (global, probe_slots) = if fs.table_device_is_stat_device() {
         let table = crate::kernel::read_table_and_all().ok()?;
@@ -153,6 +148,13 @@ pub fn look(ctx: &Ctx) -> Option<Vec<LockReport>> {
             true,
         )
     };
+    // Only now the database's header: when something is held, the way
+    // through the database is taken without this read.
+    let (db, schema) = DbId::with_schema(&root.db())?;
+    if schema != crate::meta::schema_version() || schema < crate::slots::CLASS_DIRS_SCHEMA {
+        return None;
+    }
+    let db = db?;
     let mut rows = vec![LockReport {
         kind: LockKind::Global,
         name: "global".into(),
