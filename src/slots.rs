@@ -12,12 +12,16 @@
 //! any free normal slot, so at most N run at once; high-priority work takes a
 //! reserved slot first, else a normal one, so the total is at most N + R and
 //! a small urgent request never waits behind a wall of big transfers (the
-//! BuildKit design). Limit 0 means unlimited: no lock at all.
+//! BuildKit design). Limit 0 means unlimited: no slot is taken (the class's
+//! directory holds one file, `0.lock`, that carries its record).
 //!
 //! Invariants:
 //! - A slot is an exclusive flock, so the kernel frees it when its holder
 //!   dies: no token is ever lost (unlike a make jobserver's pipe).
 //! - Slots come first in the lock order (slots → images → global).
+//! - From schema 7 ([`CLASS_DIRS_SCHEMA`]) every configured class has its
+//!   directory, made before the class is committed: `lock-status` lists
+//!   the classes by their directories when nothing is held (idle.rs).
 //! - The configuration lives in the metadata, and a copy of it in every
 //!   slot file of the class (`slot_record.rs`), kept by whoever changes it
 //!   under the global lock: an acquirer reads the copy in the file it

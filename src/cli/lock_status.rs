@@ -1,4 +1,10 @@
 //! `stowage lock-status`: who holds and awaits which lock.
+//!
+//! Built from the database's view under the global lock (records judged
+//! against the kernel, stale ones deleted), except with the default
+//! selection while nothing is held: then from the lock table and the slot
+//! records, without the global lock or the database (idle.rs), printing
+//! exactly what the database's view would.
 
 use std::ffi::OsString;
 use std::io::{IsTerminal, Write};

@@ -350,7 +350,7 @@ fn commands_cost_no_more_round_trips_than_measured() {
         &["exec", "--slot", "pull", "--read", "base", "--", "true"],
     );
     assert!(slot.unwrap() <= read + 7, "slot + read: {slot:?} calls");
-    // Writes and looks still use the database (docs/performance.md has
+    // Writes and `images` still use the database (docs/performance.md has
     // scripts/roundtrips' figures; this store, two images of one file and
     // a slot class, counts a few more): what they cost must not creep up.
     for (args, most) in [
