@@ -136,10 +136,8 @@ pub fn look(ctx: &Ctx) -> Option<Vec<LockReport>> {
         if !no_lease(ctx) {
             return None;
         }
-        let state = match crate::lock::probe(&global_path) {
-            Ok(p) => Some(p),
-            Err(_) => None,
-        };
+        // As the database's view: a probe that fails says free.
+        let state = crate::lock::probe(&global_path).ok();
         (
             LockView {
                 state,
