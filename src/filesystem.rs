@@ -34,7 +34,7 @@ const TABLE_DEVICE_IS_STAT_DEVICE: &[&str] = &["tmpfs", "ext4", "xfs", "f2fs", "
 
 impl Filesystem {
     /// Whether the lock table's device number of a file on this filesystem
-    /// is the one stat(2) gives ([`TABLE_DEVICE_IS_STAT_DEVICE`]).
+    /// is the one stat(2) gives: tmpfs, ext4, xfs, f2fs, ramfs.
     pub fn table_device_is_stat_device(&self) -> bool {
         self.local && TABLE_DEVICE_IS_STAT_DEVICE.contains(&self.name.as_str())
     }

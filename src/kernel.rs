@@ -85,14 +85,7 @@ pub struct KernelView {
     /// The leases directory, pinned by a descriptor that refused a symlink,
     /// and its lease file names: listed once per look, for reading them and
     /// for cleaning ([`KernelView::lease_listing`]).
-    listing: std::cell::RefCell<Option<LeaseListing>>,
-}
-
-/// The leases directory as one look listed it.
-pub struct LeaseListing {
-    /// None when the directory could not be opened (no lease yet).
-    pub dir: Option<crate::dir::Dir>,
-    pub names: Vec<String>,
+    listing: std::cell::RefCell<Option<crate::lease::Listing>>,
 }
 
 /// A live lease that lists a lock: its name, what it says of its owner,
@@ -333,11 +326,11 @@ impl KernelView {
     /// This look's listing of the leases directory (made on first use, one
     /// listing per look): the names it read and the descriptor it read them
     /// through, which cleaning reuses.
-    pub fn lease_listing<T>(&self, f: impl FnOnce(&LeaseListing) -> T) -> T {
+    pub fn lease_listing<T>(&self, f: impl FnOnce(&crate::lease::Listing) -> T) -> T {
         let mut listing = self.listing.borrow_mut();
         let l = listing.get_or_insert_with(|| match &self.leases_dir {
             Some(dir) => crate::lease::listing(dir),
-            None => LeaseListing {
+            None => crate::lease::Listing {
                 dir: None,
                 names: Vec::new(),
             },
@@ -458,7 +451,7 @@ pub(crate) fn read_table() -> io::Result<HashMap<(u64, u64), Vec<Entry>>> {
     Ok(fold(&read_texts()?))
 }
 
-/// The flock table ([`read_table`]) and, from the same reads, the device
+/// The flock table (as `read_table` reads it) and, from the same reads, the device
 /// and inode of every file with a lock of any kind — POSIX, OFD, file
 /// leases, flocks — for a look that must know whether anything at all is
 /// locked on a filesystem (`idle.rs`).
@@ -480,7 +473,7 @@ pub fn read_table_and_all() -> io::Result<LockTable> {
 
 /// The lock table as [`read_table_and_all`] read it.
 pub struct LockTable {
-    /// The flocks, as [`read_table`] gives them.
+    /// The flocks, folded as `read_table` folds them.
     pub flocks: HashMap<(u64, u64), Vec<Entry>>,
     /// Files with a lock of another kind (POSIX, OFD, a file lease).
     pub others: std::collections::HashSet<(u64, u64)>,

@@ -424,12 +424,19 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
 }
 
 /// The lease files present, by name (live or not).
+/// The leases directory as one look listed it.
+pub struct Listing {
+    /// None when the directory could not be opened (no lease yet).
+    pub dir: Option<crate::dir::Dir>,
+    pub names: Vec<String>,
+}
+
 /// The lease file names in `leases`, listed through a descriptor that
 /// refused a symlink in the directory's place, which is kept for
 /// [`clean_listed`].
-pub fn listing(leases: &Path) -> crate::kernel::LeaseListing {
+pub fn listing(leases: &Path) -> Listing {
     let Ok(dir) = crate::dir::Dir::open_nofollow(leases) else {
-        return crate::kernel::LeaseListing {
+        return Listing {
             dir: None,
             names: Vec::new(),
         };
@@ -443,7 +450,7 @@ pub fn listing(leases: &Path) -> crate::kernel::LeaseListing {
                 .collect()
         })
         .unwrap_or_default();
-    crate::kernel::LeaseListing {
+    Listing {
         dir: Some(dir),
         names,
     }

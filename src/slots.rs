@@ -52,11 +52,7 @@ use crate::lock::{self, Mode};
 use crate::meta::{SlotClass, Tx};
 use crate::store::Store;
 
-/// The schema version from which every configured class has its directory
-/// `locks/slots/ENC` (made before the class is committed, and by the
-/// migration to it for the classes already there): what lets `lock-status`
-/// list the classes without the database (idle.rs).
-pub const CLASS_DIRS_SCHEMA: i64 = 7;
+pub use crate::slot_record::{CLASS_DIRS_SCHEMA, make_class_dir};
 
 /// The largest limit (each waiter keeps every slot file open while it waits).
 pub const MAX_LIMIT: u32 = 256;
@@ -143,60 +139,6 @@ pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&Slo
     };
     if let Some(d) = d {
         let _ = crate::slot_record::write_all(&d, config, db);
-    }
-}
-
-/// Gives every configured class its directory, and its records (an
-/// unlimited class's `0.lock` with them): what the migration to
-/// [`CLASS_DIRS_SCHEMA`] and a rebuilt database's salvaged classes need.
-/// Inside the transaction that commits the schema or the classes: a
-/// directory that cannot be made fails it; the records are best effort.
-pub(crate) fn make_class_dirs(tx: &Tx, ctx: &Ctx) -> Result<()> {
-    for c in tx.slot_classes()? {
-        make_class_dir(&ctx.root, &c.name)?;
-        write_records(tx, ctx, &c.name, Some(&c));
-    }
-    Ok(())
-}
-
-/// Makes (if missing) and opens the class's directory, every step from the
-/// root's descriptor without following a link: a link planted for
-/// `locks/slots` or the class directory is an error, never a directory
-/// made or a file created elsewhere.
-pub(crate) fn make_class_dir(root: &crate::root::Root, class: &str) -> Result<crate::dir::Dir> {
-    let locks = root.open_or_make_sub("locks")?;
-    let rel = crate::root::Root::slot_class_rel(class);
-    let mut d = locks;
-    let mut at = root.locks();
-    for part in rel.split('/').skip(1) {
-        at.push(part);
-        match d.sub(part) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match d.mkdir(part, 0o777) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => {
-                    return Err(anyhow::Error::new(e)
-                        .context(format!("cannot create directory {}", at.display())));
-                }
-            },
-            Err(e) => return Err(refused(&at, e)),
-            Ok(_) => {}
-        }
-        d = d.sub(part).map_err(|e| refused(&at, e))?;
-    }
-    Ok(d)
-}
-
-/// The error for a directory on the way to a class's slot files that
-/// cannot be opened without following a link.
-fn refused(at: &Path, e: std::io::Error) -> anyhow::Error {
-    if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
-        anyhow::anyhow!(
-            "{} is a symlink or not a directory; refusing to use it",
-            at.display()
-        )
-    } else {
-        anyhow::Error::new(e).context(format!("cannot open {}", at.display()))
     }
 }
 

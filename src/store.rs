@@ -329,10 +329,10 @@ impl Store {
                         ));
                     }
                     tx.migrate()?;
-                    if v < crate::slots::CLASS_DIRS_SCHEMA
-                        && meta::schema_version() >= crate::slots::CLASS_DIRS_SCHEMA
+                    if v < crate::slot_record::CLASS_DIRS_SCHEMA
+                        && meta::schema_version() >= crate::slot_record::CLASS_DIRS_SCHEMA
                     {
-                        crate::slots::make_class_dirs(tx, ctx)?;
+                        crate::slot_record::make_class_dirs(tx, &ctx.root)?;
                     }
                 }
                 Schema::Ahead(v) => {
