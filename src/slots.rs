@@ -174,6 +174,53 @@ pub(crate) fn take_records_away(ctx: &Ctx, class: &str) -> Result<()> {
     })
 }
 
+/// Takes away what a class removed while its slots were held left behind,
+/// once nobody holds them: its slot files and `changed` (each unlinked
+/// under its exclusive lock, as [`remove_class`] does) and then its
+/// directory, if that leaves it empty — which `lock-status` would
+/// otherwise find, with no class behind it, and answer through the
+/// database every time (idle.rs). Only directories of no configured class.
+/// Under the global lock, in the transaction that read the classes: no
+/// class can be made anew meanwhile (making one needs the global lock).
+/// Best effort; on a filesystem where lock files are not unlinked (NFS)
+/// they stay.
+pub(crate) fn clean_removed(tx: &Tx, ctx: &Ctx) -> Result<()> {
+    let slots = ctx.root.slot_locks();
+    let Ok(top) = crate::dir::Dir::open_nofollow(&slots) else {
+        return Ok(());
+    };
+    let Ok(names) = top.names() else {
+        return Ok(());
+    };
+    let configured: Vec<String> = tx.slot_classes()?.into_iter().map(|c| c.name).collect();
+    for enc in names {
+        let Some(enc) = enc.to_str() else { continue };
+        let class = enc.replace('%', "/");
+        if configured.contains(&class) || validate_class(&class).is_err() {
+            continue;
+        }
+        // Opened without following a link: a planted one is left alone.
+        let Ok(Some(d)) = class_dir(ctx, &class) else {
+            continue;
+        };
+        let Ok(files) = d.names() else { continue };
+        let dir = slots.join(enc);
+        for f in files {
+            let Some(f) = f.to_str() else { continue };
+            if !(f.ends_with(".lock") || f == CHANGED) {
+                continue;
+            }
+            if let Ok(Some(g)) =
+                lock::acquire_no_wait(&dir.join(f), Mode::Exclusive, lock::IfMissing::Fail)
+            {
+                let _ = crate::remove::unlink_lock(&ctx.root, g);
+            }
+        }
+        let _ = top.rmdir(enc);
+    }
+    Ok(())
+}
+
 /// The configuration of a class; an unknown class is a usage error that
 /// lists the configured ones.
 pub fn lookup(tx: &Tx, class: &str) -> Result<SlotClass> {

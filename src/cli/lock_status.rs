@@ -280,6 +280,7 @@ pub fn gather(
         let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
         let (mut reports, slots) = sweep(tx, ctx, &kv)?;
         crate::judge::clean_leases(ctx, &kv);
+        crate::slots::clean_removed(tx, ctx)?;
         for (name, view) in kernel_locked_images(ctx, &kv)? {
             if reports.contains_key(&name) {
                 continue;

@@ -758,3 +758,31 @@ fn an_unlimited_class_from_before_class_directories_is_listed_once_migrated() {
     assert!(env.root.join("locks/slots/any/0.lock").is_file());
     idle_equals_database_view(&env, None, "migrated unlimited class");
 }
+
+#[test]
+fn a_class_removed_while_held_leaves_nothing_once_its_holder_is_gone() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    env.ok(["slots", "set", "pull", "1"]);
+    env.ok(["slots", "set", "gone", "1"]);
+    let holder = env.hold(&["--slot", "gone", "--read", "base"], "holding");
+    env.ok(["slots", "rm", "gone"]);
+    env.release("release");
+    holder.finish();
+    // Its held file outlived the removal: no class behind the directory,
+    // so the database's way, which takes the leftovers away...
+    assert!(env.root.join("locks/slots/gone").exists());
+    let (text, st, took) = look(&env, None);
+    assert_ne!(
+        took,
+        Some(false),
+        "a removed class's directory: answered idle"
+    );
+    assert!(!text.contains("gone"), "{text}");
+    assert!(!env.root.join("locks/slots/gone").exists());
+    // ...and the next look is idle again, with the same answer.
+    let (idle_text, idle_st, took) = look(&env, None);
+    assert_ne!(took, Some(true), "took the global lock idle");
+    assert_eq!((idle_text, idle_st), (text, st));
+}
