@@ -33,6 +33,16 @@ pub struct Dir {
     fd: OwnedFd,
 }
 
+/// One entry of a directory listing ([`Dir::listing`]).
+#[derive(Debug, Clone)]
+pub struct DirEntry {
+    pub name: OsString,
+    pub ino: u64,
+    /// `d_type`: `libc::DT_DIR`, `DT_REG`, …, or `DT_UNKNOWN` where the
+    /// filesystem does not say.
+    pub kind: u8,
+}
+
 impl AsRawFd for Dir {
     /// For walks that need calls this type does not wrap (the copy's
     /// `fsetxattr`, `mknodat`, `FIEMAP`; see tree.rs).
@@ -248,6 +258,12 @@ impl Dir {
     /// round trip on NFS, in every walk). The offset it moves is used by
     /// nothing else: every other use of the descriptor is an `*at()` call.
     pub fn names(&self) -> io::Result<Vec<OsString>> {
+        Ok(self.listing()?.into_iter().map(|e| e.name).collect())
+    }
+
+    /// [`Dir::names`], with each entry's inode and type as the directory
+    /// gives them (`d_ino`, `d_type`: no stat).
+    pub fn listing(&self) -> io::Result<Vec<DirEntry>> {
         let fd = self.fd.as_raw_fd();
         // SAFETY: plain lseek on our own descriptor.
         if unsafe { libc::lseek(fd, 0, libc::SEEK_SET) } < 0 {
@@ -285,7 +301,13 @@ impl Dir {
                 let name = &buf[at + 19..at + reclen];
                 let name = &name[..name.iter().position(|b| *b == 0).unwrap_or(name.len())];
                 if name != b"." && name != b".." {
-                    out.push(OsStr::from_bytes(name).to_owned());
+                    let mut ino = [0u8; 8];
+                    ino.copy_from_slice(&buf[at..at + 8]);
+                    out.push(DirEntry {
+                        name: OsStr::from_bytes(name).to_owned(),
+                        ino: u64::from_ne_bytes(ino),
+                        kind: buf[at + 18],
+                    });
                 }
                 at += reclen;
             }

@@ -546,6 +546,9 @@ fn rebuild_marked(store: &mut Store) -> Result<Rebuilt> {
     }
     let classes_lost = salvage.slot_classes.is_none();
     for c in salvage.slot_classes.unwrap_or_default() {
+        // Every class has its directory (schema 7); its records, of the
+        // old database, send acquirers to this one, which rewrites them.
+        crate::slots::make_class_dir(&root, &c.name)?;
         tx.set_slot_class(&c)?;
     }
     if let Some(id) = salvage.config.get("images_dir_identity") {
@@ -805,7 +808,7 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
     crate::judge::sweep(tx, ctx, &kv)?;
     found.stale_records = before_records - tx.all_records()?.len();
     if repair {
-        crate::judge::clean_leases(ctx);
+        crate::judge::clean_leases(ctx, &kv);
         // A database restored from a copy over the file keeps the copy's
         // identity, and with it the ready tokens of images it may no longer
         // call ready: a repair, which a restore must be followed by, makes

@@ -123,22 +123,25 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         crate::judge::sweep(tx, ctx, &kv)?;
         let dir = tx.images_dir(&ctx.root)?;
         let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
-        Ok((tx.images()?, dir, doubt))
+        Ok((tx.images()?, dir, doubt, kv))
     };
     let looked = store.retry_full(|store| {
         let (tx, ctx) = store.begin(None)?;
-        let out = sweep(&tx, ctx)?;
+        let (images, dir, doubt, kv) = sweep(&tx, ctx)?;
         if !policy.dry_run {
             // Leases of owners that died, under the global lock.
-            crate::judge::clean_leases(ctx);
+            crate::judge::clean_leases(ctx, &kv);
             tx.commit()?;
         }
-        Ok(out)
+        Ok((images, dir, doubt))
     });
     let (rows, images_dir, doubt) = match looked {
         // A dry run on a full filesystem, even the reserve used: it changes
         // nothing anyway, so it looks without a journal on disk.
-        Err(e) if policy.dry_run && crate::space::is_full(&e) => store.view_tx(sweep)?,
+        Err(e) if policy.dry_run && crate::space::is_full(&e) => {
+            let (images, dir, doubt, _) = store.view_tx(sweep)?;
+            (images, dir, doubt)
+        }
         other => other?,
     };
     // Trees missing from an unmounted images directory are not gone:

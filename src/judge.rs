@@ -45,7 +45,14 @@ pub struct LockReport {
 /// lock the transaction holds, judging leases in the root's leases
 /// directory.
 pub fn kernel_view(tx: &Tx, ctx: &Ctx, dir: &Path) -> KernelView {
-    KernelView::verified(dir, Some(tx.global_identity())).with_leases(&ctx.root.leases())
+    let held = Some(tx.global_identity());
+    // Every lock file is on the root's filesystem, found when it was
+    // checked: no statfs of its own.
+    let kv = match ctx.root.filesystem() {
+        Some(fs) => KernelView::verified_on(fs.local, held),
+        None => KernelView::verified(dir, held),
+    };
+    kv.with_leases(&ctx.root.leases())
 }
 
 /// Judges the records of one lock against the kernel's view, deletes the
@@ -534,33 +541,38 @@ impl LockReport {
 /// table shows a lock it lists as held still held, in that mode, under that
 /// pid — a command that closed the inherited lease keeps the lock after
 /// stowage died, and a reader has no record to name it but this lease (see
-/// [`prune`]). Without a lock table nothing is kept. Under the global lock.
-pub fn clean_leases(ctx: &Ctx) -> usize {
+/// [`prune`]). Without a lock table nothing is kept. Under the global lock,
+/// with the look's view `kv` (made by [`kernel_view`]): the leases are those
+/// its one listing found, cleaned through the descriptor it listed them by.
+pub fn clean_leases(ctx: &Ctx, kv: &KernelView) -> usize {
     let leases = ctx.root.leases();
     let locks = ctx.root.locks();
-    let mut kv: Option<KernelView> = None;
-    crate::lease::clean_keeping(&leases, &mut |name| {
-        let Some(id) = crate::lease::identity(&leases, name) else {
-            return false;
+    kv.lease_listing(|l| {
+        let Some(dir) = &l.dir else {
+            return 0;
         };
-        let Some(pid) = id.pid else {
-            return false;
-        };
-        if !id.holdings.iter().any(|h| !h.awaits) || !id.pid_is_ours() {
-            return false;
-        }
-        let kv = kv.get_or_insert_with(|| KernelView::new(&locks));
-        id.holdings
-            .iter()
-            .filter(|h| !h.awaits)
-            .any(|h| kv.held_by(&locks.join(&h.lockfile), h.mode, pid))
+        crate::lease::clean_listed(dir, &l.names, &mut |name| {
+            let Some(id) = crate::lease::identity(&leases, name) else {
+                return false;
+            };
+            let Some(pid) = id.pid else {
+                return false;
+            };
+            if !id.holdings.iter().any(|h| !h.awaits) || !id.pid_is_ours() {
+                return false;
+            }
+            id.holdings
+                .iter()
+                .filter(|h| !h.awaits)
+                .any(|h| kv.held_by(&locks.join(&h.lockfile), h.mode, pid))
+        })
     })
 }
 
 pub fn in_use(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<HashMap<String, bool>> {
     let mut out: HashMap<String, bool> = HashMap::new();
     let swept = sweep(tx, ctx, kv)?.0;
-    clean_leases(ctx);
+    clean_leases(ctx, kv);
     for (name, r) in swept {
         out.insert(name, r.state != Probe::Free);
     }

@@ -82,6 +82,10 @@ pub struct KernelView {
     takers: std::cell::RefCell<Option<HashMap<u32, String>>>,
     /// What every lease file says (owner and holdings), read once per look.
     said: std::cell::RefCell<Option<Vec<(String, crate::lease::Identity)>>>,
+    /// The leases directory, pinned by a descriptor that refused a symlink,
+    /// and its lease file names: listed once per look, for reading them and
+    /// for cleaning ([`KernelView::lease_listing`]).
+    listing: std::cell::RefCell<Option<crate::lease::Listing>>,
 }
 
 /// A live lease that lists a lock: its name, what it says of its owner,
@@ -118,6 +122,12 @@ impl KernelView {
         let local = crate::filesystem::filesystem(dir)
             .map(|f| f.local)
             .unwrap_or(false);
+        Self::verified_on(local, held)
+    }
+
+    /// [`KernelView::verified`] for a directory whose filesystem is known
+    /// already (`local`: the root's, found when it was checked): no statfs.
+    pub fn verified_on(local: bool, held: Option<(u64, u64)>) -> KernelView {
         let mut table = if local { read_table().ok() } else { None };
         if let (Some(t), Some(id)) = (&table, held) {
             let me = std::process::id();
@@ -136,6 +146,7 @@ impl KernelView {
             leases: Default::default(),
             takers: Default::default(),
             said: Default::default(),
+            listing: Default::default(),
         }
     }
 
@@ -169,7 +180,7 @@ impl KernelView {
         table: &HashMap<(u64, u64), Vec<Entry>>,
     ) -> HashMap<u32, String> {
         let mut map = HashMap::new();
-        for name in crate::lease::names(leases) {
+        for name in self.lease_names() {
             let Ok(m) = fs::symlink_metadata(leases.join(&name)) else {
                 continue;
             };
@@ -297,13 +308,34 @@ impl KernelView {
             return;
         }
         let said = match &self.leases_dir {
-            Some(dir) => crate::lease::names(dir)
+            Some(dir) => self
+                .lease_names()
                 .into_iter()
                 .filter_map(|n| crate::lease::identity(dir, &n).map(|id| (n, id)))
                 .collect(),
             None => Vec::new(),
         };
         *self.said.borrow_mut() = Some(said);
+    }
+
+    /// The lease file names of this look's listing.
+    fn lease_names(&self) -> Vec<String> {
+        self.lease_listing(|l| l.names.clone())
+    }
+
+    /// This look's listing of the leases directory (made on first use, one
+    /// listing per look): the names it read and the descriptor it read them
+    /// through, which cleaning reuses.
+    pub fn lease_listing<T>(&self, f: impl FnOnce(&crate::lease::Listing) -> T) -> T {
+        let mut listing = self.listing.borrow_mut();
+        let l = listing.get_or_insert_with(|| match &self.leases_dir {
+            Some(dir) => crate::lease::listing(dir),
+            None => crate::lease::Listing {
+                dir: None,
+                names: Vec::new(),
+            },
+        });
+        f(l)
     }
 
     /// Judges a lease by name: probed once per look. A probe that fails
@@ -393,7 +425,7 @@ impl KernelView {
     }
 }
 
-fn view_of(entries: &[Entry]) -> LockView {
+pub(crate) fn view_of(entries: &[Entry]) -> LockView {
     let holders: Vec<Entry> = entries.iter().filter(|e| !e.blocked).copied().collect();
     let waiters: Vec<Entry> = entries.iter().filter(|e| e.blocked).copied().collect();
     let state = if holders.iter().any(|e| e.mode == Mode::Exclusive) {
@@ -416,6 +448,38 @@ fn view_of(entries: &[Entry]) -> LockView {
 /// until two reads agree (at most four times) and the reads are folded
 /// ([`fold`]).
 pub(crate) fn read_table() -> io::Result<HashMap<(u64, u64), Vec<Entry>>> {
+    Ok(fold(&read_texts()?))
+}
+
+/// The flock table (as `read_table` reads it) and, from the same reads, the device
+/// and inode of every file with a lock of any kind — POSIX, OFD, file
+/// leases, flocks — for a look that must know whether anything at all is
+/// locked on a filesystem (`idle.rs`).
+pub fn read_table_and_all() -> io::Result<LockTable> {
+    let reads = read_texts()?;
+    let mut others: std::collections::HashSet<(u64, u64)> = Default::default();
+    for text in &reads {
+        others.extend(
+            parse_lines(text)
+                .filter(|(_, e)| e.is_none())
+                .map(|(key, _)| key),
+        );
+    }
+    Ok(LockTable {
+        flocks: fold(&reads),
+        others,
+    })
+}
+
+/// The lock table as [`read_table_and_all`] read it.
+pub struct LockTable {
+    /// The flocks, folded as `read_table` folds them.
+    pub flocks: HashMap<(u64, u64), Vec<Entry>>,
+    /// Files with a lock of another kind (POSIX, OFD, a file lease).
+    pub others: std::collections::HashSet<(u64, u64)>,
+}
+
+fn read_texts() -> io::Result<Vec<String>> {
     let mut reads: Vec<String> = Vec::with_capacity(4);
     for _ in 0..4 {
         let text = fs::read_to_string("/proc/locks")?;
@@ -425,7 +489,7 @@ pub(crate) fn read_table() -> io::Result<HashMap<(u64, u64), Vec<Entry>>> {
             break;
         }
     }
-    Ok(fold(&reads))
+    Ok(reads)
 }
 
 /// Folds several reads of the lock table into one. Everything seen is kept,
@@ -504,41 +568,57 @@ fn consistent(entries: &[Entry]) -> bool {
 /// The device is `major:minor` in hex, the inode in decimal.
 fn parse_table(text: &str) -> HashMap<(u64, u64), Vec<Entry>> {
     let mut table: HashMap<(u64, u64), Vec<Entry>> = HashMap::new();
-    for line in text.lines() {
+    for (key, e) in parse_lines(text) {
+        let Some(e) = e else { continue };
+        let entries = table.entry(key).or_default();
+        if !entries.contains(&e) {
+            entries.push(e);
+        }
+    }
+    table
+}
+
+/// Every lock of the table, of any kind (`POSIX`, `OFDLCK`, `LEASE`,
+/// `FLOCK`, …: the fields are in the same places), by device and inode;
+/// with its entry for a flock.
+fn parse_lines(text: &str) -> impl Iterator<Item = ((u64, u64), Option<Entry>)> + '_ {
+    text.lines().filter_map(|line| {
         let mut f = line.split_whitespace().skip(1).peekable();
         let blocked = f.peek() == Some(&"->");
         if blocked {
             f.next();
         }
-        let (Some("FLOCK"), Some(_), Some(rw), Some(pid), Some(id)) =
+        let (Some(kind), Some(_), Some(rw), Some(pid), Some(id)) =
             (f.next(), f.next(), f.next(), f.next(), f.next())
         else {
-            continue;
-        };
-        let mode = match rw {
-            "WRITE" => Mode::Exclusive,
-            "READ" => Mode::Shared,
-            _ => continue,
+            return None;
         };
         let mut parts = id.split(':');
         let (Some(maj), Some(min), Some(ino)) = (parts.next(), parts.next(), parts.next()) else {
-            continue;
+            return None;
         };
         let (Ok(maj), Ok(min), Ok(ino)) = (
             u32::from_str_radix(maj, 16),
             u32::from_str_radix(min, 16),
             ino.parse::<u64>(),
         ) else {
-            continue;
+            return None;
         };
-        let pid = pid.parse::<i64>().ok().filter(|p| *p > 0).map(|p| p as u32);
-        let entries = table.entry((libc::makedev(maj, min), ino)).or_default();
-        let e = Entry { pid, mode, blocked };
-        if !entries.contains(&e) {
-            entries.push(e);
-        }
-    }
-    table
+        let key = (libc::makedev(maj, min), ino);
+        let mode = match rw {
+            "WRITE" => Some(Mode::Exclusive),
+            "READ" => Some(Mode::Shared),
+            _ => None,
+        };
+        let entry = match (kind, mode) {
+            ("FLOCK", Some(mode)) => {
+                let pid = pid.parse::<i64>().ok().filter(|p| *p > 0).map(|p| p as u32);
+                Some(Entry { pid, mode, blocked })
+            }
+            _ => None,
+        };
+        Some((key, entry))
+    })
 }
 
 #[cfg(test)]
@@ -627,6 +707,7 @@ mod tests {
             leases: Default::default(),
             takers: Default::default(),
             said: Default::default(),
+            listing: Default::default(),
         };
         let v = kv.view(&p).unwrap();
         assert_eq!(v.state, Some(Probe::Free));

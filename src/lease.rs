@@ -434,16 +434,36 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
 }
 
 /// The lease files present, by name (live or not).
-pub fn names(leases: &Path) -> Vec<String> {
-    crate::dir::Dir::open(leases)
-        .and_then(|d| d.names())
+/// The leases directory as one look listed it.
+pub struct Listing {
+    /// None when the directory could not be opened (no lease yet).
+    pub dir: Option<crate::dir::Dir>,
+    pub names: Vec<String>,
+}
+
+/// The lease file names in `leases`, listed through a descriptor that
+/// refused a symlink in the directory's place, which is kept for
+/// [`clean_listed`].
+pub fn listing(leases: &Path) -> Listing {
+    let Ok(dir) = crate::dir::Dir::open_nofollow(leases) else {
+        return Listing {
+            dir: None,
+            names: Vec::new(),
+        };
+    };
+    let names = dir
+        .names()
         .map(|ns| {
             ns.into_iter()
                 .filter_map(|n| n.into_string().ok())
                 .filter(|n| valid_name(n))
                 .collect()
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    Listing {
+        dir: Some(dir),
+        names,
+    }
 }
 
 /// Whether a lease, by file name, belongs to a live owner.
@@ -484,21 +504,27 @@ pub fn clean(leases: &Path) -> usize {
 /// [`clean`], but keeps the dead leases for whose name `keep` says yes: a
 /// dead lease that still names a holder (see `judge::clean_leases`).
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
-    // The directory is pinned by a descriptor that refused a symlink in its
-    // place, and every file is reached through it: a `leases` symlink
-    // planted by someone who can write `locks/` cannot steer the unlinks
-    // into another directory, not even by a swap in the middle of the walk.
-    let Ok(dir) = crate::dir::Dir::open_nofollow(leases) else {
-        return 0;
-    };
+    let l = listing(leases);
+    match &l.dir {
+        Some(dir) => clean_listed(dir, &l.names, keep),
+        None => 0,
+    }
+}
+
+/// [`clean_keeping`] of the leases `names` that a listing of `dir` found.
+/// The directory is pinned by a descriptor that refused a symlink in its
+/// place ([`listing`]), and every file is reached through it: a `leases`
+/// symlink planted by someone who can write `locks/` cannot steer the
+/// unlinks into another directory, not even by a swap in the middle of the
+/// walk.
+pub fn clean_listed(
+    dir: &crate::dir::Dir,
+    names: &[String],
+    keep: &mut dyn FnMut(&str) -> bool,
+) -> usize {
     let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
-    // Listed through that very descriptor (no second one to open).
-    let Ok(entries) = dir.names() else {
-        return 0;
-    };
     let mut gone = 0;
-    for fname in entries {
-        let Some(name) = fname.to_str() else { continue };
+    for name in names {
         if !valid_name(name) || is_mine(name) {
             continue;
         }

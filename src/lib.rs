@@ -39,7 +39,8 @@
 //!    [`store_wide`] `exec --store-wide`.
 //! 5. **Operations**: [`remove`] rm and its recovery; [`slots`] slot
 //!    classes; [`gc`]; [`doctor`]; [`acquire`] image and slot locks, gates,
-//!    waiter records.
+//!    waiter records; [`idle`] lock-status while nothing is held, without
+//!    the database.
 //! 6. **Exec**: [`session`] the exec protocol (begin, copy, finish,
 //!    abandon); [`exec`] a plan to an exit code.
 //! 7. **[`cli`]**: one file per command; arguments become a validated
@@ -89,6 +90,7 @@ pub mod filesystem;
 pub mod gc;
 pub mod holders;
 pub mod ident;
+pub mod idle;
 pub mod judge;
 pub mod keeper;
 pub mod kernel;

@@ -92,7 +92,15 @@ const MIGRATIONS: &[&str] = &[
     r#"
     INSERT OR REPLACE INTO config (key, value) VALUES ('slot_records', '1');
     "#,
-    // 7: writers may rewrite an image without a transaction, leaving a
+    // 7: every slot class has its directory under locks/slots, and an
+    // unlimited one a `0.lock` carrying its record (slots.rs), so that
+    // lock-status can list the classes without the database (idle.rs): the
+    // version locks out older binaries, which make a class without its
+    // directory. The migration makes the directories (store.rs).
+    r#"
+    INSERT OR REPLACE INTO config (key, value) VALUES ('slot_class_dirs', '1');
+    "#,
+    // 8: writers may rewrite an image without a transaction, leaving a
     // marker (written.rs) that every binary must fold into the rows before
     // it reads them: the version locks older binaries out of such a store.
     r#"

@@ -11,7 +11,7 @@
 //! remains an ordinary lock file, flock(1) on it works as before):
 //!
 //! ```text
-//! stowage-image 3                 (2: written by a release before schema 7)
+//! stowage-image 3                 (2: written by a release before schema 8)
 //! state=ready
 //! image=alpine:3.17
 //! images=default                  (or the configured absolute directory)
@@ -107,7 +107,7 @@ const FORMAT_WRITERS: &str = "stowage-image 3\n";
 /// folds writers' records first (`crate::written`): a token written by
 /// such a binary proves that the store is at it, since a token is only
 /// written after a transaction on the binary's own schema.
-pub const WRITERS_SINCE_SCHEMA: i64 = 7;
+pub const WRITERS_SINCE_SCHEMA: i64 = 8;
 
 /// The format this binary writes tokens in.
 fn format() -> &'static str {
@@ -191,6 +191,27 @@ impl DbId {
         }
         let id = u32::from_be_bytes(header[68..72].try_into().ok()?);
         (id != 0).then_some(DbId(id))
+    }
+
+    /// The identity and the schema version (`PRAGMA user_version`) of the
+    /// database at `db`, read from its header like [`DbId::of`] (open, one
+    /// read, close). `None` unless it is a database in rollback-journal
+    /// mode: in WAL mode the header in the main file may lag the log.
+    pub fn with_schema(db: &Path) -> Option<(Option<DbId>, i64)> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(db)
+            .ok()?;
+        let mut header = [0u8; 72];
+        file.read_exact_at(&mut header, 0).ok()?;
+        if &header[..16] != b"SQLite format 3\0" || header[18] != 1 || header[19] != 1 {
+            return None;
+        }
+        let schema = i32::from_be_bytes(header[60..64].try_into().ok()?);
+        let id = u32::from_be_bytes(header[68..72].try_into().ok()?);
+        Some(((id != 0).then_some(DbId(id)), i64::from(schema)))
     }
 
     /// The identity a transaction read (`meta::Tx::identity`).

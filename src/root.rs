@@ -33,6 +33,9 @@ pub struct Root {
     default: bool,
     /// The root's device, once [`Root::check`] has looked at it.
     dev: Option<u64>,
+    /// The root's filesystem, once [`Root::check_locking`] has looked at
+    /// it: every lock file of the root is on it (one statfs serves them all).
+    fs: Option<crate::filesystem::Filesystem>,
 }
 
 impl Root {
@@ -53,6 +56,7 @@ impl Root {
                 .with_context(|| format!("cannot resolve root {}", dir.display()))?,
             default,
             dev: None,
+            fs: None,
         })
     }
 
@@ -61,6 +65,7 @@ impl Root {
             dir: dir.into(),
             default: false,
             dev: None,
+            fs: None,
         }
     }
 
@@ -130,6 +135,17 @@ impl Root {
 
     pub fn db(&self) -> PathBuf {
         self.dir.join("stowage.db")
+    }
+
+    /// The root's device (see [`Root::check`]).
+    pub fn dev(&self) -> Option<u64> {
+        self.dev
+    }
+
+    /// The root's filesystem, if [`Root::check_locking`] found it (the root
+    /// existed then).
+    pub fn filesystem(&self) -> Option<&crate::filesystem::Filesystem> {
+        self.fs.as_ref()
     }
 
     pub fn locks(&self) -> PathBuf {
@@ -477,13 +493,14 @@ impl Root {
     /// mounted with `nolock` or `local_lock=flock|posix|all`, Lustre with
     /// `localflock` or `noflock`, BeeGFS without global file locks.
     /// (`doctor` reports it instead of refusing.)
-    pub fn check_locking(&self) -> Result<()> {
+    pub fn check_locking(&mut self) -> Result<()> {
         let (reach, mount, own) = crate::filesystem::lock_reach_with(&self.dir);
         // What the statfs found serves every lock file on the root's
         // filesystem (lock.rs decides by it whether they may be unlinked).
-        if let (Some(dev), Some(fs)) = (self.dev, own) {
+        if let (Some(dev), Some(fs)) = (self.dev, &own) {
             crate::lock::note_filesystem(dev, fs.local);
         }
+        self.fs = own;
         if let crate::filesystem::Reach::NodeLocal { why, advice } = reach {
             let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));
             return Err(crate::Error::UnsafeLocking(format!(

@@ -209,6 +209,19 @@ fn read_settled(
         .then_some((limits, settled))
 }
 
+/// One `pread` of a slot file's record, for a look that checks the
+/// database's identity itself (`idle.rs`): its limits, whether they are
+/// settled, and the identity of the database they were derived from, if it
+/// is a valid record of `class`.
+pub fn read_unchecked(file: &std::fs::File, class: &str) -> Option<(Limits, bool, DbId)> {
+    if !enabled() {
+        return None;
+    }
+    let mut buf = vec![0u8; MAX];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    decode_any(&buf[..n], class)
+}
+
 /// Writes the record of `class` into every slot file of its directory and
 /// into every file its configuration names (made if missing), or — `None`,
 /// or a database without identity — takes every record away. The caller
@@ -224,10 +237,10 @@ pub fn write_all(dir: &Dir, class: Option<&SlotClass>, db: Option<DbId>) -> io::
         return Ok(());
     }
     if let (Some(c), Some(db)) = (class, db) {
-        // An unlimited class gets no file (nothing is ever locked):
-        // its acquirers ask the database, unless files of an earlier
-        // limit carry its record.
-        for kind in (0..c.limit)
+        // An unlimited class gets one file, `0.lock`, beyond its limit
+        // (nobody runs a command on it): it carries the record that tells
+        // its acquirers no slot is needed, and lock-status its limit.
+        for kind in (0..c.limit.max(1))
             .map(Kind::Normal)
             .chain((0..c.reserve_high).map(Kind::High))
         {
@@ -308,6 +321,68 @@ fn beyond_held(dir: &Dir, class: &SlotClass) -> io::Result<bool> {
         Ok(())
     })?;
     Ok(held)
+}
+
+/// The schema version from which every configured class has its directory
+/// `locks/slots/ENC` (made before the class is committed, and by the
+/// migration to it for the classes already there): what lets `lock-status`
+/// list the classes without the database (idle.rs).
+pub const CLASS_DIRS_SCHEMA: i64 = 7;
+
+/// Gives every configured class its directory, and its records (an
+/// unlimited class's `0.lock` with them): what the migration to
+/// [`CLASS_DIRS_SCHEMA`] needs. Inside the transaction that commits the
+/// schema, under the global lock: a directory that cannot be made fails
+/// it; the records are best effort (a record missing only sends acquirers,
+/// and lock-status, to the database).
+pub fn make_class_dirs(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyhow::Result<()> {
+    let db = tx.identity().ok().and_then(DbId::from_id);
+    for c in tx.slot_classes()? {
+        let dir = make_class_dir(root, &c.name)?;
+        let _ = write_all(&dir, Some(&c), db);
+    }
+    Ok(())
+}
+
+/// Makes (if missing) and opens the class's directory, every step from the
+/// root's descriptor without following a link: a link planted for
+/// `locks/slots` or the class directory is an error, never a directory
+/// made or a file created elsewhere.
+pub fn make_class_dir(root: &crate::root::Root, class: &str) -> anyhow::Result<Dir> {
+    let locks = root.open_or_make_sub("locks")?;
+    let rel = crate::root::Root::slot_class_rel(class);
+    let mut d = locks;
+    let mut at = root.locks();
+    for part in rel.split('/').skip(1) {
+        at.push(part);
+        match d.sub(part) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match d.mkdir(part, 0o777) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(anyhow::Error::new(e)
+                        .context(format!("cannot create directory {}", at.display())));
+                }
+            },
+            Err(e) => return Err(refused(&at, e)),
+            Ok(_) => {}
+        }
+        d = d.sub(part).map_err(|e| refused(&at, e))?;
+    }
+    Ok(d)
+}
+
+/// The error for a directory on the way to a class's slot files that
+/// cannot be opened without following a link.
+fn refused(at: &Path, e: std::io::Error) -> anyhow::Error {
+    if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
+        anyhow::anyhow!(
+            "{} is a symlink or not a directory; refusing to use it",
+            at.display()
+        )
+    } else {
+        anyhow::Error::new(e).context(format!("cannot open {}", at.display()))
+    }
 }
 
 #[cfg(test)]

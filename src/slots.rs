@@ -12,12 +12,16 @@
 //! any free normal slot, so at most N run at once; high-priority work takes a
 //! reserved slot first, else a normal one, so the total is at most N + R and
 //! a small urgent request never waits behind a wall of big transfers (the
-//! BuildKit design). Limit 0 means unlimited: no lock at all.
+//! BuildKit design). Limit 0 means unlimited: no slot is taken (the class's
+//! directory holds one file, `0.lock`, that carries its record).
 //!
 //! Invariants:
 //! - A slot is an exclusive flock, so the kernel frees it when its holder
 //!   dies: no token is ever lost (unlike a make jobserver's pipe).
 //! - Slots come first in the lock order (slots → images → global).
+//! - From schema 7 ([`CLASS_DIRS_SCHEMA`]) every configured class has its
+//!   directory, made before the class is committed: `lock-status` lists
+//!   the classes by their directories when nothing is held (idle.rs).
 //! - The configuration lives in the metadata, and a copy of it in every
 //!   slot file of the class (`slot_record.rs`), kept by whoever changes it
 //!   under the global lock: an acquirer reads the copy in the file it
@@ -47,6 +51,8 @@ use crate::error::Error;
 use crate::lock::{self, Mode};
 use crate::meta::{SlotClass, Tx};
 use crate::store::Store;
+
+pub use crate::slot_record::{CLASS_DIRS_SCHEMA, make_class_dir};
 
 /// The largest limit (each waiter keeps every slot file open while it waits).
 pub const MAX_LIMIT: u32 = 256;
@@ -124,56 +130,15 @@ pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&Slo
         Some(_) => tx.identity().ok().and_then(crate::record::DbId::from_id),
         None => None,
     };
-    // A class with slots gets its directory (an unlimited one none: its
-    // files, if any, are those of an earlier limit).
-    let d = if db.is_some() && config.is_some_and(|c| c.limit > 0) {
+    // A class gets its directory (an unlimited one too: its `0.lock`
+    // carries its record); a removed one keeps what is left of it.
+    let d = if db.is_some() && config.is_some() {
         make_class_dir(&ctx.root, class).ok()
     } else {
         class_dir(ctx, class).ok().flatten()
     };
     if let Some(d) = d {
         let _ = crate::slot_record::write_all(&d, config, db);
-    }
-}
-
-/// Makes (if missing) and opens the class's directory, every step from the
-/// root's descriptor without following a link: a link planted for
-/// `locks/slots` or the class directory is an error, never a directory
-/// made or a file created elsewhere.
-pub(crate) fn make_class_dir(root: &crate::root::Root, class: &str) -> Result<crate::dir::Dir> {
-    let locks = root.open_or_make_sub("locks")?;
-    let rel = crate::root::Root::slot_class_rel(class);
-    let mut d = locks;
-    let mut at = root.locks();
-    for part in rel.split('/').skip(1) {
-        at.push(part);
-        match d.sub(part) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match d.mkdir(part, 0o777) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => {
-                    return Err(anyhow::Error::new(e)
-                        .context(format!("cannot create directory {}", at.display())));
-                }
-            },
-            Err(e) => return Err(refused(&at, e)),
-            Ok(_) => {}
-        }
-        d = d.sub(part).map_err(|e| refused(&at, e))?;
-    }
-    Ok(d)
-}
-
-/// The error for a directory on the way to a class's slot files that
-/// cannot be opened without following a link.
-fn refused(at: &Path, e: std::io::Error) -> anyhow::Error {
-    if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
-        anyhow::anyhow!(
-            "{} is a symlink or not a directory; refusing to use it",
-            at.display()
-        )
-    } else {
-        anyhow::Error::new(e).context(format!("cannot open {}", at.display()))
     }
 }
 
@@ -207,6 +172,53 @@ pub(crate) fn take_records_away(ctx: &Ctx, class: &str) -> Result<()> {
             dir.display()
         ))
     })
+}
+
+/// Takes away what a class removed while its slots were held left behind,
+/// once nobody holds them: its slot files and `changed` (each unlinked
+/// under its exclusive lock, as [`remove_class`] does) and then its
+/// directory, if that leaves it empty — which `lock-status` would
+/// otherwise find, with no class behind it, and answer through the
+/// database every time (idle.rs). Only directories of no configured class.
+/// Under the global lock, in the transaction that read the classes: no
+/// class can be made anew meanwhile (making one needs the global lock).
+/// Best effort; on a filesystem where lock files are not unlinked (NFS)
+/// they stay.
+pub(crate) fn clean_removed(tx: &Tx, ctx: &Ctx) -> Result<()> {
+    let slots = ctx.root.slot_locks();
+    let Ok(top) = crate::dir::Dir::open_nofollow(&slots) else {
+        return Ok(());
+    };
+    let Ok(names) = top.names() else {
+        return Ok(());
+    };
+    let configured: Vec<String> = tx.slot_classes()?.into_iter().map(|c| c.name).collect();
+    for enc in names {
+        let Some(enc) = enc.to_str() else { continue };
+        let class = enc.replace('%', "/");
+        if configured.contains(&class) || validate_class(&class).is_err() {
+            continue;
+        }
+        // Opened without following a link: a planted one is left alone.
+        let Ok(Some(d)) = class_dir(ctx, &class) else {
+            continue;
+        };
+        let Ok(files) = d.names() else { continue };
+        let dir = slots.join(enc);
+        for f in files {
+            let Some(f) = f.to_str() else { continue };
+            if !(f.ends_with(".lock") || f == CHANGED) {
+                continue;
+            }
+            if let Ok(Some(g)) =
+                lock::acquire_no_wait(&dir.join(f), Mode::Exclusive, lock::IfMissing::Fail)
+            {
+                let _ = crate::remove::unlink_lock(&ctx.root, g);
+            }
+        }
+        let _ = top.rmdir(enc);
+    }
+    Ok(())
 }
 
 /// The configuration of a class; an unknown class is a usage error that

@@ -372,6 +372,11 @@ impl Store {
                         ));
                     }
                     tx.migrate()?;
+                    if v < crate::slot_record::CLASS_DIRS_SCHEMA
+                        && meta::schema_version() >= crate::slot_record::CLASS_DIRS_SCHEMA
+                    {
+                        crate::slot_record::make_class_dirs(tx, &ctx.root)?;
+                    }
                 }
                 Schema::Ahead(v) => {
                     return Err(DatabaseError(format!(

@@ -1,4 +1,10 @@
 //! `stowage lock-status`: who holds and awaits which lock.
+//!
+//! Built from the database's view under the global lock (records judged
+//! against the kernel, stale ones deleted), except with the default
+//! selection while nothing is held: then from the lock table and the slot
+//! records, without the global lock or the database (idle.rs), printing
+//! exactly what the database's view would.
 
 use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
@@ -243,21 +249,38 @@ pub struct Selection {
 }
 
 /// Gathers everything lock-status shows: the global lock, then image locks.
+/// With the default selection, while nothing is held, without the global
+/// lock or the database (idle.rs).
 pub fn gather(
     store: &mut crate::store::Store,
     sel: &Selection,
 ) -> Result<(String, Vec<LockReport>)> {
     let root = store.root().clone();
+    // The root's filesystem, found when the root was checked.
+    let fs_name = match root.filesystem() {
+        Some(f) => f.name.clone(),
+        None => {
+            crate::filesystem::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name)
+        }
+    };
+    if sel.names.is_empty()
+        && !sel.all
+        && let Some(rows) = crate::idle::look(store.ctx())
+    {
+        return Ok((fs_name, rows));
+    }
     // The global lock is looked at before we take it ourselves.
-    let kv_global = KernelView::new(&root.locks());
+    let kv_global = match root.filesystem() {
+        Some(f) => KernelView::verified_on(f.local, None),
+        None => KernelView::new(&root.locks()),
+    };
     let global = global_report(store.ctx(), &kv_global, &root.global_lock());
-    let fs_name =
-        crate::filesystem::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name);
 
     let images = store.read_tx(|tx, ctx| {
         let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
         let (mut reports, slots) = sweep(tx, ctx, &kv)?;
-        crate::judge::clean_leases(ctx);
+        crate::judge::clean_leases(ctx, &kv);
+        crate::slots::clean_removed(tx, ctx)?;
         for (name, view) in kernel_locked_images(ctx, &kv)? {
             if reports.contains_key(&name) {
                 continue;
@@ -362,6 +385,11 @@ fn store_wide_report(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<Option<LockR
         &records,
         crate::root::Root::STORE_WIDE_LOCK_REL,
     )?;
+    // Records found stale, of a lock nobody holds: nothing to show (as
+    // when there were none).
+    if !view.is_held() && holders.is_empty() && waiters.is_empty() {
+        return Ok(None);
+    }
     Ok(Some(LockReport {
         kind: LockKind::Global,
         name: "store".into(),

@@ -84,6 +84,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             // record, never the old limit standing beside the new one.
             store.with_tx(None, |tx, ctx| {
                 slots::take_records_away(ctx, &class)?;
+                // Its directory exists before the class does (schema 7):
+                // lock-status lists the classes by their directories.
+                slots::make_class_dir(&ctx.root, &class)?;
                 tx.set_slot_class(&c)
             })?;
             store.with_tx(None, |tx, ctx| {

@@ -1031,3 +1031,45 @@ fn start_closing_its_lease(env: &Env, mode: &str) -> (Bg, u32) {
     let stowage = bg.pid();
     (bg, stowage)
 }
+
+#[test]
+fn lock_status_in_a_container_with_nothing_held_sees_holders_outside_it() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    env.ok(["slots", "set", "pull", "2"]);
+    let look_inside = || {
+        let args: Vec<String> = ["lock-status", "--json"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let child = in_namespace(Some("inside"), &stowage_argv(&env, &args))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Bounded: with nothing held it must not wait for the global lock.
+        parse(&wait_output(child, std::time::Duration::from_secs(60)))
+    };
+    // Nothing held: the same answer inside as here.
+    assert_eq!(look_inside(), env.status_json(Vec::<String>::new()));
+    // flock(1) outside holds the global lock: the table inside hides it,
+    // a probe does not.
+    let outsider = hold_global(&env);
+    let st = look_inside();
+    assert_eq!(st["locks"][0]["name"], "global", "{st}");
+    assert_eq!(st["locks"][0]["state"], "exclusive", "{st}");
+    outsider.kill_all();
+    // A reader outside: its lease (which the table inside hides) sends the
+    // look the database's way, which names it.
+    let reader = env.hold(&["--read", "base"], "reader");
+    let st = look_inside();
+    let base = image_entry(&st, "base");
+    assert_eq!(base["state"], "shared", "{st}");
+    assert_eq!(base["holders"][0]["stowage"], true, "{st}");
+    env.release("release");
+    reader.finish();
+}

@@ -76,9 +76,18 @@ fn unlimited_class_lets_everyone_in_at_once() {
         assert_eq!(w.finish().status.code(), Some(0));
     }
     assert_eq!(max_count(&env), 5);
-    assert!(
-        !env.root.join("locks/slots/load%docker").exists(),
-        "no lock files for an unlimited class"
+    // One lock file, never a slot: `0.lock` carries the class's record
+    // (that no slot is needed) and lets lock-status list the class.
+    let mut files: Vec<String> = fs::read_dir(env.root.join("locks/slots/load%docker"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".lock"))
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        ["0.lock"],
+        "one record carrier for an unlimited class"
     );
 }
 

@@ -440,3 +440,349 @@ fn images_does_not_overwrite_a_rewriters_size() {
     );
     late_measurement_keeps_the_real_size(&env, "app", lister, go_on);
 }
+
+// --- lock-status while nothing is held (idle.rs) ----------------------------
+
+/// `lock-status` and `lock-status --json` on `env`, with `fs` as the
+/// filesystem's name if given (the hidden hook), and whether either took
+/// the database's way: a transaction (SQLite's `fcntl` locks on
+/// stowage.db) under the global lock, seen by strace; `None` where strace
+/// cannot run here.
+fn look(env: &Env, fs: Option<&str>) -> (String, Value, Option<bool>) {
+    let (text, json, calls) = look_traced(env, fs);
+    let took = calls.map(|c| used_database(&c));
+    (text, json, took)
+}
+
+/// Whether these calls lock the database (SQLite's `fcntl` locks: a
+/// transaction, which stowage opens only under the global lock).
+fn used_database(calls: &str) -> bool {
+    calls
+        .lines()
+        .any(|l| l.starts_with("fcntl") && l.contains("stowage.db>") && l.contains("SETLK"))
+}
+
+/// [`look`], with the `flock` and `fcntl` calls of both runs as strace
+/// shows them (pid column dropped), if it can run here.
+fn look_traced(env: &Env, fs: Option<&str>) -> (String, Value, Option<String>) {
+    let traced = have("strace");
+    let mut calls = String::new();
+    let mut run = |json: bool| {
+        let log = env.scratch.join("idle-strace.log");
+        let mut c = if traced {
+            let mut c = Command::new("strace");
+            c.args(["-f", "-y", "-e", "trace=flock,fcntl", "-o"])
+                .arg(&log)
+                .arg(bin());
+            c
+        } else {
+            Command::new(bin())
+        };
+        c.arg("--root").arg(&env.root).arg("lock-status");
+        if json {
+            c.arg("--json");
+        }
+        c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+        if let Some(fs) = fs {
+            c.env(stowage::env::DEBUG_FILESYSTEM, fs);
+        }
+        let out = wait_output(
+            c.stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+            std::time::Duration::from_secs(60),
+        );
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+        if traced {
+            for l in fs::read_to_string(&log).unwrap().lines() {
+                let call = l.split_once(' ').map_or(l, |(_, c)| c.trim_start());
+                calls.push_str(call);
+                calls.push('\n');
+            }
+        }
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = run(false);
+    let json = serde_json::from_str(&run(true)).unwrap();
+    (text, json, traced.then_some(calls))
+}
+
+/// Asserts that `lock-status` (text and JSON) answers `env` without the
+/// global lock, and shows exactly what the database's view shows — the
+/// view taken while an unrelated file of the root's filesystem is locked,
+/// which is doubt enough to send lock-status the database's way.
+fn idle_equals_database_view(env: &Env, fs: Option<&str>, what: &str) {
+    let (text, json, took) = look(env, fs);
+    assert_ne!(took, Some(true), "{what}: took the global lock idle");
+    // A lock elsewhere on the filesystem, not the store's: still idle.
+    if fs.is_none() {
+        let started = env.sentinel(&format!("elsewhere-{}", what.replace(' ', "-")));
+        let elsewhere = flock_holder(&env.scratch.join("elsewhere.lock"), &started, "sleep 60");
+        let (t, j, took) = look(env, fs);
+        elsewhere.kill_all();
+        assert_ne!(
+            took,
+            Some(true),
+            "{what}: a lock outside the store is doubt"
+        );
+        assert_eq!((&t, &j), (&text, &json), "{what}");
+    }
+    // A lock on a file of the root that is no lock of stowage's (a
+    // flock(1) here; where there is no lock table, a dead lease): the
+    // database's way.
+    let started = env.sentinel(&format!("unrelated-{}", what.replace(' ', "-")));
+    let dead = env.root.join("locks/leases/gone.lease");
+    let unrelated = match fs {
+        Some("nfs") => {
+            fs::write(&dead, "").unwrap();
+            None
+        }
+        _ => Some(flock_holder(
+            &env.root.join("unrelated.lock"),
+            &started,
+            "sleep 60",
+        )),
+    };
+    let (db_text, db_json, db_took) = look(env, fs);
+    if let Some(u) = unrelated {
+        u.kill_all();
+    }
+    assert_ne!(
+        db_took,
+        Some(false),
+        "{what}: the database's way was not taken"
+    );
+    assert_eq!(text, db_text, "{what}: text");
+    assert_eq!(json, db_json, "{what}: JSON");
+}
+
+fn slot_row(st: &Value, class: &str) -> Value {
+    st["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "slot" && l["name"] == class)
+        .cloned()
+        .unwrap_or_else(|| panic!("no row for class {class}: {st}"))
+}
+
+#[test]
+fn idle_lock_status_shows_what_the_database_view_shows() {
+    for fs in [None, Some("nfs")] {
+        let env = Env::new();
+        env.make_image("base");
+        env.ok(["exec", "--read", "base", "--", "true"]);
+        idle_equals_database_view(&env, fs, "no class");
+        env.ok(["slots", "set", "pull", "2"]);
+        idle_equals_database_view(&env, fs, "one class");
+        env.ok(["slots", "set", "load/podman", "3", "--reserve-high", "1"]);
+        idle_equals_database_view(&env, fs, "nested class with reserve");
+        env.ok(["slots", "set", "any", "0"]);
+        idle_equals_database_view(&env, fs, "unlimited class");
+        let (_, st, _) = look(&env, fs);
+        let podman = slot_row(&st, "load/podman");
+        assert_eq!(
+            (&podman["limit"], &podman["reserve_high"], &podman["in_use"]),
+            (&Value::from(3), &Value::from(1), &Value::from(0)),
+            "{st}"
+        );
+        assert_eq!(slot_row(&st, "any")["limit"], 0, "{st}");
+        assert_eq!(st["locks"][0]["name"], "global", "{st}");
+        assert_eq!(st["locks"].as_array().unwrap().len(), 4, "{st}");
+    }
+}
+
+#[test]
+fn a_class_whose_records_are_unsettled_or_missing_is_shown_the_database_way() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    env.ok(["slots", "set", "pull", "2"]);
+    // Two slots held, then the limit lowered: the records are written
+    // unsettled (1.lock, beyond the new limit, is held), and stay so once
+    // both holders are gone.
+    let a = env.hold_until(&["--slot", "pull", "--read", "base"], "a", "release-a");
+    let b = env.hold_until(&["--slot", "pull", "--read", "base"], "b", "release-b");
+    env.ok(["slots", "set", "pull", "1"]);
+    env.release("release-a");
+    env.release("release-b");
+    a.finish();
+    b.finish();
+    let (text, st, took) = look(&env, None);
+    assert_ne!(took, Some(false), "unsettled records: answered idle");
+    assert_eq!(slot_row(&st, "pull")["limit"], 1, "{st}");
+    assert_eq!(slot_row(&st, "pull")["in_use"], 0, "{st}");
+    assert!(text.contains("pull"), "{text}");
+    // Set again with nothing held: settled, and answered idle.
+    env.ok(["slots", "set", "pull", "2"]);
+    let (_, st, took) = look(&env, None);
+    assert_ne!(took, Some(true), "settled records: took the global lock");
+    assert_eq!(slot_row(&st, "pull")["limit"], 2, "{st}");
+    // A record gone (the file emptied): the database's way, same answer.
+    fs::File::create(env.root.join("locks/slots/pull/0.lock")).unwrap();
+    let (_, db_st, took) = look(&env, None);
+    assert_ne!(took, Some(false), "no record: answered idle");
+    assert_eq!(slot_row(&db_st, "pull")["limit"], 2, "{db_st}");
+    // Written again; then a class directory that is no class's: doubt,
+    // and not shown.
+    env.ok(["slots", "set", "pull", "2"]);
+    let (idle_text, idle_st, took) = look(&env, None);
+    assert_ne!(took, Some(true), "settled records: took the global lock");
+    fs::create_dir_all(env.root.join("locks/slots/gone/x")).unwrap();
+    let (text, st, took) = look(&env, None);
+    assert_ne!(took, Some(false), "a stray directory: answered idle");
+    assert_eq!((text, st), (idle_text, idle_st));
+}
+
+#[test]
+fn idle_lock_status_does_not_take_the_global_lock_and_shows_who_holds_it() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    env.ok(["slots", "set", "pull", "2"]);
+    for fs in [None, Some("nfs")] {
+        let _ = fs::remove_file(env.sentinel("global-held"));
+        let outsider = hold_global(&env);
+        // It answers while flock(1) holds the global lock: it did not wait
+        // for it (look's bounded wait fails the test otherwise). Where the
+        // lock table tells, it does not even try it (on NFS a probe does).
+        let (text, st, calls) = look_traced(&env, fs);
+        if let Some(calls) = calls {
+            assert!(!used_database(&calls), "{fs:?}: {calls}");
+            if fs.is_none() {
+                assert!(!calls.contains("global.lock>"), "{calls}");
+            }
+        }
+        let g = &st["locks"][0];
+        assert_eq!(
+            (&g["name"], &g["state"]),
+            (&"global".into(), &"exclusive".into()),
+            "{st}"
+        );
+        if fs.is_none() {
+            // The lock table names it.
+            assert_eq!(g["holders"][0]["pid"], outsider.pid(), "{st}");
+            assert_eq!(g["holders"][0]["stowage"], false, "{st}");
+            assert!(text.contains("[outside stowage]"), "{text}");
+        }
+        assert_eq!(slot_row(&st, "pull")["limit"], 2, "{st}");
+        outsider.kill_all();
+    }
+    // Something held (a stowage reader): lock-status takes the global lock
+    // again, so it waits for the outsider, then shows the reader.
+    let reader = env.hold(&["--read", "base"], "reader");
+    let _ = fs::remove_file(env.sentinel("global-held"));
+    let outsider = hold_global(&env);
+    let mut c = env.cmd(["lock-status", "--json"]);
+    let child = c
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let global = env.root.join("locks/global.lock");
+    wait_until("lock-status waits for the global lock", || {
+        flock_waited_on(&global)
+    });
+    outsider.kill_all();
+    let out = wait_output(child, std::time::Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let st: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let base = st["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "base")
+        .cloned()
+        .unwrap_or_else(|| panic!("the reader is not shown: {st}"));
+    assert_eq!(base["state"], "shared", "{st}");
+    assert_eq!(base["holders"][0]["stowage"], true, "{st}");
+    env.release("release");
+    reader.finish();
+}
+
+#[test]
+fn outsiders_on_an_image_lock_or_a_slot_file_are_shown() {
+    for fs in [None, Some("nfs")] {
+        let env = Env::new();
+        env.make_image("base");
+        env.ok(["exec", "--read", "base", "--", "true"]);
+        env.ok(["slots", "set", "pull", "2"]);
+        let o = flock_holder(&env.lock_file("base"), &env.sentinel("image"), "sleep 60");
+        if fs == Some("nfs") {
+            // Without a lock table neither way can see it (only an image
+            // asked for by name is probed): both say the same.
+            idle_equals_database_view(&env, fs, "image held on nfs");
+        } else {
+            let (_, st, took) = look(&env, fs);
+            assert_ne!(took, Some(false), "{fs:?}: an image held, answered idle");
+            let base = st["locks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|l| l["name"] == "base")
+                .cloned()
+                .unwrap_or_else(|| panic!("flock(1) on the image lock not shown: {st}"));
+            assert_eq!(base["state"], "exclusive", "{st}");
+            assert_eq!(base["holders"][0]["pid"], o.pid(), "{st}");
+        }
+        o.kill_all();
+        let slot = env.root.join("locks/slots/pull/0.lock");
+        let o = flock_holder(&slot, &env.sentinel("slot"), "sleep 60");
+        let (_, st, took) = look(&env, fs);
+        assert_ne!(took, Some(false), "{fs:?}: a slot held, answered idle");
+        let pull = slot_row(&st, "pull");
+        assert_eq!(pull["in_use"], 1, "{fs:?}: {st}");
+        assert_eq!(pull["holders"][0]["stowage"], false, "{st}");
+        if fs.is_none() {
+            assert_eq!(pull["holders"][0]["pid"], o.pid(), "{st}");
+        }
+        o.kill_all();
+    }
+}
+
+#[test]
+fn an_unlimited_class_from_before_class_directories_is_listed_once_migrated() {
+    let env = Env::new();
+    // A store of schema 6 whose unlimited class has no directory, as older
+    // binaries made it.
+    let mut c = env.cmd(["slots", "set", "any", "0"]);
+    c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "6");
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let _ = fs::remove_dir_all(env.root.join("locks/slots/any"));
+    // The schema is behind: the database's way, which migrates.
+    let (_, st, took) = look(&env, None);
+    assert_ne!(took, Some(false), "schema 6: answered idle");
+    assert_eq!(slot_row(&st, "any")["limit"], 0, "{st}");
+    assert!(env.root.join("locks/slots/any/0.lock").is_file());
+    idle_equals_database_view(&env, None, "migrated unlimited class");
+}
+
+#[test]
+fn a_class_removed_while_held_leaves_nothing_once_its_holder_is_gone() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    env.ok(["slots", "set", "pull", "1"]);
+    env.ok(["slots", "set", "gone", "1"]);
+    let holder = env.hold(&["--slot", "gone", "--read", "base"], "holding");
+    env.ok(["slots", "rm", "gone"]);
+    env.release("release");
+    holder.finish();
+    // Its held file outlived the removal: no class behind the directory,
+    // so the database's way, which takes the leftovers away...
+    assert!(env.root.join("locks/slots/gone").exists());
+    let (text, st, took) = look(&env, None);
+    assert_ne!(
+        took,
+        Some(false),
+        "a removed class's directory: answered idle"
+    );
+    assert!(!text.contains("gone"), "{text}");
+    assert!(!env.root.join("locks/slots/gone").exists());
+    // ...and the next look is idle again, with the same answer.
+    let (idle_text, idle_st, took) = look(&env, None);
+    assert_ne!(took, Some(true), "took the global lock idle");
+    assert_eq!((idle_text, idle_st), (text, st));
+}

@@ -261,13 +261,13 @@ fn writers_of_one_image_never_overlap_whichever_way_they_go() {
 #[test]
 fn an_older_store_writes_the_database_way_until_it_is_upgraded() {
     let env = Env::new();
-    // A store of the release before (schema 6): its tokens are of the
+    // A store of the release before (schema 7): its tokens are of the
     // older format, which no writer takes as leave to skip the database.
     let mut c = env.cmd(["exec", "--write", "base", "--", "true"]);
-    c.env("STOWAGE_DEBUG_SCHEMA_LIMIT", "6");
+    c.env("STOWAGE_DEBUG_SCHEMA_LIMIT", "7");
     assert_eq!(output(c).status.code(), Some(0));
     let mut c = env.cmd(["exec", "--read", "base", "--", "true"]);
-    c.env("STOWAGE_DEBUG_SCHEMA_LIMIT", "6");
+    c.env("STOWAGE_DEBUG_SCHEMA_LIMIT", "7");
     assert_eq!(output(c).status.code(), Some(0));
     assert!(lock_text(&env, "base").starts_with("stowage-image 2"));
     env.ok(["exec", "--write", "base", "--", "true"]);
@@ -279,7 +279,7 @@ fn an_older_store_writes_the_database_way_until_it_is_upgraded() {
     assert!(marker(&env, "base").exists(), "then without it");
     // The older release is locked out of the upgraded store.
     let mut c = env.cmd(["images"]);
-    c.env("STOWAGE_DEBUG_SCHEMA_LIMIT", "6");
+    c.env("STOWAGE_DEBUG_SCHEMA_LIMIT", "7");
     assert_ne!(output(c).status.code(), Some(0));
 }
 
