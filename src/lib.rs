@@ -30,6 +30,8 @@
 //!    all SQL; [`record`] the ready token in an image's lock file (how a
 //!    read learns "ready" without the database); [`slot_record`] a slot
 //!    class's limits in its slot files (how a slot is taken without it);
+//!    [`written`] writes without the database: markers, and their fold
+//!    into the rows at every transaction;
 //!    [`ctx`] what every
 //!    operation needs; [`disk_usage`];
 //!    [`adopt`] trees without rows; [`clone`] copying a tree.
