@@ -221,31 +221,7 @@ impl Session {
                 }
             }
             if !migrate {
-                // What a writer that took no transaction left (written.rs)
-                // is read before the token goes, for the start to fold.
-                let before: Vec<Option<crate::record::Found>> = held
-                    .iter()
-                    .map(|h| {
-                        h.writes()
-                            .then(|| crate::record::found(h.guard.file()).ok())
-                            .flatten()
-                    })
-                    .collect();
-                // A write makes its image's ready token say nothing, durably,
-                // before the start marks its row (record.rs).
-                if let Err(e) = held
-                    .iter()
-                    .filter(|h| h.writes())
-                    .try_for_each(|h| crate::record::invalidate(h.guard.file()))
-                {
-                    let name = held.iter().find(|h| h.writes()).map(|h| h.name.clone());
-                    give_up(store, held, &waits, slot, None);
-                    return Err(anyhow::Error::new(e).context(format!(
-                        "cannot write the lock file of image '{}'",
-                        name.expect("a write failed")
-                    )));
-                }
-                match start(store, &mut held, &before, slot.as_mut(), &waits, req) {
+                match start(store, &mut held, slot.as_mut(), &waits, req) {
                     Ok(images_dir) => {
                         // The lease lists what we hold: how lock-status names
                         // a reader, which has no record, where the kernel
@@ -877,7 +853,6 @@ fn unclaimed(held: Vec<Held>) -> Vec<(ImageName, Guard)> {
 fn start(
     store: &mut Store,
     held: &mut [Held],
-    before: &[Option<crate::record::Found>],
     slot: Option<&mut crate::acquire::slot::SlotGuard>,
     waits: &[i64],
     req: &Request,
@@ -901,16 +876,13 @@ fn start(
     // First what our locks prove, and whether every read can go ahead.
     let mut refusal = None;
     let mut rows = Vec::with_capacity(held.len());
-    for (h, before) in held.iter().zip(before) {
+    for h in held.iter() {
         let name = h.name.as_str();
         // A writer that took no transaction may have left its record
         // (written.rs): the truth about the image until folded, and what
-        // our locks prove we may fold.
-        match before {
-            Some(found) => crate::written::fold_found(&tx, ctx, &h.name, found, h.guard.file())?,
-            None if !h.writes() => crate::written::fold_held(&tx, ctx, &h.name, h.guard.file())?,
-            None => {}
-        }
+        // our locks prove we may fold (our writes take tokens away below,
+        // after this).
+        crate::written::fold_held(&tx, ctx, &h.name, h.guard.file())?;
         // Holding the lock exclusively, nobody else holds it at all; holding
         // it shared, nobody holds it exclusively. Dropping the records that
         // say otherwise keeps SIGKILLed holders from piling up records.
@@ -950,6 +922,16 @@ fn start(
             }
         }
         return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));
+    }
+
+    // A write makes its image's ready token say nothing, durably, before
+    // the start marks its row (record.rs) — only now: the transaction
+    // begun above first folded, from this very lock file, what a writer
+    // that took no transaction left there (written.rs); emptied earlier,
+    // the file would have said that write left no outcome.
+    for h in held.iter().filter(|h| h.writes()) {
+        crate::record::invalidate(h.guard.file())
+            .with_context(|| format!("cannot write the lock file of image '{}'", h.name))?;
     }
 
     // Then claim: mark, create, record.
