@@ -18,7 +18,10 @@ fn a_writer_that_waited_for_a_fast_write_and_never_ran_leaves_the_image_ready() 
     let env = Env::new();
     env.make_image("base");
     let fast = env.hold(&["--write", "base"], "started");
-    assert!(marker(&env, "base").exists(), "the write took no transaction");
+    assert!(
+        marker(&env, "base").exists(),
+        "the write took no transaction"
+    );
     let waiter = env.spawn(["exec", "--write", "base", "--", "/nonexistent/cmd"]);
     env.wait_for_waiter("base");
     env.release("release");
@@ -29,6 +32,26 @@ fn a_writer_that_waited_for_a_fast_write_and_never_ran_leaves_the_image_ready() 
         "its command never ran: {}",
         show(&out)
     );
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "base", "--", "true"]);
+}
+
+#[test]
+fn a_fast_write_that_succeeds_beside_a_repair_is_ready() {
+    // `doctor --repair` renews the database's identity (tokens of a copy
+    // restored over it stop counting) while the writer, which took no
+    // transaction, runs: its record names the identity it started under.
+    // The command exits 0, so the image is ready (spec: exec).
+    let env = Env::new();
+    env.make_image("base");
+    let writer = env.hold(&["--write", "base"], "started");
+    assert!(
+        marker(&env, "base").exists(),
+        "the write took no transaction"
+    );
+    env.ok(["doctor", "--repair"]);
+    env.release("release");
+    assert_eq!(writer.finish().status.code(), Some(0));
     assert_eq!(env.state("base").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "base", "--", "true"]);
 }
