@@ -25,12 +25,14 @@
 //!   whose image lock it can hold (tried shared, never awaited; or held
 //!   exclusively by this very process) it reads the record and sets the
 //!   row: `ready` with the record's size, last use and no base, only for
-//!   a valid ready record of this database and images directory on a row
-//!   that is ready (or missing); `incomplete` for anything else — a
-//!   `writing` record (its writer is gone: we could lock), `incomplete`,
-//!   empty, torn, foreign. Readiness may be lost, never claimed. A ready
-//!   token beside a row left not ready is taken away (holding the image's
-//!   lock shared and the global lock excludes every writer of tokens).
+//!   a valid ready record of this images directory on a row that is ready
+//!   (of this database, or a writer's sized outcome: a repair renews the
+//!   identity while writers run) or missing (of this database);
+//!   `incomplete` for anything else — a `writing` record (its writer is
+//!   gone: we could lock), `incomplete`, empty, torn, foreign. Readiness
+//!   may be lost, never claimed. A ready token beside a row left not ready
+//!   is taken away (holding the image's lock shared and the global lock
+//!   excludes every writer of tokens).
 //! - **A marker goes only after its row is committed**, and while the
 //!   image's lock is still held by the folder: no writer can start
 //!   between the record read and the marker's unlink, and a crash between
@@ -286,17 +288,25 @@ fn fold_one(
     file: &std::fs::File,
 ) -> Result<()> {
     let row = tx.image(name.as_str())?;
-    let vouches = |t: &Token| {
+    let of_this_tree = |t: &Token| {
         t.state == State::Ready
             && t.image == name.as_str()
-            && Some(t.db) == db
             && t.images_dir
                 .clone()
                 .unwrap_or_else(|| ctx.root.default_images_dir())
                 == images_dir
     };
+    let vouches = |t: &Token| of_this_tree(t) && Some(t.db) == db;
     match (&found.record, &row) {
-        (Some(t), Some(r)) if vouches(t) && r.state == ImageState::Ready => {
+        // A writer's outcome (a size: written once its command succeeded,
+        // under its lock) needs no identity to keep a ready row ready: the
+        // identity is what stops a token from counting for a read without
+        // the database (a repair renews it), and this writer may have
+        // started under the one a repair renewed while it ran.
+        (Some(t), Some(r))
+            if r.state == ImageState::Ready
+                && (vouches(t) || (t.size.is_some() && of_this_tree(t))) =>
+        {
             // A token without a size is no writer's record: the write
             // never started (or the database's way wrote it), and the
             // row already says what it does.
