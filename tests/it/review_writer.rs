@@ -55,3 +55,108 @@ fn a_fast_write_that_succeeds_beside_a_repair_is_ready() {
     assert_eq!(env.state("base").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "base", "--", "true"]);
 }
+
+#[test]
+fn a_symlink_planted_at_the_markers_directory_is_named_and_nothing_outside_goes() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("a");
+    env.ok(["images"]);
+    let v = victim(&env);
+    // A file named like a marker, which a fold would unlink.
+    fs::write(v.join("a"), "precious").unwrap();
+    fs::remove_dir_all(env.root.join("locks/dirty")).unwrap();
+    std::os::unix::fs::symlink(&v, env.root.join("locks/dirty")).unwrap();
+    for args in [&["images"][..], &["gc"], &["doctor"]] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert_eq!(err.lines().count(), 1, "{args:?}: one line: {err}");
+        assert!(
+            err.contains("locks/dirty") && err.contains("symlink"),
+            "{args:?}: names the object and the cause: {err}"
+        );
+    }
+    assert_eq!(fs::read_to_string(v.join("a")).unwrap(), "precious");
+    assert_intact(&v);
+}
+
+/// `cmd` run where `openat2` fails with `errno`, as on a kernel older than
+/// 5.6 (ENOSYS) or under a container's seccomp profile (EPERM): a seccomp
+/// filter installed in the child before it runs stowage.
+#[cfg(target_arch = "x86_64")]
+fn without_openat2(cmd: &mut std::process::Command, errno: u32) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only prctl(2) between fork and exec, on data the closure owns.
+    unsafe {
+        cmd.pre_exec(move || {
+            let filter = [
+                // A = seccomp_data.nr
+                libc::sock_filter {
+                    code: 0x20,
+                    jt: 0,
+                    jf: 0,
+                    k: 0,
+                },
+                // if A == SYS_openat2 (437) fall through, else skip one
+                libc::sock_filter {
+                    code: 0x15,
+                    jt: 0,
+                    jf: 1,
+                    k: 437,
+                },
+                // return SECCOMP_RET_ERRNO | errno
+                libc::sock_filter {
+                    code: 0x06,
+                    jt: 0,
+                    jf: 0,
+                    k: 0x0005_0000 | errno,
+                },
+                // return SECCOMP_RET_ALLOW
+                libc::sock_filter {
+                    code: 0x06,
+                    jt: 0,
+                    jf: 0,
+                    k: 0x7fff_0000,
+                },
+            ];
+            let prog = libc::sock_fprog {
+                len: filter.len() as u16,
+                filter: filter.as_ptr() as *mut libc::sock_filter,
+            };
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                || libc::prctl(libc::PR_SET_SECCOMP, 2, &prog as *const libc::sock_fprog) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn a_kernel_without_openat2_still_folds_writes() {
+    for errno in [libc::ENOSYS, libc::EPERM] {
+        let env = Env::new();
+        env.make_image("a");
+        let run = |args: &[&str]| {
+            let mut c = env.cmd(args);
+            without_openat2(&mut c, errno as u32);
+            output(c)
+        };
+        let out = run(&["exec", "--write", "a", "--", "false"]);
+        assert_eq!(code(&out), Some(1), "{errno}: {}", show(&out));
+        assert!(marker(&env, "a").exists(), "{errno}: without the database");
+        let out = run(&["images"]);
+        assert_eq!(code(&out), Some(0), "{errno}: {}", show(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("incomplete"),
+            "{errno}: the failed write is folded: {}",
+            show(&out)
+        );
+        assert!(!marker(&env, "a").exists(), "{errno}: folded");
+        let out = run(&["exec", "--write", "b", "--", "true"]);
+        assert_eq!(code(&out), Some(0), "{errno}: {}", show(&out));
+    }
+}
