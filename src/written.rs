@@ -41,9 +41,12 @@
 //!   progress: left alone, and shown as `writing` (`Store::being_written`).
 //!
 //! Markers are listed and unlinked through a descriptor of `locks/dirty`
-//! opened with `openat2(RESOLVE_NO_SYMLINKS)`: a link planted there cannot
-//! steer an unlink out of the store. On NFS the marker's creation is synchronous at the server, so it
-//! is there before the `writing` record.
+//! opened with `openat2(RESOLVE_NO_SYMLINKS)` (where the kernel lacks it,
+//! from the root's descriptor, no component followed if a link): a link
+//! planted there cannot steer an unlink out of the store, and is named in
+//! the error of every transaction until it is taken away. On NFS the
+//! marker's creation is synchronous at the server, so it is there before
+//! the `writing` record.
 
 use std::ffi::OsString;
 use std::io;
@@ -135,17 +138,41 @@ pub fn mark(root: &Root, name: &ImageName) -> io::Result<()> {
     }
 }
 
-/// The markers' directory, if there is one.
-fn open_dirty(root: &Root) -> io::Result<Option<crate::dir::Dir>> {
-    match open_no_symlinks(
-        &root.dir().join(DIRTY_REL),
-        libc::O_RDONLY | libc::O_DIRECTORY,
-        0,
-    ) {
+/// The markers' directory, if there is one. Opened in one call where the
+/// kernel has `openat2`; where it has not (before Linux 5.6) or a seccomp
+/// profile refuses it, component by component from the root's own
+/// descriptor, none followed if a link.
+fn open_dirty(root: &Root) -> Result<Option<crate::dir::Dir>> {
+    let path = root.dir().join(DIRTY_REL);
+    match open_no_symlinks(&path, libc::O_RDONLY | libc::O_DIRECTORY, 0) {
         Ok(fd) => Ok(Some(crate::dir::Dir::from_fd(fd))),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
+            let locks = root.open_sub(Root::LOCKS_REL)?;
+            match locks.sub("dirty") {
+                Ok(d) => Ok(Some(d)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(refused(&path, e)),
+            }
+        }
+        Err(e) => Err(refused(&path, e)),
     }
+}
+
+/// The error for a markers' directory that cannot be opened: one that is
+/// (or lies under) a symlink says so.
+fn refused(path: &Path, e: io::Error) -> anyhow::Error {
+    if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
+        let what = match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => "a symlink",
+            _ => "not a directory, or under a symlink",
+        };
+        return anyhow::anyhow!(
+            "{} is {what}; refusing to use it (it holds the marks of writes that took no transaction)",
+            path.display()
+        );
+    }
+    anyhow::Error::new(e).context(format!("cannot open {}", path.display()))
 }
 
 /// The markers found under the global lock, before any transaction: those
