@@ -160,7 +160,7 @@ impl Step {
             Step::Invalidate => &[
                 "record::invalidate",
                 "record::invalidate_at",
-                "session::begin",
+                "session::start",
                 "remove::remove_locked",
                 "store_wide::forget_deleted",
             ],
