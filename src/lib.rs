@@ -30,7 +30,8 @@
 //!    all SQL; [`record`] the ready token in an image's lock file (how a
 //!    read learns "ready" without the database); [`slot_record`] a slot
 //!    class's limits in its slot files (how a slot is taken without it);
-//!    [`ctx`] what every
+//!    [`written`] a write without it: the writer's record and marker,
+//!    folded into the rows by the next transaction; [`ctx`] what every
 //!    operation needs; [`disk_usage`];
 //!    [`adopt`] trees without rows; [`clone`] copying a tree.
 //! 4. **Who holds what**: [`holders`] parties and how to say them (the one
