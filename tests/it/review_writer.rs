@@ -160,3 +160,40 @@ fn a_kernel_without_openat2_still_folds_writes() {
         assert_eq!(code(&out), Some(0), "{errno}: {}", show(&out));
     }
 }
+
+#[test]
+fn a_fast_write_finished_the_database_way_beside_a_store_wide_wait_stays_ready() {
+    // A write that took no transaction but cannot end without one (here
+    // its tree cannot be measured: deeper than the descriptors it may
+    // open) records its outcome in the database. A store-wide command
+    // waiting for its lock means no ready token is written then: its
+    // `writing` record and marker must not outlive the row, or the next
+    // fold takes the finished write for a dead one.
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("a");
+    env.ok(["images"]);
+    let started = env.sentinel("started");
+    let release = env.sentinel("release");
+    let script = format!(
+        "ulimit -n 30; exec '{bin}' --root '{root}' exec --write a -- sh -c 'cd \"$STOWAGE_IMAGE_DIR\"; i=0; while [ $i -lt 60 ]; do mkdir d; cd d; i=$((i+1)); done; touch {s}; while [ ! -e {r} ]; do sleep 0.01; done'",
+        bin = bin(),
+        root = env.root.display(),
+        s = started.display(),
+        r = release.display()
+    );
+    let mut c = std::process::Command::new("sh");
+    c.args(["-c", &script]);
+    let writer = Bg::from_command(c);
+    wait_for_file(&started);
+    assert!(marker(&env, "a").exists(), "the write took no transaction");
+    let store_wide = env.spawn(["exec", "--store-wide", "--", "true"]);
+    env.wait_for_waiter("a");
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = store_wide.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "a", "--", "true"]);
+}
