@@ -684,9 +684,29 @@ impl Session {
                 tx.delete_record(*id)?;
             }
             let global = tx.commit_keeping_global()?;
+            // Writes that took no transaction (written.rs) end here: the
+            // row just committed is the truth now, so their `writing`
+            // records go, durably, before any token (a fold would take
+            // one for a dead writer's, whether a token comes or not), and
+            // then their markers — under our locks: one lost keeps both,
+            // which fold to the `incomplete` recorded.
+            let mut unmark = Vec::new();
+            for (h, _) in held
+                .iter()
+                .zip(&written)
+                .filter(|(h, (_, _, trusted))| h.fast.is_some() && *trusted)
+            {
+                if crate::record::invalidate(h.guard.file()).is_ok()
+                    && crate::record::found(h.guard.file())
+                        .is_ok_and(|f| !crate::written::is_writers(&f))
+                {
+                    unmark.push(&h.name);
+                }
+            }
             for (i, t) in &tokens {
                 crate::record::write_ready(&held[*i].guard, t);
             }
+            crate::written::unmark(&ctx.root, &unmark);
             drop(global);
             Ok(())
         })?;

@@ -175,6 +175,22 @@ fn refused(path: &Path, e: io::Error) -> anyhow::Error {
     anyhow::Error::new(e).context(format!("cannot open {}", path.display()))
 }
 
+/// Unlinks the markers of `names`, whose locks the caller holds
+/// exclusively and whose rows it has committed (a write that took no
+/// transaction but ended the database's way). Best effort: a marker left
+/// is folded again — beside a token, to no change; beside nothing, to
+/// `incomplete` (readiness lost, never claimed).
+pub fn unmark(root: &Root, names: &[&ImageName]) {
+    if names.is_empty() {
+        return;
+    }
+    if let Ok(Some(dir)) = open_dirty(root) {
+        for name in names {
+            let _ = dir.unlink(name.encoded());
+        }
+    }
+}
+
 /// The markers found under the global lock, before any transaction: those
 /// whose image lock is held now (by us, or tried and got), to fold, and
 /// those a writer holds, left alone.
