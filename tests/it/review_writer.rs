@@ -197,3 +197,21 @@ fn a_fast_write_finished_the_database_way_beside_a_store_wide_wait_stays_ready()
     assert_eq!(env.state("a").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "a", "--", "true"]);
 }
+
+#[test]
+fn a_fast_write_abandoned_after_a_repair_leaves_the_image_ready() {
+    // The writer puts back the token it found, which names the identity
+    // a repair has renewed meanwhile; its command never ran, so the image
+    // is as it was: ready.
+    let env = Env::new();
+    // Made the database's way: a plain token, no writer's record.
+    env.make_image("a");
+    let (writer, _file) = env.paused(["exec", "--write", "a", "--", "true"], "exec-before-spawn");
+    assert!(marker(&env, "a").exists(), "the write took no transaction");
+    env.ok(["doctor", "--repair"]);
+    writer.signal(libc::SIGTERM);
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(143), "{}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "a", "--", "true"]);
+}
