@@ -26,8 +26,8 @@
 //!   exclusively by this very process) it reads the record and sets the
 //!   row: `ready` with the record's size, last use and no base, only for
 //!   a valid ready record of this images directory on a row that is ready
-//!   (of this database, or a writer's sized outcome: a repair renews the
-//!   identity while writers run) or missing (of this database);
+//!   (of any identity: a repair renews it while writers run) or missing
+//!   (of this database);
 //!   `incomplete` for anything else — a `writing` record (its writer is
 //!   gone: we could lock), `incomplete`, empty, torn, foreign. Readiness
 //!   may be lost, never claimed. A ready token beside a row left not ready
@@ -341,15 +341,12 @@ fn fold_one(
     };
     let vouches = |t: &Token| of_this_tree(t) && Some(t.db) == db;
     match (&found.record, &row) {
-        // A writer's outcome (a size: written once its command succeeded,
-        // under its lock) needs no identity to keep a ready row ready: the
+        // A ready record needs no identity to keep a ready row ready: the
         // identity is what stops a token from counting for a read without
-        // the database (a repair renews it), and this writer may have
-        // started under the one a repair renewed while it ran.
-        (Some(t), Some(r))
-            if r.state == ImageState::Ready
-                && (vouches(t) || (t.size.is_some() && of_this_tree(t))) =>
-        {
+        // the database (a repair renews it), and a writer may have started
+        // under the one a repair renewed while it ran — then finished (its
+        // outcome, sized) or put back the token it found (never started).
+        (Some(t), Some(r)) if r.state == ImageState::Ready && of_this_tree(t) => {
             // A token without a size is no writer's record: the write
             // never started (or the database's way wrote it), and the
             // row already says what it does.
