@@ -215,3 +215,38 @@ fn a_fast_write_abandoned_after_a_repair_leaves_the_image_ready() {
     assert_eq!(env.state("a").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "a", "--", "true"]);
 }
+
+#[test]
+fn a_look_that_cannot_record_does_not_count_its_own_fold_as_a_use() {
+    // With no space even for the reserve, `images` folds in a transaction
+    // it rolls back; the image locks it took to read the records are not
+    // holders of the images.
+    let Some(t) = Mount::tmpfs("size=8m,mode=0755") else {
+        return;
+    };
+    let env = t.env();
+    env.make_image("base");
+    env.make_image("base");
+    assert!(
+        marker(&env, "base").exists(),
+        "the write took no transaction"
+    );
+    let _ = fs::remove_file(env.root.join("reserve"));
+    let filler = t.dir.join("filler");
+    let _ = std::process::Command::new("dd")
+        .args(["if=/dev/zero", "bs=4k", "status=none"])
+        .arg(format!("of={}", filler.display()))
+        .output();
+    let out = env.ok(["images", "--json"]);
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "base")
+        .unwrap();
+    assert_eq!(row["state"], "ready", "{row}");
+    assert_eq!(row["in_use"], false, "{row}");
+    assert!(marker(&env, "base").exists(), "nothing recorded");
+    fs::remove_file(&filler).unwrap();
+}
