@@ -250,3 +250,68 @@ fn a_look_that_cannot_record_does_not_count_its_own_fold_as_a_use() {
     assert!(marker(&env, "base").exists(), "nothing recorded");
     fs::remove_file(&filler).unwrap();
 }
+
+#[test]
+fn a_writer_whose_listing_missed_a_marker_takes_it_once_folded() {
+    // On NFS a listing of `locks/dirty` may miss a fresh marker. A writer
+    // of the database's way then folds the record it reads under its lock
+    // (written.rs) and takes the token away: the marker it left, beside an
+    // empty lock file, would make the next fold mark the image incomplete
+    // — after a start undone (its command never ran), an untouched image.
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    // Read long ago: a read of it asks the database, so the request below
+    // goes the database's way.
+    let mut c = env.cmd(["exec", "--write", "old", "--", "true"]);
+    c.env("STOWAGE_NOW", "2020-01-01T00:00:00Z");
+    assert_eq!(output(c).status.code(), Some(0));
+    env.make_image("a");
+    env.make_image("a");
+    let m = marker(&env, "a");
+    assert!(m.exists(), "the write took no transaction");
+    let aside = env.sentinel("marker-aside");
+    let listed = env.sentinel("listed");
+    let cmds = env.sentinel("gdb-cmds");
+    fs::write(
+        &cmds,
+        format!(
+            "set pagination off\n\
+             break stowage::written::markers\n\
+             run\n\
+             delete\n\
+             shell mv '{m}' '{aside}'\n\
+             break stowage::written::Markers::any\n\
+             continue\n\
+             delete\n\
+             shell mv '{aside}' '{m}'; touch '{listed}'\n\
+             continue\n",
+            m = m.display(),
+            aside = aside.display(),
+            listed = listed.display(),
+        ),
+    )
+    .unwrap();
+    let out = output(stowage_under_gdb(
+        &env,
+        &cmds,
+        [
+            "exec",
+            "--write",
+            "a",
+            "--read",
+            "old",
+            "--",
+            "/nonexistent/cmd",
+        ],
+    ));
+    assert!(listed.exists(), "the listing was made: {}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("exited with code 01"),
+        "its command could not run: {}",
+        show(&out)
+    );
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "a", "--", "true"]);
+}
