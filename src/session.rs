@@ -896,13 +896,21 @@ fn start(
     // First what our locks prove, and whether every read can go ahead.
     let mut refusal = None;
     let mut rows = Vec::with_capacity(held.len());
+    // Writes whose lock file held a writer's record: its marker, if a
+    // listing missed it (NFS), goes once this has committed — beside the
+    // lock file our write empties, it would fold to `incomplete`.
+    let mut unmark = Vec::new();
     for h in held.iter() {
         let name = h.name.as_str();
         // A writer that took no transaction may have left its record
         // (written.rs): the truth about the image until folded, and what
         // our locks prove we may fold (our writes take tokens away below,
         // after this).
-        crate::written::fold_held(&tx, ctx, &h.name, h.guard.file())?;
+        let found = crate::record::found(h.guard.file())?;
+        if h.writes() && crate::written::is_writers(&found) {
+            unmark.push(h.name.clone());
+        }
+        crate::written::fold_found(&tx, ctx, &h.name, &found, h.guard.file())?;
         // Holding the lock exclusively, nobody else holds it at all; holding
         // it shared, nobody holds it exclusively. Dropping the records that
         // say otherwise keeps SIGKILLed holders from piling up records.
@@ -1022,6 +1030,7 @@ fn start(
         for (i, t) in &tokens {
             crate::record::write_ready(&held[*i].guard, t);
         }
+        crate::written::unmark(&ctx.root, &unmark.iter().collect::<Vec<_>>());
         drop(global);
         Ok(records)
     });
