@@ -221,31 +221,7 @@ impl Session {
                 }
             }
             if !migrate {
-                // What a writer that took no transaction left (written.rs)
-                // is read before the token goes, for the start to fold.
-                let before: Vec<Option<crate::record::Found>> = held
-                    .iter()
-                    .map(|h| {
-                        h.writes()
-                            .then(|| crate::record::found(h.guard.file()).ok())
-                            .flatten()
-                    })
-                    .collect();
-                // A write makes its image's ready token say nothing, durably,
-                // before the start marks its row (record.rs).
-                if let Err(e) = held
-                    .iter()
-                    .filter(|h| h.writes())
-                    .try_for_each(|h| crate::record::invalidate(h.guard.file()))
-                {
-                    let name = held.iter().find(|h| h.writes()).map(|h| h.name.clone());
-                    give_up(store, held, &waits, slot, None);
-                    return Err(anyhow::Error::new(e).context(format!(
-                        "cannot write the lock file of image '{}'",
-                        name.expect("a write failed")
-                    )));
-                }
-                match start(store, &mut held, &before, slot.as_mut(), &waits, req) {
+                match start(store, &mut held, slot.as_mut(), &waits, req) {
                     Ok(images_dir) => {
                         // The lease lists what we hold: how lock-status names
                         // a reader, which has no record, where the kernel
@@ -708,11 +684,24 @@ impl Session {
                 tx.delete_record(*id)?;
             }
             let global = tx.commit_keeping_global()?;
-            // A write begun without the database and finished this way:
-            // the row holds its outcome now, so its marker goes (under our
-            // lock) before its record is overwritten by the token.
-            for h in held.iter().filter(|h| h.fast.is_some()) {
-                crate::written::unmark(&ctx.root, &h.name);
+            // Writes that took no transaction (written.rs) end here: the
+            // row just committed is the truth now, so their `writing`
+            // records go, durably, before any token (a holder's fold would
+            // take one for a dead writer's, whether a token comes or not),
+            // and then their markers — under our locks, and only where the
+            // lock is still ours: one lost keeps both, which fold to the
+            // `incomplete` recorded.
+            for (h, _) in held
+                .iter()
+                .zip(&written)
+                .filter(|(h, (_, _, trusted))| h.fast.is_some() && *trusted)
+            {
+                if crate::record::invalidate(h.guard.file()).is_ok()
+                    && crate::record::found(h.guard.file())
+                        .is_ok_and(|f| !crate::written::is_writers(&f))
+                {
+                    crate::written::unmark(&ctx.root, &h.name);
+                }
             }
             for (i, t) in &tokens {
                 crate::record::write_ready(&held[*i].guard, t);
@@ -883,7 +872,6 @@ fn unclaimed(held: Vec<Held>) -> Vec<(ImageName, Guard)> {
 fn start(
     store: &mut Store,
     held: &mut [Held],
-    before: &[Option<crate::record::Found>],
     slot: Option<&mut crate::acquire::slot::SlotGuard>,
     waits: &[i64],
     req: &Request,
@@ -910,17 +898,14 @@ fn start(
     // Images whose writer's record this transaction folds: their markers
     // go once it has committed (we hold their locks).
     let mut folded: Vec<ImageName> = Vec::new();
-    for (h, before) in held.iter().zip(before) {
+    for h in held.iter() {
         let name = h.name.as_str();
         // A writer that took no transaction may have left its record
         // (written.rs): the truth about the image until folded, and what
-        // our locks prove we may fold.
-        let fold = match before {
-            Some(found) => crate::written::fold_found(&tx, ctx, &h.name, found, h.guard.file())?,
-            None if !h.writes() => crate::written::fold_held(&tx, ctx, &h.name, h.guard.file())?,
-            None => false,
-        };
-        if fold {
+        // our locks prove we may fold — read before our writes take their
+        // tokens away (below, after this).
+        let found = crate::record::found(h.guard.file())?;
+        if crate::written::fold_found(&tx, ctx, &h.name, &found, h.guard.file())? {
             folded.push(h.name.clone());
         }
         // Holding the lock exclusively, nobody else holds it at all; holding
@@ -965,6 +950,16 @@ fn start(
             }
         }
         return Err(store_held.unwrap_or_else(|| refusal.expect("one of them").into()));
+    }
+
+    // A write makes its image's ready token say nothing, durably, before
+    // the start marks its row (record.rs) — only now: the transaction
+    // begun above first folded, from this very lock file, what a writer
+    // that took no transaction left there (written.rs); emptied earlier,
+    // the file would have said that write left no outcome.
+    for h in held.iter().filter(|h| h.writes()) {
+        crate::record::invalidate(h.guard.file())
+            .with_context(|| format!("cannot write the lock file of image '{}'", h.name))?;
     }
 
     // Then claim: mark, create, record.

@@ -344,8 +344,11 @@ impl Store {
             match tx.schema()? {
                 Schema::Current => {
                     // Folded in this transaction only: rolled back, the
-                    // markers stay for one that commits.
+                    // markers stay for one that commits. The image locks
+                    // taken to read the records go before `f`, which may
+                    // judge who holds the images.
                     crate::written::fold(&tx, &self.ctx, &markers)?;
+                    drop(markers);
                     f(&tx, &self.ctx)
                 }
                 _ => bail!("the metadata schema needs an upgrade, which needs disk space"),

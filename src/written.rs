@@ -39,17 +39,19 @@
 //!   progress: left alone, and shown as `writing` (`Store::being_written`).
 //!   One whose lock a guard of this very process holds exclusively (not a
 //!   descriptor inherited from an enclosing command) is left to that
-//!   holder, which folds the record it read under its lock — a write, before
-//!   it took the token away ([`fold_found`]) — and, for a write of its own
-//!   finished the database's way, takes the marker away once that
-//!   transaction has committed ([`unmark`]).
+//!   holder, which folds the record it reads under its lock in its start
+//!   ([`fold_found`]; a write takes its token away only after that) and
+//!   takes the marker away once that transaction has committed
+//!   ([`unmark`]), as a write of its own finished the database's way does.
 //! - **Whoever holds an image folds the record it reads under its lock**,
 //!   listed or not: a listing may miss a fresh marker (NFS caches
 //!   directory listings); a record read under a lock is read from the
 //!   server.
 //!
 //! Markers are listed and unlinked through a descriptor of `locks/leases`
-//! opened with `openat2(RESOLVE_NO_SYMLINKS)`, and made through the one the
+//! opened with `openat2(RESOLVE_NO_SYMLINKS)` (where the kernel lacks it,
+//! from the root's descriptor, no component followed if a link), and made
+//! through the one the
 //! writer's lease holds (opened refusing a link): a link planted in the
 //! store cannot steer either out of it. On NFS the marker's creation is synchronous at the server, so it
 //! is there before the `writing` record.
@@ -162,16 +164,28 @@ pub fn unmark(root: &Root, name: &ImageName) {
 /// holds no marker: one is made only through a lease's descriptor of a
 /// real directory. (Markers made before such a swap are not listed; the
 /// records they stand for are still folded by whoever locks the image.)
+///
+/// Opened in one call where the kernel has `openat2`; where it has not
+/// (before Linux 5.6) or a seccomp profile refuses it, component by
+/// component from the root's own descriptor, none followed if a link.
 fn open_dirty(root: &Root) -> io::Result<Option<crate::dir::Dir>> {
     let path = root.dir().join(MARKERS_REL);
-    match open_no_symlinks(&path, libc::O_RDONLY | libc::O_DIRECTORY, 0) {
-        Ok(fd) => Ok(Some(crate::dir::Dir::from_fd(fd))),
-        Err(e)
-            if e.kind() == io::ErrorKind::NotFound
-                || matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) =>
-        {
-            Ok(None)
-        }
+    let none = |e: &io::Error| {
+        e.kind() == io::ErrorKind::NotFound
+            || matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR))
+    };
+    let opened = match open_no_symlinks(&path, libc::O_RDONLY | libc::O_DIRECTORY, 0) {
+        Ok(fd) => Ok(crate::dir::Dir::from_fd(fd)),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => root
+            .open()
+            .map_err(|e| io::Error::other(format!("{e:#}")))
+            .and_then(|d| d.sub("locks"))
+            .and_then(|d| d.sub("leases")),
+        Err(e) => Err(e),
+    };
+    match opened {
+        Ok(d) => Ok(Some(d)),
+        Err(e) if none(&e) => Ok(None),
         Err(e) => Err(io::Error::new(
             e.kind(),
             format!("cannot list {}: {e}", path.display()),
@@ -319,17 +333,22 @@ fn fold_one(
     file: &std::fs::File,
 ) -> Result<()> {
     let row = tx.image(name.as_str())?;
-    let vouches = |t: &Token| {
+    let of_this_tree = |t: &Token| {
         t.state == State::Ready
             && t.image == name.as_str()
-            && Some(t.db) == db
             && t.images_dir
                 .clone()
                 .unwrap_or_else(|| ctx.root.default_images_dir())
                 == images_dir
     };
+    let vouches = |t: &Token| of_this_tree(t) && Some(t.db) == db;
     match (&found.record, &row) {
-        (Some(t), Some(r)) if vouches(t) && r.state == ImageState::Ready => {
+        // A ready record needs no identity to keep a ready row ready: the
+        // identity is what stops a token from counting for a read without
+        // the database (a repair renews it), and a writer may have started
+        // under the one a repair renewed while it ran — then finished (its
+        // outcome, sized) or put back the token it found (never started).
+        (Some(t), Some(r)) if r.state == ImageState::Ready && of_this_tree(t) => {
             // A token without a size is no writer's record: the write
             // never started (or the database's way wrote it), and the
             // row already says what it does.

@@ -54,6 +54,7 @@ mod migration;
 mod names;
 mod review_final;
 mod review_slots;
+mod review_writer;
 mod rm;
 mod runtimes;
 mod shell;

@@ -203,7 +203,7 @@ impl Step {
             Step::Invalidate => &[
                 "record::invalidate",
                 "record::invalidate_at",
-                "session::begin",
+                "session::start",
                 "remove::remove_locked",
                 "store_wide::forget_deleted",
             ],
