@@ -178,17 +178,7 @@ impl DbId {
     /// path); inside a transaction, ask it (`meta::Tx::identity`). `None`:
     /// no database, or one without identity.
     pub fn of(db: &Path) -> Option<DbId> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(db)
-            .ok()?;
-        let mut header = [0u8; 72];
-        file.read_exact_at(&mut header, 0).ok()?;
-        if &header[..16] != b"SQLite format 3\0" {
-            return None;
-        }
+        let header = header(db)?;
         let id = u32::from_be_bytes(header[68..72].try_into().ok()?);
         (id != 0).then_some(DbId(id))
     }
@@ -198,15 +188,8 @@ impl DbId {
     /// read, close). `None` unless it is a database in rollback-journal
     /// mode: in WAL mode the header in the main file may lag the log.
     pub fn with_schema(db: &Path) -> Option<(Option<DbId>, i64)> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(db)
-            .ok()?;
-        let mut header = [0u8; 72];
-        file.read_exact_at(&mut header, 0).ok()?;
-        if &header[..16] != b"SQLite format 3\0" || header[18] != 1 || header[19] != 1 {
+        let header = header(db)?;
+        if header[18] != 1 || header[19] != 1 {
             return None;
         }
         let schema = i32::from_be_bytes(header[60..64].try_into().ok()?);
@@ -218,6 +201,20 @@ impl DbId {
     pub fn from_id(id: u32) -> Option<DbId> {
         (id != 0).then_some(DbId(id))
     }
+}
+
+/// The first 72 bytes of the SQLite database at `db` (open, one read,
+/// close), if it is one.
+fn header(db: &Path) -> Option<[u8; 72]> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(db)
+        .ok()?;
+    let mut header = [0u8; 72];
+    file.read_exact_at(&mut header, 0).ok()?;
+    (&header[..16] == b"SQLite format 3\0").then_some(header)
 }
 
 /// What a record says of its image's tree.
