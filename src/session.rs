@@ -28,6 +28,12 @@
 //!   the waiter records made for it go, and the lock files and gates of
 //!   images that still have no row are unlinked (we hold them).
 //!
+//! Without the database (`begin_fast`): a plain read whose images carry
+//! fresh ready tokens (record.rs), and a write of existing images whose
+//! locks are free and carry ready tokens (written.rs: marker, `writing`
+//! record, command, `ready`/`incomplete` record), skip 2 and 4; the next
+//! transaction, whoever makes it, folds a write's record into its row.
+//!
 //! A crash anywhere leaves either no trace (before 2), or records and
 //! `creating`/`writing` states whose locks are free — which the next process
 //! that looks finds stale and marks `incomplete` (see `crate::judge::sweep`).
