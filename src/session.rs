@@ -683,25 +683,32 @@ impl Session {
             for id in &ids {
                 tx.delete_record(*id)?;
             }
-            let global = tx.commit_keeping_global()?;
             // Writes that took no transaction (written.rs) end here: the
-            // row just committed is the truth now, so their `writing`
+            // row this transaction commits is the truth, so their `writing`
             // records go, durably, before any token (a holder's fold would
             // take one for a dead writer's, whether a token comes or not),
-            // and then their markers — under our locks, and only where the
-            // lock is still ours: one lost keeps both, which fold to the
-            // `incomplete` recorded.
-            for (h, _) in held
+            // and then, once it has committed, their markers — under our
+            // locks, and only where the lock is still ours: one lost keeps
+            // both, which fold to the `incomplete` recorded. The records go
+            // before the commit: a crash after it would leave a `writing`
+            // record to fold into a new row for an image the command
+            // deleted (this transaction deletes its row); gone before, the
+            // marker folds to what a `writing` record would have (not
+            // ready), or to nothing for an image without a row.
+            let cleared: Vec<&ImageName> = held
                 .iter()
                 .zip(&written)
                 .filter(|(h, (_, _, trusted))| h.fast.is_some() && *trusted)
-            {
-                if crate::record::invalidate(h.guard.file()).is_ok()
-                    && crate::record::found(h.guard.file())
-                        .is_ok_and(|f| !crate::written::is_writers(&f))
-                {
-                    crate::written::unmark(&ctx.root, &h.name);
-                }
+                .filter(|(h, _)| {
+                    crate::record::invalidate(h.guard.file()).is_ok()
+                        && crate::record::found(h.guard.file())
+                            .is_ok_and(|f| !crate::written::is_writers(&f))
+                })
+                .map(|(h, _)| &h.name)
+                .collect();
+            let global = tx.commit_keeping_global()?;
+            for name in cleared {
+                crate::written::unmark(&ctx.root, name);
             }
             for (i, t) in &tokens {
                 crate::record::write_ready(&held[*i].guard, t);
