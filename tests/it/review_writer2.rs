@@ -52,10 +52,84 @@ fn a_fast_write_whose_command_deleted_the_image_killed_after_its_commit_stays_de
     let out = output(stowage_under_gdb(
         &env,
         &cmds,
-        ["exec", "--write", "app", "--", "sh", "-c", "rm -rf \"$STOWAGE_IMAGE_DIR\""],
+        [
+            "exec",
+            "--write",
+            "app",
+            "--",
+            "sh",
+            "-c",
+            "rm -rf \"$STOWAGE_IMAGE_DIR\"",
+        ],
     ));
-    assert!(committed.exists(), "killed after the commit: {}", show(&out));
+    assert!(
+        committed.exists(),
+        "killed after the commit: {}",
+        show(&out)
+    );
     assert!(!env.root.join("img/app").exists());
     assert_eq!(env.state("app"), None, "deleted by its command");
     assert!(!marker(&env, "app").exists());
+}
+
+#[test]
+fn a_start_the_database_way_that_fails_after_folding_a_finished_write_leaves_it_ready() {
+    // `a` was written without the database, successfully: its record says
+    // ready, its marker stands. A request that also creates `new` goes the
+    // database's way; its start folds `a`'s record, takes it away (the
+    // write's token rule), then fails to create `new` and rolls back. Its
+    // command never ran: `a` was last written successfully and must still
+    // be ready — as it is when every write went the database's way.
+    let env = Env::new();
+    env.make_image("a");
+    env.build("a", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert!(marker(&env, "a").exists(), "written without the database");
+    fs::write(env.root.join("img/new"), "not a directory").unwrap();
+    let out = env.run(["exec", "--write", "a", "--write", "new", "--", "true"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("not a directory"), "{}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "a", "--", "true"]);
+}
+
+#[test]
+fn a_start_the_database_way_killed_before_its_commit_leaves_a_finished_write_ready() {
+    // As above, but the start is killed between taking `a`'s record away
+    // and its commit.
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    // Read long ago: a read of it asks the database, so the request below
+    // goes the database's way.
+    let mut c = env.cmd(["exec", "--write", "old", "--", "true"]);
+    c.env("STOWAGE_NOW", "2020-01-01T00:00:00Z");
+    assert_eq!(output(c).status.code(), Some(0));
+    env.make_image("a");
+    env.build("a", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert!(marker(&env, "a").exists(), "written without the database");
+    let reached = env.sentinel("reached");
+    let cmds = gdb_cmds(
+        &env,
+        "gdb-cmds",
+        &format!(
+            "set pagination off\n\
+             break stowage::record::invalidate\n\
+             run\n\
+             delete\n\
+             break stowage::meta::Tx::commit_keeping_global\n\
+             continue\n\
+             shell touch '{}'\n\
+             kill\n",
+            reached.display()
+        ),
+    );
+    let out = output(stowage_under_gdb(
+        &env,
+        &cmds,
+        ["exec", "--write", "a", "--read", "old", "--", "true"],
+    ));
+    assert!(reached.exists(), "killed before the commit: {}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "a", "--", "true"]);
 }
