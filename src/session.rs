@@ -905,6 +905,8 @@ fn start(
     // Images whose writer's record this transaction folds: their markers
     // go once it has committed (we hold their locks).
     let mut folded: Vec<ImageName> = Vec::new();
+    // Of those, the ones whose record said ready and whose row stays so.
+    let mut folded_ready: Vec<bool> = Vec::with_capacity(held.len());
     for h in held.iter() {
         let name = h.name.as_str();
         // A writer that took no transaction may have left its record
@@ -912,9 +914,19 @@ fn start(
         // our locks prove we may fold — read before our writes take their
         // tokens away (below, after this).
         let found = crate::record::found(h.guard.file())?;
-        if crate::written::fold_found(&tx, ctx, &h.name, &found, h.guard.file())? {
+        let fold = crate::written::fold_found(&tx, ctx, &h.name, &found, h.guard.file())?;
+        if fold {
             folded.push(h.name.clone());
         }
+        folded_ready.push(
+            fold && found
+                .record
+                .as_ref()
+                .is_some_and(|t| t.state == crate::record::State::Ready)
+                && tx
+                    .image(name)?
+                    .is_some_and(|r| r.state == ImageState::Ready),
+        );
         // Holding the lock exclusively, nobody else holds it at all; holding
         // it shared, nobody holds it exclusively. Dropping the records that
         // say otherwise keeps SIGKILLed holders from piling up records.
@@ -964,9 +976,24 @@ fn start(
     // begun above first folded, from this very lock file, what a writer
     // that took no transaction left there (written.rs); emptied earlier,
     // the file would have said that write left no outcome.
-    for h in held.iter().filter(|h| h.writes()) {
+    //
+    // A record folded to `ready` that a write takes away here takes its
+    // marker with it, before the commit: left, the marker beside an empty
+    // lock file would fold to `incomplete` should this transaction not
+    // commit (a claim that fails, a crash) — an image whose last write
+    // succeeded and that nobody touched since. Without it the row says
+    // what it said before the fold: ready. (A record folded to anything
+    // else keeps its marker until the commit: not ready either way.)
+    for (h, ready) in held.iter().zip(&folded_ready) {
+        if !h.writes() {
+            continue;
+        }
         crate::record::invalidate(h.guard.file())
             .with_context(|| format!("cannot write the lock file of image '{}'", h.name))?;
+        if *ready {
+            crate::written::unmark(&ctx.root, &h.name);
+            folded.retain(|n| n != &h.name);
+        }
     }
 
     // Then claim: mark, create, record.

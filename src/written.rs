@@ -34,7 +34,12 @@
 //! - **A marker goes only after its row is committed**, and while the
 //!   image's lock is still held by the folder: no writer can start
 //!   between the record read and the marker's unlink, and a crash between
-//!   the commit and the unlink only folds the same record again.
+//!   the commit and the unlink only folds the same record again. One
+//!   exception: a write of the database's way that folded a record to
+//!   `ready` on a ready row takes its marker away with the record, before
+//!   its start commits — the row says ready without the fold too, and an
+//!   empty lock file beside a marker would say the image is not (should
+//!   that start not commit).
 //! - A marker whose lock another process holds exclusively is a write in
 //!   progress: left alone, and shown as `writing` (`Store::being_written`).
 //!   One whose lock a guard of this very process holds exclusively (not a
