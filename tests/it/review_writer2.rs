@@ -133,3 +133,57 @@ fn a_start_the_database_way_killed_before_its_commit_leaves_a_finished_write_rea
     assert_eq!(env.state("a").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "a", "--", "true"]);
 }
+
+#[test]
+fn a_repair_that_rebuilds_the_database_keeps_a_write_without_it_ready() {
+    // `a` was last written without the database, successfully; its record
+    // and marker wait for a fold that a damaged database cannot make. The
+    // rebuild salvages the rows (both ready) and must not wipe the record
+    // the marker stands for: then the fold would find an empty lock file
+    // and call `a` incomplete, while `b`, last written the database's way,
+    // stays ready.
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    env.build("a", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert!(marker(&env, "a").exists(), "written without the database");
+    // Damage an index's page (`records_by_lock`): the rows stay readable
+    // for the salvage, the integrity check fails.
+    let db = env.root.join("stowage.db");
+    let page = {
+        let out = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(format!(
+                "import sqlite3; c = sqlite3.connect('{}'); \
+                 print(c.execute(\"select rootpage from sqlite_master where name = 'records_by_lock'\").fetchone()[0])",
+                db.display()
+            ))
+            .output();
+        match out {
+            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .parse::<u64>()
+                .unwrap(),
+            _ => {
+                eprintln!("skipping: python3 with sqlite3 is needed to find the page");
+                return;
+            }
+        }
+    };
+    {
+        use std::os::unix::fs::FileExt;
+        let f = fs::OpenOptions::new().write(true).open(&db).unwrap();
+        f.write_all_at(&[0x5a; 4096], (page - 1) * 4096).unwrap();
+    }
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("was damaged"),
+        "rebuilt: {}",
+        show(&out)
+    );
+    assert_eq!(env.state("b").as_deref(), Some("ready"), "salvaged");
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    assert!(!marker(&env, "a").exists(), "folded");
+    env.ok(["exec", "--read", "a", "--", "true"]);
+}
