@@ -534,17 +534,11 @@ pub fn invalidate(file: &std::fs::File) -> io::Result<()> {
 /// Invalidates the tokens of every image of the root: a rebuilt database
 /// has no history to vouch for them. The caller holds the store-wide lock
 /// (its hints set) and the global lock while no image lock is held.
-///
-/// A writer's record (`crate::written::is_writers`) stays: it is the truth
-/// about its image while its marker stands, which the damaged database
-/// could not fold, and the rebuilt rows' first transaction folds it (a
-/// `ready` one keeps a salvaged ready row ready, anything else makes it
-/// incomplete). Emptied, it would fold to incomplete whatever it said. It
-/// names the old database's identity, so no read or write takes it for a
-/// token of the rebuilt one.
-pub fn invalidate_all(image_locks: &Path) -> io::Result<()> {
+/// Lock files whose content `keep` says yes to are left as they are (a
+/// rebuild keeps writers' records: see `doctor`).
+pub fn invalidate_all(image_locks: &Path, keep: impl Fn(&Found) -> bool) -> io::Result<()> {
     each_lock_file(image_locks, |file| {
-        if found(file).is_ok_and(|f| crate::written::is_writers(&f)) {
+        if found(file).is_ok_and(|f| keep(&f)) {
             return Ok(());
         }
         invalidate(file)
