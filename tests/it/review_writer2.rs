@@ -187,3 +187,52 @@ fn a_repair_that_rebuilds_the_database_keeps_a_write_without_it_ready() {
     assert!(!marker(&env, "a").exists(), "folded");
     env.ok(["exec", "--read", "a", "--", "true"]);
 }
+
+#[test]
+fn a_marker_whose_lock_file_cannot_be_opened_stays_for_whoever_can_hold_the_image() {
+    // A dead writer's `writing` record and its marker; the lock file is
+    // there but this process cannot open it for writing (another user's,
+    // not group-writable; here immutable). The listing must not take
+    // that for "no lock file" and unlink the marker unfolded: then the
+    // database, which says ready, would be the truth again about a tree
+    // half written.
+    if !root_or_skip("chattr +i needs root") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    let (writer, _file) = env.paused(
+        [
+            "exec",
+            "--write",
+            "a",
+            "--",
+            "sh",
+            "-c",
+            "echo half > \"$STOWAGE_IMAGE_DIR/file\"",
+        ],
+        "exec-before-spawn",
+    );
+    writer.kill_all();
+    assert!(marker(&env, "a").exists());
+    let lock = env.lock_file("a");
+    let chattr = |flag: &str| {
+        std::process::Command::new("chattr")
+            .arg(flag)
+            .arg(&lock)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !chattr("+i") {
+        eprintln!("skipping: chattr +i is not supported here");
+        return;
+    }
+    let out = env.run(["images"]);
+    let kept = marker(&env, "a").exists();
+    assert!(chattr("-i"));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(kept, "the marker went unfolded");
+    // Openable again, the record is folded.
+    assert_eq!(env.state("a").as_deref(), Some("incomplete"));
+    assert!(!marker(&env, "a").exists());
+}
