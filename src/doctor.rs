@@ -508,7 +508,14 @@ fn rebuild(store: &mut Store) -> Result<Rebuilt> {
 fn rebuild_marked(store: &mut Store) -> Result<Rebuilt> {
     let global = store.global_with_images_free("rebuilding the metadata database", None)?;
     crate::debug::pause("rebuild-images-free");
-    crate::record::invalidate_all(&store.root().image_locks())
+    // A writer's record stays (`crate::written::is_writers`): it is the
+    // truth about its image while its marker stands, which the damaged
+    // database could not fold, and the rebuilt rows' first transaction
+    // folds it (a `ready` one keeps a salvaged ready row ready, anything
+    // else makes it incomplete); emptied, it would fold to incomplete
+    // whatever it said. It names the old database's identity, so no read
+    // or write takes it for a token of the rebuilt one.
+    crate::record::invalidate_all(&store.root().image_locks(), crate::written::is_writers)
         .context("cannot clear the image records of the lock files")?;
     store.close_db();
     let root = store.root().clone();

@@ -534,8 +534,15 @@ pub fn invalidate(file: &std::fs::File) -> io::Result<()> {
 /// Invalidates the tokens of every image of the root: a rebuilt database
 /// has no history to vouch for them. The caller holds the store-wide lock
 /// (its hints set) and the global lock while no image lock is held.
-pub fn invalidate_all(image_locks: &Path) -> io::Result<()> {
-    each_lock_file(image_locks, invalidate)
+/// Lock files whose content `keep` says yes to are left as they are (a
+/// rebuild keeps writers' records: see `doctor`).
+pub fn invalidate_all(image_locks: &Path, keep: impl Fn(&Found) -> bool) -> io::Result<()> {
+    each_lock_file(image_locks, |file| {
+        if found(file).is_ok_and(|f| keep(&f)) {
+            return Ok(());
+        }
+        invalidate(file)
+    })
 }
 
 /// Runs `f` on every image lock file of `image_locks` (regular files named

@@ -689,25 +689,32 @@ impl Session {
             for id in &ids {
                 tx.delete_record(*id)?;
             }
-            let global = tx.commit_keeping_global()?;
             // Writes that took no transaction (written.rs) end here: the
-            // row just committed is the truth now, so their `writing`
+            // row this transaction commits is the truth, so their `writing`
             // records go, durably, before any token (a holder's fold would
             // take one for a dead writer's, whether a token comes or not),
-            // and then their markers — under our locks, and only where the
-            // lock is still ours: one lost keeps both, which fold to the
-            // `incomplete` recorded.
-            for (h, _) in held
+            // and then, once it has committed, their markers — under our
+            // locks, and only where the lock is still ours: one lost keeps
+            // both, which fold to the `incomplete` recorded. The records go
+            // before the commit: a crash after it would leave a `writing`
+            // record to fold into a new row for an image the command
+            // deleted (this transaction deletes its row); gone before, the
+            // marker folds to what a `writing` record would have (not
+            // ready), or to nothing for an image without a row.
+            let cleared: Vec<&ImageName> = held
                 .iter()
                 .zip(&written)
                 .filter(|(h, (_, _, trusted))| h.fast.is_some() && *trusted)
-            {
-                if crate::record::invalidate(h.guard.file()).is_ok()
-                    && crate::record::found(h.guard.file())
-                        .is_ok_and(|f| !crate::written::is_writers(&f))
-                {
-                    crate::written::unmark(&ctx.root, &h.name);
-                }
+                .filter(|(h, _)| {
+                    crate::record::invalidate(h.guard.file()).is_ok()
+                        && crate::record::found(h.guard.file())
+                            .is_ok_and(|f| !crate::written::is_writers(&f))
+                })
+                .map(|(h, _)| &h.name)
+                .collect();
+            let global = tx.commit_keeping_global()?;
+            for name in cleared {
+                crate::written::unmark(&ctx.root, name);
             }
             for (i, t) in &tokens {
                 crate::record::write_ready(&held[*i].guard, t);
@@ -904,6 +911,8 @@ fn start(
     // Images whose writer's record this transaction folds: their markers
     // go once it has committed (we hold their locks).
     let mut folded: Vec<ImageName> = Vec::new();
+    // Of those, the ones whose record said ready and whose row stays so.
+    let mut folded_ready: Vec<bool> = Vec::with_capacity(held.len());
     for h in held.iter() {
         let name = h.name.as_str();
         // A writer that took no transaction may have left its record
@@ -911,9 +920,19 @@ fn start(
         // our locks prove we may fold — read before our writes take their
         // tokens away (below, after this).
         let found = crate::record::found(h.guard.file())?;
-        if crate::written::fold_found(&tx, ctx, &h.name, &found, h.guard.file())? {
+        let fold = crate::written::fold_found(&tx, ctx, &h.name, &found, h.guard.file())?;
+        if fold {
             folded.push(h.name.clone());
         }
+        folded_ready.push(
+            fold && found
+                .record
+                .as_ref()
+                .is_some_and(|t| t.state == crate::record::State::Ready)
+                && tx
+                    .image(name)?
+                    .is_some_and(|r| r.state == ImageState::Ready),
+        );
         // Holding the lock exclusively, nobody else holds it at all; holding
         // it shared, nobody holds it exclusively. Dropping the records that
         // say otherwise keeps SIGKILLed holders from piling up records.
@@ -963,9 +982,24 @@ fn start(
     // begun above first folded, from this very lock file, what a writer
     // that took no transaction left there (written.rs); emptied earlier,
     // the file would have said that write left no outcome.
-    for h in held.iter().filter(|h| h.writes()) {
+    //
+    // A record folded to `ready` that a write takes away here takes its
+    // marker with it, before the commit: left, the marker beside an empty
+    // lock file would fold to `incomplete` should this transaction not
+    // commit (a claim that fails, a crash) — an image whose last write
+    // succeeded and that nobody touched since. Without it the row says
+    // what it said before the fold: ready. (A record folded to anything
+    // else keeps its marker until the commit: not ready either way.)
+    for (h, ready) in held.iter().zip(&folded_ready) {
+        if !h.writes() {
+            continue;
+        }
         crate::record::invalidate(h.guard.file())
             .with_context(|| format!("cannot write the lock file of image '{}'", h.name))?;
+        if *ready {
+            crate::written::unmark(&ctx.root, &h.name);
+            folded.retain(|n| n != &h.name);
+        }
     }
 
     // Then claim: mark, create, record.

@@ -34,7 +34,12 @@
 //! - **A marker goes only after its row is committed**, and while the
 //!   image's lock is still held by the folder: no writer can start
 //!   between the record read and the marker's unlink, and a crash between
-//!   the commit and the unlink only folds the same record again.
+//!   the commit and the unlink only folds the same record again. One
+//!   exception: a write of the database's way that folded a record to
+//!   `ready` on a ready row takes its marker away with the record, before
+//!   its start commits — the row says ready without the fold too, and an
+//!   empty lock file beside a marker would say the image is not (should
+//!   that start not commit).
 //! - A marker whose lock another process holds exclusively is a write in
 //!   progress: left alone, and shown as `writing` (`Store::being_written`).
 //!   One whose lock a guard of this very process holds exclusively (not a
@@ -43,6 +48,9 @@
 //!   ([`fold_found`]; a write takes its token away only after that) and
 //!   takes the marker away once that transaction has committed
 //!   ([`unmark`]), as a write of its own finished the database's way does.
+//! - A marker whose image has a lock file this process cannot open (another
+//!   user's, not writable for it) is left too: only a missing lock file
+//!   means that the record went with the image.
 //! - **Whoever holds an image folds the record it reads under its lock**,
 //!   listed or not: a listing may miss a fresh marker (NFS caches
 //!   directory listings); a record read under a lock is read from the
@@ -239,6 +247,12 @@ pub fn markers(root: &Root) -> Result<Markers> {
         };
         let path = root.image_lock(&name);
         let Some(file) = crate::record::open_lock_file(&path)? else {
+            if std::fs::symlink_metadata(&path).is_ok() {
+                // Something is there that we cannot open (another user's
+                // lock file, not writable for us): its record stays the
+                // truth, for whoever can hold the image to fold. Left.
+                continue;
+            }
             // No lock file: the image was removed under its lock since
             // (the unlink rule), its record with it.
             out.todo.push((marker, name, None));

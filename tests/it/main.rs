@@ -55,6 +55,7 @@ mod names;
 mod review_final;
 mod review_slots;
 mod review_writer;
+mod review_writer2;
 mod rm;
 mod runtimes;
 mod shell;
