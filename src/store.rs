@@ -160,7 +160,7 @@ impl Store {
         let mut global = Self::take_global(&self.ctx, deadline, cleanup)?;
         let db = self.ctx.root.db();
         let id = self.forget_replaced_db(&db);
-        let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
+        connection(&mut self.conn, &db, self.ctx.shared())?;
         if self.conn_file.is_none() {
             // A database created just now had no identity before.
             self.conn_file = id.or_else(|| file_id(&db));
@@ -171,24 +171,37 @@ impl Store {
         // records) reads no row but those of images its caller has held
         // since a transaction that folded them — exclusively, or shared:
         // either way no writer could write them since.
-        let markers = if cleanup {
-            crate::written::Markers::default()
-        } else {
-            crate::written::markers(&self.ctx.root)?
-        };
-        self.being_written = markers.busy.clone();
-        if markers.any() {
+        // A backlog is folded in batches, the global lock let go between
+        // them (written::FOLD_BATCH).
+        loop {
+            let markers = if cleanup {
+                crate::written::Markers::default()
+            } else {
+                crate::written::markers(&self.ctx.root)?
+            };
+            self.being_written = markers.busy.clone();
+            if !markers.any() {
+                break;
+            }
+            let more = markers.more;
+            let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
             let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
-            global = match tx.schema().map_err(|e| damaged(&db, e))? {
+            let folded = match tx.schema().map_err(|e| damaged(&db, e))? {
                 Schema::Current => {
                     crate::written::fold(&tx, &self.ctx, &markers)?;
                     let global = tx.commit_keeping_global()?;
                     markers.unlink_folded();
-                    global
+                    (global, true)
                 }
                 // Folded once the schema is brought up to date.
-                _ => tx.rollback_keeping_global()?,
+                _ => (tx.rollback_keeping_global()?, false),
             };
+            global = folded.0;
+            if !folded.1 || !more {
+                break;
+            }
+            drop(global);
+            global = Self::take_global(&self.ctx, deadline, cleanup)?;
         }
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
         let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;

@@ -212,7 +212,16 @@ pub struct Markers {
     todo: Vec<(OsString, ImageName, Option<lock::Guard>)>,
     /// Images a writer holds now.
     pub busy: Vec<String>,
+    /// Markers were left for another batch ([`FOLD_BATCH`]).
+    pub more: bool,
 }
+
+/// How many markers one transaction folds at most: each holds its image's
+/// lock, a descriptor, until the commit (a process may have only 1,024),
+/// and the global lock is held through the batch. A backlog — many writes
+/// without the database and no transaction between them — is folded in
+/// batches, the global lock let go between them.
+pub const FOLD_BATCH: usize = 64;
 
 impl Markers {
     /// Whether a transaction has anything to fold.
@@ -241,6 +250,12 @@ pub fn markers(root: &Root) -> Result<Markers> {
         return Ok(out);
     };
     for marker in dir.names()? {
+        if out.todo.len() == FOLD_BATCH {
+            // Each marker to fold holds its image's lock (a descriptor)
+            // until the commit: a backlog goes in batches.
+            out.more = true;
+            break;
+        }
         let Some(name) = marked_image(&marker) else {
             // A lease, or nothing this release makes: nothing to fold.
             continue;

@@ -404,3 +404,47 @@ fn entries_in_the_leases_directory_that_are_no_markers_are_left_alone() {
     assert_eq!(env.state("ghost"), None);
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
+
+#[test]
+fn a_backlog_of_writes_is_folded_in_batches_within_a_small_descriptor_limit() {
+    // Each marker folded holds its image's lock until the commit: 150 of
+    // them at once would need 150 descriptors. Under a limit of 100 the
+    // fold goes in batches (written::FOLD_BATCH) and every write lands.
+    let env = Env::new();
+    let names: Vec<String> = (0..150).map(|i| format!("img{i:03}")).collect();
+    for n in &names {
+        env.ok(["exec", "--write", n, "--", "true"]);
+    }
+    for n in &names {
+        env.build(n, "echo again > \"$STOWAGE_IMAGE_DIR/again\"");
+    }
+    assert!(names.iter().all(|n| marker(&env, n).exists()));
+    let mut c = env.cmd(["images", "--json"]);
+    // SAFETY: only setrlimit(2) between fork and exec.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 100,
+                rlim_max: 100,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 150);
+    assert!(
+        rows.iter()
+            .all(|r| r["state"] == "ready" && r["size_bytes"].as_u64().unwrap() > 0)
+    );
+    assert!(
+        names.iter().all(|n| !marker(&env, n).exists()),
+        "all folded"
+    );
+}
