@@ -190,8 +190,9 @@ impl Store {
                 Schema::Current => {
                     crate::written::fold(&tx, &self.ctx, &markers)?;
                     let global = tx.commit_keeping_global()?;
-                    markers.unlink_folded();
-                    (global, true)
+                    // No progress through a backlog unless they went.
+                    let gone = markers.unlink_folded();
+                    (global, gone)
                 }
                 // Folded once the schema is brought up to date.
                 _ => (tx.rollback_keeping_global()?, false),

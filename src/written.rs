@@ -231,13 +231,19 @@ impl Markers {
 
     /// Unlinks the markers folded, under the image locks still held: call
     /// once the transaction that folded them has committed.
-    pub fn unlink_folded(self) {
-        let Some(dir) = self.dir else { return };
+    ///
+    /// Returns whether every one went (a marker that cannot be unlinked —
+    /// an immutable directory — is folded again by the next transaction;
+    /// the caller must not take it for progress through a backlog).
+    pub fn unlink_folded(self) -> bool {
+        let Some(dir) = self.dir else { return true };
+        let mut all = true;
         for (marker, _, guard) in self.todo {
-            let _ = dir.unlink(&marker);
+            all &= dir.unlink(&marker).is_ok();
             // Only now may a writer start on the image again.
             drop(guard);
         }
+        all
     }
 }
 

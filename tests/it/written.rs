@@ -448,3 +448,39 @@ fn a_backlog_of_writes_is_folded_in_batches_within_a_small_descriptor_limit() {
         "all folded"
     );
 }
+
+#[test]
+fn markers_that_cannot_be_unlinked_do_not_keep_a_transaction_folding() {
+    // An immutable leases directory: the fold of a backlog unlinks
+    // nothing, which is no progress — one batch per transaction, never a
+    // loop of them.
+    let env = Env::new();
+    let names: Vec<String> = (0..70).map(|i| format!("img{i:02}")).collect();
+    for n in &names {
+        env.ok(["exec", "--write", n, "--", "true"]);
+    }
+    for n in &names {
+        env.ok(["exec", "--write", n, "--", "true"]);
+    }
+    assert!(names.iter().all(|n| marker(&env, n).exists()));
+    let leases = env.root.join("locks/leases");
+    let chattr = |flag: &str| {
+        std::process::Command::new("chattr")
+            .arg(flag)
+            .arg(&leases)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !chattr("+i") {
+        eprintln!("skipping: chattr +i is not possible here");
+        return;
+    }
+    let out = env.run(["images"]);
+    let again = env.run(["images", "--json"]);
+    chattr("-i");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(again.status.code(), Some(0), "{}", show(&again));
+    assert!(names.iter().all(|n| marker(&env, n).exists()));
+    env.ok(["images"]);
+    assert!(names.iter().all(|n| !marker(&env, n).exists()));
+}
