@@ -304,6 +304,20 @@ impl Env {
             .cloned()
     }
 
+    /// The marker a write without the database leaves (src/written.rs).
+    pub fn marker(&self, enc: &str) -> PathBuf {
+        self.root.join("locks/leases").join(format!("{enc}.dirty"))
+    }
+
+    /// Writes image `name` as if at 2020-01-01 (`STOWAGE_NOW`): its last
+    /// use is long past, so a read of it asks the database.
+    pub fn make_image_used_long_ago(&self, name: &str) {
+        let mut c = self.cmd(["exec", "--write", name, "--", "true"]);
+        c.env("STOWAGE_NOW", "2020-01-01T00:00:00Z");
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    }
+
     pub fn lock_file(&self, enc: &str) -> PathBuf {
         self.root.join("locks/images").join(format!("{enc}.lock"))
     }

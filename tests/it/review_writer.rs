@@ -6,10 +6,6 @@ use std::fs;
 
 use crate::common::*;
 
-fn marker(env: &Env, enc: &str) -> std::path::PathBuf {
-    env.root.join("locks/leases").join(format!("{enc}.dirty"))
-}
-
 #[test]
 fn a_writer_that_waited_for_a_fast_write_and_never_ran_leaves_the_image_ready() {
     // The fast write is unfolded when the waiting writer gets the lock: its
@@ -18,10 +14,7 @@ fn a_writer_that_waited_for_a_fast_write_and_never_ran_leaves_the_image_ready() 
     let env = Env::new();
     env.make_image("base");
     let fast = env.hold(&["--write", "base"], "started");
-    assert!(
-        marker(&env, "base").exists(),
-        "the write took no transaction"
-    );
+    assert!(env.marker("base").exists(), "the write took no transaction");
     let waiter = env.spawn(["exec", "--write", "base", "--", "/nonexistent/cmd"]);
     env.wait_for_waiter("base");
     env.release("release");
@@ -45,10 +38,7 @@ fn a_fast_write_that_succeeds_beside_a_repair_is_ready() {
     let env = Env::new();
     env.make_image("base");
     let writer = env.hold(&["--write", "base"], "started");
-    assert!(
-        marker(&env, "base").exists(),
-        "the write took no transaction"
-    );
+    assert!(env.marker("base").exists(), "the write took no transaction");
     env.ok(["doctor", "--repair"]);
     env.release("release");
     assert_eq!(writer.finish().status.code(), Some(0));
@@ -144,7 +134,7 @@ fn a_kernel_without_openat2_still_folds_writes() {
         };
         let out = run(&["exec", "--write", "a", "--", "false"]);
         assert_eq!(code(&out), Some(1), "{errno}: {}", show(&out));
-        assert!(marker(&env, "a").exists(), "{errno}: without the database");
+        assert!(env.marker("a").exists(), "{errno}: without the database");
         let out = run(&["images"]);
         assert_eq!(code(&out), Some(0), "{errno}: {}", show(&out));
         assert!(
@@ -152,7 +142,7 @@ fn a_kernel_without_openat2_still_folds_writes() {
             "{errno}: the failed write is folded: {}",
             show(&out)
         );
-        assert!(!marker(&env, "a").exists(), "{errno}: folded");
+        assert!(!env.marker("a").exists(), "{errno}: folded");
         let out = run(&["exec", "--write", "b", "--", "true"]);
         assert_eq!(code(&out), Some(0), "{errno}: {}", show(&out));
     }
@@ -183,7 +173,7 @@ fn a_fast_write_finished_the_database_way_beside_a_store_wide_wait_stays_ready()
     c.args(["-c", &script]);
     let writer = Bg::from_command(c);
     wait_for_file(&started);
-    assert!(marker(&env, "a").exists(), "the write took no transaction");
+    assert!(env.marker("a").exists(), "the write took no transaction");
     let store_wide = env.spawn(["exec", "--store-wide", "--", "true"]);
     env.wait_for_waiter("a");
     env.release("release");
@@ -204,7 +194,7 @@ fn a_fast_write_abandoned_after_a_repair_leaves_the_image_ready() {
     // Made the database's way: a plain token, no writer's record.
     env.make_image("a");
     let (writer, _file) = env.paused(["exec", "--write", "a", "--", "true"], "exec-before-spawn");
-    assert!(marker(&env, "a").exists(), "the write took no transaction");
+    assert!(env.marker("a").exists(), "the write took no transaction");
     env.ok(["doctor", "--repair"]);
     writer.signal(libc::SIGTERM);
     let out = writer.finish();
@@ -224,10 +214,7 @@ fn a_look_that_cannot_record_does_not_count_its_own_fold_as_a_use() {
     let env = t.env();
     env.make_image("base");
     env.make_image("base");
-    assert!(
-        marker(&env, "base").exists(),
-        "the write took no transaction"
-    );
+    assert!(env.marker("base").exists(), "the write took no transaction");
     let _ = fs::remove_file(env.root.join("reserve"));
     let filler = t.dir.join("filler");
     let _ = std::process::Command::new("dd")
@@ -244,7 +231,7 @@ fn a_look_that_cannot_record_does_not_count_its_own_fold_as_a_use() {
         .unwrap();
     assert_eq!(row["state"], "ready", "{row}");
     assert_eq!(row["in_use"], false, "{row}");
-    assert!(marker(&env, "base").exists(), "nothing recorded");
+    assert!(env.marker("base").exists(), "nothing recorded");
     fs::remove_file(&filler).unwrap();
 }
 
@@ -261,12 +248,10 @@ fn a_writer_whose_listing_missed_a_marker_takes_it_once_folded() {
     let env = Env::new();
     // Read long ago: a read of it asks the database, so the request below
     // goes the database's way.
-    let mut c = env.cmd(["exec", "--write", "old", "--", "true"]);
-    c.env("STOWAGE_NOW", "2020-01-01T00:00:00Z");
-    assert_eq!(output(c).status.code(), Some(0));
+    env.make_image_used_long_ago("old");
     env.make_image("a");
     env.make_image("a");
-    let m = marker(&env, "a");
+    let m = env.marker("a");
     assert!(m.exists(), "the write took no transaction");
     let aside = env.sentinel("marker-aside");
     let listed = env.sentinel("listed");

@@ -6,10 +6,6 @@ use std::fs;
 
 use crate::common::*;
 
-fn marker(env: &Env, enc: &str) -> std::path::PathBuf {
-    env.root.join("locks/leases").join(format!("{enc}.dirty"))
-}
-
 fn gdb_cmds(env: &Env, name: &str, text: &str) -> std::path::PathBuf {
     let cmds = env.sentinel(name);
     fs::write(&cmds, text).unwrap();
@@ -29,7 +25,7 @@ fn a_fast_write_whose_command_deleted_the_image_killed_after_its_commit_stays_de
     let env = Env::new();
     env.make_image("app");
     env.ok(["exec", "--write", "app", "--", "true"]);
-    assert!(marker(&env, "app").exists(), "written without the database");
+    assert!(env.marker("app").exists(), "written without the database");
     // Stopped at its commit, then at what follows it: the record's
     // clearing or the marker's removal, whichever comes first.
     let committed = env.sentinel("committed");
@@ -69,7 +65,7 @@ fn a_fast_write_whose_command_deleted_the_image_killed_after_its_commit_stays_de
     );
     assert!(!env.root.join("img/app").exists());
     assert_eq!(env.state("app"), None, "deleted by its command");
-    assert!(!marker(&env, "app").exists());
+    assert!(!env.marker("app").exists());
 }
 
 #[test]
@@ -83,7 +79,7 @@ fn a_start_the_database_way_that_fails_after_folding_a_finished_write_leaves_it_
     let env = Env::new();
     env.make_image("a");
     env.build("a", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
-    assert!(marker(&env, "a").exists(), "written without the database");
+    assert!(env.marker("a").exists(), "written without the database");
     fs::write(env.root.join("img/new"), "not a directory").unwrap();
     let out = env.run(["exec", "--write", "a", "--write", "new", "--", "true"]);
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
@@ -102,12 +98,10 @@ fn a_start_the_database_way_killed_before_its_commit_leaves_a_finished_write_rea
     let env = Env::new();
     // Read long ago: a read of it asks the database, so the request below
     // goes the database's way.
-    let mut c = env.cmd(["exec", "--write", "old", "--", "true"]);
-    c.env("STOWAGE_NOW", "2020-01-01T00:00:00Z");
-    assert_eq!(output(c).status.code(), Some(0));
+    env.make_image_used_long_ago("old");
     env.make_image("a");
     env.build("a", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
-    assert!(marker(&env, "a").exists(), "written without the database");
+    assert!(env.marker("a").exists(), "written without the database");
     let reached = env.sentinel("reached");
     let cmds = gdb_cmds(
         &env,
@@ -146,7 +140,7 @@ fn a_repair_that_rebuilds_the_database_keeps_a_write_without_it_ready() {
     env.make_image("a");
     env.make_image("b");
     env.build("a", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
-    assert!(marker(&env, "a").exists(), "written without the database");
+    assert!(env.marker("a").exists(), "written without the database");
     // Damage an index's page (`records_by_lock`): the rows stay readable
     // for the salvage, the integrity check fails.
     let db = env.root.join("stowage.db");
@@ -184,7 +178,7 @@ fn a_repair_that_rebuilds_the_database_keeps_a_write_without_it_ready() {
     );
     assert_eq!(env.state("b").as_deref(), Some("ready"), "salvaged");
     assert_eq!(env.state("a").as_deref(), Some("ready"));
-    assert!(!marker(&env, "a").exists(), "folded");
+    assert!(!env.marker("a").exists(), "folded");
     env.ok(["exec", "--read", "a", "--", "true"]);
 }
 
@@ -214,7 +208,7 @@ fn a_marker_whose_lock_file_cannot_be_opened_stays_for_whoever_can_hold_the_imag
         "exec-before-spawn",
     );
     writer.kill_all();
-    assert!(marker(&env, "a").exists());
+    assert!(env.marker("a").exists());
     let lock = env.lock_file("a");
     let chattr = |flag: &str| {
         std::process::Command::new("chattr")
@@ -228,11 +222,11 @@ fn a_marker_whose_lock_file_cannot_be_opened_stays_for_whoever_can_hold_the_imag
         return;
     }
     let out = env.run(["images"]);
-    let kept = marker(&env, "a").exists();
+    let kept = env.marker("a").exists();
     assert!(chattr("-i"));
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert!(kept, "the marker went unfolded");
     // Openable again, the record is folded.
     assert_eq!(env.state("a").as_deref(), Some("incomplete"));
-    assert!(!marker(&env, "a").exists());
+    assert!(!env.marker("a").exists());
 }

@@ -8,10 +8,6 @@ use std::fs;
 
 use crate::common::*;
 
-fn marker(env: &Env, enc: &str) -> std::path::PathBuf {
-    env.root.join("locks/leases").join(format!("{enc}.dirty"))
-}
-
 fn lock_text(env: &Env, enc: &str) -> String {
     let bytes = fs::read(env.lock_file(enc)).unwrap();
     String::from_utf8_lossy(&bytes[..bytes.len().min(400)]).into_owned()
@@ -37,7 +33,7 @@ fn a_write_of_an_existing_image_takes_no_global_lock_and_is_folded_in_later() {
         "head -c 200000 /dev/zero > \"$STOWAGE_IMAGE_DIR/big\"",
     ]);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    assert!(marker(&env, "base").exists(), "the write left its marker");
+    assert!(env.marker("base").exists(), "the write left its marker");
     assert!(lock_text(&env, "base").contains("state=ready"));
     // A read needs no transaction either.
     let out = env.run(["exec", "--read", "base", "--wait", "0.3", "--", "true"]);
@@ -50,7 +46,7 @@ fn a_write_of_an_existing_image_takes_no_global_lock_and_is_folded_in_later() {
         after["size_bytes"].as_u64().unwrap() > before["size_bytes"].as_u64().unwrap() + 100_000,
         "{before} → {after}"
     );
-    assert!(!marker(&env, "base").exists(), "folded, the marker goes");
+    assert!(!env.marker("base").exists(), "folded, the marker goes");
 }
 
 #[test]
@@ -59,12 +55,12 @@ fn a_failed_write_without_the_database_leaves_the_image_incomplete() {
     env.make_image("base");
     let out = env.run_sh("base", "echo half > \"$STOWAGE_IMAGE_DIR/file\"; exit 3");
     assert_eq!(out.status.code(), Some(3), "{}", show(&out));
-    assert!(marker(&env, "base").exists());
+    assert!(env.marker("base").exists());
     // The fast read sees no ready token; the slow one folds the record.
     let out = env.run(["exec", "--read", "base", "--", "true"]);
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
     assert_eq!(env.state("base").as_deref(), Some("incomplete"));
-    assert!(!marker(&env, "base").exists());
+    assert!(!env.marker("base").exists());
     // Written again (the database's way, no ready token), it is read again.
     env.make_image("base");
     env.ok(["exec", "--read", "base", "--", "true"]);
@@ -93,7 +89,7 @@ fn killed_at(point: &str, expect: &str) {
     let want = if expect == "ready" { 0 } else { 66 };
     assert_eq!(out.status.code(), Some(want), "{point}: {}", show(&out));
     assert_eq!(env.state("base").as_deref(), Some(expect), "{point}");
-    assert!(!marker(&env, "base").exists(), "{point}: folded");
+    assert!(!env.marker("base").exists(), "{point}: folded");
     // Whatever it was, the image can be written again, and then read.
     env.make_image("base");
     env.ok(["exec", "--read", "base", "--", "true"]);
@@ -142,7 +138,7 @@ fn a_writer_killed_during_its_command_is_found_by_gc() {
         show(&out)
     );
     assert_eq!(env.state("base"), None);
-    assert!(!marker(&env, "base").exists());
+    assert!(!env.marker("base").exists());
 }
 
 #[test]
@@ -150,13 +146,13 @@ fn an_image_being_written_shows_as_writing_and_is_not_folded() {
     let env = Env::new();
     env.make_image("base");
     let writer = env.hold(&["--write", "base"], "started");
-    assert!(marker(&env, "base").exists());
+    assert!(env.marker("base").exists());
     assert_eq!(env.state("base").as_deref(), Some("writing"));
     let entry = env.lock_entry("base").unwrap();
     assert_eq!(entry["image_state"], "writing", "{entry}");
     assert_eq!(entry["state"], "exclusive", "{entry}");
     // Looks fold nothing while the writer holds its lock; a read waits.
-    assert!(marker(&env, "base").exists());
+    assert!(env.marker("base").exists());
     let out = env.run(["exec", "--read", "base", "--no-wait", "--", "true"]);
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     env.release("release");
@@ -197,7 +193,7 @@ fn a_write_whose_command_deletes_the_image_goes_the_database_way() {
     assert_eq!(env.state("base"), None, "deleted by its command");
     assert!(!env.lock_file("base").exists());
     env.ok(["images"]);
-    assert!(!marker(&env, "base").exists());
+    assert!(!env.marker("base").exists());
 }
 
 #[test]
@@ -225,10 +221,10 @@ fn removing_an_image_written_without_the_database_takes_its_marker() {
     let env = Env::new();
     env.make_image("base");
     env.make_image("base");
-    assert!(marker(&env, "base").exists());
+    assert!(env.marker("base").exists());
     env.ok(["rm", "base"]);
     assert_eq!(env.state("base"), None);
-    assert!(!marker(&env, "base").exists());
+    assert!(!env.marker("base").exists());
     // And a new image of that name is made the database's way.
     env.make_image("base");
     env.ok(["exec", "--read", "base", "--", "true"]);
@@ -271,12 +267,9 @@ fn an_older_store_writes_the_database_way_until_it_is_upgraded() {
     assert_eq!(output(c).status.code(), Some(0));
     assert!(lock_text(&env, "base").starts_with("stowage-image 2"));
     env.ok(["exec", "--write", "base", "--", "true"]);
-    assert!(
-        !marker(&env, "base").exists(),
-        "upgraded the database's way"
-    );
+    assert!(!env.marker("base").exists(), "upgraded the database's way");
     env.ok(["exec", "--write", "base", "--", "true"]);
-    assert!(marker(&env, "base").exists(), "then without it");
+    assert!(env.marker("base").exists(), "then without it");
     // The older release is locked out of the upgraded store.
     let mut c = env.cmd(["images"]);
     c.env("STOWAGE_DEBUG_SCHEMA_LIMIT", "7");
@@ -291,7 +284,7 @@ fn a_writers_record_counts_for_whoever_holds_the_image_even_unlisted() {
     env.make_image("base");
     let out = env.run_sh("base", "echo half > \"$STOWAGE_IMAGE_DIR/file\"; exit 3");
     assert_eq!(out.status.code(), Some(3), "{}", show(&out));
-    fs::remove_file(marker(&env, "base")).unwrap();
+    fs::remove_file(env.marker("base")).unwrap();
     let out = env.run(["exec", "--read", "base", "--", "true"]);
     assert_eq!(
         out.status.code(),
@@ -308,11 +301,9 @@ fn gc_sees_a_write_it_did_not_list_before_it_removes_an_image() {
     env.make_image("base");
     // Recorded as used long ago; then written (a use) without the
     // database, its marker missed by the listing.
-    let mut c = env.cmd(["exec", "--write", "old", "--", "true"]);
-    c.env("STOWAGE_NOW", "2020-01-01T00:00:00Z");
-    assert_eq!(output(c).status.code(), Some(0));
+    env.make_image_used_long_ago("old");
     env.ok(["exec", "--write", "old", "--", "true"]);
-    fs::remove_file(marker(&env, "old")).unwrap();
+    fs::remove_file(env.marker("old")).unwrap();
     let out = env.ok(["gc", "--unused-for", "30d"]);
     assert_eq!(env.state("old").as_deref(), Some("ready"), "{}", show(&out));
 }
@@ -332,13 +323,13 @@ fn a_write_whose_lock_was_lost_finishes_the_database_way() {
     // Recorded by its own transaction; its lock lost, it leaves its record
     // and marker as they were, which fold to the same.
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
-    assert!(!marker(&env, "app").exists());
+    assert!(!env.marker("app").exists());
     // Written again (the database's way: no token vouches for it), it is
     // ready again; and the next write takes no transaction.
     env.ok(["exec", "--write", "app", "--", "true"]);
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     env.ok(["exec", "--write", "app", "--", "true"]);
-    assert!(marker(&env, "app").exists());
+    assert!(env.marker("app").exists());
     assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
 
@@ -348,10 +339,7 @@ fn a_write_the_database_way_that_never_starts_leaves_an_unfolded_write_ready() {
     env.make_image("base");
     env.make_image("other");
     env.ok(["exec", "--write", "base", "--", "true"]);
-    assert!(
-        marker(&env, "base").exists(),
-        "written without the database"
-    );
+    assert!(env.marker("base").exists(), "written without the database");
     // A read whose token is damaged sends the whole request the
     // database's way, with base's lock taken at once: its start folds
     // base's record, read before the write took it away.
@@ -405,20 +393,27 @@ fn entries_in_the_leases_directory_that_are_no_markers_are_left_alone() {
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
 
-#[test]
-fn a_backlog_of_writes_is_folded_in_batches_within_a_small_descriptor_limit() {
-    // Each marker folded holds its image's lock until the commit: 150 of
-    // them at once would need 150 descriptors. Under a limit of 100 the
-    // fold goes in batches (written::FOLD_BATCH) and every write lands.
-    let env = Env::new();
-    let names: Vec<String> = (0..150).map(|i| format!("img{i:03}")).collect();
+/// `count` images made, then each rewritten without the database (a file
+/// added) with no transaction between: that many markers unfolded.
+fn unfolded_rewrites(env: &Env, count: usize) -> Vec<String> {
+    let names: Vec<String> = (0..count).map(|i| format!("img{i:03}")).collect();
     for n in &names {
         env.ok(["exec", "--write", n, "--", "true"]);
     }
     for n in &names {
         env.build(n, "echo again > \"$STOWAGE_IMAGE_DIR/again\"");
     }
-    assert!(names.iter().all(|n| marker(&env, n).exists()));
+    assert!(names.iter().all(|n| env.marker(n).exists()));
+    names
+}
+
+#[test]
+fn a_backlog_of_writes_is_folded_in_batches_within_a_small_descriptor_limit() {
+    // Each marker folded holds its image's lock until the commit: 150 of
+    // them at once would need 150 descriptors. Under a limit of 100 the
+    // fold goes in batches (written::FOLD_BATCH) and every write lands.
+    let env = Env::new();
+    let names = unfolded_rewrites(&env, 150);
     let mut c = env.cmd(["images", "--json"]);
     // SAFETY: only setrlimit(2) between fork and exec.
     unsafe {
@@ -443,10 +438,7 @@ fn a_backlog_of_writes_is_folded_in_batches_within_a_small_descriptor_limit() {
         rows.iter()
             .all(|r| r["state"] == "ready" && r["size_bytes"].as_u64().unwrap() > 0)
     );
-    assert!(
-        names.iter().all(|n| !marker(&env, n).exists()),
-        "all folded"
-    );
+    assert!(names.iter().all(|n| !env.marker(n).exists()), "all folded");
 }
 
 #[test]
@@ -455,14 +447,7 @@ fn markers_that_cannot_be_unlinked_do_not_keep_a_transaction_folding() {
     // nothing, which is no progress — one batch per transaction, never a
     // loop of them.
     let env = Env::new();
-    let names: Vec<String> = (0..70).map(|i| format!("img{i:02}")).collect();
-    for n in &names {
-        env.ok(["exec", "--write", n, "--", "true"]);
-    }
-    for n in &names {
-        env.ok(["exec", "--write", n, "--", "true"]);
-    }
-    assert!(names.iter().all(|n| marker(&env, n).exists()));
+    let names = unfolded_rewrites(&env, 70);
     let leases = env.root.join("locks/leases");
     let chattr = |flag: &str| {
         std::process::Command::new("chattr")
@@ -480,7 +465,7 @@ fn markers_that_cannot_be_unlinked_do_not_keep_a_transaction_folding() {
     chattr("-i");
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     assert_eq!(again.status.code(), Some(0), "{}", show(&again));
-    assert!(names.iter().all(|n| marker(&env, n).exists()));
+    assert!(names.iter().all(|n| env.marker(n).exists()));
     env.ok(["images"]);
-    assert!(names.iter().all(|n| !marker(&env, n).exists()));
+    assert!(names.iter().all(|n| !env.marker(n).exists()));
 }
