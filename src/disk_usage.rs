@@ -36,6 +36,8 @@ pub struct Measure {
     pub shared: u64,
     /// The physical ranges of those extents, sorted and merged: `[start, end)`.
     pub shared_ranges: Vec<(u64, u64)>,
+    /// Whether `dir` was there (a missing one measures nothing).
+    pub there: bool,
 }
 
 /// Bytes allocated under `dir`. A missing directory uses nothing.
@@ -46,19 +48,8 @@ pub fn disk_usage(dir: &Path) -> io::Result<u64> {
 /// Bytes allocated under `dir`, or `None` if there is no `dir` (one
 /// walk: the top's own open tells).
 pub fn disk_usage_if_there(dir: &Path) -> io::Result<Option<u64>> {
-    let mut there = false;
-    let mut seen: HashSet<(u64, u64)> = HashSet::new();
-    let mut allocated = 0;
-    walk(dir, &mut |_, name, st| {
-        there |= name == c".";
-        let ft = tree::file_type(st);
-        if st.st_nlink > 1 && ft != libc::S_IFDIR && !seen.insert((st.st_dev, st.st_ino)) {
-            return Ok(());
-        }
-        allocated += st.st_blocks as u64 * 512;
-        Ok(())
-    })?;
-    Ok(there.then_some(allocated))
+    let m = measure(dir, false)?;
+    Ok(m.there.then_some(m.allocated))
 }
 
 /// The sum of the lengths of the regular files under `dir` (what a copy
@@ -80,6 +71,8 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
     let mut out = Measure::default();
     let mut ranges = Vec::new();
     walk(dir, &mut |parent, name, st| {
+        // The top is visited first, as `.`, only if it could be opened.
+        out.there |= name == c".";
         let ft = tree::file_type(st);
         if st.st_nlink > 1 && ft != libc::S_IFDIR && !seen.insert((st.st_dev, st.st_ino)) {
             return Ok(());
