@@ -705,11 +705,7 @@ impl Session {
                 .iter()
                 .zip(&written)
                 .filter(|(h, (_, _, trusted))| h.fast.is_some() && *trusted)
-                .filter(|(h, _)| {
-                    crate::record::invalidate(h.guard.file()).is_ok()
-                        && crate::record::found(h.guard.file())
-                            .is_ok_and(|f| !crate::written::is_writers(&f))
-                })
+                .filter(|(h, _)| crate::record::invalidate(h.guard.file()).is_ok())
                 .map(|(h, _)| &h.name)
                 .collect();
             let global = tx.commit_keeping_global()?;
