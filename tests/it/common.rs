@@ -304,6 +304,27 @@ impl Env {
             .cloned()
     }
 
+    /// Starts a write of `name` whose command writes half a file, and
+    /// SIGKILLs stowage and the command together (a host crash, kill -9
+    /// of the job) while it runs: nothing records the outcome.
+    pub fn kill_a_writer_in_its_command(&self, name: &str) {
+        let started = self.sentinel("started");
+        let writer = self.spawn([
+            "exec",
+            "--write",
+            name,
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "echo half > \"$STOWAGE_IMAGE_DIR/file\"; touch '{}'; sleep 60",
+                started.display()
+            ),
+        ]);
+        wait_for_file(&started);
+        writer.kill_all();
+    }
+
     /// The marker a write without the database leaves (src/written.rs).
     pub fn marker(&self, enc: &str) -> PathBuf {
         self.root.join("locks/leases").join(format!("{enc}.dirty"))

@@ -122,23 +122,9 @@ fn a_token_older_than_the_last_use_resolution_sends_the_read_to_the_database() {
 fn a_writer_killed_during_its_command_leaves_no_ready_token() {
     let env = Env::new();
     env.make_image("base");
-    let started = env.sentinel("started");
-    let writer = env.spawn([
-        "exec",
-        "--write",
-        "base",
-        "--",
-        "sh",
-        "-c",
-        &format!(
-            "echo half > \"$STOWAGE_IMAGE_DIR/file\"; touch '{}'; sleep 60",
-            started.display()
-        ),
-    ]);
-    wait_for_file(&started);
     // Stowage and its command die together (a host crash, kill -9 of the
     // job): nothing records the outcome.
-    writer.kill_all();
+    env.kill_a_writer_in_its_command("base");
     let out = env.run(["exec", "--read", "base", "--", "true"]);
     assert_eq!(
         out.status.code(),

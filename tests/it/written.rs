@@ -116,21 +116,7 @@ fn a_writer_killed_after_its_command_before_its_record_leaves_it_incomplete() {
 fn a_writer_killed_during_its_command_is_found_by_gc() {
     let env = Env::new();
     env.make_image("base");
-    let started = env.sentinel("started");
-    let writer = env.spawn([
-        "exec",
-        "--write",
-        "base",
-        "--",
-        "sh",
-        "-c",
-        &format!(
-            "echo half > \"$STOWAGE_IMAGE_DIR/file\"; touch '{}'; sleep 60",
-            started.display()
-        ),
-    ]);
-    wait_for_file(&started);
-    writer.kill_all();
+    env.kill_a_writer_in_its_command("base");
     let out = env.ok(["gc"]);
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("base"),
