@@ -5,7 +5,10 @@ unlocks (flock, and SQLite's fcntl locks), fsyncs, stats, reads, directory
 reads, renames/unlinks/mkdirs, setattrs. Buffered writes are shown but not
 counted. A lock the kernel releases for us counts as an unlock (closing a
 locked descriptor, or exiting with it open), and a regular file still open at
-exit counts as a close: so `flock -s LOCK true` counts exactly 4.
+exit counts as a close: so `flock -s LOCK true` counts exactly 4. Closing a
+directory is not counted: an NFS client sends nothing for it (directories
+are not opened on the server; only the open's lookup and attribute check
+go there, and those are counted).
 
 usage: roundtrips-count.py ROOT STRACE_LOG [--list]
        (the log from `strace -f -y -o STRACE_LOG ...`)
@@ -43,6 +46,7 @@ def main():
     under = lambda p: p == root or p.startswith(root + "/")
     fdpath = {}          # (pid, fd) -> path, from strace's -y annotations
     open_fds = {}        # main process: fd -> path of store files open
+    dir_fds = set()      # main process: those of them opened as directories
     locked = set()       # main process: fds holding a flock
     main_pid = None
     counted = []         # (category, call, path)
@@ -77,6 +81,10 @@ def main():
             fdpath[(pid, result.group(1))] = result.group(2)
             if pid == main_pid and under(result.group(2)) and name in CATEGORIES["open"]:
                 open_fds[result.group(1)] = result.group(2)
+                if "O_DIRECTORY" in rest or os.path.isdir(result.group(2)):
+                    dir_fds.add(result.group(1))
+                else:
+                    dir_fds.discard(result.group(1))
         first_fd = re.match(r"(\d+)<", rest)
         if pid == main_pid and first_fd:
             fd = first_fd.group(1)
@@ -85,6 +93,9 @@ def main():
                 if fd in locked:
                     locked.discard(fd)
                     add("unlock", "(close)", path)
+                if fd in dir_fds:
+                    dir_fds.discard(fd)
+                    continue
             if name == "flock" and rest.rstrip().endswith("= 0"):
                 if "LOCK_UN" in rest:
                     locked.discard(fd)

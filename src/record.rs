@@ -395,11 +395,21 @@ pub fn read(
     name: &crate::name::ImageName,
     db: &std::cell::OnceCell<Option<DbId>>,
 ) -> Seen {
+    read_file(guard.file(), root, name, db)
+}
+
+/// [`read`] of a lock file locked through `file`.
+pub fn read_file(
+    file: &std::fs::File,
+    root: &crate::root::Root,
+    name: &crate::name::ImageName,
+    db: &std::cell::OnceCell<Option<DbId>>,
+) -> Seen {
     if !enabled() {
         return Seen::default();
     }
     let mut buf = vec![0u8; HINTS_AT + 2];
-    let Ok(n) = guard.file().read_at(&mut buf, 0) else {
+    let Ok(n) = file.read_at(&mut buf, 0) else {
         return Seen::default();
     };
     let set = |h: Hint| (h.offset() as usize) < n && buf[h.offset() as usize] == b'1';

@@ -315,6 +315,14 @@ pub fn unlink_held_lock(root: &Root, guard: &Guard) -> Result<()> {
         .with_context(|| format!("lock file {} has a name that is not UTF-8", path.display()))?;
     let dir = root.open_sub(parent)?;
     let (dev, ino) = guard.identity();
+    // Emptied first, still holding it: a lock file whose contents vouch
+    // for it (a token, a slot's record) is then never a ghost, which lets
+    // a reader skip the stat of the unlink race (lock::acquire_no_wait_vouched).
+    // One that cannot be emptied is kept.
+    guard
+        .file()
+        .set_len(0)
+        .with_context(|| format!("cannot empty {} before unlinking it", path.display()))?;
     dir.unlink_if(file, dev, ino)
         .with_context(|| format!("cannot unlink {}", path.display()))?;
     Ok(())

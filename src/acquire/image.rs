@@ -163,8 +163,14 @@ pub(crate) fn try_ready(
     db: &std::cell::OnceCell<Option<crate::record::DbId>>,
 ) -> Option<(Guard, PathBuf, bool)> {
     let path = root.image_lock(name);
-    let g = lock::acquire_no_wait(&path, Mode::Shared, lock::IfMissing::Fail).ok()??;
-    let seen = crate::record::read(&g, root, name, db);
+    // A valid token vouches that the file is still the one at the path
+    // (lock::acquire_no_wait_vouched): no stat for the unlink race.
+    let (g, seen) = lock::acquire_no_wait_vouched(&path, Mode::Shared, lock::IfMissing::Fail, |f| {
+        let seen = crate::record::read_file(f, root, name, db);
+        let vouched = seen.ready.is_some();
+        (seen, vouched)
+    })
+    .ok()??;
     let ready = seen.ready?;
     if seen.writer_waits {
         match lock::acquire_no_wait(&root.image_gate(name), Mode::Shared, lock::IfMissing::Fail) {
@@ -200,21 +206,30 @@ pub(crate) fn try_write(
     db: &std::cell::OnceCell<Option<crate::record::DbId>>,
 ) -> Option<(Guard, crate::record::Token, Vec<u8>)> {
     let path = root.image_lock(name);
-    let g = lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail).ok()??;
-    let found = crate::record::found(g.file()).ok()?;
-    let token = found.record.filter(|t| {
-        found.writers_format
-            && t.state == crate::record::State::Ready
-            && t.image == name.as_str()
-            && !found.store_wide
-            // Of the database there now, as a read checks: a write that
-            // succeeds is then recorded as ready by it (a damaged or
-            // replaced database sends the write its way, to fail or wait).
-            && db
-                .get_or_init(|| crate::record::DbId::of(&root.db()))
-                .is_some_and(|now| now == t.db)
-    })?;
-    Some((g, token, found.bytes))
+    // The token vouches for the file, as for a read.
+    let (g, (token, bytes)) =
+        lock::acquire_no_wait_vouched(&path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
+            let Ok(found) = crate::record::found(f) else {
+                return ((None, Vec::new()), false);
+            };
+            let token = found.record.filter(|t| {
+                found.writers_format
+                    && t.state == crate::record::State::Ready
+                    && t.image == name.as_str()
+                    && !found.store_wide
+                    // Of the database there now, as a read checks: a write
+                    // that succeeds is then recorded as ready by it (a
+                    // damaged or replaced database sends the write its way,
+                    // to fail or wait).
+                    && db
+                        .get_or_init(|| crate::record::DbId::of(&root.db()))
+                        .is_some_and(|now| now == t.db)
+            });
+            let vouched = token.is_some();
+            ((token, found.bytes), vouched)
+        })
+        .ok()??;
+    Some((g, token?, bytes))
 }
 
 /// The error for a lock that this process's enclosing command holds in a

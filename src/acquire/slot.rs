@@ -330,11 +330,18 @@ pub(crate) fn try_fast(
     }
     let dir = root.slot_class_dir(class);
     let db_path = root.db();
+    // A slot file's valid record vouches that the file is still the one at
+    // its path (lock::acquire_no_wait_vouched): no stat for the unlink race.
     let take = |kind: Kind| {
-        lock::acquire_no_wait(
+        lock::acquire_no_wait_vouched(
             &dir.join(kind.file_name()),
             Mode::Exclusive,
             lock::IfMissing::Fail,
+            |f| {
+                let limits = slot_record::read(f, class, &db_path, db);
+                let vouched = limits.is_some();
+                (limits, vouched)
+            },
         )
     };
     let zero = match priority {
@@ -345,7 +352,7 @@ pub(crate) fn try_fast(
         Priority::High => None,
     };
     let limits = match &zero {
-        Some(g) => slot_record::read(g.file(), class, &db_path, db),
+        Some((_, limits)) => *limits,
         // Held, or not ours to try first: its record, read without its
         // lock, only says where to look; the file taken says the rest.
         None => match lock::open_existing(&dir.join(Kind::Normal(0).file_name())) {
@@ -359,7 +366,7 @@ pub(crate) fn try_fast(
     if limits.limit == 0 {
         return Fast::Unlimited;
     }
-    if let Some(g) = zero {
+    if let Some((g, _)) = zero {
         return Fast::Got(g);
     }
     let order: Vec<Kind> = match priority {
@@ -371,8 +378,8 @@ pub(crate) fn try_fast(
     };
     for kind in order {
         match take(kind) {
-            Ok(Some(g)) => {
-                return match slot_record::read(g.file(), class, &db_path, db) {
+            Ok(Some((g, own))) => {
+                return match own {
                     Some(own) if own == limits && kind.within(own) => Fast::Got(g),
                     _ => Fast::Wanting,
                 };

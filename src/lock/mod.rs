@@ -97,12 +97,15 @@ impl Mode {
 #[must_use = "the lock is released when the guard is dropped"]
 #[derive(Debug)]
 pub struct Guard {
+    // First: dropped (out of the registry) before the descriptor closes.
+    _registered: Registered,
     file: File,
     path: PathBuf,
     mode: Mode,
-    dev: u64,
-    ino: u64,
-    _registered: Registered,
+    /// Device and inode, known from the unlink-race check, or asked of
+    /// the descriptor when first wanted (a lock its contents vouched for
+    /// was taken without a stat: [`acquire_no_wait_vouched`]).
+    id: std::sync::OnceLock<(u64, u64)>,
 }
 
 impl std::os::fd::AsRawFd for Guard {
@@ -117,8 +120,9 @@ impl Guard {
     }
 
     /// Device and inode of the locked file: what /proc/locks reports.
+    /// (0, 0) if the descriptor cannot be stat'ed, which no file has.
     pub fn identity(&self) -> (u64, u64) {
-        (self.dev, self.ino)
+        *self.id.get_or_init(|| fd_identity(self.file.as_raw_fd()).unwrap_or((0, 0)))
     }
 
     /// Whether a spawned child inherits this lock's descriptor (and so keeps
@@ -224,7 +228,8 @@ impl Guard {
     /// On a filesystem not known to be local the file is kept (and this
     /// succeeds): another host's cached lookup could still lead it to the
     /// unlinked file, whose lock no longer excludes anyone. A kept lock file
-    /// is a few bytes, reused if the name comes back.
+    /// is a few bytes, reused if the name comes back. The file is emptied
+    /// before it is unlinked (see [`acquire_no_wait_vouched`]).
     pub fn unlink(self) -> io::Result<()> {
         assert_eq!(
             self.mode,
@@ -234,6 +239,9 @@ impl Guard {
         if !unlinks_allowed(&self.path) {
             return Ok(());
         }
+        // Emptied first: what it said must not vouch for a ghost
+        // ([`acquire_no_wait_vouched`]). Not emptied, not unlinked.
+        self.file.set_len(0)?;
         match fs::remove_file(&self.path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -441,6 +449,40 @@ impl IfMissing {
     }
 }
 
+/// [`acquire_no_wait`] for a lock file whose contents can prove that it is
+/// still the file at its path: `vouch` reads the locked file (the read its
+/// caller makes anyway) and says what it found and whether that vouches.
+/// Every unlink of a lock file empties it first, under the exclusive lock
+/// the unlink rule requires ([`Guard::unlink`], `remove::unlink_lock`), so
+/// a record only a holder writes — a valid token, a slot's record — read
+/// under our lock proves that nobody unlinked the file before we locked it,
+/// and nobody can while we hold it: the check of the unlink race costs no
+/// stat. Anything else gets the stat check.
+pub fn acquire_no_wait_vouched<T>(
+    path: &Path,
+    mode: Mode,
+    missing: IfMissing,
+    mut vouch: impl FnMut(&File) -> (T, bool),
+) -> io::Result<Option<(Guard, T)>> {
+    for _ in 0..MAX_GHOSTS {
+        let file = open(path, missing)?;
+        match flock_try(&file, mode) {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(e) if is_stale(&e) => continue,
+            Err(e) => return Err(e),
+        }
+        let (found, vouched) = vouch(&file);
+        if vouched {
+            return Ok(Some((guard_of(file, path, mode, None), found)));
+        }
+        if let Some(linked) = still_linked(&file, path)? {
+            return Ok(Some((guard(file, path, mode, linked), found)));
+        }
+    }
+    Err(ghost_error(path))
+}
+
 /// Takes the lock if it is free right now. `Ok(None)`: someone holds it in a
 /// conflicting mode.
 pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Result<Option<Guard>> {
@@ -527,46 +569,71 @@ pub fn acquire_any(
 }
 
 fn guard(file: File, path: &Path, mode: Mode, linked: Linked) -> Guard {
-    let registered = Registered((mode == Mode::Exclusive).then_some((linked.dev, linked.ino)));
-    if let Some(id) = registered.0 {
-        own_exclusive().push(id);
+    guard_of(file, path, mode, Some((linked.dev, linked.ino)))
+}
+
+fn guard_of(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
+    let fd = file.as_raw_fd();
+    let registered = Registered((mode == Mode::Exclusive).then_some(fd));
+    if registered.0.is_some() {
+        own_exclusive().push(Own { fd, id });
     }
     Guard {
+        _registered: registered,
         file,
         path: path.to_owned(),
         mode,
-        dev: linked.dev,
-        ino: linked.ino,
-        _registered: registered,
+        id: id.map(std::sync::OnceLock::from).unwrap_or_default(),
     }
+}
+
+/// Device and inode of the file behind a descriptor.
+fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes into a zeroed stat we own; the descriptor is
+    // one of ours, open while its guard (or registry entry) lives.
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
+}
+
+/// A guard's exclusive hold, by descriptor; its file's identity once
+/// known.
+struct Own {
+    fd: std::os::fd::RawFd,
+    id: Option<(u64, u64)>,
 }
 
 /// The files this process holds exclusively through guards of its own
 /// (one entry per guard): not locks inherited from an enclosing command,
 /// which `held_here` sees too.
-static OWN_EXCLUSIVE: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+static OWN_EXCLUSIVE: Mutex<Vec<Own>> = Mutex::new(Vec::new());
 
-fn own_exclusive() -> std::sync::MutexGuard<'static, Vec<(u64, u64)>> {
+fn own_exclusive() -> std::sync::MutexGuard<'static, Vec<Own>> {
     OWN_EXCLUSIVE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Whether a guard of this process holds the file `(dev, ino)`
 /// exclusively. A transaction that folds a writer's record
 /// (`crate::written`) reads the record of an image locked so through its
-/// own hold, where a lock of its own would wait for itself.
+/// own hold, where a lock of its own would wait for itself. (A hold taken
+/// without a stat is stat'ed here, once: off the fast path.)
 pub fn held_exclusively_here(dev: u64, ino: u64) -> bool {
-    own_exclusive().contains(&(dev, ino))
+    own_exclusive().iter_mut().any(|o| {
+        if o.id.is_none() {
+            o.id = fd_identity(o.fd);
+        }
+        o.id == Some((dev, ino))
+    })
 }
 
 /// A guard's entry in [`OWN_EXCLUSIVE`], taken out when the guard goes.
 #[derive(Debug)]
-struct Registered(Option<(u64, u64)>);
+struct Registered(Option<std::os::fd::RawFd>);
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        if let Some(id) = self.0 {
+        if let Some(fd) = self.0 {
             let mut own = own_exclusive();
-            if let Some(i) = own.iter().position(|e| *e == id) {
+            if let Some(i) = own.iter().position(|e| e.fd == fd) {
                 own.swap_remove(i);
             }
         }
