@@ -822,6 +822,9 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
         // every token stop counting (record.rs). The next read of each
         // image asks the database and writes it again.
         tx.renew_identity()?;
+        // The tokens of the identity renewed go now, in this transaction:
+        // readers trust a token without the header (record.rs).
+        crate::record::for_this_database(tx, &ctx.root)?;
     }
     let rows = tx.images()?;
     found.dead_writers = rows

@@ -93,9 +93,7 @@ pub struct Mount {
 /// The mount that holds `path` (the longest mount point that contains it).
 pub fn mount_of(path: &Path) -> Option<Mount> {
     let path = fs::canonicalize(path).ok()?;
-    let info = std::env::var_os(crate::env::DEBUG_MOUNTINFO)
-        .map_or_else(|| "/proc/self/mountinfo".into(), std::path::PathBuf::from);
-    let text = fs::read_to_string(info).ok()?;
+    let text = fs::read_to_string(mountinfo_path()).ok()?;
     parse_mountinfo(&text)
         .into_iter()
         .filter(|m| path.starts_with(&m.mount_point))
@@ -103,6 +101,14 @@ pub fn mount_of(path: &Path) -> Option<Mount> {
 }
 
 fn parse_mountinfo(text: &str) -> Vec<Mount> {
+    parse_mountinfo_with_devices(text)
+        .into_iter()
+        .map(|(m, _)| m)
+        .collect()
+}
+
+/// The mounts, each with its device as the table writes it (`MAJ:MIN`).
+fn parse_mountinfo_with_devices(text: &str) -> Vec<(Mount, String)> {
     let mut out = Vec::new();
     for line in text.lines() {
         // id parent maj:min root mount-point options [optional...] - fstype source super-options
@@ -119,12 +125,15 @@ fn parse_mountinfo(text: &str) -> Vec<Mount> {
             .chain(r[2].split(','))
             .map(str::to_owned)
             .collect();
-        out.push(Mount {
-            mount_point: std::path::PathBuf::from(unescape(l[4])),
-            fstype: r[0].to_owned(),
-            source: unescape(r[1]),
-            options,
-        });
+        out.push((
+            Mount {
+                mount_point: std::path::PathBuf::from(unescape(l[4])),
+                fstype: r[0].to_owned(),
+                source: unescape(r[1]),
+                options,
+            },
+            l[2].to_owned(),
+        ));
     }
     out
 }
@@ -187,11 +196,58 @@ pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>
     (reach, mount, own)
 }
 
+/// [`lock_reach_with`] for a root whose device is `dev` (its stat's), from
+/// the mount table alone: a statfs of the root is a request to the server
+/// on NFS, the mount table is this host's own. `None` where the table lists
+/// no mount of that device (a btrfs subvolume reports a device of its own)
+/// or does not name a filesystem this knows, and where a test names the
+/// filesystem: the caller asks statfs then.
+pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Filesystem>)> {
+    if std::env::var_os(crate::env::DEBUG_FILESYSTEM).is_some() {
+        return None;
+    }
+    let text = fs::read_to_string(mountinfo_path()).ok()?;
+    let want = format!("{}:{}", libc::major(dev), libc::minor(dev));
+    let (mount, _) = parse_mountinfo_with_devices(&text)
+        .into_iter()
+        .find(|(_, d)| *d == want)?;
+    let (name, local) = match mount.fstype.as_str() {
+        "tmpfs" | "ext4" | "ext3" | "xfs" | "btrfs" | "zfs" | "overlay" | "f2fs" | "ramfs"
+        | "reiserfs" => (mount.fstype.as_str(), true),
+        "ext2" => ("ext4", true),
+        "nfs" | "nfs4" => ("nfs", false),
+        "lustre" => ("lustre", false),
+        "beegfs" => ("beegfs", false),
+        _ => return None,
+    };
+    // statfs names ext2/3/4 alike (one magic), and so does this.
+    let name = if name.starts_with("ext") { "ext4" } else { name };
+    let fs = Filesystem {
+        name: name.to_owned(),
+        local,
+    };
+    let (reach, mount) = reach_with(&fs, Some(mount));
+    Some((reach, mount, Some(fs)))
+}
+
+fn mountinfo_path() -> std::path::PathBuf {
+    std::env::var_os(crate::env::DEBUG_MOUNTINFO)
+        .map_or_else(|| "/proc/self/mountinfo".into(), std::path::PathBuf::from)
+}
+
 fn reach_of(path: &Path, fs: Filesystem) -> (Reach, Option<Mount>) {
     if !matches!(fs.name.as_str(), "nfs" | "lustre" | "beegfs") {
         return (Reach::ClusterWide, None);
     }
-    let Some(m) = mount_of(path) else {
+    reach_with(&fs, mount_of(path))
+}
+
+/// How far locks reach on `fs`, mounted as `mount` (if it could be read).
+fn reach_with(fs: &Filesystem, mount: Option<Mount>) -> (Reach, Option<Mount>) {
+    if !matches!(fs.name.as_str(), "nfs" | "lustre" | "beegfs") {
+        return (Reach::ClusterWide, None);
+    }
+    let Some(m) = mount else {
         return (
             Reach::Unknown {
                 why: format!("{} mount options could not be read", fs.name),

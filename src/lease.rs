@@ -2,7 +2,7 @@
 //! in any pid namespace, without trusting a pid.
 //!
 //! Every stowage process that holds or awaits a lock owns one *lease*: a
-//! file `ROOT/locks/leases/HOST-BOOT-PID-RANDOM.lease` that it holds
+//! file `ROOT/locks/leases/HOST-BOOT-PIDNS-PID-RANDOM.lease` that it holds
 //! exclusively (flock) for its whole life and that states who it is (host,
 //! pid, pid namespace, boot id, user, command, since) and what it holds and
 //! awaits ([`Holding`]: one line per lock). Each record it writes names its
@@ -12,12 +12,17 @@
 //! client's lease expires. Pids are only information.
 //!
 //! Invariants (the temproots protocol of Nix, on flock):
-//! - **The owner** creates its file, locks it exclusively without waiting,
-//!   and checks that the file it locked is still the one at the path (same
-//!   device and inode, link count > 0): a prober may have found the fresh
-//!   file unlocked and unlinked it. If not, it tries again; if the lock is
-//!   busy (a prober has it), it takes a new name. Only then does it write its
-//!   identity and any record that names the lease.
+//! - **The owner** creates its file under a fresh name (`O_EXCL`), locks it
+//!   exclusively without waiting (a prober's lock is waited out briefly,
+//!   else it takes a new name), and only then writes its identity and any
+//!   record that names the lease.
+//! - **A lease never written is not unlinked** by a prober, unless its name
+//!   says its maker is gone (this host, boot and pid namespace; no such
+//!   pid): it may be a maker's between its create and its lock. So the file
+//!   an owner locks is the one at its path — nobody else unlinks it before
+//!   it is written, nor after, while it is locked — and the owner needs no
+//!   check of the unlink race (no stat). A maker killed in that window on
+//!   another host or in another pid namespace leaves an empty file.
 //! - **A prober** judges a lease by trying a shared lock without waiting:
 //!   granted means nobody holds it exclusively, so its owner is gone (or
 //!   never got as far as writing a record). A missing file is a gone owner.
@@ -36,8 +41,7 @@
 //!
 //! Cost: the lease is made lazily, by a process about to lock something
 //! (exec before its first lock, rm, gc) or to record itself — once per
-//! process: one open(O_CREAT), one flock, one fstat, one lstat (the
-//! re-check), one write. At the end the owner unlinks it ([`retire`]; a
+//! process: one open(O_CREAT|O_EXCL), one flock, one write. At the end the owner unlinks it ([`retire`]; a
 //! library caller that ends without it leaves the file to [`clean`]).
 
 use std::fs;
@@ -270,12 +274,14 @@ fn create(dir: &Path) -> io::Result<Lease> {
     }
     .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", dir.display())))?;
     let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
+    let ns = pid_namespace_number().unwrap_or(0);
     for _ in 0..100 {
-        let name = format!("{host}-{boot}-{}-{:016x}{SUFFIX}", me.pid, random());
+        let name = format!("{host}-{boot}-{ns}-{}-{:016x}{SUFFIX}", me.pid, random());
         let path = via.join(&name);
-        let guard = match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create) {
+        let guard = match lock::create_locked(&path) {
             Ok(Some(g)) => g,
-            // A prober holds our fresh file: take another name.
+            // The name exists, or a prober keeps our fresh file: another
+            // name (the file is left to probers, as a dead maker's).
             Ok(None) => continue,
             Err(e) => {
                 return Err(io::Error::new(
@@ -325,6 +331,46 @@ pub fn pid_namespace() -> Option<String> {
     fs::read_link("/proc/self/ns/pid")
         .ok()
         .map(|p| p.to_string_lossy().into_owned())
+}
+
+/// The number of this process's pid namespace (`pid:[N]`).
+fn pid_namespace_number() -> Option<u64> {
+    let ns = pid_namespace()?;
+    ns.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
+}
+
+/// Whether the maker of a lease that was never written (a fresh file, or
+/// one whose maker died before writing) is known to be gone: its name says
+/// it was made on this host, in this boot and pid namespace, by a pid that
+/// no longer exists. Anything else may be a maker between its create and
+/// its lock, which a prober must not unlink (see [`lock::create_locked`]).
+/// (A pid reused since only keeps the file until that process ends too.)
+fn unwritten_maker_gone(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(SUFFIX) else {
+        return false;
+    };
+    let parts: Vec<&str> = stem.split('-').collect();
+    let [host, boot, ns, pid, _random] = parts[..] else {
+        return false;
+    };
+    let me = crate::ident::Me::current();
+    let my_boot: String = me
+        .boot_id
+        .as_deref()
+        .unwrap_or("noboot")
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(8)
+        .collect();
+    let (Ok(ns), Ok(pid)) = (ns.parse::<u64>(), pid.parse::<i32>()) else {
+        return false;
+    };
+    if host != safe_part(&me.host) || boot != my_boot || Some(ns) != pid_namespace_number() {
+        return false;
+    }
+    pid > 0
+        && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+            == Err(nix::errno::Errno::ESRCH)
 }
 
 /// A host name as a file name component: no '/', no control characters,
@@ -528,9 +574,12 @@ pub fn clean_listed(
         if !valid_name(name) || is_mine(name) {
             continue;
         }
+        // A lease never written may be a maker's between its create and
+        // its lock (lock::create_locked): kept unless its maker is gone.
         if let Ok(Some(g)) =
             lock::acquire_no_wait(&pinned.join(name), Mode::Exclusive, lock::IfMissing::Fail)
             && !keep(name)
+            && (g.file().metadata().is_ok_and(|m| m.len() > 0) || unwritten_maker_gone(name))
             && g.unlink_lease().is_ok()
         {
             gone += 1;

@@ -106,6 +106,14 @@ const MIGRATIONS: &[&str] = &[
     r#"
     INSERT OR REPLACE INTO config (key, value) VALUES ('writer_records', '1');
     "#,
+    // 9: readers trust ready tokens and slot records without the database's
+    // header, because every binary that uses the database first takes away
+    // the records of any other database it finds the store's lock files
+    // speaking for (record.rs, "The records' database"): the version locks
+    // out older binaries, which renew an identity without doing so.
+    r#"
+    INSERT OR REPLACE INTO config (key, value) VALUES ('records_database', '1');
+    "#,
 ];
 
 /// The schema version this binary writes.
@@ -546,6 +554,12 @@ impl<'c> Tx<'c> {
     }
 
     /// Device and inode of the global lock this transaction holds.
+    /// The global lock file, held: where the records' database is kept
+    /// (record.rs).
+    pub fn global_file(&self) -> &std::fs::File {
+        self.global.file()
+    }
+
     pub fn global_identity(&self) -> (u64, u64) {
         self.global.identity()
     }

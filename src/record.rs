@@ -109,9 +109,25 @@ const FORMAT_WRITERS: &str = "stowage-image 3\n";
 /// written after a transaction on the binary's own schema.
 pub const WRITERS_SINCE_SCHEMA: i64 = 8;
 
+/// The first line of records written on a store whose binaries all keep
+/// the records' database (schema [`ALONE_SINCE_SCHEMA`]): a reader trusts
+/// such a token without reading the database's header.
+const FORMAT_ALONE: &str = "stowage-image 4\n";
+
+/// The schema version from which every binary that uses the database
+/// keeps the records' database ([`for_this_database`]): a token in
+/// [`FORMAT_ALONE`], written only by such a binary after a transaction on
+/// its own schema, proves that the store is at it — so that no binary that
+/// could renew the database's identity without taking away the tokens of
+/// the old one can still run on it.
+pub const ALONE_SINCE_SCHEMA: i64 = 9;
+
 /// The format this binary writes tokens in.
 fn format() -> &'static str {
-    if crate::meta::schema_version() >= WRITERS_SINCE_SCHEMA {
+    let v = crate::meta::schema_version();
+    if v >= ALONE_SINCE_SCHEMA {
+        FORMAT_ALONE
+    } else if v >= WRITERS_SINCE_SCHEMA {
         FORMAT_WRITERS
     } else {
         FORMAT
@@ -337,9 +353,12 @@ fn decode(bytes: &[u8]) -> Option<Token> {
 
 /// Parses a record in either format, in any state.
 fn decode_any(bytes: &[u8]) -> Option<Token> {
-    let (body, writers) = match checked_body(bytes, FORMAT_WRITERS) {
+    let (body, writers) = match checked_body(bytes, FORMAT_ALONE) {
         Some(b) => (b, true),
-        None => (checked_body(bytes, FORMAT)?, false),
+        None => match checked_body(bytes, FORMAT_WRITERS) {
+            Some(b) => (b, true),
+            None => (checked_body(bytes, FORMAT)?, false),
+        },
     };
     let mut lines = body.lines();
     let mut field = |key: &str| lines.next()?.strip_prefix(key)?.strip_prefix('=');
@@ -413,13 +432,19 @@ pub fn read_file(
         return Seen::default();
     };
     let set = |h: Hint| (h.offset() as usize) < n && buf[h.offset() as usize] == b'1';
+    // A token in the format of a store that keeps the records' database
+    // speaks for the database there: no other's survives the first
+    // transaction on it ([`for_this_database`]). An older one is checked
+    // against the header (open, read, close).
+    let alone = buf.starts_with(FORMAT_ALONE.as_bytes());
     let ready = decode(&buf[..n.min(MAX)]).filter(|t| {
         let age = crate::clock::now_ms() - t.used;
         t.image == name.as_str()
             && age.unsigned_abs() < LAST_USE_RESOLUTION.as_millis() as u64
-            && db
-                .get_or_init(|| DbId::of(&root.db()))
-                .is_some_and(|now| now == t.db)
+            && (alone
+                || db
+                    .get_or_init(|| DbId::of(&root.db()))
+                    .is_some_and(|now| now == t.db))
     });
     Seen {
         ready: ready.map(|t| t.images_dir.unwrap_or_else(|| root.default_images_dir())),
@@ -448,7 +473,8 @@ pub fn found(file: &std::fs::File) -> io::Result<Found> {
     let area = &buf[..n.min(MAX)];
     Ok(Found {
         record: decode_any(area),
-        writers_format: area.starts_with(FORMAT_WRITERS.as_bytes()),
+        writers_format: area.starts_with(FORMAT_WRITERS.as_bytes())
+            || area.starts_with(FORMAT_ALONE.as_bytes()),
         bytes: area.to_vec(),
         store_wide: set(Hint::StoreWide),
     })
@@ -537,6 +563,98 @@ pub fn invalidate(file: &std::fs::File) -> io::Result<()> {
         if on {
             let _ = set_hint(file, hint, true, false);
         }
+    }
+    Ok(())
+}
+
+/// The first line of the records' database, kept in the global lock file.
+const RECORDS_DB: &str = "stowage-records 1\n";
+
+/// The identity of the database the store's records speak for, as the
+/// global lock file `global` (held) states it: `None` if it states none.
+fn records_database(global: &std::fs::File) -> Option<u32> {
+    let mut buf = [0u8; 64];
+    let n = global.read_at(&mut buf, 0).ok()?;
+    let body = checked_body(&buf[..n], RECORDS_DB)?;
+    u32::from_str_radix(body.strip_prefix("db=")?.strip_suffix('\n')?, 16).ok()
+}
+
+/// Keeps the records' database: makes sure that no ready token or slot
+/// record of a database other than the one of `tx` is left in the store's
+/// lock files, which is what lets a reader (and a slot's acquirer) trust a
+/// record in [`FORMAT_ALONE`] without reading the database's header.
+///
+/// The global lock file states the identity of the database the records
+/// speak for. Every transaction compares it with its own database's
+/// identity (asked inside the transaction; one read of the global lock
+/// file in all) — right after it began, before it reads a row, and again
+/// after a repair renews the identity. They differ after the database was
+/// made anew (deleted, rebuilt, made by an older release), restored or
+/// copied in from elsewhere and repaired, or replaced by another store's:
+/// then, under the global lock, every image lock file that no writer holds
+/// (tried shared, without waiting) loses a ready token that names another
+/// identity, durably (a writer's record stays: it is the truth about its
+/// image while its marker stands, and its fold judges it); every slot
+/// class whose files carry another database's records loses them all; and
+/// only then is the new identity written, durably. Until that first
+/// transaction no tree can have changed (any change takes a transaction,
+/// and a write without one checks the header itself), so a token read in
+/// between still names a complete, unchanged tree. A file a writer holds is
+/// written by it at its end: a token of this database, or none. A failure
+/// to take a token away fails the transaction; a failure to write the
+/// identity only makes the next transaction look again.
+pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyhow::Result<()> {
+    use anyhow::Context;
+    if crate::meta::schema_version() < ALONE_SINCE_SCHEMA {
+        return Ok(());
+    }
+    let id = tx.identity()?;
+    let global = tx.global_file();
+    if records_database(global) == Some(id) {
+        return Ok(());
+    }
+    let locks = root.image_locks();
+    each_lock_file(&locks, |file| {
+        if !crate::lock::try_shared_open(file)? {
+            return Ok(());
+        }
+        let f = found(file)?;
+        if f
+            .record
+            .as_ref()
+            .is_some_and(|t| t.state == State::Ready && t.db.0 != id)
+            && !crate::written::is_writers(&f)
+        {
+            invalidate(file)?;
+        }
+        Ok(())
+    })
+    .with_context(|| {
+        format!(
+            "cannot take other databases' ready tokens out of {}",
+            locks.display()
+        )
+    })?;
+    let slots = root.slot_locks();
+    if let Ok(top) = crate::dir::Dir::open_nofollow(&slots) {
+        for enc in top.names().unwrap_or_default() {
+            let Some(enc) = enc.to_str() else { continue };
+            // A real directory only; anything planted in its place is no
+            // class's.
+            let Ok(dir) = top.sub(enc) else { continue };
+            crate::slot_record::take_away_other(&dir, &enc.replace('%', "/"), DbId::from_id(id))
+                .with_context(|| {
+                    format!(
+                        "cannot take other databases' slot records out of {}",
+                        slots.join(enc).display()
+                    )
+                })?;
+        }
+    }
+    let mut body = format!("{RECORDS_DB}db={id:08x}\n");
+    body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
+    if global.set_len(0).is_ok() && global.write_all_at(body.as_bytes(), 0).is_ok() {
+        let _ = global.sync_data();
     }
     Ok(())
 }

@@ -494,7 +494,12 @@ impl Root {
     /// `localflock` or `noflock`, BeeGFS without global file locks.
     /// (`doctor` reports it instead of refusing.)
     pub fn check_locking(&mut self) -> Result<()> {
-        let (reach, mount, own) = crate::filesystem::lock_reach_with(&self.dir);
+        // From the mount table when the root's device is listed there (no
+        // request to an NFS server), else from a statfs of the root.
+        let (reach, mount, own) = self
+            .dev
+            .and_then(crate::filesystem::lock_reach_of_device)
+            .unwrap_or_else(|| crate::filesystem::lock_reach_with(&self.dir));
         // What the statfs found serves every lock file on the root's
         // filesystem (lock.rs decides by it whether they may be unlinked).
         if let (Some(dev), Some(fs)) = (self.dev, &own) {

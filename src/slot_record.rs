@@ -70,6 +70,20 @@ use crate::record::{DbId, crc32};
 /// The first line; another version sends the acquirer to the database.
 const FORMAT: &str = "stowage-slot 1\n";
 
+/// The first line of records written on a store whose binaries all keep
+/// the records' database (`record::ALONE_SINCE_SCHEMA`): an acquirer
+/// trusts such a record without reading the database's header.
+const FORMAT_ALONE: &str = "stowage-slot 2\n";
+
+/// The format this binary writes records in.
+fn format() -> &'static str {
+    if crate::meta::schema_version() >= crate::record::ALONE_SINCE_SCHEMA {
+        FORMAT_ALONE
+    } else {
+        FORMAT
+    }
+}
+
 /// Records end before this offset (the same area an image's record uses).
 const MAX: usize = crate::record::HINTS_AT;
 
@@ -123,7 +137,8 @@ impl Kind {
 
 fn encode(class: &SlotClass, settled: bool, db: DbId) -> Vec<u8> {
     let mut body = format!(
-        "{FORMAT}class={}\nlimit={}\nreserve={}\nsettled={}\ndb={:08x}\n",
+        "{}class={}\nlimit={}\nreserve={}\nsettled={}\ndb={:08x}\n",
+        format(),
         class.name,
         class.limit,
         class.reserve_high,
@@ -145,7 +160,9 @@ fn decode(bytes: &[u8], class: &str) -> Option<(Limits, DbId)> {
 
 /// Parses a valid record of `class`, settled or not.
 fn decode_any(bytes: &[u8], class: &str) -> Option<(Limits, bool, DbId)> {
-    let mut lines = crate::record::checked_body(bytes, FORMAT)?.lines();
+    let body = crate::record::checked_body(bytes, FORMAT_ALONE)
+        .or_else(|| crate::record::checked_body(bytes, FORMAT))?;
+    let mut lines = body.lines();
     let mut field = |key: &str| lines.next()?.strip_prefix(key)?.strip_prefix('=');
     if field("class")? != class {
         return None;
@@ -204,9 +221,12 @@ fn read_settled(
     let mut buf = vec![0u8; MAX];
     let n = file.read_at(&mut buf, 0).ok()?;
     let (limits, settled, id) = decode_any(&buf[..n], class)?;
-    db.get_or_init(|| DbId::of(db_path))
-        .is_some_and(|now| now == id)
-        .then_some((limits, settled))
+    // A record of a store that keeps the records' database speaks for the
+    // database there (record.rs, `for_this_database`); an older one is
+    // checked against the header (open, read, close).
+    (buf.starts_with(FORMAT_ALONE.as_bytes())
+        || db.get_or_init(|| DbId::of(db_path)).is_some_and(|now| now == id))
+    .then_some((limits, settled))
 }
 
 /// One `pread` of a slot file's record, for a look that checks the
@@ -260,6 +280,30 @@ pub fn write_all(dir: &Dir, class: Option<&SlotClass>, db: Option<DbId>) -> io::
         return Ok(());
     }
     write_each(dir, None)
+}
+
+/// Takes away the records of every slot file of `dir` (the directory of
+/// `class`) if any of them names another database than `db`, durably: the
+/// records' database is about to be recorded as `db` (record.rs,
+/// `for_this_database`), after which an acquirer trusts a record without
+/// the header. Under the global lock, as every change of records.
+pub fn take_away_other(dir: &Dir, class: &str, db: Option<DbId>) -> io::Result<()> {
+    let mut other = false;
+    each_slot_file(dir, |_, file| {
+        let mut buf = vec![0u8; MAX];
+        let n = file.read_at(&mut buf, 0)?;
+        if decode_any(&buf[..n], class).is_some_and(|(_, _, id)| Some(id) != db) {
+            other = true;
+        }
+        Ok(())
+    })?;
+    if other {
+        each_slot_file(dir, |_, file| {
+            file.set_len(0)?;
+            file.sync_data()
+        })?;
+    }
+    Ok(())
 }
 
 /// The slot files of `dir`: its regular files named `*.lock`, opened

@@ -185,7 +185,7 @@ impl Store {
             }
             let more = markers.more;
             let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
-            let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
+            let tx = begin_tx_for(conn, global, &self.ctx.root).map_err(|e| damaged(&db, e))?;
             let folded = match tx.schema().map_err(|e| damaged(&db, e))? {
                 Schema::Current => {
                     crate::written::fold(&tx, &self.ctx, &markers)?;
@@ -205,7 +205,7 @@ impl Store {
             global = Self::take_global(&self.ctx, deadline, cleanup)?;
         }
         let conn = connection(&mut self.conn, &db, self.ctx.shared())?;
-        let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
+        let tx = begin_tx_for(conn, global, &self.ctx.root).map_err(|e| damaged(&db, e))?;
         Ok((tx, &self.ctx))
     }
 
@@ -354,7 +354,7 @@ impl Store {
         let out = (|| {
             let markers = crate::written::markers(&self.ctx.root)?;
             self.being_written = markers.busy.clone();
-            let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
+            let tx = begin_tx_for(conn, global, &self.ctx.root).map_err(|e| damaged(&db, e))?;
             match tx.schema()? {
                 Schema::Current => {
                     // Folded in this transaction only: rolled back, the
@@ -423,7 +423,7 @@ impl Store {
             // A database created just now had no identity before.
             self.conn_file = id.or_else(|| file_id(&db));
         }
-        let tx = begin_tx(conn, global).map_err(|e| damaged(&db, e))?;
+        let tx = begin_tx_for(conn, global, &self.ctx.root).map_err(|e| damaged(&db, e))?;
         let out = f(&tx, &self.ctx)?;
         tx.commit()?;
         Ok(out)
@@ -587,6 +587,18 @@ fn begin_tx<'c>(conn: &'c mut rusqlite::Connection, global: lock::Guard) -> Resu
         let global = tx.rollback_keeping_global()?;
         tx = Tx::begin_on(conn, global)?;
     }
+    Ok(tx)
+}
+
+/// [`begin_tx`], then the records' database kept (record.rs): before any
+/// row is read, no record of another database is left to be trusted.
+fn begin_tx_for<'c>(
+    conn: &'c mut rusqlite::Connection,
+    global: lock::Guard,
+    root: &crate::root::Root,
+) -> Result<Tx<'c>> {
+    let tx = begin_tx(conn, global)?;
+    crate::record::for_this_database(&tx, root)?;
     Ok(tx)
 }
 

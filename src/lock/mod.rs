@@ -483,6 +483,36 @@ pub fn acquire_no_wait_vouched<T>(
     Err(ghost_error(path))
 }
 
+/// Makes a fresh lock file at `path` (`O_EXCL`: never one that exists) and
+/// locks it exclusively: a lease (`lease.rs`). No check of the unlink race
+/// follows, because there is none to lose: the only other process that may
+/// unlink a lease, a prober cleaning dead ones, leaves a file its maker has
+/// not written yet unless the maker is known to be dead — and the maker
+/// writes only once it holds the lock. A prober's lock, held for the
+/// moment of its probe, is waited out briefly; `Ok(None)`: the name exists,
+/// or stayed locked (the caller takes another name).
+pub fn create_locked(path: &Path) -> io::Result<Option<Guard>> {
+    let file = match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o666)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    for _ in 0..20 {
+        if flock_try(&file, Mode::Exclusive)? {
+            return Ok(Some(guard_of(file, path, Mode::Exclusive, None)));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    Ok(None)
+}
+
 /// Takes the lock if it is free right now. `Ok(None)`: someone holds it in a
 /// conflicting mode.
 pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Result<Option<Guard>> {
@@ -723,6 +753,14 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
         Err(e) => return Err(e),
     };
     probe_open(&file)
+}
+
+/// Takes a shared lock on a lock file already open, if it is free of
+/// writers right now: held until the file is closed. No check of the unlink
+/// race: for a caller to whom a ghost does no harm (it only empties what
+/// the file says).
+pub fn try_shared_open(file: &File) -> io::Result<bool> {
+    flock_try(file, Mode::Shared)
 }
 
 /// [`probe`] of a lock file already open (one opened through its
