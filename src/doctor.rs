@@ -824,7 +824,7 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
         tx.renew_identity()?;
         // The tokens of the identity renewed go now, in this transaction:
         // readers trust a token without the header (record.rs).
-        crate::record::for_this_database(tx, &ctx.root)?;
+        crate::records_db::for_this_database(tx, &ctx.root)?;
     }
     let rows = tx.images()?;
     found.dead_writers = rows

@@ -41,3 +41,6 @@ pub const DEBUG_LOST_LOCK: &str = "STOWAGE_DEBUG_LOST_LOCK";
 pub const DEBUG_SCHEMA_LIMIT: &str = "STOWAGE_DEBUG_SCHEMA_LIMIT";
 /// Hidden test hook: SQLite's busy timeout in milliseconds.
 pub const DEBUG_DB_BUSY_MS: &str = "STOWAGE_DEBUG_DB_BUSY_MS";
+/// Hidden test hook: how long (ms) a lease nobody wrote is left to a maker
+/// that may be about to lock it (`lease.rs`; 10 minutes otherwise).
+pub const DEBUG_UNWRITTEN_LEASE_MS: &str = "STOWAGE_DEBUG_UNWRITTEN_LEASE_MS";

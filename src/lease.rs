@@ -18,11 +18,15 @@
 //!   record that names the lease.
 //! - **A lease never written is not unlinked** by a prober, unless its name
 //!   says its maker is gone (this host, boot and pid namespace; no such
-//!   pid): it may be a maker's between its create and its lock. So the file
-//!   an owner locks is the one at its path — nobody else unlinks it before
-//!   it is written, nor after, while it is locked — and the owner needs no
-//!   check of the unlink race (no stat). A maker killed in that window on
-//!   another host or in another pid namespace leaves an empty file.
+//!   pid), or it is older than a grace (10 minutes, by the filesystem's
+//!   clock: its mtime against the directory's or the prober's own lease's)
+//!   — it may be a maker's between its create and its lock. So the file an
+//!   owner locks is the one at its path — nobody else unlinks it before it
+//!   is written, nor after, while it is locked — and the owner needs no
+//!   check of the unlink race (no stat), unless it took half the grace
+//!   between its create and its lock (by its boot clock), when it checks.
+//!   A maker killed in that window on another host or in another pid
+//!   namespace leaves an empty file for the grace.
 //! - **A prober** judges a lease by trying a shared lock without waiting:
 //!   granted means nobody holds it exclusively, so its owner is gone (or
 //!   never got as far as writing a record). A missing file is a gone owner.
@@ -278,7 +282,17 @@ fn create(dir: &Path) -> io::Result<Lease> {
     for _ in 0..100 {
         let name = format!("{host}-{boot}-{ns}-{}-{:016x}{SUFFIX}", me.pid, random());
         let path = via.join(&name);
+        let began = boot_time();
         let guard = match lock::create_locked(&path) {
+            // A maker that took half the grace to lock its fresh file (a
+            // stopped or starved process) may have had it cleaned away:
+            // it checks, as every other taker of a lock does.
+            Ok(Some(g))
+                if boot_time().saturating_sub(began) >= unwritten_grace() / 2
+                    && !lock::still_at_path(&g).unwrap_or(false) =>
+            {
+                continue;
+            }
             Ok(Some(g)) => g,
             // The name exists, or a prober keeps our fresh file: another
             // name (the file is left to probers, as a dead maker's).
@@ -331,6 +345,28 @@ pub fn pid_namespace() -> Option<String> {
     fs::read_link("/proc/self/ns/pid")
         .ok()
         .map(|p| p.to_string_lossy().into_owned())
+}
+
+/// How long a lease nobody wrote is left to a maker that may be about to
+/// lock it, when its maker cannot be known gone (another host, another pid
+/// namespace): 10 minutes. A maker that takes half that between its create
+/// and its lock checks its file (see [`create`]), so the slack covers
+/// clocks that run at different rates, not clocks that disagree: the age
+/// is measured by the filesystem's clock on both ends ([`clean_listed`]).
+fn unwritten_grace() -> std::time::Duration {
+    let ms = std::env::var(crate::env::DEBUG_UNWRITTEN_LEASE_MS)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(600_000);
+    std::time::Duration::from_millis(ms)
+}
+
+/// This host's time since boot, suspend included (a stopped process's
+/// clock runs on).
+fn boot_time() -> std::time::Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
+        .map(|t| std::time::Duration::new(t.tv_sec() as u64, t.tv_nsec() as u32))
+        .unwrap_or_default()
 }
 
 /// The number of this process's pid namespace (`pid:[N]`).
@@ -569,17 +605,43 @@ pub fn clean_listed(
     keep: &mut dyn FnMut(&str) -> bool,
 ) -> usize {
     let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+    // The filesystem's time now, or earlier: the latest change of the
+    // directory (every lease made or unlinked is one), or of our own lease.
+    let now = std::cell::OnceCell::new();
+    let fs_now = || {
+        *now.get_or_init(|| {
+            let own = mine_all()
+                .iter()
+                .filter_map(|(_, l)| l.guard.file().metadata().ok())
+                .filter_map(|m| m.modified().ok())
+                .max();
+            let dir = std::fs::metadata(&pinned).ok().and_then(|m| m.modified().ok());
+            own.max(dir)
+        })
+    };
     let mut gone = 0;
     for name in names {
         if !valid_name(name) || is_mine(name) {
             continue;
         }
         // A lease never written may be a maker's between its create and
-        // its lock (lock::create_locked): kept unless its maker is gone.
+        // its lock (lock::create_locked): kept unless its maker is gone or
+        // it is older than the grace by the filesystem's clock.
+        let goes = |g: &Guard| match g.file().metadata() {
+            Ok(m) if m.len() > 0 => true,
+            Ok(m) => {
+                unwritten_maker_gone(name)
+                    || m.modified().ok().zip(fs_now()).is_some_and(|(made, now)| {
+                        now.duration_since(made)
+                            .is_ok_and(|age| age >= unwritten_grace())
+                    })
+            }
+            Err(_) => false,
+        };
         if let Ok(Some(g)) =
             lock::acquire_no_wait(&pinned.join(name), Mode::Exclusive, lock::IfMissing::Fail)
             && !keep(name)
-            && (g.file().metadata().is_ok_and(|m| m.len() > 0) || unwritten_maker_gone(name))
+            && goes(&g)
             && g.unlink_lease().is_ok()
         {
             gone += 1;

@@ -30,10 +30,10 @@
 //!    all SQL; [`record`] the ready token in an image's lock file (how a
 //!    read learns "ready" without the database); [`slot_record`] a slot
 //!    class's limits in its slot files (how a slot is taken without it);
-//!    [`written`] writes without the database: markers, and their fold
-//!    into the rows at every transaction;
-//!    [`ctx`] what every
-//!    operation needs; [`disk_usage`];
+//!    [`records_db`] which database those records speak for (why they are
+//!    trusted without reading its header); [`written`] writes without the
+//!    database: markers, and their fold into the rows at every
+//!    transaction; [`ctx`] what every operation needs; [`disk_usage`];
 //!    [`adopt`] trees without rows; [`clone`] copying a tree.
 //! 4. **Who holds what**: [`holders`] parties and how to say them (the one
 //!    "waiting for …" announcement); [`judge`] records against the kernel,
@@ -102,6 +102,7 @@ pub mod meta;
 pub mod name;
 pub mod nested;
 pub mod record;
+pub mod records_db;
 pub mod remove;
 pub mod root;
 pub mod session;

@@ -251,19 +251,30 @@ pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
     })?;
     // Its waiters stop waiting (they re-read the class and find it gone).
     notify_change(store.ctx(), class);
+    // Unlinked under the global lock, as records are written: a `slots
+    // set` that makes the class anew cannot write a record into a file
+    // between its emptying and its unlink — a valid record in an unlinked
+    // file would vouch for it to whoever locks it next (a ghost slot:
+    // lock::acquire_no_wait_vouched).
     let dir = store.root().slot_class_dir(class);
-    let mut busy = 0;
-    if let Ok(entries) = std::fs::read_dir(&dir) {
-        for e in entries.flatten() {
-            match lock::acquire_no_wait(&e.path(), Mode::Exclusive, lock::IfMissing::Fail) {
-                Ok(Some(g)) => crate::remove::unlink_lock(store.root(), g)?,
-                Ok(None) => busy += 1,
-                Err(_) => {}
+    store.with_tx(None, |tx, ctx| {
+        let mut busy = 0;
+        // Made anew meanwhile: its files are its own again.
+        if tx.slot_class(class)?.is_some() {
+            return Ok(busy);
+        }
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for e in entries.flatten() {
+                match lock::acquire_no_wait(&e.path(), Mode::Exclusive, lock::IfMissing::Fail) {
+                    Ok(Some(g)) => crate::remove::unlink_lock(&ctx.root, g)?,
+                    Ok(None) => busy += 1,
+                    Err(_) => {}
+                }
             }
         }
-    }
-    let _ = std::fs::remove_dir(&dir);
-    Ok(busy)
+        let _ = std::fs::remove_dir(&dir);
+        Ok(busy)
+    })
 }
 
 #[cfg(test)]

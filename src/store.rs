@@ -598,7 +598,7 @@ fn begin_tx_for<'c>(
     root: &crate::root::Root,
 ) -> Result<Tx<'c>> {
     let tx = begin_tx(conn, global)?;
-    crate::record::for_this_database(&tx, root)?;
+    crate::records_db::for_this_database(&tx, root)?;
     Ok(tx)
 }
 

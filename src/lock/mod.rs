@@ -485,12 +485,14 @@ pub fn acquire_no_wait_vouched<T>(
 
 /// Makes a fresh lock file at `path` (`O_EXCL`: never one that exists) and
 /// locks it exclusively: a lease (`lease.rs`). No check of the unlink race
-/// follows, because there is none to lose: the only other process that may
-/// unlink a lease, a prober cleaning dead ones, leaves a file its maker has
-/// not written yet unless the maker is known to be dead — and the maker
-/// writes only once it holds the lock. A prober's lock, held for the
-/// moment of its probe, is waited out briefly; `Ok(None)`: the name exists,
-/// or stayed locked (the caller takes another name).
+/// follows here: the only other process that may unlink a lease, a prober
+/// cleaning dead ones, leaves a file its maker has not written yet unless
+/// the maker is known to be dead or the file is older than any maker could
+/// take to lock it (the maker, if it was that slow, checks with
+/// [`still_at_path`]) — and the maker writes only once it holds the lock.
+/// A prober's lock, held for the moment of its probe, is waited out
+/// briefly; `Ok(None)`: the name exists, or stayed locked (the caller
+/// takes another name).
 pub fn create_locked(path: &Path) -> io::Result<Option<Guard>> {
     let file = match OpenOptions::new()
         .read(true)
@@ -511,6 +513,13 @@ pub fn create_locked(path: &Path) -> io::Result<Option<Guard>> {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     Ok(None)
+}
+
+/// The check of the unlink race, for a lock taken without it
+/// ([`create_locked`]) whose taker learns it may be needed after all:
+/// whether the file locked is still the one at its path.
+pub fn still_at_path(guard: &Guard) -> io::Result<bool> {
+    Ok(still_linked(&guard.file, &guard.path)?.is_some())
 }
 
 /// Takes the lock if it is free right now. `Ok(None)`: someone holds it in a

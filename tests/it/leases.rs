@@ -581,6 +581,13 @@ fn torture_hosts() {
             problems.push(format!("held after every host died: {lock}"));
         }
     }
+    // A host killed between a lease's create and its lock leaves a file
+    // nobody wrote, which another host can only take for dead once it is
+    // older than any maker could take (lease.rs; 10 minutes): a look with
+    // no grace finds them all, now that every host is dead.
+    let mut c = env.cmd(["lock-status", "--all"]);
+    c.env(stowage::env::DEBUG_UNWRITTEN_LEASE_MS, "0");
+    assert_eq!(output(c).status.code(), Some(0));
     let leases = std::fs::read_dir(env.root.join("locks/leases"))
         .map(|d| d.count())
         .unwrap_or(0);
@@ -1072,4 +1079,63 @@ fn lock_status_in_a_container_with_nothing_held_sees_holders_outside_it() {
     assert_eq!(base["holders"][0]["stowage"], true, "{st}");
     env.release("release");
     reader.finish();
+}
+
+/// The name a lease of this host, boot and pid namespace has (its first
+/// three parts, as a stowage process here makes them), for a pid.
+fn lease_name_here(env: &Env, pid: u32) -> String {
+    let (started, release) = (format!("named-{pid}"), format!("unname-{pid}"));
+    let holder = env.hold_until(&["--read", "base"], &started, &release);
+    let name = std::fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .find(|n| n.ends_with(".lease"))
+        .expect("the holder's lease");
+    env.release(&release);
+    let out = holder.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let parts: Vec<&str> = name.split('-').collect();
+    assert_eq!(parts.len(), 5, "{name}");
+    format!("{}-{}-{}-{pid}-00000000deadbeef.lease", parts[0], parts[1], parts[2])
+}
+
+/// A lease nobody wrote may be its maker's between its create and its
+/// lock, which is why a maker needs no re-check (lease.rs): a look leaves
+/// it while its maker lives (or might: another host's), takes it once its
+/// maker is known gone, or once it is older than the grace.
+#[test]
+fn a_lease_nobody_wrote_is_left_to_a_maker_that_may_lock_it() {
+    let env = Env::new();
+    env.make_image("base");
+    let leases = env.root.join("locks/leases");
+    let mut maker = Bg::from_command({
+        let mut c = std::process::Command::new("sleep");
+        c.arg("60");
+        c
+    });
+    let alive = leases.join(lease_name_here(&env, maker.pid()));
+    let dead_pid = {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        pid
+    };
+    let dead = leases.join(lease_name_here(&env, dead_pid));
+    let elsewhere = leases.join("otherhost-0badb007-4026531836-42-00000000deadbeef.lease");
+    for f in [&alive, &dead, &elsewhere] {
+        std::fs::write(f, "").unwrap();
+    }
+    env.ok(["lock-status", "--all"]);
+    assert!(alive.exists(), "a live maker's fresh lease was unlinked");
+    assert!(!dead.exists(), "a dead maker's fresh lease of this host stayed");
+    assert!(elsewhere.exists(), "another host's fresh lease was unlinked");
+    // Past the grace (none here), whoever made them: no maker takes that
+    // long between two calls without checking its file.
+    let mut c = env.cmd(["lock-status", "--all"]);
+    c.env(stowage::env::DEBUG_UNWRITTEN_LEASE_MS, "0");
+    assert_eq!(output(c).status.code(), Some(0));
+    assert!(!elsewhere.exists(), "an old fresh lease stayed");
+    assert!(!alive.exists(), "an old fresh lease stayed");
+    assert!(maker.is_running());
+    maker.kill_all();
 }

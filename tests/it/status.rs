@@ -535,7 +535,9 @@ fn idle_equals_database_view(env: &Env, fs: Option<&str>, what: &str) {
     let dead = env.root.join("locks/leases/gone.lease");
     let unrelated = match fs {
         Some("nfs") => {
-            fs::write(&dead, "").unwrap();
+            // Written, as a lease is once its owner locked it (one nobody
+            // wrote is left to its maker for a while: lease.rs).
+            fs::write(&dead, "host=gone\n").unwrap();
             None
         }
         _ => Some(flock_holder(

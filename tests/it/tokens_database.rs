@@ -152,9 +152,15 @@ fn an_image_read_a_moment_ago_is_not_collected_as_unused() {
 
 /// A damaged database rebuilt by an older stowage (which knows nothing of
 /// tokens, so clears none): the rebuilt rows say 'incomplete' (nothing
-/// could be salvaged), the lock file still says ready.
+/// could be salvaged), the lock file still says ready. The first
+/// transaction of a current stowage finds the store's records speaking for
+/// another database and takes them away (records_db.rs); reads ask the new
+/// one from then on. (Before it, a read trusts its token: no binary that
+/// keeps tokens has changed a tree since — documented in docs/design.md,
+/// "The records' database", with the one way around it, an older release
+/// rebuilding a damaged database and then writing.)
 #[test]
-fn after_an_older_stowage_rebuilt_the_database_a_read_asks_the_new_one() {
+fn after_an_older_stowage_rebuilt_the_database_the_next_transaction_takes_the_tokens_away() {
     let env = Env::new();
     env.make_image("keep");
     env.make_image("base");
@@ -174,6 +180,7 @@ fn after_an_older_stowage_rebuilt_the_database_a_read_asks_the_new_one() {
         "{}",
         show(&out)
     );
+    env.ok(["images"]);
     let out = env.run(["exec", "--read", "base", "--", "true"]);
     assert_eq!(
         code(&out),
@@ -183,14 +190,16 @@ fn after_an_older_stowage_rebuilt_the_database_a_read_asks_the_new_one() {
     );
 }
 
-/// The database lost (deleted, or replaced by an older copy): the image
-/// does not exist for it, whatever the lock file says.
+/// The database lost (deleted): the image does not exist for the one made
+/// anew, whatever the lock file says, from that database's first
+/// transaction on (records_db.rs).
 #[test]
 fn after_the_database_is_lost_a_read_of_an_image_it_does_not_know_fails() {
     let env = Env::new();
     env.make_image("base");
     env.ok(["exec", "--read", "base", "--", "true"]);
     fs::remove_file(env.root.join("stowage.db")).unwrap();
+    env.ok(["exec", "--write", "other", "--", "true"]);
     let out = env.run(["exec", "--read", "base", "--", "true"]);
     assert_eq!(
         code(&out),

@@ -1,0 +1,106 @@
+//! The records' database: which database the ready tokens and slot
+//! records in the store's lock files speak for, so that a reader (and a
+//! slot's acquirer) can trust a record without reading the database's
+//! header — three requests fewer per read on NFS.
+//!
+//! Invariant: once a transaction on a database has begun, no ready token
+//! and no slot record of another database is left in the store's lock
+//! files, except in files a writer holds (its own end decides what they
+//! say) and writers' records (the truth about their images while their
+//! markers stand, judged by their fold). See [`for_this_database`], and
+//! docs/design.md, "The records' database".
+
+use std::os::unix::fs::FileExt;
+
+/// The first line of the records' database, kept in the global lock file.
+const RECORDS_DB: &str = "stowage-records 1\n";
+
+/// The identity of the database the store's records speak for, as the
+/// global lock file `global` (held) states it: `None` if it states none.
+fn stated(global: &std::fs::File) -> Option<u32> {
+    let mut buf = [0u8; 64];
+    let n = global.read_at(&mut buf, 0).ok()?;
+    let body = crate::record::checked_body(&buf[..n], RECORDS_DB)?;
+    u32::from_str_radix(body.strip_prefix("db=")?.strip_suffix('\n')?, 16).ok()
+}
+
+/// Keeps the records' database: makes sure that no ready token or slot
+/// record of a database other than the one of `tx` is left in the store's
+/// lock files, which is what lets a reader (and a slot's acquirer) trust a
+/// record in `record::FORMAT_ALONE` without reading the database's header.
+///
+/// The global lock file states the identity of the database the records
+/// speak for. Every transaction compares it with its own database's
+/// identity (asked inside the transaction; one read of the global lock
+/// file in all) — right after it began, before it reads a row, and again
+/// after a repair renews the identity. They differ after the database was
+/// made anew (deleted, rebuilt, made by an older release), restored or
+/// copied in from elsewhere and repaired, or replaced by another store's:
+/// then, under the global lock, every image lock file that no writer holds
+/// (tried shared, without waiting) loses a ready token that names another
+/// identity, durably (a writer's record stays: it is the truth about its
+/// image while its marker stands, and its fold judges it); every slot
+/// class whose files carry another database's records loses them all; and
+/// only then is the new identity written, durably. Until that first
+/// transaction no tree can have changed (any change takes a transaction,
+/// and a write without one checks the header itself), so a token read in
+/// between still names a complete, unchanged tree. A file a writer holds is
+/// written by it at its end: a token of this database, or none. A failure
+/// to take a token away fails the transaction; a failure to write the
+/// identity only makes the next transaction look again.
+pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyhow::Result<()> {
+    use anyhow::Context;
+    if crate::meta::schema_version() < crate::record::ALONE_SINCE_SCHEMA {
+        return Ok(());
+    }
+    let id = tx.identity()?;
+    let global = tx.global_file();
+    if stated(global) == Some(id) {
+        return Ok(());
+    }
+    let locks = root.image_locks();
+    crate::record::each_lock_file(&locks, |file| {
+        if !crate::lock::try_shared_open(file)? {
+            return Ok(());
+        }
+        let f = crate::record::found(file)?;
+        if f
+            .record
+            .as_ref()
+            .is_some_and(|t| t.state == crate::record::State::Ready && t.db.0 != id)
+            && !crate::written::is_writers(&f)
+        {
+            crate::record::invalidate(file)?;
+        }
+        Ok(())
+    })
+    .with_context(|| {
+        format!(
+            "cannot take other databases' ready tokens out of {}",
+            locks.display()
+        )
+    })?;
+    let slots = root.slot_locks();
+    if let Ok(top) = crate::dir::Dir::open_nofollow(&slots) {
+        for enc in top.names().unwrap_or_default() {
+            let Some(enc) = enc.to_str() else { continue };
+            // A real directory only; anything planted in its place is no
+            // class's.
+            let Ok(dir) = top.sub(enc) else { continue };
+            crate::slot_record::take_away_other(&dir, &enc.replace('%', "/"), crate::record::DbId::from_id(id))
+                .with_context(|| {
+                    format!(
+                        "cannot take other databases' slot records out of {}",
+                        slots.join(enc).display()
+                    )
+                })?;
+        }
+    }
+    let mut body = format!("{RECORDS_DB}db={id:08x}\n");
+    body.push_str(&format!("crc={:08x}\n", crate::record::crc32(body.as_bytes())));
+    if global.set_len(0).is_ok() && global.write_all_at(body.as_bytes(), 0).is_ok() {
+        let _ = global.sync_data();
+    }
+    Ok(())
+}
+

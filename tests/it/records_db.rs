@@ -1,0 +1,101 @@
+//! The records' database (src/records_db.rs): a reader and a slot's
+//! acquirer trust a record in the current format without reading the
+//! database's header, because the first transaction on a database takes
+//! away every token and slot record of another one. Each test puts another
+//! database in place with real processes and checks that, from the next
+//! transaction on, what that database says wins.
+
+use std::fs;
+
+use crate::common::*;
+
+/// Puts the database of `from` in the place of the one of `to` (a copy
+/// written over the file, as a restore or a mistaken copy would).
+fn put_database(from: &Env, to: &Env) {
+    fs::copy(from.root.join("stowage.db"), to.root.join("stowage.db")).unwrap();
+}
+
+#[test]
+fn another_stores_database_put_in_place_is_found_by_the_next_transaction() {
+    let here = Env::new();
+    here.make_image("base");
+    here.ok(["exec", "--read", "base", "--", "true"]);
+    let there = Env::new();
+    there.make_image("other");
+    put_database(&there, &here);
+    // Any transaction: it finds the lock files speaking for another
+    // database and takes their tokens away.
+    here.ok(["images"]);
+    let out = here.run(["exec", "--read", "base", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(66),
+        "a read trusted the token of a database no longer there: {}",
+        show(&out)
+    );
+}
+
+#[test]
+fn a_repair_takes_away_the_tokens_of_the_identity_it_renews() {
+    let env = Env::new();
+    env.make_image("keep");
+    // A copy of the database from before `base` existed, restored over it
+    // afterwards (same identity: nothing tells the copy apart but a
+    // repair, which a restore must be followed by).
+    let copy = env.scratch.join("stowage.db.copy");
+    fs::copy(env.root.join("stowage.db"), &copy).unwrap();
+    env.make_image("base");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    fs::copy(&copy, env.root.join("stowage.db")).unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = env.run(["exec", "--read", "base", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(66),
+        "a read trusted a token the repaired database does not vouch for: {}",
+        show(&out)
+    );
+    env.ok(["exec", "--read", "keep", "--", "true"]);
+}
+
+#[test]
+fn slot_records_of_another_database_are_taken_away() {
+    let here = Env::new();
+    here.make_image("base");
+    here.ok(["slots", "set", "pull", "2"]);
+    // Records written (by the slow way's first acquirer).
+    here.ok(["exec", "--slot", "pull", "--", "true"]);
+    let there = Env::new();
+    there.ok(["slots", "set", "pull", "1"]);
+    put_database(&there, &here);
+    here.ok(["images"]);
+    let holder = here.hold(&["--slot", "pull"], "started");
+    let out = here.run(["exec", "--slot", "pull", "--wait", "0.3", "--", "true"]);
+    here.release("release");
+    let held = holder.finish();
+    assert_eq!(code(&held), Some(0), "{}", show(&held));
+    assert_eq!(
+        code(&out),
+        Some(75),
+        "a second slot of a class limited to 1 by the database there: {}",
+        show(&out)
+    );
+}
+
+#[test]
+fn the_store_records_which_database_its_records_speak_for() {
+    let env = Env::new();
+    env.make_image("base");
+    let global = fs::read(env.root.join("locks/global.lock")).unwrap();
+    let text = String::from_utf8_lossy(&global);
+    assert!(text.starts_with("stowage-records 1\ndb="), "{text}");
+    // The lock file stays a lock file: flock(1) on it works.
+    let out = std::process::Command::new("flock")
+        .arg("-n")
+        .arg(env.root.join("locks/global.lock"))
+        .arg("true")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+}
