@@ -221,7 +221,11 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
         _ => return None,
     };
     // statfs names ext2/3/4 alike (one magic), and so does this.
-    let name = if name.starts_with("ext") { "ext4" } else { name };
+    let name = if name.starts_with("ext") {
+        "ext4"
+    } else {
+        name
+    };
     let fs = Filesystem {
         name: name.to_owned(),
         local,

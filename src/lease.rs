@@ -615,7 +615,9 @@ pub fn clean_listed(
                 .filter_map(|(_, l)| l.guard.file().metadata().ok())
                 .filter_map(|m| m.modified().ok())
                 .max();
-            let dir = std::fs::metadata(&pinned).ok().and_then(|m| m.modified().ok());
+            let dir = std::fs::metadata(&pinned)
+                .ok()
+                .and_then(|m| m.modified().ok());
             own.max(dir)
         })
     };

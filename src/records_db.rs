@@ -64,8 +64,7 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
             return Ok(());
         }
         let f = crate::record::found(file)?;
-        if f
-            .record
+        if f.record
             .as_ref()
             .is_some_and(|t| t.state == crate::record::State::Ready && t.db.0 != id)
             && !crate::written::is_writers(&f)
@@ -87,20 +86,26 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
             // A real directory only; anything planted in its place is no
             // class's.
             let Ok(dir) = top.sub(enc) else { continue };
-            crate::slot_record::take_away_other(&dir, &enc.replace('%', "/"), crate::record::DbId::from_id(id))
-                .with_context(|| {
-                    format!(
-                        "cannot take other databases' slot records out of {}",
-                        slots.join(enc).display()
-                    )
-                })?;
+            crate::slot_record::take_away_other(
+                &dir,
+                &enc.replace('%', "/"),
+                crate::record::DbId::from_id(id),
+            )
+            .with_context(|| {
+                format!(
+                    "cannot take other databases' slot records out of {}",
+                    slots.join(enc).display()
+                )
+            })?;
         }
     }
     let mut body = format!("{RECORDS_DB}db={id:08x}\n");
-    body.push_str(&format!("crc={:08x}\n", crate::record::crc32(body.as_bytes())));
+    body.push_str(&format!(
+        "crc={:08x}\n",
+        crate::record::crc32(body.as_bytes())
+    ));
     if global.set_len(0).is_ok() && global.write_all_at(body.as_bytes(), 0).is_ok() {
         let _ = global.sync_data();
     }
     Ok(())
 }
-

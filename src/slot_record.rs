@@ -225,7 +225,9 @@ fn read_settled(
     // database there (record.rs, `for_this_database`); an older one is
     // checked against the header (open, read, close).
     (buf.starts_with(FORMAT_ALONE.as_bytes())
-        || db.get_or_init(|| DbId::of(db_path)).is_some_and(|now| now == id))
+        || db
+            .get_or_init(|| DbId::of(db_path))
+            .is_some_and(|now| now == id))
     .then_some((limits, settled))
 }
 

@@ -165,12 +165,13 @@ pub(crate) fn try_ready(
     let path = root.image_lock(name);
     // A valid token vouches that the file is still the one at the path
     // (lock::acquire_no_wait_vouched): no stat for the unlink race.
-    let (g, seen) = lock::acquire_no_wait_vouched(&path, Mode::Shared, lock::IfMissing::Fail, |f| {
-        let seen = crate::record::read_file(f, root, name, db);
-        let vouched = seen.ready.is_some();
-        (seen, vouched)
-    })
-    .ok()??;
+    let (g, seen) =
+        lock::acquire_no_wait_vouched(&path, Mode::Shared, lock::IfMissing::Fail, |f| {
+            let seen = crate::record::read_file(f, root, name, db);
+            let vouched = seen.ready.is_some();
+            (seen, vouched)
+        })
+        .ok()??;
     let ready = seen.ready?;
     if seen.writer_waits {
         match lock::acquire_no_wait(&root.image_gate(name), Mode::Shared, lock::IfMissing::Fail) {

@@ -122,7 +122,9 @@ impl Guard {
     /// Device and inode of the locked file: what /proc/locks reports.
     /// (0, 0) if the descriptor cannot be stat'ed, which no file has.
     pub fn identity(&self) -> (u64, u64) {
-        *self.id.get_or_init(|| fd_identity(self.file.as_raw_fd()).unwrap_or((0, 0)))
+        *self
+            .id
+            .get_or_init(|| fd_identity(self.file.as_raw_fd()).unwrap_or((0, 0)))
     }
 
     /// Whether a spawned child inherits this lock's descriptor (and so keeps

@@ -1096,7 +1096,10 @@ fn lease_name_here(env: &Env, pid: u32) -> String {
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     let parts: Vec<&str> = name.split('-').collect();
     assert_eq!(parts.len(), 5, "{name}");
-    format!("{}-{}-{}-{pid}-00000000deadbeef.lease", parts[0], parts[1], parts[2])
+    format!(
+        "{}-{}-{}-{pid}-00000000deadbeef.lease",
+        parts[0], parts[1], parts[2]
+    )
 }
 
 /// A lease nobody wrote may be its maker's between its create and its
@@ -1127,8 +1130,14 @@ fn a_lease_nobody_wrote_is_left_to_a_maker_that_may_lock_it() {
     }
     env.ok(["lock-status", "--all"]);
     assert!(alive.exists(), "a live maker's fresh lease was unlinked");
-    assert!(!dead.exists(), "a dead maker's fresh lease of this host stayed");
-    assert!(elsewhere.exists(), "another host's fresh lease was unlinked");
+    assert!(
+        !dead.exists(),
+        "a dead maker's fresh lease of this host stayed"
+    );
+    assert!(
+        elsewhere.exists(),
+        "another host's fresh lease was unlinked"
+    );
     // Past the grace (none here), whoever made them: no maker takes that
     // long between two calls without checking its file.
     let mut c = env.cmd(["lock-status", "--all"]);

@@ -762,7 +762,8 @@ impl Proto {
 
     fn unlink_lease(s: &mut State, o: u8, n: u8) {
         s.lfiles.retain(|(fo, fname, _)| !(*fo == o && *fname == n));
-        s.lwritten.retain(|(fo, fname, _)| !(*fo == o && *fname == n));
+        s.lwritten
+            .retain(|(fo, fname, _)| !(*fo == o && *fname == n));
     }
 
     /// `lease::probe`: the owner's lease file is at its path and held
@@ -1868,10 +1869,12 @@ impl Proto {
                     // Locked, then left if nobody wrote it yet (and its
                     // owner is not known to be gone): let go at the unlink
                     // step with the others.
+                    let maker_known_gone = self.cfg.roles[o as usize].host
+                        == self.cfg.roles[p].host
+                        && !s.procs[o as usize].alive;
                     let kept = rules.lease_unwritten_kept
                         && !s.lwritten.contains(&(o, n, g))
-                        && !(self.cfg.roles[o as usize].host == self.cfg.roles[p].host
-                            && !s.procs[o as usize].alive);
+                        && !maker_known_gone;
                     if rules.lease_unlink_locked {
                         if Self::grantable(s, key, Mode::Exclusive) {
                             Self::take(s, key, p, Mode::Exclusive);
