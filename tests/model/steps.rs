@@ -164,13 +164,14 @@ impl Step {
             Step::LeaseCreate => &["lease::mine", "lease::create", "lock::open"],
             Step::LeaseLock => &[
                 "lease::create",
-                "lock::acquire_no_wait",
-                "lock::still_linked",
+                "lock::create_locked",
+                "lock::still_at_path",
             ],
             Step::FastTry => &[
                 "session::begin_fast",
                 "acquire::image::try_ready",
-                "record::read",
+                "lock::acquire_no_wait_vouched",
+                "record::read_file",
                 "record::set_hint",
             ],
             Step::FastStore => &[
@@ -181,6 +182,7 @@ impl Step {
             Step::FastWrite => &[
                 "session::begin_fast",
                 "acquire::image::try_write",
+                "lock::acquire_no_wait_vouched",
                 "record::found",
             ],
             Step::Marker => &["session::start_fast_writes", "written::mark"],
@@ -206,6 +208,7 @@ impl Step {
                 "session::start",
                 "remove::remove_locked",
                 "store_wide::forget_deleted",
+                "records_db::for_this_database",
             ],
             Step::Token => &["record::write_ready", "session::finish"],
             Step::StoreLock => &[
@@ -291,7 +294,11 @@ impl Step {
                 "lease::probe",
                 "doctor::find_inconsistencies",
             ],
-            Step::CleanLock => &["lease::clean", "lock::acquire_no_wait"],
+            Step::CleanLock => &[
+                "lease::clean",
+                "lease::clean_listed",
+                "lock::acquire_no_wait",
+            ],
             Step::CleanUnlink => &["lease::clean", "lock::unlink_lease"],
             Step::Collect => &["gc::collect", "remove::recheck"],
         }
