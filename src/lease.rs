@@ -247,16 +247,20 @@ fn is_mine(name: &str) -> bool {
     mine_all().iter().any(|(_, l)| l.name == name)
 }
 
-fn create(dir: &Path) -> io::Result<Lease> {
-    let me = crate::ident::Me::current();
-    let boot: String = me
-        .boot_id
+/// The boot part of a lease name: the first 8 hex digits of the boot id.
+fn boot_part(me: &crate::ident::Me) -> String {
+    me.boot_id
         .as_deref()
         .unwrap_or("noboot")
         .chars()
         .filter(char::is_ascii_hexdigit)
         .take(8)
-        .collect();
+        .collect()
+}
+
+fn create(dir: &Path) -> io::Result<Lease> {
+    let me = crate::ident::Me::current();
+    let boot = boot_part(&me);
     let host = safe_part(&me.host);
     // The first lease of this store makes the directory, and only it (a
     // root or locks directory that is missing is an error). A symlink in
@@ -390,14 +394,7 @@ fn unwritten_maker_gone(name: &str) -> bool {
         return false;
     };
     let me = crate::ident::Me::current();
-    let my_boot: String = me
-        .boot_id
-        .as_deref()
-        .unwrap_or("noboot")
-        .chars()
-        .filter(char::is_ascii_hexdigit)
-        .take(8)
-        .collect();
+    let my_boot = boot_part(&me);
     let (Ok(ns), Ok(pid)) = (ns.parse::<u64>(), pid.parse::<i32>()) else {
         return false;
     };
