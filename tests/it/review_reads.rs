@@ -1,0 +1,132 @@
+//! Reads without the database's header (src/records_db.rs, record.rs): a
+//! ready token in the current format is trusted as it stands, so whatever
+//! leaves one behind for a database that no longer vouches for it lets a
+//! read in on an image the database calls not ready. Each test replaces
+//! or repairs the database with real processes and reads through the
+//! real binary. Also the root's filesystem judged from the mount table
+//! (filesystem.rs, `lock_reach_of_device`).
+
+use std::fs;
+
+use crate::common::*;
+
+/// A copy of the database taken before `X` existed, restored over the file
+/// once `X` was written twice (the second time without a transaction: a
+/// write of an existing image) and read: the restore's documented sequel,
+/// `doctor --repair`, must stop `X`'s token from counting.
+fn restore_before_x(env: &Env) -> std::path::PathBuf {
+    env.make_image("keep");
+    let copy = env.scratch.join("stowage.db.copy");
+    fs::copy(env.root.join("stowage.db"), &copy).unwrap();
+    env.build("X", "echo v1 > \"$STOWAGE_IMAGE_DIR/f\"");
+    copy
+}
+
+#[test]
+fn a_repair_takes_away_the_outcome_of_a_write_without_transaction() {
+    let env = Env::new();
+    let copy = restore_before_x(&env);
+    // A write of an existing image: its outcome (a writer's record, sized)
+    // stays in the lock file after a transaction folded it.
+    env.build("X", "echo v2 > \"$STOWAGE_IMAGE_DIR/f\"");
+    env.ok(["images"]);
+    fs::copy(&copy, env.root.join("stowage.db")).unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = env.run(["exec", "--read", "X", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(66),
+        "a read trusted the outcome of a write the repaired database does not vouch for: {}",
+        show(&out)
+    );
+    env.ok(["exec", "--read", "keep", "--", "true"]);
+}
+
+#[test]
+fn a_write_that_never_started_puts_back_no_token_a_repair_took_away() {
+    let env = Env::new();
+    let copy = restore_before_x(&env);
+    env.ok(["exec", "--read", "X", "--", "true"]);
+    fs::copy(&copy, env.root.join("stowage.db")).unwrap();
+    // A write without a transaction holds `X` (its token read, its marker
+    // made) while the repair runs: the repair cannot take the token away
+    // from a lock held exclusively. The command cannot be started, so the
+    // write puts back what the lock file said.
+    let (writer, go) = env.paused(
+        ["exec", "--write", "X", "--", "/nonexistent/command"],
+        "fast-write-marked",
+    );
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    fs::remove_file(&go).unwrap();
+    let out = writer.finish();
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    let out = env.run(["exec", "--read", "X", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(66),
+        "a read trusted a token put back after the repair renewed the database: {}",
+        show(&out)
+    );
+    env.ok(["exec", "--read", "keep", "--", "true"]);
+}
+
+/// Not fixed: the reproduction of a case records_db.rs documents as not
+/// covered. Telling it would cost every read the header again.
+#[test]
+#[ignore = "a release before schema 9 that makes the database anew does not take the old tokens away"]
+fn a_database_an_older_release_made_anew_is_not_read_around() {
+    let env = Env::new();
+    env.make_image("X");
+    env.ok(["exec", "--read", "X", "--", "true"]);
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    // An older release makes the database anew and adopts the tree it
+    // finds without a row: incomplete (adopt.rs).
+    let mut c = env.cmd(["doctor", "--repair"]);
+    c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "8");
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = env.run(["exec", "--read", "X", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(66),
+        "a read trusted a token of the database that was deleted: {}",
+        show(&out)
+    );
+}
+
+/// The root's filesystem comes from the mount table now (by the root's
+/// device), not from a statfs: NFS mounted so that locks stay on each
+/// client is still refused, whatever the mount point the table gives.
+#[test]
+fn nfs_without_server_locks_found_by_device_in_the_mount_table_is_refused() {
+    use std::os::unix::fs::MetadataExt;
+    let env = Env::new();
+    env.make_image("X");
+    let dev = fs::metadata(&env.root).unwrap().dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let info = env.sentinel("mountinfo");
+    for options in ["rw,vers=3,nolock", "rw,vers=4.2,local_lock=all"] {
+        // Listed at a mount point that does not contain the root (a bind
+        // mount seen elsewhere): the device decides.
+        fs::write(
+            &info,
+            format!(
+                "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n\
+                 101 22 {major}:{minor} / /elsewhere rw,relatime - nfs srv:/export {options}\n"
+            ),
+        )
+        .unwrap();
+        for args in [
+            &["exec", "--read", "X", "--", "true"][..],
+            &["exec", "--write", "X", "--", "true"][..],
+        ] {
+            let mut c = env.cmd(args);
+            c.env(stowage::env::DEBUG_MOUNTINFO, &info);
+            let out = output(c);
+            assert_eq!(code(&out), Some(69), "{options} {args:?}: {}", show(&out));
+            assert!(stderr(&out).contains("NFS"), "{}", show(&out));
+        }
+    }
+}
