@@ -130,3 +130,43 @@ fn nfs_without_server_locks_found_by_device_in_the_mount_table_is_refused() {
         }
     }
 }
+
+/// Not fixed: a write without a transaction that holds its image while a
+/// repair renews the database ends with its outcome naming the identity it
+/// started under, which readers trust until the next transaction folds it
+/// (the tree is the one the write just finished; the database calls it
+/// incomplete). Closing it would cost every such write a read of the
+/// header at its end (open, read, close), and would still leave the moment
+/// between that read and the lock's release.
+#[test]
+#[ignore = "a write without a transaction ends with a token of the identity it started under"]
+fn a_write_that_finished_across_a_repair_is_not_read_before_its_fold() {
+    let env = Env::new();
+    let copy = restore_before_x(&env);
+    env.ok(["exec", "--read", "X", "--", "true"]);
+    fs::copy(&copy, env.root.join("stowage.db")).unwrap();
+    let (writer, go) = env.paused(
+        [
+            "exec",
+            "--write",
+            "X",
+            "--",
+            "sh",
+            "-c",
+            "echo v2 > \"$STOWAGE_IMAGE_DIR/f\"",
+        ],
+        "fast-write-marked",
+    );
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    fs::remove_file(&go).unwrap();
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = env.run(["exec", "--read", "X", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(66),
+        "a read trusted the outcome of a write the repaired database calls incomplete: {}",
+        show(&out)
+    );
+}
