@@ -170,3 +170,84 @@ fn a_write_that_finished_across_a_repair_is_not_read_before_its_fold() {
         show(&out)
     );
 }
+
+/// A lease nobody wrote is kept for a grace unless its maker is known
+/// gone (lease.rs): its maker may be between its create and its lock, and
+/// locks it without checking that it is still at its path. Its age must
+/// not come from its mtime, which a client sets: an NFSv3 (or 4.0)
+/// exclusive create stores its verifier there until the client's SETATTR,
+/// inside the maker's open — set here with `touch -d` while the maker, in
+/// another pid namespace (so its name cannot show it alive), is stopped
+/// before its lock.
+#[test]
+fn a_lease_between_its_create_and_its_lock_is_not_judged_by_its_mtime() {
+    use std::process::Command;
+    if !root_or_skip("a pid namespace") || !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("X");
+    let stopped = env.sentinel("stopped");
+    let go = env.sentinel("go");
+    let cmds = env.sentinel("gdb-cmds");
+    fs::write(
+        &cmds,
+        format!(
+            "set pagination off\ncatch syscall flock\nrun\n\
+             shell touch '{s}'; i=0; while [ ! -e '{g}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done\n\
+             delete\ncontinue\n",
+            s = stopped.display(),
+            g = go.display()
+        ),
+    )
+    .unwrap();
+    let mut c = Command::new("unshare");
+    c.args([
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "gdb",
+        "-q",
+        "-batch",
+        "-x",
+    ])
+    .arg(&cmds)
+    .arg("--args")
+    .arg(bin())
+    .arg("--root")
+    .arg(&env.root)
+    .args(["exec", "--read", "X", "--"])
+    .args(env.hold_cmd("started", "release"))
+    .env_remove("STOWAGE_ROOT")
+    .env_remove("STOWAGE_NOW");
+    let maker = Bg::from_command(c);
+    // Its first flock is its lease's: the file is made, not yet locked.
+    wait_for_file(&stopped);
+    let leases = env.root.join("locks/leases");
+    let names: Vec<_> = fs::read_dir(&leases).unwrap().flatten().collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+    let lease = names[0].path();
+    assert_eq!(fs::metadata(&lease).unwrap().len(), 0);
+    let out = Command::new("touch")
+        .args(["-d", "2000-01-01"])
+        .arg(&lease)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    // A prober cleaning leases.
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let kept = lease.exists();
+    fs::write(&go, "").unwrap();
+    wait_for_file(&env.sentinel("started"));
+    let status = env.ok(["lock-status"]);
+    env.release("release");
+    let out = maker.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        kept,
+        "a prober unlinked the lease of a live maker about to lock it"
+    );
+    let status = String::from_utf8_lossy(&status.stdout).into_owned();
+    assert!(!status.contains("outside stowage"), "{status}");
+}
