@@ -201,14 +201,13 @@ pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>
 /// on NFS, the mount table is this host's own. `None` where the table lists
 /// no mount of that device (a btrfs subvolume reports a device of its own)
 /// or does not name a filesystem this knows, and where a test names the
-/// filesystem: the caller asks statfs then. Also `None` for a device with
-/// a major number (a filesystem on a block device, which statfs answers
-/// without a server): the table costs the kernel time in proportion to its
-/// mounts — milliseconds on a host with thousands (containers, bind
-/// mounts) — and statfs does not. The table is read only up to the first
-/// mount of the device, and only that line is parsed.
+/// filesystem: the caller asks statfs then. The table costs the kernel
+/// time in proportion to the mounts it lists — milliseconds on a host with
+/// thousands (containers, bind mounts) — so it is read only up to the
+/// first mount of the device (the root's filesystem is most often mounted
+/// early), and only that line is parsed.
 pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Filesystem>)> {
-    if std::env::var_os(crate::env::DEBUG_FILESYSTEM).is_some() || libc::major(dev) != 0 {
+    if std::env::var_os(crate::env::DEBUG_FILESYSTEM).is_some() {
         return None;
     }
     let want = format!("{}:{}", libc::major(dev), libc::minor(dev));
