@@ -201,16 +201,18 @@ pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>
 /// on NFS, the mount table is this host's own. `None` where the table lists
 /// no mount of that device (a btrfs subvolume reports a device of its own)
 /// or does not name a filesystem this knows, and where a test names the
-/// filesystem: the caller asks statfs then.
+/// filesystem: the caller asks statfs then. The table costs the kernel
+/// time in proportion to the mounts it lists — milliseconds on a host with
+/// thousands (containers, bind mounts) — so it is read only up to the
+/// first mount of the device (the root's filesystem is most often mounted
+/// early), and only that line is parsed.
 pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Filesystem>)> {
     if std::env::var_os(crate::env::DEBUG_FILESYSTEM).is_some() {
         return None;
     }
-    let text = fs::read_to_string(mountinfo_path()).ok()?;
     let want = format!("{}:{}", libc::major(dev), libc::minor(dev));
-    let (mount, _) = parse_mountinfo_with_devices(&text)
-        .into_iter()
-        .find(|(_, d)| *d == want)?;
+    let line = first_mount_of(&mountinfo_path(), &want)?;
+    let (mount, _) = parse_mountinfo_with_devices(&line).into_iter().next()?;
     let (name, local) = match mount.fstype.as_str() {
         "tmpfs" | "ext4" | "ext3" | "xfs" | "btrfs" | "zfs" | "overlay" | "f2fs" | "ramfs"
         | "reiserfs" => (mount.fstype.as_str(), true),
@@ -232,6 +234,17 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
     };
     let (reach, mount) = reach_with(&fs, Some(mount));
     Some((reach, mount, Some(fs)))
+}
+
+/// The first line of the mount table at `path` whose device (third
+/// field) is `want`, read no further than it.
+fn first_mount_of(path: &Path, want: &str) -> Option<String> {
+    use std::io::BufRead;
+    let table = io::BufReader::new(fs::File::open(path).ok()?);
+    table
+        .lines()
+        .map_while(Result::ok)
+        .find(|l| l.split(' ').nth(2) == Some(want))
 }
 
 fn mountinfo_path() -> std::path::PathBuf {

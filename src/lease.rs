@@ -19,7 +19,8 @@
 //! - **A lease never written is not unlinked** by a prober, unless its name
 //!   says its maker is gone (this host, boot and pid namespace; no such
 //!   pid), or it is older than a grace (10 minutes, by the filesystem's
-//!   clock: its mtime against the directory's or the prober's own lease's)
+//!   clock: its last status change (ctime, which no client can set) against
+//!   the directory's or the prober's own lease's)
 //!   — it may be a maker's between its create and its lock. So the file an
 //!   owner locks is the one at its path — nobody else unlinks it before it
 //!   is written, nor after, while it is locked — and the owner needs no
@@ -373,6 +374,15 @@ fn boot_time() -> std::time::Duration {
         .unwrap_or_default()
 }
 
+/// When the file's status last changed (ctime), by the filesystem's clock:
+/// never set by a client, never earlier than the file's creation.
+fn changed(m: &fs::Metadata) -> Option<std::time::SystemTime> {
+    use std::os::unix::fs::MetadataExt;
+    let secs = u64::try_from(m.ctime()).ok()?;
+    let nanos = u32::try_from(m.ctime_nsec()).ok()?;
+    std::time::UNIX_EPOCH.checked_add(std::time::Duration::new(secs, nanos))
+}
+
 /// The number of this process's pid namespace (`pid:[N]`).
 fn pid_namespace_number() -> Option<u64> {
     let ns = pid_namespace()?;
@@ -604,17 +614,21 @@ pub fn clean_listed(
     let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
     // The filesystem's time now, or earlier: the latest change of the
     // directory (every lease made or unlinked is one), or of our own lease.
+    // Status changes (ctime), as for the lease judged: the filesystem sets
+    // them to its own time, and nobody can set them otherwise — unlike a
+    // file's mtime, which a client may set (`touch -d`; an NFSv3 or 4.0
+    // exclusive create stores its verifier there until the client's
+    // SETATTR, inside the maker's open: a file seconds old would look
+    // decades old, between its create and its lock).
     let now = std::cell::OnceCell::new();
     let fs_now = || {
         *now.get_or_init(|| {
             let own = mine_all()
                 .iter()
                 .filter_map(|(_, l)| l.guard.file().metadata().ok())
-                .filter_map(|m| m.modified().ok())
+                .filter_map(|m| changed(&m))
                 .max();
-            let dir = std::fs::metadata(&pinned)
-                .ok()
-                .and_then(|m| m.modified().ok());
+            let dir = std::fs::metadata(&pinned).ok().and_then(|m| changed(&m));
             own.max(dir)
         })
     };
@@ -630,7 +644,7 @@ pub fn clean_listed(
             Ok(m) if m.len() > 0 => true,
             Ok(m) => {
                 unwritten_maker_gone(name)
-                    || m.modified().ok().zip(fs_now()).is_some_and(|(made, now)| {
+                    || changed(&m).zip(fs_now()).is_some_and(|(made, now)| {
                         now.duration_since(made)
                             .is_ok_and(|age| age >= unwritten_grace())
                     })

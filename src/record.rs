@@ -300,6 +300,11 @@ impl Token {
 }
 
 fn encode(t: &Token) -> Option<Vec<u8>> {
+    encode_in(t, format())
+}
+
+/// [`encode`] with the format line `format`.
+fn encode_in(t: &Token, format: &str) -> Option<Vec<u8>> {
     let images = match &t.images_dir {
         None => "default",
         Some(dir) => {
@@ -314,8 +319,7 @@ fn encode(t: &Token) -> Option<Vec<u8>> {
         return None;
     }
     let mut body = format!(
-        "{}state={}\nimage={}\nimages={images}\ndb={:08x}\nused={}\n",
-        format(),
+        "{format}state={}\nimage={}\nimages={images}\ndb={:08x}\nused={}\n",
         t.state.as_str(),
         t.image,
         t.db.0,
@@ -491,10 +495,39 @@ pub fn write_record(file: &std::fs::File, t: &Token) -> io::Result<()> {
 }
 
 /// Puts back the bytes of a token area read by [`found`] (a write that
-/// never started), durably.
+/// never started), durably. A ready token in [`FORMAT_ALONE`] goes back in
+/// [`FORMAT_WRITERS`], which a reader checks against the database's
+/// header: while the write held the lock, a transaction may have found the
+/// store's database renewed or replaced and taken away every token of the
+/// old one but this (held: `records_db::for_this_database` skips it), and
+/// a token put back as it was would then be trusted, without the header,
+/// for a database that no longer vouches for it. The next read that goes
+/// the database's way writes it in the current format again.
 pub fn put_back(file: &std::fs::File, bytes: &[u8]) -> io::Result<()> {
-    file.write_all_at(bytes, 0)?;
+    let checked = decode_any(bytes)
+        .filter(|t| bytes.starts_with(FORMAT_ALONE.as_bytes()) && t.state == State::Ready)
+        .and_then(|t| encode_in(&t, FORMAT_WRITERS));
+    file.write_all_at(checked.as_deref().unwrap_or(bytes), 0)?;
     file.sync_data()
+}
+
+/// Rewrites a record `t` read by [`found`] in [`FORMAT_ALONE`] into
+/// [`FORMAT_WRITERS`], durably: the same record, for the fold of its
+/// writer's marker, but one a reader trusts only if the database's header
+/// names its identity (`records_db::for_this_database`, for a writer's
+/// record of another database). The caller holds the file's lock (shared
+/// will do: no token is written beside it, as that takes the global lock
+/// it holds) and knows it was in [`FORMAT_ALONE`].
+pub fn demote(file: &std::fs::File, t: &Token) -> io::Result<()> {
+    let bytes = encode_in(t, FORMAT_WRITERS).ok_or_else(|| io::Error::other("record too long"))?;
+    file.write_all_at(&bytes, 0)?;
+    file.sync_data()
+}
+
+/// Whether the record read by [`found`] is in [`FORMAT_ALONE`]: one a
+/// reader trusts without the database's header.
+pub fn trusted_alone(found: &Found) -> bool {
+    found.bytes.starts_with(FORMAT_ALONE.as_bytes())
 }
 
 /// Whether anything is written in the lock file's token area (a token of

@@ -38,16 +38,29 @@ fn stated(global: &std::fs::File) -> Option<u32> {
 /// copied in from elsewhere and repaired, or replaced by another store's:
 /// then, under the global lock, every image lock file that no writer holds
 /// (tried shared, without waiting) loses a ready token that names another
-/// identity, durably (a writer's record stays: it is the truth about its
-/// image while its marker stands, and its fold judges it); every slot
-/// class whose files carry another database's records loses them all; and
-/// only then is the new identity written, durably. Until that first
-/// transaction no tree can have changed (any change takes a transaction,
-/// and a write without one checks the header itself), so a token read in
-/// between still names a complete, unchanged tree. A file a writer holds is
-/// written by it at its end: a token of this database, or none. A failure
-/// to take a token away fails the transaction; a failure to write the
+/// identity, durably — except a writer's record (a sized outcome), the
+/// truth about its image while its marker stands, which its fold judges:
+/// that one is rewritten in the format a reader checks against the
+/// header (its marker may be gone already, folded, and then nothing else
+/// would take it away); every slot class whose files carry another
+/// database's records loses them all; and only then is the new identity
+/// written, durably. Until that first transaction no tree can have changed
+/// (any change takes a transaction, and a write without one checks the
+/// header itself), so a token read in between still names a complete,
+/// unchanged tree. A file a writer without a transaction holds is written
+/// by it at its end: its outcome (folded by the next transaction, which
+/// judges its identity), or the token it found, put back in the format a
+/// reader checks against the header (`record::put_back`). A failure to
+/// take a token away fails the transaction; a failure to write the
 /// identity only makes the next transaction look again.
+///
+/// Not covered: a database made anew (the file deleted) by a release
+/// before schema 9, which knows nothing of this. Its transactions change
+/// rows without the walk, and until a transaction of this release, readers
+/// of this release trust the tokens of the database that was deleted (an
+/// image that database called ready, which the new one may call
+/// incomplete). Telling it without the walk would cost every read the
+/// header again (open, read, close).
 pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyhow::Result<()> {
     use anyhow::Context;
     if crate::meta::schema_version() < crate::record::ALONE_SINCE_SCHEMA {
@@ -58,18 +71,32 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
     if stated(global) == Some(id) {
         return Ok(());
     }
+    // A database of a newer release is refused by the caller: its own
+    // binaries keep the records (asked inside the transaction: no call).
+    if matches!(tx.schema()?, crate::meta::Schema::Ahead(_)) {
+        return Ok(());
+    }
     let locks = root.image_locks();
     crate::record::each_lock_file(&locks, |file| {
         if !crate::lock::try_shared_open(file)? {
             return Ok(());
         }
         let f = crate::record::found(file)?;
-        if f.record
+        let Some(t) = f
+            .record
             .as_ref()
-            .is_some_and(|t| t.state == crate::record::State::Ready && t.db.0 != id)
-            && !crate::written::is_writers(&f)
-        {
+            .filter(|t| t.state == crate::record::State::Ready && t.db.0 != id)
+        else {
+            return Ok(());
+        };
+        if !crate::written::is_writers(&f) {
             crate::record::invalidate(file)?;
+        } else if crate::record::trusted_alone(&f) {
+            // A writer's outcome (sized): kept for its fold, but no longer
+            // one a reader trusts without the header — its marker may be
+            // gone already (folded), and then nothing else would take it
+            // away.
+            crate::record::demote(file, t)?;
         }
         Ok(())
     })

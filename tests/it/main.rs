@@ -54,6 +54,7 @@ mod migration;
 mod names;
 mod records_db;
 mod review_final;
+mod review_reads;
 mod review_slots;
 mod review_writer;
 mod review_writer2;
