@@ -81,7 +81,7 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
         return Ok(());
     }
     let locks = root.image_locks();
-    crate::record::each_lock_file(&locks, |file| {
+    crate::record::each_lock_file_or_denied(&locks, |file| {
         if !crate::lock::try_shared_open(file)? {
             return held_elsewhere(file, id);
         }
@@ -101,6 +101,34 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
             // gone already (folded), and then nothing else would take it
             // away.
             crate::record::demote(file, t)?;
+        }
+        Ok(())
+    }, |path| {
+        // Another user's lock file: its readers trust what it says
+        // without the header, and we cannot take it away. The walk fails
+        // (the identity stays unstated) until someone who may write it —
+        // its owner, root — makes a transaction, which takes it away;
+        // until then no tree can change here (every change takes a
+        // transaction), so what the token says is still so.
+        let f = match crate::record::found_read_only(path) {
+            Ok(f) => f,
+            // Not even readable: nobody can read it here but its owner,
+            // and we cannot tell. Left, as before.
+            Err(e) if e.raw_os_error() == Some(libc::EACCES) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if crate::record::trusted_alone(&f)
+            && f.record
+                .as_ref()
+                .is_some_and(|t| t.state == crate::record::State::Ready && t.db.0 != id)
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} holds a ready token of another database that this user may not take away (another user's lock file, not writable for its group); run any stowage command on this store as its owner or as root, and make the store's files group-writable (umask 002)",
+                    path.display()
+                ),
+            ));
         }
         Ok(())
     })
