@@ -618,7 +618,18 @@ pub fn invalidate_all(image_locks: &Path, keep: impl Fn(&Found) -> bool) -> io::
 /// `*.lock`, opened without following links or creating anything).
 pub(crate) fn each_lock_file(
     image_locks: &Path,
+    f: impl FnMut(&std::fs::File) -> io::Result<()>,
+) -> io::Result<()> {
+    each_lock_file_or_denied(image_locks, f, |_| Ok(()))
+}
+
+/// [`each_lock_file`], with `denied` called on the path of each one this
+/// process may not open for writing for want of permission (EACCES):
+/// another user's lock file, which that user's readers can read through.
+pub(crate) fn each_lock_file_or_denied(
+    image_locks: &Path,
     mut f: impl FnMut(&std::fs::File) -> io::Result<()>,
+    mut denied: impl FnMut(&Path) -> io::Result<()>,
 ) -> io::Result<()> {
     let entries = match std::fs::read_dir(image_locks) {
         Ok(e) => e,
@@ -627,13 +638,43 @@ pub(crate) fn each_lock_file(
     };
     for e in entries {
         let e = e?;
-        if e.file_name().to_str().is_some_and(|n| n.ends_with(".lock"))
-            && let Some(file) = open_lock_file(&e.path())?
-        {
-            f(&file)?;
+        if !e.file_name().to_str().is_some_and(|n| n.ends_with(".lock")) {
+            continue;
+        }
+        let path = e.path();
+        match open_lock_file(&path)? {
+            Some(file) => f(&file)?,
+            None if writable_by_others_only(&path) => denied(&path)?,
+            None => {}
         }
     }
     Ok(())
+}
+
+/// Whether the regular file at `path` refuses this process an open for
+/// writing for want of permission (EACCES: mode or owner), as opposed to
+/// being no lock file at all or writable by nobody (immutable: EPERM; a
+/// read-only filesystem: EROFS).
+fn writable_by_others_only(path: &Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file())
+        && std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open(path)
+            .is_err_and(|e| e.raw_os_error() == Some(libc::EACCES))
+}
+
+/// The record in the lock file at `path`, opened for reading only (one
+/// this process may not write).
+pub(crate) fn found_read_only(path: &Path) -> io::Result<Found> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)?;
+    found(&file)
 }
 
 /// Opens an image lock file for its token: `None` if it is missing or is

@@ -5,9 +5,11 @@
 //!
 //! Invariant: once a transaction on a database has begun, no ready token
 //! and no slot record of another database is left in the store's lock
-//! files, except in files a writer holds (its own end decides what they
-//! say) and writers' records (the truth about their images while their
-//! markers stand, judged by their fold). See [`for_this_database`], and
+//! files in the format a reader trusts without the header, except in files
+//! this process holds (its own start takes them away) and writers' records
+//! in the header-checked format (the truth about their images while their
+//! markers stand, judged by their fold). A file another process holds
+//! exclusively loses such a record without its lock ([`held_elsewhere`]). See [`for_this_database`], and
 //! docs/design.md, "The records' database".
 
 use std::os::unix::fs::FileExt;
@@ -38,7 +40,9 @@ fn stated(global: &std::fs::File) -> Option<u32> {
 /// copied in from elsewhere and repaired, or replaced by another store's:
 /// then, under the global lock, every image lock file that no writer holds
 /// (tried shared, without waiting) loses a ready token that names another
-/// identity, durably — except a writer's record (a sized outcome), the
+/// identity, durably (one held exclusively elsewhere loses any record in
+/// the trusted format of another identity: [`held_elsewhere`]) — except a
+/// writer's record (a sized outcome), the
 /// truth about its image while its marker stands, which its fold judges:
 /// that one is rewritten in the format a reader checks against the
 /// header (its marker may be gone already, folded, and then nothing else
@@ -77,9 +81,9 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
         return Ok(());
     }
     let locks = root.image_locks();
-    crate::record::each_lock_file(&locks, |file| {
+    crate::record::each_lock_file_or_denied(&locks, |file| {
         if !crate::lock::try_shared_open(file)? {
-            return Ok(());
+            return held_elsewhere(file, id);
         }
         let f = crate::record::found(file)?;
         let Some(t) = f
@@ -97,6 +101,34 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
             // gone already (folded), and then nothing else would take it
             // away.
             crate::record::demote(file, t)?;
+        }
+        Ok(())
+    }, |path| {
+        // Another user's lock file: its readers trust what it says
+        // without the header, and we cannot take it away. The walk fails
+        // (the identity stays unstated) until someone who may write it —
+        // its owner, root — makes a transaction, which takes it away;
+        // until then no tree can change here (every change takes a
+        // transaction), so what the token says is still so.
+        let f = match crate::record::found_read_only(path) {
+            Ok(f) => f,
+            // Not even readable: nobody can read it here but its owner,
+            // and we cannot tell. Left, as before.
+            Err(e) if e.raw_os_error() == Some(libc::EACCES) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if crate::record::trusted_alone(&f)
+            && f.record
+                .as_ref()
+                .is_some_and(|t| t.state == crate::record::State::Ready && t.db.0 != id)
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} holds a ready token of another database that this user may not take away (another user's lock file, not writable for its group); run any stowage command on this store as its owner or as root, and make the store's files group-writable (umask 002)",
+                    path.display()
+                ),
+            ));
         }
         Ok(())
     })
@@ -135,4 +167,38 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
         let _ = global.sync_data();
     }
     Ok(())
+}
+
+/// The walk's part for an image lock file it could not take shared: held
+/// exclusively by a writer, an exclusive reader (`--read-exclusive`, for
+/// its whole command), or an outside program (flock(1)). A record there
+/// that a reader trusts without the header (a ready token or a writer's
+/// sized outcome in `record::FORMAT_ALONE`) of another identity is taken
+/// away all the same, without the lock: left, it would go on counting
+/// beside a database that may not even know the image — an exclusive
+/// reader's finish writes nothing for an image its database lacks.
+///
+/// Taking it away without the lock is safe because nobody writes a token
+/// meanwhile (tokens are written under the global lock, which the walk
+/// holds), and whatever a writer without a transaction writes there
+/// concurrently — its `writing` record, its outcome — can only be lost to
+/// the truncation, never made: its marker then folds to not ready.
+/// Readiness may be lost, never claimed. A file this very process holds is
+/// left, as before: its holder (a write starting in this transaction)
+/// folds and takes away what it reads itself.
+fn held_elsewhere(file: &std::fs::File, id: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let f = crate::record::found(file)?;
+    let trusted_other = crate::record::trusted_alone(&f)
+        && f.record
+            .as_ref()
+            .is_some_and(|t| t.state == crate::record::State::Ready && t.db.0 != id);
+    if !trusted_other {
+        return Ok(());
+    }
+    let st = file.metadata()?;
+    if crate::lock::held_exclusively_here(st.dev(), st.ino()) {
+        return Ok(());
+    }
+    crate::record::invalidate(file)
 }

@@ -55,6 +55,7 @@ mod names;
 mod records_db;
 mod review_final;
 mod review_reads;
+mod review_reads2;
 mod review_slots;
 mod review_writer;
 mod review_writer2;
