@@ -9,8 +9,8 @@
 //! this process holds (its own start takes them away) and writers' records
 //! in the header-checked format (the truth about their images while their
 //! markers stand, judged by their fold). A file another process holds
-//! exclusively loses such a record without its lock ([`held_elsewhere`]). See [`for_this_database`], and
-//! docs/design.md, "The records' database".
+//! exclusively loses such a record without its lock ([`held_elsewhere`]).
+//! See [`for_this_database`], and docs/design.md, "The records' database".
 
 use std::os::unix::fs::FileExt;
 
