@@ -3,7 +3,8 @@
 //! ```text
 //! ROOT/
 //!   stowage.db              metadata (SQLite, rollback journal, never WAL)
-//!   locks/global.lock       the global metadata lock
+//!   locks/global.lock       the global metadata lock (and the records'
+//!                           database: records_db.rs)
 //!   locks/images/ENC.lock   one per image
 //!   locks/slots/CLASS/…     slot lock files
 //!   locks/leases/*.lease    one per live stowage process (lease.rs)
