@@ -46,13 +46,17 @@ pub struct LockReport {
 /// directory.
 pub fn kernel_view(tx: &Tx, ctx: &Ctx, dir: &Path) -> KernelView {
     let held = Some(tx.global_identity());
+    // The leases are listed and read before the lock table
+    // (KernelView::read_leases_first): a holder the table shows is then
+    // named by its lease even if it ended just after.
+    let early = KernelView::leases_only(&ctx.root.leases()).read_leases_first();
     // Every lock file is on the root's filesystem, found when it was
     // checked: no statfs of its own.
     let kv = match ctx.root.filesystem() {
         Some(fs) => KernelView::verified_on(fs.local, held),
         None => KernelView::verified(dir, held),
     };
-    kv.with_leases(&ctx.root.leases())
+    kv.with_leases_from(early)
 }
 
 /// Judges the records of one lock against the kernel's view, deletes the
@@ -154,6 +158,15 @@ pub fn prune(
     }
     for (e, _) in view.holders.iter().zip(&claimed).filter(|(_, c)| !**c) {
         let party = unrecorded(ctx, kv, e, lockfile);
+        // Unknown to the look: the table was read before the leases were
+        // listed, and a stowage process that held the lock then may have
+        // released it and retired its lease since. Shown only if a fresh
+        // read of the table still has it holding the lock.
+        if let (false, Some(pid), true) = (party.stowage, e.pid, table)
+            && !kv.still_held_by(&ctx.root.locks().join(lockfile), pid, e.mode)
+        {
+            continue;
+        }
         // Not a live lease's: a reader whose command closed the lease it
         // inherited (closefrom) may still be named by its dead lease, like
         // a writer by its record (`orphan_holder_valid`).

@@ -86,6 +86,10 @@ pub struct KernelView {
     /// and its lease file names: listed once per look, for reading them and
     /// for cleaning ([`KernelView::lease_listing`]).
     listing: std::cell::RefCell<Option<crate::lease::Listing>>,
+    /// A later read of the table, made once per look when a holder no
+    /// record or lease explains must be confirmed
+    /// ([`KernelView::still_held_by`]).
+    fresh: std::cell::RefCell<Option<Option<Table>>>,
 }
 
 /// A live lease that lists a lock: its name, what it says of its owner,
@@ -147,6 +151,7 @@ impl KernelView {
             takers: Default::default(),
             said: Default::default(),
             listing: Default::default(),
+            fresh: Default::default(),
         }
     }
 
@@ -163,33 +168,87 @@ impl KernelView {
             return Some(name.clone());
         }
         // The table this pid was found in may be a later read than the one
-        // the map was made from (a look reads it more than once): a process
-        // that made its lease and took its lock in between is no outsider.
-        // One more read of the table, for the pids it does not explain.
+        // the map was made from (a look reads it more than once), and the
+        // leases were listed earlier still: a process that made its lease
+        // and took its lock in between is no outsider. One more read of
+        // the table, and of the leases directory, for the pids they do not
+        // explain.
         let fresh = read_table().ok()?;
-        let more = self.takers_in(leases, &fresh);
+        let names = crate::lease::listing(leases).names;
+        let more = self.takers_among(leases, &fresh, names);
         let found = more.get(&pid).cloned();
         map.extend(more);
         found
     }
 
-    /// Which pid holds each lease in `leases` exclusively, per `table`.
+    /// Whether the process the table showed as `pid` still holds the lock
+    /// file at `path` in `mode`, by a fresh read of the table (one per look):
+    /// a process unknown to the look — its lease, listed after the table
+    /// was read, may be gone because it released its locks and ended — is
+    /// shown as a holder only while it is one. Anything unsure says yes.
+    pub fn still_held_by(&self, path: &Path, pid: u32, mode: Mode) -> bool {
+        let Ok(m) = fs::symlink_metadata(path) else {
+            return true;
+        };
+        let mut fresh = self.fresh.borrow_mut();
+        if fresh.is_none() {
+            *fresh = Some(read_table().ok());
+        }
+        match fresh.as_ref().and_then(|t| t.as_ref()) {
+            Some(table) => table.get(&(m.dev(), m.ino())).is_some_and(|es| {
+                es.iter()
+                    .any(|e| !e.blocked && e.pid == Some(pid) && e.mode == mode)
+            }),
+            None => true,
+        }
+    }
+
+    /// Which pid holds each lease in `leases` exclusively, per `table`:
+    /// found by the device and inode each lease had when this look read
+    /// it (before the table: [`KernelView::read_leases_first`]), so that a
+    /// lease retired since still names the holder the table shows.
     fn takers_in(
         &self,
         leases: &Path,
         table: &HashMap<(u64, u64), Vec<Entry>>,
     ) -> HashMap<u32, String> {
+        self.load_said();
         let mut map = HashMap::new();
+        let mut unread = Vec::new();
         for name in self.lease_names() {
+            let file = self
+                .said
+                .borrow()
+                .iter()
+                .flatten()
+                .find(|(n, _)| *n == name)
+                .and_then(|(_, id)| id.file);
+            match file.and_then(|f| taker(table, f).map(|p| (f, p))) {
+                Some((f, p)) => {
+                    self.explained.borrow_mut().insert(f);
+                    map.insert(p, name);
+                }
+                None if file.is_none() => unread.push(name),
+                None => {}
+            }
+        }
+        map.extend(self.takers_among(leases, table, unread));
+        map
+    }
+
+    /// [`Self::takers_in`], among the lease files `names`.
+    fn takers_among(
+        &self,
+        leases: &Path,
+        table: &HashMap<(u64, u64), Vec<Entry>>,
+        names: Vec<String>,
+    ) -> HashMap<u32, String> {
+        let mut map = HashMap::new();
+        for name in names {
             let Ok(m) = fs::symlink_metadata(leases.join(&name)) else {
                 continue;
             };
-            let taker = table.get(&(m.dev(), m.ino())).and_then(|es| {
-                es.iter()
-                    .find(|e| !e.blocked && e.mode == Mode::Exclusive)
-                    .and_then(|e| e.pid)
-            });
-            if let Some(p) = taker {
+            if let Some(p) = taker(table, (m.dev(), m.ino())) {
                 self.explained.borrow_mut().insert((m.dev(), m.ino()));
                 map.insert(p, name);
             }
@@ -197,10 +256,37 @@ impl KernelView {
         map
     }
 
+    /// The leases listed and read before anything else of the look — above
+    /// all before its lock table: every process the table then shows
+    /// holding a lock made its lease before that lock, so this listing has
+    /// it (unless it was made after the listing: then a listing of its own,
+    /// [`KernelView::lease_taken_by`]), and one that ended between the
+    /// table and its use here is still named by what its lease said.
+    pub fn read_leases_first(self) -> KernelView {
+        self.load_said();
+        self
+    }
+
     /// This view, judging leases in `leases` (the root's leases directory).
     pub fn with_leases(mut self, leases: &Path) -> KernelView {
         self.leases_dir = Some(leases.to_owned());
         self
+    }
+
+    /// This view, judging leases as `early` listed and read them: `early`
+    /// a view of the leases alone ([`KernelView::leases_only`]), made and
+    /// read ([`KernelView::read_leases_first`]) before this one's table.
+    pub fn with_leases_from(mut self, early: KernelView) -> KernelView {
+        self.leases_dir = early.leases_dir;
+        self.listing = early.listing;
+        self.said = early.said;
+        self
+    }
+
+    /// A view of the leases in `leases` alone (no lock table): what
+    /// [`KernelView::read_leases_first`] reads before a look's table.
+    pub fn leases_only(leases: &Path) -> KernelView {
+        KernelView::verified_on(false, None).with_leases(leases)
     }
 
     /// The live leases that list `lockfile` (relative to the locks
@@ -232,15 +318,25 @@ impl KernelView {
     /// What the lease `name` says, as read in this look.
     pub fn said_by(&self, name: &str) -> Option<crate::lease::Identity> {
         self.load_said();
-        if let Some(id) = self
+        let cached = self
             .said
             .borrow()
             .iter()
             .flatten()
             .find(|(n, _)| n == name)
-            .map(|(_, id)| id.clone())
-        {
-            return Some(id);
+            .map(|(_, id)| id.clone());
+        match cached {
+            // Read between its owner's lock and its write: read again.
+            Some(id) if id.host.is_empty() => {
+                let again = self
+                    .leases_dir
+                    .as_ref()
+                    .and_then(|d| crate::lease::identity(d, name))
+                    .filter(|a| !a.host.is_empty());
+                return Some(again.unwrap_or(id));
+            }
+            Some(id) => return Some(id),
+            None => {}
         }
         // A lease made after this look listed the leases, by a process the
         // look has since found holding a lock: read it now, or that
@@ -447,8 +543,20 @@ pub(crate) fn view_of(entries: &[Entry]) -> LockView {
 /// that move while it is read can be skipped or repeated. So it is read
 /// until two reads agree (at most four times) and the reads are folded
 /// ([`fold`]).
-pub(crate) fn read_table() -> io::Result<HashMap<(u64, u64), Vec<Entry>>> {
+/// The flock table: the entries of each locked file, by device and inode.
+pub(crate) type Table = HashMap<(u64, u64), Vec<Entry>>;
+
+pub(crate) fn read_table() -> io::Result<Table> {
     Ok(fold(&read_texts()?))
+}
+
+/// The pid that holds the lock file `file` exclusively, per `table`.
+fn taker(table: &HashMap<(u64, u64), Vec<Entry>>, file: (u64, u64)) -> Option<u32> {
+    table.get(&file).and_then(|es| {
+        es.iter()
+            .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+            .and_then(|e| e.pid)
+    })
 }
 
 /// The flock table (as `read_table` reads it) and, from the same reads, the device
@@ -708,6 +816,7 @@ mod tests {
             takers: Default::default(),
             said: Default::default(),
             listing: Default::default(),
+            fresh: Default::default(),
         };
         let v = kv.view(&p).unwrap();
         assert_eq!(v.state, Some(Probe::Free));

@@ -467,6 +467,9 @@ pub struct Identity {
     pub pid_ns: Option<String>,
     /// What the owner holds and awaits, as it listed it.
     pub holdings: Vec<Holding>,
+    /// The lease file's device and inode when it was read: what finds the
+    /// lease's entry in a lock table read later, even once it is unlinked.
+    pub file: Option<(u64, u64)>,
 }
 
 impl Identity {
@@ -496,13 +499,20 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(leases.join(name))
         .ok()?;
-    if !file.metadata().ok()?.file_type().is_file() {
+    let meta = file.metadata().ok()?;
+    if !meta.file_type().is_file() {
         return None;
     }
     let mut bytes = Vec::new();
     io::Read::read_to_end(&mut io::Read::take(&file, IDENTITY_MAX), &mut bytes).ok()?;
     let text = String::from_utf8_lossy(&bytes);
-    let mut id = Identity::default();
+    let mut id = Identity {
+        file: Some((
+            std::os::unix::fs::MetadataExt::dev(&meta),
+            std::os::unix::fs::MetadataExt::ino(&meta),
+        )),
+        ..Identity::default()
+    };
     for line in text.lines() {
         let Some((k, v)) = line.split_once('=') else {
             continue;

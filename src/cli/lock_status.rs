@@ -278,6 +278,8 @@ pub fn gather(
 
     let images = store.read_tx(|tx, ctx| {
         let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
+        // The lock table is read; the leases are listed next.
+        crate::debug::pause("status-table-read");
         let (mut reports, slots) = sweep(tx, ctx, &kv)?;
         crate::judge::clean_leases(ctx, &kv);
         crate::slots::clean_removed(tx, ctx)?;

@@ -1148,3 +1148,28 @@ fn a_lease_nobody_wrote_is_left_to_a_maker_that_may_lock_it() {
     assert!(maker.is_running());
     maker.kill_all();
 }
+
+/// A look reads the lock table; a reader that held its image then and
+/// ended (its locks released, its lease retired) before the look named the
+/// holders is still named by its lease — the look lists and reads the
+/// leases before the table — never shown as a process outside stowage (it
+/// was, held by a gone process, before).
+#[test]
+fn a_reader_gone_after_a_looks_table_is_named_by_its_lease() {
+    let env = Env::new();
+    env.make_image("base");
+    let reader = env.hold(&["--read", "base"], "reading");
+    let (look, go) = env.paused(["lock-status", "--all", "--json"], "status-table-read");
+    env.release("release");
+    let held = reader.finish();
+    assert_eq!(code(&held), Some(0), "{}", show(&held));
+    std::fs::remove_file(&go).unwrap();
+    let out = look.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let base = image_entry(&status, "base");
+    let holders = base["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{base}");
+    assert_eq!(holders[0]["stowage"], true, "shown as an outsider: {base}");
+    assert!(holders[0]["lease"].is_string(), "{base}");
+}
