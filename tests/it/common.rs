@@ -339,9 +339,34 @@ impl Env {
         assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     }
 
+    /// Puts the database of `from` in the place of this store's (a copy
+    /// written over the file, as a restore or a mistaken copy would).
+    pub fn put_database_of(&self, from: &Env) {
+        fs::copy(from.root.join("stowage.db"), self.root.join("stowage.db")).unwrap();
+    }
+
+    /// Asserts that `exec --read NAME -- true` is refused as not ready (66):
+    /// what the database there says wins over the token in the lock file.
+    pub fn assert_read_refused(&self, name: &str, why: &str) {
+        let out = self.run(["exec", "--read", name, "--", "true"]);
+        assert_eq!(code(&out), Some(66), "{why}: {}", show(&out));
+    }
+
     pub fn lock_file(&self, enc: &str) -> PathBuf {
         self.root.join("locks/images").join(format!("{enc}.lock"))
     }
+}
+
+/// A store with `base` ready and read (its token written), and another
+/// store, with `other`, whose database (without `base`) can be put in its
+/// place.
+pub fn base_read_here_and_another_store() -> (Env, Env) {
+    let here = Env::new();
+    here.make_image("base");
+    here.ok(["exec", "--read", "base", "--", "true"]);
+    let there = Env::new();
+    there.make_image("other");
+    (here, there)
 }
 
 /// A background process, killed (with its group) if the test forgets it.

@@ -9,12 +9,6 @@ use std::fs;
 
 use crate::common::*;
 
-/// Puts the database of `from` in the place of the one of `to` (a copy
-/// written over the file, as a restore or a mistaken copy would).
-fn put_database(from: &Env, to: &Env) {
-    fs::copy(from.root.join("stowage.db"), to.root.join("stowage.db")).unwrap();
-}
-
 #[test]
 fn another_stores_database_put_in_place_is_found_by_the_next_transaction() {
     let here = Env::new();
@@ -22,16 +16,13 @@ fn another_stores_database_put_in_place_is_found_by_the_next_transaction() {
     here.ok(["exec", "--read", "base", "--", "true"]);
     let there = Env::new();
     there.make_image("other");
-    put_database(&there, &here);
+    here.put_database_of(&there);
     // Any transaction: it finds the lock files speaking for another
     // database and takes their tokens away.
     here.ok(["images"]);
-    let out = here.run(["exec", "--read", "base", "--", "true"]);
-    assert_eq!(
-        code(&out),
-        Some(66),
-        "a read trusted the token of a database no longer there: {}",
-        show(&out)
+    here.assert_read_refused(
+        "base",
+        "a read trusted the token of a database no longer there",
     );
 }
 
@@ -49,12 +40,9 @@ fn a_repair_takes_away_the_tokens_of_the_identity_it_renews() {
     fs::copy(&copy, env.root.join("stowage.db")).unwrap();
     let out = env.run(["doctor", "--repair"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
-    let out = env.run(["exec", "--read", "base", "--", "true"]);
-    assert_eq!(
-        code(&out),
-        Some(66),
-        "a read trusted a token the repaired database does not vouch for: {}",
-        show(&out)
+    env.assert_read_refused(
+        "base",
+        "a read trusted a token the repaired database does not vouch for",
     );
     env.ok(["exec", "--read", "keep", "--", "true"]);
 }
@@ -68,7 +56,7 @@ fn slot_records_of_another_database_are_taken_away() {
     here.ok(["exec", "--slot", "pull", "--", "true"]);
     let there = Env::new();
     there.ok(["slots", "set", "pull", "1"]);
-    put_database(&there, &here);
+    here.put_database_of(&there);
     here.ok(["images"]);
     let holder = here.hold(&["--slot", "pull"], "started");
     let out = here.run(["exec", "--slot", "pull", "--wait", "0.3", "--", "true"]);

@@ -8,23 +8,6 @@ use std::fs;
 
 use crate::common::*;
 
-/// Puts the database of `from` in the place of the one of `to` (a copy
-/// written over the file, as a restore or a mistaken copy would).
-fn put_database(from: &Env, to: &Env) {
-    fs::copy(from.root.join("stowage.db"), to.root.join("stowage.db")).unwrap();
-}
-
-/// A store with `base` ready and read (its token written), and another
-/// store's database (without `base`) ready to be put in its place.
-fn read_base_and_another_store() -> (Env, Env) {
-    let here = Env::new();
-    here.make_image("base");
-    here.ok(["exec", "--read", "base", "--", "true"]);
-    let there = Env::new();
-    there.make_image("other");
-    (here, there)
-}
-
 /// The first transaction on another database happens while an exclusive
 /// reader of `base` runs (stowage's own `--read-exclusive`): its lock file
 /// cannot be taken shared, and the walk of `records_db::for_this_database`
@@ -33,19 +16,16 @@ fn read_base_and_another_store() -> (Env, Env) {
 /// `base` at all.
 #[test]
 fn a_token_held_by_an_exclusive_reader_across_a_change_of_database_stops_counting() {
-    let (here, there) = read_base_and_another_store();
+    let (here, there) = base_read_here_and_another_store();
     let reader = here.hold(&["--read-exclusive", "base"], "started");
-    put_database(&there, &here);
+    here.put_database_of(&there);
     here.ok(["images"]);
     here.release("release");
     let held = reader.finish();
     assert_eq!(code(&held), Some(0), "{}", show(&held));
-    let out = here.run(["exec", "--read", "base", "--", "true"]);
-    assert_eq!(
-        code(&out),
-        Some(66),
-        "a read trusted the token of a database no longer there: {}",
-        show(&out)
+    here.assert_read_refused(
+        "base",
+        "a read trusted the token of a database no longer there",
     );
 }
 
@@ -53,7 +33,7 @@ fn a_token_held_by_an_exclusive_reader_across_a_change_of_database_stops_countin
 /// lock file, which the design keeps working) during that transaction.
 #[test]
 fn a_token_held_by_flock_across_a_change_of_database_stops_counting() {
-    let (here, there) = read_base_and_another_store();
+    let (here, there) = base_read_here_and_another_store();
     let holder = flock_holder(
         &here.lock_file("base"),
         &here.sentinel("flock-held"),
@@ -62,16 +42,13 @@ fn a_token_held_by_flock_across_a_change_of_database_stops_counting() {
             here.sentinel("release").display()
         ),
     );
-    put_database(&there, &here);
+    here.put_database_of(&there);
     here.ok(["images"]);
     here.release("release");
     let _ = holder.finish();
-    let out = here.run(["exec", "--read", "base", "--", "true"]);
-    assert_eq!(
-        code(&out),
-        Some(66),
-        "a read trusted the token of a database no longer there: {}",
-        show(&out)
+    here.assert_read_refused(
+        "base",
+        "a read trusted the token of a database no longer there",
     );
 }
 
@@ -106,7 +83,7 @@ fn a_token_another_user_cannot_write_is_not_passed_over_by_a_walk() {
         let extra = if p.is_dir() { 0o2070 } else { 0o060 };
         fs::set_permissions(p, fs::Permissions::from_mode(mode | extra)).unwrap();
     };
-    put_database(&there, &here);
+    here.put_database_of(&there);
     for p in walkdir(&here.root) {
         group(&p);
     }

@@ -181,12 +181,9 @@ fn after_an_older_stowage_rebuilt_the_database_the_next_transaction_takes_the_to
         show(&out)
     );
     env.ok(["images"]);
-    let out = env.run(["exec", "--read", "base", "--", "true"]);
-    assert_eq!(
-        code(&out),
-        Some(66),
-        "a read ran on an image the database calls incomplete: {}",
-        show(&out)
+    env.assert_read_refused(
+        "base",
+        "a read ran on an image the database calls incomplete",
     );
 }
 
@@ -200,13 +197,7 @@ fn after_the_database_is_lost_a_read_of_an_image_it_does_not_know_fails() {
     env.ok(["exec", "--read", "base", "--", "true"]);
     fs::remove_file(env.root.join("stowage.db")).unwrap();
     env.ok(["exec", "--write", "other", "--", "true"]);
-    let out = env.run(["exec", "--read", "base", "--", "true"]);
-    assert_eq!(
-        code(&out),
-        Some(66),
-        "a read ran on an image the database does not have: {}",
-        show(&out)
-    );
+    env.assert_read_refused("base", "a read ran on an image the database does not have");
 }
 
 // --- a store-wide command's deletions ----------------------------------------
@@ -282,13 +273,7 @@ fn a_reader_inside_a_store_wide_command_cannot_revive_an_image_it_deleted() {
         None,
         "the store-wide command forgot 'base'"
     );
-    let out = env.run(["exec", "--read", "base", "--", "true"]);
-    assert_eq!(
-        code(&out),
-        Some(66),
-        "a read ran on an image that has no row and no tree: {}",
-        show(&out)
-    );
+    env.assert_read_refused("base", "a read ran on an image that has no row and no tree");
 }
 
 // --- a full filesystem ---------------------------------------------------------
@@ -413,11 +398,5 @@ fn an_exclusive_read_outliving_a_store_wide_command_cannot_revive_an_image_it_de
     );
     fs::write(&release, "").unwrap();
     wait_for_file(&done);
-    let out = env.run(["exec", "--read", "base", "--", "true"]);
-    assert_eq!(
-        code(&out),
-        Some(66),
-        "a read ran on an image that has no row and no tree: {}",
-        show(&out)
-    );
+    env.assert_read_refused("base", "a read ran on an image that has no row and no tree");
 }
