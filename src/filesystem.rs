@@ -213,21 +213,16 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
     let want = format!("{}:{}", libc::major(dev), libc::minor(dev));
     let line = first_mount_of(&mountinfo_path(), &want)?;
     let (mount, _) = parse_mountinfo_with_devices(&line).into_iter().next()?;
-    let (name, local) = match mount.fstype.as_str() {
-        "tmpfs" | "ext4" | "ext3" | "xfs" | "btrfs" | "zfs" | "overlay" | "f2fs" | "ramfs"
-        | "reiserfs" => (mount.fstype.as_str(), true),
-        "ext2" => ("ext4", true),
-        "nfs" | "nfs4" => ("nfs", false),
-        "lustre" => ("lustre", false),
-        "beegfs" => ("beegfs", false),
-        _ => return None,
+    // Named as statfs names them: ext2/3/4 share one magic, NFS 3 and 4 too.
+    let name = match mount.fstype.as_str() {
+        "ext2" | "ext3" => "ext4",
+        "nfs4" => "nfs",
+        other => other,
     };
-    // statfs names ext2/3/4 alike (one magic), and so does this.
-    let name = if name.starts_with("ext") {
-        "ext4"
-    } else {
-        name
-    };
+    let local = LOCAL.contains(&name);
+    if !local && !is_shared_kind(name) {
+        return None;
+    }
     let fs = Filesystem {
         name: name.to_owned(),
         local,
@@ -252,16 +247,21 @@ fn mountinfo_path() -> std::path::PathBuf {
         .map_or_else(|| "/proc/self/mountinfo".into(), std::path::PathBuf::from)
 }
 
+/// The shared filesystems whose mount options (or client configuration)
+/// decide how far locks reach.
+fn is_shared_kind(name: &str) -> bool {
+    matches!(name, "nfs" | "lustre" | "beegfs")
+}
+
 fn reach_of(path: &Path, fs: Filesystem) -> (Reach, Option<Mount>) {
-    if !matches!(fs.name.as_str(), "nfs" | "lustre" | "beegfs") {
-        return (Reach::ClusterWide, None);
-    }
-    reach_with(&fs, mount_of(path))
+    // The mount is looked up (a canonicalized path) only where it matters.
+    let mount = is_shared_kind(&fs.name).then(|| mount_of(path)).flatten();
+    reach_with(&fs, mount)
 }
 
 /// How far locks reach on `fs`, mounted as `mount` (if it could be read).
 fn reach_with(fs: &Filesystem, mount: Option<Mount>) -> (Reach, Option<Mount>) {
-    if !matches!(fs.name.as_str(), "nfs" | "lustre" | "beegfs") {
+    if !is_shared_kind(&fs.name) {
         return (Reach::ClusterWide, None);
     }
     let Some(m) = mount else {

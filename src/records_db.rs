@@ -86,11 +86,7 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
             return held_elsewhere(file, id);
         }
         let f = crate::record::found(file)?;
-        let Some(t) = f
-            .record
-            .as_ref()
-            .filter(|t| t.state == crate::record::State::Ready && t.db.0 != id)
-        else {
+        let Some(t) = ready_of_another(&f, id) else {
             return Ok(());
         };
         if !crate::written::is_writers(&f) {
@@ -117,11 +113,7 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => return Ok(()),
             Err(e) => return Err(e),
         };
-        if crate::record::trusted_alone(&f)
-            && f.record
-                .as_ref()
-                .is_some_and(|t| t.state == crate::record::State::Ready && t.db.0 != id)
-        {
+        if trusted_of_another(&f, id) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::PermissionDenied,
                 format!(
@@ -138,26 +130,7 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
             locks.display()
         )
     })?;
-    let slots = root.slot_locks();
-    if let Ok(top) = crate::dir::Dir::open_nofollow(&slots) {
-        for enc in top.names().unwrap_or_default() {
-            let Some(enc) = enc.to_str() else { continue };
-            // A real directory only; anything planted in its place is no
-            // class's.
-            let Ok(dir) = top.sub(enc) else { continue };
-            crate::slot_record::take_away_other(
-                &dir,
-                &enc.replace('%', "/"),
-                crate::record::DbId::from_id(id),
-            )
-            .with_context(|| {
-                format!(
-                    "cannot take other databases' slot records out of {}",
-                    slots.join(enc).display()
-                )
-            })?;
-        }
-    }
+    take_away_other_slot_records(root, id)?;
     let mut body = format!("{RECORDS_DB}db={id:08x}\n");
     body.push_str(&format!(
         "crc={:08x}\n",
@@ -188,12 +161,7 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
 /// folds and takes away what it reads itself.
 fn held_elsewhere(file: &std::fs::File, id: u32) -> std::io::Result<()> {
     use std::os::unix::fs::MetadataExt;
-    let f = crate::record::found(file)?;
-    let trusted_other = crate::record::trusted_alone(&f)
-        && f.record
-            .as_ref()
-            .is_some_and(|t| t.state == crate::record::State::Ready && t.db.0 != id);
-    if !trusted_other {
+    if !trusted_of_another(&crate::record::found(file)?, id) {
         return Ok(());
     }
     let st = file.metadata()?;
@@ -201,4 +169,45 @@ fn held_elsewhere(file: &std::fs::File, id: u32) -> std::io::Result<()> {
         return Ok(());
     }
     crate::record::invalidate(file)
+}
+
+/// The ready record (a token, or a writer's sized outcome) in `f`, if it
+/// names another database than `id`.
+fn ready_of_another(f: &crate::record::Found, id: u32) -> Option<&crate::record::Token> {
+    f.record
+        .as_ref()
+        .filter(|t| t.state == crate::record::State::Ready && t.db.0 != id)
+}
+
+/// Whether `f` holds a ready record of another database than `id` in the
+/// format a reader trusts without the header.
+fn trusted_of_another(f: &crate::record::Found, id: u32) -> bool {
+    crate::record::trusted_alone(f) && ready_of_another(f, id).is_some()
+}
+
+/// The walk's part for slot records: every class directory (a real one;
+/// anything planted in its place is no class's) whose files name another
+/// database loses its records (`slot_record::take_away_other`).
+fn take_away_other_slot_records(root: &crate::root::Root, id: u32) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let slots = root.slot_locks();
+    let Ok(top) = crate::dir::Dir::open_nofollow(&slots) else {
+        return Ok(());
+    };
+    for enc in top.names().unwrap_or_default() {
+        let Some(enc) = enc.to_str() else { continue };
+        let Ok(dir) = top.sub(enc) else { continue };
+        crate::slot_record::take_away_other(
+            &dir,
+            &enc.replace('%', "/"),
+            crate::record::DbId::from_id(id),
+        )
+        .with_context(|| {
+            format!(
+                "cannot take other databases' slot records out of {}",
+                slots.join(enc).display()
+            )
+        })?;
+    }
+    Ok(())
 }
