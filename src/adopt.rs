@@ -43,7 +43,10 @@ pub struct Orphans {
 
 /// Lists the trees in the images directory `images` (at `dir`) that no row
 /// names.
-pub fn orphans(tx: &Tx, images: &Dir, dir: &Path) -> Result<Orphans> {
+///
+/// A tree a new image's writer made without the database is no orphan:
+/// its row comes when its record is folded ([`crate::written::new_write_of`]).
+pub fn orphans(tx: &Tx, root: &crate::root::Root, images: &Dir, dir: &Path) -> Result<Orphans> {
     let known: HashSet<String> = tx.images()?.into_iter().map(|r| r.name).collect();
     let mut out = Orphans {
         trees: Vec::new(),
@@ -68,7 +71,11 @@ pub fn orphans(tx: &Tx, images: &Dir, dir: &Path) -> Result<Orphans> {
             continue;
         };
         match ImageName::from_encoded(enc) {
-            Ok(name) if !known.contains(name.as_str()) => out.trees.push((name, dir.join(&raw))),
+            Ok(name) if !known.contains(name.as_str()) => {
+                if !crate::written::new_write_of(root, &name) {
+                    out.trees.push((name, dir.join(&raw)));
+                }
+            }
             Ok(_) => {}
             Err(e) => out.skipped.push((enc.to_owned(), e.rule.to_string())),
         }
@@ -104,12 +111,13 @@ pub enum Adopt {
 /// Returns what was found, and how many rows came from `salvaged`.
 pub fn adopt(
     tx: &Tx,
+    root: &crate::root::Root,
     images: &Dir,
     dir: &Path,
     how: Adopt,
     salvaged: &HashMap<String, ImageRow>,
 ) -> Result<(Orphans, usize)> {
-    let found = orphans(tx, images, dir)?;
+    let found = orphans(tx, root, images, dir)?;
     let mut from_salvage = 0;
     for (name, tree) in &found.trees {
         let row = match salvaged.get(name.as_str()) {

@@ -567,11 +567,15 @@ fn rebuild_marked(store: &mut Store) -> Result<Rebuilt> {
     for row in salvage.images.values() {
         tx.insert_image(row)?;
     }
-    let salvaged = salvage.images.len();
+    // New images written without the database since its last fold: their
+    // records say what the damaged database could not.
+    let salvaged = salvage.images.len()
+        + crate::written::salvage_new(&tx, &root, &images_dir)
+            .context("cannot read the image records of the lock files")?;
     // The other trees' readiness is unknown (see adopt.rs).
     let adopted = match adopt::mount(&tx, &root, &images_dir, false)? {
         Mount::Ours(d) | Mount::Empty(d) => {
-            adopt::adopt(&tx, &d, &images_dir, Adopt::Unknown, &HashMap::new())?
+            adopt::adopt(&tx, &root, &d, &images_dir, Adopt::Unknown, &HashMap::new())?
                 .0
                 .trees
                 .len()
@@ -895,7 +899,14 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
     // This is the directory the rows describe (recorded when repairing).
     adopt::record_identity(tx, &images)?;
     // Adopted in any case: without repair the transaction is rolled back.
-    let (orphans, _) = adopt::adopt(tx, &images, &images_dir, Adopt::Unknown, &HashMap::new())?;
+    let (orphans, _) = adopt::adopt(
+        tx,
+        &ctx.root,
+        &images,
+        &images_dir,
+        Adopt::Unknown,
+        &HashMap::new(),
+    )?;
     found.orphan_trees = orphans
         .trees
         .iter()

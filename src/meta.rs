@@ -114,6 +114,13 @@ const MIGRATIONS: &[&str] = &[
     r#"
     INSERT OR REPLACE INTO config (key, value) VALUES ('records_database', '1');
     "#,
+    // 10: a new image may be written without the database (written.rs):
+    // its tree has no row until the next transaction folds its record, so
+    // every binary must leave such a tree alone (adoption, cleanup of lock
+    // files without rows): the version locks older binaries out.
+    r#"
+    INSERT OR REPLACE INTO config (key, value) VALUES ('new_images_alone', '1');
+    "#,
 ];
 
 /// The schema version this binary writes.

@@ -122,6 +122,15 @@ const FORMAT_ALONE: &str = "stowage-image 4\n";
 /// the old one can still run on it.
 pub const ALONE_SINCE_SCHEMA: i64 = 9;
 
+/// The schema version from which every binary that uses the database
+/// leaves alone an image tree without a row whose lock is held or whose
+/// lock file carries a writer's record, and folds such a record before it
+/// calls the image missing: so that a new image may be written without
+/// the database (`crate::written`, new images). The global lock file's
+/// statement in the format only such binaries write proves the store is
+/// at it (`records_db::statement`).
+pub const NEW_ALONE_SINCE_SCHEMA: i64 = 10;
+
 /// The format this binary writes tokens in.
 fn format() -> &'static str {
     let v = crate::meta::schema_version();

@@ -14,16 +14,104 @@
 
 use std::os::unix::fs::FileExt;
 
-/// The first line of the records' database, kept in the global lock file.
+/// The first line of the records' database as schema 9 wrote it: the
+/// database's identity alone.
 const RECORDS_DB: &str = "stowage-records 1\n";
 
-/// The identity of the database the store's records speak for, as the
-/// global lock file `global` (held) states it: `None` if it states none.
-fn stated(global: &std::fs::File) -> Option<u32> {
-    let mut buf = [0u8; 64];
+/// The first line from schema 10 (`record::NEW_ALONE_SINCE_SCHEMA`): the
+/// identity and the images directory, all a new image's write needs to
+/// know without the database (`crate::written`, new images). Written only
+/// by binaries at schema 10 or later, after a transaction on their own
+/// schema: its presence proves that no older binary can still make
+/// transactions on the store.
+const RECORDS_DB_IMAGES: &str = "stowage-records 2\n";
+
+/// What the global lock file states: the identity of the database the
+/// store's records speak for and, from schema 10, its images directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Statement {
+    pub db: u32,
+    pub images: Option<std::path::PathBuf>,
+}
+
+/// The longest statement read: an images directory's path is at most
+/// `PATH_MAX`.
+const STATEMENT_MAX: usize = 4200;
+
+/// Parses a statement in either format.
+fn parse(bytes: &[u8]) -> Option<Statement> {
+    if let Some(body) = crate::record::checked_body(bytes, RECORDS_DB_IMAGES) {
+        let mut lines = body.lines();
+        let db = u32::from_str_radix(lines.next()?.strip_prefix("db=")?, 16).ok()?;
+        let images = lines.next()?.strip_prefix("images=")?;
+        if !images.starts_with('/') {
+            return None;
+        }
+        return Some(Statement {
+            db,
+            images: Some(images.into()),
+        });
+    }
+    let body = crate::record::checked_body(bytes, RECORDS_DB)?;
+    let db = u32::from_str_radix(body.strip_prefix("db=")?.strip_suffix('\n')?, 16).ok()?;
+    Some(Statement { db, images: None })
+}
+
+/// What the global lock file `global` (held) states: `None` if nothing.
+fn stated(global: &std::fs::File) -> Option<Statement> {
+    let mut buf = vec![0u8; STATEMENT_MAX];
     let n = global.read_at(&mut buf, 0).ok()?;
-    let body = crate::record::checked_body(&buf[..n], RECORDS_DB)?;
-    u32::from_str_radix(body.strip_prefix("db=")?.strip_suffix('\n')?, 16).ok()
+    parse(&buf[..n])
+}
+
+/// What the global lock file states, read without its lock (three calls:
+/// open, read, close), for a write of a new image: the identity and the
+/// images directory, in the format only binaries at schema 10 write.
+/// `None` (no statement, an older one, a torn one, no file): the write
+/// goes the database's way.
+///
+/// Read without the lock, the statement may be one a transaction is
+/// changing: a torn one fails its CRC; a stale one (a database replaced,
+/// not yet used) names an identity the fold then refuses to vouch for —
+/// the write is lost to `incomplete`, never made ready.
+pub fn statement(root: &crate::root::Root) -> Option<(crate::record::DbId, std::path::PathBuf)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(root.global_lock())
+        .ok()?;
+    let st = stated(&file)?;
+    Some((crate::record::DbId::from_id(st.db)?, st.images?))
+}
+
+/// States `id` and, from schema 10, `images` in the global lock file
+/// `global` (held), synced; a failure only makes the next transaction look
+/// again.
+fn restate(global: &std::fs::File, id: u32, images: Option<&std::path::Path>) {
+    use std::os::unix::ffi::OsStrExt;
+    let mut body = match images {
+        Some(dir) => {
+            // A path that cannot be stated on one line states none: new
+            // images go the database's way.
+            let dir = dir.as_os_str().as_bytes();
+            if dir.contains(&b'\n') || std::str::from_utf8(dir).is_err() {
+                return restate(global, id, None);
+            }
+            format!(
+                "{RECORDS_DB_IMAGES}db={id:08x}\nimages={}\n",
+                String::from_utf8_lossy(dir)
+            )
+        }
+        None => format!("{RECORDS_DB}db={id:08x}\n"),
+    };
+    body.push_str(&format!(
+        "crc={:08x}\n",
+        crate::record::crc32(body.as_bytes())
+    ));
+    if global.set_len(0).is_ok() && global.write_all_at(body.as_bytes(), 0).is_ok() {
+        let _ = global.sync_data();
+    }
 }
 
 /// Keeps the records' database: makes sure that no ready token or slot
@@ -72,7 +160,24 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
     }
     let id = tx.identity()?;
     let global = tx.global_file();
-    if stated(global) == Some(id) {
+    // The images directory is stated only by a binary at schema 10 on a
+    // database at its own schema: the statement in that format proves to a
+    // new image's writer that no older binary can make transactions here.
+    let images = match crate::meta::schema_version() >= crate::record::NEW_ALONE_SINCE_SCHEMA
+        && matches!(tx.schema()?, crate::meta::Schema::Current)
+    {
+        true => Some(tx.images_dir(root)?),
+        false => None,
+    };
+    let now = stated(global);
+    if now.as_ref().is_some_and(|s| s.db == id) {
+        // The same database: only the images directory may need saying
+        // (a store of schema 9, or `init --images-dir`).
+        if now.is_some_and(|s| s.images != images)
+            && !matches!(tx.schema()?, crate::meta::Schema::Ahead(_))
+        {
+            restate(global, id, images.as_deref());
+        }
         return Ok(());
     }
     // A database of a newer release is refused by the caller: its own
@@ -131,14 +236,7 @@ pub fn for_this_database(tx: &crate::meta::Tx, root: &crate::root::Root) -> anyh
         )
     })?;
     take_away_other_slot_records(root, id)?;
-    let mut body = format!("{RECORDS_DB}db={id:08x}\n");
-    body.push_str(&format!(
-        "crc={:08x}\n",
-        crate::record::crc32(body.as_bytes())
-    ));
-    if global.set_len(0).is_ok() && global.write_all_at(body.as_bytes(), 0).is_ok() {
-        let _ = global.sync_data();
-    }
+    restate(global, id, images.as_deref());
     Ok(())
 }
 

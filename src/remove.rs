@@ -83,11 +83,23 @@ pub fn remove_locked(store: &mut Store, held: Vec<(ImageName, Guard)>) -> Result
     // marked (a symlink planted in their place is refused here, not
     // half-way through).
     let trash = store.root().open_or_make_sub("trash")?;
-    let (images_dir, doubt) = store.with_tx_holding_locks(None, |tx, ctx| {
+    // What a writer without the database left in a lock file we hold is
+    // the truth about its image (written.rs): folded first — a new image
+    // has no row before it — and only then are the tokens taken away.
+    let (images_dir, doubt, folded) = store.with_tx_holding_locks(None, |tx, ctx| {
+        let mut folded = Vec::new();
+        for (name, guard) in &held {
+            if crate::written::fold_held(tx, ctx, name, guard.file())? {
+                folded.push(name.clone());
+            }
+        }
         let dir = tx.images_dir(&ctx.root)?;
         let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
-        Ok((dir, doubt))
+        Ok((dir, doubt, folded))
     })?;
+    for name in &folded {
+        crate::written::unmark(store.root(), name);
+    }
     // A tree missing from an images directory that is not the one recorded
     // (unmounted) is not gone: dropping its row would orphan it.
     if let Some(why) = doubt {
@@ -390,12 +402,18 @@ pub(crate) fn recheck(
     guard: Guard,
     tidy: bool,
 ) -> Result<Option<(Guard, ImageRow)>> {
-    let (folded, looked) = store.with_tx_holding_locks(None, |tx, ctx| {
+    let look = |tx: &crate::meta::Tx, ctx: &Ctx| {
         // Under our lock, its record is the truth if a writer left one
         // (written.rs): a decision from an earlier list must see it.
         let folded = crate::written::fold_held(tx, ctx, name, guard.file())?;
         Ok((folded, tx.image(name.as_str())?))
-    })?;
+    };
+    let (folded, looked) = match store.with_tx_holding_locks(None, look) {
+        // Only looking (a dry run) on a full filesystem: the fold in
+        // memory, rolled back (its marker stays for one that commits).
+        Err(e) if !tidy && crate::space::is_full(&e) => (false, store.view_tx(look)?.1),
+        other => other?,
+    };
     if folded {
         crate::written::unmark(store.root(), name);
     }
@@ -419,7 +437,9 @@ pub(crate) fn recheck(
 /// on: one immutable tree must not stop every later gc.
 pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
     let mut found = Leftovers::default();
-    let (deleting, names) = store.with_tx(None, |tx, _| {
+    // Only looking (a dry run): on a full filesystem too, where what a
+    // transaction would fold first is folded in memory (`Store::read_tx`).
+    let look = |tx: &crate::meta::Tx, _: &Ctx| {
         let rows = tx.images()?;
         let deleting: Vec<String> = rows
             .iter()
@@ -428,7 +448,11 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
             .collect();
         let names: std::collections::HashSet<String> = rows.into_iter().map(|r| r.name).collect();
         Ok((deleting, names))
-    })?;
+    };
+    let (deleting, names) = match fix {
+        true => store.with_tx(None, look)?,
+        false => store.read_tx(look)?,
+    };
     debug::pause("interrupted-listed");
     for name in deleting {
         let Ok(n) = ImageName::parse(&name) else {
@@ -528,9 +552,18 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
         // The image may have been created since we listed the rows.
         if let Ok(Some(guard)) =
             lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail)
-            && recheck(store, &n, guard, fix)?.is_none()
         {
-            found.lock_files.push(path);
+            // A writer's record (a new image written without the database,
+            // not folded yet) is no leftover: a dry run leaves it to the
+            // next fold rather than fold it (a write) to be sure.
+            if !fix
+                && crate::record::found(guard.file()).is_ok_and(|f| crate::written::is_writers(&f))
+            {
+                continue;
+            }
+            if recheck(store, &n, guard, fix)?.is_none() {
+                found.lock_files.push(path);
+            }
         }
     }
     Ok(found)
@@ -556,25 +589,34 @@ pub(crate) fn release_unclaimed(
     let Ok((tx, _)) = store.begin_give_up() else {
         return;
     };
-    let rowless = |n: &ImageName| matches!(tx.image(n.as_str()), Ok(None));
+    // No row, and no writer's record either: a write without the database
+    // (written.rs) may have left one, the truth about a new image until
+    // the next transaction folds it — such a file is no leftover.
+    let rowless = |n: &ImageName, file: Option<&std::fs::File>| {
+        matches!(tx.image(n.as_str()), Ok(None))
+            && !file.is_some_and(|f| {
+                crate::record::found(f).is_ok_and(|f| crate::written::is_writers(&f))
+            })
+    };
     let gate = |n: &ImageName| {
         lock::acquire_no_wait(&root.image_gate(n), Mode::Exclusive, lock::IfMissing::Fail)
     };
     let mut doomed = Vec::new();
     for (name, guard) in held {
-        if rowless(&name) {
+        if rowless(&name, Some(guard.file())) {
             doomed.push(guard);
             if let Ok(Some(g)) = gate(&name) {
                 doomed.push(g);
             }
         }
     }
-    for name in waited_for.iter().filter(|n| rowless(n)) {
+    for name in waited_for.iter().filter(|n| rowless(n, None)) {
         if let Ok(Some(g)) = lock::acquire_no_wait(
             &root.image_lock(name),
             Mode::Exclusive,
             lock::IfMissing::Fail,
-        ) {
+        ) && rowless(name, Some(g.file()))
+        {
             doomed.push(g);
         }
         if let Ok(Some(g)) = gate(name) {

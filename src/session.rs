@@ -98,6 +98,9 @@ struct Held {
 struct FastWrite {
     before: Vec<u8>,
     record: crate::record::Token,
+    /// A new image (written.rs, new images): its lock file made by this
+    /// write, its tree made in [`start_fast_writes`].
+    new: bool,
 }
 
 impl Held {
@@ -124,6 +127,10 @@ pub struct Session {
     /// session ends, however it ends (a library caller may drop it).
     listed: Listed,
     started: Instant,
+    /// `locks/store.lock`, shared, while this session writes a new image
+    /// without the database: no store-wide command can start beside it
+    /// (its tree has no row for such a command to wait for).
+    store_shared: Option<Guard>,
 }
 
 /// How the command ended.
@@ -242,6 +249,7 @@ impl Session {
                             images_dir,
                             started,
                             listed,
+                            store_shared: None,
                         });
                     }
                     Err(e) if e.downcast_ref::<NeedsMigration>().is_some() => {}
@@ -291,6 +299,12 @@ impl Session {
             return None;
         }
         let db = std::cell::OnceCell::new();
+        // What a new image's write needs to know without the database: the
+        // identity and images directory the global lock file states, in the
+        // format only binaries at schema 10 write (records_db.rs).
+        let new_ok = crate::meta::schema_version() >= crate::record::NEW_ALONE_SINCE_SCHEMA;
+        let statement = std::cell::OnceCell::new();
+        let mut store_shared = None;
         // Slots first in the lock order; on its slot files' records, or
         // the slow way takes it (slot_record.rs).
         let mut slot = match &req.slot {
@@ -316,13 +330,61 @@ impl Session {
                     (g, dir, hinted, None)
                 }
                 Mode::Exclusive => {
-                    let (g, record, before) =
-                        crate::acquire::image::try_write(store.root(), name, &db)?;
-                    let dir = record
-                        .images_dir
-                        .clone()
-                        .unwrap_or_else(|| store.root().default_images_dir());
-                    (g, dir, false, Some(FastWrite { before, record }))
+                    match crate::acquire::image::try_write(store.root(), name, &db) {
+                        Some((g, record, before)) => {
+                            let dir = record
+                                .images_dir
+                                .clone()
+                                .unwrap_or_else(|| store.root().default_images_dir());
+                            let new = false;
+                            (
+                                g,
+                                dir,
+                                false,
+                                Some(FastWrite {
+                                    before,
+                                    record,
+                                    new,
+                                }),
+                            )
+                        }
+                        // No ready token: perhaps no image at all. Only a
+                        // lock file made by this very open says so.
+                        None if new_ok => {
+                            let g = crate::acquire::image::try_new(store.root(), name)?;
+                            let (stated, dir) = statement
+                                .get_or_init(|| crate::records_db::statement(store.root()))
+                                .clone()?;
+                            // And the database there now, as a write of an
+                            // existing image checks: the write is recorded
+                            // by the database it was made for (a lost or
+                            // replaced one sends it the database's way,
+                            // which makes its first transaction on it).
+                            let db = db
+                                .get_or_init(|| crate::record::DbId::of(&store.root().db()))
+                                .filter(|now| *now == stated)?;
+                            // Taken after our image lock, kept to the end:
+                            // a store-wide command that holds the store now
+                            // sends us its way; one that comes later waits
+                            // for us.
+                            if store_shared.is_none() {
+                                store_shared = Some(crate::store_wide::try_shared(store.root())?);
+                            }
+                            let record = crate::record::Token::new(store.root(), name, &dir, db, 0);
+                            let (before, new) = (Vec::new(), true);
+                            (
+                                g,
+                                dir,
+                                false,
+                                Some(FastWrite {
+                                    before,
+                                    record,
+                                    new,
+                                }),
+                            )
+                        }
+                        None => return None,
+                    }
                 }
             };
             if images_dir.as_ref().is_some_and(|d| *d != dir) {
@@ -375,7 +437,7 @@ impl Session {
             }
             drop(guard);
         }
-        if !start_fast_writes(store.root(), &held) {
+        if !start_fast_writes(store.root(), &mut held, images_dir.as_deref()?) {
             return None;
         }
         if let Some(s) = slot.as_mut() {
@@ -388,6 +450,7 @@ impl Session {
             images_dir: images_dir?,
             started,
             listed,
+            store_shared,
         })
     }
 
@@ -419,6 +482,9 @@ impl Session {
         if let Some(s) = &self.slot {
             s.set_inheritable(inherit)?;
         }
+        if let Some(g) = &self.store_shared {
+            g.set_inheritable(inherit)?;
+        }
         self.held
             .iter()
             .try_for_each(|h| h.guard.set_inheritable(inherit))
@@ -432,6 +498,7 @@ impl Session {
             .iter()
             .map(|s| s.raw_fd())
             .chain(self.held.iter().map(|h| h.guard.as_raw_fd()))
+            .chain(self.store_shared.iter().map(|g| g.as_raw_fd()))
             .chain(crate::lease::raw_fds())
             .collect()
     }
@@ -530,7 +597,7 @@ impl Session {
         // Writes that took no transaction end without one where nothing
         // unusual happened; otherwise the database's way below, whose
         // transaction folds their records first (written.rs).
-        match self.finish_fast(outcome) {
+        match self.finish_fast(store.root(), outcome) {
             None => Ok(()),
             Some(this) => this.finish_recorded(store, outcome),
         }
@@ -542,7 +609,7 @@ impl Session {
     /// then the locks go. `Some(self)`: a session with no such write, or
     /// one where something was not as expected (a lock lost, a tree gone),
     /// for the database's way.
-    fn finish_fast(self, outcome: Outcome) -> Option<Session> {
+    fn finish_fast(self, root: &crate::root::Root, outcome: Outcome) -> Option<Session> {
         if !self.held.iter().any(|h| h.fast.is_some()) {
             return Some(self);
         }
@@ -572,6 +639,15 @@ impl Session {
             };
             if crate::record::write_record(h.guard.file(), &record).is_err() {
                 return Some(self);
+            }
+        }
+        // A tree this write made and a failed command left empty goes, as
+        // the database's way has it (the record says incomplete).
+        if outcome == Outcome::Failure {
+            for h in self.held.iter().filter(|h| h.fast.is_some() && h.made_dir) {
+                if empty_dir(&self.images_dir.join(h.name.encoded())) && !open_elsewhere(&h.guard) {
+                    crate::remove::remove_empty_image_dir(root, &self.images_dir, &h.name);
+                }
             }
         }
         None
@@ -640,6 +716,15 @@ impl Session {
                 Ok(false) => crate::record::DbId::from_id(tx.identity()?),
                 _ => None,
             };
+            // A new image written without the database has no row yet:
+            // its `writing` record, folded, makes one (incomplete), which
+            // what follows then sets like any.
+            for h in held
+                .iter()
+                .filter(|h| h.fast.as_ref().is_some_and(|f| f.new))
+            {
+                crate::written::fold_held(&tx, ctx, &h.name, h.guard.file())?;
+            }
             let mut tokens: Vec<(usize, crate::record::Token)> = Vec::new();
             for (i, (h, (size, gone, trusted))) in held.iter().zip(&written).enumerate() {
                 let doubt = match gone {
@@ -759,8 +844,26 @@ impl Session {
         // folds to incomplete: never ready for a tree we cannot vouch for).
         if self.held.iter().any(|h| h.fast.is_some()) {
             for h in &self.held {
-                if let Some(f) = &h.fast {
-                    let _ = crate::record::put_back(h.guard.file(), &f.before);
+                match &h.fast {
+                    // A new image: nothing of it is left (its tree is still
+                    // empty), the record first — killed after it, the
+                    // marker folds to nothing.
+                    Some(f) if f.new && crate::record::invalidate(h.guard.file()).is_ok() => {
+                        crate::remove::remove_empty_image_dir(
+                            store.root(),
+                            &self.images_dir,
+                            &h.name,
+                        );
+                        crate::written::unmark(store.root(), &h.name);
+                        let _ = crate::remove::unlink_held_lock(store.root(), &h.guard);
+                    }
+                    // A new image's record that could not be taken away
+                    // stays: its marker folds it (`writing`: incomplete).
+                    Some(f) if f.new => {}
+                    Some(f) => {
+                        let _ = crate::record::put_back(h.guard.file(), &f.before);
+                    }
+                    None => {}
                 }
             }
             return Ok(());
@@ -796,11 +899,32 @@ impl Session {
 }
 
 /// Steps 2 and 3 of `crate::written` for the writes of a request without
-/// the database: every marker, then every `writing` record, synced, before
-/// the command can touch a tree. `false`: the slow way goes on from here
-/// (the records written are put back; a marker beside an untouched token
-/// folds to what the row says already).
-fn start_fast_writes(root: &crate::root::Root, held: &[Held]) -> bool {
+/// the database: the trees of new images made (each must not exist: one
+/// that does is a tree without a row, or a row the lock file did not
+/// show — the database's way decides), then every marker, then every
+/// `writing` record, synced, before the command can touch a tree.
+/// `false`: the slow way goes on from here (the records written are put
+/// back, the trees made removed; a marker beside an untouched token folds
+/// to what the row says already, beside an empty lock file to nothing).
+fn start_fast_writes(root: &crate::root::Root, held: &mut [Held], images_dir: &Path) -> bool {
+    if held.iter().any(|h| h.fast.as_ref().is_some_and(|f| f.new)) {
+        // Through a descriptor of the images directory (refusing a link in
+        // its place): a tree is made where the rows say, nowhere else.
+        let Ok(images) = crate::dir::Dir::open_nofollow(images_dir) else {
+            return false;
+        };
+        for i in 0..held.len() {
+            if !held[i].fast.as_ref().is_some_and(|f| f.new) {
+                continue;
+            }
+            if images.mkdir(held[i].name.encoded(), 0o777).is_err() {
+                undo_new_trees(root, &held[..i], images_dir);
+                return false;
+            }
+            held[i].made_dir = true;
+        }
+        crate::debug::pause("fast-new-made");
+    }
     let writes: Vec<(&Held, &FastWrite)> = held
         .iter()
         .filter_map(|h| h.fast.as_ref().map(|f| (h, f)))
@@ -809,6 +933,7 @@ fn start_fast_writes(root: &crate::root::Root, held: &[Held]) -> bool {
         .iter()
         .any(|(h, _)| crate::written::mark(root, &h.name).is_err())
     {
+        undo_new_trees(root, held, images_dir);
         return false;
     }
     crate::debug::pause("fast-write-marked");
@@ -822,12 +947,24 @@ fn start_fast_writes(root: &crate::root::Root, held: &[Held]) -> bool {
         };
         if crate::record::write_record(h.guard.file(), &record).is_err() {
             for (h, f) in &writes[..=i] {
-                let _ = crate::record::put_back(h.guard.file(), &f.before);
+                let _ = match f.new {
+                    true => crate::record::invalidate(h.guard.file()),
+                    false => crate::record::put_back(h.guard.file(), &f.before),
+                };
             }
+            undo_new_trees(root, held, images_dir);
             return false;
         }
     }
     true
+}
+
+/// Removes the trees [`start_fast_writes`] made for new images in `held`
+/// (still empty: no command ran), under their locks.
+fn undo_new_trees(root: &crate::root::Root, held: &[Held], images_dir: &Path) {
+    for h in held.iter().filter(|h| h.made_dir && h.fast.is_some()) {
+        crate::remove::remove_empty_image_dir(root, images_dir, &h.name);
+    }
 }
 
 /// A request that failed before its command could run (a lock busy past
@@ -886,6 +1023,22 @@ fn start(
     req: &Request,
 ) -> Result<PathBuf> {
     let (tx, ctx) = store.begin(req.deadline)?;
+    // A new image a writer made without the database (written.rs) has no
+    // row but the one its record folds into — and a write takes that
+    // record away before its start commits. Should the start not commit
+    // (a refusal, a crash), the record would be gone with the row: such
+    // images are folded first, in a transaction of their own.
+    let fresh = fold_new_images(&tx, ctx, held)?;
+    let (tx, ctx) = match fresh.is_empty() {
+        true => (tx, ctx),
+        false => {
+            tx.commit()?;
+            for name in &fresh {
+                crate::written::unmark(store.root(), name);
+            }
+            store.begin(req.deadline)?
+        }
+    };
     // A store-wide command runs: claim nothing (below), wait, start over
     // — unless we are inside it: then write no ready token (record.rs).
     let (inside_hold, store_held) = match crate::store_wide::check(&tx, ctx) {
@@ -1090,6 +1243,24 @@ fn start(
         h.record = id;
     }
     Ok(images_dir)
+}
+
+/// Folds, in `tx`, the records of the images `held` writes that have no
+/// row and whose lock files carry a writer's record: new images written
+/// without the database, not folded yet. Returns their names (their
+/// markers go once `tx` has committed).
+fn fold_new_images(tx: &Tx, ctx: &Ctx, held: &[Held]) -> Result<Vec<ImageName>> {
+    let mut fresh = Vec::new();
+    for h in held.iter().filter(|h| h.writes()) {
+        let found = crate::record::found(h.guard.file())?;
+        if crate::written::is_writers(&found)
+            && tx.image(h.name.as_str())?.is_none()
+            && crate::written::fold_found(tx, ctx, &h.name, &found, h.guard.file())?
+        {
+            fresh.push(h.name.clone());
+        }
+    }
+    Ok(fresh)
 }
 
 #[allow(clippy::too_many_arguments)] // one call site; the pieces are the start transaction's

@@ -314,6 +314,97 @@ pub fn fold(tx: &Tx, ctx: &Ctx, m: &Markers) -> Result<()> {
     Ok(())
 }
 
+/// Whether the tree of `name`, which has no row, is a new image written
+/// without the database: its lock held by someone (a writer at work), or
+/// its lock file carrying a writer's record (the next transaction that
+/// holds it, or lists its marker, folds it into a row). Adoption leaves
+/// such a tree alone; a tree whose lock file is missing, free and empty,
+/// or not readable is no such write's.
+///
+/// A new image's writer holds its lock from before its tree exists until
+/// its record says how the write ended: a tree seen in a listing is
+/// either held, or recorded, or left by a writer killed before its
+/// `writing` record (an empty tree nobody vouches for: adopted
+/// `incomplete`, as a tree a crash left the database's way is).
+pub fn new_write_of(root: &Root, name: &ImageName) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    // Read-only: another user's lock file (not writable for us) is probed
+    // all the same.
+    let Ok(file) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(root.image_lock(name))
+    else {
+        return false;
+    };
+    match lock::try_shared_open(&file) {
+        Ok(true) => crate::record::found(&file).is_ok_and(|f| is_writers(&f)),
+        // Held (or a lock we cannot tell about): a writer may be at work.
+        _ => true,
+    }
+}
+
+/// For a rebuild of a damaged database: a row, `ready`, for each image
+/// written without the database as a new image whose record says it
+/// ended well and that the damaged database could not fold — it has no
+/// row to salvage. Its record is the truth about it (no later change of
+/// the image leaves one: any takes it away or writes over it), of this
+/// store's own lock file, for a tree that is there in the images
+/// directory the rows describe. Call with every image lock free and the
+/// store held (no writer at work), before adoption, which would call such
+/// a tree incomplete. Returns how many.
+pub fn salvage_new(tx: &Tx, root: &Root, images_dir: &Path) -> Result<usize> {
+    let locks = root.image_locks();
+    let entries = match std::fs::read_dir(&locks) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e.into()),
+    };
+    let mut n = 0;
+    for e in entries.flatten() {
+        let file_name = e.file_name();
+        let Some(name) = file_name
+            .to_str()
+            .and_then(|f| f.strip_suffix(".lock"))
+            .and_then(|enc| ImageName::from_encoded(enc).ok())
+        else {
+            continue;
+        };
+        let Ok(Some(file)) = crate::record::open_lock_file(&e.path()) else {
+            continue;
+        };
+        let Ok(found) = crate::record::found(&file) else {
+            continue;
+        };
+        let Some(t) = found.record.as_ref().filter(|t| {
+            is_writers(&found)
+                && t.state == State::Ready
+                && t.image == name.as_str()
+                && t.images_dir
+                    .clone()
+                    .unwrap_or_else(|| root.default_images_dir())
+                    == images_dir
+        }) else {
+            continue;
+        };
+        let tree_there =
+            std::fs::symlink_metadata(images_dir.join(name.encoded())).is_ok_and(|m| m.is_dir());
+        if !tree_there || tx.image(name.as_str())?.is_some() {
+            continue;
+        }
+        tx.insert_image(&ImageRow {
+            name: name.as_str().to_owned(),
+            state: ImageState::Ready,
+            base: None,
+            created: t.used,
+            last_used: t.used,
+            size_bytes: t.size,
+        })?;
+        n += 1;
+    }
+    Ok(n)
+}
+
 /// Whether a record read from a lock file is a writer's (a `writing` or
 /// `incomplete` record, or a `ready` one with the size a writer measured)
 /// rather than a token or nothing.
@@ -409,19 +500,20 @@ fn fold_one(
         _ => {}
     }
     // Not ready: the row says so, and no token says otherwise.
-    if found
-        .record
-        .as_ref()
-        .is_some_and(|t| t.state == State::Ready)
-    {
-        crate::record::invalidate(file)?;
-    }
+    let ready_record = found.record.as_ref().filter(|t| t.state == State::Ready);
     let writer = found
         .record
         .as_ref()
         .is_some_and(|t| t.image == name.as_str() && t.state != State::Ready);
+    let unvouched_outcome = found
+        .record
+        .as_ref()
+        .is_some_and(|t| t.image == name.as_str() && t.size.is_some());
     match row {
         Some(r) if r.state == ImageState::Ready || r.state.being_written() => {
+            if ready_record.is_some() {
+                crate::record::invalidate(file)?;
+            }
             tx.set_state(name.as_str(), ImageState::Incomplete)?;
             // Detail only: the writer's own exec reported a failed
             // command, and whoever needs the image says it is not ready.
@@ -434,7 +526,22 @@ fn fold_one(
                 }
             ));
         }
-        None if writer => {
+        // A writer's record, or a writer's outcome this database cannot
+        // vouch for (another identity: the database was renewed, rebuilt
+        // or replaced since the write): the tree is there, its readiness
+        // unknown — incomplete, as adoption would have it, never lost.
+        None if writer || unvouched_outcome => {
+            // Kept, in the format a reader checks against the database's
+            // header (which names another identity, or none): should this
+            // transaction not commit (a full filesystem), the record is
+            // still there to fold again — it is the only trace of the
+            // write. Taken away, it would be lost with the commit.
+            match ready_record {
+                Some(t) if of_this_tree(t) => crate::record::demote(file, t)?,
+                // Of another images directory: no tree of it is here.
+                Some(_) => crate::record::invalidate(file)?,
+                None => {}
+            }
             tx.insert_image(&ImageRow {
                 name: name.as_str().to_owned(),
                 state: ImageState::Incomplete,
@@ -444,7 +551,11 @@ fn fold_one(
                 size_bytes: None,
             })?;
         }
-        _ => {}
+        _ => {
+            if ready_record.is_some() {
+                crate::record::invalidate(file)?;
+            }
+        }
     }
     Ok(())
 }

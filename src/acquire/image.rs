@@ -107,7 +107,7 @@ pub(crate) fn acquire_image(
         let records = tx.records_for(LockKind::Image, name.as_str())?;
         let lockfile = crate::root::Root::image_lock_rel(name);
         let (holders, _) = crate::judge::prune(&tx, ctx, &kv, &view, &records, &lockfile)?;
-        require_all(&tx, want.must_exist)?;
+        require_all(&tx, &ctx.root, want.must_exist)?;
         let id = if want.no_wait {
             None
         } else {
@@ -233,6 +233,19 @@ pub(crate) fn try_write(
     Some((g, token?, bytes))
 }
 
+/// A new image's fast path (`crate::written`, new images): its lock file
+/// made by this very open (`O_EXCL`: no file was there, so no image whose
+/// row a lock file stands for), taken exclusively at once, and still the
+/// one at its path — a cleaner of lock files without rows may have
+/// unlinked it before our lock took (the unlink rule's two stats). `None`:
+/// a lock file was there (an image, a leftover, a writer at work: the slow
+/// way decides), someone probed it past a short wait, or the store's
+/// layout is not made yet.
+pub(crate) fn try_new(root: &crate::root::Root, name: &ImageName) -> Option<Guard> {
+    let g = lock::create_locked(&root.image_lock(name)).ok()??;
+    lock::still_at_path(&g).ok()?.then_some(g)
+}
+
 /// The error for a lock that this process's enclosing command holds in a
 /// conflicting mode (`held`): waiting would never end, since the enclosing
 /// command waits for us. A read of an image it writes finds the image not
@@ -338,10 +351,12 @@ fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Resu
 
 /// Before a wait: fails with [`Error::NoSuchImage`] (exit 66) if one of
 /// `names` has no row. An image in any state may still become readable
-/// while we wait (its writer finishes), so only absence is final.
-pub(crate) fn require_all(tx: &Tx, names: &[ImageName]) -> Result<()> {
+/// while we wait (its writer finishes), so only absence is final — and a
+/// new image written without the database has no row until its record is
+/// folded (`crate::written::new_write_of`): it is there to wait for.
+pub(crate) fn require_all(tx: &Tx, root: &crate::root::Root, names: &[ImageName]) -> Result<()> {
     for n in names {
-        if tx.image(n.as_str())?.is_none() {
+        if tx.image(n.as_str())?.is_none() && !crate::written::new_write_of(root, n) {
             return Err(Error::NoSuchImage(n.as_str().to_owned()).into());
         }
     }

@@ -212,7 +212,7 @@ pub(crate) fn acquire_unrecorded(
     let (waiter, holders) = store.with_tx(deadline, |tx, ctx| {
         let kv = crate::judge::kernel_view(tx, ctx, &dir);
         let report = class_report(tx, ctx, &kv, &config)?;
-        crate::acquire::image::require_all(tx, must_exist)?;
+        crate::acquire::image::require_all(tx, &ctx.root, must_exist)?;
         let id = if no_wait {
             None
         } else {

@@ -38,7 +38,7 @@ struct ImageJson<'a> {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
-    let (mut rows, in_use, images_dir) = store.read_tx(|tx, ctx| {
+    let (mut rows, mut in_use, images_dir) = store.read_tx(|tx, ctx| {
         let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.image_locks());
         let in_use = crate::judge::in_use(tx, ctx, &kv)?;
         Ok((tx.images()?, in_use, tx.images_dir(&ctx.root)?))
@@ -50,6 +50,23 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             r.state = ImageState::Writing;
         }
     }
+    // A new image's writer that took no transaction: no row yet, but there
+    // it is, being created (as the database's way would list it).
+    let now = clock::now_ms();
+    for name in store.being_written() {
+        if !rows.iter().any(|r| r.name == *name) {
+            rows.push(ImageRow {
+                name: name.clone(),
+                state: ImageState::Creating,
+                base: None,
+                created: now,
+                last_used: now,
+                size_bytes: None,
+            });
+            in_use.insert(name.clone(), true);
+        }
+    }
+    rows.sort_by(|a, b| a.name.cmp(&b.name));
     fill_sizes(store, &mut rows, &in_use, &images_dir)?;
     let sharing = Sharing::measure(&rows, &images_dir);
 

@@ -84,6 +84,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             }
             make_dir(dir)?;
             tx.set_config("images_dir", &dir.display().to_string())?;
+            // Stated where a new image's writer reads it (records_db.rs)
+            // before anyone can write there.
+            crate::records_db::for_this_database(tx, &ctx.root)?;
             // Kept beside the database too, so that rebuilding a damaged
             // database still finds the images.
             crate::doctor::write_images_dir_note(&ctx.root, dir)?;
@@ -96,7 +99,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         } else {
             Adopt::AsReady
         };
-        let (found, _) = adopt::adopt(tx, &images, &dir, how, &HashMap::new())?;
+        let (found, _) = adopt::adopt(tx, &ctx.root, &images, &dir, how, &HashMap::new())?;
         // This is the images directory from now on (accepting a remount).
         adopt::record_identity(tx, &images)?;
         Ok((dir, found.trees.len(), found.skipped, how))

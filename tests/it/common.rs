@@ -352,6 +352,32 @@ impl Env {
         assert_eq!(code(&out), Some(66), "{why}: {}", show(&out));
     }
 
+    /// The default images directory.
+    pub fn images_dir(&self) -> PathBuf {
+        self.root.join("img")
+    }
+
+    /// Writes a new image `name` without the database (the global lock
+    /// held by another, so no transaction folds it) and takes its marker
+    /// away, as a directory listing served from an NFS client's cache
+    /// would miss it: only its record in the lock file says it exists.
+    pub fn make_image_with_marker_missed(&self, name: &str) {
+        let global = hold_global(self);
+        self.ok([
+            "exec",
+            "--write",
+            name,
+            "--wait",
+            "0.3",
+            "--",
+            "sh",
+            "-c",
+            "echo made > \"$STOWAGE_IMAGE_DIR/file\"",
+        ]);
+        fs::remove_file(self.marker(name)).unwrap();
+        global.kill_all();
+    }
+
     pub fn lock_file(&self, enc: &str) -> PathBuf {
         self.root.join("locks/images").join(format!("{enc}.lock"))
     }

@@ -790,9 +790,12 @@ fn a_stuck_global_lock_holder_bounds_a_bounded_exec() {
     let started = env.sentinel("started");
     let stuck = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 60");
     let t0 = Instant::now();
-    // A new image: a read of a ready image, or a write of one, takes no
-    // global lock (record.rs, written.rs).
-    let out = env.run(["exec", "--write", "b", "--wait", "0.3", "--", "true"]);
+    // A new image cloned from a base: a read of a ready image, a write of
+    // one, and a new image without a base take no global lock (record.rs,
+    // written.rs); a clone's lineage is recorded by the database.
+    let out = env.run([
+        "exec", "--write", "b", "--from", "a", "--wait", "0.3", "--", "true",
+    ]);
     let took = t0.elapsed();
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     let err = stderr(&out);
@@ -826,8 +829,9 @@ fn a_database_switched_to_wal_by_an_outside_program_is_switched_back() {
         (2, 2),
         "the outside program set WAL"
     );
-    // A new image: a write of an existing one opens no transaction.
-    env.ok(["exec", "--write", "b", "--", "true"]);
+    // A clone (its lineage is recorded): a write of an existing image, or
+    // of a new one without a base, opens no transaction.
+    env.ok(["exec", "--write", "b", "--from", "a", "--", "true"]);
     let header = fs::read(&db).unwrap();
     assert_eq!(
         (header[18], header[19]),

@@ -52,6 +52,7 @@ mod leases;
 mod locking;
 mod migration;
 mod names;
+mod new_alone;
 mod records_db;
 mod review_final;
 mod review_reads;

@@ -37,6 +37,8 @@ fn a_repair_takes_away_the_tokens_of_the_identity_it_renews() {
     fs::copy(env.root.join("stowage.db"), &copy).unwrap();
     env.make_image("base");
     env.ok(["exec", "--read", "base", "--", "true"]);
+    // Folded into the rows (a new image is written without the database).
+    env.ok(["images"]);
     fs::copy(&copy, env.root.join("stowage.db")).unwrap();
     let out = env.run(["doctor", "--repair"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
@@ -77,7 +79,12 @@ fn the_store_records_which_database_its_records_speak_for() {
     env.make_image("base");
     let global = fs::read(env.root.join("locks/global.lock")).unwrap();
     let text = String::from_utf8_lossy(&global);
-    assert!(text.starts_with("stowage-records 1\ndb="), "{text}");
+    assert!(text.starts_with("stowage-records 2\ndb="), "{text}");
+    let images = format!("\nimages={}\n", env.images_dir().display());
+    assert!(
+        text.contains(&images),
+        "states the images directory: {text}"
+    );
     // The lock file stays a lock file: flock(1) on it works.
     let out = std::process::Command::new("flock")
         .arg("-n")

@@ -95,10 +95,12 @@ fn a_wal_database_held_open_is_waited_for_as_long_as_said() {
 #[test]
 fn a_signal_ends_the_wait_to_leave_wal_and_is_reported() {
     let env = Env::new();
-    env.ok(["init"]);
+    env.make_image("base");
     let conn = outside_wal_connection(&env);
     let ran = env.sentinel("ran");
-    let mut c = env.cmd(["exec", "--write", "app", "--", "touch"]);
+    // A clone records its lineage: a transaction (a new image without a
+    // base takes none: written.rs).
+    let mut c = env.cmd(["exec", "--write", "app", "--from", "base", "--", "touch"]);
     c.arg(&ran).env("STOWAGE_DEBUG_DB_BUSY_MS", "120000");
     let child = spawn_until_db_open(&env, c);
     let pid = child.id();

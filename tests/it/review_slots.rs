@@ -229,10 +229,14 @@ fn a_write_beside_an_outside_reader_of_a_wal_database_changes_nothing() {
         c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
         output(c)
     };
+    // A write that records a lineage (a new image without a base takes
+    // no transaction: written.rs).
     let out = short(&[
         "exec",
         "--write",
         "app",
+        "--from",
+        "base",
         "--",
         "touch",
         ran.to_str().unwrap(),

@@ -160,6 +160,17 @@ fn a_killed_store_wide_holder_blocks_nobody() {
     // Its record stands, but its lease is free: stale.
     env.ok(["exec", "--no-wait", "--read", "a", "--", "true"]);
     env.ok(["exec", "--no-wait", "--write", "b", "--", "true"]);
+    // A clone takes a transaction, which drops the stale record.
+    env.ok([
+        "exec",
+        "--no-wait",
+        "--write",
+        "c",
+        "--from",
+        "a",
+        "--",
+        "true",
+    ]);
     let out = env.ok(["doctor"]);
     assert!(out.status.success(), "{}", show(&out));
 }

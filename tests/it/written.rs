@@ -324,6 +324,8 @@ fn a_write_the_database_way_that_never_starts_leaves_an_unfolded_write_ready() {
     let env = Env::new();
     env.make_image("base");
     env.make_image("other");
+    // Folded (a new image is written without the database).
+    env.ok(["images"]);
     env.ok(["exec", "--write", "base", "--", "true"]);
     assert!(env.marker("base").exists(), "written without the database");
     // A read whose token is damaged sends the whole request the
