@@ -286,6 +286,10 @@ pub struct Token {
     pub used: crate::clock::Millis,
     /// The tree's size, in a writer's record once it has measured it.
     pub size: Option<u64>,
+    /// A writer's record of a write that made the image's tree itself (a
+    /// new image, or one whose tree was gone: `crate::written`, new
+    /// images): its outcome describes a tree no earlier row describes.
+    pub fresh: bool,
 }
 
 impl Token {
@@ -304,6 +308,7 @@ impl Token {
             db,
             used,
             size: None,
+            fresh: false,
         }
     }
 }
@@ -336,6 +341,9 @@ fn encode_in(t: &Token, format: &str) -> Option<Vec<u8>> {
     );
     if let Some(size) = t.size {
         body.push_str(&format!("size={size}\n"));
+    }
+    if t.fresh {
+        body.push_str("fresh=1\n");
     }
     body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
     (body.len() <= MAX).then(|| body.into_bytes())
@@ -387,12 +395,21 @@ fn decode_any(bytes: &[u8]) -> Option<Token> {
     };
     let db = DbId(u32::from_str_radix(field("db")?, 16).ok()?);
     let used = field("used")?.parse().ok()?;
-    let size = match lines.next() {
-        None => None,
-        Some(line) if writers => Some(line.strip_prefix("size=")?.parse().ok()?),
-        Some(_) => return None,
-    };
-    if lines.next().is_some() {
+    // A writer's record may go on with its size, then `fresh=1`; a token
+    // (the first format) with nothing.
+    let mut next = lines.next();
+    let mut size = None;
+    if let Some(v) = next.and_then(|l| l.strip_prefix("size="))
+        && writers
+    {
+        size = Some(v.parse().ok()?);
+        next = lines.next();
+    }
+    let fresh = next == Some("fresh=1") && writers;
+    if fresh {
+        next = lines.next();
+    }
+    if next.is_some() {
         return None;
     }
     Some(Token {
@@ -402,6 +419,7 @@ fn decode_any(bytes: &[u8]) -> Option<Token> {
         db,
         used,
         size,
+        fresh,
     })
 }
 
@@ -763,6 +781,7 @@ mod tests {
             db: DbId(0x5e1f_00d2),
             used: 1_764_543_600_000,
             size: None,
+            fresh: false,
         }
     }
 
@@ -799,15 +818,18 @@ mod tests {
     #[test]
     fn a_writers_record_reads_back_and_only_ready_counts_as_a_token() {
         for state in [State::Writing, State::Ready, State::Incomplete] {
-            let t = Token {
-                state,
-                size: Some(4096),
-                ..token(None)
-            };
-            let bytes = encode(&t).unwrap();
-            assert!(bytes.starts_with(FORMAT_ALONE.as_bytes()));
-            assert_eq!(decode_any(&bytes), Some(t.clone()));
-            assert_eq!(decode(&bytes).is_some(), state == State::Ready, "{state:?}");
+            for (size, fresh) in [(Some(4096), false), (Some(4096), true), (None, true)] {
+                let t = Token {
+                    state,
+                    size,
+                    fresh,
+                    ..token(None)
+                };
+                let bytes = encode(&t).unwrap();
+                assert!(bytes.starts_with(FORMAT_ALONE.as_bytes()));
+                assert_eq!(decode_any(&bytes), Some(t.clone()));
+                assert_eq!(decode(&bytes).is_some(), state == State::Ready, "{state:?}");
+            }
         }
         // The older format never says anything but ready, nor a size.
         let old = String::from_utf8(encode(&token(None)).unwrap())

@@ -29,10 +29,12 @@
 //!   images that still have no row are unlinked (we hold them).
 //!
 //! Without the database (`begin_fast`): a plain read whose images carry
-//! fresh ready tokens (record.rs), and a write of existing images whose
-//! locks are free and carry ready tokens (written.rs: marker, `writing`
-//! record, command, `ready`/`incomplete` record), skip 2 and 4; the next
-//! transaction, whoever makes it, folds a write's record into its row.
+//! fresh ready tokens (record.rs), a write of existing images whose locks
+//! are free and carry ready tokens, and a write of new images whose lock
+//! files it makes itself (written.rs: marker, `writing` record, command,
+//! `ready`/`incomplete` record), skip 2 and 4; the next transaction,
+//! whoever makes it, folds a write's record into its row (a new image's:
+//! into a new row).
 //!
 //! A crash anywhere leaves either no trace (before 2), or records and
 //! `creating`/`writing` states whose locks are free — which the next process
@@ -98,9 +100,12 @@ struct Held {
 struct FastWrite {
     before: Vec<u8>,
     record: crate::record::Token,
-    /// A new image (written.rs, new images): its lock file made by this
-    /// write, its tree made in [`start_fast_writes`].
+    /// A new image (written.rs, new images): its tree made by this write
+    /// in [`start_fast_writes`], its record `fresh`.
     new: bool,
+    /// Its lock file made by this write too (not one that was there,
+    /// saying nothing): gone again if the command never runs.
+    made_lock: bool,
 }
 
 impl Held {
@@ -336,22 +341,20 @@ impl Session {
                                 .images_dir
                                 .clone()
                                 .unwrap_or_else(|| store.root().default_images_dir());
-                            let new = false;
-                            (
-                                g,
-                                dir,
-                                false,
-                                Some(FastWrite {
-                                    before,
-                                    record,
-                                    new,
-                                }),
-                            )
+                            let fast = FastWrite {
+                                before,
+                                record,
+                                new: false,
+                                made_lock: false,
+                            };
+                            (g, dir, false, Some(fast))
                         }
-                        // No ready token: perhaps no image at all. Only a
-                        // lock file made by this very open says so.
+                        // No ready token: perhaps no image at all, or none
+                        // whose tree is there (the lock file says nothing;
+                        // the tree made below must not exist).
                         None if new_ok => {
-                            let g = crate::acquire::image::try_new(store.root(), name)?;
+                            let (g, made_lock) =
+                                crate::acquire::image::try_new(store.root(), name)?;
                             let (stated, dir) = statement
                                 .get_or_init(|| crate::records_db::statement(store.root()))
                                 .clone()?;
@@ -370,18 +373,17 @@ impl Session {
                             if store_shared.is_none() {
                                 store_shared = Some(crate::store_wide::try_shared(store.root())?);
                             }
-                            let record = crate::record::Token::new(store.root(), name, &dir, db, 0);
-                            let (before, new) = (Vec::new(), true);
-                            (
-                                g,
-                                dir,
-                                false,
-                                Some(FastWrite {
-                                    before,
-                                    record,
-                                    new,
-                                }),
-                            )
+                            let record = crate::record::Token {
+                                fresh: true,
+                                ..crate::record::Token::new(store.root(), name, &dir, db, 0)
+                            };
+                            let fast = FastWrite {
+                                before: Vec::new(),
+                                record,
+                                new: true,
+                                made_lock,
+                            };
+                            (g, dir, false, Some(fast))
                         }
                         None => return None,
                     }
@@ -855,7 +857,9 @@ impl Session {
                             &h.name,
                         );
                         crate::written::unmark(store.root(), &h.name);
-                        let _ = crate::remove::unlink_held_lock(store.root(), &h.guard);
+                        if f.made_lock {
+                            let _ = crate::remove::unlink_held_lock(store.root(), &h.guard);
+                        }
                     }
                     // A new image's record that could not be taken away
                     // stays: its marker folds it (`writing`: incomplete).
@@ -1245,16 +1249,18 @@ fn start(
     Ok(images_dir)
 }
 
-/// Folds, in `tx`, the records of the images `held` writes that have no
-/// row and whose lock files carry a writer's record: new images written
+/// Folds, in `tx`, the records of the images `held` writes whose lock
+/// files carry a writer's record of a new image (no row, or a `fresh`
+/// record: a tree the write made, which no row describes yet): written
 /// without the database, not folded yet. Returns their names (their
 /// markers go once `tx` has committed).
 fn fold_new_images(tx: &Tx, ctx: &Ctx, held: &[Held]) -> Result<Vec<ImageName>> {
     let mut fresh = Vec::new();
     for h in held.iter().filter(|h| h.writes()) {
         let found = crate::record::found(h.guard.file())?;
+        let made_tree = found.record.as_ref().is_some_and(|t| t.fresh);
         if crate::written::is_writers(&found)
-            && tx.image(h.name.as_str())?.is_none()
+            && (made_tree || tx.image(h.name.as_str())?.is_none())
             && crate::written::fold_found(tx, ctx, &h.name, &found, h.guard.file())?
         {
             fresh.push(h.name.clone());

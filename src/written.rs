@@ -56,6 +56,38 @@
 //!   directory listings); a record read under a lock is read from the
 //!   server.
 //!
+//! **New images** (schema 10, `record::NEW_ALONE_SINCE_SCHEMA`). A write
+//! of an image that has no lock file, without `--from`, goes the same way:
+//! 1. it makes the lock file itself (`O_EXCL`, then `flock`, then the
+//!    unlink rule's two stats: `acquire::image::try_new`) — proof that no
+//!    lock file was there, so no image whose row one stands for;
+//! 2. it reads the global lock file's statement (`records_db::statement`:
+//!    the database's identity and images directory, in the format only
+//!    schema-10 binaries write — proof that no older binary can make
+//!    transactions here) and the database header's identity, which must
+//!    agree (a lost or replaced database sends the write its way);
+//! 3. it takes `locks/store.lock` shared and keeps it to the end: no
+//!    store-wide command starts beside a tree that has no row for it to
+//!    wait for, and one that holds the store sends the write its way;
+//! 4. it makes the tree (`mkdirat` through a descriptor of the images
+//!    directory; one that exists — a tree without a row, a row the lock
+//!    file did not show — sends the write the database's way), then the
+//!    marker and the `writing` record, and goes on as above.
+//!
+//! Such an image has no row until a transaction folds its record: ready
+//! (vouched for by this database) or incomplete. So every path that judges
+//! an image by its row also asks its lock file: adoption leaves alone a
+//! tree whose lock is held or carries a writer's record
+//! ([`new_write_of`]); a failed request unlinks no lock file that carries
+//! one (`remove::release_unclaimed`); `rm` and `gc` fold what they hold
+//! before anything else; a read waits for such an image instead of calling
+//! it missing; a write the database's way folds it in a transaction of its
+//! own before its start takes the record away (`session::fold_new_images`);
+//! a rebuild of a damaged database salvages it from its record
+//! ([`salvage_new`]). A record no database vouches for (another identity:
+//! the database was renewed or replaced since) folds to `incomplete`, never
+//! lost: kept, header-checked, until a transaction commits the row.
+//!
 //! Markers are listed and unlinked through a descriptor of `locks/leases`
 //! opened with `openat2(RESOLVE_NO_SYMLINKS)` (where the kernel lacks it,
 //! from the root's descriptor, no component followed if a link), and made
@@ -389,8 +421,21 @@ pub fn salvage_new(tx: &Tx, root: &Root, images_dir: &Path) -> Result<usize> {
         };
         let tree_there =
             std::fs::symlink_metadata(images_dir.join(name.encoded())).is_ok_and(|m| m.is_dir());
-        if !tree_there || tx.image(name.as_str())?.is_some() {
+        if !tree_there {
             continue;
+        }
+        match tx.image(name.as_str())? {
+            None => {}
+            // A tree the write made itself, over a row of a tree gone.
+            Some(r) if t.fresh && r.state != ImageState::Ready => {
+                tx.set_state(name.as_str(), ImageState::Ready)?;
+                tx.touch(name.as_str(), t.used)?;
+                tx.set_size(name.as_str(), t.size)?;
+                tx.set_base(name.as_str(), None)?;
+                n += 1;
+                continue;
+            }
+            Some(_) => continue,
         }
         tx.insert_image(&ImageRow {
             name: name.as_str().to_owned(),
@@ -484,6 +529,21 @@ fn fold_one(
                 tx.set_base(name.as_str(), None)?;
                 ctx.detail(&format!("image '{name}': its last write is recorded"));
             }
+            return Ok(());
+        }
+        // A write that made the image's tree itself (no tree was there:
+        // `fresh`) over a row that describes a tree gone since — an
+        // incomplete image whose failed writer left no tree, a removal
+        // a crash interrupted after its tree left, a tree deleted by
+        // hand: its outcome is the image's, when this database vouches
+        // for it (a removal's `deleting` row included: its tree is in the
+        // trash, and what `gc` finishes goes by the row, folded first).
+        (Some(t), Some(_)) if t.fresh && t.size.is_some() && vouches(t) => {
+            tx.set_state(name.as_str(), ImageState::Ready)?;
+            tx.touch(name.as_str(), t.used)?;
+            tx.set_size(name.as_str(), t.size)?;
+            tx.set_base(name.as_str(), None)?;
+            ctx.detail(&format!("image '{name}': its new tree is recorded"));
             return Ok(());
         }
         (Some(t), None) if vouches(t) => {

@@ -90,7 +90,51 @@ pub fn single(root: &Path, lock: &Path, plan: &Plan, report: &mut Report) -> Res
         ),
     );
     write(root, lock, plan, report)?;
+    new_image(root, lock, plan, report)?;
     breakdown(root, lock, plan, report)
+}
+
+/// A write of a new image each time (no transaction either: docs/design.md,
+/// "New images without the database") against flock(1) taking a lock
+/// exclusively. Context, not a target. In a root of its own: the markers
+/// these writes leave are folded by the next transaction, which would
+/// weigh on whatever is measured after them.
+fn new_image(root: &Path, lock: &Path, plan: &Plan, report: &mut Report) -> Result<()> {
+    let own = root.with_file_name("new-images-root");
+    Cmd::stowage(&own)
+        .args(["exec", "--write", "base", "--", "true"])
+        .ok()?;
+    let flock = Cmd::new("flock").arg("-x").arg(lock).arg("true");
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for i in 0..plan.warmup + plan.pairs {
+        let name = format!("new{i}");
+        let stow = Cmd::stowage(&own).args(["exec", "--write", &name, "--", "true"]);
+        // Alternating which goes first, as `paired` does.
+        let (ta, tb) = if i % 2 == 0 {
+            let ta = stow.time()?;
+            (ta, flock.time()?)
+        } else {
+            let tb = flock.time()?;
+            (stow.time()?, tb)
+        };
+        if i >= plan.warmup {
+            a.push(ta);
+            b.push(tb);
+        }
+    }
+    report.context(
+        "exec_new_vs_flock",
+        "exec --write NEW -- true (a new image each run) vs flock -x LOCK true",
+        median(&ratios(&a, &b)),
+        Unit::Ratio,
+        format!(
+            "median of {} paired, alternating runs; exec {} vs flock(1) {}",
+            plan.pairs,
+            time(median(&a)),
+            time(median(&b))
+        ),
+    );
+    Ok(())
 }
 
 /// A rewrite of an existing image (no transaction: docs/design.md,

@@ -233,17 +233,27 @@ pub(crate) fn try_write(
     Some((g, token?, bytes))
 }
 
-/// A new image's fast path (`crate::written`, new images): its lock file
-/// made by this very open (`O_EXCL`: no file was there, so no image whose
-/// row a lock file stands for), taken exclusively at once, and still the
-/// one at its path — a cleaner of lock files without rows may have
-/// unlinked it before our lock took (the unlink rule's two stats). `None`:
-/// a lock file was there (an image, a leftover, a writer at work: the slow
-/// way decides), someone probed it past a short wait, or the store's
-/// layout is not made yet.
-pub(crate) fn try_new(root: &crate::root::Root, name: &ImageName) -> Option<Guard> {
-    let g = lock::create_locked(&root.image_lock(name)).ok()??;
-    lock::still_at_path(&g).ok()?.then_some(g)
+/// A new image's fast path (`crate::written`, new images): the image's
+/// lock, taken exclusively at once, and whether this very open made the
+/// file. Either it made the lock file (`O_EXCL`: no file was there), or
+/// the file there says nothing — no valid record: a removed image's (on a
+/// filesystem where lock files are kept: NFS), a leftover, an image whose
+/// last write failed or was taken away. Either way the caller makes the
+/// tree itself (`mkdirat`: it must not exist), so whatever row the name
+/// may have describes no tree that is there. The lock is checked to be
+/// the file at its path (the unlink rule's two stats). `None`: a lock
+/// file with a record (an image, ready or being written: the slow way
+/// decides), a lock someone holds, or the store's layout not made yet.
+pub(crate) fn try_new(root: &crate::root::Root, name: &ImageName) -> Option<(Guard, bool)> {
+    let path = root.image_lock(name);
+    match lock::create_locked(&path) {
+        Ok(Some(g)) => return lock::still_at_path(&g).ok()?.then_some((g, true)),
+        Ok(None) => {}
+        Err(_) => return None,
+    }
+    let g = lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail).ok()??;
+    let found = crate::record::found(g.file()).ok()?;
+    found.record.is_none().then_some((g, false))
 }
 
 /// The error for a lock that this process's enclosing command holds in a

@@ -273,3 +273,76 @@ fn a_new_image_whose_command_never_starts_leaves_nothing() {
     assert_eq!(env.state("app"), None);
     env.ok(["doctor"]);
 }
+
+#[test]
+fn a_name_whose_lock_file_was_kept_is_written_anew_without_the_database() {
+    // On NFS a removal keeps the image's lock file (emptied): the name's
+    // next write is still a new image's, without the database.
+    let env = store();
+    env.make_image("app");
+    env.ok(["rm", "app"]);
+    fs::write(env.lock_file("app"), "").unwrap();
+    let global = hold_global(&env);
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--wait",
+        "0.3",
+        "--",
+        "sh",
+        "-c",
+        "echo again > \"$STOWAGE_IMAGE_DIR/file\"",
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    global.kill_all();
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "app", "--", "true"]);
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn a_new_tree_over_an_interrupted_removal_is_the_image() {
+    // A removal killed once the tree is in the trash leaves a `deleting`
+    // row and an emptied lock file; a write of the name makes a tree of
+    // its own: that is the image now, and gc must not finish the old
+    // removal on it.
+    let env = store();
+    env.make_image("app");
+    env.ok(["images"]);
+    let (rm, _file) = env.paused(["rm", "app"], "rm-moved");
+    rm.kill_all();
+    assert_eq!(env.state("app").as_deref(), Some("deleting"));
+    let global = hold_global(&env);
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--wait",
+        "0.3",
+        "--",
+        "sh",
+        "-c",
+        "echo new > \"$STOWAGE_IMAGE_DIR/file\"",
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    global.kill_all();
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["gc"]);
+    assert_eq!(
+        env.state("app").as_deref(),
+        Some("ready"),
+        "gc kept the new tree"
+    );
+    let out = env.ok([
+        "exec",
+        "--read",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "cat \"$STOWAGE_IMAGES_DIR/app/file\"",
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "new\n");
+    env.ok(["doctor"]);
+}

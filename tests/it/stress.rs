@@ -50,11 +50,17 @@ beside() { if [ -e "$V.sw" ]; then read -r p s < "$V.sw" 2>/dev/null && alive "$
 # A tree a store-wide command deleted may stay listed ready if its stowage
 # is killed before it ends the hold (which forgets such rows; so do the
 # next hold and doctor --repair): reads of it find no tree, and that is no
-# violation. A tree that is there must be whole.
+# violation. A tree that is there must be whole: the command deletes it as
+# a careful builder does, moving it out in one rename before deleting it
+# (an `rm -rf` in place, killed after its first file, leaves a tree that
+# no lock manager can tell from a whole one).
 sw() {
   echo "$$ $(started $$)" > "$V.sw"
   sleep 0.0$((TOKEN % 5 + 1))
-  if [ -n "$DELETE" ]; then : > "$V.gone.$DELETE"; rm -rf "$STOWAGE_IMAGES_DIR/$DELETE"; fi
+  if [ -n "$DELETE" ]; then
+    : > "$V.gone.$DELETE"
+    mv "$STOWAGE_IMAGES_DIR/$DELETE" "$V.deleted.$$" 2>/dev/null && rm -rf "$V.deleted.$$"
+  fi
   rm -f "$V.sw"
 }
 w() {
