@@ -346,3 +346,27 @@ fn a_new_tree_over_an_interrupted_removal_is_the_image() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "new\n");
     env.ok(["doctor"]);
 }
+
+#[test]
+fn a_new_image_after_init_images_dir_is_written_in_that_directory() {
+    // init's own transaction began stating the default images directory;
+    // the first new image, written without the database on what the
+    // global lock file states, must be made in the one init chose.
+    let env = Env::new();
+    let images = env.tmp.path().join("elsewhere/img");
+    fs::create_dir_all(&images).unwrap();
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.ok([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "echo made > \"$STOWAGE_IMAGE_DIR/file\"",
+    ]);
+    assert!(images.join("app/file").exists(), "not made where init said");
+    assert!(!env.root.join("img/app").exists());
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "app", "--", "true"]);
+}
