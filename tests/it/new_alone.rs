@@ -370,3 +370,37 @@ fn a_new_image_after_init_images_dir_is_written_in_that_directory() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "app", "--", "true"]);
 }
+
+#[test]
+fn a_dry_run_leaves_a_new_image_whose_marker_a_listing_missed_to_its_fold() {
+    // Only its record in the lock file says `app` exists. A gc that only
+    // looks, and a doctor that does not repair, must not take that file
+    // for a leftover, nor fold the record themselves: they write nothing.
+    let env = store();
+    env.make_image_with_marker_missed("app");
+    // Everything else folded first (base's marker): what follows has
+    // nothing of its own to record.
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    let before = fs::read(&db).unwrap();
+    let record = lock_text(&env, "app");
+    let out = env.ok(["gc", "--dry-run"]);
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("app"),
+        "{}",
+        show(&out)
+    );
+    assert!(fs::read(&db).unwrap() == before, "gc --dry-run wrote");
+    env.run(["doctor"]);
+    assert!(fs::read(&db).unwrap() == before, "doctor wrote");
+    assert_eq!(
+        lock_text(&env, "app"),
+        record,
+        "a dry run changed the record"
+    );
+    // Still read as written; a write the database's way (a clone's
+    // lineage is recorded) folds it first.
+    env.ok(["exec", "--read", "app", "--", "true"]);
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
