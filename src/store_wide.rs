@@ -119,13 +119,17 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<bool> {
 /// held, or an error — is `None`: the caller then goes the way that checks
 /// the metadata. store.lock is never unlinked, so its path needs no check.
 pub fn try_shared(root: &crate::root::Root) -> Option<Guard> {
-    lock::acquire_no_wait(
+    // Never unlinked: the file locked is the one at the path, without the
+    // unlink rule's two stats (`lock::acquire_no_wait_vouched`).
+    lock::acquire_no_wait_vouched(
         &root.store_wide_lock(),
         Mode::Shared,
         lock::IfMissing::Create,
+        |_| ((), true),
     )
     .ok()
     .flatten()
+    .map(|(g, ())| g)
 }
 
 /// Is `target` an image lock or a slot file of this store (`dirs`: the
