@@ -46,7 +46,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // A writer that took no transaction is at work on these: their rows
     // still say what they were (written.rs).
     for r in rows.iter_mut() {
-        if r.state == ImageState::Ready && store.being_written().contains(&r.name) {
+        if store.being_written().contains(&r.name) {
             r.state = ImageState::Writing;
         }
     }

@@ -360,9 +360,13 @@ pub fn gather(
     })?;
     let mut locks = vec![global];
     locks.extend(images.into_iter().map(|mut r| {
-        // Written by a writer that took no transaction (written.rs).
-        if r.image_state == Some(ImageState::Ready) && store.being_written().contains(&r.name) {
-            r.image_state = Some(ImageState::Writing);
+        // Written by a writer that took no transaction (written.rs): a
+        // new image (no row yet) is being created, any other rewritten.
+        if store.being_written().contains(&r.name) {
+            r.image_state = Some(match r.image_state {
+                None => ImageState::Creating,
+                Some(_) => ImageState::Writing,
+            });
         }
         r
     }));

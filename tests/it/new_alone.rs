@@ -135,6 +135,7 @@ fn a_new_image_being_written_is_listed_creating_and_left_alone_by_adoption() {
     assert_eq!(env.state("app").as_deref(), Some("creating"));
     let entry = env.lock_entry("app").expect("its lock is shown");
     assert_eq!(entry["state"], "exclusive", "{entry}");
+    assert_eq!(entry["image_state"], "creating", "{entry}");
     env.release("release");
     let out = writer.finish();
     assert_eq!(code(&out), Some(0), "{}", show(&out));
