@@ -166,6 +166,18 @@ pub fn unmark(root: &Root, name: &ImageName) {
     }
 }
 
+/// Whether the marker of `name` stands (a regular file; nothing, or
+/// nothing that can be told, is no marker).
+fn marked(root: &Root, name: &ImageName) -> bool {
+    let (Ok(Some(dir)), Some(marker)) = (open_dirty(root), marker_name(name)) else {
+        return false;
+    };
+    dir.stat_at(marker)
+        .ok()
+        .flatten()
+        .is_some_and(|e| e.mode & libc::S_IFMT == libc::S_IFREG)
+}
+
 /// The markers' directory, if there is one.
 ///
 /// No directory there — missing, or a link or file planted in its place —
@@ -486,7 +498,20 @@ fn fold_one(
             }
             return Ok(());
         }
-        (Some(t), None) if vouches(t) => {
+        // No row: a new image written without the database. While its
+        // marker stands, its record is the truth about it (the module
+        // doc): a writer's outcome, sized, of this tree, is that of a tree
+        // the write made (its `mkdirat` found none) and measured after its
+        // command succeeded — whatever identity it names, as a repair
+        // renews the identity without waiting for writers, and a write
+        // that ran across it names the one renewed. Called incomplete, a
+        // finished image would be gc's to delete. Without its marker (it
+        // was folded), the database is the truth: one restored from a
+        // copy that lacks the image does not get it back from a record of
+        // another identity.
+        (Some(t), None)
+            if vouches(t) || (of_this_tree(t) && t.size.is_some() && marked(&ctx.root, name)) =>
+        {
             tx.insert_image(&ImageRow {
                 name: name.as_str().to_owned(),
                 state: ImageState::Ready,
@@ -526,21 +551,16 @@ fn fold_one(
                 }
             ));
         }
-        // A writer's record, or a writer's outcome this database cannot
-        // vouch for (another identity: the database was renewed, rebuilt
-        // or replaced since the write): the tree is there, its readiness
-        // unknown — incomplete, as adoption would have it, never lost.
+        // A writer's record (`writing`, `incomplete`), or a ready outcome
+        // of another images directory: incomplete, as adoption would have
+        // it, never lost.
         None if writer || unvouched_outcome => {
-            // Kept, in the format a reader checks against the database's
-            // header (which names another identity, or none): should this
-            // transaction not commit (a full filesystem), the record is
-            // still there to fold again — it is the only trace of the
-            // write. Taken away, it would be lost with the commit.
-            match ready_record {
-                Some(t) if of_this_tree(t) => crate::record::demote(file, t)?,
+            // A `writing` or `incomplete` record is kept: should this
+            // transaction not commit (a full filesystem), it is still there
+            // to fold again — it is the only trace of the write.
+            if ready_record.is_some() {
                 // Of another images directory: no tree of it is here.
-                Some(_) => crate::record::invalidate(file)?,
-                None => {}
+                crate::record::invalidate(file)?;
             }
             tx.insert_image(&ImageRow {
                 name: name.as_str().to_owned(),
