@@ -352,6 +352,15 @@ impl Session {
                         // lock file made by this very open says so.
                         None if new_ok => {
                             let g = crate::acquire::image::try_new(store.root(), name)?;
+                            // Taken after our image lock, kept to the end:
+                            // a store-wide command that holds the store now
+                            // sends us its way; one that comes later waits
+                            // for us. And before the statement is read: a
+                            // switch of the images directory (`init`) holds
+                            // it exclusively until it has stated the new one.
+                            if store_shared.is_none() {
+                                store_shared = Some(crate::store_wide::try_shared(store.root())?);
+                            }
                             let (stated, dir) = statement
                                 .get_or_init(|| crate::records_db::statement(store.root()))
                                 .clone()?;
@@ -363,13 +372,6 @@ impl Session {
                             let db = db
                                 .get_or_init(|| crate::record::DbId::of(&store.root().db()))
                                 .filter(|now| *now == stated)?;
-                            // Taken after our image lock, kept to the end:
-                            // a store-wide command that holds the store now
-                            // sends us its way; one that comes later waits
-                            // for us.
-                            if store_shared.is_none() {
-                                store_shared = Some(crate::store_wide::try_shared(store.root())?);
-                            }
                             let record = crate::record::Token::new(store.root(), name, &dir, db, 0);
                             let (before, new) = (Vec::new(), true);
                             (

@@ -3,7 +3,18 @@
 //! lose an image its writer finished with exit 0, nor call ready what is
 //! not complete.
 
+use std::fs;
+
 use crate::common::*;
+
+/// A store whose global lock file states its images directory, with no
+/// image in it yet.
+fn empty_store() -> Env {
+    let env = Env::new();
+    env.ok(["init"]);
+    env.ok(["images"]);
+    env
+}
 
 #[test]
 fn a_repair_beside_a_new_images_writer_does_not_lose_its_image() {
@@ -30,6 +41,27 @@ fn a_repair_beside_a_new_images_writer_does_not_lose_its_image() {
         env.images_dir().join("app/file").exists(),
         "its tree is kept"
     );
+    env.ok(["exec", "--read", "app", "--", "true"]);
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn the_images_directory_does_not_switch_beside_a_new_images_writer() {
+    let env = empty_store();
+    let writer = env.hold(&["--write", "app"], "started");
+    assert!(env.marker("app").exists(), "written without the database");
+    let other = env.tmp.path().join("elsewhere");
+    // No row counts the image yet: the switch must see its writer all the
+    // same (its tree is in the directory it would leave behind).
+    let out = env.run(["init", "--images-dir", other.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("busy"), "{}", show(&out));
+    env.release("release");
+    let w = writer.finish();
+    assert_eq!(code(&w), Some(0), "{}", show(&w));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["gc"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "app", "--", "true"]);
     env.ok(["doctor"]);
 }
