@@ -1303,7 +1303,13 @@ fn prepare_write(
                 );
             }
         }
-        std::fs::create_dir(&dir)
+        // Through a descriptor of the images directory, as a new image's
+        // write without the database makes it (start_fast_writes): a link
+        // planted in the directory's place is refused, not followed to
+        // make a tree outside it.
+        ctx.root
+            .open_images_dir(images_dir)
+            .and_then(|d| Ok(d.mkdir(name.encoded(), 0o777)?))
             .with_context(|| format!("cannot create image directory {}", dir.display()))?;
         made.push(dir.clone());
     }

@@ -65,3 +65,23 @@ fn the_images_directory_does_not_switch_beside_a_new_images_writer() {
     env.ok(["exec", "--read", "app", "--", "true"]);
     env.ok(["doctor"]);
 }
+
+#[test]
+fn a_new_image_is_not_made_through_a_link_in_the_images_directorys_place() {
+    // The write without the database refuses the link; the database's way,
+    // which it falls back to, must not follow it either.
+    let env = Env::new();
+    env.make_image("base");
+    let outside = env.tmp.path().join("outside");
+    fs::create_dir(&outside).unwrap();
+    let img = env.images_dir();
+    fs::rename(&img, env.tmp.path().join("img.real")).unwrap();
+    std::os::unix::fs::symlink(&outside, &img).unwrap();
+    let out = env.run(["exec", "--write", "app", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        fs::read_dir(&outside).unwrap().next().is_none(),
+        "a tree was made outside the images directory: {}",
+        show(&out)
+    );
+}
