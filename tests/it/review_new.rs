@@ -85,3 +85,33 @@ fn a_new_image_is_not_made_through_a_link_in_the_images_directorys_place() {
         show(&out)
     );
 }
+
+#[test]
+fn a_lost_database_does_not_make_a_finished_new_image_gcs_to_delete() {
+    // Written without the database and folded: its record stays in its
+    // lock file, naming the database that is then lost.
+    let env = Env::new();
+    env.make_image("base");
+    env.ok([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "echo made > \"$STOWAGE_IMAGE_DIR/file\"",
+    ]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    fs::rename(env.root.join("stowage.db"), env.scratch.join("lost.db")).unwrap();
+    // The first command on the new database: its tree is kept …
+    env.ok(["gc"]);
+    assert!(
+        env.images_dir().join("app/file").exists(),
+        "gc deleted a tree its writer finished"
+    );
+    // … and adopted as any other tree of a directory no database managed.
+    env.ok(["init"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "app", "--", "true"]);
+    env.ok(["doctor"]);
+}
