@@ -72,10 +72,8 @@ fn stated(global: &std::fs::File) -> Option<Statement> {
 ///
 /// Read without the lock, the statement may be one a transaction is
 /// changing: a torn one fails its CRC; a stale one (a database replaced,
-/// not yet used) names another identity than the fold's database — which
-/// still takes the writer's sized `ready` outcome for the tree the write
-/// made (`crate::written`, `fold_one`: an identity vouches for tokens
-/// read without the database, not for a tree a writer measured).
+/// not yet used) names an identity the fold then refuses to vouch for —
+/// the write is lost to `incomplete`, never made ready.
 pub fn statement(root: &crate::root::Root) -> Option<(crate::record::DbId, std::path::PathBuf)> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
