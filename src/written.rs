@@ -511,20 +511,7 @@ fn fold_one(
             }
             return Ok(());
         }
-        // No row: a new image written without the database. While its
-        // marker stands, its record is the truth about it (the module
-        // doc): a writer's outcome, sized, of this tree, is that of a tree
-        // the write made (its `mkdirat` found none) and measured after its
-        // command succeeded — whatever identity it names, as a repair
-        // renews the identity without waiting for writers, and a write
-        // that ran across it names the one renewed. Called incomplete, a
-        // finished image would be gc's to delete. Without its marker (it
-        // was folded), the database is the truth: one restored from a
-        // copy that lacks the image does not get it back from a record of
-        // another identity.
-        (Some(t), None)
-            if vouches(t) || (of_this_tree(t) && t.size.is_some() && marked(&ctx.root, name)) =>
-        {
+        (Some(t), None) if vouches(t) => {
             tx.insert_image(&ImageRow {
                 name: name.as_str().to_owned(),
                 state: ImageState::Ready,
@@ -543,8 +530,8 @@ fn fold_one(
         .record
         .as_ref()
         .is_some_and(|t| t.image == name.as_str() && t.state != State::Ready);
-    // An outcome, sized, that the fold above could not take for ready (of
-    // another images directory) is still the truth while the marker
+    // An outcome, sized, that the fold above could not vouch for (another
+    // identity, another images directory) is the truth while the marker
     // stands. Without it (folded long since), the database is: a record
     // of another identity is then one a lost or replaced database left,
     // and an incomplete row made of it would be gc's to delete — a tree
@@ -571,16 +558,22 @@ fn fold_one(
                 }
             ));
         }
-        // A writer's record (`writing`, `incomplete`), or a ready outcome
-        // of another images directory beside its marker: incomplete, as
-        // adoption would have it, never lost.
+        // A writer's record, or a writer's outcome this database cannot
+        // vouch for (another identity: the database was renewed, rebuilt
+        // or replaced since the write) beside its marker: the tree is
+        // there, its readiness unknown — incomplete, as adoption would
+        // have it, never lost.
         None if writer || unvouched_outcome => {
-            // A `writing` or `incomplete` record is kept: should this
-            // transaction not commit (a full filesystem), it is still there
-            // to fold again — it is the only trace of the write.
-            if ready_record.is_some() {
+            // Kept, in the format a reader checks against the database's
+            // header (which names another identity, or none): should this
+            // transaction not commit (a full filesystem), the record is
+            // still there to fold again — it is the only trace of the
+            // write. Taken away, it would be lost with the commit.
+            match ready_record {
+                Some(t) if of_this_tree(t) => crate::record::demote(file, t)?,
                 // Of another images directory: no tree of it is here.
-                crate::record::invalidate(file)?;
+                Some(_) => crate::record::invalidate(file)?,
+                None => {}
             }
             tx.insert_image(&ImageRow {
                 name: name.as_str().to_owned(),

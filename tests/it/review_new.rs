@@ -29,10 +29,17 @@ fn a_repair_beside_a_new_images_writer_does_not_lose_its_image() {
         )
     });
     assert!(env.marker("app").exists(), "written without the database");
-    // A repair while it runs: it renews the database's identity.
-    env.ok(["doctor", "--repair"]);
+    // A repair renews the database's identity: it waits for the writer,
+    // whose record names the identity it started under.
+    let repair = env.spawn(["doctor", "--repair"]);
+    let store_lock = env.root.join("locks/store.lock");
+    wait_until("the repair waits for the writer", || {
+        flock_waited_on(&store_lock)
+    });
     env.release("release");
     let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = repair.finish();
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     // The writer finished with exit 0: its image is ready, and gc keeps it.
     assert_eq!(env.state("app").as_deref(), Some("ready"));
@@ -43,6 +50,32 @@ fn a_repair_beside_a_new_images_writer_does_not_lose_its_image() {
     );
     env.ok(["exec", "--read", "app", "--", "true"]);
     env.ok(["doctor"]);
+}
+
+#[test]
+fn a_repair_inside_a_new_images_writers_command_does_not_wait_for_it() {
+    let env = Env::new();
+    env.make_image("base");
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "echo made > \"$STOWAGE_IMAGE_DIR/file\"; '{}' --root '{}' doctor --repair; echo \"repair=$?\"",
+            bin(),
+            env.root.display()
+        ),
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("repair=75"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
 
 #[test]
