@@ -300,7 +300,26 @@ pub(super) fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
 /// and a conversion the kernel refuses (another holder shares the lock)
 /// drops the shared lock first: the enclosing writer would lose it.
 pub fn inherited_exclusive(path: &Path) -> bool {
-    held_here(path) == Some(Mode::Exclusive)
+    match held_here(path) {
+        Some(mode) => mode == Mode::Exclusive,
+        // Nothing the kernel lists (no `lock:` lines, or none of ours): a
+        // descriptor of ours on the file while a lock of our own taking
+        // shared is refused — held exclusively, and then through it.
+        None => {
+            let Ok(target) = fs::metadata(path) else {
+                return false;
+            };
+            let ours = fs::read_dir("/proc/self/fd").is_ok_and(|fds| {
+                fds.flatten().any(|e| {
+                    fs::metadata(e.path())
+                        .is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino())
+                })
+            });
+            ours && open(path, IfMissing::Fail)
+                .and_then(|f| flock_try(&f, Mode::Shared))
+                .is_ok_and(|got| !got)
+        }
+    }
 }
 
 pub(super) fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
