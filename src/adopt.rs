@@ -72,7 +72,7 @@ pub fn orphans(tx: &Tx, root: &crate::root::Root, images: &Dir, dir: &Path) -> R
         };
         match ImageName::from_encoded(enc) {
             Ok(name) if !known.contains(name.as_str()) => {
-                if !crate::written::new_write_of(root, &name) {
+                if !crate::written::new_write_of(tx, root, &name) {
                     out.trees.push((name, dir.join(&raw)));
                 }
             }

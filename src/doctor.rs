@@ -630,8 +630,57 @@ fn rebuild_marked(store: &mut Store) -> Result<Rebuilt> {
     })
 }
 
+/// For a repair, which renews the database's identity: `locks/store.lock`
+/// exclusively, waited for. A new image written without the database
+/// holds it shared from before it reads the identity it records to its
+/// end (session.rs), and that record, once the identity is renewed, names
+/// one the fold no longer vouches for — an image its writer finished
+/// would fold incomplete, gc's to delete. Held, no such write is under
+/// way, and one that starts meanwhile goes the database's way. `None`
+/// inside a store-wide hold, which keeps them out already.
+fn hold_out_new_writes(store: &mut Store) -> Result<Option<crate::lock::Guard>> {
+    use crate::lock::{self, IfMissing, Mode, Waited};
+    if crate::store_wide::inside_hold(store.root()) {
+        return Ok(None);
+    }
+    let p = store.root().store_wide_lock();
+    let err = |e| lock::error("the store", &p, e);
+    if let Some(g) = lock::acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create).map_err(err)? {
+        return Ok(Some(g));
+    }
+    let holders = crate::holders::kernel_holders_phrase(store.ctx(), &p);
+    let busy = |holders: String, waited| {
+        crate::Error::Busy(crate::error::Busy {
+            what: "the store-wide lock".into(),
+            holders,
+            waited,
+        })
+    };
+    // The command of a new image's writer runs us: it waits for us.
+    if crate::nested::enclosing_hold(&p).is_some() {
+        return Err(busy(
+            "held by an enclosing command of this process (a 'stowage exec' writing a new image, which a repair waits for); waiting for it would never end".into(),
+            std::time::Duration::ZERO,
+        )
+        .into());
+    }
+    crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
+    let t0 = std::time::Instant::now();
+    let mut wait = lock::Wait::on(&store.ctx().root.locks(), None);
+    match lock::acquire(&p, Mode::Exclusive, IfMissing::Create, &mut wait).map_err(err)? {
+        Waited::Acquired(g) => Ok(Some(g)),
+        Waited::TimedOut => Err(busy(holders, t0.elapsed()).into()),
+        Waited::Interrupted(sig) => Err(crate::Error::Interrupted(sig).into()),
+    }
+}
+
 /// Records, rows and trees, leftovers.
 fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
+    // Held through the repair's commit (it renews the identity).
+    let _new_writes_out = match repair {
+        true => hold_out_new_writes(store)?,
+        false => None,
+    };
     let looked = store.retry_full(|store| {
         let (tx, ctx) = store.begin(None)?;
         let found = find_inconsistencies(&tx, ctx, repair)?;

@@ -355,6 +355,15 @@ impl Session {
                         None if new_ok => {
                             let (g, made_lock) =
                                 crate::acquire::image::try_new(store.root(), name)?;
+                            // Taken after our image lock, kept to the end:
+                            // a store-wide command that holds the store now
+                            // sends us its way; one that comes later waits
+                            // for us. And before the statement is read: a
+                            // switch of the images directory (`init`) holds
+                            // it exclusively until it has stated the new one.
+                            if store_shared.is_none() {
+                                store_shared = Some(crate::store_wide::try_shared(store.root())?);
+                            }
                             let (stated, dir) = statement
                                 .get_or_init(|| crate::records_db::statement(store.root()))
                                 .clone()?;
@@ -366,13 +375,6 @@ impl Session {
                             let db = db
                                 .get_or_init(|| crate::record::DbId::of(&store.root().db()))
                                 .filter(|now| *now == stated)?;
-                            // Taken after our image lock, kept to the end:
-                            // a store-wide command that holds the store now
-                            // sends us its way; one that comes later waits
-                            // for us.
-                            if store_shared.is_none() {
-                                store_shared = Some(crate::store_wide::try_shared(store.root())?);
-                            }
                             let record = crate::record::Token {
                                 fresh: true,
                                 ..crate::record::Token::new(store.root(), name, &dir, db, 0)
@@ -1307,7 +1309,13 @@ fn prepare_write(
                 );
             }
         }
-        std::fs::create_dir(&dir)
+        // Through a descriptor of the images directory, as a new image's
+        // write without the database makes it (start_fast_writes): a link
+        // planted in the directory's place is refused, not followed to
+        // make a tree outside it.
+        ctx.root
+            .open_images_dir(images_dir)
+            .and_then(|d| Ok(d.mkdir(name.encoded(), 0o777)?))
             .with_context(|| format!("cannot create image directory {}", dir.display()))?;
         made.push(dir.clone());
     }

@@ -198,6 +198,18 @@ pub fn unmark(root: &Root, name: &ImageName) {
     }
 }
 
+/// Whether the marker of `name` stands (a regular file; nothing, or
+/// nothing that can be told, is no marker).
+fn marked(root: &Root, name: &ImageName) -> bool {
+    let (Ok(Some(dir)), Some(marker)) = (open_dirty(root), marker_name(name)) else {
+        return false;
+    };
+    dir.stat_at(marker)
+        .ok()
+        .flatten()
+        .is_some_and(|e| e.mode & libc::S_IFMT == libc::S_IFREG)
+}
+
 /// The markers' directory, if there is one.
 ///
 /// No directory there — missing, or a link or file planted in its place —
@@ -358,7 +370,13 @@ pub fn fold(tx: &Tx, ctx: &Ctx, m: &Markers) -> Result<()> {
 /// either held, or recorded, or left by a writer killed before its
 /// `writing` record (an empty tree nobody vouches for: adopted
 /// `incomplete`, as a tree a crash left the database's way is).
-pub fn new_write_of(root: &Root, name: &ImageName) -> bool {
+///
+/// A writer's record counts only while its marker stands or while it
+/// names the database there now: folded, a record stays in the lock file,
+/// and once that database is lost or replaced, the tree is an orphan to
+/// adopt like any other (skipped, it would be in no listing, and no
+/// check would see it).
+pub fn new_write_of(tx: &Tx, root: &Root, name: &ImageName) -> bool {
     use std::os::unix::fs::OpenOptionsExt;
     // Read-only: another user's lock file (not writable for us) is probed
     // all the same.
@@ -370,7 +388,14 @@ pub fn new_write_of(root: &Root, name: &ImageName) -> bool {
         return false;
     };
     match lock::try_shared_open(&file) {
-        Ok(true) => crate::record::found(&file).is_ok_and(|f| is_writers(&f)),
+        Ok(true) => crate::record::found(&file).is_ok_and(|f| {
+            is_writers(&f)
+                && (f
+                    .record
+                    .as_ref()
+                    .is_some_and(|t| tx.identity().is_ok_and(|id| t.db.0 == id))
+                    || marked(root, name))
+        }),
         // Held (or a lock we cannot tell about): a writer may be at work.
         _ => true,
     }
@@ -565,10 +590,17 @@ fn fold_one(
         .record
         .as_ref()
         .is_some_and(|t| t.image == name.as_str() && t.state != State::Ready);
+    // An outcome, sized, that the fold above could not vouch for (another
+    // identity, another images directory) is the truth while the marker
+    // stands. Without it (folded long since), the database is: a record
+    // of another identity is then one a lost or replaced database left,
+    // and an incomplete row made of it would be gc's to delete — a tree
+    // its write finished; adoption judges that tree as any other.
     let unvouched_outcome = found
         .record
         .as_ref()
-        .is_some_and(|t| t.image == name.as_str() && t.size.is_some());
+        .is_some_and(|t| t.image == name.as_str() && t.size.is_some())
+        && marked(&ctx.root, name);
     match row {
         Some(r) if r.state == ImageState::Ready || r.state.being_written() => {
             if ready_record.is_some() {
@@ -588,8 +620,9 @@ fn fold_one(
         }
         // A writer's record, or a writer's outcome this database cannot
         // vouch for (another identity: the database was renewed, rebuilt
-        // or replaced since the write): the tree is there, its readiness
-        // unknown — incomplete, as adoption would have it, never lost.
+        // or replaced since the write) beside its marker: the tree is
+        // there, its readiness unknown — incomplete, as adoption would
+        // have it, never lost.
         None if writer || unvouched_outcome => {
             // Kept, in the format a reader checks against the database's
             // header (which names another identity, or none): should this

@@ -366,7 +366,7 @@ fn wait_image(gate: &Path, path: &Path, mode: Mode, wait: &mut Wait) -> io::Resu
 /// folded (`crate::written::new_write_of`): it is there to wait for.
 pub(crate) fn require_all(tx: &Tx, root: &crate::root::Root, names: &[ImageName]) -> Result<()> {
     for n in names {
-        if tx.image(n.as_str())?.is_none() && !crate::written::new_write_of(root, n) {
+        if tx.image(n.as_str())?.is_none() && !crate::written::new_write_of(tx, root, n) {
             return Err(Error::NoSuchImage(n.as_str().to_owned()).into());
         }
     }

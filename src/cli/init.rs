@@ -62,6 +62,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         refuse_overlap(store.root().dir(), dir)?;
     }
     store.root().create_layout()?;
+    // Kept until the switch has committed (below).
+    let mut switch_held = None;
     let (dir, adopted, skipped, how) = store.with_tx(None, |tx, ctx| {
         let current = tx.images_dir(&ctx.root)?;
         if let Some(dir) = &wanted
@@ -75,6 +77,28 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                     current.display(),
                     dir.display()
                 );
+            }
+            // A new image is written without the database (no row for the
+            // count above) into the images directory the global lock file
+            // states, its writer holding locks/store.lock shared from
+            // before it reads that statement to its end (session.rs): the
+            // switch holds it exclusively through its commit, so that no
+            // such write is under way in the directory left behind, and
+            // none starts there. (Inside a store-wide hold, none can.)
+            if !crate::store_wide::inside_hold(&ctx.root) {
+                let held = crate::lock::acquire_no_wait(
+                    &ctx.root.store_wide_lock(),
+                    crate::lock::Mode::Exclusive,
+                    crate::lock::IfMissing::Create,
+                )?;
+                let Some(held) = held else {
+                    bail!(
+                        "root {} is busy (a new image being written, or a store-wide command: {} is held); refusing to switch images directories beside it",
+                        ctx.root.dir().display(),
+                        ctx.root.store_wide_lock().display()
+                    );
+                };
+                switch_held = Some(held);
             }
             // Its parent must exist: a mistyped path should not grow a tree.
             if !dir.is_dir() {
@@ -104,6 +128,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         adopt::record_identity(tx, &images)?;
         Ok((dir, found.trees.len(), found.skipped, how))
     })?;
+    drop(switch_held);
     for (entry, why) in &skipped {
         store.ctx().say(&format!(
             "not adopting {entry:?} in {}: {why}",

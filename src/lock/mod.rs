@@ -292,25 +292,34 @@ pub(super) fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
 /// Is an exclusive lock on `path` held through a descriptor this process
 /// inherited (it runs under the holder, as a command inherits its locks)?
 /// Such a descriptor's lock is ours already: taking it again is a no-op.
+///
+/// Asked of the kernel's account of each descriptor ([`held_here`]), never
+/// by taking the lock exclusively through it to see: a descriptor
+/// inherited holding the lock *shared* (the command of a new image's
+/// writer inherits `locks/store.lock` so, session.rs) would be converted —
+/// and a conversion the kernel refuses (another holder shares the lock)
+/// drops the shared lock first: the enclosing writer would lose it.
 pub fn inherited_exclusive(path: &Path) -> bool {
-    let Ok(target) = fs::metadata(path) else {
-        return false;
-    };
-    let Ok(fds) = fs::read_dir("/proc/self/fd") else {
-        return false;
-    };
-    fds.flatten().any(|e| {
-        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
-            return false;
-        };
-        // SAFETY: borrowed for fstat/flock only; the descriptor stays open.
-        let file = std::mem::ManuallyDrop::new(unsafe {
-            <File as std::os::fd::FromRawFd>::from_raw_fd(fd)
-        });
-        file.metadata()
-            .is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino())
-            && flock_try(&file, Mode::Exclusive).unwrap_or(false)
-    })
+    match held_here(path) {
+        Some(mode) => mode == Mode::Exclusive,
+        // Nothing the kernel lists (no `lock:` lines, or none of ours): a
+        // descriptor of ours on the file while a lock of our own taking
+        // shared is refused — held exclusively, and then through it.
+        None => {
+            let Ok(target) = fs::metadata(path) else {
+                return false;
+            };
+            let ours = fs::read_dir("/proc/self/fd").is_ok_and(|fds| {
+                fds.flatten().any(|e| {
+                    fs::metadata(e.path())
+                        .is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino())
+                })
+            });
+            ours && open(path, IfMissing::Fail)
+                .and_then(|f| flock_try(&f, Mode::Shared))
+                .is_ok_and(|got| !got)
+        }
+    }
 }
 
 pub(super) fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
