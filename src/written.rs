@@ -452,27 +452,33 @@ pub fn salvage_new(tx: &Tx, root: &Root, images_dir: &Path) -> Result<usize> {
         match tx.image(name.as_str())? {
             None => {}
             // A tree the write made itself, over a row of a tree gone.
-            Some(r) if t.fresh && r.state != ImageState::Ready => {
-                tx.set_state(name.as_str(), ImageState::Ready)?;
-                tx.touch(name.as_str(), t.used)?;
-                tx.set_size(name.as_str(), t.size)?;
-                tx.set_base(name.as_str(), None)?;
-                n += 1;
-                continue;
-            }
+            Some(r) if t.fresh && r.state != ImageState::Ready => {}
             Some(_) => continue,
         }
-        tx.insert_image(&ImageRow {
+        set_ready(tx, &name, t)?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Sets the row of `name` from a writer's ready record `t` (made if there
+/// is none): ready, with its size and time, and no base (a write without
+/// the database has no `--from`).
+fn set_ready(tx: &Tx, name: &ImageName, t: &Token) -> Result<()> {
+    if tx.image(name.as_str())?.is_none() {
+        return tx.insert_image(&ImageRow {
             name: name.as_str().to_owned(),
             state: ImageState::Ready,
             base: None,
             created: t.used,
             last_used: t.used,
             size_bytes: t.size,
-        })?;
-        n += 1;
+        });
     }
-    Ok(n)
+    tx.set_state(name.as_str(), ImageState::Ready)?;
+    tx.touch(name.as_str(), t.used)?;
+    tx.set_size(name.as_str(), t.size)?;
+    tx.set_base(name.as_str(), None)
 }
 
 /// Whether a record read from a lock file is a writer's (a `writing` or
@@ -564,24 +570,11 @@ fn fold_one(
         // for it (a removal's `deleting` row included: its tree is in the
         // trash, and what `gc` finishes goes by the row, folded first).
         (Some(t), Some(_)) if t.fresh && t.size.is_some() && vouches(t) => {
-            tx.set_state(name.as_str(), ImageState::Ready)?;
-            tx.touch(name.as_str(), t.used)?;
-            tx.set_size(name.as_str(), t.size)?;
-            tx.set_base(name.as_str(), None)?;
+            set_ready(tx, name, t)?;
             ctx.detail(&format!("image '{name}': its new tree is recorded"));
             return Ok(());
         }
-        (Some(t), None) if vouches(t) => {
-            tx.insert_image(&ImageRow {
-                name: name.as_str().to_owned(),
-                state: ImageState::Ready,
-                base: None,
-                created: t.used,
-                last_used: t.used,
-                size_bytes: t.size,
-            })?;
-            return Ok(());
-        }
+        (Some(t), None) if vouches(t) => return set_ready(tx, name, t),
         _ => {}
     }
     // Not ready: the row says so, and no token says otherwise.

@@ -363,19 +363,25 @@ impl Env {
     /// would miss it: only its record in the lock file says it exists.
     pub fn make_image_with_marker_missed(&self, name: &str) {
         let global = hold_global(self);
-        self.ok([
-            "exec",
-            "--write",
-            name,
-            "--wait",
-            "0.3",
-            "--",
-            "sh",
-            "-c",
-            "echo made > \"$STOWAGE_IMAGE_DIR/file\"",
-        ]);
+        self.build_waiting_briefly(name, "echo made > \"$STOWAGE_IMAGE_DIR/file\"");
         fs::remove_file(self.marker(name)).unwrap();
         global.kill_all();
+    }
+
+    /// Writes image `name` with `sh -c SCRIPT` as [`Env::build`] does,
+    /// holding the global lock from another process meanwhile: the write
+    /// must take no transaction (a wait for the global lock ends after
+    /// 0.3 s, and fails the test).
+    pub fn build_without_database(&self, name: &str, script: &str) {
+        let global = hold_global(self);
+        self.build_waiting_briefly(name, script);
+        global.kill_all();
+    }
+
+    fn build_waiting_briefly(&self, name: &str, script: &str) {
+        self.ok([
+            "exec", "--write", name, "--wait", "0.3", "--", "sh", "-c", script,
+        ]);
     }
 
     pub fn lock_file(&self, enc: &str) -> PathBuf {

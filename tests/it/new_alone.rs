@@ -283,20 +283,7 @@ fn a_name_whose_lock_file_was_kept_is_written_anew_without_the_database() {
     env.make_image("app");
     env.ok(["rm", "app"]);
     fs::write(env.lock_file("app"), "").unwrap();
-    let global = hold_global(&env);
-    let out = env.run([
-        "exec",
-        "--write",
-        "app",
-        "--wait",
-        "0.3",
-        "--",
-        "sh",
-        "-c",
-        "echo again > \"$STOWAGE_IMAGE_DIR/file\"",
-    ]);
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
-    global.kill_all();
+    env.build_without_database("app", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "app", "--", "true"]);
     env.ok(["doctor"]);
@@ -314,20 +301,7 @@ fn a_new_tree_over_an_interrupted_removal_is_the_image() {
     let (rm, _file) = env.paused(["rm", "app"], "rm-moved");
     rm.kill_all();
     assert_eq!(env.state("app").as_deref(), Some("deleting"));
-    let global = hold_global(&env);
-    let out = env.run([
-        "exec",
-        "--write",
-        "app",
-        "--wait",
-        "0.3",
-        "--",
-        "sh",
-        "-c",
-        "echo new > \"$STOWAGE_IMAGE_DIR/file\"",
-    ]);
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
-    global.kill_all();
+    env.build_without_database("app", "echo new > \"$STOWAGE_IMAGE_DIR/file\"");
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     env.ok(["gc"]);
     assert_eq!(
@@ -357,15 +331,7 @@ fn a_new_image_after_init_images_dir_is_written_in_that_directory() {
     let images = env.tmp.path().join("elsewhere/img");
     fs::create_dir_all(&images).unwrap();
     env.ok(["init", "--images-dir", images.to_str().unwrap()]);
-    env.ok([
-        "exec",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        "echo made > \"$STOWAGE_IMAGE_DIR/file\"",
-    ]);
+    env.build("app", "echo made > \"$STOWAGE_IMAGE_DIR/file\"");
     assert!(images.join("app/file").exists(), "not made where init said");
     assert!(!env.root.join("img/app").exists());
     assert_eq!(env.state("app").as_deref(), Some("ready"));

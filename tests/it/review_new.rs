@@ -125,15 +125,7 @@ fn a_lost_database_does_not_make_a_finished_new_image_gcs_to_delete() {
     // lock file, naming the database that is then lost.
     let env = Env::new();
     env.make_image("base");
-    env.ok([
-        "exec",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        "echo made > \"$STOWAGE_IMAGE_DIR/file\"",
-    ]);
+    env.build("app", "echo made > \"$STOWAGE_IMAGE_DIR/file\"");
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     fs::rename(env.root.join("stowage.db"), env.scratch.join("lost.db")).unwrap();
     // The first command on the new database: its tree is kept …
