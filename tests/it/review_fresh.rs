@@ -1,0 +1,151 @@
+//! Adversarial tests of a new image written without the database over a
+//! name whose lock file says nothing (docs/design.md, "New images without
+//! the database"): a write that made its tree itself (`fresh`) is the
+//! image, whatever row the name had — and nothing that judged that row
+//! before the write may undo it after.
+
+use std::fs;
+use std::path::PathBuf;
+
+use crate::common::*;
+
+fn gdb_cmds(env: &Env, name: &str, text: &str) -> PathBuf {
+    let cmds = env.sentinel(name);
+    fs::write(&cmds, text).unwrap();
+    cmds
+}
+
+/// gdb commands: stop at `first` (a function), then, if given, at `then`;
+/// say so in `at`, wait for `go` to be removed... created, then run on.
+fn stop_at(env: &Env, name: &str, first: &str, then: Option<&str>) -> (PathBuf, PathBuf, PathBuf) {
+    let at = env.sentinel(&format!("{name}.at"));
+    let go = env.sentinel(&format!("{name}.go"));
+    let second = match then {
+        Some(f) => format!("delete\nbreak {f}\ncontinue\n"),
+        None => String::new(),
+    };
+    let cmds = gdb_cmds(
+        env,
+        &format!("{name}.gdb"),
+        &format!(
+            "set pagination off\n\
+             break {first}\n\
+             run\n\
+             {second}\
+             shell touch '{at}'\n\
+             shell while [ ! -e '{go}' ]; do sleep 0.01; done\n\
+             delete\n\
+             continue\n",
+            at = at.display(),
+            go = go.display(),
+        ),
+    );
+    (cmds, at, go)
+}
+
+const DOCTOR: &str = include_str!("../../src/doctor.rs");
+/// Where `doctor --repair` tries the lock of an image whose tree it found
+/// missing.
+const MISSING_TREE_LOCK: &str = "let (free, guard) = match lock::acquire_no_wait(";
+
+/// The line of `src` (1-based) that contains `text`, once.
+fn line_of(src: &str, text: &str) -> usize {
+    let lines: Vec<usize> = src
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains(text))
+        .map(|(i, _)| i + 1)
+        .collect();
+    assert_eq!(lines.len(), 1, "{text:?} in the source: {lines:?}");
+    lines[0]
+}
+
+#[test]
+fn a_repair_that_found_the_tree_missing_keeps_the_one_a_write_made_since() {
+    // A ready image whose lock file says nothing (a repair took the tokens
+    // away) and whose tree was deleted by hand: `doctor --repair` drops
+    // rows of missing trees. It looks at the tree, then tries the lock. A
+    // write of the name without the database that read the store's
+    // statement before the repair restated it makes its tree, runs and
+    // ends (exit 0) between the two: the image is that write's, ready.
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("app");
+    // Folded: its row is there.
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    // Its token taken away (as on a store whose lock files a removal or
+    // an older layout left empty), its tree deleted by hand.
+    fs::write(env.lock_file("app"), "").unwrap();
+    fs::remove_dir_all(env.images_dir().join("app")).unwrap();
+    // The writer, stopped once its checks are done, before its tree.
+    let (wcmds, w_at, w_go) = stop_at(&env, "writer", "stowage::session::start_fast_writes", None);
+    let writer = Bg::from_command(stowage_under_gdb(
+        &env,
+        &wcmds,
+        [
+            "exec",
+            "--write",
+            "app",
+            "--",
+            "sh",
+            "-c",
+            "echo new > \"$STOWAGE_IMAGE_DIR/file\"",
+        ],
+    ));
+    wait_for_file(&w_at);
+    // The repair, stopped after it found app's tree missing, before the lock.
+    let (dcmds, d_at, d_go) = stop_at(
+        &env,
+        "doctor",
+        "stowage::doctor::find_inconsistencies",
+        Some(&format!("doctor.rs:{}", line_of(DOCTOR, MISSING_TREE_LOCK))),
+    );
+    let doctor = Bg::from_command(stowage_under_gdb(&env, &dcmds, ["doctor", "--repair"]));
+    wait_for_file(&d_at);
+    fs::write(&w_go, "").unwrap();
+    let out = writer.finish();
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .contains("Breakpoint 1, stowage::session::start_fast_writes"),
+        "the write went without the database: {}",
+        show(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("exited normally"),
+        "the write ended well: {}",
+        show(&out)
+    );
+    fs::write(&d_go, "").unwrap();
+    let out = doctor.finish();
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .contains("Breakpoint 2, stowage::doctor::find_inconsistencies"),
+        "the repair found the tree missing: {}",
+        show(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("exited normally"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(
+        env.state("app").as_deref(),
+        Some("ready"),
+        "the write that ended well is the image: {}",
+        show(&out)
+    );
+    let out = env.ok([
+        "exec",
+        "--read",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "cat \"$STOWAGE_IMAGES_DIR/app/file\"",
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "new\n");
+    env.ok(["doctor"]);
+}
