@@ -149,3 +149,75 @@ fn a_repair_that_found_the_tree_missing_keeps_the_one_a_write_made_since() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "new\n");
     env.ok(["doctor"]);
 }
+
+#[test]
+fn a_write_over_an_incomplete_image_while_gc_looks_is_kept_ready() {
+    // A failed write the database's way leaves an incomplete image without
+    // a tree and a lock file that says nothing. gc lists it to collect;
+    // before gc takes its lock, a write of the name without the database
+    // makes its tree and ends well: gc's look under the lock finds it
+    // ready and leaves it.
+    let env = Env::new();
+    env.make_image("base");
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--from",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "rm -rf \"$STOWAGE_IMAGE_DIR\"/*; exit 3",
+    ]);
+    assert_eq!(code(&out), Some(3), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    assert!(!env.images_dir().join("app").exists(), "no tree left");
+    let (gc, file) = env.paused(["gc"], "gc-listed");
+    env.build("app", "echo new > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert!(env.marker("app").exists(), "written without the database");
+    fs::remove_file(&file).unwrap();
+    let out = gc.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(
+        fs::read_to_string(env.images_dir().join("app/file")).unwrap(),
+        "new\n"
+    );
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn a_write_after_a_killed_copy_whose_command_deleted_its_tree_is_the_image() {
+    // A write with --from killed once its start committed (`creating`, the
+    // lock file emptied) and its command deleted the tree: the name's next
+    // write makes a tree of its own without the database, and that is the
+    // image — ready, with no base.
+    let env = Env::new();
+    env.make_image("base");
+    let started = env.sentinel("started");
+    let writer = env.spawn([
+        "exec",
+        "--write",
+        "app",
+        "--from",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "rm -rf \"$STOWAGE_IMAGE_DIR\"; touch '{}'; sleep 60",
+            started.display()
+        ),
+    ]);
+    wait_for_file(&started);
+    writer.kill_all();
+    env.build("app", "echo new > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert!(env.marker("app").exists(), "written without the database");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    let row = env.image("app").unwrap();
+    assert!(row["base"].is_null(), "{row}");
+    env.ok(["gc"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["doctor"]);
+}
