@@ -221,3 +221,28 @@ fn a_write_after_a_killed_copy_whose_command_deleted_its_tree_is_the_image() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     env.ok(["doctor"]);
 }
+
+#[test]
+fn a_rewrite_of_a_new_image_does_not_say_it_made_the_tree() {
+    // A new image's outcome says `fresh=1` (its write made the tree) and
+    // stays as its token once folded. A rewrite of it without the database
+    // starts from that token: its own records must not claim the tree it
+    // found as one it made (the fold makes a `fresh` outcome the image
+    // over a row in any state).
+    let env = Env::new();
+    env.make_image("base");
+    env.build("app", "echo 1 > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert!(
+        fs::read_to_string(env.lock_file("app"))
+            .unwrap()
+            .contains("fresh=1\n"),
+        "a new image's outcome says fresh"
+    );
+    env.build("app", "echo 2 > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert!(env.marker("app").exists(), "rewritten without the database");
+    let text = String::from_utf8_lossy(&fs::read(env.lock_file("app")).unwrap()).into_owned();
+    assert!(text.contains("state=ready\n"), "{text}");
+    assert!(!text.contains("fresh=1"), "{text}");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
