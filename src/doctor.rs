@@ -901,12 +901,15 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
         };
-        let present = images.as_ref().is_some_and(|d| {
-            d.stat_at(n.encoded())
-                .ok()
-                .flatten()
-                .is_some_and(|e| e.is_dir())
-        });
+        let tree_there = || {
+            images.as_ref().is_some_and(|d| {
+                d.stat_at(n.encoded())
+                    .ok()
+                    .flatten()
+                    .is_some_and(|e| e.is_dir())
+            })
+        };
+        let present = tree_there();
         // An incomplete image may have no tree: its writer failed before
         // putting anything in the directory made for it, which then went
         // (Session::finish). Only a ready image must have one.
@@ -925,7 +928,14 @@ fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
                 Ok(g) => (g.is_some(), g),
                 Err(e) => (e.kind() == std::io::ErrorKind::NotFound, None),
             };
-            if free {
+            // Looked at again under the lock: a write without the database
+            // (written.rs, new images) needs no global lock, and one that
+            // makes its tree where none is — over a row whose tree is gone
+            // — may have made it, run and ended between the look above and
+            // the lock. Its record, folded by the next transaction, makes
+            // the image ready; dropping the row and emptying the lock file
+            // would leave its tree to adoption, incomplete.
+            if free && !tree_there() {
                 found.missing_trees.push(r.name.clone());
                 if repair {
                     // The ready token goes first (record.rs), under the lock.

@@ -464,9 +464,11 @@ pub fn sweep(
         });
     }
     // A writer that died leaves its image creating/writing with the lock
-    // free: that image is incomplete. The lock cannot be taken between this
-    // check and the update, because taking it and marking the image both
-    // need the global lock, which we hold.
+    // free: that image is incomplete. No writer of the database's way can
+    // take the lock and mark the image between this check and the update
+    // (both need the global lock, which we hold); a write without it can
+    // take the lock (one whose tree had gone: written.rs, new images), and
+    // its record, folded later, then says what the image is, over this.
     for row in tx.images_in_states(&[ImageState::Creating, ImageState::Writing])? {
         let Ok(name) = ImageName::parse(&row.name) else {
             continue;

@@ -341,6 +341,13 @@ impl Session {
                                 .images_dir
                                 .clone()
                                 .unwrap_or_else(|| store.root().default_images_dir());
+                            // The token read may be a new image's outcome
+                            // (`fresh`): this write makes no tree, and its
+                            // records must not say it did.
+                            let record = crate::record::Token {
+                                fresh: false,
+                                ..record
+                            };
                             let fast = FastWrite {
                                 before,
                                 record,

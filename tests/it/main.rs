@@ -55,6 +55,7 @@ mod names;
 mod new_alone;
 mod records_db;
 mod review_final;
+mod review_fresh;
 mod review_new;
 mod review_reads;
 mod review_reads2;
