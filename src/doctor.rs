@@ -664,6 +664,16 @@ fn hold_out_new_writes(store: &mut Store) -> Result<Option<crate::lock::Guard>> 
         )
         .into());
     }
+    // The command of an image or slot user runs us: a new image's writer
+    // holding store.lock may be waiting, in its own command, for that very
+    // image lock or slot, which is released only once we end.
+    if crate::store_wide::inside_image_user(store.ctx()) {
+        return Err(busy(
+            format!("{holders}; this process runs in the command of a 'stowage exec' that holds image locks or a slot, which that holder may be waiting for; waiting could never end"),
+            std::time::Duration::ZERO,
+        )
+        .into());
+    }
     crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
     let t0 = std::time::Instant::now();
     let mut wait = lock::Wait::on(&store.ctx().root.locks(), None);

@@ -147,6 +147,14 @@ fn lock_dirs(ctx: &Ctx) -> Option<(PathBuf, PathBuf)> {
     ))
 }
 
+/// Does this process run in the command of an exec that holds image
+/// locks or a slot (inherited, or kept by the exec with `--no-inherit`)?
+/// Such a process must not wait for `store.lock` held by anyone but an
+/// enclosing hold: its holder may be waiting for those very locks.
+pub fn inside_image_user(ctx: &Ctx) -> bool {
+    inherits_lock(ctx) || enclosing_exec_holds_lock(ctx)
+}
+
 /// Does an exec that runs us (with `--no-inherit`, its command holds no
 /// descriptor) hold an image lock or a slot file open? Its command is
 /// running, so what it holds open are the locks it was granted.
@@ -324,7 +332,7 @@ pub fn lock_store(store: &mut Store, deadline: Option<Instant>, no_wait: bool) -
     // store-wide command waits for every one of them to be free, that
     // exec's included, which waits for us. Said at once, before waiting
     // for another hold (which would itself wait for that exec).
-    if inherits_lock(store.ctx()) || enclosing_exec_holds_lock(store.ctx()) {
+    if inside_image_user(store.ctx()) {
         return Err(Error::Busy(Busy {
             what: "the store-wide lock".into(),
             holders: "this process runs in the command of a 'stowage exec' that holds \

@@ -1,0 +1,85 @@
+//! Adversarial checks of the holds around `locks/store.lock`: a repair
+//! (`doctor --repair`) that waits for new images' writers, `init
+//! --images-dir` that tries it, and nested calls that ask whether they run
+//! inside a store-wide hold (`lock::inherited_exclusive`).
+
+use crate::common::*;
+
+/// `sh -c` text that touches `started`, waits (bounded) for `go`, then runs
+/// `stowage ARGS` and prints its exit status as `tag=N`.
+fn then_stowage(env: &Env, started: &str, go: &str, args: &str, tag: &str) -> String {
+    format!(
+        "touch '{s}'; i=0; while [ ! -e '{g}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; \
+         '{b}' --root '{r}' {args}; echo \"{tag}=$?\"",
+        s = env.sentinel(started).display(),
+        g = env.sentinel(go).display(),
+        b = bin(),
+        r = env.root.display(),
+    )
+}
+
+fn stdout(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A repair in the command of an exec that holds an image lock (`locks`)
+/// while a new image's writer (which holds store.lock shared) waits, in
+/// its command, for that image lock (`nested`): the repair must not wait
+/// for the writer, who waits for the repair's exec, who waits for the
+/// repair.
+fn repair_inside_an_image_user(locks: &[&str], nested: &[&str]) {
+    let env = Env::new();
+    env.make_image("x");
+    let mut args = vec!["exec"];
+    args.extend(locks);
+    let script = then_stowage(&env, "user", "go", "doctor --repair", "repair");
+    args.extend(["--", "sh", "-c", &script]);
+    let mut user = env.spawn(args);
+    wait_for_file(&env.sentinel("user"));
+    let nested = nested.join(" ");
+    let writer = env.spawn([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "touch \"$STOWAGE_IMAGE_DIR/file\"; '{}' --root '{}' exec {nested} -- true",
+            bin(),
+            env.root.display()
+        ),
+    ]);
+    wait_until("the new image's writer runs", || env.marker("app").exists());
+    env.wait_for_waiter("x");
+    std::fs::write(env.sentinel("go"), "").unwrap();
+    let store_lock = env.root.join("locks/store.lock");
+    wait_until("the repair ends or waits for store.lock", || {
+        !user.is_running() || flock_waited_on(&store_lock)
+    });
+    assert!(
+        !flock_waited_on(&store_lock),
+        "the repair waits for the new image's writer, which waits for the repair's exec: a deadlock"
+    );
+    let out = user.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stdout(&out).contains("repair=75"), "{}", show(&out));
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+#[test]
+fn a_repair_inside_a_reader_does_not_wait_for_a_new_images_writer_waiting_for_it() {
+    repair_inside_an_image_user(&["--read", "x"], &["--write", "x"]);
+}
+
+#[test]
+fn a_repair_inside_a_writer_does_not_wait_for_a_new_images_writer_waiting_for_it() {
+    repair_inside_an_image_user(&["--write", "x"], &["--read", "x"]);
+}
+
+#[test]
+fn a_repair_inside_a_no_inherit_writer_does_not_wait_for_a_new_images_writer_waiting_for_it() {
+    repair_inside_an_image_user(&["--no-inherit", "--write", "x"], &["--read", "x"]);
+}
