@@ -83,3 +83,41 @@ fn a_repair_inside_a_writer_does_not_wait_for_a_new_images_writer_waiting_for_it
 fn a_repair_inside_a_no_inherit_writer_does_not_wait_for_a_new_images_writer_waiting_for_it() {
     repair_inside_an_image_user(&["--no-inherit", "--write", "x"], &["--read", "x"]);
 }
+
+/// A descriptor of store.lock that holds no lock (a script opened it) does
+/// not make its process part of a store-wide hold someone else runs: the
+/// kernel, which lists every flock in /proc/self/fdinfo, lists none of its.
+#[test]
+fn an_unlocked_descriptor_of_store_lock_is_no_store_wide_hold() {
+    let env = Env::new();
+    env.make_image("base");
+    let hold = env.hold(&["--store-wide"], "held");
+    let store_lock = env.root.join("locks/store.lock");
+    for args in [
+        "exec --write x --no-wait -- true",
+        "exec --read base --no-wait -- true",
+    ] {
+        let out = output({
+            let mut c = std::process::Command::new("sh");
+            c.args([
+                "-c",
+                &format!(
+                    "exec 9<>'{}'; '{}' --root '{}' {args}",
+                    store_lock.display(),
+                    bin(),
+                    env.root.display()
+                ),
+            ]);
+            c
+        });
+        assert_eq!(code(&out), Some(75), "{args}: {}", show(&out));
+    }
+    assert_eq!(
+        env.state("x"),
+        None,
+        "no image made beside the store-wide command"
+    );
+    env.release("release");
+    let out = hold.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
