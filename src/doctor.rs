@@ -677,7 +677,7 @@ fn hold_out_new_writes(store: &mut Store) -> Result<Option<crate::lock::Guard>> 
     crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
     let t0 = std::time::Instant::now();
     let mut wait = lock::Wait::on(&store.ctx().root.locks(), None);
-    match lock::acquire(&p, Mode::Exclusive, IfMissing::Create, &mut wait).map_err(err)? {
+    match crate::store_wide::acquire_exclusive_gated(store.root(), &mut wait).map_err(err)? {
         Waited::Acquired(g) => Ok(Some(g)),
         Waited::TimedOut => Err(busy(holders, t0.elapsed()).into()),
         Waited::Interrupted(sig) => Err(crate::Error::Interrupted(sig).into()),

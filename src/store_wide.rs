@@ -21,8 +21,11 @@
 //! - The command itself, and whatever it starts, inherits the lease (unless
 //!   `--no-inherit`): a stowage exec holding that descriptor is inside the
 //!   hold and goes ahead, rather than wait for itself.
-//! - Nobody waits for `store.lock` while holding another lock, and the
-//!   holder only *tries* image locks (under the global lock): no cycle.
+//! - Nobody waits for `store.lock` while holding another lock (but its
+//!   gate, `store.gate`, taken holding nothing: [`acquire_exclusive_gated`]),
+//!   and the holder only *tries* image locks (under the global lock): no
+//!   cycle. A new image's writer takes `store.lock` shared only while its
+//!   gate is free: a waiter for it exclusively is not starved by them.
 //! - A holder that dies leaves a record whose lock is free: stale, dropped
 //!   by the next transaction that looks.
 //! - Reads of the fast path (record.rs) take no transaction: the hold also
@@ -110,6 +113,62 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<bool> {
         }
     }
     Ok(inside)
+}
+
+/// Waits (as `wait` allows) for `locks/store.lock` exclusively, holding
+/// its gate (`locks/store.gate`) exclusively meanwhile: a new image's
+/// writer takes `store.lock` shared only while the gate is free
+/// ([`gate_open`]), and flock(2) grants a shared lock beside a waiting
+/// exclusive request — so without the gate a stream of overlapping new
+/// images would keep the waiter out for good. The gate is taken first,
+/// holding nothing (two such waiters queue on it), and unlinked (the
+/// unlink rule: we hold it exclusively; kept on a shared filesystem) once
+/// `store.lock` is ours or the wait ends — so that a new image's writer
+/// where nobody waits finds no file, one failed open. A writer that opened
+/// the file before its unlink slips in once, no more.
+pub fn acquire_exclusive_gated(
+    root: &crate::root::Root,
+    wait: &mut Wait,
+) -> io::Result<Waited<Guard>> {
+    let gate = match lock::acquire(
+        &root.store_gate(),
+        Mode::Exclusive,
+        lock::IfMissing::Create,
+        wait,
+    )? {
+        Waited::Acquired(g) => g,
+        Waited::TimedOut => return Ok(Waited::TimedOut),
+        Waited::Interrupted(sig) => return Ok(Waited::Interrupted(sig)),
+    };
+    let got = lock::acquire(
+        &root.store_wide_lock(),
+        Mode::Exclusive,
+        lock::IfMissing::Create,
+        wait,
+    );
+    let _ = gate.unlink();
+    got
+}
+
+/// Whether nobody waits to take `store.lock` exclusively right now (its
+/// gate is free, or was never made): a new image's writer takes
+/// `store.lock` shared only then, else it goes the database's way, which
+/// such a waiter does not wait for (a repair) or whose start a store-wide
+/// hold's record refuses once it holds the store. A try, never a wait:
+/// the writer holds its image lock.
+pub fn gate_open(root: &crate::root::Root) -> bool {
+    // Never unlinked: the file locked is the one at the path.
+    let tried = lock::acquire_no_wait_vouched(
+        &root.store_gate(),
+        Mode::Shared,
+        lock::IfMissing::Fail,
+        |_| ((), true),
+    );
+    match tried {
+        Ok(Some(_)) => true,
+        Err(e) => e.kind() == io::ErrorKind::NotFound,
+        Ok(None) => false,
+    }
 }
 
 /// `locks/store.lock` taken shared if no store-wide operation holds the
@@ -375,9 +434,7 @@ pub fn lock_store(store: &mut Store, deadline: Option<Instant>, no_wait: bool) -
                 crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
                 let t0 = Instant::now();
                 let mut wait = Wait::on(&store.ctx().root.locks(), deadline);
-                match lock::acquire(&p, Mode::Exclusive, lock::IfMissing::Create, &mut wait)
-                    .map_err(err)?
-                {
+                match acquire_exclusive_gated(store.root(), &mut wait).map_err(err)? {
                     Waited::Acquired(g) => g,
                     Waited::TimedOut => return Err(busy(t0.elapsed()).into()),
                     Waited::Interrupted(sig) => return Err(Error::Interrupted(sig).into()),

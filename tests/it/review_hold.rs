@@ -121,3 +121,89 @@ fn an_unlocked_descriptor_of_store_lock_is_no_store_wide_hold() {
     let out = hold.finish();
     assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
+
+/// A repair waiting for a new image's writer is not starved by new images
+/// written meanwhile: flock(2) grants a shared lock beside a waiting
+/// exclusive request, so a writer that came after the repair would hold
+/// store.lock past the first one's end, and so on for good. While the
+/// repair waits, a new image goes the database's way, which the repair
+/// does not wait for.
+#[test]
+fn a_repair_waiting_for_new_images_writers_is_not_starved_by_new_ones() {
+    let env = Env::new();
+    env.make_image("base");
+    let first = env.hold_until(&["--write", "one"], "one", "release-one");
+    assert!(env.marker("one").exists(), "written without the database");
+    let repair = env.spawn(["doctor", "--repair"]);
+    let store_lock = env.root.join("locks/store.lock");
+    wait_until("the repair waits for the first writer", || {
+        flock_waited_on(&store_lock)
+    });
+    let second = env.hold_until(&["--write", "two"], "two", "release-two");
+    assert!(
+        !env.marker("two").exists(),
+        "a new image written while a repair waits goes the database's way"
+    );
+    env.release("release-one");
+    let out = first.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    // The second writer still runs: the repair does not wait for it.
+    let out = repair.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.release("release-two");
+    let out = second.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("one").as_deref(), Some("ready"));
+    assert_eq!(env.state("two").as_deref(), Some("ready"));
+    env.ok(["doctor"]);
+}
+
+/// The same for a store-wide command waiting for store.lock: a new image
+/// started meanwhile goes the database's way, and the hold, once it has
+/// the store, waits for that one writer and refuses any later start.
+#[test]
+fn a_store_wide_command_waiting_for_new_images_writers_is_not_starved_by_new_ones() {
+    let env = Env::new();
+    env.make_image("base");
+    let first = env.hold_until(&["--write", "one"], "one", "release-one");
+    assert!(env.marker("one").exists(), "written without the database");
+    let hold = env.spawn(["exec", "--store-wide", "--", "true"]);
+    let store_lock = env.root.join("locks/store.lock");
+    wait_until("the store-wide command waits for the first writer", || {
+        flock_waited_on(&store_lock)
+    });
+    let second = env.hold_until(&["--write", "two"], "two", "release-two");
+    assert!(
+        !env.marker("two").exists(),
+        "a new image written while a store-wide command waits goes the database's way"
+    );
+    env.release("release-one");
+    let out = first.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    // Now the hold has the store and waits for the second writer's image
+    // lock; a third new image is refused while it waits.
+    wait_until("the store-wide command holds the store", || {
+        env.status_json(["--all"])["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| {
+                l["kind"] == "global"
+                    && l["name"] == "store"
+                    && l["holders"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|h| h["mode"] == "exclusive")
+            })
+    });
+    let third = env.run(["exec", "--write", "three", "--no-wait", "--", "true"]);
+    assert_eq!(code(&third), Some(75), "{}", show(&third));
+    env.release("release-two");
+    let out = second.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = hold.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("two").as_deref(), Some("ready"));
+    assert_eq!(env.state("three"), None);
+}
