@@ -669,7 +669,7 @@ fn hold_out_new_writes(store: &mut Store) -> Result<Option<crate::lock::Guard>> 
     // image lock or slot, which is released only once we end.
     if crate::store_wide::inside_image_user(store.ctx()) {
         return Err(busy(
-            format!("{holders}; this process runs in the command of a 'stowage exec' that holds image locks or a slot, which that holder may be waiting for; waiting could never end"),
+            format!("{holders}; this process runs in the command of a 'stowage exec' that holds image locks or a slot, which that holder may be waiting for: waiting could deadlock"),
             std::time::Duration::ZERO,
         )
         .into());
