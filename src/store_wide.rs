@@ -130,23 +130,36 @@ pub fn acquire_exclusive_gated(
     root: &crate::root::Root,
     wait: &mut Wait,
 ) -> io::Result<Waited<Guard>> {
-    let gate = match lock::acquire(
+    // Listed in our lease while we wait (for the gate too), so that
+    // lock-status names us: no record says who waits here.
+    let leases = root.leases();
+    let rel = crate::root::Root::STORE_WIDE_LOCK_REL;
+    let command = crate::ident::command_line(std::process::id()).unwrap_or_default();
+    crate::lease::note(
+        &leases,
+        crate::lease::Holding::now(Mode::Exclusive, rel.into(), true, &command),
+    );
+    let got = lock::acquire(
         &root.store_gate(),
         Mode::Exclusive,
         lock::IfMissing::Create,
         wait,
-    )? {
-        Waited::Acquired(g) => g,
-        Waited::TimedOut => return Ok(Waited::TimedOut),
-        Waited::Interrupted(sig) => return Ok(Waited::Interrupted(sig)),
-    };
-    let got = lock::acquire(
-        &root.store_wide_lock(),
-        Mode::Exclusive,
-        lock::IfMissing::Create,
-        wait,
-    );
-    let _ = gate.unlink();
+    )
+    .and_then(|gated| match gated {
+        Waited::Acquired(gate) => {
+            let got = lock::acquire(
+                &root.store_wide_lock(),
+                Mode::Exclusive,
+                lock::IfMissing::Create,
+                wait,
+            );
+            let _ = gate.unlink();
+            got
+        }
+        Waited::TimedOut => Ok(Waited::TimedOut),
+        Waited::Interrupted(sig) => Ok(Waited::Interrupted(sig)),
+    });
+    crate::lease::forget(&leases, rel);
     got
 }
 

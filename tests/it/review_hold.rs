@@ -207,3 +207,42 @@ fn a_store_wide_command_waiting_for_new_images_writers_is_not_starved_by_new_one
     assert_eq!(env.state("two").as_deref(), Some("ready"));
     assert_eq!(env.state("three"), None);
 }
+
+/// lock-status names a repair waiting for a new image's writer as a
+/// stowage process with its command (its lease lists the wait: no record
+/// does), not as a lock taken outside stowage.
+#[test]
+fn lock_status_names_a_waiting_repair() {
+    let env = Env::new();
+    env.make_image("base");
+    let writer = env.hold(&["--write", "app"], "started");
+    assert!(env.marker("app").exists(), "written without the database");
+    let repair = env.spawn(["doctor", "--repair"]);
+    let store_lock = env.root.join("locks/store.lock");
+    wait_until("the repair waits for the writer", || {
+        flock_waited_on(&store_lock)
+    });
+    let status = env.status_json(["--all"]);
+    let store = status["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["kind"] == "global" && l["name"] == "store")
+        .cloned()
+        .expect("store.lock is shown");
+    let waiters = store["waiters"].as_array().unwrap();
+    assert_eq!(waiters.len(), 1, "{store}");
+    assert_eq!(waiters[0]["pid"], repair.pid(), "{store}");
+    assert_eq!(waiters[0]["stowage"], true, "{store}");
+    assert!(
+        waiters[0]["command"]
+            .as_str()
+            .is_some_and(|c| c.contains("doctor --repair")),
+        "{store}"
+    );
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = repair.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
