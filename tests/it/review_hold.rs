@@ -240,9 +240,51 @@ fn lock_status_names_a_waiting_repair() {
             .is_some_and(|c| c.contains("doctor --repair")),
         "{store}"
     );
+    // The waiting repair holds nothing that gc or rm needs.
+    env.ok(["gc"]);
+    env.ok(["rm", "--no-wait", "base"]);
+    assert_eq!(env.state("base"), None);
     env.release("release");
     let out = writer.finish();
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     let out = repair.finish();
     assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// A repair waiting for a new image's writer ends on SIGTERM or SIGINT as
+/// the shell expects (143, 130), and the gate it held while waiting keeps
+/// no later new image from its way without the database.
+#[test]
+fn a_waiting_repair_ends_on_a_signal_and_leaves_the_gate_open() {
+    use std::os::unix::process::ExitStatusExt;
+    let env = Env::new();
+    env.make_image("base");
+    let writer = env.hold(&["--write", "app"], "started");
+    assert!(env.marker("app").exists(), "written without the database");
+    let store_lock = env.root.join("locks/store.lock");
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        let repair = env.spawn(["doctor", "--repair"]);
+        wait_until("the repair waits for the writer", || {
+            flock_waited_on(&store_lock)
+        });
+        repair.signal(sig);
+        let out = repair.finish();
+        assert!(
+            out.status.signal() == Some(sig) || code(&out) == Some(128 + sig),
+            "signal {sig}: {}",
+            show(&out)
+        );
+    }
+    env.ok(["exec", "--write", "next", "--", "true"]);
+    assert!(
+        env.marker("next").exists(),
+        "a new image after the repair went goes without the database"
+    );
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.state("next").as_deref(), Some("ready"));
 }
