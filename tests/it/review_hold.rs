@@ -288,3 +288,25 @@ fn a_waiting_repair_ends_on_a_signal_and_leaves_the_gate_open() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     assert_eq!(env.state("next").as_deref(), Some("ready"));
 }
+
+/// `init` without `--images-dir`, or naming the images directory already
+/// in use, takes no store.lock: it runs while another program holds it
+/// exclusively (and beside a new image's writer, which holds it shared).
+#[test]
+fn init_without_a_switch_takes_no_store_lock() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let images = env.images_dir();
+    let store_lock = env.root.join("locks/store.lock");
+    let holder = flock_holder(&store_lock, &env.sentinel("held"), "sleep 60");
+    env.ok(["init"]);
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    holder.kill_all();
+    let writer = env.hold(&["--write", "app"], "started");
+    assert!(env.marker("app").exists(), "written without the database");
+    env.ok(["init"]);
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
