@@ -674,6 +674,16 @@ fn hold_out_new_writes(store: &mut Store) -> Result<Option<crate::lock::Guard>> 
         )
         .into());
     }
+    // The environment says an exec runs us, yet neither its locks nor it
+    // are to be seen from here (`--no-inherit` seen from another pid
+    // namespace): that exec may be the holder, waiting for us.
+    if std::env::var_os(crate::env::EXEC_PIDS).is_some_and(|v| !v.is_empty()) {
+        return Err(busy(
+            format!("{holders}; this process runs in the command of a 'stowage exec' ({} says so), which may be that holder or hold what it waits for: waiting could deadlock", crate::env::EXEC_PIDS),
+            std::time::Duration::ZERO,
+        )
+        .into());
+    }
     crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
     let t0 = std::time::Instant::now();
     let mut wait = lock::Wait::on(&store.ctx().root.locks(), None);

@@ -310,3 +310,46 @@ fn init_without_a_switch_takes_no_store_lock() {
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
+
+/// A repair in the command of a new image's writer with `--no-inherit`,
+/// run in another pid namespace: it inherits no descriptor and sees
+/// neither the exec nor its keeper among its ancestors, yet the writer
+/// whose store.lock it would wait for waits for it. It refuses (75).
+#[test]
+fn a_repair_in_another_pid_namespace_under_a_no_inherit_writer_does_not_wait_for_it() {
+    if !root_or_skip("a pid namespace") || !have("unshare") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let mut writer = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "sh",
+        "-c",
+        &format!(
+            "touch \"$STOWAGE_IMAGE_DIR/file\"; '{}' --root '{}' doctor --repair; echo \"repair=$?\"",
+            bin(),
+            env.root.display()
+        ),
+    ]);
+    let store_lock = env.root.join("locks/store.lock");
+    wait_until("the writer ends or the repair waits for store.lock", || {
+        !writer.is_running() || flock_waited_on(&store_lock)
+    });
+    assert!(
+        !flock_waited_on(&store_lock),
+        "the repair waits for the writer that waits for it"
+    );
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stdout(&out).contains("repair=75"), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
