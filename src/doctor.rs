@@ -664,10 +664,30 @@ fn hold_out_new_writes(store: &mut Store) -> Result<Option<crate::lock::Guard>> 
         )
         .into());
     }
+    // The command of an image or slot user runs us: a new image's writer
+    // holding store.lock may be waiting, in its own command, for that very
+    // image lock or slot, which is released only once we end.
+    if crate::store_wide::inside_image_user(store.ctx()) {
+        return Err(busy(
+            format!("{holders}; this process runs in the command of a 'stowage exec' that holds image locks or a slot, which that holder may be waiting for: waiting could deadlock"),
+            std::time::Duration::ZERO,
+        )
+        .into());
+    }
+    // The environment says an exec runs us, yet neither its locks nor it
+    // are to be seen from here (`--no-inherit` seen from another pid
+    // namespace): that exec may be the holder, waiting for us.
+    if std::env::var_os(crate::env::EXEC_PIDS).is_some_and(|v| !v.is_empty()) {
+        return Err(busy(
+            format!("{holders}; this process runs in the command of a 'stowage exec' ({} says so), which may be that holder or hold what it waits for: waiting could deadlock", crate::env::EXEC_PIDS),
+            std::time::Duration::ZERO,
+        )
+        .into());
+    }
     crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
     let t0 = std::time::Instant::now();
     let mut wait = lock::Wait::on(&store.ctx().root.locks(), None);
-    match lock::acquire(&p, Mode::Exclusive, IfMissing::Create, &mut wait).map_err(err)? {
+    match crate::store_wide::acquire_exclusive_gated(store.root(), &mut wait).map_err(err)? {
         Waited::Acquired(g) => Ok(Some(g)),
         Waited::TimedOut => Err(busy(holders, t0.elapsed()).into()),
         Waited::Interrupted(sig) => Err(crate::Error::Interrupted(sig).into()),

@@ -197,6 +197,13 @@ impl Root {
         self.locks().join(Self::STORE_WIDE_LOCK_REL)
     }
 
+    /// The gate of `store.lock` (`store_wide.rs`): held exclusively by
+    /// whoever waits to take `store.lock` exclusively, so that new images'
+    /// writers, which take it shared without waiting, stop piling in.
+    pub fn store_gate(&self) -> PathBuf {
+        self.locks().join("store.gate")
+    }
+
     /// [`Root::store_wide_lock`] relative to `locks/`, as records name it.
     pub const STORE_WIDE_LOCK_REL: &'static str = "store.lock";
 

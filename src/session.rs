@@ -368,7 +368,13 @@ impl Session {
                             // for us. And before the statement is read: a
                             // switch of the images directory (`init`) holds
                             // it exclusively until it has stated the new one.
+                            // Not while someone waits to take it
+                            // exclusively (a repair, a store-wide
+                            // command): new images would starve it.
                             if store_shared.is_none() {
+                                if !crate::store_wide::gate_open(store.root()) {
+                                    return None;
+                                }
                                 store_shared = Some(crate::store_wide::try_shared(store.root())?);
                             }
                             let (stated, dir) = statement

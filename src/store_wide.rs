@@ -21,8 +21,11 @@
 //! - The command itself, and whatever it starts, inherits the lease (unless
 //!   `--no-inherit`): a stowage exec holding that descriptor is inside the
 //!   hold and goes ahead, rather than wait for itself.
-//! - Nobody waits for `store.lock` while holding another lock, and the
-//!   holder only *tries* image locks (under the global lock): no cycle.
+//! - Nobody waits for `store.lock` while holding another lock (but its
+//!   gate, `store.gate`, taken holding nothing: [`acquire_exclusive_gated`]),
+//!   and the holder only *tries* image locks (under the global lock): no
+//!   cycle. A new image's writer takes `store.lock` shared only while its
+//!   gate is free: a waiter for it exclusively is not starved by them.
 //! - A holder that dies leaves a record whose lock is free: stale, dropped
 //!   by the next transaction that looks.
 //! - Reads of the fast path (record.rs) take no transaction: the hold also
@@ -112,6 +115,75 @@ pub fn check(tx: &Tx, ctx: &Ctx) -> Result<bool> {
     Ok(inside)
 }
 
+/// Waits (as `wait` allows) for `locks/store.lock` exclusively, holding
+/// its gate (`locks/store.gate`) exclusively meanwhile: a new image's
+/// writer takes `store.lock` shared only while the gate is free
+/// ([`gate_open`]), and flock(2) grants a shared lock beside a waiting
+/// exclusive request — so without the gate a stream of overlapping new
+/// images would keep the waiter out for good. The gate is taken first,
+/// holding nothing (two such waiters queue on it), and unlinked (the
+/// unlink rule: we hold it exclusively; kept on a shared filesystem) once
+/// `store.lock` is ours or the wait ends — so that a new image's writer
+/// where nobody waits finds no file, one failed open. A writer that opened
+/// the file before its unlink slips in once, no more.
+pub fn acquire_exclusive_gated(
+    root: &crate::root::Root,
+    wait: &mut Wait,
+) -> io::Result<Waited<Guard>> {
+    // Listed in our lease while we wait (for the gate too), so that
+    // lock-status names us: no record says who waits here.
+    let leases = root.leases();
+    let rel = crate::root::Root::STORE_WIDE_LOCK_REL;
+    let command = crate::ident::command_line(std::process::id()).unwrap_or_default();
+    crate::lease::note(
+        &leases,
+        crate::lease::Holding::now(Mode::Exclusive, rel.into(), true, &command),
+    );
+    let got = lock::acquire(
+        &root.store_gate(),
+        Mode::Exclusive,
+        lock::IfMissing::Create,
+        wait,
+    )
+    .and_then(|gated| match gated {
+        Waited::Acquired(gate) => {
+            let got = lock::acquire(
+                &root.store_wide_lock(),
+                Mode::Exclusive,
+                lock::IfMissing::Create,
+                wait,
+            );
+            let _ = gate.unlink();
+            got
+        }
+        Waited::TimedOut => Ok(Waited::TimedOut),
+        Waited::Interrupted(sig) => Ok(Waited::Interrupted(sig)),
+    });
+    crate::lease::forget(&leases, rel);
+    got
+}
+
+/// Whether nobody waits to take `store.lock` exclusively right now (its
+/// gate is free, or was never made): a new image's writer takes
+/// `store.lock` shared only then, else it goes the database's way, which
+/// such a waiter does not wait for (a repair) or whose start a store-wide
+/// hold's record refuses once it holds the store. A try, never a wait:
+/// the writer holds its image lock.
+pub fn gate_open(root: &crate::root::Root) -> bool {
+    // Never unlinked: the file locked is the one at the path.
+    let tried = lock::acquire_no_wait_vouched(
+        &root.store_gate(),
+        Mode::Shared,
+        lock::IfMissing::Fail,
+        |_| ((), true),
+    );
+    match tried {
+        Ok(Some(_)) => true,
+        Err(e) => e.kind() == io::ErrorKind::NotFound,
+        Ok(None) => false,
+    }
+}
+
 /// `locks/store.lock` taken shared if no store-wide operation holds the
 /// store right now (a read of the fast path asks, holding its image locks,
 /// when a hint says one may: see `Session::begin`), created if missing so
@@ -145,6 +217,14 @@ fn lock_dirs(ctx: &Ctx) -> Option<(PathBuf, PathBuf)> {
         std::fs::canonicalize(ctx.root.image_locks()).ok()?,
         std::fs::canonicalize(ctx.root.slot_locks()).ok()?,
     ))
+}
+
+/// Does this process run in the command of an exec that holds image
+/// locks or a slot (inherited, or kept by the exec with `--no-inherit`)?
+/// Such a process must not wait for `store.lock` held by anyone but an
+/// enclosing hold: its holder may be waiting for those very locks.
+pub fn inside_image_user(ctx: &Ctx) -> bool {
+    inherits_lock(ctx) || enclosing_exec_holds_lock(ctx)
 }
 
 /// Does an exec that runs us (with `--no-inherit`, its command holds no
@@ -324,7 +404,7 @@ pub fn lock_store(store: &mut Store, deadline: Option<Instant>, no_wait: bool) -
     // store-wide command waits for every one of them to be free, that
     // exec's included, which waits for us. Said at once, before waiting
     // for another hold (which would itself wait for that exec).
-    if inherits_lock(store.ctx()) || enclosing_exec_holds_lock(store.ctx()) {
+    if inside_image_user(store.ctx()) {
         return Err(Error::Busy(Busy {
             what: "the store-wide lock".into(),
             holders: "this process runs in the command of a 'stowage exec' that holds \
@@ -367,9 +447,7 @@ pub fn lock_store(store: &mut Store, deadline: Option<Instant>, no_wait: bool) -
                 crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
                 let t0 = Instant::now();
                 let mut wait = Wait::on(&store.ctx().root.locks(), deadline);
-                match lock::acquire(&p, Mode::Exclusive, lock::IfMissing::Create, &mut wait)
-                    .map_err(err)?
-                {
+                match acquire_exclusive_gated(store.root(), &mut wait).map_err(err)? {
                     Waited::Acquired(g) => g,
                     Waited::TimedOut => return Err(busy(t0.elapsed()).into()),
                     Waited::Interrupted(sig) => return Err(Error::Interrupted(sig).into()),

@@ -302,9 +302,14 @@ pub(super) fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
 pub fn inherited_exclusive(path: &Path) -> bool {
     match held_here(path) {
         Some(mode) => mode == Mode::Exclusive,
-        // Nothing the kernel lists (no `lock:` lines, or none of ours): a
-        // descriptor of ours on the file while a lock of our own taking
-        // shared is refused — held exclusively, and then through it.
+        // A kernel that lists flocks lists none of ours: a descriptor of
+        // ours on the file holds no lock (one a script opened, say), and
+        // someone else's exclusive lock is not our hold.
+        None if fdinfo_lists_flocks() => false,
+        // A kernel that lists no flocks at all: a descriptor of ours on
+        // the file while a lock of our own taking shared is refused — held
+        // exclusively, and then (stowage clears close-on-exec only on
+        // descriptors that hold their lock) through it.
         None => {
             let Ok(target) = fs::metadata(path) else {
                 return false;
@@ -320,6 +325,25 @@ pub fn inherited_exclusive(path: &Path) -> bool {
                 .is_ok_and(|got| !got)
         }
     }
+}
+
+/// Whether this kernel lists a descriptor's flock in /proc/self/fdinfo
+/// (`lock:` lines, as Linux has since 3.8; a sandboxed kernel may not):
+/// asked once per process, of a lock on a private memory file, which no
+/// other process can hold or wait for.
+fn fdinfo_lists_flocks() -> bool {
+    static LISTS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LISTS.get_or_init(|| {
+        // SAFETY: a new descriptor, owned by the File from here on.
+        let fd = unsafe { libc::memfd_create(c"stowage-fdinfo".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return false;
+        }
+        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        flock_try(&file, Mode::Shared).unwrap_or(false)
+            && fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
+                .is_ok_and(|info| fdinfo_flock(&info) == Some(Mode::Shared))
+    })
 }
 
 pub(super) fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {

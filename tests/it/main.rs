@@ -56,6 +56,7 @@ mod new_alone;
 mod records_db;
 mod review_final;
 mod review_fresh;
+mod review_hold;
 mod review_new;
 mod review_reads;
 mod review_reads2;

@@ -360,10 +360,11 @@ fn commands_cost_no_more_round_trips_than_measured() {
     let fold = round_trips(&env, &["images"]).unwrap();
     eprintln!("images, folding a write: {fold} counted calls");
     // A new image takes no transaction either (written.rs, new images):
-    // 34, the bound is 40.
+    // 35 (34, and the failed open of store.lock's gate: nobody waits for
+    // store.lock), the bound is 40.
     let new = round_trips(&env, &["exec", "--write", "new", "--", "true"]).unwrap();
     eprintln!("exec --write (new): {new} counted calls");
-    assert!(new <= 34, "exec --write of a new image: {new} calls");
+    assert!(new <= 35, "exec --write of a new image: {new} calls");
     // `images` uses the database (docs/performance.md has scripts/
     // roundtrips' figures; this store, three images (one of a file) and a
     // slot class, counts a few more): what it costs must not creep up.
