@@ -384,6 +384,15 @@ impl Env {
         ]);
     }
 
+    /// What `file` of image `name` holds, read by a command of `exec
+    /// --read NAME` (which must succeed). For a name that is its own
+    /// encoding (no `/` or `:`).
+    pub fn read_in_image(&self, name: &str, file: &str) -> String {
+        let script = format!("cat \"$STOWAGE_IMAGES_DIR/{name}/{file}\"");
+        let out = self.ok(["exec", "--read", name, "--", "sh", "-c", &script]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     pub fn lock_file(&self, enc: &str) -> PathBuf {
         self.root.join("locks/images").join(format!("{enc}.lock"))
     }

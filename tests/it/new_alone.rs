@@ -309,16 +309,7 @@ fn a_new_tree_over_an_interrupted_removal_is_the_image() {
         Some("ready"),
         "gc kept the new tree"
     );
-    let out = env.ok([
-        "exec",
-        "--read",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        "cat \"$STOWAGE_IMAGES_DIR/app/file\"",
-    ]);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "new\n");
+    assert_eq!(env.read_in_image("app", "file"), "new\n");
     env.ok(["doctor"]);
 }
 

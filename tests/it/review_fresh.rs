@@ -99,16 +99,7 @@ fn a_repair_that_found_the_tree_missing_keeps_the_one_a_write_made_since() {
         "the write that ended well is the image: {}",
         show(&out)
     );
-    let out = env.ok([
-        "exec",
-        "--read",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        "cat \"$STOWAGE_IMAGES_DIR/app/file\"",
-    ]);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "new\n");
+    assert_eq!(env.read_in_image("app", "file"), "new\n");
     env.ok(["doctor"]);
 }
 
