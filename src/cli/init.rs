@@ -92,11 +92,18 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                     crate::lock::IfMissing::Create,
                 )?;
                 let Some(held) = held else {
-                    bail!(
-                        "root {} is busy (a new image being written, or a store-wide command: {} is held); refusing to switch images directories beside it",
-                        ctx.root.dir().display(),
-                        ctx.root.store_wide_lock().display()
-                    );
+                    // A lock not had (75, as the contract has it), never
+                    // waited for inside a transaction.
+                    let path = ctx.root.store_wide_lock();
+                    return Err(crate::Error::Busy(crate::error::Busy {
+                        what: format!(
+                            "the store-wide lock {} (needed free to switch images directories; a new image is being written, or a store-wide command runs)",
+                            path.display()
+                        ),
+                        holders: crate::holders::kernel_holders_phrase(ctx, &path),
+                        waited: std::time::Duration::ZERO,
+                    })
+                    .into());
                 };
                 switch_held = Some(held);
             }
