@@ -513,11 +513,11 @@ pub fn kernel_locked_images(ctx: &Ctx, kv: &KernelView) -> Result<Vec<(String, L
         if !wanted.contains(&entry.ino()) {
             continue;
         }
-        let fname = entry.file_name();
-        let Some(enc) = fname.to_str().and_then(|f| f.strip_suffix(".lock")) else {
-            continue;
-        };
-        if let Ok(name) = ImageName::from_encoded(enc) {
+        if let Some(name) = entry
+            .file_name()
+            .to_str()
+            .and_then(crate::root::Root::image_of_lock_file)
+        {
             out.push((
                 name.as_str().to_owned(),
                 kv.view_inode(meta.dev(), entry.ino()),

@@ -696,12 +696,18 @@ fn writable_by_others_only(path: &Path) -> bool {
 /// The record in the lock file at `path`, opened for reading only (one
 /// this process may not write).
 pub(crate) fn found_read_only(path: &Path) -> io::Result<Found> {
+    found(&open_read_only(path)?)
+}
+
+/// Opens a lock file of the store for reading only (another user's, not
+/// writable for us, too), never through a link in its place, and without
+/// blocking on a FIFO planted there.
+pub(crate) fn open_read_only(path: &Path) -> io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
+    std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(path)?;
-    found(&file)
+        .open(path)
 }
 
 /// Opens an image lock file for its token: `None` if it is missing or is

@@ -75,13 +75,7 @@ fn stated(global: &std::fs::File) -> Option<Statement> {
 /// not yet used) names an identity the fold then refuses to vouch for —
 /// the write is lost to `incomplete`, never made ready.
 pub fn statement(root: &crate::root::Root) -> Option<(crate::record::DbId, std::path::PathBuf)> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(root.global_lock())
-        .ok()?;
-    let st = stated(&file)?;
+    let st = stated(&crate::record::open_read_only(&root.global_lock()).ok()?)?;
     Some((crate::record::DbId::from_id(st.db)?, st.images?))
 }
 

@@ -556,9 +556,7 @@ pub fn finish_interrupted(store: &mut Store, fix: bool) -> Result<Leftovers> {
             // A writer's record (a new image written without the database,
             // not folded yet) is no leftover: a dry run leaves it to the
             // next fold rather than fold it (a write) to be sure.
-            if !fix
-                && crate::record::found(guard.file()).is_ok_and(|f| crate::written::is_writers(&f))
-            {
+            if !fix && crate::written::carries_writers_record(guard.file()) {
                 continue;
             }
             if recheck(store, &n, guard, fix)?.is_none() {
@@ -594,9 +592,7 @@ pub(crate) fn release_unclaimed(
     // the next transaction folds it — such a file is no leftover.
     let rowless = |n: &ImageName, file: Option<&std::fs::File>| {
         matches!(tx.image(n.as_str()), Ok(None))
-            && !file.is_some_and(|f| {
-                crate::record::found(f).is_ok_and(|f| crate::written::is_writers(&f))
-            })
+            && !file.is_some_and(crate::written::carries_writers_record)
     };
     let gate = |n: &ImageName| {
         lock::acquire_no_wait(&root.image_gate(n), Mode::Exclusive, lock::IfMissing::Fail)

@@ -215,8 +215,13 @@ impl Root {
     /// The image whose lock file `rel` (relative to `locks/`) is, if it is
     /// one (the inverse of [`Root::image_lock_rel`], for decodable names).
     pub fn image_of_lock_rel(rel: &str) -> Option<ImageName> {
-        let enc = rel.strip_prefix("images/")?.strip_suffix(".lock")?;
-        ImageName::from_encoded(enc).ok()
+        Self::image_of_lock_file(rel.strip_prefix("images/")?)
+    }
+
+    /// The image whose lock file, by its name in `locks/images`, `fname`
+    /// is, if it is one (decodable).
+    pub fn image_of_lock_file(fname: &str) -> Option<ImageName> {
+        ImageName::from_encoded(fname.strip_suffix(".lock")?).ok()
     }
 
     /// The slot class whose slot file `rel` (relative to `locks/`) is.

@@ -114,6 +114,17 @@ impl Held {
         self.mode == Mode::Exclusive && !self.keep
     }
 
+    /// After a failed command: the directory this session made for the
+    /// write goes if the command left it empty (rmdir: only an empty one),
+    /// under the write lock — unless a process of the command's tree that
+    /// outlived it still holds that lock ([`open_elsewhere`]), and may
+    /// still write there.
+    fn remove_made_tree_if_empty(&self, root: &crate::root::Root, images_dir: &Path) {
+        if self.made_dir && !open_elsewhere(&self.guard) {
+            crate::remove::remove_empty_image_dir(root, images_dir, &self.name);
+        }
+    }
+
     /// The lock file, as records and leases name it.
     fn lockfile(&self) -> String {
         crate::root::Root::image_lock_rel(&self.name)
@@ -358,46 +369,15 @@ impl Session {
                         }
                         // No ready token: perhaps no image at all, or none
                         // whose tree is there (the lock file says nothing;
-                        // the tree made below must not exist).
+                        // the tree made at the start must not exist).
                         None if new_ok => {
-                            let (g, made_lock) =
-                                crate::acquire::image::try_new(store.root(), name)?;
-                            // Taken after our image lock, kept to the end:
-                            // a store-wide command that holds the store now
-                            // sends us its way; one that comes later waits
-                            // for us. And before the statement is read: a
-                            // switch of the images directory (`init`) holds
-                            // it exclusively until it has stated the new one.
-                            // Not while someone waits to take it
-                            // exclusively (a repair, a store-wide
-                            // command): new images would starve it.
-                            if store_shared.is_none() {
-                                if !crate::store_wide::gate_open(store.root()) {
-                                    return None;
-                                }
-                                store_shared = Some(crate::store_wide::try_shared(store.root())?);
-                            }
-                            let (stated, dir) = statement
-                                .get_or_init(|| crate::records_db::statement(store.root()))
-                                .clone()?;
-                            // And the database there now, as a write of an
-                            // existing image checks: the write is recorded
-                            // by the database it was made for (a lost or
-                            // replaced one sends it the database's way,
-                            // which makes its first transaction on it).
-                            let db = db
-                                .get_or_init(|| crate::record::DbId::of(&store.root().db()))
-                                .filter(|now| *now == stated)?;
-                            let record = crate::record::Token {
-                                fresh: true,
-                                ..crate::record::Token::new(store.root(), name, &dir, db, 0)
-                            };
-                            let fast = FastWrite {
-                                before: Vec::new(),
-                                record,
-                                new: true,
-                                made_lock,
-                            };
+                            let (g, dir, fast) = try_new_write(
+                                store.root(),
+                                name,
+                                &db,
+                                &statement,
+                                &mut store_shared,
+                            )?;
                             (g, dir, false, Some(fast))
                         }
                         None => return None,
@@ -661,10 +641,8 @@ impl Session {
         // A tree this write made and a failed command left empty goes, as
         // the database's way has it (the record says incomplete).
         if outcome == Outcome::Failure {
-            for h in self.held.iter().filter(|h| h.fast.is_some() && h.made_dir) {
-                if empty_dir(&self.images_dir.join(h.name.encoded())) && !open_elsewhere(&h.guard) {
-                    crate::remove::remove_empty_image_dir(root, &self.images_dir, &h.name);
-                }
+            for h in self.held.iter().filter(|h| h.fast.is_some()) {
+                h.remove_made_tree_if_empty(root, &self.images_dir);
             }
         }
         None
@@ -830,12 +808,8 @@ impl Session {
         for (h, (_, gone, trusted)) in self.held.into_iter().zip(written) {
             if gone && trusted {
                 unlink_image_lock(store.root(), &h.name, h.guard);
-            } else if h.made_dir
-                && trusted
-                && outcome == Outcome::Failure
-                && !open_elsewhere(&h.guard)
-            {
-                crate::remove::remove_empty_image_dir(store.root(), images_dir, &h.name);
+            } else if trusted && outcome == Outcome::Failure {
+                h.remove_made_tree_if_empty(store.root(), images_dir);
             }
         }
         drop(self.slot);
@@ -915,6 +889,51 @@ impl Session {
         }
         Ok(())
     }
+}
+
+/// A new image's write without the database, up to its start
+/// (written.rs, new images): its lock (`acquire::image::try_new`), then
+/// `store.lock` shared for the session (`store_shared`, taken once) — after
+/// our image lock, so that a store-wide command that holds the store now
+/// sends us its way and one that comes later waits for us; before the
+/// statement is read, as a switch of the images directory (`init`) holds
+/// it exclusively until it has stated the new one; and not while someone
+/// waits to take it exclusively (a repair, a store-wide command), which
+/// new images would starve — then the statement, and the database there
+/// now, which must be the one it names (a lost or replaced one sends the
+/// write the database's way, which makes its first transaction on it).
+/// Returns the lock, the images directory and the write's record to be.
+fn try_new_write(
+    root: &crate::root::Root,
+    name: &ImageName,
+    db: &std::cell::OnceCell<Option<crate::record::DbId>>,
+    statement: &std::cell::OnceCell<Option<(crate::record::DbId, PathBuf)>>,
+    store_shared: &mut Option<Guard>,
+) -> Option<(Guard, PathBuf, FastWrite)> {
+    let (g, made_lock) = crate::acquire::image::try_new(root, name)?;
+    if store_shared.is_none() {
+        if !crate::store_wide::gate_open(root) {
+            return None;
+        }
+        *store_shared = Some(crate::store_wide::try_shared(root)?);
+    }
+    let (stated, dir) = statement
+        .get_or_init(|| crate::records_db::statement(root))
+        .clone()?;
+    let db = db
+        .get_or_init(|| crate::record::DbId::of(&root.db()))
+        .filter(|now| *now == stated)?;
+    let record = crate::record::Token {
+        fresh: true,
+        ..crate::record::Token::new(root, name, &dir, db, 0)
+    };
+    let fast = FastWrite {
+        before: Vec::new(),
+        record,
+        new: true,
+        made_lock,
+    };
+    Some((g, dir, fast))
 }
 
 /// Steps 2 and 3 of `crate::written` for the writes of a request without

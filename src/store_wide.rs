@@ -170,7 +170,9 @@ pub fn acquire_exclusive_gated(
 /// hold's record refuses once it holds the store. A try, never a wait:
 /// the writer holds its image lock.
 pub fn gate_open(root: &crate::root::Root) -> bool {
-    // Never unlinked: the file locked is the one at the path.
+    // No stats for the unlink race: a gate its waiter unlinked since our
+    // open is one nobody waits at any more, so a try of it says "open"
+    // rightly (and a waiter holding the file at the path refuses us).
     let tried = lock::acquire_no_wait_vouched(
         &root.store_gate(),
         Mode::Shared,

@@ -377,14 +377,9 @@ pub fn fold(tx: &Tx, ctx: &Ctx, m: &Markers) -> Result<()> {
 /// adopt like any other (skipped, it would be in no listing, and no
 /// check would see it).
 pub fn new_write_of(tx: &Tx, root: &Root, name: &ImageName) -> bool {
-    use std::os::unix::fs::OpenOptionsExt;
     // Read-only: another user's lock file (not writable for us) is probed
     // all the same.
-    let Ok(file) = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(root.image_lock(name))
-    else {
+    let Ok(file) = crate::record::open_read_only(&root.image_lock(name)) else {
         return false;
     };
     match lock::try_shared_open(&file) {
@@ -419,12 +414,7 @@ pub fn salvage_new(tx: &Tx, root: &Root, images_dir: &Path) -> Result<usize> {
     };
     let mut n = 0;
     for e in entries.flatten() {
-        let file_name = e.file_name();
-        let Some(name) = file_name
-            .to_str()
-            .and_then(|f| f.strip_suffix(".lock"))
-            .and_then(|enc| ImageName::from_encoded(enc).ok())
-        else {
+        let Some(name) = e.file_name().to_str().and_then(Root::image_of_lock_file) else {
             continue;
         };
         let Ok(Some(file)) = crate::record::open_lock_file(&e.path()) else {
@@ -479,6 +469,13 @@ fn set_ready(tx: &Tx, name: &ImageName, t: &Token) -> Result<()> {
     tx.touch(name.as_str(), t.used)?;
     tx.set_size(name.as_str(), t.size)?;
     tx.set_base(name.as_str(), None)
+}
+
+/// Whether the lock file `file` carries a writer's record ([`is_writers`]):
+/// the truth about its image until folded, which no cleanup may take for
+/// a leftover.
+pub fn carries_writers_record(file: &std::fs::File) -> bool {
+    crate::record::found(file).is_ok_and(|f| is_writers(&f))
 }
 
 /// Whether a record read from a lock file is a writer's (a `writing` or
