@@ -128,139 +128,228 @@ pub fn copy_tree_at(
     let names = src_root
         .entries()
         .with_context(|| format!("cannot list {}", src.display()))?;
-
-    let mut out = Copied::default();
-    // First copy of each hard-linked inode, as names from `dst`.
-    let mut links: HashMap<(u64, u64), Vec<CString>> = HashMap::new();
-    let mut reflink_works = true;
-    let mut trail = Trail::default();
-    // Directories get their mode and times after their contents are in
-    // place: a read-only directory must stay writable while we fill it, and
-    // writing into it would change its mtime.
-    let dev = meta.st_dev;
-    let mut stack = vec![Frame {
+    let top = Frame {
         src: src_root,
         dst: dst_root
             .sub(".")
             .with_context(|| format!("cannot open {}", dst.display()))?,
         meta,
         names: names.into_iter(),
-    }];
-    while let Some(top) = stack.last_mut() {
-        let Some(name) = top.names.next() else {
-            let done = stack.pop().expect("not empty");
-            trail.0.pop();
-            let at = || trail.show(dst, None);
-            set_attrs(
-                Target::Fd(done.dst.fd()),
-                Target::Fd(done.src.fd()),
-                &done.meta,
-                &mut out,
-                &at,
-            )
-            .with_context(|| format!("cannot set attributes of {}", at()))?;
-            continue;
-        };
-        crate::signals::check()?;
-        let from = || trail.show(src, Some(&name));
-        let to = || trail.show(dst, Some(&name));
-        let ctx = || format!("cannot copy {} to {}", from(), to());
-        let meta = top.src.lstat_at(&name).with_context(ctx)?;
+    };
+    let mut copy = TreeCopy {
+        src,
+        dst,
+        dst_root,
+        dev: meta.st_dev,
+        trail: Trail::default(),
+        links: HashMap::new(),
+        reflink_works: true,
+        out: Copied::default(),
+        progress,
+    };
+    copy.walk(top)?;
+    Ok(copy.finish())
+}
+
+/// A copy under way: where it goes, what it has seen, what it did.
+struct TreeCopy<'a> {
+    /// The two tops, as messages name them.
+    src: &'a Path,
+    dst: &'a Path,
+    /// The top of the copy, where hard links find their first copies.
+    dst_root: Dir,
+    /// The base's filesystem: a directory on another is a mount point.
+    dev: u64,
+    /// The names from the tops down to the directory being copied.
+    trail: Trail,
+    /// First copy of each hard-linked inode, as names from `dst`.
+    links: HashMap<(u64, u64), Vec<CString>>,
+    reflink_works: bool,
+    out: Copied,
+    progress: &'a mut dyn Progress,
+}
+
+impl TreeCopy<'_> {
+    /// Copies the tree below `top`, depth first, one directory descriptor
+    /// per level.
+    fn walk(&mut self, top: Frame) -> Result<()> {
+        let mut stack = vec![top];
+        while let Some(top) = stack.last_mut() {
+            let Some(name) = top.names.next() else {
+                let done = stack.pop().expect("not empty");
+                self.finish_dir(done)?;
+                continue;
+            };
+            crate::signals::check()?;
+            if let Some(sub) = self.copy_entry(top, name)? {
+                stack.push(sub);
+            }
+        }
+        Ok(())
+    }
+
+    /// Directories get their mode and times after their contents are in
+    /// place: a read-only directory must stay writable while we fill it,
+    /// and writing into it would change its mtime.
+    fn finish_dir(&mut self, done: Frame) -> Result<()> {
+        self.trail.0.pop();
+        let at = || self.trail.show(self.dst, None);
+        set_attrs(
+            Target::Fd(done.dst.fd()),
+            Target::Fd(done.src.fd()),
+            &done.meta,
+            &mut self.out,
+            &at,
+        )
+        .with_context(|| format!("cannot set attributes of {}", at()))
+    }
+
+    /// Copies the entry `name` of `top`; a directory is created and
+    /// returned, to be filled next.
+    fn copy_entry(&mut self, top: &Frame, name: CString) -> Result<Option<Frame>> {
+        let meta = top
+            .src
+            .lstat_at(&name)
+            .with_context(|| self.cannot_copy(&name))?;
         let ft = tree::file_type(&meta);
         if ft == libc::S_IFDIR {
-            // Owner rwx while filling; the real mode is set at the end.
-            mkdirat(&top.dst, &name).with_context(ctx)?;
-            let s = top.src.open_at(&name).with_context(ctx)?;
-            let d = top.dst.open_at(&name).with_context(ctx)?;
-            // A filesystem mounted inside the base (a bind mount a build
-            // left) is not the base's tree, as measuring and deleting have
-            // it: its mount point is copied, its contents are not.
-            let names = if meta.st_dev == dev {
-                s.entries().with_context(ctx)?
-            } else {
-                out.mounts_left_out.push(from());
-                Vec::new()
-            };
-            trail.0.push(name);
-            stack.push(Frame {
-                src: s,
-                dst: d,
-                meta,
-                names: names.into_iter(),
-            });
-            continue;
+            return self.enter_dir(top, name, meta).map(Some);
         }
-        if meta.st_nlink > 1 {
-            let key = (meta.st_dev, meta.st_ino);
-            if let Some(first) = links.get(&key) {
-                link_to(&dst_root, first, &top.dst, &name).with_context(ctx)?;
-                continue;
-            }
-            let mut names = trail.0.clone();
-            names.push(name.clone());
-            links.insert(key, names);
+        if meta.st_nlink > 1 && self.linked_to_copy(top, &name, &meta)? {
+            return Ok(None);
         }
-        let at = || to();
         match ft {
-            libc::S_IFLNK => {
-                let target = readlinkat(&top.src, &name).with_context(ctx)?;
-                symlinkat(&target, &top.dst, &name).with_context(ctx)?;
-                set_attrs(
-                    Target::At(&top.dst, &name),
-                    Target::At(&top.src, &name),
-                    &meta,
-                    &mut out,
-                    &at,
-                )
-                .with_context(ctx)?;
-            }
-            libc::S_IFREG => {
-                let (src_f, dst_f) =
-                    open_pair(&top.src, &top.dst, &name, &meta).with_context(ctx)?;
-                let reflinked = copy_data(&src_f, &dst_f, &mut reflink_works).with_context(ctx)?;
-                set_attrs(
-                    Target::Fd(dst_f.as_raw_fd()),
-                    Target::Fd(src_f.as_raw_fd()),
-                    &meta,
-                    &mut out,
-                    &at,
-                )
-                .with_context(ctx)?;
-                let len = meta.st_size as u64;
-                out.files += 1;
-                out.bytes += len;
-                out.reflinked += u64::from(reflinked);
-                progress.advance(len);
-                if out.files == 1 {
-                    crate::debug::pause("clone-copying");
-                }
-            }
-            _ => {
-                match mknodat(&top.dst, &name, &meta) {
-                    Ok(()) => {}
-                    Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                        out.skipped_special += 1;
-                        // Its other names are skipped too, not linked to
-                        // nothing.
-                        links.remove(&(meta.st_dev, meta.st_ino));
-                        continue;
-                    }
-                    Err(e) => return Err(e).with_context(ctx),
-                }
-                set_attrs(
-                    Target::At(&top.dst, &name),
-                    Target::At(&top.src, &name),
-                    &meta,
-                    &mut out,
-                    &at,
-                )
-                .with_context(ctx)?;
-            }
+            libc::S_IFLNK => self.copy_symlink(top, &name, &meta)?,
+            libc::S_IFREG => self.copy_file(top, &name, &meta)?,
+            _ => self.copy_special(top, &name, &meta)?,
         }
+        Ok(None)
     }
-    drop(dst_root);
-    progress.finish();
-    Ok(out)
+
+    /// Creates the copy of directory `name` (owner rwx while filling; the
+    /// real mode is set at the end) and opens both for the walk.
+    fn enter_dir(&mut self, top: &Frame, name: CString, meta: libc::stat) -> Result<Frame> {
+        mkdirat(&top.dst, &name).with_context(|| self.cannot_copy(&name))?;
+        let s = top
+            .src
+            .open_at(&name)
+            .with_context(|| self.cannot_copy(&name))?;
+        let d = top
+            .dst
+            .open_at(&name)
+            .with_context(|| self.cannot_copy(&name))?;
+        // A filesystem mounted inside the base (a bind mount a build
+        // left) is not the base's tree, as measuring and deleting have
+        // it: its mount point is copied, its contents are not.
+        let names = if meta.st_dev == self.dev {
+            s.entries().with_context(|| self.cannot_copy(&name))?
+        } else {
+            let mount = self.trail.show(self.src, Some(&name));
+            self.out.mounts_left_out.push(mount);
+            Vec::new()
+        };
+        self.trail.0.push(name);
+        Ok(Frame {
+            src: s,
+            dst: d,
+            meta,
+            names: names.into_iter(),
+        })
+    }
+
+    /// For an inode with several names: a name after the first becomes a
+    /// link to the first one's copy (returns true); the first is noted.
+    fn linked_to_copy(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<bool> {
+        let key = (meta.st_dev, meta.st_ino);
+        if let Some(first) = self.links.get(&key) {
+            link_to(&self.dst_root, first, &top.dst, name)
+                .with_context(|| self.cannot_copy(name))?;
+            return Ok(true);
+        }
+        let mut names = self.trail.0.clone();
+        names.push(name.to_owned());
+        self.links.insert(key, names);
+        Ok(false)
+    }
+
+    fn copy_symlink(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
+        let target = readlinkat(&top.src, name).with_context(|| self.cannot_copy(name))?;
+        symlinkat(&target, &top.dst, name).with_context(|| self.cannot_copy(name))?;
+        let at = || self.trail.show(self.dst, Some(name));
+        set_attrs(
+            Target::At(&top.dst, name),
+            Target::At(&top.src, name),
+            meta,
+            &mut self.out,
+            &at,
+        )
+        .with_context(|| self.cannot_copy(name))
+    }
+
+    fn copy_file(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
+        let (src_f, dst_f) =
+            open_pair(&top.src, &top.dst, name, meta).with_context(|| self.cannot_copy(name))?;
+        let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works)
+            .with_context(|| self.cannot_copy(name))?;
+        let at = || self.trail.show(self.dst, Some(name));
+        set_attrs(
+            Target::Fd(dst_f.as_raw_fd()),
+            Target::Fd(src_f.as_raw_fd()),
+            meta,
+            &mut self.out,
+            &at,
+        )
+        .with_context(|| self.cannot_copy(name))?;
+        let len = meta.st_size as u64;
+        self.out.files += 1;
+        self.out.bytes += len;
+        self.out.reflinked += u64::from(reflinked);
+        self.progress.advance(len);
+        if self.out.files == 1 {
+            crate::debug::pause("clone-copying");
+        }
+        Ok(())
+    }
+
+    /// A FIFO, socket or device node. One that may not be made (no
+    /// privilege) is counted, not copied.
+    fn copy_special(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
+        match mknodat(&top.dst, name, meta) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                self.out.skipped_special += 1;
+                // Its other names are skipped too, not linked to nothing.
+                self.links.remove(&(meta.st_dev, meta.st_ino));
+                return Ok(());
+            }
+            Err(e) => return Err(e).with_context(|| self.cannot_copy(name)),
+        }
+        let at = || self.trail.show(self.dst, Some(name));
+        set_attrs(
+            Target::At(&top.dst, name),
+            Target::At(&top.src, name),
+            meta,
+            &mut self.out,
+            &at,
+        )
+        .with_context(|| self.cannot_copy(name))
+    }
+
+    /// The message of a failure to copy `name` of the current directory.
+    fn cannot_copy(&self, name: &CStr) -> String {
+        format!(
+            "cannot copy {} to {}",
+            self.trail.show(self.src, Some(name)),
+            self.trail.show(self.dst, Some(name))
+        )
+    }
+
+    /// Closes the copy's top, then ends the progress shown.
+    fn finish(self) -> Copied {
+        drop(self.dst_root);
+        self.progress.finish();
+        self.out
+    }
 }
 
 /// Opens a regular file of the base and creates its copy. The source is
@@ -367,74 +456,112 @@ fn copy_range(s: RawFd, d: RawFd, off: u64, len: u64) -> io::Result<()> {
     while (off_in as u64) < end {
         let want = (end - off_in as u64).min(1 << 30) as usize;
         if kernel {
-            // The system call itself, not libc's wrapper: the standard
-            // library declares that symbol weak, and in a static build
-            // whose link-time optimisation merges the declarations a weak
-            // one can win, leaving the call to jump to address 0.
-            // SAFETY: valid descriptors and offset pointers, as the system
-            // call documents them.
-            let n = unsafe {
-                libc::syscall(
-                    libc::SYS_copy_file_range,
-                    s,
-                    &mut off_in as *mut libc::loff_t,
-                    d,
-                    &mut off_out as *mut libc::loff_t,
-                    want,
-                    0u32,
-                )
-            };
-            if n > 0 {
-                continue;
-            }
-            if n == 0 {
-                return Ok(()); // The file shrank under us.
-            }
-            match io::Error::last_os_error().raw_os_error() {
-                Some(
-                    libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | libc::EPERM,
-                ) => {
+            match copy_in_kernel(s, &mut off_in, d, &mut off_out, want)? {
+                InKernel::GoOn => {}
+                InKernel::End => return Ok(()),
+                InKernel::Unsupported => {
                     kernel = false;
                     buf.resize(1 << 20, 0);
                 }
-                Some(libc::EINTR) => {}
-                _ => return Err(io::Error::last_os_error()),
             }
             continue;
         }
         let chunk = want.min(buf.len());
-        // SAFETY: the buffer holds `chunk` bytes.
-        let n = unsafe { libc::pread(s, buf.as_mut_ptr().cast(), chunk, off_in as libc::off_t) };
-        if n < 0 {
+        let n = read_at(s, &mut buf[..chunk], off_in)?;
+        if n == 0 {
+            return Ok(());
+        }
+        write_all_at(d, &buf[..n], off_out)?;
+        off_in += n as libc::loff_t;
+        off_out += n as libc::loff_t;
+    }
+    Ok(())
+}
+
+/// What one copy_file_range(2) call came to.
+enum InKernel {
+    /// Bytes were copied (the offsets moved on), or the call was
+    /// interrupted: call again.
+    GoOn,
+    /// The source ended before the range did (it shrank under us).
+    End,
+    /// These files cannot be copied in the kernel: use a buffer.
+    Unsupported,
+}
+
+fn copy_in_kernel(
+    s: RawFd,
+    off_in: &mut libc::loff_t,
+    d: RawFd,
+    off_out: &mut libc::loff_t,
+    want: usize,
+) -> io::Result<InKernel> {
+    // The system call itself, not libc's wrapper: the standard
+    // library declares that symbol weak, and in a static build
+    // whose link-time optimisation merges the declarations a weak
+    // one can win, leaving the call to jump to address 0.
+    // SAFETY: valid descriptors and offset pointers, as the system
+    // call documents them.
+    let n = unsafe {
+        libc::syscall(
+            libc::SYS_copy_file_range,
+            s,
+            off_in as *mut libc::loff_t,
+            d,
+            off_out as *mut libc::loff_t,
+            want,
+            0u32,
+        )
+    };
+    if n > 0 {
+        return Ok(InKernel::GoOn);
+    }
+    if n == 0 {
+        return Ok(InKernel::End);
+    }
+    match io::Error::last_os_error().raw_os_error() {
+        Some(libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | libc::EPERM) => {
+            Ok(InKernel::Unsupported)
+        }
+        Some(libc::EINTR) => Ok(InKernel::GoOn),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// Reads into `buf` at `off` of `s`, again when interrupted; 0 at the end.
+fn read_at(s: RawFd, buf: &mut [u8], off: libc::loff_t) -> io::Result<usize> {
+    loop {
+        // SAFETY: the buffer holds `buf.len()` bytes.
+        let n = unsafe { libc::pread(s, buf.as_mut_ptr().cast(), buf.len(), off as libc::off_t) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        if io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return Err(io::Error::last_os_error());
+        }
+    }
+}
+
+/// Writes all of `data` at `off` of `d`, again when interrupted.
+fn write_all_at(d: RawFd, data: &[u8], off: libc::loff_t) -> io::Result<()> {
+    let mut written = 0usize;
+    while written < data.len() {
+        // SAFETY: pwrite from the live buffer `data`, within its length, to our descriptor.
+        let w = unsafe {
+            libc::pwrite(
+                d,
+                data[written..].as_ptr().cast(),
+                data.len() - written,
+                (off as usize + written) as libc::off_t,
+            )
+        };
+        if w < 0 {
             if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                 continue;
             }
             return Err(io::Error::last_os_error());
         }
-        if n == 0 {
-            return Ok(());
-        }
-        let mut written = 0usize;
-        while written < n as usize {
-            // SAFETY: pwrite from the live buffer `buf`, within its length, to our descriptor.
-            let w = unsafe {
-                libc::pwrite(
-                    d,
-                    buf[written..].as_ptr().cast(),
-                    n as usize - written,
-                    (off_out as usize + written) as libc::off_t,
-                )
-            };
-            if w < 0 {
-                if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                    continue;
-                }
-                return Err(io::Error::last_os_error());
-            }
-            written += w as usize;
-        }
-        off_in += n as libc::loff_t;
-        off_out += n as libc::loff_t;
+        written += w as usize;
     }
     Ok(())
 }

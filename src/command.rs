@@ -90,6 +90,16 @@ pub fn exit_code(status: &std::process::ExitStatus) -> u8 {
     }
 }
 
+/// How a command that did not succeed ended, as a record says it:
+/// `exit 2`, `signal 15`.
+pub fn describe(status: &std::process::ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit {c}"),
+        (None, Some(sig)) => format!("signal {sig}"),
+        (None, None) => "ended unknown".into(),
+    }
+}
+
 /// The command's environment: ours, without any `STOWAGE_*` variable that
 /// this exec sets or that describes images (`STOWAGE_IMAGE_DIR` of an outer
 /// exec would name another image), then the ones this exec means, once

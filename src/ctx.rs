@@ -1,15 +1,12 @@
-//! What every operation needs besides the database: the root, who we are,
-//! how much to say, and how the store is shared.
+//! What every operation needs: the root, who we are, how much to say, and
+//! how the store is shared.
 
-use std::cell::Cell;
 use std::io::Write;
 
 use crate::ident::Me;
-use crate::lock::Mode;
-use crate::meta::{LockKind, Record, Role};
 use crate::root::Root;
 
-/// What every operation needs to know besides the database.
+/// What every operation needs to know.
 pub struct Ctx {
     pub root: Root,
     pub me: Me,
@@ -18,8 +15,6 @@ pub struct Ctx {
     /// The umask a spawned command gets back, when ours was changed for a
     /// group-shared store (which is also how to tell that it is one).
     pub child_umask: Option<u32>,
-    /// Set once a "waiting for the global lock" notice has been printed.
-    pub(crate) noticed_global: Cell<bool>,
     /// Whether a root that does not exist is created (commands that write)
     /// or reported, creating nothing ([`crate::error::Error::NoRoot`]: commands that read).
     pub creates_root: bool,
@@ -34,7 +29,6 @@ impl Ctx {
             quiet: false,
             verbose: false,
             child_umask: None,
-            noticed_global: Cell::new(false),
             creates_root: true,
         }
     }
@@ -58,24 +52,5 @@ impl Ctx {
         if self.verbose && !self.quiet {
             let _ = writeln!(std::io::stderr(), "stowage: {msg}");
         }
-    }
-
-    /// A record of this process for a lock it holds or awaits, from now,
-    /// naming its lease (made now if it has none yet). A lease that cannot
-    /// be made (a user who may lock the store's files but not create one
-    /// under `locks/`) leaves the record to be judged by pid, as before
-    /// leases: information only, never exclusion, depends on it.
-    pub fn record(
-        &self,
-        kind: LockKind,
-        name: &str,
-        lockfile: String,
-        role: Role,
-        mode: Mode,
-        command: &str,
-    ) -> Record {
-        let mut r = Record::ours(&self.me, kind, name, lockfile, role, mode, command);
-        r.lease = crate::lease::mine(&self.root.leases()).ok();
-        r
     }
 }

@@ -93,9 +93,12 @@ impl Dir {
         Self::open_flags(path, DIR_FLAGS)
     }
 
-    /// A directory opened elsewhere (`O_DIRECTORY`).
-    pub fn from_fd(fd: OwnedFd) -> Dir {
-        Dir { fd }
+    /// A second descriptor of the same open directory (`dup`: nothing is
+    /// asked of a server).
+    pub fn duplicate(&self) -> io::Result<Dir> {
+        Ok(Dir {
+            fd: self.fd.try_clone()?,
+        })
     }
 
     /// Opens a directory whose last component must not be a symlink.
@@ -343,6 +346,24 @@ impl Dir {
         Ok(())
     }
 
+    /// Makes `to_name` a second link to `name` in this directory: fails
+    /// with `AlreadyExists` if `to_name` exists (an atomic create).
+    pub fn link_to(&self, name: impl AsRef<OsStr>, to_name: impl AsRef<OsStr>) -> io::Result<()> {
+        let a = cstr(name.as_ref())?;
+        let b = cstr(to_name.as_ref())?;
+        // SAFETY: valid C strings and descriptors.
+        check(unsafe {
+            libc::linkat(
+                self.fd.as_raw_fd(),
+                a.as_ptr(),
+                self.fd.as_raw_fd(),
+                b.as_ptr(),
+                0,
+            )
+        })?;
+        Ok(())
+    }
+
     /// Opens `name` for writing (creating it, never through a symlink) and
     /// closes it again: the close is what inotify watchers of this
     /// directory see (`IN_CLOSE_WRITE`). Nothing is written.
@@ -382,6 +403,54 @@ impl Dir {
                 0o666 as libc::c_uint,
             )
         })?;
+        // SAFETY: fd was just opened by us and is owned by nothing else.
+        Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+    }
+
+    /// "INO@FSTYPE[@FSID]": the directory's inode number, its filesystem's
+    /// type (statfs magic, hex) and, where it has one, its id. Not the
+    /// device number: NFS numbers devices anew at each mount. An unmounted
+    /// directory (the mount point below) differs in inode or type; another
+    /// filesystem of the same type mounted there, in its id.
+    pub fn identity(&self) -> io::Result<String> {
+        let st = self.stat()?;
+        let mut id = format!("{}@{:x}", st.ino, self.fs_magic()?);
+        match self.fs_id()? {
+            0 => {}
+            fsid => id.push_str(&format!("@{fsid:x}")),
+        }
+        Ok(id)
+    }
+
+    /// Opens `name` read-only, never through a symlink, without blocking
+    /// on a FIFO planted under that name (the caller checks what it got).
+    pub fn open_read(&self, name: impl AsRef<OsStr>) -> io::Result<std::fs::File> {
+        self.open_flags_at(
+            name.as_ref(),
+            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY,
+        )
+    }
+
+    /// Creates the file `name`, which must not exist (mode before umask).
+    pub fn create_file(&self, name: impl AsRef<OsStr>, mode: u32) -> io::Result<std::fs::File> {
+        let c = cstr(name.as_ref())?;
+        // SAFETY: valid C string; the descriptor is owned by the File.
+        let fd = check(unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                mode as libc::c_uint,
+            )
+        })?;
+        // SAFETY: fd was just opened by us and is owned by nothing else.
+        Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+    }
+
+    fn open_flags_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
+        let c = cstr(name)?;
+        // SAFETY: valid C string; the descriptor is owned by the File.
+        let fd = check(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags, 0) })?;
         // SAFETY: fd was just opened by us and is owned by nothing else.
         Ok(unsafe { std::fs::File::from_raw_fd(fd) })
     }
@@ -527,91 +596,134 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         let level = stack.last_mut().expect("the walk ends when the stack does");
         let dir = level.dir.as_ref().expect("the current level is open");
         let Some(name) = level.pending.pop() else {
-            // Emptied (unless something appeared meanwhile: look again).
-            let again = dir.names()?;
-            if !again.is_empty() {
-                level.relisted += 1;
-                if level.relisted > RELISTS {
-                    return Err(io::Error::from_raw_os_error(libc::ENOTEMPTY));
-                }
-                level.pending = again;
+            if level.found_more()? {
                 continue;
             }
             if depth == 1 {
                 return Ok(());
             }
-            let done = stack.pop().expect("depth > 1");
-            let parent = stack.last_mut().expect("depth > 1");
-            if parent.dir.is_none() {
-                // Climb back through `..`, which must be the directory we
-                // came down from: if the tree was moved, stop.
-                let up = done.dir.as_ref().expect("open").sub("..")?;
-                let id = up.stat()?;
-                if (id.dev, id.ino) != parent.id {
-                    return Err(io::Error::other(
-                        "the tree was moved while being deleted; stopped",
-                    ));
-                }
-                parent.dir = Some(up);
-            }
-            drop(done.dir);
-            let pdir = parent.dir.as_ref().expect("reopened above");
-            match pdir.unlinkat(&done.name, libc::AT_REMOVEDIR) {
-                Ok(()) => *removed += 1,
-                Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
-                    // Written to after we emptied it: go through it again
-                    // (a bounded number of times).
-                    parent.relisted += 1;
-                    if parent.relisted > RELISTS {
-                        return Err(e);
-                    }
-                    parent.pending.push(done.name);
-                }
-                Err(e) => return Err(e),
-            }
+            climb_out(&mut stack, removed)?;
             continue;
         };
-        let Some(st) = dir.stat_at(&name)? else {
-            continue;
-        };
-        if !st.is_dir() {
+        if let Some(sub) = remove_or_open(dir, name, dev, mount, removed)? {
+            stack.push(sub);
+            close_far_levels(&mut stack);
+        }
+    }
+}
+
+impl Level {
+    /// Whether the emptied level has entries after all (something
+    /// appeared meanwhile: it is looked at again, a bounded number of
+    /// times); they are pending then.
+    fn found_more(&mut self) -> io::Result<bool> {
+        let dir = self.dir.as_ref().expect("the current level is open");
+        let again = dir.names()?;
+        if again.is_empty() {
+            return Ok(false);
+        }
+        self.relisted += 1;
+        if self.relisted > RELISTS {
+            return Err(io::Error::from_raw_os_error(libc::ENOTEMPTY));
+        }
+        self.pending = again;
+        Ok(true)
+    }
+}
+
+/// Leaves the emptied level on top of `stack` for its parent, and removes
+/// it there.
+fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
+    let done = stack.pop().expect("depth > 1");
+    let parent = stack.last_mut().expect("depth > 1");
+    if parent.dir.is_none() {
+        reopen_parent(&done, parent)?;
+    }
+    drop(done.dir);
+    let pdir = parent.dir.as_ref().expect("reopened above");
+    match pdir.unlinkat(&done.name, libc::AT_REMOVEDIR) {
+        Ok(()) => *removed += 1,
+        Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
+            // Written to after we emptied it: go through it again
+            // (a bounded number of times).
+            parent.relisted += 1;
+            if parent.relisted > RELISTS {
+                return Err(e);
+            }
+            parent.pending.push(done.name);
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(())
+}
+
+/// Climbs back through `..` of `done`, which must be the directory we came
+/// down from: if the tree was moved, stop.
+fn reopen_parent(done: &Level, parent: &mut Level) -> io::Result<()> {
+    let up = done.dir.as_ref().expect("open").sub("..")?;
+    let id = up.stat()?;
+    if (id.dev, id.ino) != parent.id {
+        return Err(io::Error::other(
+            "the tree was moved while being deleted; stopped",
+        ));
+    }
+    parent.dir = Some(up);
+    Ok(())
+}
+
+/// Removes the entry `name` of `dir` unless it is a directory; a directory
+/// (on the tree's filesystem, not a mount point) is opened instead, made
+/// writable and listed: the next level to empty.
+fn remove_or_open(
+    dir: &Dir,
+    name: OsString,
+    dev: u64,
+    mount: Option<u64>,
+    removed: &mut u64,
+) -> io::Result<Option<Level>> {
+    let Some(st) = dir.stat_at(&name)? else {
+        return Ok(None);
+    };
+    if !st.is_dir() {
+        dir.unlink(&name)?;
+        *removed += 1;
+        return Ok(None);
+    }
+    if st.dev != dev {
+        return Err(mount_point(&name));
+    }
+    let sub = match dir.sub_for_deletion(&name) {
+        Ok(d) => d,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
             dir.unlink(&name)?;
             *removed += 1;
-            continue;
+            return Ok(None);
         }
-        if st.dev != dev {
-            return Err(mount_point(&name));
-        }
-        let sub = match dir.sub_for_deletion(&name) {
-            Ok(d) => d,
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
-                dir.unlink(&name)?;
-                *removed += 1;
-                continue;
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
-        };
-        let sst = sub.stat()?;
-        if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
-            return Err(mount_point(&name));
-        }
-        sub.make_writable(&sst);
-        let pending = sub.names()?;
-        stack.push(Level {
-            dir: Some(sub),
-            id: (sst.dev, sst.ino),
-            name,
-            pending,
-            relisted: 0,
-        });
-        // Keep only the last few levels open.
-        let open = stack.iter().filter(|l| l.dir.is_some()).count();
-        if open > OPEN_LEVELS
-            && let Some(l) = stack.iter_mut().find(|l| l.dir.is_some())
-        {
-            l.dir = None;
-        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let sst = sub.stat()?;
+    if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
+        return Err(mount_point(&name));
+    }
+    sub.make_writable(&sst);
+    let pending = sub.names()?;
+    Ok(Some(Level {
+        dir: Some(sub),
+        id: (sst.dev, sst.ino),
+        name,
+        pending,
+        relisted: 0,
+    }))
+}
+
+/// Keeps only the last few levels open.
+fn close_far_levels(stack: &mut [Level]) {
+    let open = stack.iter().filter(|l| l.dir.is_some()).count();
+    if open > OPEN_LEVELS
+        && let Some(l) = stack.iter_mut().find(|l| l.dir.is_some())
+    {
+        l.dir = None;
     }
 }
 

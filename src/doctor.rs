@@ -1,31 +1,30 @@
 //! `stowage doctor`: is this store safe to use, and is it consistent?
 //!
-//! Checks, in order: the filesystem and whether flock(2) really excludes
-//! there (two opens of one file must conflict); NFS mounts whose locks are
-//! local only (cross-host exclusion silently off); the database (integrity,
-//! schema, journal mode); records whose locks say otherwise; rows without
-//! trees and trees without rows; incomplete images; removals a crash
-//! interrupted, trash, stray lock files.
-//!
-//! Without `--repair` nothing changes (judgements run in transactions that
-//! are rolled back). With it, what is safe is fixed: stale records dropped,
-//! dead writers' images marked incomplete, interrupted removals finished,
-//! orphan trees adopted, rows of vanished trees dropped, trash emptied, the
-//! schema migrated — and a damaged database is moved aside (never deleted)
-//! and rebuilt from the images directory, so no image is lost.
+//! - Checks, in order: the filesystem and whether flock(2) really excludes
+//!   there (two opens of one file must conflict); shared mounts whose locks
+//!   are local only; the catalog; every image's record against its tree;
+//!   removals a crash interrupted, trash, leftovers, dead leases.
+//! - Without `--repair` nothing changes. With it, what is safe is fixed,
+//!   and only on positive evidence: interrupted removals finished, records
+//!   of trees that are gone dropped, trees without records adopted (their
+//!   readiness unknown: kept, not collectable), stale hints cleared, the
+//!   trash emptied; a catalog that cannot be used is set aside (never
+//!   deleted) and made anew from the records.
+//! - An image whose state cannot be known (a damaged record) is reported,
+//!   never removed.
 
-use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
-use crate::adopt::{self, Adopt, Mount};
+use crate::adopt::{self, Adopt};
+use crate::census::Entry;
 use crate::clock;
 use crate::ctx::Ctx;
 use crate::filesystem;
-use crate::lock;
-use crate::meta::{self, ImageState, Tx};
+use crate::image_record::State;
+use crate::lock::{self, Mode};
 use crate::name::ImageName;
 use crate::remove;
 use crate::store::Store;
@@ -164,34 +163,6 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
     }
 }
 
-/// The file that remembers a non-default images directory outside the
-/// database, so a rebuild of a damaged database still finds the images.
-pub fn images_dir_note(root: &crate::root::Root) -> PathBuf {
-    root.dir().join("images-dir")
-}
-
-/// Records the images directory beside the database (atomically).
-pub fn write_images_dir_note(root: &crate::root::Root, dir: &Path) -> Result<()> {
-    let note = images_dir_note(root);
-    let tmp = note.with_extension("tmp");
-    // Never through a link planted at the temporary name: it goes first,
-    // and the file is created anew without following one.
-    let _ = fs::remove_file(&tmp);
-    {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-        writeln!(f, "{}", dir.display())
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-    }
-    fs::rename(&tmp, &note).with_context(|| format!("cannot write {}", note.display()))
-}
-
 pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     let root = store.root().clone();
     if !repair && !root.exists() {
@@ -249,7 +220,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
                 "access",
                 Verdict::Problem,
                 format!(
-                    "cannot create a file in {}: {e} — you may not write this store ({}); stowage needs to write its lock files and database to check or use it (ask its owner, or share it with a group: see docs/design.md)",
+                    "cannot create a file in {}: {e} — you may not write this store ({}); stowage needs to write its lock files to check or use it (ask its owner, or share it with a group: see docs/reliability.md)",
                     root.locks().display(),
                     owner_phrase(root.dir())
                 ),
@@ -315,11 +286,20 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         return Ok(report);
     }
 
-    // The database: its consistency is checked only if it is usable.
-    let (status, detail) = database(store, repair)?;
-    report.add("database", status, detail);
+    let (status, detail) = catalog(store, repair)?;
+    report.add("catalog", status, detail);
+    records(store, repair, &mut report)?;
+    trees(store, repair, &mut report)?;
+    leftovers(store, repair, &mut report)?;
     if status != Verdict::Problem {
-        consistency(store, repair, &mut report)?;
+        // The catalog made to say what the records say now.
+        if let Err(e) = crate::survey::survey(store, false) {
+            report.add(
+                "catalog",
+                Verdict::Problem,
+                format!("cannot refresh it: {e:#}"),
+            );
+        }
     }
     report.healthy = !report.checks.iter().any(|c| c.status == Verdict::Problem);
     Ok(report)
@@ -384,612 +364,479 @@ fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result
     })
 }
 
-/// The database's verdict, upgrading or rebuilding it when repairing.
-fn database(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
+/// The catalog's verdict: set aside and made anew when it cannot be used
+/// (with `repair`; otherwise the next command that needs it does so).
+fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let db = store.root().db();
-    let db = db.display();
-    let ours = meta::schema_version();
-    Ok(match inspect_db(store)? {
-        Health::Good { version } if version == ours || version == 0 => {
-            if version == 0 {
-                store.migrate(None)?;
+    for (path, what) in [
+        (db.clone(), "the catalog"),
+        (crate::catalog::journal_of(&db), "the catalog's journal"),
+    ] {
+        if let Err(e) = crate::catalog::check_plain_file(&path, what) {
+            if !repair {
+                return Ok((Verdict::Problem, format!("{e:#}")));
             }
-            (Verdict::Ok, format!("{db}: intact, schema version {ours}"))
+            let _global = store.global(None)?;
+            store.close_catalog();
+            let aside = crate::store::set_aside_file(store.root(), &path, "planted")?;
+            return Ok((
+                Verdict::Repaired,
+                format!(
+                    "{} was no file: set aside as {}; the catalog is made anew from the records",
+                    path.display(),
+                    aside.display()
+                ),
+            ));
         }
-        Health::Good { version } if version < ours && repair => {
-            store.migrate(None)?;
+    }
+    let configured = store.root().open().is_ok_and(|d| crate::config::exists(&d));
+    let before = crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, configured));
+    let found = match before {
+        Ok(f) => f,
+        Err(e) if crate::catalog::is_busy(&e) => {
+            return Ok((
+                Verdict::Problem,
+                format!(
+                    "{} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records",
+                    db.display()
+                ),
+            ));
+        }
+        Err(e) => crate::catalog::Found::Replaced(db.clone(), format!("{e:#}")),
+    };
+    Ok(match found {
+        crate::catalog::Found::Legacy(v) if repair => {
+            crate::migrate::run(store, None)?;
             (
                 Verdict::Repaired,
-                format!("{db}: schema upgraded from version {version} to {ours}"),
+                format!("{}: migrated from schema version {v}", db.display()),
             )
         }
-        Health::Good { version } if version < ours => (
+        crate::catalog::Found::Legacy(v) => (
             Verdict::Problem,
             format!(
-                "{db}: schema version {version}, this stowage uses {ours} (any command upgrades it)"
+                "{}: schema version {v}, made by a release before image records; any command migrates it",
+                db.display()
             ),
         ),
-        Health::Good { version } => (
+        crate::catalog::Found::Replaced(_, why) if !repair => (
             Verdict::Problem,
             format!(
-                "{db}: schema version {version} is newer than this stowage ({ours}); use a newer stowage"
+                "{} cannot be used ({why}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost",
+                db.display()
             ),
         ),
-        Health::Damaged(why) if repair => {
-            let r = rebuild(store)?;
+        crate::catalog::Found::Replaced(_, why) => {
+            store.with_catalog(None, |_, _| Ok(()))?;
             (
                 Verdict::Repaired,
                 format!(
-                    "{db} was damaged ({why}); moved to {} and rebuilt from {}: {} images ({} with their recorded state){}",
-                    r.moved_to.display(),
-                    r.images_dir.display(),
-                    r.images,
-                    r.salvaged,
-                    if r.slot_classes_lost {
-                        "; slot classes could not be recovered: set them again with 'stowage slots set'"
-                    } else {
-                        ""
-                    }
+                    "{} could not be used ({why}): set aside and made anew from the records",
+                    db.display()
                 ),
             )
         }
-        Health::Damaged(why) => (
+        crate::catalog::Found::New | crate::catalog::Found::Current => {
+            let check: String = crate::catalog::open(&db)?
+                .query_row("PRAGMA quick_check", [], |r| r.get(0))
+                .unwrap_or_else(|e| e.to_string());
+            if check == "ok" {
+                (
+                    Verdict::Ok,
+                    format!(
+                        "{}: intact, schema version {}",
+                        db.display(),
+                        crate::catalog::SCHEMA
+                    ),
+                )
+            } else if repair {
+                store.close_catalog();
+                let aside = crate::store::set_aside(store.root(), "damaged")?;
+                store.with_catalog(None, |_, _| Ok(()))?;
+                (
+                    Verdict::Repaired,
+                    format!(
+                        "{} was damaged ({check}): set aside as {} and made anew from the records",
+                        db.display(),
+                        aside.display()
+                    ),
+                )
+            } else {
+                (
+                    Verdict::Problem,
+                    format!(
+                        "{} is damaged ({check}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost",
+                        db.display()
+                    ),
+                )
+            }
+        }
+    })
+}
+
+/// Every image's record: damaged ones, interrupted removals, images whose
+/// writer failed or died, stale store-wide hints.
+fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
+    let root = store.root().clone();
+    let entries = crate::census::take(&root)?;
+    let damaged: Vec<String> = entries
+        .iter()
+        .filter(|e| e.seen.damaged)
+        .map(|e| e.file.clone())
+        .collect();
+    if !damaged.is_empty() {
+        report.add(
+            "records",
             Verdict::Problem,
             format!(
-                "{db} is damaged ({why}); 'stowage doctor --repair' moves it aside and rebuilds it from the images directory (no image is lost)"
-            ),
-        ),
-    })
-}
-
-enum Health {
-    Good { version: i64 },
-    Damaged(String),
-}
-
-/// Opens the database under the global lock and asks SQLite whether it is
-/// intact. Never fails on a damaged file: that is a finding.
-fn inspect_db(store: &mut Store) -> Result<Health> {
-    let global = store.global()?;
-    let db = store.root().db();
-    store.close_db();
-    let result = (|| -> rusqlite::Result<(String, i64)> {
-        let conn = meta::open(&db).map_err(|_| rusqlite::Error::InvalidQuery)?;
-        meta::quick_check(&conn)
-    })();
-    drop(global);
-    Ok(match result {
-        Ok((check, version)) if check == "ok" => Health::Good { version },
-        Ok((check, _)) => Health::Damaged(check),
-        Err(e) => Health::Damaged(e.to_string()),
-    })
-}
-
-struct Rebuilt {
-    moved_to: PathBuf,
-    images_dir: PathBuf,
-    images: usize,
-    salvaged: usize,
-    slot_classes_lost: bool,
-}
-
-/// Moves a damaged database aside and builds a new one from the images
-/// directory, keeping whatever the damaged file still yields (states,
-/// lineage, times, the images directory, slot classes). A store-wide
-/// operation: it waits until no image lock is held.
-fn rebuild(store: &mut Store) -> Result<Rebuilt> {
-    // The store-wide lock and its hints first: reads of the fast path
-    // (record.rs) take no global lock, so they are what keeps them out
-    // while the rows are made again; then the ready tokens go, since the
-    // rebuilt rows vouch for none of them (the next read of each image
-    // writes its token again).
-    // Inside a store-wide command's own command, the hold is ours already.
-    if crate::store_wide::inside_hold(store.root()) {
-        // The hints are set again (whoever holds store.lock above us may
-        // not be a stowage hold that set them) and left for the holder,
-        // or the next reader, to clear.
-        crate::record::mark_store_wide(&store.root().image_locks(), true)
-            .context("cannot mark the image lock files")?;
-        return rebuild_marked(store);
-    }
-    let _store_wide = crate::store_wide::lock_store(store, None, false)?;
-    // The store-wide hint tells reads of the fast path to ask store.lock;
-    // cleared again, still holding it, however the rebuild ends.
-    let locks = store.root().image_locks();
-    let out = crate::record::mark_store_wide(&locks, true)
-        .context("cannot mark the image lock files")
-        .and_then(|()| rebuild_marked(store));
-    let _ = crate::record::mark_store_wide(&locks, false);
-    out
-}
-
-/// [`rebuild`], holding the store-wide lock with every image lock file
-/// marked.
-fn rebuild_marked(store: &mut Store) -> Result<Rebuilt> {
-    let global = store.global_with_images_free("rebuilding the metadata database", None)?;
-    crate::debug::pause("rebuild-images-free");
-    // A writer's record stays (`crate::written::is_writers`): it is the
-    // truth about its image while its marker stands, which the damaged
-    // database could not fold, and the rebuilt rows' first transaction
-    // folds it (a `ready` one keeps a salvaged ready row ready, anything
-    // else makes it incomplete); emptied, it would fold to incomplete
-    // whatever it said. It names the old database's identity, so no read
-    // or write takes it for a token of the rebuilt one.
-    crate::record::invalidate_all(&store.root().image_locks(), crate::written::is_writers)
-        .context("cannot clear the image records of the lock files")?;
-    store.close_db();
-    let root = store.root().clone();
-    let db = root.db();
-    let salvage = meta::salvage(&db);
-    let stamp = clock::rfc3339(clock::now_ms())
-        .unwrap_or_else(|| "unknown-time".into())
-        .replace(':', "");
-    let mut moved_to = root.db_aside(&stamp, 0);
-    // The new database is built beside the old one and renamed over it
-    // only when complete: a rebuild killed at any point leaves either the
-    // damaged database (the next repair starts again) or the rebuilt one,
-    // never a missing one that the next command would recreate empty —
-    // forgetting every image and the images directory.
-    let (building, building_journal) = root.db_rebuilding();
-    let _ = fs::remove_file(&building);
-    let _ = fs::remove_file(&building_journal);
-
-    let images_dir = salvage
-        .config
-        .get("images_dir")
-        .map(PathBuf::from)
-        .or_else(|| {
-            fs::read_to_string(images_dir_note(&root))
-                .ok()
-                .map(|s| PathBuf::from(s.trim()))
-        })
-        .unwrap_or_else(|| root.default_images_dir());
-
-    let mut conn = meta::open(&building)?;
-    let tx = Tx::begin(&mut conn, global)?;
-    tx.migrate()?;
-    if images_dir != root.default_images_dir() {
-        tx.set_config("images_dir", &images_dir.display().to_string())?;
-    }
-    let classes_lost = salvage.slot_classes.is_none();
-    for c in salvage.slot_classes.unwrap_or_default() {
-        // Every class has its directory (schema 7); its records, of the
-        // old database, send acquirers to this one, which rewrites them.
-        crate::slots::make_class_dir(&root, &c.name)?;
-        tx.set_slot_class(&c)?;
-    }
-    if let Some(id) = salvage.config.get("images_dir_identity") {
-        tx.set_config("images_dir_identity", id)?;
-    }
-    // Every salvaged row, whether its tree is there or not: a missing tree
-    // is judged next by the consistency check, which keeps rows while the
-    // images directory looks unmounted.
-    for row in salvage.images.values() {
-        tx.insert_image(row)?;
-    }
-    // New images written without the database since its last fold: their
-    // records say what the damaged database could not.
-    let salvaged = salvage.images.len()
-        + crate::written::salvage_new(&tx, &root, &images_dir)
-            .context("cannot read the image records of the lock files")?;
-    // The other trees' readiness is unknown (see adopt.rs).
-    let adopted = match adopt::mount(&tx, &root, &images_dir, false)? {
-        Mount::Ours(d) | Mount::Empty(d) => {
-            adopt::adopt(&tx, &root, &d, &images_dir, Adopt::Unknown, &HashMap::new())?
-                .0
-                .trees
-                .len()
-        }
-        Mount::Missing(_) | Mount::Other { .. } => 0,
-    };
-    let images = salvaged + adopted;
-    let global = tx.commit_keeping_global()?;
-    drop(conn);
-    // Set aside, never deleted: a second name for the damaged file, then
-    // the rebuilt one takes its place in one step. Its journal goes aside
-    // first, so SQLite never plays it back into the new file.
-    for n in 1.. {
-        match fs::hard_link(&db, &moved_to) {
-            Ok(()) => break,
-            // Set aside by a rebuild killed before it finished (or another
-            // in the same second): that name is taken, try the next.
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 100 => {
-                moved_to = root.db_aside(&stamp, n);
-            }
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EPERM | libc::EOPNOTSUPP | libc::EMLINK)
-                ) =>
-            {
-                // No hard links here: a moment without a database is the
-                // price.
-                fs::rename(&db, &moved_to)
-                    .with_context(|| format!("cannot move {} aside", db.display()))?;
-                break;
-            }
-            Err(e) => return Err(e).with_context(|| format!("cannot move {} aside", db.display())),
-        }
-    }
-    crate::debug::pause("rebuild-moved-aside");
-    let journal = root.db_journal();
-    if journal.exists() {
-        let mut aside = moved_to.clone().into_os_string();
-        aside.push("-journal");
-        let _ = fs::rename(&journal, aside);
-    }
-    fs::rename(&building, &db)
-        .with_context(|| format!("cannot put the rebuilt {} in place", db.display()))?;
-    drop(global);
-    Ok(Rebuilt {
-        moved_to,
-        images_dir,
-        images,
-        salvaged,
-        slot_classes_lost: classes_lost,
-    })
-}
-
-/// For a repair, which renews the database's identity: `locks/store.lock`
-/// exclusively, waited for. A new image written without the database
-/// holds it shared from before it reads the identity it records to its
-/// end (session.rs), and that record, once the identity is renewed, names
-/// one the fold no longer vouches for — an image its writer finished
-/// would fold incomplete, gc's to delete. Held, no such write is under
-/// way, and one that starts meanwhile goes the database's way. `None`
-/// inside a store-wide hold, which keeps them out already.
-fn hold_out_new_writes(store: &mut Store) -> Result<Option<crate::lock::Guard>> {
-    use crate::lock::{self, IfMissing, Mode, Waited};
-    if crate::store_wide::inside_hold(store.root()) {
-        return Ok(None);
-    }
-    let p = store.root().store_wide_lock();
-    let err = |e| lock::error("the store", &p, e);
-    if let Some(g) = lock::acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create).map_err(err)? {
-        return Ok(Some(g));
-    }
-    let holders = crate::holders::kernel_holders_phrase(store.ctx(), &p);
-    let busy = |holders: String, waited| {
-        crate::Error::Busy(crate::error::Busy {
-            what: "the store-wide lock".into(),
-            holders,
-            waited,
-        })
-    };
-    // The command of a new image's writer runs us: it waits for us.
-    if crate::nested::enclosing_hold(&p).is_some() {
-        return Err(busy(
-            "held by an enclosing command of this process (a 'stowage exec' writing a new image, which a repair waits for); waiting for it would never end".into(),
-            std::time::Duration::ZERO,
-        )
-        .into());
-    }
-    // The command of an image or slot user runs us: a new image's writer
-    // holding store.lock may be waiting, in its own command, for that very
-    // image lock or slot, which is released only once we end.
-    if crate::store_wide::inside_image_user(store.ctx()) {
-        return Err(busy(
-            format!("{holders}; this process runs in the command of a 'stowage exec' that holds image locks or a slot, which that holder may be waiting for: waiting could deadlock"),
-            std::time::Duration::ZERO,
-        )
-        .into());
-    }
-    // The environment says an exec runs us, yet neither its locks nor it
-    // are to be seen from here (`--no-inherit` seen from another pid
-    // namespace): that exec may be the holder, waiting for us.
-    if std::env::var_os(crate::env::EXEC_PIDS).is_some_and(|v| !v.is_empty()) {
-        return Err(busy(
-            format!("{holders}; this process runs in the command of a 'stowage exec' ({} says so), which may be that holder or hold what it waits for: waiting could deadlock", crate::env::EXEC_PIDS),
-            std::time::Duration::ZERO,
-        )
-        .into());
-    }
-    crate::holders::announce_wait(store.ctx(), "the store-wide lock", &holders);
-    let t0 = std::time::Instant::now();
-    let mut wait = lock::Wait::on(&store.ctx().root.locks(), None);
-    match crate::store_wide::acquire_exclusive_gated(store.root(), &mut wait).map_err(err)? {
-        Waited::Acquired(g) => Ok(Some(g)),
-        Waited::TimedOut => Err(busy(holders, t0.elapsed()).into()),
-        Waited::Interrupted(sig) => Err(crate::Error::Interrupted(sig).into()),
-    }
-}
-
-/// Records, rows and trees, leftovers.
-fn consistency(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
-    // Held through the repair's commit (it renews the identity).
-    let _new_writes_out = match repair {
-        true => hold_out_new_writes(store)?,
-        false => None,
-    };
-    let looked = store.retry_full(|store| {
-        let (tx, ctx) = store.begin(None)?;
-        let found = find_inconsistencies(&tx, ctx, repair)?;
-        if repair {
-            tx.commit()?;
-        }
-        Ok(found)
-    });
-    let found = match looked {
-        // A full filesystem, even the reserve used: look without writing.
-        Err(e) if !repair && crate::space::is_full(&e) => {
-            store.view_tx(|tx, ctx| find_inconsistencies(tx, ctx, false))?
-        }
-        other => other?,
-    };
-    let fixed = if repair {
-        Verdict::Repaired
-    } else {
-        Verdict::Problem
-    };
-    match found.stale_records {
-        0 => report.add(
-            "records",
-            Verdict::Ok,
-            "every holder and waiter record matches a lock",
-        ),
-        n => report.add(
-            "records",
-            fixed,
-            format!(
-                "{n} stale holder/waiter record(s){}",
-                done(repair, "dropped")
-            ),
-        ),
-    }
-    if !found.dead_writers.is_empty() {
-        report.add(
-            "writers",
-            fixed,
-            format!(
-                "writer gone for {}{}",
-                list(&found.dead_writers),
-                done(repair, "marked incomplete")
+                "the record of {} in {} cannot be read, so its state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it",
+                list(&damaged),
+                root.image_locks().display()
             ),
         );
     }
-    if let Some(doubt) = &found.doubt {
+    let mut finished = Vec::new();
+    let mut stuck = Vec::new();
+    for e in entries
+        .iter()
+        .filter(|e| e.state() == Some(State::Deleting))
+    {
+        let name = e.name().unwrap_or_default().to_owned();
+        if !repair {
+            stuck.push(name);
+            continue;
+        }
+        match take_held(&root, e) {
+            Some(h)
+                if h.seen
+                    .record
+                    .as_ref()
+                    .is_some_and(|r| r.state == State::Deleting) =>
+            {
+                match remove::finish_held(&root, h) {
+                    Ok(()) => finished.push(name),
+                    Err(err) => report.add("removals", Verdict::Problem, format!("{err:#}")),
+                }
+            }
+            _ => {}
+        }
+    }
+    if !stuck.is_empty() {
+        report.add("removals", Verdict::Problem, format!("removal of {} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it", list(&stuck)));
+    }
+    if !finished.is_empty() {
+        report.add(
+            "removals",
+            Verdict::Repaired,
+            format!("finished the interrupted removal of {}", list(&finished)),
+        );
+    }
+    let failed: Vec<String> = entries
+        .iter()
+        .filter(|e| e.state() == Some(State::Incomplete))
+        .filter(|e| {
+            e.seen.record.as_ref().and_then(|r| r.outcome.as_deref())
+                != Some(crate::image_record::ADOPTED)
+        })
+        .filter_map(|e| e.name().map(str::to_owned))
+        .collect();
+    if !failed.is_empty() {
+        report.add(
+            "images",
+            Verdict::Info,
+            format!(
+                "{} incomplete: their writers failed or died; 'stowage gc' removes them",
+                list(&failed)
+            ),
+        );
+    }
+    let unknown: Vec<String> = entries
+        .iter()
+        .filter(|e| {
+            e.seen.record.as_ref().and_then(|r| r.outcome.as_deref())
+                == Some(crate::image_record::ADOPTED)
+                && e.state() == Some(State::Incomplete)
+        })
+        .filter_map(|e| e.name().map(str::to_owned))
+        .collect();
+    if !unknown.is_empty() {
+        report.add("images", Verdict::Info, format!("{} adopted without a record: whether complete is not known, so kept ('stowage exec --write NAME -- true' marks one ready)", list(&unknown)));
+    }
+    hints(store, &entries, repair, report);
+    Ok(())
+}
+
+/// Store-wide hints a hold that is gone left behind.
+fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
+    let hinted: Vec<&Entry> = entries.iter().filter(|e| e.seen.store_wide).collect();
+    if hinted.is_empty()
+        || crate::store_wide::probe(store.root()).ok() != Some(crate::store_wide::Probe::Free)
+    {
+        return;
+    }
+    if !repair {
+        report.add("hints", Verdict::Info, format!("{} image lock file(s) carry the hint of a store-wide command that ended; the next user of each clears it", hinted.len()));
+        return;
+    }
+    let mut cleared = 0;
+    for e in hinted {
+        // Asked again under each image's lock, as an image user asks: a
+        // hold that began since has hinted this file already, or will
+        // hint it again once it gets the lock.
+        if let Ok(Some(g)) = lock::acquire_no_wait(&e.path, Mode::Exclusive, lock::IfMissing::Fail)
+            && crate::store_wide::probe(store.root()).ok() == Some(crate::store_wide::Probe::Free)
+            && crate::image_record::set_store_wide(g.file(), false).is_ok()
+        {
+            cleared += 1;
+            drop(g);
+            crate::debug::pause("doctor-hint-cleared");
+        }
+    }
+    report.add(
+        "hints",
+        Verdict::Repaired,
+        format!("cleared the store-wide hint of {cleared} image lock file(s)"),
+    );
+}
+
+/// Records against trees: records whose trees are gone, trees without
+/// records, records that name another images directory.
+fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
+    let root = store.root().clone();
+    let mut config = crate::images_dir::config(&root)?;
+    let dir = config.images_dir_in(root.dir());
+    if let Some(why) = crate::images_dir::unmounted(&root, &dir) {
         report.add(
             "images",
             Verdict::Problem,
-            format!(
-                "{doubt} — {} row(s) without a tree kept, no tree adopted",
-                found.kept_rows
-            ),
+            format!("{why}; no record is judged by its tree"),
         );
+        return Ok(());
     }
-    match found.missing_trees.len() {
-        0 if found.kept_rows > 0 => {}
-        0 => report.add("rows", Verdict::Ok, "every image has its tree"),
-        _ => report.add(
-            "rows",
-            fixed,
-            format!(
-                "no tree for {}{}",
-                list(&found.missing_trees),
-                done(repair, "rows dropped")
-            ),
-        ),
+    let images = root.open_or_make_images_dir(&dir)?;
+    let entries = crate::census::take(&root)?;
+    let ready = entries.iter().any(|e| e.state() == Some(State::Ready));
+    if ready && images.names()?.is_empty() {
+        report.add("images", Verdict::Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
+        return Ok(());
     }
-    match found.orphan_trees.len() {
-        0 if found.doubt.is_some() => {}
-        0 => report.add(
-            "trees",
-            Verdict::Ok,
-            "every tree in the images directory has a row",
-        ),
-        _ => report.add(
-            "trees",
-            fixed,
-            format!(
-                "no row for {}{}",
-                list(&found.orphan_trees),
-                done(repair, "adopted")
-            ),
-        ),
+    if repair {
+        crate::images_dir::record_identity(&root, &mut config, false)?;
     }
-    if !found.incomplete.is_empty() {
+    let mut named = std::collections::HashSet::new();
+    let mut foreign = Vec::new();
+    let mut gone = Vec::new();
+    for e in &entries {
+        let Some(r) = e.seen.record.as_ref() else {
+            continue;
+        };
+        named.insert(r.name.clone());
+        if r.images != config.images {
+            foreign.push(r.name.clone());
+            continue;
+        }
+        let Ok(n) = ImageName::parse(&r.name) else {
+            continue;
+        };
+        let there = images.stat_at(n.encoded())?.is_some();
+        if !there && r.state_seen(e.writer_alive) == State::Ready {
+            gone.push((n, e));
+        }
+    }
+    if !foreign.is_empty() {
+        report.add("images", Verdict::Problem, format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
+    }
+    missing_trees(&root, &gone, repair, report);
+    let orphans = adopt::orphans(&images, &dir, &named)?;
+    for (entry, why) in &orphans.skipped {
         report.add(
-            "incomplete",
+            "images",
             Verdict::Info,
             format!(
-                "{} (their writers failed; 'stowage gc' removes them)",
-                list(&found.incomplete)
+                "{:?} in {} is no image ({why}); left alone",
+                entry,
+                dir.display()
             ),
         );
     }
-    let left = match remove::finish_interrupted(store, repair) {
-        Ok(left) => left,
-        // A trash or lock directory that is not one (reported above).
-        Err(e) => {
-            report.add("leftovers", Verdict::Problem, format!("not checked: {e:#}"));
-            return Ok(());
+    if !orphans.trees.is_empty() {
+        let names: Vec<String> = orphans
+            .trees
+            .iter()
+            .map(|(n, _)| n.as_str().to_owned())
+            .collect();
+        if repair {
+            let n = adopt::adopt(&root, &config, &orphans, Adopt::Unknown)?;
+            report.add("images", Verdict::Repaired, format!("adopted {n} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", list(&names)));
+        } else {
+            report.add(
+                "images",
+                Verdict::Problem,
+                format!(
+                    "{} in {} have no record; 'stowage doctor --repair' adopts them",
+                    list(&names),
+                    dir.display()
+                ),
+            );
         }
-    };
-    if left.is_empty() {
-        report.add(
-            "leftovers",
-            Verdict::Ok,
-            "no interrupted removal, empty trash",
-        );
-    } else {
-        let mut parts = Vec::new();
-        if !left.removals.is_empty() {
-            parts.push(format!("interrupted removal of {}", list(&left.removals)));
-        }
-        if !left.trash.is_empty() {
-            parts.push(format!(
-                "{} trash entr{}",
-                left.trash.len(),
-                if left.trash.len() == 1 { "y" } else { "ies" }
-            ));
-        }
-        if !left.failed.is_empty() {
-            parts.push(format!("not finished: {}", left.failed.join("; ")));
-        }
-        if !left.lock_files.is_empty() {
-            parts.push(format!(
-                "{} lock file(s) of images that no longer exist",
-                left.lock_files.len()
-            ));
-        }
-        report.add(
-            "leftovers",
-            if left.failed.is_empty() {
-                fixed
-            } else {
-                Verdict::Problem
-            },
-            format!("{}{}", parts.join("; "), done(repair, "cleaned up")),
-        );
     }
     Ok(())
 }
 
-fn done(repair: bool, what: &str) -> String {
-    if repair {
-        format!(" — {what}")
-    } else {
-        String::new()
+/// Ready records whose trees are gone (deleted by hand): the image is gone.
+fn missing_trees(
+    root: &crate::root::Root,
+    gone: &[(ImageName, &Entry)],
+    repair: bool,
+    report: &mut Report,
+) {
+    if gone.is_empty() {
+        return;
     }
-}
-
-fn list(names: &[String]) -> String {
-    let shown: Vec<String> = names.iter().take(8).map(|n| format!("'{n}'")).collect();
-    if names.len() > 8 {
-        format!("{} and {} more", shown.join(", "), names.len() - 8)
-    } else {
-        shown.join(", ")
+    let names: Vec<String> = gone.iter().map(|(n, _)| n.as_str().to_owned()).collect();
+    if !repair {
+        report.add(
+            "images",
+            Verdict::Problem,
+            format!(
+                "{} have records but no tree; 'stowage doctor --repair' drops their records",
+                list(&names)
+            ),
+        );
+        return;
     }
-}
-
-#[derive(Default)]
-struct Found {
-    stale_records: usize,
-    dead_writers: Vec<String>,
-    missing_trees: Vec<String>,
-    orphan_trees: Vec<String>,
-    incomplete: Vec<String>,
-    /// Why trees could not be judged (the images directory looks
-    /// unmounted), and how many rows without a tree were kept for it.
-    doubt: Option<String>,
-    kept_rows: usize,
-}
-
-/// Inside one transaction (committed only when repairing).
-fn find_inconsistencies(tx: &Tx, ctx: &Ctx, repair: bool) -> Result<Found> {
-    let mut found = Found::default();
-    let before_records = tx.all_records()?.len();
-    let writing: Vec<String> = tx
-        .images_in_states(&[ImageState::Creating, ImageState::Writing])?
-        .into_iter()
-        .map(|r| r.name)
-        .collect();
-    let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
-    crate::judge::sweep(tx, ctx, &kv)?;
-    found.stale_records = before_records - tx.all_records()?.len();
-    if repair {
-        crate::judge::clean_leases(ctx, &kv);
-        // A database restored from a copy over the file keeps the copy's
-        // identity, and with it the ready tokens of images it may no longer
-        // call ready: a repair, which a restore must be followed by, makes
-        // every token stop counting (record.rs). The next read of each
-        // image asks the database and writes it again.
-        tx.renew_identity()?;
-        // The tokens of the identity renewed go now, in this transaction:
-        // readers trust a token without the header (record.rs).
-        crate::records_db::for_this_database(tx, &ctx.root)?;
-    }
-    let rows = tx.images()?;
-    found.dead_writers = rows
-        .iter()
-        .filter(|r| writing.contains(&r.name) && r.state == ImageState::Incomplete)
-        .map(|r| r.name.clone())
-        .collect();
-
-    let images_dir = tx.images_dir(&ctx.root)?;
-    // Only a ready image must have a tree (an incomplete one may have none).
-    let expects_trees = rows.iter().any(|r| r.state == ImageState::Ready);
-    // A missing, empty or foreign images directory says nothing about the
-    // trees: no row is dropped and no tree adopted by it (see adopt.rs).
-    let mount = adopt::mount(tx, &ctx.root, &images_dir, expects_trees)?;
-    found.doubt = mount.doubt(&images_dir);
-    let images = match mount {
-        Mount::Ours(d) | Mount::Empty(d) => Some(d),
-        Mount::Missing(_) | Mount::Other { .. } => None,
-    };
-    for r in &rows {
-        let Ok(n) = ImageName::parse(&r.name) else {
+    let mut dropped = Vec::new();
+    for (n, e) in gone {
+        let Some(h) = take_held(root, e) else {
             continue;
         };
-        let tree_there = || {
-            images.as_ref().is_some_and(|d| {
-                d.stat_at(n.encoded())
-                    .ok()
-                    .flatten()
-                    .is_some_and(|e| e.is_dir())
-            })
-        };
-        let present = tree_there();
-        // An incomplete image may have no tree: its writer failed before
-        // putting anything in the directory made for it, which then went
-        // (Session::finish). Only a ready image must have one.
-        if !present && r.state == ImageState::Ready {
-            if found.doubt.is_some() {
-                found.kept_rows += 1;
-                continue;
-            }
-            // Only an image nobody holds can be forgotten (under the global
-            // lock a try is allowed; a missing lock file is free).
-            let (free, guard) = match lock::acquire_no_wait(
-                &ctx.root.image_lock(&n),
-                lock::Mode::Exclusive,
-                lock::IfMissing::Fail,
-            ) {
-                Ok(g) => (g.is_some(), g),
-                Err(e) => (e.kind() == std::io::ErrorKind::NotFound, None),
-            };
-            // Looked at again under the lock: a write without the database
-            // (written.rs, new images) needs no global lock, and one that
-            // makes its tree where none is — over a row whose tree is gone
-            // — may have made it, run and ended between the look above and
-            // the lock. Its record, folded by the next transaction, makes
-            // the image ready; dropping the row and emptying the lock file
-            // would leave its tree to adoption, incomplete.
-            if free && !tree_there() {
-                found.missing_trees.push(r.name.clone());
-                if repair {
-                    // The ready token goes first (record.rs), under the lock.
-                    if let Some(g) = &guard {
-                        crate::record::invalidate(g.file()).with_context(|| {
-                            format!("cannot write the lock file of image '{}'", r.name)
-                        })?;
-                    }
-                    tx.delete_image(&r.name)?;
-                }
-            }
-        }
-        if r.state == ImageState::Incomplete {
-            found.incomplete.push(r.name.clone());
+        let still = h
+            .seen
+            .record
+            .as_ref()
+            .is_some_and(|r| r.state == State::Ready)
+            && crate::images_dir::of_record(root, h.seen.record.as_ref().expect("checked"))
+                .is_ok_and(|d| !d.join(n.encoded()).exists());
+        if still && root.drop_record(n, h.guard).is_ok() {
+            dropped.push(n.as_str().to_owned());
         }
     }
-    let Some(images) = images.filter(|_| found.doubt.is_none()) else {
-        return Ok(found);
-    };
-    // This is the directory the rows describe (recorded when repairing).
-    adopt::record_identity(tx, &images)?;
-    // Adopted in any case: without repair the transaction is rolled back.
-    let (orphans, _) = adopt::adopt(
-        tx,
-        &ctx.root,
-        &images,
-        &images_dir,
-        Adopt::Unknown,
-        &HashMap::new(),
-    )?;
-    found.orphan_trees = orphans
-        .trees
-        .iter()
-        .map(|(name, _)| name.as_str().to_owned())
-        .collect();
-    Ok(found)
+    report.add(
+        "images",
+        Verdict::Repaired,
+        format!(
+            "dropped the records of {}, whose trees are gone",
+            list(&dropped)
+        ),
+    );
+}
+
+/// The trash, lock files that name no image, dead leases.
+fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
+    let root = store.root().clone();
+    // A trash that is no directory: reported with the layout.
+    let trash = remove::empty_trash(&root, repair).unwrap_or_default();
+    for f in &trash.failed {
+        report.add("trash", Verdict::Problem, f.clone());
+    }
+    if !trash.entries.is_empty() {
+        report.add(
+            "trash",
+            if repair {
+                Verdict::Repaired
+            } else {
+                Verdict::Problem
+            },
+            format!(
+                "{} {} left in {} ({})",
+                done(repair, "deleted"),
+                trash.entries.len(),
+                root.trash().display(),
+                crate::disk_usage::human(trash.bytes)
+            ),
+        );
+    }
+    // On a filesystem where lock files are never unlinked, empty ones are
+    // no leftovers.
+    if lock::unlinks_allowed(&root.image_locks().join("x.lock")) {
+        let empty: Vec<Entry> = crate::census::take(&root)?
+            .into_iter()
+            .filter(|e| e.seen == crate::image_record::Seen::default())
+            .collect();
+        let mut gone = 0;
+        for e in &empty {
+            if !repair {
+                continue;
+            }
+            if let Ok(Some(g)) =
+                lock::acquire_no_wait(&e.path, Mode::Exclusive, lock::IfMissing::Fail)
+                && crate::image_record::read(g.file())
+                    .is_ok_and(|s| s == crate::image_record::Seen::default())
+                && root.unlink_lock(g).is_ok()
+            {
+                gone += 1;
+            }
+        }
+        if !empty.is_empty() {
+            report.add(
+                "locks",
+                if repair {
+                    Verdict::Repaired
+                } else {
+                    Verdict::Info
+                },
+                format!(
+                    "{} {} lock file(s) that name no image",
+                    done(repair, "removed"),
+                    if repair { gone } else { empty.len() }
+                ),
+            );
+        }
+    }
+    if repair {
+        let n = crate::lease::clean(&root.leases());
+        if n > 0 {
+            report.add(
+                "leases",
+                Verdict::Repaired,
+                format!("removed {n} lease(s) of processes that are gone"),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// An image's lock taken exclusively without waiting, with its record.
+fn take_held(root: &crate::root::Root, e: &Entry) -> Option<crate::acquire::image::Held> {
+    let name = ImageName::parse(e.name()?).ok()?;
+    let (guard, seen) =
+        lock::acquire_no_wait_with(&e.path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
+            let s = crate::image_record::read_of(f, name.as_str()).unwrap_or_default();
+            let proven = s.record.is_some();
+            (s, proven)
+        })
+        .ok()??;
+    // A store-wide command holds the store: left for later.
+    if crate::store_wide::blocks(root, &seen) {
+        return None;
+    }
+    Some(crate::acquire::image::Held { name, guard, seen })
+}
+
+fn done(repair: bool, what: &str) -> String {
+    if repair {
+        what.to_owned()
+    } else {
+        "found".to_owned()
+    }
+}
+
+/// "'a', 'b' and 3 more"
+fn list(names: &[String]) -> String {
+    let shown: Vec<String> = names.iter().take(5).map(|n| format!("'{n}'")).collect();
+    match names.len() {
+        0 => "no image".into(),
+        n if n > 5 => format!("{} and {} more", shown.join(", "), n - 5),
+        _ => shown.join(", "),
+    }
 }

@@ -12,9 +12,9 @@ pub const ROOT: &str = "STOWAGE_ROOT";
 pub const IMAGES_DIR: &str = "STOWAGE_IMAGES_DIR";
 /// Set for an exec's command when it writes exactly one image: its tree.
 pub const IMAGE_DIR: &str = "STOWAGE_IMAGE_DIR";
-/// Set by `stowage exec` for its command: the pids of the execs that run it,
-/// outermost first, separated by `:` (each appends its own).
-pub const EXEC_PIDS: &str = "STOWAGE_EXEC_PIDS";
+/// Set by `stowage exec` for its command: the leases of the execs that run
+/// it, outermost first, separated by `:` (each appends its own).
+pub const EXEC_LEASES: &str = "STOWAGE_EXEC_LEASES";
 /// The time "now" for `gc --unused-for` and last-use times (tests and
 /// reproducible reports): RFC 3339 or seconds since the epoch.
 pub const NOW: &str = "STOWAGE_NOW";
@@ -36,9 +36,6 @@ pub const DEBUG_PAUSE: &str = "STOWAGE_DEBUG_PAUSE";
 /// Hidden test hook: a lock file name whose lock is reported lost when it
 /// is verified, as a lock lost to an NFS lease expiry would be.
 pub const DEBUG_LOST_LOCK: &str = "STOWAGE_DEBUG_LOST_LOCK";
-/// Hidden test hook: the schema version this binary migrates up to (an
-/// older binary, for migration tests).
-pub const DEBUG_SCHEMA_LIMIT: &str = "STOWAGE_DEBUG_SCHEMA_LIMIT";
 /// Hidden test hook: SQLite's busy timeout in milliseconds.
 pub const DEBUG_DB_BUSY_MS: &str = "STOWAGE_DEBUG_DB_BUSY_MS";
 /// Hidden test hook: how long (ms) a lease nobody wrote is left to a maker

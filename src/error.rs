@@ -42,6 +42,10 @@ pub enum Error {
     #[error("image '{name}' is not ready (state: {state})")]
     NotReady { name: String, state: String },
 
+    /// The image's record cannot be read: its state is not known (exit 66).
+    #[error("image '{name}': its record in {} is damaged, so its state is not known ('stowage exec --write {name} -- true' marks it ready, 'stowage rm {name}' removes it)", path.display())]
+    DamagedRecord { name: String, path: PathBuf },
+
     /// flock(2) does not work on this filesystem (exit 69).
     #[error("cannot lock {what} ({}): {cause}{}", path.display(), lock_advice(cause))]
     LockingUnavailable {
@@ -93,7 +97,10 @@ impl Error {
     pub fn exit_code(&self) -> u8 {
         match self {
             Error::Usage(_) | Error::InvalidName(_) => code::USAGE,
-            Error::NoSuchImage(_) | Error::NotReady { .. } | Error::NoRoot(_) => code::NO_INPUT,
+            Error::NoSuchImage(_)
+            | Error::NotReady { .. }
+            | Error::DamagedRecord { .. }
+            | Error::NoRoot(_) => code::NO_INPUT,
             Error::LockingUnavailable { .. } | Error::UnsafeLocking(_) => code::UNAVAILABLE,
             Error::Busy(_) => code::TEMPFAIL,
             Error::Interrupted(sig) => 128u8.saturating_add(*sig as u8),

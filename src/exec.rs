@@ -62,10 +62,7 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         Locks::Images(ref req) => req,
     };
     let from = plan.from.as_ref();
-    // A start that fails leaves nothing behind, so one that found the disk
-    // full can simply run again in the space kept in reserve (space.rs):
-    // reading an image on a full filesystem works.
-    let mut session = match store.retry_full(|store| Session::begin(store, req)) {
+    let mut session = match Session::begin(store, req) {
         Ok(s) => s,
         Err(e) => {
             if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), plan.conflict_exit_code)
@@ -105,7 +102,7 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     // any write that did not finish.
     let undo = |session: Session, store: &mut Store| {
         if from.is_some() {
-            session.finish(store, Outcome::Failure)
+            session.finish(store, Outcome::Failure("the command never started".into()))
         } else {
             session.abandon(store)
         }
@@ -126,7 +123,7 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         Ok(s) => s,
         Err(e) => {
             // Without its status the outcome is unknown: not ready.
-            let _ = session.finish(store, Outcome::Failure);
+            let _ = session.finish(store, Outcome::Failure("its status is unknown".into()));
             return Err(anyhow::Error::new(e).context("cannot wait for the command"));
         }
     };
@@ -145,7 +142,10 @@ fn copy_base(
 ) -> Result<Session> {
     if let Err(e) = session.clone_into(store, base, target) {
         // A half-made copy must never look ready.
-        let _ = session.finish(store, Outcome::Failure);
+        let _ = session.finish(
+            store,
+            Outcome::Failure("the copy from its base failed".into()),
+        );
         // Stopped by a termination signal (wherever the walk noticed
         // it, even inside an I/O error): exit 128+N, like any signal
         // before the command starts.
@@ -156,14 +156,8 @@ fn copy_base(
         }
         return Err(e);
     }
-    // Not fatal: if its record cannot be dropped, the base stays
-    // locked (and recorded) until the end, as it did before.
-    if !plan.keep_base
-        && let Err(e) = session.release_read(store, base)
-    {
-        store.ctx().detail(&format!(
-            "image '{base}' stays read-locked until the command ends: {e:#}"
-        ));
+    if !plan.keep_base {
+        session.release_read(base);
     }
     Ok(session)
 }
@@ -177,10 +171,7 @@ fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsStr
             session.images_dir().as_os_str().to_owned(),
         ),
         // Lets a stowage inside the command tell that we hold its locks.
-        (
-            crate::env::EXEC_PIDS,
-            crate::nested::exec_pids_for_command(std::process::id()).into(),
-        ),
+        (crate::env::EXEC_LEASES, enclosing(store).into()),
     ];
     let written: Vec<_> = session.writes().collect();
     if let [only] = written.as_slice() {
@@ -190,6 +181,13 @@ fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsStr
         ));
     }
     command::environment(std::env::vars_os(), &images)
+}
+
+/// The value of [`crate::env::EXEC_LEASES`] for our command: the enclosing
+/// execs' leases and ours.
+fn enclosing(store: &Store) -> String {
+    let mine = crate::lease::mine(&store.root().leases()).ok();
+    crate::nested::for_command(mine.as_deref())
 }
 
 /// Records how the command ended and returns the exec's exit code.
@@ -203,22 +201,16 @@ fn record_outcome(
     let outcome = if status.success() {
         Outcome::Success
     } else {
-        Outcome::Failure
+        Outcome::Failure(command::describe(status))
     };
-    let full = if outcome == Outcome::Failure && !written.is_empty() {
+    let full = if outcome != Outcome::Success && !written.is_empty() {
         full_note(session.images_dir())
     } else {
         None
     };
-    // The space kept in reserve is for the database, which a write that
-    // took none did not use (written.rs): its next user makes it again.
-    let recorded = !session.writes_without_database();
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
     })?;
-    if !written.is_empty() && full.is_none() && recorded {
-        crate::space::ensure(&store.root().reserve());
-    }
     if let Some(note) = full {
         store.ctx().say(&format!(
             "{} incomplete: the command failed with {note}",
@@ -268,17 +260,15 @@ fn run_store_wide(
                 return Err(e);
             }
         };
-    let images_dir = store.with_tx(None, |tx, ctx| tx.images_dir(&ctx.root));
+    let images_dir =
+        crate::images_dir::config(store.root()).map(|c| c.images_dir_in(store.root().dir()));
     let run = || -> Result<u8> {
         let images = [
             (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
             (crate::env::IMAGES_DIR, images_dir?.into_os_string()),
-            // A stowage inside the command tells by it that we hold the
-            // store's lease (the keeper does, with --no-inherit).
-            (
-                crate::env::EXEC_PIDS,
-                crate::nested::exec_pids_for_command(std::process::id()).into(),
-            ),
+            // A stowage inside the command tells by it that it runs inside
+            // the hold (its lease lists store.lock).
+            (crate::env::EXEC_LEASES, enclosing(store).into()),
         ];
         let env = command::environment(std::env::vars_os(), &images);
         let started = command::start(
@@ -299,6 +289,11 @@ fn run_store_wide(
         Ok(command::exit_code(&status))
     };
     let code = run();
+    for name in hold.forget_deleted(store) {
+        store.ctx().say(&format!(
+            "image '{name}' was deleted by the store-wide command"
+        ));
+    }
     hold.release(store);
     code
 }

@@ -1,24 +1,21 @@
 //! Garbage collection: make room without ever touching an image in use.
 //!
 //! In order, gc removes:
-//! 1. leftovers of interrupted removals (rows left `deleting`, the trash);
-//! 2. incomplete images, whose writer is gone (a writer that died leaves its
-//!    image `creating`/`writing` with a free lock; gc first marks those);
+//! 1. leftovers of interrupted removals (records left `deleting`, the trash);
+//! 2. incomplete images whose record says their writer failed or died;
 //! 3. with `--unused-for D`, ready images not used for D;
 //! 4. with `--max-size S`, least recently used images until the images fit S.
 //!
-//! Invariants: every image is removed under its exclusive lock, taken
-//! without waiting — a busy image is skipped, however old. After the lock is
-//! taken the image's row is read again, so a reason that stopped holding
-//! (the image was just rebuilt or used) keeps it. Sizes are allocated
-//! blocks, hard links counted once, symlinks never followed; `--max-size`
-//! is the space the images take on the filesystem — on one that shares
-//! extents (reflink clones), each shared extent once — and an image whose
-//! removal would free nothing is not removed for the budget. A size gc
-//! measures is recorded only if the row is unchanged since it was read (a
-//! writer that finished meanwhile recorded its own). `--dry-run`
-//! changes nothing: the same decisions, every lock released at once, every
-//! transaction rolled back.
+//! - **Only on positive evidence.** An image whose state is not known (a
+//!   damaged record, a tree adopted without one) is kept and reported.
+//! - Every image is removed under its exclusive lock, taken without
+//!   waiting — a busy image is skipped, however old — and its record is read
+//!   again under that lock: a reason that stopped holding keeps it.
+//! - Sizes are allocated blocks, hard links counted once; `--max-size` is
+//!   the space the images take (each shared extent once), and an image
+//!   whose removal would free nothing is not removed for the budget.
+//! - `--dry-run` changes nothing: the same decisions, every lock released
+//!   at once.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -27,11 +24,12 @@ use anyhow::Result;
 
 use crate::clock::{self, Millis};
 use crate::disk_usage;
+use crate::image_record::State;
 use crate::lock::{self, Mode};
-use crate::meta::{ImageRow, ImageState};
 use crate::name::ImageName;
-use crate::remove::{self, Leftovers};
+use crate::remove;
 use crate::store::Store;
+use crate::survey::Image;
 
 /// What to remove beyond incomplete images.
 #[derive(Debug, Clone, Default)]
@@ -94,11 +92,13 @@ pub struct Report {
     pub trash_entries: usize,
     /// Removals that failed (the images keep their state), one line each.
     pub failed: Vec<String>,
+    /// Images kept because their state is not known (a damaged record, a
+    /// tree adopted without one): `name: why`.
+    pub unknown: Vec<String>,
 }
 
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
-    // gc locks images without recording itself: its lease names it to
-    // lock-status meanwhile (best effort; see lease.rs).
+    // gc locks images: its lease names it to lock-status meanwhile.
     if !policy.dry_run {
         let _ = crate::lease::mine(&store.root().leases());
     }
@@ -108,140 +108,61 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         unused_for_seconds: policy.unused_for.map(|d| d.as_secs()),
         ..Report::default()
     };
-
-    // 1. Leftovers of interrupted removals.
-    let left: Leftovers = remove::finish_interrupted(store, !policy.dry_run)?;
-    report.interrupted_removals = left.removals;
-    report.trash_entries = left.trash.len();
-    report.failed = left.failed;
-    report.bytes_freed = left.bytes;
-
-    // Look at every image: dead writers become incomplete (in a dry run the
-    // transaction is rolled back, so nothing changes).
-    let sweep = |tx: &crate::meta::Tx, ctx: &crate::ctx::Ctx| {
-        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
-        crate::judge::sweep(tx, ctx, &kv)?;
-        let dir = tx.images_dir(&ctx.root)?;
-        let doubt = crate::adopt::unmounted(tx, &ctx.root, &dir)?;
-        Ok((tx.images()?, dir, doubt, kv))
-    };
-    let looked = store.retry_full(|store| {
-        let (tx, ctx) = store.begin(None)?;
-        let (images, dir, doubt, kv) = sweep(&tx, ctx)?;
-        if !policy.dry_run {
-            // Leases of owners that died, under the global lock.
-            crate::judge::clean_leases(ctx, &kv);
-            tx.commit()?;
-        }
-        Ok((images, dir, doubt))
-    });
-    let (rows, images_dir, doubt) = match looked {
-        // A dry run on a full filesystem, even the reserve used: it changes
-        // nothing anyway, so it looks without a journal on disk.
-        Err(e) if policy.dry_run && crate::space::is_full(&e) => {
-            let (images, dir, doubt, _) = store.view_tx(sweep)?;
-            (images, dir, doubt)
-        }
-        other => other?,
-    };
-    // Trees missing from an unmounted images directory are not gone:
-    // removing their images would free nothing and orphan the trees.
-    if let Some(why) = doubt {
+    if !policy.dry_run {
+        crate::migrate::if_needed(store, None)?;
+    }
+    finish_interrupted(store, policy.dry_run, &mut report)?;
+    let images = crate::survey::survey(store, true)?;
+    let config = crate::images_dir::config(store.root())?;
+    let images_dir = config.images_dir_in(store.root().dir());
+    if let Some(why) = crate::images_dir::unmounted(store.root(), &images_dir) {
         report.failed.push(format!("no image removed: {why}"));
         return Ok(report);
     }
-    let mut rows: Vec<ImageRow> = rows
+    let mut rows: Vec<Image> = images
         .into_iter()
-        .filter(|r| !policy.dry_run || !report.interrupted_removals.contains(&r.name))
+        .filter(|i| i.state != State::Deleting)
         .collect();
-
-    // What each image takes, and what removing it frees (see disk_usage.rs):
-    // with a budget on a filesystem that shares extents, every image's
-    // extent map is read, so the budget is the space the images really
-    // take and a removal counts only what it frees.
     let shares = policy.max_size.is_some() && disk_usage::can_share(&images_dir);
-    let mut cost: HashMap<String, Cost> = HashMap::new();
-    let mut measured = Vec::new();
-    for r in rows.iter_mut() {
-        crate::signals::check()?;
-        let Ok(n) = ImageName::parse(&r.name) else {
-            continue;
-        };
-        let c = if shares || r.size_bytes.is_none() {
-            let m = disk_usage::measure(&images_dir.join(n.encoded()), shares).ok();
-            if r.size_bytes.is_none()
-                && let Some(m) = &m
-            {
-                measured.push((r.clone(), m.allocated));
-                r.size_bytes = Some(m.allocated);
-            }
-            match m {
-                Some(m) => Cost {
-                    own: m.allocated.saturating_sub(m.shared),
-                    shared_ranges: m.shared_ranges,
-                },
-                // Unreadable: it counts what was recorded, if anything.
-                None => Cost {
-                    own: r.size_bytes.unwrap_or(0),
-                    shared_ranges: Vec::new(),
-                },
-            }
-        } else {
-            Cost {
-                own: r.size_bytes.unwrap_or(0),
-                shared_ranges: Vec::new(),
-            }
-        };
-        cost.insert(r.name.clone(), c);
-    }
-    crate::debug::pause("gc-measured");
-    if !policy.dry_run && !measured.is_empty() {
-        // A measurement is recorded only if the row is still what it was
-        // when measured: a writer that finished meanwhile recorded its own.
-        store.with_tx(None, |tx, _| {
-            measured
-                .iter()
-                .filter(|(r, _)| !r.state.being_written())
-                .try_for_each(|(r, s)| tx.set_size_if_unchanged(r, *s).map(|_| ()))
-        })?;
-    }
+    let cost = costs(store, &rows, shares)?;
     let mut footprint =
         disk_usage::Footprint::new(cost.values().map(|c| c.shared_ranges.as_slice()));
     report.size_before = cost.values().map(|c| c.own).sum::<u64>() + footprint.bytes();
     let mut total = report.size_before;
-    // What removing `r` would free now, and forgetting it once removed.
-    let frees = |fp: &disk_usage::Footprint, r: &ImageRow| {
-        cost.get(&r.name)
+    let frees = |fp: &disk_usage::Footprint, r: &Image| {
+        cost.get(r.name())
             .map_or(0, |c| c.own + fp.unique(&c.shared_ranges))
     };
-
+    report.unknown = rows
+        .iter()
+        .filter(|r| r.state == State::Incomplete && r.record.readiness_unknown())
+        .map(|r| {
+            format!(
+                "{}: {}",
+                r.name(),
+                r.record.outcome.as_deref().unwrap_or("")
+            )
+        })
+        .collect();
     crate::debug::pause("gc-listed");
-    // 2. Incomplete images, 3. unused ones, 4. least recently used — in
-    // that order, each phase oldest first.
-    let now = clock::now_ms();
-    // Saturating: a duration longer than history (1000000000y) means "no
-    // image is that old", not a wrapped-around cutoff in the future. A read
-    // records its use only when the recorded last use is older than the
-    // resolution (a read writes no metadata otherwise): an image used in the
-    // last D may show a last use up to that much older, so only one whose
-    // last use is older than D plus the resolution is surely unused for D.
-    let resolution = crate::session::LAST_USE_RESOLUTION.as_millis() as Millis;
-    let cutoff = policy.unused_for.map(|d| {
-        let ms = Millis::try_from(d.as_millis()).unwrap_or(Millis::MAX);
-        now.saturating_sub(ms).saturating_sub(resolution)
-    });
+    let cutoff = cutoff(policy);
     rows.sort_by(oldest_first);
     for reason in [Reason::Incomplete, Reason::Unused] {
-        let (these, rest): (Vec<ImageRow>, Vec<ImageRow>) =
-            rows.into_iter().partition(|r| match reason {
-                Reason::Incomplete => r.state == ImageState::Incomplete,
-                _ => r.state == ImageState::Ready && cutoff.is_some_and(|c| r.last_used < c),
-            });
+        let (these, rest): (Vec<Image>, Vec<Image>) =
+            rows.into_iter().partition(|r| qualifies(r, reason, cutoff));
         rows = rest;
         for r in these {
             crate::signals::check()?;
             let bytes = frees(&footprint, &r);
-            if collect(store, &r, reason, bytes, policy.dry_run, &mut report)? {
+            if collect(
+                store,
+                &r,
+                reason,
+                cutoff,
+                bytes,
+                policy.dry_run,
+                &mut report,
+            )? {
                 total = total.saturating_sub(bytes);
                 forget(&mut footprint, &cost, &r);
             } else {
@@ -251,11 +172,12 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
-        // Least recently used first, but passing over an image whose
-        // removal would free nothing now (all its data shared with images
-        // that stay) while a later one frees something; when none does,
-        // the least recently used goes, which unshares the others.
-        let mut left = rows;
+        // Least recently used first, passing over an image whose removal
+        // would free nothing now while a later one frees something.
+        let mut left: Vec<Image> = rows
+            .into_iter()
+            .filter(|r| r.state == State::Ready)
+            .collect();
         while total > max && !left.is_empty() {
             crate::signals::check()?;
             let i = left
@@ -268,6 +190,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
                 store,
                 &r,
                 Reason::OverBudget,
+                cutoff,
                 bytes,
                 policy.dry_run,
                 &mut report,
@@ -279,129 +202,222 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     }
     report.size_after = total;
     if !policy.dry_run {
-        // Space was freed: the metadata's reserve gets what it lacks.
         crate::space::refill(&store.root().reserve());
     }
     report.bytes_freed += report.removed.iter().map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
 }
 
+/// The last use before which an image is unused for `--unused-for D`: a
+/// read records its use only when the recorded one is older than the
+/// resolution, so only one older than D plus the resolution is surely
+/// unused for D. Saturating: a duration longer than history means "no
+/// image is that old".
+fn cutoff(policy: &Policy) -> Option<Millis> {
+    let resolution = crate::image_record::LAST_USE_RESOLUTION.as_millis() as Millis;
+    policy.unused_for.map(|d| {
+        let ms = Millis::try_from(d.as_millis()).unwrap_or(Millis::MAX);
+        clock::now_ms()
+            .saturating_sub(ms)
+            .saturating_sub(resolution)
+    })
+}
+
+/// Whether an image qualifies for removal for `reason`, by what its record
+/// says: an incomplete one only if its writer failed or died (an adopted
+/// tree of unknown readiness is no evidence).
+fn qualifies(r: &Image, reason: Reason, cutoff: Option<Millis>) -> bool {
+    match reason {
+        Reason::Incomplete => r.state == State::Incomplete && !r.record.readiness_unknown(),
+        Reason::Unused => r.state == State::Ready && cutoff.is_some_and(|c| r.last_used < c),
+        Reason::OverBudget => r.state == State::Ready,
+    }
+}
+
+/// Finishes removals a crash cut short (records left `deleting` whose lock
+/// is free) and empties the trash.
+fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> Result<()> {
+    let root = store.root().clone();
+    let entries = crate::census::take(&root)?;
+    crate::debug::pause("interrupted-listed");
+    for e in entries {
+        let Some(r) = e
+            .seen
+            .record
+            .as_ref()
+            .filter(|r| r.state == State::Deleting)
+        else {
+            continue;
+        };
+        let Ok(name) = ImageName::parse(&r.name) else {
+            continue;
+        };
+        let Ok(Some(held)) = take_exclusive(&root, &name) else {
+            continue;
+        };
+        if held
+            .seen
+            .record
+            .as_ref()
+            .is_none_or(|r| r.state != State::Deleting)
+            || crate::store_wide::blocks(&root, &held.seen)
+        {
+            continue;
+        }
+        report.interrupted_removals.push(name.as_str().to_owned());
+        if !dry_run && let Err(e) = remove::finish_held(&root, held) {
+            report.failed.push(format!("{e:#}"));
+        }
+    }
+    let trash = remove::empty_trash(&root, !dry_run)?;
+    report.trash_entries = trash.entries.len();
+    report.bytes_freed += trash.bytes;
+    report.failed.extend(trash.failed);
+    Ok(())
+}
+
+/// An image's lock taken exclusively without waiting, with its record.
+fn take_exclusive(
+    root: &crate::root::Root,
+    name: &ImageName,
+) -> std::io::Result<Option<crate::acquire::image::Held>> {
+    Ok(lock::acquire_no_wait_with(
+        &root.image_lock(name),
+        Mode::Exclusive,
+        lock::IfMissing::Fail,
+        |f| {
+            let s = crate::image_record::read_of(f, name.as_str()).unwrap_or_default();
+            let proven = s.record.is_some();
+            (s, proven)
+        },
+    )?
+    .map(|(guard, seen)| crate::acquire::image::Held {
+        name: name.clone(),
+        guard,
+        seen,
+    }))
+}
+
+/// What each image takes, and what removing it frees (see disk_usage.rs).
+fn costs(store: &Store, rows: &[Image], shares: bool) -> Result<HashMap<String, Cost>> {
+    let mut cost = HashMap::new();
+    for r in rows {
+        crate::signals::check()?;
+        let c = if shares || r.size.is_none() {
+            let tree = crate::images_dir::tree_of(store.root(), &r.record);
+            match disk_usage::measure(&tree, shares).ok() {
+                Some(m) => Cost {
+                    own: m.allocated.saturating_sub(m.shared),
+                    shared_ranges: m.shared_ranges,
+                },
+                None => Cost {
+                    own: r.size.unwrap_or(0),
+                    shared_ranges: Vec::new(),
+                },
+            }
+        } else {
+            Cost {
+                own: r.size.unwrap_or(0),
+                shared_ranges: Vec::new(),
+            }
+        };
+        cost.insert(r.name().to_owned(), c);
+    }
+    Ok(cost)
+}
+
 /// What an image takes on the filesystem beyond what it shares.
 struct Cost {
-    /// Allocated bytes in no shared extent.
     own: u64,
-    /// Physical ranges of its shared extents (empty where nothing is shared
-    /// or extents were not read).
     shared_ranges: Vec<(u64, u64)>,
 }
 
-fn forget(fp: &mut disk_usage::Footprint, cost: &HashMap<String, Cost>, r: &ImageRow) {
-    if let Some(c) = cost.get(&r.name) {
+fn forget(fp: &mut disk_usage::Footprint, cost: &HashMap<String, Cost>, r: &Image) {
+    if let Some(c) = cost.get(r.name()) {
         fp.release(&c.shared_ranges);
     }
 }
 
 /// Least recently used first; by name among equals, so runs repeat.
-fn oldest_first(a: &ImageRow, b: &ImageRow) -> std::cmp::Ordering {
+fn oldest_first(a: &Image, b: &Image) -> std::cmp::Ordering {
     a.last_used
         .cmp(&b.last_used)
-        .then_with(|| a.name.cmp(&b.name))
+        .then_with(|| a.name().cmp(b.name()))
 }
 
-/// Removes one image if its lock is free and its reason still holds;
-/// `bytes` is what its removal frees. Returns whether it was removed.
+/// Removes one image if its lock is free and, by its record read again
+/// under the lock, its reason still holds. Returns whether it was removed.
 fn collect(
     store: &mut Store,
-    row: &ImageRow,
+    img: &Image,
     reason: Reason,
+    cutoff: Option<Millis>,
     bytes: u64,
     dry_run: bool,
     report: &mut Report,
 ) -> Result<bool> {
-    let Ok(name) = ImageName::parse(&row.name) else {
+    let Ok(name) = ImageName::parse(img.name()) else {
         return Ok(false);
     };
-    let path = store.root().image_lock(&name);
-    // A dry run creates no lock file: a missing one is simply free.
-    let guard =
-        match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::create_if(!dry_run)) {
-            Ok(Some(g)) => Some(g),
-            Ok(None) => {
-                report.busy.push(row.name.clone());
-                return Ok(false);
-            }
-            Err(e) if dry_run && e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => {
-                return Err(crate::lock::error(&format!("image '{name}'"), &path, e));
-            }
-        };
-    // Under the lock, the image must still exist and its reason still hold.
-    let (guard, current) = match guard {
-        Some(g) => match remove::recheck(store, &name, g, !dry_run)? {
-            Some((g, current)) => (Some(g), current),
-            None => return Ok(false),
-        },
-        None => match store.with_tx_holding_locks(None, |tx, _| tx.image(name.as_str()))? {
-            Some(current) => (None, current),
-            None => return Ok(false),
-        },
-    };
-    let still = match reason {
-        // Holding the lock, a creating/writing image has lost its writer
-        // (a dry run sees the mark it did not commit).
-        Reason::Incomplete => {
-            current.state == ImageState::Incomplete || current.state.being_written()
+    let root = store.root().clone();
+    let held = match take_exclusive(&root, &name) {
+        Ok(Some(h)) => h,
+        Ok(None) => {
+            report.busy.push(img.name().to_owned());
+            return Ok(false);
         }
-        Reason::Unused => current.state == ImageState::Ready && current.last_used == row.last_used,
-        Reason::OverBudget => current.last_used == row.last_used,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => {
+            return Err(lock::error(
+                &format!("image '{name}'"),
+                &root.image_lock(&name),
+                e,
+            ));
+        }
     };
-    if !still {
+    let Some(now) = held.seen.record.clone() else {
+        return Ok(false);
+    };
+    // A store-wide command holds the store: kept, as an image in use is.
+    if crate::store_wide::blocks(&root, &held.seen) {
+        report.busy.push(img.name().to_owned());
         return Ok(false);
     }
-    if let Some(g) = guard {
-        if dry_run {
-            drop(g);
-        } else {
-            crate::debug::pause("gc-rechecked");
-            match remove::remove_locked(store, vec![(name.clone(), g)]) {
-                // Removed; a tree left in the trash is said, and retried
-                // by the next gc.
-                Ok(done) => report
-                    .failed
-                    .extend(done.into_iter().filter_map(|r| r.left_in_trash)),
-                // Refused before anything moved because a store-wide
-                // command holds the store: busy, as an image in use is.
-                Err(e)
-                    if matches!(
-                        e.downcast_ref::<crate::Error>(),
-                        Some(crate::Error::Busy(_))
-                    ) =>
-                {
-                    report.busy.push(row.name.clone());
-                    return Ok(false);
-                }
-                // Gone since the recheck, though we hold its lock: a
-                // store-wide command that deleted its tree forgot it as it
-                // ended (it takes no image lock for that). Nothing to do.
-                Err(e)
-                    if matches!(
-                        e.downcast_ref::<crate::Error>(),
-                        Some(crate::Error::NoSuchImage(_))
-                    ) =>
-                {
-                    return Ok(false);
-                }
-                // Undone (see remove.rs): say so, and go on with the others.
-                Err(e) => {
-                    report.failed.push(format!("{e:#}"));
-                    return Ok(false);
-                }
+    // Under the lock, the record is the truth: a write in flight is dead.
+    let current = Image {
+        state: now.state_seen(false),
+        last_used: held
+            .seen
+            .last_use
+            .unwrap_or(now.changed)
+            .max(now.changed)
+            .max(if now.seq == img.record.seq {
+                img.last_used
+            } else {
+                0
+            }),
+        record: now,
+        entry: img.entry.clone(),
+        size: img.size,
+    };
+    if !qualifies(&current, reason, cutoff)
+        || (reason == Reason::OverBudget && current.last_used != img.last_used)
+    {
+        return Ok(false);
+    }
+    if !dry_run {
+        crate::debug::pause("gc-rechecked");
+        match remove::remove_held(&root, held, Some(bytes)) {
+            Ok(done) => report.failed.extend(done.left_in_trash),
+            Err(e) => {
+                report.failed.push(format!("{e:#}"));
+                return Ok(false);
             }
         }
     }
     report.removed.push(Collected {
-        name: row.name.clone(),
-        state: row.state.as_str(),
+        name: img.name().to_owned(),
+        state: current.state.as_str(),
         size_bytes: bytes,
         reason,
     });

@@ -1,21 +1,51 @@
 //! Who holds and awaits a lock, and how to say it.
 //!
-//! A [`Party`] is a holder or waiter, from a record or straight from the
-//! kernel's lock table. This module turns parties into the sentences every
-//! message uses ("held (read) by pid 4121 on node07 (…) since 12:03:04"),
-//! and announces waits: [`announce_wait`] is the one place that prints
-//! "waiting for …". It reads, never writes: judging records (and dropping
-//! stale ones) is `judge.rs`.
+//! - **The kernel is the truth about locks; leases name the holders.** A
+//!   stowage process lists each lock it holds or awaits in its lease
+//!   (`lease.rs`), which is alive exactly while it (or a command that
+//!   inherited it) lives. A [`Look`] reads the leases once, then the lock
+//!   table (local filesystems), and judges every lock by both.
+//! - **A holder is listed once, wherever it runs.** A lease's owner is found
+//!   in the table through the lease file's own entry (its owner holds it
+//!   exclusively), and that process's entries on the lock are its own, not
+//!   an outsider's. Across pid namespaces and hosts the table shows nothing
+//!   of it, and the lease alone names it.
+//! - **A lock held by a process stowage did not start still shows as held**:
+//!   by its pid and command where the table has it, else as unidentified.
+//! - [`announce_wait`] is the one place that prints "waiting for …".
 
-use std::path::Path;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
 
 use crate::clock::{self, Millis};
 use crate::ctx::Ctx;
 use crate::ident;
-use crate::kernel::{Entry, KernelView, LockView};
-use crate::lock::Mode;
+use crate::image_record::State;
+use crate::kernel::{Entry, Table};
+use crate::lease::{Holding, Identity};
+use crate::lock::{Mode, Probe};
 
-/// A holder or waiter, from a record or straight from the kernel.
+/// What kind of lock a report is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LockKind {
+    Global,
+    Image,
+    Slot,
+}
+
+impl LockKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LockKind::Global => "global",
+            LockKind::Image => "image",
+            LockKind::Slot => "slot",
+        }
+    }
+}
+
+/// A holder or waiter.
 #[derive(Debug, Clone)]
 pub struct Party {
     pub pid: Option<u32>,
@@ -26,87 +56,443 @@ pub struct Party {
     pub since: Option<Millis>,
     /// False for a process stowage did not start.
     pub stowage: bool,
-    /// The lease that proves the party alive (`lease.rs`); None for an
-    /// outsider or a record of an older release.
+    /// The lease that names the party; None for an outsider.
     pub lease: Option<String>,
-}
-
-/// A lock-table entry no record claims: a stowage process that has not
-/// recorded itself (a reader or slot holder, which never does; or a writer
-/// a moment before it does), known by the lease it took — for the command
-/// its lease lists with `lockfile` (relative to the locks directory), else
-/// stowage's own command line — and else a process stowage did not start.
-pub(crate) fn unrecorded(ctx: &Ctx, kv: &KernelView, e: &Entry, lockfile: &str) -> Party {
-    let leased = e.pid.and_then(|p| kv.lease_taken_by(p)).and_then(|name| {
-        let id = kv.said_by(&name)?;
-        let listed = id
-            .holdings
-            .iter()
-            .find(|h| h.lockfile == lockfile && h.mode == e.mode && h.awaits == e.blocked)
-            .cloned();
-        Some(match listed {
-            Some(h) => Party::leased(name, id, &h),
-            None => Party {
-                pid: id.pid,
-                host: Some(id.host),
-                user: Some(id.user),
-                mode: e.mode,
-                command: Some(id.command),
-                since: id.since,
-                stowage: true,
-                lease: Some(name),
-            },
-        })
-    });
-    leased.unwrap_or_else(|| outsider(ctx, e))
-}
-
-pub(crate) fn outsider(ctx: &Ctx, e: &Entry) -> Party {
-    Party {
-        pid: e.pid,
-        host: Some(ctx.me.host.clone()),
-        user: e.pid.and_then(ident::process_user),
-        mode: e.mode,
-        command: e.pid.and_then(ident::command_line),
-        since: None,
-        stowage: false,
-        lease: None,
-    }
+    /// An exclusive lock taken only to read (`--read-exclusive`).
+    pub reading: bool,
 }
 
 impl Party {
     /// The party a lease names for one of the locks it lists.
-    pub fn leased(name: String, id: crate::lease::Identity, h: &crate::lease::Holding) -> Party {
+    pub fn leased(name: &str, id: &Identity, h: &Holding) -> Party {
         Party {
             pid: id.pid,
-            host: Some(id.host),
-            user: Some(id.user),
+            host: Some(id.host.clone()),
+            user: Some(id.user.clone()),
             mode: h.mode,
             command: Some(h.command.clone()),
             since: Some(h.since),
             stowage: true,
-            lease: Some(name),
+            lease: Some(name.to_owned()),
+            reading: h.reading,
         }
     }
 
-    /// The party a record names.
-    pub fn recorded(rec: &crate::meta::Record) -> Party {
+    /// A process the lock table shows, that no lease names.
+    fn outsider(ctx: &Ctx, e: &Entry) -> Party {
         Party {
-            pid: Some(rec.pid),
-            host: Some(rec.host.clone()),
-            user: Some(rec.user.clone()),
-            mode: rec.mode,
-            command: Some(rec.command.clone()),
-            since: Some(rec.since),
-            stowage: true,
-            lease: rec.lease.clone(),
+            pid: e.pid,
+            host: Some(ctx.me.host.clone()),
+            user: e.pid.and_then(ident::process_user),
+            mode: e.mode,
+            command: e.pid.and_then(ident::command_line),
+            since: None,
+            stowage: false,
+            lease: None,
+            reading: false,
+        }
+    }
+
+    /// Someone holds the lock, and nothing says who (another host's
+    /// flock(1), or a holder a pid namespace hides).
+    fn unknown(mode: Mode) -> Party {
+        Party {
+            pid: None,
+            host: None,
+            user: None,
+            mode,
+            command: None,
+            since: None,
+            stowage: false,
+            lease: None,
+            reading: false,
         }
     }
 }
 
+/// One lock's state, holders and waiters.
+#[derive(Debug, Clone)]
+pub struct LockReport {
+    pub kind: LockKind,
+    pub name: String,
+    pub state: Probe,
+    pub holders: Vec<Party>,
+    pub waiters: Vec<Party>,
+    /// For image locks: the image's state, from its record.
+    pub image_state: Option<State>,
+    /// For slot classes: limit, reserve for high priority, slots in use.
+    pub slot: Option<(u32, u32, u32)>,
+}
+
+/// One look at who holds what: the leases, read first, then the kernel's
+/// lock table (where locks are local).
+pub struct Look<'c> {
+    ctx: &'c Ctx,
+    leases_dir: PathBuf,
+    /// Every lease file listed, with what it says.
+    said: Vec<(String, Identity)>,
+    alive: RefCell<HashMap<String, bool>>,
+    table: Option<Table>,
+    /// The kernel's device number of the store's filesystem.
+    kdev: Option<u64>,
+    /// Leases made after the listing, read when an entry of the table is
+    /// explained by none of `said` (once per look).
+    later: RefCell<Option<Vec<(String, Identity)>>>,
+    /// A second read of the table, made once per look to confirm a holder
+    /// nothing explains is still there.
+    fresh: RefCell<Option<Option<Table>>>,
+}
+
+impl<'c> Look<'c> {
+    /// Reads the leases, then (on a local filesystem) the lock table: every
+    /// process the table shows holding a lock made its lease before that
+    /// lock, so the listing has it.
+    pub fn new(ctx: &'c Ctx) -> Look<'c> {
+        let root = &ctx.root;
+        let leases_dir = root.leases();
+        let listing = crate::lease::listing(&leases_dir);
+        let said = listing
+            .names
+            .iter()
+            .filter_map(|n| crate::lease::identity(&leases_dir, n).map(|id| (n.clone(), id)))
+            .collect();
+        let local = root
+            .filesystem()
+            .map(|f| f.local)
+            .or_else(|| {
+                crate::filesystem::filesystem(root.dir())
+                    .ok()
+                    .map(|f| f.local)
+            })
+            .unwrap_or(false);
+        let kdev = if local {
+            crate::kernel::device_of(&root.locks())
+        } else {
+            None
+        };
+        let table = kdev.and_then(|_| crate::kernel::read_table().ok());
+        Look {
+            ctx,
+            leases_dir,
+            said,
+            alive: RefCell::new(HashMap::new()),
+            table,
+            kdev,
+            later: RefCell::new(None),
+            fresh: RefCell::new(None),
+        }
+    }
+
+    /// Whether the lease `name` has a live owner (probed once per look; a
+    /// probe that fails counts as alive, the side on which nothing goes).
+    pub fn alive(&self, name: &str) -> bool {
+        if let Some(a) = self.alive.borrow().get(name) {
+            return *a;
+        }
+        let a = !matches!(
+            crate::lease::probe(&self.leases_dir, name),
+            Ok(crate::lease::Liveness::Dead)
+        );
+        self.alive.borrow_mut().insert(name.to_owned(), a);
+        a
+    }
+
+    /// What the leases of this look say, live or not.
+    pub fn leases(&self) -> &[(String, Identity)] {
+        &self.said
+    }
+
+    /// Every lock file (relative to `locks/`) a live lease lists.
+    pub fn leased_lockfiles(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .said
+            .iter()
+            .filter(|(n, id)| !id.holdings.is_empty() && self.alive(n))
+            .flat_map(|(_, id)| id.holdings.iter().map(|h| h.lockfile.clone()))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Inodes in the table, on the store's filesystem, that someone holds
+    /// or awaits a flock on and that no live lease's owner explains: locks
+    /// taken outside stowage (flock(1)). None without a table.
+    pub fn unexplained(&self) -> Option<Vec<u64>> {
+        let (table, kdev) = (self.table.as_ref()?, self.kdev?);
+        let takers: Vec<u32> = self
+            .said
+            .iter()
+            .filter(|(n, _)| self.alive(n))
+            .filter_map(|(_, id)| self.taker(id))
+            .collect();
+        let leases: Vec<u64> = self
+            .said
+            .iter()
+            .filter_map(|(_, id)| id.file.map(|f| f.1))
+            .collect();
+        Some(
+            table
+                .iter()
+                .filter(|((d, ino), es)| {
+                    *d == kdev
+                        && !leases.contains(ino)
+                        && es
+                            .iter()
+                            .any(|e| e.pid.is_none_or(|p| !takers.contains(&p)))
+                })
+                .map(|((_, ino), _)| *ino)
+                .collect(),
+        )
+    }
+
+    /// The pid, as our pid namespace sees it, that holds a lease: its
+    /// owner, which took the owner's other locks too.
+    fn taker(&self, id: &Identity) -> Option<u32> {
+        let (table, kdev) = (self.table.as_ref()?, self.kdev?);
+        let (_, ino) = id.file?;
+        table
+            .get(&(kdev, ino))?
+            .iter()
+            .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+            .and_then(|e| e.pid)
+    }
+
+    /// The live lease whose owner the table shows as `pid`: among those
+    /// listed, else among leases made since (listed and read again once).
+    fn lease_of_pid(&self, pid: Option<u32>) -> Option<(String, Identity)> {
+        let pid = pid?;
+        let found = |all: &[(String, Identity)]| {
+            all.iter()
+                .find(|(n, id)| self.taker(id) == Some(pid) && self.alive(n))
+                .cloned()
+        };
+        if let Some(f) = found(&self.said) {
+            return Some(f);
+        }
+        let mut later = self.later.borrow_mut();
+        let more = later.get_or_insert_with(|| {
+            crate::lease::listing(&self.leases_dir)
+                .names
+                .into_iter()
+                .filter(|n| !self.said.iter().any(|(s, _)| s == n))
+                .filter_map(|n| crate::lease::identity(&self.leases_dir, &n).map(|id| (n, id)))
+                .collect()
+        });
+        found(more)
+    }
+
+    /// Whether a fresh read of the table (one per look) still shows the
+    /// entry `e` on the file at `path`: a process nothing explains may
+    /// have ended since the table was read.
+    fn still_there(&self, path: &Path, e: &Entry) -> bool {
+        let (Some(kdev), Ok(m)) = (self.kdev, std::fs::symlink_metadata(path)) else {
+            return true;
+        };
+        let mut fresh = self.fresh.borrow_mut();
+        let table = fresh.get_or_insert_with(|| crate::kernel::read_table().ok());
+        table.as_ref().is_none_or(|t| {
+            t.get(&(kdev, m.ino()))
+                .is_some_and(|es| es.iter().any(|x| x == e))
+        })
+    }
+
+    /// Unlinks the leases of owners that are gone (each under its exclusive
+    /// lock, taken without waiting), keeping a dead one that still names a
+    /// holder: its owner's pid is one of this kernel's and the table shows
+    /// a lock it lists still held under that pid (a command that closed the
+    /// lease it inherited, its stowage gone). Returns how many went.
+    pub fn clean_leases(&self) -> usize {
+        let locks = self.ctx.root.locks();
+        crate::lease::clean_keeping(&self.leases_dir, &mut |name| {
+            let Some((_, id)) = self.said.iter().find(|(n, _)| n == name) else {
+                return false;
+            };
+            let (Some(pid), true) = (id.pid, id.pid_is_ours()) else {
+                return false;
+            };
+            id.holdings.iter().filter(|h| !h.awaits).any(|h| {
+                self.entries(&locks.join(&h.lockfile)).is_some_and(|es| {
+                    es.iter()
+                        .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(pid))
+                })
+            })
+        })
+    }
+
+    fn entries(&self, path: &Path) -> Option<Vec<Entry>> {
+        let (table, kdev) = (self.table.as_ref()?, self.kdev?);
+        let ino = std::fs::symlink_metadata(path).ok()?.ino();
+        Some(table.get(&(kdev, ino)).cloned().unwrap_or_default())
+    }
+
+    /// The report on one lock file: `rel` is its name relative to `locks/`,
+    /// as leases list it.
+    pub fn report(&self, kind: LockKind, name: &str, path: &Path, rel: &str) -> LockReport {
+        let entries = self.entries(path);
+        let listing: Vec<(&String, &Identity, &Holding)> = self
+            .said
+            .iter()
+            .flat_map(|(n, id)| {
+                id.holdings
+                    .iter()
+                    .filter(|h| h.lockfile == rel)
+                    .map(move |h| (n, id, h))
+            })
+            .collect();
+        let live_hold = listing.iter().any(|(n, _, h)| !h.awaits && self.alive(n));
+        let state = match &entries {
+            Some(es) => {
+                let s = state_of(es);
+                // A pid namespace hides locks taken outside it.
+                if s == Probe::Free && live_hold {
+                    probe(path)
+                } else {
+                    s
+                }
+            }
+            None => probe(path),
+        };
+        let mut claimed = vec![false; entries.as_ref().map_or(0, Vec::len)];
+        let mut holders = Vec::new();
+        let mut waiters = Vec::new();
+        for (n, id, h) in &listing {
+            if !self.alive(n) {
+                continue;
+            }
+            let taker = self.taker(id);
+            let fits = |e: &Entry| e.mode == h.mode && e.blocked == h.awaits && e.pid == taker;
+            if let (Some(es), Some(_)) = (&entries, taker)
+                && let Some(i) = (0..es.len()).find(|&i| !claimed[i] && fits(&es[i]))
+            {
+                claimed[i] = true;
+            }
+            if h.awaits {
+                if state != Probe::Free {
+                    waiters.push(Party::leased(n, id, h));
+                }
+            } else if held_in(state, h.mode) {
+                holders.push(Party::leased(n, id, h));
+            }
+        }
+        for (i, e) in entries.iter().flatten().enumerate() {
+            if claimed[i] {
+                continue;
+            }
+            // A command that closed the lease it inherited, its stowage
+            // gone: the dead lease still says for what.
+            let dead = e.pid.and_then(|pid| {
+                listing.iter().find(|(n, id, h)| {
+                    !h.awaits
+                        && h.mode == e.mode
+                        && id.pid == Some(pid)
+                        && id.pid_is_ours()
+                        && !self.alive(n)
+                })
+            });
+            let party = match dead {
+                Some((n, id, h)) => Party::leased(n, id, h),
+                // A stowage process that holds the lock before its lease
+                // lists it (a moment after taking it): its lease's taker.
+                None => match self.lease_of_pid(e.pid) {
+                    Some((n, id)) => {
+                        let h = Holding::now(e.mode, rel.to_owned(), e.blocked, &id.command);
+                        Party {
+                            since: id.since,
+                            ..Party::leased(&n, &id, &h)
+                        }
+                    }
+                    // Gone since the table was read: not shown.
+                    None if !self.still_there(path, e) => continue,
+                    None => Party::outsider(self.ctx, e),
+                },
+            };
+            if e.blocked {
+                waiters.push(party);
+            } else {
+                holders.push(party);
+            }
+        }
+        if holders.is_empty() && state != Probe::Free && state != Probe::Missing {
+            let mode = if state == Probe::Exclusive {
+                Mode::Exclusive
+            } else {
+                Mode::Shared
+            };
+            holders.push(Party::unknown(mode));
+        }
+        LockReport {
+            kind,
+            name: name.to_owned(),
+            state: settle(state),
+            holders,
+            waiters,
+            image_state: None,
+            slot: None,
+        }
+    }
+
+    /// The global lock's report: the table's entries (no lease lists it;
+    /// its holders are almost always stowage itself, in a transaction).
+    pub fn global_report(&self) -> LockReport {
+        let path = self.ctx.root.global_lock();
+        let entries = self.entries(&path);
+        let mut state = entries.as_deref().map_or(Probe::Free, state_of);
+        if state == Probe::Free {
+            state = settle(probe(&path));
+        }
+        let party = |e: &Entry| Party {
+            stowage: e.pid.is_some_and(ident::runs_stowage),
+            ..Party::outsider(self.ctx, e)
+        };
+        let es = entries.unwrap_or_default();
+        let mut holders: Vec<Party> = es.iter().filter(|e| !e.blocked).map(party).collect();
+        if holders.is_empty() && state != Probe::Free {
+            holders.push(Party::unknown(Mode::Exclusive));
+        }
+        LockReport {
+            kind: LockKind::Global,
+            name: "global".into(),
+            state: settle(state),
+            holders,
+            waiters: es.iter().filter(|e| e.blocked).map(party).collect(),
+            image_state: None,
+            slot: None,
+        }
+    }
+}
+
+fn probe(path: &Path) -> Probe {
+    crate::lock::probe(path).unwrap_or(Probe::Free)
+}
+
+fn settle(p: Probe) -> Probe {
+    match p {
+        Probe::Missing => Probe::Free,
+        p => p,
+    }
+}
+
+fn state_of(entries: &[Entry]) -> Probe {
+    let held: Vec<&Entry> = entries.iter().filter(|e| !e.blocked).collect();
+    if held.iter().any(|e| e.mode == Mode::Exclusive) {
+        Probe::Exclusive
+    } else if held.is_empty() {
+        Probe::Free
+    } else {
+        Probe::Shared
+    }
+}
+
+fn held_in(state: Probe, mode: Mode) -> bool {
+    matches!(
+        (state, mode),
+        (Probe::Exclusive, Mode::Exclusive) | (Probe::Shared, Mode::Shared)
+    )
+}
+
 /// Says, once, before blocking, what a process waits for and who holds it:
-/// "stowage: waiting for write lock on image 'app': held (read) by …". The
-/// one place the sentence is made (quiet mode says nothing).
+/// "stowage: waiting for write lock on image 'app': held (read) by …".
 pub fn announce_wait(ctx: &Ctx, what: &str, holders: &str) {
     ctx.say(&format!("waiting for {what}: {holders}"));
 }
@@ -114,36 +500,38 @@ pub fn announce_wait(ctx: &Ctx, what: &str, holders: &str) {
 /// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"
 pub fn phrase(holders: &[Party]) -> String {
     match holders.first() {
-        Some(first) => phrase_as(&format!("held ({}) by ", first.mode.verb()), holders, true),
-        None => phrase_as("", holders, true),
+        Some(first) => phrase_as(&format!("held ({}) by ", verb(first)), holders),
+        None => phrase_as("", holders),
     }
 }
 
 /// "in use by pid 4121 on node07 (ch-image pull alpine) since 12:03:04"
 pub fn phrase_slots(holders: &[Party]) -> String {
-    phrase_as("in use by ", holders, true)
+    phrase_as("in use by ", holders)
 }
 
-fn phrase_as(lead: &str, holders: &[Party], origin: bool) -> String {
+/// How a holder's mode reads in a message about an image: an exclusive
+/// lock taken only to read (`--read-exclusive`) is no write.
+fn verb(p: &Party) -> &'static str {
+    match (p.mode, p.reading) {
+        (Mode::Exclusive, true) => "exclusive read",
+        (mode, _) => mode.verb(),
+    }
+}
+
+fn phrase_as(lead: &str, holders: &[Party]) -> String {
     if holders.is_empty() {
         return "no holder is known (it may have just been released)".into();
     }
-    let mut s = lead.to_owned();
-    let shown: Vec<String> = holders
-        .iter()
-        .take(3)
-        .map(|p| describe(p, origin))
-        .collect();
-    s.push_str(&shown.join("; "));
+    let shown: Vec<String> = holders.iter().take(3).map(describe).collect();
+    let mut s = format!("{lead}{}", shown.join("; "));
     if holders.len() > 3 {
         s.push_str(&format!("; and {} more", holders.len() - 3));
     }
     s
 }
 
-/// One party; with `origin`, says when a process with a pid was not
-/// started by stowage.
-fn describe(p: &Party, origin: bool) -> String {
+fn describe(p: &Party) -> String {
     let mut s = match p.pid {
         Some(pid) => format!("pid {pid}"),
         None => "a process".into(),
@@ -160,7 +548,7 @@ fn describe(p: &Party, origin: bool) -> String {
     if !p.stowage {
         if p.pid.is_none() {
             s.push_str(" that stowage cannot identify (outside stowage, or on another host)");
-        } else if origin {
+        } else {
             s.push_str(", not started by stowage");
         }
     }
@@ -176,48 +564,19 @@ fn truncate(s: &str, max: usize) -> String {
     }
 }
 
-/// Who holds a lock, from the kernel alone (no records): for messages
-/// where the database may be unusable, such as waiting to rebuild it.
-pub fn kernel_holders_phrase(ctx: &Ctx, path: &Path) -> String {
-    let view = KernelView::new(&ctx.root.locks())
-        .view(path)
-        .unwrap_or_default();
-    let holders: Vec<Party> = view.holders.iter().map(|e| outsider(ctx, e)).collect();
-    if holders.is_empty() {
-        "held by a process stowage cannot identify (on another host?)".into()
-    } else {
-        // Stowage's own processes or not, the kernel cannot say: no
-        // "not started by stowage" here.
-        phrase_as(
-            &format!("held ({}) by ", holders[0].mode.verb()),
-            &holders,
-            false,
-        )
-    }
+/// Who holds a lock file, for a message: one look at it.
+pub fn holders_phrase(ctx: &Ctx, kind: LockKind, path: &Path) -> String {
+    let rel = ctx.root.locks_rel(path);
+    let r = Look::new(ctx).report(kind, &rel, path, &rel);
+    phrase(&r.holders)
 }
 
 /// Who holds the global lock, for the rare message about waiting for it.
-/// Read without the global lock, so from the kernel only.
 pub fn global_holder_phrase(ctx: &Ctx) -> String {
-    let path = ctx.root.global_lock();
-    let kv = KernelView::new(&ctx.root.locks());
-    let view = kv.view(&path).unwrap_or_default();
-    let holders = global_holders(ctx, &view);
-    if holders.is_empty() {
+    let r = Look::new(ctx).global_report();
+    if r.holders.iter().all(|p| p.pid.is_none()) {
         "held by a process stowage cannot identify (on another host, or stopped)".into()
     } else {
-        phrase(&holders)
+        phrase(&r.holders)
     }
-}
-
-/// The global lock's holders, from the kernel's table: there are no records
-/// of it. They are almost always stowage itself, in a short transaction.
-pub(crate) fn global_holders(ctx: &Ctx, view: &LockView) -> Vec<Party> {
-    view.holders
-        .iter()
-        .map(|e| Party {
-            stowage: e.pid.is_some_and(ident::runs_stowage),
-            ..outsider(ctx, e)
-        })
-        .collect()
 }

@@ -311,39 +311,88 @@ fn parse<T: std::str::FromStr>(a: Option<&OsString>) -> io::Result<T> {
         .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
-fn run(args: &[OsString]) -> io::Result<()> {
-    let status_fd: RawFd = parse(args.first())?;
-    let alive_fd: RawFd = parse(args.get(1))?;
-    let group: libc::pid_t = parse(args.get(2))?;
-    let umask: Option<u32> = match args.get(3).and_then(|s| s.to_str()) {
-        Some("-") => None,
-        _ => Some(parse(args.get(3))?),
-    };
-    let lock_fds: Vec<RawFd> = match args.get(4).and_then(|s| s.to_str()) {
-        Some("-") => Vec::new(),
-        Some(list) => list
-            .split(',')
-            .map(|f| f.parse())
-            .collect::<Result<_, _>>()
-            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
-        None => return Err(io::ErrorKind::InvalidInput.into()),
-    };
-    if args.get(5).map(OsString::as_os_str) != Some(OsStr::new("--")) || args.len() < 7 {
-        return Err(io::ErrorKind::InvalidInput.into());
+/// What stowage tells its keeper on the command line (see [`Keeper::spawn`]).
+struct Invocation<'a> {
+    status_fd: RawFd,
+    alive_fd: RawFd,
+    /// stowage's process group, which the command joins.
+    group: libc::pid_t,
+    umask: Option<u32>,
+    lock_fds: Vec<RawFd>,
+    argv: &'a [OsString],
+}
+
+impl<'a> Invocation<'a> {
+    fn parse(args: &'a [OsString]) -> io::Result<Invocation<'a>> {
+        let status_fd: RawFd = parse(args.first())?;
+        let alive_fd: RawFd = parse(args.get(1))?;
+        let group: libc::pid_t = parse(args.get(2))?;
+        let umask: Option<u32> = match args.get(3).and_then(|s| s.to_str()) {
+            Some("-") => None,
+            _ => Some(parse(args.get(3))?),
+        };
+        let lock_fds: Vec<RawFd> = match args.get(4).and_then(|s| s.to_str()) {
+            Some("-") => Vec::new(),
+            Some(list) => list
+                .split(',')
+                .map(|f| f.parse())
+                .collect::<Result<_, _>>()
+                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+            None => return Err(io::ErrorKind::InvalidInput.into()),
+        };
+        if args.get(5).map(OsString::as_os_str) != Some(OsStr::new("--")) || args.len() < 7 {
+            return Err(io::ErrorKind::InvalidInput.into());
+        }
+        Ok(Invocation {
+            status_fd,
+            alive_fd,
+            group,
+            umask,
+            lock_fds,
+            argv: &args[6..],
+        })
     }
-    let argv = &args[6..];
+}
+
+fn run(args: &[OsString]) -> io::Result<()> {
+    let args = Invocation::parse(args)?;
     // SAFETY: the descriptors were passed to us by stowage and are ours.
-    let mut status = unsafe { std::fs::File::from_raw_fd(status_fd) };
-    let alive = unsafe { OwnedFd::from_raw_fd(alive_fd) };
-    for fd in [status_fd, alive_fd].iter().chain(&lock_fds) {
+    let mut status = unsafe { std::fs::File::from_raw_fd(args.status_fd) };
+    let alive = unsafe { OwnedFd::from_raw_fd(args.alive_fd) };
+    for fd in [args.status_fd, args.alive_fd].iter().chain(&args.lock_fds) {
         set_cloexec(*fd, true)?;
     }
     // SAFETY: plain queries.
     let (stowage, leader) = unsafe { (libc::getppid(), libc::getsid(0) == libc::getppid()) };
     become_subreaper()?;
+    let signals = signal_fd()?;
+    let mut cmd = command(args.argv, args.group, args.umask);
+    let child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            send(&mut status, STARTED, e.raw_os_error().unwrap_or(libc::EIO));
+            return Ok(());
+        }
+    };
+    let command = child.id() as libc::pid_t;
+    drop(child); // waited for by pid below
+    send(&mut status, STARTED, 0);
+    let mut tree = Tree {
+        command,
+        stowage,
+        group: args.group,
+        leader,
+        exit: None,
+        terminating: None,
+        cut_short: false,
+        kill_at: None,
+    };
+    tree.watch(&mut status, &signals, &alive)
+}
 
-    // The termination signals and SIGCHLD arrive blocked (stowage's mask);
-    // keep them so and read them from a signalfd.
+/// A signalfd for the termination signals and SIGCHLD. They arrive blocked
+/// (stowage's mask); they are kept so, and read from the descriptor.
+fn signal_fd() -> io::Result<OwnedFd> {
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: sigset operations on a local set; sigprocmask on this thread.
     let sfd = unsafe {
@@ -364,8 +413,12 @@ fn run(args: &[OsString]) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: a new descriptor, ours.
-    let sfd = unsafe { OwnedFd::from_raw_fd(sfd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(sfd) })
+}
 
+/// The command, to be started in stowage's process group with the signal
+/// mask reset, the umask asked for, and a death signal tied to the keeper.
+fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::process::Command {
     let me = unsafe { libc::getpid() };
     let mut cmd = std::process::Command::new(&argv[0]);
     cmd.args(&argv[1..]).process_group(group);
@@ -388,126 +441,190 @@ fn run(args: &[OsString]) -> io::Result<()> {
             Ok(())
         });
     }
-    let send = |status: &mut std::fs::File, tag: u32, value: i32| {
-        let mut buf = [0u8; 8];
-        buf[..4].copy_from_slice(&tag.to_le_bytes());
-        buf[4..].copy_from_slice(&value.to_le_bytes());
-        // If stowage is gone, nobody reads it: that is seen below.
-        let _ = status.write_all(&buf);
-    };
-    let child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            send(&mut status, STARTED, e.raw_os_error().unwrap_or(libc::EIO));
-            return Ok(());
-        }
-    };
-    let command = child.id() as libc::pid_t;
-    drop(child); // waited for by pid below
-    send(&mut status, STARTED, 0);
+    cmd
+}
 
-    let mut exit: Option<i32> = None;
-    let mut terminating: Option<i32> = None;
-    // Processes left after the command ended were signalled: their work
-    // was cut short, so a command that succeeded does not make the
-    // outcome a success.
-    let mut cut_short = false;
-    let mut kill_at: Option<Instant> = None;
-    loop {
-        let left = reap_exited(command, &mut exit);
-        if exit.is_some() {
-            if !left {
-                send(
-                    &mut status,
-                    EXITED,
-                    tree_status(exit, cut_short, terminating),
-                );
-                return Ok(());
+/// Writes one message of the protocol on the status pipe.
+fn send(status: &mut std::fs::File, tag: u32, value: i32) {
+    let mut buf = [0u8; 8];
+    buf[..4].copy_from_slice(&tag.to_le_bytes());
+    buf[4..].copy_from_slice(&value.to_le_bytes());
+    // If stowage is gone, nobody reads it: that is seen by the watch.
+    let _ = status.write_all(&buf);
+}
+
+/// The command's tree as the keeper watches it end.
+struct Tree {
+    command: libc::pid_t,
+    /// stowage's pid: a signal it queued tagged
+    /// [`crate::signals::FROM_TERMINAL`] is one the terminal sent it.
+    stowage: libc::pid_t,
+    /// stowage's process group, and whether stowage leads its session:
+    /// what tells whether the terminal's signal reached the command too.
+    group: libc::pid_t,
+    leader: bool,
+    /// The command's wait status, once reaped.
+    exit: Option<i32>,
+    /// The last termination signal received.
+    terminating: Option<i32>,
+    /// Processes left after the command ended were signalled: their work
+    /// was cut short, so a command that succeeded does not make the
+    /// outcome a success.
+    cut_short: bool,
+    /// When what is left of the tree is killed.
+    kill_at: Option<Instant>,
+}
+
+/// What woke the keeper's watch.
+enum Woke {
+    /// Nothing to act on (an interrupted poll, a timeout, a short read).
+    Nothing,
+    /// The pipe from stowage ended: stowage is gone.
+    StowageGone,
+    Signal(libc::signalfd_siginfo),
+}
+
+impl Tree {
+    /// Waits until every process of the tree has exited, forwarding the
+    /// signals stowage sends, then reports the outcome on `status`; or,
+    /// if stowage goes first, kills and reaps the tree.
+    fn watch(
+        &mut self,
+        status: &mut std::fs::File,
+        signals: &OwnedFd,
+        alive: &OwnedFd,
+    ) -> io::Result<()> {
+        loop {
+            let left = reap_exited(self.command, &mut self.exit);
+            if self.exit.is_some() {
+                if !left {
+                    let outcome = tree_status(self.exit, self.cut_short, self.terminating);
+                    send(status, EXITED, outcome);
+                    return Ok(());
+                }
+                if self.end_leftovers() {
+                    continue;
+                }
             }
-            if let (Some(sig), None) = (terminating, kill_at) {
-                signal_tree(sig);
-                cut_short = true;
-                kill_at = Some(Instant::now() + GRACE);
-            }
-            if kill_at.is_some_and(|t| Instant::now() >= t) {
-                kill_tree(None);
-                cut_short = true;
-                continue;
+            match wait_for_event(signals, alive, self.poll_timeout())? {
+                Woke::Nothing => {}
+                Woke::StowageGone => {
+                    // stowage is gone, its locks with it but ours: end the
+                    // tree, then release by exiting.
+                    kill_tree(Some((self.command, &mut self.exit)));
+                    return Ok(());
+                }
+                Woke::Signal(info) => self.on_signal(&info),
             }
         }
-        let timeout = kill_at.map_or(-1, |t| {
+    }
+
+    /// Once the command has ended: signals what is left of its tree with a
+    /// termination signal received, and kills it after [`GRACE`]. Returns
+    /// whether the tree was just killed (and is to be reaped).
+    fn end_leftovers(&mut self) -> bool {
+        if let (Some(sig), None) = (self.terminating, self.kill_at) {
+            signal_tree(sig);
+            self.cut_short = true;
+            self.kill_at = Some(Instant::now() + GRACE);
+        }
+        if self.kill_at.is_some_and(|t| Instant::now() >= t) {
+            kill_tree(None);
+            self.cut_short = true;
+            return true;
+        }
+        false
+    }
+
+    /// Milliseconds until the kill, rounded up; -1 for none.
+    fn poll_timeout(&self) -> i32 {
+        self.kill_at.map_or(-1, |t| {
             t.saturating_duration_since(Instant::now())
                 .as_millis()
                 .min(i32::MAX as u128) as i32
                 + 1
-        });
-        let mut fds = [
-            libc::pollfd {
-                fd: sfd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: alive.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: poll on two valid descriptors in a local array.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
-        if n < 0 {
-            if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return Err(io::Error::last_os_error());
-        }
-        if fds[1].revents != 0 {
-            // stowage is gone, its locks with it but ours: end the tree,
-            // then release by exiting.
-            kill_tree(Some((command, &mut exit)));
-            return Ok(());
-        }
-        if fds[0].revents & libc::POLLIN == 0 {
-            continue;
-        }
-        // SAFETY: signalfd reads whole signalfd_siginfo records.
-        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
-        let r = unsafe {
-            libc::read(
-                sfd.as_raw_fd(),
-                &mut info as *mut _ as *mut libc::c_void,
-                std::mem::size_of::<libc::signalfd_siginfo>(),
-            )
-        };
-        if r != std::mem::size_of::<libc::signalfd_siginfo>() as isize {
-            continue;
-        }
+        })
+    }
+
+    /// A termination signal: to the command while it runs (unless the
+    /// terminal reached it already), else to every process left.
+    fn on_signal(&mut self, info: &libc::signalfd_siginfo) {
         let sig = info.ssi_signo as i32;
         if sig == libc::SIGCHLD {
-            continue;
+            return;
         }
-        terminating = Some(sig);
-        if exit.is_none() {
-            // stowage tags what the terminal sent it; decide as it would.
-            let code = if info.ssi_code == libc::SI_QUEUE
-                && info.ssi_pid as libc::pid_t == stowage
-                && info.ssi_ptr as usize == crate::signals::FROM_TERMINAL
-            {
-                libc::SI_KERNEL
-            } else {
-                0
-            };
-            let pgid = crate::signals::group_of(command);
-            if !crate::signals::terminal_reached_command(sig, code, pgid, group, leader) {
-                // SAFETY: plain kill(2) of our unreaped child.
-                unsafe { libc::kill(command, sig) };
-            }
+        self.terminating = Some(sig);
+        if self.exit.is_none() {
+            self.forward(sig, info);
         } else {
             signal_tree(sig);
-            cut_short = true;
-            kill_at.get_or_insert(Instant::now() + GRACE);
+            self.cut_short = true;
+            self.kill_at.get_or_insert(Instant::now() + GRACE);
         }
     }
+
+    fn forward(&self, sig: i32, info: &libc::signalfd_siginfo) {
+        // stowage tags what the terminal sent it; decide as it would.
+        let code = if info.ssi_code == libc::SI_QUEUE
+            && info.ssi_pid as libc::pid_t == self.stowage
+            && info.ssi_ptr as usize == crate::signals::FROM_TERMINAL
+        {
+            libc::SI_KERNEL
+        } else {
+            0
+        };
+        let pgid = crate::signals::group_of(self.command);
+        if !crate::signals::terminal_reached_command(sig, code, pgid, self.group, self.leader) {
+            // SAFETY: plain kill(2) of our unreaped child.
+            unsafe { libc::kill(self.command, sig) };
+        }
+    }
+}
+
+/// Polls the signalfd and the pipe from stowage for `timeout` ms; reads
+/// the signal that arrived, if one did.
+fn wait_for_event(signals: &OwnedFd, alive: &OwnedFd, timeout: i32) -> io::Result<Woke> {
+    let mut fds = [
+        libc::pollfd {
+            fd: signals.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: alive.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: poll on two valid descriptors in a local array.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+    if n < 0 {
+        if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            return Ok(Woke::Nothing);
+        }
+        return Err(io::Error::last_os_error());
+    }
+    if fds[1].revents != 0 {
+        return Ok(Woke::StowageGone);
+    }
+    if fds[0].revents & libc::POLLIN == 0 {
+        return Ok(Woke::Nothing);
+    }
+    Ok(read_signal(signals).map_or(Woke::Nothing, Woke::Signal))
+}
+
+/// One record from the signalfd; None for a short read.
+fn read_signal(signals: &OwnedFd) -> Option<libc::signalfd_siginfo> {
+    // SAFETY: signalfd reads whole signalfd_siginfo records.
+    let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+    let r = unsafe {
+        libc::read(
+            signals.as_raw_fd(),
+            &mut info as *mut _ as *mut libc::c_void,
+            std::mem::size_of::<libc::signalfd_siginfo>(),
+        )
+    };
+    (r == std::mem::size_of::<libc::signalfd_siginfo>() as isize).then_some(info)
 }
 
 /// The wait status the keeper reports: the command's, unless the command

@@ -38,7 +38,7 @@
 //!   A dead lease whose lock-table entry still stands (its command closed
 //!   the lease but kept a lock it lists, under its pid) is kept until that
 //!   lock is released: it is the only name of a reader, which has no record
-//!   (`judge::clean_leases` decides, with the lock table).
+//!   (`holders::Look::clean_leases` decides, with the lock table).
 //! - **Inheritance** follows the image locks: a command that inherits the
 //!   lock descriptors inherits the lease too (so after stowage is SIGKILLed,
 //!   the build is still listed as the holder), and with `--no-inherit` the
@@ -72,9 +72,10 @@ pub struct Lease {
     /// How many bytes the file has: a shorter text is padded with empty
     /// lines rather than truncated (a truncate is one more request on NFS).
     written: usize,
-    /// The leases directory, opened refusing a symlink: the guard's path
-    /// goes through it, so the file is made, and unlinked, in the store.
-    dir: fs::File,
+    /// The leases directory, opened once without following a link: the
+    /// lease's path goes through it (`/proc/self/fd/N/NAME`), so it must
+    /// stay open as long as the lease (its unlink at the end uses it).
+    _dir: fs::File,
 }
 
 impl Lease {
@@ -122,16 +123,6 @@ pub fn set_inheritable(inherit: bool) -> io::Result<()> {
         .try_for_each(|(_, l)| l.guard.set_inheritable(inherit))
 }
 
-/// Runs `f` on the descriptor of the leases directory under which this
-/// process holds its lease for `leases` (opened refusing a symlink), if it
-/// has one: what a writer's marker is made through (`crate::written`).
-pub fn with_pinned_dir<T>(leases: &Path, f: impl FnOnce(RawFd) -> T) -> Option<T> {
-    let all = mine_all();
-    all.iter()
-        .find(|(d, _)| d == leases)
-        .map(|(_, l)| f(l.dir.as_raw_fd()))
-}
-
 /// Ends this process's leases: unlinks each file under its lock, then closes
 /// it. Called when the process is done with every lock; a process that dies
 /// instead leaves its file to [`clean`].
@@ -156,8 +147,11 @@ pub struct Holding {
     /// Awaited, not (yet) held.
     pub awaits: bool,
     pub since: crate::clock::Millis,
-    /// The command the lock is taken for (what a record would say).
+    /// The command the lock is taken for.
     pub command: String,
+    /// An exclusive lock taken only to read (`--read-exclusive`): written
+    /// `exclusive-read`, so that nobody is told the image is being written.
+    pub reading: bool,
 }
 
 impl Holding {
@@ -169,6 +163,7 @@ impl Holding {
             awaits,
             since: crate::clock::now_ms(),
             command: command.to_owned(),
+            reading: false,
         }
     }
 
@@ -176,7 +171,11 @@ impl Holding {
         format!(
             "{}={} {} {} {}\n",
             if self.awaits { "await" } else { "hold" },
-            self.mode.as_str(),
+            if self.reading {
+                "exclusive-read"
+            } else {
+                self.mode.as_str()
+            },
             self.lockfile,
             self.since,
             self.command.replace('\n', "\\n")
@@ -190,8 +189,15 @@ impl Holding {
             _ => return None,
         };
         let mut parts = value.splitn(4, ' ');
+        let mode = parts.next()?;
+        let reading = mode == "exclusive-read";
         Some(Holding {
-            mode: Mode::parse(parts.next()?)?,
+            reading,
+            mode: if reading {
+                Mode::Exclusive
+            } else {
+                Mode::parse(mode)?
+            },
             lockfile: parts.next()?.to_owned(),
             awaits,
             since: parts.next()?.parse().ok()?,
@@ -244,7 +250,8 @@ pub fn forget(leases: &Path, lockfile: &str) {
     }
 }
 
-fn is_mine(name: &str) -> bool {
+/// Whether `name` is one of this process's own leases.
+pub fn is_mine(name: &str) -> bool {
     mine_all().iter().any(|(_, l)| l.name == name)
 }
 
@@ -263,17 +270,42 @@ fn create(dir: &Path) -> io::Result<Lease> {
     let me = crate::ident::Me::current();
     let boot = boot_part(&me);
     let host = safe_part(&me.host);
-    // The first lease of this store makes the directory, and only it (a
-    // root or locks directory that is missing is an error). A symlink in
-    // its place (planted by anyone who can write `locks/`) is refused: the
-    // lease would be made in whatever directory it points to.
+    let pinned = open_leases_dir(dir)?;
+    let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
+    let ns = pid_namespace_number().unwrap_or(0);
+    for _ in 0..100 {
+        let name = format!("{host}-{boot}-{ns}-{}-{:016x}{SUFFIX}", me.pid, random());
+        let path = via.join(&name);
+        let Some(guard) = lock_fresh(&path).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot create lease {}: {e}", dir.join(&name).display()),
+            )
+        })?
+        else {
+            continue;
+        };
+        return Ok(with_identity(guard, name, &me, pinned));
+    }
+    Err(io::Error::other(format!(
+        "cannot create a lease under {}: every fresh file was taken from us",
+        dir.display()
+    )))
+}
+
+/// Opens the leases directory. The first lease of this store makes the
+/// directory, and only it (a root or locks directory that is missing is
+/// an error). A symlink in its place (planted by anyone who can write
+/// `locks/`) is refused: the lease would be made in whatever directory it
+/// points to.
+fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
     let open_dir = || {
         fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(dir)
     };
-    let pinned = match open_dir() {
+    match open_dir() {
         Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(dir) {
             Ok(()) => open_dir(),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => open_dir(),
@@ -281,68 +313,61 @@ fn create(dir: &Path) -> io::Result<Lease> {
         },
         other => other,
     }
-    .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", dir.display())))?;
-    let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
-    let ns = pid_namespace_number().unwrap_or(0);
-    for _ in 0..100 {
-        let name = format!("{host}-{boot}-{ns}-{}-{:016x}{SUFFIX}", me.pid, random());
-        let path = via.join(&name);
-        let began = boot_time();
-        let guard = match lock::create_locked(&path) {
-            // A maker that took half the grace to lock its fresh file (a
-            // stopped or starved process) may have had it cleaned away:
-            // it checks, as every other taker of a lock does.
-            Ok(Some(g))
-                if boot_time().saturating_sub(began) >= unwritten_grace() / 2
-                    && !lock::still_at_path(&g).unwrap_or(false) =>
-            {
-                continue;
-            }
-            Ok(Some(g)) => g,
-            // The name exists, or a prober keeps our fresh file: another
-            // name (the file is left to probers, as a dead maker's).
-            Ok(None) => continue,
-            Err(e) => {
-                return Err(io::Error::new(
-                    e.kind(),
-                    format!("cannot create lease {}: {e}", dir.join(&name).display()),
-                ));
-            }
-        };
-        let text = format!(
-            "host={}\npid={}\npid_ns={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\n",
-            me.host,
-            me.pid,
-            pid_namespace().unwrap_or_default(),
-            me.boot_id.as_deref().unwrap_or(""),
-            me.user,
-            crate::ident::shell_join(
-                &std::env::args_os()
-                    .map(|a| a.to_string_lossy().into_owned())
-                    .collect::<Vec<_>>()
-            )
-            .replace('\n', "\\n"),
-            crate::clock::now_ms(),
-        );
-        // The identity is information; a lease that could not be written
-        // (a full filesystem) still proves liveness.
-        let written = match guard.file().write_all(text.as_bytes()) {
-            Ok(()) => text.len(),
-            Err(_) => 0,
-        };
-        return Ok(Lease {
-            guard,
-            name,
-            identity: text,
-            holdings: Vec::new(),
-            written,
-            dir: pinned,
-        });
+    .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", dir.display())))
+}
+
+/// Creates the file `path` and locks it, if it is fresh and stays ours:
+/// `None` if another name is to be tried.
+fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
+    let began = boot_time();
+    match lock::create_locked(path)? {
+        // A maker that took half the grace to lock its fresh file (a
+        // stopped or starved process) may have had it cleaned away:
+        // it checks, as every other taker of a lock does.
+        Some(g)
+            if boot_time().saturating_sub(began) >= unwritten_grace() / 2
+                && !lock::still_at_path(&g).unwrap_or(false) =>
+        {
+            Ok(None)
+        }
+        Some(g) => Ok(Some(g)),
+        // The name exists, or a prober keeps our fresh file: another
+        // name (the file is left to probers, as a dead maker's).
+        None => Ok(None),
     }
-    Err(io::Error::other(format!(
-        "cannot create a lease under {}: every fresh file was taken from us",
-        dir.display()
-    )))
+}
+
+/// The lease held by `guard`, its identity written. The identity is
+/// information; a lease that could not be written (a full filesystem)
+/// still proves liveness.
+fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::File) -> Lease {
+    let text = format!(
+        "host={}\npid={}\npid_ns={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\n",
+        me.host,
+        me.pid,
+        pid_namespace().unwrap_or_default(),
+        me.boot_id.as_deref().unwrap_or(""),
+        me.user,
+        crate::ident::shell_join(
+            &std::env::args_os()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+        )
+        .replace('\n', "\\n"),
+        crate::clock::now_ms(),
+    );
+    let written = match guard.file().write_all(text.as_bytes()) {
+        Ok(()) => text.len(),
+        Err(_) => 0,
+    };
+    Lease {
+        guard,
+        name,
+        identity: text,
+        holdings: Vec::new(),
+        written,
+        _dir: dir,
+    }
 }
 
 /// The pid namespace of this process, as `/proc/self/ns/pid` names it.
@@ -355,7 +380,7 @@ pub fn pid_namespace() -> Option<String> {
 /// How long a lease nobody wrote is left to a maker that may be about to
 /// lock it, when its maker cannot be known gone (another host, another pid
 /// namespace): 10 minutes. A maker that takes half that between its create
-/// and its lock checks its file (see [`create`]), so the slack covers
+/// and its lock checks its file (see [`lock_fresh`]), so the slack covers
 /// clocks that run at different rates, not clocks that disagree: the age
 /// is measured by the filesystem's clock on both ends ([`clean_listed`]).
 fn unwritten_grace() -> std::time::Duration {
@@ -601,7 +626,7 @@ pub fn clean(leases: &Path) -> usize {
 }
 
 /// [`clean`], but keeps the dead leases for whose name `keep` says yes: a
-/// dead lease that still names a holder (see `judge::clean_leases`).
+/// dead lease that still names a holder (see `holders::Look::clean_leases`).
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     let l = listing(leases);
     match &l.dir {

@@ -4,58 +4,54 @@
 //! Many builds at once — on one host, or many hosts sharing NFS or Lustre —
 //! read base images and write new ones in one directory. stowage gives each
 //! build the locks it needs (*flat locking*: one flock(2) lock per image,
-//! plus one global lock guarding the SQLite metadata), so builds run in
-//! parallel, base images are stored once, and no build reads an image that
-//! another is writing.
+//! plus one global lock guarding the catalog), so builds run in parallel,
+//! base images are stored once, and no build reads an image that another
+//! is writing.
+//!
+//! # One fact, one home
+//! - **An image's state**, base, creation and writer's outcome: its record,
+//!   in its lock file ([`image_record`]), written only under the image's
+//!   exclusive lock and synced before that lock goes.
+//! - **Who holds and awaits what**: the kernel's locks, named by the
+//!   holders' leases ([`lease`], [`holders`]).
+//! - **A slot class's limits**: one record per class ([`slot_limits`]).
+//! - **Where trees go, and the store's identity**: [`config`].
+//! - **Names, lineage, last use, sizes**: the catalog ([`catalog`]), derived
+//!   from the records and the trees; losing it costs a rebuild, nothing else.
 //!
 //! # Map of the modules, by floor
-//! A module uses only modules on its own floor or below; the exec path
-//! reads downward: `cli::exec` (arguments → [`exec::Plan`]) → [`exec`] →
-//! [`session`] → [`acquire`] → [`lock`] and [`meta`]. No import circles.
+//! A module uses only modules on its own floor or below; no import circles
+//! (tests/layout.rs checks both).
 //!
-//! 1. **Ground** (no store state): [`env`](mod@env) every `STOWAGE_*` variable;
-//!    [`name`] image names; [`clock`]; [`ident`] who this process is;
-//!    [`error`] typed errors and exit codes; [`filesystem`] the statfs and
-//!    mount table, where a lock reaches; [`space`] the reserve file;
-//!    [`spawn`] posix_spawn.
-//! 2. **Locks and processes**: [`lock`] the only caller of flock(2)
-//!    (guards, `acquire`/`acquire_no_wait`, the unlink race;
-//!    `lock/wait.rs` the waiting engine); [`signals`] termination signals
-//!    routed to the command, cancelling waits; [`lease`] holder leases;
-//!    [`kernel`] /proc/locks; [`nested`] holds of an enclosing exec;
-//!    [`keeper`] `--no-inherit`; [`command`] starting and waiting for the
-//!    command; [`dir`], [`tree`] descriptor-based walks; [`debug`] test
-//!    pause points.
-//! 3. **Layout and metadata**: [`root`] every path of the layout; [`meta`]
-//!    all SQL; [`record`] the ready token in an image's lock file (how a
-//!    read learns "ready" without the database); [`slot_record`] a slot
-//!    class's limits in its slot files (how a slot is taken without it);
-//!    [`records_db`] which database those records speak for (why they are
-//!    trusted without reading its header); [`written`] writes without the
-//!    database: markers, and their fold into the rows at every
-//!    transaction; [`ctx`] what every operation needs; [`disk_usage`];
-//!    [`adopt`] trees without rows; [`clone`] copying a tree.
-//! 4. **Who holds what**: [`holders`] parties and how to say them (the one
-//!    "waiting for …" announcement); [`judge`] records against the kernel,
-//!    dropping stale ones; [`store`] the global lock and transactions;
-//!    [`store_wide`] `exec --store-wide`.
-//! 5. **Operations**: [`remove`] rm and its recovery; [`slots`] slot
-//!    classes; [`gc`]; [`doctor`]; [`acquire`] image and slot locks, gates,
-//!    waiter records; [`idle`] lock-status while nothing is held, without
-//!    the database.
-//! 6. **Exec**: [`session`] the exec protocol (begin, copy, finish,
-//!    abandon); [`exec`] a plan to an exit code.
-//! 7. **[`cli`]**: one file per command; arguments become a validated
-//!    request, then the library runs it. Output shapes live with the
-//!    command that prints them.
+//! 1. **Ground**: [`env`](mod@env) every `STOWAGE_*` variable; [`name`]
+//!    image names; [`clock`]; [`ident`] who this process is; [`error`]
+//!    typed errors and exit codes; [`filesystem`] where a lock reaches;
+//!    [`space`] the reserve file; [`spawn`]; [`debug`] test pause points;
+//!    [`image_record`] an image's record; [`slot_limits`] a class's record.
+//! 2. **Locks and processes**: [`lock`] the only caller of flock(2);
+//!    [`signals`]; [`lease`] holder leases; [`kernel`] /proc/locks;
+//!    [`keeper`] `--no-inherit`; [`command`]; [`dir`], [`tree`]
+//!    descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree.
+//! 3. **Layout**: [`config`] `store.conf`; [`root`] every path of the
+//!    layout; [`images_dir`] where trees are; [`catalog`] SQLite;
+//!    [`census`] every record in one pass; [`ctx`].
+//! 4. **Who holds what**: [`holders`] leases and the lock table, and how to
+//!    say them; [`nested`] holds of an enclosing exec; [`store`] the global
+//!    lock and catalog transactions.
+//! 5. **Taking locks**: [`acquire`] image and slot locks; [`store_wide`]
+//!    holds of the whole store; [`slots`] slot classes.
+//! 6. **Operations**: [`remove`]; [`adopt`]; [`migrate`] stores of releases
+//!    before records; [`survey`] every image with its catalog row; [`gc`];
+//!    [`doctor`].
+//! 7. **Exec**: [`session`] the exec protocol; [`exec`] a plan to an exit
+//!    code.
+//! 8. **[`cli`]**: one file per command.
 //!
 //! # Lock order
 //! **slots → image locks in ascending encoded-name order → global lock.**
-//! The global lock is held only for one short metadata transaction; while it
-//! is held a process may *try* image locks, never wait for one. Store-wide
-//! operations (schema migration, [`store_wide`] holds for a whole command)
-//! conflict with every image lock; a store-wide hold's lease
-//! (`locks/store.lock`) is waited for only by a process holding nothing.
+//! The global lock is held only for one short catalog transaction (or a
+//! slot class's change); while it is held a process may *try* a lock,
+//! never wait for one. `store.lock` is waited for only holding nothing.
 //!
 //! # Example
 //! ```no_run
@@ -76,10 +72,13 @@
 
 pub mod acquire;
 pub mod adopt;
+pub mod catalog;
+pub mod census;
 pub mod cli;
 pub mod clock;
 pub mod clone;
 pub mod command;
+pub mod config;
 pub mod ctx;
 pub mod debug;
 pub mod dir;
@@ -92,29 +91,27 @@ pub mod filesystem;
 pub mod gc;
 pub mod holders;
 pub mod ident;
-pub mod idle;
-pub mod judge;
+pub mod image_record;
+pub mod images_dir;
 pub mod keeper;
 pub mod kernel;
 pub mod lease;
 pub mod lock;
-pub mod meta;
+pub mod migrate;
 pub mod name;
 pub mod nested;
-pub mod record;
-pub mod records_db;
 pub mod remove;
 pub mod root;
 pub mod session;
 pub mod signals;
-pub mod slot_record;
+pub mod slot_limits;
 pub mod slots;
 pub mod space;
 pub mod spawn;
 pub mod store;
 pub mod store_wide;
+pub mod survey;
 pub mod tree;
-pub mod written;
 
 pub use error::Error;
 pub use name::ImageName;

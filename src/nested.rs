@@ -1,134 +1,116 @@
-//! Nested calls: finding the holds of the `stowage exec` that runs us.
+//! Nested calls: the holds of the `stowage exec` commands that run us.
 //!
-//! A command run by `stowage exec` may call stowage again. A wait of such a
-//! nested call for a lock its enclosing exec holds would never end (the
-//! enclosing exec waits for its command), so every wait first asks
-//! [`enclosing_hold`]. The enclosing execs are named in [`crate::env::EXEC_PIDS`]
-//! and must also be our ancestors: a name alone could be a stale variable
-//! or a recycled pid.
+//! - Each exec names its lease in its command's environment
+//!   ([`crate::env::EXEC_LEASES`], outermost first, each appending its own).
+//!   A lock that a live lease named there lists is held by an enclosing
+//!   command, which waits for us: waiting for it would never end.
+//! - Judged by leases and the environment, never by a pid or a device
+//!   number: it holds in another pid namespace, on btrfs, and on a shared
+//!   filesystem alike. A stale name is harmless: its lease is dead.
+//! - An environment cleared on the way (`env -i`, sudo) names nothing:
+//!   then the live leases of our ancestors do, where a lease's pid means
+//!   the same process to us (same host, boot and pid namespace); and a
+//!   descriptor we inherited that locks a store file (`lock.rs`).
+//! - Looked at only when a lock is busy, or a hint asks: an uncontended
+//!   exec pays nothing for it.
 
-use std::fs;
-use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use crate::lease::Holding;
+use crate::lock::Mode;
+use crate::root::Root;
 
-use crate::filesystem::filesystem;
-use crate::kernel::read_table;
-use crate::lock::{self, Mode};
-
-/// The value of [`crate::env::EXEC_PIDS`] for the command of an exec with pid `me`.
-pub fn exec_pids_for_command(me: u32) -> String {
-    match std::env::var(crate::env::EXEC_PIDS) {
-        Ok(v) if !v.is_empty() => format!("{v}:{me}"),
-        _ => me.to_string(),
+/// The value of [`crate::env::EXEC_LEASES`] for the command of an exec whose
+/// lease is `mine`.
+pub fn for_command(mine: Option<&str>) -> String {
+    let outer = std::env::var(crate::env::EXEC_LEASES).unwrap_or_default();
+    match (outer.is_empty(), mine) {
+        (_, None) => outer,
+        (true, Some(m)) => m.to_owned(),
+        (false, Some(m)) => format!("{outer}:{m}"),
     }
 }
 
-/// The `stowage exec` processes that run us, directly or not: named in
-/// [`crate::env::EXEC_PIDS`] and found among our ancestors (a name alone could be
-/// a stale variable, or a recycled pid).
-pub fn enclosing_execs() -> Vec<u32> {
-    let Ok(named) = std::env::var(crate::env::EXEC_PIDS) else {
-        return Vec::new();
+/// What the live leases of our enclosing execs list as held.
+pub fn enclosing_holds(root: &Root) -> Vec<Holding> {
+    let Ok(named) = std::env::var(crate::env::EXEC_LEASES) else {
+        // No word from the environment (cleared on the way, or none):
+        // the leases of our ancestors, if any.
+        return ancestor_holds(root);
     };
-    let named: Vec<u32> = named.split(':').filter_map(|p| p.parse().ok()).collect();
-    ancestors()
-        .into_iter()
-        .filter(|p| named.contains(p))
+    let leases = root.leases();
+    named
+        .split(':')
+        .filter(|n| !n.is_empty() && !crate::lease::is_mine(n))
+        .filter(|n| {
+            !matches!(
+                crate::lease::probe(&leases, n),
+                Ok(crate::lease::Liveness::Dead)
+            )
+        })
+        .filter_map(|n| crate::lease::identity(&leases, n))
+        .flat_map(|id| id.holdings.into_iter().filter(|h| !h.awaits))
         .collect()
 }
 
-/// The lock that this process, or one of its ancestors, holds on the file
-/// at `path`: the hold of an enclosing command. Found through a descriptor
-/// this process inherited ([`lock::held_here`], on every filesystem: it
-/// holds the lock itself), else through the lock table, whose holder pid
-/// is an ancestor that is a `stowage exec` running us — named in
-/// [`crate::env::EXEC_PIDS`] *and* found among our ancestors, since only an exec
-/// is known to wait for its command (local filesystems; this covers an
-/// enclosing `exec --no-inherit`, whose command does not inherit the
-/// descriptors). Waiting for a conflicting lock on such a file would wait
-/// for ourselves.
-pub fn enclosing_hold(path: &Path) -> Option<Mode> {
-    enclosing_hold_except(path, None)
-}
-
-/// [`enclosing_hold`], not counting our own descriptor `except` (a lock
-/// the caller has just taken on that file).
-pub fn enclosing_hold_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Option<Mode> {
-    if let Some(m) = lock::held_here_except(path, except) {
-        return Some(m);
-    }
-    // Cheapest first: not run by an exec at all, nothing more to look at.
-    let execs: Vec<u32> = std::env::var(crate::env::EXEC_PIDS)
-        .ok()?
-        .split(':')
-        .filter_map(|p| p.parse().ok())
-        .collect();
-    let dir = path.parent()?;
-    if !filesystem(dir).is_ok_and(|f| f.local) {
-        return None;
-    }
-    let meta = fs::symlink_metadata(path).ok()?;
-    let table = read_table().ok()?;
-    let entries = table.get(&(meta.dev(), meta.ino()))?;
-    let ancestors: Vec<u32> = ancestors()
+/// How an enclosing exec holds the lock file `rel` (relative to `locks/`),
+/// if one does.
+pub fn enclosing_hold(root: &Root, rel: &str) -> Option<Mode> {
+    enclosing_holds(root)
         .into_iter()
-        .filter(|p| execs.contains(p))
-        .collect();
-    entries
-        .iter()
-        .filter(|e| !e.blocked && e.pid.is_some_and(|p| ancestors.contains(&p)))
-        .map(|e| e.mode)
+        .filter(|h| h.lockfile == rel)
+        .map(|h| h.mode)
         .max()
 }
 
-/// The lock one of our ancestors holds on `path`, as the kernel's lock
-/// table says (local filesystems): whatever it is, it holds that lock while
-/// it waits for us. For a holder that keeps its locks in a `--no-inherit`
-/// keeper and runs us with an environment scrubbed of
-/// [`crate::env::EXEC_PIDS`] (`env -i`, sudo), which [`enclosing_hold`]
-/// cannot tell.
-pub fn held_by_ancestor(path: &Path) -> Option<Mode> {
-    let dir = path.parent()?;
-    if !filesystem(dir).is_ok_and(|f| f.local) {
-        return None;
-    }
-    let meta = fs::symlink_metadata(path).ok()?;
-    let table = read_table().ok()?;
-    let entries = table.get(&(meta.dev(), meta.ino()))?;
+/// The holds of live leases whose owners are our ancestors — enclosing
+/// execs found when the environment that names them was cleared (`env
+/// -i`, sudo) and no descriptor of theirs was inherited (`--no-inherit`).
+/// A lease's pid counts only where it means the same process to us (same
+/// host, boot and pid namespace, as the lease states); elsewhere nothing
+/// is found. Reads every lease: asked only when a hold would be waited for.
+pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
     let ancestors = ancestors();
-    entries
+    if ancestors.is_empty() {
+        return Vec::new();
+    }
+    let leases = root.leases();
+    crate::lease::listing(&leases)
+        .names
         .iter()
-        .filter(|e| !e.blocked && e.pid.is_some_and(|p| ancestors.contains(&p)))
-        .map(|e| e.mode)
-        .max()
+        .filter(|n| !crate::lease::is_mine(n))
+        .filter_map(|n| crate::lease::identity(&leases, n))
+        .filter(|id| id.pid_is_ours() && id.pid.is_some_and(|p| ancestors.contains(&p)))
+        .filter(|id| id.holdings.iter().any(|h| !h.awaits))
+        .flat_map(|id| id.holdings.into_iter().filter(|h| !h.awaits))
+        .collect()
 }
 
-/// Whether an ancestor holds the lock on `path` exclusively
-/// ([`held_by_ancestor`]): for `locks/store.lock`.
-pub fn held_exclusively_by_ancestor(path: &Path) -> bool {
-    held_by_ancestor(path) == Some(Mode::Exclusive)
-}
-
-/// The pids of our ancestors (parent, grandparent, … up to init), from
-/// /proc: the process tree of this pid namespace, which is the one the lock
-/// table's pids are in.
+/// Our ancestors' pids, parent first (from `/proc`; empty without it).
 fn ancestors() -> Vec<u32> {
     let mut out = Vec::new();
-    let mut pid = std::os::unix::process::parent_id();
-    while pid > 1 && out.len() < 4096 {
-        out.push(pid);
-        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    let mut pid = std::process::id();
+    while out.len() < 64 {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             break;
         };
-        // "pid (comm) state ppid …"; comm may hold spaces and parentheses.
+        // The fields after the command (which may hold spaces and parens).
         let Some(ppid) = stat
-            .rfind(')')
-            .and_then(|i| stat[i + 1..].split_whitespace().nth(1))
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
             .and_then(|p| p.parse::<u32>().ok())
         else {
             break;
         };
+        if ppid <= 1 {
+            break;
+        }
+        out.push(ppid);
         pid = ppid;
     }
     out
+}
+
+/// Whether an enclosing exec holds the store-wide lock: we run inside a
+/// store-wide command.
+pub fn inside_store_wide(root: &Root) -> bool {
+    enclosing_hold(root, Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive)
 }

@@ -2,10 +2,11 @@
 //!
 //! ```text
 //! ROOT/
-//!   stowage.db              metadata (SQLite, rollback journal, never WAL)
-//!   locks/global.lock       the global metadata lock (and the records'
-//!                           database: records_db.rs)
-//!   locks/images/ENC.lock   one per image
+//!   store.conf              the store's configuration (config.rs)
+//!   stowage.db              the catalog (SQLite, rollback journal, never WAL)
+//!   locks/global.lock       the global lock (catalog, slot limits)
+//!   locks/store.lock        store-wide holds (store_wide.rs)
+//!   locks/images/ENC.lock   one per image, with its record (image_record.rs)
 //!   locks/slots/CLASS/…     slot lock files
 //!   locks/leases/*.lease    one per live stowage process (lease.rs)
 //!   img/ENC/                image trees (the default images directory)
@@ -37,6 +38,8 @@ pub struct Root {
     /// The root's filesystem, once [`Root::check_locking`] has looked at
     /// it: every lock file of the root is on it (one statfs serves them all).
     fs: Option<crate::filesystem::Filesystem>,
+    /// The root, opened and its owner checked once, on first use.
+    opened: std::sync::Arc<std::sync::OnceLock<Dir>>,
 }
 
 impl Root {
@@ -58,6 +61,7 @@ impl Root {
             default,
             dev: None,
             fs: None,
+            opened: Default::default(),
         })
     }
 
@@ -67,6 +71,7 @@ impl Root {
             default: false,
             dev: None,
             fs: None,
+            opened: Default::default(),
         }
     }
 
@@ -79,12 +84,21 @@ impl Root {
     /// open descriptor: whatever is done through it is done in the
     /// directory that passed.
     pub fn open(&self) -> Result<Dir> {
+        if let Some(d) = self.opened.get() {
+            return d
+                .duplicate()
+                .with_context(|| format!("cannot open root {}", self.dir.display()));
+        }
         let d = Dir::open(&self.dir)
             .with_context(|| format!("cannot open root {}", self.dir.display()))?;
         let st = d
             .stat()
             .with_context(|| format!("cannot inspect root {}", self.dir.display()))?;
         self.check_owner(st.uid, st.mode, st.gid)?;
+        let copy = d
+            .duplicate()
+            .with_context(|| format!("cannot open root {}", self.dir.display()))?;
+        let _ = self.opened.set(copy);
         Ok(d)
     }
 
@@ -120,6 +134,59 @@ impl Root {
         root.sub(name).map_err(|e| not_a_dir(&at, e))
     }
 
+    /// Unlinks a lock file we hold exclusively (the unlink rule), through
+    /// descriptors of the lock directories: only the very file we locked,
+    /// and only after emptying it (what it said must not prove a ghost: see
+    /// `lock::acquire_no_wait_with`). On a filesystem not known to be local
+    /// the file is kept.
+    pub fn unlink_lock(&self, guard: crate::lock::Guard) -> Result<()> {
+        let path = guard.path().to_owned();
+        if !crate::lock::unlinks_allowed(&path) {
+            return Ok(());
+        }
+        let rel = path
+            .strip_prefix(&self.dir)
+            .with_context(|| format!("lock file {} is not in the root", path.display()))?;
+        let (Some(parent), Some(file)) = (rel.parent(), rel.file_name()) else {
+            anyhow::bail!("lock file {} is not in the root", path.display());
+        };
+        let parent = parent.to_str().with_context(|| {
+            format!("lock file {} has a name that is not UTF-8", path.display())
+        })?;
+        let dir = self.open_sub(parent)?;
+        let (dev, ino) = guard.identity();
+        guard
+            .file()
+            .set_len(0)
+            .with_context(|| format!("cannot empty {} before unlinking it", path.display()))?;
+        dir.unlink_if(file, dev, ino)
+            .with_context(|| format!("cannot unlink {}", path.display()))?;
+        Ok(())
+    }
+
+    /// The image has no record any more: its lock file is emptied (and
+    /// synced: no reader may find the record after) and unlinked where
+    /// that is allowed, and its gate if nobody is passing it.
+    pub fn drop_record(&self, name: &ImageName, guard: crate::lock::Guard) -> Result<()> {
+        crate::image_record::clear(guard.file())
+            .with_context(|| format!("cannot empty {}", guard.path().display()))?;
+        self.unlink_lock(guard)?;
+        self.unlink_gate(name);
+        Ok(())
+    }
+
+    /// Unlinks the gate of an image, under the gate's own exclusive lock; if
+    /// a reader or writer is passing it right now, the file stays.
+    pub fn unlink_gate(&self, name: &ImageName) {
+        if let Ok(Some(gate)) = crate::lock::acquire_no_wait(
+            &self.image_gate(name),
+            crate::lock::Mode::Exclusive,
+            crate::lock::IfMissing::Fail,
+        ) {
+            let _ = self.unlink_lock(gate);
+        }
+    }
+
     /// Opens the images directory `dir` (the default one through the root's
     /// descriptor). A symlink in its place is refused.
     pub fn open_images_dir(&self, dir: &Path) -> Result<Dir> {
@@ -127,6 +194,16 @@ impl Root {
             self.open_sub("img")
         } else {
             Dir::open_nofollow(dir).map_err(|e| not_a_dir(dir, e))
+        }
+    }
+
+    /// [`Root::open_images_dir`], making the default one if it is missing
+    /// (a configured one must exist: it may be a mount).
+    pub fn open_or_make_images_dir(&self, dir: &Path) -> Result<Dir> {
+        if dir == self.default_images_dir() {
+            self.open_or_make_sub("img")
+        } else {
+            self.open_images_dir(dir)
         }
     }
 
@@ -197,13 +274,6 @@ impl Root {
         self.locks().join(Self::STORE_WIDE_LOCK_REL)
     }
 
-    /// The gate of `store.lock` (`store_wide.rs`): held exclusively by
-    /// whoever waits to take `store.lock` exclusively, so that new images'
-    /// writers, which take it shared without waiting, stop piling in.
-    pub fn store_gate(&self) -> PathBuf {
-        self.locks().join("store.gate")
-    }
-
     /// [`Root::store_wide_lock`] relative to `locks/`, as records name it.
     pub const STORE_WIDE_LOCK_REL: &'static str = "store.lock";
 
@@ -212,22 +282,10 @@ impl Root {
     pub const LOCKS_REL: &'static str = "locks";
     pub const IMAGE_LOCKS_REL: &'static str = "locks/images";
 
-    /// The image whose lock file `rel` (relative to `locks/`) is, if it is
-    /// one (the inverse of [`Root::image_lock_rel`], for decodable names).
-    pub fn image_of_lock_rel(rel: &str) -> Option<ImageName> {
-        Self::image_of_lock_file(rel.strip_prefix("images/")?)
-    }
-
     /// The image whose lock file, by its name in `locks/images`, `fname`
     /// is, if it is one (decodable).
     pub fn image_of_lock_file(fname: &str) -> Option<ImageName> {
         ImageName::from_encoded(fname.strip_suffix(".lock")?).ok()
-    }
-
-    /// The slot class whose slot file `rel` (relative to `locks/`) is.
-    pub fn slot_class_of_lock_rel(rel: &str) -> Option<String> {
-        let (enc, _) = rel.strip_prefix("slots/")?.rsplit_once('/')?;
-        Some(enc.replace('%', "/"))
     }
 
     /// Holder leases (`lease.rs`).
@@ -249,28 +307,6 @@ impl Root {
 
     pub fn trash(&self) -> PathBuf {
         self.dir.join("trash")
-    }
-
-    /// Where `doctor --repair` sets a damaged database aside: `stamp` is its
-    /// time, `n` > 0 when that name is taken.
-    pub fn db_aside(&self, stamp: &str, n: u32) -> PathBuf {
-        match n {
-            0 => self.dir.join(format!("stowage.db.damaged-{stamp}")),
-            n => self.dir.join(format!("stowage.db.damaged-{stamp}-{n}")),
-        }
-    }
-
-    /// Where `doctor --repair` builds the new database, and its journal.
-    pub fn db_rebuilding(&self) -> (PathBuf, PathBuf) {
-        (
-            self.dir.join("stowage.db.rebuilding"),
-            self.dir.join("stowage.db.rebuilding-journal"),
-        )
-    }
-
-    /// The database's rollback journal.
-    pub fn db_journal(&self) -> PathBuf {
-        self.dir.join("stowage.db-journal")
     }
 
     /// Space kept in reserve for the metadata (`space.rs`).
@@ -312,7 +348,22 @@ impl Root {
         }
         // Checked again on what was created or found: someone may have
         // made the root between the caller's check and our mkdir.
-        self.open()?;
+        let root = self.open()?;
+        // A new store's configuration; a store made by a release before
+        // records has a catalog to migrate first (migrate.rs), which
+        // writes it.
+        if root.stat_at(crate::config::FILE)?.is_none() && root.stat_at("stowage.db")?.is_none() {
+            // The images directory's identity, and the root's, from the
+            // start: a directory found empty later, or another one mounted
+            // there, is then told from the one whose trees the records
+            // describe; a copy of the whole store, from either.
+            let config = crate::config::Config {
+                identity: self.open_sub("img").ok().and_then(|d| d.identity().ok()),
+                root: root.identity().ok(),
+                ..crate::config::Config::fresh()
+            };
+            crate::config::create(&self.dir, &root, &config)?;
+        }
         // Space for the metadata on a full filesystem (space.rs).
         crate::space::refill(&self.reserve());
         Ok(())
@@ -572,6 +623,12 @@ pub fn make_dir(dir: &Path) -> Result<()> {
 /// that `ENC.lock` would exceed NAME_MAX is shortened and suffixed with a
 /// hash of the whole ENC; a hash collision would make two images share a lock
 /// (more exclusion, never less).
+/// Whether `file` (a name in `locks/images/`) is the lock file of the
+/// image named `name` (a record's, which may be anything).
+pub fn is_lock_file_of(file: &str, name: &str) -> bool {
+    ImageName::parse(name).is_ok_and(|n| lock_file_name(n.encoded()) == file)
+}
+
 pub fn lock_file_name(enc: &str) -> String {
     named(enc, ".lock")
 }

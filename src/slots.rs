@@ -1,58 +1,39 @@
 //! Slots: cross-process counting semaphores, one class per runtime or kind
 //! of heavy work (`pull`, `load/podman`).
 //!
-//! A class with limit N and reserve R is N + R lock files:
-//!
 //! ```text
-//! ROOT/locks/slots/ENC/0.lock … (N-1).lock          normal slots
-//! ROOT/locks/slots/ENC/high-0.lock … high-(R-1).lock  reserved for --priority high
+//! ROOT/locks/slots/ENC/0.lock … (N-1).lock          normal slots (0.lock
+//!                                                   carries the class record)
+//! ROOT/locks/slots/ENC/high-0.lock … high-(R-1).lock reserved for --priority high
+//! ROOT/locks/slots/ENC/changed                      closed to wake waiters
 //! ```
 //!
-//! (ENC is the class name with `/` → `%`, as for images.) Normal work takes
-//! any free normal slot, so at most N run at once; high-priority work takes a
-//! reserved slot first, else a normal one, so the total is at most N + R and
-//! a small urgent request never waits behind a wall of big transfers (the
-//! BuildKit design). Limit 0 means unlimited: no slot is taken (the class's
-//! directory holds one file, `0.lock`, that carries its record).
-//!
-//! Invariants:
 //! - A slot is an exclusive flock, so the kernel frees it when its holder
-//!   dies: no token is ever lost (unlike a make jobserver's pipe).
+//!   dies: no token is ever lost.
 //! - Slots come first in the lock order (slots → images → global).
-//! - From schema 7 ([`CLASS_DIRS_SCHEMA`]) every configured class has its
-//!   directory, made before the class is committed: `lock-status` lists
-//!   the classes by their directories when nothing is held (idle.rs).
-//! - The configuration lives in the metadata, and a copy of it in every
-//!   slot file of the class (`slot_record.rs`), kept by whoever changes it
-//!   under the global lock: an acquirer reads the copy in the file it
-//!   locks and takes its slot without a transaction when the copy is
-//!   valid; otherwise it reads the metadata. Each waiter re-reads it when
-//!   `slots set`/`slots rm` touches the class's `changed` file, and every
-//!   `acquire::slot::RECHECK` where another host may change it unannounced
-//!   (30 s otherwise): a raised limit (or 0) lets waiters in, a lowered one
-//!   binds them, a removed class ends their wait. Lowering a limit never disturbs current holders (they keep
-//!   their higher-numbered files), and their slots count against the new
-//!   limit until they end.
-//! - Waiting for "any of N" needs no thread per file (a pids limit must not
-//!   make a wait fail): the waiter keeps the N descriptors open, watches the
-//!   class directory with inotify — the last close of a lock file's
-//!   descriptor is both the release of its lock and an `IN_CLOSE_WRITE`
-//!   event (`IN_CLOSE_NOWRITE` for a read-only holder such as flock(1)) —
-//!   and tries the files again when woken. Where closes cannot be
-//!   seen (another host on NFS; no inotify) it polls: every 250 ms on
-//!   remote filesystems, 50 ms locally.
+//! - Normal work takes one of the first LIMIT files; high priority a
+//!   reserved one first, else a normal one: at most LIMIT + RESERVE at
+//!   once. LIMIT 0 is unlimited: no slot is taken.
+//! - The limits live in one record per class (`slot_limits.rs`), changed
+//!   only under the global lock. Lowering a limit never disturbs current
+//!   holders; their slots count against it until they end, and the record
+//!   says which files they may be ([`settle`] forgets them once free).
+//! - Waiters re-read the record when `slots set`/`slots rm` closes the
+//!   class's `changed` file (inotify), and every few seconds where another
+//!   host may change it unseen.
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::ctx::Ctx;
+use crate::dir::Dir;
 use crate::error::Error;
-use crate::lock::{self, Mode};
-use crate::meta::{SlotClass, Tx};
+use crate::holders::{LockKind, LockReport, Look, Party};
+use crate::lock::{self, Mode, Probe};
+use crate::root::Root;
+use crate::slot_limits::{self, Class, Kind, Limits};
 use crate::store::Store;
-
-pub use crate::slot_record::{CLASS_DIRS_SCHEMA, make_class_dir};
 
 /// The largest limit (each waiter keeps every slot file open while it waits).
 pub const MAX_LIMIT: u32 = 256;
@@ -94,187 +75,371 @@ pub fn validate_class(class: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// The files an acquirer of `priority` may take, in the order it tries them.
-pub(crate) fn candidates(dir: &Path, class: &SlotClass, priority: Priority) -> Vec<PathBuf> {
-    let normal = (0..class.limit).map(|i| dir.join(format!("{i}.lock")));
-    let high = (0..class.reserve_high).map(|i| dir.join(format!("high-{i}.lock")));
+/// The files an acquirer of `priority` may take under `limits`, in the
+/// order it tries them.
+pub(crate) fn candidates(dir: &Path, limits: &Limits, priority: Priority) -> Vec<PathBuf> {
+    let normal = (0..limits.limit).map(|i| dir.join(Kind::Normal(i).file_name()));
+    let high = (0..limits.reserve).map(|i| dir.join(Kind::High(i).file_name()));
     match priority {
         Priority::Normal => normal.collect(),
         Priority::High => high.chain(normal).collect(),
     }
 }
 
-/// The file whose close tells waiters that the class's configuration
-/// changed: `ROOT/locks/slots/ENC/changed`.
+/// Files of the class beyond `limits` that holders of a higher limit may
+/// still hold: normal ones, then reserved ones.
+pub(crate) fn beyond(dir: &Path, limits: &Limits) -> (Vec<PathBuf>, Vec<PathBuf>) {
+    (
+        (limits.limit..limits.files)
+            .map(|i| dir.join(Kind::Normal(i).file_name()))
+            .collect(),
+        (limits.reserve..limits.high_files)
+            .map(|i| dir.join(Kind::High(i).file_name()))
+            .collect(),
+    )
+}
+
+/// The file whose close tells waiters that the class changed.
 pub(crate) const CHANGED: &str = "changed";
 
-/// Tells waiters of `class` on this host to re-read its configuration
-/// (others re-read it every [`crate::acquire::slot::RECHECK`]). Best effort.
+/// Tells waiters of `class` on this host to re-read its record. Best effort.
 pub fn notify_change(ctx: &Ctx, class: &str) {
-    // Through descriptors, never a symlink planted in the path: a group
-    // member could otherwise make us create `changed` elsewhere.
-    let rel = crate::root::Root::slot_class_rel(class);
-    if let Ok(dir) = ctx.root.open_sub(&rel) {
+    if let Ok(Some(dir)) = class_dir(&ctx.root, class) {
         let _ = dir.touch_closed(CHANGED);
     }
 }
 
-/// Writes the records of `class` into its slot files — its configuration
-/// as `tx` reads it, or none when it is gone (slot_record.rs). The caller
-/// is inside that transaction, under the global lock: after a change of
-/// the class has committed, before a removal commits, or on finding a
-/// record wanting. Best effort: a record not written only sends acquirers
-/// to the database.
-pub(crate) fn write_records(tx: &Tx, ctx: &Ctx, class: &str, config: Option<&SlotClass>) {
-    let db = match config {
-        Some(_) => tx.identity().ok().and_then(crate::record::DbId::from_id),
-        None => None,
-    };
-    // A class gets its directory (an unlimited one too: its `0.lock`
-    // carries its record); a removed one keeps what is left of it.
-    let d = if db.is_some() && config.is_some() {
-        make_class_dir(&ctx.root, class).ok()
-    } else {
-        class_dir(ctx, class).ok().flatten()
-    };
-    if let Some(d) = d {
-        let _ = crate::slot_record::write_all(&d, config, db);
-    }
-}
-
-/// The class's directory, opened from the root's descriptor without
-/// following a link at any step (a planted one is an error); `None` if it
-/// does not exist.
-fn class_dir(ctx: &Ctx, class: &str) -> Result<Option<crate::dir::Dir>> {
-    let rel = crate::root::Root::slot_class_rel(class);
-    match std::fs::symlink_metadata(ctx.root.dir().join(&rel)) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        _ => ctx.root.open_sub(&rel).map(Some),
-    }
-}
-
-/// Takes every record of `class` away (slot_record.rs), inside the
-/// transaction that is about to change or remove the class, before it
-/// commits. Not best effort: a record left would go on saying the old
-/// configuration, valid and settled, to every acquirer — for good if the
-/// change's process dies before the records that follow it are written —
-/// so a record that cannot be taken away fails the change instead. Once
-/// they are gone, whatever happens to the process, acquirers go to the
-/// database, and the first one writes them anew.
-pub(crate) fn take_records_away(ctx: &Ctx, class: &str) -> Result<()> {
-    let dir = ctx.root.slot_class_dir(class);
-    let Some(d) = class_dir(ctx, class)? else {
-        return Ok(());
-    };
-    crate::slot_record::write_all(&d, None, None).map_err(|e| {
-        anyhow::Error::new(e).context(format!(
-            "cannot take the records of slot class '{class}' out of its slot files in {}",
-            dir.display()
-        ))
-    })
-}
-
-/// Takes away what a class removed while its slots were held left behind,
-/// once nobody holds them: its slot files and `changed` (each unlinked
-/// under its exclusive lock, as [`remove_class`] does) and then its
-/// directory, if that leaves it empty — which `lock-status` would
-/// otherwise find, with no class behind it, and answer through the
-/// database every time (idle.rs). Only directories of no configured class.
-/// Under the global lock, in the transaction that read the classes: no
-/// class can be made anew meanwhile (making one needs the global lock).
-/// Best effort; on a filesystem where lock files are not unlinked (NFS)
-/// they stay.
-pub(crate) fn clean_removed(tx: &Tx, ctx: &Ctx) -> Result<()> {
-    let slots = ctx.root.slot_locks();
-    let Ok(top) = crate::dir::Dir::open_nofollow(&slots) else {
-        return Ok(());
-    };
-    let Ok(names) = top.names() else {
-        return Ok(());
-    };
-    let configured: Vec<String> = tx.slot_classes()?.into_iter().map(|c| c.name).collect();
-    for enc in names {
-        let Some(enc) = enc.to_str() else { continue };
-        let class = enc.replace('%', "/");
-        if configured.contains(&class) || validate_class(&class).is_err() {
-            continue;
+/// The class's record, as its `0.lock` says now (read without its lock).
+pub fn read_class(root: &Root, class: &str) -> Result<Class> {
+    let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
+    // Through the root's descriptor, a directory at a time: a link planted
+    // for `locks/slots` or the class's directory is refused, naming it.
+    let dir = match root.open_sub(&Root::slot_class_rel(class)) {
+        Ok(d) => d,
+        // No such class (or no slots directory yet).
+        Err(e)
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::NotFound)
+            }) =>
+        {
+            return Ok(Class::None);
         }
-        // Opened without following a link: a planted one is left alone.
-        let Ok(Some(d)) = class_dir(ctx, &class) else {
-            continue;
-        };
-        let Ok(files) = d.names() else { continue };
-        let dir = slots.join(enc);
-        for f in files {
-            let Some(f) = f.to_str() else { continue };
-            if !(f.ends_with(".lock") || f == CHANGED) {
-                continue;
-            }
-            if let Ok(Some(g)) =
-                lock::acquire_no_wait(&dir.join(f), Mode::Exclusive, lock::IfMissing::Fail)
-            {
-                let _ = crate::remove::unlink_lock(&ctx.root, g);
-            }
+        Err(e) => return Err(e),
+    };
+    let opened = dir.open_read(Kind::Normal(0).file_name());
+    match opened.map(Some).or_else(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            Ok(None)
+        } else {
+            Err(e)
         }
-        let _ = top.rmdir(enc);
+    }) {
+        Ok(Some(f)) => slot_limits::read(&f, class).with_context(|| {
+            format!(
+                "cannot read the limits of slot class '{class}' in {}",
+                path.display()
+            )
+        }),
+        Ok(None) => Ok(Class::None),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => Ok(Class::None),
+        Err(e) => Err(e).with_context(|| format!("cannot open {}", path.display())),
     }
-    Ok(())
 }
 
-/// The configuration of a class; an unknown class is a usage error that
-/// lists the configured ones.
-pub fn lookup(tx: &Tx, class: &str) -> Result<SlotClass> {
-    if let Some(c) = tx.slot_class(class)? {
-        return Ok(c);
+/// The configured classes, by their directories, with their records.
+pub fn classes(root: &Root) -> Vec<(String, Class)> {
+    let Ok(top) = Dir::open_nofollow(&root.slot_locks()) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, Class)> = top
+        .names()
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|enc| enc.into_string().ok())
+        .map(|enc| enc.replace('%', "/"))
+        .filter(|c| validate_class(c).is_ok())
+        .map(|c| {
+            let class = read_class(root, &c).unwrap_or(Class::Damaged);
+            (c, class)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// The limits of `class`; an unknown class is a usage error that lists the
+/// configured ones.
+pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
+    match read_class(root, class)? {
+        Class::Limits(l) => Ok(l),
+        Class::Damaged => anyhow::bail!(
+            "the limits of slot class '{class}' in {} are damaged; set them again with 'stowage slots set {class} LIMIT'",
+            root.slot_class_dir(class).join("0.lock").display()
+        ),
+        Class::None => Err(unknown_class(root, class).into()),
     }
-    let known: Vec<String> = tx.slot_classes()?.into_iter().map(|c| c.name).collect();
+}
+
+fn unknown_class(root: &Root, class: &str) -> Error {
+    let known: Vec<String> = classes(root)
+        .into_iter()
+        .filter(|(_, c)| matches!(c, Class::Limits(_)))
+        .map(|(n, _)| n)
+        .collect();
     let hint = if known.is_empty() {
         "no slot classes are configured; add one with 'stowage slots set CLASS LIMIT'".to_owned()
     } else {
         format!("configured classes: {}", known.join(", "))
     };
-    Err(Error::Usage(format!("unknown slot class '{class}' ({hint})")).into())
+    Error::Usage(format!("unknown slot class '{class}' ({hint})"))
 }
 
-/// Removes a class: its configuration, then every slot file nobody holds
-/// (unlinked under its exclusive lock, as the unlink rule requires).
-/// Returns how many slots were still held (their files stay until released).
-pub fn remove_class(store: &mut Store, class: &str) -> Result<u32> {
+/// Sets a class's limits (making the class if new), under the global lock.
+pub fn set(store: &mut Store, class: &str, limit: u32, reserve: u32) -> Result<()> {
     validate_class(class)?;
-    store.with_tx(None, |tx, ctx| {
-        lookup(tx, class)?;
-        // Its records go first: no acquirer takes a slot on them once the
-        // removal has committed.
-        take_records_away(ctx, class)?;
-        tx.delete_slot_class(class)?;
-        Ok(())
-    })?;
-    // Its waiters stop waiting (they re-read the class and find it gone).
+    let root = store.root().clone();
+    let global = store.global(None)?;
+    let dir = make_class_dir(&root, class)?;
+    let zero = dir
+        .open_rw(Kind::Normal(0).file_name(), true)
+        .with_context(|| {
+            format!(
+                "cannot open {}",
+                root.slot_class_dir(class).join("0.lock").display()
+            )
+        })?;
+    let before = match slot_limits::read(&zero, class)? {
+        Class::Limits(l) => Some(l),
+        _ => None,
+    };
+    let limits = Limits::set(limit, reserve, before);
+    slot_limits::write(&zero, class, Some(&limits))
+        .with_context(|| format!("cannot write the limits of slot class '{class}'"))?;
+    settle(&root, class, &zero, limits);
+    drop(global);
     notify_change(store.ctx(), class);
-    // Unlinked under the global lock, as records are written: a `slots
-    // set` that makes the class anew cannot write a record into a file
-    // between its emptying and its unlink — a valid record in an unlinked
-    // file would vouch for it to whoever locks it next (a ghost slot:
-    // lock::acquire_no_wait_vouched).
-    let dir = store.root().slot_class_dir(class);
-    store.with_tx(None, |tx, ctx| {
-        let mut busy = 0;
-        // Made anew meanwhile: its files are its own again.
-        if tx.slot_class(class)?.is_some() {
-            return Ok(busy);
+    Ok(())
+}
+
+/// Forgets the files beyond a lowered limit once nobody holds them (tried
+/// without waiting, under the global lock, which the caller holds).
+/// Returns the limits as they stand after.
+pub fn settle(root: &Root, class: &str, zero: &std::fs::File, limits: Limits) -> Limits {
+    if limits.settled() {
+        return limits;
+    }
+    let dir = root.slot_class_dir(class);
+    let (normal, high) = beyond(&dir, &limits);
+    let mut held = Vec::new();
+    for path in normal.iter().chain(&high) {
+        match lock::acquire_no_wait(path, Mode::Exclusive, lock::IfMissing::Fail) {
+            Ok(Some(g)) => held.push(g),
+            Ok(None) => return limits,
+            Err(_) => {}
         }
-        if let Ok(entries) = std::fs::read_dir(&dir) {
-            for e in entries.flatten() {
-                match lock::acquire_no_wait(&e.path(), Mode::Exclusive, lock::IfMissing::Fail) {
-                    Ok(Some(g)) => crate::remove::unlink_lock(&ctx.root, g)?,
-                    Ok(None) => busy += 1,
-                    Err(_) => {}
+    }
+    let settled = Limits {
+        files: limits.limit,
+        high_files: limits.reserve,
+        ..limits
+    };
+    if slot_limits::write(zero, class, Some(&settled)).is_err() {
+        return limits;
+    }
+    // `0.lock` carries the record (an unlimited class keeps it too).
+    let first = dir.join(Kind::Normal(0).file_name());
+    for g in held.into_iter().filter(|g| g.path() != first) {
+        let _ = root.unlink_lock(g);
+    }
+    settled
+}
+
+/// Removes a class: its record goes, then every slot file nobody holds
+/// (unlinked under its exclusive lock). Returns how many slots were still
+/// held (their files stay until released, and the class is shown as
+/// removed while they are).
+pub fn remove(store: &mut Store, class: &str) -> Result<u32> {
+    validate_class(class)?;
+    let root = store.root().clone();
+    let global = store.global(None)?;
+    lookup(&root, class)?;
+    let dir = root.slot_class_dir(class);
+    let zero =
+        lock::open_existing(&dir.join("0.lock"))?.context("the class's first slot file went")?;
+    slot_limits::write(&zero, class, None)
+        .with_context(|| format!("cannot remove slot class '{class}'"))?;
+    drop(zero);
+    notify_change(store.ctx(), class);
+    let mut busy = 0;
+    if let Some(d) = class_dir(&root, class)? {
+        for name in d.names().unwrap_or_default() {
+            let path = dir.join(&name);
+            match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail) {
+                Ok(Some(g)) => {
+                    let _ = root.unlink_lock(g);
                 }
+                Ok(None) => busy += 1,
+                Err(_) => {}
             }
         }
-        let _ = std::fs::remove_dir(&dir);
-        Ok(busy)
-    })
+        let _ = d.unlink(CHANGED);
+    }
+    remove_empty_class_dir(&root, class);
+    drop(global);
+    Ok(busy)
+}
+
+/// Removes the directory of a removed class once it is empty.
+pub(crate) fn remove_empty_class_dir(root: &Root, class: &str) {
+    let rel = Root::slot_class_rel(class);
+    let (parent, name) = rel
+        .rsplit_once('/')
+        .expect("a class directory has a parent");
+    if let Ok(d) = root.open_sub(parent) {
+        let _ = d.rmdir(name);
+    }
+}
+
+/// The class's directory, opened from the root's descriptor without
+/// following a link at any step; `None` if it does not exist.
+pub fn class_dir(root: &Root, class: &str) -> Result<Option<Dir>> {
+    let rel = Root::slot_class_rel(class);
+    match std::fs::symlink_metadata(root.dir().join(&rel)) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        _ => root.open_sub(&rel).map(Some),
+    }
+}
+
+/// Makes (if missing) and opens the class's directory, every step from the
+/// root's descriptor without following a link.
+pub fn make_class_dir(root: &Root, class: &str) -> Result<Dir> {
+    let mut d = root.open_or_make_sub("locks")?;
+    let mut at = root.locks();
+    for part in Root::slot_class_rel(class).split('/').skip(1) {
+        at.push(part);
+        match d.mkdir(part, 0o777) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("cannot create directory {}", at.display())));
+            }
+        }
+        d = d.sub(part).map_err(|e| {
+            if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
+                anyhow::anyhow!(
+                    "{} is a symlink or not a directory; refusing to use it",
+                    at.display()
+                )
+            } else {
+                anyhow::Error::new(e).context(format!("cannot open {}", at.display()))
+            }
+        })?;
+    }
+    Ok(d)
+}
+
+/// A class as lock-status and `slots` show it: every slot file's holders,
+/// how many are held, and who waits (leases that await the class).
+pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> LockReport {
+    let dir = root.slot_class_dir(class);
+    let mut files: Vec<String> = Dir::open_nofollow(&dir)
+        .and_then(|d| d.names())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|n| n.into_string().ok())
+        .filter(|n| Kind::of(n).is_some())
+        .collect();
+    files.sort();
+    let mut in_use = 0;
+    let mut holders: Vec<Party> = Vec::new();
+    for f in &files {
+        let path = dir.join(f);
+        let rel = root.locks_rel(&path);
+        let r = look.report(LockKind::Slot, class, &path, &rel);
+        if r.state != Probe::Free {
+            in_use += 1;
+        }
+        holders.extend(r.holders);
+    }
+    let class_rel = root.locks_rel(&dir);
+    let waiters: Vec<Party> = look
+        .leases()
+        .iter()
+        .filter(|(n, _)| look.alive(n))
+        .flat_map(|(n, id)| {
+            id.holdings
+                .iter()
+                .filter(|h| h.awaits && h.lockfile == class_rel)
+                .map(move |h| Party::leased(n, id, h))
+        })
+        .collect();
+    LockReport {
+        kind: LockKind::Slot,
+        name: class.to_owned(),
+        state: if in_use > 0 {
+            Probe::Shared
+        } else {
+            Probe::Free
+        },
+        holders,
+        waiters,
+        image_state: None,
+        slot: limits.map(|l| (l.limit, l.reserve, in_use)),
+    }
+}
+
+/// Every class's report: configured ones, and removed ones while a holder
+/// or waiter of them remains (their directory stays until then).
+pub fn reports(look: &Look, root: &Root) -> Vec<LockReport> {
+    let mut out = Vec::new();
+    for (class, c) in classes(root) {
+        match c {
+            Class::Limits(l) => out.push(report(look, root, &class, Some(l))),
+            _ => {
+                let r = report(look, root, &class, None);
+                if r.holders.is_empty() && r.waiters.is_empty() {
+                    // Nothing of it is left in use: its files can go.
+                    if class_dir(root, &class).ok().flatten().is_some() {
+                        tidy_removed(root, &class);
+                    }
+                    continue;
+                }
+                out.push(r);
+            }
+        }
+    }
+    out
+}
+
+/// Takes away the files of a removed class that nobody holds, then its
+/// directory if that leaves it empty — under the global lock, tried
+/// without waiting, so that no `slots set` makes the class anew meanwhile.
+/// Best effort: on a filesystem where lock files are kept (NFS) they stay.
+fn tidy_removed(root: &Root, class: &str) {
+    let Ok(Some(_global)) =
+        lock::acquire_no_wait(&root.global_lock(), Mode::Exclusive, lock::IfMissing::Fail)
+    else {
+        return;
+    };
+    let Ok(Some(d)) = class_dir(root, class) else {
+        return;
+    };
+    let dir = root.slot_class_dir(class);
+    for name in d.names().unwrap_or_default() {
+        let Some(n) = name.to_str() else { continue };
+        if n == CHANGED {
+            let _ = d.unlink(CHANGED);
+        } else if Kind::of(n).is_some()
+            && let Ok(Some(g)) =
+                lock::acquire_no_wait(&dir.join(n), Mode::Exclusive, lock::IfMissing::Fail)
+            && matches!(slot_limits::read(g.file(), class), Ok(Class::None))
+        {
+            let _ = root.unlink_lock(g);
+        }
+    }
+    remove_empty_class_dir(root, class);
 }
 
 #[cfg(test)]
@@ -304,14 +469,10 @@ mod tests {
 
     #[test]
     fn high_priority_tries_the_reserve_first() {
-        let class = SlotClass {
-            name: "pull".into(),
-            limit: 2,
-            reserve_high: 1,
-        };
+        let l = Limits::set(2, 1, None);
         let d = Path::new("/r");
         let names = |p| {
-            candidates(d, &class, p)
+            candidates(d, &l, p)
                 .iter()
                 .map(|f| f.file_name().unwrap().to_str().unwrap().to_owned())
                 .collect::<Vec<_>>()

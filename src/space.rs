@@ -41,6 +41,11 @@ pub fn is_full(err: &anyhow::Error) -> bool {
     })
 }
 
+/// Is this I/O error the disk (or a quota) being full?
+pub fn is_full_io(err: &std::io::Error) -> bool {
+    matches!(err.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
 /// How big the reserve is: 1 MiB, or 1/64 of a smaller filesystem (a
 /// metadata transaction needs a few pages of journal).
 pub fn target(reserve: &Path) -> u64 {
@@ -105,16 +110,6 @@ pub fn refill(reserve: &Path) {
             break;
         }
         at += CHUNK;
-    }
-}
-
-/// Creates the reserve if it is missing or empty (a store made by an older
-/// release, the file deleted by hand, a process killed between emptying and
-/// refilling it): one stat when it is there.
-pub fn ensure(reserve: &Path) {
-    match std::fs::symlink_metadata(reserve) {
-        Ok(m) if m.blocks() > 0 || !m.is_file() => {}
-        _ => refill(reserve),
     }
 }
 

@@ -38,10 +38,10 @@ pub fn spawn_with(
     env: &[(OsString, OsString)],
     how: Start,
 ) -> io::Result<libc::pid_t> {
-    let cstr = |s: &OsStr| {
-        CString::new(s.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
-    };
-    let args: Vec<CString> = argv.iter().map(|a| cstr(a)).collect::<io::Result<_>>()?;
+    let args: Vec<CString> = argv
+        .iter()
+        .map(|a| c_string(a))
+        .collect::<io::Result<_>>()?;
     let vars: Vec<CString> = env
         .iter()
         .map(|(k, v)| {
@@ -51,38 +51,15 @@ pub fn spawn_with(
             CString::new(kv).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
         })
         .collect::<io::Result<_>>()?;
-    let mut argp: Vec<*mut libc::c_char> = args.iter().map(|a| a.as_ptr() as *mut _).collect();
-    argp.push(std::ptr::null_mut());
-    let mut envp: Vec<*mut libc::c_char> = vars.iter().map(|v| v.as_ptr() as *mut _).collect();
-    envp.push(std::ptr::null_mut());
+    let argp = null_terminated(&args);
+    let envp = null_terminated(&vars);
 
     // SAFETY: the attribute object is initialised before use and destroyed
     // after; every pointer passed lives until posix_spawnp returns.
     unsafe {
         let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
         check(libc::posix_spawnattr_init(&mut attr))?;
-        let result = (|| {
-            let mut default: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut default);
-            libc::sigaddset(&mut default, libc::SIGPIPE);
-            libc::sigaddset(&mut default, libc::SIGCHLD);
-            check(libc::posix_spawnattr_setsigdefault(&mut attr, &default))?;
-            let flags = match how {
-                Start::Command => {
-                    let mut none: libc::sigset_t = std::mem::zeroed();
-                    libc::sigemptyset(&mut none);
-                    check(libc::posix_spawnattr_setsigmask(&mut attr, &none))?;
-                    libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF
-                }
-                Start::Keeper => {
-                    check(libc::posix_spawnattr_setpgroup(&mut attr, 0))?;
-                    libc::POSIX_SPAWN_SETPGROUP | libc::POSIX_SPAWN_SETSIGDEF
-                }
-            };
-            check(libc::posix_spawnattr_setflags(
-                &mut attr,
-                flags as libc::c_short,
-            ))?;
+        let result = set_attributes(&mut attr, how).and_then(|()| {
             let mut pid: libc::pid_t = 0;
             let rc = match path {
                 Some(p) => libc::posix_spawn(
@@ -104,9 +81,52 @@ pub fn spawn_with(
             };
             check(rc)?;
             Ok(pid)
-        })();
+        });
         libc::posix_spawnattr_destroy(&mut attr);
         result
+    }
+}
+
+fn c_string(s: &OsStr) -> io::Result<CString> {
+    CString::new(s.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// The array of pointers that exec(2) takes: each string, then NULL. The
+/// strings must outlive it.
+fn null_terminated(strings: &[CString]) -> Vec<*mut libc::c_char> {
+    let mut pointers: Vec<*mut libc::c_char> =
+        strings.iter().map(|s| s.as_ptr() as *mut _).collect();
+    pointers.push(std::ptr::null_mut());
+    pointers
+}
+
+/// SIGPIPE and SIGCHLD at their defaults; for the command no signal
+/// blocked, for the keeper our mask kept and a process group of its own.
+///
+/// # Safety
+/// `attr` must have been initialised by posix_spawnattr_init.
+unsafe fn set_attributes(attr: &mut libc::posix_spawnattr_t, how: Start) -> io::Result<()> {
+    // SAFETY: sigset operations on local sets; attribute calls on an
+    // initialised attribute object, as the caller promises.
+    unsafe {
+        let mut default: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut default);
+        libc::sigaddset(&mut default, libc::SIGPIPE);
+        libc::sigaddset(&mut default, libc::SIGCHLD);
+        check(libc::posix_spawnattr_setsigdefault(attr, &default))?;
+        let flags = match how {
+            Start::Command => {
+                let mut none: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut none);
+                check(libc::posix_spawnattr_setsigmask(attr, &none))?;
+                libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF
+            }
+            Start::Keeper => {
+                check(libc::posix_spawnattr_setpgroup(attr, 0))?;
+                libc::POSIX_SPAWN_SETPGROUP | libc::POSIX_SPAWN_SETSIGDEF
+            }
+        };
+        check(libc::posix_spawnattr_setflags(attr, flags as libc::c_short))
     }
 }
 

@@ -1,52 +1,53 @@
-//! Acquiring image and slot locks: gates, waiter records, waiting.
+//! Acquiring image and slot locks.
 //!
 //! Everything that takes a lock a process may have to wait for, except the
-//! global lock (`store.rs`) and the store-wide hold (`store_wide.rs`), goes
-//! through here: `image::acquire_image` for images (exec, rm),
-//! [`slot::acquire`] for slots. The rules they keep:
+//! global lock (`store.rs`) and the store-wide lock (`store_wide.rs`), goes
+//! through here: [`image::take`] for images (exec, rm), [`slot::acquire`]
+//! for slots. The rules they keep:
 //! - **Try, then announce, then wait.** A lock is first tried without
-//!   blocking; only a busy one gets a waiter record (so lock-status lists
-//!   the waiter) and one "waiting for …" line
-//!   ([`crate::holders::announce_wait`]), and the wait holds no global lock.
+//!   blocking; only a busy one is announced ("waiting for …", once) and
+//!   listed as awaited in the lease, and the wait holds no global lock.
 //! - **No wait for oneself.** A lock held by an enclosing `stowage exec`
 //!   (`nested.rs`) is never waited for.
 //! - **Nothing left after a failure.** A wait that times out or is
-//!   interrupted drops its waiter record (`wait_as_waiter`).
+//!   interrupted takes its line out of the lease again.
 
 use std::time::Instant;
 
 use anyhow::Result;
 
 use crate::error::{Busy, Error};
+use crate::lease::Holding;
 use crate::lock::Waited;
 use crate::store::Store;
 
 pub mod image;
 pub mod slot;
 
-/// Runs a wait announced as `what`, held by `holders`, and makes its
-/// outcome the caller's: a timeout is [`Error::Busy`] (exit 75), a signal
-/// [`Error::Interrupted`]. On any failure the waiter record goes again.
-pub(crate) fn wait_as_waiter<T>(
-    store: &mut Store,
-    waiter: Option<i64>,
+/// Runs a wait announced as `what`, held by `holders`, with the lock
+/// `awaited` listed in our lease meanwhile; a timeout is [`Error::Busy`]
+/// (exit 75), a signal [`Error::Interrupted`].
+pub(crate) fn wait_for<T>(
+    store: &Store,
+    awaited: Holding,
     what: String,
     holders: String,
     wait: impl FnOnce() -> Result<Waited<T>>,
 ) -> Result<T> {
+    let leases = store.root().leases();
+    let lockfile = awaited.lockfile.clone();
+    crate::lease::note(&leases, awaited);
     let t0 = Instant::now();
-    let failure = match wait() {
-        Ok(Waited::Acquired(got)) => return Ok(got),
-        Ok(Waited::TimedOut) => anyhow::Error::from(Error::Busy(Busy {
+    let out = wait();
+    crate::lease::forget(&leases, &lockfile);
+    match out? {
+        Waited::Acquired(got) => Ok(got),
+        Waited::TimedOut => Err(Error::Busy(Busy {
             what,
             holders,
             waited: t0.elapsed(),
-        })),
-        Ok(Waited::Interrupted(sig)) => Error::Interrupted(sig).into(),
-        Err(e) => e,
-    };
-    if let Some(id) = waiter {
-        store.forget_record(id);
+        })
+        .into()),
+        Waited::Interrupted(sig) => Err(Error::Interrupted(sig).into()),
     }
-    Err(failure)
 }

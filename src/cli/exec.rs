@@ -1,6 +1,6 @@
 //! `stowage exec`: run a command holding image locks.
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 
 use anyhow::Result;
 
@@ -86,43 +86,16 @@ fn plan(args: Args) -> Result<Plan> {
     if let Some(class) = &args.slot {
         crate::slots::validate_class(class)?;
     }
-    let reads = super::names(&args.read)?;
+    let mut reads = super::names(&args.read)?;
     let writes = super::names(&args.write)?;
     let exclusive_reads = super::names(&args.read_exclusive)?;
-    if let Some(both) = reads.iter().find(|r| writes.contains(r)) {
-        return Err(Error::Usage(format!(
-            "image '{both}' is both --read and --write; --write alone gives the command full access"
-        ))
-        .into());
-    }
-    if let Some(both) = exclusive_reads.iter().find(|r| {
-        reads.contains(r) || writes.contains(r) || args.from.as_deref() == Some(r.as_str().as_ref())
-    }) {
-        return Err(Error::Usage(format!(
-            "image '{both}' is --read-exclusive and also --read, --write or --from; name it once"
-        ))
-        .into());
-    }
+    refuse_two_roles(&reads, &writes, &exclusive_reads, args.from.as_deref())?;
     let from = match &args.from {
         Some(raw) => Some(ImageName::parse_os(raw).map_err(Error::from)?),
         None => None,
     };
-    let mut reads = reads;
     if let Some(base) = &from {
-        if writes.len() != 1 {
-            return Err(Error::Usage(
-                "--from needs exactly one --write (the image to start as a copy)".into(),
-            )
-            .into());
-        }
-        if writes[0] == *base {
-            return Err(
-                Error::Usage(format!("--from '{base}' names the image being written")).into(),
-            );
-        }
-        if !reads.contains(base) {
-            reads.push(base.clone());
-        }
+        read_base_to_copy(base, &writes, &mut reads)?;
     }
     // The base is locked for the copy; while the command runs only if the
     // caller also asked to read it.
@@ -131,20 +104,8 @@ fn plan(args: Args) -> Result<Plan> {
             .iter()
             .any(|r| ImageName::parse_os(r).is_ok_and(|n| n == *b))
     });
-    // Lineage: the --from image, else the one image read (shared or
-    // exclusively) by a one-image write.
-    let read_any: Vec<ImageName> = reads.iter().chain(&exclusive_reads).cloned().collect();
-    let base = match (&from, read_any.as_slice(), writes.len()) {
-        (Some(b), _, _) => Some(b.clone()),
-        (None, [only], 1) => Some(only.clone()),
-        _ => None,
-    };
+    let base = lineage(from.as_ref(), &reads, &exclusive_reads, &writes);
     let (deadline, no_wait) = super::deadline(args.wait.as_deref(), args.no_wait)?;
-    let shown: Vec<String> = args
-        .command
-        .iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
     let locks = if args.store_wide {
         Locks::StoreWide
     } else {
@@ -158,7 +119,7 @@ fn plan(args: Args) -> Result<Plan> {
             slot: args
                 .slot
                 .map(|class| (class, args.priority.unwrap_or_default())),
-            command: ident::shell_join(&shown),
+            command: command_line(&args.command),
         })
     };
     Ok(Plan {
@@ -171,4 +132,77 @@ fn plan(args: Args) -> Result<Plan> {
         deadline,
         no_wait,
     })
+}
+
+/// Refuses an image named in two roles: --read and --write, or
+/// --read-exclusive and anything else (`from` is --from as given).
+fn refuse_two_roles(
+    reads: &[ImageName],
+    writes: &[ImageName],
+    exclusive_reads: &[ImageName],
+    from: Option<&OsStr>,
+) -> Result<()> {
+    if let Some(both) = reads.iter().find(|r| writes.contains(r)) {
+        return Err(Error::Usage(format!(
+            "image '{both}' is both --read and --write; --write alone gives the command full access"
+        ))
+        .into());
+    }
+    if let Some(both) = exclusive_reads
+        .iter()
+        .find(|r| reads.contains(r) || writes.contains(r) || from == Some(r.as_str().as_ref()))
+    {
+        return Err(Error::Usage(format!(
+            "image '{both}' is --read-exclusive and also --read, --write or --from; name it once"
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// --from BASE: the one image written starts as a copy of BASE, which is
+/// read (locked shared) for the copy.
+fn read_base_to_copy(
+    base: &ImageName,
+    writes: &[ImageName],
+    reads: &mut Vec<ImageName>,
+) -> Result<()> {
+    if writes.len() != 1 {
+        return Err(Error::Usage(
+            "--from needs exactly one --write (the image to start as a copy)".into(),
+        )
+        .into());
+    }
+    if writes[0] == *base {
+        return Err(Error::Usage(format!("--from '{base}' names the image being written")).into());
+    }
+    if !reads.contains(base) {
+        reads.push(base.clone());
+    }
+    Ok(())
+}
+
+/// Lineage: the --from image, else the one image read (shared or
+/// exclusively) by a one-image write.
+fn lineage(
+    from: Option<&ImageName>,
+    reads: &[ImageName],
+    exclusive_reads: &[ImageName],
+    writes: &[ImageName],
+) -> Option<ImageName> {
+    let read_any: Vec<ImageName> = reads.iter().chain(exclusive_reads).cloned().collect();
+    match (from, read_any.as_slice(), writes.len()) {
+        (Some(b), _, _) => Some(b.clone()),
+        (None, [only], 1) => Some(only.clone()),
+        _ => None,
+    }
+}
+
+/// The command as leases list it: one line a shell would take.
+fn command_line(command: &[OsString]) -> String {
+    let shown: Vec<String> = command
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    ident::shell_join(&shown)
 }

@@ -30,27 +30,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
-    let max_size = match &args.max_size {
-        Some(raw) => Some(gc::parse_size(raw).ok_or_else(|| {
-            Error::Usage(format!(
-                "--max-size {raw:?}: not a size (e.g. 500M, 20G, 1.5T, or bytes)"
-            ))
-        })?),
-        None => None,
-    };
-    let unused_for = match &args.unused_for {
-        Some(raw) => Some(humantime::parse_duration(raw).map_err(|e| {
-            Error::Usage(format!(
-                "--unused-for {raw:?}: not a duration (e.g. 30m, 12h, 7d): {e}"
-            ))
-        })?),
-        None => None,
-    };
-    let policy = Policy {
-        max_size,
-        unused_for,
-        dry_run: args.dry_run,
-    };
+    let policy = policy(&args)?;
+    store.require_root()?;
     let report = gc::run(store, &policy)?;
     for why in &report.failed {
         complain!("stowage: {why}");
@@ -68,11 +49,40 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         );
         return Ok(code);
     }
-    let verb = if args.dry_run {
-        "would remove"
-    } else {
-        "removed"
+    print_report(&report, args.dry_run);
+    Ok(code)
+}
+
+/// The policy the options ask for; a size or duration that does not parse
+/// is a usage error.
+fn policy(args: &Args) -> Result<Policy> {
+    let max_size = match &args.max_size {
+        Some(raw) => Some(gc::parse_size(raw).ok_or_else(|| {
+            Error::Usage(format!(
+                "--max-size {raw:?}: not a size (e.g. 500M, 20G, 1.5T, or bytes)"
+            ))
+        })?),
+        None => None,
     };
+    let unused_for = match &args.unused_for {
+        Some(raw) => Some(humantime::parse_duration(raw).map_err(|e| {
+            Error::Usage(format!(
+                "--unused-for {raw:?}: not a duration (e.g. 30m, 12h, 7d): {e}"
+            ))
+        })?),
+        None => None,
+    };
+    Ok(Policy {
+        max_size,
+        unused_for,
+        dry_run: args.dry_run,
+    })
+}
+
+/// The report as text: what went (or would go), what was kept, and the
+/// space freed.
+fn print_report(report: &gc::Report, dry_run: bool) {
+    let verb = if dry_run { "would remove" } else { "removed" };
     for name in &report.interrupted_removals {
         println!("{verb} '{name}' (an interrupted removal)");
     }
@@ -99,18 +109,21 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     for name in &report.busy {
         println!("kept '{name}': in use");
     }
+    for line in &report.unknown {
+        let (name, why) = line.split_once(": ").unwrap_or((line, ""));
+        println!("kept '{name}': its state is not known ({why})");
+    }
     let budget = match report.max_size {
         Some(m) => format!(" (budget {})", disk_usage::human(m)),
         None => String::new(),
     };
     println!(
         "{} {}; images {} {}{budget}",
-        if args.dry_run { "would free" } else { "freed" },
+        if dry_run { "would free" } else { "freed" },
         disk_usage::human(report.bytes_freed),
-        if args.dry_run { "would use" } else { "now use" },
+        if dry_run { "would use" } else { "now use" },
         disk_usage::human(report.size_after)
     );
-    Ok(code)
 }
 
 /// `gc --json`: the report, field for field.
@@ -127,6 +140,7 @@ struct ReportJson<'a> {
     interrupted_removals: &'a [String],
     trash_entries: usize,
     failed: &'a [String],
+    unknown: &'a [String],
 }
 
 #[derive(Serialize)]
@@ -160,6 +174,7 @@ impl<'a> From<&'a gc::Report> for ReportJson<'a> {
             interrupted_removals: &r.interrupted_removals,
             trash_entries: r.trash_entries,
             failed: &r.failed,
+            unknown: &r.unknown,
         }
     }
 }

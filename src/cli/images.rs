@@ -7,10 +7,9 @@ use serde::Serialize;
 
 use crate::clock;
 use crate::disk_usage;
-use crate::lock::{self, Mode};
-use crate::meta::{ImageRow, ImageState};
-use crate::name::ImageName;
+use crate::image_record::State;
 use crate::store::Store;
+use crate::survey::Image;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -38,54 +37,42 @@ struct ImageJson<'a> {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
-    let (mut rows, mut in_use, images_dir) = store.read_tx(|tx, ctx| {
-        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.image_locks());
-        let in_use = crate::judge::in_use(tx, ctx, &kv)?;
-        Ok((tx.images()?, in_use, tx.images_dir(&ctx.root)?))
-    })?;
-    // A writer that took no transaction is at work on these: their rows
-    // still say what they were (written.rs).
-    for r in rows.iter_mut() {
-        if store.being_written().contains(&r.name) {
-            r.state = ImageState::Writing;
-        }
-    }
-    // A new image's writer that took no transaction: no row yet, but there
-    // it is, being created (as the database's way would list it).
-    let now = clock::now_ms();
-    for name in store.being_written() {
-        if !rows.iter().any(|r| r.name == *name) {
-            rows.push(ImageRow {
-                name: name.clone(),
-                state: ImageState::Creating,
-                base: None,
-                created: now,
-                last_used: now,
-                size_bytes: None,
-            });
-            in_use.insert(name.clone(), true);
-        }
-    }
-    rows.sort_by(|a, b| a.name.cmp(&b.name));
-    fill_sizes(store, &mut rows, &in_use, &images_dir)?;
-    let sharing = Sharing::measure(&rows, &images_dir);
-
+    store.require_root()?;
+    let images = crate::survey::survey(store, true)?;
+    let look = crate::holders::Look::new(store.ctx());
+    let in_use: HashMap<String, bool> = images
+        .iter()
+        .map(|i| {
+            let rel = store.root().locks_rel(&i.entry.path);
+            let r = look.report(
+                crate::holders::LockKind::Image,
+                i.name(),
+                &i.entry.path,
+                &rel,
+            );
+            (
+                i.name().to_owned(),
+                r.state != crate::lock::Probe::Free || i.entry.writer_alive,
+            )
+        })
+        .collect();
+    let sharing = Sharing::measure(store, &images);
     if args.json {
-        let out: Vec<ImageJson> = rows
+        let out: Vec<ImageJson> = images
             .iter()
             .map(|r| ImageJson {
-                name: &r.name,
+                name: r.name(),
                 state: r.state.as_str(),
-                size_bytes: r.size_bytes,
-                base: r.base.as_deref(),
-                created: clock::rfc3339(r.created),
+                size_bytes: r.size,
+                base: r.record.base.as_deref(),
+                created: clock::rfc3339(r.record.created),
                 last_used: clock::rfc3339(r.last_used),
-                in_use: in_use.get(&r.name).copied().unwrap_or(false),
+                in_use: in_use.get(r.name()).copied().unwrap_or(false),
                 exclusive_bytes: sharing.exclusive(r),
                 shared_bytes: sharing.shared(r),
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        super::print(&format!("{}\n", serde_json::to_string_pretty(&out)?))?;
         return Ok(0);
     }
     let mut table = vec![[
@@ -97,25 +84,27 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         "LAST USED".into(),
         "IN USE".into(),
     ]];
-    for r in &rows {
+    for r in &images {
         table.push([
-            r.name.clone(),
+            r.name().to_owned(),
             r.state.as_str().into(),
-            r.size_bytes.map_or_else(|| "?".into(), disk_usage::human),
-            r.base.clone().unwrap_or_else(|| "-".into()),
-            clock::local_minutes(r.created),
+            r.size.map_or_else(|| "?".into(), disk_usage::human),
+            r.record.base.clone().unwrap_or_else(|| "-".into()),
+            clock::local_minutes(r.record.created),
             clock::local_minutes(r.last_used),
-            if in_use.get(&r.name).copied().unwrap_or(false) {
+            if in_use.get(r.name()).copied().unwrap_or(false) {
                 "yes".into()
             } else {
                 "no".into()
             },
         ]);
     }
-    print!("{}", super::table(&table));
-    if let Some(line) = sharing.summary(&rows) {
-        println!("{line}");
+    let mut out = super::table(&table);
+    if let Some(line) = sharing.summary(&images) {
+        out.push_str(&line);
+        out.push('\n');
     }
+    super::print(&out)?;
     Ok(0)
 }
 
@@ -128,20 +117,21 @@ struct Sharing {
 }
 
 impl Sharing {
-    fn measure(rows: &[ImageRow], images_dir: &std::path::Path) -> Sharing {
+    fn measure(store: &Store, rows: &[Image]) -> Sharing {
         let mut by_image = HashMap::new();
-        if !disk_usage::can_share(images_dir) {
+        let images_dir = crate::images_dir::config(store.root())
+            .map(|c| c.images_dir_in(store.root().dir()))
+            .unwrap_or_else(|_| store.root().default_images_dir());
+        if !disk_usage::can_share(&images_dir) {
             return Sharing {
                 by_image,
                 footprint: None,
             };
         }
-        for r in rows.iter().filter(|r| r.state != ImageState::Deleting) {
-            let Ok(name) = ImageName::parse(&r.name) else {
-                continue;
-            };
-            if let Ok(m) = disk_usage::measure(&images_dir.join(name.encoded()), true) {
-                by_image.insert(r.name.clone(), m);
+        for r in rows.iter().filter(|r| r.state != State::Deleting) {
+            let tree = crate::images_dir::tree_of(store.root(), &r.record);
+            if let Ok(m) = disk_usage::measure(&tree, true) {
+                by_image.insert(r.name().to_owned(), m);
             }
         }
         let footprint =
@@ -152,32 +142,32 @@ impl Sharing {
         }
     }
 
-    fn shared(&self, r: &ImageRow) -> Option<u64> {
+    fn shared(&self, r: &Image) -> Option<u64> {
         match &self.footprint {
-            None => r.size_bytes.map(|_| 0),
-            Some(_) => self.by_image.get(&r.name).map(|m| m.shared),
+            None => r.size.map(|_| 0),
+            Some(_) => self.by_image.get(r.name()).map(|m| m.shared),
         }
     }
 
-    fn exclusive(&self, r: &ImageRow) -> Option<u64> {
+    fn exclusive(&self, r: &Image) -> Option<u64> {
         match &self.footprint {
-            None => r.size_bytes,
+            None => r.size,
             Some(fp) => self
                 .by_image
-                .get(&r.name)
+                .get(r.name())
                 .map(|m| m.allocated.saturating_sub(m.shared) + fp.unique(&m.shared_ranges)),
         }
     }
 
     /// "images take 410.2 MiB on the filesystem (1.6 GiB allocated, 1.2 GiB
     /// of it shared between images)" — only when something is shared.
-    fn summary(&self, rows: &[ImageRow]) -> Option<String> {
+    fn summary(&self, rows: &[Image]) -> Option<String> {
         let fp = self.footprint.as_ref()?;
         let shared: u64 = self.by_image.values().map(|m| m.shared).sum();
         if shared == 0 {
             return None;
         }
-        let allocated: u64 = rows.iter().filter_map(|r| r.size_bytes).sum();
+        let allocated: u64 = rows.iter().filter_map(|r| r.size).sum();
         let own: u64 = self
             .by_image
             .values()
@@ -190,56 +180,4 @@ impl Sharing {
             disk_usage::human(shared)
         ))
     }
-}
-
-/// Measures ready and incomplete images whose size is not known yet
-/// (adopted ones, or a writer that could not measure), each under a shared
-/// lock taken without waiting — a busy image keeps its "?" — and records
-/// the sizes, each only if the row is unchanged since it was read (a writer
-/// that started and finished meanwhile has recorded its own). Done once per
-/// image, then remembered.
-fn fill_sizes(
-    store: &mut Store,
-    rows: &mut [ImageRow],
-    in_use: &HashMap<String, bool>,
-    images_dir: &std::path::Path,
-) -> Result<()> {
-    let mut found = Vec::new();
-    for r in rows.iter_mut() {
-        if r.size_bytes.is_some()
-            || !matches!(r.state, ImageState::Ready | ImageState::Incomplete)
-            || in_use.get(&r.name).copied().unwrap_or(false)
-        {
-            continue;
-        }
-        let Ok(name) = ImageName::parse(&r.name) else {
-            continue;
-        };
-        let Ok(Some(_guard)) = lock::acquire_no_wait(
-            &store.root().image_lock(&name),
-            Mode::Shared,
-            lock::IfMissing::Create,
-        ) else {
-            continue;
-        };
-        if let Ok(size) = disk_usage::disk_usage(&images_dir.join(name.encoded())) {
-            found.push((r.clone(), size));
-            r.size_bytes = Some(size);
-        }
-    }
-    crate::debug::pause("images-measured");
-    if !found.is_empty() {
-        let recorded = store.with_tx(None, |tx, _| {
-            for (seen, size) in &found {
-                tx.set_size_if_unchanged(seen, *size)?;
-            }
-            Ok(())
-        });
-        match recorded {
-            // On a full disk the sizes are shown, and measured again next time.
-            Err(e) if crate::space::is_full(&e) => {}
-            other => other?,
-        }
-    }
-    Ok(())
 }

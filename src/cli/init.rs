@@ -1,12 +1,13 @@
 //! `stowage init`: create the layout and adopt existing image directories.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
 use crate::adopt::{self, Adopt};
-use crate::root::make_dir;
+use crate::image_record::ImagesDir;
+use crate::root::{Root, make_dir};
 use crate::store::Store;
 
 #[derive(clap::Args)]
@@ -20,6 +21,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    crate::migrate::if_needed(store, None)?;
     let wanted = match &args.images_dir {
         Some(d) => Some(
             std::path::absolute(d).with_context(|| format!("cannot resolve {}", d.display()))?,
@@ -28,115 +30,29 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     };
     // What can be refused is refused before anything is created: a failed
     // init leaves no root behind.
-    if let Some(dir) = &wanted
-        && !dir.is_dir()
-        && !dir.parent().is_some_and(Path::is_dir)
-    {
-        bail!(
-            "cannot create images directory {}: its parent directory does not exist",
-            dir.display()
-        );
-    }
-    if let Some(dir) = &wanted
-        && store.root().dir().starts_with(dir)
-    {
-        bail!(
-            "images directory {} contains the root {}: its trees and stowage's own files would mix",
-            dir.display(),
-            store.root().dir().display()
-        );
-    }
-    if let Some(dir) = &wanted
-        && dir.starts_with(store.root().dir())
-        && *dir != store.root().default_images_dir()
-    {
-        bail!(
-            "images directory {} is inside the root {}; use the default (omit --images-dir) or a directory outside it",
-            dir.display(),
-            store.root().dir().display()
-        );
-    }
-    if let Some(dir) = &wanted
-        && *dir != store.root().default_images_dir()
-    {
-        refuse_overlap(store.root().dir(), dir)?;
+    if let Some(dir) = &wanted {
+        refuse_images_dir(store.root(), dir)?;
     }
     store.root().create_layout()?;
-    // Kept until the switch has committed (below).
-    let mut switch_held = None;
-    let (dir, adopted, skipped, how) = store.with_tx(None, |tx, ctx| {
-        let current = tx.images_dir(&ctx.root)?;
-        if let Some(dir) = &wanted
-            && *dir != current
-        {
-            let n = tx.image_count()?;
-            if n > 0 {
-                bail!(
-                    "root {} already keeps {n} images in {}; refusing to switch to {} (remove them first)",
-                    ctx.root.dir().display(),
-                    current.display(),
-                    dir.display()
-                );
-            }
-            // A new image is written without the database (no row for the
-            // count above) into the images directory the global lock file
-            // states, its writer holding locks/store.lock shared from
-            // before it reads that statement to its end (session.rs): the
-            // switch holds it exclusively through its commit, so that no
-            // such write is under way in the directory left behind, and
-            // none starts there. (Inside a store-wide hold, none can.)
-            if !crate::store_wide::inside_hold(&ctx.root) {
-                let held = crate::lock::acquire_no_wait(
-                    &ctx.root.store_wide_lock(),
-                    crate::lock::Mode::Exclusive,
-                    crate::lock::IfMissing::Create,
-                )?;
-                let Some(held) = held else {
-                    // A lock not had (75, as the contract has it), never
-                    // waited for inside a transaction.
-                    let path = ctx.root.store_wide_lock();
-                    return Err(crate::Error::Busy(crate::error::Busy {
-                        what: format!(
-                            "the store-wide lock {} (needed free to switch images directories; a new image is being written, or a store-wide command runs)",
-                            path.display()
-                        ),
-                        holders: crate::holders::kernel_holders_phrase(ctx, &path),
-                        waited: std::time::Duration::ZERO,
-                    })
-                    .into());
-                };
-                switch_held = Some(held);
-            }
-            // Its parent must exist: a mistyped path should not grow a tree.
-            if !dir.is_dir() {
-                std::fs::create_dir(dir).with_context(|| {
-                    format!("cannot create images directory {} (does its parent exist?)", dir.display())
-                })?;
-            }
-            make_dir(dir)?;
-            tx.set_config("images_dir", &dir.display().to_string())?;
-            // Stated where a new image's writer reads it (records_db.rs)
-            // before anyone can write there.
-            crate::records_db::for_this_database(tx, &ctx.root)?;
-            // Kept beside the database too, so that rebuilding a damaged
-            // database still finds the images.
-            crate::doctor::write_images_dir_note(&ctx.root, dir)?;
-        }
-        let dir = tx.images_dir(&ctx.root)?;
-        let images = ctx.root.open_images_dir(&dir)?;
-        // Ready only in a directory stowage never managed (see adopt.rs).
-        let how = if adopt::managed(tx, &images)? {
-            Adopt::Unknown
-        } else {
-            Adopt::AsReady
-        };
-        let (found, _) = adopt::adopt(tx, &ctx.root, &images, &dir, how, &HashMap::new())?;
-        // This is the images directory from now on (accepting a remount).
-        adopt::record_identity(tx, &images)?;
-        Ok((dir, found.trees.len(), found.skipped, how))
-    })?;
-    drop(switch_held);
-    for (entry, why) in &skipped {
+    let root = store.root().clone();
+    let mut config = crate::images_dir::config(&root)?;
+    if let Some(dir) = &wanted
+        && crate::images_dir::show(&root, &config.images) != *dir
+    {
+        switch(store, &mut config, dir)?;
+    }
+    let dir = config.images_dir_in(root.dir());
+    let images = root.open_or_make_images_dir(&dir)?;
+    let how = adoption(&root)?;
+    let named: HashSet<String> = crate::census::take(&root)?
+        .into_iter()
+        .filter_map(|e| e.name().map(str::to_owned))
+        .collect();
+    let orphans = adopt::orphans(&images, &dir, &named)?;
+    let adopted = adopt::adopt(&root, &config, &orphans, how)?;
+    // This is the images directory from now on (accepting a remount).
+    crate::images_dir::record_identity(&root, &mut config, true)?;
+    for (entry, why) in &orphans.skipped {
         store.ctx().say(&format!(
             "not adopting {entry:?} in {}: {why}",
             dir.display()
@@ -144,23 +60,105 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     store.ctx().say(&format!(
         "root {} ready; images in {}{}",
-        store.root().dir().display(),
+        root.dir().display(),
         dir.display(),
-        if adopted > 0 {
-            format!(
-                "; adopted {adopted} existing image{}{}",
-                if adopted == 1 { "" } else { "s" },
-                if how == Adopt::Unknown {
-                    " as incomplete (this store was already managed, so whether they are complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
-                } else {
-                    " as ready"
-                }
-            )
-        } else {
-            String::new()
-        }
+        adopted_note(adopted, how)
     ));
     Ok(0)
+}
+
+/// Refuses an images directory `dir` (absolute) that does not exist and
+/// cannot be made, or that overlaps the root: by path, then by directory.
+fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
+    if !dir.is_dir() && !dir.parent().is_some_and(Path::is_dir) {
+        bail!(
+            "cannot create images directory {}: its parent directory does not exist",
+            dir.display()
+        );
+    }
+    if root.dir().starts_with(dir) {
+        bail!(
+            "images directory {} contains the root {}: its trees and stowage's own files would mix",
+            dir.display(),
+            root.dir().display()
+        );
+    }
+    if dir.starts_with(root.dir()) && *dir != root.default_images_dir() {
+        bail!(
+            "images directory {} is inside the root {}; use the default (omit --images-dir) or a directory outside it",
+            dir.display(),
+            root.dir().display()
+        );
+    }
+    if *dir != root.default_images_dir() {
+        refuse_overlap(root.dir(), dir)?;
+    }
+    Ok(())
+}
+
+/// How trees found in the images directory are adopted: ready only in a
+/// directory stowage never managed, where no image has ever had a lock
+/// file (see adopt.rs).
+fn adoption(root: &Root) -> Result<Adopt> {
+    let managed = !crate::census::take(root)?.is_empty();
+    Ok(if managed {
+        Adopt::Unknown
+    } else {
+        Adopt::AsReady
+    })
+}
+
+/// What init's last line says of the images it adopted, if any.
+fn adopted_note(adopted: usize, how: Adopt) -> String {
+    if adopted == 0 {
+        return String::new();
+    }
+    format!(
+        "; adopted {adopted} existing image{}{}",
+        if adopted == 1 { "" } else { "s" },
+        if how == Adopt::Unknown {
+            " as incomplete (this store was already managed, so whether they are complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
+        } else {
+            " as ready"
+        }
+    )
+}
+
+/// Switches the images directory to `dir`: a store-wide operation (no image
+/// is written meanwhile, none is created in the directory left behind),
+/// refused while any image exists.
+fn switch(store: &mut Store, config: &mut crate::config::Config, dir: &Path) -> Result<()> {
+    let root = store.root().clone();
+    let hold = crate::store_wide::Hold::take(store, "stowage init --images-dir", None, true)?;
+    let out = (|| {
+        let n = crate::census::take(&root)?
+            .iter()
+            .filter(|e| e.seen.record.is_some() || e.seen.damaged)
+            .count();
+        if n > 0 {
+            bail!(
+                "root {} already keeps {n} images in {}; refusing to switch to {} (remove them first)",
+                root.dir().display(),
+                config.images_dir_in(root.dir()).display(),
+                dir.display()
+            );
+        }
+        // Its parent must exist: a mistyped path should not grow a tree.
+        if !dir.is_dir() {
+            std::fs::create_dir(dir).with_context(|| {
+                format!(
+                    "cannot create images directory {} (does its parent exist?)",
+                    dir.display()
+                )
+            })?;
+        }
+        make_dir(dir)?;
+        config.images = ImagesDir::External(dir.to_owned());
+        config.identity = None;
+        crate::config::write(root.dir(), &root.open()?, config)
+    })();
+    hold.release(store);
+    out
 }
 
 /// The checks above compare paths; this compares directories. Through a

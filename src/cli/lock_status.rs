@@ -1,10 +1,8 @@
 //! `stowage lock-status`: who holds and awaits which lock.
 //!
-//! Built from the database's view under the global lock (records judged
-//! against the kernel, stale ones deleted), except with the default
-//! selection while nothing is held: then from the lock table and the slot
-//! records, without the global lock or the database (idle.rs), printing
-//! exactly what the database's view would.
+//! - One look (`holders::Look`): the leases, then the kernel's lock table
+//!   where locks are local, probes elsewhere; image states from their
+//!   records. Neither the global lock nor the catalog is touched.
 
 use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
@@ -13,17 +11,13 @@ use anyhow::Result;
 
 use crate::clock;
 use crate::ident::printable;
-use std::collections::HashMap;
-use std::path::Path;
+use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::ctx::Ctx;
-use crate::holders::{Party, global_holders, outsider};
-use crate::judge::{self, LockReport, kernel_locked_images, settle, sweep};
-use crate::kernel::KernelView;
+use crate::holders::{LockKind, LockReport, Look, Party};
+use crate::image_record::State;
 use crate::lock::Probe;
-use crate::meta::{ImageState, LockKind, Tx};
 use crate::name::ImageName;
 use crate::store::Store;
 
@@ -61,6 +55,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         }
         None => None,
     };
+    store.require_root()?;
     let tty = std::io::stdout().is_terminal();
     let mut missing_said = false;
     let mut missing_any = false;
@@ -71,7 +66,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         let missing: Vec<String> = locks
             .iter()
             .filter(|l| {
-                l.kind == crate::meta::LockKind::Image
+                l.kind == LockKind::Image
                     && l.image_state.is_none()
                     && l.holders.is_empty()
                     && l.waiters.is_empty()
@@ -79,7 +74,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             })
             .map(|l| l.name.clone())
             .collect();
-        locks.retain(|l| !(l.kind == crate::meta::LockKind::Image && missing.contains(&l.name)));
+        locks.retain(|l| !(l.kind == LockKind::Image && missing.contains(&l.name)));
         if !missing.is_empty() {
             missing_any = true;
             if !missing_said {
@@ -103,12 +98,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         } else {
             render(store.root().dir(), &fs, &locks)
         };
-        let mut out = std::io::stdout().lock();
         match every {
-            Some(_) if tty && !args.json => write!(out, "\x1b[H\x1b[2J{text}")?,
-            _ => writeln!(out, "{}", text.trim_end())?,
+            Some(_) if tty && !args.json => super::print(&format!("\x1b[H\x1b[2J{text}"))?,
+            _ => super::print(&format!("{}\n", text.trim_end()))?,
         }
-        out.flush()?;
         match every {
             Some(d) => std::thread::sleep(d),
             None if missing_any => return Ok(crate::error::code::NO_INPUT),
@@ -136,7 +129,7 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
             .collect();
         who.extend(l.waiters.iter().map(|p| format!("waiting: {}", party(p))));
         let first = who.first().cloned().unwrap_or_default();
-        let name = if l.kind == crate::meta::LockKind::Slot && l.slot.is_none() {
+        let name = if l.kind == LockKind::Slot && l.slot.is_none() {
             format!("{} (removed)", l.name)
         } else {
             l.name.clone()
@@ -248,191 +241,150 @@ pub struct Selection {
     pub all: bool,
 }
 
-/// Gathers everything lock-status shows: the global lock, then image locks.
-/// With the default selection, while nothing is held, without the global
-/// lock or the database (idle.rs).
-pub fn gather(
-    store: &mut crate::store::Store,
-    sel: &Selection,
-) -> Result<(String, Vec<LockReport>)> {
+/// Gathers everything lock-status shows: the global lock, the image locks
+/// held or awaited (or selected), a store-wide hold, every slot class. No
+/// global lock and no catalog: the kernel, the leases and the records.
+pub fn gather(store: &mut Store, sel: &Selection) -> Result<(String, Vec<LockReport>)> {
     let root = store.root().clone();
-    // The root's filesystem, found when the root was checked.
     let fs_name = match root.filesystem() {
         Some(f) => f.name.clone(),
         None => {
             crate::filesystem::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name)
         }
     };
-    if sel.names.is_empty()
-        && !sel.all
-        && let Some(rows) = crate::idle::look(store.ctx())
-    {
-        return Ok((fs_name, rows));
+    let look = Look::new(store.ctx());
+    let mut locks = vec![look.global_report()];
+    crate::debug::pause("status-table-read");
+    let files = image_lock_files(&look, &root, sel)?;
+    locks.extend(image_reports(&look, &root, sel, files));
+    let store_lock = root.store_wide_lock();
+    let r = look.report(
+        LockKind::Global,
+        "store",
+        &store_lock,
+        crate::root::Root::STORE_WIDE_LOCK_REL,
+    );
+    if r.state != Probe::Free || !r.waiters.is_empty() {
+        locks.push(r);
     }
-    // The global lock is looked at before we take it ourselves.
-    let kv_global = match root.filesystem() {
-        Some(f) => KernelView::verified_on(f.local, None),
-        None => KernelView::new(&root.locks()),
-    };
-    let global = global_report(store.ctx(), &kv_global, &root.global_lock());
-
-    let images = store.read_tx(|tx, ctx| {
-        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
-        // The lock table is read; the leases are listed next.
-        crate::debug::pause("status-table-read");
-        let (mut reports, slots) = sweep(tx, ctx, &kv)?;
-        crate::judge::clean_leases(ctx, &kv);
-        crate::slots::clean_removed(tx, ctx)?;
-        for (name, view) in kernel_locked_images(ctx, &kv)? {
-            if reports.contains_key(&name) {
-                continue;
-            }
-            let Ok(n) = ImageName::parse(&name) else {
-                continue;
-            };
-            let lockfile = crate::root::Root::image_lock_rel(&n);
-            let (holders, waiters) = judge::prune(tx, ctx, &kv, &view, &[], &lockfile)?;
-            if holders.is_empty() && waiters.is_empty() {
-                continue;
-            }
-            reports.insert(
-                name.clone(),
-                LockReport::image(name, &view, holders, waiters),
-            );
-        }
-        // With --all every row is read once, here, for the names and the
-        // states below; otherwise the few shown are looked up one by one.
-        let states: Option<HashMap<String, ImageState>> = if sel.all {
-            Some(
-                tx.images()?
-                    .into_iter()
-                    .map(|r| (r.name, r.state))
-                    .collect(),
-            )
-        } else {
-            None
-        };
-        let extra: Vec<String> = if let Some(states) = &states {
-            states.keys().cloned().collect()
-        } else {
-            sel.names.iter().map(|n| n.as_str().to_owned()).collect()
-        };
-        for name in extra {
-            if reports.contains_key(&name) {
-                continue;
-            }
-            let Ok(n) = ImageName::parse(&name) else {
-                continue;
-            };
-            // An image asked for by name gets a table's "free" confirmed
-            // (a probe); --all trusts the table, as probing every image
-            // would take every lock in turn.
-            let view = kv.view(&ctx.root.image_lock(&n))?;
-            let view = if sel.all { view } else { view.confirmed() };
-            let lockfile = crate::root::Root::image_lock_rel(&n);
-            let (holders, waiters) = judge::prune(tx, ctx, &kv, &view, &[], &lockfile)?;
-            reports.insert(
-                name.clone(),
-                LockReport::image(name, &view, holders, waiters),
-            );
-        }
-        // Without --all or names, only held or awaited locks are shown.
-        let named: std::collections::HashSet<&str> =
-            sel.names.iter().map(ImageName::as_str).collect();
-        let mut out = Vec::new();
-        for (name, mut r) in reports {
-            let shown = sel.all
-                || named.contains(name.as_str())
-                || r.state != Probe::Free
-                || !r.waiters.is_empty();
-            if !shown || (!named.is_empty() && !named.contains(name.as_str()) && !sel.all) {
-                continue;
-            }
-            r.image_state = match &states {
-                Some(states) => states.get(&name).copied(),
-                None => tx.image(&name)?.map(|row| row.state),
-            };
-            out.push(r);
-        }
-        out.extend(store_wide_report(tx, ctx, &kv)?);
-        out.extend(slots);
-        Ok(out)
-    })?;
-    let mut locks = vec![global];
-    locks.extend(images.into_iter().map(|mut r| {
-        // Written by a writer that took no transaction (written.rs): a
-        // new image (no row yet) is being created, any other rewritten.
-        if store.being_written().contains(&r.name) {
-            r.image_state = Some(match r.image_state {
-                None => ImageState::Creating,
-                Some(_) => ImageState::Writing,
-            });
-        }
-        r
-    }));
+    locks.extend(crate::slots::reports(&look, &root));
+    look.clean_leases();
     Ok((fs_name, locks))
 }
 
-/// A store-wide hold (`exec --store-wide`), while held or awaited: a
-/// `global` entry named `store`, its holder the recorded command, its
-/// waiters the processes queued for it (from the kernel).
-fn store_wide_report(tx: &Tx, ctx: &Ctx, kv: &KernelView) -> Result<Option<LockReport>> {
-    let path = ctx.root.store_wide_lock();
-    let view = kv.view(&path)?;
-    let records = tx.records_for(LockKind::Global, "store")?;
-    if !view.is_held() && records.is_empty() {
-        return Ok(None);
+/// The image lock files to look at, by file name, with the name asked for
+/// on the command line: those leases list, those held by outsiders, those
+/// selected (every one with --all).
+fn image_lock_files(
+    look: &Look,
+    root: &crate::root::Root,
+    sel: &Selection,
+) -> Result<BTreeMap<String, Option<String>>> {
+    let mut files: BTreeMap<String, Option<String>> = BTreeMap::new();
+    for rel in look.leased_lockfiles() {
+        if let Some(f) = rel.strip_prefix("images/").filter(|f| f.ends_with(".lock")) {
+            files.insert(f.to_owned(), None);
+        }
     }
-    let (holders, waiters) = judge::prune(
-        tx,
-        ctx,
-        kv,
-        &view,
-        &records,
-        crate::root::Root::STORE_WIDE_LOCK_REL,
-    )?;
-    // Records found stale, of a lock nobody holds: nothing to show (as
-    // when there were none).
-    if !view.is_held() && holders.is_empty() && waiters.is_empty() {
-        return Ok(None);
+    for f in outsider_files(look, root) {
+        files.insert(f, None);
     }
-    Ok(Some(LockReport {
-        kind: LockKind::Global,
-        name: "store".into(),
-        state: settle(view.state),
-        holders,
-        waiters,
-        image_state: None,
-        slot: None,
-    }))
+    for n in &sel.names {
+        files.insert(
+            crate::root::lock_file_name(n.encoded()),
+            Some(n.as_str().to_owned()),
+        );
+    }
+    if sel.all {
+        for e in crate::census::take(root)? {
+            files.entry(e.file.clone()).or_insert(None);
+        }
+    }
+    Ok(files)
 }
 
-fn global_report(ctx: &Ctx, kv: &KernelView, path: &Path) -> LockReport {
-    let mut view = kv.view(path).unwrap_or_default();
-    // The table may not cover this filesystem (it is not verified here, as
-    // we hold no lock yet): a probe has the last word on "held".
-    if !view.is_held()
-        && let Ok(p @ (Probe::Shared | Probe::Exclusive)) = crate::lock::probe(path)
-    {
-        view.state = Some(p);
+/// The reports on `files` that are shown, by image name: the selected
+/// ones, and (unless images were named) every lock held or awaited.
+fn image_reports(
+    look: &Look,
+    root: &crate::root::Root,
+    sel: &Selection,
+    files: BTreeMap<String, Option<String>>,
+) -> Vec<LockReport> {
+    let named: std::collections::HashSet<String> = sel
+        .names
+        .iter()
+        .map(|n| crate::root::lock_file_name(n.encoded()))
+        .collect();
+    let mut images = Vec::new();
+    for (file, asked) in files {
+        let r = image_report(look, root, &file, asked);
+        let shown =
+            sel.all || named.contains(&file) || r.state != Probe::Free || !r.waiters.is_empty();
+        if shown && (sel.names.is_empty() || sel.all || named.contains(&file)) {
+            images.push(r);
+        }
     }
-    let holders = global_holders(ctx, &view);
-    LockReport {
-        kind: LockKind::Global,
-        name: "global".into(),
-        state: settle(view.state),
-        holders,
-        waiters: view.waiters.iter().map(|e| outsider(ctx, e)).collect(),
-        image_state: None,
-        slot: None,
-    }
+    images.sort_by(|a, b| a.name.cmp(&b.name));
+    images
 }
+
+/// One image lock file's report, named by its record, else as asked, else
+/// by its file name decoded.
+fn image_report(
+    look: &Look,
+    root: &crate::root::Root,
+    file: &str,
+    asked: Option<String>,
+) -> LockReport {
+    let path = root.image_locks().join(file);
+    let seen = crate::lock::open_existing(&path)
+        .ok()
+        .flatten()
+        .and_then(|f| crate::image_record::read(&f).ok())
+        .unwrap_or_default()
+        .of(|n| crate::root::is_lock_file_of(file, n));
+    let name = seen
+        .record
+        .as_ref()
+        .map(|r| r.name.clone())
+        .or(asked)
+        .or_else(|| crate::root::Root::image_of_lock_file(file).map(|n| n.as_str().to_owned()))
+        .unwrap_or_else(|| file.to_owned());
+    let rel = format!("images/{file}");
+    let mut r = look.report(LockKind::Image, &name, &path, &rel);
+    r.image_state = seen
+        .record
+        .as_ref()
+        .map(|rec| rec.state_seen(r.state == Probe::Exclusive));
+    r
+}
+
+/// Image lock files someone holds that no lease explains (flock(1) in a
+/// script), found in the lock table by inode: the listing of
+/// `locks/images/` is read only when there are such locks.
+fn outsider_files(look: &Look, root: &crate::root::Root) -> Vec<String> {
+    let Some(inodes) = look.unexplained().filter(|i| !i.is_empty()) else {
+        return Vec::new();
+    };
+    let Ok(dir) = root.open_sub(crate::root::Root::IMAGE_LOCKS_REL) else {
+        return Vec::new();
+    };
+    dir.listing()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| inodes.contains(&e.ino))
+        .filter_map(|e| e.name.into_string().ok())
+        .filter(|n| n.ends_with(".lock"))
+        .collect()
+}
+
 /// A lock report as JSON.
 fn lock_json(r: &LockReport) -> LockJson {
     LockJson {
         kind: r.kind.as_str(),
         name: r.name.clone(),
-        image_state: r.image_state.map(ImageState::as_str),
+        image_state: r.image_state.map(State::as_str),
         limit: r.slot.map(|s| s.0),
         reserve_high: r.slot.map(|s| s.1),
         in_use: r.slot.map(|s| s.2),

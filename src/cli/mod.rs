@@ -116,6 +116,7 @@ impl Command {
 }
 
 pub fn main() -> ExitCode {
+    crate::lock::note_inherited();
     let args: Vec<OsString> = std::env::args_os().collect();
     if args.get(1).is_some_and(|a| a == crate::keeper::ARG) {
         return ExitCode::from(crate::keeper::main(&args[2..]));
@@ -186,8 +187,7 @@ fn run(cli: Cli) -> Result<u8> {
         nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(shared));
         store.ctx_mut().child_umask = Some(old.bits() as u32);
     }
-    let db = store.root().db();
-    let result = match cli.command {
+    match cli.command {
         Command::Init(args) => init::run(args, &mut store),
         Command::Exec(args) => exec::run(args, &mut store),
         Command::Images(args) => images::run(args, &mut store),
@@ -197,8 +197,18 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Gc(args) => gc::run(args, &mut store),
         Command::Doctor(args) => doctor::run(args, &mut store),
         Command::Completions { .. } | Command::Man { .. } => unreachable!("handled above"),
-    };
-    result.map_err(|e| crate::meta::annotate(e, &db))
+    }
+}
+
+/// Writes `text` to standard output and flushes it. A closed pipe ends a
+/// listing quietly (SIGPIPE); any other failure to write (`/dev/full`, a
+/// full log disk) is an error of one line, exit 1 — never a panic.
+pub(crate) fn print(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| anyhow::anyhow!("cannot write to standard output: {e}"))
 }
 
 /// The error chain on one line, outermost first, leaving out a cause whose
@@ -228,7 +238,7 @@ fn one_line(err: &anyhow::Error) -> String {
 /// (`--wirte`: did you mean '--write'?), exit 64. A command given to `exec`
 /// without `--` gets the fix spelled out and exec's usage.
 fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
-    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    use clap::error::{ContextKind, ErrorKind};
     match e.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
             let _ = e.print();
@@ -241,50 +251,69 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         _ => {}
     }
     let sub = subcommand(args);
-    let value = |kind| match e.get(kind) {
-        Some(ContextValue::String(s)) => Some(s.clone()),
-        Some(ContextValue::Strings(v)) => v.first().cloned(),
-        _ => None,
-    };
-    let invalid = value(ContextKind::InvalidArg);
+    let exec = sub.as_ref().is_some_and(|(name, _)| name == "exec");
+    let invalid = context(&e, ContextKind::InvalidArg);
     if e.kind() == ErrorKind::UnknownArgument
-        && sub.as_ref().is_some_and(|(name, _)| name == "exec")
+        && exec
         && let Some(arg) = invalid.as_deref().filter(|a| !a.starts_with('-'))
     {
-        // `stowage exec --write app ch-image build …`: the command must
-        // come after `--`. Show the line as it should have been.
         let at = sub.as_ref().map_or(0, |(_, i)| *i);
-        let pos = args
-            .iter()
-            .skip(at + 1)
-            .position(|a| a == arg)
-            .map(|p| p + at + 1);
-        let mut fixed: Vec<String> = args
-            .iter()
-            .skip(1)
-            .map(|a| crate::ident::shell_join(&[a.to_string_lossy().into_owned()]))
-            .collect();
-        match pos {
-            Some(p) if !args.iter().any(|a| a == "--") => {
-                fixed.insert(p - 1, "--".into());
-                complain!(
-                    "stowage: unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
-                    fixed.join(" ")
-                );
-            }
-            _ => complain!(
-                "stowage: unexpected argument '{arg}' before '--': only options go there, the command after '--' ({EXEC_USAGE})"
-            ),
-        }
+        command_before_dashes(args, at, arg);
         return ExitCode::from(error::code::USAGE);
     }
     if e.kind() == ErrorKind::MissingRequiredArgument
-        && sub.as_ref().is_some_and(|(name, _)| name == "exec")
-        && value(ContextKind::InvalidArg).is_some_and(|a| a.contains("CMD"))
+        && exec
+        && invalid.is_some_and(|a| a.contains("CMD"))
     {
         complain!("stowage: no command to run: put it after '--' ({EXEC_USAGE})");
         return ExitCode::from(error::code::USAGE);
     }
+    complain!("stowage: {}", usage_error(&e, sub.as_ref()));
+    ExitCode::from(error::code::USAGE)
+}
+
+/// A value clap attached to its error (the first, if several).
+fn context(e: &clap::Error, kind: clap::error::ContextKind) -> Option<String> {
+    use clap::error::ContextValue;
+    match e.get(kind) {
+        Some(ContextValue::String(s)) => Some(s.clone()),
+        Some(ContextValue::Strings(v)) => v.first().cloned(),
+        _ => None,
+    }
+}
+
+/// `stowage exec --write app ch-image build …`: the command must come
+/// after `--`. Shows the line as it should have been; `at` is the index of
+/// `exec` in `args`, `arg` the first word of the command.
+fn command_before_dashes(args: &[OsString], at: usize, arg: &str) {
+    let pos = args
+        .iter()
+        .skip(at + 1)
+        .position(|a| a == arg)
+        .map(|p| p + at + 1);
+    let mut fixed: Vec<String> = args
+        .iter()
+        .skip(1)
+        .map(|a| crate::ident::shell_join(&[a.to_string_lossy().into_owned()]))
+        .collect();
+    match pos {
+        Some(p) if !args.iter().any(|a| a == "--") => {
+            fixed.insert(p - 1, "--".into());
+            complain!(
+                "stowage: unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
+                fixed.join(" ")
+            );
+        }
+        _ => complain!(
+            "stowage: unexpected argument '{arg}' before '--': only options go there, the command after '--' ({EXEC_USAGE})"
+        ),
+    }
+}
+
+/// Any other usage error, in one line: what is wrong, clap's suggestion,
+/// and where help is.
+fn usage_error(e: &clap::Error, sub: Option<&(String, usize)>) -> String {
+    use clap::error::{ContextKind, ErrorKind};
     // clap's first paragraph says what is wrong (sometimes over several
     // lines); usage and tips follow. Keep it to one line.
     let text = e.render().to_string();
@@ -296,20 +325,19 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     let what = what.join(" ");
     let what = what.strip_prefix("error: ").unwrap_or(&what);
     let hint = match (
-        value(ContextKind::SuggestedArg),
-        value(ContextKind::SuggestedSubcommand),
+        context(e, ContextKind::SuggestedArg),
+        context(e, ContextKind::SuggestedSubcommand),
     ) {
         (Some(s), _) | (None, Some(s)) => format!("; did you mean '{s}'?"),
         (None, None) => String::new(),
     };
-    let help = match &sub {
+    let help = match sub {
         Some((name, _)) if e.kind() != ErrorKind::InvalidSubcommand => {
             format!("stowage {name} --help")
         }
         _ => "stowage --help".into(),
     };
-    complain!("stowage: {what}{hint} (see '{help}')");
-    ExitCode::from(error::code::USAGE)
+    format!("{what}{hint} (see '{help}')")
 }
 
 /// exec's usage, for the mistakes made with it (one line, as every error).

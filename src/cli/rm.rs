@@ -4,7 +4,7 @@ use std::ffi::OsString;
 
 use anyhow::Result;
 
-use crate::acquire::image::{Need, Want, acquire_image};
+use crate::acquire::image::{Held, Want};
 use crate::disk_usage;
 use crate::lock::Mode;
 use crate::remove;
@@ -35,7 +35,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let mut names = super::names(&args.images)?;
     let (deadline, no_wait) = super::deadline(args.wait.as_deref(), args.no_wait)?;
     // The lock order, and each image once.
-    names.sort();
+    names.sort_by(|a, b| a.encoded().cmp(b.encoded()));
     names.dedup();
     let command = format!(
         "stowage rm {}",
@@ -45,42 +45,95 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             .collect::<Vec<_>>()
             .join(" ")
     );
-    // The schema is brought up to date before any lock is taken: migrating
-    // waits until nobody holds an image lock, and we are about to.
-    store.with_tx(deadline, |_, _| Ok(()))?;
-    // All locks first, so that either every image goes or none does.
-    let mut held = Vec::with_capacity(names.len());
-    for name in &names {
-        let want = Want {
-            mode: Mode::Exclusive,
-            need: Need::Exists,
-            deadline,
-            no_wait,
-            command: &command,
-            must_exist: &[],
-        };
-        let (guard, waiter) = acquire_image(store, name, &want)?;
-        if let Some(id) = waiter {
-            store.with_tx_holding_locks(None, |tx, _| tx.delete_record(id))?;
+    store.require_root()?;
+    let _ = crate::lease::mine(&store.root().leases());
+    let held = match take_all(store, &names, deadline, no_wait, &command) {
+        Err(e)
+            if matches!(crate::error::typed(&e), Some(crate::Error::NoSuchImage(_)))
+                && crate::migrate::is_legacy(store.root()) =>
+        {
+            crate::migrate::run(store, deadline)?;
+            take_all(store, &names, deadline, no_wait, &command)?
         }
-        held.push((name.clone(), guard));
+        other => other?,
+    };
+    let mut removed = Vec::new();
+    for h in held {
+        removed.push(remove::remove_held(store.root(), h, None)?);
     }
-    let removed = remove::remove_locked(store, held)?;
-    // Space was freed: the metadata's reserve gets what it lacks.
     crate::space::refill(&store.root().reserve());
     for r in &removed {
         store.ctx().say(&format!(
             "removed '{}' ({}, {})",
             r.name,
-            r.state,
+            r.state.as_str(),
             disk_usage::human(r.bytes)
         ));
     }
     // The images are gone; space that could not be freed is a failure.
     let mut code = 0;
     for why in removed.iter().filter_map(|r| r.left_in_trash.as_deref()) {
-        eprintln!("stowage: {why}");
+        complain!("stowage: {why}");
         code = crate::error::code::FAILURE;
     }
     Ok(code)
+}
+
+/// Every image's lock, first, so that either every image goes or none
+/// does: each must have a record, and no store-wide command may run.
+fn take_all(
+    store: &Store,
+    names: &[crate::name::ImageName],
+    deadline: Option<std::time::Instant>,
+    no_wait: bool,
+    command: &str,
+) -> Result<Vec<Held>> {
+    let mut held = Vec::with_capacity(names.len());
+    for name in names {
+        let want = Want {
+            mode: Mode::Exclusive,
+            create: false,
+            reading: false,
+            deadline,
+            no_wait,
+            command,
+            must_exist: &[],
+        };
+        let h = match crate::acquire::image::take(store, name, &want) {
+            Ok(h) => h,
+            Err(e) => {
+                crate::remove::release_unclaimed(store.root(), held, &[]);
+                return Err(e);
+            }
+        };
+        let missing = h.seen.record.is_none() && !h.seen.damaged;
+        held.push(h);
+        if missing || held.last().is_some_and(|h| h.seen.legacy) {
+            crate::remove::release_unclaimed(store.root(), held, &[]);
+            return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into());
+        }
+    }
+    if held.iter().any(|h| h.seen.store_wide) {
+        match crate::store_wide::probe(store.root())? {
+            crate::store_wide::Probe::Held => {
+                let path = store.root().store_wide_lock();
+                crate::remove::release_unclaimed(store.root(), held, &[]);
+                return Err(crate::Error::Busy(crate::error::Busy {
+                    what: "the store (a store-wide command runs)".into(),
+                    holders: crate::holders::holders_phrase(
+                        store.ctx(),
+                        crate::holders::LockKind::Global,
+                        &path,
+                    ),
+                    waited: std::time::Duration::ZERO,
+                })
+                .into());
+            }
+            crate::store_wide::Probe::Free => {
+                crate::store_wide::clear_hints(held.iter().map(|h| h.guard.file()));
+            }
+            crate::store_wide::Probe::Inside => {}
+        }
+    }
+    Ok(held)
 }

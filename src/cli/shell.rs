@@ -198,20 +198,30 @@ enum Names {
     Classes,
 }
 
+/// Names for completion, from the records and the slot classes' files:
+/// read without any lock or waiting, and never creating anything.
 fn names(which: Names) -> Vec<CompletionCandidate> {
-    let Some(db) = completion_root().map(|r| r.db()) else {
+    let Some(root) = completion_root() else {
         return Vec::new();
     };
-    let found = match which {
-        Names::Images => crate::meta::peek_names(&db, crate::meta::Peek::Images),
-        Names::Ready => crate::meta::peek_names(&db, crate::meta::Peek::ReadyImages),
-        Names::Classes => crate::meta::peek_names(&db, crate::meta::Peek::SlotClasses),
+    let mut found: Vec<String> = match which {
+        Names::Classes => crate::slots::classes(&root)
+            .into_iter()
+            .filter(|(_, c)| matches!(c, crate::slot_limits::Class::Limits(_)))
+            .map(|(n, _)| n)
+            .collect(),
+        _ => crate::census::take(&root)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| {
+                !matches!(which, Names::Ready)
+                    || e.state() == Some(crate::image_record::State::Ready)
+            })
+            .filter_map(|e| e.name().map(str::to_owned))
+            .collect(),
     };
-    found
-        .unwrap_or_default()
-        .into_iter()
-        .map(CompletionCandidate::new)
-        .collect()
+    found.sort();
+    found.into_iter().map(CompletionCandidate::new).collect()
 }
 
 /// The root the command line being completed names (`--root DIR` or
@@ -235,5 +245,5 @@ fn completion_root() -> Option<Root> {
         }
     }
     let root = Root::resolve(flag.as_deref()).ok()?;
-    root.db().is_file().then_some(root)
+    root.image_locks().is_dir().then_some(root)
 }

@@ -6,7 +6,6 @@ use serde::Serialize;
 
 use super::lock_status::PartyJson;
 use crate::error::Error;
-use crate::meta::SlotClass;
 use crate::slots::{self, MAX_LIMIT, MAX_RESERVE};
 use crate::store::Store;
 
@@ -57,6 +56,7 @@ impl Args {
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    crate::migrate::if_needed(store, None)?;
     match args.action {
         None => show(store, args.json),
         Some(Action::Set {
@@ -73,29 +73,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 ))
                 .into());
             }
-            let c = SlotClass {
-                name: class.clone(),
-                limit,
-                reserve_high,
-            };
-            // The old records go before the change commits, the new ones
-            // follow once it has (an acquirer takes its slot on them:
-            // slot_record.rs). Killed or failing in between, this leaves no
-            // record, never the old limit standing beside the new one.
-            store.with_tx(None, |tx, ctx| {
-                slots::take_records_away(ctx, &class)?;
-                // Its directory exists before the class does (schema 7):
-                // lock-status lists the classes by their directories.
-                slots::make_class_dir(&ctx.root, &class)?;
-                tx.set_slot_class(&c)
-            })?;
-            store.with_tx(None, |tx, ctx| {
-                let now = tx.slot_class(&class)?;
-                slots::write_records(tx, ctx, &class, now.as_ref());
-                Ok(())
-            })?;
-            // Waiters on this host re-read the class at once.
-            slots::notify_change(store.ctx(), &class);
+            slots::set(store, &class, limit, reserve_high)?;
             store.ctx().say(&match (limit, reserve_high) {
                 (0, _) => format!("slot class '{class}': unlimited"),
                 (n, 0) => format!("slot class '{class}': at most {n} at once"),
@@ -106,7 +84,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             Ok(0)
         }
         Some(Action::Rm { class }) => {
-            let busy = slots::remove_class(store, &class)?;
+            slots::validate_class(&class)?;
+            store.require_root()?;
+            let busy = slots::remove(store, &class)?;
             store.ctx().say(&if busy > 0 {
                 format!("slot class '{class}' removed; {busy} holder(s) keep their slots until they finish")
             } else {
@@ -128,32 +108,35 @@ fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
 }
 
 fn show(store: &mut Store, json: bool) -> Result<u8> {
-    let reports = store.read_tx(|tx, ctx| {
-        let kv = crate::judge::kernel_view(tx, ctx, &ctx.root.locks());
-        tx.slot_classes()?
-            .iter()
-            .map(|c| crate::judge::class_report(tx, ctx, &kv, c))
-            .collect::<Result<Vec<_>>>()
-    })?;
+    store.require_root()?;
+    let root = store.root().clone();
+    let look = crate::holders::Look::new(store.ctx());
+    let reports: Vec<_> = slots::reports(&look, &root)
+        .into_iter()
+        .filter(|r| r.slot.is_some())
+        .collect();
     if json {
         let out: Vec<ClassJson> = reports
             .iter()
-            .map(|r| ClassJson {
-                name: r.class.name.clone(),
-                limit: r.class.limit,
-                reserve_high: r.class.reserve_high,
-                in_use: r.in_use,
-                holders: r.holders.iter().map(PartyJson::from).collect(),
-                waiters: r.waiters.iter().map(PartyJson::from).collect(),
+            .map(|r| {
+                let (limit, reserve_high, in_use) = r.slot.unwrap_or_default();
+                ClassJson {
+                    name: r.name.clone(),
+                    limit,
+                    reserve_high,
+                    in_use,
+                    holders: r.holders.iter().map(PartyJson::from).collect(),
+                    waiters: r.waiters.iter().map(PartyJson::from).collect(),
+                }
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        super::print(&format!("{}\n", serde_json::to_string_pretty(&out)?))?;
         return Ok(0);
     }
     if reports.is_empty() {
-        println!(
-            "no slot classes; add one with 'stowage slots set CLASS LIMIT [--reserve-high N]'"
-        );
+        super::print(
+            "no slot classes; add one with 'stowage slots set CLASS LIMIT [--reserve-high N]'\n",
+        )?;
         return Ok(0);
     }
     let mut rows = vec![[
@@ -164,18 +147,19 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
         "WAITING".into(),
     ]];
     for r in &reports {
+        let (limit, reserve, in_use) = r.slot.unwrap_or_default();
         rows.push([
-            r.class.name.clone(),
-            if r.class.limit == 0 {
+            r.name.clone(),
+            if limit == 0 {
                 "unlimited".into()
             } else {
-                r.class.limit.to_string()
+                limit.to_string()
             },
-            r.class.reserve_high.to_string(),
-            r.in_use.to_string(),
+            reserve.to_string(),
+            in_use.to_string(),
             r.waiters.len().to_string(),
         ]);
     }
-    print!("{}", super::table(&rows));
+    super::print(&super::table(&rows))?;
     Ok(0)
 }

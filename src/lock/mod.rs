@@ -103,8 +103,8 @@ pub struct Guard {
     path: PathBuf,
     mode: Mode,
     /// Device and inode, known from the unlink-race check, or asked of
-    /// the descriptor when first wanted (a lock its contents vouched for
-    /// was taken without a stat: [`acquire_no_wait_vouched`]).
+    /// the descriptor when first wanted (a lock its contents proved
+    /// was taken without a stat: [`acquire_no_wait_with`]).
     id: std::sync::OnceLock<(u64, u64)>,
 }
 
@@ -117,6 +117,11 @@ impl std::os::fd::AsRawFd for Guard {
 impl Guard {
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// How the lock is held.
+    pub fn mode(&self) -> Mode {
+        self.mode
     }
 
     /// Device and inode of the locked file: what /proc/locks reports.
@@ -231,7 +236,7 @@ impl Guard {
     /// succeeds): another host's cached lookup could still lead it to the
     /// unlinked file, whose lock no longer excludes anyone. A kept lock file
     /// is a few bytes, reused if the name comes back. The file is emptied
-    /// before it is unlinked (see [`acquire_no_wait_vouched`]).
+    /// before it is unlinked (see [`acquire_no_wait_with`]).
     pub fn unlink(self) -> io::Result<()> {
         assert_eq!(
             self.mode,
@@ -241,8 +246,8 @@ impl Guard {
         if !unlinks_allowed(&self.path) {
             return Ok(());
         }
-        // Emptied first: what it said must not vouch for a ghost
-        // ([`acquire_no_wait_vouched`]). Not emptied, not unlinked.
+        // Emptied first: what it said must not prove a ghost
+        // ([`acquire_no_wait_with`]). Not emptied, not unlinked.
         self.file.set_len(0)?;
         match fs::remove_file(&self.path) {
             Ok(()) => Ok(()),
@@ -262,15 +267,29 @@ pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     }
 }
 
-/// Opens a lock file: read-write, close-on-exec, never through a symlink.
+/// Opens a lock file: read-write, close-on-exec, never through a symlink,
+/// and never blocking (a FIFO planted in its place would block a plain
+/// open; a directory or socket fails to open).
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     OpenOptions::new()
         .read(true)
         .write(true)
         .create(missing == IfMissing::Create)
         .mode(0o666)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
+}
+
+/// Takes a shared flock on a directory descriptor without waiting: only
+/// so that `/proc/self/fdinfo` says which device number the kernel's lock
+/// table gives that filesystem (`kernel::device_of`). Released when the
+/// descriptor closes.
+pub fn flock_dir_shared(fd: std::os::fd::RawFd) -> io::Result<()> {
+    // SAFETY: flock on a descriptor the caller owns; no memory is passed.
+    if unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 pub(super) fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
@@ -287,63 +306,6 @@ pub(super) fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
         Err(e) if e.raw_os_error() == fs2::lock_contended_error().raw_os_error() => Ok(false),
         Err(e) => Err(e),
     }
-}
-
-/// Is an exclusive lock on `path` held through a descriptor this process
-/// inherited (it runs under the holder, as a command inherits its locks)?
-/// Such a descriptor's lock is ours already: taking it again is a no-op.
-///
-/// Asked of the kernel's account of each descriptor ([`held_here`]), never
-/// by taking the lock exclusively through it to see: a descriptor
-/// inherited holding the lock *shared* (the command of a new image's
-/// writer inherits `locks/store.lock` so, session.rs) would be converted —
-/// and a conversion the kernel refuses (another holder shares the lock)
-/// drops the shared lock first: the enclosing writer would lose it.
-pub fn inherited_exclusive(path: &Path) -> bool {
-    match held_here(path) {
-        Some(mode) => mode == Mode::Exclusive,
-        // A kernel that lists flocks lists none of ours: a descriptor of
-        // ours on the file holds no lock (one a script opened, say), and
-        // someone else's exclusive lock is not our hold.
-        None if fdinfo_lists_flocks() => false,
-        // A kernel that lists no flocks at all: a descriptor of ours on
-        // the file while a lock of our own taking shared is refused — held
-        // exclusively, and then (stowage clears close-on-exec only on
-        // descriptors that hold their lock) through it.
-        None => {
-            let Ok(target) = fs::metadata(path) else {
-                return false;
-            };
-            let ours = fs::read_dir("/proc/self/fd").is_ok_and(|fds| {
-                fds.flatten().any(|e| {
-                    fs::metadata(e.path())
-                        .is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino())
-                })
-            });
-            ours && open(path, IfMissing::Fail)
-                .and_then(|f| flock_try(&f, Mode::Shared))
-                .is_ok_and(|got| !got)
-        }
-    }
-}
-
-/// Whether this kernel lists a descriptor's flock in /proc/self/fdinfo
-/// (`lock:` lines, as Linux has since 3.8; a sandboxed kernel may not):
-/// asked once per process, of a lock on a private memory file, which no
-/// other process can hold or wait for.
-fn fdinfo_lists_flocks() -> bool {
-    static LISTS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *LISTS.get_or_init(|| {
-        // SAFETY: a new descriptor, owned by the File from here on.
-        let fd = unsafe { libc::memfd_create(c"stowage-fdinfo".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return false;
-        }
-        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        flock_try(&file, Mode::Shared).unwrap_or(false)
-            && fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
-                .is_ok_and(|info| fdinfo_flock(&info) == Some(Mode::Shared))
-    })
 }
 
 pub(super) fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
@@ -485,19 +447,19 @@ impl IfMissing {
 }
 
 /// [`acquire_no_wait`] for a lock file whose contents can prove that it is
-/// still the file at its path: `vouch` reads the locked file (the read its
-/// caller makes anyway) and says what it found and whether that vouches.
+/// still the file at its path: `read` reads the locked file (the read its
+/// caller makes anyway) and says what it found and whether that proves it.
 /// Every unlink of a lock file empties it first, under the exclusive lock
-/// the unlink rule requires ([`Guard::unlink`], `remove::unlink_lock`), so
-/// a record only a holder writes — a valid token, a slot's record — read
-/// under our lock proves that nobody unlinked the file before we locked it,
-/// and nobody can while we hold it: the check of the unlink race costs no
-/// stat. Anything else gets the stat check.
-pub fn acquire_no_wait_vouched<T>(
+/// the unlink rule requires ([`Guard::unlink`], `Root::unlink_lock`), so
+/// a record only a holder writes — an image's record, a slot class's —
+/// read under our lock proves that nobody unlinked the file before we
+/// locked it, and nobody can while we hold it: the check of the unlink
+/// race costs no stat. Anything else gets the stat check.
+pub fn acquire_no_wait_with<T>(
     path: &Path,
     mode: Mode,
     missing: IfMissing,
-    mut vouch: impl FnMut(&File) -> (T, bool),
+    mut read: impl FnMut(&File) -> (T, bool),
 ) -> io::Result<Option<(Guard, T)>> {
     for _ in 0..MAX_GHOSTS {
         let file = open(path, missing)?;
@@ -507,8 +469,8 @@ pub fn acquire_no_wait_vouched<T>(
             Err(e) if is_stale(&e) => continue,
             Err(e) => return Err(e),
         }
-        let (found, vouched) = vouch(&file);
-        if vouched {
+        let (found, proven) = read(&file);
+        if proven {
             return Ok(Some((guard_of(file, path, mode, None), found)));
         }
         if let Some(linked) = still_linked(&file, path)? {
@@ -560,8 +522,8 @@ pub fn still_at_path(guard: &Guard) -> io::Result<bool> {
 /// Takes the lock if it is free right now. `Ok(None)`: someone holds it in a
 /// conflicting mode.
 pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Result<Option<Guard>> {
-    // Nothing vouches: the stat check, always.
-    Ok(acquire_no_wait_vouched(path, mode, missing, |_| ((), false))?.map(|(g, ())| g))
+    // Nothing read proves it: the stat check, always.
+    Ok(acquire_no_wait_with(path, mode, missing, |_| ((), false))?.map(|(g, ())| g))
 }
 
 /// Takes the lock, waiting as `wait` allows. Tries first without blocking.
@@ -749,6 +711,38 @@ pub fn held_here_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Opti
     held
 }
 
+/// The descriptors this process was started with (noted by [`note_inherited`]).
+static INHERITED: std::sync::OnceLock<Vec<std::os::fd::RawFd>> = std::sync::OnceLock::new();
+
+/// Notes the descriptors this process inherited, before it opens any of
+/// its own: one listing of `/proc/self/fd` (no request to any server).
+pub fn note_inherited() {
+    let fds = fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let _ = INHERITED.set(fds);
+}
+
+/// Whether a descriptor this process inherited locks (flock) a file in
+/// `dir` — an enclosing command's, which holds that lock while it waits
+/// for us. Judged by the kernel (`/proc/self/fd`, `fdinfo`), so it holds
+/// where the environment that names enclosing holds was cleared.
+pub fn holds_any_under(dir: &Path) -> bool {
+    let Ok(dir) = fs::canonicalize(dir) else {
+        return false;
+    };
+    INHERITED.get().into_iter().flatten().any(|fd| {
+        fs::read_link(format!("/proc/self/fd/{fd}"))
+            .is_ok_and(|p| p.parent() == Some(dir.as_path()))
+            && fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
+                .is_ok_and(|info| fdinfo_flock(&info).is_some())
+    })
+}
+
 /// The flock mode in an fdinfo text, from lines like
 /// `lock:\t1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF`.
 fn fdinfo_flock(info: &str) -> Option<Mode> {
@@ -875,7 +869,18 @@ impl FileSet {
     /// taken is returned with its index. A file found unlinked after
     /// locking (a ghost) is reopened on the next try.
     pub fn try_any(&mut self) -> io::Result<Option<(usize, Guard)>> {
+        self.try_any_where(|_| true)
+    }
+
+    /// [`FileSet::try_any`] among the files `wanted` accepts (by index).
+    pub fn try_any_where(
+        &mut self,
+        wanted: impl Fn(usize) -> bool,
+    ) -> io::Result<Option<(usize, Guard)>> {
         for i in 0..self.paths.len() {
+            if !wanted(i) {
+                continue;
+            }
             if self.files[i].is_none() {
                 self.files[i] = Some(open(&self.paths[i], IfMissing::Create)?);
             }

@@ -236,7 +236,39 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
             Err(sig) => return Ok(Waited::Interrupted(sig)),
         }
     };
+    let mut workers = match start_workers(files, mode, tx)? {
+        Helpers::Started(workers) => workers,
+        Helpers::NoThread(mut workers) => {
+            // No thread to be had (a pids limit in a container or a job's
+            // cgroup): wait without one, polling.
+            stop_workers(&mut workers, files, &rx, None);
+            return poll_any(files, mode, wait);
+        }
+    };
+    let outcome = first_acquired(&mut workers, &rx, wait);
+    // Stop the others. A worker that acquired in the meantime releases what
+    // it took unless it is the winner; nobody else has seen those locks.
+    let winner = match outcome {
+        Ok(Waited::Acquired(i)) => Some(i),
+        _ => None,
+    };
+    stop_workers(&mut workers, files, &rx, winner);
+    outcome
+}
 
+/// The helper threads [`start_workers`] could start.
+enum Helpers {
+    /// One per file.
+    Started(Vec<Worker>),
+    /// Not every one: a thread could not be had. Those started are to be
+    /// stopped.
+    NoThread(Vec<Worker>),
+}
+
+/// Starts one helper thread per file, each blocked in flock(2) on a
+/// duplicate of it and reporting on `tx` (this sender is dropped on
+/// return: only the helpers' and the cancellation's stay).
+fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Result<Helpers> {
     let mut workers = Vec::with_capacity(files.len());
     for (i, file) in files.iter().enumerate() {
         // The duplicate shares the open file description, so a lock taken
@@ -249,11 +281,7 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
                 if e.kind() == io::ErrorKind::WouldBlock
                     || e.raw_os_error() == Some(libc::EAGAIN) =>
             {
-                // No thread to be had (a pids limit in a container or a
-                // job's cgroup): wait without one, polling.
-                drop(tx);
-                stop_workers(&mut workers, files, &rx, None);
-                return poll_any(files, mode, wait);
+                return Ok(Helpers::NoThread(workers));
             }
             Err(e) => return Err(e),
         };
@@ -263,76 +291,87 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
             finished: false,
         });
     }
-    drop(tx);
+    Ok(Helpers::Started(workers))
+}
 
+/// Waits for the first worker to acquire its lock, re-arming the workers
+/// and saying the notice when due, until the deadline or a cancellation.
+fn first_acquired(
+    workers: &mut [Worker],
+    rx: &mpsc::Receiver<Event>,
+    wait: &mut Wait,
+) -> io::Result<Waited<usize>> {
     let started = Instant::now();
     let mut notice = wait.notice.take();
     let mut next_rearm = wait.rearm.map(|r| started + r);
-    let outcome = loop {
+    loop {
         let now = Instant::now();
-        let mut until = wait.deadline;
-        for at in [
-            notice.as_ref().map(|(after, _)| started + *after),
-            next_rearm,
-        ]
-        .into_iter()
-        .flatten()
-        {
-            until = Some(until.map_or(at, |d| d.min(at)));
-        }
-        let event = match until {
+        let notice_at = notice.as_ref().map(|(after, _)| started + *after);
+        let event = match earliest(wait.deadline, [notice_at, next_rearm]) {
             None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
             Some(t) => rx.recv_timeout(t.saturating_duration_since(now)),
         };
         match event {
-            Ok(Event::Done(i, Ok(true))) => {
+            Ok(Event::Done(i, result)) => {
                 workers[i].finished = true;
-                break Ok(Waited::Acquired(i));
-            }
-            Ok(Event::Done(i, Ok(false))) => workers[i].finished = true,
-            Ok(Event::Done(i, Err(e))) => {
-                workers[i].finished = true;
-                break Err(e);
-            }
-            Ok(Event::Cancelled(sig)) => break Ok(Waited::Interrupted(sig)),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Some((after, mut say)) = notice.take() {
-                    if Instant::now() >= started + after {
-                        say();
-                    } else {
-                        notice = Some((after, say));
-                    }
+                match result {
+                    Ok(true) => return Ok(Waited::Acquired(i)),
+                    Ok(false) => {}
+                    Err(e) => return Err(e),
                 }
+            }
+            Ok(Event::Cancelled(sig)) => return Ok(Waited::Interrupted(sig)),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                say_if_due(&mut notice, started);
                 if let (Some(at), Some(every)) = (next_rearm, wait.rearm)
                     && Instant::now() >= at
                 {
-                    // Interrupted workers see no stop flag and block again.
-                    for w in workers.iter().filter(|w| !w.finished) {
-                        if let Some(h) = &w.handle {
-                            // SAFETY: see stop_workers.
-                            unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
-                        }
-                    }
+                    rearm(workers);
                     next_rearm = Some(Instant::now() + every);
                 }
                 if wait.deadline.is_some_and(|d| Instant::now() >= d) {
-                    break Ok(Waited::TimedOut);
+                    return Ok(Waited::TimedOut);
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                break Err(io::Error::other("lock wait helpers vanished"));
+                return Err(io::Error::other("lock wait helpers vanished"));
             }
         }
-    };
+    }
+}
 
-    // Stop the others. A worker that acquired in the meantime releases what
-    // it took unless it is the winner; nobody else has seen those locks.
-    let winner = match outcome {
-        Ok(Waited::Acquired(i)) => Some(i),
-        _ => None,
-    };
-    stop_workers(&mut workers, files, &rx, winner);
-    outcome
+/// The earliest of `deadline` and the times `also` (`None`: none at all).
+fn earliest(deadline: Option<Instant>, also: [Option<Instant>; 2]) -> Option<Instant> {
+    let mut until = deadline;
+    for at in also.into_iter().flatten() {
+        until = Some(until.map_or(at, |d| d.min(at)));
+    }
+    until
+}
+
+/// A [`Wait::notice`]: after how long, and what to say.
+type Notice<'a> = (Duration, Box<dyn FnMut() + 'a>);
+
+/// Says the notice once its time has come (and never again).
+fn say_if_due(notice: &mut Option<Notice<'_>>, started: Instant) {
+    if let Some((after, mut say)) = notice.take() {
+        if Instant::now() >= started + after {
+            say();
+        } else {
+            *notice = Some((after, say));
+        }
+    }
+}
+
+/// Interrupts the workers still blocked, so that each issues its request
+/// again: interrupted workers see no stop flag and block again.
+fn rearm(workers: &[Worker]) {
+    for w in workers.iter().filter(|w| !w.finished) {
+        if let Some(h) = &w.handle {
+            // SAFETY: see stop_workers.
+            unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
+        }
+    }
 }
 
 /// How often a polled wait retries at most, and at least: a freed lock is

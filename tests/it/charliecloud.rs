@@ -439,7 +439,7 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     let out = two.finish();
     assert_ok_ref(&out);
     assert!(
-        stderr(&out).contains("lock on image 'app': held (write) by")
+        stderr(&out).contains("lock on image 'app': held (exclusive read) by")
             && stderr(&out).contains("ch-build --locked -t one"),
         "names the build it waits for: {}",
         show(&out)

@@ -320,10 +320,7 @@ fn trees_deeper_than_path_max_are_cloned_and_measured() {
     let env = Env::new();
     env.make_image("base");
     deep_tree(&env.root.join("img/base"), 30);
-    // Forget the size recorded when it was built, so it is measured again.
-    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
-    conn.execute("UPDATE images SET size_bytes = NULL", [])
-        .unwrap();
+    // Its size is measured when first asked for.
     let img = env.image("base").unwrap();
     assert!(
         img["size_bytes"].as_u64().is_some_and(|s| s >= 65536),
@@ -546,4 +543,39 @@ fn a_clone_whose_command_cannot_start_is_incomplete_not_restored() {
         Some(0),
         "no tree without a row"
     );
+}
+
+/// A write with `--from` killed (with its command) once its command had
+/// deleted the tree: the next write of the name makes a tree of its own,
+/// and that is the image — ready, with no base, kept by gc.
+#[test]
+fn a_rewrite_after_a_killed_copy_whose_command_deleted_its_tree_is_the_image() {
+    let env = Env::new();
+    env.make_image("base");
+    let started = env.sentinel("started");
+    let writer = env.spawn([
+        "exec",
+        "--write",
+        "app",
+        "--from",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "rm -rf \"$STOWAGE_IMAGE_DIR\"; touch '{}'; sleep 60",
+            started.display()
+        ),
+    ]);
+    wait_for_file(&started);
+    writer.kill_all();
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    env.build("app", "echo new > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    let row = env.image("app").unwrap();
+    assert!(row["base"].is_null(), "{row}");
+    assert_eq!(env.read_in_image("app", "file"), "new\n");
+    env.ok(["gc"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["doctor"]);
 }

@@ -26,8 +26,13 @@ use serde_json::Value;
 /// these machines are shared and slow at times; reaching it is a failure.
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
+/// The binary under test: this build's, or `STOWAGE_TEST_BIN` (to run a
+/// regression test against an older build and see it fail there).
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_stowage")
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        std::env::var("STOWAGE_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_stowage").into())
+    })
 }
 
 /// A fresh store root in a temporary directory, plus a scratch directory
@@ -304,6 +309,59 @@ impl Env {
             .cloned()
     }
 
+    /// Writes image `name` as if at 2020-01-01 (`STOWAGE_NOW`): its
+    /// recorded last use is long past.
+    pub fn make_image_used_long_ago(&self, name: &str) {
+        let mut c = self.cmd(["exec", "--write", name, "--", "true"]);
+        c.env("STOWAGE_NOW", "2020-01-01T00:00:00Z");
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    }
+
+    /// Puts the catalog of `from` in the place of this store's (a copy
+    /// written over the file, as a restore or a mistaken copy would).
+    pub fn put_catalog_of(&self, from: &Env) {
+        from.ok(["images"]);
+        fs::copy(from.root.join("stowage.db"), self.root.join("stowage.db")).unwrap();
+    }
+
+    /// Asserts that `exec --read NAME -- true` is refused as not ready or
+    /// missing (66), saying `why` otherwise.
+    pub fn assert_read_refused(&self, name: &str, why: &str) {
+        let out = self.run(["exec", "--read", name, "--", "true"]);
+        assert_eq!(code(&out), Some(66), "{why}: {}", show(&out));
+    }
+
+    /// The default images directory.
+    pub fn images_dir(&self) -> PathBuf {
+        self.root.join("img")
+    }
+
+    /// Writes image `name` with `sh -c SCRIPT` as [`Env::build`] does,
+    /// holding the global lock from another process meanwhile: a write
+    /// takes no global lock (a wait for it would end after 0.3 s, and fail
+    /// the test).
+    pub fn build_without_global_lock(&self, name: &str, script: &str) {
+        let global = hold_global(self);
+        self.build_waiting_briefly(name, script);
+        global.kill_all();
+    }
+
+    fn build_waiting_briefly(&self, name: &str, script: &str) {
+        self.ok([
+            "exec", "--write", name, "--wait", "0.3", "--", "sh", "-c", script,
+        ]);
+    }
+
+    /// What `file` of image `name` holds, read by a command of `exec
+    /// --read NAME` (which must succeed). For a name that is its own
+    /// encoding (no `/` or `:`).
+    pub fn read_in_image(&self, name: &str, file: &str) -> String {
+        let script = format!("cat \"$STOWAGE_IMAGES_DIR/{name}/{file}\"");
+        let out = self.ok(["exec", "--read", name, "--", "sh", "-c", &script]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// Starts a write of `name` whose command writes half a file, and
     /// SIGKILLs stowage and the command together (a host crash, kill -9
     /// of the job) while it runs: nothing records the outcome.
@@ -325,89 +383,9 @@ impl Env {
         writer.kill_all();
     }
 
-    /// The marker a write without the database leaves (src/written.rs).
-    pub fn marker(&self, enc: &str) -> PathBuf {
-        self.root.join("locks/leases").join(format!("{enc}.dirty"))
-    }
-
-    /// Writes image `name` as if at 2020-01-01 (`STOWAGE_NOW`): its last
-    /// use is long past, so a read of it asks the database.
-    pub fn make_image_used_long_ago(&self, name: &str) {
-        let mut c = self.cmd(["exec", "--write", name, "--", "true"]);
-        c.env("STOWAGE_NOW", "2020-01-01T00:00:00Z");
-        let out = output(c);
-        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    }
-
-    /// Puts the database of `from` in the place of this store's (a copy
-    /// written over the file, as a restore or a mistaken copy would).
-    pub fn put_database_of(&self, from: &Env) {
-        fs::copy(from.root.join("stowage.db"), self.root.join("stowage.db")).unwrap();
-    }
-
-    /// Asserts that `exec --read NAME -- true` is refused as not ready (66):
-    /// what the database there says wins over the token in the lock file.
-    pub fn assert_read_refused(&self, name: &str, why: &str) {
-        let out = self.run(["exec", "--read", name, "--", "true"]);
-        assert_eq!(code(&out), Some(66), "{why}: {}", show(&out));
-    }
-
-    /// The default images directory.
-    pub fn images_dir(&self) -> PathBuf {
-        self.root.join("img")
-    }
-
-    /// Writes a new image `name` without the database (the global lock
-    /// held by another, so no transaction folds it) and takes its marker
-    /// away, as a directory listing served from an NFS client's cache
-    /// would miss it: only its record in the lock file says it exists.
-    pub fn make_image_with_marker_missed(&self, name: &str) {
-        let global = hold_global(self);
-        self.build_waiting_briefly(name, "echo made > \"$STOWAGE_IMAGE_DIR/file\"");
-        fs::remove_file(self.marker(name)).unwrap();
-        global.kill_all();
-    }
-
-    /// Writes image `name` with `sh -c SCRIPT` as [`Env::build`] does,
-    /// holding the global lock from another process meanwhile: the write
-    /// must take no transaction (a wait for the global lock ends after
-    /// 0.3 s, and fails the test).
-    pub fn build_without_database(&self, name: &str, script: &str) {
-        let global = hold_global(self);
-        self.build_waiting_briefly(name, script);
-        global.kill_all();
-    }
-
-    fn build_waiting_briefly(&self, name: &str, script: &str) {
-        self.ok([
-            "exec", "--write", name, "--wait", "0.3", "--", "sh", "-c", script,
-        ]);
-    }
-
-    /// What `file` of image `name` holds, read by a command of `exec
-    /// --read NAME` (which must succeed). For a name that is its own
-    /// encoding (no `/` or `:`).
-    pub fn read_in_image(&self, name: &str, file: &str) -> String {
-        let script = format!("cat \"$STOWAGE_IMAGES_DIR/{name}/{file}\"");
-        let out = self.ok(["exec", "--read", name, "--", "sh", "-c", &script]);
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
     pub fn lock_file(&self, enc: &str) -> PathBuf {
         self.root.join("locks/images").join(format!("{enc}.lock"))
     }
-}
-
-/// A store with `base` ready and read (its token written), and another
-/// store, with `other`, whose database (without `base`) can be put in its
-/// place.
-pub fn base_read_here_and_another_store() -> (Env, Env) {
-    let here = Env::new();
-    here.make_image("base");
-    here.ok(["exec", "--read", "base", "--", "true"]);
-    let there = Env::new();
-    there.make_image("other");
-    (here, there)
 }
 
 /// A background process, killed (with its group) if the test forgets it.
@@ -776,6 +754,30 @@ where
         .args(args);
     c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
     c
+}
+
+/// Runs `stowage ARGS…` under gdb and SIGKILLs it where it reaches the
+/// function `at` (once that has returned, if `returned`): what a crash at
+/// that step leaves. Fails the test unless it got there. The caller
+/// checks [`gdb_or_skip`] first.
+pub fn killed_at_function(env: &Env, at: &str, returned: bool, args: &[&str]) -> Output {
+    let cmds = env.sentinel("gdb-kill-cmds");
+    fs::write(
+        &cmds,
+        format!(
+            "set pagination off\nset confirm off\nbreak {at}\nrun\n{}kill\nquit\n",
+            if returned { "finish\n" } else { "" }
+        ),
+    )
+    .unwrap();
+    let out = output(stowage_under_gdb(env, &cmds, args));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("Breakpoint 1, ") && said.contains("killed]"),
+        "stowage was not killed at {at}: {}",
+        show(&out)
+    );
+    out
 }
 
 /// Holds the global lock with flock(1), as an outside program could.

@@ -1,8 +1,8 @@
 //! `stowage doctor` and `doctor --repair`: what they report (the
-//! filesystem, flock, rows, trees, leftovers, holds probed from other hosts),
-//! a damaged database rebuilt without losing an image (also when the rebuild
-//! is killed, and under a process that had it open), and a user who may not
-//! write the store told so.
+//! filesystem, flock, records against trees, leftovers, holds probed from
+//! other hosts), trees without records adopted but never collected, and a
+//! user who may not write the store told so. (A lost or damaged catalog:
+//! catalog_loss.rs.)
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
@@ -31,7 +31,7 @@ fn doctor_finds_and_repairs_inconsistencies() {
         .filter(|c| c["status"] == "problem")
         .map(|c| c["check"].as_str().unwrap())
         .collect();
-    assert_eq!(problems, ["rows", "trees", "leftovers"], "{report}");
+    assert_eq!(problems, ["images", "images", "trash"], "{report}");
     env.ok(["doctor", "--repair"]);
     assert_eq!(env.state("vanished"), None);
     // Whether a tree found without its row is complete is not known.
@@ -84,8 +84,22 @@ fn doctor_by_a_user_who_may_not_write_the_store_says_so() {
         show(&out)
     );
     assert!(!stdout.contains("--repair"), "{}", show(&out));
+    // Listing needs no write: the records are read, the catalog left be.
     let mut c = as_nobody().unwrap();
     c.arg(bin()).arg("--root").arg(&env.root).arg("images");
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ready"),
+        "{}",
+        show(&out)
+    );
+    // Writing does, and says so in one line.
+    let mut c = as_nobody().unwrap();
+    c.arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--write", "a", "--", "true"]);
     let out = output(c);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert!(
@@ -150,141 +164,412 @@ fn a_hold_probe_on_another_host_is_seen_by_doctor() {
     here.kill_all();
 }
 
-// --- a damaged database -----------------------------------------------------
+// --- trees without records -------------------------------------------------
 
+/// A tree whose record is gone (its lock file deleted by hand) is adopted
+/// by a repair as incomplete with its readiness unknown: kept, listed, and
+/// never collected by gc, until a writer makes it ready again.
 #[test]
-fn a_damaged_database_is_reported_and_rebuilt_without_losing_an_image() {
+fn a_tree_without_a_record_is_adopted_and_never_collected() {
     let env = Env::new();
-    let storage = env.tmp.path().join("storage/img");
-    fs::create_dir_all(&storage).unwrap();
-    env.ok(["init", "--images-dir", storage.to_str().unwrap()]);
-    env.make_image("alpine:3.17");
-    env.make_image("app");
-    // A failed writer that left a tree (one that left none leaves only a
-    // row, which a rebuild cannot know of).
-    env.run_sh("broken", "echo part > \"$STOWAGE_IMAGE_DIR/f\"; false");
-    fs::write(env.root.join("stowage.db"), vec![0x5a; 8192]).unwrap();
-
-    // A write of an existing image too: it checks that its token is of the
-    // database there (written.rs), and a damaged one has no identity.
-    for args in [
-        vec!["images"],
-        vec!["exec", "--write", "app", "--", "true"],
-        vec!["lock-status"],
-    ] {
-        let out = env.run(&args);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", show(&out));
-        let err = stderr(&out);
-        assert!(
-            err.contains("stowage.db") && err.contains("doctor --repair"),
-            "{args:?}: {err}"
-        );
-        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-    }
-    assert!(
-        storage.join("alpine+3.17/file").exists(),
-        "images intact on disk"
-    );
-    // A read of an image that was ready still runs on its token: no tree
-    // can have changed since the database broke (every change takes a
-    // transaction), and the rebuild takes every token away (records_db.rs).
-    env.ok(["exec", "--read", "app", "--", "true"]);
+    env.make_image("good");
+    fs::remove_file(env.lock_file("good")).unwrap();
     let out = env.run(["doctor"]);
-    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
-    env.ok(["doctor", "--repair"]);
-    // The damaged file was moved aside, not deleted.
-    let aside: Vec<_> = fs::read_dir(&env.root)
-        .unwrap()
-        .flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .starts_with("stowage.db.damaged-")
-        })
-        .collect();
-    assert_eq!(aside.len(), 1);
-    // No row could be salvaged. The images written without the database
-    // since its last transaction (new images: all three here) say how
-    // their writes ended in their lock files, which the rebuild keeps:
-    // those that ended well are ready, 'broken' is incomplete. A tree
-    // nothing speaks for is kept, incomplete, until a writer makes it
-    // ready again (`repair_adopts_a_failed_builds_tree_as_incomplete`).
-    for (name, state) in [
-        ("alpine:3.17", "ready"),
-        ("app", "ready"),
-        ("broken", "incomplete"),
-    ] {
-        assert_eq!(env.state(name).as_deref(), Some(state), "{name}");
-    }
-    env.ok(["exec", "--write", "alpine:3.17", "--", "true"]);
-    env.ok(["exec", "--read", "alpine:3.17", "--", "true"]);
-    let out = env.build("x", "echo \"$STOWAGE_IMAGES_DIR\"");
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        storage.to_str().unwrap(),
-        "images directory remembered"
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("have no record"),
+        "{}",
+        show(&out)
     );
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("good").as_deref(), Some("incomplete"));
+    let out = env.run(["exec", "--read", "good", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    env.ok(["gc"]);
+    assert!(env.root.join("img/good/file").exists(), "gc kept it");
+    assert_eq!(env.state("good").as_deref(), Some("incomplete"));
+    // A writer makes it ready again.
+    env.ok(["exec", "--write", "good", "--", "true"]);
+    env.ok(["exec", "--read", "good", "--", "true"]);
     assert_eq!(env.run(["doctor"]).status.code(), Some(0));
 }
 
+/// A record whose tree was deleted by hand: the repair drops the record
+/// (the image is gone); a record of the wrong images directory is left.
 #[test]
-fn repair_adopts_a_failed_builds_tree_as_incomplete() {
+fn a_record_whose_tree_is_gone_is_dropped_by_a_repair() {
     let env = Env::new();
-    env.make_image("good");
-    let out = env.run_sh("bad", "echo partial > \"$STOWAGE_IMAGE_DIR/f\"; exit 1");
-    assert_eq!(code(&out), Some(1));
-    // The database is lost beyond salvage: nothing says which tree is
-    // complete.
-    fs::write(env.root.join("stowage.db"), vec![0x5a; 8192]).unwrap();
-    let out = env.run(["doctor", "--repair"]);
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
-    assert_eq!(env.state("bad").as_deref(), Some("incomplete"));
-    assert_eq!(env.state("good").as_deref(), Some("incomplete"));
-    let out = env.run(["exec", "--read", "bad", "--", "true"]);
-    assert_eq!(code(&out), Some(66), "{}", show(&out));
-    // A writer makes one ready again.
-    env.ok(["exec", "--write", "good", "--", "true"]);
-    env.ok(["exec", "--read", "good", "--", "true"]);
-}
-
-#[test]
-fn a_rebuild_killed_after_the_damaged_database_was_set_aside_loses_no_image() {
-    let env = Env::new();
-    let storage = env.tmp.path().join("storage/img");
-    fs::create_dir_all(&storage).unwrap();
-    env.ok(["init", "--images-dir", storage.to_str().unwrap()]);
-    env.make_image("app");
-    fs::write(env.root.join("stowage.db"), vec![0x5a; 8192]).unwrap();
-    let (bg, _pause) = env.paused(["doctor", "--repair"], "rebuild-moved-aside");
-    bg.kill_all();
-    // Whatever the kill left, the store is still the damaged one or the
-    // rebuilt one: never a fresh, empty database that forgot the images
-    // directory and every image.
-    let out = env.run(["doctor", "--repair"]);
-    assert!(storage.join("app/file").exists());
-    // Its writer's record, kept through the killed rebuild, says it ended
-    // well (it was written without the database, as a new image).
-    assert_eq!(env.state("app").as_deref(), Some("ready"), "{}", show(&out));
-    let out = env.build("x", "echo \"$STOWAGE_IMAGES_DIR\"");
+    env.make_image("a");
+    env.make_image("b");
+    fs::remove_dir_all(env.root.join("img/a")).unwrap();
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        storage.to_str().unwrap()
+        env.state("a").as_deref(),
+        Some("ready"),
+        "doctor alone changes nothing"
     );
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("a"), None);
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+}
+
+// --- an image whose state cannot be known ------------------------------------
+
+/// Flips a byte in both slots of the record of image `name` (its lock
+/// file): bytes no writer wrote, as a disk or a hand leaves them.
+fn damage_record(env: &Env, name: &str) {
+    let lock = env.lock_file(name);
+    let mut bytes = fs::read(&lock).unwrap();
+    let slot = stowage::image_record::SLOT;
+    assert!(bytes.len() > slot + 40, "{name} has two record slots");
+    bytes[30] ^= 1;
+    bytes[slot + 30] ^= 1;
+    fs::write(&lock, bytes).unwrap();
 }
 
 #[test]
-fn a_process_with_an_open_connection_survives_a_database_rebuild() {
+fn a_damaged_record_is_kept_reported_and_mended_as_its_refusal_advises() {
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("b");
+    env.make_image("c");
+    damage_record(&env, "b");
+    damage_record(&env, "c");
+    // Not read: its state is not known. The refusal names the image and
+    // what to do.
+    let ran = env.sentinel("ran");
+    let out = env.run(["exec", "--read", "b", "--", "touch", ran.to_str().unwrap()]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(!ran.exists(), "the command ran: {}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("'b'") && err.contains("damaged") && err.contains("exec --write b"),
+        "{}",
+        show(&out)
+    );
+    // Kept by gc and by a repair, and reported by doctor.
+    env.ok(["gc"]);
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("b.lock"),
+        "{}",
+        show(&out)
+    );
+    env.run(["doctor", "--repair"]);
+    for n in ["b", "c"] {
+        assert!(
+            env.root.join("img").join(n).join("file").exists(),
+            "{n}'s tree"
+        );
+    }
+    assert_eq!(env.state("keep").as_deref(), Some("ready"));
+    // The two ways out the refusal offers.
+    let out = env.run(["exec", "--write", "b", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "a write marks it ready: {}",
+        show(&out)
+    );
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("b", "file"), "content\n");
+    let out = env.run(["rm", "c"]);
+    assert_eq!(code(&out), Some(0), "rm removes it: {}", show(&out));
+    assert!(!env.root.join("img/c").exists());
+    assert_eq!(env.state("c"), None);
+}
+
+// --- a repair beside writers ------------------------------------------------
+
+/// `sh -c` text that touches `started`, waits (bounded) for `go`, then runs
+/// `stowage ARGS` and prints its exit status as `tag=N`.
+fn then_stowage(env: &Env, started: &str, go: &str, args: &str, tag: &str) -> String {
+    format!(
+        "touch '{s}'; i=0; while [ ! -e '{g}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done; \
+         '{b}' --root '{r}' {args}; echo \"{tag}=$?\"",
+        s = env.sentinel(started).display(),
+        g = env.sentinel(go).display(),
+        b = bin(),
+        r = env.root.display(),
+    )
+}
+
+/// A repair in the command of an exec that holds image `x` (`locks`),
+/// while a new image's writer waits, in its command, for `x` (`nested`):
+/// the repair does not wait for the new image's writer, which waits for
+/// the repair's exec, which waits for the repair. Every process ends
+/// (bounded), and the new image is ready.
+fn repair_inside_an_image_user(locks: &[&str], nested: &[&str]) {
+    let env = Env::new();
+    env.make_image("x");
+    let mut args = vec!["exec"];
+    args.extend(locks);
+    let script = then_stowage(&env, "user", "go", "doctor --repair", "repair");
+    args.extend(["--", "sh", "-c", &script]);
+    let user = env.spawn(args);
+    wait_for_file(&env.sentinel("user"));
+    let nested = nested.join(" ");
+    let writer = env.spawn([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "touch \"$STOWAGE_IMAGE_DIR/file\" '{}'; '{}' --root '{}' exec {nested} -- true",
+            env.sentinel("writing").display(),
+            bin(),
+            env.root.display()
+        ),
+    ]);
+    wait_for_file(&env.sentinel("writing"));
+    env.wait_for_waiter("x");
+    fs::write(env.sentinel("go"), "").unwrap();
+    let out = user.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("repair=0"),
+        "{}",
+        show(&out)
+    );
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.state("x").as_deref(), Some("ready"));
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn a_repair_inside_a_reader_does_not_wait_for_a_new_images_writer_waiting_for_it() {
+    repair_inside_an_image_user(&["--read", "x"], &["--write", "x"]);
+}
+
+#[test]
+fn a_repair_inside_a_writer_does_not_wait_for_a_new_images_writer_waiting_for_it() {
+    repair_inside_an_image_user(&["--write", "x"], &["--read", "x"]);
+}
+
+#[test]
+fn a_repair_inside_a_no_inherit_writer_does_not_wait_for_a_new_images_writer_waiting_for_it() {
+    repair_inside_an_image_user(&["--no-inherit", "--write", "x"], &["--read", "x"]);
+}
+
+/// A repair in the command of a new image's writer: it does not wait for
+/// the writer that waits for it, and the image is ready.
+#[test]
+fn a_repair_inside_a_new_images_writers_command_does_not_wait_for_it() {
     let env = Env::new();
     env.make_image("base");
-    // No lock file: the reader looks the image up first (a transaction,
-    // which opens its connection) and stops there.
-    fs::remove_file(env.lock_file("base")).unwrap();
-    let (reader, go) = env.paused(["exec", "--read", "base", "--", "true"], "image-required");
-    fs::write(env.root.join("stowage.db"), vec![0x5a; 8192]).unwrap();
-    env.ok(["doctor", "--repair"]);
-    // Whatever readiness the rebuild gave it, make it ready again.
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "echo made > \"$STOWAGE_IMAGE_DIR/file\"; '{}' --root '{}' doctor --repair; echo \"repair=$?\"",
+            bin(),
+            env.root.display()
+        ),
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("repair=0"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("app", "file"), "made\n");
+}
+
+/// The same with `--no-inherit` and the repair in another pid namespace:
+/// it inherits no descriptor and sees neither the exec nor its keeper
+/// among its ancestors, yet must not wait for the writer around it.
+#[test]
+fn a_repair_in_another_pid_namespace_under_a_no_inherit_writer_does_not_wait_for_it() {
+    if !root_or_skip("a pid namespace") || !tool_or_skip("unshare", "util-linux") {
+        return;
+    }
+    let env = Env::new();
     env.make_image("base");
-    fs::remove_file(go).unwrap();
-    let out = reader.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let out = env.run([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "sh",
+        "-c",
+        &format!(
+            "touch \"$STOWAGE_IMAGE_DIR/file\"; '{}' --root '{}' doctor --repair; echo \"repair=$?\"",
+            bin(),
+            env.root.display()
+        ),
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("repair=0"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// A repair inside a reader that keeps its lock in a keeper
+/// (`--no-inherit`), run with a scrubbed environment (`env -i`, as sudo
+/// does) over a damaged catalog: nothing tells it the reader is its
+/// ancestor, and it must not wait for the image that reader holds.
+#[test]
+fn a_rebuild_inside_a_reader_with_a_clean_environment_does_not_hang() {
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("base");
+    let script = format!(
+        "printf 'ZZZZZZZZ%.0s' $(seq 1024) > '{db}'; \
+         env -i '{bin}' --root '{root}' doctor --repair >/dev/null 2>&1; echo \"repair=$?\"",
+        db = env.root.join("stowage.db").display(),
+        bin = bin(),
+        root = env.root.display()
+    );
+    let out = env.run([
+        "exec",
+        "--read",
+        "base",
+        "--no-inherit",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("repair=0"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.state("keep").as_deref(), Some("ready"));
+}
+
+/// A ready image whose tree was deleted by hand is rebuilt by a writer
+/// (its command makes the tree again) while a repair, which drops the
+/// records of trees that are gone, runs: the repair leaves the image its
+/// writer holds alone, and the write that ended well is the image.
+#[test]
+fn a_repair_leaves_alone_an_image_a_writer_rebuilds_after_its_tree_was_deleted() {
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("app");
+    fs::remove_dir_all(env.root.join("img/app")).unwrap();
+    let writer = env.start_sh(&["--write", "app"], |started| {
+        format!(
+            "mkdir -p \"$STOWAGE_IMAGE_DIR\"; echo new > \"$STOWAGE_IMAGE_DIR/file\"; touch '{}'; \
+             i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            started.display(),
+            r = env.sentinel("release").display()
+        )
+    });
+    let out = env.run(["doctor", "--repair"]);
+    assert_ne!(code(&out), None, "{}", show(&out));
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("app", "file"), "new\n");
+    env.ok(["gc"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["doctor"]);
+}
+
+/// A write stopped before its command, a repair meanwhile, then the write
+/// ends without running its command (SIGTERM): the image is as it was,
+/// ready.
+#[test]
+fn a_repair_beside_a_write_that_never_starts_leaves_the_image_ready() {
+    let env = Env::new();
+    env.make_image("a");
+    let (writer, _) = env.paused(["exec", "--write", "a", "--", "true"], "exec-before-spawn");
+    assert_eq!(env.state("a").as_deref(), Some("writing"));
+    let out = env.run(["doctor", "--repair"]);
+    assert_ne!(code(&out), None, "{}", show(&out));
+    writer.signal(libc::SIGTERM);
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(143), "{}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "a", "--", "true"]);
+    env.ok(["doctor"]);
+}
+
+/// `doctor` without `--repair` changes nothing: not the catalog, not a
+/// record, not a tree — even where it finds a problem to report.
+#[test]
+fn doctor_without_repair_writes_nothing() {
+    let env = Env::new();
+    env.make_image("base");
+    env.build("app", "echo made > \"$STOWAGE_IMAGE_DIR/file\"");
+    env.run(["exec", "--write", "failed", "--", "false"]);
+    fs::create_dir_all(env.root.join("img/stray/bin")).unwrap();
+    env.ok(["images"]);
+    let contents = |env: &Env| -> Vec<(String, Vec<u8>)> {
+        walkdir_files(&env.root)
+            .into_iter()
+            .filter(|p| !p.starts_with(env.root.join("locks/leases")))
+            .map(|p| (p.display().to_string(), fs::read(&p).unwrap_or_default()))
+            .collect::<std::collections::BTreeMap<_, _>>()
+            .into_iter()
+            .collect()
+    };
+    let files = tree(&env.root);
+    let before = contents(&env);
+    let out = env.run(["doctor"]);
+    assert_eq!(
+        code(&out),
+        Some(1),
+        "the stray tree is a problem: {}",
+        show(&out)
+    );
+    let leases = |t: Vec<String>| -> Vec<String> {
+        t.into_iter()
+            .filter(|p| !p.starts_with("locks/leases/"))
+            .collect()
+    };
+    assert_eq!(
+        leases(tree(&env.root)),
+        leases(files),
+        "no file made or removed"
+    );
+    assert!(contents(&env) == before, "a file was written");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// On a shared filesystem, where lock files are kept: the record of a tree
+/// that is gone, dropped by a repair, is not read afterwards.
+#[test]
+fn a_record_a_repair_drops_on_a_shared_filesystem_is_not_read() {
+    let env = Env::new();
+    let on_nfs = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        output(c)
+    };
+    let out = on_nfs(&["exec", "--write", "lost", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    fs::remove_dir(env.root.join("img/lost")).unwrap();
+    // The images directory is not empty: not taken for unmounted.
+    env.make_image("kept");
+    let out = on_nfs(&["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("lost"), None, "{}", show(&out));
+    assert!(env.lock_file("lost").exists(), "the lock file is kept");
+    let out = on_nfs(&["exec", "--read", "lost", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert_eq!(env.state("kept").as_deref(), Some("ready"));
 }

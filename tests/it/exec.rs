@@ -570,11 +570,17 @@ fn a_read_writes_no_metadata_while_last_use_is_fresh() {
     env.make_image("base");
     let db = env.root.join("stowage.db");
     let last_used = || env.image("base").unwrap()["last_used"].clone();
-    let before = fs::read(&db).unwrap();
     let used = last_used();
+    let before = fs::read(&db).unwrap();
+    let lock = env.root.join("locks/images/base.lock");
+    let lock_before = fs::read(&lock).unwrap();
     env.ok(["exec", "--read", "base", "--", "true"]);
     env.ok(["exec", "--read", "base", "--", "true"]);
-    assert!(fs::read(&db).unwrap() == before, "the database changed");
+    assert!(fs::read(&db).unwrap() == before, "the catalog changed");
+    assert!(
+        fs::read(&lock).unwrap() == lock_before,
+        "the lock file changed"
+    );
     assert_eq!(last_used(), used);
     // Ten minutes on, a read records the use.
     let mut c = env.cmd(["exec", "--read", "base", "--", "true"]);
@@ -624,4 +630,58 @@ fn a_failed_writers_surviving_child_keeps_the_new_image_directory() {
     let out = env.run(["exec", "--no-inherit", "--write", "third", "--", "false"]);
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert!(!env.root.join("img/third").exists());
+}
+
+/// A writer that waited for another writer of the image, then found its
+/// command cannot start: the image is as the first writer left it, ready.
+#[test]
+fn a_waiting_writer_whose_command_cannot_start_leaves_the_image_ready() {
+    let env = Env::new();
+    env.make_image("base");
+    let first = env.hold(&["--write", "base"], "started");
+    let waiter = env.spawn(["exec", "--write", "base", "--", "/nonexistent/cmd"]);
+    env.wait_for_waiter("base");
+    env.release("release");
+    assert_eq!(code(&first.finish()), Some(0));
+    let out = waiter.finish();
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("cannot run"),
+        "its command never ran: {}",
+        show(&out)
+    );
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "base", "--", "true"]);
+}
+
+/// A request that writes an existing image and a new one whose place in
+/// the images directory is taken by a file: it fails before its command,
+/// and the existing image is as its last write left it, ready.
+#[test]
+fn a_request_refused_on_a_new_image_leaves_the_other_images_it_writes_ready() {
+    let env = Env::new();
+    env.make_image("a");
+    env.build("a", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
+    fs::write(env.root.join("img/new"), "not a directory").unwrap();
+    let ran = env.sentinel("ran");
+    let out = env.run([
+        "exec",
+        "--write",
+        "a",
+        "--write",
+        "new",
+        "--",
+        "touch",
+        ran.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("not a directory"), "{}", show(&out));
+    assert!(!ran.exists());
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("a", "file"), "again\n");
+    assert_eq!(env.state("new"), None);
+    assert_eq!(
+        fs::read_to_string(env.root.join("img/new")).unwrap(),
+        "not a directory"
+    );
 }

@@ -52,7 +52,7 @@ fn an_empty_images_directory_keeps_its_rows() {
     let out = env.run(["doctor", "--repair"]);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("is empty while images are recorded"),
+        String::from_utf8_lossy(&out.stdout).contains("mounted?"),
         "{}",
         show(&out)
     );
@@ -521,4 +521,97 @@ fn a_write_lock_lost_while_the_command_ran_makes_the_image_incomplete() {
     // And an intact lock records ready as before.
     env.ok(["exec", "--write", "app", "--", "true"]);
     assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// The root's filesystem comes from the mount table by the root's device,
+/// whatever mount point the table lists it at (a bind mount seen
+/// elsewhere): NFS mounted so that locks stay on each client is refused
+/// (69), for reads and writes alike. The root is put on a tmpfs of its
+/// own, whose device is anonymous (major 0) as an NFS mount's is.
+#[test]
+fn nfs_without_server_locks_found_by_device_in_the_mount_table_is_refused() {
+    use std::os::unix::fs::MetadataExt;
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    let env = Env::new();
+    fs::create_dir(&env.root).unwrap();
+    let Some(_mount) = Mount::tmpfs_at(&env.root, "16m") else {
+        return;
+    };
+    env.make_image("X");
+    let dev = fs::metadata(&env.root).unwrap().dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    assert_eq!(major, 0);
+    let info = env.sentinel("mountinfo");
+    for options in ["rw,vers=3,nolock", "rw,vers=4.2,local_lock=all"] {
+        fs::write(
+            &info,
+            format!(
+                "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n\
+                 23 22 0:4 / /proc rw - proc proc rw\n\
+                 101 22 {major}:{minor} / /elsewhere rw,relatime - nfs srv:/export {options}\n"
+            ),
+        )
+        .unwrap();
+        for args in [
+            &["exec", "--read", "X", "--", "true"][..],
+            &["exec", "--write", "X", "--", "true"][..],
+        ] {
+            let mut c = env.cmd(args);
+            c.env(stowage::env::DEBUG_MOUNTINFO, &info);
+            let out = output(c);
+            assert_eq!(code(&out), Some(69), "{options} {args:?}: {}", show(&out));
+            assert!(stderr(&out).contains("NFS"), "{}", show(&out));
+        }
+    }
+    assert_eq!(env.state("X").as_deref(), Some("ready"));
+}
+
+/// The mount table is read only as far as the root's mount: on a host
+/// with thousands of mounts, reading all of it costs milliseconds per
+/// command. Shown without a clock: the table is a FIFO whose writer,
+/// having written the root's mount, keeps it open until the command has
+/// run — a reader of the whole table would wait for its end until the
+/// writer gives up (bounded) and says so.
+#[test]
+fn the_mount_table_is_read_no_further_than_the_roots_mount() {
+    use std::os::unix::fs::MetadataExt;
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    let env = Env::new();
+    fs::create_dir(&env.root).unwrap();
+    let Some(_mount) = Mount::tmpfs_at(&env.root, "16m") else {
+        return;
+    };
+    env.make_image("X");
+    let dev = fs::metadata(&env.root).unwrap().dev();
+    let fifo = env.sentinel("mountinfo");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let ran = env.sentinel("ran");
+    let gave_up = env.sentinel("gave-up");
+    let mut w = Command::new("sh");
+    w.arg("-c").arg(format!(
+        "exec 3>'{f}'; printf '101 22 {maj}:{min} / /elsewhere rw - tmpfs tmpfs rw\\n' >&3; \
+         i=0; while [ ! -e '{r}' ] && [ $i -lt 2000 ]; do sleep 0.01; i=$((i+1)); done; \
+         [ -e '{r}' ] || touch '{g}'",
+        f = fifo.display(),
+        maj = libc::major(dev),
+        min = libc::minor(dev),
+        r = ran.display(),
+        g = gave_up.display()
+    ));
+    let writer = Bg::from_command(w);
+    let mut c = env.cmd(["exec", "--read", "X", "--", "touch"]);
+    c.arg(&ran).env(stowage::env::DEBUG_MOUNTINFO, &fifo);
+    let out = output(c);
+    let wrote = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(code(&wrote), Some(0), "{}", show(&wrote));
+    assert!(
+        !gave_up.exists(),
+        "the mount table was read past the root's mount, to its end"
+    );
 }

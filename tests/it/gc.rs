@@ -385,3 +385,147 @@ fn gc_unused_for_keeps_an_image_read_since_its_recorded_last_use() {
         show(&out)
     );
 }
+
+/// An image that failed its first write (its command deleted the tree and
+/// failed) is listed by gc to collect; before gc takes its lock, a write of
+/// the name makes its tree and ends well: gc's look under the lock finds
+/// it ready and leaves it.
+#[test]
+fn a_write_over_an_incomplete_image_while_gc_looks_is_kept_ready() {
+    let env = Env::new();
+    env.make_image("base");
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--from",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "rm -rf \"$STOWAGE_IMAGE_DIR\"/*; exit 3",
+    ]);
+    assert_eq!(code(&out), Some(3), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+    let (gc, go) = env.paused(["gc"], "gc-listed");
+    env.build("app", "echo new > \"$STOWAGE_IMAGE_DIR/file\"");
+    fs::remove_file(&go).unwrap();
+    let out = gc.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"), "{}", show(&out));
+    assert_eq!(
+        fs::read_to_string(env.root.join("img/app/file")).unwrap(),
+        "new\n"
+    );
+    env.ok(["doctor"]);
+}
+
+/// Seconds since the epoch, `ago` seconds back.
+fn secs_ago(ago: u64) -> String {
+    (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        - ago)
+        .to_string()
+}
+
+/// A read is a use, whatever came before it: an image written by a host
+/// whose clock is an hour behind, then named by a request that failed,
+/// then read now, is not collected as unused for ten minutes.
+#[test]
+fn an_image_read_a_moment_ago_is_not_collected_as_unused() {
+    let env = Env::new();
+    let mut c = env.cmd(["exec", "--write", "base", "--", "true"]);
+    c.env("STOWAGE_NOW", secs_ago(3600));
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    // A request that reads it and then fails before its command.
+    fs::write(env.root.join("img/zbad"), "not a directory").unwrap();
+    let out = env.run(["exec", "--read", "base", "--write", "zbad", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    let out = env.ok(["gc", "--unused-for", "10m"]);
+    assert_eq!(
+        env.state("base").as_deref(),
+        Some("ready"),
+        "an image read just now was collected as unused: {}",
+        show(&out)
+    );
+}
+
+/// A write is a use: an image last used long ago, then rewritten, is not
+/// collected as unused.
+#[test]
+fn an_image_rewritten_a_moment_ago_is_not_collected_as_unused() {
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image_used_long_ago("old");
+    env.ok(["exec", "--write", "old", "--", "true"]);
+    let out = env.ok(["gc", "--unused-for", "30d"]);
+    assert_eq!(env.state("old").as_deref(), Some("ready"), "{}", show(&out));
+}
+
+/// A read ten minutes after the recorded last use (past the resolution at
+/// which reads record it) is recorded: `images` shows it, and gc
+/// --unused-for five minutes, a minute later, keeps the image.
+#[test]
+fn a_read_past_the_last_use_resolution_is_recorded_as_a_use() {
+    let env = Env::new();
+    ok_at(
+        &env,
+        "2026-01-01T00:00:00Z",
+        &["exec", "--write", "base", "--", "true"],
+    );
+    let before = env.image("base").unwrap()["last_used"].clone();
+    ok_at(
+        &env,
+        "2026-01-01T00:10:00Z",
+        &["exec", "--read", "base", "--", "true"],
+    );
+    let after = env.image("base").unwrap()["last_used"].clone();
+    assert_ne!(before, after, "the read's use was not recorded");
+    let out = ok_at(&env, "2026-01-01T00:11:00Z", &["gc", "--unused-for", "5m"]);
+    assert_eq!(
+        env.state("base").as_deref(),
+        Some("ready"),
+        "{}",
+        show(&out)
+    );
+}
+
+/// A reader whose clock is behind (another host's, or a test's
+/// `STOWAGE_NOW`) never makes an image look older than its last use: gc
+/// keeps an image read yesterday, whatever a slow clock said since.
+#[test]
+fn a_reader_with_a_slow_clock_does_not_make_an_image_look_unused() {
+    let env = Env::new();
+    let at = |when: &str, args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env("STOWAGE_NOW", when);
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+    };
+    at(
+        "2026-01-01T00:00:00Z",
+        &["exec", "--write", "daily", "--", "true"],
+    );
+    at(
+        "2026-01-20T00:00:00Z",
+        &["exec", "--read", "daily", "--", "true"],
+    );
+    at(
+        "2025-12-20T00:00:00Z",
+        &["exec", "--read", "daily", "--", "true"],
+    );
+    let mut c = env.cmd(["gc", "--unused-for", "7d"]);
+    c.env("STOWAGE_NOW", "2026-01-21T00:00:00Z");
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(
+        env.state("daily").as_deref(),
+        Some("ready"),
+        "{}",
+        show(&out)
+    );
+}

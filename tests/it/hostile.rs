@@ -9,7 +9,7 @@ use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::common::*;
 
@@ -75,14 +75,26 @@ fn a_symlink_planted_at_the_trash() {
 #[test]
 fn a_symlink_planted_at_the_database_path() {
     let env = Env::new();
-    env.ok(["init"]);
-    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    env.make_image("a");
+    let _ = fs::remove_file(env.root.join("stowage.db"));
     let target = env.tmp.path().join("not-a-db");
     symlink(&target, env.root.join("stowage.db")).unwrap();
+    // The catalog is derived: images are listed from their records, and
+    // the link is named, never followed.
     let out = env.run(["images"]);
-    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ready"),
+        "{}",
+        show(&out)
+    );
     assert!(stderr(&out).contains("symlink"), "{}", stderr(&out));
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
     assert!(!target.exists(), "nothing created through the link");
+    env.ok(["doctor", "--repair"]);
+    assert!(!target.exists(), "nothing created through the link");
+    env.ok(["doctor"]);
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
 
 /// Replaces `ROOT/NAME` (a directory) with a symlink to `target`.
@@ -379,7 +391,7 @@ fn the_default_root_must_be_the_users_own() {
     let d = DefaultRoot::new("own");
     let out = output(d.cmd(&["exec", "--write", "a", "--", "true"]));
     assert_eq!(code(&out), Some(0), "{}", show(&out));
-    assert!(d.dir.join("stowage.db").exists());
+    assert!(d.dir.join("locks/images/a.lock").exists());
 }
 
 #[test]
@@ -417,7 +429,7 @@ fn reading_commands_on_a_missing_root_say_so_and_create_nothing() {
         assert!(out.stdout.is_empty(), "{args:?}: {}", show(&out));
     }
     env.ok(["slots", "set", "pull", "2"]);
-    assert!(env.root.join("stowage.db").exists());
+    assert!(env.root.join("locks/slots/pull/0.lock").exists());
 }
 
 #[test]
@@ -487,7 +499,21 @@ fn a_store_shared_by_a_group_is_usable_by_its_members() {
         "0077",
         "the command keeps the caller's umask"
     );
-    for p in [env.lock_file("base"), env.root.join("stowage.db")] {
+    assert_eq!(
+        output({
+            let mut c = Command::new(bin());
+            c.arg("--root").arg(&env.root).arg("images");
+            c
+        })
+        .status
+        .code(),
+        Some(0)
+    );
+    for p in [
+        env.lock_file("base"),
+        env.root.join("stowage.db"),
+        env.root.join("store.conf"),
+    ] {
         let m = fs::metadata(&p).unwrap();
         assert_eq!(
             m.mode() & 0o060,
@@ -727,8 +753,8 @@ fn reading_commands_work_when_even_the_reserve_is_gone() {
     assert!(free_bytes(&t.dir) < 4096);
     // They show what they would record (the writer is gone) and write
     // nothing.
-    let before = fs::read(env.root.join("stowage.db")).unwrap();
     assert_eq!(env.state("killed").as_deref(), Some("incomplete"));
+    let before = fs::read(env.root.join("stowage.db")).ok();
     env.status_json(["--all"]);
     env.ok(["lock-status"]);
     env.ok(["gc", "--dry-run"]);
@@ -741,7 +767,7 @@ fn reading_commands_work_when_even_the_reserve_is_gone() {
         "{}",
         show(&out)
     );
-    assert!(fs::read(env.root.join("stowage.db")).unwrap() == before);
+    assert!(fs::read(env.root.join("stowage.db")).ok() == before);
     fs::remove_file(&filler).unwrap();
     env.ok(["gc"]);
     assert!(env.image("killed").is_none());
@@ -753,10 +779,14 @@ fn reading_commands_work_when_even_the_reserve_is_gone() {
 
 // --- outside programs -------------------------------------------------------
 
+/// An outside program (an sqlite3 shell) holding the catalog's own lock:
+/// images are still listed from their records, and a command that must
+/// write the catalog says who holds it (75) rather than hang.
 #[test]
-fn a_database_locked_by_an_outside_program_gives_75() {
+fn a_catalog_locked_by_an_outside_program_stops_nothing_and_is_named() {
     let env = Env::new();
     env.make_image("a");
+    env.ok(["images"]);
     let script = format!(
         "import sqlite3, time, pathlib\n\
          c = sqlite3.connect('{db}', isolation_level=None)\n\
@@ -777,35 +807,56 @@ fn a_database_locked_by_an_outside_program_gives_75() {
     let mut c = env.cmd(["images"]);
     c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
     let out = output(c);
-    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ready"),
+        "{}",
+        show(&out)
+    );
     assert!(stderr(&out).contains("outside stowage"), "{}", stderr(&out));
+    env.ok(["exec", "--read", "a", "--", "true"]);
     holder.kill_all();
     env.ok(["images"]);
 }
 
+/// Images are read and written under their own locks: a stuck holder of
+/// the global lock (a stopped process, flock(1) by hand) stops no exec,
+/// and a command that needs it says whom it waits for.
 #[test]
-fn a_stuck_global_lock_holder_bounds_a_bounded_exec() {
+fn a_stuck_global_lock_holder_stops_no_exec() {
     let env = Env::new();
     env.make_image("a");
     let started = env.sentinel("started");
     let stuck = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 60");
-    let t0 = Instant::now();
-    // A new image cloned from a base: a read of a ready image, a write of
-    // one, and a new image without a base take no global lock (record.rs,
-    // written.rs); a clone's lineage is recorded by the database.
-    let out = env.run([
-        "exec", "--write", "b", "--from", "a", "--wait", "0.3", "--", "true",
-    ]);
-    let took = t0.elapsed();
-    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    for args in [
+        vec![
+            "exec", "--write", "b", "--from", "a", "--wait", "0.3", "--", "true",
+        ],
+        vec![
+            "exec", "--read", "a", "--write", "c", "--wait", "0.3", "--", "true",
+        ],
+        vec!["rm", "--no-wait", "c"],
+    ] {
+        let out = env.run(&args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", show(&out));
+    }
+    let setter = env.spawn(["slots", "set", "pull", "1"]);
+    let global = env.root.join("locks/global.lock");
+    wait_until("slots set waits for the global lock", || {
+        flock_waited_on(&global)
+    });
+    // It says so once the wait has gone on (two seconds: it is normally
+    // held for microseconds).
+    std::thread::sleep(Duration::from_millis(2500));
+    stuck.kill_all();
+    let out = setter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     let err = stderr(&out);
     assert!(
-        err.contains("waiting for the global metadata lock"),
+        err.contains("waiting for the global lock"),
         "says it waits: {err}"
     );
     assert!(err.contains("flock"), "names the holder: {err}");
-    assert!(took >= Duration::from_secs(2), "waited only {took:?}");
-    stuck.kill_all();
 }
 
 #[test]
@@ -813,6 +864,7 @@ fn a_database_switched_to_wal_by_an_outside_program_is_switched_back() {
     // WAL needs shared memory that NFS cannot share: never keep it.
     let env = Env::new();
     env.make_image("a");
+    env.ok(["images"]);
     let db = env.root.join("stowage.db");
     let script = format!(
         "import sqlite3; c = sqlite3.connect('{}'); print(c.execute('PRAGMA journal_mode=WAL').fetchone()[0]); c.close()",
@@ -829,9 +881,8 @@ fn a_database_switched_to_wal_by_an_outside_program_is_switched_back() {
         (2, 2),
         "the outside program set WAL"
     );
-    // A clone (its lineage is recorded): a write of an existing image, or
-    // of a new one without a base, opens no transaction.
-    env.ok(["exec", "--write", "b", "--from", "a", "--", "true"]);
+    // Any command that uses the catalog.
+    env.ok(["images"]);
     let header = fs::read(&db).unwrap();
     assert_eq!(
         (header[18], header[19]),
@@ -840,4 +891,583 @@ fn a_database_switched_to_wal_by_an_outside_program_is_switched_back() {
     );
     assert!(!env.root.join("stowage.db-wal").exists());
     assert_eq!(env.state("a").as_deref(), Some("ready"));
+}
+
+/// An outside program's connection to the catalog in WAL mode, left open
+/// and idle (an sqlite3 shell at its prompt after a query).
+fn outside_wal_connection(env: &Env) -> rusqlite::Connection {
+    env.ok(["images"]);
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+    let _: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+        .unwrap();
+    conn
+}
+
+/// Whether process `pid` has the file `path` open.
+fn has_open(pid: u32, path: &Path) -> bool {
+    fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+        fds.flatten()
+            .any(|fd| fs::read_link(fd.path()).is_ok_and(|t| t == path))
+    })
+}
+
+/// The catalog's journal mode, as SQLite reads its header.
+fn journal_mode(env: &Env) -> String {
+    rusqlite::Connection::open(env.root.join("stowage.db"))
+        .unwrap()
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .unwrap()
+}
+
+/// SQLite leaves WAL without its busy handler: a program that closes the
+/// catalog while stowage waits to switch it back must cost a moment, not
+/// a failed command, and the catalog ends in rollback mode.
+#[test]
+fn an_outside_program_closing_a_wal_catalog_in_time_fails_nothing() {
+    let env = Env::new();
+    env.make_image("a");
+    let conn = outside_wal_connection(&env);
+    let db = fs::canonicalize(env.root.join("stowage.db")).unwrap();
+    let mut c = env.cmd(["images"]);
+    c.env(stowage::env::DEBUG_DB_BUSY_MS, "60000");
+    let mut bg = Bg::from_command(c);
+    let pid = bg.pid();
+    wait_until("stowage opens the catalog or ends", || {
+        has_open(pid, &db) || !bg.is_running()
+    });
+    drop(conn);
+    let out = bg.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("a "),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(journal_mode(&env), "delete");
+}
+
+/// With the outside program staying, `images` still lists every image from
+/// its record, and says it gave up on the catalog after as long as it
+/// waited — which must really have passed.
+#[test]
+fn a_wal_catalog_held_open_is_waited_for_as_long_as_said_and_listed_around() {
+    let env = Env::new();
+    env.make_image("a");
+    let conn = outside_wal_connection(&env);
+    let mut c = env.cmd(["images", "--json"]);
+    c.env(stowage::env::DEBUG_DB_BUSY_MS, "400");
+    let t0 = std::time::Instant::now();
+    let out = output(c);
+    let took = t0.elapsed();
+    drop(conn);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows[0]["name"], "a", "{rows}");
+    assert_eq!(rows[0]["state"], "ready", "{rows}");
+    assert!(
+        stderr(&out).contains("gave up after 0.4 s") && took >= Duration::from_millis(400),
+        "said it waited 0.4 s, took {took:?}: {}",
+        show(&out)
+    );
+}
+
+/// An sqlite3 shell keeps a read transaction open in a catalog it put in
+/// WAL mode: the catalog cannot leave WAL then, and no write needs it —
+/// a copy from a base and a change of a slot class take effect, and the
+/// next command after the reader has gone switches the catalog back.
+#[test]
+fn an_outside_reader_of_a_wal_catalog_stops_no_write() {
+    if !tool_or_skip("sqlite3", "sqlite3") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    let out = Command::new("sqlite3")
+        .arg(&db)
+        .arg("PRAGMA journal_mode=WAL;")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let reading = env.sentinel("reading");
+    let reader = Bg::from_command({
+        let mut c = Command::new("sh");
+        c.arg("-c").arg(format!(
+            "{{ printf 'BEGIN;\\nSELECT count(*) FROM images;\\n.shell touch %s\\n' '{reading}'; \
+             i=0; while [ ! -e '{done}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; \
+             echo 'COMMIT;'; }} | sqlite3 '{db}'",
+            reading = reading.display(),
+            done = env.sentinel("done").display(),
+            db = db.display()
+        ));
+        c
+    });
+    wait_for_file(&reading);
+    let short = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_DB_BUSY_MS, "300");
+        output(c)
+    };
+    let ran = env.sentinel("ran");
+    let out = short(&[
+        "exec",
+        "--write",
+        "app",
+        "--from",
+        "base",
+        "--",
+        "touch",
+        ran.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(ran.exists());
+    let out = short(&["slots", "set", "pull", "2"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.release("done");
+    let out = reader.finish();
+    assert!(out.status.success(), "{}", show(&out));
+    let app = env.image("app").expect("the copy is an image");
+    assert_eq!(app["state"], "ready", "{app}");
+    assert_eq!(app["base"], "base", "{app}");
+    assert_eq!(
+        env.slot_entry("pull").expect("the class is set")["limit"],
+        2
+    );
+    assert_eq!(journal_mode(&env), "delete");
+}
+
+// --- planted entries in the slots' directories ---------------------------------
+
+/// `exec --slot CLASS --no-wait -- true`: exit 0 if a slot was free, 75 if
+/// the class was full.
+fn try_slot(env: &Env, class: &str) -> std::process::Output {
+    env.run(["exec", "--slot", class, "--no-wait", "--", "true"])
+}
+
+/// One slot held, and the limit (1) reached: the next acquirer is refused.
+fn assert_limit_one_binds(env: &Env) {
+    let holder = env.hold(&["--slot", "pull"], "held");
+    let out = try_slot(env, "pull");
+    assert_eq!(
+        code(&out),
+        Some(75),
+        "a second holder beside the one limit 1 allows: {}",
+        show(&out)
+    );
+    env.release("release");
+    let out = holder.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+/// A link and a directory planted under slot names beyond the limit (a
+/// group member can write the class directory): a lowered limit is still
+/// the one every acquirer goes by, and the link's target is untouched.
+#[test]
+fn entries_planted_under_slot_names_leave_no_old_limit_standing() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "4"]);
+    let dir = env.root.join("locks/slots/pull");
+    let elsewhere = env.scratch.join("elsewhere");
+    fs::write(&elsewhere, "keep").unwrap();
+    symlink(&elsewhere, dir.join("9.lock")).unwrap();
+    fs::create_dir(dir.join("8.lock")).unwrap();
+    env.ok(["slots", "set", "pull", "1"]);
+    assert_limit_one_binds(&env);
+    assert_eq!(fs::read_to_string(&elsewhere).unwrap(), "keep");
+}
+
+/// A link planted under a slot name beyond the limit is nobody's slot: a
+/// waiter gets the slot freed by the one holder.
+#[test]
+fn a_link_under_a_slot_name_does_not_fail_the_waiters() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "1"]);
+    let elsewhere = env.scratch.join("elsewhere");
+    fs::write(&elsewhere, "keep").unwrap();
+    symlink(&elsewhere, env.root.join("locks/slots/pull/5.lock")).unwrap();
+    let holder = env.hold(&["--slot", "pull"], "held");
+    let waiter = env.spawn(["exec", "--slot", "pull", "--", "true"]);
+    env.wait_for_slot_waiters("pull", 1);
+    env.release("release");
+    let out = holder.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = waiter.finish();
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "the waiter gets the slot: {}",
+        show(&out)
+    );
+    assert_eq!(fs::read_to_string(&elsewhere).unwrap(), "keep");
+}
+
+/// A class directory replaced by a link to a directory outside the root:
+/// changing or removing the class never writes, or empties, files there.
+#[test]
+fn a_linked_class_directory_never_has_files_outside_the_root_written() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let victim = env.scratch.join("victim");
+    fs::create_dir(&victim).unwrap();
+    fs::write(victim.join("x.lock"), "precious").unwrap();
+    fs::write(victim.join("0.lock"), "precious").unwrap();
+    let dir = env.root.join("locks/slots/pull");
+    fs::remove_dir_all(&dir).unwrap();
+    symlink(&victim, &dir).unwrap();
+    for args in [
+        &["slots", "set", "pull", "0"][..],
+        &["slots", "set", "pull", "3"],
+        &["exec", "--slot", "pull", "--", "true"],
+        &["slots", "rm", "pull"],
+    ] {
+        let out = env.run(args);
+        for f in ["x.lock", "0.lock"] {
+            assert_eq!(
+                fs::read_to_string(victim.join(f)).unwrap(),
+                "precious",
+                "{f} outside the root was written by {args:?}: {}",
+                show(&out)
+            );
+        }
+    }
+}
+
+/// `locks/slots` replaced by a link to a directory outside the root:
+/// nothing is made there, by a change of a class or by an acquirer (which
+/// refuses, naming the link).
+#[test]
+fn a_linked_slots_directory_never_has_anything_made_outside_the_root() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let victim = env.scratch.join("victim");
+    fs::create_dir(&victim).unwrap();
+    let slots = env.root.join("locks/slots");
+    fs::rename(&slots, env.root.join("locks/slots.real")).unwrap();
+    symlink(&victim, &slots).unwrap();
+    let set = env.run(["slots", "set", "pull", "3"]);
+    assert_ne!(code(&set), Some(0), "{}", show(&set));
+    assert!(
+        stderr(&set).contains("refusing to use it"),
+        "{}",
+        show(&set)
+    );
+    let out = env.run(["exec", "--slot", "pull", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(
+        walkdir(&victim).len(),
+        0,
+        "made outside the root: {:?}\n{}",
+        walkdir(&victim),
+        show(&out)
+    );
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("locks/slots is a symlink"),
+        "{}",
+        show(&out)
+    );
+}
+
+/// An acquirer of a class whose slots directory is a planted link refuses,
+/// as `slots set` does, naming the link: not "unknown slot class", whose
+/// advice (`slots set`) then fails.
+#[test]
+fn an_acquirer_refuses_a_linked_slots_directory_naming_it() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let victim = env.scratch.join("victim");
+    fs::create_dir(&victim).unwrap();
+    let slots = env.root.join("locks/slots");
+    fs::rename(&slots, env.root.join("locks/slots.real")).unwrap();
+    symlink(&victim, &slots).unwrap();
+    let out = env.run(["exec", "--slot", "pull", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("refusing to use it"),
+        "{}",
+        show(&out)
+    );
+}
+
+/// A directory named like a lock file among the image lock files is no
+/// image's: a store-wide command, which passes over every lock file, is
+/// not stopped by it.
+#[test]
+fn a_stray_entry_among_the_lock_files_does_not_stop_store_wide_commands() {
+    let env = Env::new();
+    env.make_image("keep");
+    fs::create_dir(env.root.join("locks/images/stray.lock")).unwrap();
+    let out = env.run(["exec", "--store-wide", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "a directory named like a lock file stopped a store-wide command: {}",
+        show(&out)
+    );
+    env.ok(["exec", "--read", "keep", "--", "true"]);
+    assert!(env.root.join("locks/images/stray.lock").is_dir());
+}
+
+/// A link planted in the images directory's place (the real one moved
+/// aside): a new image is not made through it, and the write fails.
+#[test]
+fn a_new_image_is_not_made_through_a_link_in_the_images_directorys_place() {
+    let env = Env::new();
+    env.make_image("base");
+    let outside = env.tmp.path().join("outside");
+    fs::create_dir(&outside).unwrap();
+    let img = env.images_dir();
+    fs::rename(&img, env.tmp.path().join("img.real")).unwrap();
+    symlink(&outside, &img).unwrap();
+    let out = env.run(["exec", "--write", "app", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("symlink"), "{}", show(&out));
+    assert!(
+        fs::read_dir(&outside).unwrap().next().is_none(),
+        "a tree was made outside the images directory: {}",
+        show(&out)
+    );
+    assert_eq!(env.state("app"), None);
+}
+
+// --- kernels and filesystems that refuse --------------------------------------
+
+/// `cmd` run where `openat2` fails with `errno`, as on a kernel older than
+/// 5.6 (ENOSYS) or under a container's seccomp profile (EPERM): a seccomp
+/// filter installed in the child before it runs stowage.
+#[cfg(target_arch = "x86_64")]
+fn without_openat2(cmd: &mut Command, errno: u32) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only prctl(2) between fork and exec, on data the closure owns.
+    unsafe {
+        cmd.pre_exec(move || {
+            let filter = [
+                // A = seccomp_data.nr
+                libc::sock_filter {
+                    code: 0x20,
+                    jt: 0,
+                    jf: 0,
+                    k: 0,
+                },
+                // if A == SYS_openat2 (437) fall through, else skip one
+                libc::sock_filter {
+                    code: 0x15,
+                    jt: 0,
+                    jf: 1,
+                    k: 437,
+                },
+                // return SECCOMP_RET_ERRNO | errno
+                libc::sock_filter {
+                    code: 0x06,
+                    jt: 0,
+                    jf: 0,
+                    k: 0x0005_0000 | errno,
+                },
+                // return SECCOMP_RET_ALLOW
+                libc::sock_filter {
+                    code: 0x06,
+                    jt: 0,
+                    jf: 0,
+                    k: 0x7fff_0000,
+                },
+            ];
+            let prog = libc::sock_fprog {
+                len: filter.len() as u16,
+                filter: filter.as_ptr() as *mut libc::sock_filter,
+            };
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                || libc::prctl(libc::PR_SET_SECCOMP, 2, &prog as *const libc::sock_fprog) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Without openat2 (an old kernel, a seccomp profile), every command
+/// still works: writes record their outcome, reads and listings see it.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn a_kernel_without_openat2_still_runs_every_command() {
+    for errno in [libc::ENOSYS, libc::EPERM] {
+        let env = Env::new();
+        env.make_image("a");
+        let run = |args: &[&str]| {
+            let mut c = env.cmd(args);
+            without_openat2(&mut c, errno as u32);
+            output(c)
+        };
+        let out = run(&[
+            "exec",
+            "--write",
+            "b",
+            "--",
+            "sh",
+            "-c",
+            "echo x > \"$STOWAGE_IMAGE_DIR/f\"",
+        ]);
+        assert_eq!(code(&out), Some(0), "{errno}: {}", show(&out));
+        let out = run(&["exec", "--read", "a", "--read", "b", "--", "true"]);
+        assert_eq!(code(&out), Some(0), "{errno}: {}", show(&out));
+        let out = run(&["exec", "--write", "a", "--", "false"]);
+        assert_eq!(code(&out), Some(1), "{errno}: {}", show(&out));
+        let out = run(&["images"]);
+        assert_eq!(code(&out), Some(0), "{errno}: {}", show(&out));
+        let listed = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            listed
+                .lines()
+                .any(|l| l.starts_with("a ") && l.contains("incomplete")),
+            "{errno}: the failed write is seen: {}",
+            show(&out)
+        );
+        for args in [
+            &["gc"][..],
+            &["rm", "b"],
+            &["doctor"],
+            &["lock-status", "--all"],
+        ] {
+            let out = run(args);
+            assert_eq!(code(&out), Some(0), "{errno} {args:?}: {}", show(&out));
+        }
+        assert_eq!(
+            env.state("a"),
+            None,
+            "{errno}: gc collected the failed write"
+        );
+        assert_eq!(env.state("b"), None, "{errno}: removed");
+    }
+}
+
+/// The catalog lost on a filesystem filled to the last byte: `images`
+/// still lists every image (from the records), and `rm` still removes one.
+#[test]
+fn a_lost_catalog_on_a_full_filesystem_still_lists_and_removes() {
+    let Some(fs_) = Mount::tmpfs("size=2m") else {
+        return;
+    };
+    let env = fs_.env();
+    env.make_image("a");
+    env.make_image("b");
+    env.ok(["images"]);
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    let _ = fs::remove_file(env.root.join("reserve"));
+    {
+        use std::io::Write;
+        let mut f = fs::File::create(fs_.dir.join("fill")).unwrap();
+        let chunk = vec![0u8; 64 * 1024];
+        while f.write_all(&chunk).is_ok() {}
+        while f.write_all(&chunk[..512]).is_ok() {}
+        while f.write_all(&chunk[..1]).is_ok() {}
+    }
+    let out = env.run(["images"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let listed = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(listed.contains("a ") && listed.contains("b "), "{listed}");
+    let out = env.run(["rm", "a"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(env.image("a").is_none(), "'a' is still there");
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+}
+
+/// On a copy-on-write filesystem (btrfs) rewriting even a few bytes of a
+/// file needs free space. A build filled the filesystem: `rm` of a ready
+/// image, read before, must still free space, with no file touched by
+/// hand.
+#[test]
+fn rm_of_a_read_image_frees_a_full_copy_on_write_filesystem() {
+    let Some(m) = Mount::btrfs_loop("256M") else {
+        return;
+    };
+    let env = m.env();
+    env.build(
+        "old",
+        "head -c 20000000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    env.ok(["exec", "--read", "old", "--", "true"]);
+    let out = env.run([
+        "exec",
+        "--write",
+        "big",
+        "--",
+        "sh",
+        "-c",
+        "head -c 1000000000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"; \
+         i=0; while echo x > \"$STOWAGE_IMAGE_DIR/s$i\"; do i=$((i+1)); done 2>/dev/null; exit 1",
+    ]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    // Whatever the build left free (btrfs keeps some back for metadata)
+    // goes too: big files, then small ones.
+    let fill = format!(
+        "head -c 1000000000 /dev/zero > '{d}/filler' 2>/dev/null; \
+         i=0; while echo y > '{d}/fill.'$i; do i=$((i+1)); done 2>/dev/null; sync; \
+         ! echo z > '{d}/probe' 2>/dev/null",
+        d = m.dir.display()
+    );
+    let full = Command::new("sh").args(["-c", &fill]).status().unwrap();
+    assert!(full.success(), "the filesystem is not full");
+    let out = env.run(["rm", "old"]);
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "rm cannot free a full filesystem: {}",
+        show(&out)
+    );
+    assert!(env.image("old").is_none());
+}
+
+/// A writer that died before its command, whose lock file this process
+/// cannot write (immutable here; another user's elsewhere): its image is
+/// still shown incomplete, never ready, and is once the file can be
+/// written again.
+#[test]
+fn a_dead_writers_image_whose_lock_file_cannot_be_written_is_shown_incomplete() {
+    if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    let (writer, _) = env.paused(
+        [
+            "exec",
+            "--write",
+            "a",
+            "--",
+            "sh",
+            "-c",
+            "echo half > \"$STOWAGE_IMAGE_DIR/file\"",
+        ],
+        "exec-before-spawn",
+    );
+    writer.kill_all();
+    let lock = env.lock_file("a");
+    let chattr = |flag: &str| {
+        Command::new("chattr")
+            .arg(flag)
+            .arg(&lock)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !chattr("+i") {
+        eprintln!("skipping: chattr +i is not supported here");
+        return;
+    }
+    let listed = env.run(["images", "--json"]);
+    let read = env.run(["exec", "--read", "a", "--", "true"]);
+    assert!(chattr("-i"));
+    assert_eq!(code(&listed), Some(0), "{}", show(&listed));
+    let rows: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(rows[0]["state"], "incomplete", "{rows}");
+    assert_ne!(code(&read), Some(0), "{}", show(&read));
+    assert_eq!(env.state("a").as_deref(), Some("incomplete"));
+    let out = env.run(["exec", "--read", "a", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
 }

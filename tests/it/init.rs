@@ -14,7 +14,7 @@ fn creates_the_layout_idempotently() {
     for d in ["locks/images", "locks/slots", "img", "trash"] {
         assert!(env.root.join(d).is_dir(), "{d}");
     }
-    assert!(env.root.join("stowage.db").is_file());
+    assert!(env.root.join("store.conf").is_file());
     let before = tree(&env.root);
     env.ok(["init"]);
     assert_eq!(tree(&env.root), before);
@@ -210,4 +210,78 @@ fn a_failed_init_leaves_no_root() {
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert!(stderr(&out).contains("parent"), "{}", show(&out));
     assert!(!env.root.exists());
+}
+
+/// `init` without `--images-dir`, or naming the images directory already
+/// in use, takes no store-wide lock: it runs while an outside program
+/// holds store.lock, and beside a new image's writer.
+#[test]
+fn init_without_a_switch_takes_no_store_lock() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let images = env.images_dir();
+    let holder = flock_holder(
+        &env.root.join("locks/store.lock"),
+        &env.sentinel("held"),
+        "sleep 60",
+    );
+    env.ok(["init"]);
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    holder.kill_all();
+    let writer = env.hold(&["--write", "app"], "started");
+    env.ok(["init"]);
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// The images directory does not switch while a new image's writer runs
+/// (its tree is in the directory the switch would leave behind): the
+/// switch is refused as busy, and the image ends ready where it was made.
+#[test]
+fn the_images_directory_does_not_switch_beside_a_new_images_writer() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let writer = env.hold(&["--write", "app"], "started");
+    let other = env.tmp.path().join("elsewhere");
+    let out = env.run(["init", "--images-dir", other.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    assert!(stderr(&out).contains("busy"), "{}", show(&out));
+    env.release("release");
+    let w = writer.finish();
+    assert_eq!(code(&w), Some(0), "{}", show(&w));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert!(env.root.join("img/app").is_dir());
+    env.ok(["gc"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "app", "--", "true"]);
+    env.ok(["doctor"]);
+}
+
+/// A new image being written is listed `creating`; its tree, which has
+/// no finished record yet, is no orphan to adopt for `init` or `doctor`.
+#[test]
+fn a_new_image_being_written_is_listed_creating_and_left_alone_by_adoption() {
+    let env = Env::new();
+    env.make_image("base");
+    let writer = env.hold(&["--write", "app"], "started");
+    assert_eq!(env.state("app").as_deref(), Some("creating"));
+    let out = env.ok(["init"]);
+    assert!(!stderr(&out).contains("adopted"), "{}", show(&out));
+    let out = env.ok(["doctor"]);
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("PROBLEM"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("app").as_deref(), Some("creating"));
+    let entry = env.lock_entry("app").expect("its lock is shown");
+    assert_eq!(entry["state"], "exclusive", "{entry}");
+    assert_eq!(entry["image_state"], "creating", "{entry}");
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "app", "--", "true"]);
 }

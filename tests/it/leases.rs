@@ -11,6 +11,7 @@
 
 use std::collections::HashSet;
 use std::ffi::CString;
+use std::fs;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::process::Command;
@@ -833,24 +834,18 @@ fn a_planted_leases_symlink_gets_no_lease_made_through_it() {
     );
 }
 
-/// A plain read writes no holder record: its lease lists the lock and the
-/// command it is for, and lock-status names the reader from there, once —
+/// A reader is named by its lease: it lists the lock and the command it
+/// is for, and lock-status names the reader from there, once —
 /// with the kernel's lock table, without one (NFS, where the table shows
 /// nothing of other hosts), in the default view and asked by name, and
 /// after stowage itself died while its command (which inherited the lock
 /// and the lease) runs on.
 #[test]
-fn a_reader_is_named_by_its_lease_not_a_record() {
+fn a_reader_is_named_by_its_lease() {
     let env = Env::new();
     env.make_image("base");
     let mut bg = env.hold(&["--read", "base"], "started");
     let stowage = bg.pid();
-    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
-    let records: i64 = conn
-        .query_row("SELECT count(*) FROM records", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(records, 0, "a read records no holder");
-    drop(conn);
     let leases: Vec<String> = std::fs::read_dir(env.root.join("locks/leases"))
         .unwrap()
         .flatten()
@@ -1177,4 +1172,127 @@ fn a_reader_gone_after_a_looks_table_is_named_by_its_lease() {
     assert_eq!(holders.len(), 1, "{base}");
     assert_eq!(holders[0]["stowage"], true, "shown as an outsider: {base}");
     assert!(holders[0]["lease"].is_string(), "{base}");
+}
+
+/// A lease nobody wrote is kept for a grace unless its maker is known
+/// gone: its maker may be between its create and its lock. Its age must
+/// not come from its mtime, which a client sets (an NFSv3 or 4.0
+/// exclusive create stores its verifier there until the client's
+/// SETATTR) — set here with `touch -d` while the maker, in another pid
+/// namespace (so its name cannot show it alive), is stopped before its
+/// first lock.
+#[test]
+fn a_lease_between_its_create_and_its_lock_is_not_judged_by_its_mtime() {
+    if !root_or_skip("a pid namespace") || !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("X");
+    let stopped = env.sentinel("stopped");
+    let go = env.sentinel("go");
+    let cmds = env.sentinel("gdb-cmds");
+    std::fs::write(
+        &cmds,
+        format!(
+            "set pagination off\ncatch syscall flock\nrun\n\
+             shell touch '{s}'; i=0; while [ ! -e '{g}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done\n\
+             delete\ncontinue\n",
+            s = stopped.display(),
+            g = go.display()
+        ),
+    )
+    .unwrap();
+    let mut c = Command::new("unshare");
+    c.args([
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "gdb",
+        "-q",
+        "-batch",
+        "-x",
+    ])
+    .arg(&cmds)
+    .arg("--args")
+    .arg(bin())
+    .arg("--root")
+    .arg(&env.root)
+    .args(["exec", "--read", "X", "--"])
+    .args(env.hold_cmd("started", "release"))
+    .env_remove("STOWAGE_ROOT")
+    .env_remove("STOWAGE_NOW");
+    let maker = Bg::from_command(c);
+    // Its first flock is its lease's: the file is made, not yet locked.
+    wait_for_file(&stopped);
+    let leases = env.root.join("locks/leases");
+    let names: Vec<_> = std::fs::read_dir(&leases).unwrap().flatten().collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+    let lease = names[0].path();
+    assert_eq!(std::fs::metadata(&lease).unwrap().len(), 0);
+    let out = Command::new("touch")
+        .args(["-d", "2000-01-01"])
+        .arg(&lease)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    // Probers that clean leases.
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.ok(["lock-status", "--all"]);
+    let kept = lease.exists();
+    std::fs::write(&go, "").unwrap();
+    wait_for_file(&env.sentinel("started"));
+    let status = env.ok(["lock-status"]);
+    env.release("release");
+    let out = maker.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        kept,
+        "a prober unlinked the lease of a live maker about to lock it"
+    );
+    let status = String::from_utf8_lossy(&status.stdout).into_owned();
+    assert!(!status.contains("outside stowage"), "{status}");
+}
+
+/// Entries in the leases directory that are no leases (notes, files of
+/// other tools) are left alone by every command that cleans leases.
+#[test]
+fn entries_in_the_leases_directory_that_are_no_leases_are_left_alone() {
+    let env = Env::new();
+    env.make_image("base");
+    let leases = env.root.join("locks/leases");
+    std::fs::write(leases.join("notes.txt"), "keep").unwrap();
+    std::fs::write(leases.join("base.dirty"), "").unwrap();
+    std::fs::write(leases.join("no%%lease"), "").unwrap();
+    env.ok(["images"]);
+    env.ok(["exec", "--write", "base", "--", "true"]);
+    env.ok(["lock-status", "--all"]);
+    env.ok(["gc"]);
+    for f in ["notes.txt", "base.dirty", "no%%lease"] {
+        assert!(leases.join(f).exists(), "{f} was removed");
+    }
+    assert_eq!(
+        std::fs::read_to_string(leases.join("notes.txt")).unwrap(),
+        "keep"
+    );
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
+/// Every command retires its lease: nothing is left in `locks/leases` once
+/// they have ended (a dead process's lease is cleaned by the next look).
+#[test]
+fn commands_leave_no_lease_behind() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    env.ok(["exec", "--read", "base", "--write", "app", "--", "true"]);
+    env.ok(["slots", "set", "pull", "1"]);
+    env.ok(["exec", "--slot", "pull", "--read", "app", "--", "true"]);
+    env.ok(["rm", "app"]);
+    env.ok(["gc"]);
+    let left: Vec<_> = fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }

@@ -209,26 +209,28 @@ fn nested(env: &Env, outer: &[&str], inner: &str) -> std::process::Output {
     env.run(&args)
 }
 
-/// Waiter records in the database, read directly (not through stowage,
-/// which would judge and drop stale ones before showing them).
-fn waiter_rows(env: &Env) -> Option<String> {
-    let out = Command::new("sqlite3")
-        .arg(env.root.join("stowage.db"))
-        .arg("SELECT kind, name FROM records WHERE role = 'waiter'")
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+/// The `await=` lines of every lease: who waits for what, as lock-status
+/// learns it.
+fn waiter_lines(env: &Env) -> Vec<String> {
+    fs::read_dir(env.root.join("locks/leases"))
+        .map(|d| {
+            d.flatten()
+                .flat_map(|e| {
+                    fs::read_to_string(e.path())
+                        .unwrap_or_default()
+                        .lines()
+                        .filter(|l| l.starts_with("await="))
+                        .map(str::to_owned)
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 #[test]
 fn a_request_that_times_out_on_a_later_lock_leaves_no_waiter_record() {
     let env = Env::new();
-    if waiter_rows(&env).is_none() && Command::new("sqlite3").arg("-version").output().is_err() {
-        eprintln!("skipped: no sqlite3 to read the records with");
-        return;
-    }
     let mut args = vec!["exec".to_owned(), "--write".into(), "a".into(), "--".into()];
     args.extend(env.hold_cmd("a", "release-a"));
     let a = env.spawn(&args);
@@ -241,11 +243,15 @@ fn a_request_that_times_out_on_a_later_lock_leaves_no_waiter_record() {
     env.release("release-a");
     let out = w.finish();
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
-    assert_eq!(
-        waiter_rows(&env).as_deref(),
-        Some(""),
-        "waiter records left"
+    assert!(
+        waiter_lines(&env).is_empty(),
+        "waiters left: {:?}",
+        waiter_lines(&env)
     );
+    let st = env.status_json(["a", "b"]);
+    for l in st["locks"].as_array().unwrap() {
+        assert!(l["waiters"].as_array().unwrap().is_empty(), "{st}");
+    }
     env.release("release");
     for bg in [a, b] {
         assert_eq!(bg.finish().status.code(), Some(0));
@@ -308,7 +314,7 @@ fn a_parent_that_is_no_exec_is_waited_for_like_anyone() {
             .arg("--root")
             .arg(&env.root);
         c.args(args);
-        c.env_remove(stowage::env::EXEC_PIDS);
+        c.env_remove(stowage::env::EXEC_LEASES);
         output(c)
     };
     fs::create_dir_all(slot.parent().unwrap()).unwrap();
@@ -766,33 +772,60 @@ fn nested_slot_of_a_full_class_works_under_the_enclosing_slot() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
 }
 
+/// A read of a new image while its writer creates it waits for the
+/// writer, and then reads what it made.
 #[test]
-fn nested_migration_fails_instead_of_waiting_for_its_enclosing_command() {
+fn a_read_waits_for_a_new_image_being_written() {
     let env = Env::new();
-    // An older release (two migrations) makes the store and reads from it;
-    // inside, the current release finds the schema behind and must migrate,
-    // which needs every image lock free — the enclosing one included.
-    let mut c = env.cmd([
+    env.make_image("base");
+    let writer = env.start_sh(&["--write", "app"], |started| {
+        format!(
+            "echo made > \"$STOWAGE_IMAGE_DIR/file\"; touch '{}'; \
+             i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            started.display(),
+            r = env.sentinel("release").display()
+        )
+    });
+    assert_eq!(env.state("app").as_deref(), Some("creating"));
+    let reader = env.spawn([
         "exec",
-        "--write",
-        "base",
+        "--read",
+        "app",
         "--",
         "sh",
         "-c",
-        "echo x > \"$STOWAGE_IMAGE_DIR/f\"",
+        "cat \"$STOWAGE_IMAGES_DIR/app/file\"",
     ]);
-    c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "2");
-    let out = output(c);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    let cmd = format!(
-        "env -u {lim} '{bin}' --root '{root}' exec --read base -- true",
-        lim = stowage::env::DEBUG_SCHEMA_LIMIT,
-        bin = bin(),
-        root = env.root.display()
-    );
-    let mut c = env.cmd(["exec", "--read", "base", "--", "sh", "-c", &cmd]);
-    c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "2");
-    let out = output(c);
-    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
-    assert!(stderr(&out).contains("enclosing command"), "{}", show(&out));
+    env.wait_for_waiter("app");
+    env.release("release");
+    assert_eq!(code(&writer.finish()), Some(0));
+    let out = reader.finish();
+    assert_eq!(code(&out), Some(0), "the read waited: {}", show(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "made\n");
+}
+
+/// A request that takes one image's lock, then is refused another's
+/// (busy, `--no-wait`), leaves the first as it was: ready.
+#[test]
+fn a_request_refused_a_later_lock_leaves_the_earlier_images_as_they_were() {
+    let env = Env::new();
+    env.make_image("base");
+    env.build("app", "echo made > \"$STOWAGE_IMAGE_DIR/file\"");
+    let reader = env.hold(&["--read", "base"], "started");
+    let out = env.run([
+        "exec",
+        "--write",
+        "app",
+        "--write",
+        "base",
+        "--no-wait",
+        "--",
+        "true",
+    ]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    env.release("release");
+    assert_eq!(code(&reader.finish()), Some(0));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("app", "file"), "made\n");
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
 }

@@ -11,15 +11,13 @@
 //! - `slots`: slot classes, their limits and their waiters
 //! - `store_wide`: `exec --store-wide` and the calls nested inside it
 //! - `clone`: `--from`, the copy of a base
-//! - `rm`, `gc`, `doctor`, `init`, `migration`: those commands
+//! - `rm`, `gc`, `doctor`, `init`: those commands
+//! - `catalog_loss`: the catalog deleted, emptied, damaged or replaced,
+//!   and stores moved or seen at another path — no image changes
 //! - `status`: what `lock-status` and `images` show
 //! - `names`: image names valid and invalid
 //! - `leases`: holder leases and holders on other hosts
-//! - `tokens`: ready tokens — what a read learns from an image's lock file,
-//!   and every way an image stops being ready taking the token away;
-//!   `tokens_database`: a token against the database, root and clock it
-//!   speaks for; `tokens_edges`: tokens beside store-wide holds, restores,
-//!   failed starts, other layouts, stray files
+//! - `round_trips`: the server round trips a command costs
 //! - `signals`: signals and crashes of stowage, its command and its waiters
 //! - `hostile`: a hostile or broken environment — planted links, foreign
 //!   roots, read-only and full filesystems, outside programs
@@ -39,8 +37,11 @@
 
 mod common;
 
+mod across_hosts;
+mod catalog_loss;
 mod charliecloud;
 mod clone;
+mod cluster;
 mod docs;
 mod doctor;
 mod exec;
@@ -52,18 +53,9 @@ mod leases;
 mod locking;
 mod migration;
 mod names;
-mod new_alone;
-mod records_db;
-mod review_final;
-mod review_fresh;
-mod review_hold;
-mod review_new;
-mod review_reads;
-mod review_reads2;
-mod review_slots;
-mod review_writer;
-mod review_writer2;
+mod record_crashes;
 mod rm;
+mod round_trips;
 mod runtimes;
 mod shell;
 mod signals;
@@ -71,7 +63,3 @@ mod slots;
 mod status;
 mod store_wide;
 mod stress;
-mod tokens;
-mod tokens_database;
-mod tokens_edges;
-mod written;

@@ -1,143 +1,264 @@
-//! Schema migration is a store-wide operation: it waits until no image
-//! lock or slot is held, so a process of an older release that holds one
-//! finishes against the schema it knows.
+//! A store made by the last release before image records (catalog schema
+//! 10) migrates on first use without losing an image, its state or its
+//! base: every image's record is written from what that release held true.
+//!
+//! The stores are tests/fixtures/schema10-*.tar, made by that release's
+//! binary with scripts/make-migration-fixtures; a test that also needs the
+//! binary itself runs when `STOWAGE_OLD_BIN` names it.
 
 use std::fs;
-use std::process::Stdio;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
 
 use crate::common::*;
 
-const OLD: (&str, &str) = ("STOWAGE_DEBUG_SCHEMA_LIMIT", "1");
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
 
-/// PRAGMA user_version, read from the database header (offset 60).
-fn schema_version(env: &Env) -> u32 {
+fn untar(tar: &Path, into: &Path) {
+    let st = Command::new("tar")
+        .arg("-C")
+        .arg(into)
+        .arg("-xf")
+        .arg(tar)
+        .status()
+        .unwrap();
+    assert!(st.success(), "untar {}", tar.display());
+}
+
+/// An Env whose root is the schema-10 store of the fixture, moved to the
+/// test's own directory (as a store copied with `cp -a` would be).
+fn old_store() -> Env {
+    let env = Env::new();
+    untar(&fixture("schema10-store.tar"), env.tmp.path());
+    fs::rename(env.tmp.path().join("store"), &env.root).unwrap();
+    env
+}
+
+fn catalog_version(env: &Env) -> u32 {
     let bytes = fs::read(env.root.join("stowage.db")).unwrap();
     u32::from_be_bytes(bytes[60..64].try_into().unwrap())
 }
 
-/// The schema this build writes.
-fn latest() -> u32 {
-    stowage::meta::schema_version() as u32
+fn states(env: &Env) -> Vec<(String, String, Option<String>)> {
+    env.images_json()
+        .iter()
+        .map(|i| {
+            (
+                i["name"].as_str().unwrap().to_owned(),
+                i["state"].as_str().unwrap().to_owned(),
+                i["base"].as_str().map(str::to_owned),
+            )
+        })
+        .collect()
+}
+
+fn st(name: &str, state: &str, base: Option<&str>) -> (String, String, Option<String>) {
+    (name.into(), state.into(), base.map(Into::into))
+}
+
+/// What the older release held true of each image of the fixture.
+fn expected() -> Vec<(String, String, Option<String>)> {
+    vec![
+        st("app", "ready", Some("base")),
+        st("base", "ready", None),
+        // rm died once the row said deleting: the deletion is finished by
+        // rm or gc, never undone.
+        st("doomed", "deleting", None),
+        st("failed", "incomplete", None),
+        // Rewritten without the database; its record said ready.
+        st("folded", "ready", None),
+        // Its writer died in its command: the record said writing.
+        st("newborn", "incomplete", None),
+        st("rewritten", "incomplete", None),
+        // Made without the database: a record, no row.
+        st("rowless", "ready", None),
+    ]
+}
+
+fn assert_migrated(env: &Env) {
+    assert_eq!(catalog_version(env), 11, "the catalog is at schema 11");
+    let locks = env.root.join("locks/images");
+    for f in fs::read_dir(&locks).unwrap() {
+        let f = f.unwrap().path();
+        let text = fs::read(&f).unwrap();
+        let has = |what: &[u8]| text.windows(what.len()).any(|w| w == what);
+        assert!(
+            has(b"stowage-record 1\n") && !has(b"stowage-image "),
+            "{} holds a record of this release, and only that",
+            f.display()
+        );
+    }
+    let markers: Vec<_> = fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".dirty"))
+        .collect();
+    assert!(markers.is_empty(), "no marker is left: {markers:?}");
+    assert!(env.root.join("store.conf").exists());
+    let global = fs::read(env.root.join("locks/global.lock")).unwrap();
+    assert!(global.is_empty(), "the older release's statement is gone");
 }
 
 #[test]
-fn migration_waits_for_image_lock_holders() {
-    let env = Env::new();
-    let mut c = env.cmd(["exec", "--write", "base", "--", "true"]);
-    c.env(OLD.0, OLD.1);
-    assert_eq!(output(c).status.code(), Some(0));
-    assert_eq!(schema_version(&env), 1);
+fn an_old_store_keeps_every_image_its_state_and_its_base() {
+    let env = old_store();
+    assert_eq!(catalog_version(&env), 10);
+    assert_eq!(states(&env), expected());
+    assert_migrated(&env);
+    assert_eq!(env.read_in_image("folded", "v"), "two\n");
+    assert_eq!(env.read_in_image("app", "app"), "app\n");
+    assert_eq!(env.read_in_image("app", "os-release"), "base\n");
+    assert_eq!(env.read_in_image("rowless", "r"), "r\n");
+    let out = env.run(["exec", "--read", "rewritten", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+}
 
-    // An older stowage holds an image lock...
-    let old = env.hold_with(&["--read", "base"], "started", |c| {
-        c.env(OLD.0, OLD.1);
-    });
+#[test]
+fn an_old_store_keeps_its_slot_classes() {
+    let env = old_store();
+    let out = env.ok(["slots", "--json"]);
+    let classes: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let find = |name: &str| {
+        classes
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("class {name} kept: {classes}"))
+    };
+    assert_eq!(find("pull")["limit"], 3);
+    assert_eq!(find("pull")["reserve_high"], 1);
+    assert_eq!(find("load/podman")["limit"], 2);
+    assert_migrated(&env);
+    let out = env.run(["exec", "--slot", "pull", "--write", "x", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
 
-    // ...so a newer one must wait before migrating, even for another image.
-    let log = fs::File::create(env.sentinel("new.log")).unwrap();
-    let mut c = env.cmd([
+#[test]
+fn a_write_as_the_first_command_migrates_then_writes() {
+    let env = old_store();
+    let out = env.run([
         "exec",
         "--write",
-        "fresh",
+        "folded",
         "--",
-        "touch",
-        env.sentinel("ran").to_str().unwrap(),
+        "sh",
+        "-c",
+        "echo three > \"$STOWAGE_IMAGE_DIR/v\"",
     ]);
-    c.stderr(Stdio::from(log));
-    let mut new = Bg::from_command_keep_stderr(c);
-    wait_until("the newer stowage says it waits", || {
-        fs::read_to_string(env.sentinel("new.log"))
-            .unwrap_or_default()
-            .contains("before upgrading the metadata schema")
-    });
-    assert!(new.is_running());
-    assert!(!env.sentinel("ran").exists());
-    assert_eq!(
-        schema_version(&env),
-        1,
-        "no migration while an image lock is held"
-    );
-    let said = fs::read_to_string(env.sentinel("new.log")).unwrap();
-    assert!(
-        said.contains("image 'base'"),
-        "names what it waits for: {said}"
-    );
-
-    // The old holder finishes against the old schema, then the migration runs.
-    env.release("release");
-    let out = old.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    assert_eq!(new.finish().status.code(), Some(0));
-    assert!(env.sentinel("ran").exists());
-    assert_eq!(
-        schema_version(&env),
-        latest(),
-        "migrated to the latest schema"
-    );
-    assert_eq!(env.state("base").as_deref(), Some("ready"));
-    assert_eq!(env.state("fresh").as_deref(), Some("ready"));
-
-    // The older release now refuses the newer schema instead of damaging it.
-    let mut c = env.cmd(["images"]);
-    c.env(OLD.0, OLD.1);
-    let out = output(c);
-    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
-    assert!(
-        stderr(&out).contains("newer than this stowage"),
-        "{}",
-        stderr(&out)
-    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_migrated(&env);
+    assert_eq!(env.read_in_image("folded", "v"), "three\n");
+    assert_eq!(states(&env), expected());
 }
 
 #[test]
-fn rm_as_the_first_command_after_an_upgrade_migrates_first() {
-    // rm takes its image locks itself; migrating while holding them would
-    // wait for itself forever.
-    let env = Env::new();
-    let mut c = env.cmd(["exec", "--write", "old", "--", "true"]);
-    c.env(OLD.0, OLD.1);
-    assert_eq!(output(c).status.code(), Some(0));
-    env.ok(["rm", "old"]);
-    assert_eq!(schema_version(&env), latest());
-    assert_eq!(env.state("old"), None);
+fn gc_after_migration_removes_only_what_the_older_release_called_failed() {
+    let env = old_store();
+    let out = env.run(["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let left: Vec<String> = states(&env).into_iter().map(|s| s.0).collect();
+    assert_eq!(left, ["app", "base", "folded", "rowless"], "{}", show(&out));
+    for gone in ["doomed", "failed", "newborn", "rewritten"] {
+        assert!(!env.root.join("img").join(gone).exists(), "{gone}'s tree");
+    }
 }
 
+/// The fixture with an images directory outside the root: the older
+/// release recorded absolute paths, so the store is put back where it was
+/// made (one test at a time holds that place).
 #[test]
-fn migration_waits_for_an_older_release_holding_only_a_slot() {
-    let env = Env::new();
-    let old = |args: &[&str]| {
-        let mut c = env.cmd(args);
-        c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "2");
-        c
+fn an_old_store_with_an_external_images_directory_keeps_it() {
+    let place = Path::new("/tmp/stowage-fixture");
+    let guard = fs::File::create("/tmp/stowage-fixture.lock").unwrap();
+    // Not a store's lock: only this test's copies take it.
+    #[allow(clippy::disallowed_methods)]
+    fs2::FileExt::lock_exclusive(&guard).unwrap();
+    let _ = fs::remove_dir_all(place);
+    fs::create_dir(place).unwrap();
+    untar(&fixture("schema10-external.tar"), place);
+    // The directory is the one recorded, as it would be in place: its
+    // identity is this machine's.
+    let images = place.join("ext-images");
+    let id = stowage::dir::Dir::open(&images)
+        .unwrap()
+        .identity()
+        .unwrap();
+    let conn = rusqlite::Connection::open(place.join("ext/stowage.db")).unwrap();
+    conn.execute(
+        "UPDATE config SET value = ?1 WHERE key = 'images_dir_identity'",
+        [&id],
+    )
+    .unwrap();
+    drop(conn);
+    let mut env = Env::new();
+    env.root = place.join("ext");
+
+    assert_eq!(states(&env), expected());
+    assert_migrated(&env);
+    let conf = fs::read_to_string(env.root.join("store.conf")).unwrap();
+    assert!(
+        conf.contains(&format!("images={}\n", images.display())),
+        "{conf}"
+    );
+    assert_eq!(env.read_in_image("app", "os-release"), "base\n");
+    env.build("new", "echo n > \"$STOWAGE_IMAGE_DIR/n\"");
+    assert!(images.join("new/n").exists(), "a new image goes there too");
+    assert!(!env.root.join("img/new").exists());
+    let _ = fs::remove_dir_all(place);
+}
+
+/// A process of the older release holding an image: the migration waits
+/// for it, and the older release refuses the store once it is migrated.
+#[test]
+fn migration_waits_for_holders_of_the_older_release() {
+    let Ok(old) = std::env::var("STOWAGE_OLD_BIN") else {
+        eprintln!("skipped: STOWAGE_OLD_BIN does not name a binary of the release before records");
+        return;
     };
-    assert_eq!(
-        output(old(&["slots", "set", "one", "1"])).status.code(),
-        Some(0)
-    );
-    // The older release holds a slot and no image lock.
-    let mut args = vec!["exec", "--slot", "one", "--"];
-    let hold = env.hold_cmd("started", "release");
-    args.extend(hold.iter().map(String::as_str));
-    let holder = Bg::from_command(old(&args));
-    wait_for_file(&env.sentinel("started"));
-    // The newer one must migrate, and so must wait for that slot.
-    let log = env.sentinel("new.log");
-    let mut c = env.cmd(["images"]);
-    c.stderr(std::process::Stdio::from(fs::File::create(&log).unwrap()));
-    let mut new = Bg::from_command_keep_stderr(c);
-    wait_until(
-        "the newer release waits for the slot, or has migrated",
-        || !new.is_running() || fs::read_to_string(&log).unwrap().contains("waiting for"),
-    );
-    assert!(
-        fs::read_to_string(&log)
-            .unwrap()
-            .contains("slot 0 of class 'one'"),
-        "{}",
-        fs::read_to_string(&log).unwrap()
-    );
-    env.release("release");
-    let out = holder.finish();
-    assert_eq!(out.status.code(), Some(0), "older holder: {}", show(&out));
-    assert_eq!(new.finish().status.code(), Some(0));
+    let env = old_store();
+    let started = env.sentinel("started");
+    let release = env.sentinel("release");
+    let mut c = Command::new(&old);
+    c.arg("--root").arg(&env.root).args([
+        "exec",
+        "--read",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "touch {}; while [ ! -e {} ]; do sleep 0.05; done",
+            started.display(),
+            release.display()
+        ),
+    ]);
+    let holder = Bg::from_command(c);
+    wait_for_file(&started);
+    let mut new = env.spawn(["exec", "--write", "other", "--", "true"]);
+    wait_until("the migration waits", || {
+        fs::read(env.root.join("stowage.db")).unwrap()[60..64] == [0, 0, 0, 10] && new.is_running()
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(new.is_running(), "waits for the older release's reader");
+    assert_eq!(catalog_version(&env), 10);
+    fs::write(&release, "").unwrap();
+    assert_eq!(code(&holder.finish()), Some(0));
+    let out = new.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_migrated(&env);
+    let out = Command::new(&old)
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--read", "base", "--", "true"])
+        .output()
+        .unwrap();
+    assert_ne!(code(&out), Some(0), "the older release refuses the store");
 }

@@ -99,29 +99,25 @@ fn sigkill_during_rm_is_finished_by_repair() {
 
 // --- races ------------------------------------------------------------------
 
-/// Two removals of an image that has no lock file yet (adopted, never
-/// locked): the loser says the image does not exist and leaves no lock file
-/// behind.
+/// A tree without a record (its lock file deleted by hand) is no image to
+/// remove: rm says it does not exist, and leaves no lock file behind.
 #[test]
-fn the_losing_rm_of_a_race_leaves_no_lock_file() {
+fn rm_of_a_tree_without_a_record_says_it_does_not_exist_and_leaves_no_lock_file() {
     let env = Env::new();
     env.make_image("x");
     fs::remove_file(env.lock_file("x")).unwrap();
-    let (slow, paused) = env.paused(["rm", "x"], "image-required");
-    env.ok(["rm", "x"]);
-    fs::remove_file(&paused).unwrap();
-    let out = slow.finish();
+    let out = env.run(["rm", "x"]);
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
     assert!(
         stderr(&out).contains("'x' does not exist"),
         "{}",
         show(&out)
     );
+    assert!(!env.lock_file("x").exists(), "no lock file made for it");
     assert!(
-        !env.lock_file("x").exists(),
-        "no lock file for a removed image"
+        env.root.join("img/x/file").exists(),
+        "the tree is left alone"
     );
-    env.ok(["doctor"]);
 }
 
 #[test]
@@ -386,4 +382,80 @@ fn one_tree_that_cannot_leave_the_trash_keeps_neither_the_others_nor_the_report(
     assert!(left[0].to_string_lossy().ends_with(".a"), "{left:?}");
     env.ok(["gc"]);
     assert_eq!(fs::read_dir(&trash).unwrap().count(), 0);
+}
+
+/// Runs stowage as if its root were on NFS: lock files are kept, never
+/// unlinked, so a removed image's record must say it is gone another way.
+fn on_nfs(env: &Env, args: &[&str]) -> std::process::Output {
+    let mut c = env.cmd(args);
+    c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+    output(c)
+}
+
+/// Images removed by rm and collected by gc on a shared filesystem keep
+/// their lock files: they are still not read, nor listed.
+#[test]
+fn a_removed_image_whose_lock_file_is_kept_is_not_read() {
+    let env = Env::new();
+    for name in ["gone", "collected"] {
+        let out = on_nfs(&env, &["exec", "--write", name, "--", "true"]);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+    }
+    assert_eq!(code(&on_nfs(&env, &["rm", "gone"])), Some(0));
+    let failed = on_nfs(&env, &["exec", "--write", "collected", "--", "false"]);
+    assert_eq!(code(&failed), Some(1), "{}", show(&failed));
+    assert_eq!(code(&on_nfs(&env, &["gc"])), Some(0));
+    for name in ["gone", "collected"] {
+        assert!(
+            env.lock_file(name).exists(),
+            "{name}: the lock file is kept"
+        );
+        let out = on_nfs(&env, &["exec", "--read", name, "--", "true"]);
+        assert_eq!(code(&out), Some(66), "{name}: {}", show(&out));
+        assert_eq!(env.state(name), None);
+    }
+    // The name is written anew, as a new image.
+    let out = on_nfs(&env, &["exec", "--write", "gone", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("gone").as_deref(), Some("ready"));
+}
+
+/// A name whose lock file was kept, emptied, by a removal (as on NFS) is
+/// written anew as a new image, without the global lock.
+#[test]
+fn a_name_whose_emptied_lock_file_was_kept_is_written_anew() {
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("app");
+    env.ok(["rm", "app"]);
+    fs::write(env.lock_file("app"), "").unwrap();
+    env.build_without_global_lock("app", "echo again > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("app", "file"), "again\n");
+    env.ok(["doctor"]);
+}
+
+/// A removal killed once the tree is in the trash leaves the image
+/// `deleting`; a write of the name makes a tree of its own, which is the
+/// image now: gc, finishing the old removal, must not take it.
+#[test]
+fn a_new_tree_over_an_interrupted_removal_is_the_image() {
+    let env = Env::new();
+    env.make_image("base");
+    env.make_image("app");
+    let (rm, _) = env.paused(["rm", "app"], "rm-moved");
+    rm.kill_all();
+    assert_eq!(env.state("app").as_deref(), Some("deleting"));
+    let out = env.run(["exec", "--read", "app", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    env.build_without_global_lock("app", "echo new > \"$STOWAGE_IMAGE_DIR/file\"");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    env.ok(["gc"]);
+    assert_eq!(
+        env.state("app").as_deref(),
+        Some("ready"),
+        "gc kept the new tree"
+    );
+    assert_eq!(env.read_in_image("app", "file"), "new\n");
+    env.ok(["doctor"]);
 }

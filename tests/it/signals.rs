@@ -247,20 +247,193 @@ fn a_reader_finds_a_dead_writer() {
     let out = env.run(["exec", "--read", "app", "--", "true"]);
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
     assert!(stderr(&out).contains("incomplete"), "{}", stderr(&out));
-    // The reader's refusal kept what it learned: the state is recorded and
-    // the dead writer's record is gone (read straight from the database,
-    // since any stowage command that looks would also fix it).
-    let conn = stowage::meta::open(&env.root.join("stowage.db")).unwrap();
-    let state: String = conn
-        .query_row("SELECT state FROM images WHERE name = 'app'", [], |r| {
-            r.get(0)
-        })
-        .unwrap();
-    assert_eq!(state, "incomplete");
-    let records: i64 = conn
-        .query_row("SELECT count(*) FROM records", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(records, 0);
+    // Every look says so, from the record under the free lock.
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
+/// A write of `name` whose command writes half a file, killed (SIGKILL,
+/// with anything it started) at a step of its protocol by `kill`; then a
+/// read is let in only if the image is `expect` ready, every look says
+/// `expect` (`None`: no image), and the name can be written and read again.
+fn killed_at_a_step(env: &Env, name: &str, kill: impl FnOnce(&[&str]), expect: Option<&str>) {
+    let script = "echo half > \"$STOWAGE_IMAGE_DIR/file\"";
+    kill(&["exec", "--write", name, "--", "sh", "-c", script]);
+    assert!(flock_free(&env.lock_file(name)) || !env.lock_file(name).exists());
+    let out = env.run(["exec", "--read", name, "--", "true"]);
+    let want = if expect == Some("ready") { 0 } else { 66 };
+    assert_eq!(code(&out), Some(want), "{}", show(&out));
+    assert_eq!(env.state(name).as_deref(), expect);
+    env.make_image(name);
+    env.ok(["exec", "--read", name, "--", "true"]);
+    assert_eq!(env.state(name).as_deref(), Some("ready"));
+}
+
+/// SIGKILLs stowage (and its group) where it pauses at `point`.
+fn kill_at_pause<'a>(env: &'a Env, point: &'a str) -> impl FnOnce(&[&str]) + 'a {
+    move |args: &[&str]| {
+        let (bg, _) = env.paused(args, point);
+        bg.kill_all();
+    }
+}
+
+/// SIGKILLs stowage, run under gdb, where it enters function `at`.
+fn kill_at_function<'a>(env: &'a Env, at: &'a str) -> impl FnOnce(&[&str]) + 'a {
+    move |args: &[&str]| {
+        killed_at_function(env, at, false, args);
+    }
+}
+
+#[test]
+fn a_writer_killed_before_its_record_leaves_the_image_as_it_was() {
+    // Its lock taken, nothing written yet.
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let at = "stowage::session::Session::start_writes";
+    killed_at_a_step(&env, "base", kill_at_function(&env, at), Some("ready"));
+}
+
+#[test]
+fn a_writer_killed_before_its_command_leaves_the_image_incomplete() {
+    // Its `writing` record is down: readiness is lost, never claimed.
+    let env = Env::new();
+    env.make_image("base");
+    let kill = kill_at_pause(&env, "exec-before-spawn");
+    killed_at_a_step(&env, "base", kill, Some("incomplete"));
+}
+
+#[test]
+fn a_writer_killed_after_its_command_before_its_outcome_leaves_it_incomplete() {
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let at = "stowage::session::finish_write";
+    killed_at_a_step(&env, "base", kill_at_function(&env, at), Some("incomplete"));
+}
+
+#[test]
+fn a_new_images_writer_killed_before_its_record_leaves_no_image() {
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let at = "stowage::session::Session::start_writes";
+    killed_at_a_step(&env, "app", kill_at_function(&env, at), None);
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn a_new_images_writer_killed_after_making_its_tree_leaves_it_incomplete() {
+    let env = Env::new();
+    env.make_image("base");
+    let kill = kill_at_pause(&env, "exec-started");
+    killed_at_a_step(&env, "app", kill, Some("incomplete"));
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn a_new_images_writer_killed_before_its_command_leaves_it_incomplete() {
+    let env = Env::new();
+    env.make_image("base");
+    let kill = kill_at_pause(&env, "exec-before-spawn");
+    killed_at_a_step(&env, "app", kill, Some("incomplete"));
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn a_new_images_writer_killed_after_its_command_leaves_it_incomplete() {
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let at = "stowage::session::finish_write";
+    killed_at_a_step(&env, "app", kill_at_function(&env, at), Some("incomplete"));
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn a_writer_whose_command_deleted_the_image_killed_once_that_is_recorded_leaves_no_image() {
+    // The command deleted the tree (`ch-image delete` under a write lock);
+    // stowage has cleared the record and dies before letting the lock go:
+    // the image is gone, not brought back as incomplete or ready.
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("app");
+    let args = [
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        "rm -rf \"$STOWAGE_IMAGE_DIR\"",
+    ];
+    killed_at_function(&env, "stowage::image_record::clear", true, &args);
+    assert!(!env.root.join("img/app").exists());
+    assert_eq!(env.state("app"), None, "deleted by its command");
+    let out = env.run(["exec", "--read", "app", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert_eq!(env.state("keep").as_deref(), Some("ready"));
+    env.ok(["doctor"]);
+}
+
+#[test]
+fn a_new_image_whose_command_never_starts_leaves_nothing() {
+    let env = Env::new();
+    env.make_image("base");
+    let (writer, _) = env.paused(
+        ["exec", "--write", "app", "--", "true"],
+        "exec-before-spawn",
+    );
+    writer.signal(libc::SIGTERM);
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(143), "{}", show(&out));
+    assert!(!env.root.join("img/app").exists(), "its empty tree went");
+    assert!(!env.lock_file("app").exists(), "its lock file went");
+    assert_eq!(env.state("app"), None);
+    env.ok(["doctor"]);
+}
+
+/// A writer killed while it waits behind a reader, and a store-wide
+/// command killed while it runs, leave hints in the image's lock file
+/// (a writer waits; the store may be held): stale once they are gone, so
+/// the next reader goes in at once, even with the global lock held.
+#[test]
+fn hints_left_by_a_killed_waiting_writer_and_store_wide_command_hold_back_no_reader() {
+    let env = Env::new();
+    env.make_image("base");
+    let reader = env.hold_until(&["--read", "base"], "reader-started", "reader-release");
+    let writer = env.spawn(["exec", "--write", "base", "--", "true"]);
+    env.wait_for_waiter("base");
+    writer.kill_all();
+    reader.kill_all();
+    let hold = env.hold_until(&["--store-wide"], "hold-started", "hold-release");
+    hold.kill_all();
+    let hints = fs::read(env.lock_file("base")).unwrap();
+    let at = stowage::image_record::HINTS_AT;
+    assert!(
+        hints.len() > at + 1
+            && hints[at] != 0
+            && hints[at] != b'-'
+            && hints[at + 1] != 0
+            && hints[at + 1] != b'-',
+        "both hints were left: {:?}",
+        hints.get(at..at + 2)
+    );
+    let global = hold_global(&env);
+    env.ok(["exec", "--read", "base", "--no-wait", "--", "true"]);
+    global.kill_all();
+    env.ok(["exec", "--write", "base", "--no-wait", "--", "true"]);
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
 
 #[test]
@@ -773,4 +946,54 @@ fn ctrl_c_reaches_a_command_in_our_group_once() {
         "{}",
         show(&out)
     );
+}
+
+/// A command waiting for a catalog an outside program keeps in WAL mode
+/// ends on SIGTERM at once, as the shell expects (143), and does not say
+/// it gave up waiting, which it did not.
+#[test]
+fn a_signal_ends_a_wait_for_a_catalog_an_outside_program_keeps_in_wal() {
+    let env = Env::new();
+    env.make_image("a");
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+    let _: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+        .unwrap();
+    let db = fs::canonicalize(&db).unwrap();
+    for args in [&["images"][..], &["gc"]] {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_DB_BUSY_MS, "120000");
+        let mut bg = Bg::from_command(c);
+        let pid = bg.pid();
+        wait_until("stowage opens the catalog or ends", || {
+            !bg.is_running()
+                || fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+                    fds.flatten()
+                        .any(|fd| fs::read_link(fd.path()).is_ok_and(|t| t == db))
+                })
+        });
+        bg.signal(libc::SIGTERM);
+        let out = bg.finish();
+        // Ended by the signal, or exiting 143 once it has cleaned up: the
+        // shell reports both as 143.
+        use std::os::unix::process::ExitStatusExt;
+        assert!(
+            out.status.signal() == Some(libc::SIGTERM) || code(&out) == Some(143),
+            "{args:?}: {}",
+            show(&out)
+        );
+        assert!(
+            !stderr(&out).contains("gave up"),
+            "{args:?}: {}",
+            show(&out)
+        );
+    }
+    drop(conn);
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
 }

@@ -298,25 +298,27 @@ fn a_clock_in_milliseconds_or_bogus_is_refused_and_creates_nothing() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
 }
 
-/// Sets a time column of an image's row directly, as another host's clock
-/// (or an older release) may have written it.
-fn set_stored_time(env: &Env, image: &str, column: &str, ms: i64) {
-    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
-    let n = conn
-        .execute(
-            &format!("UPDATE images SET {column} = ?1 WHERE name = ?2"),
-            rusqlite::params![ms, image],
-        )
+/// Rewrites an image's record with its creation and last use at the given
+/// times, as another host's clock may have written them.
+fn set_stored_times(env: &Env, image: &str, created: i64, used: i64) {
+    use stowage::image_record;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(env.lock_file(image))
         .unwrap();
-    assert_eq!(n, 1);
+    let mut seen = image_record::read(&f).unwrap();
+    let mut r = seen.record.clone().unwrap();
+    (r.created, r.changed) = (created, created);
+    image_record::write(&f, &mut seen, &r).unwrap();
+    image_record::set_last_use(&f, used).unwrap();
 }
 
 #[test]
 fn a_stored_time_past_year_9999_is_shown_as_unknown_not_a_panic() {
     let env = Env::new();
     env.make_image("app");
-    set_stored_time(&env, "app", "created_ms", i64::MAX);
-    set_stored_time(&env, "app", "last_used_ms", 1_795_953_784_000_000);
+    set_stored_times(&env, "app", i64::MAX, 1_795_953_784_000_000);
     let img = env.image("app").unwrap();
     assert!(img["created"].is_null(), "{img}");
     assert!(img["last_used"].is_null(), "{img}");
@@ -325,12 +327,28 @@ fn a_stored_time_past_year_9999_is_shown_as_unknown_not_a_panic() {
     env.status_json(["--all"]);
     env.ok(["lock-status", "--all"]);
     env.ok(["gc", "--unused-for", "1d", "--dry-run"]);
-    // A holder whose record says it started after year 9999 (an exclusive
-    // read: a plain read writes no record).
+    // A holder whose lease says it started after year 9999.
     let _h = env.hold(&["--read-exclusive", "app"], "started");
-    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
-    conn.execute("UPDATE records SET since_ms = ?1", [i64::MAX])
-        .unwrap();
+    for lease in fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .flatten()
+    {
+        let text = fs::read_to_string(lease.path()).unwrap();
+        let far = text
+            .lines()
+            .map(|l| match l.strip_prefix("hold=") {
+                Some(h) => {
+                    let mut f: Vec<&str> = h.splitn(4, ' ').collect();
+                    let max = i64::MAX.to_string();
+                    f[2] = &max;
+                    format!("hold={}", f.join(" "))
+                }
+                None => l.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        fs::write(lease.path(), far + "\n").unwrap();
+    }
     let st = env.status_json(["app"]);
     let entry = st["locks"]
         .as_array()
@@ -416,7 +434,7 @@ fn gc_does_not_overwrite_a_finished_writers_size() {
         )
     });
     // gc measures the image while it is still empty, and stops there.
-    let (gc, go_on) = env.paused(["gc"], "gc-measured");
+    let (gc, go_on) = env.paused(["gc"], "sizes-measured");
     // The writer finishes and records its real size.
     env.release("release");
     let out = writer.finish();
@@ -429,11 +447,8 @@ fn gc_does_not_overwrite_a_finished_writers_size() {
 fn images_does_not_overwrite_a_rewriters_size() {
     let env = Env::new();
     env.make_image("app");
-    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
-    conn.execute("UPDATE images SET size_bytes = NULL", [])
-        .unwrap();
     // `images` measures the small image, and stops before recording it.
-    let (lister, go_on) = env.paused(["images", "--json"], "images-measured");
+    let (lister, go_on) = env.paused(["images", "--json"], "sizes-measured");
     env.build(
         "app",
         "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
@@ -508,55 +523,21 @@ fn look_traced(env: &Env, fs: Option<&str>) -> (String, Value, Option<String>) {
     (text, json, traced.then_some(calls))
 }
 
-/// Asserts that `lock-status` (text and JSON) answers `env` without the
-/// global lock, and shows exactly what the database's view shows — the
-/// view taken while an unrelated file of the root's filesystem is locked,
-/// which is doubt enough to send lock-status the database's way.
+/// lock-status on `env`: it answers without the catalog or the global lock,
+/// and a lock elsewhere on the filesystem, or a file of the root that is
+/// no lock of stowage's held by flock(1), changes nothing it shows.
 fn idle_equals_database_view(env: &Env, fs: Option<&str>, what: &str) {
     let (text, json, took) = look(env, fs);
-    assert_ne!(took, Some(true), "{what}: took the global lock idle");
-    // A lock elsewhere on the filesystem, not the store's: still idle.
-    if fs.is_none() {
-        let started = env.sentinel(&format!("elsewhere-{}", what.replace(' ', "-")));
-        let elsewhere = flock_holder(&env.scratch.join("elsewhere.lock"), &started, "sleep 60");
-        let (t, j, took) = look(env, fs);
-        elsewhere.kill_all();
-        assert_ne!(
-            took,
-            Some(true),
-            "{what}: a lock outside the store is doubt"
-        );
-        assert_eq!((&t, &j), (&text, &json), "{what}");
-    }
-    // A lock on a file of the root that is no lock of stowage's (a
-    // flock(1) here; where there is no lock table, a dead lease): the
-    // database's way.
+    assert_ne!(took, Some(true), "{what}: took the catalog");
+    let started = env.sentinel(&format!("elsewhere-{}", what.replace(' ', "-")));
+    let elsewhere = flock_holder(&env.scratch.join("elsewhere.lock"), &started, "sleep 60");
     let started = env.sentinel(&format!("unrelated-{}", what.replace(' ', "-")));
-    let dead = env.root.join("locks/leases/gone.lease");
-    let unrelated = match fs {
-        Some("nfs") => {
-            // Written, as a lease is once its owner locked it (one nobody
-            // wrote is left to its maker for a while: lease.rs).
-            fs::write(&dead, "host=gone\n").unwrap();
-            None
-        }
-        _ => Some(flock_holder(
-            &env.root.join("unrelated.lock"),
-            &started,
-            "sleep 60",
-        )),
-    };
-    let (db_text, db_json, db_took) = look(env, fs);
-    if let Some(u) = unrelated {
-        u.kill_all();
-    }
-    assert_ne!(
-        db_took,
-        Some(false),
-        "{what}: the database's way was not taken"
-    );
-    assert_eq!(text, db_text, "{what}: text");
-    assert_eq!(json, db_json, "{what}: JSON");
+    let unrelated = flock_holder(&env.root.join("unrelated.lock"), &started, "sleep 60");
+    let (t, j, took) = look(env, fs);
+    elsewhere.kill_all();
+    unrelated.kill_all();
+    assert_ne!(took, Some(true), "{what}: took the catalog");
+    assert_eq!((&t, &j), (&text, &json), "{what}");
 }
 
 fn slot_row(st: &Value, class: &str) -> Value {
@@ -596,7 +577,7 @@ fn idle_lock_status_shows_what_the_database_view_shows() {
 }
 
 #[test]
-fn a_class_whose_records_are_unsettled_or_missing_is_shown_the_database_way() {
+fn a_lowered_limit_a_lost_class_record_and_a_stray_directory_are_shown_as_they_are() {
     let env = Env::new();
     env.make_image("base");
     env.ok(["exec", "--read", "base", "--", "true"]);
@@ -612,7 +593,7 @@ fn a_class_whose_records_are_unsettled_or_missing_is_shown_the_database_way() {
     a.finish();
     b.finish();
     let (text, st, took) = look(&env, None);
-    assert_ne!(took, Some(false), "unsettled records: answered idle");
+    assert_ne!(took, Some(true), "unsettled records: answered idle");
     assert_eq!(slot_row(&st, "pull")["limit"], 1, "{st}");
     assert_eq!(slot_row(&st, "pull")["in_use"], 0, "{st}");
     assert!(text.contains("pull"), "{text}");
@@ -621,11 +602,12 @@ fn a_class_whose_records_are_unsettled_or_missing_is_shown_the_database_way() {
     let (_, st, took) = look(&env, None);
     assert_ne!(took, Some(true), "settled records: took the global lock");
     assert_eq!(slot_row(&st, "pull")["limit"], 2, "{st}");
-    // A record gone (the file emptied): the database's way, same answer.
+    // The class record gone (its file emptied): the class is gone, as
+    // its record is its one home; setting it again brings it back.
     fs::File::create(env.root.join("locks/slots/pull/0.lock")).unwrap();
-    let (_, db_st, took) = look(&env, None);
-    assert_ne!(took, Some(false), "no record: answered idle");
-    assert_eq!(slot_row(&db_st, "pull")["limit"], 2, "{db_st}");
+    let (text, _, took) = look(&env, None);
+    assert_ne!(took, Some(true), "no record: took the catalog");
+    assert!(!text.contains("pull"), "{text}");
     // Written again; then a class directory that is no class's: doubt,
     // and not shown.
     env.ok(["slots", "set", "pull", "2"]);
@@ -633,7 +615,7 @@ fn a_class_whose_records_are_unsettled_or_missing_is_shown_the_database_way() {
     assert_ne!(took, Some(true), "settled records: took the global lock");
     fs::create_dir_all(env.root.join("locks/slots/gone/x")).unwrap();
     let (text, st, took) = look(&env, None);
-    assert_ne!(took, Some(false), "a stray directory: answered idle");
+    assert_ne!(took, Some(true), "a stray directory: answered idle");
     assert_eq!((text, st), (idle_text, idle_st));
 }
 
@@ -671,25 +653,13 @@ fn idle_lock_status_does_not_take_the_global_lock_and_shows_who_holds_it() {
         assert_eq!(slot_row(&st, "pull")["limit"], 2, "{st}");
         outsider.kill_all();
     }
-    // Something held (a stowage reader): lock-status takes the global lock
-    // again, so it waits for the outsider, then shows the reader.
+    // Something held (a stowage reader): still no wait for the global
+    // lock, and the reader is shown.
     let reader = env.hold(&["--read", "base"], "reader");
     let _ = fs::remove_file(env.sentinel("global-held"));
     let outsider = hold_global(&env);
-    let mut c = env.cmd(["lock-status", "--json"]);
-    let child = c
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let global = env.root.join("locks/global.lock");
-    wait_until("lock-status waits for the global lock", || {
-        flock_waited_on(&global)
-    });
+    let (_, st, _) = look_traced(&env, None);
     outsider.kill_all();
-    let out = wait_output(child, std::time::Duration::from_secs(60));
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    let st: Value = serde_json::from_slice(&out.stdout).unwrap();
     let base = st["locks"]
         .as_array()
         .unwrap()
@@ -717,7 +687,7 @@ fn outsiders_on_an_image_lock_or_a_slot_file_are_shown() {
             idle_equals_database_view(&env, fs, "image held on nfs");
         } else {
             let (_, st, took) = look(&env, fs);
-            assert_ne!(took, Some(false), "{fs:?}: an image held, answered idle");
+            assert_ne!(took, Some(true), "{fs:?}: an image held, answered idle");
             let base = st["locks"]
                 .as_array()
                 .unwrap()
@@ -732,7 +702,7 @@ fn outsiders_on_an_image_lock_or_a_slot_file_are_shown() {
         let slot = env.root.join("locks/slots/pull/0.lock");
         let o = flock_holder(&slot, &env.sentinel("slot"), "sleep 60");
         let (_, st, took) = look(&env, fs);
-        assert_ne!(took, Some(false), "{fs:?}: a slot held, answered idle");
+        assert_ne!(took, Some(true), "{fs:?}: a slot held, answered idle");
         let pull = slot_row(&st, "pull");
         assert_eq!(pull["in_use"], 1, "{fs:?}: {st}");
         assert_eq!(pull["holders"][0]["stowage"], false, "{st}");
@@ -741,24 +711,6 @@ fn outsiders_on_an_image_lock_or_a_slot_file_are_shown() {
         }
         o.kill_all();
     }
-}
-
-#[test]
-fn an_unlimited_class_from_before_class_directories_is_listed_once_migrated() {
-    let env = Env::new();
-    // A store of schema 6 whose unlimited class has no directory, as older
-    // binaries made it.
-    let mut c = env.cmd(["slots", "set", "any", "0"]);
-    c.env(stowage::env::DEBUG_SCHEMA_LIMIT, "6");
-    let out = output(c);
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    let _ = fs::remove_dir_all(env.root.join("locks/slots/any"));
-    // The schema is behind: the database's way, which migrates.
-    let (_, st, took) = look(&env, None);
-    assert_ne!(took, Some(false), "schema 6: answered idle");
-    assert_eq!(slot_row(&st, "any")["limit"], 0, "{st}");
-    assert!(env.root.join("locks/slots/any/0.lock").is_file());
-    idle_equals_database_view(&env, None, "migrated unlimited class");
 }
 
 #[test]
@@ -778,7 +730,7 @@ fn a_class_removed_while_held_leaves_nothing_once_its_holder_is_gone() {
     let (text, st, took) = look(&env, None);
     assert_ne!(
         took,
-        Some(false),
+        Some(true),
         "a removed class's directory: answered idle"
     );
     assert!(!text.contains("gone"), "{text}");
@@ -787,4 +739,157 @@ fn a_class_removed_while_held_leaves_nothing_once_its_holder_is_gone() {
     let (idle_text, idle_st, took) = look(&env, None);
     assert_ne!(took, Some(true), "took the global lock idle");
     assert_eq!((idle_text, idle_st), (text, st));
+}
+
+// --- images being written, and images seen from inside -------------------------
+
+#[test]
+fn an_image_being_written_shows_as_writing_and_its_lock_exclusive() {
+    let env = Env::new();
+    env.make_image("base");
+    let writer = env.hold(&["--write", "base"], "started");
+    assert_eq!(env.state("base").as_deref(), Some("writing"));
+    let entry = env.lock_entry("base").unwrap();
+    assert_eq!(entry["image_state"], "writing", "{entry}");
+    assert_eq!(entry["state"], "exclusive", "{entry}");
+    let out = env.run(["exec", "--read", "base", "--no-wait", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    // A look changes nothing while the writer holds its lock.
+    assert_eq!(env.state("base").as_deref(), Some("writing"));
+    env.release("release");
+    assert_eq!(code(&writer.finish()), Some(0));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
+/// `images` inside the writer's own command shows its image being
+/// written; once the write ends, it is ready.
+#[test]
+fn images_inside_a_writers_command_shows_its_image_being_written() {
+    let env = Env::new();
+    env.make_image("base");
+    let seen = env.sentinel("seen");
+    let script = format!(
+        "echo new > \"$STOWAGE_IMAGE_DIR/file\"; '{bin}' --root '{root}' images --json > '{seen}'",
+        bin = bin(),
+        root = env.root.display(),
+        seen = seen.display()
+    );
+    env.build("base", &script);
+    let inner: Value = serde_json::from_slice(&fs::read(&seen).unwrap()).unwrap();
+    let row = inner
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"] == "base")
+        .unwrap()
+        .clone();
+    assert_eq!(row["state"], "writing", "{row}");
+    assert_eq!(row["in_use"], true, "{row}");
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("base", "file"), "new\n");
+}
+
+/// Writes of an existing and of a new image while an outside program
+/// holds the global lock: neither waits for it, and once it is free
+/// `images` shows what each write made, sized.
+#[test]
+fn writes_made_while_the_global_lock_was_held_are_shown_sized() {
+    let env = Env::new();
+    env.make_image("base");
+    let before = env.image("base").unwrap();
+    let global = hold_global(&env);
+    for (name, bytes) in [("base", 200_000), ("app", 100_000)] {
+        let out = env.run([
+            "exec",
+            "--write",
+            name,
+            "--wait",
+            "0.3",
+            "--",
+            "sh",
+            "-c",
+            &format!("head -c {bytes} /dev/zero > \"$STOWAGE_IMAGE_DIR/big\""),
+        ]);
+        assert_eq!(code(&out), Some(0), "{name}: {}", show(&out));
+    }
+    let out = env.run(["exec", "--read", "app", "--wait", "0.3", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    global.kill_all();
+    let base = env.image("base").unwrap();
+    assert_eq!(base["state"], "ready", "{base}");
+    assert!(
+        base["size_bytes"].as_u64().unwrap() >= before["size_bytes"].as_u64().unwrap() + 200_000,
+        "{before} → {base}"
+    );
+    let app = env.image("app").unwrap();
+    assert_eq!(app["state"], "ready", "{app}");
+    assert!(app["size_bytes"].as_u64().unwrap() >= 100_000, "{app}");
+    assert!(app["base"].is_null(), "{app}");
+    env.ok(["doctor"]);
+}
+
+/// On a filesystem with no space left, not even for the reserve: `images`
+/// still shows each image's state, and does not count the locks it takes
+/// to look as uses of them.
+#[test]
+fn images_on_a_full_filesystem_shows_the_states_and_no_use_of_its_own() {
+    let Some(t) = Mount::tmpfs("size=8m,mode=0755") else {
+        return;
+    };
+    let env = t.env();
+    env.make_image("base");
+    env.make_image("base");
+    let _ = fs::remove_file(env.root.join("reserve"));
+    let filler = t.dir.join("filler");
+    let _ = Command::new("dd")
+        .args(["if=/dev/zero", "bs=4k", "status=none"])
+        .arg(format!("of={}", filler.display()))
+        .output();
+    let out = env.ok(["images", "--json"]);
+    let rows: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "base")
+        .unwrap();
+    assert_eq!(row["state"], "ready", "{row}");
+    assert_eq!(row["in_use"], false, "{row}");
+    fs::remove_file(&filler).unwrap();
+}
+
+/// More images than the descriptors `images` may open (a limit of 100,
+/// 150 images): every one is listed, ready and sized.
+#[test]
+fn images_lists_more_images_than_its_descriptor_limit() {
+    let env = Env::new();
+    let names: Vec<String> = (0..150).map(|i| format!("img{i:03}")).collect();
+    for n in &names {
+        env.build(n, "echo x > \"$STOWAGE_IMAGE_DIR/f\"");
+    }
+    let mut c = env.cmd(["images", "--json"]);
+    // SAFETY: only setrlimit(2) between fork and exec.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 100,
+                rlim_max: 100,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let rows: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 150);
+    assert!(
+        rows.iter()
+            .all(|r| r["state"] == "ready" && r["size_bytes"].as_u64().unwrap() > 0),
+        "{rows:?}"
+    );
 }

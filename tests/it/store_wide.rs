@@ -402,12 +402,11 @@ fn a_store_wide_call_inside_an_image_users_command_fails_at_once() {
     assert_eq!(wide.finish().status.code(), Some(0));
 }
 
-/// An exec called by the command of an exec that holds only a slot, while
-/// a store-wide command waits for that slot: it goes ahead, as under an
-/// image user (the hold waits for our enclosing exec, so waiting for the
-/// hold would never end), and the hold runs once the slot is free.
+/// A store-wide command does not wait for slot holders (a slot guards no
+/// image): it runs beside one, and an exec called by the slot holder's
+/// command waits for it like any other, then goes ahead.
 #[test]
-fn an_exec_inside_a_slot_holders_command_passes_a_hold_waiting_for_the_slot() {
+fn a_store_wide_command_runs_beside_a_slot_holder_whose_nested_exec_waits_for_it() {
     let env = Env::new();
     env.make_image("a");
     env.ok(["slots", "set", "pull", "1"]);
@@ -424,16 +423,17 @@ fn an_exec_inside_a_slot_holders_command_passes_a_hold_waiting_for_the_slot() {
     let user = env.spawn(["exec", "--slot", "pull", "--", "sh", "-c", &script]);
     wait_for_file(&env.sentinel("user"));
     let wide = store_wide_hold(&env, "wide", "wide-go");
-    wait_until("the hold waits for the slot", || {
-        flock_waited_on(&env.root.join("locks/slots/pull/0.lock"))
-    });
+    wait_for_file(&env.sentinel("wide"));
     fs::write(&go, "").unwrap();
+    wait_until("the nested exec waits for the store-wide command", || {
+        flock_waited_on(&store_lock(&env))
+    });
+    assert!(!code.exists());
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
     let out = user.finish();
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     assert_eq!(fs::read_to_string(&code).unwrap().trim(), "0");
-    wait_for_file(&env.sentinel("wide"));
-    env.release("wide-go");
-    assert_eq!(wide.finish().status.code(), Some(0));
 }
 
 /// A failed first build leaves an incomplete row and no directory. A
@@ -503,42 +503,514 @@ fn gc_leaves_an_interrupted_removal_to_after_a_store_wide_command() {
     assert_eq!(env.state("a"), None);
 }
 
+// --- who is part of a hold ------------------------------------------------------
+
+/// A descriptor of store.lock that holds no lock (a script opened it) does
+/// not make its process part of a store-wide hold someone else runs.
 #[test]
-fn gc_finds_an_image_a_store_wide_command_forgot_under_its_lock_gone_not_failed() {
-    // gc takes an image's lock during a store-wide command (it only tries
-    // locks), rechecks it, and is about to remove it when the command ends
-    // having deleted that image's tree: its end forgets the row without
-    // the image's lock. gc then finds nothing to remove — not a failure.
+fn an_unlocked_descriptor_of_store_lock_is_no_store_wide_hold() {
+    let env = Env::new();
+    env.make_image("base");
+    let hold = store_wide_hold(&env, "held", "release");
+    wait_for_file(&env.sentinel("held"));
+    for args in [
+        "exec --write x --no-wait -- true",
+        "exec --read base --no-wait -- true",
+    ] {
+        let out = output({
+            let mut c = std::process::Command::new("sh");
+            c.args([
+                "-c",
+                &format!(
+                    "exec 9<>'{}'; '{}' --root '{}' {args}",
+                    store_lock(&env).display(),
+                    bin(),
+                    env.root.display()
+                ),
+            ]);
+            c
+        });
+        assert_eq!(code(&out), Some(75), "{args}: {}", show(&out));
+    }
+    assert_eq!(
+        env.state("x"),
+        None,
+        "no image made beside the store-wide command"
+    );
+    env.release("release");
+    let out = hold.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+#[test]
+fn a_store_wide_command_waits_for_a_new_images_writer() {
+    let env = Env::new();
+    env.make_image("base");
+    let writer = env.hold_until(&["--write", "app"], "w-started", "w-release");
+    assert_eq!(env.state("app").as_deref(), Some("creating"));
+    let out = env.run(["exec", "--store-wide", "--wait", "0.3", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    env.release("w-release");
+    assert_eq!(code(&writer.finish()), Some(0));
+    env.ok(["exec", "--store-wide", "--", "true"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// A writer of a deep tree under a small descriptor limit finishes while
+/// a store-wide command waits for it: its outcome is recorded without
+/// walking the tree, and the image is ready.
+#[test]
+fn a_deep_tree_written_under_a_small_descriptor_limit_beside_a_waiting_hold_is_ready() {
     let env = Env::new();
     env.make_image("a");
-    // Another tree, so that the images directory does not look unmounted
-    // once 'a' is gone (an empty one says nothing about the trees).
-    env.make_image("b");
-    let dir = env.root.join("img/a");
-    let mut args: Vec<String> = vec!["exec".into(), "--store-wide".into(), "--".into()];
+    let started = env.sentinel("started");
+    let release = env.sentinel("release");
     let script = format!(
-        "touch '{}'; while [ ! -e '{}' ]; do sleep 0.01; done; rm -rf '{}'",
-        env.sentinel("wide").display(),
-        env.sentinel("wide-go").display(),
-        dir.display()
+        "ulimit -n 30; exec '{bin}' --root '{root}' exec --write a -- sh -c 'cd \"$STOWAGE_IMAGE_DIR\"; i=0; while [ $i -lt 60 ]; do mkdir d; cd d; i=$((i+1)); done; touch {s}; i=0; while [ ! -e {r} ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done'",
+        bin = bin(),
+        root = env.root.display(),
+        s = started.display(),
+        r = release.display()
     );
-    args.extend(["sh".into(), "-c".into(), script]);
-    let wide = env.spawn(&args);
-    wait_for_file(&env.sentinel("wide"));
-    let (gc, pause) = env.paused(
-        ["gc", "--unused-for", "0s", "--max-size", "0"],
-        "gc-rechecked",
-    );
-    fs::write(env.sentinel("wide-go"), "").unwrap();
-    let out = wide.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    assert_eq!(env.state("a"), None, "the store-wide command forgot it");
-    // Let it go on, here and at the next image it pauses for.
-    let mut gc = gc;
-    wait_until("gc ends", || {
-        let _ = fs::remove_file(&pause);
-        !gc.is_running()
+    let mut c = std::process::Command::new("sh");
+    c.args(["-c", &script]);
+    let writer = Bg::from_command(c);
+    wait_for_file(&started);
+    let hold = env.spawn(["exec", "--store-wide", "--", "true"]);
+    wait_until("the store-wide command waits for 'a'", || {
+        flock_waited_on(&env.lock_file("a"))
     });
-    let out = gc.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    env.release("release");
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = hold.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "a", "--", "true"]);
+}
+
+/// On a shared filesystem lock files are kept (never unlinked): an image
+/// a store-wide command deleted is forgotten all the same, and not read.
+#[test]
+fn an_image_a_store_wide_command_deletes_on_a_shared_filesystem_is_not_read() {
+    let env = Env::new();
+    let on_nfs = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        output(c)
+    };
+    for name in ["cache", "kept"] {
+        let out = on_nfs(&["exec", "--write", name, "--", "true"]);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+    }
+    let out = on_nfs(&[
+        "exec",
+        "--store-wide",
+        "--",
+        "sh",
+        "-c",
+        "rm -r \"$STOWAGE_IMAGES_DIR/cache\"",
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(env.lock_file("cache").exists(), "the lock file is kept");
+    assert_eq!(env.state("cache"), None);
+    let out = on_nfs(&["exec", "--read", "cache", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let out = on_nfs(&["exec", "--read", "kept", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+// --- images a hold deleted, and processes that outlive it ------------------------
+
+/// A read from outside, stopped (by gdb) once it holds its image's lock
+/// and found the store-wide hint, before it asks store.lock; meanwhile the
+/// store-wide command deletes the image's tree and ends. The read must
+/// find the image gone (66), not run its command on a tree that is not
+/// there.
+#[test]
+fn a_read_does_not_run_on_an_image_a_store_wide_command_deleted_while_it_looked() {
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("a");
+    let go = env.sentinel("go");
+    let hold_started = env.sentinel("hold-started");
+    let hold = env.spawn([
+        "exec",
+        "--store-wide",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "touch '{}'; i=0; while [ ! -e '{}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; \
+             rm -rf \"$STOWAGE_IMAGES_DIR/a\"",
+            hold_started.display(),
+            go.display()
+        ),
+    ]);
+    wait_for_file(&hold_started);
+    let at_probe = env.sentinel("at-probe");
+    let cmds = env.sentinel("gdb-cmds");
+    fs::write(
+        &cmds,
+        format!(
+            "set pagination off\n\
+             break stowage::store_wide::probe\n\
+             run\n\
+             delete\n\
+             shell touch '{at}'; touch '{go}'; i=0; while [ -e '{started}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n\
+             continue\n",
+            at = at_probe.display(),
+            go = go.display(),
+            started = hold_started.display()
+        ),
+    )
+    .unwrap();
+    // The hold's sentinel goes once its command has deleted the tree and
+    // stowage has ended the hold: the reader then goes on.
+    let watcher = std::thread::spawn({
+        let hold_started = hold_started.clone();
+        move || {
+            let out = hold.finish();
+            let _ = fs::remove_file(&hold_started);
+            out
+        }
+    });
+    let c = stowage_under_gdb(
+        &env,
+        &cmds,
+        [
+            "exec",
+            "--read",
+            "a",
+            "--",
+            "sh",
+            "-c",
+            "test -d \"$STOWAGE_IMAGES_DIR/a\" || exit 9",
+        ],
+    );
+    let out = output(c);
+    let hold_out = watcher.join().unwrap();
+    assert_eq!(code(&hold_out), Some(0), "{}", show(&hold_out));
+    assert!(
+        at_probe.exists(),
+        "the read never asked store.lock: {}",
+        show(&out)
+    );
+    let said = String::from_utf8_lossy(&out.stdout).to_string() + &stderr(&out);
+    // gdb says exit codes in octal: 66 is 0102 (the command's 9, 011).
+    assert!(
+        said.contains("image 'a' does not exist") && said.contains("exited with code 0102"),
+        "the read must find the image gone (66), not run on it: {}",
+        show(&out)
+    );
+}
+
+/// An exclusive read started in the background by a store-wide command
+/// that deleted the image's tree, still running when the store-wide
+/// command ends: the image is forgotten all the same, and not read.
+#[test]
+fn an_exclusive_read_outliving_a_store_wide_command_cannot_revive_an_image_it_deleted() {
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("base");
+    let started = env.sentinel("rx-started");
+    let done = env.sentinel("rx-done");
+    let release = env.sentinel("rx-release");
+    let script = format!(
+        "rm -rf \"$STOWAGE_IMAGES_DIR/base\"; \
+         ('{bin}' --root '{root}' exec --read-exclusive base -- sh -c \
+            \"touch '{started}'; i=0; while [ ! -e '{release}' ] && [ \\$i -lt 1200 ]; do sleep 0.05; i=\\$((i+1)); done\" \
+          ; touch '{done}') >/dev/null 2>&1 </dev/null & \
+         i=0; while [ ! -e '{started}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; [ -e '{started}' ]",
+        bin = bin(),
+        root = env.root.display(),
+        started = started.display(),
+        release = release.display(),
+        done = done.display()
+    );
+    let out = env.run(["exec", "--store-wide", "--", "sh", "-c", &script]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    fs::write(&release, "").unwrap();
+    wait_for_file(&done);
+    assert_eq!(
+        env.state("base"),
+        None,
+        "the store-wide command deleted 'base'"
+    );
+    env.assert_read_refused("base", "a read ran on an image that has no tree");
+}
+
+/// A reader nested in a store-wide command, stopped (by gdb) just before
+/// its command runs; meanwhile the store-wide command deletes the image's
+/// tree and ends. The image is forgotten all the same, and not read.
+#[test]
+fn a_reader_inside_a_store_wide_command_cannot_revive_an_image_it_deleted() {
+    if !gdb_or_skip() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("base");
+    let paused = env.sentinel("reader-paused");
+    let hold_done = env.sentinel("hold-done");
+    let done = env.sentinel("reader-done");
+    let gdb_cmds = env.sentinel("gdb-cmds");
+    fs::write(
+        &gdb_cmds,
+        format!(
+            "set pagination off\n\
+             break stowage::session::Session::set_inheritable\n\
+             run\n\
+             delete\n\
+             shell touch '{paused}'; i=0; while [ ! -e '{hold_done}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n\
+             continue\n",
+            paused = paused.display(),
+            hold_done = hold_done.display(),
+        ),
+    )
+    .unwrap();
+    let script = format!(
+        "rm -rf \"$STOWAGE_IMAGES_DIR/base\"; \
+         (gdb -q -batch -x '{cmds}' --args '{bin}' --root '{root}' exec --read base -- true \
+           >'{log}' 2>&1 </dev/null; touch '{done}') >/dev/null 2>&1 </dev/null & \
+         i=0; while [ ! -e '{paused}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; [ -e '{paused}' ]",
+        cmds = gdb_cmds.display(),
+        bin = bin(),
+        root = env.root.display(),
+        log = env.sentinel("gdb.log").display(),
+        done = done.display(),
+        paused = paused.display()
+    );
+    let out = env.run(["exec", "--store-wide", "--", "sh", "-c", &script]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    fs::write(&hold_done, "").unwrap();
+    wait_for_file(&done);
+    let log = fs::read_to_string(env.sentinel("gdb.log")).unwrap_or_default();
+    assert!(
+        log.contains("Breakpoint 1, "),
+        "the reader never started: {log}"
+    );
+    assert_eq!(
+        env.state("base"),
+        None,
+        "the store-wide command deleted 'base'"
+    );
+    env.assert_read_refused("base", "a read ran on an image that has no tree");
+}
+
+/// A writer started in the background by a store-wide command removes its
+/// image's tree (a builder rebuilding from scratch) while the store-wide
+/// command ends, then makes it again and exits 0: the write that ended
+/// well is the image, ready with what it made.
+#[test]
+fn a_write_outliving_a_store_wide_command_that_deleted_its_tree_is_the_image() {
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("base");
+    let started = env.sentinel("w-started");
+    let go = env.sentinel("w-go");
+    let done = env.sentinel("w-done");
+    let script = format!(
+        "('{bin}' --root '{root}' exec --write base -- sh -c \
+            \"rm -rf \\\"\\$STOWAGE_IMAGE_DIR\\\"; touch '{started}'; \
+              i=0; while [ ! -e '{go}' ] && [ \\$i -lt 1200 ]; do sleep 0.05; i=\\$((i+1)); done; \
+              mkdir \\\"\\$STOWAGE_IMAGE_DIR\\\"; echo new > \\\"\\$STOWAGE_IMAGE_DIR/file\\\"\" \
+          ; echo $? > '{done}') >/dev/null 2>&1 </dev/null & \
+         i=0; while [ ! -e '{started}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; [ -e '{started}' ]",
+        bin = bin(),
+        root = env.root.display(),
+        started = started.display(),
+        go = go.display(),
+        done = done.display()
+    );
+    let out = env.run(["exec", "--store-wide", "--", "sh", "-c", &script]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("base").as_deref(), Some("writing"));
+    fs::write(&go, "").unwrap();
+    wait_for_file(&done);
+    assert_eq!(fs::read_to_string(&done).unwrap().trim(), "0");
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("base", "file"), "new\n");
+    env.ok(["doctor"]);
+}
+
+/// A store-wide command makes a new image (an import inside the hold): a
+/// read of it from outside, while the store-wide command still runs,
+/// waits for the command (here: is refused, with `--no-wait`), as a read
+/// of any other image does.
+#[test]
+fn a_read_of_an_image_made_inside_a_store_wide_command_waits_for_it() {
+    let env = Env::new();
+    env.make_image("keep");
+    let started = env.sentinel("sw-started");
+    let release = env.sentinel("sw-release");
+    let script = format!(
+        "'{bin}' --root '{root}' exec --write new -- true || exit 9; touch '{started}'; \
+         i=0; while [ ! -e '{release}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done",
+        bin = bin(),
+        root = env.root.display(),
+        started = started.display(),
+        release = release.display()
+    );
+    let sw = env.spawn(["exec", "--store-wide", "--", "sh", "-c", &script]);
+    wait_for_file(&started);
+    let out = env.run([
+        "exec",
+        "--read",
+        "new",
+        "--no-wait",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "if [ -e '{}' ]; then echo after; else echo during; fi",
+            release.display()
+        ),
+    ]);
+    fs::write(&release, "").unwrap();
+    let sw_out = sw.finish();
+    assert_eq!(code(&sw_out), Some(0), "{}", show(&sw_out));
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("during"),
+        "a read ran beside a store-wide command it is not part of: {}",
+        show(&out)
+    );
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    env.ok(["exec", "--read", "new", "--no-wait", "--", "true"]);
+}
+
+/// `exec --store-wide` (keeping its hold in a keeper with `--no-inherit`,
+/// or not) whose command scrubs its environment (`env -i`, sudo) and then
+/// reads an image: the nested read cannot learn from its environment that
+/// it runs inside the hold, and must not wait for the store-wide command
+/// that waits for it.
+#[test]
+fn a_read_inside_a_store_wide_command_with_a_clean_environment_does_not_hang() {
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("base");
+    for keeper in [&["--no-inherit"][..], &[]] {
+        let script = format!(
+            "env -i '{bin}' --root '{root}' exec --read base -- true; echo \"read=$?\"",
+            bin = bin(),
+            root = env.root.display(),
+        );
+        let mut args = vec!["exec", "--store-wide"];
+        args.extend(keeper);
+        args.extend(["--", "sh", "-c", &script]);
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(0), "{keeper:?}: {}", show(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("read=0"),
+            "{keeper:?}: {}",
+            show(&out)
+        );
+    }
+}
+
+/// The same for a repair of a damaged catalog: it rebuilds the catalog
+/// from the records, and waits for no image lock or store-wide hold.
+#[test]
+fn a_rebuild_inside_a_store_wide_command_with_a_clean_environment_does_not_hang() {
+    let env = Env::new();
+    env.make_image("keep");
+    env.make_image("base");
+    let script = format!(
+        "printf 'ZZZZZZZZ%.0s' $(seq 1024) > '{db}'; \
+         env -i '{bin}' --root '{root}' doctor --repair >/dev/null; echo \"repair=$?\"",
+        bin = bin(),
+        root = env.root.display(),
+        db = env.root.join("stowage.db").display(),
+    );
+    let out = env.run([
+        "exec",
+        "--store-wide",
+        "--no-inherit",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("repair=0"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.state("keep").as_deref(), Some("ready"));
+}
+
+/// A store-wide command's background job inherits `store.lock`, as an
+/// image lock is inherited: the hold lasts until it ends too, for
+/// existing images and new ones alike.
+#[test]
+fn a_store_wide_commands_background_job_keeps_the_store_held() {
+    let env = Env::new();
+    env.make_image("a");
+    let done = env.sentinel("bg-done");
+    let out = env.run([
+        "exec",
+        "--store-wide",
+        "--",
+        "sh",
+        "-c",
+        &format!("(sleep 1; touch '{}') >/dev/null 2>&1 &", done.display()),
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    for (image, seen) in [("a", "a-saw"), ("brandnew", "new-saw")] {
+        let saw = env.sentinel(seen);
+        let out = env.run([
+            "exec",
+            "--write",
+            image,
+            "--",
+            "sh",
+            "-c",
+            &format!("test -e '{}' && touch '{}'", done.display(), saw.display()),
+        ]);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        assert!(
+            saw.exists(),
+            "{image}'s writer ran only after the job ended"
+        );
+    }
+}
+
+/// doctor --repair clears stale store-wide hints one image at a time, each
+/// under the image's lock after asking `store.lock` again: a hold that
+/// begins meanwhile keeps its hints, and a writer of an image still waits
+/// for it.
+#[test]
+fn a_repair_clearing_stale_hints_leaves_a_new_holds_hints_alone() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    // A hold that died: its hints stand, store.lock free.
+    let holder = env.spawn(["exec", "--store-wide", "--", "sleep", "60"]);
+    wait_until("the hold hints b", || {
+        fs::read(env.lock_file("b")).is_ok_and(|b| b.get(8193).is_some_and(|&h| h != 0))
+    });
+    holder.kill_all();
+    let (doctor, go) = env.paused(["doctor", "--repair"], "doctor-hint-cleared");
+    let started = env.sentinel("sw-started");
+    let hold = env.spawn([
+        "exec",
+        "--store-wide",
+        "--",
+        "sh",
+        "-c",
+        &format!("touch '{}'; sleep 60", started.display()),
+    ]);
+    wait_for_file(&started);
+    fs::remove_file(&go).unwrap();
+    let _ = doctor.finish();
+    for image in ["a", "b"] {
+        let out = env.run(["exec", "--write", image, "--no-wait", "--", "true"]);
+        assert_eq!(code(&out), Some(75), "{image}: {}", show(&out));
+    }
+    hold.kill_all();
 }

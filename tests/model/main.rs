@@ -1,13 +1,21 @@
 //! Model checking of the lock protocol: every interleaving of a few
-//! processes, crashes included (`cargo test --test model`).
+//! processes, SIGKILLs, torn record writes and catalog losses included
+//! (`cargo test --test model`).
 //!
-//! `proto` is the protocol as a state machine, `steps` the list of its steps
-//! with the functions of `src/` that implement them (compared with the
-//! block in docs/design.md), `trace` prints counterexamples. The default
-//! size runs with the test suite; `STOWAGE_MODEL_BIG=1` checks larger ones
-//! and prints state counts and times (see docs/reliability.md, "Model
-//! checking").
+//! - `proto`: the state (locks, lock files with their records and hints,
+//!   trees, the catalog) and its helpers; `ops`: each operation's steps;
+//!   `props`: the moves and the properties; `steps`: the steps with the
+//!   functions of `src/` that implement them (compared with docs/design.md);
+//!   `trace`: counterexamples.
+//! - Each rule of the protocol has a mutation test: with the rule off the
+//!   checker finds a counterexample; with it kept, none.
+//! - `Rules::default()` is the code as it is. What the checker found in
+//!   the code was fixed there; each fix is a rule with a mutation test.
+//! - The default sizes run with the suite; `STOWAGE_MODEL_BIG=1` checks
+//!   larger ones and prints state counts and times.
 
+mod ops;
+mod props;
 mod proto;
 mod steps;
 mod trace;
@@ -17,359 +25,148 @@ use std::time::Instant;
 
 use stateright::{Checker, Expectation, HasDiscoveries, Model};
 
-use proto::{Config, FastStore, Op, Prio, Proto, Role, Rules, exec_read, exec_write};
+use proto::{Config, Op, Proto, Reads, Role, Rules, St};
 
 const A: u8 = 0;
 const B: u8 = 1;
 
-fn read_no_inherit(i: u8) -> Op {
+const fn exec(read: Option<u8>, write: Option<u8>, from: bool) -> Op {
+    let slot = false;
     Op::Exec {
-        read: Some(i),
-        read_excl: false,
-        write: None,
-        from: false,
-        slot: None,
-        inherit: false,
+        read,
+        write,
+        from,
+        slot,
     }
 }
 
-fn with_slot(op: Op, prio: Prio) -> Op {
-    match op {
-        Op::Exec {
-            read,
-            read_excl,
-            write,
-            from,
-            inherit,
-            ..
-        } => Op::Exec {
-            read,
-            read_excl,
-            write,
-            from,
-            slot: Some(prio),
-            inherit,
-        },
-        other => other,
-    }
+const fn read(i: u8) -> Op {
+    exec(Some(i), None, false)
 }
 
-fn from(base: u8, target: u8) -> Op {
-    Op::Exec {
-        read: Some(base),
-        read_excl: false,
-        write: Some(target),
-        from: true,
-        slot: None,
-        inherit: true,
-    }
+const fn write(i: u8) -> Op {
+    exec(None, Some(i), false)
 }
 
-/// `exec --read-exclusive I`.
-fn read_exclusive(i: u8) -> Op {
-    Op::Exec {
-        read: Some(i),
-        read_excl: true,
-        write: None,
-        from: false,
-        slot: None,
-        inherit: true,
-    }
+const fn from(base: u8, target: u8) -> Op {
+    exec(Some(base), Some(target), true)
 }
 
-/// `exec --slot c` alone: no image.
-fn slot_only(prio: Prio) -> Op {
-    Op::Exec {
-        read: None,
-        read_excl: false,
-        write: None,
-        from: false,
-        slot: Some(prio),
-        inherit: true,
+fn slot(mut op: Op) -> Op {
+    if let Op::Exec { slot, .. } = &mut op {
+        *slot = true;
     }
+    op
 }
 
-const STORE_WIDE: Op = Op::StoreWide {
-    inherit: true,
-    deletes: None,
-};
+const GC: Op = Op::Gc { lru: false };
+const GC_LRU: Op = Op::Gc { lru: true };
 
-/// 3 processes × 2 images, one crash (of a process or of a host): P0 and
-/// P1 on two hosts, P2 called by P0's command.
-fn default_config() -> Config {
+fn sw(deletes: Option<u8>) -> Op {
+    Op::StoreWide { deletes }
+}
+
+/// `images` images (A ready), one process per menu, `crashes` crashes.
+fn config(images: u8, menus: &[&[Op]], crashes: u8) -> Config {
+    let roles = menus.iter().map(|m| Role {
+        parent: None,
+        menu: m.to_vec(),
+    });
     Config {
-        images: 2,
-        roles: vec![
-            Role {
-                host: 0,
-                parent: None,
-                menu: vec![
-                    exec_read(A),
-                    read_no_inherit(A),
-                    exec_write(A),
-                    with_slot(exec_read(A), Prio::Normal),
-                    from(A, B),
-                ],
-            },
-            Role {
-                host: 1,
-                parent: None,
-                menu: vec![
-                    exec_write(A),
-                    exec_read(A),
-                    Op::Rm(A),
-                    Op::Gc,
-                    Op::Doctor,
-                    Op::Look,
-                    with_slot(exec_write(A), Prio::High),
-                    exec_write(B),
-                ],
-            },
-            Role {
-                host: 0,
-                parent: Some(0),
-                menu: vec![
-                    exec_read(A),
-                    exec_write(A),
-                    with_slot(exec_read(A), Prio::Normal),
-                    exec_read(B),
-                ],
-            },
-        ],
-        crashes: 1,
-        slot_limit: 1,
-        slot_reserve: 1,
+        images,
+        roles: roles.collect(),
+        crashes,
+        losses: 0,
         rules: Rules::default(),
-        ready_at_start: vec![A],
-        fast_writes: true,
-        nfs_listing: false,
+        records: vec![(A, St::Ready)],
+        catalog_check: false,
+        legacy: false,
     }
 }
 
-/// Three independent processes and a nested one, one crash.
-fn big_config() -> Config {
-    let mut cfg = default_config();
-    cfg.roles.insert(
-        2,
-        Role {
-            host: 1,
-            parent: None,
-            menu: vec![
-                exec_read(A),
-                exec_write(A),
-                Op::Rm(A),
-                Op::Gc,
-                Op::Doctor,
-                with_slot(exec_read(B), Prio::Normal),
-            ],
-        },
-    );
-    cfg.roles[3].parent = Some(0);
-    // A nested call that waits for a slot while its enclosing command holds
-    // image locks can close a cycle through an outside slot holder (see
-    // `a_nested_slot_wait_can_close_a_cycle_through_an_outside_slot_holder`):
-    // a known limit, checked on its own, so left out here.
-    cfg.roles[3]
-        .menu
-        .retain(|op| !matches!(op, Op::Exec { slot: Some(_), .. }));
+/// Process `child` is called by the command of `parent`.
+fn nested(mut cfg: Config, child: usize, parent: u8) -> Config {
+    cfg.roles[child].parent = Some(parent);
     cfg
 }
 
-/// `exec --store-wide` among image users, 3 processes × 2 images, one
-/// crash: P0 and P1 each may hold the store or use images (P1 also
-/// removes, looks, takes a slot), P2 is called by P0's command — inside
-/// a store-wide hold, or inside an image user that a hold waits for.
+/// Exec (read, write, `--from`, a new image, slots), rm and gc, a call
+/// nested in P0's command: 3 processes × 2 images (A ready, B new), one
+/// crash. (A nested slot wait beside an outside slot holder is a known
+/// limit, checked on its own: P1 takes no slot.)
+fn default_config() -> Config {
+    nested(
+        config(
+            2,
+            &[
+                &[read(A), slot(write(A)), from(A, B), GC],
+                &[write(A), Op::Rm(A), write(B), GC],
+                &[read(A), slot(write(B))],
+            ],
+            1,
+        ),
+        2,
+        0,
+    )
+}
+
+/// A store-wide command (deleting A's tree, or a write of A instead),
+/// beside a read, a new image, a removal and another hold; P2 runs inside
+/// P0's hold or its write. (A write inside a hold is a known bug, checked
+/// on its own.)
 fn store_config() -> Config {
-    Config {
-        images: 2,
-        roles: vec![
-            Role {
-                host: 0,
-                parent: None,
-                menu: vec![
-                    STORE_WIDE,
-                    Op::StoreWide {
-                        inherit: false,
-                        deletes: None,
-                    },
-                    exec_write(A),
-                    read_exclusive(A),
-                ],
-            },
-            Role {
-                host: 1,
-                parent: None,
-                menu: vec![
-                    STORE_WIDE,
-                    exec_read(A),
-                    with_slot(exec_write(B), Prio::Normal),
-                    Op::Rm(A),
-                    Op::Look,
-                ],
-            },
-            Role {
-                host: 0,
-                parent: Some(0),
-                // A store-wide call nested in an image user is checked on
-                // its own (`nested_store_wide_calls_and_claims_do_not_deadlock`).
-                menu: vec![exec_read(A), exec_write(B)],
-            },
-        ],
-        crashes: 1,
-        slot_limit: 1,
-        slot_reserve: 0,
-        rules: Rules::default(),
-        ready_at_start: vec![A],
-        fast_writes: true,
-        nfs_listing: false,
-    }
+    nested(
+        config(
+            2,
+            &[
+                &[sw(Some(A)), write(A)],
+                &[read(A), write(B), Op::Rm(A), sw(None)],
+                &[read(A)],
+            ],
+            1,
+        ),
+        2,
+        0,
+    )
 }
 
-/// A store-wide command that deletes image A's tree (its stowage may be
-/// SIGKILLed, its command running on), among reads that take the fast path
-/// and the writers and removals that invalidate their tokens: 3 processes
-/// × 1 image, one crash. P2, called by P0's command, reads inside the hold
-/// or inside a read.
-fn token_config() -> Config {
-    Config {
-        images: 1,
-        roles: vec![
-            Role {
-                host: 0,
-                parent: None,
-                menu: vec![
-                    Op::StoreWide {
-                        inherit: true,
-                        deletes: Some(A),
-                    },
-                    Op::StoreWide {
-                        inherit: false,
-                        deletes: Some(A),
-                    },
-                    exec_write(A),
-                    exec_read(A),
-                ],
-            },
-            Role {
-                host: 1,
-                parent: None,
-                menu: vec![exec_read(A), Op::Rm(A), exec_write(A), Op::Gc, Op::Doctor],
-            },
-            Role {
-                host: 0,
-                parent: Some(0),
-                menu: vec![exec_read(A)],
-            },
+/// gc (with and without a budget) and doctor beside writes and reads,
+/// while the catalog may be lost: A ready, B adopted (readiness unknown),
+/// one crash, one catalog loss, every move compared under every loss.
+fn catalog_config() -> Config {
+    let mut cfg = config(
+        2,
+        &[
+            &[write(A), read(A), read(B), write(B)],
+            &[GC_LRU, GC, Op::Doctor],
         ],
-        crashes: 1,
-        slot_limit: 1,
-        slot_reserve: 0,
-        rules: Rules::default(),
-        ready_at_start: vec![A],
-        fast_writes: true,
-        nfs_listing: false,
-    }
+        1,
+    );
+    cfg.records.push((B, St::Adopted));
+    cfg.losses = 1;
+    cfg.catalog_check = true;
+    cfg
 }
 
-/// Leases: an exec making its lease while others look, clean and judge,
-/// 3 processes × 2 images, one crash. Two of them may look (or wait, and
-/// so judge records), so that what a race did to a lease is seen by a
-/// later look.
-fn lease_config() -> Config {
-    Config {
-        images: 2,
-        roles: vec![
-            Role {
-                host: 0,
-                parent: None,
-                menu: vec![exec_read(A), with_slot(exec_write(B), Prio::Normal)],
-            },
-            Role {
-                host: 1,
-                parent: None,
-                menu: vec![Op::Look, Op::Gc],
-            },
-            Role {
-                host: 1,
-                parent: None,
-                menu: vec![Op::Look, exec_write(A)],
-            },
+/// doctor --repair beside a store-wide command deleting A's tree, a write
+/// of A, a read and a removal (interrupted by the crash): 3 processes × 1
+/// image.
+fn doctor_config() -> Config {
+    config(
+        1,
+        &[
+            &[sw(Some(A)), write(A)],
+            &[Op::Doctor],
+            &[read(A), Op::Rm(A)],
         ],
-        crashes: 1,
-        slot_limit: 1,
-        slot_reserve: 0,
-        rules: Rules::default(),
-        ready_at_start: vec![A],
-        fast_writes: true,
-        nfs_listing: false,
-    }
+        1,
+    )
 }
 
-/// Three independent processes on one image: enough for a stream of
-/// readers to pass a waiting writer.
+/// Two readers and a writer of one image: enough for a reader to pass a
+/// waiting writer.
 fn readers_and_writer() -> Config {
-    Config {
-        images: 1,
-        roles: vec![
-            Role {
-                host: 0,
-                parent: None,
-                menu: vec![exec_read(A)],
-            },
-            Role {
-                host: 0,
-                parent: None,
-                menu: vec![exec_write(A)],
-            },
-            Role {
-                host: 1,
-                parent: None,
-                menu: vec![exec_read(A)],
-            },
-        ],
-        crashes: 0,
-        slot_limit: 1,
-        slot_reserve: 0,
-        rules: Rules::default(),
-        ready_at_start: vec![A],
-        fast_writes: true,
-        nfs_listing: false,
-    }
-}
-
-/// Writes without the database (src/written.rs) and the folds of their
-/// records, 3 processes × 1 image, one crash: P0 writes A (the way
-/// without the database when it finds the token), P1 reads, writes or
-/// collects, P2 — run by P0's command — collects inside the write (its
-/// fold must leave alone the marker its enclosing command's lock covers).
-fn writer_config() -> Config {
-    Config {
-        images: 1,
-        roles: vec![
-            Role {
-                host: 0,
-                parent: None,
-                menu: vec![exec_write(A), read_exclusive(A)],
-            },
-            Role {
-                host: 1,
-                parent: None,
-                menu: vec![exec_read(A), exec_write(A), Op::Gc, Op::Rm(A), Op::Doctor],
-            },
-            Role {
-                host: 0,
-                parent: Some(0),
-                menu: vec![Op::Gc],
-            },
-        ],
-        crashes: 1,
-        slot_limit: 1,
-        slot_reserve: 0,
-        rules: Rules::default(),
-        ready_at_start: vec![A],
-        fast_writes: true,
-        nfs_listing: false,
-    }
+    config(1, &[&[read(A)], &[write(A)], &[read(A)]], 0)
 }
 
 struct Run {
@@ -386,11 +183,14 @@ fn run(cfg: Config, stop_at: Option<&'static str>) -> Run {
     let t0 = Instant::now();
     let builder = Proto::new(cfg).checker().threads(1);
     match stop_at {
-        Some(name) => {
-            // Breadth first: the shortest counterexample.
-            let builder = builder.finish_when(HasDiscoveries::AnyOf(BTreeSet::from([name])));
-            report(builder.spawn_bfs().join(), t0)
-        }
+        // Breadth first: the shortest counterexample.
+        Some(name) => report(
+            builder
+                .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([name])))
+                .spawn_bfs()
+                .join(),
+            t0,
+        ),
         None => report(
             builder
                 .finish_when(HasDiscoveries::AnyFailures)
@@ -420,14 +220,6 @@ fn report(checker: impl Checker<Proto>, t0: Instant) -> Run {
     }
 }
 
-fn failures(r: &Run) -> Vec<(&'static str, &str)> {
-    r.found
-        .iter()
-        .filter(|(_, sometimes, _)| !sometimes)
-        .map(|(name, _, trace)| (*name, trace.as_str()))
-        .collect()
-}
-
 /// Checks every invariant exhaustively, and that each situation of
 /// `reach` happens (else the invariants might hold only because nothing
 /// interesting ever does).
@@ -437,589 +229,22 @@ fn assert_holds(what: &str, cfg: Config, reach: &[&str]) {
         "{what}: {} states ({} generated), depth {}, {:.2} s",
         r.unique, r.total, r.depth, r.secs
     );
-    let bad = failures(&r);
-    for (name, trace) in &bad {
+    let bad: Vec<_> = r.found.iter().filter(|f| !f.1).collect();
+    for (name, _, trace) in &bad {
         eprintln!("VIOLATED: {name}\n{trace}");
     }
     assert!(bad.is_empty(), "{what}: the protocol breaks an invariant");
     for name in reach {
         assert!(
-            r.found
-                .iter()
-                .any(|(n, sometimes, _)| n == name && *sometimes),
+            r.found.iter().any(|(n, s, _)| n == name && *s),
             "{what}: never reached: {name}"
         );
     }
 }
 
-/// Situations of the image locks, the gate, nested calls, crashes and
-/// removal that the default size must reach.
-const LOCKS_REACHED: &[&str] = &[
-    "a nested reader holds the image while a writer waits",
-    "a waiter is blocked on an unlinked lock file",
-    "a command outlives its killed stowage, holding the lock",
-    "a dead writer's image is found incomplete",
-    "an image is removed",
-    "a process works under its enclosing command's slot",
-];
-
-/// The races of leases that the default size must reach.
-const LEASES_REACHED: &[&str] = &[
-    "a prober leaves a fresh lease its owner has not locked yet",
-    "an owner finds its fresh lease held by a prober",
-    "the lease of a dead owner waits to be cleaned",
-    "a clean unlinks the lease of a dead owner",
-];
-
-/// The fast path and its tokens, at the default size.
-const TOKENS_REACHED: &[&str] = &[
-    "a read claims its image on a ready token, without the database",
-    "a ready image has no token",
-    "a writer waits with its hint in the lock file",
-];
-
-/// What the token size must reach besides.
-const TOKENS_STORE_REACHED: &[&str] = &[
-    "a read of the fast path finds store.lock held",
-    "a store-wide command deleted an image's tree",
-];
-
-/// What the store-wide size must reach.
-const STORE_REACHED: &[&str] = &[
-    "an exec waits for a granted store-wide hold",
-    "a store-wide hold waits for an image user",
-    "an exclusive reader's command runs",
-];
-
-/// What the writer size must reach.
-const WRITER_REACHED: &[&str] = &[
-    "a write runs its command without the database",
-    "a crash falls between a fold's commit and its marker's unlink",
-    "a dead fast writer's record is folded to incomplete",
-    "a marker outlives a successful write and a read follows",
-    "a read claims its image on a ready token, without the database",
-];
-
-#[test]
-fn writes_without_the_database_hold_with_crashes() {
-    assert_holds(
-        "writes without the database: 3 processes × 1 image, 1 crash",
-        writer_config(),
-        WRITER_REACHED,
-    );
-}
-
-/// On NFS a listing of `locks/dirty` may miss a fresh marker: whoever
-/// holds the image folds the record it reads under its lock instead.
-#[test]
-fn writes_without_the_database_hold_when_listings_miss_markers() {
-    let mut cfg = writer_config();
-    cfg.nfs_listing = true;
-    assert_holds(
-        "writes without the database, listings may miss markers: 3 processes × 1 image, 1 crash",
-        cfg,
-        WRITER_REACHED,
-    );
-}
-
-/// A writer that replaces the token with its `writing` record before it
-/// makes the marker: between the two, and for ever if it dies there, a
-/// write the row does not show is announced to no fold.
-#[test]
-fn without_the_marker_first_a_writing_record_has_no_marker() {
-    let mut cfg = writer_config();
-    cfg.rules.marker_first = false;
-    cfg.crashes = 0;
-    cfg.roles[1].menu = vec![exec_read(A)];
-    cfg.roles.truncate(2);
-    let trace = mutation_found(
-        "writing record before the marker",
-        cfg,
-        "a writing record beside a ready row has its marker",
-    );
-    assert!(trace.contains("writing FastWriting"), "{trace}");
-}
-
-/// A fold that unlinks its markers before its transaction commits, killed
-/// between: the marker is gone, the row still says ready, and the write
-/// it announced failed. (A fold at work between the two is not counted:
-/// it holds the global lock and the image's.)
-#[test]
-fn without_the_unlink_after_the_commit_a_failed_write_stays_ready() {
-    let mut cfg = writer_config();
-    cfg.rules.unlink_after_commit = false;
-    cfg.roles[1].menu = vec![exec_read(A)];
-    cfg.roles.truncate(2);
-    let trace = mutation_found(
-        "marker unlinked before the fold's commit",
-        cfg,
-        "a ready row without a marker only for a complete tree",
-    );
-    assert!(trace.contains("fold-unlink"), "{trace}");
-    assert!(trace.contains("SIGKILL"), "{trace}");
-}
-
-/// A fold that takes a marker whose lock a writer holds: it reads the
-/// token the writer has not replaced yet, and unlinks the marker of a
-/// write that then fails.
-#[test]
-fn without_skipping_busy_markers_a_fold_takes_a_write_in_progress() {
-    let mut cfg = writer_config();
-    cfg.rules.skip_busy = false;
-    cfg.crashes = 0;
-    cfg.roles[1].menu = vec![exec_read(A)];
-    cfg.roles.truncate(2);
-    let trace = mutation_found(
-        "busy markers folded",
-        cfg,
-        "a ready row without a marker only for a complete tree",
-    );
-    assert!(trace.contains("fold-unlink"), "{trace}");
-}
-
-/// A slow-path reader that does not fold the record it holds, whose
-/// listing missed the marker (NFS): it reads the tree of a failed write.
-#[test]
-fn without_the_holders_fold_a_read_runs_on_a_failed_write() {
-    let mut cfg = writer_config();
-    cfg.rules.holder_folds = false;
-    cfg.nfs_listing = true;
-    cfg.crashes = 0;
-    cfg.roles[1].menu = vec![exec_read(A)];
-    cfg.roles.truncate(2);
-    let trace = mutation_found(
-        "no fold of the record held",
-        cfg,
-        "no reader runs on a tree a write left incomplete",
-    );
-    assert!(trace.contains("MISSES THE MARKERS"), "{trace}");
-}
-
-#[test]
-fn protocol_holds_for_three_processes_two_images_with_crashes() {
-    let reach: Vec<&str> = LOCKS_REACHED
-        .iter()
-        .chain(LEASES_REACHED)
-        .chain(TOKENS_REACHED)
-        .copied()
-        .collect();
-    assert_holds("3 processes × 2 images, 1 crash", default_config(), &reach);
-}
-
-#[test]
-fn ready_tokens_hold_with_store_wide_deletions_and_crashes() {
-    let reach: Vec<&str> = TOKENS_REACHED
-        .iter()
-        .chain(TOKENS_STORE_REACHED)
-        .copied()
-        .collect();
-    assert_holds(
-        "tokens: 3 processes × 1 image, 1 crash",
-        token_config(),
-        &reach,
-    );
-}
-
-/// A writer that does not invalidate the token before its start: its
-/// command fails, the image is `incomplete`, and a read of the fast path
-/// finds the token still there.
-#[test]
-fn without_invalidation_before_start_a_fast_read_runs_on_a_failed_write() {
-    let mut cfg = token_config();
-    cfg.rules.writer_invalidates = false;
-    // The rule of the slow way (a writer that had to wait).
-    cfg.fast_writes = false;
-    cfg.crashes = 0;
-    cfg.roles[0].menu = vec![exec_write(A)];
-    cfg.roles[1].menu = vec![exec_read(A)];
-    let trace = mutation_found(
-        "no invalidation before start",
-        cfg,
-        "no reader's command runs on an image whose row is not ready",
-    );
-    assert!(trace.contains("exec --read A: fast-try"), "{trace}");
-    assert!(trace.contains("row Some(Incomplete)"), "{trace}");
-}
-
-/// A removal that does not invalidate the token before its mark, SIGKILLed
-/// after it: the image is `deleting`, and a read of the fast path finds the
-/// token still there.
-#[test]
-fn without_invalidation_before_mark_a_fast_read_runs_on_a_removed_image() {
-    let mut cfg = token_config();
-    cfg.rules.remove_invalidates = false;
-    cfg.roles[0].menu = vec![exec_read(A)];
-    cfg.roles[1].menu = vec![Op::Rm(A)];
-    let trace = mutation_found(
-        "no invalidation before mark",
-        cfg,
-        "no reader's command runs on an image whose row is not ready",
-    );
-    assert!(trace.contains("rm A: SIGKILL"), "{trace}");
-    assert!(trace.contains("row Some(Deleting)"), "{trace}");
-}
-
-/// A read of the fast path that never asks `store.lock` (the store-wide
-/// hint ignored), or asks before it holds its image locks (so that a hold
-/// starting between sees no image lock held and is granted), runs beside a
-/// store-wide command.
-#[test]
-fn without_the_store_lock_check_after_the_locks_a_fast_read_runs_beside_a_hold() {
-    for (rule, what) in [
-        (FastStore::Never, "the store-wide hint ignored"),
-        (
-            FastStore::BeforeLocks,
-            "store.lock checked before the locks",
-        ),
-    ] {
-        let mut cfg = token_config();
-        cfg.rules.fast_store = rule;
-        cfg.crashes = 0;
-        cfg.roles[0].menu = vec![STORE_WIDE];
-        cfg.roles[1].menu = vec![exec_read(A)];
-        let trace = mutation_found(
-            what,
-            cfg,
-            "while a store-wide hold is granted, nobody else is at work on an image or slot",
-        );
-        assert!(trace.contains("exec --read A: fast-"), "{trace}");
-        assert!(trace.contains("store-free"), "{trace}");
-    }
-}
-
-/// `doctor --repair` dropping the row of a ready image whose tree a
-/// store-wide command deleted (its stowage SIGKILLed, its command running
-/// on) without invalidating the token: a fast read runs on no row.
-#[test]
-fn without_invalidation_by_doctor_a_fast_read_runs_on_a_dropped_row() {
-    let mut cfg = token_config();
-    cfg.rules.doctor_invalidates = false;
-    cfg.roles[0].menu = vec![Op::StoreWide {
-        inherit: true,
-        deletes: Some(A),
-    }];
-    cfg.roles[1].menu = vec![Op::Doctor];
-    cfg.roles[2].menu = vec![exec_read(A)];
-    cfg.roles[2].parent = None;
-    let trace = mutation_found(
-        "no invalidation by doctor",
-        cfg,
-        "no reader's command runs on an image whose row is not ready",
-    );
-    assert!(trace.contains("SIGKILL"), "{trace}");
-    assert!(trace.contains("doctor --repair: sweep"), "{trace}");
-}
-
-/// A store-wide hold that does not set the store-wide hint before its
-/// check: a read that takes its image lock after the check finds no hint,
-/// asks nothing, and runs beside the hold's command.
-#[test]
-fn without_the_store_wide_hint_a_fast_read_runs_beside_a_hold() {
-    let mut cfg = token_config();
-    cfg.rules.store_marks = false;
-    cfg.crashes = 0;
-    cfg.roles[0].menu = vec![STORE_WIDE];
-    cfg.roles[1].menu = vec![exec_read(A)];
-    let trace = mutation_found(
-        "no store-wide hint",
-        cfg,
-        "while a store-wide hold is granted, nobody else is at work on an image or slot",
-    );
-    assert!(trace.contains("exec --read A: fast-try"), "{trace}");
-}
-
-/// A writer that waits without setting the writer-waits hint: reads of the
-/// fast path, which try the gate only when hinted, pass it.
-#[test]
-fn without_the_writers_hint_new_fast_reads_pass_a_waiting_writer() {
-    let mut cfg = readers_and_writer();
-    cfg.rules.writer_hints = false;
-    let trace = mutation_found(
-        "no writer-waits hint",
-        cfg,
-        "no new reader passes a waiting writer",
-    );
-    assert!(trace.contains("fast-try"), "{trace}");
-}
-
-/// Found by the checker in the fast path as implemented (with hints): an
-/// image made inside a store-wide command has a lock file made after the
-/// hold set its store-wide hints, so it has none; the nested write's
-/// `finish` (inside the hold, exempt) writes its token; a read from outside
-/// then finds a token and no hint, asks nothing, and runs while the hold's
-/// command runs. Reproduced with the real binary: `exec --store-wide --
-/// sh -c 'stowage exec --write b -- …; wait'`, and meanwhile `exec
-/// --no-wait --read b` runs (exit 0) where `exec --no-wait --read a` (an
-/// image older than the hold) says the store is busy (75). By the same
-/// reasoning (not checked here): a lock file whose hint a token's
-/// invalidation dropped (its hints read before the hold set them) and
-/// then a token written inside the hold, and an image written by a call
-/// nested in an image user the hold waits for. When the code keeps
-/// tokens from being written past a live hold (or hints what it writes
-/// then). Fixed in the code: no token is written while a hold stands
-/// (`Rules::no_token_beside_hold`); with that rule off, the checker finds
-/// it again. Real processes:
-/// `tokens_edges::a_read_of_an_image_made_inside_a_store_wide_command_waits_for_it`.
-#[test]
-fn without_no_token_beside_a_hold_an_outside_read_runs_beside_it() {
-    let mut cfg = store_config();
-    cfg.rules.no_token_beside_hold = false;
-    cfg.crashes = 0;
-    cfg.roles[0].menu = vec![STORE_WIDE];
-    cfg.roles[1].menu = vec![exec_read(B)];
-    cfg.roles[2].menu = vec![exec_write(B)];
-    let trace = mutation_found(
-        "an image made inside a hold",
-        cfg,
-        "while a store-wide hold is granted, nobody else is at work on an image or slot",
-    );
-    assert!(trace.contains("exec --write B: token"), "{trace}");
-    assert!(trace.contains("exec --read B: fast-try"), "{trace}");
-}
-
-/// Found by the checker in the first version of the fast path, reproduced
-/// with the real binary, fixed: `try_ready` reads the token and the
-/// store-wide hint, and only then does `begin_fast` ask whether
-/// `store.lock` is free. A store-wide hold granted before the read took its
-/// image lock (so it does not wait for it) can run its whole command
-/// between the two: it deletes the image's tree, `forget_deleted`
-/// invalidates the token (already read) and drops the row, the hold ends,
-/// and the read finds `store.lock` free and runs on an image that no
-/// longer exists. Reading the tokens again under `store.lock` closes it: a
-/// hold that ended before the try took its tokens away before it ended;
-/// one that starts after it waits for our image lock. (Real processes:
-/// `tokens::a_read_does_not_run_on_an_image_a_store_wide_command_deleted_while_it_looked`.)
-#[test]
-fn without_the_token_reread_a_fast_read_runs_on_an_image_a_store_wide_command_deleted() {
-    let mut cfg = token_config();
-    cfg.rules.token_after_store = false;
-    cfg.crashes = 0;
-    let trace = mutation_found(
-        "no token re-read under store.lock",
-        cfg,
-        "no reader's command runs on an image whose row is not ready",
-    );
-    assert!(trace.contains("exec --read A: fast-try"), "{trace}");
-    assert!(trace.contains("store-end"), "{trace}");
-    assert!(trace.contains("exec --read A: fast-store"), "{trace}");
-}
-
-#[test]
-fn leases_hold_for_three_processes_two_images_with_crashes() {
-    assert_holds(
-        "leases: 3 processes × 2 images, 1 crash",
-        lease_config(),
-        LEASES_REACHED,
-    );
-}
-
-#[test]
-fn store_wide_holds_and_exclusive_reads_hold_with_crashes() {
-    assert_holds(
-        "store-wide: 3 processes × 2 images, 1 crash",
-        store_config(),
-        STORE_REACHED,
-    );
-}
-
-#[test]
-fn a_store_wide_call_inside_a_store_wide_command_fails_at_once() {
-    let mut cfg = store_config();
-    cfg.roles[0].menu = vec![STORE_WIDE];
-    cfg.roles[1].menu = vec![STORE_WIDE, exec_write(A)];
-    cfg.roles[2].menu = vec![STORE_WIDE, exec_read(A)];
-    assert_holds("store-wide inside store-wide", cfg, &[]);
-}
-
-/// Store-wide calls and claims nested in the command of an image or slot
-/// user: `Hold::take` fails at once there, and `store_wide::check` lets a
-/// claim pass a hold when the enclosing exec holds an image lock or a slot.
-/// Without that rule (the code before), the checker finds both deadlocks:
-/// a store-wide call in an image user's command waiting for the store while
-/// another hold waits for that image, and an exec in a slot holder's
-/// command waiting for a hold that waits for the slot.
-#[test]
-fn without_the_nested_store_rule_nested_calls_deadlock_with_a_hold() {
-    let mut cfg = store_config();
-    cfg.crashes = 0;
-    cfg.rules.nested_store = false;
-    cfg.roles[0].menu = vec![exec_write(A)];
-    cfg.roles[1].menu = vec![STORE_WIDE];
-    cfg.roles[2].menu = vec![STORE_WIDE];
-    let trace = mutation_found("store-wide nested in an image user", cfg, "no deadlock");
-    assert!(trace.contains("P1: StoreWaitFree"), "{trace}");
-    assert!(trace.contains("P2: StoreLock"), "{trace}");
-
-    let mut cfg = store_config();
-    cfg.crashes = 0;
-    cfg.rules.nested_store = false;
-    cfg.roles[0].menu = vec![slot_only(Prio::Normal)];
-    cfg.roles[1].menu = vec![STORE_WIDE];
-    cfg.roles[2].menu = vec![exec_read(A)];
-    let trace = mutation_found("exec nested in a slot holder", cfg, "no deadlock");
-    assert!(trace.contains("P1: StoreWaitFree(Slot"), "{trace}");
-    assert!(trace.contains("P2: StoreAwait"), "{trace}");
-}
-
-/// With the rule, the same two situations have no deadlock (and every
-/// other invariant holds).
-#[test]
-fn nested_store_wide_calls_and_claims_do_not_deadlock() {
-    for menus in [
-        [vec![exec_write(A)], vec![STORE_WIDE], vec![STORE_WIDE]],
-        [
-            vec![slot_only(Prio::Normal)],
-            vec![STORE_WIDE],
-            vec![exec_read(A)],
-        ],
-    ] {
-        let mut cfg = store_config();
-        cfg.crashes = 0;
-        for (role, menu) in cfg.roles.iter_mut().zip(menus) {
-            role.menu = menu;
-        }
-        assert_holds("nested store-wide calls and claims", cfg, &[]);
-    }
-}
-
-#[test]
-fn without_the_store_wide_check_an_image_user_runs_beside_a_store_wide_command() {
-    let mut cfg = store_config();
-    cfg.rules.store_check = false;
-    cfg.crashes = 0;
-    // The exec's case (a removal's `mark` is refused by the same rule).
-    cfg.roles[1].menu.retain(|op| !matches!(op, Op::Rm(_)));
-    let trace = mutation_found(
-        "no store-wide check in claiming transactions",
-        cfg,
-        "while a store-wide hold is granted, nobody else is at work on an image or slot",
-    );
-    assert!(trace.contains("exec --store-wide"), "{trace}");
-    // (The shortest: an exclusive read; a plain one falls back from the
-    // fast path to the same `start`.)
-    assert!(trace.contains(": start Start"), "{trace}");
-    // The same rule keeps new image users from starving a waiting hold.
-    let mut cfg = store_config();
-    cfg.rules.store_check = false;
-    cfg.crashes = 0;
-    mutation_found(
-        "no store-wide check in claiming transactions",
-        cfg,
-        "no image user starts while a store-wide hold waits or runs",
-    );
-}
-
-#[test]
-fn without_the_lease_recheck_a_live_holder_is_judged_dead() {
-    // The re-check is what a prober that unlinks unwritten leases needs.
-    let mut cfg = lease_config();
-    cfg.rules.lease_recheck = false;
-    cfg.rules.lease_unwritten_kept = false;
-    cfg.crashes = 0;
-    let trace = mutation_found(
-        "no re-check of a fresh lease",
-        cfg,
-        "a live holder's record is never dropped",
-    );
-    assert!(trace.contains("clean-unlink"), "{trace}");
-}
-
-#[test]
-fn without_the_lock_a_prober_unlinks_a_live_lease() {
-    // (A prober that also leaves unwritten leases never meets a fresh
-    // one: the lock is what the unlink of any other needs.)
-    let mut cfg = lease_config();
-    cfg.rules.lease_unlink_locked = false;
-    cfg.rules.lease_unwritten_kept = false;
-    cfg.crashes = 0;
-    let trace = mutation_found(
-        "a prober unlinking without the lease's lock",
-        cfg,
-        "a live holder's record is never dropped",
-    );
-    assert!(trace.contains("clean-unlink"), "{trace}");
-}
-
-/// `STOWAGE_MODEL_BIG=1 cargo test --release --test model big -- --nocapture`
-#[test]
-fn big_sizes_when_asked() {
-    if std::env::var_os("STOWAGE_MODEL_BIG").is_none() {
-        return;
-    }
-    let mut two_crashes = default_config();
-    two_crashes.crashes = 2;
-    let reach: Vec<&str> = LOCKS_REACHED
-        .iter()
-        .chain(LEASES_REACHED)
-        .copied()
-        .collect();
-    assert_holds("3 processes × 2 images, 2 crashes", two_crashes, &reach);
-    let mut leases = lease_config();
-    leases.crashes = 2;
-    assert_holds("leases, 2 crashes", leases, LEASES_REACHED);
-    let mut store = store_config();
-    store.crashes = 2;
-    assert_holds("store-wide, 2 crashes", store, STORE_REACHED);
-    let token_reach: Vec<&str> = TOKENS_REACHED
-        .iter()
-        .chain(TOKENS_STORE_REACHED)
-        .copied()
-        .collect();
-    let mut tokens = token_config();
-    tokens.crashes = 2;
-    assert_holds("tokens, 2 crashes", tokens, &token_reach);
-    // Its nested call takes no slot (see `big_config`).
-    let reach: Vec<&str> = reach
-        .into_iter()
-        .filter(|n| *n != "a process works under its enclosing command's slot")
-        .collect();
-    assert_holds("4 processes × 2 images, 1 crash", big_config(), &reach);
-}
-
-/// `STOWAGE_MODEL_BIG=1 cargo test --release --test model big_writer -- --nocapture`
-#[test]
-fn big_writer_sizes_when_asked() {
-    if std::env::var_os("STOWAGE_MODEL_BIG").is_none() {
-        return;
-    }
-    let mut writers = writer_config();
-    writers.crashes = 2;
-    writers.nfs_listing = true;
-    assert_holds(
-        "writes without the database, listings may miss markers, 2 crashes",
-        writers,
-        WRITER_REACHED,
-    );
-    assert_holds(
-        "writes without the database, 2 images, 1 crash",
-        writer_two_images(),
-        WRITER_REACHED,
-    );
-}
-
-/// The writer size with a second image B: writes that take the slow way
-/// beside an exclusive read of B, and a nested write of B (its fold must
-/// leave alone A's marker, which its enclosing command's lock covers).
-fn writer_two_images() -> Config {
-    let mut cfg = writer_config();
-    cfg.images = 2;
-    cfg.ready_at_start = vec![A, B];
-    cfg.roles[0].menu.push(Op::Exec {
-        read: Some(B),
-        read_excl: true,
-        write: Some(A),
-        from: false,
-        slot: None,
-        inherit: true,
-    });
-    cfg.roles[1].menu.push(exec_write(B));
-    cfg.roles[2].menu.push(exec_write(B));
-    cfg
-}
-
-/// Checks that turning a rule off makes the checker find `property`
-/// violated, and prints the counterexample.
-fn mutation_found(what: &str, cfg: Config, property: &'static str) -> String {
+/// Checks that the checker finds `property` violated (a rule turned off,
+/// or a known bug), and returns the counterexample.
+fn found(what: &str, cfg: Config, property: &'static str) -> String {
     let r = run(cfg, Some(property));
     let (_, _, trace) = r
         .found
@@ -1033,165 +258,484 @@ fn mutation_found(what: &str, cfg: Config, property: &'static str) -> String {
     trace.clone()
 }
 
-#[test]
-fn without_the_nested_call_rule_a_nested_reader_deadlocks() {
-    // The case of the issue: the command of a reader reads the same image
-    // again while a writer queues in between.
-    let mut cfg = default_config();
-    cfg.rules.nested = false;
-    cfg.crashes = 0;
-    cfg.roles[0].menu = vec![exec_read(A)];
-    cfg.roles[1].menu = vec![exec_write(A)];
-    cfg.roles[2].menu = vec![exec_read(A)];
-    let trace = mutation_found("no nested-call rule", cfg, "no deadlock");
-    // The writer waits for P0 holding the gate; P0's command waits for P2,
-    // which queues at the gate behind the writer.
-    assert!(trace.contains("P1: Wait(0)"), "{trace}");
-    assert!(trace.contains("P2: Gate(0)"), "{trace}");
+/// Checks that `cfg` keeps every invariant, and that with `mutate` applied
+/// the checker finds `property` violated; returns the counterexample.
+fn mutation(
+    what: &str,
+    cfg: Config,
+    mutate: impl FnOnce(&mut Rules),
+    property: &'static str,
+) -> String {
+    assert_holds(&format!("{what}: with the rule"), cfg.clone(), &[]);
+    let mut cfg = cfg;
+    mutate(&mut cfg.rules);
+    found(what, cfg, property)
 }
 
+const EXCLUSION: &str = "never two writers in one tree, never a reader beside a writer";
+const READS_READY: &str = "a reader at work reads a ready record over a whole tree";
+const READY_WHOLE: &str = "a ready record only over a whole tree";
+const NO_ORPHAN: &str = "no tree without a record but its maker's";
+const EVIDENCE: &str = "gc, repair and holds destroy records only on positive evidence";
+const TORN: &str = "a torn write never loses the record before it";
+const HOLD_ALONE: &str = "while a store-wide hold is granted, nobody else is at work on an image";
+const CATALOG: &str = "the catalog decides nothing";
+const DEADLOCK: &str = "no deadlock";
+const BYPASS: &str = "no new reader passes a waiting writer";
+const ADOPTED: &str = "an adopted record names a tree that is there";
+
+// -- the protocol holds -------------------------------------------------------
+
+const DEFAULT_REACHED: &[&str] = &[
+    "a reader's command runs",
+    "a new image becomes ready",
+    "an image is removed",
+    "gc collects a failed or dead writer's image",
+    "an interrupted removal is finished",
+    "a dead writer's record reads incomplete",
+    "a waiter is blocked on an unlinked lock file",
+    "a command outlives its killed stowage, holding the lock",
+    "a torn write leaves the record before it",
+    "a nested reader holds the image while a writer waits",
+    "a process works under its enclosing command's slot",
+];
+
+const STORE_REACHED: &[&str] = &[
+    "a reader's command runs",
+    "a store-wide hold waits for an image user",
+    "an exec waits for a granted store-wide hold",
+    "a store-wide command's deleted image is forgotten",
+    "a waiter is blocked on an unlinked lock file",
+];
+
+const CATALOG_REACHED: &[&str] = &[
+    "a lost catalog is rebuilt from the records",
+    "gc collects a failed or dead writer's image",
+    "an image is removed",
+    "a dead writer's record reads incomplete",
+];
+
+const DOCTOR_REACHED: &[&str] = &[
+    "an interrupted removal is finished",
+    "a store-wide command's deleted image is forgotten",
+    "a store-wide hold waits for an image user",
+];
+
 #[test]
-fn without_the_unlink_recheck_two_writers_meet() {
-    let mut cfg = default_config();
-    cfg.rules.recheck = false;
-    cfg.crashes = 0;
-    let trace = mutation_found(
-        "no re-check after flock",
-        cfg,
-        "never two writers, never a reader during a write",
+fn exec_rm_and_gc_hold_with_crashes() {
+    assert_holds(
+        "exec, rm, gc: 3 processes × 2 images, 1 crash",
+        default_config(),
+        DEFAULT_REACHED,
     );
-    assert!(trace.contains("rm A"), "{trace}");
 }
 
+#[test]
+fn store_wide_holds_hold_with_crashes() {
+    assert_holds(
+        "store-wide: 3 processes × 2 images, 1 crash",
+        store_config(),
+        STORE_REACHED,
+    );
+}
+
+#[test]
+fn gc_and_doctor_hold_when_the_catalog_is_lost() {
+    assert_holds(
+        "catalog: 2 processes × 2 images, 1 crash, 1 catalog loss",
+        catalog_config(),
+        CATALOG_REACHED,
+    );
+}
+
+#[test]
+fn doctor_holds_beside_holds_and_removals() {
+    assert_holds(
+        "doctor: 3 processes × 1 image, 1 crash",
+        doctor_config(),
+        DOCTOR_REACHED,
+    );
+}
+
+// -- each rule, turned off ------------------------------------------------------
+
+/// A waiter that keeps the lock of a file unlinked while it waited (by a
+/// removal) writes a tree another writer has under a new lock file.
+#[test]
+fn without_the_recheck_after_flock_two_writers_meet() {
+    let cfg = config(1, &[&[Op::Rm(A)], &[write(A)], &[write(A)]], 0);
+    let trace = mutation("no re-check", cfg, |r| r.no_recheck = true, EXCLUSION);
+    assert!(trace.contains("rm A: drop"), "{trace}");
+}
+
+/// A removal that unlinks the lock file without emptying it: the waiter
+/// reads the record (`deleting`) in the unlinked file, takes it as proof
+/// that the file is at its path, and writes beside the next writer.
+#[test]
+fn without_emptying_before_unlink_a_record_proves_a_ghost() {
+    let cfg = config(1, &[&[Op::Rm(A)], &[write(A)], &[write(A)]], 0);
+    let trace = mutation(
+        "not emptied before unlink",
+        cfg,
+        |r| r.unlink_unemptied = true,
+        EXCLUSION,
+    );
+    assert!(trace.contains("unlinked files still saying"), "{trace}");
+}
+
+/// The command touches the tree before the `writing` record replaces
+/// `ready`: a ready record over a partial tree.
+#[test]
+fn without_the_writing_record_first_ready_stands_over_a_partial_tree() {
+    let cfg = config(1, &[&[write(A)]], 1);
+    let trace = mutation(
+        "tree before record",
+        cfg,
+        |r| r.tree_before_record = true,
+        READY_WHOLE,
+    );
+    assert!(trace.contains("spawn"), "{trace}");
+}
+
+/// A new image's `mkdir` before its `creating` record, killed between: a
+/// tree no record names, which no gc can collect.
+#[test]
+fn without_the_record_before_mkdir_a_crash_leaves_an_orphan_tree() {
+    let cfg = config(2, &[&[write(B)]], 1);
+    let trace = mutation(
+        "mkdir before record",
+        cfg,
+        |r| r.mkdir_before_record = true,
+        NO_ORPHAN,
+    );
+    assert!(trace.contains("SIGKILL"), "{trace}");
+}
+
+/// The outcome written after the lock went: the next writer's `writing`
+/// is overwritten by `ready` while its command runs.
+#[test]
+fn without_the_record_before_unlock_ready_lands_on_another_write() {
+    let cfg = config(1, &[&[write(A)], &[write(A)]], 0);
+    mutation(
+        "record after unlock",
+        cfg,
+        |r| r.record_after_unlock = true,
+        READY_WHOLE,
+    );
+}
+
+/// A reader that judges by the record it read before its lock (it waited
+/// behind a writer whose command then failed).
+#[test]
+fn without_the_ready_check_under_the_lock_a_reader_reads_a_failed_write() {
+    let cfg = config(1, &[&[read(A)], &[write(A)]], 0);
+    let trace = mutation(
+        "ready read before the lock",
+        cfg,
+        |r| r.reads = Reads::BeforeLock,
+        READS_READY,
+    );
+    assert!(trace.contains("exits ≠0"), "{trace}");
+}
+
+/// A reader that asks the catalog whether the image is ready: a replaced
+/// catalog makes a failed image readable.
+#[test]
+fn a_reader_consulting_the_catalog_reads_a_failed_image() {
+    let mut cfg = config(2, &[&[read(B)]], 0);
+    cfg.records.push((B, St::Failed));
+    cfg.losses = 1;
+    cfg.catalog_check = true;
+    mutation(
+        "reader consults the catalog",
+        cfg.clone(),
+        |r| r.reads = Reads::Catalog,
+        CATALOG,
+    );
+    cfg.catalog_check = false;
+    cfg.rules.reads = Reads::Catalog;
+    let trace = found("reader consults the catalog", cfg, READS_READY);
+    assert!(trace.contains("Replace"), "{trace}");
+}
+
+/// gc that takes an adopted image (readiness unknown) for a failed one.
+#[test]
+fn without_positive_evidence_gc_collects_an_adopted_image() {
+    let mut cfg = config(2, &[&[GC]], 0);
+    cfg.records.push((B, St::Adopted));
+    mutation(
+        "adopted taken as failed",
+        cfg,
+        |r| r.gc_takes_adopted = true,
+        EVIDENCE,
+    );
+}
+
+/// gc that trusts its survey: the failed image it listed was rewritten
+/// (ready) before its lock was taken.
+#[test]
+fn without_the_recheck_under_its_lock_gc_collects_a_rewritten_image() {
+    let mut cfg = config(2, &[&[GC], &[write(B)]], 0);
+    cfg.records.push((B, St::Failed));
+    mutation(
+        "gc trusts its survey",
+        cfg,
+        |r| r.gc_trusts_survey = true,
+        EVIDENCE,
+    );
+}
+
+/// gc that judges by the catalog under the lock: a replaced catalog says
+/// a ready image failed.
+#[test]
+fn gc_consulting_the_catalog_collects_a_ready_image() {
+    let mut cfg = config(1, &[&[GC]], 0);
+    cfg.losses = 1;
+    cfg.catalog_check = true;
+    mutation(
+        "gc consults the catalog",
+        cfg.clone(),
+        |r| r.gc_trusts_catalog = true,
+        CATALOG,
+    );
+    cfg.catalog_check = false;
+    cfg.rules.gc_trusts_catalog = true;
+    found("gc consults the catalog", cfg, EVIDENCE);
+}
+
+/// doctor unlinking the lock files its listing found empty, without
+/// looking again under the lock: a new image's record goes with its file.
+#[test]
+fn without_the_recheck_before_unlink_doctor_drops_a_new_image() {
+    let cfg = config(2, &[&[write(B)], &[Op::Doctor]], 0);
+    let trace = mutation(
+        "unlink without re-check",
+        cfg,
+        |r| r.unlink_unchecked = true,
+        EVIDENCE,
+    );
+    assert!(trace.contains("unlink-empty"), "{trace}");
+}
+
+/// One record slot, written in place: a torn write loses the state.
+#[test]
+fn without_two_slots_a_torn_write_loses_the_record() {
+    let cfg = config(1, &[&[write(A), Op::Rm(A)]], 1);
+    let trace = mutation("one slot", cfg, |r| r.one_slot = true, TORN);
+    assert!(trace.contains("crash in the middle"), "{trace}");
+}
+
+/// A new image's writer that does not ask `store.lock`: its lock file,
+/// made after the hold's pass, carries no hint.
+#[test]
+fn without_the_probe_a_new_image_is_made_beside_a_hold() {
+    let cfg = config(2, &[&[sw(None)], &[write(B)]], 0);
+    mutation(
+        "no probe for new images",
+        cfg,
+        |r| r.no_probe_new = true,
+        HOLD_ALONE,
+    );
+}
+
+/// A reader that ignores the store-wide hint.
+#[test]
+fn without_the_hint_check_a_reader_runs_beside_a_hold() {
+    let cfg = config(1, &[&[sw(None)], &[read(A)]], 0);
+    mutation("hint ignored", cfg, |r| r.hint_ignored = true, HOLD_ALONE);
+}
+
+/// A hold that sets the hint only before it takes each lock: a reader
+/// that found a dead hold's hint and `store.lock` free clears it while the
+/// new hold waits for it; the next reader sees no hint.
+#[test]
+fn without_the_hint_set_again_under_the_lock_a_reader_runs_beside_a_hold() {
+    let cfg = config(1, &[&[sw(None)], &[read(A)], &[read(A)], &[sw(None)]], 1);
+    let trace = mutation(
+        "hint not set again",
+        cfg,
+        |r| r.no_rehint = true,
+        HOLD_ALONE,
+    );
+    assert!(trace.contains("clear-hints"), "{trace}");
+}
+
+/// Readers that do not queue at the gate behind a waiting writer.
 #[test]
 fn without_the_gate_new_readers_pass_a_waiting_writer() {
-    let mut cfg = readers_and_writer();
-    let r = run(cfg.clone(), None);
-    assert!(
-        failures(&r).is_empty(),
-        "2 readers and a writer: the gate fails"
+    mutation(
+        "no gate",
+        readers_and_writer(),
+        |r| r.no_gate = true,
+        BYPASS,
     );
-    cfg.rules.gate = false;
-    mutation_found("no gate", cfg, "no new reader passes a waiting writer");
 }
 
+/// No nested-call rule: the command of a reader reads the image again
+/// while a writer queues in between.
 #[test]
-fn without_the_keeper_a_no_inherit_command_outlives_its_locks() {
-    let mut cfg = default_config();
-    cfg.rules.keeper = false;
-    cfg.roles[2].menu = vec![exec_read(B)];
-    let trace = mutation_found(
-        "no keeper for --no-inherit",
+fn without_the_nested_call_rule_a_nested_reader_deadlocks() {
+    let cfg = nested(config(1, &[&[read(A)], &[write(A)], &[read(A)]], 0), 2, 0);
+    let trace = mutation("no nested-call rule", cfg, |r| r.no_nested = true, DEADLOCK);
+    assert!(trace.contains("P1: Wait(0)"), "{trace}");
+}
+
+// -- known bugs and limits ----------------------------------------------------------
+
+/// An image made inside a store-wide command (its writer's probe says
+/// "inside") must carry the hold's hint: without it, once ready, a read
+/// from outside asks nothing and runs while the hold's command runs
+/// (which may delete that tree). (Found by the checker in the code.)
+#[test]
+fn without_the_hint_inside_a_hold_a_new_image_is_read_beside_it() {
+    let cfg = nested(config(2, &[&[sw(None)], &[read(B)], &[write(B)]], 0), 2, 0);
+    let trace = mutation(
+        "write inside a hold, unhinted",
         cfg,
-        "never two writers, never a reader during a write",
+        |r| r.no_hint_inside_hold = true,
+        HOLD_ALONE,
     );
-    assert!(trace.contains("--no-inherit"), "{trace}");
+    assert!(trace.contains("P1 exec --read B: check"), "{trace}");
 }
 
-/// Leases turned off: records judged by the lock's mode alone, as records
-/// without a lease (written by releases before leases) still are on NFS. A
-/// dead writer's record stands while another writer holds the image and
-/// has not started yet (its start drops it).
+/// doctor must ask `store.lock` again under each image's lock before it
+/// clears a stale hint: asked once, a hold that began between has hinted
+/// (and passed) that image, loses its hint, and a read runs beside the
+/// hold's command. (Found by the checker in the code.)
 #[test]
-fn without_leases_a_dead_writers_record_survives() {
-    let mut cfg = default_config();
-    cfg.rules.leases = false;
-    // Writers' holder records: the slow way's.
-    cfg.fast_writes = false;
-    cfg.roles = vec![
-        Role {
-            host: 0,
-            parent: None,
-            menu: vec![exec_write(A)],
-        },
-        Role {
-            host: 1,
-            parent: None,
-            menu: vec![exec_write(A)],
-        },
-        Role {
-            host: 1,
-            parent: None,
-            menu: vec![Op::Look],
-        },
-    ];
-    let trace = mutation_found(
-        "records judged by mode alone",
+fn without_asking_again_under_each_lock_doctor_clears_a_live_hint() {
+    let cfg = config(1, &[&[sw(None)], &[Op::Doctor], &[read(A)], &[sw(None)]], 1);
+    let trace = mutation(
+        "doctor asks once",
         cfg,
-        "no record of a dead owner survives a look",
+        |r| r.doctor_probes_once = true,
+        HOLD_ALONE,
     );
-    assert!(
-        trace.contains("SIGKILL") || trace.contains("dies"),
-        "{trace}"
+    assert!(trace.contains("clear-hint"), "{trace}");
+}
+
+/// Adoption must look at the tree again under the lock: a new image's
+/// writer whose start was undone took its tree back after doctor's
+/// listing, and the adoption (which makes the lock file anew) would write
+/// `incomplete (adopted)` for a tree that is not there — an image gc
+/// never collects. (Found by the checker in the code.)
+#[test]
+fn without_the_tree_checked_under_the_lock_doctor_adopts_a_tree_taken_back() {
+    let cfg = config(2, &[&[write(B)], &[Op::Doctor]], 0);
+    let trace = mutation(
+        "adoption unchecked",
+        cfg,
+        |r| r.adopt_unchecked = true,
+        ADOPTED,
+    );
+    assert!(trace.contains("abandon"), "{trace}");
+}
+
+/// A new image's first record is written over the whole area: it must
+/// keep the hints, or the `W` of a writer already waiting at the gate is
+/// erased and new readers pass it (fairness). (Found by the checker.)
+#[test]
+fn without_the_hints_kept_a_first_record_lets_readers_pass_a_waiting_writer() {
+    let cfg = config(2, &[&[write(B)], &[write(B)], &[read(B)]], 0);
+    mutation(
+        "first record erases W",
+        cfg,
+        |r| r.first_write_erases_hints = true,
+        BYPASS,
     );
 }
 
-/// A limit of the nested-call rule, found at the larger size: a nested call
-/// waits for a slot held by an outside exec, which waits for an image the
-/// enclosing command holds, while the enclosing command waits for the
-/// nested call. The lock order (slots first) binds each process, not a
-/// process tree; the rule covers only slots held by the enclosing command.
+/// A catalog of an older release put in place of a migrated store's (an
+/// old backup restored) must be set aside, not migrated again: a
+/// migration gives each image whose lock file has no record the state its
+/// row says, and an image removed since comes back `ready` with no tree.
+/// (Found by the checker in the code.)
 #[test]
-fn a_nested_slot_wait_can_close_a_cycle_through_an_outside_slot_holder() {
-    let mut cfg = default_config();
-    cfg.crashes = 0;
-    cfg.slot_reserve = 0;
-    cfg.roles[0].menu = vec![exec_write(B)];
-    cfg.roles[1].menu = vec![with_slot(exec_read(B), Prio::Normal)];
-    cfg.roles[2].menu = vec![with_slot(exec_read(A), Prio::Normal)];
-    let trace = mutation_found("nested slot wait", cfg, "no deadlock");
+fn without_migrating_only_unconfigured_stores_an_old_catalog_revives_an_image() {
+    let mut cfg = config(1, &[&[Op::Rm(A)], &[GC]], 0);
+    (cfg.losses, cfg.legacy) = (1, true);
+    let trace = mutation(
+        "an old catalog migrated",
+        cfg.clone(),
+        |r| r.migrate_any_old_catalog = true,
+        READY_WHOLE,
+    );
+    assert!(trace.contains("Legacy"), "{trace}");
+    cfg.catalog_check = true;
+    mutation(
+        "an old catalog migrated",
+        cfg,
+        |r| r.migrate_any_old_catalog = true,
+        CATALOG,
+    );
+}
+
+/// A known limit (design.md, nested calls): a nested call waits for a slot
+/// held by an outside exec, which waits for an image the enclosing command
+/// holds. The lock order binds each process, not a process tree.
+#[test]
+fn known_limit_a_nested_slot_wait_can_close_a_cycle() {
+    let cfg = nested(
+        config(2, &[&[write(B)], &[slot(read(B))], &[slot(read(A))]], 0),
+        2,
+        0,
+    );
+    let trace = found("nested slot wait", cfg, DEADLOCK);
     assert!(trace.contains("P2: SlotWait"), "{trace}");
 }
 
-/// The limit design.md states for nested calls ("a cycle through another
-/// process tree"): P0 holds A and its command wants B, P1 holds B and its
-/// command wants A. The lock order binds each process, not a process tree.
-#[test]
-fn nested_calls_in_two_trees_can_wait_for_each_other() {
-    let mut cfg = default_config();
-    cfg.crashes = 0;
-    cfg.roles = vec![
-        Role {
-            host: 0,
-            parent: None,
-            menu: vec![exec_read(A)],
-        },
-        Role {
-            host: 1,
-            parent: None,
-            menu: vec![exec_write(B)],
-        },
-        Role {
-            host: 0,
-            parent: Some(0),
-            menu: vec![exec_read(B)],
-        },
-        Role {
-            host: 1,
-            parent: Some(1),
-            menu: vec![exec_write(A)],
-        },
-    ];
-    let trace = mutation_found("two trees", cfg, "no deadlock");
-    assert!(
-        trace.contains("P2: Gate(0)") || trace.contains("P2: Wait(0)"),
-        "{trace}"
-    );
-    assert!(
-        trace.contains("P3: Gate(0)") || trace.contains("P3: Wait(0)"),
-        "{trace}"
-    );
-}
+// -- bigger sizes ---------------------------------------------------------------
 
-/// A limit of the nested-call rule: under `--no-inherit` the enclosing
-/// hold is found through the lock table, which NFS does not have.
+/// `STOWAGE_MODEL_BIG=1 cargo test --release --test model big -- --nocapture`
 #[test]
-fn on_nfs_a_reader_nested_in_a_no_inherit_reader_deadlocks() {
-    let mut cfg = default_config();
-    cfg.rules.local_fs = false;
-    cfg.crashes = 0;
-    let trace = mutation_found("NFS", cfg, "no deadlock");
-    assert!(trace.contains("--no-inherit"), "{trace}");
+fn big_sizes_when_asked() {
+    if std::env::var_os("STOWAGE_MODEL_BIG").is_none() {
+        return;
+    }
+    let more = |mut cfg: Config, crashes, menu: &[Op]| {
+        cfg.crashes = crashes;
+        if !menu.is_empty() {
+            let menu = menu.to_vec();
+            cfg.roles.push(Role { parent: None, menu });
+        }
+        cfg
+    };
+    let fourth = [read(A), write(B), Op::Rm(B), GC_LRU];
+    assert_holds(
+        "exec, rm, gc: 2 crashes",
+        more(default_config(), 2, &[]),
+        DEFAULT_REACHED,
+    );
+    let four = more(default_config(), 1, &fourth);
+    assert_holds("exec, rm, gc: 4 processes, 1 crash", four, DEFAULT_REACHED);
+    let four = more(default_config(), 2, &fourth);
+    assert_holds(
+        "exec, rm, gc: 4 processes, 2 crashes",
+        four,
+        DEFAULT_REACHED,
+    );
+    let store = more(store_config(), 2, &[]);
+    assert_holds("store-wide: 2 crashes", store, STORE_REACHED);
+    let store = more(store_config(), 1, &[read(A), write(A), GC]);
+    assert_holds("store-wide: 4 processes, 1 crash", store, STORE_REACHED);
+    let mut cat = more(catalog_config(), 2, &[]);
+    cat.losses = 2;
+    assert_holds("catalog: 2 crashes, 2 losses", cat, CATALOG_REACHED);
+    let cat = more(catalog_config(), 1, &[read(A), write(B), Op::Rm(A)]);
+    assert_holds(
+        "catalog: 3 processes, 1 crash, 1 loss",
+        cat,
+        CATALOG_REACHED,
+    );
+    let doctor = more(doctor_config(), 2, &[]);
+    assert_holds("doctor: 2 crashes", doctor, DOCTOR_REACHED);
+    let mut doctor = more(doctor_config(), 1, &[write(B), GC]);
+    doctor.images = 2;
+    assert_holds(
+        "doctor: 4 processes × 2 images, 1 crash",
+        doctor,
+        DOCTOR_REACHED,
+    );
 }
 
 // -- the model against the docs and the code --------------------------------
@@ -1201,11 +745,11 @@ fn repo(path: &str) -> String {
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-/// The `<!-- model-steps -->` block of docs/design.md: `OP: step step …`
-/// lines and `step NAME: code, code` lines.
 /// Names, each with a list of words (steps, or functions).
 type Lists = Vec<(String, Vec<String>)>;
 
+/// The `<!-- model-steps -->` block of docs/design.md: `OP: step step …`
+/// lines and `step NAME: code, code` lines.
 fn design_block() -> (Lists, Lists) {
     let doc = repo("docs/design.md");
     let start = doc
@@ -1215,6 +759,12 @@ fn design_block() -> (Lists, Lists) {
         .find("<!-- /model-steps -->")
         .expect("the block is closed")
         + start;
+    let words = |s: &str| -> Vec<String> {
+        s.split([' ', ',', '|', '`', '→'])
+            .filter(|w| !w.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
     let mut ops = Vec::new();
     let mut code = Vec::new();
     for line in doc[start..end].lines() {
@@ -1225,15 +775,8 @@ fn design_block() -> (Lists, Lists) {
         if head.contains(' ') && !head.starts_with("step ") {
             continue;
         }
-        let words = |s: &str| -> Vec<String> {
-            s.split([' ', ',', '|', '`', '→'])
-                .filter(|w| !w.is_empty())
-                .map(str::to_owned)
-                .collect()
-        };
         if let Some(step) = head.strip_prefix("step ") {
-            // `step try: `session::try_image`, …` (functions after the colon
-            // that follows the name; `::` inside them is no separator).
+            // `::` inside the functions is no separator.
             let (_, funcs) = line.split_once(": ").expect("step line");
             code.push((step.trim().to_owned(), words(funcs)));
         } else if !rest.starts_with(':') {
@@ -1243,36 +786,58 @@ fn design_block() -> (Lists, Lists) {
     (ops, code)
 }
 
+/// The block as it should read (printed when the docs differ).
+fn expected_block() -> String {
+    let mut out = String::from("<!-- model-steps -->\n```text\n");
+    let ops = steps::protocol();
+    let w = ops.iter().map(|(o, _)| o.len()).max().unwrap_or(0) + 1;
+    for (op, st) in &ops {
+        let names: Vec<&str> = st.iter().map(|s| s.name()).collect();
+        out += &format!("{:w$} {}\n", format!("{op}:"), names.join(" "));
+    }
+    out.push('\n');
+    let w = steps::ALL.iter().map(|s| s.name().len()).max().unwrap_or(0) + 6;
+    for s in steps::ALL {
+        let head = format!("step {}:", s.name());
+        out += &format!("{head:w$} {}\n", s.code().join(", "));
+    }
+    out + "```\n<!-- /model-steps -->\n"
+}
+
 #[test]
 fn steps_match_design_md() {
     let (ops, code) = design_block();
     let model: Lists = steps::protocol()
         .into_iter()
-        .map(|(op, steps)| {
+        .map(|(op, st)| {
             (
                 op.to_owned(),
-                steps.iter().map(|s| s.name().to_owned()).collect(),
+                st.iter().map(|s| s.name().to_owned()).collect(),
             )
         })
         .collect();
+    let model_code: Lists = steps::ALL
+        .iter()
+        .map(|s| {
+            let code = s.code().iter().map(|c| (*c).to_owned()).collect();
+            (s.name().to_owned(), code)
+        })
+        .collect();
+    if ops != model || code != model_code {
+        eprintln!("docs/design.md should have:\n{}", expected_block());
+    }
     assert_eq!(
         ops, model,
         "docs/design.md's protocol steps differ from the model's"
     );
-    let model_code: Lists = steps::ALL
-        .iter()
-        .map(|s| {
-            (
-                s.name().to_owned(),
-                s.code().iter().map(|c| (*c).to_owned()).collect(),
-            )
-        })
-        .collect();
     assert_eq!(
         code, model_code,
         "docs/design.md's step functions differ from the model's"
     );
-    // Every step the model knows is part of some operation.
+}
+
+#[test]
+fn every_step_belongs_to_an_operation() {
     for s in steps::ALL {
         assert!(
             steps::protocol().iter().any(|(_, st)| st.contains(s)),
@@ -1289,26 +854,22 @@ fn every_step_names_a_function_of_src() {
             let (item, module) = parts.split_last().expect("module::item");
             let file = format!("src/{}.rs", module.join("/"));
             let folder = format!("src/{}/mod.rs", module.join("/"));
-            let text = if std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join(&file)
-                .exists()
-            {
-                repo(&file)
+            let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+            let text = repo(if root.join(&file).exists() {
+                &file
             } else {
-                repo(&folder)
-            };
-            let found = [
-                format!("fn {item}("),
-                format!("fn {item}<"),
-                format!("struct {item} "),
-            ]
-            .iter()
-            .any(|pat| text.contains(pat.as_str()));
+                &folder
+            });
+            let found = [format!("fn {item}("), format!("fn {item}<")]
+                .iter()
+                .any(|pat| text.contains(pat.as_str()));
             assert!(found, "{s:?} names {f}, which {file} does not define");
         }
     }
 }
 
+/// Under the global lock (a catalog transaction) a process may try a lock,
+/// never wait for one.
 #[test]
 fn no_transaction_step_waits() {
     for s in steps::ALL {
@@ -1318,37 +879,3 @@ fn no_transaction_step_waits() {
         );
     }
 }
-
-/// A loss (not a safety violation) the checker found before the code
-/// was changed: after a write without the database left its marker
-/// beside a complete tree, a writer that goes the slow way takes the token
-/// away, and a fold of its own image from the emptied lock file marks the
-/// row `incomplete` — the state its start saves as the one to restore. If
-/// its command never runs, the complete image stays `incomplete` (and the
-/// next `gc` collects it). The rule `own_fold_reads_before` (the record
-/// read before the token went) keeps it ready; off, the loss is reached.
-#[test]
-fn a_writer_folding_its_own_image_from_the_emptied_file_loses_a_complete_image() {
-    let mut cfg = writer_config();
-    cfg.crashes = 0;
-    cfg.roles[0].menu = vec![exec_write(A)];
-    cfg.roles[1].menu = vec![exec_write(A)];
-    cfg.roles.truncate(2);
-    let r = run(cfg.clone(), None);
-    assert!(
-        !r.found.iter().any(|(n, _, _)| *n == LOST_READY),
-        "folding the record read before keeps the image ready"
-    );
-    assert!(failures(&r).is_empty());
-    cfg.rules.own_fold_reads_before = false;
-    let r = run(cfg, Some(LOST_READY));
-    let (_, _, trace) = r
-        .found
-        .iter()
-        .find(|(n, _, _)| *n == LOST_READY)
-        .expect("the loss is reached with the rule off");
-    eprintln!("{LOST_READY} ({} states):\n{trace}", r.unique);
-    assert!(trace.contains("abandon"), "{trace}");
-}
-
-const LOST_READY: &str = "without a crash, a complete image is left incomplete";

@@ -1,22 +1,21 @@
 //! Counterexamples as a readable trace: one line per move, naming the
-//! process, its operation, the protocol step and the code that does it.
+//! process, its operation, the protocol step and the code that does it,
+//! then the final state.
 
 use std::fmt::Write;
 
 use stateright::Model;
 
 use crate::proto::{Action, Cmd, Key, Mode, Proto, State, img_name};
-use crate::steps::Step;
 
 fn who(m: &Proto, s: &State, p: u8) -> String {
-    let role = &m.cfg.roles[p as usize];
     let op = m
         .op(s, p as usize)
         .map_or_else(|| "(not started)".to_owned(), |o| o.to_string());
-    let nested = role
+    let nested = m.cfg.roles[p as usize]
         .parent
-        .map_or_else(String::new, |q| format!(", run by P{q}'s command"));
-    format!("P{p} [host {}{nested}] {op}", role.host)
+        .map_or_else(String::new, |q| format!(" [run by P{q}'s command]"));
+    format!("P{p}{nested} {op}")
 }
 
 /// One line for a move made from state `s`.
@@ -28,13 +27,11 @@ pub fn describe(m: &Proto, s: &State, a: Action) -> String {
         }
         Action::Step(p) | Action::Fail(p) => {
             let pc = s.procs[p as usize].pc;
-            let step = m.next_step(s, p as usize).expect("a step has a name");
-            let fail = match (a, step) {
-                (Action::Fail(_), Step::Fold | Step::FoldUnlink) => {
-                    " — THE LISTING MISSES THE MARKERS (NFS)"
-                }
-                (Action::Fail(_), _) => " — FAILS",
-                _ => "",
+            let step = pc.step().expect("a step has a name");
+            let fail = if matches!(a, Action::Fail(_)) {
+                " — FAILS / PASSES OVER"
+            } else {
+                ""
             };
             format!(
                 "{}: {} {pc:?}{fail}   [{}]",
@@ -44,12 +41,13 @@ pub fn describe(m: &Proto, s: &State, a: Action) -> String {
             )
         }
         Action::Exit(p, ok) => format!(
-            "{}: command exits {}   [signals::wait]",
+            "{}: command exits {}   [command::wait]",
             who(m, s, p),
             if ok { "0" } else { "≠0" }
         ),
         Action::Crash(p) => format!("{}: SIGKILL", who(m, s, p)),
-        Action::HostDies(h) => format!("host {h} dies with every process on it"),
+        Action::Torn(p) => format!("{}: crash in the middle of its record write", who(m, s, p)),
+        Action::Lose(l) => format!("the catalog is lost: {l:?}"),
     }
 }
 
@@ -57,8 +55,7 @@ fn key(k: &Key) -> String {
     match *k {
         Key::Img(i, g) => format!("{}.lock#{g}", img_name(i)),
         Key::Gate(i) => format!("{}.gate", img_name(i)),
-        Key::Slot(f) => format!("slot{f}"),
-        Key::Lease(o, n, g) => format!("lease P{o}.{n}#{g}"),
+        Key::Slot => "slot".to_owned(),
         Key::Store => "store.lock".to_owned(),
     }
 }
@@ -69,64 +66,52 @@ pub fn summary(m: &Proto, s: &State) -> String {
     for (p, pr) in s.procs.iter().enumerate() {
         let _ = writeln!(
             out,
-            "    P{p}: {:?}{}{}",
+            "    P{p}: {:?}{}{}{}",
             pr.pc,
-            if pr.alive { "" } else { " (killed)" },
-            match pr.cmd {
-                Cmd::Running => " command running",
-                _ => "",
-            }
+            if pr.killed { " (killed)" } else { "" },
+            if pr.cmd == Cmd::Running {
+                " command running"
+            } else {
+                ""
+            },
+            if pr.claimed { " claimed" } else { "" }
         );
     }
     let locks: Vec<String> = s
         .locks
         .iter()
         .map(|(k, o, md)| {
-            format!(
-                "{} {} by P{o}",
-                key(k),
-                if *md == Mode::Exclusive {
-                    "excl"
-                } else {
-                    "shared"
-                }
-            )
+            let mode = if *md == Mode::Exclusive {
+                "excl"
+            } else {
+                "shared"
+            };
+            format!("{} {mode} by P{o}", key(k))
         })
         .collect();
     let _ = writeln!(out, "    flocks: {}", locks.join("; "));
-    for i in 0..m.cfg.images as usize {
+    for i in 0..m.cfg.images {
+        let file = s.files[i as usize].map_or("no lock file".to_owned(), |f| {
+            let hints = format!(
+                "{}{}",
+                if f.ww { "W" } else { "" },
+                if f.sw { "S" } else { "" }
+            );
+            format!("{}.lock#{} {:?} hints [{hints}]", img_name(i), f.g, f.rec)
+        });
         let _ = writeln!(
             out,
-            "    image {}: row {:?}, lock file {}{}, tree {}{}{}",
-            img_name(i as u8),
-            s.rows[i],
-            s.file[i].map_or("none".to_owned(), |g| format!("#{g}")),
-            s.file[i].map_or(String::new(), |g| format!(
-                " (record {:?})",
-                Proto::record_at(s, i as u8, g)
-            )),
-            if s.tree[i] { "present" } else { "gone" },
-            if s.whole[i] {
-                ""
-            } else {
-                ", left incomplete by a write"
-            },
-            if s.marks & (1 << i) != 0 {
-                ", marker"
-            } else {
-                ""
-            }
+            "    image {}: {file}, tree {:?}, catalog row {:?}",
+            img_name(i),
+            s.trees[i as usize],
+            s.cat.rows[i as usize]
         );
     }
-    let _ = writeln!(out, "    records: {:?}", s.records);
-    let leases: Vec<String> = s
-        .lfiles
-        .iter()
-        .map(|&(o, n, g)| key(&Key::Lease(o, n, g)))
-        .collect();
-    let _ = writeln!(out, "    lease files: {}", leases.join("; "));
-    if let Some(h) = s.store_rec {
-        let _ = writeln!(out, "    store-wide record of P{h}");
+    if !s.ghosts.is_empty() {
+        let _ = writeln!(out, "    unlinked files still saying: {:?}", s.ghosts);
+    }
+    if let Some(l) = s.cat.lost {
+        let _ = writeln!(out, "    catalog: {l:?}");
     }
     out
 }
@@ -134,12 +119,10 @@ pub fn summary(m: &Proto, s: &State) -> String {
 /// The whole trace of a path.
 pub fn render(m: &Proto, path: Vec<(State, Option<Action>)>) -> String {
     let mut out = String::new();
-    let mut n = 0;
     let mut last = None;
-    for (s, a) in path {
+    for (n, (s, a)) in path.into_iter().enumerate() {
         if let Some(a) = a {
-            n += 1;
-            let _ = writeln!(out, "  {n:2}. {}", describe(m, &s, a));
+            let _ = writeln!(out, "  {:2}. {}", n + 1, describe(m, &s, a));
         }
         last = Some(s);
     }

@@ -1,0 +1,524 @@
+//! The catalog: an SQLite database at `ROOT/stowage.db`, derived from the
+//! images' records and trees.
+//!
+//! - **Derived, never trusted against the records.** A row caches an
+//!   image's name, state, lineage, creation, last use and size. It is
+//!   refreshed from the records whenever a command looks at every image
+//!   (`images`, `gc`, `doctor`), and no decision that changes an image
+//!   rests on it: gc and repair re-read the record under the image's lock.
+//! - **Losing it costs a rebuild, nothing else.** A catalog that is missing,
+//!   empty, damaged or another program's is set aside (never deleted) and
+//!   made anew from the records; only sizes must be measured again.
+//! - **Read and written only under the global lock** ([`Catalog`] owns
+//!   the guard), in one short transaction.
+//! - **Rollback journal, never WAL**: WAL's index in shared memory is unsafe
+//!   on NFS; a database an outside program switched to WAL is switched back.
+//! - **Nothing of SQLite's is opened blind.** `stowage.db` and its journal
+//!   are checked to be regular files (opened without following links and
+//!   without blocking) before SQLite opens them: a FIFO or a link planted
+//!   there is refused, naming it, instead of hanging a command.
+
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use rusqlite::{OptionalExtension, params};
+
+use crate::clock::Millis;
+use crate::image_record::State;
+use crate::lock::Guard;
+
+/// The catalog's schema version (`PRAGMA user_version`). Versions 1 to 10
+/// were the metadata of releases before records (`migrate.rs`).
+pub const SCHEMA: i64 = 11;
+
+const SCHEMA_SQL: &str = r#"
+CREATE TABLE IF NOT EXISTS images (
+    name         TEXT PRIMARY KEY,
+    state        TEXT NOT NULL,
+    base         TEXT,
+    created_ms   INTEGER NOT NULL,
+    last_used_ms INTEGER NOT NULL,
+    seq          INTEGER NOT NULL,
+    size_bytes   INTEGER,
+    size_seq     INTEGER
+) WITHOUT ROWID;
+"#;
+
+/// One image as the catalog has it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    pub name: String,
+    pub state: State,
+    pub base: Option<String>,
+    pub created: Millis,
+    pub last_used: Millis,
+    /// The record's sequence number when the row was refreshed.
+    pub seq: u64,
+    /// The tree's size, measured for the record `size_seq`: current only
+    /// while that is still `seq`.
+    pub size: Option<u64>,
+    pub size_seq: Option<u64>,
+}
+
+impl Row {
+    /// The size, if it was measured for the tree as the record has it now.
+    pub fn current_size(&self) -> Option<u64> {
+        self.size.filter(|_| self.size_seq == Some(self.seq))
+    }
+}
+
+/// What an opened catalog turned out to be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    /// Ours, at this schema.
+    Current,
+    /// Made just now (missing, empty): every row must come from the records.
+    New,
+    /// The metadata of a release before records: `migrate.rs` converts it.
+    Legacy(i64),
+    /// Set aside as `PathBuf` and made anew (damaged, foreign).
+    Replaced(PathBuf, String),
+}
+
+/// The catalog, open under the global lock.
+pub struct Catalog<'a> {
+    conn: &'a rusqlite::Connection,
+    _global: &'a Guard,
+}
+
+/// Opens the catalog file (not yet a transaction). Refuses a FIFO, socket,
+/// directory or link at the database or its journal, naming it.
+pub fn open(path: &Path) -> Result<rusqlite::Connection> {
+    check_plain_file(path, "the catalog")?;
+    check_plain_file(&journal_of(path), "the catalog's journal")?;
+    configure_sqlite();
+    use rusqlite::OpenFlags;
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_CREATE
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        | OpenFlags::SQLITE_OPEN_NOFOLLOW;
+    let conn = rusqlite::Connection::open_with_flags(path, flags)
+        .map_err(|e| CatalogError(format!("cannot open catalog {}: {e}", path.display())))?;
+    conn.busy_timeout(busy_timeout())?;
+    Ok(conn)
+}
+
+/// The journal SQLite keeps beside `db` during a transaction.
+pub fn journal_of(db: &Path) -> PathBuf {
+    let mut s = db.as_os_str().to_owned();
+    s.push("-journal");
+    PathBuf::from(s)
+}
+
+/// Fails unless `path` is missing or a regular file: opened without
+/// following a link and without blocking (a FIFO's open would wait for a
+/// writer), then asked what it is.
+pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
+        .open(path);
+    let kind = match opened {
+        Ok(f) => match f.metadata() {
+            Ok(m) if m.file_type().is_file() => return Ok(()),
+            Ok(m) => describe_type(&m.file_type()),
+            Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", path.display())),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => "a symlink",
+        // A socket cannot be opened at all (ENXIO); a directory can.
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => "a socket",
+        Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
+    };
+    Err(CatalogError(format!(
+        "{what} {} is {kind}, not a file: someone put it there; 'stowage doctor --repair' moves it aside (no image is lost: the catalog is rebuilt from the records)",
+        path.display()
+    ))
+    .into())
+}
+
+fn describe_type(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// An error that already names the catalog file.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CatalogError(pub String);
+
+/// A stowage process runs a few tiny transactions and exits: SQLite's
+/// per-connection lookaside and bulk page cache are set up for nothing.
+fn configure_sqlite() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        use rusqlite::ffi;
+        // SAFETY: sqlite3_config before any connection is opened, with the
+        // argument types each option documents; a refusal keeps defaults.
+        unsafe {
+            ffi::sqlite3_config(
+                ffi::SQLITE_CONFIG_LOOKASIDE,
+                0 as libc::c_int,
+                0 as libc::c_int,
+            );
+            ffi::sqlite3_config(
+                ffi::SQLITE_CONFIG_PAGECACHE,
+                std::ptr::null_mut::<libc::c_void>(),
+                0 as libc::c_int,
+                0 as libc::c_int,
+            );
+            ffi::sqlite3_config(ffi::SQLITE_CONFIG_MEMSTATUS, 0 as libc::c_int);
+        }
+    });
+}
+
+/// How long to wait for SQLite's own lock, which only outside programs
+/// (an sqlite3 shell) hold while we hold the global lock.
+pub fn busy_timeout() -> std::time::Duration {
+    let ms = std::env::var(crate::env::DEBUG_DB_BUSY_MS)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    std::time::Duration::from_millis(ms)
+}
+
+/// Is this SQLite saying its lock stayed busy (an outside program)?
+pub fn is_busy(err: &anyhow::Error) -> bool {
+    sqlite_code(err).is_some_and(|c| {
+        matches!(
+            c,
+            rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+        )
+    })
+}
+
+/// Is this SQLite saying the file is no healthy database?
+pub fn is_damage(err: &anyhow::Error) -> bool {
+    sqlite_code(err).is_some_and(|c| {
+        matches!(
+            c,
+            rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase
+        )
+    })
+}
+
+/// Is this a full filesystem, as SQLite says it?
+pub fn is_full(err: &anyhow::Error) -> bool {
+    sqlite_code(err).is_some_and(|c| c == rusqlite::ErrorCode::DiskFull)
+}
+
+fn sqlite_code(err: &anyhow::Error) -> Option<rusqlite::ErrorCode> {
+    err.chain()
+        .find_map(|e| match e.downcast_ref::<rusqlite::Error>() {
+            Some(rusqlite::Error::SqliteFailure(f, _)) => Some(f.code),
+            _ => None,
+        })
+}
+
+/// Switches a database an outside program put in WAL mode back to the
+/// rollback journal, retrying while that program still has it open.
+fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
+    let until = std::time::Instant::now() + busy_timeout();
+    loop {
+        match conn.pragma_update(None, "journal_mode", "DELETE") {
+            Err(rusqlite::Error::SqliteFailure(f, _))
+                if matches!(
+                    f.code,
+                    rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+                ) && std::time::Instant::now() < until
+                    && crate::signals::cancelled().is_none() =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// The catalog's schema belongs to a release before records: the store
+/// must be migrated (`migrate.rs`) before the catalog is used.
+#[derive(Debug, thiserror::Error)]
+#[error("the store must be migrated first")]
+pub struct NeedsMigration;
+
+/// The schema version of the catalog at `path` if it is one of a release
+/// before records; opened read-only, and only if it is a plain file.
+pub fn legacy_version(path: &Path) -> Option<i64> {
+    check_plain_file(path, "the catalog").ok()?;
+    if !path.is_file() {
+        return None;
+    }
+    check_plain_file(&journal_of(path), "the catalog's journal").ok()?;
+    use rusqlite::OpenFlags;
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        | OpenFlags::SQLITE_OPEN_NOFOLLOW;
+    let conn = rusqlite::Connection::open_with_flags(path, flags).ok()?;
+    match inspect(&conn).ok()? {
+        Found::Legacy(v) => Some(v),
+        _ => None,
+    }
+}
+
+/// What the open database is, in a store that has a configuration of this
+/// release (`configured`): there, a catalog of an older release can only
+/// have been put in place of the real one, and is no catalog to use.
+pub fn inspect_in(conn: &rusqlite::Connection, configured: bool) -> Result<Found> {
+    Ok(match inspect(conn)? {
+        Found::Legacy(v) if configured => Found::Replaced(
+            PathBuf::new(),
+            format!(
+                "schema version {v} of a release before image records, in a store already past it"
+            ),
+        ),
+        f => f,
+    })
+}
+
+/// What the open database is: asked once per connection, before the
+/// first transaction. Bytes 18–19 of the header say WAL.
+pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
+    let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
+    if mode.eq_ignore_ascii_case("wal") {
+        leave_wal(conn).context("the catalog was switched to WAL by another program")?;
+    }
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    let tables: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    let has = |t: &str| tables.iter().any(|x| x == t);
+    Ok(match version {
+        0 if tables.is_empty() => Found::New,
+        SCHEMA if has("images") && columns(conn, "images")?.contains(&"size_seq".to_owned()) => {
+            Found::Current
+        }
+        1..=10 if has("images") && has("records") && has("config") && legacy_columns(conn)? => {
+            Found::Legacy(version)
+        }
+        v if v > SCHEMA => Found::Replaced(
+            PathBuf::new(),
+            format!("schema version {v}, newer than this stowage knows ({SCHEMA})"),
+        ),
+        _ => Found::Replaced(
+            PathBuf::new(),
+            format!(
+                "not a stowage catalog (schema version {version}, tables: {})",
+                if tables.is_empty() {
+                    "none".into()
+                } else {
+                    tables.join(", ")
+                }
+            ),
+        ),
+    })
+}
+
+/// The columns of `table`.
+fn columns(conn: &rusqlite::Connection, table: &str) -> Result<Vec<String>> {
+    let mut stmt = conn.prepare("SELECT name FROM pragma_table_info(?1)")?;
+    let cols = stmt
+        .query_map([table], |r| r.get(0))?
+        .collect::<rusqlite::Result<Vec<String>>>()?;
+    Ok(cols)
+}
+
+/// Whether the images table has the columns releases before records gave it.
+fn legacy_columns(conn: &rusqlite::Connection) -> Result<bool> {
+    let cols = columns(conn, "images")?;
+    Ok(["name", "state", "base", "created_ms", "last_used_ms"]
+        .iter()
+        .all(|c| cols.iter().any(|x| x == c)))
+}
+
+/// Makes the schema in a new catalog.
+pub fn create_schema(conn: &rusqlite::Connection) -> Result<()> {
+    conn.execute_batch(SCHEMA_SQL)?;
+    conn.pragma_update(None, "user_version", SCHEMA)?;
+    Ok(())
+}
+
+impl<'a> Catalog<'a> {
+    /// The catalog in a transaction `conn` has begun, under `global`.
+    pub(crate) fn new(conn: &'a rusqlite::Connection, global: &'a Guard) -> Catalog<'a> {
+        Catalog {
+            conn,
+            _global: global,
+        }
+    }
+
+    pub fn rows(&self) -> Result<Vec<Row>> {
+        let mut stmt = self.conn.prepare(
+            "SELECT name, state, base, created_ms, last_used_ms, seq, size_bytes, size_seq
+             FROM images ORDER BY name",
+        )?;
+        let rows = stmt
+            .query_map([], row)?
+            .collect::<rusqlite::Result<Vec<Row>>>()?;
+        Ok(rows)
+    }
+
+    pub fn row(&self, name: &str) -> Result<Option<Row>> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT name, state, base, created_ms, last_used_ms, seq, size_bytes, size_seq
+                 FROM images WHERE name = ?1",
+                [name],
+                row,
+            )
+            .optional()?)
+    }
+
+    /// Makes the row of an image say what its record says now (keeping a
+    /// measured size, which stays current only while the record's
+    /// sequence number does).
+    pub fn upsert(&self, r: &Row) -> Result<()> {
+        self.conn.execute(
+            "INSERT INTO images (name, state, base, created_ms, last_used_ms, seq)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT (name) DO UPDATE SET
+                 state = excluded.state, base = excluded.base,
+                 created_ms = excluded.created_ms,
+                 last_used_ms = max(last_used_ms, excluded.last_used_ms),
+                 seq = excluded.seq
+             WHERE state IS NOT excluded.state OR base IS NOT excluded.base
+                 OR created_ms IS NOT excluded.created_ms OR seq IS NOT excluded.seq
+                 OR last_used_ms < excluded.last_used_ms",
+            params![
+                r.name,
+                r.state.as_str(),
+                r.base,
+                r.created,
+                r.last_used,
+                r.seq as i64
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Forgets an image the records no longer have.
+    pub fn remove(&self, name: &str) -> Result<()> {
+        self.conn
+            .execute("DELETE FROM images WHERE name = ?1", [name])?;
+        Ok(())
+    }
+
+    /// Keeps a size measured for the tree the record `seq` describes.
+    pub fn set_size(&self, name: &str, seq: u64, size: u64) -> Result<()> {
+        self.conn.execute(
+            "UPDATE images SET size_bytes = ?2, size_seq = ?3 WHERE name = ?1",
+            params![name, size as i64, seq as i64],
+        )?;
+        Ok(())
+    }
+
+    /// Records a use (`exec --read-exclusive`, gc's own look): the later of
+    /// what the row has and `when`.
+    pub fn touch(&self, name: &str, when: Millis) -> Result<()> {
+        self.conn.execute(
+            "UPDATE images SET last_used_ms = max(last_used_ms, ?2) WHERE name = ?1",
+            params![name, when],
+        )?;
+        Ok(())
+    }
+}
+
+fn row(r: &rusqlite::Row) -> rusqlite::Result<Row> {
+    let state: String = r.get(1)?;
+    Ok(Row {
+        name: r.get(0)?,
+        state: State::parse(&state).unwrap_or(State::Incomplete),
+        base: r.get(2)?,
+        created: r.get(3)?,
+        last_used: r.get(4)?,
+        seq: r.get::<_, i64>(5)? as u64,
+        size: r.get::<_, Option<i64>>(6)?.map(|s| s.max(0) as u64),
+        size_seq: r.get::<_, Option<i64>>(7)?.map(|s| s as u64),
+    })
+}
+
+/// Makes the database group-writable when we own it (a group's store).
+pub fn share_with_group(path: &Path) -> Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let m = std::fs::metadata(path)?;
+    if m.uid() == nix::unistd::geteuid().as_raw() && m.mode() & 0o060 != 0o060 {
+        std::fs::set_permissions(
+            path,
+            std::fs::Permissions::from_mode((m.mode() | 0o060) & 0o7777),
+        )
+        .with_context(|| format!("cannot share {} with its group", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fresh() -> (tempfile::TempDir, rusqlite::Connection) {
+        let d = tempfile::tempdir().unwrap();
+        let conn = open(&d.path().join("stowage.db")).unwrap();
+        (d, conn)
+    }
+
+    #[test]
+    fn a_new_file_is_new_and_gets_the_schema_once() {
+        let (_d, conn) = fresh();
+        assert_eq!(inspect(&conn).unwrap(), Found::New);
+        create_schema(&conn).unwrap();
+        create_schema(&conn).unwrap();
+        assert_eq!(inspect(&conn).unwrap(), Found::Current);
+    }
+
+    #[test]
+    fn another_programs_database_is_foreign() {
+        let (_d, conn) = fresh();
+        conn.execute_batch("CREATE TABLE t (x); PRAGMA user_version = 3;")
+            .unwrap();
+        assert!(matches!(inspect(&conn).unwrap(), Found::Replaced(..)));
+    }
+
+    #[test]
+    fn a_size_is_current_only_for_the_record_it_was_measured_for() {
+        let r = Row {
+            name: "a".into(),
+            state: State::Ready,
+            base: None,
+            created: 0,
+            last_used: 0,
+            seq: 3,
+            size: Some(10),
+            size_seq: Some(3),
+        };
+        assert_eq!(r.current_size(), Some(10));
+        assert_eq!(
+            Row {
+                seq: 4,
+                ..r.clone()
+            }
+            .current_size(),
+            None
+        );
+    }
+
+    #[test]
+    fn a_fifo_at_the_catalog_is_refused_without_blocking() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("stowage.db");
+        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = open(&p).err().unwrap();
+        assert!(format!("{e:#}").contains("is a FIFO"), "{e:#}");
+    }
+}

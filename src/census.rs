@@ -1,0 +1,86 @@
+//! Every image's record, read in one pass over `locks/images/`: what
+//! `images`, `gc`, `doctor`, `init` and store-wide operations start from.
+//!
+//! - Records are read without their locks: the record's two slots make a
+//!   read beside a write return the record before it or after it, never a
+//!   mix. Whoever acts on an image re-reads its record under its lock.
+//! - A write in flight is told from a dead one by a probe of its lock
+//!   (only for records that say `creating` or `writing`).
+//! - Only regular files named `*.lock` are read, opened without following
+//!   a link and without blocking.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+
+use crate::image_record::{self, Seen, State};
+use crate::lock::Probe;
+use crate::root::Root;
+
+/// One image lock file and what it says.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// The lock file's name in `locks/images/`.
+    pub file: String,
+    pub path: PathBuf,
+    pub seen: Seen,
+    /// For a record in flight: whether its writer still holds the lock.
+    pub writer_alive: bool,
+}
+
+impl Entry {
+    /// The image's state as a reader must take it, if it has a record.
+    pub fn state(&self) -> Option<State> {
+        self.seen
+            .record
+            .as_ref()
+            .map(|r| r.state_seen(self.writer_alive))
+    }
+
+    pub fn name(&self) -> Option<&str> {
+        self.seen.record.as_ref().map(|r| r.name.as_str())
+    }
+}
+
+/// Reads every image lock file's record.
+pub fn take(root: &Root) -> Result<Vec<Entry>> {
+    let dir = match root.open_sub(Root::IMAGE_LOCKS_REL) {
+        Ok(d) => d,
+        Err(_) if std::fs::symlink_metadata(root.image_locks()).is_err() => {
+            return Ok(Vec::new());
+        }
+        Err(e) => return Err(e),
+    };
+    let listing = dir
+        .listing()
+        .with_context(|| format!("cannot list {}", root.image_locks().display()))?;
+    let mut out = Vec::new();
+    for e in listing {
+        let Some(file) = e.name.to_str().filter(|n| n.ends_with(".lock")) else {
+            continue;
+        };
+        if e.kind != libc::DT_REG && e.kind != libc::DT_UNKNOWN {
+            continue;
+        }
+        let Ok(f) = dir.open_read(file) else {
+            continue;
+        };
+        if !f.metadata().is_ok_and(|m| m.is_file()) {
+            continue;
+        }
+        let seen = image_record::read(&f)
+            .unwrap_or_default()
+            .of(|n| crate::root::is_lock_file_of(file, n));
+        let path = root.image_locks().join(file);
+        let writer_alive = seen.record.as_ref().is_some_and(|r| r.state.in_flight())
+            && crate::lock::probe(&path).is_ok_and(|p| p == Probe::Exclusive);
+        out.push(Entry {
+            file: file.to_owned(),
+            path,
+            seen,
+            writer_alive,
+        });
+    }
+    out.sort_by(|a, b| a.file.cmp(&b.file));
+    Ok(out)
+}

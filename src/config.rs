@@ -1,0 +1,220 @@
+//! The store's configuration: `ROOT/store.conf`, the one home of where new
+//! images' trees go and of the store's identity.
+//!
+//! ```text
+//! stowage-store 1
+//! id=5e1f00d2c0ffee0123456789abcdef01
+//! images=default            (ROOT/img, as each process names the root)
+//! images=/abs/ch/img        (init --images-dir)
+//! identity=1234@ef53@9a1b   (the images directory's inode@fstype@fsid:
+//!                            an unmounted one is not taken for empty)
+//! root=77@ef53@9a1b          (the root's, when that was recorded: a
+//!                            copied or moved store is told from a mount)
+//! ```
+//!
+//! - Written whole and renamed into place (through the root's descriptor),
+//!   under the store-wide lock when it switches the images directory; a
+//!   reader sees the old file or the new one.
+//! - Read through the root's descriptor, refusing anything but a regular
+//!   file: a FIFO planted there cannot hang a command.
+//! - Missing means a store made before this file (`migrate.rs`) or none yet.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+
+use crate::dir::Dir;
+use crate::image_record::ImagesDir;
+
+const FORMAT: &str = "stowage-store 1\n";
+/// The file's name in the root.
+pub const FILE: &str = "store.conf";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Random, made with the store.
+    pub id: String,
+    pub images: ImagesDir,
+    /// The images directory's identity (`Dir::identity`), once known.
+    pub identity: Option<String>,
+    /// The root's identity when the images directory's was recorded: a
+    /// root that is no longer that directory is a copied or moved store,
+    /// whose default images directory came with it.
+    pub root: Option<String>,
+}
+
+impl Config {
+    /// The configuration of a new store: a fresh id, the default images
+    /// directory.
+    pub fn fresh() -> Config {
+        Config {
+            id: random_id(),
+            images: ImagesDir::Default,
+            identity: None,
+            root: None,
+        }
+    }
+
+    /// The images directory as this process reaches it, for the root at
+    /// `root_dir` (as this process names it).
+    pub fn images_dir_in(&self, root_dir: &std::path::Path) -> PathBuf {
+        match &self.images {
+            ImagesDir::Default => root_dir.join("img"),
+            ImagesDir::External(p) => p.clone(),
+        }
+    }
+
+    fn encode(&self) -> String {
+        let images = match &self.images {
+            ImagesDir::Default => "default".to_owned(),
+            ImagesDir::External(p) => p.display().to_string(),
+        };
+        let mut text = format!("{FORMAT}id={}\nimages={images}\n", self.id);
+        if let Some(i) = &self.identity {
+            text.push_str(&format!("identity={i}\n"));
+        }
+        if let Some(r) = &self.root {
+            text.push_str(&format!("root={r}\n"));
+        }
+        text
+    }
+
+    fn decode(text: &str) -> Option<Config> {
+        let mut id = None;
+        let mut images = None;
+        let mut identity = None;
+        let mut root = None;
+        for line in text.strip_prefix(FORMAT)?.lines() {
+            match line.split_once('=')? {
+                ("id", v) if !v.is_empty() => id = Some(v.to_owned()),
+                ("images", "default") => images = Some(ImagesDir::Default),
+                ("images", v) if v.starts_with('/') => {
+                    images = Some(ImagesDir::External(PathBuf::from(v)))
+                }
+                ("identity", v) if !v.is_empty() => identity = Some(v.to_owned()),
+                ("root", v) if !v.is_empty() => root = Some(v.to_owned()),
+                _ => {}
+            }
+        }
+        Some(Config {
+            id: id?,
+            images: images?,
+            identity,
+            root,
+        })
+    }
+}
+
+/// Whether the root (its descriptor) has a configuration: a store made or
+/// migrated by this release, whose catalog can never be one to migrate.
+pub fn exists(dir: &Dir) -> bool {
+    !matches!(dir.stat_at(FILE), Ok(None))
+}
+
+/// Reads the configuration through the descriptor of the root (at
+/// `root_dir`, for messages). `Ok(None)`: no such file.
+pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
+    let path = root_dir.join(FILE);
+    let file = match dir.open_read(FILE) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
+    };
+    // One read: a FIFO or a directory in its place fails it (ESPIPE,
+    // EISDIR) without blocking, as it was opened non-blocking.
+    let mut buf = vec![0u8; 64 * 1024];
+    let n = std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0).map_err(|e| {
+        anyhow::anyhow!(
+            "cannot read {} ({e}): is it a regular file? 'stowage doctor --repair' replaces it",
+            path.display()
+        )
+    })?;
+    let text = String::from_utf8_lossy(&buf[..n]);
+    Config::decode(&text).map(Some).with_context(|| {
+        format!(
+            "{} is damaged; 'stowage doctor --repair' writes it anew",
+            path.display()
+        )
+    })
+}
+
+/// Replaces the configuration: written beside, synced, renamed into place.
+pub fn write(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<()> {
+    put(root_dir, dir, config, |tmp| dir.rename_to(tmp, dir, FILE))
+}
+
+/// Makes the configuration of a new store, unless one is there already
+/// (two first uses at once keep one identity): linked into place, which
+/// fails if the name exists. `Ok(false)`: there was one.
+pub fn create(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<bool> {
+    let mut made = true;
+    put(root_dir, dir, config, |tmp| match dir.link_to(tmp, FILE) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            made = false;
+            dir.unlink(tmp)
+        }
+        Err(e) => Err(e),
+        Ok(()) => dir.unlink(tmp),
+    })?;
+    Ok(made)
+}
+
+fn put(
+    root_dir: &std::path::Path,
+    dir: &Dir,
+    config: &Config,
+    place: impl FnOnce(&str) -> std::io::Result<()>,
+) -> Result<()> {
+    let path = root_dir.join(FILE);
+    let tmp = format!(".{FILE}.{}.{}", std::process::id(), random_id());
+    let written = (|| {
+        let f = dir.create_file(&tmp, 0o666)?;
+        std::io::Write::write_all(&mut &f, config.encode().as_bytes())?;
+        f.sync_all()?;
+        place(&tmp)
+    })();
+    if written.is_err() {
+        let _ = dir.unlink(&tmp);
+    }
+    written.with_context(|| format!("cannot write {}", path.display()))
+}
+
+fn random_id() -> String {
+    let mut buf = [0u8; 16];
+    // SAFETY: getrandom writes at most buf.len() bytes into buf.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n != buf.len() as isize {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        buf = (t ^ (u128::from(std::process::id()) << 64)).to_le_bytes();
+    }
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_back_and_refuses_what_is_not_its_format() {
+        for images in [ImagesDir::Default, ImagesDir::External("/s/img".into())] {
+            let c = Config {
+                id: "ab".into(),
+                images,
+                identity: Some("2@ef53".into()),
+                root: Some("7@ef53@1".into()),
+            };
+            assert_eq!(Config::decode(&c.encode()), Some(c));
+        }
+        assert_eq!(Config::decode("junk"), None);
+        assert_eq!(Config::decode("stowage-store 1\nid=x\nimages=rel\n"), None);
+    }
+
+    #[test]
+    fn ids_are_fresh() {
+        assert_ne!(random_id(), random_id());
+        assert_eq!(random_id().len(), 32);
+    }
+}

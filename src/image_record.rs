@@ -1,0 +1,575 @@
+//! An image's record: the one authority for its state, kept in its lock
+//! file (`locks/images/ENC.lock`).
+//!
+//! - **Only a holder of the image's exclusive lock writes the record**, and
+//!   it is synced before that lock is released. A reader learns "ready" from
+//!   the record of the lock it holds; nothing else makes an image readable.
+//! - **Two slots, one sequence.** The record is written alternately into
+//!   slot A (bytes 0..4096) and slot B (4096..8192), each with a sequence
+//!   number and a CRC. The valid slot with the higher number is the record,
+//!   so a write cut short (a power loss mid-`pwrite`) leaves the one before:
+//!   the state the image was in before the transition began.
+//! - **`writing` or `creating` under a lock nobody holds exclusively reads as
+//!   incomplete**: its writer died. Readers and gc interpret it; the next
+//!   exclusive holder may write it down.
+//! - **No valid slot** is no image, when the file is empty (a new lock file,
+//!   an emptied one); a file with bytes but no valid slot is a damaged
+//!   record: the image's state cannot be known, so it is kept and reported.
+//! - **Hints** (bytes 8192..8256) are not the record: any process that has
+//!   the file open may write them, and each is only a reason to ask the
+//!   authority. `W`: a writer waits at the gate (ask the gate). `S`: a
+//!   store-wide operation may hold `store.lock` (ask it). The last use, in
+//!   ms, refreshed by readers at most every [`LAST_USE_RESOLUTION`].
+//! - **Unlinking empties first.** Whoever unlinks a lock file truncates it
+//!   under the exclusive lock, so a valid record read under a lock proves
+//!   that the file is still the one at its path (no stat needed).
+
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::clock::Millis;
+
+/// The first line of a record slot.
+const FORMAT: &str = "stowage-record 1\n";
+/// The first bytes of a lock file written by a release before records
+/// (`stowage-image N`): its store must be migrated (`migrate.rs`).
+pub const LEGACY_PREFIX: &[u8] = b"stowage-image ";
+
+/// Size of one record slot; a record never exceeds it.
+pub const SLOT: usize = 4096;
+/// Where the hints begin.
+pub const HINTS_AT: usize = 2 * SLOT;
+const HINTS_LEN: usize = 64;
+/// Everything a reader reads, in one `pread`.
+pub const AREA: usize = HINTS_AT + HINTS_LEN;
+
+const WRITER_WAITS_AT: u64 = HINTS_AT as u64;
+const STORE_WIDE_AT: u64 = HINTS_AT as u64 + 1;
+const LAST_USE_AT: u64 = HINTS_AT as u64 + 8;
+const LAST_USE_LEN: usize = 16;
+
+/// A reader refreshes an image's last use only when the recorded one is
+/// older than this (cargo's resolution for the same purpose): most reads
+/// write nothing. `gc --unused-for D` counts an image unused only past
+/// D plus this.
+pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
+
+/// The outcome a tree adopted without a record is given: its readiness is
+/// not known, which is no evidence that a writer failed, so gc keeps it.
+pub const ADOPTED: &str = "adopted (readiness unknown)";
+
+/// The outcome that stands for a record that cannot be read: the image's
+/// state is not known, so it is kept (and reported) like an adopted tree.
+pub const UNKNOWN: &str = "record damaged (readiness unknown)";
+
+/// An image's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum State {
+    Creating,
+    Writing,
+    Ready,
+    Incomplete,
+    Deleting,
+}
+
+impl State {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Creating => "creating",
+            State::Writing => "writing",
+            State::Ready => "ready",
+            State::Incomplete => "incomplete",
+            State::Deleting => "deleting",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<State> {
+        Some(match s {
+            "creating" => State::Creating,
+            "writing" => State::Writing,
+            "ready" => State::Ready,
+            "incomplete" => State::Incomplete,
+            "deleting" => State::Deleting,
+            _ => return None,
+        })
+    }
+
+    /// A write is under way (or its writer died: see [`Record::state_seen`]).
+    pub fn in_flight(self) -> bool {
+        matches!(self, State::Creating | State::Writing)
+    }
+}
+
+impl std::fmt::Display for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where an image's tree lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImagesDir {
+    /// `ROOT/img`, as this process names the root.
+    Default,
+    /// A directory given to `init --images-dir`, absolute.
+    External(PathBuf),
+}
+
+impl ImagesDir {
+    fn encode(&self) -> Option<String> {
+        match self {
+            ImagesDir::Default => Some("default".into()),
+            ImagesDir::External(p) => {
+                let s = p.to_str()?;
+                (s.starts_with('/') && !s.contains('\n')).then(|| s.to_owned())
+            }
+        }
+    }
+
+    fn decode(s: &str) -> Option<ImagesDir> {
+        match s {
+            "default" => Some(ImagesDir::Default),
+            _ if s.starts_with('/') => Some(ImagesDir::External(PathBuf::from(s))),
+            _ => None,
+        }
+    }
+}
+
+/// An image's record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Increases with every write of the record; names the write that
+    /// made the tree as it is (sizes measured are kept against it).
+    pub seq: u64,
+    pub name: String,
+    pub state: State,
+    /// Lineage: the image this one was built from, when known.
+    pub base: Option<String>,
+    pub created: Millis,
+    /// When the state last changed.
+    pub changed: Millis,
+    /// The lease of the write in flight, or of the last write.
+    pub writer: Option<String>,
+    /// How the last write ended (`exit 0`, `exit 2`, `signal 9`, …).
+    pub outcome: Option<String>,
+    pub images: ImagesDir,
+}
+
+impl Record {
+    /// A record for a new image, about to be created.
+    pub fn new(name: &str, images: ImagesDir, now: Millis) -> Record {
+        Record {
+            seq: 0,
+            name: name.to_owned(),
+            state: State::Creating,
+            base: None,
+            created: now,
+            changed: now,
+            writer: None,
+            outcome: None,
+            images,
+        }
+    }
+
+    /// What stands for the record of an image whose record cannot be read
+    /// (`Seen::damaged`): incomplete, readiness unknown — kept, never
+    /// collected, until a writer or `rm` settles it.
+    pub fn unknown(name: &str, images: ImagesDir, now: Millis) -> Record {
+        Record {
+            state: State::Incomplete,
+            outcome: Some(UNKNOWN.to_owned()),
+            ..Record::new(name, images, now)
+        }
+    }
+
+    /// Whether nothing is known of the image's readiness (adopted, or its
+    /// record damaged): no evidence for gc.
+    pub fn readiness_unknown(&self) -> bool {
+        matches!(self.outcome.as_deref(), Some(ADOPTED | UNKNOWN))
+    }
+
+    /// The state as a reader must take it: a write in flight whose lock
+    /// nobody holds exclusively (`exclusively_held` false) had a writer
+    /// that died, which makes the image incomplete.
+    pub fn state_seen(&self, exclusively_held: bool) -> State {
+        if self.state.in_flight() && !exclusively_held {
+            State::Incomplete
+        } else {
+            self.state
+        }
+    }
+
+    fn encode(&self) -> Option<Vec<u8>> {
+        let clean = |s: &str| !s.contains('\n') && !s.contains('\0');
+        let mut body = format!(
+            "{FORMAT}seq={}\nname={}\nstate={}\ncreated={}\nchanged={}\nimages={}\n",
+            self.seq,
+            self.name,
+            self.state.as_str(),
+            self.created,
+            self.changed,
+            self.images.encode()?
+        );
+        for (key, value) in [
+            ("base", &self.base),
+            ("writer", &self.writer),
+            ("outcome", &self.outcome),
+        ] {
+            if let Some(v) = value {
+                if !clean(v) {
+                    return None;
+                }
+                body.push_str(&format!("{key}={v}\n"));
+            }
+        }
+        if !clean(&self.name) {
+            return None;
+        }
+        body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
+        (body.len() <= SLOT).then(|| body.into_bytes())
+    }
+
+    fn decode(slot: &[u8]) -> Option<Record> {
+        let end = slot.iter().position(|&b| b == 0).unwrap_or(slot.len());
+        let text = std::str::from_utf8(&slot[..end]).ok()?;
+        let body_len = text.find("\ncrc=")? + 1;
+        let (body, rest) = text.split_at(body_len);
+        let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
+        if crc != format!("{:08x}", crc32(body.as_bytes())) {
+            return None;
+        }
+        let mut r = Record::new("", ImagesDir::Default, 0);
+        let mut have = (false, false, false);
+        for line in body.strip_prefix(FORMAT)?.lines() {
+            let (k, v) = line.split_once('=')?;
+            match k {
+                "seq" => r.seq = v.parse().ok()?,
+                "name" => (r.name, have.0) = (v.to_owned(), true),
+                "state" => (r.state, have.1) = (State::parse(v)?, true),
+                "created" => r.created = v.parse().ok()?,
+                "changed" => r.changed = v.parse().ok()?,
+                "images" => (r.images, have.2) = (ImagesDir::decode(v)?, true),
+                "base" => r.base = Some(v.to_owned()),
+                "writer" => r.writer = Some(v.to_owned()),
+                "outcome" => r.outcome = Some(v.to_owned()),
+                // A later version may add fields; what this one knows holds.
+                _ => {}
+            }
+        }
+        (have == (true, true, true)).then_some(r)
+    }
+}
+
+/// What a lock file says, read in one `pread`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Seen {
+    /// The record: the valid slot with the higher sequence number.
+    pub record: Option<Record>,
+    /// Bytes in the record area but no valid slot: the state cannot be known
+    /// (unless `legacy` and the store is one to migrate).
+    pub damaged: bool,
+    /// Written by a release before records: the store must be migrated,
+    /// if it is one to migrate (else this is a damaged record).
+    pub legacy: bool,
+    pub writer_waits: bool,
+    pub store_wide: bool,
+    pub last_use: Option<Millis>,
+}
+
+impl Seen {
+    /// The record only if it is the image's that `is_ours` accepts: a
+    /// record copied from another image's lock file says nothing of this
+    /// one, whose state is then not known (damaged).
+    pub fn of(mut self, is_ours: impl FnOnce(&str) -> bool) -> Seen {
+        if let Some(r) = &self.record
+            && !is_ours(&r.name)
+        {
+            (self.record, self.damaged) = (None, true);
+        }
+        self
+    }
+
+    /// What `bytes` (the file's first [`AREA`] bytes, or fewer) say.
+    pub fn parse(bytes: &[u8]) -> Seen {
+        let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
+        let a = slot(0).and_then(Record::decode);
+        let b = slot(1).and_then(Record::decode);
+        let noise =
+            |i: usize, valid: bool| !valid && slot(i).is_some_and(|s| s.iter().any(|&b| b != 0));
+        let torn = noise(0, a.is_some()) || noise(1, b.is_some());
+        let record = match (a, b) {
+            (Some(a), Some(b)) => Some(if b.seq > a.seq { b } else { a }),
+            (a, b) => a.or(b),
+        };
+        // A write in flight beside a slot that is no record: the torn slot
+        // may be its writer's last word (`ready` cut short) — or damage. The
+        // state is not known; evidence would be needed to call it failed.
+        let record = record.filter(|r| !(torn && r.state.in_flight()));
+        let area = &bytes[..bytes.len().min(HINTS_AT)];
+        let legacy = bytes.starts_with(LEGACY_PREFIX);
+        let hint = |at: u64| bytes.get(at as usize).copied().unwrap_or(0);
+        Seen {
+            damaged: record.is_none() && area.iter().any(|&b| b != 0),
+            legacy,
+            record,
+            // Anything but "unset" (0) asks the authority: a torn or foreign
+            // byte costs a look, never a missed writer or hold.
+            writer_waits: hint(WRITER_WAITS_AT) != 0 && hint(WRITER_WAITS_AT) != b'-',
+            store_wide: hint(STORE_WIDE_AT) != 0 && hint(STORE_WIDE_AT) != b'-',
+            last_use: bytes
+                .get(LAST_USE_AT as usize..LAST_USE_AT as usize + LAST_USE_LEN)
+                .and_then(|b| std::str::from_utf8(b).ok())
+                .and_then(|s| Millis::from_str_radix(s, 16).ok())
+                .filter(|&ms| ms > 0),
+        }
+    }
+
+    /// The next sequence number a write of this file uses.
+    pub fn next_seq(&self) -> u64 {
+        self.record.as_ref().map_or(1, |r| r.seq + 1)
+    }
+}
+
+/// [`write`], using the space kept in `reserve` (`space.rs`) when the
+/// filesystem is full: a record that says a build failed, or that an image
+/// is being removed, must be written when a build filled the disk (and on
+/// a copy-on-write filesystem, even an overwrite needs new blocks).
+pub fn write_reserved(
+    file: &std::fs::File,
+    seen: &mut Seen,
+    record: &Record,
+    reserve: &std::path::Path,
+) -> io::Result<()> {
+    match write(file, seen, record) {
+        Err(e) if crate::space::is_full_io(&e) && crate::space::release(reserve) => {
+            let out = write(file, seen, record);
+            crate::space::refill(reserve);
+            out
+        }
+        other => other,
+    }
+}
+
+/// Reads what the lock file of the image `name` says (see [`Seen::of`]).
+pub fn read_of(file: &std::fs::File, name: &str) -> io::Result<Seen> {
+    Ok(read(file)?.of(|n| n == name))
+}
+
+/// Reads what the lock file behind `file` says.
+pub fn read(file: &std::fs::File) -> io::Result<Seen> {
+    let mut buf = vec![0u8; AREA];
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read_at(&mut buf[got..], got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    buf.truncate(got);
+    Ok(Seen::parse(&buf))
+}
+
+/// Writes `record` (its `seq` set from `seen`) and syncs it: call only
+/// holding the file's exclusive lock. `seen` is updated to say what the
+/// file says now.
+pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Result<()> {
+    let mut record = record.clone();
+    record.seq = seen.next_seq();
+    let bytes = record.encode().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "the record of image '{}' does not fit its lock file",
+                record.name
+            ),
+        )
+    })?;
+    let at = (record.seq % 2) as usize * SLOT;
+    // A shorter record leaves zeros after its own: the slot ends at the
+    // first zero byte. A file without a record gets the whole area, so
+    // that its blocks are there for every later write (a build may fill
+    // the filesystem before the outcome is recorded).
+    let mut area = bytes;
+    let at = if seen.record.is_none() && !seen.damaged && !seen.legacy && seen.last_use.is_none() {
+        let mut whole = vec![0u8; AREA];
+        whole[at..at + area.len()].copy_from_slice(&area);
+        // The hints it carries stay.
+        whole[WRITER_WAITS_AT as usize] = if seen.writer_waits { b'W' } else { 0 };
+        whole[STORE_WIDE_AT as usize] = if seen.store_wide { b'S' } else { 0 };
+        area = whole;
+        0
+    } else {
+        area.resize(SLOT, 0);
+        at
+    };
+    file.write_all_at(&area, at as u64)?;
+    file.sync_data()?;
+    seen.record = Some(record);
+    seen.damaged = false;
+    seen.legacy = false;
+    Ok(())
+}
+
+/// Empties the file (both slots and the hints): the image has no record.
+/// Call only holding the exclusive lock; every unlink of a lock file does
+/// this first (see the module doc).
+pub fn clear(file: &std::fs::File) -> io::Result<()> {
+    file.set_len(0)?;
+    file.sync_data()
+}
+
+/// Sets or clears the writer-waits hint (no lock needed: it is a hint).
+pub fn set_writer_waits(file: &std::fs::File, on: bool) -> io::Result<()> {
+    file.write_all_at(&[if on { b'W' } else { b'-' }], WRITER_WAITS_AT)
+}
+
+/// Sets or clears the store-wide hint.
+pub fn set_store_wide(file: &std::fs::File, on: bool) -> io::Result<()> {
+    file.write_all_at(&[if on { b'S' } else { b'-' }], STORE_WIDE_AT)
+}
+
+/// Records a use of the image at `now`.
+pub fn set_last_use(file: &std::fs::File, now: Millis) -> io::Result<()> {
+    file.write_all_at(format!("{now:016x}").as_bytes(), LAST_USE_AT)
+}
+
+/// Records a use at `now`, unless the last use recorded (`seen`) is later:
+/// a process whose clock is behind never makes an image look older.
+pub fn record_use(file: &std::fs::File, seen: &Seen, now: Millis) -> io::Result<()> {
+    match seen.last_use {
+        Some(used) if used >= now => Ok(()),
+        _ => set_last_use(file, now),
+    }
+}
+
+/// Whether a reader should record its use: the last one recorded is
+/// unknown, or older than the resolution by the reader's clock. One in its
+/// future (another host's clock, or a reader's behind) is left as it is.
+pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
+    let res = LAST_USE_RESOLUTION.as_millis() as Millis;
+    seen.last_use.is_none_or(|used| now - used >= res)
+}
+
+/// CRC-32 (IEEE), the checksum of a record slot.
+pub(crate) fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    !crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(state: State) -> Record {
+        Record {
+            base: Some("alpine:3.17".into()),
+            writer: Some("h-1-2-3-00.lease".into()),
+            outcome: Some("exit 0".into()),
+            state,
+            ..Record::new(
+                "app",
+                ImagesDir::External("/s/img".into()),
+                1_764_543_600_000,
+            )
+        }
+    }
+
+    fn file() -> std::fs::File {
+        tempfile::tempfile().unwrap()
+    }
+
+    #[test]
+    fn crc32_matches_the_standard_check_value() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn a_record_reads_back_and_alternates_slots() {
+        let f = file();
+        let mut seen = read(&f).unwrap();
+        assert_eq!(seen, Seen::default());
+        write(&f, &mut seen, &record(State::Writing)).unwrap();
+        assert_eq!(read(&f).unwrap().record.unwrap().state, State::Writing);
+        write(&f, &mut seen, &record(State::Ready)).unwrap();
+        let now = read(&f).unwrap();
+        assert_eq!(now.record.as_ref().unwrap().state, State::Ready);
+        assert_eq!(now.record.unwrap().seq, 2);
+        assert_eq!(read(&f).unwrap().record, seen.record);
+    }
+
+    #[test]
+    fn a_write_cut_short_leaves_the_record_before_it() {
+        let f = file();
+        let mut seen = Seen::default();
+        write(&f, &mut seen, &record(State::Ready)).unwrap();
+        write(&f, &mut seen, &record(State::Writing)).unwrap();
+        // Slot A (seq 2) torn: B (seq 1, ready) is the record.
+        f.write_all_at(b"garbage", 100).unwrap();
+        let after = read(&f).unwrap();
+        assert_eq!(after.record.unwrap().state, State::Ready);
+        assert!(!after.damaged);
+    }
+
+    #[test]
+    fn bytes_without_a_valid_slot_are_a_damaged_record_and_zeros_none() {
+        assert!(Seen::parse(b"noise").damaged);
+        assert!(!Seen::parse(&[0u8; 100]).damaged);
+        let legacy = Seen::parse(b"stowage-image 4\nstate=ready\n");
+        assert!(legacy.legacy && legacy.damaged && legacy.record.is_none());
+    }
+
+    #[test]
+    fn hints_are_separate_from_the_record() {
+        let f = file();
+        let mut seen = Seen::default();
+        write(&f, &mut seen, &record(State::Ready)).unwrap();
+        set_writer_waits(&f, true).unwrap();
+        set_store_wide(&f, true).unwrap();
+        set_last_use(&f, 1_764_543_600_123).unwrap();
+        let s = read(&f).unwrap();
+        assert!(s.writer_waits && s.store_wide);
+        assert_eq!(s.last_use, Some(1_764_543_600_123));
+        assert_eq!(s.record.unwrap().state, State::Ready);
+        set_writer_waits(&f, false).unwrap();
+        set_store_wide(&f, false).unwrap();
+        let s = read(&f).unwrap();
+        assert!(!s.writer_waits && !s.store_wide);
+    }
+
+    #[test]
+    fn a_write_in_flight_reads_incomplete_once_its_lock_is_free() {
+        let r = record(State::Writing);
+        assert_eq!(r.state_seen(true), State::Writing);
+        assert_eq!(r.state_seen(false), State::Incomplete);
+        assert_eq!(record(State::Ready).state_seen(false), State::Ready);
+    }
+
+    #[test]
+    fn what_cannot_be_written_in_one_line_is_refused() {
+        let mut r = record(State::Ready);
+        r.base = Some("a\nstate=ready".into());
+        assert!(r.encode().is_none());
+        let mut r = record(State::Ready);
+        r.images = ImagesDir::External("relative".into());
+        assert!(r.encode().is_none());
+    }
+
+    #[test]
+    fn clearing_leaves_no_image() {
+        let f = file();
+        let mut seen = Seen::default();
+        write(&f, &mut seen, &record(State::Ready)).unwrap();
+        clear(&f).unwrap();
+        assert_eq!(read(&f).unwrap(), Seen::default());
+    }
+}

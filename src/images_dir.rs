@@ -1,0 +1,195 @@
+//! The images directory: where an image's tree is, and whether the
+//! directory there is the one whose trees the records describe.
+//!
+//! - **Where trees go** comes from the store's configuration (`config.rs`);
+//!   an image's record repeats it, as a cache for reads, which is never
+//!   trusted against the configuration where something is written or
+//!   deleted ([`of_record`]).
+//! - **A missing tree proves nothing** when the images directory is
+//!   missing, or is not the directory recorded (another inode or filesystem:
+//!   unmounted, or another filesystem mounted there): nothing is dropped
+//!   because of it ([`unmounted`]).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+
+use crate::config::Config;
+use crate::image_record::{ImagesDir, Record};
+use crate::name::ImageName;
+use crate::root::Root;
+
+/// The store's configuration, or a fresh default one when there is none.
+pub fn config(root: &Root) -> Result<Config> {
+    match crate::config::read(root.dir(), &root.open()?)? {
+        Some(c) => Ok(c),
+        // A release before records kept it in its catalog: migrated first.
+        None if crate::catalog::legacy_version(&root.db()).is_some() => {
+            Err(crate::catalog::NeedsMigration.into())
+        }
+        None => Ok(Config::fresh()),
+    }
+}
+
+/// The images directory the configuration names, as this process reaches it.
+pub fn configured(root: &Root, config: &Config) -> PathBuf {
+    config.images_dir_in(root.dir())
+}
+
+/// An images directory as this process reaches it.
+pub fn show(root: &Root, images: &ImagesDir) -> PathBuf {
+    match images {
+        ImagesDir::Default => root.default_images_dir(),
+        ImagesDir::External(p) => p.clone(),
+    }
+}
+
+/// Where the tree of the image `record` describes lives, checked against
+/// the store's configuration: a record that names another images
+/// directory (planted, or left from elsewhere) is refused before anything
+/// there is written or deleted.
+pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
+    let config = config(root)?;
+    if config.images != record.images {
+        anyhow::bail!(
+            "the record of image '{}' names images directory {}, but the store's is {}: refusing to touch it (run 'stowage doctor')",
+            record.name,
+            show(root, &record.images).display(),
+            configured(root, &config).display()
+        );
+    }
+    Ok(configured(root, &config))
+}
+
+/// Where the tree of the image `record` describes lives, for its command:
+/// `ROOT/img` as this process names the root, or an external directory
+/// only if the configuration names it too (a record's absolute path is
+/// never followed on its own word). Costs the configuration's read only
+/// for an external directory.
+pub fn for_command(root: &Root, record: &Record) -> Result<PathBuf> {
+    match record.images {
+        ImagesDir::Default => Ok(root.default_images_dir()),
+        ImagesDir::External(_) => of_record(root, record),
+    }
+}
+
+/// The tree a record describes, as this process reaches it (for reading
+/// and measuring: nothing is changed through it).
+pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
+    let dir = show(root, &r.images);
+    match ImageName::parse(&r.name) {
+        Ok(n) => dir.join(n.encoded()),
+        Err(_) => dir,
+    }
+}
+
+/// Whether the identity `now` is the `recorded` one (one recorded without
+/// a filesystem id matches on inode and type).
+fn same_identity(recorded: &str, now: &str) -> bool {
+    recorded == now
+        || (recorded.matches('@').count() == 1
+            && now
+                .strip_prefix(recorded)
+                .is_some_and(|rest| rest.starts_with('@')))
+}
+
+/// Records the images directory's identity in the configuration, if it is
+/// not recorded yet (or `accept`: init takes the directory as it is now).
+pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result<()> {
+    let dir = configured(root, config);
+    let images = root.open_images_dir(&dir)?;
+    let id = images
+        .identity()
+        .context("cannot inspect the images directory")?;
+    let here = root.open()?.identity().ok();
+    if config.identity.as_deref() == Some(&id) && config.root == here
+        || (config.identity.is_some() && !accept)
+    {
+        return Ok(());
+    }
+    (config.identity, config.root) = (Some(id), here);
+    crate::config::write(root.dir(), &root.open()?, config)
+}
+
+/// Whether the store was copied or moved since its default images
+/// directory's identity was recorded (the root is another directory, so
+/// its `img` is its own), or that was never recorded. Either way the
+/// identities are recorded afresh — if the global lock is free, so that a
+/// switch of the images directory made meanwhile is never undone.
+fn moved(root: &Root, seen: &Config) -> bool {
+    let Ok(here) = root.open().and_then(|d| Ok(d.identity()?)) else {
+        return false;
+    };
+    if seen.identity.is_some()
+        && seen
+            .root
+            .as_deref()
+            .is_some_and(|r| same_identity(r, &here))
+    {
+        return false;
+    }
+    let _ = (|| -> Result<()> {
+        let mode = crate::lock::Mode::Exclusive;
+        let missing = crate::lock::IfMissing::Fail;
+        let Some(_global) = crate::lock::acquire_no_wait(&root.global_lock(), mode, missing)?
+        else {
+            return Ok(());
+        };
+        let dir = root.open()?;
+        let Some(mut now) = crate::config::read(root.dir(), &dir)? else {
+            return Ok(());
+        };
+        if now.images == ImagesDir::Default && now.identity == seen.identity {
+            now.identity = Some(
+                root.open_images_dir(&root.default_images_dir())?
+                    .identity()?,
+            );
+            now.root = Some(here);
+            crate::config::write(root.dir(), &dir, &now)?;
+        }
+        Ok(())
+    })();
+    true
+}
+
+/// Why a tree missing from `dir` may be the images directory's fault
+/// (missing, or not the directory recorded) rather than a deletion, if it
+/// may.
+pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
+    let images = match root.open_images_dir(dir) {
+        Ok(d) => d,
+        Err(e) => {
+            return Some(format!(
+                "images directory {} is not usable ({e:#}): is it mounted?",
+                dir.display()
+            ));
+        }
+    };
+    let config = config(root).ok()?;
+    if config.images == ImagesDir::Default && moved(root, &config) {
+        return None;
+    }
+    let recorded = config.identity?;
+    let now = images.identity().ok()?;
+    (!same_identity(&recorded, &now)).then(|| {
+        format!(
+            "images directory {} is not the directory recorded (inode@filesystem {now}, recorded {recorded}): is the right filesystem mounted? ('stowage init' accepts it as the images directory if it is)",
+            dir.display()
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_identity;
+
+    #[test]
+    fn an_identity_recorded_without_a_filesystem_id_matches_on_inode_and_type() {
+        assert!(same_identity("2@ef53@abc", "2@ef53@abc"));
+        assert!(!same_identity("2@ef53@abc", "2@ef53@abd"));
+        assert!(same_identity("2@ef53", "2@ef53@abc"));
+        assert!(!same_identity("2@ef53", "2@ef5@abc"));
+        assert!(!same_identity("2@ef53", "22@ef53@abc"));
+        assert!(!same_identity("2@ef53@abc", "2@ef53"));
+    }
+}

@@ -1,0 +1,444 @@
+//! The migration of a store made by a release before image records
+//! (catalog schema 1 to 10): each image's record is written from what that
+//! release held true, once, as a store-wide operation.
+//!
+//! - **What that release held true**: an image's row, except while a
+//!   writer's marker (`locks/leases/ENC.dirty`) stood — then the writer's
+//!   record in the lock file. A row `creating`/`writing` whose lock is free
+//!   had a writer that died: incomplete. A ready token whose row was lost
+//!   still says the image was ready; a tree with neither is adopted with its
+//!   readiness unknown. No image loses its state or its base.
+//! - **Older binaries are held off** as that release's own store-wide
+//!   operations held them off: `store.lock` exclusively (its new images'
+//!   writers take it shared), its store-wide hint on every lock file (its
+//!   reads without the database see it), a store-wide holder record in its
+//!   database (its transactions honour it), and the global lock while
+//!   converting. Each pass re-derives everything from that truth; a pass
+//!   that finds an image lock busy lets the global lock go, waits for it,
+//!   and starts over. The pass that finds all free converts, and commits
+//!   the catalog at schema 11 last: from then on the older release refuses
+//!   the store ("newer than this stowage").
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::FileExt;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+
+use crate::clock::Millis;
+use crate::config::Config;
+use crate::image_record::{self, ImagesDir, Record, State};
+use crate::lock::{self, Mode};
+use crate::name::ImageName;
+use crate::root::Root;
+use crate::store::Store;
+
+/// Whether the store is one to migrate: no configuration of its own yet,
+/// and a catalog of an older release.
+pub fn is_legacy(root: &Root) -> bool {
+    let Ok(dir) = root.open() else { return false };
+    if !matches!(dir.stat_at(crate::config::FILE), Ok(None)) {
+        return false;
+    }
+    legacy_version(root).is_some()
+}
+
+/// The older release's schema version of the catalog, if it is one.
+fn legacy_version(root: &Root) -> Option<i64> {
+    crate::catalog::legacy_version(&root.db())
+}
+
+/// Migrates the store before a command that reads or changes it, if it is
+/// one to migrate (one stat once it is not).
+pub fn if_needed(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
+    if is_legacy(store.root()) {
+        run(store, deadline)?;
+    }
+    Ok(())
+}
+
+/// Migrates the store, if it needs it (a no-op once another process has).
+pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
+    let root = store.root().clone();
+    // A store with a configuration of this release was made or migrated by
+    // it: whatever its catalog says, there is nothing to migrate.
+    if root.open().is_ok_and(|d| crate::config::exists(&d)) {
+        return Ok(());
+    }
+    let Some(version) = legacy_version(&root) else {
+        // No catalog to convert: a store whose records are all there is.
+        ensure_config(&root)?;
+        return Ok(());
+    };
+    store.ctx().say(&format!(
+        "migrating the store at {} (catalog schema {version}) to image records",
+        root.dir().display()
+    ));
+    let hold =
+        crate::store_wide::Hold::take_raw(store, "migrating to image records", deadline, false)?;
+    let out = convert_passes(store, &hold, deadline);
+    hold.release(store);
+    out
+}
+
+fn convert_passes(
+    store: &mut Store,
+    _hold: &crate::store_wide::Hold,
+    deadline: Option<Instant>,
+) -> Result<()> {
+    let root = store.root().clone();
+    hint_older_release(&root);
+    loop {
+        let global = store.global(deadline)?;
+        store.close_catalog();
+        let conn = crate::catalog::open(&root.db())?;
+        if !matches!(
+            crate::catalog::inspect(&conn)?,
+            crate::catalog::Found::Legacy(_)
+        ) {
+            ensure_config(&root)?;
+            return Ok(());
+        }
+        mark_held_off(&conn);
+        let old = Old::read(&conn, &root)?;
+        match convert(&root, &old)? {
+            Some(busy) => {
+                drop(conn);
+                drop(global);
+                wait_for(store, &busy, deadline)?;
+            }
+            None => {
+                finish(&root, &conn, &old)?;
+                drop(global);
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// The older release's store-wide hint (byte 3073 of each lock file): its
+/// reads without the database see it, ask `store.lock`, and wait.
+fn hint_older_release(root: &Root) {
+    for file in image_lock_files(root) {
+        if let Ok(Some(f)) = lock::open_existing(&root.image_locks().join(&file)) {
+            let _ = f.write_all_at(b"1", 3073);
+        }
+    }
+}
+
+/// The older release's store-wide holder record: its transactions refuse
+/// to claim an image while it stands and `store.lock` is held.
+fn mark_held_off(conn: &rusqlite::Connection) {
+    let me = crate::ident::Me::current();
+    let _ = conn.execute(
+        "INSERT INTO records (kind, name, lockfile, role, mode, pid, host, user, command, since_ms)
+         SELECT 'global', 'store', 'store.lock', 'holder', 'exclusive', ?1, ?2, ?3, 'stowage: migrating to image records', ?4
+         WHERE NOT EXISTS (SELECT 1 FROM records WHERE kind = 'global' AND name = 'store')",
+        rusqlite::params![me.pid, me.host, me.user, crate::clock::now_ms()],
+    );
+}
+
+/// What the older release held true.
+struct Old {
+    rows: BTreeMap<String, OldRow>,
+    markers: BTreeSet<String>,
+    classes: Vec<(String, u32, u32)>,
+    images: ImagesDir,
+    identity: Option<String>,
+}
+
+struct OldRow {
+    state: String,
+    base: Option<String>,
+    created: Millis,
+    last_used: Millis,
+}
+
+impl Old {
+    fn read(conn: &rusqlite::Connection, root: &Root) -> Result<Old> {
+        let mut rows = BTreeMap::new();
+        let mut stmt =
+            conn.prepare("SELECT name, state, base, created_ms, last_used_ms FROM images")?;
+        for r in stmt.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                OldRow {
+                    state: r.get(1)?,
+                    base: r.get(2)?,
+                    created: r.get(3)?,
+                    last_used: r.get(4)?,
+                },
+            ))
+        })? {
+            let (name, row) = r?;
+            rows.insert(name, row);
+        }
+        let config = |key: &str| -> Option<String> {
+            conn.query_row("SELECT value FROM config WHERE key = ?1", [key], |r| {
+                r.get(0)
+            })
+            .ok()
+        };
+        let classes = conn
+            .prepare("SELECT name, lim, reserve_high FROM slot_classes")
+            .and_then(|mut s| {
+                s.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+                    .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .unwrap_or_default();
+        let images = match config("images_dir") {
+            Some(d) if std::path::Path::new(&d) != root.default_images_dir() => {
+                ImagesDir::External(d.into())
+            }
+            _ => ImagesDir::Default,
+        };
+        Ok(Old {
+            rows,
+            markers: markers(root),
+            classes,
+            images,
+            identity: config("images_dir_identity"),
+        })
+    }
+}
+
+/// The images writers' markers stand for (`locks/leases/ENC.dirty`).
+fn markers(root: &Root) -> BTreeSet<String> {
+    let Ok(d) = crate::dir::Dir::open_nofollow(&root.leases()) else {
+        return BTreeSet::new();
+    };
+    d.names()
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|n| n.into_string().ok())
+        .filter_map(|n| n.strip_suffix(".dirty").map(str::to_owned))
+        .filter_map(|enc| ImageName::from_encoded(&enc).ok())
+        .map(|n| n.as_str().to_owned())
+        .collect()
+}
+
+/// Writes every image's record, each under its exclusive lock, taken
+/// without waiting. `Some(name)`: a lock was busy (the catalog is not
+/// committed; the caller waits for it and starts over, and the records
+/// written so far stand: their images' truth cannot change meanwhile).
+fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
+    let mut names: BTreeSet<String> = old.rows.keys().cloned().collect();
+    names.extend(old.markers.iter().cloned());
+    for file in image_lock_files(root) {
+        if let Some(n) = crate::root::Root::image_of_lock_file(&file) {
+            names.insert(n.as_str().to_owned());
+        }
+    }
+    let dir = match &old.images {
+        ImagesDir::Default => root.default_images_dir(),
+        ImagesDir::External(p) => p.clone(),
+    };
+    for name in names {
+        let Ok(n) = ImageName::parse(&name) else {
+            continue;
+        };
+        let path = root.image_lock(&n);
+        let create = old.rows.contains_key(&name);
+        let guard =
+            match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::create_if(create))
+            {
+                Ok(Some(g)) => g,
+                Ok(None) => return Ok(Some(n)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
+            };
+        // Converted by an earlier pass of ours: its truth cannot have
+        // changed since (the older release is held off), so it stands.
+        if image_record::read(guard.file()).is_ok_and(|s| s.record.is_some()) {
+            continue;
+        }
+        let mut bytes = vec![0u8; 3072];
+        let got = guard.file().read_at(&mut bytes, 0).unwrap_or(0);
+        let token = old_record(&bytes[..got], &name);
+        let tree = dir.join(n.encoded());
+        let record = derive(&name, old, token, tree.exists());
+        guard.file().set_len(0)?;
+        if let Some(r) = record {
+            let mut seen = image_record::Seen::default();
+            image_record::write(guard.file(), &mut seen, &r)
+                .with_context(|| format!("cannot write the record of image '{name}'"))?;
+            if let Some(used) = old.rows.get(&name).map(|r| r.last_used) {
+                let _ = image_record::set_last_use(guard.file(), used);
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// A record in the older release's format (`stowage-image 2|3|4`): its
+/// state, and whether it is of this image.
+fn old_record(bytes: &[u8], name: &str) -> Option<String> {
+    let text =
+        std::str::from_utf8(&bytes[..bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len())])
+            .ok()?;
+    if !text.starts_with(
+        image_record::LEGACY_PREFIX
+            .iter()
+            .map(|&b| b as char)
+            .collect::<String>()
+            .as_str(),
+    ) {
+        return None;
+    }
+    let body_len = text.find("\ncrc=")? + 1;
+    let (body, rest) = text.split_at(body_len);
+    let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
+    if crc != format!("{:08x}", image_record::crc32(body.as_bytes())) {
+        return None;
+    }
+    let field = |k: &str| {
+        body.lines()
+            .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+    };
+    (field("image")? == name).then(|| field("state").unwrap_or("").to_owned())
+}
+
+/// The record an image gets, from what the older release held true.
+fn derive(name: &str, old: &Old, token: Option<String>, tree: bool) -> Option<Record> {
+    let now = crate::clock::now_ms();
+    let row = old.rows.get(name);
+    let marked = old.markers.contains(name);
+    let (state, outcome, base) = match (row, marked, token.as_deref()) {
+        // A writer's record is the truth while its marker stands.
+        (_, true, Some("ready")) => (State::Ready, "exit 0", None),
+        (_, true, Some(_)) | (_, true, None) if row.is_some() || token.is_some() => {
+            (State::Incomplete, "its writer failed or died", None)
+        }
+        (Some(r), _, _) => match r.state.as_str() {
+            "ready" => (State::Ready, "exit 0", r.base.clone()),
+            "deleting" => (State::Deleting, "removal interrupted", r.base.clone()),
+            "incomplete" => (
+                State::Incomplete,
+                "its writer failed or died",
+                r.base.clone(),
+            ),
+            // Its lock is free (we hold it): the writer died.
+            _ => (State::Incomplete, "its writer died", r.base.clone()),
+        },
+        // A ready token whose row was lost: it was ready.
+        (None, false, Some("ready")) if tree => (State::Ready, "exit 0", None),
+        (None, _, _) if tree => (State::Incomplete, crate::image_record::ADOPTED, None),
+        (None, _, _) => return None,
+    };
+    let mut r = Record::new(name, old.images.clone(), row.map_or(now, |r| r.created));
+    (r.state, r.outcome, r.base) = (state, Some(outcome.to_owned()), base);
+    Some(r)
+}
+
+/// The pass found every lock free and wrote every record: the slot
+/// classes, the configuration, the catalog at schema 11 (last), then what
+/// the older release left behind.
+fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
+    for (class, limit, reserve) in &old.classes {
+        let dir = crate::slots::make_class_dir(root, class)?;
+        let files: Vec<String> = dir
+            .names()?
+            .into_iter()
+            .filter_map(|n| n.into_string().ok())
+            .collect();
+        let top = |high: bool| {
+            files
+                .iter()
+                .filter_map(|f| crate::slot_limits::Kind::of(f))
+                .filter_map(|k| match (k, high) {
+                    (crate::slot_limits::Kind::High(i), true)
+                    | (crate::slot_limits::Kind::Normal(i), false) => Some(i + 1),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(0)
+        };
+        for f in files.iter().filter(|f| f.ends_with(".lock")) {
+            if let Ok(file) = dir.open_rw(f, false) {
+                let _ = file.set_len(0);
+            }
+        }
+        let mut limits = crate::slot_limits::Limits::set(*limit, *reserve, None);
+        limits.files = limits.files.max(top(false));
+        limits.high_files = limits.high_files.max(top(true));
+        let zero = dir.open_rw("0.lock", true)?;
+        crate::slot_limits::write(&zero, class, Some(&limits))?;
+    }
+    let config = Config {
+        images: old.images.clone(),
+        // Only an external directory's identity tells anything: the
+        // default one is found from the root.
+        identity: match old.images {
+            ImagesDir::Default => None,
+            ImagesDir::External(_) => old.identity.clone(),
+        },
+        ..Config::fresh()
+    };
+    crate::config::write(root.dir(), &root.open()?, &config)?;
+    conn.execute_batch(
+        "BEGIN;
+         DROP TABLE IF EXISTS records;
+         DROP TABLE IF EXISTS slot_classes;
+         DROP TABLE IF EXISTS config;
+         DROP TABLE IF EXISTS images;
+         COMMIT;",
+    )?;
+    crate::catalog::create_schema(conn)?;
+    // The older release's statement in the global lock file, and its markers.
+    if let Ok(Some(g)) = lock::open_existing(&root.global_lock()) {
+        let _ = g.set_len(0);
+    }
+    if let Ok(d) = crate::dir::Dir::open_nofollow(&root.leases()) {
+        for n in d.names().unwrap_or_default() {
+            if n.to_str().is_some_and(|n| n.ends_with(".dirty")) {
+                let _ = d.unlink(&n);
+            }
+        }
+    }
+    let _ = std::fs::remove_file(root.dir().join("images-dir"));
+    Ok(())
+}
+
+/// Waits (holding only `store.lock`) for an image lock a pass found busy.
+fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Result<()> {
+    let path = store.root().image_lock(name);
+    let mut wait = lock::Wait::on(&store.root().image_locks(), deadline);
+    crate::holders::announce_wait(
+        store.ctx(),
+        &format!("the lock on image '{name}' before migrating the store"),
+        &crate::holders::holders_phrase(store.ctx(), crate::holders::LockKind::Image, &path),
+    );
+    match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait) {
+        Ok(lock::Waited::Acquired(_)) => Ok(()),
+        Ok(lock::Waited::TimedOut) => Err(crate::Error::Busy(crate::error::Busy {
+            what: format!("the lock on image '{name}' (needed free to migrate the store)"),
+            holders: String::new(),
+            waited: std::time::Duration::ZERO,
+        })
+        .into()),
+        Ok(lock::Waited::Interrupted(sig)) => Err(crate::Error::Interrupted(sig).into()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(lock::error(&format!("image '{name}'"), &path, e)),
+    }
+}
+
+/// A store without a configuration and without an older catalog: its
+/// configuration, made now.
+fn ensure_config(root: &Root) -> Result<()> {
+    let dir = root.open()?;
+    if dir.stat_at(crate::config::FILE)?.is_none() {
+        crate::config::create(root.dir(), &dir, &Config::fresh())?;
+    }
+    Ok(())
+}
+
+/// The image lock files (`*.lock`) in `locks/images/`.
+fn image_lock_files(root: &Root) -> Vec<String> {
+    crate::dir::Dir::open_nofollow(&root.image_locks())
+        .and_then(|d| d.names())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|n| n.into_string().ok())
+        .filter(|n| n.ends_with(".lock"))
+        .collect()
+}

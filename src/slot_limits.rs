@@ -1,0 +1,273 @@
+//! A slot class's limits: one record per class, the one copy, kept at the
+//! start of the class's first slot file (`locks/slots/ENC/0.lock`).
+//!
+//! ```text
+//! stowage-class 1
+//! class=pull
+//! limit=4            (0: unlimited)
+//! reserve=1          (slots only --priority high may take)
+//! files=6            (normal slot files that may be held: more than the
+//! high_files=1        limit after a lowered one, until their holders end)
+//! crc=1a2b3c4d
+//! ```
+//!
+//! - Written only under the global lock (`slots set`, `slots rm`, and the
+//!   settling of a lowered limit), in one `pwrite`, and synced; read by
+//!   acquirers with one `pread`, under the lock of `0.lock` or not. A read
+//!   that meets a write half done fails the CRC and is read again.
+//! - An empty `0.lock` is no class (removed, or never set).
+//! - The files of a class: `0.lock` … `(files-1).lock` and `high-0.lock` …
+//!   `high-(high_files-1).lock`. A slot may be taken only among the first
+//!   `limit` (or `reserve`); the rest are held by holders of a higher
+//!   limit, who count against the lower one until they end.
+
+use std::io;
+use std::os::unix::fs::FileExt;
+
+use crate::image_record::crc32;
+
+const FORMAT: &str = "stowage-class 1\n";
+/// The bytes a class record takes: two slots (the rest of `0.lock` is
+/// unused).
+pub const AREA: usize = 2 * SLOT;
+/// One copy of the record; the valid one with the higher `seq` holds.
+const SLOT: usize = 512;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub limit: u32,
+    pub reserve: u32,
+    /// Normal slot files that may be held (≥ limit).
+    pub files: u32,
+    /// Reserved slot files that may be held (≥ reserve).
+    pub high_files: u32,
+}
+
+impl Limits {
+    /// The limits of a class just set: its files are its slots, plus those
+    /// of an earlier setting still possibly held.
+    pub fn set(limit: u32, reserve: u32, before: Option<Limits>) -> Limits {
+        let (files, high_files) = before.map_or((0, 0), |b| (b.files, b.high_files));
+        Limits {
+            limit,
+            reserve,
+            files: files.max(limit),
+            high_files: high_files.max(reserve),
+        }
+    }
+
+    /// Whether a slot file beyond the limits may still be held.
+    pub fn settled(&self) -> bool {
+        self.files <= self.limit && self.high_files <= self.reserve
+    }
+}
+
+/// Which slot a file is, by its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Normal(u32),
+    High(u32),
+}
+
+impl Kind {
+    pub fn of(file_name: &str) -> Option<Kind> {
+        let stem = file_name.strip_suffix(".lock")?;
+        match stem.strip_prefix("high-") {
+            Some(n) => n.parse().ok().map(Kind::High),
+            None => stem.parse().ok().map(Kind::Normal),
+        }
+    }
+
+    pub fn file_name(self) -> String {
+        match self {
+            Kind::Normal(n) => format!("{n}.lock"),
+            Kind::High(n) => format!("high-{n}.lock"),
+        }
+    }
+
+    /// Whether the file is one a new holder may take under `limits`.
+    pub fn within(self, limits: Limits) -> bool {
+        match self {
+            Kind::Normal(n) => n < limits.limit,
+            Kind::High(n) => n < limits.reserve,
+        }
+    }
+}
+
+/// What a class's `0.lock` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    Limits(Limits),
+    /// Empty: no such class.
+    None,
+    /// Bytes that are no record: the class cannot be known.
+    Damaged,
+}
+
+fn encode(class: &str, l: &Limits, seq: u64) -> Vec<u8> {
+    let mut body = format!(
+        "{FORMAT}seq={seq}\nclass={class}\nlimit={}\nreserve={}\nfiles={}\nhigh_files={}\n",
+        l.limit, l.reserve, l.files, l.high_files
+    );
+    body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
+    let mut slot = body.into_bytes();
+    slot.resize(SLOT, 0);
+    slot
+}
+
+/// What the two slots say: the valid one with the higher `seq`, and which
+/// slot that is.
+fn decode(bytes: &[u8], class: &str) -> (Class, Option<(usize, u64)>) {
+    let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
+    let read = |i: usize| slot(i).map_or(Slot::Empty, |b| decode_slot(b, class));
+    let (a, b) = (read(0), read(1));
+    let newest = match (&a, &b) {
+        (Slot::Valid(sa, _), Slot::Valid(sb, _)) => Some(if sb > sa { 1 } else { 0 }),
+        (Slot::Valid(..), _) => Some(0),
+        (_, Slot::Valid(..)) => Some(1),
+        _ => None,
+    };
+    match newest {
+        Some(i) => {
+            let Slot::Valid(seq, l) = (if i == 0 { a } else { b }) else {
+                unreachable!()
+            };
+            (Class::Limits(l), Some((i, seq)))
+        }
+        None if matches!((a, b), (Slot::Empty, Slot::Empty)) => (Class::None, None),
+        None => (Class::Damaged, None),
+    }
+}
+
+enum Slot {
+    Empty,
+    Invalid,
+    Valid(u64, Limits),
+}
+
+fn decode_slot(bytes: &[u8], class: &str) -> Slot {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    if end == 0 {
+        return if bytes.iter().all(|&b| b == 0) {
+            Slot::Empty
+        } else {
+            Slot::Invalid
+        };
+    }
+    let mut seq = 0;
+    let mut parse = || -> Option<Limits> {
+        let text = std::str::from_utf8(&bytes[..end]).ok()?;
+        let at = text.find("\ncrc=")? + 1;
+        let (body, rest) = text.split_at(at);
+        if rest.strip_prefix("crc=")?.trim_end() != format!("{:08x}", crc32(body.as_bytes())) {
+            return None;
+        }
+        let mut l = Limits {
+            limit: 0,
+            reserve: 0,
+            files: 0,
+            high_files: 0,
+        };
+        let mut named = false;
+        for line in body.strip_prefix(FORMAT)?.lines() {
+            let (k, v) = line.split_once('=')?;
+            match k {
+                "seq" => seq = v.parse().ok()?,
+                "class" => named = v == class,
+                "limit" => l.limit = v.parse().ok()?,
+                "reserve" => l.reserve = v.parse().ok()?,
+                "files" => l.files = v.parse().ok()?,
+                "high_files" => l.high_files = v.parse().ok()?,
+                _ => {}
+            }
+        }
+        named.then_some(l)
+    };
+    match parse() {
+        Some(l) => Slot::Valid(seq, l),
+        None => Slot::Invalid,
+    }
+}
+
+/// Reads the class record from `0.lock` (one `pread`; read again a few
+/// times if a write was under way).
+pub fn read(file: &std::fs::File, class: &str) -> io::Result<Class> {
+    let mut buf = vec![0u8; AREA];
+    for attempt in 0..4 {
+        let n = file.read_at(&mut buf, 0)?;
+        match decode(&buf[..n], class).0 {
+            Class::Damaged if attempt < 3 => {
+                std::thread::sleep(std::time::Duration::from_millis(1 << attempt));
+            }
+            c => return Ok(c),
+        }
+    }
+    Ok(Class::Damaged)
+}
+
+/// Writes the class record into `0.lock` and syncs it (under the global
+/// lock): into the slot that does not hold the current record, so a write
+/// cut short leaves the record before. `None` removes the class: the older
+/// slot is emptied first, then the current one.
+pub fn write(file: &std::fs::File, class: &str, limits: Option<&Limits>) -> io::Result<()> {
+    let mut buf = vec![0u8; AREA];
+    let n = file.read_at(&mut buf, 0)?;
+    let current = decode(&buf[..n], class).1;
+    let (newest, seq) = current.unwrap_or((1, 0));
+    let other = (1 - newest) as u64 * SLOT as u64;
+    match limits {
+        Some(l) => {
+            if n < AREA {
+                // A new file: both slots written, the other one empty.
+                let mut area = vec![0u8; AREA];
+                area[(1 - newest) * SLOT..(2 - newest) * SLOT].copy_from_slice(&encode(
+                    class,
+                    l,
+                    seq + 1,
+                ));
+                file.write_all_at(&area, 0)?;
+            } else {
+                file.write_all_at(&encode(class, l, seq + 1), other)?;
+            }
+            file.sync_data()
+        }
+        None => {
+            file.write_all_at(&[0u8; SLOT], other)?;
+            file.sync_data()?;
+            file.write_all_at(&[0u8; SLOT], newest as u64 * SLOT as u64)?;
+            file.sync_data()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_says_its_class_and_nothing_else_passes() {
+        let l = Limits::set(4, 1, None);
+        let bytes = encode("load/podman", &l, 1);
+        assert_eq!(decode(&bytes, "load/podman").0, Class::Limits(l));
+        assert_eq!(decode(&bytes, "pull").0, Class::Damaged);
+        assert_eq!(decode(&[0u8; 10], "pull").0, Class::None);
+        assert_eq!(decode(b"", "pull").0, Class::None);
+        for i in 0..60 {
+            let mut b = bytes.clone();
+            b[i] ^= 0x04;
+            assert_ne!(decode(&b, "load/podman").0, Class::Limits(l), "byte {i}");
+        }
+    }
+
+    #[test]
+    fn a_lowered_limit_keeps_the_files_that_may_be_held() {
+        let high = Limits::set(4, 1, None);
+        let low = Limits::set(2, 0, Some(high));
+        assert_eq!((low.files, low.high_files), (4, 1));
+        assert!(!low.settled());
+        assert!(Limits::set(2, 0, None).settled());
+        assert!(Kind::Normal(1).within(low) && !Kind::Normal(2).within(low));
+        assert_eq!(Kind::of("high-3.lock"), Some(Kind::High(3)));
+        assert_eq!(Kind::of("changed"), None);
+    }
+}

@@ -1,0 +1,187 @@
+//! Every image as `images`, `gc` and `doctor` show it: its record, with
+//! what the catalog keeps of it (last use, size).
+//!
+//! - The catalog is refreshed from the records (rows added, changed, and
+//!   dropped for images that are gone) whenever every image is looked at.
+//! - Sizes are measured off the write's path: here, for trees whose size
+//!   is not known for the record as it is now, under a shared lock tried
+//!   without waiting (an image being written is left unmeasured).
+//! - A catalog that cannot be written (a user who may only read the store,
+//!   a full filesystem, an outside program holding it) is done without:
+//!   the records say all that matters.
+
+use anyhow::Result;
+
+use crate::census::{Entry, take};
+use crate::image_record::{self, State};
+use crate::root::Root;
+
+/// An image as `images`, `gc` and `doctor` see it: its record, with what
+/// the catalog keeps of it (last use, size), refreshed from the record.
+#[derive(Debug, Clone)]
+pub struct Image {
+    pub entry: Entry,
+    pub record: image_record::Record,
+    pub state: State,
+    pub last_used: crate::clock::Millis,
+    /// The tree's size, measured for the record as it is now.
+    pub size: Option<u64>,
+}
+
+impl Image {
+    pub fn name(&self) -> &str {
+        &self.record.name
+    }
+}
+
+/// What stands for a damaged record in a listing: its name from its lock
+/// file (a hashed one cannot be told, and is left to doctor).
+fn unknown_record(root: &Root, entry: &Entry) -> Option<image_record::Record> {
+    let name = Root::image_of_lock_file(&entry.file)?;
+    let images = crate::images_dir::config(root).ok()?.images;
+    Some(image_record::Record::unknown(name.as_str(), images, 0))
+}
+
+/// Every image, with the catalog refreshed from the records; with
+/// `measure`, the sizes not known yet measured and kept.
+pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Image>> {
+    let mut entries = take(store.root())?;
+    if !crate::store_wide::forget_left(store, &entries).is_empty() {
+        entries = take(store.root())?;
+    }
+    let mut images: Vec<Image> = entries
+        .into_iter()
+        .filter_map(|entry| {
+            let record = match (&entry.seen.record, entry.seen.damaged) {
+                (Some(r), _) => r.clone(),
+                (None, true) => unknown_record(store.root(), &entry)?,
+                (None, false) => return None,
+            };
+            let state = record.state_seen(entry.writer_alive);
+            let last_used = entry
+                .seen
+                .last_use
+                .unwrap_or(record.changed)
+                .max(record.changed);
+            Some(Image {
+                entry,
+                record,
+                state,
+                last_used,
+                size: None,
+            })
+        })
+        .collect();
+    let rows = match refresh(store, &images) {
+        Ok(rows) => rows,
+        Err(e) if e.downcast_ref::<crate::store::NeedsMigration>().is_some() => {
+            crate::migrate::run(store, None)?;
+            return survey(store, measure);
+        }
+        Err(e) => {
+            // Derived: the records say all that matters, so the listing
+            // goes on, and says why sizes and last uses may be missing (a
+            // full filesystem only with -v: it says so everywhere else).
+            let line = format!("{e:#} (listed from the records without it)");
+            if crate::space::is_full(&e) {
+                store.ctx().detail(&line);
+            } else {
+                store.ctx().say(&line);
+            }
+            Default::default()
+        }
+    };
+    for img in images.iter_mut() {
+        if let Some(row) = rows.get(img.name()) {
+            img.last_used = img.last_used.max(row.last_used);
+            if row.seq == img.record.seq {
+                img.size = row.current_size();
+            }
+        }
+    }
+    crate::holders::Look::new(store.ctx()).clean_leases();
+    if measure {
+        let measured = measure_missing(store.root(), &mut images);
+        crate::debug::pause("sizes-measured");
+        if !measured.is_empty() {
+            let _ = store.with_catalog(None, |cat, _| {
+                measured
+                    .iter()
+                    .try_for_each(|(name, seq, size)| cat.set_size(name, *seq, *size))
+            });
+        }
+    }
+    Ok(images)
+}
+
+/// Makes the catalog say what the records say; returns its rows.
+fn refresh(
+    store: &mut crate::store::Store,
+    images: &[Image],
+) -> Result<std::collections::HashMap<String, crate::catalog::Row>> {
+    store.look_catalog(|cat, _| {
+        let mut rows: std::collections::HashMap<String, crate::catalog::Row> = cat
+            .rows()?
+            .into_iter()
+            .map(|r| (r.name.clone(), r))
+            .collect();
+        let live: std::collections::HashSet<&str> = images.iter().map(|i| i.name()).collect();
+        for gone in rows.keys().filter(|n| !live.contains(n.as_str())) {
+            cat.remove(gone)?;
+        }
+        rows.retain(|n, _| live.contains(n.as_str()));
+        for img in images {
+            let row = crate::catalog::Row {
+                name: img.name().to_owned(),
+                state: img.state,
+                base: img.record.base.clone(),
+                created: img.record.created,
+                last_used: img.last_used,
+                seq: img.record.seq,
+                size: None,
+                size_seq: None,
+            };
+            cat.upsert(&row)?;
+            rows.entry(row.name.clone())
+                .and_modify(|r| {
+                    if r.seq != row.seq {
+                        r.size = None;
+                    }
+                    r.last_used = r.last_used.max(row.last_used);
+                    r.seq = row.seq;
+                })
+                .or_insert(row);
+        }
+        Ok(rows)
+    })
+}
+
+/// Measures the trees whose size is not known for their record now.
+fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, u64, u64)> {
+    let mut out = Vec::new();
+    for img in images.iter_mut() {
+        if img.size.is_some() || img.state.in_flight() || img.state == State::Deleting {
+            continue;
+        }
+        if crate::signals::check().is_err() {
+            break;
+        }
+        let Ok(Some(_reading)) = crate::lock::acquire_no_wait(
+            &img.entry.path,
+            crate::lock::Mode::Shared,
+            crate::lock::IfMissing::Fail,
+        ) else {
+            continue;
+        };
+        let tree = crate::images_dir::tree_of(root, &img.record);
+        // A failed writer's image may have no tree: it takes nothing.
+        let size = match crate::disk_usage::disk_usage_if_there(&tree) {
+            Ok(Some(size)) => size,
+            Ok(None) if img.state == State::Incomplete => 0,
+            _ => continue,
+        };
+        img.size = Some(size);
+        out.push((img.name().to_owned(), img.record.seq, size));
+    }
+    out
+}

@@ -1,0 +1,522 @@
+//! The catalog (`stowage.db`) is derived from the images' records: deleted,
+//! emptied, damaged or replaced — at rest or while writes are in flight —
+//! no image changes state, loses its base, or becomes something gc
+//! deletes. And a copy of a store, or a store seen at another path, writes
+//! its new images into its own images directory.
+
+use std::fs;
+
+use crate::common::*;
+
+/// A store with ready images (one with a base), a failed one, and the
+/// catalog made (listed once).
+fn store_with_images() -> Env {
+    let env = Env::new();
+    env.make_image("base");
+    env.build("app", "echo app > \"$STOWAGE_IMAGE_DIR/file\"");
+    env.ok([
+        "exec",
+        "--read",
+        "base",
+        "--write",
+        "child",
+        "--",
+        "sh",
+        "-c",
+        "touch \"$STOWAGE_IMAGE_DIR/file\"",
+    ]);
+    let out = env.run([
+        "exec",
+        "--write",
+        "failed",
+        "--",
+        "sh",
+        "-c",
+        "touch \"$STOWAGE_IMAGE_DIR/part\"; exit 2",
+    ]);
+    assert_eq!(code(&out), Some(2), "{}", show(&out));
+    env.ok(["images"]);
+    env
+}
+
+/// What every image is, as `images --json` says: name, state, base.
+fn states(env: &Env) -> Vec<(String, String, Option<String>)> {
+    env.images_json()
+        .iter()
+        .map(|i| {
+            (
+                i["name"].as_str().unwrap().to_owned(),
+                i["state"].as_str().unwrap().to_owned(),
+                i["base"].as_str().map(str::to_owned),
+            )
+        })
+        .collect()
+}
+
+fn expected() -> Vec<(String, String, Option<String>)> {
+    [
+        ("app", "ready", None),
+        ("base", "ready", None),
+        ("child", "ready", Some("base")),
+        ("failed", "incomplete", None),
+    ]
+    .into_iter()
+    .map(|(n, s, b)| (n.into(), s.into(), b.map(String::from)))
+    .collect()
+}
+
+/// After the catalog was lost one way or another: every image as it was,
+/// readable, and gc collects the failed one alone.
+fn nothing_changed(env: &Env, how: &str) {
+    assert_eq!(states(env), expected(), "{how}: images changed");
+    env.ok(["exec", "--read", "base", "--read", "child", "--", "true"]);
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{how}: {}", show(&out));
+    assert_eq!(states(env), expected(), "{how}: a repair changed images");
+    env.ok(["gc"]);
+    let left: Vec<String> = states(env).into_iter().map(|(n, _, _)| n).collect();
+    assert_eq!(left, ["app", "base", "child"], "{how}: gc");
+    for n in ["app", "base", "child"] {
+        assert!(
+            env.root.join("img").join(n).join("file").exists(),
+            "{how}: {n}'s tree"
+        );
+    }
+}
+
+#[test]
+fn noise_over_the_catalogs_header_changes_no_image() {
+    let env = store_with_images();
+    let db = env.root.join("stowage.db");
+    let mut bytes = fs::read(&db).unwrap();
+    let n = bytes.len().min(8192);
+    bytes[..n].fill(0x5a);
+    fs::write(&db, bytes).unwrap();
+    // A read needs no catalog at all.
+    env.ok(["exec", "--read", "app", "--", "true"]);
+    nothing_changed(&env, "noise over the header");
+    let aside = fs::read_dir(&env.root)
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("stowage.db.damaged-")
+        })
+        .count();
+    assert_eq!(aside, 1, "the damaged file is set aside, not deleted");
+}
+
+#[test]
+fn a_deleted_catalog_changes_no_image() {
+    let env = store_with_images();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    // Right after the delete: listed, and readable.
+    assert_eq!(states(&env), expected());
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    nothing_changed(&env, "deleted");
+}
+
+#[test]
+fn an_emptied_catalog_changes_no_image() {
+    let env = store_with_images();
+    fs::write(env.root.join("stowage.db"), b"").unwrap();
+    nothing_changed(&env, "emptied");
+}
+
+#[test]
+fn another_programs_database_as_the_catalog_changes_no_image() {
+    let env = store_with_images();
+    let db = env.root.join("stowage.db");
+    fs::remove_file(&db).unwrap();
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    conn.execute_batch(
+        "CREATE TABLE images (name TEXT, state TEXT); INSERT INTO images VALUES ('app', 'deleting');
+         CREATE TABLE notes (x); PRAGMA user_version = 3;",
+    )
+    .unwrap();
+    drop(conn);
+    let out = env.run(["images"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "one line says what was done: {err}");
+    assert!(err.len() < 400, "not a schema dump: {err}");
+    nothing_changed(&env, "foreign");
+}
+
+/// A repair while an image is being written: the write ends as it would
+/// have, and nothing later takes it for failed.
+#[test]
+fn a_repair_during_writes_changes_no_image() {
+    let env = store_with_images();
+    let new = env.hold_until(&["--write", "new"], "new-writing", "release-new");
+    let old = env.hold_until(&["--write", "app"], "app-writing", "release-app");
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    env.ok(["doctor", "--repair"]);
+    env.release("release-new");
+    env.release("release-app");
+    assert_eq!(code(&new.finish()), Some(0));
+    assert_eq!(code(&old.finish()), Some(0));
+    env.ok(["doctor"]);
+    env.ok(["gc"]);
+    assert_eq!(env.state("new").as_deref(), Some("ready"));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// A copy of a store (`cp -a`) is a store of its own: its new images go into
+/// its own images directory, never the original's.
+#[test]
+fn a_copy_of_a_store_writes_new_images_in_its_own_directory() {
+    let env = store_with_images();
+    let copy = env.tmp.path().join("copy");
+    let out = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&env.root)
+        .arg(&copy)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let mut c = std::process::Command::new(bin());
+    c.arg("--root").arg(&copy).args([
+        "exec",
+        "--write",
+        "fresh",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$STOWAGE_IMAGE_DIR\"; touch \"$STOWAGE_IMAGE_DIR/f\"",
+    ]);
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(copy.join("img/fresh/f").exists(), "{}", show(&out));
+    assert!(
+        !env.root.join("img/fresh").exists(),
+        "written into the original: {}",
+        show(&out)
+    );
+    let mut c = std::process::Command::new(bin());
+    c.arg("--root")
+        .arg(&copy)
+        .args(["exec", "--read", "fresh", "--read", "base", "--", "true"]);
+    assert_eq!(code(&output(c)), Some(0));
+    assert_eq!(env.state("fresh"), None, "the original knows nothing of it");
+}
+
+/// A store seen at another path (a container's bind mount): each process
+/// makes new images inside the store as it names it — the container's
+/// view never sends the host's writes elsewhere, nor the other way round.
+#[test]
+fn a_store_seen_at_another_path_writes_new_images_inside_it() {
+    if !root_or_skip("a mount namespace with a bind mount") {
+        return;
+    }
+    let env = store_with_images();
+    let elsewhere = tempfile::Builder::new()
+        .prefix("stowage-seen.")
+        .tempdir()
+        .unwrap();
+    let seen = elsewhere.path().join("store");
+    fs::create_dir(&seen).unwrap();
+    // Inside: the store at SEEN, and the host's path to it hidden.
+    let script = format!(
+        "mount --bind '{root}' '{seen}' && mount -t tmpfs none '{host}' && exec '{bin}' --root '{seen}' exec --read base --write made -- sh -c 'touch \"$STOWAGE_IMAGE_DIR/f\"; echo \"$STOWAGE_IMAGE_DIR\"'",
+        root = env.root.display(),
+        seen = seen.display(),
+        host = env.tmp.path().display(),
+        bin = bin()
+    );
+    let mut c = std::process::Command::new("unshare");
+    c.args(["--mount", "--propagation", "private", "sh", "-c", &script]);
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .starts_with(seen.to_str().unwrap()),
+        "told its tree as it sees the store: {}",
+        show(&out)
+    );
+    assert!(env.root.join("img/made/f").exists(), "{}", show(&out));
+    assert_eq!(env.state("made").as_deref(), Some("ready"));
+
+    // Back on the host, where the container's path names another
+    // directory: a new image still goes into the store.
+    fs::create_dir_all(seen.join("img")).unwrap();
+    env.build("hostnew", "touch \"$STOWAGE_IMAGE_DIR/f\"");
+    assert!(env.root.join("img/hostnew/f").exists());
+    assert!(
+        fs::read_dir(seen.join("img")).unwrap().next().is_none(),
+        "nothing written at the container's path"
+    );
+}
+
+/// A catalog of a release before records put in place of a migrated
+/// store's: no migration runs again, so nothing it says — an images
+/// directory elsewhere, rows for images that never were, other states —
+/// reaches a record, the configuration, or a tree.
+#[test]
+fn an_older_releases_catalog_put_in_place_changes_no_image() {
+    let env = store_with_images();
+    let conf = fs::read_to_string(env.root.join("store.conf")).unwrap();
+    let victim = env.tmp.path().join("victim");
+    fs::create_dir_all(victim.join("app")).unwrap();
+    fs::write(victim.join("app/thesis"), "precious").unwrap();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    conn.execute_batch(&format!(
+        "PRAGMA user_version = 10;
+         CREATE TABLE images (name TEXT PRIMARY KEY, state TEXT NOT NULL, base TEXT,
+             created_ms INTEGER NOT NULL, last_used_ms INTEGER NOT NULL, size_bytes INTEGER);
+         CREATE TABLE records (id INTEGER PRIMARY KEY, kind TEXT, name TEXT);
+         CREATE TABLE config (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+         INSERT INTO images VALUES ('ghost', 'ready', NULL, 0, 0, 1),
+             ('app', 'deleting', NULL, 0, 0, 1), ('base', 'incomplete', NULL, 0, 0, 1);
+         INSERT INTO config VALUES ('images_dir', '{}');",
+        victim.display()
+    ))
+    .unwrap();
+    drop(conn);
+    assert_eq!(states(&env), expected());
+    // gc removes what it removes without a catalog too: the failed build.
+    let kept: Vec<_> = expected().into_iter().filter(|s| s.0 != "failed").collect();
+    for _ in 0..2 {
+        env.ok(["gc"]);
+        env.ok(["doctor", "--repair"]);
+        assert_eq!(states(&env), kept);
+    }
+    assert_eq!(
+        fs::read_to_string(env.root.join("store.conf")).unwrap(),
+        conf
+    );
+    assert_eq!(
+        fs::read_to_string(victim.join("app/thesis")).unwrap(),
+        "precious"
+    );
+    env.assert_read_refused("ghost", "does not exist");
+    assert_eq!(env.read_in_image("app", "file"), "app\n");
+    env.build("new", "true");
+    assert!(env.root.join("img/new").is_dir());
+}
+
+/// A page inside the catalog damaged (its header intact, so SQLite opens
+/// it): the table of images cannot be read, and nothing changes for it.
+#[test]
+fn a_damaged_page_inside_the_catalog_changes_no_image() {
+    if !tool_or_skip("sqlite3", "sqlite3") {
+        return;
+    }
+    let env = store_with_images();
+    let db = env.root.join("stowage.db");
+    let out = std::process::Command::new("sqlite3")
+        .arg(&db)
+        .arg("SELECT rootpage FROM sqlite_master WHERE name = 'images'; PRAGMA page_size;")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut n = said.lines().map(|l| l.trim().parse::<u64>().unwrap());
+    let (page, size) = (n.next().unwrap(), n.next().unwrap());
+    {
+        use std::os::unix::fs::FileExt;
+        let f = fs::OpenOptions::new().write(true).open(&db).unwrap();
+        f.write_all_at(&vec![0x5a; size as usize], (page - 1) * size)
+            .unwrap();
+    }
+    nothing_changed(&env, "a damaged page");
+}
+
+/// A copy of the catalog taken before `X` existed, restored over the file
+/// (cp(1) truncates and writes in place) once `X` was made and rewritten,
+/// then repaired as docs/storage.md says a restore must be: the catalog is
+/// no authority on any image, so none changes — `X` stays ready and
+/// readable with what its last write made.
+#[test]
+fn an_older_copy_of_the_catalog_restored_in_place_changes_no_image() {
+    let env = Env::new();
+    env.make_image("keep");
+    let db = env.root.join("stowage.db");
+    let copy = env.scratch.join("stowage.db.copy");
+    env.ok(["images"]);
+    fs::copy(&db, &copy).unwrap();
+    env.build("X", "echo v1 > \"$STOWAGE_IMAGE_DIR/f\"");
+    env.build("X", "echo v2 > \"$STOWAGE_IMAGE_DIR/f\"");
+    env.ok(["images"]);
+    fs::write(&db, fs::read(&copy).unwrap()).unwrap();
+    assert_eq!(
+        env.state("X").as_deref(),
+        Some("ready"),
+        "listed from its record"
+    );
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("X").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("X", "f"), "v2\n");
+    env.ok(["exec", "--read", "keep", "--", "true"]);
+    env.ok(["doctor"]);
+}
+
+/// The same restore and repair while a write of `X` holds it, stopped
+/// before its command: the write that then never starts (SIGTERM) gives
+/// `X` back as it was, ready; and one that runs ends ready.
+#[test]
+fn a_write_across_a_restored_catalog_and_a_repair_ends_as_it_would_have() {
+    let env = Env::new();
+    env.make_image("keep");
+    let db = env.root.join("stowage.db");
+    let copy = env.scratch.join("stowage.db.copy");
+    env.ok(["images"]);
+    fs::copy(&db, &copy).unwrap();
+    env.build("X", "echo v1 > \"$STOWAGE_IMAGE_DIR/f\"");
+    env.ok(["images"]);
+    let restore_and_repair = || {
+        fs::write(&db, fs::read(&copy).unwrap()).unwrap();
+        let out = env.run(["doctor", "--repair"]);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+    };
+    // Never started.
+    let (writer, paused) = env.paused(
+        ["exec", "--write", "X", "--", "/nonexistent/command"],
+        "exec-before-spawn",
+    );
+    restore_and_repair();
+    writer.signal(libc::SIGTERM);
+    let out = writer.finish();
+    fs::remove_file(&paused).unwrap();
+    assert_eq!(code(&out), Some(143), "{}", show(&out));
+    assert_eq!(env.state("X").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("X", "f"), "v1\n");
+    // Run to the end.
+    let (writer, go) = env.paused(
+        [
+            "exec",
+            "--write",
+            "X",
+            "--",
+            "sh",
+            "-c",
+            "echo v2 > \"$STOWAGE_IMAGE_DIR/f\"",
+        ],
+        "exec-before-spawn",
+    );
+    restore_and_repair();
+    fs::remove_file(&go).unwrap();
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.ok(["images"]);
+    assert_eq!(env.state("X").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("X", "f"), "v2\n");
+    env.ok(["doctor"]);
+}
+
+/// Another store's catalog put in place while `base` is held — by an
+/// exclusive reader of stowage's, and by flock(1) from outside — changes
+/// nothing here: `base` stays ready and readable, and the other store's
+/// image, which has no record here, is no image of this store.
+#[test]
+fn another_stores_catalog_put_in_place_while_an_image_is_held_changes_no_image() {
+    let here = Env::new();
+    here.make_image("base");
+    here.ok(["exec", "--read", "base", "--", "true"]);
+    let there = Env::new();
+    there.make_image("other");
+    there.ok(["slots", "set", "pull", "1"]);
+    let reader = here.hold(&["--read-exclusive", "base"], "started");
+    here.put_catalog_of(&there);
+    here.ok(["images"]);
+    here.release("release");
+    let out = reader.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let names: Vec<String> = here
+        .images_json()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["base"], "the other store's image is no image here");
+    let holder = flock_holder(
+        &here.lock_file("base"),
+        &here.sentinel("flock-held"),
+        &format!(
+            "i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            r = here.sentinel("flock-release").display()
+        ),
+    );
+    here.put_catalog_of(&there);
+    here.ok(["images"]);
+    here.release("flock-release");
+    let out = holder.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(here.state("base").as_deref(), Some("ready"));
+    assert_eq!(here.read_in_image("base", "file"), "content\n");
+    let out = here.run(["exec", "--read", "other", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    here.ok(["doctor"]);
+}
+
+/// Another store's catalog, whose class `pull` is limited to 1, put in
+/// place of ours (`pull` limited to 2): a class's limits have their own
+/// home, and two slots are still taken at once.
+#[test]
+fn another_stores_catalog_put_in_place_changes_no_slot_limit() {
+    let here = Env::new();
+    here.ok(["slots", "set", "pull", "2"]);
+    here.ok(["exec", "--slot", "pull", "--", "true"]);
+    let there = Env::new();
+    there.ok(["slots", "set", "pull", "1"]);
+    here.put_catalog_of(&there);
+    here.ok(["images"]);
+    let holder = here.hold(&["--slot", "pull"], "started");
+    let out = here.run(["exec", "--slot", "pull", "--no-wait", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "a second slot of a class limited to 2: {}",
+        show(&out)
+    );
+    let third = here.hold_until(&["--slot", "pull"], "third", "release-third");
+    let out = here.run(["exec", "--slot", "pull", "--no-wait", "--", "true"]);
+    assert_eq!(
+        code(&out),
+        Some(75),
+        "a third slot of a class limited to 2: {}",
+        show(&out)
+    );
+    here.release("release");
+    here.release("release-third");
+    assert_eq!(code(&holder.finish()), Some(0));
+    assert_eq!(code(&third.finish()), Some(0));
+}
+
+/// A root moved elsewhere (or seen at another path: another host's mount
+/// point) keeps its images in ROOT/img as this process names ROOT: a read
+/// there is told that directory, and finds its image in it.
+#[test]
+fn a_read_in_a_moved_root_runs_in_that_roots_images_directory() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    let moved = env.tmp.path().join("moved");
+    fs::rename(&env.root, &moved).unwrap();
+    let mut c = std::process::Command::new(bin());
+    c.arg("--root").arg(&moved).args([
+        "exec",
+        "--read",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$STOWAGE_IMAGES_DIR\"; cat \"$STOWAGE_IMAGES_DIR/base/file\"",
+    ]);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut lines = said.lines();
+    assert_eq!(
+        lines.next(),
+        Some(moved.join("img").to_str().unwrap()),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(lines.next(), Some("content"), "{}", show(&out));
+}
