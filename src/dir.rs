@@ -727,6 +727,16 @@ fn close_far_levels(stack: &mut [Level]) {
     }
 }
 
+/// Whether the identity `now` is the `recorded` one (one recorded without
+/// a filesystem id matches on inode and type).
+pub fn same_identity(recorded: &str, now: &str) -> bool {
+    recorded == now
+        || (recorded.matches('@').count() == 1
+            && now
+                .strip_prefix(recorded)
+                .is_some_and(|rest| rest.starts_with('@')))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

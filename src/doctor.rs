@@ -599,13 +599,47 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
     );
 }
 
+/// Whether the images directory is claimed for this store (`claim.rs`);
+/// with `repair`, an unclaimed one is claimed.
+fn claim(
+    root: &crate::root::Root,
+    config: &crate::config::Config,
+    images: &crate::dir::Dir,
+    dir: &std::path::Path,
+    repair: bool,
+    report: &mut Report,
+) {
+    if crate::claim::read(images).ok().flatten().is_some() {
+        return;
+    }
+    if !repair {
+        report.add("claim", Verdict::Info, format!("{} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)", dir.display()));
+        return;
+    }
+    match crate::images_dir::claim(root, config) {
+        Ok(true) => report.add(
+            "claim",
+            Verdict::Repaired,
+            format!("marked {} as this store's images directory", dir.display()),
+        ),
+        Ok(false) => report.add(
+            "claim",
+            Verdict::Info,
+            format!("{}: its filesystem keeps no extended attributes, so it cannot be marked as this store's", dir.display()),
+        ),
+        Err(e) => report.add("claim", Verdict::Problem, format!("{e:#}")),
+    }
+}
+
 /// Records against trees: records whose trees are gone, trees without
 /// records, records that name another images directory.
 fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
     let dir = config.images_dir_in(root.dir());
-    if let Some(why) = crate::images_dir::unmounted(&root, &dir) {
+    if let Some(why) = crate::images_dir::unmounted(&root, &dir)
+        .or_else(|| crate::images_dir::claimed_by_another(&root, &dir))
+    {
         report.add(
             "images",
             Verdict::Problem,
@@ -614,6 +648,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         return Ok(());
     }
     let images = root.open_or_make_images_dir(&dir)?;
+    claim(&root, &config, &images, &dir, repair, report);
     let entries = crate::census::take(&root)?;
     let ready = entries.iter().any(|e| e.state() == Some(State::Ready));
     if ready && images.names()?.is_empty() {

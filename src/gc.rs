@@ -115,7 +115,9 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let images = crate::survey::survey(store, true)?;
     let config = crate::images_dir::config(store.root())?;
     let images_dir = config.images_dir_in(store.root().dir());
-    if let Some(why) = crate::images_dir::unmounted(store.root(), &images_dir) {
+    if let Some(why) = crate::images_dir::unmounted(store.root(), &images_dir)
+        .or_else(|| crate::images_dir::claimed_by_another(store.root(), &images_dir))
+    {
         report.failed.push(format!("no image removed: {why}"));
         return Ok(report);
     }

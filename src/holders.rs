@@ -345,7 +345,7 @@ impl<'c> Look<'c> {
             Some(es) => {
                 let s = state_of(es);
                 // A pid namespace hides locks taken outside it.
-                if s == Probe::Free && live_hold {
+                if s == Probe::Free && (live_hold || !crate::kernel::shows_every_holder()) {
                     probe(path)
                 } else {
                     s

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
+use crate::claim::Claim;
 use crate::config::Config;
 use crate::image_record::{ImagesDir, Record};
 use crate::name::ImageName;
@@ -83,14 +84,34 @@ pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
     }
 }
 
-/// Whether the identity `now` is the `recorded` one (one recorded without
-/// a filesystem id matches on inode and type).
-fn same_identity(recorded: &str, now: &str) -> bool {
-    recorded == now
-        || (recorded.matches('@').count() == 1
-            && now
-                .strip_prefix(recorded)
-                .is_some_and(|rest| rest.starts_with('@')))
+/// This store's claim on its images directory (`claim.rs`).
+pub fn my_claim(root: &Root, config: &Config) -> Result<Claim> {
+    Claim::of(&config.id, &root.open()?, root.dir())
+        .with_context(|| format!("cannot inspect root {}", root.dir().display()))
+}
+
+/// Why nothing may be removed from the images directory `dir`: another
+/// store claims it (one images directory serves one store).
+pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
+    let config = config(root).ok()?;
+    let images = root.open_images_dir(dir).ok()?;
+    crate::claim::refusal(&images, dir, &my_claim(root, &config).ok()?)
+}
+
+/// Claims the images directory for this store unless another store does.
+/// `Ok(false)`: the filesystem keeps no extended attributes.
+pub fn claim(root: &Root, config: &Config) -> Result<bool> {
+    let dir = configured(root, config);
+    let images = root.open_images_dir(&dir)?;
+    let mine = my_claim(root, config)?;
+    if let Some(why) = crate::claim::refusal(&images, &dir, &mine) {
+        anyhow::bail!("{why}");
+    }
+    if crate::claim::read(&images).ok().flatten().as_ref() == Some(&mine) {
+        return Ok(true);
+    }
+    crate::claim::write(&images, &mine)
+        .with_context(|| format!("cannot claim images directory {}", dir.display()))
 }
 
 /// Records the images directory's identity in the configuration, if it is
@@ -124,7 +145,7 @@ fn moved(root: &Root, seen: &Config) -> bool {
         && seen
             .root
             .as_deref()
-            .is_some_and(|r| same_identity(r, &here))
+            .is_some_and(|r| crate::dir::same_identity(r, &here))
     {
         return false;
     }
@@ -171,7 +192,7 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
     }
     let recorded = config.identity?;
     let now = images.identity().ok()?;
-    (!same_identity(&recorded, &now)).then(|| {
+    (!crate::dir::same_identity(&recorded, &now)).then(|| {
         format!(
             "images directory {} is not the directory recorded (inode@filesystem {now}, recorded {recorded}): is the right filesystem mounted? ('stowage init' accepts it as the images directory if it is)",
             dir.display()
@@ -181,15 +202,14 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::same_identity;
 
     #[test]
     fn an_identity_recorded_without_a_filesystem_id_matches_on_inode_and_type() {
-        assert!(same_identity("2@ef53@abc", "2@ef53@abc"));
-        assert!(!same_identity("2@ef53@abc", "2@ef53@abd"));
-        assert!(same_identity("2@ef53", "2@ef53@abc"));
-        assert!(!same_identity("2@ef53", "2@ef5@abc"));
-        assert!(!same_identity("2@ef53", "22@ef53@abc"));
-        assert!(!same_identity("2@ef53@abc", "2@ef53"));
+        assert!(crate::dir::same_identity("2@ef53@abc", "2@ef53@abc"));
+        assert!(!crate::dir::same_identity("2@ef53@abc", "2@ef53@abd"));
+        assert!(crate::dir::same_identity("2@ef53", "2@ef53@abc"));
+        assert!(!crate::dir::same_identity("2@ef53", "2@ef5@abc"));
+        assert!(!crate::dir::same_identity("2@ef53", "22@ef53@abc"));
+        assert!(!crate::dir::same_identity("2@ef53@abc", "2@ef53"));
     }
 }

@@ -165,6 +165,17 @@ fn parse_line(line: &str) -> Option<((u64, u64), Entry)> {
     Some(((libc::makedev(maj, min), ino), Entry { pid, mode, blocked }))
 }
 
+/// Whether the lock table shows every holder of a local lock: only in the
+/// initial pid namespace (its inode is fixed, `PROC_PID_INIT_INO`). A
+/// child namespace's `/proc/locks` leaves out the locks of processes it
+/// cannot see.
+pub fn shows_every_holder() -> bool {
+    static SHOWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SHOWS.get_or_init(|| {
+        std::fs::read_link("/proc/self/ns/pid").is_ok_and(|l| l.as_os_str() == "pid:[4026531836]")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -33,7 +33,8 @@
 //!    [`keeper`] `--no-inherit`; [`command`]; [`dir`], [`tree`]
 //!    descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree.
 //! 3. **Layout**: [`config`] `store.conf`; [`root`] every path of the
-//!    layout; [`images_dir`] where trees are; [`catalog`] SQLite;
+//!    layout; [`images_dir`] where trees are; [`claim`] which store an
+//!    images directory serves; [`catalog`] SQLite;
 //!    [`census`] every record in one pass; [`ctx`].
 //! 4. **Who holds what**: [`holders`] leases and the lock table, and how to
 //!    say them; [`nested`] holds of an enclosing exec; [`store`] the global
@@ -74,6 +75,7 @@ pub mod acquire;
 pub mod adopt;
 pub mod catalog;
 pub mod census;
+pub mod claim;
 pub mod cli;
 pub mod clock;
 pub mod clone;

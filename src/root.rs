@@ -357,12 +357,22 @@ impl Root {
             // start: a directory found empty later, or another one mounted
             // there, is then told from the one whose trees the records
             // describe; a copy of the whole store, from either.
+            let img = self.open_sub("img").ok();
             let config = crate::config::Config {
-                identity: self.open_sub("img").ok().and_then(|d| d.identity().ok()),
+                identity: img.as_ref().and_then(|d| d.identity().ok()),
                 root: root.identity().ok(),
                 ..crate::config::Config::fresh()
             };
             crate::config::create(&self.dir, &root, &config)?;
+            // This store's, from the start (claim.rs): as the file says,
+            // whoever made it first.
+            let id = match crate::config::read(&self.dir, &root) {
+                Ok(Some(c)) => c.id,
+                _ => config.id,
+            };
+            if let (Some(img), Ok(mine)) = (&img, crate::claim::Claim::of(&id, &root, &self.dir)) {
+                let _ = crate::claim::write(img, &mine);
+            }
         }
         // Space for the metadata on a full filesystem (space.rs).
         crate::space::refill(&self.reserve());

@@ -32,6 +32,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // init leaves no root behind.
     if let Some(dir) = &wanted {
         refuse_images_dir(store.root(), dir)?;
+        refuse_what_is_no_images_dir(dir)?;
+        refuse_another_stores(store.root(), dir)?;
     }
     store.root().create_layout()?;
     let root = store.root().clone();
@@ -50,8 +52,15 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .collect();
     let orphans = adopt::orphans(&images, &dir, &named)?;
     let adopted = adopt::adopt(&root, &config, &orphans, how)?;
-    // This is the images directory from now on (accepting a remount).
+    // This is the images directory from now on (accepting a remount), and
+    // this store's.
     crate::images_dir::record_identity(&root, &mut config, true)?;
+    if !crate::images_dir::claim(&root, &config)? {
+        store.ctx().say(&format!(
+            "cannot mark {} as this store's (its filesystem keeps no extended attributes): another store's init would not be refused",
+            dir.display()
+        ));
+    }
     for (entry, why) in &orphans.skipped {
         store.ctx().say(&format!(
             "not adopting {entry:?} in {}: {why}",
@@ -94,6 +103,105 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
         refuse_overlap(root.dir(), dir)?;
     }
     Ok(())
+}
+
+/// Refuses a directory that is no images directory: `/`, one that would
+/// be made at the top of the filesystem (`$UNSET/img`), a home directory,
+/// a builder's storage directory (its images are in its `img/`), or one
+/// that holds files (an images directory holds image trees only).
+fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
+    let what = if dir == Path::new("/") {
+        Some("the root of the filesystem".to_owned())
+    } else if dir.parent() == Some(Path::new("/")) && !dir.exists() {
+        Some(
+            "a new directory at the top of the filesystem (is a variable in its path unset?)"
+                .to_owned(),
+        )
+    } else if is_home(dir) {
+        Some("a home directory".to_owned())
+    } else if ["bucache", "dlcache", "ulcache"]
+        .iter()
+        .any(|d| dir.join(d).is_dir())
+        && dir.join("img").is_dir()
+    {
+        Some(format!(
+            "a Charliecloud storage directory: its images are in {}",
+            dir.join("img").display()
+        ))
+    } else {
+        files_in(dir).map(|f| format!("a directory that holds files ({f}), not image trees only"))
+    };
+    match what {
+        Some(w) => bail!(
+            "refusing {} as the images directory: it is {w}",
+            dir.display()
+        ),
+        None => Ok(()),
+    }
+}
+
+/// Whether `dir` is the home directory of this user or of any user in
+/// `/etc/passwd` (read directly: no name service).
+fn is_home(dir: &Path) -> bool {
+    let mine = std::env::var_os("HOME").map(PathBuf::from);
+    mine.as_deref() == Some(dir)
+        || std::fs::read_to_string("/etc/passwd").is_ok_and(|t| {
+            t.lines()
+                .filter_map(|l| l.split(':').nth(5))
+                .any(|h| h.len() > 1 && Path::new(h) == dir)
+        })
+}
+
+/// A regular file or symlink at the top of `dir` (not a hidden one), if
+/// there is one.
+fn files_in(dir: &Path) -> Option<String> {
+    std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let t = e.file_type().ok()?;
+        (!name.starts_with('.') && !t.is_dir()).then_some(name)
+    })
+}
+
+/// Refuses an images directory another store claims (`claim.rs`), naming
+/// that store's root, before anything is made.
+fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
+    // Another root's default images directory, claimed or not.
+    if let Some(other) = dir
+        .parent()
+        .filter(|p| p.join(crate::config::FILE).exists())
+        && dir.file_name().is_some_and(|n| n == "img")
+        && other != root.dir()
+    {
+        bail!(
+            "images directory {} belongs to the store at {}: one images directory serves one store (use that root: --root {})",
+            dir.display(),
+            other.display(),
+            other.display()
+        );
+    }
+    let Ok(images) = crate::dir::Dir::open_nofollow(dir) else {
+        return Ok(());
+    };
+    let Some(theirs) = crate::claim::read(&images).ok().flatten() else {
+        return Ok(());
+    };
+    let mine = match root
+        .open()
+        .ok()
+        .and_then(|d| crate::config::read(root.dir(), &d).ok())
+    {
+        Some(Some(config)) => Some(crate::images_dir::my_claim(root, &config)?),
+        _ => None,
+    };
+    if mine.is_some_and(|m| m.same_store(&theirs)) {
+        return Ok(());
+    }
+    bail!(
+        "images directory {} belongs to the store at {}: one images directory serves one store (use that root: --root {})",
+        dir.display(),
+        theirs.path,
+        theirs.path
+    )
 }
 
 /// How trees found in the images directory are adopted: ready only in a

@@ -285,3 +285,113 @@ fn a_new_image_being_written_is_listed_creating_and_left_alone_by_adoption() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     env.ok(["exec", "--read", "app", "--", "true"]);
 }
+
+/// One images directory serves one store: a second root's `init` onto it
+/// is refused, naming the first root — whether the first claimed it with
+/// `--images-dir` or it is the first root's own `img/` — and nothing is
+/// made for the second root.
+#[test]
+fn a_second_root_cannot_take_an_images_directory_another_store_serves() {
+    let a = Env::new();
+    let shared = a.scratch.join("ch/img");
+    fs::create_dir_all(&shared).unwrap();
+    a.ok(["init", "--images-dir", shared.to_str().unwrap()]);
+    a.build("base", "echo a > \"$STOWAGE_IMAGE_DIR/f\"");
+    let b = Env::new();
+    let out = b.run(["init", "--images-dir", shared.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = stderr(&out);
+    assert!(
+        said.contains(a.root.to_str().unwrap()),
+        "names the first root: {said}"
+    );
+    assert!(!b.root.exists(), "nothing made for the second root");
+
+    let c = Env::new();
+    c.make_image("x");
+    let out = b.run(["init", "--images-dir", c.root.join("img").to_str().unwrap()]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains(c.root.to_str().unwrap()),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(a.read_in_image("base", "f"), "a\n");
+}
+
+/// A copy of a store with an external images directory is another store
+/// over the same directory: it removes nothing there.
+#[test]
+fn a_copy_of_a_store_removes_nothing_from_the_original_images_directory() {
+    let a = Env::new();
+    let shared = a.scratch.join("img");
+    fs::create_dir(&shared).unwrap();
+    a.ok(["init", "--images-dir", shared.to_str().unwrap()]);
+    let out = a.run([
+        "exec",
+        "--write",
+        "failed",
+        "--",
+        "sh",
+        "-c",
+        "touch \"$STOWAGE_IMAGE_DIR/f\"; exit 1",
+    ]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let copy = a.tmp.path().join("copy");
+    let st = std::process::Command::new("cp")
+        .args(["-a", a.root.to_str().unwrap(), copy.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut c = Env::new();
+    c.root = copy;
+    let out = c.run(["gc"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("belongs to the store at"),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        shared.join("failed/f").exists(),
+        "the original's tree is left alone"
+    );
+}
+
+/// What is no images directory is refused before anything is made, with
+/// what to do instead: a builder's storage directory (its images are in
+/// its `img/`), `/`, a home directory, a directory that would be made at
+/// the top of the filesystem (`"$UNSET/img"`), and one that holds files.
+#[test]
+fn init_refuses_what_is_no_images_directory() {
+    let env = Env::new();
+    let storage = env.scratch.join("storage");
+    for d in ["img/alpine", "bucache", "dlcache", "ulcache"] {
+        fs::create_dir_all(storage.join(d)).unwrap();
+    }
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let files = env.scratch.join("project");
+    fs::create_dir(&files).unwrap();
+    fs::write(files.join("Makefile"), "all:\n").unwrap();
+    let top = format!("/stowage-test-{}", std::process::id());
+    for (dir, says) in [
+        (storage.to_str().unwrap(), "storage/img"),
+        ("/", "contains the root"),
+        (home.as_str(), "home directory"),
+        (top.as_str(), "top of the filesystem"),
+        (files.to_str().unwrap(), "holds files"),
+    ] {
+        let out = env.run(["init", "--images-dir", dir]);
+        assert_eq!(code(&out), Some(1), "{dir}: {}", show(&out));
+        assert!(stderr(&out).contains(says), "{dir}: {}", show(&out));
+        assert!(!env.root.exists(), "{dir}: nothing made");
+    }
+    assert!(!std::path::Path::new(&top).exists());
+    assert!(storage.join("bucache").is_dir());
+    env.ok([
+        "init",
+        "--images-dir",
+        storage.join("img").to_str().unwrap(),
+    ]);
+    assert_eq!(env.state("alpine").as_deref(), Some("ready"));
+}

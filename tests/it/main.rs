@@ -63,3 +63,4 @@ mod slots;
 mod status;
 mod store_wide;
 mod stress;
+mod viewpoints;

@@ -1,0 +1,170 @@
+//! The claim of an images directory by one store: an extended attribute
+//! on the directory itself (`user.stowage.store`), since nothing of
+//! stowage's may be put *into* an images directory (builders reject
+//! extraneous entries there).
+//!
+//! ```text
+//! stowage-claim 1
+//! id=5e1f00d2c0ffee0123456789abcdef01     (the store's, from store.conf)
+//! root=77@ef53                            (the root's identity)
+//! path=/var/tmp/ana.stowage               (where it was, to name it)
+//! ```
+//!
+//! - **One store per images directory.** `init` claims the directory it
+//!   is given and refuses one another store claims, naming that store's
+//!   root. A copy of a store (same id, another root) is another store.
+//! - **Nothing is deleted in a directory another store claims**: gc,
+//!   repair and the end of a store-wide hold check before they remove
+//!   anything there.
+//! - Where extended attributes are not to be had (an old NFS server), the
+//!   directory stays unclaimed, and `init` says so once.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+use crate::dir::Dir;
+
+const NAME: &std::ffi::CStr = c"user.stowage.store";
+const FORMAT: &str = "stowage-claim 1\n";
+
+/// Who claims an images directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub id: String,
+    pub root: String,
+    pub path: String,
+}
+
+impl Claim {
+    /// This store's claim: its id, its root's identity and path.
+    pub fn of(id: &str, root_dir: &Dir, root_path: &Path) -> io::Result<Claim> {
+        Ok(Claim {
+            id: id.to_owned(),
+            root: root_dir.identity()?,
+            path: root_path.display().to_string(),
+        })
+    }
+
+    fn encode(&self) -> String {
+        format!(
+            "{FORMAT}id={}\nroot={}\npath={}\n",
+            self.id, self.root, self.path
+        )
+    }
+
+    fn decode(text: &str) -> Option<Claim> {
+        let mut c = Claim {
+            id: String::new(),
+            root: String::new(),
+            path: String::new(),
+        };
+        for line in text.strip_prefix(FORMAT)?.lines() {
+            match line.split_once('=')? {
+                ("id", v) => c.id = v.to_owned(),
+                ("root", v) => c.root = v.to_owned(),
+                ("path", v) => c.path = v.to_owned(),
+                _ => {}
+            }
+        }
+        (!c.id.is_empty() && !c.root.is_empty()).then_some(c)
+    }
+
+    /// Whether `other` is the same store at the same root (an identity
+    /// recorded without a filesystem id matches on inode and type).
+    pub fn same_store(&self, other: &Claim) -> bool {
+        self.id == other.id && crate::dir::same_identity(&self.root, &other.root)
+    }
+}
+
+/// What claims the directory `dir`: `Ok(None)` if nothing does, or the
+/// filesystem keeps no extended attributes. A value that is not a claim
+/// is taken for none.
+pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
+    let mut buf = vec![0u8; 1024];
+    // SAFETY: valid descriptor, C string and buffer of the length given.
+    let n = unsafe {
+        libc::fgetxattr(
+            dir.as_raw_fd(),
+            NAME.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::ENODATA | libc::ENOTSUP | libc::ERANGE) => Ok(None),
+            _ => Err(e),
+        };
+    }
+    buf.truncate(n as usize);
+    Ok(std::str::from_utf8(&buf).ok().and_then(Claim::decode))
+}
+
+/// Claims `dir` for `claim`'s store. `Ok(false)`: the filesystem keeps no
+/// extended attributes.
+pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
+    let text = claim.encode();
+    // SAFETY: valid descriptor, C string and buffer of the length given.
+    let r = unsafe {
+        libc::fsetxattr(
+            dir.as_raw_fd(),
+            NAME.as_ptr(),
+            text.as_ptr().cast(),
+            text.len(),
+            0,
+        )
+    };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::ENOTSUP) => Ok(false),
+            _ => Err(e),
+        };
+    }
+    Ok(true)
+}
+
+/// Why `dir` (at `path`) may not be used by the store whose claim is
+/// `mine`: another store claims it.
+pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
+    let theirs = read(dir).ok()??;
+    (!theirs.same_store(mine)).then(|| {
+        format!(
+            "images directory {} belongs to the store at {} (its claim: {}): one images directory serves one store",
+            path.display(),
+            theirs.path,
+            if theirs.id == mine.id {
+                "a copy of this store"
+            } else {
+                "another store"
+            }
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claim_reads_back_and_names_its_store() {
+        let c = Claim {
+            id: "ab".into(),
+            root: "7@ef53".into(),
+            path: "/r".into(),
+        };
+        assert_eq!(Claim::decode(&c.encode()), Some(c.clone()));
+        assert_eq!(Claim::decode("junk"), None);
+        let moved = Claim {
+            root: "8@ef53".into(),
+            ..c.clone()
+        };
+        assert!(!c.same_store(&moved));
+        assert!(c.same_store(&Claim {
+            root: "7@ef53@99".into(),
+            ..c.clone()
+        }));
+    }
+}

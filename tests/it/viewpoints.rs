@@ -1,0 +1,198 @@
+//! What holds from one viewpoint holds from the others: nested calls and
+//! holders are judged by leases, inherited descriptors and the
+//! environment, never by a pid or a device number alone — so on btrfs
+//! (whose lock table shows other device numbers than `stat`), in a child
+//! pid namespace (whose lock table hides the holders outside it), and
+//! with flock(1) holders, nothing waits for itself and nothing held is
+//! shown free.
+
+use std::fs;
+use std::process::Command;
+
+use crate::common::*;
+
+/// `exec --no-inherit --write X -- stowage exec --read X` fails at once
+/// (the image is being written, by the enclosing command), and a nested
+/// reader under a `--no-inherit` reader passes a writer queued behind it:
+/// on btrfs as on tmpfs.
+#[test]
+fn nested_calls_under_no_inherit_never_wait_for_themselves_on_btrfs() {
+    let Some(mnt) = Mount::btrfs_loop("300M") else {
+        return;
+    };
+    let env = mnt.env();
+    env.make_image("x");
+    let inner = format!(
+        "'{}' --root '{}' exec --read x -- true",
+        bin(),
+        env.root.display()
+    );
+    let out = env.run([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "x",
+        "--",
+        "sh",
+        "-c",
+        &format!("{inner}; echo inner=$?"),
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("inner=66"),
+        "{}",
+        show(&out)
+    );
+
+    // A writer queued behind the outer reader: the inner reader is part of
+    // the outer hold, and must not queue behind the writer.
+    let queued = env.sentinel("queued");
+    let script = format!(
+        "while [ ! -e '{q}' ]; do sleep 0.05; done; {inner}; echo inner=$?",
+        q = queued.display()
+    );
+    let outer = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--read",
+        "x",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    wait_until("the outer reader holds x", || {
+        env.lock_entry("x").is_some_and(|e| e["state"] == "shared")
+    });
+    let writer = env.spawn(["exec", "--write", "x", "--", "true"]);
+    env.wait_for_waiter("x");
+    fs::write(&queued, "").unwrap();
+    let out = outer.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("inner=0"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(code(&writer.finish()), Some(0));
+}
+
+/// A flock(1) holder on btrfs is shown holding, by `lock-status IMG`,
+/// `--all`, and `images` ("in use"), all alike.
+#[test]
+fn a_flock_holder_on_btrfs_is_shown_holding_everywhere() {
+    let Some(mnt) = Mount::btrfs_loop("300M") else {
+        return;
+    };
+    let env = mnt.env();
+    env.make_image("x");
+    let started = env.sentinel("started");
+    let _holder = flock_holder(&env.lock_file("x"), &started, "sleep 60");
+    wait_for_file(&started);
+    assert_eq!(env.lock_entry("x").unwrap()["state"], "exclusive");
+    let all = env.status_json(["--all"]);
+    let x = all["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "x")
+        .cloned()
+        .unwrap();
+    assert_eq!(x["state"], "exclusive", "{all}");
+    assert_eq!(env.image("x").unwrap()["in_use"], true);
+}
+
+/// Nested `--read`, `--slot` and `--store-wide` calls made in a child pid
+/// namespace (a container started by the build) never wait for the
+/// enclosing command: its lease, named in the environment, says what it
+/// holds, whatever pids the namespace shows.
+#[test]
+fn nested_calls_in_a_child_pid_namespace_never_wait_for_their_parent() {
+    if !root_or_skip("a child pid namespace") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("x");
+    env.ok(["slots", "set", "pull", "1"]);
+    let root = env.root.display().to_string();
+    for (outer, inner) in [
+        (vec!["--read", "x"], "exec --read x -- true"),
+        (vec!["--slot", "pull"], "exec --slot pull -- true"),
+        (vec!["--store-wide"], "exec --read x -- true"),
+        (vec!["--write", "x"], "exec --slot pull -- true"),
+    ] {
+        let script = format!(
+            "unshare --pid --fork --mount-proc '{}' --root '{root}' {inner}; echo inner=$?",
+            bin()
+        );
+        let mut args = vec!["exec"];
+        args.extend(outer.iter().copied());
+        args.extend(["--", "sh", "-c", &script]);
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(0), "{outer:?}: {}", show(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("inner=0"),
+            "{outer:?} / {inner}: {}",
+            show(&out)
+        );
+    }
+}
+
+/// From a child pid namespace (a container), lock-status shows a
+/// store-wide hold held with its holder, and a flock(1) holder's lock
+/// held — never free.
+#[test]
+fn lock_status_in_a_child_pid_namespace_shows_what_is_held() {
+    if !root_or_skip("a child pid namespace") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let started = env.sentinel("flock-started");
+    let flock = flock_holder(&env.lock_file("b"), &started, "sleep 60");
+    wait_for_file(&started);
+    let inside = |args: &[&str]| {
+        let out = output({
+            let mut c = Command::new("unshare");
+            c.args(["--pid", "--fork", "--mount-proc", bin(), "--root"])
+                .arg(&env.root)
+                .args(["lock-status", "--json"])
+                .args(args);
+            c
+        });
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let st = inside(&["b"]);
+    let b = st["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "b")
+        .cloned();
+    assert_eq!(
+        b.unwrap()["state"],
+        "exclusive",
+        "flock(1)'s hold from inside: {st}"
+    );
+    flock.kill_all();
+    let hold_started = env.sentinel("sw-started");
+    let _hold = env.spawn([
+        "exec",
+        "--store-wide",
+        "--",
+        "sh",
+        "-c",
+        &format!("touch '{}'; sleep 60", hold_started.display()),
+    ]);
+    wait_for_file(&hold_started);
+    let st = inside(&[]);
+    let locks = st["locks"].as_array().unwrap();
+    let store = locks
+        .iter()
+        .find(|l| l["kind"] == "global" && l["name"] != "global")
+        .unwrap_or_else(|| panic!("the store lock is listed: {st}"));
+    assert_eq!(store["state"], "exclusive", "{st}");
+    assert_eq!(store["holders"].as_array().unwrap().len(), 1, "{st}");
+}
