@@ -26,6 +26,9 @@ struct Ch {
     env: Env,
     storage: PathBuf,
     ctx: PathBuf,
+    /// ch-build runs with an `unshare` that always fails, as on a host
+    /// where no user or mount namespace can be made ([`Ch::no_namespaces`]).
+    no_ns: std::cell::Cell<bool>,
 }
 
 impl Ch {
@@ -59,7 +62,45 @@ impl Ch {
         let storage = env.tmp.path().join("storage");
         let ctx = env.tmp.path().join("ctx");
         fs::create_dir(&ctx).unwrap();
-        Ch { env, storage, ctx }
+        Ch {
+            env,
+            storage,
+            ctx,
+            no_ns: std::cell::Cell::new(false),
+        }
+    }
+
+    /// From now on ch-build finds an `unshare` that fails: it cannot give a
+    /// build a private copy of a base's ch/, and locks an unlinked base
+    /// exclusively instead.
+    fn no_namespaces(&self) {
+        let dir = self.env.tmp.path().join("no-unshare");
+        fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("unshare");
+        fs::write(
+            &f,
+            "#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n",
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&f, fs::Permissions::from_mode(0o755)).unwrap();
+        self.no_ns.set(true);
+    }
+
+    /// Whether ch-build can run a build in a mount namespace of its own with
+    /// a tmpfs in it (its own test, on the images directory).
+    fn private_ch_works(&self) -> bool {
+        let mut c = self.command("sh");
+        c.args([
+            "-c",
+            "if [ \"$(id -u)\" = 0 ]; then unshare --mount mount -t tmpfs p \"$1\"; \
+             else unshare --user --map-root-user --mount mount -t tmpfs p \"$1\"; fi",
+            "sh",
+        ])
+        .arg(self.storage.join("img"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+        c.status().is_ok_and(|s| s.success())
     }
 
     fn missing_tools(&self) -> Option<String> {
@@ -165,8 +206,27 @@ impl Ch {
 
     /// `scripts/ch-build ARGS… CTX`.
     fn ch_build<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> Command {
-        let mut c = self.command(CH_BUILD);
+        let mut c = self.ch_build_command();
         c.args(args).arg(&self.ctx);
+        c
+    }
+
+    /// `scripts/ch-build`, without an `unshare` that works after
+    /// [`Ch::no_namespaces`].
+    fn ch_build_command(&self) -> Command {
+        let mut c = self.command(CH_BUILD);
+        if self.no_ns.get() {
+            let bin_dir = Path::new(bin()).parent().unwrap();
+            let path = std::env::var("PATH").unwrap_or_default();
+            c.env(
+                "PATH",
+                format!(
+                    "{}:{}:/usr/bin:{path}",
+                    self.env.tmp.path().join("no-unshare").display(),
+                    bin_dir.display()
+                ),
+            );
+        }
         c
     }
 
@@ -398,9 +458,12 @@ fn deleting_a_base_waits_for_the_builds_reading_it() {
     assert!(!ch.img("base").exists() && !ch.img("app-c").exists());
 }
 
+/// Where no mount namespace can be made, a base without a build-cache link
+/// is locked exclusively: builds FROM it run one at a time.
 #[test]
 fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     let Some(ch) = Ch::new() else { return };
+    ch.no_namespaces();
     // Built with --no-cache, app has no .git: every FROM app rewrites its
     // ch/metadata.json.
     let df = ch.dockerfile("Dockerfile.app", "FROM base\nRUN echo app > /app\n");
@@ -465,9 +528,12 @@ fn a_base_without_a_cache_link_is_locked_exclusively_and_stays_ready() {
     assert!(!ch.img("worse").exists());
 }
 
+/// (Without namespaces: with them every base of a --no-cache build is read
+/// shared, and the one that lost its link gets a private ch/ under the locks.)
 #[test]
 fn a_base_that_loses_its_cache_link_while_awaited_is_locked_anew() {
     let Some(ch) = Ch::new() else { return };
+    ch.no_namespaces();
     // A reader holds base; a rewrite of base (which drops its build-cache
     // link, as a --no-cache rebuild does) queues for it.
     let reader = ch.env.hold(&["--read", "base"], "held");
@@ -600,7 +666,7 @@ fn derived(ch: &Ch, name: &str, from: &str) {
 
 /// The command ch-build --dry-run prints, on one line.
 fn dry_run(ch: &Ch, args: &[&str]) -> String {
-    let mut c = ch.command(CH_BUILD);
+    let mut c = ch.ch_build_command();
     c.arg("--dry-run").args(args);
     let out = output(c);
     assert_ok_ref(&out);
@@ -613,6 +679,7 @@ fn dry_run(ch: &Ch, args: &[&str]) -> String {
 #[test]
 fn ch_build_locks_the_base_ch_image_resolves() {
     let Some(ch) = Ch::new() else { return };
+    ch.no_namespaces();
     derived(&ch, "base2", "base");
     derived(&ch, "mid", "base");
     // ch-image substitutes $B inside $B2: FROM $B2 is base2, not mid.
@@ -791,6 +858,29 @@ fn ch_build_explains_its_locks() {
         "Dockerfile.multi",
         "FROM base AS build\nRUN true\nFROM tools\nCOPY --from=build /bin/busybox /x\n",
     );
+    if ch.private_ch_works() {
+        let mut c = ch.ch_build(["-v", "--dry-run", "--wait", "5", "-t", "app", "-f", &df]);
+        c.arg("--root").arg(&ch.env.root);
+        let out = output(c);
+        assert_ok_ref(&out);
+        let plan = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            plan.contains("exec --wait 5 --read base --read tools --write app_stage0 --write app --"),
+            "{}",
+            show(&out)
+        );
+        let err = stderr(&out);
+        for says in [
+            "base 'base': shared lock (--read): it is linked to the build cache",
+            "base 'tools': shared lock (--read): FROM rewrites its ch/metadata.json (not linked",
+            "but the build runs in a mount namespace where",
+        ] {
+            assert!(err.contains(says), "{says}: {err}");
+        }
+    } else {
+        eprintln!("no mount namespace here: only the exclusive lock is checked");
+    }
+    ch.no_namespaces();
     let mut c = ch.ch_build(["-v", "--dry-run", "--wait", "5", "-t", "app", "-f", &df]);
     c.arg("--root").arg(&ch.env.root);
     let out = output(c);
@@ -812,6 +902,7 @@ fn ch_build_explains_its_locks() {
     for says in [
         "base 'base': shared lock (--read): it is linked to the build cache",
         "locking base 'tools' exclusively (--read-exclusive): it is not linked",
+        "and no mount namespace can be made here",
         "image 'app_stage0': exclusive lock (--write): ch-image keeps each earlier stage",
         "image 'app': exclusive lock (--write): the image this build makes",
     ] {
@@ -998,6 +1089,7 @@ fn sigterm_to_ch_build_stops_the_whole_build() {
 #[test]
 fn a_base_locked_exclusively_records_its_use() {
     let Some(ch) = Ch::new() else { return };
+    ch.no_namespaces();
     let df = ch.dockerfile("Dockerfile.mid", "FROM base\nRUN echo mid > /which\n");
     let mut c = ch.ch_build(["-t", "mid", "-f", &df]);
     c.env("STOWAGE_NOW", "2026-01-01T00:00:00Z");
@@ -1038,6 +1130,94 @@ fn builds_from_a_cache_built_base_share_it() {
         assert_eq!(ch.file(&format!("app{i}"), "which"), "mid");
     }
     assert_eq!(snapshot(&ch.img("mid")), before, "a build wrote its base");
+}
+
+/// A base built with --no-cache has no build-cache link, and every FROM of
+/// it rewrites its ch/metadata.json and ch/environment (truncate, then
+/// write). Builds FROM it read it together all the same: each runs in a
+/// mount namespace where the base's ch/ is a private copy, so the base on
+/// disk is never written, and each result carries the base's ENV.
+#[test]
+fn builds_from_a_base_without_a_cache_link_share_it() {
+    let Some(ch) = Ch::new() else { return };
+    if !ch.private_ch_works() {
+        eprintln!("skipping: no mount namespace with a tmpfs can be made here");
+        return;
+    }
+    let df = ch.dockerfile(
+        "Dockerfile.mid",
+        "FROM base\nENV MIDVAR=mid\nRUN echo mid > /which\n",
+    );
+    assert_ok(output(ch.ch_build(["-t", "mid", "-f", &df])));
+    assert!(!ch.img("mid/.git").exists());
+    let before = snapshot(&ch.img("mid"));
+
+    const N: usize = 4;
+    build_in_parallel_from(&ch, "mid", N);
+    for i in 0..N {
+        let app = format!("app{i}");
+        assert_eq!(ch.file(&app, "which"), "mid");
+        assert_eq!(ch.file(&app, "ch/environment"), "MIDVAR=mid");
+        let md: Value = serde_json::from_str(&ch.file(&app, "ch/metadata.json")).unwrap();
+        assert_eq!(md["env"]["MIDVAR"], "mid", "{md}");
+    }
+    assert_eq!(snapshot(&ch.img("mid")), before, "a build wrote its base");
+    assert_eq!(ch.env.state("mid").as_deref(), Some("ready"));
+    // Nothing of the namespaces outlives the builds.
+    let mounts = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains("ch-build-private"), "{mounts}");
+    // The results are images like any other: listed, and bases in turn.
+    assert!(ch.ch_list().contains(&"app0".to_owned()));
+    let df = ch.dockerfile("Dockerfile.top", "FROM app0\nRUN echo top > /top\n");
+    assert_ok(output(ch.ch_build(["-t", "top", "-f", &df])));
+    assert_eq!(ch.file("top", "which"), "mid");
+    assert_eq!(ch.file("top", "ch/environment"), "MIDVAR=mid");
+
+    // A failed build FROM it leaves its own tag incomplete, never the base.
+    let bad = ch.dockerfile("Dockerfile.bad", "FROM mid\nRUN false\n");
+    let out = output(ch.ch_build(["-t", "bad", "-f", &bad]));
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(ch.env.state("bad").as_deref(), Some("incomplete"));
+    assert_eq!(ch.env.state("mid").as_deref(), Some("ready"));
+    assert_eq!(snapshot(&ch.img("mid")), before, "a failed build wrote its base");
+}
+
+/// A build whose Dockerfile is only `FROM mid` keeps, as its metadata, the
+/// copy of mid's ch/ it made. Many at once (mid read shared) must each copy
+/// it whole: none may copy it while another build has it truncated.
+#[test]
+fn from_only_builds_at_once_copy_their_base_whole() {
+    let Some(ch) = Ch::new() else { return };
+    if !ch.private_ch_works() {
+        eprintln!("skipping: no mount namespace with a tmpfs can be made here");
+        return;
+    }
+    let df = ch.dockerfile("Dockerfile.mid", "FROM base\nENV MIDVAR=mid\nRUN true\n");
+    assert_ok(output(ch.ch_build(["-t", "mid", "-f", &df])));
+    let want_md = fs::read(ch.img("mid/ch/metadata.json")).unwrap();
+    let want_env = fs::read(ch.img("mid/ch/environment")).unwrap();
+    let df = ch.dockerfile("Dockerfile.copy", "FROM mid\n");
+    for round in 0..3 {
+        let builds: Vec<Bg> = (0..6)
+            .map(|i| Bg::from_command(ch.ch_build(["-t", &format!("copy{i}"), "-f", &df])))
+            .collect();
+        for b in builds {
+            assert_ok(b.finish());
+        }
+        for i in 0..6 {
+            let copy = ch.img(&format!("copy{i}"));
+            assert_eq!(
+                fs::read(copy.join("ch/metadata.json")).unwrap(),
+                want_md,
+                "copy{i}, round {round}"
+            );
+            assert_eq!(
+                fs::read(copy.join("ch/environment")).unwrap(),
+                want_env,
+                "copy{i}, round {round}"
+            );
+        }
+    }
 }
 
 /// Every file under `dir` (but .git) with its content and mtime.
