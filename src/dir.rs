@@ -101,6 +101,39 @@ impl Dir {
         })
     }
 
+    /// A directory as an anchor for `*at()` calls only (`O_PATH`): no
+    /// listing, no extended attributes — and nothing opened on a server
+    /// (no OPENDIR/RELEASEDIR on a shared filesystem).
+    pub fn anchor(path: &Path) -> io::Result<Dir> {
+        Self::open_flags(path, libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+    }
+
+    /// [`Dir::anchor`], refusing a symlink as the last component (with
+    /// `O_DIRECTORY`, `O_PATH|O_NOFOLLOW` of a symlink is `ENOTDIR`).
+    pub fn anchor_nofollow(path: &Path) -> io::Result<Dir> {
+        Self::open_flags(
+            path,
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    }
+
+    /// [`Dir::anchor`] of the subdirectory `name`, never through a symlink.
+    pub fn anchor_sub(&self, name: impl AsRef<OsStr>) -> io::Result<Dir> {
+        let c = cstr(name.as_ref())?;
+        // SAFETY: as in open_flags.
+        let fd = check(unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        })?;
+        // SAFETY: fd was just returned by a successful open, and nothing else owns it.
+        Ok(Dir {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
     /// Opens a directory whose last component must not be a symlink.
     pub fn open_nofollow(path: &Path) -> io::Result<Dir> {
         Self::open_flags(path, DIR_FLAGS | libc::O_NOFOLLOW)

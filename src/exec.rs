@@ -208,6 +208,9 @@ fn record_outcome(
     } else {
         None
     };
+    // The lease goes with the process: what it lists need not be taken out
+    // lock by lock (one write less, a request to the server on NFS).
+    crate::lease::ending();
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
     })?;

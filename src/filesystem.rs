@@ -217,10 +217,13 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
     let name = match mount.fstype.as_str() {
         "ext2" | "ext3" => "ext4",
         "nfs4" => "nfs",
+        // Its FUSE client sends flock and fcntl locks to the bricks, where
+        // they exclude every client (statfs names it only "fuse").
+        "fuse.glusterfs" => "glusterfs",
         other => other,
     };
     let local = LOCAL.contains(&name);
-    if !local && !is_shared_kind(name) {
+    if !local && !is_shared_kind(name) && name != "glusterfs" {
         return None;
     }
     let fs = Filesystem {

@@ -100,7 +100,7 @@ pub struct Report {
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // gc locks images: its lease names it to lock-status meanwhile.
     if !policy.dry_run {
-        let _ = crate::lease::mine(&store.root().leases());
+        let _ = crate::lease::introduce(&store.root().leases());
     }
     let mut report = Report {
         dry_run: policy.dry_run,

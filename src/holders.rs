@@ -138,6 +138,9 @@ pub struct Look<'c> {
     /// Leases made after the listing, read when an entry of the table is
     /// explained by none of `said` (once per look).
     later: RefCell<Option<Vec<(String, Identity)>>>,
+    /// Every lease read again, when a lock is held and no lease read at
+    /// first said so (once per look).
+    reread: RefCell<Option<Vec<(String, Identity)>>>,
     /// A second read of the table, made once per look to confirm a holder
     /// nothing explains is still there.
     fresh: RefCell<Option<Option<Table>>>,
@@ -179,6 +182,7 @@ impl<'c> Look<'c> {
             table,
             kdev,
             later: RefCell::new(None),
+            reread: RefCell::new(None),
             fresh: RefCell::new(None),
         }
     }
@@ -280,6 +284,28 @@ impl<'c> Look<'c> {
                 .collect()
         });
         found(more)
+    }
+
+    /// The live leases that list `rel` as held in `mode` now (read afresh,
+    /// once per look).
+    fn listing_now(&self, rel: &str, mode: Mode) -> Vec<Party> {
+        let mut reread = self.reread.borrow_mut();
+        let all = reread.get_or_insert_with(|| {
+            crate::lease::listing(&self.leases_dir)
+                .names
+                .into_iter()
+                .filter_map(|n| crate::lease::identity(&self.leases_dir, &n).map(|id| (n, id)))
+                .collect()
+        });
+        all.iter()
+            .filter(|(n, _)| self.alive(n))
+            .flat_map(|(n, id)| {
+                id.holdings
+                    .iter()
+                    .filter(|h| !h.awaits && h.lockfile == rel && h.mode == mode)
+                    .map(move |h| Party::leased(n, id, h))
+            })
+            .collect()
     }
 
     /// Whether a fresh read of the table (one per look) still shows the
@@ -419,7 +445,22 @@ impl<'c> Look<'c> {
             } else {
                 Mode::Shared
             };
-            holders.push(Party::unknown(mode));
+            // Held, and no lease read before said so: a holder that listed
+            // the lock in its lease since (on another host, where no lock
+            // table names it) is found by a fresh read of the leases — a
+            // holder lists its lock a moment after taking it, so where no
+            // table can tell, a few reads a moment apart.
+            for attempt in 0..3 {
+                holders = self.listing_now(rel, mode);
+                if !holders.is_empty() || self.table.is_some() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10 << attempt));
+                self.reread.borrow_mut().take();
+            }
+            if holders.is_empty() {
+                holders.push(Party::unknown(mode));
+            }
         }
         LockReport {
             kind,

@@ -429,7 +429,13 @@ pub fn set_writer_waits(file: &std::fs::File, on: bool) -> io::Result<()> {
 
 /// Sets or clears the store-wide hint.
 pub fn set_store_wide(file: &std::fs::File, on: bool) -> io::Result<()> {
-    file.write_all_at(&[if on { b'S' } else { b'-' }], STORE_WIDE_AT)
+    file.write_all_at(&[if on { b'S' } else { b'-' }], STORE_WIDE_AT)?;
+    // Set by a holder that excludes image users through it: synced, so
+    // that a client on another host that caches writes sees it too.
+    if on {
+        file.sync_data()?;
+    }
+    Ok(())
 }
 
 /// Records a use of the image at `now`.
@@ -440,7 +446,7 @@ pub fn set_last_use(file: &std::fs::File, now: Millis) -> io::Result<()> {
 /// Records a use at `now`, unless the last use recorded (`seen`) is later:
 /// a process whose clock is behind never makes an image look older.
 pub fn record_use(file: &std::fs::File, seen: &Seen, now: Millis) -> io::Result<()> {
-    match seen.last_use {
+    match seen.last_use.max(seen.record.as_ref().map(|r| r.changed)) {
         Some(used) if used >= now => Ok(()),
         _ => set_last_use(file, now),
     }
@@ -451,7 +457,11 @@ pub fn record_use(file: &std::fs::File, seen: &Seen, now: Millis) -> io::Result<
 /// future (another host's clock, or a reader's behind) is left as it is.
 pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
     let res = LAST_USE_RESOLUTION.as_millis() as Millis;
-    seen.last_use.is_none_or(|used| now - used >= res)
+    // A write's use is its record's change.
+    let changed = seen.record.as_ref().map(|r| r.changed);
+    seen.last_use
+        .max(changed)
+        .is_none_or(|used| now - used >= res)
 }
 
 /// CRC-32 (IEEE), the checksum of a record slot.

@@ -50,7 +50,7 @@
 //! library caller that ends without it leaves the file to [`clean`]).
 
 use std::fs;
-use std::io::{self, Write};
+use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -103,6 +103,20 @@ pub fn mine(leases: &Path) -> io::Result<String> {
     let lease = create(leases)?;
     let name = lease.name.clone();
     all.push((leases.to_owned(), lease));
+    Ok(name)
+}
+
+/// [`mine`], with the identity written if nothing was yet: for a process
+/// that holds locks it does not list (gc, rm), so that lock-status can
+/// name it.
+pub fn introduce(leases: &Path) -> io::Result<String> {
+    let name = mine(leases)?;
+    let mut all = mine_all();
+    if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases)
+        && l.written == 0
+    {
+        l.rewrite();
+    }
     Ok(name)
 }
 
@@ -232,6 +246,15 @@ pub fn note(leases: &Path, h: Holding) {
     }
     let mut all = mine_all();
     if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases) {
+        // Listed already as it is (announced before the lock was taken):
+        // no write.
+        let same = |o: &Holding| {
+            (&o.lockfile, o.mode, o.awaits, o.reading, &o.command)
+                == (&h.lockfile, h.mode, h.awaits, h.reading, &h.command)
+        };
+        if l.written > 0 && l.holdings.iter().any(same) {
+            return;
+        }
         l.holdings.retain(|o| o.lockfile != h.lockfile);
         l.holdings.push(h);
         l.rewrite();
@@ -241,11 +264,43 @@ pub fn note(leases: &Path, h: Holding) {
 /// Takes the lock file `lockfile` out of this process's lease: released,
 /// or no longer awaited.
 pub fn forget(leases: &Path, lockfile: &str) {
+    forget_all(leases, &[lockfile]);
+}
+
+/// Set once the process is about to end and retire its leases: locks it
+/// lets go of from then on are not taken out of its lease first (a reader
+/// of the lease judges each listed lock by the lock itself, so a lock
+/// listed a moment too long is never shown held when it is free).
+static ENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the store is on a shared filesystem: leases are then written
+/// through (`O_DSYNC`: on NFS one stable WRITE), since other hosts read
+/// them to name holders, and a client may keep writes back for long.
+static SHARED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// See [`SHARED`].
+pub fn set_shared(shared: bool) {
+    SHARED.store(shared, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// See [`ENDING`].
+pub fn ending() {
+    ENDING.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Takes each of `lockfiles` out of this process's lease, in one write.
+pub fn forget_all(leases: &Path, lockfiles: &[&str]) {
+    if ENDING.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
     let mut all = mine_all();
     if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases)
-        && l.holdings.iter().any(|o| o.lockfile == lockfile)
+        && l.holdings
+            .iter()
+            .any(|o| lockfiles.contains(&o.lockfile.as_str()))
     {
-        l.holdings.retain(|o| o.lockfile != lockfile);
+        l.holdings
+            .retain(|o| !lockfiles.contains(&o.lockfile.as_str()));
         l.rewrite();
     }
 }
@@ -299,10 +354,12 @@ fn create(dir: &Path) -> io::Result<Lease> {
 /// `locks/`) is refused: the lease would be made in whatever directory it
 /// points to.
 fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
+    // Only an anchor for the lease's path: `O_PATH` opens nothing on a
+    // server (no OPENDIR/RELEASEDIR on a shared filesystem).
     let open_dir = || {
         fs::OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(dir)
     };
     match open_dir() {
@@ -320,7 +377,12 @@ fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
 /// `None` if another name is to be tried.
 fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
     let began = boot_time();
-    match lock::create_locked(path)? {
+    let sync = if SHARED.load(std::sync::atomic::Ordering::Relaxed) {
+        libc::O_DSYNC
+    } else {
+        0
+    };
+    match lock::create_locked_with(path, sync)? {
         // A maker that took half the grace to lock its fresh file (a
         // stopped or starved process) may have had it cleaned away:
         // it checks, as every other taker of a lock does.
@@ -337,9 +399,9 @@ fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
     }
 }
 
-/// The lease held by `guard`, its identity written. The identity is
-/// information; a lease that could not be written (a full filesystem)
-/// still proves liveness.
+/// The lease held by `guard`. Its identity is written with the first lock
+/// it lists ([`note`], or [`introduce`]): one write, not two. Until then a
+/// prober leaves it alone (a lease nobody wrote is its maker's).
 fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::File) -> Lease {
     let text = format!(
         "host={}\npid={}\npid_ns={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\n",
@@ -356,16 +418,12 @@ fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::Fil
         .replace('\n', "\\n"),
         crate::clock::now_ms(),
     );
-    let written = match guard.file().write_all(text.as_bytes()) {
-        Ok(()) => text.len(),
-        Err(_) => 0,
-    };
     Lease {
         guard,
         name,
         identity: text,
         holdings: Vec::new(),
-        written,
+        written: 0,
         _dir: dir,
     }
 }
@@ -554,7 +612,15 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             _ => {}
         }
     }
-    (!id.host.is_empty()).then_some(id)
+    if id.host.is_empty() {
+        // Not written yet (its owner writes it with its first lock): what
+        // its name says (HOST-BOOT-PIDNS-PID-RANDOM; HOST has no '-').
+        let mut parts = name.strip_suffix(SUFFIX)?.split('-');
+        id.host = parts.next()?.to_owned();
+        id.pid = parts.nth(2).and_then(|p| p.parse().ok());
+        id.command = "(starting)".into();
+    }
+    Some(id)
 }
 
 /// The lease files present, by name (live or not).
@@ -713,8 +779,11 @@ mod tests {
     fn a_lease_is_alive_while_held_and_cleaned_once_free() {
         let d = tempfile::tempdir().unwrap();
         let leases = &d.path().join("leases");
-        let lease = create(leases).unwrap();
+        let mut lease = create(leases).unwrap();
         let name = lease.name.clone();
+        // Written with the first lock it lists.
+        assert_eq!(std::fs::metadata(leases.join(&name)).unwrap().len(), 0);
+        lease.rewrite();
         assert!(matches!(
             probe(leases, &name).unwrap(),
             Liveness::Alive { .. }

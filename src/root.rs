@@ -89,7 +89,9 @@ impl Root {
                 .duplicate()
                 .with_context(|| format!("cannot open root {}", self.dir.display()));
         }
-        let d = Dir::open(&self.dir)
+        // An anchor: every use of the root's descriptor is an `*at()` call
+        // or a stat (none lists it).
+        let d = Dir::anchor(&self.dir)
             .with_context(|| format!("cannot open root {}", self.dir.display()))?;
         let st = d
             .stat()
@@ -195,6 +197,23 @@ impl Root {
         } else {
             Dir::open_nofollow(dir).map_err(|e| not_a_dir(dir, e))
         }
+    }
+
+    /// [`Root::open_or_make_images_dir`] as an anchor for `*at()` calls
+    /// only (`Dir::anchor`): what a new image's `mkdirat` needs.
+    pub fn anchor_images_dir(&self, dir: &Path) -> Result<Dir> {
+        if dir != self.default_images_dir() {
+            return Dir::anchor_nofollow(dir).map_err(|e| not_a_dir(dir, e));
+        }
+        let root = self.open()?;
+        match root.anchor_sub("img") {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                self.open_or_make_sub("img")?;
+                root.anchor_sub("img")
+            }
+            other => other,
+        }
+        .map_err(|e| not_a_dir(dir, e))
     }
 
     /// [`Root::open_images_dir`], making the default one if it is missing
@@ -579,6 +598,9 @@ impl Root {
         if let (Some(dev), Some(fs)) = (self.dev, &own) {
             crate::lock::note_filesystem(dev, fs.local);
         }
+        // Other hosts read the leases: on a shared filesystem their writes
+        // must reach the server at once, not when the client pleases.
+        crate::lease::set_shared(own.as_ref().is_none_or(|f| !f.local));
         self.fs = own;
         if let crate::filesystem::Reach::NodeLocal { why, advice } = reach {
             let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));

@@ -676,7 +676,7 @@ fn start_new(
     write_record(store, &mut img.held, &r)?;
     img.record = Some(r);
     crate::debug::pause("new-recorded");
-    let images = root.open_or_make_images_dir(&dir)?;
+    let images = root.anchor_images_dir(&dir)?;
     match images.mkdir(name.encoded(), 0o777) {
         Ok(()) => img.made_tree = true,
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
@@ -815,7 +815,8 @@ fn finish_write(
     let file = img.held.guard.file();
     image_record::write_reserved(file, &mut img.held.seen, &r, &root.reserve())
         .with_context(|| format!("cannot record the outcome of image '{}'", img.held.name))?;
-    let _ = image_record::record_use(file, &img.held.seen, now);
+    // The write's use is the record's `changed` (the survey takes the later
+    // of it and the last-use hint): no hint to write.
     if matches!(outcome, Outcome::Failure(_))
         && img.made_tree
         && img.before.is_none()
@@ -828,6 +829,9 @@ fn finish_write(
 
 /// After a failed request: lock files it made that carry no record go.
 fn give_up(root: &Root, images: Vec<Image>, waited_for: &[ImageName]) {
+    let rels: Vec<String> = images.iter().map(|i| i.rel()).collect();
+    let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
+    crate::lease::forget_all(&root.leases(), &rels);
     let held = images.into_iter().map(|i| i.held).collect();
     crate::remove::release_unclaimed(root, held, waited_for);
 }
@@ -908,9 +912,8 @@ impl Listed {
 
 impl Drop for Listed {
     fn drop(&mut self) {
-        for l in &self.lockfiles {
-            crate::lease::forget(&self.leases, l);
-        }
+        let all: Vec<&str> = self.lockfiles.iter().map(String::as_str).collect();
+        crate::lease::forget_all(&self.leases, &all);
     }
 }
 

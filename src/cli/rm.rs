@@ -46,7 +46,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             .join(" ")
     );
     store.require_root()?;
-    let _ = crate::lease::mine(&store.root().leases());
+    let _ = crate::lease::introduce(&store.root().leases());
     let held = match take_all(store, &names, deadline, no_wait, &command) {
         Err(e)
             if matches!(crate::error::typed(&e), Some(crate::Error::NoSuchImage(_)))

@@ -491,12 +491,17 @@ pub fn acquire_no_wait_with<T>(
 /// briefly; `Ok(None)`: the name exists, or stayed locked (the caller
 /// takes another name).
 pub fn create_locked(path: &Path) -> io::Result<Option<Guard>> {
+    create_locked_with(path, 0)
+}
+
+/// [`create_locked`] with more open flags (`O_DSYNC`).
+pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<Guard>> {
     let file = match OpenOptions::new()
         .read(true)
         .write(true)
         .create_new(true)
         .mode(0o666)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | flags)
         .open(path)
     {
         Ok(f) => f,

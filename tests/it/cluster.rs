@@ -76,6 +76,15 @@ impl Cluster {
         &self.hosts[i]
     }
 
+    /// A new host in place of host `i` (crashed), named anew.
+    pub fn replace(&self, i: usize, generation: u64) -> Host {
+        let base = self.hosts[i]
+            .name
+            .rsplit_once("-g")
+            .map_or(self.hosts[i].name.as_str(), |(b, _)| b);
+        Host::start(&format!("{base}-g{generation}"))
+    }
+
     /// The store's root on the volume.
     pub fn root(&self) -> PathBuf {
         self.dir.join("root")

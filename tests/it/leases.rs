@@ -465,7 +465,7 @@ fn the_lease_goes_where_the_locks_go() {
 
 /// The party a "host" runs, several at once: random reads and writes of a
 /// few images, each held for a moment, until the namespace is killed.
-const PARTY: &str = r#"
+pub(crate) const PARTY: &str = r#"
 party() {
   while :; do
     n=$(od -An -N1 -tu1 /dev/urandom); n=$((n + 0))
