@@ -20,6 +20,10 @@ pub mod code {
     pub const TEMPFAIL: u8 = 75;
 }
 
+/// Where the recipe for a store shared by a group is documented: every
+/// message about a group store's modes points here.
+pub const GROUP_STORE_DOC: &str = "docs/reliability.md#shared-stores";
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Bad arguments (exit 64).

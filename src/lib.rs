@@ -34,7 +34,8 @@
 //!    descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree.
 //! 3. **Layout**: [`config`] `store.conf`; [`root`] every path of the
 //!    layout; [`images_dir`] where trees are; [`catalog`] SQLite;
-//!    [`census`] every record in one pass; [`ctx`].
+//!    [`census`] every record in one pass; [`ctx`]; [`sharing`] the modes
+//!    of a group store.
 //! 4. **Who holds what**: [`holders`] leases and the lock table, and how to
 //!    say them; [`nested`] holds of an enclosing exec; [`store`] the global
 //!    lock and catalog transactions.
@@ -103,6 +104,7 @@ pub mod nested;
 pub mod remove;
 pub mod root;
 pub mod session;
+pub mod sharing;
 pub mod signals;
 pub mod slot_limits;
 pub mod slots;

@@ -182,10 +182,7 @@ fn run(cli: Cli) -> Result<u8> {
         // group: lock files are opened read-write, the database is written.
         // (Directories inherit the group from a setgid root.) The command
         // gets the original umask back.
-        let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-        let shared = old.bits() & !0o070;
-        nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(shared));
-        store.ctx_mut().child_umask = Some(old.bits() as u32);
+        store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
     }
     match cli.command {
         Command::Init(args) => init::run(args, &mut store),

@@ -12,6 +12,8 @@
 //! - `store_wide`: `exec --store-wide` and the calls nested inside it
 //! - `clone`: `--from`, the copy of a base
 //! - `rm`, `gc`, `doctor`, `init`: those commands
+//! - `group_stores`: a store shared by a group — `init --group`, and the
+//!   modes `doctor` checks and repairs
 //! - `catalog_loss`: the catalog deleted, emptied, damaged or replaced,
 //!   and stores moved or seen at another path — no image changes
 //! - `status`: what `lock-status` and `images` show
@@ -47,6 +49,7 @@ mod doctor;
 mod exec;
 mod filesystems;
 mod gc;
+mod group_stores;
 mod hostile;
 mod init;
 mod leases;
