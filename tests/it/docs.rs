@@ -244,3 +244,51 @@ fn the_extraction_finds_continued_and_commented_lines() {
     assert!(found.iter().any(|e| e.text.starts_with("stowage exec")));
     assert!(found.iter().all(|e| !e.text.ends_with('\\')));
 }
+
+/// README's quick start is two commands (build and run a real exec; run
+/// the suite), and the text after them says how to get `stowage` onto
+/// `PATH`, which `cargo run` does not do: the way it gives finds the
+/// binary Cargo built.
+#[test]
+fn the_quick_start_is_two_commands_then_how_to_get_stowage() {
+    let readme = fs::read_to_string(Path::new(DOCS).join("README.md")).unwrap();
+    let start = readme.find("## Quick start").expect("a quick start");
+    let section = &readme[start..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
+    let block = section.split("```").nth(1).expect("a code block");
+    let commands: Vec<&str> = block
+        .lines()
+        .skip(1)
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    assert_eq!(commands.len(), 2, "{commands:?}");
+    assert!(
+        commands[0].starts_with("cargo run --release -- exec "),
+        "{commands:?}"
+    );
+    assert_eq!(commands[1], "cargo test");
+    let after = section.split("```").nth(2).unwrap();
+    for way in [
+        "cargo install --locked --path .",
+        "scripts/built-binary",
+        "PATH",
+    ] {
+        assert!(after.contains(way), "the quick start says {way:?}");
+    }
+    // The advice finds the binary these tests run (unless overridden).
+    if std::env::var_os("STOWAGE_TEST_BIN").is_none() {
+        let profile = if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        };
+        let out = output({
+            let mut c = Command::new("bash");
+            c.arg(Path::new(DOCS).join("scripts/built-binary"))
+                .arg(profile);
+            c
+        });
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), bin());
+    }
+}
