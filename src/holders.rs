@@ -12,7 +12,7 @@
 //!   of it, and the lease alone names it.
 //! - **A lock held by a process stowage did not start still shows as held**:
 //!   by its pid and command where the table has it, else as unidentified.
-//! - [`announce_wait`] is the one place that prints "waiting for …".
+//! - How a wait is said and followed is `wait_line.rs`.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -489,12 +489,6 @@ fn held_in(state: Probe, mode: Mode) -> bool {
         (state, mode),
         (Probe::Exclusive, Mode::Exclusive) | (Probe::Shared, Mode::Shared)
     )
-}
-
-/// Says, once, before blocking, what a process waits for and who holds it:
-/// "stowage: waiting for write lock on image 'app': held (read) by …".
-pub fn announce_wait(ctx: &Ctx, what: &str, holders: &str) {
-    ctx.say(&format!("waiting for {what}: {holders}"));
 }
 
 /// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"

@@ -17,6 +17,7 @@
 //! - `catalog_loss`: the catalog deleted, emptied, damaged or replaced,
 //!   and stores moved or seen at another path — no image changes
 //! - `status`: what `lock-status` and `images` show
+//! - `wait_line`: the line of a wait, followed on a terminal and in a log
 //! - `names`: image names valid and invalid
 //! - `leases`: holder leases and holders on other hosts
 //! - `round_trips`: the server round trips a command costs
@@ -66,3 +67,4 @@ mod slots;
 mod status;
 mod store_wide;
 mod stress;
+mod wait_line;
