@@ -38,7 +38,8 @@
 //!    of a group store.
 //! 4. **Who holds what**: [`holders`] leases and the lock table, and how to
 //!    say them; [`nested`] holds of an enclosing exec; [`store`] the global
-//!    lock and catalog transactions; [`wait_line`] a wait you can follow.
+//!    lock and catalog transactions; [`wait_line`] a wait you can follow;
+//!    [`wait_chain`] why a process waits (`lock-status --why`).
 //! 5. **Taking locks**: [`acquire`] image and slot locks; [`store_wide`]
 //!    holds of the whole store; [`slots`] slot classes.
 //! 6. **Operations**: [`remove`]; [`adopt`]; [`migrate`] stores of releases
@@ -114,6 +115,7 @@ pub mod store;
 pub mod store_wide;
 pub mod survey;
 pub mod tree;
+pub mod wait_chain;
 pub mod wait_line;
 
 pub use error::Error;

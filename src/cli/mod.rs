@@ -34,6 +34,7 @@ mod lock_status;
 mod rm;
 mod shell;
 mod slots;
+mod why;
 
 #[derive(Parser)]
 #[command(

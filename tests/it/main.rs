@@ -17,6 +17,7 @@
 //! - `catalog_loss`: the catalog deleted, emptied, damaged or replaced,
 //!   and stores moved or seen at another path — no image changes
 //! - `status`: what `lock-status` and `images` show
+//! - `wait_chains`: `lock-status --why`, chains of waits and cycles
 //! - `wait_line`: the line of a wait, followed on a terminal and in a log
 //! - `names`: image names valid and invalid
 //! - `leases`: holder leases and holders on other hosts
@@ -67,4 +68,5 @@ mod slots;
 mod status;
 mod store_wide;
 mod stress;
+mod wait_chains;
 mod wait_line;
