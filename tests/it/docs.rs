@@ -128,7 +128,7 @@ fn prepare(env: &Env, example: &str) -> Command {
     if words.get(1) != Some(&"init") {
         fs::create_dir_all(&env.root).unwrap();
     }
-    let mut reads = values_of(&words, &["--read", "--from"]);
+    let mut reads = values_of(&words, &["--read", "--from", "--why"]);
     if words.get(1) == Some(&"rm") {
         reads.extend(words[2..].iter().copied().filter(image_like));
     }
