@@ -513,14 +513,18 @@ fn verb(p: &Party) -> &'static str {
     }
 }
 
+/// The first holder, and how many more: a message is one line, and
+/// `lock-status` lists them all.
 fn phrase_as(lead: &str, holders: &[Party]) -> String {
-    if holders.is_empty() {
+    let Some(first) = holders.first() else {
         return "no holder is known (it may have just been released)".into();
-    }
-    let shown: Vec<String> = holders.iter().take(3).map(describe).collect();
-    let mut s = format!("{lead}{}", shown.join("; "));
-    if holders.len() > 3 {
-        s.push_str(&format!("; and {} more", holders.len() - 3));
+    };
+    let mut s = format!("{lead}{}", describe(first));
+    if holders.len() > 1 {
+        s.push_str(&format!(
+            "; and {} more (see 'stowage lock-status')",
+            holders.len() - 1
+        ));
     }
     s
 }
@@ -534,7 +538,7 @@ fn describe(p: &Party) -> String {
         s.push_str(&format!(" on {}", ident::printable(h)));
     }
     if let Some(c) = &p.command {
-        s.push_str(&format!(" ({})", truncate(&ident::printable(c), 80)));
+        s.push_str(&format!(" ({})", truncate(&ident::printable(c), 40)));
     }
     if let Some(t) = p.since {
         s.push_str(&format!(" since {}", clock::local_short(t)));

@@ -169,7 +169,7 @@ impl Hold {
             Err(e) if under_image && matches!(crate::error::typed(&e), Some(Error::Busy(_))) => {
                 return Err(Error::Busy(Busy {
                     what: "the store-wide lock".into(),
-                    holders: "held by another store-wide command, which waits for the locks of an enclosing command of this process (a 'stowage exec' that runs it); waiting for it would never end".into(),
+                    holders: "held by another store-wide command, which waits for the exec this process runs in: waiting would never end".into(),
                     waited: Duration::ZERO,
                 })
                 .into());

@@ -181,7 +181,7 @@ fn adopted_note(adopted: usize, how: Adopt) -> String {
         "; adopted {adopted} existing image{}{}",
         if adopted == 1 { "" } else { "s" },
         if how == Adopt::Unknown {
-            " as incomplete (this store was already managed, so whether they are complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
+            " as incomplete (whether complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
         } else {
             " as ready"
         }
