@@ -78,18 +78,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
         return Ok(0);
     }
     let text = if chains.is_empty() {
-        match &target {
-            Target::Image(n) => format!(
-                "nobody waits for image '{n}'{}\n",
-                image(n)
-                    .and_then(|r| r.holders.first())
-                    .map(|h| format!(" (held by {})", wait_chain::who(h)))
-                    .unwrap_or_default()
-            ),
-            Target::Pid(p) => format!(
-                "pid {p} waits for no lock, and nothing it runs does (of those this host's leases and lock table show)\n"
-            ),
-        }
+        nothing_waits(&target, image)
     } else {
         chains
             .iter()
@@ -99,6 +88,26 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
     };
     super::print(&text)?;
     Ok(0)
+}
+
+/// The answer when no chain starts at the target: nobody waits for the
+/// image (who holds it, if anyone), or the process waits for no lock.
+fn nothing_waits<'r>(
+    target: &Target,
+    image: impl Fn(&ImageName) -> Option<&'r crate::holders::LockReport>,
+) -> String {
+    match target {
+        Target::Image(n) => format!(
+            "nobody waits for image '{n}'{}\n",
+            image(n)
+                .and_then(|r| r.holders.first())
+                .map(|h| format!(" (held by {})", wait_chain::who(h)))
+                .unwrap_or_default()
+        ),
+        Target::Pid(p) => format!(
+            "pid {p} waits for no lock, and nothing it runs does (of those this host's leases and lock table show)\n"
+        ),
+    }
 }
 
 #[derive(Serialize)]
