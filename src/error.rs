@@ -47,7 +47,7 @@ pub enum Error {
     NotReady { name: String, state: String },
 
     /// The image's record cannot be read: its state is not known (exit 66).
-    #[error("image '{name}': its record in {} is damaged, so its state is not known ('stowage doctor' says what to do)", path.display())]
+    #[error("image '{name}': its record in {} is damaged, its state unknown ('stowage exec --write {name} -- true' marks it ready)", path.display())]
     DamagedRecord { name: String, path: PathBuf },
 
     /// flock(2) does not work on this filesystem (exit 69).

@@ -538,7 +538,7 @@ fn describe(p: &Party) -> String {
         s.push_str(&format!(" on {}", ident::printable(h)));
     }
     if let Some(c) = &p.command {
-        s.push_str(&format!(" ({})", truncate(&ident::printable(c), 40)));
+        s.push_str(&format!(" ({})", truncate(&ident::printable(c), 80)));
     }
     if let Some(t) = p.since {
         s.push_str(&format!(" since {}", clock::local_short(t)));

@@ -100,9 +100,11 @@ fn a_busy_lock_with_many_holders_is_said_in_one_short_line() {
     assert_eq!(err.lines().count(), 1, "{err}");
     let line = err
         .trim_end()
-        .replace(&env.root.display().to_string(), "ROOT");
+        .replace(&env.tmp.path().display().to_string(), "TMP");
+    // The holder's command is shown up to 80 characters (this one is a
+    // long shell line); the three holders in full took 400.
     assert!(
-        line.chars().count() <= 180,
+        line.chars().count() <= 200,
         "{} chars: {line}",
         line.chars().count()
     );
