@@ -132,7 +132,7 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
         Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
     };
     Err(CatalogError(format!(
-        "{what} {} is {kind}, not a file: someone put it there; 'stowage doctor --repair' moves it aside (no image is lost: the catalog is rebuilt from the records)",
+        "{what} {} is {kind}, not a file: 'stowage doctor --repair' moves it aside (the catalog is rebuilt from the records)",
         path.display()
     ))
     .into())

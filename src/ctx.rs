@@ -7,6 +7,7 @@ use crate::ident::Me;
 use crate::root::Root;
 
 /// What every operation needs to know.
+#[derive(Clone)]
 pub struct Ctx {
     pub root: Root,
     pub me: Me,

@@ -194,6 +194,11 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         return Ok(report);
     }
 
+    // A group store's parts, each of which every member must be able to
+    // use: checked before anything is written, so a member who cannot
+    // write is told which part stops them.
+    modes(store.root(), repair, &mut report);
+
     // Does flock exclude here at all?
     // Private to this process: two doctors at once must not test against
     // each other's lock.
@@ -220,9 +225,15 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
                 "access",
                 Verdict::Problem,
                 format!(
-                    "cannot create a file in {}: {e} — you may not write this store ({}); stowage needs to write its lock files to check or use it (ask its owner, or share it with a group: see docs/reliability.md)",
+                    "cannot create a file in {}: {e}: you may not write this store ({}); {} ({})",
                     root.locks().display(),
-                    owner_phrase(root.dir())
+                    owner_phrase(&root.locks()),
+                    if crate::sharing::is_group_store(root.dir()).is_some() {
+                        "its owner's 'stowage doctor --repair' makes it group-writable"
+                    } else {
+                        "the store's owner can share it: 'stowage init --group GROUP'"
+                    },
+                    crate::error::GROUP_STORE_DOC
                 ),
             );
             report.healthy = false;
@@ -318,6 +329,70 @@ fn owner_phrase(dir: &Path) -> String {
             m.mode() & 0o7777
         ),
         Err(e) => format!("{}: {e}", dir.display()),
+    }
+}
+
+/// In a group store, reports each part of the layout that a member of its
+/// group cannot use (its mode or its group), and with `repair` fixes those
+/// that are ours to change (sharing.rs), saying what it did and what is
+/// left to whom.
+fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
+    use crate::sharing;
+    let Some((gid, mode)) = sharing::is_group_store(root.dir()) else {
+        return;
+    };
+    let doc = sharing::DOC;
+    let wrong = sharing::check(root, gid);
+    if wrong.is_empty() {
+        report.add(
+            "sharing",
+            Verdict::Ok,
+            format!(
+                "group store (group {gid}, mode {:o}): every part is group-writable",
+                mode & 0o7777
+            ),
+        );
+        return;
+    }
+    if !repair {
+        report.add(
+            "sharing",
+            Verdict::Problem,
+            format!(
+                "group store (group {gid}), but {} part(s) are not group-writable with its group: {} ({doc})",
+                wrong.len(),
+                sharing::list(&wrong, 4)
+            ),
+        );
+        return;
+    }
+    let done = sharing::repair(root, gid, wrong);
+    if !done.fixed.is_empty() {
+        report.add(
+            "sharing",
+            Verdict::Repaired,
+            format!(
+                "gave group {gid} and group write (setgid on directories) to {}",
+                sharing::list(&done.fixed, 4)
+            ),
+        );
+    }
+    if !done.not_ours.is_empty() {
+        report.add(
+            "sharing",
+            Verdict::Problem,
+            format!(
+                "not ours to fix, left to their owners or root: {} ({doc})",
+                sharing::list(&done.not_ours, 4)
+            ),
+        );
+    }
+    for (w, e) in &done.failed {
+        report.add(
+            "sharing",
+            Verdict::Problem,
+            format!("cannot fix {}: {e}", w.describe()),
+        );
     }
 }
 

@@ -41,3 +41,6 @@ pub const DEBUG_DB_BUSY_MS: &str = "STOWAGE_DEBUG_DB_BUSY_MS";
 /// Hidden test hook: how long (ms) a lease nobody wrote is left to a maker
 /// that may be about to lock it (`lease.rs`; 10 minutes otherwise).
 pub const DEBUG_UNWRITTEN_LEASE_MS: &str = "STOWAGE_DEBUG_UNWRITTEN_LEASE_MS";
+/// Test hook: how often (ms) a wait adds a plain line where stderr is no
+/// terminal, instead of every minute.
+pub const DEBUG_WAIT_LINE_MS: &str = "STOWAGE_DEBUG_WAIT_LINE_MS";

@@ -20,6 +20,10 @@ pub mod code {
     pub const TEMPFAIL: u8 = 75;
 }
 
+/// Where the recipe for a store shared by a group is documented: every
+/// message about a group store's modes points here.
+pub const GROUP_STORE_DOC: &str = "docs/reliability.md#shared-stores";
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Bad arguments (exit 64).
@@ -43,7 +47,7 @@ pub enum Error {
     NotReady { name: String, state: String },
 
     /// The image's record cannot be read: its state is not known (exit 66).
-    #[error("image '{name}': its record in {} is damaged, so its state is not known ('stowage exec --write {name} -- true' marks it ready, 'stowage rm {name}' removes it)", path.display())]
+    #[error("image '{name}': its record in {} is damaged, its state unknown ('stowage exec --write {name} -- true' marks it ready)", path.display())]
     DamagedRecord { name: String, path: PathBuf },
 
     /// flock(2) does not work on this filesystem (exit 69).
@@ -131,7 +135,7 @@ pub fn flock_unsupported(err: &io::Error) -> bool {
 fn lock_advice(err: &io::Error) -> &'static str {
     match err.raw_os_error() {
         Some(libc::EROFS) => {
-            " — the filesystem is read-only; stowage writes its lock files and metadata in the root (use a --root on a writable filesystem)"
+            " — the filesystem is read-only: stowage writes lock files in the root (use a --root on a writable one)"
         }
         _ if flock_unsupported(err) => {
             " — is this NFS mounted with 'nolock', or a filesystem without flock? run 'stowage doctor'"

@@ -12,7 +12,7 @@
 //!   of it, and the lease alone names it.
 //! - **A lock held by a process stowage did not start still shows as held**:
 //!   by its pid and command where the table has it, else as unidentified.
-//! - [`announce_wait`] is the one place that prints "waiting for …".
+//! - How a wait is said and followed is `wait_line.rs`.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -532,12 +532,6 @@ fn held_in(state: Probe, mode: Mode) -> bool {
     )
 }
 
-/// Says, once, before blocking, what a process waits for and who holds it:
-/// "stowage: waiting for write lock on image 'app': held (read) by …".
-pub fn announce_wait(ctx: &Ctx, what: &str, holders: &str) {
-    ctx.say(&format!("waiting for {what}: {holders}"));
-}
-
 /// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"
 pub fn phrase(holders: &[Party]) -> String {
     match holders.first() {
@@ -560,14 +554,18 @@ fn verb(p: &Party) -> &'static str {
     }
 }
 
+/// The first holder, and how many more: a message is one line, and
+/// `lock-status` lists them all.
 fn phrase_as(lead: &str, holders: &[Party]) -> String {
-    if holders.is_empty() {
+    let Some(first) = holders.first() else {
         return "no holder is known (it may have just been released)".into();
-    }
-    let shown: Vec<String> = holders.iter().take(3).map(describe).collect();
-    let mut s = format!("{lead}{}", shown.join("; "));
-    if holders.len() > 3 {
-        s.push_str(&format!("; and {} more", holders.len() - 3));
+    };
+    let mut s = format!("{lead}{}", describe(first));
+    if holders.len() > 1 {
+        s.push_str(&format!(
+            "; and {} more (see 'stowage lock-status')",
+            holders.len() - 1
+        ));
     }
     s
 }

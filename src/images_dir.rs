@@ -194,7 +194,7 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
     let now = images.identity().ok()?;
     (!crate::dir::same_identity(&recorded, &now)).then(|| {
         format!(
-            "images directory {} is not the directory recorded (inode@filesystem {now}, recorded {recorded}): is the right filesystem mounted? ('stowage init' accepts it as the images directory if it is)",
+            "images directory {} is not the directory recorded ({now}, not {recorded}): is the right filesystem mounted? ('stowage init' accepts it)",
             dir.display()
         )
     })

@@ -403,8 +403,11 @@ fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
 /// it lists ([`note`], or [`introduce`]): one write, not two. Until then a
 /// prober leaves it alone (a lease nobody wrote is its maker's).
 fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::File) -> Lease {
+    // The leases of the execs this process runs inside (nested.rs): what
+    // lets `lock-status --why` follow a wait through a nested call.
+    let within = std::env::var(crate::env::EXEC_LEASES).unwrap_or_default();
     let text = format!(
-        "host={}\npid={}\npid_ns={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\n",
+        "host={}\npid={}\npid_ns={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\nwithin={}\n",
         me.host,
         me.pid,
         pid_namespace().unwrap_or_default(),
@@ -417,6 +420,7 @@ fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::Fil
         )
         .replace('\n', "\\n"),
         crate::clock::now_ms(),
+        within.replace('\n', ""),
     );
     Lease {
         guard,
@@ -550,6 +554,8 @@ pub struct Identity {
     pub pid_ns: Option<String>,
     /// What the owner holds and awaits, as it listed it.
     pub holdings: Vec<Holding>,
+    /// The leases of the execs the owner runs inside, outermost first.
+    pub within: Vec<String>,
     /// The lease file's device and inode when it was read: what finds the
     /// lease's entry in a lock table read later, even once it is unlinked.
     pub file: Option<(u64, u64)>,
@@ -609,6 +615,13 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             "boot_id" if !v.is_empty() => id.boot_id = Some(v.to_owned()),
             "pid_ns" if !v.is_empty() => id.pid_ns = Some(v.to_owned()),
             "hold" | "await" => id.holdings.extend(Holding::parse(k, v)),
+            "within" => {
+                id.within = v
+                    .split(':')
+                    .filter(|n| !n.is_empty())
+                    .map(Into::into)
+                    .collect()
+            }
             _ => {}
         }
     }

@@ -35,10 +35,12 @@
 //! 3. **Layout**: [`config`] `store.conf`; [`root`] every path of the
 //!    layout; [`images_dir`] where trees are; [`claim`] which store an
 //!    images directory serves; [`catalog`] SQLite;
-//!    [`census`] every record in one pass; [`ctx`].
+//!    [`census`] every record in one pass; [`ctx`]; [`sharing`] the modes
+//!    of a group store.
 //! 4. **Who holds what**: [`holders`] leases and the lock table, and how to
 //!    say them; [`nested`] holds of an enclosing exec; [`store`] the global
-//!    lock and catalog transactions.
+//!    lock and catalog transactions; [`wait_line`] a wait you can follow;
+//!    [`wait_chain`] why a process waits (`lock-status --why`).
 //! 5. **Taking locks**: [`acquire`] image and slot locks; [`store_wide`]
 //!    holds of the whole store; [`slots`] slot classes.
 //! 6. **Operations**: [`remove`]; [`adopt`]; [`migrate`] stores of releases
@@ -105,6 +107,7 @@ pub mod nested;
 pub mod remove;
 pub mod root;
 pub mod session;
+pub mod sharing;
 pub mod signals;
 pub mod slot_limits;
 pub mod slots;
@@ -114,6 +117,8 @@ pub mod store;
 pub mod store_wide;
 pub mod survey;
 pub mod tree;
+pub mod wait_chain;
+pub mod wait_line;
 
 pub use error::Error;
 pub use name::ImageName;

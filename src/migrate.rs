@@ -403,10 +403,11 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
 fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Result<()> {
     let path = store.root().image_lock(name);
     let mut wait = lock::Wait::on(&store.root().image_locks(), deadline);
-    crate::holders::announce_wait(
+    let _line = crate::wait_line::announce(
         store.ctx(),
         &format!("the lock on image '{name}' before migrating the store"),
         &crate::holders::holders_phrase(store.ctx(), crate::holders::LockKind::Image, &path),
+        None,
     );
     match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait) {
         Ok(lock::Waited::Acquired(_)) => Ok(()),

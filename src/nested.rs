@@ -86,8 +86,14 @@ pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
 
 /// Our ancestors' pids, parent first (from `/proc`; empty without it).
 fn ancestors() -> Vec<u32> {
+    ancestors_of(std::process::id())
+}
+
+/// The ancestors of the local process `pid`, parent first, up to (not
+/// including) init (from `/proc`; empty without it).
+pub fn ancestors_of(pid: u32) -> Vec<u32> {
     let mut out = Vec::new();
-    let mut pid = std::process::id();
+    let mut pid = pid;
     while out.len() < 64 {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             break;

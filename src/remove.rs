@@ -157,7 +157,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         let mut n = 0;
         if let Err(e) = trash.remove_entry(&t, &mut n) {
             left_in_trash = Some(format!(
-                "image '{name}' was removed, but its tree could not be deleted from the trash ('stowage gc' deletes it once the cause is fixed): cannot delete {}: {e}",
+                "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it later): {}: {e}",
                 root.trash().join(&t).display()
             ));
         }

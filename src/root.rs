@@ -544,7 +544,7 @@ impl Root {
         let euid = nix::unistd::geteuid().as_raw();
         if self.default && uid != euid {
             anyhow::bail!(
-                "default root {} belongs to uid {}, not to you: refusing to use it (anyone can create that name in its parent before you do, and whoever owns the root controls its locks and what stowage deletes); remove it, or choose a root with --root or STOWAGE_ROOT",
+                "default root {} belongs to uid {}, not to you: refusing it (its owner controls its locks); remove it, or choose a root with --root or STOWAGE_ROOT",
                 self.dir.display(),
                 uid
             );

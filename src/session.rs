@@ -748,7 +748,7 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
         None => return Ok(()),
     };
     anyhow::bail!(
-        "image '{name}' is new, but {} exists and is {what}: refusing to build into it (remove it, or adopt a complete tree with 'stowage doctor --repair')",
+        "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it, or 'stowage doctor --repair' adopts it)",
         path.display()
     )
 }

@@ -318,20 +318,25 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
             std::thread::sleep(Duration::from_micros(40));
         }
     }
+    // Said only if the wait goes on (it is held for microseconds), and
+    // followed until it ends.
+    let line = std::cell::RefCell::new(None);
     let mut wait = Wait::on(&ctx.root.locks(), deadline);
     wait.notice = Some((
         GLOBAL_NOTICE,
-        Box::new(move || {
-            crate::holders::announce_wait(
+        Box::new(|| {
+            *line.borrow_mut() = Some(crate::wait_line::announce(
                 ctx,
                 &format!("the global lock ({})", ctx.root.global_lock().display()),
                 &crate::holders::global_holder_phrase(ctx),
-            );
+                None,
+            ));
         }),
     ));
-    match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait)
-        .map_err(|e| lock::error("the global lock", &path, e))?
-    {
+    let waited = lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait);
+    drop(wait);
+    drop(line);
+    match waited.map_err(|e| lock::error("the global lock", &path, e))? {
         Waited::Acquired(g) => Ok(g),
         Waited::TimedOut => Err(Error::Busy(Busy {
             what: "the global lock".into(),

@@ -112,7 +112,7 @@ pub fn wait_free(
         .into());
     }
     let what = "the store-wide command to finish".to_owned();
-    crate::holders::announce_wait(store.ctx(), &what, &holders);
+    let _line = announce(store, &what, &holders, "store", &path);
     let mut wait = Wait::on(&store.root().locks(), deadline);
     let awaited = crate::lease::Holding::now(
         Mode::Shared,
@@ -169,7 +169,7 @@ impl Hold {
             Err(e) if under_image && matches!(crate::error::typed(&e), Some(Error::Busy(_))) => {
                 return Err(Error::Busy(Busy {
                     what: "the store-wide lock".into(),
-                    holders: "held by another store-wide command, which waits for the locks of an enclosing command of this process (a 'stowage exec' that runs it); waiting for it would never end".into(),
+                    holders: "held by another store-wide command, which waits for the exec this process runs in: waiting would never end".into(),
                     waited: Duration::ZERO,
                 })
                 .into());
@@ -394,7 +394,7 @@ fn take_store_lock(
         })
         .into());
     }
-    crate::holders::announce_wait(store.ctx(), &what, &holders);
+    let _line = announce(store, &what, &holders, "store", &path);
     let mut wait = Wait::on(&root.locks(), deadline);
     let awaited = crate::lease::Holding::now(
         Mode::Exclusive,
@@ -480,13 +480,37 @@ fn wait_for_image(
         })
         .into());
     }
-    crate::holders::announce_wait(store.ctx(), &what, &holders);
+    let _line = announce(store, &what, &holders, label, path);
     let mut wait = Wait::on(&root.image_locks(), deadline);
     let awaited = crate::lease::Holding::now(Mode::Exclusive, rel, true, "store-wide");
     let err = |e| lock::error(label, path, e);
     crate::acquire::wait_for(store, awaited, what, holders, || {
         lock::acquire(path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait).map_err(err)
     })
+}
+
+/// Says the wait for the lock file `path` (`name` in the line) and
+/// follows it until the returned line is dropped.
+fn announce(
+    store: &Store,
+    what: &str,
+    holders: &str,
+    name: &str,
+    path: &std::path::Path,
+) -> crate::wait_line::WaitLine {
+    let kind = if path.starts_with(store.root().image_locks()) {
+        LockKind::Image
+    } else {
+        LockKind::Global
+    };
+    let rel = store.root().locks_rel(path);
+    let (name, path) = (name.to_owned(), path.to_owned());
+    crate::wait_line::announce(
+        store.ctx(),
+        what,
+        holders,
+        Some(Box::new(move |look| look.report(kind, &name, &path, &rel))),
+    )
 }
 
 /// The image lock files (`*.lock`, regular) in `locks/images/`.

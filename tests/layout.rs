@@ -202,3 +202,100 @@ fn no_direct_call_of_a_function_the_standard_library_declares_weak() {
         "call these through libc::syscall(libc::SYS_...): {found:#?}"
     );
 }
+
+/// The string literals of a source text (ordinary and raw), with their
+/// line numbers; comments and character literals skipped.
+fn string_literals(text: &str) -> Vec<(usize, String)> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i..].starts_with(b"//") {
+            i = text[i..].find('\n').map_or(b.len(), |j| i + j);
+        } else if b[i] == b'\'' {
+            // A char literal ('"', '\'', 'x'), else a lifetime.
+            let close = if b.get(i + 1) == Some(&b'\\') {
+                i + 3
+            } else {
+                i + 2
+            };
+            i = if b.get(close) == Some(&b'\'') {
+                close + 1
+            } else {
+                i + 1
+            };
+        } else if b[i] == b'r'
+            && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_'))
+            && matches!(b.get(i + 1), Some(b'"' | b'#'))
+        {
+            let hashes = b[i + 1..].iter().take_while(|c| **c == b'#').count();
+            let start = i + 2 + hashes;
+            let end = format!("\"{}", "#".repeat(hashes));
+            let stop = text[start..].find(&end).map_or(b.len(), |j| start + j);
+            out.push((text[..i].lines().count(), text[start..stop].to_owned()));
+            i = stop + end.len();
+        } else if b[i] == b'"' {
+            let mut j = i + 1;
+            while j < b.len() && b[j] != b'"' {
+                j += if b[j] == b'\\' { 2 } else { 1 };
+            }
+            out.push((text[..i].lines().count(), text[i + 1..j].to_owned()));
+            i = j + 1;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Every message fits on about one line: no format string the code prints
+/// is longer than 150 characters (paths and names come on top). What more
+/// there is to say goes to `doctor` (whose report is the long form, and is
+/// not counted here) or `-v`. SQL, help text and manual pages are no
+/// messages.
+#[test]
+fn messages_fit_on_a_line() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut stack = vec![src.clone()];
+    let mut long = Vec::new();
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let rel = p.strip_prefix(&src).unwrap().display().to_string();
+            if !rel.ends_with(".rs") || rel == "doctor.rs" || rel == "cli/shell.rs" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&p).unwrap();
+            let code = match text.find("#[cfg(test)]\nmod tests") {
+                Some(i) => &text[..i],
+                None => &text[..],
+            };
+            for (line, lit) in string_literals(code) {
+                let joined: String = lit.split("\\\n").map(str::trim_start).collect();
+                let sql = ["SELECT ", "INSERT ", "CREATE ", "DROP ", "BEGIN"]
+                    .iter()
+                    .any(|k| joined.contains(k));
+                let help = joined.contains("\\n")
+                    || code
+                        .lines()
+                        .nth(line - 1)
+                        .is_some_and(|l| l.contains("help"));
+                if !sql && !help && joined.chars().count() > 150 {
+                    long.push(format!(
+                        "src/{rel}:{line}: {} chars: {joined}",
+                        joined.chars().count()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "messages longer than a line:\n{}",
+        long.join("\n")
+    );
+}

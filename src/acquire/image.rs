@@ -117,13 +117,19 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
         })
         .into());
     }
-    crate::holders::announce_wait(store.ctx(), &what, &holders);
+    let reread: crate::wait_line::Reread = {
+        let (name, path, rel) = (name.as_str().to_owned(), path.clone(), rel.clone());
+        Box::new(move |look| look.report(LockKind::Image, &name, &path, &rel))
+    };
+    let line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(reread));
     let mut holding = crate::lease::Holding::now(want.mode, rel, true, want.command);
     holding.reading = want.reading;
     let mut wait = Wait::on(&root.image_locks(), want.deadline);
     let waited = wait_for(store, holding, what, holders, || {
         wait_image(root, name, want.mode, &mut wait).map_err(err)
     });
+    // Cleared before anything else is said.
+    drop(line);
     let guard = match waited {
         // Removed while we waited (a reader makes no lock file).
         Err(e)

@@ -180,11 +180,18 @@ pub(crate) fn take(
         })
         .into());
     }
-    crate::holders::announce_wait(store.ctx(), &what, &format!("all {holders}"));
+    let reread: crate::wait_line::Reread = {
+        let (root, class) = (root.clone(), class.to_owned());
+        Box::new(move |look| crate::slots::report(look, &root, &class, Some(limits)))
+    };
+    let line =
+        crate::wait_line::announce(store.ctx(), &what, &format!("all {holders}"), Some(reread));
     let awaited = crate::lease::Holding::now(Mode::Exclusive, class_rel, true, command);
     let got = super::wait_for(store, awaited, what, holders, || {
         wait_for_slot(store, class, priority, &dir, limits, slots, deadline)
-    })?;
+    });
+    drop(line);
+    let got = got?;
     Ok(got.map(|g| SlotGuard::new(g, class)))
 }
 

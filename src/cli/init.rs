@@ -11,13 +11,19 @@ use crate::root::{Root, make_dir};
 use crate::store::Store;
 
 #[derive(clap::Args)]
-#[command(after_help = "Example, for a Charliecloud storage directory:\n  \
-    stowage init --images-dir \"$CH_IMAGE_STORAGE/img\"\n\
+#[command(after_help = "Examples:\n  \
+    stowage init --images-dir \"$CH_IMAGE_STORAGE/img\"   (a Charliecloud storage directory)\n  \
+    stowage --root /scratch/build-images init --group builders   (a store for a group)\n\
     Nothing of stowage's own is ever written into the images directory or its parent.")]
 pub struct Args {
     /// Keep image trees in DIR instead of ROOT/img
     #[arg(long, value_name = "DIR")]
     images_dir: Option<PathBuf>,
+    /// Share the store with GROUP (name or number): the root and every part
+    /// of its layout get the group, group write and (directories) setgid.
+    /// Makes a new store, or converts an existing one of yours
+    #[arg(long, value_name = "GROUP")]
+    group: Option<String>,
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
@@ -35,6 +41,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         refuse_what_is_no_images_dir(dir)?;
         refuse_another_stores(store.root(), dir)?;
     }
+    let group = match &args.group {
+        Some(g) => Some(share(store, g)?),
+        None => None,
+    };
     store.root().create_layout()?;
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
@@ -72,6 +82,60 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         root.dir().display(),
         dir.display(),
         adopted_note(adopted, how)
+    ));
+    match group {
+        Some(gid) => share_parts(store, gid),
+        None => Ok(0),
+    }
+}
+
+/// `--group`: makes the root (created now if need be) the group's, group
+/// writable and setgid, and this process's umask that of a group store,
+/// before the layout is made. Returns the group's id.
+fn share(store: &mut Store, group: &str) -> Result<u32> {
+    let gid = crate::sharing::group_id(group)?;
+    let dir = store.root().dir().to_owned();
+    if !store.root().exists() {
+        std::fs::create_dir(&dir)
+            .with_context(|| format!("cannot create root {}", dir.display()))?;
+    }
+    crate::sharing::share_root(&dir, gid)?;
+    if store.ctx().child_umask.is_none() {
+        store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
+    }
+    Ok(gid)
+}
+
+/// `--group`, last step: gives every part of the layout made before (an
+/// existing store converted) what a group store needs; exit 1 if a part
+/// is someone else's, naming it.
+fn share_parts(store: &Store, gid: u32) -> Result<u8> {
+    let root = store.root();
+    let wrong = crate::sharing::check(root, gid);
+    let done = crate::sharing::repair(root, gid, wrong);
+    if !done.fixed.is_empty() {
+        store.ctx().detail(&format!(
+            "gave group {gid} and group write to {}",
+            crate::sharing::list(&done.fixed, 8)
+        ));
+    }
+    let left: Vec<_> = done
+        .not_ours
+        .iter()
+        .chain(done.failed.iter().map(|(w, _)| w))
+        .cloned()
+        .collect();
+    if !left.is_empty() {
+        bail!(
+            "root {} is shared with group {gid}, but not every part: {} (their owners or root can run 'stowage doctor --repair'; {})",
+            root.dir().display(),
+            crate::sharing::list(&left, 3),
+            crate::sharing::DOC
+        );
+    }
+    store.ctx().say(&format!(
+        "root {} shared with group {gid}: every part is group-writable",
+        root.dir().display()
     ));
     Ok(0)
 }
@@ -225,7 +289,7 @@ fn adopted_note(adopted: usize, how: Adopt) -> String {
         "; adopted {adopted} existing image{}{}",
         if adopted == 1 { "" } else { "s" },
         if how == Adopt::Unknown {
-            " as incomplete (this store was already managed, so whether they are complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
+            " as incomplete (whether complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
         } else {
             " as ready"
         }

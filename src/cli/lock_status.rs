@@ -35,9 +35,16 @@ pub struct Args {
     /// Refresh every SECONDS (fractional, or with a unit: 500ms, 2s, 1m) until interrupted
     #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
     watch: Option<String>,
+    /// Why IMG's waiters (or process PID) wait: the chain of waits to the
+    /// process at its end, or the cycle they are caught in, and what to end
+    #[arg(long, value_name = "IMG|PID", conflicts_with_all = ["watch", "all", "images"])]
+    why: Option<OsString>,
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
+    if let Some(target) = &args.why {
+        return super::why::run(store, target, args.json);
+    }
     let sel = Selection {
         names: super::names(&args.images)?,
         all: args.all,
@@ -253,10 +260,17 @@ pub fn gather(store: &mut Store, sel: &Selection) -> Result<(String, Vec<LockRep
         }
     };
     let look = Look::new(store.ctx());
+    let locks = reports(&look, &root, sel)?;
+    look.clean_leases();
+    Ok((fs_name, locks))
+}
+
+/// Every report lock-status shows, from one look.
+pub fn reports(look: &Look, root: &crate::root::Root, sel: &Selection) -> Result<Vec<LockReport>> {
     let mut locks = vec![look.global_report()];
     crate::debug::pause("status-table-read");
-    let files = image_lock_files(&look, &root, sel)?;
-    locks.extend(image_reports(&look, &root, sel, files));
+    let files = image_lock_files(look, root, sel)?;
+    locks.extend(image_reports(look, root, sel, files));
     let store_lock = root.store_wide_lock();
     let r = look.report(
         LockKind::Global,
@@ -267,9 +281,8 @@ pub fn gather(store: &mut Store, sel: &Selection) -> Result<(String, Vec<LockRep
     if r.state != Probe::Free || !r.waiters.is_empty() {
         locks.push(r);
     }
-    locks.extend(crate::slots::reports(&look, &root));
-    look.clean_leases();
-    Ok((fs_name, locks))
+    locks.extend(crate::slots::reports(look, root));
+    Ok(locks)
 }
 
 /// The image lock files to look at, by file name, with the name asked for

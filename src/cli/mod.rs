@@ -34,6 +34,7 @@ mod lock_status;
 mod rm;
 mod shell;
 mod slots;
+mod why;
 
 #[derive(Parser)]
 #[command(
@@ -182,10 +183,7 @@ fn run(cli: Cli) -> Result<u8> {
         // group: lock files are opened read-write, the database is written.
         // (Directories inherit the group from a setgid root.) The command
         // gets the original umask back.
-        let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-        let shared = old.bits() & !0o070;
-        nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(shared));
-        store.ctx_mut().child_umask = Some(old.bits() as u32);
+        store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
     }
     match cli.command {
         Command::Init(args) => init::run(args, &mut store),
@@ -250,6 +248,10 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         }
         _ => {}
     }
+    if let Some(line) = misplaced(&e, args) {
+        complain!("stowage: {line}");
+        return ExitCode::from(error::code::USAGE);
+    }
     let sub = subcommand(args);
     let exec = sub.as_ref().is_some_and(|(name, _)| name == "exec");
     let invalid = context(&e, ContextKind::InvalidArg);
@@ -272,6 +274,96 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     ExitCode::from(error::code::USAGE)
 }
 
+/// The two mistakes whose clap message points elsewhere: an option whose
+/// value was forgotten just before `--` (clap takes `--` as the value and
+/// then blames the command), and an option of a subcommand given before
+/// the subcommand's name (clap names the option's value as the command).
+fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
+    let words: Vec<String> = args
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let cli = Cli::command();
+    let sub = words
+        .iter()
+        .enumerate()
+        .skip(1)
+        .find(|(_, w)| cli.find_subcommand(w.as_str()).is_some())
+        .map(|(i, _)| i);
+    if let Some(at) = sub
+        && let Some(dashes) = words.iter().skip(at + 1).position(|w| w == "--")
+    {
+        let before = &words[at + dashes];
+        let takes = cli
+            .find_subcommand(&words[at])
+            .is_some_and(|c| takes_value(c, before))
+            || takes_value(&cli, before);
+        if dashes > 0 && takes {
+            return Some(format!(
+                "{before} is missing its value: the '--' after it was taken as its value (e.g. {before} {} -- CMD; see 'stowage {} --help')",
+                example_value(before),
+                words[at]
+            ));
+        }
+    }
+    let invalid = context(e, clap::error::ContextKind::InvalidArg)?;
+    let flag = invalid.split('=').next().unwrap_or(&invalid).to_owned();
+    let first = words
+        .iter()
+        .skip(1)
+        .position(|w| *w == flag || w.starts_with(&format!("{flag}=")))?
+        + 1;
+    if !flag.starts_with('-') || sub.is_some_and(|s| s < first) {
+        return None;
+    }
+    let owner = cli.get_subcommands().find(|c| {
+        c.get_arguments()
+            .any(|a| a.get_long() == flag.strip_prefix("--"))
+    })?;
+    let name = owner.get_name();
+    let span = if !words[first].contains('=') && takes_value(owner, &flag) {
+        2
+    } else {
+        1
+    };
+    let mut fixed: Vec<String> = words[1..].to_vec();
+    let moved: Vec<String> = fixed
+        .drain(first - 1..(first - 1 + span).min(fixed.len()))
+        .collect();
+    let at = fixed
+        .iter()
+        .position(|w| w == name)
+        .map_or(fixed.len(), |i| i + 1);
+    for (k, m) in moved.into_iter().enumerate() {
+        fixed.insert(at + k, m);
+    }
+    Some(format!(
+        "{flag} is an option of 'stowage {name}': put it after '{name}', as in: stowage {} (see 'stowage {name} --help')",
+        crate::ident::shell_join(&fixed)
+    ))
+}
+
+/// Whether `flag` (`--wait`) is an option of `cmd` that takes a value.
+fn takes_value(cmd: &clap::Command, flag: &str) -> bool {
+    let Some(long) = flag.strip_prefix("--") else {
+        return false;
+    };
+    cmd.get_arguments()
+        .any(|a| a.get_long() == Some(long) && a.get_action().takes_values())
+}
+
+/// A value to show in the fix for an option that lost its value.
+fn example_value(flag: &str) -> &'static str {
+    match flag {
+        "--wait" => "30",
+        "--conflict-exit-code" => "99",
+        "--priority" => "high",
+        "--slot" => "pull",
+        "--root" => "DIR",
+        _ => "IMG",
+    }
+}
+
 /// A value clap attached to its error (the first, if several).
 fn context(e: &clap::Error, kind: clap::error::ContextKind) -> Option<String> {
     use clap::error::ContextValue;
@@ -286,11 +378,7 @@ fn context(e: &clap::Error, kind: clap::error::ContextKind) -> Option<String> {
 /// after `--`. Shows the line as it should have been; `at` is the index of
 /// `exec` in `args`, `arg` the first word of the command.
 fn command_before_dashes(args: &[OsString], at: usize, arg: &str) {
-    let pos = args
-        .iter()
-        .skip(at + 1)
-        .position(|a| a == arg)
-        .map(|p| p + at + 1);
+    let pos = command_start(args, at).filter(|&p| args[p] == arg);
     let mut fixed: Vec<String> = args
         .iter()
         .skip(1)
@@ -308,6 +396,27 @@ fn command_before_dashes(args: &[OsString], at: usize, arg: &str) {
             "stowage: unexpected argument '{arg}' before '--': only options go there, the command after '--' ({EXEC_USAGE})"
         ),
     }
+}
+
+/// The index in `args` of the command's first word as exec parses it,
+/// when it was given without `--`: the first word after `exec` (at `at`)
+/// that is neither an option nor an option's value.
+fn command_start(args: &[OsString], at: usize) -> Option<usize> {
+    let cli = Cli::command();
+    let exec = cli.find_subcommand("exec")?;
+    let mut i = at + 1;
+    while i < args.len() {
+        let a = args[i].to_string_lossy();
+        if a == "--" {
+            return None;
+        }
+        if !a.starts_with('-') || a == "-" {
+            return Some(i);
+        }
+        let value = !a.contains('=') && (takes_value(exec, &a) || takes_value(&cli, &a));
+        i += if value { 2 } else { 1 };
+    }
+    None
 }
 
 /// Any other usage error, in one line: what is wrong, clap's suggestion,
@@ -341,10 +450,11 @@ fn usage_error(e: &clap::Error, sub: Option<&(String, usize)>) -> String {
 }
 
 /// exec's usage, for the mistakes made with it (one line, as every error).
-const EXEC_USAGE: &str = "usage: stowage exec [--read IMG]... [--write IMG]... [OPTIONS] -- CMD [ARG]...; see 'stowage exec --help'";
+const EXEC_USAGE: &str = "usage: stowage exec [OPTIONS] -- CMD [ARG]...";
 
 /// The subcommand named on the command line and its index: the first
-/// argument that is neither a global option nor its value.
+/// argument that is neither a global option nor its value, if it names a
+/// subcommand (after a misplaced `--write app`, `app` is no subcommand).
 fn subcommand(args: &[OsString]) -> Option<(String, usize)> {
     let mut i = 1;
     while i < args.len() {
@@ -352,7 +462,11 @@ fn subcommand(args: &[OsString]) -> Option<(String, usize)> {
         match a {
             "--root" => i += 2,
             _ if a.starts_with('-') => i += 1,
-            _ => return Some((a.to_owned(), i)),
+            _ => {
+                return Cli::command()
+                    .find_subcommand(a)
+                    .map(|c| (c.get_name().to_owned(), i));
+            }
         }
     }
     None

@@ -960,32 +960,53 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
             path.display()
         )
     } else if e.kind() == io::ErrorKind::PermissionDenied {
-        anyhow::anyhow!(
-            "cannot lock {what} ({}): {e} — you may not write this store{}; every stowage command, even one that only reads, locks files in the root (opened for writing, as NFS requires) and drops stale records as it reads, so there is no read-only view: a store for several users must be shared with a group (a group-writable setgid root, with them in its group)",
-            path.display(),
-            owner_of(path)
-        )
+        anyhow::anyhow!("cannot lock {what}: {}", denied(path))
     } else {
         anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
     }
 }
 
-/// " (DIR is owned by uid U, group G, mode M)" for the directory holding
-/// `path`, for permission messages.
-fn owner_of(path: &std::path::Path) -> String {
+/// Why a lock file `path` could not be opened read-write, naming the path
+/// whose mode stops us: the file itself, else its directory. In a group
+/// store that is a part its owner's `doctor --repair` fixes; in a store
+/// no group shares, its owner shares it with `init --group`.
+fn denied(path: &Path) -> String {
+    use nix::unistd::{AccessFlags, access};
     use std::os::unix::fs::MetadataExt;
-    path.parent()
-        .and_then(|d| std::fs::metadata(d).ok().map(|m| (d, m)))
-        .map(|(d, m)| {
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    let cause = if path.exists() && access(path, AccessFlags::R_OK | AccessFlags::W_OK).is_err() {
+        path
+    } else {
+        dir
+    };
+    let said = std::fs::metadata(cause).map_or_else(
+        |e| format!("{}: {e}", cause.display()),
+        |m| {
             format!(
-                " ({} is owned by uid {}, group {}, mode {:o})",
-                d.display(),
-                m.uid(),
-                m.gid(),
-                m.mode() & 0o7777
+                "{}: mode {:o}, group {}",
+                cause.display(),
+                m.mode() & 0o7777,
+                m.gid()
             )
-        })
-        .unwrap_or_default()
+        },
+    );
+    let store = path
+        .ancestors()
+        .find(|a| a.file_name().is_some_and(|n| n == "locks"))
+        .and_then(Path::parent)
+        .and_then(|r| std::fs::metadata(r).ok());
+    let doc = crate::error::GROUP_STORE_DOC;
+    match store {
+        Some(m) if m.mode() & 0o020 != 0 => {
+            format!("{said}; its owner's 'stowage doctor --repair' fixes it ({doc})")
+        }
+        Some(m) => format!(
+            "{}: you may not write this store (uid {}'s, not shared); its owner can run 'stowage init --group GROUP' ({doc})",
+            path.display(),
+            m.uid()
+        ),
+        None => format!("{said}: not writable by you"),
+    }
 }
 
 /// Hidden test hook ([`crate::env::DEBUG_LOST_LOCK`]): the check of that

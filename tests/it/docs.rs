@@ -128,7 +128,7 @@ fn prepare(env: &Env, example: &str) -> Command {
     if words.get(1) != Some(&"init") {
         fs::create_dir_all(&env.root).unwrap();
     }
-    let mut reads = values_of(&words, &["--read", "--from"]);
+    let mut reads = values_of(&words, &["--read", "--from", "--why"]);
     if words.get(1) == Some(&"rm") {
         reads.extend(words[2..].iter().copied().filter(image_like));
     }
@@ -243,4 +243,261 @@ fn the_extraction_finds_continued_and_commented_lines() {
     let found = examples();
     assert!(found.iter().any(|e| e.text.starts_with("stowage exec")));
     assert!(found.iter().all(|e| !e.text.ends_with('\\')));
+}
+
+/// README's quick start is two commands (build and run a real exec; run
+/// the suite), and the text after them says how to get `stowage` onto
+/// `PATH`, which `cargo run` does not do: the way it gives finds the
+/// binary Cargo built.
+#[test]
+fn the_quick_start_is_two_commands_then_how_to_get_stowage() {
+    let readme = fs::read_to_string(Path::new(DOCS).join("README.md")).unwrap();
+    let start = readme.find("## Quick start").expect("a quick start");
+    let section = &readme[start..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
+    let block = section.split("```").nth(1).expect("a code block");
+    let commands: Vec<&str> = block
+        .lines()
+        .skip(1)
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    assert_eq!(commands.len(), 2, "{commands:?}");
+    assert!(
+        commands[0].starts_with("cargo run --release -- exec "),
+        "{commands:?}"
+    );
+    assert_eq!(commands[1], "cargo test");
+    let after = section.split("```").nth(2).unwrap();
+    for way in [
+        "cargo install --locked --path .",
+        "scripts/built-binary",
+        "PATH",
+    ] {
+        assert!(after.contains(way), "the quick start says {way:?}");
+    }
+    // The advice finds the binary these tests run (unless overridden).
+    if std::env::var_os("STOWAGE_TEST_BIN").is_none() {
+        let profile = if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        };
+        let out = output({
+            let mut c = Command::new("bash");
+            c.arg(Path::new(DOCS).join("scripts/built-binary"))
+                .arg(profile);
+            c
+        });
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), bin());
+    }
+}
+
+/// Every shell line of the docs that is not a `stowage` command (those
+/// run above), with what runs it: a test of this suite (`module::name`),
+/// `scripts/smoke`, or `.ci/run` — which run the line itself — or a test
+/// that runs the same steps with the same tools on a store of its own.
+/// Only the benchmarks are run by hand: minutes long, and what they
+/// measure is reported in docs/performance.md, not checked.
+const OTHER_EXAMPLES: &[(&str, &str)] = &[
+    ("cargo run --release -- exec ", "scripts/smoke"),
+    ("cargo test", ".ci/run"),
+    (
+        "scripts/load-image podman app.tar",
+        "runtimes::podman_loads_never_exceed_the_runtime_limit_and_all_arrive",
+    ),
+    (
+        "scripts/load-image docker app.tar",
+        "runtimes::urgent_metadata_read_passes_a_saturated_load_class",
+    ),
+    (
+        "scripts/ch-build -t app ./app-context",
+        "charliecloud::parallel_builds_from_one_base_share_it",
+    ),
+    (
+        "scripts/ch-delete app",
+        "charliecloud::ch_delete_locks_and_forgets_the_stage_images",
+    ),
+    (
+        "flock -s /var/tmp/$USER.stowage/locks/images/alpine+3.17.lock",
+        "docs::the_readme_flock_example_shares_the_image_lock",
+    ),
+    ("scripts/install", "scripts/smoke"),
+    ("cargo install --locked --path .", "scripts/smoke"),
+    (
+        "export PATH=/usr/bin:$PATH USER=",
+        "charliecloud::parallel_builds_from_one_base_share_it",
+    ),
+    (
+        "export CH_IMAGE_STORAGE=",
+        "charliecloud::parallel_builds_from_one_base_share_it",
+    ),
+    (
+        "export STOWAGE_ROOT=/var/tmp/$USER.stowage",
+        "charliecloud::parallel_builds_from_one_base_share_it",
+    ),
+    (
+        "ch-image import base.tar.gz base",
+        "charliecloud::parallel_builds_from_one_base_share_it",
+    ),
+    (
+        "ch-image pull scratch",
+        "charliecloud::an_import_by_build_runs_beside_builds",
+    ),
+    (
+        "scripts/ch-build --cache -t mid mid-ctx &",
+        "charliecloud::a_dependency_chain_launched_at_once_builds",
+    ),
+    (
+        "scripts/ch-build --wait 600 -t app app-ctx &",
+        "charliecloud::a_dependency_chain_launched_at_once_builds",
+    ),
+    (
+        "wait",
+        "charliecloud::a_dependency_chain_launched_at_once_builds",
+    ),
+    (
+        "mkdir -p ctx/rootfs && tar -C ctx/rootfs -xf base.tar.gz",
+        "charliecloud::an_import_by_build_runs_beside_builds",
+    ),
+    (
+        "printf 'FROM scratch\\nCOPY rootfs/ /\\n' > ctx/Dockerfile",
+        "charliecloud::an_import_by_build_runs_beside_builds",
+    ),
+    ("bash scripts/bench", "by hand"),
+    (
+        "bash scripts/roundtrips",
+        "round_trips::execs_cost_no_more_round_trips_than_the_contract_allows",
+    ),
+    (
+        "exec stowage exec --slot ch-cache --write \"$1\"",
+        "docs::every_stowage_example_in_the_docs_runs",
+    ),
+    (
+        "export STOWAGE_ROOT=/dev/shm/$USER.stowage",
+        "docs::every_stowage_example_in_the_docs_runs",
+    ),
+];
+
+/// The shell lines of the docs that do not start with `stowage`.
+fn other_examples() -> Vec<Example> {
+    let mut files = vec![PathBuf::from(DOCS).join("README.md")];
+    let mut docs: Vec<PathBuf> = fs::read_dir(Path::new(DOCS).join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    let mut found = Vec::new();
+    for file in files {
+        let text = fs::read_to_string(&file).unwrap();
+        let name = file.strip_prefix(DOCS).unwrap().display().to_string();
+        let mut in_shell = false;
+        for (i, raw) in text.lines().enumerate() {
+            let t = raw.trim();
+            if let Some(lang) = t.strip_prefix("```") {
+                in_shell = !in_shell && matches!(lang.trim(), "sh" | "bash" | "shell" | "console");
+                continue;
+            }
+            let line = strip_comment(t.strip_prefix("$ ").unwrap_or(t));
+            let line = line.trim();
+            if in_shell
+                && !line.is_empty()
+                && !line.starts_with("stowage")
+                && !raw.starts_with("    ")
+            {
+                found.push(Example {
+                    file: name.clone(),
+                    line: i + 1,
+                    text: line.to_owned(),
+                });
+            }
+        }
+    }
+    found
+}
+
+/// Each of those lines is run somewhere, and what runs it exists.
+#[test]
+fn every_other_example_in_the_docs_is_run_somewhere() {
+    let tests: String = fs::read_dir(Path::new(DOCS).join("tests/it"))
+        .unwrap()
+        .map(|e| fs::read_to_string(e.unwrap().path()).unwrap())
+        .collect();
+    let smoke = fs::read_to_string(Path::new(DOCS).join("scripts/smoke")).unwrap();
+    let ci = fs::read_to_string(Path::new(DOCS).join(".ci/run")).unwrap();
+    let mut unrun = Vec::new();
+    for ex in other_examples() {
+        let Some((pattern, by)) = OTHER_EXAMPLES.iter().find(|(p, _)| ex.text.starts_with(p))
+        else {
+            unrun.push(format!(
+                "{}:{}: {} (run by nothing)",
+                ex.file, ex.line, ex.text
+            ));
+            continue;
+        };
+        let exists = match *by {
+            "scripts/smoke" => smoke.contains(pattern),
+            ".ci/run" => ci.contains(&ex.text),
+            "by hand" => ex.text.starts_with("bash scripts/bench"),
+            test => tests.contains(&format!("fn {}(", test.rsplit("::").next().unwrap())),
+        };
+        if !exists {
+            unrun.push(format!(
+                "{}:{}: {} ({by} does not run it)",
+                ex.file, ex.line, ex.text
+            ));
+        }
+    }
+    assert!(
+        unrun.is_empty(),
+        "examples nothing runs:\n{}",
+        unrun.join("\n")
+    );
+}
+
+/// README's flock(1) example, as written: the default root of a user of
+/// its own (so `/var/tmp/$USER.stowage` is this test's store), whose image
+/// `alpine:3.17` it reads under the image's shared lock.
+#[test]
+fn the_readme_flock_example_shares_the_image_lock() {
+    if !have("flock") {
+        eprintln!("skipping: flock(1) not found");
+        return;
+    }
+    let readme = fs::read_to_string(Path::new(DOCS).join("README.md")).unwrap();
+    let line = readme
+        .lines()
+        .find(|l| l.starts_with("flock -s /var/tmp/$USER.stowage/"))
+        .expect("README's flock example");
+    let user = format!("stowage-docs-{}", std::process::id());
+    let root = PathBuf::from(format!("/var/tmp/{user}.stowage"));
+    let env = Env::new();
+    let stowage = |args: &[&str]| {
+        let mut c = Command::new(bin());
+        c.args(args).env("USER", &user).env_remove("STOWAGE_ROOT");
+        output(c)
+    };
+    let out = stowage(&["exec", "--write", "alpine:3.17", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    // The example reads under the image's shared lock, then lets it go.
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg(format!(
+            "{line} >/dev/null; touch '{}'",
+            env.sentinel("read").display()
+        ))
+        .env("USER", &user);
+    let out = output(c);
+    let after = stowage(&["exec", "--write", "alpine:3.17", "--no-wait", "--", "true"]);
+    let _ = fs::remove_dir_all(&root);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(env.sentinel("read").exists());
+    assert_eq!(
+        code(&after),
+        Some(0),
+        "the lock is free again: {}",
+        show(&after)
+    );
 }

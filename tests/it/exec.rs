@@ -475,6 +475,74 @@ fn a_command_without_the_double_dash_is_explained() {
     assert!(!env.root.exists(), "nothing created");
 }
 
+/// `--wait` with its value forgotten takes the `--` as its value; clap then
+/// blames the command, which was after `--`. The line names the option.
+#[test]
+fn a_value_forgotten_before_the_double_dash_is_named() {
+    let env = Env::new();
+    for (args, flag) in [
+        (
+            &["exec", "--write", "app", "--wait", "--", "sleep", "1"][..],
+            "--wait",
+        ),
+        (
+            &["exec", "--write", "app", "--read", "--", "true"][..],
+            "--read",
+        ),
+    ] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("{flag} is missing its value")),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("unexpected argument"), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    assert!(!env.root.exists(), "nothing created");
+}
+
+/// `stowage --write app exec …`: an option of exec before `exec` is shown
+/// where it goes, never as help for a subcommand named after its value.
+#[test]
+fn an_exec_option_before_exec_is_shown_after_it() {
+    let env = Env::new();
+    for (args, fixed) in [
+        (
+            &["--write", "app", "exec", "--", "true"][..],
+            "exec --write app -- true",
+        ),
+        (
+            &["--wait=3", "exec", "--write", "a", "--", "true"][..],
+            "exec --wait=3 --write a -- true",
+        ),
+    ] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains(fixed), "{args:?}: {err}");
+        assert!(err.contains("'stowage exec --help'"), "{args:?}: {err}");
+        assert!(!err.contains("stowage app"), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    assert!(!env.root.exists(), "nothing created");
+}
+
+/// The `--` goes before the command's first word as exec parses it, not
+/// before the first word that happens to match it (an image named like
+/// the command).
+#[test]
+fn the_double_dash_fix_starts_at_the_commands_first_word() {
+    let env = Env::new();
+    let out = env.run(["exec", "--write", "make", "make", "all"]);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("exec --write make -- make all"), "{err}");
+    assert!(!err.contains("--write -- make"), "{err}");
+    assert!(!env.root.exists(), "nothing created");
+}
+
 #[test]
 fn typos_get_a_suggestion() {
     let env = Env::new();

@@ -83,6 +83,39 @@ fn bounded_wait_gives_75_naming_the_holder() {
     assert_eq!(entry["waiters"].as_array().unwrap().len(), 0, "{entry}");
 }
 
+/// A lock held by many, each with a long command, is still said in one
+/// short line: the first holder and how many more (`lock-status` lists
+/// them all).
+#[test]
+fn a_busy_lock_with_many_holders_is_said_in_one_short_line() {
+    let env = Env::new();
+    env.make_image("base");
+    let holders: Vec<Bg> = ["one", "two", "three"]
+        .iter()
+        .map(|s| env.hold(&["--read", "base"], s))
+        .collect();
+    let out = env.run(["exec", "--write", "base", "--no-wait", "--", "true"]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let line = err
+        .trim_end()
+        .replace(&env.tmp.path().display().to_string(), "TMP");
+    // The holder's command is shown up to 80 characters (this one is a
+    // long shell line); the three holders in full took 400.
+    assert!(
+        line.chars().count() <= 200,
+        "{} chars: {line}",
+        line.chars().count()
+    );
+    assert!(line.contains("held (read) by pid"), "{line}");
+    assert!(line.contains("and 2 more"), "{line}");
+    env.release("release");
+    for h in holders {
+        assert_eq!(h.finish().status.code(), Some(0));
+    }
+}
+
 #[test]
 fn waiter_gets_the_lock_when_the_holder_finishes() {
     let env = Env::new();

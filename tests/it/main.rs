@@ -12,9 +12,13 @@
 //! - `store_wide`: `exec --store-wide` and the calls nested inside it
 //! - `clone`: `--from`, the copy of a base
 //! - `rm`, `gc`, `doctor`, `init`: those commands
+//! - `group_stores`: a store shared by a group — `init --group`, and the
+//!   modes `doctor` checks and repairs
 //! - `catalog_loss`: the catalog deleted, emptied, damaged or replaced,
 //!   and stores moved or seen at another path — no image changes
 //! - `status`: what `lock-status` and `images` show
+//! - `wait_chains`: `lock-status --why`, chains of waits and cycles
+//! - `wait_line`: the line of a wait, followed on a terminal and in a log
 //! - `names`: image names valid and invalid
 //! - `leases`: holder leases and holders on other hosts
 //! - `round_trips`: the server round trips a command costs
@@ -47,6 +51,7 @@ mod doctor;
 mod exec;
 mod filesystems;
 mod gc;
+mod group_stores;
 mod hostile;
 mod init;
 mod leases;
@@ -64,3 +69,5 @@ mod status;
 mod store_wide;
 mod stress;
 mod viewpoints;
+mod wait_chains;
+mod wait_line;

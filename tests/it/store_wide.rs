@@ -830,7 +830,10 @@ fn a_write_outliving_a_store_wide_command_that_deleted_its_tree_is_the_image() {
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert_eq!(env.state("base").as_deref(), Some("writing"));
     fs::write(&go, "").unwrap();
-    wait_for_file(&done);
+    // The shell makes the file before it writes the status into it.
+    wait_until("the writer's status is written", || {
+        fs::read_to_string(&done).is_ok_and(|t| t.ends_with('\n'))
+    });
     assert_eq!(fs::read_to_string(&done).unwrap().trim(), "0");
     assert_eq!(env.state("base").as_deref(), Some("ready"));
     assert_eq!(env.read_in_image("base", "file"), "new\n");

@@ -1,0 +1,180 @@
+//! `stowage lock-status --why IMG|PID`: the chain of waits from a waiter
+//! to the process at its end, or the cycle it is caught in
+//! (`wait_chain.rs`), from one look.
+
+use std::ffi::OsStr;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use super::lock_status::{PartyJson, Selection};
+use crate::holders::{LockKind, Look, Party};
+use crate::name::ImageName;
+use crate::store::Store;
+use crate::wait_chain::{self, Chain, Graph};
+
+/// What `--why` was given.
+enum Target {
+    Image(ImageName),
+    Pid(u32),
+}
+
+pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
+    let target = match raw.to_str().and_then(|s| s.parse::<u32>().ok()) {
+        Some(pid) => Target::Pid(pid),
+        None => Target::Image(ImageName::parse_os(raw).map_err(crate::Error::from)?),
+    };
+    store.require_root()?;
+    let root = store.root().clone();
+    let look = Look::new(store.ctx());
+    // Every lock held or awaited (a chain goes where it goes), and the one
+    // asked about, even if free.
+    let mut reports = super::lock_status::reports(&look, &root, &Selection::default())?;
+    if let Target::Image(n) = &target
+        && !reports
+            .iter()
+            .any(|r| r.kind == LockKind::Image && r.name == n.as_str())
+    {
+        let sel = Selection {
+            names: vec![n.clone()],
+            all: false,
+        };
+        reports.extend(
+            super::lock_status::reports(&look, &root, &sel)?
+                .into_iter()
+                .filter(|r| r.kind == LockKind::Image && r.name == n.as_str()),
+        );
+    }
+    let graph = Graph::new(&look, &store.ctx().me.host, &reports);
+    let starts: Vec<Party> = match &target {
+        Target::Image(n) => graph.waiters_of_image(n.as_str()),
+        Target::Pid(pid) => {
+            let holders: Vec<Party> = reports.iter().flat_map(|r| r.holders.clone()).collect();
+            graph.waiter_for_pid(*pid, &holders).into_iter().collect()
+        }
+    };
+    let chains: Vec<Chain> = starts.iter().flat_map(|s| graph.chains(s)).collect();
+    let image = |n: &ImageName| {
+        reports
+            .iter()
+            .find(|r| r.kind == LockKind::Image && r.name == n.as_str())
+    };
+    if let Target::Image(n) = &target
+        && chains.is_empty()
+        && image(n).is_none_or(|r| r.image_state.is_none() && r.holders.is_empty())
+    {
+        return Err(crate::Error::NoSuchImage(n.as_str().to_owned()).into());
+    }
+    if json {
+        let doc = WhyJson {
+            root: root.dir().display().to_string(),
+            target: match &target {
+                Target::Image(n) => TargetJson::Image(n.as_str().to_owned()),
+                Target::Pid(p) => TargetJson::Pid(*p),
+            },
+            chains: chains.iter().map(chain_json).collect(),
+        };
+        super::print(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?;
+        return Ok(0);
+    }
+    let text = if chains.is_empty() {
+        nothing_waits(&target, image)
+    } else {
+        chains
+            .iter()
+            .map(wait_chain::render)
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    super::print(&text)?;
+    Ok(0)
+}
+
+/// The answer when no chain starts at the target: nobody waits for the
+/// image (who holds it, if anyone), or the process waits for no lock.
+fn nothing_waits<'r>(
+    target: &Target,
+    image: impl Fn(&ImageName) -> Option<&'r crate::holders::LockReport>,
+) -> String {
+    match target {
+        Target::Image(n) => format!(
+            "nobody waits for image '{n}'{}\n",
+            image(n)
+                .and_then(|r| r.holders.first())
+                .map(|h| format!(" (held by {})", wait_chain::who(h)))
+                .unwrap_or_default()
+        ),
+        Target::Pid(p) => format!(
+            "pid {p} waits for no lock, and nothing it runs does (of those this host's leases and lock table show)\n"
+        ),
+    }
+}
+
+#[derive(Serialize)]
+struct WhyJson {
+    root: String,
+    target: TargetJson,
+    chains: Vec<ChainJson>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "lowercase")]
+enum TargetJson {
+    Image(String),
+    Pid(u32),
+}
+
+#[derive(Serialize)]
+struct ChainJson {
+    steps: Vec<StepJson>,
+    cycle: bool,
+    /// The index of the step the cycle returns to.
+    cycle_from: Option<usize>,
+    /// The pid to end: the chain's last process, or the cycle's newest.
+    end_pid: Option<u32>,
+    advice: String,
+}
+
+#[derive(Serialize)]
+struct StepJson {
+    relation: &'static str,
+    #[serde(flatten)]
+    party: PartyJson,
+    waits_for: Option<AwaitedJson>,
+}
+
+#[derive(Serialize)]
+struct AwaitedJson {
+    kind: &'static str,
+    name: String,
+    mode: &'static str,
+}
+
+fn chain_json(c: &Chain) -> ChainJson {
+    let end = match c.cycle_from {
+        Some(from) => c.steps[from..]
+            .iter()
+            .max_by_key(|s| s.party.since.unwrap_or(i64::MIN))
+            .and_then(|s| s.party.pid),
+        None => c.steps.last().and_then(|s| s.party.pid),
+    };
+    ChainJson {
+        steps: c
+            .steps
+            .iter()
+            .map(|s| StepJson {
+                relation: s.relation.as_str(),
+                party: PartyJson::from(&s.party),
+                waits_for: s.waits_for.as_ref().map(|a| AwaitedJson {
+                    kind: a.kind.as_str(),
+                    name: a.name.clone(),
+                    mode: a.mode.as_str(),
+                }),
+            })
+            .collect(),
+        cycle: c.cycle_from.is_some(),
+        cycle_from: c.cycle_from,
+        end_pid: end,
+        advice: wait_chain::advice(c),
+    }
+}

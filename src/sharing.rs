@@ -1,0 +1,285 @@
+//! A store shared by a group: the modes every part of its layout needs.
+//!
+//! - **A group store** is a root that is group-writable: every member of
+//!   its group opens lock files read-write, creates lock files, leases and
+//!   image directories, and writes the catalog. So every part of the layout
+//!   must be group-writable and belong to the root's group; directories
+//!   are setgid, so that what is created later gets the group too.
+//! - **One list of parts** ([`parts`]): the root, `locks/` and what is in
+//!   it (lock files, gates, slot classes, leases), `img/` and its image
+//!   directories (not the trees inside: those are the builder's), `trash/`,
+//!   the catalog and its journal, `store.conf`, the reserve.
+//! - **Only what is ours is fixed** ([`repair`]): a part owned by the
+//!   caller (or any part, for root). Each change is made on a descriptor
+//!   opened without following a link, so a link planted in a part's place
+//!   changes nothing outside the store.
+
+use std::fs;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use crate::root::Root;
+
+/// Where the recipe for group stores is documented.
+pub const DOC: &str = crate::error::GROUP_STORE_DOC;
+
+/// The mode bits a group store's directories need: setgid, group rwx.
+const DIR_BITS: u32 = 0o2070;
+/// The mode bits a group store's files need: group read-write.
+const FILE_BITS: u32 = 0o060;
+
+/// One part of the layout whose mode or group is not what a group store
+/// needs.
+#[derive(Debug, Clone)]
+pub struct Wrong {
+    /// Relative to the root ("" for the root itself).
+    pub rel: String,
+    pub dir: bool,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Wrong {
+    /// "locks/images (mode 755, uid 0, group 0)"
+    pub fn describe(&self) -> String {
+        format!(
+            "{} (mode {:o}, uid {}, group {})",
+            shown(&self.rel),
+            self.mode & 0o7777,
+            self.uid,
+            self.gid
+        )
+    }
+}
+
+/// The root as "." in messages about parts.
+fn shown(rel: &str) -> &str {
+    if rel.is_empty() { "." } else { rel }
+}
+
+/// Whether the root at `dir` is a group store: group-writable.
+pub fn is_group_store(dir: &Path) -> Option<(u32, u32)> {
+    let m = fs::metadata(dir).ok()?;
+    (m.mode() & 0o020 != 0).then_some((m.gid(), m.mode()))
+}
+
+/// Every part of the layout that exists, relative to the root, with
+/// whether it is a directory. Links are not parts: `doctor`'s layout
+/// check reports those.
+pub fn parts(root: &Root) -> Vec<(String, bool)> {
+    let mut out = vec![(String::new(), true)];
+    let dirs = [
+        "locks",
+        "locks/images",
+        "locks/slots",
+        "locks/leases",
+        "img",
+        "trash",
+    ];
+    for d in dirs {
+        out.push((d.to_owned(), true));
+    }
+    for f in [
+        "stowage.db",
+        "stowage.db-journal",
+        crate::config::FILE,
+        "reserve",
+        "locks/global.lock",
+        "locks/store.lock",
+    ] {
+        out.push((f.to_owned(), false));
+    }
+    for d in ["locks/images", "locks/leases", "img"] {
+        for (name, is_dir) in entries(&root.dir().join(d)) {
+            // Image directories only: what is inside is the builder's.
+            if is_dir == (d == "img") {
+                out.push((format!("{d}/{name}"), is_dir));
+            }
+        }
+    }
+    for (class, is_dir) in entries(&root.slot_locks()) {
+        if is_dir {
+            let rel = format!("locks/slots/{class}");
+            out.extend(
+                entries(&root.dir().join(&rel))
+                    .into_iter()
+                    .filter(|(_, d)| !d)
+                    .map(|(n, _)| (format!("{rel}/{n}"), false)),
+            );
+            out.push((rel, true));
+        }
+    }
+    out.retain(|(rel, is_dir)| {
+        fs::symlink_metadata(root.dir().join(rel)).is_ok_and(|m| m.is_dir() == *is_dir)
+    });
+    out
+}
+
+/// The names in `dir`, each with whether it is a directory (links are
+/// neither, and are left out).
+fn entries(dir: &Path) -> Vec<(String, bool)> {
+    let Ok(list) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    list.filter_map(|e| {
+        let e = e.ok()?;
+        let t = e.file_type().ok()?;
+        let name = e.file_name().into_string().ok()?;
+        (t.is_dir() || t.is_file()).then_some((name, t.is_dir()))
+    })
+    .collect()
+}
+
+/// The parts of a group store (group `gid`) that its members cannot use.
+pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
+    parts(root)
+        .into_iter()
+        .filter_map(|(rel, dir)| {
+            let m = fs::symlink_metadata(root.dir().join(&rel)).ok()?;
+            let bits = if dir { DIR_BITS } else { FILE_BITS };
+            let fine = m.mode() & bits == bits && m.gid() == gid;
+            (!fine).then(|| Wrong {
+                rel,
+                dir,
+                mode: m.mode(),
+                uid: m.uid(),
+                gid: m.gid(),
+            })
+        })
+        .collect()
+}
+
+/// What [`repair`] did.
+#[derive(Debug, Default)]
+pub struct Repaired {
+    pub fixed: Vec<Wrong>,
+    /// Owned by someone else: only they, or root, can fix these.
+    pub not_ours: Vec<Wrong>,
+    pub failed: Vec<(Wrong, String)>,
+}
+
+/// Gives each wrong part the group `gid` and the bits a group store
+/// needs, where the part is ours to change.
+pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
+    let euid = nix::unistd::geteuid().as_raw();
+    let mut done = Repaired::default();
+    for w in wrong {
+        if euid != 0 && w.uid != euid {
+            done.not_ours.push(w);
+            continue;
+        }
+        match fix(&root.dir().join(&w.rel), w.dir, gid) {
+            Ok(()) => done.fixed.push(w),
+            Err(e) => done.failed.push((w, e.to_string())),
+        }
+    }
+    done
+}
+
+/// Sets group `gid` and the group store's bits on `path`, through a
+/// descriptor opened without following a link.
+fn fix(path: &Path, dir: bool, gid: u32) -> io::Result<()> {
+    let mut flags = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
+    if dir {
+        flags |= libc::O_DIRECTORY;
+    }
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)?;
+    let m = f.metadata()?;
+    if m.is_dir() != dir {
+        return Err(io::Error::other("changed kind while being repaired"));
+    }
+    let fd = f.as_raw_fd();
+    if m.gid() != gid {
+        // SAFETY: fchown on our own open descriptor; uid -1 leaves it.
+        if unsafe { libc::fchown(fd, u32::MAX, gid) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    let bits = if dir { DIR_BITS } else { FILE_BITS };
+    // Set after the chown, which clears setgid on a file (not a directory).
+    let mode = (m.mode() & 0o7777) | bits;
+    // SAFETY: fchmod on our own open descriptor.
+    if unsafe { libc::fchmod(fd, mode as libc::mode_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A group by name or number, as `init --group` takes it. Names are
+/// read from `/etc/group`, as a static binary can (glibc's lookup through
+/// NSS modules is not to be had there); a group known only to LDAP or
+/// SSSD is given by number.
+pub fn group_id(group: &str) -> Result<u32> {
+    if let Ok(n) = group.parse::<u32>() {
+        return Ok(n);
+    }
+    let text = fs::read_to_string("/etc/group").unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split(':');
+            let name = f.next()?;
+            let gid = f.nth(1)?.parse::<u32>().ok()?;
+            (name == group).then_some(gid)
+        })
+        .next()
+        .ok_or_else(|| {
+            crate::Error::Usage(format!(
+                "--group {group:?}: no such group in /etc/group (give its number, e.g. from 'getent group {group}')"
+            ))
+            .into()
+        })
+}
+
+/// Makes the root at `dir` (existing) a group store for `gid`: its group,
+/// group-writable and setgid, not writable by others. Only its owner (or
+/// root) may.
+pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
+    let m = fs::metadata(dir).with_context(|| format!("cannot inspect root {}", dir.display()))?;
+    let euid = nix::unistd::geteuid().as_raw();
+    if euid != 0 && m.uid() != euid {
+        anyhow::bail!(
+            "root {} belongs to uid {}: only its owner (or root) can share it with a group",
+            dir.display(),
+            m.uid()
+        );
+    }
+    fix(dir, true, gid).map_err(|e| match e.raw_os_error() {
+        Some(libc::EPERM) => anyhow::anyhow!(
+            "cannot give root {} group {gid}: you are not in that group (see {DOC})",
+            dir.display()
+        ),
+        _ => anyhow::Error::new(e).context(format!("cannot share root {}", dir.display())),
+    })?;
+    // Others keep reading (the default), never writing.
+    let mode = (fs::metadata(dir)?.mode() & 0o7777 & !0o002) | 0o775 | DIR_BITS;
+    fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode))
+        .with_context(|| format!("cannot set the mode of root {}", dir.display()))
+}
+
+/// The umask for a process working in a group store: the caller's without
+/// its group bits, so that everything made is group-writable. Returns the
+/// caller's, which the command of an exec gets back.
+pub fn open_umask() -> u32 {
+    let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+    let shared = old.bits() & !0o070;
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(shared));
+    old.bits() as u32
+}
+
+/// The paths of `wrong` parts, shortened for one line: the first few,
+/// then how many more.
+pub fn list(wrong: &[Wrong], max: usize) -> String {
+    let mut s: Vec<String> = wrong.iter().take(max).map(Wrong::describe).collect();
+    if wrong.len() > max {
+        s.push(format!("and {} more", wrong.len() - max));
+    }
+    s.join(", ")
+}

@@ -1,0 +1,401 @@
+//! Why a process waits: the chain from a waiter to the process at its end
+//! (`lock-status --why`), or the cycle it is caught in.
+//!
+//! - **One step** is a party that waits: for a lock (its holders are the
+//!   next steps), or for a command it runs, inside which another party
+//!   waits (a nested `stowage exec`, a `flock(1)` in a build script).
+//! - **Blocked by** whoever holds the lock in a conflicting mode; a reader
+//!   of an image that is only read waits behind the writers queued ahead
+//!   of it (the gate).
+//! - **Inside** is told by the leases (each names, in `within`, the execs
+//!   whose `STOWAGE_EXEC_LEASES` it inherited), and for processes of this
+//!   host and pid namespace by their ancestry in `/proc` — which also
+//!   places the `flock(1)` users the kernel's lock table shows.
+//! - Built from one look ([`Look`]) and the reports gathered from it: no
+//!   lock is taken, nothing is waited for.
+
+use std::collections::HashMap;
+
+use crate::clock;
+use crate::holders::{LockKind, LockReport, Look, Party};
+use crate::lock::Mode;
+
+/// The lock a step waits for.
+#[derive(Debug, Clone)]
+pub struct Awaited {
+    pub kind: LockKind,
+    pub name: String,
+    pub mode: Mode,
+}
+
+impl Awaited {
+    /// "write lock on image 'app'", "a slot of class 'pull'"
+    pub fn describe(&self) -> String {
+        match self.kind {
+            LockKind::Image => format!("{} lock on image '{}'", self.mode.verb(), self.name),
+            LockKind::Slot => format!("a slot of class '{}'", self.name),
+            LockKind::Global if self.name == "store" => "the store-wide lock".into(),
+            LockKind::Global => format!("the {} lock", self.name),
+        }
+    }
+}
+
+/// How a step is related to the one before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Relation {
+    /// The first step: the waiter asked about.
+    Waiter,
+    /// Holds the lock the step before waits for.
+    Holder,
+    /// Runs inside the step before (its command, or a command of that).
+    Inside,
+}
+
+impl Relation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Relation::Waiter => "waiter",
+            Relation::Holder => "holder",
+            Relation::Inside => "inside",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Step {
+    pub party: Party,
+    pub relation: Relation,
+    /// What this step waits for; None for a step that waits on a command
+    /// it runs (the next step is inside it) or at the chain's end.
+    pub waits_for: Option<Awaited>,
+}
+
+/// One chain of waits.
+#[derive(Debug, Clone)]
+pub struct Chain {
+    pub steps: Vec<Step>,
+    /// The index of the step the last one waits for again: a cycle.
+    pub cycle_from: Option<usize>,
+    /// How the last step leads back to it: a lock it holds, or a command
+    /// it runs.
+    pub cycle_via: Relation,
+}
+
+/// A party as the graph knows it: by its lease, else its pid and host.
+fn key(p: &Party) -> String {
+    match (&p.lease, p.pid) {
+        (Some(l), _) => format!("lease:{l}"),
+        (None, Some(pid)) => format!("pid:{pid}@{}", p.host.as_deref().unwrap_or("?")),
+        (None, None) => format!("unknown:{:p}", p),
+    }
+}
+
+/// Who waits for what, who holds what, and who runs inside whom.
+pub struct Graph {
+    /// Per party key: the locks it waits for, with who blocks it there.
+    waits: HashMap<String, Vec<(Awaited, Vec<Party>)>>,
+    /// Every party that waits, by key.
+    waiters: Vec<Party>,
+    /// Lease name → the leases it runs within.
+    within: HashMap<String, Vec<String>>,
+    /// Lease names whose pid means a process of ours.
+    ours: Vec<String>,
+    host: String,
+}
+
+impl Graph {
+    /// The graph of `reports`, all from `look`.
+    pub fn new(look: &Look, host: &str, reports: &[LockReport]) -> Graph {
+        let mut g = Graph {
+            waits: HashMap::new(),
+            waiters: Vec::new(),
+            within: HashMap::new(),
+            ours: Vec::new(),
+            host: host.to_owned(),
+        };
+        for (name, id) in look.leases() {
+            g.within.insert(name.clone(), id.within.clone());
+            if id.pid_is_ours() {
+                g.ours.push(name.clone());
+            }
+        }
+        for r in reports.iter().filter(|r| r.name != "global") {
+            for w in &r.waiters {
+                let awaited = Awaited {
+                    kind: r.kind,
+                    name: r.name.clone(),
+                    mode: w.mode,
+                };
+                g.waits
+                    .entry(key(w))
+                    .or_default()
+                    .push((awaited, blockers(r, w)));
+                if !g.waiters.iter().any(|p| key(p) == key(w)) {
+                    g.waiters.push(w.clone());
+                }
+            }
+        }
+        g
+    }
+
+    /// The parties waiting on the image lock `name`.
+    pub fn waiters_of_image(&self, name: &str) -> Vec<Party> {
+        self.waiters
+            .iter()
+            .filter(|p| {
+                self.waits.get(&key(p)).is_some_and(|ws| {
+                    ws.iter()
+                        .any(|(a, _)| a.kind == LockKind::Image && a.name == name)
+                })
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// The waiting party that is the local process `pid`, or runs inside
+    /// it, or that it runs inside (the pid of a build's process).
+    pub fn waiter_for_pid(&self, pid: u32, holders: &[Party]) -> Option<Party> {
+        let local = |p: &Party| p.pid == Some(pid) && self.is_local(p);
+        if let Some(w) = self.waiters.iter().find(|p| local(p)) {
+            return Some(w.clone());
+        }
+        if let Some(h) = holders.iter().find(|p| local(p))
+            && let Some(w) = self.inside(h).into_iter().next()
+        {
+            return Some(w);
+        }
+        let above = crate::nested::ancestors_of(pid);
+        self.waiters
+            .iter()
+            .find(|p| self.is_local(p) && p.pid.is_some_and(|q| above.contains(&q)))
+            .cloned()
+    }
+
+    /// Whether `p`'s pid names a process of this host and pid namespace.
+    fn is_local(&self, p: &Party) -> bool {
+        match &p.lease {
+            Some(l) => self.ours.contains(l),
+            None => p.pid.is_some() && p.host.as_deref() == Some(self.host.as_str()),
+        }
+    }
+
+    /// The waiting parties that run inside `holder`: nested execs whose
+    /// lease says so, and local processes below it.
+    fn inside(&self, holder: &Party) -> Vec<Party> {
+        let hkey = key(holder);
+        self.waiters
+            .iter()
+            .filter(|w| key(w) != hkey)
+            .filter(|w| {
+                let by_lease = match (&w.lease, &holder.lease) {
+                    (Some(wl), Some(hl)) => self.within.get(wl).is_some_and(|v| v.contains(hl)),
+                    _ => false,
+                };
+                let by_pid = self.is_local(w)
+                    && self.is_local(holder)
+                    && w.pid
+                        .zip(holder.pid)
+                        .is_some_and(|(wp, hp)| crate::nested::ancestors_of(wp).contains(&hp));
+                by_lease || by_pid
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// Every chain from `start`, a waiting party: each branch where a lock
+    /// has several holders, at most `MAX_CHAINS`.
+    pub fn chains(&self, start: &Party) -> Vec<Chain> {
+        let mut out = Vec::new();
+        let first = Step {
+            party: start.clone(),
+            relation: Relation::Waiter,
+            waits_for: None,
+        };
+        self.walk(vec![first], &mut out);
+        out
+    }
+
+    fn walk(&self, mut path: Vec<Step>, out: &mut Vec<Chain>) {
+        if out.len() >= MAX_CHAINS {
+            return;
+        }
+        let last = path.last().expect("a path has a step").party.clone();
+        let next = self.next(&last);
+        let Some((awaited, parties, relation)) = next.filter(|_| path.len() < MAX_STEPS) else {
+            out.push(Chain {
+                steps: path,
+                cycle_from: None,
+                cycle_via: Relation::Waiter,
+            });
+            return;
+        };
+        if let Some(step) = path.last_mut() {
+            step.waits_for = awaited;
+        }
+        for p in parties {
+            if let Some(i) = path.iter().position(|s| key(&s.party) == key(&p)) {
+                out.push(Chain {
+                    steps: path.clone(),
+                    cycle_from: Some(i),
+                    cycle_via: relation,
+                });
+                continue;
+            }
+            let mut longer = path.clone();
+            longer.push(Step {
+                party: p,
+                relation,
+                waits_for: None,
+            });
+            self.walk(longer, out);
+        }
+    }
+
+    /// What `p` waits for next: a lock and its blockers, or the parties
+    /// waiting inside it. None at the end of a chain.
+    fn next(&self, p: &Party) -> Option<(Option<Awaited>, Vec<Party>, Relation)> {
+        if let Some((awaited, by)) = self.waits.get(&key(p)).and_then(|ws| ws.first()) {
+            return Some((Some(awaited.clone()), by.clone(), Relation::Holder));
+        }
+        let inside = self.inside(p);
+        (!inside.is_empty()).then_some((None, inside, Relation::Inside))
+    }
+}
+
+/// At most this many chains are followed from one waiter, each at most
+/// this long: a diagnosis, not a search of every path.
+const MAX_CHAINS: usize = 16;
+const MAX_STEPS: usize = 32;
+
+/// Who keeps `w` waiting on the lock of `r`: the holders in a conflicting
+/// mode; for a reader of a lock only read, the writers queued ahead of it;
+/// else every holder.
+fn blockers(r: &LockReport, w: &Party) -> Vec<Party> {
+    let conflicting: Vec<Party> = r
+        .holders
+        .iter()
+        .filter(|h| w.mode == Mode::Exclusive || h.mode == Mode::Exclusive)
+        .filter(|h| key(h) != key(w))
+        .cloned()
+        .collect();
+    if !conflicting.is_empty() {
+        return conflicting;
+    }
+    let ahead: Vec<Party> = r
+        .waiters
+        .iter()
+        .filter(|o| o.mode == Mode::Exclusive && key(o) != key(w))
+        .filter(|o| o.since.unwrap_or(i64::MAX) <= w.since.unwrap_or(i64::MAX))
+        .cloned()
+        .collect();
+    if !ahead.is_empty() {
+        return ahead;
+    }
+    r.holders
+        .iter()
+        .filter(|h| key(h) != key(w))
+        .cloned()
+        .collect()
+}
+
+/// What to do about a chain: which process to end.
+pub fn advice(chain: &Chain) -> String {
+    if let Some(from) = chain.cycle_from {
+        let cycle = &chain.steps[from..];
+        // The newest in the cycle has done the least work.
+        let newest = cycle
+            .iter()
+            .max_by_key(|s| s.party.since.unwrap_or(i64::MIN))
+            .map(|s| &s.party)
+            .expect("a cycle has steps");
+        return format!(
+            "a cycle of {}: none of them can go on until one ends; ending {} (the newest) breaks it{}",
+            cycle.len(),
+            who(newest),
+            kill(newest)
+        );
+    }
+    let end = &chain.steps.last().expect("a chain has steps").party;
+    if end.pid.is_none() {
+        return format!(
+            "the end is {}: look on the hosts sharing the store for a process holding it",
+            who(end)
+        );
+    }
+    format!(
+        "{} waits for nothing stowage can see: let it finish, or end it{}",
+        who(end),
+        kill(end)
+    )
+}
+
+/// "pid 4121 on node07 (make all)"
+pub fn who(p: &Party) -> String {
+    let mut s = match p.pid {
+        Some(pid) => format!("pid {pid}"),
+        None => "a process stowage cannot identify".into(),
+    };
+    if let Some(h) = &p.host {
+        s.push_str(&format!(" on {}", crate::ident::printable(h)));
+    }
+    if let Some(c) = &p.command {
+        let c = crate::ident::printable(c);
+        let cut: String = c.chars().take(70).collect();
+        let more = if cut.len() < c.len() { "…" } else { "" };
+        s.push_str(&format!(" ({cut}{more})"));
+    }
+    s
+}
+
+/// ": kill PID" (with the host where it is not this one, as a hint).
+fn kill(p: &Party) -> String {
+    match (p.pid, &p.host) {
+        (Some(pid), Some(h)) if *h != crate::ident::Me::current().host => {
+            format!(": on {h}, kill {pid}")
+        }
+        (Some(pid), _) => format!(": kill {pid}"),
+        (None, _) => String::new(),
+    }
+}
+
+/// The chain as lines of text, the advice last.
+pub fn render(chain: &Chain) -> String {
+    let mut out = String::new();
+    for (i, s) in chain.steps.iter().enumerate() {
+        let lead = match s.relation {
+            Relation::Waiter => String::new(),
+            Relation::Holder => format!("{}held by ", "  ".repeat(i)),
+            Relation::Inside => format!("{}running inside it, ", "  ".repeat(i)),
+        };
+        let mut line = format!("{lead}{}", who(&s.party));
+        if s.relation == Relation::Holder
+            && let Some(t) = s.party.since
+        {
+            line.push_str(&format!(" for {}", clock::ago(t)));
+        }
+        let next = chain.steps.get(i + 1).map(|n| n.relation).or(
+            // The last step of a cycle leads back through `cycle_via`.
+            chain.cycle_from.map(|_| chain.cycle_via),
+        );
+        match (&s.waits_for, next) {
+            (Some(a), _) => line.push_str(&format!(", waits for {}", a.describe())),
+            (None, Some(Relation::Inside)) => line.push_str(", waits for its command"),
+            _ => {}
+        }
+        out.push_str(&line);
+        out.push('\n');
+    }
+    if let Some(from) = chain.cycle_from {
+        let how = match chain.cycle_via {
+            Relation::Inside => "running inside it, ",
+            _ => "held by ",
+        };
+        out.push_str(&format!(
+            "{}{how}{} again: a cycle\n",
+            "  ".repeat(chain.steps.len()),
+            who(&chain.steps[from].party)
+        ));
+    }
+    out.push_str(&format!("what to do: {}\n", advice(chain)));
+    out
+}

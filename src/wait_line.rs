@@ -1,0 +1,291 @@
+//! A wait you can follow: the line that says what a process waits for,
+//! kept up to date while it waits.
+//!
+//! - **On a terminal** the line is rewritten in place every second: the time
+//!   waited, the place in the queue, the holder's command and how long it
+//!   has held the lock. It never wraps (cut to the terminal's width), and
+//!   it is cleared when the wait ends, however it ends: nothing is left
+//!   half-written before the command's own output or an error.
+//! - **Elsewhere** (a log, a pipe) the first line is printed as before, then
+//!   a plain line at most every minute ([`LOG_EVERY`]).
+//! - **Bounded cost on a shared filesystem.** Who holds and awaits the lock
+//!   is re-read (one look: the leases, then the lock table) at most every
+//!   [`REREAD_EVERY`], whatever the refresh rate of the line; between reads
+//!   only the clocks move.
+//! - [`announce`] is the one place that prints "waiting for …".
+//! - A helper thread does it, so no wait loop needs to know. If none can be
+//!   started (a pids limit) the first line is all there is; with `-q` there
+//!   is nothing at all.
+
+use std::io::{IsTerminal, Write};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::clock;
+use crate::ctx::Ctx;
+use crate::holders::{LockReport, Look, Party};
+
+/// How often the line is redrawn on a terminal.
+const TTY_EVERY: Duration = Duration::from_secs(1);
+/// How often a plain line is added where stderr is no terminal.
+pub const LOG_EVERY: Duration = Duration::from_secs(60);
+/// How often, at most, holders and waiters are read again.
+pub const REREAD_EVERY: Duration = Duration::from_secs(5);
+
+/// What re-reads the awaited lock's report, for the line's details.
+pub type Reread = Box<dyn FnMut(&Look) -> LockReport + Send>;
+
+/// Set when the wait ends; the helper sleeps on the condition between
+/// refreshes.
+type Stop = (Mutex<bool>, Condvar);
+
+/// The line of one wait; dropping it ends the updates and clears a
+/// terminal's line.
+#[must_use = "the line is cleared when this is dropped: keep it for the wait"]
+pub struct WaitLine {
+    helper: Option<(Arc<Stop>, thread::JoinHandle<()>)>,
+}
+
+impl WaitLine {
+    fn none() -> WaitLine {
+        WaitLine { helper: None }
+    }
+}
+
+impl Drop for WaitLine {
+    fn drop(&mut self) {
+        if let Some((stop, handle)) = self.helper.take() {
+            *stop.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            stop.1.notify_all();
+            let _ = handle.join();
+        }
+    }
+}
+
+/// What one refresh of the line says.
+struct Line {
+    what: String,
+    started: Instant,
+    tty: bool,
+    /// The place of this process among the lock's waiters, and how many.
+    place: Option<(usize, usize)>,
+    holders: Vec<Party>,
+    /// This host, left out of the holder's description.
+    host: String,
+}
+
+/// Says, before blocking, what a process waits for and who holds it —
+/// "stowage: waiting for write lock on image 'app': held (read) by …" —
+/// and keeps it up to date until the returned line is dropped. The one
+/// place that prints "waiting for …".
+pub fn announce(ctx: &Ctx, what: &str, holders: &str, reread: Option<Reread>) -> WaitLine {
+    if ctx.quiet {
+        return WaitLine::none();
+    }
+    let first = format!("stowage: waiting for {what}: {holders}");
+    let tty = std::io::stderr().is_terminal();
+    if !tty {
+        say(&format!("{first}\n"));
+    }
+    let stop = Arc::new((Mutex::new(false), Condvar::new()));
+    let line = Line {
+        what: what.to_owned(),
+        started: Instant::now(),
+        tty,
+        place: None,
+        holders: Vec::new(),
+        host: ctx.me.host.clone(),
+    };
+    let ctx = ctx.clone();
+    let flag = Arc::clone(&stop);
+    let spawned = thread::Builder::new()
+        .name("stowage-wait-line".into())
+        .stack_size(256 * 1024)
+        .spawn(move || follow(&ctx, line, reread, &flag));
+    match spawned {
+        Ok(handle) => {
+            if tty {
+                say(&format!("\r{}\x1b[K", fit(&first)));
+            }
+            WaitLine {
+                helper: Some((stop, handle)),
+            }
+        }
+        Err(_) => {
+            if tty {
+                say(&format!("{first}\n"));
+            }
+            WaitLine::none()
+        }
+    }
+}
+
+/// The helper's loop: redraw (or log) on each tick, re-read at most every
+/// [`REREAD_EVERY`], until told to stop; then clear a terminal's line.
+fn follow(ctx: &Ctx, mut line: Line, mut reread: Option<Reread>, stop: &Stop) {
+    let every = if line.tty { TTY_EVERY } else { log_every() };
+    let reread_every = REREAD_EVERY.min(every);
+    let mut next_read = Instant::now();
+    let mut stopped = stop.0.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let (s, _) = stop
+            .1
+            .wait_timeout_while(stopped, every, |s| !*s)
+            .unwrap_or_else(|e| e.into_inner());
+        stopped = s;
+        if *stopped {
+            break;
+        }
+        if let Some(r) = reread.as_mut()
+            && Instant::now() >= next_read
+        {
+            let report = r(&Look::new(ctx));
+            line.place = place(&report.waiters);
+            line.holders = report.holders;
+            next_read = Instant::now() + reread_every;
+        }
+        if line.tty {
+            say(&format!("\r{}\x1b[K", fit(&line.render())));
+        } else {
+            say(&format!("{}\n", line.render()));
+        }
+    }
+    if line.tty {
+        say("\r\x1b[K");
+    }
+}
+
+/// The interval of plain lines: [`LOG_EVERY`], or the test hook's.
+fn log_every() -> Duration {
+    std::env::var(crate::env::DEBUG_WAIT_LINE_MS)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(LOG_EVERY, Duration::from_millis)
+}
+
+impl Line {
+    fn render(&self) -> String {
+        let waited = span(self.started.elapsed().as_secs());
+        let mut s = if self.tty {
+            format!("stowage: waiting {waited} for {}", self.what)
+        } else {
+            format!("stowage: still waiting for {} after {waited}", self.what)
+        };
+        if let Some((at, of)) = self.place {
+            s.push_str(&format!(" ({} of {of} in queue)", ordinal(at)));
+        }
+        if let Some(h) = self.holders.first() {
+            s.push_str(&format!(": {}", holder(h, &self.host)));
+            if self.holders.len() > 1 {
+                s.push_str(&format!(" and {} more", self.holders.len() - 1));
+            }
+        }
+        s
+    }
+}
+
+/// "held by pid 4121 on node07 (make all) for 3m12s" (the host only if
+/// another: a terminal's line is short).
+fn holder(p: &Party, me: &str) -> String {
+    let mut s = "held by ".to_owned();
+    match p.pid {
+        Some(pid) => s.push_str(&format!("pid {pid}")),
+        None => s.push_str("a process stowage cannot identify"),
+    }
+    if let Some(h) = p.host.as_deref().filter(|h| *h != me) {
+        s.push_str(&format!(" on {}", crate::ident::printable(h)));
+    }
+    if let Some(c) = &p.command {
+        let c = crate::ident::printable(c);
+        let cut: String = c.chars().take(60).collect();
+        let more = if cut.len() < c.len() { "…" } else { "" };
+        s.push_str(&format!(" ({cut}{more})"));
+    }
+    if let Some(t) = p.since {
+        let secs = (clock::now_ms().saturating_sub(t) / 1000).max(0) as u64;
+        s.push_str(&format!(" for {}", span(secs)));
+    }
+    s
+}
+
+/// This process's place among `waiters` (by when each began to wait),
+/// and how many wait.
+fn place(waiters: &[Party]) -> Option<(usize, usize)> {
+    let mine = waiters
+        .iter()
+        .find(|p| p.lease.as_deref().is_some_and(crate::lease::is_mine))?;
+    let ahead = waiters
+        .iter()
+        .filter(|p| p.since.unwrap_or(i64::MAX) < mine.since.unwrap_or(i64::MAX))
+        .count();
+    Some((ahead + 1, waiters.len()))
+}
+
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
+/// "42s", "3m12s", "2h05m", "3d04h"
+pub fn span(secs: u64) -> String {
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m{:02}s", s / 60, s % 60),
+        s if s < 86_400 => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+        s => format!("{}d{:02}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
+/// The line cut to the terminal's width: a line that wraps cannot be
+/// rewritten in place.
+fn fit(line: &str) -> String {
+    let width = terminal_width().saturating_sub(1).max(20);
+    if line.chars().count() <= width {
+        return line.to_owned();
+    }
+    let cut: String = line.chars().take(width - 1).collect();
+    format!("{cut}…")
+}
+
+fn terminal_width() -> usize {
+    // SAFETY: TIOCGWINSZ fills a winsize struct we own.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    let ok = unsafe { libc::ioctl(libc::STDERR_FILENO, libc::TIOCGWINSZ, &mut ws) } == 0;
+    if ok && ws.ws_col > 0 {
+        usize::from(ws.ws_col)
+    } else {
+        80
+    }
+}
+
+/// Writes to stderr, never panicking (stderr may be gone).
+fn say(text: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(text.as_bytes());
+    let _ = err.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_and_places_read_well() {
+        assert_eq!(span(5), "5s");
+        assert_eq!(span(192), "3m12s");
+        assert_eq!(span(7500), "2h05m");
+        assert_eq!(span(3 * 86_400 + 4 * 3600), "3d04h");
+        assert_eq!(ordinal(1), "1st");
+        assert_eq!(ordinal(2), "2nd");
+        assert_eq!(ordinal(3), "3rd");
+        assert_eq!(ordinal(11), "11th");
+        assert_eq!(ordinal(22), "22nd");
+    }
+}

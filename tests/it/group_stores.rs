@@ -1,0 +1,208 @@
+//! A store shared by a group: `init --group` makes one in one command, new
+//! or from an existing store; `doctor` names each part of the layout a
+//! member cannot use, and `doctor --repair` fixes what is its caller's.
+//! Members are other uids (setpriv), so these run as root.
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::process::{Command, Output};
+
+use crate::common::*;
+
+/// The group the stores are shared with, and a member of it that is not
+/// the owner: gid 100 ("users" on Debian), uid 65534.
+const GID: u32 = 100;
+
+fn can_act_as_a_member() -> bool {
+    if !root_or_skip("acting as another user") {
+        return false;
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("skipping: setpriv (util-linux) not found");
+        return false;
+    }
+    true
+}
+
+/// An Env whose root a member can reach (its temporary directory is
+/// private by default).
+fn env_for_members() -> Env {
+    let env = Env::new();
+    fs::set_permissions(env.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    env
+}
+
+/// `stowage --root ROOT ARGS…` as uid 65534 in group 100 only.
+fn as_member(env: &Env, args: &[&str]) -> Output {
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=65534", "--regid=100", "--clear-groups", "--"])
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(args)
+        .env("USER", "nobody")
+        .env_remove("STOWAGE_ROOT");
+    output(c)
+}
+
+/// Every part a member must be able to use: group 100, group-writable,
+/// directories setgid.
+fn assert_every_part_shared(root: &Path) {
+    for p in walkdir(root).into_iter().chain([root.to_owned()]) {
+        let rel = p.strip_prefix(root).unwrap();
+        // Trees inside images are the builder's, not the layout.
+        if rel.starts_with("img") && rel.components().count() > 2 {
+            continue;
+        }
+        let m = fs::symlink_metadata(&p).unwrap();
+        let want = if m.is_dir() { 0o2070 } else { 0o060 };
+        assert_eq!(m.mode() & want, want, "{} mode {:o}", p.display(), m.mode());
+        assert_eq!(m.gid(), GID, "{} belongs to the group", p.display());
+    }
+}
+
+#[test]
+fn init_group_makes_a_store_every_member_can_use() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    // The owner, with a strict umask, makes it in one command.
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg("umask 077; exec \"$0\" --root \"$1\" init --group 100")
+        .arg(bin())
+        .arg(&env.root);
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let m = fs::metadata(&env.root).unwrap();
+    assert_eq!(m.mode() & 0o7777, 0o2775, "root: setgid, group-writable");
+    env.ok(["exec", "--write", "base", "--", "true"]);
+    env.ok(["slots", "set", "pull", "2"]);
+    assert_every_part_shared(&env.root);
+    // A member reads, writes, takes a slot and removes.
+    for args in [
+        &["exec", "--read", "base", "--write", "app", "--", "true"][..],
+        &["exec", "--slot", "pull", "--read", "app", "--", "true"],
+        &["rm", "app"],
+        &["doctor"],
+    ] {
+        let out = as_member(&env, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+}
+
+#[test]
+fn init_group_converts_an_existing_store() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.make_image("base");
+    env.ok(["slots", "set", "pull", "2"]);
+    let refused = as_member(&env, &["exec", "--read", "base", "--", "true"]);
+    assert_eq!(code(&refused), Some(1), "{}", show(&refused));
+    let out = env.ok(["init", "--group", "100"]);
+    assert!(
+        stderr(&out).contains("shared with group 100"),
+        "{}",
+        show(&out)
+    );
+    assert_every_part_shared(&env.root);
+    for args in [
+        &["exec", "--read", "base", "--write", "app", "--", "true"][..],
+        &["exec", "--write", "base", "--", "true"],
+        &["exec", "--slot", "pull", "--", "true"],
+        &["rm", "app"],
+    ] {
+        let out = as_member(&env, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+}
+
+/// The walk of the issue: an existing store turned into a group store by
+/// hand (chgrp, chmod 2775 of the root alone). A member is told which
+/// part stops them, in one short line pointing at the recipe; doctor lists
+/// the parts; the owner's `doctor --repair` fixes them and says so.
+#[test]
+fn doctor_names_and_repairs_the_parts_a_member_cannot_use() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.make_image("base");
+    let c = std::ffi::CString::new(env.root.as_os_str().as_encoded_bytes()).unwrap();
+    unsafe { assert_eq!(libc::chown(c.as_ptr(), 0, GID), 0) };
+    fs::set_permissions(&env.root, fs::Permissions::from_mode(0o2775)).unwrap();
+
+    let out = as_member(&env, &["exec", "--read", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("locks/images"), "names the part: {err}");
+    assert!(
+        err.contains("mode 644") || err.contains("mode 755"),
+        "{err}"
+    );
+    assert!(err.contains("doctor --repair"), "{err}");
+    assert!(err.contains("docs/reliability.md#shared-stores"), "{err}");
+    assert!(!err.contains("a group-writable setgid root"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let line = err
+        .trim_end()
+        .replace(&env.root.display().to_string(), "ROOT");
+    assert!(line.chars().count() <= 170, "{} chars: {line}", line.len());
+
+    let out = as_member(&env, &["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("sharing"), "{text}");
+    assert!(text.contains("locks (mode 755"), "{text}");
+
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("repaired  sharing"),
+        "says what it did: {text}"
+    );
+    assert_every_part_shared(&env.root);
+    let out = as_member(
+        &env,
+        &["exec", "--read", "base", "--write", "app", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = env.ok(["doctor"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ok  sharing"));
+}
+
+/// A part that belongs to a member is theirs: the owner's repair leaves
+/// it, says whose it is, and exits 1.
+#[test]
+fn doctor_repair_leaves_another_users_part_and_says_so() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", "100"]);
+    let out = as_member(&env, &["exec", "--write", "theirs", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let lock = env.lock_file("theirs");
+    fs::set_permissions(&lock, fs::Permissions::from_mode(0o644)).unwrap();
+    // The owner here is not root: a uid of its own that owns the root.
+    let c = std::ffi::CString::new(env.root.as_os_str().as_encoded_bytes()).unwrap();
+    unsafe { assert_eq!(libc::chown(c.as_ptr(), 65533, GID), 0) };
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=65533", "--regid=100", "--clear-groups", "--"])
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["doctor", "--repair"])
+        .env("USER", "owner");
+    let out = output(c);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("not ours to fix"), "{text}");
+    assert!(text.contains("locks/images/theirs.lock"), "{text}");
+    assert_eq!(fs::metadata(&lock).unwrap().mode() & 0o777, 0o644);
+}

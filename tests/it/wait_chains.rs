@@ -1,0 +1,206 @@
+//! `lock-status --why IMG|PID`: the chain of waits from a waiter to the
+//! process at its end, through locks held, nested calls and flock(1)
+//! users; a cycle named, and the process to end to break it. Every chain
+//! here is made of real processes of the real binary with bounded waits.
+
+use serde_json::Value;
+
+use crate::common::*;
+
+fn why(env: &Env, target: &str) -> Value {
+    let out = env.ok(["lock-status", "--why", target, "--json"]);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn pids(chain: &Value) -> Vec<u64> {
+    chain["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["pid"].as_u64().unwrap_or(0))
+        .collect()
+}
+
+#[test]
+fn why_follows_a_chain_of_three_to_the_process_at_its_end() {
+    let env = Env::new();
+    let end = env.hold(&["--write", "c"], "started");
+    let middle = env.spawn([
+        "exec", "--write", "b", "--write", "c", "--wait", "60", "--", "true",
+    ]);
+    env.wait_for_waiter("c");
+    let first = env.spawn(["exec", "--write", "b", "--wait", "60", "--", "true"]);
+    env.wait_for_waiter("b");
+
+    let doc = why(&env, "b");
+    let chains = doc["chains"].as_array().unwrap();
+    assert_eq!(chains.len(), 1, "{doc:#}");
+    let chain = &chains[0];
+    assert_eq!(
+        pids(chain),
+        [first.pid(), middle.pid(), end.pid()].map(u64::from),
+        "{doc:#}"
+    );
+    let steps = chain["steps"].as_array().unwrap();
+    assert_eq!(steps[0]["relation"], "waiter");
+    assert_eq!(steps[0]["waits_for"]["name"], "b");
+    assert_eq!(steps[1]["relation"], "holder");
+    assert_eq!(steps[1]["waits_for"]["name"], "c");
+    assert_eq!(steps[2]["waits_for"], Value::Null);
+    assert_eq!(chain["cycle"], false);
+    assert_eq!(chain["end_pid"], u64::from(end.pid()));
+    // The same chain from the waiter's pid, and in words.
+    assert_eq!(
+        pids(&why(&env, &first.pid().to_string())["chains"][0]),
+        pids(chain)
+    );
+    let out = env.ok(["lock-status", "--why", "b"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("waits for write lock on image 'c'"), "{text}");
+    assert!(text.contains(&format!("kill {}", end.pid())), "{text}");
+
+    env.release("release");
+    assert_eq!(end.finish().status.code(), Some(0));
+    assert_eq!(middle.finish().status.code(), Some(0));
+    assert_eq!(first.finish().status.code(), Some(0));
+}
+
+/// Two builds, each holding its image and calling stowage again for the
+/// other's: a deadlock through nested calls. `--why` names the cycle and
+/// a process to end; ending it lets the other build finish.
+#[test]
+fn why_names_a_cycle_through_nested_calls_and_ending_the_named_process_breaks_it() {
+    let env = Env::new();
+    let script = |mine: &str, other: &str, theirs: &str| {
+        format!(
+            "touch '{m}'; while [ ! -e '{o}' ]; do sleep 0.01; done; exec '{bin}' exec --write {theirs} --wait 60 -- true",
+            m = env.sentinel(mine).display(),
+            o = env.sentinel(other).display(),
+            bin = bin(),
+        )
+    };
+    let one = env.spawn([
+        "exec",
+        "--write",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        &script("one", "two", "b"),
+    ]);
+    let two = env.spawn([
+        "exec",
+        "--write",
+        "b",
+        "--",
+        "sh",
+        "-c",
+        &script("two", "one", "a"),
+    ]);
+    wait_for_file(&env.sentinel("one"));
+    wait_for_file(&env.sentinel("two"));
+    env.wait_for_waiter("a");
+    env.wait_for_waiter("b");
+
+    let doc = why(&env, "a");
+    let chain = &doc["chains"][0];
+    assert_eq!(chain["cycle"], true, "{doc:#}");
+    let steps = chain["steps"].as_array().unwrap();
+    let relations: Vec<&str> = steps
+        .iter()
+        .map(|s| s["relation"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        relations,
+        ["waiter", "holder", "inside", "holder"],
+        "{doc:#}"
+    );
+    assert_eq!(steps[1]["pid"], u64::from(one.pid()), "a's holder: {doc:#}");
+    assert_eq!(steps[3]["pid"], u64::from(two.pid()), "b's holder: {doc:#}");
+    let end = chain["end_pid"].as_u64().unwrap() as u32;
+    assert!(pids(chain).contains(&u64::from(end)), "{doc:#}");
+    let out = env.ok(["lock-status", "--why", "a"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("a cycle"), "{text}");
+    assert!(text.contains(&format!("kill {end}")), "{text}");
+
+    // The advice works: the process it names ended, the other goes on.
+    unsafe { libc::kill(end as i32, libc::SIGTERM) };
+    let codes = [one.finish().status.code(), two.finish().status.code()];
+    assert!(codes.contains(&Some(0)), "one build finished: {codes:?}");
+}
+
+/// The same cycle through flock(1): a script holds a lock file of the
+/// store and calls stowage, while a build holding that image runs flock on
+/// the file. The kernel's lock table shows the flock users.
+#[test]
+fn why_follows_a_cycle_through_flock_users() {
+    if !have("flock") {
+        eprintln!("skipping: flock(1) not found");
+        return;
+    }
+    let env = Env::new();
+    env.ok(["init"]);
+    let tool = env.root.join("locks/images/tool.lock");
+    std::fs::write(&tool, "").unwrap();
+    let (one, two) = (env.sentinel("one"), env.sentinel("two"));
+    let mut c = std::process::Command::new("flock");
+    c.arg("-x").arg(&tool).args([
+        "sh",
+        "-c",
+        &format!(
+            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.01; done; exec '{}' --root '{}' exec --write a --wait 60 -- true",
+            one.display(),
+            two.display(),
+            bin(),
+            env.root.display()
+        ),
+    ]);
+    let script = Bg::from_command(c);
+    wait_for_file(&one);
+    let build = env.spawn([
+        "exec",
+        "--write",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "touch '{}'; exec flock -w 60 -x '{}' true",
+            two.display(),
+            tool.display()
+        ),
+    ]);
+    wait_for_file(&two);
+    env.wait_for_waiter("a");
+    wait_until("the build's flock waits", || flock_waited_on(&tool));
+
+    let doc = why(&env, "a");
+    let chain = &doc["chains"][0];
+    assert_eq!(chain["cycle"], true, "{doc:#}");
+    let steps = chain["steps"].as_array().unwrap();
+    assert_eq!(steps[1]["pid"], u64::from(build.pid()), "{doc:#}");
+    assert!(
+        steps.iter().any(|s| s["stowage"] == false
+            && s["command"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("flock -x"))),
+        "the script's flock(1) is a step: {doc:#}"
+    );
+    let end = chain["end_pid"].as_u64().unwrap() as u32;
+    unsafe { libc::kill(end as i32, libc::SIGTERM) };
+    let codes = [script.finish().status.code(), build.finish().status.code()];
+    assert!(codes.contains(&Some(0)), "one side finished: {codes:?}");
+}
+
+#[test]
+fn why_of_an_image_nobody_waits_for_says_so() {
+    let env = Env::new();
+    env.make_image("quiet");
+    let out = env.ok(["lock-status", "--why", "quiet"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("nobody waits for image 'quiet'"));
+    let doc = why(&env, "quiet");
+    assert_eq!(doc["chains"], Value::Array(vec![]));
+    let out = env.run(["lock-status", "--why", "missing"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+}
