@@ -126,15 +126,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         .filter(|i| i.state != State::Deleting)
         .collect();
     let shares = policy.max_size.is_some() && disk_usage::can_share(&images_dir);
-    let cost = costs(store, &rows, shares)?;
-    let mut footprint =
-        disk_usage::Footprint::new(cost.values().map(|c| c.shared_ranges.as_slice()));
-    report.size_before = cost.values().map(|c| c.own).sum::<u64>() + footprint.bytes();
-    let mut total = report.size_before;
-    let frees = |fp: &disk_usage::Footprint, r: &Image| {
-        cost.get(r.name())
-            .map_or(0, |c| c.own + fp.unique(&c.shared_ranges))
-    };
+    let mut budget = Budget::new(store, &rows, shares)?;
+    report.size_before = budget.total;
     report.unknown = rows
         .iter()
         .filter(|r| r.state == State::Incomplete && r.record.readiness_unknown())
@@ -155,7 +148,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         rows = rest;
         for r in these {
             crate::signals::check()?;
-            let bytes = frees(&footprint, &r);
+            let bytes = budget.frees(&r);
             if collect(
                 store,
                 &r,
@@ -165,8 +158,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
                 policy.dry_run,
                 &mut report,
             )? {
-                total = total.saturating_sub(bytes);
-                forget(&mut footprint, &cost, &r);
+                budget.removed(&r, bytes);
             } else {
                 rows.push(r);
             }
@@ -174,40 +166,82 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
-        // Least recently used first, passing over an image whose removal
-        // would free nothing now while a later one frees something.
-        let mut left: Vec<Image> = rows
-            .into_iter()
-            .filter(|r| r.state == State::Ready)
-            .collect();
-        while total > max && !left.is_empty() {
-            crate::signals::check()?;
-            let i = left
-                .iter()
-                .position(|r| frees(&footprint, r) > 0)
-                .unwrap_or(0);
-            let r = left.remove(i);
-            let bytes = frees(&footprint, &r);
-            if collect(
-                store,
-                &r,
-                Reason::OverBudget,
-                cutoff,
-                bytes,
-                policy.dry_run,
-                &mut report,
-            )? {
-                total = total.saturating_sub(bytes);
-                forget(&mut footprint, &cost, &r);
-            }
-        }
+        over_budget(store, policy, cutoff, max, rows, &mut budget, &mut report)?;
     }
-    report.size_after = total;
+    report.size_after = budget.total;
     if !policy.dry_run {
         crate::space::refill(&store.root().reserve());
     }
     report.bytes_freed += report.removed.iter().map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
+}
+
+/// With `--max-size`: least recently used first, passing over an image
+/// whose removal would free nothing now while a later one frees something.
+fn over_budget(
+    store: &mut Store,
+    policy: &Policy,
+    cutoff: Option<Millis>,
+    max: u64,
+    rows: Vec<Image>,
+    budget: &mut Budget,
+    report: &mut Report,
+) -> Result<()> {
+    let mut left: Vec<Image> = rows
+        .into_iter()
+        .filter(|r| r.state == State::Ready)
+        .collect();
+    while budget.total > max && !left.is_empty() {
+        crate::signals::check()?;
+        let i = left.iter().position(|r| budget.frees(r) > 0).unwrap_or(0);
+        let r = left.remove(i);
+        let bytes = budget.frees(&r);
+        if collect(
+            store,
+            &r,
+            Reason::OverBudget,
+            cutoff,
+            bytes,
+            policy.dry_run,
+            report,
+        )? {
+            budget.removed(&r, bytes);
+        }
+    }
+    Ok(())
+}
+
+/// What the images take, and what removing one frees as gc goes: its own
+/// blocks, and the shared extents no image left keeps.
+struct Budget {
+    cost: HashMap<String, Cost>,
+    footprint: disk_usage::Footprint,
+    total: u64,
+}
+
+impl Budget {
+    fn new(store: &Store, rows: &[Image], shares: bool) -> Result<Budget> {
+        let cost = costs(store, rows, shares)?;
+        let footprint =
+            disk_usage::Footprint::new(cost.values().map(|c| c.shared_ranges.as_slice()));
+        let total = cost.values().map(|c| c.own).sum::<u64>() + footprint.bytes();
+        Ok(Budget {
+            cost,
+            footprint,
+            total,
+        })
+    }
+
+    fn frees(&self, r: &Image) -> u64 {
+        self.cost
+            .get(r.name())
+            .map_or(0, |c| c.own + self.footprint.unique(&c.shared_ranges))
+    }
+
+    fn removed(&mut self, r: &Image, bytes: u64) {
+        self.total = self.total.saturating_sub(bytes);
+        forget(&mut self.footprint, &self.cost, r);
+    }
 }
 
 /// The last use before which an image is unused for `--unused-for D`: a

@@ -124,6 +124,9 @@ pub struct LockReport {
     pub slot: Option<(u32, u32, u32)>,
 }
 
+/// The leases' lines on one lock: lease name, owner, line.
+type Listing<'a> = Vec<(&'a String, &'a Identity, &'a Holding)>;
+
 /// One look at who holds what: the leases, read first, then the kernel's
 /// lock table (where locks are local).
 pub struct Look<'c> {
@@ -356,7 +359,7 @@ impl<'c> Look<'c> {
     /// as leases list it.
     pub fn report(&self, kind: LockKind, name: &str, path: &Path, rel: &str) -> LockReport {
         let entries = self.entries(path);
-        let listing: Vec<(&String, &Identity, &Holding)> = self
+        let listing: Listing = self
             .said
             .iter()
             .flat_map(|(n, id)| {
@@ -366,11 +369,44 @@ impl<'c> Look<'c> {
                     .map(move |h| (n, id, h))
             })
             .collect();
+        let state = self.state(path, entries.as_deref(), &listing);
+        let mut claimed = vec![false; entries.as_ref().map_or(0, Vec::len)];
+        let (mut holders, mut waiters) =
+            self.leased(&listing, entries.as_deref(), state, &mut claimed);
+        for (i, e) in entries.iter().flatten().enumerate() {
+            if claimed[i] {
+                continue;
+            }
+            let Some(party) = self.unclaimed(&listing, path, rel, e) else {
+                continue;
+            };
+            if e.blocked {
+                waiters.push(party);
+            } else {
+                holders.push(party);
+            }
+        }
+        if holders.is_empty() && state != Probe::Free && state != Probe::Missing {
+            holders = self.held_by_whom(rel, state);
+        }
+        LockReport {
+            kind,
+            name: name.to_owned(),
+            state: settle(state),
+            holders,
+            waiters,
+            image_state: None,
+            slot: None,
+        }
+    }
+
+    /// The lock's state: the table's, probed where the table may hide a
+    /// holder (another pid namespace), or where there is no table.
+    fn state(&self, path: &Path, entries: Option<&[Entry]>, listing: &Listing) -> Probe {
         let live_hold = listing.iter().any(|(n, _, h)| !h.awaits && self.alive(n));
-        let state = match &entries {
+        match entries {
             Some(es) => {
                 let s = state_of(es);
-                // A pid namespace hides locks taken outside it.
                 if s == Probe::Free && (live_hold || !crate::kernel::shows_every_holder()) {
                     probe(path)
                 } else {
@@ -378,17 +414,26 @@ impl<'c> Look<'c> {
                 }
             }
             None => probe(path),
-        };
-        let mut claimed = vec![false; entries.as_ref().map_or(0, Vec::len)];
-        let mut holders = Vec::new();
-        let mut waiters = Vec::new();
-        for (n, id, h) in &listing {
+        }
+    }
+
+    /// The holders and waiters the live leases name, each claiming the
+    /// table entry that is its own (so it is not listed twice).
+    fn leased(
+        &self,
+        listing: &Listing,
+        entries: Option<&[Entry]>,
+        state: Probe,
+        claimed: &mut [bool],
+    ) -> (Vec<Party>, Vec<Party>) {
+        let (mut holders, mut waiters) = (Vec::new(), Vec::new());
+        for (n, id, h) in listing {
             if !self.alive(n) {
                 continue;
             }
             let taker = self.taker(id);
             let fits = |e: &Entry| e.mode == h.mode && e.blocked == h.awaits && e.pid == taker;
-            if let (Some(es), Some(_)) = (&entries, taker)
+            if let (Some(es), Some(_)) = (entries, taker)
                 && let Some(i) = (0..es.len()).find(|&i| !claimed[i] && fits(&es[i]))
             {
                 claimed[i] = true;
@@ -401,76 +446,65 @@ impl<'c> Look<'c> {
                 holders.push(Party::leased(n, id, h));
             }
         }
-        for (i, e) in entries.iter().flatten().enumerate() {
-            if claimed[i] {
-                continue;
-            }
-            // A command that closed the lease it inherited, its stowage
-            // gone: the dead lease still says for what.
-            let dead = e.pid.and_then(|pid| {
-                listing.iter().find(|(n, id, h)| {
-                    !h.awaits
-                        && h.mode == e.mode
-                        && id.pid == Some(pid)
-                        && id.pid_is_ours()
-                        && !self.alive(n)
+        (holders, waiters)
+    }
+
+    /// The party of a table entry no live lease claimed; `None` if it is
+    /// gone since the table was read.
+    fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Option<Party> {
+        // A command that closed the lease it inherited, its stowage gone:
+        // the dead lease still says for what.
+        let dead = e.pid.and_then(|pid| {
+            listing.iter().find(|(n, id, h)| {
+                !h.awaits
+                    && h.mode == e.mode
+                    && id.pid == Some(pid)
+                    && id.pid_is_ours()
+                    && !self.alive(n)
+            })
+        });
+        if let Some((n, id, h)) = dead {
+            return Some(Party::leased(n, id, h));
+        }
+        // A stowage process that holds the lock before its lease lists it
+        // (a moment after taking it): its lease's taker.
+        match self.lease_of_pid(e.pid) {
+            Some((n, id)) => {
+                let h = Holding::now(e.mode, rel.to_owned(), e.blocked, &id.command);
+                Some(Party {
+                    since: id.since,
+                    ..Party::leased(&n, &id, &h)
                 })
-            });
-            let party = match dead {
-                Some((n, id, h)) => Party::leased(n, id, h),
-                // A stowage process that holds the lock before its lease
-                // lists it (a moment after taking it): its lease's taker.
-                None => match self.lease_of_pid(e.pid) {
-                    Some((n, id)) => {
-                        let h = Holding::now(e.mode, rel.to_owned(), e.blocked, &id.command);
-                        Party {
-                            since: id.since,
-                            ..Party::leased(&n, &id, &h)
-                        }
-                    }
-                    // Gone since the table was read: not shown.
-                    None if !self.still_there(path, e) => continue,
-                    None => Party::outsider(self.ctx, e),
-                },
-            };
-            if e.blocked {
-                waiters.push(party);
-            } else {
-                holders.push(party);
             }
+            None if !self.still_there(path, e) => None,
+            None => Some(Party::outsider(self.ctx, e)),
         }
-        if holders.is_empty() && state != Probe::Free && state != Probe::Missing {
-            let mode = if state == Probe::Exclusive {
-                Mode::Exclusive
-            } else {
-                Mode::Shared
-            };
-            // Held, and no lease read before said so: a holder that listed
-            // the lock in its lease since (on another host, where no lock
-            // table names it) is found by a fresh read of the leases — a
-            // holder lists its lock a moment after taking it, so where no
-            // table can tell, a few reads a moment apart.
-            for attempt in 0..3 {
-                holders = self.listing_now(rel, mode);
-                if !holders.is_empty() || self.table.is_some() {
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10 << attempt));
-                self.reread.borrow_mut().take();
+    }
+
+    /// Held, and no lease read before said so: a holder that listed the
+    /// lock in its lease since (on another host, where no lock table names
+    /// it) is found by a fresh read of the leases — a holder lists its lock
+    /// a moment after taking it, so where no table can tell, a few reads a
+    /// moment apart. Else a holder stowage cannot identify.
+    fn held_by_whom(&self, rel: &str, state: Probe) -> Vec<Party> {
+        let mode = if state == Probe::Exclusive {
+            Mode::Exclusive
+        } else {
+            Mode::Shared
+        };
+        let mut holders = Vec::new();
+        for attempt in 0..3 {
+            holders = self.listing_now(rel, mode);
+            if !holders.is_empty() || self.table.is_some() {
+                break;
             }
-            if holders.is_empty() {
-                holders.push(Party::unknown(mode));
-            }
+            std::thread::sleep(std::time::Duration::from_millis(10 << attempt));
+            self.reread.borrow_mut().take();
         }
-        LockReport {
-            kind,
-            name: name.to_owned(),
-            state: settle(state),
-            holders,
-            waiters,
-            image_state: None,
-            slot: None,
+        if holders.is_empty() {
+            holders.push(Party::unknown(mode));
         }
+        holders
     }
 
     /// The global lock's report: the table's entries (no lease lists it;

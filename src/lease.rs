@@ -1,53 +1,29 @@
-//! Holder leases: how a record's owner is known to be alive, on any host and
-//! in any pid namespace, without trusting a pid.
+//! Holder leases: who holds and awaits which lock, alive or not, on any
+//! host and in any pid namespace, without trusting a pid.
 //!
-//! Every stowage process that holds or awaits a lock owns one *lease*: a
-//! file `ROOT/locks/leases/HOST-BOOT-PIDNS-PID-RANDOM.lease` that it holds
-//! exclusively (flock) for its whole life and that states who it is (host,
-//! pid, pid namespace, boot id, user, command, since) and what it holds and
-//! awaits ([`Holding`]: one line per lock). Each record it writes names its
-//! lease; a plain reader writes no record, and is named by its lease alone. A record's owner is alive exactly while its lease is
-//! locked: the kernel drops the lock when the last descriptor goes (the
-//! process, or a command that inherited it, died), an NFS server when the
-//! client's lease expires. Pids are only information.
-//!
-//! Invariants (the temproots protocol of Nix, on flock):
-//! - **The owner** creates its file under a fresh name (`O_EXCL`), locks it
-//!   exclusively without waiting (a prober's lock is waited out briefly,
-//!   else it takes a new name), and only then writes its identity and any
-//!   record that names the lease.
-//! - **A lease never written is not unlinked** by a prober, unless its name
-//!   says its maker is gone (this host, boot and pid namespace; no such
-//!   pid), or it is older than a grace (10 minutes, by the filesystem's
-//!   clock: its last status change (ctime, which no client can set) against
-//!   the directory's or the prober's own lease's)
-//!   — it may be a maker's between its create and its lock. So the file an
-//!   owner locks is the one at its path — nobody else unlinks it before it
-//!   is written, nor after, while it is locked — and the owner needs no
-//!   check of the unlink race (no stat), unless it took half the grace
-//!   between its create and its lock (by its boot clock), when it checks.
-//!   A maker killed in that window on another host or in another pid
-//!   namespace leaves an empty file for the grace.
-//! - **A prober** judges a lease by trying a shared lock without waiting:
-//!   granted means nobody holds it exclusively, so its owner is gone (or
-//!   never got as far as writing a record). A missing file is a gone owner.
-//! - **Unlinking** a lease is done only under its exclusive lock (the unlink
-//!   rule of every lock file here): by its owner when it ends, and by
-//!   [`clean`] for owners that died. Probes and cleaning run under the global
-//!   lock, so two stowage probers never see each other's probe as an owner.
-//!   A dead lease whose lock-table entry still stands (its command closed
-//!   the lease but kept a lock it lists, under its pid) is kept until that
-//!   lock is released: it is the only name of a reader, which has no record
-//!   (`holders::Look::clean_leases` decides, with the lock table).
-//! - **Inheritance** follows the image locks: a command that inherits the
-//!   lock descriptors inherits the lease too (so after stowage is SIGKILLed,
-//!   the build is still listed as the holder), and with `--no-inherit` the
-//!   keeper holds the lease with the locks.
-//!
-//! Cost: the lease is made lazily, by a process about to lock something
-//! (exec before its first lock, rm, gc) or to record itself — once per
-//! process: one open(O_CREAT|O_EXCL), one flock, one write. At the end the owner unlinks it ([`retire`]; a
-//! library caller that ends without it leaves the file to [`clean`]).
+//! - **One lease per process** that holds or awaits a lock:
+//!   `ROOT/locks/leases/HOST-BOOT-PIDNS-PID-RANDOM.lease`, flocked
+//!   exclusively for the process's life, stating who it is and one line per
+//!   lock it holds or awaits ([`Holding`]). Written with its first lock, in
+//!   one write; through (`O_DSYNC`) on a shared filesystem, where other
+//!   hosts read it.
+//! - **Alive exactly while locked**: the kernel drops the lock with the last
+//!   descriptor (the process, or a command that inherited it), an NFS
+//!   server when the client's lease expires. A prober tries a shared lock
+//!   without waiting: granted means the owner is gone.
+//! - **The owner** creates a fresh name (`O_EXCL`) and locks it at once. A
+//!   lease never written is not unlinked by a prober unless its name says
+//!   its maker is gone or it is older than a grace (10 minutes, by the
+//!   filesystem's clock): so the file an owner locks is the one at its
+//!   path, and it needs no check of the unlink race (the temproots protocol
+//!   of Nix, on flock).
+//! - **Unlinking** only under the exclusive lock: by the owner at its end
+//!   ([`retire`]), by [`clean`] for owners that died. A dead lease whose
+//!   lock-table entry still stands (its command closed the lease but kept a
+//!   lock) is kept while that lock is held (`holders::Look::clean_leases`).
+//! - **Inheritance follows the image locks**: the command inherits the
+//!   lease with them (after stowage is SIGKILLed the build is still listed),
+//!   and with `--no-inherit` the keeper holds both.
 
 use std::fs;
 use std::io;

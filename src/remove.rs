@@ -109,42 +109,11 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     .with_context(|| format!("cannot write the record of image '{}'", held.name))?;
     debug::pause("rm-marked");
     // 2. The tree leaves the images directory.
-    let moved = match take_out(root, &images, &trash, &tree, &held.name) {
-        Taken::Trashed(t) => Some(t),
-        Taken::Deleted => None,
-        Taken::Gone => {
-            bytes = 0;
-            None
-        }
-        Taken::Refused(e) => {
-            let _ = image_record::write_reserved(
-                held.guard.file(),
-                &mut held.seen,
-                &before,
-                &root.reserve(),
-            );
-            return Err(e.context(format!(
-                "nothing of image '{}' was removed; it is {} again",
-                held.name,
-                state.as_str()
-            )));
-        }
-        Taken::Partial(e) => {
-            let mut broken = before.clone();
-            broken.state = State::Incomplete;
-            broken.outcome = Some("removal failed half-way".into());
-            let _ = image_record::write_reserved(
-                held.guard.file(),
-                &mut held.seen,
-                &broken,
-                &root.reserve(),
-            );
-            return Err(e.context(format!(
-                "image '{}' was deleted only in part and is now incomplete ('stowage gc' removes it once the cause is fixed)",
-                held.name
-            )));
-        }
-    };
+    let taken = take_out(root, &images, &trash, &tree, &held.name);
+    if matches!(taken, Taken::Gone) {
+        bytes = 0;
+    }
+    let moved = after_take_out(root, &mut held, &before, taken)?;
     debug::pause("rm-moved");
     // 3. The record goes, with its lock file.
     let name = held.name.clone();
@@ -168,6 +137,50 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         bytes,
         left_in_trash,
     })
+}
+
+/// What a removal does once its tree was taken out (or not): the trash
+/// entry to delete, if any; or, if the tree could not be taken out, the
+/// record as it was (nothing removed) or `incomplete` (removed in part).
+fn after_take_out(
+    root: &Root,
+    held: &mut Held,
+    before: &image_record::Record,
+    taken: Taken,
+) -> Result<Option<std::ffi::OsString>> {
+    let (put_back, e, what) = match taken {
+        Taken::Trashed(t) => return Ok(Some(t)),
+        Taken::Deleted | Taken::Gone => return Ok(None),
+        Taken::Refused(e) => (
+            before.clone(),
+            e,
+            format!(
+                "nothing of image '{}' was removed; it is {} again",
+                held.name,
+                before.state_seen(false).as_str()
+            ),
+        ),
+        Taken::Partial(e) => {
+            let mut broken = before.clone();
+            broken.state = State::Incomplete;
+            broken.outcome = Some("removal failed half-way".into());
+            (
+                broken,
+                e,
+                format!(
+                    "image '{}' was deleted only in part and is now incomplete ('stowage gc' removes it once the cause is fixed)",
+                    held.name
+                ),
+            )
+        }
+    };
+    let _ = image_record::write_reserved(
+        held.guard.file(),
+        &mut held.seen,
+        &put_back,
+        &root.reserve(),
+    );
+    Err(e.context(what))
 }
 
 /// Finishes a removal a crash cut short, for an image whose `deleting`

@@ -148,84 +148,15 @@ impl Session {
         started: Instant,
     ) -> Result<Attempt> {
         let root = store.root().clone();
-        let slot = match &req.slot {
-            Some((class, prio)) => {
-                let reads: Vec<ImageName> = req.reads.clone();
-                crate::acquire::slot::take(
-                    store,
-                    class,
-                    *prio,
-                    req.deadline,
-                    req.no_wait,
-                    &req.command,
-                    &reads,
-                )?
-            }
-            None => None,
+        let slot = take_slot(store, req)?;
+        let images = match take_images(store, req, wanted)? {
+            Ok(images) => images,
+            Err(again) => return Ok(again),
         };
-        let mut images: Vec<Image> = Vec::with_capacity(wanted.len());
-        let mut waited_for = Vec::new();
-        for (name, role) in wanted {
-            let want = Want {
-                mode: if *role == Role::Read {
-                    Mode::Shared
-                } else {
-                    Mode::Exclusive
-                },
-                create: *role == Role::Write,
-                reading: *role == Role::ReadExclusive,
-                deadline: req.deadline,
-                no_wait: req.no_wait,
-                command: &req.command,
-                must_exist: &req.reads,
-            };
-            waited_for.push(name.clone());
-            match crate::acquire::image::take(store, name, &want) {
-                Ok(held) => images.push(Image {
-                    held,
-                    role: *role,
-                    before: None,
-                    record: None,
-                    made_tree: false,
-                }),
-                Err(e) => {
-                    give_up(&root, images, &waited_for);
-                    if is_no_such_image(&e) && crate::migrate::is_legacy(&root) {
-                        return Ok(Attempt::Legacy);
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        if images.iter().any(|i| i.held.seen.legacy) {
-            if crate::migrate::is_legacy(&root) {
-                give_up(&root, images, &[]);
-                return Ok(Attempt::Legacy);
-            }
-            // An older release's bytes in a store past it: put there, so
-            // the image's state is not known.
-            for i in images.iter_mut().filter(|i| i.held.seen.legacy) {
-                (i.held.seen.legacy, i.held.seen.damaged) = (false, true);
-            }
-        }
-        let gone = match settle_store_wide(&root, &mut images) {
-            Ok((Probe::Held, _)) => {
-                give_up(&root, images, &[]);
-                return Ok(Attempt::StoreWide);
-            }
-            Ok((_, gone)) => gone,
-            Err(e) => {
-                give_up(&root, images, &[]);
-                return Err(e);
-            }
+        let images = match settle_taken(&root, images)? {
+            Ok(images) => images,
+            Err(again) => return Ok(again),
         };
-        if let Err(e) = check_reads(&root, &images, &gone) {
-            give_up(&root, images, &[]);
-            if is_no_such_image(&e) && crate::migrate::is_legacy(&root) {
-                return Ok(Attempt::Legacy);
-            }
-            return Err(e);
-        }
         let mut session = Session {
             slot,
             images,
@@ -507,6 +438,103 @@ enum Attempt {
     StoreWide,
     /// The store is from a release before records: migrate, start over.
     Legacy,
+}
+
+/// The request's slot, if it asks for one (first in the lock order).
+fn take_slot(store: &Store, req: &Request) -> Result<Option<SlotGuard>> {
+    let Some((class, prio)) = &req.slot else {
+        return Ok(None);
+    };
+    crate::acquire::slot::take(
+        store,
+        class,
+        *prio,
+        req.deadline,
+        req.no_wait,
+        &req.command,
+        &req.reads,
+    )
+}
+
+/// Every image lock, in lock order, each with its record; `Ok(Err(_))`:
+/// start over once the store is migrated.
+fn take_images(
+    store: &Store,
+    req: &Request,
+    wanted: &[(ImageName, Role)],
+) -> Result<Result<Vec<Image>, Attempt>> {
+    let root = store.root();
+    let mut images: Vec<Image> = Vec::with_capacity(wanted.len());
+    let mut waited_for = Vec::new();
+    for (name, role) in wanted {
+        let want = Want {
+            mode: if *role == Role::Read {
+                Mode::Shared
+            } else {
+                Mode::Exclusive
+            },
+            create: *role == Role::Write,
+            reading: *role == Role::ReadExclusive,
+            deadline: req.deadline,
+            no_wait: req.no_wait,
+            command: &req.command,
+            must_exist: &req.reads,
+        };
+        waited_for.push(name.clone());
+        match crate::acquire::image::take(store, name, &want) {
+            Ok(held) => images.push(Image {
+                held,
+                role: *role,
+                before: None,
+                record: None,
+                made_tree: false,
+            }),
+            Err(e) => {
+                give_up(root, images, &waited_for);
+                if is_no_such_image(&e) && crate::migrate::is_legacy(root) {
+                    return Ok(Err(Attempt::Legacy));
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(Ok(images))
+}
+
+/// What the records of the images taken say of the attempt: an older
+/// release's store to migrate, someone else's store-wide hold to wait for,
+/// reads that cannot be. Anything but going on lets every lock go.
+fn settle_taken(root: &Root, mut images: Vec<Image>) -> Result<Result<Vec<Image>, Attempt>> {
+    if images.iter().any(|i| i.held.seen.legacy) {
+        if crate::migrate::is_legacy(root) {
+            give_up(root, images, &[]);
+            return Ok(Err(Attempt::Legacy));
+        }
+        // An older release's bytes in a store past it: put there, so the
+        // image's state is not known.
+        for i in images.iter_mut().filter(|i| i.held.seen.legacy) {
+            (i.held.seen.legacy, i.held.seen.damaged) = (false, true);
+        }
+    }
+    let gone = match settle_store_wide(root, &mut images) {
+        Ok((Probe::Held, _)) => {
+            give_up(root, images, &[]);
+            return Ok(Err(Attempt::StoreWide));
+        }
+        Ok((_, gone)) => gone,
+        Err(e) => {
+            give_up(root, images, &[]);
+            return Err(e);
+        }
+    };
+    if let Err(e) = check_reads(root, &images, &gone) {
+        give_up(root, images, &[]);
+        if is_no_such_image(&e) && crate::migrate::is_legacy(root) {
+            return Ok(Err(Attempt::Legacy));
+        }
+        return Err(e);
+    }
+    Ok(Ok(images))
 }
 
 /// The images to lock, in lock order (ascending ENC); a name both read and

@@ -99,23 +99,7 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
         holders.push_str("; and a writer waits ahead of new readers");
     }
     if want.no_wait {
-        // A probe by lock-status or a store-wide scan may have held it for
-        // a few microseconds: look once more before calling it busy.
-        match try_image(root, name, want.mode, want.create) {
-            Ok(Tried::Got(h)) => return Ok(*h),
-            // Removed meanwhile.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(Error::NoSuchImage(name.as_str().to_owned()).into());
-            }
-            Err(e) => return Err(err(e)),
-            Ok(_) => {}
-        }
-        return Err(Error::Busy(Busy {
-            what,
-            holders,
-            waited: Duration::ZERO,
-        })
-        .into());
+        return busy_now(root, name, want, what, holders);
     }
     let reread: crate::wait_line::Reread = {
         let (name, path, rel) = (name.as_str().to_owned(), path.clone(), rel.clone());
@@ -149,6 +133,32 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
         guard,
         seen,
     })
+}
+
+/// `--no-wait` and the lock busy: one more try (a probe by lock-status or
+/// a store-wide scan may have held it for a few microseconds), then busy.
+fn busy_now(
+    root: &Root,
+    name: &ImageName,
+    want: &Want,
+    what: String,
+    holders: String,
+) -> Result<Held> {
+    let path = root.image_lock(name);
+    match try_image(root, name, want.mode, want.create) {
+        Ok(Tried::Got(h)) => Ok(*h),
+        // Removed meanwhile.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(Error::NoSuchImage(name.as_str().to_owned()).into())
+        }
+        Err(e) => Err(lock::error(&format!("image '{name}'"), &path, e)),
+        Ok(_) => Err(Error::Busy(Busy {
+            what,
+            holders,
+            waited: Duration::ZERO,
+        })
+        .into()),
+    }
 }
 
 /// The error for a lock file whose record cannot be read (a FIFO or

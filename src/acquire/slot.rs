@@ -124,34 +124,10 @@ pub(crate) fn take(
     validate_class(class)?;
     let root = store.root();
     let dir = root.slot_class_dir(class);
-    if priority == Priority::Normal {
-        match try_first(root, class)? {
-            First::Got(g) => return Ok(Some(SlotGuard::new(g, class))),
-            First::Unlimited => return Ok(None),
-            First::Busy => {}
-        }
-    }
-    let mut limits = lookup(root, class)?;
-    if limits.limit == 0 {
-        return Ok(None);
-    }
-    let mut slots = Slots::new(&dir, &limits, priority);
-    for _ in 0..2 {
-        match slots.try_take(root, class)? {
-            Took::Slot(g) => {
-                settle_if_free(root, class, &limits);
-                return Ok(Some(SlotGuard::new(g, class)));
-            }
-            Took::Changed => {
-                limits = lookup(root, class)?;
-                if limits.limit == 0 {
-                    return Ok(None);
-                }
-                slots = Slots::new(&dir, &limits, priority);
-            }
-            Took::Busy => break,
-        }
-    }
+    let (limits, slots) = match try_now(root, class, priority, &dir)? {
+        Ok(got) => return Ok(got),
+        Err(busy) => busy,
+    };
     // All busy. If one of them is held by our enclosing command, we work
     // under its slot: waiting for another could wait for ourselves.
     let class_rel = root.locks_rel(&dir);
@@ -193,6 +169,45 @@ pub(crate) fn take(
     drop(line);
     let got = got?;
     Ok(got.map(|g| SlotGuard::new(g, class)))
+}
+
+/// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is
+/// unlimited), else the class's limits and files to wait on.
+fn try_now(
+    root: &Root,
+    class: &str,
+    priority: Priority,
+    dir: &Path,
+) -> Result<Result<Option<SlotGuard>, (Limits, Slots)>> {
+    if priority == Priority::Normal {
+        match try_first(root, class)? {
+            First::Got(g) => return Ok(Ok(Some(SlotGuard::new(g, class)))),
+            First::Unlimited => return Ok(Ok(None)),
+            First::Busy => {}
+        }
+    }
+    let mut limits = lookup(root, class)?;
+    if limits.limit == 0 {
+        return Ok(Ok(None));
+    }
+    let mut slots = Slots::new(dir, &limits, priority);
+    for _ in 0..2 {
+        match slots.try_take(root, class)? {
+            Took::Slot(g) => {
+                settle_if_free(root, class, &limits);
+                return Ok(Ok(Some(SlotGuard::new(g, class))));
+            }
+            Took::Changed => {
+                limits = lookup(root, class)?;
+                if limits.limit == 0 {
+                    return Ok(Ok(None));
+                }
+                slots = Slots::new(dir, &limits, priority);
+            }
+            Took::Busy => break,
+        }
+    }
+    Ok(Err((limits, slots)))
 }
 
 /// After a lowered limit, the first acquirer to find the files beyond it
@@ -285,28 +300,13 @@ fn wait_for_slot(
         if recheck {
             recheck = false;
             recheck_at = Instant::now() + every;
-            let now = match crate::slots::read_class(root, class)? {
-                Class::Limits(l) => l,
-                _ => {
-                    return Err(Error::Usage(format!(
-                        "slot class '{class}' was removed while waiting for it"
-                    ))
-                    .into());
+            match reread_class(store, class, &limits)? {
+                Reread::Same => {}
+                Reread::Unlimited => return Ok(lock::Waited::Acquired(None)),
+                Reread::Changed(now) => {
+                    limits = now;
+                    slots = Slots::new(dir, &limits, priority);
                 }
-            };
-            if now.limit == 0 {
-                store
-                    .ctx()
-                    .detail(&format!("slot class '{class}' is unlimited now"));
-                return Ok(lock::Waited::Acquired(None));
-            }
-            if now != limits {
-                store.ctx().detail(&format!(
-                    "slot class '{class}' changed: limit {}, {} reserved for high priority",
-                    now.limit, now.reserve
-                ));
-                limits = now;
-                slots = Slots::new(dir, &limits, priority);
             }
         }
         match slots.try_take(root, class) {
@@ -345,6 +345,41 @@ fn wait_for_slot(
             Woke::Timeout => recheck = Instant::now() >= recheck_at,
         }
     }
+}
+
+/// What the class says when a waiter reads it again.
+enum Reread {
+    Same,
+    Unlimited,
+    Changed(Limits),
+}
+
+/// Reads the class again for a waiter: removed is an error (exit 64),
+/// unlimited lets it in, a change binds it.
+fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Reread> {
+    let now = match crate::slots::read_class(store.root(), class)? {
+        Class::Limits(l) => l,
+        _ => {
+            return Err(Error::Usage(format!(
+                "slot class '{class}' was removed while waiting for it"
+            ))
+            .into());
+        }
+    };
+    if now.limit == 0 {
+        store
+            .ctx()
+            .detail(&format!("slot class '{class}' is unlimited now"));
+        return Ok(Reread::Unlimited);
+    }
+    if now == *limits {
+        return Ok(Reread::Same);
+    }
+    store.ctx().detail(&format!(
+        "slot class '{class}' changed: limit {}, {} reserved for high priority",
+        now.limit, now.reserve
+    ));
+    Ok(Reread::Changed(now))
 }
 
 enum Took {

@@ -34,8 +34,7 @@
 //!   [`FileSet`] open and sleeps on a [`Waker`] (inotify on the directory:
 //!   the last close of a lock file is its release), so a pids limit cannot
 //!   make the wait fail, and its tries open and close nothing that would
-//!   wake other waiters. [`acquire_any`] (a helper thread per file) remains for
-//!   library callers with a few files.
+//!   wake other waiters.
 //! - **Nested holds.** [`held_here`] finds a lock this process holds through
 //!   an inherited descriptor: the caller's enclosing command's hold, which a
 //!   wait must never wait for.
