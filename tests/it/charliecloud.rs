@@ -303,11 +303,11 @@ fn user() -> String {
         })
 }
 
-fn assert_ok(out: std::process::Output) {
+pub(crate) fn assert_ok(out: std::process::Output) {
     assert_ok_ref(&out);
 }
 
-fn assert_ok_ref(out: &std::process::Output) {
+pub(crate) fn assert_ok_ref(out: &std::process::Output) {
     assert_eq!(out.status.code(), Some(0), "{}", show(out));
 }
 
@@ -865,7 +865,9 @@ fn ch_build_explains_its_locks() {
         assert_ok_ref(&out);
         let plan = String::from_utf8_lossy(&out.stdout);
         assert!(
-            plan.contains("exec --wait 5 --read base --read tools --write app_stage0 --write app --"),
+            plan.contains(
+                "exec --wait 5 --read base --read tools --write app_stage0 --write app --"
+            ),
             "{}",
             show(&out)
         );
@@ -1179,7 +1181,11 @@ fn builds_from_a_base_without_a_cache_link_share_it() {
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
     assert_eq!(ch.env.state("bad").as_deref(), Some("incomplete"));
     assert_eq!(ch.env.state("mid").as_deref(), Some("ready"));
-    assert_eq!(snapshot(&ch.img("mid")), before, "a failed build wrote its base");
+    assert_eq!(
+        snapshot(&ch.img("mid")),
+        before,
+        "a failed build wrote its base"
+    );
 }
 
 /// A build whose Dockerfile is only `FROM mid` keeps, as its metadata, the

@@ -24,6 +24,8 @@
 //! - `filesystems`: where the images live — other filesystems, unmounted
 //!   ones, mounts inside trees, network and cluster filesystems
 //! - `charliecloud`, `runtimes`: stowage around real builders and runtimes
+//! - `wrapper_calls`: the scripts under `scripts/` called every way the
+//!   docs call them
 //! - `shell`: completion scripts and manual pages
 //! - `docs`: every example in the documentation runs
 //! - `stress`: a randomized torture run with an independent checker
@@ -64,3 +66,4 @@ mod status;
 mod store_wide;
 mod stress;
 mod viewpoints;
+mod wrapper_calls;
