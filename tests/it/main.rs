@@ -25,7 +25,8 @@
 //!   ones, mounts inside trees, network and cluster filesystems
 //! - `charliecloud`, `runtimes`: stowage around real builders and runtimes
 //! - `wrapper_calls`: the scripts under `scripts/` called every way the
-//!   docs call them
+//!   docs call them — the root named either way, `CARGO_TARGET_DIR`,
+//!   times with units, signals
 //! - `shell`: completion scripts and manual pages
 //! - `docs`: every example in the documentation runs
 //! - `stress`: a randomized torture run with an independent checker
