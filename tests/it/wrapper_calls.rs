@@ -433,6 +433,42 @@ fn a_signal_while_ch_delete_waits_deletes_nothing() {
     assert!(ch.img("app/bin/busybox").exists());
 }
 
+/// ch-bench, interrupted (SIGTERM to it, or Ctrl-C), stops every build it
+/// started and removes its directory.
+#[test]
+fn ch_bench_stops_its_builds_and_cleans_up_on_a_signal() {
+    let Some(ch) = Ch::new() else { return };
+    for (sig, to_group) in [(libc::SIGTERM, false), (libc::SIGINT, true)] {
+        let tmp = ch.env.tmp.path().join(format!("bench-{sig}"));
+        fs::create_dir(&tmp).unwrap();
+        let mut c = ch.command(format!("{SCRIPTS}/ch-bench"));
+        c.env("TMPDIR", &tmp).args(["--only", "stowage", "2", "1"]);
+        let bench = Bg::from_command(c);
+        wait_until("ch-bench's builds run", || {
+            fs::read_dir(&tmp)
+                .unwrap()
+                .flatten()
+                .any(|w| w.path().join("s/img/app1").exists())
+        });
+        if to_group {
+            bench.signal_group(sig);
+        } else {
+            bench.signal(sig);
+        }
+        let out = bench.finish();
+        assert_eq!(out.status.code(), Some(128 + sig), "{}", show(&out));
+        let needle = tmp.display().to_string();
+        wait_until("no build of ch-bench is left", || {
+            processes_mentioning(&needle).is_empty()
+        });
+        assert_eq!(
+            fs::read_dir(&tmp).unwrap().count(),
+            0,
+            "ch-bench left its directory"
+        );
+    }
+}
+
 /// The target directory the test binary was built in, and the host tuple:
 /// TARGET/HOST/debug/stowage.
 fn target_and_host() -> (PathBuf, String) {
