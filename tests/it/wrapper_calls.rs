@@ -478,17 +478,32 @@ fn target_and_host() -> (PathBuf, String) {
     (host_dir.parent().unwrap().to_owned(), host)
 }
 
-/// Cargo without what `cargo test` set for this test process, and with
-/// the target directory named `how`: (variable, value) or none.
-fn cargo_env(c: &mut Command, how: Option<(&str, &Path)>) {
-    for (k, _) in std::env::vars_os() {
-        let k = k.to_string_lossy().into_owned();
-        if k.contains("CARGO") && k != "CARGO_HOME" {
-            c.env_remove(&k);
+/// One way of telling Cargo where its target directory is: a name for
+/// it, the variable that says so (none: unset), and where the script runs.
+struct TargetDirGiven<'a> {
+    what: &'a str,
+    var: Option<(&'a str, &'a Path)>,
+    cwd: &'a Path,
+}
+
+impl TargetDirGiven<'_> {
+    /// `bash SCRIPT ARGS…` run this way, without what `cargo test` set for
+    /// this test process.
+    fn run(&self, script: &str, args: &[&Path]) -> Output {
+        let mut c = Command::new("bash");
+        c.arg(format!("{SCRIPTS}/{script}"))
+            .args(args)
+            .current_dir(self.cwd);
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy().into_owned();
+            if k.contains("CARGO") && k != "CARGO_HOME" {
+                c.env_remove(&k);
+            }
         }
-    }
-    if let Some((var, value)) = how {
-        c.env(var, value);
+        if let Some((var, value)) = self.var {
+            c.env(var, value);
+        }
+        output(c)
     }
 }
 
@@ -504,30 +519,34 @@ fn built_binary_names_the_binary_cargo_builds_however_the_target_dir_is_given() 
     let me = fs::canonicalize(env!("CARGO_BIN_EXE_stowage")).unwrap();
     let outside = target.parent().unwrap();
     let name = Path::new(target.file_name().unwrap());
-    let cases: [(&str, Option<(&str, &Path)>, &Path); 4] = [
-        (
-            "absolute",
-            Some(("CARGO_TARGET_DIR", &target)),
-            Path::new(REPO),
-        ),
-        ("relative", Some(("CARGO_TARGET_DIR", name)), outside),
-        (
-            "CARGO_BUILD_TARGET_DIR",
-            Some(("CARGO_BUILD_TARGET_DIR", &target)),
-            Path::new(REPO),
-        ),
-        ("unset", None, Path::new("/")),
+    let cases = [
+        TargetDirGiven {
+            what: "absolute",
+            var: Some(("CARGO_TARGET_DIR", &target)),
+            cwd: Path::new(REPO),
+        },
+        TargetDirGiven {
+            what: "relative",
+            var: Some(("CARGO_TARGET_DIR", name)),
+            cwd: outside,
+        },
+        TargetDirGiven {
+            what: "CARGO_BUILD_TARGET_DIR",
+            var: Some(("CARGO_BUILD_TARGET_DIR", &target)),
+            cwd: Path::new(REPO),
+        },
+        TargetDirGiven {
+            what: "unset",
+            var: None,
+            cwd: Path::new("/"),
+        },
     ];
-    for (what, how, cwd) in cases {
-        let mut c = Command::new("bash");
-        c.arg(format!("{SCRIPTS}/built-binary"))
-            .arg("debug")
-            .current_dir(cwd);
-        cargo_env(&mut c, how);
-        let out = output(c);
+    for given in cases {
+        let what = given.what;
+        let out = given.run("built-binary", &[Path::new("debug")]);
         assert_ok_ref(&out);
         let printed = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if how.is_some() {
+        if given.var.is_some() {
             assert_eq!(
                 fs::canonicalize(&printed).ok(),
                 Some(me.clone()),
@@ -583,30 +602,34 @@ fn install_and_smoke_work_however_the_target_dir_is_given() {
     let env = Env::new();
     // These scripts run Cargo from the repository's top, so a relative
     // CARGO_TARGET_DIR is relative to it.
-    let mut cases: Vec<(&str, Option<(&str, &Path)>, &Path)> = vec![(
-        "absolute",
-        Some(("CARGO_TARGET_DIR", &target)),
-        Path::new("/"),
-    )];
+    let mut cases = vec![TargetDirGiven {
+        what: "absolute",
+        var: Some(("CARGO_TARGET_DIR", &target)),
+        cwd: Path::new("/"),
+    }];
     match target.strip_prefix(REPO) {
         Ok(rel) => {
-            cases.push(("relative", Some(("CARGO_TARGET_DIR", rel)), Path::new(REPO)));
+            cases.push(TargetDirGiven {
+                what: "relative",
+                var: Some(("CARGO_TARGET_DIR", rel)),
+                cwd: Path::new(REPO),
+            });
             if rel == Path::new("target") {
-                cases.push(("unset", None, Path::new("/")));
+                cases.push(TargetDirGiven {
+                    what: "unset",
+                    var: None,
+                    cwd: Path::new("/"),
+                });
             }
         }
         Err(_) => eprintln!(
             "not run relative or unset: this build's target directory is outside the repository"
         ),
     }
-    for (what, how, cwd) in cases {
+    for given in &cases {
+        let what = given.what;
         let dest = env.tmp.path().join(what).join("bin");
-        let mut c = Command::new("bash");
-        c.arg(format!("{SCRIPTS}/install"))
-            .arg(&dest)
-            .current_dir(cwd);
-        cargo_env(&mut c, how);
-        let out = output(c);
+        let out = given.run("install", &[&dest]);
         assert_ok_ref(&out);
         let mut v = Command::new(dest.join("stowage"));
         v.arg("--version");
@@ -620,10 +643,7 @@ fn install_and_smoke_work_however_the_target_dir_is_given() {
             "{what}"
         );
 
-        let mut c = Command::new("bash");
-        c.arg(format!("{SCRIPTS}/smoke")).current_dir(cwd);
-        cargo_env(&mut c, how);
-        let out = output(c);
+        let out = given.run("smoke", &[]);
         assert_ok_ref(&out);
         assert!(
             String::from_utf8_lossy(&out.stdout).contains(&release.display().to_string()),
