@@ -18,14 +18,14 @@ use serde_json::Value;
 
 use crate::common::*;
 
-const CH_BUILD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ch-build");
-const CH_DELETE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ch-delete");
+pub(crate) const CH_BUILD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ch-build");
+pub(crate) const CH_DELETE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ch-delete");
 
 /// A store whose images live in a Charliecloud storage directory.
-struct Ch {
-    env: Env,
-    storage: PathBuf,
-    ctx: PathBuf,
+pub(crate) struct Ch {
+    pub(crate) env: Env,
+    pub(crate) storage: PathBuf,
+    pub(crate) ctx: PathBuf,
     /// ch-build runs with an `unshare` that always fails, as on a host
     /// where no user or mount namespace can be made ([`Ch::no_namespaces`]).
     no_ns: std::cell::Cell<bool>,
@@ -34,7 +34,16 @@ struct Ch {
 impl Ch {
     /// Storage with the base image `base` imported and adopted, or `None`
     /// (after saying why) where this machine cannot build with ch-image.
-    fn new() -> Option<Ch> {
+    pub(crate) fn new() -> Option<Ch> {
+        let ch = Ch::unadopted()?;
+        ch.adopt();
+        Some(ch)
+    }
+
+    /// Storage with the base image `base` imported that no stowage root
+    /// keeps yet (the store's root does not exist), or `None` as for
+    /// [`Ch::new`].
+    pub(crate) fn unadopted() -> Option<Ch> {
         let ch = Ch::empty();
         if let Some(why) = ch.missing_tools() {
             eprintln!("skipping: {why}");
@@ -73,7 +82,7 @@ impl Ch {
     /// From now on ch-build finds an `unshare` that fails: it cannot give a
     /// build a private copy of a base's ch/, and locks an unlinked base
     /// exclusively instead.
-    fn no_namespaces(&self) {
+    pub(crate) fn no_namespaces(&self) {
         let dir = self.env.tmp.path().join("no-unshare");
         fs::create_dir_all(&dir).unwrap();
         let f = dir.join("unshare");
@@ -160,6 +169,10 @@ impl Ch {
         let mut import = self.ch_image(["import"]);
         import.arg(&tarball).arg("base");
         assert_ok(output(import));
+    }
+
+    /// `stowage init --images-dir STORAGE/img`, adopting `base`.
+    fn adopt(&self) {
         let out = self.env.ok([
             OsStr::new("init"),
             OsStr::new("--images-dir"),
@@ -171,7 +184,7 @@ impl Ch {
     /// A command with what ch-image needs (Debian's python first in PATH,
     /// $USER, a git identity for cache-mode imports) and the built stowage
     /// in PATH, for `scripts/ch-build`.
-    fn command(&self, prog: impl AsRef<OsStr>) -> Command {
+    pub(crate) fn command(&self, prog: impl AsRef<OsStr>) -> Command {
         let mut c = Command::new(prog);
         let bin_dir = Path::new(bin()).parent().unwrap();
         let path = std::env::var("PATH").unwrap_or_default();
@@ -205,7 +218,7 @@ impl Ch {
     }
 
     /// `scripts/ch-build ARGS… CTX`.
-    fn ch_build<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> Command {
+    pub(crate) fn ch_build<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&self, args: I) -> Command {
         let mut c = self.ch_build_command();
         c.args(args).arg(&self.ctx);
         c
@@ -231,30 +244,30 @@ impl Ch {
     }
 
     /// `scripts/ch-build -t TAG --build-arg ID=ID` in the background.
-    fn build(&self, tag: &str, id: &str) -> Bg {
+    pub(crate) fn build(&self, tag: &str, id: &str) -> Bg {
         Bg::from_command(self.ch_build(["-t", tag, "--build-arg", &format!("ID={id}")]))
     }
 
-    fn dockerfile(&self, name: &str, text: &str) -> String {
+    pub(crate) fn dockerfile(&self, name: &str, text: &str) -> String {
         let p = self.ctx.join(name);
         fs::write(&p, text).unwrap();
         p.display().to_string()
     }
 
     /// An image's directory (names here need no encoding).
-    fn img(&self, name: &str) -> PathBuf {
+    pub(crate) fn img(&self, name: &str) -> PathBuf {
         self.storage.join("img").join(name)
     }
 
-    fn wait_started(&self, tag: &str, id: &str) {
+    pub(crate) fn wait_started(&self, tag: &str, id: &str) {
         wait_for_file(&self.img(tag).join(format!("started-{id}")));
     }
 
-    fn go(&self, tag: &str, id: &str) {
+    pub(crate) fn go(&self, tag: &str, id: &str) {
         fs::write(self.img(tag).join(format!("go-{id}")), "").unwrap();
     }
 
-    fn file(&self, tag: &str, path: &str) -> String {
+    pub(crate) fn file(&self, tag: &str, path: &str) -> String {
         fs::read_to_string(self.img(tag).join(path))
             .unwrap_or_else(|e| panic!("{tag}:/{path}: {e}"))
             .trim()
@@ -303,17 +316,17 @@ fn user() -> String {
         })
 }
 
-fn assert_ok(out: std::process::Output) {
+pub(crate) fn assert_ok(out: std::process::Output) {
     assert_ok_ref(&out);
 }
 
-fn assert_ok_ref(out: &std::process::Output) {
+pub(crate) fn assert_ok_ref(out: &std::process::Output) {
     assert_eq!(out.status.code(), Some(0), "{}", show(out));
 }
 
 /// A Dockerfile FROM `base` whose RUN records its build argument ID, then
 /// waits (bounded, 60 s) until the test writes `/go-ID` into the image.
-fn gated(base: &str) -> String {
+pub(crate) fn gated(base: &str) -> String {
     format!(
         "FROM {base}\nARG ID\n\
          RUN echo \"$ID\" > /id && touch \"/started-$ID\" && i=0 && \
@@ -1063,27 +1076,6 @@ fn ch_delete_locks_and_forgets_the_stage_images() {
     assert_eq!(ch.ch_list(), ["base"]);
     let out = output(ch.stowage(["exec", "--read", "multi_stage0", "--", "true"]));
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
-}
-
-/// SIGTERM to ch-build stops the build — stowage, ch-image and the RUN
-/// step — and the image is left incomplete with its lock free.
-#[test]
-fn sigterm_to_ch_build_stops_the_whole_build() {
-    let Some(ch) = Ch::new() else { return };
-    ch.dockerfile("Dockerfile", &gated("base"));
-    let b = ch.build("app", "term-7731");
-    ch.wait_started("app", "term-7731");
-    b.signal(libc::SIGTERM);
-    let out = b.finish();
-    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
-    // No process of the build is left (the RUN step's command line holds
-    // its ID), and none writes the image any more.
-    wait_until("no process of the build is left", || {
-        processes_mentioning("term-7731").is_empty()
-    });
-    assert!(flock_free(&ch.env.lock_file("app")));
-    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
-    assert!(ch.img("app/started-term-7731").exists());
 }
 
 /// A base locked exclusively (not linked to the build cache) counts as used

@@ -28,6 +28,9 @@
 //! - `filesystems`: where the images live — other filesystems, unmounted
 //!   ones, mounts inside trees, network and cluster filesystems
 //! - `charliecloud`, `runtimes`: stowage around real builders and runtimes
+//! - `wrapper_calls`: the scripts under `scripts/` called every way the
+//!   docs call them — the root named either way, `CARGO_TARGET_DIR`,
+//!   times with units, signals
 //! - `shell`: completion scripts and manual pages
 //! - `docs`: every example in the documentation runs
 //! - `stress`: a randomized torture run with an independent checker
@@ -71,3 +74,4 @@ mod stress;
 mod viewpoints;
 mod wait_chains;
 mod wait_line;
+mod wrapper_calls;

@@ -1,0 +1,143 @@
+# shellcheck shell=bash
+# What scripts/ch-build and scripts/ch-delete share, sourced by both (they
+# set $me, their name in messages, and the array stowage=(stowage [--root
+# DIR])): the storage directory and the stowage root that keeps its images,
+# times given on the command line, and running stowage so that signals
+# reach what it runs. A library, not a program: it defines, and runs nothing.
+# shellcheck disable=SC2154  # $me, $task, stowage: the wrapper's
+
+fail() {
+    echo "$me: $2" >&2
+    exit "$1"
+}
+
+# Sets S from $CH_IMAGE_STORAGE: absolute, and a storage directory already
+# (ch-image would initialise a missing one; a wrapper must not).
+storage_dir() {
+    S=${CH_IMAGE_STORAGE:-}
+    case $S in
+        /*) ;;
+        '') fail 64 'CH_IMAGE_STORAGE is not set (the storage directory, absolute)' ;;
+        *) fail 64 "CH_IMAGE_STORAGE must be absolute: $S" ;;
+    esac
+    [ -d "$S/img" ] || fail 66 "$S is not a Charliecloud storage directory (no $S/img); set it up first (docs/charliecloud.md)"
+}
+
+# Sets root (absolute) to the stowage root, which must keep its images in
+# $S/img: locks in another root protect nothing. `stowage slots` asks first,
+# reading only, so that a mistyped root is refused and not created; then an
+# exec with no image (which creates nothing in an existing root) names the
+# root and its images directory, and checks the --wait value ($1, may be
+# empty) with stowage's own parser. Every command suggested here works as
+# typed, however the root was named.
+stowage_root() {
+    local named err rc where dir n own fix
+    named=${root_opt:-${STOWAGE_ROOT:-}}
+    err=$("${stowage[@]}" slots 2>&1 >/dev/null)
+    rc=$?
+    case $rc in
+        0) ;;
+        66) # no such root
+            fix="stowage${named:+ --root $(printf %q "$named")} init --images-dir $(printf %q "$S/img")"
+            fail 64 "the stowage root ${named:-(the default one)} does not exist (mistyped?); to keep this storage directory's locks there, run: $fix" ;;
+        *) fail "$rc" "cannot ask stowage about its root: $err" ;;
+    esac
+    # shellcheck disable=SC2016  # expanded by that sh
+    where=$("${stowage[@]}" exec ${1:+--wait "$1"} -- sh -c 'printf "%s\n%s" "$STOWAGE_ROOT" "$STOWAGE_IMAGES_DIR"') || exit
+    root=${where%%$'\n'*} dir=${where#*$'\n'}
+    [ "$dir" -ef "$S/img" ] && return
+    n=$("${stowage[@]}" images --json | grep -o '"name":' | wc -l)
+    if [ "$n" = 0 ]; then
+        fix="stowage --root $(printf %q "$root") init --images-dir $(printf %q "$S/img")"
+        fail 64 "the stowage root $root keeps its images in $dir, not in $S/img, so its locks would not protect this storage directory; run: $fix"
+    fi
+    # init refuses to move a root's images; a root of its own for this
+    # storage directory, beside it, works (init names the root that keeps
+    # $S/img already, if one does).
+    own=${S%/}.stowage
+    fix="stowage --root $(printf %q "$own") init --images-dir $(printf %q "$S/img")"
+    fail 64 "the stowage root $root keeps images of its own ($n) in $dir, not in $S/img, so its locks would not protect this storage directory; name the root that keeps $S/img (--root or STOWAGE_ROOT), or make one: $fix"
+}
+
+# Milliseconds in a time that stowage has accepted: a number (fractional
+# allowed) and an optional unit (500ms, 10s, 1.5m, 2h, 1d; bare seconds), as
+# stowage reads --wait. Wrappers have stowage check the value first
+# (stowage_root), so stowage's message refuses a bad one; this converts for
+# the waits a wrapper does itself. Integers only: no awk or bc, whose
+# comparisons of "1m" or "500ms" are of strings.
+time_ms() {
+    local t=$1 number unit whole frac scale
+    t=${t//[[:space:]]/}
+    number=${t%%[[:alpha:]]*}
+    unit=${t#"$number"}
+    case $unit in
+        '' | s | sec | secs) scale=1000 ;;
+        ms) scale=1 ;;
+        m | min | mins) scale=60000 ;;
+        h) scale=3600000 ;;
+        d) scale=86400000 ;;
+        *) return 1 ;;
+    esac
+    number=${number#[+-]}
+    [[ $number =~ ^[0-9]*(\.[0-9]*)?$ && $number == *[0-9]* ]] || return 1
+    whole=${number%%.*} frac=
+    [[ $number != *.* ]] || frac=${number#*.}
+    frac=${frac}000000
+    echo $(((10#${whole:-0} * 1000000 + 10#${frac:0:6}) * scale / 1000000))
+}
+
+# Milliseconds as seconds for people and for stowage's --wait: 60, 0.5.
+seconds() {
+    local s=$(($1 / 1000)) f
+    f=$(printf %03d $(($1 % 1000)))
+    while [[ $f == *0 ]]; do f=${f%0}; done
+    echo "$s${f:+.$f}"
+}
+
+# Milliseconds since boot: a clock that no change of the date moves.
+uptime_ms() {
+    local up
+    read -r up _ </proc/uptime
+    echo $((10#${up//./} * 10))
+}
+
+# From now on, signals to the wrapper go to the stowage it runs
+# (run_child), which forwards them to its command; with no stowage running,
+# they end the wrapper at once, with 128+N, saying that nothing was done
+# ($task names the work). $signalled keeps the last one, for the wrapper's
+# report.
+forward_signals() {
+    local sig
+    child='' signalled=''
+    for sig in TERM INT HUP QUIT; do
+        # shellcheck disable=SC2064  # the signal's name, fixed now
+        trap "on_signal $sig" "$sig"
+    done
+}
+on_signal() {
+    # shellcheck disable=SC2034  # the wrapper's report reads it
+    signalled=$1
+    if [ -n "$child" ]; then
+        kill -s "$1" "$child" 2>/dev/null
+    else
+        fail $((128 + $(kill -l "$1"))) "stopped by SIG$1 before $task started: nothing was changed"
+    fi
+}
+
+# Runs a command as $child and returns its status. It starts with default
+# dispositions (a non-interactive shell's background job would otherwise
+# ignore SIGINT and SIGQUIT), in the background so that our traps run while
+# it does; no job control, so the shell reports nothing of it.
+run_child() {
+    env --default-signal=INT,QUIT,TERM,HUP "$@" &
+    child=$!
+    local rc
+    # wait returns early (>128) when a trapped signal arrives: wait again.
+    while :; do
+        wait "$child"
+        rc=$?
+        kill -0 "$child" 2>/dev/null || break
+    done
+    child=
+    return $rc
+}
