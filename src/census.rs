@@ -62,12 +62,11 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
         if e.kind != libc::DT_REG && e.kind != libc::DT_UNKNOWN {
             continue;
         }
+        // Only a regular file (the open checks): whatever else is planted
+        // under a lock file's name is no record (doctor reports it).
         let Ok(f) = dir.open_read(file) else {
             continue;
         };
-        if !f.metadata().is_ok_and(|m| m.is_file()) {
-            continue;
-        }
         let seen = image_record::read(&f)
             .unwrap_or_default()
             .of(|n| crate::root::is_lock_file_of(file, n));

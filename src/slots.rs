@@ -142,8 +142,18 @@ pub fn read_class(root: &Root, class: &str) -> Result<Class> {
             )
         }),
         Ok(None) => Ok(Class::None),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => Ok(Class::None),
-        Err(e) => Err(e).with_context(|| format!("cannot open {}", path.display())),
+        Err(e) => Err(planted_or(&path, class, e)),
+    }
+}
+
+/// The error for a class file that cannot be opened: one planted in its
+/// place names itself and the fix; anything else names the file.
+fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
+    let e = crate::planted::at(path, e);
+    if crate::planted::find(&e).is_some() {
+        anyhow::anyhow!("slot class '{class}': {e}")
+    } else {
+        anyhow::Error::new(e).context(format!("cannot open {}", path.display()))
     }
 }
 
@@ -203,12 +213,7 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: u32) -> Result<(
     let dir = make_class_dir(&root, class)?;
     let zero = dir
         .open_rw(Kind::Normal(0).file_name(), true)
-        .with_context(|| {
-            format!(
-                "cannot open {}",
-                root.slot_class_dir(class).join("0.lock").display()
-            )
-        })?;
+        .map_err(|e| planted_or(&root.slot_class_dir(class).join("0.lock"), class, e))?;
     let before = match slot_limits::read(&zero, class)? {
         Class::Limits(l) => Some(l),
         _ => None,

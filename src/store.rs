@@ -244,28 +244,12 @@ pub(crate) fn set_aside_file(
         .file_name()
         .and_then(|n| n.to_str())
         .context("not a file of the root")?;
-    let stamp = crate::clock::rfc3339(crate::clock::now_ms())
-        .unwrap_or_default()
-        .replace(':', "");
-    for n in 0..100 {
-        let aside = match n {
-            0 => format!("{name}.{why}-{stamp}"),
-            n => format!("{name}.{why}-{stamp}-{n}"),
-        };
-        if dir.stat_at(&aside)?.is_some() {
-            continue;
-        }
-        return match dir.rename_to(name, &dir, &aside) {
-            // Set aside by another process meanwhile: as good.
-            Ok(()) => Ok(root.dir().join(aside)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(root.dir().join(aside)),
-            Err(e) => Err(e).with_context(|| format!("cannot set {} aside", path.display())),
-        };
+    match dir.set_aside(name, why) {
+        Ok(aside) => Ok(root.dir().join(aside)),
+        // Set aside by another process meanwhile: as good.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(path.to_owned()),
+        Err(e) => Err(e).with_context(|| format!("cannot set {} aside", path.display())),
     }
-    anyhow::bail!(
-        "cannot set {} aside: too many set aside already",
-        path.display()
-    )
 }
 
 /// Names the catalog in an SQLite error, and turns SQLite's lock held by an

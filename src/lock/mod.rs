@@ -269,15 +269,36 @@ pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
 
 /// Opens a lock file: read-write, close-on-exec, never through a symlink,
 /// and never blocking (a FIFO planted in its place would block a plain
-/// open; a directory or socket fails to open).
+/// open). What is refused for its type (a symlink, a directory, a socket)
+/// is a `planted::NotAFile` naming the path; a FIFO opens, and is refused
+/// by the type check after locking ([`still_linked`]) or before a wait.
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     OpenOptions::new()
         .read(true)
         .write(true)
         .create(missing == IfMissing::Create)
         .mode(0o666)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .custom_flags(crate::planted::FLAGS)
         .open(path)
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::PermissionDenied => io::Error::new(
+                e.kind(),
+                Denied {
+                    path: path.to_owned(),
+                    cause: e,
+                },
+            ),
+            _ => crate::planted::refused(path, e),
+        })
+}
+
+/// A lock file that permissions kept us from opening, with its path: the
+/// message names it, whichever lock the caller was after.
+#[derive(Debug, thiserror::Error)]
+#[error("{cause}")]
+struct Denied {
+    path: PathBuf,
+    cause: io::Error,
 }
 
 /// Takes a shared flock on a directory descriptor without waiting: only
@@ -369,6 +390,9 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
         Err(e) if is_stale(&e) => return Ok(None),
         Err(e) => return Err(e),
     };
+    // The stat this check makes anyway says what was locked: a FIFO
+    // planted under a lock file's name is refused here, naming it.
+    crate::planted::check_mode(path, ours.mode())?;
     if ours.nlink() == 0 {
         return Ok(None);
     }
@@ -380,7 +404,7 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
             Err(e)
                 if e.kind() == io::ErrorKind::NotFound
                     || is_stale(&e)
-                    || e.raw_os_error() == Some(libc::ELOOP) =>
+                    || crate::planted::find(&e).is_some() =>
             {
                 return Ok(None);
             }
@@ -573,6 +597,11 @@ pub fn acquire_any(
         if files.len() < paths.len() {
             // Some file was a ghost: start over with fresh opens.
             continue;
+        }
+        // Before a wait (off the fast path): a FIFO someone else has locked
+        // is refused now, naming it, rather than waited for.
+        for (i, f) in &files {
+            crate::planted::check(&paths[*i], f)?;
         }
         let refs: Vec<&File> = files.iter().map(|(_, f)| f).collect();
         let blocked = match block_any(&refs, mode, wait) {
@@ -826,6 +855,8 @@ pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         // NFS: unlinked on the server since the lookup.
         Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(None),
+        // Planted under a lease's name: no owner can hold it.
+        Err(e) if crate::planted::find(&e).is_some() => return Ok(None),
         Err(e) => return Err(e),
     };
     if flock_try(&file, Mode::Shared)? {
@@ -852,13 +883,21 @@ pub fn opens_conflict(path: &Path) -> io::Result<bool> {
 pub struct FileSet {
     paths: Vec<PathBuf>,
     files: Vec<Option<File>>,
+    /// Files found not to be regular files (planted): no slot, never held.
+    skip: Vec<bool>,
     mode: Mode,
 }
 
 impl FileSet {
     pub fn new(paths: Vec<PathBuf>, mode: Mode) -> FileSet {
         let files = paths.iter().map(|_| None).collect();
-        FileSet { paths, files, mode }
+        let skip = vec![false; paths.len()];
+        FileSet {
+            paths,
+            files,
+            skip,
+            mode,
+        }
     }
 
     pub fn paths(&self) -> &[PathBuf] {
@@ -878,11 +917,18 @@ impl FileSet {
         wanted: impl Fn(usize) -> bool,
     ) -> io::Result<Option<(usize, Guard)>> {
         for i in 0..self.paths.len() {
-            if !wanted(i) {
+            if !wanted(i) || self.skip[i] {
                 continue;
             }
             if self.files[i].is_none() {
-                self.files[i] = Some(open(&self.paths[i], IfMissing::Create)?);
+                match open(&self.paths[i], IfMissing::Create) {
+                    Ok(f) => self.files[i] = Some(f),
+                    // Only a regular file is a slot: something planted
+                    // under a slot's name is no slot to take (doctor
+                    // reports it), and stops no other.
+                    Err(e) if crate::planted::find(&e).is_some() => continue,
+                    Err(e) => return Err(e),
+                }
             }
             let file = self.files[i].as_ref().expect("opened above");
             match flock_try(file, self.mode) {
@@ -895,8 +941,19 @@ impl FileSet {
                 Err(e) => return Err(e),
             }
             let file = self.files[i].take().expect("opened above");
-            if let Some(linked) = still_linked(&file, &self.paths[i])? {
-                return Ok(Some((i, guard(file, &self.paths[i], self.mode, linked))));
+            match still_linked(&file, &self.paths[i]) {
+                Ok(Some(linked)) => {
+                    return Ok(Some((i, guard(file, &self.paths[i], self.mode, linked))));
+                }
+                Ok(None) => {}
+                // A FIFO: kept open (closing it would wake the waiters), so
+                // it is not opened and refused again at every try.
+                Err(e) if crate::planted::find(&e).is_some() => {
+                    let _ = FileExt::unlock(&file);
+                    self.files[i] = Some(file);
+                    self.skip[i] = true;
+                }
+                Err(e) => return Err(e),
             }
         }
         Ok(None)
@@ -914,17 +971,24 @@ impl FileSet {
 
     /// How many of the files that `include` accepts someone holds right now,
     /// asked through our own descriptors (no open or close that would wake
-    /// other waiters). Missing files count as free and are not created.
+    /// other waiters). Missing files count as free and are not created;
+    /// what is not a regular file (planted) is no slot, and counts as free.
     pub fn held_count(&mut self, include: impl Fn(usize) -> bool) -> io::Result<usize> {
         let mut held = 0;
         for i in 0..self.paths.len() {
-            if !include(i) {
+            if !include(i) || self.skip[i] {
                 continue;
             }
             if self.files[i].is_none() {
-                match open(&self.paths[i], IfMissing::Fail) {
+                let opened = open(&self.paths[i], IfMissing::Fail)
+                    .and_then(|f| crate::planted::check(&self.paths[i], &f).map(|()| f));
+                match opened {
                     Ok(f) => self.files[i] = Some(f),
                     Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) if crate::planted::find(&e).is_some() => {
+                        self.skip[i] = true;
+                        continue;
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -942,6 +1006,11 @@ impl FileSet {
 /// Wraps a lock failure: "locking is unavailable here" is typed (exit 69);
 /// anything else names the lock and the file.
 pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error {
+    // The file that is wrong is named by the error itself: it may be
+    // another than `path` (an image's gate, taken on the way to its lock).
+    if let Some(planted) = crate::planted::find(&e) {
+        return anyhow::anyhow!("cannot lock {what}: {planted}");
+    }
     if crate::error::locking_unavailable(&e) {
         crate::error::Error::LockingUnavailable {
             what: what.to_owned(),
@@ -949,12 +1018,12 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
             cause: e,
         }
         .into()
-    } else if e.raw_os_error() == Some(libc::ELOOP) {
-        anyhow::anyhow!(
-            "cannot lock {what}: {} is a symlink; refusing to follow it",
-            path.display()
-        )
     } else if e.kind() == io::ErrorKind::PermissionDenied {
+        let denied = e.get_ref().and_then(|d| d.downcast_ref::<Denied>());
+        let path = denied.map_or(path, |d| d.path.as_path());
+        if let Some(why) = mode_taken_away(path) {
+            return anyhow::anyhow!("cannot lock {what}: {}: {e}; {why}", path.display());
+        }
         anyhow::anyhow!(
             "cannot lock {what} ({}): {e} — you may not write this store{}; every stowage command, even one that only reads, locks files in the root (opened for writing, as NFS requires) and drops stale records as it reads, so there is no read-only view: a store for several users must be shared with a group (a group-writable setgid root, with them in its group)",
             path.display(),
@@ -963,6 +1032,29 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
     } else {
         anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
     }
+}
+
+/// For a lock file we may not open in a directory we may write: its mode
+/// was taken away (a `chmod` by its owner, or a file planted so), and what
+/// to do about it. `None` when the directory is not ours to write either
+/// (then the store is not, and the caller says so).
+fn mode_taken_away(path: &Path) -> Option<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = std::ffi::CString::new(path.parent()?.as_os_str().as_bytes()).ok()?;
+    // SAFETY: a valid C string; access(2) only reads it.
+    if unsafe { libc::access(dir.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return None;
+    }
+    let m = fs::symlink_metadata(path).ok()?;
+    let fix = if m.uid() == nix::unistd::geteuid().as_raw() {
+        "'stowage doctor --repair' gives it back its mode".to_owned()
+    } else {
+        format!("it belongs to uid {}, who may 'chmod 666' it", m.uid())
+    };
+    Some(format!(
+        "it is mode {:03o}, not readable and writable by you; {fix}",
+        m.mode() & 0o7777
+    ))
 }
 
 /// " (DIR is owned by uid U, group G, mode M)" for the directory holding
@@ -1092,7 +1184,7 @@ mod tests {
             IfMissing::Create,
         )
         .unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::ELOOP));
+        assert_eq!(crate::planted::find(&e).map(|n| n.kind), Some("a symlink"));
         assert!(!target.exists());
     }
 
