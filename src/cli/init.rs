@@ -50,6 +50,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .collect();
     let orphans = adopt::orphans(&images, &dir, &named)?;
     let adopted = adopt::adopt(&root, &config, &orphans, how)?;
+    for why in &adopted.left {
+        store.ctx().say(&format!("not adopting {why}"));
+    }
+    let adopted = adopted.names.len();
     // This is the images directory from now on (accepting a remount).
     crate::images_dir::record_identity(&root, &mut config, true)?;
     for (entry, why) in &orphans.skipped {

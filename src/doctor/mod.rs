@@ -29,6 +29,8 @@ use crate::name::ImageName;
 use crate::remove;
 use crate::store::Store;
 
+mod files;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     Ok,
@@ -285,6 +287,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         report.healthy = false;
         return Ok(report);
     }
+    files::check(&root, repair, store.ctx().shared(), &mut report);
 
     let (status, detail) = catalog(store, repair)?;
     report.add("catalog", status, detail);
@@ -666,8 +669,17 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             .map(|(n, _)| n.as_str().to_owned())
             .collect();
         if repair {
-            let n = adopt::adopt(&root, &config, &orphans, Adopt::Unknown)?;
-            report.add("images", Verdict::Repaired, format!("adopted {n} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", list(&names)));
+            let done = adopt::adopt(&root, &config, &orphans, Adopt::Unknown)?;
+            if !done.names.is_empty() {
+                report.add("images", Verdict::Repaired, format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
+            }
+            for why in done.left {
+                report.add(
+                    "images",
+                    Verdict::Problem,
+                    format!("cannot adopt the tree without a record {why}"),
+                );
+            }
         } else {
             report.add(
                 "images",

@@ -21,6 +21,8 @@
 //! - `signals`: signals and crashes of stowage, its command and its waiters
 //! - `hostile`: a hostile or broken environment — planted links, foreign
 //!   roots, read-only and full filesystems, outside programs
+//! - `planted_files`: FIFOs, links, directories, sockets where stowage
+//!   keeps a file of its own, each case on its own
 //! - `filesystems`: where the images live — other filesystems, unmounted
 //!   ones, mounts inside trees, network and cluster filesystems
 //! - `charliecloud`, `runtimes`: stowage around real builders and runtimes
@@ -53,6 +55,7 @@ mod leases;
 mod locking;
 mod migration;
 mod names;
+mod planted_files;
 mod record_crashes;
 mod rm;
 mod round_trips;
