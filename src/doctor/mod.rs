@@ -29,6 +29,7 @@ use crate::name::ImageName;
 use crate::remove;
 use crate::store::Store;
 
+mod configuration;
 mod files;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,11 +289,14 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         return Ok(report);
     }
     files::check(&root, repair, store.ctx().shared(), &mut report);
+    let configured = configuration::check(&root, repair, &mut report)?;
 
     let (status, detail) = catalog(store, repair)?;
     report.add("catalog", status, detail);
     records(store, repair, &mut report)?;
-    trees(store, repair, &mut report)?;
+    if configured {
+        trees(store, repair, &mut report)?;
+    }
     leftovers(store, repair, &mut report)?;
     if status != Verdict::Problem {
         // The catalog made to say what the records say now.
