@@ -859,6 +859,45 @@ fn a_stuck_global_lock_holder_stops_no_exec() {
     assert!(err.contains("flock"), "names the holder: {err}");
 }
 
+/// A listing and gc need the catalog only for what it caches (sizes,
+/// lineage for display): with the global lock held by a stuck process
+/// (flock(1) by hand, a stopped stowage) they go on from the images'
+/// records after a bounded wait, saying so in one line naming the lock
+/// and its holder, and gc still removes what the records let it.
+#[test]
+fn images_and_gc_do_without_a_catalog_whose_lock_a_stuck_process_holds() {
+    let env = Env::new();
+    env.make_image("a");
+    let failed = env.run_sh("failed", "exit 3");
+    assert_eq!(code(&failed), Some(3), "{}", show(&failed));
+    let started = env.sentinel("started");
+    let stuck = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 120");
+    for args in [&["images"][..], &["gc"]] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.trim_end().lines().count() == 1
+                && err.contains("locks/global.lock")
+                && err.contains("flock")
+                && err.contains("without the catalog"),
+            "{args:?}: {err}"
+        );
+    }
+    assert!(
+        !env.lock_file("failed").exists() && !env.images_dir().join("failed").exists(),
+        "gc removed the failed image"
+    );
+    let out = env.run(["images"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("a "),
+        "{}",
+        show(&out)
+    );
+    stuck.kill_all();
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+}
+
 #[test]
 fn a_database_switched_to_wal_by_an_outside_program_is_switched_back() {
     // WAL needs shared memory that NFS cannot share: never keep it.
