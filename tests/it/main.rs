@@ -21,6 +21,8 @@
 //! - `signals`: signals and crashes of stowage, its command and its waiters
 //! - `hostile`: a hostile or broken environment — planted links, foreign
 //!   roots, read-only and full filesystems, outside programs
+//! - `bare_environment`: no `USER`, a uid without a password entry, a
+//!   standard output that cannot be written
 //! - `planted_files`: FIFOs, links, directories, sockets where stowage
 //!   keeps a file of its own, each case on its own
 //! - `filesystems`: where the images live — other filesystems, unmounted
@@ -40,6 +42,7 @@
 mod common;
 
 mod across_hosts;
+mod bare_environment;
 mod catalog_loss;
 mod charliecloud;
 mod clone;
