@@ -126,13 +126,11 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return parse_failure(e, &args),
     };
-    if !matches!(cli.command, Command::Exec(_)) {
-        // A listing piped into `head` ends quietly when the reader goes
-        // away, as Unix tools do, instead of panicking on EPIPE. (exec keeps
-        // SIGPIPE ignored: it must survive to record its command's outcome.)
-        // SAFETY: restores the default action; no handler is involved.
-        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    }
+    // SIGPIPE stays ignored (as the Rust runtime sets it), for every
+    // command: an exec must survive a reader gone to record its command's
+    // outcome, and a listing whose reader went away fails as any other
+    // output error does — one line, exit 1 ([`print`]) — rather than die
+    // of a signal with nothing said.
     let result = run(cli);
     // Every lock of ours is closed by now: the lease goes too (one unlink).
     crate::lease::retire();
@@ -149,7 +147,9 @@ fn run(cli: Cli) -> Result<u8> {
     // These describe the program, not a store: no root is looked at.
     match &cli.command {
         Command::Completions { shell } => {
-            shell::write_completions(shell, &mut std::io::stdout().lock())?;
+            let mut script = Vec::new();
+            shell::write_completions(shell, &mut script)?;
+            print(&String::from_utf8_lossy(&script))?;
             return Ok(0);
         }
         Command::Man { dir } => {
@@ -200,9 +200,10 @@ fn run(cli: Cli) -> Result<u8> {
     }
 }
 
-/// Writes `text` to standard output and flushes it. A closed pipe ends a
-/// listing quietly (SIGPIPE); any other failure to write (`/dev/full`, a
-/// full log disk) is an error of one line, exit 1 — never a panic.
+/// Writes `text` to standard output and flushes it: the one way commands
+/// print (clippy forbids `println!`, which panics). A failure to write
+/// (`/dev/full`, a full log disk, a pipe whose reader went away) is an
+/// error of one line, exit 1 — never a panic, never a death by SIGPIPE.
 pub(crate) fn print(text: &str) -> Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
@@ -241,8 +242,13 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     use clap::error::{ContextKind, ErrorKind};
     match e.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
+            return match print(&e.render().to_string()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    complain!("stowage: {e}");
+                    ExitCode::from(error::code::FAILURE)
+                }
+            };
         }
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
             let _ = e.print();

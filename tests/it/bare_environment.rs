@@ -71,3 +71,99 @@ fn a_uid_without_a_password_entry_and_no_user_runs_every_command() {
     );
     assert_eq!(out.status.signal(), None);
 }
+
+/// Where a command's standard output goes.
+#[derive(Debug, Clone, Copy)]
+enum Stdout {
+    /// Not open at all (the process makes it /dev/null).
+    Closed,
+    /// Every write fails: no space left.
+    Full,
+    /// A pipe whose reader has gone away.
+    Gone,
+}
+
+/// Runs `stowage --root ROOT ARGS…` with its standard output so.
+fn with_stdout(env: &Env, args: &[&str], stdout: Stdout) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let mut c = env.cmd(args);
+    c.stderr(Stdio::piped()).process_group(0);
+    match stdout {
+        Stdout::Closed => {
+            // SAFETY: only close(2) runs between fork and exec.
+            unsafe {
+                c.pre_exec(|| {
+                    libc::close(1);
+                    Ok(())
+                });
+            }
+        }
+        Stdout::Full => {
+            c.stdout(
+                fs::OpenOptions::new()
+                    .write(true)
+                    .open("/dev/full")
+                    .unwrap(),
+            );
+        }
+        Stdout::Gone => {
+            let (reader, writer) = nix::unistd::pipe().unwrap();
+            drop(reader);
+            c.stdout(Stdio::from(writer));
+        }
+    }
+    wait_output(c.spawn().unwrap(), PATIENCE)
+}
+
+/// Every command, with its standard output closed, on /dev/full, or into a
+/// pipe nobody reads: it ends with its own exit code (0 when it had
+/// nothing to say there), or, when what it had to say could not be
+/// written, with one line saying so and exit 1 — never a panic, a
+/// backtrace or a death by signal (SIGPIPE included).
+#[test]
+fn every_command_ends_with_one_line_when_its_output_cannot_be_written() {
+    for stdout in [Stdout::Closed, Stdout::Full, Stdout::Gone] {
+        let env = Env::new();
+        env.make_image("base");
+        env.make_image("old");
+        env.ok(["slots", "set", "gone", "1"]);
+        for args in [
+            &["init"][..],
+            &["exec", "--read", "base", "--", "true"],
+            &["exec", "--write", "new", "--", "true"],
+            &["images"],
+            &["images", "--json"],
+            &["lock-status"],
+            &["lock-status", "--json"],
+            &["slots"],
+            &["slots", "--json"],
+            &["slots", "set", "pull", "2"],
+            &["slots", "rm", "gone"],
+            &["rm", "old"],
+            &["gc"],
+            &["gc", "--json"],
+            &["doctor"],
+            &["doctor", "--json"],
+            &["doctor", "--repair"],
+            &["completions", "bash"],
+            &["--version"],
+            &["--help"],
+        ] {
+            let out = with_stdout(&env, args, stdout);
+            let err = stderr(&out);
+            let case = format!("{stdout:?} {args:?}");
+            assert_eq!(out.status.signal(), None, "{case}: {}", show(&out));
+            assert!(
+                matches!(code(&out), Some(0 | 1)) && !err.contains("panicked"),
+                "{case}: {}",
+                show(&out)
+            );
+            assert!(err.trim_end().lines().count() <= 1, "{case}: {err}");
+            if code(&out) == Some(1) {
+                assert!(err.contains("standard output"), "{case}: {err}");
+            }
+        }
+        assert_eq!(env.state("base").as_deref(), Some("ready"));
+        assert_eq!(env.state("new").as_deref(), Some("ready"));
+    }
+}

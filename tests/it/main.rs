@@ -39,6 +39,9 @@
 //! in a store-wide command in `store_wide`. Setup that more than one module
 //! needs is in `common`, once.
 
+// Tests and benchmarks print where they like; the binary may not (clippy.toml).
+#![allow(clippy::disallowed_macros)]
+
 mod common;
 
 mod across_hosts;
