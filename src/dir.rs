@@ -43,6 +43,14 @@ pub struct DirEntry {
     pub kind: u8,
 }
 
+impl From<OwnedFd> for Dir {
+    /// A directory opened by other means (through /proc, for a copy that
+    /// had to lend itself access): the caller vouches it is one.
+    fn from(fd: OwnedFd) -> Dir {
+        Dir { fd }
+    }
+}
+
 impl AsRawFd for Dir {
     /// For walks that need calls this type does not wrap (the copy's
     /// `fsetxattr`, `mknodat`, `FIEMAP`; see tree.rs).
