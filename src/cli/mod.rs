@@ -137,9 +137,39 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            complain!("stowage: {}", one_line(&e));
+            complain!("stowage: {}{}", one_line(&e), advice(&e));
             ExitCode::from(error::exit_code(&e))
         }
+    }
+}
+
+/// What to do about a cause that says nothing of it itself: running out
+/// of file descriptors (a deep `--from` copy keeps two per level), which
+/// the line names only as "Too many open files".
+fn advice(err: &anyhow::Error) -> String {
+    let errno = err
+        .chain()
+        .find_map(|c| c.downcast_ref::<std::io::Error>()?.raw_os_error());
+    match errno {
+        Some(libc::EMFILE) => {
+            // SAFETY: all-zero bytes are a valid value of this plain C struct.
+            let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
+            // SAFETY: a valid out-pointer.
+            let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0;
+            let limit = if known {
+                format!(" of {} (hard limit {})", lim.rlim_cur, lim.rlim_max)
+            } else {
+                String::new()
+            };
+            format!(
+                " — this process reached its limit{limit} on open files: raise it with 'ulimit -n' and try again"
+            )
+        }
+        Some(libc::ENFILE) => {
+            " — the system ran out of open files (fs.file-max): try again when fewer are open"
+                .into()
+        }
+        _ => String::new(),
     }
 }
 

@@ -652,3 +652,40 @@ fn an_unprivileged_copy_takes_what_its_owner_may_not_read() {
     );
     assert_eq!(modes(&base).len(), before.len() + 1);
 }
+
+/// A copy that runs out of file descriptors (it keeps two per level of a
+/// deep tree) says which file it stopped at and what to do, and the image
+/// is not ready.
+#[test]
+fn a_copy_out_of_file_descriptors_says_what_to_do() {
+    use std::os::unix::process::CommandExt;
+    let env = Env::new();
+    env.build(
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\"; mkdir -p a/b/c/d/e/f/g/h/i/j/k/l/m/n/o/p/q/r/s/t; echo x > a/b/c/d/e/f/g/h/i/j/k/l/m/n/o/p/q/r/s/t/f",
+    );
+    let mut c = env.cmd(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    // SAFETY: only setrlimit(2) runs between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 24,
+                rlim_max: 24,
+            };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            Ok(())
+        });
+    }
+    let out = output(c);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("img/base/a/b") && err.contains("ulimit -n") && err.lines().count() == 1,
+        "{err}"
+    );
+    assert_ne!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(
+        env.read_in_image("base", "a/b/c/d/e/f/g/h/i/j/k/l/m/n/o/p/q/r/s/t/f"),
+        "x\n"
+    );
+}
