@@ -158,7 +158,12 @@ fn adopt_one(
     if let Err(e) = image_record::write(guard.file(), &mut seen, &r) {
         // A lock file made just now for nothing goes again.
         let _ = root.unlink_lock(guard);
-        return Err(e).with_context(|| format!("cannot write its record in {}", path.display()));
+        let full = if crate::space::is_full_io(&e) {
+            " (the filesystem is full: 'stowage gc' or 'stowage rm IMAGE' free space, and both work on a full filesystem; then repair again)"
+        } else {
+            ""
+        };
+        anyhow::bail!("cannot write its record in {}: {e}{full}", path.display());
     }
     Ok(true)
 }

@@ -777,6 +777,53 @@ fn reading_commands_work_when_even_the_reserve_is_gone() {
     );
 }
 
+/// The filesystem full and no reserve left: gc and rm still free space
+/// (their removals need none), and `doctor --repair` does all it can,
+/// reporting the one thing it cannot (a tree without a record needs a new
+/// lock file) with what frees space — commands that work there — instead
+/// of stopping at it; once space is freed, it finishes.
+#[test]
+fn removals_and_repair_work_on_a_full_filesystem_without_a_reserve() {
+    let Some((t, env, writer)) = small_store_with_a_writer() else {
+        return;
+    };
+    writer.kill_all();
+    env.build(
+        "big",
+        "head -c 2000000 /dev/zero > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    env.make_image("old");
+    fs::create_dir_all(env.images_dir().join("orphan")).unwrap();
+    let _ = fs::remove_file(env.root.join("reserve"));
+    let filler = t.dir.join("filler");
+    let _ = Command::new("dd")
+        .args(["if=/dev/zero", "bs=1k", "status=none"])
+        .arg(format!("of={}", filler.display()))
+        .output();
+    assert!(free_bytes(&t.dir) < 4096);
+    let out = env.run(["doctor", "--repair"]);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        said.contains("cannot adopt") && said.contains("'orphan'") && said.contains("stowage gc"),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).is_empty(), "{}", show(&out));
+    let out = env.run(["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        env.image("killed").is_none(),
+        "gc removed the dead writer's image"
+    );
+    env.ok(["rm", "old"]);
+    env.ok(["rm", "big"]);
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("orphan").as_deref(), Some("incomplete"));
+    assert_eq!(env.read_in_image("base", "file"), "content\n");
+}
+
 // --- outside programs -------------------------------------------------------
 
 /// An outside program (an sqlite3 shell) holding the catalog's own lock:
