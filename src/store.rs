@@ -152,6 +152,11 @@ impl Store {
         if self.conn.is_some() && id != self.conn_file {
             self.conn = None;
         }
+        if self.conn.is_some() {
+            // SQLite opens the journal at each transaction: whatever was
+            // planted there since the catalog was opened is refused now.
+            catalog::check_files(&db)?;
+        }
         if self.conn.is_none() {
             let conn = self.open_settled()?;
             self.conn_file = file_id(&db);

@@ -128,17 +128,32 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     Ok(())
 }
 
+/// What the probe file says, read only from a regular file (a FIFO
+/// planted there and held would block a plain read for good).
+fn probe_text(path: &Path) -> Option<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(crate::planted::FLAGS)
+        .open(path)
+        .ok()?;
+    crate::planted::check(path, &file).ok()?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(file, 4096), &mut text).ok()?;
+    Some(text)
+}
+
 /// Who the probe file says holds it.
 fn probe_holder(path: &Path) -> String {
-    match fs::read_to_string(path) {
-        Ok(text) => {
+    match probe_text(path) {
+        Some(text) => {
             let f: Vec<&str> = text.trim().split('\t').collect();
             match f.as_slice() {
                 [host, pid, since] => format!("host {host}, pid {pid}, since {since}"),
                 _ => "an unknown holder".into(),
             }
         }
-        Err(_) => "an unknown holder".into(),
+        None => "an unknown holder".into(),
     }
 }
 
@@ -148,7 +163,7 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
     let Ok(lock::Probe::Exclusive) = lock::probe(&path) else {
         return;
     };
-    let text = fs::read_to_string(&path).unwrap_or_default();
+    let text = probe_text(&path).unwrap_or_default();
     let host = text.split('\t').next().unwrap_or("");
     let who = probe_holder(&path);
     if host == ctx.me.host {

@@ -846,8 +846,9 @@ pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
         // where the probe then fails and says so).
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path),
+            .custom_flags(crate::planted::FLAGS)
+            .open(path)
+            .map_err(|e| crate::planted::refused(path, e)),
         other => other,
     };
     let file = match opened {
