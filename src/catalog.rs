@@ -142,6 +142,11 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => "a symlink",
         // A socket cannot be opened at all (ENXIO); a directory can.
         Err(e) if e.raw_os_error() == Some(libc::ENXIO) => "a socket",
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            let why = crate::planted::denied(path)
+                .unwrap_or_else(|| format!("cannot open {}: {e}", path.display()));
+            return Err(CatalogError(format!("{what}: {why}")).into());
+        }
         Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
     };
     Err(CatalogError(format!(

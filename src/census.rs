@@ -44,12 +44,8 @@ impl Entry {
 
 /// Reads every image lock file's record.
 pub fn take(root: &Root) -> Result<Vec<Entry>> {
-    let dir = match root.open_sub(Root::IMAGE_LOCKS_REL) {
-        Ok(d) => d,
-        Err(_) if std::fs::symlink_metadata(root.image_locks()).is_err() => {
-            return Ok(Vec::new());
-        }
-        Err(e) => return Err(e),
+    let Some(dir) = root.open_sub_if_there(Root::IMAGE_LOCKS_REL)? else {
+        return Ok(Vec::new());
     };
     let listing = dir
         .listing()

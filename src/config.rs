@@ -115,20 +115,26 @@ pub fn exists(dir: &Dir) -> bool {
 /// `root_dir`, for messages). `Ok(None)`: no such file.
 pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     let path = root_dir.join(FILE);
-    let file = match dir.open_read(FILE) {
+    let file = match dir.open_read_unchecked(FILE) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Unusable::because(&path, e).into()),
     };
+    // What it is is asked only when the read does not find the format
+    // (a FIFO reads as empty, a directory fails the read).
+    let not_a_file = |e| match crate::planted::check(&path, &file) {
+        Err(planted) => Unusable::because(&path, planted),
+        Ok(()) => e,
+    };
     let mut buf = vec![0u8; 64 * 1024];
     let n = std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0)
-        .map_err(|e| Unusable::because(&path, e))?;
+        .map_err(|e| not_a_file(Unusable::because(&path, e)))?;
     let text = String::from_utf8_lossy(&buf[..n]);
     match Config::decode(&text) {
         Some(c) => Ok(Some(c)),
-        None => Err(Unusable {
+        None => Err(not_a_file(Unusable {
             why: format!("{} is damaged", path.display()),
-        }
+        })
         .into()),
     }
 }

@@ -115,6 +115,39 @@ impl Root {
         Ok(d)
     }
 
+    /// [`Root::open_sub`], or `None` if a component is missing (a layout
+    /// not made yet): what is planted in a directory's place is an error
+    /// naming it, never taken for "nothing there".
+    pub fn open_sub_if_there(&self, name: &str) -> Result<Option<Dir>> {
+        let mut d = self.open()?;
+        let mut at = self.dir.clone();
+        for part in name.split('/') {
+            at.push(part);
+            d = match d.sub(part) {
+                Ok(d) => d,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(not_a_dir(&at, e)),
+            };
+        }
+        Ok(Some(d))
+    }
+
+    /// Fails, naming it, if something is planted in the place of the
+    /// directory of image locks or of slots (a command that lists them
+    /// must not take that for an empty store). One in the leases' place
+    /// costs only the holders' names: `say` is told, and the look goes on.
+    pub fn check_lock_dirs(&self, say: impl Fn(&str)) -> Result<()> {
+        for name in [Self::IMAGE_LOCKS_REL, "locks/slots"] {
+            self.open_sub_if_there(name)?;
+        }
+        if let Err(e) = self.open_sub_if_there("locks/leases") {
+            say(&format!(
+                "{e:#} (holders are shown without what their leases say)"
+            ));
+        }
+        Ok(())
+    }
+
     /// Like [`Root::open_sub`] for a directory directly in the root, which
     /// is created if missing.
     pub fn open_or_make_sub(&self, name: &str) -> Result<Dir> {
@@ -372,8 +405,9 @@ impl Root {
     /// Like [`Root::create_layout`], for `doctor`: an existing entry in
     /// place of one of the root's directories that is not a directory (a
     /// planted symlink) is passed to `bad` with a phrase saying what it is,
-    /// instead of failing. Returns whether the lock directories are usable.
-    pub fn create_layout_reporting(&self, mut bad: impl FnMut(&str, &str)) -> Result<bool> {
+    /// instead of failing; `bad` says whether it put a directory there.
+    /// Returns whether the lock directories are usable.
+    pub fn create_layout_reporting(&self, mut bad: impl FnMut(&str, &str) -> bool) -> Result<bool> {
         if fs::symlink_metadata(&self.dir).is_err() {
             return self.create_layout().map(|()| true);
         }
@@ -387,11 +421,19 @@ impl Root {
             "img",
             "trash",
         ] {
+            // Below a `locks` that is no directory there is nothing to look
+            // at (and a link there must not be followed).
+            if !locks_ok && name.starts_with("locks/") {
+                continue;
+            }
             let path = self.dir.join(name);
             let what = match fs::symlink_metadata(&path) {
                 Ok(m) if m.is_dir() => continue,
-                Ok(m) if m.file_type().is_symlink() => "a symlink, not a directory",
-                Ok(_) => "not a directory",
+                Ok(m) => format!(
+                    "{}, not a directory",
+                    crate::planted::kind_of_mode(std::os::unix::fs::MetadataExt::mode(&m))
+                        .unwrap_or("a regular file")
+                ),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if locks_ok {
                         make_dir(&path)?;
@@ -402,30 +444,39 @@ impl Root {
                     return Err(e).with_context(|| format!("cannot inspect {}", path.display()));
                 }
             };
-            bad(name, what);
-            if name.starts_with("locks") {
+            if !bad(name, &what) && name.starts_with("locks") {
                 locks_ok = false;
             }
         }
         Ok(locks_ok)
     }
 
-    /// Replaces a non-directory entry `name` of the root (a planted
-    /// symlink: only the link goes) with an empty directory.
-    pub fn replace_with_dir(&self, name: &str) -> Result<()> {
-        let root = self.open()?;
+    /// Sets aside what is planted in the place of the directory `name` of
+    /// the layout (`NAME.planted-TIME`, in its own directory: nothing is
+    /// followed or deleted) and makes an empty directory there. Returns
+    /// where the planted entry went.
+    pub fn replace_with_dir(&self, name: &str) -> Result<PathBuf> {
         let path = self.dir.join(name);
-        match root.stat_at(name)? {
-            Some(e) if e.is_dir() => return Ok(()),
-            Some(e) => {
-                root.unlink_if(name, e.dev, e.ino)
-                    .with_context(|| format!("cannot remove {}", path.display()))?;
+        let (parent, entry) = match name.rsplit_once('/') {
+            Some((parent, entry)) => (self.open_sub(parent)?, entry),
+            None => (self.open()?, name),
+        };
+        let aside = match parent.stat_at(entry)? {
+            Some(e) if e.is_dir() => return Ok(path),
+            Some(_) => parent
+                .set_aside(entry, "planted")
+                .with_context(|| format!("cannot set {} aside", path.display()))?,
+            None => entry.to_owned(),
+        };
+        match parent.mkdir(entry, 0o777) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("cannot create directory {}", path.display()));
             }
-            None => {}
         }
-        root.mkdir(name, 0o777)
-            .with_context(|| format!("cannot create directory {}", path.display()))?;
-        Ok(())
+        Ok(path.with_file_name(aside))
     }
 
     /// Refuses a root that someone else could control, and says whether it
@@ -538,18 +589,29 @@ impl Root {
     }
 }
 
-/// "PATH is a symlink/not a directory; refusing to use it" for the errors
-/// an `O_NOFOLLOW|O_DIRECTORY` open gives for those.
+/// "PATH is a symlink, not a directory; refusing to use it", and what to
+/// do, for the errors an `O_NOFOLLOW|O_DIRECTORY` open gives for what is
+/// planted in a directory's place.
 fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
+    use std::os::unix::fs::MetadataExt;
     if !matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
         return anyhow::Error::new(e).context(format!("cannot open {}", path.display()));
     }
     // Linux says ENOTDIR for a symlink opened O_DIRECTORY|O_NOFOLLOW: look.
-    let what = match fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_symlink() => "a symlink, not a directory",
-        _ => "not a directory",
+    let kind = fs::symlink_metadata(path).map_or("not a directory", |m| {
+        crate::planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
+    });
+    // A link in the default images directory's place may be the user's
+    // own: it is left for them.
+    let fix = if path.file_name().is_some_and(|n| n == "img") && kind == "a symlink" {
+        "to keep images elsewhere, use 'stowage init --images-dir DIR' on a new root"
+    } else {
+        crate::planted::FIX
     };
-    anyhow::anyhow!("{} is {what}; refusing to use it", path.display())
+    anyhow::anyhow!(
+        "{} is {kind}, not a directory: refusing to use it; {fix}",
+        path.display()
+    )
 }
 
 impl Root {

@@ -152,6 +152,11 @@ fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
     let e = crate::planted::at(path, e);
     if crate::planted::find(&e).is_some() {
         anyhow::anyhow!("slot class '{class}': {e}")
+    } else if let Some(why) = (e.kind() == std::io::ErrorKind::PermissionDenied)
+        .then(|| crate::planted::denied(path))
+        .flatten()
+    {
+        anyhow::anyhow!("slot class '{class}': {why}")
     } else {
         anyhow::Error::new(e).context(format!("cannot open {}", path.display()))
     }
@@ -159,7 +164,7 @@ fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
 
 /// The configured classes, by their directories, with their records.
 pub fn classes(root: &Root) -> Vec<(String, Class)> {
-    let Ok(top) = Dir::open_nofollow(&root.slot_locks()) else {
+    let Ok(top) = Dir::open_in_root(&root.slot_locks()) else {
         return Vec::new();
     };
     let mut out: Vec<(String, Class)> = top
@@ -309,11 +314,7 @@ pub(crate) fn remove_empty_class_dir(root: &Root, class: &str) {
 /// The class's directory, opened from the root's descriptor without
 /// following a link at any step; `None` if it does not exist.
 pub fn class_dir(root: &Root, class: &str) -> Result<Option<Dir>> {
-    let rel = Root::slot_class_rel(class);
-    match std::fs::symlink_metadata(root.dir().join(&rel)) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        _ => root.open_sub(&rel).map(Some),
-    }
+    root.open_sub_if_there(&Root::slot_class_rel(class))
 }
 
 /// Makes (if missing) and opens the class's directory, every step from the
@@ -349,7 +350,7 @@ pub fn make_class_dir(root: &Root, class: &str) -> Result<Dir> {
 /// how many are held, and who waits (leases that await the class).
 pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> LockReport {
     let dir = root.slot_class_dir(class);
-    let mut files: Vec<String> = Dir::open_nofollow(&dir)
+    let mut files: Vec<String> = Dir::open_in_root(&dir)
         .and_then(|d| d.names())
         .unwrap_or_default()
         .into_iter()

@@ -497,10 +497,8 @@ fn wait_for_image(
 
 /// The image lock files (`*.lock`, regular) in `locks/images/`.
 fn lock_file_names(root: &Root) -> Result<Vec<String>> {
-    let dir = match root.open_sub(Root::IMAGE_LOCKS_REL) {
-        Ok(d) => d,
-        Err(_) if std::fs::symlink_metadata(root.image_locks()).is_err() => return Ok(Vec::new()),
-        Err(e) => return Err(e),
+    let Some(dir) = root.open_sub_if_there(Root::IMAGE_LOCKS_REL)? else {
+        return Ok(Vec::new());
     };
     Ok(dir
         .listing()?

@@ -110,6 +110,8 @@ fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
 fn show(store: &mut Store, json: bool) -> Result<u8> {
     store.require_root()?;
     let root = store.root().clone();
+    // Something planted in a lock directory's place is not "no classes".
+    root.check_lock_dirs(|line| store.ctx().say(line))?;
     // A class whose limits cannot be read is not listed: said why, once.
     for (class, c) in slots::classes(&root) {
         if c == crate::slot_limits::Class::Damaged {

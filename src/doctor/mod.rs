@@ -344,45 +344,48 @@ fn owner_phrase(dir: &Path) -> String {
 }
 
 /// Checks that the root's own directories are directories, creating the
-/// missing ones. A symlink in place of the trash is replaced when
-/// repairing (only the link goes; nothing is followed); one in place of
-/// anything else is reported with advice, as it may have been made on
-/// purpose. Returns whether the locks directories are usable.
+/// missing ones. What is planted in the place of one (a symlink, a FIFO, a
+/// file) is set aside when repairing and a directory made there (nothing
+/// is followed or deleted) — except a symlink in the images directory's
+/// place, which its user may have made on purpose: that one is reported
+/// with advice. Returns whether the locks directories are usable.
 fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result<bool> {
     root.create_layout_reporting(|name, bad| {
         let path = root.dir().join(name);
         let target = fs::read_link(&path)
             .map(|t| format!(" (to {})", t.display()))
             .unwrap_or_default();
-        if name == "trash" && repair {
+        let users_own = name == "img" && bad.starts_with("a symlink");
+        if repair && !users_own {
             let fixed = root.replace_with_dir(name);
-            report.add(
-                "layout",
-                if fixed.is_ok() {
-                    Verdict::Repaired
-                } else {
-                    Verdict::Problem
-                },
-                match fixed {
-                    Ok(()) => format!(
-                        "{} was {bad}{target}; nothing in it was touched — replaced with an empty directory",
-                        path.display()
+            let (verdict, detail) = match &fixed {
+                Ok(aside) => (
+                    Verdict::Repaired,
+                    format!(
+                        "{} was {bad}{target}: set aside as {}, nothing in it touched; an empty directory made in its place",
+                        path.display(),
+                        aside.display()
                     ),
-                    Err(e) => format!("{} is {bad}{target}: {e:#}", path.display()),
-                },
-            );
-            return;
+                ),
+                Err(e) => (
+                    Verdict::Problem,
+                    format!("{} is {bad}{target}: {e:#}", path.display()),
+                ),
+            };
+            report.add("layout", verdict, detail);
+            return fixed.is_ok();
         }
-        let advice = match name {
-            "img" => " — stowage never deletes through it; to keep images elsewhere use 'stowage init --images-dir DIR' on a new root",
-            "trash" => " — nothing in it is touched; 'stowage doctor --repair' replaces it with a directory",
-            _ => " — stowage will not use it; remove it (with no stowage running) and run any command to recreate it",
+        let advice = if users_own {
+            " — stowage never deletes through it; to keep images elsewhere use 'stowage init --images-dir DIR' on a new root"
+        } else {
+            " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew"
         };
         report.add(
             "layout",
             Verdict::Problem,
             format!("{} is {bad}{target}{advice}", path.display()),
         );
+        false
     })
 }
 
@@ -504,16 +507,15 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let damaged: Vec<String> = entries
         .iter()
         .filter(|e| e.seen.damaged)
-        .map(|e| e.file.clone())
+        .map(|e| e.path.display().to_string())
         .collect();
     if !damaged.is_empty() {
         report.add(
             "records",
             Verdict::Problem,
             format!(
-                "the record of {} in {} cannot be read, so its state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it",
+                "the record in {} cannot be read, so its image's state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it",
                 list(&damaged),
-                root.image_locks().display()
             ),
         );
     }

@@ -267,29 +267,27 @@ pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     }
 }
 
-/// Opens a lock file: read-write, close-on-exec, never through a symlink,
-/// and never blocking (a FIFO planted in its place would block a plain
-/// open). What is refused for its type (a symlink, a directory, a socket)
-/// is a `planted::NotAFile` naming the path; a FIFO opens, and is refused
+/// Opens a lock file: read-write, close-on-exec, never through a symlink
+/// in any component (`planted::open`), and never blocking (a FIFO planted
+/// in its place would block a plain open). What is refused for its type
+/// (a symlink, a directory, a socket, a directory on the way that is not
+/// one) is a `planted::NotAFile` naming it; a FIFO opens, and is refused
 /// by the type check after locking ([`still_linked`]) or before a wait.
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(missing == IfMissing::Create)
-        .mode(0o666)
-        .custom_flags(crate::planted::FLAGS)
-        .open(path)
-        .map_err(|e| match e.kind() {
-            io::ErrorKind::PermissionDenied => io::Error::new(
-                e.kind(),
-                Denied {
-                    path: path.to_owned(),
-                    cause: e,
-                },
-            ),
-            _ => crate::planted::refused(path, e),
-        })
+    let create = match missing {
+        IfMissing::Create => libc::O_CREAT,
+        IfMissing::Fail => 0,
+    };
+    crate::planted::open(path, libc::O_RDWR | create, 0o666).map_err(|e| match e.kind() {
+        io::ErrorKind::PermissionDenied => io::Error::new(
+            e.kind(),
+            Denied {
+                path: path.to_owned(),
+                cause: e,
+            },
+        ),
+        _ => e,
+    })
 }
 
 /// A lock file that permissions kept us from opening, with its path: the
@@ -844,11 +842,9 @@ pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
         // Another user's lease in a store without a shared group: a
         // read-only descriptor takes a shared flock as well (not on NFS,
         // where the probe then fails and says so).
-        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => OpenOptions::new()
-            .read(true)
-            .custom_flags(crate::planted::FLAGS)
-            .open(path)
-            .map_err(|e| crate::planted::refused(path, e)),
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+            crate::planted::open(path, libc::O_RDONLY, 0)
+        }
         other => other,
     };
     let file = match opened {
@@ -1022,8 +1018,8 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
     } else if e.kind() == io::ErrorKind::PermissionDenied {
         let denied = e.get_ref().and_then(|d| d.downcast_ref::<Denied>());
         let path = denied.map_or(path, |d| d.path.as_path());
-        if let Some(why) = mode_taken_away(path) {
-            return anyhow::anyhow!("cannot lock {what}: {}: {e}; {why}", path.display());
+        if let Some(why) = crate::planted::denied(path) {
+            return anyhow::anyhow!("cannot lock {what}: {why}");
         }
         anyhow::anyhow!(
             "cannot lock {what} ({}): {e} — you may not write this store{}; every stowage command, even one that only reads, locks files in the root (opened for writing, as NFS requires) and drops stale records as it reads, so there is no read-only view: a store for several users must be shared with a group (a group-writable setgid root, with them in its group)",
@@ -1033,29 +1029,6 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
     } else {
         anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
     }
-}
-
-/// For a lock file we may not open in a directory we may write: its mode
-/// was taken away (a `chmod` by its owner, or a file planted so), and what
-/// to do about it. `None` when the directory is not ours to write either
-/// (then the store is not, and the caller says so).
-fn mode_taken_away(path: &Path) -> Option<String> {
-    use std::os::unix::ffi::OsStrExt;
-    let dir = std::ffi::CString::new(path.parent()?.as_os_str().as_bytes()).ok()?;
-    // SAFETY: a valid C string; access(2) only reads it.
-    if unsafe { libc::access(dir.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
-        return None;
-    }
-    let m = fs::symlink_metadata(path).ok()?;
-    let fix = if m.uid() == nix::unistd::geteuid().as_raw() {
-        "'stowage doctor --repair' gives it back its mode".to_owned()
-    } else {
-        format!("it belongs to uid {}, who may 'chmod 666' it", m.uid())
-    };
-    Some(format!(
-        "it is mode {:03o}, not readable and writable by you; {fix}",
-        m.mode() & 0o7777
-    ))
 }
 
 /// " (DIR is owned by uid U, group G, mode M)" for the directory holding

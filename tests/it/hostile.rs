@@ -43,8 +43,19 @@ fn a_symlink_planted_at_a_lock_file_path() {
     assert_untouched(&target);
     // Everything else keeps working, store-wide operations included.
     env.ok(["exec", "--read", "a", "--", "true"]);
-    env.ok(["doctor"]);
+    env.ok(["exec", "--store-wide", "--", "true"]);
     assert_eq!(env.state("b"), None);
+    // doctor names the link; a repair sets it aside, following nothing.
+    let out = env.run(["doctor"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("b.lock is a symlink"),
+        "{}",
+        show(&out)
+    );
+    env.ok(["doctor", "--repair"]);
+    env.ok(["doctor"]);
+    assert_untouched(&target);
 }
 
 #[test]
@@ -182,6 +193,51 @@ fn nothing_is_deleted_through_a_symlinked_images_directory() {
     assert_eq!(env.state("c").as_deref(), Some("incomplete"));
 }
 
+/// A symlink planted for `locks` (or `locks/images`) by someone who can
+/// write the root: no command makes or writes a file through it — not a
+/// lock file, not the global lock, not the leases directory — and each
+/// that needs it refuses, naming the link and the fix.
+#[test]
+fn nothing_is_made_through_a_symlinked_locks_directory() {
+    for planted in ["locks", "locks/images"] {
+        let env = Env::new();
+        env.make_image("base");
+        env.ok(["slots", "set", "pull", "1"]);
+        let v = victim(&env);
+        plant(&env, planted, &v);
+        let link = env.root.join(planted);
+        for args in [
+            &["exec", "--read", "base", "--", "true"][..],
+            &["exec", "--write", "new", "--", "true"],
+            &["rm", "base"],
+            &["images"],
+            &["gc"],
+            &["lock-status"],
+            &["slots"],
+            &["slots", "set", "pull", "2"],
+        ] {
+            let out = env.run(args);
+            let err = stderr(&out);
+            // What needs the directory refuses, naming the link (a listing
+            // goes on from what it can, saying so); what does not, works.
+            assert!(
+                code(&out) == Some(0)
+                    || err.contains(&format!("{} is a symlink", link.display()))
+                        && err.trim_end().lines().count() == 1,
+                "{planted} {args:?}: {}",
+                show(&out)
+            );
+            assert_eq!(
+                walkdir(&v).len(),
+                3,
+                "{planted} {args:?} made something outside the root: {:?}",
+                walkdir(&v)
+            );
+            assert_intact(&v);
+        }
+    }
+}
+
 #[test]
 fn nothing_is_deleted_through_a_symlinked_lock_directory() {
     let env = Env::new();
@@ -190,9 +246,11 @@ fn nothing_is_deleted_through_a_symlinked_lock_directory() {
     // A file named like the lock of an image that does not exist.
     fs::write(v.join("zz.lock"), "precious").unwrap();
     plant(&env, "locks/images", &v);
-    for args in [&["gc"][..], &["doctor", "--repair"]] {
+    // gc refuses; a repair sets the link aside (following nothing) and
+    // makes the directory anew.
+    for (args, ends) in [(&["gc"][..], 1), (&["doctor", "--repair"], 0)] {
         let out = env.run(args);
-        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert_eq!(code(&out), Some(ends), "{args:?}: {}", show(&out));
         assert_eq!(
             fs::read_to_string(v.join("zz.lock")).unwrap(),
             "precious",
@@ -200,6 +258,7 @@ fn nothing_is_deleted_through_a_symlinked_lock_directory() {
         );
         assert_intact(&v);
     }
+    assert!(env.root.join("locks/images").is_dir());
 }
 
 #[test]
