@@ -23,6 +23,8 @@
 //!   roots, read-only and full filesystems, outside programs
 //! - `bare_environment`: no `USER`, a uid without a password entry, a
 //!   standard output that cannot be written
+//! - `planted_everywhere`: the sweep — each kind of plant at every path
+//!   of the layout, every command
 //! - `planted_files`: FIFOs, links, directories, sockets where stowage
 //!   keeps a file of its own, each case on its own
 //! - `filesystems`: where the images live — other filesystems, unmounted
@@ -61,6 +63,7 @@ mod leases;
 mod locking;
 mod migration;
 mod names;
+mod planted_everywhere;
 mod planted_files;
 mod record_crashes;
 mod rm;
