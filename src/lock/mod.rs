@@ -5,8 +5,10 @@
 //! - **Open mode.** Lock files are opened read-write (NFS emulates flock with
 //!   byte-range locks, and an exclusive byte-range lock needs a writable
 //!   descriptor), close-on-exec (a lock reaches a child only when the caller
-//!   asks, see [`Guard::set_inheritable`]) and without following a symlink at
-//!   the final component.
+//!   asks, see [`Guard::set_inheritable`]), without blocking and without
+//!   following a symlink in any component (`planted::open`). Only a regular
+//!   file is locked: the type is asked of the stat the unlink-race check
+//!   makes (or proven by a record read), and before any wait.
 //! - **The unlink race.** A lock file may be unlinked only by a holder of its
 //!   exclusive lock. Every acquirer checks, after flock returns, that the file
 //!   it locked still has links and is still the file at the path (device and
