@@ -212,7 +212,44 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         return Ok(report);
     }
 
-    // Does flock exclude here at all?
+    if !flock_works(&root, &mut report) {
+        report.healthy = false;
+        return Ok(report);
+    }
+    mount_reach(&root, &mut report);
+    probe_check(store.ctx(), &mut report);
+    if !report.locking {
+        report.healthy = false;
+        return Ok(report);
+    }
+    files::check(&root, repair, store.ctx().shared(), &mut report);
+    let configured = configuration::check(&root, repair, &mut report)?;
+
+    let (status, detail) = catalog(store, repair)?;
+    report.add("catalog", status, detail);
+    records(store, repair, &mut report)?;
+    if configured {
+        trees(store, repair, &mut report)?;
+    }
+    leftovers(store, repair, &mut report)?;
+    if status != Verdict::Problem {
+        // The catalog made to say what the records say now.
+        if let Err(e) = crate::survey::survey(store, false) {
+            report.add(
+                "catalog",
+                Verdict::Problem,
+                format!("cannot refresh it: {e:#}"),
+            );
+        }
+    }
+    report.healthy = !report.checks.iter().any(|c| c.status == Verdict::Problem);
+    Ok(report)
+}
+
+/// Does flock exclude here at all? Two opens of one file must conflict.
+/// `false` when this user may not even make the test file (not a locking
+/// fault: the report says so, and nothing else can be checked).
+fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
     // Private to this process: two doctors at once must not test against
     // each other's lock.
     let probe = root
@@ -243,8 +280,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
                     owner_phrase(root.dir())
                 ),
             );
-            report.healthy = false;
-            return Ok(report);
+            return false;
         }
         Err(e) => {
             report.locking = false;
@@ -266,8 +302,11 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     ) {
         let _ = locks.unlink(name);
     }
+    true
+}
 
-    // Shared filesystems mounted so that locks stay on each host.
+/// Shared filesystems mounted so that locks stay on each host.
+fn mount_reach(root: &crate::root::Root, report: &mut Report) {
     let (reach, mount) = filesystem::lock_reach(root.dir());
     match reach {
         filesystem::Reach::NodeLocal { why, advice } => {
@@ -298,33 +337,6 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
             }
         }
     }
-    probe_check(store.ctx(), &mut report);
-    if !report.locking {
-        report.healthy = false;
-        return Ok(report);
-    }
-    files::check(&root, repair, store.ctx().shared(), &mut report);
-    let configured = configuration::check(&root, repair, &mut report)?;
-
-    let (status, detail) = catalog(store, repair)?;
-    report.add("catalog", status, detail);
-    records(store, repair, &mut report)?;
-    if configured {
-        trees(store, repair, &mut report)?;
-    }
-    leftovers(store, repair, &mut report)?;
-    if status != Verdict::Problem {
-        // The catalog made to say what the records say now.
-        if let Err(e) = crate::survey::survey(store, false) {
-            report.add(
-                "catalog",
-                Verdict::Problem,
-                format!("cannot refresh it: {e:#}"),
-            );
-        }
-    }
-    report.healthy = !report.checks.iter().any(|c| c.status == Verdict::Problem);
-    Ok(report)
 }
 
 /// "owned by uid U, group G, mode M" of a directory, for permission
