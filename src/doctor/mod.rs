@@ -695,35 +695,49 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             ),
         );
     }
-    if !orphans.trees.is_empty() {
+    orphan_trees(&root, &config, &orphans, &dir, repair, report)
+}
+
+/// Trees without a record: reported, and with `repair` adopted one by one
+/// (a tree that cannot be is reported with why).
+fn orphan_trees(
+    root: &crate::root::Root,
+    config: &crate::config::Config,
+    orphans: &adopt::Orphans,
+    dir: &Path,
+    repair: bool,
+    report: &mut Report,
+) -> Result<()> {
+    if orphans.trees.is_empty() {
+        return Ok(());
+    }
+    if !repair {
         let names: Vec<String> = orphans
             .trees
             .iter()
             .map(|(n, _)| n.as_str().to_owned())
             .collect();
-        if repair {
-            let done = adopt::adopt(&root, &config, &orphans, Adopt::Unknown)?;
-            if !done.names.is_empty() {
-                report.add("images", Verdict::Repaired, format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
-            }
-            for why in done.left {
-                report.add(
-                    "images",
-                    Verdict::Problem,
-                    format!("cannot adopt the tree without a record {why}"),
-                );
-            }
-        } else {
-            report.add(
-                "images",
-                Verdict::Problem,
-                format!(
-                    "{} in {} have no record; 'stowage doctor --repair' adopts them",
-                    list(&names),
-                    dir.display()
-                ),
-            );
-        }
+        report.add(
+            "images",
+            Verdict::Problem,
+            format!(
+                "{} in {} have no record; 'stowage doctor --repair' adopts them",
+                list(&names),
+                dir.display()
+            ),
+        );
+        return Ok(());
+    }
+    let done = adopt::adopt(root, config, orphans, Adopt::Unknown)?;
+    if !done.names.is_empty() {
+        report.add("images", Verdict::Repaired, format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
+    }
+    for why in done.left {
+        report.add(
+            "images",
+            Verdict::Problem,
+            format!("cannot adopt the tree without a record {why}"),
+        );
     }
     Ok(())
 }
