@@ -65,9 +65,21 @@ impl Root {
         })
     }
 
+    /// A root at `dir`, for a library caller. Its path is made canonical
+    /// (links in it resolved, once), as [`Root::check`] does for the
+    /// command line: paths below the root are opened refusing any link on
+    /// the way (`planted::open`).
     pub fn at(dir: impl Into<PathBuf>) -> Root {
+        let dir: PathBuf = dir.into();
+        let dir =
+            fs::canonicalize(&dir).unwrap_or_else(|_| match (dir.parent(), dir.file_name()) {
+                (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
+                    fs::canonicalize(parent).map_or(dir.clone(), |p| p.join(name))
+                }
+                _ => dir,
+            });
         Root {
-            dir: dir.into(),
+            dir,
             default: false,
             dev: None,
             fs: None,
