@@ -240,7 +240,12 @@ fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc
         )
     };
     if pfd < 0 {
-        return Err(io::Error::last_os_error());
+        let e = io::Error::last_os_error();
+        // Missing behind a link is a link on the way, as openat2 says it.
+        if e.kind() == io::ErrorKind::NotFound && on_the_way(path).is_some() {
+            return Err(io::Error::from_raw_os_error(libc::ELOOP));
+        }
+        return Err(e);
     }
     // SAFETY: just returned to us, owned by nothing else.
     let dir = unsafe { OwnedFd::from_raw_fd(pfd) };
