@@ -83,51 +83,89 @@ pub enum Adopt {
     Unknown,
 }
 
+/// What [`adopt`] did: the trees given a record, and those left without
+/// one, each with why (its lock held, its lock file planted, a full
+/// filesystem): one tree that cannot be adopted stops no other.
+#[derive(Debug, Default)]
+pub struct Adopted {
+    pub names: Vec<String>,
+    pub left: Vec<String>,
+}
+
 /// Gives each orphan tree a record, under the image's exclusive lock, made
-/// now (a tree whose lock someone holds, or whose record appeared
-/// meanwhile, is left alone). Returns how many were adopted.
-pub fn adopt(root: &Root, config: &Config, orphans: &Orphans, how: Adopt) -> Result<usize> {
-    let mut adopted = 0;
+/// now (a tree whose record appeared meanwhile is left alone, as it should
+/// be; one that cannot be given a record is listed in [`Adopted::left`]).
+pub fn adopt(root: &Root, config: &Config, orphans: &Orphans, how: Adopt) -> Result<Adopted> {
+    let mut out = Adopted::default();
     for (name, tree) in &orphans.trees {
-        let Ok(Some(held)) = crate::lock::acquire_no_wait_with(
-            &root.image_lock(name),
-            Mode::Exclusive,
-            crate::lock::IfMissing::Create,
-            |f| {
-                (
-                    image_record::read_of(f, name.as_str()).unwrap_or_default(),
-                    false,
-                )
-            },
-        ) else {
-            continue;
-        };
-        let (guard, mut seen) = held;
-        if seen.record.is_some() || seen.damaged || seen.legacy {
-            continue;
+        match adopt_one(root, config, name, tree, how) {
+            Ok(true) => out.names.push(name.as_str().to_owned()),
+            Ok(false) => {}
+            Err(e) if crate::error::typed(&e).is_some() => return Err(e),
+            Err(e) => out.left.push(format!("'{name}': {e:#}")),
         }
-        // Looked at again under the lock: a new image's writer whose start
-        // was undone took its tree back after the listing.
-        if !std::fs::symlink_metadata(tree).is_ok_and(|m| m.is_dir()) {
-            let _ = root.unlink_lock(guard);
-            continue;
-        }
-        // No store-wide command may find a new image made beside it.
-        if crate::store_wide::probe(root)? == crate::store_wide::Probe::Held {
-            anyhow::bail!(
-                "cannot adopt image '{name}': a store-wide command runs; try again when it ends"
-            );
-        }
-        let mut r = Record::new(name.as_str(), config.images.clone(), tree_time(tree));
-        (r.state, r.outcome) = match how {
-            Adopt::AsReady => (State::Ready, Some("adopted".to_owned())),
-            Adopt::Unknown => (State::Incomplete, Some(ADOPTED.to_owned())),
-        };
-        image_record::write(guard.file(), &mut seen, &r)
-            .with_context(|| format!("cannot write the record of image '{name}'"))?;
-        adopted += 1;
     }
-    Ok(adopted)
+    Ok(out)
+}
+
+/// Adopts one tree; `Ok(false)` if it needs no record any more.
+fn adopt_one(
+    root: &Root,
+    config: &Config,
+    name: &ImageName,
+    tree: &Path,
+    how: Adopt,
+) -> Result<bool> {
+    let path = root.image_lock(name);
+    let held = crate::lock::acquire_no_wait_with(
+        &path,
+        Mode::Exclusive,
+        crate::lock::IfMissing::Create,
+        |f| {
+            (
+                image_record::read_of(f, name.as_str()).unwrap_or_default(),
+                false,
+            )
+        },
+    )
+    .map_err(|e| crate::lock::error(&format!("image '{name}'"), &path, e))?;
+    let Some((guard, mut seen)) = held else {
+        anyhow::bail!("its lock is held (try again when it is free)");
+    };
+    if seen.record.is_some() || seen.damaged || seen.legacy {
+        return Ok(false);
+    }
+    // Looked at again under the lock: a new image's writer whose start
+    // was undone took its tree back after the listing.
+    if !std::fs::symlink_metadata(tree).is_ok_and(|m| m.is_dir()) {
+        let _ = root.unlink_lock(guard);
+        return Ok(false);
+    }
+    // No store-wide command may find a new image made beside it.
+    if crate::store_wide::probe(root)? == crate::store_wide::Probe::Held {
+        return Err(crate::Error::Busy(crate::error::Busy {
+            what: format!("the adoption of image '{name}'"),
+            holders: "a store-wide command runs; try again when it ends".into(),
+            waited: std::time::Duration::ZERO,
+        })
+        .into());
+    }
+    let mut r = Record::new(name.as_str(), config.images.clone(), tree_time(tree));
+    (r.state, r.outcome) = match how {
+        Adopt::AsReady => (State::Ready, Some("adopted".to_owned())),
+        Adopt::Unknown => (State::Incomplete, Some(ADOPTED.to_owned())),
+    };
+    if let Err(e) = image_record::write(guard.file(), &mut seen, &r) {
+        // A lock file made just now for nothing goes again.
+        let _ = root.unlink_lock(guard);
+        let full = if crate::space::is_full_io(&e) {
+            " (the filesystem is full: 'stowage gc' or 'stowage rm IMAGE' free space, and both work on a full filesystem; then repair again)"
+        } else {
+            ""
+        };
+        anyhow::bail!("cannot write its record in {}: {e}{full}", path.display());
+    }
+    Ok(true)
 }
 
 /// When a tree was last modified (when it was made, for an adopted one).

@@ -90,8 +90,7 @@ pub struct Catalog<'a> {
 /// Opens the catalog file (not yet a transaction). Refuses a FIFO, socket,
 /// directory or link at the database or its journal, naming it.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
-    check_plain_file(path, "the catalog")?;
-    check_plain_file(&journal_of(path), "the catalog's journal")?;
+    check_files(path)?;
     configure_sqlite();
     use rusqlite::OpenFlags;
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
@@ -106,9 +105,23 @@ pub fn open(path: &Path) -> Result<rusqlite::Connection> {
 
 /// The journal SQLite keeps beside `db` during a transaction.
 pub fn journal_of(db: &Path) -> PathBuf {
+    beside(db, "-journal")
+}
+
+fn beside(db: &Path, suffix: &str) -> PathBuf {
     let mut s = db.as_os_str().to_owned();
-    s.push("-journal");
+    s.push(suffix);
     PathBuf::from(s)
+}
+
+/// Checks every file SQLite may open for the catalog at `db`: itself, its
+/// journal, and the WAL files it opens when a database says WAL (one an
+/// outside program switched): each missing, or a regular file.
+pub fn check_files(db: &Path) -> Result<()> {
+    check_plain_file(db, "the catalog")?;
+    check_plain_file(&journal_of(db), "the catalog's journal")?;
+    check_plain_file(&beside(db, "-wal"), "the catalog's WAL file")?;
+    check_plain_file(&beside(db, "-shm"), "the catalog's WAL index")
 }
 
 /// Fails unless `path` is missing or a regular file: opened without
@@ -129,6 +142,11 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => "a symlink",
         // A socket cannot be opened at all (ENXIO); a directory can.
         Err(e) if e.raw_os_error() == Some(libc::ENXIO) => "a socket",
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            let why = crate::planted::denied(path)
+                .unwrap_or_else(|| format!("cannot open {}: {e}", path.display()));
+            return Err(CatalogError(format!("{what}: {why}")).into());
+        }
         Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
     };
     Err(CatalogError(format!(
@@ -255,11 +273,10 @@ pub struct NeedsMigration;
 /// The schema version of the catalog at `path` if it is one of a release
 /// before records; opened read-only, and only if it is a plain file.
 pub fn legacy_version(path: &Path) -> Option<i64> {
-    check_plain_file(path, "the catalog").ok()?;
+    check_files(path).ok()?;
     if !path.is_file() {
         return None;
     }
-    check_plain_file(&journal_of(path), "the catalog's journal").ok()?;
     use rusqlite::OpenFlags;
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
         | OpenFlags::SQLITE_OPEN_NO_MUTEX

@@ -44,12 +44,8 @@ impl Entry {
 
 /// Reads every image lock file's record.
 pub fn take(root: &Root) -> Result<Vec<Entry>> {
-    let dir = match root.open_sub(Root::IMAGE_LOCKS_REL) {
-        Ok(d) => d,
-        Err(_) if std::fs::symlink_metadata(root.image_locks()).is_err() => {
-            return Ok(Vec::new());
-        }
-        Err(e) => return Err(e),
+    let Some(dir) = root.open_sub_if_there(Root::IMAGE_LOCKS_REL)? else {
+        return Ok(Vec::new());
     };
     let listing = dir
         .listing()
@@ -62,12 +58,11 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
         if e.kind != libc::DT_REG && e.kind != libc::DT_UNKNOWN {
             continue;
         }
+        // Only a regular file (the open checks): whatever else is planted
+        // under a lock file's name is no record (doctor reports it).
         let Ok(f) = dir.open_read(file) else {
             continue;
         };
-        if !f.metadata().is_ok_and(|m| m.is_file()) {
-            continue;
-        }
         let seen = image_record::read(&f)
             .unwrap_or_default()
             .of(|n| crate::root::is_lock_file_of(file, n));

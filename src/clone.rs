@@ -97,6 +97,93 @@ struct Frame {
     dst: Dir,
     meta: libc::stat,
     names: std::vec::IntoIter<CString>,
+    /// The source directory's own mode, while it lends us access.
+    _lent: Option<Lent>,
+}
+
+/// Access to a file or directory of the base that is ours but that its
+/// mode keeps from us (a mode-000 `/etc/shadow`, a directory a build left
+/// unreadable): while the copy needs it, the owner's read (and, for a
+/// directory, search) bit is set on that very inode; dropping this puts
+/// its mode back. An unprivileged user can otherwise not copy what every
+/// RHEL-family image holds, although removing it works. (Root needs no
+/// loan: permissions do not stop it.)
+struct Lent {
+    fd: std::os::fd::OwnedFd,
+    mode: libc::mode_t,
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        // fchmod refuses the O_PATH descriptor; its /proc name is the inode.
+        if let Ok(proc) = CString::new(format!("/proc/self/fd/{}", self.fd.as_raw_fd())) {
+            // SAFETY: a valid C string.
+            unsafe { libc::chmod(proc.as_ptr(), self.mode) };
+        }
+    }
+}
+
+/// Whether `meta` (ours) keeps us from reading it, or from searching it
+/// if a directory: the access a copy needs, which its owner may lend.
+fn needs_loan(meta: &libc::stat) -> bool {
+    // SAFETY: geteuid cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let need = if tree::file_type(meta) == libc::S_IFDIR {
+        0o500
+    } else {
+        0o400
+    };
+    euid != 0 && meta.st_uid == euid && meta.st_mode & need != need
+}
+
+/// Opens `name` of `dir`, whose stat is `meta` and which [`needs_loan`]:
+/// the owner's bits the copy needs are set through an `O_PATH` descriptor
+/// of the entry (a symlink swapped in is refused, not followed; another
+/// inode is refused), the entry is opened again through that descriptor,
+/// and the loan is returned to be given back when the copy is done.
+fn open_lent(
+    dir: &Dir,
+    name: &CStr,
+    meta: &libc::stat,
+    flags: libc::c_int,
+) -> io::Result<(RawFd, Lent)> {
+    // SAFETY: valid descriptor and C string; owned at once.
+    let fd = unsafe {
+        libc::openat(
+            dir.fd(),
+            name.as_ptr(),
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
+    let path = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let now = tree::fstat(path.as_raw_fd())?;
+    if (now.st_dev, now.st_ino) != (meta.st_dev, meta.st_ino) {
+        return Err(io::Error::other("changed while being copied"));
+    }
+    let need = if tree::file_type(meta) == libc::S_IFDIR {
+        0o500
+    } else {
+        0o400
+    };
+    let proc = CString::new(format!("/proc/self/fd/{}", path.as_raw_fd()))
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: a valid C string; fchmod refuses an O_PATH descriptor, and
+    // its /proc name is the very inode, whatever happens to `name`.
+    cvt(unsafe { libc::chmod(proc.as_ptr(), (now.st_mode & 0o7777) | need) })?;
+    let lent = Lent {
+        fd: path,
+        mode: now.st_mode & 0o7777,
+    };
+    // SAFETY: a valid C string; the descriptor is the caller's to own.
+    let fd = unsafe { libc::open(proc.as_ptr(), flags | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((fd, lent))
 }
 
 /// Copies the tree at `src` into the existing, empty directory `dst`.
@@ -135,6 +222,7 @@ pub fn copy_tree_at(
             .with_context(|| format!("cannot open {}", dst.display()))?,
         meta,
         names: names.into_iter(),
+        _lent: None,
     };
     let mut copy = TreeCopy {
         src,
@@ -230,10 +318,20 @@ impl TreeCopy<'_> {
     /// real mode is set at the end) and opens both for the walk.
     fn enter_dir(&mut self, top: &Frame, name: CString, meta: libc::stat) -> Result<Frame> {
         mkdirat(&top.dst, &name).with_context(|| self.cannot_copy(&name))?;
-        let s = top
-            .src
-            .open_at(&name)
-            .with_context(|| self.cannot_copy(&name))?;
+        let (s, lent) = if needs_loan(&meta) {
+            let (fd, lent) = open_lent(&top.src, &name, &meta, libc::O_RDONLY | libc::O_DIRECTORY)
+                .with_context(|| self.cannot_copy(&name))?;
+            // SAFETY: fd was just opened (a directory), and nothing else owns it.
+            let d = Dir::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+            (d, Some(lent))
+        } else {
+            let d = top
+                .src
+                .open_at(&name)
+                .map_err(|e| denied(e, &meta))
+                .with_context(|| self.cannot_copy(&name))?;
+            (d, None)
+        };
         let d = top
             .dst
             .open_at(&name)
@@ -254,6 +352,7 @@ impl TreeCopy<'_> {
             dst: d,
             meta,
             names: names.into_iter(),
+            _lent: lent,
         })
     }
 
@@ -287,7 +386,9 @@ impl TreeCopy<'_> {
     }
 
     fn copy_file(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
-        let (src_f, dst_f) =
+        // A loan is given back once the attributes are copied: reading a
+        // file's `user.*` attributes needs the same access as its data.
+        let (src_f, dst_f, _lent) =
             open_pair(&top.src, &top.dst, name, meta).with_context(|| self.cannot_copy(name))?;
         let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works)
             .with_context(|| self.cannot_copy(name))?;
@@ -355,18 +456,30 @@ impl TreeCopy<'_> {
 /// Opens a regular file of the base and creates its copy. The source is
 /// opened without blocking (a FIFO swapped in after the look would
 /// otherwise hang the copy) and must still be the file that was looked at.
-fn open_pair(src: &Dir, dst: &Dir, name: &CStr, meta: &libc::stat) -> io::Result<(File, File)> {
-    // SAFETY: valid descriptors and C strings; descriptors owned at once.
-    let fd = unsafe {
-        libc::openat(
-            src.fd(),
-            name.as_ptr(),
-            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY,
-        )
+fn open_pair(
+    src: &Dir,
+    dst: &Dir,
+    name: &CStr,
+    meta: &libc::stat,
+) -> io::Result<(File, File, Option<Lent>)> {
+    let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
+    let (fd, lent) = if needs_loan(meta) {
+        let (fd, lent) = open_lent(src, name, meta, flags)?;
+        (fd, Some(lent))
+    } else {
+        // SAFETY: valid descriptors and C strings; descriptors owned at once.
+        let fd = unsafe {
+            libc::openat(
+                src.fd(),
+                name.as_ptr(),
+                flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(denied(io::Error::last_os_error(), meta));
+        }
+        (fd, None)
     };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
     // SAFETY: fd was just returned by a successful open, and nothing else owns it.
     let s = unsafe { File::from_raw_fd(fd) };
     let now = tree::fstat(s.as_raw_fd())?;
@@ -386,7 +499,23 @@ fn open_pair(src: &Dir, dst: &Dir, name: &CStr, meta: &libc::stat) -> io::Result
         return Err(io::Error::last_os_error());
     }
     // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-    Ok((s, unsafe { File::from_raw_fd(fd) }))
+    Ok((s, unsafe { File::from_raw_fd(fd) }, lent))
+}
+
+/// A refusal to read a file of the base that is not ours to lend: says
+/// whose it is, since only they (or root) can copy it.
+fn denied(e: io::Error, meta: &libc::stat) -> io::Error {
+    if e.kind() != io::ErrorKind::PermissionDenied {
+        return e;
+    }
+    io::Error::new(
+        e.kind(),
+        format!(
+            "{e}: it is mode {:03o} and belongs to uid {}, so only they or root can copy it",
+            meta.st_mode & 0o7777,
+            meta.st_uid
+        ),
+    )
 }
 
 /// Copies one regular file's data; returns whether it was reflinked.

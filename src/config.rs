@@ -115,27 +115,50 @@ pub fn exists(dir: &Dir) -> bool {
 /// `root_dir`, for messages). `Ok(None)`: no such file.
 pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     let path = root_dir.join(FILE);
-    let file = match dir.open_read(FILE) {
+    let file = match dir.open_read_unchecked(FILE) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
+        Err(e) => return Err(Unusable::because(&path, e).into()),
     };
-    // One read: a FIFO or a directory in its place fails it (ESPIPE,
-    // EISDIR) without blocking, as it was opened non-blocking.
+    // What it is is asked only when the read does not find the format
+    // (a FIFO reads as empty, a directory fails the read).
+    let not_a_file = |e| match crate::planted::check(&path, &file) {
+        Err(planted) => Unusable::because(&path, planted),
+        Ok(()) => e,
+    };
     let mut buf = vec![0u8; 64 * 1024];
-    let n = std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0).map_err(|e| {
-        anyhow::anyhow!(
-            "cannot read {} ({e}): is it a regular file? 'stowage doctor --repair' replaces it",
-            path.display()
-        )
-    })?;
+    let n = std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0)
+        .map_err(|e| not_a_file(Unusable::because(&path, e)))?;
     let text = String::from_utf8_lossy(&buf[..n]);
-    Config::decode(&text).map(Some).with_context(|| {
-        format!(
-            "{} is damaged; 'stowage doctor --repair' writes it anew",
-            path.display()
-        )
-    })
+    match Config::decode(&text) {
+        Some(c) => Ok(Some(c)),
+        None => Err(not_a_file(Unusable {
+            why: format!("{} is damaged", path.display()),
+        })
+        .into()),
+    }
+}
+
+/// The configuration exists but cannot be read, or is not its format:
+/// what `doctor --repair` sets aside and writes anew from the records.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records"
+)]
+pub struct Unusable {
+    /// What is wrong with it, naming it.
+    pub why: String,
+}
+
+impl Unusable {
+    fn because(path: &std::path::Path, e: std::io::Error) -> Unusable {
+        let e = crate::planted::at(path, e);
+        let why = match crate::planted::find(&e) {
+            Some(n) => format!("{} is {}, not a regular file", n.path.display(), n.kind),
+            None => format!("cannot read {}: {e}", path.display()),
+        };
+        Unusable { why }
+    }
 }
 
 /// Replaces the configuration: written beside, synced, renamed into place.

@@ -43,6 +43,14 @@ pub struct DirEntry {
     pub kind: u8,
 }
 
+impl From<OwnedFd> for Dir {
+    /// A directory opened by other means (through /proc, for a copy that
+    /// had to lend itself access): the caller vouches it is one.
+    fn from(fd: OwnedFd) -> Dir {
+        Dir { fd }
+    }
+}
+
 impl AsRawFd for Dir {
     /// For walks that need calls this type does not wrap (the copy's
     /// `fsetxattr`, `mknodat`, `FIEMAP`; see tree.rs).
@@ -137,6 +145,16 @@ impl Dir {
     /// Opens a directory whose last component must not be a symlink.
     pub fn open_nofollow(path: &Path) -> io::Result<Dir> {
         Self::open_flags(path, DIR_FLAGS | libc::O_NOFOLLOW)
+    }
+
+    /// Opens a directory of the layout by its path under the root (whose
+    /// own path is canonical): no component may be a symlink
+    /// (`planted::open`), so a link planted for `locks` leads nowhere.
+    pub fn open_in_root(path: &Path) -> io::Result<Dir> {
+        let f = crate::planted::open(path, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
+        Ok(Dir {
+            fd: OwnedFd::from(f),
+        })
     }
 
     fn open_flags(path: &Path, flags: libc::c_int) -> io::Result<Dir> {
@@ -379,6 +397,102 @@ impl Dir {
         Ok(())
     }
 
+    /// Renames the entry `name` aside in this directory, as
+    /// `NAME.WHY-TIME` (with `-N` added while that is taken), never over
+    /// an existing entry: whatever it is (a planted FIFO, a damaged file)
+    /// is kept, not followed, not deleted. Returns the new name; a `name`
+    /// gone meanwhile is `NotFound`.
+    pub fn set_aside(&self, name: &str, why: &str) -> io::Result<String> {
+        let stamp = crate::clock::rfc3339(crate::clock::now_ms())
+            .unwrap_or_default()
+            .replace(':', "");
+        for n in 0..100 {
+            let aside = match n {
+                0 => format!("{name}.{why}-{stamp}"),
+                n => format!("{name}.{why}-{stamp}-{n}"),
+            };
+            match self.rename_new(name, &aside) {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                other => return other.map(|()| aside),
+            }
+        }
+        Err(io::Error::other(
+            "too many set aside already under that name",
+        ))
+    }
+
+    /// `renameat2(RENAME_NOREPLACE)` within this directory; where the
+    /// filesystem cannot, a look first (`AlreadyExists` if taken).
+    fn rename_new(&self, name: &str, to_name: &str) -> io::Result<()> {
+        let a = cstr(name.as_ref())?;
+        let b = cstr(to_name.as_ref())?;
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: valid C strings and descriptor; the system call itself
+        // (libc's wrapper is missing from older C libraries).
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_renameat2,
+                fd,
+                a.as_ptr(),
+                fd,
+                b.as_ptr(),
+                libc::RENAME_NOREPLACE,
+            )
+        };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if !matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
+            return Err(e);
+        }
+        if self.stat_at(to_name)?.is_some() {
+            return Err(io::ErrorKind::AlreadyExists.into());
+        }
+        self.rename_to(name, self, to_name)
+    }
+
+    /// Whether this process may open the entry `name` for reading and
+    /// writing (as its effective user), by its permissions.
+    pub fn may_read_write(&self, name: &str) -> bool {
+        let Ok(c) = cstr(name.as_ref()) else {
+            return false;
+        };
+        // SAFETY: valid C string and descriptor; nothing is written.
+        unsafe {
+            libc::faccessat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::R_OK | libc::W_OK,
+                libc::AT_EACCESS,
+            ) == 0
+        }
+    }
+
+    /// Sets the mode of the regular file `name`, through a descriptor of
+    /// that very file (`O_PATH|O_NOFOLLOW`): a symlink swapped in after a
+    /// look is refused, never followed to what it names.
+    pub fn chmod_at(&self, name: &str, mode: u32) -> io::Result<()> {
+        let c = cstr(name.as_ref())?;
+        // SAFETY: valid descriptor and C string; owned at once.
+        let fd = check(unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        })?;
+        // SAFETY: fd was just returned by a successful open, and nothing else owns it.
+        let file = unsafe { std::fs::File::from_raw_fd(fd) };
+        crate::planted::check(Path::new(name), &file)?;
+        // fchmod refuses an O_PATH descriptor; its /proc name is the file.
+        let proc = CString::new(format!("/proc/self/fd/{fd}"))
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: a valid C string.
+        check(unsafe { libc::chmod(proc.as_ptr(), mode as libc::mode_t) })?;
+        Ok(())
+    }
+
     /// Makes `to_name` a second link to `name` in this directory: fails
     /// with `AlreadyExists` if `to_name` exists (an atomic create).
     pub fn link_to(&self, name: impl AsRef<OsStr>, to_name: impl AsRef<OsStr>) -> io::Result<()> {
@@ -399,7 +513,9 @@ impl Dir {
 
     /// Opens `name` for writing (creating it, never through a symlink) and
     /// closes it again: the close is what inotify watchers of this
-    /// directory see (`IN_CLOSE_WRITE`). Nothing is written.
+    /// directory see (`IN_CLOSE_WRITE`). Nothing is written. Never blocks:
+    /// a FIFO planted under the name fails the open (`ENXIO`) unless
+    /// something reads it, and then is only closed.
     pub fn touch_closed(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
         let c = cstr(name.as_ref())?;
         // SAFETY: valid C string; the descriptor is closed at once.
@@ -407,7 +523,7 @@ impl Dir {
             libc::openat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
-                libc::O_WRONLY | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                libc::O_WRONLY | libc::O_CREAT | crate::planted::FLAGS,
                 0o666 as libc::c_uint,
             )
         })?;
@@ -416,28 +532,14 @@ impl Dir {
         Ok(())
     }
 
-    /// Opens `name` read-write (made if `create` and missing, mode 0666
-    /// before umask, as lock files are), never through a symlink, without
-    /// blocking on a FIFO planted under that name.
+    /// Opens the regular file `name` read-write (made if `create` and
+    /// missing, mode 0666 before umask, as lock files are), never through a
+    /// symlink, without blocking on a FIFO planted under that name; what
+    /// is not a regular file is a `planted::NotAFile` (named by the entry:
+    /// `planted::at` names it in full).
     pub fn open_rw(&self, name: impl AsRef<OsStr>, create: bool) -> io::Result<std::fs::File> {
-        use std::os::fd::FromRawFd;
-        let c = cstr(name.as_ref())?;
-        let flags = libc::O_RDWR
-            | libc::O_NOFOLLOW
-            | libc::O_CLOEXEC
-            | libc::O_NONBLOCK
-            | if create { libc::O_CREAT } else { 0 };
-        // SAFETY: valid C string; the descriptor is owned by the File.
-        let fd = check(unsafe {
-            libc::openat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                flags,
-                0o666 as libc::c_uint,
-            )
-        })?;
-        // SAFETY: fd was just opened by us and is owned by nothing else.
-        Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+        let flags = libc::O_RDWR | crate::planted::FLAGS | if create { libc::O_CREAT } else { 0 };
+        self.open_file_at(name.as_ref(), flags)
     }
 
     /// "INO@FSTYPE[@FSID]": the directory's inode number, its filesystem's
@@ -455,13 +557,49 @@ impl Dir {
         Ok(id)
     }
 
-    /// Opens `name` read-only, never through a symlink, without blocking
-    /// on a FIFO planted under that name (the caller checks what it got).
+    /// Opens the regular file `name` read-only, as [`Dir::open_rw`] does.
     pub fn open_read(&self, name: impl AsRef<OsStr>) -> io::Result<std::fs::File> {
-        self.open_flags_at(
-            name.as_ref(),
-            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY,
-        )
+        self.open_file_at(name.as_ref(), libc::O_RDONLY | crate::planted::FLAGS)
+    }
+
+    /// [`Dir::open_read`] without its `fstat`, for a caller whose read
+    /// proves a regular file when it finds what it expects (a FIFO reads
+    /// as empty, a directory fails the read) and that asks
+    /// `planted::check` only when it does not: a round trip less on the
+    /// way every new image takes.
+    pub fn open_read_unchecked(&self, name: impl AsRef<OsStr>) -> io::Result<std::fs::File> {
+        let name = name.as_ref();
+        self.open_flags_at(name, libc::O_RDONLY | crate::planted::FLAGS)
+            .map_err(|e| self.refused(name, e))
+    }
+
+    /// Opens `name` (a file stowage keeps) and makes sure it is a regular
+    /// file (one `fstat`).
+    fn open_file_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
+        let shown = Path::new(name);
+        let f = self
+            .open_flags_at(name, flags)
+            .map_err(|e| self.refused(name, e))?;
+        crate::planted::check(shown, &f)?;
+        Ok(f)
+    }
+
+    /// [`crate::planted::refused`] for an entry of this directory, told by
+    /// `fstatat` (no path is built).
+    fn refused(&self, name: &OsStr, e: io::Error) -> io::Error {
+        if !matches!(
+            e.raw_os_error(),
+            Some(libc::ELOOP | libc::EISDIR | libc::ENXIO)
+        ) {
+            return e;
+        }
+        match self
+            .stat_at(name)
+            .map(|st| st.and_then(|st| crate::planted::kind_of_mode(st.mode)))
+        {
+            Ok(Some(kind)) => crate::planted::not_a_file(Path::new(name), kind),
+            _ => e,
+        }
     }
 
     /// Creates the file `name`, which must not exist (mode before umask).
@@ -483,7 +621,14 @@ impl Dir {
     fn open_flags_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
         let c = cstr(name)?;
         // SAFETY: valid C string; the descriptor is owned by the File.
-        let fd = check(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags, 0) })?;
+        let fd = check(unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                flags,
+                0o666 as libc::c_uint,
+            )
+        })?;
         // SAFETY: fd was just opened by us and is owned by nothing else.
         Ok(unsafe { std::fs::File::from_raw_fd(fd) })
     }

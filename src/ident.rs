@@ -52,7 +52,7 @@ pub fn host_name() -> String {
         .unwrap_or_else(|| "localhost".to_owned())
 }
 
-/// `$USER`, else the password database, else the numeric uid.
+/// `$USER`, else the password file, else the numeric uid.
 pub fn user_name() -> String {
     if let Ok(u) = std::env::var("USER")
         && !u.is_empty()
@@ -62,11 +62,39 @@ pub fn user_name() -> String {
     user_name_of(nix::unistd::getuid().as_raw())
 }
 
+/// The name `/etc/passwd` gives `uid`, else the uid itself. Read from the
+/// file, never asked of the C library: a static binary's `getpwuid` loads
+/// the host's NSS modules (`libnss_systemd`, `sss`, LDAP), which crash it
+/// — a uid without an entry in the file (cron, `env -i`, a container's
+/// arbitrary uid, a directory user) then segfaulted every command. Users
+/// known only to a directory service are named by their uid.
 pub fn user_name_of(uid: u32) -> String {
-    nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
-        .ok()
-        .flatten()
-        .map_or_else(|| uid.to_string(), |u| u.name)
+    passwd_name(uid).unwrap_or_else(|| uid.to_string())
+}
+
+fn passwd_name(uid: u32) -> Option<String> {
+    // Bounded: a planted or huge file costs at most this much.
+    let mut text = String::new();
+    let file = std::os::unix::fs::OpenOptionsExt::custom_flags(
+        fs::OpenOptions::new().read(true),
+        libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC,
+    )
+    .open("/etc/passwd")
+    .ok()?;
+    std::io::Read::read_to_string(&mut std::io::Read::take(file, 4 << 20), &mut text).ok()?;
+    name_in_passwd(&text, uid)
+}
+
+/// The name of `uid` in the text of a password file.
+fn name_in_passwd(text: &str, uid: u32) -> Option<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.starts_with('+') && !l.starts_with('-'))
+        .find_map(|l| {
+            let mut f = l.split(':');
+            let name = f.next()?;
+            let id: u32 = f.nth(1)?.parse().ok()?;
+            (id == uid && !name.is_empty()).then(|| name.to_owned())
+        })
 }
 
 fn boot_id() -> Option<String> {
@@ -204,6 +232,15 @@ fn quote(arg: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_name_is_read_from_the_password_file_or_is_the_uid() {
+        let text = "# comment\nroot:x:0:0:root:/root:/bin/sh\n+nis\nana:x:1000:1000::/home/ana:/bin/sh\nbad line\n";
+        assert_eq!(super::name_in_passwd(text, 1000).as_deref(), Some("ana"));
+        assert_eq!(super::name_in_passwd(text, 0).as_deref(), Some("root"));
+        assert_eq!(super::name_in_passwd(text, 4242), None);
+        assert!(!super::user_name_of(4_000_000_000).is_empty());
+    }
+
     use super::*;
 
     #[test]

@@ -38,7 +38,7 @@ pub type Table = HashMap<(u64, u64), Vec<Entry>>;
 /// number `/proc/self/fdinfo` gives for it. None where that cannot be
 /// learned (no /proc, a kernel without flock lines in fdinfo).
 pub fn device_of(dir: &Path) -> Option<u64> {
-    let d = crate::dir::Dir::open_nofollow(dir).ok()?;
+    let d = crate::dir::Dir::open_in_root(dir).ok()?;
     crate::lock::flock_dir_shared(d.as_raw_fd()).ok()?;
     let info = fs::read_to_string(format!("/proc/self/fdinfo/{}", d.as_raw_fd())).ok()?;
     info.lines()

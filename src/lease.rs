@@ -331,22 +331,40 @@ fn create(dir: &Path) -> io::Result<Lease> {
 /// points to.
 fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
     // Only an anchor for the lease's path: `O_PATH` opens nothing on a
-    // server (no OPENDIR/RELEASEDIR on a shared filesystem).
-    let open_dir = || {
-        fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(dir)
-    };
+    // server (no OPENDIR/RELEASEDIR on a shared filesystem). No component
+    // is followed if a link, not even `locks` (planted::open).
+    let open_dir = || crate::planted::open(dir, libc::O_PATH | libc::O_DIRECTORY, 0);
     match open_dir() {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(dir) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => match make_leases_dir(dir) {
             Ok(()) => open_dir(),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => open_dir(),
             Err(e) => Err(e),
         },
         other => other,
     }
-    .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", dir.display())))
+    .map_err(|e| match crate::planted::find(&e) {
+        // Names itself, and the fix.
+        Some(_) => e,
+        None => io::Error::new(e.kind(), format!("cannot open {}: {e}", dir.display())),
+    })
+}
+
+/// Makes the leases directory in `locks`, reached without following a
+/// link in any component.
+fn make_leases_dir(dir: &Path) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let (Some(locks), Some(name)) = (dir.parent(), dir.file_name()) else {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    };
+    let parent = crate::planted::open(locks, libc::O_PATH | libc::O_DIRECTORY, 0)?;
+    let c = std::ffi::CString::new(name.as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: a valid descriptor and C string.
+    if unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o777) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Creates the file `path` and locks it, if it is fresh and stays ours:
@@ -624,7 +642,7 @@ pub struct Listing {
 /// refused a symlink in the directory's place, which is kept for
 /// [`clean_listed`].
 pub fn listing(leases: &Path) -> Listing {
-    let Ok(dir) = crate::dir::Dir::open_nofollow(leases) else {
+    let Ok(dir) = crate::dir::Dir::open_in_root(leases) else {
         return Listing {
             dir: None,
             names: Vec::new(),

@@ -27,6 +27,7 @@
 //!    image names; [`clock`]; [`ident`] who this process is; [`error`]
 //!    typed errors and exit codes; [`filesystem`] where a lock reaches;
 //!    [`space`] the reserve file; [`spawn`]; [`debug`] test pause points;
+//!    [`planted`] what is found where stowage keeps a file of its own;
 //!    [`image_record`] an image's record; [`slot_limits`] a class's record.
 //! 2. **Locks and processes**: [`lock`] the only caller of flock(2);
 //!    [`signals`]; [`lease`] holder leases; [`kernel`] /proc/locks;
@@ -104,6 +105,7 @@ pub mod lock;
 pub mod migrate;
 pub mod name;
 pub mod nested;
+pub mod planted;
 pub mod remove;
 pub mod root;
 pub mod session;

@@ -204,7 +204,7 @@ impl Old {
 
 /// The images writers' markers stand for (`locks/leases/ENC.dirty`).
 fn markers(root: &Root) -> BTreeSet<String> {
-    let Ok(d) = crate::dir::Dir::open_nofollow(&root.leases()) else {
+    let Ok(d) = crate::dir::Dir::open_in_root(&root.leases()) else {
         return BTreeSet::new();
     };
     d.names()
@@ -388,7 +388,7 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
     if let Ok(Some(g)) = lock::open_existing(&root.global_lock()) {
         let _ = g.set_len(0);
     }
-    if let Ok(d) = crate::dir::Dir::open_nofollow(&root.leases()) {
+    if let Ok(d) = crate::dir::Dir::open_in_root(&root.leases()) {
         for n in d.names().unwrap_or_default() {
             if n.to_str().is_some_and(|n| n.ends_with(".dirty")) {
                 let _ = d.unlink(&n);
@@ -435,7 +435,7 @@ fn ensure_config(root: &Root) -> Result<()> {
 
 /// The image lock files (`*.lock`) in `locks/images/`.
 fn image_lock_files(root: &Root) -> Vec<String> {
-    crate::dir::Dir::open_nofollow(&root.image_locks())
+    crate::dir::Dir::open_in_root(&root.image_locks())
         .and_then(|d| d.names())
         .unwrap_or_default()
         .into_iter()

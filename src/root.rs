@@ -65,9 +65,21 @@ impl Root {
         })
     }
 
+    /// A root at `dir`, for a library caller. Its path is made canonical
+    /// (links in it resolved, once), as [`Root::check`] does for the
+    /// command line: paths below the root are opened refusing any link on
+    /// the way (`planted::open`).
     pub fn at(dir: impl Into<PathBuf>) -> Root {
+        let dir: PathBuf = dir.into();
+        let dir =
+            fs::canonicalize(&dir).unwrap_or_else(|_| match (dir.parent(), dir.file_name()) {
+                (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
+                    fs::canonicalize(parent).map_or(dir.clone(), |p| p.join(name))
+                }
+                _ => dir,
+            });
         Root {
-            dir: dir.into(),
+            dir,
             default: false,
             dev: None,
             fs: None,
@@ -115,6 +127,53 @@ impl Root {
             d = d.sub(part).map_err(|e| not_a_dir(&at, e))?;
         }
         Ok(d)
+    }
+
+    /// [`Root::open_sub`], or `None` if a component is missing (a layout
+    /// not made yet): what is planted in a directory's place is an error
+    /// naming it, never taken for "nothing there".
+    pub fn open_sub_if_there(&self, name: &str) -> Result<Option<Dir>> {
+        let mut d = self.open()?;
+        let mut at = self.dir.clone();
+        for part in name.split('/') {
+            at.push(part);
+            d = match d.sub(part) {
+                Ok(d) => d,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(not_a_dir(&at, e)),
+            };
+        }
+        Ok(Some(d))
+    }
+
+    /// Fails, naming it, if something is planted in the place of the
+    /// directory of image locks or of slots (a command that lists them
+    /// must not take that for an empty store). One in the leases' place
+    /// costs only the holders' names: `say` is told, and the look goes on.
+    pub fn check_lock_dirs(&self, say: impl Fn(&str)) -> Result<()> {
+        let Some(locks) = self.open_sub_if_there(Self::LOCKS_REL)? else {
+            return Ok(());
+        };
+        // Looked at, not opened: a stat each (lock-status's fixed cost).
+        let planted = |name: &str| -> Result<()> {
+            let at = self.locks().join(name);
+            match locks.stat_at(name) {
+                Ok(None) => Ok(()),
+                Ok(Some(e)) if e.is_dir() => Ok(()),
+                Ok(Some(_)) => Err(not_a_dir(&at, io::Error::from_raw_os_error(libc::ENOTDIR))),
+                Err(e) => {
+                    Err(anyhow::Error::new(e).context(format!("cannot open {}", at.display())))
+                }
+            }
+        };
+        planted("images")?;
+        planted("slots")?;
+        if let Err(e) = planted("leases") {
+            say(&format!(
+                "{e:#} (holders are shown without what their leases say)"
+            ));
+        }
+        Ok(())
     }
 
     /// Like [`Root::open_sub`] for a directory directly in the root, which
@@ -401,8 +460,9 @@ impl Root {
     /// Like [`Root::create_layout`], for `doctor`: an existing entry in
     /// place of one of the root's directories that is not a directory (a
     /// planted symlink) is passed to `bad` with a phrase saying what it is,
-    /// instead of failing. Returns whether the lock directories are usable.
-    pub fn create_layout_reporting(&self, mut bad: impl FnMut(&str, &str)) -> Result<bool> {
+    /// instead of failing; `bad` says whether it put a directory there.
+    /// Returns whether the lock directories are usable.
+    pub fn create_layout_reporting(&self, mut bad: impl FnMut(&str, &str) -> bool) -> Result<bool> {
         if fs::symlink_metadata(&self.dir).is_err() {
             return self.create_layout().map(|()| true);
         }
@@ -416,11 +476,19 @@ impl Root {
             "img",
             "trash",
         ] {
+            // Below a `locks` that is no directory there is nothing to look
+            // at (and a link there must not be followed).
+            if !locks_ok && name.starts_with("locks/") {
+                continue;
+            }
             let path = self.dir.join(name);
             let what = match fs::symlink_metadata(&path) {
                 Ok(m) if m.is_dir() => continue,
-                Ok(m) if m.file_type().is_symlink() => "a symlink, not a directory",
-                Ok(_) => "not a directory",
+                Ok(m) => format!(
+                    "{}, not a directory",
+                    crate::planted::kind_of_mode(std::os::unix::fs::MetadataExt::mode(&m))
+                        .unwrap_or("a regular file")
+                ),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if locks_ok {
                         make_dir(&path)?;
@@ -431,30 +499,39 @@ impl Root {
                     return Err(e).with_context(|| format!("cannot inspect {}", path.display()));
                 }
             };
-            bad(name, what);
-            if name.starts_with("locks") {
+            if !bad(name, &what) && name.starts_with("locks") {
                 locks_ok = false;
             }
         }
         Ok(locks_ok)
     }
 
-    /// Replaces a non-directory entry `name` of the root (a planted
-    /// symlink: only the link goes) with an empty directory.
-    pub fn replace_with_dir(&self, name: &str) -> Result<()> {
-        let root = self.open()?;
+    /// Sets aside what is planted in the place of the directory `name` of
+    /// the layout (`NAME.planted-TIME`, in its own directory: nothing is
+    /// followed or deleted) and makes an empty directory there. Returns
+    /// where the planted entry went.
+    pub fn replace_with_dir(&self, name: &str) -> Result<PathBuf> {
         let path = self.dir.join(name);
-        match root.stat_at(name)? {
-            Some(e) if e.is_dir() => return Ok(()),
-            Some(e) => {
-                root.unlink_if(name, e.dev, e.ino)
-                    .with_context(|| format!("cannot remove {}", path.display()))?;
+        let (parent, entry) = match name.rsplit_once('/') {
+            Some((parent, entry)) => (self.open_sub(parent)?, entry),
+            None => (self.open()?, name),
+        };
+        let aside = match parent.stat_at(entry)? {
+            Some(e) if e.is_dir() => return Ok(path),
+            Some(_) => parent
+                .set_aside(entry, "planted")
+                .with_context(|| format!("cannot set {} aside", path.display()))?,
+            None => entry.to_owned(),
+        };
+        match parent.mkdir(entry, 0o777) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("cannot create directory {}", path.display()));
             }
-            None => {}
         }
-        root.mkdir(name, 0o777)
-            .with_context(|| format!("cannot create directory {}", path.display()))?;
-        Ok(())
+        Ok(path.with_file_name(aside))
     }
 
     /// Refuses a root that someone else could control, and says whether it
@@ -567,18 +644,29 @@ impl Root {
     }
 }
 
-/// "PATH is a symlink/not a directory; refusing to use it" for the errors
-/// an `O_NOFOLLOW|O_DIRECTORY` open gives for those.
+/// "PATH is a symlink, not a directory; refusing to use it", and what to
+/// do, for the errors an `O_NOFOLLOW|O_DIRECTORY` open gives for what is
+/// planted in a directory's place.
 fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
+    use std::os::unix::fs::MetadataExt;
     if !matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
         return anyhow::Error::new(e).context(format!("cannot open {}", path.display()));
     }
     // Linux says ENOTDIR for a symlink opened O_DIRECTORY|O_NOFOLLOW: look.
-    let what = match fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_symlink() => "a symlink, not a directory",
-        _ => "not a directory",
+    let kind = fs::symlink_metadata(path).map_or("not a directory", |m| {
+        crate::planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
+    });
+    // A link in the default images directory's place may be the user's
+    // own: it is left for them.
+    let fix = if path.file_name().is_some_and(|n| n == "img") && kind == "a symlink" {
+        "to keep images elsewhere, use 'stowage init --images-dir DIR' on a new root"
+    } else {
+        crate::planted::FIX
     };
-    anyhow::anyhow!("{} is {what}; refusing to use it", path.display())
+    anyhow::anyhow!(
+        "{} is {kind}, not a directory: refusing to use it; {fix}",
+        path.display()
+    )
 }
 
 impl Root {

@@ -745,14 +745,25 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
 /// An existing image's tree must be a directory of its own: a symlink or
 /// a file swapped in for it would send the command's writes elsewhere.
 /// One `lstat` (the command is handed the path, so the path is checked).
+/// A tree that is missing from an images directory that is not the one
+/// recorded (unmounted, or something planted in its place) is no tree to
+/// write: the command would write where nobody looks, and the image, once
+/// the directory is back, would be incomplete for nothing.
 fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
     let Some(r) = held.seen.record.as_ref() else {
         return Ok(());
     };
-    let tree = crate::images_dir::for_command(root, r)?.join(held.name.encoded());
+    let images = crate::images_dir::for_command(root, r)?;
+    let tree = images.join(held.name.encoded());
     let what = match std::fs::symlink_metadata(&tree) {
         Ok(m) if m.file_type().is_symlink() => "a symlink",
         Ok(m) if !m.is_dir() => "not a directory",
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            match crate::images_dir::unmounted(root, &images) {
+                Some(why) => anyhow::bail!("cannot write image '{}': {why}", held.name),
+                None => return Ok(()),
+            }
+        }
         _ => return Ok(()),
     };
     anyhow::bail!(

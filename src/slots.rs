@@ -142,14 +142,29 @@ pub fn read_class(root: &Root, class: &str) -> Result<Class> {
             )
         }),
         Ok(None) => Ok(Class::None),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => Ok(Class::None),
-        Err(e) => Err(e).with_context(|| format!("cannot open {}", path.display())),
+        Err(e) => Err(planted_or(&path, class, e)),
+    }
+}
+
+/// The error for a class file that cannot be opened: one planted in its
+/// place names itself and the fix; anything else names the file.
+fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
+    let e = crate::planted::at(path, e);
+    if crate::planted::find(&e).is_some() {
+        anyhow::anyhow!("slot class '{class}': {e}")
+    } else if let Some(why) = (e.kind() == std::io::ErrorKind::PermissionDenied)
+        .then(|| crate::planted::denied(path))
+        .flatten()
+    {
+        anyhow::anyhow!("slot class '{class}': {why}")
+    } else {
+        anyhow::Error::new(e).context(format!("cannot open {}", path.display()))
     }
 }
 
 /// The configured classes, by their directories, with their records.
 pub fn classes(root: &Root) -> Vec<(String, Class)> {
-    let Ok(top) = Dir::open_nofollow(&root.slot_locks()) else {
+    let Ok(top) = Dir::open_in_root(&root.slot_locks()) else {
         return Vec::new();
     };
     let mut out: Vec<(String, Class)> = top
@@ -203,12 +218,7 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: u32) -> Result<(
     let dir = make_class_dir(&root, class)?;
     let zero = dir
         .open_rw(Kind::Normal(0).file_name(), true)
-        .with_context(|| {
-            format!(
-                "cannot open {}",
-                root.slot_class_dir(class).join("0.lock").display()
-            )
-        })?;
+        .map_err(|e| planted_or(&root.slot_class_dir(class).join("0.lock"), class, e))?;
     let before = match slot_limits::read(&zero, class)? {
         Class::Limits(l) => Some(l),
         _ => None,
@@ -304,11 +314,7 @@ pub(crate) fn remove_empty_class_dir(root: &Root, class: &str) {
 /// The class's directory, opened from the root's descriptor without
 /// following a link at any step; `None` if it does not exist.
 pub fn class_dir(root: &Root, class: &str) -> Result<Option<Dir>> {
-    let rel = Root::slot_class_rel(class);
-    match std::fs::symlink_metadata(root.dir().join(&rel)) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        _ => root.open_sub(&rel).map(Some),
-    }
+    root.open_sub_if_there(&Root::slot_class_rel(class))
 }
 
 /// Makes (if missing) and opens the class's directory, every step from the
@@ -344,7 +350,7 @@ pub fn make_class_dir(root: &Root, class: &str) -> Result<Dir> {
 /// how many are held, and who waits (leases that await the class).
 pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> LockReport {
     let dir = root.slot_class_dir(class);
-    let mut files: Vec<String> = Dir::open_nofollow(&dir)
+    let mut files: Vec<String> = Dir::open_in_root(&dir)
         .and_then(|d| d.names())
         .unwrap_or_default()
         .into_iter()

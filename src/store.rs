@@ -86,26 +86,36 @@ impl Store {
         deadline: Option<Instant>,
         mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        self.retry_full(|store| store.transaction(deadline, false, &mut f))
+        self.retry_full(|store| store.transaction(deadline.map(Look::Until), false, &mut f))
     }
 
-    /// Like [`Store::with_catalog`], for a look that must work on a full
-    /// filesystem: if even the reserve cannot make room for the journal,
-    /// `f` runs in a transaction journalled in memory and rolled back.
+    /// Like [`Store::with_catalog`], for a look that can do without the
+    /// catalog (a listing: the records say all that matters). It waits for
+    /// the global lock a bounded time, without a notice: a holder stuck
+    /// for longer (a stopped process, `flock(1)` held by hand) makes it
+    /// fail with [`Error::Busy`], which the caller says in its one line.
+    /// On a full filesystem, if even the reserve cannot make room for the
+    /// journal, `f` runs in a transaction journalled in memory and rolled
+    /// back.
     pub fn look_catalog<T>(&mut self, mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>) -> Result<T> {
-        match self.with_catalog(None, &mut f) {
-            Err(e) if crate::space::is_full(&e) => self.transaction(None, true, &mut f),
+        let look = Some(Look::Quietly);
+        match self.retry_full(|store| store.transaction(look, false, &mut f)) {
+            Err(e) if crate::space::is_full(&e) => self.transaction(look, true, &mut f),
             other => other,
         }
     }
 
     fn transaction<T>(
         &mut self,
-        deadline: Option<Instant>,
+        deadline: Option<Look>,
         in_memory: bool,
         f: &mut impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        let global = take_global(&self.ctx, deadline)?;
+        let global = match deadline {
+            Some(Look::Quietly) => take_global_quietly(&self.ctx)?,
+            Some(Look::Until(d)) => take_global(&self.ctx, Some(d))?,
+            None => take_global(&self.ctx, None)?,
+        };
         let db = self.ctx.root.db();
         self.connection()?;
         let conn = self.conn.as_ref().expect("opened above");
@@ -141,6 +151,11 @@ impl Store {
         let id = file_id(&db);
         if self.conn.is_some() && id != self.conn_file {
             self.conn = None;
+        }
+        if self.conn.is_some() {
+            // SQLite opens the journal at each transaction: whatever was
+            // planted there since the catalog was opened is refused now.
+            catalog::check_files(&db)?;
         }
         if self.conn.is_none() {
             let conn = self.open_settled()?;
@@ -244,28 +259,12 @@ pub(crate) fn set_aside_file(
         .file_name()
         .and_then(|n| n.to_str())
         .context("not a file of the root")?;
-    let stamp = crate::clock::rfc3339(crate::clock::now_ms())
-        .unwrap_or_default()
-        .replace(':', "");
-    for n in 0..100 {
-        let aside = match n {
-            0 => format!("{name}.{why}-{stamp}"),
-            n => format!("{name}.{why}-{stamp}-{n}"),
-        };
-        if dir.stat_at(&aside)?.is_some() {
-            continue;
-        }
-        return match dir.rename_to(name, &dir, &aside) {
-            // Set aside by another process meanwhile: as good.
-            Ok(()) => Ok(root.dir().join(aside)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(root.dir().join(aside)),
-            Err(e) => Err(e).with_context(|| format!("cannot set {} aside", path.display())),
-        };
+    match dir.set_aside(name, why) {
+        Ok(aside) => Ok(root.dir().join(aside)),
+        // Set aside by another process meanwhile: as good.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(path.to_owned()),
+        Err(e) => Err(e).with_context(|| format!("cannot set {} aside", path.display())),
     }
-    anyhow::bail!(
-        "cannot set {} aside: too many set aside already",
-        path.display()
-    )
 }
 
 /// Names the catalog in an SQLite error, and turns SQLite's lock held by an
@@ -289,6 +288,37 @@ fn catalog_error(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
         ""
     };
     e.context(CatalogError(format!("catalog {}{hint}", db.display())))
+}
+
+/// How long a transaction waits for the global lock.
+#[derive(Clone, Copy)]
+enum Look {
+    /// As the caller's deadline allows (plus the grace), announced.
+    Until(Instant),
+    /// The grace only, unannounced: for a look that can do without.
+    Quietly,
+}
+
+/// [`take_global`] for a look that can do without the catalog: waits
+/// [`GLOBAL_GRACE`] at most and announces nothing (the caller's one line
+/// says it went on without), failing with the holder named.
+fn take_global_quietly(ctx: &Ctx) -> Result<lock::Guard> {
+    let path = ctx.root.global_lock();
+    let t0 = Instant::now();
+    let mut wait = Wait::on(&ctx.root.locks(), Some(t0 + GLOBAL_GRACE));
+    match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => take_global(ctx, None),
+        other => match other.map_err(|e| lock::error("the global lock", &path, e))? {
+            Waited::Acquired(g) => Ok(g),
+            Waited::TimedOut => Err(Error::Busy(Busy {
+                what: format!("the global lock ({})", path.display()),
+                holders: crate::holders::global_holder_phrase(ctx),
+                waited: t0.elapsed(),
+            })
+            .into()),
+            Waited::Interrupted(sig) => Err(Error::Interrupted(sig).into()),
+        },
+    }
 }
 
 /// Takes the global lock: tried a few times (it is held for microseconds),

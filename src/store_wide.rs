@@ -57,9 +57,15 @@ pub fn probe(root: &Root) -> Result<Probe> {
     let file = match lock::open_existing(&path) {
         Ok(Some(f)) => f,
         Ok(None) => return Ok(Probe::Free),
+        // No hold can stand on what is not a regular file (taking one
+        // refuses it): a planted one stops no image user, only the next
+        // hold, which names it.
+        Err(e) if crate::planted::find(&e).is_some() => return Ok(Probe::Free),
         Err(e) => return Err(lock::error("the store-wide lock", &path, e)),
     };
-    if lock::try_shared_open(&file).map_err(|e| lock::error("the store-wide lock", &path, e))? {
+    if lock::try_shared_open(&file).map_err(|e| lock::error("the store-wide lock", &path, e))?
+        || crate::planted::check(&path, &file).is_err_and(|e| crate::planted::find(&e).is_some())
+    {
         return Ok(Probe::Free);
     }
     Ok(if inside(root) {
@@ -515,10 +521,8 @@ fn announce(
 
 /// The image lock files (`*.lock`, regular) in `locks/images/`.
 fn lock_file_names(root: &Root) -> Result<Vec<String>> {
-    let dir = match root.open_sub(Root::IMAGE_LOCKS_REL) {
-        Ok(d) => d,
-        Err(_) if std::fs::symlink_metadata(root.image_locks()).is_err() => return Ok(Vec::new()),
-        Err(e) => return Err(e),
+    let Some(dir) = root.open_sub_if_there(Root::IMAGE_LOCKS_REL)? else {
+        return Ok(Vec::new());
     };
     Ok(dir
         .listing()?

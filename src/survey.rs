@@ -7,8 +7,9 @@
 //!   is not known for the record as it is now, under a shared lock tried
 //!   without waiting (an image being written is left unmeasured).
 //! - A catalog that cannot be written (a user who may only read the store,
-//!   a full filesystem, an outside program holding it) is done without:
-//!   the records say all that matters.
+//!   a full filesystem, an outside program holding it, a global lock held
+//!   by a stuck process for more than a few seconds) is done without: the
+//!   records say all that matters, and one line says why.
 
 use anyhow::Result;
 
@@ -72,6 +73,7 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
             })
         })
         .collect();
+    let mut catalog = true;
     let rows = match refresh(store, &images) {
         Ok(rows) => rows,
         Err(e) if e.downcast_ref::<crate::store::NeedsMigration>().is_some() => {
@@ -82,12 +84,13 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
             // Derived: the records say all that matters, so the listing
             // goes on, and says why sizes and last uses may be missing (a
             // full filesystem only with -v: it says so everywhere else).
-            let line = format!("{e:#} (listed from the records without it)");
+            let line = format!("{e:#} (going on from the images' records, without the catalog)");
             if crate::space::is_full(&e) {
                 store.ctx().detail(&line);
             } else {
                 store.ctx().say(&line);
             }
+            catalog = false;
             Default::default()
         }
     };
@@ -103,7 +106,9 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
     if measure {
         let measured = measure_missing(store.root(), &mut images);
         crate::debug::pause("sizes-measured");
-        if !measured.is_empty() {
+        // Kept only where the catalog could be had just now: a second wait
+        // for a global lock held by a stuck process would undo the first.
+        if catalog && !measured.is_empty() {
             let _ = store.with_catalog(None, |cat, _| {
                 measured
                     .iter()

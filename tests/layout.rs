@@ -3,6 +3,9 @@
 //! of `lib.rs` names every module. Read from the source text: each module's
 //! `crate::NAME` references, outside comments and its unit tests.
 
+// Tests and benchmarks print where they like; the binary may not (clippy.toml).
+#![allow(clippy::disallowed_macros)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -266,7 +269,7 @@ fn messages_fit_on_a_line() {
                 continue;
             }
             let rel = p.strip_prefix(&src).unwrap().display().to_string();
-            if !rel.ends_with(".rs") || rel == "doctor.rs" || rel == "cli/shell.rs" {
+            if !rel.ends_with(".rs") || rel.starts_with("doctor/") || rel == "cli/shell.rs" {
                 continue;
             }
             let text = std::fs::read_to_string(&p).unwrap();

@@ -110,7 +110,7 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
     holding.reading = want.reading;
     let mut wait = Wait::on(&root.image_locks(), want.deadline);
     let waited = wait_for(store, holding, what, holders, || {
-        wait_image(root, name, want.mode, &mut wait).map_err(err)
+        wait_image(store.ctx(), name, want.mode, &mut wait).map_err(err)
     });
     // Cleared before anything else is said.
     drop(line);
@@ -236,8 +236,10 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
             Ok(Some(_passed)) => {
                 let _ = image_record::set_writer_waits(guard.file(), false);
             }
-            // No gate file: nobody waits there.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            // No gate file: nobody waits there. Nor at something planted
+            // in its place, which no writer can hold (doctor reports it).
+            Err(e) if e.kind() == io::ErrorKind::NotFound || crate::planted::find(&e).is_some() => {
+            }
             // A reader whose enclosing command reads the image already is
             // part of that hold: the writer at the gate waits for it, so
             // queueing behind the writer would be a cycle.
@@ -258,18 +260,28 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
 /// which holds back new readers; a reader shared, queueing behind a
 /// waiting writer), holds it while waiting for the lock, then lets it go.
 fn wait_image(
-    root: &Root,
+    ctx: &crate::ctx::Ctx,
     name: &ImageName,
     mode: Mode,
     wait: &mut Wait,
 ) -> io::Result<Waited<Guard>> {
+    let root = &ctx.root;
     let (gate, path) = (root.image_gate(name), root.image_lock(name));
-    let passage = match lock::acquire(&gate, mode, lock::IfMissing::Create, wait)? {
-        Waited::Acquired(g) => g,
-        Waited::TimedOut => return Ok(Waited::TimedOut),
-        Waited::Interrupted(sig) => return Ok(Waited::Interrupted(sig)),
+    let passage = match lock::acquire(&gate, mode, lock::IfMissing::Create, wait) {
+        Ok(Waited::Acquired(g)) => Some(g),
+        Ok(Waited::TimedOut) => return Ok(Waited::TimedOut),
+        Ok(Waited::Interrupted(sig)) => return Ok(Waited::Interrupted(sig)),
+        // Something planted in the gate's place, which nobody can hold:
+        // it orders no one, so the wait goes on without writer preference.
+        Err(e) if crate::planted::find(&e).is_some() => {
+            ctx.say(&format!(
+                "{e} — waiting without it (new readers may pass a waiting writer)"
+            ));
+            None
+        }
+        Err(e) => return Err(e),
     };
-    if mode == Mode::Exclusive {
+    if mode == Mode::Exclusive && passage.is_some() {
         // Holding the gate: readers that see the hint queue behind us.
         // Closed before the wait, which on NFS sends it to the server.
         if let Ok(Some(file)) = lock::open_existing(&path) {
@@ -285,6 +297,7 @@ fn wait_image(
         wait,
     );
     if mode == Mode::Exclusive
+        && passage.is_some()
         && let Ok(Waited::Acquired(g)) = &got
     {
         // In: the hint goes unless another writer now waits at the gate.

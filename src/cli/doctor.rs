@@ -41,12 +41,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     let report = doctor::run(store, args.repair)?;
     if args.json {
-        println!(
-            "{}",
+        super::print(&format!(
+            "{}\n",
             serde_json::to_string_pretty(&ReportJson::from(&report))?
-        );
+        ))?;
     } else {
-        println!("root {} ({})", report.root, report.filesystem);
+        let mut out = format!("root {} ({})\n", report.root, report.filesystem);
         for c in &report.checks {
             let tag = match c.status {
                 Verdict::Ok => "ok",
@@ -54,13 +54,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 Verdict::Problem => "PROBLEM",
                 Verdict::Repaired => "repaired",
             };
-            println!("{tag:>8}  {:<10}  {}", c.check, c.detail);
+            out.push_str(&format!("{tag:>8}  {:<10}  {}\n", c.check, c.detail));
         }
         // (A repair needs write access: no advice to someone without it.)
         let writable = !report.checks.iter().any(|c| c.check == "access");
         if !report.healthy && !args.repair && report.locking && writable {
-            println!("run 'stowage doctor --repair' to fix what is safe to fix");
+            out.push_str("run 'stowage doctor --repair' to fix what is safe to fix\n");
         }
+        super::print(&out)?;
     }
     Ok(if !report.locking {
         code::UNAVAILABLE

@@ -43,13 +43,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         crate::error::code::FAILURE
     };
     if args.json {
-        println!(
-            "{}",
+        super::print(&format!(
+            "{}\n",
             serde_json::to_string_pretty(&ReportJson::from(&report))?
-        );
+        ))?;
         return Ok(code);
     }
-    print_report(&report, args.dry_run);
+    super::print(&report_text(&report, args.dry_run))?;
     Ok(code)
 }
 
@@ -81,13 +81,15 @@ fn policy(args: &Args) -> Result<Policy> {
 
 /// The report as text: what went (or would go), what was kept, and the
 /// space freed.
-fn print_report(report: &gc::Report, dry_run: bool) {
+fn report_text(report: &gc::Report, dry_run: bool) -> String {
+    let mut lines = Vec::new();
+    let mut line = |l: String| lines.push(l);
     let verb = if dry_run { "would remove" } else { "removed" };
     for name in &report.interrupted_removals {
-        println!("{verb} '{name}' (an interrupted removal)");
+        line(format!("{verb} '{name}' (an interrupted removal)"));
     }
     if report.trash_entries > 0 {
-        println!(
+        line(format!(
             "{verb} {} leftover trash entr{}",
             report.trash_entries,
             if report.trash_entries == 1 {
@@ -95,35 +97,36 @@ fn print_report(report: &gc::Report, dry_run: bool) {
             } else {
                 "ies"
             }
-        );
+        ));
     }
     for r in &report.removed {
-        println!(
+        line(format!(
             "{verb} '{}' ({}, {}): {}",
             r.name,
             r.state,
             disk_usage::human(r.size_bytes),
             r.reason.describe()
-        );
+        ));
     }
     for name in &report.busy {
-        println!("kept '{name}': in use");
+        line(format!("kept '{name}': in use"));
     }
-    for line in &report.unknown {
-        let (name, why) = line.split_once(": ").unwrap_or((line, ""));
-        println!("kept '{name}': its state is not known ({why})");
+    for kept in &report.unknown {
+        let (name, why) = kept.split_once(": ").unwrap_or((kept, ""));
+        line(format!("kept '{name}': its state is not known ({why})"));
     }
     let budget = match report.max_size {
         Some(m) => format!(" (budget {})", disk_usage::human(m)),
         None => String::new(),
     };
-    println!(
+    line(format!(
         "{} {}; images {} {}{budget}",
         if dry_run { "would free" } else { "freed" },
         disk_usage::human(report.bytes_freed),
         if dry_run { "would use" } else { "now use" },
         disk_usage::human(report.size_after)
-    );
+    ));
+    lines.iter().map(|l| format!("{l}\n")).collect()
 }
 
 /// `gc --json`: the report, field for field.

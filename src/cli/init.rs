@@ -62,6 +62,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .collect();
     let orphans = adopt::orphans(&images, &dir, &named)?;
     let adopted = adopt::adopt(&root, &config, &orphans, how)?;
+    for why in &adopted.left {
+        store.ctx().say(&format!("not adopting {why}"));
+    }
+    let adopted = adopted.names.len();
     // This is the images directory from now on (accepting a remount), and
     // this store's.
     crate::images_dir::record_identity(&root, &mut config, true)?;

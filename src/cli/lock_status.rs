@@ -63,6 +63,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         None => None,
     };
     store.require_root()?;
+    // Something planted in a lock directory's place is not "nothing held".
+    store.root().check_lock_dirs(|line| store.ctx().say(line))?;
     let tty = std::io::stdout().is_terminal();
     let mut missing_said = false;
     let mut missing_any = false;

@@ -127,22 +127,50 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return parse_failure(e, &args),
     };
-    if !matches!(cli.command, Command::Exec(_)) {
-        // A listing piped into `head` ends quietly when the reader goes
-        // away, as Unix tools do, instead of panicking on EPIPE. (exec keeps
-        // SIGPIPE ignored: it must survive to record its command's outcome.)
-        // SAFETY: restores the default action; no handler is involved.
-        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    }
+    // SIGPIPE stays ignored (as the Rust runtime sets it), for every
+    // command: an exec must survive a reader gone to record its command's
+    // outcome, and a listing whose reader went away fails as any other
+    // output error does — one line, exit 1 ([`print`]) — rather than die
+    // of a signal with nothing said.
     let result = run(cli);
     // Every lock of ours is closed by now: the lease goes too (one unlink).
     crate::lease::retire();
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            complain!("stowage: {}", one_line(&e));
+            complain!("stowage: {}{}", one_line(&e), advice(&e));
             ExitCode::from(error::exit_code(&e))
         }
+    }
+}
+
+/// What to do about a cause that says nothing of it itself: running out
+/// of file descriptors (a deep `--from` copy keeps two per level), which
+/// the line names only as "Too many open files".
+fn advice(err: &anyhow::Error) -> String {
+    let errno = err
+        .chain()
+        .find_map(|c| c.downcast_ref::<std::io::Error>()?.raw_os_error());
+    match errno {
+        Some(libc::EMFILE) => {
+            // SAFETY: all-zero bytes are a valid value of this plain C struct.
+            let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
+            // SAFETY: a valid out-pointer.
+            let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0;
+            let limit = if known {
+                format!(" of {} (hard limit {})", lim.rlim_cur, lim.rlim_max)
+            } else {
+                String::new()
+            };
+            format!(
+                " — this process reached its limit{limit} on open files: raise it with 'ulimit -n' and try again"
+            )
+        }
+        Some(libc::ENFILE) => {
+            " — the system ran out of open files (fs.file-max): try again when fewer are open"
+                .into()
+        }
+        _ => String::new(),
     }
 }
 
@@ -150,7 +178,9 @@ fn run(cli: Cli) -> Result<u8> {
     // These describe the program, not a store: no root is looked at.
     match &cli.command {
         Command::Completions { shell } => {
-            shell::write_completions(shell, &mut std::io::stdout().lock())?;
+            let mut script = Vec::new();
+            shell::write_completions(shell, &mut script)?;
+            print(&String::from_utf8_lossy(&script))?;
             return Ok(0);
         }
         Command::Man { dir } => {
@@ -198,9 +228,10 @@ fn run(cli: Cli) -> Result<u8> {
     }
 }
 
-/// Writes `text` to standard output and flushes it. A closed pipe ends a
-/// listing quietly (SIGPIPE); any other failure to write (`/dev/full`, a
-/// full log disk) is an error of one line, exit 1 — never a panic.
+/// Writes `text` to standard output and flushes it: the one way commands
+/// print (clippy forbids `println!`, which panics). A failure to write
+/// (`/dev/full`, a full log disk, a pipe whose reader went away) is an
+/// error of one line, exit 1 — never a panic, never a death by SIGPIPE.
 pub(crate) fn print(text: &str) -> Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
@@ -239,8 +270,13 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     use clap::error::{ContextKind, ErrorKind};
     match e.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
+            return match print(&e.render().to_string()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    complain!("stowage: {e}");
+                    ExitCode::from(error::code::FAILURE)
+                }
+            };
         }
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
             let _ = e.print();

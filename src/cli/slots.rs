@@ -110,6 +110,20 @@ fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
 fn show(store: &mut Store, json: bool) -> Result<u8> {
     store.require_root()?;
     let root = store.root().clone();
+    // Something planted in a lock directory's place is not "no classes".
+    root.check_lock_dirs(|line| store.ctx().say(line))?;
+    // A class whose limits cannot be read is not listed: said why, once.
+    for (class, c) in slots::classes(&root) {
+        if c == crate::slot_limits::Class::Damaged {
+            let why = match slots::read_class(&root, &class) {
+                Err(e) => format!("{e:#}"),
+                Ok(_) => format!(
+                    "the limits of slot class '{class}' are damaged; set them again with 'stowage slots set {class} LIMIT'"
+                ),
+            };
+            store.ctx().say(&why);
+        }
+    }
     let look = crate::holders::Look::new(store.ctx());
     let reports: Vec<_> = slots::reports(&look, &root)
         .into_iter()

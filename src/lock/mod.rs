@@ -5,8 +5,10 @@
 //! - **Open mode.** Lock files are opened read-write (NFS emulates flock with
 //!   byte-range locks, and an exclusive byte-range lock needs a writable
 //!   descriptor), close-on-exec (a lock reaches a child only when the caller
-//!   asks, see [`Guard::set_inheritable`]) and without following a symlink at
-//!   the final component.
+//!   asks, see [`Guard::set_inheritable`]), without blocking and without
+//!   following a symlink in any component (`planted::open`). Only a regular
+//!   file is locked: the type is asked of the stat the unlink-race check
+//!   makes (or proven by a record read), and before any wait.
 //! - **The unlink race.** A lock file may be unlinked only by a holder of its
 //!   exclusive lock. Every acquirer checks, after flock returns, that the file
 //!   it locked still has links and is still the file at the path (device and
@@ -266,17 +268,36 @@ pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     }
 }
 
-/// Opens a lock file: read-write, close-on-exec, never through a symlink,
-/// and never blocking (a FIFO planted in its place would block a plain
-/// open; a directory or socket fails to open).
+/// Opens a lock file: read-write, close-on-exec, never through a symlink
+/// in any component (`planted::open`), and never blocking (a FIFO planted
+/// in its place would block a plain open). What is refused for its type
+/// (a symlink, a directory, a socket, a directory on the way that is not
+/// one) is a `planted::NotAFile` naming it; a FIFO opens, and is refused
+/// by the type check after locking ([`still_linked`]) or before a wait.
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(missing == IfMissing::Create)
-        .mode(0o666)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
+    let create = match missing {
+        IfMissing::Create => libc::O_CREAT,
+        IfMissing::Fail => 0,
+    };
+    crate::planted::open(path, libc::O_RDWR | create, 0o666).map_err(|e| match e.kind() {
+        io::ErrorKind::PermissionDenied => io::Error::new(
+            e.kind(),
+            Denied {
+                path: path.to_owned(),
+                cause: e,
+            },
+        ),
+        _ => e,
+    })
+}
+
+/// A lock file that permissions kept us from opening, with its path: the
+/// message names it, whichever lock the caller was after.
+#[derive(Debug, thiserror::Error)]
+#[error("{cause}")]
+struct Denied {
+    path: PathBuf,
+    cause: io::Error,
 }
 
 /// Takes a shared flock on a directory descriptor without waiting: only
@@ -368,6 +389,9 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
         Err(e) if is_stale(&e) => return Ok(None),
         Err(e) => return Err(e),
     };
+    // The stat this check makes anyway says what was locked: a FIFO
+    // planted under a lock file's name is refused here, naming it.
+    crate::planted::check_mode(path, ours.mode())?;
     if ours.nlink() == 0 {
         return Ok(None);
     }
@@ -379,7 +403,7 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
             Err(e)
                 if e.kind() == io::ErrorKind::NotFound
                     || is_stale(&e)
-                    || e.raw_os_error() == Some(libc::ELOOP) =>
+                    || crate::planted::find(&e).is_some() =>
             {
                 return Ok(None);
             }
@@ -577,6 +601,11 @@ pub fn acquire_any(
         if files.len() < paths.len() {
             // Some file was a ghost: start over with fresh opens.
             continue;
+        }
+        // Before a wait (off the fast path): a FIFO someone else has locked
+        // is refused now, naming it, rather than waited for.
+        for (i, f) in &files {
+            crate::planted::check(&paths[*i], f)?;
         }
         let refs: Vec<&File> = files.iter().map(|(_, f)| f).collect();
         let blocked = match block_any(&refs, mode, wait) {
@@ -819,10 +848,9 @@ pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
         // Another user's lease in a store without a shared group: a
         // read-only descriptor takes a shared flock as well (not on NFS,
         // where the probe then fails and says so).
-        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path),
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+            crate::planted::open(path, libc::O_RDONLY, 0)
+        }
         other => other,
     };
     let file = match opened {
@@ -830,6 +858,8 @@ pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         // NFS: unlinked on the server since the lookup.
         Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(None),
+        // Planted under a lease's name: no owner can hold it.
+        Err(e) if crate::planted::find(&e).is_some() => return Ok(None),
         Err(e) => return Err(e),
     };
     if flock_try(&file, Mode::Shared)? {
@@ -856,13 +886,21 @@ pub fn opens_conflict(path: &Path) -> io::Result<bool> {
 pub struct FileSet {
     paths: Vec<PathBuf>,
     files: Vec<Option<File>>,
+    /// Files found not to be regular files (planted): no slot, never held.
+    skip: Vec<bool>,
     mode: Mode,
 }
 
 impl FileSet {
     pub fn new(paths: Vec<PathBuf>, mode: Mode) -> FileSet {
         let files = paths.iter().map(|_| None).collect();
-        FileSet { paths, files, mode }
+        let skip = vec![false; paths.len()];
+        FileSet {
+            paths,
+            files,
+            skip,
+            mode,
+        }
     }
 
     pub fn paths(&self) -> &[PathBuf] {
@@ -882,11 +920,18 @@ impl FileSet {
         wanted: impl Fn(usize) -> bool,
     ) -> io::Result<Option<(usize, Guard)>> {
         for i in 0..self.paths.len() {
-            if !wanted(i) {
+            if !wanted(i) || self.skip[i] {
                 continue;
             }
             if self.files[i].is_none() {
-                self.files[i] = Some(open(&self.paths[i], IfMissing::Create)?);
+                match open(&self.paths[i], IfMissing::Create) {
+                    Ok(f) => self.files[i] = Some(f),
+                    // Only a regular file is a slot: something planted
+                    // under a slot's name is no slot to take (doctor
+                    // reports it), and stops no other.
+                    Err(e) if crate::planted::find(&e).is_some() => continue,
+                    Err(e) => return Err(e),
+                }
             }
             let file = self.files[i].as_ref().expect("opened above");
             match flock_try(file, self.mode) {
@@ -899,8 +944,19 @@ impl FileSet {
                 Err(e) => return Err(e),
             }
             let file = self.files[i].take().expect("opened above");
-            if let Some(linked) = still_linked(&file, &self.paths[i])? {
-                return Ok(Some((i, guard(file, &self.paths[i], self.mode, linked))));
+            match still_linked(&file, &self.paths[i]) {
+                Ok(Some(linked)) => {
+                    return Ok(Some((i, guard(file, &self.paths[i], self.mode, linked))));
+                }
+                Ok(None) => {}
+                // A FIFO: kept open (closing it would wake the waiters), so
+                // it is not opened and refused again at every try.
+                Err(e) if crate::planted::find(&e).is_some() => {
+                    let _ = FileExt::unlock(&file);
+                    self.files[i] = Some(file);
+                    self.skip[i] = true;
+                }
+                Err(e) => return Err(e),
             }
         }
         Ok(None)
@@ -918,17 +974,24 @@ impl FileSet {
 
     /// How many of the files that `include` accepts someone holds right now,
     /// asked through our own descriptors (no open or close that would wake
-    /// other waiters). Missing files count as free and are not created.
+    /// other waiters). Missing files count as free and are not created;
+    /// what is not a regular file (planted) is no slot, and counts as free.
     pub fn held_count(&mut self, include: impl Fn(usize) -> bool) -> io::Result<usize> {
         let mut held = 0;
         for i in 0..self.paths.len() {
-            if !include(i) {
+            if !include(i) || self.skip[i] {
                 continue;
             }
             if self.files[i].is_none() {
-                match open(&self.paths[i], IfMissing::Fail) {
+                let opened = open(&self.paths[i], IfMissing::Fail)
+                    .and_then(|f| crate::planted::check(&self.paths[i], &f).map(|()| f));
+                match opened {
                     Ok(f) => self.files[i] = Some(f),
                     Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) if crate::planted::find(&e).is_some() => {
+                        self.skip[i] = true;
+                        continue;
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -946,6 +1009,11 @@ impl FileSet {
 /// Wraps a lock failure: "locking is unavailable here" is typed (exit 69);
 /// anything else names the lock and the file.
 pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error {
+    // The file that is wrong is named by the error itself: it may be
+    // another than `path` (an image's gate, taken on the way to its lock).
+    if let Some(planted) = crate::planted::find(&e) {
+        return anyhow::anyhow!("cannot lock {what}: {planted}");
+    }
     if crate::error::locking_unavailable(&e) {
         crate::error::Error::LockingUnavailable {
             what: what.to_owned(),
@@ -953,12 +1021,12 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
             cause: e,
         }
         .into()
-    } else if e.raw_os_error() == Some(libc::ELOOP) {
-        anyhow::anyhow!(
-            "cannot lock {what}: {} is a symlink; refusing to follow it",
-            path.display()
-        )
     } else if e.kind() == io::ErrorKind::PermissionDenied {
+        let denied_at = e.get_ref().and_then(|d| d.downcast_ref::<Denied>());
+        let path = denied_at.map_or(path, |d| d.path.as_path());
+        if let Some(why) = crate::planted::denied(path) {
+            return anyhow::anyhow!("cannot lock {what}: {why}");
+        }
         anyhow::anyhow!("cannot lock {what}: {}", denied(path))
     } else {
         anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
@@ -1117,7 +1185,7 @@ mod tests {
             IfMissing::Create,
         )
         .unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::ELOOP));
+        assert_eq!(crate::planted::find(&e).map(|n| n.kind), Some("a symlink"));
         assert!(!target.exists());
     }
 

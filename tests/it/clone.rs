@@ -579,3 +579,113 @@ fn a_rewrite_after_a_killed_copy_whose_command_deleted_its_tree_is_the_image() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
     env.ok(["doctor"]);
 }
+
+/// The modes of every entry under `top`, by path relative to it (as root,
+/// which may look anywhere).
+fn modes(top: &Path) -> Vec<(String, u32)> {
+    let mut out: Vec<(String, u32)> = walkdir(top)
+        .iter()
+        .map(|p| {
+            let m = fs::symlink_metadata(p).unwrap();
+            (
+                p.strip_prefix(top).unwrap().display().to_string(),
+                m.mode() & 0o7777,
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// An unprivileged user copies a base of its own holding files it may not
+/// read (mode 000, as `/etc/shadow` in every RHEL-family image) and
+/// directories it may not read or search: the copy is whole, with the same
+/// modes, and the base's modes are as they were. A file that is not the
+/// user's to read stops the copy with a line naming it and its owner.
+#[test]
+fn an_unprivileged_copy_takes_what_its_owner_may_not_read() {
+    if !root_or_skip("running as an unprivileged user") {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(
+        &env,
+        "base",
+        "set -e; cd \"$STOWAGE_IMAGE_DIR\"; mkdir -p etc locked search; \
+         echo secret > etc/shadow; chmod 000 etc/shadow; chmod 500 etc; \
+         echo inside > locked/f; chmod 000 locked; \
+         echo found > search/g; chmod 100 search",
+    );
+    let base = env.images_dir().join("base");
+    let before = modes(&base);
+    let out = unprivileged(
+        &env,
+        &["exec", "--write", "app", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let app = env.images_dir().join("app");
+    assert_eq!(modes(&base), before, "the base's modes changed");
+    assert_eq!(modes(&app), before, "the copy's modes differ");
+    for (f, text) in [
+        ("etc/shadow", "secret\n"),
+        ("locked/f", "inside\n"),
+        ("search/g", "found\n"),
+    ] {
+        assert_eq!(fs::read_to_string(app.join(f)).unwrap(), text, "{f}");
+    }
+    // Another user's unreadable file: named, with its owner.
+    fs::write(base.join("etc/root-only"), "x").unwrap();
+    fs::set_permissions(
+        base.join("etc/root-only"),
+        fs::Permissions::from_mode(0o000),
+    )
+    .unwrap();
+    let out = unprivileged(
+        &env,
+        &["exec", "--write", "app2", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("etc/root-only") && err.contains("belongs to uid 0"),
+        "{err}"
+    );
+    assert_eq!(modes(&base).len(), before.len() + 1);
+}
+
+/// A copy that runs out of file descriptors (it keeps two per level of a
+/// deep tree) says which file it stopped at and what to do, and the image
+/// is not ready.
+#[test]
+fn a_copy_out_of_file_descriptors_says_what_to_do() {
+    use std::os::unix::process::CommandExt;
+    let env = Env::new();
+    env.build(
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\"; mkdir -p a/b/c/d/e/f/g/h/i/j/k/l/m/n/o/p/q/r/s/t; echo x > a/b/c/d/e/f/g/h/i/j/k/l/m/n/o/p/q/r/s/t/f",
+    );
+    let mut c = env.cmd(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    // SAFETY: only setrlimit(2) runs between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 24,
+                rlim_max: 24,
+            };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            Ok(())
+        });
+    }
+    let out = output(c);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("img/base/a/b") && err.contains("ulimit -n") && err.lines().count() == 1,
+        "{err}"
+    );
+    assert_ne!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(
+        env.read_in_image("base", "a/b/c/d/e/f/g/h/i/j/k/l/m/n/o/p/q/r/s/t/f"),
+        "x\n"
+    );
+}

@@ -1119,3 +1119,79 @@ pub fn unprivileged_build(env: &Env, name: &str, script: &str) {
     let out = unprivileged(env, &["exec", "--write", name, "--", "sh", "-c", script]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
+
+/// What a test plants where stowage keeps a file or a directory of its own
+/// (as another program, or another member of a store's group, could).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plant {
+    Fifo,
+    /// A symlink to somewhere outside the root.
+    Symlink,
+    Dir,
+    Socket,
+    /// A regular file of no bytes.
+    Empty,
+    /// A regular file its owner may not read or write (mode 000).
+    Unreadable,
+}
+
+impl Plant {
+    pub const ALL: [Plant; 6] = [
+        Plant::Fifo,
+        Plant::Symlink,
+        Plant::Dir,
+        Plant::Socket,
+        Plant::Empty,
+        Plant::Unreadable,
+    ];
+
+    /// Those that are not regular files.
+    pub const NOT_FILES: [Plant; 4] = [Plant::Fifo, Plant::Symlink, Plant::Dir, Plant::Socket];
+
+    /// Plants it at `path`, where nothing is; a symlink points at `target`.
+    pub fn at(self, path: &Path, target: &Path) {
+        use std::os::unix::fs::PermissionsExt;
+        match self {
+            Plant::Fifo => {
+                nix::unistd::mkfifo(path, nix::sys::stat::Mode::from_bits_truncate(0o666)).unwrap()
+            }
+            Plant::Symlink => std::os::unix::fs::symlink(target, path).unwrap(),
+            Plant::Dir => fs::create_dir(path).unwrap(),
+            Plant::Socket => drop(std::os::unix::net::UnixListener::bind(path).unwrap()),
+            Plant::Empty => fs::write(path, "").unwrap(),
+            Plant::Unreadable => {
+                fs::write(path, "planted").unwrap();
+                fs::set_permissions(path, fs::Permissions::from_mode(0o000)).unwrap();
+            }
+        }
+    }
+
+    /// Whether `path` still holds what this plants.
+    pub fn is_at(self, path: &Path) -> bool {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let Ok(m) = fs::symlink_metadata(path) else {
+            return false;
+        };
+        let t = m.file_type();
+        match self {
+            Plant::Fifo => t.is_fifo(),
+            Plant::Symlink => t.is_symlink(),
+            Plant::Dir => t.is_dir(),
+            Plant::Socket => t.is_socket(),
+            Plant::Empty => t.is_file() && m.len() == 0,
+            Plant::Unreadable => t.is_file() && m.mode() & 0o777 == 0,
+        }
+    }
+
+    /// As messages say it ("a FIFO", …); regular files have no word.
+    pub fn word(self) -> &'static str {
+        match self {
+            Plant::Fifo => "a FIFO",
+            Plant::Symlink => "a symlink",
+            Plant::Dir => "a directory",
+            Plant::Socket => "a socket",
+            Plant::Empty => "an empty file",
+            Plant::Unreadable => "an unreadable file",
+        }
+    }
+}

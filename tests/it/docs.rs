@@ -333,8 +333,8 @@ const OTHER_EXAMPLES: &[(&str, &str)] = &[
         "charliecloud::parallel_builds_from_one_base_share_it",
     ),
     (
-        "export STOWAGE_ROOT=/var/tmp/$USER.stowage",
-        "charliecloud::parallel_builds_from_one_base_share_it",
+        "export STOWAGE_ROOT=$CH_IMAGE_STORAGE.stowage",
+        "wrapper_calls::a_new_user_following_the_docs_is_led_to_a_root_that_works",
     ),
     (
         "ch-image import base.tar.gz base",
@@ -345,11 +345,11 @@ const OTHER_EXAMPLES: &[(&str, &str)] = &[
         "charliecloud::an_import_by_build_runs_beside_builds",
     ),
     (
-        "scripts/ch-build --cache -t mid mid-ctx &",
+        "scripts/ch-build -t mid mid-ctx &",
         "charliecloud::a_dependency_chain_launched_at_once_builds",
     ),
     (
-        "scripts/ch-build --wait 600 -t app app-ctx &",
+        "scripts/ch-build --wait 10m -t app app-ctx &",
         "charliecloud::a_dependency_chain_launched_at_once_builds",
     ),
     (

@@ -573,3 +573,84 @@ fn a_record_a_repair_drops_on_a_shared_filesystem_is_not_read() {
     assert_eq!(code(&out), Some(66), "{}", show(&out));
     assert_eq!(env.state("kept").as_deref(), Some("ready"));
 }
+
+/// A store's configuration damaged, emptied or replaced by a FIFO: the
+/// error tells to run `doctor --repair`, and that does it — the file is
+/// set aside (never deleted) and written anew from what the images'
+/// records say of their images directory, the default one or one given to
+/// `init --images-dir`; no image is lost.
+#[test]
+fn an_unusable_configuration_is_set_aside_and_written_anew_from_the_records() {
+    for external in [false, true] {
+        for plant in ["garbage", "", "fifo"] {
+            let env = Env::new();
+            let ext = env.tmp.path().join("ext-img");
+            if external {
+                fs::create_dir(&ext).unwrap();
+                env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+            }
+            env.make_image("base");
+            let conf = env.root.join("store.conf");
+            fs::remove_file(&conf).unwrap();
+            if plant == "fifo" {
+                Plant::Fifo.at(&conf, env.tmp.path());
+            } else {
+                fs::write(&conf, plant).unwrap();
+            }
+            let case = format!("external {external}, {plant:?}");
+            let out = env.run(["exec", "--write", "new", "--", "true"]);
+            assert_eq!(code(&out), Some(1), "{case}: {}", show(&out));
+            assert!(
+                stderr(&out).contains("store.conf") && stderr(&out).contains("doctor --repair"),
+                "{case}: {}",
+                show(&out)
+            );
+            let out = env.run(["doctor"]);
+            assert_eq!(code(&out), Some(1), "{case}: {}", show(&out));
+            let out = env.run(["doctor", "--repair"]);
+            assert_eq!(code(&out), Some(0), "{case}: {}", show(&out));
+            let text = fs::read_to_string(&conf).unwrap();
+            let images = if external {
+                format!("images={}\n", ext.display())
+            } else {
+                "images=default\n".to_owned()
+            };
+            assert!(text.contains(&images), "{case}: {text}");
+            let aside: Vec<String> = fs::read_dir(&env.root)
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("store.conf."))
+                .collect();
+            assert_eq!(aside.len(), 1, "{case}: {aside:?}");
+            env.ok(["exec", "--write", "new", "--", "true"]);
+            assert_eq!(env.read_in_image("base", "file"), "content\n", "{case}");
+            env.ok(["doctor"]);
+        }
+    }
+}
+
+/// Records that name two images directories say nothing sure: the
+/// configuration is not guessed, and doctor says what to do.
+#[test]
+fn a_configuration_is_not_written_from_records_that_disagree() {
+    let env = Env::new();
+    env.make_image("base");
+    let ext = env.tmp.path().join("ext-img");
+    fs::create_dir(&ext).unwrap();
+    // Another store's record, copied in: it names another directory.
+    let other = Env::new();
+    other.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    other.make_image("elsewhere");
+    fs::copy(other.lock_file("elsewhere"), env.lock_file("elsewhere")).unwrap();
+    let conf = env.root.join("store.conf");
+    fs::write(&conf, "garbage").unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("init --images-dir"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(fs::read_to_string(&conf).unwrap(), "garbage");
+}

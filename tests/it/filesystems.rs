@@ -211,6 +211,41 @@ fn nothing_is_removed_while_the_images_directory_is_unmounted() {
     }
 }
 
+/// A write of an image while its images directory is not the one
+/// recorded (unmounted, leaving the empty mount point; or another
+/// directory put in its place) would run the command where nobody looks
+/// and leave the image incomplete once the directory is back: it is
+/// refused before the command runs, the record as it was.
+#[test]
+fn a_write_while_the_images_directory_is_not_the_recorded_one_is_refused_before_it_starts() {
+    let env = Env::new();
+    env.make_image("base");
+    let img = env.images_dir();
+    let aside = env.tmp.path().join("img-aside");
+    fs::rename(&img, &aside).unwrap();
+    fs::create_dir(&img).unwrap();
+    let ran = env.sentinel("ran");
+    let out = env.run([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "touch",
+        ran.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("not the directory recorded"),
+        "{}",
+        show(&out)
+    );
+    assert!(!ran.exists(), "the command ran");
+    fs::remove_dir(&img).unwrap();
+    fs::rename(&aside, &img).unwrap();
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("base", "file"), "content\n");
+}
+
 #[test]
 fn the_lost_and_found_of_an_images_filesystem_is_no_image() {
     if !root_or_skip("loop mounts") {

@@ -43,8 +43,19 @@ fn a_symlink_planted_at_a_lock_file_path() {
     assert_untouched(&target);
     // Everything else keeps working, store-wide operations included.
     env.ok(["exec", "--read", "a", "--", "true"]);
-    env.ok(["doctor"]);
+    env.ok(["exec", "--store-wide", "--", "true"]);
     assert_eq!(env.state("b"), None);
+    // doctor names the link; a repair sets it aside, following nothing.
+    let out = env.run(["doctor"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("b.lock is a symlink"),
+        "{}",
+        show(&out)
+    );
+    env.ok(["doctor", "--repair"]);
+    env.ok(["doctor"]);
+    assert_untouched(&target);
 }
 
 #[test]
@@ -182,6 +193,66 @@ fn nothing_is_deleted_through_a_symlinked_images_directory() {
     assert_eq!(env.state("c").as_deref(), Some("incomplete"));
 }
 
+/// A symlink planted for `locks` (or `locks/images`) by someone who can
+/// write the root: no command makes or writes a file through it — not a
+/// lock file, not the global lock, not the leases directory — and each
+/// that needs it refuses, naming the link and the fix.
+#[test]
+fn nothing_is_made_through_a_symlinked_locks_directory() {
+    nothing_made_through_links(|_| {});
+}
+
+/// The same on a kernel without `openat2` (before 5.6, or a seccomp
+/// profile that refuses it), where each path is opened through its
+/// parent's descriptor, checked to be where the path says.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn nothing_is_made_through_a_symlinked_locks_directory_without_openat2() {
+    nothing_made_through_links(|c| without_openat2(c, libc::ENOSYS as u32));
+}
+
+fn nothing_made_through_links(tweak: impl Fn(&mut Command)) {
+    for planted in ["locks", "locks/images"] {
+        let env = Env::new();
+        env.make_image("base");
+        env.ok(["slots", "set", "pull", "1"]);
+        let v = victim(&env);
+        plant(&env, planted, &v);
+        let link = env.root.join(planted);
+        for args in [
+            &["exec", "--read", "base", "--", "true"][..],
+            &["exec", "--write", "new", "--", "true"],
+            &["rm", "base"],
+            &["images"],
+            &["gc"],
+            &["lock-status"],
+            &["slots"],
+            &["slots", "set", "pull", "2"],
+        ] {
+            let mut c = env.cmd(args);
+            tweak(&mut c);
+            let out = output(c);
+            let err = stderr(&out);
+            // What needs the directory refuses, naming the link (a listing
+            // goes on from what it can, saying so); what does not, works.
+            assert!(
+                code(&out) == Some(0)
+                    || err.contains(&format!("{} is a symlink", link.display()))
+                        && err.trim_end().lines().count() == 1,
+                "{planted} {args:?}: {}",
+                show(&out)
+            );
+            assert_eq!(
+                walkdir(&v).len(),
+                3,
+                "{planted} {args:?} made something outside the root: {:?}",
+                walkdir(&v)
+            );
+            assert_intact(&v);
+        }
+    }
+}
+
 #[test]
 fn nothing_is_deleted_through_a_symlinked_lock_directory() {
     let env = Env::new();
@@ -190,9 +261,11 @@ fn nothing_is_deleted_through_a_symlinked_lock_directory() {
     // A file named like the lock of an image that does not exist.
     fs::write(v.join("zz.lock"), "precious").unwrap();
     plant(&env, "locks/images", &v);
-    for args in [&["gc"][..], &["doctor", "--repair"]] {
+    // gc refuses; a repair sets the link aside (following nothing) and
+    // makes the directory anew.
+    for (args, ends) in [(&["gc"][..], 1), (&["doctor", "--repair"], 0)] {
         let out = env.run(args);
-        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert_eq!(code(&out), Some(ends), "{args:?}: {}", show(&out));
         assert_eq!(
             fs::read_to_string(v.join("zz.lock")).unwrap(),
             "precious",
@@ -200,6 +273,7 @@ fn nothing_is_deleted_through_a_symlinked_lock_directory() {
         );
         assert_intact(&v);
     }
+    assert!(env.root.join("locks/images").is_dir());
 }
 
 #[test]
@@ -777,6 +851,53 @@ fn reading_commands_work_when_even_the_reserve_is_gone() {
     );
 }
 
+/// The filesystem full and no reserve left: gc and rm still free space
+/// (their removals need none), and `doctor --repair` does all it can,
+/// reporting the one thing it cannot (a tree without a record needs a new
+/// lock file) with what frees space — commands that work there — instead
+/// of stopping at it; once space is freed, it finishes.
+#[test]
+fn removals_and_repair_work_on_a_full_filesystem_without_a_reserve() {
+    let Some((t, env, writer)) = small_store_with_a_writer() else {
+        return;
+    };
+    writer.kill_all();
+    env.build(
+        "big",
+        "head -c 2000000 /dev/zero > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    env.make_image("old");
+    fs::create_dir_all(env.images_dir().join("orphan")).unwrap();
+    let _ = fs::remove_file(env.root.join("reserve"));
+    let filler = t.dir.join("filler");
+    let _ = Command::new("dd")
+        .args(["if=/dev/zero", "bs=1k", "status=none"])
+        .arg(format!("of={}", filler.display()))
+        .output();
+    assert!(free_bytes(&t.dir) < 4096);
+    let out = env.run(["doctor", "--repair"]);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        said.contains("cannot adopt") && said.contains("'orphan'") && said.contains("stowage gc"),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).is_empty(), "{}", show(&out));
+    let out = env.run(["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        env.image("killed").is_none(),
+        "gc removed the dead writer's image"
+    );
+    env.ok(["rm", "old"]);
+    env.ok(["rm", "big"]);
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("orphan").as_deref(), Some("incomplete"));
+    assert_eq!(env.read_in_image("base", "file"), "content\n");
+}
+
 // --- outside programs -------------------------------------------------------
 
 /// An outside program (an sqlite3 shell) holding the catalog's own lock:
@@ -857,6 +978,45 @@ fn a_stuck_global_lock_holder_stops_no_exec() {
         "says it waits: {err}"
     );
     assert!(err.contains("flock"), "names the holder: {err}");
+}
+
+/// A listing and gc need the catalog only for what it caches (sizes,
+/// lineage for display): with the global lock held by a stuck process
+/// (flock(1) by hand, a stopped stowage) they go on from the images'
+/// records after a bounded wait, saying so in one line naming the lock
+/// and its holder, and gc still removes what the records let it.
+#[test]
+fn images_and_gc_do_without_a_catalog_whose_lock_a_stuck_process_holds() {
+    let env = Env::new();
+    env.make_image("a");
+    let failed = env.run_sh("failed", "exit 3");
+    assert_eq!(code(&failed), Some(3), "{}", show(&failed));
+    let started = env.sentinel("started");
+    let stuck = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 120");
+    for args in [&["images"][..], &["gc"]] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.trim_end().lines().count() == 1
+                && err.contains("locks/global.lock")
+                && err.contains("flock")
+                && err.contains("without the catalog"),
+            "{args:?}: {err}"
+        );
+    }
+    assert!(
+        !env.lock_file("failed").exists() && !env.images_dir().join("failed").exists(),
+        "gc removed the failed image"
+    );
+    let out = env.run(["images"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("a "),
+        "{}",
+        show(&out)
+    );
+    stuck.kill_all();
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
 
 #[test]

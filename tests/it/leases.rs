@@ -707,15 +707,25 @@ fn a_slot_holder_in_a_container_is_listed_once() {
 
 // --- attacks on leases ------------------------------------------------------
 
-/// Holds `path` exclusively, from this (test) process.
-fn hold(path: &std::path::Path) -> stowage::lock::Guard {
-    stowage::lock::acquire_no_wait(
-        path,
-        stowage::lock::Mode::Exclusive,
-        stowage::lock::IfMissing::Fail,
-    )
-    .unwrap()
-    .expect("free")
+/// Holds `path` exclusively, from this (test) process, as an outside
+/// program would: by flock(2) on whatever is there (stowage's own lock
+/// module takes no lock on a FIFO).
+#[allow(clippy::disallowed_methods)]
+fn hold(path: &std::path::Path) -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .unwrap();
+    // SAFETY: flock on a descriptor we own.
+    assert_eq!(
+        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
+    f
 }
 
 #[test]

@@ -25,6 +25,12 @@
 //! - `signals`: signals and crashes of stowage, its command and its waiters
 //! - `hostile`: a hostile or broken environment — planted links, foreign
 //!   roots, read-only and full filesystems, outside programs
+//! - `bare_environment`: no `USER`, a uid without a password entry, a
+//!   standard output that cannot be written
+//! - `planted_everywhere`: the sweep — each kind of plant at every path
+//!   of the layout, every command
+//! - `planted_files`: FIFOs, links, directories, sockets where stowage
+//!   keeps a file of its own, each case on its own
 //! - `filesystems`: where the images live — other filesystems, unmounted
 //!   ones, mounts inside trees, network and cluster filesystems
 //! - `charliecloud`, `runtimes`: stowage around real builders and runtimes
@@ -42,9 +48,13 @@
 //! in a store-wide command in `store_wide`. Setup that more than one module
 //! needs is in `common`, once.
 
+// Tests and benchmarks print where they like; the binary may not (clippy.toml).
+#![allow(clippy::disallowed_macros)]
+
 mod common;
 
 mod across_hosts;
+mod bare_environment;
 mod catalog_loss;
 mod charliecloud;
 mod clone;
@@ -61,6 +71,8 @@ mod leases;
 mod locking;
 mod migration;
 mod names;
+mod planted_everywhere;
+mod planted_files;
 mod record_crashes;
 mod rm;
 mod round_trips;

@@ -87,7 +87,7 @@ fn execs_cost_no_more_round_trips_than_the_contract_allows() {
 
 /// lock-status with nothing held: its cost is fixed (it lists the leases,
 /// tries the global lock, asks store.lock, reads each slot class), and
-/// stays within what docs/performance.md says (35 counted calls on tmpfs).
+/// stays within what docs/performance.md says (41 counted calls on tmpfs).
 #[test]
 fn lock_status_with_nothing_held_costs_a_fixed_few_round_trips() {
     if !tool_or_skip("strace", "strace")
@@ -111,7 +111,7 @@ fn lock_status_with_nothing_held_costs_a_fixed_few_round_trips() {
         return;
     };
     assert!(
-        n <= 36,
-        "lock-status (nothing held): {n} calls (docs/performance.md: 35)"
+        n <= 42,
+        "lock-status (nothing held): {n} calls (docs/performance.md: 41)"
     );
 }

@@ -14,6 +14,9 @@
 //! - The default sizes run with the suite; `STOWAGE_MODEL_BIG=1` checks
 //!   larger ones and prints state counts and times.
 
+// Tests and benchmarks print where they like; the binary may not (clippy.toml).
+#![allow(clippy::disallowed_macros)]
+
 mod ops;
 mod props;
 mod proto;

@@ -29,6 +29,9 @@ use crate::name::ImageName;
 use crate::remove;
 use crate::store::Store;
 
+mod configuration;
+mod files;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     Ok,
@@ -125,17 +128,32 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     Ok(())
 }
 
+/// What the probe file says, read only from a regular file (a FIFO
+/// planted there and held would block a plain read for good).
+fn probe_text(path: &Path) -> Option<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(crate::planted::FLAGS)
+        .open(path)
+        .ok()?;
+    crate::planted::check(path, &file).ok()?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(file, 4096), &mut text).ok()?;
+    Some(text)
+}
+
 /// Who the probe file says holds it.
 fn probe_holder(path: &Path) -> String {
-    match fs::read_to_string(path) {
-        Ok(text) => {
+    match probe_text(path) {
+        Some(text) => {
             let f: Vec<&str> = text.trim().split('\t').collect();
             match f.as_slice() {
                 [host, pid, since] => format!("host {host}, pid {pid}, since {since}"),
                 _ => "an unknown holder".into(),
             }
         }
-        Err(_) => "an unknown holder".into(),
+        None => "an unknown holder".into(),
     }
 }
 
@@ -145,7 +163,7 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
     let Ok(lock::Probe::Exclusive) = lock::probe(&path) else {
         return;
     };
-    let text = fs::read_to_string(&path).unwrap_or_default();
+    let text = probe_text(&path).unwrap_or_default();
     let host = text.split('\t').next().unwrap_or("");
     let who = probe_holder(&path);
     if host == ctx.me.host {
@@ -199,7 +217,44 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     // write is told which part stops them.
     modes(store.root(), repair, &mut report);
 
-    // Does flock exclude here at all?
+    if !flock_works(&root, &mut report) {
+        report.healthy = false;
+        return Ok(report);
+    }
+    mount_reach(&root, &mut report);
+    probe_check(store.ctx(), &mut report);
+    if !report.locking {
+        report.healthy = false;
+        return Ok(report);
+    }
+    files::check(&root, repair, store.ctx().shared(), &mut report);
+    let configured = configuration::check(&root, repair, &mut report)?;
+
+    let (status, detail) = catalog(store, repair)?;
+    report.add("catalog", status, detail);
+    records(store, repair, &mut report)?;
+    if configured {
+        trees(store, repair, &mut report)?;
+    }
+    leftovers(store, repair, &mut report)?;
+    if status != Verdict::Problem {
+        // The catalog made to say what the records say now.
+        if let Err(e) = crate::survey::survey(store, false) {
+            report.add(
+                "catalog",
+                Verdict::Problem,
+                format!("cannot refresh it: {e:#}"),
+            );
+        }
+    }
+    report.healthy = !report.checks.iter().any(|c| c.status == Verdict::Problem);
+    Ok(report)
+}
+
+/// Does flock exclude here at all? Two opens of one file must conflict.
+/// `false` when this user may not even make the test file (not a locking
+/// fault: the report says so, and nothing else can be checked).
+fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
     // Private to this process: two doctors at once must not test against
     // each other's lock.
     let probe = root
@@ -236,8 +291,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
                     crate::error::GROUP_STORE_DOC
                 ),
             );
-            report.healthy = false;
-            return Ok(report);
+            return false;
         }
         Err(e) => {
             report.locking = false;
@@ -259,8 +313,11 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     ) {
         let _ = locks.unlink(name);
     }
+    true
+}
 
-    // Shared filesystems mounted so that locks stay on each host.
+/// Shared filesystems mounted so that locks stay on each host.
+fn mount_reach(root: &crate::root::Root, report: &mut Report) {
     let (reach, mount) = filesystem::lock_reach(root.dir());
     match reach {
         filesystem::Reach::NodeLocal { why, advice } => {
@@ -291,29 +348,6 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
             }
         }
     }
-    probe_check(store.ctx(), &mut report);
-    if !report.locking {
-        report.healthy = false;
-        return Ok(report);
-    }
-
-    let (status, detail) = catalog(store, repair)?;
-    report.add("catalog", status, detail);
-    records(store, repair, &mut report)?;
-    trees(store, repair, &mut report)?;
-    leftovers(store, repair, &mut report)?;
-    if status != Verdict::Problem {
-        // The catalog made to say what the records say now.
-        if let Err(e) = crate::survey::survey(store, false) {
-            report.add(
-                "catalog",
-                Verdict::Problem,
-                format!("cannot refresh it: {e:#}"),
-            );
-        }
-    }
-    report.healthy = !report.checks.iter().any(|c| c.status == Verdict::Problem);
-    Ok(report)
 }
 
 /// "owned by uid U, group G, mode M" of a directory, for permission
@@ -397,73 +431,58 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
 }
 
 /// Checks that the root's own directories are directories, creating the
-/// missing ones. A symlink in place of the trash is replaced when
-/// repairing (only the link goes; nothing is followed); one in place of
-/// anything else is reported with advice, as it may have been made on
-/// purpose. Returns whether the locks directories are usable.
+/// missing ones. What is planted in the place of one (a symlink, a FIFO, a
+/// file) is set aside when repairing and a directory made there (nothing
+/// is followed or deleted) — except a symlink in the images directory's
+/// place, which its user may have made on purpose: that one is reported
+/// with advice. Returns whether the locks directories are usable.
 fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result<bool> {
     root.create_layout_reporting(|name, bad| {
         let path = root.dir().join(name);
         let target = fs::read_link(&path)
             .map(|t| format!(" (to {})", t.display()))
             .unwrap_or_default();
-        if name == "trash" && repair {
+        let users_own = name == "img" && bad.starts_with("a symlink");
+        if repair && !users_own {
             let fixed = root.replace_with_dir(name);
-            report.add(
-                "layout",
-                if fixed.is_ok() {
-                    Verdict::Repaired
-                } else {
-                    Verdict::Problem
-                },
-                match fixed {
-                    Ok(()) => format!(
-                        "{} was {bad}{target}; nothing in it was touched — replaced with an empty directory",
-                        path.display()
+            let (verdict, detail) = match &fixed {
+                Ok(aside) => (
+                    Verdict::Repaired,
+                    format!(
+                        "{} was {bad}{target}: set aside as {}, nothing in it touched; an empty directory made in its place",
+                        path.display(),
+                        aside.display()
                     ),
-                    Err(e) => format!("{} is {bad}{target}: {e:#}", path.display()),
-                },
-            );
-            return;
+                ),
+                Err(e) => (
+                    Verdict::Problem,
+                    format!("{} is {bad}{target}: {e:#}", path.display()),
+                ),
+            };
+            report.add("layout", verdict, detail);
+            return fixed.is_ok();
         }
-        let advice = match name {
-            "img" => " — stowage never deletes through it; to keep images elsewhere use 'stowage init --images-dir DIR' on a new root",
-            "trash" => " — nothing in it is touched; 'stowage doctor --repair' replaces it with a directory",
-            _ => " — stowage will not use it; remove it (with no stowage running) and run any command to recreate it",
+        let advice = if users_own {
+            " — stowage never deletes through it; to keep images elsewhere use 'stowage init --images-dir DIR' on a new root"
+        } else {
+            " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew"
         };
         report.add(
             "layout",
             Verdict::Problem,
             format!("{} is {bad}{target}{advice}", path.display()),
         );
+        false
     })
 }
 
 /// The catalog's verdict: set aside and made anew when it cannot be used
 /// (with `repair`; otherwise the next command that needs it does so).
 fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
-    let db = store.root().db();
-    for (path, what) in [
-        (db.clone(), "the catalog"),
-        (crate::catalog::journal_of(&db), "the catalog's journal"),
-    ] {
-        if let Err(e) = crate::catalog::check_plain_file(&path, what) {
-            if !repair {
-                return Ok((Verdict::Problem, format!("{e:#}")));
-            }
-            let _global = store.global(None)?;
-            store.close_catalog();
-            let aside = crate::store::set_aside_file(store.root(), &path, "planted")?;
-            return Ok((
-                Verdict::Repaired,
-                format!(
-                    "{} was no file: set aside as {}; the catalog is made anew from the records",
-                    path.display(),
-                    aside.display()
-                ),
-            ));
-        }
+    if let Some(said) = planted_catalog(store, repair)? {
+        return Ok(said);
     }
+    let db = store.root().db();
     let configured = store.root().open().is_ok_and(|d| crate::config::exists(&d));
     let before = crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, configured));
     let found = match before {
@@ -511,41 +530,75 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
                 ),
             )
         }
-        crate::catalog::Found::New | crate::catalog::Found::Current => {
-            let check: String = crate::catalog::open(&db)?
-                .query_row("PRAGMA quick_check", [], |r| r.get(0))
-                .unwrap_or_else(|e| e.to_string());
-            if check == "ok" {
-                (
-                    Verdict::Ok,
-                    format!(
-                        "{}: intact, schema version {}",
-                        db.display(),
-                        crate::catalog::SCHEMA
-                    ),
-                )
-            } else if repair {
-                store.close_catalog();
-                let aside = crate::store::set_aside(store.root(), "damaged")?;
-                store.with_catalog(None, |_, _| Ok(()))?;
-                (
-                    Verdict::Repaired,
-                    format!(
-                        "{} was damaged ({check}): set aside as {} and made anew from the records",
-                        db.display(),
-                        aside.display()
-                    ),
-                )
-            } else {
-                (
-                    Verdict::Problem,
-                    format!(
-                        "{} is damaged ({check}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost",
-                        db.display()
-                    ),
-                )
-            }
+        crate::catalog::Found::New | crate::catalog::Found::Current => intact(store, repair)?,
+    })
+}
+
+/// The catalog or its journal that is no regular file: reported, or with
+/// `repair` set aside (the catalog is then made anew from the records).
+fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, String)>> {
+    let db = store.root().db();
+    for (path, what) in [
+        (db.clone(), "the catalog"),
+        (crate::catalog::journal_of(&db), "the catalog's journal"),
+    ] {
+        let Err(e) = crate::catalog::check_plain_file(&path, what) else {
+            continue;
+        };
+        if !repair {
+            return Ok(Some((Verdict::Problem, format!("{e:#}"))));
         }
+        let _global = store.global(None)?;
+        store.close_catalog();
+        let aside = crate::store::set_aside_file(store.root(), &path, "planted")?;
+        return Ok(Some((
+            Verdict::Repaired,
+            format!(
+                "{} was no file: set aside as {}; the catalog is made anew from the records",
+                path.display(),
+                aside.display()
+            ),
+        )));
+    }
+    Ok(None)
+}
+
+/// SQLite's own check of a catalog of the current schema; with `repair`,
+/// a damaged one is set aside and made anew from the records.
+fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
+    let db = store.root().db();
+    let check: String = crate::catalog::open(&db)?
+        .query_row("PRAGMA quick_check", [], |r| r.get(0))
+        .unwrap_or_else(|e| e.to_string());
+    Ok(if check == "ok" {
+        (
+            Verdict::Ok,
+            format!(
+                "{}: intact, schema version {}",
+                db.display(),
+                crate::catalog::SCHEMA
+            ),
+        )
+    } else if repair {
+        store.close_catalog();
+        let aside = crate::store::set_aside(store.root(), "damaged")?;
+        store.with_catalog(None, |_, _| Ok(()))?;
+        (
+            Verdict::Repaired,
+            format!(
+                "{} was damaged ({check}): set aside as {} and made anew from the records",
+                db.display(),
+                aside.display()
+            ),
+        )
+    } else {
+        (
+            Verdict::Problem,
+            format!(
+                "{} is damaged ({check}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost",
+                db.display()
+            ),
+        )
     })
 }
 
@@ -557,55 +610,19 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let damaged: Vec<String> = entries
         .iter()
         .filter(|e| e.seen.damaged)
-        .map(|e| e.file.clone())
+        .map(|e| e.path.display().to_string())
         .collect();
     if !damaged.is_empty() {
         report.add(
             "records",
             Verdict::Problem,
             format!(
-                "the record of {} in {} cannot be read, so its state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it",
+                "the record in {} cannot be read, so its image's state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it",
                 list(&damaged),
-                root.image_locks().display()
             ),
         );
     }
-    let mut finished = Vec::new();
-    let mut stuck = Vec::new();
-    for e in entries
-        .iter()
-        .filter(|e| e.state() == Some(State::Deleting))
-    {
-        let name = e.name().unwrap_or_default().to_owned();
-        if !repair {
-            stuck.push(name);
-            continue;
-        }
-        match take_held(&root, e) {
-            Some(h)
-                if h.seen
-                    .record
-                    .as_ref()
-                    .is_some_and(|r| r.state == State::Deleting) =>
-            {
-                match remove::finish_held(&root, h) {
-                    Ok(()) => finished.push(name),
-                    Err(err) => report.add("removals", Verdict::Problem, format!("{err:#}")),
-                }
-            }
-            _ => {}
-        }
-    }
-    if !stuck.is_empty() {
-        report.add("removals", Verdict::Problem, format!("removal of {} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it", list(&stuck)));
-    }
-    if !finished.is_empty() {
-        report.add(
-            "removals",
-            Verdict::Repaired,
-            format!("finished the interrupted removal of {}", list(&finished)),
-        );
-    }
+    removals(&root, &entries, repair, report);
     let failed: Vec<String> = entries
         .iter()
         .filter(|e| e.state() == Some(State::Incomplete))
@@ -639,6 +656,47 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     }
     hints(store, &entries, repair, report);
     Ok(())
+}
+
+/// Removals that died (records `deleting`): reported, or with `repair`
+/// finished under the image's lock.
+fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &mut Report) {
+    let mut finished = Vec::new();
+    let mut stuck = Vec::new();
+    for e in entries
+        .iter()
+        .filter(|e| e.state() == Some(State::Deleting))
+    {
+        let name = e.name().unwrap_or_default().to_owned();
+        if !repair {
+            stuck.push(name);
+            continue;
+        }
+        match take_held(root, e) {
+            Some(h)
+                if h.seen
+                    .record
+                    .as_ref()
+                    .is_some_and(|r| r.state == State::Deleting) =>
+            {
+                match remove::finish_held(root, h) {
+                    Ok(()) => finished.push(name),
+                    Err(err) => report.add("removals", Verdict::Problem, format!("{err:#}")),
+                }
+            }
+            _ => {}
+        }
+    }
+    if !stuck.is_empty() {
+        report.add("removals", Verdict::Problem, format!("removal of {} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it", list(&stuck)));
+    }
+    if !finished.is_empty() {
+        report.add(
+            "removals",
+            Verdict::Repaired,
+            format!("finished the interrupted removal of {}", list(&finished)),
+        );
+    }
 }
 
 /// Store-wide hints a hold that is gone left behind.
@@ -769,26 +827,49 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             ),
         );
     }
-    if !orphans.trees.is_empty() {
+    orphan_trees(&root, &config, &orphans, &dir, repair, report)
+}
+
+/// Trees without a record: reported, and with `repair` adopted one by one
+/// (a tree that cannot be is reported with why).
+fn orphan_trees(
+    root: &crate::root::Root,
+    config: &crate::config::Config,
+    orphans: &adopt::Orphans,
+    dir: &Path,
+    repair: bool,
+    report: &mut Report,
+) -> Result<()> {
+    if orphans.trees.is_empty() {
+        return Ok(());
+    }
+    if !repair {
         let names: Vec<String> = orphans
             .trees
             .iter()
             .map(|(n, _)| n.as_str().to_owned())
             .collect();
-        if repair {
-            let n = adopt::adopt(&root, &config, &orphans, Adopt::Unknown)?;
-            report.add("images", Verdict::Repaired, format!("adopted {n} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", list(&names)));
-        } else {
-            report.add(
-                "images",
-                Verdict::Problem,
-                format!(
-                    "{} in {} have no record; 'stowage doctor --repair' adopts them",
-                    list(&names),
-                    dir.display()
-                ),
-            );
-        }
+        report.add(
+            "images",
+            Verdict::Problem,
+            format!(
+                "{} in {} have no record; 'stowage doctor --repair' adopts them",
+                list(&names),
+                dir.display()
+            ),
+        );
+        return Ok(());
+    }
+    let done = adopt::adopt(root, config, orphans, Adopt::Unknown)?;
+    if !done.names.is_empty() {
+        report.add("images", Verdict::Repaired, format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
+    }
+    for why in done.left {
+        report.add(
+            "images",
+            Verdict::Problem,
+            format!("cannot adopt the tree without a record {why}"),
+        );
     }
     Ok(())
 }

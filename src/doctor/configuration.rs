@@ -1,0 +1,127 @@
+//! `doctor`'s look at the store's configuration (`store.conf`).
+//!
+//! - One that cannot be used (damaged, emptied, unreadable, or missing in a
+//!   store whose images have records) is set aside by `--repair` (renamed
+//!   `store.conf.damaged-TIME`, never deleted) and written anew from what
+//!   the images' records say of their images directory: every record
+//!   `images=default` → the default; one absolute directory named by every
+//!   record → that, if it is a directory now; no record → the default.
+//! - When the records do not agree (or name a directory that is not
+//!   there), nothing is guessed: the file stays, reported with what to do.
+
+use anyhow::Result;
+
+use crate::config::{self, Config};
+use crate::image_record::ImagesDir;
+use crate::root::Root;
+
+use super::{Report, Verdict};
+
+/// Checks the configuration; returns whether it can be used now.
+pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
+    let dir = root.open()?;
+    let path = root.dir().join(config::FILE);
+    let why = match config::read(root.dir(), &dir) {
+        Ok(Some(_)) => return Ok(true),
+        Ok(None) if !lost(root)? => return Ok(true),
+        Ok(None) => format!("{} is missing while images have records", path.display()),
+        Err(e) => match e.downcast_ref::<config::Unusable>() {
+            Some(u) => u.why.clone(),
+            None => return Err(e),
+        },
+    };
+    let images = match from_records(root) {
+        Ok(images) => images,
+        Err(doubt) => {
+            report.add(
+                "config",
+                Verdict::Problem,
+                format!("{why}; it is not written anew because {doubt}: set it aside and run 'stowage init --images-dir DIR' with the images directory the records name"),
+            );
+            return Ok(false);
+        }
+    };
+    let shown = crate::images_dir::show(root, &images);
+    if !repair {
+        report.add(
+            "config",
+            Verdict::Problem,
+            format!(
+                "{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {})",
+                shown.display()
+            ),
+        );
+        return Ok(false);
+    }
+    let aside = match dir.set_aside(config::FILE, "damaged") {
+        Ok(aside) => format!("set aside as {}; ", root.dir().join(aside).display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => {
+            return Err(
+                anyhow::Error::new(e).context(format!("cannot set {} aside", path.display()))
+            );
+        }
+    };
+    let images_dir = root.open_images_dir(&shown).ok();
+    let root_identity = dir.identity().ok();
+    let mut fresh = Config {
+        identity: images_dir.as_ref().and_then(|d| d.identity().ok()),
+        root: root_identity.clone(),
+        images,
+        ..Config::fresh()
+    };
+    // The store's id lives on in its images directory's claim, made by
+    // this root: the store goes on being the one that claims it.
+    if let (Some(d), Some(mine)) = (&images_dir, &root_identity)
+        && let Ok(Some(claim)) = crate::claim::read(d)
+        && crate::dir::same_identity(&claim.root, mine)
+    {
+        fresh.id = claim.id;
+    }
+    config::write(root.dir(), &dir, &fresh)?;
+    report.add(
+        "config",
+        Verdict::Repaired,
+        format!(
+            "{why}: {aside}written anew from the images' records (images in {})",
+            shown.display()
+        ),
+    );
+    Ok(true)
+}
+
+/// A store whose configuration went missing: its images have records (a
+/// store of a release before records has a catalog to migrate instead).
+fn lost(root: &Root) -> Result<bool> {
+    Ok(crate::catalog::legacy_version(&root.db()).is_none()
+        && crate::census::take(root)?
+            .iter()
+            .any(|e| e.seen.record.is_some()))
+}
+
+/// The images directory every record names; why not, if they do not agree
+/// or it is not a directory now.
+fn from_records(root: &Root) -> Result<ImagesDir, String> {
+    let mut named: Vec<ImagesDir> = Vec::new();
+    for e in crate::census::take(root).map_err(|e| format!("{e:#}"))? {
+        if let Some(r) = e.seen.record
+            && !named.contains(&r.images)
+        {
+            named.push(r.images);
+        }
+    }
+    match named.as_slice() {
+        [] | [ImagesDir::Default] => Ok(ImagesDir::Default),
+        [ImagesDir::External(p)] if std::fs::metadata(p).is_ok_and(|m| m.is_dir()) => {
+            Ok(ImagesDir::External(p.clone()))
+        }
+        [ImagesDir::External(p)] => Err(format!(
+            "the records name {}, which is not a directory now",
+            p.display()
+        )),
+        _ => Err(format!(
+            "the records name {} images directories",
+            named.len()
+        )),
+    }
+}

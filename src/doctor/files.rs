@@ -1,0 +1,221 @@
+//! `doctor`'s look at every path where stowage keeps a file of its own:
+//! each holds a regular file this user may read and write, or nothing.
+//!
+//! - **Anything else there was planted** (a FIFO, a symlink, a directory,
+//!   a socket, a device): reported, and with `--repair` renamed aside in
+//!   its own directory (`NAME.planted-TIME`) — never deleted, never
+//!   followed. No stowage process holds a lock on it (locks are taken on
+//!   regular files only), so moving it disturbs nobody.
+//! - **A file of ours whose mode was taken away** (we may not read or
+//!   write it) gets read and write back for us, and for the group of a
+//!   shared store; another user's is reported, naming who may fix it.
+//! - The catalog and its journal are the catalog check's (it sets them
+//!   aside under the global lock); the layout's directories, `layout`'s.
+
+use std::path::Path;
+
+use crate::dir::Dir;
+use crate::root::Root;
+use crate::slot_limits::Kind;
+
+use super::{Report, Verdict};
+
+/// The files stowage keeps in a directory of the layout, by name.
+type Wanted = fn(&str) -> bool;
+
+fn in_root(n: &str) -> bool {
+    matches!(
+        n,
+        crate::config::FILE | "reserve" | "stowage.db-wal" | "stowage.db-shm"
+    )
+}
+
+fn in_locks(n: &str) -> bool {
+    matches!(n, "global.lock" | "store.lock" | "probe.lock")
+}
+
+fn in_image_locks(n: &str) -> bool {
+    n.ends_with(".lock") || n.ends_with(".gate")
+}
+
+fn in_leases(n: &str) -> bool {
+    n.ends_with(".lease") && !n.starts_with('.')
+}
+
+fn in_class(n: &str) -> bool {
+    Kind::of(n).is_some() || n == crate::slots::CHANGED
+}
+
+/// Checks every file of the layout (see the module doc).
+pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report) {
+    let mut places: Vec<(String, Wanted)> = vec![
+        (String::new(), in_root),
+        (Root::LOCKS_REL.into(), in_locks),
+        (Root::IMAGE_LOCKS_REL.into(), in_image_locks),
+        ("locks/leases".into(), in_leases),
+    ];
+    places.extend(
+        classes(root, repair, report)
+            .into_iter()
+            .map(|c| (format!("locks/slots/{c}"), in_class as Wanted)),
+    );
+    for (rel, wanted) in places {
+        // A directory of the layout that cannot be opened is `layout`'s.
+        let Ok(dir) = open(root, &rel) else { continue };
+        let at = root.dir().join(&rel);
+        for name in dir.names().unwrap_or_default() {
+            let Some(name) = name.to_str().filter(|n| wanted(n)) else {
+                continue;
+            };
+            let Ok(Some(st)) = dir.stat_at(name) else {
+                continue;
+            };
+            let path = at.join(name);
+            match crate::planted::kind_of_mode(st.mode) {
+                Some(kind) => planted(&dir, &path, kind, repair, report),
+                None => mode(&dir, &path, &st, repair, shared, report),
+            }
+        }
+    }
+}
+
+fn open(root: &Root, rel: &str) -> anyhow::Result<Dir> {
+    if rel.is_empty() {
+        root.open()
+    } else {
+        root.open_sub(rel)
+    }
+}
+
+/// The slot classes' directories in `locks/slots`, by entry name; an entry
+/// there that is not a directory is planted, and reported so.
+fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
+    let Ok(slots) = root.open_sub("locks/slots") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for name in slots.names().unwrap_or_default() {
+        let Some(name) = name.to_str() else { continue };
+        match slots.stat_at(name) {
+            Ok(Some(st)) if st.is_dir() => out.push(name.to_owned()),
+            Ok(Some(st)) if crate::slots::validate_class(&name.replace('%', "/")).is_ok() => {
+                let kind = crate::planted::kind_of_mode(st.mode).unwrap_or("a regular file");
+                let path = root.slot_locks().join(name);
+                planted(&slots, &path, kind, repair, report);
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// What was in the place of a file at `path` tells what it took away.
+fn what_it_replaced(path: &Path) -> &'static str {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let dir = path
+        .parent()
+        .and_then(|d| d.file_name())
+        .and_then(|n| n.to_str())
+        .unwrap_or("");
+    if name.ends_with(".lock") && dir == "images" {
+        " (an image's record was kept there: its tree, if any, is adopted as incomplete)"
+    } else if name == "0.lock" || (dir == "slots" && !name.contains('.')) {
+        " (a slot class's limits were kept there: set them again with 'stowage slots set')"
+    } else if name == crate::config::FILE {
+        " (the store's configuration: written anew from the images' records)"
+    } else {
+        ""
+    }
+}
+
+/// Reports (and with `repair` sets aside) what is planted at `path`, an
+/// entry of `dir`.
+fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report) {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let replaced = what_it_replaced(path);
+    if !repair {
+        report.add(
+            "files",
+            Verdict::Problem,
+            format!(
+                "{} is {kind}, not a regular file: not made by stowage{replaced}; {}",
+                path.display(),
+                crate::planted::FIX
+            ),
+        );
+        return;
+    }
+    match dir.set_aside(name, "planted") {
+        Ok(aside) => report.add(
+            "files",
+            Verdict::Repaired,
+            format!(
+                "{} was {kind}, not a regular file: set aside as {}{replaced}",
+                path.display(),
+                path.with_file_name(aside).display()
+            ),
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => report.add(
+            "files",
+            Verdict::Problem,
+            format!(
+                "{} is {kind}, not a regular file, and cannot be set aside: {e}",
+                path.display()
+            ),
+        ),
+    }
+}
+
+/// Reports (and with `repair`, for a file of ours, gives back) a mode that
+/// keeps this user from reading and writing a file of the layout.
+fn mode(
+    dir: &Dir,
+    path: &Path,
+    st: &crate::dir::Entry,
+    repair: bool,
+    shared: bool,
+    report: &mut Report,
+) {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if dir.may_read_write(name) {
+        return;
+    }
+    let bits = st.mode & 0o7777;
+    let ours = st.uid == nix::unistd::geteuid().as_raw();
+    if !ours {
+        report.add(
+            "files",
+            Verdict::Problem,
+            format!(
+                "{} (mode {bits:03o}) belongs to uid {}, and you may not read and write it: they may 'chmod 666' it",
+                path.display(),
+                st.uid
+            ),
+        );
+        return;
+    }
+    let want = bits | 0o600 | if shared { 0o060 } else { 0 };
+    if !repair {
+        report.add(
+            "files",
+            Verdict::Problem,
+            format!(
+                "{} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}",
+                path.display()
+            ),
+        );
+        return;
+    }
+    let (verdict, detail) = match dir.chmod_at(name, want) {
+        Ok(()) => (
+            Verdict::Repaired,
+            format!("{} was mode {bits:03o}: now {want:03o}", path.display()),
+        ),
+        Err(e) => (
+            Verdict::Problem,
+            format!("cannot give {} back its mode: {e}", path.display()),
+        ),
+    };
+    report.add("files", verdict, detail);
+}

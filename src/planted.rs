@@ -1,0 +1,375 @@
+//! What is found where stowage keeps a file of its own: a regular file, or
+//! something planted there (a FIFO, a symlink, a directory, a socket, a
+//! device) by another program or another member of the store's group.
+//!
+//! - **Opened so that its type cannot block or redirect the open**:
+//!   `O_NOFOLLOW|O_NONBLOCK|O_NOCTTY|O_CLOEXEC` ([`FLAGS`]). A FIFO cannot
+//!   hang the open, a symlink is refused (`ELOOP`), a socket cannot be
+//!   opened (`ENXIO`), a directory cannot be opened for writing (`EISDIR`),
+//!   a terminal never becomes the command's.
+//! - **Then used only as a regular file.** What the open refuses, and what
+//!   `fstat` finds to be anything else, is a [`NotAFile`] error that keeps
+//!   the file's path: whoever reports it names the file that is wrong, not
+//!   the one it was looking for (an image's gate, not its lock file).
+//! - **A valid record read proves a regular file**: a FIFO cannot `pread`,
+//!   a directory or socket cannot be opened read-write. Where a file's
+//!   record was read, the `fstat` is spared (it is a round trip on NFS).
+//! - **No symlink in any component under the root is followed**: a path
+//!   is opened with `openat2(RESOLVE_NO_SYMLINKS)` ([`open`]; the root's
+//!   own path is canonical), or, on a kernel without it, through its
+//!   parent's descriptor, checked to be the directory the path names. A
+//!   link planted for `locks` or `locks/images` cannot lead a lock file's
+//!   creation out of the root; the refusal names the component.
+//! - **Nothing planted is deleted**: `doctor --repair` renames it aside
+//!   (`NAME.planted-TIME`), and every refusal says so.
+
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// How every file under the root is opened, whatever else is asked.
+pub const FLAGS: libc::c_int =
+    libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
+
+/// What every refusal tells the user to do.
+pub const FIX: &str = "'stowage doctor --repair' sets it aside (renamed, never deleted)";
+
+/// A path of the layout that is not what stowage keeps there: a file that
+/// is not a regular file, or a directory on the way that is not one.
+#[derive(Debug)]
+pub struct NotAFile {
+    /// The path as the caller named it (an entry's name when opened
+    /// through a directory's descriptor, until [`at`] names it in full).
+    pub path: PathBuf,
+    /// "a FIFO", "a symlink", …
+    pub kind: &'static str,
+    /// What belongs there: "a regular file" or "a directory".
+    pub expected: &'static str,
+}
+
+impl std::fmt::Display for NotAFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} is {}, not {}: refusing to use it; {FIX}",
+            self.path.display(),
+            self.kind,
+            self.expected
+        )
+    }
+}
+
+impl std::error::Error for NotAFile {}
+
+/// What a file type (`st_mode & S_IFMT`) is called; `None` for a regular
+/// file.
+pub fn kind_of_mode(mode: u32) -> Option<&'static str> {
+    match mode & libc::S_IFMT {
+        libc::S_IFREG => None,
+        libc::S_IFIFO => Some("a FIFO"),
+        libc::S_IFLNK => Some("a symlink"),
+        libc::S_IFDIR => Some("a directory"),
+        libc::S_IFSOCK => Some("a socket"),
+        libc::S_IFCHR | libc::S_IFBLK => Some("a device"),
+        _ => Some("not a regular file"),
+    }
+}
+
+/// The kind of a file an open refused for its type (`ELOOP`, `ENXIO`,
+/// `EISDIR`), asked of the entry itself without following it; `None` for
+/// any other failure.
+fn kind_refused(path: &Path, e: &io::Error) -> Option<&'static str> {
+    let by_errno = match e.raw_os_error()? {
+        libc::ELOOP => "a symlink",
+        libc::EISDIR => "a directory",
+        libc::ENXIO => "a socket",
+        _ => return None,
+    };
+    use std::os::unix::fs::MetadataExt;
+    Some(
+        std::fs::symlink_metadata(path)
+            .ok()
+            .and_then(|m| kind_of_mode(m.mode()))
+            .unwrap_or(by_errno),
+    )
+}
+
+/// The first directory on the way to `path` that is not one (a symlink,
+/// a file, a FIFO …), for an open that failed with `ELOOP` or `ENOTDIR`
+/// on the way: the component to name.
+fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
+    ancestors.reverse();
+    ancestors.into_iter().find_map(|dir| {
+        let m = std::fs::symlink_metadata(dir).ok()?;
+        (m.mode() & libc::S_IFMT != libc::S_IFDIR).then(|| {
+            (
+                dir.to_owned(),
+                kind_of_mode(m.mode()).unwrap_or("a regular file"),
+            )
+        })
+    })
+}
+
+/// An open's failure, with a refusal for the type of the file or of a
+/// directory on the way turned into [`NotAFile`] naming it; any other
+/// failure as it was (its errno kept: callers tell a missing file or a
+/// read-only filesystem by it).
+pub fn refused(path: &Path, e: io::Error) -> io::Error {
+    if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR))
+        && let Some((dir, kind)) = on_the_way(path)
+    {
+        return not_a(&dir, kind, "a directory");
+    }
+    match kind_refused(path, &e) {
+        Some(kind) => not_a_file(path, kind),
+        None => e,
+    }
+}
+
+/// The error for `path`, found to be `kind`.
+pub fn not_a_file(path: &Path, kind: &'static str) -> io::Error {
+    not_a(path, kind, "a regular file")
+}
+
+fn not_a(path: &Path, kind: &'static str, expected: &'static str) -> io::Error {
+    io::Error::other(NotAFile {
+        path: path.to_owned(),
+        kind,
+        expected,
+    })
+}
+
+/// Opens `path`, a path under the root (whose own path is canonical),
+/// with `flags` added to [`FLAGS`], refusing a symlink in any component.
+/// A path through `/proc/self/fd/N` (a directory pinned by its
+/// descriptor) is opened as it is. Failures as [`refused`] says them.
+pub fn open(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<File> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // openat2 refuses, with O_PATH, any flag that only an open for I/O
+    // means; without I/O nothing can block either.
+    let flags = if flags & libc::O_PATH != 0 {
+        flags | libc::O_NOFOLLOW | libc::O_CLOEXEC
+    } else {
+        flags | FLAGS
+    };
+    let fd = if path.starts_with("/proc/self/fd") {
+        // SAFETY: a valid C string; the descriptor is owned below.
+        unsafe { libc::open(c.as_ptr(), flags, mode as libc::c_uint) }
+    } else {
+        match openat2(&c, flags, mode) {
+            Some(fd) => fd,
+            None => through_parent(path, flags, mode).map_err(|e| refused(path, e))?,
+        }
+    };
+    if fd < 0 {
+        return Err(refused(path, io::Error::last_os_error()));
+    }
+    // SAFETY: a descriptor just returned to us and owned by nothing else.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// `openat2(RESOLVE_NO_SYMLINKS)`; `None` where the kernel has it not
+/// (older than 5.6, or refused by a container's seccomp profile), which
+/// is noted so that it is not asked again.
+fn openat2(path: &std::ffi::CStr, flags: libc::c_int, mode: u32) -> Option<libc::c_int> {
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    static MISSING: AtomicBool = AtomicBool::new(false);
+    if MISSING.load(Relaxed) {
+        return None;
+    }
+    #[repr(C)]
+    struct OpenHow {
+        flags: u64,
+        mode: u64,
+        resolve: u64,
+    }
+    const RESOLVE_NO_SYMLINKS: u64 = 0x04;
+    // openat2 refuses a mode where no file is created.
+    let mode = if flags & libc::O_CREAT != 0 { mode } else { 0 };
+    let how = OpenHow {
+        flags: flags as u64,
+        mode: u64::from(mode),
+        resolve: RESOLVE_NO_SYMLINKS,
+    };
+    // SAFETY: a valid C string and a live open_how of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0
+        && matches!(
+            io::Error::last_os_error().raw_os_error(),
+            Some(libc::ENOSYS | libc::EPERM)
+        )
+    {
+        MISSING.store(true, Relaxed);
+        return None;
+    }
+    Some(fd as libc::c_int)
+}
+
+/// Without `openat2`: the parent directory is opened (`O_PATH`), the
+/// kernel is asked where that descriptor really is, and only if that is
+/// the path's own parent is the last component opened through it (never
+/// following it).
+fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc::c_int> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    };
+    let cparent = std::ffi::CString::new(parent.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let cname = std::ffi::CString::new(name.as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: a valid C string; the descriptor is owned at once.
+    let pfd = unsafe {
+        libc::open(
+            cparent.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    if pfd < 0 {
+        let e = io::Error::last_os_error();
+        // Missing behind a link is a link on the way, as openat2 says it.
+        if e.kind() == io::ErrorKind::NotFound && on_the_way(path).is_some() {
+            return Err(io::Error::from_raw_os_error(libc::ELOOP));
+        }
+        return Err(e);
+    }
+    // SAFETY: just returned to us, owned by nothing else.
+    let dir = unsafe { OwnedFd::from_raw_fd(pfd) };
+    let real = std::fs::read_link(format!("/proc/self/fd/{}", dir.as_raw_fd()))?;
+    if real != parent {
+        // A link on the way (refused() names it).
+        return Err(io::Error::from_raw_os_error(libc::ELOOP));
+    }
+    // SAFETY: a valid descriptor and C string; the result is the caller's.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), cname.as_ptr(), flags, mode as libc::c_uint) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// For a file we may not open in a directory we may write: its mode was
+/// taken away (a `chmod` by its owner, or a file planted so), and what to
+/// do about it. `None` when the directory is not ours to write either.
+pub fn denied(path: &Path) -> Option<String> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::MetadataExt;
+    let dir = std::ffi::CString::new(path.parent()?.as_os_str().as_bytes()).ok()?;
+    // SAFETY: a valid C string; access(2) only reads it.
+    if unsafe { libc::access(dir.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return None;
+    }
+    let m = std::fs::symlink_metadata(path).ok()?;
+    // SAFETY: geteuid cannot fail.
+    let fix = if m.uid() == unsafe { libc::geteuid() } {
+        "'stowage doctor --repair' gives it back its mode".to_owned()
+    } else {
+        format!("it belongs to uid {}, who may 'chmod 666' it", m.uid())
+    };
+    Some(format!(
+        "{} is mode {:03o}, not readable and writable by you; {fix}",
+        path.display(),
+        m.mode() & 0o7777
+    ))
+}
+
+/// Fails unless `file` (opened from `path`) is a regular file: one `fstat`.
+pub fn check(path: &Path, file: &File) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    match kind_of_mode(file.metadata()?.mode()) {
+        None => Ok(()),
+        Some(kind) => Err(not_a_file(path, kind)),
+    }
+}
+
+/// [`check`] for what an `fstat` already said (`st_mode`).
+pub fn check_mode(path: &Path, mode: u32) -> io::Result<()> {
+    match kind_of_mode(mode) {
+        None => Ok(()),
+        Some(kind) => Err(not_a_file(path, kind)),
+    }
+}
+
+/// The [`NotAFile`] an I/O error carries, if any.
+pub fn find(e: &io::Error) -> Option<&NotAFile> {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<NotAFile>())
+}
+
+/// The [`NotAFile`] anywhere in an error's chain, if any.
+pub fn find_in(e: &anyhow::Error) -> Option<&NotAFile> {
+    e.chain().find_map(|c| {
+        c.downcast_ref::<NotAFile>()
+            .or_else(|| c.downcast_ref::<io::Error>().and_then(find))
+    })
+}
+
+/// Names the file of a [`NotAFile`] in full: one opened through a
+/// directory's descriptor knows only its entry's name. Other errors pass.
+pub fn at(full: &Path, e: io::Error) -> io::Error {
+    match find(&e) {
+        Some(n) => not_a_file(full, n.kind),
+        None => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    fn open(path: &Path) -> io::Result<File> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(FLAGS)
+            .open(path)
+            .map_err(|e| refused(path, e))?;
+        check(path, &f)?;
+        Ok(f)
+    }
+
+    #[test]
+    fn each_kind_is_refused_without_blocking_and_named() {
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink("/etc/hostname", &link).unwrap();
+        let dir = d.path().join("dir");
+        std::fs::create_dir(&dir).unwrap();
+        let sock = d.path().join("sock");
+        drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+        for (p, kind) in [
+            (&fifo, "a FIFO"),
+            (&link, "a symlink"),
+            (&dir, "a directory"),
+            (&sock, "a socket"),
+        ] {
+            let e = open(p).unwrap_err();
+            let n = find(&e).unwrap_or_else(|| panic!("{}: {e}", p.display()));
+            assert_eq!((n.path.as_path(), n.kind), (p.as_path(), kind));
+            assert!(e.to_string().contains("doctor --repair"), "{e}");
+        }
+        let file = d.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        assert!(open(&file).is_ok());
+        let missing = open(&d.path().join("missing")).unwrap_err();
+        assert_eq!(missing.kind(), io::ErrorKind::NotFound);
+        assert!(find(&missing).is_none());
+    }
+}

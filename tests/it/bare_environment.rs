@@ -1,0 +1,169 @@
+//! stowage in the environments batch jobs and containers give: no `USER`,
+//! a uid the password file does not know (cron, `env -i`, an arbitrary
+//! container uid, a directory-service user), a standard output that
+//! cannot be written (closed, `/dev/full`, a pipe nobody reads). Every
+//! command ends with its contract's exit code and at most one line on
+//! stderr — never a crash, a panic or a backtrace.
+
+use std::fs;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Stdio};
+
+use crate::common::*;
+
+/// A uid that /etc/passwd does not name, as the commands see it.
+const STRANGER: u32 = 54_321;
+
+/// `stowage ARGS…` as `STRANGER`, with an empty environment.
+fn as_stranger(args: &[&str]) -> std::process::Output {
+    let mut c = Command::new("setpriv");
+    c.args([
+        &format!("--reuid={STRANGER}"),
+        &format!("--regid={STRANGER}"),
+        "--clear-groups",
+        bin(),
+    ])
+    .args(args)
+    .env_clear()
+    .current_dir("/")
+    .stdin(Stdio::null());
+    output(c)
+}
+
+/// Without `USER`, as a uid with no entry in /etc/passwd: the user's name
+/// is read from the file, never asked of the C library (whose NSS modules
+/// crash a static binary), and falls back to the uid.
+#[test]
+fn a_uid_without_a_password_entry_and_no_user_runs_every_command() {
+    if !root_or_skip("running as a uid without a password entry") {
+        return;
+    }
+    let passwd = fs::read_to_string("/etc/passwd").unwrap_or_default();
+    assert!(
+        !passwd
+            .lines()
+            .any(|l| l.split(':').nth(2) == Some(&STRANGER.to_string())),
+        "uid {STRANGER} has an entry here"
+    );
+    let env = Env::new();
+    fs::create_dir_all(&env.root).unwrap();
+    chown(env.tmp.path(), STRANGER, STRANGER);
+    chown(&env.root, STRANGER, STRANGER);
+    let root = env.root.to_str().unwrap();
+    for args in [
+        &["--root", root, "exec", "--write", "app", "--", "true"][..],
+        &["--root", root, "exec", "--read", "app", "--", "true"],
+        &["--root", root, "lock-status"],
+        &["--root", root, "images"],
+        &["--root", root, "doctor"],
+        &["--root", root, "gc"],
+    ] {
+        let out = as_stranger(args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    // The default root is named by the uid.
+    let out = as_stranger(&["lock-status"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert!(
+        stderr(&out).contains(&format!("/var/tmp/{STRANGER}.stowage")),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(out.status.signal(), None);
+}
+
+/// Where a command's standard output goes.
+#[derive(Debug, Clone, Copy)]
+enum Stdout {
+    /// Not open at all (the process makes it /dev/null).
+    Closed,
+    /// Every write fails: no space left.
+    Full,
+    /// A pipe whose reader has gone away.
+    Gone,
+}
+
+/// Runs `stowage --root ROOT ARGS…` with its standard output so.
+fn with_stdout(env: &Env, args: &[&str], stdout: Stdout) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let mut c = env.cmd(args);
+    c.stderr(Stdio::piped()).process_group(0);
+    match stdout {
+        Stdout::Closed => {
+            // SAFETY: only close(2) runs between fork and exec.
+            unsafe {
+                c.pre_exec(|| {
+                    libc::close(1);
+                    Ok(())
+                });
+            }
+        }
+        Stdout::Full => {
+            c.stdout(
+                fs::OpenOptions::new()
+                    .write(true)
+                    .open("/dev/full")
+                    .unwrap(),
+            );
+        }
+        Stdout::Gone => {
+            let (reader, writer) = nix::unistd::pipe().unwrap();
+            drop(reader);
+            c.stdout(Stdio::from(writer));
+        }
+    }
+    wait_output(c.spawn().unwrap(), PATIENCE)
+}
+
+/// Every command, with its standard output closed, on /dev/full, or into a
+/// pipe nobody reads: it ends with its own exit code (0 when it had
+/// nothing to say there), or, when what it had to say could not be
+/// written, with one line saying so and exit 1 — never a panic, a
+/// backtrace or a death by signal (SIGPIPE included).
+#[test]
+fn every_command_ends_with_one_line_when_its_output_cannot_be_written() {
+    for stdout in [Stdout::Closed, Stdout::Full, Stdout::Gone] {
+        let env = Env::new();
+        env.make_image("base");
+        env.make_image("old");
+        env.ok(["slots", "set", "gone", "1"]);
+        for args in [
+            &["init"][..],
+            &["exec", "--read", "base", "--", "true"],
+            &["exec", "--write", "new", "--", "true"],
+            &["images"],
+            &["images", "--json"],
+            &["lock-status"],
+            &["lock-status", "--json"],
+            &["slots"],
+            &["slots", "--json"],
+            &["slots", "set", "pull", "2"],
+            &["slots", "rm", "gone"],
+            &["rm", "old"],
+            &["gc"],
+            &["gc", "--json"],
+            &["doctor"],
+            &["doctor", "--json"],
+            &["doctor", "--repair"],
+            &["completions", "bash"],
+            &["--version"],
+            &["--help"],
+        ] {
+            let out = with_stdout(&env, args, stdout);
+            let err = stderr(&out);
+            let case = format!("{stdout:?} {args:?}");
+            assert_eq!(out.status.signal(), None, "{case}: {}", show(&out));
+            assert!(
+                matches!(code(&out), Some(0 | 1)) && !err.contains("panicked"),
+                "{case}: {}",
+                show(&out)
+            );
+            assert!(err.trim_end().lines().count() <= 1, "{case}: {err}");
+            if code(&out) == Some(1) {
+                assert!(err.contains("standard output"), "{case}: {err}");
+            }
+        }
+        assert_eq!(env.state("base").as_deref(), Some("ready"));
+        assert_eq!(env.state("new").as_deref(), Some("ready"));
+    }
+}

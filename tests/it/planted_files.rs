@@ -1,0 +1,195 @@
+//! Something other than a regular file where stowage keeps a file of its
+//! own — a FIFO, a symlink, a directory, a socket, planted by another
+//! program or another member of a store's group: every command ends, its
+//! one line names the file that is wrong (not the one it was after) and
+//! what to do, `doctor` reports it and `doctor --repair` sets it aside.
+//! (`planted_everywhere` plants each kind at every path of the layout.)
+
+use std::fs;
+use std::path::Path;
+
+use crate::common::*;
+
+/// `doctor` names `path` as a problem (exit 1); `doctor --repair` sets it
+/// aside (exit 0), after which `doctor` finds nothing wrong.
+fn doctor_sets_aside(env: &Env, path: &Path, plant: Plant) {
+    let out = env.run(["doctor"]);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(code(&out), Some(1), "{plant:?}: {}", show(&out));
+    assert!(
+        said.contains(&format!("{} is {}", path.display(), plant.word())),
+        "{plant:?}: doctor does not name {}: {}",
+        path.display(),
+        show(&out)
+    );
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{plant:?}: {}", show(&out));
+    assert!(!plant.is_at(path), "{plant:?} still at {}", path.display());
+    let aside = fs::read_dir(path.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .any(|e| {
+            e.file_name().to_string_lossy().starts_with(&format!(
+                "{}.planted-",
+                path.file_name().unwrap().to_string_lossy()
+            ))
+        });
+    assert!(aside, "{plant:?}: nothing set aside for {}", path.display());
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(0), "{plant:?}: {}", show(&out));
+}
+
+/// Something planted at an image's gate is named as itself, never as the
+/// image's lock file; and since no writer can hold it, it stops nobody: a
+/// writer that must wait waits without it, a reader that finds the hint
+/// of a waiting writer passes.
+#[test]
+fn a_planted_gate_is_named_and_stops_no_writer_or_reader() {
+    for plant in Plant::NOT_FILES {
+        let env = Env::new();
+        env.make_image("base");
+        let gate = gate_file(&env, "base");
+        plant.at(&gate, env.tmp.path());
+        let reader = env.hold(&["--read", "base"], "held");
+        let writer = env.spawn(["exec", "--write", "base", "--wait", "60", "--", "true"]);
+        env.wait_for_waiter("base");
+        env.release("release");
+        assert_eq!(code(&reader.finish()), Some(0));
+        let out = writer.finish();
+        let err = stderr(&out);
+        assert_eq!(code(&out), Some(0), "{plant:?}: {}", show(&out));
+        assert!(
+            err.contains(&gate.display().to_string()) && !err.contains("base.lock"),
+            "{plant:?}: the gate is not the one named: {err}"
+        );
+        // A writer that waited once left the hint behind it.
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(env.lock_file("base"))
+            .unwrap();
+        stowage::image_record::set_writer_waits(&f, true).unwrap();
+        let out = env.run(["exec", "--read", "base", "--", "true"]);
+        assert_eq!(code(&out), Some(0), "{plant:?}: {}", show(&out));
+        doctor_sets_aside(&env, &gate, plant);
+    }
+}
+
+/// Something planted at `store.lock` holds no store-wide hold (none can be
+/// taken on it): new images are made beside it; a store-wide command
+/// refuses, naming it, until `doctor --repair` sets it aside.
+#[test]
+fn a_planted_store_lock_stops_no_new_image_and_is_named() {
+    for plant in Plant::NOT_FILES {
+        let env = Env::new();
+        env.make_image("base");
+        let store_lock = env.root.join("locks/store.lock");
+        plant.at(&store_lock, env.tmp.path());
+        env.ok(["exec", "--write", "new", "--", "true"]);
+        env.ok(["exec", "--read", "base", "--", "true"]);
+        let out = env.run(["exec", "--store-wide", "--", "true"]);
+        assert_eq!(code(&out), Some(1), "{plant:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("{} is {}", store_lock.display(), plant.word()))
+                && err.contains("doctor --repair")
+                && err.trim_end().lines().count() == 1,
+            "{plant:?}: {err}"
+        );
+        doctor_sets_aside(&env, &store_lock, plant);
+        env.ok(["exec", "--store-wide", "--", "true"]);
+        assert_eq!(env.state("new").as_deref(), Some("ready"));
+    }
+}
+
+/// A tree without a record whose lock file's place holds something
+/// planted: `doctor --repair` sets that aside and adopts the tree; it never
+/// stops half-way ("Illegal seek") nor says it repaired what it did not.
+#[test]
+fn a_planted_lock_file_of_a_tree_without_a_record_is_set_aside_and_the_tree_adopted() {
+    for plant in Plant::NOT_FILES {
+        let env = Env::new();
+        env.make_image("base");
+        fs::create_dir_all(env.images_dir().join("orphan")).unwrap();
+        let lock = env.lock_file("orphan");
+        plant.at(&lock, env.tmp.path());
+        doctor_sets_aside(&env, &lock, plant);
+        let orphan = env.image("orphan").expect("adopted");
+        assert_eq!(orphan["state"], "incomplete", "{plant:?}");
+        assert_eq!(env.state("base").as_deref(), Some("ready"));
+    }
+}
+
+/// Something planted at a slot class's `0.lock`, which carries the class's
+/// limits: `slots set` and acquirers name it (not "Illegal seek", not an
+/// unknown class), and after `doctor --repair` the class is set anew.
+#[test]
+fn a_planted_first_slot_file_is_named_and_set_aside() {
+    for plant in Plant::NOT_FILES {
+        let env = Env::new();
+        env.ok(["slots", "set", "pull", "2"]);
+        let zero = env.root.join("locks/slots/pull/0.lock");
+        fs::remove_file(&zero).unwrap();
+        plant.at(&zero, env.tmp.path());
+        let named = format!("{} is {}", zero.display(), plant.word());
+        for args in [
+            &["slots", "set", "pull", "3"][..],
+            &["exec", "--slot", "pull", "--", "true"],
+            &["slots"],
+        ] {
+            let out = env.run(args);
+            let said = format!("{}{}", stderr(&out), String::from_utf8_lossy(&out.stdout));
+            assert!(
+                said.contains(&named) && said.contains("doctor --repair"),
+                "{plant:?} {args:?}: {}",
+                show(&out)
+            );
+        }
+        doctor_sets_aside(&env, &zero, plant);
+        env.ok(["slots", "set", "pull", "3"]);
+        env.ok(["exec", "--slot", "pull", "--", "true"]);
+    }
+}
+
+/// A FIFO at a class's `changed` file, whose close wakes the class's
+/// waiters: `slots set` and `slots rm` end (a plain open for writing would
+/// wait for a reader for ever), and doctor sets the FIFO aside.
+#[test]
+fn a_fifo_at_a_classs_changed_file_hangs_no_change_of_the_class() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let changed = env.root.join("locks/slots/pull/changed");
+    let _ = fs::remove_file(&changed);
+    Plant::Fifo.at(&changed, env.tmp.path());
+    env.ok(["slots", "set", "pull", "3"]);
+    doctor_sets_aside(&env, &changed, Plant::Fifo);
+    Plant::Fifo.at(&changed, env.tmp.path());
+    env.ok(["slots", "rm", "pull"]);
+}
+
+/// A link and a directory planted under slot names that holders of a
+/// higher limit may still hold (a lowered limit counts them): only regular
+/// files are slots, so a waiter skips them and gets the slot freed.
+#[test]
+fn entries_planted_beyond_a_lowered_limit_do_not_fail_the_waiters() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "4"]);
+    let first = env.hold_until(&["--slot", "pull"], "first", "release-first");
+    let second = env.hold_until(&["--slot", "pull"], "second", "release-second");
+    env.ok(["slots", "set", "pull", "1"]);
+    let dir = env.root.join("locks/slots/pull");
+    Plant::Symlink.at(&dir.join("3.lock"), &env.scratch);
+    Plant::Dir.at(&dir.join("2.lock"), &env.scratch);
+    let waiter = env.spawn(["exec", "--slot", "pull", "--wait", "60", "--", "true"]);
+    env.wait_for_slot_waiters("pull", 1);
+    env.release("release-first");
+    env.release("release-second");
+    assert_eq!(code(&first.finish()), Some(0));
+    assert_eq!(code(&second.finish()), Some(0));
+    let out = waiter.finish();
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "the waiter gets the slot: {}",
+        show(&out)
+    );
+}
