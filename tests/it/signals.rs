@@ -661,9 +661,28 @@ fn a_killed_keeper_takes_the_command_tree_with_it() {
     assert!(stderr(&out).contains("keeper"), "{}", show(&out));
     assert!(
         !still_written(&img_file),
-        "the background job outlived the locks"
+        "the background job outlived the locks: {}\n{}",
+        show(&out),
+        writers_of(&img_file)
     );
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
+/// Who is left of a command tree writing `file`: each process whose
+/// command line names it, with its parent, state and group (for a
+/// failure's message).
+fn writers_of(file: &Path) -> String {
+    processes_mentioning(&file.to_string_lossy())
+        .into_iter()
+        .map(|p| {
+            let stat = fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            format!(
+                "{p}: {}",
+                stat.split(' ').take(8).collect::<Vec<_>>().join(" ")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[test]
