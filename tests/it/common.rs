@@ -31,8 +31,21 @@ pub const PATIENCE: Duration = Duration::from_secs(60);
 pub fn bin() -> &'static str {
     static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     BIN.get_or_init(|| {
+        default_interrupts();
         std::env::var("STOWAGE_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_stowage").into())
     })
+}
+
+/// SIGINT and SIGQUIT back to their defaults in this process, so that
+/// every process a test starts gets them so: a shell starts a background
+/// job (`cargo test &` in a script) with both ignored, its children inherit
+/// that, and the tests of Ctrl-C would then test nothing. Tests that want
+/// a signal ignored ignore it in the child they start.
+fn default_interrupts() {
+    for sig in [libc::SIGINT, libc::SIGQUIT] {
+        // SAFETY: signal(2) with SIG_DFL installs no handler of ours.
+        unsafe { libc::signal(sig, libc::SIG_DFL) };
+    }
 }
 
 /// A fresh store root in a temporary directory, plus a scratch directory
@@ -45,6 +58,7 @@ pub struct Env {
 
 impl Env {
     pub fn new() -> Env {
+        bin();
         let tmp = tempfile::Builder::new()
             .prefix("stowage-it.")
             .tempdir()
