@@ -127,19 +127,10 @@ impl Dir {
 
     /// [`Dir::anchor`] of the subdirectory `name`, never through a symlink.
     pub fn anchor_sub(&self, name: impl AsRef<OsStr>) -> io::Result<Dir> {
-        let c = cstr(name.as_ref())?;
-        // SAFETY: as in open_flags.
-        let fd = check(unsafe {
-            libc::openat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            )
-        })?;
-        // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-        Ok(Dir {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        self.sub_flags(
+            name.as_ref(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
     }
 
     /// Opens a directory whose last component must not be a symlink.
@@ -169,15 +160,13 @@ impl Dir {
     /// Opens the subdirectory `name`, refusing a symlink in its place
     /// (ELOOP, or ENOTDIR for anything else that is not a directory).
     pub fn sub(&self, name: impl AsRef<OsStr>) -> io::Result<Dir> {
-        let c = cstr(name.as_ref())?;
+        self.sub_flags(name.as_ref(), DIR_FLAGS | libc::O_NOFOLLOW)
+    }
+
+    fn sub_flags(&self, name: &OsStr, flags: libc::c_int) -> io::Result<Dir> {
+        let c = cstr(name)?;
         // SAFETY: as in open_flags.
-        let fd = check(unsafe {
-            libc::openat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                DIR_FLAGS | libc::O_NOFOLLOW,
-            )
-        })?;
+        let fd = check(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) })?;
         Ok(Dir {
             // SAFETY: fd was just returned by a successful open, and nothing else owns it.
             fd: unsafe { OwnedFd::from_raw_fd(fd) },

@@ -613,7 +613,10 @@ fn describe(p: &Party) -> String {
         s.push_str(&format!(" on {}", ident::printable(h)));
     }
     if let Some(c) = &p.command {
-        s.push_str(&format!(" ({})", truncate(&ident::printable(c), 80)));
+        s.push_str(&format!(
+            " ({})",
+            crate::ident::shortened(&ident::printable(c), 80)
+        ));
     }
     if let Some(t) = p.since {
         s.push_str(&format!(" since {}", clock::local_short(t)));
@@ -626,15 +629,6 @@ fn describe(p: &Party) -> String {
         }
     }
     s
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.chars().count() <= max {
-        s.to_owned()
-    } else {
-        let cut: String = s.chars().take(max - 1).collect();
-        format!("{cut}…")
-    }
 }
 
 /// Who holds a lock file, for a message: one look at it.

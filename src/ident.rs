@@ -210,6 +210,16 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// `s` cut to `max` characters, the last of them `…` where it was cut.
+pub fn shortened(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_owned()
+    } else {
+        let cut: String = s.chars().take(max - 1).collect();
+        format!("{cut}…")
+    }
+}
+
 /// Joins arguments into one line a user could paste into a shell.
 pub fn shell_join<S: AsRef<str>>(args: &[S]) -> String {
     args.iter()

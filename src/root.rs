@@ -358,6 +358,15 @@ impl Root {
     /// `locks/` and `locks/images/` relative to the root, for opening them
     /// through the root's descriptor.
     pub const LOCKS_REL: &'static str = "locks";
+    /// The directories of the layout, parents first.
+    pub const LAYOUT_DIRS: [&'static str; 6] = [
+        "locks",
+        "locks/images",
+        "locks/slots",
+        "locks/leases",
+        "img",
+        "trash",
+    ];
     pub const IMAGE_LOCKS_REL: &'static str = "locks/images";
 
     /// The image whose lock file, by its name in `locks/images`, `fname`
@@ -468,14 +477,7 @@ impl Root {
         }
         self.open()?;
         let mut locks_ok = true;
-        for name in [
-            "locks",
-            "locks/images",
-            "locks/slots",
-            "locks/leases",
-            "img",
-            "trash",
-        ] {
+        for name in Self::LAYOUT_DIRS {
             // Below a `locks` that is no directory there is nothing to look
             // at (and a link there must not be followed).
             if !locks_ok && name.starts_with("locks/") {

@@ -73,15 +73,7 @@ pub fn is_group_store(dir: &Path) -> Option<(u32, u32)> {
 /// check reports those.
 pub fn parts(root: &Root) -> Vec<(String, bool)> {
     let mut out = vec![(String::new(), true)];
-    let dirs = [
-        "locks",
-        "locks/images",
-        "locks/slots",
-        "locks/leases",
-        "img",
-        "trash",
-    ];
-    for d in dirs {
+    for d in Root::LAYOUT_DIRS {
         out.push((d.to_owned(), true));
     }
     for f in [

@@ -339,10 +339,8 @@ pub fn who(p: &Party) -> String {
         s.push_str(&format!(" on {}", crate::ident::printable(h)));
     }
     if let Some(c) = &p.command {
-        let c = crate::ident::printable(c);
-        let cut: String = c.chars().take(70).collect();
-        let more = if cut.len() < c.len() { "…" } else { "" };
-        s.push_str(&format!(" ({cut}{more})"));
+        let c = crate::ident::shortened(&crate::ident::printable(c), 71);
+        s.push_str(&format!(" ({c})"));
     }
     s
 }

@@ -197,10 +197,8 @@ fn holder(p: &Party, me: &str) -> String {
         s.push_str(&format!(" on {}", crate::ident::printable(h)));
     }
     if let Some(c) = &p.command {
-        let c = crate::ident::printable(c);
-        let cut: String = c.chars().take(60).collect();
-        let more = if cut.len() < c.len() { "…" } else { "" };
-        s.push_str(&format!(" ({cut}{more})"));
+        let c = crate::ident::shortened(&crate::ident::printable(c), 61);
+        s.push_str(&format!(" ({c})"));
     }
     if let Some(t) = p.since {
         let secs = (clock::now_ms().saturating_sub(t) / 1000).max(0) as u64;
