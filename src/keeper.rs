@@ -26,7 +26,8 @@
 //!   locks last.
 //! - If the keeper dies, the command dies with it (PR_SET_PDEATHSIG), and
 //!   stowage, a subreaper too, inherits the rest of the tree and kills it
-//!   before it records the outcome and releases.
+//!   before it records the outcome and releases — also when the keeper
+//!   died before it said that the command started.
 //!
 //! What remains possible: both stowage and its keeper killed by SIGKILL at
 //! once, aimed at each (e.g. `pkill -9 stowage`), leaves the tree to init.
@@ -102,8 +103,9 @@ fn set_cloexec(fd: RawFd, on: bool) -> io::Result<()> {
 impl Keeper {
     /// Starts a keeper that runs `argv` with `env`. `lock_fds` must be
     /// inheritable for the moment of this call (the keeper inherits them and
-    /// hides them from the command). Returns once the command started, or
-    /// with the error that kept it from starting (the keeper is then reaped).
+    /// hides them from the command). Returns once the command started (or
+    /// the keeper ended without saying whether it did), or with the error
+    /// that kept it from starting (the keeper is then reaped).
     pub fn spawn(
         argv: &[OsString],
         env: &[(OsString, OsString)],
@@ -151,14 +153,15 @@ impl Keeper {
             _alive: alive_wr,
         };
         match keeper.message() {
-            Some((STARTED, 0)) => Ok(keeper),
-            other => {
+            Some((STARTED, errno)) if errno != 0 => {
                 reap(pid);
-                Err(match other {
-                    Some((STARTED, errno)) => io::Error::from_raw_os_error(errno),
-                    _ => io::Error::other("the keeper process ended before starting the command"),
-                })
+                Err(io::Error::from_raw_os_error(errno))
             }
+            // Started — or the keeper ended without a word, perhaps after
+            // starting the command: taken as started, so that the wait
+            // finds the keeper gone, kills what is left of the tree (ours
+            // now: we are a subreaper) and the image is no success.
+            _ => Ok(keeper),
         }
     }
 
@@ -376,6 +379,7 @@ fn run(args: &[OsString]) -> io::Result<()> {
     };
     let command = child.id() as libc::pid_t;
     drop(child); // waited for by pid below
+    crate::debug::pause("keeper-started");
     send(&mut status, STARTED, 0);
     let mut tree = Tree {
         command,

@@ -685,6 +685,50 @@ fn writers_of(file: &Path) -> String {
         .join("\n")
 }
 
+/// The keeper killed after it started the command and before it said so:
+/// stowage cannot know whether the command ran, so it ends the tree as for
+/// any killed keeper, and the image it was rewriting is not left ready.
+#[test]
+fn a_keeper_killed_before_it_reports_the_start_takes_the_tree_with_it() {
+    let env = Env::new();
+    env.make_image("app");
+    let img_file = env.root.join("img/app/log");
+    let started = env.sentinel("started");
+    let script = background_writer(&img_file, &started);
+    let (bg, pause) = env.paused(
+        [
+            "exec",
+            "--no-inherit",
+            "--write",
+            "app",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+        "keeper-started",
+    );
+    wait_for_file(&started);
+    let mut keeper = 0;
+    wait_until("the keeper names itself", || {
+        keeper = fs::read_to_string(&pause)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+        keeper > 0
+    });
+    unsafe { libc::kill(keeper, libc::SIGKILL) };
+    let out = bg.finish();
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        !still_written(&img_file),
+        "the background job outlived the locks: {}\n{}",
+        show(&out),
+        writers_of(&img_file)
+    );
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
 #[test]
 fn by_default_descendants_keep_the_inherited_locks() {
     let env = Env::new();
