@@ -210,6 +210,12 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// Whether this process has group `gid` (its own or a supplementary one).
+pub fn in_group(gid: u32) -> bool {
+    let gid = nix::unistd::Gid::from_raw(gid);
+    nix::unistd::getegid() == gid || nix::unistd::getgroups().is_ok_and(|g| g.contains(&gid))
+}
+
 /// `s` cut to `max` characters, the last of them `…` where it was cut.
 pub fn shortened(s: &str, max: usize) -> String {
     if s.chars().count() <= max {

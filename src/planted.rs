@@ -277,6 +277,12 @@ pub fn denied(path: &Path) -> Option<String> {
     // SAFETY: geteuid cannot fail.
     let fix = if m.uid() == unsafe { libc::geteuid() } {
         "'stowage doctor --repair' gives it back its mode".to_owned()
+    } else if m.mode() & 0o020 == 0 && crate::ident::in_group(m.gid()) {
+        // A group store's file: group-writable again, never world-writable.
+        format!(
+            "it belongs to uid {}, whose 'stowage doctor --repair' gives it back its mode",
+            m.uid()
+        )
     } else {
         format!("it belongs to uid {}, who may 'chmod 666' it", m.uid())
     };

@@ -154,21 +154,18 @@ impl Root {
         let Some(locks) = self.open_sub_if_there(Self::LOCKS_REL)? else {
             return Ok(());
         };
-        // Looked at, not opened: a stat each (lock-status's fixed cost).
-        let planted = |name: &str| -> Result<()> {
-            let at = self.locks().join(name);
-            match locks.stat_at(name) {
-                Ok(None) => Ok(()),
-                Ok(Some(e)) if e.is_dir() => Ok(()),
-                Ok(Some(_)) => Err(not_a_dir(&at, io::Error::from_raw_os_error(libc::ENOTDIR))),
-                Err(e) => {
-                    Err(anyhow::Error::new(e).context(format!("cannot open {}", at.display())))
-                }
+        // Opened, not only looked at: one that cannot be listed (its mode)
+        // must not read as empty either.
+        let usable = |name: &str| -> Result<()> {
+            match locks.sub(name) {
+                Ok(_) => Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(not_a_dir(&self.locks().join(name), e)),
             }
         };
-        planted("images")?;
-        planted("slots")?;
-        if let Err(e) = planted("leases") {
+        usable("images")?;
+        usable("slots")?;
+        if let Err(e) = usable("leases") {
             say(&format!(
                 "{e:#} (holders are shown without what their leases say)"
             ));

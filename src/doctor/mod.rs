@@ -283,7 +283,11 @@ fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
                     "cannot create a file in {}: {e}: you may not write this store ({}); {} ({})",
                     root.locks().display(),
                     owner_phrase(&root.locks()),
-                    if crate::sharing::is_group_store(root.dir()).is_some() {
+                    if let Some((gid, _)) = crate::sharing::is_group_store(root.dir())
+                        && !crate::ident::in_group(gid)
+                    {
+                        "you are not in the store's group: ask its owner to add you to it"
+                    } else if crate::sharing::is_group_store(root.dir()).is_some() {
                         "its owner's 'stowage doctor --repair' makes it group-writable"
                     } else {
                         "the store's owner can share it: 'stowage init --group GROUP'"

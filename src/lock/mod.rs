@@ -1064,6 +1064,11 @@ fn denied(path: &Path) -> String {
         .and_then(|r| std::fs::metadata(r).ok());
     let doc = crate::error::GROUP_STORE_DOC;
     match store {
+        Some(m) if m.mode() & 0o020 != 0 && !crate::ident::in_group(m.gid()) => format!(
+            "{}: you are not in group {}, whose store this is: ask its owner to add you to that group ({doc})",
+            path.display(),
+            m.gid()
+        ),
         Some(m) if m.mode() & 0o020 != 0 => {
             format!("{said}; its owner's 'stowage doctor --repair' fixes it ({doc})")
         }

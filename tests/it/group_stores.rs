@@ -206,3 +206,33 @@ fn doctor_repair_leaves_another_users_part_and_says_so() {
     assert!(text.contains("locks/images/theirs.lock"), "{text}");
     assert_eq!(fs::metadata(&lock).unwrap().mode() & 0o777, 0o644);
 }
+
+/// Someone outside the store's group is told so, and who can fix it: not
+/// sent to a repair that would change nothing (every part is already the
+/// group's and group-writable).
+#[test]
+fn a_user_outside_the_group_is_told_to_join_it() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", "100"]);
+    env.make_image("a");
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--read", "a", "--", "true"])
+        .env("USER", "nobody")
+        .env_remove("STOWAGE_ROOT");
+    let out = output(c);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("not in group 100") && !err.contains("doctor --repair"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(err.lines().count(), 1, "{}", show(&out));
+}

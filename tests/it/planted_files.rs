@@ -193,3 +193,31 @@ fn entries_planted_beyond_a_lowered_limit_do_not_fail_the_waiters() {
         show(&out)
     );
 }
+
+/// A lock directory its user cannot list (its mode) is refused, naming it:
+/// lock-status never reads it as "nothing held", nor `slots` as "no slot
+/// classes".
+#[test]
+fn a_lock_directory_that_cannot_be_listed_is_named_not_taken_for_empty() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = unprivileged_env();
+    unprivileged_build(&env, "b", "true");
+    let out = unprivileged(&env, &["slots", "set", "pull", "2"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    for (dir, args) in [
+        ("locks/images", ["lock-status"]),
+        ("locks/slots", ["slots"]),
+    ] {
+        let path = env.root.join(dir);
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o300)).unwrap();
+        let out = unprivileged(&env, &args);
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
+        assert_ne!(code(&out), Some(0), "{dir}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&*path.to_string_lossy()) && err.lines().count() == 1,
+            "{dir}: {}",
+            show(&out)
+        );
+    }
+}
