@@ -59,7 +59,36 @@ pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
             configured(root, &config).display()
         );
     }
-    Ok(configured(root, &config))
+    checked(root, &config)
+}
+
+/// The images directory `config` names, as this process reaches it —
+/// refused if it is external, this root is not the one that recorded it
+/// (a copied or moved store: `store.conf` came along) and another root's
+/// store claims it: the copy would write and delete under locks the
+/// original's users never see. Costs nothing more unless the root moved.
+pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
+    let dir = configured(root, config);
+    if config.images == ImagesDir::Default {
+        return Ok(dir);
+    }
+    // The root's inode against the one recorded: one fstat. (A copy is
+    // an accident to catch, not an attack: store.conf is the group's to
+    // edit anyway.)
+    let st = root.open()?.stat()?;
+    let moved = config.root.as_deref().is_some_and(|recorded| {
+        recorded
+            .split('@')
+            .next()
+            .and_then(|i| i.parse::<u64>().ok())
+            != Some(st.ino)
+    });
+    if moved && let Some(why) = claimed_by_another(root, &dir) {
+        anyhow::bail!(
+            "{why}; this root is a copy of that store ('stowage --root ROOT init --images-dir DIR' gives it images of its own)"
+        );
+    }
+    Ok(dir)
 }
 
 /// Where the tree of the image `record` describes lives, for its command:
@@ -93,6 +122,11 @@ pub fn my_claim(root: &Root, config: &Config) -> Result<Claim> {
 /// Why nothing may be removed from the images directory `dir`: another
 /// store claims it (one images directory serves one store).
 pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
+    // `ROOT/img` is this root's whatever it says: a claim there came with
+    // a copy of the store (`cp -a` keeps extended attributes).
+    if dir == root.default_images_dir() {
+        return None;
+    }
     let config = config(root).ok()?;
     let images = root.open_images_dir(dir).ok()?;
     crate::claim::refusal(&images, dir, &my_claim(root, &config).ok()?)
@@ -104,7 +138,9 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
     let dir = configured(root, config);
     let images = root.open_images_dir(&dir)?;
     let mine = my_claim(root, config)?;
-    if let Some(why) = crate::claim::refusal(&images, &dir, &mine) {
+    // `ROOT/img` is this root's: a claim there came with a copy.
+    let own = dir == root.default_images_dir();
+    if !own && let Some(why) = crate::claim::refusal(&images, &dir, &mine) {
         anyhow::bail!("{why}");
     }
     if crate::claim::read(&images).ok().flatten().as_ref() == Some(&mine) {

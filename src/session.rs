@@ -259,7 +259,7 @@ impl Session {
                 "the images of this request are in different images directories ({} and others): run 'stowage doctor'",
                 d.display()
             ),
-            None => Ok(crate::images_dir::config(&self.root)?.images_dir_in(self.root.dir())),
+            None => crate::images_dir::checked(&self.root, &crate::images_dir::config(&self.root)?),
         }
     }
 
@@ -697,7 +697,7 @@ fn start_new(
 ) -> Result<()> {
     let root = store.root();
     let config = crate::images_dir::config(root)?;
-    let dir = config.images_dir_in(root.dir());
+    let dir = crate::images_dir::checked(root, &config)?;
     let name = img.held.name.clone();
     let mut r = Record::new(name.as_str(), config.images.clone(), now);
     (r.base, r.writer) = (base, lease);

@@ -42,6 +42,35 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
         }
     };
     let shown = crate::images_dir::show(root, &images);
+    let images_dir = root.open_images_dir(&shown).ok();
+    let root_identity = dir.identity().ok();
+    // Whose the directory is, by its claim: one this root made carries the
+    // store's id. (`ROOT/img` is this root's whatever its claim says: a
+    // claim there may have come with a copy of the store.)
+    let claim = images_dir
+        .as_ref()
+        .and_then(|d| crate::claim::read(d).ok().flatten());
+    let ours = claim.as_ref().filter(|c| {
+        root_identity
+            .as_deref()
+            .is_some_and(|mine| crate::dir::same_identity(&c.root, mine))
+    });
+    if images != ImagesDir::Default && ours.is_none() {
+        let whose = match &claim {
+            Some(c) => format!("the store at {} claims it", c.path),
+            None => "it carries no claim of this store (is it mounted?)".to_owned(),
+        };
+        report.add(
+            "config",
+            Verdict::Problem,
+            format!(
+                "{why}; the images' records name images directory {}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {}' records it",
+                shown.display(),
+                shown.display()
+            ),
+        );
+        return Ok(false);
+    }
     if !repair {
         report.add(
             "config",
@@ -62,21 +91,16 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
             );
         }
     };
-    let images_dir = root.open_images_dir(&shown).ok();
-    let root_identity = dir.identity().ok();
     let mut fresh = Config {
         identity: images_dir.as_ref().and_then(|d| d.identity().ok()),
-        root: root_identity.clone(),
+        root: root_identity,
         images,
         ..Config::fresh()
     };
-    // The store's id lives on in its images directory's claim, made by
-    // this root: the store goes on being the one that claims it.
-    if let (Some(d), Some(mine)) = (&images_dir, &root_identity)
-        && let Ok(Some(claim)) = crate::claim::read(d)
-        && crate::dir::same_identity(&claim.root, mine)
-    {
-        fresh.id = claim.id;
+    // The store's id lives on in its images directory's claim: the store
+    // goes on being the one that claims it.
+    if let Some(c) = ours {
+        fresh.id = c.id.clone();
     }
     config::write(root.dir(), &dir, &fresh)?;
     report.add(

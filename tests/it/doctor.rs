@@ -654,3 +654,41 @@ fn a_configuration_is_not_written_from_records_that_disagree() {
     );
     assert_eq!(fs::read_to_string(&conf).unwrap(), "garbage");
 }
+
+/// store.conf damaged while the external images directory is unmounted:
+/// the directory the records name carries no claim of this store, so the
+/// repair writes nothing and drops no record; once it is mounted again,
+/// the repair writes the configuration and every image is there.
+#[test]
+fn a_configuration_is_not_written_for_an_images_directory_that_is_not_mounted() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    let env = Env::new();
+    let real = env.tmp.path().join("real");
+    let ext = env.tmp.path().join("ext");
+    fs::create_dir(&real).unwrap();
+    fs::create_dir(&ext).unwrap();
+    let Some(m) = Mount::at(&["--bind", real.to_str().unwrap()], &ext) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    env.make_image("base");
+    drop(m);
+    fs::write(ext.join("stray"), "").unwrap();
+    let conf = env.root.join("store.conf");
+    fs::write(&conf, "garbage").unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("is it mounted?"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(fs::read_to_string(&conf).unwrap(), "garbage");
+    let _m = Mount::at(&["--bind", real.to_str().unwrap()], &ext).unwrap();
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("base", "file"), "content\n");
+}

@@ -7,7 +7,8 @@
 //! shown free.
 
 use std::fs;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 use crate::common::*;
 
@@ -195,4 +196,79 @@ fn lock_status_in_a_child_pid_namespace_shows_what_is_held() {
         .unwrap_or_else(|| panic!("the store lock is listed: {st}"));
     assert_eq!(store["state"], "exclusive", "{st}");
     assert_eq!(store["holders"].as_array().unwrap().len(), 1, "{st}");
+}
+
+/// `stowage --root COPY ARGS…`.
+fn in_copy(copy: &Path, args: &[&str]) -> Output {
+    let mut c = Command::new(bin());
+    c.arg("--root").arg(copy).args(args);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    output(c)
+}
+
+/// `cp -a` of `env`'s root to a sibling directory `name`.
+fn copy_of(env: &Env, name: &str) -> PathBuf {
+    let copy = env.tmp.path().join(name);
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg(&env.root)
+        .arg(&copy)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    copy
+}
+
+/// A copy of a store whose images are in an external directory keeps
+/// naming that directory, which the original claims: the copy may neither
+/// read, write, create nor remove there (its locks are not the
+/// original's), and says which store the directory serves.
+#[test]
+fn a_copy_of_a_store_never_uses_the_originals_images_directory() {
+    let env = Env::new();
+    let ext = env.tmp.path().join("ext-img");
+    fs::create_dir(&ext).unwrap();
+    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    env.make_image("old");
+    let copy = copy_of(&env, "copy");
+    for args in [
+        &["rm", "old"][..],
+        &["exec", "--read", "old", "--", "true"],
+        &["exec", "--write", "old", "--", "true"],
+        &["exec", "--write", "new", "--", "true"],
+    ] {
+        let out = in_copy(&copy, args);
+        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&*env.root.to_string_lossy()) && err.lines().count() == 1,
+            "{args:?}: {}",
+            show(&out)
+        );
+    }
+    assert!(ext.join("old").exists());
+    assert!(!ext.join("new").exists());
+    assert_eq!(env.state("old").as_deref(), Some("ready"));
+    env.ok(["exec", "--read", "old", "--", "true"]);
+}
+
+/// A copy of a store with its images in `ROOT/img` took its images along:
+/// the claim that came with them is no other store's, and the copy is a
+/// store like any other (gc, repair, init).
+#[test]
+fn a_copy_of_a_store_with_its_own_images_is_a_store_of_its_own() {
+    let env = Env::new();
+    env.make_image("old");
+    let copy = copy_of(&env, "copy");
+    for args in [
+        &["gc"][..],
+        &["doctor", "--repair"],
+        &["init"],
+        &["exec", "--write", "old", "--", "true"],
+        &["rm", "old"],
+    ] {
+        let out = in_copy(&copy, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    assert_eq!(env.state("old").as_deref(), Some("ready"));
 }
