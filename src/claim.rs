@@ -126,11 +126,22 @@ pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
     Ok(true)
 }
 
+impl Claim {
+    /// Whether the root that made this claim is still where it says, as
+    /// the directory it was: a claim whose root was moved or deleted binds
+    /// nobody (a moved store takes its directory back).
+    pub fn stands(&self) -> bool {
+        Dir::anchor_nofollow(Path::new(&self.path))
+            .and_then(|d| d.identity())
+            .is_ok_and(|now| crate::dir::same_identity(&self.root, &now))
+    }
+}
+
 /// Why `dir` (at `path`) may not be used by the store whose claim is
-/// `mine`: another store claims it.
+/// `mine`: another store's claim stands on it.
 pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
     let theirs = read(dir).ok()??;
-    (!theirs.same_store(mine)).then(|| {
+    (!theirs.same_store(mine) && theirs.stands()).then(|| {
         format!(
             "images directory {} belongs to the store at {} (its claim: {}): one images directory serves one store",
             path.display(),

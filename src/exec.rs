@@ -250,6 +250,12 @@ fn run_store_wide(
     shown: Vec<String>,
 ) -> Result<u8> {
     let (deadline, no_wait) = (plan.deadline, plan.no_wait);
+    // Before any hold: a copied store gets no images directory of another.
+    if store.root().exists()
+        && let Ok(config) = crate::images_dir::config(store.root())
+    {
+        crate::images_dir::checked(store.root(), &config)?;
+    }
     let hold =
         match crate::store_wide::Hold::take(store, &ident::shell_join(&shown), deadline, no_wait) {
             Ok(h) => h,

@@ -16,6 +16,7 @@ use anyhow::{Context, Result};
 
 use crate::claim::Claim;
 use crate::config::Config;
+use crate::dir::Dir;
 use crate::image_record::{ImagesDir, Record};
 use crate::name::ImageName;
 use crate::root::Root;
@@ -72,17 +73,13 @@ pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     if config.images == ImagesDir::Default {
         return Ok(dir);
     }
-    // The root's inode against the one recorded: one fstat. (A copy is
-    // an accident to catch, not an attack: store.conf is the group's to
-    // edit anyway.)
-    let st = root.open()?.stat()?;
-    let moved = config.root.as_deref().is_some_and(|recorded| {
-        recorded
-            .split('@')
-            .next()
-            .and_then(|i| i.parse::<u64>().ok())
-            != Some(st.ino)
-    });
+    // The root's identity against the one recorded (a copy is an accident
+    // to catch, not an attack: store.conf is the group's to edit anyway).
+    let here = root.open()?.identity().ok();
+    let moved = match (config.root.as_deref(), here.as_deref()) {
+        (Some(recorded), Some(here)) => !crate::dir::same_identity(recorded, here),
+        _ => false,
+    };
     if moved && let Some(why) = claimed_by_another(root, &dir) {
         anyhow::bail!(
             "{why}; this root is a copy of that store ('stowage --root ROOT init --images-dir DIR' gives it images of its own)"
@@ -122,14 +119,23 @@ pub fn my_claim(root: &Root, config: &Config) -> Result<Claim> {
 /// Why nothing may be removed from the images directory `dir`: another
 /// store claims it (one images directory serves one store).
 pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
-    // `ROOT/img` is this root's whatever it says: a claim there came with
-    // a copy of the store (`cp -a` keeps extended attributes).
-    if dir == root.default_images_dir() {
-        return None;
-    }
     let config = config(root).ok()?;
     let images = root.open_images_dir(dir).ok()?;
+    if copied_with(root, &images, dir, &config) {
+        return None;
+    }
     crate::claim::refusal(&images, dir, &my_claim(root, &config).ok()?)
+}
+
+/// Whether `dir` is this root's `ROOT/img` and claimed with this store's
+/// own id: a claim that came along with a copy of the store (`cp -a`
+/// keeps extended attributes), which the copy takes over.
+fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
+    dir == root.default_images_dir()
+        && crate::claim::read(images)
+            .ok()
+            .flatten()
+            .is_some_and(|c| c.id == config.id)
 }
 
 /// Claims the images directory for this store unless another store does.
@@ -138,9 +144,8 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
     let dir = configured(root, config);
     let images = root.open_images_dir(&dir)?;
     let mine = my_claim(root, config)?;
-    // `ROOT/img` is this root's: a claim there came with a copy.
-    let own = dir == root.default_images_dir();
-    if !own && let Some(why) = crate::claim::refusal(&images, &dir, &mine) {
+    let copied = copied_with(root, &images, &dir, config);
+    if !copied && let Some(why) = crate::claim::refusal(&images, &dir, &mine) {
         anyhow::bail!("{why}");
     }
     if crate::claim::read(&images).ok().flatten().as_ref() == Some(&mine) {

@@ -420,6 +420,7 @@ impl Root {
                     .with_context(|| format!("cannot inspect root {}", self.dir.display()));
             }
         }
+        self.refuse_claimed_img()?;
         for d in [
             self.dir.clone(),
             self.locks(),
@@ -460,6 +461,33 @@ impl Root {
         }
         // Space for the metadata on a full filesystem (space.rs).
         crate::space::refill(&self.reserve());
+        Ok(())
+    }
+
+    /// Before a new store is made: an `img` already in the root that
+    /// another store's standing claim names as its images directory is not
+    /// this store's to use (one images directory, one store), and nothing
+    /// is made.
+    fn refuse_claimed_img(&self) -> Result<()> {
+        if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_ok() {
+            return Ok(());
+        }
+        let Ok(img) = Dir::open_nofollow(&self.default_images_dir()) else {
+            return Ok(());
+        };
+        let Some(theirs) = crate::claim::read(&img).ok().flatten() else {
+            return Ok(());
+        };
+        let ours = Dir::anchor_nofollow(&self.dir)
+            .and_then(|d| d.identity())
+            .is_ok_and(|me| crate::dir::same_identity(&theirs.root, &me));
+        if !ours && theirs.stands() {
+            anyhow::bail!(
+                "images directory {} belongs to the store at {}: one images directory serves one store; choose another root",
+                self.default_images_dir().display(),
+                theirs.path
+            );
+        }
         Ok(())
     }
 

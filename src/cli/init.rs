@@ -261,7 +261,8 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
         Some(Some(config)) => Some(crate::images_dir::my_claim(root, &config)?),
         _ => None,
     };
-    if mine.is_some_and(|m| m.same_store(&theirs)) {
+    // A claim whose root was moved or deleted binds nobody.
+    if mine.is_some_and(|m| m.same_store(&theirs)) || !theirs.stands() {
         return Ok(());
     }
     bail!(

@@ -272,3 +272,95 @@ fn a_copy_of_a_store_with_its_own_images_is_a_store_of_its_own() {
     }
     assert_eq!(env.state("old").as_deref(), Some("ready"));
 }
+
+/// A copy onto another filesystem can get the very inode number of the
+/// original's root (the first directory of a fresh tmpfs): the whole
+/// identity tells them apart, and a store-wide command in the copy gets
+/// no images directory of the original's either.
+#[test]
+fn a_copy_onto_another_filesystem_is_told_apart_from_its_original() {
+    let (Some(m1), Some(m2)) = (Mount::tmpfs("size=16m"), Mount::tmpfs("size=16m")) else {
+        return;
+    };
+    let env = Env::new();
+    let ext = env.tmp.path().join("ext-img");
+    fs::create_dir(&ext).unwrap();
+    let (root, copy) = (m1.dir.join("s"), m2.dir.join("s"));
+    let run = |r: &Path, args: &[&str]| in_copy(r, args);
+    let out = run(&root, &["init", "--images-dir", ext.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = run(&root, &["exec", "--write", "old", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg(&root)
+        .arg(&copy)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    for args in [
+        &["rm", "old"][..],
+        &["exec", "--write", "old", "--", "true"],
+        &["exec", "--store-wide", "--", "true"],
+    ] {
+        let out = run(&copy, args);
+        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert!(
+            stderr(&out).contains(&*root.to_string_lossy()),
+            "{args:?}: {}",
+            show(&out)
+        );
+    }
+    assert!(ext.join("old").exists());
+}
+
+/// A root whose `img` another store claims as its external images
+/// directory is no store of its own: one images directory, one store.
+/// Nothing is made there, and the refusal names the other store.
+#[test]
+fn a_default_images_directory_another_store_claims_is_refused() {
+    let env = Env::new();
+    let other = env.tmp.path().join("other");
+    fs::create_dir_all(other.join("img")).unwrap();
+    env.ok(["init", "--images-dir", other.join("img").to_str().unwrap()]);
+    env.make_image("base");
+    for args in [&["exec", "--write", "mine", "--", "true"][..], &["init"]] {
+        let out = in_copy(&other, args);
+        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&*env.root.to_string_lossy()) && err.lines().count() == 1,
+            "{args:?}: {}",
+            show(&out)
+        );
+        assert!(!other.join("store.conf").exists() && !other.join("locks").exists());
+    }
+    assert!(!other.join("img/mine").exists());
+    assert!(other.join("img/base").exists());
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
+/// A store moved away from its root (or copied, the original deleted)
+/// takes its external images directory back: the claim of a root that is
+/// gone binds nobody.
+#[test]
+fn a_moved_store_takes_its_images_directory_back() {
+    let env = Env::new();
+    let ext = env.tmp.path().join("ext-img");
+    fs::create_dir(&ext).unwrap();
+    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    env.make_image("old");
+    let copy = copy_of(&env, "moved");
+    fs::remove_dir_all(&env.root).unwrap();
+    for args in [
+        &["exec", "--read", "old", "--", "true"][..],
+        &["exec", "--write", "old", "--", "true"],
+        &["init", "--images-dir", ext.to_str().unwrap()],
+        &["gc"],
+        &["rm", "old"],
+    ] {
+        let out = in_copy(&copy, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    assert!(!ext.join("old").exists());
+}
