@@ -102,6 +102,21 @@ pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
     Ok(std::str::from_utf8(&buf).ok().and_then(Claim::decode))
 }
 
+/// Whether the filesystem of `dir` keeps extended attributes (claims).
+pub fn supported(dir: &Dir) -> bool {
+    let mut buf = [0u8; 1];
+    // SAFETY: valid descriptor, C string and buffer of the length given.
+    let n = unsafe {
+        libc::fgetxattr(
+            dir.as_raw_fd(),
+            NAME.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    n >= 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ENOTSUP)
+}
+
 /// Claims `dir` for `claim`'s store. `Ok(false)`: the filesystem keeps no
 /// extended attributes.
 pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {

@@ -55,7 +55,10 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
             .as_deref()
             .is_some_and(|mine| crate::dir::same_identity(&c.root, mine))
     });
-    if images != ImagesDir::Default && ours.is_none() {
+    // Where no claim can be kept (no extended attributes), the records
+    // are all there is to go by.
+    let claimable = images_dir.as_ref().is_some_and(crate::claim::supported);
+    if images != ImagesDir::Default && ours.is_none() && claimable {
         let whose = match &claim {
             Some(c) => format!("the store at {} claims it", c.path),
             None => "it carries no claim of this store (is it mounted?)".to_owned(),

@@ -692,3 +692,27 @@ fn a_configuration_is_not_written_for_an_images_directory_that_is_not_mounted() 
     assert_eq!(env.state("base").as_deref(), Some("ready"));
     assert_eq!(env.read_in_image("base", "file"), "content\n");
 }
+
+/// Where the images directory keeps no extended attributes (ramfs), no
+/// claim can say whose it is: a lost store.conf is written anew from the
+/// records, as before claims, rather than left for a command that cannot
+/// write it.
+#[test]
+fn a_configuration_is_written_from_the_records_where_no_claim_can_be_kept() {
+    if !root_or_skip("mounting a ramfs") {
+        return;
+    }
+    let env = Env::new();
+    let ext = env.tmp.path().join("ext");
+    fs::create_dir(&ext).unwrap();
+    let Some(_m) = Mount::at(&["-t", "ramfs", "ramfs"], &ext) else {
+        eprintln!("skipping: cannot mount a ramfs here");
+        return;
+    };
+    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    env.make_image("base");
+    fs::write(env.root.join("store.conf"), "garbage").unwrap();
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image("base", "file"), "content\n");
+}
