@@ -142,13 +142,40 @@ pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
 }
 
 impl Claim {
-    /// Whether the root that made this claim is still where it says, as
-    /// the directory it was: a claim whose root was moved or deleted binds
-    /// nobody (a moved store takes its directory back).
-    pub fn stands(&self) -> bool {
-        Dir::anchor_nofollow(Path::new(&self.path))
-            .and_then(|d| d.identity())
-            .is_ok_and(|now| crate::dir::same_identity(&self.root, &now))
+    /// Whether this claim still binds `dir` (at `path`) against the store
+    /// whose id is `my_id`. It does unless there is positive evidence
+    /// that it no longer can:
+    /// - its root's path names another directory now (replaced);
+    /// - its root's path is gone, and the claim is this very store's (a
+    ///   moved store, or a copy whose original is gone, takes its
+    ///   directory back; another store's root may only have moved);
+    /// - its root is readable and keeps its images elsewhere (`dir` is a
+    ///   copy's `img`, whose claim came along with `cp -a`).
+    ///
+    /// An error looking (permissions, a stale handle) is no evidence.
+    pub fn binds(&self, path: &Path, my_id: &str) -> bool {
+        let root = Path::new(&self.path);
+        let anchor = match Dir::anchor_nofollow(root) {
+            Ok(d) => d,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR)) => {
+                return self.id != my_id;
+            }
+            Err(_) => return true,
+        };
+        match anchor.identity() {
+            Ok(now) if !crate::dir::same_identity(&self.root, &now) => return false,
+            Ok(_) => {}
+            Err(_) => return true,
+        }
+        // Told by identity, not by path (one directory has many names).
+        let identity = |p: &Path| Dir::anchor(p).and_then(|d| d.identity());
+        match crate::config::read(root, &anchor).ok().flatten() {
+            Some(c) => match (identity(&c.images_dir_in(root)), identity(path)) {
+                (Ok(theirs), Ok(this)) => crate::dir::same_identity(&theirs, &this),
+                _ => true,
+            },
+            None => true,
+        }
     }
 }
 
@@ -156,7 +183,7 @@ impl Claim {
 /// `mine`: another store's claim stands on it.
 pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
     let theirs = read(dir).ok()??;
-    (!theirs.same_store(mine) && theirs.stands()).then(|| {
+    (!theirs.same_store(mine) && theirs.binds(path, &mine.id)).then(|| {
         format!(
             "images directory {} belongs to the store at {} (its claim: {}): one images directory serves one store",
             path.display(),

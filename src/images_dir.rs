@@ -75,7 +75,7 @@ pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     }
     // The root's identity against the one recorded (a copy is an accident
     // to catch, not an attack: store.conf is the group's to edit anyway).
-    let here = root.open()?.identity().ok();
+    let here = root.identity().ok();
     let moved = match (config.root.as_deref(), here.as_deref()) {
         (Some(recorded), Some(here)) => !crate::dir::same_identity(recorded, here),
         _ => false,

@@ -95,6 +95,17 @@ impl Root {
     /// Opens the root directory. Its ownership is checked again on the
     /// open descriptor: whatever is done through it is done in the
     /// directory that passed.
+    /// The root directory's identity (`Dir::identity`), through its open
+    /// descriptor (no duplicate made).
+    pub fn identity(&self) -> Result<String> {
+        if self.opened.get().is_none() {
+            self.open()?;
+        }
+        let d = self.opened.get().expect("opened above");
+        d.identity()
+            .with_context(|| format!("cannot inspect root {}", self.dir.display()))
+    }
+
     pub fn open(&self) -> Result<Dir> {
         if let Some(d) = self.opened.get() {
             return d
@@ -481,7 +492,8 @@ impl Root {
         let ours = Dir::anchor_nofollow(&self.dir)
             .and_then(|d| d.identity())
             .is_ok_and(|me| crate::dir::same_identity(&theirs.root, &me));
-        if !ours && theirs.stands() {
+        // No id of ours yet: a claim whose root is gone is nobody's.
+        if !ours && theirs.binds(&self.default_images_dir(), "") {
             anyhow::bail!(
                 "images directory {} belongs to the store at {}: one images directory serves one store; choose another root",
                 self.default_images_dir().display(),

@@ -261,8 +261,8 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
         Some(Some(config)) => Some(crate::images_dir::my_claim(root, &config)?),
         _ => None,
     };
-    // A claim whose root was moved or deleted binds nobody.
-    if mine.is_some_and(|m| m.same_store(&theirs)) || !theirs.stands() {
+    let my_id = mine.as_ref().map_or("", |m| m.id.as_str());
+    if mine.as_ref().is_some_and(|m| m.same_store(&theirs)) || !theirs.binds(dir, my_id) {
         return Ok(());
     }
     bail!(

@@ -364,3 +364,61 @@ fn a_moved_store_takes_its_images_directory_back() {
     }
     assert!(!ext.join("old").exists());
 }
+
+/// Another store's claim binds while there is no evidence against it: a
+/// root this user cannot reach (a private home), or one whose parent was
+/// renamed (its recorded path gone), still owns its images directory.
+#[test]
+fn a_claim_whose_root_cannot_be_seen_still_binds() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(_) = as_nobody() else { return };
+    let env = Env::new();
+    let shared = tempfile::tempdir().unwrap();
+    fs::set_permissions(shared.path(), fs::Permissions::from_mode(0o1777)).unwrap();
+    let ext = shared.path().join("D");
+    fs::create_dir(&ext).unwrap();
+    fs::set_permissions(&ext, fs::Permissions::from_mode(0o777)).unwrap();
+    // The owner's root is private: nobody cannot look at it.
+    let parent = env.tmp.path().join("p1");
+    fs::create_dir(&parent).unwrap();
+    let root = parent.join("A");
+    let out = in_copy(&root, &["init", "--images-dir", ext.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = in_copy(&root, &["exec", "--write", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let other = shared.path().join("B");
+    let mut c = as_nobody().unwrap();
+    c.arg(bin())
+        .arg("--root")
+        .arg(&other)
+        .args(["init", "--images-dir", ext.to_str().unwrap()])
+        .env("USER", "nobody")
+        .env_remove("STOWAGE_ROOT");
+    let out = output(c);
+    assert_ne!(code(&out), Some(0), "unreachable root: {}", show(&out));
+    // Its parent renamed: the claim's path is gone, the store is not.
+    let moved = env.tmp.path().join("p2");
+    fs::rename(&parent, &moved).unwrap();
+    let third = env.tmp.path().join("C");
+    let out = in_copy(&third, &["init", "--images-dir", ext.to_str().unwrap()]);
+    assert_ne!(code(&out), Some(0), "renamed parent: {}", show(&out));
+    let out = in_copy(&moved.join("A"), &["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(ext.join("base").exists());
+}
+
+/// A copy's `img` is not the original's images directory, whatever claim
+/// came along with it: the copy is a store even when its store.conf is
+/// gone.
+#[test]
+fn a_copys_own_img_is_its_own_without_its_configuration() {
+    let env = Env::new();
+    env.make_image("base");
+    let copy = copy_of(&env, "copy");
+    fs::remove_file(copy.join("store.conf")).unwrap();
+    for args in [&["init"][..], &["doctor", "--repair"], &["gc"]] {
+        let out = in_copy(&copy, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
