@@ -21,14 +21,8 @@ use super::{Report, Verdict};
 pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
     let dir = root.open()?;
     let path = root.dir().join(config::FILE);
-    let why = match config::read(root.dir(), &dir) {
-        Ok(Some(_)) => return Ok(true),
-        Ok(None) if !lost(root)? => return Ok(true),
-        Ok(None) => format!("{} is missing while images have records", path.display()),
-        Err(e) => match e.downcast_ref::<config::Unusable>() {
-            Some(u) => u.why.clone(),
-            None => return Err(e),
-        },
+    let Some(why) = unusable(root, &dir, &path)? else {
+        return Ok(true);
     };
     let images = match from_records(root) {
         Ok(images) => images,
@@ -44,36 +38,21 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     let shown = crate::images_dir::show(root, &images);
     let images_dir = root.open_images_dir(&shown).ok();
     let root_identity = dir.identity().ok();
-    // Whose the directory is, by its claim: one this root made carries the
-    // store's id. (`ROOT/img` is this root's whatever its claim says: a
-    // claim there may have come with a copy of the store.)
-    let claim = images_dir
-        .as_ref()
-        .and_then(|d| crate::claim::read(d).ok().flatten());
-    let ours = claim.as_ref().filter(|c| {
-        root_identity
-            .as_deref()
-            .is_some_and(|mine| crate::dir::same_identity(&c.root, mine))
-    });
-    // Where no claim can be kept (no extended attributes), the records
-    // are all there is to go by.
-    let claimable = images_dir.as_ref().is_some_and(crate::claim::supported);
-    if images != ImagesDir::Default && ours.is_none() && claimable {
-        let whose = match &claim {
-            Some(c) => format!("the store at {} claims it", c.path),
-            None => "it carries no claim of this store (is it mounted?)".to_owned(),
-        };
-        report.add(
-            "config",
-            Verdict::Problem,
-            format!(
-                "{why}; the images' records name images directory {}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {}' records it",
-                shown.display(),
-                shown.display()
-            ),
-        );
-        return Ok(false);
-    }
+    let ours = match whose(&images, images_dir.as_ref(), root_identity.as_deref()) {
+        Ok(ours) => ours,
+        Err(whose) => {
+            report.add(
+                "config",
+                Verdict::Problem,
+                format!(
+                    "{why}; the images' records name images directory {}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {}' records it",
+                    shown.display(),
+                    shown.display()
+                ),
+            );
+            return Ok(false);
+        }
+    };
     if !repair {
         report.add(
             "config",
@@ -103,7 +82,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     // The store's id lives on in its images directory's claim: the store
     // goes on being the one that claims it.
     if let Some(c) = ours {
-        fresh.id = c.id.clone();
+        fresh.id = c.id;
     }
     config::write(root.dir(), &dir, &fresh)?;
     report.add(
@@ -115,6 +94,51 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
         ),
     );
     Ok(true)
+}
+
+/// Why the configuration cannot be used, if it cannot: unreadable, or
+/// missing while images have records.
+fn unusable(root: &Root, dir: &crate::dir::Dir, path: &std::path::Path) -> Result<Option<String>> {
+    Ok(match config::read(root.dir(), dir) {
+        Ok(Some(_)) => None,
+        Ok(None) if !lost(root)? => None,
+        Ok(None) => Some(format!(
+            "{} is missing while images have records",
+            path.display()
+        )),
+        Err(e) => match e.downcast_ref::<config::Unusable>() {
+            Some(u) => Some(u.why.clone()),
+            None => return Err(e),
+        },
+    })
+}
+
+/// Whose the images directory the records name is, by its claim: `Ok`
+/// with the claim this root made (it carries the store's id), if any;
+/// `Err` saying why an external directory is not taken for this store's
+/// — unless no claim can be kept there (no extended attributes), where
+/// the records are all there is to go by. (`ROOT/img` is this root's
+/// whatever its claim says: one may have come with a copy.)
+fn whose(
+    images: &ImagesDir,
+    images_dir: Option<&crate::dir::Dir>,
+    root_identity: Option<&str>,
+) -> Result<Option<crate::claim::Claim>, String> {
+    let claim = images_dir.and_then(|d| crate::claim::read(d).ok().flatten());
+    let mine = |c: &crate::claim::Claim| {
+        root_identity.is_some_and(|me| crate::dir::same_identity(&c.root, me))
+    };
+    if let Some(c) = claim.as_ref().filter(|c| mine(c)) {
+        return Ok(Some(c.clone()));
+    }
+    let claimable = images_dir.is_some_and(crate::claim::supported);
+    if *images == ImagesDir::Default || !claimable {
+        return Ok(None);
+    }
+    Err(match &claim {
+        Some(c) => format!("the store at {} claims it", c.path),
+        None => "it carries no claim of this store (is it mounted?)".to_owned(),
+    })
 }
 
 /// A store whose configuration went missing: its images have records (a
