@@ -142,39 +142,42 @@ pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
 }
 
 impl Claim {
-    /// Whether this claim still binds `dir` (at `path`) against the store
-    /// whose id is `my_id`. It does unless there is positive evidence
-    /// that it no longer can:
-    /// - its root's path names another directory now (replaced);
-    /// - its root's path is gone, and the claim is this very store's (a
-    ///   moved store, or a copy whose original is gone, takes its
-    ///   directory back; another store's root may only have moved);
-    /// - its root is readable and keeps its images elsewhere (`dir` is a
-    ///   copy's `img`, whose claim came along with `cp -a`).
+    /// Whether this claim still binds the images directory at `path`
+    /// against the store whose id is `my_id`. It does unless there is
+    /// evidence that it no longer can:
+    /// - it is this very store's claim (the same id) and its root's path
+    ///   is gone or names another directory: a moved store, or a copy
+    ///   whose original is gone, takes its directory back. (Another
+    ///   store's root may only have moved: a path gone, or a directory
+    ///   made anew where it was, is no evidence.)
+    /// - its root is where it says and its configuration records another
+    ///   images directory, by the identity recorded (an unmounted
+    ///   directory is still its own): `path` is a copy's `img`, whose
+    ///   claim came along with `cp -a`.
     ///
     /// An error looking (permissions, a stale handle) is no evidence.
     pub fn binds(&self, path: &Path, my_id: &str) -> bool {
+        let own = self.id == my_id;
         let root = Path::new(&self.path);
         let anchor = match Dir::anchor_nofollow(root) {
             Ok(d) => d,
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR)) => {
-                return self.id != my_id;
+                return !own;
             }
             Err(_) => return true,
         };
         match anchor.identity() {
-            Ok(now) if !crate::dir::same_identity(&self.root, &now) => return false,
+            Ok(now) if !crate::dir::same_identity(&self.root, &now) => return !own,
             Ok(_) => {}
             Err(_) => return true,
         }
-        // Told by identity, not by path (one directory has many names).
-        let identity = |p: &Path| Dir::anchor(p).and_then(|d| d.identity());
-        match crate::config::read(root, &anchor).ok().flatten() {
-            Some(c) => match (identity(&c.images_dir_in(root)), identity(path)) {
-                (Ok(theirs), Ok(this)) => crate::dir::same_identity(&theirs, &this),
-                _ => true,
-            },
-            None => true,
+        let recorded = crate::config::read(root, &anchor)
+            .ok()
+            .flatten()
+            .and_then(|c| c.identity);
+        match (recorded, Dir::anchor(path).and_then(|d| d.identity())) {
+            (Some(theirs), Ok(this)) => crate::dir::same_identity(&theirs, &this),
+            _ => true,
         }
     }
 }
@@ -185,13 +188,19 @@ pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
     let theirs = read(dir).ok()??;
     (!theirs.same_store(mine) && theirs.binds(path, &mine.id)).then(|| {
         format!(
-            "images directory {} belongs to the store at {} (its claim: {}): one images directory serves one store",
+            "images directory {} belongs to the store at {} (its claim: {}): one store per images directory{}",
             path.display(),
             theirs.path,
             if theirs.id == mine.id {
                 "a copy of this store"
             } else {
                 "another store"
+            },
+            if theirs.id == mine.id {
+                String::new()
+            } else {
+                // Nothing can tell a store gone for good from one moved.
+                format!("; gone for good? 'setfattr -x user.stowage.store {}'", path.display())
             }
         )
     })

@@ -265,11 +265,20 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     if mine.as_ref().is_some_and(|m| m.same_store(&theirs)) || !theirs.binds(dir, my_id) {
         return Ok(());
     }
+    // Its root's path is this root's, yet another directory: that store
+    // moved away, or is gone (nothing tells which).
+    let what = if Path::new(&theirs.path) == root.dir() {
+        format!(
+            "a store that was here; gone for good? 'setfattr -x user.stowage.store {}'",
+            dir.display()
+        )
+    } else {
+        format!("use that root: --root {}", theirs.path)
+    };
     bail!(
-        "images directory {} belongs to the store at {}: one images directory serves one store (use that root: --root {})",
+        "images directory {} belongs to the store at {}: one images directory serves one store ({what})",
         dir.display(),
         theirs.path,
-        theirs.path
     )
 }
 

@@ -422,3 +422,50 @@ fn a_copys_own_img_is_its_own_without_its_configuration() {
     }
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
+
+/// A root moved away and a new directory made at its old path, or a
+/// claiming store whose images directory is unmounted: neither is
+/// evidence that the claim is gone, and a second store is refused.
+#[test]
+fn a_new_root_at_a_moved_stores_old_path_takes_nothing_over() {
+    let env = Env::new();
+    let ext = env.tmp.path().join("ext-img");
+    fs::create_dir(&ext).unwrap();
+    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    env.make_image("app");
+    let moved = env.tmp.path().join("moved");
+    fs::rename(&env.root, &moved).unwrap();
+    fs::create_dir(&env.root).unwrap();
+    let out = env.run(["init", "--images-dir", ext.to_str().unwrap()]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("setfattr -x"), "{}", show(&out));
+    let out = in_copy(&moved, &["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(ext.join("app").exists());
+}
+
+/// The claiming store's images directory unmounted: another store is
+/// still refused it (the claim is judged by the identity the claiming
+/// store recorded, not by what is mounted now).
+#[test]
+fn a_claim_binds_while_its_images_directory_is_unmounted() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    let env = Env::new();
+    let data = env.tmp.path().join("data");
+    let x = env.tmp.path().join("x");
+    fs::create_dir(&data).unwrap();
+    fs::create_dir(&x).unwrap();
+    let Some(m) = Mount::at(&["--bind", data.to_str().unwrap()], &x) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    env.ok(["init", "--images-dir", x.to_str().unwrap()]);
+    env.make_image("app");
+    drop(m);
+    let other = env.tmp.path().join("other");
+    let out = in_copy(&other, &["init", "--images-dir", data.to_str().unwrap()]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(data.join("app").exists());
+}
