@@ -82,6 +82,30 @@ impl Claim {
 /// is taken for none.
 pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
     let mut buf = vec![0u8; 1024];
+    match get(dir, &mut buf) {
+        Ok(n) => {
+            buf.truncate(n);
+            Ok(std::str::from_utf8(&buf).ok().and_then(Claim::decode))
+        }
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ENODATA | libc::ENOTSUP | libc::ERANGE)
+            ) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether the filesystem of `dir` keeps extended attributes (claims).
+pub fn supported(dir: &Dir) -> bool {
+    get(dir, &mut [0u8; 1]).map_or_else(|e| e.raw_os_error() != Some(libc::ENOTSUP), |_| true)
+}
+
+/// The claim attribute's value into `buf`: its length.
+fn get(dir: &Dir, buf: &mut [u8]) -> io::Result<usize> {
     // SAFETY: valid descriptor, C string and buffer of the length given.
     let n = unsafe {
         libc::fgetxattr(
@@ -92,29 +116,9 @@ pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
         )
     };
     if n < 0 {
-        let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::ENODATA | libc::ENOTSUP | libc::ERANGE) => Ok(None),
-            _ => Err(e),
-        };
+        return Err(io::Error::last_os_error());
     }
-    buf.truncate(n as usize);
-    Ok(std::str::from_utf8(&buf).ok().and_then(Claim::decode))
-}
-
-/// Whether the filesystem of `dir` keeps extended attributes (claims).
-pub fn supported(dir: &Dir) -> bool {
-    let mut buf = [0u8; 1];
-    // SAFETY: valid descriptor, C string and buffer of the length given.
-    let n = unsafe {
-        libc::fgetxattr(
-            dir.as_raw_fd(),
-            NAME.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    n >= 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ENOTSUP)
+    Ok(n as usize)
 }
 
 /// Claims `dir` for `claim`'s store. `Ok(false)`: the filesystem keeps no

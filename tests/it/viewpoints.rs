@@ -225,10 +225,7 @@ fn copy_of(env: &Env, name: &str) -> PathBuf {
 /// original's), and says which store the directory serves.
 #[test]
 fn a_copy_of_a_store_never_uses_the_originals_images_directory() {
-    let env = Env::new();
-    let ext = env.tmp.path().join("ext-img");
-    fs::create_dir(&ext).unwrap();
-    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    let (env, ext) = store_with_external_images();
     env.make_image("old");
     let copy = copy_of(&env, "copy");
     for args in [
@@ -345,10 +342,7 @@ fn a_default_images_directory_another_store_claims_is_refused() {
 /// gone binds nobody.
 #[test]
 fn a_moved_store_takes_its_images_directory_back() {
-    let env = Env::new();
-    let ext = env.tmp.path().join("ext-img");
-    fs::create_dir(&ext).unwrap();
-    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    let (env, ext) = store_with_external_images();
     env.make_image("old");
     let copy = copy_of(&env, "moved");
     fs::remove_dir_all(&env.root).unwrap();
@@ -428,10 +422,7 @@ fn a_copys_own_img_is_its_own_without_its_configuration() {
 /// evidence that the claim is gone, and a second store is refused.
 #[test]
 fn a_new_root_at_a_moved_stores_old_path_takes_nothing_over() {
-    let env = Env::new();
-    let ext = env.tmp.path().join("ext-img");
-    fs::create_dir(&ext).unwrap();
-    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    let (env, ext) = store_with_external_images();
     env.make_image("app");
     let moved = env.tmp.path().join("moved");
     fs::rename(&env.root, &moved).unwrap();
@@ -468,4 +459,14 @@ fn a_claim_binds_while_its_images_directory_is_unmounted() {
     let out = in_copy(&other, &["init", "--images-dir", data.to_str().unwrap()]);
     assert_ne!(code(&out), Some(0), "{}", show(&out));
     assert!(data.join("app").exists());
+}
+
+/// A store whose images directory is an external one, `ext-img` beside
+/// its root.
+fn store_with_external_images() -> (Env, PathBuf) {
+    let env = Env::new();
+    let ext = env.tmp.path().join("ext-img");
+    fs::create_dir(&ext).unwrap();
+    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    (env, ext)
 }
