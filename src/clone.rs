@@ -374,15 +374,7 @@ impl TreeCopy<'_> {
     fn copy_symlink(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
         let target = readlinkat(&top.src, name).with_context(|| self.cannot_copy(name))?;
         symlinkat(&target, &top.dst, name).with_context(|| self.cannot_copy(name))?;
-        let at = || self.trail.show(self.dst, Some(name));
-        set_attrs(
-            Target::At(&top.dst, name),
-            Target::At(&top.src, name),
-            meta,
-            &mut self.out,
-            &at,
-        )
-        .with_context(|| self.cannot_copy(name))
+        self.attrs_at(top, name, meta)
     }
 
     fn copy_file(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
@@ -425,6 +417,12 @@ impl TreeCopy<'_> {
             }
             Err(e) => return Err(e).with_context(|| self.cannot_copy(name)),
         }
+        self.attrs_at(top, name, meta)
+    }
+
+    /// Owner, mode, times and attributes of the entry `name` (not followed),
+    /// from the source to its copy.
+    fn attrs_at(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
         let at = || self.trail.show(self.dst, Some(name));
         set_attrs(
             Target::At(&top.dst, name),

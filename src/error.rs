@@ -81,6 +81,17 @@ pub struct Busy {
     pub waited: Duration,
 }
 
+impl Busy {
+    /// Busy at the first try, with no wait asked for (`--no-wait`).
+    pub fn now(what: String, holders: String) -> Error {
+        Error::Busy(Busy {
+            what,
+            holders,
+            waited: Duration::ZERO,
+        })
+    }
+}
+
 impl std::fmt::Display for Busy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.waited.is_zero() {

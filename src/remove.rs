@@ -347,18 +347,7 @@ pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[Imag
             shared.push(name);
         }
     }
-    for name in &shared {
-        root.unlink_gate(name);
-        if let Ok(Some(g)) = lock::acquire_no_wait(
-            &root.image_lock(name),
-            Mode::Exclusive,
-            lock::IfMissing::Fail,
-        ) && image_record::read(g.file()).is_ok_and(|s| s == image_record::Seen::default())
-        {
-            let _ = root.unlink_lock(g);
-        }
-    }
-    for name in waited_for {
+    for name in shared.iter().chain(waited_for) {
         root.unlink_gate(name);
         if let Ok(Some(g)) = lock::acquire_no_wait(
             &root.image_lock(name),

@@ -368,11 +368,10 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
     drop(line);
     match waited.map_err(|e| lock::error("the global lock", &path, e))? {
         Waited::Acquired(g) => Ok(g),
-        Waited::TimedOut => Err(Error::Busy(Busy {
-            what: "the global lock".into(),
-            holders: crate::holders::global_holder_phrase(ctx),
-            waited: Duration::ZERO,
-        })
+        Waited::TimedOut => Err(Busy::now(
+            "the global lock".into(),
+            crate::holders::global_holder_phrase(ctx),
+        )
         .into()),
         Waited::Interrupted(sig) => Err(Error::Interrupted(sig).into()),
     }

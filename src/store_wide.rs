@@ -27,7 +27,7 @@
 //!   the next holder of each image.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Result;
 
@@ -110,12 +110,7 @@ pub fn wait_free(
     let path = store.root().store_wide_lock();
     let holders = crate::holders::holders_phrase(store.ctx(), LockKind::Global, &path);
     if no_wait {
-        return Err(Error::Busy(Busy {
-            what: "the store (a store-wide command runs)".into(),
-            holders,
-            waited: Duration::ZERO,
-        })
-        .into());
+        return Err(Busy::now("the store (a store-wide command runs)".into(), holders).into());
     }
     let what = "the store-wide command to finish".to_owned();
     let _line = announce(store, &what, &holders, "store", &path);
@@ -159,11 +154,7 @@ impl Hold {
     ) -> Result<Hold> {
         let root = store.root();
         if crate::nested::inside_store_wide(root) {
-            return Err(Error::Busy(Busy {
-                what: "the store-wide lock".into(),
-                holders: "held by an enclosing command of this process (a 'stowage exec --store-wide' that runs it); a store-wide command cannot run inside another".into(),
-                waited: Duration::ZERO,
-            })
+            return Err(Busy::now("the store-wide lock".into(), "held by an enclosing command of this process (a 'stowage exec --store-wide' that runs it); a store-wide command cannot run inside another".into())
             .into());
         }
         // Inside an image user's command, a hold already waiting (for that
@@ -173,11 +164,7 @@ impl Hold {
             .any(|h| h.lockfile.starts_with("images/"));
         let hold = match Hold::take_raw(store, command, deadline, no_wait || under_image) {
             Err(e) if under_image && matches!(crate::error::typed(&e), Some(Error::Busy(_))) => {
-                return Err(Error::Busy(Busy {
-                    what: "the store-wide lock".into(),
-                    holders: "held by another store-wide command, which waits for the exec this process runs in: waiting would never end".into(),
-                    waited: Duration::ZERO,
-                })
+                return Err(Busy::now("the store-wide lock".into(), "held by another store-wide command, which waits for the exec this process runs in: waiting would never end".into())
                 .into());
             }
             other => other?,
@@ -393,12 +380,7 @@ fn take_store_lock(
     let what = "the store-wide lock".to_owned();
     let holders = crate::holders::holders_phrase(store.ctx(), LockKind::Global, &path);
     if no_wait {
-        return Err(Error::Busy(Busy {
-            what,
-            holders,
-            waited: Duration::ZERO,
-        })
-        .into());
+        return Err(Busy::now(what, holders).into());
     }
     let _line = announce(store, &what, &holders, "store", &path);
     let mut wait = Wait::on(&root.locks(), deadline);
@@ -467,24 +449,15 @@ fn wait_for_image(
     let rel = root.locks_rel(path);
     let what = format!("{label} to be released before the store-wide command");
     if let Some(held) = crate::nested::enclosing_hold(root, &rel) {
-        return Err(Error::Busy(Busy {
-            what,
-            holders: format!(
+        return Err(Busy::now(what, format!(
                 "held ({}) by an enclosing command of this process (a 'stowage exec' that runs it); waiting for it would never end",
                 held.verb()
-            ),
-            waited: Duration::ZERO,
-        })
+            ))
         .into());
     }
     let holders = crate::holders::holders_phrase(store.ctx(), LockKind::Image, path);
     if no_wait {
-        return Err(Error::Busy(Busy {
-            what,
-            holders,
-            waited: Duration::ZERO,
-        })
-        .into());
+        return Err(Busy::now(what, holders).into());
     }
     let _line = announce(store, &what, &holders, label, path);
     let mut wait = Wait::on(&root.image_locks(), deadline);

@@ -15,7 +15,7 @@
 
 use std::io;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Result;
 
@@ -152,12 +152,7 @@ fn busy_now(
             Err(Error::NoSuchImage(name.as_str().to_owned()).into())
         }
         Err(e) => Err(lock::error(&format!("image '{name}'"), &path, e)),
-        Ok(_) => Err(Error::Busy(Busy {
-            what,
-            holders,
-            waited: Duration::ZERO,
-        })
-        .into()),
+        Ok(_) => Err(Busy::now(what, holders).into()),
     }
 }
 
@@ -182,14 +177,13 @@ fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
             state: format!("being written by {by}"),
         }
         .into(),
-        Mode::Exclusive => Error::Busy(Busy {
-            what: format!("write lock on image '{name}'"),
-            holders: format!(
+        Mode::Exclusive => Busy::now(
+            format!("write lock on image '{name}'"),
+            format!(
                 "held ({}) by {by}; waiting for it would never end",
                 held.verb()
             ),
-            waited: Duration::ZERO,
-        })
+        )
         .into(),
     }
 }

@@ -149,12 +149,7 @@ pub(crate) fn take(
     let report = crate::slots::report(&Look::new(store.ctx()), root, class, Some(limits));
     let holders = crate::holders::phrase_slots(&report.holders);
     if no_wait {
-        return Err(Error::Busy(Busy {
-            what,
-            holders,
-            waited: Duration::ZERO,
-        })
-        .into());
+        return Err(Busy::now(what, holders).into());
     }
     let reread: crate::wait_line::Reread = {
         let (root, class) = (root.clone(), class.to_owned());

@@ -76,20 +76,15 @@ fn a_wait_on_a_terminal_is_rewritten_in_place_and_cleared() {
     }
     let env = Env::new();
     let holder = env.hold(&["--write", "app"], "started");
-    let log = env.sentinel("tty");
     // A terminal wide enough for the whole line (it is cut to the width).
-    let line = format!(
-        "stty cols 250; exec '{}' --root '{}' exec --write app -- echo done",
-        bin(),
-        env.root.display()
+    let (waiter, log) = on_a_terminal(
+        &env,
+        &format!(
+            "stty cols 250; exec '{}' --root '{}' exec --write app -- echo done",
+            bin(),
+            env.root.display()
+        ),
     );
-    let mut c = Command::new("script");
-    c.args(["-qec", &line, "/dev/null"])
-        .stdin(Stdio::null())
-        .stdout(fs::File::create(&log).unwrap())
-        .stderr(Stdio::null())
-        .env_remove("STOWAGE_ROOT");
-    let waiter = spawned(c);
     wait_until("the line rewritten with the time waited", || {
         fs::read_to_string(&log).is_ok_and(|t| t.contains("\rstowage: waiting 1s for"))
     });
@@ -117,21 +112,30 @@ fn a_quiet_wait_says_nothing_even_on_a_terminal() {
     }
     let env = Env::new();
     let holder = env.hold(&["--write", "app"], "started");
-    let log = env.sentinel("tty");
-    let line = format!(
-        "'{}' --root '{}' -q exec --write app -- echo done",
-        bin(),
-        env.root.display()
+    let (waiter, log) = on_a_terminal(
+        &env,
+        &format!(
+            "'{}' --root '{}' -q exec --write app -- echo done",
+            bin(),
+            env.root.display()
+        ),
     );
-    let mut c = Command::new("script");
-    c.args(["-qec", &line, "/dev/null"])
-        .stdin(Stdio::null())
-        .stdout(fs::File::create(&log).unwrap())
-        .stderr(Stdio::null());
-    let waiter = spawned(c);
     env.wait_for_waiter("app");
     env.release("release");
     assert_eq!(holder.finish().status.code(), Some(0));
     assert_eq!(waiter.finish().status.code(), Some(0));
     assert_eq!(fs::read_to_string(&log).unwrap(), "done\r\n");
+}
+
+/// Runs the shell line `line` on a terminal of its own (script(1)); what
+/// the terminal showed goes to the returned file.
+fn on_a_terminal(env: &Env, line: &str) -> (Bg, std::path::PathBuf) {
+    let log = env.sentinel("tty");
+    let mut c = Command::new("script");
+    c.args(["-qec", line, "/dev/null"])
+        .stdin(Stdio::null())
+        .stdout(fs::File::create(&log).unwrap())
+        .stderr(Stdio::null())
+        .env_remove("STOWAGE_ROOT");
+    (spawned(c), log)
 }
