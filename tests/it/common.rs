@@ -923,6 +923,34 @@ impl Mount {
         Some(m)
     }
 
+    /// An overlayfs (a container's root filesystem) of a fresh lower and
+    /// upper directory, mounted on a directory of its own; `None`, with
+    /// the reason printed, unless this test runs as root on a machine that
+    /// lets it mount one.
+    pub fn overlay() -> Option<Mount> {
+        if !root_or_skip("mounting an overlayfs") {
+            return None;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let [lower, upper, work, dir] =
+            ["lower", "upper", "work", "mnt"].map(|d| tmp.path().join(d));
+        for d in [&lower, &upper, &work, &dir] {
+            fs::create_dir(d).unwrap();
+        }
+        let opts = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            lower.display(),
+            upper.display(),
+            work.display()
+        );
+        let Some(mut m) = Mount::at(&["-t", "overlay", "overlay", "-o", &opts], &dir) else {
+            eprintln!("skipping: cannot mount an overlayfs here");
+            return None;
+        };
+        m._tmp = Some(tmp);
+        Some(m)
+    }
+
     /// An [`Env`] whose root is `root` on this filesystem (not yet made).
     pub fn env(&self) -> Env {
         let mut env = Env::new();

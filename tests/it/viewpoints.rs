@@ -21,7 +21,20 @@ fn nested_calls_under_no_inherit_never_wait_for_themselves_on_btrfs() {
     let Some(mnt) = Mount::btrfs_loop("300M") else {
         return;
     };
-    let env = mnt.env();
+    nested_calls_never_wait_for_themselves(&mnt.env());
+}
+
+/// The same on overlayfs, a container's root filesystem, whose lock table
+/// entries name other device numbers than `stat` shows.
+#[test]
+fn nested_calls_under_no_inherit_never_wait_for_themselves_on_overlayfs() {
+    let Some(mnt) = Mount::overlay() else {
+        return;
+    };
+    nested_calls_never_wait_for_themselves(&mnt.env());
+}
+
+fn nested_calls_never_wait_for_themselves(env: &Env) {
     env.make_image("x");
     let inner = format!(
         "'{}' --root '{}' exec --read x -- true",
@@ -85,7 +98,19 @@ fn a_flock_holder_on_btrfs_is_shown_holding_everywhere() {
     let Some(mnt) = Mount::btrfs_loop("300M") else {
         return;
     };
-    let env = mnt.env();
+    a_flock_holder_is_shown_holding_everywhere(&mnt.env());
+}
+
+/// The same on overlayfs.
+#[test]
+fn a_flock_holder_on_overlayfs_is_shown_holding_everywhere() {
+    let Some(mnt) = Mount::overlay() else {
+        return;
+    };
+    a_flock_holder_is_shown_holding_everywhere(&mnt.env());
+}
+
+fn a_flock_holder_is_shown_holding_everywhere(env: &Env) {
     env.make_image("x");
     let started = env.sentinel("started");
     let _holder = flock_holder(&env.lock_file("x"), &started, "sleep 60");
