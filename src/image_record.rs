@@ -407,7 +407,7 @@ pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Resu
         at
     };
     file.write_all_at(&area, at as u64)?;
-    file.sync_data()?;
+    crate::lock::sync_written(file)?;
     seen.record = Some(record);
     seen.damaged = false;
     seen.legacy = false;
@@ -433,7 +433,7 @@ pub fn set_store_wide(file: &std::fs::File, on: bool) -> io::Result<()> {
     // Set by a holder that excludes image users through it: synced, so
     // that a client on another host that caches writes sees it too.
     if on {
-        file.sync_data()?;
+        crate::lock::sync_written(file)?;
     }
     Ok(())
 }

@@ -249,16 +249,6 @@ pub fn forget(leases: &Path, lockfile: &str) {
 /// listed a moment too long is never shown held when it is free).
 static ENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Whether the store is on a shared filesystem: leases are then written
-/// through (`O_DSYNC`: on NFS one stable WRITE), since other hosts read
-/// them to name holders, and a client may keep writes back for long.
-static SHARED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// See [`SHARED`].
-pub fn set_shared(shared: bool) {
-    SHARED.store(shared, std::sync::atomic::Ordering::Relaxed);
-}
-
 /// See [`ENDING`].
 pub fn ending() {
     ENDING.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -371,12 +361,9 @@ fn make_leases_dir(dir: &Path) -> io::Result<()> {
 /// `None` if another name is to be tried.
 fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
     let began = boot_time();
-    let sync = if SHARED.load(std::sync::atomic::Ordering::Relaxed) {
-        libc::O_DSYNC
-    } else {
-        0
-    };
-    match lock::create_locked_with(path, sync)? {
+    // Written through on a shared filesystem: other hosts read it to name
+    // holders, and a client may keep writes back for long.
+    match lock::create_locked_with(path, lock::write_through_flag())? {
         // A maker that took half the grace to lock its fresh file (a
         // stopped or starved process) may have had it cleaned away:
         // it checks, as every other taker of a lock does.

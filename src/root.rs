@@ -725,9 +725,10 @@ impl Root {
         if let (Some(dev), Some(fs)) = (self.dev, &own) {
             crate::lock::note_filesystem(dev, fs.local);
         }
-        // Other hosts read the leases: on a shared filesystem their writes
-        // must reach the server at once, not when the client pleases.
-        crate::lease::set_shared(own.as_ref().is_none_or(|f| !f.local));
+        // Other hosts read the leases and records: on a shared filesystem
+        // their writes must reach the server at once, not when the client
+        // pleases.
+        crate::lock::set_write_through(own.as_ref().is_none_or(|f| !f.local));
         self.fs = own;
         if let crate::filesystem::Reach::NodeLocal { why, advice } = reach {
             let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));

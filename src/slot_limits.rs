@@ -229,13 +229,13 @@ pub fn write(file: &std::fs::File, class: &str, limits: Option<&Limits>) -> io::
             } else {
                 file.write_all_at(&encode(class, l, seq + 1), other)?;
             }
-            file.sync_data()
+            crate::lock::sync_written(file)
         }
         None => {
             file.write_all_at(&[0u8; SLOT], other)?;
-            file.sync_data()?;
+            crate::lock::sync_written(file)?;
             file.write_all_at(&[0u8; SLOT], newest as u64 * SLOT as u64)?;
-            file.sync_data()
+            crate::lock::sync_written(file)
         }
     }
 }

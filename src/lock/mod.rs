@@ -22,6 +22,10 @@
 //!   And on a filesystem not known to be local, lock files are never
 //!   unlinked at all ([`Guard::unlink`] keeps them): a ghost then needs an
 //!   older release, or a host that sees the store as local, to unlink one.
+//! - **Written through on shared filesystems.** There lock files (and
+//!   leases) are opened `O_DSYNC`: a record or hint written through them is
+//!   one stable request, seen at once by other hosts, and [`sync_written`]
+//!   sends no second one.
 //! - **Release is close.** Dropping a guard closes its descriptor and never
 //!   calls `LOCK_UN`: a child that inherited the descriptor shares the lock,
 //!   and `LOCK_UN` would drop it under the child's feet.
@@ -163,7 +167,7 @@ impl Guard {
         self.file.write_all_at(bytes, 0)?;
         // On NFS, what is written reaches the server (and other hosts) on
         // a sync or a close; we keep the descriptor open.
-        self.file.sync_data()
+        sync_written(&self.file)
     }
 
     /// Checks that the lock is still ours as far as the filesystem can
@@ -279,15 +283,17 @@ fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
         IfMissing::Create => libc::O_CREAT,
         IfMissing::Fail => 0,
     };
-    crate::planted::open(path, libc::O_RDWR | create, 0o666).map_err(|e| match e.kind() {
-        io::ErrorKind::PermissionDenied => io::Error::new(
-            e.kind(),
-            Denied {
-                path: path.to_owned(),
-                cause: e,
-            },
-        ),
-        _ => e,
+    crate::planted::open(path, libc::O_RDWR | create | write_through_flag(), 0o666).map_err(|e| {
+        match e.kind() {
+            io::ErrorKind::PermissionDenied => io::Error::new(
+                e.kind(),
+                Denied {
+                    path: path.to_owned(),
+                    cause: e,
+                },
+            ),
+            _ => e,
+        }
     })
 }
 
@@ -373,6 +379,38 @@ pub fn note_filesystem(dev: u64, local: bool) {
     if !seen.iter().any(|(_, v, _)| *v == Some(dev)) {
         seen.push((None, Some(dev), local));
     }
+}
+
+/// Whether the root's filesystem is shared (not known to be local): lock
+/// files and leases are then opened written through. Set by the root's
+/// checks, before any lock file is opened.
+static WRITE_THROUGH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// See [`WRITE_THROUGH`].
+pub fn set_write_through(on: bool) {
+    WRITE_THROUGH.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The open flag that writes through, where the root is shared.
+pub fn write_through_flag() -> libc::c_int {
+    if WRITE_THROUGH.load(std::sync::atomic::Ordering::Relaxed) {
+        libc::O_DSYNC
+    } else {
+        0
+    }
+}
+
+/// Makes what was written through `file` durable and visible to other
+/// hosts: `fdatasync`, unless the descriptor writes through (`O_DSYNC`:
+/// each write was synced already, and on NFS or GlusterFS a sync would be
+/// one more request to the server).
+pub fn sync_written(file: &File) -> io::Result<()> {
+    // SAFETY: F_GETFL on a descriptor we own.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags >= 0 && flags & libc::O_DSYNC == libc::O_DSYNC {
+        return Ok(());
+    }
+    file.sync_data()
 }
 
 /// `ESTALE`: the file behind a descriptor is gone on the (NFS) server —

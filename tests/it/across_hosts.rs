@@ -205,6 +205,54 @@ fn a_host_crash_mid_write_leaves_the_image_incomplete_and_nothing_held() {
     assert_eq!(image_state(b, &root, "app").as_deref(), Some("ready"));
 }
 
+/// On a shared filesystem a record, a hint and a lease are each one
+/// stable write (`O_DSYNC`), never a write and then a sync: on NFS or
+/// GlusterFS the sync is one more request to the server, which a write and
+/// a new image each made twice. What is written is seen at once by another
+/// host, its client's caches notwithstanding.
+#[test]
+fn records_reach_the_server_in_one_request_each() {
+    let Some(c) = Cluster::start("through", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let root = c.root();
+    ok(c.host(0)
+        .stowage_run(&root, ["exec", "--write", "base", "--", "true"]));
+    for args in [
+        ["exec", "--write", "base", "--", "true"],
+        ["exec", "--write", "new", "--", "true"],
+    ] {
+        let log = env.sentinel("strace");
+        let mut cmd = c.host(0).cmd([
+            "strace",
+            "-f",
+            "-e",
+            "trace=fsync,fdatasync,openat,openat2",
+            "-o",
+        ]);
+        cmd.arg(&log).arg(bin()).arg("--root").arg(&root).args(args);
+        ok(output(cmd));
+        let trace = std::fs::read_to_string(&log).unwrap();
+        let syncs: Vec<_> = trace.lines().filter(|l| l.contains("sync(")).collect();
+        assert!(
+            syncs.is_empty(),
+            "{args:?} synced apart from its writes: {syncs:?}"
+        );
+        let lock = format!("images/{}.lock", args[2]);
+        assert!(
+            trace
+                .lines()
+                .any(|l| l.contains(&lock) && l.contains("O_DSYNC")),
+            "{args:?} opened its lock file without O_DSYNC:\n{trace}"
+        );
+        assert_eq!(
+            image_state(c.host(1), &root, args[2]).as_deref(),
+            Some("ready")
+        );
+    }
+}
+
 #[test]
 fn slots_count_across_hosts() {
     let Some(c) = Cluster::start("slots", 3) else {
