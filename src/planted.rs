@@ -133,6 +133,11 @@ pub fn not_a_file(path: &Path, kind: &'static str) -> io::Error {
     not_a(path, kind, "a regular file")
 }
 
+/// The error for `path`, a directory of the layout, found to be `kind`.
+pub fn not_a_dir(path: &Path, kind: &'static str) -> io::Error {
+    not_a(path, kind, "a directory")
+}
+
 fn not_a(path: &Path, kind: &'static str, expected: &'static str) -> io::Error {
     io::Error::other(NotAFile {
         path: path.to_owned(),

@@ -475,6 +475,48 @@ impl Root {
         Ok(())
     }
 
+    /// Refuses, before anything is made or changed, an entry of the layout
+    /// that is not of its kind (a symlink where a directory goes, a FIFO in
+    /// place of `store.conf`): what `init` would refuse halfway, after
+    /// making the rest of the layout. A root that does not exist yet passes.
+    pub fn refuse_planted_layout(&self) -> Result<()> {
+        let Ok(root) = Dir::anchor_nofollow(&self.dir) else {
+            return Ok(());
+        };
+        let files = [
+            crate::config::FILE,
+            "stowage.db",
+            "reserve",
+            "locks/global.lock",
+            "locks/store.lock",
+        ];
+        let wanted = Self::LAYOUT_DIRS
+            .iter()
+            .map(|d| (*d, true))
+            .chain(files.iter().map(|f| (*f, false)));
+        for (rel, dir) in wanted {
+            // Below a `locks` that is none there is nothing to look at.
+            if rel.starts_with("locks/") && !root.stat_at("locks")?.is_some_and(|e| e.is_dir()) {
+                continue;
+            }
+            let Some(e) = root.stat_at(rel)? else {
+                continue;
+            };
+            let kind = crate::planted::kind_of_mode(e.mode);
+            let path = self.dir.join(rel);
+            match (dir, kind) {
+                (true, Some("a directory")) | (false, None) => {}
+                (true, kind) => {
+                    return Err(
+                        crate::planted::not_a_dir(&path, kind.unwrap_or("a regular file")).into(),
+                    );
+                }
+                (false, Some(kind)) => return Err(crate::planted::not_a_file(&path, kind).into()),
+            }
+        }
+        Ok(())
+    }
+
     /// Before a new store is made: an `img` already in the root that
     /// another store's standing claim names as its images directory is not
     /// this store's to use (one images directory, one store), and nothing

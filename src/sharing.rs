@@ -230,19 +230,37 @@ pub fn group_id(group: &str) -> Result<u32> {
         })
 }
 
-/// Makes the root at `dir` (existing) a group store for `gid`: its group,
-/// group-writable and setgid, not writable by others. Only its owner (or
-/// root) may.
-pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
-    let m = fs::metadata(dir).with_context(|| format!("cannot inspect root {}", dir.display()))?;
+/// Refuses, before anything is changed, to share the root at `dir` (if it
+/// exists) with `gid` where [`share_root`] could not: only the root's owner
+/// (or root) may, and only with a group of theirs.
+pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
     let euid = nix::unistd::geteuid().as_raw();
-    if euid != 0 && m.uid() != euid {
+    if euid == 0 {
+        return Ok(());
+    }
+    if let Ok(m) = fs::symlink_metadata(dir)
+        && m.uid() != euid
+    {
         anyhow::bail!(
             "root {} belongs to uid {}: only its owner (or root) can share it with a group",
             dir.display(),
             m.uid()
         );
     }
+    if !crate::ident::in_group(gid) {
+        anyhow::bail!(
+            "cannot give root {} group {gid}: you are not in that group (see {DOC})",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// Makes the root at `dir` (existing) a group store for `gid`: its group,
+/// group-writable and setgid, not writable by others. Only its owner (or
+/// root) may.
+pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
+    may_share(dir, gid)?;
     fix(dir, true, gid).map_err(|e| match e.raw_os_error() {
         Some(libc::EPERM) => anyhow::anyhow!(
             "cannot give root {} group {gid}: you are not in that group (see {DOC})",

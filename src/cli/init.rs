@@ -41,8 +41,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         refuse_what_is_no_images_dir(dir)?;
         refuse_another_stores(store.root(), dir)?;
     }
+    store.root().refuse_planted_layout()?;
     let group = match &args.group {
-        Some(g) => Some(share(store, g)?),
+        Some(g) => {
+            let gid = crate::sharing::group_id(g)?;
+            crate::sharing::may_share(store.root().dir(), gid)?;
+            Some(gid)
+        }
         None => None,
     };
     store.root().create_layout()?;
@@ -88,26 +93,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         adopted_note(adopted, how)
     ));
     match group {
-        Some(gid) => share_parts(store, gid),
+        Some(gid) => {
+            // Last, once nothing is left to refuse: a refused init changes
+            // no mode and no group.
+            crate::sharing::share_root(root.dir(), gid)?;
+            share_parts(store, gid)
+        }
         None => Ok(0),
     }
-}
-
-/// `--group`: makes the root (created now if need be) the group's, group
-/// writable and setgid, and this process's umask that of a group store,
-/// before the layout is made. Returns the group's id.
-fn share(store: &mut Store, group: &str) -> Result<u32> {
-    let gid = crate::sharing::group_id(group)?;
-    let dir = store.root().dir().to_owned();
-    if !store.root().exists() {
-        std::fs::create_dir(&dir)
-            .with_context(|| format!("cannot create root {}", dir.display()))?;
-    }
-    crate::sharing::share_root(&dir, gid)?;
-    if store.ctx().child_umask.is_none() {
-        store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
-    }
-    Ok(gid)
 }
 
 /// `--group`, last step: gives every part of the layout made before (an

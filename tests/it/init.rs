@@ -4,6 +4,8 @@
 //! another name, and a failed init that leaves no root.
 
 use std::fs;
+use std::path::Path;
+use std::process::Command;
 
 use crate::common::*;
 
@@ -394,4 +396,63 @@ fn init_refuses_what_is_no_images_directory() {
         storage.join("img").to_str().unwrap(),
     ]);
     assert_eq!(env.state("alpine").as_deref(), Some("ready"));
+}
+
+/// The root's entries, each with its kind, mode and group: what a refused
+/// init must leave as it found it.
+fn entries_with_modes(dir: &Path) -> Vec<(String, u32, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out: Vec<_> = std::iter::once(dir.to_owned())
+        .chain(walkdir(dir))
+        .map(|p| {
+            let m = fs::symlink_metadata(&p).unwrap();
+            (p.display().to_string(), m.mode(), m.gid())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// An entry of the layout that is not of its kind (a symlink where a
+/// directory goes, a FIFO for store.conf, …) is refused by init before it
+/// makes or changes anything: no other part of the layout is made, and
+/// with `--group` the root's mode and group stay as they were (init used
+/// to make the layout, and share the root, before the refusal).
+#[test]
+fn a_refused_init_makes_and_changes_nothing() {
+    let env = Env::new();
+    let dirs = ["img", "trash", "locks"];
+    let files = ["store.conf", "reserve"];
+    let mut cases = Vec::new();
+    for rel in dirs {
+        cases.extend([Plant::Fifo, Plant::Symlink, Plant::Empty].map(|p| (rel, p)));
+    }
+    for rel in files {
+        cases.extend([Plant::Fifo, Plant::Symlink, Plant::Dir].map(|p| (rel, p)));
+    }
+    for (i, (rel, plant)) in cases.into_iter().enumerate() {
+        for group in [false, true] {
+            let root = env.tmp.path().join(format!("r{i}-{group}"));
+            fs::create_dir(&root).unwrap();
+            plant.at(&root.join(rel), env.tmp.path());
+            let before = entries_with_modes(&root);
+            let mut cmd = Command::new(bin());
+            cmd.arg("--root").arg(&root).arg("init");
+            if group {
+                cmd.args(["--group", "daemon"]);
+            }
+            let out = output(cmd);
+            assert_eq!(code(&out), Some(1), "{rel} {plant:?}: {}", show(&out));
+            let err = stderr(&out);
+            assert!(
+                err.contains(&format!("{rel} is ")) && err.lines().count() == 1,
+                "{rel} {plant:?}: {err}"
+            );
+            assert_eq!(
+                entries_with_modes(&root),
+                before,
+                "{rel} {plant:?} --group {group}"
+            );
+        }
+    }
 }
