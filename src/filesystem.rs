@@ -25,21 +25,6 @@ const LOCAL: &[&str] = &[
     "tmpfs", "ext4", "xfs", "btrfs", "zfs", "overlay", "f2fs", "ramfs", "reiserfs",
 ];
 
-/// Local filesystems on which the lock table's device numbers are the ones
-/// stat(2) reports, so that a file's entry is found by its stat: not btrfs
-/// (a subvolume's files report an anonymous device, the table the
-/// superblock's), nor overlayfs (the table shows the file underneath), nor
-/// ZFS and the rest, which are not checked.
-const TABLE_DEVICE_IS_STAT_DEVICE: &[&str] = &["tmpfs", "ext4", "xfs", "f2fs", "ramfs"];
-
-impl Filesystem {
-    /// Whether the lock table's device number of a file on this filesystem
-    /// is the one stat(2) gives: tmpfs, ext4, xfs, f2fs, ramfs.
-    pub fn table_device_is_stat_device(&self) -> bool {
-        self.local && TABLE_DEVICE_IS_STAT_DEVICE.contains(&self.name.as_str())
-    }
-}
-
 pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
     let st = nix::sys::statfs::statfs(path).map_err(io::Error::from)?;
     if let Some(name) = std::env::var_os(crate::env::DEBUG_FILESYSTEM) {

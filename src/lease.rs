@@ -461,7 +461,7 @@ fn pid_namespace_number() -> Option<u64> {
 /// one whose maker died before writing) is known to be gone: its name says
 /// it was made on this host, in this boot and pid namespace, by a pid that
 /// no longer exists. Anything else may be a maker between its create and
-/// its lock, which a prober must not unlink (see [`lock::create_locked`]).
+/// its lock, which a prober must not unlink (see [`lock::create_locked_with`]).
 /// (A pid reused since only keeps the file until that process ends too.)
 fn unwritten_maker_gone(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(SUFFIX) else {
@@ -733,7 +733,7 @@ pub fn clean_listed(
             continue;
         }
         // A lease never written may be a maker's between its create and
-        // its lock (lock::create_locked): kept unless its maker is gone or
+        // its lock (lock::create_locked_with): kept unless its maker is gone or
         // it is older than the grace by the filesystem's clock.
         let goes = |g: &Guard| match g.file().metadata() {
             Ok(m) if m.len() > 0 => true,

@@ -321,14 +321,6 @@ pub fn find(e: &io::Error) -> Option<&NotAFile> {
         .and_then(|inner| inner.downcast_ref::<NotAFile>())
 }
 
-/// The [`NotAFile`] anywhere in an error's chain, if any.
-pub fn find_in(e: &anyhow::Error) -> Option<&NotAFile> {
-    e.chain().find_map(|c| {
-        c.downcast_ref::<NotAFile>()
-            .or_else(|| c.downcast_ref::<io::Error>().and_then(find))
-    })
-}
-
 /// Names the file of a [`NotAFile`] in full: one opened through a
 /// directory's descriptor knows only its entry's name. Other errors pass.
 pub fn at(full: &Path, e: io::Error) -> io::Error {

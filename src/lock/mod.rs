@@ -102,8 +102,6 @@ impl Mode {
 #[must_use = "the lock is released when the guard is dropped"]
 #[derive(Debug)]
 pub struct Guard {
-    // First: dropped (out of the registry) before the descriptor closes.
-    _registered: Registered,
     file: File,
     path: PathBuf,
     mode: Mode,
@@ -171,17 +169,15 @@ impl Guard {
     }
 
     /// Checks that the lock is still ours as far as the filesystem can
-    /// tell. After a network partition longer than an NFS server's lease the
-    /// server drops the client's locks (another host may then take them),
-    /// and the Linux client fails I/O on such a descriptor with `EIO`. So
-    /// the lock is asserted again (a non-blocking flock in the held mode:
-    /// a no-op locally, a request to the server on NFS) and the descriptor
-    /// is read and stat'ed. Any failure means the lock cannot be vouched
-    /// for. `STOWAGE_DEBUG_LOST_LOCK=FILE_NAME` (a hidden test hook) makes
-    /// the check fail for that lock file, as a lost NFS lock would.
-    /// [`Guard::verify`] in one request, for a holder that writes and
-    /// syncs the file next (which would fail on a handle the server no
-    /// longer knows): the lock tried again on our descriptor.
+    /// tell, in one request, for a holder that writes and syncs the file
+    /// next (which fails on a handle the server no longer knows). After a
+    /// network partition longer than an NFS server's lease the server drops
+    /// the client's locks (another host may then take them): so the lock is
+    /// asserted again, a non-blocking flock in the held mode on our
+    /// descriptor (a no-op locally, a request to the server on NFS). Any
+    /// failure means the lock cannot be vouched for.
+    /// `STOWAGE_DEBUG_LOST_LOCK=FILE_NAME` (a hidden test hook) makes the
+    /// check fail for that lock file, as a lost NFS lock would.
     pub fn still_held(&self) -> io::Result<()> {
         if lost_in_test(&self.path) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -190,21 +186,6 @@ impl Guard {
             return Err(io::Error::other("the lock is held by someone else now"));
         }
         Ok(())
-    }
-
-    pub fn verify(&self) -> io::Result<()> {
-        if lost_in_test(&self.path) {
-            return Err(io::Error::from_raw_os_error(libc::EIO));
-        }
-        if !flock_try(&self.file, self.mode)? {
-            return Err(io::Error::other("the lock is held by someone else now"));
-        }
-        let mut byte = [0u8; 1];
-        // SAFETY: a one-byte pread into a live buffer on our descriptor.
-        if unsafe { libc::pread(self.file.as_raw_fd(), byte.as_mut_ptr().cast(), 1, 0) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        self.file.metadata().map(|_| ())
     }
 
     /// Unlinks a lease file (`lease.rs`), on every filesystem. Lock files
@@ -550,12 +531,7 @@ pub fn acquire_no_wait_with<T>(
 /// [`still_at_path`]) — and the maker writes only once it holds the lock.
 /// A prober's lock, held for the moment of its probe, is waited out
 /// briefly; `Ok(None)`: the name exists, or stayed locked (the caller
-/// takes another name).
-pub fn create_locked(path: &Path) -> io::Result<Option<Guard>> {
-    create_locked_with(path, 0)
-}
-
-/// [`create_locked`] with more open flags (`O_DSYNC`).
+/// takes another name). `flags` are more open flags (`O_DSYNC`).
 pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<Guard>> {
     let file = match OpenOptions::new()
         .read(true)
@@ -579,7 +555,7 @@ pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<
 }
 
 /// The check of the unlink race, for a lock taken without it
-/// ([`create_locked`]) whose taker learns it may be needed after all:
+/// ([`create_locked_with`]) whose taker learns it may be needed after all:
 /// whether the file locked is still the one at its path.
 pub fn still_at_path(guard: &Guard) -> io::Result<bool> {
     Ok(still_linked(&guard.file, &guard.path)?.is_some())
@@ -669,13 +645,7 @@ fn guard(file: File, path: &Path, mode: Mode, linked: Linked) -> Guard {
 }
 
 fn guard_of(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
-    let fd = file.as_raw_fd();
-    let registered = Registered((mode == Mode::Exclusive).then_some(fd));
-    if registered.0.is_some() {
-        own_exclusive().push(Own { fd, id });
-    }
     Guard {
-        _registered: registered,
         file,
         path: path.to_owned(),
         mode,
@@ -687,53 +657,8 @@ fn guard_of(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guar
 fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat writes into a zeroed stat we own; the descriptor is
-    // one of ours, open while its guard (or registry entry) lives.
+    // one of ours, open while its guard lives.
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
-}
-
-/// A guard's exclusive hold, by descriptor; its file's identity once
-/// known.
-struct Own {
-    fd: std::os::fd::RawFd,
-    id: Option<(u64, u64)>,
-}
-
-/// The files this process holds exclusively through guards of its own
-/// (one entry per guard): not locks inherited from an enclosing command,
-/// which `held_here` sees too.
-static OWN_EXCLUSIVE: Mutex<Vec<Own>> = Mutex::new(Vec::new());
-
-fn own_exclusive() -> std::sync::MutexGuard<'static, Vec<Own>> {
-    OWN_EXCLUSIVE.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Whether a guard of this process holds the file `(dev, ino)`
-/// exclusively. A transaction that folds a writer's record
-/// (`crate::written`) reads the record of an image locked so through its
-/// own hold, where a lock of its own would wait for itself. (A hold taken
-/// without a stat is stat'ed here, once: off the fast path.)
-pub fn held_exclusively_here(dev: u64, ino: u64) -> bool {
-    own_exclusive().iter_mut().any(|o| {
-        if o.id.is_none() {
-            o.id = fd_identity(o.fd);
-        }
-        o.id == Some((dev, ino))
-    })
-}
-
-/// A guard's entry in [`OWN_EXCLUSIVE`], taken out when the guard goes.
-#[derive(Debug)]
-struct Registered(Option<std::os::fd::RawFd>);
-
-impl Drop for Registered {
-    fn drop(&mut self) {
-        if let Some(fd) = self.0 {
-            let mut own = own_exclusive();
-            if let Some(i) = own.iter().position(|e| e.fd == fd) {
-                own.swap_remove(i);
-            }
-        }
-    }
 }
 
 /// The lock this process already holds on the file at `path` through a
