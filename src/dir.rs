@@ -531,7 +531,7 @@ impl Dir {
         self.open_file_at(name.as_ref(), flags)
     }
 
-    /// "INO@FSTYPE[@FSID]": the directory's inode number, its filesystem's
+    /// `INO@FSTYPE[@FSID]`: the directory's inode number, its filesystem's
     /// type (statfs magic, hex) and, where it has one, its id. Not the
     /// device number: NFS numbers devices anew at each mount. An unmounted
     /// directory (the mount point below) differs in inode or type; another

@@ -332,7 +332,7 @@ impl Seen {
     }
 }
 
-/// [`write`], using the space kept in `reserve` (`space.rs`) when the
+/// [`write()`], using the space kept in `reserve` (`space.rs`) when the
 /// filesystem is full: a record that says a build failed, or that an image
 /// is being removed, must be written when a build filled the disk (and on
 /// a copy-on-write filesystem, even an overwrite needs new blocks).

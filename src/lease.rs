@@ -249,7 +249,8 @@ pub fn forget(leases: &Path, lockfile: &str) {
 /// listed a moment too long is never shown held when it is free).
 static ENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// See [`ENDING`].
+/// Marks the process as ending: locks let go of from then on stay listed
+/// in its lease until the lease goes (see `ENDING`).
 pub fn ending() {
     ENDING.store(true, std::sync::atomic::Ordering::Relaxed);
 }

@@ -7,7 +7,7 @@
 //!   wait for one.
 //! - No image changes state under the global lock: an image's state is its
 //!   record, written under the image's own exclusive lock. The catalog is
-//!   refreshed from the records ([`Store::refresh`]).
+//!   refreshed from the records (`survey.rs`).
 //! - A catalog that cannot be used (damaged, emptied, another program's)
 //!   is set aside and made anew by whoever finds it: it is derived, so
 //!   nothing is lost but measured sizes.

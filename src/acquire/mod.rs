@@ -2,7 +2,7 @@
 //!
 //! Everything that takes a lock a process may have to wait for, except the
 //! global lock (`store.rs`) and the store-wide lock (`store_wide.rs`), goes
-//! through here: [`image::take`] for images (exec, rm), [`slot::acquire`]
+//! through here: `image::take` for images (exec, rm), [`slot::acquire`]
 //! for slots. The rules they keep:
 //! - **Try, then announce, then wait.** A lock is first tried without
 //!   blocking; only a busy one is announced ("waiting for …", once) and

@@ -367,7 +367,8 @@ pub fn note_filesystem(dev: u64, local: bool) {
 /// checks, before any lock file is opened.
 static WRITE_THROUGH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// See [`WRITE_THROUGH`].
+/// Opens lock files and leases written through (`O_DSYNC`) from now on,
+/// where `on`: the root's filesystem is shared.
 pub fn set_write_through(on: bool) {
     WRITE_THROUGH.store(on, std::sync::atomic::Ordering::Relaxed);
 }
