@@ -527,7 +527,10 @@ impl Dir {
     /// is not a regular file is a `planted::NotAFile` (named by the entry:
     /// `planted::at` names it in full).
     pub fn open_rw(&self, name: impl AsRef<OsStr>, create: bool) -> io::Result<std::fs::File> {
-        let flags = libc::O_RDWR | crate::planted::FLAGS | if create { libc::O_CREAT } else { 0 };
+        let flags = libc::O_RDWR
+            | crate::planted::FLAGS
+            | crate::lock::write_through_flag()
+            | if create { libc::O_CREAT } else { 0 };
         self.open_file_at(name.as_ref(), flags)
     }
 

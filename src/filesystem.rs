@@ -168,17 +168,23 @@ pub fn lock_reach(path: &Path) -> (Reach, Option<Mount>) {
 
 /// [`lock_reach`], with the filesystem of `path` itself when it exists.
 pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>) {
-    // A root not made yet lives where its nearest existing ancestor does;
-    // the common case (it exists) costs the one statfs.
-    let Some((at, Ok(fs))) = path.ancestors().find_map(|p| match filesystem(p) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
-        other => Some((p, other)),
-    }) else {
+    let Some((at, fs)) = nearest(path) else {
         return (Reach::ClusterWide, None, None);
     };
     let own = (at == path).then(|| fs.clone());
     let (reach, mount) = reach_of(at, fs);
     (reach, mount, own)
+}
+
+/// The filesystem of `path`, or, for a path not made yet, of its nearest
+/// existing ancestor, where it lives once made; with where it was found.
+/// The common case (it exists) costs the one statfs.
+pub fn nearest(path: &Path) -> Option<(&Path, Filesystem)> {
+    let (at, fs) = path.ancestors().find_map(|p| match filesystem(p) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        other => Some((p, other)),
+    })?;
+    Some((at, fs.ok()?))
 }
 
 /// [`lock_reach_with`] for a root whose device is `dev` (its stat's), from

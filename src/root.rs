@@ -432,19 +432,16 @@ impl Root {
             }
         }
         self.refuse_claimed_img()?;
-        for d in [
-            self.dir.clone(),
-            self.locks(),
-            self.image_locks(),
-            self.slot_locks(),
-            self.default_images_dir(),
-            self.trash(),
-        ] {
-            make_dir(&d)?;
-        }
+        make_dir(&self.dir)?;
         // Checked again on what was created or found: someone may have
         // made the root between the caller's check and our mkdir.
         let root = self.open()?;
+        for rel in ["locks", "locks/images", "locks/slots", "img", "trash"] {
+            self.make_layout_dir(&root, rel)?;
+            if rel == "locks" {
+                crate::debug::pause("layout-locks-made");
+            }
+        }
         // A new store's configuration; a store made by a release before
         // records has a catalog to migrate first (migrate.rs), which
         // writes it.
@@ -473,6 +470,38 @@ impl Root {
         // Space for the metadata on a full filesystem (space.rs).
         crate::space::refill(&self.reserve());
         Ok(())
+    }
+
+    /// Makes the directory `rel` of the layout (its parent made before)
+    /// with `mkdirat` in its parent, opened from the root's descriptor
+    /// without following a link: a link swapped in for `locks` meanwhile
+    /// is refused, and nothing is ever made outside the root.
+    fn make_layout_dir(&self, root: &Dir, rel: &str) -> Result<()> {
+        let path = self.dir.join(rel);
+        let (parent, name) = match rel.rsplit_once('/') {
+            Some((p, n)) => (
+                root.anchor_sub(p)
+                    .map_err(|e| not_a_dir(&self.dir.join(p), e))?,
+                n,
+            ),
+            None => (root.duplicate()?, rel),
+        };
+        match parent.mkdir(name, 0o777) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("cannot create directory {}", path.display()));
+            }
+        }
+        match parent.stat_at(name)? {
+            Some(e) if e.is_dir() => Ok(()),
+            Some(_) => Err(not_a_dir(
+                &path,
+                io::Error::from_raw_os_error(libc::ENOTDIR),
+            )),
+            None => anyhow::bail!("{} was removed while being made", path.display()),
+        }
     }
 
     /// Refuses, before anything is made or changed, an entry of the layout
@@ -554,7 +583,7 @@ impl Root {
         if fs::symlink_metadata(&self.dir).is_err() {
             return self.create_layout().map(|()| true);
         }
-        self.open()?;
+        let root = self.open()?;
         let mut locks_ok = true;
         for name in Self::LAYOUT_DIRS {
             // Below a `locks` that is no directory there is nothing to look
@@ -572,7 +601,7 @@ impl Root {
                 ),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if locks_ok {
-                        make_dir(&path)?;
+                        self.make_layout_dir(&root, name)?;
                     }
                     continue;
                 }
@@ -770,7 +799,12 @@ impl Root {
         // Other hosts read the leases and records: on a shared filesystem
         // their writes must reach the server at once, not when the client
         // pleases.
-        crate::lock::set_write_through(own.as_ref().is_none_or(|f| !f.local));
+        // (A root not made yet: its nearest existing ancestor's.)
+        let local = match &own {
+            Some(fs) => fs.local,
+            None => crate::filesystem::nearest(&self.dir).is_some_and(|(_, fs)| fs.local),
+        };
+        crate::lock::set_write_through(!local);
         self.fs = own;
         if let crate::filesystem::Reach::NodeLocal { why, advice } = reach {
             let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));

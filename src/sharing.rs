@@ -17,7 +17,7 @@
 use std::fs;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -173,17 +173,29 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
     done
 }
 
-/// Sets group `gid` and the group store's bits on `path`, through a
-/// descriptor opened without following a link.
+/// Sets group `gid` and the group store's bits on `path` (under the root),
+/// through a descriptor opened without following a link in any component:
+/// a member of the group who swaps a directory of the layout for a link
+/// meanwhile leads this nowhere outside the root.
 fn fix(path: &Path, dir: bool, gid: u32) -> io::Result<()> {
-    let mut flags = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
-    if dir {
-        flags |= libc::O_DIRECTORY;
-    }
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(flags)
-        .open(path)?;
+    let flags = libc::O_RDONLY | if dir { libc::O_DIRECTORY } else { 0 };
+    fix_open(crate::planted::open(path, flags, 0)?, dir, gid)
+}
+
+/// Gives an images directory outside the root (the directory, not what
+/// is in it) what a group store's parts get. Its path is the user's
+/// choice: links in it are followed, as the configuration's are.
+pub fn share_images_dir(path: &Path, gid: u32) -> Result<()> {
+    let f = fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    fix_open(f, true, gid).with_context(|| {
+        format!(
+            "cannot give images directory {} group {gid}",
+            path.display()
+        )
+    })
+}
+
+fn fix_open(f: fs::File, dir: bool, gid: u32) -> io::Result<()> {
     let m = f.metadata()?;
     if m.is_dir() != dir {
         return Err(io::Error::other("changed kind while being repaired"));

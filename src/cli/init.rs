@@ -46,6 +46,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         Some(g) => {
             let gid = crate::sharing::group_id(g)?;
             crate::sharing::may_share(store.root().dir(), gid)?;
+            // What is made from here on is group-writable (a new external
+            // images directory too, which is no part of the root); the
+            // root itself is shared last.
+            if store.ctx().child_umask.is_none() {
+                store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
+            }
             Some(gid)
         }
         None => None,
@@ -96,7 +102,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         Some(gid) => {
             // Last, once nothing is left to refuse: a refused init changes
             // no mode and no group.
+            crate::debug::pause("init-share");
             crate::sharing::share_root(root.dir(), gid)?;
+            // An images directory outside the root is no part of it: the
+            // directory itself (the trees in it are the builders') goes to
+            // the group too, or members could make no image.
+            if dir != root.default_images_dir() {
+                crate::sharing::share_images_dir(&dir, gid)?;
+            }
             share_parts(store, gid)
         }
         None => Ok(0),

@@ -236,3 +236,60 @@ fn a_user_outside_the_group_is_told_to_join_it() {
     );
     assert_eq!(err.lines().count(), 1, "{}", show(&out));
 }
+
+/// A new images directory outside the root made by `init --group` is the
+/// group's to write in, as every part of the root is (it is made with the
+/// group store's umask; it is no part of the root that sharing repairs).
+#[test]
+fn init_group_makes_a_new_outside_images_directory_group_writable() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    let img = env.tmp.path().join("images");
+    let out = env.run([
+        "init",
+        "--group",
+        &GID.to_string(),
+        "--images-dir",
+        img.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let m = fs::metadata(&img).unwrap();
+    assert_eq!(m.mode() & 0o070, 0o070, "mode {:o}", m.mode());
+    let out = as_member(&env, &["exec", "--write", "app", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+/// A member of the group who swaps a directory of the layout for a link
+/// while `init --group` (run by root) gives the parts the group's modes
+/// leads it nowhere outside the root: every part is opened without
+/// following a link in any component, and a file elsewhere keeps its
+/// group and mode.
+#[test]
+fn sharing_never_reaches_outside_the_root_through_a_swapped_link() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.make_image("app");
+    let outside = env.tmp.path().join("outside");
+    fs::create_dir(&outside).unwrap();
+    let victim = outside.join("app.lock");
+    fs::write(&victim, "secret").unwrap();
+    fs::set_permissions(&victim, fs::Permissions::from_mode(0o600)).unwrap();
+    let before = fs::metadata(&victim).unwrap();
+    let (init, go) = env.paused(["init", "--group", &GID.to_string()], "init-share");
+    let images = env.root.join("locks/images");
+    fs::rename(&images, env.root.join("locks/images.real")).unwrap();
+    std::os::unix::fs::symlink(&outside, &images).unwrap();
+    fs::remove_file(&go).unwrap();
+    let out = init.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let after = fs::metadata(&victim).unwrap();
+    assert_eq!(
+        (after.gid(), after.mode()),
+        (before.gid(), before.mode()),
+        "a file outside the root was given the group's modes"
+    );
+}

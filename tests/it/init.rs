@@ -456,3 +456,32 @@ fn a_refused_init_makes_and_changes_nothing() {
         }
     }
 }
+
+/// A link swapped in for `locks` after init made it, before it made the
+/// directories below, is refused without anything made where it points:
+/// the layout's directories are made from the root's descriptor, never
+/// through a path.
+#[test]
+fn a_link_swapped_in_for_a_layout_directory_gets_nothing_made_through_it() {
+    let env = Env::new();
+    fs::create_dir(&env.root).unwrap();
+    let outside = env.tmp.path().join("outside");
+    fs::create_dir(&outside).unwrap();
+    let (init, go) = env.paused(["init"], "layout-locks-made");
+    let locks = env.root.join("locks");
+    fs::rename(&locks, env.root.join("locks.real")).unwrap();
+    std::os::unix::fs::symlink(&outside, &locks).unwrap();
+    fs::remove_file(&go).unwrap();
+    let out = init.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("locks is a symlink"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(
+        tree(&outside),
+        Vec::<String>::new(),
+        "made outside the root"
+    );
+}

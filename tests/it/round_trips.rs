@@ -115,3 +115,30 @@ fn lock_status_with_nothing_held_costs_a_fixed_few_round_trips() {
         "lock-status (nothing held): {n} calls (docs/performance.md: 41)"
     );
 }
+
+/// On a local filesystem nothing is written through (`O_DSYNC`: every hint
+/// a synchronous write), not even by the first command on a root not made
+/// yet, which judges the filesystem by the root's nearest existing parent.
+#[test]
+fn a_new_root_on_a_local_filesystem_writes_nothing_through() {
+    let env = Env::new();
+    assert!(!env.root.exists());
+    let log = env.scratch.join("strace.log");
+    let mut c = Command::new("strace");
+    c.args(["-f", "-e", "trace=open,openat,openat2", "-o"])
+        .arg(&log)
+        .arg(bin());
+    c.arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--write", "app", "--", "true"]);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    let out = output(c);
+    if code(&out) != Some(0) {
+        eprintln!("skipping: strace cannot trace here: {}", show(&out));
+        return;
+    }
+    let trace = fs::read_to_string(&log).unwrap();
+    let through: Vec<_> = trace.lines().filter(|l| l.contains("O_DSYNC")).collect();
+    assert!(through.is_empty(), "{through:?}");
+    assert!(trace.contains("app.lock"), "{trace}");
+}
