@@ -466,16 +466,24 @@ fn row(r: &rusqlite::Row) -> rusqlite::Result<Row> {
     })
 }
 
-/// Makes the database group-writable when we own it (a group's store).
+/// Makes the database group-writable when we own it (a group's store),
+/// through a descriptor opened with no link in any component, refusing a
+/// file with other names: a member who put a link (or a hard link) to a
+/// file elsewhere in the catalog's place gets nothing changed there.
 pub fn share_with_group(path: &Path) -> Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let m = std::fs::metadata(path)?;
+    let why = || format!("cannot share {} with its group", path.display());
+    let f = crate::planted::open(path, libc::O_RDONLY, 0).with_context(why)?;
+    let m = f.metadata()?;
+    if m.nlink() > 1 {
+        return Err(anyhow::anyhow!(
+            "it has other names (hard links), which may be outside the store"
+        ))
+        .with_context(why);
+    }
     if m.uid() == nix::unistd::geteuid().as_raw() && m.mode() & 0o060 != 0o060 {
-        std::fs::set_permissions(
-            path,
-            std::fs::Permissions::from_mode((m.mode() | 0o060) & 0o7777),
-        )
-        .with_context(|| format!("cannot share {} with its group", path.display()))?;
+        f.set_permissions(std::fs::Permissions::from_mode((m.mode() | 0o060) & 0o7777))
+            .with_context(why)?;
     }
     Ok(())
 }

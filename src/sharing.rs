@@ -179,29 +179,42 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
 /// meanwhile leads this nowhere outside the root.
 fn fix(path: &Path, dir: bool, gid: u32) -> io::Result<()> {
     let flags = libc::O_RDONLY | if dir { libc::O_DIRECTORY } else { 0 };
-    fix_open(crate::planted::open(path, flags, 0)?, dir, gid)
+    let f = crate::planted::open(path, flags, 0)?;
+    fix_fd(f.as_raw_fd(), dir, gid, 0)
 }
 
 /// Gives an images directory outside the root (the directory, not what
-/// is in it) what a group store's parts get. Its path is the user's
-/// choice: links in it are followed, as the configuration's are.
-pub fn share_images_dir(path: &Path, gid: u32) -> Result<()> {
-    let f = fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    fix_open(f, true, gid).with_context(|| {
+/// is in it) what a group store's parts get, through the descriptor the
+/// caller opened and checked it by: never again by its path, where a
+/// member of the group may have put a link meanwhile.
+pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<()> {
+    fix_fd(images.as_raw_fd(), true, gid, 0).with_context(|| {
         format!(
             "cannot give images directory {} group {gid}",
-            path.display()
+            shown.display()
         )
     })
 }
 
-fn fix_open(f: fs::File, dir: bool, gid: u32) -> io::Result<()> {
-    let m = f.metadata()?;
-    if m.is_dir() != dir {
+/// Gives the file or directory behind `fd` group `gid`, the group store's
+/// bits and the mode bits `more`. A file with other names (a hard link a
+/// member made to a file elsewhere) is no part of the store: refused.
+fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
+    // SAFETY: all-zero bytes are a valid stat; fstat writes into it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: our own open descriptor and a live out-pointer.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if (st.st_mode & libc::S_IFMT == libc::S_IFDIR) != dir {
         return Err(io::Error::other("changed kind while being repaired"));
     }
-    let fd = f.as_raw_fd();
-    if m.gid() != gid {
+    if !dir && st.st_nlink > 1 {
+        return Err(io::Error::other(
+            "it has other names (hard links), which may be outside the store",
+        ));
+    }
+    if st.st_gid != gid {
         // SAFETY: fchown on our own open descriptor; uid -1 leaves it.
         if unsafe { libc::fchown(fd, u32::MAX, gid) } != 0 {
             return Err(io::Error::last_os_error());
@@ -209,7 +222,7 @@ fn fix_open(f: fs::File, dir: bool, gid: u32) -> io::Result<()> {
     }
     let bits = if dir { DIR_BITS } else { FILE_BITS };
     // Set after the chown, which clears setgid on a file (not a directory).
-    let mode = (m.mode() & 0o7777) | bits;
+    let mode = (st.st_mode & 0o7777) | bits | more;
     // SAFETY: fchmod on our own open descriptor.
     if unsafe { libc::fchmod(fd, mode as libc::mode_t) } != 0 {
         return Err(io::Error::last_os_error());
@@ -273,7 +286,11 @@ pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
 /// root) may.
 pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
     may_share(dir, gid)?;
-    fix(dir, true, gid).map_err(|e| match e.raw_os_error() {
+    // One descriptor for the group and the mode, opened with no link in
+    // any component: the root's path is not looked up again.
+    let root = crate::planted::open(dir, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        .with_context(|| format!("cannot share root {}", dir.display()))?;
+    fix_fd(root.as_raw_fd(), true, gid, 0o775).map_err(|e| match e.raw_os_error() {
         Some(libc::EPERM) => anyhow::anyhow!(
             "cannot give root {} group {gid}: you are not in that group (see {DOC})",
             dir.display()
@@ -281,8 +298,8 @@ pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
         _ => anyhow::Error::new(e).context(format!("cannot share root {}", dir.display())),
     })?;
     // Others keep reading (the default), never writing.
-    let mode = (fs::metadata(dir)?.mode() & 0o7777 & !0o002) | 0o775 | DIR_BITS;
-    fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode))
+    let mode = root.metadata()?.mode() & 0o7777 & !0o002;
+    root.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
         .with_context(|| format!("cannot set the mode of root {}", dir.display()))
 }
 

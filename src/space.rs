@@ -25,9 +25,8 @@
 //! nothing but the protection, and it is recreated by the next command that
 //! frees space or creates the layout.
 
-use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 /// Is this error the disk (or a quota) being full, from SQLite or the OS?
@@ -60,13 +59,10 @@ pub fn target(reserve: &Path) -> u64 {
 /// Opens the reserve for writing: never through a symlink, never blocking
 /// on a FIFO planted in its place, and only if it is a regular file.
 fn open(reserve: &Path, create: bool) -> Option<std::fs::File> {
-    let f = OpenOptions::new()
-        .write(true)
-        .create(create)
-        .mode(0o666)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(reserve)
-        .ok()?;
+    // No link in any component: a root swapped for a link since it was
+    // checked gets no reserve made where the link points.
+    let create = if create { libc::O_CREAT } else { 0 };
+    let f = crate::planted::open(reserve, libc::O_WRONLY | create, 0o666).ok()?;
     f.metadata().is_ok_and(|m| m.is_file()).then_some(f)
 }
 

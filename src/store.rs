@@ -185,6 +185,7 @@ impl Store {
             Found::New => {
                 catalog::create_schema(&conn).map_err(|e| catalog_error(&db, e))?;
                 if self.ctx.shared() {
+                    crate::debug::pause("catalog-made");
                     catalog::share_with_group(&db)?;
                 }
                 Ok(conn)

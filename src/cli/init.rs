@@ -108,7 +108,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             // directory itself (the trees in it are the builders') goes to
             // the group too, or members could make no image.
             if dir != root.default_images_dir() {
-                crate::sharing::share_images_dir(&dir, gid)?;
+                crate::sharing::share_images_dir(&images, &dir, gid)?;
             }
             share_parts(store, gid)
         }

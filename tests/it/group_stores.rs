@@ -293,3 +293,111 @@ fn sharing_never_reaches_outside_the_root_through_a_swapped_link() {
         "a file outside the root was given the group's modes"
     );
 }
+
+/// A victim outside every store: a directory or file of root's, mode 700
+/// or 600, and what its mode and group are.
+fn victim(env: &Env, dir: bool) -> (std::path::PathBuf, (u32, u32)) {
+    let v = env
+        .tmp
+        .path()
+        .join(if dir { "victim-dir" } else { "victim-file" });
+    if dir {
+        fs::create_dir(&v).unwrap();
+        fs::set_permissions(&v, fs::Permissions::from_mode(0o700)).unwrap();
+    } else {
+        fs::write(&v, "secret").unwrap();
+        fs::set_permissions(&v, fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let m = fs::metadata(&v).unwrap();
+    (v, (m.mode(), m.gid()))
+}
+
+fn mode_and_group(p: &Path) -> (u32, u32) {
+    let m = fs::metadata(p).unwrap();
+    (m.mode(), m.gid())
+}
+
+/// An outside images directory swapped for a link (its parent is a
+/// project directory the group may write) after init checked it: the
+/// directory init checked gets the group, through its descriptor; the
+/// link's target is left as it was.
+#[test]
+fn an_outside_images_directory_swapped_for_a_link_leads_sharing_nowhere() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    let (victim, before) = victim(&env, true);
+    let img = env.tmp.path().join("images");
+    let (init, go) = env.paused(
+        [
+            "init",
+            "--group",
+            &GID.to_string(),
+            "--images-dir",
+            img.to_str().unwrap(),
+        ],
+        "init-share",
+    );
+    fs::rename(&img, env.tmp.path().join("images.real")).unwrap();
+    std::os::unix::fs::symlink(&victim, &img).unwrap();
+    fs::remove_file(&go).unwrap();
+    let _ = init.finish();
+    assert_eq!(
+        mode_and_group(&victim),
+        before,
+        "the link's target was shared"
+    );
+    assert_eq!(
+        fs::metadata(env.tmp.path().join("images.real"))
+            .unwrap()
+            .gid(),
+        GID
+    );
+}
+
+/// A catalog swapped for a link between its making and its being given
+/// to the group: the link's target keeps its mode.
+#[test]
+fn a_catalog_swapped_for_a_link_is_not_shared_through_it() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", &GID.to_string()]);
+    env.make_image("base");
+    let (victim, before) = victim(&env, false);
+    let db = env.root.join("stowage.db");
+    let _ = fs::remove_file(&db);
+    let (look, go) = env.paused(["images"], "catalog-made");
+    fs::rename(&db, env.root.join("elsewhere.db")).unwrap();
+    std::os::unix::fs::symlink(&victim, &db).unwrap();
+    fs::remove_file(&go).unwrap();
+    let _ = look.finish();
+    assert_eq!(
+        mode_and_group(&victim),
+        before,
+        "the link's target was shared"
+    );
+}
+
+/// A part with another name (a hard link to a file outside the store) is
+/// refused by the repair of a group store's modes, not given the group.
+#[test]
+fn a_hard_link_in_the_layout_is_not_given_the_group() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", &GID.to_string()]);
+    let (victim, before) = victim(&env, false);
+    fs::hard_link(&victim, env.root.join("locks/images/zzz.lock")).unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert_eq!(mode_and_group(&victim), before, "a file outside was shared");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("zzz.lock"),
+        "{}",
+        show(&out)
+    );
+}

@@ -485,3 +485,23 @@ fn a_link_swapped_in_for_a_layout_directory_gets_nothing_made_through_it() {
         "made outside the root"
     );
 }
+
+/// A root swapped for a link after its layout was begun gets nothing
+/// made where the link points: not the reserve, not the layout.
+#[test]
+fn a_root_swapped_for_a_link_gets_nothing_made_through_it() {
+    let env = Env::new();
+    fs::create_dir(&env.root).unwrap();
+    let elsewhere = env.tmp.path().join("elsewhere");
+    fs::create_dir(&elsewhere).unwrap();
+    let (init, go) = env.paused(["init"], "layout-locks-made");
+    fs::rename(&env.root, env.tmp.path().join("root.real")).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &env.root).unwrap();
+    fs::remove_file(&go).unwrap();
+    let _ = init.finish();
+    assert_eq!(
+        tree(&elsewhere),
+        Vec::<String>::new(),
+        "made through the link"
+    );
+}
