@@ -395,7 +395,9 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
             }
         }
     }
-    let _ = std::fs::remove_file(root.dir().join("images-dir"));
+    if let Ok(d) = root.open() {
+        let _ = d.unlink("images-dir");
+    }
     Ok(())
 }
 

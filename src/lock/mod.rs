@@ -20,7 +20,7 @@
 //!   the server — and compares the fresh descriptor. `ESTALE` (the file is
 //!   gone on the server) means "retry with a fresh open", never an error.
 //!   And on a filesystem not known to be local, lock files are never
-//!   unlinked at all ([`Guard::unlink`] keeps them): a ghost then needs an
+//!   unlinked at all (`Root::unlink_lock` keeps them): a ghost then needs an
 //!   older release, or a host that sees the store as local, to unlink one.
 //! - **Written through on shared filesystems.** There lock files (and
 //!   leases) are opened `O_DSYNC`: a record or hint written through them is
@@ -212,34 +212,6 @@ impl Guard {
     /// The locked file, for writing what it says about its holder (a lease).
     pub fn file(&self) -> &File {
         &self.file
-    }
-
-    /// Unlinks the lock file. Only an exclusive holder may do this: anyone
-    /// blocked on the file, or who opened it before the unlink, will find it
-    /// unlinked after locking and retry on a fresh file.
-    ///
-    /// On a filesystem not known to be local the file is kept (and this
-    /// succeeds): another host's cached lookup could still lead it to the
-    /// unlinked file, whose lock no longer excludes anyone. A kept lock file
-    /// is a few bytes, reused if the name comes back. The file is emptied
-    /// before it is unlinked (see [`acquire_no_wait_with`]).
-    pub fn unlink(self) -> io::Result<()> {
-        assert_eq!(
-            self.mode,
-            Mode::Exclusive,
-            "unlink needs the exclusive lock"
-        );
-        if !unlinks_allowed(&self.path) {
-            return Ok(());
-        }
-        // Emptied first: what it said must not prove a ghost
-        // ([`acquire_no_wait_with`]). Not emptied, not unlinked.
-        self.file.set_len(0)?;
-        match fs::remove_file(&self.path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e),
-        }
     }
 }
 
@@ -493,7 +465,7 @@ impl IfMissing {
 /// still the file at its path: `read` reads the locked file (the read its
 /// caller makes anyway) and says what it found and whether that proves it.
 /// Every unlink of a lock file empties it first, under the exclusive lock
-/// the unlink rule requires ([`Guard::unlink`], `Root::unlink_lock`), so
+/// the unlink rule requires (`Root::unlink_lock`), so
 /// a record only a holder writes — an image's record, a slot class's —
 /// read under our lock proves that nobody unlinked the file before we
 /// locked it, and nobody can while we hold it: the check of the unlink
@@ -1201,7 +1173,10 @@ mod tests {
             .unwrap();
         let t = thread::spawn(move || {
             thread::sleep(Duration::from_millis(100));
-            held.unlink().unwrap();
+            // As Root::unlink_lock does: emptied, then unlinked, held.
+            held.file().set_len(0).unwrap();
+            fs::remove_file(held.path()).unwrap();
+            drop(held);
         });
         let g = match acquire(&p, Mode::Exclusive, IfMissing::Create, &mut Wait::default()).unwrap()
         {
