@@ -69,6 +69,11 @@ pub enum Error {
     /// A termination signal arrived before the command started.
     #[error("interrupted by signal {0} before the command started")]
     Interrupted(i32),
+
+    /// A termination signal was passed on to the command, whose end then
+    /// could not be known (its keeper gone); its tree was ended.
+    #[error("stopped by signal {0}")]
+    Stopped(i32),
 }
 
 /// A lock that stayed busy past the caller's deadline.
@@ -118,7 +123,7 @@ impl Error {
             | Error::NoRoot(_) => code::NO_INPUT,
             Error::LockingUnavailable { .. } | Error::UnsafeLocking(_) => code::UNAVAILABLE,
             Error::Busy(_) => code::TEMPFAIL,
-            Error::Interrupted(sig) => 128u8.saturating_add(*sig as u8),
+            Error::Interrupted(sig) | Error::Stopped(sig) => 128u8.saturating_add(*sig as u8),
         }
     }
 }
@@ -129,9 +134,11 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
     typed(err).map_or(code::FAILURE, Error::exit_code)
 }
 
-/// The typed error in the chain, if any.
+/// The typed error in the chain, if any: an [`Error`] given as a context
+/// (`e.context(Error::…)`) included, which the chain's items hide.
 pub fn typed(err: &anyhow::Error) -> Option<&Error> {
-    err.chain().find_map(|e| e.downcast_ref::<Error>())
+    err.downcast_ref::<Error>()
+        .or_else(|| err.chain().find_map(|e| e.downcast_ref::<Error>()))
 }
 
 /// True for errno values meaning "this filesystem cannot lock at all", as
@@ -158,4 +165,25 @@ fn lock_advice(err: &io::Error) -> &'static str {
 /// True when locks cannot be taken at all on this filesystem (exit 69).
 pub fn locking_unavailable(err: &io::Error) -> bool {
     flock_unsupported(err) || err.raw_os_error() == Some(libc::EROFS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_typed_error_given_as_a_context_decides_the_exit_code() {
+        let e = anyhow::Error::new(io::Error::other("copy failed"))
+            .context("cannot copy")
+            .context(Error::Interrupted(15));
+        assert_eq!(exit_code(&e), 143);
+        let e = anyhow::Error::new(Error::NotReady {
+            name: "app".into(),
+            state: "incomplete".into(),
+        })
+        .context("while reading");
+        assert_eq!(exit_code(&e), code::NO_INPUT);
+        let e = anyhow::anyhow!("plain");
+        assert_eq!(exit_code(&e), code::FAILURE);
+    }
 }

@@ -124,7 +124,13 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         Err(e) => {
             // Without its status the outcome is unknown: not ready.
             let _ = session.finish(store, Outcome::Failure("its status is unknown".into()));
-            return Err(anyhow::Error::new(e).context("cannot wait for the command"));
+            let e = anyhow::Error::new(e).context("cannot wait for the command");
+            // Asked to stop meanwhile: 128+N, as for any exec a termination
+            // signal cut short (its tree is gone either way).
+            if let Some(sig) = crate::signals::passed_on() {
+                return Err(e.context(Error::Stopped(sig)));
+            }
+            return Err(e);
         }
     };
     record_outcome(store, session, &status, &written)

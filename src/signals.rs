@@ -126,6 +126,19 @@ pub fn reset_mask_in_child() -> io::Result<()> {
 /// or after it ended): long work stops for it.
 static CANCELLED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
+/// The last termination signal passed on to a running command (or its
+/// keeper): an exec whose command's end is then unknown (its keeper gone)
+/// was still asked to stop, and exits 128+N.
+static PASSED_ON: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// See [`PASSED_ON`].
+pub fn passed_on() -> Option<i32> {
+    match PASSED_ON.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => None,
+        sig => Some(sig),
+    }
+}
+
 /// When [`check`] last looked for a pending signal, in ms since [`epoch`].
 /// (`u64::MAX`: never looked.)
 static LAST_LOOK_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
@@ -377,6 +390,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
             crate::lock::interrupt_waits(sig);
         }
         State::Running(Target::Command(pid)) => {
+            PASSED_ON.store(sig, std::sync::atomic::Ordering::Relaxed);
             let (ours, leader) = our_group();
             if !terminal_reached_command(sig, code, group_of(pid), ours, leader) {
                 // SAFETY: plain kill(2); pid is our unreaped child.
@@ -384,6 +398,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
             }
         }
         State::Running(Target::Keeper(pid)) => {
+            PASSED_ON.store(sig, std::sync::atomic::Ordering::Relaxed);
             let tag = if code == libc::SI_KERNEL {
                 FROM_TERMINAL
             } else {

@@ -1060,3 +1060,48 @@ fn a_signal_ends_a_wait_for_a_catalog_an_outside_program_keeps_in_wal() {
     drop(conn);
     assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
+
+/// A termination signal passed on to the command's keeper, and then the
+/// keeper killed before it reports how the command ended (the command
+/// ignores the signal): the exec was asked to stop and its tree is gone,
+/// so it exits 128+N, as any exec a signal cut short — not 1, as for a
+/// keeper that died by itself — and the image is not left ready.
+#[test]
+fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n() {
+    let env = Env::new();
+    env.make_image("app");
+    let started = env.sentinel("started");
+    let script = format!("trap '' TERM; touch '{}'; sleep 60", started.display());
+    let bg = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "app",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    wait_for_file(&started);
+    let keeper = processes_mentioning("__keeper")
+        .into_iter()
+        .find(|p| {
+            fs::read_to_string(format!("/proc/{p}/stat"))
+                .is_ok_and(|s| s.split(' ').nth(3) == Some(&bg.pid().to_string()))
+        })
+        .expect("the keeper runs");
+    bg.signal(libc::SIGTERM);
+    // The keeper has it once it is in the keeper's queue or handled:
+    // give it a moment, then kill the keeper before its 5 s grace ends.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    unsafe { libc::kill(keeper as i32, libc::SIGKILL) };
+    let out = bg.finish();
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGTERM),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).contains("keeper"), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
