@@ -217,23 +217,36 @@ impl Lease {
 /// Lists `h` in this process's lease for the store of `leases` (made now if
 /// there is none yet), replacing what it said of the same lock.
 pub fn note(leases: &Path, h: Holding) {
-    if mine(leases).is_err() {
+    note_all(leases, vec![h]);
+}
+
+/// [`note`] for every lock of `hs`, in one write: each write is a request
+/// to the server on a shared filesystem (and a synced one), and an exec of
+/// a base and a new image holds two locks, a slot three.
+pub fn note_all(leases: &Path, hs: Vec<Holding>) {
+    if hs.is_empty() || mine(leases).is_err() {
         return;
     }
     let mut all = mine_all();
     if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases) {
-        // Listed already as it is (announced before the lock was taken):
-        // no write.
-        let same = |o: &Holding| {
-            (&o.lockfile, o.mode, o.awaits, o.reading, &o.command)
-                == (&h.lockfile, h.mode, h.awaits, h.reading, &h.command)
-        };
-        if l.written > 0 && l.holdings.iter().any(same) {
-            return;
+        let mut changed = false;
+        for h in hs {
+            // Listed already as it is (announced before the lock was
+            // taken): nothing to write for it.
+            let same = |o: &Holding| {
+                (&o.lockfile, o.mode, o.awaits, o.reading, &o.command)
+                    == (&h.lockfile, h.mode, h.awaits, h.reading, &h.command)
+            };
+            if l.written > 0 && l.holdings.iter().any(same) {
+                continue;
+            }
+            l.holdings.retain(|o| o.lockfile != h.lockfile);
+            l.holdings.push(h);
+            changed = true;
         }
-        l.holdings.retain(|o| o.lockfile != h.lockfile);
-        l.holdings.push(h);
-        l.rewrite();
+        if changed {
+            l.rewrite();
+        }
     }
 }
 

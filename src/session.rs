@@ -263,16 +263,23 @@ impl Session {
         }
     }
 
+    /// Lists every lock of the session in our lease, in one write.
     fn list(&mut self, req: &Request) {
-        for img in &self.images {
-            let mode = img.held.guard.mode();
-            let mut h = crate::lease::Holding::now(mode, img.rel(), false, &req.command);
-            h.reading = img.role == Role::ReadExclusive;
-            self.listed.note(h);
-        }
+        let mut hs: Vec<_> = self
+            .images
+            .iter()
+            .map(|img| {
+                let mode = img.held.guard.mode();
+                let mut h = crate::lease::Holding::now(mode, img.rel(), false, &req.command);
+                h.reading = img.role == Role::ReadExclusive;
+                h
+            })
+            .collect();
+        self.listed.lockfiles = hs.iter().map(|h| h.lockfile.clone()).collect();
         if let Some(s) = self.slot.as_mut() {
-            s.announce(&self.root, &req.command);
+            hs.push(s.listing(&self.root, &req.command));
         }
+        crate::lease::note_all(&self.listed.leases, hs);
     }
 
     /// The images directory, for the command's environment.
@@ -936,11 +943,6 @@ impl Listed {
             leases: root.leases(),
             lockfiles: Vec::new(),
         }
-    }
-
-    fn note(&mut self, h: crate::lease::Holding) {
-        self.lockfiles.push(h.lockfile.clone());
-        crate::lease::note(&self.leases, h);
     }
 
     fn forget(&mut self, lockfile: &str) {

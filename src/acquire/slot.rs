@@ -55,16 +55,14 @@ impl SlotGuard {
         std::os::fd::AsRawFd::as_raw_fd(&self.guard)
     }
 
-    /// Lists the slot in this process's lease, for `command`: how
-    /// lock-status and waiting messages name a slot holder.
-    pub(crate) fn announce(&mut self, root: &Root, command: &str) {
-        let leases = root.leases();
+    /// What this process's lease is to say of the slot, for `command`:
+    /// how lock-status and waiting messages name a slot holder. The caller
+    /// writes it (with its other locks); the slot takes it out of the lease
+    /// when it goes.
+    pub(crate) fn listing(&mut self, root: &Root, command: &str) -> crate::lease::Holding {
         let rel = root.locks_rel(self.guard.path());
-        crate::lease::note(
-            &leases,
-            crate::lease::Holding::now(Mode::Exclusive, rel.clone(), false, command),
-        );
-        self.listed = Some((leases, rel));
+        self.listed = Some((root.leases(), rel.clone()));
+        crate::lease::Holding::now(Mode::Exclusive, rel, false, command)
     }
 
     /// Releases the slot.
@@ -105,12 +103,12 @@ pub fn acquire(
     let _ = crate::lease::mine(&store.root().leases());
     let mut slot = take(store, class, priority, deadline, false, command, &[])?;
     if let Some(s) = slot.as_mut() {
-        s.announce(store.root(), command);
+        crate::lease::note(&store.root().leases(), s.listing(store.root(), command));
     }
     Ok(slot)
 }
 
-/// Takes a slot; the caller lists it in its lease ([`SlotGuard::announce`]).
+/// Takes a slot; the caller lists it in its lease ([`SlotGuard::listing`]).
 /// `must_exist`: images the request reads, checked before any wait.
 pub(crate) fn take(
     store: &Store,

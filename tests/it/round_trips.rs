@@ -142,3 +142,38 @@ fn a_new_root_on_a_local_filesystem_writes_nothing_through() {
     assert!(through.is_empty(), "{through:?}");
     assert!(trace.contains("app.lock"), "{trace}");
 }
+
+/// An exec lists every lock it holds in its lease in one write: each write
+/// of a lease is a request to the server on a shared filesystem, and a
+/// synced one (`O_DSYNC`), and a build reading a base into a new image
+/// through a slot holds three locks.
+#[test]
+fn an_exec_lists_all_its_locks_in_its_lease_in_one_write() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "pull", "2"]);
+    let log = env.scratch.join("strace.log");
+    let mut c = Command::new("strace");
+    c.args(["-f", "-y", "-s", "4096", "-e", "trace=pwrite64,write", "-o"])
+        .arg(&log)
+        .arg(bin());
+    c.arg("--root").arg(&env.root).args([
+        "exec", "--slot", "pull", "--read", "base", "--write", "app", "--", "true",
+    ]);
+    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    let out = output(c);
+    if code(&out) != Some(0) {
+        eprintln!("skipping: strace cannot trace here: {}", show(&out));
+        return;
+    }
+    let trace = fs::read_to_string(&log).unwrap();
+    let lease_writes: Vec<_> = trace.lines().filter(|l| l.contains(".lease>")).collect();
+    assert_eq!(lease_writes.len(), 1, "{lease_writes:#?}");
+    for lock in ["images/base.lock", "images/app.lock", "slots/pull/"] {
+        assert!(
+            lease_writes[0].contains(lock),
+            "{lock} not listed: {}",
+            lease_writes[0]
+        );
+    }
+}
