@@ -93,6 +93,13 @@ impl Image {
     fn rel(&self) -> String {
         Root::image_lock_rel(&self.held.name)
     }
+
+    /// What our lease says of this image's lock, held for `command`.
+    fn holding(&self, command: &str) -> crate::lease::Holding {
+        let mut h = crate::lease::Holding::now(self.held.guard.mode(), self.rel(), false, command);
+        h.reading = self.role == Role::ReadExclusive;
+        h
+    }
 }
 
 /// The locks held for one command.
@@ -148,8 +155,9 @@ impl Session {
         started: Instant,
     ) -> Result<Attempt> {
         let root = store.root().clone();
-        let slot = take_slot(store, req)?;
-        let images = match take_images(store, req, wanted)? {
+        let mut slot = take_slot(store, req)?;
+        let listed_slot = slot.as_mut().map(|s| s.listing(&root, &req.command));
+        let images = match take_images(store, req, wanted, listed_slot)? {
             Ok(images) => images,
             Err(again) => return Ok(again),
         };
@@ -165,6 +173,10 @@ impl Session {
             started,
             listed: Listed::new(&root, &req.command),
         };
+        // Listed before the records are written (which may take a while: a
+        // removal a crash cut short is finished first), in one write.
+        let hs = session.listing(req);
+        crate::lease::note_all(&session.listed.leases, hs);
         if let Err(e) = session.start_writes(store, req) {
             session.abandon_quietly();
             if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() {
@@ -173,7 +185,6 @@ impl Session {
             return Err(e);
         }
         session.images_dir = session.choose_images_dir()?;
-        session.list(req);
         Ok(Attempt::Started(Box::new(session)))
     }
 
@@ -263,23 +274,19 @@ impl Session {
         }
     }
 
-    /// Lists every lock of the session in our lease, in one write.
-    fn list(&mut self, req: &Request) {
+    /// What our lease is to say of every lock of the session (the caller
+    /// writes it, in one write); the session takes them out when it ends.
+    fn listing(&mut self, req: &Request) -> Vec<crate::lease::Holding> {
         let mut hs: Vec<_> = self
             .images
             .iter()
-            .map(|img| {
-                let mode = img.held.guard.mode();
-                let mut h = crate::lease::Holding::now(mode, img.rel(), false, &req.command);
-                h.reading = img.role == Role::ReadExclusive;
-                h
-            })
+            .map(|i| i.holding(&req.command))
             .collect();
         self.listed.lockfiles = hs.iter().map(|h| h.lockfile.clone()).collect();
         if let Some(s) = self.slot.as_mut() {
             hs.push(s.listing(&self.root, &req.command));
         }
-        crate::lease::note_all(&self.listed.leases, hs);
+        hs
     }
 
     /// The images directory, for the command's environment.
@@ -469,10 +476,13 @@ fn take_images(
     store: &Store,
     req: &Request,
     wanted: &[(ImageName, Role)],
+    slot: Option<crate::lease::Holding>,
 ) -> Result<Result<Vec<Image>, Attempt>> {
     let root = store.root();
     let mut images: Vec<Image> = Vec::with_capacity(wanted.len());
     let mut waited_for = Vec::new();
+    // What a wait lists beside its await: the slot and the images taken.
+    let mut held: Vec<crate::lease::Holding> = slot.into_iter().collect();
     for (name, role) in wanted {
         let want = Want {
             mode: if *role == Role::Read {
@@ -486,16 +496,21 @@ fn take_images(
             no_wait: req.no_wait,
             command: &req.command,
             must_exist: &req.reads,
+            held: &held,
         };
         waited_for.push(name.clone());
         match crate::acquire::image::take(store, name, &want) {
-            Ok(held) => images.push(Image {
-                held,
-                role: *role,
-                before: None,
-                record: None,
-                made_tree: false,
-            }),
+            Ok(taken) => {
+                let image = Image {
+                    held: taken,
+                    role: *role,
+                    before: None,
+                    record: None,
+                    made_tree: false,
+                };
+                held.push(image.holding(&req.command));
+                images.push(image);
+            }
             Err(e) => {
                 give_up(root, images, &waited_for);
                 if is_no_such_image(&e) && crate::migrate::is_legacy(root) {

@@ -121,18 +121,19 @@ pub fn wait_free(
         true,
         command,
     );
-    let got = crate::acquire::wait_for(store, awaited, what, holders, || {
-        match lock::acquire(&path, Mode::Shared, lock::IfMissing::Fail, &mut wait) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Waited::Acquired(None)),
-            other => other
-                .map(|w| match w {
-                    Waited::Acquired(g) => Waited::Acquired(Some(g)),
-                    Waited::TimedOut => Waited::TimedOut,
-                    Waited::Interrupted(s) => Waited::Interrupted(s),
-                })
-                .map_err(|e| lock::error("the store-wide lock", &path, e)),
-        }
-    })?;
+    let got =
+        crate::acquire::wait_for(store, awaited, &[], what, holders, || {
+            match lock::acquire(&path, Mode::Shared, lock::IfMissing::Fail, &mut wait) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Waited::Acquired(None)),
+                other => other
+                    .map(|w| match w {
+                        Waited::Acquired(g) => Waited::Acquired(Some(g)),
+                        Waited::TimedOut => Waited::TimedOut,
+                        Waited::Interrupted(s) => Waited::Interrupted(s),
+                    })
+                    .map_err(|e| lock::error("the store-wide lock", &path, e)),
+            }
+        })?;
     drop(got);
     Ok(())
 }
@@ -390,7 +391,7 @@ fn take_store_lock(
         true,
         command,
     );
-    crate::acquire::wait_for(store, awaited, what, holders, || {
+    crate::acquire::wait_for(store, awaited, &[], what, holders, || {
         lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait).map_err(err)
     })
 }
@@ -463,7 +464,7 @@ fn wait_for_image(
     let mut wait = Wait::on(&root.image_locks(), deadline);
     let awaited = crate::lease::Holding::now(Mode::Exclusive, rel, true, "store-wide");
     let err = |e| lock::error(label, path, e);
-    crate::acquire::wait_for(store, awaited, what, holders, || {
+    crate::acquire::wait_for(store, awaited, &[], what, holders, || {
         lock::acquire(path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait).map_err(err)
     })
 }

@@ -56,6 +56,9 @@ pub(crate) struct Want<'a> {
     /// checked before any wait, so that a request that can only fail says
     /// so at once instead of after the wait.
     pub must_exist: &'a [ImageName],
+    /// The locks the request holds already, listed in the lease with a
+    /// wait (see `acquire::wait_for`).
+    pub held: &'a [crate::lease::Holding],
 }
 
 /// Takes one image lock, waiting as allowed. A read of an image without a
@@ -109,7 +112,7 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
     let mut holding = crate::lease::Holding::now(want.mode, rel, true, want.command);
     holding.reading = want.reading;
     let mut wait = Wait::on(&root.image_locks(), want.deadline);
-    let waited = wait_for(store, holding, what, holders, || {
+    let waited = wait_for(store, holding, want.held, what, holders, || {
         wait_image(store.ctx(), name, want.mode, &mut wait).map_err(err)
     });
     // Cleared before anything else is said.

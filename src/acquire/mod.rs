@@ -25,18 +25,23 @@ pub mod image;
 pub mod slot;
 
 /// Runs a wait announced as `what`, held by `holders`, with the lock
-/// `awaited` listed in our lease meanwhile; a timeout is [`Error::Busy`]
-/// (exit 75), a signal [`Error::Interrupted`].
+/// `awaited` listed in our lease meanwhile, and the locks `held` already
+/// (listed with it, in one write: a look on another host, where no lock
+/// table shows them, names their holder while it waits); a timeout is
+/// [`Error::Busy`] (exit 75), a signal [`Error::Interrupted`].
 pub(crate) fn wait_for<T>(
     store: &Store,
     awaited: Holding,
+    held: &[Holding],
     what: String,
     holders: String,
     wait: impl FnOnce() -> Result<Waited<T>>,
 ) -> Result<T> {
     let leases = store.root().leases();
     let lockfile = awaited.lockfile.clone();
-    crate::lease::note(&leases, awaited);
+    let mut listed = held.to_vec();
+    listed.push(awaited);
+    crate::lease::note_all(&leases, listed);
     let t0 = Instant::now();
     let out = wait();
     crate::lease::forget(&leases, &lockfile);

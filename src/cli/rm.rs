@@ -98,6 +98,7 @@ fn take_all(
             no_wait,
             command,
             must_exist: &[],
+            held: &[],
         };
         let h = match crate::acquire::image::take(store, name, &want) {
             Ok(h) => h,

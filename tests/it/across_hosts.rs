@@ -253,6 +253,67 @@ fn records_reach_the_server_in_one_request_each() {
     }
 }
 
+/// Locks an exec holds are named by its lease on every other host while
+/// it waits for a later one, and while it writes its records: there no
+/// lock table shows them, and the lease listed only the awaited lock (and,
+/// before the records, nothing), so they showed as held by an unknown
+/// process outside stowage.
+#[test]
+fn locks_held_during_a_wait_and_a_start_are_named_on_other_hosts() {
+    let Some(c) = Cluster::start("named", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let root = c.root();
+    for img in ["a", "b", "c"] {
+        ok(c.host(0)
+            .stowage_run(&root, ["exec", "--write", img, "--", "true"]));
+    }
+    let named = |lock: &str, why: &str| {
+        let st = status(c.host(1), &root, &["--all"]);
+        let l = image_lock(&st, lock).unwrap();
+        let holders = l["holders"].as_array().unwrap();
+        assert_eq!(holders.len(), 1, "{why}: {l}");
+        assert_eq!(
+            holders[0]["stowage"], true,
+            "{why}: shown as an outsider: {l}"
+        );
+        assert!(holders[0]["lease"].is_string(), "{why}: {l}");
+    };
+    // A wait for c, holding a and b.
+    let writer = hold(&env, c.host(1), &root, &["--write", "c"], "writer");
+    let waiter = Bg::from_command(c.host(0).stowage(
+        &root,
+        [
+            "exec", "--read", "a", "--read", "b", "--write", "c", "--", "true",
+        ],
+    ));
+    wait_until("the waiter waits for c", || {
+        let st = status(c.host(1), &root, &["--all"]);
+        image_lock(&st, "c").is_some_and(|l| !l["waiters"].as_array().unwrap().is_empty())
+    });
+    named("a", "during the wait");
+    named("b", "during the wait");
+    release(&env, "writer");
+    assert_eq!(code(&writer.finish()), Some(0));
+    assert_eq!(code(&waiter.finish()), Some(0));
+    // Stopped while it writes its records, holding a and c.
+    let pause = env.sentinel("paused");
+    let mut cmd = c
+        .host(0)
+        .stowage(&root, ["exec", "--read", "a", "--write", "c", "--", "true"]);
+    cmd.env(
+        stowage::env::DEBUG_PAUSE,
+        format!("write-locked:{}", pause.display()),
+    );
+    let starting = Bg::from_command(cmd);
+    wait_for_file(&pause);
+    named("a", "before the records");
+    named("c", "before the records");
+    std::fs::remove_file(&pause).unwrap();
+    assert_eq!(code(&starting.finish()), Some(0));
+}
+
 #[test]
 fn slots_count_across_hosts() {
     let Some(c) = Cluster::start("slots", 3) else {
