@@ -124,16 +124,21 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         Err(e) => {
             // Without its status the outcome is unknown: not ready.
             let _ = session.finish(store, Outcome::Failure("its status is unknown".into()));
-            let e = anyhow::Error::new(e).context("cannot wait for the command");
-            // Asked to stop meanwhile: 128+N, as for any exec a termination
-            // signal cut short (its tree is gone either way).
-            if let Some(sig) = crate::signals::passed_on() {
-                return Err(e.context(Error::Stopped(sig)));
-            }
-            return Err(e);
+            return Err(wait_failed(e));
         }
     };
     record_outcome(store, session, &status, &written)
+}
+
+/// The command's end could not be known (its keeper gone): a failure, or,
+/// if a termination signal was passed on to it (or came meanwhile), 128+N
+/// as for any exec such a signal cut short — its tree is gone either way.
+fn wait_failed(e: std::io::Error) -> anyhow::Error {
+    let e = anyhow::Error::new(e).context("cannot wait for the command");
+    match crate::signals::passed_on().or_else(crate::signals::cancelled) {
+        Some(sig) => e.context(Error::Stopped(sig)),
+        None => e,
+    }
 }
 
 /// `--from`: makes the written image a copy of the base, then lets the base
@@ -300,7 +305,7 @@ fn run_store_wide(
             Ok(Err(sig)) => return Err(Error::Interrupted(sig).into()),
             Err(e) => return Err(e).with_context(|| format!("cannot run '{}'", shown[0])),
         };
-        let status = command::wait(&signals, pid, keeper).context("cannot wait for the command")?;
+        let status = command::wait(&signals, pid, keeper).map_err(wait_failed)?;
         Ok(command::exit_code(&status))
     };
     let code = run();

@@ -563,9 +563,15 @@ pub fn flock_free(path: &Path) -> bool {
 /// /proc/locks lists each waiter as a "->" line naming the file's device
 /// (hex major:minor) and inode. False if the file does not exist.
 pub fn flock_waited_on(path: &Path) -> bool {
+    flock_waiters_on(path) > 0
+}
+
+/// How many processes are blocked in flock(2) on this file right now (see
+/// [`flock_waited_on`]); 0 if the file does not exist.
+pub fn flock_waiters_on(path: &Path) -> usize {
     use std::os::unix::fs::MetadataExt;
     let Ok(md) = fs::metadata(path) else {
-        return false;
+        return 0;
     };
     let id = format!(
         "{:02x}:{:02x}:{}",
@@ -576,7 +582,8 @@ pub fn flock_waited_on(path: &Path) -> bool {
     fs::read_to_string("/proc/locks")
         .unwrap()
         .lines()
-        .any(|l| l.contains("->") && l.split_whitespace().any(|f| f == id))
+        .filter(|l| l.contains("->") && l.split_whitespace().any(|f| f == id))
+        .count()
 }
 
 /// Starts flock(1), an outside program, holding `path` exclusively while

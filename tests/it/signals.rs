@@ -1105,3 +1105,57 @@ fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n() {
     assert!(stderr(&out).contains("keeper"), "{}", show(&out));
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
 }
+
+/// The same for a store-wide exec, and for a termination signal that came
+/// while the keeper was starting (taken only once the keeper was gone).
+#[test]
+fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n_however_it_came() {
+    let env = Env::new();
+    env.make_image("app");
+    // Store-wide.
+    let started = env.sentinel("started");
+    let script = format!("trap '' TERM; touch '{}'; sleep 60", started.display());
+    let bg = env.spawn([
+        "exec",
+        "--no-inherit",
+        "--store-wide",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    wait_for_file(&started);
+    let keeper = processes_mentioning("__keeper")
+        .into_iter()
+        .find(|p| {
+            fs::read_to_string(format!("/proc/{p}/stat"))
+                .is_ok_and(|s| s.split(' ').nth(3) == Some(&bg.pid().to_string()))
+        })
+        .expect("the keeper runs");
+    bg.signal(libc::SIGTERM);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    unsafe { libc::kill(keeper as i32, libc::SIGKILL) };
+    let out = bg.finish();
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGTERM),
+        "store-wide: {}",
+        show(&out)
+    );
+    // The signal while the keeper starts (paused before it reports).
+    let (bg, pause) = env.paused(
+        ["exec", "--no-inherit", "--read", "app", "--", "sleep", "30"],
+        "keeper-started",
+    );
+    let keeper: i32 = fs::read_to_string(&pause).unwrap().trim().parse().unwrap();
+    bg.signal(libc::SIGTERM);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    unsafe { libc::kill(keeper, libc::SIGKILL) };
+    let out = bg.finish();
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGTERM),
+        "starting: {}",
+        show(&out)
+    );
+}
