@@ -123,24 +123,35 @@ fn lock_status_with_nothing_held_costs_a_fixed_few_round_trips() {
 fn a_new_root_on_a_local_filesystem_writes_nothing_through() {
     let env = Env::new();
     assert!(!env.root.exists());
+    let Some(trace) = traced(
+        &env,
+        "trace=open,openat,openat2",
+        &["exec", "--write", "app", "--", "true"],
+    ) else {
+        return;
+    };
+    let through: Vec<_> = trace.lines().filter(|l| l.contains("O_DSYNC")).collect();
+    assert!(through.is_empty(), "{through:?}");
+    assert!(trace.contains("app.lock"), "{trace}");
+}
+
+/// The calls of `stowage ARGS…` on `env`'s root that strace's `-e WHAT`
+/// keeps (paths and 4 KiB of each string shown); `None` (the reason
+/// printed) where strace cannot trace here.
+fn traced(env: &Env, what: &str, args: &[&str]) -> Option<String> {
     let log = env.scratch.join("strace.log");
     let mut c = Command::new("strace");
-    c.args(["-f", "-e", "trace=open,openat,openat2", "-o"])
+    c.args(["-f", "-y", "-s", "4096", "-e", what, "-o"])
         .arg(&log)
         .arg(bin());
-    c.arg("--root")
-        .arg(&env.root)
-        .args(["exec", "--write", "app", "--", "true"]);
+    c.arg("--root").arg(&env.root).args(args);
     c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
     let out = output(c);
     if code(&out) != Some(0) {
         eprintln!("skipping: strace cannot trace here: {}", show(&out));
-        return;
+        return None;
     }
-    let trace = fs::read_to_string(&log).unwrap();
-    let through: Vec<_> = trace.lines().filter(|l| l.contains("O_DSYNC")).collect();
-    assert!(through.is_empty(), "{through:?}");
-    assert!(trace.contains("app.lock"), "{trace}");
+    Some(fs::read_to_string(&log).unwrap())
 }
 
 /// An exec lists every lock it holds in its lease in one write: each write
@@ -152,21 +163,12 @@ fn an_exec_lists_all_its_locks_in_its_lease_in_one_write() {
     let env = Env::new();
     env.make_image("base");
     env.ok(["slots", "set", "pull", "2"]);
-    let log = env.scratch.join("strace.log");
-    let mut c = Command::new("strace");
-    c.args(["-f", "-y", "-s", "4096", "-e", "trace=pwrite64,write", "-o"])
-        .arg(&log)
-        .arg(bin());
-    c.arg("--root").arg(&env.root).args([
+    let build = [
         "exec", "--slot", "pull", "--read", "base", "--write", "app", "--", "true",
-    ]);
-    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
-    let out = output(c);
-    if code(&out) != Some(0) {
-        eprintln!("skipping: strace cannot trace here: {}", show(&out));
+    ];
+    let Some(trace) = traced(&env, "trace=pwrite64,write", &build) else {
         return;
-    }
-    let trace = fs::read_to_string(&log).unwrap();
+    };
     let lease_writes: Vec<_> = trace.lines().filter(|l| l.contains(".lease>")).collect();
     assert_eq!(lease_writes.len(), 1, "{lease_writes:#?}");
     for lock in ["images/base.lock", "images/app.lock", "slots/pull/"] {

@@ -1070,32 +1070,7 @@ fn a_signal_ends_a_wait_for_a_catalog_an_outside_program_keeps_in_wal() {
 fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n() {
     let env = Env::new();
     env.make_image("app");
-    let started = env.sentinel("started");
-    let script = format!("trap '' TERM; touch '{}'; sleep 60", started.display());
-    let bg = env.spawn([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "app",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ]);
-    wait_for_file(&started);
-    let keeper = processes_mentioning("__keeper")
-        .into_iter()
-        .find(|p| {
-            fs::read_to_string(format!("/proc/{p}/stat"))
-                .is_ok_and(|s| s.split(' ').nth(3) == Some(&bg.pid().to_string()))
-        })
-        .expect("the keeper runs");
-    bg.signal(libc::SIGTERM);
-    // The keeper has it once it is in the keeper's queue or handled:
-    // give it a moment, then kill the keeper before its 5 s grace ends.
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    unsafe { libc::kill(keeper as i32, libc::SIGKILL) };
-    let out = bg.finish();
+    let out = keeper_killed_after_sigterm(&env, &["--write", "app"]);
     assert_eq!(
         out.status.code(),
         Some(128 + libc::SIGTERM),
@@ -1106,24 +1081,17 @@ fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n() {
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
 }
 
-/// The same for a store-wide exec, and for a termination signal that came
-/// while the keeper was starting (taken only once the keeper was gone).
-#[test]
-fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n_however_it_came() {
-    let env = Env::new();
-    env.make_image("app");
-    // Store-wide.
+/// `exec --no-inherit LOCKS -- CMD` with a CMD that ignores SIGTERM:
+/// SIGTERM to stowage, a moment for it to reach the keeper, then the
+/// keeper killed (before its 5 s grace ends); how stowage ended.
+fn keeper_killed_after_sigterm(env: &Env, locks: &[&str]) -> std::process::Output {
     let started = env.sentinel("started");
+    let _ = fs::remove_file(&started);
     let script = format!("trap '' TERM; touch '{}'; sleep 60", started.display());
-    let bg = env.spawn([
-        "exec",
-        "--no-inherit",
-        "--store-wide",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ]);
+    let mut args = vec!["exec", "--no-inherit"];
+    args.extend(locks);
+    args.extend(["--", "sh", "-c", &script]);
+    let bg = env.spawn(&args);
     wait_for_file(&started);
     let keeper = processes_mentioning("__keeper")
         .into_iter()
@@ -1135,7 +1103,16 @@ fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n_however_it_came()
     bg.signal(libc::SIGTERM);
     std::thread::sleep(std::time::Duration::from_millis(300));
     unsafe { libc::kill(keeper as i32, libc::SIGKILL) };
-    let out = bg.finish();
+    bg.finish()
+}
+
+/// The same for a store-wide exec, and for a termination signal that came
+/// while the keeper was starting (taken only once the keeper was gone).
+#[test]
+fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n_however_it_came() {
+    let env = Env::new();
+    env.make_image("app");
+    let out = keeper_killed_after_sigterm(&env, &["--store-wide"]);
     assert_eq!(
         out.status.code(),
         Some(128 + libc::SIGTERM),
