@@ -12,16 +12,7 @@ use crate::common::*;
 /// The counted calls of `stowage ARGS…` on `env`'s root; `None` (with the
 /// reason printed) where strace cannot trace here.
 fn round_trips(env: &Env, args: &[&str]) -> Option<u64> {
-    let log = env.scratch.join("strace.log");
-    let mut c = Command::new("strace");
-    c.args(["-f", "-y", "-o"]).arg(&log).arg(bin());
-    c.arg("--root").arg(&env.root).args(args);
-    c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
-    let out = output(c);
-    if code(&out) != Some(0) {
-        eprintln!("skipping: strace cannot trace here: {}", show(&out));
-        return None;
-    }
+    let log = traced(env, None, args)?;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/roundtrips-count.py");
     let counted = Command::new("python3")
         .arg(script)
@@ -123,27 +114,27 @@ fn lock_status_with_nothing_held_costs_a_fixed_few_round_trips() {
 fn a_new_root_on_a_local_filesystem_writes_nothing_through() {
     let env = Env::new();
     assert!(!env.root.exists());
-    let Some(trace) = traced(
-        &env,
-        "trace=open,openat,openat2",
-        &["exec", "--write", "app", "--", "true"],
-    ) else {
+    let args = ["exec", "--write", "app", "--", "true"];
+    let Some(log) = traced(&env, Some("trace=open,openat,openat2"), &args) else {
         return;
     };
+    let trace = fs::read_to_string(&log).unwrap();
     let through: Vec<_> = trace.lines().filter(|l| l.contains("O_DSYNC")).collect();
     assert!(through.is_empty(), "{through:?}");
     assert!(trace.contains("app.lock"), "{trace}");
 }
 
-/// The calls of `stowage ARGS…` on `env`'s root that strace's `-e WHAT`
-/// keeps (paths and 4 KiB of each string shown); `None` (the reason
-/// printed) where strace cannot trace here.
-fn traced(env: &Env, what: &str, args: &[&str]) -> Option<String> {
+/// Traces `stowage ARGS…` on `env`'s root (every call, or those of the
+/// strace filter `what`, paths and 4 KiB of each string shown) and returns
+/// the log; `None` (the reason printed) where strace cannot trace here.
+fn traced(env: &Env, what: Option<&str>, args: &[&str]) -> Option<std::path::PathBuf> {
     let log = env.scratch.join("strace.log");
     let mut c = Command::new("strace");
-    c.args(["-f", "-y", "-s", "4096", "-e", what, "-o"])
-        .arg(&log)
-        .arg(bin());
+    c.args(["-f", "-y", "-s", "4096"]);
+    if let Some(w) = what {
+        c.args(["-e", w]);
+    }
+    c.arg("-o").arg(&log).arg(bin());
     c.arg("--root").arg(&env.root).args(args);
     c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
     let out = output(c);
@@ -151,7 +142,7 @@ fn traced(env: &Env, what: &str, args: &[&str]) -> Option<String> {
         eprintln!("skipping: strace cannot trace here: {}", show(&out));
         return None;
     }
-    Some(fs::read_to_string(&log).unwrap())
+    Some(log)
 }
 
 /// An exec lists every lock it holds in its lease in one write: each write
@@ -166,9 +157,10 @@ fn an_exec_lists_all_its_locks_in_its_lease_in_one_write() {
     let build = [
         "exec", "--slot", "pull", "--read", "base", "--write", "app", "--", "true",
     ];
-    let Some(trace) = traced(&env, "trace=pwrite64,write", &build) else {
+    let Some(log) = traced(&env, Some("trace=pwrite64,write"), &build) else {
         return;
     };
+    let trace = fs::read_to_string(&log).unwrap();
     let lease_writes: Vec<_> = trace.lines().filter(|l| l.contains(".lease>")).collect();
     assert_eq!(lease_writes.len(), 1, "{lease_writes:#?}");
     for lock in ["images/base.lock", "images/app.lock", "slots/pull/"] {

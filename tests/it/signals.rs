@@ -1124,7 +1124,15 @@ fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n_however_it_came()
         ["exec", "--no-inherit", "--read", "app", "--", "sleep", "30"],
         "keeper-started",
     );
-    let keeper: i32 = fs::read_to_string(&pause).unwrap().trim().parse().unwrap();
+    // The pause point writes its pid into the file it made: wait for it.
+    let mut keeper = 0;
+    wait_until("the paused keeper's pid", || {
+        keeper = fs::read_to_string(&pause)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
+        keeper > 0
+    });
     bg.signal(libc::SIGTERM);
     std::thread::sleep(std::time::Duration::from_millis(200));
     unsafe { libc::kill(keeper, libc::SIGKILL) };
