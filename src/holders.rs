@@ -256,13 +256,7 @@ impl<'c> Look<'c> {
     /// The pid, as our pid namespace sees it, that holds a lease: its
     /// owner, which took the owner's other locks too.
     fn taker(&self, id: &Identity) -> Option<u32> {
-        let (table, kdev) = (self.table.as_ref()?, self.kdev?);
-        let (_, ino) = id.file?;
-        table
-            .get(&(kdev, ino))?
-            .iter()
-            .find(|e| !e.blocked && e.mode == Mode::Exclusive)
-            .and_then(|e| e.pid)
+        taker_in(self.table.as_ref()?, self.kdev?, id)
     }
 
     /// The live lease whose owner the table shows as `pid`: among those
@@ -286,7 +280,22 @@ impl<'c> Look<'c> {
                 .filter_map(|n| crate::lease::identity(&self.leases_dir, &n).map(|id| (n, id)))
                 .collect()
         });
-        found(more)
+        if let Some(f) = found(more) {
+            return Some(f);
+        }
+        // The table is read a list at a time (one per CPU): a holder that
+        // took its lease's lock on a list already read, and its image's on
+        // one read later, shows holding the image alone. The fresh read,
+        // made after, names its lease's taker.
+        let kdev = self.kdev?;
+        let mut fresh = self.fresh.borrow_mut();
+        let table = fresh.get_or_insert_with(|| crate::kernel::read_table().ok());
+        let table = table.as_ref()?;
+        self.said
+            .iter()
+            .chain(more.iter())
+            .find(|(n, id)| taker_in(table, kdev, id) == Some(pid) && self.alive(n))
+            .cloned()
     }
 
     /// The live leases that list `rel` as held in `mode` now (read afresh,
@@ -646,4 +655,15 @@ pub fn global_holder_phrase(ctx: &Ctx) -> String {
     } else {
         phrase(&r.holders)
     }
+}
+
+/// The pid that holds the lease `id` exclusively in `table` (on device
+/// `kdev`, as the table numbers it): the lease's owner.
+fn taker_in(table: &Table, kdev: u64, id: &Identity) -> Option<u32> {
+    let (_, ino) = id.file?;
+    table
+        .get(&(kdev, ino))?
+        .iter()
+        .find(|e| !e.blocked && e.mode == Mode::Exclusive)
+        .and_then(|e| e.pid)
 }
