@@ -443,7 +443,14 @@ fn collect(
     }
     if !dry_run {
         crate::debug::pause("gc-rechecked");
-        match remove::remove_held(&root, held, Some(bytes)) {
+        // Named by our lease while it goes (on another host nothing else
+        // names the holder of a removal).
+        let rel = crate::root::Root::image_lock_rel(&name);
+        let hold = crate::lease::Holding::now(Mode::Exclusive, rel.clone(), false, "stowage gc");
+        crate::lease::note(&root.leases(), hold);
+        let removed = remove::remove_held(&root, held, Some(bytes));
+        crate::lease::forget(&root.leases(), &rel);
+        match removed {
             Ok(done) => report.failed.extend(done.left_in_trash),
             Err(e) => {
                 report.failed.push(format!("{e:#}"));

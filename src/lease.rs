@@ -83,8 +83,8 @@ pub fn mine(leases: &Path) -> io::Result<String> {
 }
 
 /// [`mine`], with the identity written if nothing was yet: for a process
-/// that holds locks it does not list (gc, rm), so that lock-status can
-/// name it.
+/// (gc, rm) whose locks are listed only while it removes an image, so that
+/// lock-status can name it between (a local lock table shows its locks).
 pub fn introduce(leases: &Path) -> io::Result<String> {
     let name = mine(leases)?;
     let mut all = mine_all();

@@ -6,6 +6,7 @@ use anyhow::Result;
 
 use crate::acquire::image::{Held, Want};
 use crate::disk_usage;
+use crate::lease::Holding;
 use crate::lock::Mode;
 use crate::remove;
 use crate::store::Store;
@@ -89,6 +90,9 @@ fn take_all(
     command: &str,
 ) -> Result<Vec<Held>> {
     let mut held = Vec::with_capacity(names.len());
+    // Listed in our lease (with a wait, and once all are taken): on
+    // another host nothing else names the holder of a removal.
+    let mut listed: Vec<Holding> = Vec::with_capacity(names.len());
     for name in names {
         let want = Want {
             mode: Mode::Exclusive,
@@ -98,7 +102,7 @@ fn take_all(
             no_wait,
             command,
             must_exist: &[],
-            held: &[],
+            held: &listed,
         };
         let h = match crate::acquire::image::take(store, name, &want) {
             Ok(h) => h,
@@ -107,6 +111,8 @@ fn take_all(
                 return Err(e);
             }
         };
+        let rel = crate::root::Root::image_lock_rel(name);
+        listed.push(Holding::now(Mode::Exclusive, rel, false, command));
         let missing = h.seen.record.is_none() && !h.seen.damaged;
         held.push(h);
         if missing || held.last().is_some_and(|h| h.seen.legacy) {
@@ -136,5 +142,6 @@ fn take_all(
             crate::store_wide::Probe::Inside => {}
         }
     }
+    crate::lease::note_all(&store.root().leases(), listed);
     Ok(held)
 }

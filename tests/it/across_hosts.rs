@@ -314,6 +314,46 @@ fn locks_held_during_a_wait_and_a_start_are_named_on_other_hosts() {
     assert_eq!(code(&starting.finish()), Some(0));
 }
 
+/// An image being removed (by `rm` or `gc`) is held by a process that
+/// other hosts name from its lease, not by an unknown process outside
+/// stowage: `rm` and `gc` listed no lock they held.
+#[test]
+fn removals_are_named_on_other_hosts() {
+    let Some(c) = Cluster::start("removals", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let root = c.root();
+    ok(c.host(0)
+        .stowage_run(&root, ["exec", "--write", "a", "--", "true"]));
+    let out = c
+        .host(0)
+        .stowage_run(&root, ["exec", "--write", "b", "--", "false"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    for (args, image) in [(vec!["rm", "a"], "a"), (vec!["gc"], "b")] {
+        let pause = env.sentinel(&format!("paused-{image}"));
+        let mut cmd = c.host(0).stowage(&root, &args);
+        cmd.env(
+            stowage::env::DEBUG_PAUSE,
+            format!("rm-marked:{}", pause.display()),
+        );
+        let removal = Bg::from_command(cmd);
+        wait_for_file(&pause);
+        let st = status(c.host(1), &root, &["--all"]);
+        let l = image_lock(&st, image).unwrap();
+        let holders = l["holders"].as_array().unwrap();
+        assert_eq!(holders.len(), 1, "{args:?}: {l}");
+        assert_eq!(
+            holders[0]["stowage"], true,
+            "{args:?}: shown as an outsider: {l}"
+        );
+        assert!(holders[0]["lease"].is_string(), "{args:?}: {l}");
+        std::fs::remove_file(&pause).unwrap();
+        let out = removal.finish();
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+}
+
 #[test]
 fn slots_count_across_hosts() {
     let Some(c) = Cluster::start("slots", 3) else {
