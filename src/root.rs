@@ -376,6 +376,14 @@ impl Root {
         "trash",
     ];
     pub const IMAGE_LOCKS_REL: &'static str = "locks/images";
+    /// The files of the layout (those it has once made).
+    pub const LAYOUT_FILES: [&'static str; 5] = [
+        crate::config::FILE,
+        "stowage.db",
+        "reserve",
+        "locks/global.lock",
+        "locks/store.lock",
+    ];
 
     /// The image whose lock file, by its name in `locks/images`, `fname`
     /// is, if it is one (decodable).
@@ -512,20 +520,14 @@ impl Root {
         let Ok(root) = Dir::anchor_nofollow(&self.dir) else {
             return Ok(());
         };
-        let files = [
-            crate::config::FILE,
-            "stowage.db",
-            "reserve",
-            "locks/global.lock",
-            "locks/store.lock",
-        ];
         let wanted = Self::LAYOUT_DIRS
             .iter()
             .map(|d| (*d, true))
-            .chain(files.iter().map(|f| (*f, false)));
+            .chain(Self::LAYOUT_FILES.iter().map(|f| (*f, false)));
+        // Below a `locks` that is none there is nothing to look at.
+        let locks = root.stat_at("locks")?.is_some_and(|e| e.is_dir());
         for (rel, dir) in wanted {
-            // Below a `locks` that is none there is nothing to look at.
-            if rel.starts_with("locks/") && !root.stat_at("locks")?.is_some_and(|e| e.is_dir()) {
+            if rel.starts_with("locks/") && !locks {
                 continue;
             }
             let Some(e) = root.stat_at(rel)? else {

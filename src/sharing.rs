@@ -76,15 +76,8 @@ pub fn parts(root: &Root) -> Vec<(String, bool)> {
     for d in Root::LAYOUT_DIRS {
         out.push((d.to_owned(), true));
     }
-    for f in [
-        "stowage.db",
-        "stowage.db-journal",
-        crate::config::FILE,
-        "reserve",
-        "locks/global.lock",
-        "locks/store.lock",
-    ] {
-        out.push((f.to_owned(), false));
+    for f in Root::LAYOUT_FILES.iter().chain(&["stowage.db-journal"]) {
+        out.push(((*f).to_owned(), false));
     }
     for d in ["locks/images", "locks/leases", "img"] {
         for (name, is_dir) in entries(&root.dir().join(d)) {

@@ -648,13 +648,7 @@ fn no_inherit_holds_the_locks_until_the_whole_tree_has_exited() {
 fn a_killed_keeper_takes_the_command_tree_with_it() {
     let env = Env::new();
     let (bg, img_file) = exec_writing(&env, &["--no-inherit"], background_writer);
-    let keeper = processes_mentioning("__keeper")
-        .into_iter()
-        .find(|p| {
-            fs::read(format!("/proc/{p}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&*img_file.to_string_lossy()))
-        })
-        .expect("the keeper runs");
+    let keeper = keeper_of(&bg);
     unsafe { libc::kill(keeper as i32, libc::SIGKILL) };
     let out = bg.finish();
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
@@ -709,14 +703,7 @@ fn a_keeper_killed_before_it_reports_the_start_takes_the_tree_with_it() {
         "keeper-started",
     );
     wait_for_file(&started);
-    let mut keeper = 0;
-    wait_until("the keeper names itself", || {
-        keeper = fs::read_to_string(&pause)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(0);
-        keeper > 0
-    });
+    let keeper = paused_pid(&pause);
     unsafe { libc::kill(keeper, libc::SIGKILL) };
     let out = bg.finish();
     assert_eq!(out.status.code(), Some(1), "{}", show(&out));
@@ -1093,13 +1080,7 @@ fn keeper_killed_after_sigterm(env: &Env, locks: &[&str]) -> std::process::Outpu
     args.extend(["--", "sh", "-c", &script]);
     let bg = env.spawn(&args);
     wait_for_file(&started);
-    let keeper = processes_mentioning("__keeper")
-        .into_iter()
-        .find(|p| {
-            fs::read_to_string(format!("/proc/{p}/stat"))
-                .is_ok_and(|s| s.split(' ').nth(3) == Some(&bg.pid().to_string()))
-        })
-        .expect("the keeper runs");
+    let keeper = keeper_of(&bg);
     bg.signal(libc::SIGTERM);
     std::thread::sleep(std::time::Duration::from_millis(300));
     unsafe { libc::kill(keeper as i32, libc::SIGKILL) };
@@ -1124,15 +1105,7 @@ fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n_however_it_came()
         ["exec", "--no-inherit", "--read", "app", "--", "sleep", "30"],
         "keeper-started",
     );
-    // The pause point writes its pid into the file it made: wait for it.
-    let mut keeper = 0;
-    wait_until("the paused keeper's pid", || {
-        keeper = fs::read_to_string(&pause)
-            .ok()
-            .and_then(|t| t.trim().parse().ok())
-            .unwrap_or(0);
-        keeper > 0
-    });
+    let keeper = paused_pid(&pause);
     bg.signal(libc::SIGTERM);
     std::thread::sleep(std::time::Duration::from_millis(200));
     unsafe { libc::kill(keeper, libc::SIGKILL) };
@@ -1143,4 +1116,29 @@ fn a_keeper_killed_after_a_termination_signal_exits_128_plus_n_however_it_came()
         "starting: {}",
         show(&out)
     );
+}
+
+/// The `--no-inherit` keeper of the stowage process `bg` (its child).
+fn keeper_of(bg: &Bg) -> u32 {
+    processes_mentioning("__keeper")
+        .into_iter()
+        .find(|p| {
+            fs::read_to_string(format!("/proc/{p}/stat"))
+                .is_ok_and(|s| s.split(' ').nth(3) == Some(&bg.pid().to_string()))
+        })
+        .expect("the keeper runs")
+}
+
+/// The pid a pause point writes into the file it made (made first, written
+/// a moment later: waited for).
+fn paused_pid(pause: &std::path::Path) -> i32 {
+    let mut pid = 0;
+    wait_until("the paused process's pid", || {
+        pid = fs::read_to_string(pause)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
+        pid > 0
+    });
+    pid
 }
