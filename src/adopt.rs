@@ -121,12 +121,7 @@ fn adopt_one(
         &path,
         Mode::Exclusive,
         crate::lock::IfMissing::Create,
-        |f| {
-            (
-                image_record::read_of(f, name.as_str()).unwrap_or_default(),
-                false,
-            )
-        },
+        |f| image_record::read_proving(f, name.as_str()),
     )
     .map_err(|e| crate::lock::error(&format!("image '{name}'"), &path, e))?;
     let Some((guard, mut seen)) = held else {

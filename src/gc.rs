@@ -321,11 +321,7 @@ fn take_exclusive(
         &root.image_lock(name),
         Mode::Exclusive,
         lock::IfMissing::Fail,
-        |f| {
-            let s = crate::image_record::read_of(f, name.as_str()).unwrap_or_default();
-            let proven = s.record.is_some();
-            (s, proven)
-        },
+        |f| crate::image_record::read_proving(f, name.as_str()),
     )?
     .map(|(guard, seen)| crate::acquire::image::Held {
         name: name.clone(),

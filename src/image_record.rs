@@ -20,9 +20,10 @@
 //!   authority. `W`: a writer waits at the gate (ask the gate). `S`: a
 //!   store-wide operation may hold `store.lock` (ask it). The last use, in
 //!   ms, refreshed by readers at most every [`LAST_USE_RESOLUTION`].
-//! - **Unlinking empties first.** Whoever unlinks a lock file truncates it
-//!   under the exclusive lock, so a valid record read under a lock proves
-//!   that the file is still the one at its path (no stat needed).
+//! - **Unlinking marks first.** Whoever unlinks a lock file marks it gone
+//!   under the exclusive lock (`lock::mark_gone`), so a valid record, or a
+//!   file without the mark (a new image's), read under a lock proves that
+//!   the file is still the one at its path (no stat needed).
 
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -276,6 +277,9 @@ pub struct Seen {
     pub writer_waits: bool,
     pub store_wide: bool,
     pub last_use: Option<Millis>,
+    /// Marked gone by an unlinker (`lock::mark_gone`): no image, and no
+    /// proof that the file is still at its path.
+    pub gone: bool,
 }
 
 impl Seen {
@@ -291,8 +295,30 @@ impl Seen {
         self
     }
 
+    /// Whether this, read under a lock just taken, proves that the file is
+    /// still the one at its path: a record (only holders write one), or a
+    /// file that names no image and was never marked gone by an unlinker.
+    pub fn proves_linked(&self) -> bool {
+        self.record.is_some() || !(self.damaged || self.legacy || self.gone)
+    }
+
+    /// Nothing at all: no record, no hint, no last use (a lock file made
+    /// for nothing, or left by an unlinker that did not get to unlink it).
+    pub fn names_nothing(&self) -> bool {
+        Seen {
+            gone: false,
+            ..self.clone()
+        } == Seen::default()
+    }
+
     /// What `bytes` (the file's first [`AREA`] bytes, or fewer) say.
     pub fn parse(bytes: &[u8]) -> Seen {
+        if bytes.starts_with(crate::lock::GONE) {
+            return Seen {
+                gone: true,
+                ..Seen::default()
+            };
+        }
         let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
         let a = slot(0).and_then(Record::decode);
         let b = slot(1).and_then(Record::decode);
@@ -323,6 +349,7 @@ impl Seen {
                 .and_then(|b| std::str::from_utf8(b).ok())
                 .and_then(|s| Millis::from_str_radix(s, 16).ok())
                 .filter(|&ms| ms > 0),
+            gone: false,
         }
     }
 
@@ -355,6 +382,19 @@ pub fn write_reserved(
 /// Reads what the lock file of the image `name` says (see [`Seen::of`]).
 pub fn read_of(file: &std::fs::File, name: &str) -> io::Result<Seen> {
     Ok(read(file)?.of(|n| n == name))
+}
+
+/// [`read_of`] under a lock just taken, and whether what it read proves
+/// the file still at its path ([`Seen::proves_linked`]); a read that
+/// fails proves nothing and reads as no image.
+pub fn read_proving(file: &std::fs::File, name: &str) -> (Seen, bool) {
+    match read_of(file, name) {
+        Ok(seen) => {
+            let proven = seen.proves_linked();
+            (seen, proven)
+        }
+        Err(_) => (Seen::default(), false),
+    }
 }
 
 /// Reads what the lock file behind `file` says.

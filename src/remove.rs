@@ -353,7 +353,7 @@ pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[Imag
             &root.image_lock(name),
             Mode::Exclusive,
             lock::IfMissing::Fail,
-        ) && image_record::read(g.file()).is_ok_and(|s| s == image_record::Seen::default())
+        ) && image_record::read(g.file()).is_ok_and(|s| s.names_nothing())
         {
             let _ = root.unlink_lock(g);
         }

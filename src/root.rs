@@ -205,9 +205,9 @@ impl Root {
 
     /// Unlinks a lock file we hold exclusively (the unlink rule), through
     /// descriptors of the lock directories: only the very file we locked,
-    /// and only after emptying it (what it said must not prove a ghost: see
-    /// `lock::acquire_no_wait_with`). On a filesystem not known to be local
-    /// the file is kept.
+    /// and only after marking it gone (what it said must not prove a
+    /// ghost: see `lock::acquire_no_wait_with`). On a filesystem not known
+    /// to be local the file is kept.
     pub fn unlink_lock(&self, guard: crate::lock::Guard) -> Result<()> {
         let path = guard.path().to_owned();
         if !crate::lock::unlinks_allowed(&path) {
@@ -224,10 +224,8 @@ impl Root {
         })?;
         let dir = self.open_sub(parent)?;
         let (dev, ino) = guard.identity();
-        guard
-            .file()
-            .set_len(0)
-            .with_context(|| format!("cannot empty {} before unlinking it", path.display()))?;
+        crate::lock::mark_gone(guard.file())
+            .with_context(|| format!("cannot mark {} gone before unlinking it", path.display()))?;
         dir.unlink_if(file, dev, ino)
             .with_context(|| format!("cannot unlink {}", path.display()))?;
         Ok(())

@@ -118,6 +118,10 @@ fn encode(class: &str, l: &Limits, seq: u64) -> Vec<u8> {
 /// What the two slots say: the valid one with the higher `seq`, and which
 /// slot that is.
 fn decode(bytes: &[u8], class: &str) -> (Class, Option<(usize, u64)>) {
+    // Left by an unlinker that did not get to unlink it: no class.
+    if bytes.starts_with(crate::lock::GONE) {
+        return (Class::None, None);
+    }
     let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
     let read = |i: usize| slot(i).map_or(Slot::Empty, |b| decode_slot(b, class));
     let (a, b) = (read(0), read(1));

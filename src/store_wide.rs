@@ -330,9 +330,7 @@ fn forget_missing(
         };
         let Ok(Some((g, seen))) =
             lock::acquire_no_wait_with(&e.path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
-                let s = image_record::read_of(f, name.as_str()).unwrap_or_default();
-                let proven = s.record.is_some();
-                (s, proven)
+                image_record::read_proving(f, name.as_str())
             })
         else {
             continue;

@@ -956,7 +956,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     if lock::unlinks_allowed(&root.image_locks().join("x.lock")) {
         let empty: Vec<Entry> = crate::census::take(&root)?
             .into_iter()
-            .filter(|e| e.seen == crate::image_record::Seen::default())
+            .filter(|e| e.seen.names_nothing())
             .collect();
         let mut gone = 0;
         for e in &empty {
@@ -965,8 +965,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             }
             if let Ok(Some(g)) =
                 lock::acquire_no_wait(&e.path, Mode::Exclusive, lock::IfMissing::Fail)
-                && crate::image_record::read(g.file())
-                    .is_ok_and(|s| s == crate::image_record::Seen::default())
+                && crate::image_record::read(g.file()).is_ok_and(|s| s.names_nothing())
                 && root.unlink_lock(g).is_ok()
             {
                 gone += 1;
@@ -1006,9 +1005,7 @@ fn take_held(root: &crate::root::Root, e: &Entry) -> Option<crate::acquire::imag
     let name = ImageName::parse(e.name()?).ok()?;
     let (guard, seen) =
         lock::acquire_no_wait_with(&e.path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
-            let s = crate::image_record::read_of(f, name.as_str()).unwrap_or_default();
-            let proven = s.record.is_some();
-            (s, proven)
+            crate::image_record::read_proving(f, name.as_str())
         })
         .ok()??;
     // A store-wide command holds the store: left for later.

@@ -10,9 +10,11 @@
 //!   file is locked: the type is asked of the stat the unlink-race check
 //!   makes (or proven by a record read), and before any wait.
 //! - **The unlink race.** A lock file may be unlinked only by a holder of its
-//!   exclusive lock. Every acquirer checks, after flock returns, that the file
-//!   it locked still has links and is still the file at the path (device and
-//!   inode); if not it locked a ghost, and it retries on the new file.
+//!   exclusive lock, which first marks it gone ([`mark_gone`]). Every
+//!   acquirer checks, after flock returns, that the file it locked is still
+//!   the file at the path: by its contents where they prove it (a record
+//!   only holders write, or a file nobody marked gone), else by device and
+//!   inode; if not it locked a ghost, and it retries on the new file.
 //! - **Shared filesystems.** An NFS client may answer `lstat(path)` from its
 //!   caches for many seconds after another host unlinked the file (which
 //!   lives on under a `.nfs…` name while its holder has it open), so there
@@ -464,12 +466,13 @@ impl IfMissing {
 /// [`acquire_no_wait`] for a lock file whose contents can prove that it is
 /// still the file at its path: `read` reads the locked file (the read its
 /// caller makes anyway) and says what it found and whether that proves it.
-/// Every unlink of a lock file empties it first, under the exclusive lock
-/// the unlink rule requires (`Root::unlink_lock`), so
-/// a record only a holder writes — an image's record, a slot class's —
-/// read under our lock proves that nobody unlinked the file before we
-/// locked it, and nobody can while we hold it: the check of the unlink
-/// race costs no stat. Anything else gets the stat check.
+/// Every unlink of a lock file marks it gone first, under the exclusive
+/// lock the unlink rule requires (`Root::unlink_lock`), so a record only a
+/// holder writes — an image's record, a slot class's — or a file without
+/// the mark, read under our lock, proves that nobody unlinked the file
+/// before we locked it, and nobody can while we hold it: the check of the
+/// unlink race costs no stat (on a shared filesystem, no lookup on the
+/// server). Anything else gets the stat check.
 pub fn acquire_no_wait_with<T>(
     path: &Path,
     mode: Mode,
@@ -493,6 +496,19 @@ pub fn acquire_no_wait_with<T>(
         }
     }
     Err(ghost_error(path))
+}
+
+/// What an unlinker leaves in a lock file before unlinking it: the only
+/// contents that are no proof that the file is still at its path.
+pub const GONE: &[u8] = b"stowage-unlinked\n";
+
+/// Marks a lock file we hold exclusively gone, before unlinking it: a
+/// process that opened it and locks it after the unlink reads the mark and
+/// knows it locked a ghost (nothing else it could read says so).
+pub fn mark_gone(file: &File) -> io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    file.set_len(0)?;
+    file.write_all_at(GONE, 0)
 }
 
 /// Makes a fresh lock file at `path` (`O_EXCL`: never one that exists) and

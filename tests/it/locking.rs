@@ -862,3 +862,49 @@ fn a_request_refused_a_later_lock_leaves_the_earlier_images_as_they_were() {
     assert_eq!(env.read_in_image("app", "file"), "made\n");
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
+
+/// A new image's lock file that an unlinker (here `rm` of the image, which
+/// does not exist yet) marks gone and unlinks between the writer's open
+/// and its flock: the writer reads the mark, which proves nothing, finds
+/// another file at the path — held by a second writer — and never runs
+/// its command beside the second one's. The window is made by delaying
+/// the writer's second flock (its image lock's; the first is its lease's)
+/// under strace.
+#[test]
+fn a_lock_file_unlinked_between_open_and_flock_is_never_written_through() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let ran = env.sentinel("first-ran");
+    let mut c = Command::new("strace");
+    c.args(["-f", "-o", "/dev/null", "-e", "trace=flock"])
+        .args(["-e", "inject=flock:delay_enter=4000000:when=2"])
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--write", "new", "--wait", "0.3", "--", "touch"])
+        .arg(&ran)
+        .env_remove("STOWAGE_ROOT");
+    let first = Bg::from_command(c);
+    let lock = env.lock_file("new");
+    let until = Instant::now() + Duration::from_secs(30);
+    while !lock.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let out = env.run(["rm", "new"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    assert!(!lock.exists(), "rm left the empty lock file");
+    let second = env.hold(&["--write", "new"], "second-started");
+    let out = first.finish();
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    assert!(
+        !ran.exists(),
+        "the first writer ran beside the second: {}",
+        show(&out)
+    );
+    env.release("release");
+    let out = second.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}

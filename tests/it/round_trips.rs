@@ -171,3 +171,25 @@ fn an_exec_lists_all_its_locks_in_its_lease_in_one_write() {
         );
     }
 }
+
+/// A new image's lock file is proven to be the file at its path by what it
+/// says (nothing: no unlinker marked it gone), not by looking its path up
+/// again: on a shared filesystem that look is a lookup at the server.
+#[test]
+fn a_new_images_lock_file_is_not_looked_up_again_after_its_lock() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let new = ["exec", "--write", "new", "--", "true"];
+    let Some(log) = traced(&env, Some("trace=%file"), &new) else {
+        return;
+    };
+    let trace = fs::read_to_string(&log).unwrap();
+    let by_path: Vec<_> = trace
+        .lines()
+        .filter(|l| l.contains("locks/images/new.lock\""))
+        .collect();
+    assert_eq!(by_path.len(), 1, "{by_path:#?}");
+}

@@ -371,19 +371,35 @@ fn without_the_recheck_after_flock_two_writers_meet() {
     assert!(trace.contains("rm A: drop"), "{trace}");
 }
 
-/// A removal that unlinks the lock file without emptying it: the waiter
-/// reads the record (`deleting`) in the unlinked file, takes it as proof
-/// that the file is at its path, and writes beside the next writer.
+/// A removal that unlinks the lock file without marking it gone: the
+/// waiter reads the record (`deleting`) in the unlinked file, takes it as
+/// proof that the file is at its path, and writes beside the next writer.
 #[test]
-fn without_emptying_before_unlink_a_record_proves_a_ghost() {
+fn without_marking_before_unlink_a_record_proves_a_ghost() {
     let cfg = config(1, &[&[Op::Rm(A)], &[write(A)], &[write(A)]], 0);
     let trace = mutation(
-        "not emptied before unlink",
+        "not marked before unlink",
         cfg,
-        |r| r.unlink_unemptied = true,
+        |r| r.unlink_unmarked = true,
         EXCLUSION,
     );
     assert!(trace.contains("unlinked files still saying"), "{trace}");
+}
+
+/// Unlinkers that empty the file instead of marking it gone: a writer
+/// that waited on a lock file unlinked meanwhile finds it empty, takes
+/// that as a new image's fresh file at its path, and writes beside the
+/// next writer of the image.
+#[test]
+fn emptied_instead_of_marked_an_unlinked_file_passes_for_a_fresh_one() {
+    let cfg = config(1, &[&[Op::Rm(A)], &[write(A)], &[write(A)]], 0);
+    let trace = mutation(
+        "emptied, not marked, before unlink",
+        cfg,
+        |r| r.unlink_emptied = true,
+        EXCLUSION,
+    );
+    assert!(trace.contains("rm A"), "{trace}");
 }
 
 /// The command touches the tree before the `writing` record replaces

@@ -187,7 +187,11 @@ impl Proto {
     fn got(&self, s: &mut State, p: usize, k: u8, g: u8) {
         let (i, mode, _) = self.want(s, p, k);
         let f = s.files[i as usize].filter(|f| f.g == g);
-        let seen = Self::rec_at(s, i, g);
+        // A mark reads as no image (kept only by a mutation's ghost).
+        let seen = match Self::rec_at(s, i, g) {
+            Rec::Gone => Rec::Empty,
+            r => r,
+        };
         Self::take(s, Key::Img(i, g), p, mode);
         let pr = &mut s.procs[p];
         pr.held.push(Held {
@@ -231,12 +235,13 @@ impl Proto {
     }
 
     /// The blocked flock returns: a ghost (unlinked since we opened it) is
-    /// let go and the path opened again — unless a valid record proves it.
+    /// let go and the path opened again — unless what the file says proves
+    /// it at its path: a valid record, or nothing (never marked gone).
     fn wait(&self, s: &mut State, p: usize, k: u8) {
         let (i, mode, _) = self.want(s, p, k);
         let g = s.procs[p].wgen;
         let here = Self::gen_at(s, i) == Some(g);
-        let proven = matches!(Self::rec_at(s, i, g), Rec::Valid(_));
+        let proven = matches!(Self::rec_at(s, i, g), Rec::Valid(_) | Rec::Empty);
         if !here && !proven && !self.cfg.rules.no_recheck {
             return self.open_for_wait(s, p, k);
         }
@@ -294,9 +299,9 @@ impl Proto {
         let held = s.procs[p].held.clone();
         if let Op::Rm(i) = op {
             match held[0].seen {
-                Rec::Empty => Self::fail(s, p),
-                Rec::Damaged => {
-                    // `remove_held`: no record; the file goes, and our lock.
+                // `remove_held`: no record (a file made for nothing, or
+                // damaged); the file goes, and our lock.
+                Rec::Empty | Rec::Gone | Rec::Damaged => {
                     self.drop_record(s, p, i, held[0].g);
                     Self::fail(s, p);
                 }

@@ -7,8 +7,9 @@
 //! - An image's record lives in its lock file: two slots, the newest valid
 //!   one wins, so a write cut short (`Torn`) leaves the record before it.
 //!   Only the holder of the exclusive lock writes it.
-//! - Lock files have generations: one unlinked (emptied first) while a
-//!   waiter is blocked on it is a ghost, which the waiter must notice.
+//! - Lock files have generations: one unlinked (marked gone first) while a
+//!   waiter is blocked on it is a ghost, which the waiter must notice: a
+//!   record, or a file with nothing in it, proves the file at its path.
 //! - The catalog is derived: an adversary deletes, empties, damages or
 //!   replaces it at any moment, and nothing may depend on it.
 //! - `store.lock` and the gates are single lock files (never unlinked in
@@ -52,6 +53,8 @@ pub enum Rec {
     Empty,
     Damaged,
     Valid(St),
+    /// Marked gone by its unlinker (only ever in an unlinked file).
+    Gone,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -200,9 +203,12 @@ pub struct Rules {
     /// A waiter keeps the lock of a file unlinked since it opened it (no
     /// check that the file is still the one at its path).
     pub no_recheck: bool,
-    /// Lock files are unlinked without being emptied first (so a valid
-    /// record no longer proves that the file is at its path).
-    pub unlink_unemptied: bool,
+    /// Lock files are unlinked as they are, not marked gone first (so a
+    /// valid record no longer proves that the file is at its path).
+    pub unlink_unmarked: bool,
+    /// Lock files are emptied, not marked gone, before an unlink (so an
+    /// unlinked file passes for a new image's fresh one).
+    pub unlink_emptied: bool,
     /// The command touches the tree before `writing`/`creating` is written.
     pub tree_before_record: bool,
     /// A new image's `mkdir` before its `creating` record.
@@ -374,8 +380,8 @@ pub struct State {
     /// The lock file at each image's path.
     pub files: Vec<Option<File>>,
     pub next_gen: Vec<u8>,
-    /// Unlinked lock files that still say something (only when a rule is
-    /// off: every unlink empties the file first).
+    /// Unlinked lock files that still say something (`Gone`, unless a rule
+    /// is off).
     pub ghosts: Vec<(u8, u8, Rec)>,
     pub trees: Vec<Tree>,
     pub cat: Catalog,
@@ -506,13 +512,15 @@ impl Proto {
     /// Writes file `(i, g)`'s record (`Rec::Empty`: truncates it). A first
     /// record is written over the whole area, hints included.
     pub(crate) fn set_rec(&self, s: &mut State, p: usize, i: u8, g: u8, rec: Rec) {
-        if Self::rec_at(s, i, g) != rec {
+        // Marking a file that names no image gone changes no image.
+        let image = |r: Rec| if r == Rec::Gone { Rec::Empty } else { r };
+        if image(Self::rec_at(s, i, g)) != image(rec) {
             self.touch(s, p, i);
         }
         match &mut s.files[i as usize] {
             Some(f) if f.g == g => {
                 let whole = f.rec == Rec::Empty && self.cfg.rules.first_write_erases_hints;
-                if rec == Rec::Empty || whole {
+                if matches!(rec, Rec::Empty | Rec::Gone) || whole {
                     (f.ww, f.sw) = (false, false);
                 }
                 f.rec = rec;
@@ -527,11 +535,14 @@ impl Proto {
         }
     }
 
-    /// `Root::unlink_lock`: emptied, then unlinked if it is still the file
-    /// at the path (`unlink_if`).
+    /// `Root::unlink_lock`: marked gone, then unlinked if it is still the
+    /// file at the path (`unlink_if`).
     pub(crate) fn unlink(&self, s: &mut State, p: usize, i: u8, g: u8) {
-        if !self.cfg.rules.unlink_unemptied {
+        let r = &self.cfg.rules;
+        if r.unlink_emptied {
             self.set_rec(s, p, i, g, Rec::Empty);
+        } else if !r.unlink_unmarked {
+            self.set_rec(s, p, i, g, Rec::Gone);
         }
         if let Some(f) = s.files[i as usize].filter(|f| f.g == g) {
             if f.rec != Rec::Empty {
@@ -545,7 +556,7 @@ impl Proto {
     /// `Root::drop_record`: the record goes, then the lock file, then our
     /// lock on it.
     pub(crate) fn drop_record(&self, s: &mut State, p: usize, i: u8, g: u8) {
-        if !self.cfg.rules.unlink_unemptied {
+        if !self.cfg.rules.unlink_unmarked {
             self.set_rec(s, p, i, g, Rec::Empty);
         }
         self.unlink(s, p, i, g);
