@@ -115,8 +115,12 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     }
     let moved = after_take_out(root, &mut held, &before, taken)?;
     debug::pause("rm-moved");
-    // 3. The record goes, with its lock file.
+    // 3. The record goes, with its lock file — no longer listed in our
+    // lease first: the lock is free the moment it goes, and a holder that
+    // takes it then is the only one to name (the deletion of the trash
+    // below is outside every lock).
     let name = held.name.clone();
+    crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
     root.drop_record(&name, held.guard)
         .with_context(|| format!("cannot remove the lock file of image '{name}'"))?;
     // 4. Outside every lock.

@@ -171,16 +171,26 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, u64, u64)>
         if crate::signals::check().is_err() {
             break;
         }
-        let Ok(Some(_reading)) = crate::lock::acquire_no_wait(
+        let Ok(Some(reading)) = crate::lock::acquire_no_wait(
             &img.entry.path,
             crate::lock::Mode::Shared,
             crate::lock::IfMissing::Fail,
         ) else {
             continue;
         };
+        // Named by our lease while it measures (on another host nothing
+        // else names the holder), and no longer before the lock goes.
+        let rel = format!("images/{}", img.entry.file);
+        let what = "stowage (measuring the image's size)";
+        let hold = crate::lease::Holding::now(crate::lock::Mode::Shared, rel.clone(), false, what);
+        crate::lease::note(&root.leases(), hold);
+        crate::debug::pause("size-measuring");
         let tree = crate::images_dir::tree_of(root, &img.record);
+        let measured = crate::disk_usage::disk_usage_if_there(&tree);
+        crate::lease::forget(&root.leases(), &rel);
+        drop(reading);
         // A failed writer's image may have no tree: it takes nothing.
-        let size = match crate::disk_usage::disk_usage_if_there(&tree) {
+        let size = match measured {
             Ok(Some(size)) => size,
             Ok(None) if img.state == State::Incomplete => 0,
             _ => continue,
