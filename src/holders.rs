@@ -8,8 +8,13 @@
 //! - **A holder is listed once, wherever it runs.** A lease's owner is found
 //!   in the table through the lease file's own entry (its owner holds it
 //!   exclusively), and that process's entries on the lock are its own, not
-//!   an outsider's. Across pid namespaces and hosts the table shows nothing
-//!   of it, and the lease alone names it.
+//!   an outsider's; a line the table shows the owner without (a lock let go
+//!   of) names nobody. Across pid namespaces and hosts the table shows
+//!   nothing of it, and the lease alone names it.
+//! - **A pid is never enough.** A pid the table shows is a lease owner's
+//!   only while the process at that pid started when the owner did, and a
+//!   dead owner's only while no other process holds the lock through a
+//!   descriptor of its own.
 //! - **A lock held by a process stowage did not start still shows as held**:
 //!   by its pid and command where the table has it, else as unidentified.
 //! - How a wait is said and followed is `wait_line.rs`.
@@ -259,13 +264,16 @@ impl<'c> Look<'c> {
         taker_in(self.table.as_ref()?, self.kdev?, id)
     }
 
-    /// The live lease whose owner the table shows as `pid`: among those
-    /// listed, else among leases made since (listed and read again once).
-    fn lease_of_pid(&self, pid: Option<u32>) -> Option<(String, Identity)> {
-        let pid = pid?;
+    /// The live lease whose owner the table shows as `pid` (and is still
+    /// the process at that pid): among those listed, else among leases made
+    /// since (listed and read again once), else in a fresh table read that
+    /// still shows `e` on the lock at `path`.
+    fn lease_of_pid(&self, path: &Path, e: &Entry) -> Option<(String, Identity)> {
+        let pid = e.pid?;
+        let owner = |id: &Identity| id.owner_is(pid) != Some(false);
         let found = |all: &[(String, Identity)]| {
             all.iter()
-                .find(|(n, id)| self.taker(id) == Some(pid) && self.alive(n))
+                .find(|(n, id)| self.taker(id) == Some(pid) && owner(id) && self.alive(n))
                 .cloned()
         };
         if let Some(f) = found(&self.said) {
@@ -286,21 +294,38 @@ impl<'c> Look<'c> {
         // The table is read a list at a time (one per CPU): a holder that
         // took its lease's lock on a list already read, and its image's on
         // one read later, shows holding the image alone. The fresh read,
-        // made after, names its lease's taker.
+        // made after, names its lease's taker — if it still shows the
+        // entry (else the pid may be another process's by now).
         let kdev = self.kdev?;
-        let mut fresh = self.fresh.borrow_mut();
-        let table = fresh.get_or_insert_with(|| crate::kernel::read_table().ok());
-        let table = table.as_ref()?;
+        if !self.still_there(path, e) {
+            return None;
+        }
+        let fresh = self.fresh.borrow();
+        let table = fresh.as_ref()?.as_ref()?;
         self.said
             .iter()
             .chain(more.iter())
-            .find(|(n, id)| taker_in(table, kdev, id) == Some(pid) && self.alive(n))
+            .find(|(n, id)| taker_in(table, kdev, id) == Some(pid) && owner(id) && self.alive(n))
             .cloned()
+    }
+
+    /// Whether the table shows the owner of lease `id` (by its lease's own
+    /// lock) and none of the owner's entries on a lock whose entries are
+    /// `entries`, in the mode the held line `h` lists: the line outlived
+    /// its lock (a removal gone on to its next image, a process ending).
+    fn outlived(&self, id: &Identity, h: &Holding, entries: Option<&[Entry]>) -> bool {
+        let (Some(es), Some(taker)) = (entries, self.taker(id)) else {
+            return false;
+        };
+        !h.awaits
+            && !es
+                .iter()
+                .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(taker))
     }
 
     /// The live leases that list `rel` as held in `mode` now (read afresh,
     /// once per look).
-    fn listing_now(&self, rel: &str, mode: Mode) -> Vec<Party> {
+    fn listing_now(&self, rel: &str, mode: Mode, entries: Option<&[Entry]>) -> Vec<Party> {
         let mut reread = self.reread.borrow_mut();
         let all = reread.get_or_insert_with(|| {
             crate::lease::listing(&self.leases_dir)
@@ -315,6 +340,7 @@ impl<'c> Look<'c> {
                 id.holdings
                     .iter()
                     .filter(|h| !h.awaits && h.lockfile == rel && h.mode == mode)
+                    .filter(move |h| !self.outlived(id, h, entries))
                     .map(move |h| Party::leased(n, id, h))
             })
             .collect()
@@ -339,7 +365,8 @@ impl<'c> Look<'c> {
     /// lock, taken without waiting), keeping a dead one that still names a
     /// holder: its owner's pid is one of this kernel's and the table shows
     /// a lock it lists still held under that pid (a command that closed the
-    /// lease it inherited, its stowage gone). Returns how many went.
+    /// lease it inherited, its stowage gone) — not by a later process given
+    /// that pid, through a descriptor of its own. Returns how many went.
     pub fn clean_leases(&self) -> usize {
         let locks = self.ctx.root.locks();
         crate::lease::clean_keeping(&self.leases_dir, &mut |name| {
@@ -350,12 +377,23 @@ impl<'c> Look<'c> {
                 return false;
             };
             id.holdings.iter().filter(|h| !h.awaits).any(|h| {
-                self.entries(&locks.join(&h.lockfile)).is_some_and(|es| {
+                let path = locks.join(&h.lockfile);
+                self.entries(&path).is_some_and(|es| {
                     es.iter()
                         .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(pid))
-                })
+                }) && !self.own_lock(pid, &path)
             })
         })
+    }
+
+    /// Whether the live process `pid` holds the lock at `path` through a
+    /// descriptor of its own (not one inherited from a dead taker of that
+    /// pid).
+    fn own_lock(&self, pid: u32, path: &Path) -> bool {
+        let (Some(kdev), Ok(m)) = (self.kdev, std::fs::symlink_metadata(path)) else {
+            return false;
+        };
+        crate::kernel::holds_through_own_fd(pid, kdev, m.ino())
     }
 
     fn entries(&self, path: &Path) -> Option<Vec<Entry>> {
@@ -378,15 +416,17 @@ impl<'c> Look<'c> {
                     .map(move |h| (n, id, h))
             })
             .collect();
-        let state = self.state(path, entries.as_deref(), &listing);
+        let mut state = self.state(path, entries.as_deref(), &listing);
         let mut claimed = vec![false; entries.as_ref().map_or(0, Vec::len)];
         let (mut holders, mut waiters) =
             self.leased(&listing, entries.as_deref(), state, &mut claimed);
+        let mut vanished = false;
         for (i, e) in entries.iter().flatten().enumerate() {
             if claimed[i] {
                 continue;
             }
             let Some(party) = self.unclaimed(&listing, path, rel, e) else {
+                vanished |= !e.blocked;
                 continue;
             };
             if e.blocked {
@@ -395,8 +435,12 @@ impl<'c> Look<'c> {
                 holders.push(party);
             }
         }
+        // A holder the table showed is gone since: the lock may be free.
+        if holders.is_empty() && vanished {
+            state = probe(path);
+        }
         if holders.is_empty() && state != Probe::Free && state != Probe::Missing {
-            holders = self.held_by_whom(rel, state);
+            holders = self.held_by_whom(rel, state, entries.as_deref());
         }
         LockReport {
             kind,
@@ -447,12 +491,21 @@ impl<'c> Look<'c> {
             {
                 claimed[i] = true;
             }
+            if self.outlived(id, h, entries) {
+                continue;
+            }
+            let mut party = Party::leased(n, id, h);
+            // Its pid as this namespace sees it, where the table shows it
+            // (the lease says the owner's own namespace's).
+            if !id.pid_is_ours() && taker.is_some() {
+                party.pid = taker;
+            }
             if h.awaits {
                 if state != Probe::Free {
-                    waiters.push(Party::leased(n, id, h));
+                    waiters.push(party);
                 }
             } else if held_in(state, h.mode) {
-                holders.push(Party::leased(n, id, h));
+                holders.push(party);
             }
         }
         (holders, waiters)
@@ -463,21 +516,24 @@ impl<'c> Look<'c> {
     fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Option<Party> {
         // A command that closed the lease it inherited, its stowage gone:
         // the dead lease still says for what.
-        let dead = e.pid.and_then(|pid| {
-            listing.iter().find(|(n, id, h)| {
-                !h.awaits
-                    && h.mode == e.mode
-                    && id.pid == Some(pid)
-                    && id.pid_is_ours()
-                    && !self.alive(n)
-            })
-        });
+        let dead = e
+            .pid
+            .filter(|&pid| !self.own_lock(pid, path))
+            .and_then(|pid| {
+                listing.iter().find(|(n, id, h)| {
+                    !h.awaits
+                        && h.mode == e.mode
+                        && id.pid == Some(pid)
+                        && id.pid_is_ours()
+                        && !self.alive(n)
+                })
+            });
         if let Some((n, id, h)) = dead {
             return Some(Party::leased(n, id, h));
         }
         // A stowage process that holds the lock before its lease lists it
         // (a moment after taking it): its lease's taker.
-        match self.lease_of_pid(e.pid) {
+        match self.lease_of_pid(path, e) {
             Some((n, id)) => {
                 let h = Holding::now(e.mode, rel.to_owned(), e.blocked, &id.command);
                 Some(Party {
@@ -495,7 +551,7 @@ impl<'c> Look<'c> {
     /// it) is found by a fresh read of the leases — a holder lists its lock
     /// a moment after taking it, so where no table can tell, a few reads a
     /// moment apart. Else a holder stowage cannot identify.
-    fn held_by_whom(&self, rel: &str, state: Probe) -> Vec<Party> {
+    fn held_by_whom(&self, rel: &str, state: Probe, entries: Option<&[Entry]>) -> Vec<Party> {
         let mode = if state == Probe::Exclusive {
             Mode::Exclusive
         } else {
@@ -503,7 +559,7 @@ impl<'c> Look<'c> {
         };
         let mut holders = Vec::new();
         for attempt in 0..3 {
-            holders = self.listing_now(rel, mode);
+            holders = self.listing_now(rel, mode, entries);
             if !holders.is_empty() || self.table.is_some() {
                 break;
             }

@@ -106,7 +106,16 @@ fn boot_id() -> Option<String> {
 /// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None
 /// when the process is gone or a zombie (a zombie holds no locks).
 pub fn start_time(pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    start_in(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// This process's start time ([`start_time`]), whatever pid namespace the
+/// mounted /proc is of.
+pub fn own_start_time() -> Option<u64> {
+    start_in(&fs::read_to_string("/proc/self/stat").ok()?)
+}
+
+fn start_in(stat: &str) -> Option<u64> {
     // The command name (field 2) is in parentheses and may contain spaces or
     // parentheses itself: parse from the last ')'.
     let rest = &stat[stat.rfind(')')? + 1..];

@@ -47,6 +47,23 @@ pub fn device_of(dir: &Path) -> Option<u64> {
         .map(|((dev, _), _)| dev)
 }
 
+/// Whether the local process `pid` holds a flock on the file `(dev, ino)`
+/// through a descriptor of its own (`/proc/PID/fdinfo`): the table names a
+/// lock by the pid that took it, which may since be another process's.
+pub fn holds_through_own_fd(pid: u32, dev: u64, ino: u64) -> bool {
+    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        fs::read_to_string(fd.path()).is_ok_and(|info| {
+            info.lines()
+                .filter_map(|l| l.strip_prefix("lock:"))
+                .filter_map(|l| parse_line(l.trim_start()))
+                .any(|(key, e)| key == (dev, ino) && !e.blocked)
+        })
+    })
+}
+
 /// Reads /proc/locks. The kernel produces it a page at a time, and entries
 /// that move while it is read can be skipped or repeated: it is read until
 /// two reads agree (at most four times) and the reads are folded.

@@ -402,10 +402,11 @@ fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::Fil
     // lets `lock-status --why` follow a wait through a nested call.
     let within = std::env::var(crate::env::EXEC_LEASES).unwrap_or_default();
     let text = format!(
-        "host={}\npid={}\npid_ns={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\nwithin={}\n",
+        "host={}\npid={}\npid_ns={}\nstart={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\nwithin={}\n",
         me.host,
         me.pid,
         pid_namespace().unwrap_or_default(),
+        crate::ident::own_start_time().map_or(String::new(), |t| t.to_string()),
         me.boot_id.as_deref().unwrap_or(""),
         me.user,
         crate::ident::shell_join(
@@ -547,6 +548,9 @@ pub struct Identity {
     /// as this namespace sees it, only where both are ours.
     pub boot_id: Option<String>,
     pub pid_ns: Option<String>,
+    /// The owner's start, in clock ticks since boot (`/proc/PID/stat`):
+    /// what tells the owner from a later process given its pid.
+    pub start: Option<u64>,
     /// What the owner holds and awaits, as it listed it.
     pub holdings: Vec<Holding>,
     /// The leases of the execs the owner runs inside, outermost first.
@@ -557,6 +561,18 @@ pub struct Identity {
 }
 
 impl Identity {
+    /// Whether the process this namespace sees as `pid` (on this host and
+    /// boot) is the lease's owner, judged by its start: `None` where that
+    /// cannot be told (another host or boot, a lease without its start).
+    pub fn owner_is(&self, pid: u32) -> Option<bool> {
+        let me = crate::ident::Me::current();
+        if self.host != me.host || self.boot_id.is_none() || self.boot_id != me.boot_id {
+            return None;
+        }
+        let start = self.start?;
+        Some(crate::ident::start_time(pid) == Some(start))
+    }
+
     /// Whether the owner's pid means the same process to this one: same
     /// host, boot and pid namespace.
     pub fn pid_is_ours(&self) -> bool {
@@ -609,6 +625,7 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             "since" => id.since = v.parse().ok(),
             "boot_id" if !v.is_empty() => id.boot_id = Some(v.to_owned()),
             "pid_ns" if !v.is_empty() => id.pid_ns = Some(v.to_owned()),
+            "start" => id.start = v.parse().ok(),
             "hold" | "await" => id.holdings.extend(Holding::parse(k, v)),
             "within" => {
                 id.within = v

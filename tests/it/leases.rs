@@ -251,6 +251,14 @@ fn holders_in_other_pid_namespaces_are_listed_once_from_everywhere() {
         .unwrap()
         .clone();
     assert_eq!(outsider["pid"], flock.pid(), "{from_here:#}");
+    // The container's holder by its pid here, the one signals from here
+    // reach (the lease says the container's own).
+    let pid = holders_of(&from_here, "in-container")[0]["pid"].clone();
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    assert!(
+        String::from_utf8_lossy(&cmdline).contains("in-container"),
+        "pid {pid} is not the container's holder here: {from_here:#}"
+    );
 
     // From inside each holder's own namespace, whose table hides everything
     // taken outside it (flock(1) included: nobody can tell it is there).
@@ -1305,4 +1313,191 @@ fn commands_leave_no_lease_behind() {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert!(left.is_empty(), "{left:?}");
+}
+
+/// Runs shell `script` in a new pid namespace of its own (own /proc), with
+/// `$S` the stowage binary and `$R` the root: there the script alone makes
+/// processes, so it can give a pid it freed to the next one it starts
+/// (`ns_last_pid`). Returns its output once it exits.
+fn in_own_pids(env: &Env, script: &str) -> std::process::Output {
+    let mut c = Command::new("unshare");
+    c.args(["--pid", "--fork", "--mount-proc", "sh", "-eu", "-c", script])
+        .env("S", bin())
+        .env("R", &env.root)
+        .env("T", &env.scratch)
+        .env_remove("STOWAGE_ROOT")
+        .env_remove("STOWAGE_NOW");
+    wait_output(
+        c.stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+        Duration::from_secs(120),
+    )
+}
+
+/// Shell functions for [`in_own_pids`]: `until_file F` waits (bounded) for
+/// F; `as_pid P CMD…` starts CMD in the background as pid P (the pid just
+/// freed), failing if another got it.
+const PID_TOOLS: &str = r#"
+until_file() { i=0; while [ ! -s "$1" ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; [ -s "$1" ]; }
+as_pid() { p=$1; shift; echo $((p - 1)) > /proc/sys/kernel/ns_last_pid; "$@" & [ $! -eq $p ] || { echo "pid $p went to $!" >&2; exit 3; }; }
+"#;
+
+/// The one holder of `image` in `lock-status --json` output `text`.
+fn only_holder(text: &str, image: &str) -> Value {
+    let status: Value = serde_json::from_str(text).unwrap();
+    let entry = image_entry(&status, image);
+    let holders = entry["holders"].as_array().cloned().unwrap_or_default();
+    assert_eq!(holders.len(), 1, "one holder of {image}: {entry:#}");
+    holders[0].clone()
+}
+
+/// A pid the table shows is a lease owner's only while the process at that
+/// pid is the owner: a killed stowage's pid, given to flock(1), names
+/// flock(1) — both where the dead stowage's command still holds its lease
+/// and image (an exec), and where its lease is dead and lists the lock
+/// flock(1) now holds (an rm killed mid-removal).
+#[test]
+fn a_dead_stowages_pid_given_to_another_process_names_that_process() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    for image in ["a", "b", "c"] {
+        env.make_image(image);
+    }
+    let script = format!(
+        r#"{PID_TOOLS}
+$S --root $R exec --read a -- sh -c 'echo $$ > $T/cmd; exec sleep 60' &
+x=$!; until_file $T/cmd; kill -9 $x; wait $x || true
+as_pid $x flock -x $R/locks/images/b.lock sleep 60
+sleep 0.2; $S --root $R lock-status --json b > $T/exec.json
+STOWAGE_DEBUG_PAUSE=rm-marked:$T/rm-paused $S --root $R rm c &
+y=$!; until_file $T/rm-paused; kill -9 $y; wait $y || true
+as_pid $y flock -x $R/locks/images/c.lock sleep 60
+sleep 0.2; $S --root $R lock-status --json c > $T/rm.json
+"#
+    );
+    let out = in_own_pids(&env, &script);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    for (json, image) in [("exec.json", "b"), ("rm.json", "c")] {
+        let text = fs::read_to_string(env.scratch.join(json)).unwrap();
+        let h = only_holder(&text, image);
+        assert_eq!(h["stowage"], false, "{image}: {h:#}");
+        assert!(
+            h["command"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("flock")),
+            "{image}: {h:#}"
+        );
+    }
+}
+
+/// A holder the look's first table read showed, gone before its second,
+/// its pid since given to a stowage process that holds nothing of the
+/// lock: the lock is free, and nobody is named.
+#[test]
+fn a_holder_gone_during_a_look_is_not_named_by_its_pids_next_owner() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let script = format!(
+        r#"{PID_TOOLS}
+flock -o -x $R/locks/images/b.lock sleep 60 &
+f=$!; sleep 0.2
+STOWAGE_DEBUG_PAUSE=status-table-read:$T/look-paused $S --root $R lock-status --json b > $T/look.json &
+l=$!; until_file $T/look-paused
+kill -9 $f; wait $f || true
+as_pid $f $S --root $R exec --read a -- sh -c "touch $T/reading; exec sleep 60"
+until_file_any() {{ i=0; while [ ! -e "$1" ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; }}
+until_file_any $T/reading
+rm $T/look-paused; wait $l
+"#
+    );
+    let out = in_own_pids(&env, &script);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let text = fs::read_to_string(env.scratch.join("look.json")).unwrap();
+    let entry = image_entry(&serde_json::from_str(&text).unwrap(), "b");
+    assert_eq!(entry["state"], "free", "{entry:#}");
+    assert_eq!(entry["holders"], serde_json::json!([]), "{entry:#}");
+}
+
+/// A removal lets go of each image once it is removed: the next holder
+/// of the first image, while the removal waits at the second, is the one
+/// holder named — from here (which sees the lock table) and from another
+/// host (which sees only the leases).
+#[test]
+fn a_removal_names_only_the_images_it_still_holds() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let (rm, pause) = env.paused(["rm", "a", "b"], "rm-marked");
+    // Let it go on from `a`, to the same point at `b`.
+    fs::remove_file(&pause).unwrap();
+    wait_until("rm is at b", || {
+        fs::read_to_string(&pause).is_ok_and(|s| !s.is_empty())
+    });
+    let writer = env.hold(&["--write", "a"], "writer");
+    for (entry, from) in [
+        (env.lock_entry("a").unwrap(), "here"),
+        (
+            image_entry(&status_from_elsewhere(&env, "hostC", "a"), "a"),
+            "hostC",
+        ),
+    ] {
+        assert_listed_once(&entry, &[("writer", our_hostname().as_str())], 0, from);
+    }
+    let b = env.lock_entry("b").unwrap();
+    let holders = b["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{b:#}");
+    assert!(
+        holders[0]["command"].as_str().unwrap().contains("rm"),
+        "{b:#}"
+    );
+    fs::remove_file(&pause).unwrap();
+    let out = rm.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.release("release");
+    writer.finish();
+}
+
+/// The survey of sizes (`images`, gc) holds each image it measures shared:
+/// it is named by its lease, not shown as a process outside stowage — here
+/// and on another host.
+#[test]
+fn a_size_measurement_is_named_by_its_lease() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    let (images, pause) = env.paused(["images"], "size-measuring");
+    for (entry, from) in [
+        (env.lock_entry("a").unwrap(), "here"),
+        (
+            image_entry(&status_from_elsewhere(&env, "hostC", "a"), "a"),
+            "hostC",
+        ),
+    ] {
+        let holders = entry["holders"].as_array().unwrap();
+        assert_eq!(holders.len(), 1, "from {from}: {entry:#}");
+        assert_eq!(holders[0]["stowage"], true, "from {from}: {entry:#}");
+        assert!(
+            holders[0]["command"]
+                .as_str()
+                .unwrap()
+                .contains("measuring"),
+            "from {from}: {entry:#}"
+        );
+    }
+    fs::remove_file(&pause).unwrap();
+    let out = images.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
