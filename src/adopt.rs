@@ -121,7 +121,7 @@ fn adopt_one(
         &path,
         Mode::Exclusive,
         crate::lock::IfMissing::Create,
-        |f| image_record::read_proving(f, name.as_str()),
+        |f| image_record::read_proving(f, &path, name.as_str()),
     )
     .map_err(|e| crate::lock::error(&format!("image '{name}'"), &path, e))?;
     let Some((guard, mut seen)) = held else {

@@ -317,17 +317,17 @@ fn take_exclusive(
     root: &crate::root::Root,
     name: &ImageName,
 ) -> std::io::Result<Option<crate::acquire::image::Held>> {
-    Ok(lock::acquire_no_wait_with(
-        &root.image_lock(name),
-        Mode::Exclusive,
-        lock::IfMissing::Fail,
-        |f| crate::image_record::read_proving(f, name.as_str()),
-    )?
-    .map(|(guard, seen)| crate::acquire::image::Held {
-        name: name.clone(),
-        guard,
-        seen,
-    }))
+    let path = root.image_lock(name);
+    Ok(
+        lock::acquire_no_wait_with(&path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
+            crate::image_record::read_proving(f, &path, name.as_str())
+        })?
+        .map(|(guard, seen)| crate::acquire::image::Held {
+            name: name.clone(),
+            guard,
+            seen,
+        }),
+    )
 }
 
 /// What each image takes, and what removing it frees (see disk_usage.rs).

@@ -295,11 +295,17 @@ impl Seen {
         self
     }
 
-    /// Whether this, read under a lock just taken, proves that the file is
-    /// still the one at its path: a record (only holders write one), or a
-    /// file that names no image and was never marked gone by an unlinker.
-    pub fn proves_linked(&self) -> bool {
-        self.record.is_some() || !(self.damaged || self.legacy || self.gone)
+    /// Whether this, read under a lock just taken from `path`, proves that
+    /// the file is still the one at its path: a record (only holders write
+    /// one), or — where lock files are never unlinked but by a host that
+    /// sees the store as local, which marks them first — a file that names
+    /// no image and was never marked gone. Where lock files are unlinked
+    /// (a local filesystem) an empty file is checked by a stat, which costs
+    /// no server there: a build from before the mark, which emptied files
+    /// it unlinked, may share the store.
+    pub fn proves_linked(&self, path: &std::path::Path) -> bool {
+        self.record.is_some()
+            || !(self.damaged || self.legacy || self.gone || crate::lock::unlinks_allowed(path))
     }
 
     /// Nothing at all: no record, no hint, no last use (a lock file made
@@ -384,13 +390,13 @@ pub fn read_of(file: &std::fs::File, name: &str) -> io::Result<Seen> {
     Ok(read(file)?.of(|n| n == name))
 }
 
-/// [`read_of`] under a lock just taken, and whether what it read proves
-/// the file still at its path ([`Seen::proves_linked`]); a read that
-/// fails proves nothing and reads as no image.
-pub fn read_proving(file: &std::fs::File, name: &str) -> (Seen, bool) {
+/// [`read_of`] under a lock just taken from `path`, and whether what it
+/// read proves the file still at its path ([`Seen::proves_linked`]); a
+/// read that fails proves nothing and reads as no image.
+pub fn read_proving(file: &std::fs::File, path: &std::path::Path, name: &str) -> (Seen, bool) {
     match read_of(file, name) {
         Ok(seen) => {
-            let proven = seen.proves_linked();
+            let proven = seen.proves_linked(path);
             (seen, proven)
         }
         Err(_) => (Seen::default(), false),

@@ -330,7 +330,7 @@ fn forget_missing(
         };
         let Ok(Some((g, seen))) =
             lock::acquire_no_wait_with(&e.path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
-                image_record::read_proving(f, name.as_str())
+                image_record::read_proving(f, &e.path, name.as_str())
             })
         else {
             continue;

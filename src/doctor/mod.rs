@@ -1005,7 +1005,7 @@ fn take_held(root: &crate::root::Root, e: &Entry) -> Option<crate::acquire::imag
     let name = ImageName::parse(e.name()?).ok()?;
     let (guard, seen) =
         lock::acquire_no_wait_with(&e.path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
-            crate::image_record::read_proving(f, name.as_str())
+            crate::image_record::read_proving(f, &e.path, name.as_str())
         })
         .ok()??;
     // A store-wide command holds the store: left for later.

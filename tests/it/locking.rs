@@ -867,9 +867,11 @@ fn a_request_refused_a_later_lock_leaves_the_earlier_images_as_they_were() {
 /// does not exist yet) marks gone and unlinks between the writer's open
 /// and its flock: the writer reads the mark, which proves nothing, finds
 /// another file at the path — held by a second writer — and never runs
-/// its command beside the second one's. The window is made by delaying
-/// the writer's second flock (its image lock's; the first is its lease's)
-/// under strace.
+/// its command beside the second one's. The writer sees the store as on a
+/// shared filesystem (where an empty file proves itself at its path), the
+/// `rm` as local (a host that sees the store as local unlinks). The window
+/// is made by delaying the writer's second flock (its image lock's; the
+/// first is its lease's) under strace.
 #[test]
 fn a_lock_file_unlinked_between_open_and_flock_is_never_written_through() {
     if !tool_or_skip("strace", "strace") {
@@ -886,7 +888,8 @@ fn a_lock_file_unlinked_between_open_and_flock_is_never_written_through() {
         .arg(&env.root)
         .args(["exec", "--write", "new", "--wait", "0.3", "--", "touch"])
         .arg(&ran)
-        .env_remove("STOWAGE_ROOT");
+        .env_remove("STOWAGE_ROOT")
+        .env(stowage::env::DEBUG_FILESYSTEM, "nfs");
     let first = Bg::from_command(c);
     let lock = env.lock_file("new");
     let until = Instant::now() + Duration::from_secs(30);

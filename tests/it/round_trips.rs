@@ -128,6 +128,16 @@ fn a_new_root_on_a_local_filesystem_writes_nothing_through() {
 /// strace filter `what`, paths and 4 KiB of each string shown) and returns
 /// the log; `None` (the reason printed) where strace cannot trace here.
 fn traced(env: &Env, what: Option<&str>, args: &[&str]) -> Option<std::path::PathBuf> {
+    traced_with(env, what, args, |_| {})
+}
+
+/// [`traced`], with `tweak` applied to the command first.
+fn traced_with(
+    env: &Env,
+    what: Option<&str>,
+    args: &[&str],
+    tweak: impl FnOnce(&mut Command),
+) -> Option<std::path::PathBuf> {
     let log = env.scratch.join("strace.log");
     let mut c = Command::new("strace");
     c.args(["-f", "-y", "-s", "4096"]);
@@ -137,6 +147,7 @@ fn traced(env: &Env, what: Option<&str>, args: &[&str]) -> Option<std::path::Pat
     c.arg("-o").arg(&log).arg(bin());
     c.arg("--root").arg(&env.root).args(args);
     c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+    tweak(&mut c);
     let out = output(c);
     if code(&out) != Some(0) {
         eprintln!("skipping: strace cannot trace here: {}", show(&out));
@@ -172,9 +183,9 @@ fn an_exec_lists_all_its_locks_in_its_lease_in_one_write() {
     }
 }
 
-/// A new image's lock file is proven to be the file at its path by what it
-/// says (nothing: no unlinker marked it gone), not by looking its path up
-/// again: on a shared filesystem that look is a lookup at the server.
+/// On a shared filesystem a new image's lock file is proven to be the file
+/// at its path by what it says (nothing: no unlinker marked it gone), not
+/// by opening its path again, a lookup at the server.
 #[test]
 fn a_new_images_lock_file_is_not_looked_up_again_after_its_lock() {
     if !tool_or_skip("strace", "strace") {
@@ -183,7 +194,9 @@ fn a_new_images_lock_file_is_not_looked_up_again_after_its_lock() {
     let env = Env::new();
     env.make_image("base");
     let new = ["exec", "--write", "new", "--", "true"];
-    let Some(log) = traced(&env, Some("trace=%file"), &new) else {
+    let Some(log) = traced_with(&env, Some("trace=%file"), &new, |c| {
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+    }) else {
         return;
     };
     let trace = fs::read_to_string(&log).unwrap();
