@@ -232,12 +232,7 @@ impl<'c> Look<'c> {
     /// taken outside stowage (flock(1)). None without a table.
     pub fn unexplained(&self) -> Option<Vec<u64>> {
         let (table, kdev) = (self.table.as_ref()?, self.kdev?);
-        let takers: Vec<u32> = self
-            .said
-            .iter()
-            .filter(|(n, _)| self.alive(n))
-            .filter_map(|(_, id)| self.taker(id))
-            .collect();
+        let takers = self.live_takers();
         let leases: Vec<u64> = self
             .said
             .iter()
@@ -362,36 +357,78 @@ impl<'c> Look<'c> {
     }
 
     /// Unlinks the leases of owners that are gone (each under its exclusive
-    /// lock, taken without waiting), keeping a dead one that still names a
-    /// holder: its owner's pid is one of this kernel's and the table shows
-    /// a lock it lists still held under that pid (a command that closed the
-    /// lease it inherited, its stowage gone) — not by a later process given
-    /// that pid, through a descriptor of its own. Returns how many went.
+    /// lock, taken without waiting), keeping a dead one that may still name
+    /// a holder (a command that closed the lease it inherited, its stowage
+    /// gone): where the table shows a lock it lists still held under its
+    /// owner's pid — not by a later process given that pid, through a
+    /// descriptor of its own — or, where no table can tell, while a lock it
+    /// lists is held at all. Returns how many went.
     pub fn clean_leases(&self) -> usize {
         let locks = self.ctx.root.locks();
         crate::lease::clean_keeping(&self.leases_dir, &mut |name| {
             let Some((_, id)) = self.said.iter().find(|(n, _)| n == name) else {
                 return false;
             };
-            let (Some(pid), true) = (id.pid, id.pid_is_ours()) else {
-                return false;
-            };
+            let pid = id.pid.filter(|_| id.pid_is_ours());
             id.holdings.iter().filter(|h| !h.awaits).any(|h| {
                 let path = locks.join(&h.lockfile);
-                self.entries(&path).is_some_and(|es| {
-                    es.iter()
-                        .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(pid))
-                }) && !self.own_lock(pid, &path)
+                let table = self
+                    .entries(&path)
+                    .filter(|_| crate::kernel::shows_every_holder());
+                match (pid, table) {
+                    (Some(pid), Some(es)) => {
+                        es.iter()
+                            .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(pid))
+                            && self.pid_holds(pid, &path) != Some(true)
+                    }
+                    // Its pid means nothing here (another host or pid
+                    // namespace): a holder no live lease explains.
+                    (None, Some(es)) => es
+                        .iter()
+                        .any(|e| !e.blocked && e.mode == h.mode && !self.explained(e)),
+                    // No table can tell (a shared filesystem, a child pid
+                    // namespace): held, and listed by no live lease.
+                    (_, None) => {
+                        held_in(probe(&path), h.mode) && !self.listed_live(&h.lockfile, h.mode)
+                    }
+                }
             })
         })
     }
 
-    /// Whether the live process `pid` holds the lock at `path` through a
+    /// Whether a table entry is a live lease owner's (its pid is the taker
+    /// of a live lease, and still that owner).
+    fn explained(&self, e: &Entry) -> bool {
+        e.pid.is_some_and(|p| self.live_takers().contains(&p))
+    }
+
+    /// The pids of live leases' owners, as the table shows them — not a
+    /// pid given to another process since its owner died.
+    fn live_takers(&self) -> Vec<u32> {
+        self.said
+            .iter()
+            .filter(|(n, _)| self.alive(n))
+            .filter_map(|(_, id)| self.taker(id).filter(|&t| id.owner_is(t) != Some(false)))
+            .collect()
+    }
+
+    /// Whether a live lease lists `rel` as held in `mode`.
+    fn listed_live(&self, rel: &str, mode: Mode) -> bool {
+        self.said.iter().any(|(n, id)| {
+            id.holdings
+                .iter()
+                .any(|h| !h.awaits && h.lockfile == rel && h.mode == mode)
+                && self.alive(n)
+        })
+    }
+
+    /// Whether the process at `pid` holds the lock at `path` through a
     /// descriptor of its own (not one inherited from a dead taker of that
-    /// pid).
-    fn own_lock(&self, pid: u32, path: &Path) -> bool {
+    /// pid): `Some(false)` also where no process has the pid, `None` where
+    /// that cannot be told (another user's process, no table).
+    fn pid_holds(&self, pid: u32, path: &Path) -> Option<bool> {
         let (Some(kdev), Ok(m)) = (self.kdev, std::fs::symlink_metadata(path)) else {
-            return false;
+            return None;
         };
         crate::kernel::holds_through_own_fd(pid, kdev, m.ino())
     }
@@ -496,9 +533,14 @@ impl<'c> Look<'c> {
             }
             let mut party = Party::leased(n, id, h);
             // Its pid as this namespace sees it, where the table shows it
-            // (the lease says the owner's own namespace's).
+            // (the lease says the owner's own namespace's); none once the
+            // owner is gone (its command holds on), whoever has it now.
+            let ours = id.pid_is_ours() || taker.is_some();
             if !id.pid_is_ours() && taker.is_some() {
                 party.pid = taker;
+            }
+            if ours && party.pid.is_some_and(|p| id.owner_is(p) == Some(false)) {
+                party.pid = None;
             }
             if h.awaits {
                 if state != Probe::Free {
@@ -516,20 +558,23 @@ impl<'c> Look<'c> {
     fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Option<Party> {
         // A command that closed the lease it inherited, its stowage gone:
         // the dead lease still says for what.
-        let dead = e
+        let gone = e
             .pid
-            .filter(|&pid| !self.own_lock(pid, path))
-            .and_then(|pid| {
-                listing.iter().find(|(n, id, h)| {
-                    !h.awaits
-                        && h.mode == e.mode
-                        && id.pid == Some(pid)
-                        && id.pid_is_ours()
-                        && !self.alive(n)
-                })
-            });
+            .filter(|&pid| self.pid_holds(pid, path) == Some(false));
+        let dead = gone.and_then(|pid| {
+            listing.iter().find(|(n, id, h)| {
+                !h.awaits
+                    && h.mode == e.mode
+                    && id.pid == Some(pid)
+                    && id.pid_is_ours()
+                    && !self.alive(n)
+            })
+        });
         if let Some((n, id, h)) = dead {
-            return Some(Party::leased(n, id, h));
+            return Some(Party {
+                pid: None,
+                ..Party::leased(n, id, h)
+            });
         }
         // A stowage process that holds the lock before its lease lists it
         // (a moment after taking it): its lease's taker.
@@ -542,6 +587,12 @@ impl<'c> Look<'c> {
                 })
             }
             None if !self.still_there(path, e) => None,
+            // Its pid is no longer the holder's (it died, its lock kept by
+            // a process that inherited it; or the pid is another's now).
+            None if !e.blocked && gone.is_some() => Some(Party {
+                host: Some(self.ctx.me.host.clone()),
+                ..Party::unknown(e.mode)
+            }),
             None => Some(Party::outsider(self.ctx, e)),
         }
     }

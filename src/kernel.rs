@@ -50,18 +50,33 @@ pub fn device_of(dir: &Path) -> Option<u64> {
 /// Whether the local process `pid` holds a flock on the file `(dev, ino)`
 /// through a descriptor of its own (`/proc/PID/fdinfo`): the table names a
 /// lock by the pid that took it, which may since be another process's.
-pub fn holds_through_own_fd(pid: u32, dev: u64, ino: u64) -> bool {
-    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
-        return false;
+/// `Some(false)` also where no process has the pid; `None` where its
+/// descriptors cannot be read (another user's process).
+pub fn holds_through_own_fd(pid: u32, dev: u64, ino: u64) -> Option<bool> {
+    let fds = match fs::read_dir(format!("/proc/{pid}/fdinfo")) {
+        Ok(fds) => fds,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(false),
+        Err(_) => return None,
     };
-    fds.flatten().any(|fd| {
-        fs::read_to_string(fd.path()).is_ok_and(|info| {
-            info.lines()
-                .filter_map(|l| l.strip_prefix("lock:"))
-                .filter_map(|l| parse_line(l.trim_start()))
-                .any(|(key, e)| key == (dev, ino) && !e.blocked)
-        })
-    })
+    let mut unreadable = false;
+    for fd in fds.flatten() {
+        match fs::read_to_string(fd.path()) {
+            Ok(info) => {
+                let holds = info
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("lock:"))
+                    .filter_map(|l| parse_line(l.trim_start()))
+                    .any(|(key, e)| key == (dev, ino) && !e.blocked);
+                if holds {
+                    return Some(true);
+                }
+            }
+            // Closed since the listing.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(_) => unreadable = true,
+        }
+    }
+    (!unreadable).then_some(false)
 }
 
 /// Reads /proc/locks. The kernel produces it a page at a time, and entries

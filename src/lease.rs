@@ -18,7 +18,7 @@
 //!   path, and it needs no check of the unlink race (the temproots protocol
 //!   of Nix, on flock).
 //! - **Unlinking** only under the exclusive lock: by the owner at its end
-//!   ([`retire`]), by [`clean`] for owners that died. A dead lease whose
+//!   ([`retire`]), by [`clean_keeping`] for owners that died. A dead lease whose
 //!   lock-table entry still stands (its command closed the lease but kept a
 //!   lock) is kept while that lock is held (`holders::Look::clean_leases`).
 //! - **Inheritance follows the image locks**: the command inherits the
@@ -115,7 +115,7 @@ pub fn set_inheritable(inherit: bool) -> io::Result<()> {
 
 /// Ends this process's leases: unlinks each file under its lock, then closes
 /// it. Called when the process is done with every lock; a process that dies
-/// instead leaves its file to [`clean`].
+/// instead leaves its file to [`clean_keeping`].
 pub fn retire() {
     let all = std::mem::take(&mut *mine_all());
     for (_, l) in all {
@@ -710,14 +710,10 @@ fn valid_name(name: &str) -> bool {
 
 /// Unlinks the leases of owners that are gone, each under its exclusive
 /// lock (so a fresh file whose owner has not locked it yet is unlinked only
-/// if we win the lock, and its owner then retries). Returns how many went.
-/// Call under the global lock, where no other stowage probes.
-pub fn clean(leases: &Path) -> usize {
-    clean_keeping(leases, &mut |_| false)
-}
-
-/// [`clean`], but keeps the dead leases for whose name `keep` says yes: a
-/// dead lease that still names a holder (see `holders::Look::clean_leases`).
+/// if we win the lock, and its owner then retries), but those for whose
+/// name `keep` says yes: a dead lease that may still name a holder (see
+/// `holders::Look::clean_leases`). Returns how many went. Call under the
+/// global lock, where no other stowage probes.
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     let l = listing(leases);
     match &l.dir {
@@ -814,7 +810,7 @@ mod tests {
             Liveness::Alive { .. }
         ));
         // Held: cleaning leaves it alone.
-        assert_eq!(clean(leases), 0);
+        assert_eq!(clean_keeping(leases, &mut |_| false), 0);
         assert!(leases.join(&name).exists());
         let text = std::fs::read_to_string(leases.join(&name)).unwrap();
         assert!(
@@ -825,7 +821,7 @@ mod tests {
         // Its owner gone (the descriptor closed): dead, then cleaned.
         drop(lease);
         assert_eq!(probe(leases, &name).unwrap(), Liveness::Dead);
-        assert_eq!(clean(leases), 1);
+        assert_eq!(clean_keeping(leases, &mut |_| false), 1);
         assert!(!leases.join(&name).exists());
         assert_eq!(probe(leases, &name).unwrap(), Liveness::Dead);
     }

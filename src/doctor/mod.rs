@@ -988,7 +988,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
         }
     }
     if repair {
-        let n = crate::lease::clean(&root.leases());
+        let n = crate::holders::Look::new(store.ctx()).clean_leases();
         if n > 0 {
             report.add(
                 "leases",
