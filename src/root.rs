@@ -794,7 +794,8 @@ impl Root {
         // What the statfs found serves every lock file on the root's
         // filesystem (lock.rs decides by it whether they may be unlinked).
         if let (Some(dev), Some(fs)) = (self.dev, &own) {
-            crate::lock::note_filesystem(dev, fs.local);
+            let dirs = [self.locks(), self.image_locks(), self.leases()];
+            crate::lock::note_filesystem(dev, fs.local, &dirs);
         }
         // Other hosts read the leases and records: on a shared filesystem
         // their writes must reach the server at once, not when the client

@@ -329,10 +329,20 @@ static SEEN: Mutex<Seen> = Mutex::new(Vec::new());
 /// Tells the lock layer what the root's checks already found (the root's
 /// device, and whether its filesystem is local), so that the lock files
 /// under it cost no statfs of their own.
-pub fn note_filesystem(dev: u64, local: bool) {
+pub fn note_filesystem(dev: u64, local: bool, dirs: &[PathBuf]) {
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
     if !seen.iter().any(|(_, v, _)| *v == Some(dev)) {
         seen.push((None, Some(dev), local));
+    }
+    // The lock directories by name too: a lock file's directory is asked
+    // for by its path where no stat of the file is made.
+    for d in dirs {
+        if !seen
+            .iter()
+            .any(|(s, _, _)| s.as_deref() == Some(d.as_path()))
+        {
+            seen.push((Some(d.clone()), Some(dev), local));
+        }
     }
 }
 

@@ -185,7 +185,8 @@ fn an_exec_lists_all_its_locks_in_its_lease_in_one_write() {
 
 /// On a shared filesystem a new image's lock file is proven to be the file
 /// at its path by what it says (nothing: no unlinker marked it gone), not
-/// by opening its path again, a lookup at the server.
+/// by opening its path again, a lookup at the server; nor is its
+/// directory's filesystem asked again (the root's checks know it).
 #[test]
 fn a_new_images_lock_file_is_not_looked_up_again_after_its_lock() {
     if !tool_or_skip("strace", "strace") {
@@ -205,4 +206,9 @@ fn a_new_images_lock_file_is_not_looked_up_again_after_its_lock() {
         .filter(|l| l.contains("locks/images/new.lock\""))
         .collect();
     assert_eq!(by_path.len(), 1, "{by_path:#?}");
+    let statfs: Vec<_> = trace
+        .lines()
+        .filter(|l| l.contains("statfs(") && l.contains("/locks"))
+        .collect();
+    assert!(statfs.is_empty(), "{statfs:#?}");
 }
