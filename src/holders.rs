@@ -19,8 +19,8 @@
 //!   by its pid and command where the table has it, else as unidentified.
 //! - How a wait is said and followed is `wait_line.rs`.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -65,6 +65,9 @@ pub struct Party {
     pub lease: Option<String>,
     /// An exclusive lock taken only to read (`--read-exclusive`).
     pub reading: bool,
+    /// `pid` is another pid namespace's of this host (a container's, or
+    /// the host's seen from one): no signal sent to it here reaches it.
+    pub pid_elsewhere: bool,
 }
 
 impl Party {
@@ -80,6 +83,7 @@ impl Party {
             stowage: true,
             lease: Some(name.to_owned()),
             reading: h.reading,
+            pid_elsewhere: false,
         }
     }
 
@@ -95,6 +99,7 @@ impl Party {
             stowage: false,
             lease: None,
             reading: false,
+            pid_elsewhere: false,
         }
     }
 
@@ -111,6 +116,7 @@ impl Party {
             stowage: false,
             lease: None,
             reading: false,
+            pid_elsewhere: false,
         }
     }
 }
@@ -128,6 +134,9 @@ pub struct LockReport {
     /// For slot classes: limit, reserve for high priority, slots in use.
     pub slot: Option<(u32, u32, u32)>,
 }
+
+/// Files by the lock table's key: (device, inode).
+type FileKeys = Vec<(u64, u64)>;
 
 /// The leases' lines on one lock: lease name, owner, line.
 type Listing<'a> = Vec<(&'a String, &'a Identity, &'a Holding)>;
@@ -152,6 +161,15 @@ pub struct Look<'c> {
     /// A second read of the table, made once per look to confirm a holder
     /// nothing explains is still there.
     fresh: RefCell<Option<Option<Table>>>,
+    /// Per pid, the files it holds flocks on through descriptors of its
+    /// own (read once per look; None: they cannot be read).
+    fd_locks: RefCell<HashMap<u32, Option<FileKeys>>>,
+    /// The live leases' owners as the table shows them, each with the
+    /// inode of every lock its lease lists, its lease's own among them
+    /// (once per look).
+    owned: RefCell<Option<HashSet<(u32, u64)>>>,
+    /// Whether this look has waited already for a holder to list its lock.
+    waited: Cell<bool>,
 }
 
 impl<'c> Look<'c> {
@@ -192,6 +210,9 @@ impl<'c> Look<'c> {
             later: RefCell::new(None),
             reread: RefCell::new(None),
             fresh: RefCell::new(None),
+            fd_locks: RefCell::new(HashMap::new()),
+            owned: RefCell::new(None),
+            waited: Cell::new(false),
         }
     }
 
@@ -232,7 +253,6 @@ impl<'c> Look<'c> {
     /// taken outside stowage (flock(1)). None without a table.
     pub fn unexplained(&self) -> Option<Vec<u64>> {
         let (table, kdev) = (self.table.as_ref()?, self.kdev?);
-        let takers = self.live_takers();
         let leases: Vec<u64> = self
             .said
             .iter()
@@ -244,9 +264,7 @@ impl<'c> Look<'c> {
                 .filter(|((d, ino), es)| {
                     *d == kdev
                         && !leases.contains(ino)
-                        && es
-                            .iter()
-                            .any(|e| e.pid.is_none_or(|p| !takers.contains(&p)))
+                        && es.iter().any(|e| !self.explained(e, *ino))
                 })
                 .map(|((_, ino), _)| *ino)
                 .collect(),
@@ -336,7 +354,7 @@ impl<'c> Look<'c> {
                     .iter()
                     .filter(|h| !h.awaits && h.lockfile == rel && h.mode == mode)
                     .filter(move |h| !self.outlived(id, h, entries))
-                    .map(move |h| Party::leased(n, id, h))
+                    .map(move |h| self.party(n, id, h, self.taker(id)))
             })
             .collect()
     }
@@ -365,9 +383,18 @@ impl<'c> Look<'c> {
     /// lists is held at all. Returns how many went.
     pub fn clean_leases(&self) -> usize {
         let locks = self.ctx.root.locks();
+        let listed_live: HashSet<(&str, Mode)> = self
+            .said
+            .iter()
+            .filter(|(n, id)| !id.holdings.is_empty() && self.alive(n))
+            .flat_map(|(_, id)| id.holdings.iter())
+            .filter(|h| !h.awaits)
+            .map(|h| (h.lockfile.as_str(), h.mode))
+            .collect();
         crate::lease::clean_keeping(&self.leases_dir, &mut |name| {
+            // Made since the listing: judged by the next look.
             let Some((_, id)) = self.said.iter().find(|(n, _)| n == name) else {
-                return false;
+                return true;
             };
             let pid = id.pid.filter(|_| id.pid_is_ours());
             id.holdings.iter().filter(|h| !h.awaits).any(|h| {
@@ -376,50 +403,54 @@ impl<'c> Look<'c> {
                     .entries(&path)
                     .filter(|_| crate::kernel::shows_every_holder());
                 match (pid, table) {
-                    (Some(pid), Some(es)) => {
-                        es.iter()
-                            .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(pid))
-                            && self.pid_holds(pid, &path) != Some(true)
-                    }
+                    // Still held under its owner's pid (whoever has that
+                    // pid now may hold it too: a shared lock's entries of
+                    // one pid are one).
+                    (Some(pid), Some(es)) => es
+                        .iter()
+                        .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(pid)),
                     // Its pid means nothing here (another host or pid
                     // namespace): a holder no live lease explains.
-                    (None, Some(es)) => es
-                        .iter()
-                        .any(|e| !e.blocked && e.mode == h.mode && !self.explained(e)),
+                    (None, Some(es)) => {
+                        let ino = std::fs::symlink_metadata(&path).map_or(0, |m| m.ino());
+                        es.iter()
+                            .any(|e| !e.blocked && e.mode == h.mode && !self.explained(e, ino))
+                    }
                     // No table can tell (a shared filesystem, a child pid
                     // namespace): held, and listed by no live lease.
                     (_, None) => {
-                        held_in(probe(&path), h.mode) && !self.listed_live(&h.lockfile, h.mode)
+                        !listed_live.contains(&(h.lockfile.as_str(), h.mode))
+                            && held_in(probe(&path), h.mode)
                     }
                 }
             })
         })
     }
 
-    /// Whether a table entry is a live lease owner's (its pid is the taker
-    /// of a live lease, and still that owner).
-    fn explained(&self, e: &Entry) -> bool {
-        e.pid.is_some_and(|p| self.live_takers().contains(&p))
-    }
-
-    /// The pids of live leases' owners, as the table shows them — not a
-    /// pid given to another process since its owner died.
-    fn live_takers(&self) -> Vec<u32> {
-        self.said
-            .iter()
-            .filter(|(n, _)| self.alive(n))
-            .filter_map(|(_, id)| self.taker(id).filter(|&t| id.owner_is(t) != Some(false)))
-            .collect()
-    }
-
-    /// Whether a live lease lists `rel` as held in `mode`.
-    fn listed_live(&self, rel: &str, mode: Mode) -> bool {
-        self.said.iter().any(|(n, id)| {
-            id.holdings
-                .iter()
-                .any(|h| !h.awaits && h.lockfile == rel && h.mode == mode)
-                && self.alive(n)
-        })
+    /// Whether the table entry `e` on the file `ino` is a live lease
+    /// owner's: its pid is the taker of a live lease (and still that
+    /// owner) whose lease lists the lock.
+    fn explained(&self, e: &Entry, ino: u64) -> bool {
+        let Some(pid) = e.pid else { return false };
+        let mut owned = self.owned.borrow_mut();
+        let owned = owned.get_or_insert_with(|| {
+            let locks = self.ctx.root.locks();
+            let mut set = HashSet::new();
+            for (n, id) in &self.said {
+                let Some(t) = self.taker(id) else { continue };
+                if id.owner_is(t) == Some(false) || !self.alive(n) {
+                    continue;
+                }
+                set.extend(id.file.map(|f| (t, f.1)));
+                for h in &id.holdings {
+                    if let Ok(m) = std::fs::symlink_metadata(locks.join(&h.lockfile)) {
+                        set.insert((t, m.ino()));
+                    }
+                }
+            }
+            set
+        });
+        owned.contains(&(pid, ino))
     }
 
     /// Whether the process at `pid` holds the lock at `path` through a
@@ -430,7 +461,11 @@ impl<'c> Look<'c> {
         let (Some(kdev), Ok(m)) = (self.kdev, std::fs::symlink_metadata(path)) else {
             return None;
         };
-        crate::kernel::holds_through_own_fd(pid, kdev, m.ino())
+        let mut cache = self.fd_locks.borrow_mut();
+        let held = cache
+            .entry(pid)
+            .or_insert_with(|| crate::kernel::locks_through_own_fds(pid, m.dev()));
+        held.as_ref().map(|h| h.contains(&(kdev, m.ino())))
     }
 
     fn entries(&self, path: &Path) -> Option<Vec<Entry>> {
@@ -531,17 +566,7 @@ impl<'c> Look<'c> {
             if self.outlived(id, h, entries) {
                 continue;
             }
-            let mut party = Party::leased(n, id, h);
-            // Its pid as this namespace sees it, where the table shows it
-            // (the lease says the owner's own namespace's); none once the
-            // owner is gone (its command holds on), whoever has it now.
-            let ours = id.pid_is_ours() || taker.is_some();
-            if !id.pid_is_ours() && taker.is_some() {
-                party.pid = taker;
-            }
-            if ours && party.pid.is_some_and(|p| id.owner_is(p) == Some(false)) {
-                party.pid = None;
-            }
+            let party = self.party(n, id, h, taker);
             if h.awaits {
                 if state != Probe::Free {
                     waiters.push(party);
@@ -553,6 +578,32 @@ impl<'c> Look<'c> {
         (holders, waiters)
     }
 
+    /// The party a live lease names for one of the locks it lists, by the
+    /// pid that reaches it here: the table's taker of its lease where the
+    /// table shows one (never a pid the lease merely says), else the
+    /// lease's pid — none where that is no longer the owner's (its command
+    /// holds on after it died; the pid may be another's), and marked where
+    /// it is another pid namespace's of this host.
+    pub fn party(&self, n: &str, id: &Identity, h: &Holding, taker: Option<u32>) -> Party {
+        let mut party = Party::leased(n, id, h);
+        party.pid = match taker {
+            Some(t) => Some(t).filter(|&t| id.owner_is(t) != Some(false)),
+            None if id.pid_is_ours() => id.pid.filter(|&p| id.owner_is(p) != Some(false)),
+            None => id.pid,
+        };
+        party.pid_elsewhere = taker.is_none()
+            && !id.pid_is_ours()
+            && id.host == self.ctx.me.host
+            && id.boot_id.is_some()
+            && id.boot_id == self.ctx.me.boot_id;
+        party
+    }
+
+    /// The table's taker of lease `id` (see [`Look::party`]).
+    pub fn taker_of(&self, id: &Identity) -> Option<u32> {
+        self.taker(id)
+    }
+
     /// The party of a table entry no live lease claimed; `None` if it is
     /// gone since the table was read.
     fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Option<Party> {
@@ -560,7 +611,7 @@ impl<'c> Look<'c> {
         // the dead lease still says for what.
         let gone = e
             .pid
-            .filter(|&pid| self.pid_holds(pid, path) == Some(false));
+            .filter(|&pid| !e.blocked && self.pid_holds(pid, path) == Some(false));
         let dead = gone.and_then(|pid| {
             listing.iter().find(|(n, id, h)| {
                 !h.awaits
@@ -577,12 +628,14 @@ impl<'c> Look<'c> {
             });
         }
         // A stowage process that holds the lock before its lease lists it
-        // (a moment after taking it): its lease's taker.
-        match self.lease_of_pid(path, e) {
+        // (a moment after taking it): its lease's taker — not a pid known
+        // not to hold the lock (given to a stowage process since).
+        match self.lease_of_pid(path, e).filter(|_| gone.is_none()) {
             Some((n, id)) => {
                 let h = Holding::now(e.mode, rel.to_owned(), e.blocked, &id.command);
                 Some(Party {
                     since: id.since,
+                    pid: e.pid,
                     ..Party::leased(&n, &id, &h)
                 })
             }
@@ -609,11 +662,16 @@ impl<'c> Look<'c> {
             Mode::Shared
         };
         let mut holders = Vec::new();
-        for attempt in 0..3 {
+        // The moments waited for are waited once per look: a look at many
+        // locks held outside stowage on a shared filesystem (no lease will
+        // ever list them) would sleep at each.
+        let tries = if self.waited.get() { 1 } else { 3 };
+        for attempt in 0..tries {
             holders = self.listing_now(rel, mode, entries);
-            if !holders.is_empty() || self.table.is_some() {
+            if !holders.is_empty() || self.table.is_some() || attempt + 1 == tries {
                 break;
             }
+            self.waited.set(true);
             std::thread::sleep(std::time::Duration::from_millis(10 << attempt));
             self.reread.borrow_mut().take();
         }
@@ -727,6 +785,9 @@ fn describe(p: &Party) -> String {
     };
     if let Some(h) = &p.host {
         s.push_str(&format!(" on {}", ident::printable(h)));
+    }
+    if p.pid_elsewhere {
+        s.push_str(" (in another pid namespace)");
     }
     if let Some(c) = &p.command {
         s.push_str(&format!(

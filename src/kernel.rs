@@ -47,36 +47,43 @@ pub fn device_of(dir: &Path) -> Option<u64> {
         .map(|((dev, _), _)| dev)
 }
 
-/// Whether the local process `pid` holds a flock on the file `(dev, ino)`
-/// through a descriptor of its own (`/proc/PID/fdinfo`): the table names a
+/// The files (device, inode) the local process `pid` holds flocks on
+/// through descriptors of its own (`/proc/PID/fdinfo`): the table names a
 /// lock by the pid that took it, which may since be another process's.
-/// `Some(false)` also where no process has the pid; `None` where its
-/// descriptors cannot be read (another user's process).
-pub fn holds_through_own_fd(pid: u32, dev: u64, ino: u64) -> Option<bool> {
-    let fds = match fs::read_dir(format!("/proc/{pid}/fdinfo")) {
+/// Empty where no process has the pid; `None` where its descriptors cannot
+/// be read (another user's process). Only descriptors of files on the
+/// filesystem `dev` (as `stat` numbers it) are asked: one `stat` each, a
+/// process may have thousands (paths would not do: another mount
+/// namespace names the store otherwise).
+pub fn locks_through_own_fds(pid: u32, dev: u64) -> Option<Vec<(u64, u64)>> {
+    let fds = match fs::read_dir(format!("/proc/{pid}/fd")) {
         Ok(fds) => fds,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(false),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(Vec::new()),
         Err(_) => return None,
     };
-    let mut unreadable = false;
+    let mut held = Vec::new();
     for fd in fds.flatten() {
-        match fs::read_to_string(fd.path()) {
-            Ok(info) => {
-                let holds = info
-                    .lines()
+        match fs::metadata(fd.path()) {
+            Ok(m) if std::os::unix::fs::MetadataExt::dev(&m) == dev => {}
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => return None,
+            // Another filesystem; or closed since.
+            _ => continue,
+        }
+        let info = format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy());
+        match fs::read_to_string(info) {
+            Ok(info) => held.extend(
+                info.lines()
                     .filter_map(|l| l.strip_prefix("lock:"))
                     .filter_map(|l| parse_line(l.trim_start()))
-                    .any(|(key, e)| key == (dev, ino) && !e.blocked);
-                if holds {
-                    return Some(true);
-                }
-            }
+                    .filter(|(_, e)| !e.blocked)
+                    .map(|(key, _)| key),
+            ),
             // Closed since the listing.
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(_) => unreadable = true,
+            Err(_) => return None,
         }
     }
-    (!unreadable).then_some(false)
+    Some(held)
 }
 
 /// Reads /proc/locks. The kernel produces it a page at a time, and entries

@@ -348,6 +348,9 @@ pub fn who(p: &Party) -> String {
 /// ": kill PID" (with the host where it is not this one, as a hint).
 fn kill(p: &Party) -> String {
     match (p.pid, &p.host) {
+        (Some(pid), _) if p.pid_elsewhere => {
+            format!(": in the pid namespace it runs in, kill {pid}")
+        }
         (Some(pid), Some(h)) if *h != crate::ident::Me::current().host => {
             format!(": on {h}, kill {pid}")
         }

@@ -159,6 +159,9 @@ fn party(p: &Party) -> String {
     if let Some(h) = &p.host {
         s.push_str(&format!(" on {}", printable(h)));
     }
+    if p.pid_elsewhere {
+        s.push_str(" (in another pid namespace)");
+    }
     if let Some(u) = &p.user {
         s.push_str(&format!(" by {}", printable(u)));
     }

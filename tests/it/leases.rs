@@ -306,6 +306,12 @@ fn a_writer_in_a_container_names_the_holder_outside() {
                 && err.contains("/outside'"),
             "the wait names the holder outside (from {hostname:?}): {err}"
         );
+        // Its pid is not one a signal from the container reaches.
+        assert_eq!(
+            err.contains("(in another pid namespace)"),
+            hostname.is_none(),
+            "from {hostname:?}: {err}"
+        );
     }
     // The holder's record survived both looks.
     let entry = env.lock_entry("base").unwrap();
@@ -1617,4 +1623,175 @@ kill -9 $f $(cat $T/cmd) 2>/dev/null || true
     let a = only_holder(&text, "a");
     assert_eq!(a["stowage"], true, "{a:#}");
     assert_eq!(a["pid"], Value::Null, "{a:#}");
+}
+
+/// Shell functions for tests in the first pid namespace: `give PID CMD…`
+/// starts CMD in the background as PID (freed just before), or fails if
+/// another process took it first; `closing` is a command that closes the
+/// lease it inherited and keeps its image lock (a daemon's hygiene).
+const FIRST_NS_TOOLS: &str = r#"
+exec </dev/null
+until_file() { i=0; while [ ! -s "$1" ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; [ -s "$1" ]; }
+give() { p=$1; shift; echo $((p - 1)) > /proc/sys/kernel/ns_last_pid; "$@" >/dev/null 2>&1 & [ $! -eq $p ] && return 0; kill -9 $! 2>/dev/null; return 1; }
+closing='for fd in /proc/$$/fd/*; do case $(readlink "$fd") in */locks/leases/*) eval "exec ${fd##*/}>&-";; esac; done; echo $$ > "$0"; exec sleep 60'
+"#;
+
+/// Runs `script` (after [`FIRST_NS_TOOLS`]) with `$S`, `$R`, `$T`; `None`
+/// (the reason printed) where it cannot run or no pid could be given.
+fn in_first_ns(env: &Env, script: &str) -> Option<std::process::Output> {
+    if unsafe { libc::geteuid() } != 0 || !stowage::kernel::shows_every_holder() {
+        eprintln!("skipped: needs root in the first pid namespace");
+        return None;
+    }
+    let mut c = Command::new("bash");
+    c.args(["-eu", "-c", &format!("{FIRST_NS_TOOLS}\n{script}")])
+        .env("S", bin())
+        .env("R", &env.root)
+        .env("T", &env.scratch)
+        .env_remove("STOWAGE_ROOT");
+    let out = output(c);
+    if code(&out) == Some(3) {
+        eprintln!("skipped: another process took the pid every time");
+        return None;
+    }
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    Some(out)
+}
+
+/// A dead taker's pid, given to a live stowage process, proves nothing of
+/// the locks the table still shows under it: flock(1)'s lock kept by its
+/// background child is not that exec's; a lock kept by a command that
+/// closed its lease still shows in the default view; and cleaning keeps
+/// the dead lease that names such a holder while another process of that
+/// pid reads the same image.
+#[test]
+fn a_dead_takers_pid_given_to_a_stowage_process_proves_nothing() {
+    let env = Env::new();
+    for image in ["a", "b", "c", "d"] {
+        env.make_image(image);
+    }
+    let script = r#"
+ok=
+for attempt in $(seq 1 40); do
+  flock -s $R/locks/images/a.lock sh -c 'sleep 60 >/dev/null 2>&1 & echo $! > '$T'/bg; exit 0' &
+  fl=$!; wait $fl; f=$(cat $T/bg)
+  # flock(1) has ended, its background child keeping the lock: flock's
+  # pid, the one the table shows, goes to a stowage exec.
+  if give $fl $S --root $R exec --read b -- sleep 60; then e=$!; ok=1; break; fi
+  kill -9 $f
+done
+[ -n "$ok" ] || exit 3
+sleep 0.3
+$S --root $R lock-status --json a > $T/a.json
+kill -9 $e $f 2>/dev/null || true
+ok=
+for attempt in $(seq 1 40); do
+  rm -f $T/cmd
+  $S --root $R exec --read c -- bash -c "$closing" $T/cmd >/dev/null 2>&1 &
+  x=$!; until_file $T/cmd; kill -9 $x; wait $x || true
+  if give $x $S --root $R exec --read d -- sleep 60; then e=$!; ok=1; break; fi
+  kill -9 $(cat $T/cmd)
+done
+[ -n "$ok" ] || exit 3
+sleep 0.3
+$S --root $R lock-status --json > $T/all.json
+kill -9 $e 2>/dev/null || true; sleep 0.3
+ok=
+for attempt in $(seq 1 40); do
+  if give $x flock -s $R/locks/images/c.lock sleep 2; then ok=1; break; fi
+done
+[ -n "$ok" ] || { kill -9 $(cat $T/cmd); exit 3; }
+$S --root $R lock-status --json c > $T/c-during.json
+sleep 2.5
+$S --root $R lock-status --json c > $T/c-after.json
+kill -9 $(cat $T/cmd) 2>/dev/null || true
+"#;
+    let Some(_) = in_first_ns(&env, script) else {
+        return;
+    };
+    let json = |name: &str| fs::read_to_string(env.scratch.join(name)).unwrap();
+    let a = only_holder(&json("a.json"), "a");
+    assert_eq!(a["stowage"], false, "not the exec given the pid: {a:#}");
+    let all: Value = serde_json::from_str(&json("all.json")).unwrap();
+    let c = image_entry(&all, "c");
+    assert_eq!(c["state"], "shared", "the default view lists c: {all:#}");
+    let c = only_holder(&json("c-after.json"), "c");
+    assert_eq!(c["stowage"], true, "its dead lease still names it: {c:#}");
+}
+
+/// A lease planted by someone who can write the leases directory, naming
+/// another process's pid (and start): the holder is shown by the pid the
+/// lock table gives its lease's taker — the planter — never the victim's.
+#[test]
+fn a_planted_lease_never_names_a_process_that_holds_nothing() {
+    if !tool_or_skip("python3", "python3") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let victim = Bg::from_command({
+        let mut c = Command::new("sleep");
+        c.arg("60");
+        c
+    });
+    let v = victim.pid();
+    let planted = env.sentinel("planted");
+    let py = r#"
+import fcntl, os, sys, time
+root, victim, sentinel = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+stat = open(f"/proc/{victim}/stat").read()
+start = stat[stat.rfind(")") + 2:].split()[19]
+host = open("/proc/sys/kernel/hostname").read().strip()
+boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+ns = os.readlink("/proc/self/ns/pid")
+lease = os.open(f"{root}/locks/leases/{host}-x-x-{victim}-planted.lease", os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(lease, fcntl.LOCK_EX)
+os.write(lease, f"host={host}\npid={victim}\npid_ns={ns}\nboot_id={boot}\nstart={start}\nuser=victim\ncommand=make world\nhold=shared images/base.lock 0 make world\n".encode())
+img = os.open(f"{root}/locks/images/base.lock", os.O_RDWR)
+fcntl.flock(img, fcntl.LOCK_SH)
+open(sentinel, "w").write("x")
+time.sleep(30)
+"#;
+    let mut c = Command::new("python3");
+    c.args(["-c", py])
+        .arg(&env.root)
+        .arg(v.to_string())
+        .arg(&planted);
+    let planter = Bg::from_command(c);
+    wait_for_file(&planted);
+    let entry = env.lock_entry("base").unwrap();
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{entry:#}");
+    assert_ne!(holders[0]["pid"], v, "the victim is named: {entry:#}");
+    let out = env.run(["exec", "--write", "base", "--wait", "0.1", "--", "true"]);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    assert!(
+        !stderr(&out).contains(&format!("pid {v} ")),
+        "{}",
+        show(&out)
+    );
+    planter.kill_all();
+    victim.kill_all();
+}
+
+/// A look cleans the leases it listed only: a lease made while it looked
+/// — here of a reader whose command closed it and whose stowage was then
+/// killed, so that the lease alone names the holder — is left for the
+/// next look to judge, which keeps it.
+#[test]
+fn a_lease_made_during_a_look_is_not_cleaned_by_it() {
+    let env = Env::new();
+    env.make_image("app");
+    let (look, pause) = env.paused(["lock-status"], "status-table-read");
+    let (mut bg, _) = start_closing_its_lease(&env, "--read");
+    bg.signal(libc::SIGKILL);
+    let _ = bg.child.as_mut().unwrap().wait();
+    fs::remove_file(&pause).unwrap();
+    let out = look.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let entry = env.lock_entry("app").unwrap();
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{entry:#}");
+    assert_eq!(holders[0]["stowage"], true, "named by its lease: {entry:#}");
+    env.release("release");
 }
