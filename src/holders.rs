@@ -68,6 +68,10 @@ pub struct Party {
     /// `pid` is another pid namespace's of this host (a container's, or
     /// the host's seen from one): no signal sent to it here reaches it.
     pub pid_elsewhere: bool,
+    /// `pid` is this pid namespace's (the lock table's, or a lease's of
+    /// this namespace), whatever host name the holder runs under: a
+    /// signal sent to it here reaches it.
+    pub pid_here: bool,
 }
 
 impl Party {
@@ -84,6 +88,7 @@ impl Party {
             lease: Some(name.to_owned()),
             reading: h.reading,
             pid_elsewhere: false,
+            pid_here: false,
         }
     }
 
@@ -100,6 +105,7 @@ impl Party {
             lease: None,
             reading: false,
             pid_elsewhere: false,
+            pid_here: true,
         }
     }
 
@@ -117,6 +123,7 @@ impl Party {
             lease: None,
             reading: false,
             pid_elsewhere: false,
+            pid_here: false,
         }
     }
 }
@@ -464,7 +471,7 @@ impl<'c> Look<'c> {
         let mut cache = self.fd_locks.borrow_mut();
         let held = cache
             .entry(pid)
-            .or_insert_with(|| crate::kernel::locks_through_own_fds(pid, m.dev()));
+            .or_insert_with(|| crate::kernel::locks_through_own_fds(pid));
         held.as_ref().map(|h| h.contains(&(kdev, m.ino())))
     }
 
@@ -591,6 +598,7 @@ impl<'c> Look<'c> {
             None if id.pid_is_ours() => id.pid.filter(|&p| id.owner_is(p) != Some(false)),
             None => id.pid,
         };
+        party.pid_here = taker.is_some() || id.pid_is_ours();
         party.pid_elsewhere = taker.is_none()
             && !id.pid_is_ours()
             && id.host == self.ctx.me.host
@@ -609,9 +617,14 @@ impl<'c> Look<'c> {
     fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Option<Party> {
         // A command that closed the lease it inherited, its stowage gone:
         // the dead lease still says for what.
-        let gone = e
-            .pid
-            .filter(|&pid| !e.blocked && self.pid_holds(pid, path) == Some(false));
+        // Whether the process at the entry's pid holds the lock itself
+        // (a waiter is blocked on it: it is the one at that pid).
+        let holds = match e.pid {
+            Some(pid) if !e.blocked => self.pid_holds(pid, path),
+            Some(_) => Some(true),
+            None => None,
+        };
+        let gone = e.pid.filter(|_| holds == Some(false));
         let dead = gone.and_then(|pid| {
             listing.iter().find(|(n, id, h)| {
                 !h.awaits
@@ -629,16 +642,29 @@ impl<'c> Look<'c> {
         }
         // A stowage process that holds the lock before its lease lists it
         // (a moment after taking it): its lease's taker — not a pid known
-        // not to hold the lock (given to a stowage process since).
-        match self.lease_of_pid(path, e).filter(|_| gone.is_none()) {
-            Some((n, id)) => {
+        // not to hold the lock (given to a stowage process since), and,
+        // where that cannot be told, only a lease that lists the lock.
+        let fits = |id: &Identity| match holds {
+            Some(h) => h,
+            None => id.holdings.iter().any(|h| h.lockfile == rel),
+        };
+        match self.lease_of_pid(path, e) {
+            Some((n, id)) if fits(&id) => {
                 let h = Holding::now(e.mode, rel.to_owned(), e.blocked, &id.command);
                 Some(Party {
                     since: id.since,
                     pid: e.pid,
+                    pid_here: true,
                     ..Party::leased(&n, &id, &h)
                 })
             }
+            // A live stowage process at that pid that neither holds the lock
+            // as far as can be seen nor lists it: the pid is another's now,
+            // and who holds the lock cannot be told.
+            Some(_) => Some(Party {
+                host: Some(self.ctx.me.host.clone()),
+                ..Party::unknown(e.mode)
+            }),
             None if !self.still_there(path, e) => None,
             // Its pid is no longer the holder's (it died, its lock kept by
             // a process that inherited it; or the pid is another's now).

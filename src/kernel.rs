@@ -51,11 +51,12 @@ pub fn device_of(dir: &Path) -> Option<u64> {
 /// through descriptors of its own (`/proc/PID/fdinfo`): the table names a
 /// lock by the pid that took it, which may since be another process's.
 /// Empty where no process has the pid; `None` where its descriptors cannot
-/// be read (another user's process). Only descriptors of files on the
-/// filesystem `dev` (as `stat` numbers it) are asked: one `stat` each, a
-/// process may have thousands (paths would not do: another mount
-/// namespace names the store otherwise).
-pub fn locks_through_own_fds(pid: u32, dev: u64) -> Option<Vec<(u64, u64)>> {
+/// be read (another user's process). Only descriptors of stowage's lock
+/// files and leases (by the name the link gives, whatever mount namespace
+/// it is in) are asked: one `readlink` each — a process may have
+/// thousands — and never a `stat` through the link, which would wait on
+/// the file's filesystem (a hung FUSE or NFS mount).
+pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
     let fds = match fs::read_dir(format!("/proc/{pid}/fd")) {
         Ok(fds) => fds,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(Vec::new()),
@@ -63,10 +64,10 @@ pub fn locks_through_own_fds(pid: u32, dev: u64) -> Option<Vec<(u64, u64)>> {
     };
     let mut held = Vec::new();
     for fd in fds.flatten() {
-        match fs::metadata(fd.path()) {
-            Ok(m) if std::os::unix::fs::MetadataExt::dev(&m) == dev => {}
+        match fs::read_link(fd.path()) {
+            Ok(target) if is_lock_name(&target) => {}
             Err(e) if e.kind() == io::ErrorKind::PermissionDenied => return None,
-            // Another filesystem; or closed since.
+            // No lock file of stowage's; or closed since.
             _ => continue,
         }
         let info = format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy());
@@ -84,6 +85,14 @@ pub fn locks_through_own_fds(pid: u32, dev: u64) -> Option<Vec<(u64, u64)>> {
         }
     }
     Some(held)
+}
+
+/// Whether a path names a lock file or a lease (what a link in
+/// `/proc/PID/fd` says; " (deleted)" follows an unlinked one's name).
+fn is_lock_name(target: &Path) -> bool {
+    let name = target.to_string_lossy();
+    let name = name.strip_suffix(" (deleted)").unwrap_or(&name);
+    name.ends_with(".lock") || name.ends_with(".lease")
 }
 
 /// Reads /proc/locks. The kernel produces it a page at a time, and entries

@@ -351,6 +351,9 @@ fn kill(p: &Party) -> String {
         (Some(pid), _) if p.pid_elsewhere => {
             format!(": in the pid namespace it runs in, kill {pid}")
         }
+        // This namespace's pid, whatever host name the holder runs under
+        // (a container of this host with a UTS namespace of its own).
+        (Some(pid), _) if p.pid_here => format!(": kill {pid}"),
         (Some(pid), Some(h)) if *h != crate::ident::Me::current().host => {
             format!(": on {h}, kill {pid}")
         }

@@ -1683,6 +1683,7 @@ done
 [ -n "$ok" ] || exit 3
 sleep 0.3
 $S --root $R lock-status --json a > $T/a.json
+setpriv --reuid=65534 --regid=65534 --clear-groups $S --root $R lock-status --json a > $T/a-nobody.json
 kill -9 $e $f 2>/dev/null || true
 ok=
 for attempt in $(seq 1 40); do
@@ -1712,6 +1713,14 @@ kill -9 $(cat $T/cmd) 2>/dev/null || true
     let json = |name: &str| fs::read_to_string(env.scratch.join(name)).unwrap();
     let a = only_holder(&json("a.json"), "a");
     assert_eq!(a["stowage"], false, "not the exec given the pid: {a:#}");
+    // Nor for one who cannot read the holders' descriptors.
+    let a = only_holder(&json("a-nobody.json"), "a");
+    assert!(
+        !a["command"]
+            .as_str()
+            .is_some_and(|c| c.contains("exec --read b")),
+        "not the exec given the pid: {a:#}"
+    );
     let all: Value = serde_json::from_str(&json("all.json")).unwrap();
     let c = image_entry(&all, "c");
     assert_eq!(c["state"], "shared", "the default view lists c: {all:#}");
@@ -1794,4 +1803,76 @@ fn a_lease_made_during_a_look_is_not_cleaned_by_it() {
     assert_eq!(holders.len(), 1, "{entry:#}");
     assert_eq!(holders[0]["stowage"], true, "named by its lease: {entry:#}");
     env.release("release");
+}
+
+/// A look never stats a file through another process's descriptor links:
+/// a stat follows the link into that file's filesystem, which may hang (a
+/// stopped FUSE server, a gone NFS server) and with it every look and
+/// every waiter's message. The links' names and fdinfo say enough.
+#[test]
+fn a_look_never_stats_through_another_processs_descriptors() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("x");
+    let mut flock = Command::new("flock");
+    flock
+        .arg("-x")
+        .arg(env.lock_file("x"))
+        .args(env.hold_cmd("by-flock", "release"));
+    let flock = Bg::from_command(flock);
+    wait_for_file(&env.sentinel("by-flock"));
+    let log = env.scratch.join("look.strace");
+    let mut c = Command::new("strace");
+    c.args(["-f", "-e", "trace=%stat,statx,newfstatat", "-o"])
+        .arg(&log)
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["lock-status", "x"])
+        .env_remove("STOWAGE_ROOT");
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("flock"),
+        "{}",
+        show(&out)
+    );
+    let trace = fs::read_to_string(&log).unwrap();
+    let through: Vec<_> = trace
+        .lines()
+        .filter(|l| {
+            l.split('"')
+                .nth(1)
+                .is_some_and(|p| p.starts_with("/proc/") && p.contains("/fd/"))
+        })
+        .collect();
+    assert!(through.is_empty(), "{through:#?}");
+    env.release("release");
+    flock.finish();
+}
+
+/// A container of this host with a host name of its own: its holder is
+/// shown by this namespace's pid, and `--why` says to kill that pid here,
+/// not "on" the container's host name (where the pid is another).
+#[test]
+fn why_says_to_kill_a_containers_holder_here() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("y");
+    let h = Host::hold(&env, Some("ct"), &["--write", "y"], "ct-writer");
+    let waiter = env.spawn(["exec", "--read", "y", "--", "true"]);
+    env.wait_for_waiter("y");
+    let out = env.run(["lock-status", "--why", "y"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!text.contains("on ct, kill"), "{text}");
+    let entry = env.lock_entry("y").unwrap();
+    let pid = entry["holders"][0]["pid"].clone();
+    assert!(text.contains(&format!(": kill {pid}")), "{text}");
+    drop(h);
+    waiter.kill_all();
 }
