@@ -175,8 +175,8 @@ pub struct Look<'c> {
     /// inode of every lock its lease lists, its lease's own among them
     /// (once per look).
     owned: RefCell<Option<HashSet<(u32, u64)>>>,
-    /// Whether this look has waited already for a holder to list its lock.
-    waited: Cell<bool>,
+    /// How long this look has waited for holders to list their locks.
+    waited: Cell<std::time::Duration>,
 }
 
 impl<'c> Look<'c> {
@@ -219,7 +219,7 @@ impl<'c> Look<'c> {
             fresh: RefCell::new(None),
             fd_locks: RefCell::new(HashMap::new()),
             owned: RefCell::new(None),
-            waited: Cell::new(false),
+            waited: Cell::new(std::time::Duration::ZERO),
         }
     }
 
@@ -688,17 +688,24 @@ impl<'c> Look<'c> {
             Mode::Shared
         };
         let mut holders = Vec::new();
-        // The moments waited for are waited once per look: a look at many
-        // locks held outside stowage on a shared filesystem (no lease will
-        // ever list them) would sleep at each.
-        let tries = if self.waited.get() { 1 } else { 3 };
+        // A look waits at most WAIT_BUDGET in all: at many locks held
+        // outside stowage on a shared filesystem (no lease will ever list
+        // them) it would sleep at each. Past it, each lock still gets a
+        // fresh read of the leases, without a sleep.
+        let tries = if self.waited.get() < WAIT_BUDGET {
+            3
+        } else {
+            1
+        };
+        self.reread.borrow_mut().take();
         for attempt in 0..tries {
             holders = self.listing_now(rel, mode, entries);
             if !holders.is_empty() || self.table.is_some() || attempt + 1 == tries {
                 break;
             }
-            self.waited.set(true);
-            std::thread::sleep(std::time::Duration::from_millis(10 << attempt));
+            let pause = std::time::Duration::from_millis(10 << attempt);
+            self.waited.set(self.waited.get() + pause);
+            std::thread::sleep(pause);
             self.reread.borrow_mut().take();
         }
         if holders.is_empty() {
@@ -736,6 +743,10 @@ impl<'c> Look<'c> {
         }
     }
 }
+
+/// The most a look sleeps, in all, waiting for holders on other hosts to
+/// list the locks they were just seen to hold (70 ms for each lock).
+const WAIT_BUDGET: std::time::Duration = std::time::Duration::from_millis(350);
 
 fn probe(path: &Path) -> Probe {
     crate::lock::probe(path).unwrap_or(Probe::Free)
