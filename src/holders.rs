@@ -65,13 +65,22 @@ pub struct Party {
     pub lease: Option<String>,
     /// An exclusive lock taken only to read (`--read-exclusive`).
     pub reading: bool,
-    /// `pid` is another pid namespace's of this host (a container's, or
-    /// the host's seen from one): no signal sent to it here reaches it.
-    pub pid_elsewhere: bool,
-    /// `pid` is this pid namespace's (the lock table's, or a lease's of
-    /// this namespace), whatever host name the holder runs under: a
-    /// signal sent to it here reaches it.
-    pub pid_here: bool,
+    /// Where `pid` names the process.
+    pub pid_space: PidSpace,
+}
+
+/// Where a party's pid names the process it stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PidSpace {
+    /// This pid namespace (the lock table's pid, or a lease's of this
+    /// namespace), whatever host name the holder runs under: a signal
+    /// sent to it from here reaches it.
+    Here,
+    /// Another pid namespace of this host (a container's, or the host's
+    /// seen from one): no signal sent to it from here reaches it.
+    OtherNamespace,
+    /// The holder's own host's.
+    ItsHost,
 }
 
 impl Party {
@@ -87,8 +96,7 @@ impl Party {
             stowage: true,
             lease: Some(name.to_owned()),
             reading: h.reading,
-            pid_elsewhere: false,
-            pid_here: false,
+            pid_space: PidSpace::ItsHost,
         }
     }
 
@@ -104,8 +112,7 @@ impl Party {
             stowage: false,
             lease: None,
             reading: false,
-            pid_elsewhere: false,
-            pid_here: true,
+            pid_space: PidSpace::Here,
         }
     }
 
@@ -122,8 +129,7 @@ impl Party {
             stowage: false,
             lease: None,
             reading: false,
-            pid_elsewhere: false,
-            pid_here: false,
+            pid_space: PidSpace::ItsHost,
         }
     }
 }
@@ -361,7 +367,7 @@ impl<'c> Look<'c> {
                     .iter()
                     .filter(|h| !h.awaits && h.lockfile == rel && h.mode == mode)
                     .filter(move |h| !self.outlived(id, h, entries))
-                    .map(move |h| self.party(n, id, h, self.taker(id)))
+                    .map(move |h| self.party(n, id, h))
             })
             .collect()
     }
@@ -573,7 +579,7 @@ impl<'c> Look<'c> {
             if self.outlived(id, h, entries) {
                 continue;
             }
-            let party = self.party(n, id, h, taker);
+            let party = self.party(n, id, h);
             if h.awaits {
                 if state != Probe::Free {
                     waiters.push(party);
@@ -591,25 +597,25 @@ impl<'c> Look<'c> {
     /// lease's pid — none where that is no longer the owner's (its command
     /// holds on after it died; the pid may be another's), and marked where
     /// it is another pid namespace's of this host.
-    pub fn party(&self, n: &str, id: &Identity, h: &Holding, taker: Option<u32>) -> Party {
+    pub fn party(&self, n: &str, id: &Identity, h: &Holding) -> Party {
+        let taker = self.taker(id);
         let mut party = Party::leased(n, id, h);
         party.pid = match taker {
             Some(t) => Some(t).filter(|&t| id.owner_is(t) != Some(false)),
             None if id.pid_is_ours() => id.pid.filter(|&p| id.owner_is(p) != Some(false)),
             None => id.pid,
         };
-        party.pid_here = taker.is_some() || id.pid_is_ours();
-        party.pid_elsewhere = taker.is_none()
-            && !id.pid_is_ours()
-            && id.host == self.ctx.me.host
+        let this_host = id.host == self.ctx.me.host
             && id.boot_id.is_some()
             && id.boot_id == self.ctx.me.boot_id;
+        party.pid_space = if taker.is_some() || id.pid_is_ours() {
+            PidSpace::Here
+        } else if this_host {
+            PidSpace::OtherNamespace
+        } else {
+            PidSpace::ItsHost
+        };
         party
-    }
-
-    /// The table's taker of lease `id` (see [`Look::party`]).
-    pub fn taker_of(&self, id: &Identity) -> Option<u32> {
-        self.taker(id)
     }
 
     /// The party of a table entry no live lease claimed; `None` if it is
@@ -654,7 +660,7 @@ impl<'c> Look<'c> {
                 Some(Party {
                     since: id.since,
                     pid: e.pid,
-                    pid_here: true,
+                    pid_space: PidSpace::Here,
                     ..Party::leased(&n, &id, &h)
                 })
             }
@@ -823,7 +829,7 @@ fn describe(p: &Party) -> String {
     if let Some(h) = &p.host {
         s.push_str(&format!(" on {}", ident::printable(h)));
     }
-    if p.pid_elsewhere {
+    if p.pid_space == PidSpace::OtherNamespace {
         s.push_str(" (in another pid namespace)");
     }
     if let Some(c) = &p.command {

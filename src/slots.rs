@@ -378,7 +378,7 @@ pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> 
             id.holdings
                 .iter()
                 .filter(|h| h.awaits && h.lockfile == class_rel)
-                .map(move |h| look.party(n, id, h, look.taker_of(id)))
+                .map(move |h| look.party(n, id, h))
         })
         .collect();
     LockReport {

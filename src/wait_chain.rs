@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 
 use crate::clock;
-use crate::holders::{LockKind, LockReport, Look, Party};
+use crate::holders::{LockKind, LockReport, Look, Party, PidSpace};
 use crate::lock::Mode;
 
 /// The lock a step waits for.
@@ -348,12 +348,12 @@ pub fn who(p: &Party) -> String {
 /// ": kill PID" (with the host where it is not this one, as a hint).
 fn kill(p: &Party) -> String {
     match (p.pid, &p.host) {
-        (Some(pid), _) if p.pid_elsewhere => {
+        (Some(pid), _) if p.pid_space == PidSpace::OtherNamespace => {
             format!(": in the pid namespace it runs in, kill {pid}")
         }
         // This namespace's pid, whatever host name the holder runs under
         // (a container of this host with a UTS namespace of its own).
-        (Some(pid), _) if p.pid_here => format!(": kill {pid}"),
+        (Some(pid), _) if p.pid_space == PidSpace::Here => format!(": kill {pid}"),
         (Some(pid), Some(h)) if *h != crate::ident::Me::current().host => {
             format!(": on {h}, kill {pid}")
         }

@@ -159,7 +159,7 @@ fn party(p: &Party) -> String {
     if let Some(h) = &p.host {
         s.push_str(&format!(" on {}", printable(h)));
     }
-    if p.pid_elsewhere {
+    if p.pid_space == crate::holders::PidSpace::OtherNamespace {
         s.push_str(" (in another pid namespace)");
     }
     if let Some(u) = &p.user {
