@@ -14,11 +14,12 @@
 //! - **Rollback journal, never WAL**: WAL's index in shared memory is unsafe
 //!   on NFS; a database an outside program switched to WAL is switched back.
 //! - **Nothing of SQLite's is opened blind.** `stowage.db` and its journal
-//!   are checked to be regular files (opened without following links and
-//!   without blocking) before SQLite opens them: a FIFO or a link planted
-//!   there is refused, naming it, instead of hanging a command.
+//!   are checked to be regular files of their own (opened without
+//!   following links and without blocking) before SQLite opens them: a
+//!   FIFO or a link planted there is refused, naming it, instead of
+//!   hanging a command or being written through.
 
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -118,10 +119,20 @@ fn beside(db: &Path, suffix: &str) -> PathBuf {
 /// journal, and the WAL files it opens when a database says WAL (one an
 /// outside program switched): each missing, or a regular file.
 pub fn check_files(db: &Path) -> Result<()> {
-    check_plain_file(db, "the catalog")?;
-    check_plain_file(&journal_of(db), "the catalog's journal")?;
-    check_plain_file(&beside(db, "-wal"), "the catalog's WAL file")?;
-    check_plain_file(&beside(db, "-shm"), "the catalog's WAL index")
+    for (path, what) in files(db) {
+        check_plain_file(&path, what)?;
+    }
+    Ok(())
+}
+
+/// Every file SQLite may open for the catalog at `db`, with what it is.
+pub fn files(db: &Path) -> [(PathBuf, &'static str); 4] {
+    [
+        (db.to_owned(), "the catalog"),
+        (journal_of(db), "the catalog's journal"),
+        (beside(db, "-wal"), "the catalog's WAL file"),
+        (beside(db, "-shm"), "the catalog's WAL index"),
+    ]
 }
 
 /// Fails unless `path` is missing or a regular file: opened without
@@ -134,7 +145,9 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
         .open(path);
     let kind = match opened {
         Ok(f) => match f.metadata() {
-            Ok(m) if m.file_type().is_file() => return Ok(()),
+            Ok(m) if m.file_type().is_file() && m.nlink() == 1 => return Ok(()),
+            // SQLite would write through it into its other names' file.
+            Ok(m) if m.file_type().is_file() => crate::planted::HARD_LINK,
             Ok(m) => describe_type(&m.file_type()),
             Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", path.display())),
         },
@@ -150,8 +163,9 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
         Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
     };
     Err(CatalogError(format!(
-        "{what} {} is {kind}, not a file: 'stowage doctor --repair' moves it aside (the catalog is rebuilt from the records)",
-        path.display()
+        "{what} {} is {kind}, not {}: 'stowage doctor --repair' moves it aside (the catalog is rebuilt from the records)",
+        path.display(),
+        if kind == crate::planted::HARD_LINK { "a file of its own" } else { "a file" }
     ))
     .into())
 }

@@ -65,6 +65,7 @@ pub struct Entry {
     pub dev: u64,
     pub ino: u64,
     pub mode: u32,
+    pub nlink: u64,
     pub uid: u32,
     pub gid: u32,
 }
@@ -721,6 +722,7 @@ fn entry(st: &libc::stat) -> Entry {
         dev: st.st_dev,
         ino: st.st_ino,
         mode: st.st_mode,
+        nlink: st.st_nlink,
         uid: st.st_uid,
         gid: st.st_gid,
     }

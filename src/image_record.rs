@@ -302,10 +302,15 @@ impl Seen {
     /// no image and was never marked gone. Where lock files are unlinked
     /// (a local filesystem) an empty file is checked by a stat, which costs
     /// no server there: a build from before the mark, which emptied files
-    /// it unlinked, may share the store.
-    pub fn proves_linked(&self, path: &std::path::Path) -> bool {
+    /// it unlinked, may share the store. A file without a record proves
+    /// nothing if it has another name (`fstat`, answered from the
+    /// attributes its open fetched): a hard link planted there, to a file
+    /// outside the root, gets the stat check, which refuses it.
+    pub fn proves_linked(&self, file: &std::fs::File, path: &std::path::Path) -> bool {
+        use std::os::unix::fs::MetadataExt as _;
         self.record.is_some()
             || !(self.damaged || self.legacy || self.gone || crate::lock::unlinks_allowed(path))
+                && file.metadata().is_ok_and(|m| m.is_file() && m.nlink() == 1)
     }
 
     /// Nothing at all: no record, no hint, no last use (a lock file made
@@ -396,7 +401,7 @@ pub fn read_of(file: &std::fs::File, name: &str) -> io::Result<Seen> {
 pub fn read_proving(file: &std::fs::File, path: &std::path::Path, name: &str) -> (Seen, bool) {
     match read_of(file, name) {
         Ok(seen) => {
-            let proven = seen.proves_linked(path);
+            let proven = seen.proves_linked(file, path);
             (seen, proven)
         }
         Err(_) => (Seen::default(), false),

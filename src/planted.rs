@@ -75,6 +75,25 @@ pub fn kind_of_mode(mode: u32) -> Option<&'static str> {
     }
 }
 
+/// What a regular file with more than one name is called. Writing
+/// through it would change a file that may lie outside the root (a hard
+/// link planted for a lock file whose record was never written).
+pub const HARD_LINK: &str = "a hard link (a file with other names)";
+
+/// [`kind_of_mode`], and a regular file with other names ([`HARD_LINK`]).
+pub fn kind_of(mode: u32, nlink: u64) -> Option<&'static str> {
+    kind_of_mode(mode).or((nlink > 1).then_some(HARD_LINK))
+}
+
+/// What belongs where a file found to be `kind` is.
+pub fn expected(kind: &str) -> &'static str {
+    if kind == HARD_LINK {
+        "a file of its own"
+    } else {
+        "a regular file"
+    }
+}
+
 /// The kind of a file an open refused for its type (`ELOOP`, `ENXIO`,
 /// `EISDIR`), asked of the entry itself without following it; `None` for
 /// any other failure.
@@ -130,7 +149,7 @@ pub fn refused(path: &Path, e: io::Error) -> io::Error {
 
 /// The error for `path`, found to be `kind`.
 pub fn not_a_file(path: &Path, kind: &'static str) -> io::Error {
-    not_a(path, kind, "a regular file")
+    not_a(path, kind, expected(kind))
 }
 
 /// The error for `path`, a directory of the layout, found to be `kind`.
@@ -298,18 +317,16 @@ pub fn denied(path: &Path) -> Option<String> {
     ))
 }
 
-/// Fails unless `file` (opened from `path`) is a regular file: one `fstat`.
+/// Fails unless `file` (opened from `path`) is a regular file with no
+/// other name: one `fstat`.
 pub fn check(path: &Path, file: &File) -> io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    match kind_of_mode(file.metadata()?.mode()) {
-        None => Ok(()),
-        Some(kind) => Err(not_a_file(path, kind)),
-    }
+    check_stat(path, &file.metadata()?)
 }
 
-/// [`check`] for what an `fstat` already said (`st_mode`).
-pub fn check_mode(path: &Path, mode: u32) -> io::Result<()> {
-    match kind_of_mode(mode) {
+/// [`check`] for what an `fstat` already said.
+pub fn check_stat(path: &Path, m: &std::fs::Metadata) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    match kind_of(m.mode(), m.nlink()) {
         None => Ok(()),
         Some(kind) => Err(not_a_file(path, kind)),
     }

@@ -20,7 +20,7 @@
 //! their view without recording anything (see `Store::read_tx`).
 //!
 //! Invariants: the reserve is only ever truncated or extended in place, and
-//! opened without following symlinks; two processes filling it at once
+//! opened without following symlinks, and used only as a file of its own; two processes filling it at once
 //! allocate the same range (harmless). Losing it (deleted by hand) costs
 //! nothing but the protection, and it is recreated by the next command that
 //! frees space or creates the layout.
@@ -57,13 +57,15 @@ pub fn target(reserve: &Path) -> u64 {
 }
 
 /// Opens the reserve for writing: never through a symlink, never blocking
-/// on a FIFO planted in its place, and only if it is a regular file.
+/// on a FIFO planted in its place, and only if it is a regular file with
+/// no other name (filling or emptying a hard link would change its other
+/// names' file, which may lie outside the root).
 fn open(reserve: &Path, create: bool) -> Option<std::fs::File> {
     // No link in any component: a root swapped for a link since it was
     // checked gets no reserve made where the link points.
     let create = if create { libc::O_CREAT } else { 0 };
     let f = crate::planted::open(reserve, libc::O_WRONLY | create, 0o666).ok()?;
-    f.metadata().is_ok_and(|m| m.is_file()).then_some(f)
+    crate::planted::check(reserve, &f).is_ok().then_some(f)
 }
 
 /// Empties the reserve; true if it gave back any space.

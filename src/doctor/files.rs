@@ -71,7 +71,7 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
                 continue;
             };
             let path = at.join(name);
-            match crate::planted::kind_of_mode(st.mode) {
+            match crate::planted::kind_of(st.mode, st.nlink) {
                 Some(kind) => planted(&dir, &path, kind, repair, report),
                 None => mode(&dir, &path, &st, repair, shared, report),
             }
@@ -138,8 +138,9 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
             "files",
             Verdict::Problem,
             format!(
-                "{} is {kind}, not a regular file: not made by stowage{replaced}; {}",
+                "{} is {kind}, not {}: not made by stowage{replaced}; {}",
                 path.display(),
+                crate::planted::expected(kind),
                 crate::planted::FIX
             ),
         );
@@ -150,8 +151,9 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
             "files",
             Verdict::Repaired,
             format!(
-                "{} was {kind}, not a regular file: set aside as {}{replaced}",
+                "{} was {kind}, not {}: set aside as {}{replaced}",
                 path.display(),
+                crate::planted::expected(kind),
                 path.with_file_name(aside).display()
             ),
         ),
@@ -160,8 +162,9 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
             "files",
             Verdict::Problem,
             format!(
-                "{} is {kind}, not a regular file, and cannot be set aside: {e}",
-                path.display()
+                "{} is {kind}, not {}, and cannot be set aside: {e}",
+                path.display(),
+                crate::planted::expected(kind)
             ),
         ),
     }

@@ -538,14 +538,11 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     })
 }
 
-/// The catalog or its journal that is no regular file: reported, or with
-/// `repair` set aside (the catalog is then made anew from the records).
+/// A file of the catalog's (itself, its journal, WAL files) that is no
+/// regular file of its own: reported, or with `repair` set aside (the
+/// catalog is then made anew from the records).
 fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, String)>> {
-    let db = store.root().db();
-    for (path, what) in [
-        (db.clone(), "the catalog"),
-        (crate::catalog::journal_of(&db), "the catalog's journal"),
-    ] {
+    for (path, what) in crate::catalog::files(&store.root().db()) {
         let Err(e) = crate::catalog::check_plain_file(&path, what) else {
             continue;
         };
@@ -558,7 +555,7 @@ fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, S
         return Ok(Some((
             Verdict::Repaired,
             format!(
-                "{} was no file: set aside as {}; the catalog is made anew from the records",
+                "{} was no regular file of its own: set aside as {}; the catalog is made anew from the records",
                 path.display(),
                 aside.display()
             ),

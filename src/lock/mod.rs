@@ -393,12 +393,14 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
         Err(e) if is_stale(&e) => return Ok(None),
         Err(e) => return Err(e),
     };
-    // The stat this check makes anyway says what was locked: a FIFO
-    // planted under a lock file's name is refused here, naming it.
-    crate::planted::check_mode(path, ours.mode())?;
     if ours.nlink() == 0 {
         return Ok(None);
     }
+    // The stat this check makes anyway says what was locked: a FIFO
+    // planted under a lock file's name is refused here, naming it, and so
+    // is a hard link (a record written into it would change its other
+    // names' file, which may lie outside the root).
+    crate::planted::check_stat(path, &ours)?;
     if !local_dir(path, Some(ours.dev())) {
         // A stat of the path may come from the client's caches; an open
         // is looked up on the server (close-to-open consistency).

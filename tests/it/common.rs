@@ -1182,16 +1182,24 @@ pub enum Plant {
     Empty,
     /// A regular file its owner may not read or write (mode 000).
     Unreadable,
+    /// A second name of a file outside the root (of the target, or of the
+    /// file `sentinel` in a target directory).
+    HardLink,
+    /// A second name of an empty file outside the root (`empty` beside
+    /// the target, or in a target directory; made if missing).
+    EmptyHardLink,
 }
 
 impl Plant {
-    pub const ALL: [Plant; 6] = [
+    pub const ALL: [Plant; 8] = [
         Plant::Fifo,
         Plant::Symlink,
         Plant::Dir,
         Plant::Socket,
         Plant::Empty,
         Plant::Unreadable,
+        Plant::HardLink,
+        Plant::EmptyHardLink,
     ];
 
     /// Those that are not regular files.
@@ -1212,6 +1220,27 @@ impl Plant {
                 fs::write(path, "planted").unwrap();
                 fs::set_permissions(path, fs::Permissions::from_mode(0o000)).unwrap();
             }
+            Plant::HardLink => {
+                let file = if target.is_dir() {
+                    target.join("sentinel")
+                } else {
+                    target.to_owned()
+                };
+                fs::hard_link(file, path).unwrap()
+            }
+            Plant::EmptyHardLink => {
+                let file = if target.is_dir() {
+                    target.join("empty")
+                } else {
+                    target.with_file_name("empty")
+                };
+                fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&file)
+                    .unwrap();
+                fs::hard_link(file, path).unwrap()
+            }
         }
     }
 
@@ -1229,6 +1258,7 @@ impl Plant {
             Plant::Socket => t.is_socket(),
             Plant::Empty => t.is_file() && m.len() == 0,
             Plant::Unreadable => t.is_file() && m.mode() & 0o777 == 0,
+            Plant::HardLink | Plant::EmptyHardLink => t.is_file() && m.nlink() > 1,
         }
     }
 
@@ -1241,6 +1271,7 @@ impl Plant {
             Plant::Socket => "a socket",
             Plant::Empty => "an empty file",
             Plant::Unreadable => "an unreadable file",
+            Plant::HardLink | Plant::EmptyHardLink => "a hard link",
         }
     }
 }

@@ -1,11 +1,12 @@
 //! The sweep: at every path of the layout, each of a FIFO, a symlink to a
-//! directory outside the root, a directory, a socket, an empty file and an
-//! unreadable file, planted where stowage keeps its own file or directory;
-//! then every command, each bounded. Each must end within 10 s, say at
-//! most one line on stderr that names the planted path when it fails,
-//! touch nothing outside the root, and lose nothing: once the plant is
-//! gone, the ready images are ready and readable. The matrix of what each
-//! command did is printed (docs/reliability.md, "The sweep").
+//! directory outside the root, a directory, a socket, an empty file, an
+//! unreadable file and hard links to files outside the root (one empty),
+//! planted where stowage keeps its own file or directory; then every
+//! command, each bounded. Each must end within 10 s, say at most one line
+//! on stderr that names the planted path when it fails, touch nothing
+//! outside the root, and lose nothing: once the plant is gone, the ready
+//! images are ready and readable. The matrix of what each command did is
+//! printed (docs/reliability.md, "The sweep").
 //!
 //! Run as an unprivileged user where the tests run as root (an unreadable
 //! file means nothing to root). Cases run in parallel, each on its own
@@ -33,6 +34,7 @@ const LAYOUT: &[(&str, bool)] = &[
     ("stowage.db", false),
     ("stowage.db-journal", false),
     ("stowage.db-wal", false),
+    ("stowage.db-shm", false),
     ("reserve", false),
     ("locks/global.lock", false),
     ("locks/store.lock", false),
@@ -135,7 +137,7 @@ fn own(p: &Path) {
 
 /// A store for one case: ready images `base` (its tree says `content`),
 /// `rw` and `old`, the slot class `pull`, a catalog; a victim directory
-/// outside the root, with a file that must stay as it is.
+/// outside the root, with files that must stay as they are.
 struct Case {
     env: Env,
     victim: PathBuf,
@@ -165,8 +167,10 @@ impl Case {
         let victim = env.tmp.path().join("victim");
         fs::create_dir(&victim).unwrap();
         fs::write(victim.join("sentinel"), "precious").unwrap();
+        fs::write(victim.join("empty"), "").unwrap();
         own(&victim);
         own(&victim.join("sentinel"));
+        own(&victim.join("empty"));
         let kept = env.tmp.path().join("kept");
         Case { env, victim, kept }
     }

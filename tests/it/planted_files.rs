@@ -221,3 +221,48 @@ fn a_lock_directory_that_cannot_be_listed_is_named_not_taken_for_empty() {
         );
     }
 }
+
+/// A hard link planted at a new image's lock file, to a file outside the
+/// root — empty or not, on a store seen as local or as shared (where an
+/// empty lock file is otherwise taken for a fresh one without a stat):
+/// the writer refuses it in one line naming it, the file outside keeps
+/// its bytes, and `doctor --repair` sets the link aside, after which the
+/// image is made.
+#[test]
+fn a_hard_link_at_a_lock_file_is_never_written_through() {
+    for (fs_type, contents) in [
+        ("local", ""),
+        ("local", "precious"),
+        ("nfs", ""),
+        ("nfs", "precious"),
+    ] {
+        let env = Env::new();
+        env.make_image("base");
+        let victim = env.tmp.path().join("victim");
+        fs::write(&victim, contents).unwrap();
+        let lock = env.lock_file("new");
+        fs::hard_link(&victim, &lock).unwrap();
+        let mut c = env.cmd(["exec", "--write", "new", "--", "true"]);
+        if fs_type == "nfs" {
+            c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        }
+        let out = output(c);
+        let err = stderr(&out);
+        assert_eq!(
+            code(&out),
+            Some(1),
+            "{fs_type} {contents:?}: {}",
+            show(&out)
+        );
+        assert!(
+            err.contains(&format!("{} is a hard link", lock.display()))
+                && err.trim_end().lines().count() == 1,
+            "{fs_type} {contents:?}: {err}"
+        );
+        assert_eq!(fs::read_to_string(&victim).unwrap(), contents, "{fs_type}");
+        doctor_sets_aside(&env, &lock, Plant::HardLink);
+        assert_eq!(fs::read_to_string(&victim).unwrap(), contents, "{fs_type}");
+        env.ok(["exec", "--write", "new", "--", "true"]);
+        assert_eq!(env.state("new").as_deref(), Some("ready"));
+    }
+}
