@@ -302,15 +302,25 @@ impl Seen {
     /// no image and was never marked gone. Where lock files are unlinked
     /// (a local filesystem) an empty file is checked by a stat, which costs
     /// no server there: a build from before the mark, which emptied files
-    /// it unlinked, may share the store. A file without a record proves
+    /// it unlinked, may share the store. A file its taker will write
+    /// (`writes`: an exclusive lock), or one without a record, proves
     /// nothing if it has another name (`fstat`, answered from the
-    /// attributes its open fetched): a hard link planted there, to a file
-    /// outside the root, gets the stat check, which refuses it.
-    pub fn proves_linked(&self, file: &std::fs::File, path: &std::path::Path) -> bool {
+    /// attributes its open fetched): a hard link there — to a file outside
+    /// the root, or another store's lock file (`cp -al`) — gets the stat
+    /// check, which refuses it. A reader writes nothing through it.
+    pub fn proves_linked(
+        &self,
+        file: &std::fs::File,
+        path: &std::path::Path,
+        writes: bool,
+    ) -> bool {
         use std::os::unix::fs::MetadataExt as _;
-        self.record.is_some()
-            || !(self.damaged || self.legacy || self.gone || crate::lock::unlinks_allowed(path))
-                && file.metadata().is_ok_and(|m| m.is_file() && m.nlink() == 1)
+        let one_name = || file.metadata().is_ok_and(|m| m.is_file() && m.nlink() == 1);
+        if self.record.is_some() {
+            return !writes || one_name();
+        }
+        !(self.damaged || self.legacy || self.gone || crate::lock::unlinks_allowed(path))
+            && one_name()
     }
 
     /// Nothing at all: no record, no hint, no last use (a lock file made
@@ -395,13 +405,13 @@ pub fn read_of(file: &std::fs::File, name: &str) -> io::Result<Seen> {
     Ok(read(file)?.of(|n| n == name))
 }
 
-/// [`read_of`] under a lock just taken from `path`, and whether what it
-/// read proves the file still at its path ([`Seen::proves_linked`]); a
-/// read that fails proves nothing and reads as no image.
+/// [`read_of`] under an exclusive lock just taken from `path`, and whether
+/// what it read proves the file still at its path ([`Seen::proves_linked`]);
+/// a read that fails proves nothing and reads as no image.
 pub fn read_proving(file: &std::fs::File, path: &std::path::Path, name: &str) -> (Seen, bool) {
     match read_of(file, name) {
         Ok(seen) => {
-            let proven = seen.proves_linked(file, path);
+            let proven = seen.proves_linked(file, path, true);
             (seen, proven)
         }
         Err(_) => (Seen::default(), false),

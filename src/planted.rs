@@ -7,6 +7,10 @@
 //!   hang the open, a symlink is refused (`ELOOP`), a socket cannot be
 //!   opened (`ENXIO`), a directory cannot be opened for writing (`EISDIR`),
 //!   a terminal never becomes the command's.
+//! - **Written in place only with one name**: a hard link planted there
+//!   would carry the write to a file outside the root ([`HARD_LINK`],
+//!   [`check_written`]); a file only read, or replaced by a rename, may
+//!   have others.
 //! - **Then used only as a regular file.** What the open refuses, and what
 //!   `fstat` finds to be anything else, is a [`NotAFile`] error that keeps
 //!   the file's path: whoever reports it names the file that is wrong, not
@@ -49,9 +53,19 @@ pub struct NotAFile {
 
 impl std::fmt::Display for NotAFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A hard link that holds an image's record is another store's lock
+        // file too, which doctor reports and leaves: it says what to do.
+        let (refusal, fix) = if self.kind == HARD_LINK {
+            (
+                "refusing to write through it",
+                "'stowage doctor' says what to do",
+            )
+        } else {
+            ("refusing to use it", FIX)
+        };
         write!(
             f,
-            "{} is {}, not {}: refusing to use it; {FIX}",
+            "{} is {}, not {}: {refusal}; {fix}",
             self.path.display(),
             self.kind,
             self.expected
@@ -317,13 +331,24 @@ pub fn denied(path: &Path) -> Option<String> {
     ))
 }
 
-/// Fails unless `file` (opened from `path`) is a regular file with no
-/// other name: one `fstat`.
+/// Fails unless `file` (opened from `path`) is a regular file: one
+/// `fstat`. Enough for a file that is only read (or replaced by a rename).
 pub fn check(path: &Path, file: &File) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    match kind_of_mode(file.metadata()?.mode()) {
+        None => Ok(()),
+        Some(kind) => Err(not_a_file(path, kind)),
+    }
+}
+
+/// Fails unless `file` (opened from `path`) is a regular file with no
+/// other name: one `fstat`. For a file written in place (or whose mode is
+/// set), where a second name would carry the change outside the root.
+pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
     check_stat(path, &file.metadata()?)
 }
 
-/// [`check`] for what an `fstat` already said.
+/// [`check_written`] for what an `fstat` already said.
 pub fn check_stat(path: &Path, m: &std::fs::Metadata) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     match kind_of(m.mode(), m.nlink()) {

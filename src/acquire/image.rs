@@ -207,7 +207,7 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
     let got = lock::acquire_no_wait_with(&path, mode, lock::IfMissing::create_if(create), |f| {
         match image_record::read_of(f, name.as_str()) {
             Ok(seen) => {
-                let proven = seen.proves_linked(f, &path);
+                let proven = seen.proves_linked(f, &path, mode == Mode::Exclusive);
                 (seen, proven)
             }
             Err(e) => {

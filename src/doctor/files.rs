@@ -6,6 +6,9 @@
 //!   its own directory (`NAME.planted-TIME`) — never deleted, never
 //!   followed. No stowage process holds a lock on it (locks are taken on
 //!   regular files only), so moving it disturbs nobody.
+//! - **A hard link** to a file outside is planted, like the above; one
+//!   that holds an image's record (a store copied with `cp -al`) is only
+//!   reported: moving it would make its image unreadable.
 //! - **A file of ours whose mode was taken away** (we may not read or
 //!   write it) gets read and write back for us, and for the group of a
 //!   shared store; another user's is reported, naming who may fix it.
@@ -71,7 +74,17 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
                 continue;
             };
             let path = at.join(name);
-            match crate::planted::kind_of(st.mode, st.nlink) {
+            // The configuration is replaced by a rename, never written in
+            // place: another name for it changes nothing outside.
+            let nlink = if name == crate::config::FILE {
+                1
+            } else {
+                st.nlink
+            };
+            match crate::planted::kind_of(st.mode, nlink) {
+                Some(crate::planted::HARD_LINK) if holds_a_record(&dir, name) => {
+                    shared_record(&path, report)
+                }
                 Some(kind) => planted(&dir, &path, kind, repair, report),
                 None => mode(&dir, &path, &st, repair, shared, report),
             }
@@ -107,6 +120,38 @@ fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
         }
     }
     out
+}
+
+/// Whether the file `name` holds an image's record: only stowage writes
+/// one, so a second name for it is another store's lock file (a store
+/// copied with `cp -al`), not a file outside that a plant would have
+/// stowage write.
+fn holds_a_record(dir: &Dir, name: &str) -> bool {
+    name.ends_with(".lock")
+        && dir
+            .open_read_unchecked(name)
+            .and_then(|f| crate::image_record::read(&f))
+            .is_ok_and(|seen| seen.record.is_some())
+}
+
+/// A lock file whose record another name shares: reported, and left as
+/// it is even by `--repair`. Readers use it (they write nothing through
+/// it), writers refuse it. Setting it aside would make its image
+/// unreadable here; giving it a file of its own while a process may have
+/// opened the old one would leave that process holding a file its record
+/// still vouches for (nothing may be marked in it: the other name's store
+/// uses it). Only the user knows when nothing uses the store.
+fn shared_record(path: &Path, report: &mut Report) {
+    let p = path.display();
+    report.add(
+        "files",
+        Verdict::Problem,
+        format!(
+            "{p} is a hard link: its image's record is shared with another name (a store copied \
+             with 'cp -al'?), so the image is read but not written or removed here; while \
+             nothing uses this store, give it a file of its own: cp {p} {p}.own && mv {p}.own {p}"
+        ),
+    );
 }
 
 /// What was in the place of a file at `path` tells what it took away.

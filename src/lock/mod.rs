@@ -218,9 +218,13 @@ impl Guard {
 }
 
 /// Opens an existing lock file to write what it says (an image's hint),
-/// without locking it: `None` if it does not exist.
+/// without locking it: `None` if it does not exist. Only a regular file
+/// with no other name (`fstat`): nothing locked it, so no check of the
+/// unlink race asked.
 pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
-    match open(path, IfMissing::Fail) {
+    match open(path, IfMissing::Fail)
+        .and_then(|f| crate::planted::check_written(path, &f).map(|()| f))
+    {
         Ok(f) => Ok(Some(f)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),

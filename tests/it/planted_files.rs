@@ -259,10 +259,138 @@ fn a_hard_link_at_a_lock_file_is_never_written_through() {
                 && err.trim_end().lines().count() == 1,
             "{fs_type} {contents:?}: {err}"
         );
-        assert_eq!(fs::read_to_string(&victim).unwrap(), contents, "{fs_type}");
+        let intact = || fs::read(&victim).unwrap() == contents.as_bytes();
+        assert!(intact(), "{fs_type} {contents:?}: written through");
         doctor_sets_aside(&env, &lock, Plant::HardLink);
-        assert_eq!(fs::read_to_string(&victim).unwrap(), contents, "{fs_type}");
+        assert!(
+            intact(),
+            "{fs_type} {contents:?}: written through by doctor"
+        );
         env.ok(["exec", "--write", "new", "--", "true"]);
         assert_eq!(env.state("new").as_deref(), Some("ready"));
     }
+}
+
+/// A hard link at a busy image's lock file, to a file outside the root
+/// that an outside program holds locked: a writer that waits for it, and
+/// a store-wide command that marks every lock file, write no hint through
+/// it (each is written without the lock, off the path that checks).
+#[test]
+fn a_hard_link_at_a_busy_lock_file_gets_no_hint_written_through() {
+    let env = Env::new();
+    env.make_image("base");
+    let victim = env.tmp.path().join("victim");
+    fs::write(&victim, "precious").unwrap();
+    let lock = env.lock_file("base");
+    fs::remove_file(&lock).unwrap();
+    fs::hard_link(&victim, &lock).unwrap();
+    let started = env.tmp.path().join("outsider-started");
+    let outsider = flock_holder(&victim, &started, "sleep 60");
+    let out = env.run(["exec", "--write", "base", "--wait", "1", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    let intact = || fs::read(&victim).unwrap() == b"precious";
+    assert!(intact(), "the waiting writer wrote through the link");
+    let out = env.run(["exec", "--store-wide", "--", "true"]);
+    assert!(
+        intact(),
+        "the store-wide command wrote through the link: {}",
+        show(&out)
+    );
+    drop(outsider);
+    let out = env.run(["exec", "--write", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(intact(), "the writer wrote through the link");
+}
+
+/// A store copied with `cp -al` shares each image's lock file with the
+/// original: both read their images, neither writes or removes one
+/// through the shared file (which would change the other store's
+/// record), each says so in one line; `doctor` reports it with what to
+/// do and `--repair` leaves it; once given a file of its own, the copy
+/// writes its image and the original's record is as it was.
+#[test]
+fn a_store_copied_with_hard_links_reads_both_and_writes_neither_through_them() {
+    let env = Env::new();
+    env.ok([
+        "exec",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "echo hi > \"$STOWAGE_IMAGE_DIR/f\"",
+    ]);
+    let copy = env.tmp.path().join("copy");
+    let st = std::process::Command::new("cp")
+        .arg("-al")
+        .arg(&env.root)
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let original_lock = env.lock_file("base");
+    let before = fs::read(&original_lock).unwrap();
+    let run = |root: &Path, args: &[&str]| {
+        let mut c = std::process::Command::new(bin());
+        c.arg("--root").arg(root).args(args);
+        c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+        output(c)
+    };
+    let read = [
+        "exec",
+        "--read",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        "cat \"$STOWAGE_IMAGES_DIR/base/f\"",
+    ];
+    for root in [&env.root, &copy] {
+        let out = run(root, &read);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
+        let out = run(root, &["images"]);
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("base"),
+            "{}",
+            show(&out)
+        );
+        for args in [
+            &["exec", "--write", "base", "--", "true"][..],
+            &["rm", "base"],
+        ] {
+            let out = run(root, args);
+            let err = stderr(&out);
+            assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+            assert!(
+                err.contains("is a hard link") && err.trim_end().lines().count() == 1,
+                "{args:?}: {err}"
+            );
+        }
+    }
+    let copy_lock = copy.join("locks/images/base.lock");
+    for args in [&["doctor"][..], &["doctor", "--repair"]] {
+        let out = run(&copy, args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stdout)
+                .contains(&format!("{} is a hard link", copy_lock.display())),
+            "{args:?}: {}",
+            show(&out)
+        );
+    }
+    assert!(
+        fs::read(&original_lock).unwrap() == before,
+        "the original's record changed"
+    );
+    let own = copy_lock.with_extension("own");
+    fs::copy(&copy_lock, &own).unwrap();
+    fs::rename(&own, &copy_lock).unwrap();
+    let out = run(&copy, &["exec", "--write", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        fs::read(&original_lock).unwrap() == before,
+        "the original's record changed"
+    );
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
