@@ -20,7 +20,10 @@
 //! walk does not descend through them, and every destination is created
 //! fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) inside the new
 //! image's (empty) directory, so the copy cannot write outside it. No inode
-//! is shared with the base. Attributes are set in an order that keeps them:
+//! is shared with the base. The copy's top is ours alone (mode 700) until
+//! it is done, so no other user can swap a name in it between a create
+//! and the attributes set by that name. Attributes are set in an order
+//! that keeps them:
 //! owner (which clears setuid bits and capabilities), then mode, then
 //! extended attributes (an ACL rewrites the group bits the mode set), then
 //! times.
@@ -212,6 +215,19 @@ pub fn copy_tree_at(
     let meta = src_root
         .lstat()
         .with_context(|| format!("cannot read {}", src.display()))?;
+    // Nobody but us may create or rename a name in the copy while it is
+    // made: an entry's owner and mode are set by its name (a FIFO, a
+    // symlink), and a member of a group store could otherwise swap in a
+    // link to a file elsewhere between the create and the chmod. The top
+    // gets the base's mode when the copy is done (`finish_dir`).
+    let was = dst_root
+        .lstat()
+        .with_context(|| format!("cannot read {}", dst.display()))?
+        .st_mode
+        & 0o7777;
+    // SAFETY: fchmod on a descriptor we own; no memory is passed.
+    cvt(unsafe { libc::fchmod(dst_root.fd(), 0o700) })
+        .with_context(|| format!("cannot make {} private while copying", dst.display()))?;
     let names = src_root
         .entries()
         .with_context(|| format!("cannot list {}", src.display()))?;
@@ -235,7 +251,13 @@ pub fn copy_tree_at(
         out: Copied::default(),
         progress,
     };
-    copy.walk(top)?;
+    if let Err(e) = copy.walk(top) {
+        // A copy that failed leaves the top as it found it, so another
+        // member of a group store can remove what it holds.
+        // SAFETY: as above.
+        unsafe { libc::fchmod(copy.dst_root.fd(), was) };
+        return Err(e);
+    }
     Ok(copy.finish())
 }
 

@@ -401,3 +401,56 @@ fn a_hard_link_in_the_layout_is_not_given_the_group() {
         show(&out)
     );
 }
+
+/// While a copy (`--from`) is made in a group store, no member can create
+/// or rename a name in it: an entry's owner and mode are set by its name,
+/// so a link swapped in between would carry them to a file elsewhere.
+/// When the copy is done, its top has the base's mode again.
+#[test]
+fn no_member_can_swap_a_name_in_a_copy_under_way() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", "100"]);
+    env.build(
+        "base",
+        "echo a > \"$STOWAGE_IMAGE_DIR/a\"; mkfifo \"$STOWAGE_IMAGE_DIR/z\"",
+    );
+    let base_mode = fs::metadata(env.root.join("img/base")).unwrap().mode() & 0o7777;
+    let (bg, pause) = env.paused(
+        ["exec", "--write", "app", "--from", "base", "--", "true"],
+        "clone-copying",
+    );
+    let victim = env.tmp.path().join("victim");
+    fs::write(&victim, "precious").unwrap();
+    let planted = env.root.join("img/app/planted");
+    let mut c = Command::new("setpriv");
+    c.args([
+        "--reuid=65534",
+        "--regid=100",
+        "--clear-groups",
+        "--",
+        "ln",
+        "-s",
+    ])
+    .arg(&victim)
+    .arg(&planted);
+    let out = output(c);
+    assert_ne!(
+        code(&out),
+        Some(0),
+        "a member made a name in the copy: {}",
+        show(&out)
+    );
+    fs::remove_file(&pause).unwrap();
+    let out = bg.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    let m = fs::metadata(env.root.join("img/app")).unwrap();
+    assert_eq!(
+        m.mode() & 0o7777,
+        base_mode,
+        "the copy's top has the base's mode"
+    );
+}
