@@ -12,8 +12,9 @@
 //! - **A file of ours whose mode was taken away** (we may not read or
 //!   write it) gets read and write back for us, and for the group of a
 //!   shared store; another user's is reported, naming who may fix it.
-//! - The catalog and its journal are the catalog check's (it sets them
-//!   aside under the global lock); the layout's directories, `layout`'s.
+//! - The catalog's files (itself, its journal, its WAL files) are the
+//!   catalog check's (it sets them aside under the global lock); the
+//!   layout's directories, `layout`'s.
 
 use std::path::Path;
 
@@ -27,10 +28,7 @@ use super::{Report, Verdict};
 type Wanted = fn(&str) -> bool;
 
 fn in_root(n: &str) -> bool {
-    matches!(
-        n,
-        crate::config::FILE | "reserve" | "stowage.db-wal" | "stowage.db-shm"
-    )
+    matches!(n, crate::config::FILE | "reserve")
 }
 
 fn in_locks(n: &str) -> bool {
@@ -92,9 +90,11 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
     }
 }
 
+/// A directory of the layout opened to be listed (the root's own
+/// descriptor is an anchor, which cannot be).
 fn open(root: &Root, rel: &str) -> anyhow::Result<Dir> {
     if rel.is_empty() {
-        root.open()
+        Ok(root.open()?.sub(".")?)
     } else {
         root.open_sub(rel)
     }

@@ -394,3 +394,21 @@ fn a_store_copied_with_hard_links_reads_both_and_writes_neither_through_them() {
     );
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
+
+/// What is planted among the root's own files (the reserve, the
+/// configuration) is found by `doctor` and set aside by `--repair` like
+/// anywhere else in the layout: the root is listed, not only looked into.
+#[test]
+fn doctor_finds_what_is_planted_among_the_roots_own_files() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["gc"]);
+    let reserve = env.root.join("reserve");
+    assert!(reserve.is_file(), "gc tops the reserve up");
+    fs::remove_file(&reserve).unwrap();
+    let victim = env.tmp.path().join("victim");
+    fs::write(&victim, "precious").unwrap();
+    Plant::HardLink.at(&reserve, &victim);
+    doctor_sets_aside(&env, &reserve, Plant::HardLink);
+    assert!(fs::read(&victim).unwrap() == b"precious", "written through");
+}
