@@ -202,9 +202,14 @@ impl Session {
                     continue;
                 }
                 Role::Read => {
-                    if image_record::last_use_stale(&img.held.seen, now) {
-                        let _ =
-                            image_record::record_use(img.held.guard.file(), &img.held.seen, now);
+                    // A reader's lock file may have other names (it proved
+                    // itself by its record): its use is written only into
+                    // a file of its own, once in a while.
+                    let file = img.held.guard.file();
+                    if image_record::last_use_stale(&img.held.seen, now)
+                        && crate::planted::check_written(img.held.guard.path(), file).is_ok()
+                    {
+                        let _ = image_record::record_use(file, &img.held.seen, now);
                     }
                     continue;
                 }
