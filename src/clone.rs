@@ -215,19 +215,7 @@ pub fn copy_tree_at(
     let meta = src_root
         .lstat()
         .with_context(|| format!("cannot read {}", src.display()))?;
-    // Nobody but us may create or rename a name in the copy while it is
-    // made: an entry's owner and mode are set by its name (a FIFO, a
-    // symlink), and a member of a group store could otherwise swap in a
-    // link to a file elsewhere between the create and the chmod. The top
-    // gets the base's mode when the copy is done (`finish_dir`).
-    let was = dst_root
-        .lstat()
-        .with_context(|| format!("cannot read {}", dst.display()))?
-        .st_mode
-        & 0o7777;
-    // SAFETY: fchmod on a descriptor we own; no memory is passed.
-    cvt(unsafe { libc::fchmod(dst_root.fd(), 0o700) })
-        .with_context(|| format!("cannot make {} private while copying", dst.display()))?;
+    let was = make_private(&dst_root, dst)?;
     let names = src_root
         .entries()
         .with_context(|| format!("cannot list {}", src.display()))?;
@@ -251,14 +239,57 @@ pub fn copy_tree_at(
         out: Copied::default(),
         progress,
     };
-    if let Err(e) = copy.walk(top) {
-        // A copy that failed leaves the top as it found it, so another
-        // member of a group store can remove what it holds.
+    let mut stack = vec![top];
+    if let Err(e) = copy.walk(&mut stack) {
+        // A copy that failed leaves the top as it found it, and the
+        // directories it was filling (made 700) so too, so another member
+        // of a group store can remove what it holds.
+        for f in &stack {
+            // SAFETY: fchmod on a descriptor we own.
+            unsafe { libc::fchmod(f.dst.fd(), was) };
+        }
         // SAFETY: as above.
         unsafe { libc::fchmod(copy.dst_root.fd(), was) };
         return Err(e);
     }
     Ok(copy.finish())
+}
+
+/// Makes the copy's (empty) top ours alone while the copy is made, and
+/// returns the mode it had. Nobody but us may create or rename a name in
+/// it: an entry's owner and mode are set by its name (a FIFO, a symlink),
+/// and a member of a group store could otherwise swap in a link to a file
+/// elsewhere between the create and the chmod. Mode 700 keeps out all but
+/// the owner, so the owner must be us (root may chmod another user's
+/// directory, whose owner keeps full access), and nothing may be in it (a
+/// name made before, whose descriptor its maker may keep). The top gets
+/// the base's mode when the copy is done (`finish_dir`).
+fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
+    let st = top
+        .lstat()
+        .with_context(|| format!("cannot read {}", dst.display()))?;
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if st.st_uid != me {
+        anyhow::bail!(
+            "{} belongs to uid {}, not to you: refusing to copy into it (its owner could change names in the copy)",
+            dst.display(),
+            st.st_uid
+        );
+    }
+    let was = st.st_mode & 0o7777;
+    // SAFETY: fchmod on a descriptor we own; no memory is passed.
+    cvt(unsafe { libc::fchmod(top.fd(), 0o700) })
+        .with_context(|| format!("cannot make {} private while copying", dst.display()))?;
+    if !top.entries().is_ok_and(|n| n.is_empty()) {
+        // SAFETY: as above.
+        unsafe { libc::fchmod(top.fd(), was) };
+        anyhow::bail!(
+            "{} is not empty: refusing to copy into it (another user could change names in the copy)",
+            dst.display()
+        );
+    }
+    Ok(was)
 }
 
 /// A copy under way: where it goes, what it has seen, what it did.
@@ -282,8 +313,7 @@ struct TreeCopy<'a> {
 impl TreeCopy<'_> {
     /// Copies the tree below `top`, depth first, one directory descriptor
     /// per level.
-    fn walk(&mut self, top: Frame) -> Result<()> {
-        let mut stack = vec![top];
+    fn walk(&mut self, stack: &mut Vec<Frame>) -> Result<()> {
         while let Some(top) = stack.last_mut() {
             let Some(name) = top.names.next() else {
                 let done = stack.pop().expect("not empty");

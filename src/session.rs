@@ -632,7 +632,17 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
             for i in images.iter().filter(|i| i.held.seen.store_wide) {
                 match tree_missing(root, &i.held) {
                     true => gone.push(i.held.name.clone()),
-                    false => clear.push(i.held.guard.file()),
+                    // Not through a reader's file with other names.
+                    false
+                        if crate::planted::check_written(
+                            i.held.guard.path(),
+                            i.held.guard.file(),
+                        )
+                        .is_ok() =>
+                    {
+                        clear.push(i.held.guard.file())
+                    }
+                    false => {}
                 }
             }
             crate::store_wide::clear_hints(clear);
@@ -987,6 +997,25 @@ impl Drop for Session {
     }
 }
 
+/// Replaces the emptied tree of `target` by one of ours if another user
+/// made it (an image first written by another member of a group store):
+/// a copy makes its top ours alone while it is made, which another
+/// user's directory cannot be (`clone::copy_tree_at` checks it got one).
+fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result<()> {
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if let Ok(Some(st)) = images.stat_at(target.encoded())
+        && st.is_dir()
+        && st.uid != me
+    {
+        images
+            .rmdir(target.encoded())
+            .and_then(|()| images.mkdir(target.encoded(), st.mode & 0o7777))
+            .with_context(|| format!("cannot make {} anew", dst.display()))?;
+    }
+    Ok(())
+}
+
 /// Makes the image `target` a copy of `base`, both in `images_dir`
 /// (emptying the target first: it is being rebuilt from the base). Both
 /// ends are opened from one descriptor of the images directory, never a
@@ -1013,6 +1042,7 @@ fn clone_tree(
     let show = std::io::stderr().is_terminal() && !ctx.quiet;
     let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
     let images = store.root().open_images_dir(images_dir)?;
+    make_ours(&images, target, &dst)?;
     let open = |name: &crate::name::ImageName, path: &Path| {
         images
             .sub(name.encoded())

@@ -54,7 +54,7 @@ pub enum Probe {
 /// answer is for (a new image's writer: after taking its own).
 pub fn probe(root: &Root) -> Result<Probe> {
     let path = root.store_wide_lock();
-    let file = match lock::open_existing(&path) {
+    let file = match lock::open_existing_read(&path) {
         Ok(Some(f)) => f,
         Ok(None) => return Ok(Probe::Free),
         // No hold can stand on what is not a regular file (taking one

@@ -230,8 +230,12 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
             // No writer holds the gate: the hint is stale (its writer got
             // in, or died waiting). Cleared while we hold the gate, when
             // no writer can be setting it.
+            // Not through a file with other names (a reader's proves
+            // itself by its record): a reader writes nothing through it.
             Ok(Some(_passed)) => {
-                let _ = image_record::set_writer_waits(guard.file(), false);
+                if crate::planted::check_written(&path, guard.file()).is_ok() {
+                    let _ = image_record::set_writer_waits(guard.file(), false);
+                }
             }
             // No gate file: nobody waits there. Nor at something planted
             // in its place, which no writer can hold (doctor reports it).
@@ -317,7 +321,7 @@ fn wait_image(
 /// whose creator holds its lock has a `creating` record to wait for.
 pub(crate) fn require_all(root: &Root, names: &[ImageName]) -> Result<()> {
     for n in names {
-        let seen = match lock::open_existing(&root.image_lock(n)) {
+        let seen = match lock::open_existing_read(&root.image_lock(n)) {
             Ok(Some(f)) => image_record::read_of(&f, n.as_str()).unwrap_or_default(),
             _ => Seen::default(),
         };

@@ -356,7 +356,7 @@ fn image_report(
     asked: Option<String>,
 ) -> LockReport {
     let path = root.image_locks().join(file);
-    let seen = crate::lock::open_existing(&path)
+    let seen = crate::lock::open_existing_read(&path)
         .ok()
         .flatten()
         .and_then(|f| crate::image_record::read(&f).ok())

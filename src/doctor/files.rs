@@ -178,12 +178,19 @@ fn what_it_replaced(path: &Path) -> &'static str {
 fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report) {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     let replaced = what_it_replaced(path);
+    // A hard link may be stowage's own file given a second name (a store
+    // copied with 'cp -al'): what is wrong is the other name.
+    let why = if kind == crate::planted::HARD_LINK {
+        "stowage writes no file that has another name"
+    } else {
+        "not made by stowage"
+    };
     if !repair {
         report.add(
             "files",
             Verdict::Problem,
             format!(
-                "{} is {kind}, not {}: not made by stowage{replaced}; {}",
+                "{} is {kind}, not {}: {why}{replaced}; {}",
                 path.display(),
                 crate::planted::expected(kind),
                 crate::planted::FIX

@@ -231,6 +231,17 @@ pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     }
 }
 
+/// [`open_existing`] for a file only read or locked, never written
+/// (a record asked for, `store.lock` probed): its type only, so that a
+/// lock file with other names (a store copied with `cp -al`) is read.
+pub fn open_existing_read(path: &Path) -> io::Result<Option<File>> {
+    match open(path, IfMissing::Fail).and_then(|f| crate::planted::check(path, &f).map(|()| f)) {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Opens a lock file: read-write, close-on-exec, never through a symlink
 /// in any component (`planted::open`), and never blocking (a FIFO planted
 /// in its place would block a plain open). What is refused for its type

@@ -35,8 +35,14 @@ fn env_for_members() -> Env {
 
 /// `stowage --root ROOT ARGS…` as uid 65534 in group 100 only.
 fn as_member(env: &Env, args: &[&str]) -> Output {
+    as_uid(env, 65534, args)
+}
+
+/// `stowage --root ROOT ARGS…` as `uid` in group 100 only.
+fn as_uid(env: &Env, uid: u32, args: &[&str]) -> Output {
     let mut c = Command::new("setpriv");
-    c.args(["--reuid=65534", "--regid=100", "--clear-groups", "--"])
+    c.arg(format!("--reuid={uid}"))
+        .args(["--regid=100", "--clear-groups", "--"])
         .arg(bin())
         .arg("--root")
         .arg(&env.root)
@@ -402,29 +408,8 @@ fn a_hard_link_in_the_layout_is_not_given_the_group() {
     );
 }
 
-/// While a copy (`--from`) is made in a group store, no member can create
-/// or rename a name in it: an entry's owner and mode are set by its name,
-/// so a link swapped in between would carry them to a file elsewhere.
-/// When the copy is done, its top has the base's mode again.
-#[test]
-fn no_member_can_swap_a_name_in_a_copy_under_way() {
-    if !can_act_as_a_member() {
-        return;
-    }
-    let env = env_for_members();
-    env.ok(["init", "--group", "100"]);
-    env.build(
-        "base",
-        "echo a > \"$STOWAGE_IMAGE_DIR/a\"; mkfifo \"$STOWAGE_IMAGE_DIR/z\"",
-    );
-    let base_mode = fs::metadata(env.root.join("img/base")).unwrap().mode() & 0o7777;
-    let (bg, pause) = env.paused(
-        ["exec", "--write", "app", "--from", "base", "--", "true"],
-        "clone-copying",
-    );
-    let victim = env.tmp.path().join("victim");
-    fs::write(&victim, "precious").unwrap();
-    let planted = env.root.join("img/app/planted");
+/// `ln -s TARGET LINK` as uid 65534 in group 100: whether it worked.
+fn member_links(target: &Path, link: &Path) -> Output {
     let mut c = Command::new("setpriv");
     c.args([
         "--reuid=65534",
@@ -434,23 +419,116 @@ fn no_member_can_swap_a_name_in_a_copy_under_way() {
         "ln",
         "-s",
     ])
-    .arg(&victim)
-    .arg(&planted);
-    let out = output(c);
-    assert_ne!(
+    .arg(target)
+    .arg(link);
+    output(c)
+}
+
+/// While a copy (`--from`) is made in a group store, no member can create
+/// or rename a name in it — not even the member who made the image first
+/// and owned its directory: an entry's owner and mode are set by its name,
+/// so a link swapped in between would carry them to a file elsewhere.
+/// When the copy is done, its top has the base's mode again.
+#[test]
+fn no_member_can_swap_a_name_in_a_copy_under_way() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    for first_made_by_member in [false, true] {
+        let env = env_for_members();
+        env.ok(["init", "--group", "100"]);
+        env.build(
+            "base",
+            "echo a > \"$STOWAGE_IMAGE_DIR/a\"; mkfifo \"$STOWAGE_IMAGE_DIR/z\"",
+        );
+        if first_made_by_member {
+            let out = as_member(&env, &["exec", "--write", "app", "--", "true"]);
+            assert_eq!(code(&out), Some(0), "{}", show(&out));
+        }
+        let base_mode = fs::metadata(env.root.join("img/base")).unwrap().mode() & 0o7777;
+        let (bg, pause) = env.paused(
+            ["exec", "--write", "app", "--from", "base", "--", "true"],
+            "clone-copying",
+        );
+        let victim = env.tmp.path().join("victim");
+        fs::write(&victim, "precious").unwrap();
+        let out = member_links(&victim, &env.root.join("img/app/planted"));
+        assert_ne!(
+            code(&out),
+            Some(0),
+            "made by the member first: {first_made_by_member}: a member made a name in the copy"
+        );
+        fs::remove_file(&pause).unwrap();
+        let out = bg.finish();
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        assert_eq!(env.state("app").as_deref(), Some("ready"));
+        let m = fs::metadata(env.root.join("img/app")).unwrap();
+        assert_eq!(
+            m.mode() & 0o7777,
+            base_mode,
+            "the copy's top has the base's mode"
+        );
+    }
+}
+
+/// A member rebuilds from a base an image another member made first, and
+/// a copy that fails (a base file it may not read) leaves nothing the
+/// other member cannot remove.
+#[test]
+fn members_copy_into_and_remove_each_others_images() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", "100"]);
+    let out = as_member(
+        &env,
+        &[
+            "exec",
+            "--write",
+            "base",
+            "--",
+            "sh",
+            "-c",
+            "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/z\" && chmod -R g+rwX \"$STOWAGE_IMAGE_DIR\"",
+        ],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = as_member(&env, &["exec", "--write", "app", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = as_uid(
+        &env,
+        1234,
+        &["exec", "--write", "app", "--from", "base", "--", "true"],
+    );
+    assert_eq!(
         code(&out),
         Some(0),
-        "a member made a name in the copy: {}",
+        "the second member's rebuild: {}",
         show(&out)
     );
-    fs::remove_file(&pause).unwrap();
-    let out = bg.finish();
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert_eq!(env.state("app").as_deref(), Some("ready"));
-    let m = fs::metadata(env.root.join("img/app")).unwrap();
-    assert_eq!(
-        m.mode() & 0o7777,
-        base_mode,
-        "the copy's top has the base's mode"
+    // A copy that fails deep in the tree: the first member's file, no
+    // longer readable by the group.
+    fs::set_permissions(
+        env.root.join("img/base/d/e/z"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    let out = as_uid(
+        &env,
+        1234,
+        &["exec", "--write", "new", "--from", "base", "--", "true"],
     );
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    let out = as_member(&env, &["rm", "new"]);
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "the first member removes it: {}",
+        show(&out)
+    );
+    let out = as_member(&env, &["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(!env.root.join("img/new").exists());
 }

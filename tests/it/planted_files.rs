@@ -330,6 +330,14 @@ fn a_store_copied_with_hard_links_reads_both_and_writes_neither_through_them() {
         .unwrap();
     assert!(st.success());
     let original_lock = env.lock_file("base");
+    // A store-wide command killed in its hold left its hint: readers find
+    // the store free, and may clear it only in a file of their own.
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(&original_lock)
+        .unwrap();
+    stowage::image_record::set_store_wide(&f, true).unwrap();
+    drop(f);
     let before = fs::read(&original_lock).unwrap();
     let run = |root: &Path, args: &[&str]| {
         let mut c = std::process::Command::new(bin());
@@ -377,6 +385,22 @@ fn a_store_copied_with_hard_links_reads_both_and_writes_neither_through_them() {
             );
         }
     }
+    // A read that must wait (for another image of its request) still
+    // finds the shared file's record: the image exists.
+    let holder = env.hold(&["--write", "other"], "held");
+    let waiter = env.spawn([
+        "exec", "--read", "base", "--write", "other", "--wait", "30", "--", "true",
+    ]);
+    env.wait_for_waiter("other");
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    let out = waiter.finish();
+    assert_eq!(
+        code(&out),
+        Some(0),
+        "a waiting reader of the shared file: {}",
+        show(&out)
+    );
     let copy_lock = copy.join("locks/images/base.lock");
     for args in [&["doctor"][..], &["doctor", "--repair"]] {
         let out = run(&copy, args);
