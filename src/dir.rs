@@ -758,7 +758,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
     let dev = st.dev;
     let mount = top.mount_id();
     top.make_writable(&st);
-    let pending = top.names()?;
+    let pending = top.names().map_err(|e| denied_in(&top, e))?;
     let mut stack = vec![Level {
         dir: Some(top),
         id: (st.dev, st.ino),
@@ -781,7 +781,9 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
             climb_out(&mut stack, removed)?;
             continue;
         };
-        if let Some(sub) = remove_or_open(dir, name, dev, mount, removed)? {
+        if let Some(sub) =
+            remove_or_open(dir, name, dev, mount, removed).map_err(|e| denied_in(dir, e))?
+        {
             stack.push(sub);
             close_far_levels(&mut stack);
         }
@@ -805,6 +807,31 @@ impl Level {
         self.pending = again;
         Ok(true)
     }
+}
+
+/// An error of the walk in `dir` that permissions caused, saying whose
+/// directory it is when not ours: in a store shared by a group, what one
+/// member's directory holds only that member (or root) can delete.
+fn denied_in(dir: &Dir, e: io::Error) -> io::Error {
+    match dir.stat() {
+        Ok(st) => denied_to(st.uid, e),
+        Err(_) => e,
+    }
+}
+
+/// An error that permissions caused on a directory of `owner`, saying
+/// whose it is when not ours (only its owner or root may empty or move
+/// it); any other error as it is.
+pub fn denied_to(owner: u32, e: io::Error) -> io::Error {
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) || owner == me {
+        return e;
+    }
+    io::Error::new(
+        e.kind(),
+        format!("{e}: the directory is uid {owner}'s, and only that user or root can empty or move it"),
+    )
 }
 
 /// Leaves the emptied level on top of `stack` for its parent, and removes

@@ -219,15 +219,15 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
 /// deleted in place when the images directory is on another filesystem.
 fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName) -> Taken {
     let enc = name.encoded();
-    match images.stat_at(enc) {
+    let owner = match images.stat_at(enc) {
         Ok(None) => return Taken::Gone,
-        Ok(Some(_)) => {}
+        Ok(Some(st)) => st.uid,
         Err(e) => {
             return Taken::Refused(
                 anyhow::Error::new(e).context(format!("cannot inspect {}", tree.display())),
             );
         }
-    }
+    };
     let dest = trash_name(enc);
     match images.rename_to(enc, trash, &dest) {
         Ok(()) => Taken::Trashed(dest.into()),
@@ -246,11 +246,14 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
                 }
             }
         }
-        Err(e) => Taken::Refused(anyhow::Error::new(e).context(format!(
-            "cannot move {} to {}",
-            tree.display(),
-            root.trash().display()
-        ))),
+        Err(e) => {
+            let e = crate::dir::denied_to(owner, e);
+            Taken::Refused(anyhow::Error::new(e).context(format!(
+                "cannot move {} to {}",
+                tree.display(),
+                root.trash().display()
+            )))
+        }
     }
 }
 

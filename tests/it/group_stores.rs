@@ -532,3 +532,59 @@ fn members_copy_into_and_remove_each_others_images() {
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert!(!env.root.join("img/new").exists());
 }
+
+/// A copy killed mid-way leaves its tree private to its maker (nobody
+/// could swap names in it): another member's `rm` and `gc` cannot delete
+/// it, and say whose it is and who can; nothing else is lost.
+#[test]
+fn a_killed_copy_says_whose_tree_is_left() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", "100"]);
+    let out = as_member(
+        &env,
+        &[
+            "exec",
+            "--write",
+            "base",
+            "--",
+            "sh",
+            "-c",
+            "for i in 1 2 3; do echo $i > \"$STOWAGE_IMAGE_DIR/f$i\"; done; chmod -R g+rwX \"$STOWAGE_IMAGE_DIR\"",
+        ],
+    );
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    // Where the copier, another uid, may say it paused.
+    let pauses = env.tmp.path().join("pauses");
+    fs::create_dir(&pauses).unwrap();
+    fs::set_permissions(&pauses, fs::Permissions::from_mode(0o777)).unwrap();
+    let file = pauses.join("paused");
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=1234", "--regid=100", "--clear-groups", "--"])
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["exec", "--write", "new", "--from", "base", "--", "true"])
+        .env(
+            stowage::env::DEBUG_PAUSE,
+            format!("clone-copying:{}", file.display()),
+        )
+        .env_remove("STOWAGE_ROOT");
+    let bg = Bg::from_command(c);
+    wait_for_file(&file);
+    bg.kill_all();
+    let out = as_member(&env, &["rm", "new"]);
+    let said = format!("{}{}", stderr(&out), String::from_utf8_lossy(&out.stdout));
+    assert!(
+        said.contains("uid 1234") && said.contains("only that user or root"),
+        "{}",
+        show(&out)
+    );
+    let out = as_member(&env, &["gc"]);
+    assert!(stderr(&out).contains("uid 1234"), "{}", show(&out));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    env.ok(["gc"]);
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+}
