@@ -830,7 +830,9 @@ pub fn denied_to(owner: u32, e: io::Error) -> io::Error {
     }
     io::Error::new(
         e.kind(),
-        format!("{e}: the directory is uid {owner}'s, and only that user or root can empty or move it"),
+        format!(
+            "{e}: the directory is uid {owner}'s, and only that user or root can empty or move it"
+        ),
     )
 }
 

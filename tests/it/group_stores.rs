@@ -471,6 +471,14 @@ fn no_member_can_swap_a_name_in_a_copy_under_way() {
     }
 }
 
+/// Builds `image` as uid 65534 with `script`, its tree then readable and
+/// writable by the group.
+fn member_builds(env: &Env, image: &str, script: &str) {
+    let script = format!("{script} && chmod -R g+rwX \"$STOWAGE_IMAGE_DIR\"");
+    let out = as_member(env, &["exec", "--write", image, "--", "sh", "-c", &script]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
 /// A member rebuilds from a base an image another member made first, and
 /// a copy that fails (a base file it may not read) leaves nothing the
 /// other member cannot remove.
@@ -481,19 +489,11 @@ fn members_copy_into_and_remove_each_others_images() {
     }
     let env = env_for_members();
     env.ok(["init", "--group", "100"]);
-    let out = as_member(
+    member_builds(
         &env,
-        &[
-            "exec",
-            "--write",
-            "base",
-            "--",
-            "sh",
-            "-c",
-            "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/z\" && chmod -R g+rwX \"$STOWAGE_IMAGE_DIR\"",
-        ],
+        "base",
+        "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\" && echo x > \"$STOWAGE_IMAGE_DIR/d/e/z\"",
     );
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
     let out = as_member(&env, &["exec", "--write", "app", "--", "true"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     let out = as_uid(
@@ -543,19 +543,11 @@ fn a_killed_copy_says_whose_tree_is_left() {
     }
     let env = env_for_members();
     env.ok(["init", "--group", "100"]);
-    let out = as_member(
+    member_builds(
         &env,
-        &[
-            "exec",
-            "--write",
-            "base",
-            "--",
-            "sh",
-            "-c",
-            "for i in 1 2 3; do echo $i > \"$STOWAGE_IMAGE_DIR/f$i\"; done; chmod -R g+rwX \"$STOWAGE_IMAGE_DIR\"",
-        ],
+        "base",
+        "for i in 1 2 3; do echo $i > \"$STOWAGE_IMAGE_DIR/f$i\"; done",
     );
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
     // Where the copier, another uid, may say it paused.
     let pauses = env.tmp.path().join("pauses");
     fs::create_dir(&pauses).unwrap();

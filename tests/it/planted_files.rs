@@ -312,15 +312,7 @@ fn a_hard_link_at_a_busy_lock_file_gets_no_hint_written_through() {
 #[test]
 fn a_store_copied_with_hard_links_reads_both_and_writes_neither_through_them() {
     let env = Env::new();
-    env.ok([
-        "exec",
-        "--write",
-        "base",
-        "--",
-        "sh",
-        "-c",
-        "echo hi > \"$STOWAGE_IMAGE_DIR/f\"",
-    ]);
+    env.build("base", "echo hi > \"$STOWAGE_IMAGE_DIR/f\"");
     let copy = env.tmp.path().join("copy");
     let st = std::process::Command::new("cp")
         .arg("-al")
