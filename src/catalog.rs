@@ -144,11 +144,12 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
         .open(path);
     let kind = match opened {
+        // SQLite writes in place: not through a file with other names.
         Ok(f) => match f.metadata() {
-            Ok(m) if m.file_type().is_file() && m.nlink() == 1 => return Ok(()),
-            // SQLite would write through it into its other names' file.
-            Ok(m) if m.file_type().is_file() => crate::planted::HARD_LINK,
-            Ok(m) => describe_type(&m.file_type()),
+            Ok(m) => match crate::planted::kind_of(m.mode(), m.nlink()) {
+                None => return Ok(()),
+                Some(kind) => kind,
+            },
             Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", path.display())),
         },
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -165,24 +166,9 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
     Err(CatalogError(format!(
         "{what} {} is {kind}, not {}: 'stowage doctor --repair' moves it aside (the catalog is rebuilt from the records)",
         path.display(),
-        if kind == crate::planted::HARD_LINK { "a file of its own" } else { "a file" }
+        crate::planted::expected(kind)
     ))
     .into())
-}
-
-fn describe_type(t: &std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_dir() {
-        "a directory"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_char_device() || t.is_block_device() {
-        "a device"
-    } else {
-        "not a regular file"
-    }
 }
 
 /// An error that already names the catalog file.

@@ -205,11 +205,11 @@ impl Session {
                     // A reader's lock file may have other names (it proved
                     // itself by its record): its use is written only into
                     // a file of its own, once in a while.
-                    let file = img.held.guard.file();
                     if image_record::last_use_stale(&img.held.seen, now)
-                        && crate::planted::check_written(img.held.guard.path(), file).is_ok()
+                        && img.held.guard.has_one_name()
                     {
-                        let _ = image_record::record_use(file, &img.held.seen, now);
+                        let _ =
+                            image_record::record_use(img.held.guard.file(), &img.held.seen, now);
                     }
                     continue;
                 }
@@ -633,15 +633,7 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
                 match tree_missing(root, &i.held) {
                     true => gone.push(i.held.name.clone()),
                     // Not through a reader's file with other names.
-                    false
-                        if crate::planted::check_written(
-                            i.held.guard.path(),
-                            i.held.guard.file(),
-                        )
-                        .is_ok() =>
-                    {
-                        clear.push(i.held.guard.file())
-                    }
+                    false if i.held.guard.has_one_name() => clear.push(i.held.guard.file()),
                     false => {}
                 }
             }

@@ -215,6 +215,13 @@ impl Guard {
     pub fn file(&self) -> &File {
         &self.file
     }
+
+    /// Whether the locked file has no other name (one `fstat`): what a
+    /// holder that proved its file by a record asks before writing a hint
+    /// or a use into it (a reader's file may be another store's too).
+    pub fn has_one_name(&self) -> bool {
+        crate::planted::check_written(&self.path, &self.file).is_ok()
+    }
 }
 
 /// Opens an existing lock file to write what it says (an image's hint),
@@ -222,20 +229,21 @@ impl Guard {
 /// with no other name (`fstat`): nothing locked it, so no check of the
 /// unlink race asked.
 pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
-    match open(path, IfMissing::Fail)
-        .and_then(|f| crate::planted::check_written(path, &f).map(|()| f))
-    {
-        Ok(f) => Ok(Some(f)),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
-    }
+    open_existing_checked(path, crate::planted::check_written)
 }
 
 /// [`open_existing`] for a file only read or locked, never written
 /// (a record asked for, `store.lock` probed): its type only, so that a
 /// lock file with other names (a store copied with `cp -al`) is read.
 pub fn open_existing_read(path: &Path) -> io::Result<Option<File>> {
-    match open(path, IfMissing::Fail).and_then(|f| crate::planted::check(path, &f).map(|()| f)) {
+    open_existing_checked(path, crate::planted::check)
+}
+
+fn open_existing_checked(
+    path: &Path,
+    check: fn(&Path, &File) -> io::Result<()>,
+) -> io::Result<Option<File>> {
+    match open(path, IfMissing::Fail).and_then(|f| check(path, &f).map(|()| f)) {
         Ok(f) => Ok(Some(f)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
