@@ -40,13 +40,18 @@ const FILES: usize = 8;
 /// writer and torn content). Violations are appended to $V.
 const LIB: &str = r#"
 # A process is identified by pid and start time: pids are reused quickly
-# (pid_max may be 32768), so a pid alone could name somebody else. A zombie
-# (killed, not yet reaped) has closed its files: it counts as gone.
+# (pid_max may be 32768), so a pid alone could name somebody else. A process
+# killed by SIGKILL releases its locks when it closes its files, before it
+# is a zombie (it may show running for milliseconds after, longer under
+# load): one with no open file can write nothing more, and counts as gone.
 started() { read -r l < "/proc/$1/stat" 2>/dev/null || return 1; l=${l##*) }; set -- $l; [ "$1" = Z ] && return 1; eval "echo \${20}"; }
-alive() { [ -n "$1" ] && [ "$(started "$1")" = "$2" ]; }
+has_files() { for f in /proc/$1/fd/*; do [ -L "$f" ] && return 0; done; return 1; }
+alive() { [ -n "$1" ] && [ "$(started "$1")" = "$2" ] && has_files "$1"; }
+# What a violation's message says of the other process.
+files() { n=0; for f in /proc/$1/fd/*; do [ -L "$f" ] && n=$((n+1)); done; read -r l < "/proc/$1/stat" 2>/dev/null; l=${l##*) }; echo "[state ${l%% *}, $n open files]"; }
 # A store-wide command's own command marks $V.sw while it runs; no image
 # user may run beside it.
-beside() { if [ -e "$V.sw" ]; then read -r p s < "$V.sw" 2>/dev/null && alive "$p" "$s" && echo "$1 of $2 beside store-wide command $p" >> "$V"; fi; return 0; }
+beside() { if [ -e "$V.sw" ]; then read -r p s < "$V.sw" 2>/dev/null && alive "$p" "$s" && echo "$1 of $2 beside store-wide command $p $(files $p)" >> "$V"; fi; return 0; }
 # A tree a store-wide command deleted may stay listed ready if its stowage
 # is killed before it ends the hold (which forgets such rows; so do the
 # next hold and doctor --repair): reads of it find no tree, and that is no
@@ -66,7 +71,7 @@ sw() {
 w() {
   d=$1
   beside write "$d"
-  if [ -e "$d/.writer" ]; then read -r p s < "$d/.writer"; alive "$p" "$s" && echo "two writers in $d ($p and $$)" >> "$V"; fi
+  if [ -e "$d/.writer" ]; then read -r p s < "$d/.writer"; alive "$p" "$s" && echo "two writers in $d ($p and $$) $(files $p)" >> "$V"; fi
   echo "$$ $(started $$)" > "$d/.writer"
   i=1
   while [ $i -le 8 ]; do
@@ -83,7 +88,7 @@ r() {
   d=$1
   beside read "$d"
   [ ! -e "$d" ] && [ -e "$V.gone.${d##*/}" ] && return 0
-  if [ -e "$d/.writer" ]; then read -r p s < "$d/.writer"; alive "$p" "$s" && echo "read of $d while writer $p works" >> "$V"; fi
+  if [ -e "$d/.writer" ]; then read -r p s < "$d/.writer"; alive "$p" "$s" && echo "read of $d while writer $p works $(files $p)" >> "$V"; fi
   if ! read -r m < "$d/MANIFEST"; then echo "ready image $d has no manifest" >> "$V"; return; fi
   for i in 1 2 3 4 5 6 7 8; do
     read -r v < "$d/f$i" || v=missing
@@ -518,13 +523,17 @@ fn left_in_groups(groups: &[i32], root: &Path) -> String {
             continue;
         };
         let f: Vec<&str> = stat[close + 2..].split_whitespace().collect();
-        if f.len() < 3 || f[0] == "Z" || !groups.iter().any(|g| f[2] == g.to_string()) {
-            continue;
-        }
-        let wchan = fs::read_to_string(e.path().join("wchan")).unwrap_or_default();
         let cmd = fs::read(e.path().join("cmdline"))
             .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
             .unwrap_or_default();
+        // A --no-inherit keeper leads a group of its own; it ends its
+        // command's tree and exits, releasing the locks, just after a
+        // killed stowage: the repair below must not run before it has.
+        let keeper = cmd.starts_with("stowage __keeper ");
+        if f.len() < 3 || f[0] == "Z" || !(keeper || groups.iter().any(|g| f[2] == g.to_string())) {
+            continue;
+        }
+        let wchan = fs::read_to_string(e.path().join("wchan")).unwrap_or_default();
         let environ = fs::read(e.path().join("environ"))
             .map(|c| String::from_utf8_lossy(&c).into_owned())
             .unwrap_or_default();
