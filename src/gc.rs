@@ -415,23 +415,7 @@ fn collect(
         report.busy.push(img.name().to_owned());
         return Ok(false);
     }
-    // Under the lock, the record is the truth: a write in flight is dead.
-    let current = Image {
-        state: now.state_seen(false),
-        last_used: held
-            .seen
-            .last_use
-            .unwrap_or(now.changed)
-            .max(now.changed)
-            .max(if now.seq == img.record.seq {
-                img.last_used
-            } else {
-                0
-            }),
-        record: now,
-        entry: img.entry.clone(),
-        size: img.size,
-    };
+    let current = under_lock(img, now, held.seen.last_use);
     if !qualifies(&current, reason, cutoff)
         || (reason == Reason::OverBudget && current.last_used != img.last_used)
     {
@@ -461,6 +445,25 @@ fn collect(
         reason,
     });
     Ok(true)
+}
+
+/// The image as its record, read under its exclusive lock, says it is: the
+/// truth (a write in flight is dead). Its last use is the latest of the
+/// record's change, the lock file's use and — for the same record — the
+/// catalog's.
+fn under_lock(img: &Image, now: crate::image_record::Record, used: Option<Millis>) -> Image {
+    let catalog = if now.seq == img.record.seq {
+        img.last_used
+    } else {
+        0
+    };
+    Image {
+        state: now.state_seen(false),
+        last_used: used.unwrap_or(now.changed).max(now.changed).max(catalog),
+        record: now,
+        entry: img.entry.clone(),
+        size: img.size,
+    }
 }
 
 /// Parses a size: `500M`, `20G`, `1.5T`, `4096` (bytes); K, M, G, T, P are

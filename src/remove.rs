@@ -124,23 +124,34 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     root.drop_record(&name, held.guard)
         .with_context(|| format!("cannot remove the lock file of image '{name}'"))?;
     // 4. Outside every lock.
-    let mut left_in_trash = None;
-    if let Some(t) = moved {
-        crate::signals::check()?;
-        let mut n = 0;
-        if let Err(e) = trash.remove_entry(&t, &mut n) {
-            left_in_trash = Some(format!(
-                "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it later): {}: {e}",
-                root.trash().join(&t).display()
-            ));
-        }
-    }
+    let left_in_trash = match moved {
+        Some(t) => delete_from_trash(root, &trash, &t, &name)?,
+        None => None,
+    };
     Ok(Removed {
         name: name.as_str().to_owned(),
         state,
         bytes,
         left_in_trash,
     })
+}
+
+/// Deletes the tree of removed image `name` from the trash (entry `t`);
+/// what could not be deleted is left there for gc, and said.
+fn delete_from_trash(
+    root: &Root,
+    trash: &crate::dir::Dir,
+    t: &std::ffi::OsStr,
+    name: &ImageName,
+) -> Result<Option<String>> {
+    crate::signals::check()?;
+    let mut n = 0;
+    Ok(trash.remove_entry(t, &mut n).err().map(|e| {
+        format!(
+            "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it later): {}: {e}",
+            root.trash().join(t).display()
+        )
+    }))
 }
 
 /// What a removal does once its tree was taken out (or not): the trash

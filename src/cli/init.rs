@@ -43,17 +43,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     store.root().refuse_planted_layout()?;
     let group = match &args.group {
-        Some(g) => {
-            let gid = crate::sharing::group_id(g)?;
-            crate::sharing::may_share(store.root().dir(), gid)?;
-            // What is made from here on is group-writable (a new external
-            // images directory too, which is no part of the root); the
-            // root itself is shared last.
-            if store.ctx().child_umask.is_none() {
-                store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
-            }
-            Some(gid)
-        }
+        Some(g) => Some(open_to_group(store, g)?),
         None => None,
     };
     store.root().create_layout()?;
@@ -77,15 +67,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         store.ctx().say(&format!("not adopting {why}"));
     }
     let adopted = adopted.names.len();
-    // This is the images directory from now on (accepting a remount), and
-    // this store's.
-    crate::images_dir::record_identity(&root, &mut config, true)?;
-    if !crate::images_dir::claim(&root, &config)? {
-        store.ctx().say(&format!(
-            "cannot mark {} as this store's (its filesystem keeps no extended attributes): another store's init would not be refused",
-            dir.display()
-        ));
-    }
+    make_ours(store, &root, &mut config, &dir)?;
     for (entry, why) in &orphans.skipped {
         store.ctx().say(&format!(
             "not adopting {entry:?} in {}: {why}",
@@ -99,21 +81,60 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         adopted_note(adopted, how)
     ));
     match group {
-        Some(gid) => {
-            // Last, once nothing is left to refuse: a refused init changes
-            // no mode and no group.
-            crate::debug::pause("init-share");
-            crate::sharing::share_root(root.dir(), gid)?;
-            // An images directory outside the root is no part of it: the
-            // directory itself (the trees in it are the builders') goes to
-            // the group too, or members could make no image.
-            if dir != root.default_images_dir() {
-                crate::sharing::share_images_dir(&images, &dir, gid)?;
-            }
-            share_parts(store, gid)
-        }
+        // Last, once nothing is left to refuse: a refused init changes no
+        // mode and no group.
+        Some(gid) => share(store, &images, &dir, gid),
         None => Ok(0),
     }
+}
+
+/// Checks that the root may be shared with group `name`, and makes what
+/// init creates from here on group-writable (a new external images
+/// directory too, which is no part of the root); the root itself is shared
+/// last. Returns the group's id.
+fn open_to_group(store: &mut Store, name: &str) -> Result<u32> {
+    let gid = crate::sharing::group_id(name)?;
+    crate::sharing::may_share(store.root().dir(), gid)?;
+    if store.ctx().child_umask.is_none() {
+        store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
+    }
+    Ok(gid)
+}
+
+/// Makes `dir` the images directory from now on (accepting a remount), and
+/// this store's.
+fn make_ours(
+    store: &Store,
+    root: &crate::root::Root,
+    config: &mut crate::config::Config,
+    dir: &std::path::Path,
+) -> Result<()> {
+    crate::images_dir::record_identity(root, config, true)?;
+    if !crate::images_dir::claim(root, config)? {
+        store.ctx().say(&format!(
+            "cannot mark {} as this store's (its filesystem keeps no extended attributes): another store's init would not be refused",
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Shares the root, and an images directory outside it (no part of the
+/// root: the directory itself goes to the group, the trees in it are the
+/// builders', or members could make no image), with group `gid`.
+fn share(
+    store: &mut Store,
+    images: &crate::dir::Dir,
+    dir: &std::path::Path,
+    gid: u32,
+) -> Result<u8> {
+    let root = store.root().clone();
+    crate::debug::pause("init-share");
+    crate::sharing::share_root(root.dir(), gid)?;
+    if dir != root.default_images_dir() {
+        crate::sharing::share_images_dir(images, dir, gid)?;
+    }
+    share_parts(store, gid)
 }
 
 /// `--group`, last step: gives every part of the layout made before (an

@@ -2,28 +2,22 @@
 //!
 //! Everything else asks for a [`Guard`]. The rules this module keeps:
 //!
-//! - **Open mode.** Lock files are opened read-write (NFS emulates flock with
-//!   byte-range locks, and an exclusive byte-range lock needs a writable
-//!   descriptor), close-on-exec (a lock reaches a child only when the caller
-//!   asks, see [`Guard::set_inheritable`]), without blocking and without
-//!   following a symlink in any component (`planted::open`). Only a regular
-//!   file is locked: the type is asked of the stat the unlink-race check
-//!   makes (or proven by a record read), and before any wait.
+//! - **Open mode.** Read-write (NFS emulates flock with byte-range locks,
+//!   and an exclusive one needs a writable descriptor), close-on-exec (see
+//!   [`Guard::set_inheritable`]), non-blocking, following no symlink
+//!   (`planted::open`). Only a regular file is locked, checked before any
+//!   wait and by the unlink-race stat (or proven by a record read).
 //! - **The unlink race.** A lock file may be unlinked only by a holder of its
 //!   exclusive lock, which first marks it gone ([`mark_gone`]). Every
 //!   acquirer checks, after flock returns, that the file it locked is still
 //!   the file at the path: by its contents where they prove it (a record
 //!   only holders write, or a file nobody marked gone), else by device and
 //!   inode; if not it locked a ghost, and it retries on the new file.
-//! - **Shared filesystems.** An NFS client may answer `lstat(path)` from its
-//!   caches for many seconds after another host unlinked the file (which
-//!   lives on under a `.nfs…` name while its holder has it open), so there
-//!   the check re-opens the path — an open makes the client look the name up on
-//!   the server — and compares the fresh descriptor. `ESTALE` (the file is
-//!   gone on the server) means "retry with a fresh open", never an error.
-//!   And on a filesystem not known to be local, lock files are never
-//!   unlinked at all (`Root::unlink_lock` keeps them): a ghost then needs an
-//!   older release, or a host that sees the store as local, to unlink one.
+//! - **Shared filesystems.** An NFS client may answer `lstat(path)` from
+//!   its caches after another host unlinked the file, so there the check
+//!   re-opens the path (an open looks the name up on the server). `ESTALE`
+//!   means "retry with a fresh open". Lock files are never unlinked on a
+//!   filesystem not known to be local (`Root::unlink_lock` keeps them).
 //! - **Written through on shared filesystems.** There lock files (and
 //!   leases) are opened `O_DSYNC`: a record or hint written through them is
 //!   one stable request, seen at once by other hosts, and [`sync_written`]
@@ -33,11 +27,10 @@
 //!   and `LOCK_UN` would drop it under the child's feet.
 //! - **Contention is a value.** [`acquire_no_wait`] returns `Ok(None)` when busy;
 //!   a bounded wait that runs out returns [`Waited::TimedOut`].
-//! - **Waiting does not spin.** A blocked flock(2) sleeps in the kernel, in a
-//!   helper thread, and is woken by the kernel the moment the lock is free.
-//!   A deadline or a cancellation interrupts it with [`wake_signal`], whose
-//!   handler does nothing, so the call returns `EINTR`. If no helper thread
-//!   can be started (a pids limit), the wait polls instead of failing.
+//! - **Waiting does not spin.** A blocked flock(2) sleeps in the kernel in
+//!   a helper thread; a deadline or a cancellation interrupts it with
+//!   [`wake_signal`] (`EINTR`). Without a helper thread (a pids limit), the
+//!   wait polls instead of failing.
 //! - **Waiting for one of many needs one thread.** A slot waiter keeps its
 //!   [`FileSet`] open and sleeps on a [`Waker`] (inotify on the directory:
 //!   the last close of a lock file is its release), so a pids limit cannot
