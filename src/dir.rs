@@ -687,7 +687,7 @@ impl Dir {
                 return Ok(());
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(e),
+            Err(e) => return Err(refused(e, &[(self, Some(name), LIST, "the directory")])),
         };
         // The walk keeps to the filesystem of the tree it starts at, so a
         // mount at the top itself (an image directory bind-mounted, a mount
@@ -697,9 +697,33 @@ impl Dir {
             return Err(mount_point(name));
         }
         empty_tree(top, removed)?;
-        self.unlinkat(name, libc::AT_REMOVEDIR)?;
+        self.unlinkat(name, libc::AT_REMOVEDIR)
+            .map_err(|e| refused(e, &[(self, None, DELETE_IN, "the directory holding it")]))?;
         *removed += 1;
         Ok(())
+    }
+
+    /// The owner of this directory (or of its subdirectory `name`) if it
+    /// lacks `access` for us and is not ours: who refused a step that
+    /// needed that access.
+    fn refuser(&self, name: Option<&OsStr>, access: libc::c_int) -> Option<u32> {
+        let st = match name {
+            Some(n) => self.stat_at(n).ok()??,
+            None => self.stat().ok()?,
+        };
+        let c = CString::new(name.map_or(&b"."[..], |n| n.as_bytes())).ok()?;
+        // SAFETY: faccessat on our descriptor and a NUL-terminated name.
+        let granted = unsafe {
+            libc::faccessat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                access,
+                libc::AT_EACCESS | libc::AT_SYMLINK_NOFOLLOW,
+            )
+        } == 0;
+        // SAFETY: geteuid cannot fail.
+        let me = unsafe { libc::geteuid() };
+        (st.is_dir() && !granted && st.uid != me).then_some(st.uid)
     }
 
     /// Gives the owner full access to this directory if it lacks it, so a
@@ -758,7 +782,9 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
     let dev = st.dev;
     let mount = top.mount_id();
     top.make_writable(&st);
-    let pending = top.names().map_err(|e| denied_in(&top, e))?;
+    let pending = top
+        .names()
+        .map_err(|e| refused(e, &[(&top, None, LIST, "the directory")]))?;
     let mut stack = vec![Level {
         dir: Some(top),
         id: (st.dev, st.ino),
@@ -781,9 +807,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
             climb_out(&mut stack, removed)?;
             continue;
         };
-        if let Some(sub) =
-            remove_or_open(dir, name, dev, mount, removed).map_err(|e| denied_in(dir, e))?
-        {
+        if let Some(sub) = remove_or_open(dir, &level.name, name, dev, mount, removed)? {
             stack.push(sub);
             close_far_levels(&mut stack);
         }
@@ -796,7 +820,9 @@ impl Level {
     /// times); they are pending then.
     fn found_more(&mut self) -> io::Result<bool> {
         let dir = self.dir.as_ref().expect("the current level is open");
-        let again = dir.names()?;
+        let again = dir
+            .names()
+            .map_err(|e| refused(e, &[(dir, None, LIST, &level_shown(&self.name))]))?;
         if again.is_empty() {
             return Ok(false);
         }
@@ -809,31 +835,44 @@ impl Level {
     }
 }
 
-/// An error of the walk in `dir` that permissions caused, saying whose
-/// directory it is when not ours: in a store shared by a group, what one
-/// member's directory holds only that member (or root) can delete.
-fn denied_in(dir: &Dir, e: io::Error) -> io::Error {
-    match dir.stat() {
-        Ok(st) => denied_to(st.uid, e),
-        Err(_) => e,
-    }
-}
+/// The access a step of a removal needs: to delete an entry of a
+/// directory, to list one, to move a directory to another parent.
+pub const DELETE_IN: libc::c_int = libc::W_OK | libc::X_OK;
+pub const LIST: libc::c_int = libc::R_OK | libc::X_OK;
+pub const MOVE: libc::c_int = libc::W_OK;
 
-/// An error that permissions caused on a directory of `owner`, saying
-/// whose it is when not ours (only its owner or root may empty or move
-/// it); any other error as it is.
-pub fn denied_to(owner: u32, e: io::Error) -> io::Error {
-    // SAFETY: geteuid cannot fail.
-    let me = unsafe { libc::geteuid() };
-    if !matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) || owner == me {
+/// A permission error (EACCES) of a step of a removal, said with the
+/// directory that refused it: the first of `suspects` (a directory, or its
+/// subdirectory `name`; the access the step needed of it; how to name it)
+/// that lacks that access and is not ours, with its owner — in a store
+/// shared by a group, what one member's directory holds only that member
+/// (or root) can empty or move. Any other error is kept as it is (EPERM:
+/// an immutable file or a sticky directory, which no owner explains).
+pub fn refused(e: io::Error, suspects: &[(&Dir, Option<&OsStr>, libc::c_int, &str)]) -> io::Error {
+    if e.raw_os_error() != Some(libc::EACCES) {
         return e;
     }
-    io::Error::new(
-        e.kind(),
-        format!(
-            "{e}: the directory is uid {owner}'s, and only that user or root can empty or move it"
-        ),
-    )
+    for (dir, name, access, shown) in suspects {
+        if let Some(owner) = dir.refuser(*name, *access) {
+            return io::Error::new(
+                e.kind(),
+                format!(
+                    "{e}: {shown} is uid {owner}'s, and only that user or root can empty or move it"
+                ),
+            );
+        }
+    }
+    e
+}
+
+/// How a level of a walk is named in an error: the tree's top, or a
+/// directory in it by its name.
+fn level_shown(name: &OsStr) -> String {
+    if name.is_empty() {
+        "the directory".to_owned()
+    } else {
+        format!("directory {:?} in it", Path::new(name))
+    }
 }
 
 /// Leaves the emptied level on top of `stack` for its parent, and removes
@@ -848,6 +887,10 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
     let pdir = parent.dir.as_ref().expect("reopened above");
     match pdir.unlinkat(&done.name, libc::AT_REMOVEDIR) {
         Ok(()) => *removed += 1,
+        Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+            let shown = level_shown(&parent.name);
+            return Err(refused(e, &[(pdir, None, DELETE_IN, &shown)]));
+        }
         Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
             // Written to after we emptied it: go through it again
             // (a bounded number of times).
@@ -881,26 +924,54 @@ fn reopen_parent(done: &Level, parent: &mut Level) -> io::Result<()> {
 /// writable and listed: the next level to empty.
 fn remove_or_open(
     dir: &Dir,
+    dir_name: &OsStr,
     name: OsString,
     dev: u64,
     mount: Option<u64>,
     removed: &mut u64,
 ) -> io::Result<Option<Level>> {
-    let Some(st) = dir.stat_at(&name)? else {
+    let opened = open_or_unlink(dir, &name, dev, mount, removed).map_err(|e| {
+        refused(
+            e,
+            &[
+                (dir, None, DELETE_IN, &level_shown(dir_name)),
+                (dir, Some(&name), LIST, &level_shown(&name)),
+            ],
+        )
+    })?;
+    Ok(opened.map(|(sub, sst, pending)| Level {
+        dir: Some(sub),
+        id: (sst.dev, sst.ino),
+        name,
+        pending,
+        relisted: 0,
+    }))
+}
+
+/// [`remove_or_open`]'s steps: the entry unlinked if it is no directory
+/// (or gone), else opened, with its stat and its names.
+fn open_or_unlink(
+    dir: &Dir,
+    name: &OsStr,
+    dev: u64,
+    mount: Option<u64>,
+    removed: &mut u64,
+) -> io::Result<Option<(Dir, Entry, Vec<OsString>)>> {
+    let Some(st) = dir.stat_at(name)? else {
         return Ok(None);
     };
     if !st.is_dir() {
-        dir.unlink(&name)?;
+        dir.unlink(name)?;
         *removed += 1;
         return Ok(None);
     }
     if st.dev != dev {
-        return Err(mount_point(&name));
+        return Err(mount_point(name));
     }
-    let sub = match dir.sub_for_deletion(&name) {
+    let sub = match dir.sub_for_deletion(name) {
         Ok(d) => d,
         Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
-            dir.unlink(&name)?;
+            dir.unlink(name)?;
             *removed += 1;
             return Ok(None);
         }
@@ -909,17 +980,11 @@ fn remove_or_open(
     };
     let sst = sub.stat()?;
     if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
-        return Err(mount_point(&name));
+        return Err(mount_point(name));
     }
     sub.make_writable(&sst);
     let pending = sub.names()?;
-    Ok(Some(Level {
-        dir: Some(sub),
-        id: (sst.dev, sst.ino),
-        name,
-        pending,
-        relisted: 0,
-    }))
+    Ok(Some((sub, sst, pending)))
 }
 
 /// Keeps only the last few levels open.

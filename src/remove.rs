@@ -230,9 +230,9 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
 /// deleted in place when the images directory is on another filesystem.
 fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName) -> Taken {
     let enc = name.encoded();
-    let owner = match images.stat_at(enc) {
+    match images.stat_at(enc) {
         Ok(None) => return Taken::Gone,
-        Ok(Some(st)) => st.uid,
+        Ok(Some(_)) => {}
         Err(e) => {
             return Taken::Refused(
                 anyhow::Error::new(e).context(format!("cannot inspect {}", tree.display())),
@@ -258,7 +258,15 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
             }
         }
         Err(e) => {
-            let e = crate::dir::denied_to(owner, e);
+            use crate::dir::{DELETE_IN, MOVE};
+            let e = crate::dir::refused(
+                e,
+                &[
+                    (trash, None, DELETE_IN, "the trash"),
+                    (images, None, DELETE_IN, "the images directory"),
+                    (images, Some(enc.as_ref()), MOVE, "the directory"),
+                ],
+            );
             Taken::Refused(anyhow::Error::new(e).context(format!(
                 "cannot move {} to {}",
                 tree.display(),

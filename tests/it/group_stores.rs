@@ -580,3 +580,110 @@ fn a_killed_copy_says_whose_tree_is_left() {
     env.ok(["gc"]);
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
+
+/// `stowage ARGS…` as member `uid`: its exit code and what it said.
+fn said_by(env: &Env, uid: u32, args: &[&str]) -> (Option<i32>, String) {
+    let out = as_uid(env, uid, args);
+    let said = format!("{}{}", stderr(&out), String::from_utf8_lossy(&out.stdout));
+    (code(&out), said)
+}
+
+/// A removal that permissions refuse names the directory that refused it
+/// and its owner — a private directory deep in another member's tree, a
+/// killed removal's private trash entry, a trash that refuses the move —
+/// and never blames an owner for what no owner causes (an immutable file).
+#[test]
+fn a_refused_removal_names_the_directory_that_refused_and_its_owner() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", "100"]);
+    let build = |uid: u32, image: &str, script: &str| {
+        let out = as_uid(
+            &env,
+            uid,
+            &["exec", "--write", image, "--", "sh", "-c", script],
+        );
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+    };
+    // 1001's tree, open to the group, holding 1002's private directory.
+    build(
+        1001,
+        "x",
+        "mkdir \"$STOWAGE_IMAGE_DIR/d\" && echo a > \"$STOWAGE_IMAGE_DIR/d/a\" && chmod -R g+rwX \"$STOWAGE_IMAGE_DIR\"",
+    );
+    build(
+        1002,
+        "x",
+        "mkdir -m 700 \"$STOWAGE_IMAGE_DIR/priv\" && echo b > \"$STOWAGE_IMAGE_DIR/priv/b\"",
+    );
+    let (exit, said) = said_by(&env, 1003, &["rm", "x"]);
+    assert_eq!(exit, Some(1), "{said}");
+    assert!(
+        said.contains("\"priv\"") && said.contains("uid 1002's") && !said.contains("uid 1001"),
+        "{said}"
+    );
+    // The tree is in the trash now; the member who owns its top cannot
+    // empty it either, and is told whose directory stops it.
+    let (exit, said) = said_by(&env, 1001, &["gc"]);
+    assert_eq!(exit, Some(1), "{said}");
+    assert!(said.contains("uid 1002's"), "{said}");
+    let (exit, said) = said_by(&env, 1002, &["gc"]);
+    assert_eq!(exit, Some(0), "{said}");
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+
+    // A killed removal's entry in the trash, private to its member.
+    let entry = env.root.join("trash/1.2.0.z");
+    fs::create_dir_all(entry.join("d")).unwrap();
+    fs::write(entry.join("d/q"), "q").unwrap();
+    for p in [entry.join("d/q"), entry.join("d"), entry.clone()] {
+        std::os::unix::fs::chown(&p, Some(1001), Some(GID)).unwrap();
+    }
+    fs::set_permissions(&entry, fs::Permissions::from_mode(0o700)).unwrap();
+    for args in [&["gc"][..], &["doctor", "--repair"][..]] {
+        let (_, said) = said_by(&env, 1003, args);
+        assert!(said.contains("uid 1001's"), "{args:?}: {said}");
+    }
+    env.ok(["gc"]);
+
+    // A trash that refuses the move: the trash is named, not the tree's
+    // owner; the image stays as it was.
+    build(
+        1001,
+        "w",
+        "echo a > \"$STOWAGE_IMAGE_DIR/a\" && chmod -R g+rwX \"$STOWAGE_IMAGE_DIR\"",
+    );
+    let trash = env.root.join("trash");
+    let mode = fs::metadata(&trash).unwrap().mode();
+    fs::set_permissions(&trash, fs::Permissions::from_mode(0o755)).unwrap();
+    let (exit, said) = said_by(&env, 1003, &["rm", "w"]);
+    fs::set_permissions(&trash, fs::Permissions::from_mode(mode & 0o7777)).unwrap();
+    assert_eq!(exit, Some(1), "{said}");
+    assert!(
+        said.contains("the trash is uid 0's") && !said.contains("uid 1001"),
+        "{said}"
+    );
+    assert_eq!(env.state("w").as_deref(), Some("ready"));
+
+    // An immutable file is nobody's doing: no owner is named.
+    let file = env.root.join("img/w/a");
+    let immutable = Command::new("chattr").arg("+i").arg(&file).status();
+    if !immutable.is_ok_and(|s| s.success()) {
+        eprintln!("skipping the immutable file: chattr +i does not work here");
+        return;
+    }
+    let (exit, said) = said_by(&env, 1003, &["rm", "w"]);
+    let out = env.run(["gc"]);
+    // The file went to the trash with its tree before it refused.
+    let unset = Command::new("chattr")
+        .args(["-R", "-i"])
+        .arg(env.root.join("trash"))
+        .status();
+    assert!(unset.is_ok_and(|s| s.success()));
+    assert_eq!(exit, Some(1), "{said}");
+    assert!(!said.contains("uid "), "{said}");
+    assert!(!stderr(&out).contains("uid "), "{}", show(&out));
+    env.ok(["gc"]);
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+}
