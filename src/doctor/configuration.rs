@@ -15,7 +15,7 @@ use crate::config::{self, Config};
 use crate::image_record::ImagesDir;
 use crate::root::Root;
 
-use super::{Report, Verdict};
+use super::Report;
 
 /// Checks the configuration; returns whether it can be used now.
 pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
@@ -27,10 +27,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     let images = match from_records(root) {
         Ok(images) => images,
         Err(doubt) => {
-            report.add(
-                "config",
-                Verdict::Problem,
-                format!("{why}; it is not written anew because {doubt}: set it aside and run 'stowage init --images-dir DIR' with the images directory the records name"),
+            report.problem("config", format!("{why}; it is not written anew because {doubt}: set it aside and run 'stowage init --images-dir DIR' with the images directory the records name"),
             );
             return Ok(false);
         }
@@ -41,10 +38,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     let ours = match whose(&images, images_dir.as_ref(), root_identity.as_deref()) {
         Ok(ours) => ours,
         Err(whose) => {
-            report.add(
-                "config",
-                Verdict::Problem,
-                format!(
+            report.problem("config", format!(
                     "{why}; the images' records name images directory {}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {}' records it",
                     shown.display(),
                     shown.display()
@@ -54,10 +48,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
         }
     };
     if !repair {
-        report.add(
-            "config",
-            Verdict::Problem,
-            format!(
+        report.problem("config", format!(
                 "{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {})",
                 shown.display()
             ),
@@ -85,9 +76,8 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
         fresh.id = c.id;
     }
     config::write(root.dir(), &dir, &fresh)?;
-    report.add(
+    report.repaired(
         "config",
-        Verdict::Repaired,
         format!(
             "{why}: {aside}written anew from the images' records (images in {})",
             shown.display()

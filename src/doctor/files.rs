@@ -143,9 +143,8 @@ fn holds_a_record(dir: &Dir, name: &str) -> bool {
 /// uses it). Only the user knows when nothing uses the store.
 fn shared_record(path: &Path, report: &mut Report) {
     let p = path.display();
-    report.add(
+    report.problem(
         "files",
-        Verdict::Problem,
         format!(
             "{p} is a hard link: its image's record is shared with another name (a store copied \
              with 'cp -al'?), so the image is read but not written or removed here; while \
@@ -186,9 +185,8 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
         "not made by stowage"
     };
     if !repair {
-        report.add(
+        report.problem(
             "files",
-            Verdict::Problem,
             format!(
                 "{} is {kind}, not {}: {why}{replaced}; {}",
                 path.display(),
@@ -199,9 +197,8 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
         return;
     }
     match dir.set_aside(name, "planted") {
-        Ok(aside) => report.add(
+        Ok(aside) => report.repaired(
             "files",
-            Verdict::Repaired,
             format!(
                 "{} was {kind}, not {}: set aside as {}{replaced}",
                 path.display(),
@@ -210,9 +207,8 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
             ),
         ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => report.add(
+        Err(e) => report.problem(
             "files",
-            Verdict::Problem,
             format!(
                 "{} is {kind}, not {}, and cannot be set aside: {e}",
                 path.display(),
@@ -239,10 +235,7 @@ fn mode(
     let bits = st.mode & 0o7777;
     let ours = st.uid == nix::unistd::geteuid().as_raw();
     if !ours {
-        report.add(
-            "files",
-            Verdict::Problem,
-            format!(
+        report.problem("files", format!(
                 "{} (mode {bits:03o}) belongs to uid {}, and you may not read and write it: they may 'chmod 666' it",
                 path.display(),
                 st.uid
@@ -252,10 +245,7 @@ fn mode(
     }
     let want = bits | 0o600 | if shared { 0o060 } else { 0 };
     if !repair {
-        report.add(
-            "files",
-            Verdict::Problem,
-            format!(
+        report.problem("files", format!(
                 "{} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}",
                 path.display()
             ),

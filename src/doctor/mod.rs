@@ -78,6 +78,22 @@ impl Report {
             detail: detail.into(),
         });
     }
+
+    fn ok(&mut self, check: &'static str, detail: impl Into<String>) {
+        self.add(check, Verdict::Ok, detail);
+    }
+
+    fn info(&mut self, check: &'static str, detail: impl Into<String>) {
+        self.add(check, Verdict::Info, detail);
+    }
+
+    fn problem(&mut self, check: &'static str, detail: impl Into<String>) {
+        self.add(check, Verdict::Problem, detail);
+    }
+
+    fn repaired(&mut self, check: &'static str, detail: impl Into<String>) {
+        self.add(check, Verdict::Repaired, detail);
+    }
 }
 
 /// The two-host probe's lock file: `ROOT/locks/probe.lock`.
@@ -167,16 +183,10 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
     let host = text.split('\t').next().unwrap_or("");
     let who = probe_holder(&path);
     if host == ctx.me.host {
-        report.add(
-            "probe",
-            Verdict::Info,
-            format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"),
+        report.info("probe", format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"),
         );
     } else {
-        report.add(
-            "probe",
-            Verdict::Ok,
-            format!("the probe lock held on another host ({who}) is seen held here: locks taken there exclude processes here"),
+        report.ok("probe", format!("the probe lock held on another host ({who}) is seen held here: locks taken there exclude processes here"),
         );
     }
 }
@@ -202,7 +212,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         } else {
             "shared or unknown: lock-status probes locks, and waits re-issue blocked requests every 250 ms"
         };
-        report.add("filesystem", Verdict::Info, format!("{} ({kind})", f.name));
+        report.info("filesystem", format!("{} ({kind})", f.name));
     }
 
     // The layout: a symlink planted in place of one of the root's
@@ -240,11 +250,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     if status != Verdict::Problem {
         // The catalog made to say what the records say now.
         if let Err(e) = crate::survey::survey(store, false) {
-            report.add(
-                "catalog",
-                Verdict::Problem,
-                format!("cannot refresh it: {e:#}"),
-            );
+            report.problem("catalog", format!("cannot refresh it: {e:#}"));
         }
     }
     report.healthy = !report.checks.iter().any(|c| c.status == Verdict::Problem);
@@ -261,24 +267,16 @@ fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
         .locks()
         .join(format!(".doctor.{}.lock", std::process::id()));
     match lock::opens_conflict(&probe) {
-        Ok(true) => report.add(
-            "flock",
-            Verdict::Ok,
-            "two opens of one file exclude each other",
-        ),
+        Ok(true) => report.ok("flock", "two opens of one file exclude each other"),
         Ok(false) => {
             report.locking = false;
-            report.add(
-                "flock",
-                Verdict::Problem,
-                "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem",
+            report.problem("flock", "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem",
             );
         }
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
             // Not a locking fault: this user may not write the store.
-            report.add(
+            report.problem(
                 "access",
-                Verdict::Problem,
                 format!(
                     "cannot create a file in {}: {e}: you may not write this store ({}); {} ({})",
                     root.locks().display(),
@@ -304,9 +302,8 @@ fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
             } else {
                 ""
             };
-            report.add(
+            report.problem(
                 "flock",
-                Verdict::Problem,
                 format!("cannot lock {}: {e}{advice}", probe.display()),
             );
         }
@@ -329,25 +326,16 @@ fn mount_reach(root: &crate::root::Root, report: &mut Report) {
             let at = mount
                 .as_ref()
                 .map_or_else(String::new, |m| format!("{}: ", m.mount_point.display()));
-            report.add(
-                "mount",
-                Verdict::Problem,
-                format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"),
+            report.problem("mount", format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"),
             );
         }
-        filesystem::Reach::Unknown { why } => report.add(
-            "mount",
-            Verdict::Info,
-            format!(
+        filesystem::Reach::Unknown { why } => report.info("mount", format!(
                 "{why}; to check, run 'stowage doctor --hold-probe 60' on one host and 'stowage doctor' on another within the minute"
             ),
         ),
         filesystem::Reach::ClusterWide => {
             if let Some(m) = mount.or_else(|| filesystem::mount_of(root.dir())) {
-                report.add(
-                    "mount",
-                    Verdict::Ok,
-                    format!("{} ({}) on {}", m.mount_point.display(), m.fstype, m.source),
+                report.ok("mount", format!("{} ({}) on {}", m.mount_point.display(), m.fstype, m.source),
                 );
             }
         }
@@ -382,9 +370,8 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
     let doc = sharing::DOC;
     let wrong = sharing::check(root, gid);
     if wrong.is_empty() {
-        report.add(
+        report.ok(
             "sharing",
-            Verdict::Ok,
             format!(
                 "group store (group {gid}, mode {:o}): every part is group-writable",
                 mode & 0o7777
@@ -393,10 +380,7 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
         return;
     }
     if !repair {
-        report.add(
-            "sharing",
-            Verdict::Problem,
-            format!(
+        report.problem("sharing", format!(
                 "group store (group {gid}), but {} part(s) are not group-writable with its group: {} ({doc})",
                 wrong.len(),
                 sharing::list(&wrong, 4)
@@ -406,9 +390,8 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
     }
     let done = sharing::repair(root, gid, wrong);
     if !done.fixed.is_empty() {
-        report.add(
+        report.repaired(
             "sharing",
-            Verdict::Repaired,
             format!(
                 "gave group {gid} and group write (setgid on directories) to {}",
                 sharing::list(&done.fixed, 4)
@@ -416,9 +399,8 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
         );
     }
     if !done.not_ours.is_empty() {
-        report.add(
+        report.problem(
             "sharing",
-            Verdict::Problem,
             format!(
                 "not ours to fix, left to their owners or root: {} ({doc})",
                 sharing::list(&done.not_ours, 4)
@@ -426,11 +408,7 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
         );
     }
     for (w, e) in &done.failed {
-        report.add(
-            "sharing",
-            Verdict::Problem,
-            format!("cannot fix {}: {e}", w.describe()),
-        );
+        report.problem("sharing", format!("cannot fix {}: {e}", w.describe()));
     }
 }
 
@@ -471,10 +449,7 @@ fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result
         } else {
             " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew"
         };
-        report.add(
-            "layout",
-            Verdict::Problem,
-            format!("{} is {bad}{target}{advice}", path.display()),
+        report.problem("layout", format!("{} is {bad}{target}{advice}", path.display()),
         );
         false
     })
@@ -614,10 +589,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         .map(|e| e.path.display().to_string())
         .collect();
     if !damaged.is_empty() {
-        report.add(
-            "records",
-            Verdict::Problem,
-            format!(
+        report.problem("records", format!(
                 "the record in {} cannot be read, so its image's state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it",
                 list(&damaged),
             ),
@@ -634,9 +606,8 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         .filter_map(|e| e.name().map(str::to_owned))
         .collect();
     if !failed.is_empty() {
-        report.add(
+        report.info(
             "images",
-            Verdict::Info,
             format!(
                 "{} incomplete: their writers failed or died; 'stowage gc' removes them",
                 list(&failed)
@@ -653,7 +624,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         .filter_map(|e| e.name().map(str::to_owned))
         .collect();
     if !unknown.is_empty() {
-        report.add("images", Verdict::Info, format!("{} adopted without a record: whether complete is not known, so kept ('stowage exec --write NAME -- true' marks one ready)", list(&unknown)));
+        report.info("images", format!("{} adopted without a record: whether complete is not known, so kept ('stowage exec --write NAME -- true' marks one ready)", list(&unknown)));
     }
     hints(store, &entries, repair, report);
     Ok(())
@@ -682,19 +653,18 @@ fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &
             {
                 match remove::finish_held(root, h) {
                     Ok(()) => finished.push(name),
-                    Err(err) => report.add("removals", Verdict::Problem, format!("{err:#}")),
+                    Err(err) => report.problem("removals", format!("{err:#}")),
                 }
             }
             _ => {}
         }
     }
     if !stuck.is_empty() {
-        report.add("removals", Verdict::Problem, format!("removal of {} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it", list(&stuck)));
+        report.problem("removals", format!("removal of {} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it", list(&stuck)));
     }
     if !finished.is_empty() {
-        report.add(
+        report.repaired(
             "removals",
-            Verdict::Repaired,
             format!("finished the interrupted removal of {}", list(&finished)),
         );
     }
@@ -709,7 +679,7 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
         return;
     }
     if !repair {
-        report.add("hints", Verdict::Info, format!("{} image lock file(s) carry the hint of a store-wide command that ended; the next user of each clears it", hinted.len()));
+        report.info("hints", format!("{} image lock file(s) carry the hint of a store-wide command that ended; the next user of each clears it", hinted.len()));
         return;
     }
     let mut cleared = 0;
@@ -726,9 +696,8 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
             crate::debug::pause("doctor-hint-cleared");
         }
     }
-    report.add(
+    report.repaired(
         "hints",
-        Verdict::Repaired,
         format!("cleared the store-wide hint of {cleared} image lock file(s)"),
     );
 }
@@ -747,21 +716,15 @@ fn claim(
         return;
     }
     if !repair {
-        report.add("claim", Verdict::Info, format!("{} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)", dir.display()));
+        report.info("claim", format!("{} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)", dir.display()));
         return;
     }
     match crate::images_dir::claim(root, config) {
-        Ok(true) => report.add(
-            "claim",
-            Verdict::Repaired,
-            format!("marked {} as this store's images directory", dir.display()),
+        Ok(true) => report.repaired("claim", format!("marked {} as this store's images directory", dir.display()),
         ),
-        Ok(false) => report.add(
-            "claim",
-            Verdict::Info,
-            format!("{}: its filesystem keeps no extended attributes, so it cannot be marked as this store's", dir.display()),
+        Ok(false) => report.info("claim", format!("{}: its filesystem keeps no extended attributes, so it cannot be marked as this store's", dir.display()),
         ),
-        Err(e) => report.add("claim", Verdict::Problem, format!("{e:#}")),
+        Err(e) => report.problem("claim", format!("{e:#}")),
     }
 }
 
@@ -774,11 +737,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     if let Some(why) = crate::images_dir::unmounted(&root, &dir)
         .or_else(|| crate::images_dir::claimed_by_another(&root, &dir))
     {
-        report.add(
-            "images",
-            Verdict::Problem,
-            format!("{why}; no record is judged by its tree"),
-        );
+        report.problem("images", format!("{why}; no record is judged by its tree"));
         return Ok(());
     }
     let images = root.open_or_make_images_dir(&dir)?;
@@ -786,7 +745,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let entries = crate::census::take(&root)?;
     let ready = entries.iter().any(|e| e.state() == Some(State::Ready));
     if ready && images.names()?.is_empty() {
-        report.add("images", Verdict::Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
+        report.problem("images", format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
         return Ok(());
     }
     if repair {
@@ -813,14 +772,13 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         }
     }
     if !foreign.is_empty() {
-        report.add("images", Verdict::Problem, format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
+        report.problem("images", format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
     }
     missing_trees(&root, &gone, repair, report);
     let orphans = adopt::orphans(&images, &dir, &named)?;
     for (entry, why) in &orphans.skipped {
-        report.add(
+        report.info(
             "images",
-            Verdict::Info,
             format!(
                 "{:?} in {} is no image ({why}); left alone",
                 entry,
@@ -850,9 +808,8 @@ fn orphan_trees(
             .iter()
             .map(|(n, _)| n.as_str().to_owned())
             .collect();
-        report.add(
+        report.problem(
             "images",
-            Verdict::Problem,
             format!(
                 "{} in {} have no record; 'stowage doctor --repair' adopts them",
                 list(&names),
@@ -863,12 +820,11 @@ fn orphan_trees(
     }
     let done = adopt::adopt(root, config, orphans, Adopt::Unknown)?;
     if !done.names.is_empty() {
-        report.add("images", Verdict::Repaired, format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
+        report.repaired("images", format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
     }
     for why in done.left {
-        report.add(
+        report.problem(
             "images",
-            Verdict::Problem,
             format!("cannot adopt the tree without a record {why}"),
         );
     }
@@ -887,9 +843,8 @@ fn missing_trees(
     }
     let names: Vec<String> = gone.iter().map(|(n, _)| n.as_str().to_owned()).collect();
     if !repair {
-        report.add(
+        report.problem(
             "images",
-            Verdict::Problem,
             format!(
                 "{} have records but no tree; 'stowage doctor --repair' drops their records",
                 list(&names)
@@ -913,9 +868,8 @@ fn missing_trees(
             dropped.push(n.as_str().to_owned());
         }
     }
-    report.add(
+    report.repaired(
         "images",
-        Verdict::Repaired,
         format!(
             "dropped the records of {}, whose trees are gone",
             list(&dropped)
@@ -929,7 +883,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     // A trash that is no directory: reported with the layout.
     let trash = remove::empty_trash(&root, repair).unwrap_or_default();
     for f in &trash.failed {
-        report.add("trash", Verdict::Problem, f.clone());
+        report.problem("trash", f.clone());
     }
     if !trash.entries.is_empty() {
         report.add(
@@ -987,9 +941,8 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     if repair {
         let n = crate::holders::Look::new(store.ctx()).clean_leases();
         if n > 0 {
-            report.add(
+            report.repaired(
                 "leases",
-                Verdict::Repaired,
                 format!("removed {n} lease(s) of processes that are gone"),
             );
         }
