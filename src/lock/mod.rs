@@ -1,44 +1,25 @@
-//! File locks: the only module that calls flock(2).
+//! File locks: the only module that calls flock(2); everything else asks
+//! for a [`Guard`]. Why each rule: docs/design.md, "Locks".
 //!
-//! Everything else asks for a [`Guard`]. The rules this module keeps:
-//!
-//! - **Open mode.** Read-write (NFS emulates flock with byte-range locks,
-//!   and an exclusive one needs a writable descriptor), close-on-exec (see
-//!   [`Guard::set_inheritable`]), non-blocking, following no symlink
-//!   (`planted::open`). Only a regular file is locked, checked before any
-//!   wait and by the unlink-race stat (or proven by a record read).
-//! - **The unlink race.** A lock file may be unlinked only by a holder of its
-//!   exclusive lock, which first marks it gone ([`mark_gone`]). Every
-//!   acquirer checks, after flock returns, that the file it locked is still
-//!   the file at the path: by its contents where they prove it (a record
-//!   only holders write, or a file nobody marked gone), else by device and
-//!   inode; if not it locked a ghost, and it retries on the new file.
-//! - **Shared filesystems.** An NFS client may answer `lstat(path)` from
-//!   its caches after another host unlinked the file, so there the check
-//!   re-opens the path (an open looks the name up on the server). `ESTALE`
-//!   means "retry with a fresh open". Lock files are never unlinked on a
-//!   filesystem not known to be local (`Root::unlink_lock` keeps them).
-//! - **Written through on shared filesystems.** There lock files (and
-//!   leases) are opened `O_DSYNC`: a record or hint written through them is
-//!   one stable request, seen at once by other hosts, and [`sync_written`]
-//!   sends no second one.
-//! - **Release is close.** Dropping a guard closes its descriptor and never
-//!   calls `LOCK_UN`: a child that inherited the descriptor shares the lock,
-//!   and `LOCK_UN` would drop it under the child's feet.
-//! - **Contention is a value.** [`acquire_no_wait`] returns `Ok(None)` when busy;
-//!   a bounded wait that runs out returns [`Waited::TimedOut`].
-//! - **Waiting does not spin.** A blocked flock(2) sleeps in the kernel in
-//!   a helper thread; a deadline or a cancellation interrupts it with
-//!   [`wake_signal`] (`EINTR`). Without a helper thread (a pids limit), the
-//!   wait polls instead of failing.
-//! - **Waiting for one of many needs one thread.** A slot waiter keeps its
-//!   [`FileSet`] open and sleeps on a [`Waker`] (inotify on the directory:
-//!   the last close of a lock file is its release), so a pids limit cannot
-//!   make the wait fail, and its tries open and close nothing that would
-//!   wake other waiters.
-//! - **Nested holds.** [`held_here`] finds a lock this process holds through
-//!   an inherited descriptor: the caller's enclosing command's hold, which a
-//!   wait must never wait for.
+//! - Open mode: read-write (NFS's flock needs it for exclusive), close-on-exec
+//!   ([`Guard::set_inheritable`]), non-blocking, no symlink followed; only a
+//!   regular file is locked.
+//! - The unlink race: only an exclusive holder unlinks, after [`mark_gone`];
+//!   every acquirer checks it locked the file at the path (by contents that
+//!   prove it, else device and inode) and retries on a ghost.
+//! - NFS may answer `lstat` from its cache, so there the check re-opens the
+//!   path; `ESTALE` means retry. Lock files are never unlinked on a
+//!   filesystem not known to be local (`Root::unlink_lock`).
+//! - On shared filesystems lock files and leases are `O_DSYNC`: a write is
+//!   one stable request, seen by other hosts, and [`sync_written`] sends none.
+//! - Release is close, never `LOCK_UN`, which would drop an inheritor's lock.
+//! - Contention is a value: [`acquire_no_wait`] gives `Ok(None)`; a bounded
+//!   wait that runs out, [`Waited::TimedOut`].
+//! - Waits sleep in flock(2) in a helper thread, interrupted by
+//!   [`wake_signal`]; without a thread (a pids limit) they poll. A slot
+//!   waiter sleeps on one [`Waker`] (inotify) over its [`FileSet`].
+//! - [`held_here`] finds an enclosing command's hold, inherited: a wait must
+//!   never wait for it.
 
 #![allow(clippy::disallowed_methods)] // this is the one module that may call flock
 
