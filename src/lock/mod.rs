@@ -152,8 +152,6 @@ impl Guard {
     /// asserted again, a non-blocking flock in the held mode on our
     /// descriptor (a no-op locally, a request to the server on NFS). Any
     /// failure means the lock cannot be vouched for.
-    /// `STOWAGE_DEBUG_LOST_LOCK=FILE_NAME` (a hidden test hook) makes the
-    /// check fail for that lock file, as a lost NFS lock would.
     pub fn still_held(&self) -> io::Result<()> {
         if lost_in_test(&self.path) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -462,7 +460,6 @@ pub enum IfMissing {
 }
 
 impl IfMissing {
-    /// [`IfMissing::Create`] when `create`, else [`IfMissing::Fail`].
     pub fn create_if(create: bool) -> IfMissing {
         if create {
             IfMissing::Create
@@ -474,14 +471,10 @@ impl IfMissing {
 
 /// [`acquire_no_wait`] for a lock file whose contents can prove that it is
 /// still the file at its path: `read` reads the locked file (the read its
-/// caller makes anyway) and says what it found and whether that proves it.
-/// Every unlink of a lock file marks it gone first, under the exclusive
-/// lock the unlink rule requires (`Root::unlink_lock`), so a record only a
-/// holder writes — an image's record, a slot class's — or a file without
-/// the mark, read under our lock, proves that nobody unlinked the file
-/// before we locked it, and nobody can while we hold it: the check of the
-/// unlink race costs no stat (on a shared filesystem, no lookup on the
-/// server). Anything else gets the stat check.
+/// caller makes anyway) and says what it found and whether that proves it
+/// (a record only holders write, or a file without the [`GONE`] mark). A
+/// proof spares the stat of the unlink-race check (on NFS, a lookup at the
+/// server); anything else gets the stat check.
 pub fn acquire_no_wait_with<T>(
     path: &Path,
     mode: Mode,
@@ -559,10 +552,8 @@ pub fn still_at_path(guard: &Guard) -> io::Result<bool> {
     Ok(still_linked(&guard.file, &guard.path)?.is_some())
 }
 
-/// Takes the lock if it is free right now. `Ok(None)`: someone holds it in a
-/// conflicting mode.
+/// Takes the lock if it is free right now; `Ok(None)` if busy.
 pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Result<Option<Guard>> {
-    // Nothing read proves it: the stat check, always.
     Ok(acquire_no_wait_with(path, mode, missing, |_| ((), false))?.map(|(g, ())| g))
 }
 
@@ -784,8 +775,7 @@ pub fn try_shared_open(file: &File) -> io::Result<bool> {
     flock_try(file, Mode::Shared)
 }
 
-/// [`probe`] of a lock file already open (one opened through its
-/// directory's descriptor).
+/// [`probe`] of a lock file already open.
 pub fn probe_open(file: &File) -> io::Result<Probe> {
     if !flock_try(file, Mode::Shared)? {
         return Ok(Probe::Exclusive);
