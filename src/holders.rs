@@ -239,7 +239,6 @@ impl<'c> Look<'c> {
         a
     }
 
-    /// What the leases of this look say, live or not.
     pub fn leases(&self) -> &[(String, Identity)] {
         &self.said
     }
@@ -483,8 +482,7 @@ impl<'c> Look<'c> {
         Some(table.get(&(kdev, ino)).cloned().unwrap_or_default())
     }
 
-    /// The report on one lock file: `rel` is its name relative to `locks/`,
-    /// as leases list it.
+    /// The report on one lock file (`rel`: relative to `locks/`).
     pub fn report(&self, kind: LockKind, name: &str, path: &Path, rel: &str) -> LockReport {
         let entries = self.entries(path);
         let listing: Listing = self
@@ -617,8 +615,6 @@ impl<'c> Look<'c> {
     /// The party of a table entry no live lease claimed; `None` if it is
     /// gone since the table was read.
     fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Option<Party> {
-        // A command that closed the lease it inherited, its stowage gone:
-        // the dead lease still says for what.
         // Whether the process at the entry's pid holds the lock itself
         // (a waiter is blocked on it: it is the one at that pid).
         let holds = match e.pid {
@@ -626,6 +622,8 @@ impl<'c> Look<'c> {
             Some(_) => Some(true),
             None => None,
         };
+        // A command that closed the lease it inherited, its stowage gone:
+        // the dead lease still says for what.
         let gone = e.pid.filter(|_| holds == Some(false));
         let dead = gone.and_then(|pid| {
             listing.iter().find(|(n, id, h)| {

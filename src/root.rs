@@ -839,16 +839,14 @@ pub fn make_dir(dir: &Path) -> Result<()> {
     }
 }
 
-/// The lock file name for an encoded image name: `ENC.lock`. An ENC so long
-/// that `ENC.lock` would exceed NAME_MAX is shortened and suffixed with a
-/// hash of the whole ENC; a hash collision would make two images share a lock
-/// (more exclusion, never less).
 /// Whether `file` (a name in `locks/images/`) is the lock file of the
 /// image named `name` (a record's, which may be anything).
 pub fn is_lock_file_of(file: &str, name: &str) -> bool {
     ImageName::parse(name).is_ok_and(|n| lock_file_name(n.encoded()) == file)
 }
 
+/// `ENC.lock`; an ENC too long for NAME_MAX is cut and suffixed with a hash
+/// of the whole (a collision shares a lock: more exclusion, never less).
 pub fn lock_file_name(enc: &str) -> String {
     named(enc, ".lock")
 }

@@ -132,17 +132,12 @@ fn epoch() -> std::time::Instant {
     *EPOCH.get_or_init(std::time::Instant::now)
 }
 
-/// The one cancellation check for long work (a copy, a size measurement,
-/// a deletion): call it between steps. `Err(Error::Interrupted(sig))` once
-/// a termination signal asked this process to stop — the caller stops,
-/// leaving its work in a state the next process can finish or undo, and the
-/// exec exits 128+N.
-///
-/// Only an `exec` routes termination signals to itself ([`Forwarder`]);
-/// in any other command they keep their default action, which ends the
-/// process at once (every such command is crash-safe), so this returns
-/// `Ok`. Cheap enough for every file of a walk: it looks at the pending
-/// signals at most every few milliseconds.
+/// The one cancellation check for long work (a copy, a measurement, a
+/// deletion), between steps: `Err(Interrupted(sig))` once a termination
+/// signal came; the caller stops where the next process can finish or undo.
+/// Only an `exec` routes signals here ([`Forwarder`]); other commands die at
+/// once (each is crash-safe). Cheap for every file of a walk: pending
+/// signals are looked at most every few milliseconds.
 pub fn check() -> Result<(), crate::error::Error> {
     match cancelled() {
         Some(sig) => Err(crate::error::Error::Interrupted(sig)),

@@ -650,14 +650,10 @@ fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
 }
 
-/// The lock this process already holds on the file at `path` through a
-/// descriptor it did not take here — one inherited from an enclosing
-/// command, as `stowage exec` passes its lock descriptors on (like
-/// flock(1)). The kernel says so itself: `/proc/self/fdinfo/N` lists, under
-/// `lock:`, the flocks of that descriptor's open file description. `None`
-/// when no descriptor of ours locks that file (or /proc is not mounted).
-///
-/// A wait for a conflicting lock on such a file would wait for ourselves.
+/// The lock this process holds on the file at `path` through a descriptor
+/// inherited from an enclosing command (as `stowage exec` passes them on,
+/// like flock(1)), from `/proc/self/fdinfo/N`'s `lock:` lines; `None` if
+/// none (or no /proc). A conflicting wait on it would wait for ourselves.
 pub fn held_here(path: &Path) -> Option<Mode> {
     held_here_except(path, None)
 }
