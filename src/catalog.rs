@@ -1,23 +1,17 @@
-//! The catalog: an SQLite database at `ROOT/stowage.db`, derived from the
-//! images' records and trees.
+//! The catalog: SQLite at `ROOT/stowage.db`, derived from the images'
+//! records and trees (docs/design.md, "The catalog").
 //!
-//! - **Derived, never trusted against the records.** A row caches an
-//!   image's name, state, lineage, creation, last use and size. It is
-//!   refreshed from the records whenever a command looks at every image
-//!   (`images`, `gc`, `doctor`), and no decision that changes an image
-//!   rests on it: gc and repair re-read the record under the image's lock.
-//! - **Losing it costs a rebuild, nothing else.** A catalog that is missing,
-//!   empty, damaged or another program's is set aside (never deleted) and
-//!   made anew from the records; only sizes must be measured again.
-//! - **Read and written only under the global lock** ([`Catalog`] owns
-//!   the guard), in one short transaction.
-//! - **Rollback journal, never WAL**: WAL's index in shared memory is unsafe
-//!   on NFS; a database an outside program switched to WAL is switched back.
-//! - **Nothing of SQLite's is opened blind.** `stowage.db` and its journal
-//!   are checked to be regular files of their own (opened without
-//!   following links and without blocking) before SQLite opens them: a
-//!   FIFO or a link planted there is refused, naming it, instead of
-//!   hanging a command or being written through.
+//! - Derived, never trusted against the records: refreshed whenever a
+//!   command looks at every image; no decision that changes an image rests
+//!   on it (gc and repair re-read the record under the image's lock).
+//! - Losing it costs a rebuild and the sizes: one missing, empty, damaged or
+//!   another program's is set aside (never deleted) and made anew.
+//! - Used only under the global lock ([`Catalog`] owns the guard), in one
+//!   short transaction.
+//! - Rollback journal, never WAL (its shared-memory index is unsafe on NFS);
+//!   a database switched to WAL from outside is switched back.
+//! - `stowage.db` and its journal are checked to be regular files of their
+//!   own (no link followed, no blocking) before SQLite opens them.
 
 use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt};
 use std::path::{Path, PathBuf};

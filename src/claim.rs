@@ -1,7 +1,6 @@
-//! The claim of an images directory by one store: an extended attribute
-//! on the directory itself (`user.stowage.store`), since nothing of
-//! stowage's may be put *into* an images directory (builders reject
-//! extraneous entries there).
+//! The claim of an images directory by one store: an extended attribute on
+//! the directory itself (`user.stowage.store`), since nothing of stowage's
+//! may go *into* it (docs/design.md, "One store per images directory").
 //!
 //! ```text
 //! stowage-claim 1
@@ -10,14 +9,13 @@
 //! path=/var/tmp/ana.stowage               (where it was, to name it)
 //! ```
 //!
-//! - **One store per images directory.** `init` claims the directory it
-//!   is given and refuses one another store claims, naming that store's
-//!   root. A copy of a store (same id, another root) is another store.
-//! - **Nothing is deleted in a directory another store claims**: gc,
-//!   repair and the end of a store-wide hold check before they remove
-//!   anything there.
-//! - Where extended attributes are not to be had (an old NFS server), the
-//!   directory stays unclaimed, and `init` says so once.
+//! - One store per images directory: `init` refuses one another store
+//!   claims, naming its root. A copy (same id, another root) is another
+//!   store.
+//! - Nothing is deleted in a directory another store claims (gc, repair,
+//!   the end of a store-wide hold check first).
+//! - Without extended attributes (an old NFS server) the directory stays
+//!   unclaimed, and `init` says so once.
 
 use std::io;
 use std::os::fd::AsRawFd;

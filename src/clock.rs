@@ -1,16 +1,11 @@
 //! Wall-clock time as stowage records it: milliseconds since the Unix epoch.
 //!
-//! `STOWAGE_NOW` (RFC 3339, or seconds since the epoch) fixes the clock, so
-//! tests of time-based policy (gc's "unused for", LRU order) fake the passage
-//! of time instead of sleeping. It affects recorded times only, never how
-//! long anything waits.
-//!
-//! Invariants: every time stowage records lies between the epoch and the end
-//! of year 9999 (what RFC 3339 can write). A `STOWAGE_NOW` outside that range
-//! — typically milliseconds given where seconds are meant — or one that does
-//! not parse is refused before any command runs ([`check_env`]), and a
-//! stored time outside it (written by another host's clock, or by an older
-//! release) is rendered as unknown, never a panic.
+//! - `STOWAGE_NOW` (RFC 3339, or seconds since the epoch) fixes the clock for
+//!   tests of time-based policy; it affects recorded times only, never waits.
+//! - Every recorded time lies between the epoch and the end of year 9999
+//!   (what RFC 3339 can write). A `STOWAGE_NOW` outside it (milliseconds
+//!   given for seconds) or unparsable is refused before any command runs
+//!   ([`check_env`]); a stored one outside it reads as unknown, never a panic.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

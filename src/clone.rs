@@ -1,32 +1,21 @@
 //! Faithful copies of image trees, for `exec --write NEW --from BASE`.
 //!
-//! The copy keeps what a root filesystem needs: file types (regular files,
-//! directories, symlinks, FIFOs, sockets, device nodes where permitted),
-//! permission bits including setuid/setgid/sticky, ownership where
-//! permitted, modification and access times, hard links — two names for
-//! one inode in the base are two names for one (new) inode in the copy —,
-//! holes — a sparse file stays sparse —, and extended attributes: file
-//! capabilities (`security.capability`), POSIX ACLs (`system.posix_acl_*`),
-//! `user.*` and whatever else the target accepts. What it cannot keep (a
-//! device node without privilege, an attribute the target refuses) is
-//! counted and reported, never silently dropped.
-//! Regular files are cloned with FICLONE where the filesystem can (btrfs,
-//! XFS), so a clone costs no space; elsewhere only their data is copied
-//! (SEEK_DATA/SEEK_HOLE, then copy_file_range).
-//!
-//! Invariants: nothing is ever followed, and no path is ever built: the walk
-//! goes by directory descriptor ([`crate::tree`]), so it works at any depth.
-//! Sources are opened with `O_NOFOLLOW`, symlinks are copied as links, the
-//! walk does not descend through them, and every destination is created
-//! fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) inside the new
-//! image's (empty) directory, so the copy cannot write outside it. No inode
-//! is shared with the base. The copy's top is ours alone (mode 700) until
-//! it is done, so no other user can swap a name in it between a create
-//! and the attributes set by that name. Attributes are set in an order
-//! that keeps them:
-//! owner (which clears setuid bits and capabilities), then mode, then
-//! extended attributes (an ACL rewrites the group bits the mode set), then
-//! times.
+//! - Kept: file types (device nodes where permitted), permission bits with
+//!   setuid/setgid/sticky, ownership where permitted, times, hard links (as
+//!   new shared inodes), holes, and every extended attribute the target
+//!   accepts (capabilities, ACLs, `user.*`). What cannot be kept is counted
+//!   and reported, never silently dropped.
+//! - Data: FICLONE where the filesystem can (no space), else only data
+//!   regions (SEEK_DATA/SEEK_HOLE, then copy_file_range).
+//! - Nothing is followed and no path is built: the walk goes by directory
+//!   descriptor ([`crate::tree`]), at any depth; symlinks are copied as links.
+//! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`,
+//!   `symlinkat`) in the new image's empty directory, mode 700 (ours alone)
+//!   until done: the copy cannot write outside it, and no name in it can be
+//!   swapped between a create and its attributes. No inode is shared with
+//!   the base.
+//! - Attribute order: owner (clears setuid and capabilities), mode, extended
+//!   attributes (an ACL rewrites the group bits), times.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, CString};
@@ -311,8 +300,7 @@ struct TreeCopy<'a> {
 }
 
 impl TreeCopy<'_> {
-    /// Copies the tree below `top`, depth first, one directory descriptor
-    /// per level.
+    /// Copies the tree below `top`, depth first.
     fn walk(&mut self, stack: &mut Vec<Frame>) -> Result<()> {
         while let Some(top) = stack.last_mut() {
             let Some(name) = top.names.next() else {
@@ -495,7 +483,6 @@ impl TreeCopy<'_> {
         )
     }
 
-    /// Closes the copy's top, then ends the progress shown.
     fn finish(self) -> Copied {
         drop(self.dst_root);
         self.progress.finish();
@@ -617,7 +604,6 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
         copy_range(s, d, data, hole - data)?;
         pos = hole;
     }
-    // The length, with a trailing hole if there is one.
     // SAFETY: plain ftruncate on our descriptor.
     if unsafe { libc::ftruncate(d, len as libc::off_t) } != 0 {
         return Err(io::Error::last_os_error());

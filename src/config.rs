@@ -8,16 +8,16 @@
 //! images=/abs/ch/img        (init --images-dir)
 //! identity=1234@ef53@9a1b   (the images directory's inode@fstype@fsid:
 //!                            an unmounted one is not taken for empty)
-//! root=77@ef53@9a1b          (the root's, when that was recorded: a
-//!                            copied or moved store is told from a mount)
+//! root=77@ef53@9a1b          (the root's: a copied or moved store is
+//!                            told from a mount)
 //! ```
 //!
-//! - Written whole and renamed into place (through the root's descriptor),
-//!   under the store-wide lock when it switches the images directory; a
+//! - Written whole and renamed into place through the root's descriptor
+//!   (under the store-wide lock when the images directory switches): a
 //!   reader sees the old file or the new one.
-//! - Read through the root's descriptor, refusing anything but a regular
-//!   file: a FIFO planted there cannot hang a command.
-//! - Missing means a store made before this file (`migrate.rs`) or none yet.
+//! - Read through the root's descriptor, only as a regular file: a planted
+//!   FIFO cannot hang a command.
+//! - Missing: a store from before this file (`migrate.rs`), or none yet.
 
 use std::path::PathBuf;
 

@@ -1,25 +1,17 @@
 //! Directory descriptors: how stowage moves and deletes anything.
 //!
-//! A path is resolved again by the kernel every time it is used, so a check
-//! made on a path ("trash is a directory") says nothing about the next use
-//! if someone who can write the parent swaps in a symlink between the two.
-//! Every destructive operation therefore works from descriptors.
-//!
-//! Invariants:
-//! - A walk starts at a trusted directory (the root, or the images directory
-//!   the user configured), opened once. Everything below it is opened with
-//!   `openat(parent, name, O_DIRECTORY|O_NOFOLLOW)`: a symlink planted where
-//!   a directory should be is an error, never followed.
-//! - Renames and deletions are `renameat`/`unlinkat` relative to those
-//!   descriptors; what was checked is what is acted on.
-//! - Deleting a tree ([`Dir::remove_entry`]) never follows a symlink (it is
-//!   unlinked), never crosses into another mount (a mount inside a tree,
-//!   bind mounts of the same filesystem included, stops the walk with an
-//!   error), and holds a bounded number of
-//!   descriptors whatever the depth — deeper than PATH_MAX is fine. Levels
-//!   above the last few are closed and reopened through `..`, which must be
-//!   the very directory that was left (device and inode): a tree moved away
-//!   in the middle of the walk stops it instead of redirecting it.
+//! - A path is resolved anew at each use, so a check on a path says nothing
+//!   about the next use: every destructive operation works from descriptors.
+//! - A walk starts at a trusted directory (the root, a configured images
+//!   directory), opened once; below it, `openat(…, O_DIRECTORY|O_NOFOLLOW)`:
+//!   a symlink where a directory should be is an error, never followed.
+//! - Renames and deletions are `renameat`/`unlinkat` on those descriptors:
+//!   what was checked is what is acted on.
+//! - Deleting a tree ([`Dir::remove_entry`]) unlinks symlinks, stops at any
+//!   mount (bind mounts of the same filesystem included), and holds a
+//!   bounded number of descriptors at any depth: far levels are reopened
+//!   through `..`, which must be the directory left (device, inode), so a
+//!   tree moved mid-walk stops it instead of redirecting it.
 
 use std::ffi::{CString, OsStr, OsString};
 use std::io;
@@ -645,8 +637,7 @@ impl Dir {
         }
     }
 
-    /// Removes the directory `name` if it is empty (a missing one is not an
-    /// error).
+    /// Removes the directory `name` if empty; a missing one is no error.
     pub fn rmdir(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
         self.unlinkat(name.as_ref(), libc::AT_REMOVEDIR)
     }
@@ -865,8 +856,7 @@ pub fn refused(e: io::Error, suspects: &[(&Dir, Option<&OsStr>, libc::c_int, &st
     e
 }
 
-/// How a level of a walk is named in an error: the tree's top, or a
-/// directory in it by its name.
+/// How a level of a walk is named in an error.
 fn level_shown(name: &OsStr) -> String {
     if name.is_empty() {
         "the directory".to_owned()
@@ -875,8 +865,7 @@ fn level_shown(name: &OsStr) -> String {
     }
 }
 
-/// Leaves the emptied level on top of `stack` for its parent, and removes
-/// it there.
+/// Removes the emptied level on top of `stack` from its parent.
 fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
     let done = stack.pop().expect("depth > 1");
     let parent = stack.last_mut().expect("depth > 1");

@@ -1,22 +1,15 @@
-//! Disk usage of an image tree, as gc and `images` count it: allocated
-//! blocks (so sparse files count what they really use), each hard-linked
-//! inode once, symlinks as themselves (never followed), and never crossing
-//! into another filesystem.
+//! Disk usage of an image tree, as gc and `images` count it.
 //!
-//! Shared extents. On a filesystem that can share data between files
-//! (btrfs, XFS, bcachefs: reflink copies, which `--from` makes), an image's
-//! allocated blocks are not what removing it frees: a base and three clones
-//! take about one copy of disk. There the walk also reads each file's extent
-//! map (FIEMAP) and keeps the physical ranges flagged
-//! `FIEMAP_EXTENT_SHARED`. A [`Footprint`] of all images then says what the
-//! images take on the filesystem together (every shared range once) and
-//! what removing one image would free (its unshared blocks plus the shared
-//! ranges no other image refers to). A range shared only with something
-//! outside the store (a snapshot) is counted as the image's own: stowage
-//! cannot see the other owner, and says so in docs/storage.md.
-//!
-//! The walk goes by directory descriptor ([`crate::tree`]): it works at any
-//! depth, and an error names a bounded path.
+//! - Allocated blocks (a sparse file counts what it uses), each hard-linked
+//!   inode once, symlinks as themselves, never crossing into another
+//!   filesystem.
+//! - Shared extents (reflink clones on btrfs, XFS, bcachefs): the walk also
+//!   keeps each file's `FIEMAP_EXTENT_SHARED` ranges, so a [`Footprint`] of
+//!   all images says what they take together and what removing one frees
+//!   (docs/storage.md, "Shared extents"). A range shared with something
+//!   outside the store (a snapshot) counts as the image's own.
+//! - The walk goes by directory descriptor ([`crate::tree`]): any depth, and
+//!   an error names a bounded path.
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::CStr;

@@ -1,10 +1,10 @@
 //! Every environment variable stowage reads or sets, named once.
 //!
-//! Code refers to these constants, never to the string: a variable that is
-//! renamed or retired is then found by the compiler. The hidden `DEBUG_*`
-//! hooks exist for tests that make, with real processes, situations this
-//! machine cannot (another filesystem, a lost NFS lock, a pause at one step
-//! of the protocol); they are documented in docs/design.md.
+//! - Code uses these constants, never the string, so the compiler finds a
+//!   renamed or retired variable.
+//! - The hidden `DEBUG_*` hooks let tests make, with real processes, what
+//!   this machine cannot (another filesystem, a lost NFS lock, a pause at
+//!   one step); docs/design.md documents them.
 
 /// The store's root directory, when `--root` is not given.
 pub const ROOT: &str = "STOWAGE_ROOT";

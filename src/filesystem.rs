@@ -1,12 +1,11 @@
 //! Filesystems: what statfs(2) and the mount table say about where a lock
-//! reaches — the one home of the filesystem table.
+//! reaches; the one home of the filesystem table.
 //!
-//! A lock is only as good as the filesystem that keeps it. Local
-//! filesystems (`LOCAL`) show every lock in this host's lock table; NFS,
-//! Lustre and BeeGFS keep locks cluster-wide only with the right mount
-//! options or client configuration ([`lock_reach`]); anything else is
-//! treated as shared (locks reach other hosts, the table does not show
-//! them).
+//! - Local filesystems (`LOCAL`) show every lock in this host's lock table.
+//! - NFS, Lustre and BeeGFS keep locks cluster-wide only with the right
+//!   mount options or client configuration ([`lock_reach`]).
+//! - Anything else is treated as shared: locks reach other hosts, the table
+//!   does not show them.
 
 use std::fs;
 use std::io;

@@ -1,22 +1,18 @@
-//! Who holds and awaits a lock, and how to say it.
+//! Who holds and awaits a lock, and how to say it (docs/design.md, "Leases
+//! and holders").
 //!
-//! - **The kernel is the truth about locks; leases name the holders.** A
-//!   stowage process lists each lock it holds or awaits in its lease
-//!   (`lease.rs`), which is alive exactly while it (or a command that
-//!   inherited it) lives. A [`Look`] reads the leases once, then the lock
-//!   table (local filesystems), and judges every lock by both.
-//! - **A holder is listed once, wherever it runs.** A lease's owner is found
-//!   in the table through the lease file's own entry (its owner holds it
-//!   exclusively), and that process's entries on the lock are its own, not
-//!   an outsider's; a line the table shows the owner without (a lock let go
-//!   of) names nobody. Across pid namespaces and hosts the table shows
-//!   nothing of it, and the lease alone names it.
-//! - **A pid is never enough.** A pid the table shows is a lease owner's
-//!   only while the process at that pid started when the owner did, and a
-//!   dead owner's only while no other process holds the lock through a
-//!   descriptor of its own.
-//! - **A lock held by a process stowage did not start still shows as held**:
-//!   by its pid and command where the table has it, else as unidentified.
+//! - The kernel is the truth about locks; leases (`lease.rs`) name the
+//!   holders. A [`Look`] reads the leases once, then the lock table (local
+//!   filesystems), and judges every lock by both.
+//! - A holder is listed once, wherever it runs: a lease's owner is found in
+//!   the table by the lease file's own entry, and its entries on a lock are
+//!   its own; a lease line the table shows no entry for names nobody. Across
+//!   pid namespaces and hosts the lease alone names it.
+//! - A pid is never enough: it is a lease owner's only while its process
+//!   started when the owner did, and a dead owner's only while no other
+//!   process holds the lock through a descriptor of its own.
+//! - A lock held by a process stowage did not start shows as held: by pid
+//!   and command where the table has them, else as unidentified.
 //! - How a wait is said and followed is `wait_line.rs`.
 
 use std::cell::{Cell, RefCell};
@@ -243,7 +239,6 @@ impl<'c> Look<'c> {
         a
     }
 
-    /// What the leases of this look say, live or not.
     pub fn leases(&self) -> &[(String, Identity)] {
         &self.said
     }
@@ -487,8 +482,7 @@ impl<'c> Look<'c> {
         Some(table.get(&(kdev, ino)).cloned().unwrap_or_default())
     }
 
-    /// The report on one lock file: `rel` is its name relative to `locks/`,
-    /// as leases list it.
+    /// The report on one lock file (`rel`: relative to `locks/`).
     pub fn report(&self, kind: LockKind, name: &str, path: &Path, rel: &str) -> LockReport {
         let entries = self.entries(path);
         let listing: Listing = self
@@ -621,8 +615,6 @@ impl<'c> Look<'c> {
     /// The party of a table entry no live lease claimed; `None` if it is
     /// gone since the table was read.
     fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Option<Party> {
-        // A command that closed the lease it inherited, its stowage gone:
-        // the dead lease still says for what.
         // Whether the process at the entry's pid holds the lock itself
         // (a waiter is blocked on it: it is the one at that pid).
         let holds = match e.pid {
@@ -630,6 +622,8 @@ impl<'c> Look<'c> {
             Some(_) => Some(true),
             None => None,
         };
+        // A command that closed the lease it inherited, its stowage gone:
+        // the dead lease still says for what.
         let gone = e.pid.filter(|_| holds == Some(false));
         let dead = gone.and_then(|pid| {
             listing.iter().find(|(n, id, h)| {

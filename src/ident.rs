@@ -1,11 +1,10 @@
 //! Who a process is, as recorded next to the locks it holds or awaits, and
 //! how a record's liveness is judged.
 //!
-//! A record is information, never the truth about a lock (the kernel is).
-//! Its liveness is its owner's lease (`lease.rs`): a pid means nothing on
-//! another host or in another pid namespace. [`liveness`] (pid plus start
-//! time, same host and boot) judges only records of older releases, which
-//! name no lease.
+//! - A record is information, never the truth about a lock (the kernel is).
+//! - Liveness is the owner's lease (`lease.rs`): a pid means nothing on
+//!   another host or pid namespace. [`liveness`] (pid, start time, host,
+//!   boot) judges only records of older releases, which name no lease.
 
 use std::fs;
 

@@ -1,29 +1,22 @@
 //! An image's record: the one authority for its state, kept in its lock
-//! file (`locks/images/ENC.lock`).
+//! file (format and rules: docs/design.md, "The record").
 //!
-//! - **Only a holder of the image's exclusive lock writes the record**, and
-//!   it is synced before that lock is released. A reader learns "ready" from
-//!   the record of the lock it holds; nothing else makes an image readable.
-//! - **Two slots, one sequence.** The record is written alternately into
-//!   slot A (bytes 0..4096) and slot B (4096..8192), each with a sequence
-//!   number and a CRC. The valid slot with the higher number is the record,
-//!   so a write cut short (a power loss mid-`pwrite`) leaves the one before:
-//!   the state the image was in before the transition began.
-//! - **`writing` or `creating` under a lock nobody holds exclusively reads as
-//!   incomplete**: its writer died. Readers and gc interpret it; the next
-//!   exclusive holder may write it down.
-//! - **No valid slot** is no image, when the file is empty (a new lock file,
-//!   an emptied one); a file with bytes but no valid slot is a damaged
-//!   record: the image's state cannot be known, so it is kept and reported.
-//! - **Hints** (bytes 8192..8256) are not the record: any process that has
-//!   the file open may write them, and each is only a reason to ask the
-//!   authority. `W`: a writer waits at the gate (ask the gate). `S`: a
-//!   store-wide operation may hold `store.lock` (ask it). The last use, in
-//!   ms, refreshed by readers at most every [`LAST_USE_RESOLUTION`].
-//! - **Unlinking marks first.** Whoever unlinks a lock file marks it gone
-//!   under the exclusive lock (`lock::mark_gone`), so a valid record, or a
-//!   file without the mark (a new image's), read under a lock proves that
-//!   the file is still the one at its path (no stat needed).
+//! - Only a holder of the exclusive lock writes it, synced before release;
+//!   nothing but a record that says `ready` makes an image readable.
+//! - Two slots (A at 0, B at 4096), each with a sequence number and a CRC:
+//!   the valid one with the higher number is the record, so a write cut
+//!   short leaves the state before the transition began.
+//! - `writing`/`creating` under a lock nobody holds exclusively reads as
+//!   incomplete: its writer died.
+//! - An empty file is no image; bytes without a valid slot are a damaged
+//!   record, kept and reported (its state cannot be known).
+//! - Hints (bytes 8192..8256: `W`, `S`, last use) are not the record: any
+//!   process with the file open writes them; each is only a reason to ask
+//!   the authority. Last use is refreshed at most every
+//!   [`LAST_USE_RESOLUTION`].
+//! - Unlinking marks first (`lock::mark_gone`), so a valid record, or a file
+//!   without the mark, read under a lock proves the file is the one at its
+//!   path.
 
 use std::io;
 use std::os::unix::fs::FileExt;

@@ -1,41 +1,25 @@
-//! The keeper: the process that runs the command for `exec --no-inherit`,
-//! so that no process of the command's tree outlives the locks.
+//! The keeper: runs the command for `exec --no-inherit`, so that no process
+//! of its tree outlives the locks (docs/design.md, "Inheritance and
+//! `--no-inherit`"; docs/reliability.md, "`--no-inherit`: descendants
+//! outliving the locks").
 //!
-//! With `--no-inherit` the command does not get the lock descriptors, so
-//! the kernel cannot tie the locks to the command's processes: stowage must.
-//! PR_SET_PDEATHSIG reaches one process only, and forwarding a signal to the
-//! command reaches only the command; a background job it started, or a
-//! process that moved to its own group or session, would go on writing the
-//! image after the locks were released. Hence:
-//!
-//! - stowage re-executes itself as the *keeper* (a fresh, single-threaded
-//!   process, so it may fork freely), which inherits the lock descriptors
-//!   (the command does not), becomes a child subreaper
-//!   (PR_SET_CHILD_SUBREAPER: every orphan of the command's tree becomes its
-//!   child, never init's), and starts the command in stowage's process
-//!   group (so the terminal treats it as before) while it leads a group of
-//!   its own (so a `kill -9 -PGID` of stowage's group leaves it standing).
-//! - The command ending is not the end: the keeper reports the command's
-//!   status only once **every** process of its tree has exited. Until then
-//!   it holds the locks, and so does stowage, which is waiting for it.
-//! - A termination signal that stowage forwards goes to the command; once
-//!   the command is gone, to every process left in its tree, and what is
-//!   still there [`GRACE`] later is killed.
-//! - If stowage dies (even by SIGKILL) the keeper sees the end of a pipe,
-//!   kills the whole tree, reaps it, and only then exits — releasing the
-//!   locks last.
-//! - If the keeper dies, the command dies with it (PR_SET_PDEATHSIG), and
-//!   stowage, a subreaper too, inherits the rest of the tree and kills it
-//!   before it records the outcome and releases — also when the keeper
-//!   died before it said that the command started.
-//!
-//! What remains possible: both stowage and its keeper killed by SIGKILL at
-//! once, aimed at each (e.g. `pkill -9 stowage`), leaves the tree to init.
-//! Killing a cgroup or a container kills the tree as well.
-//!
-//! Protocol on the status pipe (keeper → stowage): an 8-byte message
-//! `b"S\0\0\0" + errno` once the command started (errno 0) or failed to,
-//! then `b"X\0\0\0" + wait status` once the tree is gone.
+//! - PR_SET_PDEATHSIG and signal forwarding reach one process only, so
+//!   stowage re-executes itself as the keeper: single-threaded (may fork
+//!   freely), holding the lock descriptors (the command does not), a child
+//!   subreaper (orphans of the tree become its children), leading its own
+//!   group (a `kill -9 -PGID` of stowage's leaves it) while the command stays
+//!   in stowage's group (the terminal treats it as before).
+//! - Its status is reported only once every process of the tree has exited.
+//! - A forwarded termination signal goes to the command, once it is gone to
+//!   the rest of the tree; what is left [`GRACE`] later is killed.
+//! - stowage's death (even SIGKILL) ends a pipe: the keeper kills and reaps
+//!   the tree, then exits, releasing the locks last. The keeper's death kills
+//!   the command (PDEATHSIG); stowage, a subreaper too, kills the rest.
+//! - Not covered: both killed by SIGKILL at once (`pkill -9 stowage`) leave
+//!   the tree to init.
+//! - Status pipe (keeper → stowage), 8-byte messages: `b"S\0\0\0" + errno`
+//!   once the command started (0) or failed to, then `b"X\0\0\0" + wait
+//!   status` once the tree is gone.
 
 use std::ffi::{CString, OsStr, OsString};
 use std::io::{self, Read, Write};

@@ -1,29 +1,21 @@
-//! Holder leases: who holds and awaits which lock, alive or not, on any
-//! host and in any pid namespace, without trusting a pid.
+//! Holder leases: who holds and awaits which lock, on any host and in any
+//! pid namespace, without trusting a pid (protocol: docs/design.md, "Leases
+//! and holders").
 //!
-//! - **One lease per process** that holds or awaits a lock:
-//!   `ROOT/locks/leases/HOST-BOOT-PIDNS-PID-RANDOM.lease`, flocked
-//!   exclusively for the process's life, stating who it is and one line per
-//!   lock it holds or awaits ([`Holding`]). Written with its first lock, in
-//!   one write; through (`O_DSYNC`) on a shared filesystem, where other
-//!   hosts read it.
-//! - **Alive exactly while locked**: the kernel drops the lock with the last
-//!   descriptor (the process, or a command that inherited it), an NFS
-//!   server when the client's lease expires. A prober tries a shared lock
-//!   without waiting: granted means the owner is gone.
-//! - **The owner** creates a fresh name (`O_EXCL`) and locks it at once. A
-//!   lease never written is not unlinked by a prober unless its name says
-//!   its maker is gone or it is older than a grace (10 minutes, by the
-//!   filesystem's clock): so the file an owner locks is the one at its
-//!   path, and it needs no check of the unlink race (the temproots protocol
-//!   of Nix, on flock).
-//! - **Unlinking** only under the exclusive lock: by the owner at its end
-//!   ([`retire`]), by [`clean_keeping`] for owners that died. A dead lease whose
-//!   lock-table entry still stands (its command closed the lease but kept a
-//!   lock) is kept while that lock is held (`holders::Look::clean_leases`).
-//! - **Inheritance follows the image locks**: the command inherits the
-//!   lease with them (after stowage is SIGKILLed the build is still listed),
-//!   and with `--no-inherit` the keeper holds both.
+//! - One lease per process that holds or awaits a lock, flocked exclusively
+//!   for its life; written with its first lock in one write (`O_DSYNC` on a
+//!   shared filesystem, where other hosts read it).
+//! - Alive exactly while locked: a prober's non-waiting shared lock is
+//!   granted only once the owner (or an inheritor of its descriptor) is gone.
+//! - The owner makes a fresh name (`O_EXCL`) and locks it at once; a lease
+//!   never written is unlinked only if its name says its maker is gone or it
+//!   is older than 10 minutes (filesystem clock), so the file an owner locks
+//!   is the one at its path (Nix's temproots, on flock).
+//! - Unlinked only under the exclusive lock: by the owner ([`retire`]), or by
+//!   [`clean_keeping`] for dead owners; a dead lease whose lock is still held
+//!   by an inheritor is kept (`holders::Look::clean_leases`).
+//! - Inheritance follows the image locks; with `--no-inherit` the keeper
+//!   holds both.
 
 use std::fs;
 use std::io;
@@ -250,8 +242,7 @@ pub fn note_all(leases: &Path, hs: Vec<Holding>) {
     }
 }
 
-/// Takes the lock file `lockfile` out of this process's lease: released,
-/// or no longer awaited.
+/// Takes the lock file `lockfile` out of this process's lease.
 pub fn forget(leases: &Path, lockfile: &str) {
     forget_all(leases, &[lockfile]);
 }
@@ -262,8 +253,7 @@ pub fn forget(leases: &Path, lockfile: &str) {
 /// listed a moment too long is never shown held when it is free).
 static ENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Marks the process as ending: locks let go of from then on stay listed
-/// in its lease until the lease goes (see `ENDING`).
+/// Marks the process as ending (see `ENDING`).
 pub fn ending() {
     ENDING.store(true, std::sync::atomic::Ordering::Relaxed);
 }
@@ -648,7 +638,6 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
     Some(id)
 }
 
-/// The lease files present, by name (live or not).
 /// The leases directory as one look listed it.
 pub struct Listing {
     /// None when the directory could not be opened (no lease yet).

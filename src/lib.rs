@@ -1,27 +1,22 @@
 //! stowage: a lock and storage manager for a shared directory of build
-//! images.
-//!
-//! Many builds at once — on one host, or many hosts sharing NFS or Lustre —
-//! read base images and write new ones in one directory. stowage gives each
-//! build the locks it needs (*flat locking*: one flock(2) lock per image,
-//! plus one global lock guarding the catalog), so builds run in parallel,
-//! base images are stored once, and no build reads an image that another
-//! is writing.
+//! images. Builds on one host or many (NFS, Lustre) read base images and
+//! write new ones in parallel: one flock(2) lock per image, plus a global
+//! lock for the catalog; bases are stored once, and no build reads an image
+//! that another is writing. Design: docs/design.md.
 //!
 //! # One fact, one home
-//! - **An image's state**, base, creation and writer's outcome: its record,
-//!   in its lock file ([`image_record`]), written only under the image's
-//!   exclusive lock and synced before that lock goes.
-//! - **Who holds and awaits what**: the kernel's locks, named by the
-//!   holders' leases ([`lease`], [`holders`]).
-//! - **A slot class's limits**: one record per class ([`slot_limits`]).
-//! - **Where trees go, and the store's identity**: [`config`].
-//! - **Names, lineage, last use, sizes**: the catalog ([`catalog`]), derived
-//!   from the records and the trees; losing it costs a rebuild, nothing else.
+//! - An image's state, base, creation, writer's outcome: its record
+//!   ([`image_record`]), written under its exclusive lock, synced before it
+//!   goes.
+//! - Who holds and awaits what: the kernel's locks, named by leases
+//!   ([`lease`], [`holders`]).
+//! - A slot class's limits: its record ([`slot_limits`]).
+//! - Where trees go, and the store's identity: [`config`].
+//! - Names, lineage, last use, sizes: the [`catalog`], derived; losing it
+//!   costs a rebuild.
 //!
 //! # Map of the modules, by floor
-//! A module uses only modules on its own floor or below; no import circles
-//! (tests/layout.rs checks both).
+//! A module uses only its floor or below (tests/layout.rs checks).
 //!
 //! 1. **Ground**: [`env`](mod@env) every `STOWAGE_*` variable; [`name`]
 //!    image names; [`clock`]; [`ident`] who this process is; [`error`]
@@ -53,9 +48,8 @@
 //!
 //! # Lock order
 //! **slots → image locks in ascending encoded-name order → global lock.**
-//! The global lock is held only for one short catalog transaction (or a
-//! slot class's change); while it is held a process may *try* a lock,
-//! never wait for one. `store.lock` is waited for only holding nothing.
+//! Under the global lock (one short transaction) a lock is only tried,
+//! never waited for; `store.lock` is waited for only holding nothing.
 //!
 //! # Example
 //! ```no_run

@@ -1,23 +1,19 @@
 //! The migration of a store made by a release before image records
-//! (catalog schema 1 to 10): each image's record is written from what that
-//! release held true, once, as a store-wide operation.
+//! (catalog schema 1 to 10): each image's record is written once, from what
+//! that release held true, as a store-wide operation (docs/design.md,
+//! "Migration of a schema-10 store").
 //!
-//! - **What that release held true**: an image's row, except while a
-//!   writer's marker (`locks/leases/ENC.dirty`) stood — then the writer's
-//!   record in the lock file. A row `creating`/`writing` whose lock is free
-//!   had a writer that died: incomplete. A ready token whose row was lost
-//!   still says the image was ready; a tree with neither is adopted with its
-//!   readiness unknown. No image loses its state or its base.
-//! - **Older binaries are held off** as that release's own store-wide
-//!   operations held them off: `store.lock` exclusively (its new images'
-//!   writers take it shared), its store-wide hint on every lock file (its
-//!   reads without the database see it), a store-wide holder record in its
-//!   database (its transactions honour it), and the global lock while
-//!   converting. Each pass re-derives everything from that truth; a pass
-//!   that finds an image lock busy lets the global lock go, waits for it,
-//!   and starts over. The pass that finds all free converts, and commits
-//!   the catalog at schema 11 last: from then on the older release refuses
-//!   the store ("newer than this stowage").
+//! - What it held true: the image's row, except while a writer's marker
+//!   (`locks/leases/ENC.dirty`) stood, then the writer's record. A row
+//!   `creating`/`writing` under a free lock is incomplete; a ready token
+//!   without a row is ready; a tree with neither is adopted, readiness
+//!   unknown. No image loses its state or its base.
+//! - Older binaries are held off as their own store-wide operations were:
+//!   `store.lock`, the store-wide hint on every lock file, a holder record
+//!   in the database, and the global lock while converting.
+//! - A pass that finds an image lock busy lets the global lock go, waits,
+//!   and starts over; the pass that finds all free converts and commits
+//!   schema 11 last, after which the older release refuses the store.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;

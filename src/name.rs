@@ -1,14 +1,12 @@
 //! Image names and their on-disk encoding.
 //!
-//! A name follows container image references (`alpine:3.17`,
-//! `registry.example:5000/team/app:v1`, `app@sha256:…`). Its encoded form ENC
-//! replaces `/` with `%` and `:` with `+` — exactly Charliecloud's mapping, so
-//! stowage and ch-image name the same directory. Because `%` and `+` are not
-//! allowed in names, the mapping is a bijection and decoding is exact.
-//!
-//! Invariant: an [`ImageName`] is always valid; ENC is a single path
-//! component that is neither `.` nor `..` and contains no `/`, so joining it
-//! to a directory can never escape that directory.
+//! - A name follows container image references (`alpine:3.17`,
+//!   `registry.example:5000/team/app:v1`, `app@sha256:…`).
+//! - ENC replaces `/` with `%` and `:` with `+`, Charliecloud's mapping, so
+//!   both tools name the same directory; `%` and `+` are not allowed in
+//!   names, so decoding is exact.
+//! - An [`ImageName`] is always valid; ENC is one path component, neither
+//!   `.` nor `..`: joined to a directory it never escapes it.
 
 use std::fmt;
 

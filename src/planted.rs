@@ -1,31 +1,21 @@
 //! What is found where stowage keeps a file of its own: a regular file, or
-//! something planted there (a FIFO, a symlink, a directory, a socket, a
-//! device) by another program or another member of the store's group.
+//! something planted there (FIFO, symlink, directory, socket, device) by
+//! another program or member of the store's group (docs/design.md, "What
+//! is planted in the layout").
 //!
-//! - **Opened so that its type cannot block or redirect the open**:
-//!   `O_NOFOLLOW|O_NONBLOCK|O_NOCTTY|O_CLOEXEC` ([`FLAGS`]). A FIFO cannot
-//!   hang the open, a symlink is refused (`ELOOP`), a socket cannot be
-//!   opened (`ENXIO`), a directory cannot be opened for writing (`EISDIR`),
-//!   a terminal never becomes the command's.
-//! - **Written in place only with one name**: a hard link planted there
-//!   would carry the write to a file outside the root ([`HARD_LINK`],
-//!   [`check_written`]); a file only read, or replaced by a rename, may
-//!   have others.
-//! - **Then used only as a regular file.** What the open refuses, and what
-//!   `fstat` finds to be anything else, is a [`NotAFile`] error that keeps
-//!   the file's path: whoever reports it names the file that is wrong, not
-//!   the one it was looking for (an image's gate, not its lock file).
-//! - **A valid record read proves a regular file**: a FIFO cannot `pread`,
-//!   a directory or socket cannot be opened read-write. Where a file's
-//!   record was read, the `fstat` is spared (it is a round trip on NFS).
-//! - **No symlink in any component under the root is followed**: a path
-//!   is opened with `openat2(RESOLVE_NO_SYMLINKS)` ([`open`]; the root's
-//!   own path is canonical), or, on a kernel without it, through its
-//!   parent's descriptor, checked to be the directory the path names. A
-//!   link planted for `locks` or `locks/images` cannot lead a lock file's
-//!   creation out of the root; the refusal names the component.
-//! - **Nothing planted is deleted**: `doctor --repair` renames it aside
-//!   (`NAME.planted-TIME`), and every refusal says so.
+//! - Opened `O_NOFOLLOW|O_NONBLOCK|O_NOCTTY|O_CLOEXEC` ([`FLAGS`]): a FIFO
+//!   cannot hang the open, a symlink or socket fails it, a directory cannot
+//!   be opened to write, a terminal never becomes the command's.
+//! - Written in place only with one name: a planted hard link would carry
+//!   the write outside the root ([`HARD_LINK`], [`check_written`]).
+//! - Then used only as a regular file; anything else is a [`NotAFile`] that
+//!   keeps its path, so the report names the file that is wrong.
+//! - A valid record read proves a regular file (a FIFO cannot `pread`), so
+//!   the `fstat`, a round trip on NFS, is spared.
+//! - No symlink under the root is followed: `openat2(RESOLVE_NO_SYMLINKS)`
+//!   ([`open`]), or on older kernels the parent's descriptor, checked.
+//! - Nothing planted is deleted: `doctor --repair` renames it aside
+//!   (`NAME.planted-TIME`).
 
 use std::fs::File;
 use std::io;

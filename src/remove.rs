@@ -1,23 +1,18 @@
 //! Removing images, crash-safely, and finishing removals a crash cut short.
 //!
-//! With the image's exclusive lock held, a removal:
-//! 1. writes the record `deleting` (synced): from here nobody reads it;
-//! 2. renames the tree into `ROOT/trash/` — one atomic step out of the
-//!    images directory (on another filesystem than the root, the tree is
-//!    deleted in place instead, still under the lock);
-//! 3. empties the lock file (the record goes) and unlinks it (kept, empty,
-//!    where lock files are never unlinked);
+//! Under the image's exclusive lock a removal:
+//! 1. records `deleting` (synced): from here nobody reads it;
+//! 2. renames the tree into `ROOT/trash/`, one atomic step (on another
+//!    filesystem than the root, deletes it in place, still under the lock);
+//! 3. empties the lock file and unlinks it (where lock files may be);
 //! 4. deletes the tree from the trash, outside every lock.
 //!
-//! - A crash after 1 leaves a `deleting` record whose lock is free: `gc`,
-//!   `doctor --repair`, or the next writer of the name finish it; after 3,
-//!   a leftover in the trash. No half-deleted tree ever sits in the images
-//!   directory under a record that says `ready`.
-//! - A removal that fails before its tree moved is undone: the record says
-//!   what it said before, and the error says why.
-//! - Nothing outside the images directory is deleted: trees move with
-//!   `renameat` relative to descriptors that refuse a symlink in their
-//!   place, and are deleted by the descriptor walk of [`crate::dir`].
+//! - A crash after 1 leaves `deleting` under a free lock, finished by `gc`,
+//!   `doctor --repair` or the next writer; after 3, a leftover in the
+//!   trash. No half-deleted tree sits under a record that says `ready`.
+//! - A removal that fails before its tree moved is undone, and says why.
+//! - Nothing outside the images directory is deleted: `renameat` on
+//!   descriptors that refuse symlinks, then [`crate::dir`]'s walk.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

@@ -1,22 +1,10 @@
-//! The storage root: where it is and what lives in it.
+//! The storage root: where it is and what lives in it (the layout:
+//! docs/design.md, "Layout").
 //!
-//! ```text
-//! ROOT/
-//!   store.conf              the store's configuration (config.rs)
-//!   stowage.db              the catalog (SQLite, rollback journal, never WAL)
-//!   locks/global.lock       the global lock (catalog, slot limits)
-//!   locks/store.lock        store-wide holds (store_wide.rs)
-//!   locks/images/ENC.lock   one per image, with its record (image_record.rs)
-//!   locks/slots/CLASS/…     slot lock files
-//!   locks/leases/*.lease    one per live stowage process (lease.rs)
-//!   img/ENC/                image trees (the default images directory)
-//!   trash/                  removals in progress
-//! ```
-//!
-//! The images directory may live elsewhere (`init --images-dir`); it then
-//! holds image trees only, never a file of stowage's own. Directories are
-//! created lazily, on the first operation that needs them, so the fast path
-//! of `exec` makes no mkdir calls.
+//! - An external images directory (`init --images-dir`) holds image trees
+//!   only, never a file of stowage's own.
+//! - Directories are made lazily, by the first operation that needs them:
+//!   the fast path of `exec` makes no mkdir calls.
 
 use std::fs;
 use std::io;
@@ -92,11 +80,8 @@ impl Root {
         self.dir.is_dir()
     }
 
-    /// Opens the root directory. Its ownership is checked again on the
-    /// open descriptor: whatever is done through it is done in the
-    /// directory that passed.
-    /// The root directory's identity (`Dir::identity`), through its open
-    /// descriptor (no duplicate made).
+    /// The root directory's identity, through its open descriptor (no
+    /// duplicate made).
     pub fn identity(&self) -> Result<String> {
         if self.opened.get().is_none() {
             self.open()?;
@@ -106,6 +91,8 @@ impl Root {
             .with_context(|| format!("cannot inspect root {}", self.dir.display()))
     }
 
+    /// Opens the root directory. Its ownership is checked again on the
+    /// descriptor: whatever is done through it is done in what passed.
     pub fn open(&self) -> Result<Dir> {
         if let Some(d) = self.opened.get() {
             return d
@@ -304,8 +291,7 @@ impl Root {
         self.dev
     }
 
-    /// The root's filesystem, if [`Root::check_locking`] found it (the root
-    /// existed then).
+    /// The root's filesystem, if [`Root::check_locking`] found it.
     pub fn filesystem(&self) -> Option<&crate::filesystem::Filesystem> {
         self.fs.as_ref()
     }
@@ -347,8 +333,7 @@ impl Root {
         self.dir.join(Self::slot_class_rel(class))
     }
 
-    /// [`Root::slot_class_dir`] relative to the root, for opening it
-    /// through the root's descriptor.
+    /// [`Root::slot_class_dir`] relative to the root.
     pub fn slot_class_rel(class: &str) -> String {
         format!("locks/slots/{}", class.replace('/', "%"))
     }
@@ -383,8 +368,7 @@ impl Root {
         "locks/store.lock",
     ];
 
-    /// The image whose lock file, by its name in `locks/images`, `fname`
-    /// is, if it is one (decodable).
+    /// The image whose lock file (in `locks/images`) is `fname`, if any.
     pub fn image_of_lock_file(fname: &str) -> Option<ImageName> {
         ImageName::from_encoded(fname.strip_suffix(".lock")?).ok()
     }
@@ -473,7 +457,6 @@ impl Root {
                 let _ = crate::claim::write(img, &mine);
             }
         }
-        // Space for the metadata on a full filesystem (space.rs).
         crate::space::refill(&self.reserve());
         Ok(())
     }
@@ -856,16 +839,14 @@ pub fn make_dir(dir: &Path) -> Result<()> {
     }
 }
 
-/// The lock file name for an encoded image name: `ENC.lock`. An ENC so long
-/// that `ENC.lock` would exceed NAME_MAX is shortened and suffixed with a
-/// hash of the whole ENC; a hash collision would make two images share a lock
-/// (more exclusion, never less).
 /// Whether `file` (a name in `locks/images/`) is the lock file of the
 /// image named `name` (a record's, which may be anything).
 pub fn is_lock_file_of(file: &str, name: &str) -> bool {
     ImageName::parse(name).is_ok_and(|n| lock_file_name(n.encoded()) == file)
 }
 
+/// `ENC.lock`; an ENC too long for NAME_MAX is cut and suffixed with a hash
+/// of the whole (a collision shares a lock: more exclusion, never less).
 pub fn lock_file_name(enc: &str) -> String {
     named(enc, ".lock")
 }

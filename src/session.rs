@@ -1,25 +1,21 @@
-//! One `exec`: its locks, from acquisition to the recorded outcome.
+//! One `exec`: its locks, from acquisition to the recorded outcome
+//! (docs/design.md, "The protocols").
 //!
-//! 1. A slot, then image locks in ascending ENC order — shared for reads,
-//!    exclusive for writes — each with its record, read in the same go.
-//! 2. Images whose lock files carry the store-wide hint, and new images,
-//!    ask `store.lock` (`store_wide.rs`): a hold of someone else's makes us
-//!    let go of everything, wait for it, and start over.
-//! 3. Reads need a record that says `ready`. A write of an existing image
-//!    records `writing`; of a new one, `creating`, then makes its tree.
-//!    Each record is synced before the command starts.
-//! 4. The command runs; then each written image's record says `ready` (exit
-//!    0, and the lock still ours) or `incomplete`, synced; then the locks
-//!    go.
+//! 1. A slot, then image locks in ascending ENC order (shared to read,
+//!    exclusive to write), each with its record, read in the same go.
+//! 2. A lock file with the store-wide hint, or a new image, asks
+//!    `store.lock` (`store_wide.rs`): someone else's hold makes us let go
+//!    of everything, wait for it, and start over.
+//! 3. A read needs `ready`. A write records `writing`, a new image
+//!    `creating` then makes its tree; each synced before the command starts.
+//! 4. After the command each written record says `ready` (exit 0, lock
+//!    still ours) or `incomplete`, synced; then the locks go.
 //!
-//! - **No catalog, no global lock**: an image's state is its record, under
-//!   its own lock. A read writes nothing (but its last use, at most every
-//!   few minutes: a hint, not the record).
-//! - **A failed request leaves nothing**: lock files it made that carry
-//!   no record go again; a start that never ran its command puts each
-//!   record back as it was.
-//! - **A crash anywhere** leaves records that say `creating` or `writing`
-//!   under locks nobody holds: incomplete, to whoever looks next.
+//! - No catalog, no global lock: a read writes nothing but its last use (a
+//!   hint, at most every few minutes).
+//! - A failed request leaves nothing: lock files it made without a record
+//!   go; a start that never ran its command puts each record back.
+//! - A crash leaves `creating`/`writing` under free locks: incomplete.
 
 use std::io;
 use std::path::{Path, PathBuf};

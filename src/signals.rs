@@ -1,37 +1,21 @@
 //! Termination signals during `exec`.
 //!
-//! SIGINT, SIGTERM, SIGHUP and SIGQUIT (and SIGCHLD) are blocked in every
-//! thread and taken with sigwaitinfo(2), so no system call anywhere is ever
-//! interrupted by them. Signals the parent made us ignore stay ignored
-//! (`nohup stowage exec …` survives a hangup, like its command).
-//!
-//! - **Before the command starts**, a termination signal cancels the lock
-//!   waits (the exec then exits 128+N, leaving nothing behind). Waiting needs
-//!   someone to watch for signals while the main thread waits, so a thread
-//!   that takes them is started — lazily, when the first wait begins: an
-//!   uncontended exec never starts it (where none can be started, a pids
-//!   limit, the waits watch a signalfd themselves). A signal that arrives
-//!   before any wait stays pending and is seen before the spawn.
-//! - **While the command runs**, the signal is forwarded to it. A signal
-//!   the terminal sent (si_code SI_KERNEL) is not forwarded only when the
-//!   terminal certainly sent it to the command too: the command is in our
-//!   process group (the terminal signals a whole group), and it is not the
-//!   hangup that the kernel sends to a session leader alone. So Ctrl-C is
-//!   one SIGINT for a command in our group, and still reaches a command that
-//!   moved to its own group (GNU `timeout`) or a stowage that leads its
-//!   session (`setsid`, `script`, `ssh -t`). The main thread does this
-//!   itself, taking SIGCHLD in the same sigwaitinfo to learn that the
-//!   command ended (or leaves it to the thread, if one was started).
-//! - **Between the locks and the command** (a `--from` copy) and **after
-//!   it** (measuring what it wrote), long work asks [`check`] between
-//!   steps, which takes a pending signal: the work stops and the exec ends
-//!   128+N (see `docs/reliability.md`).
-//!
-//! The hand-over is race-free: the state moves Waiting → Running(pid) under
-//! a mutex while spawning, so a signal is either seen before the spawn (and
-//! the command never starts) or forwarded after it; and Running → Done
-//! happens after the child exited but before it is reaped, so a late signal
-//! can never hit a recycled pid.
+//! - SIGINT, SIGTERM, SIGHUP, SIGQUIT (and SIGCHLD) are blocked in every
+//!   thread and taken with sigwaitinfo(2): no system call is interrupted by
+//!   them. Signals the parent made us ignore stay ignored (`nohup`).
+//! - Before the command starts, a signal cancels the lock waits (exit 128+N,
+//!   nothing left behind). The thread that takes signals starts lazily, with
+//!   the first wait; without one (a pids limit) the waits watch a signalfd.
+//! - While the command runs, signals are forwarded. A terminal's signal
+//!   (SI_KERNEL) is not forwarded only if the command is in our process group
+//!   and it is not the hangup sent to a session leader alone: Ctrl-C is one
+//!   SIGINT, yet reaches a command in its own group (`timeout`) or under a
+//!   stowage that leads its session (`setsid`, `ssh -t`).
+//! - Long work outside the command (a `--from` copy, measuring) asks
+//!   [`check`] between steps: a pending signal stops it, exit 128+N.
+//! - Hand-over: Waiting → Running(pid) under a mutex while spawning (a signal
+//!   is seen before the spawn or forwarded after it); Running → Done after the
+//!   child exited but before it is reaped, so no signal hits a recycled pid.
 
 use std::io;
 use std::process::ExitStatus;
@@ -131,7 +115,7 @@ static CANCELLED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::n
 /// was still asked to stop, and exits 128+N.
 static PASSED_ON: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
-/// See [`PASSED_ON`].
+/// See `PASSED_ON`.
 pub fn passed_on() -> Option<i32> {
     match PASSED_ON.load(std::sync::atomic::Ordering::Relaxed) {
         0 => None,
@@ -148,17 +132,12 @@ fn epoch() -> std::time::Instant {
     *EPOCH.get_or_init(std::time::Instant::now)
 }
 
-/// The one cancellation check for long work (a copy, a size measurement,
-/// a deletion): call it between steps. `Err(Error::Interrupted(sig))` once
-/// a termination signal asked this process to stop — the caller stops,
-/// leaving its work in a state the next process can finish or undo, and the
-/// exec exits 128+N.
-///
-/// Only an `exec` routes termination signals to itself ([`Forwarder`]);
-/// in any other command they keep their default action, which ends the
-/// process at once (every such command is crash-safe), so this returns
-/// `Ok`. Cheap enough for every file of a walk: it looks at the pending
-/// signals at most every few milliseconds.
+/// The one cancellation check for long work (a copy, a measurement, a
+/// deletion), between steps: `Err(Interrupted(sig))` once a termination
+/// signal came; the caller stops where the next process can finish or undo.
+/// Only an `exec` routes signals here ([`Forwarder`]); other commands die at
+/// once (each is crash-safe). Cheap for every file of a walk: pending
+/// signals are looked at most every few milliseconds.
 pub fn check() -> Result<(), crate::error::Error> {
     match cancelled() {
         Some(sig) => Err(crate::error::Error::Interrupted(sig)),

@@ -1,5 +1,5 @@
-//! A slot class's limits: one record per class, the one copy, kept at the
-//! start of the class's first slot file (`locks/slots/ENC/0.lock`).
+//! A slot class's limits: one record per class, the one copy, at the start
+//! of the class's first slot file (`locks/slots/ENC/0.lock`).
 //!
 //! ```text
 //! stowage-class 1
@@ -11,15 +11,12 @@
 //! crc=1a2b3c4d
 //! ```
 //!
-//! - Written only under the global lock (`slots set`, `slots rm`, and the
-//!   settling of a lowered limit), in one `pwrite`, and synced; read by
-//!   acquirers with one `pread`, under the lock of `0.lock` or not. A read
-//!   that meets a write half done fails the CRC and is read again.
-//! - An empty `0.lock` is no class (removed, or never set).
-//! - The files of a class: `0.lock` … `(files-1).lock` and `high-0.lock` …
-//!   `high-(high_files-1).lock`. A slot may be taken only among the first
-//!   `limit` (or `reserve`); the rest are held by holders of a higher
-//!   limit, who count against the lower one until they end.
+//! - Written only under the global lock, in one synced `pwrite`; read with
+//!   one `pread`, with or without `0.lock`'s lock: a torn read fails the CRC
+//!   and is read again.
+//! - An empty `0.lock` is no class.
+//! - A slot is taken only among the first `limit` (or `reserve`) files; the
+//!   rest up to `files`/`high_files` are held under a higher, older limit.
 
 use std::io;
 use std::os::unix::fs::FileExt;

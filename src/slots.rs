@@ -1,23 +1,15 @@
 //! Slots: cross-process counting semaphores, one class per runtime or kind
-//! of heavy work (`pull`, `load/podman`).
+//! of heavy work (`pull`, `load/podman`); files: docs/design.md, "Layout".
 //!
-//! ```text
-//! ROOT/locks/slots/ENC/0.lock … (N-1).lock          normal slots (0.lock
-//!                                                   carries the class record)
-//! ROOT/locks/slots/ENC/high-0.lock … high-(R-1).lock reserved for --priority high
-//! ROOT/locks/slots/ENC/changed                      closed to wake waiters
-//! ```
-//!
-//! - A slot is an exclusive flock, so the kernel frees it when its holder
-//!   dies: no token is ever lost.
+//! - A slot is an exclusive flock: the kernel frees it when its holder
+//!   dies, so no token is ever lost.
 //! - Slots come first in the lock order (slots → images → global).
 //! - Normal work takes one of the first LIMIT files; high priority a
 //!   reserved one first, else a normal one: at most LIMIT + RESERVE at
 //!   once. LIMIT 0 is unlimited: no slot is taken.
-//! - The limits live in one record per class (`slot_limits.rs`), changed
-//!   only under the global lock. Lowering a limit never disturbs current
-//!   holders; their slots count against it until they end, and the record
-//!   says which files they may be ([`settle`] forgets them once free).
+//! - Limits live in one record per class (`slot_limits.rs`), changed only
+//!   under the global lock. A lowered limit never disturbs holders: they
+//!   count against it until they end ([`settle`] forgets them once free).
 //! - Waiters re-read the record when `slots set`/`slots rm` closes the
 //!   class's `changed` file (inotify), and every few seconds where another
 //!   host may change it unseen.

@@ -1,29 +1,16 @@
 //! Space kept in reserve for the metadata, so a full filesystem never
-//! wedges the store.
+//! wedges the store (docs/storage.md, "A full filesystem").
 //!
-//! With the images on the root's filesystem (the default, and a tmpfs is
-//! the common case), a build that fills it leaves SQLite no room for a
-//! rollback journal: without a reserve, recording that build's outcome
-//! fails, and so does every later command, `rm` and `gc` included, until
-//! files are deleted by hand.
-//!
-//! The store therefore keeps `ROOT/reserve`, a file of allocated blocks
-//! ([`target`]: 1 MiB, less on a small filesystem). When a metadata
-//! transaction fails because the disk is full, the reserve is emptied, the
-//! transaction runs again in the space it gave back, and the reserve is
-//! filled again right after with whatever the transaction left free
-//! ([`crate::store::Store::retry_full`]). So recording an outcome, marking
-//! an image incomplete and the metadata steps of `rm` and `gc` succeed on a
-//! full filesystem, and the reserve is there for the next time. Commands
-//! that free space (`rm`, `gc`, `doctor --repair`) top the reserve up
-//! afterwards. Reading commands that find even the reserve used up show
-//! their view without recording anything (see `Store::read_tx`).
-//!
-//! Invariants: the reserve is only ever truncated or extended in place, and
-//! opened without following symlinks, and used only as a file of its own; two processes filling it at once
-//! allocate the same range (harmless). Losing it (deleted by hand) costs
-//! nothing but the protection, and it is recreated by the next command that
-//! frees space or creates the layout.
+//! - `ROOT/reserve` is a file of allocated blocks ([`target`]: 1 MiB, less
+//!   on a small filesystem). A metadata write that fails for a full disk
+//!   empties it, runs again in the space given back, and refills it with
+//!   what is left ([`crate::store::Store::retry_full`]).
+//! - Commands that free space (`rm`, `gc`, `doctor --repair`) top it up.
+//! - Only ever truncated or extended in place, opened without following
+//!   symlinks, used only as a file of its own; two processes filling it at
+//!   once allocate the same range (harmless).
+//! - Losing it costs only the protection; the next command that frees space
+//!   or makes the layout recreates it.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;

@@ -1,13 +1,13 @@
 //! Starting the command with posix_spawn(3).
 //!
-//! The command must start with no signal blocked (we block the termination
-//! signals to route them to our signal thread) and with SIGPIPE at its
-//! default (Rust ignores it). std's `Command` can only do that in a
-//! `pre_exec` hook, which forces a full fork(2) of this process; glibc's
-//! posix_spawn takes a signal mask and default dispositions as attributes
-//! and starts the child with a vfork-style clone, without copying our page
-//! tables. `--no-inherit` starts our own keeper this way (see
-//! `keeper.rs`), which, single-threaded, starts the command with std.
+//! - The command starts with no signal blocked (we block the termination
+//!   signals for our signal thread) and SIGPIPE at its default (Rust
+//!   ignores it).
+//! - std's `Command` could do that only in a `pre_exec` hook, which forces a
+//!   full fork(2); posix_spawn takes the mask and dispositions as attributes
+//!   and clones vfork-style, without copying our page tables.
+//! - `--no-inherit` starts our keeper this way (`keeper.rs`), which,
+//!   single-threaded, starts the command with std.
 
 use std::ffi::{CString, OsStr, OsString};
 use std::io;

@@ -1,30 +1,18 @@
-//! Store-wide holds: `exec --store-wide` (and the switch of the images
-//! directory, and the migration of an old store) run while nobody else
-//! holds or can take any image lock.
+//! Store-wide holds: `exec --store-wide`, `init`'s switch of the images
+//! directory and the migration run while nobody else holds or can take an
+//! image lock (docs/design.md, "Store-wide holds").
 //!
-//! - **The holder** takes `ROOT/locks/store.lock` exclusively, holding
-//!   nothing else. Then, for every image lock file, listed until a pass
-//!   finds none it has not seen: it sets the store-wide hint, takes the
-//!   lock exclusively (waiting for those at work, holding only
-//!   `store.lock`), sets the hint again while it holds the lock, and lets
-//!   it go. From then on every image lock is free or held by the hold's
-//!   own command, and every one carries the hint.
-//! - **An image user** that finds the hint in the lock file it took asks
-//!   `store.lock`: held, it lets go of everything and waits for
-//!   `store.lock` shared, holding nothing, then starts over. A new image's
-//!   writer asks it always (its lock file is new: no hint), after it holds
-//!   its own lock: a hold that took `store.lock` earlier has it stopped,
-//!   one that takes it later finds the new lock file in its listing.
-//! - **A hint is cleared** by any holder of the image's lock that found
-//!   `store.lock` free; the hold sets it again under the exclusive lock, so
-//!   such a clearing can only cost fairness while it waits, never
-//!   exclusion.
-//! - **Nested calls go ahead**: the hold's own command (its lease lists
-//!   `store.lock`), and a command of an image user the hold waits for
-//!   (the hold's command starts only once that user's locks are free, so
-//!   waiting would be a cycle).
-//! - A holder that dies leaves hints whose `store.lock` is free: cleared by
-//!   the next holder of each image.
+//! - The holder takes `store.lock` exclusively, holding nothing else; then,
+//!   for each image lock file until a listing finds none new: set the hint,
+//!   take the lock exclusively, set the hint again under it, let it go.
+//! - An image user that finds the hint asks `store.lock`: held, it lets go
+//!   of everything, waits for it shared holding nothing, and starts over. A
+//!   new image's writer always asks, after taking its own lock.
+//! - A cleared hint costs fairness, never exclusion: the hold sets it again
+//!   under the exclusive lock. A dead holder's hints are cleared by the next
+//!   holder of each image.
+//! - Nested calls go ahead: the hold's own command, and a command of an
+//!   image user the hold waits for (waiting would be a cycle).
 
 use std::collections::HashSet;
 use std::time::Instant;

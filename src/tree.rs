@@ -1,13 +1,10 @@
 //! Image trees by directory descriptor, for the walks that copy and measure
-//! them — on the same [`Dir`] as every destructive operation (dir.rs), with
-//! what those walks need beyond it.
+//! them, on the same [`Dir`] as every destructive operation (dir.rs).
 //!
-//! Invariants: every step goes from an open directory to a name in it
-//! (`openat`, `fstatat`, `mkdirat` …), so a walk works at any depth — a
-//! path is never built, and so never exceeds PATH_MAX — and nothing is ever
-//! followed: directories are opened with `O_NOFOLLOW | O_DIRECTORY`, entries
-//! are looked at with `AT_SYMLINK_NOFOLLOW`. Paths exist only for messages,
-//! and those are bounded ([`Trail::show`]).
+//! - Every step goes from an open directory to a name in it (`openat`,
+//!   `fstatat`, `mkdirat` …): no path is built, so any depth works.
+//! - Nothing is followed: `O_NOFOLLOW | O_DIRECTORY`, `AT_SYMLINK_NOFOLLOW`.
+//! - Paths exist only for messages, bounded ([`Trail::show`]).
 
 use std::ffi::{CStr, CString, OsStr};
 use std::io;

@@ -1,21 +1,16 @@
 //! A wait you can follow: the line that says what a process waits for,
-//! kept up to date while it waits.
+//! kept up to date while it waits (docs/design.md, "A wait you can follow").
 //!
-//! - **On a terminal** the line is rewritten in place every second: the time
-//!   waited, the place in the queue, the holder's command and how long it
-//!   has held the lock. It never wraps (cut to the terminal's width), and
-//!   it is cleared when the wait ends, however it ends: nothing is left
-//!   half-written before the command's own output or an error.
-//! - **Elsewhere** (a log, a pipe) the first line is printed as before, then
-//!   a plain line at most every minute ([`LOG_EVERY`]).
-//! - **Bounded cost on a shared filesystem.** Who holds and awaits the lock
-//!   is re-read (one look: the leases, then the lock table) at most every
-//!   [`REREAD_EVERY`], whatever the refresh rate of the line; between reads
-//!   only the clocks move.
+//! - On a terminal, rewritten in place every second, never wrapping, and
+//!   cleared however the wait ends: nothing half-written is left before the
+//!   command's output or an error.
+//! - Elsewhere, the first line, then a plain one at most every [`LOG_EVERY`].
+//! - Holders and waiters are re-read (one look) at most every
+//!   [`REREAD_EVERY`], whatever the refresh rate: a bounded cost on a shared
+//!   filesystem.
 //! - [`announce`] is the one place that prints "waiting for …".
-//! - A helper thread does it, so no wait loop needs to know. If none can be
-//!   started (a pids limit) the first line is all there is; with `-q` there
-//!   is nothing at all.
+//! - A helper thread does it, so no wait loop needs to know; without one (a
+//!   pids limit) the first line is all there is, and with `-q` nothing.
 
 use std::io::{IsTerminal, Write};
 use std::sync::{Arc, Condvar, Mutex};

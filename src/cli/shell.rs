@@ -1,14 +1,13 @@
 //! What a shell and `man` need from the command line: completion scripts
 //! (`stowage completions SHELL`) and manual pages (`stowage man DIR`, used
-//! by `scripts/install`), both generated from the clap definitions so they
-//! cannot drift from the real flags.
+//! by `scripts/install`), both generated from the clap definitions.
 //!
-//! Completion is dynamic: the script a shell loads calls stowage back with
-//! the words typed so far (in `_STOWAGE_COMPLETE`), so image names and slot
-//! classes come from the store itself. That callback never waits on a lock
-//! and never writes: it reads the database read-only with SQLite's busy
-//! timeout at zero, and offers nothing rather than wait when a writer is
-//! inside. It never creates a root either.
+//! - Completion is dynamic: the script calls stowage back with the words
+//!   typed so far (`_STOWAGE_COMPLETE`), so image names and slot classes
+//!   come from the store.
+//! - That callback never waits, writes or creates a root: it reads the
+//!   database read-only with a busy timeout of zero, and offers nothing
+//!   while a writer is inside.
 
 use std::ffi::OsString;
 use std::io::Write;

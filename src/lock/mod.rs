@@ -1,44 +1,25 @@
-//! File locks: the only module that calls flock(2).
+//! File locks: the only module that calls flock(2); everything else asks
+//! for a [`Guard`]. Why each rule: docs/design.md, "Locks".
 //!
-//! Everything else asks for a [`Guard`]. The rules this module keeps:
-//!
-//! - **Open mode.** Read-write (NFS emulates flock with byte-range locks,
-//!   and an exclusive one needs a writable descriptor), close-on-exec (see
-//!   [`Guard::set_inheritable`]), non-blocking, following no symlink
-//!   (`planted::open`). Only a regular file is locked, checked before any
-//!   wait and by the unlink-race stat (or proven by a record read).
-//! - **The unlink race.** A lock file may be unlinked only by a holder of its
-//!   exclusive lock, which first marks it gone ([`mark_gone`]). Every
-//!   acquirer checks, after flock returns, that the file it locked is still
-//!   the file at the path: by its contents where they prove it (a record
-//!   only holders write, or a file nobody marked gone), else by device and
-//!   inode; if not it locked a ghost, and it retries on the new file.
-//! - **Shared filesystems.** An NFS client may answer `lstat(path)` from
-//!   its caches after another host unlinked the file, so there the check
-//!   re-opens the path (an open looks the name up on the server). `ESTALE`
-//!   means "retry with a fresh open". Lock files are never unlinked on a
-//!   filesystem not known to be local (`Root::unlink_lock` keeps them).
-//! - **Written through on shared filesystems.** There lock files (and
-//!   leases) are opened `O_DSYNC`: a record or hint written through them is
-//!   one stable request, seen at once by other hosts, and [`sync_written`]
-//!   sends no second one.
-//! - **Release is close.** Dropping a guard closes its descriptor and never
-//!   calls `LOCK_UN`: a child that inherited the descriptor shares the lock,
-//!   and `LOCK_UN` would drop it under the child's feet.
-//! - **Contention is a value.** [`acquire_no_wait`] returns `Ok(None)` when busy;
-//!   a bounded wait that runs out returns [`Waited::TimedOut`].
-//! - **Waiting does not spin.** A blocked flock(2) sleeps in the kernel in
-//!   a helper thread; a deadline or a cancellation interrupts it with
-//!   [`wake_signal`] (`EINTR`). Without a helper thread (a pids limit), the
-//!   wait polls instead of failing.
-//! - **Waiting for one of many needs one thread.** A slot waiter keeps its
-//!   [`FileSet`] open and sleeps on a [`Waker`] (inotify on the directory:
-//!   the last close of a lock file is its release), so a pids limit cannot
-//!   make the wait fail, and its tries open and close nothing that would
-//!   wake other waiters.
-//! - **Nested holds.** [`held_here`] finds a lock this process holds through
-//!   an inherited descriptor: the caller's enclosing command's hold, which a
-//!   wait must never wait for.
+//! - Open mode: read-write (NFS's flock needs it for exclusive), close-on-exec
+//!   ([`Guard::set_inheritable`]), non-blocking, no symlink followed; only a
+//!   regular file is locked.
+//! - The unlink race: only an exclusive holder unlinks, after [`mark_gone`];
+//!   every acquirer checks it locked the file at the path (by contents that
+//!   prove it, else device and inode) and retries on a ghost.
+//! - NFS may answer `lstat` from its cache, so there the check re-opens the
+//!   path; `ESTALE` means retry. Lock files are never unlinked on a
+//!   filesystem not known to be local (`Root::unlink_lock`).
+//! - On shared filesystems lock files and leases are `O_DSYNC`: a write is
+//!   one stable request, seen by other hosts, and [`sync_written`] sends none.
+//! - Release is close, never `LOCK_UN`, which would drop an inheritor's lock.
+//! - Contention is a value: [`acquire_no_wait`] gives `Ok(None)`; a bounded
+//!   wait that runs out, [`Waited::TimedOut`].
+//! - Waits sleep in flock(2) in a helper thread, interrupted by
+//!   [`wake_signal`]; without a thread (a pids limit) they poll. A slot
+//!   waiter sleeps on one [`Waker`] (inotify) over its [`FileSet`].
+//! - [`held_here`] finds an enclosing command's hold, inherited: a wait must
+//!   never wait for it.
 
 #![allow(clippy::disallowed_methods)] // this is the one module that may call flock
 
@@ -171,8 +152,6 @@ impl Guard {
     /// asserted again, a non-blocking flock in the held mode on our
     /// descriptor (a no-op locally, a request to the server on NFS). Any
     /// failure means the lock cannot be vouched for.
-    /// `STOWAGE_DEBUG_LOST_LOCK=FILE_NAME` (a hidden test hook) makes the
-    /// check fail for that lock file, as a lost NFS lock would.
     pub fn still_held(&self) -> io::Result<()> {
         if lost_in_test(&self.path) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -481,7 +460,6 @@ pub enum IfMissing {
 }
 
 impl IfMissing {
-    /// [`IfMissing::Create`] when `create`, else [`IfMissing::Fail`].
     pub fn create_if(create: bool) -> IfMissing {
         if create {
             IfMissing::Create
@@ -493,14 +471,10 @@ impl IfMissing {
 
 /// [`acquire_no_wait`] for a lock file whose contents can prove that it is
 /// still the file at its path: `read` reads the locked file (the read its
-/// caller makes anyway) and says what it found and whether that proves it.
-/// Every unlink of a lock file marks it gone first, under the exclusive
-/// lock the unlink rule requires (`Root::unlink_lock`), so a record only a
-/// holder writes — an image's record, a slot class's — or a file without
-/// the mark, read under our lock, proves that nobody unlinked the file
-/// before we locked it, and nobody can while we hold it: the check of the
-/// unlink race costs no stat (on a shared filesystem, no lookup on the
-/// server). Anything else gets the stat check.
+/// caller makes anyway) and says what it found and whether that proves it
+/// (a record only holders write, or a file without the [`GONE`] mark). A
+/// proof spares the stat of the unlink-race check (on NFS, a lookup at the
+/// server); anything else gets the stat check.
 pub fn acquire_no_wait_with<T>(
     path: &Path,
     mode: Mode,
@@ -578,10 +552,8 @@ pub fn still_at_path(guard: &Guard) -> io::Result<bool> {
     Ok(still_linked(&guard.file, &guard.path)?.is_some())
 }
 
-/// Takes the lock if it is free right now. `Ok(None)`: someone holds it in a
-/// conflicting mode.
+/// Takes the lock if it is free right now; `Ok(None)` if busy.
 pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Result<Option<Guard>> {
-    // Nothing read proves it: the stat check, always.
     Ok(acquire_no_wait_with(path, mode, missing, |_| ((), false))?.map(|(g, ())| g))
 }
 
@@ -678,14 +650,10 @@ fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
 }
 
-/// The lock this process already holds on the file at `path` through a
-/// descriptor it did not take here — one inherited from an enclosing
-/// command, as `stowage exec` passes its lock descriptors on (like
-/// flock(1)). The kernel says so itself: `/proc/self/fdinfo/N` lists, under
-/// `lock:`, the flocks of that descriptor's open file description. `None`
-/// when no descriptor of ours locks that file (or /proc is not mounted).
-///
-/// A wait for a conflicting lock on such a file would wait for ourselves.
+/// The lock this process holds on the file at `path` through a descriptor
+/// inherited from an enclosing command (as `stowage exec` passes them on,
+/// like flock(1)), from `/proc/self/fdinfo/N`'s `lock:` lines; `None` if
+/// none (or no /proc). A conflicting wait on it would wait for ourselves.
 pub fn held_here(path: &Path) -> Option<Mode> {
     held_here_except(path, None)
 }
@@ -803,8 +771,7 @@ pub fn try_shared_open(file: &File) -> io::Result<bool> {
     flock_try(file, Mode::Shared)
 }
 
-/// [`probe`] of a lock file already open (one opened through its
-/// directory's descriptor).
+/// [`probe`] of a lock file already open.
 pub fn probe_open(file: &File) -> io::Result<Probe> {
     if !flock_try(file, Mode::Shared)? {
         return Ok(Probe::Exclusive);
