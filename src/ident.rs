@@ -1,11 +1,8 @@
-//! Who a process is, as recorded next to the locks it holds or awaits, and
-//! how a record's liveness is judged.
+//! Who a process is, as recorded next to the locks it holds or awaits.
 //!
 //! A record is information, never the truth about a lock (the kernel is).
 //! Its liveness is its owner's lease (`lease.rs`): a pid means nothing on
-//! another host or in another pid namespace. [`liveness`] (pid plus start
-//! time, same host and boot) judges only records of older releases, which
-//! name no lease.
+//! another host or in another pid namespace.
 
 use std::fs;
 
@@ -13,7 +10,6 @@ use std::fs;
 #[derive(Debug, Clone)]
 pub struct Me {
     pub pid: u32,
-    pub pid_start: Option<u64>,
     pub host: String,
     pub boot_id: Option<String>,
     pub user: String,
@@ -32,7 +28,6 @@ impl Me {
             _ => {
                 let me = Me {
                     pid,
-                    pid_start: start_time(pid),
                     host: host_name(),
                     boot_id: boot_id(),
                     user: user_name(),
@@ -155,38 +150,6 @@ pub fn process_user(pid: u32) -> Option<String> {
     Some(user_name_of(uid))
 }
 
-/// Liveness of a recorded process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Liveness {
-    Alive,
-    Dead,
-    /// On another host (or this host's identity could not be read).
-    Unknown,
-}
-
-/// Judges a record made by (`host`, `boot_id`, `pid`, `pid_start`).
-pub fn liveness(
-    me: &Me,
-    host: &str,
-    boot: Option<&str>,
-    pid: u32,
-    pid_start: Option<u64>,
-) -> Liveness {
-    if host != me.host {
-        return Liveness::Unknown;
-    }
-    if let (Some(theirs), Some(ours)) = (boot, me.boot_id.as_deref())
-        && theirs != ours
-    {
-        return Liveness::Dead;
-    }
-    match (start_time(pid), pid_start) {
-        (None, _) => Liveness::Dead,
-        (Some(now), Some(then)) if now != then => Liveness::Dead,
-        _ => Liveness::Alive,
-    }
-}
-
 /// A recorded command, host or user name as it may be printed on a
 /// terminal. These come from other users' processes: a control character
 /// (an escape sequence, a newline, a carriage return) or a bidirectional
@@ -271,17 +234,6 @@ mod tests {
     #[test]
     fn own_start_time_is_readable() {
         assert!(start_time(std::process::id()).is_some());
-    }
-
-    #[test]
-    fn judges_own_record_alive_and_fake_pid_dead() {
-        let me = Me::current();
-        let alive = liveness(&me, &me.host, me.boot_id.as_deref(), me.pid, me.pid_start);
-        assert_eq!(alive, Liveness::Alive);
-        let reused = liveness(&me, &me.host, None, me.pid, me.pid_start.map(|t| t + 1));
-        assert_eq!(reused, Liveness::Dead);
-        let other = liveness(&me, "elsewhere.invalid", None, me.pid, me.pid_start);
-        assert_eq!(other, Liveness::Unknown);
     }
 
     #[test]
