@@ -54,13 +54,6 @@ pub struct Lease {
     _dir: fs::File,
 }
 
-impl Lease {
-    /// The lease's file name (what records store).
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-}
-
 /// The process's leases, one per root it used (a library caller may use
 /// several), by leases directory; taken out by [`retire`].
 static MINE: Mutex<Vec<(PathBuf, Lease)>> = Mutex::new(Vec::new());

@@ -299,11 +299,6 @@ impl Root {
         self.dir.join("stowage.db")
     }
 
-    /// The root's device (see [`Root::check`]).
-    pub fn dev(&self) -> Option<u64> {
-        self.dev
-    }
-
     /// The root's filesystem, if [`Root::check_locking`] found it (the root
     /// existed then).
     pub fn filesystem(&self) -> Option<&crate::filesystem::Filesystem> {

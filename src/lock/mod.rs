@@ -887,14 +887,9 @@ impl FileSet {
         &self.paths
     }
 
-    /// Tries each file once, in order, creating missing ones; the first
-    /// taken is returned with its index. A file found unlinked after
-    /// locking (a ghost) is reopened on the next try.
-    pub fn try_any(&mut self) -> io::Result<Option<(usize, Guard)>> {
-        self.try_any_where(|_| true)
-    }
-
-    /// [`FileSet::try_any`] among the files `wanted` accepts (by index).
+    /// Tries each file `wanted` accepts (by index) once, in order, creating
+    /// missing ones; the first taken is returned with its index. A file
+    /// found unlinked after locking (a ghost) is reopened on the next try.
     pub fn try_any_where(
         &mut self,
         wanted: impl Fn(usize) -> bool,
@@ -942,7 +937,7 @@ impl FileSet {
         Ok(None)
     }
 
-    /// Gives back a lock taken by [`FileSet::try_any`] that the caller may
+    /// Gives back a lock taken by [`FileSet::try_any_where`] that the caller may
     /// not keep after all. The descriptor stays open (closing it would wake
     /// every waiter watching the directory, this one included); the lock is
     /// dropped with `LOCK_UN`, safe here because no child ever had this
@@ -1115,6 +1110,13 @@ mod tests {
         );
     }
 
+    fn until(deadline: Option<Instant>) -> Wait<'static> {
+        Wait {
+            deadline,
+            ..Wait::default()
+        }
+    }
+
     fn tmp() -> tempfile::TempDir {
         tempfile::tempdir().unwrap()
     }
@@ -1186,7 +1188,7 @@ mod tests {
             &p,
             Mode::Shared,
             IfMissing::Create,
-            &mut Wait::until(Some(t0 + Duration::from_millis(200))),
+            &mut until(Some(t0 + Duration::from_millis(200))),
         )
         .unwrap();
         assert!(matches!(r, Waited::TimedOut));
@@ -1201,7 +1203,7 @@ mod tests {
             &p,
             Mode::Exclusive,
             IfMissing::Create,
-            &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
+            &mut until(Some(Instant::now() + Duration::from_secs(30))),
         )
         .unwrap();
         assert!(matches!(r, Waited::Acquired(_)));
@@ -1268,7 +1270,7 @@ mod tests {
             &paths,
             Mode::Exclusive,
             IfMissing::Create,
-            &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
+            &mut until(Some(Instant::now() + Duration::from_secs(30))),
         )
         .unwrap();
         assert!(matches!(got, Waited::Acquired((1, _))), "{got:?}");
@@ -1346,7 +1348,7 @@ mod tests {
         let r = poll_any(
             &[&f],
             Mode::Exclusive,
-            &mut Wait::until(Some(t0 + Duration::from_millis(100))),
+            &mut until(Some(t0 + Duration::from_millis(100))),
         )
         .unwrap();
         assert!(matches!(r, Waited::TimedOut));
@@ -1358,7 +1360,7 @@ mod tests {
         let r = poll_any(
             &[&f],
             Mode::Exclusive,
-            &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
+            &mut until(Some(Instant::now() + Duration::from_secs(30))),
         )
         .unwrap();
         assert!(matches!(r, Waited::Acquired(0)));
@@ -1377,7 +1379,7 @@ mod tests {
             .unwrap();
         let waker = Waker::watch(d.path(), Some("changed"));
         let mut set = FileSet::new(paths.clone(), Mode::Exclusive);
-        assert!(set.try_any().unwrap().is_none());
+        assert!(set.try_any_where(|_| true).unwrap().is_none());
         assert_eq!(set.held_count(|_| true).unwrap(), 2);
         if waker.watching() {
             // Nothing closed yet: the tries made no event.
@@ -1392,7 +1394,7 @@ mod tests {
         if waker.watching() {
             assert_eq!(waker.sleep(None).unwrap(), Woke::Changed { named: false });
         }
-        let (i, g) = set.try_any().unwrap().unwrap();
+        let (i, g) = set.try_any_where(|_| true).unwrap().unwrap();
         assert_eq!(i, 1);
         set.put_back(i, g);
         assert_eq!(set.held_count(|_| true).unwrap(), 1);
