@@ -84,16 +84,6 @@ impl Copied {
 /// How many refusals -v lists one by one.
 const DETAILS: usize = 20;
 
-/// Reports progress; `None` when nothing should be shown.
-pub trait Progress {
-    /// Whether progress may be shown at all: if not, the copy does not walk
-    /// the base an extra time to learn its total.
-    fn shown(&self) -> bool;
-    fn total(&mut self, bytes: u64);
-    fn advance(&mut self, bytes: u64);
-    fn finish(&mut self);
-}
-
 /// A directory being copied: the source, its copy, the names left to copy.
 struct Frame {
     src: Dir,
@@ -189,28 +179,21 @@ fn open_lent(
     Ok((fd, lent))
 }
 
-/// Copies the tree at `src` into the existing, empty directory `dst`.
-pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<Copied> {
-    let src_root = Dir::open_top(src).with_context(|| format!("cannot open {}", src.display()))?;
-    let dst_root = Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?;
-    copy_tree_at(src_root, src, dst_root, dst, progress)
-}
-
-/// [`copy_tree`] between directories already open (`src` and `dst` name
-/// them in messages): the caller opened them from the images directory's
-/// descriptor, so a symlink swapped in for a directory above them since
-/// cannot redirect the copy out of the store.
+/// Copies the tree of `src_root` into the empty directory `dst_root`, both
+/// already open (`src` and `dst` name them in messages): the caller opened
+/// them from the images directory's descriptor, so a symlink swapped in for
+/// a directory above them since cannot redirect the copy out of the store.
 pub fn copy_tree_at(
     src_root: Dir,
     src: &Path,
     dst_root: Dir,
     dst: &Path,
-    progress: &mut dyn Progress,
+    progress: &mut Bar,
 ) -> Result<Copied> {
     let _files = tree::MoreFiles::raise();
-    if progress.shown() {
-        let total = crate::disk_usage::apparent_size(src).unwrap_or(0);
-        progress.total(total);
+    // A bar never shown needs no total: the base is not walked for it.
+    if progress.enabled {
+        progress.total = crate::disk_usage::apparent_size(src).unwrap_or(0);
     }
     let meta = src_root
         .lstat()
@@ -307,7 +290,7 @@ struct TreeCopy<'a> {
     links: HashMap<(u64, u64), Vec<CString>>,
     reflink_works: bool,
     out: Copied,
-    progress: &'a mut dyn Progress,
+    progress: &'a mut Bar,
 }
 
 impl TreeCopy<'_> {
@@ -614,7 +597,7 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
         if hole <= data {
             break;
         }
-        copy_range(s, d, data, hole - data)?;
+        copy_range(src, dst, data, hole - data)?;
         pos = hole;
     }
     // The length, with a trailing hole if there is one.
@@ -627,7 +610,9 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
 
 /// Copies `len` bytes at `off` from `s` to the same offset of `d`: in the
 /// kernel where it can, else through a buffer.
-fn copy_range(s: RawFd, d: RawFd, off: u64, len: u64) -> io::Result<()> {
+fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    let (s, d) = (src.as_raw_fd(), dst.as_raw_fd());
     let (mut off_in, mut off_out) = (off as libc::loff_t, off as libc::loff_t);
     let end = off + len;
     let mut kernel = true;
@@ -646,11 +631,13 @@ fn copy_range(s: RawFd, d: RawFd, off: u64, len: u64) -> io::Result<()> {
             continue;
         }
         let chunk = want.min(buf.len());
-        let n = read_at(s, &mut buf[..chunk], off_in)?;
-        if n == 0 {
-            return Ok(());
-        }
-        write_all_at(d, &buf[..n], off_out)?;
+        let n = match src.read_at(&mut buf[..chunk], off_in as u64) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        dst.write_all_at(&buf[..n], off_out as u64)?;
         off_in += n as libc::loff_t;
         off_out += n as libc::loff_t;
     }
@@ -705,44 +692,6 @@ fn copy_in_kernel(
         Some(libc::EINTR) => Ok(InKernel::GoOn),
         _ => Err(io::Error::last_os_error()),
     }
-}
-
-/// Reads into `buf` at `off` of `s`, again when interrupted; 0 at the end.
-fn read_at(s: RawFd, buf: &mut [u8], off: libc::loff_t) -> io::Result<usize> {
-    loop {
-        // SAFETY: the buffer holds `buf.len()` bytes.
-        let n = unsafe { libc::pread(s, buf.as_mut_ptr().cast(), buf.len(), off as libc::off_t) };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        if io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            return Err(io::Error::last_os_error());
-        }
-    }
-}
-
-/// Writes all of `data` at `off` of `d`, again when interrupted.
-fn write_all_at(d: RawFd, data: &[u8], off: libc::loff_t) -> io::Result<()> {
-    let mut written = 0usize;
-    while written < data.len() {
-        // SAFETY: pwrite from the live buffer `data`, within its length, to our descriptor.
-        let w = unsafe {
-            libc::pwrite(
-                d,
-                data[written..].as_ptr().cast(),
-                data.len() - written,
-                (off as usize + written) as libc::off_t,
-            )
-        };
-        if w < 0 {
-            if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return Err(io::Error::last_os_error());
-        }
-        written += w as usize;
-    }
-    Ok(())
 }
 
 fn cvt(r: libc::c_int) -> io::Result<()> {
@@ -967,6 +916,9 @@ fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> St
     }
 }
 
+/// How long a copy runs before its progress is shown.
+const SHOW_AFTER: Duration = Duration::from_millis(700);
+
 /// A progress bar on stderr, shown only on a terminal and only once a copy
 /// has taken longer than a moment.
 pub struct Bar {
@@ -988,19 +940,6 @@ impl Bar {
             done: 0,
             label,
         }
-    }
-}
-
-/// How long a copy runs before its progress is shown.
-const SHOW_AFTER: Duration = Duration::from_millis(700);
-
-impl Progress for Bar {
-    fn shown(&self) -> bool {
-        self.enabled
-    }
-
-    fn total(&mut self, bytes: u64) {
-        self.total = bytes;
     }
 
     fn advance(&mut self, bytes: u64) {
@@ -1030,18 +969,6 @@ impl Progress for Bar {
     }
 }
 
-/// No progress output.
-pub struct Silent;
-
-impl Progress for Silent {
-    fn shown(&self) -> bool {
-        false
-    }
-    fn total(&mut self, _: u64) {}
-    fn advance(&mut self, _: u64) {}
-    fn finish(&mut self) {}
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1066,7 +993,8 @@ mod tests {
         let fifo = CString::new(src.join("fifo").into_os_string().into_encoded_bytes()).unwrap();
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o640) }, 0);
 
-        let out = copy_tree(&src, &dst, &mut Silent).unwrap();
+        let (s, t) = (Dir::open_top(&src).unwrap(), Dir::open_top(&dst).unwrap());
+        let out = copy_tree_at(s, &src, t, &dst, &mut Bar::new(String::new(), false)).unwrap();
         assert_eq!(out.files, 2);
 
         let m = fs::metadata(dst.join("bin/tool")).unwrap();
