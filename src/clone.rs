@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
+use crate::error::cvt;
 use crate::tree::{self, Dir, DirExt, Trail};
 
 /// What a copy did.
@@ -141,16 +142,13 @@ fn open_lent(
     flags: libc::c_int,
 ) -> io::Result<(RawFd, Lent)> {
     // SAFETY: valid descriptor and C string; owned at once.
-    let fd = unsafe {
+    let fd = cvt(unsafe {
         libc::openat(
             dir.fd(),
             name.as_ptr(),
             libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
         )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    })?;
     // SAFETY: fd was just returned by a successful open, and nothing else owns it.
     let path = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
     let now = tree::fstat(path.as_raw_fd())?;
@@ -172,10 +170,7 @@ fn open_lent(
         mode: now.st_mode & 0o7777,
     };
     // SAFETY: a valid C string; the descriptor is the caller's to own.
-    let fd = unsafe { libc::open(proc.as_ptr(), flags | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let fd = cvt(unsafe { libc::open(proc.as_ptr(), flags | libc::O_CLOEXEC) })?;
     Ok((fd, lent))
 }
 
@@ -501,16 +496,14 @@ fn open_pair(
         (fd, Some(lent))
     } else {
         // SAFETY: valid descriptors and C strings; descriptors owned at once.
-        let fd = unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
                 src.fd(),
                 name.as_ptr(),
                 flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
             )
-        };
-        if fd < 0 {
-            return Err(denied(io::Error::last_os_error(), meta));
-        }
+        })
+        .map_err(|e| denied(e, meta))?;
         (fd, None)
     };
     // SAFETY: fd was just returned by a successful open, and nothing else owns it.
@@ -520,17 +513,14 @@ fn open_pair(
         return Err(io::Error::other("changed while being copied"));
     }
     // SAFETY: a valid directory descriptor and C string; the result is owned at once.
-    let fd = unsafe {
+    let fd = cvt(unsafe {
         libc::openat(
             dst.fd(),
             name.as_ptr(),
             libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
             0o600 as libc::c_uint,
         )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    })?;
     // SAFETY: fd was just returned by a successful open, and nothing else owns it.
     Ok((s, unsafe { File::from_raw_fd(fd) }, lent))
 }
@@ -602,9 +592,7 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
     }
     // The length, with a trailing hole if there is one.
     // SAFETY: plain ftruncate on our descriptor.
-    if unsafe { libc::ftruncate(d, len as libc::off_t) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    cvt(unsafe { libc::ftruncate(d, len as libc::off_t) })?;
     Ok(false)
 }
 
@@ -694,39 +682,29 @@ fn copy_in_kernel(
     }
 }
 
-fn cvt(r: libc::c_int) -> io::Result<()> {
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 fn mkdirat(dir: &Dir, name: &CStr) -> io::Result<()> {
     // SAFETY: valid descriptor and C string.
-    cvt(unsafe { libc::mkdirat(dir.fd(), name.as_ptr(), 0o700) })
+    cvt(unsafe { libc::mkdirat(dir.fd(), name.as_ptr(), 0o700) }).map(drop)
 }
 
 fn mknodat(dir: &Dir, name: &CStr, meta: &libc::stat) -> io::Result<()> {
     // SAFETY: valid descriptor and C string.
-    cvt(unsafe { libc::mknodat(dir.fd(), name.as_ptr(), meta.st_mode, meta.st_rdev) })
+    cvt(unsafe { libc::mknodat(dir.fd(), name.as_ptr(), meta.st_mode, meta.st_rdev) }).map(drop)
 }
 
 fn readlinkat(dir: &Dir, name: &CStr) -> io::Result<CString> {
     let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
     // SAFETY: the buffer holds buf.len() bytes.
-    let n =
-        unsafe { libc::readlinkat(dir.fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let n = cvt(unsafe {
+        libc::readlinkat(dir.fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+    })?;
     buf.truncate(n as usize);
     CString::new(buf).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
 }
 
 fn symlinkat(target: &CStr, dir: &Dir, name: &CStr) -> io::Result<()> {
     // SAFETY: valid descriptor and C strings.
-    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.fd(), name.as_ptr()) })
+    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.fd(), name.as_ptr()) }).map(drop)
 }
 
 /// A second name for the copy of a hard-linked inode: the first copy is
@@ -740,7 +718,7 @@ fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Res
     }
     let parent = owned.as_ref().unwrap_or(dst_root);
     // SAFETY: valid descriptors and C strings; flags 0 never follow.
-    cvt(unsafe { libc::linkat(parent.fd(), last.as_ptr(), dir.fd(), name.as_ptr(), 0) })
+    cvt(unsafe { libc::linkat(parent.fd(), last.as_ptr(), dir.fd(), name.as_ptr(), 0) }).map(drop)
 }
 
 /// Where attributes are read or set: an open file, or a name in a
@@ -783,13 +761,12 @@ fn set_attrs(
     if !symlink {
         // After chown, which clears setuid/setgid bits.
         let mode = meta.st_mode & 0o7777;
-        match &dst {
-            // SAFETY: fchmod/fchmodat on our descriptors and a valid C string; no memory is written.
-            Target::Fd(fd) => cvt(unsafe { libc::fchmod(*fd, mode) })?,
+        // SAFETY: fchmod/fchmodat on our descriptors and a valid C string; no memory is written.
+        cvt(match &dst {
+            Target::Fd(fd) => unsafe { libc::fchmod(*fd, mode) },
             // A FIFO, socket or device node we just created, not a symlink.
-            // SAFETY: fchmod/fchmodat on our descriptors and a valid C string; no memory is written.
-            Target::At(d, n) => cvt(unsafe { libc::fchmodat(d.fd(), n.as_ptr(), mode, 0) })?,
-        }
+            Target::At(d, n) => unsafe { libc::fchmodat(d.fd(), n.as_ptr(), mode, 0) },
+        })?;
     }
     copy_xattrs(&src, &dst, out, at);
     let times = [
@@ -803,17 +780,18 @@ fn set_attrs(
         },
     ];
     // SAFETY: a two-element array, as utimensat requires.
-    match &dst {
-        Target::Fd(fd) => cvt(unsafe { libc::futimens(*fd, times.as_ptr()) }),
-        Target::At(d, n) => cvt(unsafe {
+    cvt(match &dst {
+        Target::Fd(fd) => unsafe { libc::futimens(*fd, times.as_ptr()) },
+        Target::At(d, n) => unsafe {
             libc::utimensat(
                 d.fd(),
                 n.as_ptr(),
                 times.as_ptr(),
                 libc::AT_SYMLINK_NOFOLLOW,
             )
-        }),
-    }
+        },
+    })
+    .map(drop)
 }
 
 /// Reads the list or a value of extended attributes into a growing buffer.
@@ -830,10 +808,7 @@ fn xattr_read(mut call: impl FnMut(*mut libc::c_void, usize) -> isize) -> io::Re
             return Err(e);
         }
         // Ask for the size needed, then try again with it.
-        let need = call(std::ptr::null_mut(), 0);
-        if need < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let need = cvt(call(std::ptr::null_mut(), 0))?;
         buf.resize((need as usize).max(buf.len() * 2), 0);
     }
 }
@@ -881,7 +856,7 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
             }
         }
     };
-    cvt(r)
+    cvt(r).map(drop)
 }
 
 /// Copies every extended attribute the source has and the target accepts;

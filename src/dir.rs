@@ -27,6 +27,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
+use crate::error::cvt;
+
 /// An open directory.
 #[derive(Debug)]
 pub struct Dir {
@@ -82,14 +84,6 @@ impl Entry {
 
 fn cstr(name: &OsStr) -> io::Result<CString> {
     CString::new(name.as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
-}
-
-fn check(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
 }
 
 const DIR_FLAGS: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
@@ -152,7 +146,7 @@ impl Dir {
     fn open_flags(path: &Path, flags: libc::c_int) -> io::Result<Dir> {
         let c = cstr(path.as_os_str())?;
         // SAFETY: a valid C string; the descriptor is owned from here on.
-        let fd = check(unsafe { libc::open(c.as_ptr(), flags) })?;
+        let fd = cvt(unsafe { libc::open(c.as_ptr(), flags) })?;
         Ok(Dir {
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
         })
@@ -167,7 +161,7 @@ impl Dir {
     fn sub_flags(&self, name: &OsStr, flags: libc::c_int) -> io::Result<Dir> {
         let c = cstr(name)?;
         // SAFETY: as in open_flags.
-        let fd = check(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) })?;
+        let fd = cvt(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) })?;
         Ok(Dir {
             // SAFETY: fd was just returned by a successful open, and nothing else owns it.
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
@@ -184,7 +178,7 @@ impl Dir {
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
                 let c = cstr(name)?;
                 // SAFETY: valid descriptor and C string; owned at once.
-                let fd = check(unsafe {
+                let fd = cvt(unsafe {
                     libc::openat(
                         self.fd.as_raw_fd(),
                         c.as_ptr(),
@@ -201,7 +195,7 @@ impl Dir {
                 let proc = CString::new(format!("/proc/self/fd/{fd}"))
                     .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
                 // SAFETY: a valid C string.
-                check(unsafe {
+                cvt(unsafe {
                     libc::chmod(proc.as_ptr(), ((st.mode & 0o7777) | 0o700) as libc::mode_t)
                 })
                 .map_err(|_| e)?;
@@ -216,7 +210,7 @@ impl Dir {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: st is a valid out-pointer.
-        check(unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) })?;
+        cvt(unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) })?;
         Ok(entry(&st))
     }
 
@@ -250,7 +244,7 @@ impl Dir {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut sf: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: valid descriptor and out-pointer.
-        check(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
+        cvt(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
         Ok(sf.f_type as u64)
     }
 
@@ -262,7 +256,7 @@ impl Dir {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: valid descriptor and out-pointer.
-        check(unsafe { libc::fstatvfs(self.fd.as_raw_fd(), &mut sv) })?;
+        cvt(unsafe { libc::fstatvfs(self.fd.as_raw_fd(), &mut sv) })?;
         #[allow(clippy::unnecessary_cast)]
         Ok(sv.f_fsid as u64)
     }
@@ -288,7 +282,7 @@ impl Dir {
                 libc::AT_SYMLINK_NOFOLLOW,
             )
         };
-        match check(r) {
+        match cvt(r) {
             Ok(_) => Ok(Some(entry(&st))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
@@ -310,9 +304,7 @@ impl Dir {
     pub fn listing(&self) -> io::Result<Vec<DirEntry>> {
         let fd = self.fd.as_raw_fd();
         // SAFETY: plain lseek on our own descriptor.
-        if unsafe { libc::lseek(fd, 0, libc::SEEK_SET) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        cvt(unsafe { libc::lseek(fd, 0, libc::SEEK_SET) })?;
         let mut buf = vec![0u8; 32 * 1024];
         let mut out = Vec::new();
         loop {
@@ -362,7 +354,7 @@ impl Dir {
     pub fn mkdir(&self, name: impl AsRef<OsStr>, mode: u32) -> io::Result<()> {
         let c = cstr(name.as_ref())?;
         // SAFETY: valid C string.
-        check(unsafe { libc::mkdirat(self.fd.as_raw_fd(), c.as_ptr(), mode as libc::mode_t) })?;
+        cvt(unsafe { libc::mkdirat(self.fd.as_raw_fd(), c.as_ptr(), mode as libc::mode_t) })?;
         Ok(())
     }
 
@@ -376,7 +368,7 @@ impl Dir {
         let a = cstr(name.as_ref())?;
         let b = cstr(to_name.as_ref())?;
         // SAFETY: valid C strings and descriptors.
-        check(unsafe {
+        cvt(unsafe {
             libc::renameat(
                 self.fd.as_raw_fd(),
                 a.as_ptr(),
@@ -465,7 +457,7 @@ impl Dir {
     pub fn chmod_at(&self, name: &str, mode: u32) -> io::Result<()> {
         let c = cstr(name.as_ref())?;
         // SAFETY: valid descriptor and C string; owned at once.
-        let fd = check(unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
@@ -479,7 +471,7 @@ impl Dir {
         let proc = CString::new(format!("/proc/self/fd/{fd}"))
             .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         // SAFETY: a valid C string.
-        check(unsafe { libc::chmod(proc.as_ptr(), mode as libc::mode_t) })?;
+        cvt(unsafe { libc::chmod(proc.as_ptr(), mode as libc::mode_t) })?;
         Ok(())
     }
 
@@ -489,7 +481,7 @@ impl Dir {
         let a = cstr(name.as_ref())?;
         let b = cstr(to_name.as_ref())?;
         // SAFETY: valid C strings and descriptors.
-        check(unsafe {
+        cvt(unsafe {
             libc::linkat(
                 self.fd.as_raw_fd(),
                 a.as_ptr(),
@@ -509,7 +501,7 @@ impl Dir {
     pub fn touch_closed(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
         let c = cstr(name.as_ref())?;
         // SAFETY: valid C string; the descriptor is closed at once.
-        let fd = check(unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
@@ -603,7 +595,7 @@ impl Dir {
     pub fn create_file(&self, name: impl AsRef<OsStr>, mode: u32) -> io::Result<std::fs::File> {
         let c = cstr(name.as_ref())?;
         // SAFETY: valid C string; the descriptor is owned by the File.
-        let fd = check(unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
@@ -618,7 +610,7 @@ impl Dir {
     fn open_flags_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
         let c = cstr(name)?;
         // SAFETY: valid C string; the descriptor is owned by the File.
-        let fd = check(unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
@@ -638,7 +630,7 @@ impl Dir {
     fn unlinkat(&self, name: &OsStr, flags: libc::c_int) -> io::Result<()> {
         let c = cstr(name)?;
         // SAFETY: valid C string.
-        match check(unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), flags) }) {
+        match cvt(unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), flags) }) {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e),

@@ -16,14 +16,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
 pub use crate::dir::Dir;
-
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
+use crate::error::cvt;
 
 /// What the reading walks need of a directory beyond what [`Dir`] offers:
 /// every field of an entry's `lstat`, names as C strings, the descriptor.

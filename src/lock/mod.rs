@@ -51,6 +51,8 @@ use std::sync::Mutex;
 
 use fs2::FileExt;
 
+use crate::error::cvt;
+
 mod wait;
 
 use wait::block_any;
@@ -133,22 +135,7 @@ impl Guard {
     /// Whether a spawned child inherits this lock's descriptor (and so keeps
     /// the lock as long as it lives). Off by default.
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
-        let fd = self.file.as_raw_fd();
-        // SAFETY: plain fcntl on a descriptor we own.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-        if flags < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let flags = if inherit {
-            flags & !libc::FD_CLOEXEC
-        } else {
-            flags | libc::FD_CLOEXEC
-        };
-        // SAFETY: F_SETFD on our own descriptor; no memory is passed.
-        if unsafe { libc::fcntl(fd, libc::F_SETFD, flags) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        set_cloexec(self.file.as_raw_fd(), !inherit)
     }
 
     /// Replaces the lock file's contents (a note for others, such as who
@@ -283,10 +270,21 @@ struct Denied {
 /// descriptor closes.
 pub fn flock_dir_shared(fd: std::os::fd::RawFd) -> io::Result<()> {
     // SAFETY: flock on a descriptor the caller owns; no memory is passed.
-    if unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    cvt(unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) }).map(drop)
+}
+
+/// Sets or clears close-on-exec on `fd`: whether a spawned child inherits
+/// it (and so any lock on it).
+pub fn set_cloexec(fd: std::os::fd::RawFd, on: bool) -> io::Result<()> {
+    // SAFETY: plain fcntl on a descriptor the caller names; no memory is passed.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
+    let flags = if on {
+        flags | libc::FD_CLOEXEC
+    } else {
+        flags & !libc::FD_CLOEXEC
+    };
+    // SAFETY: as above.
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, flags) }).map(drop)
 }
 
 pub(super) fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
