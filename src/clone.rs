@@ -29,17 +29,18 @@
 //! times.
 
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{CStr, CString};
+use std::ffi::{CStr, CString, OsStr};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
 use crate::error::cvt;
-use crate::tree::{self, Dir, DirExt, Trail};
+use crate::tree::{self, Dir, Trail};
 
 /// What a copy did.
 #[derive(Debug, Default, Clone)]
@@ -144,7 +145,7 @@ fn open_lent(
     // SAFETY: valid descriptor and C string; owned at once.
     let fd = cvt(unsafe {
         libc::openat(
-            dir.fd(),
+            dir.as_raw_fd(),
             name.as_ptr(),
             libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
         )
@@ -190,8 +191,7 @@ pub fn copy_tree_at(
     if progress.enabled {
         progress.total = crate::disk_usage::apparent_size(src).unwrap_or(0);
     }
-    let meta = src_root
-        .lstat()
+    let meta = tree::fstat(src_root.as_raw_fd())
         .with_context(|| format!("cannot read {}", src.display()))?;
     let was = make_private(&dst_root, dst)?;
     let names = src_root
@@ -224,10 +224,10 @@ pub fn copy_tree_at(
         // of a group store can remove what it holds.
         for f in &stack {
             // SAFETY: fchmod on a descriptor we own.
-            unsafe { libc::fchmod(f.dst.fd(), was) };
+            unsafe { libc::fchmod(f.dst.as_raw_fd(), was) };
         }
         // SAFETY: as above.
-        unsafe { libc::fchmod(copy.dst_root.fd(), was) };
+        unsafe { libc::fchmod(copy.dst_root.as_raw_fd(), was) };
         return Err(e);
     }
     Ok(copy.finish())
@@ -243,9 +243,8 @@ pub fn copy_tree_at(
 /// name made before, whose descriptor its maker may keep). The top gets
 /// the base's mode when the copy is done (`finish_dir`).
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
-    let st = top
-        .lstat()
-        .with_context(|| format!("cannot read {}", dst.display()))?;
+    let st =
+        tree::fstat(top.as_raw_fd()).with_context(|| format!("cannot read {}", dst.display()))?;
     // SAFETY: geteuid cannot fail.
     let me = unsafe { libc::geteuid() };
     if st.st_uid != me {
@@ -257,11 +256,11 @@ fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     }
     let was = st.st_mode & 0o7777;
     // SAFETY: fchmod on a descriptor we own; no memory is passed.
-    cvt(unsafe { libc::fchmod(top.fd(), 0o700) })
+    cvt(unsafe { libc::fchmod(top.as_raw_fd(), 0o700) })
         .with_context(|| format!("cannot make {} private while copying", dst.display()))?;
     if !top.entries().is_ok_and(|n| n.is_empty()) {
         // SAFETY: as above.
-        unsafe { libc::fchmod(top.fd(), was) };
+        unsafe { libc::fchmod(top.as_raw_fd(), was) };
         anyhow::bail!(
             "{} is not empty: refusing to copy into it (another user could change names in the copy)",
             dst.display()
@@ -313,8 +312,8 @@ impl TreeCopy<'_> {
         self.trail.0.pop();
         let at = || self.trail.show(self.dst, None);
         set_attrs(
-            Target::Fd(done.dst.fd()),
-            Target::Fd(done.src.fd()),
+            Target::Fd(done.dst.as_raw_fd()),
+            Target::Fd(done.src.as_raw_fd()),
             &done.meta,
             &mut self.out,
             &at,
@@ -357,14 +356,14 @@ impl TreeCopy<'_> {
         } else {
             let d = top
                 .src
-                .open_at(&name)
+                .sub(OsStr::from_bytes(name.to_bytes()))
                 .map_err(|e| denied(e, &meta))
                 .with_context(|| self.cannot_copy(&name))?;
             (d, None)
         };
         let d = top
             .dst
-            .open_at(&name)
+            .sub(OsStr::from_bytes(name.to_bytes()))
             .with_context(|| self.cannot_copy(&name))?;
         // A filesystem mounted inside the base (a bind mount a build
         // left) is not the base's tree, as measuring and deleting have
@@ -498,7 +497,7 @@ fn open_pair(
         // SAFETY: valid descriptors and C strings; descriptors owned at once.
         let fd = cvt(unsafe {
             libc::openat(
-                src.fd(),
+                src.as_raw_fd(),
                 name.as_ptr(),
                 flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
             )
@@ -515,7 +514,7 @@ fn open_pair(
     // SAFETY: a valid directory descriptor and C string; the result is owned at once.
     let fd = cvt(unsafe {
         libc::openat(
-            dst.fd(),
+            dst.as_raw_fd(),
             name.as_ptr(),
             libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
             0o600 as libc::c_uint,
@@ -684,19 +683,25 @@ fn copy_in_kernel(
 
 fn mkdirat(dir: &Dir, name: &CStr) -> io::Result<()> {
     // SAFETY: valid descriptor and C string.
-    cvt(unsafe { libc::mkdirat(dir.fd(), name.as_ptr(), 0o700) }).map(drop)
+    cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o700) }).map(drop)
 }
 
 fn mknodat(dir: &Dir, name: &CStr, meta: &libc::stat) -> io::Result<()> {
     // SAFETY: valid descriptor and C string.
-    cvt(unsafe { libc::mknodat(dir.fd(), name.as_ptr(), meta.st_mode, meta.st_rdev) }).map(drop)
+    cvt(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), meta.st_mode, meta.st_rdev) })
+        .map(drop)
 }
 
 fn readlinkat(dir: &Dir, name: &CStr) -> io::Result<CString> {
     let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
     // SAFETY: the buffer holds buf.len() bytes.
     let n = cvt(unsafe {
-        libc::readlinkat(dir.fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        libc::readlinkat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
     })?;
     buf.truncate(n as usize);
     CString::new(buf).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
@@ -704,7 +709,7 @@ fn readlinkat(dir: &Dir, name: &CStr) -> io::Result<CString> {
 
 fn symlinkat(target: &CStr, dir: &Dir, name: &CStr) -> io::Result<()> {
     // SAFETY: valid descriptor and C strings.
-    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.fd(), name.as_ptr()) }).map(drop)
+    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) }).map(drop)
 }
 
 /// A second name for the copy of a hard-linked inode: the first copy is
@@ -713,12 +718,24 @@ fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Res
     let (last, parents) = first.split_last().expect("a name");
     let mut owned: Option<Dir> = None;
     for p in parents {
-        let next = owned.as_ref().unwrap_or(dst_root).open_at(p)?;
+        let next = owned
+            .as_ref()
+            .unwrap_or(dst_root)
+            .sub(OsStr::from_bytes(p.to_bytes()))?;
         owned = Some(next);
     }
     let parent = owned.as_ref().unwrap_or(dst_root);
     // SAFETY: valid descriptors and C strings; flags 0 never follow.
-    cvt(unsafe { libc::linkat(parent.fd(), last.as_ptr(), dir.fd(), name.as_ptr(), 0) }).map(drop)
+    cvt(unsafe {
+        libc::linkat(
+            parent.as_raw_fd(),
+            last.as_ptr(),
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            0,
+        )
+    })
+    .map(drop)
 }
 
 /// Where attributes are read or set: an open file, or a name in a
@@ -743,7 +760,7 @@ fn set_attrs(
         Target::Fd(fd) => unsafe { libc::fchown(*fd, meta.st_uid, meta.st_gid) },
         Target::At(d, n) => unsafe {
             libc::fchownat(
-                d.fd(),
+                d.as_raw_fd(),
                 n.as_ptr(),
                 meta.st_uid,
                 meta.st_gid,
@@ -765,7 +782,7 @@ fn set_attrs(
         cvt(match &dst {
             Target::Fd(fd) => unsafe { libc::fchmod(*fd, mode) },
             // A FIFO, socket or device node we just created, not a symlink.
-            Target::At(d, n) => unsafe { libc::fchmodat(d.fd(), n.as_ptr(), mode, 0) },
+            Target::At(d, n) => unsafe { libc::fchmodat(d.as_raw_fd(), n.as_ptr(), mode, 0) },
         })?;
     }
     copy_xattrs(&src, &dst, out, at);
@@ -784,7 +801,7 @@ fn set_attrs(
         Target::Fd(fd) => unsafe { libc::futimens(*fd, times.as_ptr()) },
         Target::At(d, n) => unsafe {
             libc::utimensat(
-                d.fd(),
+                d.as_raw_fd(),
                 n.as_ptr(),
                 times.as_ptr(),
                 libc::AT_SYMLINK_NOFOLLOW,
@@ -968,7 +985,10 @@ mod tests {
         let fifo = CString::new(src.join("fifo").into_os_string().into_encoded_bytes()).unwrap();
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o640) }, 0);
 
-        let (s, t) = (Dir::open_top(&src).unwrap(), Dir::open_top(&dst).unwrap());
+        let (s, t) = (
+            Dir::open_nofollow(&src).unwrap(),
+            Dir::open_nofollow(&dst).unwrap(),
+        );
         let out = copy_tree_at(s, &src, t, &dst, &mut Bar::new(String::new(), false)).unwrap();
         assert_eq!(out.files, 2);
 

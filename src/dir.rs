@@ -21,10 +21,10 @@
 //!   the very directory that was left (device and inode): a tree moved away
 //!   in the middle of the walk stops it instead of redirecting it.
 
-use std::ffi::{CString, OsStr, OsString};
+use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
 use crate::error::cvt;
@@ -80,6 +80,15 @@ impl Entry {
     pub fn is_symlink(&self) -> bool {
         self.mode & libc::S_IFMT == libc::S_IFLNK
     }
+}
+
+/// Every field of the stat of `fd`.
+pub fn fstat(fd: std::os::fd::RawFd) -> io::Result<libc::stat> {
+    // SAFETY: all-zero bytes are a valid value of this plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer.
+    cvt(unsafe { libc::fstat(fd, &mut st) })?;
+    Ok(st)
 }
 
 fn cstr(name: &OsStr) -> io::Result<CString> {
@@ -207,11 +216,33 @@ impl Dir {
 
     /// The directory itself.
     pub fn stat(&self) -> io::Result<Entry> {
+        Ok(entry(&fstat(self.fd.as_raw_fd())?))
+    }
+
+    /// Every field of `name`'s lstat, for the walks that copy and measure
+    /// trees (tree.rs).
+    pub fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat> {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: st is a valid out-pointer.
-        cvt(unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) })?;
-        Ok(entry(&st))
+        // SAFETY: valid descriptor, C string and out-pointer.
+        cvt(unsafe {
+            libc::fstatat(
+                self.as_raw_fd(),
+                name.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        })?;
+        Ok(st)
+    }
+
+    /// A short path naming `name` in this directory through /proc, for the
+    /// few calls that have no descriptor form (`l*xattr` on a symlink or a
+    /// device node): `l*` calls do not follow its last component.
+    pub fn proc_path(&self, name: &CStr) -> CString {
+        let mut p = format!("/proc/self/fd/{}/", self.as_raw_fd()).into_bytes();
+        p.extend_from_slice(name.to_bytes());
+        CString::new(p).expect("no NUL in a directory entry")
     }
 
     /// The id of the mount this directory is on, where the kernel says
@@ -297,6 +328,15 @@ impl Dir {
     /// nothing else: every other use of the descriptor is an `*at()` call.
     pub fn names(&self) -> io::Result<Vec<OsString>> {
         Ok(self.listing()?.into_iter().map(|e| e.name).collect())
+    }
+
+    /// [`Dir::names`] as C strings, for `*at()` calls.
+    pub fn entries(&self) -> io::Result<Vec<CString>> {
+        Ok(self
+            .names()?
+            .into_iter()
+            .filter_map(|n| CString::new(n.into_vec()).ok())
+            .collect())
     }
 
     /// [`Dir::names`], with each entry's inode and type as the directory
