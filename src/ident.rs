@@ -101,19 +101,24 @@ fn boot_id() -> Option<String> {
 /// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None
 /// when the process is gone or a zombie (a zombie holds no locks).
 pub fn start_time(pid: u32) -> Option<u64> {
-    start_in(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    start_in(&stat_fields(pid)?)
 }
 
 /// This process's start time ([`start_time`]), whatever pid namespace the
 /// mounted /proc is of.
 pub fn own_start_time() -> Option<u64> {
-    start_in(&fs::read_to_string("/proc/self/stat").ok()?)
+    start_in(&stat_fields("self")?)
 }
 
-fn start_in(stat: &str) -> Option<u64> {
-    // The command name (field 2) is in parentheses and may contain spaces or
-    // parentheses itself: parse from the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
+/// `/proc/PID/stat` from field 3 (the state) on; None when the process is
+/// gone. The command name (field 2) is in parentheses and may contain
+/// spaces or parentheses itself: the fields start after the last `)`.
+pub fn stat_fields(pid: impl std::fmt::Display) -> Option<String> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat[stat.rfind(')')? + 1..].to_owned())
+}
+
+fn start_in(rest: &str) -> Option<u64> {
     let mut fields = rest.split_whitespace();
     let state = fields.next()?;
     if state == "Z" || state == "X" {

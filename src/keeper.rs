@@ -196,14 +196,10 @@ fn descendants() -> Vec<libc::pid_t> {
         else {
             continue;
         };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        let Some(stat) = crate::ident::stat_fields(pid) else {
             continue;
         };
-        // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        let Some(close) = stat.rfind(')') else {
-            continue;
-        };
-        let mut f = stat[close + 1..].split_whitespace();
+        let mut f = stat.split_whitespace();
         let (Some(_state), Some(ppid)) = (f.next(), f.next()) else {
             continue;
         };
