@@ -281,7 +281,7 @@ fn run_store_wide(
             }
         };
     let images_dir =
-        crate::images_dir::config(store.root()).map(|c| c.images_dir_in(store.root().dir()));
+        crate::images_dir::config(store.root()).map(|c| c.images.path_in(store.root().dir()));
     let run = || -> Result<u8> {
         let images = [
             (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),

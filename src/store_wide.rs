@@ -301,7 +301,7 @@ fn forget_missing(
     let Ok(config) = crate::images_dir::config(root) else {
         return Vec::new();
     };
-    let dir = config.images_dir_in(root.dir());
+    let dir = config.images.path_in(root.dir());
     let missing_tree = |r: &image_record::Record| {
         r.state == crate::image_record::State::Ready
             && r.images == config.images
