@@ -17,7 +17,7 @@ use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use rusqlite::{OptionalExtension, params};
+use rusqlite::params;
 
 use crate::clock::Millis;
 use crate::image_record::State;
@@ -380,18 +380,6 @@ impl<'a> Catalog<'a> {
         Ok(rows)
     }
 
-    pub fn row(&self, name: &str) -> Result<Option<Row>> {
-        Ok(self
-            .conn
-            .query_row(
-                "SELECT name, state, base, created_ms, last_used_ms, seq, size_bytes, size_seq
-                 FROM images WHERE name = ?1",
-                [name],
-                row,
-            )
-            .optional()?)
-    }
-
     /// Makes the row of an image say what its record says now (keeping a
     /// measured size, which stays current only while the record's
     /// sequence number does).
@@ -431,16 +419,6 @@ impl<'a> Catalog<'a> {
         self.conn.execute(
             "UPDATE images SET size_bytes = ?2, size_seq = ?3 WHERE name = ?1",
             params![name, size as i64, seq as i64],
-        )?;
-        Ok(())
-    }
-
-    /// Records a use (`exec --read-exclusive`, gc's own look): the later of
-    /// what the row has and `when`.
-    pub fn touch(&self, name: &str, when: Millis) -> Result<()> {
-        self.conn.execute(
-            "UPDATE images SET last_used_ms = max(last_used_ms, ?2) WHERE name = ?1",
-            params![name, when],
         )?;
         Ok(())
     }

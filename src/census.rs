@@ -42,6 +42,17 @@ impl Entry {
     }
 }
 
+/// The image lock files (`*.lock`, regular or of no type the directory
+/// says) of a listing of `locks/images/`.
+pub fn lock_file_names(listing: Vec<crate::dir::DirEntry>) -> Vec<String> {
+    listing
+        .into_iter()
+        .filter(|e| e.kind == libc::DT_REG || e.kind == libc::DT_UNKNOWN)
+        .filter_map(|e| e.name.into_string().ok())
+        .filter(|n| n.ends_with(".lock"))
+        .collect()
+}
+
 /// Reads every image lock file's record.
 pub fn take(root: &Root) -> Result<Vec<Entry>> {
     let Some(dir) = root.open_sub_if_there(Root::IMAGE_LOCKS_REL)? else {
@@ -51,26 +62,20 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
         .listing()
         .with_context(|| format!("cannot list {}", root.image_locks().display()))?;
     let mut out = Vec::new();
-    for e in listing {
-        let Some(file) = e.name.to_str().filter(|n| n.ends_with(".lock")) else {
-            continue;
-        };
-        if e.kind != libc::DT_REG && e.kind != libc::DT_UNKNOWN {
-            continue;
-        }
+    for file in lock_file_names(listing) {
         // Only a regular file (the open checks): whatever else is planted
         // under a lock file's name is no record (doctor reports it).
-        let Ok(f) = dir.open_read(file) else {
+        let Ok(f) = dir.open_read(&file) else {
             continue;
         };
         let seen = image_record::read(&f)
             .unwrap_or_default()
-            .of(|n| crate::root::is_lock_file_of(file, n));
-        let path = root.image_locks().join(file);
+            .of(|n| crate::root::is_lock_file_of(&file, n));
+        let path = root.image_locks().join(&file);
         let writer_alive = seen.record.as_ref().is_some_and(|r| r.state.in_flight())
             && crate::lock::probe(&path).is_ok_and(|p| p == Probe::Exclusive);
         out.push(Entry {
-            file: file.to_owned(),
+            file,
             path,
             seen,
             writer_alive,

@@ -105,17 +105,14 @@ pub fn supported(dir: &Dir) -> bool {
 /// The claim attribute's value into `buf`: its length.
 fn get(dir: &Dir, buf: &mut [u8]) -> io::Result<usize> {
     // SAFETY: valid descriptor, C string and buffer of the length given.
-    let n = unsafe {
+    let n = crate::error::cvt(unsafe {
         libc::fgetxattr(
             dir.as_raw_fd(),
             NAME.as_ptr(),
             buf.as_mut_ptr().cast(),
             buf.len(),
         )
-    };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    })?;
     Ok(n as usize)
 }
 

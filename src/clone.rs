@@ -18,16 +18,18 @@
 //!   attributes (an ACL rewrites the group bits), times.
 
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{CStr, CString};
+use std::ffi::{CStr, CString, OsStr};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
-use crate::tree::{self, Dir, DirExt, Trail};
+use crate::error::cvt;
+use crate::tree::{self, Dir, Trail};
 
 /// What a copy did.
 #[derive(Debug, Default, Clone)]
@@ -72,16 +74,6 @@ impl Copied {
 
 /// How many refusals -v lists one by one.
 const DETAILS: usize = 20;
-
-/// Reports progress; `None` when nothing should be shown.
-pub trait Progress {
-    /// Whether progress may be shown at all: if not, the copy does not walk
-    /// the base an extra time to learn its total.
-    fn shown(&self) -> bool;
-    fn total(&mut self, bytes: u64);
-    fn advance(&mut self, bytes: u64);
-    fn finish(&mut self);
-}
 
 /// A directory being copied: the source, its copy, the names left to copy.
 struct Frame {
@@ -140,16 +132,13 @@ fn open_lent(
     flags: libc::c_int,
 ) -> io::Result<(RawFd, Lent)> {
     // SAFETY: valid descriptor and C string; owned at once.
-    let fd = unsafe {
+    let fd = cvt(unsafe {
         libc::openat(
-            dir.fd(),
+            dir.as_raw_fd(),
             name.as_ptr(),
             libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
         )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    })?;
     // SAFETY: fd was just returned by a successful open, and nothing else owns it.
     let path = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
     let now = tree::fstat(path.as_raw_fd())?;
@@ -171,38 +160,27 @@ fn open_lent(
         mode: now.st_mode & 0o7777,
     };
     // SAFETY: a valid C string; the descriptor is the caller's to own.
-    let fd = unsafe { libc::open(proc.as_ptr(), flags | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let fd = cvt(unsafe { libc::open(proc.as_ptr(), flags | libc::O_CLOEXEC) })?;
     Ok((fd, lent))
 }
 
-/// Copies the tree at `src` into the existing, empty directory `dst`.
-pub fn copy_tree(src: &Path, dst: &Path, progress: &mut dyn Progress) -> Result<Copied> {
-    let src_root = Dir::open_top(src).with_context(|| format!("cannot open {}", src.display()))?;
-    let dst_root = Dir::open_top(dst).with_context(|| format!("cannot open {}", dst.display()))?;
-    copy_tree_at(src_root, src, dst_root, dst, progress)
-}
-
-/// [`copy_tree`] between directories already open (`src` and `dst` name
-/// them in messages): the caller opened them from the images directory's
-/// descriptor, so a symlink swapped in for a directory above them since
-/// cannot redirect the copy out of the store.
+/// Copies the tree of `src_root` into the empty directory `dst_root`, both
+/// already open (`src` and `dst` name them in messages): the caller opened
+/// them from the images directory's descriptor, so a symlink swapped in for
+/// a directory above them since cannot redirect the copy out of the store.
 pub fn copy_tree_at(
     src_root: Dir,
     src: &Path,
     dst_root: Dir,
     dst: &Path,
-    progress: &mut dyn Progress,
+    progress: &mut Bar,
 ) -> Result<Copied> {
     let _files = tree::MoreFiles::raise();
-    if progress.shown() {
-        let total = crate::disk_usage::apparent_size(src).unwrap_or(0);
-        progress.total(total);
+    // A bar never shown needs no total: the base is not walked for it.
+    if progress.enabled {
+        progress.total = crate::disk_usage::apparent_size(src).unwrap_or(0);
     }
-    let meta = src_root
-        .lstat()
+    let meta = tree::fstat(src_root.as_raw_fd())
         .with_context(|| format!("cannot read {}", src.display()))?;
     let was = make_private(&dst_root, dst)?;
     let names = src_root
@@ -235,10 +213,10 @@ pub fn copy_tree_at(
         // of a group store can remove what it holds.
         for f in &stack {
             // SAFETY: fchmod on a descriptor we own.
-            unsafe { libc::fchmod(f.dst.fd(), was) };
+            unsafe { libc::fchmod(f.dst.as_raw_fd(), was) };
         }
         // SAFETY: as above.
-        unsafe { libc::fchmod(copy.dst_root.fd(), was) };
+        unsafe { libc::fchmod(copy.dst_root.as_raw_fd(), was) };
         return Err(e);
     }
     Ok(copy.finish())
@@ -254,9 +232,8 @@ pub fn copy_tree_at(
 /// name made before, whose descriptor its maker may keep). The top gets
 /// the base's mode when the copy is done (`finish_dir`).
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
-    let st = top
-        .lstat()
-        .with_context(|| format!("cannot read {}", dst.display()))?;
+    let st =
+        tree::fstat(top.as_raw_fd()).with_context(|| format!("cannot read {}", dst.display()))?;
     // SAFETY: geteuid cannot fail.
     let me = unsafe { libc::geteuid() };
     if st.st_uid != me {
@@ -268,11 +245,11 @@ fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     }
     let was = st.st_mode & 0o7777;
     // SAFETY: fchmod on a descriptor we own; no memory is passed.
-    cvt(unsafe { libc::fchmod(top.fd(), 0o700) })
+    cvt(unsafe { libc::fchmod(top.as_raw_fd(), 0o700) })
         .with_context(|| format!("cannot make {} private while copying", dst.display()))?;
     if !top.entries().is_ok_and(|n| n.is_empty()) {
         // SAFETY: as above.
-        unsafe { libc::fchmod(top.fd(), was) };
+        unsafe { libc::fchmod(top.as_raw_fd(), was) };
         anyhow::bail!(
             "{} is not empty: refusing to copy into it (another user could change names in the copy)",
             dst.display()
@@ -296,7 +273,7 @@ struct TreeCopy<'a> {
     links: HashMap<(u64, u64), Vec<CString>>,
     reflink_works: bool,
     out: Copied,
-    progress: &'a mut dyn Progress,
+    progress: &'a mut Bar,
 }
 
 impl TreeCopy<'_> {
@@ -323,8 +300,8 @@ impl TreeCopy<'_> {
         self.trail.0.pop();
         let at = || self.trail.show(self.dst, None);
         set_attrs(
-            Target::Fd(done.dst.fd()),
-            Target::Fd(done.src.fd()),
+            Target::Fd(done.dst.as_raw_fd()),
+            Target::Fd(done.src.as_raw_fd()),
             &done.meta,
             &mut self.out,
             &at,
@@ -367,14 +344,14 @@ impl TreeCopy<'_> {
         } else {
             let d = top
                 .src
-                .open_at(&name)
+                .sub(OsStr::from_bytes(name.to_bytes()))
                 .map_err(|e| denied(e, &meta))
                 .with_context(|| self.cannot_copy(&name))?;
             (d, None)
         };
         let d = top
             .dst
-            .open_at(&name)
+            .sub(OsStr::from_bytes(name.to_bytes()))
             .with_context(|| self.cannot_copy(&name))?;
         // A filesystem mounted inside the base (a bind mount a build
         // left) is not the base's tree, as measuring and deleting have
@@ -505,16 +482,14 @@ fn open_pair(
         (fd, Some(lent))
     } else {
         // SAFETY: valid descriptors and C strings; descriptors owned at once.
-        let fd = unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
-                src.fd(),
+                src.as_raw_fd(),
                 name.as_ptr(),
                 flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
             )
-        };
-        if fd < 0 {
-            return Err(denied(io::Error::last_os_error(), meta));
-        }
+        })
+        .map_err(|e| denied(e, meta))?;
         (fd, None)
     };
     // SAFETY: fd was just returned by a successful open, and nothing else owns it.
@@ -524,17 +499,14 @@ fn open_pair(
         return Err(io::Error::other("changed while being copied"));
     }
     // SAFETY: a valid directory descriptor and C string; the result is owned at once.
-    let fd = unsafe {
+    let fd = cvt(unsafe {
         libc::openat(
-            dst.fd(),
+            dst.as_raw_fd(),
             name.as_ptr(),
             libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
             0o600 as libc::c_uint,
         )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    })?;
     // SAFETY: fd was just returned by a successful open, and nothing else owns it.
     Ok((s, unsafe { File::from_raw_fd(fd) }, lent))
 }
@@ -601,19 +573,19 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
         if hole <= data {
             break;
         }
-        copy_range(s, d, data, hole - data)?;
+        copy_range(src, dst, data, hole - data)?;
         pos = hole;
     }
     // SAFETY: plain ftruncate on our descriptor.
-    if unsafe { libc::ftruncate(d, len as libc::off_t) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    cvt(unsafe { libc::ftruncate(d, len as libc::off_t) })?;
     Ok(false)
 }
 
 /// Copies `len` bytes at `off` from `s` to the same offset of `d`: in the
 /// kernel where it can, else through a buffer.
-fn copy_range(s: RawFd, d: RawFd, off: u64, len: u64) -> io::Result<()> {
+fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    let (s, d) = (src.as_raw_fd(), dst.as_raw_fd());
     let (mut off_in, mut off_out) = (off as libc::loff_t, off as libc::loff_t);
     let end = off + len;
     let mut kernel = true;
@@ -632,11 +604,13 @@ fn copy_range(s: RawFd, d: RawFd, off: u64, len: u64) -> io::Result<()> {
             continue;
         }
         let chunk = want.min(buf.len());
-        let n = read_at(s, &mut buf[..chunk], off_in)?;
-        if n == 0 {
-            return Ok(());
-        }
-        write_all_at(d, &buf[..n], off_out)?;
+        let n = match src.read_at(&mut buf[..chunk], off_in as u64) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        dst.write_all_at(&buf[..n], off_out as u64)?;
         off_in += n as libc::loff_t;
         off_out += n as libc::loff_t;
     }
@@ -693,77 +667,35 @@ fn copy_in_kernel(
     }
 }
 
-/// Reads into `buf` at `off` of `s`, again when interrupted; 0 at the end.
-fn read_at(s: RawFd, buf: &mut [u8], off: libc::loff_t) -> io::Result<usize> {
-    loop {
-        // SAFETY: the buffer holds `buf.len()` bytes.
-        let n = unsafe { libc::pread(s, buf.as_mut_ptr().cast(), buf.len(), off as libc::off_t) };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        if io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            return Err(io::Error::last_os_error());
-        }
-    }
-}
-
-/// Writes all of `data` at `off` of `d`, again when interrupted.
-fn write_all_at(d: RawFd, data: &[u8], off: libc::loff_t) -> io::Result<()> {
-    let mut written = 0usize;
-    while written < data.len() {
-        // SAFETY: pwrite from the live buffer `data`, within its length, to our descriptor.
-        let w = unsafe {
-            libc::pwrite(
-                d,
-                data[written..].as_ptr().cast(),
-                data.len() - written,
-                (off as usize + written) as libc::off_t,
-            )
-        };
-        if w < 0 {
-            if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return Err(io::Error::last_os_error());
-        }
-        written += w as usize;
-    }
-    Ok(())
-}
-
-fn cvt(r: libc::c_int) -> io::Result<()> {
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 fn mkdirat(dir: &Dir, name: &CStr) -> io::Result<()> {
     // SAFETY: valid descriptor and C string.
-    cvt(unsafe { libc::mkdirat(dir.fd(), name.as_ptr(), 0o700) })
+    cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o700) }).map(drop)
 }
 
 fn mknodat(dir: &Dir, name: &CStr, meta: &libc::stat) -> io::Result<()> {
     // SAFETY: valid descriptor and C string.
-    cvt(unsafe { libc::mknodat(dir.fd(), name.as_ptr(), meta.st_mode, meta.st_rdev) })
+    cvt(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), meta.st_mode, meta.st_rdev) })
+        .map(drop)
 }
 
 fn readlinkat(dir: &Dir, name: &CStr) -> io::Result<CString> {
     let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
     // SAFETY: the buffer holds buf.len() bytes.
-    let n =
-        unsafe { libc::readlinkat(dir.fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let n = cvt(unsafe {
+        libc::readlinkat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    })?;
     buf.truncate(n as usize);
     CString::new(buf).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
 }
 
 fn symlinkat(target: &CStr, dir: &Dir, name: &CStr) -> io::Result<()> {
     // SAFETY: valid descriptor and C strings.
-    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.fd(), name.as_ptr()) })
+    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) }).map(drop)
 }
 
 /// A second name for the copy of a hard-linked inode: the first copy is
@@ -772,12 +704,24 @@ fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Res
     let (last, parents) = first.split_last().expect("a name");
     let mut owned: Option<Dir> = None;
     for p in parents {
-        let next = owned.as_ref().unwrap_or(dst_root).open_at(p)?;
+        let next = owned
+            .as_ref()
+            .unwrap_or(dst_root)
+            .sub(OsStr::from_bytes(p.to_bytes()))?;
         owned = Some(next);
     }
     let parent = owned.as_ref().unwrap_or(dst_root);
     // SAFETY: valid descriptors and C strings; flags 0 never follow.
-    cvt(unsafe { libc::linkat(parent.fd(), last.as_ptr(), dir.fd(), name.as_ptr(), 0) })
+    cvt(unsafe {
+        libc::linkat(
+            parent.as_raw_fd(),
+            last.as_ptr(),
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            0,
+        )
+    })
+    .map(drop)
 }
 
 /// Where attributes are read or set: an open file, or a name in a
@@ -802,7 +746,7 @@ fn set_attrs(
         Target::Fd(fd) => unsafe { libc::fchown(*fd, meta.st_uid, meta.st_gid) },
         Target::At(d, n) => unsafe {
             libc::fchownat(
-                d.fd(),
+                d.as_raw_fd(),
                 n.as_ptr(),
                 meta.st_uid,
                 meta.st_gid,
@@ -820,13 +764,12 @@ fn set_attrs(
     if !symlink {
         // After chown, which clears setuid/setgid bits.
         let mode = meta.st_mode & 0o7777;
-        match &dst {
-            // SAFETY: fchmod/fchmodat on our descriptors and a valid C string; no memory is written.
-            Target::Fd(fd) => cvt(unsafe { libc::fchmod(*fd, mode) })?,
+        // SAFETY: fchmod/fchmodat on our descriptors and a valid C string; no memory is written.
+        cvt(match &dst {
+            Target::Fd(fd) => unsafe { libc::fchmod(*fd, mode) },
             // A FIFO, socket or device node we just created, not a symlink.
-            // SAFETY: fchmod/fchmodat on our descriptors and a valid C string; no memory is written.
-            Target::At(d, n) => cvt(unsafe { libc::fchmodat(d.fd(), n.as_ptr(), mode, 0) })?,
-        }
+            Target::At(d, n) => unsafe { libc::fchmodat(d.as_raw_fd(), n.as_ptr(), mode, 0) },
+        })?;
     }
     copy_xattrs(&src, &dst, out, at);
     let times = [
@@ -840,17 +783,18 @@ fn set_attrs(
         },
     ];
     // SAFETY: a two-element array, as utimensat requires.
-    match &dst {
-        Target::Fd(fd) => cvt(unsafe { libc::futimens(*fd, times.as_ptr()) }),
-        Target::At(d, n) => cvt(unsafe {
+    cvt(match &dst {
+        Target::Fd(fd) => unsafe { libc::futimens(*fd, times.as_ptr()) },
+        Target::At(d, n) => unsafe {
             libc::utimensat(
-                d.fd(),
+                d.as_raw_fd(),
                 n.as_ptr(),
                 times.as_ptr(),
                 libc::AT_SYMLINK_NOFOLLOW,
             )
-        }),
-    }
+        },
+    })
+    .map(drop)
 }
 
 /// Reads the list or a value of extended attributes into a growing buffer.
@@ -867,10 +811,7 @@ fn xattr_read(mut call: impl FnMut(*mut libc::c_void, usize) -> isize) -> io::Re
             return Err(e);
         }
         // Ask for the size needed, then try again with it.
-        let need = call(std::ptr::null_mut(), 0);
-        if need < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let need = cvt(call(std::ptr::null_mut(), 0))?;
         buf.resize((need as usize).max(buf.len() * 2), 0);
     }
 }
@@ -918,7 +859,7 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
             }
         }
     };
-    cvt(r)
+    cvt(r).map(drop)
 }
 
 /// Copies every extended attribute the source has and the target accepts;
@@ -953,6 +894,9 @@ fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> St
     }
 }
 
+/// How long a copy runs before its progress is shown.
+const SHOW_AFTER: Duration = Duration::from_millis(700);
+
 /// A progress bar on stderr, shown only on a terminal and only once a copy
 /// has taken longer than a moment.
 pub struct Bar {
@@ -974,19 +918,6 @@ impl Bar {
             done: 0,
             label,
         }
-    }
-}
-
-/// How long a copy runs before its progress is shown.
-const SHOW_AFTER: Duration = Duration::from_millis(700);
-
-impl Progress for Bar {
-    fn shown(&self) -> bool {
-        self.enabled
-    }
-
-    fn total(&mut self, bytes: u64) {
-        self.total = bytes;
     }
 
     fn advance(&mut self, bytes: u64) {
@@ -1016,18 +947,6 @@ impl Progress for Bar {
     }
 }
 
-/// No progress output.
-pub struct Silent;
-
-impl Progress for Silent {
-    fn shown(&self) -> bool {
-        false
-    }
-    fn total(&mut self, _: u64) {}
-    fn advance(&mut self, _: u64) {}
-    fn finish(&mut self) {}
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1052,7 +971,11 @@ mod tests {
         let fifo = CString::new(src.join("fifo").into_os_string().into_encoded_bytes()).unwrap();
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o640) }, 0);
 
-        let out = copy_tree(&src, &dst, &mut Silent).unwrap();
+        let (s, t) = (
+            Dir::open_nofollow(&src).unwrap(),
+            Dir::open_nofollow(&dst).unwrap(),
+        );
+        let out = copy_tree_at(s, &src, t, &dst, &mut Bar::new(String::new(), false)).unwrap();
         assert_eq!(out.files, 2);
 
         let m = fs::metadata(dst.join("bin/tool")).unwrap();

@@ -19,8 +19,6 @@
 //!   FIFO cannot hang a command.
 //! - Missing: a store from before this file (`migrate.rs`), or none yet.
 
-use std::path::PathBuf;
-
 use anyhow::{Context, Result};
 
 use crate::dir::Dir;
@@ -55,15 +53,6 @@ impl Config {
         }
     }
 
-    /// The images directory as this process reaches it, for the root at
-    /// `root_dir` (as this process names it).
-    pub fn images_dir_in(&self, root_dir: &std::path::Path) -> PathBuf {
-        match &self.images {
-            ImagesDir::Default => root_dir.join("img"),
-            ImagesDir::External(p) => p.clone(),
-        }
-    }
-
     fn encode(&self) -> String {
         let images = match &self.images {
             ImagesDir::Default => "default".to_owned(),
@@ -87,10 +76,7 @@ impl Config {
         for line in text.strip_prefix(FORMAT)?.lines() {
             match line.split_once('=')? {
                 ("id", v) if !v.is_empty() => id = Some(v.to_owned()),
-                ("images", "default") => images = Some(ImagesDir::Default),
-                ("images", v) if v.starts_with('/') => {
-                    images = Some(ImagesDir::External(PathBuf::from(v)))
-                }
+                ("images", v) => images = ImagesDir::decode(v).or(images),
                 ("identity", v) if !v.is_empty() => identity = Some(v.to_owned()),
                 ("root", v) if !v.is_empty() => root = Some(v.to_owned()),
                 _ => {}

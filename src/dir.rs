@@ -13,11 +13,13 @@
 //!   through `..`, which must be the directory left (device, inode), so a
 //!   tree moved mid-walk stops it instead of redirecting it.
 
-use std::ffi::{CString, OsStr, OsString};
+use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
+
+use crate::error::cvt;
 
 /// An open directory.
 #[derive(Debug)]
@@ -72,16 +74,17 @@ impl Entry {
     }
 }
 
-fn cstr(name: &OsStr) -> io::Result<CString> {
-    CString::new(name.as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+/// Every field of the stat of `fd`.
+pub fn fstat(fd: std::os::fd::RawFd) -> io::Result<libc::stat> {
+    // SAFETY: all-zero bytes are a valid value of this plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer.
+    cvt(unsafe { libc::fstat(fd, &mut st) })?;
+    Ok(st)
 }
 
-fn check(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
+fn cstr(name: &OsStr) -> io::Result<CString> {
+    CString::new(name.as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
 const DIR_FLAGS: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
@@ -144,7 +147,7 @@ impl Dir {
     fn open_flags(path: &Path, flags: libc::c_int) -> io::Result<Dir> {
         let c = cstr(path.as_os_str())?;
         // SAFETY: a valid C string; the descriptor is owned from here on.
-        let fd = check(unsafe { libc::open(c.as_ptr(), flags) })?;
+        let fd = cvt(unsafe { libc::open(c.as_ptr(), flags) })?;
         Ok(Dir {
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
         })
@@ -159,7 +162,7 @@ impl Dir {
     fn sub_flags(&self, name: &OsStr, flags: libc::c_int) -> io::Result<Dir> {
         let c = cstr(name)?;
         // SAFETY: as in open_flags.
-        let fd = check(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) })?;
+        let fd = cvt(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) })?;
         Ok(Dir {
             // SAFETY: fd was just returned by a successful open, and nothing else owns it.
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
@@ -176,7 +179,7 @@ impl Dir {
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
                 let c = cstr(name)?;
                 // SAFETY: valid descriptor and C string; owned at once.
-                let fd = check(unsafe {
+                let fd = cvt(unsafe {
                     libc::openat(
                         self.fd.as_raw_fd(),
                         c.as_ptr(),
@@ -193,7 +196,7 @@ impl Dir {
                 let proc = CString::new(format!("/proc/self/fd/{fd}"))
                     .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
                 // SAFETY: a valid C string.
-                check(unsafe {
+                cvt(unsafe {
                     libc::chmod(proc.as_ptr(), ((st.mode & 0o7777) | 0o700) as libc::mode_t)
                 })
                 .map_err(|_| e)?;
@@ -205,11 +208,33 @@ impl Dir {
 
     /// The directory itself.
     pub fn stat(&self) -> io::Result<Entry> {
+        Ok(entry(&fstat(self.fd.as_raw_fd())?))
+    }
+
+    /// Every field of `name`'s lstat, for the walks that copy and measure
+    /// trees (tree.rs).
+    pub fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat> {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: st is a valid out-pointer.
-        check(unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) })?;
-        Ok(entry(&st))
+        // SAFETY: valid descriptor, C string and out-pointer.
+        cvt(unsafe {
+            libc::fstatat(
+                self.as_raw_fd(),
+                name.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        })?;
+        Ok(st)
+    }
+
+    /// A short path naming `name` in this directory through /proc, for the
+    /// few calls that have no descriptor form (`l*xattr` on a symlink or a
+    /// device node): `l*` calls do not follow its last component.
+    pub fn proc_path(&self, name: &CStr) -> CString {
+        let mut p = format!("/proc/self/fd/{}/", self.as_raw_fd()).into_bytes();
+        p.extend_from_slice(name.to_bytes());
+        CString::new(p).expect("no NUL in a directory entry")
     }
 
     /// The id of the mount this directory is on, where the kernel says
@@ -242,7 +267,7 @@ impl Dir {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut sf: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: valid descriptor and out-pointer.
-        check(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
+        cvt(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
         Ok(sf.f_type as u64)
     }
 
@@ -254,7 +279,7 @@ impl Dir {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: valid descriptor and out-pointer.
-        check(unsafe { libc::fstatvfs(self.fd.as_raw_fd(), &mut sv) })?;
+        cvt(unsafe { libc::fstatvfs(self.fd.as_raw_fd(), &mut sv) })?;
         #[allow(clippy::unnecessary_cast)]
         Ok(sv.f_fsid as u64)
     }
@@ -280,7 +305,7 @@ impl Dir {
                 libc::AT_SYMLINK_NOFOLLOW,
             )
         };
-        match check(r) {
+        match cvt(r) {
             Ok(_) => Ok(Some(entry(&st))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
@@ -297,14 +322,21 @@ impl Dir {
         Ok(self.listing()?.into_iter().map(|e| e.name).collect())
     }
 
+    /// [`Dir::names`] as C strings, for `*at()` calls.
+    pub fn entries(&self) -> io::Result<Vec<CString>> {
+        Ok(self
+            .names()?
+            .into_iter()
+            .filter_map(|n| CString::new(n.into_vec()).ok())
+            .collect())
+    }
+
     /// [`Dir::names`], with each entry's inode and type as the directory
     /// gives them (`d_ino`, `d_type`: no stat).
     pub fn listing(&self) -> io::Result<Vec<DirEntry>> {
         let fd = self.fd.as_raw_fd();
         // SAFETY: plain lseek on our own descriptor.
-        if unsafe { libc::lseek(fd, 0, libc::SEEK_SET) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        cvt(unsafe { libc::lseek(fd, 0, libc::SEEK_SET) })?;
         let mut buf = vec![0u8; 32 * 1024];
         let mut out = Vec::new();
         loop {
@@ -354,7 +386,7 @@ impl Dir {
     pub fn mkdir(&self, name: impl AsRef<OsStr>, mode: u32) -> io::Result<()> {
         let c = cstr(name.as_ref())?;
         // SAFETY: valid C string.
-        check(unsafe { libc::mkdirat(self.fd.as_raw_fd(), c.as_ptr(), mode as libc::mode_t) })?;
+        cvt(unsafe { libc::mkdirat(self.fd.as_raw_fd(), c.as_ptr(), mode as libc::mode_t) })?;
         Ok(())
     }
 
@@ -368,7 +400,7 @@ impl Dir {
         let a = cstr(name.as_ref())?;
         let b = cstr(to_name.as_ref())?;
         // SAFETY: valid C strings and descriptors.
-        check(unsafe {
+        cvt(unsafe {
             libc::renameat(
                 self.fd.as_raw_fd(),
                 a.as_ptr(),
@@ -457,7 +489,7 @@ impl Dir {
     pub fn chmod_at(&self, name: &str, mode: u32) -> io::Result<()> {
         let c = cstr(name.as_ref())?;
         // SAFETY: valid descriptor and C string; owned at once.
-        let fd = check(unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
@@ -471,7 +503,7 @@ impl Dir {
         let proc = CString::new(format!("/proc/self/fd/{fd}"))
             .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         // SAFETY: a valid C string.
-        check(unsafe { libc::chmod(proc.as_ptr(), mode as libc::mode_t) })?;
+        cvt(unsafe { libc::chmod(proc.as_ptr(), mode as libc::mode_t) })?;
         Ok(())
     }
 
@@ -481,7 +513,7 @@ impl Dir {
         let a = cstr(name.as_ref())?;
         let b = cstr(to_name.as_ref())?;
         // SAFETY: valid C strings and descriptors.
-        check(unsafe {
+        cvt(unsafe {
             libc::linkat(
                 self.fd.as_raw_fd(),
                 a.as_ptr(),
@@ -501,7 +533,7 @@ impl Dir {
     pub fn touch_closed(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
         let c = cstr(name.as_ref())?;
         // SAFETY: valid C string; the descriptor is closed at once.
-        let fd = check(unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
@@ -595,7 +627,7 @@ impl Dir {
     pub fn create_file(&self, name: impl AsRef<OsStr>, mode: u32) -> io::Result<std::fs::File> {
         let c = cstr(name.as_ref())?;
         // SAFETY: valid C string; the descriptor is owned by the File.
-        let fd = check(unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
@@ -610,7 +642,7 @@ impl Dir {
     fn open_flags_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
         let c = cstr(name)?;
         // SAFETY: valid C string; the descriptor is owned by the File.
-        let fd = check(unsafe {
+        let fd = cvt(unsafe {
             libc::openat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
@@ -630,7 +662,7 @@ impl Dir {
     fn unlinkat(&self, name: &OsStr, flags: libc::c_int) -> io::Result<()> {
         let c = cstr(name)?;
         // SAFETY: valid C string.
-        match check(unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), flags) }) {
+        match cvt(unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), flags) }) {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e),

@@ -12,12 +12,13 @@
 //!   an error names a bounded path.
 
 use std::collections::{BTreeMap, HashSet};
-use std::ffi::CStr;
+use std::ffi::{CStr, OsStr};
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use crate::tree::{self, Dir, DirExt, Trail};
+use crate::tree::{self, Dir, Trail};
 
 /// What one image tree takes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -102,12 +103,12 @@ type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 /// may not read; a missing top is an empty tree.
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
     let _files = tree::MoreFiles::raise();
-    let top = match Dir::open_top(dir) {
+    let top = match Dir::open_nofollow(dir) {
         Ok(d) => d,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
-    let st = top.lstat()?;
+    let st = tree::fstat(top.as_raw_fd())?;
     let dev = st.st_dev;
     visit(&top, c".", &st)?;
     let names = top.entries()?;
@@ -139,7 +140,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
             // where failing would leave the image unmeasured and counted
             // as nothing against gc's budget.
             let denied = |e: &io::Error| e.raw_os_error() == Some(libc::EACCES);
-            let sub = match d.open_at(&name) {
+            let sub = match d.sub(OsStr::from_bytes(name.to_bytes())) {
                 Ok(s) => s,
                 Err(e) if gone(&e) || denied(&e) => continue,
                 Err(e) => return Err(bounded(e, &trail, &name)),
@@ -193,7 +194,7 @@ fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u6
     // SAFETY: valid descriptor and C string; the descriptor is owned at once.
     let fd = unsafe {
         libc::openat(
-            parent.fd(),
+            parent.as_raw_fd(),
             name.as_ptr(),
             libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY,
         )
@@ -398,15 +399,18 @@ mod tests {
     #[test]
     fn walks_deeper_than_path_max() {
         let d = tempfile::tempdir().unwrap();
-        let mut dir = Dir::open_top(d.path()).unwrap();
+        let mut dir = Dir::open_nofollow(d.path()).unwrap();
         let name = std::ffi::CString::new("d".repeat(200)).unwrap();
         for _ in 0..40 {
-            assert_eq!(unsafe { libc::mkdirat(dir.fd(), name.as_ptr(), 0o755) }, 0);
-            dir = dir.open_at(&name).unwrap();
+            assert_eq!(
+                unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o755) },
+                0
+            );
+            dir = dir.sub(OsStr::from_bytes(name.to_bytes())).unwrap();
         }
         let f = unsafe {
             libc::openat(
-                dir.fd(),
+                dir.as_raw_fd(),
                 c"f".as_ptr(),
                 libc::O_WRONLY | libc::O_CREAT,
                 0o644,

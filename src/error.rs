@@ -11,6 +11,16 @@ use std::time::Duration;
 
 use crate::name::InvalidName;
 
+/// A C call's return value as a result: a negative one failed, and
+/// `errno` says why.
+pub fn cvt<T: Default + PartialOrd>(r: T) -> io::Result<T> {
+    if r < T::default() {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
 /// Exit codes fixed by the contract (sysexits.h values).
 pub mod code {
     pub const FAILURE: u8 = 1;

@@ -64,14 +64,7 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     let from = plan.from.as_ref();
     let mut session = match Session::begin(store, req) {
         Ok(s) => s,
-        Err(e) => {
-            if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), plan.conflict_exit_code)
-            {
-                store.ctx().say(&format!("{e:#}"));
-                return Ok(code);
-            }
-            return Err(e);
-        }
+        Err(e) => return refused(store, plan, e),
     };
     store.ctx().detail(&format!(
         "locks acquired in {:.1} ms",
@@ -253,6 +246,16 @@ fn full_note(images_dir: &std::path::Path) -> Option<String> {
     })
 }
 
+/// A start refused with `e`: a busy lock exits with `--conflict-exit-code`
+/// when one was given (after saying why), anything else is the error.
+fn refused(store: &Store, plan: &Plan, e: anyhow::Error) -> Result<u8> {
+    if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), plan.conflict_exit_code) {
+        store.ctx().say(&format!("{e:#}"));
+        return Ok(code);
+    }
+    Err(e)
+}
+
 /// `--store-wide`: the command runs while no image lock is held or granted.
 fn run_store_wide(
     store: &mut Store,
@@ -270,18 +273,10 @@ fn run_store_wide(
     let hold =
         match crate::store_wide::Hold::take(store, &ident::shell_join(&shown), deadline, no_wait) {
             Ok(h) => h,
-            Err(e) => {
-                if let (Some(Error::Busy(_)), Some(code)) =
-                    (error::typed(&e), plan.conflict_exit_code)
-                {
-                    store.ctx().say(&format!("{e:#}"));
-                    return Ok(code);
-                }
-                return Err(e);
-            }
+            Err(e) => return refused(store, plan, e),
         };
     let images_dir =
-        crate::images_dir::config(store.root()).map(|c| c.images_dir_in(store.root().dir()));
+        crate::images_dir::config(store.root()).map(|c| c.images.path_in(store.root().dir()));
     let run = || -> Result<u8> {
         let images = [
             (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),

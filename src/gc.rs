@@ -114,7 +114,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     finish_interrupted(store, policy.dry_run, &mut report)?;
     let images = crate::survey::survey(store, true)?;
     let config = crate::images_dir::config(store.root())?;
-    let images_dir = config.images_dir_in(store.root().dir());
+    let images_dir = config.images.path_in(store.root().dir());
     if let Some(why) = crate::images_dir::unmounted(store.root(), &images_dir)
         .or_else(|| crate::images_dir::claimed_by_another(store.root(), &images_dir))
     {

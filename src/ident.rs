@@ -1,10 +1,8 @@
-//! Who a process is, as recorded next to the locks it holds or awaits, and
-//! how a record's liveness is judged.
+//! Who a process is, as recorded next to the locks it holds or awaits.
 //!
 //! - A record is information, never the truth about a lock (the kernel is).
-//! - Liveness is the owner's lease (`lease.rs`): a pid means nothing on
-//!   another host or pid namespace. [`liveness`] (pid, start time, host,
-//!   boot) judges only records of older releases, which name no lease.
+//! - Its liveness is its owner's lease (`lease.rs`): a pid means nothing on
+//!   another host or in another pid namespace.
 
 use std::fs;
 
@@ -12,7 +10,6 @@ use std::fs;
 #[derive(Debug, Clone)]
 pub struct Me {
     pub pid: u32,
-    pub pid_start: Option<u64>,
     pub host: String,
     pub boot_id: Option<String>,
     pub user: String,
@@ -31,7 +28,6 @@ impl Me {
             _ => {
                 let me = Me {
                     pid,
-                    pid_start: start_time(pid),
                     host: host_name(),
                     boot_id: boot_id(),
                     user: user_name(),
@@ -105,19 +101,24 @@ fn boot_id() -> Option<String> {
 /// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None
 /// when the process is gone or a zombie (a zombie holds no locks).
 pub fn start_time(pid: u32) -> Option<u64> {
-    start_in(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    start_in(&stat_fields(pid)?)
 }
 
 /// This process's start time ([`start_time`]), whatever pid namespace the
 /// mounted /proc is of.
 pub fn own_start_time() -> Option<u64> {
-    start_in(&fs::read_to_string("/proc/self/stat").ok()?)
+    start_in(&stat_fields("self")?)
 }
 
-fn start_in(stat: &str) -> Option<u64> {
-    // The command name (field 2) is in parentheses and may contain spaces or
-    // parentheses itself: parse from the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
+/// `/proc/PID/stat` from field 3 (the state) on; None when the process is
+/// gone. The command name (field 2) is in parentheses and may contain
+/// spaces or parentheses itself: the fields start after the last `)`.
+pub fn stat_fields(pid: impl std::fmt::Display) -> Option<String> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat[stat.rfind(')')? + 1..].to_owned())
+}
+
+fn start_in(rest: &str) -> Option<u64> {
     let mut fields = rest.split_whitespace();
     let state = fields.next()?;
     if state == "Z" || state == "X" {
@@ -152,38 +153,6 @@ pub fn process_user(pid: u32) -> Option<String> {
     use std::os::unix::fs::MetadataExt;
     let uid = fs::metadata(format!("/proc/{pid}")).ok()?.uid();
     Some(user_name_of(uid))
-}
-
-/// Liveness of a recorded process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Liveness {
-    Alive,
-    Dead,
-    /// On another host (or this host's identity could not be read).
-    Unknown,
-}
-
-/// Judges a record made by (`host`, `boot_id`, `pid`, `pid_start`).
-pub fn liveness(
-    me: &Me,
-    host: &str,
-    boot: Option<&str>,
-    pid: u32,
-    pid_start: Option<u64>,
-) -> Liveness {
-    if host != me.host {
-        return Liveness::Unknown;
-    }
-    if let (Some(theirs), Some(ours)) = (boot, me.boot_id.as_deref())
-        && theirs != ours
-    {
-        return Liveness::Dead;
-    }
-    match (start_time(pid), pid_start) {
-        (None, _) => Liveness::Dead,
-        (Some(now), Some(then)) if now != then => Liveness::Dead,
-        _ => Liveness::Alive,
-    }
 }
 
 /// A recorded command, host or user name as it may be printed on a
@@ -270,17 +239,6 @@ mod tests {
     #[test]
     fn own_start_time_is_readable() {
         assert!(start_time(std::process::id()).is_some());
-    }
-
-    #[test]
-    fn judges_own_record_alive_and_fake_pid_dead() {
-        let me = Me::current();
-        let alive = liveness(&me, &me.host, me.boot_id.as_deref(), me.pid, me.pid_start);
-        assert_eq!(alive, Liveness::Alive);
-        let reused = liveness(&me, &me.host, None, me.pid, me.pid_start.map(|t| t + 1));
-        assert_eq!(reused, Liveness::Dead);
-        let other = liveness(&me, "elsewhere.invalid", None, me.pid, me.pid_start);
-        assert_eq!(other, Liveness::Unknown);
     }
 
     #[test]

@@ -112,6 +112,15 @@ pub enum ImagesDir {
 }
 
 impl ImagesDir {
+    /// The directory as this process reaches it, for the root at `root_dir`
+    /// (as this process names it).
+    pub fn path_in(&self, root_dir: &std::path::Path) -> PathBuf {
+        match self {
+            ImagesDir::Default => root_dir.join("img"),
+            ImagesDir::External(p) => p.clone(),
+        }
+    }
+
     fn encode(&self) -> Option<String> {
         match self {
             ImagesDir::Default => Some("default".into()),
@@ -122,7 +131,7 @@ impl ImagesDir {
         }
     }
 
-    fn decode(s: &str) -> Option<ImagesDir> {
+    pub(crate) fn decode(s: &str) -> Option<ImagesDir> {
         match s {
             "default" => Some(ImagesDir::Default),
             _ if s.starts_with('/') => Some(ImagesDir::External(PathBuf::from(s))),

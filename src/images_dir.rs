@@ -33,19 +33,6 @@ pub fn config(root: &Root) -> Result<Config> {
     }
 }
 
-/// The images directory the configuration names, as this process reaches it.
-pub fn configured(root: &Root, config: &Config) -> PathBuf {
-    config.images_dir_in(root.dir())
-}
-
-/// An images directory as this process reaches it.
-pub fn show(root: &Root, images: &ImagesDir) -> PathBuf {
-    match images {
-        ImagesDir::Default => root.default_images_dir(),
-        ImagesDir::External(p) => p.clone(),
-    }
-}
-
 /// Where the tree of the image `record` describes lives, checked against
 /// the store's configuration: a record that names another images
 /// directory (planted, or left from elsewhere) is refused before anything
@@ -56,8 +43,8 @@ pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
         anyhow::bail!(
             "the record of image '{}' names images directory {}, but the store's is {}: refusing to touch it (run 'stowage doctor')",
             record.name,
-            show(root, &record.images).display(),
-            configured(root, &config).display()
+            record.images.path_in(root.dir()).display(),
+            config.images.path_in(root.dir()).display()
         );
     }
     checked(root, &config)
@@ -69,7 +56,7 @@ pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
 /// store claims it: the copy would write and delete under locks the
 /// original's users never see. Costs nothing more unless the root moved.
 pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
-    let dir = configured(root, config);
+    let dir = config.images.path_in(root.dir());
     if config.images == ImagesDir::Default {
         return Ok(dir);
     }
@@ -103,7 +90,7 @@ pub fn for_command(root: &Root, record: &Record) -> Result<PathBuf> {
 /// The tree a record describes, as this process reaches it (for reading
 /// and measuring: nothing is changed through it).
 pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
-    let dir = show(root, &r.images);
+    let dir = r.images.path_in(root.dir());
     match ImageName::parse(&r.name) {
         Ok(n) => dir.join(n.encoded()),
         Err(_) => dir,
@@ -141,7 +128,7 @@ fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
 /// Claims the images directory for this store unless another store does.
 /// `Ok(false)`: the filesystem keeps no extended attributes.
 pub fn claim(root: &Root, config: &Config) -> Result<bool> {
-    let dir = configured(root, config);
+    let dir = config.images.path_in(root.dir());
     let images = root.open_images_dir(&dir)?;
     let mine = my_claim(root, config)?;
     let copied = copied_with(root, &images, &dir, config);
@@ -158,7 +145,7 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
 /// Records the images directory's identity in the configuration, if it is
 /// not recorded yet (or `accept`: init takes the directory as it is now).
 pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result<()> {
-    let dir = configured(root, config);
+    let dir = config.images.path_in(root.dir());
     let images = root.open_images_dir(&dir)?;
     let id = images
         .identity()

@@ -27,6 +27,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::time::{Duration, Instant};
 
+use crate::error::cvt;
+use crate::lock::set_cloexec;
+
 /// The hidden first argument that makes stowage a keeper.
 pub const ARG: &str = "__keeper";
 
@@ -49,39 +52,15 @@ pub struct Keeper {
 /// its children, so it can find and end them.
 pub fn become_subreaper() -> io::Result<()> {
     // SAFETY: plain prctl.
-    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    cvt(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) }).map(drop)
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];
     // SAFETY: pipe2 fills the array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
     // SAFETY: both descriptors are new and ours.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
-}
-
-fn set_cloexec(fd: RawFd, on: bool) -> io::Result<()> {
-    // SAFETY: plain fcntl on a descriptor the caller names.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFD);
-        if flags < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let flags = if on {
-            flags | libc::FD_CLOEXEC
-        } else {
-            flags & !libc::FD_CLOEXEC
-        };
-        if libc::fcntl(fd, libc::F_SETFD, flags) < 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
 }
 
 impl Keeper {
@@ -201,14 +180,10 @@ fn descendants() -> Vec<libc::pid_t> {
         else {
             continue;
         };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        let Some(stat) = crate::ident::stat_fields(pid) else {
             continue;
         };
-        // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        let Some(close) = stat.rfind(')') else {
-            continue;
-        };
-        let mut f = stat[close + 1..].split_whitespace();
+        let mut f = stat.split_whitespace();
         let (Some(_state), Some(ppid)) = (f.next(), f.next()) else {
             continue;
         };
@@ -397,9 +372,7 @@ fn signal_fd() -> io::Result<OwnedFd> {
         libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         libc::signalfd(-1, &set, libc::SFD_CLOEXEC)
     };
-    if sfd < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let sfd = cvt(sfd)?;
     // SAFETY: a new descriptor, ours.
     Ok(unsafe { OwnedFd::from_raw_fd(sfd) })
 }
@@ -420,9 +393,7 @@ fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::pr
             }
             // If the keeper is killed, the command goes with it; stowage
             // inherits the rest of the tree.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(io::Error::last_os_error());
-            }
+            cvt(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL))?;
             if libc::getppid() != me {
                 libc::_exit(128 + libc::SIGKILL);
             }

@@ -46,13 +46,6 @@ pub struct Lease {
     _dir: fs::File,
 }
 
-impl Lease {
-    /// The lease's file name (what records store).
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-}
-
 /// The process's leases, one per root it used (a library caller may use
 /// several), by leases directory; taken out by [`retire`].
 static MINE: Mutex<Vec<(PathBuf, Lease)>> = Mutex::new(Vec::new());
@@ -355,10 +348,7 @@ fn make_leases_dir(dir: &Path) -> io::Result<()> {
     let c = std::ffi::CString::new(name.as_bytes())
         .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: a valid descriptor and C string.
-    if unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o777) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    crate::error::cvt(unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o777) }).map(drop)
 }
 
 /// Creates the file `path` and locks it, if it is fresh and stays ours:

@@ -36,12 +36,7 @@ pub fn is_legacy(root: &Root) -> bool {
     if !matches!(dir.stat_at(crate::config::FILE), Ok(None)) {
         return false;
     }
-    legacy_version(root).is_some()
-}
-
-/// The older release's schema version of the catalog, if it is one.
-fn legacy_version(root: &Root) -> Option<i64> {
-    crate::catalog::legacy_version(&root.db())
+    crate::catalog::legacy_version(&root.db()).is_some()
 }
 
 /// Migrates the store before a command that reads or changes it, if it is
@@ -61,7 +56,7 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         return Ok(());
     }
-    let Some(version) = legacy_version(&root) else {
+    let Some(version) = crate::catalog::legacy_version(&root.db()) else {
         // No catalog to convert: a store whose records are all there is.
         ensure_config(&root)?;
         return Ok(());

@@ -95,14 +95,8 @@ pub fn ancestors_of(pid: u32) -> Vec<u32> {
     let mut out = Vec::new();
     let mut pid = pid;
     while out.len() < 64 {
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            break;
-        };
-        // The fields after the command (which may hold spaces and parens).
-        let Some(ppid) = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|p| p.parse::<u32>().ok())
+        let Some(ppid) = crate::ident::stat_fields(pid)
+            .and_then(|rest| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
         else {
             break;
         };

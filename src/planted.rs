@@ -283,11 +283,9 @@ fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc
         return Err(io::Error::from_raw_os_error(libc::ELOOP));
     }
     // SAFETY: a valid descriptor and C string; the result is the caller's.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), cname.as_ptr(), flags, mode as libc::c_uint) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(fd)
+    crate::error::cvt(unsafe {
+        libc::openat(dir.as_raw_fd(), cname.as_ptr(), flags, mode as libc::c_uint)
+    })
 }
 
 /// For a file we may not open in a directory we may write: its mode was

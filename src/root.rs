@@ -286,11 +286,6 @@ impl Root {
         self.dir.join("stowage.db")
     }
 
-    /// The root's device (see [`Root::check`]).
-    pub fn dev(&self) -> Option<u64> {
-        self.dev
-    }
-
     /// The root's filesystem, if [`Root::check_locking`] found it.
     pub fn filesystem(&self) -> Option<&crate::filesystem::Filesystem> {
         self.fs.as_ref()
@@ -719,7 +714,7 @@ impl Root {
                 uid
             );
         }
-        let shared = mode & 0o020 != 0 && in_group(gid);
+        let shared = mode & 0o020 != 0 && crate::ident::in_group(gid);
         if uid != euid && uid != 0 && !shared {
             anyhow::bail!(
                 "root {} belongs to uid {} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)",
@@ -809,11 +804,6 @@ pub enum Sharing {
     /// Group-writable: files and directories are created so that every
     /// member of the group can lock and update them.
     Group,
-}
-
-fn in_group(gid: u32) -> bool {
-    nix::unistd::getegid().as_raw() == gid
-        || nix::unistd::getgroups().is_ok_and(|gs| gs.iter().any(|g| g.as_raw() == gid))
 }
 
 /// Creates `dir` (and missing parents). An existing symlink in its place is

@@ -22,6 +22,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use crate::error::cvt;
 use crate::root::Root;
 
 /// Where the recipe for group stores is documented.
@@ -196,9 +197,7 @@ fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<
     // SAFETY: all-zero bytes are a valid stat; fstat writes into it.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: our own open descriptor and a live out-pointer.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    cvt(unsafe { libc::fstat(fd, &mut st) })?;
     if (st.st_mode & libc::S_IFMT == libc::S_IFDIR) != dir {
         return Err(io::Error::other("changed kind while being repaired"));
     }
@@ -209,18 +208,13 @@ fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<
     }
     if st.st_gid != gid {
         // SAFETY: fchown on our own open descriptor; uid -1 leaves it.
-        if unsafe { libc::fchown(fd, u32::MAX, gid) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        cvt(unsafe { libc::fchown(fd, u32::MAX, gid) })?;
     }
     let bits = if dir { DIR_BITS } else { FILE_BITS };
     // Set after the chown, which clears setgid on a file (not a directory).
     let mode = (st.st_mode & 0o7777) | bits | more;
     // SAFETY: fchmod on our own open descriptor.
-    if unsafe { libc::fchmod(fd, mode as libc::mode_t) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    cvt(unsafe { libc::fchmod(fd, mode as libc::mode_t) }).map(drop)
 }
 
 /// A group by name or number, as `init --group` takes it. Names are

@@ -99,11 +99,13 @@ pub fn reset_mask_in_child() -> io::Result<()> {
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        if libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut()) != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        crate::error::cvt(libc::sigprocmask(
+            libc::SIG_SETMASK,
+            &set,
+            std::ptr::null_mut(),
+        ))
+        .map(drop)
     }
-    Ok(())
 }
 
 /// A termination signal that came while no command ran (before it started,

@@ -81,14 +81,6 @@ impl Kind {
             Kind::High(n) => format!("high-{n}.lock"),
         }
     }
-
-    /// Whether the file is one a new holder may take under `limits`.
-    pub fn within(self, limits: Limits) -> bool {
-        match self {
-            Kind::Normal(n) => n < limits.limit,
-            Kind::High(n) => n < limits.reserve,
-        }
-    }
 }
 
 /// What a class's `0.lock` says.
@@ -267,7 +259,6 @@ mod tests {
         assert_eq!((low.files, low.high_files), (4, 1));
         assert!(!low.settled());
         assert!(Limits::set(2, 0, None).settled());
-        assert!(Kind::Normal(1).within(low) && !Kind::Normal(2).within(low));
         assert_eq!(Kind::of("high-3.lock"), Some(Kind::High(3)));
         assert_eq!(Kind::of("changed"), None);
     }

@@ -289,7 +289,7 @@ fn forget_missing(
     let Ok(config) = crate::images_dir::config(root) else {
         return Vec::new();
     };
-    let dir = config.images_dir_in(root.dir());
+    let dir = config.images.path_in(root.dir());
     let missing_tree = |r: &image_record::Record| {
         r.state == crate::image_record::State::Ready
             && r.images == config.images
@@ -484,13 +484,7 @@ fn lock_file_names(root: &Root) -> Result<Vec<String>> {
     let Some(dir) = root.open_sub_if_there(Root::IMAGE_LOCKS_REL)? else {
         return Ok(Vec::new());
     };
-    Ok(dir
-        .listing()?
-        .into_iter()
-        .filter(|e| e.kind == libc::DT_REG || e.kind == libc::DT_UNKNOWN)
-        .filter_map(|e| e.name.into_string().ok())
-        .filter(|n| n.ends_with(".lock"))
-        .collect())
+    Ok(crate::census::lock_file_names(dir.listing()?))
 }
 
 /// Clears the store-wide hint of the images a caller holds, once `store.lock`

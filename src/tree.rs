@@ -6,92 +6,10 @@
 //! - Nothing is followed: `O_NOFOLLOW | O_DIRECTORY`, `AT_SYMLINK_NOFOLLOW`.
 //! - Paths exist only for messages, bounded ([`Trail::show`]).
 
-use std::ffi::{CStr, CString, OsStr};
-use std::io;
-use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::ffi::{CStr, CString};
 use std::path::Path;
 
-pub use crate::dir::Dir;
-
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
-/// What the reading walks need of a directory beyond what [`Dir`] offers:
-/// every field of an entry's `lstat`, names as C strings, the descriptor.
-pub trait DirExt {
-    fn fd(&self) -> RawFd;
-    /// Opens a directory by path (the start of a walk); a symlink there is
-    /// refused.
-    fn open_top(path: &Path) -> io::Result<Dir>;
-    /// Opens the subdirectory `name`, never following a symlink.
-    fn open_at(&self, name: &CStr) -> io::Result<Dir>;
-    /// The names in this directory (without `.` and `..`).
-    fn entries(&self) -> io::Result<Vec<CString>>;
-    /// lstat of `name` in this directory.
-    fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat>;
-    /// fstat of the directory itself.
-    fn lstat(&self) -> io::Result<libc::stat>;
-    /// A short path naming `name` in this directory through /proc, for the
-    /// few calls that have no descriptor form (`l*xattr` on a symlink or a
-    /// device node): `l*` calls do not follow its last component.
-    fn proc_path(&self, name: &CStr) -> CString;
-}
-
-impl DirExt for Dir {
-    fn fd(&self) -> RawFd {
-        self.as_raw_fd()
-    }
-
-    fn open_top(path: &Path) -> io::Result<Dir> {
-        Dir::open_nofollow(path)
-    }
-
-    fn open_at(&self, name: &CStr) -> io::Result<Dir> {
-        self.sub(OsStr::from_bytes(name.to_bytes()))
-    }
-
-    fn entries(&self) -> io::Result<Vec<CString>> {
-        Ok(self
-            .names()?
-            .into_iter()
-            .filter_map(|n| CString::new(n.into_vec()).ok())
-            .collect())
-    }
-
-    fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat> {
-        // SAFETY: all-zero bytes are a valid value of this plain C struct.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: valid descriptor, C string and out-pointer.
-        cvt(unsafe {
-            libc::fstatat(self.fd(), name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW)
-        })?;
-        Ok(st)
-    }
-
-    fn lstat(&self) -> io::Result<libc::stat> {
-        fstat(self.fd())
-    }
-
-    fn proc_path(&self, name: &CStr) -> CString {
-        let mut p = format!("/proc/self/fd/{}/", self.fd()).into_bytes();
-        p.extend_from_slice(name.to_bytes());
-        CString::new(p).expect("no NUL in a directory entry")
-    }
-}
-
-pub fn fstat(fd: RawFd) -> io::Result<libc::stat> {
-    // SAFETY: all-zero bytes are a valid value of this plain C struct.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: valid out-pointer.
-    cvt(unsafe { libc::fstat(fd, &mut st) })?;
-    Ok(st)
-}
+pub use crate::dir::{Dir, fstat};
 
 pub fn file_type(st: &libc::stat) -> libc::mode_t {
     st.st_mode & libc::S_IFMT

@@ -120,7 +120,7 @@ impl Sharing {
     fn measure(store: &Store, rows: &[Image]) -> Sharing {
         let mut by_image = HashMap::new();
         let images_dir = crate::images_dir::config(store.root())
-            .map(|c| c.images_dir_in(store.root().dir()))
+            .map(|c| c.images.path_in(store.root().dir()))
             .unwrap_or_else(|_| store.root().default_images_dir());
         if !disk_usage::can_share(&images_dir) {
             return Sharing {

@@ -50,11 +50,11 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
     if let Some(dir) = &wanted
-        && crate::images_dir::show(&root, &config.images) != *dir
+        && config.images.path_in(root.dir()) != *dir
     {
         switch(store, &mut config, dir)?;
     }
-    let dir = config.images_dir_in(root.dir());
+    let dir = config.images.path_in(root.dir());
     let images = root.open_or_make_images_dir(&dir)?;
     let how = adoption(&root)?;
     let named: HashSet<String> = crate::census::take(&root)?
@@ -352,7 +352,7 @@ fn switch(store: &mut Store, config: &mut crate::config::Config, dir: &Path) -> 
             bail!(
                 "root {} already keeps {n} images in {}; refusing to switch to {} (remove them first)",
                 root.dir().display(),
-                config.images_dir_in(root.dir()).display(),
+                config.images.path_in(root.dir()).display(),
                 dir.display()
             );
         }

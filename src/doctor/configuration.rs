@@ -32,7 +32,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
             return Ok(false);
         }
     };
-    let shown = crate::images_dir::show(root, &images);
+    let shown = images.path_in(root.dir());
     let images_dir = root.open_images_dir(&shown).ok();
     let root_identity = dir.identity().ok();
     let ours = match whose(&images, images_dir.as_ref(), root_identity.as_deref()) {

@@ -733,7 +733,7 @@ fn claim(
 fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
-    let dir = config.images_dir_in(root.dir());
+    let dir = config.images.path_in(root.dir());
     if let Some(why) = crate::images_dir::unmounted(&root, &dir)
         .or_else(|| crate::images_dir::claimed_by_another(&root, &dir))
     {

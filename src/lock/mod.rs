@@ -32,6 +32,8 @@ use std::sync::Mutex;
 
 use fs2::FileExt;
 
+use crate::error::cvt;
+
 mod wait;
 
 use wait::block_any;
@@ -114,22 +116,7 @@ impl Guard {
     /// Whether a spawned child inherits this lock's descriptor (and so keeps
     /// the lock as long as it lives). Off by default.
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
-        let fd = self.file.as_raw_fd();
-        // SAFETY: plain fcntl on a descriptor we own.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-        if flags < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let flags = if inherit {
-            flags & !libc::FD_CLOEXEC
-        } else {
-            flags | libc::FD_CLOEXEC
-        };
-        // SAFETY: F_SETFD on our own descriptor; no memory is passed.
-        if unsafe { libc::fcntl(fd, libc::F_SETFD, flags) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        set_cloexec(self.file.as_raw_fd(), !inherit)
     }
 
     /// Replaces the lock file's contents (a note for others, such as who
@@ -262,10 +249,21 @@ struct Denied {
 /// descriptor closes.
 pub fn flock_dir_shared(fd: std::os::fd::RawFd) -> io::Result<()> {
     // SAFETY: flock on a descriptor the caller owns; no memory is passed.
-    if unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    cvt(unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) }).map(drop)
+}
+
+/// Sets or clears close-on-exec on `fd`: whether a spawned child inherits
+/// it (and so any lock on it).
+pub fn set_cloexec(fd: std::os::fd::RawFd, on: bool) -> io::Result<()> {
+    // SAFETY: plain fcntl on a descriptor the caller names; no memory is passed.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
+    let flags = if on {
+        flags | libc::FD_CLOEXEC
+    } else {
+        flags & !libc::FD_CLOEXEC
+    };
+    // SAFETY: as above.
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, flags) }).map(drop)
 }
 
 pub(super) fn flock_try(file: &File, mode: Mode) -> io::Result<bool> {
@@ -854,14 +852,9 @@ impl FileSet {
         &self.paths
     }
 
-    /// Tries each file once, in order, creating missing ones; the first
-    /// taken is returned with its index. A file found unlinked after
-    /// locking (a ghost) is reopened on the next try.
-    pub fn try_any(&mut self) -> io::Result<Option<(usize, Guard)>> {
-        self.try_any_where(|_| true)
-    }
-
-    /// [`FileSet::try_any`] among the files `wanted` accepts (by index).
+    /// Tries each file `wanted` accepts (by index) once, in order, creating
+    /// missing ones; the first taken is returned with its index. A file
+    /// found unlinked after locking (a ghost) is reopened on the next try.
     pub fn try_any_where(
         &mut self,
         wanted: impl Fn(usize) -> bool,
@@ -909,7 +902,7 @@ impl FileSet {
         Ok(None)
     }
 
-    /// Gives back a lock taken by [`FileSet::try_any`] that the caller may
+    /// Gives back a lock taken by [`FileSet::try_any_where`] that the caller may
     /// not keep after all. The descriptor stays open (closing it would wake
     /// every waiter watching the directory, this one included); the lock is
     /// dropped with `LOCK_UN`, safe here because no child ever had this
@@ -1082,6 +1075,13 @@ mod tests {
         );
     }
 
+    fn until(deadline: Option<Instant>) -> Wait<'static> {
+        Wait {
+            deadline,
+            ..Wait::default()
+        }
+    }
+
     fn tmp() -> tempfile::TempDir {
         tempfile::tempdir().unwrap()
     }
@@ -1153,7 +1153,7 @@ mod tests {
             &p,
             Mode::Shared,
             IfMissing::Create,
-            &mut Wait::until(Some(t0 + Duration::from_millis(200))),
+            &mut until(Some(t0 + Duration::from_millis(200))),
         )
         .unwrap();
         assert!(matches!(r, Waited::TimedOut));
@@ -1168,7 +1168,7 @@ mod tests {
             &p,
             Mode::Exclusive,
             IfMissing::Create,
-            &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
+            &mut until(Some(Instant::now() + Duration::from_secs(30))),
         )
         .unwrap();
         assert!(matches!(r, Waited::Acquired(_)));
@@ -1235,7 +1235,7 @@ mod tests {
             &paths,
             Mode::Exclusive,
             IfMissing::Create,
-            &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
+            &mut until(Some(Instant::now() + Duration::from_secs(30))),
         )
         .unwrap();
         assert!(matches!(got, Waited::Acquired((1, _))), "{got:?}");
@@ -1313,7 +1313,7 @@ mod tests {
         let r = poll_any(
             &[&f],
             Mode::Exclusive,
-            &mut Wait::until(Some(t0 + Duration::from_millis(100))),
+            &mut until(Some(t0 + Duration::from_millis(100))),
         )
         .unwrap();
         assert!(matches!(r, Waited::TimedOut));
@@ -1325,7 +1325,7 @@ mod tests {
         let r = poll_any(
             &[&f],
             Mode::Exclusive,
-            &mut Wait::until(Some(Instant::now() + Duration::from_secs(30))),
+            &mut until(Some(Instant::now() + Duration::from_secs(30))),
         )
         .unwrap();
         assert!(matches!(r, Waited::Acquired(0)));
@@ -1344,7 +1344,7 @@ mod tests {
             .unwrap();
         let waker = Waker::watch(d.path(), Some("changed"));
         let mut set = FileSet::new(paths.clone(), Mode::Exclusive);
-        assert!(set.try_any().unwrap().is_none());
+        assert!(set.try_any_where(|_| true).unwrap().is_none());
         assert_eq!(set.held_count(|_| true).unwrap(), 2);
         if waker.watching() {
             // Nothing closed yet: the tries made no event.
@@ -1359,7 +1359,7 @@ mod tests {
         if waker.watching() {
             assert_eq!(waker.sleep(None).unwrap(), Woke::Changed { named: false });
         }
-        let (i, g) = set.try_any().unwrap().unwrap();
+        let (i, g) = set.try_any_where(|_| true).unwrap().unwrap();
         assert_eq!(i, 1);
         set.put_back(i, g);
         assert_eq!(set.held_count(|_| true).unwrap(), 1);

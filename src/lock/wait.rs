@@ -52,13 +52,6 @@ pub struct Wait<'a> {
 }
 
 impl<'a> Wait<'a> {
-    pub fn until(deadline: Option<Instant>) -> Self {
-        Wait {
-            deadline,
-            ..Wait::default()
-        }
-    }
-
     /// A wait suited to the filesystem holding the lock files in `dir`.
     pub fn on(dir: &Path, deadline: Option<Instant>) -> Self {
         let local = crate::filesystem::filesystem(dir)
