@@ -94,7 +94,7 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         if let Some(h) = self.hosts.iter().find(|h| h.pid != 0) {
-            let _ = h.run(["rm", "-rf", self.dir.to_str().unwrap()]);
+            quietly(h.cmd(["rm", "-rf", self.dir.to_str().unwrap()]));
         }
     }
 }
@@ -164,7 +164,43 @@ impl Host {
 impl Drop for Host {
     fn drop(&mut self) {
         if self.pid != 0 {
-            let _ = gluster(["host-crash", &self.name]);
+            let mut c = Command::new("bash");
+            c.arg(script()).args(["host-crash", &self.name]);
+            if !quietly(c) {
+                eprintln!("host {} may be left running", self.name);
+            }
+        }
+    }
+}
+
+/// Runs `c` within [`PATIENCE`] without ever panicking, for drops: a drop
+/// that panics while a failed test unwinds aborts the whole test binary.
+/// Whether it ran and succeeded; a command still running is killed.
+fn quietly(mut c: Command) -> bool {
+    use std::os::unix::process::CommandExt;
+    c.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0);
+    let Ok(mut child) = c.spawn() else {
+        return false;
+    };
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) => return st.success(),
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            _ => {
+                eprintln!(
+                    "left behind after {PATIENCE:?}:\n{}",
+                    group_waits(child.id())
+                );
+                unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+                let _ = child.wait();
+                return false;
+            }
         }
     }
 }

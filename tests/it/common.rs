@@ -508,9 +508,15 @@ pub fn wait_output(mut child: Child, limit: Duration) -> Output {
             break st;
         }
         if Instant::now() > deadline {
+            // Where each process of the group waits, so that a rare hang
+            // can be diagnosed from one run's log.
+            let stuck = group_waits(child.id()) + &brick_waits();
             unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
             let _ = child.wait();
-            panic!("process {} did not finish within {limit:?}", child.id());
+            panic!(
+                "process {} did not finish within {limit:?}; its group:\n{stuck}",
+                child.id()
+            );
         }
         std::thread::sleep(Duration::from_millis(5));
     };
@@ -1274,4 +1280,68 @@ impl Plant {
             Plant::HardLink | Plant::EmptyHardLink => "a hard link",
         }
     }
+}
+
+/// Every process of process group `pgid`: pid, state, kernel wait channel,
+/// kernel stack (when readable) and command line.
+pub fn group_waits(pgid: u32) -> String {
+    let mut out = String::new();
+    for e in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let f: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+        if f.get(2) != Some(&pgid.to_string().as_str()) {
+            continue;
+        }
+        let read = |n: &str| fs::read_to_string(e.path().join(n)).unwrap_or_default();
+        let cmd = read("cmdline").replace('\0', " ");
+        let stack: Vec<String> = read("stack").lines().map(|l| l.trim().to_owned()).collect();
+        out.push_str(&format!(
+            "  pid {} state {} wchan {} [{}]: {}\n",
+            e.file_name().to_string_lossy(),
+            f[0],
+            read("wchan"),
+            stack.join(" < "),
+            cmd.chars().take(200).collect::<String>()
+        ));
+    }
+    out
+}
+
+/// Where a GlusterFS brick's threads wait, if a brick runs here: a server
+/// that stalls makes every client's call wait, and this says so.
+pub fn brick_waits() -> String {
+    let mut waits: std::collections::BTreeMap<String, u32> = Default::default();
+    for e in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        if fs::read_to_string(e.path().join("comm"))
+            .unwrap_or_default()
+            .trim()
+            != "glusterfsd"
+        {
+            continue;
+        }
+        for t in fs::read_dir(e.path().join("task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let stat = fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            let state = stat
+                .rfind(')')
+                .and_then(|c| stat[c + 2..].split(' ').next());
+            let wchan = fs::read_to_string(t.path().join("wchan")).unwrap_or_default();
+            *waits
+                .entry(format!("{} {wchan}", state.unwrap_or("?")))
+                .or_default() += 1;
+        }
+    }
+    if waits.is_empty() {
+        return String::new();
+    }
+    let each: Vec<String> = waits.iter().map(|(w, n)| format!("{n}× {w}")).collect();
+    format!("  brick threads: {}\n", each.join(", "))
 }
