@@ -736,17 +736,25 @@ impl Dir {
         };
         let c = CString::new(name.map_or(&b"."[..], |n| n.as_bytes())).ok()?;
         // SAFETY: faccessat on our descriptor and a NUL-terminated name.
-        let granted = unsafe {
+        let r = unsafe {
             libc::faccessat(
                 self.fd.as_raw_fd(),
                 c.as_ptr(),
                 access,
                 libc::AT_EACCESS | libc::AT_SYMLINK_NOFOLLOW,
             )
-        } == 0;
-        // SAFETY: geteuid cannot fail.
-        let me = unsafe { libc::geteuid() };
-        (st.is_dir() && !granted && st.uid != me).then_some(st.uid)
+        };
+        // Only a refusal says who refused: a check that failed otherwise
+        // (a sandbox that forbids faccessat2) says nothing.
+        let refused = r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EACCES);
+        (st.is_dir() && refused && st.uid != me()).then_some(st.uid)
+    }
+
+    /// The owner of this directory if it is sticky and not ours: in it,
+    /// only an entry's owner, the directory's owner or root may delete.
+    fn sticky_owner(&self) -> Option<u32> {
+        let st = self.stat().ok()?;
+        (st.mode & libc::S_ISVTX != 0 && st.uid != me()).then_some(st.uid)
     }
 
     /// Gives the owner full access to this directory if it lacks it, so a
@@ -819,10 +827,14 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let depth = stack.len();
         let level = stack.last_mut().expect("the walk ends when the stack does");
-        let dir = level.dir.as_ref().expect("the current level is open");
         let Some(name) = level.pending.pop() else {
-            if level.found_more()? {
-                continue;
+            match level.found_more() {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
+                    return Err(refused(e, &[(dir, None, LIST, &shown(&trail(&stack)))]));
+                }
             }
             if depth == 1 {
                 return Ok(());
@@ -830,7 +842,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
             climb_out(&mut stack, removed)?;
             continue;
         };
-        if let Some(sub) = remove_or_open(dir, &level.name, name, dev, mount, removed)? {
+        if let Some(sub) = remove_or_open(&stack, name, dev, mount, removed)? {
             stack.push(sub);
             close_far_levels(&mut stack);
         }
@@ -843,9 +855,7 @@ impl Level {
     /// times); they are pending then.
     fn found_more(&mut self) -> io::Result<bool> {
         let dir = self.dir.as_ref().expect("the current level is open");
-        let again = dir
-            .names()
-            .map_err(|e| refused(e, &[(dir, None, LIST, &level_shown(&self.name))]))?;
+        let again = dir.names()?;
         if again.is_empty() {
             return Ok(false);
         }
@@ -864,37 +874,67 @@ pub const DELETE_IN: libc::c_int = libc::W_OK | libc::X_OK;
 pub const LIST: libc::c_int = libc::R_OK | libc::X_OK;
 pub const MOVE: libc::c_int = libc::W_OK;
 
-/// A permission error (EACCES) of a step of a removal, said with the
-/// directory that refused it: the first of `suspects` (a directory, or its
-/// subdirectory `name`; the access the step needed of it; how to name it)
-/// that lacks that access and is not ours, with its owner — in a store
-/// shared by a group, what one member's directory holds only that member
-/// (or root) can empty or move. Any other error is kept as it is (EPERM:
-/// an immutable file or a sticky directory, which no owner explains).
+/// A permission error of a step of a removal, said with the directory
+/// that refused it: for EACCES, the first of `suspects` (a directory, or
+/// its subdirectory `name`; the access the step needed of it; how it is
+/// named) that lacks that access and is not ours, with its owner — in a
+/// store shared by a group, what one member's directory holds only that
+/// member (or root) can empty or move; for EPERM, a sticky directory not
+/// ours that the step deleted in. Any other error (an immutable file) is
+/// kept as the kernel said it.
 pub fn refused(e: io::Error, suspects: &[(&Dir, Option<&OsStr>, libc::c_int, &str)]) -> io::Error {
-    if e.raw_os_error() != Some(libc::EACCES) {
-        return e;
-    }
-    for (dir, name, access, shown) in suspects {
-        if let Some(owner) = dir.refuser(*name, *access) {
-            return io::Error::new(
-                e.kind(),
-                format!(
-                    "{e}: {shown} is uid {owner}'s, and only that user or root can empty or move it"
-                ),
-            );
+    let said = |why: String| io::Error::new(e.kind(), format!("{e}: {why}"));
+    match e.raw_os_error() {
+        Some(libc::EACCES) => {
+            for (dir, name, access, shown) in suspects {
+                if let Some(owner) = dir.refuser(*name, *access) {
+                    return said(format!(
+                        "{shown} is uid {owner}'s, and only that user or root can empty or move it"
+                    ));
+                }
+            }
         }
+        Some(libc::EPERM) => {
+            for (dir, name, access, shown) in suspects {
+                if name.is_none()
+                    && *access == DELETE_IN
+                    && let Some(owner) = dir.sticky_owner()
+                {
+                    return said(format!(
+                        "{shown} is sticky and uid {owner}'s: only an entry's owner, that user or root may delete in it"
+                    ));
+                }
+            }
+        }
+        _ => {}
     }
     e
 }
 
-/// How a level of a walk is named in an error.
-fn level_shown(name: &OsStr) -> String {
-    if name.is_empty() {
-        "the directory".to_owned()
-    } else {
-        format!("directory {:?} in it", Path::new(name))
+/// The effective uid.
+fn me() -> u32 {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// The path from a walk's top to its current level (the top itself: empty).
+fn trail(stack: &[Level]) -> std::path::PathBuf {
+    stack.iter().skip(1).map(|l| l.name.as_os_str()).collect()
+}
+
+/// How a directory at `rel` under a walk's top is named in an error: its
+/// path (quoted, control characters escaped; a long one by its end).
+fn shown(rel: &Path) -> String {
+    if rel.as_os_str().is_empty() {
+        return "the directory".to_owned();
     }
+    let quoted = format!("{rel:?}");
+    let n = quoted.chars().count();
+    if n <= 200 {
+        return format!("directory {quoted} in it");
+    }
+    let tail: String = quoted.chars().skip(n - 200).collect();
+    format!("directory \"…{tail} in it")
 }
 
 /// Removes the emptied level on top of `stack` from its parent.
@@ -908,10 +948,6 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
     let pdir = parent.dir.as_ref().expect("reopened above");
     match pdir.unlinkat(&done.name, libc::AT_REMOVEDIR) {
         Ok(()) => *removed += 1,
-        Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
-            let shown = level_shown(&parent.name);
-            return Err(refused(e, &[(pdir, None, DELETE_IN, &shown)]));
-        }
         Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
             // Written to after we emptied it: go through it again
             // (a bounded number of times).
@@ -921,7 +957,13 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
             }
             parent.pending.push(done.name);
         }
-        Err(e) => return Err(e),
+        Err(e) => {
+            let pdir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
+            return Err(refused(
+                e,
+                &[(pdir, None, DELETE_IN, &shown(&trail(stack)))],
+            ));
+        }
     }
     Ok(())
 }
@@ -940,72 +982,60 @@ fn reopen_parent(done: &Level, parent: &mut Level) -> io::Result<()> {
     Ok(())
 }
 
-/// Removes the entry `name` of `dir` unless it is a directory; a directory
-/// (on the tree's filesystem, not a mount point) is opened instead, made
-/// writable and listed: the next level to empty.
+/// Removes the entry `name` of the walk's current level (the top of
+/// `stack`) unless it is a directory; a directory (on the tree's
+/// filesystem, not a mount point) is opened instead, made writable and
+/// listed: the next level to empty. A step refused by permissions names
+/// the directory that refused it (its path from the top: computed only
+/// then).
 fn remove_or_open(
-    dir: &Dir,
-    dir_name: &OsStr,
+    stack: &[Level],
     name: OsString,
     dev: u64,
     mount: Option<u64>,
     removed: &mut u64,
 ) -> io::Result<Option<Level>> {
-    let opened = open_or_unlink(dir, &name, dev, mount, removed).map_err(|e| {
-        refused(
-            e,
-            &[
-                (dir, None, DELETE_IN, &level_shown(dir_name)),
-                (dir, Some(&name), LIST, &level_shown(&name)),
-            ],
-        )
-    })?;
-    Ok(opened.map(|(sub, sst, pending)| Level {
+    let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
+    let here = || shown(&trail(stack));
+    let there = || shown(&trail(stack).join(&name));
+    let in_dir = |e| refused(e, &[(dir, None, DELETE_IN, &here())]);
+    let Some(st) = dir.stat_at(&name).map_err(in_dir)? else {
+        return Ok(None);
+    };
+    let unlink = |removed: &mut u64| {
+        dir.unlink(&name).map_err(in_dir)?;
+        *removed += 1;
+        Ok(None)
+    };
+    if !st.is_dir() {
+        return unlink(removed);
+    }
+    if st.dev != dev {
+        return Err(mount_point(&name));
+    }
+    let sub = match dir.sub_for_deletion(&name) {
+        Ok(d) => d,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
+            return unlink(removed);
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(refused(e, &[(dir, Some(&name), LIST, &there())])),
+    };
+    let sst = sub.stat()?;
+    if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
+        return Err(mount_point(&name));
+    }
+    sub.make_writable(&sst);
+    let pending = sub
+        .names()
+        .map_err(|e| refused(e, &[(&sub, None, LIST, &there())]))?;
+    Ok(Some(Level {
         dir: Some(sub),
         id: (sst.dev, sst.ino),
         name,
         pending,
         relisted: 0,
     }))
-}
-
-/// [`remove_or_open`]'s steps: the entry unlinked if it is no directory
-/// (or gone), else opened, with its stat and its names.
-fn open_or_unlink(
-    dir: &Dir,
-    name: &OsStr,
-    dev: u64,
-    mount: Option<u64>,
-    removed: &mut u64,
-) -> io::Result<Option<(Dir, Entry, Vec<OsString>)>> {
-    let Some(st) = dir.stat_at(name)? else {
-        return Ok(None);
-    };
-    if !st.is_dir() {
-        dir.unlink(name)?;
-        *removed += 1;
-        return Ok(None);
-    }
-    if st.dev != dev {
-        return Err(mount_point(name));
-    }
-    let sub = match dir.sub_for_deletion(name) {
-        Ok(d) => d,
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
-            dir.unlink(name)?;
-            *removed += 1;
-            return Ok(None);
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let sst = sub.stat()?;
-    if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
-        return Err(mount_point(name));
-    }
-    sub.make_writable(&sst);
-    let pending = sub.names()?;
-    Ok(Some((sub, sst, pending)))
 }
 
 /// Keeps only the last few levels open.

@@ -305,7 +305,7 @@ pub fn empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) -> Resu
     {
         crate::signals::check()?;
         dir.remove_entry(&entry, &mut n)
-            .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
+            .with_context(|| format!("cannot delete {}", shown(&path.join(&entry))))?;
     }
     Ok(())
 }
@@ -338,7 +338,7 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
         let mut n = 0;
         if fix && let Err(e) = trash.remove_entry(&entry, &mut n) {
             out.failed
-                .push(format!("cannot delete {}: {e}", path.display()));
+                .push(format!("cannot delete {}: {e}", shown(&path)));
             continue;
         }
         out.bytes += bytes;
@@ -379,4 +379,11 @@ pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[Imag
             let _ = root.unlink_lock(g);
         }
     }
+}
+
+/// A path whose last name anyone who may write the trash or a tree chose,
+/// for a message: control characters escaped (a newline there must not
+/// make a second line).
+fn shown(p: &Path) -> String {
+    crate::ident::printable(&p.to_string_lossy()).into_owned()
 }

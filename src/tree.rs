@@ -32,7 +32,10 @@ impl Trail {
                 .iter()
                 .map(CString::as_c_str)
                 .chain(name)
-                .map(|c| String::from_utf8_lossy(c.to_bytes()).into_owned()),
+                // A name may hold a newline: never a second line of a message.
+                .map(|c| {
+                    crate::ident::printable(&String::from_utf8_lossy(c.to_bytes())).into_owned()
+                }),
         );
         let full = parts.join("/");
         if full.len() <= SHOWN {

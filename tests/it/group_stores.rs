@@ -687,3 +687,86 @@ fn a_refused_removal_names_the_directory_that_refused_and_its_owner() {
     env.ok(["gc"]);
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
+
+/// A deletion refused deep in a tree names the directory that refused it
+/// by its path from the tree's top — the one whose access the step needed,
+/// not its parent — and a sticky directory of another member as sticky;
+/// a name with a newline never makes a second line of a message.
+#[test]
+fn a_refused_deletion_names_the_refusing_directory_by_its_path() {
+    if !can_act_as_a_member() {
+        return;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", "100"]);
+    let build = |uid: u32, image: &str, script: &str| {
+        let out = as_uid(
+            &env,
+            uid,
+            &["exec", "--write", image, "--", "sh", "-c", script],
+        );
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+    };
+    // 1001's tree: x (group may list and enter, not delete in it), deep
+    // down d/d/d, 1003's private y in it.
+    build(
+        1001,
+        "deep",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir -p d/d/d && chmod -R g+rwX .",
+    );
+    build(
+        1003,
+        "deep",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir -m 700 d/d/d/y && echo z > d/d/d/y/z",
+    );
+    build(1001, "deep", "chmod 2755 \"$STOWAGE_IMAGE_DIR/d/d/d\"");
+    let (exit, said) = said_by(&env, 1002, &["rm", "deep"]);
+    assert_eq!(exit, Some(1), "{said}");
+    assert!(
+        said.contains("directory \"d/d/d/y\" in it is uid 1003's"),
+        "{said}"
+    );
+    let (_, said) = said_by(&env, 1003, &["gc"]);
+    assert!(
+        said.contains("directory \"d/d/d\" in it is uid 1001's"),
+        "{said}"
+    );
+    let (exit, said) = said_by(&env, 1001, &["gc"]);
+    assert!(exit == Some(1) && said.contains("uid 1003's"), "{said}");
+    env.ok(["gc"]);
+
+    // A sticky directory of 1001's holding 1001's file: 1002 may not
+    // delete in it, and is told why.
+    build(
+        1001,
+        "sticky",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir s && echo a > s/a && chmod -R g+rwX . && chmod 1777 s",
+    );
+    let (exit, said) = said_by(&env, 1002, &["rm", "sticky"]);
+    assert_eq!(exit, Some(1), "{said}");
+    assert!(
+        said.contains("directory \"s\" in it is sticky and uid 1001's"),
+        "{said}"
+    );
+    env.ok(["gc"]);
+
+    // A trash entry named with a newline and a forged line, that 1003
+    // may not delete: one line says so, escaped.
+    let entry = env.root.join("trash/e1\nstowage: removed 'prod'");
+    fs::create_dir_all(entry.join("p")).unwrap();
+    fs::write(entry.join("p/q"), "q").unwrap();
+    for p in [entry.join("p/q"), entry.join("p"), entry.clone()] {
+        std::os::unix::fs::chown(&p, Some(1001), Some(GID)).unwrap();
+    }
+    fs::set_permissions(entry.join("p"), fs::Permissions::from_mode(0o700)).unwrap();
+    let (exit, said) = said_by(&env, 1003, &["gc"]);
+    assert_eq!(exit, Some(1), "{said}");
+    assert!(
+        !said
+            .lines()
+            .any(|l| l.starts_with("stowage: removed 'prod'")),
+        "{said}"
+    );
+    env.ok(["gc"]);
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+}
