@@ -44,14 +44,24 @@ impl Ctx {
         if !self.quiet {
             // Never eprintln!: it panics when stderr is gone, and a panic
             // mid-exec would release locks the command still relies on.
-            let _ = writeln!(std::io::stderr(), "stowage: {msg}");
+            // One line each: a name in it (a planted file's, a tree's) may
+            // hold a newline or an escape sequence.
+            let _ = writeln!(
+                std::io::stderr(),
+                "stowage: {}",
+                crate::ident::printable(msg)
+            );
         }
     }
 
     /// Prints a message only with --verbose.
     pub fn detail(&self, msg: &str) {
         if self.verbose && !self.quiet {
-            let _ = writeln!(std::io::stderr(), "stowage: {msg}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "stowage: {}",
+                crate::ident::printable(msg)
+            );
         }
     }
 }

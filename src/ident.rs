@@ -187,6 +187,36 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// `s` as one word a shell reads back as `s`, for a command a message
+/// tells the user to run: as it is if it holds only characters no shell
+/// treats specially, else in single quotes — or, where it holds control
+/// characters, in bash's `$'…'` with them escaped (a name may hold `;` or
+/// a newline: pasted unquoted it would run something else).
+pub fn shell_word(s: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_./:+,-@%=".contains(c);
+    if !s.is_empty() && s.chars().all(plain) {
+        return s.to_owned();
+    }
+    if !s.chars().any(char::is_control) {
+        return format!("'{}'", s.replace('\'', r"'\''"));
+    }
+    let mut out = String::from("$'");
+    for c in s.chars() {
+        match c {
+            '\\' | '\'' => {
+                out.push('\\');
+                out.push(c);
+            }
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() => out.push_str(&format!("\\x{:02x}", c as u32 & 0xff)),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    out
+}
+
 /// Whether this process has group `gid` (its own or a supplementary one).
 pub fn in_group(gid: u32) -> bool {
     let gid = nix::unistd::Gid::from_raw(gid);
@@ -225,6 +255,18 @@ fn quote(arg: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn shell_words_read_back_as_themselves() {
+        assert_eq!(
+            shell_word("/r/locks/images/a.lock"),
+            "/r/locks/images/a.lock"
+        );
+        assert_eq!(shell_word("/r/a;rm -rf ~;.lock"), "'/r/a;rm -rf ~;.lock'");
+        assert_eq!(shell_word("it's"), r"'it'\''s'");
+        assert_eq!(shell_word("a\nb'c"), r"$'a\nb\'c'");
+        assert_eq!(shell_word(""), "''");
+    }
+
     #[test]
     fn a_name_is_read_from_the_password_file_or_is_the_uid() {
         let text = "# comment\nroot:x:0:0:root:/root:/bin/sh\n+nis\nana:x:1000:1000::/home/ana:/bin/sh\nbad line\n";

@@ -259,7 +259,9 @@ fn one_line(err: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    line.replace('\n', " ")
+    // One line, and nothing in it that drives the terminal (a name may
+    // hold an escape sequence).
+    crate::ident::printable(&line.replace('\n', " ")).into_owned()
 }
 
 /// Help and version go to stdout with exit 0; anything else is a usage

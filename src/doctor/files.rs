@@ -142,13 +142,15 @@ fn holds_a_record(dir: &Dir, name: &str) -> bool {
 /// still vouches for (nothing may be marked in it: the other name's store
 /// uses it). Only the user knows when nothing uses the store.
 fn shared_record(path: &Path, report: &mut Report) {
-    let p = path.display();
+    let shown = path.display();
+    let p = crate::ident::shell_word(&path.to_string_lossy());
+    let own = crate::ident::shell_word(&format!("{}.own", path.to_string_lossy()));
     report.problem(
         "files",
         format!(
-            "{p} is a hard link: its image's record is shared with another name (a store copied \
+            "{shown} is a hard link: its image's record is shared with another name (a store copied \
              with 'cp -al'?), so the image is read but not written or removed here; while \
-             nothing uses this store, give it a file of its own: cp {p} {p}.own && mv {p}.own {p}"
+             nothing uses this store, give it a file of its own: cp {p} {own} && mv {own} {p}"
         ),
     );
 }

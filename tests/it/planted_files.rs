@@ -437,3 +437,51 @@ fn doctor_finds_what_is_planted_among_the_roots_own_files() {
     doctor_sets_aside(&env, &reserve, Plant::HardLink);
     assert!(fs::read(&victim).unwrap() == b"precious", "written through");
 }
+
+/// A name planted among the store's files — with a newline and a forged
+/// line, or with shell syntax — never makes a second line of what doctor
+/// says, and a command doctor tells the user to run quotes it: pasted, it
+/// does what it says and nothing else.
+#[test]
+fn planted_names_make_no_second_line_and_no_command_of_their_own() {
+    let env = Env::new();
+    env.ok(["exec", "--write", "base", "--", "true"]);
+    let images = env.root.join("locks/images");
+    Plant::Fifo.at(&images.join("f\nstowage: all is well.lock"), &env.scratch);
+    let link = images.join("x;touch pwned;.lock");
+    fs::hard_link(images.join("base.lock"), &link).unwrap();
+    for args in [&["doctor"][..], &["doctor", "--repair"][..]] {
+        let out = env.run(args);
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+        assert!(
+            !said
+                .lines()
+                .any(|l| l.trim_start().starts_with("stowage: all is well")),
+            "{args:?}: {said}"
+        );
+        assert!(
+            said.contains("f\\nstowage: all is well.lock"),
+            "{args:?}: {said}"
+        );
+    }
+    // The advice for the shared record, run as a shell would run it.
+    let said = String::from_utf8_lossy(&env.run(["doctor"]).stdout).into_owned();
+    let advice = said
+        .lines()
+        .find(|l| l.contains("x;touch pwned;.lock is a hard link"))
+        .and_then(|l| l.split_once("give it a file of its own: "))
+        .map(|(_, cmd)| cmd.to_owned())
+        .unwrap_or_else(|| panic!("no advice for the link: {said}"));
+    let out = output({
+        let mut c = std::process::Command::new("sh");
+        c.arg("-c").arg(&advice).current_dir(&env.scratch);
+        c
+    });
+    assert_eq!(code(&out), Some(0), "{advice}: {}", show(&out));
+    assert!(
+        !env.scratch.join("pwned").exists(),
+        "{advice} ran more than it said"
+    );
+    use std::os::unix::fs::MetadataExt as _;
+    assert_eq!(fs::metadata(&link).unwrap().nlink(), 1, "{advice}");
+}
