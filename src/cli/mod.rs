@@ -582,6 +582,13 @@ fn deadline(wait: Option<&str>, no_wait: bool) -> Result<(Option<Instant>, bool)
 /// Rows as left-aligned columns, two spaces apart; the last column is not
 /// padded, and no line ends in spaces.
 fn table<const N: usize>(rows: &[[String; N]]) -> String {
+    // A cell may hold what a forged record says (a base, a class): one
+    // row a line, and nothing that drives the terminal.
+    let rows: Vec<[String; N]> = rows
+        .iter()
+        .map(|r| r.clone().map(|c| crate::ident::printable(&c).into_owned()))
+        .collect();
+    let rows = rows.as_slice();
     let mut widths = [0usize; N];
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {

@@ -311,3 +311,28 @@ fn a_torn_slot_class_record_keeps_the_class() {
         .unwrap_or_else(|| panic!("pull kept: {v}"));
     assert_eq!(pull["limit"], 2, "{v}");
 }
+
+/// A record forged with an escape sequence in its base (a group member
+/// may write lock files) drives nobody's terminal: `images` shows it
+/// escaped, one row a line.
+#[test]
+fn a_forged_base_is_shown_escaped() {
+    let env = Env::new();
+    ready(&env, "base");
+    let out = env.run(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(env.lock_file("app"))
+        .unwrap();
+    let mut seen = image_record::read(&file).unwrap();
+    let mut forged = seen.record.clone().unwrap();
+    forged.base = Some("\x1b[2J\rbase".into());
+    image_record::write(&file, &mut seen, &forged).unwrap();
+    let out = env.run(["images"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("\\x1b[2J\\rbase"), "{said}");
+    assert!(!said.contains('\x1b') && !said.contains('\r'), "{said:?}");
+}
