@@ -710,7 +710,12 @@ impl Dir {
                 return Ok(());
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(refused(e, &[(self, Some(name), LIST, "the directory")])),
+            Err(e) => {
+                return Err(explain_refusal(
+                    e,
+                    &[(self, Some(name), LIST, "the directory")],
+                ));
+            }
         };
         // The walk keeps to the filesystem of the tree it starts at, so a
         // mount at the top itself (an image directory bind-mounted, a mount
@@ -720,8 +725,9 @@ impl Dir {
             return Err(mount_point(name));
         }
         empty_tree(top, removed)?;
-        self.unlinkat(name, libc::AT_REMOVEDIR)
-            .map_err(|e| refused(e, &[(self, None, DELETE_IN, "the directory holding it")]))?;
+        self.unlinkat(name, libc::AT_REMOVEDIR).map_err(|e| {
+            explain_refusal(e, &[(self, None, DELETE_IN, "the directory holding it")])
+        })?;
         *removed += 1;
         Ok(())
     }
@@ -815,7 +821,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
     top.make_writable(&st);
     let pending = top
         .names()
-        .map_err(|e| refused(e, &[(&top, None, LIST, "the directory")]))?;
+        .map_err(|e| explain_refusal(e, &[(&top, None, LIST, "the directory")]))?;
     let mut stack = vec![Level {
         dir: Some(top),
         id: (st.dev, st.ino),
@@ -833,7 +839,10 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
                 Ok(false) => {}
                 Err(e) => {
                     let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
-                    return Err(refused(e, &[(dir, None, LIST, &shown(&trail(&stack)))]));
+                    return Err(explain_refusal(
+                        e,
+                        &[(dir, None, LIST, &shown(&trail(&stack)))],
+                    ));
                 }
             }
             if depth == 1 {
@@ -882,7 +891,10 @@ pub const MOVE: libc::c_int = libc::W_OK;
 /// member (or root) can empty or move; for EPERM, a sticky directory not
 /// ours that the step deleted in. Any other error (an immutable file) is
 /// kept as the kernel said it.
-pub fn refused(e: io::Error, suspects: &[(&Dir, Option<&OsStr>, libc::c_int, &str)]) -> io::Error {
+pub fn explain_refusal(
+    e: io::Error,
+    suspects: &[(&Dir, Option<&OsStr>, libc::c_int, &str)],
+) -> io::Error {
     let said = |why: String| io::Error::new(e.kind(), format!("{e}: {why}"));
     match e.raw_os_error() {
         Some(libc::EACCES) => {
@@ -959,7 +971,7 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
         }
         Err(e) => {
             let pdir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
-            return Err(refused(
+            return Err(explain_refusal(
                 e,
                 &[(pdir, None, DELETE_IN, &shown(&trail(stack)))],
             ));
@@ -998,7 +1010,7 @@ fn remove_or_open(
     let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
     let here = || shown(&trail(stack));
     let there = || shown(&trail(stack).join(&name));
-    let in_dir = |e| refused(e, &[(dir, None, DELETE_IN, &here())]);
+    let in_dir = |e| explain_refusal(e, &[(dir, None, DELETE_IN, &here())]);
     let Some(st) = dir.stat_at(&name).map_err(in_dir)? else {
         return Ok(None);
     };
@@ -1019,7 +1031,7 @@ fn remove_or_open(
             return unlink(removed);
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(refused(e, &[(dir, Some(&name), LIST, &there())])),
+        Err(e) => return Err(explain_refusal(e, &[(dir, Some(&name), LIST, &there())])),
     };
     let sst = sub.stat()?;
     if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
@@ -1028,7 +1040,7 @@ fn remove_or_open(
     sub.make_writable(&sst);
     let pending = sub
         .names()
-        .map_err(|e| refused(e, &[(&sub, None, LIST, &there())]))?;
+        .map_err(|e| explain_refusal(e, &[(&sub, None, LIST, &there())]))?;
     Ok(Some(Level {
         dir: Some(sub),
         id: (sst.dev, sst.ino),

@@ -254,7 +254,7 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
         }
         Err(e) => {
             use crate::dir::{DELETE_IN, MOVE};
-            let e = crate::dir::refused(
+            let e = crate::dir::explain_refusal(
                 e,
                 &[
                     (trash, None, DELETE_IN, "the trash"),
@@ -305,7 +305,7 @@ pub fn empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) -> Resu
     {
         crate::signals::check()?;
         dir.remove_entry(&entry, &mut n)
-            .with_context(|| format!("cannot delete {}", shown(&path.join(&entry))))?;
+            .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
     }
     Ok(())
 }
@@ -338,7 +338,7 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
         let mut n = 0;
         if fix && let Err(e) = trash.remove_entry(&entry, &mut n) {
             out.failed
-                .push(format!("cannot delete {}: {e}", shown(&path)));
+                .push(format!("cannot delete {}: {e}", path.display()));
             continue;
         }
         out.bytes += bytes;
@@ -379,11 +379,4 @@ pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[Imag
             let _ = root.unlink_lock(g);
         }
     }
-}
-
-/// A path whose last name anyone who may write the trash or a tree chose,
-/// for a message: control characters escaped (a newline there must not
-/// make a second line).
-fn shown(p: &Path) -> String {
-    crate::ident::printable(&p.to_string_lossy()).into_owned()
 }

@@ -32,10 +32,7 @@ impl Trail {
                 .iter()
                 .map(CString::as_c_str)
                 .chain(name)
-                // A name may hold a newline: never a second line of a message.
-                .map(|c| {
-                    crate::ident::printable(&String::from_utf8_lossy(c.to_bytes())).into_owned()
-                }),
+                .map(|c| String::from_utf8_lossy(c.to_bytes()).into_owned()),
         );
         let full = parts.join("/");
         if full.len() <= SHOWN {

@@ -584,19 +584,18 @@ fn deadline(wait: Option<&str>, no_wait: bool) -> Result<(Option<Instant>, bool)
 fn table<const N: usize>(rows: &[[String; N]]) -> String {
     // A cell may hold what a forged record says (a base, a class): one
     // row a line, and nothing that drives the terminal.
-    let rows: Vec<[String; N]> = rows
+    let rows: Vec<[std::borrow::Cow<str>; N]> = rows
         .iter()
-        .map(|r| r.clone().map(|c| crate::ident::printable(&c).into_owned()))
+        .map(|r| std::array::from_fn(|i| crate::ident::printable(&r[i])))
         .collect();
-    let rows = rows.as_slice();
     let mut widths = [0usize; N];
-    for row in rows {
+    for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
         }
     }
     let mut out = String::new();
-    for row in rows {
+    for row in &rows {
         let mut line = String::new();
         for (i, (cell, w)) in row.iter().zip(widths).enumerate() {
             if i + 1 == N {
