@@ -475,8 +475,30 @@ fn no_member_can_swap_a_name_in_a_copy_under_way() {
 /// writable by the group.
 fn member_builds(env: &Env, image: &str, script: &str) {
     let script = format!("{script} && chmod -R g+rwX \"$STOWAGE_IMAGE_DIR\"");
-    let out = as_member(env, &["exec", "--write", image, "--", "sh", "-c", &script]);
+    builds_as(env, 65534, image, &script);
+}
+
+/// Member `uid` writes `image` with `script`, which must succeed.
+fn builds_as(env: &Env, uid: u32, image: &str, script: &str) {
+    let out = as_uid(
+        env,
+        uid,
+        &["exec", "--write", image, "--", "sh", "-c", script],
+    );
     assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+/// What a killed removal of member 1001's leaves in the trash: entry
+/// `name` holding `d/q`, all 1001's, with `private` (relative to the
+/// entry; "" for the entry itself) mode 700.
+fn left_in_trash(env: &Env, name: &str, private: &str) {
+    let entry = env.root.join("trash").join(name);
+    fs::create_dir_all(entry.join("d")).unwrap();
+    fs::write(entry.join("d/q"), "q").unwrap();
+    for p in [entry.join("d/q"), entry.join("d"), entry.clone()] {
+        std::os::unix::fs::chown(&p, Some(1001), Some(GID)).unwrap();
+    }
+    fs::set_permissions(entry.join(private), fs::Permissions::from_mode(0o700)).unwrap();
 }
 
 /// A member rebuilds from a base an image another member made first, and
@@ -599,14 +621,7 @@ fn a_refused_removal_names_the_directory_that_refused_and_its_owner() {
     }
     let env = env_for_members();
     env.ok(["init", "--group", "100"]);
-    let build = |uid: u32, image: &str, script: &str| {
-        let out = as_uid(
-            &env,
-            uid,
-            &["exec", "--write", image, "--", "sh", "-c", script],
-        );
-        assert_eq!(code(&out), Some(0), "{}", show(&out));
-    };
+    let build = |uid: u32, image: &str, script: &str| builds_as(&env, uid, image, script);
     // 1001's tree, open to the group, holding 1002's private directory.
     build(
         1001,
@@ -634,13 +649,7 @@ fn a_refused_removal_names_the_directory_that_refused_and_its_owner() {
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 
     // A killed removal's entry in the trash, private to its member.
-    let entry = env.root.join("trash/1.2.0.z");
-    fs::create_dir_all(entry.join("d")).unwrap();
-    fs::write(entry.join("d/q"), "q").unwrap();
-    for p in [entry.join("d/q"), entry.join("d"), entry.clone()] {
-        std::os::unix::fs::chown(&p, Some(1001), Some(GID)).unwrap();
-    }
-    fs::set_permissions(&entry, fs::Permissions::from_mode(0o700)).unwrap();
+    left_in_trash(&env, "1.2.0.z", "");
     for args in [&["gc"][..], &["doctor", "--repair"][..]] {
         let (_, said) = said_by(&env, 1003, args);
         assert!(said.contains("uid 1001's"), "{args:?}: {said}");
@@ -699,14 +708,7 @@ fn a_refused_deletion_names_the_refusing_directory_by_its_path() {
     }
     let env = env_for_members();
     env.ok(["init", "--group", "100"]);
-    let build = |uid: u32, image: &str, script: &str| {
-        let out = as_uid(
-            &env,
-            uid,
-            &["exec", "--write", image, "--", "sh", "-c", script],
-        );
-        assert_eq!(code(&out), Some(0), "{}", show(&out));
-    };
+    let build = |uid: u32, image: &str, script: &str| builds_as(&env, uid, image, script);
     // 1001's tree: x (group may list and enter, not delete in it), deep
     // down d/d/d, 1003's private y in it.
     build(
@@ -752,13 +754,7 @@ fn a_refused_deletion_names_the_refusing_directory_by_its_path() {
 
     // A trash entry named with a newline and a forged line, that 1003
     // may not delete: one line says so, escaped.
-    let entry = env.root.join("trash/e1\nstowage: removed 'prod'");
-    fs::create_dir_all(entry.join("p")).unwrap();
-    fs::write(entry.join("p/q"), "q").unwrap();
-    for p in [entry.join("p/q"), entry.join("p"), entry.clone()] {
-        std::os::unix::fs::chown(&p, Some(1001), Some(GID)).unwrap();
-    }
-    fs::set_permissions(entry.join("p"), fs::Permissions::from_mode(0o700)).unwrap();
+    left_in_trash(&env, "e1\nstowage: removed 'prod'", "d");
     let (exit, said) = said_by(&env, 1003, &["gc"]);
     assert_eq!(exit, Some(1), "{said}");
     assert!(
