@@ -18,7 +18,6 @@ use crate::clock::{self, Millis};
 use crate::config::Config;
 use crate::dir::Dir;
 use crate::image_record::{self, ADOPTED, Record, State};
-use crate::lock::Mode;
 use crate::name::ImageName;
 use crate::root::Root;
 
@@ -117,16 +116,12 @@ fn adopt_one(
     how: Adopt,
 ) -> Result<bool> {
     let path = root.image_lock(name);
-    let held = crate::lock::acquire_no_wait_with(
-        &path,
-        Mode::Exclusive,
-        crate::lock::IfMissing::Create,
-        |f| image_record::read_proving(f, &path, name.as_str()),
-    )
-    .map_err(|e| crate::lock::error(&format!("image '{name}'"), &path, e))?;
-    let Some((guard, mut seen)) = held else {
+    let held = crate::gc::take_exclusive(root, name, crate::lock::IfMissing::Create)
+        .map_err(|e| crate::lock::error(&format!("image '{name}'"), &path, e))?;
+    let Some(held) = held else {
         anyhow::bail!("its lock is held (try again when it is free)");
     };
+    let (guard, mut seen) = (held.guard, held.seen);
     if seen.record.is_some() || seen.damaged || seen.legacy {
         return Ok(false);
     }

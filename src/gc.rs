@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 
+use crate::acquire::image::Held;
 use crate::clock::{self, Millis};
 use crate::disk_usage;
 use crate::image_record::State;
@@ -288,7 +289,7 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
         let Ok(name) = ImageName::parse(&r.name) else {
             continue;
         };
-        let Ok(Some(held)) = take_exclusive(&root, &name) else {
+        let Ok(Some(held)) = take_exclusive(&root, &name, lock::IfMissing::Fail) else {
             continue;
         };
         if held
@@ -312,22 +313,21 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     Ok(())
 }
 
-/// An image's lock taken exclusively without waiting, with its record.
-fn take_exclusive(
+/// An image's lock taken exclusively without waiting (`None`: busy), with
+/// its record read under it; doctor and adoption take theirs so too.
+pub(crate) fn take_exclusive(
     root: &crate::root::Root,
     name: &ImageName,
-) -> std::io::Result<Option<crate::acquire::image::Held>> {
+    missing: lock::IfMissing,
+) -> std::io::Result<Option<Held>> {
     let path = root.image_lock(name);
-    Ok(
-        lock::acquire_no_wait_with(&path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
-            crate::image_record::read_proving(f, &path, name.as_str())
-        })?
-        .map(|(guard, seen)| crate::acquire::image::Held {
-            name: name.clone(),
-            guard,
-            seen,
-        }),
-    )
+    let read = |f: &std::fs::File| crate::image_record::read_proving(f, &path, name.as_str());
+    let taken = lock::acquire_no_wait_with(&path, Mode::Exclusive, missing, read)?;
+    Ok(taken.map(|(guard, seen)| Held {
+        name: name.clone(),
+        guard,
+        seen,
+    }))
 }
 
 /// What each image takes, and what removing it frees (see disk_usage.rs).
@@ -392,7 +392,7 @@ fn collect(
         return Ok(false);
     };
     let root = store.root().clone();
-    let held = match take_exclusive(&root, &name) {
+    let held = match take_exclusive(&root, &name, lock::IfMissing::Fail) {
         Ok(Some(h)) => h,
         Ok(None) => {
             report.busy.push(img.name().to_owned());

@@ -950,19 +950,13 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     Ok(())
 }
 
-/// An image's lock taken exclusively without waiting, with its record.
+/// An image's lock taken exclusively without waiting, with its record (its
+/// lock file is `e.path`: the census keeps only a record of its own file).
 fn take_held(root: &crate::root::Root, e: &Entry) -> Option<crate::acquire::image::Held> {
     let name = ImageName::parse(e.name()?).ok()?;
-    let (guard, seen) =
-        lock::acquire_no_wait_with(&e.path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
-            crate::image_record::read_proving(f, &e.path, name.as_str())
-        })
-        .ok()??;
+    let held = crate::gc::take_exclusive(root, &name, lock::IfMissing::Fail).ok()??;
     // A store-wide command holds the store: left for later.
-    if crate::store_wide::blocks(root, &seen) {
-        return None;
-    }
-    Some(crate::acquire::image::Held { name, guard, seen })
+    (!crate::store_wide::blocks(root, &held.seen)).then_some(held)
 }
 
 fn done(repair: bool, what: &str) -> String {
