@@ -102,6 +102,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // gc locks images: its lease names it to lock-status meanwhile.
     if !policy.dry_run {
         let _ = crate::lease::introduce(&store.root().leases());
+        crate::migrate::if_needed(store, None)?;
     }
     let mut report = Report {
         dry_run: policy.dry_run,
@@ -109,9 +110,6 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         unused_for_seconds: policy.unused_for.map(|d| d.as_secs()),
         ..Report::default()
     };
-    if !policy.dry_run {
-        crate::migrate::if_needed(store, None)?;
-    }
     finish_interrupted(store, policy.dry_run, &mut report)?;
     let images = crate::survey::survey(store, true)?;
     let config = crate::images_dir::config(store.root())?;
@@ -132,13 +130,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     report.unknown = rows
         .iter()
         .filter(|r| r.state == State::Incomplete && r.record.readiness_unknown())
-        .map(|r| {
-            format!(
-                "{}: {}",
-                r.name(),
-                r.record.outcome.as_deref().unwrap_or("")
-            )
-        })
+        .map(|r| (r.name(), r.record.outcome.as_deref().unwrap_or("")))
+        .map(|(name, why)| format!("{name}: {why}"))
         .collect();
     crate::debug::pause("gc-listed");
     let cutoff = cutoff(policy);
@@ -149,25 +142,14 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         rows = rest;
         for r in these {
             crate::signals::check()?;
-            let bytes = budget.frees(&r);
-            if collect(
-                store,
-                &r,
-                reason,
-                cutoff,
-                bytes,
-                policy.dry_run,
-                &mut report,
-            )? {
-                budget.removed(&r, bytes);
-            } else {
+            if !collect(store, &r, reason, cutoff, &mut budget, &mut report)? {
                 rows.push(r);
             }
         }
         rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
-        over_budget(store, policy, cutoff, max, rows, &mut budget, &mut report)?;
+        over_budget(store, cutoff, max, rows, &mut budget, &mut report)?;
     }
     report.size_after = budget.total;
     if !policy.dry_run {
@@ -181,7 +163,6 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
 /// whose removal would free nothing now while a later one frees something.
 fn over_budget(
     store: &mut Store,
-    policy: &Policy,
     cutoff: Option<Millis>,
     max: u64,
     rows: Vec<Image>,
@@ -196,18 +177,7 @@ fn over_budget(
         crate::signals::check()?;
         let i = left.iter().position(|r| budget.frees(r) > 0).unwrap_or(0);
         let r = left.remove(i);
-        let bytes = budget.frees(&r);
-        if collect(
-            store,
-            &r,
-            Reason::OverBudget,
-            cutoff,
-            bytes,
-            policy.dry_run,
-            report,
-        )? {
-            budget.removed(&r, bytes);
-        }
+        collect(store, &r, Reason::OverBudget, cutoff, budget, report)?;
     }
     Ok(())
 }
@@ -241,7 +211,9 @@ impl Budget {
 
     fn removed(&mut self, r: &Image, bytes: u64) {
         self.total = self.total.saturating_sub(bytes);
-        forget(&mut self.footprint, &self.cost, r);
+        if let Some(c) = self.cost.get(r.name()) {
+            self.footprint.release(&c.shared_ranges);
+        }
     }
 }
 
@@ -277,28 +249,14 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     let root = store.root().clone();
     let entries = crate::census::take(&root)?;
     crate::debug::pause("interrupted-listed");
-    for e in entries {
-        let Some(r) = e
-            .seen
-            .record
-            .as_ref()
-            .filter(|r| r.state == State::Deleting)
-        else {
-            continue;
-        };
-        let Ok(name) = ImageName::parse(&r.name) else {
+    for e in entries.iter().filter(|e| deleting(&e.seen)) {
+        let Some(Ok(name)) = e.name().map(ImageName::parse) else {
             continue;
         };
         let Ok(Some(held)) = take_exclusive(&root, &name, lock::IfMissing::Fail) else {
             continue;
         };
-        if held
-            .seen
-            .record
-            .as_ref()
-            .is_none_or(|r| r.state != State::Deleting)
-            || crate::store_wide::blocks(&root, &held.seen)
-        {
+        if !deleting(&held.seen) || crate::store_wide::blocks(&root, &held.seen) {
             continue;
         }
         report.interrupted_removals.push(name.as_str().to_owned());
@@ -311,6 +269,11 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     report.bytes_freed += trash.bytes;
     report.failed.extend(trash.failed);
     Ok(())
+}
+
+/// Whether a lock file says its image's removal was under way.
+pub(crate) fn deleting(seen: &crate::image_record::Seen) -> bool {
+    matches!(&seen.record, Some(r) if r.state == State::Deleting)
 }
 
 /// An image's lock taken exclusively without waiting (`None`: busy), with
@@ -335,23 +298,17 @@ fn costs(store: &Store, rows: &[Image], shares: bool) -> Result<HashMap<String, 
     let mut cost = HashMap::new();
     for r in rows {
         crate::signals::check()?;
-        let c = if shares || r.size.is_none() {
-            let tree = crate::images_dir::tree_of(store.root(), &r.record);
-            match disk_usage::measure(&tree, shares).ok() {
-                Some(m) => Cost {
-                    own: m.allocated.saturating_sub(m.shared),
-                    shared_ranges: m.shared_ranges,
-                },
-                None => Cost {
-                    own: r.size.unwrap_or(0),
-                    shared_ranges: Vec::new(),
-                },
-            }
-        } else {
-            Cost {
+        let tree = || crate::images_dir::tree_of(store.root(), &r.record);
+        let measured = (shares || r.size.is_none()).then(|| disk_usage::measure(&tree(), shares));
+        let c = match measured.and_then(Result::ok) {
+            Some(m) => Cost {
+                own: m.allocated.saturating_sub(m.shared),
+                shared_ranges: m.shared_ranges,
+            },
+            None => Cost {
                 own: r.size.unwrap_or(0),
                 shared_ranges: Vec::new(),
-            }
+            },
         };
         cost.insert(r.name().to_owned(), c);
     }
@@ -362,12 +319,6 @@ fn costs(store: &Store, rows: &[Image], shares: bool) -> Result<HashMap<String, 
 struct Cost {
     own: u64,
     shared_ranges: Vec<(u64, u64)>,
-}
-
-fn forget(fp: &mut disk_usage::Footprint, cost: &HashMap<String, Cost>, r: &Image) {
-    if let Some(c) = cost.get(r.name()) {
-        fp.release(&c.shared_ranges);
-    }
 }
 
 /// Least recently used first; by name among equals, so runs repeat.
@@ -384,10 +335,10 @@ fn collect(
     img: &Image,
     reason: Reason,
     cutoff: Option<Millis>,
-    bytes: u64,
-    dry_run: bool,
+    budget: &mut Budget,
     report: &mut Report,
 ) -> Result<bool> {
+    let bytes = budget.frees(img);
     let Ok(name) = ImageName::parse(img.name()) else {
         return Ok(false);
     };
@@ -421,7 +372,7 @@ fn collect(
     {
         return Ok(false);
     }
-    if !dry_run {
+    if !report.dry_run {
         crate::debug::pause("gc-rechecked");
         // Named by our lease while it goes (on another host nothing else
         // names the holder of a removal).
@@ -444,6 +395,7 @@ fn collect(
         size_bytes: bytes,
         reason,
     });
+    budget.removed(img, bytes);
     Ok(true)
 }
 

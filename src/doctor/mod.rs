@@ -644,19 +644,11 @@ fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &
             stuck.push(name);
             continue;
         }
-        match take_held(root, e) {
-            Some(h)
-                if h.seen
-                    .record
-                    .as_ref()
-                    .is_some_and(|r| r.state == State::Deleting) =>
-            {
-                match remove::finish_held(root, h) {
-                    Ok(()) => finished.push(name),
-                    Err(err) => report.problem("removals", format!("{err:#}")),
-                }
+        if let Some(h) = take_held(root, e).filter(|h| crate::gc::deleting(&h.seen)) {
+            match remove::finish_held(root, h) {
+                Ok(()) => finished.push(name),
+                Err(err) => report.problem("removals", format!("{err:#}")),
             }
-            _ => {}
         }
     }
     if !stuck.is_empty() {
