@@ -133,12 +133,9 @@ fn adopt_one(
     }
     // No store-wide command may find a new image made beside it.
     if crate::store_wide::probe(root)? == crate::store_wide::Probe::Held {
-        return Err(crate::Error::Busy(crate::error::Busy {
-            what: format!("the adoption of image '{name}'"),
-            holders: "a store-wide command runs; try again when it ends".into(),
-            waited: std::time::Duration::ZERO,
-        })
-        .into());
+        let what = format!("the adoption of image '{name}'");
+        let holders = "a store-wide command runs; try again when it ends".into();
+        return Err(crate::error::Busy::now(what, holders).into());
     }
     let mut r = Record::new(name.as_str(), config.images.clone(), tree_time(tree));
     (r.state, r.outcome) = match how {

@@ -404,12 +404,10 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
     );
     match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait) {
         Ok(lock::Waited::Acquired(_)) => Ok(()),
-        Ok(lock::Waited::TimedOut) => Err(crate::Error::Busy(crate::error::Busy {
-            what: format!("the lock on image '{name}' (needed free to migrate the store)"),
-            holders: String::new(),
-            waited: std::time::Duration::ZERO,
-        })
-        .into()),
+        Ok(lock::Waited::TimedOut) => {
+            let what = format!("the lock on image '{name}' (needed free to migrate the store)");
+            Err(crate::error::Busy::now(what, String::new()).into())
+        }
         Ok(lock::Waited::Interrupted(sig)) => Err(crate::Error::Interrupted(sig).into()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(lock::error(&format!("image '{name}'"), &path, e)),

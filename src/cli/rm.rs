@@ -6,6 +6,7 @@ use anyhow::Result;
 
 use crate::acquire::image::{Held, Want};
 use crate::disk_usage;
+use crate::holders::{LockKind, holders_phrase};
 use crate::lease::Holding;
 use crate::lock::Mode;
 use crate::remove;
@@ -125,16 +126,9 @@ fn take_all(
             crate::store_wide::Probe::Held => {
                 let path = store.root().store_wide_lock();
                 crate::remove::release_unclaimed(store.root(), held, &[]);
-                return Err(crate::Error::Busy(crate::error::Busy {
-                    what: "the store (a store-wide command runs)".into(),
-                    holders: crate::holders::holders_phrase(
-                        store.ctx(),
-                        crate::holders::LockKind::Global,
-                        &path,
-                    ),
-                    waited: std::time::Duration::ZERO,
-                })
-                .into());
+                let what = "the store (a store-wide command runs)".into();
+                let holders = holders_phrase(store.ctx(), LockKind::Global, &path);
+                return Err(crate::error::Busy::now(what, holders).into());
             }
             crate::store_wide::Probe::Free => {
                 crate::store_wide::clear_hints(held.iter().map(|h| h.guard.file()));

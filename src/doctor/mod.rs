@@ -114,12 +114,9 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     let Some(guard) = lock::acquire_no_wait(&path, lock::Mode::Exclusive, lock::IfMissing::Create)
         .map_err(|e| crate::lock::error("the probe lock", &path, e))?
     else {
-        return Err(crate::Error::Busy(crate::error::Busy {
-            what: format!("the probe lock {}", path.display()),
-            holders: format!("held by another probe: {}", probe_holder(&path)),
-            waited: std::time::Duration::ZERO,
-        })
-        .into());
+        let what = format!("the probe lock {}", path.display());
+        let holders = format!("held by another probe: {}", probe_holder(&path));
+        return Err(crate::error::Busy::now(what, holders).into());
     };
     let since = clock::now_ms();
     guard
