@@ -158,15 +158,10 @@ fn probe_text(path: &Path) -> Option<String> {
 
 /// Who the probe file says holds it.
 fn probe_holder(path: &Path) -> String {
-    match probe_text(path) {
-        Some(text) => {
-            let f: Vec<&str> = text.trim().split('\t').collect();
-            match f.as_slice() {
-                [host, pid, since] => format!("host {host}, pid {pid}, since {since}"),
-                _ => "an unknown holder".into(),
-            }
-        }
-        None => "an unknown holder".into(),
+    let text = probe_text(path).unwrap_or_default();
+    match text.trim().split('\t').collect::<Vec<_>>().as_slice() {
+        [host, pid, since] => format!("host {host}, pid {pid}, since {since}"),
+        _ => "an unknown holder".into(),
     }
 }
 
@@ -593,15 +588,19 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         );
     }
     removals(&root, &entries, repair, report);
-    let failed: Vec<String> = entries
-        .iter()
-        .filter(|e| e.state() == Some(State::Incomplete))
-        .filter(|e| {
+    // Incomplete images: those whose writer failed or died, or those adopted.
+    let incomplete = |adopted: bool| -> Vec<String> {
+        let was_adopted = |e: &Entry| {
             e.seen.record.as_ref().and_then(|r| r.outcome.as_deref())
-                != Some(crate::image_record::ADOPTED)
-        })
-        .filter_map(|e| e.name().map(str::to_owned))
-        .collect();
+                == Some(crate::image_record::ADOPTED)
+        };
+        entries
+            .iter()
+            .filter(|e| e.state() == Some(State::Incomplete) && was_adopted(e) == adopted)
+            .filter_map(|e| e.name().map(str::to_owned))
+            .collect()
+    };
+    let failed = incomplete(false);
     if !failed.is_empty() {
         report.info(
             "images",
@@ -611,15 +610,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             ),
         );
     }
-    let unknown: Vec<String> = entries
-        .iter()
-        .filter(|e| {
-            e.seen.record.as_ref().and_then(|r| r.outcome.as_deref())
-                == Some(crate::image_record::ADOPTED)
-                && e.state() == Some(State::Incomplete)
-        })
-        .filter_map(|e| e.name().map(str::to_owned))
-        .collect();
+    let unknown = incomplete(true);
     if !unknown.is_empty() {
         report.info("images", format!("{} adopted without a record: whether complete is not known, so kept ('stowage exec --write NAME -- true' marks one ready)", list(&unknown)));
     }
@@ -766,14 +757,11 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     missing_trees(&root, &gone, repair, report);
     let orphans = adopt::orphans(&images, &dir, &named)?;
     for (entry, why) in &orphans.skipped {
-        report.info(
-            "images",
-            format!(
-                "{:?} in {} is no image ({why}); left alone",
-                entry,
-                dir.display()
-            ),
+        let detail = format!(
+            "{entry:?} in {} is no image ({why}); left alone",
+            dir.display()
         );
+        report.info("images", detail);
     }
     orphan_trees(&root, &config, &orphans, &dir, repair, report)
 }
@@ -846,13 +834,11 @@ fn missing_trees(
         let Some(h) = take_held(root, e) else {
             continue;
         };
-        let still = h
-            .seen
-            .record
-            .as_ref()
-            .is_some_and(|r| r.state == State::Ready)
-            && crate::images_dir::of_record(root, h.seen.record.as_ref().expect("checked"))
-                .is_ok_and(|d| !d.join(n.encoded()).exists());
+        let still = h.seen.record.as_ref().is_some_and(|r| {
+            r.state == State::Ready
+                && crate::images_dir::of_record(root, r)
+                    .is_ok_and(|d| !d.join(n.encoded()).exists())
+        });
         if still && root.drop_record(n, h.guard).is_ok() {
             dropped.push(n.as_str().to_owned());
         }
@@ -869,6 +855,7 @@ fn missing_trees(
 /// The trash, lock files that name no image, dead leases.
 fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
+    let fixed_or = |found: Verdict| if repair { Verdict::Repaired } else { found };
     // A trash that is no directory: reported with the layout.
     let trash = remove::empty_trash(&root, repair).unwrap_or_default();
     for f in &trash.failed {
@@ -877,11 +864,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     if !trash.entries.is_empty() {
         report.add(
             "trash",
-            if repair {
-                Verdict::Repaired
-            } else {
-                Verdict::Problem
-            },
+            fixed_or(Verdict::Problem),
             format!(
                 "{} {} left in {} ({})",
                 done(repair, "deleted"),
@@ -899,10 +882,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             .filter(|e| e.seen.names_nothing())
             .collect();
         let mut gone = 0;
-        for e in &empty {
-            if !repair {
-                continue;
-            }
+        for e in empty.iter().filter(|_| repair) {
             if let Ok(Some(g)) =
                 lock::acquire_no_wait(&e.path, Mode::Exclusive, lock::IfMissing::Fail)
                 && crate::image_record::read(g.file()).is_ok_and(|s| s.names_nothing())
@@ -912,19 +892,10 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             }
         }
         if !empty.is_empty() {
-            report.add(
-                "locks",
-                if repair {
-                    Verdict::Repaired
-                } else {
-                    Verdict::Info
-                },
-                format!(
-                    "{} {} lock file(s) that name no image",
-                    done(repair, "removed"),
-                    if repair { gone } else { empty.len() }
-                ),
-            );
+            let found = if repair { gone } else { empty.len() };
+            let verb = done(repair, "removed");
+            let detail = format!("{verb} {found} lock file(s) that name no image");
+            report.add("locks", fixed_or(Verdict::Info), detail);
         }
     }
     if repair {
@@ -948,12 +919,8 @@ fn take_held(root: &crate::root::Root, e: &Entry) -> Option<crate::acquire::imag
     (!crate::store_wide::blocks(root, &held.seen)).then_some(held)
 }
 
-fn done(repair: bool, what: &str) -> String {
-    if repair {
-        what.to_owned()
-    } else {
-        "found".to_owned()
-    }
+fn done(repair: bool, what: &str) -> &str {
+    if repair { what } else { "found" }
 }
 
 /// "'a', 'b' and 3 more"
