@@ -22,44 +22,30 @@ use crate::dir::Dir;
 use crate::root::Root;
 use crate::slot_limits::Kind;
 
-use super::{Report, Verdict};
+use super::Report;
 
 /// The files stowage keeps in a directory of the layout, by name.
 type Wanted = fn(&str) -> bool;
 
-fn in_root(n: &str) -> bool {
-    matches!(n, crate::config::FILE | "reserve")
-}
-
-fn in_locks(n: &str) -> bool {
-    matches!(n, "global.lock" | "store.lock" | "probe.lock")
-}
-
-fn in_image_locks(n: &str) -> bool {
-    n.ends_with(".lock") || n.ends_with(".gate")
-}
-
-fn in_leases(n: &str) -> bool {
-    n.ends_with(".lease") && !n.starts_with('.')
-}
-
-fn in_class(n: &str) -> bool {
-    Kind::of(n).is_some() || n == crate::slots::CHANGED
-}
-
 /// Checks every file of the layout (see the module doc).
 pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report) {
     let mut places: Vec<(String, Wanted)> = vec![
-        (String::new(), in_root),
-        (Root::LOCKS_REL.into(), in_locks),
-        (Root::IMAGE_LOCKS_REL.into(), in_image_locks),
-        ("locks/leases".into(), in_leases),
+        (String::new(), |n| {
+            matches!(n, crate::config::FILE | "reserve")
+        }),
+        (Root::LOCKS_REL.into(), |n| {
+            matches!(n, "global.lock" | "store.lock" | "probe.lock")
+        }),
+        (Root::IMAGE_LOCKS_REL.into(), |n| {
+            n.ends_with(".lock") || n.ends_with(".gate")
+        }),
+        ("locks/leases".into(), |n| {
+            n.ends_with(".lease") && !n.starts_with('.')
+        }),
     ];
-    places.extend(
-        classes(root, repair, report)
-            .into_iter()
-            .map(|c| (format!("locks/slots/{c}"), in_class as Wanted)),
-    );
+    let in_class: Wanted = |n| Kind::of(n).is_some() || n == crate::slots::CHANGED;
+    let classes = classes(root, repair, report).into_iter();
+    places.extend(classes.map(|c| (format!("locks/slots/{c}"), in_class)));
     for (rel, wanted) in places {
         // A directory of the layout that cannot be opened is `layout`'s.
         let Ok(dir) = open(root, &rel) else { continue };
@@ -186,37 +172,25 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
     } else {
         "not made by stowage"
     };
+    let (shown, not) = (path.display(), crate::planted::expected(kind));
     if !repair {
-        report.problem(
-            "files",
-            format!(
-                "{} is {kind}, not {}: {why}{replaced}; {}",
-                path.display(),
-                crate::planted::expected(kind),
-                crate::planted::FIX
-            ),
-        );
+        let fix = crate::planted::FIX;
+        let detail = format!("{shown} is {kind}, not {not}: {why}{replaced}; {fix}");
+        report.problem("files", detail);
         return;
     }
     match dir.set_aside(name, "planted") {
-        Ok(aside) => report.repaired(
-            "files",
-            format!(
-                "{} was {kind}, not {}: set aside as {}{replaced}",
-                path.display(),
-                crate::planted::expected(kind),
-                path.with_file_name(aside).display()
-            ),
-        ),
+        Ok(aside) => {
+            let aside = path.with_file_name(aside);
+            let aside = aside.display();
+            let detail = format!("{shown} was {kind}, not {not}: set aside as {aside}{replaced}");
+            report.repaired("files", detail);
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => report.problem(
-            "files",
-            format!(
-                "{} is {kind}, not {}, and cannot be set aside: {e}",
-                path.display(),
-                crate::planted::expected(kind)
-            ),
-        ),
+        Err(e) => {
+            let detail = format!("{shown} is {kind}, not {not}, and cannot be set aside: {e}");
+            report.problem("files", detail);
+        }
     }
 }
 
@@ -234,35 +208,22 @@ fn mode(
     if dir.may_read_write(name) {
         return;
     }
-    let bits = st.mode & 0o7777;
-    let ours = st.uid == nix::unistd::geteuid().as_raw();
+    let (shown, bits, uid) = (path.display(), st.mode & 0o7777, st.uid);
+    let ours = uid == nix::unistd::geteuid().as_raw();
     if !ours {
-        report.problem("files", format!(
-                "{} (mode {bits:03o}) belongs to uid {}, and you may not read and write it: they may 'chmod 666' it",
-                path.display(),
-                st.uid
-            ),
-        );
+        report.problem("files", format!("{shown} (mode {bits:03o}) belongs to uid {uid}, and you may not read and write it: they may 'chmod 666' it"));
         return;
     }
     let want = bits | 0o600 | if shared { 0o060 } else { 0 };
     if !repair {
-        report.problem("files", format!(
-                "{} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}",
-                path.display()
-            ),
-        );
+        report.problem("files", format!("{shown} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}"));
         return;
     }
-    let (verdict, detail) = match dir.chmod_at(name, want) {
-        Ok(()) => (
-            Verdict::Repaired,
-            format!("{} was mode {bits:03o}: now {want:03o}", path.display()),
+    match dir.chmod_at(name, want) {
+        Ok(()) => report.repaired(
+            "files",
+            format!("{shown} was mode {bits:03o}: now {want:03o}"),
         ),
-        Err(e) => (
-            Verdict::Problem,
-            format!("cannot give {} back its mode: {e}", path.display()),
-        ),
-    };
-    report.add("files", verdict, detail);
+        Err(e) => report.problem("files", format!("cannot give {shown} back its mode: {e}")),
+    }
 }
