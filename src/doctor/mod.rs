@@ -119,23 +119,13 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
         return Err(crate::error::Busy::now(what, holders).into());
     };
     let since = clock::now_ms();
+    let (host, pid, shown) = (&ctx.me.host, ctx.me.pid, path.display());
+    let since = clock::rfc3339(since).unwrap_or_else(|| "?".into());
     guard
-        .set_contents(
-            format!(
-                "{}\t{}\t{}\n",
-                ctx.me.host,
-                ctx.me.pid,
-                clock::rfc3339(since).unwrap_or_else(|| "?".into())
-            )
-            .as_bytes(),
-        )
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    ctx.say(&format!(
-        "holding the probe lock {} on host {} for {:.0} s: run 'stowage doctor' on another host sharing this root now",
-        path.display(),
-        ctx.me.host,
-        secs.as_secs_f64()
-    ));
+        .set_contents(format!("{host}\t{pid}\t{since}\n").as_bytes())
+        .with_context(|| format!("cannot write {shown}"))?;
+    let secs_f = secs.as_secs_f64();
+    ctx.say(&format!("holding the probe lock {shown} on host {host} for {secs_f:.0} s: run 'stowage doctor' on another host sharing this root now"));
     std::thread::sleep(secs);
     drop(guard);
     Ok(())
@@ -175,11 +165,9 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
     let host = text.split('\t').next().unwrap_or("");
     let who = probe_holder(&path);
     if host == ctx.me.host {
-        report.info("probe", format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"),
-        );
+        report.info("probe", format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"));
     } else {
-        report.ok("probe", format!("the probe lock held on another host ({who}) is seen held here: locks taken there exclude processes here"),
-        );
+        report.ok("probe", format!("the probe lock held on another host ({who}) is seen held here: locks taken there exclude processes here"));
     }
 }
 
@@ -262,8 +250,7 @@ fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
         Ok(true) => report.ok("flock", "two opens of one file exclude each other"),
         Ok(false) => {
             report.locking = false;
-            report.problem("flock", "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem",
-            );
+            report.problem("flock", "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem");
         }
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
             // Not a locking fault: this user may not write the store.
@@ -294,10 +281,8 @@ fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
             } else {
                 ""
             };
-            report.problem(
-                "flock",
-                format!("cannot lock {}: {e}{advice}", probe.display()),
-            );
+            let shown = probe.display();
+            report.problem("flock", format!("cannot lock {shown}: {e}{advice}"));
         }
     }
     if let (Ok(locks), Some(name)) = (
@@ -318,17 +303,13 @@ fn mount_reach(root: &crate::root::Root, report: &mut Report) {
             let at = mount
                 .as_ref()
                 .map_or_else(String::new, |m| format!("{}: ", m.mount_point.display()));
-            report.problem("mount", format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"),
-            );
+            report.problem("mount", format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"));
         }
-        filesystem::Reach::Unknown { why } => report.info("mount", format!(
-                "{why}; to check, run 'stowage doctor --hold-probe 60' on one host and 'stowage doctor' on another within the minute"
-            ),
-        ),
+        filesystem::Reach::Unknown { why } => report.info("mount", format!("{why}; to check, run 'stowage doctor --hold-probe 60' on one host and 'stowage doctor' on another within the minute")),
         filesystem::Reach::ClusterWide => {
             if let Some(m) = mount.or_else(|| filesystem::mount_of(root.dir())) {
-                report.ok("mount", format!("{} ({}) on {}", m.mount_point.display(), m.fstype, m.source),
-                );
+                let (at, fstype, source) = (m.mount_point.display(), &m.fstype, &m.source);
+                report.ok("mount", format!("{at} ({fstype}) on {source}"));
             }
         }
     }
@@ -338,15 +319,13 @@ fn mount_reach(root: &crate::root::Root, report: &mut Report) {
 /// messages.
 fn owner_phrase(dir: &Path) -> String {
     use std::os::unix::fs::MetadataExt;
+    let shown = dir.display();
     match fs::metadata(dir) {
-        Ok(m) => format!(
-            "{} is owned by uid {}, group {}, mode {:o}",
-            dir.display(),
-            m.uid(),
-            m.gid(),
-            m.mode() & 0o7777
-        ),
-        Err(e) => format!("{}: {e}", dir.display()),
+        Ok(m) => {
+            let (uid, gid, mode) = (m.uid(), m.gid(), m.mode() & 0o7777);
+            format!("{shown} is owned by uid {uid}, group {gid}, mode {mode:o}")
+        }
+        Err(e) => format!("{shown}: {e}"),
     }
 }
 
@@ -362,42 +341,27 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
     let doc = sharing::DOC;
     let wrong = sharing::check(root, gid);
     if wrong.is_empty() {
-        report.ok(
-            "sharing",
-            format!(
-                "group store (group {gid}, mode {:o}): every part is group-writable",
-                mode & 0o7777
-            ),
-        );
+        let mode = mode & 0o7777;
+        let detail =
+            format!("group store (group {gid}, mode {mode:o}): every part is group-writable");
+        report.ok("sharing", detail);
         return;
     }
     if !repair {
-        report.problem("sharing", format!(
-                "group store (group {gid}), but {} part(s) are not group-writable with its group: {} ({doc})",
-                wrong.len(),
-                sharing::list(&wrong, 4)
-            ),
-        );
+        let (n, parts) = (wrong.len(), sharing::list(&wrong, 4));
+        report.problem("sharing", format!("group store (group {gid}), but {n} part(s) are not group-writable with its group: {parts} ({doc})"));
         return;
     }
     let done = sharing::repair(root, gid, wrong);
     if !done.fixed.is_empty() {
-        report.repaired(
-            "sharing",
-            format!(
-                "gave group {gid} and group write (setgid on directories) to {}",
-                sharing::list(&done.fixed, 4)
-            ),
-        );
+        let parts = sharing::list(&done.fixed, 4);
+        let detail = format!("gave group {gid} and group write (setgid on directories) to {parts}");
+        report.repaired("sharing", detail);
     }
     if !done.not_ours.is_empty() {
-        report.problem(
-            "sharing",
-            format!(
-                "not ours to fix, left to their owners or root: {} ({doc})",
-                sharing::list(&done.not_ours, 4)
-            ),
-        );
+        let parts = sharing::list(&done.not_ours, 4);
+        let detail = format!("not ours to fix, left to their owners or root: {parts} ({doc})");
+        report.problem("sharing", detail);
     }
     for (w, e) in &done.failed {
         report.problem("sharing", format!("cannot fix {}: {e}", w.describe()));
@@ -413,27 +377,20 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
 fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result<bool> {
     root.create_layout_reporting(|name, bad| {
         let path = root.dir().join(name);
+        let shown = path.display();
         let target = fs::read_link(&path)
             .map(|t| format!(" (to {})", t.display()))
             .unwrap_or_default();
         let users_own = name == "img" && bad.starts_with("a symlink");
         if repair && !users_own {
             let fixed = root.replace_with_dir(name);
-            let (verdict, detail) = match &fixed {
-                Ok(aside) => (
-                    Verdict::Repaired,
-                    format!(
-                        "{} was {bad}{target}: set aside as {}, nothing in it touched; an empty directory made in its place",
-                        path.display(),
-                        aside.display()
-                    ),
-                ),
-                Err(e) => (
-                    Verdict::Problem,
-                    format!("{} is {bad}{target}: {e:#}", path.display()),
-                ),
-            };
-            report.add("layout", verdict, detail);
+            match &fixed {
+                Ok(aside) => {
+                    let aside = aside.display();
+                    report.repaired("layout", format!("{shown} was {bad}{target}: set aside as {aside}, nothing in it touched; an empty directory made in its place"));
+                }
+                Err(e) => report.problem("layout", format!("{shown} is {bad}{target}: {e:#}")),
+            }
             return fixed.is_ok();
         }
         let advice = if users_own {
@@ -441,8 +398,7 @@ fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result
         } else {
             " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew"
         };
-        report.problem("layout", format!("{} is {bad}{target}{advice}", path.display()),
-        );
+        report.problem("layout", format!("{shown} is {bad}{target}{advice}"));
         false
     })
 }
@@ -450,10 +406,12 @@ fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result
 /// The catalog's verdict: set aside and made anew when it cannot be used
 /// (with `repair`; otherwise the next command that needs it does so).
 fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
+    use crate::catalog::Found;
     if let Some(said) = planted_catalog(store, repair)? {
         return Ok(said);
     }
     let db = store.root().db();
+    let shown = db.display();
     let configured = store.root().open().is_ok_and(|d| crate::config::exists(&d));
     let before = crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, configured));
     let found = match before {
@@ -462,46 +420,40 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
             return Ok((
                 Verdict::Problem,
                 format!(
-                    "{} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records",
-                    db.display()
+                    "{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records"
                 ),
             ));
         }
-        Err(e) => crate::catalog::Found::Replaced(db.clone(), format!("{e:#}")),
+        Err(e) => Found::Replaced(db.clone(), format!("{e:#}")),
     };
     Ok(match found {
-        crate::catalog::Found::Legacy(v) if repair => {
+        Found::Legacy(v) if repair => {
             crate::migrate::run(store, None)?;
-            (
-                Verdict::Repaired,
-                format!("{}: migrated from schema version {v}", db.display()),
-            )
+            let detail = format!("{shown}: migrated from schema version {v}");
+            (Verdict::Repaired, detail)
         }
-        crate::catalog::Found::Legacy(v) => (
+        Found::Legacy(v) => (
             Verdict::Problem,
             format!(
-                "{}: schema version {v}, made by a release before image records; any command migrates it",
-                db.display()
+                "{shown}: schema version {v}, made by a release before image records; any command migrates it"
             ),
         ),
-        crate::catalog::Found::Replaced(_, why) if !repair => (
+        Found::Replaced(_, why) if !repair => (
             Verdict::Problem,
             format!(
-                "{} cannot be used ({why}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost",
-                db.display()
+                "{shown} cannot be used ({why}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost"
             ),
         ),
-        crate::catalog::Found::Replaced(_, why) => {
+        Found::Replaced(_, why) => {
             store.with_catalog(None, |_, _| Ok(()))?;
             (
                 Verdict::Repaired,
                 format!(
-                    "{} could not be used ({why}): set aside and made anew from the records",
-                    db.display()
+                    "{shown} could not be used ({why}): set aside and made anew from the records"
                 ),
             )
         }
-        crate::catalog::Found::New | crate::catalog::Found::Current => intact(store, repair)?,
+        Found::New | Found::Current => intact(store, repair)?,
     })
 }
 
@@ -519,12 +471,11 @@ fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, S
         let _global = store.global(None)?;
         store.close_catalog();
         let aside = crate::store::set_aside_file(store.root(), &path, "planted")?;
+        let (shown, aside) = (path.display(), aside.display());
         return Ok(Some((
             Verdict::Repaired,
             format!(
-                "{} was no regular file of its own: set aside as {}; the catalog is made anew from the records",
-                path.display(),
-                aside.display()
+                "{shown} was no regular file of its own: set aside as {aside}; the catalog is made anew from the records"
             ),
         )));
     }
@@ -535,36 +486,32 @@ fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, S
 /// a damaged one is set aside and made anew from the records.
 fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let db = store.root().db();
+    let shown = db.display();
     let check: String = crate::catalog::open(&db)?
         .query_row("PRAGMA quick_check", [], |r| r.get(0))
         .unwrap_or_else(|e| e.to_string());
     Ok(if check == "ok" {
+        let schema = crate::catalog::SCHEMA;
         (
             Verdict::Ok,
-            format!(
-                "{}: intact, schema version {}",
-                db.display(),
-                crate::catalog::SCHEMA
-            ),
+            format!("{shown}: intact, schema version {schema}"),
         )
     } else if repair {
         store.close_catalog();
         let aside = crate::store::set_aside(store.root(), "damaged")?;
         store.with_catalog(None, |_, _| Ok(()))?;
+        let aside = aside.display();
         (
             Verdict::Repaired,
             format!(
-                "{} was damaged ({check}): set aside as {} and made anew from the records",
-                db.display(),
-                aside.display()
+                "{shown} was damaged ({check}): set aside as {aside} and made anew from the records"
             ),
         )
     } else {
         (
             Verdict::Problem,
             format!(
-                "{} is damaged ({check}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost",
-                db.display()
+                "{shown} is damaged ({check}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost"
             ),
         )
     })
