@@ -528,11 +528,8 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         .map(|e| e.path.display().to_string())
         .collect();
     if !damaged.is_empty() {
-        report.problem("records", format!(
-                "the record in {} cannot be read, so its image's state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it",
-                list(&damaged),
-            ),
-        );
+        let files = list(&damaged);
+        report.problem("records", format!("the record in {files} cannot be read, so its image's state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it"));
     }
     removals(&root, &entries, repair, report);
     // Incomplete images: those whose writer failed or died, or those adopted.
@@ -549,13 +546,10 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     };
     let failed = incomplete(false);
     if !failed.is_empty() {
-        report.info(
-            "images",
-            format!(
-                "{} incomplete: their writers failed or died; 'stowage gc' removes them",
-                list(&failed)
-            ),
-        );
+        let names = list(&failed);
+        let detail =
+            format!("{names} incomplete: their writers failed or died; 'stowage gc' removes them");
+        report.info("images", detail);
     }
     let unknown = incomplete(true);
     if !unknown.is_empty() {
@@ -570,10 +564,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
 fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &mut Report) {
     let mut finished = Vec::new();
     let mut stuck = Vec::new();
-    for e in entries
-        .iter()
-        .filter(|e| e.state() == Some(State::Deleting))
-    {
+    for e in entries.iter().filter(|e| crate::gc::deleting(&e.seen)) {
         let name = e.name().unwrap_or_default().to_owned();
         if !repair {
             stuck.push(name);
@@ -590,9 +581,10 @@ fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &
         report.problem("removals", format!("removal of {} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it", list(&stuck)));
     }
     if !finished.is_empty() {
+        let names = list(&finished);
         report.repaired(
             "removals",
-            format!("finished the interrupted removal of {}", list(&finished)),
+            format!("finished the interrupted removal of {names}"),
         );
     }
 }
@@ -623,10 +615,8 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
             crate::debug::pause("doctor-hint-cleared");
         }
     }
-    report.repaired(
-        "hints",
-        format!("cleared the store-wide hint of {cleared} image lock file(s)"),
-    );
+    let detail = format!("cleared the store-wide hint of {cleared} image lock file(s)");
+    report.repaired("hints", detail);
 }
 
 /// Whether the images directory is claimed for this store (`claim.rs`);
@@ -642,15 +632,14 @@ fn claim(
     if crate::claim::read(images).ok().flatten().is_some() {
         return;
     }
+    let shown = dir.display();
     if !repair {
-        report.info("claim", format!("{} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)", dir.display()));
+        report.info("claim", format!("{shown} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)"));
         return;
     }
     match crate::images_dir::claim(root, config) {
-        Ok(true) => report.repaired("claim", format!("marked {} as this store's images directory", dir.display()),
-        ),
-        Ok(false) => report.info("claim", format!("{}: its filesystem keeps no extended attributes, so it cannot be marked as this store's", dir.display()),
-        ),
+        Ok(true) => report.repaired("claim", format!("marked {shown} as this store's images directory")),
+        Ok(false) => report.info("claim", format!("{shown}: its filesystem keeps no extended attributes, so it cannot be marked as this store's")),
         Err(e) => report.problem("claim", format!("{e:#}")),
     }
 }
@@ -727,19 +716,10 @@ fn orphan_trees(
         return Ok(());
     }
     if !repair {
-        let names: Vec<String> = orphans
-            .trees
-            .iter()
-            .map(|(n, _)| n.as_str().to_owned())
-            .collect();
-        report.problem(
-            "images",
-            format!(
-                "{} in {} have no record; 'stowage doctor --repair' adopts them",
-                list(&names),
-                dir.display()
-            ),
-        );
+        let (names, shown) = (list(orphans.trees.iter().map(|(n, _)| n)), dir.display());
+        let detail =
+            format!("{names} in {shown} have no record; 'stowage doctor --repair' adopts them");
+        report.problem("images", detail);
         return Ok(());
     }
     let done = adopt::adopt(root, config, orphans, Adopt::Unknown)?;
@@ -747,10 +727,8 @@ fn orphan_trees(
         report.repaired("images", format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
     }
     for why in done.left {
-        report.problem(
-            "images",
-            format!("cannot adopt the tree without a record {why}"),
-        );
+        let detail = format!("cannot adopt the tree without a record {why}");
+        report.problem("images", detail);
     }
     Ok(())
 }
@@ -765,15 +743,12 @@ fn missing_trees(
     if gone.is_empty() {
         return;
     }
-    let names: Vec<String> = gone.iter().map(|(n, _)| n.as_str().to_owned()).collect();
     if !repair {
-        report.problem(
-            "images",
-            format!(
-                "{} have records but no tree; 'stowage doctor --repair' drops their records",
-                list(&names)
-            ),
+        let names = list(gone.iter().map(|(n, _)| n));
+        let detail = format!(
+            "{names} have records but no tree; 'stowage doctor --repair' drops their records"
         );
+        report.problem("images", detail);
         return;
     }
     let mut dropped = Vec::new();
@@ -790,12 +765,10 @@ fn missing_trees(
             dropped.push(n.as_str().to_owned());
         }
     }
+    let dropped = list(&dropped);
     report.repaired(
         "images",
-        format!(
-            "dropped the records of {}, whose trees are gone",
-            list(&dropped)
-        ),
+        format!("dropped the records of {dropped}, whose trees are gone"),
     );
 }
 
@@ -871,11 +844,11 @@ fn done(repair: bool, what: &str) -> &str {
 }
 
 /// "'a', 'b' and 3 more"
-fn list(names: &[String]) -> String {
-    let shown: Vec<String> = names.iter().take(5).map(|n| format!("'{n}'")).collect();
+fn list(names: impl IntoIterator<Item = impl std::fmt::Display>) -> String {
+    let names: Vec<String> = names.into_iter().map(|n| format!("'{n}'")).collect();
     match names.len() {
         0 => "no image".into(),
-        n if n > 5 => format!("{} and {} more", shown.join(", "), n - 5),
-        _ => shown.join(", "),
+        n if n > 5 => format!("{} and {} more", names[..5].join(", "), n - 5),
+        _ => names.join(", "),
     }
 }
