@@ -9,7 +9,7 @@
 //! - When the records do not agree (or name a directory that is not
 //!   there), nothing is guessed: the file stays, reported with what to do.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::config::{self, Config};
 use crate::image_record::ImagesDir;
@@ -27,42 +27,29 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     let images = match from_records(root) {
         Ok(images) => images,
         Err(doubt) => {
-            report.problem("config", format!("{why}; it is not written anew because {doubt}: set it aside and run 'stowage init --images-dir DIR' with the images directory the records name"),
-            );
+            report.problem("config", format!("{why}; it is not written anew because {doubt}: set it aside and run 'stowage init --images-dir DIR' with the images directory the records name"));
             return Ok(false);
         }
     };
-    let shown = images.path_in(root.dir());
-    let images_dir = root.open_images_dir(&shown).ok();
+    let in_records = images.path_in(root.dir());
+    let shown = in_records.display();
+    let images_dir = root.open_images_dir(&in_records).ok();
     let root_identity = dir.identity().ok();
     let ours = match whose(&images, images_dir.as_ref(), root_identity.as_deref()) {
         Ok(ours) => ours,
         Err(whose) => {
-            report.problem("config", format!(
-                    "{why}; the images' records name images directory {}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {}' records it",
-                    shown.display(),
-                    shown.display()
-                ),
-            );
+            report.problem("config", format!("{why}; the images' records name images directory {shown}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {shown}' records it"));
             return Ok(false);
         }
     };
     if !repair {
-        report.problem("config", format!(
-                "{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {})",
-                shown.display()
-            ),
-        );
+        report.problem("config", format!("{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {shown})"));
         return Ok(false);
     }
     let aside = match dir.set_aside(config::FILE, "damaged") {
         Ok(aside) => format!("set aside as {}; ", root.dir().join(aside).display()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-        Err(e) => {
-            return Err(
-                anyhow::Error::new(e).context(format!("cannot set {} aside", path.display()))
-            );
-        }
+        Err(e) => return Err(e).with_context(|| format!("cannot set {} aside", path.display())),
     };
     let mut fresh = Config {
         identity: images_dir.as_ref().and_then(|d| d.identity().ok()),
@@ -76,13 +63,8 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
         fresh.id = c.id;
     }
     config::write(root.dir(), &dir, &fresh)?;
-    report.repaired(
-        "config",
-        format!(
-            "{why}: {aside}written anew from the images' records (images in {})",
-            shown.display()
-        ),
-    );
+    let detail = format!("{why}: {aside}written anew from the images' records (images in {shown})");
+    report.repaired("config", detail);
     Ok(true)
 }
 
