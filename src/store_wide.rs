@@ -22,6 +22,7 @@ use anyhow::Result;
 use crate::error::{Busy, Error};
 use crate::holders::LockKind;
 use crate::image_record;
+use crate::lease::Holding;
 use crate::lock::{self, Guard, Mode, Wait, Waited};
 use crate::root::Root;
 use crate::store::Store;
@@ -67,16 +68,14 @@ pub fn probe(root: &Root) -> Result<Probe> {
 /// image user (which a hold waits for). A slot holder's command is not:
 /// a hold does not wait for slots.
 fn inside(root: &Root) -> bool {
-    crate::nested::enclosing_holds(root)
-        .iter()
-        .any(|h| h.lockfile == Root::STORE_WIDE_LOCK_REL || h.lockfile.starts_with("images/"))
+    let ours =
+        |h: &Holding| h.lockfile == Root::STORE_WIDE_LOCK_REL || h.lockfile.starts_with("images/");
+    crate::nested::enclosing_holds(root).iter().any(ours)
         // The same, told by the descriptors we inherited (an environment
         // cleared on the way, `env -i`): asked only when a hold stands.
         || lock::held_here(&root.store_wide_lock()).is_some()
         || lock::holds_any_under(&root.image_locks())
-        || crate::nested::ancestor_holds(root)
-            .iter()
-            .any(|h| h.lockfile == Root::STORE_WIDE_LOCK_REL || h.lockfile.starts_with("images/"))
+        || crate::nested::ancestor_holds(root).iter().any(ours)
 }
 
 /// Whether someone else's store-wide hold stands over an image whose lock
@@ -103,12 +102,7 @@ pub fn wait_free(
     let what = "the store-wide command to finish".to_owned();
     let _line = announce(store, &what, &holders, "store", &path);
     let mut wait = Wait::on(&store.root().locks(), deadline);
-    let awaited = crate::lease::Holding::now(
-        Mode::Shared,
-        Root::STORE_WIDE_LOCK_REL.into(),
-        true,
-        command,
-    );
+    let awaited = store_lock_holding(Mode::Shared, true, command);
     let got =
         crate::acquire::wait_for(store, awaited, &[], what, holders, || {
             match lock::acquire(&path, Mode::Shared, lock::IfMissing::Fail, &mut wait) {
@@ -177,15 +171,8 @@ impl Hold {
         let leases = store.root().leases();
         let _ = crate::lease::mine(&leases);
         let guard = take_store_lock(store, command, deadline, no_wait)?;
-        crate::lease::note(
-            &leases,
-            crate::lease::Holding::now(
-                Mode::Exclusive,
-                Root::STORE_WIDE_LOCK_REL.into(),
-                false,
-                command,
-            ),
-        );
+        let hold = store_lock_holding(Mode::Exclusive, false, command);
+        crate::lease::note(&leases, hold);
         Ok(Hold { guard })
     }
 
@@ -371,12 +358,7 @@ fn take_store_lock(
     }
     let _line = announce(store, &what, &holders, "store", &path);
     let mut wait = Wait::on(&root.locks(), deadline);
-    let awaited = crate::lease::Holding::now(
-        Mode::Exclusive,
-        Root::STORE_WIDE_LOCK_REL.into(),
-        true,
-        command,
-    );
+    let awaited = store_lock_holding(Mode::Exclusive, true, command);
     crate::acquire::wait_for(store, awaited, &[], what, holders, || {
         lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait).map_err(err)
     })
@@ -448,7 +430,7 @@ fn wait_for_image(
     }
     let _line = announce(store, &what, &holders, label, path);
     let mut wait = Wait::on(&root.image_locks(), deadline);
-    let awaited = crate::lease::Holding::now(Mode::Exclusive, rel, true, "store-wide");
+    let awaited = Holding::now(Mode::Exclusive, rel, true, "store-wide");
     let err = |e| lock::error(label, path, e);
     crate::acquire::wait_for(store, awaited, &[], what, holders, || {
         lock::acquire(path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait).map_err(err)
@@ -477,6 +459,11 @@ fn announce(
         holders,
         Some(Box::new(move |look| look.report(kind, &name, &path, &rel))),
     )
+}
+
+/// `store.lock` as our lease names it: held, or awaited, in `mode`.
+fn store_lock_holding(mode: Mode, awaits: bool, command: &str) -> Holding {
+    Holding::now(mode, Root::STORE_WIDE_LOCK_REL.into(), awaits, command)
 }
 
 /// The image lock files (`*.lock`, regular) in `locks/images/`.
