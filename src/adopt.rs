@@ -23,6 +23,7 @@ use crate::root::Root;
 
 /// Trees in the images directory that no record names, and the entries
 /// that are not image trees (name and reason).
+#[derive(Default)]
 pub struct Orphans {
     pub trees: Vec<(ImageName, PathBuf)>,
     pub skipped: Vec<(String, String)>,
@@ -30,10 +31,7 @@ pub struct Orphans {
 
 /// Lists the trees in `images` (at `dir`) whose names `recorded` lacks.
 pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<Orphans> {
-    let mut out = Orphans {
-        trees: Vec::new(),
-        skipped: Vec::new(),
-    };
+    let mut out = Orphans::default();
     let entries = tree_names(images)
         .with_context(|| format!("cannot list images directory {}", dir.display()))?;
     for raw in entries {

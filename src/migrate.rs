@@ -267,13 +267,7 @@ fn old_record(bytes: &[u8], name: &str) -> Option<String> {
     let text =
         std::str::from_utf8(&bytes[..bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len())])
             .ok()?;
-    if !text.starts_with(
-        image_record::LEGACY_PREFIX
-            .iter()
-            .map(|&b| b as char)
-            .collect::<String>()
-            .as_str(),
-    ) {
+    if !text.as_bytes().starts_with(image_record::LEGACY_PREFIX) {
         return None;
     }
     let body_len = text.find("\ncrc=")? + 1;

@@ -177,14 +177,7 @@ impl Root {
         let root = self.open()?;
         let at = self.dir.join(name);
         match root.sub(name) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => match root.mkdir(name, 0o777) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                Err(e) => {
-                    return Err(e)
-                        .with_context(|| format!("cannot create directory {}", at.display()));
-                }
-            },
+            Err(e) if e.kind() == io::ErrorKind::NotFound => mkdir_in(&root, name, &at)?,
             other => return other.map_err(|e| not_a_dir(&at, e)),
         }
         root.sub(name).map_err(|e| not_a_dir(&at, e))
@@ -611,14 +604,7 @@ impl Root {
                 .with_context(|| format!("cannot set {} aside", path.display()))?,
             None => entry.to_owned(),
         };
-        match parent.mkdir(entry, 0o777) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("cannot create directory {}", path.display()));
-            }
-        }
+        mkdir_in(&parent, entry, &path)?;
         Ok(path.with_file_name(aside))
     }
 
@@ -804,6 +790,17 @@ pub enum Sharing {
     /// Group-writable: files and directories are created so that every
     /// member of the group can lock and update them.
     Group,
+}
+
+/// Makes directory `name` (at `path`) in `parent`; one made there meanwhile
+/// is as good.
+fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<()> {
+    match parent.mkdir(name, 0o777) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
+            Err(e).with_context(|| format!("cannot create directory {}", path.display()))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Creates `dir` (and missing parents). An existing symlink in its place is
