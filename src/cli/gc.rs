@@ -56,22 +56,22 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 /// The policy the options ask for; a size or duration that does not parse
 /// is a usage error.
 fn policy(args: &Args) -> Result<Policy> {
-    let max_size = match &args.max_size {
-        Some(raw) => Some(gc::parse_size(raw).ok_or_else(|| {
+    let size = |raw: &String| {
+        gc::parse_size(raw).ok_or_else(|| {
             Error::Usage(format!(
                 "--max-size {raw:?}: not a size (e.g. 500M, 20G, 1.5T, or bytes)"
             ))
-        })?),
-        None => None,
+        })
     };
-    let unused_for = match &args.unused_for {
-        Some(raw) => Some(humantime::parse_duration(raw).map_err(|e| {
+    let duration = |raw: &String| {
+        humantime::parse_duration(raw).map_err(|e| {
             Error::Usage(format!(
                 "--unused-for {raw:?}: not a duration (e.g. 30m, 12h, 7d): {e}"
             ))
-        })?),
-        None => None,
+        })
     };
+    let max_size = args.max_size.as_ref().map(size).transpose()?;
+    let unused_for = args.unused_for.as_ref().map(duration).transpose()?;
     Ok(Policy {
         max_size,
         unused_for,
@@ -88,25 +88,14 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
     for name in &report.interrupted_removals {
         line(format!("{verb} '{name}' (an interrupted removal)"));
     }
-    if report.trash_entries > 0 {
-        line(format!(
-            "{verb} {} leftover trash entr{}",
-            report.trash_entries,
-            if report.trash_entries == 1 {
-                "y"
-            } else {
-                "ies"
-            }
-        ));
+    let n = report.trash_entries;
+    if n > 0 {
+        let ending = if n == 1 { "y" } else { "ies" };
+        line(format!("{verb} {n} leftover trash entr{ending}"));
     }
     for r in &report.removed {
-        line(format!(
-            "{verb} '{}' ({}, {}): {}",
-            r.name,
-            r.state,
-            disk_usage::human(r.size_bytes),
-            r.reason.describe()
-        ));
+        let (size, why) = (disk_usage::human(r.size_bytes), r.reason.describe());
+        line(format!("{verb} '{}' ({}, {size}): {why}", r.name, r.state));
     }
     for name in &report.busy {
         line(format!("kept '{name}': in use"));

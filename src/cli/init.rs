@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 
 use crate::adopt::{self, Adopt};
+use crate::config::Config;
 use crate::image_record::ImagesDir;
 use crate::root::{Root, make_dir};
 use crate::store::Store;
@@ -28,12 +29,10 @@ pub struct Args {
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     crate::migrate::if_needed(store, None)?;
-    let wanted = match &args.images_dir {
-        Some(d) => Some(
-            std::path::absolute(d).with_context(|| format!("cannot resolve {}", d.display()))?,
-        ),
-        None => None,
+    let resolve = |d: &PathBuf| {
+        std::path::absolute(d).with_context(|| format!("cannot resolve {}", d.display()))
     };
+    let wanted = args.images_dir.as_ref().map(resolve).transpose()?;
     // What can be refused is refused before anything is created: a failed
     // init leaves no root behind.
     if let Some(dir) = &wanted {
@@ -42,10 +41,11 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         refuse_another_stores(store.root(), dir)?;
     }
     store.root().refuse_planted_layout()?;
-    let group = match &args.group {
-        Some(g) => Some(open_to_group(store, g)?),
-        None => None,
-    };
+    let group = args
+        .group
+        .as_deref()
+        .map(|g| open_to_group(store, g))
+        .transpose()?;
     store.root().create_layout()?;
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
@@ -103,12 +103,7 @@ fn open_to_group(store: &mut Store, name: &str) -> Result<u32> {
 
 /// Makes `dir` the images directory from now on (accepting a remount), and
 /// this store's.
-fn make_ours(
-    store: &Store,
-    root: &crate::root::Root,
-    config: &mut crate::config::Config,
-    dir: &std::path::Path,
-) -> Result<()> {
+fn make_ours(store: &Store, root: &Root, config: &mut Config, dir: &Path) -> Result<()> {
     crate::images_dir::record_identity(root, config, true)?;
     if !crate::images_dir::claim(root, config)? {
         store.ctx().say(&format!(
@@ -122,12 +117,7 @@ fn make_ours(
 /// Shares the root, and an images directory outside it (no part of the
 /// root: the directory itself goes to the group, the trees in it are the
 /// builders', or members could make no image), with group `gid`.
-fn share(
-    store: &mut Store,
-    images: &crate::dir::Dir,
-    dir: &std::path::Path,
-    gid: u32,
-) -> Result<u8> {
+fn share(store: &mut Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Result<u8> {
     let root = store.root().clone();
     crate::debug::pause("init-share");
     crate::sharing::share_root(root.dir(), gid)?;
@@ -340,7 +330,7 @@ fn adopted_note(adopted: usize, how: Adopt) -> String {
 /// Switches the images directory to `dir`: a store-wide operation (no image
 /// is written meanwhile, none is created in the directory left behind),
 /// refused while any image exists.
-fn switch(store: &mut Store, config: &mut crate::config::Config, dir: &Path) -> Result<()> {
+fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
     let root = store.root().clone();
     let hold = crate::store_wide::Hold::take(store, "stowage init --images-dir", None, true)?;
     let out = (|| {
