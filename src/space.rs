@@ -22,8 +22,7 @@ pub fn is_full(err: &anyhow::Error) -> bool {
         if let Some(rusqlite::Error::SqliteFailure(f, _)) = e.downcast_ref::<rusqlite::Error>() {
             return f.code == rusqlite::ErrorCode::DiskFull;
         }
-        e.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| matches!(io.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)))
+        e.downcast_ref::<std::io::Error>().is_some_and(is_full_io)
     })
 }
 

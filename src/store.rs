@@ -13,6 +13,7 @@
 //!   nothing is lost but measured sizes.
 
 use std::io;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -170,11 +171,8 @@ impl Store {
         // A FIFO, socket or link planted at the catalog is an error here:
         // only `doctor --repair` moves it (an exec never opens the catalog).
         let conn = catalog::open(&db)?;
-        let configured = self
-            .ctx
-            .root
-            .open()
-            .is_ok_and(|d| crate::config::exists(&d));
+        let root = &self.ctx.root;
+        let configured = root.open().is_ok_and(|d| crate::config::exists(&d));
         let found = match catalog::inspect_in(&conn, configured) {
             Ok(f) => f,
             Err(e) if catalog::is_damage(&e) => Found::Replaced(db.clone(), format!("{e:#}")),
@@ -238,7 +236,7 @@ impl Store {
 
 /// Sets the catalog file aside as `stowage.db.WHY-STAMP` (never deleted),
 /// with its journal; returns where it went.
-pub(crate) fn set_aside(root: &Root, why: &str) -> Result<std::path::PathBuf> {
+pub(crate) fn set_aside(root: &Root, why: &str) -> Result<PathBuf> {
     let journal = crate::catalog::journal_of(&root.db());
     // A journal beside a damaged file is part of it: it goes along.
     if std::fs::symlink_metadata(&journal).is_ok() {
@@ -250,11 +248,7 @@ pub(crate) fn set_aside(root: &Root, why: &str) -> Result<std::path::PathBuf> {
 /// Renames an entry of the root (the catalog, its journal, or whatever was
 /// planted in their place) to `NAME.WHY-STAMP`, through the root's
 /// descriptor: nothing is followed, nothing deleted.
-pub(crate) fn set_aside_file(
-    root: &Root,
-    path: &std::path::Path,
-    why: &str,
-) -> Result<std::path::PathBuf> {
+pub(crate) fn set_aside_file(root: &Root, path: &Path, why: &str) -> Result<PathBuf> {
     let dir = root.open()?;
     let name = path
         .file_name()
@@ -270,7 +264,7 @@ pub(crate) fn set_aside_file(
 
 /// Names the catalog in an SQLite error, and turns SQLite's lock held by an
 /// outside program into a busy lock (exit 75).
-fn catalog_error(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
+fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
     if catalog::is_busy(&e) {
         return Error::Busy(Busy {
             what: format!("the catalog {}", db.display()),
@@ -282,8 +276,7 @@ fn catalog_error(db: &std::path::Path, e: anyhow::Error) -> anyhow::Error {
     if e.downcast_ref::<CatalogError>().is_some() {
         return e;
     }
-    let full = catalog::is_full(&e);
-    let hint = if full {
+    let hint = if catalog::is_full(&e) {
         " (its filesystem is full: free space with 'stowage rm IMAGE' or 'stowage gc')"
     } else {
         ""
@@ -379,7 +372,7 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
 }
 
 /// Device and inode of a file, if it exists.
-fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+fn file_id(path: &Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     std::fs::symlink_metadata(path)
         .ok()

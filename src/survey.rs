@@ -11,8 +11,11 @@
 //!   by a stuck process for more than a few seconds) is done without: the
 //!   records say all that matters, and one line says why.
 
+use std::collections::{HashMap, HashSet};
+
 use anyhow::Result;
 
+use crate::catalog::Row;
 use crate::census::{Entry, take};
 use crate::image_record::{self, State};
 use crate::root::Root;
@@ -120,23 +123,17 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
 }
 
 /// Makes the catalog say what the records say; returns its rows.
-fn refresh(
-    store: &mut crate::store::Store,
-    images: &[Image],
-) -> Result<std::collections::HashMap<String, crate::catalog::Row>> {
+fn refresh(store: &mut crate::store::Store, images: &[Image]) -> Result<HashMap<String, Row>> {
     store.look_catalog(|cat, _| {
-        let mut rows: std::collections::HashMap<String, crate::catalog::Row> = cat
-            .rows()?
-            .into_iter()
-            .map(|r| (r.name.clone(), r))
-            .collect();
-        let live: std::collections::HashSet<&str> = images.iter().map(|i| i.name()).collect();
+        let rows = cat.rows()?.into_iter().map(|r| (r.name.clone(), r));
+        let mut rows: HashMap<String, Row> = rows.collect();
+        let live: HashSet<&str> = images.iter().map(|i| i.name()).collect();
         for gone in rows.keys().filter(|n| !live.contains(n.as_str())) {
             cat.remove(gone)?;
         }
         rows.retain(|n, _| live.contains(n.as_str()));
         for img in images {
-            let row = crate::catalog::Row {
+            let row = Row {
                 name: img.name().to_owned(),
                 state: img.state,
                 base: img.record.base.clone(),

@@ -39,14 +39,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // The lock order, and each image once.
     names.sort_by(|a, b| a.encoded().cmp(b.encoded()));
     names.dedup();
-    let command = format!(
-        "stowage rm {}",
-        names
-            .iter()
-            .map(|n| n.as_str())
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    let listed: Vec<&str> = names.iter().map(|n| n.as_str()).collect();
+    let command = format!("stowage rm {}", listed.join(" "));
     store.require_root()?;
     let _ = crate::lease::introduce(&store.root().leases());
     let held = match take_all(store, &names, deadline, no_wait, &command) {
