@@ -229,15 +229,13 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
             continue;
         };
         let path = root.image_lock(&n);
-        let create = old.rows.contains_key(&name);
-        let guard =
-            match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::create_if(create))
-            {
-                Ok(Some(g)) => g,
-                Ok(None) => return Ok(Some(n)),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
-            };
+        let missing = lock::IfMissing::create_if(old.rows.contains_key(&name));
+        let guard = match lock::acquire_no_wait(&path, Mode::Exclusive, missing) {
+            Ok(Some(g)) => g,
+            Ok(None) => return Ok(Some(n)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
+        };
         // Converted by an earlier pass of ours: its truth cannot have
         // changed since (the older release is held off), so it stands.
         if image_record::read(guard.file()).is_ok_and(|s| s.record.is_some()) {

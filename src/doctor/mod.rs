@@ -592,9 +592,9 @@ fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &
 /// Store-wide hints a hold that is gone left behind.
 fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
     let hinted: Vec<&Entry> = entries.iter().filter(|e| e.seen.store_wide).collect();
-    if hinted.is_empty()
-        || crate::store_wide::probe(store.root()).ok() != Some(crate::store_wide::Probe::Free)
-    {
+    let free =
+        || crate::store_wide::probe(store.root()).ok() == Some(crate::store_wide::Probe::Free);
+    if hinted.is_empty() || !free() {
         return;
     }
     if !repair {
@@ -607,7 +607,7 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
         // hold that began since has hinted this file already, or will
         // hint it again once it gets the lock.
         if let Ok(Some(g)) = lock::acquire_no_wait(&e.path, Mode::Exclusive, lock::IfMissing::Fail)
-            && crate::store_wide::probe(store.root()).ok() == Some(crate::store_wide::Probe::Free)
+            && free()
             && crate::image_record::set_store_wide(g.file(), false).is_ok()
         {
             cleared += 1;
