@@ -102,13 +102,9 @@ impl Party {
             pid: e.pid,
             host: Some(ctx.me.host.clone()),
             user: e.pid.and_then(ident::process_user),
-            mode: e.mode,
             command: e.pid.and_then(ident::command_line),
-            since: None,
-            stowage: false,
-            lease: None,
-            reading: false,
             pid_space: PidSpace::Here,
+            ..Party::unknown(e.mode)
         }
     }
 
@@ -203,11 +199,9 @@ impl<'c> Look<'c> {
                     .map(|f| f.local)
             })
             .unwrap_or(false);
-        let kdev = if local {
-            crate::kernel::device_of(&root.locks())
-        } else {
-            None
-        };
+        let kdev = local
+            .then(|| crate::kernel::device_of(&root.locks()))
+            .flatten();
         let table = kdev.and_then(|_| crate::kernel::read_table().ok());
         Look {
             ctx,
@@ -777,26 +771,22 @@ fn held_in(state: Probe, mode: Mode) -> bool {
     )
 }
 
-/// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"
+/// "held (read) by pid 4121 on node07 (ch-image build -t app .) since
+/// 12:03:04"; an exclusive lock taken only to read (`--read-exclusive`) is
+/// no write.
 pub fn phrase(holders: &[Party]) -> String {
-    match holders.first() {
-        Some(first) => phrase_as(&format!("held ({}) by ", verb(first)), holders),
-        None => phrase_as("", holders),
-    }
+    let lead = holders
+        .first()
+        .map_or(String::new(), |p| match (p.mode, p.reading) {
+            (Mode::Exclusive, true) => "held (exclusive read) by ".into(),
+            (mode, _) => format!("held ({}) by ", mode.verb()),
+        });
+    phrase_as(&lead, holders)
 }
 
 /// "in use by pid 4121 on node07 (ch-image pull alpine) since 12:03:04"
 pub fn phrase_slots(holders: &[Party]) -> String {
     phrase_as("in use by ", holders)
-}
-
-/// How a holder's mode reads in a message about an image: an exclusive
-/// lock taken only to read (`--read-exclusive`) is no write.
-fn verb(p: &Party) -> &'static str {
-    match (p.mode, p.reading) {
-        (Mode::Exclusive, true) => "exclusive read",
-        (mode, _) => mode.verb(),
-    }
 }
 
 /// The first holder, and how many more: a message is one line, and
@@ -816,22 +806,7 @@ fn phrase_as(lead: &str, holders: &[Party]) -> String {
 }
 
 fn describe(p: &Party) -> String {
-    let mut s = match p.pid {
-        Some(pid) => format!("pid {pid}"),
-        None => "a process".into(),
-    };
-    if let Some(h) = &p.host {
-        s.push_str(&format!(" on {}", ident::printable(h)));
-    }
-    if p.pid_space == PidSpace::OtherNamespace {
-        s.push_str(" (in another pid namespace)");
-    }
-    if let Some(c) = &p.command {
-        s.push_str(&format!(
-            " ({})",
-            crate::ident::shortened(&ident::printable(c), 80)
-        ));
-    }
+    let mut s = pid_on(p, "a process", None, true) + &command_cut(p, 80);
     if let Some(t) = p.since {
         s.push_str(&format!(" since {}", clock::local_short(t)));
     }
@@ -843,6 +818,28 @@ fn describe(p: &Party) -> String {
         }
     }
     s
+}
+
+/// "pid 4121 on node07": the party's pid, else `nobody`; its host unless
+/// that is `here`; with `ns`, whether the pid is another namespace's.
+pub fn pid_on(p: &Party, nobody: &str, here: Option<&str>, ns: bool) -> String {
+    let mut s = p
+        .pid
+        .map_or_else(|| nobody.to_owned(), |pid| format!("pid {pid}"));
+    if let Some(h) = p.host.as_deref().filter(|h| Some(*h) != here) {
+        s.push_str(&format!(" on {}", ident::printable(h)));
+    }
+    if ns && p.pid_space == PidSpace::OtherNamespace {
+        s.push_str(" (in another pid namespace)");
+    }
+    s
+}
+
+/// " (make all)": the party's command, cut to `width` characters.
+pub fn command_cut(p: &Party, width: usize) -> String {
+    p.command.as_deref().map_or_else(String::new, |c| {
+        format!(" ({})", ident::shortened(&ident::printable(c), width))
+    })
 }
 
 /// Who holds a lock file, for a message: one look at it.

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 
 use crate::clock;
-use crate::holders::{LockKind, LockReport, Look, Party, PidSpace};
+use crate::holders::{LockKind, LockReport, Look, Party, PidSpace, command_cut, pid_on};
 use crate::lock::Mode;
 
 /// The lock a step waits for.
@@ -300,22 +300,15 @@ fn blockers(r: &LockReport, w: &Party) -> Vec<Party> {
 
 /// What to do about a chain: which process to end.
 pub fn advice(chain: &Chain) -> String {
+    let end = to_end(chain);
     if let Some(from) = chain.cycle_from {
-        let cycle = &chain.steps[from..];
-        // The newest in the cycle has done the least work.
-        let newest = cycle
-            .iter()
-            .max_by_key(|s| s.party.since.unwrap_or(i64::MIN))
-            .map(|s| &s.party)
-            .expect("a cycle has steps");
         return format!(
             "a cycle of {}: none of them can go on until one ends; ending {} (the newest) breaks it{}",
-            cycle.len(),
-            who(newest),
-            kill(newest)
+            chain.steps.len() - from,
+            who(end),
+            kill(end)
         );
     }
-    let end = &chain.steps.last().expect("a chain has steps").party;
     if end.pid.is_none() {
         return format!(
             "the end is {}: look on the hosts sharing the store for a process holding it",
@@ -329,20 +322,18 @@ pub fn advice(chain: &Chain) -> String {
     )
 }
 
+/// The process to end: a cycle's newest, which has done the least work;
+/// else the chain's last.
+pub fn to_end(chain: &Chain) -> &Party {
+    let from = chain.cycle_from.unwrap_or(chain.steps.len() - 1);
+    let steps = chain.steps[from..].iter();
+    let newest = steps.max_by_key(|s| s.party.since.unwrap_or(i64::MIN));
+    &newest.expect("a chain has steps").party
+}
+
 /// "pid 4121 on node07 (make all)"
 pub fn who(p: &Party) -> String {
-    let mut s = match p.pid {
-        Some(pid) => format!("pid {pid}"),
-        None => "a process stowage cannot identify".into(),
-    };
-    if let Some(h) = &p.host {
-        s.push_str(&format!(" on {}", crate::ident::printable(h)));
-    }
-    if let Some(c) = &p.command {
-        let c = crate::ident::shortened(&crate::ident::printable(c), 71);
-        s.push_str(&format!(" ({c})"));
-    }
-    s
+    pid_on(p, "a process stowage cannot identify", None, false) + &command_cut(p, 71)
 }
 
 /// ": kill PID" (with the host where it is not this one, as a hint).

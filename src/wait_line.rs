@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::clock;
 use crate::ctx::Ctx;
-use crate::holders::{LockReport, Look, Party};
+use crate::holders::{LockReport, Look, Party, command_cut, pid_on};
 
 /// How often the line is redrawn on a terminal.
 const TTY_EVERY: Duration = Duration::from_secs(1);
@@ -183,18 +183,8 @@ impl Line {
 /// "held by pid 4121 on node07 (make all) for 3m12s" (the host only if
 /// another: a terminal's line is short).
 fn holder(p: &Party, me: &str) -> String {
-    let mut s = "held by ".to_owned();
-    match p.pid {
-        Some(pid) => s.push_str(&format!("pid {pid}")),
-        None => s.push_str("a process stowage cannot identify"),
-    }
-    if let Some(h) = p.host.as_deref().filter(|h| *h != me) {
-        s.push_str(&format!(" on {}", crate::ident::printable(h)));
-    }
-    if let Some(c) = &p.command {
-        let c = crate::ident::shortened(&crate::ident::printable(c), 61);
-        s.push_str(&format!(" ({c})"));
-    }
+    let who = pid_on(p, "a process stowage cannot identify", Some(me), false);
+    let mut s = format!("held by {who}{}", command_cut(p, 61));
     if let Some(t) = p.since {
         let secs = (clock::now_ms().saturating_sub(t) / 1000).max(0) as u64;
         s.push_str(&format!(" for {}", span(secs)));

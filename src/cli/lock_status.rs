@@ -152,16 +152,7 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
 }
 
 fn party(p: &Party) -> String {
-    let mut s = match p.pid {
-        Some(pid) => format!("pid {pid}"),
-        None => "unknown process".into(),
-    };
-    if let Some(h) = &p.host {
-        s.push_str(&format!(" on {}", printable(h)));
-    }
-    if p.pid_space == crate::holders::PidSpace::OtherNamespace {
-        s.push_str(" (in another pid namespace)");
-    }
+    let mut s = crate::holders::pid_on(p, "unknown process", None, true);
     if let Some(u) = &p.user {
         s.push_str(&format!(" by {}", printable(u)));
     }

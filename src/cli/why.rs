@@ -8,7 +8,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::lock_status::{PartyJson, Selection};
-use crate::holders::{LockKind, Look, Party};
+use crate::holders::{LockKind, LockReport, Look, Party};
 use crate::name::ImageName;
 use crate::store::Store;
 use crate::wait_chain::{self, Chain, Graph};
@@ -31,19 +31,14 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
     // asked about, even if free.
     let mut reports = super::lock_status::reports(&look, &root, &Selection::default())?;
     if let Target::Image(n) = &target
-        && !reports
-            .iter()
-            .any(|r| r.kind == LockKind::Image && r.name == n.as_str())
+        && !reports.iter().any(|r| is_image(r, n))
     {
         let sel = Selection {
             names: vec![n.clone()],
             all: false,
         };
-        reports.extend(
-            super::lock_status::reports(&look, &root, &sel)?
-                .into_iter()
-                .filter(|r| r.kind == LockKind::Image && r.name == n.as_str()),
-        );
+        let more = super::lock_status::reports(&look, &root, &sel)?;
+        reports.extend(more.into_iter().filter(|r| is_image(r, n)));
     }
     let graph = Graph::new(&look, &store.ctx().me.host, &reports);
     let starts: Vec<Party> = match &target {
@@ -54,11 +49,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
         }
     };
     let chains: Vec<Chain> = starts.iter().flat_map(|s| graph.chains(s)).collect();
-    let image = |n: &ImageName| {
-        reports
-            .iter()
-            .find(|r| r.kind == LockKind::Image && r.name == n.as_str())
-    };
+    let image = |n: &ImageName| reports.iter().find(|r| is_image(r, n));
     if let Target::Image(n) = &target
         && chains.is_empty()
         && image(n).is_none_or(|r| r.image_state.is_none() && r.holders.is_empty())
@@ -90,11 +81,15 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
     Ok(0)
 }
 
+fn is_image(r: &LockReport, n: &ImageName) -> bool {
+    r.kind == LockKind::Image && r.name == n.as_str()
+}
+
 /// The answer when no chain starts at the target: nobody waits for the
 /// image (who holds it, if anyone), or the process waits for no lock.
 fn nothing_waits<'r>(
     target: &Target,
-    image: impl Fn(&ImageName) -> Option<&'r crate::holders::LockReport>,
+    image: impl Fn(&ImageName) -> Option<&'r LockReport>,
 ) -> String {
     match target {
         Target::Image(n) => format!(
@@ -151,13 +146,6 @@ struct AwaitedJson {
 }
 
 fn chain_json(c: &Chain) -> ChainJson {
-    let end = match c.cycle_from {
-        Some(from) => c.steps[from..]
-            .iter()
-            .max_by_key(|s| s.party.since.unwrap_or(i64::MIN))
-            .and_then(|s| s.party.pid),
-        None => c.steps.last().and_then(|s| s.party.pid),
-    };
     ChainJson {
         steps: c
             .steps
@@ -174,7 +162,7 @@ fn chain_json(c: &Chain) -> ChainJson {
             .collect(),
         cycle: c.cycle_from.is_some(),
         cycle_from: c.cycle_from,
-        end_pid: end,
+        end_pid: wait_chain::to_end(c).pid,
         advice: wait_chain::advice(c),
     }
 }
