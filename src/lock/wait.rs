@@ -54,9 +54,7 @@ pub struct Wait<'a> {
 impl<'a> Wait<'a> {
     /// A wait suited to the filesystem holding the lock files in `dir`.
     pub fn on(dir: &Path, deadline: Option<Instant>) -> Self {
-        let local = crate::filesystem::filesystem(dir)
-            .map(|f| f.local)
-            .unwrap_or(false);
+        let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
         Wait {
             deadline,
             rearm: (!local).then_some(REMOTE_REARM),
@@ -216,9 +214,7 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
     if wait.deadline.is_some_and(|d| Instant::now() >= d) {
         return Ok(Waited::TimedOut);
     }
-    if let Some(f) = BEFORE_WAIT.get() {
-        f();
-    }
+    starting_to_wait();
     install_wake_handler();
     let (tx, rx) = mpsc::channel();
     let _registration = if wait.uninterruptible {
@@ -361,7 +357,8 @@ fn say_if_due(notice: &mut Option<Notice<'_>>, started: Instant) {
 fn rearm(workers: &[Worker]) {
     for w in workers.iter().filter(|w| !w.finished) {
         if let Some(h) = &w.handle {
-            // SAFETY: see stop_workers.
+            // SAFETY: the thread has not been joined, so its pthread_t is
+            // valid; the signal's handler does nothing.
             unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
         }
     }
@@ -385,13 +382,7 @@ pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Resu
                 return Ok(Waited::Acquired(i));
             }
         }
-        if let Some((after, mut say)) = notice.take() {
-            if started.elapsed() >= after {
-                say();
-            } else {
-                notice = Some((after, say));
-            }
-        }
+        say_if_due(&mut notice, started);
         let now = Instant::now();
         if wait.deadline.is_some_and(|d| now >= d) {
             return Ok(Waited::TimedOut);
@@ -448,6 +439,10 @@ pub struct Waker {
 /// close-on-exec, and there are never more than waits at once.
 static SPARE_INOTIFY: Mutex<Vec<std::os::fd::OwnedFd>> = Mutex::new(Vec::new());
 
+fn spare_inotify() -> std::sync::MutexGuard<'static, Vec<std::os::fd::OwnedFd>> {
+    SPARE_INOTIFY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl Waker {
     /// Sleeps only until a time or an interruption.
     pub fn none() -> Waker {
@@ -463,10 +458,7 @@ impl Waker {
     pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
         use std::os::fd::{AsRawFd, FromRawFd};
         use std::os::unix::ffi::OsStrExt;
-        let spare = SPARE_INOTIFY
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop();
+        let spare = spare_inotify().pop();
         let owned = match spare {
             Some(fd) => fd,
             None => {
@@ -490,10 +482,7 @@ impl Waker {
         // SAFETY: a valid inotify descriptor and a NUL-terminated path.
         let wd = unsafe { libc::inotify_add_watch(owned.as_raw_fd(), c.as_ptr(), mask) };
         if wd < 0 {
-            SPARE_INOTIFY
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(owned);
+            spare_inotify().push(owned);
             return Waker::none();
         }
         let waker = Waker {
@@ -518,30 +507,21 @@ impl Waker {
         if let Some(sig) = interrupted() {
             return Ok(Woke::Interrupted(sig));
         }
-        let cancel = cancel_pipe().map(|(r, _)| *r);
-        let mut fds = Vec::with_capacity(3);
         let signals = SIGNAL_WATCH.get();
-        if let Some((fd, _)) = signals {
-            fds.push(libc::pollfd {
-                fd: *fd,
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
-        if let Some(ino) = &self.inotify {
-            fds.push(libc::pollfd {
-                fd: ino.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
-        if let Some(c) = cancel {
-            fds.push(libc::pollfd {
-                fd: c,
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
+        // The signal watch first: its `revents` are looked at below.
+        let mut fds: Vec<libc::pollfd> = [
+            signals.map(|(fd, _)| *fd),
+            self.inotify.as_ref().map(|i| i.as_raw_fd()),
+            cancel_pipe().map(|(r, _)| *r),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
         let timeout = match until {
             None => -1,
             Some(t) => {
@@ -617,10 +597,7 @@ impl Drop for Waker {
         if let Some(fd) = self.inotify.take() {
             // SAFETY: removes our own watch from our own descriptor.
             unsafe { libc::inotify_rm_watch(fd.as_raw_fd(), self.wd) };
-            SPARE_INOTIFY
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(fd);
+            spare_inotify().push(fd);
         }
     }
 }
@@ -674,13 +651,7 @@ fn stop_workers(
     }
     let give_up = Instant::now() + STOP_GRACE;
     while workers.iter().any(|w| !w.finished) && Instant::now() < give_up {
-        for w in workers.iter().filter(|w| !w.finished) {
-            if let Some(h) = &w.handle {
-                // SAFETY: the thread has not been joined, so its pthread_t is
-                // valid; the signal's handler does nothing.
-                unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
-            }
-        }
+        rearm(workers);
         match rx.recv_timeout(Duration::from_millis(5)) {
             Ok(Event::Done(i, r)) => {
                 workers[i].finished = true;
