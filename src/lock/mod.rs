@@ -220,17 +220,13 @@ fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
         IfMissing::Create => libc::O_CREAT,
         IfMissing::Fail => 0,
     };
-    crate::planted::open(path, libc::O_RDWR | create | write_through_flag(), 0o666).map_err(|e| {
-        match e.kind() {
-            io::ErrorKind::PermissionDenied => io::Error::new(
-                e.kind(),
-                Denied {
-                    path: path.to_owned(),
-                    cause: e,
-                },
-            ),
-            _ => e,
+    let flags = libc::O_RDWR | create | write_through_flag();
+    crate::planted::open(path, flags, 0o666).map_err(|e| match e.kind() {
+        io::ErrorKind::PermissionDenied => {
+            let path = path.to_owned();
+            io::Error::new(e.kind(), Denied { path, cause: e })
         }
+        _ => e,
     })
 }
 
@@ -378,8 +374,9 @@ fn is_stale(e: &io::Error) -> bool {
     e.raw_os_error() == Some(libc::ESTALE)
 }
 
-/// Is the file we locked still the one at `path`?
-fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
+/// Is the file we locked still the one at `path`? If so, its device and
+/// inode.
+fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
     let ours = match file.metadata() {
         Ok(m) => m,
         // NFS: the file was unlinked on the server since we opened it.
@@ -408,31 +405,18 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<Linked>> {
             }
             Err(e) => return Err(e),
         };
-        return Ok((at.dev() == ours.dev() && at.ino() == ours.ino()).then(|| Linked::of(&ours)));
+        return Ok((at.dev() == ours.dev() && at.ino() == ours.ino()).then(|| dev_ino(&ours)));
     }
     match fs::symlink_metadata(path) {
-        Ok(at) if at.dev() == ours.dev() && at.ino() == ours.ino() => Ok(Some(Linked::of(&ours))),
+        Ok(at) if at.dev() == ours.dev() && at.ino() == ours.ino() => Ok(Some(dev_ino(&ours))),
         Ok(_) => Ok(None),
-        Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESTALE) => {
-            Ok(None)
-        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound || is_stale(&e) => Ok(None),
         Err(e) => Err(e),
     }
 }
 
-/// What [`still_linked`] learned of a locked file that its path still names.
-struct Linked {
-    dev: u64,
-    ino: u64,
-}
-
-impl Linked {
-    fn of(m: &fs::Metadata) -> Linked {
-        Linked {
-            dev: m.dev(),
-            ino: m.ino(),
-        }
-    }
+fn dev_ino(m: &fs::Metadata) -> (u64, u64) {
+    (m.dev(), m.ino())
 }
 
 /// How many times a lock is retried after finding its file unlinked before
@@ -489,10 +473,10 @@ pub fn acquire_no_wait_with<T>(
         }
         let (found, proven) = read(&file);
         if proven {
-            return Ok(Some((guard_of(file, path, mode, None), found)));
+            return Ok(Some((guard(file, path, mode, None), found)));
         }
         if let Some(linked) = still_linked(&file, path)? {
-            return Ok(Some((guard(file, path, mode, linked), found)));
+            return Ok(Some((guard(file, path, mode, Some(linked)), found)));
         }
     }
     Err(ghost_error(path))
@@ -536,7 +520,7 @@ pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<
     };
     for _ in 0..20 {
         if flock_try(&file, Mode::Exclusive)? {
-            return Ok(Some(guard_of(file, path, Mode::Exclusive, None)));
+            return Ok(Some(guard(file, path, Mode::Exclusive, None)));
         }
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
@@ -592,7 +576,7 @@ pub fn acquire_any(
             if got {
                 match still_linked(&file, path)? {
                     Some(linked) => {
-                        return Ok(Waited::Acquired((i, guard(file, path, mode, linked))));
+                        return Ok(Waited::Acquired((i, guard(file, path, mode, Some(linked)))));
                     }
                     None => continue,
                 }
@@ -617,7 +601,8 @@ pub fn acquire_any(
             Waited::Acquired(k) => {
                 let (i, file) = files.swap_remove(k);
                 if let Some(linked) = still_linked(&file, &paths[i])? {
-                    return Ok(Waited::Acquired((i, guard(file, &paths[i], mode, linked))));
+                    let g = guard(file, &paths[i], mode, Some(linked));
+                    return Ok(Waited::Acquired((i, g)));
                 }
             }
             Waited::TimedOut => return Ok(Waited::TimedOut),
@@ -627,11 +612,7 @@ pub fn acquire_any(
     Err(ghost_error(&paths[0]))
 }
 
-fn guard(file: File, path: &Path, mode: Mode, linked: Linked) -> Guard {
-    guard_of(file, path, mode, Some((linked.dev, linked.ino)))
-}
-
-fn guard_of(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
+fn guard(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
     Guard {
         file,
         path: path.to_owned(),
@@ -653,12 +634,6 @@ fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
 /// like flock(1)), from `/proc/self/fdinfo/N`'s `lock:` lines; `None` if
 /// none (or no /proc). A conflicting wait on it would wait for ourselves.
 pub fn held_here(path: &Path) -> Option<Mode> {
-    held_here_except(path, None)
-}
-
-/// [`held_here`], not counting descriptor `except` — the one the caller
-/// just locked itself, which is no enclosing command's hold.
-pub fn held_here_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Option<Mode> {
     let at = fs::symlink_metadata(path).ok()?;
     let fds = fs::read_dir("/proc/self/fd").ok()?;
     let mut held = None;
@@ -667,7 +642,6 @@ pub fn held_here_except(path: &Path, except: Option<std::os::fd::RawFd>) -> Opti
             .file_name()
             .to_str()
             .and_then(|n| n.parse::<i32>().ok())
-            .filter(|fd| Some(*fd) != except)
         else {
             continue;
         };
@@ -758,7 +732,16 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Probe::Missing),
         Err(e) => return Err(e),
     };
-    probe_open(&file)
+    if !flock_try(&file, Mode::Shared)? {
+        return Ok(Probe::Exclusive);
+    }
+    // We hold it shared; converting to exclusive succeeds only if nobody else
+    // holds it. A failed conversion leaves us without a lock, which is fine.
+    Ok(if flock_try(&file, Mode::Exclusive)? {
+        Probe::Free
+    } else {
+        Probe::Shared
+    })
 }
 
 /// Takes a shared lock on a lock file already open, if it is free of
@@ -767,20 +750,6 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
 /// the file says).
 pub fn try_shared_open(file: &File) -> io::Result<bool> {
     flock_try(file, Mode::Shared)
-}
-
-/// [`probe`] of a lock file already open.
-pub fn probe_open(file: &File) -> io::Result<Probe> {
-    if !flock_try(file, Mode::Shared)? {
-        return Ok(Probe::Exclusive);
-    }
-    // We hold it shared; converting to exclusive succeeds only if nobody else
-    // holds it. A failed conversion leaves us without a lock, which is fine.
-    Ok(if flock_try(file, Mode::Exclusive)? {
-        Probe::Free
-    } else {
-        Probe::Shared
-    })
 }
 
 /// Judges a lease (see `lease.rs`): `Some(device, inode)` while its owner
@@ -838,12 +807,10 @@ pub struct FileSet {
 
 impl FileSet {
     pub fn new(paths: Vec<PathBuf>, mode: Mode) -> FileSet {
-        let files = paths.iter().map(|_| None).collect();
-        let skip = vec![false; paths.len()];
         FileSet {
+            files: paths.iter().map(|_| None).collect(),
+            skip: vec![false; paths.len()],
             paths,
-            files,
-            skip,
             mode,
         }
     }
@@ -886,7 +853,8 @@ impl FileSet {
             let file = self.files[i].take().expect("opened above");
             match still_linked(&file, &self.paths[i]) {
                 Ok(Some(linked)) => {
-                    return Ok(Some((i, guard(file, &self.paths[i], self.mode, linked))));
+                    let g = guard(file, &self.paths[i], self.mode, Some(linked));
+                    return Ok(Some((i, g)));
                 }
                 Ok(None) => {}
                 // A FIFO: kept open (closing it would wake the waiters), so
@@ -1086,16 +1054,19 @@ mod tests {
         tempfile::tempdir().unwrap()
     }
 
+    /// The lock on `p` (made if missing), which must be free.
+    fn take(p: &Path, mode: Mode) -> Guard {
+        acquire_no_wait(p, mode, IfMissing::Create)
+            .unwrap()
+            .unwrap()
+    }
+
     #[test]
     fn shared_locks_coexist_and_exclude_writers() {
         let d = tmp();
         let p = d.path().join("a.lock");
-        let r1 = acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
-            .unwrap()
-            .unwrap();
-        let r2 = acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
-            .unwrap()
-            .unwrap();
+        let r1 = take(&p, Mode::Shared);
+        let r2 = take(&p, Mode::Shared);
         assert!(
             acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
                 .unwrap()
@@ -1104,9 +1075,7 @@ mod tests {
         assert_eq!(probe(&p).unwrap(), Probe::Shared);
         drop((r1, r2));
         assert_eq!(probe(&p).unwrap(), Probe::Free);
-        let w = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
-            .unwrap()
-            .unwrap();
+        let w = take(&p, Mode::Exclusive);
         assert!(
             acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
                 .unwrap()
@@ -1145,9 +1114,7 @@ mod tests {
     fn timed_wait_times_out_and_then_succeeds() {
         let d = tmp();
         let p = d.path().join("a.lock");
-        let held = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
-            .unwrap()
-            .unwrap();
+        let held = take(&p, Mode::Exclusive);
         let t0 = Instant::now();
         let r = acquire(
             &p,
@@ -1179,9 +1146,7 @@ mod tests {
     fn waiter_retries_when_holder_unlinks() {
         let d = tmp();
         let p = d.path().join("a.lock");
-        let held = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
-            .unwrap()
-            .unwrap();
+        let held = take(&p, Mode::Exclusive);
         let t = thread::spawn(move || {
             thread::sleep(Duration::from_millis(100));
             // As Root::unlink_lock does: emptied, then unlinked, held.
@@ -1209,12 +1174,8 @@ mod tests {
     fn any_of_several() {
         let d = tmp();
         let paths: Vec<PathBuf> = (0..3).map(|i| d.path().join(format!("{i}.lock"))).collect();
-        let a = acquire_no_wait(&paths[0], Mode::Exclusive, IfMissing::Create)
-            .unwrap()
-            .unwrap();
-        let b = acquire_no_wait(&paths[1], Mode::Exclusive, IfMissing::Create)
-            .unwrap()
-            .unwrap();
+        let a = take(&paths[0], Mode::Exclusive);
+        let b = take(&paths[1], Mode::Exclusive);
         let (i, c) = match acquire_any(
             &paths,
             Mode::Exclusive,
@@ -1251,9 +1212,7 @@ mod tests {
     fn rearmed_waits_still_acquire() {
         let d = tmp();
         let p = d.path().join("a.lock");
-        let held = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
-            .unwrap()
-            .unwrap();
+        let held = take(&p, Mode::Exclusive);
         let t = thread::spawn(move || {
             thread::sleep(Duration::from_millis(120));
             drop(held);
@@ -1290,9 +1249,7 @@ mod tests {
         let d = tmp();
         let p = d.path().join("a.lock");
         assert_eq!(held_here(&p), None);
-        let g = acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
-            .unwrap()
-            .unwrap();
+        let g = take(&p, Mode::Shared);
         if std::path::Path::new("/proc/self/fdinfo").exists() {
             assert_eq!(held_here(&p), Some(Mode::Shared));
         }
@@ -1305,9 +1262,7 @@ mod tests {
         // The fallback when no helper thread can be started.
         let d = tmp();
         let p = d.path().join("a.lock");
-        let held = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
-            .unwrap()
-            .unwrap();
+        let held = take(&p, Mode::Exclusive);
         let f = open(&p, IfMissing::Fail).unwrap();
         let t0 = Instant::now();
         let r = poll_any(
@@ -1336,12 +1291,8 @@ mod tests {
     fn a_file_set_keeps_its_descriptors_and_a_waker_sees_closes() {
         let d = tmp();
         let paths: Vec<PathBuf> = (0..2).map(|i| d.path().join(format!("{i}.lock"))).collect();
-        let a = acquire_no_wait(&paths[0], Mode::Exclusive, IfMissing::Create)
-            .unwrap()
-            .unwrap();
-        let b = acquire_no_wait(&paths[1], Mode::Exclusive, IfMissing::Create)
-            .unwrap()
-            .unwrap();
+        let a = take(&paths[0], Mode::Exclusive);
+        let b = take(&paths[1], Mode::Exclusive);
         let waker = Waker::watch(d.path(), Some("changed"));
         let mut set = FileSet::new(paths.clone(), Mode::Exclusive);
         assert!(set.try_any_where(|_| true).unwrap().is_none());
