@@ -20,9 +20,10 @@
 use std::fs;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 use crate::lock::{self, Guard, Mode};
 
@@ -244,16 +245,16 @@ pub fn forget(leases: &Path, lockfile: &str) {
 /// lets go of from then on are not taken out of its lease first (a reader
 /// of the lease judges each listed lock by the lock itself, so a lock
 /// listed a moment too long is never shown held when it is free).
-static ENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static ENDING: AtomicBool = AtomicBool::new(false);
 
 /// Marks the process as ending (see `ENDING`).
 pub fn ending() {
-    ENDING.store(true, std::sync::atomic::Ordering::Relaxed);
+    ENDING.store(true, Relaxed);
 }
 
 /// Takes each of `lockfiles` out of this process's lease, in one write.
 pub fn forget_all(leases: &Path, lockfiles: &[&str]) {
-    if ENDING.load(std::sync::atomic::Ordering::Relaxed) {
+    if ENDING.load(Relaxed) {
         return;
     }
     let mut all = mine_all();
@@ -440,7 +441,6 @@ fn boot_time() -> std::time::Duration {
 /// When the file's status last changed (ctime), by the filesystem's clock:
 /// never set by a client, never earlier than the file's creation.
 fn changed(m: &fs::Metadata) -> Option<std::time::SystemTime> {
-    use std::os::unix::fs::MetadataExt;
     let secs = u64::try_from(m.ctime()).ok()?;
     let nanos = u32::try_from(m.ctime_nsec()).ok()?;
     std::time::UNIX_EPOCH.checked_add(std::time::Duration::new(secs, nanos))
@@ -587,10 +587,7 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
     io::Read::read_to_end(&mut io::Read::take(&file, IDENTITY_MAX), &mut bytes).ok()?;
     let text = String::from_utf8_lossy(&bytes);
     let mut id = Identity {
-        file: Some((
-            std::os::unix::fs::MetadataExt::dev(&meta),
-            std::os::unix::fs::MetadataExt::ino(&meta),
-        )),
+        file: Some((meta.dev(), meta.ino())),
         ..Identity::default()
     };
     for line in text.lines() {
@@ -639,24 +636,16 @@ pub struct Listing {
 /// refused a symlink in the directory's place, which is kept for
 /// [`clean_listed`].
 pub fn listing(leases: &Path) -> Listing {
-    let Ok(dir) = crate::dir::Dir::open_in_root(leases) else {
-        return Listing {
-            dir: None,
-            names: Vec::new(),
-        };
-    };
-    let names = dir
-        .names()
-        .map(|ns| {
-            ns.into_iter()
-                .filter_map(|n| n.into_string().ok())
-                .filter(|n| valid_name(n))
-                .collect()
-        })
-        .unwrap_or_default();
+    let dir = crate::dir::Dir::open_in_root(leases).ok();
+    let names = dir.as_ref().and_then(|d| d.names().ok()).map(|ns| {
+        ns.into_iter()
+            .filter_map(|n| n.into_string().ok())
+            .filter(|n| valid_name(n))
+            .collect()
+    });
     Listing {
-        dir: Some(dir),
-        names,
+        dir,
+        names: names.unwrap_or_default(),
     }
 }
 
@@ -695,10 +684,9 @@ fn valid_name(name: &str) -> bool {
 /// global lock, where no other stowage probes.
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     let l = listing(leases);
-    match &l.dir {
-        Some(dir) => clean_listed(dir, &l.names, keep),
-        None => 0,
-    }
+    l.dir
+        .as_ref()
+        .map_or(0, |dir| clean_listed(dir, &l.names, keep))
 }
 
 /// [`clean_keeping`] of the leases `names` that a listing of `dir` found.
