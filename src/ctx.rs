@@ -56,12 +56,8 @@ impl Ctx {
 
     /// Prints a message only with --verbose.
     pub fn detail(&self, msg: &str) {
-        if self.verbose && !self.quiet {
-            let _ = writeln!(
-                std::io::stderr(),
-                "stowage: {}",
-                crate::ident::printable(msg)
-            );
+        if self.verbose {
+            self.say(msg);
         }
     }
 }

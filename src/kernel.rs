@@ -41,10 +41,13 @@ pub fn device_of(dir: &Path) -> Option<u64> {
     let d = crate::dir::Dir::open_in_root(dir).ok()?;
     crate::lock::flock_dir_shared(d.as_raw_fd()).ok()?;
     let info = fs::read_to_string(format!("/proc/self/fdinfo/{}", d.as_raw_fd())).ok()?;
+    fdinfo_entries(&info).next().map(|((dev, _), _)| dev)
+}
+
+/// The flock entries of an fdinfo text (its `lock:` lines).
+fn fdinfo_entries(info: &str) -> impl Iterator<Item = ((u64, u64), Entry)> + '_ {
     info.lines()
-        .filter_map(|l| l.strip_prefix("lock:"))
-        .find_map(|l| parse_line(l.trim_start_matches(|c: char| c.is_whitespace())))
-        .map(|((dev, _), _)| dev)
+        .filter_map(|l| parse_line(l.strip_prefix("lock:")?.trim_start()))
 }
 
 /// The files (device, inode) the local process `pid` holds flocks on
@@ -73,9 +76,7 @@ pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
         let info = format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy());
         match fs::read_to_string(info) {
             Ok(info) => held.extend(
-                info.lines()
-                    .filter_map(|l| l.strip_prefix("lock:"))
-                    .filter_map(|l| parse_line(l.trim_start()))
+                fdinfo_entries(&info)
                     .filter(|(_, e)| !e.blocked)
                     .map(|(key, _)| key),
             ),

@@ -68,7 +68,7 @@ pub fn enclosing_hold(root: &Root, rel: &str) -> Option<Mode> {
 /// host, boot and pid namespace, as the lease states); elsewhere nothing
 /// is found. Reads every lease: asked only when a hold would be waited for.
 pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
-    let ancestors = ancestors();
+    let ancestors = ancestors_of(std::process::id());
     if ancestors.is_empty() {
         return Vec::new();
     }
@@ -79,14 +79,8 @@ pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
         .filter(|n| !crate::lease::is_mine(n))
         .filter_map(|n| crate::lease::identity(&leases, n))
         .filter(|id| id.pid_is_ours() && id.pid.is_some_and(|p| ancestors.contains(&p)))
-        .filter(|id| id.holdings.iter().any(|h| !h.awaits))
         .flat_map(|id| id.holdings.into_iter().filter(|h| !h.awaits))
         .collect()
-}
-
-/// Our ancestors' pids, parent first (from `/proc`; empty without it).
-fn ancestors() -> Vec<u32> {
-    ancestors_of(std::process::id())
 }
 
 /// The ancestors of the local process `pid`, parent first, up to (not
