@@ -98,21 +98,14 @@ pub fn announce(ctx: &Ctx, what: &str, holders: &str, reread: Option<Reread>) ->
         .name("stowage-wait-line".into())
         .stack_size(256 * 1024)
         .spawn(move || follow(&ctx, line, reread, &flag));
-    match spawned {
-        Ok(handle) => {
-            if tty {
-                say(&format!("\r{}\x1b[K", fit(&first)));
-            }
-            WaitLine {
-                helper: Some((stop, handle)),
-            }
-        }
-        Err(_) => {
-            if tty {
-                say(&format!("{first}\n"));
-            }
-            WaitLine::none()
-        }
+    // Without a helper, the first line stays as a plain one.
+    match (tty, &spawned) {
+        (true, Ok(_)) => say(&format!("\r{}\x1b[K", fit(&first))),
+        (true, Err(_)) => say(&format!("{first}\n")),
+        (false, _) => {}
+    }
+    WaitLine {
+        helper: spawned.ok().map(|handle| (stop, handle)),
     }
 }
 

@@ -90,10 +90,8 @@ fn plan(args: Args) -> Result<Plan> {
     let writes = super::names(&args.write)?;
     let exclusive_reads = super::names(&args.read_exclusive)?;
     refuse_two_roles(&reads, &writes, &exclusive_reads, args.from.as_deref())?;
-    let from = match &args.from {
-        Some(raw) => Some(ImageName::parse_os(raw).map_err(Error::from)?),
-        None => None,
-    };
+    let from = args.from.as_deref().map(ImageName::parse_os).transpose();
+    let from = from.map_err(Error::from)?;
     if let Some(base) = &from {
         read_base_to_copy(base, &writes, &mut reads)?;
     }

@@ -49,24 +49,19 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         names: super::names(&args.images)?,
         all: args.all,
     };
-    let every = match args.watch.as_deref() {
-        Some(raw) => {
-            let d = super::parse_seconds("--watch", raw)?;
-            if d.is_zero() {
-                return Err(crate::Error::Usage(
-                    "--watch needs an interval above 0 seconds".into(),
-                )
-                .into());
-            }
-            Some(d)
-        }
-        None => None,
-    };
+    let every = args
+        .watch
+        .as_deref()
+        .map(|raw| super::parse_seconds("--watch", raw));
+    let every = every.transpose()?;
+    if every.is_some_and(|d| d.is_zero()) {
+        let why = "--watch needs an interval above 0 seconds";
+        return Err(crate::Error::Usage(why.into()).into());
+    }
     store.require_root()?;
     // Something planted in a lock directory's place is not "nothing held".
     store.root().check_lock_dirs(|line| store.ctx().say(line))?;
     let tty = std::io::stdout().is_terminal();
-    let mut missing_said = false;
     let mut missing_any = false;
     loop {
         let (fs, mut locks) = gather(store, &sel)?;
@@ -84,14 +79,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             .map(|l| l.name.clone())
             .collect();
         locks.retain(|l| !(l.kind == LockKind::Image && missing.contains(&l.name)));
-        if !missing.is_empty() {
-            missing_any = true;
-            if !missing_said {
-                for name in &missing {
-                    let _ = writeln!(std::io::stderr(), "stowage: image '{name}' does not exist");
-                }
-                missing_said = true;
+        // Said once, however often --watch redraws.
+        if !missing.is_empty() && !missing_any {
+            for name in &missing {
+                let _ = writeln!(std::io::stderr(), "stowage: image '{name}' does not exist");
             }
+            missing_any = true;
         }
         let text = if args.json {
             let doc = StatusJson {
@@ -328,9 +321,8 @@ fn image_reports(
     let mut images = Vec::new();
     for (file, asked) in files {
         let r = image_report(look, root, &file, asked);
-        let shown =
-            sel.all || named.contains(&file) || r.state != Probe::Free || !r.waiters.is_empty();
-        if shown && (sel.names.is_empty() || sel.all || named.contains(&file)) {
+        let busy = r.state != Probe::Free || !r.waiters.is_empty();
+        if sel.all || named.contains(&file) || (busy && sel.names.is_empty()) {
             images.push(r);
         }
     }
