@@ -4,21 +4,20 @@
 //!   where locks are local, probes elsewhere; image states from their
 //!   records. Neither the global lock nor the catalog is touched.
 
+use std::collections::{BTreeMap, HashSet};
 use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
 
 use anyhow::Result;
-
-use crate::clock;
-use crate::ident::printable;
-use std::collections::BTreeMap;
-
 use serde::Serialize;
 
+use crate::clock;
 use crate::holders::{LockKind, LockReport, Look, Party};
+use crate::ident::printable;
 use crate::image_record::State;
 use crate::lock::Probe;
 use crate::name::ImageName;
+use crate::root::Root;
 use crate::store::Store;
 
 #[derive(clap::Args)]
@@ -255,18 +254,13 @@ pub fn gather(store: &mut Store, sel: &Selection) -> Result<(String, Vec<LockRep
 }
 
 /// Every report lock-status shows, from one look.
-pub fn reports(look: &Look, root: &crate::root::Root, sel: &Selection) -> Result<Vec<LockReport>> {
+pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockReport>> {
     let mut locks = vec![look.global_report()];
     crate::debug::pause("status-table-read");
     let files = image_lock_files(look, root, sel)?;
     locks.extend(image_reports(look, root, sel, files));
-    let store_lock = root.store_wide_lock();
-    let r = look.report(
-        LockKind::Global,
-        "store",
-        &store_lock,
-        crate::root::Root::STORE_WIDE_LOCK_REL,
-    );
+    let (store_lock, rel) = (root.store_wide_lock(), Root::STORE_WIDE_LOCK_REL);
+    let r = look.report(LockKind::Global, "store", &store_lock, rel);
     if r.state != Probe::Free || !r.waiters.is_empty() {
         locks.push(r);
     }
@@ -274,15 +268,14 @@ pub fn reports(look: &Look, root: &crate::root::Root, sel: &Selection) -> Result
     Ok(locks)
 }
 
-/// The image lock files to look at, by file name, with the name asked for
-/// on the command line: those leases list, those held by outsiders, those
-/// selected (every one with --all).
-fn image_lock_files(
-    look: &Look,
-    root: &crate::root::Root,
-    sel: &Selection,
-) -> Result<BTreeMap<String, Option<String>>> {
-    let mut files: BTreeMap<String, Option<String>> = BTreeMap::new();
+/// Image lock files by file name, with the name asked for on the command
+/// line (if it was).
+type Files = BTreeMap<String, Option<String>>;
+
+/// The image lock files to look at: those leases list, those held by
+/// outsiders, those selected (every one with --all).
+fn image_lock_files(look: &Look, root: &Root, sel: &Selection) -> Result<Files> {
+    let mut files = Files::new();
     for rel in look.leased_lockfiles() {
         if let Some(f) = rel.strip_prefix("images/").filter(|f| f.ends_with(".lock")) {
             files.insert(f.to_owned(), None);
@@ -307,13 +300,8 @@ fn image_lock_files(
 
 /// The reports on `files` that are shown, by image name: the selected
 /// ones, and (unless images were named) every lock held or awaited.
-fn image_reports(
-    look: &Look,
-    root: &crate::root::Root,
-    sel: &Selection,
-    files: BTreeMap<String, Option<String>>,
-) -> Vec<LockReport> {
-    let named: std::collections::HashSet<String> = sel
+fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec<LockReport> {
+    let named: HashSet<String> = sel
         .names
         .iter()
         .map(|n| crate::root::lock_file_name(n.encoded()))
@@ -332,12 +320,7 @@ fn image_reports(
 
 /// One image lock file's report, named by its record, else as asked, else
 /// by its file name decoded.
-fn image_report(
-    look: &Look,
-    root: &crate::root::Root,
-    file: &str,
-    asked: Option<String>,
-) -> LockReport {
+fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> LockReport {
     let path = root.image_locks().join(file);
     let seen = crate::lock::open_existing_read(&path)
         .ok()
@@ -350,7 +333,7 @@ fn image_report(
         .as_ref()
         .map(|r| r.name.clone())
         .or(asked)
-        .or_else(|| crate::root::Root::image_of_lock_file(file).map(|n| n.as_str().to_owned()))
+        .or_else(|| Root::image_of_lock_file(file).map(|n| n.as_str().to_owned()))
         .unwrap_or_else(|| file.to_owned());
     let rel = format!("images/{file}");
     let mut r = look.report(LockKind::Image, &name, &path, &rel);
@@ -364,11 +347,11 @@ fn image_report(
 /// Image lock files someone holds that no lease explains (flock(1) in a
 /// script), found in the lock table by inode: the listing of
 /// `locks/images/` is read only when there are such locks.
-fn outsider_files(look: &Look, root: &crate::root::Root) -> Vec<String> {
+fn outsider_files(look: &Look, root: &Root) -> Vec<String> {
     let Some(inodes) = look.unexplained().filter(|i| !i.is_empty()) else {
         return Vec::new();
     };
-    let Ok(dir) = root.open_sub(crate::root::Root::IMAGE_LOCKS_REL) else {
+    let Ok(dir) = root.open_sub(Root::IMAGE_LOCKS_REL) else {
         return Vec::new();
     };
     dir.listing()
