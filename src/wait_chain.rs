@@ -271,31 +271,25 @@ const MAX_STEPS: usize = 32;
 /// mode; for a reader of a lock only read, the writers queued ahead of it;
 /// else every holder.
 fn blockers(r: &LockReport, w: &Party) -> Vec<Party> {
-    let conflicting: Vec<Party> = r
-        .holders
-        .iter()
-        .filter(|h| w.mode == Mode::Exclusive || h.mode == Mode::Exclusive)
-        .filter(|h| key(h) != key(w))
-        .cloned()
-        .collect();
+    let others = |ps: &[Party], pick: &dyn Fn(&Party) -> bool| -> Vec<Party> {
+        ps.iter()
+            .filter(|p| key(p) != key(w) && pick(p))
+            .cloned()
+            .collect()
+    };
+    let conflicting = others(&r.holders, &|h| {
+        w.mode == Mode::Exclusive || h.mode == Mode::Exclusive
+    });
     if !conflicting.is_empty() {
         return conflicting;
     }
-    let ahead: Vec<Party> = r
-        .waiters
-        .iter()
-        .filter(|o| o.mode == Mode::Exclusive && key(o) != key(w))
-        .filter(|o| o.since.unwrap_or(i64::MAX) <= w.since.unwrap_or(i64::MAX))
-        .cloned()
-        .collect();
+    let ahead = others(&r.waiters, &|o| {
+        o.mode == Mode::Exclusive && o.since.unwrap_or(i64::MAX) <= w.since.unwrap_or(i64::MAX)
+    });
     if !ahead.is_empty() {
         return ahead;
     }
-    r.holders
-        .iter()
-        .filter(|h| key(h) != key(w))
-        .cloned()
-        .collect()
+    others(&r.holders, &|_| true)
 }
 
 /// What to do about a chain: which process to end.
