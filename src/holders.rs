@@ -190,15 +190,10 @@ impl<'c> Look<'c> {
             .iter()
             .filter_map(|n| crate::lease::identity(&leases_dir, n).map(|id| (n.clone(), id)))
             .collect();
-        let local = root
-            .filesystem()
-            .map(|f| f.local)
-            .or_else(|| {
-                crate::filesystem::filesystem(root.dir())
-                    .ok()
-                    .map(|f| f.local)
-            })
-            .unwrap_or(false);
+        let local = match root.filesystem() {
+            Some(f) => f.local,
+            None => crate::filesystem::filesystem(root.dir()).is_ok_and(|f| f.local),
+        };
         let kdev = local
             .then(|| crate::kernel::device_of(&root.locks()))
             .flatten();

@@ -295,16 +295,16 @@ fn create(dir: &Path) -> io::Result<Lease> {
     for _ in 0..100 {
         let name = format!("{host}-{boot}-{ns}-{}-{:016x}{SUFFIX}", me.pid, random());
         let path = via.join(&name);
-        let Some(guard) = lock_fresh(&path).map_err(|e| {
+        let fresh = lock_fresh(&path).map_err(|e| {
+            let at = dir.join(&name);
             io::Error::new(
                 e.kind(),
-                format!("cannot create lease {}: {e}", dir.join(&name).display()),
+                format!("cannot create lease {}: {e}", at.display()),
             )
-        })?
-        else {
-            continue;
-        };
-        return Ok(with_identity(guard, name, &me, pinned));
+        })?;
+        if let Some(guard) = fresh {
+            return Ok(with_identity(guard, name, &me, pinned));
+        }
     }
     Err(io::Error::other(format!(
         "cannot create a lease under {}: every fresh file was taken from us",
