@@ -143,6 +143,9 @@ pub struct LockReport {
 /// Files by the lock table's key: (device, inode).
 type FileKeys = Vec<(u64, u64)>;
 
+/// A lease's name and what it says.
+type Leased = (String, Identity);
+
 /// The leases' lines on one lock: lease name, owner, line.
 type Listing<'a> = Vec<(&'a String, &'a Identity, &'a Holding)>;
 
@@ -152,17 +155,17 @@ pub struct Look<'c> {
     ctx: &'c Ctx,
     leases_dir: PathBuf,
     /// Every lease file listed, with what it says.
-    said: Vec<(String, Identity)>,
+    said: Vec<Leased>,
     alive: RefCell<HashMap<String, bool>>,
     table: Option<Table>,
     /// The kernel's device number of the store's filesystem.
     kdev: Option<u64>,
     /// Leases made after the listing, read when an entry of the table is
     /// explained by none of `said` (once per look).
-    later: RefCell<Option<Vec<(String, Identity)>>>,
+    later: RefCell<Option<Vec<Leased>>>,
     /// Every lease read again, when a lock is held and no lease read at
     /// first said so (once per look).
-    reread: RefCell<Option<Vec<(String, Identity)>>>,
+    reread: RefCell<Option<Vec<Leased>>>,
     /// A second read of the table, made once per look to confirm a holder
     /// nothing explains is still there.
     fresh: RefCell<Option<Option<Table>>>,
@@ -185,11 +188,7 @@ impl<'c> Look<'c> {
         let root = &ctx.root;
         let leases_dir = root.leases();
         let listing = crate::lease::listing(&leases_dir);
-        let said = listing
-            .names
-            .iter()
-            .filter_map(|n| crate::lease::identity(&leases_dir, n).map(|id| (n.clone(), id)))
-            .collect();
+        let said = read_leases(&leases_dir, listing.names.iter());
         let local = match root.filesystem() {
             Some(f) => f.local,
             None => crate::filesystem::filesystem(root.dir()).is_ok_and(|f| f.local),
@@ -228,7 +227,7 @@ impl<'c> Look<'c> {
         a
     }
 
-    pub fn leases(&self) -> &[(String, Identity)] {
+    pub fn leases(&self) -> &[Leased] {
         &self.said
     }
 
@@ -278,10 +277,10 @@ impl<'c> Look<'c> {
     /// the process at that pid): among those listed, else among leases made
     /// since (listed and read again once), else in a fresh table read that
     /// still shows `e` on the lock at `path`.
-    fn lease_of_pid(&self, path: &Path, e: &Entry) -> Option<(String, Identity)> {
+    fn lease_of_pid(&self, path: &Path, e: &Entry) -> Option<Leased> {
         let pid = e.pid?;
         let owner = |id: &Identity| id.owner_is(pid) != Some(false);
-        let found = |all: &[(String, Identity)]| {
+        let found = |all: &[Leased]| {
             all.iter()
                 .find(|(n, id)| self.taker(id) == Some(pid) && owner(id) && self.alive(n))
                 .cloned()
@@ -291,12 +290,9 @@ impl<'c> Look<'c> {
         }
         let mut later = self.later.borrow_mut();
         let more = later.get_or_insert_with(|| {
-            crate::lease::listing(&self.leases_dir)
-                .names
-                .into_iter()
-                .filter(|n| !self.said.iter().any(|(s, _)| s == n))
-                .filter_map(|n| crate::lease::identity(&self.leases_dir, &n).map(|id| (n, id)))
-                .collect()
+            let listing = crate::lease::listing(&self.leases_dir);
+            let made_since = |n: &&String| !self.said.iter().any(|(s, _)| s == *n);
+            read_leases(&self.leases_dir, listing.names.iter().filter(made_since))
         });
         if let Some(f) = found(more) {
             return Some(f);
@@ -338,11 +334,10 @@ impl<'c> Look<'c> {
     fn listing_now(&self, rel: &str, mode: Mode, entries: Option<&[Entry]>) -> Vec<Party> {
         let mut reread = self.reread.borrow_mut();
         let all = reread.get_or_insert_with(|| {
-            crate::lease::listing(&self.leases_dir)
-                .names
-                .into_iter()
-                .filter_map(|n| crate::lease::identity(&self.leases_dir, &n).map(|id| (n, id)))
-                .collect()
+            read_leases(
+                &self.leases_dir,
+                crate::lease::listing(&self.leases_dir).names.iter(),
+            )
         });
         all.iter()
             .filter(|(n, _)| self.alive(n))
@@ -731,6 +726,12 @@ impl<'c> Look<'c> {
             slot: None,
         }
     }
+}
+
+/// What each of the leases `names` in `dir` says (those that can be read).
+fn read_leases<'a>(dir: &Path, names: impl Iterator<Item = &'a String>) -> Vec<Leased> {
+    let read = |n: &String| crate::lease::identity(dir, n).map(|id| (n.clone(), id));
+    names.filter_map(read).collect()
 }
 
 /// The most a look sleeps, in all, waiting for holders on other hosts to

@@ -482,15 +482,10 @@ fn unwritten_maker_gone(name: &str) -> bool {
 /// A host name as a file name component: no '/', no control characters,
 /// bounded length.
 fn safe_part(s: &str) -> String {
+    let safe = |c: char| c.is_ascii_alphanumeric() || c == '.' || c == '_';
     let out: String = s
         .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '.' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
+        .map(|c| if safe(c) { c } else { '_' })
         .take(64)
         .collect();
     if out.is_empty() { "host".into() } else { out }

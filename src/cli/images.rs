@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use crate::clock;
 use crate::disk_usage;
+use crate::holders::{LockKind, Look};
 use crate::image_record::State;
 use crate::store::Store;
 use crate::survey::Image;
@@ -39,17 +40,12 @@ struct ImageJson<'a> {
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     store.require_root()?;
     let images = crate::survey::survey(store, true)?;
-    let look = crate::holders::Look::new(store.ctx());
+    let look = Look::new(store.ctx());
     let in_use: HashMap<String, bool> = images
         .iter()
         .map(|i| {
             let rel = store.root().locks_rel(&i.entry.path);
-            let r = look.report(
-                crate::holders::LockKind::Image,
-                i.name(),
-                &i.entry.path,
-                &rel,
-            );
+            let r = look.report(LockKind::Image, i.name(), &i.entry.path, &rel);
             (
                 i.name().to_owned(),
                 r.state != crate::lock::Probe::Free || i.entry.writer_alive,

@@ -157,11 +157,9 @@ fn advice(err: &anyhow::Error) -> String {
             let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
             // SAFETY: a valid out-pointer.
             let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0;
-            let limit = if known {
-                format!(" of {} (hard limit {})", lim.rlim_cur, lim.rlim_max)
-            } else {
-                String::new()
-            };
+            let limit =
+                known.then(|| format!(" of {} (hard limit {})", lim.rlim_cur, lim.rlim_max));
+            let limit = limit.unwrap_or_default();
             format!(
                 " — this process reached its limit{limit} on open files: raise it with 'ulimit -n' and try again"
             )

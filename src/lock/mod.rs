@@ -1061,26 +1061,25 @@ mod tests {
             .unwrap()
     }
 
+    /// Whether the lock on `p` (made if missing) cannot be taken now.
+    fn busy(p: &Path, mode: Mode) -> bool {
+        acquire_no_wait(p, mode, IfMissing::Create)
+            .unwrap()
+            .is_none()
+    }
+
     #[test]
     fn shared_locks_coexist_and_exclude_writers() {
         let d = tmp();
         let p = d.path().join("a.lock");
         let r1 = take(&p, Mode::Shared);
         let r2 = take(&p, Mode::Shared);
-        assert!(
-            acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
-                .unwrap()
-                .is_none()
-        );
+        assert!(busy(&p, Mode::Exclusive));
         assert_eq!(probe(&p).unwrap(), Probe::Shared);
         drop((r1, r2));
         assert_eq!(probe(&p).unwrap(), Probe::Free);
         let w = take(&p, Mode::Exclusive);
-        assert!(
-            acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
-                .unwrap()
-                .is_none()
-        );
+        assert!(busy(&p, Mode::Shared));
         assert_eq!(probe(&p).unwrap(), Probe::Exclusive);
         drop(w);
     }

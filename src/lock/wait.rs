@@ -217,13 +217,10 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
     starting_to_wait();
     install_wake_handler();
     let (tx, rx) = mpsc::channel();
-    let _registration = if wait.uninterruptible {
-        None
-    } else {
-        match Registration::new(tx.clone()) {
-            Ok(r) => Some(r),
-            Err(sig) => return Ok(Waited::Interrupted(sig)),
-        }
+    let registration = (!wait.uninterruptible).then(|| Registration::new(tx.clone()));
+    let _registration = match registration.transpose() {
+        Ok(r) => r,
+        Err(sig) => return Ok(Waited::Interrupted(sig)),
     };
     let mut workers = match start_workers(files, mode, tx)? {
         Helpers::Started(workers) => workers,
