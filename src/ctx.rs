@@ -43,9 +43,8 @@ impl Ctx {
     pub fn say(&self, msg: &str) {
         if !self.quiet {
             // Never eprintln!: it panics when stderr is gone, and a panic
-            // mid-exec would release locks the command still relies on.
-            // One line each: a name in it (a planted file's, a tree's) may
-            // hold a newline or an escape sequence.
+            // mid-exec would release locks the command still relies on. One
+            // line each: a name in it may hold a newline or an escape.
             let _ = writeln!(
                 std::io::stderr(),
                 "stowage: {}",

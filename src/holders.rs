@@ -13,7 +13,6 @@
 //!   process holds the lock through a descriptor of its own.
 //! - A lock held by a process stowage did not start shows as held: by pid
 //!   and command where the table has them, else as unidentified.
-//! - How a wait is said and followed is `wait_line.rs`.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
@@ -68,9 +67,8 @@ pub struct Party {
 /// Where a party's pid names the process it stands for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PidSpace {
-    /// This pid namespace (the lock table's pid, or a lease's of this
-    /// namespace), whatever host name the holder runs under: a signal
-    /// sent to it from here reaches it.
+    /// This pid namespace (the lock table's pid, or a lease's of this one),
+    /// whatever host name the holder runs under: a signal from here reaches it.
     Here,
     /// Another pid namespace of this host (a container's, or the host's
     /// seen from one): no signal sent to it from here reaches it.
@@ -160,30 +158,26 @@ pub struct Look<'c> {
     table: Option<Table>,
     /// The kernel's device number of the store's filesystem.
     kdev: Option<u64>,
-    /// Leases made after the listing, read when an entry of the table is
-    /// explained by none of `said` (once per look).
+    /// Leases made since the listing, read (once) for a table entry none
+    /// of `said` explains.
     later: RefCell<Option<Vec<Leased>>>,
-    /// Every lease read again, when a lock is held and no lease read at
-    /// first said so (once per look).
+    /// Every lease read again (once), for a lock held that no lease said.
     reread: RefCell<Option<Vec<Leased>>>,
-    /// A second read of the table, made once per look to confirm a holder
-    /// nothing explains is still there.
+    /// The table read again (once), to confirm an unexplained holder stayed.
     fresh: RefCell<Option<Option<Table>>>,
-    /// Per pid, the files it holds flocks on through descriptors of its
-    /// own (read once per look; None: they cannot be read).
+    /// Per pid, the files it flocks through descriptors of its own (read
+    /// once; None: unreadable).
     fd_locks: RefCell<HashMap<u32, Option<FileKeys>>>,
-    /// The live leases' owners as the table shows them, each with the
-    /// inode of every lock its lease lists, its lease's own among them
-    /// (once per look).
+    /// The live leases' owners as the table shows them, each with the inode
+    /// of every lock its lease lists and of the lease (once per look).
     owned: RefCell<Option<HashSet<(u32, u64)>>>,
     /// How long this look has waited for holders to list their locks.
     waited: Cell<std::time::Duration>,
 }
 
 impl<'c> Look<'c> {
-    /// Reads the leases, then (on a local filesystem) the lock table: every
-    /// process the table shows holding a lock made its lease before that
-    /// lock, so the listing has it.
+    /// Reads the leases, then (on a local filesystem) the lock table: a
+    /// holder the table shows made its lease before its lock, so it is listed.
     pub fn new(ctx: &'c Ctx) -> Look<'c> {
         let root = &ctx.root;
         let leases_dir = root.leases();
@@ -244,9 +238,9 @@ impl<'c> Look<'c> {
         out
     }
 
-    /// Inodes in the table, on the store's filesystem, that someone holds
-    /// or awaits a flock on and that no live lease's owner explains: locks
-    /// taken outside stowage (flock(1)). None without a table.
+    /// Inodes on the store's filesystem that the table shows flocked (held
+    /// or awaited) and no live lease's owner explains: locks taken outside
+    /// stowage (flock(1)). None without a table.
     pub fn unexplained(&self) -> Option<Vec<u64>> {
         let (table, kdev) = (self.table.as_ref()?, self.kdev?);
         let leases: Vec<u64> = self
@@ -273,10 +267,9 @@ impl<'c> Look<'c> {
         taker_in(self.table.as_ref()?, self.kdev?, id)
     }
 
-    /// The live lease whose owner the table shows as `pid` (and is still
-    /// the process at that pid): among those listed, else among leases made
-    /// since (listed and read again once), else in a fresh table read that
-    /// still shows `e` on the lock at `path`.
+    /// The live lease whose owner the table shows as `pid` (still the process
+    /// at that pid): among those listed, else those made since (read once),
+    /// else in a fresh table read that still shows `e` on the lock at `path`.
     fn lease_of_pid(&self, path: &Path, e: &Entry) -> Option<Leased> {
         let pid = e.pid?;
         let owner = |id: &Identity| id.owner_is(pid) != Some(false);
@@ -297,11 +290,10 @@ impl<'c> Look<'c> {
         if let Some(f) = found(more) {
             return Some(f);
         }
-        // The table is read a list at a time (one per CPU): a holder that
-        // took its lease's lock on a list already read, and its image's on
-        // one read later, shows holding the image alone. The fresh read,
-        // made after, names its lease's taker — if it still shows the
-        // entry (else the pid may be another process's by now).
+        // The table is read a list (CPU) at a time: a holder may show with
+        // its image's lock and not its lease's. The fresh read names its
+        // lease's taker, if it still shows the entry (else the pid may be
+        // another process's by now).
         let kdev = self.kdev?;
         if !self.still_there(path, e) {
             return None;
@@ -315,10 +307,9 @@ impl<'c> Look<'c> {
             .cloned()
     }
 
-    /// Whether the table shows the owner of lease `id` (by its lease's own
-    /// lock) and none of the owner's entries on a lock whose entries are
-    /// `entries`, in the mode the held line `h` lists: the line outlived
-    /// its lock (a removal gone on to its next image, a process ending).
+    /// Whether the table shows the owner of lease `id` (by its lease's lock)
+    /// but none of its entries in `entries` in the mode the held line `h`
+    /// lists: the line outlived its lock (a removal gone on, a process ending).
     fn outlived(&self, id: &Identity, h: &Holding, entries: Option<&[Entry]>) -> bool {
         let (Some(es), Some(taker)) = (entries, self.taker(id)) else {
             return false;
@@ -351,9 +342,8 @@ impl<'c> Look<'c> {
             .collect()
     }
 
-    /// Whether a fresh read of the table (one per look) still shows the
-    /// entry `e` on the file at `path`: a process nothing explains may
-    /// have ended since the table was read.
+    /// Whether a fresh read of the table (once per look) still shows `e` on
+    /// the file at `path`: a process nothing explains may have ended since.
     fn still_there(&self, path: &Path, e: &Entry) -> bool {
         let (Some(kdev), Ok(m)) = (self.kdev, std::fs::symlink_metadata(path)) else {
             return true;
@@ -367,11 +357,11 @@ impl<'c> Look<'c> {
     }
 
     /// Unlinks the leases of owners that are gone (each under its exclusive
-    /// lock, taken without waiting), keeping a dead one that may still name
-    /// a holder (a command that closed the lease it inherited, its stowage
+    /// lock, not waited for), keeping a dead one that may still name a
+    /// holder (a command that closed the lease it inherited, its stowage
     /// gone): where the table shows a lock it lists still held under its
-    /// owner's pid — not by a later process given that pid, through a
-    /// descriptor of its own — or, where no table can tell, while a lock it
+    /// owner's pid (not by a later process given that pid, through a
+    /// descriptor of its own), or, where no table can tell, while a lock it
     /// lists is held at all. Returns how many went.
     pub fn clean_leases(&self) -> usize {
         let locks = self.ctx.root.locks();
@@ -395,9 +385,8 @@ impl<'c> Look<'c> {
                     .entries(&path)
                     .filter(|_| crate::kernel::shows_every_holder());
                 match (pid, table) {
-                    // Still held under its owner's pid (whoever has that
-                    // pid now may hold it too: a shared lock's entries of
-                    // one pid are one).
+                    // Still held under its owner's pid (whoever has it now
+                    // may hold it too: a shared lock's entries of one pid are one).
                     (Some(pid), Some(es)) => es
                         .iter()
                         .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(pid)),
@@ -419,9 +408,8 @@ impl<'c> Look<'c> {
         })
     }
 
-    /// Whether the table entry `e` on the file `ino` is a live lease
-    /// owner's: its pid is the taker of a live lease (and still that
-    /// owner) whose lease lists the lock.
+    /// Whether the table entry `e` on the file `ino` is a live lease owner's:
+    /// its pid took a live lease that lists the lock, and is still its owner.
     fn explained(&self, e: &Entry, ino: u64) -> bool {
         let Some(pid) = e.pid else { return false };
         let mut owned = self.owned.borrow_mut();
@@ -569,12 +557,11 @@ impl<'c> Look<'c> {
         (holders, waiters)
     }
 
-    /// The party a live lease names for one of the locks it lists, by the
-    /// pid that reaches it here: the table's taker of its lease where the
-    /// table shows one (never a pid the lease merely says), else the
-    /// lease's pid — none where that is no longer the owner's (its command
-    /// holds on after it died; the pid may be another's), and marked where
-    /// it is another pid namespace's of this host.
+    /// The party a live lease names for one of the locks it lists, by the pid
+    /// that reaches it here: the table's taker of its lease where it shows
+    /// one (never a pid the lease merely says), else the lease's pid; none
+    /// where that is no longer the owner's (the pid may be another's), and
+    /// marked where it is another pid namespace's of this host.
     pub fn party(&self, n: &str, id: &Identity, h: &Holding) -> Party {
         let taker = self.taker(id);
         let mut party = Party::leased(n, id, h);
@@ -624,10 +611,9 @@ impl<'c> Look<'c> {
                 ..Party::leased(n, id, h)
             });
         }
-        // A stowage process that holds the lock before its lease lists it
-        // (a moment after taking it): its lease's taker — not a pid known
-        // not to hold the lock (given to a stowage process since), and,
-        // where that cannot be told, only a lease that lists the lock.
+        // A stowage process that holds the lock before its lease lists it: its
+        // lease's taker, unless its pid is known not to hold the lock (reused
+        // since), and, where that cannot be told, only a lease listing it.
         let fits = |id: &Identity| match holds {
             Some(h) => h,
             None => id.holdings.iter().any(|h| h.lockfile == rel),
@@ -642,9 +628,8 @@ impl<'c> Look<'c> {
                     ..Party::leased(&n, &id, &h)
                 })
             }
-            // A live stowage process at that pid that neither holds the lock
-            // as far as can be seen nor lists it: the pid is another's now,
-            // and who holds the lock cannot be told.
+            // A live stowage process at that pid neither holds (as far as can
+            // be seen) nor lists the lock: the pid is another's now.
             Some(_) => Some(Party {
                 host: Some(self.ctx.me.host.clone()),
                 ..Party::unknown(e.mode)
@@ -660,11 +645,10 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// Held, and no lease read before said so: a holder that listed the
-    /// lock in its lease since (on another host, where no lock table names
-    /// it) is found by a fresh read of the leases — a holder lists its lock
-    /// a moment after taking it, so where no table can tell, a few reads a
-    /// moment apart. Else a holder stowage cannot identify.
+    /// Held, and no lease read before said so: a holder that listed the lock
+    /// since (on another host, where no table names it) is found by a fresh
+    /// read of the leases, a few a moment apart where no table can tell (a
+    /// holder lists its lock just after taking it). Else an unknown holder.
     fn held_by_whom(&self, rel: &str, state: Probe, entries: Option<&[Entry]>) -> Vec<Party> {
         let mode = if state == Probe::Exclusive {
             Mode::Exclusive
@@ -672,10 +656,8 @@ impl<'c> Look<'c> {
             Mode::Shared
         };
         let mut holders = Vec::new();
-        // A look waits at most WAIT_BUDGET in all: at many locks held
-        // outside stowage on a shared filesystem (no lease will ever list
-        // them) it would sleep at each. Past it, each lock still gets a
-        // fresh read of the leases, without a sleep.
+        // At most WAIT_BUDGET in all, or many locks held outside stowage on a
+        // shared filesystem would each cost sleeps; past it, one read each.
         let tries = if self.waited.get() < WAIT_BUDGET {
             3
         } else {

@@ -33,10 +33,9 @@ pub struct Entry {
 /// device number and inode.
 pub type Table = HashMap<(u64, u64), Vec<Entry>>;
 
-/// The kernel's device number for the filesystem of `dir` (a directory we
-/// may read): a shared flock taken on the directory for a moment, and the
-/// number `/proc/self/fdinfo` gives for it. None where that cannot be
-/// learned (no /proc, a kernel without flock lines in fdinfo).
+/// The kernel's device number for the filesystem of `dir` (readable by us):
+/// a moment's shared flock on it, and the number `/proc/self/fdinfo` gives.
+/// None where that cannot be learned (no /proc, no flock lines in fdinfo).
 pub fn device_of(dir: &Path) -> Option<u64> {
     let d = crate::dir::Dir::open_in_root(dir).ok()?;
     crate::lock::flock_dir_shared(d.as_raw_fd()).ok()?;
@@ -50,15 +49,13 @@ fn fdinfo_entries(info: &str) -> impl Iterator<Item = ((u64, u64), Entry)> + '_ 
         .filter_map(|l| parse_line(l.strip_prefix("lock:")?.trim_start()))
 }
 
-/// The files (device, inode) the local process `pid` holds flocks on
-/// through descriptors of its own (`/proc/PID/fdinfo`): the table names a
-/// lock by the pid that took it, which may since be another process's.
-/// Empty where no process has the pid; `None` where its descriptors cannot
-/// be read (another user's process). Only descriptors of stowage's lock
-/// files and leases (by the name the link gives, whatever mount namespace
-/// it is in) are asked: one `readlink` each — a process may have
-/// thousands — and never a `stat` through the link, which would wait on
-/// the file's filesystem (a hung FUSE or NFS mount).
+/// The files (device, inode) the local process `pid` flocks through
+/// descriptors of its own (`/proc/PID/fdinfo`): the table names a lock by
+/// the pid that took it, which may since be another process's. Empty where
+/// no process has the pid; `None` where its descriptors cannot be read.
+/// Only stowage's lock files and leases are asked, by the link's name: one
+/// `readlink` each (a process may have thousands), never a `stat` through
+/// the link, which would wait on a hung FUSE or NFS mount.
 pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
     let fds = match fs::read_dir(format!("/proc/{pid}/fd")) {
         Ok(fds) => fds,
@@ -96,9 +93,9 @@ fn is_lock_name(target: &Path) -> bool {
     name.ends_with(".lock") || name.ends_with(".lease")
 }
 
-/// Reads /proc/locks. The kernel produces it a page at a time, and entries
-/// that move while it is read can be skipped or repeated: it is read until
-/// two reads agree (at most four times) and the reads are folded.
+/// Reads /proc/locks. The kernel makes it a page at a time, so entries that
+/// move meanwhile can be skipped or repeated: read until two reads agree
+/// (at most four times), the reads folded.
 pub fn read_table() -> io::Result<Table> {
     let mut reads: Vec<String> = Vec::with_capacity(4);
     for _ in 0..4 {

@@ -41,9 +41,8 @@ pub struct Lease {
     /// How many bytes the file has: a shorter text is padded with empty
     /// lines rather than truncated (a truncate is one more request on NFS).
     written: usize,
-    /// The leases directory, opened once without following a link: the
-    /// lease's path goes through it (`/proc/self/fd/N/NAME`), so it must
-    /// stay open as long as the lease (its unlink at the end uses it).
+    /// The leases directory, opened once without following a link and kept
+    /// open with the lease: its path (`/proc/self/fd/N/NAME`) goes through it.
     _dir: fs::File,
 }
 
@@ -68,9 +67,8 @@ pub fn mine(leases: &Path) -> io::Result<String> {
     Ok(name)
 }
 
-/// [`mine`], with the identity written if nothing was yet: for a process
-/// (gc, rm) whose locks are listed only while it removes an image, so that
-/// lock-status can name it between (a local lock table shows its locks).
+/// [`mine`], with the identity written if nothing was yet: a process (gc,
+/// rm) that lists locks only while removing an image is named between.
 pub fn introduce(leases: &Path) -> io::Result<String> {
     let name = mine(leases)?;
     let mut all = mine_all();
@@ -99,9 +97,8 @@ pub fn set_inheritable(inherit: bool) -> io::Result<()> {
         .try_for_each(|(_, l)| l.guard.set_inheritable(inherit))
 }
 
-/// Ends this process's leases: unlinks each file under its lock, then closes
-/// it. Called when the process is done with every lock; a process that dies
-/// instead leaves its file to [`clean_keeping`].
+/// Ends this process's leases once it is done with every lock: unlinks each
+/// file under its lock, then closes it (a dying one's go to [`clean_keeping`]).
 pub fn retire() {
     let all = std::mem::take(&mut *mine_all());
     for (_, l) in all {
@@ -110,12 +107,10 @@ pub fn retire() {
 }
 
 /// A lock the owner of a lease holds or awaits, as the lease lists it:
-/// `hold=shared images/base.lock SINCE COMMAND` (or `await=…`): the mode,
-/// the lock file relative to the locks directory (as records name it),
-/// since when (ms since the epoch), and the command it is for. This is
-/// how a holder that writes no record (a reader) is named by lock-status
-/// where the kernel's lock table cannot say who holds a lock: on NFS, and
-/// in a pid namespace that does not see the holder.
+/// `hold=shared images/base.lock SINCE COMMAND` (or `await=…`), with the
+/// lock file relative to `locks/` and SINCE in ms since the epoch. It names
+/// a holder that writes no record (a reader) where the kernel's lock table
+/// cannot: on NFS, and in a pid namespace that does not see the holder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holding {
     pub mode: Mode,
@@ -242,9 +237,8 @@ pub fn forget(leases: &Path, lockfile: &str) {
 }
 
 /// Set once the process is about to end and retire its leases: locks it
-/// lets go of from then on are not taken out of its lease first (a reader
-/// of the lease judges each listed lock by the lock itself, so a lock
-/// listed a moment too long is never shown held when it is free).
+/// lets go of are no longer taken out of its lease first (a reader judges
+/// each listed lock by the lock itself: one listed too long never shows held).
 static ENDING: AtomicBool = AtomicBool::new(false);
 
 /// Marks the process as ending (see `ENDING`).
@@ -312,11 +306,9 @@ fn create(dir: &Path) -> io::Result<Lease> {
     )))
 }
 
-/// Opens the leases directory. The first lease of this store makes the
-/// directory, and only it (a root or locks directory that is missing is
-/// an error). A symlink in its place (planted by anyone who can write
-/// `locks/`) is refused: the lease would be made in whatever directory it
-/// points to.
+/// Opens the leases directory, made by the store's first lease (a missing
+/// root or locks directory is an error). A symlink in its place is refused:
+/// the lease would be made wherever it points.
 fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
     // Only an anchor for the lease's path: `O_PATH` opens nothing on a
     // server (no OPENDIR/RELEASEDIR on a shared filesystem). No component
@@ -359,9 +351,8 @@ fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
     // Written through on a shared filesystem: other hosts read it to name
     // holders, and a client may keep writes back for long.
     match lock::create_locked_with(path, lock::write_through_flag())? {
-        // A maker that took half the grace to lock its fresh file (a
-        // stopped or starved process) may have had it cleaned away:
-        // it checks, as every other taker of a lock does.
+        // A maker that took half the grace to lock its fresh file (stopped,
+        // starved) may have had it cleaned away: it checks, as takers do.
         Some(g)
             if boot_time().saturating_sub(began) >= unwritten_grace() / 2
                 && !lock::still_at_path(&g).unwrap_or(false) =>
@@ -369,8 +360,8 @@ fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
             Ok(None)
         }
         Some(g) => Ok(Some(g)),
-        // The name exists, or a prober keeps our fresh file: another
-        // name (the file is left to probers, as a dead maker's).
+        // The name exists, or a prober keeps our fresh file: another name
+        // (the file is left to probers, as a dead maker's).
         None => Ok(None),
     }
 }
@@ -417,11 +408,10 @@ pub fn pid_namespace() -> Option<String> {
 }
 
 /// How long a lease nobody wrote is left to a maker that may be about to
-/// lock it, when its maker cannot be known gone (another host, another pid
-/// namespace): 10 minutes. A maker that takes half that between its create
-/// and its lock checks its file (see [`lock_fresh`]), so the slack covers
-/// clocks that run at different rates, not clocks that disagree: the age
-/// is measured by the filesystem's clock on both ends ([`clean_listed`]).
+/// lock it, where its maker cannot be known gone (another host or pid
+/// namespace): 10 minutes. A maker that takes half that checks its file
+/// ([`lock_fresh`]), so the slack covers clocks running at different rates;
+/// the age is by the filesystem's clock on both ends ([`clean_listed`]).
 fn unwritten_grace() -> std::time::Duration {
     let ms = std::env::var(crate::env::DEBUG_UNWRITTEN_LEASE_MS)
         .ok()
@@ -452,12 +442,11 @@ fn pid_namespace_number() -> Option<u64> {
     ns.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
 }
 
-/// Whether the maker of a lease that was never written (a fresh file, or
-/// one whose maker died before writing) is known to be gone: its name says
-/// it was made on this host, in this boot and pid namespace, by a pid that
-/// no longer exists. Anything else may be a maker between its create and
-/// its lock, which a prober must not unlink (see [`lock::create_locked_with`]).
-/// (A pid reused since only keeps the file until that process ends too.)
+/// Whether the maker of a lease never written is known to be gone: its name
+/// says it was made on this host, in this boot and pid namespace, by a pid
+/// that no longer exists (a pid reused since keeps it until that ends too).
+/// Anything else may be a maker between its create and its lock, which a
+/// prober must not unlink ([`lock::create_locked_with`]).
 fn unwritten_maker_gone(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(SUFFIX) else {
         return false;
@@ -565,9 +554,8 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
     if !valid_name(name) {
         return None;
     }
-    // Anyone who can write the directory can plant a file under a lease's
-    // name: a FIFO (whose open or read would block this look, under the
-    // global lock, for good), a symlink, a huge file. Only a regular file is
+    // A file planted under a lease's name may be a FIFO (which would block
+    // this look for good), a symlink, a huge file: only a regular file is
     // read, never waited on, and only as much as an identity can take.
     let file = fs::OpenOptions::new()
         .read(true)
@@ -628,8 +616,7 @@ pub struct Listing {
 }
 
 /// The lease file names in `leases`, listed through a descriptor that
-/// refused a symlink in the directory's place, which is kept for
-/// [`clean_listed`].
+/// refused a symlink in the directory's place (kept for [`clean_listed`]).
 pub fn listing(leases: &Path) -> Listing {
     let dir = crate::dir::Dir::open_in_root(leases).ok();
     let names = dir.as_ref().and_then(|d| d.names().ok()).map(|ns| {
@@ -648,8 +635,7 @@ pub fn listing(leases: &Path) -> Listing {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Liveness {
     /// Locked by its owner. `identity`: the lease file's device and inode,
-    /// which find its entry in the kernel's lock table (and so the pid of
-    /// its owner as this pid namespace sees it).
+    /// which find its entry (its owner's pid, here) in the kernel's lock table.
     Alive {
         identity: (u64, u64),
     },
@@ -672,10 +658,9 @@ fn valid_name(name: &str) -> bool {
 }
 
 /// Unlinks the leases of owners that are gone, each under its exclusive
-/// lock (so a fresh file whose owner has not locked it yet is unlinked only
-/// if we win the lock, and its owner then retries), but those for whose
-/// name `keep` says yes: a dead lease that may still name a holder (see
-/// `holders::Look::clean_leases`). Returns how many went. Call under the
+/// lock (a fresh file's owner that loses it to us retries), but those
+/// `keep` says yes to: a dead lease that may still name a holder
+/// (`holders::Look::clean_leases`). Returns how many went. Call under the
 /// global lock, where no other stowage probes.
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     let l = listing(leases);
@@ -684,12 +669,9 @@ pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize
         .map_or(0, |dir| clean_listed(dir, &l.names, keep))
 }
 
-/// [`clean_keeping`] of the leases `names` that a listing of `dir` found.
-/// The directory is pinned by a descriptor that refused a symlink in its
-/// place ([`listing`]), and every file is reached through it: a `leases`
-/// symlink planted by someone who can write `locks/` cannot steer the
-/// unlinks into another directory, not even by a swap in the middle of the
-/// walk.
+/// [`clean_keeping`] of the leases `names` a listing of `dir` found. Every
+/// file is reached through the descriptor that refused a symlink in the
+/// directory's place ([`listing`]): no swap can steer the unlinks elsewhere.
 pub fn clean_listed(
     dir: &crate::dir::Dir,
     names: &[String],
@@ -698,12 +680,8 @@ pub fn clean_listed(
     let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
     // The filesystem's time now, or earlier: the latest change of the
     // directory (every lease made or unlinked is one), or of our own lease.
-    // Status changes (ctime), as for the lease judged: the filesystem sets
-    // them to its own time, and nobody can set them otherwise — unlike a
-    // file's mtime, which a client may set (`touch -d`; an NFSv3 or 4.0
-    // exclusive create stores its verifier there until the client's
-    // SETATTR, inside the maker's open: a file seconds old would look
-    // decades old, between its create and its lock).
+    // By ctime, as for the lease judged: only the filesystem sets it, unlike
+    // mtime (`touch -d`; an NFS exclusive create parks its verifier there).
     let now = std::cell::OnceCell::new();
     let fs_now = || {
         *now.get_or_init(|| {
@@ -721,9 +699,8 @@ pub fn clean_listed(
         if !valid_name(name) || is_mine(name) {
             continue;
         }
-        // A lease never written may be a maker's between its create and
-        // its lock (lock::create_locked_with): kept unless its maker is gone or
-        // it is older than the grace by the filesystem's clock.
+        // A lease never written may be a maker's between its create and its
+        // lock: kept unless its maker is gone or it is older than the grace.
         let goes = |g: &Guard| match g.file().metadata() {
             Ok(m) if m.len() > 0 => true,
             Ok(m) => {

@@ -61,12 +61,11 @@ pub fn enclosing_hold(root: &Root, rel: &str) -> Option<Mode> {
         .max()
 }
 
-/// The holds of live leases whose owners are our ancestors — enclosing
-/// execs found when the environment that names them was cleared (`env
-/// -i`, sudo) and no descriptor of theirs was inherited (`--no-inherit`).
-/// A lease's pid counts only where it means the same process to us (same
-/// host, boot and pid namespace, as the lease states); elsewhere nothing
-/// is found. Reads every lease: asked only when a hold would be waited for.
+/// The holds of live leases whose owners are our ancestors: enclosing execs
+/// whose naming environment was cleared (`env -i`, sudo) and whose
+/// descriptors were not inherited (`--no-inherit`). A lease's pid counts
+/// only where it means the same process to us (same host, boot and pid
+/// namespace). Reads every lease: asked only when a hold would be waited for.
 pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
     let ancestors = ancestors_of(std::process::id());
     if ancestors.is_empty() {

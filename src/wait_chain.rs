@@ -76,8 +76,7 @@ pub struct Chain {
     pub steps: Vec<Step>,
     /// The index of the step the last one waits for again: a cycle.
     pub cycle_from: Option<usize>,
-    /// How the last step leads back to it: a lock it holds, or a command
-    /// it runs.
+    /// How the last step leads back to it: a lock it holds, or a command it runs.
     pub cycle_via: Relation,
 }
 
@@ -268,8 +267,7 @@ const MAX_CHAINS: usize = 16;
 const MAX_STEPS: usize = 32;
 
 /// Who keeps `w` waiting on the lock of `r`: the holders in a conflicting
-/// mode; for a reader of a lock only read, the writers queued ahead of it;
-/// else every holder.
+/// mode; for a reader of a lock only read, the writers queued ahead; else all.
 fn blockers(r: &LockReport, w: &Party) -> Vec<Party> {
     let others = |ps: &[Party], pick: &dyn Fn(&Party) -> bool| -> Vec<Party> {
         ps.iter()

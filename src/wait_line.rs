@@ -6,8 +6,7 @@
 //!   command's output or an error.
 //! - Elsewhere, the first line, then a plain one at most every [`LOG_EVERY`].
 //! - Holders and waiters are re-read (one look) at most every
-//!   [`REREAD_EVERY`], whatever the refresh rate: a bounded cost on a shared
-//!   filesystem.
+//!   [`REREAD_EVERY`]: a bounded cost on a shared filesystem.
 //! - [`announce`] is the one place that prints "waiting for …".
 //! - A helper thread does it, so no wait loop needs to know; without one (a
 //!   pids limit) the first line is all there is, and with `-q` nothing.
@@ -31,12 +30,10 @@ pub const REREAD_EVERY: Duration = Duration::from_secs(5);
 /// What re-reads the awaited lock's report, for the line's details.
 pub type Reread = Box<dyn FnMut(&Look) -> LockReport + Send>;
 
-/// Set when the wait ends; the helper sleeps on the condition between
-/// refreshes.
+/// Set when the wait ends; the helper sleeps on its condition in between.
 type Stop = (Mutex<bool>, Condvar);
 
-/// The line of one wait; dropping it ends the updates and clears a
-/// terminal's line.
+/// The line of one wait; dropping it ends the updates and clears the line.
 #[must_use = "the line is cleared when this is dropped: keep it for the wait"]
 pub struct WaitLine {
     helper: Option<(Arc<Stop>, thread::JoinHandle<()>)>,
@@ -70,10 +67,9 @@ struct Line {
     host: String,
 }
 
-/// Says, before blocking, what a process waits for and who holds it —
-/// "stowage: waiting for write lock on image 'app': held (read) by …" —
-/// and keeps it up to date until the returned line is dropped. The one
-/// place that prints "waiting for …".
+/// Says, before blocking, what a process waits for and who holds it
+/// ("stowage: waiting for write lock on image 'app': held (read) by …"),
+/// and keeps it up to date until the returned line is dropped.
 pub fn announce(ctx: &Ctx, what: &str, holders: &str, reread: Option<Reread>) -> WaitLine {
     if ctx.quiet {
         return WaitLine::none();
@@ -185,8 +181,7 @@ fn holder(p: &Party, me: &str) -> String {
     s
 }
 
-/// This process's place among `waiters` (by when each began to wait),
-/// and how many wait.
+/// This process's place among `waiters` (by when each began), and how many.
 fn place(waiters: &[Party]) -> Option<(usize, usize)> {
     let mine = waiters
         .iter()
@@ -219,8 +214,7 @@ pub fn span(secs: u64) -> String {
     }
 }
 
-/// The line cut to the terminal's width: a line that wraps cannot be
-/// rewritten in place.
+/// The line cut to the terminal's width: a wrapped line cannot be rewritten.
 fn fit(line: &str) -> String {
     let width = terminal_width().saturating_sub(1).max(20);
     if line.chars().count() <= width {

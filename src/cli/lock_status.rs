@@ -268,8 +268,7 @@ pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockRepo
     Ok(locks)
 }
 
-/// Image lock files by file name, with the name asked for on the command
-/// line (if it was).
+/// Image lock files by file name, with the name asked for, if any.
 type Files = BTreeMap<String, Option<String>>;
 
 /// The image lock files to look at: those leases list, those held by
@@ -345,8 +344,7 @@ fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> 
 }
 
 /// Image lock files someone holds that no lease explains (flock(1) in a
-/// script), found in the lock table by inode: the listing of
-/// `locks/images/` is read only when there are such locks.
+/// script), by inode in the lock table: `locks/images/` is listed only then.
 fn outsider_files(look: &Look, root: &Root) -> Vec<String> {
     let Some(inodes) = look.unexplained().filter(|i| !i.is_empty()) else {
         return Vec::new();

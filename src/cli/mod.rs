@@ -100,11 +100,10 @@ enum Command {
 }
 
 impl Command {
-    /// Whether the command creates the root when it does not exist: those
-    /// that write (the spec's `exec`, `init`, `slots set`; `doctor
-    /// --repair` sets up what it repairs). The others say it is missing —
-    /// `gc`, like `rm`, too: a missing root has nothing to remove, and a
-    /// mistyped root in a cron job must not grow a store.
+    /// Whether the command creates a missing root: those that write (`exec`,
+    /// `init`, `slots set`; `doctor --repair` sets up what it repairs). The
+    /// others say it is missing, `gc` and `rm` too: a mistyped root in a cron
+    /// job must not grow a store.
     fn creates_root(&self) -> bool {
         match self {
             Command::Init(_) | Command::Exec(_) => true,
@@ -127,11 +126,10 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return parse_failure(e, &args),
     };
-    // SIGPIPE stays ignored (as the Rust runtime sets it), for every
-    // command: an exec must survive a reader gone to record its command's
-    // outcome, and a listing whose reader went away fails as any other
-    // output error does — one line, exit 1 ([`print`]) — rather than die
-    // of a signal with nothing said.
+    // SIGPIPE stays ignored (as the Rust runtime sets it): an exec must
+    // survive a reader gone to record its command's outcome, and a listing
+    // whose reader went away fails in one line, exit 1 ([`print`]), rather
+    // than die of a signal with nothing said.
     let result = run(cli);
     // Every lock of ours is closed by now: the lease goes too (one unlink).
     crate::lease::retire();
@@ -200,17 +198,15 @@ fn run(cli: Cli) -> Result<u8> {
         root.check_locking()?;
     }
     let mut store = Store::new(root);
-    // A command that only reads never creates a store: a mistyped --root
-    // is said so, not answered with an empty table (after its arguments
-    // are checked: bad input is 64 whatever the root).
+    // A command that only reads never creates a store: a mistyped --root is
+    // said so, not shown empty (after its arguments: bad input is 64 anyway).
     store.ctx_mut().creates_root = cli.command.creates_root();
     store.ctx_mut().quiet = cli.quiet;
     store.ctx_mut().verbose = cli.verbose;
     if sharing == Sharing::Group {
-        // Everything we create in a group's store must be usable by the
-        // group: lock files are opened read-write, the database is written.
-        // (Directories inherit the group from a setgid root.) The command
-        // gets the original umask back.
+        // What we create in a group's store must be usable by the group (lock
+        // files opened read-write, the database written; directories inherit
+        // the group from a setgid root). The command gets the umask back.
         store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
     }
     match cli.command {
@@ -227,9 +223,8 @@ fn run(cli: Cli) -> Result<u8> {
 }
 
 /// Writes `text` to standard output and flushes it: the one way commands
-/// print (clippy forbids `println!`, which panics). A failure to write
-/// (`/dev/full`, a full log disk, a pipe whose reader went away) is an
-/// error of one line, exit 1 — never a panic, never a death by SIGPIPE.
+/// print (clippy forbids `println!`, which panics). A failure to write (a
+/// full disk, a reader gone) is an error of one line, exit 1.
 pub(crate) fn print(text: &str) -> Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
@@ -263,9 +258,8 @@ fn one_line(err: &anyhow::Error) -> String {
 }
 
 /// Help and version go to stdout with exit 0; anything else is a usage
-/// error: one line saying what is wrong, with clap's suggestion for a typo
-/// (`--wirte`: did you mean '--write'?), exit 64. A command given to `exec`
-/// without `--` gets the fix spelled out and exec's usage.
+/// error, exit 64: one line saying what is wrong, with clap's suggestion
+/// for a typo. A command given to `exec` without `--` gets the fix spelled out.
 fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     use clap::error::{ContextKind, ErrorKind};
     match e.kind() {
@@ -410,9 +404,8 @@ fn context(e: &clap::Error, kind: clap::error::ContextKind) -> Option<String> {
     }
 }
 
-/// `stowage exec --write app ch-image build …`: the command must come
-/// after `--`. Shows the line as it should have been; `at` is the index of
-/// `exec` in `args`, `arg` the first word of the command.
+/// `stowage exec --write app ch-image build …`: shows the line with the
+/// command after `--`; `at` is the index of `exec`, `arg` the command's.
 fn command_before_dashes(args: &[OsString], at: usize, arg: &str) {
     let pos = command_start(args, at).filter(|&p| args[p] == arg);
     let mut fixed: Vec<String> = args
@@ -455,8 +448,7 @@ fn command_start(args: &[OsString], at: usize) -> Option<usize> {
     None
 }
 
-/// Any other usage error, in one line: what is wrong, clap's suggestion,
-/// and where help is.
+/// Any other usage error in one line: what, clap's suggestion, where help is.
 fn usage_error(e: &clap::Error, sub: Option<&(String, usize)>) -> String {
     use clap::error::{ContextKind, ErrorKind};
     // clap's first paragraph says what is wrong (sometimes over several
@@ -519,10 +511,9 @@ fn names(raw: &[OsString]) -> Result<Vec<ImageName>> {
 /// a mistake; waiting forever is the default.
 const MAX_WAIT_SECS: f64 = 10.0 * 365.0 * 86_400.0;
 
-/// Parses a time given on the command line (`--wait`, `--watch`): a plain
-/// number is seconds, fractional allowed (`2.5`), as the contract writes it;
-/// a unit may follow (`500ms`, `10s`, `1.5m`, `2h`, `1d`), as `gc
-/// --unused-for` takes. Finite, not negative.
+/// Parses a time given on the command line (`--wait`, `--watch`): seconds,
+/// fractional allowed (`2.5`), as the contract writes it, or with a unit
+/// (`500ms`, `10s`, `1.5m`, `2h`, `1d`). Finite, not negative.
 fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
     let bad = || {
         Error::Usage(format!(

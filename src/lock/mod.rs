@@ -83,9 +83,8 @@ pub struct Guard {
     file: File,
     path: PathBuf,
     mode: Mode,
-    /// Device and inode, known from the unlink-race check, or asked of
-    /// the descriptor when first wanted (a lock its contents proved
-    /// was taken without a stat: [`acquire_no_wait_with`]).
+    /// Device and inode, from the unlink-race check, else asked of the
+    /// descriptor when first wanted ([`acquire_no_wait_with`]'s proof: no stat).
     id: std::sync::OnceLock<(u64, u64)>,
 }
 
@@ -131,14 +130,13 @@ impl Guard {
         sync_written(&self.file)
     }
 
-    /// Checks that the lock is still ours as far as the filesystem can
-    /// tell, in one request, for a holder that writes and syncs the file
-    /// next (which fails on a handle the server no longer knows). After a
-    /// network partition longer than an NFS server's lease the server drops
-    /// the client's locks (another host may then take them): so the lock is
-    /// asserted again, a non-blocking flock in the held mode on our
-    /// descriptor (a no-op locally, a request to the server on NFS). Any
-    /// failure means the lock cannot be vouched for.
+    /// Checks, in one request, that the lock is still ours as far as the
+    /// filesystem can tell, for a holder that writes and syncs the file next.
+    /// An NFS server drops a client's locks after a partition longer than
+    /// its lease (another host may then take them), so the lock is asserted
+    /// again: a non-blocking flock in the held mode on our descriptor (a
+    /// no-op locally, a server request on NFS). Any failure means the lock
+    /// cannot be vouched for.
     pub fn still_held(&self) -> io::Result<()> {
         if lost_in_test(&self.path) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -149,14 +147,13 @@ impl Guard {
         Ok(())
     }
 
-    /// Unlinks a lease file (`lease.rs`), on every filesystem. Lock files
-    /// are kept on shared filesystems (see the module doc) because two
-    /// processes could come to lock two files of one name; a lease has one
-    /// owner, who made it under a fresh name and re-checks it after locking
-    /// (re-opening the path there), and whoever unlinks it holds it
-    /// exclusively — a lock that goes to the server, so a lease its owner
-    /// holds is never taken for dead. Leaving leases would leave one file
-    /// per exec on NFS.
+    /// Unlinks a lease file (`lease.rs`), on every filesystem: leaving them
+    /// would leave one file per exec on NFS. Lock files are kept on shared
+    /// filesystems, where two processes could come to lock two files of one
+    /// name; a lease has one owner, who made it under a fresh name and
+    /// re-checks it after locking, and its unlinker holds it exclusively (a
+    /// lock that goes to the server: a live owner's lease is never taken for
+    /// dead).
     pub fn unlink_lease(self) -> io::Result<()> {
         assert_eq!(
             self.mode,
@@ -183,10 +180,9 @@ impl Guard {
     }
 }
 
-/// Opens an existing lock file to write what it says (an image's hint),
-/// without locking it: `None` if it does not exist. Only a regular file
-/// with no other name (`fstat`): nothing locked it, so no check of the
-/// unlink race asked.
+/// Opens an existing lock file, unlocked, to write what it says (an image's
+/// hint): `None` if missing. Only a regular file with no other name
+/// (`fstat`): with no lock taken, no unlink-race check asked it.
 pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     open_existing_checked(path, crate::planted::check_written)
 }
@@ -210,11 +206,10 @@ fn open_existing_checked(
 }
 
 /// Opens a lock file: read-write, close-on-exec, never through a symlink
-/// in any component (`planted::open`), and never blocking (a FIFO planted
-/// in its place would block a plain open). What is refused for its type
-/// (a symlink, a directory, a socket, a directory on the way that is not
-/// one) is a `planted::NotAFile` naming it; a FIFO opens, and is refused
-/// by the type check after locking ([`still_linked`]) or before a wait.
+/// in any component (`planted::open`), never blocking (a planted FIFO would
+/// block a plain open). What its type refuses is a `planted::NotAFile`
+/// naming it; a FIFO opens, and is refused by the type check after locking
+/// ([`still_linked`]) or before a wait.
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     let create = match missing {
         IfMissing::Create => libc::O_CREAT,
@@ -239,10 +234,9 @@ struct Denied {
     cause: io::Error,
 }
 
-/// Takes a shared flock on a directory descriptor without waiting: only
-/// so that `/proc/self/fdinfo` says which device number the kernel's lock
-/// table gives that filesystem (`kernel::device_of`). Released when the
-/// descriptor closes.
+/// Takes a shared flock on a directory descriptor without waiting, only so
+/// that `/proc/self/fdinfo` says the device number the kernel's lock table
+/// gives that filesystem (`kernel::device_of`); released on close.
 pub fn flock_dir_shared(fd: std::os::fd::RawFd) -> io::Result<()> {
     // SAFETY: flock on a descriptor the caller owns; no memory is passed.
     cvt(unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) }).map(drop)
@@ -293,9 +287,8 @@ pub fn unlinks_allowed(path: &Path) -> bool {
 }
 
 /// Whether the directory of `path` is on a local filesystem. `dev`, the
-/// device of a file in it when known, names the filesystem: every
-/// directory of one device is on the same one, so the leases' and the
-/// image locks' directories of a root cost one statfs between them.
+/// device of a file in it when known, names the filesystem: a root's lease
+/// and image lock directories then cost one statfs between them.
 fn local_dir(path: &Path, dev: Option<u64>) -> bool {
     let dir = path.parent().unwrap_or(Path::new("/"));
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
@@ -335,9 +328,8 @@ pub fn note_filesystem(dev: u64, local: bool, dirs: &[PathBuf]) {
     }
 }
 
-/// Whether the root's filesystem is shared (not known to be local): lock
-/// files and leases are then opened written through. Set by the root's
-/// checks, before any lock file is opened.
+/// Whether lock files and leases open written through: the root's
+/// filesystem is shared (set by the root's checks, before any such open).
 static WRITE_THROUGH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Opens lock files and leases written through (`O_DSYNC`) from now on,
@@ -356,9 +348,8 @@ pub fn write_through_flag() -> libc::c_int {
 }
 
 /// Makes what was written through `file` durable and visible to other
-/// hosts: `fdatasync`, unless the descriptor writes through (`O_DSYNC`:
-/// each write was synced already, and on NFS or GlusterFS a sync would be
-/// one more request to the server).
+/// hosts: `fdatasync`, unless the descriptor is `O_DSYNC` (each write was
+/// synced already; on NFS or GlusterFS a sync is one more server request).
 pub fn sync_written(file: &File) -> io::Result<()> {
     // SAFETY: F_GETFL on a descriptor we own.
     let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
@@ -386,10 +377,9 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
     if ours.nlink() == 0 {
         return Ok(None);
     }
-    // The stat this check makes anyway says what was locked: a FIFO
-    // planted under a lock file's name is refused here, naming it, and so
-    // is a hard link (a record written into it would change its other
-    // names' file, which may lie outside the root).
+    // The stat made anyway says what was locked: a planted FIFO is refused
+    // here, naming it, and so is a hard link (a record written into it would
+    // change its other names' file, which may lie outside the root).
     crate::planted::check_stat(path, &ours)?;
     if !local_dir(path, Some(ours.dev())) {
         // A stat of the path may come from the client's caches; an open
@@ -419,9 +409,8 @@ fn dev_ino(m: &fs::Metadata) -> (u64, u64) {
     (m.dev(), m.ino())
 }
 
-/// How many times a lock is retried after finding its file unlinked before
-/// giving up: each retry means some holder deleted the file in between,
-/// which cannot go on forever unless something is badly wrong.
+/// How many times a lock is retried after finding its file unlinked: each
+/// retry means a holder deleted it in between, which cannot go on forever.
 const MAX_GHOSTS: usize = 1000;
 
 fn ghost_error(path: &Path) -> io::Error {
@@ -451,12 +440,11 @@ impl IfMissing {
     }
 }
 
-/// [`acquire_no_wait`] for a lock file whose contents can prove that it is
-/// still the file at its path: `read` reads the locked file (the read its
-/// caller makes anyway) and says what it found and whether that proves it
-/// (a record only holders write, or a file without the [`GONE`] mark). A
-/// proof spares the stat of the unlink-race check (on NFS, a lookup at the
-/// server); anything else gets the stat check.
+/// [`acquire_no_wait`] for a lock file whose contents can prove it is still
+/// the file at its path: `read` reads the locked file (a read its caller
+/// makes anyway) and says what it found and whether that proves it (a
+/// record only holders write, or no [`GONE`] mark). A proof spares the
+/// unlink-race stat (on NFS, a lookup at the server).
 pub fn acquire_no_wait_with<T>(
     path: &Path,
     mode: Mode,
@@ -495,16 +483,14 @@ pub fn mark_gone(file: &File) -> io::Result<()> {
     file.write_all_at(GONE, 0)
 }
 
-/// Makes a fresh lock file at `path` (`O_EXCL`: never one that exists) and
-/// locks it exclusively: a lease (`lease.rs`). No check of the unlink race
-/// follows here: the only other process that may unlink a lease, a prober
-/// cleaning dead ones, leaves a file its maker has not written yet unless
-/// the maker is known to be dead or the file is older than any maker could
-/// take to lock it (the maker, if it was that slow, checks with
-/// [`still_at_path`]) — and the maker writes only once it holds the lock.
-/// A prober's lock, held for the moment of its probe, is waited out
-/// briefly; `Ok(None)`: the name exists, or stayed locked (the caller
-/// takes another name). `flags` are more open flags (`O_DSYNC`).
+/// Makes a fresh lock file at `path` (`O_EXCL`) and locks it exclusively: a
+/// lease (`lease.rs`). No unlink-race check: the only other process that
+/// may unlink a lease, a prober cleaning dead ones, leaves an unwritten file
+/// unless its maker is known dead or it is older than any maker could take
+/// to lock it (a maker that slow checks with [`still_at_path`]), and the
+/// maker writes only once it holds the lock. A prober's lock is waited out
+/// briefly; `Ok(None)`: the name exists, or stayed locked (take another
+/// name). `flags` are more open flags (`O_DSYNC`).
 pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<Guard>> {
     let file = match OpenOptions::new()
         .read(true)
@@ -680,10 +666,9 @@ pub fn note_inherited() {
     let _ = INHERITED.set(fds);
 }
 
-/// Whether a descriptor this process inherited locks (flock) a file in
-/// `dir` — an enclosing command's, which holds that lock while it waits
-/// for us. Judged by the kernel (`/proc/self/fd`, `fdinfo`), so it holds
-/// where the environment that names enclosing holds was cleared.
+/// Whether a descriptor this process inherited flocks a file in `dir`: an
+/// enclosing command's, held while it waits for us. Judged by the kernel
+/// (`/proc/self/fd`, `fdinfo`), so it holds where the environment was cleared.
 pub fn holds_any_under(dir: &Path) -> bool {
     let Ok(dir) = fs::canonicalize(dir) else {
         return false;
@@ -722,10 +707,9 @@ pub enum Probe {
     Exclusive,
 }
 
-/// Finds out whether anyone holds the lock, without waiting. This briefly
-/// takes the lock itself (shared, then exclusive), so a concurrent
-/// non-blocking attempt may see it busy for a few microseconds: prefer the
-/// kernel's lock table where it is complete (local filesystems).
+/// Whether anyone holds the lock, without waiting. It briefly takes the lock
+/// (shared, then exclusive), so a concurrent try may find it busy for a few
+/// microseconds: prefer the lock table where it is complete (local filesystems).
 pub fn probe(path: &Path) -> io::Result<Probe> {
     let file = match open(path, IfMissing::Fail) {
         Ok(f) => f,
@@ -744,10 +728,9 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
     })
 }
 
-/// Takes a shared lock on a lock file already open, if it is free of
-/// writers right now: held until the file is closed. No check of the unlink
-/// race: for a caller to whom a ghost does no harm (it only empties what
-/// the file says).
+/// Takes a shared lock on an open lock file if no writer holds it now, kept
+/// until the file closes. No unlink-race check: for a caller to whom a ghost
+/// does no harm (it only empties what the file says).
 pub fn try_shared_open(file: &File) -> io::Result<bool> {
     flock_try(file, Mode::Shared)
 }
@@ -794,9 +777,8 @@ pub fn opens_conflict(path: &Path) -> io::Result<bool> {
     Ok(!flock_try(&b, Mode::Exclusive)?)
 }
 
-/// Lock files tried again and again without closing them in between: the
-/// descriptors stay open while a waiter waits, so its tries make no close
-/// events that would wake other waiters (see [`Waker`]).
+/// Lock files tried again and again, kept open while a waiter waits: its
+/// tries make no close events that would wake other waiters ([`Waker`]).
 pub struct FileSet {
     paths: Vec<PathBuf>,
     files: Vec<Option<File>>,
@@ -833,9 +815,8 @@ impl FileSet {
             if self.files[i].is_none() {
                 match open(&self.paths[i], IfMissing::Create) {
                     Ok(f) => self.files[i] = Some(f),
-                    // Only a regular file is a slot: something planted
-                    // under a slot's name is no slot to take (doctor
-                    // reports it), and stops no other.
+                    // Only a regular file is a slot: a plant under a slot's
+                    // name is none (doctor reports it), and stops no other.
                     Err(e) if crate::planted::find(&e).is_some() => continue,
                     Err(e) => return Err(e),
                 }
@@ -870,11 +851,10 @@ impl FileSet {
         Ok(None)
     }
 
-    /// Gives back a lock taken by [`FileSet::try_any_where`] that the caller may
-    /// not keep after all. The descriptor stays open (closing it would wake
-    /// every waiter watching the directory, this one included); the lock is
-    /// dropped with `LOCK_UN`, safe here because no child ever had this
-    /// descriptor.
+    /// Gives back a lock from [`FileSet::try_any_where`] the caller may not
+    /// keep. The descriptor stays open (a close would wake every waiter on
+    /// the directory, this one too); the lock is dropped with `LOCK_UN`, safe
+    /// as no child ever had this descriptor.
     pub fn put_back(&mut self, i: usize, g: Guard) {
         let _ = FileExt::unlock(&g.file);
         self.files[i] = Some(g.file);

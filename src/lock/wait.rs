@@ -2,7 +2,6 @@
 //! kernel when the lock is free and interrupted by a signal for a deadline
 //! or a cancellation; and, for many files at once, a wait on inotify.
 //!
-//! Invariants:
 //! - A blocked flock(2) sleeps in the kernel in a helper thread; a deadline
 //!   or a cancellation interrupts it with [`wake_signal`], whose handler
 //!   does nothing, so the call returns `EINTR`. Nothing spins.
@@ -43,10 +42,9 @@ pub struct Wait<'a> {
     /// Ignore [`interrupt_waits`]: for cleanup that must happen even after a
     /// termination signal (undoing a start, recording an outcome).
     pub uninterruptible: bool,
-    /// Re-issue blocked requests this often. On NFS a blocked lock request
-    /// is retried by the client with a back-off that grows to 30 s (NFSv4),
-    /// so a freed lock may sit unnoticed that long; interrupting and
-    /// re-issuing the request makes the client ask again at once. Local
+    /// Re-issue blocked requests this often: an NFS client retries a blocked
+    /// lock with a back-off growing to 30 s (NFSv4), so a freed lock may sit
+    /// unnoticed that long; a re-issued request asks again at once. Local
     /// filesystems wake waiters themselves and need none.
     pub rearm: Option<Duration>,
 }
@@ -114,9 +112,8 @@ fn registry() -> std::sync::MutexGuard<'static, Registry> {
 
 static BEFORE_WAIT: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
 
-/// Registers a function to run before any wait begins (once registered,
-/// for good). The CLI starts its signal-watching thread this way, so that a
-/// process that never waits never starts it.
+/// Registers a function to run before any wait begins (for good): the CLI
+/// starts its signal-watching thread so, only in a process that waits.
 pub fn before_waiting(f: fn()) {
     let _ = BEFORE_WAIT.set(f);
 }
@@ -129,10 +126,9 @@ pub fn starting_to_wait() {
     }
 }
 
-/// A descriptor that is readable while a signal is pending that should end
-/// the waits, and the function that takes it (and calls
-/// [`interrupt_waits`]): for a process that could start no thread to watch
-/// for signals (a pids limit), so that its waits watch for them themselves.
+/// A descriptor readable while a signal that should end the waits is
+/// pending, and the function that takes it (and calls [`interrupt_waits`]):
+/// a process with no thread to watch signals (a pids limit) waits on it.
 static SIGNAL_WATCH: std::sync::OnceLock<(std::os::fd::RawFd, fn())> = std::sync::OnceLock::new();
 
 /// Registers `SIGNAL_WATCH` (once, for good).
@@ -202,10 +198,9 @@ struct Worker {
     finished: bool,
 }
 
-/// How long a stopped worker may take to answer before it is left behind.
-/// Only a flock(2) that ignores signals (a hard NFS mount whose server is
-/// gone) takes that long; the abandoned thread releases anything it later
-/// acquires.
+/// How long a stopped worker may take to answer before it is left behind:
+/// only a flock(2) that ignores signals (a hard NFS mount whose server is
+/// gone) takes that long; the thread releases anything it later acquires.
 const STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Blocks until one of `files` is locked in `mode`; returns its index.
@@ -246,14 +241,13 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
 enum Helpers {
     /// One per file.
     Started(Vec<Worker>),
-    /// Not every one: a thread could not be had. Those started are to be
-    /// stopped.
+    /// Not every one (a thread could not be had): those are to be stopped.
     NoThread(Vec<Worker>),
 }
 
 /// Starts one helper thread per file, each blocked in flock(2) on a
-/// duplicate of it and reporting on `tx` (this sender is dropped on
-/// return: only the helpers' and the cancellation's stay).
+/// duplicate of it and reporting on `tx` (dropped on return: only the
+/// helpers' and the cancellation's senders stay).
 fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Result<Helpers> {
     let mut workers = Vec::with_capacity(files.len());
     for (i, file) in files.iter().enumerate() {
@@ -400,10 +394,9 @@ pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Resu
 /// Why [`Waker::sleep`] returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Woke {
-    /// Something happened in the watched directory: a file opened for
-    /// writing was closed (a lock file's last descriptor, so its locks are
-    /// gone) or created. `named` is true if that file was the one named in
-    /// [`Waker::watch`] (a configuration change, for slots).
+    /// A file in the watched directory was closed (a lock file's last
+    /// descriptor: its locks are gone) or created; `named`: it was the one
+    /// named in [`Waker::watch`] (a configuration change, for slots).
     Changed { named: bool },
     /// The time given ran out.
     Timeout,
@@ -412,17 +405,15 @@ pub enum Woke {
 }
 
 /// Sleeps until a directory changes, a time passes, or the waits of this
-/// process are interrupted — in the calling thread, needing no helper
-/// thread (waiting for one of many lock files must not need one thread per
-/// file: a pids limit would make such a wait fail).
+/// process are interrupted, in the calling thread: a wait for one of many
+/// lock files must not need a thread per file (a pids limit would fail it).
 ///
-/// The kernel releases a flock when the last descriptor of its open file
-/// description is closed, and that last close is exactly when inotify
-/// reports `IN_CLOSE_WRITE` — or `IN_CLOSE_NOWRITE` for a holder that
-/// opened the file read-only, as flock(1) does: both are watched, so a waiter
-/// that watches the directory before it tries the files wakes the moment
-/// one of them may be free. Other hosts' closes are not seen (NFS): callers
-/// poll there too. Without inotify (limits on instances) it only sleeps.
+/// A flock is released at the last close of its open file description,
+/// exactly when inotify reports `IN_CLOSE_WRITE` (or `IN_CLOSE_NOWRITE`, for
+/// a holder that opened it read-only, as flock(1) does): a waiter watching
+/// the directory before it tries the files wakes the moment one may be
+/// free. Other hosts' closes are not seen (NFS): callers poll there too.
+/// Without inotify (limits on instances) it only sleeps.
 pub struct Waker {
     inotify: Option<std::os::fd::OwnedFd>,
     /// The watch on `inotify`, removed again on drop.
@@ -430,10 +421,9 @@ pub struct Waker {
     named: Option<std::ffi::OsString>,
 }
 
-/// inotify instances of finished waits, kept for the next: closing one
-/// costs the closer an RCU grace period (measured: ~18 ms), which would
-/// land between a slot's release and its taker's command. They are
-/// close-on-exec, and there are never more than waits at once.
+/// inotify instances of finished waits, kept for the next: closing one costs
+/// an RCU grace period (~18 ms), between a slot's release and its taker's
+/// command. Close-on-exec; never more than waits at once.
 static SPARE_INOTIFY: Mutex<Vec<std::os::fd::OwnedFd>> = Mutex::new(Vec::new());
 
 fn spare_inotify() -> std::sync::MutexGuard<'static, Vec<std::os::fd::OwnedFd>> {
@@ -610,8 +600,8 @@ fn spawn_worker(
         .name("stowage-lock-wait".into())
         .stack_size(64 * 1024)
         .spawn(move || {
-            // The mask is inherited (even across exec, from whoever started
-            // us); a blocked wake signal would leave this thread deaf.
+            // The mask is inherited, even across exec: a blocked wake signal
+            // would leave this thread deaf.
             // SAFETY: sigset manipulation on a local set.
             unsafe {
                 let mut set: libc::sigset_t = std::mem::zeroed();
