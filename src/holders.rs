@@ -650,10 +650,9 @@ impl<'c> Look<'c> {
     /// read of the leases, a few a moment apart where no table can tell (a
     /// holder lists its lock just after taking it). Else an unknown holder.
     fn held_by_whom(&self, rel: &str, state: Probe, entries: Option<&[Entry]>) -> Vec<Party> {
-        let mode = if state == Probe::Exclusive {
-            Mode::Exclusive
-        } else {
-            Mode::Shared
+        let mode = match state {
+            Probe::Exclusive => Mode::Exclusive,
+            _ => Mode::Shared,
         };
         let mut holders = Vec::new();
         // At most WAIT_BUDGET in all, or many locks held outside stowage on a

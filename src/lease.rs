@@ -332,7 +332,6 @@ fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
 /// Makes the leases directory in `locks`, reached without following a
 /// link in any component.
 fn make_leases_dir(dir: &Path) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
     use std::os::unix::ffi::OsStrExt;
     let (Some(locks), Some(name)) = (dir.parent(), dir.file_name()) else {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));

@@ -112,12 +112,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 }
 
 fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
-    let mut rows: Vec<[String; 4]> = vec![[
-        "LOCK".into(),
-        "KIND".into(),
-        "STATE".into(),
-        "HOLDERS AND WAITERS".into(),
-    ]];
+    let mut rows = vec![["LOCK", "KIND", "STATE", "HOLDERS AND WAITERS"].map(String::from)];
     for l in locks {
         let state = match l.image_state {
             Some(s) => format!("{} ({s})", state_str(l.state)),

@@ -153,13 +153,8 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
         )?;
         return Ok(0);
     }
-    let mut rows = vec![[
-        "CLASS".to_owned(),
-        "LIMIT".into(),
-        "RESERVE HIGH".into(),
-        "IN USE".into(),
-        "WAITING".into(),
-    ]];
+    let head = ["CLASS", "LIMIT", "RESERVE HIGH", "IN USE", "WAITING"];
+    let mut rows = vec![head.map(String::from)];
     for r in &reports {
         let (limit, reserve, in_use) = r.slot.unwrap_or_default();
         rows.push([

@@ -26,7 +26,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt as _, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -122,7 +122,6 @@ impl Guard {
     /// holds the probe lock), through the locked descriptor: never through
     /// the path, where a symlink could have been planted since.
     pub fn set_contents(&self, bytes: &[u8]) -> io::Result<()> {
-        use std::os::unix::fs::FileExt as _;
         self.file.set_len(0)?;
         self.file.write_all_at(bytes, 0)?;
         // On NFS, what is written reaches the server (and other hosts) on
@@ -478,7 +477,6 @@ pub const GONE: &[u8] = b"stowage-unlinked\n";
 /// process that opened it and locks it after the unlink reads the mark and
 /// knows it locked a ghost (nothing else it could read says so).
 pub fn mark_gone(file: &File) -> io::Result<()> {
-    use std::os::unix::fs::FileExt as _;
     file.set_len(0)?;
     file.write_all_at(GONE, 0)
 }
@@ -610,8 +608,8 @@ fn guard(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
 /// Device and inode of the file behind a descriptor.
 fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat writes into a zeroed stat we own; the descriptor is
-    // one of ours, open while its guard lives.
+    // SAFETY: fstat writes into a zeroed stat we own; a descriptor number
+    // that is not open fails with EBADF.
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
 }
 
@@ -631,13 +629,8 @@ pub fn held_here(path: &Path) -> Option<Mode> {
         else {
             continue;
         };
-        // SAFETY: fstat on a descriptor number into a zeroed buffer; a
-        // number that is no longer open (the listing's own) fails harmlessly.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstat(fd, &mut st) } != 0
-            || st.st_dev != at.dev()
-            || st.st_ino != at.ino()
-        {
+        // A number no longer open (the listing's own) fails harmlessly.
+        if fd_identity(fd) != Some((at.dev(), at.ino())) {
             continue;
         }
         let Ok(info) = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
@@ -927,7 +920,6 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
 /// no group shares, its owner shares it with `init --group`.
 fn denied(path: &Path) -> String {
     use nix::unistd::{AccessFlags, access};
-    use std::os::unix::fs::MetadataExt;
     let dir = path.parent().unwrap_or(Path::new("/"));
     let cause = if path.exists() && access(path, AccessFlags::R_OK | AccessFlags::W_OK).is_err() {
         path

@@ -12,6 +12,8 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::thread::JoinHandleExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -443,8 +445,7 @@ impl Waker {
     /// Watches `dir` for closes and creations; `named` is a file in it
     /// whose changes are told apart.
     pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
-        use std::os::fd::{AsRawFd, FromRawFd};
-        use std::os::unix::ffi::OsStrExt;
+        use std::os::fd::FromRawFd;
         let spare = spare_inotify().pop();
         let owned = match spare {
             Some(fd) => fd,
@@ -490,7 +491,6 @@ impl Waker {
     /// Sleeps until the directory changes, `until` passes (`None`: no
     /// limit) or the process's waits are interrupted.
     pub fn sleep(&self, until: Option<Instant>) -> io::Result<Woke> {
-        use std::os::fd::AsRawFd;
         if let Some(sig) = interrupted() {
             return Ok(Woke::Interrupted(sig));
         }
@@ -545,7 +545,6 @@ impl Waker {
 
     /// Reads every pending event; true if one concerned the named file.
     fn drain(&self) -> bool {
-        use std::os::fd::AsRawFd;
         let Some(ino) = &self.inotify else {
             return false;
         };
@@ -566,12 +565,8 @@ impl Waker {
                     unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
                 let name = &buf[at + head..(at + head + ev.len as usize).min(n as usize)];
                 let name = name.split(|b| *b == 0).next().unwrap_or(&[]);
-                if let Some(want) = &self.named {
-                    use std::os::unix::ffi::OsStrExt;
-                    if ev.wd == self.wd && name == want.as_bytes() {
-                        named = true;
-                    }
-                }
+                let want = self.named.as_ref().map(|w| w.as_bytes());
+                named |= ev.wd == self.wd && want == Some(name);
                 at += head + ev.len as usize;
             }
         }
@@ -580,7 +575,6 @@ impl Waker {
 
 impl Drop for Waker {
     fn drop(&mut self) {
-        use std::os::fd::AsRawFd;
         if let Some(fd) = self.inotify.take() {
             // SAFETY: removes our own watch from our own descriptor.
             unsafe { libc::inotify_rm_watch(fd.as_raw_fd(), self.wd) };
