@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, CString, OsStr};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -93,23 +93,19 @@ struct Frame {
 /// RHEL-family image holds, although removing it works. (Root needs no
 /// loan: permissions do not stop it.)
 struct Lent {
-    fd: std::os::fd::OwnedFd,
+    fd: OwnedFd,
     mode: libc::mode_t,
 }
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        // fchmod refuses the O_PATH descriptor; its /proc name is the inode.
-        if let Ok(proc) = CString::new(format!("/proc/self/fd/{}", self.fd.as_raw_fd())) {
-            // SAFETY: a valid C string.
-            unsafe { libc::chmod(proc.as_ptr(), self.mode) };
-        }
+        let _ = crate::dir::chmod_o_path(self.fd.as_raw_fd(), self.mode);
     }
 }
 
-/// Whether `meta` (ours) keeps us from reading it, or from searching it
-/// if a directory: the access a copy needs, which its owner may lend.
-fn needs_loan(meta: &libc::stat) -> bool {
+/// The owner's bits a copy needs of `meta` (ours) if its mode keeps them
+/// from us: read, and search for a directory. Its owner may lend them.
+fn loan_needed(meta: &libc::stat) -> Option<libc::mode_t> {
     // SAFETY: geteuid cannot fail.
     let euid = unsafe { libc::geteuid() };
     let need = if tree::file_type(meta) == libc::S_IFDIR {
@@ -117,51 +113,37 @@ fn needs_loan(meta: &libc::stat) -> bool {
     } else {
         0o400
     };
-    euid != 0 && meta.st_uid == euid && meta.st_mode & need != need
+    (euid != 0 && meta.st_uid == euid && meta.st_mode & need != need).then_some(need)
 }
 
-/// Opens `name` of `dir`, whose stat is `meta` and which [`needs_loan`]:
-/// the owner's bits the copy needs are set through an `O_PATH` descriptor
-/// of the entry (a symlink swapped in is refused, not followed; another
-/// inode is refused), the entry is opened again through that descriptor,
-/// and the loan is returned to be given back when the copy is done.
+/// Opens `name` of `dir`, whose stat is `meta`, lent the bits `need`
+/// ([`loan_needed`]): they are set through an `O_PATH` descriptor of the
+/// entry (a symlink swapped in is refused, not followed; another inode is
+/// refused), the entry is opened again through that descriptor, and the
+/// loan is returned to be given back when the copy is done.
 fn open_lent(
     dir: &Dir,
     name: &CStr,
     meta: &libc::stat,
+    need: libc::mode_t,
     flags: libc::c_int,
-) -> io::Result<(RawFd, Lent)> {
-    // SAFETY: valid descriptor and C string; owned at once.
-    let fd = cvt(unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    })?;
-    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-    let path = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+) -> io::Result<(OwnedFd, Lent)> {
+    let path = dir.open_at(name, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)?;
     let now = tree::fstat(path.as_raw_fd())?;
     if (now.st_dev, now.st_ino) != (meta.st_dev, meta.st_ino) {
         return Err(io::Error::other("changed while being copied"));
     }
-    let need = if tree::file_type(meta) == libc::S_IFDIR {
-        0o500
-    } else {
-        0o400
-    };
+    crate::dir::chmod_o_path(path.as_raw_fd(), (now.st_mode & 0o7777) | need)?;
     let proc = CString::new(format!("/proc/self/fd/{}", path.as_raw_fd()))
         .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: a valid C string; fchmod refuses an O_PATH descriptor, and
-    // its /proc name is the very inode, whatever happens to `name`.
-    cvt(unsafe { libc::chmod(proc.as_ptr(), (now.st_mode & 0o7777) | need) })?;
     let lent = Lent {
         fd: path,
         mode: now.st_mode & 0o7777,
     };
-    // SAFETY: a valid C string; the descriptor is the caller's to own.
+    // SAFETY: a valid C string.
     let fd = cvt(unsafe { libc::open(proc.as_ptr(), flags | libc::O_CLOEXEC) })?;
-    Ok((fd, lent))
+    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
+    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, lent))
 }
 
 /// Copies the tree of `src_root` into the empty directory `dst_root`, both
@@ -298,15 +280,11 @@ impl TreeCopy<'_> {
     /// and writing into it would change its mtime.
     fn finish_dir(&mut self, done: Frame) -> Result<()> {
         self.trail.0.pop();
-        let at = || self.trail.show(self.dst, None);
-        set_attrs(
+        let (dst, src) = (
             Target::Fd(done.dst.as_raw_fd()),
             Target::Fd(done.src.as_raw_fd()),
-            &done.meta,
-            &mut self.out,
-            &at,
-        )
-        .with_context(|| format!("cannot set attributes of {}", at()))
+        );
+        self.attrs(dst, src, None, &done.meta)
     }
 
     /// Copies the entry `name` of `top`; a directory is created and
@@ -335,12 +313,11 @@ impl TreeCopy<'_> {
     /// real mode is set at the end) and opens both for the walk.
     fn enter_dir(&mut self, top: &Frame, name: CString, meta: libc::stat) -> Result<Frame> {
         mkdirat(&top.dst, &name).with_context(|| self.cannot_copy(&name))?;
-        let (s, lent) = if needs_loan(&meta) {
-            let (fd, lent) = open_lent(&top.src, &name, &meta, libc::O_RDONLY | libc::O_DIRECTORY)
+        let (s, lent) = if let Some(need) = loan_needed(&meta) {
+            let flags = libc::O_RDONLY | libc::O_DIRECTORY;
+            let (fd, lent) = open_lent(&top.src, &name, &meta, need, flags)
                 .with_context(|| self.cannot_copy(&name))?;
-            // SAFETY: fd was just opened (a directory), and nothing else owns it.
-            let d = Dir::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
-            (d, Some(lent))
+            (Dir::from(fd), Some(lent))
         } else {
             let d = top
                 .src
@@ -401,15 +378,8 @@ impl TreeCopy<'_> {
             open_pair(&top.src, &top.dst, name, meta).with_context(|| self.cannot_copy(name))?;
         let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works)
             .with_context(|| self.cannot_copy(name))?;
-        let at = || self.trail.show(self.dst, Some(name));
-        set_attrs(
-            Target::Fd(dst_f.as_raw_fd()),
-            Target::Fd(src_f.as_raw_fd()),
-            meta,
-            &mut self.out,
-            &at,
-        )
-        .with_context(|| self.cannot_copy(name))?;
+        let (dst, src) = (Target::Fd(dst_f.as_raw_fd()), Target::Fd(src_f.as_raw_fd()));
+        self.attrs(dst, src, Some(name), meta)?;
         let len = meta.st_size as u64;
         self.out.files += 1;
         self.out.bytes += len;
@@ -440,15 +410,28 @@ impl TreeCopy<'_> {
     /// Owner, mode, times and attributes of the entry `name` (not followed),
     /// from the source to its copy.
     fn attrs_at(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
-        let at = || self.trail.show(self.dst, Some(name));
-        set_attrs(
+        self.attrs(
             Target::At(&top.dst, name),
             Target::At(&top.src, name),
+            Some(name),
             meta,
-            &mut self.out,
-            &at,
         )
-        .with_context(|| self.cannot_copy(name))
+    }
+
+    /// [`set_attrs`] for the entry `name` of the current directory's copy
+    /// (without one, for the directory itself), which messages name.
+    fn attrs(
+        &mut self,
+        dst: Target,
+        src: Target,
+        name: Option<&CStr>,
+        meta: &libc::stat,
+    ) -> Result<()> {
+        let at = || self.trail.show(self.dst, name);
+        set_attrs(dst, src, meta, &mut self.out, &at).with_context(|| match name {
+            Some(n) => self.cannot_copy(n),
+            None => format!("cannot set attributes of {}", at()),
+        })
     }
 
     /// The message of a failure to copy `name` of the current directory.
@@ -477,38 +460,20 @@ fn open_pair(
     meta: &libc::stat,
 ) -> io::Result<(File, File, Option<Lent>)> {
     let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
-    let (fd, lent) = if needs_loan(meta) {
-        let (fd, lent) = open_lent(src, name, meta, flags)?;
-        (fd, Some(lent))
-    } else {
-        // SAFETY: valid descriptors and C strings; descriptors owned at once.
-        let fd = cvt(unsafe {
-            libc::openat(
-                src.as_raw_fd(),
-                name.as_ptr(),
-                flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            )
-        })
-        .map_err(|e| denied(e, meta))?;
-        (fd, None)
+    let (fd, lent) = match loan_needed(meta) {
+        Some(need) => open_lent(src, name, meta, need, flags).map(|(fd, l)| (fd, Some(l)))?,
+        None => src
+            .open_at(name, flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)
+            .map(|fd| (fd, None))
+            .map_err(|e| denied(e, meta))?,
     };
-    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-    let s = unsafe { File::from_raw_fd(fd) };
+    let s = File::from(fd);
     let now = tree::fstat(s.as_raw_fd())?;
     if tree::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
         return Err(io::Error::other("changed while being copied"));
     }
-    // SAFETY: a valid directory descriptor and C string; the result is owned at once.
-    let fd = cvt(unsafe {
-        libc::openat(
-            dst.as_raw_fd(),
-            name.as_ptr(),
-            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            0o600 as libc::c_uint,
-        )
-    })?;
-    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-    Ok((s, unsafe { File::from_raw_fd(fd) }, lent))
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    Ok((s, File::from(dst.open_at(name, flags, 0o600)?), lent))
 }
 
 /// A refusal to read a file of the base that is not ours to lend: says
@@ -754,12 +719,11 @@ fn set_attrs(
             )
         },
     };
-    if r != 0 {
-        let e = io::Error::last_os_error();
-        // An unprivileged user cannot give files away: keep our own.
-        if e.raw_os_error() != Some(libc::EPERM) {
-            return Err(e);
-        }
+    // An unprivileged user cannot give files away: keep our own.
+    if let Err(e) = cvt(r)
+        && e.raw_os_error() != Some(libc::EPERM)
+    {
+        return Err(e);
     }
     if !symlink {
         // After chown, which clears setuid/setgid bits.
@@ -772,15 +736,13 @@ fn set_attrs(
         })?;
     }
     copy_xattrs(&src, &dst, out, at);
+    let time = |tv_sec, nsec: libc::c_long| libc::timespec {
+        tv_sec,
+        tv_nsec: nsec as _,
+    };
     let times = [
-        libc::timespec {
-            tv_sec: meta.st_atime,
-            tv_nsec: meta.st_atime_nsec as _,
-        },
-        libc::timespec {
-            tv_sec: meta.st_mtime,
-            tv_nsec: meta.st_mtime_nsec as _,
-        },
+        time(meta.st_atime, meta.st_atime_nsec),
+        time(meta.st_mtime, meta.st_mtime_nsec),
     ];
     // SAFETY: a two-element array, as utimensat requires.
     cvt(match &dst {
@@ -866,11 +828,8 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
 /// counts the refusals. An attribute the target already has with the same
 /// value (a label the filesystem gave it) is left alone.
 fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> String) {
-    let names = match list_xattrs(src) {
-        Ok(n) => n,
-        // No extended attributes here at all, or none readable.
-        Err(_) => return,
-    };
+    // No extended attributes here at all, or none readable.
+    let Ok(names) = list_xattrs(src) else { return };
     for key in names.split(|b| *b == 0).filter(|k| !k.is_empty()) {
         let Ok(key) = CString::new(key) else { continue };
         let result = get_xattr(src, &key).and_then(|value| {
@@ -888,8 +847,7 @@ fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> St
                     crate::ident::printable(&name)
                 ));
             }
-            let entry = out.xattrs_lost.entry(name).or_insert((0, e.to_string()));
-            entry.0 += 1;
+            out.xattrs_lost.entry(name).or_insert((0, e.to_string())).0 += 1;
         }
     }
 }

@@ -83,8 +83,16 @@ pub fn fstat(fd: std::os::fd::RawFd) -> io::Result<libc::stat> {
     Ok(st)
 }
 
-fn cstr(name: &OsStr) -> io::Result<CString> {
+pub(crate) fn cstr(name: &OsStr) -> io::Result<CString> {
     CString::new(name.as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+/// `chmod` of what the `O_PATH` descriptor `fd` is: fchmod refuses one, and
+/// its /proc name is that very inode, whatever happens to its name since.
+pub(crate) fn chmod_o_path(fd: std::os::fd::RawFd, mode: libc::mode_t) -> io::Result<()> {
+    let proc = cstr(OsStr::new(&format!("/proc/self/fd/{fd}")))?;
+    // SAFETY: a valid C string.
+    cvt(unsafe { libc::chmod(proc.as_ptr(), mode) }).map(drop)
 }
 
 const DIR_FLAGS: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
@@ -160,13 +168,22 @@ impl Dir {
     }
 
     fn sub_flags(&self, name: &OsStr, flags: libc::c_int) -> io::Result<Dir> {
-        let c = cstr(name)?;
-        // SAFETY: as in open_flags.
-        let fd = cvt(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) })?;
-        Ok(Dir {
-            // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        self.open_at(&cstr(name)?, flags, 0).map(Dir::from)
+    }
+
+    /// `openat` of `name` in this directory (`mode` counts only where a
+    /// file is created), the new descriptor owned.
+    pub(crate) fn open_at(
+        &self,
+        name: &CStr,
+        flags: libc::c_int,
+        mode: u32,
+    ) -> io::Result<OwnedFd> {
+        let dir = self.fd.as_raw_fd();
+        // SAFETY: valid descriptor and C string.
+        let fd = cvt(unsafe { libc::openat(dir, name.as_ptr(), flags, mode as libc::c_uint) })?;
+        // SAFETY: fd was just returned by a successful open, and nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     /// Like [`Dir::sub`], for a deletion: a directory of ours that we may
@@ -177,29 +194,10 @@ impl Dir {
     fn sub_for_deletion(&self, name: &OsStr) -> io::Result<Dir> {
         match self.sub(name) {
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
-                let c = cstr(name)?;
-                // SAFETY: valid descriptor and C string; owned at once.
-                let fd = cvt(unsafe {
-                    libc::openat(
-                        self.fd.as_raw_fd(),
-                        c.as_ptr(),
-                        libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                    )
-                })?;
-                let path = Dir {
-                    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-                    fd: unsafe { OwnedFd::from_raw_fd(fd) },
-                };
+                let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+                let path = self.sub_flags(name, flags)?;
                 let st = path.stat()?;
-                // fchmod refuses an O_PATH descriptor; its /proc name is
-                // the directory itself, whatever happens to `name`.
-                let proc = CString::new(format!("/proc/self/fd/{fd}"))
-                    .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-                // SAFETY: a valid C string.
-                cvt(unsafe {
-                    libc::chmod(proc.as_ptr(), ((st.mode & 0o7777) | 0o700) as libc::mode_t)
-                })
-                .map_err(|_| e)?;
+                chmod_o_path(path.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _).map_err(|_| e)?;
                 self.sub(name)
             }
             other => other,
@@ -293,20 +291,8 @@ impl Dir {
 
     /// The entry `name`, not followed; `None` if there is none.
     pub fn stat_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<Entry>> {
-        let c = cstr(name.as_ref())?;
-        // SAFETY: all-zero bytes are a valid value of this plain C struct.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: valid C string and out-pointer.
-        let r = unsafe {
-            libc::fstatat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                &mut st,
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
-        match cvt(r) {
-            Ok(_) => Ok(Some(entry(&st))),
+        match self.lstat_at(&cstr(name.as_ref())?) {
+            Ok(st) => Ok(Some(entry(&st))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
         }
@@ -407,8 +393,8 @@ impl Dir {
                 to.fd.as_raw_fd(),
                 b.as_ptr(),
             )
-        })?;
-        Ok(())
+        })
+        .map(drop)
     }
 
     /// Renames the entry `name` aside in this directory, as
@@ -487,24 +473,10 @@ impl Dir {
     /// that very file (`O_PATH|O_NOFOLLOW`): a symlink swapped in after a
     /// look is refused, never followed to what it names.
     pub fn chmod_at(&self, name: &str, mode: u32) -> io::Result<()> {
-        let c = cstr(name.as_ref())?;
-        // SAFETY: valid descriptor and C string; owned at once.
-        let fd = cvt(unsafe {
-            libc::openat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            )
-        })?;
-        // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-        let file = unsafe { std::fs::File::from_raw_fd(fd) };
+        let flags = libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+        let file = std::fs::File::from(self.open_at(&cstr(name.as_ref())?, flags, 0)?);
         crate::planted::check_written(Path::new(name), &file)?;
-        // fchmod refuses an O_PATH descriptor; its /proc name is the file.
-        let proc = CString::new(format!("/proc/self/fd/{fd}"))
-            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-        // SAFETY: a valid C string.
-        cvt(unsafe { libc::chmod(proc.as_ptr(), mode as libc::mode_t) })?;
-        Ok(())
+        chmod_o_path(file.as_raw_fd(), mode as libc::mode_t)
     }
 
     /// Makes `to_name` a second link to `name` in this directory: fails
@@ -521,8 +493,8 @@ impl Dir {
                 b.as_ptr(),
                 0,
             )
-        })?;
-        Ok(())
+        })
+        .map(drop)
     }
 
     /// Opens `name` for writing (creating it, never through a symlink) and
@@ -531,19 +503,9 @@ impl Dir {
     /// a FIFO planted under the name fails the open (`ENXIO`) unless
     /// something reads it, and then is only closed.
     pub fn touch_closed(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
-        let c = cstr(name.as_ref())?;
-        // SAFETY: valid C string; the descriptor is closed at once.
-        let fd = cvt(unsafe {
-            libc::openat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                libc::O_WRONLY | libc::O_CREAT | crate::planted::FLAGS,
-                0o666 as libc::c_uint,
-            )
-        })?;
-        // SAFETY: fd was just opened by us.
-        unsafe { libc::close(fd) };
-        Ok(())
+        let flags = libc::O_WRONLY | libc::O_CREAT | crate::planted::FLAGS;
+        // Closed at once, as it is dropped.
+        self.open_at(&cstr(name.as_ref())?, flags, 0o666).map(drop)
     }
 
     /// Opens the regular file `name` read-write (made if `create` and
@@ -625,33 +587,15 @@ impl Dir {
 
     /// Creates the file `name`, which must not exist (mode before umask).
     pub fn create_file(&self, name: impl AsRef<OsStr>, mode: u32) -> io::Result<std::fs::File> {
-        let c = cstr(name.as_ref())?;
-        // SAFETY: valid C string; the descriptor is owned by the File.
-        let fd = cvt(unsafe {
-            libc::openat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                mode as libc::c_uint,
-            )
-        })?;
-        // SAFETY: fd was just opened by us and is owned by nothing else.
-        Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+        let flags =
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+        self.open_at(&cstr(name.as_ref())?, flags, mode)
+            .map(std::fs::File::from)
     }
 
     fn open_flags_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
-        let c = cstr(name)?;
-        // SAFETY: valid C string; the descriptor is owned by the File.
-        let fd = cvt(unsafe {
-            libc::openat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                flags,
-                0o666 as libc::c_uint,
-            )
-        })?;
-        // SAFETY: fd was just opened by us and is owned by nothing else.
-        Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+        self.open_at(&cstr(name)?, flags, 0o666)
+            .map(std::fs::File::from)
     }
 
     /// Unlinks a non-directory entry. A missing entry is not an error.

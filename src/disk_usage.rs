@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::{CStr, OsStr};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -84,15 +84,14 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
 
 /// Can files on the filesystem of `dir` share extents (reflink)?
 pub fn can_share(dir: &Path) -> bool {
-    match nix::sys::statfs::statfs(dir) {
-        #[allow(clippy::unnecessary_cast)]
-        Ok(st) => matches!(
+    // btrfs, XFS, bcachefs
+    #[allow(clippy::unnecessary_cast)]
+    nix::sys::statfs::statfs(dir).is_ok_and(|st| {
+        matches!(
             st.filesystem_type().0 as i64,
-            // btrfs, XFS, bcachefs
             0x9123_683E | 0x5846_5342 | 0xCA45_1A4E
-        ),
-        Err(_) => false,
-    }
+        )
+    })
 }
 
 type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
@@ -191,20 +190,11 @@ struct Fiemap {
 /// Bytes of `name`'s extents flagged shared; their physical ranges go to
 /// `ranges`. A file that cannot be opened or mapped counts as unshared.
 fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u64 {
-    // SAFETY: valid descriptor and C string; the descriptor is owned at once.
-    let fd = unsafe {
-        libc::openat(
-            parent.as_raw_fd(),
-            name.as_ptr(),
-            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY,
-        )
-    };
-    if fd < 0 {
-        return 0;
-    }
-    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-    let file = unsafe { OwnedFd::from_raw_fd(fd) };
-    fiemap_shared(std::os::fd::AsRawFd::as_raw_fd(&file), ranges)
+    let flags =
+        libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY;
+    parent
+        .open_at(name, flags, 0)
+        .map_or(0, |file| fiemap_shared(file.as_raw_fd(), ranges))
 }
 
 fn fiemap_shared(fd: RawFd, ranges: &mut Vec<(u64, u64)>) -> u64 {
