@@ -62,7 +62,8 @@ pub enum Outcome {
     Failure(String),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// In rank order: a name both read and written is taken in the higher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Role {
     Read,
     ReadExclusive,
@@ -88,6 +89,11 @@ impl Image {
 
     fn rel(&self) -> String {
         Root::image_lock_rel(&self.held.name)
+    }
+
+    /// The state its record says, if it has one.
+    fn state(&self) -> Option<State> {
+        self.held.seen.record.as_ref().map(|r| r.state)
     }
 
     /// What our lease says of this image's lock, held for `command`.
@@ -167,7 +173,10 @@ impl Session {
             images_dir: root.default_images_dir(),
             root: root.clone(),
             started,
-            listed: Listed::new(&root, &req.command),
+            listed: Listed {
+                leases: root.leases(),
+                lockfiles: Vec::new(),
+            },
         };
         // Listed before the records are written (which may take a while: a
         // removal a crash cut short is finished first), in one write.
@@ -211,13 +220,7 @@ impl Session {
                 }
             }
             crate::debug::pause("write-locked");
-            if img
-                .held
-                .seen
-                .record
-                .as_ref()
-                .is_some_and(|r| r.state == State::Deleting)
-            {
+            if img.state() == Some(State::Deleting) {
                 finish_removal(&self.root, img)?;
             }
             let existing = match (&img.held.seen.record, img.held.seen.damaged) {
@@ -378,11 +381,8 @@ impl Session {
                 continue;
             }
             match finish_write(&self.root, &self.images_dir, img, &outcome, now) {
-                Ok(Some(note)) => store.ctx().say(&note),
-                Ok(None) => {}
-                Err(e) => {
-                    failed.get_or_insert(e);
-                }
+                Ok(note) => note.into_iter().for_each(|n| store.ctx().say(&n)),
+                Err(e) => failed = failed.or(Some(e)),
             }
         }
         self.release();
@@ -471,6 +471,9 @@ fn take_slot(store: &Store, req: &Request) -> Result<Option<SlotGuard>> {
     )
 }
 
+/// The images taken, or what to do before an attempt starts over.
+type Taken = Result<Result<Vec<Image>, Attempt>>;
+
 /// Every image lock, in lock order, each with its record; `Ok(Err(_))`:
 /// start over once the store is migrated.
 fn take_images(
@@ -478,7 +481,7 @@ fn take_images(
     req: &Request,
     wanted: &[(ImageName, Role)],
     slot: Option<crate::lease::Holding>,
-) -> Result<Result<Vec<Image>, Attempt>> {
+) -> Taken {
     let root = store.root();
     let mut images: Vec<Image> = Vec::with_capacity(wanted.len());
     let mut waited_for = Vec::new();
@@ -512,13 +515,7 @@ fn take_images(
                 held.push(image.holding(&req.command));
                 images.push(image);
             }
-            Err(e) => {
-                give_up(root, images, &waited_for);
-                if is_no_such_image(&e) && crate::migrate::is_legacy(root) {
-                    return Ok(Err(Attempt::Legacy));
-                }
-                return Err(e);
-            }
+            Err(e) => return give_up_on(root, images, &waited_for, e),
         }
     }
     Ok(Ok(images))
@@ -527,7 +524,7 @@ fn take_images(
 /// What the records of the images taken say of the attempt: an older
 /// release's store to migrate, someone else's store-wide hold to wait for,
 /// reads that cannot be. Anything but going on lets every lock go.
-fn settle_taken(root: &Root, mut images: Vec<Image>) -> Result<Result<Vec<Image>, Attempt>> {
+fn settle_taken(root: &Root, mut images: Vec<Image>) -> Taken {
     if images.iter().any(|i| i.held.seen.legacy) {
         if crate::migrate::is_legacy(root) {
             give_up(root, images, &[]);
@@ -551,11 +548,7 @@ fn settle_taken(root: &Root, mut images: Vec<Image>) -> Result<Result<Vec<Image>
         }
     };
     if let Err(e) = check_reads(root, &images, &gone) {
-        give_up(root, images, &[]);
-        if is_no_such_image(&e) && crate::migrate::is_legacy(root) {
-            return Ok(Err(Attempt::Legacy));
-        }
-        return Err(e);
+        return give_up_on(root, images, &[], e);
     }
     Ok(Ok(images))
 }
@@ -574,29 +567,15 @@ fn wanted(req: &Request) -> Vec<(ImageName, Role)> {
         )
         .chain(req.writes.iter().map(|n| (n.clone(), Role::Write)))
         .collect();
-    wanted.sort_by(|a, b| a.0.encoded().cmp(b.0.encoded()).then(a.1.cmp_rank(b.1)));
+    wanted.sort_by(|a, b| a.0.encoded().cmp(b.0.encoded()).then(a.1.cmp(&b.1)));
     wanted.dedup_by(|later, earlier| {
-        if later.0 == earlier.0 {
-            if later.1.cmp_rank(earlier.1).is_gt() {
-                earlier.1 = later.1;
-            }
-            true
-        } else {
-            false
+        let same = later.0 == earlier.0;
+        if same {
+            earlier.1 = earlier.1.max(later.1);
         }
+        same
     });
     wanted
-}
-
-impl Role {
-    fn cmp_rank(self, other: Role) -> std::cmp::Ordering {
-        let rank = |r: Role| match r {
-            Role::Read => 0,
-            Role::ReadExclusive => 1,
-            Role::Write => 2,
-        };
-        rank(self).cmp(&rank(other))
-    }
 }
 
 /// Asks `store.lock` when an image we hold carries the store-wide hint, or
@@ -609,14 +588,9 @@ impl Role {
 ///   outside ask `store.lock` too.
 fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<ImageName>)> {
     let hinted = images.iter().any(|i| i.held.seen.store_wide);
-    let new = images.iter().any(|i| {
-        i.writes()
-            && i.held
-                .seen
-                .record
-                .as_ref()
-                .is_none_or(|r| r.state == State::Deleting)
-    });
+    let new = images
+        .iter()
+        .any(|i| i.writes() && matches!(i.state(), None | Some(State::Deleting)));
     if !hinted && !new {
         return Ok((Probe::Free, Vec::new()));
     }
@@ -673,23 +647,18 @@ fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> 
         if gone.contains(&img.held.name) {
             return Err(Error::NoSuchImage(name).into());
         }
-        let path = root.image_lock(&img.held.name);
         if img.held.seen.damaged {
+            let path = root.image_lock(&img.held.name);
             return Err(Error::DamagedRecord { name, path }.into());
         }
-        match img.held.seen.record.as_ref() {
-            None => return Err(Error::NoSuchImage(name).into()),
-            Some(r) if r.state == State::Deleting => return Err(Error::NoSuchImage(name).into()),
-            Some(r) => match r.state_seen(false) {
-                State::Ready => {}
-                s => {
-                    return Err(Error::NotReady {
-                        name,
-                        state: s.as_str().to_owned(),
-                    }
-                    .into());
-                }
-            },
+        let record = img.held.seen.record.as_ref();
+        match record.map(|r| r.state_seen(false)) {
+            None | Some(State::Deleting) => return Err(Error::NoSuchImage(name).into()),
+            Some(State::Ready) => {}
+            Some(s) => {
+                let state = s.as_str().to_owned();
+                return Err(Error::NotReady { name, state }.into());
+            }
         }
     }
     Ok(())
@@ -730,17 +699,9 @@ fn start_new(
     img.record = Some(r);
     crate::debug::pause("new-recorded");
     let images = root.anchor_images_dir(&dir)?;
-    match images.mkdir(name.encoded(), 0o777) {
-        Ok(()) => img.made_tree = true,
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-            refuse_planted(&images, &dir, &name)?;
-        }
-        Err(e) => {
-            return Err(anyhow::Error::new(e).context(format!(
-                "cannot create {}",
-                dir.join(name.encoded()).display()
-            )));
-        }
+    img.made_tree = make_tree(&images, &dir, &name)?;
+    if !img.made_tree {
+        refuse_planted(&images, &dir, &name)?;
     }
     Ok(())
 }
@@ -752,28 +713,28 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
         return Ok(false);
     };
     let dir = crate::images_dir::of_record(root, r)?;
-    let images = root.open_or_make_images_dir(&dir)?;
-    match images.mkdir(held.name.encoded(), 0o777) {
+    make_tree(&root.open_or_make_images_dir(&dir)?, &dir, &held.name)
+}
+
+/// Makes the tree of `name` in `images` (the images directory `dir`):
+/// `false` if something is there already.
+fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<bool> {
+    match images.mkdir(name.encoded(), 0o777) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
         Err(e) => Err(anyhow::Error::new(e).context(format!(
             "cannot create {}",
-            dir.join(held.name.encoded()).display()
+            dir.join(name.encoded()).display()
         ))),
     }
 }
 
-/// A new image's directory that exists already is this write's only if
-/// it is an empty directory of ours (one a write cut short made): anything
-/// else — a link, a file, another user's directory, one with contents —
-/// is refused, never handed to the builder.
 /// An existing image's tree must be a directory of its own: a symlink or
-/// a file swapped in for it would send the command's writes elsewhere.
-/// One `lstat` (the command is handed the path, so the path is checked).
-/// A tree that is missing from an images directory that is not the one
-/// recorded (unmounted, or something planted in its place) is no tree to
-/// write: the command would write where nobody looks, and the image, once
-/// the directory is back, would be incomplete for nothing.
+/// a file swapped in for it would send the command's writes elsewhere (one
+/// `lstat`: the command is handed the path). One missing from an images
+/// directory that is not the one recorded (unmounted, or something planted
+/// in its place) is no tree to write either: the command would write where
+/// nobody looks, and the image would be incomplete for nothing.
 fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
     let Some(r) = held.seen.record.as_ref() else {
         return Ok(());
@@ -799,6 +760,9 @@ fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
     )
 }
 
+/// A new image's directory that exists already is this write's only if it
+/// is an empty directory of ours (one a write cut short made): anything
+/// else is refused, never handed to the builder.
 fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<()> {
     let path = dir.join(name.encoded());
     let what = match images.stat_at(name.encoded())? {
@@ -900,8 +864,16 @@ fn give_up(root: &Root, images: Vec<Image>, waited_for: &[ImageName]) {
     crate::remove::release_unclaimed(root, held, waited_for);
 }
 
-fn is_no_such_image(e: &anyhow::Error) -> bool {
-    matches!(crate::error::typed(e), Some(Error::NoSuchImage(_)))
+/// [`give_up`] for `e`; an image missing from an older release's store is
+/// one to look for again once the store is migrated.
+fn give_up_on(root: &Root, images: Vec<Image>, waited: &[ImageName], e: anyhow::Error) -> Taken {
+    give_up(root, images, waited);
+    if matches!(crate::error::typed(&e), Some(Error::NoSuchImage(_)))
+        && crate::migrate::is_legacy(root)
+    {
+        return Ok(Err(Attempt::Legacy));
+    }
+    Err(e)
 }
 
 /// Whether another process holds the same open file description as our
@@ -956,13 +928,6 @@ struct Listed {
 }
 
 impl Listed {
-    fn new(root: &Root, _command: &str) -> Listed {
-        Listed {
-            leases: root.leases(),
-            lockfiles: Vec::new(),
-        }
-    }
-
     fn forget(&mut self, lockfile: &str) {
         crate::lease::forget(&self.leases, lockfile);
         self.lockfiles.retain(|l| l != lockfile);
@@ -1009,10 +974,10 @@ fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result
 /// ends are opened from one descriptor of the images directory, never a
 /// path resolved again: a link swapped in above them cannot move the copy.
 fn clone_tree(
-    store: &crate::store::Store,
+    store: &Store,
     images_dir: &Path,
-    base: &crate::name::ImageName,
-    target: &crate::name::ImageName,
+    base: &ImageName,
+    target: &ImageName,
 ) -> Result<()> {
     use std::io::IsTerminal;
     let src = images_dir.join(base.encoded());
@@ -1025,13 +990,13 @@ fn clone_tree(
     }
     crate::remove::empty_image_dir(store.root(), images_dir, target)?;
     crate::debug::pause("clone-emptied");
-    let t0 = std::time::Instant::now();
+    let t0 = Instant::now();
     let ctx = store.ctx();
     let show = std::io::stderr().is_terminal() && !ctx.quiet;
     let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
     let images = store.root().open_images_dir(images_dir)?;
     make_ours(&images, target, &dst)?;
-    let open = |name: &crate::name::ImageName, path: &Path| {
+    let open = |name: &ImageName, path: &Path| {
         images
             .sub(name.encoded())
             .with_context(|| format!("cannot open {}", path.display()))
