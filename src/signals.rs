@@ -19,6 +19,7 @@
 
 use std::io;
 use std::process::ExitStatus;
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, Once, OnceLock};
 
 use nix::sys::signal::{SigSet, Signal};
@@ -70,13 +71,9 @@ pub struct Forwarder {
 /// SIGQUIT): a blocked signal is never discarded, so taking an ignored one
 /// would act on it.
 fn forwarded() -> SigSet {
+    use Signal::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
     let mut set = SigSet::empty();
-    for s in [
-        Signal::SIGINT,
-        Signal::SIGTERM,
-        Signal::SIGHUP,
-        Signal::SIGQUIT,
-    ] {
+    for s in [SIGINT, SIGTERM, SIGHUP, SIGQUIT] {
         // SAFETY: queries the disposition only (no new action).
         let ignored = unsafe {
             let mut old: libc::sigaction = std::mem::zeroed();
@@ -110,24 +107,21 @@ pub fn reset_mask_in_child() -> io::Result<()> {
 
 /// A termination signal that came while no command ran (before it started,
 /// or after it ended): long work stops for it.
-static CANCELLED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+static CANCELLED: AtomicI32 = AtomicI32::new(0);
 
 /// The last termination signal passed on to a running command (or its
 /// keeper): an exec whose command's end is then unknown (its keeper gone)
 /// was still asked to stop, and exits 128+N.
-static PASSED_ON: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+static PASSED_ON: AtomicI32 = AtomicI32::new(0);
 
 /// See `PASSED_ON`.
 pub fn passed_on() -> Option<i32> {
-    match PASSED_ON.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => None,
-        sig => Some(sig),
-    }
+    Some(PASSED_ON.load(Relaxed)).filter(|&sig| sig != 0)
 }
 
 /// When [`check`] last looked for a pending signal, in ms since [`epoch`].
 /// (`u64::MAX`: never looked.)
-static LAST_LOOK_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+static LAST_LOOK_MS: AtomicU64 = AtomicU64::new(u64::MAX);
 
 fn epoch() -> std::time::Instant {
     static EPOCH: OnceLock<std::time::Instant> = OnceLock::new();
@@ -141,16 +135,12 @@ fn epoch() -> std::time::Instant {
 /// once (each is crash-safe). Cheap for every file of a walk: pending
 /// signals are looked at most every few milliseconds.
 pub fn check() -> Result<(), crate::error::Error> {
-    match cancelled() {
-        Some(sig) => Err(crate::error::Error::Interrupted(sig)),
-        None => Ok(()),
-    }
+    cancelled().map_or(Ok(()), |sig| Err(crate::error::Error::Interrupted(sig)))
 }
 
 /// The signal [`check`] reports, if any.
 pub fn cancelled() -> Option<i32> {
-    use std::sync::atomic::Ordering::Relaxed;
-    let shared = SHARED.get()?;
+    SHARED.get()?;
     let seen = CANCELLED.load(Relaxed);
     if seen != 0 {
         return Some(seen);
@@ -165,9 +155,7 @@ pub fn cancelled() -> Option<i32> {
     }
     LAST_LOOK_MS.store(now, Relaxed);
     // Without the signal thread, a signal stays pending until taken here.
-    if let Some((sig, code)) = take(&shared.set, Some(0)) {
-        forward(&shared.state, sig, code);
-    }
+    take_pending();
     match CANCELLED.load(Relaxed) {
         0 => crate::lock::interrupted(),
         sig => Some(sig),
@@ -315,13 +303,9 @@ pub fn terminal_reached_command(
     our_pgid: libc::pid_t,
     we_lead_session: bool,
 ) -> bool {
-    if code != libc::SI_KERNEL {
-        return false;
-    }
-    if sig == libc::SIGHUP && we_lead_session {
-        return false;
-    }
-    command_pgid == Some(our_pgid)
+    code == libc::SI_KERNEL
+        && !(sig == libc::SIGHUP && we_lead_session)
+        && command_pgid == Some(our_pgid)
 }
 
 /// Our process group, and whether we lead our session.
@@ -367,11 +351,11 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
     match *st {
         State::Waiting => {
             *st = State::Interrupted(sig);
-            CANCELLED.store(sig, std::sync::atomic::Ordering::Relaxed);
+            CANCELLED.store(sig, Relaxed);
             crate::lock::interrupt_waits(sig);
         }
         State::Running(Target::Command(pid)) => {
-            PASSED_ON.store(sig, std::sync::atomic::Ordering::Relaxed);
+            PASSED_ON.store(sig, Relaxed);
             let (ours, leader) = our_group();
             if !terminal_reached_command(sig, code, group_of(pid), ours, leader) {
                 // SAFETY: plain kill(2); pid is our unreaped child.
@@ -379,27 +363,20 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
             }
         }
         State::Running(Target::Keeper(pid)) => {
-            PASSED_ON.store(sig, std::sync::atomic::Ordering::Relaxed);
+            PASSED_ON.store(sig, Relaxed);
             let tag = if code == libc::SI_KERNEL {
                 FROM_TERMINAL
             } else {
                 0
             };
+            let value = libc::sigval {
+                sival_ptr: tag as *mut libc::c_void,
+            };
             // SAFETY: sigqueue(3) to our unreaped child; the value is a tag,
             // never dereferenced.
-            unsafe {
-                libc::sigqueue(
-                    pid,
-                    sig,
-                    libc::sigval {
-                        sival_ptr: tag as *mut libc::c_void,
-                    },
-                )
-            };
+            unsafe { libc::sigqueue(pid, sig, value) };
         }
-        State::Done => {
-            CANCELLED.store(sig, std::sync::atomic::Ordering::Relaxed);
-        }
+        State::Done => CANCELLED.store(sig, Relaxed),
         State::Interrupted(_) => {}
     }
 }
@@ -439,8 +416,8 @@ fn start_thread() {
     });
 }
 
-/// Takes a pending termination signal, if any, and acts on it (for waits
-/// that watch for signals themselves).
+/// Takes a pending termination signal, if any, and acts on it (where no
+/// signal thread takes it).
 fn take_pending() {
     let Some(shared) = SHARED.get() else { return };
     if let Some((sig, code)) = take(&shared.set, Some(0)) {
