@@ -213,8 +213,7 @@ fn signal_tree(sig: i32) {
 /// Kills every descendant and reaps them all: returns once this process
 /// has no child left. A process forked while we look is orphaned to us when
 /// its parent dies, and found by the next look. `command`'s status is kept.
-fn kill_tree(command: Option<(libc::pid_t, &mut Option<i32>)>) {
-    let mut command = command;
+fn kill_tree(mut command: Option<(libc::pid_t, &mut Option<i32>)>) {
     loop {
         signal_tree(libc::SIGKILL);
         let mut st = 0;
@@ -261,10 +260,7 @@ fn reap_exited(command: libc::pid_t, status: &mut Option<i32>) -> bool {
 /// keeper never writes to the terminal: it runs in a background process
 /// group, where a write could stop it (TOSTOP).
 pub fn main(args: &[OsString]) -> u8 {
-    match run(args) {
-        Ok(()) => 0,
-        Err(_) => 1,
-    }
+    u8::from(run(args).is_err())
 }
 
 fn parse<T: std::str::FromStr>(a: Option<&OsString>) -> io::Result<T> {
@@ -356,17 +352,12 @@ fn run(args: &[OsString]) -> io::Result<()> {
 /// A signalfd for the termination signals and SIGCHLD. They arrive blocked
 /// (stowage's mask); they are kept so, and read from the descriptor.
 fn signal_fd() -> io::Result<OwnedFd> {
+    use libc::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: sigset operations on a local set; sigprocmask on this thread.
     let sfd = unsafe {
         libc::sigemptyset(&mut set);
-        for s in [
-            libc::SIGINT,
-            libc::SIGTERM,
-            libc::SIGHUP,
-            libc::SIGQUIT,
-            libc::SIGCHLD,
-        ] {
+        for s in [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD] {
             libc::sigaddset(&mut set, s);
         }
         libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
@@ -543,25 +534,19 @@ impl Tree {
 /// Polls the signalfd and the pipe from stowage for `timeout` ms; reads
 /// the signal that arrived, if one did.
 fn wait_for_event(signals: &OwnedFd, alive: &OwnedFd, timeout: i32) -> io::Result<Woke> {
-    let mut fds = [
-        libc::pollfd {
-            fd: signals.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: alive.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
+    let polled = |fd: &OwnedFd| libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let mut fds = [polled(signals), polled(alive)];
     // SAFETY: poll on two valid descriptors in a local array.
-    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
-    if n < 0 {
-        if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-            return Ok(Woke::Nothing);
-        }
-        return Err(io::Error::last_os_error());
+    if unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) } < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EINTR) => Ok(Woke::Nothing),
+            _ => Err(e),
+        };
     }
     if fds[1].revents != 0 {
         return Ok(Woke::StowageGone);
