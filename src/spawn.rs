@@ -9,7 +9,7 @@
 //! - `--no-inherit` starts our keeper this way (`keeper.rs`), which,
 //!   single-threaded, starts the command with std.
 
-use std::ffi::{CString, OsStr, OsString};
+use std::ffi::{CString, OsString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 
@@ -40,16 +40,11 @@ pub fn spawn_with(
 ) -> io::Result<libc::pid_t> {
     let args: Vec<CString> = argv
         .iter()
-        .map(|a| c_string(a))
+        .map(|a| c_string(a.as_bytes().to_vec()))
         .collect::<io::Result<_>>()?;
     let vars: Vec<CString> = env
         .iter()
-        .map(|(k, v)| {
-            let mut kv = k.as_bytes().to_vec();
-            kv.push(b'=');
-            kv.extend_from_slice(v.as_bytes());
-            CString::new(kv).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
-        })
+        .map(|(k, v)| c_string([k.as_bytes(), b"=", v.as_bytes()].concat()))
         .collect::<io::Result<_>>()?;
     let argp = null_terminated(&args);
     let envp = null_terminated(&vars);
@@ -61,25 +56,15 @@ pub fn spawn_with(
         check(libc::posix_spawnattr_init(&mut attr))?;
         let result = set_attributes(&mut attr, how).and_then(|()| {
             let mut pid: libc::pid_t = 0;
-            let rc = match path {
-                Some(p) => libc::posix_spawn(
-                    &mut pid,
-                    p.as_ptr(),
-                    std::ptr::null(),
-                    &attr,
-                    argp.as_ptr(),
-                    envp.as_ptr(),
-                ),
-                None => libc::posix_spawnp(
-                    &mut pid,
-                    args[0].as_ptr(),
-                    std::ptr::null(),
-                    &attr,
-                    argp.as_ptr(),
-                    envp.as_ptr(),
-                ),
+            // They take the same arguments; only posix_spawnp searches PATH.
+            let spawn = match path {
+                Some(_) => libc::posix_spawn as unsafe extern "C" fn(_, _, _, _, _, _) -> _,
+                None => libc::posix_spawnp,
             };
-            check(rc)?;
+            let file = path.map_or_else(|| args[0].as_ptr(), |p| p.as_ptr());
+            let no_file_actions = std::ptr::null();
+            let (argp, envp) = (argp.as_ptr(), envp.as_ptr());
+            check(spawn(&mut pid, file, no_file_actions, &attr, argp, envp))?;
             Ok(pid)
         });
         libc::posix_spawnattr_destroy(&mut attr);
@@ -87,8 +72,8 @@ pub fn spawn_with(
     }
 }
 
-fn c_string(s: &OsStr) -> io::Result<CString> {
-    CString::new(s.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+fn c_string(bytes: Vec<u8>) -> io::Result<CString> {
+    CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
 /// The array of pointers that exec(2) takes: each string, then NULL. The
@@ -131,11 +116,9 @@ unsafe fn set_attributes(attr: &mut libc::posix_spawnattr_t, how: Start) -> io::
 }
 
 fn check(rc: libc::c_int) -> io::Result<()> {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::from_raw_os_error(rc))
-    }
+    (rc == 0)
+        .then_some(())
+        .ok_or_else(|| io::Error::from_raw_os_error(rc))
 }
 
 #[cfg(test)]
