@@ -30,7 +30,7 @@ pub const AREA: usize = 2 * SLOT;
 /// One copy of the record; the valid one with the higher `seq` holds.
 const SLOT: usize = 512;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Limits {
     pub limit: u32,
     pub reserve: u32,
@@ -113,22 +113,12 @@ fn decode(bytes: &[u8], class: &str) -> (Class, Option<(usize, u64)>) {
     }
     let slot = |i: usize| bytes.get(i * SLOT..((i + 1) * SLOT).min(bytes.len()));
     let read = |i: usize| slot(i).map_or(Slot::Empty, |b| decode_slot(b, class));
-    let (a, b) = (read(0), read(1));
-    let newest = match (&a, &b) {
-        (Slot::Valid(sa, _), Slot::Valid(sb, _)) => Some(if sb > sa { 1 } else { 0 }),
-        (Slot::Valid(..), _) => Some(0),
-        (_, Slot::Valid(..)) => Some(1),
-        _ => None,
-    };
-    match newest {
-        Some(i) => {
-            let Slot::Valid(seq, l) = (if i == 0 { a } else { b }) else {
-                unreachable!()
-            };
-            (Class::Limits(l), Some((i, seq)))
-        }
-        None if matches!((a, b), (Slot::Empty, Slot::Empty)) => (Class::None, None),
-        None => (Class::Damaged, None),
+    match (read(0), read(1)) {
+        (Slot::Valid(sa, _), Slot::Valid(sb, lb)) if sb > sa => (Class::Limits(lb), Some((1, sb))),
+        (Slot::Valid(s, l), _) => (Class::Limits(l), Some((0, s))),
+        (_, Slot::Valid(s, l)) => (Class::Limits(l), Some((1, s))),
+        (Slot::Empty, Slot::Empty) => (Class::None, None),
+        _ => (Class::Damaged, None),
     }
 }
 
@@ -155,12 +145,7 @@ fn decode_slot(bytes: &[u8], class: &str) -> Slot {
         if rest.strip_prefix("crc=")?.trim_end() != format!("{:08x}", crc32(body.as_bytes())) {
             return None;
         }
-        let mut l = Limits {
-            limit: 0,
-            reserve: 0,
-            files: 0,
-            high_files: 0,
-        };
+        let mut l = Limits::default();
         let mut named = false;
         for line in body.strip_prefix(FORMAT)?.lines() {
             let (k, v) = line.split_once('=')?;
@@ -176,10 +161,7 @@ fn decode_slot(bytes: &[u8], class: &str) -> Slot {
         }
         named.then_some(l)
     };
-    match parse() {
-        Some(l) => Slot::Valid(seq, l),
-        None => Slot::Invalid,
-    }
+    parse().map_or(Slot::Invalid, |l| Slot::Valid(seq, l))
 }
 
 /// Reads the class record from `0.lock` (one `pread`; read again a few
@@ -210,17 +192,14 @@ pub fn write(file: &std::fs::File, class: &str, limits: Option<&Limits>) -> io::
     let other = (1 - newest) as u64 * SLOT as u64;
     match limits {
         Some(l) => {
+            let slot = encode(class, l, seq + 1);
             if n < AREA {
                 // A new file: both slots written, the other one empty.
                 let mut area = vec![0u8; AREA];
-                area[(1 - newest) * SLOT..(2 - newest) * SLOT].copy_from_slice(&encode(
-                    class,
-                    l,
-                    seq + 1,
-                ));
+                area[(1 - newest) * SLOT..(2 - newest) * SLOT].copy_from_slice(&slot);
                 file.write_all_at(&area, 0)?;
             } else {
-                file.write_all_at(&encode(class, l, seq + 1), other)?;
+                file.write_all_at(&slot, other)?;
             }
             crate::lock::sync_written(file)
         }
