@@ -80,14 +80,10 @@ impl State {
     }
 
     pub fn parse(s: &str) -> Option<State> {
-        Some(match s {
-            "creating" => State::Creating,
-            "writing" => State::Writing,
-            "ready" => State::Ready,
-            "incomplete" => State::Incomplete,
-            "deleting" => State::Deleting,
-            _ => return None,
-        })
+        use State::*;
+        [Creating, Writing, Ready, Incomplete, Deleting]
+            .into_iter()
+            .find(|state| state.as_str() == s)
     }
 
     /// A write is under way (or its writer died: see [`Record::state_seen`]).
@@ -411,13 +407,10 @@ pub fn read_of(file: &std::fs::File, name: &str) -> io::Result<Seen> {
 /// what it read proves the file still at its path ([`Seen::proves_linked`]);
 /// a read that fails proves nothing and reads as no image.
 pub fn read_proving(file: &std::fs::File, path: &std::path::Path, name: &str) -> (Seen, bool) {
-    match read_of(file, name) {
-        Ok(seen) => {
-            let proven = seen.proves_linked(file, path, true);
-            (seen, proven)
-        }
-        Err(_) => (Seen::default(), false),
-    }
+    read_of(file, name).map_or((Seen::default(), false), |seen| {
+        let proven = seen.proves_linked(file, path, true);
+        (seen, proven)
+    })
 }
 
 /// Reads what the lock file behind `file` says.
@@ -471,9 +464,7 @@ pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Resu
     };
     file.write_all_at(&area, at as u64)?;
     crate::lock::sync_written(file)?;
-    seen.record = Some(record);
-    seen.damaged = false;
-    seen.legacy = false;
+    (seen.record, seen.damaged, seen.legacy) = (Some(record), false, false);
     Ok(())
 }
 
