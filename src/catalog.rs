@@ -17,7 +17,7 @@ use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use rusqlite::params;
+use rusqlite::{ErrorCode, params};
 
 use crate::clock::Millis;
 use crate::image_record::State;
@@ -207,22 +207,17 @@ pub fn busy_timeout() -> std::time::Duration {
 
 /// Is this SQLite saying its lock stayed busy (an outside program)?
 pub fn is_busy(err: &anyhow::Error) -> bool {
-    sqlite_code(err).is_some_and(|c| {
-        matches!(
-            c,
-            rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
-        )
-    })
+    sqlite_code(err).is_some_and(busy_code)
+}
+
+fn busy_code(c: ErrorCode) -> bool {
+    matches!(c, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
 }
 
 /// Is this SQLite saying the file is no healthy database?
 pub fn is_damage(err: &anyhow::Error) -> bool {
-    sqlite_code(err).is_some_and(|c| {
-        matches!(
-            c,
-            rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase
-        )
-    })
+    sqlite_code(err)
+        .is_some_and(|c| matches!(c, ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase))
 }
 
 /// Is this a full filesystem, as SQLite says it?
@@ -245,10 +240,8 @@ fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
     loop {
         match conn.pragma_update(None, "journal_mode", "DELETE") {
             Err(rusqlite::Error::SqliteFailure(f, _))
-                if matches!(
-                    f.code,
-                    rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
-                ) && std::time::Instant::now() < until
+                if busy_code(f.code)
+                    && std::time::Instant::now() < until
                     && crate::signals::cancelled().is_none() =>
             {
                 std::thread::sleep(std::time::Duration::from_millis(10));
@@ -339,10 +332,9 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
 /// The columns of `table`.
 fn columns(conn: &rusqlite::Connection, table: &str) -> Result<Vec<String>> {
     let mut stmt = conn.prepare("SELECT name FROM pragma_table_info(?1)")?;
-    let cols = stmt
+    Ok(stmt
         .query_map([table], |r| r.get(0))?
-        .collect::<rusqlite::Result<Vec<String>>>()?;
-    Ok(cols)
+        .collect::<rusqlite::Result<_>>()?)
 }
 
 /// Whether the images table has the columns releases before records gave it.
@@ -374,10 +366,7 @@ impl<'a> Catalog<'a> {
             "SELECT name, state, base, created_ms, last_used_ms, seq, size_bytes, size_seq
              FROM images ORDER BY name",
         )?;
-        let rows = stmt
-            .query_map([], row)?
-            .collect::<rusqlite::Result<Vec<Row>>>()?;
-        Ok(rows)
+        Ok(stmt.query_map([], row)?.collect::<rusqlite::Result<_>>()?)
     }
 
     /// Makes the row of an image say what its record says now (keeping a
