@@ -145,10 +145,7 @@ pub fn refused(path: &Path, e: io::Error) -> io::Error {
     {
         return not_a(&dir, kind, "a directory");
     }
-    match kind_refused(path, &e) {
-        Some(kind) => not_a_file(path, kind),
-        None => e,
-    }
+    kind_refused(path, &e).map_or(e, |kind| not_a_file(path, kind))
 }
 
 /// The error for `path`, found to be `kind`.
@@ -175,9 +172,7 @@ fn not_a(path: &Path, kind: &'static str, expected: &'static str) -> io::Error {
 /// descriptor) is opened as it is. Failures as [`refused`] says them.
 pub fn open(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<File> {
     use std::os::fd::FromRawFd;
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let c = crate::dir::cstr(path.as_os_str())?;
     // openat2 refuses, with O_PATH, any flag that only an open for I/O
     // means; without I/O nothing can block either.
     let flags = if flags & libc::O_PATH != 0 {
@@ -252,14 +247,13 @@ fn openat2(path: &std::ffi::CStr, flags: libc::c_int, mode: u32) -> Option<libc:
 /// following it).
 fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc::c_int> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    use std::os::unix::ffi::OsStrExt;
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     };
-    let cparent = std::ffi::CString::new(parent.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    let cname = std::ffi::CString::new(name.as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let (cparent, cname) = (
+        crate::dir::cstr(parent.as_os_str())?,
+        crate::dir::cstr(name)?,
+    );
     // SAFETY: a valid C string; the descriptor is owned at once.
     let pfd = unsafe {
         libc::open(
@@ -323,10 +317,7 @@ pub fn denied(path: &Path) -> Option<String> {
 /// `fstat`. Enough for a file that is only read (or replaced by a rename).
 pub fn check(path: &Path, file: &File) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
-    match kind_of_mode(file.metadata()?.mode()) {
-        None => Ok(()),
-        Some(kind) => Err(not_a_file(path, kind)),
-    }
+    kind_of_mode(file.metadata()?.mode()).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
 }
 
 /// Fails unless `file` (opened from `path`) is a regular file with no
@@ -339,10 +330,7 @@ pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
 /// [`check_written`] for what an `fstat` already said.
 pub fn check_stat(path: &Path, m: &std::fs::Metadata) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
-    match kind_of(m.mode(), m.nlink()) {
-        None => Ok(()),
-        Some(kind) => Err(not_a_file(path, kind)),
-    }
+    kind_of(m.mode(), m.nlink()).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
 }
 
 /// The [`NotAFile`] an I/O error carries, if any.
