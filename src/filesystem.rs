@@ -54,13 +54,12 @@ pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
         0x0000_564C => ("ncp", false),
         0x7366_7673 => ("afs", false),
         0x5346_414F => ("afs", false),
-        _ => ("", false),
+        _ => {
+            let name = format!("unknown (0x{magic:x})");
+            return Ok(Filesystem { name, local: false });
+        }
     };
-    let name = if name.is_empty() {
-        format!("unknown (0x{magic:x})")
-    } else {
-        name.to_owned()
-    };
+    let name = name.to_owned();
     Ok(Filesystem { name, local })
 }
 
@@ -348,11 +347,7 @@ fn beegfs_reach(options: &[String], read: impl Fn(&Path) -> Option<String>) -> R
         Reach::NodeLocal {
             why: format!(
                 "BeeGFS with tuneUseGlobalFileLocks={} ({conf}): flocks exclude only processes on the same client node",
-                if global.is_some() {
-                    "false"
-                } else {
-                    "false (the default)"
-                }
+                global.map_or("false (the default)", |_| "false")
             ),
             advice: format!("set tuneUseGlobalFileLocks = true in {conf} and remount"),
         }
