@@ -27,7 +27,7 @@ const NAME: &std::ffi::CStr = c"user.stowage.store";
 const FORMAT: &str = "stowage-claim 1\n";
 
 /// Who claims an images directory.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Claim {
     pub id: String,
     pub root: String,
@@ -52,11 +52,7 @@ impl Claim {
     }
 
     fn decode(text: &str) -> Option<Claim> {
-        let mut c = Claim {
-            id: String::new(),
-            root: String::new(),
-            path: String::new(),
-        };
+        let mut c = Claim::default();
         for line in text.strip_prefix(FORMAT)?.lines() {
             match line.split_once('=')? {
                 ("id", v) => c.id = v.to_owned(),
@@ -130,14 +126,11 @@ pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
             0,
         )
     };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::ENOTSUP) => Ok(false),
-            _ => Err(e),
-        };
+    match crate::error::cvt(r) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => Ok(false),
+        Err(e) => Err(e),
     }
-    Ok(true)
 }
 
 impl Claim {
@@ -185,17 +178,14 @@ impl Claim {
 /// `mine`: another store's claim stands on it.
 pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
     let theirs = read(dir).ok()??;
+    let copy = theirs.id == mine.id;
     (!theirs.same_store(mine) && theirs.binds(path, &mine.id)).then(|| {
         format!(
             "images directory {} belongs to the store at {} (its claim: {}): one store per images directory{}",
             path.display(),
             theirs.path,
-            if theirs.id == mine.id {
-                "a copy of this store"
-            } else {
-                "another store"
-            },
-            if theirs.id == mine.id {
+            if copy { "a copy of this store" } else { "another store" },
+            if copy {
                 String::new()
             } else {
                 // Nothing can tell a store gone for good from one moved.
