@@ -69,10 +69,7 @@ impl Config {
     }
 
     fn decode(text: &str) -> Option<Config> {
-        let mut id = None;
-        let mut images = None;
-        let mut identity = None;
-        let mut root = None;
+        let (mut id, mut images, mut identity, mut root) = (None, None, None, None);
         for line in text.strip_prefix(FORMAT)?.lines() {
             match line.split_once('=')? {
                 ("id", v) if !v.is_empty() => id = Some(v.to_owned()),
@@ -116,13 +113,12 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     let n = std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0)
         .map_err(|e| not_a_file(Unusable::because(&path, e)))?;
     let text = String::from_utf8_lossy(&buf[..n]);
-    match Config::decode(&text) {
-        Some(c) => Ok(Some(c)),
-        None => Err(not_a_file(Unusable {
-            why: format!("{} is damaged", path.display()),
-        })
-        .into()),
-    }
+    let damaged = || Unusable {
+        why: format!("{} is damaged", path.display()),
+    };
+    Ok(Some(
+        Config::decode(&text).ok_or_else(|| not_a_file(damaged()))?,
+    ))
 }
 
 /// The configuration exists but cannot be read, or is not its format:
