@@ -193,12 +193,8 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
 /// characters, in bash's `$'…'` with them escaped (a name may hold `;` or
 /// a newline: pasted unquoted it would run something else).
 pub fn shell_word(s: &str) -> String {
-    let plain = |c: char| c.is_ascii_alphanumeric() || "_./:+,-@%=".contains(c);
-    if !s.is_empty() && s.chars().all(plain) {
-        return s.to_owned();
-    }
     if !s.chars().any(char::is_control) {
-        return format!("'{}'", s.replace('\'', r"'\''"));
+        return quote(s);
     }
     let mut out = String::from("$'");
     for c in s.chars() {
