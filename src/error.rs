@@ -156,7 +156,7 @@ pub fn typed(err: &anyhow::Error) -> Option<&Error> {
 pub fn flock_unsupported(err: &io::Error) -> bool {
     matches!(
         err.raw_os_error(),
-        Some(libc::ENOLCK) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS)
     )
 }
 

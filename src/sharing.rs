@@ -194,10 +194,7 @@ pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Res
 /// bits and the mode bits `more`. A file with other names (a hard link a
 /// member made to a file elsewhere) is no part of the store: refused.
 fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
-    // SAFETY: all-zero bytes are a valid stat; fstat writes into it.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: our own open descriptor and a live out-pointer.
-    cvt(unsafe { libc::fstat(fd, &mut st) })?;
+    let st = crate::dir::fstat(fd)?;
     if (st.st_mode & libc::S_IFMT == libc::S_IFDIR) != dir {
         return Err(io::Error::other("changed kind while being repaired"));
     }
