@@ -73,9 +73,7 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
             root.create_layout()?;
             try_image(root, name, want.mode, true)
         }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            return Err(Error::NoSuchImage(name.as_str().to_owned()).into());
-        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(no_such(name)),
         other => other,
     };
     let writer_ahead = match first.map_err(err)? {
@@ -125,7 +123,7 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
                     .is_some_and(|io| io.kind() == io::ErrorKind::NotFound)
             }) =>
         {
-            return Err(Error::NoSuchImage(name.as_str().to_owned()).into());
+            return Err(no_such(name));
         }
         other => other?,
     };
@@ -151,9 +149,7 @@ fn busy_now(
     match try_image(root, name, want.mode, want.create) {
         Ok(Tried::Got(h)) => Ok(*h),
         // Removed meanwhile.
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            Err(Error::NoSuchImage(name.as_str().to_owned()).into())
-        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(no_such(name)),
         Err(e) => Err(lock::error(&format!("image '{name}'"), &path, e)),
         Ok(_) => Err(Busy::now(what, holders).into()),
     }
@@ -297,20 +293,16 @@ fn wait_image(
         lock::IfMissing::create_if(mode == Mode::Exclusive),
         wait,
     );
-    if mode == Mode::Exclusive
-        && passage.is_some()
-        && let Ok(Waited::Acquired(g)) = &got
-    {
-        // In: the hint goes unless another writer now waits at the gate.
-        drop(passage);
-        if let Ok(Some(_alone)) =
-            lock::acquire_no_wait(&gate, Mode::Exclusive, lock::IfMissing::Fail)
-        {
-            let _ = image_record::set_writer_waits(g.file(), false);
-        }
-        return got;
-    }
+    let gated_writer = mode == Mode::Exclusive && passage.is_some();
     drop(passage);
+    // In: the hint goes unless another writer now waits at the gate.
+    if gated_writer
+        && let Ok(Waited::Acquired(g)) = &got
+        && let Ok(Some(_alone)) =
+            lock::acquire_no_wait(&gate, Mode::Exclusive, lock::IfMissing::Fail)
+    {
+        let _ = image_record::set_writer_waits(g.file(), false);
+    }
     got
 }
 
@@ -326,8 +318,13 @@ pub(crate) fn require_all(root: &Root, names: &[ImageName]) -> Result<()> {
             _ => Seen::default(),
         };
         if seen.record.is_none() && !seen.legacy && !seen.damaged {
-            return Err(Error::NoSuchImage(n.as_str().to_owned()).into());
+            return Err(no_such(n));
         }
     }
     Ok(())
+}
+
+/// [`Error::NoSuchImage`] (66).
+fn no_such(name: &ImageName) -> anyhow::Error {
+    Error::NoSuchImage(name.as_str().to_owned()).into()
 }
