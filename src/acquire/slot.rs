@@ -139,7 +139,11 @@ pub(crate) fn take(
         return Ok(None);
     }
     crate::acquire::image::require_all(root, must_exist)?;
-    let label = format!("a {} slot of class '{class}'", priority_word(priority));
+    let word = match priority {
+        Priority::Normal => "normal",
+        Priority::High => "high-priority",
+    };
+    let label = format!("a {word} slot of class '{class}'");
     let what = format!(
         "{label} (limit {}, {} reserved for high priority)",
         limits.limit, limits.reserve
@@ -275,6 +279,7 @@ fn wait_for_slot(
 ) -> Result<lock::Waited<Option<Guard>>> {
     lock::starting_to_wait();
     let root = store.root();
+    let failed = |e| lock::error(&format!("a slot of class '{class}'"), dir, e);
     let waker = Waker::watch(dir, Some(CHANGED));
     let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
     let poll = match (local, waker.watching()) {
@@ -282,11 +287,7 @@ fn wait_for_slot(
         (true, false) => Some(POLL),
         (false, _) => Some(lock::REMOTE_REARM),
     };
-    let every = if poll.is_none() {
-        RECHECK_LOCAL
-    } else {
-        RECHECK
-    };
+    let every = poll.map_or(RECHECK_LOCAL, |_| RECHECK);
     let mut recheck_at = Instant::now() + every;
     let mut recheck = false;
     loop {
@@ -315,7 +316,7 @@ fn wait_for_slot(
                 std::thread::sleep(POLL);
                 continue;
             }
-            Err(e) => return Err(lock::error(&format!("a slot of class '{class}'"), dir, e)),
+            Err(e) => return Err(failed(e)),
         }
         let now = Instant::now();
         if deadline.is_some_and(|d| now >= d) {
@@ -328,10 +329,7 @@ fn wait_for_slot(
         if let Some(p) = poll {
             until = until.min(now + p);
         }
-        match waker
-            .sleep(Some(until))
-            .map_err(|e| lock::error(&format!("a slot of class '{class}'"), dir, e))?
-        {
+        match waker.sleep(Some(until)).map_err(failed)? {
             Woke::Interrupted(sig) => return Ok(lock::Waited::Interrupted(sig)),
             Woke::Changed { named: true } => recheck = true,
             Woke::Changed { named: false } => {}
@@ -454,12 +452,5 @@ impl Slots {
             return Ok(Took::Busy);
         }
         Ok(Took::Slot(guard))
-    }
-}
-
-fn priority_word(p: Priority) -> &'static str {
-    match p {
-        Priority::Normal => "normal",
-        Priority::High => "high-priority",
     }
 }
