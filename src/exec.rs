@@ -207,11 +207,10 @@ fn record_outcome(
     } else {
         Outcome::Failure(command::describe(status))
     };
-    let full = if outcome != Outcome::Success && !written.is_empty() {
-        full_note(session.images_dir())
-    } else {
-        None
-    };
+    let failed_write = outcome != Outcome::Success && !written.is_empty();
+    let full = failed_write
+        .then(|| full_note(session.images_dir()))
+        .flatten();
     // The lease goes with the process: what it lists need not be taken out
     // lock by lock (one write less, a request to the server on NFS).
     crate::lease::ending();
