@@ -19,7 +19,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
-use crate::error::cvt;
+use crate::error::{cstr, cvt};
 
 /// An open directory.
 #[derive(Debug)]
@@ -81,10 +81,6 @@ pub fn fstat(fd: std::os::fd::RawFd) -> io::Result<libc::stat> {
     // SAFETY: valid out-pointer.
     cvt(unsafe { libc::fstat(fd, &mut st) })?;
     Ok(st)
-}
-
-pub(crate) fn cstr(name: &OsStr) -> io::Result<CString> {
-    CString::new(name.as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
 /// `chmod` of what the `O_PATH` descriptor `fd` is: fchmod refuses one, and

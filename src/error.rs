@@ -21,6 +21,12 @@ pub fn cvt<T: Default + PartialOrd>(r: T) -> io::Result<T> {
     }
 }
 
+/// A name or path as a C string: one with a NUL in it is `EINVAL`.
+pub(crate) fn cstr(name: &std::ffi::OsStr) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(name.as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
 /// Exit codes fixed by the contract (sysexits.h values).
 pub mod code {
     pub const FAILURE: u8 = 1;

@@ -172,7 +172,7 @@ fn not_a(path: &Path, kind: &'static str, expected: &'static str) -> io::Error {
 /// descriptor) is opened as it is. Failures as [`refused`] says them.
 pub fn open(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<File> {
     use std::os::fd::FromRawFd;
-    let c = crate::dir::cstr(path.as_os_str())?;
+    let c = crate::error::cstr(path.as_os_str())?;
     // openat2 refuses, with O_PATH, any flag that only an open for I/O
     // means; without I/O nothing can block either.
     let flags = if flags & libc::O_PATH != 0 {
@@ -251,8 +251,8 @@ fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     };
     let (cparent, cname) = (
-        crate::dir::cstr(parent.as_os_str())?,
-        crate::dir::cstr(name)?,
+        crate::error::cstr(parent.as_os_str())?,
+        crate::error::cstr(name)?,
     );
     // SAFETY: a valid C string; the descriptor is owned at once.
     let pfd = unsafe {
