@@ -253,10 +253,17 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
         let Some(Ok(name)) = e.name().map(ImageName::parse) else {
             continue;
         };
-        let Ok(Some(held)) = take_exclusive(&root, &name, lock::IfMissing::Fail) else {
-            continue;
+        let held = match take_exclusive(&root, &name, lock::IfMissing::Fail) {
+            Ok(Some(h)) if !crate::store_wide::blocks(&root, &h.seen) => h,
+            // Finished by the next gc, said as any image in use.
+            Ok(_) => {
+                report.busy.push(name.as_str().to_owned());
+                continue;
+            }
+            // Gone since the listing: its removal finished.
+            Err(_) => continue,
         };
-        if !deleting(&held.seen) || crate::store_wide::blocks(&root, &held.seen) {
+        if !deleting(&held.seen) {
             continue;
         }
         report.interrupted_removals.push(name.as_str().to_owned());

@@ -562,23 +562,28 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
 /// Removals that died (records `deleting`): reported, or with `repair`
 /// finished under the image's lock.
 fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &mut Report) {
-    let mut finished = Vec::new();
-    let mut stuck = Vec::new();
+    let (mut finished, mut stuck, mut busy) = (Vec::new(), Vec::new(), Vec::new());
     for e in entries.iter().filter(|e| crate::gc::deleting(&e.seen)) {
         let name = e.name().unwrap_or_default().to_owned();
         if !repair {
             stuck.push(name);
             continue;
         }
-        if let Some(h) = take_held(root, e).filter(|h| crate::gc::deleting(&h.seen)) {
-            match remove::finish_held(root, h) {
+        match take_held(root, e) {
+            Take::Held(h) if crate::gc::deleting(&h.seen) => match remove::finish_held(root, *h) {
                 Ok(()) => finished.push(name),
                 Err(err) => report.problem("removals", format!("{err:#}")),
-            }
+            },
+            Take::Busy => busy.push(name),
+            // Finished or written anew since the census.
+            Take::Held(_) | Take::Nothing => {}
         }
     }
     if !stuck.is_empty() {
         report.problem("removals", format!("removal of {} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it", list(&stuck)));
+    }
+    if !busy.is_empty() {
+        report.problem("removals", format!("removal of {} was interrupted, and its lock is held now: a later 'stowage gc' or 'stowage doctor --repair' finishes it", list(&busy)));
     }
     if !finished.is_empty() {
         let names = list(&finished);
@@ -751,10 +756,15 @@ fn missing_trees(
         report.problem("images", detail);
         return;
     }
-    let mut dropped = Vec::new();
+    let (mut dropped, mut busy) = (Vec::new(), Vec::new());
     for (n, e) in gone {
-        let Some(h) = take_held(root, e) else {
-            continue;
+        let h = match take_held(root, e) {
+            Take::Held(h) => h,
+            Take::Busy => {
+                busy.push(n.as_str());
+                continue;
+            }
+            Take::Nothing => continue,
         };
         let still = h.seen.record.as_ref().is_some_and(|r| {
             r.state == State::Ready
@@ -765,11 +775,17 @@ fn missing_trees(
             dropped.push(n.as_str().to_owned());
         }
     }
-    let dropped = list(&dropped);
-    report.repaired(
-        "images",
-        format!("dropped the records of {dropped}, whose trees are gone"),
-    );
+    if !dropped.is_empty() {
+        let dropped = list(&dropped);
+        report.repaired(
+            "images",
+            format!("dropped the records of {dropped}, whose trees are gone"),
+        );
+    }
+    if !busy.is_empty() {
+        let busy = list(&busy);
+        report.problem("images", format!("{busy} have records but no tree, and their locks are held now: a later 'stowage doctor --repair' drops their records"));
+    }
 }
 
 /// The trash, lock files that name no image, dead leases.
@@ -832,11 +848,25 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
 
 /// An image's lock taken exclusively without waiting, with its record (its
 /// lock file is `e.path`: the census keeps only a record of its own file).
-fn take_held(root: &crate::root::Root, e: &Entry) -> Option<crate::acquire::image::Held> {
-    let name = ImageName::parse(e.name()?).ok()?;
-    let held = crate::gc::take_exclusive(root, &name, lock::IfMissing::Fail).ok()??;
-    // A store-wide command holds the store: left for later.
-    (!crate::store_wide::blocks(root, &held.seen)).then_some(held)
+fn take_held(root: &crate::root::Root, e: &Entry) -> Take {
+    let Some(Ok(name)) = e.name().map(ImageName::parse) else {
+        return Take::Nothing;
+    };
+    match crate::gc::take_exclusive(root, &name, lock::IfMissing::Fail) {
+        // A store-wide command holds the store: left for later.
+        Ok(Some(h)) if crate::store_wide::blocks(root, &h.seen) => Take::Busy,
+        Ok(Some(h)) => Take::Held(Box::new(h)),
+        Ok(None) => Take::Busy,
+        // Gone since the census (its removal finished), or not ours to take.
+        Err(_) => Take::Nothing,
+    }
+}
+
+/// What a repair found when it took an image's lock.
+enum Take {
+    Held(Box<crate::acquire::image::Held>),
+    Busy,
+    Nothing,
 }
 
 fn done(repair: bool, what: &str) -> &str {

@@ -716,3 +716,73 @@ fn a_configuration_is_written_from_the_records_where_no_claim_can_be_kept() {
     assert_eq!(env.state("base").as_deref(), Some("ready"));
     assert_eq!(env.read_in_image("base", "file"), "content\n");
 }
+
+/// A repair that finds an image's lock held leaves the image and says so:
+/// an interrupted removal is neither finished nor passed over in silence
+/// (gc lists it as in use), and a record whose tree is gone is kept with a
+/// problem instead of an empty "dropped the records of".
+#[test]
+fn a_repair_that_finds_a_lock_held_says_what_it_left() {
+    let env = Env::new();
+    env.make_image("doomed");
+    env.make_image("vanished");
+    env.make_image("ok");
+    let (rm, _pause) = env.paused(["rm", "doomed"], "rm-marked");
+    rm.kill_all();
+    fs::remove_dir_all(env.root.join("img/vanished")).unwrap();
+    let then = "i=0; while [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done";
+    let holders = [
+        flock_holder(&env.lock_file("doomed"), &env.sentinel("h1"), then),
+        flock_holder(&env.lock_file("vanished"), &env.sentinel("h2"), then),
+    ];
+
+    let out = env.run(["gc", "--json"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["busy"],
+        serde_json::json!(["doomed"]),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("doomed").as_deref(), Some("deleting"));
+
+    let out = env.run(["doctor", "--repair"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        text.contains("removal of 'doomed' was interrupted, and its lock is held now"),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        text.contains("'vanished' have records but no tree, and their locks are held now"),
+        "{}",
+        show(&out)
+    );
+    assert!(!text.contains("dropped the records of"), "{}", show(&out));
+    assert_eq!(env.state("doomed").as_deref(), Some("deleting"));
+    assert!(env.state("vanished").is_some());
+
+    for h in holders {
+        h.kill_all();
+    }
+    wait_until("the holders let go", || {
+        flock_free(&env.lock_file("doomed")) && flock_free(&env.lock_file("vanished"))
+    });
+    let out = env.run(["doctor", "--repair"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("finished the interrupted removal of 'doomed'"),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        text.contains("dropped the records of 'vanished'"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("doomed"), None);
+    assert_eq!(env.state("vanished"), None);
+    assert_eq!(env.state("ok").as_deref(), Some("ready"));
+}
