@@ -262,3 +262,25 @@ fn migration_waits_for_holders_of_the_older_release() {
         .unwrap();
     assert_ne!(code(&out), Some(0), "the older release refuses the store");
 }
+
+/// A migration that gives up waiting for an image's holder says how long
+/// it waited and who holds the image, as every other wait does.
+#[test]
+fn a_migration_that_gives_up_names_the_holder() {
+    let env = old_store();
+    let then = "i=0; while [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done";
+    let holder = flock_holder(&env.lock_file("base"), &env.sentinel("held"), then);
+    let out = env.run(["exec", "--write", "other", "--wait", "1", "--", "true"]);
+    holder.kill_all();
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    let err = stderr(&out);
+    let line = err.lines().last().unwrap_or_default();
+    assert!(
+        line.contains("gave up after")
+            && line.contains("(needed free to migrate the store): held")
+            && line.contains("flock"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(catalog_version(&env), 10, "nothing migrated");
+}
