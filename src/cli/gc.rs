@@ -53,8 +53,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     Ok(code)
 }
 
-/// The policy the options ask for; a size or duration that does not parse
-/// is a usage error.
+/// The policy the options ask for; a size or duration that does not parse is a usage error.
 fn policy(args: &Args) -> Result<Policy> {
     let size = |raw: &String| {
         gc::parse_size(raw).ok_or_else(|| {
@@ -79,8 +78,7 @@ fn policy(args: &Args) -> Result<Policy> {
     })
 }
 
-/// The report as text: what went (or would go), what was kept, and the
-/// space freed.
+/// The report as text: what went (or would go), what was kept, and the space freed.
 fn report_text(report: &gc::Report, dry_run: bool) -> String {
     let mut lines = Vec::new();
     let mut line = |l: String| lines.push(l);

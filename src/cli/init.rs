@@ -33,8 +33,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         std::path::absolute(d).with_context(|| format!("cannot resolve {}", d.display()))
     };
     let wanted = args.images_dir.as_ref().map(resolve).transpose()?;
-    // What can be refused is refused before anything is created: a failed
-    // init leaves no root behind.
+    // Refused before anything is created: a failed init leaves no root behind.
     if let Some(dir) = &wanted {
         refuse_images_dir(store.root(), dir)?;
         refuse_what_is_no_images_dir(dir)?;
@@ -81,17 +80,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         adopted_note(adopted, how)
     ));
     match group {
-        // Last, once nothing is left to refuse: a refused init changes no
-        // mode and no group.
+        // Last, once nothing is left to refuse: a refused init changes no mode and no group.
         Some(gid) => share(store, &images, &dir, gid),
         None => Ok(0),
     }
 }
 
-/// Checks that the root may be shared with group `name`, and makes what
-/// init creates from here on group-writable (a new external images
-/// directory too, which is no part of the root); the root itself is shared
-/// last. Returns the group's id.
+/// Checks the root may be shared with group `name`; makes what init creates from now on
+/// group-writable (an external images directory too); the root is shared last. Returns the gid.
 fn open_to_group(store: &mut Store, name: &str) -> Result<u32> {
     let gid = crate::sharing::group_id(name)?;
     crate::sharing::may_share(store.root().dir(), gid)?;
@@ -101,8 +97,7 @@ fn open_to_group(store: &mut Store, name: &str) -> Result<u32> {
     Ok(gid)
 }
 
-/// Makes `dir` the images directory from now on (accepting a remount), and
-/// this store's.
+/// Makes `dir` the images directory from now on (accepting a remount), and this store's.
 fn make_ours(store: &Store, root: &Root, config: &mut Config, dir: &Path) -> Result<()> {
     crate::images_dir::record_identity(root, config, true)?;
     if !crate::images_dir::claim(root, config)? {
@@ -114,9 +109,8 @@ fn make_ours(store: &Store, root: &Root, config: &mut Config, dir: &Path) -> Res
     Ok(())
 }
 
-/// Shares the root, and an images directory outside it (no part of the
-/// root: the directory itself goes to the group, the trees in it are the
-/// builders', or members could make no image), with group `gid`.
+/// Shares with group `gid` the root and an images directory outside it: the directory itself, or
+/// members could make no image, but not the trees in it, which are the builders'.
 fn share(store: &mut Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Result<u8> {
     let root = store.root().clone();
     crate::debug::pause("init-share");
@@ -127,9 +121,8 @@ fn share(store: &mut Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> R
     share_parts(store, gid)
 }
 
-/// `--group`, last step: gives every part of the layout made before (an
-/// existing store converted) what a group store needs; exit 1 if a part
-/// is someone else's, naming it.
+/// `--group`, last step: gives every part of the layout made before (an existing store converted)
+/// what a group store needs; exit 1 if a part is someone else's, naming it.
 fn share_parts(store: &Store, gid: u32) -> Result<u8> {
     let root = store.root();
     let wrong = crate::sharing::check(root, gid);
@@ -161,8 +154,8 @@ fn share_parts(store: &Store, gid: u32) -> Result<u8> {
     Ok(0)
 }
 
-/// Refuses an images directory `dir` (absolute) that does not exist and
-/// cannot be made, or that overlaps the root: by path, then by directory.
+/// Refuses an images directory `dir` (absolute) that does not exist and cannot be made, or that
+/// overlaps the root: by path, then by directory.
 fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
     if !dir.is_dir() && !dir.parent().is_some_and(Path::is_dir) {
         bail!(
@@ -190,10 +183,9 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Refuses a directory that is no images directory: `/`, one that would
-/// be made at the top of the filesystem (`$UNSET/img`), a home directory,
-/// a builder's storage directory (its images are in its `img/`), or one
-/// that holds files (an images directory holds image trees only).
+/// Refuses a directory that is no images directory: `/`, one that would be made at the top of the
+/// filesystem (`$UNSET/img`), a home directory, a builder's storage directory (its images are in
+/// its `img/`), or one that holds files (an images directory holds image trees only).
 fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
     let what = if dir == Path::new("/") {
         Some("the root of the filesystem".to_owned())
@@ -225,8 +217,7 @@ fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
     }
 }
 
-/// Whether `dir` is the home directory of this user or of any user in
-/// `/etc/passwd` (read directly: no name service).
+/// Whether `dir` is this user's home or any `/etc/passwd` user's (read directly: no name service).
 fn is_home(dir: &Path) -> bool {
     let mine = std::env::var_os("HOME").map(PathBuf::from);
     mine.as_deref() == Some(dir)
@@ -237,8 +228,7 @@ fn is_home(dir: &Path) -> bool {
         })
 }
 
-/// A regular file or symlink at the top of `dir` (not a hidden one), if
-/// there is one.
+/// A regular file or symlink at the top of `dir` (not a hidden one), if there is one.
 fn files_in(dir: &Path) -> Option<String> {
     std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
         let name = e.file_name().to_string_lossy().into_owned();
@@ -247,8 +237,7 @@ fn files_in(dir: &Path) -> Option<String> {
     })
 }
 
-/// Refuses an images directory another store claims (`claim.rs`), naming
-/// that store's root, before anything is made.
+/// Refuses, before anything is made, an images directory another store claims (`claim.rs`).
 fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     // Another root's default images directory, claimed or not.
     if let Some(other) = dir
@@ -282,8 +271,7 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     if mine.as_ref().is_some_and(|m| m.same_store(&theirs)) || !theirs.binds(dir, my_id) {
         return Ok(());
     }
-    // Its root's path is this root's, yet another directory: that store
-    // moved away, or is gone (nothing tells which).
+    // Same root path, another directory: that store moved away or is gone (nothing tells which).
     let what = if Path::new(&theirs.path) == root.dir() {
         format!(
             "a store that was here; gone for good? 'setfattr -x user.stowage.store {}'",
@@ -299,9 +287,8 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     )
 }
 
-/// How trees found in the images directory are adopted: ready only in a
-/// directory stowage never managed, where no image has ever had a lock
-/// file (see adopt.rs).
+/// How trees found in the images directory are adopted: ready only in a directory stowage never
+/// managed, where no image has ever had a lock file (see adopt.rs).
 fn adoption(root: &Root) -> Result<Adopt> {
     let managed = !crate::census::take(root)?.is_empty();
     Ok(if managed {
@@ -327,9 +314,8 @@ fn adopted_note(adopted: usize, how: Adopt) -> String {
     )
 }
 
-/// Switches the images directory to `dir`: a store-wide operation (no image
-/// is written meanwhile, none is created in the directory left behind),
-/// refused while any image exists.
+/// Switches the images directory to `dir`: a store-wide operation (no image is written meanwhile,
+/// none is created in the directory left behind), refused while any image exists.
 fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
     let root = store.root().clone();
     let hold = crate::store_wide::Hold::take(store, "stowage init --images-dir", None, true)?;
@@ -364,14 +350,11 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
     out
 }
 
-/// The checks above compare paths; this compares directories. Through a
-/// bind mount of the root, or a symlink among the parents, a path that
-/// looks unrelated can be the root itself or lie inside it, and its
-/// `locks`, `img` and `trash` would be adopted as images (`gc` would then
-/// delete the lock directory). So the images directory (or, if it does not
-/// exist yet, its parent) must be neither the root nor one of the root's
-/// parents, and the root must not be one of its parents: compared by
-/// device and inode, climbing through `..`.
+/// The checks above compare paths; this compares directories (device and inode, climbing `..`).
+/// Through a bind mount of the root or a symlinked parent, an unrelated-looking path can be the
+/// root or lie in it, and its `locks`, `img` and `trash` would be adopted as images (`gc` would
+/// then delete the lock directory). So the images directory (or its parent, if not yet made) must
+/// be neither the root nor a parent of it, and the root no parent of it.
 fn refuse_overlap(root: &Path, dir: &Path) -> Result<()> {
     use crate::dir::Dir;
     // The directories from `d` up to `/`, as (device, inode).

@@ -75,8 +75,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     Ok(code)
 }
 
-/// Every image's lock, first, so that either every image goes or none
-/// does: each must have a record, and no store-wide command may run.
+/// Every image's lock, first, so that either every image goes or none does: each must have a
+/// record, and no store-wide command may run.
 fn take_all(
     store: &Store,
     names: &[crate::name::ImageName],
@@ -85,8 +85,8 @@ fn take_all(
     command: &str,
 ) -> Result<Vec<Held>> {
     let mut held = Vec::with_capacity(names.len());
-    // Listed in our lease (with a wait, and once all are taken): on
-    // another host nothing else names the holder of a removal.
+    // Listed in our lease (with a wait, and once all are taken): on another host nothing else names
+    // the holder of a removal.
     let mut listed: Vec<Holding> = Vec::with_capacity(names.len());
     for name in names {
         let want = Want {

@@ -1,13 +1,11 @@
 //! `doctor`'s look at the store's configuration (`store.conf`).
 //!
-//! - One that cannot be used (damaged, emptied, unreadable, or missing in a
-//!   store whose images have records) is set aside by `--repair` (renamed
-//!   `store.conf.damaged-TIME`, never deleted) and written anew from what
-//!   the images' records say of their images directory: every record
-//!   `images=default` → the default; one absolute directory named by every
-//!   record → that, if it is a directory now; no record → the default.
-//! - When the records do not agree (or name a directory that is not
-//!   there), nothing is guessed: the file stays, reported with what to do.
+//! - One that cannot be used (damaged, emptied, unreadable, or missing while images have records)
+//!   is set aside by `--repair` (renamed `store.conf.damaged-TIME`, never deleted) and written anew
+//!   from the images directory the records name: all `images=default`, or no record → the default;
+//!   one absolute directory named by all → that, if it is a directory now.
+//! - Records that disagree (or name a directory not there): nothing is guessed; the file stays,
+//!   reported with what to do.
 
 use anyhow::{Context, Result};
 
@@ -57,8 +55,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
         images,
         ..Config::fresh()
     };
-    // The store's id lives on in its images directory's claim: the store
-    // goes on being the one that claims it.
+    // The store keeps its id, which lives on in its images directory's claim.
     if let Some(c) = ours {
         fresh.id = c.id;
     }
@@ -68,8 +65,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     Ok(true)
 }
 
-/// Why the configuration cannot be used, if it cannot: unreadable, or
-/// missing while images have records.
+/// Why the configuration cannot be used, if so: unreadable, or missing while images have records.
 fn unusable(root: &Root, dir: &crate::dir::Dir, path: &std::path::Path) -> Result<Option<String>> {
     Ok(match config::read(root.dir(), dir) {
         Ok(Some(_)) => None,
@@ -85,12 +81,10 @@ fn unusable(root: &Root, dir: &crate::dir::Dir, path: &std::path::Path) -> Resul
     })
 }
 
-/// Whose the images directory the records name is, by its claim: `Ok`
-/// with the claim this root made (it carries the store's id), if any;
-/// `Err` saying why an external directory is not taken for this store's
-/// — unless no claim can be kept there (no extended attributes), where
-/// the records are all there is to go by. (`ROOT/img` is this root's
-/// whatever its claim says: one may have come with a copy.)
+/// Whose the images directory the records name is, by its claim: `Ok` with this root's claim (it
+/// carries the store's id), if any; `Err` saying why an external directory is not this store's —
+/// unless it can keep no claim (no extended attributes): then the records are all there is to go
+/// by. (`ROOT/img` is this root's whatever its claim says: one may have come with a copy.)
 fn whose(
     images: &ImagesDir,
     images_dir: Option<&crate::dir::Dir>,
@@ -113,8 +107,8 @@ fn whose(
     })
 }
 
-/// A store whose configuration went missing: its images have records (a
-/// store of a release before records has a catalog to migrate instead).
+/// A store whose configuration went missing: its images have records (a store of a release before
+/// records has a catalog to migrate instead).
 fn lost(root: &Root) -> Result<bool> {
     Ok(crate::catalog::legacy_version(&root.db()).is_none()
         && crate::census::take(root)?
@@ -122,8 +116,7 @@ fn lost(root: &Root) -> Result<bool> {
             .any(|e| e.seen.record.is_some()))
 }
 
-/// The images directory every record names; why not, if they do not agree
-/// or it is not a directory now.
+/// The images directory every record names; or why not (they disagree, or it is no directory now).
 fn from_records(root: &Root) -> Result<ImagesDir, String> {
     let mut named: Vec<ImagesDir> = Vec::new();
     for e in crate::census::take(root).map_err(|e| format!("{e:#}"))? {

@@ -1,20 +1,15 @@
-//! `doctor`'s look at every path where stowage keeps a file of its own:
-//! each holds a regular file this user may read and write, or nothing.
+//! `doctor`'s look at every path where stowage keeps a file of its own: each holds a regular file
+//! this user may read and write, or nothing.
 //!
-//! - **Anything else there was planted** (a FIFO, a symlink, a directory,
-//!   a socket, a device): reported, and with `--repair` renamed aside in
-//!   its own directory (`NAME.planted-TIME`) — never deleted, never
-//!   followed. No stowage process holds a lock on it (locks are taken on
-//!   regular files only), so moving it disturbs nobody.
-//! - **A hard link** to a file outside is planted, like the above; one
-//!   that holds an image's record (a store copied with `cp -al`) is only
-//!   reported: moving it would make its image unreadable.
-//! - **A file of ours whose mode was taken away** (we may not read or
-//!   write it) gets read and write back for us, and for the group of a
-//!   shared store; another user's is reported, naming who may fix it.
-//! - The catalog's files (itself, its journal, its WAL files) are the
-//!   catalog check's (it sets them aside under the global lock); the
-//!   layout's directories, `layout`'s.
+//! - **Anything else there was planted** (FIFO, symlink, directory, socket, device): reported;
+//!   `--repair` renames it aside (`NAME.planted-TIME`), never deletes or follows it. No stowage
+//!   process locks it (locks are on regular files only): moving it disturbs nobody.
+//! - **A hard link** to a file outside is planted, like the above; one that holds an image's record
+//!   (a store copied with `cp -al`) is only reported: moving it would make its image unreadable.
+//! - **A file of ours we may no longer read or write** gets read and write back (for the group too
+//!   in a shared store); another user's is reported, naming who may fix it.
+//! - The catalog's files (itself, its journal, its WAL files) are the catalog check's (it sets them
+//!   aside under the global lock); the layout's directories, `layout`'s.
 
 use std::path::Path;
 
@@ -58,8 +53,8 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
                 continue;
             };
             let path = at.join(name);
-            // The configuration is replaced by a rename, never written in
-            // place: another name for it changes nothing outside.
+            // The configuration is replaced by a rename, never written in place: another name for
+            // it changes nothing outside.
             let nlink = if name == crate::config::FILE {
                 1
             } else {
@@ -76,8 +71,7 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
     }
 }
 
-/// A directory of the layout opened to be listed (the root's own
-/// descriptor is an anchor, which cannot be).
+/// A layout directory opened for listing (the root's own descriptor is an anchor: it cannot be).
 fn open(root: &Root, rel: &str) -> anyhow::Result<Dir> {
     if rel.is_empty() {
         Ok(root.open()?.sub(".")?)
@@ -86,8 +80,8 @@ fn open(root: &Root, rel: &str) -> anyhow::Result<Dir> {
     }
 }
 
-/// The slot classes' directories in `locks/slots`, by entry name; an entry
-/// there that is not a directory is planted, and reported so.
+/// The slot classes' directories in `locks/slots`, by entry name; an entry there that is not a
+/// directory is planted, and reported so.
 fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
     let Ok(slots) = root.open_sub("locks/slots") else {
         return Vec::new();
@@ -108,10 +102,8 @@ fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
     out
 }
 
-/// Whether the file `name` holds an image's record: only stowage writes
-/// one, so a second name for it is another store's lock file (a store
-/// copied with `cp -al`), not a file outside that a plant would have
-/// stowage write.
+/// Whether `name` holds an image's record: only stowage writes one, so a second name for it is
+/// another store's lock file (`cp -al`), not an outside file a plant would have stowage write.
 fn holds_a_record(dir: &Dir, name: &str) -> bool {
     name.ends_with(".lock")
         && dir
@@ -120,13 +112,11 @@ fn holds_a_record(dir: &Dir, name: &str) -> bool {
             .is_ok_and(|seen| seen.record.is_some())
 }
 
-/// A lock file whose record another name shares: reported, and left as
-/// it is even by `--repair`. Readers use it (they write nothing through
-/// it), writers refuse it. Setting it aside would make its image
-/// unreadable here; giving it a file of its own while a process may have
-/// opened the old one would leave that process holding a file its record
-/// still vouches for (nothing may be marked in it: the other name's store
-/// uses it). Only the user knows when nothing uses the store.
+/// A lock file whose record another name shares: reported, left as it is even by `--repair`.
+/// Readers use it (writing nothing through it), writers refuse it. Set aside, its image would be
+/// unreadable here; given a file of its own, a process that opened the old one would hold a file
+/// its record still vouches for (nothing may be marked in it: the other store uses it). Only the
+/// user knows when nothing uses the store.
 fn shared_record(path: &Path, report: &mut Report) {
     let shown = path.display();
     let p = crate::ident::shell_word(&path.to_string_lossy());
@@ -160,13 +150,12 @@ fn what_it_replaced(path: &Path) -> &'static str {
     }
 }
 
-/// Reports (and with `repair` sets aside) what is planted at `path`, an
-/// entry of `dir`.
+/// Reports (and with `repair` sets aside) what is planted at `path`, an entry of `dir`.
 fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report) {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     let replaced = what_it_replaced(path);
-    // A hard link may be stowage's own file given a second name (a store
-    // copied with 'cp -al'): what is wrong is the other name.
+    // A hard link may be stowage's own file given a second name (a store copied with 'cp -al'):
+    // what is wrong is the other name.
     let why = if kind == crate::planted::HARD_LINK {
         "stowage writes no file that has another name"
     } else {
@@ -194,8 +183,8 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
     }
 }
 
-/// Reports (and with `repair`, for a file of ours, gives back) a mode that
-/// keeps this user from reading and writing a file of the layout.
+/// Reports (and with `repair`, for a file of ours, gives back) a mode that keeps this user from
+/// reading and writing a file of the layout.
 fn mode(
     dir: &Dir,
     path: &Path,

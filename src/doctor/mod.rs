@@ -1,17 +1,13 @@
 //! `stowage doctor`: is this store safe to use, and is it consistent?
 //!
-//! - Checks, in order: the filesystem and whether flock(2) really excludes
-//!   there (two opens of one file must conflict); shared mounts whose locks
-//!   are local only; the catalog; every image's record against its tree;
-//!   removals a crash interrupted, trash, leftovers, dead leases.
-//! - Without `--repair` nothing changes. With it, what is safe is fixed,
-//!   and only on positive evidence: interrupted removals finished, records
-//!   of trees that are gone dropped, trees without records adopted (their
-//!   readiness unknown: kept, not collectable), stale hints cleared, the
-//!   trash emptied; a catalog that cannot be used is set aside (never
-//!   deleted) and made anew from the records.
-//! - An image whose state cannot be known (a damaged record) is reported,
-//!   never removed.
+//! - Checks, in order: the filesystem and whether flock(2) really excludes there (two opens of one
+//!   file must conflict); shared mounts whose locks are local only; the catalog; every image's
+//!   record against its tree; removals a crash interrupted, trash, leftovers, dead leases.
+//! - Without `--repair` nothing changes; with it, only what is safe is fixed, on positive evidence:
+//!   interrupted removals finished, records of gone trees dropped, trees without records adopted
+//!   (readiness unknown: kept, not collectable), stale hints cleared, trash emptied; an unusable
+//!   catalog set aside (never deleted) and made anew from the records.
+//! - An image whose state cannot be known (a damaged record) is reported, never removed.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -101,11 +97,10 @@ fn probe_file(root: &crate::root::Root) -> PathBuf {
     root.locks().join("probe.lock")
 }
 
-/// `doctor --hold-probe SECONDS`: holds the probe lock that `doctor` on
-/// another host looks for, and says who holds it in the file. When that
-/// doctor sees it held, locks taken on this host exclude processes there —
-/// the real test where mount options cannot tell (Lustre's default, a
-/// client configuration out of reach).
+/// `doctor --hold-probe SECONDS`: holds the probe lock that `doctor` on another host looks for,
+/// naming the holder in the file. If that doctor sees it held, locks taken here exclude processes
+/// there — the real test where mount options cannot tell (Lustre's default, a client configuration
+/// out of reach).
 pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     let root = store.root();
     root.create_layout()?;
@@ -131,8 +126,8 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     Ok(())
 }
 
-/// What the probe file says, read only from a regular file (a FIFO
-/// planted there and held would block a plain read for good).
+/// What the probe file says, read only from a regular file (a FIFO planted there and held would
+/// block a plain read for good).
 fn probe_text(path: &Path) -> Option<String> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = fs::OpenOptions::new()
@@ -195,16 +190,13 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         report.info("filesystem", format!("{} ({kind})", f.name));
     }
 
-    // The layout: a symlink planted in place of one of the root's
-    // directories is reported, never followed.
+    // A symlink planted in place of a root directory is reported, never followed.
     if !layout(&root, repair, &mut report)? {
         report.healthy = false;
         return Ok(report);
     }
 
-    // A group store's parts, each of which every member must be able to
-    // use: checked before anything is written, so a member who cannot
-    // write is told which part stops them.
+    // A group store's parts, before any write: a member who cannot write learns which stops them.
     modes(store.root(), repair, &mut report);
 
     if !flock_works(&root, &mut report) {
@@ -237,12 +229,10 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     Ok(report)
 }
 
-/// Does flock exclude here at all? Two opens of one file must conflict.
-/// `false` when this user may not even make the test file (not a locking
-/// fault: the report says so, and nothing else can be checked).
+/// Does flock exclude here at all (two opens of one file must conflict)? `false` also when this
+/// user may not make the test file: no locking fault, but nothing else can be checked.
 fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
-    // Private to this process: two doctors at once must not test against
-    // each other's lock.
+    // Private to this process: two doctors at once must not test against each other's lock.
     let probe = root
         .locks()
         .join(format!(".doctor.{}.lock", std::process::id()));
@@ -253,7 +243,6 @@ fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
             report.problem("flock", "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem");
         }
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-            // Not a locking fault: this user may not write the store.
             report.problem(
                 "access",
                 format!(
@@ -315,8 +304,7 @@ fn mount_reach(root: &crate::root::Root, report: &mut Report) {
     }
 }
 
-/// "owned by uid U, group G, mode M" of a directory, for permission
-/// messages.
+/// "owned by uid U, group G, mode M" of a directory, for permission messages.
 fn owner_phrase(dir: &Path) -> String {
     use std::os::unix::fs::MetadataExt;
     let shown = dir.display();
@@ -329,10 +317,8 @@ fn owner_phrase(dir: &Path) -> String {
     }
 }
 
-/// In a group store, reports each part of the layout that a member of its
-/// group cannot use (its mode or its group), and with `repair` fixes those
-/// that are ours to change (sharing.rs), saying what it did and what is
-/// left to whom.
+/// In a group store, reports each part of the layout a group member cannot use (mode or group);
+/// with `repair` fixes those ours to change (sharing.rs), saying what is left to whom.
 fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
     use crate::sharing;
     let Some((gid, mode)) = sharing::is_group_store(root.dir()) else {
@@ -368,12 +354,10 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
     }
 }
 
-/// Checks that the root's own directories are directories, creating the
-/// missing ones. What is planted in the place of one (a symlink, a FIFO, a
-/// file) is set aside when repairing and a directory made there (nothing
-/// is followed or deleted) — except a symlink in the images directory's
-/// place, which its user may have made on purpose: that one is reported
-/// with advice. Returns whether the locks directories are usable.
+/// Checks that the root's own directories are directories, creating missing ones. Anything planted
+/// in one's place (symlink, FIFO, file) is, when repairing, set aside (nothing followed or deleted)
+/// and a directory made there — except a symlink for the images directory, which its user may have
+/// made on purpose: reported with advice. Returns whether the locks directories are usable.
 fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result<bool> {
     root.create_layout_reporting(|name, bad| {
         let path = root.dir().join(name);
@@ -403,8 +387,8 @@ fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result
     })
 }
 
-/// The catalog's verdict: set aside and made anew when it cannot be used
-/// (with `repair`; otherwise the next command that needs it does so).
+/// The catalog's verdict: set aside and made anew when it cannot be used (with `repair`; otherwise
+/// the next command that needs it does so).
 fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     use crate::catalog::Found;
     if let Some(said) = planted_catalog(store, repair)? {
@@ -457,9 +441,8 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     })
 }
 
-/// A file of the catalog's (itself, its journal, WAL files) that is no
-/// regular file of its own: reported, or with `repair` set aside (the
-/// catalog is then made anew from the records).
+/// A file of the catalog's (itself, its journal, WAL files) that is no regular file of its own:
+/// reported, or with `repair` set aside (the catalog is then made anew from the records).
 fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, String)>> {
     for (path, what) in crate::catalog::files(&store.root().db()) {
         let Err(e) = crate::catalog::check_plain_file(&path, what) else {
@@ -482,8 +465,8 @@ fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, S
     Ok(None)
 }
 
-/// SQLite's own check of a catalog of the current schema; with `repair`,
-/// a damaged one is set aside and made anew from the records.
+/// SQLite's own check of a catalog of the current schema; with `repair`, a damaged one is set aside
+/// and made anew from the records.
 fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let db = store.root().db();
     let shown = db.display();
@@ -517,8 +500,7 @@ fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     })
 }
 
-/// Every image's record: damaged ones, interrupted removals, images whose
-/// writer failed or died, stale store-wide hints.
+/// Every record: damaged, interrupted removals, failed or dead writers, stale store-wide hints.
 fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
     let entries = crate::census::take(&root)?;
@@ -559,8 +541,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// Removals that died (records `deleting`): reported, or with `repair`
-/// finished under the image's lock.
+/// Interrupted removals (records `deleting`): reported, or with `repair` finished under its lock.
 fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &mut Report) {
     let (mut finished, mut stuck, mut busy) = (Vec::new(), Vec::new(), Vec::new());
     for e in entries.iter().filter(|e| crate::gc::deleting(&e.seen)) {
@@ -608,9 +589,8 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
     }
     let mut cleared = 0;
     for e in hinted {
-        // Asked again under each image's lock, as an image user asks: a
-        // hold that began since has hinted this file already, or will
-        // hint it again once it gets the lock.
+        // Asked again under each image's lock, as an image user asks: a hold that began since has
+        // hinted this file already, or will hint it again once it gets the lock.
         if let Ok(Some(g)) = lock::acquire_no_wait(&e.path, Mode::Exclusive, lock::IfMissing::Fail)
             && free()
             && crate::image_record::set_store_wide(g.file(), false).is_ok()
@@ -624,8 +604,7 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
     report.repaired("hints", detail);
 }
 
-/// Whether the images directory is claimed for this store (`claim.rs`);
-/// with `repair`, an unclaimed one is claimed.
+/// Whether the images directory is claimed for this store (`claim.rs`); `repair` claims it.
 fn claim(
     root: &crate::root::Root,
     config: &crate::config::Config,
@@ -649,8 +628,7 @@ fn claim(
     }
 }
 
-/// Records against trees: records whose trees are gone, trees without
-/// records, records that name another images directory.
+/// Records vs trees: gone trees, trees without records, records naming another images directory.
 fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
@@ -707,8 +685,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     orphan_trees(&root, &config, &orphans, &dir, repair, report)
 }
 
-/// Trees without a record: reported, and with `repair` adopted one by one
-/// (a tree that cannot be is reported with why).
+/// Trees without a record: reported, or with `repair` adopted one by one, each failure with why.
 fn orphan_trees(
     root: &crate::root::Root,
     config: &crate::config::Config,
@@ -810,8 +787,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             ),
         );
     }
-    // On a filesystem where lock files are never unlinked, empty ones are
-    // no leftovers.
+    // On a filesystem where lock files are never unlinked, empty ones are no leftovers.
     if lock::unlinks_allowed(&root.image_locks().join("x.lock")) {
         let empty: Vec<Entry> = crate::census::take(&root)?
             .into_iter()
@@ -846,8 +822,8 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     Ok(())
 }
 
-/// An image's lock taken exclusively without waiting, with its record (its
-/// lock file is `e.path`: the census keeps only a record of its own file).
+/// An image's lock taken exclusively without waiting, with its record (its lock file is `e.path`:
+/// the census keeps only a record of its own file).
 fn take_held(root: &crate::root::Root, e: &Entry) -> Take {
     let Some(Ok(name)) = e.name().map(ImageName::parse) else {
         return Take::Nothing;
