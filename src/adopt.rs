@@ -1,12 +1,9 @@
 //! Adopting trees that have no record.
 //!
-//! - **Adoption** gives a tree without a record one: `ready` when `init`
-//!   adopts a directory stowage never managed (what a builder put there);
-//!   otherwise `incomplete` with the outcome "adopted", which no gc
-//!   collects (its state is not known: it is kept and reported) until a
-//!   writer makes it ready (`stowage exec --write NAME -- true`).
-//! - Entries that are not directories, or whose names do not decode to
-//!   image names, are reported and left alone.
+//! - **Adoption** gives a tree without a record one: `ready` when `init` adopts a directory stowage
+//!   never managed (what a builder put there); else `incomplete`, outcome "adopted": state unknown,
+//!   so kept, reported, never collected until `stowage exec --write NAME -- true` makes it ready.
+//! - Entries that are no directories, or whose names decode to no image name: reported, left alone.
 
 use std::collections::HashSet;
 use std::io;
@@ -21,8 +18,7 @@ use crate::image_record::{self, ADOPTED, Record, State};
 use crate::name::ImageName;
 use crate::root::Root;
 
-/// Trees in the images directory that no record names, and the entries
-/// that are not image trees (name and reason).
+/// Trees in the images directory no record names, and entries that are no image trees (name, why).
 #[derive(Default)]
 pub struct Orphans {
     pub trees: Vec<(ImageName, PathBuf)>,
@@ -61,8 +57,7 @@ pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<O
     Ok(out)
 }
 
-/// The entries of the images directory that may be image trees: not the
-/// `lost+found` of a filesystem whose root it is.
+/// The images directory's entries that may be trees: not `lost+found` where it is a mount's root.
 fn tree_names(images: &Dir) -> io::Result<Vec<std::ffi::OsString>> {
     let mut names = images.names()?;
     if names.iter().any(|n| n == "lost+found") && images.is_mount_root()? {
@@ -80,18 +75,16 @@ pub enum Adopt {
     Unknown,
 }
 
-/// What [`adopt`] did: the trees given a record, and those left without
-/// one, each with why (its lock held, its lock file planted, a full
-/// filesystem): one tree that cannot be adopted stops no other.
+/// What [`adopt`] did: the trees given a record, and those left without one, each with why (lock
+/// held, lock file planted, filesystem full): one tree that cannot be adopted stops no other.
 #[derive(Debug, Default)]
 pub struct Adopted {
     pub names: Vec<String>,
     pub left: Vec<String>,
 }
 
-/// Gives each orphan tree a record, under the image's exclusive lock, made
-/// now (a tree whose record appeared meanwhile is left alone, as it should
-/// be; one that cannot be given a record is listed in [`Adopted::left`]).
+/// Gives each orphan tree a record made now, under the image's exclusive lock (a tree whose record
+/// appeared meanwhile is left alone; one that cannot get one goes in [`Adopted::left`]).
 pub fn adopt(root: &Root, config: &Config, orphans: &Orphans, how: Adopt) -> Result<Adopted> {
     let mut out = Adopted::default();
     for (name, tree) in &orphans.trees {
@@ -123,8 +116,7 @@ fn adopt_one(
     if seen.record.is_some() || seen.damaged || seen.legacy {
         return Ok(false);
     }
-    // Looked at again under the lock: a new image's writer whose start
-    // was undone took its tree back after the listing.
+    // Again under the lock: an undone new-image start may have taken its tree back since.
     if !std::fs::symlink_metadata(tree).is_ok_and(|m| m.is_dir()) {
         let _ = root.unlink_lock(guard);
         return Ok(false);

@@ -6,16 +6,13 @@
 //! 3. with `--unused-for D`, ready images not used for D;
 //! 4. with `--max-size S`, least recently used images until the images fit S.
 //!
-//! - **Only on positive evidence.** An image whose state is not known (a
-//!   damaged record, a tree adopted without one) is kept and reported.
-//! - Every image is removed under its exclusive lock, taken without
-//!   waiting — a busy image is skipped, however old — and its record is read
-//!   again under that lock: a reason that stopped holding keeps it.
-//! - Sizes are allocated blocks, hard links counted once; `--max-size` is
-//!   the space the images take (each shared extent once), and an image
-//!   whose removal would free nothing is not removed for the budget.
-//! - `--dry-run` changes nothing: the same decisions, every lock released
-//!   at once.
+//! - **Only on positive evidence.** An image whose state is not known (a damaged record, a tree
+//!   adopted without one) is kept and reported.
+//! - Every image is removed under its exclusive lock, taken without waiting (a busy image is
+//!   skipped, however old), its record read again under it: a reason that stopped holding keeps it.
+//! - Sizes are allocated blocks, hard links once; `--max-size` is the space the images take (each
+//!   shared extent once); an image whose removal would free nothing is not removed for the budget.
+//! - `--dry-run` changes nothing: the same decisions, every lock released at once.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -93,8 +90,7 @@ pub struct Report {
     pub trash_entries: usize,
     /// Removals that failed (the images keep their state), one line each.
     pub failed: Vec<String>,
-    /// Images kept because their state is not known (a damaged record, a
-    /// tree adopted without one): `name: why`.
+    /// Kept because their state is unknown (damaged record, tree adopted without one): `name: why`.
     pub unknown: Vec<String>,
 }
 
@@ -159,8 +155,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     Ok(report)
 }
 
-/// With `--max-size`: least recently used first, passing over an image
-/// whose removal would free nothing now while a later one frees something.
+/// With `--max-size`: least recently used first, passing over an image whose removal would free
+/// nothing now while a later one frees something.
 fn over_budget(
     store: &mut Store,
     cutoff: Option<Millis>,
@@ -182,8 +178,8 @@ fn over_budget(
     Ok(())
 }
 
-/// What the images take, and what removing one frees as gc goes: its own
-/// blocks, and the shared extents no image left keeps.
+/// What the images take, and what removing one frees as gc goes: its own blocks, and the shared
+/// extents no image left keeps.
 struct Budget {
     cost: HashMap<String, Cost>,
     footprint: disk_usage::Footprint,
@@ -217,11 +213,9 @@ impl Budget {
     }
 }
 
-/// The last use before which an image is unused for `--unused-for D`: a
-/// read records its use only when the recorded one is older than the
-/// resolution, so only one older than D plus the resolution is surely
-/// unused for D. Saturating: a duration longer than history means "no
-/// image is that old".
+/// The last use before which an image is unused for `--unused-for D`: a read records its use only
+/// when the recorded one is older than the resolution, so only one older than D plus the resolution
+/// surely is. Saturating: a D longer than history means "no image is that old".
 fn cutoff(policy: &Policy) -> Option<Millis> {
     let resolution = crate::image_record::LAST_USE_RESOLUTION.as_millis() as Millis;
     policy.unused_for.map(|d| {
@@ -232,9 +226,8 @@ fn cutoff(policy: &Policy) -> Option<Millis> {
     })
 }
 
-/// Whether an image qualifies for removal for `reason`, by what its record
-/// says: an incomplete one only if its writer failed or died (an adopted
-/// tree of unknown readiness is no evidence).
+/// Whether an image qualifies for removal for `reason`, by what its record says: an incomplete one
+/// only if its writer failed or died (an adopted tree of unknown readiness is no evidence).
 fn qualifies(r: &Image, reason: Reason, cutoff: Option<Millis>) -> bool {
     match reason {
         Reason::Incomplete => r.state == State::Incomplete && !r.record.readiness_unknown(),
@@ -243,8 +236,7 @@ fn qualifies(r: &Image, reason: Reason, cutoff: Option<Millis>) -> bool {
     }
 }
 
-/// Finishes removals a crash cut short (records left `deleting` whose lock
-/// is free) and empties the trash.
+/// Finishes removals a crash cut short (records left `deleting`, lock free); empties the trash.
 fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
     let entries = crate::census::take(&root)?;
@@ -283,8 +275,8 @@ pub(crate) fn deleting(seen: &crate::image_record::Seen) -> bool {
     matches!(&seen.record, Some(r) if r.state == State::Deleting)
 }
 
-/// An image's lock taken exclusively without waiting (`None`: busy), with
-/// its record read under it; doctor and adoption take theirs so too.
+/// An image's lock taken exclusively without waiting (`None`: busy), with its record read under it;
+/// doctor and adoption take theirs so too.
 pub(crate) fn take_exclusive(
     root: &crate::root::Root,
     name: &ImageName,
@@ -335,8 +327,8 @@ fn oldest_first(a: &Image, b: &Image) -> std::cmp::Ordering {
         .then_with(|| a.name().cmp(b.name()))
 }
 
-/// Removes one image if its lock is free and, by its record read again
-/// under the lock, its reason still holds. Returns whether it was removed.
+/// Removes one image if its lock is free and, by its record read again under the lock, its reason
+/// still holds. Returns whether it was removed.
 fn collect(
     store: &mut Store,
     img: &Image,
@@ -381,8 +373,7 @@ fn collect(
     }
     if !report.dry_run {
         crate::debug::pause("gc-rechecked");
-        // Named by our lease while it goes (on another host nothing else
-        // names the holder of a removal).
+        // Named by our lease while it goes: on another host nothing else names a removal's holder.
         let rel = crate::root::Root::image_lock_rel(&name);
         let hold = crate::lease::Holding::now(Mode::Exclusive, rel.clone(), false, "stowage gc");
         crate::lease::note(&root.leases(), hold);
@@ -406,10 +397,8 @@ fn collect(
     Ok(true)
 }
 
-/// The image as its record, read under its exclusive lock, says it is: the
-/// truth (a write in flight is dead). Its last use is the latest of the
-/// record's change, the lock file's use and — for the same record — the
-/// catalog's.
+/// What the record read under the exclusive lock says: the truth (a write in flight is dead). Last
+/// use: the latest of the record's change, the lock file's use and (same record) the catalog's.
 fn under_lock(img: &Image, now: crate::image_record::Record, used: Option<Millis>) -> Image {
     let catalog = if now.seq == img.record.seq {
         img.last_used
@@ -425,8 +414,7 @@ fn under_lock(img: &Image, now: crate::image_record::Record, used: Option<Millis
     }
 }
 
-/// Parses a size: `500M`, `20G`, `1.5T`, `4096` (bytes); K, M, G, T, P are
-/// powers of 1024, with an optional `B` or `iB`.
+/// Parses a size (`500M`, `4096` bytes): K, M, G, T, P are powers of 1024; `B`/`iB` optional.
 pub fn parse_size(raw: &str) -> Option<u64> {
     let s = raw.trim();
     let digits = s

@@ -1,19 +1,16 @@
-//! The migration of a store made by a release before image records
-//! (catalog schema 1 to 10): each image's record is written once, from what
-//! that release held true, as a store-wide operation (docs/design.md,
-//! "Migration of a schema-10 store").
+//! The migration of a store made by a release before image records (catalog schema 1 to 10): each
+//! image's record is written once, from what that release held true, as a store-wide operation
+//! (docs/design.md, "Migration of a schema-10 store").
 //!
-//! - What it held true: the image's row, except while a writer's marker
-//!   (`locks/leases/ENC.dirty`) stood, then the writer's record. A row
-//!   `creating`/`writing` under a free lock is incomplete; a ready token
-//!   without a row is ready; a tree with neither is adopted, readiness
-//!   unknown. No image loses its state or its base.
-//! - Older binaries are held off as their own store-wide operations were:
-//!   `store.lock`, the store-wide hint on every lock file, a holder record
-//!   in the database, and the global lock while converting.
-//! - A pass that finds an image lock busy lets the global lock go, waits,
-//!   and starts over; the pass that finds all free converts and commits
-//!   schema 11 last, after which the older release refuses the store.
+//! - What it held true: the image's row, or while a writer's marker (`locks/leases/ENC.dirty`)
+//!   stood, the writer's record. A row `creating`/`writing` under a free lock is incomplete; a
+//!   ready token without a row is ready; a tree with neither is adopted, readiness unknown. No
+//!   image loses its state or its base.
+//! - Older binaries are held off as their own store-wide operations were: `store.lock`, the hint on
+//!   every lock file, a holder record in the database, the global lock while converting.
+//! - A pass that finds an image lock busy lets the global lock go, waits, and starts over; one that
+//!   finds all free converts and commits schema 11 last, after which the older release refuses the
+//!   store.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
@@ -29,8 +26,7 @@ use crate::name::ImageName;
 use crate::root::Root;
 use crate::store::Store;
 
-/// Whether the store is one to migrate: no configuration of its own yet,
-/// and a catalog of an older release.
+/// Whether the store is one to migrate: no configuration yet, and an older release's catalog.
 pub fn is_legacy(root: &Root) -> bool {
     let Ok(dir) = root.open() else { return false };
     if !matches!(dir.stat_at(crate::config::FILE), Ok(None)) {
@@ -39,8 +35,7 @@ pub fn is_legacy(root: &Root) -> bool {
     crate::catalog::legacy_version(&root.db()).is_some()
 }
 
-/// Migrates the store before a command that reads or changes it, if it is
-/// one to migrate (one stat once it is not).
+/// Migrates the store, if one to migrate, before a command reads or changes it (one stat once not).
 pub fn if_needed(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     if is_legacy(store.root()) {
         run(store, deadline)?;
@@ -51,8 +46,7 @@ pub fn if_needed(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
 /// Migrates the store, if it needs it (a no-op once another process has).
 pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     let root = store.root().clone();
-    // A store with a configuration of this release was made or migrated by
-    // it: whatever its catalog says, there is nothing to migrate.
+    // A configuration means this release made or migrated the store, whatever its catalog says.
     if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         return Ok(());
     }
@@ -107,8 +101,8 @@ fn convert_passes(
     }
 }
 
-/// The older release's store-wide hint (byte 3073 of each lock file): its
-/// reads without the database see it, ask `store.lock`, and wait.
+/// The older release's store-wide hint (byte 3073 of each lock file): its reads without the
+/// database see it, ask `store.lock`, and wait.
 fn hint_older_release(root: &Root) {
     for file in image_lock_files(root) {
         if let Ok(Some(f)) = lock::open_existing(&root.image_locks().join(&file)) {
@@ -117,8 +111,8 @@ fn hint_older_release(root: &Root) {
     }
 }
 
-/// The older release's store-wide holder record: its transactions refuse
-/// to claim an image while it stands and `store.lock` is held.
+/// The older release's store-wide holder record: while it stands and `store.lock` is held, its
+/// transactions claim no image.
 fn mark_held_off(conn: &rusqlite::Connection) {
     let me = crate::ident::Me::current();
     let _ = conn.execute(
@@ -208,10 +202,9 @@ fn markers(root: &Root) -> BTreeSet<String> {
         .collect()
 }
 
-/// Writes every image's record, each under its exclusive lock, taken
-/// without waiting. `Some(name)`: a lock was busy (the catalog is not
-/// committed; the caller waits for it and starts over, and the records
-/// written so far stand: their images' truth cannot change meanwhile).
+/// Writes every image's record, each under its exclusive lock taken without waiting. `Some(name)`:
+/// a lock was busy; the catalog is not committed, the caller waits for it and starts over, and the
+/// records written so far stand (their images' truth cannot change meanwhile).
 fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
     let mut names: BTreeSet<String> = old.rows.keys().cloned().collect();
     names.extend(old.markers.iter().cloned());
@@ -236,8 +229,7 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
         };
-        // Converted by an earlier pass of ours: its truth cannot have
-        // changed since (the older release is held off), so it stands.
+        // An earlier pass's record stands: the older release, held off, cannot have changed it.
         if image_record::read(guard.file()).is_ok_and(|s| s.record.is_some()) {
             continue;
         }
@@ -259,8 +251,7 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
     Ok(None)
 }
 
-/// A record in the older release's format (`stowage-image 2|3|4`): its
-/// state, and whether it is of this image.
+/// A record in the older release's format (`stowage-image 2|3|4`): its state, if of this image.
 fn old_record(bytes: &[u8], name: &str) -> Option<String> {
     let text =
         std::str::from_utf8(&bytes[..bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len())])
@@ -313,9 +304,8 @@ fn derive(name: &str, old: &Old, token: Option<String>, tree: bool) -> Option<Re
     Some(r)
 }
 
-/// The pass found every lock free and wrote every record: the slot
-/// classes, the configuration, the catalog at schema 11 (last), then what
-/// the older release left behind.
+/// Once a pass found every lock free and wrote every record: the slot classes, the configuration,
+/// the catalog at schema 11 (last), then what the older release left behind.
 fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
     for (class, limit, reserve) in &old.classes {
         let dir = crate::slots::make_class_dir(root, class)?;
@@ -349,8 +339,7 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
     }
     let config = Config {
         images: old.images.clone(),
-        // Only an external directory's identity tells anything: the
-        // default one is found from the root.
+        // Only an external directory's identity tells anything: the default is found from the root.
         identity: match old.images {
             ImagesDir::Default => None,
             ImagesDir::External(_) => old.identity.clone(),
@@ -411,8 +400,7 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
     }
 }
 
-/// A store without a configuration and without an older catalog: its
-/// configuration, made now.
+/// A store without a configuration and without an older catalog: its configuration, made now.
 fn ensure_config(root: &Root) -> Result<()> {
     let dir = root.open()?;
     if dir.stat_at(crate::config::FILE)?.is_none() {

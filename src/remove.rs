@@ -2,17 +2,17 @@
 //!
 //! Under the image's exclusive lock a removal:
 //! 1. records `deleting` (synced): from here nobody reads it;
-//! 2. renames the tree into `ROOT/trash/`, one atomic step (on another
-//!    filesystem than the root, deletes it in place, still under the lock);
+//! 2. renames the tree into `ROOT/trash/`, one atomic step (on another filesystem than the root,
+//!    deletes it in place, still under the lock);
 //! 3. empties the lock file and unlinks it (where lock files may be);
 //! 4. deletes the tree from the trash, outside every lock.
 //!
-//! - A crash after 1 leaves `deleting` under a free lock, finished by `gc`,
-//!   `doctor --repair` or the next writer; after 3, a leftover in the
-//!   trash. No half-deleted tree sits under a record that says `ready`.
+//! - A crash after 1 leaves `deleting` under a free lock, finished by `gc`, `doctor --repair` or
+//!   the next writer; after 3, a leftover in the trash. No half-deleted tree sits under a record
+//!   that says `ready`.
 //! - A removal that fails before its tree moved is undone, and says why.
-//! - Nothing outside the images directory is deleted: `renameat` on
-//!   descriptors that refuse symlinks, then [`crate::dir`]'s walk.
+//! - Nothing outside the images directory is deleted: `renameat` on descriptors that refuse
+//!   symlinks, then [`crate::dir`]'s walk.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -36,8 +36,7 @@ pub struct Removed {
     pub name: String,
     pub state: State,
     pub bytes: u64,
-    /// The image is gone, but its tree could not be deleted from the trash
-    /// (why); `gc` deletes it once the cause is fixed.
+    /// Why the image's tree was left in the trash; `gc` deletes it once the cause is fixed.
     pub left_in_trash: Option<String>,
 }
 
@@ -53,8 +52,8 @@ enum Taken {
     Partial(anyhow::Error),
 }
 
-/// Removes an image whose exclusive lock `held` the caller holds: the
-/// image must have a record. `sizes`: a size known for it (else measured).
+/// Removes an image whose exclusive lock `held` the caller holds: the image must have a record.
+/// `size`: a size known for it (else measured).
 pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Removed> {
     let unknown = match held.seen.damaged {
         true => Some(image_record::Record::unknown(
@@ -83,8 +82,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         )
     })?;
     let tree = images_dir.join(held.name.encoded());
-    // A tree missing from a directory that is not the one recorded (not
-    // mounted) is not gone: its record must stay.
+    // A tree missing from an unmounted images directory is not gone: its record must stay.
     if images.stat_at(held.name.encoded())?.is_none()
         && let Some(why) = crate::images_dir::unmounted(root, &images_dir)
     {
@@ -110,10 +108,8 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     }
     let moved = after_take_out(root, &mut held, &before, taken)?;
     debug::pause("rm-moved");
-    // 3. The record goes, with its lock file — no longer listed in our
-    // lease first: the lock is free the moment it goes, and a holder that
-    // takes it then is the only one to name (the deletion of the trash
-    // below is outside every lock).
+    // 3. The record and its lock file go, unlisted from our lease first: the lock's next taker is
+    // then the only holder to name (the trash is deleted below, outside every lock).
     let name = held.name.clone();
     crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
     root.drop_record(&name, held.guard)
@@ -131,8 +127,8 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     })
 }
 
-/// Deletes the tree of removed image `name` from the trash (entry `t`);
-/// what could not be deleted is left there for gc, and said.
+/// Deletes the tree of removed image `name` from the trash (entry `t`); what could not be deleted
+/// is left there for gc, and said.
 fn delete_from_trash(
     root: &Root,
     trash: &crate::dir::Dir,
@@ -149,9 +145,8 @@ fn delete_from_trash(
     }))
 }
 
-/// What a removal does once its tree was taken out (or not): the trash
-/// entry to delete, if any; or, if the tree could not be taken out, the
-/// record as it was (nothing removed) or `incomplete` (removed in part).
+/// Once the tree was taken out: the trash entry to delete, if any. If it could not be, the record
+/// is put back as it was (nothing removed) or `incomplete` (removed in part).
 fn after_take_out(
     root: &Root,
     held: &mut Held,
@@ -193,10 +188,9 @@ fn after_take_out(
     Err(e.context(what))
 }
 
-/// Finishes a removal a crash cut short, for an image whose `deleting`
-/// record the caller found under the exclusive lock it holds: the tree
-/// leaves the images directory if it is still there, and the record goes.
-/// The trash is left to [`empty_trash`].
+/// Finishes a removal a crash cut short, for an image whose `deleting` record the caller found
+/// under the exclusive lock it holds: the tree leaves the images directory if it is still there,
+/// and the record goes. The trash is left to [`empty_trash`].
 pub fn finish_held(root: &Root, held: Held) -> Result<()> {
     let Some(record) = held.seen.record.as_ref() else {
         return Ok(());
@@ -221,8 +215,8 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
     root.drop_record(&held.name, held.guard)
 }
 
-/// Takes an image tree out of the images directory: into the trash, or
-/// deleted in place when the images directory is on another filesystem.
+/// Takes an image tree out of the images directory: into the trash, or deleted in place when the
+/// images directory is on another filesystem.
 fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName) -> Taken {
     let enc = name.encoded();
     match images.stat_at(enc) {
@@ -282,16 +276,14 @@ fn trash_name(enc: &str) -> String {
     )
 }
 
-/// Removes an image's directory if it is empty (undoing a start), through a
-/// descriptor of the images directory.
+/// Removes an image's empty directory (undoing a start) via the images directory's descriptor.
 pub fn remove_empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) {
     if let Ok(images) = root.open_images_dir(images_dir) {
         let _ = images.rmdir(name.encoded());
     }
 }
 
-/// Empties an image's directory without following any link in it (`exec
-/// --from` rebuilding an image from its base).
+/// Empties an image's directory without following links in it (`exec --from` rebuilding from base).
 pub fn empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) -> Result<()> {
     let path = images_dir.join(name.encoded());
     let dir = root
@@ -319,9 +311,8 @@ pub struct Trash {
     pub failed: Vec<String>,
 }
 
-/// Deletes what removals left in the trash (with `fix`; otherwise only
-/// counts it). A trash that is not a real directory is an error: nothing
-/// in it is touched.
+/// Deletes what removals left in the trash (with `fix`; otherwise only counts it). A trash that is
+/// not a real directory is an error: nothing in it is touched.
 pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
     let mut out = Trash::default();
     let trash = match root.open_sub("trash") {
@@ -347,9 +338,8 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
     Ok(out)
 }
 
-/// After a request that did not start (a later lock timed out, a signal, a
-/// refusal): the lock files we hold exclusively that carry no record go
-/// again, and the gates of images we waited for if nobody holds them, so
+/// After a request that did not start (a later lock timed out, a signal, a refusal): record-less
+/// lock files we hold exclusively go, and gates of images we waited for if nobody holds them, so
 /// nothing is left behind for an image that does not exist.
 pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[ImageName]) {
     let mut shared = Vec::new();

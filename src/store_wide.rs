@@ -1,18 +1,16 @@
-//! Store-wide holds: `exec --store-wide`, `init`'s switch of the images
-//! directory and the migration run while nobody else holds or can take an
-//! image lock (docs/design.md, "Store-wide holds").
+//! Store-wide holds: `exec --store-wide`, `init`'s switch of the images directory and the migration
+//! run while nobody else holds or can take an image lock (docs/design.md, "Store-wide holds").
 //!
-//! - The holder takes `store.lock` exclusively, holding nothing else; then,
-//!   for each image lock file until a listing finds none new: set the hint,
-//!   take the lock exclusively, set the hint again under it, let it go.
-//! - An image user that finds the hint asks `store.lock`: held, it lets go
-//!   of everything, waits for it shared holding nothing, and starts over. A
-//!   new image's writer always asks, after taking its own lock.
-//! - A cleared hint costs fairness, never exclusion: the hold sets it again
-//!   under the exclusive lock. A dead holder's hints are cleared by the next
-//!   holder of each image.
-//! - Nested calls go ahead: the hold's own command, and a command of an
-//!   image user the hold waits for (waiting would be a cycle).
+//! - The holder takes `store.lock` exclusively, holding nothing else; then, for each image lock
+//!   file until a listing finds none new: set the hint, take the lock exclusively, set the hint
+//!   again under it, let it go.
+//! - An image user that finds the hint asks `store.lock`: held, it lets go of everything, waits for
+//!   it shared holding nothing, and starts over. A new image's writer always asks, after taking its
+//!   own lock.
+//! - A cleared hint costs fairness, never exclusion: the hold sets it again under the exclusive
+//!   lock. A dead holder's hints are cleared by the next holder of each image.
+//! - Nested calls go ahead: the hold's own command, and a command of an image user the hold waits
+//!   for (waiting would be a cycle).
 
 use std::collections::HashSet;
 use std::time::Instant;
@@ -32,23 +30,21 @@ use crate::store::Store;
 pub enum Probe {
     /// No store-wide hold: go ahead (and clear a hint).
     Free,
-    /// A hold we are part of (its command, or an image user's it waits
-    /// for): go ahead, leave the hint.
+    /// A hold we are part of (its command, or an awaited image user's): go ahead, leave the hint.
     Inside,
     /// Someone else's hold: let go of everything and wait for it.
     Held,
 }
 
-/// Asks `store.lock` without waiting. Call holding the image locks the
-/// answer is for (a new image's writer: after taking its own).
+/// Asks `store.lock` without waiting. Call holding the image locks the answer is for (a new image's
+/// writer: after taking its own).
 pub fn probe(root: &Root) -> Result<Probe> {
     let path = root.store_wide_lock();
     let file = match lock::open_existing_read(&path) {
         Ok(Some(f)) => f,
         Ok(None) => return Ok(Probe::Free),
-        // No hold can stand on what is not a regular file (taking one
-        // refuses it): a planted one stops no image user, only the next
-        // hold, which names it.
+        // No hold stands on a non-regular file (taking one refuses it): a planted one stops no
+        // image user, only the next hold, which names it.
         Err(e) if crate::planted::find(&e).is_some() => return Ok(Probe::Free),
         Err(e) => return Err(lock::error("the store-wide lock", &path, e)),
     };
@@ -64,30 +60,27 @@ pub fn probe(root: &Root) -> Result<Probe> {
     })
 }
 
-/// Whether we run inside a store-wide hold, or inside the command of an
-/// image user (which a hold waits for). A slot holder's command is not:
-/// a hold does not wait for slots.
+/// Whether we run inside a store-wide hold, or inside the command of an image user (which a hold
+/// waits for). A slot holder's command is not: a hold does not wait for slots.
 fn inside(root: &Root) -> bool {
     let ours =
         |h: &Holding| h.lockfile == Root::STORE_WIDE_LOCK_REL || h.lockfile.starts_with("images/");
     crate::nested::enclosing_holds(root).iter().any(ours)
-        // The same, told by the descriptors we inherited (an environment
-        // cleared on the way, `env -i`): asked only when a hold stands.
+        // The same, told by inherited descriptors (an environment cleared on the way, `env -i`):
+        // asked only when a hold stands.
         || lock::held_here(&root.store_wide_lock()).is_some()
         || lock::holds_any_under(&root.image_locks())
         || crate::nested::ancestor_holds(root).iter().any(ours)
 }
 
-/// Whether someone else's store-wide hold stands over an image whose lock
-/// file said `seen`, for a caller that holds that image's lock: such an
-/// image may not be changed now (gc and repair leave it for later).
+/// Whether another's store-wide hold stands over an image whose lock (the caller holds it) said
+/// `seen`: then the image may not change now (gc and repair leave it for later).
 pub fn blocks(root: &Root, seen: &crate::image_record::Seen) -> bool {
     seen.store_wide && !matches!(probe(root), Ok(Probe::Free | Probe::Inside))
 }
 
-/// Waits until no store-wide hold stands: `store.lock` taken shared and
-/// let go, holding nothing else. Bounded by `deadline`; `no_wait` fails at
-/// once.
+/// Waits until no store-wide hold stands: `store.lock` taken shared and let go, holding nothing
+/// else. Bounded by `deadline`; `no_wait` fails at once.
 pub fn wait_free(
     store: &Store,
     deadline: Option<Instant>,
@@ -120,8 +113,7 @@ pub fn wait_free(
     Ok(())
 }
 
-/// A store-wide hold: `store.lock` held exclusively, every image lock
-/// hinted and free.
+/// A store-wide hold: `store.lock` held exclusively, every image lock hinted and free.
 #[must_use = "the hold ends when released"]
 pub struct Hold {
     guard: Guard,
@@ -140,8 +132,8 @@ impl Hold {
             return Err(Busy::now("the store-wide lock".into(), "held by an enclosing command of this process (a 'stowage exec --store-wide' that runs it); a store-wide command cannot run inside another".into())
             .into());
         }
-        // Inside an image user's command, a hold already waiting (for that
-        // very user, among others) would wait for us: fail at once.
+        // Inside an image user's command, a hold already waiting (for that very user, among others)
+        // would wait for us: fail at once.
         let under_image = crate::nested::enclosing_holds(root)
             .iter()
             .any(|h| h.lockfile.starts_with("images/"));
@@ -159,8 +151,8 @@ impl Hold {
         Ok(hold)
     }
 
-    /// Takes `store.lock` exclusively without the scan (the migration of an
-    /// older store holds the older release off its own way).
+    /// Takes `store.lock` exclusively without the scan (the migration of an older store holds the
+    /// older release off its own way).
     pub fn take_raw(
         store: &Store,
         command: &str,
@@ -176,8 +168,7 @@ impl Hold {
         Ok(Hold { guard })
     }
 
-    /// Hints every image lock file and waits until each is free, listing
-    /// again until a pass finds no file it had not seen.
+    /// Hints each image lock file, waits for it to be free; relists until a pass finds none new.
     fn quiesce(&self, store: &Store, deadline: Option<Instant>, no_wait: bool) -> Result<()> {
         let root = store.root();
         let mut done: HashSet<String> = HashSet::new();
@@ -208,20 +199,17 @@ impl Hold {
         self.guard.set_inheritable(inherit)
     }
 
-    /// After the command: the records of images whose trees it deleted
-    /// (`ch-image delete` run store-wide) go — unless the images directory
-    /// looks unmounted, when a missing tree proves nothing. An incomplete
-    /// image may have no tree: kept. Returns their names.
+    /// After the command: drops the records of images whose trees it deleted (`ch-image delete` run
+    /// store-wide), unless the images directory looks unmounted (then a missing tree proves
+    /// nothing); an incomplete image may have no tree: kept. Returns their names.
     pub fn forget_deleted(&self, store: &Store) -> Vec<String> {
         let entries = crate::census::take(store.root()).unwrap_or_default();
         forget_missing(store, entries, |_| true)
     }
-    /// Ends the hold. The command inherited `store.lock`: a process it
-    /// left behind still holds it, and the hold lasts until that process
-    /// ends too (hints and file stay; image users keep waiting). Otherwise
-    /// — `store.lock` taken again, exclusively, by us alone — the hints go
-    /// from every lock file nobody holds (a nested exec still holding one
-    /// leaves it, to be cleared by the next holder), then `store.lock`.
+    /// Ends the hold. If a process the command left behind still holds the inherited `store.lock`,
+    /// the hold lasts until it ends too (hints and file stay; image users keep waiting). Otherwise,
+    /// with `store.lock` retaken exclusively by us alone, hints go from every lock file nobody
+    /// holds (one a nested exec holds keeps it, for its next holder to clear), then `store.lock`.
     pub fn release(self, store: &Store) {
         let root = store.root();
         let path = self.guard.path().to_owned();
@@ -240,15 +228,13 @@ impl Hold {
             }
         }
         crate::lease::forget(&root.leases(), Root::STORE_WIDE_LOCK_REL);
-        // Unlinked where allowed, so that a new image's writer finds no
-        // file to ask (one failed open) until the next hold.
+        // Unlinked where allowed: until the next hold, a writer's ask is one failed open.
         let _ = root.unlink_lock(guard);
     }
 }
 
-/// What a hold that ended could not forget: ready images whose trees its
-/// command deleted while another process held them (their hints stay).
-/// Forgotten by whoever looks at every image next, once no hold stands.
+/// What an ended hold could not forget: ready images whose trees its command deleted while another
+/// process held them (hints stay); forgotten by the next look at every image with no hold standing.
 pub fn forget_left(store: &Store, entries: &[crate::census::Entry]) -> Vec<String> {
     let hinted: Vec<crate::census::Entry> = entries
         .iter()
@@ -263,10 +249,9 @@ pub fn forget_left(store: &Store, entries: &[crate::census::Entry]) -> Vec<Strin
     })
 }
 
-/// Drops the records of ready images among `entries` whose trees are
-/// missing, each under its exclusive lock (tried) and only if `still`
-/// holds of what the lock file says then; nothing if the images directory
-/// looks unmounted or is empty.
+/// Drops the records of ready images in `entries` whose trees are missing, each under its exclusive
+/// lock (tried) and only if `still` holds of what the lock file then says; none if the images
+/// directory looks unmounted or empty.
 fn forget_missing(
     store: &Store,
     entries: Vec<crate::census::Entry>,
@@ -320,8 +305,8 @@ fn forget_missing(
     gone
 }
 
-/// Why a missing tree in `dir` proves nothing, if it does not: the
-/// directory is not the one recorded, or empty while images are recorded.
+/// Why a missing tree in `dir` would prove nothing: not the recorded directory, or empty while
+/// images are recorded.
 fn unusable(root: &Root, dir: &std::path::Path) -> Option<String> {
     let empty = crate::dir::Dir::open_nofollow(dir)
         .and_then(|d| d.names())
@@ -364,8 +349,7 @@ fn take_store_lock(
     })
 }
 
-/// One image lock file of the scan: hint, take (waiting if busy), hint
-/// again under the lock, let go.
+/// One lock file of the scan: hint, take (waiting if busy), hint again under the lock, let go.
 fn hint_and_pass(
     store: &Store,
     file: &str,
@@ -405,8 +389,7 @@ fn hint_and_pass(
     Ok(())
 }
 
-/// Waits for an image lock the scan found busy, unless our enclosing
-/// command holds it (which waits for us).
+/// Waits for a busy image lock of the scan, unless our enclosing command (waiting for us) holds it.
 fn wait_for_image(
     store: &Store,
     path: &std::path::Path,
@@ -437,8 +420,7 @@ fn wait_for_image(
     })
 }
 
-/// Says the wait for the lock file `path` (`name` in the line) and
-/// follows it until the returned line is dropped.
+/// Says the wait for lock file `path` (`name` in the line), followed until the line is dropped.
 fn announce(
     store: &Store,
     what: &str,
@@ -474,8 +456,7 @@ fn lock_file_names(root: &Root) -> Result<Vec<String>> {
     Ok(crate::census::lock_file_names(dir.listing()?))
 }
 
-/// Clears the store-wide hint of the images a caller holds, once `store.lock`
-/// was found free (a hold that died left them).
+/// Clears the hints a dead hold left on images the caller holds, once `store.lock` was found free.
 pub fn clear_hints<'a>(files: impl IntoIterator<Item = &'a std::fs::File>) {
     for f in files {
         let _ = image_record::set_store_wide(f, false);
