@@ -1,17 +1,15 @@
-//! The catalog: SQLite at `ROOT/stowage.db`, derived from the images'
-//! records and trees (docs/design.md, "The catalog").
+//! The catalog: SQLite at `ROOT/stowage.db`, derived from the images' records and trees
+//! (docs/design.md, "The catalog").
 //!
-//! - Derived, never trusted against the records: refreshed whenever a
-//!   command looks at every image; no decision that changes an image rests
-//!   on it (gc and repair re-read the record under the image's lock).
-//! - Losing it costs a rebuild and the sizes: one missing, empty, damaged or
-//!   another program's is set aside (never deleted) and made anew.
-//! - Used only under the global lock ([`Catalog`] owns the guard), in one
-//!   short transaction.
-//! - Rollback journal, never WAL (its shared-memory index is unsafe on NFS);
-//!   a database switched to WAL from outside is switched back.
-//! - `stowage.db` and its journal are checked to be regular files of their
-//!   own (no link followed, no blocking) before SQLite opens them.
+//! - Derived, never trusted over the records: refreshed whenever a command looks at every image; no
+//!   decision changing an image rests on it (gc and repair re-read the record under its lock).
+//! - Losing it costs a rebuild and the sizes: one missing, empty, damaged or another program's is
+//!   set aside (never deleted) and made anew.
+//! - Used only under the global lock ([`Catalog`] owns the guard), in one short transaction.
+//! - Rollback journal, never WAL (its shared-memory index is unsafe on NFS); a database switched to
+//!   WAL from outside is switched back.
+//! - `stowage.db` and its journal are checked to be regular files of their own (no link followed,
+//!   no blocking) before SQLite opens them.
 
 use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -23,8 +21,8 @@ use crate::clock::Millis;
 use crate::image_record::State;
 use crate::lock::Guard;
 
-/// The catalog's schema version (`PRAGMA user_version`). Versions 1 to 10
-/// were the metadata of releases before records (`migrate.rs`).
+/// The catalog's schema version (`PRAGMA user_version`). Versions 1 to 10 were the metadata of
+/// releases before records (`migrate.rs`).
 pub const SCHEMA: i64 = 11;
 
 const SCHEMA_SQL: &str = r#"
@@ -50,8 +48,7 @@ pub struct Row {
     pub last_used: Millis,
     /// The record's sequence number when the row was refreshed.
     pub seq: u64,
-    /// The tree's size, measured for the record `size_seq`: current only
-    /// while that is still `seq`.
+    /// The tree's size, measured for the record `size_seq`: current only while that is still `seq`.
     pub size: Option<u64>,
     pub size_seq: Option<u64>,
 }
@@ -82,8 +79,8 @@ pub struct Catalog<'a> {
     _global: &'a Guard,
 }
 
-/// Opens the catalog file (not yet a transaction). Refuses a FIFO, socket,
-/// directory or link at the database or its journal, naming it.
+/// Opens the catalog file (not yet a transaction). Refuses a FIFO, socket, directory or link at the
+/// database or its journal, naming it.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     check_files(path)?;
     configure_sqlite();
@@ -109,9 +106,8 @@ fn beside(db: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(s)
 }
 
-/// Checks every file SQLite may open for the catalog at `db`: itself, its
-/// journal, and the WAL files it opens when a database says WAL (one an
-/// outside program switched): each missing, or a regular file.
+/// Checks that every file SQLite may open for the catalog at `db` is missing or a regular file:
+/// itself, its journal, the WAL files it opens if an outside program switched it to WAL.
 pub fn check_files(db: &Path) -> Result<()> {
     for (path, what) in files(db) {
         check_plain_file(&path, what)?;
@@ -129,9 +125,8 @@ pub fn files(db: &Path) -> [(PathBuf, &'static str); 4] {
     ]
 }
 
-/// Fails unless `path` is missing or a regular file: opened without
-/// following a link and without blocking (a FIFO's open would wait for a
-/// writer), then asked what it is.
+/// Fails unless `path` is missing or a regular file: opened without following a link and without
+/// blocking (a FIFO's open would wait for a writer), then asked what it is.
 pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
     let opened = std::fs::OpenOptions::new()
         .read(true)
@@ -170,14 +165,14 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
 #[error("{0}")]
 pub struct CatalogError(pub String);
 
-/// A stowage process runs a few tiny transactions and exits: SQLite's
-/// per-connection lookaside and bulk page cache are set up for nothing.
+/// A stowage process runs a few tiny transactions and exits: SQLite's per-connection lookaside and
+/// bulk page cache are set up for nothing.
 fn configure_sqlite() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         use rusqlite::ffi;
-        // SAFETY: sqlite3_config before any connection is opened, with the
-        // argument types each option documents; a refusal keeps defaults.
+        // SAFETY: sqlite3_config before any connection is opened, with the argument types each
+        // option documents; a refusal keeps defaults.
         unsafe {
             ffi::sqlite3_config(
                 ffi::SQLITE_CONFIG_LOOKASIDE,
@@ -195,8 +190,8 @@ fn configure_sqlite() {
     });
 }
 
-/// How long to wait for SQLite's own lock, which only outside programs
-/// (an sqlite3 shell) hold while we hold the global lock.
+/// How long to wait for SQLite's own lock, which only outside programs (an sqlite3 shell) hold
+/// while we hold the global lock.
 pub fn busy_timeout() -> std::time::Duration {
     let ms = std::env::var(crate::env::DEBUG_DB_BUSY_MS)
         .ok()
@@ -233,8 +228,8 @@ fn sqlite_code(err: &anyhow::Error) -> Option<rusqlite::ErrorCode> {
         })
 }
 
-/// Switches a database an outside program put in WAL mode back to the
-/// rollback journal, retrying while that program still has it open.
+/// Switches a database an outside program put in WAL mode back to the rollback journal, retrying
+/// while that program still has it open.
 fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
     let until = std::time::Instant::now() + busy_timeout();
     loop {
@@ -251,14 +246,14 @@ fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
     }
 }
 
-/// The catalog's schema belongs to a release before records: the store
-/// must be migrated (`migrate.rs`) before the catalog is used.
+/// The catalog's schema belongs to a release before records: the store must be migrated
+/// (`migrate.rs`) before the catalog is used.
 #[derive(Debug, thiserror::Error)]
 #[error("the store must be migrated first")]
 pub struct NeedsMigration;
 
-/// The schema version of the catalog at `path` if it is one of a release
-/// before records; opened read-only, and only if it is a plain file.
+/// The schema version of the catalog at `path` if it is one of a release before records; opened
+/// read-only, and only if it is a plain file.
 pub fn legacy_version(path: &Path) -> Option<i64> {
     check_files(path).ok()?;
     if !path.is_file() {
@@ -275,9 +270,8 @@ pub fn legacy_version(path: &Path) -> Option<i64> {
     }
 }
 
-/// What the open database is, in a store that has a configuration of this
-/// release (`configured`): there, a catalog of an older release can only
-/// have been put in place of the real one, and is no catalog to use.
+/// What the open database is, in a store with a configuration of this release (`configured`): there
+/// an older release's catalog can only have been put in place of the real one: not to use.
 pub fn inspect_in(conn: &rusqlite::Connection, configured: bool) -> Result<Found> {
     Ok(match inspect(conn)? {
         Found::Legacy(v) if configured => Found::Replaced(
@@ -290,8 +284,8 @@ pub fn inspect_in(conn: &rusqlite::Connection, configured: bool) -> Result<Found
     })
 }
 
-/// What the open database is: asked once per connection, before the
-/// first transaction. Bytes 18–19 of the header say WAL.
+/// What the open database is: asked once per connection, before the first transaction. Bytes 18–19
+/// of the header say WAL.
 pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
     if mode.eq_ignore_ascii_case("wal") {
@@ -369,9 +363,8 @@ impl<'a> Catalog<'a> {
         Ok(stmt.query_map([], row)?.collect::<rusqlite::Result<_>>()?)
     }
 
-    /// Makes the row of an image say what its record says now (keeping a
-    /// measured size, which stays current only while the record's
-    /// sequence number does).
+    /// Makes the row of an image say what its record says now (keeping a measured size, which stays
+    /// current only while the record's sequence number does).
     pub fn upsert(&self, r: &Row) -> Result<()> {
         self.conn.execute(
             "INSERT INTO images (name, state, base, created_ms, last_used_ms, seq)
@@ -427,9 +420,8 @@ fn row(r: &rusqlite::Row) -> rusqlite::Result<Row> {
     })
 }
 
-/// Makes the database group-writable when we own it (a group's store),
-/// through a descriptor opened with no link in any component, refusing a
-/// file with other names: a member who put a link (or a hard link) to a
+/// Makes the database group-writable when we own it (a group's store), via a descriptor opened with
+/// no link in any component, refusing a file with other names: a member who put a (hard) link to a
 /// file elsewhere in the catalog's place gets nothing changed there.
 pub fn share_with_group(path: &Path) -> Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};

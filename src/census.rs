@@ -1,13 +1,11 @@
-//! Every image's record, read in one pass over `locks/images/`: what
-//! `images`, `gc`, `doctor`, `init` and store-wide operations start from.
+//! Every image's record, read in one pass over `locks/images/`: what `images`, `gc`, `doctor`,
+//! `init` and store-wide operations start from.
 //!
-//! - Records are read without their locks: the record's two slots make a
-//!   read beside a write return the record before it or after it, never a
-//!   mix. Whoever acts on an image re-reads its record under its lock.
-//! - A write in flight is told from a dead one by a probe of its lock
-//!   (only for records that say `creating` or `writing`).
-//! - Only regular files named `*.lock` are read, opened without following
-//!   a link and without blocking.
+//! - Records are read without their locks: the two slots make a read beside a write return the
+//!   record before or after it, never a mix. Whoever acts on an image re-reads it under its lock.
+//! - A write in flight is told from a dead one by a probe of its lock (only for records that say
+//!   `creating` or `writing`).
+//! - Only regular files named `*.lock` are read, opened without following links or blocking.
 
 use std::path::PathBuf;
 
@@ -42,8 +40,7 @@ impl Entry {
     }
 }
 
-/// The image lock files (`*.lock`, regular or of no type the directory
-/// says) of a listing of `locks/images/`.
+/// The `*.lock` files (regular, or of no type the directory says) in a listing of `locks/images/`.
 pub fn lock_file_names(listing: Vec<crate::dir::DirEntry>) -> Vec<String> {
     listing
         .into_iter()
@@ -63,8 +60,8 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
         .with_context(|| format!("cannot list {}", root.image_locks().display()))?;
     let mut out = Vec::new();
     for file in lock_file_names(listing) {
-        // Only a regular file (the open checks): whatever else is planted
-        // under a lock file's name is no record (doctor reports it).
+        // Only a regular file (the open checks): anything else planted under a lock file's name is
+        // no record (doctor reports it).
         let Ok(f) = dir.open_read(&file) else {
             continue;
         };

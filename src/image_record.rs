@@ -1,22 +1,18 @@
-//! An image's record: the one authority for its state, kept in its lock
-//! file (format and rules: docs/design.md, "The record").
+//! An image's record: the one authority for its state, kept in its lock file (format and rules:
+//! docs/design.md, "The record").
 //!
-//! - Only a holder of the exclusive lock writes it, synced before release;
-//!   nothing but a record that says `ready` makes an image readable.
-//! - Two slots (A at 0, B at 4096), each with a sequence number and a CRC:
-//!   the valid one with the higher number is the record, so a write cut
-//!   short leaves the state before the transition began.
-//! - `writing`/`creating` under a lock nobody holds exclusively reads as
-//!   incomplete: its writer died.
-//! - An empty file is no image; bytes without a valid slot are a damaged
-//!   record, kept and reported (its state cannot be known).
-//! - Hints (bytes 8192..8256: `W`, `S`, last use) are not the record: any
-//!   process with the file open writes them; each is only a reason to ask
-//!   the authority. Last use is refreshed at most every
-//!   [`LAST_USE_RESOLUTION`].
-//! - Unlinking marks first (`lock::mark_gone`), so a valid record, or a file
-//!   without the mark, read under a lock proves the file is the one at its
-//!   path.
+//! - Only a holder of the exclusive lock writes it, synced before release; nothing but a record
+//!   that says `ready` makes an image readable.
+//! - Two slots (A at 0, B at 4096), each with a sequence number and a CRC: the valid one with the
+//!   higher number is the record, so a write cut short leaves the state before it.
+//! - `writing`/`creating` under a lock nobody holds exclusively is incomplete: its writer died.
+//! - An empty file is no image; bytes without a valid slot are a damaged record, kept and reported
+//!   (state unknown).
+//! - Hints (bytes 8192..8256: `W`, `S`, last use) are not the record: any process with the file
+//!   open writes them; each is only a reason to ask the authority. Last use is refreshed at most
+//!   every [`LAST_USE_RESOLUTION`].
+//! - Unlinking marks first (`lock::mark_gone`), so a valid record, or a file without the mark, read
+//!   under a lock proves the file is the one at its path.
 
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -27,8 +23,8 @@ use crate::clock::Millis;
 
 /// The first line of a record slot.
 const FORMAT: &str = "stowage-record 1\n";
-/// The first bytes of a lock file written by a release before records
-/// (`stowage-image N`): its store must be migrated (`migrate.rs`).
+/// The first bytes of a lock file written by a release before records (`stowage-image N`): its
+/// store must be migrated (`migrate.rs`).
 pub const LEGACY_PREFIX: &[u8] = b"stowage-image ";
 
 /// Size of one record slot; a record never exceeds it.
@@ -44,18 +40,14 @@ const STORE_WIDE_AT: u64 = HINTS_AT as u64 + 1;
 const LAST_USE_AT: u64 = HINTS_AT as u64 + 8;
 const LAST_USE_LEN: usize = 16;
 
-/// A reader refreshes an image's last use only when the recorded one is
-/// older than this (cargo's resolution for the same purpose): most reads
-/// write nothing. `gc --unused-for D` counts an image unused only past
-/// D plus this.
+/// A reader refreshes an image's last use only once the recorded one is older than this (cargo uses
+/// the same): most reads write nothing. `gc --unused-for D` counts unused only past D plus this.
 pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
 
-/// The outcome a tree adopted without a record is given: its readiness is
-/// not known, which is no evidence that a writer failed, so gc keeps it.
+/// Outcome of a tree adopted without a record: unknown readiness proves no failure; gc keeps it.
 pub const ADOPTED: &str = "adopted (readiness unknown)";
 
-/// The outcome that stands for a record that cannot be read: the image's
-/// state is not known, so it is kept (and reported) like an adopted tree.
+/// Outcome for an unreadable record: state unknown, so kept (and reported) like an adopted tree.
 pub const UNKNOWN: &str = "record damaged (readiness unknown)";
 
 /// An image's state.
@@ -108,8 +100,7 @@ pub enum ImagesDir {
 }
 
 impl ImagesDir {
-    /// The directory as this process reaches it, for the root at `root_dir`
-    /// (as this process names it).
+    /// The directory as this process reaches it, for the root at `root_dir` (as it names the root).
     pub fn path_in(&self, root_dir: &std::path::Path) -> PathBuf {
         match self {
             ImagesDir::Default => root_dir.join("img"),
@@ -139,8 +130,7 @@ impl ImagesDir {
 /// An image's record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
-    /// Increases with every write of the record; names the write that
-    /// made the tree as it is (sizes measured are kept against it).
+    /// Increases with every write; names the write that made the tree as it is (sizes go by it).
     pub seq: u64,
     pub name: String,
     pub state: State,
@@ -172,9 +162,8 @@ impl Record {
         }
     }
 
-    /// What stands for the record of an image whose record cannot be read
-    /// (`Seen::damaged`): incomplete, readiness unknown — kept, never
-    /// collected, until a writer or `rm` settles it.
+    /// What stands for the record of an image whose record cannot be read (`Seen::damaged`):
+    /// incomplete, readiness unknown — kept, never collected, until a writer or `rm` settles it.
     pub fn unknown(name: &str, images: ImagesDir, now: Millis) -> Record {
         Record {
             state: State::Incomplete,
@@ -183,15 +172,13 @@ impl Record {
         }
     }
 
-    /// Whether nothing is known of the image's readiness (adopted, or its
-    /// record damaged): no evidence for gc.
+    /// Whether the image's readiness is unknown (adopted, or record damaged): no evidence for gc.
     pub fn readiness_unknown(&self) -> bool {
         matches!(self.outcome.as_deref(), Some(ADOPTED | UNKNOWN))
     }
 
-    /// The state as a reader must take it: a write in flight whose lock
-    /// nobody holds exclusively (`exclusively_held` false) had a writer
-    /// that died, which makes the image incomplete.
+    /// The state as a reader must take it: a write in flight whose lock nobody holds exclusively
+    /// (`exclusively_held` false) lost its writer: the image is incomplete.
     pub fn state_seen(&self, exclusively_held: bool) -> State {
         if self.state.in_flight() && !exclusively_held {
             State::Incomplete
@@ -266,24 +253,21 @@ impl Record {
 pub struct Seen {
     /// The record: the valid slot with the higher sequence number.
     pub record: Option<Record>,
-    /// Bytes in the record area but no valid slot: the state cannot be known
-    /// (unless `legacy` and the store is one to migrate).
+    /// Bytes in the record area but no valid slot: the state cannot be known (unless `legacy` and
+    /// the store is one to migrate).
     pub damaged: bool,
-    /// Written by a release before records: the store must be migrated,
-    /// if it is one to migrate (else this is a damaged record).
+    /// Written by a release before records: migrate the store, if one to migrate (else damaged).
     pub legacy: bool,
     pub writer_waits: bool,
     pub store_wide: bool,
     pub last_use: Option<Millis>,
-    /// Marked gone by an unlinker (`lock::mark_gone`): no image, and no
-    /// proof that the file is still at its path.
+    /// Marked gone by an unlinker (`lock::mark_gone`): no image, no proof the file is at its path.
     pub gone: bool,
 }
 
 impl Seen {
-    /// The record only if it is the image's that `is_ours` accepts: a
-    /// record copied from another image's lock file says nothing of this
-    /// one, whose state is then not known (damaged).
+    /// The record only if it is the image's that `is_ours` accepts: a record copied from another
+    /// image's lock file says nothing of this one, whose state is then not known (damaged).
     pub fn of(mut self, is_ours: impl FnOnce(&str) -> bool) -> Seen {
         if let Some(r) = &self.record
             && !is_ours(&r.name)
@@ -293,19 +277,15 @@ impl Seen {
         self
     }
 
-    /// Whether this, read under a lock just taken from `path`, proves that
-    /// the file is still the one at its path: a record (only holders write
-    /// one), or — where lock files are never unlinked but by a host that
-    /// sees the store as local, which marks them first — a file that names
-    /// no image and was never marked gone. Where lock files are unlinked
-    /// (a local filesystem) an empty file is checked by a stat, which costs
-    /// no server there: a build from before the mark, which emptied files
-    /// it unlinked, may share the store. A file its taker will write
-    /// (`writes`: an exclusive lock), or one without a record, proves
-    /// nothing if it has another name (`fstat`, answered from the
-    /// attributes its open fetched): a hard link there — to a file outside
-    /// the root, or another store's lock file (`cp -al`) — gets the stat
-    /// check, which refuses it. A reader writes nothing through it.
+    /// Whether this, read under a lock just taken from `path`, proves the file is still the one at
+    /// its path: a record (only holders write one), or — where lock files are unlinked only by a
+    /// host that sees the store as local, which marks them first — a file naming no image, never
+    /// marked gone. Where lock files are unlinked (local filesystem) an empty file gets a stat,
+    /// costing no server there: a build from before the mark, which emptied files it unlinked, may
+    /// share the store. A file its taker will write (`writes`: exclusive), or one without a record,
+    /// proves nothing if it has another name (`fstat`, answered from what its open fetched): a hard
+    /// link there (to a file outside the root, or another store's lock file: `cp -al`) gets the
+    /// stat check, which refuses it. A reader writes nothing through it.
     pub fn proves_linked(
         &self,
         file: &std::fs::File,
@@ -321,8 +301,8 @@ impl Seen {
             && one_name()
     }
 
-    /// Nothing at all: no record, no hint, no last use (a lock file made
-    /// for nothing, or left by an unlinker that did not get to unlink it).
+    /// Nothing at all: no record, hint or last use (a lock file made for nothing, or left by an
+    /// unlinker that did not get to unlink it).
     pub fn names_nothing(&self) -> bool {
         Seen {
             gone: false,
@@ -348,9 +328,8 @@ impl Seen {
             (Some(a), Some(b)) => Some(if b.seq > a.seq { b } else { a }),
             (a, b) => a.or(b),
         };
-        // A write in flight beside a slot that is no record: the torn slot
-        // may be its writer's last word (`ready` cut short) — or damage. The
-        // state is not known; evidence would be needed to call it failed.
+        // A write in flight beside a slot that is no record: the torn slot may be its writer's last
+        // word (`ready` cut short) or damage. State unknown: calling it failed needs evidence.
         let record = record.filter(|r| !(torn && r.state.in_flight()));
         let area = &bytes[..bytes.len().min(HINTS_AT)];
         let legacy = bytes.starts_with(LEGACY_PREFIX);
@@ -359,8 +338,8 @@ impl Seen {
             damaged: record.is_none() && area.iter().any(|&b| b != 0),
             legacy,
             record,
-            // Anything but "unset" (0) asks the authority: a torn or foreign
-            // byte costs a look, never a missed writer or hold.
+            // Anything but "unset" (0) asks the authority: a torn or foreign byte costs a look,
+            // never a missed writer or hold.
             writer_waits: hint(WRITER_WAITS_AT) != 0 && hint(WRITER_WAITS_AT) != b'-',
             store_wide: hint(STORE_WIDE_AT) != 0 && hint(STORE_WIDE_AT) != b'-',
             last_use: bytes
@@ -378,10 +357,9 @@ impl Seen {
     }
 }
 
-/// [`write()`], using the space kept in `reserve` (`space.rs`) when the
-/// filesystem is full: a record that says a build failed, or that an image
-/// is being removed, must be written when a build filled the disk (and on
-/// a copy-on-write filesystem, even an overwrite needs new blocks).
+/// [`write()`], using the space kept in `reserve` (`space.rs`) when the filesystem is full: a
+/// record saying a build failed, or an image is being removed, must be written when a build filled
+/// the disk (on a copy-on-write filesystem even an overwrite needs new blocks).
 pub fn write_reserved(
     file: &std::fs::File,
     seen: &mut Seen,
@@ -403,9 +381,8 @@ pub fn read_of(file: &std::fs::File, name: &str) -> io::Result<Seen> {
     Ok(read(file)?.of(|n| n == name))
 }
 
-/// [`read_of`] under an exclusive lock just taken from `path`, and whether
-/// what it read proves the file still at its path ([`Seen::proves_linked`]);
-/// a read that fails proves nothing and reads as no image.
+/// [`read_of`] under an exclusive lock just taken from `path`, and whether it proves the file still
+/// at its path ([`Seen::proves_linked`]); a failed read proves nothing and reads as no image.
 pub fn read_proving(file: &std::fs::File, path: &std::path::Path, name: &str) -> (Seen, bool) {
     read_of(file, name).map_or((Seen::default(), false), |seen| {
         let proven = seen.proves_linked(file, path, true);
@@ -429,9 +406,8 @@ pub fn read(file: &std::fs::File) -> io::Result<Seen> {
     Ok(Seen::parse(&buf))
 }
 
-/// Writes `record` (its `seq` set from `seen`) and syncs it: call only
-/// holding the file's exclusive lock. `seen` is updated to say what the
-/// file says now.
+/// Writes `record` (its `seq` set from `seen`) and syncs it: call only holding the file's exclusive
+/// lock. `seen` is updated to say what the file says now.
 pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Result<()> {
     let mut record = record.clone();
     record.seq = seen.next_seq();
@@ -445,10 +421,9 @@ pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Resu
         )
     })?;
     let at = (record.seq % 2) as usize * SLOT;
-    // A shorter record leaves zeros after its own: the slot ends at the
-    // first zero byte. A file without a record gets the whole area, so
-    // that its blocks are there for every later write (a build may fill
-    // the filesystem before the outcome is recorded).
+    // A shorter record leaves zeros after its own: the slot ends at the first zero byte. A file
+    // without a record gets the whole area, so its blocks exist for every later write (a build may
+    // fill the filesystem before the outcome is recorded).
     let mut area = bytes;
     let at = if seen.record.is_none() && !seen.damaged && !seen.legacy && seen.last_use.is_none() {
         let mut whole = vec![0u8; AREA];
@@ -468,9 +443,8 @@ pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Resu
     Ok(())
 }
 
-/// Empties the file (both slots and the hints): the image has no record.
-/// Call only holding the exclusive lock; every unlink of a lock file does
-/// this first (see the module doc).
+/// Empties the file (both slots and the hints): the image has no record. Call only holding the
+/// exclusive lock; every unlink of a lock file does this first (see the module doc).
 pub fn clear(file: &std::fs::File) -> io::Result<()> {
     file.set_len(0)?;
     file.sync_data()
@@ -484,8 +458,7 @@ pub fn set_writer_waits(file: &std::fs::File, on: bool) -> io::Result<()> {
 /// Sets or clears the store-wide hint.
 pub fn set_store_wide(file: &std::fs::File, on: bool) -> io::Result<()> {
     file.write_all_at(&[if on { b'S' } else { b'-' }], STORE_WIDE_AT)?;
-    // Set by a holder that excludes image users through it: synced, so
-    // that a client on another host that caches writes sees it too.
+    // A holder excludes image users through it: synced, so caching clients on other hosts see it.
     if on {
         crate::lock::sync_written(file)?;
     }
@@ -497,8 +470,8 @@ pub fn set_last_use(file: &std::fs::File, now: Millis) -> io::Result<()> {
     file.write_all_at(format!("{now:016x}").as_bytes(), LAST_USE_AT)
 }
 
-/// Records a use at `now`, unless the last use recorded (`seen`) is later:
-/// a process whose clock is behind never makes an image look older.
+/// Records a use at `now`, unless the recorded one (`seen`) is later: a process whose clock is
+/// behind never makes an image look older.
 pub fn record_use(file: &std::fs::File, seen: &Seen, now: Millis) -> io::Result<()> {
     match seen.last_use.max(seen.record.as_ref().map(|r| r.changed)) {
         Some(used) if used >= now => Ok(()),
@@ -506,9 +479,8 @@ pub fn record_use(file: &std::fs::File, seen: &Seen, now: Millis) -> io::Result<
     }
 }
 
-/// Whether a reader should record its use: the last one recorded is
-/// unknown, or older than the resolution by the reader's clock. One in its
-/// future (another host's clock, or a reader's behind) is left as it is.
+/// Whether a reader should record its use: the recorded one is unknown or, by the reader's clock,
+/// older than the resolution. One in its future (another host's clock, ours behind) stays.
 pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
     let res = LAST_USE_RESOLUTION.as_millis() as Millis;
     // A write's use is its record's change.

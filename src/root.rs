@@ -1,10 +1,8 @@
-//! The storage root: where it is and what lives in it (the layout:
-//! docs/design.md, "Layout").
+//! The storage root: where it is and what lives in it (the layout: docs/design.md, "Layout").
 //!
-//! - An external images directory (`init --images-dir`) holds image trees
-//!   only, never a file of stowage's own.
-//! - Directories are made lazily, by the first operation that needs them:
-//!   the fast path of `exec` makes no mkdir calls.
+//! - An external images directory (`init --images-dir`) holds image trees only, never a file of
+//!   stowage's own.
+//! - Directories are made lazily, when first needed: `exec`'s fast path makes no mkdir calls.
 
 use std::fs;
 use std::io;
@@ -18,13 +16,13 @@ use crate::name::ImageName;
 #[derive(Debug, Clone)]
 pub struct Root {
     dir: PathBuf,
-    /// The default root, `/var/tmp/$USER.stowage`: it must be the user's
-    /// own (anyone may create that name in /var/tmp before its user does).
+    /// The default root, `/var/tmp/$USER.stowage`: it must be the user's own (anyone may create
+    /// that name in /var/tmp before its user does).
     default: bool,
     /// The root's device, once [`Root::check`] has looked at it.
     dev: Option<u64>,
-    /// The root's filesystem, once [`Root::check_locking`] has looked at
-    /// it: every lock file of the root is on it (one statfs serves them all).
+    /// The root's filesystem, once [`Root::check_locking`] has looked at it: every lock file of the
+    /// root is on it (one statfs serves them all).
     fs: Option<crate::filesystem::Filesystem>,
     /// The root, opened and its owner checked once, on first use.
     opened: std::sync::Arc<std::sync::OnceLock<Dir>>,
@@ -53,10 +51,8 @@ impl Root {
         })
     }
 
-    /// A root at `dir`, for a library caller. Its path is made canonical
-    /// (links in it resolved, once), as [`Root::check`] does for the
-    /// command line: paths below the root are opened refusing any link on
-    /// the way (`planted::open`).
+    /// A root at `dir`, for a library caller: its path made canonical once, as [`Root::check`]
+    /// does, since paths below it are opened refusing any link (`planted::open`).
     pub fn at(dir: impl Into<PathBuf>) -> Root {
         let dir: PathBuf = dir.into();
         let dir =
@@ -80,8 +76,7 @@ impl Root {
         self.dir.is_dir()
     }
 
-    /// The root directory's identity, through its open descriptor (no
-    /// duplicate made).
+    /// The root directory's identity, through its open descriptor (no duplicate made).
     pub fn identity(&self) -> Result<String> {
         if self.opened.get().is_none() {
             self.open()?;
@@ -91,16 +86,15 @@ impl Root {
             .with_context(|| format!("cannot inspect root {}", self.dir.display()))
     }
 
-    /// Opens the root directory. Its ownership is checked again on the
-    /// descriptor: whatever is done through it is done in what passed.
+    /// Opens the root directory. Its ownership is checked again on the descriptor: whatever is done
+    /// through it is done in what passed.
     pub fn open(&self) -> Result<Dir> {
         if let Some(d) = self.opened.get() {
             return d
                 .duplicate()
                 .with_context(|| format!("cannot open root {}", self.dir.display()));
         }
-        // An anchor: every use of the root's descriptor is an `*at()` call
-        // or a stat (none lists it).
+        // An anchor: every use of the root's descriptor is an `*at()` call or a stat, no listing.
         let d = Dir::anchor(&self.dir)
             .with_context(|| format!("cannot open root {}", self.dir.display()))?;
         let st = d
@@ -114,9 +108,8 @@ impl Root {
         Ok(d)
     }
 
-    /// Opens `ROOT/NAME` (e.g. `trash`, `locks/images`), one component at a
-    /// time, refusing a symlink or anything else that is not a directory in
-    /// the place of any of them.
+    /// Opens `ROOT/NAME` (e.g. `trash`, `locks/images`), one component at a time, refusing a
+    /// symlink or anything else that is not a directory in the place of any of them.
     pub fn open_sub(&self, name: &str) -> Result<Dir> {
         let mut d = self.open()?;
         let mut at = self.dir.clone();
@@ -127,9 +120,8 @@ impl Root {
         Ok(d)
     }
 
-    /// [`Root::open_sub`], or `None` if a component is missing (a layout
-    /// not made yet): what is planted in a directory's place is an error
-    /// naming it, never taken for "nothing there".
+    /// [`Root::open_sub`], or `None` if a component is missing (a layout not made yet): what is
+    /// planted in a directory's place is an error naming it, never taken for "nothing there".
     pub fn open_sub_if_there(&self, name: &str) -> Result<Option<Dir>> {
         let mut d = self.open()?;
         let mut at = self.dir.clone();
@@ -144,16 +136,14 @@ impl Root {
         Ok(Some(d))
     }
 
-    /// Fails, naming it, if something is planted in the place of the
-    /// directory of image locks or of slots (a command that lists them
-    /// must not take that for an empty store). One in the leases' place
-    /// costs only the holders' names: `say` is told, and the look goes on.
+    /// Fails, naming it, if something is planted in the place of the directory of image locks or of
+    /// slots (a command that lists them must not take that for an empty store). One in the leases'
+    /// place costs only the holders' names: `say` is told, and the look goes on.
     pub fn check_lock_dirs(&self, say: impl Fn(&str)) -> Result<()> {
         let Some(locks) = self.open_sub_if_there(Self::LOCKS_REL)? else {
             return Ok(());
         };
-        // Opened, not only looked at: one that cannot be listed (its mode)
-        // must not read as empty either.
+        // Opened, not only looked at: one we may not list (its mode) must not read as empty either.
         let usable = |name: &str| -> Result<()> {
             match locks.sub(name) {
                 Ok(_) => Ok(()),
@@ -171,8 +161,7 @@ impl Root {
         Ok(())
     }
 
-    /// Like [`Root::open_sub`] for a directory directly in the root, which
-    /// is created if missing.
+    /// Like [`Root::open_sub`] for a directory directly in the root, which is created if missing.
     pub fn open_or_make_sub(&self, name: &str) -> Result<Dir> {
         let root = self.open()?;
         let at = self.dir.join(name);
@@ -183,11 +172,9 @@ impl Root {
         root.sub(name).map_err(|e| not_a_dir(&at, e))
     }
 
-    /// Unlinks a lock file we hold exclusively (the unlink rule), through
-    /// descriptors of the lock directories: only the very file we locked,
-    /// and only after marking it gone (what it said must not prove a
-    /// ghost: see `lock::acquire_no_wait_with`). On a filesystem not known
-    /// to be local the file is kept.
+    /// Unlinks a lock file we hold exclusively (the unlink rule) via the lock directories'
+    /// descriptors: only the very file we locked, after marking it gone (what it said must not
+    /// prove a ghost: `lock::acquire_no_wait_with`). Kept on a filesystem not known to be local.
     pub fn unlink_lock(&self, guard: crate::lock::Guard) -> Result<()> {
         let path = guard.path().to_owned();
         if !crate::lock::unlinks_allowed(&path) {
@@ -211,9 +198,8 @@ impl Root {
         Ok(())
     }
 
-    /// The image has no record any more: its lock file is emptied (and
-    /// synced: no reader may find the record after) and unlinked where
-    /// that is allowed, and its gate if nobody is passing it.
+    /// The image has no record any more: its lock file is emptied (synced: no reader may find the
+    /// record after) and unlinked where allowed, and its gate if nobody is passing it.
     pub fn drop_record(&self, name: &ImageName, guard: crate::lock::Guard) -> Result<()> {
         crate::image_record::clear(guard.file())
             .with_context(|| format!("cannot empty {}", guard.path().display()))?;
@@ -222,8 +208,7 @@ impl Root {
         Ok(())
     }
 
-    /// Unlinks the gate of an image, under the gate's own exclusive lock; if
-    /// a reader or writer is passing it right now, the file stays.
+    /// Unlinks an image's gate under its own exclusive lock; kept while someone is passing it.
     pub fn unlink_gate(&self, name: &ImageName) {
         if let Ok(Some(gate)) = crate::lock::acquire_no_wait(
             &self.image_gate(name),
@@ -234,8 +219,7 @@ impl Root {
         }
     }
 
-    /// Opens the images directory `dir` (the default one through the root's
-    /// descriptor). A symlink in its place is refused.
+    /// Opens images directory `dir` (the default via the root's descriptor), refusing a symlink.
     pub fn open_images_dir(&self, dir: &Path) -> Result<Dir> {
         if dir == self.default_images_dir() {
             self.open_sub("img")
@@ -244,8 +228,8 @@ impl Root {
         }
     }
 
-    /// [`Root::open_or_make_images_dir`] as an anchor for `*at()` calls
-    /// only (`Dir::anchor`): what a new image's `mkdirat` needs.
+    /// [`Root::open_or_make_images_dir`] as an anchor for `*at()` calls only (`Dir::anchor`): what
+    /// a new image's `mkdirat` needs.
     pub fn anchor_images_dir(&self, dir: &Path) -> Result<Dir> {
         if dir != self.default_images_dir() {
             return Dir::anchor_nofollow(dir).map_err(|e| not_a_dir(dir, e));
@@ -261,8 +245,8 @@ impl Root {
         .map_err(|e| not_a_dir(dir, e))
     }
 
-    /// [`Root::open_images_dir`], making the default one if it is missing
-    /// (a configured one must exist: it may be a mount).
+    /// [`Root::open_images_dir`], making the default one if it is missing (a configured one must
+    /// exist: it may be a mount).
     pub fn open_or_make_images_dir(&self, dir: &Path) -> Result<Dir> {
         if dir == self.default_images_dir() {
             self.open_or_make_sub("img")
@@ -300,14 +284,12 @@ impl Root {
         self.image_locks().join(lock_file_name(name.encoded()))
     }
 
-    /// The image's gate: what a waiting writer holds so that new readers
-    /// queue behind it (see `acquire/image.rs`).
+    /// The image's gate, held by a waiting writer so new readers queue behind (`acquire/image.rs`).
     pub fn image_gate(&self, name: &ImageName) -> PathBuf {
         self.image_locks().join(named(name.encoded(), ".gate"))
     }
 
-    /// The relative name of an image's lock file under `locks/`, as
-    /// holder records name it.
+    /// The relative name of an image's lock file under `locks/`, as holder records name it.
     pub fn image_lock_rel(name: &ImageName) -> String {
         format!("images/{}", lock_file_name(name.encoded()))
     }
@@ -334,8 +316,7 @@ impl Root {
     /// [`Root::store_wide_lock`] relative to `locks/`, as records name it.
     pub const STORE_WIDE_LOCK_REL: &'static str = "store.lock";
 
-    /// `locks/` and `locks/images/` relative to the root, for opening them
-    /// through the root's descriptor.
+    /// `locks/` and `locks/images/` relative to the root, to open through the root's descriptor.
     pub const LOCKS_REL: &'static str = "locks";
     /// The directories of the layout, parents first.
     pub const LAYOUT_DIRS: [&'static str; 6] = [
@@ -387,8 +368,8 @@ impl Root {
         self.dir.join("reserve")
     }
 
-    /// Creates the root and its directories. Idempotent. The root's parent
-    /// must exist: a mistyped path should not grow a directory tree.
+    /// Creates the root and its directories. Idempotent. The root's parent must exist: a mistyped
+    /// path should not grow a directory tree.
     pub fn create_layout(&self) -> Result<()> {
         match fs::symlink_metadata(&self.dir) {
             Ok(_) => {}
@@ -411,8 +392,8 @@ impl Root {
         }
         self.refuse_claimed_img()?;
         make_dir(&self.dir)?;
-        // Checked again on what was created or found: someone may have
-        // made the root between the caller's check and our mkdir.
+        // Checked again on what was created or found: someone may have made the root between the
+        // caller's check and our mkdir.
         let root = self.open()?;
         for rel in ["locks", "locks/images", "locks/slots", "img", "trash"] {
             self.make_layout_dir(&root, rel)?;
@@ -420,14 +401,12 @@ impl Root {
                 crate::debug::pause("layout-locks-made");
             }
         }
-        // A new store's configuration; a store made by a release before
-        // records has a catalog to migrate first (migrate.rs), which
-        // writes it.
+        // A new store's configuration (a store of a release before records has a catalog to migrate
+        // first, which writes it: migrate.rs).
         if root.stat_at(crate::config::FILE)?.is_none() && root.stat_at("stowage.db")?.is_none() {
-            // The images directory's identity, and the root's, from the
-            // start: a directory found empty later, or another one mounted
-            // there, is then told from the one whose trees the records
-            // describe; a copy of the whole store, from either.
+            // The images directory's and the root's identity, from the start: a directory later
+            // found empty, or another mounted there, is told from the one the records describe; a
+            // copy of the whole store, from either.
             let img = self.open_sub("img").ok();
             let config = crate::config::Config {
                 identity: img.as_ref().and_then(|d| d.identity().ok()),
@@ -435,8 +414,7 @@ impl Root {
                 ..crate::config::Config::fresh()
             };
             crate::config::create(&self.dir, &root, &config)?;
-            // This store's, from the start (claim.rs): as the file says,
-            // whoever made it first.
+            // This store's, from the start (claim.rs): as the file says, whoever made it first.
             let id = match crate::config::read(&self.dir, &root) {
                 Ok(Some(c)) => c.id,
                 _ => config.id,
@@ -449,9 +427,8 @@ impl Root {
         Ok(())
     }
 
-    /// Makes the directory `rel` of the layout (its parent made before)
-    /// with `mkdirat` in its parent, opened from the root's descriptor
-    /// without following a link: a link swapped in for `locks` meanwhile
+    /// Makes layout directory `rel` (its parent made before) by `mkdirat` in its parent, opened
+    /// from the root's descriptor without following links: a link swapped in for `locks` meanwhile
     /// is refused, and nothing is ever made outside the root.
     fn make_layout_dir(&self, root: &Dir, rel: &str) -> Result<()> {
         let path = self.dir.join(rel);
@@ -481,10 +458,9 @@ impl Root {
         }
     }
 
-    /// Refuses, before anything is made or changed, an entry of the layout
-    /// that is not of its kind (a symlink where a directory goes, a FIFO in
-    /// place of `store.conf`): what `init` would refuse halfway, after
-    /// making the rest of the layout. A root that does not exist yet passes.
+    /// Refuses, before anything is made or changed, a layout entry not of its kind (a symlink where
+    /// a directory goes, a FIFO for `store.conf`), which `init` would refuse only halfway, after
+    /// making the rest. A root not there yet passes.
     pub fn refuse_planted_layout(&self) -> Result<()> {
         let Ok(root) = Dir::anchor_nofollow(&self.dir) else {
             return Ok(());
@@ -517,10 +493,8 @@ impl Root {
         Ok(())
     }
 
-    /// Before a new store is made: an `img` already in the root that
-    /// another store's standing claim names as its images directory is not
-    /// this store's to use (one images directory, one store), and nothing
-    /// is made.
+    /// Before a new store is made: an `img` already in the root that another store's standing claim
+    /// names is not this store's (one images directory, one store): nothing is made.
     fn refuse_claimed_img(&self) -> Result<()> {
         if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_ok() {
             return Ok(());
@@ -545,11 +519,9 @@ impl Root {
         Ok(())
     }
 
-    /// Like [`Root::create_layout`], for `doctor`: an existing entry in
-    /// place of one of the root's directories that is not a directory (a
-    /// planted symlink) is passed to `bad` with a phrase saying what it is,
-    /// instead of failing; `bad` says whether it put a directory there.
-    /// Returns whether the lock directories are usable.
+    /// [`Root::create_layout`] for `doctor`: a non-directory planted in place of a root directory
+    /// is passed to `bad`, with a phrase saying what it is, instead of failing; `bad` says whether
+    /// it put a directory there. Returns whether the lock directories are usable.
     pub fn create_layout_reporting(&self, mut bad: impl FnMut(&str, &str) -> bool) -> Result<bool> {
         if fs::symlink_metadata(&self.dir).is_err() {
             return self.create_layout().map(|()| true);
@@ -557,8 +529,7 @@ impl Root {
         let root = self.open()?;
         let mut locks_ok = true;
         for name in Self::LAYOUT_DIRS {
-            // Below a `locks` that is no directory there is nothing to look
-            // at (and a link there must not be followed).
+            // Below a `locks` that is no directory: nothing to look at, and no link to follow.
             if !locks_ok && name.starts_with("locks/") {
                 continue;
             }
@@ -587,10 +558,8 @@ impl Root {
         Ok(locks_ok)
     }
 
-    /// Sets aside what is planted in the place of the directory `name` of
-    /// the layout (`NAME.planted-TIME`, in its own directory: nothing is
-    /// followed or deleted) and makes an empty directory there. Returns
-    /// where the planted entry went.
+    /// Sets aside what is planted in place of layout directory `name` (`NAME.planted-TIME` beside
+    /// it: nothing followed or deleted) and makes an empty directory there. Returns where it went.
     pub fn replace_with_dir(&self, name: &str) -> Result<PathBuf> {
         let path = self.dir.join(name);
         let (parent, entry) = match name.rsplit_once('/') {
@@ -608,25 +577,22 @@ impl Root {
         Ok(path.with_file_name(aside))
     }
 
-    /// Refuses a root that someone else could control, and says whether it
-    /// is shared with a group. A root must be a directory owned by us (or
-    /// root) or writable by a group of ours; never writable by everyone
-    /// without the sticky bit; and if it is a symlink, the link must be ours
-    /// (in a world-writable parent like /var/tmp anyone can plant one).
-    /// Within a root that passes, only we (or our group) can create or
-    /// replace anything, so nothing below needs checking again.
+    /// Refuses a root someone else could control; says whether it is shared with a group. A root
+    /// must be a directory owned by us (or root) or writable by a group of ours; never
+    /// world-writable without the sticky bit; and a symlink must be ours (in a world-writable
+    /// parent like /var/tmp anyone can plant one). Within a root that passes only we (or our group)
+    /// can create or replace anything, so nothing below needs checking again.
     ///
-    /// A symlink that passes is resolved once, here: every later use goes to
-    /// the directory that was checked (and SQLite, which refuses symlinks
-    /// anywhere in a database path, is given the real one).
+    /// A symlink that passes is resolved once, here: every later use goes to the checked directory
+    /// (and SQLite, which refuses symlinks anywhere in a database path, gets the real one).
     pub fn check(&mut self) -> Result<Sharing> {
         use std::os::unix::fs::MetadataExt;
         let euid = nix::unistd::geteuid().as_raw();
         let link = match fs::symlink_metadata(&self.dir) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                // Symlinks above the root are the user's choice; resolved
-                // once, so SQLite (which refuses any) gets a real path.
+                // Symlinks above the root are the user's choice; resolved once, so SQLite (which
+                // refuses any) gets a real path.
                 if let (Some(parent), Some(name)) = (self.dir.parent(), self.dir.file_name())
                     && let Ok(real) = fs::canonicalize(parent)
                 {
@@ -663,9 +629,8 @@ impl Root {
             self.dir = real;
             m
         } else {
-            // Not a symlink itself: its real path is its parent's and its
-            // name. Resolving only the parent spares a readlink of the
-            // root, a round trip on NFS, on every command.
+            // Not a symlink itself: its real path is its parent's and its name. Resolving only the
+            // parent spares a readlink of the root, a round trip on NFS, on every command.
             let real = match (self.dir.parent(), self.dir.file_name()) {
                 (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
                     fs::canonicalize(parent).map(|p| p.join(name))
@@ -689,8 +654,7 @@ impl Root {
         })
     }
 
-    /// The ownership rules of [`Root::check`], for a directory owned by
-    /// `uid` with `mode` and group `gid`.
+    /// [`Root::check`]'s ownership rules for a directory: owner `uid`, `mode`, group `gid`.
     fn check_owner(&self, uid: u32, mode: u32, gid: u32) -> Result<()> {
         let euid = nix::unistd::geteuid().as_raw();
         if self.default && uid != euid {
@@ -718,9 +682,8 @@ impl Root {
     }
 }
 
-/// "PATH is a symlink, not a directory; refusing to use it", and what to
-/// do, for the errors an `O_NOFOLLOW|O_DIRECTORY` open gives for what is
-/// planted in a directory's place.
+/// "PATH is a symlink, not a directory; refusing to use it", and what to do, for the errors an
+/// `O_NOFOLLOW|O_DIRECTORY` open gives for what is planted in a directory's place.
 fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
     use std::os::unix::fs::MetadataExt;
     if !matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
@@ -730,8 +693,7 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
     let kind = fs::symlink_metadata(path).map_or("not a directory", |m| {
         crate::planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
     });
-    // A link in the default images directory's place may be the user's
-    // own: it is left for them.
+    // A link in the default images directory's place may be the user's own: it is left for them.
     let fix = if path.file_name().is_some_and(|n| n == "img") && kind == "a symlink" {
         "to keep images elsewhere, use 'stowage init --images-dir DIR' on a new root"
     } else {
@@ -744,27 +706,24 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
 }
 
 impl Root {
-    /// Refuses a root whose locks would not exclude other hosts: NFS
-    /// mounted with `nolock` or `local_lock=flock|posix|all`, Lustre with
-    /// `localflock` or `noflock`, BeeGFS without global file locks.
-    /// (`doctor` reports it instead of refusing.)
+    /// Refuses a root whose locks would not exclude other hosts: NFS mounted with `nolock` or
+    /// `local_lock=flock|posix|all`, Lustre with `localflock` or `noflock`, BeeGFS without global
+    /// file locks. (`doctor` reports it instead of refusing.)
     pub fn check_locking(&mut self) -> Result<()> {
-        // From the mount table when the root's device is listed there (no
-        // request to an NFS server), else from a statfs of the root.
+        // From the mount table when the root's device is listed there (no request to an NFS
+        // server), else from a statfs of the root.
         let (reach, mount, own) = self
             .dev
             .and_then(crate::filesystem::lock_reach_of_device)
             .unwrap_or_else(|| crate::filesystem::lock_reach_with(&self.dir));
-        // What the statfs found serves every lock file on the root's
-        // filesystem (lock.rs decides by it whether they may be unlinked).
+        // What the statfs found serves every lock file on the root's filesystem (lock.rs decides by
+        // it whether they may be unlinked).
         if let (Some(dev), Some(fs)) = (self.dev, &own) {
             let dirs = [self.locks(), self.image_locks(), self.leases()];
             crate::lock::note_filesystem(dev, fs.local, &dirs);
         }
-        // Other hosts read the leases and records: on a shared filesystem
-        // their writes must reach the server at once, not when the client
-        // pleases.
-        // (A root not made yet: its nearest existing ancestor's.)
+        // Other hosts read leases and records: on a shared filesystem writes must reach the server
+        // at once, not when the client pleases (a root not made yet: its nearest ancestor's).
         let local = match &own {
             Some(fs) => fs.local,
             None => crate::filesystem::nearest(&self.dir).is_some_and(|(_, fs)| fs.local),
@@ -787,13 +746,11 @@ impl Root {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sharing {
     Private,
-    /// Group-writable: files and directories are created so that every
-    /// member of the group can lock and update them.
+    /// Group-writable: files and directories are made so every member can lock and update them.
     Group,
 }
 
-/// Makes directory `name` (at `path`) in `parent`; one made there meanwhile
-/// is as good.
+/// Makes directory `name` (at `path`) in `parent`; one made there meanwhile is as good.
 fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<()> {
     match parent.mkdir(name, 0o777) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
@@ -803,9 +760,8 @@ fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<()> {
     }
 }
 
-/// Creates `dir` (and missing parents). An existing symlink in its place is
-/// refused rather than followed: in a shared directory it could point
-/// anywhere.
+/// Creates `dir` (and missing parents). An existing symlink in its place is refused rather than
+/// followed: in a shared directory it could point anywhere.
 pub fn make_dir(dir: &Path) -> Result<()> {
     match fs::symlink_metadata(dir) {
         Ok(m) if m.is_dir() => return Ok(()),
@@ -826,14 +782,14 @@ pub fn make_dir(dir: &Path) -> Result<()> {
     }
 }
 
-/// Whether `file` (a name in `locks/images/`) is the lock file of the
-/// image named `name` (a record's, which may be anything).
+/// Whether `file` (a name in `locks/images/`) is the lock file of the image named `name` (a
+/// record's, which may be anything).
 pub fn is_lock_file_of(file: &str, name: &str) -> bool {
     ImageName::parse(name).is_ok_and(|n| lock_file_name(n.encoded()) == file)
 }
 
-/// `ENC.lock`; an ENC too long for NAME_MAX is cut and suffixed with a hash
-/// of the whole (a collision shares a lock: more exclusion, never less).
+/// `ENC.lock`; an ENC too long for NAME_MAX is cut and suffixed with a hash of the whole (a
+/// collision shares a lock: more exclusion, never less).
 pub fn lock_file_name(enc: &str) -> String {
     named(enc, ".lock")
 }
@@ -852,8 +808,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-/// "image 'alpine:3.17'" for a lock file name, or the file name itself when
-/// it is not a decodable image (a shortened long name).
+/// "image 'alpine:3.17'" for a lock file name, or the name itself if shortened (not decodable).
 pub fn lock_file_label(fname: &str) -> String {
     let enc = fname.strip_suffix(".lock").unwrap_or(fname);
     match ImageName::from_encoded(enc) {

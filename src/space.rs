@@ -1,16 +1,13 @@
-//! Space kept in reserve for the metadata, so a full filesystem never
-//! wedges the store (docs/storage.md, "A full filesystem").
+//! Space kept in reserve for the metadata, so a full filesystem never wedges the store
+//! (docs/storage.md, "A full filesystem").
 //!
-//! - `ROOT/reserve` is a file of allocated blocks ([`target`]: 1 MiB, less
-//!   on a small filesystem). A metadata write that fails for a full disk
-//!   empties it, runs again in the space given back, and refills it with
-//!   what is left ([`crate::store::Store::retry_full`]).
+//! - `ROOT/reserve` is a file of allocated blocks ([`target`]: 1 MiB, less on a small filesystem).
+//!   A metadata write that fails for a full disk empties it, runs again in the space given back,
+//!   and refills it with what is left ([`crate::store::Store::retry_full`]).
 //! - Commands that free space (`rm`, `gc`, `doctor --repair`) top it up.
-//! - Only ever truncated or extended in place, opened without following
-//!   symlinks, used only as a file of its own; two processes filling it at
-//!   once allocate the same range (harmless).
-//! - Losing it costs only the protection; the next command that frees space
-//!   or makes the layout recreates it.
+//! - Only ever truncated or extended in place, opened without following symlinks, used only as a
+//!   file of its own; two processes filling it at once allocate the same range (harmless).
+//! - Losing it costs only the protection, until a command frees space or makes the layout.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
@@ -31,8 +28,7 @@ pub fn is_full_io(err: &std::io::Error) -> bool {
     matches!(err.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
 }
 
-/// How big the reserve is: 1 MiB, or 1/64 of a smaller filesystem (a
-/// metadata transaction needs a few pages of journal).
+/// Reserve size: 1 MiB, or 1/64 of a smaller filesystem (a transaction needs a few journal pages).
 pub fn target(reserve: &Path) -> u64 {
     const MAX: u64 = 1 << 20;
     match nix::sys::statvfs::statvfs(reserve.parent().unwrap_or(Path::new("/"))) {
@@ -42,13 +38,11 @@ pub fn target(reserve: &Path) -> u64 {
     }
 }
 
-/// Opens the reserve for writing: never through a symlink, never blocking
-/// on a FIFO planted in its place, and only if it is a regular file with
-/// no other name (filling or emptying a hard link would change its other
-/// names' file, which may lie outside the root).
+/// Opens the reserve for writing: never through a symlink or blocking on a planted FIFO, and only
+/// if a regular file with no other name (filling or emptying a hard link would change a file that
+/// may lie outside the root).
 fn open(reserve: &Path, create: bool) -> Option<std::fs::File> {
-    // No link in any component: a root swapped for a link since it was
-    // checked gets no reserve made where the link points.
+    // No link in any component: a root since swapped for a link gets no reserve where that points.
     let create = if create { libc::O_CREAT } else { 0 };
     let f = crate::planted::open(reserve, libc::O_WRONLY | create, 0o666).ok()?;
     crate::planted::check_written(reserve, &f)
@@ -65,8 +59,8 @@ pub fn release(reserve: &Path) -> bool {
     had && f.set_len(0).is_ok()
 }
 
-/// Fills the reserve up to its size with whatever is free (best effort:
-/// a full filesystem gets back what the last transaction left).
+/// Fills the reserve up to its size with what is free (best effort: a full filesystem gets back
+/// what the last transaction left).
 pub fn refill(reserve: &Path) {
     let Some(f) = open(reserve, true) else {
         return;
@@ -81,14 +75,12 @@ pub fn refill(reserve: &Path) {
     if unsafe { libc::fallocate(fd, 0, 0, want as libc::off_t) } == 0 {
         return;
     }
-    // Not all of it is free (or fallocate is not supported): take what can
-    // be had, a chunk at a time, writing zeros where fallocate is missing.
+    // Not all free, or no fallocate: take a chunk at a time, writing zeros where fallocate fails.
     const CHUNK: u64 = 16 << 10;
     let zeros = [0u8; CHUNK as usize];
     let mut at = 0u64;
     while at < want {
-        // SAFETY: fallocate and pwrite on our descriptor, from a live buffer
-        // of the length passed.
+        // SAFETY: fallocate and pwrite on our descriptor, from a live buffer of the length passed.
         let ok = unsafe { libc::fallocate(fd, 0, at as libc::off_t, CHUNK as libc::off_t) } == 0
             || unsafe { libc::pwrite(fd, zeros.as_ptr().cast(), zeros.len(), at as libc::off_t) }
                 == CHUNK as isize;

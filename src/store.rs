@@ -1,16 +1,12 @@
 //! A store: its root, its global lock and its catalog.
 //!
-//! - The global lock guards the catalog (and the slot classes' limits,
-//!   written by `slots set`). It is the last lock in the order (slots →
-//!   images → global), held for one short transaction, and never while
-//!   waiting for another lock: under it a process may *try* a lock, never
-//!   wait for one.
-//! - No image changes state under the global lock: an image's state is its
-//!   record, written under the image's own exclusive lock. The catalog is
-//!   refreshed from the records (`survey.rs`).
-//! - A catalog that cannot be used (damaged, emptied, another program's)
-//!   is set aside and made anew by whoever finds it: it is derived, so
-//!   nothing is lost but measured sizes.
+//! - The global lock guards the catalog (and the slot classes' limits, written by `slots set`).
+//!   Last in the lock order (slots → images → global), it is held for one short transaction, under
+//!   which a process may *try* a lock, never wait for one.
+//! - No image changes state under the global lock: an image's state is its record, written under
+//!   the image's own exclusive lock. The catalog is refreshed from the records (`survey.rs`).
+//! - A catalog that cannot be used (damaged, emptied, another program's) is set aside and made anew
+//!   by whoever finds it: it is derived, so nothing is lost but measured sizes.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -26,8 +22,7 @@ use crate::root::Root;
 
 pub struct Store {
     conn: Option<rusqlite::Connection>,
-    /// Device and inode of the catalog file `conn` has open: a catalog
-    /// replaced under a long-lived process is opened anew.
+    /// Device and inode of `conn`'s file: a catalog replaced under a running process is reopened.
     conn_file: Option<(u64, u64)>,
     ctx: Ctx,
 }
@@ -35,9 +30,8 @@ pub struct Store {
 /// How long a wait for the global lock goes before it is reported.
 const GLOBAL_NOTICE: Duration = Duration::from_secs(2);
 
-/// The global lock is held for one short transaction, so even `--no-wait`
-/// waits for it — up to this long past the caller's deadline, which still
-/// bounds the wait when a holder is stuck.
+/// The global lock is held for one short transaction, so even `--no-wait` waits for it — up to this
+/// long past the caller's deadline, which still bounds the wait when a holder is stuck.
 const GLOBAL_GRACE: Duration = Duration::from_secs(5);
 
 pub use crate::catalog::NeedsMigration;
@@ -64,9 +58,8 @@ impl Store {
         &self.ctx.root
     }
 
-    /// For a command that only reads: a root that does not exist is said so
-    /// (66), never created — after the command's arguments were checked
-    /// (bad input is 64 whatever the root).
+    /// For a command that only reads: a missing root is reported (66), never created — after the
+    /// arguments were checked (bad input is 64 whatever the root).
     pub fn require_root(&self) -> Result<()> {
         if !self.ctx.creates_root && !self.ctx.root.exists() {
             return Err(Error::NoRoot(self.ctx.root.dir().to_owned()).into());
@@ -79,9 +72,8 @@ impl Store {
         take_global(&self.ctx, deadline)
     }
 
-    /// Runs `f` in one catalog transaction under the global lock, and
-    /// commits. A full filesystem gets one more try in the space kept in
-    /// reserve (`space.rs`).
+    /// Runs `f` in one catalog transaction under the global lock, and commits. A full filesystem
+    /// gets one more try in the space kept in reserve (`space.rs`).
     pub fn with_catalog<T>(
         &mut self,
         deadline: Option<Instant>,
@@ -90,14 +82,11 @@ impl Store {
         self.retry_full(|store| store.transaction(deadline.map(Look::Until), false, &mut f))
     }
 
-    /// Like [`Store::with_catalog`], for a look that can do without the
-    /// catalog (a listing: the records say all that matters). It waits for
-    /// the global lock a bounded time, without a notice: a holder stuck
-    /// for longer (a stopped process, `flock(1)` held by hand) makes it
-    /// fail with [`Error::Busy`], which the caller says in its one line.
-    /// On a full filesystem, if even the reserve cannot make room for the
-    /// journal, `f` runs in a transaction journalled in memory and rolled
-    /// back.
+    /// Like [`Store::with_catalog`], for a look that can do without the catalog (a listing: the
+    /// records say all that matters). It waits for the global lock a bounded time, without notice:
+    /// a holder stuck longer (a stopped process, `flock(1)` by hand) fails it with [`Error::Busy`],
+    /// which the caller says in its one line. On a full filesystem, if even the reserve cannot make
+    /// room for the journal, `f` runs in a transaction journalled in memory and rolled back.
     pub fn look_catalog<T>(&mut self, mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>) -> Result<T> {
         let look = Some(Look::Quietly);
         match self.retry_full(|store| store.transaction(look, false, &mut f)) {
@@ -143,10 +132,9 @@ impl Store {
         out
     }
 
-    /// The catalog's connection, under the global lock: opened on first
-    /// use, and anew when the file at the path is no longer the one open
-    /// (set aside and rebuilt by another process). What it turns out to be
-    /// is settled here: made, rebuilt, or refused as needing migration.
+    /// The catalog's connection, under the global lock: opened on first use, and anew once the file
+    /// at the path is another (set aside and rebuilt by another process). Settled here: made,
+    /// rebuilt, or refused as needing migration.
     fn connection(&mut self) -> Result<()> {
         let db = self.ctx.root.db();
         let id = file_id(&db);
@@ -154,8 +142,7 @@ impl Store {
             self.conn = None;
         }
         if self.conn.is_some() {
-            // SQLite opens the journal at each transaction: whatever was
-            // planted there since the catalog was opened is refused now.
+            // SQLite opens the journal each transaction: anything planted there since is refused.
             catalog::check_files(&db)?;
         }
         if self.conn.is_none() {
@@ -168,8 +155,8 @@ impl Store {
 
     fn open_settled(&self) -> Result<rusqlite::Connection> {
         let db = self.ctx.root.db();
-        // A FIFO, socket or link planted at the catalog is an error here:
-        // only `doctor --repair` moves it (an exec never opens the catalog).
+        // A FIFO, socket or link planted at the catalog is an error here: only `doctor --repair`
+        // moves it (an exec never opens the catalog).
         let conn = catalog::open(&db)?;
         let root = &self.ctx.root;
         let configured = root.open().is_ok_and(|d| crate::config::exists(&d));
@@ -213,9 +200,8 @@ impl Store {
         self.conn_file = None;
     }
 
-    /// Runs `f`; if it fails because the disk is full, empties the reserve
-    /// (see `space.rs`), runs it once more, and fills the reserve again.
-    /// `f` must be something that can simply be repeated.
+    /// Runs `f`; if it fails because the disk is full, empties the reserve (`space.rs`), runs it
+    /// once more, and fills the reserve again. `f` must be safe to repeat.
     pub fn retry_full<T>(&mut self, mut f: impl FnMut(&mut Store) -> Result<T>) -> Result<T> {
         match f(self) {
             Err(e)
@@ -234,8 +220,7 @@ impl Store {
     }
 }
 
-/// Sets the catalog file aside as `stowage.db.WHY-STAMP` (never deleted),
-/// with its journal; returns where it went.
+/// Sets the catalog aside as `stowage.db.WHY-STAMP` (never deleted), with its journal; says where.
 pub(crate) fn set_aside(root: &Root, why: &str) -> Result<PathBuf> {
     let journal = crate::catalog::journal_of(&root.db());
     // A journal beside a damaged file is part of it: it goes along.
@@ -245,9 +230,8 @@ pub(crate) fn set_aside(root: &Root, why: &str) -> Result<PathBuf> {
     set_aside_file(root, &root.db(), why)
 }
 
-/// Renames an entry of the root (the catalog, its journal, or whatever was
-/// planted in their place) to `NAME.WHY-STAMP`, through the root's
-/// descriptor: nothing is followed, nothing deleted.
+/// Renames an entry of the root (the catalog, its journal, or whatever was planted in their place)
+/// to `NAME.WHY-STAMP`, through the root's descriptor: nothing is followed, nothing deleted.
 pub(crate) fn set_aside_file(root: &Root, path: &Path, why: &str) -> Result<PathBuf> {
     let dir = root.open()?;
     let name = path
@@ -262,8 +246,7 @@ pub(crate) fn set_aside_file(root: &Root, path: &Path, why: &str) -> Result<Path
     }
 }
 
-/// Names the catalog in an SQLite error, and turns SQLite's lock held by an
-/// outside program into a busy lock (exit 75).
+/// Names the catalog in SQLite errors; its lock held by an outside program is busy (exit 75).
 fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
     if catalog::is_busy(&e) {
         return Error::Busy(Busy {
@@ -293,9 +276,8 @@ enum Look {
     Quietly,
 }
 
-/// [`take_global`] for a look that can do without the catalog: waits
-/// [`GLOBAL_GRACE`] at most and announces nothing (the caller's one line
-/// says it went on without), failing with the holder named.
+/// [`take_global`] for a look that can do without the catalog: waits [`GLOBAL_GRACE`] at most,
+/// announces nothing (the caller's one line says it went on without), fails naming the holder.
 fn take_global_quietly(ctx: &Ctx) -> Result<lock::Guard> {
     let path = ctx.root.global_lock();
     let t0 = Instant::now();
@@ -315,9 +297,8 @@ fn take_global_quietly(ctx: &Ctx) -> Result<lock::Guard> {
     }
 }
 
-/// Takes the global lock: tried a few times (it is held for microseconds),
-/// then waited for, bounded by the caller's deadline plus a grace, and
-/// reported if the wait goes on.
+/// Takes the global lock: tried a few times (it is held for microseconds), then waited for, bounded
+/// by the caller's deadline plus a grace, and reported if the wait goes on.
 fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
     let path = ctx.root.global_lock();
     let deadline = deadline.map(|d| d.max(Instant::now() + GLOBAL_GRACE));
@@ -342,8 +323,7 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
             std::thread::sleep(Duration::from_micros(40));
         }
     }
-    // Said only if the wait goes on (it is held for microseconds), and
-    // followed until it ends.
+    // Said only if the wait goes on (it is held for microseconds), and followed until it ends.
     let line = std::cell::RefCell::new(None);
     let mut wait = Wait::on(&ctx.root.locks(), deadline);
     wait.notice = Some((

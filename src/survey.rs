@@ -1,15 +1,13 @@
-//! Every image as `images`, `gc` and `doctor` show it: its record, with
-//! what the catalog keeps of it (last use, size).
+//! Every image as `images`, `gc` and `doctor` show it: its record, with what the catalog keeps of
+//! it (last use, size).
 //!
-//! - The catalog is refreshed from the records (rows added, changed, and
-//!   dropped for images that are gone) whenever every image is looked at.
-//! - Sizes are measured off the write's path: here, for trees whose size
-//!   is not known for the record as it is now, under a shared lock tried
-//!   without waiting (an image being written is left unmeasured).
-//! - A catalog that cannot be written (a user who may only read the store,
-//!   a full filesystem, an outside program holding it, a global lock held
-//!   by a stuck process for more than a few seconds) is done without: the
-//!   records say all that matters, and one line says why.
+//! - The catalog is refreshed from the records (rows added, changed, dropped for gone images)
+//!   whenever every image is looked at.
+//! - Sizes are measured off the write's path, here: trees with no size known for the current
+//!   record, under a shared lock tried without waiting (one being written is left unmeasured).
+//! - A catalog that cannot be written (a read-only user, a full filesystem, an outside program
+//!   holding it, a global lock stuck for more than a few seconds) is done without: the records say
+//!   all that matters, and one line says why.
 
 use std::collections::{HashMap, HashSet};
 
@@ -20,8 +18,7 @@ use crate::census::{Entry, take};
 use crate::image_record::{self, State};
 use crate::root::Root;
 
-/// An image as `images`, `gc` and `doctor` see it: its record, with what
-/// the catalog keeps of it (last use, size), refreshed from the record.
+/// An image as `images`, `gc` and `doctor` see it: its record plus the catalog's last use and size.
 #[derive(Debug, Clone)]
 pub struct Image {
     pub entry: Entry,
@@ -38,16 +35,14 @@ impl Image {
     }
 }
 
-/// What stands for a damaged record in a listing: its name from its lock
-/// file (a hashed one cannot be told, and is left to doctor).
+/// A damaged record's stand-in in listings: name from its lock file (hashed ones: left to doctor).
 fn unknown_record(root: &Root, entry: &Entry) -> Option<image_record::Record> {
     let name = Root::image_of_lock_file(&entry.file)?;
     let images = crate::images_dir::config(root).ok()?.images;
     Some(image_record::Record::unknown(name.as_str(), images, 0))
 }
 
-/// Every image, with the catalog refreshed from the records; with
-/// `measure`, the sizes not known yet measured and kept.
+/// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.
 pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Image>> {
     let mut entries = take(store.root())?;
     if !crate::store_wide::forget_left(store, &entries).is_empty() {
@@ -84,9 +79,8 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
             return survey(store, measure);
         }
         Err(e) => {
-            // Derived: the records say all that matters, so the listing
-            // goes on, and says why sizes and last uses may be missing (a
-            // full filesystem only with -v: it says so everywhere else).
+            // Derived: the records say all that matters, so the listing goes on, saying why sizes
+            // and last uses may be missing (a full filesystem only with -v: it is said elsewhere).
             let line = format!("{e:#} (going on from the images' records, without the catalog)");
             if crate::space::is_full(&e) {
                 store.ctx().detail(&line);
@@ -109,8 +103,8 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
     if measure {
         let measured = measure_missing(store.root(), &mut images);
         crate::debug::pause("sizes-measured");
-        // Kept only where the catalog could be had just now: a second wait
-        // for a global lock held by a stuck process would undo the first.
+        // Kept only if the catalog could be had just now: a second wait for a global lock held by a
+        // stuck process would undo the first.
         if catalog && !measured.is_empty() {
             let _ = store.with_catalog(None, |cat, _| {
                 measured
@@ -175,8 +169,8 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, u64, u64)>
         ) else {
             continue;
         };
-        // Named by our lease while it measures (on another host nothing
-        // else names the holder), and no longer before the lock goes.
+        // Named by our lease while it measures (on another host nothing else names the holder),
+        // unnamed before the lock goes.
         let rel = format!("images/{}", img.entry.file);
         let what = "stowage (measuring the image's size)";
         let hold = crate::lease::Holding::now(crate::lock::Mode::Shared, rel.clone(), false, what);
