@@ -1,55 +1,44 @@
-//! stowage: a lock and storage manager for a shared directory of build
-//! images. Builds on one host or many (NFS, Lustre) read base images and
-//! write new ones in parallel: one flock(2) lock per image, plus a global
-//! lock for the catalog; bases are stored once, and no build reads an image
+//! stowage: a lock and storage manager for a shared directory of build images. Builds on one host
+//! or many (NFS, Lustre) read base images and write new ones in parallel: one flock(2) lock per
+//! image, plus a global lock for the catalog; bases are stored once, and no build reads an image
 //! that another is writing. Design: docs/design.md.
 //!
 //! # One fact, one home
-//! - An image's state, base, creation, writer's outcome: its record
-//!   ([`image_record`]), written under its exclusive lock, synced before it
-//!   goes.
-//! - Who holds and awaits what: the kernel's locks, named by leases
-//!   ([`lease`], [`holders`]).
+//! - An image's state, base, creation, writer's outcome: its record ([`image_record`]), written
+//!   under its exclusive lock, synced before it goes.
+//! - Who holds and awaits what: the kernel's locks, named by leases ([`lease`], [`holders`]).
 //! - A slot class's limits: its record ([`slot_limits`]).
 //! - Where trees go, and the store's identity: [`config`].
-//! - Names, lineage, last use, sizes: the [`catalog`], derived; losing it
-//!   costs a rebuild.
+//! - Names, lineage, last use, sizes: the [`catalog`], derived; losing it costs a rebuild.
 //!
 //! # Map of the modules, by floor
 //! A module uses only its floor or below (tests/layout.rs checks).
 //!
-//! 1. **Ground**: [`env`](mod@env) every `STOWAGE_*` variable; [`name`]
-//!    image names; [`clock`]; [`ident`] who this process is; [`error`]
-//!    typed errors and exit codes; [`filesystem`] where a lock reaches;
-//!    [`space`] the reserve file; [`spawn`]; [`debug`] test pause points;
-//!    [`planted`] what is found where stowage keeps a file of its own;
-//!    [`image_record`] an image's record; [`slot_limits`] a class's record.
-//! 2. **Locks and processes**: [`lock`] the only caller of flock(2);
-//!    [`signals`]; [`lease`] holder leases; [`kernel`] /proc/locks;
-//!    [`keeper`] `--no-inherit`; [`command`]; [`dir`], [`tree`]
+//! 1. **Ground**: [`env`](mod@env) every `STOWAGE_*` variable; [`name`] image names; [`clock`];
+//!    [`ident`] who this process is; [`error`] typed errors and exit codes; [`filesystem`] where a
+//!    lock reaches; [`space`] the reserve file; [`spawn`]; [`debug`] test pause points; [`planted`]
+//!    what is found where stowage keeps a file of its own; [`image_record`] an image's record;
+//!    [`slot_limits`] a class's record.
+//! 2. **Locks and processes**: [`lock`] the only caller of flock(2); [`signals`]; [`lease`] holder
+//!    leases; [`kernel`] /proc/locks; [`keeper`] `--no-inherit`; [`command`]; [`dir`], [`tree`]
 //!    descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree.
-//! 3. **Layout**: [`config`] `store.conf`; [`root`] every path of the
-//!    layout; [`images_dir`] where trees are; [`claim`] which store an
-//!    images directory serves; [`catalog`] SQLite;
-//!    [`census`] every record in one pass; [`ctx`]; [`sharing`] the modes
-//!    of a group store.
-//! 4. **Who holds what**: [`holders`] leases and the lock table, and how to
-//!    say them; [`nested`] holds of an enclosing exec; [`store`] the global
-//!    lock and catalog transactions; [`wait_line`] a wait you can follow;
-//!    [`wait_chain`] why a process waits (`lock-status --why`).
-//! 5. **Taking locks**: [`acquire`] image and slot locks; [`store_wide`]
-//!    holds of the whole store; [`slots`] slot classes.
-//! 6. **Operations**: [`remove`]; [`adopt`]; [`migrate`] stores of releases
-//!    before records; [`survey`] every image with its catalog row; [`gc`];
-//!    [`doctor`].
-//! 7. **Exec**: [`session`] the exec protocol; [`exec`] a plan to an exit
-//!    code.
+//! 3. **Layout**: [`config`] `store.conf`; [`root`] every path of the layout; [`images_dir`] where
+//!    trees are; [`claim`] which store an images directory serves; [`catalog`] SQLite; [`census`]
+//!    every record in one pass; [`ctx`]; [`sharing`] the modes of a group store.
+//! 4. **Who holds what**: [`holders`] leases and the lock table, and how to say them; [`nested`]
+//!    holds of an enclosing exec; [`store`] the global lock and catalog transactions; [`wait_line`]
+//!    a wait you can follow; [`wait_chain`] why a process waits (`lock-status --why`).
+//! 5. **Taking locks**: [`acquire`] image and slot locks; [`store_wide`] holds of the whole store;
+//!    [`slots`] slot classes.
+//! 6. **Operations**: [`remove`]; [`adopt`]; [`migrate`] stores of releases before records;
+//!    [`survey`] every image with its catalog row; [`gc`]; [`doctor`].
+//! 7. **Exec**: [`session`] the exec protocol; [`exec`] a plan to an exit code.
 //! 8. **[`cli`]**: one file per command.
 //!
 //! # Lock order
 //! **slots → image locks in ascending encoded-name order → global lock.**
-//! Under the global lock (one short transaction) a lock is only tried,
-//! never waited for; `store.lock` is waited for only holding nothing.
+//! Under the global lock (one short transaction) a lock is only tried, never waited for;
+//! `store.lock` is waited for only holding nothing.
 //!
 //! # Example
 //! ```no_run

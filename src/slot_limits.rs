@@ -1,5 +1,5 @@
-//! A slot class's limits: one record per class, the one copy, at the start
-//! of the class's first slot file (`locks/slots/ENC/0.lock`).
+//! A slot class's limits: one record per class, the one copy, at the start of the class's first
+//! slot file (`locks/slots/ENC/0.lock`).
 //!
 //! ```text
 //! stowage-class 1
@@ -11,12 +11,11 @@
 //! crc=1a2b3c4d
 //! ```
 //!
-//! - Written only under the global lock, in one synced `pwrite`; read with
-//!   one `pread`, with or without `0.lock`'s lock: a torn read fails the CRC
-//!   and is read again.
+//! - Written only under the global lock, in one synced `pwrite`; read with one `pread`, with or
+//!   without `0.lock`'s lock: a torn read fails the CRC and is read again.
 //! - An empty `0.lock` is no class.
-//! - A slot is taken only among the first `limit` (or `reserve`) files; the
-//!   rest up to `files`/`high_files` are held under a higher, older limit.
+//! - A slot is taken only among the first `limit` (or `reserve`) files; the rest up to
+//!   `files`/`high_files` are held under a higher, older limit.
 
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -24,8 +23,7 @@ use std::os::unix::fs::FileExt;
 use crate::image_record::crc32;
 
 const FORMAT: &str = "stowage-class 1\n";
-/// The bytes a class record takes: two slots (the rest of `0.lock` is
-/// unused).
+/// The bytes a class record takes: two slots (the rest of `0.lock` is unused).
 pub const AREA: usize = 2 * SLOT;
 /// One copy of the record; the valid one with the higher `seq` holds.
 const SLOT: usize = 512;
@@ -41,8 +39,7 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// The limits of a class just set: its files are its slots, plus those
-    /// of an earlier setting still possibly held.
+    /// A class's new limits: its slots, plus files possibly still held under an earlier setting.
     pub fn set(limit: u32, reserve: u32, before: Option<Limits>) -> Limits {
         let (files, high_files) = before.map_or((0, 0), |b| (b.files, b.high_files));
         Limits {
@@ -104,8 +101,7 @@ fn encode(class: &str, l: &Limits, seq: u64) -> Vec<u8> {
     slot
 }
 
-/// What the two slots say: the valid one with the higher `seq`, and which
-/// slot that is.
+/// What the two slots say: the valid one with the higher `seq`, and which slot that is.
 fn decode(bytes: &[u8], class: &str) -> (Class, Option<(usize, u64)>) {
     // Left by an unlinker that did not get to unlink it: no class.
     if bytes.starts_with(crate::lock::GONE) {
@@ -164,8 +160,7 @@ fn decode_slot(bytes: &[u8], class: &str) -> Slot {
     parse().map_or(Slot::Invalid, |l| Slot::Valid(seq, l))
 }
 
-/// Reads the class record from `0.lock` (one `pread`; read again a few
-/// times if a write was under way).
+/// Reads the class record from `0.lock`: one `pread`, again a few times if a write was under way.
 pub fn read(file: &std::fs::File, class: &str) -> io::Result<Class> {
     let mut buf = vec![0u8; AREA];
     for attempt in 0..4 {
@@ -180,10 +175,9 @@ pub fn read(file: &std::fs::File, class: &str) -> io::Result<Class> {
     Ok(Class::Damaged)
 }
 
-/// Writes the class record into `0.lock` and syncs it (under the global
-/// lock): into the slot that does not hold the current record, so a write
-/// cut short leaves the record before. `None` removes the class: the older
-/// slot is emptied first, then the current one.
+/// Writes the class record into `0.lock` and syncs it (under the global lock), into the slot not
+/// holding the current record: a write cut short leaves the record before. `None` removes the
+/// class: the older slot is emptied first, then the current one.
 pub fn write(file: &std::fs::File, class: &str, limits: Option<&Limits>) -> io::Result<()> {
     let mut buf = vec![0u8; AREA];
     let n = file.read_at(&mut buf, 0)?;

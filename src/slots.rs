@@ -1,18 +1,15 @@
-//! Slots: cross-process counting semaphores, one class per runtime or kind
-//! of heavy work (`pull`, `load/podman`); files: docs/design.md, "Layout".
+//! Slots: cross-process counting semaphores, one class per runtime or kind of heavy work (`pull`,
+//! `load/podman`); files: docs/design.md, "Layout".
 //!
-//! - A slot is an exclusive flock: the kernel frees it when its holder
-//!   dies, so no token is ever lost.
+//! - A slot is an exclusive flock: the kernel frees it when its holder dies, so no token is lost.
 //! - Slots come first in the lock order (slots → images → global).
-//! - Normal work takes one of the first LIMIT files; high priority a
-//!   reserved one first, else a normal one: at most LIMIT + RESERVE at
-//!   once. LIMIT 0 is unlimited: no slot is taken.
-//! - Limits live in one record per class (`slot_limits.rs`), changed only
-//!   under the global lock. A lowered limit never disturbs holders: they
-//!   count against it until they end ([`settle`] forgets them once free).
-//! - Waiters re-read the record when `slots set`/`slots rm` closes the
-//!   class's `changed` file (inotify), and every few seconds where another
-//!   host may change it unseen.
+//! - Normal work takes one of the first LIMIT files; high priority a reserved one first, else a
+//!   normal one: at most LIMIT + RESERVE at once. LIMIT 0 is unlimited: no slot is taken.
+//! - Limits live in one record per class (`slot_limits.rs`), changed only under the global lock. A
+//!   lowered limit never disturbs holders: they count against it until they end ([`settle`] forgets
+//!   them once free).
+//! - Waiters re-read the record when `slots set`/`slots rm` closes the class's `changed` file
+//!   (inotify), and every few seconds where another host may change it unseen.
 
 use std::path::{Path, PathBuf};
 
@@ -39,8 +36,8 @@ pub enum Priority {
     High,
 }
 
-/// Checks a class name: lowercase letters, digits, `.`, `_`, `-`, in
-/// components separated by single `/`, at most 64 bytes.
+/// Checks a class name: lowercase letters, digits, `.`, `_`, `-`, in components separated by single
+/// `/`, at most 64 bytes.
 pub fn validate_class(class: &str) -> Result<(), Error> {
     let bad = |why: &str| Err(Error::Usage(format!("invalid slot class {class:?}: {why}")));
     if class.is_empty() {
@@ -67,8 +64,7 @@ pub fn validate_class(class: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// The files an acquirer of `priority` may take under `limits`, in the
-/// order it tries them.
+/// The files an acquirer of `priority` may take under `limits`, in the order it tries them.
 pub(crate) fn candidates(dir: &Path, limits: &Limits, priority: Priority) -> Vec<PathBuf> {
     let normal = (0..limits.limit).map(|i| dir.join(Kind::Normal(i).file_name()));
     let high = (0..limits.reserve).map(|i| dir.join(Kind::High(i).file_name()));
@@ -78,8 +74,7 @@ pub(crate) fn candidates(dir: &Path, limits: &Limits, priority: Priority) -> Vec
     }
 }
 
-/// Files of the class beyond `limits` that holders of a higher limit may
-/// still hold: normal ones, then reserved ones.
+/// Files beyond `limits` that holders of a higher limit may still hold: normal, then reserved.
 pub(crate) fn beyond(dir: &Path, limits: &Limits) -> (Vec<PathBuf>, Vec<PathBuf>) {
     (
         (limits.limit..limits.files)
@@ -104,8 +99,8 @@ pub fn notify_change(ctx: &Ctx, class: &str) {
 /// The class's record, as its `0.lock` says now (read without its lock).
 pub fn read_class(root: &Root, class: &str) -> Result<Class> {
     let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
-    // Through the root's descriptor, a directory at a time: a link planted
-    // for `locks/slots` or the class's directory is refused, naming it.
+    // Through the root's descriptor, a directory at a time: a link planted for `locks/slots` or the
+    // class's directory is refused, naming it.
     let dir = match root.open_sub(&Root::slot_class_rel(class)) {
         Ok(d) => d,
         // No such class (or no slots directory yet).
@@ -138,8 +133,8 @@ pub fn read_class(root: &Root, class: &str) -> Result<Class> {
     }
 }
 
-/// The error for a class file that cannot be opened: one planted in its
-/// place names itself and the fix; anything else names the file.
+/// The error for a class file that cannot be opened: one planted in its place names itself and the
+/// fix; anything else names the file.
 fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
     let e = crate::planted::at(path, e);
     if crate::planted::find(&e).is_some() {
@@ -175,8 +170,7 @@ pub fn classes(root: &Root) -> Vec<(String, Class)> {
     out
 }
 
-/// The limits of `class`; an unknown class is a usage error that lists the
-/// configured ones.
+/// The limits of `class`; an unknown class is a usage error that lists the configured ones.
 pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
     match read_class(root, class)? {
         Class::Limits(l) => Ok(l),
@@ -224,9 +218,8 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: u32) -> Result<(
     Ok(())
 }
 
-/// Forgets the files beyond a lowered limit once nobody holds them (tried
-/// without waiting, under the global lock, which the caller holds).
-/// Returns the limits as they stand after.
+/// Forgets the files beyond a lowered limit once nobody holds them (tried without waiting, under
+/// the global lock the caller holds). Returns the limits as they then stand.
 pub fn settle(root: &Root, class: &str, zero: &std::fs::File, limits: Limits) -> Limits {
     if limits.settled() {
         return limits;
@@ -257,10 +250,9 @@ pub fn settle(root: &Root, class: &str, zero: &std::fs::File, limits: Limits) ->
     settled
 }
 
-/// Removes a class: its record goes, then every slot file nobody holds
-/// (unlinked under its exclusive lock). Returns how many slots were still
-/// held (their files stay until released, and the class is shown as
-/// removed while they are).
+/// Removes a class: its record goes, then every slot file nobody holds (unlinked under its
+/// exclusive lock). Returns how many slots were still held (their files stay until released, the
+/// class shown as removed meanwhile).
 pub fn remove(store: &mut Store, class: &str) -> Result<u32> {
     validate_class(class)?;
     let root = store.root().clone();
@@ -303,14 +295,12 @@ pub(crate) fn remove_empty_class_dir(root: &Root, class: &str) {
     }
 }
 
-/// The class's directory, opened from the root's descriptor without
-/// following a link at any step; `None` if it does not exist.
+/// The class's directory, opened from the root's descriptor following no link; `None` if missing.
 pub fn class_dir(root: &Root, class: &str) -> Result<Option<Dir>> {
     root.open_sub_if_there(&Root::slot_class_rel(class))
 }
 
-/// Makes (if missing) and opens the class's directory, every step from the
-/// root's descriptor without following a link.
+/// Makes (if missing) and opens the class's directory from the root's descriptor, no link followed.
 pub fn make_class_dir(root: &Root, class: &str) -> Result<Dir> {
     let mut d = root.open_or_make_sub("locks")?;
     let mut at = root.locks();
@@ -338,8 +328,8 @@ pub fn make_class_dir(root: &Root, class: &str) -> Result<Dir> {
     Ok(d)
 }
 
-/// A class as lock-status and `slots` show it: every slot file's holders,
-/// how many are held, and who waits (leases that await the class).
+/// A class as lock-status and `slots` show it: every slot file's holders, how many are held, and
+/// who waits (leases that await the class).
 pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> LockReport {
     let dir = root.slot_class_dir(class);
     let mut files: Vec<String> = Dir::open_in_root(&dir)
@@ -388,8 +378,7 @@ pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> 
     }
 }
 
-/// Every class's report: configured ones, and removed ones while a holder
-/// or waiter of them remains (their directory stays until then).
+/// Reports of configured classes, and of removed ones whose directory stays for a holder or waiter.
 pub fn reports(look: &Look, root: &Root) -> Vec<LockReport> {
     let mut out = Vec::new();
     for (class, c) in classes(root) {
@@ -411,10 +400,9 @@ pub fn reports(look: &Look, root: &Root) -> Vec<LockReport> {
     out
 }
 
-/// Takes away the files of a removed class that nobody holds, then its
-/// directory if that leaves it empty — under the global lock, tried
-/// without waiting, so that no `slots set` makes the class anew meanwhile.
-/// Best effort: on a filesystem where lock files are kept (NFS) they stay.
+/// Takes away a removed class's files nobody holds, then its directory if left empty, under the
+/// global lock (tried without waiting) so no `slots set` makes the class anew meanwhile. Best
+/// effort: where lock files are kept (NFS) they stay.
 fn tidy_removed(root: &Root, class: &str) {
     let Ok(Some(_global)) =
         lock::acquire_no_wait(&root.global_lock(), Mode::Exclusive, lock::IfMissing::Fail)
