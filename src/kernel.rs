@@ -1,15 +1,12 @@
-//! The kernel's lock table (`/proc/locks`): who holds and awaits flocks on
-//! this host, by pid — for naming processes stowage did not start.
+//! The kernel's lock table (`/proc/locks`): who holds and awaits flocks on this host, by pid — to
+//! name processes stowage did not start.
 //!
-//! - Only where locks are local: on NFS, Lustre and the like the table lists
-//!   this client's locks alone, so there a lock's state is found by probing.
-//! - The table names files by the device number of their superblock, which
-//!   is not always what stat(2) says (btrfs subvolumes): the device is
-//!   learned from a lock of our own, through `/proc/self/fdinfo`, never
-//!   assumed equal to `st_dev`.
-//! - Pids are as the reader's pid namespace numbers them; locks of
-//!   processes outside it are hidden, so "free" from the table is confirmed
-//!   by a probe before it contradicts a live lease.
+//! - Only where locks are local: on NFS, Lustre and the like it lists this client's locks alone,
+//!   so there a lock's state is found by probing.
+//! - It names files by their superblock's device number, not always stat(2)'s (btrfs
+//!   subvolumes): learned from a lock of our own via `/proc/self/fdinfo`, never assumed `st_dev`.
+//! - Pids are as our pid namespace numbers them; locks of processes outside it are hidden, so
+//!   "free" from the table is confirmed by a probe before it contradicts a live lease.
 
 use std::collections::HashMap;
 use std::fs;
@@ -29,13 +26,11 @@ pub struct Entry {
     pub blocked: bool,
 }
 
-/// The flock table: the entries of each locked file, by the kernel's
-/// device number and inode.
+/// The flock table: each locked file's entries, by the kernel's device number and inode.
 pub type Table = HashMap<(u64, u64), Vec<Entry>>;
 
-/// The kernel's device number for the filesystem of `dir` (readable by us):
-/// a moment's shared flock on it, and the number `/proc/self/fdinfo` gives.
-/// None where that cannot be learned (no /proc, no flock lines in fdinfo).
+/// The kernel's device number for the filesystem of `dir` (readable by us): what
+/// `/proc/self/fdinfo` shows for a moment's shared flock on it. None without /proc or flock lines.
 pub fn device_of(dir: &Path) -> Option<u64> {
     let d = crate::dir::Dir::open_in_root(dir).ok()?;
     crate::lock::flock_dir_shared(d.as_raw_fd()).ok()?;
@@ -49,13 +44,10 @@ fn fdinfo_entries(info: &str) -> impl Iterator<Item = ((u64, u64), Entry)> + '_ 
         .filter_map(|l| parse_line(l.strip_prefix("lock:")?.trim_start()))
 }
 
-/// The files (device, inode) the local process `pid` flocks through
-/// descriptors of its own (`/proc/PID/fdinfo`): the table names a lock by
-/// the pid that took it, which may since be another process's. Empty where
-/// no process has the pid; `None` where its descriptors cannot be read.
-/// Only stowage's lock files and leases are asked, by the link's name: one
-/// `readlink` each (a process may have thousands), never a `stat` through
-/// the link, which would wait on a hung FUSE or NFS mount.
+/// The files (device, inode) local process `pid` flocks through its own fds (`/proc/PID/fdinfo`):
+/// the table names a lock by the pid that took it, maybe another's since. Empty if no process has
+/// the pid, `None` if its fds are unreadable. Only links named like lock files or leases are read
+/// (one `readlink` each of maybe thousands), no `stat` (it waits on a hung FUSE or NFS mount).
 pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
     let fds = match fs::read_dir(format!("/proc/{pid}/fd")) {
         Ok(fds) => fds,
@@ -85,17 +77,15 @@ pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
     Some(held)
 }
 
-/// Whether a path names a lock file or a lease (what a link in
-/// `/proc/PID/fd` says; " (deleted)" follows an unlinked one's name).
+/// Whether a `/proc/PID/fd` link names a lock file or lease (an unlinked one's ends "(deleted)").
 fn is_lock_name(target: &Path) -> bool {
     let name = target.to_string_lossy();
     let name = name.strip_suffix(" (deleted)").unwrap_or(&name);
     name.ends_with(".lock") || name.ends_with(".lease")
 }
 
-/// Reads /proc/locks. The kernel makes it a page at a time, so entries that
-/// move meanwhile can be skipped or repeated: read until two reads agree
-/// (at most four times), the reads folded.
+/// Reads /proc/locks until two reads agree (at most four), the reads folded: the kernel makes it a
+/// page at a time, so entries that move meanwhile can be skipped or repeated.
 pub fn read_table() -> io::Result<Table> {
     let mut reads: Vec<String> = Vec::with_capacity(4);
     for _ in 0..4 {
@@ -109,11 +99,9 @@ pub fn read_table() -> io::Result<Table> {
     Ok(fold(&reads))
 }
 
-/// Folds several reads into one: everything seen is kept (a lock held
-/// throughout is then all but certain to be seen), but a lock's entries
-/// must be a state it was really in — reads from different moments can show
-/// two exclusive holders in turn. Such a lock gets its entries from the
-/// latest read that holds together.
+/// Folds reads into one, keeping everything seen (a lock held throughout is then all but surely
+/// seen); but reads from different moments can show a state no lock was in (two exclusive holders
+/// in turn): such a lock gets its entries from the latest read that holds together.
 fn fold(reads: &[String]) -> Table {
     let parsed: Vec<Table> = reads.iter().map(|t| parse_table(t)).collect();
     let mut table = Table::new();
@@ -211,10 +199,8 @@ fn parse_line(line: &str) -> Option<((u64, u64), Entry)> {
     Some(((libc::makedev(maj, min), ino), Entry { pid, mode, blocked }))
 }
 
-/// Whether the lock table shows every holder of a local lock: only in the
-/// initial pid namespace (its inode is fixed, `PROC_PID_INIT_INO`). A
-/// child namespace's `/proc/locks` leaves out the locks of processes it
-/// cannot see.
+/// Whether the lock table shows every holder of a local lock: only in the initial pid namespace
+/// (fixed inode `PROC_PID_INIT_INO`); a child namespace's omits processes it cannot see.
 pub fn shows_every_holder() -> bool {
     static SHOWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SHOWS.get_or_init(|| {

@@ -1,25 +1,19 @@
-//! File locks: the only module that calls flock(2); everything else asks
-//! for a [`Guard`]. Why each rule: docs/design.md, "Locks".
+//! File locks: the only module that calls flock(2); everything else asks for a [`Guard`]. Why
+//! each rule: docs/design.md, "Locks".
 //!
 //! - Open mode: read-write (NFS's flock needs it for exclusive), close-on-exec
-//!   ([`Guard::set_inheritable`]), non-blocking, no symlink followed; only a
-//!   regular file is locked.
-//! - The unlink race: only an exclusive holder unlinks, after [`mark_gone`];
-//!   every acquirer checks it locked the file at the path (by contents that
-//!   prove it, else device and inode) and retries on a ghost.
-//! - NFS may answer `lstat` from its cache, so there the check re-opens the
-//!   path; `ESTALE` means retry. Lock files are never unlinked on a
-//!   filesystem not known to be local (`Root::unlink_lock`).
-//! - On shared filesystems lock files and leases are `O_DSYNC`: a write is
-//!   one stable request, seen by other hosts, and [`sync_written`] sends none.
+//!   ([`Guard::set_inheritable`]), non-blocking, no symlink followed; only a regular file locked.
+//! - The unlink race: only an exclusive holder unlinks, after [`mark_gone`]; acquirers check they
+//!   locked the file at the path (by proving contents, else device and inode), retrying a ghost.
+//! - NFS may answer `lstat` from its cache, so there the check re-opens the path; `ESTALE` means
+//!   retry. Lock files are never unlinked on a filesystem not known local (`Root::unlink_lock`).
+//! - On shared filesystems lock files and leases are `O_DSYNC`: a write is one stable request,
+//!   seen by other hosts, and [`sync_written`] sends none.
 //! - Release is close, never `LOCK_UN`, which would drop an inheritor's lock.
-//! - Contention is a value: [`acquire_no_wait`] gives `Ok(None)`; a bounded
-//!   wait that runs out, [`Waited::TimedOut`].
-//! - Waits sleep in flock(2) in a helper thread, interrupted by
-//!   [`wake_signal`]; without a thread (a pids limit) they poll. A slot
-//!   waiter sleeps on one [`Waker`] (inotify) over its [`FileSet`].
-//! - [`held_here`] finds an enclosing command's hold, inherited: a wait must
-//!   never wait for it.
+//! - Contention is a value: [`acquire_no_wait`]'s `Ok(None)`, a timed wait's [`Waited::TimedOut`].
+//! - Waits sleep in flock(2) in a helper thread, interrupted by [`wake_signal`]; without a thread
+//!   (a pids limit) they poll. A slot waiter sleeps on one [`Waker`] (inotify) for its [`FileSet`].
+//! - [`held_here`] finds an enclosing command's inherited hold: a wait must never wait for it.
 
 #![allow(clippy::disallowed_methods)] // this is the one module that may call flock
 
@@ -74,9 +68,8 @@ impl Mode {
     }
 }
 
-/// A held lock. Dropping it closes the descriptor, which releases the lock
-/// unless a child process inherited the descriptor (then the lock lives until
-/// the child closes it too).
+/// A held lock. Dropping it closes the descriptor, releasing the lock unless a child process
+/// inherited the descriptor (then the lock lives until the child closes it too).
 #[must_use = "the lock is released when the guard is dropped"]
 #[derive(Debug)]
 pub struct Guard {
@@ -104,38 +97,31 @@ impl Guard {
         self.mode
     }
 
-    /// Device and inode of the locked file: what /proc/locks reports.
-    /// (0, 0) if the descriptor cannot be stat'ed, which no file has.
+    /// Device and inode of the locked file, as in /proc/locks; (0, 0), no file's, if fstat fails.
     pub fn identity(&self) -> (u64, u64) {
         *self
             .id
             .get_or_init(|| fd_identity(self.file.as_raw_fd()).unwrap_or((0, 0)))
     }
 
-    /// Whether a spawned child inherits this lock's descriptor (and so keeps
-    /// the lock as long as it lives). Off by default.
+    /// Whether a spawned child inherits the descriptor, and so keeps the lock (default: no).
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
         set_cloexec(self.file.as_raw_fd(), !inherit)
     }
 
-    /// Replaces the lock file's contents (a note for others, such as who
-    /// holds the probe lock), through the locked descriptor: never through
-    /// the path, where a symlink could have been planted since.
+    /// Replaces the lock file's contents (a note for others, such as who holds the probe lock)
+    /// through the locked descriptor, never the path, where a symlink may have been planted since.
     pub fn set_contents(&self, bytes: &[u8]) -> io::Result<()> {
         self.file.set_len(0)?;
         self.file.write_all_at(bytes, 0)?;
-        // On NFS, what is written reaches the server (and other hosts) on
-        // a sync or a close; we keep the descriptor open.
+        // On NFS a write reaches the server (and other hosts) on a sync or close; we stay open.
         sync_written(&self.file)
     }
 
-    /// Checks, in one request, that the lock is still ours as far as the
-    /// filesystem can tell, for a holder that writes and syncs the file next.
-    /// An NFS server drops a client's locks after a partition longer than
-    /// its lease (another host may then take them), so the lock is asserted
-    /// again: a non-blocking flock in the held mode on our descriptor (a
-    /// no-op locally, a server request on NFS). Any failure means the lock
-    /// cannot be vouched for.
+    /// Checks in one request that the lock is still ours as far as the filesystem can tell, for a
+    /// holder about to write and sync the file. An NFS server drops a client's locks after a
+    /// partition longer than its lease (another host may take them), so a non-blocking flock
+    /// reasserts the held mode (local no-op, NFS request); on failure it cannot be vouched for.
     pub fn still_held(&self) -> io::Result<()> {
         if lost_in_test(&self.path) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -146,13 +132,10 @@ impl Guard {
         Ok(())
     }
 
-    /// Unlinks a lease file (`lease.rs`), on every filesystem: leaving them
-    /// would leave one file per exec on NFS. Lock files are kept on shared
-    /// filesystems, where two processes could come to lock two files of one
-    /// name; a lease has one owner, who made it under a fresh name and
-    /// re-checks it after locking, and its unlinker holds it exclusively (a
-    /// lock that goes to the server: a live owner's lease is never taken for
-    /// dead).
+    /// Unlinks a lease (`lease.rs`) on every filesystem, else NFS keeps one per exec. Lock files
+    /// stay on shared filesystems, where two processes could lock two files of one name; a lease
+    /// has one owner, who made it under a fresh name and checks it after locking, and its unlinker
+    /// holds it exclusively (a server-side lock: no live owner's lease is taken for dead).
     pub fn unlink_lease(self) -> io::Result<()> {
         assert_eq!(
             self.mode,
@@ -171,24 +154,21 @@ impl Guard {
         &self.file
     }
 
-    /// Whether the locked file has no other name (one `fstat`): what a
-    /// holder that proved its file by a record asks before writing a hint
-    /// or a use into it (a reader's file may be another store's too).
+    /// Whether the locked file has no other name (one `fstat`): asked by a holder that proved its
+    /// file by a record before writing a hint or a use into it (it may be another store's too).
     pub fn has_one_name(&self) -> bool {
         crate::planted::check_written(&self.path, &self.file).is_ok()
     }
 }
 
-/// Opens an existing lock file, unlocked, to write what it says (an image's
-/// hint): `None` if missing. Only a regular file with no other name
-/// (`fstat`): with no lock taken, no unlink-race check asked it.
+/// Opens an existing lock file, unlocked, to write what it says (an image's hint): `None` if
+/// missing. Only a regular file with no other name (`fstat`): no unlink-race check asked it.
 pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     open_existing_checked(path, crate::planted::check_written)
 }
 
-/// [`open_existing`] for a file only read or locked, never written
-/// (a record asked for, `store.lock` probed): its type only, so that a
-/// lock file with other names (a store copied with `cp -al`) is read.
+/// [`open_existing`] for a file only read or locked (a record asked for, `store.lock` probed):
+/// only its type is checked, so a lock file with other names (a store copied by `cp -al`) is read.
 pub fn open_existing_read(path: &Path) -> io::Result<Option<File>> {
     open_existing_checked(path, crate::planted::check)
 }
@@ -204,10 +184,9 @@ fn open_existing_checked(
     }
 }
 
-/// Opens a lock file: read-write, close-on-exec, never through a symlink
-/// in any component (`planted::open`), never blocking (a planted FIFO would
-/// block a plain open). What its type refuses is a `planted::NotAFile`
-/// naming it; a FIFO opens, and is refused by the type check after locking
+/// Opens a lock file: read-write, close-on-exec, never through a symlink in any component
+/// (`planted::open`), never blocking (a planted FIFO would block a plain open). A refused type is
+/// a `planted::NotAFile` naming it; a FIFO opens, and is refused by the type check after locking
 /// ([`still_linked`]) or before a wait.
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     let create = match missing {
@@ -224,8 +203,7 @@ fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     })
 }
 
-/// A lock file that permissions kept us from opening, with its path: the
-/// message names it, whichever lock the caller was after.
+/// A lock file we may not open, with its path: the message names it, whatever lock was asked for.
 #[derive(Debug, thiserror::Error)]
 #[error("{cause}")]
 struct Denied {
@@ -233,16 +211,14 @@ struct Denied {
     cause: io::Error,
 }
 
-/// Takes a shared flock on a directory descriptor without waiting, only so
-/// that `/proc/self/fdinfo` says the device number the kernel's lock table
-/// gives that filesystem (`kernel::device_of`); released on close.
+/// Takes a shared flock on a directory descriptor without waiting, only so `/proc/self/fdinfo`
+/// gives the lock table's device number for that filesystem (`kernel::device_of`); close drops it.
 pub fn flock_dir_shared(fd: std::os::fd::RawFd) -> io::Result<()> {
     // SAFETY: flock on a descriptor the caller owns; no memory is passed.
     cvt(unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) }).map(drop)
 }
 
-/// Sets or clears close-on-exec on `fd`: whether a spawned child inherits
-/// it (and so any lock on it).
+/// Sets or clears close-on-exec on `fd`: whether a spawned child inherits it (and any lock on it).
 pub fn set_cloexec(fd: std::os::fd::RawFd, on: bool) -> io::Result<()> {
     // SAFETY: plain fcntl on a descriptor the caller names; no memory is passed.
     let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
@@ -278,16 +254,14 @@ pub(super) fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
     }
 }
 
-/// Whether lock files in the directory of `path` may be unlinked: only
-/// where the filesystem is known to be local (see the module doc). Decided
-/// once per filesystem and process (one statfs).
+/// Whether lock files in `path`'s directory may be unlinked: only on a filesystem known to be
+/// local (module doc). Decided once per filesystem and process (one statfs).
 pub fn unlinks_allowed(path: &Path) -> bool {
     local_dir(path, None)
 }
 
-/// Whether the directory of `path` is on a local filesystem. `dev`, the
-/// device of a file in it when known, names the filesystem: a root's lease
-/// and image lock directories then cost one statfs between them.
+/// Whether `path`'s directory is on a local filesystem. `dev`, the device of a file in it if known,
+/// names the filesystem, so a root's lease and image lock directories cost one statfs in all.
 fn local_dir(path: &Path, dev: Option<u64>) -> bool {
     let dir = path.parent().unwrap_or(Path::new("/"));
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
@@ -307,16 +281,13 @@ fn local_dir(path: &Path, dev: Option<u64>) -> bool {
 type Seen = Vec<(Option<PathBuf>, Option<u64>, bool)>;
 static SEEN: Mutex<Seen> = Mutex::new(Vec::new());
 
-/// Tells the lock layer what the root's checks already found (the root's
-/// device, and whether its filesystem is local), so that the lock files
-/// under it cost no statfs of their own.
+/// Records the root's device and locality from its checks: lock files under it cost no statfs.
 pub fn note_filesystem(dev: u64, local: bool, dirs: &[PathBuf]) {
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
     if !seen.iter().any(|(_, v, _)| *v == Some(dev)) {
         seen.push((None, Some(dev), local));
     }
-    // The lock directories by name too: a lock file's directory is asked
-    // for by its path where no stat of the file is made.
+    // Lock directories by name too: one is asked for by path where no lock file is stat'ed.
     for d in dirs {
         if !seen
             .iter()
@@ -327,12 +298,10 @@ pub fn note_filesystem(dev: u64, local: bool, dirs: &[PathBuf]) {
     }
 }
 
-/// Whether lock files and leases open written through: the root's
-/// filesystem is shared (set by the root's checks, before any such open).
+/// Whether lock files and leases open written through (a shared root; set by its checks first).
 static WRITE_THROUGH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Opens lock files and leases written through (`O_DSYNC`) from now on,
-/// where `on`: the root's filesystem is shared.
+/// From now on opens lock files and leases written through (`O_DSYNC`) if `on` (a shared root).
 pub fn set_write_through(on: bool) {
     WRITE_THROUGH.store(on, std::sync::atomic::Ordering::Relaxed);
 }
@@ -346,9 +315,8 @@ pub fn write_through_flag() -> libc::c_int {
     }
 }
 
-/// Makes what was written through `file` durable and visible to other
-/// hosts: `fdatasync`, unless the descriptor is `O_DSYNC` (each write was
-/// synced already; on NFS or GlusterFS a sync is one more server request).
+/// Makes `file`'s writes durable and visible to other hosts: `fdatasync`, unless it is `O_DSYNC`
+/// (each write synced already; on NFS or GlusterFS a sync is one more server request).
 pub fn sync_written(file: &File) -> io::Result<()> {
     // SAFETY: F_GETFL on a descriptor we own.
     let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
@@ -358,14 +326,12 @@ pub fn sync_written(file: &File) -> io::Result<()> {
     file.sync_data()
 }
 
-/// `ESTALE`: the file behind a descriptor is gone on the (NFS) server —
-/// another host unlinked it. For a lock: retry with a fresh open.
+/// `ESTALE`: another host unlinked the file on the (NFS) server; a lock retries with a fresh open.
 fn is_stale(e: &io::Error) -> bool {
     e.raw_os_error() == Some(libc::ESTALE)
 }
 
-/// Is the file we locked still the one at `path`? If so, its device and
-/// inode.
+/// Is the file we locked still the one at `path`? If so, its device and inode.
 fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
     let ours = match file.metadata() {
         Ok(m) => m,
@@ -376,13 +342,11 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
     if ours.nlink() == 0 {
         return Ok(None);
     }
-    // The stat made anyway says what was locked: a planted FIFO is refused
-    // here, naming it, and so is a hard link (a record written into it would
-    // change its other names' file, which may lie outside the root).
+    // The stat made anyway refuses, naming it, a planted FIFO or a hard link (a record written
+    // into it would change the file of its other names, which may lie outside the root).
     crate::planted::check_stat(path, &ours)?;
     if !local_dir(path, Some(ours.dev())) {
-        // A stat of the path may come from the client's caches; an open
-        // is looked up on the server (close-to-open consistency).
+        // A path stat may hit client caches; an open asks the server (close-to-open consistency).
         let at = match open(path, IfMissing::Fail).and_then(|f| f.metadata()) {
             Ok(m) => m,
             Err(e)
@@ -408,8 +372,7 @@ fn dev_ino(m: &fs::Metadata) -> (u64, u64) {
     (m.dev(), m.ino())
 }
 
-/// How many times a lock is retried after finding its file unlinked: each
-/// retry means a holder deleted it in between, which cannot go on forever.
+/// Retries of a lock found unlinked: each means a holder deleted it, which cannot go on forever.
 const MAX_GHOSTS: usize = 1000;
 
 fn ghost_error(path: &Path) -> io::Error {
@@ -424,8 +387,7 @@ fn ghost_error(path: &Path) -> io::Error {
 pub enum IfMissing {
     /// Creates the lock file (mode 0666 less the umask).
     Create,
-    /// Fails with `NotFound`: the caller decides what a missing file means
-    /// (no such image, a lock nobody ever took).
+    /// Fails with `NotFound`, for the caller to judge (no such image, a lock nobody ever took).
     Fail,
 }
 
@@ -439,10 +401,9 @@ impl IfMissing {
     }
 }
 
-/// [`acquire_no_wait`] for a lock file whose contents can prove it is still
-/// the file at its path: `read` reads the locked file (a read its caller
-/// makes anyway) and says what it found and whether that proves it (a
-/// record only holders write, or no [`GONE`] mark). A proof spares the
+/// [`acquire_no_wait`] for a lock file whose contents can prove it is still the file at its path:
+/// `read` reads the locked file (as its caller would anyway) and returns what it found and
+/// whether that proves it (a record only holders write, or no [`GONE`] mark). A proof spares the
 /// unlink-race stat (on NFS, a lookup at the server).
 pub fn acquire_no_wait_with<T>(
     path: &Path,
@@ -469,26 +430,22 @@ pub fn acquire_no_wait_with<T>(
     Err(ghost_error(path))
 }
 
-/// What an unlinker leaves in a lock file before unlinking it: the only
-/// contents that are no proof that the file is still at its path.
+/// What an unlinker leaves in a lock file: the only contents that do not prove it is still there.
 pub const GONE: &[u8] = b"stowage-unlinked\n";
 
-/// Marks a lock file we hold exclusively gone, before unlinking it: a
-/// process that opened it and locks it after the unlink reads the mark and
-/// knows it locked a ghost (nothing else it could read says so).
+/// Marks a lock file we hold exclusively gone, before unlinking it: a process that locks it after
+/// the unlink reads the mark and knows it locked a ghost (nothing else it could read says so).
 pub fn mark_gone(file: &File) -> io::Result<()> {
     file.set_len(0)?;
     file.write_all_at(GONE, 0)
 }
 
-/// Makes a fresh lock file at `path` (`O_EXCL`) and locks it exclusively: a
-/// lease (`lease.rs`). No unlink-race check: the only other process that
-/// may unlink a lease, a prober cleaning dead ones, leaves an unwritten file
-/// unless its maker is known dead or it is older than any maker could take
-/// to lock it (a maker that slow checks with [`still_at_path`]), and the
-/// maker writes only once it holds the lock. A prober's lock is waited out
-/// briefly; `Ok(None)`: the name exists, or stayed locked (take another
-/// name). `flags` are more open flags (`O_DSYNC`).
+/// Makes a fresh lock file at `path` (`O_EXCL`) and locks it exclusively: a lease (`lease.rs`).
+/// No unlink-race check: the only other unlinker, a prober cleaning dead leases, leaves an
+/// unwritten file unless its maker is known dead or it is older than any maker takes to lock it
+/// (one that slow checks with [`still_at_path`]), and a maker writes only once it holds the lock.
+/// A prober's lock is waited out briefly; `Ok(None)`: the name exists or stayed locked (take
+/// another). `flags` are extra open flags (`O_DSYNC`).
 pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<Guard>> {
     let file = match OpenOptions::new()
         .read(true)
@@ -511,9 +468,8 @@ pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<
     Ok(None)
 }
 
-/// The check of the unlink race, for a lock taken without it
-/// ([`create_locked_with`]) whose taker learns it may be needed after all:
-/// whether the file locked is still the one at its path.
+/// The unlink-race check for a lock taken without it ([`create_locked_with`]) whose taker learns it
+/// may be needed after all: whether the file locked is still the one at its path.
 pub fn still_at_path(guard: &Guard) -> io::Result<bool> {
     Ok(still_linked(&guard.file, &guard.path)?.is_some())
 }
@@ -538,8 +494,7 @@ pub fn acquire(
     })
 }
 
-/// Takes a lock on whichever of `paths` becomes free first, trying them in
-/// order before blocking on all of them at once. Returns its index.
+/// Locks whichever of `paths` frees first (tried in order, then all waited on); returns its index.
 pub fn acquire_any(
     paths: &[PathBuf],
     mode: Mode,
@@ -571,8 +526,7 @@ pub fn acquire_any(
             // Some file was a ghost: start over with fresh opens.
             continue;
         }
-        // Before a wait (off the fast path): a FIFO someone else has locked
-        // is refused now, naming it, rather than waited for.
+        // Before waiting (off the fast path), a locked FIFO is refused by name, not waited for.
         for (i, f) in &files {
             crate::planted::check(&paths[*i], f)?;
         }
@@ -608,15 +562,13 @@ fn guard(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
 /// Device and inode of the file behind a descriptor.
 fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat writes into a zeroed stat we own; a descriptor number
-    // that is not open fails with EBADF.
+    // SAFETY: fstat writes into a zeroed stat we own; an fd that is not open fails with EBADF.
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
 }
 
-/// The lock this process holds on the file at `path` through a descriptor
-/// inherited from an enclosing command (as `stowage exec` passes them on,
-/// like flock(1)), from `/proc/self/fdinfo/N`'s `lock:` lines; `None` if
-/// none (or no /proc). A conflicting wait on it would wait for ourselves.
+/// The lock this process holds on the file at `path` through a descriptor inherited from an
+/// enclosing command (`stowage exec` passes them on, like flock(1)), per `/proc/self/fdinfo/N`'s
+/// `lock:` lines; `None` if none or no /proc. A conflicting wait on it would wait for ourselves.
 pub fn held_here(path: &Path) -> Option<Mode> {
     let at = fs::symlink_metadata(path).ok()?;
     let fds = fs::read_dir("/proc/self/fd").ok()?;
@@ -646,8 +598,7 @@ pub fn held_here(path: &Path) -> Option<Mode> {
 /// The descriptors this process was started with (noted by [`note_inherited`]).
 static INHERITED: std::sync::OnceLock<Vec<std::os::fd::RawFd>> = std::sync::OnceLock::new();
 
-/// Notes the descriptors this process inherited, before it opens any of
-/// its own: one listing of `/proc/self/fd` (no request to any server).
+/// Notes inherited descriptors before we open any: a `/proc/self/fd` listing, no server request.
 pub fn note_inherited() {
     let fds = fs::read_dir("/proc/self/fd")
         .map(|d| {
@@ -659,9 +610,8 @@ pub fn note_inherited() {
     let _ = INHERITED.set(fds);
 }
 
-/// Whether a descriptor this process inherited flocks a file in `dir`: an
-/// enclosing command's, held while it waits for us. Judged by the kernel
-/// (`/proc/self/fd`, `fdinfo`), so it holds where the environment was cleared.
+/// Whether an inherited fd flocks a file in `dir`: an enclosing command's, held while it waits for
+/// us. Judged by the kernel (`/proc/self/fd`, `fdinfo`): it works with a cleared environment.
 pub fn holds_any_under(dir: &Path) -> bool {
     let Ok(dir) = fs::canonicalize(dir) else {
         return false;
@@ -712,8 +662,7 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
     if !flock_try(&file, Mode::Shared)? {
         return Ok(Probe::Exclusive);
     }
-    // We hold it shared; converting to exclusive succeeds only if nobody else
-    // holds it. A failed conversion leaves us without a lock, which is fine.
+    // Held shared: the upgrade succeeds only if nobody else holds it (failing leaves us unlocked).
     Ok(if flock_try(&file, Mode::Exclusive)? {
         Probe::Free
     } else {
@@ -721,23 +670,19 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
     })
 }
 
-/// Takes a shared lock on an open lock file if no writer holds it now, kept
-/// until the file closes. No unlink-race check: for a caller to whom a ghost
-/// does no harm (it only empties what the file says).
+/// Takes a shared lock on an open lock file if no writer holds it now, kept until the file closes.
+/// No unlink-race check: for a caller a ghost does no harm (it only empties what the file says).
 pub fn try_shared_open(file: &File) -> io::Result<bool> {
     flock_try(file, Mode::Shared)
 }
 
-/// Judges a lease (see `lease.rs`): `Some(device, inode)` while its owner
-/// holds it exclusively, `None` when the owner is gone (the file is missing,
-/// or a shared lock is granted). The shared lock taken to find out is
-/// dropped on return; it never makes an owner's own lock fail for long, and
-/// an owner that does find its fresh file busy takes another.
+/// Judges a lease (`lease.rs`): `Some(device, inode)` while its owner holds it exclusively, `None`
+/// once gone (file missing, or a shared lock granted, dropped at once: an owner's own lock never
+/// fails for long, and one finding its fresh file busy takes another).
 pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
     let opened = match open(path, IfMissing::Fail) {
-        // Another user's lease in a store without a shared group: a
-        // read-only descriptor takes a shared flock as well (not on NFS,
-        // where the probe then fails and says so).
+        // Another user's lease in a store without a shared group: a read-only descriptor takes
+        // a shared flock too (not on NFS, where the probe then fails and says so).
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
             crate::planted::open(path, libc::O_RDONLY, 0)
         }
@@ -759,8 +704,7 @@ pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
     Ok(Some((m.dev(), m.ino())))
 }
 
-/// Whether two opens of one file exclude each other here, as they must for
-/// flock to mean anything: `Ok(true)` if they do.
+/// `Ok(true)` if two opens of one file exclude each other here, as flock needs to mean anything.
 pub fn opens_conflict(path: &Path) -> io::Result<bool> {
     let a = open(path, IfMissing::Create)?;
     let b = open(path, IfMissing::Fail)?;
@@ -794,9 +738,8 @@ impl FileSet {
         &self.paths
     }
 
-    /// Tries each file `wanted` accepts (by index) once, in order, creating
-    /// missing ones; the first taken is returned with its index. A file
-    /// found unlinked after locking (a ghost) is reopened on the next try.
+    /// Tries each file `wanted` accepts (by index) once, in order, creating missing ones; returns
+    /// the first taken with its index. A ghost (unlinked after locking) is reopened next try.
     pub fn try_any_where(
         &mut self,
         wanted: impl Fn(usize) -> bool,
@@ -844,19 +787,17 @@ impl FileSet {
         Ok(None)
     }
 
-    /// Gives back a lock from [`FileSet::try_any_where`] the caller may not
-    /// keep. The descriptor stays open (a close would wake every waiter on
-    /// the directory, this one too); the lock is dropped with `LOCK_UN`, safe
-    /// as no child ever had this descriptor.
+    /// Gives back a lock from [`FileSet::try_any_where`] the caller may not keep. The descriptor
+    /// stays open (a close would wake every waiter on the directory, this one too) and `LOCK_UN`
+    /// drops the lock, safe as no child ever had this descriptor.
     pub fn put_back(&mut self, i: usize, g: Guard) {
         let _ = FileExt::unlock(&g.file);
         self.files[i] = Some(g.file);
     }
 
-    /// How many of the files that `include` accepts someone holds right now,
-    /// asked through our own descriptors (no open or close that would wake
-    /// other waiters). Missing files count as free and are not created;
-    /// what is not a regular file (planted) is no slot, and counts as free.
+    /// How many of the files `include` accepts someone holds now, asked through our own
+    /// descriptors (no open or close to wake other waiters). Missing files (not created) and
+    /// planted non-regular files (no slot) count as free.
     pub fn held_count(&mut self, include: impl Fn(usize) -> bool) -> io::Result<usize> {
         let mut held = 0;
         for i in 0..self.paths.len() {
@@ -887,11 +828,9 @@ impl FileSet {
     }
 }
 
-/// Wraps a lock failure: "locking is unavailable here" is typed (exit 69);
-/// anything else names the lock and the file.
+/// Wraps a lock failure: "locking is unavailable" is typed (exit 69), others name lock and file.
 pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error {
-    // The file that is wrong is named by the error itself: it may be
-    // another than `path` (an image's gate, taken on the way to its lock).
+    // The error names the wrong file, maybe not `path` (an image's gate, locked on the way).
     if let Some(planted) = crate::planted::find(&e) {
         return anyhow::anyhow!("cannot lock {what}: {planted}");
     }
@@ -914,10 +853,9 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
     }
 }
 
-/// Why a lock file `path` could not be opened read-write, naming the path
-/// whose mode stops us: the file itself, else its directory. In a group
-/// store that is a part its owner's `doctor --repair` fixes; in a store
-/// no group shares, its owner shares it with `init --group`.
+/// Why lock file `path` could not be opened read-write, naming the file or else its directory,
+/// whose mode stops us. Its owner fixes a group store with `doctor --repair`, and shares an
+/// unshared store with `init --group`.
 fn denied(path: &Path) -> String {
     use nix::unistd::{AccessFlags, access};
     let dir = path.parent().unwrap_or(Path::new("/"));
@@ -961,9 +899,8 @@ fn denied(path: &Path) -> String {
     }
 }
 
-/// Hidden test hook ([`crate::env::DEBUG_LOST_LOCK`]): the check of that
-/// lock file before recording an outcome fails, as an NFS lock lost to a
-/// lease expiry would (the client then fails I/O on it with EIO).
+/// Hidden test hook ([`crate::env::DEBUG_LOST_LOCK`]): that lock file's check before an outcome is
+/// recorded fails, as an NFS lock lost to lease expiry would (the client then fails its I/O: EIO).
 fn lost_in_test(path: &Path) -> bool {
     std::env::var_os(crate::env::DEBUG_LOST_LOCK)
         .is_some_and(|v| path.file_name() == Some(v.as_os_str()))
@@ -987,8 +924,7 @@ mod tests {
 
     #[test]
     fn a_stale_file_handle_means_retry_not_failure() {
-        // NFS: another host unlinked the lock file between our open and our
-        // flock; the server answers ESTALE.
+        // NFS: another host unlinked the file between our open and flock; the server says ESTALE.
         let d = tmp();
         let p = d.path().join("a.lock");
         INJECT.with(|v| v.borrow_mut().extend([libc::ESTALE, libc::ESTALE]));
@@ -1131,8 +1067,7 @@ mod tests {
             other => panic!("{other:?}"),
         };
         t.join().unwrap();
-        // The lock must be on the file now at the path (the inode number
-        // may be reused, so check by locking the path).
+        // The lock is on the file now at the path (inodes get reused: check by locking the path).
         assert_eq!(fs::metadata(&p).unwrap().ino(), g.identity().1);
         assert!(
             acquire_no_wait(&p, Mode::Shared, IfMissing::Fail)

@@ -1,14 +1,10 @@
-//! Waiting for locks: helper threads blocked in flock(2), woken by the
-//! kernel when the lock is free and interrupted by a signal for a deadline
-//! or a cancellation; and, for many files at once, a wait on inotify.
+//! Waiting for locks: in flock(2) in helper threads, or for many files at once, on inotify.
 //!
-//! - A blocked flock(2) sleeps in the kernel in a helper thread; a deadline
-//!   or a cancellation interrupts it with [`wake_signal`], whose handler
-//!   does nothing, so the call returns `EINTR`. Nothing spins.
-//! - If no helper thread can be started (a pids limit), the wait polls
-//!   instead of failing.
-//! - A termination signal cancels every interruptible wait
-//!   ([`interrupt_waits`]); cleanup waits are uninterruptible and bounded.
+//! - A helper thread sleeps in a blocked flock(2) until the lock is free, or [`wake_signal`] (a
+//!   no-op handler: `EINTR`) interrupts it for a deadline or cancellation. Nothing spins.
+//! - If no helper thread can be started (a pids limit), the wait polls instead of failing.
+//! - A termination signal cancels every interruptible wait ([`interrupt_waits`]); cleanup waits
+//!   are uninterruptible and bounded.
 
 use std::fs::File;
 use std::io;
@@ -41,13 +37,10 @@ pub struct Wait<'a> {
     pub deadline: Option<Instant>,
     /// Called once if the lock is still not acquired after this long.
     pub notice: Option<(Duration, Box<dyn FnMut() + 'a>)>,
-    /// Ignore [`interrupt_waits`]: for cleanup that must happen even after a
-    /// termination signal (undoing a start, recording an outcome).
+    /// Ignore [`interrupt_waits`]: for cleanup due even after a termination (undoing a start).
     pub uninterruptible: bool,
-    /// Re-issue blocked requests this often: an NFS client retries a blocked
-    /// lock with a back-off growing to 30 s (NFSv4), so a freed lock may sit
-    /// unnoticed that long; a re-issued request asks again at once. Local
-    /// filesystems wake waiters themselves and need none.
+    /// Re-issue blocked requests this often: NFS clients retry a blocked lock with a back-off up to
+    /// 30 s (NFSv4), so a freed lock may go unnoticed that long; local filesystems need none.
     pub rearm: Option<Duration>,
 }
 
@@ -66,9 +59,8 @@ impl<'a> Wait<'a> {
 /// How often blocked requests are re-issued on remote filesystems.
 pub const REMOTE_REARM: Duration = Duration::from_millis(250);
 
-/// The signal that interrupts a blocked flock(2) in a helper thread. Its
-/// handler does nothing; it is installed without `SA_RESTART`, so the call
-/// returns `EINTR`. Signals are sent only to stowage's own helper threads.
+/// The signal that interrupts a helper thread's blocked flock(2): its handler does nothing and
+/// lacks `SA_RESTART`, so the call returns `EINTR`. Sent only to stowage's own helper threads.
 pub fn wake_signal() -> libc::c_int {
     libc::SIGRTMIN() + 5
 }
@@ -78,8 +70,7 @@ extern "C" fn do_nothing(_: libc::c_int) {}
 fn install_wake_handler() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
-        // SAFETY: installs a handler that touches nothing; sa is zeroed and
-        // its mask emptied before use.
+        // SAFETY: installs a handler that touches nothing; sa is zeroed, its mask emptied first.
         unsafe {
             let mut sa: libc::sigaction = std::mem::zeroed();
             sa.sa_sigaction = do_nothing as *const () as libc::sighandler_t;
@@ -120,17 +111,15 @@ pub fn before_waiting(f: fn()) {
     let _ = BEFORE_WAIT.set(f);
 }
 
-/// Runs the function registered with [`before_waiting`]: for waits that
-/// do not go through [`super::acquire`] (a polled wait for a slot).
+/// Runs [`before_waiting`]'s function, for waits outside [`super::acquire`] (a polled slot wait).
 pub fn starting_to_wait() {
     if let Some(f) = BEFORE_WAIT.get() {
         f();
     }
 }
 
-/// A descriptor readable while a signal that should end the waits is
-/// pending, and the function that takes it (and calls [`interrupt_waits`]):
-/// a process with no thread to watch signals (a pids limit) waits on it.
+/// A descriptor readable while a signal that ends the waits is pending, and the function taking
+/// it (calling [`interrupt_waits`]), for a process with no thread to watch signals (a pids limit).
 static SIGNAL_WATCH: std::sync::OnceLock<(std::os::fd::RawFd, fn())> = std::sync::OnceLock::new();
 
 /// Registers `SIGNAL_WATCH` (once, for good).
@@ -138,17 +127,15 @@ pub fn watch_signals_while_waiting(fd: std::os::fd::RawFd, take: fn()) {
     let _ = SIGNAL_WATCH.set((fd, take));
 }
 
-/// Makes every current and future wait in this process return
-/// [`Waited::Interrupted`]. The CLI calls it when a termination signal
-/// arrives before its command has started.
+/// Makes every current and future wait in this process return [`Waited::Interrupted`]: the CLI
+/// calls it when a termination signal arrives before its command has started.
 pub fn interrupt_waits(sig: i32) {
     let mut reg = registry();
     reg.fired = Some(sig);
     for (_, tx) in &reg.waiters {
         let _ = tx.send(Event::Cancelled(sig));
     }
-    // Polled waits (see [`Waker`]) watch the pipe. It is never drained:
-    // once fired, every wait of this process is over.
+    // Polled waits ([`Waker`]) watch the pipe, never drained: once fired, every wait here is over.
     if let Some((_, w)) = cancel_pipe() {
         // SAFETY: a one-byte write from a live buffer to our own pipe.
         unsafe { libc::write(*w, [1u8].as_ptr().cast(), 1) };
@@ -160,8 +147,7 @@ fn cancel_pipe() -> Option<&'static (i32, i32)> {
     static PIPE: std::sync::OnceLock<Option<(i32, i32)>> = std::sync::OnceLock::new();
     PIPE.get_or_init(|| {
         let mut fds = [0; 2];
-        // SAFETY: pipe2 into a two-element array. Both ends live for the
-        // whole process (close-on-exec: no command inherits them).
+        // SAFETY: pipe2 into a two-element array. Both ends live for the process, close-on-exec.
         let r = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) };
         (r == 0).then_some((fds[0], fds[1]))
     })
@@ -200,9 +186,8 @@ struct Worker {
     finished: bool,
 }
 
-/// How long a stopped worker may take to answer before it is left behind:
-/// only a flock(2) that ignores signals (a hard NFS mount whose server is
-/// gone) takes that long; the thread releases anything it later acquires.
+/// How long a stopped worker may take to answer before being left behind: only a flock(2) ignoring
+/// signals (a hard NFS mount, server gone) is that slow; it releases whatever it later acquires.
 const STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Blocks until one of `files` is locked in `mode`; returns its index.
@@ -222,15 +207,13 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
     let mut workers = match start_workers(files, mode, tx)? {
         Helpers::Started(workers) => workers,
         Helpers::NoThread(mut workers) => {
-            // No thread to be had (a pids limit in a container or a job's
-            // cgroup): wait without one, polling.
+            // No thread to be had (a pids limit in a container or a job's cgroup): poll instead.
             stop_workers(&mut workers, files, &rx, None);
             return poll_any(files, mode, wait);
         }
     };
     let outcome = first_acquired(&mut workers, &rx, wait);
-    // Stop the others. A worker that acquired in the meantime releases what
-    // it took unless it is the winner; nobody else has seen those locks.
+    // Stop the others; any that acquired meanwhile but lost releases it (nobody saw those locks).
     let winner = match outcome {
         Ok(Waited::Acquired(i)) => Some(i),
         _ => None,
@@ -247,14 +230,12 @@ enum Helpers {
     NoThread(Vec<Worker>),
 }
 
-/// Starts one helper thread per file, each blocked in flock(2) on a
-/// duplicate of it and reporting on `tx` (dropped on return: only the
-/// helpers' and the cancellation's senders stay).
+/// Starts one helper thread per file, each blocked in flock(2) on a duplicate of it and reporting
+/// on `tx` (dropped on return: only the helpers' and the cancellation's senders stay).
 fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Result<Helpers> {
     let mut workers = Vec::with_capacity(files.len());
     for (i, file) in files.iter().enumerate() {
-        // The duplicate shares the open file description, so a lock taken
-        // through it is a lock on `file` itself.
+        // The duplicate shares the open file description: a lock through it locks `file` itself.
         let dup = file.try_clone()?;
         let stop = Arc::new(AtomicBool::new(false));
         let handle = match spawn_worker(i, dup, mode, Arc::clone(&stop), tx.clone()) {
@@ -345,13 +326,11 @@ fn say_if_due(notice: &mut Option<Notice<'_>>, started: Instant) {
     }
 }
 
-/// Interrupts the workers still blocked, so that each issues its request
-/// again: interrupted workers see no stop flag and block again.
+/// Interrupts the still-blocked workers, which see no stop flag and issue their request again.
 fn rearm(workers: &[Worker]) {
     for w in workers.iter().filter(|w| !w.finished) {
         if let Some(h) = &w.handle {
-            // SAFETY: the thread has not been joined, so its pthread_t is
-            // valid; the signal's handler does nothing.
+            // SAFETY: not yet joined, so its pthread_t is valid; the signal's handler does nothing.
             unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
         }
     }
@@ -362,8 +341,7 @@ fn rearm(workers: &[Worker]) {
 const POLL_MIN: Duration = Duration::from_millis(2);
 const POLL_MAX: Duration = Duration::from_millis(50);
 
-/// Waits for any of `files` without helper threads: non-blocking tries
-/// with a capped backoff, woken early by a cancellation.
+/// Waits for any of `files` without helper threads: capped-backoff tries, woken by a cancellation.
 pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
     let waker = Waker::none();
     let started = Instant::now();
@@ -396,9 +374,8 @@ pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Resu
 /// Why [`Waker::sleep`] returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Woke {
-    /// A file in the watched directory was closed (a lock file's last
-    /// descriptor: its locks are gone) or created; `named`: it was the one
-    /// named in [`Waker::watch`] (a configuration change, for slots).
+    /// A file in the watched directory was closed (a lock file's last descriptor: its locks are
+    /// gone) or created; `named`: the one named in [`Waker::watch`] (a config change, for slots).
     Changed { named: bool },
     /// The time given ran out.
     Timeout,
@@ -406,16 +383,13 @@ pub enum Woke {
     Interrupted(i32),
 }
 
-/// Sleeps until a directory changes, a time passes, or the waits of this
-/// process are interrupted, in the calling thread: a wait for one of many
-/// lock files must not need a thread per file (a pids limit would fail it).
+/// Sleeps in the calling thread until a directory changes, a time passes or our waits are
+/// interrupted: a wait on many lock files must not take a thread per file (a pids limit fails it).
 ///
-/// A flock is released at the last close of its open file description,
-/// exactly when inotify reports `IN_CLOSE_WRITE` (or `IN_CLOSE_NOWRITE`, for
-/// a holder that opened it read-only, as flock(1) does): a waiter watching
-/// the directory before it tries the files wakes the moment one may be
-/// free. Other hosts' closes are not seen (NFS): callers poll there too.
-/// Without inotify (limits on instances) it only sleeps.
+/// A flock is released at the last close of its open file description, exactly when inotify reports
+/// `IN_CLOSE_WRITE` (`IN_CLOSE_NOWRITE` for a read-only holder such as flock(1)): a waiter watching
+/// the directory before trying the files wakes the moment one may be free. Other hosts' closes go
+/// unseen (NFS): callers poll there too. Without inotify (instance limits) it only sleeps.
 pub struct Waker {
     inotify: Option<std::os::fd::OwnedFd>,
     /// The watch on `inotify`, removed again on drop.
@@ -423,9 +397,8 @@ pub struct Waker {
     named: Option<std::ffi::OsString>,
 }
 
-/// inotify instances of finished waits, kept for the next: closing one costs
-/// an RCU grace period (~18 ms), between a slot's release and its taker's
-/// command. Close-on-exec; never more than waits at once.
+/// Spare inotify instances, kept from finished waits: a close costs an RCU grace period (~18 ms)
+/// between a slot's release and its taker's command. Close-on-exec; never more than waits at once.
 static SPARE_INOTIFY: Mutex<Vec<std::os::fd::OwnedFd>> = Mutex::new(Vec::new());
 
 fn spare_inotify() -> std::sync::MutexGuard<'static, Vec<std::os::fd::OwnedFd>> {
@@ -442,8 +415,7 @@ impl Waker {
         }
     }
 
-    /// Watches `dir` for closes and creations; `named` is a file in it
-    /// whose changes are told apart.
+    /// Watches `dir` for closes and creations; changes to `named`, a file in it, are told apart.
     pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
         use std::os::fd::FromRawFd;
         let spare = spare_inotify().pop();
@@ -488,8 +460,7 @@ impl Waker {
         self.inotify.is_some()
     }
 
-    /// Sleeps until the directory changes, `until` passes (`None`: no
-    /// limit) or the process's waits are interrupted.
+    /// Sleeps until the directory changes, `until` passes (`None`: never) or waits are interrupted.
     pub fn sleep(&self, until: Option<Instant>) -> io::Result<Woke> {
         if let Some(sig) = interrupted() {
             return Ok(Woke::Interrupted(sig));
@@ -559,8 +530,7 @@ impl Waker {
             let mut at = 0usize;
             let head = std::mem::size_of::<libc::inotify_event>();
             while at + head <= n as usize {
-                // SAFETY: the kernel wrote whole events; read_unaligned
-                // copes with the byte buffer's alignment.
+                // SAFETY: the kernel wrote whole events; read_unaligned handles the alignment.
                 let ev: libc::inotify_event =
                     unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
                 let name = &buf[at + head..(at + head + ev.len as usize).min(n as usize)];
@@ -594,8 +564,7 @@ fn spawn_worker(
         .name("stowage-lock-wait".into())
         .stack_size(64 * 1024)
         .spawn(move || {
-            // The mask is inherited, even across exec: a blocked wake signal
-            // would leave this thread deaf.
+            // Masks are inherited, even across exec: a blocked wake signal would deafen us.
             // SAFETY: sigset manipulation on a local set.
             unsafe {
                 let mut set: libc::sigset_t = std::mem::zeroed();
@@ -644,8 +613,7 @@ fn stop_workers(
         }
     }
     for w in workers.iter_mut() {
-        // An unfinished worker is left detached: its stop flag is set, so it
-        // unlocks whatever it acquires.
+        // An unfinished worker is left detached; its stop flag set, it unlocks what it acquires.
         if let Some(h) = w.handle.take()
             && w.finished
         {
