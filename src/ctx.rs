@@ -1,5 +1,4 @@
-//! What every operation needs: the root, who we are, how much to say, and
-//! how the store is shared.
+//! What every operation needs: the root, who we are, how much to say, how the store is shared.
 
 use std::io::Write;
 
@@ -13,11 +12,10 @@ pub struct Ctx {
     pub me: Me,
     pub quiet: bool,
     pub verbose: bool,
-    /// The umask a spawned command gets back, when ours was changed for a
-    /// group-shared store (which is also how to tell that it is one).
+    /// The umask spawned commands get back if a group-shared store changed ours (`Some`: shared).
     pub child_umask: Option<u32>,
-    /// Whether a root that does not exist is created (commands that write)
-    /// or reported, creating nothing ([`crate::error::Error::NoRoot`]: commands that read).
+    /// Whether a missing root is created (commands that write) or reported as
+    /// [`crate::error::Error::NoRoot`], creating nothing (commands that read).
     pub creates_root: bool,
 }
 
@@ -42,9 +40,8 @@ impl Ctx {
     /// Prints a progress or waiting message unless quiet.
     pub fn say(&self, msg: &str) {
         if !self.quiet {
-            // Never eprintln!: it panics when stderr is gone, and a panic
-            // mid-exec would release locks the command still relies on. One
-            // line each: a name in it may hold a newline or an escape.
+            // Never eprintln!: it panics when stderr is gone, and a panic mid-exec would release
+            // locks the command relies on. One line each: a name may hold a newline or an escape.
             let _ = writeln!(
                 std::io::stderr(),
                 "stowage: {}",

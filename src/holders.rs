@@ -1,18 +1,14 @@
-//! Who holds and awaits a lock, and how to say it (docs/design.md, "Leases
-//! and holders").
+//! Who holds and awaits a lock, and how to say it (docs/design.md, "Leases and holders").
 //!
-//! - The kernel is the truth about locks; leases (`lease.rs`) name the
-//!   holders. A [`Look`] reads the leases once, then the lock table (local
-//!   filesystems), and judges every lock by both.
-//! - A holder is listed once, wherever it runs: a lease's owner is found in
-//!   the table by the lease file's own entry, and its entries on a lock are
-//!   its own; a lease line the table shows no entry for names nobody. Across
-//!   pid namespaces and hosts the lease alone names it.
-//! - A pid is never enough: it is a lease owner's only while its process
-//!   started when the owner did, and a dead owner's only while no other
-//!   process holds the lock through a descriptor of its own.
-//! - A lock held by a process stowage did not start shows as held: by pid
-//!   and command where the table has them, else as unidentified.
+//! - The kernel is the truth about locks; leases (`lease.rs`) name the holders. A [`Look`] reads
+//!   the leases once, then the lock table (local filesystems), and judges every lock by both.
+//! - A holder is listed once, wherever it runs: a lease's owner is found in the table by the lease
+//!   file's own entry, and its entries on a lock are its own; a lease line the table shows no
+//!   entry for names nobody. Across pid namespaces and hosts the lease alone names it.
+//! - A pid is never enough: it is a lease owner's only while its process started when the owner
+//!   did, and a dead owner's only while no other process holds the lock through its own descriptor.
+//! - A lock held by a process stowage did not start shows as held: by pid and command where the
+//!   table has them, else as unidentified.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
@@ -67,11 +63,9 @@ pub struct Party {
 /// Where a party's pid names the process it stands for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PidSpace {
-    /// This pid namespace (the lock table's pid, or a lease's of this one),
-    /// whatever host name the holder runs under: a signal from here reaches it.
+    /// This pid namespace (a table pid, or a lease's of it), whatever host name: signals reach it.
     Here,
-    /// Another pid namespace of this host (a container's, or the host's
-    /// seen from one): no signal sent to it from here reaches it.
+    /// Another pid namespace of this host (a container's, or the host's from one): signals miss it.
     OtherNamespace,
     /// The holder's own host's.
     ItsHost,
@@ -106,8 +100,7 @@ impl Party {
         }
     }
 
-    /// Someone holds the lock, and nothing says who (another host's
-    /// flock(1), or a holder a pid namespace hides).
+    /// A holder nothing names (another host's flock(1), or one a pid namespace hides).
     fn unknown(mode: Mode) -> Party {
         Party {
             pid: None,
@@ -147,8 +140,7 @@ type Leased = (String, Identity);
 /// The leases' lines on one lock: lease name, owner, line.
 type Listing<'a> = Vec<(&'a String, &'a Identity, &'a Holding)>;
 
-/// One look at who holds what: the leases, read first, then the kernel's
-/// lock table (where locks are local).
+/// One look at who holds what: the leases, read first, then the lock table (where locks are local).
 pub struct Look<'c> {
     ctx: &'c Ctx,
     leases_dir: PathBuf,
@@ -158,18 +150,15 @@ pub struct Look<'c> {
     table: Option<Table>,
     /// The kernel's device number of the store's filesystem.
     kdev: Option<u64>,
-    /// Leases made since the listing, read (once) for a table entry none
-    /// of `said` explains.
+    /// Leases made since the listing, read once for a table entry none of `said` explains.
     later: RefCell<Option<Vec<Leased>>>,
     /// Every lease read again (once), for a lock held that no lease said.
     reread: RefCell<Option<Vec<Leased>>>,
     /// The table read again (once), to confirm an unexplained holder stayed.
     fresh: RefCell<Option<Option<Table>>>,
-    /// Per pid, the files it flocks through descriptors of its own (read
-    /// once; None: unreadable).
+    /// Per pid, the files it flocks through its own descriptors (read once; None: unreadable).
     fd_locks: RefCell<HashMap<u32, Option<FileKeys>>>,
-    /// The live leases' owners as the table shows them, each with the inode
-    /// of every lock its lease lists and of the lease (once per look).
+    /// Per live lease owner's table pid, the inodes of its lease and listed locks (once per look).
     owned: RefCell<Option<HashSet<(u32, u64)>>>,
     /// How long this look has waited for holders to list their locks.
     waited: Cell<std::time::Duration>,
@@ -207,8 +196,7 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// Whether the lease `name` has a live owner (probed once per look; a
-    /// probe that fails counts as alive, the side on which nothing goes).
+    /// Whether lease `name` has a live owner (one probe a look; if it fails, alive: nothing goes).
     pub fn alive(&self, name: &str) -> bool {
         if let Some(a) = self.alive.borrow().get(name) {
             return *a;
@@ -238,9 +226,8 @@ impl<'c> Look<'c> {
         out
     }
 
-    /// Inodes on the store's filesystem that the table shows flocked (held
-    /// or awaited) and no live lease's owner explains: locks taken outside
-    /// stowage (flock(1)). None without a table.
+    /// Inodes on the store's filesystem the table shows flocked (held or awaited) that no live
+    /// lease's owner explains: locks taken outside stowage (flock(1)). None without a table.
     pub fn unexplained(&self) -> Option<Vec<u64>> {
         let (table, kdev) = (self.table.as_ref()?, self.kdev?);
         let leases: Vec<u64> = self
@@ -261,8 +248,7 @@ impl<'c> Look<'c> {
         )
     }
 
-    /// The pid, as our pid namespace sees it, that holds a lease: its
-    /// owner, which took the owner's other locks too.
+    /// The pid (in our namespace) holding a lease: its owner, which took its other locks too.
     fn taker(&self, id: &Identity) -> Option<u32> {
         taker_in(self.table.as_ref()?, self.kdev?, id)
     }
@@ -290,10 +276,8 @@ impl<'c> Look<'c> {
         if let Some(f) = found(more) {
             return Some(f);
         }
-        // The table is read a list (CPU) at a time: a holder may show with
-        // its image's lock and not its lease's. The fresh read names its
-        // lease's taker, if it still shows the entry (else the pid may be
-        // another process's by now).
+        // The table is read per CPU list: a holder may show on its image's lock, not its lease's; a
+        // fresh read still showing the entry names its lease's taker (else the pid may be reused).
         let kdev = self.kdev?;
         if !self.still_there(path, e) {
             return None;
@@ -320,8 +304,7 @@ impl<'c> Look<'c> {
                 .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(taker))
     }
 
-    /// The live leases that list `rel` as held in `mode` now (read afresh,
-    /// once per look).
+    /// The live leases listing `rel` as held in `mode` now (read afresh, once per look).
     fn listing_now(&self, rel: &str, mode: Mode, entries: Option<&[Entry]>) -> Vec<Party> {
         let mut reread = self.reread.borrow_mut();
         let all = reread.get_or_insert_with(|| {
@@ -356,13 +339,10 @@ impl<'c> Look<'c> {
         })
     }
 
-    /// Unlinks the leases of owners that are gone (each under its exclusive
-    /// lock, not waited for), keeping a dead one that may still name a
-    /// holder (a command that closed the lease it inherited, its stowage
-    /// gone): where the table shows a lock it lists still held under its
-    /// owner's pid (not by a later process given that pid, through a
-    /// descriptor of its own), or, where no table can tell, while a lock it
-    /// lists is held at all. Returns how many went.
+    /// Unlinks gone owners' leases (under the exclusive lock, not waited for), but keeps a dead one
+    /// that may still name a holder (a command that closed its inherited lease, its stowage gone):
+    /// while the table shows a lock it lists held by its owner's pid (not a later process given
+    /// that pid), or, with no table, while a lock it lists is held at all. Returns how many went.
     pub fn clean_leases(&self) -> usize {
         let locks = self.ctx.root.locks();
         let listed_live: HashSet<(&str, Mode)> = self
@@ -433,10 +413,9 @@ impl<'c> Look<'c> {
         owned.contains(&(pid, ino))
     }
 
-    /// Whether the process at `pid` holds the lock at `path` through a
-    /// descriptor of its own (not one inherited from a dead taker of that
-    /// pid): `Some(false)` also where no process has the pid, `None` where
-    /// that cannot be told (another user's process, no table).
+    /// Whether the process at `pid` holds the lock at `path` through its own descriptor (not one
+    /// inherited from a dead taker of that pid): `Some(false)` also if no process has the pid,
+    /// `None` if that cannot be told (another user's process, no table).
     fn pid_holds(&self, pid: u32, path: &Path) -> Option<bool> {
         let (Some(kdev), Ok(m)) = (self.kdev, std::fs::symlink_metadata(path)) else {
             return None;
@@ -521,8 +500,7 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// The holders and waiters the live leases name, each claiming the
-    /// table entry that is its own (so it is not listed twice).
+    /// The holders and waiters live leases name, each claiming its own table entry (listed once).
     fn leased(
         &self,
         listing: &Listing,
@@ -557,11 +535,9 @@ impl<'c> Look<'c> {
         (holders, waiters)
     }
 
-    /// The party a live lease names for one of the locks it lists, by the pid
-    /// that reaches it here: the table's taker of its lease where it shows
-    /// one (never a pid the lease merely says), else the lease's pid; none
-    /// where that is no longer the owner's (the pid may be another's), and
-    /// marked where it is another pid namespace's of this host.
+    /// The party a live lease names for one of its locks, with the pid that reaches it here: its
+    /// lease's taker in the table (never a pid the lease merely says), else the lease's pid; none
+    /// if no longer the owner's (reused since), marked if another pid namespace's of this host.
     pub fn party(&self, n: &str, id: &Identity, h: &Holding) -> Party {
         let taker = self.taker(id);
         let mut party = Party::leased(n, id, h);
@@ -583,18 +559,15 @@ impl<'c> Look<'c> {
         party
     }
 
-    /// The party of a table entry no live lease claimed; `None` if it is
-    /// gone since the table was read.
+    /// The party of a table entry no live lease claimed; `None` if gone since the table was read.
     fn unclaimed(&self, listing: &Listing, path: &Path, rel: &str, e: &Entry) -> Option<Party> {
-        // Whether the process at the entry's pid holds the lock itself
-        // (a waiter is blocked on it: it is the one at that pid).
+        // Whether the entry's pid holds the lock itself (a waiter, blocked on it, is that process).
         let holds = match e.pid {
             Some(pid) if !e.blocked => self.pid_holds(pid, path),
             Some(_) => Some(true),
             None => None,
         };
-        // A command that closed the lease it inherited, its stowage gone:
-        // the dead lease still says for what.
+        // Its stowage gone, a command closed the lease it inherited: the dead lease says what for.
         let gone = e.pid.filter(|_| holds == Some(false));
         let dead = gone.and_then(|pid| {
             listing.iter().find(|(n, id, h)| {
@@ -611,9 +584,8 @@ impl<'c> Look<'c> {
                 ..Party::leased(n, id, h)
             });
         }
-        // A stowage process that holds the lock before its lease lists it: its
-        // lease's taker, unless its pid is known not to hold the lock (reused
-        // since), and, where that cannot be told, only a lease listing it.
+        // A stowage process holding the lock before its lease lists it: its lease's taker, unless
+        // its pid is known not to hold it (reused since); if unknown, only one listing it.
         let fits = |id: &Identity| match holds {
             Some(h) => h,
             None => id.holdings.iter().any(|h| h.lockfile == rel),
@@ -628,15 +600,13 @@ impl<'c> Look<'c> {
                     ..Party::leased(&n, &id, &h)
                 })
             }
-            // A live stowage process at that pid neither holds (as far as can
-            // be seen) nor lists the lock: the pid is another's now.
+            // At that pid a live stowage process neither holds nor lists the lock: pid reused.
             Some(_) => Some(Party {
                 host: Some(self.ctx.me.host.clone()),
                 ..Party::unknown(e.mode)
             }),
             None if !self.still_there(path, e) => None,
-            // Its pid is no longer the holder's (it died, its lock kept by
-            // a process that inherited it; or the pid is another's now).
+            // Its pid is no longer the holder's (dead, its lock kept by an inheritor; or reused).
             None if !e.blocked && gone.is_some() => Some(Party {
                 host: Some(self.ctx.me.host.clone()),
                 ..Party::unknown(e.mode)
@@ -645,10 +615,9 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// Held, and no lease read before said so: a holder that listed the lock
-    /// since (on another host, where no table names it) is found by a fresh
-    /// read of the leases, a few a moment apart where no table can tell (a
-    /// holder lists its lock just after taking it). Else an unknown holder.
+    /// Held, and no lease read before said so: a holder that listed the lock since (on another
+    /// host, where no table names it) is found by rereading the leases, a few times a moment apart
+    /// without a table (a holder lists its lock just after taking it). Else an unknown holder.
     fn held_by_whom(&self, rel: &str, state: Probe, entries: Option<&[Entry]>) -> Vec<Party> {
         let mode = match state {
             Probe::Exclusive => Mode::Exclusive,
@@ -715,8 +684,7 @@ fn read_leases<'a>(dir: &Path, names: impl Iterator<Item = &'a String>) -> Vec<L
     names.filter_map(read).collect()
 }
 
-/// The most a look sleeps, in all, waiting for holders on other hosts to
-/// list the locks they were just seen to hold (70 ms for each lock).
+/// The most a look sleeps in all for other hosts' holders to list locks seen held (70 ms a lock).
 const WAIT_BUDGET: std::time::Duration = std::time::Duration::from_millis(350);
 
 fn probe(path: &Path) -> Probe {
@@ -748,9 +716,8 @@ fn held_in(state: Probe, mode: Mode) -> bool {
     )
 }
 
-/// "held (read) by pid 4121 on node07 (ch-image build -t app .) since
-/// 12:03:04"; an exclusive lock taken only to read (`--read-exclusive`) is
-/// no write.
+/// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"; an exclusive lock
+/// taken only to read (`--read-exclusive`) is no write.
 pub fn phrase(holders: &[Party]) -> String {
     let lead = holders
         .first()
@@ -766,8 +733,7 @@ pub fn phrase_slots(holders: &[Party]) -> String {
     phrase_as("in use by ", holders)
 }
 
-/// The first holder, and how many more: a message is one line, and
-/// `lock-status` lists them all.
+/// The first holder, and how many more: a message is one line, and `lock-status` lists them all.
 fn phrase_as(lead: &str, holders: &[Party]) -> String {
     let Some(first) = holders.first() else {
         return "no holder is known (it may have just been released)".into();
@@ -836,8 +802,7 @@ pub fn global_holder_phrase(ctx: &Ctx) -> String {
     }
 }
 
-/// The pid that holds the lease `id` exclusively in `table` (on device
-/// `kdev`, as the table numbers it): the lease's owner.
+/// The pid holding lease `id` exclusively in `table` (device `kdev`, as it numbers it): its owner.
 fn taker_in(table: &Table, kdev: u64, id: &Identity) -> Option<u32> {
     let (_, ino) = id.file?;
     table

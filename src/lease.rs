@@ -1,21 +1,16 @@
-//! Holder leases: who holds and awaits which lock, on any host and in any
-//! pid namespace, without trusting a pid (protocol: docs/design.md, "Leases
-//! and holders").
+//! Holder leases: who holds and awaits which lock, on any host and in any pid namespace, without
+//! trusting a pid (protocol: docs/design.md, "Leases and holders").
 //!
-//! - One lease per process that holds or awaits a lock, flocked exclusively
-//!   for its life; written with its first lock in one write (`O_DSYNC` on a
-//!   shared filesystem, where other hosts read it).
-//! - Alive exactly while locked: a prober's non-waiting shared lock is
-//!   granted only once the owner (or an inheritor of its descriptor) is gone.
-//! - The owner makes a fresh name (`O_EXCL`) and locks it at once; a lease
-//!   never written is unlinked only if its name says its maker is gone or it
-//!   is older than 10 minutes (filesystem clock), so the file an owner locks
-//!   is the one at its path (Nix's temproots, on flock).
-//! - Unlinked only under the exclusive lock: by the owner ([`retire`]), or by
-//!   [`clean_keeping`] for dead owners; a dead lease whose lock is still held
-//!   by an inheritor is kept (`holders::Look::clean_leases`).
-//! - Inheritance follows the image locks; with `--no-inherit` the keeper
-//!   holds both.
+//! - One lease per process that holds or awaits a lock, flocked exclusively for its life; written
+//!   with its first lock in one write (`O_DSYNC` on shared filesystems, where other hosts read it).
+//! - Alive exactly while locked: a prober's non-waiting shared lock is granted only once the owner
+//!   (or an inheritor of its descriptor) is gone.
+//! - The owner makes a fresh name (`O_EXCL`) and locks it at once; a lease never written is
+//!   unlinked only if its name says its maker is gone or it is older than 10 minutes (filesystem
+//!   clock), so the file an owner locks is the one at its path (Nix's temproots, on flock).
+//! - Unlinked only under the exclusive lock, by its owner ([`retire`]) or by [`clean_keeping`] for
+//!   dead owners; kept while an inheritor still holds its lock (`holders::Look::clean_leases`).
+//! - Inheritance follows the image locks; with `--no-inherit` the keeper holds both.
 
 use std::fs;
 use std::io;
@@ -38,24 +33,21 @@ pub struct Lease {
     identity: String,
     /// What it lists as held and awaited (the lines after).
     holdings: Vec<Holding>,
-    /// How many bytes the file has: a shorter text is padded with empty
-    /// lines rather than truncated (a truncate is one more request on NFS).
+    /// File size: a shorter text is padded with empty lines, not truncated (a request more on NFS).
     written: usize,
     /// The leases directory, opened once without following a link and kept
     /// open with the lease: its path (`/proc/self/fd/N/NAME`) goes through it.
     _dir: fs::File,
 }
 
-/// The process's leases, one per root it used (a library caller may use
-/// several), by leases directory; taken out by [`retire`].
+/// Our leases by directory, one per root used (a library caller may use several), until [`retire`].
 static MINE: Mutex<Vec<(PathBuf, Lease)>> = Mutex::new(Vec::new());
 
 fn mine_all() -> std::sync::MutexGuard<'static, Vec<(PathBuf, Lease)>> {
     MINE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The name of this process's lease in `leases` (the root's leases
-/// directory), making the lease first if there is none yet.
+/// The name of our lease in `leases` (the root's leases directory), made first if there is none.
 pub fn mine(leases: &Path) -> io::Result<String> {
     let mut all = mine_all();
     if let Some((_, l)) = all.iter().find(|(d, _)| d == leases) {
@@ -80,8 +72,7 @@ pub fn introduce(leases: &Path) -> io::Result<String> {
     Ok(name)
 }
 
-/// The descriptors of this process's leases: for the `--no-inherit` keeper,
-/// which holds them along with the locks.
+/// Our leases' descriptors, for the `--no-inherit` keeper, which holds them with the locks.
 pub fn raw_fds() -> Vec<RawFd> {
     mine_all()
         .iter()
@@ -89,8 +80,7 @@ pub fn raw_fds() -> Vec<RawFd> {
         .collect()
 }
 
-/// Whether a spawned command inherits the leases: exactly when it inherits
-/// the lock descriptors.
+/// Whether a spawned command inherits the leases: exactly when it inherits the lock descriptors.
 pub fn set_inheritable(inherit: bool) -> io::Result<()> {
     mine_all()
         .iter()
@@ -106,11 +96,10 @@ pub fn retire() {
     }
 }
 
-/// A lock the owner of a lease holds or awaits, as the lease lists it:
-/// `hold=shared images/base.lock SINCE COMMAND` (or `await=…`), with the
-/// lock file relative to `locks/` and SINCE in ms since the epoch. It names
-/// a holder that writes no record (a reader) where the kernel's lock table
-/// cannot: on NFS, and in a pid namespace that does not see the holder.
+/// A lock a lease's owner holds or awaits, as the lease lists it: `hold=shared images/base.lock
+/// SINCE COMMAND` (or `await=…`), the lock file relative to `locks/`, SINCE in ms since the epoch.
+/// It names a holder that writes no record (a reader) where the kernel's lock table cannot: on
+/// NFS, and in a pid namespace that does not see the holder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holding {
     pub mode: Mode,
@@ -120,8 +109,7 @@ pub struct Holding {
     pub since: crate::clock::Millis,
     /// The command the lock is taken for.
     pub command: String,
-    /// An exclusive lock taken only to read (`--read-exclusive`): written
-    /// `exclusive-read`, so that nobody is told the image is being written.
+    /// Exclusive only to read (`--read-exclusive`): written `exclusive-read`, claiming no write.
     pub reading: bool,
 }
 
@@ -178,8 +166,7 @@ impl Holding {
 }
 
 impl Lease {
-    /// Writes the identity and the holdings over the file's start. Only
-    /// information: a failure (a full filesystem) changes nothing else.
+    /// Writes identity and holdings over the file's start (only information: failing is harmless).
     fn rewrite(&mut self) {
         use std::os::unix::fs::FileExt;
         let mut text = self.identity.clone();
@@ -195,15 +182,13 @@ impl Lease {
     }
 }
 
-/// Lists `h` in this process's lease for the store of `leases` (made now if
-/// there is none yet), replacing what it said of the same lock.
+/// Lists `h` in our lease for `leases`' store (made if none yet), replacing any entry for its lock.
 pub fn note(leases: &Path, h: Holding) {
     note_all(leases, vec![h]);
 }
 
-/// [`note`] for every lock of `hs`, in one write: each write is a request
-/// to the server on a shared filesystem (and a synced one), and an exec of
-/// a base and a new image holds two locks, a slot three.
+/// [`note`] for every lock of `hs`, in one write: each write is a (synced) server request on a
+/// shared filesystem, and an exec of a base and a new image holds two locks, a slot three.
 pub fn note_all(leases: &Path, hs: Vec<Holding>) {
     if hs.is_empty() || mine(leases).is_err() {
         return;
@@ -212,8 +197,7 @@ pub fn note_all(leases: &Path, hs: Vec<Holding>) {
     if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases) {
         let mut changed = false;
         for h in hs {
-            // Listed already as it is (announced before the lock was
-            // taken): nothing to write for it.
+            // Listed already as it is (announced before the lock was taken): nothing to write.
             let same = |o: &Holding| {
                 (&o.lockfile, o.mode, o.awaits, o.reading, &o.command)
                     == (&h.lockfile, h.mode, h.awaits, h.reading, &h.command)
@@ -236,9 +220,8 @@ pub fn forget(leases: &Path, lockfile: &str) {
     forget_all(leases, &[lockfile]);
 }
 
-/// Set once the process is about to end and retire its leases: locks it
-/// lets go of are no longer taken out of its lease first (a reader judges
-/// each listed lock by the lock itself: one listed too long never shows held).
+/// Set when the process is about to end and retire its leases: locks it drops stay listed (a
+/// reader judges each listed lock by the lock itself, so one listed too long never shows held).
 static ENDING: AtomicBool = AtomicBool::new(false);
 
 /// Marks the process as ending (see `ENDING`).
@@ -306,13 +289,11 @@ fn create(dir: &Path) -> io::Result<Lease> {
     )))
 }
 
-/// Opens the leases directory, made by the store's first lease (a missing
-/// root or locks directory is an error). A symlink in its place is refused:
-/// the lease would be made wherever it points.
+/// Opens the leases directory, made by the store's first lease (a missing root or locks directory
+/// is an error). A symlink in its place is refused: the lease would be made wherever it points.
 fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
-    // Only an anchor for the lease's path: `O_PATH` opens nothing on a
-    // server (no OPENDIR/RELEASEDIR on a shared filesystem). No component
-    // is followed if a link, not even `locks` (planted::open).
+    // Only an anchor for the lease's path: `O_PATH` opens nothing on the server (no OPENDIR or
+    // RELEASEDIR). No component, not even `locks`, is followed if a link (planted::open).
     let open_dir = || crate::planted::open(dir, libc::O_PATH | libc::O_DIRECTORY, 0);
     match open_dir() {
         Err(e) if e.kind() == io::ErrorKind::NotFound => match make_leases_dir(dir) {
@@ -329,8 +310,7 @@ fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
     })
 }
 
-/// Makes the leases directory in `locks`, reached without following a
-/// link in any component.
+/// Makes the leases directory in `locks`, following no link in any component.
 fn make_leases_dir(dir: &Path) -> io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let (Some(locks), Some(name)) = (dir.parent(), dir.file_name()) else {
@@ -343,12 +323,10 @@ fn make_leases_dir(dir: &Path) -> io::Result<()> {
     crate::error::cvt(unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o777) }).map(drop)
 }
 
-/// Creates the file `path` and locks it, if it is fresh and stays ours:
-/// `None` if another name is to be tried.
+/// Creates and locks the file `path` if it is fresh and stays ours; `None`: try another name.
 fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
     let began = boot_time();
-    // Written through on a shared filesystem: other hosts read it to name
-    // holders, and a client may keep writes back for long.
+    // Written through where shared: other hosts read it to name holders; a client may delay writes.
     match lock::create_locked_with(path, lock::write_through_flag())? {
         // A maker that took half the grace to lock its fresh file (stopped,
         // starved) may have had it cleaned away: it checks, as takers do.
@@ -365,12 +343,10 @@ fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
     }
 }
 
-/// The lease held by `guard`. Its identity is written with the first lock
-/// it lists ([`note`], or [`introduce`]): one write, not two. Until then a
-/// prober leaves it alone (a lease nobody wrote is its maker's).
+/// The lease held by `guard`; its identity is written with the first lock it lists ([`note`],
+/// [`introduce`]): one write, not two. Probers leave it until then (unwritten, it is its maker's).
 fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::File) -> Lease {
-    // The leases of the execs this process runs inside (nested.rs): what
-    // lets `lock-status --why` follow a wait through a nested call.
+    // Leases of the execs we run inside (nested.rs), so `lock-status --why` follows nested calls.
     let within = std::env::var(crate::env::EXEC_LEASES).unwrap_or_default();
     let text = format!(
         "host={}\npid={}\npid_ns={}\nstart={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\nwithin={}\n",
@@ -406,11 +382,10 @@ pub fn pid_namespace() -> Option<String> {
         .map(|p| p.to_string_lossy().into_owned())
 }
 
-/// How long a lease nobody wrote is left to a maker that may be about to
-/// lock it, where its maker cannot be known gone (another host or pid
-/// namespace): 10 minutes. A maker that takes half that checks its file
-/// ([`lock_fresh`]), so the slack covers clocks running at different rates;
-/// the age is by the filesystem's clock on both ends ([`clean_listed`]).
+/// How long an unwritten lease is left to a maker that may be about to lock it, where the maker
+/// cannot be known gone (another host or pid namespace): 10 minutes. A maker that takes half that
+/// checks its file ([`lock_fresh`]), so the slack covers clocks running at different rates; the
+/// age is by the filesystem's clock on both ends ([`clean_listed`]).
 fn unwritten_grace() -> std::time::Duration {
     let ms = std::env::var(crate::env::DEBUG_UNWRITTEN_LEASE_MS)
         .ok()
@@ -419,16 +394,14 @@ fn unwritten_grace() -> std::time::Duration {
     std::time::Duration::from_millis(ms)
 }
 
-/// This host's time since boot, suspend included (a stopped process's
-/// clock runs on).
+/// This host's time since boot, suspend included (a stopped process's clock runs on).
 fn boot_time() -> std::time::Duration {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
         .map(|t| std::time::Duration::new(t.tv_sec() as u64, t.tv_nsec() as u32))
         .unwrap_or_default()
 }
 
-/// When the file's status last changed (ctime), by the filesystem's clock:
-/// never set by a client, never earlier than the file's creation.
+/// The file's ctime, by the filesystem's clock: set by no client, never before the file's creation.
 fn changed(m: &fs::Metadata) -> Option<std::time::SystemTime> {
     let secs = u64::try_from(m.ctime()).ok()?;
     let nanos = u32::try_from(m.ctime_nsec()).ok()?;
@@ -441,11 +414,10 @@ fn pid_namespace_number() -> Option<u64> {
     ns.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
 }
 
-/// Whether the maker of a lease never written is known to be gone: its name
-/// says it was made on this host, in this boot and pid namespace, by a pid
-/// that no longer exists (a pid reused since keeps it until that ends too).
-/// Anything else may be a maker between its create and its lock, which a
-/// prober must not unlink ([`lock::create_locked_with`]).
+/// Whether an unwritten lease's maker is known gone: its name says this host, boot and pid
+/// namespace, and a pid that no longer exists (a pid reused since keeps it until that ends too).
+/// Anything else may be a maker between its create and its lock, which a prober must not unlink
+/// ([`lock::create_locked_with`]).
 fn unwritten_maker_gone(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(SUFFIX) else {
         return false;
@@ -467,8 +439,7 @@ fn unwritten_maker_gone(name: &str) -> bool {
             == Err(nix::errno::Errno::ESRCH)
 }
 
-/// A host name as a file name component: no '/', no control characters,
-/// bounded length.
+/// A host name as a file name component: no '/', no control characters, bounded length.
 fn safe_part(s: &str) -> String {
     let safe = |c: char| c.is_ascii_alphanumeric() || c == '.' || c == '_';
     let out: String = s
@@ -486,8 +457,7 @@ fn random() -> u64 {
     if n == buf.len() as isize {
         return u64::from_ne_bytes(buf);
     }
-    // No entropy yet (early boot): time and pid still make a fresh name,
-    // and a clash only costs a retry.
+    // No entropy yet (early boot): time and pid still make a fresh name; a clash costs a retry.
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -495,8 +465,7 @@ fn random() -> u64 {
     t ^ (u64::from(std::process::id()) << 32)
 }
 
-/// The most of a lease file that is read: an identity is a few hundred
-/// bytes, a command line at most a few KiB.
+/// The most of a lease file read: an identity is a few hundred bytes, a command line a few KiB.
 const IDENTITY_MAX: u64 = 64 * 1024;
 
 /// What a lease file says of its owner.
@@ -507,26 +476,22 @@ pub struct Identity {
     pub user: String,
     pub command: String,
     pub since: Option<crate::clock::Millis>,
-    /// The owner's boot and pid namespace: its pid is one of this kernel's,
-    /// as this namespace sees it, only where both are ours.
+    /// The owner's boot and pid namespace: its pid is as we number pids only where both are ours.
     pub boot_id: Option<String>,
     pub pid_ns: Option<String>,
-    /// The owner's start, in clock ticks since boot (`/proc/PID/stat`):
-    /// what tells the owner from a later process given its pid.
+    /// Owner's start, in ticks since boot (`/proc/PID/stat`): tells it from later users of its pid.
     pub start: Option<u64>,
     /// What the owner holds and awaits, as it listed it.
     pub holdings: Vec<Holding>,
     /// The leases of the execs the owner runs inside, outermost first.
     pub within: Vec<String>,
-    /// The lease file's device and inode when it was read: what finds the
-    /// lease's entry in a lock table read later, even once it is unlinked.
+    /// The lease file's device and inode as read: they find its table entry even once unlinked.
     pub file: Option<(u64, u64)>,
 }
 
 impl Identity {
-    /// Whether the process this namespace sees as `pid` (on this host and
-    /// boot) is the lease's owner, judged by its start: `None` where that
-    /// cannot be told (another host or boot, a lease without its start).
+    /// Whether the process we see as `pid` (on this host and boot) is the lease's owner, by its
+    /// start: `None` where that cannot be told (another host or boot, a lease without its start).
     pub fn owner_is(&self, pid: u32) -> Option<bool> {
         let me = crate::ident::Me::current();
         if self.host != me.host || self.boot_id.is_none() || self.boot_id != me.boot_id {
@@ -536,8 +501,7 @@ impl Identity {
         Some(crate::ident::start_time(pid) == Some(start))
     }
 
-    /// Whether the owner's pid means the same process to this one: same
-    /// host, boot and pid namespace.
+    /// Whether the owner's pid means the same process to us: same host, boot and pid namespace.
     pub fn pid_is_ours(&self) -> bool {
         let me = crate::ident::Me::current();
         self.host == me.host
@@ -553,9 +517,8 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
     if !valid_name(name) {
         return None;
     }
-    // A file planted under a lease's name may be a FIFO (which would block
-    // this look for good), a symlink, a huge file: only a regular file is
-    // read, never waited on, and only as much as an identity can take.
+    // A file planted under a lease's name may be a FIFO (blocking this look for good), a symlink or
+    // a huge file: only a regular file is read, never waited on, and at most an identity's worth.
     let file = fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
@@ -656,11 +619,10 @@ fn valid_name(name: &str) -> bool {
     name.ends_with(SUFFIX) && !name.contains('/') && !name.starts_with('.')
 }
 
-/// Unlinks the leases of owners that are gone, each under its exclusive
-/// lock (a fresh file's owner that loses it to us retries), but those
-/// `keep` says yes to: a dead lease that may still name a holder
-/// (`holders::Look::clean_leases`). Returns how many went. Call under the
-/// global lock, where no other stowage probes.
+/// Unlinks the leases of gone owners, each under its exclusive lock (a fresh file's owner that
+/// loses it to us retries), except those `keep` accepts: dead leases that may still name a holder
+/// (`holders::Look::clean_leases`). Returns how many went. Call under the global lock, where no
+/// other stowage probes.
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     let l = listing(leases);
     l.dir
@@ -668,19 +630,17 @@ pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize
         .map_or(0, |dir| clean_listed(dir, &l.names, keep))
 }
 
-/// [`clean_keeping`] of the leases `names` a listing of `dir` found. Every
-/// file is reached through the descriptor that refused a symlink in the
-/// directory's place ([`listing`]): no swap can steer the unlinks elsewhere.
+/// [`clean_keeping`] of the leases `names` a listing of `dir` found, reached through the descriptor
+/// that refused a symlink in its place ([`listing`]): no swap steers the unlinks elsewhere.
 pub fn clean_listed(
     dir: &crate::dir::Dir,
     names: &[String],
     keep: &mut dyn FnMut(&str) -> bool,
 ) -> usize {
     let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
-    // The filesystem's time now, or earlier: the latest change of the
-    // directory (every lease made or unlinked is one), or of our own lease.
-    // By ctime, as for the lease judged: only the filesystem sets it, unlike
-    // mtime (`touch -d`; an NFS exclusive create parks its verifier there).
+    // The filesystem's time now or earlier: the latest ctime of the directory (changed by every
+    // lease made or unlinked) or of our own lease. ctime, as for the lease judged: only the
+    // filesystem sets it, unlike mtime (`touch -d`; NFS exclusive creates park a verifier there).
     let now = std::cell::OnceCell::new();
     let fs_now = || {
         *now.get_or_init(|| {

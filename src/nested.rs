@@ -1,25 +1,20 @@
 //! Nested calls: the holds of the `stowage exec` commands that run us.
 //!
-//! - Each exec names its lease in its command's environment
-//!   ([`crate::env::EXEC_LEASES`], outermost first, each appending its own).
-//!   A lock that a live lease named there lists is held by an enclosing
-//!   command, which waits for us: waiting for it would never end.
-//! - Judged by leases and the environment, never by a pid or a device
-//!   number: it holds in another pid namespace, on btrfs, and on a shared
-//!   filesystem alike. A stale name is harmless: its lease is dead.
-//! - An environment cleared on the way (`env -i`, sudo) names nothing:
-//!   then the live leases of our ancestors do, where a lease's pid means
-//!   the same process to us (same host, boot and pid namespace); and a
-//!   descriptor we inherited that locks a store file (`lock.rs`).
-//! - Looked at only when a lock is busy, or a hint asks: an uncontended
-//!   exec pays nothing for it.
+//! - Each exec appends its lease to its command's [`crate::env::EXEC_LEASES`] (outermost first).
+//!   A lock a live lease named there lists is held by an enclosing command, which waits for us:
+//!   waiting for it would never end.
+//! - Judged by leases and the environment, never a pid or device number, so it holds across pid
+//!   namespaces, on btrfs and on shared filesystems. A stale name is harmless: its lease is dead.
+//! - An environment cleared on the way (`env -i`, sudo) names nothing: then the live leases of
+//!   our ancestors do, where a lease's pid means the same process to us (same host, boot and pid
+//!   namespace); and so does an inherited descriptor that locks a store file (`lock.rs`).
+//! - Looked at only when a lock is busy or a hint asks: an uncontended exec pays nothing for it.
 
 use crate::lease::Holding;
 use crate::lock::Mode;
 use crate::root::Root;
 
-/// The value of [`crate::env::EXEC_LEASES`] for the command of an exec whose
-/// lease is `mine`.
+/// The value of [`crate::env::EXEC_LEASES`] for the command of an exec whose lease is `mine`.
 pub fn for_command(mine: Option<&str>) -> String {
     let outer = std::env::var(crate::env::EXEC_LEASES).unwrap_or_default();
     match (outer.is_empty(), mine) {
@@ -32,8 +27,7 @@ pub fn for_command(mine: Option<&str>) -> String {
 /// What the live leases of our enclosing execs list as held.
 pub fn enclosing_holds(root: &Root) -> Vec<Holding> {
     let Ok(named) = std::env::var(crate::env::EXEC_LEASES) else {
-        // No word from the environment (cleared on the way, or none):
-        // the leases of our ancestors, if any.
+        // No word from the environment (cleared on the way, or none): our ancestors' leases.
         return ancestor_holds(root);
     };
     let leases = root.leases();
@@ -51,8 +45,7 @@ pub fn enclosing_holds(root: &Root) -> Vec<Holding> {
         .collect()
 }
 
-/// How an enclosing exec holds the lock file `rel` (relative to `locks/`),
-/// if one does.
+/// How an enclosing exec holds the lock file `rel` (relative to `locks/`), if one does.
 pub fn enclosing_hold(root: &Root, rel: &str) -> Option<Mode> {
     enclosing_holds(root)
         .into_iter()
@@ -61,11 +54,9 @@ pub fn enclosing_hold(root: &Root, rel: &str) -> Option<Mode> {
         .max()
 }
 
-/// The holds of live leases whose owners are our ancestors: enclosing execs
-/// whose naming environment was cleared (`env -i`, sudo) and whose
-/// descriptors were not inherited (`--no-inherit`). A lease's pid counts
-/// only where it means the same process to us (same host, boot and pid
-/// namespace). Reads every lease: asked only when a hold would be waited for.
+/// The holds of live leases owned by our ancestors, by a pid that is ours (module doc): enclosing
+/// execs whose naming environment was cleared (`env -i`, sudo) and descriptors not inherited
+/// (`--no-inherit`). Reads every lease: asked only when a hold would be waited for.
 pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
     let ancestors = ancestors_of(std::process::id());
     if ancestors.is_empty() {
@@ -82,8 +73,7 @@ pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
         .collect()
 }
 
-/// The ancestors of the local process `pid`, parent first, up to (not
-/// including) init (from `/proc`; empty without it).
+/// The local process `pid`'s ancestors from `/proc`, parent first, init excluded (none without it).
 pub fn ancestors_of(pid: u32) -> Vec<u32> {
     let mut out = Vec::new();
     let mut pid = pid;
@@ -102,8 +92,7 @@ pub fn ancestors_of(pid: u32) -> Vec<u32> {
     out
 }
 
-/// Whether an enclosing exec holds the store-wide lock: we run inside a
-/// store-wide command.
+/// Whether an enclosing exec holds the store-wide lock: we run inside a store-wide command.
 pub fn inside_store_wide(root: &Root) -> bool {
     enclosing_hold(root, Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive)
 }
