@@ -1,18 +1,14 @@
-//! Why a process waits: the chain from a waiter to the process at its end
-//! (`lock-status --why`), or the cycle it is caught in.
+//! Why a process waits: the chain from a waiter to the process at its end (`lock-status --why`),
+//! or the cycle it is caught in.
 //!
-//! - **One step** is a party that waits: for a lock (its holders are the
-//!   next steps), or for a command it runs, inside which another party
-//!   waits (a nested `stowage exec`, a `flock(1)` in a build script).
-//! - **Blocked by** whoever holds the lock in a conflicting mode; a reader
-//!   of an image that is only read waits behind the writers queued ahead
-//!   of it (the gate).
-//! - **Inside** is told by the leases (each names, in `within`, the execs
-//!   whose `STOWAGE_EXEC_LEASES` it inherited), and for processes of this
-//!   host and pid namespace by their ancestry in `/proc` — which also
-//!   places the `flock(1)` users the kernel's lock table shows.
-//! - Built from one look ([`Look`]) and the reports gathered from it: no
-//!   lock is taken, nothing is waited for.
+//! - **One step** is a party waiting for a lock (its holders are the next steps) or for a command
+//!   it runs, inside which another waits (a nested `stowage exec`, a script's `flock(1)`).
+//! - **Blocked by** whoever holds the lock in a conflicting mode; a reader of an image that is
+//!   only read waits behind the writers queued ahead of it (the gate).
+//! - **Inside** is told by the leases (each names in `within` the execs whose
+//!   `STOWAGE_EXEC_LEASES` it inherited), and for processes of this host and pid namespace by
+//!   their ancestry in `/proc`, which also places the `flock(1)` users the lock table shows.
+//! - Built from one look ([`Look`]) and its reports: no lock is taken, nothing is waited for.
 
 use std::collections::HashMap;
 
@@ -65,8 +61,7 @@ impl Relation {
 pub struct Step {
     pub party: Party,
     pub relation: Relation,
-    /// What this step waits for; None for a step that waits on a command
-    /// it runs (the next step is inside it) or at the chain's end.
+    /// What this step waits for; None for a step waiting on a command it runs, or at a chain's end.
     pub waits_for: Option<Awaited>,
 }
 
@@ -151,8 +146,7 @@ impl Graph {
             .collect()
     }
 
-    /// The waiting party that is the local process `pid`, or runs inside
-    /// it, or that it runs inside (the pid of a build's process).
+    /// The waiter that is local process `pid`, runs inside it, or it runs inside (a build's pid).
     pub fn waiter_for_pid(&self, pid: u32, holders: &[Party]) -> Option<Party> {
         let local = |p: &Party| p.pid == Some(pid) && self.is_local(p);
         if let Some(w) = self.waiters.iter().find(|p| local(p)) {
@@ -178,8 +172,7 @@ impl Graph {
         }
     }
 
-    /// The waiting parties that run inside `holder`: nested execs whose
-    /// lease says so, and local processes below it.
+    /// Waiters inside `holder`: nested execs whose lease says so, and local processes below it.
     fn inside(&self, holder: &Party) -> Vec<Party> {
         let hkey = key(holder);
         self.waiters
@@ -201,8 +194,7 @@ impl Graph {
             .collect()
     }
 
-    /// Every chain from `start`, a waiting party: each branch where a lock
-    /// has several holders, at most `MAX_CHAINS`.
+    /// Every chain from waiter `start`, branching at locks with many holders; at most `MAX_CHAINS`.
     pub fn chains(&self, start: &Party) -> Vec<Chain> {
         let mut out = Vec::new();
         let first = Step {
@@ -250,8 +242,7 @@ impl Graph {
         }
     }
 
-    /// What `p` waits for next: a lock and its blockers, or the parties
-    /// waiting inside it. None at the end of a chain.
+    /// What `p` waits for: a lock and its blockers, or the waiters inside it; None ends the chain.
     fn next(&self, p: &Party) -> Option<(Option<Awaited>, Vec<Party>, Relation)> {
         if let Some((awaited, by)) = self.waits.get(&key(p)).and_then(|ws| ws.first()) {
             return Some((Some(awaited.clone()), by.clone(), Relation::Holder));
@@ -261,8 +252,7 @@ impl Graph {
     }
 }
 
-/// At most this many chains are followed from one waiter, each at most
-/// this long: a diagnosis, not a search of every path.
+/// At most this many chains from a waiter, each at most this long: a diagnosis, not a full search.
 const MAX_CHAINS: usize = 16;
 const MAX_STEPS: usize = 32;
 
@@ -314,8 +304,7 @@ pub fn advice(chain: &Chain) -> String {
     )
 }
 
-/// The process to end: a cycle's newest, which has done the least work;
-/// else the chain's last.
+/// The process to end: a cycle's newest, which has done the least work; else the chain's last.
 pub fn to_end(chain: &Chain) -> &Party {
     let from = chain.cycle_from.unwrap_or(chain.steps.len() - 1);
     let steps = chain.steps[from..].iter();
@@ -334,8 +323,7 @@ fn kill(p: &Party) -> String {
         (Some(pid), _) if p.pid_space == PidSpace::OtherNamespace => {
             format!(": in the pid namespace it runs in, kill {pid}")
         }
-        // This namespace's pid, whatever host name the holder runs under
-        // (a container of this host with a UTS namespace of its own).
+        // Our namespace's pid, whatever host name (a local container with its own UTS namespace).
         (Some(pid), _) if p.pid_space == PidSpace::Here => format!(": kill {pid}"),
         (Some(pid), Some(h)) if *h != crate::ident::Me::current().host => {
             format!(": on {h}, kill {pid}")

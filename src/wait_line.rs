@@ -1,15 +1,14 @@
-//! A wait you can follow: the line that says what a process waits for,
-//! kept up to date while it waits (docs/design.md, "A wait you can follow").
+//! A wait you can follow: the line saying what a process waits for, kept up to date while it
+//! waits (docs/design.md, "A wait you can follow").
 //!
-//! - On a terminal, rewritten in place every second, never wrapping, and
-//!   cleared however the wait ends: nothing half-written is left before the
-//!   command's output or an error.
+//! - On a terminal, rewritten in place every second, never wrapping, and cleared however the wait
+//!   ends: nothing half-written is left before the command's output or an error.
 //! - Elsewhere, the first line, then a plain one at most every [`LOG_EVERY`].
-//! - Holders and waiters are re-read (one look) at most every
-//!   [`REREAD_EVERY`]: a bounded cost on a shared filesystem.
+//! - Holders and waiters are re-read (one look) at most every [`REREAD_EVERY`]: a bounded cost on
+//!   a shared filesystem.
 //! - [`announce`] is the one place that prints "waiting for …".
-//! - A helper thread does it, so no wait loop needs to know; without one (a
-//!   pids limit) the first line is all there is, and with `-q` nothing.
+//! - A helper thread does it, so no wait loop needs to know; without one (a pids limit) the first
+//!   line is all there is, and with `-q` nothing.
 
 use std::io::{IsTerminal, Write};
 use std::sync::{Arc, Condvar, Mutex};
@@ -67,9 +66,8 @@ struct Line {
     host: String,
 }
 
-/// Says, before blocking, what a process waits for and who holds it
-/// ("stowage: waiting for write lock on image 'app': held (read) by …"),
-/// and keeps it up to date until the returned line is dropped.
+/// Says, before blocking, what a process waits for and who holds it ("stowage: waiting for write
+/// lock on image 'app': held (read) by …"), kept up to date until the returned line is dropped.
 pub fn announce(ctx: &Ctx, what: &str, holders: &str, reread: Option<Reread>) -> WaitLine {
     if ctx.quiet {
         return WaitLine::none();
@@ -169,8 +167,7 @@ impl Line {
     }
 }
 
-/// "held by pid 4121 on node07 (make all) for 3m12s" (the host only if
-/// another: a terminal's line is short).
+/// "held by pid 4121 on node07 (make all) for 3m12s", the host only if another (the line is short).
 fn holder(p: &Party, me: &str) -> String {
     let who = pid_on(p, "a process stowage cannot identify", Some(me), false);
     let mut s = format!("held by {who}{}", command_cut(p, 61));

@@ -69,8 +69,7 @@ pub struct Args {
     #[arg(long)]
     no_inherit: bool,
     /// The command and its arguments (after --)
-    // Only after `--`, as the contract writes it: a misspelled option is
-    // then an error rather than a command to run.
+    // Only after `--`, as the contract writes it: a misspelled option is an error, not a command.
     #[arg(value_name = "CMD", required = true, last = true)]
     command: Vec<OsString>,
 }
@@ -79,9 +78,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     crate::exec::run(store, &plan(args)?)
 }
 
-/// The command line's rules: which images, in which roles, the base and
-/// its lineage, the deadline. Everything that can be refused is refused
-/// here, before anything is locked or created.
+/// The command line's rules: which images in which roles, the base and its lineage, the deadline.
+/// All that can be refused is refused here, before anything is locked or created.
 fn plan(args: Args) -> Result<Plan> {
     if let Some(class) = &args.slot {
         crate::slots::validate_class(class)?;
@@ -95,8 +93,7 @@ fn plan(args: Args) -> Result<Plan> {
     if let Some(base) = &from {
         read_base_to_copy(base, &writes, &mut reads)?;
     }
-    // The base is locked for the copy; while the command runs only if the
-    // caller also asked to read it.
+    // The base is locked for the copy, and while the command runs only if also asked to read it.
     let keep_base = from.as_ref().is_some_and(|b| {
         args.read
             .iter()
@@ -158,8 +155,7 @@ fn refuse_two_roles(
     Ok(())
 }
 
-/// --from BASE: the one image written starts as a copy of BASE, which is
-/// read (locked shared) for the copy.
+/// --from BASE: the one image written starts as a copy of BASE, read (locked shared) for the copy.
 fn read_base_to_copy(
     base: &ImageName,
     writes: &[ImageName],
@@ -180,8 +176,7 @@ fn read_base_to_copy(
     Ok(())
 }
 
-/// Lineage: the --from image, else the one image read (shared or
-/// exclusively) by a one-image write.
+/// Lineage: the --from image, else the one image read (shared or exclusively) by a one-image write.
 fn lineage(
     from: Option<&ImageName>,
     reads: &[ImageName],

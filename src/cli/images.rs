@@ -32,8 +32,7 @@ struct ImageJson<'a> {
     /// What removing this image alone would free: its blocks that no other
     /// image shares (extra field; null when the size is unknown).
     exclusive_bytes: Option<u64>,
-    /// Of size_bytes, the bytes in extents shared with other files (reflink
-    /// clones); 0 on filesystems that cannot share.
+    /// Of size_bytes, the bytes in extents shared with other files (reflinks); 0 if unsupported.
     shared_bytes: Option<u64>,
 }
 
@@ -104,9 +103,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     Ok(0)
 }
 
-/// Shared extents between images, on a filesystem that can share them
-/// (reflink clones): what each image shares, and what removing it frees.
-/// Elsewhere nothing is shared and nothing is read.
+/// Shared extents between images on a filesystem that can share them (reflink clones): what each
+/// image shares, and what removing it frees. Elsewhere nothing is shared and nothing is read.
 struct Sharing {
     by_image: HashMap<String, disk_usage::Measure>,
     footprint: Option<disk_usage::Footprint>,

@@ -1,8 +1,7 @@
 //! `stowage lock-status`: who holds and awaits which lock.
 //!
-//! - One look (`holders::Look`): the leases, then the kernel's lock table
-//!   where locks are local, probes elsewhere; image states from their
-//!   records. Neither the global lock nor the catalog is touched.
+//! - One look (`holders::Look`): the leases, then the kernel's lock table where locks are local,
+//!   probes elsewhere; image states from their records. No global lock or catalog is touched.
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::OsString;
@@ -64,8 +63,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let mut missing_any = false;
     loop {
         let (fs, mut locks) = gather(store, &sel)?;
-        // An image asked for by name that has no row, and whose lock nobody
-        // holds or awaits, does not exist: say so rather than show it free.
+        // A named image with no row whose lock nobody holds or awaits does not exist: not free.
         let missing: Vec<String> = locks
             .iter()
             .filter(|l| {
@@ -194,8 +192,7 @@ pub struct PartyJson {
     pub since: Option<String>,
     /// False for a lock taken outside stowage.
     pub stowage: bool,
-    /// The file name of the party's lease under `ROOT/locks/leases`, which
-    /// proves it alive; null for an outsider.
+    /// Its lease's file name under `ROOT/locks/leases`, proving it alive; null for an outsider.
     pub lease: Option<String>,
 }
 
@@ -231,9 +228,8 @@ pub struct Selection {
     pub all: bool,
 }
 
-/// Gathers everything lock-status shows: the global lock, the image locks
-/// held or awaited (or selected), a store-wide hold, every slot class. No
-/// global lock and no catalog: the kernel, the leases and the records.
+/// Gathers everything lock-status shows: the global lock, the image locks held or awaited (or
+/// selected), a store-wide hold, every slot class, from the kernel, leases and records alone.
 pub fn gather(store: &mut Store, sel: &Selection) -> Result<(String, Vec<LockReport>)> {
     let root = store.root().clone();
     let fs_name = match root.filesystem() {
@@ -266,8 +262,7 @@ pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockRepo
 /// Image lock files by file name, with the name asked for, if any.
 type Files = BTreeMap<String, Option<String>>;
 
-/// The image lock files to look at: those leases list, those held by
-/// outsiders, those selected (every one with --all).
+/// The image lock files to look at: leased, held by outsiders, selected (every one with --all).
 fn image_lock_files(look: &Look, root: &Root, sel: &Selection) -> Result<Files> {
     let mut files = Files::new();
     for rel in look.leased_lockfiles() {
@@ -292,8 +287,7 @@ fn image_lock_files(look: &Look, root: &Root, sel: &Selection) -> Result<Files> 
     Ok(files)
 }
 
-/// The reports on `files` that are shown, by image name: the selected
-/// ones, and (unless images were named) every lock held or awaited.
+/// The reports shown, by image name: the selected, and every busy lock unless images were named.
 fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec<LockReport> {
     let named: HashSet<String> = sel
         .names
@@ -312,8 +306,7 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
     images
 }
 
-/// One image lock file's report, named by its record, else as asked, else
-/// by its file name decoded.
+/// An image lock file's report, named by its record, else as asked, else by its decoded file name.
 fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> LockReport {
     let path = root.image_locks().join(file);
     let seen = crate::lock::open_existing_read(&path)

@@ -1,6 +1,5 @@
-//! The command line. Parsing and dispatch live here, one file per command
-//! beside it; errors become one line on stderr and an exit code here and
-//! nowhere else.
+//! The command line: parsing and dispatch here, one file per command beside it; errors become one
+//! line on stderr and an exit code here and nowhere else.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -15,9 +14,8 @@ use crate::name::ImageName;
 use crate::root::{Root, Sharing};
 use crate::store::Store;
 
-/// `eprintln!` that never panics: with stderr gone (a closed pipe), an
-/// exec must still exit with its contract's code (66, 75, ...), not the
-/// 101 of a panic. Defined before the command modules, which use it too.
+/// `eprintln!` that never panics: with stderr gone (a closed pipe), an exec must still exit with
+/// its contract's code (66, 75, ...), not a panic's 101. Defined before the command modules.
 macro_rules! complain {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
@@ -100,10 +98,9 @@ enum Command {
 }
 
 impl Command {
-    /// Whether the command creates a missing root: those that write (`exec`,
-    /// `init`, `slots set`; `doctor --repair` sets up what it repairs). The
-    /// others say it is missing, `gc` and `rm` too: a mistyped root in a cron
-    /// job must not grow a store.
+    /// Whether the command creates a missing root: those that write (`exec`, `init`, `slots set`;
+    /// `doctor --repair` sets up what it repairs). The others, `gc` and `rm` too, say it is
+    /// missing: a mistyped root in a cron job must not grow a store.
     fn creates_root(&self) -> bool {
         match self {
             Command::Init(_) | Command::Exec(_) => true,
@@ -126,10 +123,8 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return parse_failure(e, &args),
     };
-    // SIGPIPE stays ignored (as the Rust runtime sets it): an exec must
-    // survive a reader gone to record its command's outcome, and a listing
-    // whose reader went away fails in one line, exit 1 ([`print`]), rather
-    // than die of a signal with nothing said.
+    // SIGPIPE stays ignored (as Rust sets it): an exec outlives a gone reader to record its
+    // outcome, and a listing whose reader left fails in one line, exit 1 ([`print`]), not silently.
     let result = run(cli);
     // Every lock of ours is closed by now: the lease goes too (one unlink).
     crate::lease::retire();
@@ -142,9 +137,8 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// What to do about a cause that says nothing of it itself: running out
-/// of file descriptors (a deep `--from` copy keeps two per level), which
-/// the line names only as "Too many open files".
+/// What to do about a cause that does not say it: out of file descriptors (a deep `--from` copy
+/// keeps two per level), which the line names only as "Too many open files".
 fn advice(err: &anyhow::Error) -> String {
     let errno = err
         .chain()
@@ -189,8 +183,7 @@ fn run(cli: Cli) -> Result<u8> {
         }
         _ => {}
     }
-    // Before anything is recorded: a clock given in the wrong unit would
-    // write times no later command can show.
+    // Before anything is recorded: a clock in the wrong unit would write times none can show.
     crate::clock::check_env()?;
     let mut root = Root::resolve(cli.root.as_deref())?;
     let sharing = root.check()?;
@@ -222,9 +215,8 @@ fn run(cli: Cli) -> Result<u8> {
     }
 }
 
-/// Writes `text` to standard output and flushes it: the one way commands
-/// print (clippy forbids `println!`, which panics). A failure to write (a
-/// full disk, a reader gone) is an error of one line, exit 1.
+/// Writes `text` to stdout and flushes it: the one way commands print (clippy forbids `println!`,
+/// which panics). A failed write (a full disk, a reader gone) is a one-line error, exit 1.
 pub(crate) fn print(text: &str) -> Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
@@ -233,9 +225,8 @@ pub(crate) fn print(text: &str) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("cannot write to standard output: {e}"))
 }
 
-/// The error chain on one line, outermost first, leaving out a cause whose
-/// words are already there (SQLite's errors repeat their message as their
-/// source: "database is locked: Error code 5: database is locked").
+/// The error chain on one line, outermost first, minus causes whose words are already there (SQLite
+/// repeats its message as the source: "database is locked: Error code 5: database is locked").
 fn one_line(err: &anyhow::Error) -> String {
     let mut line = String::new();
     for cause in err.chain() {
@@ -252,14 +243,12 @@ fn one_line(err: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    // One line, and nothing in it that drives the terminal (a name may
-    // hold an escape sequence).
+    // One line, and nothing in it that drives the terminal (a name may hold an escape sequence).
     crate::ident::printable(&line.replace('\n', " ")).into_owned()
 }
 
-/// Help and version go to stdout with exit 0; anything else is a usage
-/// error, exit 64: one line saying what is wrong, with clap's suggestion
-/// for a typo. A command given to `exec` without `--` gets the fix spelled out.
+/// Help and version go to stdout, exit 0; anything else is a usage error, exit 64, in one line with
+/// clap's typo suggestion; a command given to `exec` without `--` gets the fix spelled out.
 fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     use clap::error::{ContextKind, ErrorKind};
     match e.kind() {
@@ -304,10 +293,9 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     ExitCode::from(error::code::USAGE)
 }
 
-/// The two mistakes whose clap message points elsewhere: an option whose
-/// value was forgotten just before `--` (clap takes `--` as the value and
-/// then blames the command), and an option of a subcommand given before
-/// the subcommand's name (clap names the option's value as the command).
+/// The two mistakes clap's message misplaces: an option's value forgotten just before `--` (clap
+/// takes `--` as the value, then blames the command), and a subcommand's option given before its
+/// name (clap names the option's value as the command).
 fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
     let words: Vec<String> = args
         .iter()
@@ -427,9 +415,8 @@ fn command_before_dashes(args: &[OsString], at: usize, arg: &str) {
     }
 }
 
-/// The index in `args` of the command's first word as exec parses it,
-/// when it was given without `--`: the first word after `exec` (at `at`)
-/// that is neither an option nor an option's value.
+/// The index in `args` of the command's first word as exec parses it when given without `--`: the
+/// first word after `exec` (at `at`) that is neither an option nor an option's value.
 fn command_start(args: &[OsString], at: usize) -> Option<usize> {
     let cli = Cli::command();
     let exec = cli.find_subcommand("exec")?;
@@ -451,8 +438,7 @@ fn command_start(args: &[OsString], at: usize) -> Option<usize> {
 /// Any other usage error in one line: what, clap's suggestion, where help is.
 fn usage_error(e: &clap::Error, sub: Option<&(String, usize)>) -> String {
     use clap::error::{ContextKind, ErrorKind};
-    // clap's first paragraph says what is wrong (sometimes over several
-    // lines); usage and tips follow. Keep it to one line.
+    // clap's first paragraph says what is wrong (maybe over several lines); usage and tips follow.
     let text = e.render().to_string();
     let what: Vec<&str> = text
         .lines()
@@ -480,9 +466,8 @@ fn usage_error(e: &clap::Error, sub: Option<&(String, usize)>) -> String {
 /// exec's usage, for the mistakes made with it (one line, as every error).
 const EXEC_USAGE: &str = "usage: stowage exec [OPTIONS] -- CMD [ARG]...";
 
-/// The subcommand named on the command line and its index: the first
-/// argument that is neither a global option nor its value, if it names a
-/// subcommand (after a misplaced `--write app`, `app` is no subcommand).
+/// The subcommand named on the command line and its index: the first argument that is neither a
+/// global option nor its value, if it names one (after a misplaced `--write app`, `app` is none).
 fn subcommand(args: &[OsString]) -> Option<(String, usize)> {
     let mut i = 1;
     while i < args.len() {
@@ -507,13 +492,11 @@ fn names(raw: &[OsString]) -> Result<Vec<ImageName>> {
         .collect()
 }
 
-/// The longest bounded wait accepted: ten years. Anything longer is surely
-/// a mistake; waiting forever is the default.
+/// The longest bounded wait accepted: ten years. More is surely a mistake; forever is the default.
 const MAX_WAIT_SECS: f64 = 10.0 * 365.0 * 86_400.0;
 
-/// Parses a time given on the command line (`--wait`, `--watch`): seconds,
-/// fractional allowed (`2.5`), as the contract writes it, or with a unit
-/// (`500ms`, `10s`, `1.5m`, `2h`, `1d`). Finite, not negative.
+/// Parses a command-line time (`--wait`, `--watch`): seconds, fractional allowed (`2.5`) as the
+/// contract writes it, or with a unit (`500ms`, `10s`, `1.5m`, `2h`, `1d`). Finite, not negative.
 fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
     let bad = || {
         Error::Usage(format!(
@@ -568,11 +551,9 @@ fn deadline(wait: Option<&str>, no_wait: bool) -> Result<(Option<Instant>, bool)
     }
 }
 
-/// Rows as left-aligned columns, two spaces apart; the last column is not
-/// padded, and no line ends in spaces.
+/// Rows as left-aligned columns two spaces apart; the last is not padded, no line ends in spaces.
 fn table<const N: usize>(rows: &[[String; N]]) -> String {
-    // A cell may hold what a forged record says (a base, a class): one
-    // row a line, and nothing that drives the terminal.
+    // A cell may hold a forged record's text (a base): one row a line, no terminal control codes.
     let rows: Vec<[std::borrow::Cow<str>; N]> = rows
         .iter()
         .map(|r| std::array::from_fn(|i| crate::ident::printable(&r[i])))

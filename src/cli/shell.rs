@@ -1,13 +1,11 @@
-//! What a shell and `man` need from the command line: completion scripts
-//! (`stowage completions SHELL`) and manual pages (`stowage man DIR`, used
-//! by `scripts/install`), both generated from the clap definitions.
+//! What a shell and `man` need from the command line: completion scripts (`stowage completions
+//! SHELL`) and manual pages (`stowage man DIR`, used by `scripts/install`), both generated from
+//! the clap definitions.
 //!
-//! - Completion is dynamic: the script calls stowage back with the words
-//!   typed so far (`_STOWAGE_COMPLETE`), so image names and slot classes
-//!   come from the store.
-//! - That callback never waits, writes or creates a root: it reads the
-//!   database read-only with a busy timeout of zero, and offers nothing
-//!   while a writer is inside.
+//! - Completion is dynamic: the script calls stowage back with the words typed so far
+//!   (`_STOWAGE_COMPLETE`), so image names and slot classes come from the store.
+//! - That callback never waits, writes or creates a root: it reads the database read-only with a
+//!   busy timeout of zero, and offers nothing while a writer is inside.
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -44,8 +42,7 @@ pub fn write_completions(shell: &str, out: &mut dyn Write) -> Result<()> {
             .into());
         }
     };
-    // The script calls whichever stowage is on PATH, so it stays right
-    // across upgrades (the callback protocol is the binary's own).
+    // The script calls the stowage on PATH: right across upgrades (the binary owns the protocol).
     completer
         .write_registration(crate::env::COMPLETE, "stowage", "stowage", "stowage", out)
         .context("cannot write the completion script")
@@ -102,8 +99,7 @@ fn write_page(cmd: &Command, name: &str, dir: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// One line of text for a no-fill block: backslashes and hyphens escaped,
-/// and a leading `.` or `'` kept from reading as a request.
+/// A no-fill block's line: `\` and `-` escaped, a leading `.` or `'` kept from being a request.
 fn roff_line(line: &str) -> String {
     let escaped = line.replace('\\', "\\e").replace('-', "\\-");
     if escaped.starts_with('.') || escaped.starts_with('\'') {
@@ -197,8 +193,7 @@ enum Names {
     Classes,
 }
 
-/// Names for completion, from the records and the slot classes' files:
-/// read without any lock or waiting, and never creating anything.
+/// Names to complete, from the records and slot class files: no lock, no wait, nothing created.
 fn names(which: Names) -> Vec<CompletionCandidate> {
     let Some(root) = completion_root() else {
         return Vec::new();
@@ -223,8 +218,7 @@ fn names(which: Names) -> Vec<CompletionCandidate> {
     found.into_iter().map(CompletionCandidate::new).collect()
 }
 
-/// The root the command line being completed names (`--root DIR` or
-/// `--root=DIR` among the words), else the usual default. Never created.
+/// The root the completed line names (`--root DIR`, `--root=DIR`), else the default; never created.
 fn completion_root() -> Option<Root> {
     // The callback's arguments: `stowage -- stowage [WORD...]`.
     let words: Vec<OsString> = std::env::args_os()

@@ -1,6 +1,5 @@
-//! `stowage lock-status --why IMG|PID`: the chain of waits from a waiter
-//! to the process at its end, or the cycle it is caught in
-//! (`wait_chain.rs`), from one look.
+//! `stowage lock-status --why IMG|PID`: the chain of waits from a waiter to the process at its
+//! end, or the cycle it is caught in (`wait_chain.rs`), from one look.
 
 use std::ffi::OsStr;
 
@@ -27,8 +26,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
     store.require_root()?;
     let root = store.root().clone();
     let look = Look::new(store.ctx());
-    // Every lock held or awaited (a chain goes where it goes), and the one
-    // asked about, even if free.
+    // Every lock held or awaited (a chain goes where it goes) and the one asked, even if free.
     let mut reports = super::lock_status::reports(&look, &root, &Selection::default())?;
     if let Target::Image(n) = &target
         && !reports.iter().any(|r| is_image(r, n))
