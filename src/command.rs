@@ -1,14 +1,13 @@
-//! The command an exec runs: its environment, how it gets the locks
-//! (inherited descriptors, or a keeper that holds them for it), the umask it
-//! starts with, waiting for it, and its exit code.
+//! The command an exec runs: its environment, how it gets the locks (inherited descriptors, or a
+//! keeper that holds them for it), the umask it starts with, waiting for it, and its exit code.
 //!
 //! Invariants:
-//! - The lock descriptors are inheritable only for the moment of the spawn
-//!   (no other thread spawns meanwhile), so nothing else we start gets them.
-//! - With `--no-inherit` the keeper holds them and ends the command's whole
-//!   tree before they go (`keeper.rs`).
-//! - Termination signals are routed to the command (or its keeper) from the
-//!   moment it exists (`signals.rs`); a signal before that stops the start.
+//! - The lock descriptors are inheritable only for the moment of the spawn (no other thread spawns
+//!   meanwhile), so nothing else we start gets them.
+//! - With `--no-inherit` the keeper holds them and ends the command's whole tree before they go
+//!   (`keeper.rs`).
+//! - Termination signals are routed to the command (or its keeper) from the moment it exists
+//!   (`signals.rs`); a signal before that stops the start.
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
@@ -17,10 +16,9 @@ use crate::error;
 use crate::keeper::Keeper;
 use crate::signals::{Forwarder, Target};
 
-/// Starts the command. By default it inherits the lock descriptors (made
-/// inheritable by `set_inheritable` for the moment of the spawn), like
-/// flock(1); with `no_inherit` a keeper holds them (`lock_fds`), hides them
-/// from the command, and ends the command's whole tree before they go
+/// Starts the command. By default it inherits the lock descriptors (made inheritable by
+/// `set_inheritable` for the moment of the spawn), like flock(1); with `no_inherit` a keeper holds
+/// them (`lock_fds`), hides them from the command, and ends its whole tree before they go
 /// ([`crate::keeper`]). `Ok(Err(sig))`: a termination signal came first.
 pub fn start(
     signals: &Forwarder,
@@ -52,10 +50,9 @@ pub fn start(
     Ok(started.map(|pid| (pid, keeper)))
 }
 
-/// Runs `f` with the process umask set to `umask` (when given), restoring
-/// ours after. posix_spawn cannot set a child's umask, so the command of a
-/// group-shared store gets the caller's mask back this way for the moment
-/// of the spawn; no other thread creates files meanwhile.
+/// Runs `f` with the process umask set to `umask` (when given), restoring ours after. posix_spawn
+/// cannot set a child's umask, so the command of a group-shared store gets the caller's mask back
+/// this way for the moment of the spawn; no other thread creates files meanwhile.
 fn with_umask<T>(umask: Option<u32>, f: impl FnOnce() -> T) -> T {
     // SAFETY: umask(2) cannot fail; it only swaps the process's mask.
     let ours = umask.map(|m| unsafe { libc::umask(m as libc::mode_t) });
@@ -80,8 +77,7 @@ pub fn wait(
     }
 }
 
-/// The exit code of an exec: the command's, or 128+N for a death by
-/// signal N (real-time signals included).
+/// The exit code of an exec: the command's, or 128+N for a death by signal N (real-time included).
 pub fn exit_code(status: &std::process::ExitStatus) -> u8 {
     match (status.code(), status.signal()) {
         (Some(c), _) => c as u8,
@@ -90,8 +86,7 @@ pub fn exit_code(status: &std::process::ExitStatus) -> u8 {
     }
 }
 
-/// How a command that did not succeed ended, as a record says it:
-/// `exit 2`, `signal 15`.
+/// How a command that did not succeed ended, as a record says it: `exit 2`, `signal 15`.
 pub fn describe(status: &std::process::ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exit {c}"),
@@ -100,10 +95,9 @@ pub fn describe(status: &std::process::ExitStatus) -> String {
     }
 }
 
-/// The command's environment: ours, without any `STOWAGE_*` variable that
-/// this exec sets or that describes images (`STOWAGE_IMAGE_DIR` of an outer
-/// exec would name another image), then the ones this exec means, once
-/// each. Programs read the first of duplicate entries, so a caller's
+/// The command's environment: ours, without any `STOWAGE_*` variable that this exec sets or that
+/// describes images (`STOWAGE_IMAGE_DIR` of an outer exec would name another image), then the ones
+/// this exec means, once each. Programs read the first of duplicate entries, so a caller's
 /// `STOWAGE_ROOT` left in would win over `--root`.
 pub fn environment(
     ours: impl Iterator<Item = (OsString, OsString)>,

@@ -1,10 +1,8 @@
-//! One `stowage exec`, from a validated plan to the exit code: acquire
-//! the locks (`session.rs`), clone the base for `--from`, run the command
-//! (`command.rs`), record its outcome, release. Or, for `--store-wide`,
-//! the same around a store-wide hold (`store_wide.rs`).
+//! One `stowage exec`, from a validated plan to the exit code: acquire the locks (`session.rs`),
+//! clone the base for `--from`, run the command (`command.rs`), record its outcome, release. Or,
+//! for `--store-wide`, the same around a store-wide hold (`store_wide.rs`).
 //!
-//! The command line's rules live in `cli/exec.rs`, which builds the
-//! [`Plan`]; nothing here parses arguments.
+//! `cli/exec.rs` holds the command line's rules and builds the [`Plan`]; nothing here parses them.
 
 use std::ffi::OsString;
 use std::time::Instant;
@@ -25,13 +23,11 @@ pub struct Plan {
     pub locks: Locks,
     /// Start the single written image as a copy of this image.
     pub from: Option<ImageName>,
-    /// Keep `from` read-locked while the command runs (it was also named
-    /// with `--read`); otherwise its lock goes after the copy.
+    /// Keep `from` read-locked for the command (also named with `--read`), not just the copy.
     pub keep_base: bool,
     /// The command and its arguments.
     pub argv: Vec<OsString>,
-    /// The command does not inherit the lock descriptors; a keeper holds
-    /// them.
+    /// The command does not inherit the lock descriptors; a keeper holds them.
     pub no_inherit: bool,
     /// Exit with this instead of 75 when a lock is busy past the deadline.
     pub conflict_exit_code: Option<u8>,
@@ -90,9 +86,8 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         &lock_fds,
         &|inherit| session.set_inheritable(inherit),
     );
-    // If the command never starts, the start is undone — unless a copy
-    // from the base already changed the image: then it is incomplete, like
-    // any write that did not finish.
+    // If the command never starts, the start is undone — unless a copy from the base already
+    // changed the image: then it is incomplete, like any unfinished write.
     let undo = |session: Session, store: &mut Store| {
         if from.is_some() {
             session.finish(store, Outcome::Failure("the command never started".into()))
@@ -123,9 +118,8 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     record_outcome(store, session, &status, &written)
 }
 
-/// The command's end could not be known (its keeper gone): a failure, or,
-/// if a termination signal was passed on to it (or came meanwhile), 128+N
-/// as for any exec such a signal cut short — its tree is gone either way.
+/// The command's end is unknown (its keeper gone): a failure, or 128+N if a termination signal was
+/// passed on (or came meanwhile), as for any exec it cut short; its tree is gone either way.
 fn wait_failed(e: std::io::Error) -> anyhow::Error {
     let e = anyhow::Error::new(e).context("cannot wait for the command");
     match crate::signals::passed_on().or_else(crate::signals::cancelled) {
@@ -134,9 +128,8 @@ fn wait_failed(e: std::io::Error) -> anyhow::Error {
     }
 }
 
-/// `--from`: makes the written image a copy of the base, then lets the base
-/// go unless the command is to read it too. A failed copy leaves the image
-/// incomplete, never ready.
+/// `--from`: makes the written image a copy of the base, then lets the base go unless the command
+/// is to read it too. A failed copy leaves the image incomplete, never ready.
 fn copy_base(
     store: &mut Store,
     mut session: Session,
@@ -145,14 +138,12 @@ fn copy_base(
     target: &ImageName,
 ) -> Result<Session> {
     if let Err(e) = session.clone_into(store, base, target) {
-        // A half-made copy must never look ready.
         let _ = session.finish(
             store,
             Outcome::Failure("the copy from its base failed".into()),
         );
-        // Stopped by a termination signal (wherever the walk noticed
-        // it, even inside an I/O error): exit 128+N, like any signal
-        // before the command starts.
+        // Stopped by a termination signal (wherever the walk noticed it, even inside an I/O error):
+        // exit 128+N, like any signal before the command starts.
         if let Some(sig) = crate::signals::cancelled()
             && error::typed(&e).is_none()
         {
@@ -187,8 +178,7 @@ fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsStr
     command::environment(std::env::vars_os(), &images)
 }
 
-/// The value of [`crate::env::EXEC_LEASES`] for our command: the enclosing
-/// execs' leases and ours.
+/// The value of [`crate::env::EXEC_LEASES`] for our command: the enclosing execs' leases and ours.
 fn enclosing(store: &Store) -> String {
     let mine = crate::lease::mine(&store.root().leases()).ok();
     crate::nested::for_command(mine.as_deref())
@@ -211,8 +201,8 @@ fn record_outcome(
     let full = failed_write
         .then(|| full_note(session.images_dir()))
         .flatten();
-    // The lease goes with the process: what it lists need not be taken out
-    // lock by lock (one write less, a request to the server on NFS).
+    // The lease goes with the process: what it lists need not be taken out lock by lock (one write
+    // less, a request to the server on NFS).
     crate::lease::ending();
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
@@ -230,9 +220,8 @@ fn record_outcome(
     Ok(code)
 }
 
-/// "its filesystem full (12 KiB free in /img): free space with 'stowage
-/// rm' or 'stowage gc'" — when a failed writer left the images directory's
-/// filesystem (nearly) full, which is then the likely cause.
+/// When a failed writer left the images directory's filesystem (nearly) full, the likely cause: a
+/// note saying so, and how to free space.
 fn full_note(images_dir: &std::path::Path) -> Option<String> {
     let free = crate::space::free_bytes(images_dir)?;
     // Less than a reserve's worth: no build can write there.
@@ -245,8 +234,8 @@ fn full_note(images_dir: &std::path::Path) -> Option<String> {
     })
 }
 
-/// A start refused with `e`: a busy lock exits with `--conflict-exit-code`
-/// when one was given (after saying why), anything else is the error.
+/// A start refused with `e`: a busy lock exits with `--conflict-exit-code` if given (after saying
+/// why), anything else is the error.
 fn refused(store: &Store, plan: &Plan, e: anyhow::Error) -> Result<u8> {
     if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), plan.conflict_exit_code) {
         store.ctx().say(&format!("{e:#}"));
@@ -280,8 +269,7 @@ fn run_store_wide(
         let images = [
             (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
             (crate::env::IMAGES_DIR, images_dir?.into_os_string()),
-            // A stowage inside the command tells by it that it runs inside
-            // the hold (its lease lists store.lock).
+            // Tells a stowage in the command it runs inside the hold (its lease lists store.lock).
             (crate::env::EXEC_LEASES, enclosing(store).into()),
         ];
         let env = command::environment(std::env::vars_os(), &images);

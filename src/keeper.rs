@@ -1,25 +1,21 @@
-//! The keeper: runs the command for `exec --no-inherit`, so that no process
-//! of its tree outlives the locks (docs/design.md, "Inheritance and
-//! `--no-inherit`"; docs/reliability.md, "`--no-inherit`: descendants
-//! outliving the locks").
+//! The keeper: runs the command for `exec --no-inherit`, so that no process of its tree outlives
+//! the locks (docs/design.md, "Inheritance and `--no-inherit`"; docs/reliability.md,
+//! "`--no-inherit`: descendants outliving the locks").
 //!
-//! - PR_SET_PDEATHSIG and signal forwarding reach one process only, so
-//!   stowage re-executes itself as the keeper: single-threaded (may fork
-//!   freely), holding the lock descriptors (the command does not), a child
-//!   subreaper (orphans of the tree become its children), leading its own
-//!   group (a `kill -9 -PGID` of stowage's leaves it) while the command stays
-//!   in stowage's group (the terminal treats it as before).
+//! - PR_SET_PDEATHSIG and signal forwarding reach one process only, so stowage re-executes itself
+//!   as the keeper: single-threaded (may fork freely), holding the lock descriptors (the command
+//!   does not), a child subreaper (orphans of the tree become its children), leading its own group
+//!   (a `kill -9 -PGID` of stowage's leaves it) while the command stays in stowage's group (the
+//!   terminal treats it as before).
 //! - Its status is reported only once every process of the tree has exited.
-//! - A forwarded termination signal goes to the command, once it is gone to
-//!   the rest of the tree; what is left [`GRACE`] later is killed.
-//! - stowage's death (even SIGKILL) ends a pipe: the keeper kills and reaps
-//!   the tree, then exits, releasing the locks last. The keeper's death kills
-//!   the command (PDEATHSIG); stowage, a subreaper too, kills the rest.
-//! - Not covered: both killed by SIGKILL at once (`pkill -9 stowage`) leave
-//!   the tree to init.
-//! - Status pipe (keeper → stowage), 8-byte messages: `b"S\0\0\0" + errno`
-//!   once the command started (0) or failed to, then `b"X\0\0\0" + wait
-//!   status` once the tree is gone.
+//! - A forwarded termination signal goes to the command, once it is gone to the rest of the tree;
+//!   what is left [`GRACE`] later is killed.
+//! - stowage's death (even SIGKILL) ends a pipe: the keeper kills and reaps the tree, then exits,
+//!   releasing the locks last. The keeper's death kills the command (PDEATHSIG); stowage, a
+//!   subreaper too, kills the rest.
+//! - Not covered: both killed by SIGKILL at once (`pkill -9 stowage`) leave the tree to init.
+//! - Status pipe (keeper → stowage), 8-byte messages: `b"S\0\0\0" + errno` once the command started
+//!   (0) or failed to, then `b"X\0\0\0" + wait status` once the tree is gone.
 
 use std::ffi::{CString, OsStr, OsString};
 use std::io::{self, Read, Write};
@@ -33,8 +29,7 @@ use crate::lock::set_cloexec;
 /// The hidden first argument that makes stowage a keeper.
 pub const ARG: &str = "__keeper";
 
-/// How long processes left in the tree after a termination signal may take
-/// to end before they are killed.
+/// How long processes left in the tree after a termination signal have before they are killed.
 pub const GRACE: Duration = Duration::from_secs(5);
 
 const STARTED: u32 = u32::from_le_bytes(*b"S\0\0\0");
@@ -48,8 +43,7 @@ pub struct Keeper {
     _alive: OwnedFd,
 }
 
-/// Makes this process a child subreaper: orphans of its descendants become
-/// its children, so it can find and end them.
+/// Makes this process a child subreaper: orphans of its descendants become its children, to end.
 pub fn become_subreaper() -> io::Result<()> {
     // SAFETY: plain prctl.
     cvt(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) }).map(drop)
@@ -64,11 +58,10 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 impl Keeper {
-    /// Starts a keeper that runs `argv` with `env`. `lock_fds` must be
-    /// inheritable for the moment of this call (the keeper inherits them and
-    /// hides them from the command). Returns once the command started (or
-    /// the keeper ended without saying whether it did), or with the error
-    /// that kept it from starting (the keeper is then reaped).
+    /// Starts a keeper that runs `argv` with `env`. `lock_fds` must be inheritable during this call
+    /// (the keeper inherits them and hides them from the command). Returns once the command started
+    /// (or the keeper ended without saying whether it did), or with the error that kept it from
+    /// starting (the keeper is then reaped).
     pub fn spawn(
         argv: &[OsString],
         env: &[(OsString, OsString)],
@@ -120,10 +113,9 @@ impl Keeper {
                 reap(pid);
                 Err(io::Error::from_raw_os_error(errno))
             }
-            // Started — or the keeper ended without a word, perhaps after
-            // starting the command: taken as started, so that the wait
-            // finds the keeper gone, kills what is left of the tree (ours
-            // now: we are a subreaper) and the image is no success.
+            // Started — or the keeper ended without a word, perhaps after starting the command:
+            // taken as started, so the wait finds the keeper gone, kills what is left of the tree
+            // (ours now: we are a subreaper) and the image is no success.
             _ => Ok(keeper),
         }
     }
@@ -136,10 +128,9 @@ impl Keeper {
         Some((tag, value))
     }
 
-    /// After the keeper exited: the command's wait status. If the keeper
-    /// died without reporting it (killed), whatever is left of the command's
-    /// tree has become our child (we are a subreaper): it is killed and
-    /// reaped first, and the outcome is an error.
+    /// After the keeper exited: the command's wait status. If the keeper died without reporting it
+    /// (killed), what is left of the command's tree is our child (we are a subreaper): it is killed
+    /// and reaped, and the outcome is an error.
     pub fn outcome(mut self, keeper: std::process::ExitStatus) -> io::Result<i32> {
         if let Some((EXITED, status)) = self.message() {
             return Ok(status);
@@ -161,10 +152,9 @@ fn reap(pid: libc::pid_t) {
     {}
 }
 
-/// Every live descendant of this process, found through /proc (parents
-/// before children). With a subreaper, the orphans among them are our
-/// children, so the set is exactly the processes we started, directly or
-/// not, that have not left through another subreaper.
+/// Every live descendant of this process, found through /proc (parents before children). With a
+/// subreaper, the orphans among them are our children, so the set is exactly the processes we
+/// started, directly or not, that have not left through another subreaper.
 fn descendants() -> Vec<libc::pid_t> {
     // SAFETY: plain query.
     let me = unsafe { libc::getpid() };
@@ -210,9 +200,8 @@ fn signal_tree(sig: i32) {
     }
 }
 
-/// Kills every descendant and reaps them all: returns once this process
-/// has no child left. A process forked while we look is orphaned to us when
-/// its parent dies, and found by the next look. `command`'s status is kept.
+/// Kills and reaps every descendant until none is left. A process forked while we look is orphaned
+/// to us when its parent dies, and found by the next look. `command`'s status is kept.
 fn kill_tree(mut command: Option<(libc::pid_t, &mut Option<i32>)>) {
     loop {
         signal_tree(libc::SIGKILL);
@@ -254,11 +243,9 @@ fn reap_exited(command: libc::pid_t, status: &mut Option<i32>) -> bool {
     }
 }
 
-/// The keeper's `main`: `args` are what follows [`ARG`]. Returns its exit
-/// code; what matters to stowage is on the status pipe, and an error is
-/// seen there as a keeper that ended without starting the command. The
-/// keeper never writes to the terminal: it runs in a background process
-/// group, where a write could stop it (TOSTOP).
+/// The keeper's `main`: `args` are what follows [`ARG`]. Returns its exit code; what matters to
+/// stowage is on the status pipe, where an error shows as a keeper that ended without starting the
+/// command. Never writes to the terminal: in a background group a write may stop it (TOSTOP).
 pub fn main(args: &[OsString]) -> u8 {
     u8::from(run(args).is_err())
 }
@@ -349,8 +336,7 @@ fn run(args: &[OsString]) -> io::Result<()> {
     tree.watch(&mut status, &signals, &alive)
 }
 
-/// A signalfd for the termination signals and SIGCHLD. They arrive blocked
-/// (stowage's mask); they are kept so, and read from the descriptor.
+/// A signalfd for the termination signals and SIGCHLD, which arrive blocked (stowage's mask).
 fn signal_fd() -> io::Result<OwnedFd> {
     use libc::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
@@ -368,22 +354,20 @@ fn signal_fd() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(sfd) })
 }
 
-/// The command, to be started in stowage's process group with the signal
-/// mask reset, the umask asked for, and a death signal tied to the keeper.
+/// The command, to start in stowage's process group with the signal mask reset, the umask asked
+/// for, and a death signal tied to the keeper.
 fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::process::Command {
     let me = unsafe { libc::getpid() };
     let mut cmd = std::process::Command::new(&argv[0]);
     cmd.args(&argv[1..]).process_group(group);
-    // SAFETY: only async-signal-safe calls between fork and exec (and this
-    // process has one thread).
+    // SAFETY: only async-signal-safe calls between fork and exec (and this process has one thread).
     unsafe {
         cmd.pre_exec(move || {
             crate::signals::reset_mask_in_child()?;
             if let Some(mask) = umask {
                 libc::umask(mask as libc::mode_t);
             }
-            // If the keeper is killed, the command goes with it; stowage
-            // inherits the rest of the tree.
+            // If the keeper is killed, so is the command; stowage inherits the rest of the tree.
             cvt(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL))?;
             if libc::getppid() != me {
                 libc::_exit(128 + libc::SIGKILL);
@@ -406,20 +390,18 @@ fn send(status: &mut std::fs::File, tag: u32, value: i32) {
 /// The command's tree as the keeper watches it end.
 struct Tree {
     command: libc::pid_t,
-    /// stowage's pid: a signal it queued tagged
-    /// [`crate::signals::FROM_TERMINAL`] is one the terminal sent it.
+    /// stowage's pid: what it queued tagged [`crate::signals::FROM_TERMINAL`] the terminal sent.
     stowage: libc::pid_t,
-    /// stowage's process group, and whether stowage leads its session:
-    /// what tells whether the terminal's signal reached the command too.
+    /// stowage's process group, and whether stowage leads its session: whether the terminal's
+    /// signal reached the command too.
     group: libc::pid_t,
     leader: bool,
     /// The command's wait status, once reaped.
     exit: Option<i32>,
     /// The last termination signal received.
     terminating: Option<i32>,
-    /// Processes left after the command ended were signalled: their work
-    /// was cut short, so a command that succeeded does not make the
-    /// outcome a success.
+    /// Processes left after the command ended were signalled: their work was cut short, so the
+    /// outcome is no success even if the command succeeded.
     cut_short: bool,
     /// When what is left of the tree is killed.
     kill_at: Option<Instant>,
@@ -435,9 +417,8 @@ enum Woke {
 }
 
 impl Tree {
-    /// Waits until every process of the tree has exited, forwarding the
-    /// signals stowage sends, then reports the outcome on `status`; or,
-    /// if stowage goes first, kills and reaps the tree.
+    /// Waits until every process of the tree has exited, forwarding the signals stowage sends, then
+    /// reports the outcome on `status`; or, if stowage goes first, kills and reaps the tree.
     fn watch(
         &mut self,
         status: &mut std::fs::File,
@@ -459,8 +440,7 @@ impl Tree {
             match wait_for_event(signals, alive, self.poll_timeout())? {
                 Woke::Nothing => {}
                 Woke::StowageGone => {
-                    // stowage is gone, its locks with it but ours: end the
-                    // tree, then release by exiting.
+                    // Only our locks outlive stowage: end the tree, then exit, releasing them.
                     kill_tree(Some((self.command, &mut self.exit)));
                     return Ok(());
                 }
@@ -469,9 +449,8 @@ impl Tree {
         }
     }
 
-    /// Once the command has ended: signals what is left of its tree with a
-    /// termination signal received, and kills it after [`GRACE`]. Returns
-    /// whether the tree was just killed (and is to be reaped).
+    /// Once the command has ended: signals its tree's leftovers with a termination signal received,
+    /// and kills them after [`GRACE`]. Returns whether the tree was just killed (to be reaped).
     fn end_leftovers(&mut self) -> bool {
         if let (Some(sig), None) = (self.terminating, self.kill_at) {
             signal_tree(sig);
@@ -496,8 +475,8 @@ impl Tree {
         })
     }
 
-    /// A termination signal: to the command while it runs (unless the
-    /// terminal reached it already), else to every process left.
+    /// A termination signal: to the command while it runs (unless the terminal reached it already),
+    /// else to every process left.
     fn on_signal(&mut self, info: &libc::signalfd_siginfo) {
         let sig = info.ssi_signo as i32;
         if sig == libc::SIGCHLD {
@@ -531,8 +510,7 @@ impl Tree {
     }
 }
 
-/// Polls the signalfd and the pipe from stowage for `timeout` ms; reads
-/// the signal that arrived, if one did.
+/// Polls the signalfd and the pipe from stowage for `timeout` ms; reads the signal if one came.
 fn wait_for_event(signals: &OwnedFd, alive: &OwnedFd, timeout: i32) -> io::Result<Woke> {
     let polled = |fd: &OwnedFd| libc::pollfd {
         fd: fd.as_raw_fd(),
@@ -571,10 +549,9 @@ fn read_signal(signals: &OwnedFd) -> Option<libc::signalfd_siginfo> {
     (r == std::mem::size_of::<libc::signalfd_siginfo>() as isize).then_some(info)
 }
 
-/// The wait status the keeper reports: the command's, unless the command
-/// succeeded but processes of its tree had to be ended by a signal — then
-/// a death by that signal (the one forwarded, else SIGKILL), so that the
-/// exec exits 128+N and a written image is not recorded ready.
+/// The wait status the keeper reports: the command's, unless the command succeeded but processes of
+/// its tree had to be ended by a signal — then a death by that signal (the one forwarded, else
+/// SIGKILL), so the exec exits 128+N and a written image is not recorded ready.
 fn tree_status(exit: Option<i32>, cut_short: bool, terminating: Option<i32>) -> i32 {
     let exit = exit.unwrap_or(0);
     let succeeded = libc::WIFEXITED(exit) && libc::WEXITSTATUS(exit) == 0;

@@ -1,20 +1,18 @@
-//! One `exec`: its locks, from acquisition to the recorded outcome
-//! (docs/design.md, "The protocols").
+//! One `exec`'s locks, from acquisition to the recorded outcome (docs/design.md, "The protocols").
 //!
-//! 1. A slot, then image locks in ascending ENC order (shared to read,
-//!    exclusive to write), each with its record, read in the same go.
-//! 2. A lock file with the store-wide hint, or a new image, asks
-//!    `store.lock` (`store_wide.rs`): someone else's hold makes us let go
-//!    of everything, wait for it, and start over.
-//! 3. A read needs `ready`. A write records `writing`, a new image
-//!    `creating` then makes its tree; each synced before the command starts.
-//! 4. After the command each written record says `ready` (exit 0, lock
-//!    still ours) or `incomplete`, synced; then the locks go.
+//! 1. A slot, then image locks in ascending ENC order (shared to read, exclusive to write), each
+//!    with its record, read in the same go.
+//! 2. A lock file with the store-wide hint, or a new image, asks `store.lock` (`store_wide.rs`):
+//!    someone else's hold makes us let go of everything, wait for it, and start over.
+//! 3. A read needs `ready`. A write records `writing`, a new image `creating` then makes its tree;
+//!    each synced before the command starts.
+//! 4. After the command each written record says `ready` (exit 0, lock still ours) or `incomplete`,
+//!    synced; then the locks go.
 //!
-//! - No catalog, no global lock: a read writes nothing but its last use (a
-//!   hint, at most every few minutes).
-//! - A failed request leaves nothing: lock files it made without a record
-//!   go; a start that never ran its command puts each record back.
+//! - No catalog, no global lock: a read writes nothing but its last use (a hint, at most every few
+//!   minutes).
+//! - A failed request leaves nothing: lock files it made without a record go; a start that never
+//!   ran its command puts each record back.
 //! - A crash leaves `creating`/`writing` under free locks: incomplete.
 
 use std::io;
@@ -39,8 +37,7 @@ use crate::store_wide::Probe;
 pub struct Request {
     pub reads: Vec<ImageName>,
     pub writes: Vec<ImageName>,
-    /// Images locked exclusively but only read: they must be ready, their
-    /// state stays, their last use is recorded.
+    /// Images locked exclusively only to read: must be ready; state kept, last use recorded.
     pub exclusive_reads: Vec<ImageName>,
     /// Recorded as the lineage of the (single) written image.
     pub base: Option<ImageName>,
@@ -73,8 +70,7 @@ enum Role {
 struct Image {
     held: Held,
     role: Role,
-    /// For writes: the record before ours (put back if the command never
-    /// starts); `None` for a new image.
+    /// For writes: the prior record (put back if the command never starts); `None` for a new image.
     before: Option<Record>,
     /// For writes: the record as this session wrote it.
     record: Option<Record>,
@@ -112,8 +108,7 @@ pub struct Session {
     images_dir: PathBuf,
     root: Root,
     started: Instant,
-    /// The lock files as our lease lists them, taken out when the session
-    /// ends however it ends.
+    /// The lock files as our lease lists them, taken out when the session ends however it ends.
     listed: Listed,
 }
 
@@ -178,8 +173,7 @@ impl Session {
                 lockfiles: Vec::new(),
             },
         };
-        // Listed before the records are written (which may take a while: a
-        // removal a crash cut short is finished first), in one write.
+        // Listed in one write, before the records (slow if a crash-cut removal is finished first).
         let hs = session.listing(req);
         crate::lease::note_all(&session.listed.leases, hs);
         if let Err(e) = session.start_writes(store, req) {
@@ -207,9 +201,8 @@ impl Session {
                     continue;
                 }
                 Role::Read => {
-                    // A reader's lock file may have other names (it proved
-                    // itself by its record): its use is written only into
-                    // a file of its own, once in a while.
+                    // A reader's lock file may have other names (it proved itself by its record):
+                    // its use is written only into a file of its own, once in a while.
                     if image_record::last_use_stale(&img.held.seen, now)
                         && img.held.guard.has_one_name()
                     {
@@ -225,9 +218,8 @@ impl Session {
             }
             let existing = match (&img.held.seen.record, img.held.seen.damaged) {
                 (Some(r), _) => Some(r.clone()),
-                // Its state is not known: written anew like an image that
-                // exists (its tree kept), and put back as unknown if the
-                // command never runs.
+                // State unknown: written anew like an existing image (its tree kept), put back as
+                // unknown if the command never runs.
                 (None, true) => Some(Record::unknown(
                     img.held.name.as_str(),
                     crate::images_dir::config(&self.root)?.images,
@@ -257,9 +249,8 @@ impl Session {
         Ok(())
     }
 
-    /// The images directory the command is told: the one the records of
-    /// its images name (all the same: the directory switches only when no
-    /// image exists), else the store's.
+    /// The images directory the command is told: the one its images' records name (all the same:
+    /// the directory switches only when no image exists), else the store's.
     fn choose_images_dir(&self) -> Result<PathBuf> {
         let mut dirs = self
             .images
@@ -278,8 +269,7 @@ impl Session {
         }
     }
 
-    /// What our lease is to say of every lock of the session (the caller
-    /// writes it, in one write); the session takes them out when it ends.
+    /// What our lease says of the session's locks until it ends (the caller writes it at once).
     fn listing(&mut self, req: &Request) -> Vec<crate::lease::Holding> {
         let mut hs: Vec<_> = self
             .images
@@ -315,8 +305,7 @@ impl Session {
         self.started.elapsed()
     }
 
-    /// Lets spawned children inherit the lock descriptors (like flock(1)),
-    /// and the lease with them.
+    /// Lets spawned children inherit the lock descriptors (like flock(1)), and the lease with them.
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
         crate::lease::set_inheritable(inherit)?;
         if let Some(s) = &self.slot {
@@ -327,8 +316,7 @@ impl Session {
             .try_for_each(|i| i.held.guard.set_inheritable(inherit))
     }
 
-    /// The descriptors of every lock held and of the lease, for the
-    /// `--no-inherit` keeper.
+    /// The descriptors of every lock held and of the lease, for the `--no-inherit` keeper.
     pub fn lock_fds(&self) -> Vec<std::os::fd::RawFd> {
         use std::os::fd::AsRawFd;
         self.slot
@@ -344,8 +332,7 @@ impl Session {
         clone_tree(store, &self.images_dir, base, target)
     }
 
-    /// Releases the read lock on `name` before the session ends (a `--from`
-    /// base once copied). Does nothing for an image not held shared.
+    /// Releases the read lock on `name` early (a `--from` base once copied), if held shared.
     pub fn release_read(&mut self, name: &ImageName) {
         if let Some(i) = self
             .images
@@ -357,10 +344,9 @@ impl Session {
         }
     }
 
-    /// Records the outcome and releases the locks. A written image is
-    /// `ready` only if the command succeeded and its lock is still ours; a
-    /// lock lost meanwhile (an NFS lease expired) is not written through
-    /// and is an error.
+    /// Records the outcome and releases the locks. A written image is `ready` only if the command
+    /// succeeded and its lock is still ours; a lock lost meanwhile (an NFS lease expired) is not
+    /// written through and is an error.
     pub fn finish(mut self, store: &mut Store, outcome: Outcome) -> Result<()> {
         let now = clock::now_ms();
         let mut lost = Vec::new();
@@ -437,8 +423,7 @@ impl Session {
         out
     }
 
-    /// Lets every lock go; lock files this session made that carry no
-    /// record go with them.
+    /// Lets every lock go, with the lock files this session made that carry no record.
     fn release(&mut self) {
         let images = std::mem::take(&mut self.images);
         let held: Vec<Held> = images.into_iter().map(|i| i.held).collect();
@@ -474,8 +459,7 @@ fn take_slot(store: &Store, req: &Request) -> Result<Option<SlotGuard>> {
 /// The images taken, or what to do before an attempt starts over.
 type Taken = Result<Result<Vec<Image>, Attempt>>;
 
-/// Every image lock, in lock order, each with its record; `Ok(Err(_))`:
-/// start over once the store is migrated.
+/// Every image lock, in lock order, each with its record; `Ok(Err(_))`: start over once migrated.
 fn take_images(
     store: &Store,
     req: &Request,
@@ -521,17 +505,15 @@ fn take_images(
     Ok(Ok(images))
 }
 
-/// What the records of the images taken say of the attempt: an older
-/// release's store to migrate, someone else's store-wide hold to wait for,
-/// reads that cannot be. Anything but going on lets every lock go.
+/// What the taken images' records say of the attempt: an older release's store to migrate, someone
+/// else's store-wide hold to wait for, reads that cannot be. All but going on lets every lock go.
 fn settle_taken(root: &Root, mut images: Vec<Image>) -> Taken {
     if images.iter().any(|i| i.held.seen.legacy) {
         if crate::migrate::is_legacy(root) {
             give_up(root, images, &[]);
             return Ok(Err(Attempt::Legacy));
         }
-        // An older release's bytes in a store past it: put there, so the
-        // image's state is not known.
+        // An older release's bytes in a store past it were put there: the state is not known.
         for i in images.iter_mut().filter(|i| i.held.seen.legacy) {
             (i.held.seen.legacy, i.held.seen.damaged) = (false, true);
         }
@@ -553,8 +535,7 @@ fn settle_taken(root: &Root, mut images: Vec<Image>) -> Taken {
     Ok(Ok(images))
 }
 
-/// The images to lock, in lock order (ascending ENC); a name both read and
-/// written is taken once, exclusively.
+/// Images to lock, in lock order (ascending ENC); one read and written is taken once, exclusively.
 fn wanted(req: &Request) -> Vec<(ImageName, Role)> {
     let mut wanted: Vec<(ImageName, Role)> = req
         .reads
@@ -578,14 +559,11 @@ fn wanted(req: &Request) -> Vec<(ImageName, Role)> {
     wanted
 }
 
-/// Asks `store.lock` when an image we hold carries the store-wide hint, or
-/// is new (its lock file cannot carry one).
-/// - Free: the hints were left by a hold that is gone, and go — but for an
-///   image whose tree is missing, which that hold's command deleted while
-///   someone else held the image (so its record could not be dropped): it
-///   is returned as gone, and keeps its hint for the next user.
-/// - Inside a hold: a new image's lock file gets the hint, so that users
-///   outside ask `store.lock` too.
+/// Asks `store.lock` when an image we hold has the store-wide hint, or is new (so cannot have one).
+/// - Free: the hints were left by a hold that is gone, and go — but for an image whose tree is
+///   missing, which that hold's command deleted while someone else held the image (so its record
+///   could not be dropped): it is returned as gone, and keeps its hint for the next user.
+/// - Inside a hold: a new image's lock file gets the hint, so users outside ask `store.lock` too.
 fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<ImageName>)> {
     let hinted = images.iter().any(|i| i.held.seen.store_wide);
     let new = images
@@ -639,8 +617,7 @@ fn tree_missing(root: &Root, held: &Held) -> bool {
     })
 }
 
-/// Reads need a record that says `ready` (a write in flight whose lock we
-/// share was its dead writer's: incomplete).
+/// Reads need `ready` (a write in flight whose lock we share was a dead writer's: incomplete).
 fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> {
     for img in images.iter().filter(|i| !i.writes()) {
         let name = img.held.name.as_str().to_owned();
@@ -664,8 +641,8 @@ fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> 
     Ok(())
 }
 
-/// Writes a record, using the space kept in reserve if the filesystem is
-/// full (a build that filled it must still have its outcome recorded).
+/// Writes a record, using the reserve if the filesystem is full (a build that filled it must still
+/// have its outcome recorded).
 fn write_record(store: &Store, held: &mut Held, r: &Record) -> Result<()> {
     let path = held.guard.path().to_owned();
     let reserve = store.root().reserve();
@@ -680,8 +657,8 @@ fn write_record(store: &Store, held: &mut Held, r: &Record) -> Result<()> {
     )
 }
 
-/// A new image: its record says `creating` (synced), then its tree is
-/// made, empty, through a descriptor of the images directory.
+/// A new image: its record says `creating` (synced), then its empty tree is made through a
+/// descriptor of the images directory.
 fn start_new(
     store: &Store,
     img: &mut Image,
@@ -706,8 +683,8 @@ fn start_new(
     Ok(())
 }
 
-/// Makes the tree of an existing image that has none (its first writer
-/// failed and left it empty, so it went): `true` if made.
+/// Makes the tree of an existing image that has none (its first writer failed and left it empty, so
+/// it went): `true` if made.
 fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
     let Some(r) = held.seen.record.as_ref() else {
         return Ok(false);
@@ -716,8 +693,7 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
     make_tree(&root.open_or_make_images_dir(&dir)?, &dir, &held.name)
 }
 
-/// Makes the tree of `name` in `images` (the images directory `dir`):
-/// `false` if something is there already.
+/// Makes `name`'s tree in `images` (the images directory `dir`): `false` if something is there.
 fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<bool> {
     match images.mkdir(name.encoded(), 0o777) {
         Ok(()) => Ok(true),
@@ -729,12 +705,10 @@ fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<b
     }
 }
 
-/// An existing image's tree must be a directory of its own: a symlink or
-/// a file swapped in for it would send the command's writes elsewhere (one
-/// `lstat`: the command is handed the path). One missing from an images
-/// directory that is not the one recorded (unmounted, or something planted
-/// in its place) is no tree to write either: the command would write where
-/// nobody looks, and the image would be incomplete for nothing.
+/// An existing image's tree must be a directory of its own: a symlink or a file swapped in for it
+/// would send the command's writes elsewhere (one `lstat`: the command is handed the path). One
+/// missing from an images directory that is not the one recorded (unmounted, or something planted
+/// in its place) is no tree to write either: the command would write where nobody looks.
 fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
     let Some(r) = held.seen.record.as_ref() else {
         return Ok(());
@@ -760,9 +734,8 @@ fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
     )
 }
 
-/// A new image's directory that exists already is this write's only if it
-/// is an empty directory of ours (one a write cut short made): anything
-/// else is refused, never handed to the builder.
+/// A new image's directory that exists already is this write's only if it is an empty directory of
+/// ours (one a write cut short made): anything else is refused, never handed to the builder.
 fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<()> {
     let path = dir.join(name.encoded());
     let what = match images.stat_at(name.encoded())? {
@@ -803,9 +776,8 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
     Ok(())
 }
 
-/// The end of one write: the tree the command deleted goes with its
-/// record; otherwise the record says how the command ended. Returns what
-/// to tell the user, if anything is unusual.
+/// The end of one write: the tree the command deleted goes with its record; otherwise the record
+/// says how the command ended. Returns what to tell the user, if anything is unusual.
 fn finish_write(
     root: &Root,
     images_dir: &Path,
@@ -843,8 +815,7 @@ fn finish_write(
     let file = img.held.guard.file();
     image_record::write_reserved(file, &mut img.held.seen, &r, &root.reserve())
         .with_context(|| format!("cannot record the outcome of image '{}'", img.held.name))?;
-    // The write's use is the record's `changed` (the survey takes the later
-    // of it and the last-use hint): no hint to write.
+    // No last-use hint: the record's `changed` is the write's use (the survey takes the later).
     if matches!(outcome, Outcome::Failure(_))
         && img.made_tree
         && img.before.is_none()
@@ -864,8 +835,7 @@ fn give_up(root: &Root, images: Vec<Image>, waited_for: &[ImageName]) {
     crate::remove::release_unclaimed(root, held, waited_for);
 }
 
-/// [`give_up`] for `e`; an image missing from an older release's store is
-/// one to look for again once the store is migrated.
+/// [`give_up`] for `e`; an image missing from an unmigrated store is sought again once migrated.
 fn give_up_on(root: &Root, images: Vec<Image>, waited: &[ImageName], e: anyhow::Error) -> Taken {
     give_up(root, images, waited);
     if matches!(crate::error::typed(&e), Some(Error::NoSuchImage(_)))
@@ -876,9 +846,8 @@ fn give_up_on(root: &Root, images: Vec<Image>, waited: &[ImageName], e: anyhow::
     Err(e)
 }
 
-/// Whether another process holds the same open file description as our
-/// lock (a background job of the command that inherited it): such a
-/// process may still write the tree.
+/// Whether another process holds the same open file description as our lock (a background job of
+/// the command that inherited it): it may still write the tree.
 fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
     use std::os::fd::AsRawFd;
     let mine = guard.as_raw_fd();
@@ -920,8 +889,7 @@ fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
     })
 }
 
-/// The lock files our lease lists for this session; taken out of it when
-/// the session ends, however it ends.
+/// The lock files our lease lists for this session; taken out when it ends, however it ends.
 struct Listed {
     leases: PathBuf,
     lockfiles: Vec<String>,
@@ -942,18 +910,16 @@ impl Drop for Listed {
 }
 
 impl Drop for Session {
-    /// A session dropped without finish (a library caller, a panic): its
-    /// locks go, and its written images read as incomplete (their records
-    /// say `writing` under free locks).
+    /// A session dropped without finish (a library caller, a panic): its locks go, and its written
+    /// images read as incomplete (`writing` under free locks).
     fn drop(&mut self) {
         self.release();
     }
 }
 
-/// Replaces the emptied tree of `target` by one of ours if another user
-/// made it (an image first written by another member of a group store):
-/// a copy makes its top ours alone while it is made, which another
-/// user's directory cannot be (`clone::copy_tree_at` checks it got one).
+/// Replaces the emptied tree of `target` by one of ours if another user made it (an image first
+/// written by another member of a group store): a copy makes its top ours alone while it is made,
+/// which another user's directory cannot be (`clone::copy_tree_at` checks it got one).
 fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result<()> {
     // SAFETY: geteuid cannot fail.
     let me = unsafe { libc::geteuid() };
@@ -969,10 +935,9 @@ fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result
     Ok(())
 }
 
-/// Makes the image `target` a copy of `base`, both in `images_dir`
-/// (emptying the target first: it is being rebuilt from the base). Both
-/// ends are opened from one descriptor of the images directory, never a
-/// path resolved again: a link swapped in above them cannot move the copy.
+/// Makes the image `target` a copy of `base`, both in `images_dir` (emptying the target first: it
+/// is being rebuilt from the base). Both ends are opened from one descriptor of the images
+/// directory, never a path resolved again: a link swapped in above them cannot move the copy.
 fn clone_tree(
     store: &Store,
     images_dir: &Path,

@@ -1,21 +1,20 @@
 //! Termination signals during `exec`.
 //!
-//! - SIGINT, SIGTERM, SIGHUP, SIGQUIT (and SIGCHLD) are blocked in every
-//!   thread and taken with sigwaitinfo(2): no system call is interrupted by
-//!   them. Signals the parent made us ignore stay ignored (`nohup`).
-//! - Before the command starts, a signal cancels the lock waits (exit 128+N,
-//!   nothing left behind). The thread that takes signals starts lazily, with
-//!   the first wait; without one (a pids limit) the waits watch a signalfd.
-//! - While the command runs, signals are forwarded. A terminal's signal
-//!   (SI_KERNEL) is not forwarded only if the command is in our process group
-//!   and it is not the hangup sent to a session leader alone: Ctrl-C is one
-//!   SIGINT, yet reaches a command in its own group (`timeout`) or under a
-//!   stowage that leads its session (`setsid`, `ssh -t`).
-//! - Long work outside the command (a `--from` copy, measuring) asks
-//!   [`check`] between steps: a pending signal stops it, exit 128+N.
-//! - Hand-over: Waiting → Running(pid) under a mutex while spawning (a signal
-//!   is seen before the spawn or forwarded after it); Running → Done after the
-//!   child exited but before it is reaped, so no signal hits a recycled pid.
+//! - SIGINT, SIGTERM, SIGHUP, SIGQUIT (and SIGCHLD) are blocked in every thread and taken with
+//!   sigwaitinfo(2): no system call is interrupted by them. Signals the parent made us ignore stay
+//!   ignored (`nohup`).
+//! - Before the command starts, a signal cancels the lock waits (exit 128+N, nothing left behind).
+//!   The thread that takes signals starts lazily, with the first wait; without one (a pids limit)
+//!   the waits watch a signalfd.
+//! - While the command runs, signals are forwarded. A terminal's signal (SI_KERNEL) is not
+//!   forwarded only if the command is in our process group and it is not the hangup sent to a
+//!   session leader alone: Ctrl-C is one SIGINT, yet reaches a command in its own group (`timeout`)
+//!   or under a stowage that leads its session (`setsid`, `ssh -t`).
+//! - Long work outside the command (a `--from` copy, measuring) asks [`check`] between steps: a
+//!   pending signal stops it, exit 128+N.
+//! - Hand-over: Waiting → Running(pid) under a mutex while spawning (a signal is seen before the
+//!   spawn or forwarded after it); Running → Done after the child exited but before it is reaped,
+//!   so no signal hits a recycled pid.
 
 use std::io;
 use std::process::ExitStatus;
@@ -37,9 +36,8 @@ enum State {
 pub enum Target {
     /// The command itself, our child.
     Command(libc::pid_t),
-    /// The keeper that runs the command for `--no-inherit`
-    /// ([`crate::keeper`]). It gets every signal, tagged with whether the
-    /// terminal sent it, and decides as we would, knowing the command.
+    /// The keeper running the command for `--no-inherit` ([`crate::keeper`]): it gets every signal,
+    /// tagged with whether the terminal sent it, and decides as we would, knowing the command.
     Keeper(libc::pid_t),
 }
 
@@ -60,16 +58,15 @@ struct Shared {
 
 static SHARED: OnceLock<Shared> = OnceLock::new();
 
-/// The handle `exec` uses; the state itself is process-wide, because the
-/// lock waits that start the signal thread know nothing of `exec`.
+/// The handle `exec` uses; the state is process-wide, as the lock waits that start the signal
+/// thread know nothing of `exec`.
 pub struct Forwarder {
     shared: &'static Shared,
 }
 
-/// The termination signals we take, minus those our parent made us ignore
-/// (`nohup` ignores SIGHUP; a shell's background job ignores SIGINT and
-/// SIGQUIT): a blocked signal is never discarded, so taking an ignored one
-/// would act on it.
+/// The termination signals we take, minus those our parent made us ignore (`nohup` ignores SIGHUP;
+/// a shell's background job SIGINT and SIGQUIT): a blocked signal is never discarded, so taking an
+/// ignored one would act on it.
 fn forwarded() -> SigSet {
     use Signal::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
     let mut set = SigSet::empty();
@@ -87,9 +84,8 @@ fn forwarded() -> SigSet {
     set
 }
 
-/// Makes a spawned command start with no signal blocked: it must not
-/// inherit the mask that routes termination signals to us (shells reset
-/// it; most programs do not). Dispositions the parent chose to ignore stay
+/// Makes a spawned command start with no signal blocked: it must not inherit the mask that routes
+/// termination signals to us (shells reset it; most programs do not). Ignored dispositions stay
 /// ignored, as with any exec. Async-signal-safe: meant for `pre_exec`.
 pub fn reset_mask_in_child() -> io::Result<()> {
     // SAFETY: sigprocmask with a local empty set is async-signal-safe.
@@ -105,13 +101,11 @@ pub fn reset_mask_in_child() -> io::Result<()> {
     }
 }
 
-/// A termination signal that came while no command ran (before it started,
-/// or after it ended): long work stops for it.
+/// A termination signal that came while no command ran (before or after it): long work stops.
 static CANCELLED: AtomicI32 = AtomicI32::new(0);
 
-/// The last termination signal passed on to a running command (or its
-/// keeper): an exec whose command's end is then unknown (its keeper gone)
-/// was still asked to stop, and exits 128+N.
+/// The last termination signal passed on to a running command (or its keeper): an exec whose
+/// command's end is then unknown (its keeper gone) was still asked to stop, and exits 128+N.
 static PASSED_ON: AtomicI32 = AtomicI32::new(0);
 
 /// See `PASSED_ON`.
@@ -119,8 +113,7 @@ pub fn passed_on() -> Option<i32> {
     Some(PASSED_ON.load(Relaxed)).filter(|&sig| sig != 0)
 }
 
-/// When [`check`] last looked for a pending signal, in ms since [`epoch`].
-/// (`u64::MAX`: never looked.)
+/// When [`check`] last looked for a pending signal, in ms since [`epoch`] (`u64::MAX`: never).
 static LAST_LOOK_MS: AtomicU64 = AtomicU64::new(u64::MAX);
 
 fn epoch() -> std::time::Instant {
@@ -128,12 +121,10 @@ fn epoch() -> std::time::Instant {
     *EPOCH.get_or_init(std::time::Instant::now)
 }
 
-/// The one cancellation check for long work (a copy, a measurement, a
-/// deletion), between steps: `Err(Interrupted(sig))` once a termination
-/// signal came; the caller stops where the next process can finish or undo.
-/// Only an `exec` routes signals here ([`Forwarder`]); other commands die at
-/// once (each is crash-safe). Cheap for every file of a walk: pending
-/// signals are looked at most every few milliseconds.
+/// The cancellation check for long work (copy, measure, delete), between steps: once a termination
+/// signal came, `Err(Interrupted(sig))`; the caller stops where the next process can finish or
+/// undo. Only an `exec` routes signals here ([`Forwarder`]); other commands die at once (each is
+/// crash-safe). Cheap per file of a walk: pending signals are looked at every few ms at most.
 pub fn check() -> Result<(), crate::error::Error> {
     cancelled().map_or(Ok(()), |sig| Err(crate::error::Error::Interrupted(sig)))
 }
@@ -162,8 +153,7 @@ pub fn cancelled() -> Option<i32> {
     }
 }
 
-/// True if a termination signal we take is pending (for code that sleeps
-/// without the signal thread, like the test pause hook).
+/// Whether a signal we take is pending, for sleeps without the signal thread (the test pause hook).
 pub fn termination_pending() -> bool {
     let Some(shared) = SHARED.get() else {
         return false;
@@ -182,11 +172,9 @@ pub fn termination_pending() -> bool {
 }
 
 impl Forwarder {
-    /// Blocks the signals. Call it before any other thread exists, so that
-    /// every thread inherits the mask.
+    /// Blocks the signals. Call before any other thread exists, so every thread inherits the mask.
     pub fn install() -> io::Result<Forwarder> {
-        // An ignored SIGCHLD (inherited from whoever started us) makes the
-        // kernel reap the command itself, and its exit status would be lost.
+        // An ignored SIGCHLD (inherited) makes the kernel reap the command, losing its exit status.
         // SAFETY: restores the default action; no handler is involved.
         unsafe { nix::sys::signal::signal(Signal::SIGCHLD, nix::sys::signal::SigHandler::SigDfl) }
             .map_err(io::Error::from)?;
@@ -207,8 +195,7 @@ impl Forwarder {
         self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Spawns the command (`spawn` returns its pid, or its keeper's) unless
-    /// a signal came first (`Ok(Err(sig))`).
+    /// Spawns the command (or its keeper) unless a signal came first (`Ok(Err(sig))`).
     pub fn spawn(
         &self,
         spawn: impl FnOnce() -> io::Result<Target>,
@@ -227,8 +214,7 @@ impl Forwarder {
         Ok(Ok(target.pid()))
     }
 
-    /// Waits for the command, forwarding termination signals to it, and
-    /// stops forwarding before the child is reaped.
+    /// Waits for the command, forwarding termination signals to it until just before it is reaped.
     pub fn wait(&self, pid: libc::pid_t) -> io::Result<ExitStatus> {
         use std::os::unix::process::ExitStatusExt;
         let mut watch = self.shared.set;
@@ -237,10 +223,8 @@ impl Forwarder {
             if exited(pid)? {
                 break;
             }
-            // Still running: take the next signal. SIGCHLD says it may have
-            // ended; a termination signal is forwarded. (If the signal thread
-            // runs, it takes those first and forwards them; a SIGCHLD still
-            // comes here.)
+            // Still running: take the next signal. SIGCHLD: it may have ended; a termination signal
+            // is forwarded (taken first by the signal thread if it runs; SIGCHLD still comes here).
             if let Some((sig, code)) = take(&watch, None)
                 && sig != libc::SIGCHLD
             {
@@ -263,9 +247,8 @@ impl Forwarder {
     }
 }
 
-/// Whether our child `pid` has exited, without reaping it. libc's waitid,
-/// not nix's: nix cannot represent a death by a real-time signal (34–64)
-/// and fails with EINVAL.
+/// Whether our child `pid` has exited, without reaping it. libc's waitid, not nix's: nix cannot
+/// represent a death by a real-time signal (34–64) and fails with EINVAL.
 fn exited(pid: libc::pid_t) -> io::Result<bool> {
     loop {
         // SAFETY: waitid fills `info`, which we own.
@@ -290,12 +273,10 @@ fn exited(pid: libc::pid_t) -> io::Result<bool> {
     }
 }
 
-/// Whether a signal that the kernel sent (si_code SI_KERNEL: the terminal)
-/// certainly reached the command as well, so forwarding it would deliver it
-/// twice. The terminal signals its foreground process group — the command
-/// got it too if it is in ours — except for a hangup, which goes to the
-/// session leader alone. `command_pgid` is the command's process group
-/// (None: unknown, e.g. it just exited).
+/// Whether a signal that the kernel sent (si_code SI_KERNEL: the terminal) certainly reached the
+/// command as well, so forwarding it would deliver it twice. The terminal signals its foreground
+/// process group — the command got it too if it is in ours — except for a hangup, which goes to the
+/// session leader alone. `command_pgid` is the command's process group (None if unknown).
 pub fn terminal_reached_command(
     sig: i32,
     code: i32,
@@ -321,15 +302,12 @@ pub fn group_of(pid: libc::pid_t) -> Option<libc::pid_t> {
     (g > 0).then_some(g)
 }
 
-/// The value a keeper finds in a signal we queue to it: 1 if the terminal
-/// sent the signal to us.
+/// The value a keeper finds in a signal we queue to it: 1 if the terminal sent the signal to us.
 pub const FROM_TERMINAL: usize = 1;
 
-/// Takes one signal of `set`: waits up to `timeout_ms` (None: forever).
-/// Returns the signal and its si_code.
+/// Takes one signal of `set` within `timeout_ms` (None: forever): the signal and its si_code.
 fn take(set: &SigSet, timeout_ms: Option<u64>) -> Option<(i32, i32)> {
-    // SAFETY: sigtimedwait/sigwaitinfo fill `info`, which we own; `set` is a
-    // valid set of signals blocked in this thread.
+    // SAFETY: sigtimedwait/sigwaitinfo fill `info`, which we own; `set` is blocked in this thread.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
     let sig = match timeout_ms {
         None => unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) },
@@ -372,8 +350,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
             let value = libc::sigval {
                 sival_ptr: tag as *mut libc::c_void,
             };
-            // SAFETY: sigqueue(3) to our unreaped child; the value is a tag,
-            // never dereferenced.
+            // SAFETY: sigqueue(3) to our unreaped child; the value is a tag, never dereferenced.
             unsafe { libc::sigqueue(pid, sig, value) };
         }
         State::Done => CANCELLED.store(sig, Relaxed),
@@ -381,8 +358,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
     }
 }
 
-/// Starts the thread that takes termination signals, once, when the first
-/// lock wait begins.
+/// Starts the thread that takes termination signals, once, when the first lock wait begins.
 fn start_thread() {
     let Some(shared) = SHARED.get() else { return };
     shared.thread.call_once(|| {
@@ -396,12 +372,10 @@ fn start_thread() {
                     }
                 }
             });
-        // No thread to be had (a pids limit in a container or a job's
-        // cgroup): the waits then run without helper threads too (see
-        // `lock::Waker`), and watch for the signals themselves.
+        // No thread to be had (a pids limit in a container or a job's cgroup): the waits then run
+        // without helper threads too (`lock::Waker`), and watch for the signals themselves.
         if spawned.is_err() {
-            // SAFETY: signalfd with a valid set; the new descriptor (or -1)
-            // is kept for the life of the process.
+            // SAFETY: signalfd with a valid set; the new descriptor (or -1) is kept for good.
             let fd = unsafe {
                 libc::signalfd(
                     -1,
@@ -416,8 +390,7 @@ fn start_thread() {
     });
 }
 
-/// Takes a pending termination signal, if any, and acts on it (where no
-/// signal thread takes it).
+/// Takes a pending termination signal, if any, and acts on it (where no signal thread takes it).
 fn take_pending() {
     let Some(shared) = SHARED.get() else { return };
     if let Some((sig, code)) = take(&shared.set, Some(0)) {

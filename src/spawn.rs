@@ -1,20 +1,19 @@
 //! Starting the command with posix_spawn(3).
 //!
-//! - The command starts with no signal blocked (we block the termination
-//!   signals for our signal thread) and SIGPIPE at its default (Rust
-//!   ignores it).
-//! - std's `Command` could do that only in a `pre_exec` hook, which forces a
-//!   full fork(2); posix_spawn takes the mask and dispositions as attributes
-//!   and clones vfork-style, without copying our page tables.
-//! - `--no-inherit` starts our keeper this way (`keeper.rs`), which,
-//!   single-threaded, starts the command with std.
+//! - The command starts with no signal blocked (we block the termination signals for our signal
+//!   thread) and SIGPIPE at its default (Rust ignores it).
+//! - std's `Command` could do that only in a `pre_exec` hook, which forces a full fork(2);
+//!   posix_spawn takes the mask and dispositions as attributes and clones vfork-style, without
+//!   copying our page tables.
+//! - `--no-inherit` starts our keeper this way (`keeper.rs`), which, single-threaded, starts the
+//!   command with std.
 
 use std::ffi::{CString, OsString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 
-/// Spawns `argv` with exactly `env` as its environment; returns its pid.
-/// Descriptors without close-on-exec are inherited, as with exec(2).
+/// Spawns `argv` with exactly `env` as its environment; returns its pid. Descriptors without
+/// close-on-exec are inherited, as with exec(2).
 pub fn spawn(argv: &[OsString], env: &[(OsString, OsString)]) -> io::Result<libc::pid_t> {
     spawn_with(None, argv, env, Start::Command)
 }
@@ -24,10 +23,9 @@ pub fn spawn(argv: &[OsString], env: &[(OsString, OsString)]) -> io::Result<libc
 pub enum Start {
     /// The user's command: no signal blocked, SIGPIPE at its default.
     Command,
-    /// Our own keeper ([`crate::keeper`]): it keeps our signal mask, so the
-    /// termination signals stay blocked until it takes them itself, and it
-    /// leads a process group of its own, so that a signal to our group (a
-    /// `kill -9 -PGID`) leaves it to clean up after the command.
+    /// Our own keeper ([`crate::keeper`]): it keeps our signal mask, so the termination signals
+    /// stay blocked until it takes them itself, and leads a process group of its own, so a signal
+    /// to our group (a `kill -9 -PGID`) leaves it to clean up after the command.
     Keeper,
 }
 
@@ -49,8 +47,8 @@ pub fn spawn_with(
     let argp = null_terminated(&args);
     let envp = null_terminated(&vars);
 
-    // SAFETY: the attribute object is initialised before use and destroyed
-    // after; every pointer passed lives until posix_spawnp returns.
+    // SAFETY: the attribute object is initialised before use and destroyed after; every pointer
+    // passed lives until posix_spawnp returns.
     unsafe {
         let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
         check(libc::posix_spawnattr_init(&mut attr))?;
@@ -76,8 +74,7 @@ fn c_string(bytes: Vec<u8>) -> io::Result<CString> {
     CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
-/// The array of pointers that exec(2) takes: each string, then NULL. The
-/// strings must outlive it.
+/// The array of pointers that exec(2) takes: each string, then NULL. The strings must outlive it.
 fn null_terminated(strings: &[CString]) -> Vec<*mut libc::c_char> {
     let mut pointers: Vec<*mut libc::c_char> =
         strings.iter().map(|s| s.as_ptr() as *mut _).collect();
@@ -85,14 +82,13 @@ fn null_terminated(strings: &[CString]) -> Vec<*mut libc::c_char> {
     pointers
 }
 
-/// SIGPIPE and SIGCHLD at their defaults; for the command no signal
-/// blocked, for the keeper our mask kept and a process group of its own.
+/// SIGPIPE and SIGCHLD at their defaults; for the command no signal blocked, for the keeper our
+/// mask kept and a process group of its own.
 ///
 /// # Safety
 /// `attr` must have been initialised by posix_spawnattr_init.
 unsafe fn set_attributes(attr: &mut libc::posix_spawnattr_t, how: Start) -> io::Result<()> {
-    // SAFETY: sigset operations on local sets; attribute calls on an
-    // initialised attribute object, as the caller promises.
+    // SAFETY: sigset ops on local sets; attribute calls on an object the caller initialised.
     unsafe {
         let mut default: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut default);

@@ -1,17 +1,13 @@
-//! Taking an image lock: the gate that gives writers preference, the check
-//! that a wait could ever end, and the record read under the lock.
+//! Taking an image lock: the gate that gives writers preference, the check that a wait could ever
+//! end, and the record read under the lock.
 //!
-//! - **Writer preference.** Each image has a *gate* beside its lock
-//!   (`ENC.gate`). A writer that has to wait holds the gate exclusively
-//!   while it waits, and sets the writer-waits hint in the lock file; a
-//!   reader that sees the hint passes the gate (shared) before it keeps
-//!   its lock, so once a writer waits, new readers queue behind it. The
-//!   gate comes just before its lock in the lock order.
-//! - **No wait for oneself.** A lock an enclosing exec holds
-//!   (`nested.rs`) in a conflicting mode fails at once; a reader inside a
-//!   reader passes the gate.
-//! - **The record comes with the lock**: read in the same `pread` that
-//!   proves the file is still the one at its path.
+//! - **Writer preference.** Each image has a *gate* beside its lock (`ENC.gate`). A writer that has
+//!   to wait holds the gate exclusively while it waits, and sets the writer-waits hint in the lock
+//!   file; a reader that sees the hint passes the gate (shared) before it keeps its lock, so once a
+//!   writer waits, new readers queue behind it. The gate precedes its lock in the lock order.
+//! - **No wait for oneself.** A lock an enclosing exec holds (`nested.rs`) in a conflicting mode
+//!   fails at once; a reader inside a reader passes the gate.
+//! - **The record comes with the lock**, read by the `pread` proving the file is still at its path.
 
 use std::io;
 use std::path::Path;
@@ -52,17 +48,15 @@ pub(crate) struct Want<'a> {
     pub deadline: Option<Instant>,
     pub no_wait: bool,
     pub command: &'a str,
-    /// Images that must exist for the request to go ahead (its reads):
-    /// checked before any wait, so that a request that can only fail says
-    /// so at once instead of after the wait.
+    /// Images that must exist for the request to go ahead (its reads): checked before any wait, so
+    /// a request that can only fail says so at once.
     pub must_exist: &'a [ImageName],
-    /// The locks the request holds already, listed in the lease with a
-    /// wait (see `acquire::wait_for`).
+    /// The locks the request holds already, listed in the lease with a wait (`acquire::wait_for`).
     pub held: &'a [crate::lease::Holding],
 }
 
-/// Takes one image lock, waiting as allowed. A read of an image without a
-/// lock file fails at once (66); nothing is created unless `want.create`.
+/// Takes one image lock, waiting as allowed. A read of an image without a lock file fails at once
+/// (66); nothing is created unless `want.create`.
 pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
     let root = store.root();
     let path = root.image_lock(name);
@@ -136,8 +130,7 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
     })
 }
 
-/// `--no-wait` and the lock busy: one more try (a probe by lock-status or
-/// a store-wide scan may have held it for a few microseconds), then busy.
+/// `--no-wait`: one more try (lock-status or a store-wide scan may hold it a moment), then busy.
 fn busy_now(
     root: &Root,
     name: &ImageName,
@@ -155,8 +148,7 @@ fn busy_now(
     }
 }
 
-/// The error for a lock file whose record cannot be read (a FIFO or
-/// socket planted under its name reads as ESPIPE or the like).
+/// The error for a lock file whose record cannot be read (a planted FIFO or socket: ESPIPE or so).
 pub(crate) fn record_error(path: &Path, e: io::Error) -> anyhow::Error {
     anyhow::Error::new(e).context(format!(
         "cannot read the record in {} (is it a regular file?)",
@@ -164,10 +156,9 @@ pub(crate) fn record_error(path: &Path, e: io::Error) -> anyhow::Error {
     ))
 }
 
-/// The error for a lock that this process's enclosing command holds in a
-/// conflicting mode: waiting would never end. A read of an image it
-/// writes finds the image not ready (66); a write of an image it holds is
-/// a lock that cannot be had (75).
+/// The error for a lock this process's enclosing command holds in a conflicting mode: waiting would
+/// never end. A read of an image it writes finds the image not ready (66); a write of an image it
+/// holds is a lock that cannot be had (75).
 fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
     let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
     match mode {
@@ -195,8 +186,8 @@ enum Tried {
     WriterWaiting,
 }
 
-/// One non-blocking attempt: the lock and the record in one go; a reader
-/// that sees the writer-waits hint asks the gate.
+/// One non-blocking attempt: the lock and the record in one go; a reader that sees the writer-waits
+/// hint asks the gate.
 fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Result<Tried> {
     let path = root.image_lock(name);
     let mut failed = None;
@@ -223,23 +214,21 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
     };
     if mode == Mode::Shared && seen.writer_waits {
         match lock::acquire_no_wait(&root.image_gate(name), Mode::Shared, lock::IfMissing::Fail) {
-            // No writer holds the gate: the hint is stale (its writer got
-            // in, or died waiting). Cleared while we hold the gate, when
-            // no writer can be setting it.
-            // Not through a file with other names (a reader's proves
-            // itself by its record): a reader writes nothing through it.
+            // No writer holds the gate: the hint is stale (its writer got in, or died waiting).
+            // Cleared while we hold the gate, when no writer can be setting it — but not through a
+            // file with other names (a reader's proves itself by its record): a reader writes
+            // nothing through it.
             Ok(Some(_passed)) => {
                 if guard.has_one_name() {
                     let _ = image_record::set_writer_waits(guard.file(), false);
                 }
             }
-            // No gate file: nobody waits there. Nor at something planted
-            // in its place, which no writer can hold (doctor reports it).
+            // No gate file: nobody waits there. Nor at something planted in its place, which no
+            // writer can hold (doctor reports it).
             Err(e) if e.kind() == io::ErrorKind::NotFound || crate::planted::find(&e).is_some() => {
             }
-            // A reader whose enclosing command reads the image already is
-            // part of that hold: the writer at the gate waits for it, so
-            // queueing behind the writer would be a cycle.
+            // A reader whose enclosing command reads the image already is part of that hold: the
+            // writer at the gate waits for it, so queueing behind the writer would be a cycle.
             Ok(None)
                 if crate::nested::enclosing_hold(root, &Root::image_lock_rel(name)).is_some() => {}
             Ok(None) => return Ok(Tried::WriterWaiting),
@@ -253,9 +242,8 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
     })))
 }
 
-/// Waits through the gate: takes it in our mode (a writer exclusively,
-/// which holds back new readers; a reader shared, queueing behind a
-/// waiting writer), holds it while waiting for the lock, then lets it go.
+/// Waits through the gate, taken in our mode (a writer exclusively, holding back new readers; a
+/// reader shared, queueing behind a waiting writer) and held while waiting for the lock.
 fn wait_image(
     ctx: &crate::ctx::Ctx,
     name: &ImageName,
@@ -268,8 +256,7 @@ fn wait_image(
         Ok(Waited::Acquired(g)) => Some(g),
         Ok(Waited::TimedOut) => return Ok(Waited::TimedOut),
         Ok(Waited::Interrupted(sig)) => return Ok(Waited::Interrupted(sig)),
-        // Something planted in the gate's place, which nobody can hold:
-        // it orders no one, so the wait goes on without writer preference.
+        // Something planted as the gate orders no one (none can hold it): no writer preference.
         Err(e) if crate::planted::find(&e).is_some() => {
             ctx.say(&format!(
                 "{e} — waiting without it (new readers may pass a waiting writer)"
@@ -279,14 +266,13 @@ fn wait_image(
         Err(e) => return Err(e),
     };
     if mode == Mode::Exclusive && passage.is_some() {
-        // Holding the gate: readers that see the hint queue behind us.
-        // Closed before the wait, which on NFS sends it to the server.
+        // Holding the gate: readers that see the hint queue behind us. Closed before the wait,
+        // which on NFS sends it to the server.
         if let Ok(Some(file)) = lock::open_existing(&path) {
             let _ = image_record::set_writer_waits(&file, true);
         }
     }
-    // A reader makes no lock file: one unlinked while it waited (a removal)
-    // means no such image.
+    // A reader makes no lock file: one unlinked while it waited (a removal) means no such image.
     let got = lock::acquire(
         &path,
         mode,
@@ -306,11 +292,10 @@ fn wait_image(
     got
 }
 
-/// Before a wait: fails with [`Error::NoSuchImage`] (66) if one of
-/// `names` has no record. Read without the lock (the record's two slots
-/// make a read beside a write safe): an image in any state may still
-/// become readable while we wait, so only absence is final — and an image
-/// whose creator holds its lock has a `creating` record to wait for.
+/// Before a wait: fails with [`Error::NoSuchImage`] (66) if one of `names` has no record. Read
+/// without the lock (the record's two slots make a read beside a write safe): an image in any state
+/// may still become readable while we wait, so only absence is final — and an image whose creator
+/// holds its lock has a `creating` record to wait for.
 pub(crate) fn require_all(root: &Root, names: &[ImageName]) -> Result<()> {
     for n in names {
         let seen = match lock::open_existing_read(&root.image_lock(n)) {

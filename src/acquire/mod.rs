@@ -1,16 +1,13 @@
 //! Acquiring image and slot locks.
 //!
-//! Everything that takes a lock a process may have to wait for, except the
-//! global lock (`store.rs`) and the store-wide lock (`store_wide.rs`), goes
-//! through here: `image::take` for images (exec, rm), [`slot::acquire`]
+//! Every lock a process may have to wait for, but the global lock (`store.rs`) and the store-wide
+//! lock (`store_wide.rs`), is taken here: `image::take` for images (exec, rm), [`slot::acquire`]
 //! for slots. The rules they keep:
-//! - **Try, then announce, then wait.** A lock is first tried without
-//!   blocking; only a busy one is announced ("waiting for …", once) and
-//!   listed as awaited in the lease, and the wait holds no global lock.
-//! - **No wait for oneself.** A lock held by an enclosing `stowage exec`
-//!   (`nested.rs`) is never waited for.
-//! - **Nothing left after a failure.** A wait that times out or is
-//!   interrupted takes its line out of the lease again.
+//! - **Try, then announce, then wait.** A lock is first tried without blocking; only a busy one is
+//!   announced ("waiting for …", once) and listed as awaited in the lease, and the wait holds no
+//!   global lock.
+//! - **No wait for oneself.** A lock an enclosing exec holds (`nested.rs`) is never waited for.
+//! - **Nothing left after a failure.** A timed-out or interrupted wait drops its lease line again.
 
 use std::time::Instant;
 
@@ -24,11 +21,10 @@ use crate::store::Store;
 pub mod image;
 pub mod slot;
 
-/// Runs a wait announced as `what`, held by `holders`, with the lock
-/// `awaited` listed in our lease meanwhile, and the locks `held` already
-/// (listed with it, in one write: a look on another host, where no lock
-/// table shows them, names their holder while it waits); a timeout is
-/// [`Error::Busy`] (exit 75), a signal [`Error::Interrupted`].
+/// Runs a wait announced as `what`, held by `holders`, with the lock `awaited` listed in our lease
+/// meanwhile, and the locks `held` already (listed with it, in one write: a look on another host,
+/// where no lock table shows them, names their holder while it waits); a timeout is [`Error::Busy`]
+/// (exit 75), a signal [`Error::Interrupted`].
 pub(crate) fn wait_for<T>(
     store: &Store,
     awaited: Holding,

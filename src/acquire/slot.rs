@@ -1,14 +1,12 @@
-//! Taking a slot of a class: try every file the priority may take, else
-//! wait for any of them in this thread (see `slots.rs` for the layout and
-//! the rules of limits and reserves).
+//! Taking a slot of a class: try every file the priority may take, else wait for any of them in
+//! this thread (`slots.rs` has the layout and the rules of limits and reserves).
 //!
-//! - A normal acquirer tries `0.lock` first and reads the class record in
-//!   the same go: uncontended, a slot costs one lock and one read.
-//! - A slot taken is kept only if the class record read after the take
-//!   still allows it: a `slots set` that lowered the limit in between is
-//!   obeyed.
-//! - Waiting needs no thread per file: the waiter keeps the files open and
-//!   sleeps on inotify (the last close of a lock file is its release).
+//! - A normal acquirer tries `0.lock` first and reads the class record in the same go: uncontended,
+//!   a slot costs one lock and one read.
+//! - A slot taken is kept only if the class record read after the take still allows it: a
+//!   `slots set` that lowered the limit in between is obeyed.
+//! - Waiting needs no thread per file: the waiter keeps the files open and sleeps on inotify (the
+//!   last close of a lock file is its release).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -29,8 +27,7 @@ use crate::store::Store;
 pub struct SlotGuard {
     guard: Guard,
     class: String,
-    /// The leases directory and the slot file's name there, once the lease
-    /// lists this slot.
+    /// The leases directory and the slot file's name there, once the lease lists this slot.
     listed: Option<(PathBuf, String)>,
 }
 
@@ -55,10 +52,9 @@ impl SlotGuard {
         std::os::fd::AsRawFd::as_raw_fd(&self.guard)
     }
 
-    /// What this process's lease is to say of the slot, for `command`:
-    /// how lock-status and waiting messages name a slot holder. The caller
-    /// writes it (with its other locks); the slot takes it out of the lease
-    /// when it goes.
+    /// What this process's lease is to say of the slot, for `command`: how lock-status and waiting
+    /// messages name a slot holder. The caller writes it (with its other locks); the slot takes it
+    /// out of the lease when it goes.
     pub(crate) fn listing(&mut self, root: &Root, command: &str) -> crate::lease::Holding {
         let rel = root.locks_rel(self.guard.path());
         self.listed = Some((root.leases(), rel.clone()));
@@ -79,8 +75,7 @@ impl Drop for SlotGuard {
     }
 }
 
-/// Takes a slot of `class`, listing it in our lease. `Ok(None)` when the
-/// class is unlimited (nothing to take).
+/// Takes a slot of `class`, listing it in our lease. `Ok(None)` when the class is unlimited.
 ///
 /// ```no_run
 /// use stowage::{Root, Store, acquire::slot, slots::Priority};
@@ -126,8 +121,7 @@ pub(crate) fn take(
         Ok(got) => return Ok(got),
         Err(busy) => busy,
     };
-    // All busy. If one of them is held by our enclosing command, we work
-    // under its slot: waiting for another could wait for ourselves.
+    // All busy; if our enclosing command holds one, we work under it (a wait could be for us).
     let class_rel = root.locks_rel(&dir);
     if crate::nested::enclosing_holds(root)
         .iter()
@@ -168,8 +162,8 @@ pub(crate) fn take(
     Ok(got.map(|g| SlotGuard::new(g, class)))
 }
 
-/// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is
-/// unlimited), else the class's limits and files to wait on.
+/// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is unlimited), else the class's limits
+/// and files to wait on.
 fn try_now(
     root: &Root,
     class: &str,
@@ -207,9 +201,8 @@ fn try_now(
     Ok(Err((limits, slots)))
 }
 
-/// After a lowered limit, the first acquirer to find the files beyond it
-/// free settles the record (under the global lock, tried, never awaited),
-/// so that later ones take their slots without counting them.
+/// After a lowered limit, the first acquirer to find the files beyond it free settles the record
+/// (under the global lock, tried, never awaited): later ones need not count them.
 fn settle_if_free(root: &Root, class: &str, limits: &Limits) {
     if limits.settled() {
         return;
@@ -233,9 +226,8 @@ enum First {
     Busy,
 }
 
-/// A normal acquirer's first try: `0.lock`, whose class record, read under
-/// the lock just taken, both allows the slot and proves the file is still
-/// the one at its path. An unknown class is a usage error.
+/// A normal acquirer's first try: `0.lock`, whose class record, read under the lock just taken,
+/// allows the slot and proves the file is still at its path. An unknown class is a usage error.
 fn try_first(root: &Root, class: &str) -> Result<First> {
     let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
     let got = lock::acquire_no_wait_with(&path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
@@ -257,17 +249,14 @@ fn try_first(root: &Root, class: &str) -> Result<First> {
     }
 }
 
-/// How often a waiting acquirer re-reads its class even without being
-/// told, where another host may change it unseen.
+/// How often a waiting acquirer re-reads its class untold, where another host may change it unseen.
 pub const RECHECK: Duration = Duration::from_secs(2);
 /// The same on a local filesystem watched with inotify.
 const RECHECK_LOCAL: Duration = Duration::from_secs(30);
-/// How often a waiter retries when closes cannot wake it: the local
-/// promise is a freed slot taken within 100 ms.
+/// Retry interval when closes cannot wake a waiter: locally a freed slot is taken within 100 ms.
 const POLL: Duration = Duration::from_millis(50);
 
-/// Waits for a slot in the calling thread. `Ok(None)`: the class became
-/// unlimited.
+/// Waits for a slot in the calling thread. `Ok(None)`: the class became unlimited.
 fn wait_for_slot(
     store: &Store,
     class: &str,
@@ -345,8 +334,7 @@ enum Reread {
     Changed(Limits),
 }
 
-/// Reads the class again for a waiter: removed is an error (exit 64),
-/// unlimited lets it in, a change binds it.
+/// Rereads the class for a waiter: removed is an error (64), unlimited lets it in, a change binds.
 fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Reread> {
     let now = match crate::slots::read_class(store.root(), class)? {
         Class::Limits(l) => l,
@@ -376,13 +364,12 @@ fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Reread> {
 enum Took {
     Slot(Guard),
     Busy,
-    /// The record no longer says the limits the take went by: read it
-    /// again.
+    /// The record no longer says the limits the take went by: read it again.
     Changed,
 }
 
-/// The slot files one acquirer may take under one reading of the limits,
-/// and the files beyond them that holders of a higher limit may keep.
+/// The slot files one acquirer may take under one reading of the limits, and the files beyond them
+/// that holders of a higher limit may keep.
 struct Slots {
     candidates: FileSet,
     /// How many of `candidates` (the first ones) are reserved slots.
@@ -408,12 +395,11 @@ impl Slots {
         }
     }
 
-    /// One pass of tries. A slot is kept only if the record, read after the
-    /// take, still says these limits, and, with it, the slots of its kind
-    /// in use (holders above a lowered limit included) stay within them.
+    /// One pass of tries. A slot is kept only if the record, read after the take, still says these
+    /// limits, and its kind's slots in use (holders above a lowered limit too) stay within them.
     fn try_take(&mut self, root: &Root, class: &str) -> std::io::Result<Took> {
-        // Kinds whose holders beyond a lowered limit fill it are not even
-        // tried: a try holds a file for a moment, which others would see.
+        // Kinds whose holders beyond a lowered limit fill it are not even tried: a try holds a file
+        // for a moment, which others would see.
         let normal_full = !self.beyond.paths().is_empty()
             && self.beyond.held_count(|_| true)? >= self.limits.limit as usize;
         let high_full = !self.beyond_high.paths().is_empty()
