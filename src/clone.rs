@@ -1,21 +1,18 @@
 //! Faithful copies of image trees, for `exec --write NEW --from BASE`.
 //!
-//! - Kept: file types (device nodes where permitted), permission bits with
-//!   setuid/setgid/sticky, ownership where permitted, times, hard links (as
-//!   new shared inodes), holes, and every extended attribute the target
-//!   accepts (capabilities, ACLs, `user.*`). What cannot be kept is counted
+//! - Kept: file types (device nodes where permitted), permission bits with setuid/setgid/sticky,
+//!   ownership where permitted, times, hard links (as new shared inodes), holes, and every extended
+//!   attribute the target accepts (capabilities, ACLs, `user.*`). What cannot be kept is counted
 //!   and reported, never silently dropped.
-//! - Data: FICLONE where the filesystem can (no space), else only data
-//!   regions (SEEK_DATA/SEEK_HOLE, then copy_file_range).
-//! - Nothing is followed and no path is built: the walk goes by directory
-//!   descriptor ([`crate::tree`]), at any depth; symlinks are copied as links.
-//! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`,
-//!   `symlinkat`) in the new image's empty directory, mode 700 (ours alone)
-//!   until done: the copy cannot write outside it, and no name in it can be
-//!   swapped between a create and its attributes. No inode is shared with
-//!   the base.
-//! - Attribute order: owner (clears setuid and capabilities), mode, extended
-//!   attributes (an ACL rewrites the group bits), times.
+//! - Data: FICLONE where the filesystem can (no space), else only data regions
+//!   (SEEK_DATA/SEEK_HOLE, then copy_file_range).
+//! - Nothing is followed and no path is built: the walk goes by directory descriptor
+//!   ([`crate::tree`]), at any depth; symlinks are copied as links.
+//! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
+//!   image's empty directory, mode 700 until done: the copy cannot write outside it, and no name in
+//!   it can be swapped between a create and its attributes. No inode is shared with the base.
+//! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
+//!   rewrites the group bits), times.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, CString, OsStr};
@@ -42,16 +39,14 @@ pub struct Copied {
     pub skipped_special: u64,
     /// Mount points inside the base, copied as empty directories.
     pub mounts_left_out: Vec<String>,
-    /// Extended attributes the target refused, by attribute name: how many,
-    /// and the first cause.
+    /// Extended attributes the target refused, by name: how many, and the first cause.
     pub xattrs_lost: BTreeMap<String, (u64, String)>,
     /// The first few refusals in full (file, attribute, cause), for -v.
     pub xattr_details: Vec<String>,
 }
 
 impl Copied {
-    /// "security.selinux ×3 (Operation not permitted), user.x (…)" — one
-    /// line about what could not be kept; None if everything was.
+    /// What was not kept, as "security.selinux ×3 (Operation not permitted), user.x (…)"; or None.
     pub fn xattrs_summary(&self) -> Option<String> {
         if self.xattrs_lost.is_empty() {
             return None;
@@ -85,13 +80,10 @@ struct Frame {
     _lent: Option<Lent>,
 }
 
-/// Access to a file or directory of the base that is ours but that its
-/// mode keeps from us (a mode-000 `/etc/shadow`, a directory a build left
-/// unreadable): while the copy needs it, the owner's read (and, for a
-/// directory, search) bit is set on that very inode; dropping this puts
-/// its mode back. An unprivileged user can otherwise not copy what every
-/// RHEL-family image holds, although removing it works. (Root needs no
-/// loan: permissions do not stop it.)
+/// Access to a base file or directory that is ours but its mode keeps from us (a mode-000
+/// `/etc/shadow`, a directory a build left unreadable): while the copy needs it, the owner's read
+/// (and for a directory search) bit is set on that very inode, until this is dropped. Without it an
+/// unprivileged user could not copy what every RHEL-family image holds; root needs none.
 struct Lent {
     fd: OwnedFd,
     mode: libc::mode_t,
@@ -103,8 +95,7 @@ impl Drop for Lent {
     }
 }
 
-/// The owner's bits a copy needs of `meta` (ours) if its mode keeps them
-/// from us: read, and search for a directory. Its owner may lend them.
+/// The owner's bits that `meta`'s mode (ours) keeps from a copy: read, and search for a directory.
 fn loan_needed(meta: &libc::stat) -> Option<libc::mode_t> {
     // SAFETY: geteuid cannot fail.
     let euid = unsafe { libc::geteuid() };
@@ -116,11 +107,9 @@ fn loan_needed(meta: &libc::stat) -> Option<libc::mode_t> {
     (euid != 0 && meta.st_uid == euid && meta.st_mode & need != need).then_some(need)
 }
 
-/// Opens `name` of `dir`, whose stat is `meta`, lent the bits `need`
-/// ([`loan_needed`]): they are set through an `O_PATH` descriptor of the
-/// entry (a symlink swapped in is refused, not followed; another inode is
-/// refused), the entry is opened again through that descriptor, and the
-/// loan is returned to be given back when the copy is done.
+/// Opens `name` of `dir` (stat `meta`) lent the bits `need` ([`loan_needed`]): they are set through
+/// an `O_PATH` descriptor of the entry (a symlink or another inode swapped in is refused), the
+/// entry is reopened through it, and the loan returned, to be given back when the copy is done.
 fn open_lent(
     dir: &Dir,
     name: &CStr,
@@ -146,10 +135,9 @@ fn open_lent(
     Ok((unsafe { OwnedFd::from_raw_fd(fd) }, lent))
 }
 
-/// Copies the tree of `src_root` into the empty directory `dst_root`, both
-/// already open (`src` and `dst` name them in messages): the caller opened
-/// them from the images directory's descriptor, so a symlink swapped in for
-/// a directory above them since cannot redirect the copy out of the store.
+/// Copies the tree of `src_root` into the empty directory `dst_root`, both already open (`src` and
+/// `dst` name them in messages): the caller opened them from the images directory's descriptor, so
+/// a symlink swapped in above them since cannot redirect the copy out of the store.
 pub fn copy_tree_at(
     src_root: Dir,
     src: &Path,
@@ -190,9 +178,8 @@ pub fn copy_tree_at(
     };
     let mut stack = vec![top];
     if let Err(e) = copy.walk(&mut stack) {
-        // A copy that failed leaves the top as it found it, and the
-        // directories it was filling (made 700) so too, so another member
-        // of a group store can remove what it holds.
+        // A failed copy puts back the mode of the top and of the directories it was filling (made
+        // 700), so another member of a group store can remove what it holds.
         for f in &stack {
             // SAFETY: fchmod on a descriptor we own.
             unsafe { libc::fchmod(f.dst.as_raw_fd(), was) };
@@ -204,15 +191,13 @@ pub fn copy_tree_at(
     Ok(copy.finish())
 }
 
-/// Makes the copy's (empty) top ours alone while the copy is made, and
-/// returns the mode it had. Nobody but us may create or rename a name in
-/// it: an entry's owner and mode are set by its name (a FIFO, a symlink),
-/// and a member of a group store could otherwise swap in a link to a file
-/// elsewhere between the create and the chmod. Mode 700 keeps out all but
-/// the owner, so the owner must be us (root may chmod another user's
-/// directory, whose owner keeps full access), and nothing may be in it (a
-/// name made before, whose descriptor its maker may keep). The top gets
-/// the base's mode when the copy is done (`finish_dir`).
+/// Makes the copy's (empty) top ours alone while the copy is made, and returns the mode it had.
+/// Nobody but us may create or rename a name in it: an entry's owner and mode are set by its name
+/// (a FIFO, a symlink), and a member of a group store could otherwise swap in a link to a file
+/// elsewhere between the create and the chmod. Mode 700 keeps out all but the owner, so the owner
+/// must be us (root may chmod another user's directory, whose owner keeps full access), and it must
+/// be empty (a name made before may have its descriptor kept by its maker). The top gets the base's
+/// mode when the copy is done (`finish_dir`).
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     let st =
         tree::fstat(top.as_raw_fd()).with_context(|| format!("cannot read {}", dst.display()))?;
@@ -275,9 +260,8 @@ impl TreeCopy<'_> {
         Ok(())
     }
 
-    /// Directories get their mode and times after their contents are in
-    /// place: a read-only directory must stay writable while we fill it,
-    /// and writing into it would change its mtime.
+    /// Directories get their mode and times after their contents: a read-only directory must stay
+    /// writable while we fill it, and writing into it would change its mtime.
     fn finish_dir(&mut self, done: Frame) -> Result<()> {
         self.trail.0.pop();
         let (dst, src) = (
@@ -287,8 +271,7 @@ impl TreeCopy<'_> {
         self.attrs(dst, src, None, &done.meta)
     }
 
-    /// Copies the entry `name` of `top`; a directory is created and
-    /// returned, to be filled next.
+    /// Copies the entry `name` of `top`; a directory is created and returned, to be filled next.
     fn copy_entry(&mut self, top: &Frame, name: CString) -> Result<Option<Frame>> {
         let meta = top
             .src
@@ -309,8 +292,7 @@ impl TreeCopy<'_> {
         Ok(None)
     }
 
-    /// Creates the copy of directory `name` (owner rwx while filling; the
-    /// real mode is set at the end) and opens both for the walk.
+    /// Creates the copy of directory `name` (mode 700 until filled) and opens both for the walk.
     fn enter_dir(&mut self, top: &Frame, name: CString, meta: libc::stat) -> Result<Frame> {
         mkdirat(&top.dst, &name).with_context(|| self.cannot_copy(&name))?;
         let (s, lent) = if let Some(need) = loan_needed(&meta) {
@@ -330,9 +312,8 @@ impl TreeCopy<'_> {
             .dst
             .sub(OsStr::from_bytes(name.to_bytes()))
             .with_context(|| self.cannot_copy(&name))?;
-        // A filesystem mounted inside the base (a bind mount a build
-        // left) is not the base's tree, as measuring and deleting have
-        // it: its mount point is copied, its contents are not.
+        // A filesystem mounted inside the base (a bind mount a build left) is not the base's tree,
+        // as measuring and deleting have it: its mount point is copied, its contents are not.
         let names = if meta.st_dev == self.dev {
             s.entries().with_context(|| self.cannot_copy(&name))?
         } else {
@@ -350,8 +331,7 @@ impl TreeCopy<'_> {
         })
     }
 
-    /// For an inode with several names: a name after the first becomes a
-    /// link to the first one's copy (returns true); the first is noted.
+    /// For an inode with several names: a later name becomes a link to the first one's copy (true).
     fn linked_to_copy(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<bool> {
         let key = (meta.st_dev, meta.st_ino);
         if let Some(first) = self.links.get(&key) {
@@ -372,8 +352,7 @@ impl TreeCopy<'_> {
     }
 
     fn copy_file(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
-        // A loan is given back once the attributes are copied: reading a
-        // file's `user.*` attributes needs the same access as its data.
+        // A loan is kept until the attributes are copied: reading `user.*` needs the data's access.
         let (src_f, dst_f, _lent) =
             open_pair(&top.src, &top.dst, name, meta).with_context(|| self.cannot_copy(name))?;
         let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works)
@@ -391,8 +370,7 @@ impl TreeCopy<'_> {
         Ok(())
     }
 
-    /// A FIFO, socket or device node. One that may not be made (no
-    /// privilege) is counted, not copied.
+    /// A FIFO, socket or device node; one we may not make (no privilege) is counted, not copied.
     fn copy_special(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
         match mknodat(&top.dst, name, meta) {
             Ok(()) => {}
@@ -407,8 +385,7 @@ impl TreeCopy<'_> {
         self.attrs_at(top, name, meta)
     }
 
-    /// Owner, mode, times and attributes of the entry `name` (not followed),
-    /// from the source to its copy.
+    /// Owner, mode, times and attributes of the entry `name` (not followed), from source to copy.
     fn attrs_at(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
         self.attrs(
             Target::At(&top.dst, name),
@@ -418,8 +395,8 @@ impl TreeCopy<'_> {
         )
     }
 
-    /// [`set_attrs`] for the entry `name` of the current directory's copy
-    /// (without one, for the directory itself), which messages name.
+    /// [`set_attrs`] for the entry `name` of the current directory's copy (or, without a name, the
+    /// directory itself), which messages name.
     fn attrs(
         &mut self,
         dst: Target,
@@ -450,9 +427,8 @@ impl TreeCopy<'_> {
     }
 }
 
-/// Opens a regular file of the base and creates its copy. The source is
-/// opened without blocking (a FIFO swapped in after the look would
-/// otherwise hang the copy) and must still be the file that was looked at.
+/// Opens a regular file of the base and creates its copy. The source is opened without blocking (a
+/// FIFO swapped in after the look would hang the copy) and must still be the file looked at.
 fn open_pair(
     src: &Dir,
     dst: &Dir,
@@ -476,8 +452,7 @@ fn open_pair(
     Ok((s, File::from(dst.open_at(name, flags, 0o600)?), lent))
 }
 
-/// A refusal to read a file of the base that is not ours to lend: says
-/// whose it is, since only they (or root) can copy it.
+/// A refused read of a base file not ours to lend: says whose it is (only they or root may copy).
 fn denied(e: io::Error, meta: &libc::stat) -> io::Error {
     if e.kind() != io::ErrorKind::PermissionDenied {
         return e;
@@ -492,9 +467,8 @@ fn denied(e: io::Error, meta: &libc::stat) -> io::Error {
     )
 }
 
-/// Copies one regular file's data; returns whether it was reflinked.
-/// Without reflink only the data regions are copied and the length set
-/// after: holes stay holes.
+/// Copies one regular file's data; returns whether it was reflinked. Without reflink only the data
+/// regions are copied and the length set after: holes stay holes.
 fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<bool> {
     let len = tree::fstat(src.as_raw_fd())?.st_size as u64;
     if *reflink_works && len > 0 {
@@ -546,8 +520,7 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
     Ok(false)
 }
 
-/// Copies `len` bytes at `off` from `s` to the same offset of `d`: in the
-/// kernel where it can, else through a buffer.
+/// Copies `len` bytes at `off` from `s` to the same offset of `d`: in the kernel, else by a buffer.
 fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
     use std::os::unix::fs::FileExt as _;
     let (s, d) = (src.as_raw_fd(), dst.as_raw_fd());
@@ -584,8 +557,7 @@ fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
 
 /// What one copy_file_range(2) call came to.
 enum InKernel {
-    /// Bytes were copied (the offsets moved on), or the call was
-    /// interrupted: call again.
+    /// Bytes were copied (the offsets moved on), or the call was interrupted: call again.
     GoOn,
     /// The source ended before the range did (it shrank under us).
     End,
@@ -600,12 +572,10 @@ fn copy_in_kernel(
     off_out: &mut libc::loff_t,
     want: usize,
 ) -> io::Result<InKernel> {
-    // The system call itself, not libc's wrapper: the standard
-    // library declares that symbol weak, and in a static build
-    // whose link-time optimisation merges the declarations a weak
-    // one can win, leaving the call to jump to address 0.
-    // SAFETY: valid descriptors and offset pointers, as the system
-    // call documents them.
+    // The system call itself, not libc's wrapper: the standard library declares that symbol weak,
+    // and in a static build whose link-time optimisation merges the declarations a weak one can
+    // win, leaving the call to jump to address 0.
+    // SAFETY: valid descriptors and offset pointers, as the system call documents them.
     let n = unsafe {
         libc::syscall(
             libc::SYS_copy_file_range,
@@ -663,8 +633,8 @@ fn symlinkat(target: &CStr, dir: &Dir, name: &CStr) -> io::Result<()> {
     cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) }).map(drop)
 }
 
-/// A second name for the copy of a hard-linked inode: the first copy is
-/// found again from the top of the copy, one directory at a time.
+/// A second name for the copy of a hard-linked inode: the first copy is found again from the copy's
+/// top, one directory at a time.
 fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
     let (last, parents) = first.split_last().expect("a name");
     let mut owned: Option<Dir> = None;
@@ -689,15 +659,14 @@ fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Res
     .map(drop)
 }
 
-/// Where attributes are read or set: an open file, or a name in a
-/// directory (symlinks and special files, which are not opened).
+/// Where attributes are read or set: an open file, or a name in a directory (symlinks and special
+/// files, which are not opened).
 enum Target<'a> {
     Fd(RawFd),
     At(&'a Dir, &'a CStr),
 }
 
-/// Owner (where permitted), mode, extended attributes and times, in that
-/// order, never following a symlink.
+/// Owner (where permitted), mode, extended attributes and times, in order; symlinks not followed.
 fn set_attrs(
     dst: Target,
     src: Target,
@@ -808,8 +777,7 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
         },
         Target::At(d, name) => {
             let path = d.proc_path(name);
-            // SAFETY: path and key are valid C strings, value a live buffer
-            // of the length passed.
+            // SAFETY: path and key are valid C strings, value a live buffer of the length passed.
             unsafe {
                 libc::lsetxattr(
                     path.as_ptr(),
@@ -824,9 +792,8 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
     cvt(r).map(drop)
 }
 
-/// Copies every extended attribute the source has and the target accepts;
-/// counts the refusals. An attribute the target already has with the same
-/// value (a label the filesystem gave it) is left alone.
+/// Copies every extended attribute the source has and the target accepts; counts the refusals. One
+/// the target already has with the same value (a label the filesystem gave it) is left alone.
 fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> String) {
     // No extended attributes here at all, or none readable.
     let Ok(names) = list_xattrs(src) else { return };
@@ -855,8 +822,7 @@ fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> St
 /// How long a copy runs before its progress is shown.
 const SHOW_AFTER: Duration = Duration::from_millis(700);
 
-/// A progress bar on stderr, shown only on a terminal and only once a copy
-/// has taken longer than a moment.
+/// A progress bar on stderr, shown only on a terminal and once a copy has taken more than a moment.
 pub struct Bar {
     bar: Option<indicatif::ProgressBar>,
     started: Instant,

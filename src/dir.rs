@@ -1,17 +1,16 @@
 //! Directory descriptors: how stowage moves and deletes anything.
 //!
-//! - A path is resolved anew at each use, so a check on a path says nothing
-//!   about the next use: every destructive operation works from descriptors.
-//! - A walk starts at a trusted directory (the root, a configured images
-//!   directory), opened once; below it, `openat(…, O_DIRECTORY|O_NOFOLLOW)`:
-//!   a symlink where a directory should be is an error, never followed.
-//! - Renames and deletions are `renameat`/`unlinkat` on those descriptors:
-//!   what was checked is what is acted on.
-//! - Deleting a tree ([`Dir::remove_entry`]) unlinks symlinks, stops at any
-//!   mount (bind mounts of the same filesystem included), and holds a
-//!   bounded number of descriptors at any depth: far levels are reopened
-//!   through `..`, which must be the directory left (device, inode), so a
-//!   tree moved mid-walk stops it instead of redirecting it.
+//! - A path is resolved anew at each use, so a check on it says nothing of the next use: every
+//!   destructive operation works from descriptors.
+//! - A walk starts at a trusted directory (the root, a configured images directory), opened once;
+//!   below it, `openat(…, O_DIRECTORY|O_NOFOLLOW)`: a symlink where a directory should be is an
+//!   error, never followed.
+//! - Renames and deletions are `renameat`/`unlinkat` on those descriptors: what was checked is what
+//!   is acted on.
+//! - Deleting a tree ([`Dir::remove_entry`]) unlinks symlinks, stops at any mount (bind mounts of
+//!   the same filesystem included), and holds a bounded number of descriptors at any depth: far
+//!   levels are reopened through `..`, which must be the directory left (device, inode), so a tree
+//!   moved mid-walk stops the walk instead of redirecting it.
 
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
@@ -32,8 +31,7 @@ pub struct Dir {
 pub struct DirEntry {
     pub name: OsString,
     pub ino: u64,
-    /// `d_type`: `libc::DT_DIR`, `DT_REG`, …, or `DT_UNKNOWN` where the
-    /// filesystem does not say.
+    /// `d_type`: `libc::DT_DIR`, `DT_REG`, …, or `DT_UNKNOWN` where the filesystem does not say.
     pub kind: u8,
 }
 
@@ -46,8 +44,7 @@ impl From<OwnedFd> for Dir {
 }
 
 impl AsRawFd for Dir {
-    /// For walks that need calls this type does not wrap (the copy's
-    /// `fsetxattr`, `mknodat`, `FIEMAP`; see tree.rs).
+    /// For calls this type does not wrap (the copy's `fsetxattr`, `mknodat`, `FIEMAP`; tree.rs).
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         self.fd.as_raw_fd()
     }
@@ -94,24 +91,21 @@ pub(crate) fn chmod_o_path(fd: std::os::fd::RawFd, mode: libc::mode_t) -> io::Re
 const DIR_FLAGS: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
 
 impl Dir {
-    /// Opens a directory the user named (the root, a configured images
-    /// directory): symlinks in the path are followed, as the user's own
-    /// choice; everything below is opened with [`Dir::sub`].
+    /// Opens a directory the user named (the root, a configured images directory): symlinks in the
+    /// path are followed, as the user's own choice; everything below is opened with [`Dir::sub`].
     pub fn open(path: &Path) -> io::Result<Dir> {
         Self::open_flags(path, DIR_FLAGS)
     }
 
-    /// A second descriptor of the same open directory (`dup`: nothing is
-    /// asked of a server).
+    /// A second descriptor of the same open directory (`dup`: nothing is asked of a server).
     pub fn duplicate(&self) -> io::Result<Dir> {
         Ok(Dir {
             fd: self.fd.try_clone()?,
         })
     }
 
-    /// A directory as an anchor for `*at()` calls only (`O_PATH`): no
-    /// listing, no extended attributes — and nothing opened on a server
-    /// (no OPENDIR/RELEASEDIR on a shared filesystem).
+    /// A directory as an anchor for `*at()` calls only (`O_PATH`): no listing, no extended
+    /// attributes — and nothing opened on a server (no OPENDIR/RELEASEDIR on a shared filesystem).
     pub fn anchor(path: &Path) -> io::Result<Dir> {
         Self::open_flags(path, libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
     }
@@ -138,9 +132,8 @@ impl Dir {
         Self::open_flags(path, DIR_FLAGS | libc::O_NOFOLLOW)
     }
 
-    /// Opens a directory of the layout by its path under the root (whose
-    /// own path is canonical): no component may be a symlink
-    /// (`planted::open`), so a link planted for `locks` leads nowhere.
+    /// Opens a directory of the layout by its path under the root (whose own path is canonical): no
+    /// component may be a symlink (`planted::open`), so a link planted for `locks` leads nowhere.
     pub fn open_in_root(path: &Path) -> io::Result<Dir> {
         let f = crate::planted::open(path, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
         Ok(Dir {
@@ -157,8 +150,7 @@ impl Dir {
         })
     }
 
-    /// Opens the subdirectory `name`, refusing a symlink in its place
-    /// (ELOOP, or ENOTDIR for anything else that is not a directory).
+    /// Opens the subdirectory `name`, refusing a symlink (ELOOP) or other non-directory (ENOTDIR).
     pub fn sub(&self, name: impl AsRef<OsStr>) -> io::Result<Dir> {
         self.sub_flags(name.as_ref(), DIR_FLAGS | libc::O_NOFOLLOW)
     }
@@ -167,8 +159,7 @@ impl Dir {
         self.open_at(&cstr(name)?, flags, 0).map(Dir::from)
     }
 
-    /// `openat` of `name` in this directory (`mode` counts only where a
-    /// file is created), the new descriptor owned.
+    /// `openat` of `name` here, the descriptor owned (`mode` counts only where a file is created).
     pub(crate) fn open_at(
         &self,
         name: &CStr,
@@ -182,11 +173,9 @@ impl Dir {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// Like [`Dir::sub`], for a deletion: a directory of ours that we may
-    /// not read or search (a build can leave one mode 000) is first given
-    /// owner access, else it could never be deleted. The mode is changed
-    /// through an `O_PATH|O_NOFOLLOW` descriptor of the very directory (a
-    /// symlink swapped in is refused, never followed to its target).
+    /// [`Dir::sub`] for a deletion: a directory of ours we may not read or search (a build can
+    /// leave one mode 000) first gets owner access, else it could never be deleted; the mode is
+    /// changed through an `O_PATH|O_NOFOLLOW` descriptor, so a symlink swapped in is refused.
     fn sub_for_deletion(&self, name: &OsStr) -> io::Result<Dir> {
         match self.sub(name) {
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
@@ -205,8 +194,7 @@ impl Dir {
         Ok(entry(&fstat(self.fd.as_raw_fd())?))
     }
 
-    /// Every field of `name`'s lstat, for the walks that copy and measure
-    /// trees (tree.rs).
+    /// Every field of `name`'s lstat, for the walks that copy and measure trees (tree.rs).
     pub fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat> {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -222,27 +210,23 @@ impl Dir {
         Ok(st)
     }
 
-    /// A short path naming `name` in this directory through /proc, for the
-    /// few calls that have no descriptor form (`l*xattr` on a symlink or a
-    /// device node): `l*` calls do not follow its last component.
+    /// A short /proc path naming `name` in this directory, for calls with no descriptor form
+    /// (`l*xattr` on a symlink or device node): `l*` calls do not follow its last component.
     pub fn proc_path(&self, name: &CStr) -> CString {
         let mut p = format!("/proc/self/fd/{}/", self.as_raw_fd()).into_bytes();
         p.extend_from_slice(name.to_bytes());
         CString::new(p).expect("no NUL in a directory entry")
     }
 
-    /// The id of the mount this directory is on, where the kernel says
-    /// (Linux 5.8+). Unlike the device number it tells a bind mount of the
-    /// same filesystem apart.
+    /// The id of the mount this directory is on, where the kernel says (Linux 5.8+). Unlike the
+    /// device number it tells a bind mount of the same filesystem apart.
     fn mount_id(&self) -> Option<u64> {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut stx: libc::statx = unsafe { std::mem::zeroed() };
         let empty = c"";
-        // The system call itself, not libc's wrapper (see clone.rs,
-        // copy_range: a weak declaration of the symbol can win in a static
-        // build and leave the call jumping to address 0).
-        // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, and
-        // an out-pointer to a zeroed statx.
+        // The system call itself, not libc's wrapper: in a static build a weak declaration of the
+        // symbol can win and leave the call jumping to address 0 (clone.rs, copy_range).
+        // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
         let r = unsafe {
             libc::syscall(
                 libc::SYS_statx,
@@ -265,10 +249,9 @@ impl Dir {
         Ok(sf.f_type as u64)
     }
 
-    /// The filesystem's id (`f_fsid`), 0 where the filesystem gives none
-    /// (NFS). Local filesystems derive it from their UUID or device, so two
-    /// filesystems of one type tell apart by it where their root inodes do
-    /// not (every ext4's root is inode 2).
+    /// The filesystem's id (`f_fsid`), 0 where the filesystem gives none (NFS). Local filesystems
+    /// derive it from their UUID or device, so two filesystems of one type tell apart by it where
+    /// their root inodes do not (every ext4's root is inode 2).
     pub fn fs_id(&self) -> io::Result<u64> {
         // SAFETY: all-zero bytes are a valid value of this plain C struct.
         let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
@@ -278,8 +261,7 @@ impl Dir {
         Ok(sv.f_fsid as u64)
     }
 
-    /// Whether this directory is the root of a mount (`..` is on another
-    /// device or mount).
+    /// Whether this directory is the root of a mount (`..` is on another device or mount).
     pub fn is_mount_root(&self) -> io::Result<bool> {
         let up = self.sub("..")?;
         Ok(up.stat()?.dev != self.stat()?.dev || up.mount_id() != self.mount_id())
@@ -294,12 +276,10 @@ impl Dir {
         }
     }
 
-    /// The names in the directory (without `.` and `..`), read through
-    /// this very descriptor with `getdents64`, from its start: no second
-    /// descriptor for a directory stream (`opendir` would open the
-    /// directory again and stat it — three more calls per directory, each a
-    /// round trip on NFS, in every walk). The offset it moves is used by
-    /// nothing else: every other use of the descriptor is an `*at()` call.
+    /// The names in the directory (without `.` and `..`), read through this very descriptor with
+    /// `getdents64`, from its start: `opendir` would open the directory again and stat it — three
+    /// more calls per directory, each a round trip on NFS, in every walk. The offset it moves is
+    /// used by nothing else: every other use of the descriptor is an `*at()` call.
     pub fn names(&self) -> io::Result<Vec<OsString>> {
         Ok(self.listing()?.into_iter().map(|e| e.name).collect())
     }
@@ -313,8 +293,7 @@ impl Dir {
             .collect())
     }
 
-    /// [`Dir::names`], with each entry's inode and type as the directory
-    /// gives them (`d_ino`, `d_type`: no stat).
+    /// [`Dir::names`] with each entry's inode and type as the directory gives them (no stat).
     pub fn listing(&self) -> io::Result<Vec<DirEntry>> {
         let fd = self.fd.as_raw_fd();
         // SAFETY: plain lseek on our own descriptor.
@@ -322,17 +301,15 @@ impl Dir {
         let mut buf = vec![0u8; 32 * 1024];
         let mut out = Vec::new();
         loop {
-            // The system call itself: glibc's wrapper is recent, and the
-            // layout is the kernel's (linux_dirent64).
+            // The system call: glibc's wrapper is recent; the layout is the kernel's.
             // SAFETY: a live buffer of the length given.
             let n = unsafe { libc::syscall(libc::SYS_getdents64, fd, buf.as_mut_ptr(), buf.len()) };
             if n < 0 {
                 let e = io::Error::last_os_error();
                 match e.raw_os_error() {
                     Some(libc::EINTR) => continue,
-                    // A directory removed meanwhile (by another removal of
-                    // the same tree) lists nothing more: the end, as
-                    // readdir(3) has it, not an error.
+                    // A directory removed meanwhile (by another removal of the same tree) lists
+                    // nothing more: the end, as readdir(3) has it, not an error.
                     Some(libc::ENOENT) => return Ok(out),
                     _ => return Err(e),
                 }
@@ -393,11 +370,9 @@ impl Dir {
         .map(drop)
     }
 
-    /// Renames the entry `name` aside in this directory, as
-    /// `NAME.WHY-TIME` (with `-N` added while that is taken), never over
-    /// an existing entry: whatever it is (a planted FIFO, a damaged file)
-    /// is kept, not followed, not deleted. Returns the new name; a `name`
-    /// gone meanwhile is `NotFound`.
+    /// Renames `name` aside in this directory as `NAME.WHY-TIME` (`-N` added while that is taken),
+    /// never over an existing entry: whatever it is (a planted FIFO, a damaged file) is kept, not
+    /// followed, not deleted. Returns the new name; a `name` gone meanwhile is `NotFound`.
     pub fn set_aside(&self, name: &str, why: &str) -> io::Result<String> {
         let stamp = crate::clock::rfc3339(crate::clock::now_ms())
             .unwrap_or_default()
@@ -423,8 +398,7 @@ impl Dir {
         let a = cstr(name.as_ref())?;
         let b = cstr(to_name.as_ref())?;
         let fd = self.fd.as_raw_fd();
-        // SAFETY: valid C strings and descriptor; the system call itself
-        // (libc's wrapper is missing from older C libraries).
+        // SAFETY: valid C strings and descriptor; a raw syscall (older libcs lack the wrapper).
         let r = unsafe {
             libc::syscall(
                 libc::SYS_renameat2,
@@ -448,8 +422,7 @@ impl Dir {
         self.rename_to(name, self, to_name)
     }
 
-    /// Whether this process may open the entry `name` for reading and
-    /// writing (as its effective user), by its permissions.
+    /// Whether this process (its effective user) may open `name` read-write, by its permissions.
     pub fn may_read_write(&self, name: &str) -> bool {
         let Ok(c) = cstr(name.as_ref()) else {
             return false;
@@ -465,9 +438,8 @@ impl Dir {
         }
     }
 
-    /// Sets the mode of the regular file `name`, through a descriptor of
-    /// that very file (`O_PATH|O_NOFOLLOW`): a symlink swapped in after a
-    /// look is refused, never followed to what it names.
+    /// Sets the mode of the regular file `name` through an `O_PATH|O_NOFOLLOW` descriptor of it: a
+    /// symlink swapped in after a look is refused, not followed.
     pub fn chmod_at(&self, name: &str, mode: u32) -> io::Result<()> {
         let flags = libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC;
         let file = std::fs::File::from(self.open_at(&cstr(name.as_ref())?, flags, 0)?);
@@ -475,8 +447,7 @@ impl Dir {
         chmod_o_path(file.as_raw_fd(), mode as libc::mode_t)
     }
 
-    /// Makes `to_name` a second link to `name` in this directory: fails
-    /// with `AlreadyExists` if `to_name` exists (an atomic create).
+    /// Makes `to_name` a second link to `name` here: `AlreadyExists` if taken (an atomic create).
     pub fn link_to(&self, name: impl AsRef<OsStr>, to_name: impl AsRef<OsStr>) -> io::Result<()> {
         let a = cstr(name.as_ref())?;
         let b = cstr(to_name.as_ref())?;
@@ -493,21 +464,18 @@ impl Dir {
         .map(drop)
     }
 
-    /// Opens `name` for writing (creating it, never through a symlink) and
-    /// closes it again: the close is what inotify watchers of this
-    /// directory see (`IN_CLOSE_WRITE`). Nothing is written. Never blocks:
-    /// a FIFO planted under the name fails the open (`ENXIO`) unless
-    /// something reads it, and then is only closed.
+    /// Opens `name` for writing (creating it, never through a symlink) and closes it again: the
+    /// close is what inotify watchers of this directory see (`IN_CLOSE_WRITE`). Nothing is written.
+    /// Never blocks: a FIFO planted under the name fails the open (`ENXIO`) unless something reads
+    /// it, and then is only closed.
     pub fn touch_closed(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
         let flags = libc::O_WRONLY | libc::O_CREAT | crate::planted::FLAGS;
-        // Closed at once, as it is dropped.
         self.open_at(&cstr(name.as_ref())?, flags, 0o666).map(drop)
     }
 
-    /// Opens the regular file `name` read-write (made if `create` and
-    /// missing, mode 0666 before umask, as lock files are), never through a
-    /// symlink, without blocking on a FIFO planted under that name; what
-    /// is not a regular file is a `planted::NotAFile` (named by the entry:
+    /// Opens the regular file `name` read-write (made if `create` and missing, mode 0666 before
+    /// umask, as lock files are), never through a symlink, without blocking on a FIFO planted under
+    /// that name; what is not a regular file is a `planted::NotAFile` (named by the entry:
     /// `planted::at` names it in full).
     pub fn open_rw(&self, name: impl AsRef<OsStr>, create: bool) -> io::Result<std::fs::File> {
         let flags = libc::O_RDWR
@@ -517,10 +485,9 @@ impl Dir {
         self.open_file_at(name.as_ref(), flags)
     }
 
-    /// `INO@FSTYPE[@FSID]`: the directory's inode number, its filesystem's
-    /// type (statfs magic, hex) and, where it has one, its id. Not the
-    /// device number: NFS numbers devices anew at each mount. An unmounted
-    /// directory (the mount point below) differs in inode or type; another
+    /// `INO@FSTYPE[@FSID]`: the directory's inode number, its filesystem's type (statfs magic, hex)
+    /// and, where it has one, its id. Not the device number: NFS numbers devices anew at each
+    /// mount. An unmounted directory (the mount point below) differs in inode or type; another
     /// filesystem of the same type mounted there, in its id.
     pub fn identity(&self) -> io::Result<String> {
         let st = self.stat()?;
@@ -537,11 +504,9 @@ impl Dir {
         self.open_file_at(name.as_ref(), libc::O_RDONLY | crate::planted::FLAGS)
     }
 
-    /// [`Dir::open_read`] without its `fstat`, for a caller whose read
-    /// proves a regular file when it finds what it expects (a FIFO reads
-    /// as empty, a directory fails the read) and that asks
-    /// `planted::check` only when it does not: a round trip less on the
-    /// way every new image takes.
+    /// [`Dir::open_read`] without its `fstat`, for a caller whose read proves a regular file when
+    /// it finds what it expects (a FIFO reads as empty, a directory fails the read) and that asks
+    /// `planted::check` only when it does not: a round trip less on the way every new image takes.
     pub fn open_read_unchecked(&self, name: impl AsRef<OsStr>) -> io::Result<std::fs::File> {
         let name = name.as_ref();
         self.open_flags_at(name, libc::O_RDONLY | crate::planted::FLAGS)
@@ -563,8 +528,7 @@ impl Dir {
         Ok(f)
     }
 
-    /// [`crate::planted::refused`] for an entry of this directory, told by
-    /// `fstatat` (no path is built).
+    /// [`crate::planted::refused`] for an entry here, told by `fstatat` (no path is built).
     fn refused(&self, name: &OsStr, e: io::Error) -> io::Error {
         if !matches!(
             e.raw_os_error(),
@@ -614,8 +578,7 @@ impl Dir {
         self.unlinkat(name.as_ref(), libc::AT_REMOVEDIR)
     }
 
-    /// Unlinks `name` only if it is still the file `(dev, ino)`: a lock
-    /// file we hold, say, and not whatever replaced it since.
+    /// Unlinks `name` only while it is the file `(dev, ino)` (a lock we hold), not a replacement.
     pub fn unlink_if(&self, name: impl AsRef<OsStr>, dev: u64, ino: u64) -> io::Result<bool> {
         let name = name.as_ref();
         match self.stat_at(name)? {
@@ -627,10 +590,9 @@ impl Dir {
         }
     }
 
-    /// Deletes the entry `name` whatever it is: a tree is emptied and
-    /// removed (see the module doc), anything else unlinked. A missing entry
-    /// is not an error. `removed` counts what was deleted, so a caller can
-    /// tell a failure before anything went from one half-way.
+    /// Deletes the entry `name` whatever it is: a tree is emptied and removed (see the module doc),
+    /// anything else unlinked. A missing entry is not an error. `removed` counts what was deleted,
+    /// so a caller can tell a failure before anything went from one half-way.
     pub fn remove_entry(&self, name: impl AsRef<OsStr>, removed: &mut u64) -> io::Result<()> {
         let name = name.as_ref();
         let Some(st) = self.stat_at(name)? else {
@@ -657,9 +619,8 @@ impl Dir {
                 ));
             }
         };
-        // The walk keeps to the filesystem of the tree it starts at, so a
-        // mount at the top itself (an image directory bind-mounted, a mount
-        // directly in an image being emptied) must be caught here.
+        // The walk keeps to the tree's filesystem, so a mount at the top itself (an image directory
+        // bind-mounted, a mount directly in an image being emptied) is caught here.
         let (here, there) = (self.stat()?, top.stat()?);
         if here.dev != there.dev || self.mount_id() != top.mount_id() {
             return Err(mount_point(name));
@@ -672,9 +633,8 @@ impl Dir {
         Ok(())
     }
 
-    /// The owner of this directory (or of its subdirectory `name`) if it
-    /// lacks `access` for us and is not ours: who refused a step that
-    /// needed that access.
+    /// The owner of this directory (or of its subdirectory `name`) if it lacks `access` for us and
+    /// is not ours: who refused a step that needed that access.
     fn refuser(&self, name: Option<&OsStr>, access: libc::c_int) -> Option<u32> {
         let st = match name {
             Some(n) => self.stat_at(n).ok()??,
@@ -690,8 +650,7 @@ impl Dir {
                 libc::AT_EACCESS | libc::AT_SYMLINK_NOFOLLOW,
             )
         };
-        // Only a refusal says who refused: a check that failed otherwise
-        // (a sandbox that forbids faccessat2) says nothing.
+        // Only EACCES names a refuser; other failures (a sandbox forbidding faccessat2) do not.
         let refused = r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EACCES);
         (st.is_dir() && refused && st.uid != me()).then_some(st.uid)
     }
@@ -703,13 +662,11 @@ impl Dir {
         (st.mode & libc::S_ISVTX != 0 && st.uid != me()).then_some(st.uid)
     }
 
-    /// Gives the owner full access to this directory if it lacks it, so a
-    /// read-only directory inside an image can be emptied (root needs no
-    /// such thing; anyone else does).
+    /// Gives the owner full access to this directory if it lacks it, so a read-only directory
+    /// inside an image can be emptied (root needs no such thing; anyone else does).
     fn make_writable(&self, st: &Entry) {
         if st.mode & 0o700 != 0o700 {
-            // SAFETY: plain fchmod on our descriptor; failure is harmless
-            // (the unlinks that follow report the real error).
+            // SAFETY: plain fchmod on our descriptor; a failure shows in the unlinks that follow.
             unsafe { libc::fchmod(self.fd.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _) };
         }
     }
@@ -733,12 +690,10 @@ fn entry(st: &libc::stat) -> Entry {
     }
 }
 
-/// How many levels of a walk keep their descriptor open. Deeper levels are
-/// reopened through `..` when the walk climbs back to them.
+/// Levels of a walk that keep their descriptor open; deeper ones are reopened through `..`.
 const OPEN_LEVELS: usize = 16;
 
-/// How often a directory is listed again because entries kept appearing
-/// in it while it was being emptied (a process still writing).
+/// How often a directory is relisted while entries keep appearing in it (a process still writing).
 const RELISTS: u32 = 8;
 
 struct Level {
@@ -751,9 +706,8 @@ struct Level {
     relisted: u32,
 }
 
-/// Empties the tree `top`, without following
-/// any symlink or leaving its filesystem, with at most [`OPEN_LEVELS`]
-/// descriptors open. `top` itself is left for the caller to remove.
+/// Empties the tree `top`, without following any symlink or leaving its filesystem, with at most
+/// [`OPEN_LEVELS`] descriptors open. `top` itself is left for the caller to remove.
 fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
     let st = top.stat()?;
     let dev = st.dev;
@@ -799,9 +753,8 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
 }
 
 impl Level {
-    /// Whether the emptied level has entries after all (something
-    /// appeared meanwhile: it is looked at again, a bounded number of
-    /// times); they are pending then.
+    /// Whether the emptied level has entries after all (something appeared meanwhile: it is looked
+    /// at again, a bounded number of times); they are pending then.
     fn found_more(&mut self) -> io::Result<bool> {
         let dir = self.dir.as_ref().expect("the current level is open");
         let again = dir.names()?;
@@ -817,20 +770,16 @@ impl Level {
     }
 }
 
-/// The access a step of a removal needs: to delete an entry of a
-/// directory, to list one, to move a directory to another parent.
+/// The access a removal's steps need: to delete in a directory, to list one, to move one elsewhere.
 pub const DELETE_IN: libc::c_int = libc::W_OK | libc::X_OK;
 pub const LIST: libc::c_int = libc::R_OK | libc::X_OK;
 pub const MOVE: libc::c_int = libc::W_OK;
 
-/// A permission error of a step of a removal, said with the directory
-/// that refused it: for EACCES, the first of `suspects` (a directory, or
-/// its subdirectory `name`; the access the step needed of it; how it is
-/// named) that lacks that access and is not ours, with its owner — in a
-/// store shared by a group, what one member's directory holds only that
-/// member (or root) can empty or move; for EPERM, a sticky directory not
-/// ours that the step deleted in. Any other error (an immutable file) is
-/// kept as the kernel said it.
+/// A permission error of a step of a removal, said with the directory that refused it: for EACCES,
+/// the first of `suspects` (a directory, or its subdirectory `name`; the access the step needed of
+/// it; how it is named) that lacks that access and is not ours, with its owner — in a store shared
+/// by a group, only a directory's owner (or root) can empty or move it; for EPERM, a sticky
+/// directory not ours that the step deleted in. Any other error (an immutable file) is kept as is.
 pub fn explain_refusal(
     e: io::Error,
     suspects: &[(&Dir, Option<&OsStr>, libc::c_int, &str)],
@@ -874,8 +823,7 @@ fn trail(stack: &[Level]) -> std::path::PathBuf {
     stack.iter().skip(1).map(|l| l.name.as_os_str()).collect()
 }
 
-/// How a directory at `rel` under a walk's top is named in an error: its
-/// path (quoted, control characters escaped; a long one by its end).
+/// An error's name for directory `rel` under a walk's top: quoted, escaped, a long one by its end.
 fn shown(rel: &Path) -> String {
     if rel.as_os_str().is_empty() {
         return "the directory".to_owned();
@@ -901,8 +849,7 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
     match pdir.unlinkat(&done.name, libc::AT_REMOVEDIR) {
         Ok(()) => *removed += 1,
         Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
-            // Written to after we emptied it: go through it again
-            // (a bounded number of times).
+            // Written to after we emptied it: go through it again (a bounded number of times).
             parent.relisted += 1;
             if parent.relisted > RELISTS {
                 return Err(e);
@@ -920,8 +867,7 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
     Ok(())
 }
 
-/// Climbs back through `..` of `done`, which must be the directory we came
-/// down from: if the tree was moved, stop.
+/// Climbs back through `..` of `done`; a different directory there means the tree moved: stop.
 fn reopen_parent(done: &Level, parent: &mut Level) -> io::Result<()> {
     let up = done.dir.as_ref().expect("open").sub("..")?;
     let id = up.stat()?;
@@ -934,12 +880,10 @@ fn reopen_parent(done: &Level, parent: &mut Level) -> io::Result<()> {
     Ok(())
 }
 
-/// Removes the entry `name` of the walk's current level (the top of
-/// `stack`) unless it is a directory; a directory (on the tree's
-/// filesystem, not a mount point) is opened instead, made writable and
-/// listed: the next level to empty. A step refused by permissions names
-/// the directory that refused it (its path from the top: computed only
-/// then).
+/// Removes the entry `name` of the walk's current level (the top of `stack`) unless it is a
+/// directory; a directory (on the tree's filesystem, not a mount point) is opened instead, made
+/// writable and listed: the next level to empty. A step refused by permissions names the directory
+/// that refused it (its path from the top, computed only then).
 fn remove_or_open(
     stack: &[Level],
     name: OsString,
@@ -1000,8 +944,7 @@ fn close_far_levels(stack: &mut [Level]) {
     }
 }
 
-/// Whether the identity `now` is the `recorded` one (one recorded without
-/// a filesystem id matches on inode and type).
+/// Whether `now` is the `recorded` identity (one recorded without fs id matches on inode and type).
 pub fn same_identity(recorded: &str, now: &str) -> bool {
     recorded == now
         || (recorded.matches('@').count() == 1
@@ -1042,8 +985,7 @@ mod tests {
         }
         // The descriptor still serves *at() calls after a listing.
         assert!(d.stat_at("sub").unwrap().unwrap().is_dir());
-        // A directory removed while open lists nothing (readdir(3) says
-        // so too): another removal of the same tree got there first.
+        // A directory removed while open lists nothing (so says readdir(3)): another removal won.
         let sub = d.sub("sub").unwrap();
         std::fs::remove_dir(t.path().join("sub")).unwrap();
         assert!(sub.names().unwrap().is_empty());

@@ -1,15 +1,13 @@
 //! Disk usage of an image tree, as gc and `images` count it.
 //!
-//! - Allocated blocks (a sparse file counts what it uses), each hard-linked
-//!   inode once, symlinks as themselves, never crossing into another
-//!   filesystem.
-//! - Shared extents (reflink clones on btrfs, XFS, bcachefs): the walk also
-//!   keeps each file's `FIEMAP_EXTENT_SHARED` ranges, so a [`Footprint`] of
-//!   all images says what they take together and what removing one frees
-//!   (docs/storage.md, "Shared extents"). A range shared with something
+//! - Allocated blocks (a sparse file counts what it uses), each hard-linked inode once, symlinks as
+//!   themselves, never crossing into another filesystem.
+//! - Shared extents (reflink clones on btrfs, XFS, bcachefs): the walk also keeps each file's
+//!   `FIEMAP_EXTENT_SHARED` ranges, so a [`Footprint`] of all images says what they take together
+//!   and what removing one frees (docs/storage.md, "Shared extents"). A range shared with something
 //!   outside the store (a snapshot) counts as the image's own.
-//! - The walk goes by directory descriptor ([`crate::tree`]): any depth, and
-//!   an error names a bounded path.
+//! - The walk goes by directory descriptor ([`crate::tree`]): any depth, and an error names a
+//!   bounded path.
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::{CStr, OsStr};
@@ -25,8 +23,7 @@ use crate::tree::{self, Dir, Trail};
 pub struct Measure {
     /// Allocated bytes of every inode once.
     pub allocated: u64,
-    /// Of those, bytes in extents shared with another file (in this image,
-    /// another image, or outside the store).
+    /// Of those, bytes in extents shared with another file (here, in another image, or outside).
     pub shared: u64,
     /// The physical ranges of those extents, sorted and merged: `[start, end)`.
     pub shared_ranges: Vec<(u64, u64)>,
@@ -39,15 +36,13 @@ pub fn disk_usage(dir: &Path) -> io::Result<u64> {
     Ok(measure(dir, false)?.allocated)
 }
 
-/// Bytes allocated under `dir`, or `None` if there is no `dir` (one
-/// walk: the top's own open tells).
+/// Bytes allocated under `dir`, or `None` if there is no `dir` (one walk: the top's open tells).
 pub fn disk_usage_if_there(dir: &Path) -> io::Result<Option<u64>> {
     let m = measure(dir, false)?;
     Ok(m.there.then_some(m.allocated))
 }
 
-/// The sum of the lengths of the regular files under `dir` (what a copy
-/// reads), for progress.
+/// The sum of the lengths of the regular files under `dir` (what a copy reads), for progress.
 pub fn apparent_size(dir: &Path) -> io::Result<u64> {
     let mut total = 0;
     walk(dir, &mut |_, _, st| {
@@ -96,10 +91,9 @@ pub fn can_share(dir: &Path) -> bool {
 
 type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 
-/// Calls `visit` for every entry under `dir` (the top included, as
-/// `(dir, ".")`), depth first, staying on the top's filesystem. Entries that
-/// vanish while walked are skipped, and so is the inside of a directory we
-/// may not read; a missing top is an empty tree.
+/// Calls `visit` for every entry under `dir` (the top included, as `(dir, ".")`), depth first,
+/// staying on the top's filesystem. Entries that vanish while walked are skipped, and so is the
+/// inside of a directory we may not read; a missing top is an empty tree.
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
     let _files = tree::MoreFiles::raise();
     let top = match Dir::open_nofollow(dir) {
@@ -134,10 +128,8 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         }
         visit(d, &name, &st).map_err(|e| bounded(e, &trail, &name))?;
         if tree::file_type(&st) == libc::S_IFDIR {
-            // A directory we may not read (a build left it mode 000)
-            // counts as itself: the rest of the tree still has a size,
-            // where failing would leave the image unmeasured and counted
-            // as nothing against gc's budget.
+            // A directory we may not read (a build left it mode 000) counts as itself: failing
+            // would leave the image unmeasured, counted as nothing against gc's budget.
             let denied = |e: &io::Error| e.raw_os_error() == Some(libc::EACCES);
             let sub = match d.sub(OsStr::from_bytes(name.to_bytes())) {
                 Ok(s) => s,
@@ -187,8 +179,8 @@ struct Fiemap {
     extents: [FiemapExtent; EXTENTS_PER_CALL],
 }
 
-/// Bytes of `name`'s extents flagged shared; their physical ranges go to
-/// `ranges`. A file that cannot be opened or mapped counts as unshared.
+/// Bytes of `name`'s extents flagged shared; their physical ranges go to `ranges`. A file that
+/// cannot be opened or mapped counts as unshared.
 fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u64 {
     let flags =
         libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY;
@@ -213,8 +205,7 @@ fn fiemap_shared(fd: RawFd, ranges: &mut Vec<(u64, u64)>) -> u64 {
         map.start = start;
         map.length = u64::MAX - start;
         map.mapped_extents = 0;
-        // SAFETY: `map` is a fiemap header followed by room for
-        // extent_count extents, as the ioctl requires.
+        // SAFETY: `map` is a fiemap header followed by room for extent_count extents, as required.
         if unsafe { libc::ioctl(fd, FS_IOC_FIEMAP as _, &mut *map as *mut Fiemap) } != 0 {
             return shared;
         }
@@ -253,9 +244,8 @@ fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     out
 }
 
-/// The shared ranges of a set of images, each range counted once however
-/// many images refer to it: what the images take together, and what
-/// removing one of them frees.
+/// The shared ranges of a set of images, each counted once however many images refer to it: what
+/// the images take together, and what removing one of them frees.
 #[derive(Debug, Default)]
 pub struct Footprint {
     /// Disjoint segments `start → (end, how many images refer to it)`.
@@ -303,8 +293,7 @@ impl Footprint {
             .sum()
     }
 
-    /// Forgets an image's ranges; returns the bytes nothing refers to any
-    /// more (what its removal freed of them).
+    /// Forgets an image's ranges; returns the bytes its removal freed (no image refers to them).
     pub fn release(&mut self, ranges: &[(u64, u64)]) -> u64 {
         let mut freed = 0;
         for &(s, e) in ranges {

@@ -1,11 +1,9 @@
-//! Filesystems: what statfs(2) and the mount table say about where a lock
-//! reaches; the one home of the filesystem table.
+//! Filesystems: how far a lock reaches, per statfs(2) and mountinfo; home of the filesystem table.
 //!
 //! - Local filesystems (`LOCAL`) show every lock in this host's lock table.
-//! - NFS, Lustre and BeeGFS keep locks cluster-wide only with the right
-//!   mount options or client configuration ([`lock_reach`]).
-//! - Anything else is treated as shared: locks reach other hosts, the table
-//!   does not show them.
+//! - NFS, Lustre and BeeGFS keep locks cluster-wide only with the right mount options or client
+//!   configuration ([`lock_reach`]).
+//! - Anything else is treated as shared: locks reach other hosts, the table does not show them.
 
 use std::fs;
 use std::io;
@@ -141,24 +139,20 @@ fn unescape(s: &str) -> String {
     out
 }
 
-/// Whether locks on a shared filesystem exclude other hosts, as far as its
-/// mount options and client configuration tell.
+/// Whether locks on a shared filesystem exclude other hosts, as its mount and client settings tell.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reach {
-    /// Nothing says otherwise (a local filesystem, or a shared one whose
-    /// settings give cluster-wide locks).
+    /// Nothing says otherwise (a local filesystem, or a shared one set for cluster-wide locks).
     ClusterWide,
     /// Locks exclude only processes on the same host: refused (exit 69).
     NodeLocal { why: String, advice: String },
-    /// Could not be told (e.g. Lustre mounted without `flock` or
-    /// `localflock`, whose default differs between releases): doctor says
-    /// so and offers the two-host probe.
+    /// Could not be told (e.g. Lustre mounted without `flock` or `localflock`, whose default
+    /// differs between releases): doctor says so and offers the two-host probe.
     Unknown { why: String },
 }
 
-/// How far locks on the filesystem of `path` reach, with the mount looked
-/// at. Cheap where it matters: one statfs(2); mountinfo (and a client
-/// configuration file) only on NFS, Lustre and BeeGFS.
+/// How far locks on the filesystem of `path` reach, and the mount looked at. Cheap where it
+/// matters: one statfs(2); mountinfo (and a client config file) only on NFS, Lustre and BeeGFS.
 pub fn lock_reach(path: &Path) -> (Reach, Option<Mount>) {
     let (reach, mount, _) = lock_reach_with(path);
     (reach, mount)
@@ -174,9 +168,8 @@ pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>
     (reach, mount, own)
 }
 
-/// The filesystem of `path`, or, for a path not made yet, of its nearest
-/// existing ancestor, where it lives once made; with where it was found.
-/// The common case (it exists) costs the one statfs.
+/// The filesystem of `path`, or, for a path not made yet, of its nearest existing ancestor, where
+/// it lives once made; with where it was found. The common case (it exists) costs one statfs.
 pub fn nearest(path: &Path) -> Option<(&Path, Filesystem)> {
     let (at, fs) = path.ancestors().find_map(|p| match filesystem(p) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
@@ -185,16 +178,13 @@ pub fn nearest(path: &Path) -> Option<(&Path, Filesystem)> {
     Some((at, fs.ok()?))
 }
 
-/// [`lock_reach_with`] for a root whose device is `dev` (its stat's), from
-/// the mount table alone: a statfs of the root is a request to the server
-/// on NFS, the mount table is this host's own. `None` where the table lists
-/// no mount of that device (a btrfs subvolume reports a device of its own)
-/// or does not name a filesystem this knows, and where a test names the
-/// filesystem: the caller asks statfs then. The table costs the kernel
-/// time in proportion to the mounts it lists — milliseconds on a host with
-/// thousands (containers, bind mounts) — so it is read only up to the
-/// first mount of the device (the root's filesystem is most often mounted
-/// early), and only that line is parsed.
+/// [`lock_reach_with`] for a root whose device is `dev` (its stat's), from the mount table alone: a
+/// statfs of the root is a request to the server on NFS, the mount table is this host's own. `None`
+/// where the table lists no mount of that device (a btrfs subvolume reports a device of its own) or
+/// does not name a filesystem this knows, and where a test names the filesystem: the caller asks
+/// statfs then. The table costs the kernel time in proportion to the mounts it lists — milliseconds
+/// on a host with thousands (containers, bind mounts) — so it is read only up to the first mount of
+/// the device (the root's filesystem is most often mounted early), and only that line is parsed.
 pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Filesystem>)> {
     if std::env::var_os(crate::env::DEBUG_FILESYSTEM).is_some() {
         return None;
@@ -206,8 +196,7 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
     let name = match mount.fstype.as_str() {
         "ext2" | "ext3" => "ext4",
         "nfs4" => "nfs",
-        // Its FUSE client sends flock and fcntl locks to the bricks, where
-        // they exclude every client (statfs names it only "fuse").
+        // Its FUSE client (statfs: "fuse") takes flock and fcntl locks on the bricks: cluster-wide.
         "fuse.glusterfs" => "glusterfs",
         other => other,
     };
@@ -223,8 +212,7 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
     Some((reach, mount, Some(fs)))
 }
 
-/// The first line of the mount table at `path` whose device (third
-/// field) is `want`, read no further than it.
+/// The first line of the mount table at `path` with device (third field) `want`, read no further.
 fn first_mount_of(path: &Path, want: &str) -> Option<String> {
     use std::io::BufRead;
     let table = io::BufReader::new(fs::File::open(path).ok()?);
@@ -239,8 +227,7 @@ fn mountinfo_path() -> std::path::PathBuf {
         .map_or_else(|| "/proc/self/mountinfo".into(), std::path::PathBuf::from)
 }
 
-/// The shared filesystems whose mount options (or client configuration)
-/// decide how far locks reach.
+/// The shared filesystems whose mount options (or client configuration) decide how far locks reach.
 fn is_shared_kind(name: &str) -> bool {
     matches!(name, "nfs" | "lustre" | "beegfs")
 }
@@ -272,14 +259,12 @@ fn reach_with(fs: &Filesystem, mount: Option<Mount>) -> (Reach, Option<Mount>) {
     (reach, Some(m))
 }
 
-/// NFS: `nolock` and `local_lock=flock|posix|all` keep locks on the client.
-/// `local_lock=flock` breaks the image and global locks outright.
-/// `local_lock=posix` looks harmless — SQLite's fcntl locks are only taken
-/// under the global flock, which still reaches the server — but the NFS
-/// client revalidates a file's cached pages when a lock *on that file* goes
-/// to the server: with SQLite's locks local, a process could read stale
-/// database pages cached before another host's transaction, and write a
-/// transaction on top of them.
+/// NFS: `nolock` and `local_lock=flock|posix|all` keep locks on the client. `local_lock=flock`
+/// breaks the image and global locks outright. `local_lock=posix` looks harmless — SQLite's fcntl
+/// locks are only taken under the global flock, which still reaches the server — but the NFS client
+/// revalidates a file's cached pages when a lock *on that file* goes to the server: with SQLite's
+/// locks local, a process could read stale database pages cached before another host's transaction,
+/// and write a transaction on top of them.
 fn nfs_reach(options: &[String]) -> Reach {
     let bad = local_only_options(options);
     if bad.is_empty() {
@@ -294,10 +279,9 @@ fn nfs_reach(options: &[String]) -> Reach {
     }
 }
 
-/// Lustre: `flock` gives cluster-wide flocks, `localflock` flocks that
-/// exclude only on one client node (how shared SQLite databases get
-/// corrupted on Lustre), `noflock` none at all (ENOSYS). With none of them
-/// the default depends on the Lustre release.
+/// Lustre: `flock` gives cluster-wide flocks, `localflock` flocks that exclude only on one client
+/// node (how shared SQLite databases get corrupted on Lustre), `noflock` none at all (ENOSYS). With
+/// none of them the default depends on the Lustre release.
 fn lustre_reach(options: &[String]) -> Reach {
     let has = |o: &str| options.iter().any(|x| x == o);
     if has("localflock") {
@@ -319,10 +303,9 @@ fn lustre_reach(options: &[String]) -> Reach {
     }
 }
 
-/// BeeGFS: flocks are cluster-wide only with `tuneUseGlobalFileLocks =
-/// true` in the client configuration (the mount's `cfgFile=`, else
-/// /etc/beegfs/beegfs-client.conf); the default, false, keeps them on the
-/// node.
+/// BeeGFS: flocks are cluster-wide only with `tuneUseGlobalFileLocks = true` in the client
+/// configuration (the mount's `cfgFile=`, else /etc/beegfs/beegfs-client.conf); the default, false,
+/// keeps them on the node.
 fn beegfs_reach(options: &[String], read: impl Fn(&Path) -> Option<String>) -> Reach {
     let conf = options
         .iter()

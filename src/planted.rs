@@ -1,21 +1,19 @@
-//! What is found where stowage keeps a file of its own: a regular file, or
-//! something planted there (FIFO, symlink, directory, socket, device) by
-//! another program or member of the store's group (docs/design.md, "What
-//! is planted in the layout").
+//! What is found where stowage keeps a file of its own: a regular file, or something planted there
+//! (FIFO, symlink, directory, socket, device) by another program or member of the store's group
+//! (docs/design.md, "What is planted in the layout").
 //!
-//! - Opened `O_NOFOLLOW|O_NONBLOCK|O_NOCTTY|O_CLOEXEC` ([`FLAGS`]): a FIFO
-//!   cannot hang the open, a symlink or socket fails it, a directory cannot
-//!   be opened to write, a terminal never becomes the command's.
-//! - Written in place only with one name: a planted hard link would carry
-//!   the write outside the root ([`HARD_LINK`], [`check_written`]).
-//! - Then used only as a regular file; anything else is a [`NotAFile`] that
-//!   keeps its path, so the report names the file that is wrong.
-//! - A valid record read proves a regular file (a FIFO cannot `pread`), so
-//!   the `fstat`, a round trip on NFS, is spared.
-//! - No symlink under the root is followed: `openat2(RESOLVE_NO_SYMLINKS)`
-//!   ([`open`]), or on older kernels the parent's descriptor, checked.
-//! - Nothing planted is deleted: `doctor --repair` renames it aside
-//!   (`NAME.planted-TIME`).
+//! - Opened `O_NOFOLLOW|O_NONBLOCK|O_NOCTTY|O_CLOEXEC` ([`FLAGS`]): a FIFO cannot hang the open, a
+//!   symlink or socket fails it, a directory cannot be opened to write, a terminal never becomes
+//!   the command's.
+//! - Written in place only with one name: a planted hard link would carry the write outside the
+//!   root ([`HARD_LINK`], [`check_written`]).
+//! - Then used only as a regular file; anything else is a [`NotAFile`] that keeps its path, so the
+//!   report names the file that is wrong.
+//! - A valid record read proves a regular file (a FIFO cannot `pread`), so the `fstat`, a round
+//!   trip on NFS, is spared.
+//! - No symlink under the root is followed: `openat2(RESOLVE_NO_SYMLINKS)` ([`open`]), or on older
+//!   kernels the parent's descriptor, checked.
+//! - Nothing planted is deleted: `doctor --repair` renames it aside (`NAME.planted-TIME`).
 
 use std::fs::File;
 use std::io;
@@ -28,12 +26,12 @@ pub const FLAGS: libc::c_int =
 /// What every refusal tells the user to do.
 pub const FIX: &str = "'stowage doctor --repair' sets it aside (renamed, never deleted)";
 
-/// A path of the layout that is not what stowage keeps there: a file that
-/// is not a regular file, or a directory on the way that is not one.
+/// A path of the layout that is not what stowage keeps there: a file that is not a regular file, or
+/// a directory on the way that is not one.
 #[derive(Debug)]
 pub struct NotAFile {
-    /// The path as the caller named it (an entry's name when opened
-    /// through a directory's descriptor, until [`at`] names it in full).
+    /// The path as the caller named it (an entry's name when opened through a directory's
+    /// descriptor, until [`at`] names it in full).
     pub path: PathBuf,
     /// "a FIFO", "a symlink", …
     pub kind: &'static str,
@@ -43,8 +41,8 @@ pub struct NotAFile {
 
 impl std::fmt::Display for NotAFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // A hard link that holds an image's record is another store's lock
-        // file too, which doctor reports and leaves: it says what to do.
+        // A hard link holding an image's record is another store's lock file too, which doctor
+        // reports and leaves: it says what to do.
         let (refusal, fix) = if self.kind == HARD_LINK {
             (
                 "refusing to write through it",
@@ -65,8 +63,7 @@ impl std::fmt::Display for NotAFile {
 
 impl std::error::Error for NotAFile {}
 
-/// What a file type (`st_mode & S_IFMT`) is called; `None` for a regular
-/// file.
+/// What a file type (`st_mode & S_IFMT`) is called; `None` for a regular file.
 pub fn kind_of_mode(mode: u32) -> Option<&'static str> {
     match mode & libc::S_IFMT {
         libc::S_IFREG => None,
@@ -79,9 +76,8 @@ pub fn kind_of_mode(mode: u32) -> Option<&'static str> {
     }
 }
 
-/// What a regular file with more than one name is called. Writing
-/// through it would change a file that may lie outside the root (a hard
-/// link planted for a lock file whose record was never written).
+/// What a regular file with more than one name is called: writing through it could change a file
+/// outside the root (a hard link planted for a lock file whose record was never written).
 pub const HARD_LINK: &str = "a hard link (a file with other names)";
 
 /// [`kind_of_mode`], and a regular file with other names ([`HARD_LINK`]).
@@ -98,9 +94,8 @@ pub fn expected(kind: &str) -> &'static str {
     }
 }
 
-/// The kind of a file an open refused for its type (`ELOOP`, `ENXIO`,
-/// `EISDIR`), asked of the entry itself without following it; `None` for
-/// any other failure.
+/// The kind of a file an open refused for its type (`ELOOP`, `ENXIO`, `EISDIR`), asked of the entry
+/// itself without following it; `None` for any other failure.
 fn kind_refused(path: &Path, e: &io::Error) -> Option<&'static str> {
     let by_errno = match e.raw_os_error()? {
         libc::ELOOP => "a symlink",
@@ -117,9 +112,8 @@ fn kind_refused(path: &Path, e: &io::Error) -> Option<&'static str> {
     )
 }
 
-/// The first directory on the way to `path` that is not one (a symlink,
-/// a file, a FIFO …), for an open that failed with `ELOOP` or `ENOTDIR`
-/// on the way: the component to name.
+/// The first directory on the way to `path` that is not one (a symlink, a file, a FIFO …), for an
+/// open that failed with `ELOOP` or `ENOTDIR` on the way: the component to name.
 fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
     use std::os::unix::fs::MetadataExt;
     let mut ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
@@ -135,10 +129,9 @@ fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
     })
 }
 
-/// An open's failure, with a refusal for the type of the file or of a
-/// directory on the way turned into [`NotAFile`] naming it; any other
-/// failure as it was (its errno kept: callers tell a missing file or a
-/// read-only filesystem by it).
+/// An open's failure, with a refusal for the type of the file or of a directory on the way turned
+/// into [`NotAFile`] naming it; any other failure as it was (its errno kept: callers tell a missing
+/// file or a read-only filesystem by it).
 pub fn refused(path: &Path, e: io::Error) -> io::Error {
     if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR))
         && let Some((dir, kind)) = on_the_way(path)
@@ -166,15 +159,13 @@ fn not_a(path: &Path, kind: &'static str, expected: &'static str) -> io::Error {
     })
 }
 
-/// Opens `path`, a path under the root (whose own path is canonical),
-/// with `flags` added to [`FLAGS`], refusing a symlink in any component.
-/// A path through `/proc/self/fd/N` (a directory pinned by its
-/// descriptor) is opened as it is. Failures as [`refused`] says them.
+/// Opens `path`, a path under the root (whose own path is canonical), with `flags` added to
+/// [`FLAGS`], refusing a symlink in any component. A path through `/proc/self/fd/N` (a directory
+/// pinned by its descriptor) is opened as it is. Failures as [`refused`] says them.
 pub fn open(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<File> {
     use std::os::fd::FromRawFd;
     let c = crate::error::cstr(path.as_os_str())?;
-    // openat2 refuses, with O_PATH, any flag that only an open for I/O
-    // means; without I/O nothing can block either.
+    // With O_PATH, openat2 refuses flags that only I/O means; without I/O nothing can block either.
     let flags = if flags & libc::O_PATH != 0 {
         flags | libc::O_NOFOLLOW | libc::O_CLOEXEC
     } else {
@@ -196,9 +187,8 @@ pub fn open(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
-/// `openat2(RESOLVE_NO_SYMLINKS)`; `None` where the kernel has it not
-/// (older than 5.6, or refused by a container's seccomp profile), which
-/// is noted so that it is not asked again.
+/// `openat2(RESOLVE_NO_SYMLINKS)`; `None` where the kernel has it not (older than 5.6, or refused
+/// by a container's seccomp profile), noted so it is not asked again.
 fn openat2(path: &std::ffi::CStr, flags: libc::c_int, mode: u32) -> Option<libc::c_int> {
     use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
     static MISSING: AtomicBool = AtomicBool::new(false);
@@ -241,10 +231,9 @@ fn openat2(path: &std::ffi::CStr, flags: libc::c_int, mode: u32) -> Option<libc:
     Some(fd as libc::c_int)
 }
 
-/// Without `openat2`: the parent directory is opened (`O_PATH`), the
-/// kernel is asked where that descriptor really is, and only if that is
-/// the path's own parent is the last component opened through it (never
-/// following it).
+/// Without `openat2`: the parent directory is opened (`O_PATH`), the kernel is asked where that
+/// descriptor really is, and only if that is the path's own parent is the last component opened
+/// through it (never following it).
 fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc::c_int> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
@@ -282,9 +271,8 @@ fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc
     })
 }
 
-/// For a file we may not open in a directory we may write: its mode was
-/// taken away (a `chmod` by its owner, or a file planted so), and what to
-/// do about it. `None` when the directory is not ours to write either.
+/// For a file we may not open in a directory we may write: its mode was taken (an owner's `chmod`,
+/// or planted so), and what to do. `None` if we may not write the directory either.
 pub fn denied(path: &Path) -> Option<String> {
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::MetadataExt;
@@ -313,16 +301,15 @@ pub fn denied(path: &Path) -> Option<String> {
     ))
 }
 
-/// Fails unless `file` (opened from `path`) is a regular file: one
-/// `fstat`. Enough for a file that is only read (or replaced by a rename).
+/// Fails unless `file` (opened from `path`) is a regular file: one `fstat`. Enough for a file that
+/// is only read (or replaced by a rename).
 pub fn check(path: &Path, file: &File) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     kind_of_mode(file.metadata()?.mode()).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
 }
 
-/// Fails unless `file` (opened from `path`) is a regular file with no
-/// other name: one `fstat`. For a file written in place (or whose mode is
-/// set), where a second name would carry the change outside the root.
+/// Fails unless `file` (opened from `path`) is a regular file with no other name: one `fstat`. For
+/// a file written in place or chmod-ed: a second name would carry the change outside the root.
 pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
     check_stat(path, &file.metadata()?)
 }
@@ -339,8 +326,8 @@ pub fn find(e: &io::Error) -> Option<&NotAFile> {
         .and_then(|inner| inner.downcast_ref::<NotAFile>())
 }
 
-/// Names the file of a [`NotAFile`] in full: one opened through a
-/// directory's descriptor knows only its entry's name. Other errors pass.
+/// Names the file of a [`NotAFile`] in full: one opened through a directory's descriptor knows only
+/// its entry's name. Other errors pass.
 pub fn at(full: &Path, e: io::Error) -> io::Error {
     match find(&e) {
         Some(n) => not_a_file(full, n.kind),

@@ -1,8 +1,8 @@
-//! Image trees by directory descriptor, for the walks that copy and measure
-//! them, on the same [`Dir`] as every destructive operation (dir.rs).
+//! Image trees by directory descriptor, for the walks that copy and measure them, on the same
+//! [`Dir`] as every destructive operation (dir.rs).
 //!
-//! - Every step goes from an open directory to a name in it (`openat`,
-//!   `fstatat`, `mkdirat` …): no path is built, so any depth works.
+//! - Every step goes from an open directory to a name in it (`openat`, `fstatat`, `mkdirat` …): no
+//!   path is built, so any depth works.
 //! - Nothing is followed: `O_NOFOLLOW | O_DIRECTORY`, `AT_SYMLINK_NOFOLLOW`.
 //! - Paths exist only for messages, bounded ([`Trail::show`]).
 
@@ -49,9 +49,8 @@ impl Trail {
     }
 }
 
-/// Raises the soft limit on open files to the hard one for as long as it
-/// lives (a deep walk holds one or two descriptors per level), and puts the
-/// old limit back after, so a command started later gets the usual one.
+/// Raises the soft limit on open files to the hard one while it lives (a deep walk holds one or two
+/// descriptors per level), then restores it, so a command started later gets the usual one.
 pub struct MoreFiles(Option<libc::rlimit>);
 
 impl MoreFiles {
