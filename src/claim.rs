@@ -1,6 +1,6 @@
-//! The claim of an images directory by one store: an extended attribute on
-//! the directory itself (`user.stowage.store`), since nothing of stowage's
-//! may go *into* it (docs/design.md, "One store per images directory").
+//! The claim of an images directory by one store: an extended attribute on the directory itself
+//! (`user.stowage.store`), since nothing of stowage's may go *into* it (docs/design.md, "One store
+//! per images directory").
 //!
 //! ```text
 //! stowage-claim 1
@@ -9,13 +9,11 @@
 //! path=/var/tmp/ana.stowage               (where it was, to name it)
 //! ```
 //!
-//! - One store per images directory: `init` refuses one another store
-//!   claims, naming its root. A copy (same id, another root) is another
-//!   store.
-//! - Nothing is deleted in a directory another store claims (gc, repair,
-//!   the end of a store-wide hold check first).
-//! - Without extended attributes (an old NFS server) the directory stays
-//!   unclaimed, and `init` says so once.
+//! - One store per images directory: `init` refuses one another store claims, naming its root. A
+//!   copy (same id, another root) is another store.
+//! - Nothing is deleted in a directory another store claims (gc, repair, the end of a store-wide
+//!   hold check first).
+//! - No extended attributes (old NFS servers): the directory stays unclaimed; `init` says so once.
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -64,16 +62,14 @@ impl Claim {
         (!c.id.is_empty() && !c.root.is_empty()).then_some(c)
     }
 
-    /// Whether `other` is the same store at the same root (an identity
-    /// recorded without a filesystem id matches on inode and type).
+    /// Whether `other` is the same store at the same root (as `dir::same_identity` matches roots).
     pub fn same_store(&self, other: &Claim) -> bool {
         self.id == other.id && crate::dir::same_identity(&self.root, &other.root)
     }
 }
 
-/// What claims the directory `dir`: `Ok(None)` if nothing does, or the
-/// filesystem keeps no extended attributes. A value that is not a claim
-/// is taken for none.
+/// What claims the directory `dir`: `Ok(None)` if nothing does, or the filesystem keeps no extended
+/// attributes. A value that is not a claim is taken for none.
 pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
     let mut buf = vec![0u8; 1024];
     match get(dir, &mut buf) {
@@ -112,8 +108,7 @@ fn get(dir: &Dir, buf: &mut [u8]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
-/// Claims `dir` for `claim`'s store. `Ok(false)`: the filesystem keeps no
-/// extended attributes.
+/// Claims `dir` for `claim`'s store. `Ok(false)`: the filesystem keeps no extended attributes.
 pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
     let text = claim.encode();
     // SAFETY: valid descriptor, C string and buffer of the length given.
@@ -134,18 +129,15 @@ pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
 }
 
 impl Claim {
-    /// Whether this claim still binds the images directory at `path`
-    /// against the store whose id is `my_id`. It does unless there is
-    /// evidence that it no longer can:
-    /// - it is this very store's claim (the same id) and its root's path
-    ///   is gone or names another directory: a moved store, or a copy
-    ///   whose original is gone, takes its directory back. (Another
-    ///   store's root may only have moved: a path gone, or a directory
-    ///   made anew where it was, is no evidence.)
-    /// - its root is where it says and its configuration records another
-    ///   images directory, by the identity recorded (an unmounted
-    ///   directory is still its own): `path` is a copy's `img`, whose
-    ///   claim came along with `cp -a`.
+    /// Whether this claim still binds the images directory at `path` against the store whose id is
+    /// `my_id`. It does unless there is evidence that it no longer can:
+    /// - it is this very store's claim (the same id) and its root's path is gone or names another
+    ///   directory: a moved store, or a copy whose original is gone, takes its directory back.
+    ///   (Another store's root may only have moved: a path gone, or a directory made anew where it
+    ///   was, is no evidence.)
+    /// - its root is where it says and its configuration records another images directory, by the
+    ///   identity recorded (an unmounted directory is still its own): `path` is a copy's `img`,
+    ///   whose claim came along with `cp -a`.
     ///
     /// An error looking (permissions, a stale handle) is no evidence.
     pub fn binds(&self, path: &Path, my_id: &str) -> bool {
@@ -174,8 +166,7 @@ impl Claim {
     }
 }
 
-/// Why `dir` (at `path`) may not be used by the store whose claim is
-/// `mine`: another store's claim stands on it.
+/// Why `dir` (at `path`) may not be used by the store whose claim is `mine`: another store's claim.
 pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
     let theirs = read(dir).ok()??;
     let copy = theirs.id == mine.id;

@@ -1,11 +1,10 @@
 //! Wall-clock time as stowage records it: milliseconds since the Unix epoch.
 //!
-//! - `STOWAGE_NOW` (RFC 3339, or seconds since the epoch) fixes the clock for
-//!   tests of time-based policy; it affects recorded times only, never waits.
-//! - Every recorded time lies between the epoch and the end of year 9999
-//!   (what RFC 3339 can write). A `STOWAGE_NOW` outside it (milliseconds
-//!   given for seconds) or unparsable is refused before any command runs
-//!   ([`check_env`]); a stored one outside it reads as unknown, never a panic.
+//! - `STOWAGE_NOW` (RFC 3339, or seconds since the epoch) fixes the clock for tests of time-based
+//!   policy; it affects recorded times only, never waits.
+//! - Every recorded time lies between the epoch and the end of year 9999 (what RFC 3339 can write).
+//!   A `STOWAGE_NOW` outside it (milliseconds given for seconds) or unparsable is refused before
+//!   any command runs ([`check_env`]); a stored one outside it reads as unknown, never a panic.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -19,8 +18,7 @@ pub const MAX_MS: Millis = 253_402_300_799_999;
 
 pub fn now_ms() -> Millis {
     match std::env::var(crate::env::NOW) {
-        // Checked at start ([`check_env`]); a value that slipped past (a
-        // library caller) falls back to the real clock.
+        // Checked at start ([`check_env`]); one that slipped past (a library caller): real clock.
         Ok(v) if !v.is_empty() => parse_time(&v).unwrap_or_else(|_| real_now_ms()),
         _ => real_now_ms(),
     }
@@ -32,8 +30,8 @@ fn real_now_ms() -> Millis {
         .map_or(0, |d| (d.as_millis() as Millis).clamp(0, MAX_MS))
 }
 
-/// Refuses a `STOWAGE_NOW` that is not a time stowage can record: the one
-/// line names the variable and what is wrong (exit 64 as bad input).
+/// Refuses a `STOWAGE_NOW` that is not a time stowage can record: the one line names the variable
+/// and what is wrong (exit 64 as bad input).
 pub fn check_env() -> std::result::Result<(), crate::Error> {
     match std::env::var_os(crate::env::NOW) {
         None => Ok(()),
@@ -47,8 +45,7 @@ pub fn check_env() -> std::result::Result<(), crate::Error> {
     }
 }
 
-/// Parses RFC 3339 (`2026-11-29T12:03:04Z`) or plain epoch seconds, between
-/// the epoch and the end of year 9999.
+/// Parses RFC 3339 (`2026-11-29T12:03:04Z`) or plain epoch seconds, from the epoch to year 9999.
 pub fn parse_time(s: &str) -> Result<Millis> {
     if let Ok(secs) = s.parse::<f64>() {
         if !secs.is_finite() {
@@ -77,8 +74,8 @@ pub fn parse_time(s: &str) -> Result<Millis> {
     Ok(ms.min(MAX_MS as u128) as Millis)
 }
 
-/// RFC 3339 UTC with second precision, as in the JSON contract; None for a
-/// stored time it cannot express (before 1970 or after year 9999).
+/// RFC 3339 UTC with second precision, as in the JSON contract; None for a stored time it cannot
+/// express (before 1970 or after year 9999).
 pub fn rfc3339(ms: Millis) -> Option<String> {
     if !(0..=MAX_MS).contains(&ms) {
         return None;

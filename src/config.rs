@@ -1,5 +1,4 @@
-//! The store's configuration: `ROOT/store.conf`, the one home of where new
-//! images' trees go and of the store's identity.
+//! The store's configuration, `ROOT/store.conf`: the one home of where trees go and the store's id.
 //!
 //! ```text
 //! stowage-store 1
@@ -12,11 +11,9 @@
 //!                            told from a mount)
 //! ```
 //!
-//! - Written whole and renamed into place through the root's descriptor
-//!   (under the store-wide lock when the images directory switches): a
-//!   reader sees the old file or the new one.
-//! - Read through the root's descriptor, only as a regular file: a planted
-//!   FIFO cannot hang a command.
+//! - Written whole and renamed into place through the root's descriptor (under the store-wide lock
+//!   when the images directory switches): a reader sees the old file or the new one.
+//! - Read through the root's descriptor, only as a regular file: a planted FIFO hangs no command.
 //! - Missing: a store from before this file (`migrate.rs`), or none yet.
 
 use anyhow::{Context, Result};
@@ -35,15 +32,13 @@ pub struct Config {
     pub images: ImagesDir,
     /// The images directory's identity (`Dir::identity`), once known.
     pub identity: Option<String>,
-    /// The root's identity when the images directory's was recorded: a
-    /// root that is no longer that directory is a copied or moved store,
-    /// whose default images directory came with it.
+    /// The root's identity when the images directory's was recorded: a root no longer that
+    /// directory is a copied or moved store, whose default images directory came with it.
     pub root: Option<String>,
 }
 
 impl Config {
-    /// The configuration of a new store: a fresh id, the default images
-    /// directory.
+    /// The configuration of a new store: a fresh id, the default images directory.
     pub fn fresh() -> Config {
         Config {
             id: random_id(),
@@ -88,14 +83,13 @@ impl Config {
     }
 }
 
-/// Whether the root (its descriptor) has a configuration: a store made or
-/// migrated by this release, whose catalog can never be one to migrate.
+/// Whether the root (its descriptor) has a configuration: a store made or migrated by this release,
+/// whose catalog can never be one to migrate.
 pub fn exists(dir: &Dir) -> bool {
     !matches!(dir.stat_at(FILE), Ok(None))
 }
 
-/// Reads the configuration through the descriptor of the root (at
-/// `root_dir`, for messages). `Ok(None)`: no such file.
+/// Reads the configuration through the root's descriptor (`root_dir` names it); `Ok(None)`: none.
 pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     let path = root_dir.join(FILE);
     let file = match dir.open_read_unchecked(FILE) {
@@ -103,8 +97,7 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Unusable::because(&path, e).into()),
     };
-    // What it is is asked only when the read does not find the format
-    // (a FIFO reads as empty, a directory fails the read).
+    // What it is is asked only when the read finds no format (a FIFO reads empty, a dir fails).
     let not_a_file = |e| match crate::planted::check(&path, &file) {
         Err(planted) => Unusable::because(&path, planted),
         Ok(()) => e,
@@ -121,8 +114,8 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     ))
 }
 
-/// The configuration exists but cannot be read, or is not its format:
-/// what `doctor --repair` sets aside and writes anew from the records.
+/// The configuration exists but cannot be read, or is not its format: what `doctor --repair` sets
+/// aside and writes anew from the records.
 #[derive(Debug, thiserror::Error)]
 #[error(
     "{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records"
@@ -148,9 +141,8 @@ pub fn write(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<(
     put(root_dir, dir, config, |tmp| dir.rename_to(tmp, dir, FILE))
 }
 
-/// Makes the configuration of a new store, unless one is there already
-/// (two first uses at once keep one identity): linked into place, which
-/// fails if the name exists. `Ok(false)`: there was one.
+/// Makes the configuration of a new store, unless one is there already (two first uses at once keep
+/// one identity): linked into place, which fails if the name exists. `Ok(false)`: there was one.
 pub fn create(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<bool> {
     let mut made = true;
     put(root_dir, dir, config, |tmp| match dir.link_to(tmp, FILE) {

@@ -1,8 +1,7 @@
-//! A hidden hook for tests that must stop a process at an exact point (to
-//! SIGKILL it there): `STOWAGE_DEBUG_PAUSE=POINT:FILE[,POINT:FILE…]` makes the
-//! process create FILE when it reaches POINT, then wait there (up to a
-//! minute) for the test to act: kill it, or remove FILE to let it go on.
-//! Unset, it costs one environment lookup.
+//! A hidden hook for tests that must stop a process at an exact point (to SIGKILL it there):
+//! `STOWAGE_DEBUG_PAUSE=POINT:FILE[,POINT:FILE…]` makes the process create FILE when it reaches
+//! POINT, then wait there (up to a minute) for the test to act: kill it, or remove FILE to let it
+//! go on. Unset, it costs one environment lookup.
 
 use std::time::{Duration, Instant};
 
@@ -17,8 +16,7 @@ pub fn pause(point: &str) {
         {
             let _ = std::fs::write(file, std::process::id().to_string());
             let until = Instant::now() + Duration::from_secs(60);
-            // A termination signal ends the pause, so the test can watch
-            // what the process does next.
+            // A termination signal ends the pause: the test can watch what the process does next.
             while Instant::now() < until
                 && std::path::Path::new(file).exists()
                 && crate::lock::interrupted().is_none()

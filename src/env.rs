@@ -1,10 +1,8 @@
 //! Every environment variable stowage reads or sets, named once.
 //!
-//! - Code uses these constants, never the string, so the compiler finds a
-//!   renamed or retired variable.
-//! - The hidden `DEBUG_*` hooks let tests make, with real processes, what
-//!   this machine cannot (another filesystem, a lost NFS lock, a pause at
-//!   one step); docs/design.md documents them.
+//! - Code uses these constants, never the string, so the compiler finds a renamed or retired one.
+//! - The hidden `DEBUG_*` hooks let tests make, with real processes, what this machine cannot
+//!   (another filesystem, a lost NFS lock, a pause at one step); docs/design.md documents them.
 
 /// The store's root directory, when `--root` is not given.
 pub const ROOT: &str = "STOWAGE_ROOT";
@@ -12,35 +10,29 @@ pub const ROOT: &str = "STOWAGE_ROOT";
 pub const IMAGES_DIR: &str = "STOWAGE_IMAGES_DIR";
 /// Set for an exec's command when it writes exactly one image: its tree.
 pub const IMAGE_DIR: &str = "STOWAGE_IMAGE_DIR";
-/// Set by `stowage exec` for its command: the leases of the execs that run
-/// it, outermost first, separated by `:` (each appends its own).
+/// Set by `stowage exec` for its command: the leases of the execs that run it, outermost first,
+/// separated by `:` (each appends its own).
 pub const EXEC_LEASES: &str = "STOWAGE_EXEC_LEASES";
-/// The time "now" for `gc --unused-for` and last-use times (tests and
-/// reproducible reports): RFC 3339 or seconds since the epoch.
+/// The time "now" for `gc --unused-for` and last-use times (tests, reproducible reports): RFC 3339
+/// or seconds since the epoch.
 pub const NOW: &str = "STOWAGE_NOW";
-/// The variable through which a completion script calls stowage back: a
-/// name of stowage's own, so that a `COMPLETE` meant for another tool in
-/// a build's environment never turns an exec into a completion.
+/// The variable through which a completion script calls stowage back: stowage's own name, so
+/// another tool's `COMPLETE` in a build's environment never turns an exec into a completion.
 pub const COMPLETE: &str = "_STOWAGE_COMPLETE";
 
-/// Hidden test hook: `NAME` makes every filesystem look like NAME (`nfs`,
-/// `lustre`, `beegfs`, `tmpfs`, …), so that the code for shared filesystems
-/// runs, with real processes, where there is none.
+/// Hidden test hook: `NAME` makes every filesystem look like NAME (`nfs`, `lustre`, `beegfs`,
+/// `tmpfs`, …), so the code for shared filesystems runs, with real processes, where there is none.
 pub const DEBUG_FILESYSTEM: &str = "STOWAGE_DEBUG_FILESYSTEM";
-/// Hidden test hook: a file read instead of /proc/self/mountinfo (mount
-/// options of filesystems that are not here).
+/// Hidden test hook: a file read instead of /proc/self/mountinfo (mounts that are not here).
 pub const DEBUG_MOUNTINFO: &str = "STOWAGE_DEBUG_MOUNTINFO";
-/// Hidden test hook: `POINT:FILE[,POINT:FILE…]` pauses at a named step (see
-/// `debug::pause`), so a test can act at that moment.
+/// Hidden test hook: `POINT:FILE[,POINT:FILE…]` pauses at a named step (`debug::pause`) for a test.
 pub const DEBUG_PAUSE: &str = "STOWAGE_DEBUG_PAUSE";
-/// Hidden test hook: a lock file name whose lock is reported lost when it
-/// is verified, as a lock lost to an NFS lease expiry would be.
+/// Hidden test hook: a lock file whose lock is reported lost when verified, as on NFS lease expiry.
 pub const DEBUG_LOST_LOCK: &str = "STOWAGE_DEBUG_LOST_LOCK";
 /// Hidden test hook: SQLite's busy timeout in milliseconds.
 pub const DEBUG_DB_BUSY_MS: &str = "STOWAGE_DEBUG_DB_BUSY_MS";
-/// Hidden test hook: how long (ms) a lease nobody wrote is left to a maker
-/// that may be about to lock it (`lease.rs`; 10 minutes otherwise).
+/// Hidden test hook: how long (ms) a lease nobody wrote is left to a maker that may be about to
+/// lock it (`lease.rs`; 10 minutes otherwise).
 pub const DEBUG_UNWRITTEN_LEASE_MS: &str = "STOWAGE_DEBUG_UNWRITTEN_LEASE_MS";
-/// Test hook: how often (ms) a wait adds a plain line where stderr is no
-/// terminal, instead of every minute.
+/// Test hook: ms between a wait's plain lines where stderr is no terminal (else one a minute).
 pub const DEBUG_WAIT_LINE_MS: &str = "STOWAGE_DEBUG_WAIT_LINE_MS";

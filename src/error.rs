@@ -1,9 +1,7 @@
-//! Typed errors for the conditions a caller must tell apart, and the exit
-//! code each maps to.
+//! Typed errors for the conditions a caller must tell apart, and the exit code each maps to.
 //!
-//! Everything else travels as `anyhow::Error` with context naming the object
-//! and the cause. The CLI finds a typed [`Error`] anywhere in the chain
-//! ([`exit_code`]), so no code ever matches on error text.
+//! Everything else travels as `anyhow::Error` with context naming the object and cause; the CLI
+//! finds a typed [`Error`] anywhere in the chain ([`exit_code`]), so no code matches on error text.
 
 use std::io;
 use std::path::PathBuf;
@@ -11,8 +9,7 @@ use std::time::Duration;
 
 use crate::name::InvalidName;
 
-/// A C call's return value as a result: a negative one failed, and
-/// `errno` says why.
+/// A C call's return value as a result: a negative one failed, and `errno` says why.
 pub fn cvt<T: Default + PartialOrd>(r: T) -> io::Result<T> {
     if r < T::default() {
         Err(io::Error::last_os_error())
@@ -36,8 +33,7 @@ pub mod code {
     pub const TEMPFAIL: u8 = 75;
 }
 
-/// Where the recipe for a store shared by a group is documented: every
-/// message about a group store's modes points here.
+/// Where the recipe for a group-shared store is documented; every message on its modes points here.
 pub const GROUP_STORE_DOC: &str = "docs/reliability.md#shared-stores";
 
 #[derive(Debug, thiserror::Error)]
@@ -86,8 +82,8 @@ pub enum Error {
     #[error("interrupted by signal {0} before the command started")]
     Interrupted(i32),
 
-    /// A termination signal was passed on to the command, whose end then
-    /// could not be known (its keeper gone); its tree was ended.
+    /// A termination signal was passed on to the command, whose end is unknown (its keeper gone);
+    /// its tree was ended.
     #[error("stopped by signal {0}")]
     Stopped(i32),
 }
@@ -144,21 +140,19 @@ impl Error {
     }
 }
 
-/// The exit code for any error: the first typed [`Error`] in the chain
-/// decides, anything else is a plain failure.
+/// The exit code for any error: the first typed [`Error`] in the chain decides, else a failure.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
     typed(err).map_or(code::FAILURE, Error::exit_code)
 }
 
-/// The typed error in the chain, if any: an [`Error`] given as a context
-/// (`e.context(Error::…)`) included, which the chain's items hide.
+/// The typed error in the chain, if any: an [`Error`] given as a context (`e.context(Error::…)`)
+/// included, which the chain's items hide.
 pub fn typed(err: &anyhow::Error) -> Option<&Error> {
     err.downcast_ref::<Error>()
         .or_else(|| err.chain().find_map(|e| e.downcast_ref::<Error>()))
 }
 
-/// True for errno values meaning "this filesystem cannot lock at all", as
-/// opposed to a transient failure.
+/// True for errno values meaning "this filesystem cannot lock at all", not a transient failure.
 pub fn flock_unsupported(err: &io::Error) -> bool {
     matches!(
         err.raw_os_error(),

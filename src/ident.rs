@@ -1,8 +1,8 @@
 //! Who a process is, as recorded next to the locks it holds or awaits.
 //!
 //! - A record is information, never the truth about a lock (the kernel is).
-//! - Its liveness is its owner's lease (`lease.rs`): a pid means nothing on
-//!   another host or in another pid namespace.
+//! - Its liveness is its owner's lease (`lease.rs`): a pid means nothing on another host or in
+//!   another pid namespace.
 
 use std::fs;
 
@@ -16,9 +16,8 @@ pub struct Me {
 }
 
 impl Me {
-    /// This process's identity, looked up once per process (it reads /proc,
-    /// the boot id, the host name and the user database, and is asked for by
-    /// the store and by the lease alike).
+    /// This process's identity, looked up once per process (it reads /proc, the boot id, the host
+    /// name and the user database; the store and the lease both ask).
     pub fn current() -> Me {
         static ME: std::sync::Mutex<Option<Me>> = std::sync::Mutex::new(None);
         let pid = std::process::id();
@@ -57,12 +56,9 @@ pub fn user_name() -> String {
     user_name_of(nix::unistd::getuid().as_raw())
 }
 
-/// The name `/etc/passwd` gives `uid`, else the uid itself. Read from the
-/// file, never asked of the C library: a static binary's `getpwuid` loads
-/// the host's NSS modules (`libnss_systemd`, `sss`, LDAP), which crash it
-/// — a uid without an entry in the file (cron, `env -i`, a container's
-/// arbitrary uid, a directory user) then segfaulted every command. Users
-/// known only to a directory service are named by their uid.
+/// The name `/etc/passwd` gives `uid`, else the uid itself. Read from the file, never asked of the
+/// C library: a static binary's `getpwuid` loads the host's NSS modules (`libnss_systemd`, `sss`,
+/// LDAP), which crash it. Users known only to a directory service are named by their uid.
 pub fn user_name_of(uid: u32) -> String {
     passwd_name(uid).unwrap_or_else(|| uid.to_string())
 }
@@ -98,21 +94,20 @@ fn boot_id() -> Option<String> {
         .map(|s| s.trim().to_owned())
 }
 
-/// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None
-/// when the process is gone or a zombie (a zombie holds no locks).
+/// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None when the process is gone
+/// or a zombie (a zombie holds no locks).
 pub fn start_time(pid: u32) -> Option<u64> {
     start_in(&stat_fields(pid)?)
 }
 
-/// This process's start time ([`start_time`]), whatever pid namespace the
-/// mounted /proc is of.
+/// This process's start time ([`start_time`]), whatever pid namespace the mounted /proc is of.
 pub fn own_start_time() -> Option<u64> {
     start_in(&stat_fields("self")?)
 }
 
-/// `/proc/PID/stat` from field 3 (the state) on; None when the process is
-/// gone. The command name (field 2) is in parentheses and may contain
-/// spaces or parentheses itself: the fields start after the last `)`.
+/// `/proc/PID/stat` from field 3 (the state) on; None when the process is gone. The command name
+/// (field 2) is in parentheses and may contain spaces or parentheses itself: the fields start after
+/// the last `)`.
 pub fn stat_fields(pid: impl std::fmt::Display) -> Option<String> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     Some(stat[stat.rfind(')')? + 1..].to_owned())
@@ -128,8 +123,7 @@ fn start_in(rest: &str) -> Option<u64> {
     fields.nth(18)?.parse().ok()
 }
 
-/// The command line of a local process, for showing holders that stowage
-/// did not start.
+/// The command line of a local process, for showing holders that stowage did not start.
 pub fn command_line(pid: u32) -> Option<String> {
     let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let args: Vec<String> = raw
@@ -140,8 +134,8 @@ pub fn command_line(pid: u32) -> Option<String> {
     (!args.is_empty()).then(|| shell_join(&args))
 }
 
-/// Is a local process running this same stowage executable? (The global
-/// lock has no records: its holders are recognised by what they run.)
+/// Is a local process running this same stowage executable? (The global lock has no records: its
+/// holders are recognised by what they run.)
 pub fn runs_stowage(pid: u32) -> bool {
     let theirs = fs::read_link(format!("/proc/{pid}/exe"));
     let ours = fs::read_link("/proc/self/exe");
@@ -155,13 +149,11 @@ pub fn process_user(pid: u32) -> Option<String> {
     Some(user_name_of(uid))
 }
 
-/// A recorded command, host or user name as it may be printed on a
-/// terminal. These come from other users' processes: a control character
-/// (an escape sequence, a newline, a carriage return) or a bidirectional
-/// override printed raw would break the table or drive the reader's
-/// terminal. Each such character is shown as a visible escape (`\n`,
-/// `\x1b`, `\u{202e}`); everything else is kept. Every text printer of a
-/// recorded party uses this one function; JSON output needs none (its
+/// A recorded command, host or user name as it may be printed on a terminal. These come from other
+/// users' processes: a control character (an escape sequence, a newline, a carriage return) or a
+/// bidirectional override printed raw would break the table or drive the reader's terminal. Each
+/// such character is shown as a visible escape (`\n`, `\x1b`, `\u{202e}`); everything else is kept.
+/// Every text printer of a recorded party uses this one function; JSON output needs none (its
 /// encoder escapes control characters).
 pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     fn risky(c: char) -> bool {
@@ -187,11 +179,10 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// `s` as one word a shell reads back as `s`, for a command a message
-/// tells the user to run: as it is if it holds only characters no shell
-/// treats specially, else in single quotes — or, where it holds control
-/// characters, in bash's `$'…'` with them escaped (a name may hold `;` or
-/// a newline: pasted unquoted it would run something else).
+/// `s` as one word a shell reads back as `s`, for a command a message tells the user to run: as it
+/// is if it holds only characters no shell treats specially, else in single quotes — or, where it
+/// holds control characters, in bash's `$'…'` with them escaped (a name may hold `;` or a newline:
+/// pasted unquoted it would run something else).
 pub fn shell_word(s: &str) -> String {
     if !s.chars().any(char::is_control) {
         return quote(s);

@@ -1,14 +1,12 @@
-//! The images directory: where an image's tree is, and whether the
-//! directory there is the one whose trees the records describe.
+//! The images directory: where an image's tree is, and whether the directory there is the one whose
+//! trees the records describe.
 //!
-//! - **Where trees go** comes from the store's configuration (`config.rs`);
-//!   an image's record repeats it, as a cache for reads, which is never
-//!   trusted against the configuration where something is written or
-//!   deleted ([`of_record`]).
-//! - **A missing tree proves nothing** when the images directory is
-//!   missing, or is not the directory recorded (another inode or filesystem:
-//!   unmounted, or another filesystem mounted there): nothing is dropped
-//!   because of it ([`unmounted`]).
+//! - **Where trees go** comes from the store's configuration (`config.rs`); an image's record
+//!   repeats it, as a cache for reads, never trusted against the configuration where something is
+//!   written or deleted ([`of_record`]).
+//! - **A missing tree proves nothing** when the images directory is missing, or is not the
+//!   directory recorded (another inode or filesystem: unmounted, or another filesystem mounted
+//!   there): nothing is dropped because of it ([`unmounted`]).
 
 use std::path::{Path, PathBuf};
 
@@ -33,10 +31,9 @@ pub fn config(root: &Root) -> Result<Config> {
     }
 }
 
-/// Where the tree of the image `record` describes lives, checked against
-/// the store's configuration: a record that names another images
-/// directory (planted, or left from elsewhere) is refused before anything
-/// there is written or deleted.
+/// Where the tree of the image `record` describes lives, checked against the store's configuration:
+/// a record naming another images directory (planted, or left from elsewhere) is refused before
+/// anything there is written or deleted.
 pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
     let config = config(root)?;
     if config.images != record.images {
@@ -50,18 +47,17 @@ pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
     checked(root, &config)
 }
 
-/// The images directory `config` names, as this process reaches it —
-/// refused if it is external, this root is not the one that recorded it
-/// (a copied or moved store: `store.conf` came along) and another root's
-/// store claims it: the copy would write and delete under locks the
-/// original's users never see. Costs nothing more unless the root moved.
+/// The images directory `config` names, as this process reaches it — refused if it is external,
+/// this root is not the one that recorded it (a copied or moved store: `store.conf` came along) and
+/// another root's store claims it: the copy would write and delete under locks the original's users
+/// never see. Costs nothing more unless the root moved.
 pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     let dir = config.images.path_in(root.dir());
     if config.images == ImagesDir::Default {
         return Ok(dir);
     }
-    // The root's identity against the one recorded (a copy is an accident
-    // to catch, not an attack: store.conf is the group's to edit anyway).
+    // The root's identity against the one recorded (a copy is an accident to catch, not an attack:
+    // store.conf is the group's to edit anyway).
     let here = root.identity().ok();
     let moved = match (config.root.as_deref(), here.as_deref()) {
         (Some(recorded), Some(here)) => !crate::dir::same_identity(recorded, here),
@@ -75,10 +71,9 @@ pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Where the tree of the image `record` describes lives, for its command:
-/// `ROOT/img` as this process names the root, or an external directory
-/// only if the configuration names it too (a record's absolute path is
-/// never followed on its own word). Costs the configuration's read only
+/// Where the tree of the image `record` describes lives, for its command: `ROOT/img` as this
+/// process names the root, or an external directory only if the configuration names it too (a
+/// record's absolute path is never followed on its own word). Costs the configuration's read only
 /// for an external directory.
 pub fn for_command(root: &Root, record: &Record) -> Result<PathBuf> {
     match record.images {
@@ -87,8 +82,8 @@ pub fn for_command(root: &Root, record: &Record) -> Result<PathBuf> {
     }
 }
 
-/// The tree a record describes, as this process reaches it (for reading
-/// and measuring: nothing is changed through it).
+/// The tree a record describes, as this process reaches it (for reading and measuring: nothing is
+/// changed through it).
 pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
     let dir = r.images.path_in(root.dir());
     match ImageName::parse(&r.name) {
@@ -103,8 +98,8 @@ pub fn my_claim(root: &Root, config: &Config) -> Result<Claim> {
         .with_context(|| format!("cannot inspect root {}", root.dir().display()))
 }
 
-/// Why nothing may be removed from the images directory `dir`: another
-/// store claims it (one images directory serves one store).
+/// Why nothing may be removed from the images directory `dir`: another store claims it (one images
+/// directory serves one store).
 pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
     let config = config(root).ok()?;
     let images = root.open_images_dir(dir).ok()?;
@@ -114,9 +109,8 @@ pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
     crate::claim::refusal(&images, dir, &my_claim(root, &config).ok()?)
 }
 
-/// Whether `dir` is this root's `ROOT/img` and claimed with this store's
-/// own id: a claim that came along with a copy of the store (`cp -a`
-/// keeps extended attributes), which the copy takes over.
+/// Whether `dir` is this root's `ROOT/img` and claimed with this store's own id: a claim that came
+/// along with a copy of the store (`cp -a` keeps extended attributes), which the copy takes over.
 fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
     dir == root.default_images_dir()
         && crate::claim::read(images)
@@ -125,8 +119,8 @@ fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
             .is_some_and(|c| c.id == config.id)
 }
 
-/// Claims the images directory for this store unless another store does.
-/// `Ok(false)`: the filesystem keeps no extended attributes.
+/// Claims the images directory for this store unless another store does. `Ok(false)`: the
+/// filesystem keeps no extended attributes.
 pub fn claim(root: &Root, config: &Config) -> Result<bool> {
     let dir = config.images.path_in(root.dir());
     let images = root.open_images_dir(&dir)?;
@@ -142,8 +136,8 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
         .with_context(|| format!("cannot claim images directory {}", dir.display()))
 }
 
-/// Records the images directory's identity in the configuration, if it is
-/// not recorded yet (or `accept`: init takes the directory as it is now).
+/// Records the images directory's identity in the configuration, if not recorded yet (or `accept`:
+/// init takes the directory as it is now).
 pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result<()> {
     let dir = config.images.path_in(root.dir());
     let images = root.open_images_dir(&dir)?;
@@ -160,11 +154,10 @@ pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result
     crate::config::write(root.dir(), &root.open()?, config)
 }
 
-/// Whether the store was copied or moved since its default images
-/// directory's identity was recorded (the root is another directory, so
-/// its `img` is its own), or that was never recorded. Either way the
-/// identities are recorded afresh — if the global lock is free, so that a
-/// switch of the images directory made meanwhile is never undone.
+/// Whether the store was copied or moved since its default images directory's identity was recorded
+/// (the root is another directory, so its `img` is its own), or that was never recorded. Either way
+/// the identities are recorded afresh — if the global lock is free, so a switch of the images
+/// directory made meanwhile is never undone.
 fn moved(root: &Root, seen: &Config) -> bool {
     let Ok(here) = root.open().and_then(|d| Ok(d.identity()?)) else {
         return false;
@@ -201,9 +194,8 @@ fn moved(root: &Root, seen: &Config) -> bool {
     true
 }
 
-/// Why a tree missing from `dir` may be the images directory's fault
-/// (missing, or not the directory recorded) rather than a deletion, if it
-/// may.
+/// Why a tree missing from `dir` may be the images directory's fault (missing, or not the directory
+/// recorded) rather than a deletion, if it may.
 pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
     let images = match root.open_images_dir(dir) {
         Ok(d) => d,

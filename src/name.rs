@@ -1,20 +1,18 @@
 //! Image names and their on-disk encoding.
 //!
-//! - A name follows container image references (`alpine:3.17`,
-//!   `registry.example:5000/team/app:v1`, `app@sha256:…`).
-//! - ENC replaces `/` with `%` and `:` with `+`, Charliecloud's mapping, so
-//!   both tools name the same directory; `%` and `+` are not allowed in
-//!   names, so decoding is exact.
-//! - An [`ImageName`] is always valid; ENC is one path component, neither
-//!   `.` nor `..`: joined to a directory it never escapes it.
+//! - A name follows container image references (`alpine:3.17`, `registry.example:5000/team/app:v1`,
+//!   `app@sha256:…`).
+//! - ENC replaces `/` with `%` and `:` with `+`, Charliecloud's mapping, so both tools name the
+//!   same directory; `%` and `+` are not allowed in names, so decoding is exact.
+//! - An [`ImageName`] is always valid; ENC is one path component, neither `.` nor `..`: joined to a
+//!   directory it never escapes it.
 
 use std::fmt;
 
 /// The longest encoded name accepted, in bytes (the usual NAME_MAX).
 pub const MAX_ENCODED_LEN: usize = 255;
 
-/// Why a name was rejected. Each variant is one rule of the contract, and its
-/// message names the rule so the user can fix the name.
+/// Why a name was rejected. Each variant is one rule of the contract, its message naming the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NameRule {
     #[error("the name is empty")]
@@ -54,8 +52,8 @@ pub struct InvalidName {
 /// A valid image name and its encoded file name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ImageName {
-    // Field order matters for the derived `Ord`: the lock order is ascending
-    // ENC, and ENC is a bijection of the name, so sorting by it is total.
+    // Field order matters for the derived `Ord`: the lock order is ascending ENC, and ENC is a
+    // bijection of the name, so sorting by it is total.
     enc: String,
     name: String,
 }
@@ -84,9 +82,8 @@ impl ImageName {
         }
     }
 
-    /// Decodes a file name found in an images directory. Returns the rule
-    /// broken when the decoded name is not a valid image name (such entries
-    /// are not images stowage can manage).
+    /// Decodes a file name found in an images directory; a name that is not valid (no image stowage
+    /// can manage) returns the rule it broke.
     pub fn from_encoded(enc: &str) -> Result<Self, InvalidName> {
         let name: String = enc
             .chars()
@@ -134,8 +131,7 @@ fn encode(name: &str) -> String {
 
 fn check(name: &str) -> Result<(), NameRule> {
     let first = name.chars().next().ok_or(NameRule::Empty)?;
-    // Character rules first: they are the most specific message for names
-    // like "a b" or "x%y".
+    // Character rules first: they are the most specific message for names like "a b" or "x%y".
     for c in name.chars() {
         match c {
             'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '_' | '-' | '/' | ':' | '@' => {}
@@ -151,8 +147,7 @@ fn check(name: &str) -> Result<(), NameRule> {
     if name.contains("//") {
         return Err(NameRule::DoubleSlash);
     }
-    // `q/` would be an image distinct from `q` (ENC `q%`): an empty last
-    // component, the same mistake as `//`.
+    // `q/` would be an image distinct from `q` (ENC `q%`): an empty last component, like `//`.
     if name.ends_with('/') {
         return Err(NameRule::TrailingSlash);
     }
@@ -163,8 +158,7 @@ fn check(name: &str) -> Result<(), NameRule> {
             _ => {}
         }
     }
-    // Encoding maps one ASCII byte to one ASCII byte, so the encoded length
-    // is the name's length.
+    // Encoding maps one ASCII byte to one, so the encoded length is the name's length.
     if name.len() > MAX_ENCODED_LEN {
         return Err(NameRule::TooLong(name.len()));
     }
@@ -323,8 +317,8 @@ mod tests {
 
     #[test]
     fn order_is_by_encoded_name() {
-        // ':' (0x3a) sorts after '.', but its encoding '+' (0x2b) sorts
-        // before it: the order must follow ENC, as every process sorts.
+        // ':' (0x3a) sorts after '.', but its encoding '+' (0x2b) before it: the order follows ENC,
+        // as every process sorts.
         let mut v = [
             ImageName::parse("a.b").unwrap(),
             ImageName::parse("a:b").unwrap(),

@@ -1,18 +1,15 @@
 //! A store shared by a group: the modes every part of its layout needs.
 //!
-//! - **A group store** is a root that is group-writable: every member of
-//!   its group opens lock files read-write, creates lock files, leases and
-//!   image directories, and writes the catalog. So every part of the layout
-//!   must be group-writable and belong to the root's group; directories
-//!   are setgid, so that what is created later gets the group too.
-//! - **One list of parts** ([`parts`]): the root, `locks/` and what is in
-//!   it (lock files, gates, slot classes, leases), `img/` and its image
-//!   directories (not the trees inside: those are the builder's), `trash/`,
-//!   the catalog and its journal, `store.conf`, the reserve.
-//! - **Only what is ours is fixed** ([`repair`]): a part owned by the
-//!   caller (or any part, for root). Each change is made on a descriptor
-//!   opened without following a link, so a link planted in a part's place
-//!   changes nothing outside the store.
+//! - **A group store** is a root that is group-writable: every member of its group opens lock files
+//!   read-write, creates lock files, leases and image directories, and writes the catalog. So every
+//!   part of the layout must be group-writable and belong to the root's group; directories are
+//!   setgid, so what is created later gets the group too.
+//! - **One list of parts** ([`parts`]): the root, `locks/` and what is in it (lock files, gates,
+//!   slot classes, leases), `img/` and its image directories (not the trees inside: those are the
+//!   builder's), `trash/`, the catalog and its journal, `store.conf`, the reserve.
+//! - **Only what is ours is fixed** ([`repair`]): a part owned by the caller (or any part, for
+//!   root). Each change is made on a descriptor opened without following a link, so a link planted
+//!   in a part's place changes nothing outside the store.
 
 use std::fs;
 use std::io;
@@ -33,8 +30,7 @@ const DIR_BITS: u32 = 0o2070;
 /// The mode bits a group store's files need: group read-write.
 const FILE_BITS: u32 = 0o060;
 
-/// One part of the layout whose mode or group is not what a group store
-/// needs.
+/// One part of the layout whose mode or group is not what a group store needs.
 #[derive(Debug, Clone)]
 pub struct Wrong {
     /// Relative to the root ("" for the root itself).
@@ -69,9 +65,8 @@ pub fn is_group_store(dir: &Path) -> Option<(u32, u32)> {
     (m.mode() & 0o020 != 0).then_some((m.gid(), m.mode()))
 }
 
-/// Every part of the layout that exists, relative to the root, with
-/// whether it is a directory. Links are not parts: `doctor`'s layout
-/// check reports those.
+/// Every part of the layout that exists, relative to the root, with whether it is a directory.
+/// Links are not parts: `doctor`'s layout check reports those.
 pub fn parts(root: &Root) -> Vec<(String, bool)> {
     let mut out = vec![(String::new(), true)];
     for d in Root::LAYOUT_DIRS {
@@ -106,8 +101,7 @@ pub fn parts(root: &Root) -> Vec<(String, bool)> {
     out
 }
 
-/// The names in `dir`, each with whether it is a directory (links are
-/// neither, and are left out).
+/// The names in `dir`, each with whether it is a directory (links are neither, and are left out).
 fn entries(dir: &Path) -> Vec<(String, bool)> {
     let Ok(list) = fs::read_dir(dir) else {
         return Vec::new();
@@ -149,8 +143,7 @@ pub struct Repaired {
     pub failed: Vec<(Wrong, String)>,
 }
 
-/// Gives each wrong part the group `gid` and the bits a group store
-/// needs, where the part is ours to change.
+/// Gives each wrong part the group `gid` and the bits a group store needs, where ours to change.
 pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
     let euid = nix::unistd::geteuid().as_raw();
     let mut done = Repaired::default();
@@ -167,20 +160,18 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
     done
 }
 
-/// Sets group `gid` and the group store's bits on `path` (under the root),
-/// through a descriptor opened without following a link in any component:
-/// a member of the group who swaps a directory of the layout for a link
-/// meanwhile leads this nowhere outside the root.
+/// Sets group `gid` and the group store's bits on `path` (under the root), through a descriptor
+/// opened without following a link in any component: a member who swaps a directory of the layout
+/// for a link meanwhile leads this nowhere outside the root.
 fn fix(path: &Path, dir: bool, gid: u32) -> io::Result<()> {
     let flags = libc::O_RDONLY | if dir { libc::O_DIRECTORY } else { 0 };
     let f = crate::planted::open(path, flags, 0)?;
     fix_fd(f.as_raw_fd(), dir, gid, 0)
 }
 
-/// Gives an images directory outside the root (the directory, not what
-/// is in it) what a group store's parts get, through the descriptor the
-/// caller opened and checked it by: never again by its path, where a
-/// member of the group may have put a link meanwhile.
+/// Gives an images directory outside the root (the directory, not what is in it) what a group
+/// store's parts get, through the descriptor the caller opened and checked it by: never again by
+/// its path, where a member may have put a link meanwhile.
 pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<()> {
     fix_fd(images.as_raw_fd(), true, gid, 0).with_context(|| {
         format!(
@@ -190,9 +181,8 @@ pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Res
     })
 }
 
-/// Gives the file or directory behind `fd` group `gid`, the group store's
-/// bits and the mode bits `more`. A file with other names (a hard link a
-/// member made to a file elsewhere) is no part of the store: refused.
+/// Gives the file or directory behind `fd` group `gid`, the group store's bits and the mode bits
+/// `more`. A file with other names (a member's hard link to a file elsewhere) is refused.
 fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
     let st = crate::dir::fstat(fd)?;
     if (st.st_mode & libc::S_IFMT == libc::S_IFDIR) != dir {
@@ -214,10 +204,9 @@ fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<
     cvt(unsafe { libc::fchmod(fd, mode as libc::mode_t) }).map(drop)
 }
 
-/// A group by name or number, as `init --group` takes it. Names are
-/// read from `/etc/group`, as a static binary can (glibc's lookup through
-/// NSS modules is not to be had there); a group known only to LDAP or
-/// SSSD is given by number.
+/// A group by name or number, as `init --group` takes it. Names are read from `/etc/group`, as a
+/// static binary can (glibc's lookup through NSS modules is not to be had there); a group known
+/// only to LDAP or SSSD is given by number.
 pub fn group_id(group: &str) -> Result<u32> {
     if let Ok(n) = group.parse::<u32>() {
         return Ok(n);
@@ -239,9 +228,8 @@ pub fn group_id(group: &str) -> Result<u32> {
         })
 }
 
-/// Refuses, before anything is changed, to share the root at `dir` (if it
-/// exists) with `gid` where [`share_root`] could not: only the root's owner
-/// (or root) may, and only with a group of theirs.
+/// Refuses, before anything is changed, to share the root at `dir` (if it exists) with `gid` where
+/// [`share_root`] could not: only the root's owner (or root) may, and only with a group of theirs.
 pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
     let euid = nix::unistd::geteuid().as_raw();
     if euid == 0 {
@@ -265,13 +253,11 @@ pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
     Ok(())
 }
 
-/// Makes the root at `dir` (existing) a group store for `gid`: its group,
-/// group-writable and setgid, not writable by others. Only its owner (or
-/// root) may.
+/// Makes the root at `dir` (existing) a group store for `gid`: its group, group-writable and
+/// setgid, not writable by others. Only its owner (or root) may.
 pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
     may_share(dir, gid)?;
-    // One descriptor for the group and the mode, opened with no link in
-    // any component: the root's path is not looked up again.
+    // One descriptor, opened with no link in any component, for group and mode: no second lookup.
     let root = crate::planted::open(dir, libc::O_RDONLY | libc::O_DIRECTORY, 0)
         .with_context(|| format!("cannot share root {}", dir.display()))?;
     fix_fd(root.as_raw_fd(), true, gid, 0o775).map_err(|e| match e.raw_os_error() {
@@ -287,9 +273,8 @@ pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
         .with_context(|| format!("cannot set the mode of root {}", dir.display()))
 }
 
-/// The umask for a process working in a group store: the caller's without
-/// its group bits, so that everything made is group-writable. Returns the
-/// caller's, which the command of an exec gets back.
+/// The umask for a process working in a group store: the caller's without its group bits, so
+/// everything made is group-writable. Returns the caller's, which an exec's command gets back.
 pub fn open_umask() -> u32 {
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     let shared = old.bits() & !0o070;
@@ -297,8 +282,7 @@ pub fn open_umask() -> u32 {
     old.bits() as u32
 }
 
-/// The paths of `wrong` parts, shortened for one line: the first few,
-/// then how many more.
+/// The paths of `wrong` parts, shortened for one line: the first few, then how many more.
 pub fn list(wrong: &[Wrong], max: usize) -> String {
     let mut s: Vec<String> = wrong.iter().take(max).map(Wrong::describe).collect();
     if wrong.len() > max {
