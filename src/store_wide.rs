@@ -88,27 +88,27 @@ pub fn wait_free(
     command: &str,
 ) -> Result<()> {
     let path = store.root().store_wide_lock();
-    let holders = crate::holders::holders_phrase(store.ctx(), LockKind::Global, &path);
-    if no_wait {
-        return Err(Busy::now("the store (a store-wide command runs)".into(), holders).into());
-    }
+    let refuse = no_wait.then(|| "the store (a store-wide command runs)".to_owned());
     let what = "the store-wide command to finish".to_owned();
-    let _line = announce(store, &what, &holders, "store", &path);
-    let mut wait = Wait::on(&store.root().locks(), deadline);
     let awaited = store_lock_holding(Mode::Shared, true, command);
-    let got =
-        crate::acquire::wait_for(store, awaited, &[], what, holders, || {
-            match lock::acquire(&path, Mode::Shared, lock::IfMissing::Fail, &mut wait) {
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Waited::Acquired(None)),
-                other => other
-                    .map(|w| match w {
-                        Waited::Acquired(g) => Waited::Acquired(Some(g)),
-                        Waited::TimedOut => Waited::TimedOut,
-                        Waited::Interrupted(s) => Waited::Interrupted(s),
-                    })
-                    .map_err(|e| lock::error("the store-wide lock", &path, e)),
-            }
-        })?;
+    let got = wait_in_turn(
+        store,
+        &path,
+        what,
+        refuse,
+        deadline,
+        awaited,
+        |wait| match lock::acquire(&path, Mode::Shared, lock::IfMissing::Fail, wait) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Waited::Acquired(None)),
+            other => other
+                .map(|w| match w {
+                    Waited::Acquired(g) => Waited::Acquired(Some(g)),
+                    Waited::TimedOut => Waited::TimedOut,
+                    Waited::Interrupted(s) => Waited::Interrupted(s),
+                })
+                .map_err(|e| lock::error("the store-wide lock", &path, e)),
+        },
+    )?;
     drop(got);
     Ok(())
 }
@@ -337,15 +337,10 @@ fn take_store_lock(
         return Ok(g);
     }
     let what = "the store-wide lock".to_owned();
-    let holders = crate::holders::holders_phrase(store.ctx(), LockKind::Global, &path);
-    if no_wait {
-        return Err(Busy::now(what, holders).into());
-    }
-    let _line = announce(store, &what, &holders, "store", &path);
-    let mut wait = Wait::on(&root.locks(), deadline);
+    let refuse = no_wait.then(|| what.clone());
     let awaited = store_lock_holding(Mode::Exclusive, true, command);
-    crate::acquire::wait_for(store, awaited, &[], what, holders, || {
-        lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait).map_err(err)
+    wait_in_turn(store, &path, what, refuse, deadline, awaited, |wait| {
+        lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, wait).map_err(err)
     })
 }
 
@@ -407,40 +402,46 @@ fn wait_for_image(
             ))
         .into());
     }
-    let holders = crate::holders::holders_phrase(store.ctx(), LockKind::Image, path);
-    if no_wait {
-        return Err(Busy::now(what, holders).into());
-    }
-    let _line = announce(store, &what, &holders, label, path);
-    let mut wait = Wait::on(&root.image_locks(), deadline);
+    let refuse = no_wait.then(|| what.clone());
     let awaited = Holding::now(Mode::Exclusive, rel, true, "store-wide");
     let err = |e| lock::error(label, path, e);
-    crate::acquire::wait_for(store, awaited, &[], what, holders, || {
-        lock::acquire(path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait).map_err(err)
+    wait_in_turn(store, path, what, refuse, deadline, awaited, |wait| {
+        lock::acquire(path, Mode::Exclusive, lock::IfMissing::Fail, wait).map_err(err)
     })
 }
 
-/// Says the wait for lock file `path` (`name` in the line), followed until the line is dropped.
-fn announce(
+/// Waits, by `attempt`, for lock file `path` (`store.lock` or an image's), said as `what` in a line
+/// followed until the wait ends, listed as `awaited` in our lease meanwhile. With `refuse` (what is
+/// busy) it fails at once instead.
+fn wait_in_turn<T>(
     store: &Store,
-    what: &str,
-    holders: &str,
-    name: &str,
     path: &std::path::Path,
-) -> crate::wait_line::WaitLine {
-    let kind = if path.starts_with(store.root().image_locks()) {
-        LockKind::Image
-    } else {
-        LockKind::Global
+    what: String,
+    refuse: Option<String>,
+    deadline: Option<Instant>,
+    awaited: Holding,
+    attempt: impl FnOnce(&mut Wait) -> Result<Waited<T>>,
+) -> Result<T> {
+    let root = store.root();
+    let (kind, dir, name) = match path.file_name().and_then(|f| f.to_str()) {
+        Some(file) if path.starts_with(root.image_locks()) => (
+            LockKind::Image,
+            root.image_locks(),
+            crate::root::lock_file_label(file),
+        ),
+        _ => (LockKind::Global, root.locks(), "store".to_owned()),
     };
-    let rel = store.root().locks_rel(path);
-    let (name, path) = (name.to_owned(), path.to_owned());
-    crate::wait_line::announce(
-        store.ctx(),
-        what,
-        holders,
-        Some(Box::new(move |look| look.report(kind, &name, &path, &rel))),
-    )
+    let holders = crate::holders::holders_phrase(store.ctx(), kind, path);
+    if let Some(busy) = refuse {
+        return Err(Busy::now(busy, holders).into());
+    }
+    let (rel, shown) = (root.locks_rel(path), path.to_owned());
+    let report = move |look: &crate::holders::Look| look.report(kind, &name, &shown, &rel);
+    let _line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(Box::new(report)));
+    let mut wait = Wait::on(&dir, deadline);
+    crate::acquire::wait_for(store, awaited, &[], what, holders, move || {
+        attempt(&mut wait)
+    })
 }
 
 /// `store.lock` as our lease names it: held, or awaited, in `mode`.
