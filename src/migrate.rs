@@ -189,13 +189,8 @@ impl Old {
 
 /// The images writers' markers stand for (`locks/leases/ENC.dirty`).
 fn markers(root: &Root) -> BTreeSet<String> {
-    let Ok(d) = crate::dir::Dir::open_in_root(&root.leases()) else {
-        return BTreeSet::new();
-    };
-    d.names()
-        .unwrap_or_default()
+    crate::root::names_in(&root.leases())
         .into_iter()
-        .filter_map(|n| n.into_string().ok())
         .filter_map(|n| n.strip_suffix(".dirty").map(str::to_owned))
         .filter_map(|enc| ImageName::from_encoded(&enc).ok())
         .map(|n| n.as_str().to_owned())
@@ -411,11 +406,8 @@ fn ensure_config(root: &Root) -> Result<()> {
 
 /// The image lock files (`*.lock`) in `locks/images/`.
 fn image_lock_files(root: &Root) -> Vec<String> {
-    crate::dir::Dir::open_in_root(&root.image_locks())
-        .and_then(|d| d.names())
-        .unwrap_or_default()
+    crate::root::names_in(&root.image_locks())
         .into_iter()
-        .filter_map(|n| n.into_string().ok())
         .filter(|n| n.ends_with(".lock"))
         .collect()
 }

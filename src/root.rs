@@ -750,8 +750,27 @@ pub enum Sharing {
     Group,
 }
 
+/// Whether an error comes of something missing (a file, a directory of the layout).
+pub(crate) fn is_missing(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<io::Error>()
+            .is_some_and(|io| io.kind() == io::ErrorKind::NotFound)
+    })
+}
+
+/// The names in directory `dir` of the root (`Dir::open_in_root`) that are UTF-8; none if it cannot
+/// be listed.
+pub(crate) fn names_in(dir: &Path) -> Vec<String> {
+    Dir::open_in_root(dir)
+        .and_then(|d| d.names())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|n| n.into_string().ok())
+        .collect()
+}
+
 /// Makes directory `name` (at `path`) in `parent`; one made there meanwhile is as good.
-fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<()> {
+pub(crate) fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<()> {
     match parent.mkdir(name, 0o777) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
             Err(e).with_context(|| format!("cannot create directory {}", path.display()))

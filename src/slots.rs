@@ -104,31 +104,17 @@ pub fn read_class(root: &Root, class: &str) -> Result<Class> {
     let dir = match root.open_sub(&Root::slot_class_rel(class)) {
         Ok(d) => d,
         // No such class (or no slots directory yet).
-        Err(e)
-            if e.chain().any(|c| {
-                c.downcast_ref::<std::io::Error>()
-                    .is_some_and(|io| io.kind() == std::io::ErrorKind::NotFound)
-            }) =>
-        {
-            return Ok(Class::None);
-        }
+        Err(e) if crate::root::is_missing(&e) => return Ok(Class::None),
         Err(e) => return Err(e),
     };
-    let opened = dir.open_read(Kind::Normal(0).file_name());
-    match opened.map(Some).or_else(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            Ok(None)
-        } else {
-            Err(e)
-        }
-    }) {
-        Ok(Some(f)) => slot_limits::read(&f, class).with_context(|| {
+    match dir.open_read(Kind::Normal(0).file_name()) {
+        Ok(f) => slot_limits::read(&f, class).with_context(|| {
             format!(
                 "cannot read the limits of slot class '{class}' in {}",
                 path.display()
             )
         }),
-        Ok(None) => Ok(Class::None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Class::None),
         Err(e) => Err(planted_or(&path, class, e)),
     }
 }
@@ -151,14 +137,8 @@ fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
 
 /// The configured classes, by their directories, with their records.
 pub fn classes(root: &Root) -> Vec<(String, Class)> {
-    let Ok(top) = Dir::open_in_root(&root.slot_locks()) else {
-        return Vec::new();
-    };
-    let mut out: Vec<(String, Class)> = top
-        .names()
-        .unwrap_or_default()
+    let mut out: Vec<(String, Class)> = crate::root::names_in(&root.slot_locks())
         .into_iter()
-        .filter_map(|enc| enc.into_string().ok())
         .map(|enc| enc.replace('%', "/"))
         .filter(|c| validate_class(c).is_ok())
         .map(|c| {
@@ -306,14 +286,7 @@ pub fn make_class_dir(root: &Root, class: &str) -> Result<Dir> {
     let mut at = root.locks();
     for part in Root::slot_class_rel(class).split('/').skip(1) {
         at.push(part);
-        match d.mkdir(part, 0o777) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => {
-                return Err(anyhow::Error::new(e)
-                    .context(format!("cannot create directory {}", at.display())));
-            }
-        }
+        crate::root::mkdir_in(&d, part, &at)?;
         d = d.sub(part).map_err(|e| {
             if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
                 anyhow::anyhow!(
@@ -332,11 +305,8 @@ pub fn make_class_dir(root: &Root, class: &str) -> Result<Dir> {
 /// who waits (leases that await the class).
 pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> LockReport {
     let dir = root.slot_class_dir(class);
-    let mut files: Vec<String> = Dir::open_in_root(&dir)
-        .and_then(|d| d.names())
-        .unwrap_or_default()
+    let mut files: Vec<String> = crate::root::names_in(&dir)
         .into_iter()
-        .filter_map(|n| n.into_string().ok())
         .filter(|n| Kind::of(n).is_some())
         .collect();
     files.sort();

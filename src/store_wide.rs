@@ -367,14 +367,7 @@ fn hint_and_pass(
         Ok(None) => match wait_for_image(store, &path, &label, deadline, no_wait) {
             Ok(g) => g,
             // Removed while we waited: nothing left to hold off.
-            Err(e)
-                if e.chain().any(|c| {
-                    c.downcast_ref::<std::io::Error>()
-                        .is_some_and(|io| io.kind() == std::io::ErrorKind::NotFound)
-                }) =>
-            {
-                return Ok(());
-            }
+            Err(e) if crate::root::is_missing(&e) => return Ok(()),
             Err(e) => return Err(e),
         },
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
