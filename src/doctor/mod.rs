@@ -90,6 +90,19 @@ impl Report {
     fn repaired(&mut self, check: &'static str, detail: impl Into<String>) {
         self.add(check, Verdict::Repaired, detail);
     }
+
+    /// One line about `names`, which `say` words given their [`list`]; none without a name.
+    fn naming<T: std::fmt::Display>(
+        &mut self,
+        check: &'static str,
+        status: Verdict,
+        names: &[T],
+        say: impl FnOnce(String) -> String,
+    ) {
+        if !names.is_empty() {
+            self.add(check, status, say(list(names)));
+        }
+    }
 }
 
 /// The two-host probe's lock file: `ROOT/locks/probe.lock`.
@@ -509,10 +522,9 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         .filter(|e| e.seen.damaged)
         .map(|e| e.path.display().to_string())
         .collect();
-    if !damaged.is_empty() {
-        let files = list(&damaged);
-        report.problem("records", format!("the record in {files} cannot be read, so its image's state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it"));
-    }
+    report.naming("records", Verdict::Problem, &damaged, |files| {
+        format!("the record in {files} cannot be read, so its image's state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it")
+    });
     removals(&root, &entries, repair, report);
     // Incomplete images: those whose writer failed or died, or those adopted.
     let incomplete = |adopted: bool| -> Vec<String> {
@@ -526,17 +538,12 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             .filter_map(|e| e.name().map(str::to_owned))
             .collect()
     };
-    let failed = incomplete(false);
-    if !failed.is_empty() {
-        let names = list(&failed);
-        let detail =
-            format!("{names} incomplete: their writers failed or died; 'stowage gc' removes them");
-        report.info("images", detail);
-    }
-    let unknown = incomplete(true);
-    if !unknown.is_empty() {
-        report.info("images", format!("{} adopted without a record: whether complete is not known, so kept ('stowage exec --write NAME -- true' marks one ready)", list(&unknown)));
-    }
+    report.naming("images", Verdict::Info, &incomplete(false), |names| {
+        format!("{names} incomplete: their writers failed or died; 'stowage gc' removes them")
+    });
+    report.naming("images", Verdict::Info, &incomplete(true), |names| {
+        format!("{names} adopted without a record: whether complete is not known, so kept ('stowage exec --write NAME -- true' marks one ready)")
+    });
     hints(store, &entries, repair, report);
     Ok(())
 }
@@ -560,19 +567,15 @@ fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &
             Take::Held(_) | Take::Nothing => {}
         }
     }
-    if !stuck.is_empty() {
-        report.problem("removals", format!("removal of {} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it", list(&stuck)));
-    }
-    if !busy.is_empty() {
-        report.problem("removals", format!("removal of {} was interrupted, and its lock is held now: a later 'stowage gc' or 'stowage doctor --repair' finishes it", list(&busy)));
-    }
-    if !finished.is_empty() {
-        let names = list(&finished);
-        report.repaired(
-            "removals",
-            format!("finished the interrupted removal of {names}"),
-        );
-    }
+    report.naming("removals", Verdict::Problem, &stuck, |names| {
+        format!("removal of {names} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it")
+    });
+    report.naming("removals", Verdict::Problem, &busy, |names| {
+        format!("removal of {names} was interrupted, and its lock is held now: a later 'stowage gc' or 'stowage doctor --repair' finishes it")
+    });
+    report.naming("removals", Verdict::Repaired, &finished, |names| {
+        format!("finished the interrupted removal of {names}")
+    });
 }
 
 /// Store-wide hints a hold that is gone left behind.
@@ -752,17 +755,12 @@ fn missing_trees(
             dropped.push(n.as_str().to_owned());
         }
     }
-    if !dropped.is_empty() {
-        let dropped = list(&dropped);
-        report.repaired(
-            "images",
-            format!("dropped the records of {dropped}, whose trees are gone"),
-        );
-    }
-    if !busy.is_empty() {
-        let busy = list(&busy);
-        report.problem("images", format!("{busy} have records but no tree, and their locks are held now: a later 'stowage doctor --repair' drops their records"));
-    }
+    report.naming("images", Verdict::Repaired, &dropped, |names| {
+        format!("dropped the records of {names}, whose trees are gone")
+    });
+    report.naming("images", Verdict::Problem, &busy, |names| {
+        format!("{names} have records but no tree, and their locks are held now: a later 'stowage doctor --repair' drops their records")
+    });
 }
 
 /// The trash, lock files that name no image, dead leases.
