@@ -31,12 +31,7 @@ pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<O
     let entries = tree_names(images)
         .with_context(|| format!("cannot list images directory {}", dir.display()))?;
     for raw in entries {
-        if !images
-            .stat_at(&raw)
-            .ok()
-            .flatten()
-            .is_some_and(|e| e.is_dir())
-        {
+        if !matches!(images.stat_at(&raw), Ok(Some(e)) if e.is_dir()) {
             continue;
         }
         let Some(enc) = raw.to_str() else {

@@ -208,10 +208,7 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
             names.insert(n.as_str().to_owned());
         }
     }
-    let dir = match &old.images {
-        ImagesDir::Default => root.default_images_dir(),
-        ImagesDir::External(p) => p.clone(),
-    };
+    let dir = old.images.path_in(root.dir());
     for name in names {
         let Ok(n) = ImageName::parse(&name) else {
             continue;

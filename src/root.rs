@@ -89,22 +89,17 @@ impl Root {
     /// Opens the root directory. Its ownership is checked again on the descriptor: whatever is done
     /// through it is done in what passed.
     pub fn open(&self) -> Result<Dir> {
+        let cannot = || format!("cannot open root {}", self.dir.display());
         if let Some(d) = self.opened.get() {
-            return d
-                .duplicate()
-                .with_context(|| format!("cannot open root {}", self.dir.display()));
+            return d.duplicate().with_context(cannot);
         }
         // An anchor: every use of the root's descriptor is an `*at()` call or a stat, no listing.
-        let d = Dir::anchor(&self.dir)
-            .with_context(|| format!("cannot open root {}", self.dir.display()))?;
+        let d = Dir::anchor(&self.dir).with_context(cannot)?;
         let st = d
             .stat()
             .with_context(|| format!("cannot inspect root {}", self.dir.display()))?;
         self.check_owner(st.uid, st.mode, st.gid)?;
-        let copy = d
-            .duplicate()
-            .with_context(|| format!("cannot open root {}", self.dir.display()))?;
-        let _ = self.opened.set(copy);
+        let _ = self.opened.set(d.duplicate().with_context(cannot)?);
         Ok(d)
     }
 

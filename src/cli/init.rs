@@ -55,7 +55,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     let dir = config.images.path_in(root.dir());
     let images = root.open_or_make_images_dir(&dir)?;
-    let how = adoption(&root)?;
+    // Trees are adopted ready only in a directory stowage never managed, where no image has ever
+    // had a lock file (see adopt.rs).
+    let how = if crate::census::take(&root)?.is_empty() {
+        Adopt::AsReady
+    } else {
+        Adopt::Unknown
+    };
     let named: HashSet<String> = crate::census::take(&root)?
         .into_iter()
         .filter_map(|e| e.name().map(str::to_owned))
@@ -188,33 +194,29 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
 /// its `img/`), or one that holds files (an images directory holds image trees only).
 fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
     let what = if dir == Path::new("/") {
-        Some("the root of the filesystem".to_owned())
+        "the root of the filesystem".to_owned()
     } else if dir.parent() == Some(Path::new("/")) && !dir.exists() {
-        Some(
-            "a new directory at the top of the filesystem (is a variable in its path unset?)"
-                .to_owned(),
-        )
+        "a new directory at the top of the filesystem (is a variable in its path unset?)".to_owned()
     } else if is_home(dir) {
-        Some("a home directory".to_owned())
+        "a home directory".to_owned()
     } else if ["bucache", "dlcache", "ulcache"]
         .iter()
         .any(|d| dir.join(d).is_dir())
         && dir.join("img").is_dir()
     {
-        Some(format!(
+        format!(
             "a Charliecloud storage directory: its images are in {}",
             dir.join("img").display()
-        ))
+        )
+    } else if let Some(f) = files_in(dir) {
+        format!("a directory that holds files ({f}), not image trees only")
     } else {
-        files_in(dir).map(|f| format!("a directory that holds files ({f}), not image trees only"))
+        return Ok(());
     };
-    match what {
-        Some(w) => bail!(
-            "refusing {} as the images directory: it is {w}",
-            dir.display()
-        ),
-        None => Ok(()),
-    }
+    bail!(
+        "refusing {} as the images directory: it is {what}",
+        dir.display()
+    )
 }
 
 /// Whether `dir` is this user's home or any `/etc/passwd` user's (read directly: no name service).
@@ -285,17 +287,6 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
         dir.display(),
         theirs.path,
     )
-}
-
-/// How trees found in the images directory are adopted: ready only in a directory stowage never
-/// managed, where no image has ever had a lock file (see adopt.rs).
-fn adoption(root: &Root) -> Result<Adopt> {
-    let managed = !crate::census::take(root)?.is_empty();
-    Ok(if managed {
-        Adopt::Unknown
-    } else {
-        Adopt::AsReady
-    })
 }
 
 /// What init's last line says of the images it adopted, if any.

@@ -126,9 +126,8 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
         let holders = format!("held by another probe: {}", probe_holder(&path));
         return Err(crate::error::Busy::now(what, holders).into());
     };
-    let since = clock::now_ms();
+    let since = clock::rfc3339(clock::now_ms()).unwrap_or_else(|| "?".into());
     let (host, pid, shown) = (&ctx.me.host, ctx.me.pid, path.display());
-    let since = clock::rfc3339(since).unwrap_or_else(|| "?".into());
     guard
         .set_contents(format!("{host}\t{pid}\t{since}\n").as_bytes())
         .with_context(|| format!("cannot write {shown}"))?;
