@@ -114,7 +114,8 @@ fn plan(args: Args) -> Result<Plan> {
             slot: args
                 .slot
                 .map(|class| (class, args.priority.unwrap_or_default())),
-            command: command_line(&args.command),
+            // The command as leases list it: one line a shell would take.
+            command: ident::shell_join(&super::lossy(&args.command)),
         })
     };
     Ok(Plan {
@@ -138,19 +139,17 @@ fn refuse_two_roles(
     from: Option<&OsStr>,
 ) -> Result<()> {
     if let Some(both) = reads.iter().find(|r| writes.contains(r)) {
-        return Err(Error::Usage(format!(
+        return super::usage(format!(
             "image '{both}' is both --read and --write; --write alone gives the command full access"
-        ))
-        .into());
+        ));
     }
     if let Some(both) = exclusive_reads
         .iter()
         .find(|r| reads.contains(r) || writes.contains(r) || from == Some(r.as_str().as_ref()))
     {
-        return Err(Error::Usage(format!(
+        return super::usage(format!(
             "image '{both}' is --read-exclusive and also --read, --write or --from; name it once"
-        ))
-        .into());
+        ));
     }
     Ok(())
 }
@@ -162,13 +161,12 @@ fn read_base_to_copy(
     reads: &mut Vec<ImageName>,
 ) -> Result<()> {
     if writes.len() != 1 {
-        return Err(Error::Usage(
+        return super::usage(
             "--from needs exactly one --write (the image to start as a copy)".into(),
-        )
-        .into());
+        );
     }
     if writes[0] == *base {
-        return Err(Error::Usage(format!("--from '{base}' names the image being written")).into());
+        return super::usage(format!("--from '{base}' names the image being written"));
     }
     if !reads.contains(base) {
         reads.push(base.clone());
@@ -189,13 +187,4 @@ fn lineage(
         (None, [only], 1) => Some(only.clone()),
         _ => None,
     }
-}
-
-/// The command as leases list it: one line a shell would take.
-fn command_line(command: &[OsString]) -> String {
-    let shown: Vec<String> = command
-        .iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
-    ident::shell_join(&shown)
 }

@@ -53,8 +53,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .map(|raw| super::parse_seconds("--watch", raw));
     let every = every.transpose()?;
     if every.is_some_and(|d| d.is_zero()) {
-        let why = "--watch needs an interval above 0 seconds";
-        return Err(crate::Error::Usage(why.into()).into());
+        return super::usage("--watch needs an interval above 0 seconds".into());
     }
     store.require_root()?;
     // Something planted in a lock directory's place is not "nothing held".

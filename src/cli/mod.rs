@@ -297,10 +297,7 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
 /// takes `--` as the value, then blames the command), and a subcommand's option given before its
 /// name (clap names the option's value as the command).
 fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
-    let words: Vec<String> = args
-        .iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
+    let words = lossy(args);
     let cli = Cli::command();
     let sub = words
         .iter()
@@ -485,11 +482,23 @@ fn subcommand(args: &[OsString]) -> Option<(String, usize)> {
     None
 }
 
+/// Arguments as text, any invalid UTF-8 replaced.
+fn lossy(args: &[OsString]) -> Vec<String> {
+    args.iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
 /// Validates image names from the command line.
 fn names(raw: &[OsString]) -> Result<Vec<ImageName>> {
     raw.iter()
         .map(|r| ImageName::parse_os(r).map_err(|e| Error::from(e).into()))
         .collect()
+}
+
+/// Refuses the command line: a usage error (exit 64) saying `why`.
+fn usage<T>(why: String) -> Result<T> {
+    Err(Error::Usage(why).into())
 }
 
 /// The longest bounded wait accepted: ten years. More is surely a mistake; forever is the default.
@@ -525,16 +534,14 @@ fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
     }
     let secs = number.parse::<f64>().map_err(|_| bad())? * scale;
     if !secs.is_finite() || secs < 0.0 {
-        return Err(Error::Usage(format!(
+        return usage(format!(
             "{flag} {raw:?}: must be a finite number of seconds, 0 or more"
-        ))
-        .into());
+        ));
     }
     if secs > MAX_WAIT_SECS {
-        return Err(Error::Usage(format!(
+        return usage(format!(
             "{flag} {raw:?}: too long (at most {MAX_WAIT_SECS:.0} seconds; omit {flag} to wait forever)"
-        ))
-        .into());
+        ));
     }
     Ok(Duration::from_secs_f64(secs))
 }

@@ -16,7 +16,6 @@ use clap::{Arg, Command};
 use clap_complete::engine::{ArgValueCandidates, CompletionCandidate};
 use clap_complete::env::{Bash, EnvCompleter, Fish, Zsh};
 
-use crate::error::Error;
 use crate::root::Root;
 
 /// Answers a completion callback and exits, if this run is one.
@@ -36,10 +35,9 @@ pub fn write_completions(shell: &str, out: &mut dyn Write) -> Result<()> {
         "zsh" => &Zsh,
         "fish" => &Fish,
         other => {
-            return Err(Error::Usage(format!(
+            return super::usage(format!(
                 "no completions for shell '{other}' (bash, zsh, fish)"
-            ))
-            .into());
+            ));
         }
     };
     // The script calls the stowage on PATH: right across upgrades (the binary owns the protocol).

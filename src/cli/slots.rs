@@ -5,7 +5,6 @@ use clap::Subcommand;
 use serde::Serialize;
 
 use super::lock_status::PartyJson;
-use crate::error::Error;
 use crate::slots::{self, MAX_LIMIT, MAX_RESERVE};
 use crate::store::Store;
 
@@ -68,10 +67,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             let limit = number("LIMIT", &limit, MAX_LIMIT)?;
             let reserve_high = number("--reserve-high", &reserve_high, MAX_RESERVE)?;
             if limit == 0 && reserve_high > 0 {
-                return Err(Error::Usage(format!(
+                return super::usage(format!(
                     "slot class '{class}': a reserve for high priority needs a limit (LIMIT 0 means unlimited)"
-                ))
-                .into());
+                ));
             }
             slots::set(store, &class, limit, reserve_high)?;
             store.ctx().say(&match (limit, reserve_high) {
@@ -100,10 +98,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
     match raw.trim().parse::<u32>() {
         Ok(n) if n <= max => Ok(n),
-        _ => Err(Error::Usage(format!(
+        _ => super::usage(format!(
             "{what} {raw:?}: must be a whole number from 0 to {max}"
-        ))
-        .into()),
+        )),
     }
 }
 
