@@ -1,6 +1,6 @@
 //! `stowage images` (alias `ls`): one row per image.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use anyhow::Result;
 use serde::Serialize;
@@ -40,16 +40,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     store.require_root()?;
     let images = crate::survey::survey(store, true)?;
     let look = Look::new(store.ctx());
-    let in_use: HashMap<String, bool> = images
+    let in_use: HashSet<&str> = images
         .iter()
-        .map(|i| {
+        .filter(|i| {
             let rel = store.root().locks_rel(&i.entry.path);
             let r = look.report(LockKind::Image, i.name(), &i.entry.path, &rel);
-            (
-                i.name().to_owned(),
-                r.state != crate::lock::Probe::Free || i.entry.writer_alive,
-            )
+            r.state != crate::lock::Probe::Free || i.entry.writer_alive
         })
+        .map(Image::name)
         .collect();
     let sharing = Sharing::measure(store, &images);
     if args.json {
@@ -62,7 +60,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 base: r.record.base.as_deref(),
                 created: clock::rfc3339(r.record.created),
                 last_used: clock::rfc3339(r.last_used),
-                in_use: in_use.get(r.name()).copied().unwrap_or(false),
+                in_use: in_use.contains(r.name()),
                 exclusive_bytes: sharing.exclusive(r),
                 shared_bytes: sharing.shared(r),
             })
@@ -87,7 +85,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             r.record.base.clone().unwrap_or_else(|| "-".into()),
             clock::local_minutes(r.record.created),
             clock::local_minutes(r.last_used),
-            if in_use.get(r.name()).copied().unwrap_or(false) {
+            if in_use.contains(r.name()) {
                 "yes".into()
             } else {
                 "no".into()
@@ -116,23 +114,18 @@ impl Sharing {
         let images_dir = crate::images_dir::config(store.root())
             .map(|c| c.images.path_in(store.root().dir()))
             .unwrap_or_else(|_| store.root().default_images_dir());
-        if !disk_usage::can_share(&images_dir) {
-            return Sharing {
-                by_image,
-                footprint: None,
-            };
-        }
-        for r in rows.iter().filter(|r| r.state != State::Deleting) {
-            let tree = crate::images_dir::tree_of(store.root(), &r.record);
-            if let Ok(m) = disk_usage::measure(&tree, true) {
-                by_image.insert(r.name().to_owned(), m);
+        let footprint = disk_usage::can_share(&images_dir).then(|| {
+            for r in rows.iter().filter(|r| r.state != State::Deleting) {
+                let tree = crate::images_dir::tree_of(store.root(), &r.record);
+                if let Ok(m) = disk_usage::measure(&tree, true) {
+                    by_image.insert(r.name().to_owned(), m);
+                }
             }
-        }
-        let footprint =
-            disk_usage::Footprint::new(by_image.values().map(|m| m.shared_ranges.as_slice()));
+            disk_usage::Footprint::new(by_image.values().map(|m| m.shared_ranges.as_slice()))
+        });
         Sharing {
             by_image,
-            footprint: Some(footprint),
+            footprint,
         }
     }
 
