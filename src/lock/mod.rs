@@ -60,11 +60,9 @@ impl Mode {
     }
 
     pub fn parse(s: &str) -> Option<Mode> {
-        match s {
-            "shared" => Some(Mode::Shared),
-            "exclusive" => Some(Mode::Exclusive),
-            _ => None,
-        }
+        [Mode::Shared, Mode::Exclusive]
+            .into_iter()
+            .find(|m| m.as_str() == s)
     }
 }
 
@@ -572,27 +570,17 @@ fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
 pub fn held_here(path: &Path) -> Option<Mode> {
     let at = fs::symlink_metadata(path).ok()?;
     let fds = fs::read_dir("/proc/self/fd").ok()?;
-    let mut held = None;
-    for entry in fds.flatten() {
-        let Some(fd) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
+    fds.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         // A number no longer open (the listing's own) fails harmlessly.
-        if fd_identity(fd) != Some((at.dev(), at.ino())) {
-            continue;
-        }
-        let Ok(info) = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
-            continue;
-        };
-        if let Some(m) = fdinfo_flock(&info) {
-            held = held.max(Some(m));
-        }
-    }
-    held
+        .filter(|&fd| fd_identity(fd) == Some((at.dev(), at.ino())))
+        .filter_map(fd_flock)
+        .max()
+}
+
+/// The flock this process holds through descriptor `fd`, per `/proc/self/fdinfo/FD`.
+fn fd_flock(fd: std::os::fd::RawFd) -> Option<Mode> {
+    fdinfo_flock(&fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?)
 }
 
 /// The descriptors this process was started with (noted by [`note_inherited`]).
@@ -619,8 +607,7 @@ pub fn holds_any_under(dir: &Path) -> bool {
     INHERITED.get().into_iter().flatten().any(|fd| {
         fs::read_link(format!("/proc/self/fd/{fd}"))
             .is_ok_and(|p| p.parent() == Some(dir.as_path()))
-            && fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
-                .is_ok_and(|info| fdinfo_flock(&info).is_some())
+            && fd_flock(*fd).is_some()
     })
 }
 
@@ -805,11 +792,9 @@ impl FileSet {
                 continue;
             }
             if self.files[i].is_none() {
-                let opened = open(&self.paths[i], IfMissing::Fail)
-                    .and_then(|f| crate::planted::check(&self.paths[i], &f).map(|()| f));
-                match opened {
-                    Ok(f) => self.files[i] = Some(f),
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                match open_existing_read(&self.paths[i]) {
+                    Ok(Some(f)) => self.files[i] = Some(f),
+                    Ok(None) => continue,
                     Err(e) if crate::planted::find(&e).is_some() => {
                         self.skip[i] = true;
                         continue;
@@ -932,14 +917,7 @@ mod tests {
         assert!(g.is_some(), "retried on a fresh open");
         drop(g);
         INJECT.with(|v| v.borrow_mut().push(libc::ESTALE));
-        let paths = [p.clone()];
-        let got = acquire_any(
-            &paths,
-            Mode::Shared,
-            IfMissing::Create,
-            &mut Wait::default(),
-        )
-        .unwrap();
+        let got = wait_any(std::slice::from_ref(&p), Mode::Shared, None);
         assert!(matches!(got, Waited::Acquired((0, _))));
         // Anything else is still an error.
         INJECT.with(|v| v.borrow_mut().push(libc::EIO));
@@ -956,6 +934,25 @@ mod tests {
             deadline,
             ..Wait::default()
         }
+    }
+
+    /// Waits for the lock on `p` (made if missing) until `deadline` (`None`: for good).
+    fn wait_for(p: &Path, mode: Mode, deadline: Option<Instant>) -> Waited<Guard> {
+        acquire(p, mode, IfMissing::Create, &mut until(deadline)).unwrap()
+    }
+
+    /// [`wait_for`] whichever of `paths` frees first.
+    fn wait_any(
+        paths: &[PathBuf],
+        mode: Mode,
+        deadline: Option<Instant>,
+    ) -> Waited<(usize, Guard)> {
+        acquire_any(paths, mode, IfMissing::Create, &mut until(deadline)).unwrap()
+    }
+
+    /// A polled wait for `f` until `deadline`.
+    fn poll(f: &File, deadline: Instant) -> Waited<usize> {
+        poll_any(&[f], Mode::Exclusive, &mut until(Some(deadline))).unwrap()
     }
 
     fn tmp() -> tempfile::TempDir {
@@ -1005,14 +1002,9 @@ mod tests {
     #[test]
     fn refuses_symlinks() {
         let d = tmp();
-        let target = d.path().join("target");
-        std::os::unix::fs::symlink(&target, d.path().join("link.lock")).unwrap();
-        let e = acquire_no_wait(
-            &d.path().join("link.lock"),
-            Mode::Exclusive,
-            IfMissing::Create,
-        )
-        .unwrap_err();
+        let (target, link) = (d.path().join("target"), d.path().join("link.lock"));
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = acquire_no_wait(&link, Mode::Exclusive, IfMissing::Create).unwrap_err();
         assert_eq!(crate::planted::find(&e).map(|n| n.kind), Some("a symlink"));
         assert!(!target.exists());
     }
@@ -1023,13 +1015,7 @@ mod tests {
         let p = d.path().join("a.lock");
         let held = take(&p, Mode::Exclusive);
         let t0 = Instant::now();
-        let r = acquire(
-            &p,
-            Mode::Shared,
-            IfMissing::Create,
-            &mut until(Some(t0 + Duration::from_millis(200))),
-        )
-        .unwrap();
+        let r = wait_for(&p, Mode::Shared, Some(t0 + Duration::from_millis(200)));
         assert!(matches!(r, Waited::TimedOut));
         assert!(t0.elapsed() >= Duration::from_millis(200));
         let p2 = p.clone();
@@ -1038,13 +1024,8 @@ mod tests {
             drop(held);
             p2
         });
-        let r = acquire(
-            &p,
-            Mode::Exclusive,
-            IfMissing::Create,
-            &mut until(Some(Instant::now() + Duration::from_secs(30))),
-        )
-        .unwrap();
+        let by = Some(Instant::now() + Duration::from_secs(30));
+        let r = wait_for(&p, Mode::Exclusive, by);
         assert!(matches!(r, Waited::Acquired(_)));
         releaser.join().unwrap();
     }
@@ -1061,8 +1042,7 @@ mod tests {
             fs::remove_file(held.path()).unwrap();
             drop(held);
         });
-        let g = match acquire(&p, Mode::Exclusive, IfMissing::Create, &mut Wait::default()).unwrap()
-        {
+        let g = match wait_for(&p, Mode::Exclusive, None) {
             Waited::Acquired(g) => g,
             other => panic!("{other:?}"),
         };
@@ -1082,14 +1062,7 @@ mod tests {
         let paths: Vec<PathBuf> = (0..3).map(|i| d.path().join(format!("{i}.lock"))).collect();
         let a = take(&paths[0], Mode::Exclusive);
         let b = take(&paths[1], Mode::Exclusive);
-        let (i, c) = match acquire_any(
-            &paths,
-            Mode::Exclusive,
-            IfMissing::Create,
-            &mut Wait::default(),
-        )
-        .unwrap()
-        {
+        let (i, c) = match wait_any(&paths, Mode::Exclusive, None) {
             Waited::Acquired(x) => x,
             other => panic!("{other:?}"),
         };
@@ -1098,13 +1071,8 @@ mod tests {
             thread::sleep(Duration::from_millis(100));
             drop(b);
         });
-        let got = acquire_any(
-            &paths,
-            Mode::Exclusive,
-            IfMissing::Create,
-            &mut until(Some(Instant::now() + Duration::from_secs(30))),
-        )
-        .unwrap();
+        let by = Some(Instant::now() + Duration::from_secs(30));
+        let got = wait_any(&paths, Mode::Exclusive, by);
         assert!(matches!(got, Waited::Acquired((1, _))), "{got:?}");
         t.join().unwrap();
         // The losing helper (blocked on 0 and 2) must not have kept anything.
@@ -1137,20 +1105,19 @@ mod tests {
 
     #[test]
     fn an_inherited_flock_is_seen_in_fdinfo() {
-        assert_eq!(
-            fdinfo_flock(
-                "pos:\t0\nflags:\t02\nlock:\t1: FLOCK  ADVISORY  WRITE 12 00:2a:5 0 EOF\n"
+        for (info, mode) in [
+            (
+                "pos:\t0\nflags:\t02\nlock:\t1: FLOCK  ADVISORY  WRITE 12 00:2a:5 0 EOF\n",
+                Some(Mode::Exclusive),
             ),
-            Some(Mode::Exclusive)
-        );
-        assert_eq!(
-            fdinfo_flock("lock:\t1: FLOCK  ADVISORY  READ 12 00:2a:5 0 EOF\n"),
-            Some(Mode::Shared)
-        );
-        assert_eq!(
-            fdinfo_flock("lock:\t1: POSIX  ADVISORY  WRITE 12 00:2a:5 0 EOF\n"),
-            None
-        );
+            (
+                "lock:\t1: FLOCK  ADVISORY  READ 12 00:2a:5 0 EOF\n",
+                Some(Mode::Shared),
+            ),
+            ("lock:\t1: POSIX  ADVISORY  WRITE 12 00:2a:5 0 EOF\n", None),
+        ] {
+            assert_eq!(fdinfo_flock(info), mode, "{info:?}");
+        }
         // Our own lock, through our own descriptor: the check sees it.
         let d = tmp();
         let p = d.path().join("a.lock");
@@ -1171,24 +1138,14 @@ mod tests {
         let held = take(&p, Mode::Exclusive);
         let f = open(&p, IfMissing::Fail).unwrap();
         let t0 = Instant::now();
-        let r = poll_any(
-            &[&f],
-            Mode::Exclusive,
-            &mut until(Some(t0 + Duration::from_millis(100))),
-        )
-        .unwrap();
+        let r = poll(&f, t0 + Duration::from_millis(100));
         assert!(matches!(r, Waited::TimedOut));
         assert!(t0.elapsed() >= Duration::from_millis(100));
         let t = thread::spawn(move || {
             thread::sleep(Duration::from_millis(50));
             drop(held);
         });
-        let r = poll_any(
-            &[&f],
-            Mode::Exclusive,
-            &mut until(Some(Instant::now() + Duration::from_secs(30))),
-        )
-        .unwrap();
+        let r = poll(&f, Instant::now() + Duration::from_secs(30));
         assert!(matches!(r, Waited::Acquired(0)));
         t.join().unwrap();
     }

@@ -305,11 +305,7 @@ fn first_acquired(
 
 /// The earliest of `deadline` and the times `also` (`None`: none at all).
 fn earliest(deadline: Option<Instant>, also: [Option<Instant>; 2]) -> Option<Instant> {
-    let mut until = deadline;
-    for at in also.into_iter().flatten() {
-        until = Some(until.map_or(at, |d| d.min(at)));
-    }
-    until
+    [deadline].into_iter().chain(also).flatten().min()
 }
 
 /// A [`Wait::notice`]: after how long, and what to say.
@@ -358,10 +354,7 @@ pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Resu
         if wait.deadline.is_some_and(|d| now >= d) {
             return Ok(Waited::TimedOut);
         }
-        let mut until = now + pause;
-        if let Some(d) = wait.deadline {
-            until = until.min(d);
-        }
+        let until = wait.deadline.map_or(now + pause, |d| d.min(now + pause));
         pause = (pause * 2).min(POLL_MAX);
         if wait.uninterruptible {
             thread::sleep(until.saturating_duration_since(Instant::now()));
