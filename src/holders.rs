@@ -487,16 +487,9 @@ impl<'c> Look<'c> {
     /// holder (another pid namespace), or where there is no table.
     fn state(&self, path: &Path, entries: Option<&[Entry]>, listing: &Listing) -> Probe {
         let live_hold = listing.iter().any(|(n, _, h)| !h.awaits && self.alive(n));
-        match entries {
-            Some(es) => {
-                let s = state_of(es);
-                if s == Probe::Free && (live_hold || !crate::kernel::shows_every_holder()) {
-                    probe(path)
-                } else {
-                    s
-                }
-            }
-            None => probe(path),
+        match entries.map(state_of) {
+            Some(s) if s != Probe::Free || (!live_hold && crate::kernel::shows_every_holder()) => s,
+            _ => probe(path),
         }
     }
 
@@ -600,18 +593,14 @@ impl<'c> Look<'c> {
                     ..Party::leased(&n, &id, &h)
                 })
             }
-            // At that pid a live stowage process neither holds nor lists the lock: pid reused.
-            Some(_) => Some(Party {
-                host: Some(self.ctx.me.host.clone()),
-                ..Party::unknown(e.mode)
-            }),
             None if !self.still_there(path, e) => None,
-            // Its pid is no longer the holder's (dead, its lock kept by an inheritor; or reused).
-            None if !e.blocked && gone.is_some() => Some(Party {
+            None if e.blocked || gone.is_none() => Some(Party::outsider(self.ctx, e)),
+            // At that pid a live stowage process neither holds nor lists the lock: pid reused. Or
+            // its pid is no longer the holder's (dead, its lock kept by an inheritor; or reused).
+            _ => Some(Party {
                 host: Some(self.ctx.me.host.clone()),
                 ..Party::unknown(e.mode)
             }),
-            None => Some(Party::outsider(self.ctx, e)),
         }
     }
 

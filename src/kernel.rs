@@ -104,17 +104,11 @@ pub fn read_table() -> io::Result<Table> {
 /// in turn): such a lock gets its entries from the latest read that holds together.
 fn fold(reads: &[String]) -> Table {
     let parsed: Vec<Table> = reads.iter().map(|t| parse_table(t)).collect();
-    let mut table = Table::new();
-    for one in &parsed {
-        for (key, entries) in one {
-            let all = table.entry(*key).or_default();
-            for e in entries {
-                if !all.contains(e) {
-                    all.push(*e);
-                }
-            }
-        }
-    }
+    let mut table = tabled(
+        parsed
+            .iter()
+            .flat_map(|one| one.iter().flat_map(|(k, es)| es.iter().map(|e| (*k, *e)))),
+    );
     for (key, entries) in table.iter_mut() {
         if consistent(entries) {
             continue;
@@ -156,16 +150,19 @@ fn consistent(entries: &[Entry]) -> bool {
 /// 1: -> FLOCK  ADVISORY  WRITE 4130 00:2a:123456 0 EOF
 /// ```
 fn parse_table(text: &str) -> Table {
+    tabled(
+        text.lines()
+            .filter_map(|line| parse_line(line.split_once(':')?.1.trim_start())),
+    )
+}
+
+/// The entries by file, each once, in the order first given.
+fn tabled(entries: impl Iterator<Item = ((u64, u64), Entry)>) -> Table {
     let mut table = Table::new();
-    for line in text.lines() {
-        let Some((_, rest)) = line.split_once(':') else {
-            continue;
-        };
-        if let Some((key, e)) = parse_line(rest.trim_start()) {
-            let entries = table.entry(key).or_default();
-            if !entries.contains(&e) {
-                entries.push(e);
-            }
+    for (key, e) in entries {
+        let all = table.entry(key).or_default();
+        if !all.contains(&e) {
+            all.push(e);
         }
     }
     table
