@@ -42,11 +42,8 @@ impl Ctx {
         if !self.quiet {
             // Never eprintln!: it panics when stderr is gone, and a panic mid-exec would release
             // locks the command relies on. One line each: a name may hold a newline or an escape.
-            let _ = writeln!(
-                std::io::stderr(),
-                "stowage: {}",
-                crate::ident::printable(msg)
-            );
+            let msg = crate::ident::printable(msg);
+            let _ = writeln!(std::io::stderr(), "stowage: {msg}");
         }
     }
 

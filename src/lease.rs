@@ -152,11 +152,7 @@ impl Holding {
         let reading = mode == "exclusive-read";
         Some(Holding {
             reading,
-            mode: if reading {
-                Mode::Exclusive
-            } else {
-                Mode::parse(mode)?
-            },
+            mode: Mode::parse(if reading { "exclusive" } else { mode })?,
             lockfile: parts.next()?.to_owned(),
             awaits,
             since: parts.next()?.parse().ok()?,
@@ -312,13 +308,11 @@ fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
 
 /// Makes the leases directory in `locks`, following no link in any component.
 fn make_leases_dir(dir: &Path) -> io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
     let (Some(locks), Some(name)) = (dir.parent(), dir.file_name()) else {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     };
     let parent = crate::planted::open(locks, libc::O_PATH | libc::O_DIRECTORY, 0)?;
-    let c = std::ffi::CString::new(name.as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let c = crate::error::cstr(name)?;
     // SAFETY: a valid descriptor and C string.
     crate::error::cvt(unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o777) }).map(drop)
 }
@@ -427,11 +421,10 @@ fn unwritten_maker_gone(name: &str) -> bool {
         return false;
     };
     let me = crate::ident::Me::current();
-    let my_boot = boot_part(&me);
     let (Ok(ns), Ok(pid)) = (ns.parse::<u64>(), pid.parse::<i32>()) else {
         return false;
     };
-    if host != safe_part(&me.host) || boot != my_boot || Some(ns) != pid_namespace_number() {
+    if host != safe_part(&me.host) || boot != boot_part(&me) || Some(ns) != pid_namespace_number() {
         return false;
     }
     pid > 0

@@ -85,6 +85,7 @@ fn key(p: &Party) -> String {
 }
 
 /// Who waits for what, who holds what, and who runs inside whom.
+#[derive(Default)]
 pub struct Graph {
     /// Per party key: the locks it waits for, with who blocks it there.
     waits: HashMap<String, Vec<(Awaited, Vec<Party>)>>,
@@ -101,11 +102,8 @@ impl Graph {
     /// The graph of `reports`, all from `look`.
     pub fn new(look: &Look, host: &str, reports: &[LockReport]) -> Graph {
         let mut g = Graph {
-            waits: HashMap::new(),
-            waiters: Vec::new(),
-            within: HashMap::new(),
-            ours: Vec::new(),
             host: host.to_owned(),
+            ..Graph::default()
         };
         for (name, id) in look.leases() {
             g.within.insert(name.clone(), id.within.clone());

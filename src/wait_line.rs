@@ -38,12 +38,6 @@ pub struct WaitLine {
     helper: Option<(Arc<Stop>, thread::JoinHandle<()>)>,
 }
 
-impl WaitLine {
-    fn none() -> WaitLine {
-        WaitLine { helper: None }
-    }
-}
-
 impl Drop for WaitLine {
     fn drop(&mut self) {
         if let Some((stop, handle)) = self.helper.take() {
@@ -70,12 +64,12 @@ struct Line {
 /// lock on image 'app': held (read) by …"), kept up to date until the returned line is dropped.
 pub fn announce(ctx: &Ctx, what: &str, holders: &str, reread: Option<Reread>) -> WaitLine {
     if ctx.quiet {
-        return WaitLine::none();
+        return WaitLine { helper: None };
     }
     let first = format!("stowage: waiting for {what}: {holders}");
     let tty = std::io::stderr().is_terminal();
     if !tty {
-        say(&format!("{first}\n"));
+        show(false, &first);
     }
     let stop = Arc::new((Mutex::new(false), Condvar::new()));
     let line = Line {
@@ -93,10 +87,8 @@ pub fn announce(ctx: &Ctx, what: &str, holders: &str, reread: Option<Reread>) ->
         .stack_size(256 * 1024)
         .spawn(move || follow(&ctx, line, reread, &flag));
     // Without a helper, the first line stays as a plain one.
-    match (tty, &spawned) {
-        (true, Ok(_)) => say(&format!("\r{}\x1b[K", fit(&first))),
-        (true, Err(_)) => say(&format!("{first}\n")),
-        (false, _) => {}
+    if tty {
+        show(spawned.is_ok(), &first);
     }
     WaitLine {
         helper: spawned.ok().map(|handle| (stop, handle)),
@@ -127,11 +119,7 @@ fn follow(ctx: &Ctx, mut line: Line, mut reread: Option<Reread>, stop: &Stop) {
             line.holders = report.holders;
             next_read = Instant::now() + reread_every;
         }
-        if line.tty {
-            say(&format!("\r{}\x1b[K", fit(&line.render())));
-        } else {
-            say(&format!("{}\n", line.render()));
-        }
+        show(line.tty, &line.render());
     }
     if line.tty {
         say("\r\x1b[K");
@@ -229,6 +217,15 @@ fn terminal_width() -> usize {
         usize::from(ws.ws_col)
     } else {
         80
+    }
+}
+
+/// Shows `text`: rewritten in place with `redraw` (on a terminal), else as a line of its own.
+fn show(redraw: bool, text: &str) {
+    if redraw {
+        say(&format!("\r{}\x1b[K", fit(text)));
+    } else {
+        say(&format!("{text}\n"));
     }
 }
 
