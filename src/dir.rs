@@ -89,6 +89,8 @@ pub(crate) fn chmod_o_path(fd: std::os::fd::RawFd, mode: libc::mode_t) -> io::Re
 }
 
 const DIR_FLAGS: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
+/// An anchor's flags ([`Dir::anchor`]).
+const ANCHOR_FLAGS: libc::c_int = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
 
 impl Dir {
     /// Opens a directory the user named (the root, a configured images directory): symlinks in the
@@ -99,32 +101,24 @@ impl Dir {
 
     /// A second descriptor of the same open directory (`dup`: nothing is asked of a server).
     pub fn duplicate(&self) -> io::Result<Dir> {
-        Ok(Dir {
-            fd: self.fd.try_clone()?,
-        })
+        self.fd.try_clone().map(Dir::from)
     }
 
     /// A directory as an anchor for `*at()` calls only (`O_PATH`): no listing, no extended
     /// attributes — and nothing opened on a server (no OPENDIR/RELEASEDIR on a shared filesystem).
     pub fn anchor(path: &Path) -> io::Result<Dir> {
-        Self::open_flags(path, libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        Self::open_flags(path, ANCHOR_FLAGS)
     }
 
     /// [`Dir::anchor`], refusing a symlink as the last component (with
     /// `O_DIRECTORY`, `O_PATH|O_NOFOLLOW` of a symlink is `ENOTDIR`).
     pub fn anchor_nofollow(path: &Path) -> io::Result<Dir> {
-        Self::open_flags(
-            path,
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
+        Self::open_flags(path, ANCHOR_FLAGS | libc::O_NOFOLLOW)
     }
 
     /// [`Dir::anchor`] of the subdirectory `name`, never through a symlink.
     pub fn anchor_sub(&self, name: impl AsRef<OsStr>) -> io::Result<Dir> {
-        self.sub_flags(
-            name.as_ref(),
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
+        self.sub_flags(name.as_ref(), ANCHOR_FLAGS | libc::O_NOFOLLOW)
     }
 
     /// Opens a directory whose last component must not be a symlink.
@@ -136,18 +130,14 @@ impl Dir {
     /// component may be a symlink (`planted::open`), so a link planted for `locks` leads nowhere.
     pub fn open_in_root(path: &Path) -> io::Result<Dir> {
         let f = crate::planted::open(path, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
-        Ok(Dir {
-            fd: OwnedFd::from(f),
-        })
+        Ok(Dir::from(OwnedFd::from(f)))
     }
 
     fn open_flags(path: &Path, flags: libc::c_int) -> io::Result<Dir> {
         let c = cstr(path.as_os_str())?;
         // SAFETY: a valid C string; the descriptor is owned from here on.
         let fd = cvt(unsafe { libc::open(c.as_ptr(), flags) })?;
-        Ok(Dir {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        Ok(Dir::from(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
     /// Opens the subdirectory `name`, refusing a symlink (ELOOP) or other non-directory (ENOTDIR).
@@ -179,8 +169,7 @@ impl Dir {
     fn sub_for_deletion(&self, name: &OsStr) -> io::Result<Dir> {
         match self.sub(name) {
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
-                let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-                let path = self.sub_flags(name, flags)?;
+                let path = self.anchor_sub(name)?;
                 let st = path.stat()?;
                 chmod_o_path(path.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _).map_err(|_| e)?;
                 self.sub(name)
@@ -491,12 +480,11 @@ impl Dir {
     /// filesystem of the same type mounted there, in its id.
     pub fn identity(&self) -> io::Result<String> {
         let st = self.stat()?;
-        let mut id = format!("{}@{:x}", st.ino, self.fs_magic()?);
-        match self.fs_id()? {
-            0 => {}
-            fsid => id.push_str(&format!("@{fsid:x}")),
-        }
-        Ok(id)
+        let id = format!("{}@{:x}", st.ino, self.fs_magic()?);
+        Ok(match self.fs_id()? {
+            0 => id,
+            fsid => format!("{id}@{fsid:x}"),
+        })
     }
 
     /// Opens the regular file `name` read-only, as [`Dir::open_rw`] does.
@@ -508,18 +496,14 @@ impl Dir {
     /// it finds what it expects (a FIFO reads as empty, a directory fails the read) and that asks
     /// `planted::check` only when it does not: a round trip less on the way every new image takes.
     pub fn open_read_unchecked(&self, name: impl AsRef<OsStr>) -> io::Result<std::fs::File> {
-        let name = name.as_ref();
-        self.open_flags_at(name, libc::O_RDONLY | crate::planted::FLAGS)
-            .map_err(|e| self.refused(name, e))
+        self.open_flags_at(name.as_ref(), libc::O_RDONLY | crate::planted::FLAGS)
     }
 
     /// Opens `name` (a file stowage keeps) and makes sure it is a regular
     /// file (one `fstat`), with no other name if it is opened to write.
     fn open_file_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
         let shown = Path::new(name);
-        let f = self
-            .open_flags_at(name, flags)
-            .map_err(|e| self.refused(name, e))?;
+        let f = self.open_flags_at(name, flags)?;
         if flags & libc::O_ACCMODE == libc::O_RDONLY {
             crate::planted::check(shown, &f)?;
         } else {
@@ -536,13 +520,12 @@ impl Dir {
         ) {
             return e;
         }
-        match self
-            .stat_at(name)
-            .map(|st| st.and_then(|st| crate::planted::kind_of_mode(st.mode)))
+        if let Ok(Some(st)) = self.stat_at(name)
+            && let Some(kind) = crate::planted::kind_of_mode(st.mode)
         {
-            Ok(Some(kind)) => crate::planted::not_a_file(Path::new(name), kind),
-            _ => e,
+            return crate::planted::not_a_file(Path::new(name), kind);
         }
+        e
     }
 
     /// Creates the file `name`, which must not exist (mode before umask).
@@ -553,9 +536,12 @@ impl Dir {
             .map(std::fs::File::from)
     }
 
+    /// Opens the file `name` (mode 0666 where made), a refusal for its type said ([`Dir::refused`]).
     fn open_flags_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
-        self.open_at(&cstr(name)?, flags, 0o666)
+        let opened = cstr(name).and_then(|c| self.open_at(&c, flags, 0o666));
+        opened
             .map(std::fs::File::from)
+            .map_err(|e| self.refused(name, e))
     }
 
     /// Unlinks a non-directory entry. A missing entry is not an error.
@@ -567,9 +553,8 @@ impl Dir {
         let c = cstr(name)?;
         // SAFETY: valid C string.
         match cvt(unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), flags) }) {
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e),
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
         }
     }
 
@@ -595,29 +580,9 @@ impl Dir {
     /// so a caller can tell a failure before anything went from one half-way.
     pub fn remove_entry(&self, name: impl AsRef<OsStr>, removed: &mut u64) -> io::Result<()> {
         let name = name.as_ref();
-        let Some(st) = self.stat_at(name)? else {
+        let shown = || "the directory".to_owned();
+        let Some(top) = self.open_to_empty(name, None, removed, &|e| e, &shown)? else {
             return Ok(());
-        };
-        if !st.is_dir() {
-            self.unlink(name)?;
-            *removed += 1;
-            return Ok(());
-        }
-        let top = match self.sub_for_deletion(name) {
-            Ok(d) => d,
-            // Replaced by a non-directory since the stat: unlink that.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
-                self.unlink(name)?;
-                *removed += 1;
-                return Ok(());
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => {
-                return Err(explain_refusal(
-                    e,
-                    &[(self, Some(name), LIST, "the directory")],
-                ));
-            }
         };
         // The walk keeps to the tree's filesystem, so a mount at the top itself (an image directory
         // bind-mounted, a mount directly in an image being emptied) is caught here.
@@ -631,6 +596,42 @@ impl Dir {
         })?;
         *removed += 1;
         Ok(())
+    }
+
+    /// The directory `name`, opened to be emptied; anything else there is unlinked and `None`
+    /// returned, as for an entry gone. A directory on another device than `dev` (if given) is a
+    /// mount point. `in_dir` explains a step refused here, `shown` names `name` for a refused open.
+    fn open_to_empty(
+        &self,
+        name: &OsStr,
+        dev: Option<u64>,
+        removed: &mut u64,
+        in_dir: &dyn Fn(io::Error) -> io::Error,
+        shown: &dyn Fn() -> String,
+    ) -> io::Result<Option<Dir>> {
+        let Some(st) = self.stat_at(name).map_err(in_dir)? else {
+            return Ok(None);
+        };
+        let unlink = |removed: &mut u64| {
+            self.unlink(name).map_err(in_dir)?;
+            *removed += 1;
+            Ok(None)
+        };
+        if !st.is_dir() {
+            return unlink(removed);
+        }
+        if dev.is_some_and(|dev| st.dev != dev) {
+            return Err(mount_point(name));
+        }
+        match self.sub_for_deletion(name) {
+            Ok(d) => Ok(Some(d)),
+            // Replaced by a non-directory since the stat: unlink that.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
+                unlink(removed)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(explain_refusal(e, &[(self, Some(name), LIST, &shown())])),
+        }
     }
 
     /// The owner of this directory (or of its subdirectory `name`) if it lacks `access` for us and
@@ -712,17 +713,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
     let st = top.stat()?;
     let dev = st.dev;
     let mount = top.mount_id();
-    top.make_writable(&st);
-    let pending = top
-        .names()
-        .map_err(|e| explain_refusal(e, &[(&top, None, LIST, "the directory")]))?;
-    let mut stack = vec![Level {
-        dir: Some(top),
-        id: (st.dev, st.ino),
-        name: OsString::new(),
-        pending,
-        relisted: 0,
-    }];
+    let mut stack = vec![Level::enter(top, &st, &|| "the directory".to_owned())?];
     loop {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let depth = stack.len();
@@ -753,6 +744,22 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
 }
 
 impl Level {
+    /// The directory `dir` (its stat `st`; `shown` names it), made writable and listed: a level to
+    /// empty, its name in its parent still to be set.
+    fn enter(dir: Dir, st: &Entry, shown: &dyn Fn() -> String) -> io::Result<Level> {
+        dir.make_writable(st);
+        let pending = dir
+            .names()
+            .map_err(|e| explain_refusal(e, &[(&dir, None, LIST, &shown())]))?;
+        Ok(Level {
+            dir: Some(dir),
+            id: (st.dev, st.ino),
+            name: OsString::new(),
+            pending,
+            relisted: 0,
+        })
+    }
+
     /// Whether the emptied level has entries after all (something appeared meanwhile: it is looked
     /// at again, a bounded number of times); they are pending then.
     fn found_more(&mut self) -> io::Result<bool> {
@@ -895,43 +902,16 @@ fn remove_or_open(
     let here = || shown(&trail(stack));
     let there = || shown(&trail(stack).join(&name));
     let in_dir = |e| explain_refusal(e, &[(dir, None, DELETE_IN, &here())]);
-    let Some(st) = dir.stat_at(&name).map_err(in_dir)? else {
+    let Some(sub) = dir.open_to_empty(&name, Some(dev), removed, &in_dir, &there)? else {
         return Ok(None);
-    };
-    let unlink = |removed: &mut u64| {
-        dir.unlink(&name).map_err(in_dir)?;
-        *removed += 1;
-        Ok(None)
-    };
-    if !st.is_dir() {
-        return unlink(removed);
-    }
-    if st.dev != dev {
-        return Err(mount_point(&name));
-    }
-    let sub = match dir.sub_for_deletion(&name) {
-        Ok(d) => d,
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
-            return unlink(removed);
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(explain_refusal(e, &[(dir, Some(&name), LIST, &there())])),
     };
     let sst = sub.stat()?;
     if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
         return Err(mount_point(&name));
     }
-    sub.make_writable(&sst);
-    let pending = sub
-        .names()
-        .map_err(|e| explain_refusal(e, &[(&sub, None, LIST, &there())]))?;
-    Ok(Some(Level {
-        dir: Some(sub),
-        id: (sst.dev, sst.ino),
-        name,
-        pending,
-        relisted: 0,
-    }))
+    let mut level = Level::enter(sub, &sst, &there)?;
+    level.name = name;
+    Ok(Some(level))
 }
 
 /// Keeps only the last few levels open.
@@ -963,8 +943,8 @@ mod tests {
     fn names_lists_every_entry_however_many_and_again() {
         let t = tempfile::tempdir().unwrap();
         // More than one getdents64 buffer of names, long and short ones.
-        let mut want: Vec<String> = (0..3000)
-            .map(|i| format!("{i:0>width$}", width = 1 + i % 200))
+        let mut want: Vec<OsString> = (0..3000)
+            .map(|i| format!("{i:0>width$}", width = 1 + i % 200).into())
             .collect();
         for n in &want {
             std::fs::write(t.path().join(n), b"").unwrap();
@@ -974,12 +954,7 @@ mod tests {
         want.sort();
         let d = Dir::open(t.path()).unwrap();
         for _ in 0..2 {
-            let mut got: Vec<String> = d
-                .names()
-                .unwrap()
-                .into_iter()
-                .map(|n| n.into_string().unwrap())
-                .collect();
+            let mut got = d.names().unwrap();
             got.sort();
             assert_eq!(got, want);
         }
@@ -1005,23 +980,10 @@ mod tests {
             d.mkdir("abc", 0o755).unwrap();
             d = d.sub("abc").unwrap();
         }
-        let c = CString::new("f").unwrap();
-        let fd = unsafe {
-            libc::openat(
-                d.fd.as_raw_fd(),
-                c.as_ptr(),
-                libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
-                0o644,
-            )
-        };
-        assert!(fd >= 0);
-        unsafe { libc::close(fd) };
+        d.create_file("f", 0o644).unwrap();
         let l = CString::new(victim.as_os_str().as_bytes()).unwrap();
-        let n = CString::new("link").unwrap();
-        assert_eq!(
-            unsafe { libc::symlinkat(l.as_ptr(), d.fd.as_raw_fd(), n.as_ptr()) },
-            0
-        );
+        let r = unsafe { libc::symlinkat(l.as_ptr(), d.as_raw_fd(), c"link".as_ptr()) };
+        assert_eq!(r, 0);
         drop(d);
         let mut removed = 0;
         top.remove_entry("tree", &mut removed).unwrap();
