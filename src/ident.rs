@@ -123,6 +123,15 @@ fn start_in(rest: &str) -> Option<u64> {
     fields.nth(18)?.parse().ok()
 }
 
+/// The entries of `dir` named by a number (processes in /proc, descriptors in /proc/PID/fd), each
+/// with its number, as the listing goes.
+pub fn numbered<T: std::str::FromStr>(
+    dir: impl AsRef<std::path::Path>,
+) -> std::io::Result<impl Iterator<Item = (T, fs::DirEntry)>> {
+    let named = |e: fs::DirEntry| Some((e.file_name().to_str()?.parse().ok()?, e));
+    Ok(fs::read_dir(dir)?.flatten().filter_map(named))
+}
+
 /// The command line of a local process, for showing holders that stowage did not start.
 pub fn command_line(pid: u32) -> Option<String> {
     let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;

@@ -17,7 +17,7 @@
 //! - Status pipe (keeper → stowage), 8-byte messages: `b"S\0\0\0" + errno` once the command started
 //!   (0) or failed to, then `b"X\0\0\0" + wait status` once the tree is gone.
 
-use std::ffi::{CString, OsStr, OsString};
+use std::ffi::{OsStr, OsString};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
@@ -72,15 +72,7 @@ impl Keeper {
         let (alive_rd, alive_wr) = pipe()?;
         set_cloexec(status_wr.as_raw_fd(), false)?;
         set_cloexec(alive_rd.as_raw_fd(), false)?;
-        let fds = if lock_fds.is_empty() {
-            "-".to_owned()
-        } else {
-            lock_fds
-                .iter()
-                .map(|f| f.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        };
+        let fds: Vec<String> = lock_fds.iter().map(RawFd::to_string).collect();
         let mut args: Vec<OsString> = vec![
             "stowage".into(),
             ARG.into(),
@@ -89,12 +81,16 @@ impl Keeper {
             // SAFETY: plain query.
             unsafe { libc::getpgrp() }.to_string().into(),
             umask.map_or("-".to_owned(), |m| m.to_string()).into(),
-            fds.into(),
+            if fds.is_empty() {
+                "-".into()
+            } else {
+                fds.join(",").into()
+            },
             "--".into(),
         ];
         args.extend(argv.iter().cloned());
-        let exe = CString::new("/proc/self/exe").expect("no NUL");
-        let pid = crate::spawn::spawn_with(Some(&exe), &args, env, crate::spawn::Start::Keeper)
+        let exe = c"/proc/self/exe";
+        let pid = crate::spawn::spawn_with(Some(exe), &args, env, crate::spawn::Start::Keeper)
             .map_err(|e| {
                 io::Error::new(
                     e.kind(),
@@ -158,18 +154,11 @@ fn reap(pid: libc::pid_t) {
 fn descendants() -> Vec<libc::pid_t> {
     // SAFETY: plain query.
     let me = unsafe { libc::getpid() };
-    let Ok(dir) = std::fs::read_dir("/proc") else {
+    let Ok(procs) = crate::ident::numbered::<libc::pid_t>("/proc") else {
         return Vec::new();
     };
     let mut parent_of: Vec<(libc::pid_t, libc::pid_t)> = Vec::new();
-    for e in dir.flatten() {
-        let Some(pid) = e
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<libc::pid_t>().ok())
-        else {
-            continue;
-        };
+    for (pid, _) in procs {
         let Some(stat) = crate::ident::stat_fields(pid) else {
             continue;
         };
@@ -269,9 +258,6 @@ struct Invocation<'a> {
 
 impl<'a> Invocation<'a> {
     fn parse(args: &'a [OsString]) -> io::Result<Invocation<'a>> {
-        let status_fd: RawFd = parse(args.first())?;
-        let alive_fd: RawFd = parse(args.get(1))?;
-        let group: libc::pid_t = parse(args.get(2))?;
         let umask: Option<u32> = match args.get(3).and_then(|s| s.to_str()) {
             Some("-") => None,
             _ => Some(parse(args.get(3))?),
@@ -289,9 +275,9 @@ impl<'a> Invocation<'a> {
             return Err(io::ErrorKind::InvalidInput.into());
         }
         Ok(Invocation {
-            status_fd,
-            alive_fd,
-            group,
+            status_fd: parse(args.first())?,
+            alive_fd: parse(args.get(1))?,
+            group: parse(args.get(2))?,
             umask,
             lock_fds,
             argv: &args[6..],
@@ -328,10 +314,7 @@ fn run(args: &[OsString]) -> io::Result<()> {
         stowage,
         group: args.group,
         leader,
-        exit: None,
-        terminating: None,
-        cut_short: false,
-        kill_at: None,
+        ..Tree::default()
     };
     tree.watch(&mut status, &signals, &alive)
 }
@@ -388,6 +371,7 @@ fn send(status: &mut std::fs::File, tag: u32, value: i32) {
 }
 
 /// The command's tree as the keeper watches it end.
+#[derive(Default)]
 struct Tree {
     command: libc::pid_t,
     /// stowage's pid: what it queued tagged [`crate::signals::FROM_TERMINAL`] the terminal sent.
