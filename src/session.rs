@@ -158,10 +158,6 @@ impl Session {
             Ok(images) => images,
             Err(again) => return Ok(again),
         };
-        let images = match settle_taken(&root, images)? {
-            Ok(images) => images,
-            Err(again) => return Ok(again),
-        };
         let mut session = Session {
             slot,
             images,
@@ -177,7 +173,7 @@ impl Session {
         let hs = session.listing(req);
         crate::lease::note_all(&session.listed.leases, hs);
         if let Err(e) = session.start_writes(store, req) {
-            session.abandon_quietly();
+            let _ = session.undo();
             if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() {
                 return Ok(Attempt::Legacy);
             }
@@ -192,25 +188,17 @@ impl Session {
         let now = clock::now_ms();
         let lease = crate::lease::mine(&self.root.leases()).ok();
         let base = req.base.as_ref().map(|b| b.as_str().to_owned());
-        for i in 0..self.images.len() {
-            let img = &mut self.images[i];
-            match img.role {
-                Role::Write => {}
-                Role::ReadExclusive => {
+        for img in self.images.iter_mut() {
+            if img.role != Role::Write {
+                // A reader's lock file may have other names (it proved itself by its record): its
+                // use is written only into a file of its own, once in a while.
+                if img.role == Role::ReadExclusive
+                    || (image_record::last_use_stale(&img.held.seen, now)
+                        && img.held.guard.has_one_name())
+                {
                     let _ = image_record::record_use(img.held.guard.file(), &img.held.seen, now);
-                    continue;
                 }
-                Role::Read => {
-                    // A reader's lock file may have other names (it proved itself by its record):
-                    // its use is written only into a file of its own, once in a while.
-                    if image_record::last_use_stale(&img.held.seen, now)
-                        && img.held.guard.has_one_name()
-                    {
-                        let _ =
-                            image_record::record_use(img.held.guard.file(), &img.held.seen, now);
-                    }
-                    continue;
-                }
+                continue;
             }
             crate::debug::pause("write-locked");
             if img.state() == Some(State::Deleting) {
@@ -230,9 +218,8 @@ impl Session {
             match existing {
                 Some(r) => {
                     let mut w = r.clone();
-                    (w.state, w.changed, w.writer, w.outcome) =
-                        (State::Writing, now, lease.clone(), None);
-                    w.base = base.clone();
+                    (w.state, w.changed, w.writer, w.outcome, w.base) =
+                        (State::Writing, now, lease.clone(), None, base.clone());
                     write_record(store, &mut img.held, &w)?;
                     img.before = Some(r.clone());
                     img.record = Some(w);
@@ -383,18 +370,11 @@ impl Session {
 
     /// Undoes the start of a command that never ran: each written image's
     /// record as it was before, a new one's tree and lock file gone.
-    pub fn abandon(mut self, _store: &mut Store) -> Result<()> {
-        let out = self.undo();
-        self.release();
-        out
+    pub fn abandon(self, _store: &mut Store) -> Result<()> {
+        self.undo()
     }
 
-    fn abandon_quietly(mut self) {
-        let _ = self.undo();
-        self.release();
-    }
-
-    fn undo(&mut self) -> Result<()> {
+    fn undo(mut self) -> Result<()> {
         let mut out = Ok(());
         for img in self.images.iter_mut().filter(|i| i.writes()) {
             if img.record.is_none() {
@@ -413,13 +393,12 @@ impl Session {
                 None => image_record::clear(img.held.guard.file())
                     .map(|()| img.held.seen = Default::default()),
             };
-            if let Err(e) = done {
-                out = Err(anyhow::Error::new(e).context(format!(
-                    "cannot put back the record of image '{}'",
-                    img.held.name
-                )));
-            }
+            // A later failure's error is the one told.
+            out = done
+                .with_context(|| format!("cannot put back the record of image '{}'", img.held.name))
+                .and(out);
         }
+        self.release();
         out
     }
 
@@ -459,7 +438,8 @@ fn take_slot(store: &Store, req: &Request) -> Result<Option<SlotGuard>> {
 /// The images taken, or what to do before an attempt starts over.
 type Taken = Result<Result<Vec<Image>, Attempt>>;
 
-/// Every image lock, in lock order, each with its record; `Ok(Err(_))`: start over once migrated.
+/// Every image lock, in lock order, each with its record, then [`settle_taken`]; `Ok(Err(_))`:
+/// start over.
 fn take_images(
     store: &Store,
     req: &Request,
@@ -502,7 +482,7 @@ fn take_images(
             Err(e) => return give_up_on(root, images, &waited_for, e),
         }
     }
-    Ok(Ok(images))
+    settle_taken(root, images)
 }
 
 /// What the taken images' records say of the attempt: an older release's store to migrate, someone
@@ -604,17 +584,20 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
 
 /// Whether the tree of a ready image is missing (one `lstat`).
 fn tree_missing(root: &Root, held: &Held) -> bool {
-    let Some(r) = held
+    let ready = held
         .seen
         .record
         .as_ref()
-        .filter(|r| r.state == State::Ready)
-    else {
-        return false;
-    };
-    crate::images_dir::for_command(root, r).is_ok_and(|d| {
-        matches!(std::fs::symlink_metadata(d.join(held.name.encoded())), Err(e) if e.kind() == io::ErrorKind::NotFound)
+        .filter(|r| r.state == State::Ready);
+    ready.is_some_and(|r| {
+        crate::images_dir::for_command(root, r)
+            .is_ok_and(|d| nothing_at(&d.join(held.name.encoded())))
     })
+}
+
+/// Whether nothing is at `path` (one `lstat`).
+fn nothing_at(path: &Path) -> bool {
+    matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == io::ErrorKind::NotFound)
 }
 
 /// Reads need `ready` (a write in flight whose lock we share was a dead writer's: incomplete).
@@ -644,17 +627,10 @@ fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> 
 /// Writes a record, using the reserve if the filesystem is full (a build that filled it must still
 /// have its outcome recorded).
 fn write_record(store: &Store, held: &mut Held, r: &Record) -> Result<()> {
-    let path = held.guard.path().to_owned();
+    let path = held.guard.path().display().to_string();
     let reserve = store.root().reserve();
-    image_record::write_reserved(held.guard.file(), &mut held.seen, r, &reserve).with_context(
-        || {
-            format!(
-                "cannot write the record of image '{}' in {}",
-                r.name,
-                path.display()
-            )
-        },
-    )
+    image_record::write_reserved(held.guard.file(), &mut held.seen, r, &reserve)
+        .with_context(|| format!("cannot write the record of image '{}' in {path}", r.name))
 }
 
 /// A new image: its record says `creating` (synced), then its empty tree is made through a
@@ -698,10 +674,9 @@ fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<b
     match images.mkdir(name.encoded(), 0o777) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(anyhow::Error::new(e).context(format!(
-            "cannot create {}",
-            dir.join(name.encoded()).display()
-        ))),
+        Err(e) => {
+            Err(e).with_context(|| format!("cannot create {}", dir.join(name.encoded()).display()))
+        }
     }
 }
 
@@ -789,8 +764,7 @@ fn finish_write(
         return Ok(None);
     };
     let tree = images_dir.join(img.held.name.encoded());
-    let missing =
-        matches!(std::fs::symlink_metadata(&tree), Err(e) if e.kind() == io::ErrorKind::NotFound);
+    let missing = nothing_at(&tree);
     let mut note = None;
     (r.state, r.outcome) = match outcome {
         Outcome::Success if missing => match crate::images_dir::unmounted(root, images_dir) {
@@ -855,20 +829,13 @@ fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
     let Ok(ours) = std::fs::read_link(format!("/proc/self/fd/{mine}")) else {
         return true;
     };
-    let Ok(procs) = std::fs::read_dir("/proc") else {
+    let Ok(mut procs) = crate::ident::numbered::<u32>("/proc") else {
         return true;
     };
-    procs.flatten().any(|p| {
-        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            return false;
-        };
+    procs.any(|(pid, p)| {
         pid != me
-            && std::fs::read_dir(p.path().join("fd")).is_ok_and(|fds| {
-                fds.flatten().any(|fd| {
-                    let Some(theirs) = fd.file_name().to_str().and_then(|n| n.parse::<i32>().ok())
-                    else {
-                        return false;
-                    };
+            && crate::ident::numbered::<i32>(p.path().join("fd")).is_ok_and(|mut fds| {
+                fds.any(|(theirs, fd)| {
                     if std::fs::read_link(fd.path()).ok().as_ref() != Some(&ours) {
                         return false;
                     }
@@ -921,8 +888,7 @@ impl Drop for Session {
 /// written by another member of a group store): a copy makes its top ours alone while it is made,
 /// which another user's directory cannot be (`clone::copy_tree_at` checks it got one).
 fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result<()> {
-    // SAFETY: geteuid cannot fail.
-    let me = unsafe { libc::geteuid() };
+    let me = nix::unistd::geteuid().as_raw();
     if let Ok(Some(st)) = images.stat_at(target.encoded())
         && st.is_dir()
         && st.uid != me
