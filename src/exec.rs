@@ -75,15 +75,13 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     let env = command_environment(store, &session);
 
     crate::debug::pause("exec-before-spawn");
-    let child_umask = store.ctx().child_umask;
-    let lock_fds = session.lock_fds();
     let started = command::start(
         &signals,
         &plan.argv,
         &env,
-        child_umask,
+        store.ctx().child_umask,
         plan.no_inherit,
-        &lock_fds,
+        &session.lock_fds(),
         &|inherit| session.set_inheritable(inherit),
     );
     // If the command never starts, the start is undone — unless a copy from the base already
@@ -159,15 +157,7 @@ fn copy_base(
 
 /// The command's environment: ours, and where the images are.
 fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsString)> {
-    let mut images = vec![
-        (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
-        (
-            crate::env::IMAGES_DIR,
-            session.images_dir().as_os_str().to_owned(),
-        ),
-        // Lets a stowage inside the command tell that we hold its locks.
-        (crate::env::EXEC_LEASES, enclosing(store).into()),
-    ];
+    let mut images = told(store, session.images_dir().as_os_str().to_owned());
     let written: Vec<_> = session.writes().collect();
     if let [only] = written.as_slice() {
         images.push((
@@ -176,6 +166,17 @@ fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsStr
         ));
     }
     command::environment(std::env::vars_os(), &images)
+}
+
+/// What every command is told: the root, the images directory `images`, and the leases that hold
+/// its locks, so a stowage inside it can tell that we hold them (in a store-wide hold, that it runs
+/// inside the hold: its lease lists store.lock).
+fn told(store: &Store, images: OsString) -> Vec<(&'static str, OsString)> {
+    vec![
+        (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
+        (crate::env::IMAGES_DIR, images),
+        (crate::env::EXEC_LEASES, enclosing(store).into()),
+    ]
 }
 
 /// The value of [`crate::env::EXEC_LEASES`] for our command: the enclosing execs' leases and ours.
@@ -266,13 +267,7 @@ fn run_store_wide(
     let images_dir =
         crate::images_dir::config(store.root()).map(|c| c.images.path_in(store.root().dir()));
     let run = || -> Result<u8> {
-        let images = [
-            (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
-            (crate::env::IMAGES_DIR, images_dir?.into_os_string()),
-            // Tells a stowage in the command it runs inside the hold (its lease lists store.lock).
-            (crate::env::EXEC_LEASES, enclosing(store).into()),
-        ];
-        let env = command::environment(std::env::vars_os(), &images);
+        let env = command::environment(std::env::vars_os(), &told(store, images_dir?.into()));
         let started = command::start(
             &signals,
             &plan.argv,
