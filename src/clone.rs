@@ -294,23 +294,22 @@ impl TreeCopy<'_> {
 
     /// Creates the copy of directory `name` (mode 700 until filled) and opens both for the walk.
     fn enter_dir(&mut self, top: &Frame, name: CString, meta: libc::stat) -> Result<Frame> {
-        mkdirat(&top.dst, &name).with_context(|| self.cannot_copy(&name))?;
+        let entry = OsStr::from_bytes(name.to_bytes());
+        top.dst
+            .mkdir(entry, 0o700)
+            .with_context(|| self.cannot_copy(&name))?;
         let (s, lent) = if let Some(need) = loan_needed(&meta) {
             let flags = libc::O_RDONLY | libc::O_DIRECTORY;
             let (fd, lent) = open_lent(&top.src, &name, &meta, need, flags)
                 .with_context(|| self.cannot_copy(&name))?;
             (Dir::from(fd), Some(lent))
         } else {
-            let d = top
-                .src
-                .sub(OsStr::from_bytes(name.to_bytes()))
-                .map_err(|e| denied(e, &meta))
-                .with_context(|| self.cannot_copy(&name))?;
-            (d, None)
+            let d = top.src.sub(entry).map_err(|e| denied(e, &meta));
+            (d.with_context(|| self.cannot_copy(&name))?, None)
         };
         let d = top
             .dst
-            .sub(OsStr::from_bytes(name.to_bytes()))
+            .sub(entry)
             .with_context(|| self.cannot_copy(&name))?;
         // A filesystem mounted inside the base (a bind mount a build left) is not the base's tree,
         // as measuring and deleting have it: its mount point is copied, its contents are not.
@@ -347,7 +346,9 @@ impl TreeCopy<'_> {
 
     fn copy_symlink(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
         let target = readlinkat(&top.src, name).with_context(|| self.cannot_copy(name))?;
-        symlinkat(&target, &top.dst, name).with_context(|| self.cannot_copy(name))?;
+        // SAFETY: valid descriptor and C strings.
+        cvt(unsafe { libc::symlinkat(target.as_ptr(), top.dst.as_raw_fd(), name.as_ptr()) })
+            .with_context(|| self.cannot_copy(name))?;
         self.attrs_at(top, name, meta)
     }
 
@@ -372,8 +373,17 @@ impl TreeCopy<'_> {
 
     /// A FIFO, socket or device node; one we may not make (no privilege) is counted, not copied.
     fn copy_special(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
-        match mknodat(&top.dst, name, meta) {
-            Ok(()) => {}
+        // SAFETY: valid descriptor and C string.
+        let made = cvt(unsafe {
+            libc::mknodat(
+                top.dst.as_raw_fd(),
+                name.as_ptr(),
+                meta.st_mode,
+                meta.st_rdev,
+            )
+        });
+        match made {
+            Ok(_) => {}
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                 self.out.skipped_special += 1;
                 // Its other names are skipped too, not linked to nothing.
@@ -602,17 +612,6 @@ fn copy_in_kernel(
     }
 }
 
-fn mkdirat(dir: &Dir, name: &CStr) -> io::Result<()> {
-    // SAFETY: valid descriptor and C string.
-    cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o700) }).map(drop)
-}
-
-fn mknodat(dir: &Dir, name: &CStr, meta: &libc::stat) -> io::Result<()> {
-    // SAFETY: valid descriptor and C string.
-    cvt(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), meta.st_mode, meta.st_rdev) })
-        .map(drop)
-}
-
 fn readlinkat(dir: &Dir, name: &CStr) -> io::Result<CString> {
     let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
     // SAFETY: the buffer holds buf.len() bytes.
@@ -626,11 +625,6 @@ fn readlinkat(dir: &Dir, name: &CStr) -> io::Result<CString> {
     })?;
     buf.truncate(n as usize);
     CString::new(buf).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
-}
-
-fn symlinkat(target: &CStr, dir: &Dir, name: &CStr) -> io::Result<()> {
-    // SAFETY: valid descriptor and C strings.
-    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) }).map(drop)
 }
 
 /// A second name for the copy of a hard-linked inode: the first copy is found again from the copy's
@@ -902,38 +896,22 @@ mod tests {
         let out = copy_tree_at(s, &src, t, &dst, &mut Bar::new(String::new(), false)).unwrap();
         assert_eq!(out.files, 2);
 
-        let m = fs::metadata(dst.join("bin/tool")).unwrap();
-        assert_eq!(m.mode() & 0o7777, 0o4755, "setuid and permission bits kept");
         let a = fs::metadata(dst.join("bin/tool")).unwrap();
+        assert_eq!(a.mode() & 0o7777, 0o4755, "setuid and permission bits kept");
         let b = fs::metadata(dst.join("bin/tool2")).unwrap();
         assert_eq!(a.ino(), b.ino(), "hard links stay hard links");
-        assert_ne!(
-            a.ino(),
-            fs::metadata(src.join("bin/tool")).unwrap().ino(),
-            "no inode shared with the base"
-        );
+        let base = fs::metadata(src.join("bin/tool")).unwrap();
+        assert_ne!(a.ino(), base.ino(), "no inode shared with the base");
         assert_eq!(
             fs::read_link(dst.join("outside")).unwrap(),
             Path::new("/etc/passwd")
         );
-        assert!(
-            fs::symlink_metadata(dst.join("bin-link"))
-                .unwrap()
-                .file_type()
-                .is_symlink()
-        );
+        let kind = |p: &str| fs::symlink_metadata(dst.join(p)).unwrap().file_type();
+        assert!(kind("bin-link").is_symlink());
         assert_eq!(fs::metadata(dst.join("ro")).unwrap().mode() & 0o777, 0o555);
         assert_eq!(fs::read(dst.join("ro/f")).unwrap(), b"x");
-        assert!(
-            fs::symlink_metadata(dst.join("fifo"))
-                .unwrap()
-                .file_type()
-                .is_fifo()
-        );
-        assert_eq!(
-            fs::metadata(dst.join("bin/tool")).unwrap().mtime(),
-            fs::metadata(src.join("bin/tool")).unwrap().mtime()
-        );
+        assert!(kind("fifo").is_fifo());
+        assert_eq!(a.mtime(), base.mtime());
         // Let the tempdir clean up.
         fs::set_permissions(src.join("ro"), fs::Permissions::from_mode(0o755)).unwrap();
         fs::set_permissions(dst.join("ro"), fs::Permissions::from_mode(0o755)).unwrap();
