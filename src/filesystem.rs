@@ -50,8 +50,7 @@ pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
         0x1983_0326 => ("beegfs", false),
         0x6573_5546 => ("fuse", false),
         0x0000_564C => ("ncp", false),
-        0x7366_7673 => ("afs", false),
-        0x5346_414F => ("afs", false),
+        0x7366_7673 | 0x5346_414F => ("afs", false),
         _ => {
             let name = format!("unknown (0x{magic:x})");
             return Ok(Filesystem { name, local: false });
@@ -284,16 +283,16 @@ fn nfs_reach(options: &[String]) -> Reach {
 /// none of them the default depends on the Lustre release.
 fn lustre_reach(options: &[String]) -> Reach {
     let has = |o: &str| options.iter().any(|x| x == o);
+    let node_local = |why: &str| Reach::NodeLocal {
+        why: why.into(),
+        advice: "remount with -o flock (cluster-wide locks)".into(),
+    };
     if has("localflock") {
-        Reach::NodeLocal {
-            why: "Lustre mounted with localflock: flocks exclude only processes on the same client node".into(),
-            advice: "remount with -o flock (cluster-wide locks)".into(),
-        }
+        node_local(
+            "Lustre mounted with localflock: flocks exclude only processes on the same client node",
+        )
     } else if has("noflock") {
-        Reach::NodeLocal {
-            why: "Lustre mounted with noflock: flock is disabled".into(),
-            advice: "remount with -o flock (cluster-wide locks)".into(),
-        }
+        node_local("Lustre mounted with noflock: flock is disabled")
     } else if has("flock") {
         Reach::ClusterWide
     } else {
@@ -409,21 +408,21 @@ mod tests {
         }
     }
 
+    /// What kind of reach `r` is, without its explanation.
+    fn kind(r: Reach) -> &'static str {
+        match r {
+            Reach::ClusterWide => "cluster-wide",
+            Reach::NodeLocal { .. } => "node-local",
+            Reach::Unknown { .. } => "unknown",
+        }
+    }
+
     #[test]
     fn lustre_mount_options_decide_the_reach_of_locks() {
-        assert!(matches!(
-            reach_of("/lustre/scratch", "lustre"),
-            Reach::NodeLocal { .. }
-        ));
-        assert!(matches!(
-            reach_of("/lustre/old", "lustre"),
-            Reach::NodeLocal { .. }
-        ));
+        assert_eq!(kind(reach_of("/lustre/scratch", "lustre")), "node-local");
+        assert_eq!(kind(reach_of("/lustre/old", "lustre")), "node-local");
         assert_eq!(reach_of("/lustre/work", "lustre"), Reach::ClusterWide);
-        assert!(matches!(
-            reach_of("/lustre/plain", "lustre"),
-            Reach::Unknown { .. }
-        ));
+        assert_eq!(kind(reach_of("/lustre/plain", "lustre")), "unknown");
         assert_eq!(reach_of("/mnt/nfs", "nfs"), Reach::ClusterWide);
     }
 
@@ -439,27 +438,16 @@ mod tests {
                 Some(text.to_owned())
             }
         };
+        let reach = |text| kind(beegfs_reach(&m.options, conf(text)));
         // The default is node-local.
-        assert!(matches!(
-            beegfs_reach(&m.options, conf("sysMgmtdHost = mgmt\n")),
-            Reach::NodeLocal { .. }
-        ));
-        assert!(matches!(
-            beegfs_reach(&m.options, conf("tuneUseGlobalFileLocks = false\n")),
-            Reach::NodeLocal { .. }
-        ));
+        assert_eq!(reach("sysMgmtdHost = mgmt\n"), "node-local");
+        assert_eq!(reach("tuneUseGlobalFileLocks = false\n"), "node-local");
         assert_eq!(
-            beegfs_reach(
-                &m.options,
-                conf(
-                    "# tuneUseGlobalFileLocks = false\ntuneUseGlobalFileLocks   = true  # cluster-wide\n"
-                )
+            reach(
+                "# tuneUseGlobalFileLocks = false\ntuneUseGlobalFileLocks   = true  # cluster-wide\n"
             ),
-            Reach::ClusterWide
+            "cluster-wide"
         );
-        assert!(matches!(
-            beegfs_reach(&m.options, |_| None),
-            Reach::Unknown { .. }
-        ));
+        assert_eq!(kind(beegfs_reach(&m.options, |_| None)), "unknown");
     }
 }

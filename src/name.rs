@@ -66,7 +66,7 @@ impl ImageName {
             rule,
         })?;
         Ok(ImageName {
-            enc: encode(name),
+            enc: swap(name, PLAIN, ENCODED),
             name: name.to_owned(),
         })
     }
@@ -85,14 +85,7 @@ impl ImageName {
     /// Decodes a file name found in an images directory; a name that is not valid (no image stowage
     /// can manage) returns the rule it broke.
     pub fn from_encoded(enc: &str) -> Result<Self, InvalidName> {
-        let name: String = enc
-            .chars()
-            .map(|c| match c {
-                '%' => '/',
-                '+' => ':',
-                c => c,
-            })
-            .collect();
+        let name = swap(enc, ENCODED, PLAIN);
         // A '/' or ':' in ENC would decode to itself and not round-trip.
         if let Some(c) = enc.chars().find(|c| *c == '/' || *c == ':') {
             return Err(InvalidName {
@@ -119,14 +112,14 @@ impl fmt::Display for ImageName {
     }
 }
 
-fn encode(name: &str) -> String {
-    name.chars()
-        .map(|c| match c {
-            '/' => '%',
-            ':' => '+',
-            c => c,
-        })
-        .collect()
+/// The characters ENC replaces, and what replaces each.
+const PLAIN: [char; 2] = ['/', ':'];
+const ENCODED: [char; 2] = ['%', '+'];
+
+/// `s` with each character of `from` replaced by the one of `to` at its place.
+fn swap(s: &str, from: [char; 2], to: [char; 2]) -> String {
+    let one = |c| from.iter().position(|f| *f == c).map_or(c, |i| to[i]);
+    s.chars().map(one).collect()
 }
 
 fn check(name: &str) -> Result<(), NameRule> {
@@ -190,30 +183,26 @@ mod tests {
         }
     }
 
+    fn encoded(name: &str) -> String {
+        ImageName::parse(name).unwrap().encoded().to_owned()
+    }
+
+    fn decoded(enc: &str) -> String {
+        ImageName::from_encoded(enc).unwrap().as_str().to_owned()
+    }
+
     #[test]
     fn encodes_like_charliecloud() {
-        let n = ImageName::parse("registry.example:5000/team/app:v1").unwrap();
-        assert_eq!(n.encoded(), "registry.example+5000%team%app+v1");
-        assert_eq!(
-            ImageName::parse("alpine:3.17").unwrap().encoded(),
-            "alpine+3.17"
-        );
-        assert_eq!(
-            ImageName::parse("team/app:v1").unwrap().encoded(),
-            "team%app+v1"
-        );
+        let n = encoded("registry.example:5000/team/app:v1");
+        assert_eq!(n, "registry.example+5000%team%app+v1");
+        assert_eq!(encoded("alpine:3.17"), "alpine+3.17");
+        assert_eq!(encoded("team/app:v1"), "team%app+v1");
     }
 
     #[test]
     fn decodes_charliecloud_names() {
-        assert_eq!(
-            ImageName::from_encoded("alpine+3.17").unwrap().as_str(),
-            "alpine:3.17"
-        );
-        assert_eq!(
-            ImageName::from_encoded("team%app+v1").unwrap().as_str(),
-            "team/app:v1"
-        );
+        assert_eq!(decoded("alpine+3.17"), "alpine:3.17");
+        assert_eq!(decoded("team%app+v1"), "team/app:v1");
     }
 
     #[test]
