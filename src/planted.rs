@@ -17,7 +17,11 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+
+use crate::error::{cstr, cvt};
 
 /// How every file under the root is opened, whatever else is asked.
 pub const FLAGS: libc::c_int =
@@ -103,7 +107,6 @@ fn kind_refused(path: &Path, e: &io::Error) -> Option<&'static str> {
         libc::ENXIO => "a socket",
         _ => return None,
     };
-    use std::os::unix::fs::MetadataExt;
     Some(
         std::fs::symlink_metadata(path)
             .ok()
@@ -115,7 +118,6 @@ fn kind_refused(path: &Path, e: &io::Error) -> Option<&'static str> {
 /// The first directory on the way to `path` that is not one (a symlink, a file, a FIFO …), for an
 /// open that failed with `ELOOP` or `ENOTDIR` on the way: the component to name.
 fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
-    use std::os::unix::fs::MetadataExt;
     let mut ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
     ancestors.reverse();
     ancestors.into_iter().find_map(|dir| {
@@ -163,8 +165,7 @@ fn not_a(path: &Path, kind: &'static str, expected: &'static str) -> io::Error {
 /// [`FLAGS`], refusing a symlink in any component. A path through `/proc/self/fd/N` (a directory
 /// pinned by its descriptor) is opened as it is. Failures as [`refused`] says them.
 pub fn open(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<File> {
-    use std::os::fd::FromRawFd;
-    let c = crate::error::cstr(path.as_os_str())?;
+    let c = cstr(path.as_os_str())?;
     // With O_PATH, openat2 refuses flags that only I/O means; without I/O nothing can block either.
     let flags = if flags & libc::O_PATH != 0 {
         flags | libc::O_NOFOLLOW | libc::O_CLOEXEC
@@ -235,14 +236,10 @@ fn openat2(path: &std::ffi::CStr, flags: libc::c_int, mode: u32) -> Option<libc:
 /// descriptor really is, and only if that is the path's own parent is the last component opened
 /// through it (never following it).
 fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc::c_int> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     };
-    let (cparent, cname) = (
-        crate::error::cstr(parent.as_os_str())?,
-        crate::error::cstr(name)?,
-    );
+    let (cparent, cname) = (cstr(parent.as_os_str())?, cstr(name)?);
     // SAFETY: a valid C string; the descriptor is owned at once.
     let pfd = unsafe {
         libc::open(
@@ -266,17 +263,13 @@ fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc
         return Err(io::Error::from_raw_os_error(libc::ELOOP));
     }
     // SAFETY: a valid descriptor and C string; the result is the caller's.
-    crate::error::cvt(unsafe {
-        libc::openat(dir.as_raw_fd(), cname.as_ptr(), flags, mode as libc::c_uint)
-    })
+    cvt(unsafe { libc::openat(dir.as_raw_fd(), cname.as_ptr(), flags, mode as libc::c_uint) })
 }
 
 /// For a file we may not open in a directory we may write: its mode was taken (an owner's `chmod`,
 /// or planted so), and what to do. `None` if we may not write the directory either.
 pub fn denied(path: &Path) -> Option<String> {
-    use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::fs::MetadataExt;
-    let dir = std::ffi::CString::new(path.parent()?.as_os_str().as_bytes()).ok()?;
+    let dir = cstr(path.parent()?.as_os_str()).ok()?;
     // SAFETY: a valid C string; access(2) only reads it.
     if unsafe { libc::access(dir.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
         return None;
@@ -304,7 +297,6 @@ pub fn denied(path: &Path) -> Option<String> {
 /// Fails unless `file` (opened from `path`) is a regular file: one `fstat`. Enough for a file that
 /// is only read (or replaced by a rename).
 pub fn check(path: &Path, file: &File) -> io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
     kind_of_mode(file.metadata()?.mode()).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
 }
 
@@ -316,7 +308,6 @@ pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
 
 /// [`check_written`] for what an `fstat` already said.
 pub fn check_stat(path: &Path, m: &std::fs::Metadata) -> io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
     kind_of(m.mode(), m.nlink()).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
 }
 
