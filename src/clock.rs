@@ -34,14 +34,13 @@ fn real_now_ms() -> Millis {
 /// and what is wrong (exit 64 as bad input).
 pub fn check_env() -> std::result::Result<(), crate::Error> {
     match std::env::var_os(crate::env::NOW) {
-        None => Ok(()),
-        Some(v) if v.is_empty() => Ok(()),
-        Some(v) => {
+        Some(v) if !v.is_empty() => {
             let s = v.to_string_lossy();
             parse_time(&s)
                 .map(|_| ())
                 .map_err(|e| crate::Error::Usage(format!("{}={s:?}: {e:#}", crate::env::NOW)))
         }
+        _ => Ok(()),
     }
 }
 
@@ -111,8 +110,7 @@ fn local_parts(ms: Millis) -> (String, String) {
     let secs = (ms / 1000) as libc::time_t;
     // SAFETY: localtime_r writes only into `tm`, which we own.
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
-    let ok = unsafe { !libc::localtime_r(&secs, &mut tm).is_null() };
-    if !ok {
+    if unsafe { libc::localtime_r(&secs, &mut tm) }.is_null() {
         let s = rfc3339(ms).unwrap_or_else(|| "????-??-??T??:??:??Z".into());
         return (s[..10].to_owned(), s[11..19].to_owned());
     }

@@ -54,11 +54,10 @@ impl Config {
             ImagesDir::External(p) => p.display().to_string(),
         };
         let mut text = format!("{FORMAT}id={}\nimages={images}\n", self.id);
-        if let Some(i) = &self.identity {
-            text.push_str(&format!("identity={i}\n"));
-        }
-        if let Some(r) = &self.root {
-            text.push_str(&format!("root={r}\n"));
+        for (key, value) in [("identity", &self.identity), ("root", &self.root)] {
+            if let Some(v) = value {
+                text.push_str(&format!("{key}={v}\n"));
+            }
         }
         text
     }

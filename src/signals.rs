@@ -110,7 +110,12 @@ static PASSED_ON: AtomicI32 = AtomicI32::new(0);
 
 /// See `PASSED_ON`.
 pub fn passed_on() -> Option<i32> {
-    Some(PASSED_ON.load(Relaxed)).filter(|&sig| sig != 0)
+    signal_in(&PASSED_ON)
+}
+
+/// The signal `seen` holds, if any (0: none).
+fn signal_in(seen: &AtomicI32) -> Option<i32> {
+    Some(seen.load(Relaxed)).filter(|&sig| sig != 0)
 }
 
 /// When [`check`] last looked for a pending signal, in ms since [`epoch`] (`u64::MAX`: never).
@@ -132,11 +137,7 @@ pub fn check() -> Result<(), crate::error::Error> {
 /// The signal [`check`] reports, if any.
 pub fn cancelled() -> Option<i32> {
     SHARED.get()?;
-    let seen = CANCELLED.load(Relaxed);
-    if seen != 0 {
-        return Some(seen);
-    }
-    if let Some(sig) = crate::lock::interrupted() {
+    if let Some(sig) = signal_in(&CANCELLED).or_else(crate::lock::interrupted) {
         return Some(sig);
     }
     let now = epoch().elapsed().as_millis() as u64;
@@ -147,10 +148,7 @@ pub fn cancelled() -> Option<i32> {
     LAST_LOOK_MS.store(now, Relaxed);
     // Without the signal thread, a signal stays pending until taken here.
     take_pending();
-    match CANCELLED.load(Relaxed) {
-        0 => crate::lock::interrupted(),
-        sig => Some(sig),
-    }
+    signal_in(&CANCELLED).or_else(crate::lock::interrupted)
 }
 
 /// Whether a signal we take is pending, for sleeps without the signal thread (the test pause hook).

@@ -68,10 +68,8 @@ impl MoreFiles {
             rlim_max: old.rlim_max,
         };
         // SAFETY: valid pointer.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &new) } != 0 {
-            return MoreFiles(None);
-        }
-        MoreFiles(Some(old))
+        let raised = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &new) } == 0;
+        MoreFiles(raised.then_some(old))
     }
 }
 

@@ -137,9 +137,8 @@ pub(crate) fn take(
         Priority::Normal => "normal",
         Priority::High => "high-priority",
     };
-    let label = format!("a {word} slot of class '{class}'");
     let what = format!(
-        "{label} (limit {}, {} reserved for high priority)",
+        "a {word} slot of class '{class}' (limit {}, {} reserved for high priority)",
         limits.limit, limits.reserve
     );
     let report = crate::slots::report(&Look::new(store.ctx()), root, class, Some(limits));
@@ -158,8 +157,7 @@ pub(crate) fn take(
         wait_for_slot(store, class, priority, &dir, limits, slots, deadline)
     });
     drop(line);
-    let got = got?;
-    Ok(got.map(|g| SlotGuard::new(g, class)))
+    Ok(got?.map(|g| SlotGuard::new(g, class)))
 }
 
 /// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is unlimited), else the class's limits
@@ -311,13 +309,8 @@ fn wait_for_slot(
         if deadline.is_some_and(|d| now >= d) {
             return Ok(lock::Waited::TimedOut);
         }
-        let mut until = recheck_at;
-        if let Some(d) = deadline {
-            until = until.min(d);
-        }
-        if let Some(p) = poll {
-            until = until.min(now + p);
-        }
+        let polled = poll.map_or(recheck_at, |p| recheck_at.min(now + p));
+        let until = deadline.map_or(polled, |d| polled.min(d));
         match waker.sleep(Some(until)).map_err(failed)? {
             Woke::Interrupted(sig) => return Ok(lock::Waited::Interrupted(sig)),
             Woke::Changed { named: true } => recheck = true,
