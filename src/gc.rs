@@ -245,21 +245,17 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
         let Some(Ok(name)) = e.name().map(ImageName::parse) else {
             continue;
         };
-        let held = match take_exclusive(&root, &name, lock::IfMissing::Fail) {
-            Ok(Some(h)) if !crate::store_wide::blocks(&root, &h.seen) => h,
+        let held = match take_to_repair(&root, &name) {
+            Taken::Held(h) if deleting(&h.seen) => h,
             // Finished by the next gc, said as any image in use.
-            Ok(_) => {
+            Taken::Busy => {
                 report.busy.push(name.as_str().to_owned());
                 continue;
             }
-            // Gone since the listing: its removal finished.
-            Err(_) => continue,
+            Taken::Held(_) | Taken::Gone => continue,
         };
-        if !deleting(&held.seen) {
-            continue;
-        }
         report.interrupted_removals.push(name.as_str().to_owned());
-        if !dry_run && let Err(e) = remove::finish_held(&root, held) {
+        if !dry_run && let Err(e) = remove::finish_held(&root, *held) {
             report.failed.push(format!("{e:#}"));
         }
     }
@@ -273,6 +269,26 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
 /// Whether a lock file says its image's removal was under way.
 pub(crate) fn deleting(seen: &crate::image_record::Seen) -> bool {
     matches!(&seen.record, Some(r) if r.state == State::Deleting)
+}
+
+/// What a repair (gc's, doctor's) finds when it takes an image's lock.
+pub(crate) enum Taken {
+    Held(Box<Held>),
+    /// Its lock is held, or a store-wide command holds the store: left for
+    /// later, and said.
+    Busy,
+    /// Gone since it was listed (its removal finished), or not ours to take.
+    Gone,
+}
+
+/// [`take_exclusive`] of an existing lock file, for a repair.
+pub(crate) fn take_to_repair(root: &crate::root::Root, name: &ImageName) -> Taken {
+    match take_exclusive(root, name, lock::IfMissing::Fail) {
+        Ok(Some(h)) if crate::store_wide::blocks(root, &h.seen) => Taken::Busy,
+        Ok(Some(h)) => Taken::Held(Box::new(h)),
+        Ok(None) => Taken::Busy,
+        Err(_) => Taken::Gone,
+    }
 }
 
 /// An image's lock taken exclusively without waiting (`None`: busy), with its record read under it;

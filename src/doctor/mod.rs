@@ -19,6 +19,7 @@ use crate::census::Entry;
 use crate::clock;
 use crate::ctx::Ctx;
 use crate::filesystem;
+use crate::gc::Taken;
 use crate::image_record::State;
 use crate::lock::{self, Mode};
 use crate::name::ImageName;
@@ -557,13 +558,13 @@ fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &
             continue;
         }
         match take_held(root, e) {
-            Take::Held(h) if crate::gc::deleting(&h.seen) => match remove::finish_held(root, *h) {
+            Taken::Held(h) if crate::gc::deleting(&h.seen) => match remove::finish_held(root, *h) {
                 Ok(()) => finished.push(name),
                 Err(err) => report.problem("removals", format!("{err:#}")),
             },
-            Take::Busy => busy.push(name),
+            Taken::Busy => busy.push(name),
             // Finished or written anew since the census.
-            Take::Held(_) | Take::Nothing => {}
+            Taken::Held(_) | Taken::Gone => {}
         }
     }
     report.naming("removals", Verdict::Problem, &stuck, |names| {
@@ -738,12 +739,12 @@ fn missing_trees(
     let (mut dropped, mut busy) = (Vec::new(), Vec::new());
     for (n, e) in gone {
         let h = match take_held(root, e) {
-            Take::Held(h) => h,
-            Take::Busy => {
+            Taken::Held(h) => h,
+            Taken::Busy => {
                 busy.push(n.as_str());
                 continue;
             }
-            Take::Nothing => continue,
+            Taken::Gone => continue,
         };
         let still = h.seen.record.as_ref().is_some_and(|r| {
             r.state == State::Ready
@@ -821,25 +822,11 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
 
 /// An image's lock taken exclusively without waiting, with its record (its lock file is `e.path`:
 /// the census keeps only a record of its own file).
-fn take_held(root: &crate::root::Root, e: &Entry) -> Take {
-    let Some(Ok(name)) = e.name().map(ImageName::parse) else {
-        return Take::Nothing;
-    };
-    match crate::gc::take_exclusive(root, &name, lock::IfMissing::Fail) {
-        // A store-wide command holds the store: left for later.
-        Ok(Some(h)) if crate::store_wide::blocks(root, &h.seen) => Take::Busy,
-        Ok(Some(h)) => Take::Held(Box::new(h)),
-        Ok(None) => Take::Busy,
-        // Gone since the census (its removal finished), or not ours to take.
-        Err(_) => Take::Nothing,
+fn take_held(root: &crate::root::Root, e: &Entry) -> Taken {
+    match e.name().map(ImageName::parse) {
+        Some(Ok(name)) => crate::gc::take_to_repair(root, &name),
+        _ => Taken::Gone,
     }
-}
-
-/// What a repair found when it took an image's lock.
-enum Take {
-    Held(Box<crate::acquire::image::Held>),
-    Busy,
-    Nothing,
 }
 
 fn done(repair: bool, what: &str) -> &str {
