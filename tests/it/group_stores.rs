@@ -27,6 +27,17 @@ fn can_act_as_a_member() -> bool {
 
 /// An Env whose root a member can reach (its temporary directory is
 /// private by default).
+/// A store of group 100 that members may use, or `None` (the reason
+/// printed) where this process cannot act as a member.
+fn group_store() -> Option<Env> {
+    if !can_act_as_a_member() {
+        return None;
+    }
+    let env = env_for_members();
+    env.ok(["init", "--group", "100"]);
+    Some(env)
+}
+
 fn env_for_members() -> Env {
     let env = Env::new();
     fs::set_permissions(env.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
@@ -186,11 +197,9 @@ fn doctor_names_and_repairs_the_parts_a_member_cannot_use() {
 /// it, says whose it is, and exits 1.
 #[test]
 fn doctor_repair_leaves_another_users_part_and_says_so() {
-    if !can_act_as_a_member() {
+    let Some(env) = group_store() else {
         return;
-    }
-    let env = env_for_members();
-    env.ok(["init", "--group", "100"]);
+    };
     let out = as_member(&env, &["exec", "--write", "theirs", "--", "true"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     let lock = env.lock_file("theirs");
@@ -218,11 +227,9 @@ fn doctor_repair_leaves_another_users_part_and_says_so() {
 /// group's and group-writable).
 #[test]
 fn a_user_outside_the_group_is_told_to_join_it() {
-    if !can_act_as_a_member() {
+    let Some(env) = group_store() else {
         return;
-    }
-    let env = env_for_members();
-    env.ok(["init", "--group", "100"]);
+    };
     env.make_image("a");
     let mut c = Command::new("setpriv");
     c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
@@ -506,11 +513,9 @@ fn left_in_trash(env: &Env, name: &str, private: &str) {
 /// other member cannot remove.
 #[test]
 fn members_copy_into_and_remove_each_others_images() {
-    if !can_act_as_a_member() {
+    let Some(env) = group_store() else {
         return;
-    }
-    let env = env_for_members();
-    env.ok(["init", "--group", "100"]);
+    };
     member_builds(
         &env,
         "base",
@@ -560,11 +565,9 @@ fn members_copy_into_and_remove_each_others_images() {
 /// it, and say whose it is and who can; nothing else is lost.
 #[test]
 fn a_killed_copy_says_whose_tree_is_left() {
-    if !can_act_as_a_member() {
+    let Some(env) = group_store() else {
         return;
-    }
-    let env = env_for_members();
-    env.ok(["init", "--group", "100"]);
+    };
     member_builds(
         &env,
         "base",
@@ -616,11 +619,9 @@ fn said_by(env: &Env, uid: u32, args: &[&str]) -> (Option<i32>, String) {
 /// and never blames an owner for what no owner causes (an immutable file).
 #[test]
 fn a_refused_removal_names_the_directory_that_refused_and_its_owner() {
-    if !can_act_as_a_member() {
+    let Some(env) = group_store() else {
         return;
-    }
-    let env = env_for_members();
-    env.ok(["init", "--group", "100"]);
+    };
     let build = |uid: u32, image: &str, script: &str| builds_as(&env, uid, image, script);
     // 1001's tree, open to the group, holding 1002's private directory.
     build(
@@ -703,11 +704,9 @@ fn a_refused_removal_names_the_directory_that_refused_and_its_owner() {
 /// a name with a newline never makes a second line of a message.
 #[test]
 fn a_refused_deletion_names_the_refusing_directory_by_its_path() {
-    if !can_act_as_a_member() {
+    let Some(env) = group_store() else {
         return;
-    }
-    let env = env_for_members();
-    env.ok(["init", "--group", "100"]);
+    };
     let build = |uid: u32, image: &str, script: &str| builds_as(&env, uid, image, script);
     // 1001's tree: x (group may list and enter, not delete in it), deep
     // down d/d/d, 1003's private y in it.
