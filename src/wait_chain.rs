@@ -43,6 +43,8 @@ pub enum Relation {
     Waiter,
     /// Holds the lock the step before waits for.
     Holder,
+    /// A writer queued ahead of the step before, a reader of a lock only read: it goes first.
+    Queued,
     /// Runs inside the step before (its command, or a command of that).
     Inside,
 }
@@ -52,6 +54,7 @@ impl Relation {
         match self {
             Relation::Waiter => "waiter",
             Relation::Holder => "holder",
+            Relation::Queued => "queued",
             Relation::Inside => "inside",
         }
     }
@@ -88,7 +91,7 @@ fn key(p: &Party) -> String {
 #[derive(Default)]
 pub struct Graph {
     /// Per party key: the locks it waits for, with who blocks it there.
-    waits: HashMap<String, Vec<(Awaited, Vec<Party>)>>,
+    waits: HashMap<String, Vec<(Awaited, Blockers)>>,
     /// Every party that waits, by key.
     waiters: Vec<Party>,
     /// Lease name → the leases it runs within.
@@ -242,8 +245,8 @@ impl Graph {
 
     /// What `p` waits for: a lock and its blockers, or the waiters inside it; None ends the chain.
     fn next(&self, p: &Party) -> Option<(Option<Awaited>, Vec<Party>, Relation)> {
-        if let Some((awaited, by)) = self.waits.get(&key(p)).and_then(|ws| ws.first()) {
-            return Some((Some(awaited.clone()), by.clone(), Relation::Holder));
+        if let Some((awaited, (by, how))) = self.waits.get(&key(p)).and_then(|ws| ws.first()) {
+            return Some((Some(awaited.clone()), by.clone(), *how));
         }
         let inside = self.inside(p);
         (!inside.is_empty()).then_some((None, inside, Relation::Inside))
@@ -254,9 +257,12 @@ impl Graph {
 const MAX_CHAINS: usize = 16;
 const MAX_STEPS: usize = 32;
 
+/// Who keeps a waiter waiting, and how: they hold the lock, or are queued ahead.
+type Blockers = (Vec<Party>, Relation);
+
 /// Who keeps `w` waiting on the lock of `r`: the holders in a conflicting
 /// mode; for a reader of a lock only read, the writers queued ahead; else all.
-fn blockers(r: &LockReport, w: &Party) -> Vec<Party> {
+fn blockers(r: &LockReport, w: &Party) -> Blockers {
     let others = |ps: &[Party], pick: &dyn Fn(&Party) -> bool| -> Vec<Party> {
         ps.iter()
             .filter(|p| key(p) != key(w) && pick(p))
@@ -267,15 +273,15 @@ fn blockers(r: &LockReport, w: &Party) -> Vec<Party> {
         w.mode == Mode::Exclusive || h.mode == Mode::Exclusive
     });
     if !conflicting.is_empty() {
-        return conflicting;
+        return (conflicting, Relation::Holder);
     }
     let ahead = others(&r.waiters, &|o| {
         o.mode == Mode::Exclusive && o.since.unwrap_or(i64::MAX) <= w.since.unwrap_or(i64::MAX)
     });
     if !ahead.is_empty() {
-        return ahead;
+        return (ahead, Relation::Queued);
     }
-    others(&r.holders, &|_| true)
+    (others(&r.holders, &|_| true), Relation::Holder)
 }
 
 /// What to do about a chain: which process to end.
@@ -338,13 +344,18 @@ pub fn render(chain: &Chain) -> String {
         let lead = match s.relation {
             Relation::Waiter => String::new(),
             Relation::Holder => format!("{}held by ", "  ".repeat(i)),
+            Relation::Queued => format!("{}behind ", "  ".repeat(i)),
             Relation::Inside => format!("{}running inside it, ", "  ".repeat(i)),
         };
         let mut line = format!("{lead}{}", who(&s.party));
-        if s.relation == Relation::Holder
-            && let Some(t) = s.party.since
-        {
-            line.push_str(&format!(" for {}", clock::ago(t)));
+        match (s.relation, s.party.since) {
+            (Relation::Holder, Some(t)) => line.push_str(&format!(" for {}", clock::ago(t))),
+            (Relation::Queued, Some(t)) => line.push_str(&format!(
+                ", a writer queued ahead of it for {}",
+                clock::ago(t)
+            )),
+            (Relation::Queued, None) => line.push_str(", a writer queued ahead of it"),
+            _ => {}
         }
         let next = chain.steps.get(i + 1).map(|n| n.relation).or(
             // The last step of a cycle leads back through `cycle_via`.
@@ -361,6 +372,7 @@ pub fn render(chain: &Chain) -> String {
     if let Some(from) = chain.cycle_from {
         let how = match chain.cycle_via {
             Relation::Inside => "running inside it, ",
+            Relation::Queued => "behind ",
             _ => "held by ",
         };
         out.push_str(&format!(

@@ -204,3 +204,42 @@ fn why_of_an_image_nobody_waits_for_says_so() {
     let out = env.run(["lock-status", "--why", "missing"]);
     assert_eq!(code(&out), Some(66), "{}", show(&out));
 }
+
+#[test]
+fn why_of_a_reader_names_the_writer_queued_ahead_as_queued_not_as_a_holder() {
+    let env = Env::new();
+    env.make_image("app");
+    let reader = env.hold(&["--read", "app"], "started");
+    let writer = env.spawn(["exec", "--write", "app", "--wait", "60", "--", "true"]);
+    env.wait_for_waiter("app");
+    let late = env.spawn(["exec", "--read", "app", "--wait", "60", "--", "true"]);
+    env.wait_for_waiters("app", 2);
+
+    let doc = why(&env, &late.pid().to_string());
+    let chain = &doc["chains"][0];
+    assert_eq!(
+        pids(chain),
+        [late.pid(), writer.pid(), reader.pid()].map(u64::from),
+        "{doc:#}"
+    );
+    let relations: Vec<&str> = chain["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["relation"].as_str().unwrap())
+        .collect();
+    assert_eq!(relations, ["waiter", "queued", "holder"], "{doc:#}");
+    let out = env.ok(["lock-status", "--why", &late.pid().to_string()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let queued = format!("behind pid {}", writer.pid());
+    assert!(text.contains(&queued), "{text}");
+    assert!(text.contains("a writer queued ahead of it"), "{text}");
+    assert!(
+        !text.contains(&format!("held by pid {}", writer.pid())),
+        "{text}"
+    );
+    env.release("release");
+    assert_eq!(code(&reader.finish()), Some(0));
+    assert_eq!(code(&writer.finish()), Some(0));
+    assert_eq!(code(&late.finish()), Some(0));
+}
