@@ -252,11 +252,22 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
                 report.busy.push(name.as_str().to_owned());
                 continue;
             }
-            Taken::Held(_) | Taken::Gone => continue,
+            Taken::Failed(e) => {
+                report.failed.push(format!("{}: {e}", unfinished(&name)));
+                continue;
+            }
+            // Its remover still runs, or it is finished or written anew.
+            Taken::Underway | Taken::Held(_) | Taken::Gone => continue,
         };
-        report.interrupted_removals.push(name.as_str().to_owned());
-        if !dry_run && let Err(e) = remove::finish_held(&root, *held) {
-            report.failed.push(format!("{e:#}"));
+        let finished = if dry_run {
+            Ok(())
+        } else {
+            remove::finish_held(&root, *held)
+        };
+        match finished {
+            Ok(()) => report.interrupted_removals.push(name.as_str().to_owned()),
+            // It names the image.
+            Err(e) => report.failed.push(format!("{e:#}")),
         }
     }
     let trash = remove::empty_trash(&root, !dry_run)?;
@@ -271,14 +282,22 @@ pub(crate) fn deleting(seen: &crate::image_record::Seen) -> bool {
     matches!(&seen.record, Some(r) if r.state == State::Deleting)
 }
 
+/// "cannot finish the removal of 'a'"
+pub(crate) fn unfinished(name: &ImageName) -> String {
+    format!("cannot finish the removal of '{name}'")
+}
+
 /// What a repair (gc's, doctor's) finds when it takes an image's lock.
 pub(crate) enum Taken {
     Held(Box<Held>),
-    /// Its lock is held, or a store-wide command holds the store: left for
-    /// later, and said.
+    /// Its lock is held shared, or a store-wide command holds the store: left for later, and said.
     Busy,
-    /// Gone since it was listed (its removal finished), or not ours to take.
+    /// Its lock is held exclusively: another process (a removal, a repair, a writer) is at it.
+    Underway,
+    /// Gone since it was listed (its removal finished).
     Gone,
+    /// Its lock file cannot be taken (permissions, a planted file): said, never taken for gone.
+    Failed(std::io::Error),
 }
 
 /// [`take_exclusive`] of an existing lock file, for a repair.
@@ -286,9 +305,17 @@ pub(crate) fn take_to_repair(root: &crate::root::Root, name: &ImageName) -> Take
     match take_exclusive(root, name, lock::IfMissing::Fail) {
         Ok(Some(h)) if crate::store_wide::blocks(root, &h.seen) => Taken::Busy,
         Ok(Some(h)) => Taken::Held(Box::new(h)),
+        Ok(None) if underway(root, name) => Taken::Underway,
         Ok(None) => Taken::Busy,
-        Err(_) => Taken::Gone,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Taken::Gone,
+        Err(e) => Taken::Failed(e),
     }
+}
+
+/// Whether another process holds image `name`'s lock exclusively: a removal or repair in progress
+/// (or a writer, which finishes a removal it finds), not one a crash cut short.
+pub(crate) fn underway(root: &crate::root::Root, name: &ImageName) -> bool {
+    lock::probe(&root.image_lock(name)).is_ok_and(|p| p == lock::Probe::Exclusive)
 }
 
 /// An image's lock taken exclusively without waiting (`None`: busy), with its record read under it;

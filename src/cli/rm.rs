@@ -6,7 +6,6 @@ use anyhow::Result;
 
 use crate::acquire::image::{Held, Want};
 use crate::disk_usage;
-use crate::holders::{LockKind, holders_phrase};
 use crate::lease::Holding;
 use crate::lock::Mode;
 use crate::remove;
@@ -43,15 +42,22 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let command = format!("stowage rm {}", listed.join(" "));
     store.require_root()?;
     let _ = crate::lease::introduce(&store.root().leases());
-    let held = match take_all(store, &names, deadline, no_wait, &command) {
-        Err(e)
-            if matches!(crate::error::typed(&e), Some(crate::Error::NoSuchImage(_)))
-                && crate::migrate::is_legacy(store.root()) =>
-        {
-            crate::migrate::run(store, deadline)?;
-            take_all(store, &names, deadline, no_wait, &command)?
+    let mut migrated = false;
+    let held = loop {
+        match take_all(store, &names, deadline, no_wait, &command) {
+            Ok(Some(held)) => break held,
+            // As an image user does: wait for the hold to end, then take every lock again.
+            Ok(None) => crate::store_wide::wait_free(store, deadline, no_wait, &command)?,
+            Err(e)
+                if !migrated
+                    && matches!(crate::error::typed(&e), Some(crate::Error::NoSuchImage(_)))
+                    && crate::migrate::is_legacy(store.root()) =>
+            {
+                migrated = true;
+                crate::migrate::run(store, deadline)?;
+            }
+            Err(e) => return Err(e),
         }
-        other => other?,
     };
     let mut removed = Vec::new();
     for h in held {
@@ -76,14 +82,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 }
 
 /// Every image's lock, first, so that either every image goes or none does: each must have a
-/// record, and no store-wide command may run.
+/// record, and no store-wide command may run (`None`: one does; no lock is kept).
 fn take_all(
     store: &Store,
     names: &[crate::name::ImageName],
     deadline: Option<std::time::Instant>,
     no_wait: bool,
     command: &str,
-) -> Result<Vec<Held>> {
+) -> Result<Option<Vec<Held>>> {
     let mut held = Vec::with_capacity(names.len());
     // Listed in our lease (with a wait, and once all are taken): on another host nothing else names
     // the holder of a removal.
@@ -118,11 +124,8 @@ fn take_all(
     if held.iter().any(|h| h.seen.store_wide) {
         match crate::store_wide::probe(store.root())? {
             crate::store_wide::Probe::Held => {
-                let path = store.root().store_wide_lock();
                 crate::remove::release_unclaimed(store.root(), held, &[]);
-                let what = "the store (a store-wide command runs)".into();
-                let holders = holders_phrase(store.ctx(), LockKind::Global, &path);
-                return Err(crate::error::Busy::now(what, holders).into());
+                return Ok(None);
             }
             crate::store_wide::Probe::Free => {
                 crate::store_wide::clear_hints(held.iter().map(|h| h.guard.file()));
@@ -131,5 +134,5 @@ fn take_all(
         }
     }
     crate::lease::note_all(&store.root().leases(), listed);
-    Ok(held)
+    Ok(Some(held))
 }

@@ -550,23 +550,35 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
 
 /// Interrupted removals (records `deleting`): reported, or with `repair` finished under its lock.
 fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &mut Report) {
-    let (mut finished, mut stuck, mut busy) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut finished, mut stuck, mut busy, mut underway) = (vec![], vec![], vec![], vec![]);
     for e in entries.iter().filter(|e| crate::gc::deleting(&e.seen)) {
-        let name = e.name().unwrap_or_default().to_owned();
+        let Some(Ok(name)) = e.name().map(ImageName::parse) else {
+            continue;
+        };
+        let said = name.as_str().to_owned();
         if !repair {
-            stuck.push(name);
+            let under = crate::gc::underway(root, &name);
+            (if under { &mut underway } else { &mut stuck }).push(said);
             continue;
         }
-        match take_held(root, e) {
+        match crate::gc::take_to_repair(root, &name) {
             Taken::Held(h) if crate::gc::deleting(&h.seen) => match remove::finish_held(root, *h) {
-                Ok(()) => finished.push(name),
+                Ok(()) => finished.push(said),
                 Err(err) => report.problem("removals", format!("{err:#}")),
             },
-            Taken::Busy => busy.push(name),
+            Taken::Busy => busy.push(said),
+            Taken::Underway => underway.push(said),
+            Taken::Failed(err) => report.problem(
+                "removals",
+                format!("{}: {err}", crate::gc::unfinished(&name)),
+            ),
             // Finished or written anew since the census.
             Taken::Held(_) | Taken::Gone => {}
         }
     }
+    report.naming("removals", Verdict::Info, &underway, |names| {
+        format!("removal of {names} is under way: its lock is held exclusively (if no removal runs, a later 'stowage gc' finishes it)")
+    });
     report.naming("removals", Verdict::Problem, &stuck, |names| {
         format!("removal of {names} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it")
     });
@@ -738,10 +750,18 @@ fn missing_trees(
     }
     let (mut dropped, mut busy) = (Vec::new(), Vec::new());
     for (n, e) in gone {
-        let h = match take_held(root, e) {
+        // Under the lock of the file the record was read from (the census's own).
+        let Some(Ok(file_name)) = e.name().map(ImageName::parse) else {
+            continue;
+        };
+        let h = match crate::gc::take_to_repair(root, &file_name) {
             Taken::Held(h) => h,
-            Taken::Busy => {
+            Taken::Busy | Taken::Underway => {
                 busy.push(n.as_str());
+                continue;
+            }
+            Taken::Failed(err) => {
+                report.problem("images", format!("cannot drop the record of '{n}': {err}"));
                 continue;
             }
             Taken::Gone => continue,
@@ -818,15 +838,6 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
         }
     }
     Ok(())
-}
-
-/// An image's lock taken exclusively without waiting, with its record (its lock file is `e.path`:
-/// the census keeps only a record of its own file).
-fn take_held(root: &crate::root::Root, e: &Entry) -> Taken {
-    match e.name().map(ImageName::parse) {
-        Some(Ok(name)) => crate::gc::take_to_repair(root, &name),
-        _ => Taken::Gone,
-    }
 }
 
 fn done(repair: bool, what: &str) -> &str {

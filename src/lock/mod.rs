@@ -588,14 +588,18 @@ static INHERITED: std::sync::OnceLock<Vec<std::os::fd::RawFd>> = std::sync::Once
 
 /// Notes inherited descriptors before we open any: a `/proc/self/fd` listing, no server request.
 pub fn note_inherited() {
-    let fds = fs::read_dir("/proc/self/fd")
+    let listed: Vec<std::os::fd::RawFd> = fs::read_dir("/proc/self/fd")
         .map(|d| {
             d.flatten()
                 .filter_map(|e| e.file_name().to_str()?.parse().ok())
                 .collect()
         })
         .unwrap_or_default();
-    let _ = INHERITED.set(fds);
+    // The listing's own descriptor is closed by now; its number, reused by the next open (an image
+    // lock taken by a repair), must not pass for an inherited one.
+    // SAFETY: F_GETFD only asks whether a descriptor is open; it changes nothing.
+    let open = |fd: &std::os::fd::RawFd| unsafe { libc::fcntl(*fd, libc::F_GETFD) } != -1;
+    let _ = INHERITED.set(listed.into_iter().filter(open).collect());
 }
 
 /// Whether an inherited fd flocks a file in `dir`: an enclosing command's, held while it waits for

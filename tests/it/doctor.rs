@@ -732,7 +732,8 @@ fn a_repair_that_finds_a_lock_held_says_what_it_left() {
     fs::remove_dir_all(env.root.join("img/vanished")).unwrap();
     let then = "i=0; while [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done";
     let holders = [
-        flock_holder(&env.lock_file("doomed"), &env.sentinel("h1"), then),
+        // Shared: an exclusive holder may be its remover (a removal under way).
+        flock_holder_as("-s", &env.lock_file("doomed"), &env.sentinel("h1"), then),
         flock_holder(&env.lock_file("vanished"), &env.sentinel("h2"), then),
     ];
 
@@ -781,6 +782,85 @@ fn a_repair_that_finds_a_lock_held_says_what_it_left() {
     assert_eq!(env.state("doomed"), None);
     assert_eq!(env.state("vanished"), None);
     assert_eq!(env.state("ok").as_deref(), Some("ready"));
+}
+
+/// A removal that is still running (its lock held exclusively) is under way,
+/// not interrupted: doctor notes it and stays healthy, its repair and gc
+/// leave it to its remover. Both said it was cut short (exit 1).
+#[test]
+fn a_removal_under_way_is_noted_not_taken_for_an_interrupted_one() {
+    let env = Env::new();
+    env.make_image("doomed");
+    let (rm, pause) = env.paused(["rm", "doomed"], "rm-marked");
+    for args in [&["doctor"][..], &["doctor", "--repair"]] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        says(&out, &["removal of 'doomed' is under way"]);
+        assert!(!show(&out).contains("interrupted"), "{}", show(&out));
+    }
+    let out = env.ok(["gc", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["busy"], serde_json::json!([]), "{report}");
+    assert_eq!(
+        report["interrupted_removals"],
+        serde_json::json!([]),
+        "{report}"
+    );
+    fs::remove_file(pause).unwrap();
+    assert_eq!(code(&rm.finish()), Some(0));
+    assert_eq!(env.state("doomed"), None);
+}
+
+/// A repair that cannot take an image's lock file (here: not its user's to
+/// open) says so, and never takes the image for gone: gc exited 0 saying
+/// nothing, doctor's repair reported nothing of the removal.
+#[test]
+fn a_lock_file_a_repair_cannot_open_is_reported_not_passed_over() {
+    if as_nobody().is_none() {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "doomed", "true");
+    // Paused where a file of the store's owner can be made, and killed there.
+    let pause = env.tmp.path().join("paused");
+    let mut c = as_nobody().unwrap();
+    c.arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(["rm", "doomed"]);
+    c.env(
+        stowage::env::DEBUG_PAUSE,
+        format!("rm-marked:{}", pause.display()),
+    );
+    let rm = Bg::from_command(c);
+    wait_for_file(&pause);
+    rm.kill_all();
+    let lock = env.lock_file("doomed");
+    chown(&lock, 0, 0);
+    fs::set_permissions(&lock, fs::Permissions::from_mode(0o644)).unwrap();
+
+    let out = unprivileged(&env, &["gc", "--json"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let failed = report["failed"].to_string();
+    assert!(
+        failed.contains("cannot finish the removal of 'doomed'"),
+        "{report}"
+    );
+    assert_eq!(
+        report["interrupted_removals"],
+        serde_json::json!([]),
+        "{report}"
+    );
+    let out = unprivileged(&env, &["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    says(&out, &["cannot finish the removal of 'doomed'"]);
+    let out = unprivileged(&env, &["images"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("deleting"),
+        "{}",
+        show(&out)
+    );
 }
 
 /// Asserts that a command's output says each of `lines`.

@@ -282,6 +282,41 @@ fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
     }
 }
 
+/// An interrupted removal gc could not finish is not reported as finished:
+/// it stays `deleting`, and the failure names it. gc listed it among the
+/// removals it finished ("removed 'doomed' (an interrupted removal)").
+#[test]
+fn gc_reports_an_interrupted_removal_it_could_not_finish_as_failed_only() {
+    let env = Env::new();
+    env.make_image("doomed");
+    let (rm, _pause) = env.paused(["rm", "doomed"], "rm-marked");
+    rm.kill_all();
+    // The images directory turned into a symlink: no tree is taken out through it.
+    let img = env.root.join("img");
+    fs::rename(&img, env.root.join("img.real")).unwrap();
+    symlink("img.real", &img).unwrap();
+
+    let out = env.run(["gc", "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["interrupted_removals"],
+        serde_json::json!([]),
+        "{report}"
+    );
+    assert!(
+        report["failed"].to_string().contains("'doomed'"),
+        "{report}"
+    );
+    let out = env.run(["gc"]);
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("removed"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("doomed").as_deref(), Some("deleting"));
+}
+
 /// gc lists an image as `deleting` while its remover is merely slow; the
 /// remover then finishes. gc must not take the finished removal for a crash:
 /// no error, and no lock file left for an image that no longer exists.

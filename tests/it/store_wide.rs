@@ -97,7 +97,7 @@ fn a_store_wide_command_waits_for_image_users_and_new_ones_wait_for_it() {
 }
 
 #[test]
-fn image_users_do_not_wait_past_their_bound_and_removals_are_refused() {
+fn image_users_and_removals_do_not_wait_past_their_bound() {
     let env = Env::new();
     env.make_image("a");
     let wide = store_wide_hold(&env, "wide", "wide-go");
@@ -125,9 +125,16 @@ fn image_users_do_not_wait_past_their_bound_and_removals_are_refused() {
     assert!(!env.root.join("img/new").exists());
     assert!(!env.lock_file("new").exists());
     assert!(env.image("new").is_none());
-    let out = env.run(["rm", "a"]);
-    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
-    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    for bound in [&["--no-wait"][..], &["--wait", "0.2"]] {
+        let out = env.run(["rm", "a"].iter().chain(bound));
+        assert_eq!(out.status.code(), Some(75), "{bound:?}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("store-wide command"),
+            "{}",
+            show(&out)
+        );
+        assert_eq!(env.state("a").as_deref(), Some("ready"));
+    }
     // gc keeps what it may not remove now, as it keeps an image in use:
     // not a failure.
     let out = env.run(["gc", "--max-size", "0"]);
@@ -478,6 +485,73 @@ fn a_store_wide_command_keeps_a_failed_build_without_a_tree() {
     assert_eq!(env.state("kept"), None);
     assert_eq!(env.state("stays").as_deref(), Some("ready"));
     assert_eq!(env.state("failed").as_deref(), Some("incomplete"));
+}
+
+/// A removal without a bound waits for a store-wide command, as an image
+/// user does, and removes once it ends; it was refused at once (75).
+#[test]
+fn a_removal_waits_for_a_store_wide_command_and_then_removes() {
+    let env = Env::new();
+    env.make_image("a");
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_for_file(&env.sentinel("wide"));
+    let rm = env.spawn(["rm", "a"]);
+    wait_until("the removal waits for the store-wide command", || {
+        flock_waited_on(&store_lock(&env))
+    });
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
+    let out = rm.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("waiting for the store-wide command to finish"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("a"), None);
+}
+
+/// Repairs beside a store-wide hold leave what they would change: an
+/// interrupted removal and a record whose tree is gone. doctor's repair
+/// took a descriptor number its start had listed (its own listing of
+/// /proc/self/fd) for one inherited from an enclosing hold, and so took
+/// itself for part of the hold: it finished the removal and dropped the
+/// record under the hold, and `gc --dry-run` said it would.
+#[test]
+fn repairs_beside_a_store_wide_command_leave_what_it_may_change() {
+    let env = Env::new();
+    env.make_image("doomed");
+    env.make_image("vanished");
+    let (rm, _pause) = env.paused(["rm", "doomed"], "rm-marked");
+    rm.kill_all();
+    fs::remove_dir_all(env.root.join("img/vanished")).unwrap();
+    let wide = store_wide_hold(&env, "wide", "wide-go");
+    wait_for_file(&env.sentinel("wide"));
+
+    let out = env.ok(["gc", "--dry-run", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["busy"], serde_json::json!(["doomed"]), "{report}");
+    assert_eq!(
+        report["interrupted_removals"],
+        serde_json::json!([]),
+        "{report}"
+    );
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("removal of 'doomed' was interrupted"),
+        "{}",
+        show(&out)
+    );
+    assert!(!text.contains("repaired"), "{}", show(&out));
+    assert_eq!(env.state("doomed").as_deref(), Some("deleting"));
+    assert!(env.root.join("img/doomed").exists());
+    assert_eq!(env.state("vanished").as_deref(), Some("ready"));
+
+    env.release("wide-go");
+    assert_eq!(wide.finish().status.code(), Some(0));
 }
 
 #[test]
