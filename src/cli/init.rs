@@ -199,6 +199,8 @@ fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
         "a new directory at the top of the filesystem (is a variable in its path unset?)".to_owned()
     } else if is_home(dir) {
         "a home directory".to_owned()
+    } else if let Some(why) = of_the_system(dir) {
+        why
     } else if ["bucache", "dlcache", "ulcache"]
         .iter()
         .any(|d| dir.join(d).is_dir())
@@ -214,9 +216,65 @@ fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
         return Ok(());
     };
     bail!(
-        "refusing {} as the images directory: it is {what}",
+        "refusing {} as the images directory: it is {what}; give a directory that holds image trees only (a new one, or a builder's own images directory)",
         dir.display()
     )
+}
+
+/// The operating system's trees (the Filesystem Hierarchy Standard's): nothing in them is an image.
+const SYSTEM_TREES: &[&str] = &[
+    "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin",
+    "/sys", "/usr",
+];
+
+/// Directories of the operating system that hold others' directories: a directory below one may be
+/// an images directory (`/var/tmp/me/img`, `/srv/images`), never the directory itself.
+const SYSTEM_DIRS: &[&str] = &[
+    "/home",
+    "/media",
+    "/mnt",
+    "/opt",
+    "/run",
+    "/run/user",
+    "/srv",
+    "/tmp",
+    "/var",
+    "/var/cache",
+    "/var/lib",
+    "/var/local",
+    "/var/log",
+    "/var/opt",
+    "/var/spool",
+    "/var/tmp",
+];
+
+/// Names a system tree holds at its top (`/usr`, `/usr/local`, `/opt/tool`, a chroot's `/`).
+const SYSTEM_NAMES: &[&str] = &[
+    "bin", "sbin", "lib", "lib64", "libexec", "include", "share", "etc", "usr", "var",
+];
+
+/// Why `dir` is a directory of the operating system or a tree like one, if it is: its trees would
+/// be taken for images, one `gc` away from deletion.
+fn of_the_system(dir: &Path) -> Option<String> {
+    // As given, and as it resolves (`/lib` is `/usr/lib` on many systems).
+    let real = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let either = |p: &dyn Fn(&Path) -> bool| p(dir) || p(&real);
+    if either(&|d| SYSTEM_TREES.iter().any(|t| d.starts_with(t)))
+        || either(&|d| SYSTEM_DIRS.iter().any(|t| d == Path::new(t)))
+    {
+        return Some("a directory of the operating system".into());
+    }
+    let held: Vec<&str> = SYSTEM_NAMES
+        .iter()
+        .copied()
+        .filter(|n| dir.join(n).symlink_metadata().is_ok_and(|m| m.is_dir()))
+        .collect();
+    (held.len() >= 2).then(|| {
+        format!(
+            "a system tree (it holds {}), not a directory of image trees",
+            held.join(", ")
+        )
+    })
 }
 
 /// Whether `dir` is this user's home or any `/etc/passwd` user's (read directly: no name service).

@@ -390,12 +390,50 @@ fn init_refuses_what_is_no_images_directory() {
     }
     assert!(!std::path::Path::new(&top).exists());
     assert!(storage.join("bucache").is_dir());
+    // Every refusal says what to give instead.
+    let out = env.run(["init", "--images-dir", home.as_str()]);
+    assert!(
+        stderr(&out).contains("give a directory that holds image trees only"),
+        "{}",
+        show(&out)
+    );
     env.ok([
         "init",
         "--images-dir",
         storage.join("img").to_str().unwrap(),
     ]);
     assert_eq!(env.state("alpine").as_deref(), Some("ready"));
+}
+
+/// A directory of the operating system, or a tree made like one, is no
+/// images directory: its subdirectories (`/usr`'s `lib`, `share`, `bin`)
+/// would be adopted as ready images, one `gc` away from deletion. `/usr`
+/// and a tree holding `bin`, `lib` and `share` were adopted.
+#[test]
+fn init_refuses_the_systems_directories_and_trees_like_them() {
+    let env = Env::new();
+    let prefix = env.scratch.join("prefix");
+    for d in ["bin", "lib", "share/doc"] {
+        fs::create_dir_all(prefix.join(d)).unwrap();
+    }
+    for (dir, says) in [
+        (
+            prefix.to_str().unwrap(),
+            "a system tree (it holds bin, lib, share)",
+        ),
+        ("/usr", "a directory of the operating system"),
+        ("/usr/share", "a directory of the operating system"),
+        ("/var/lib", "a directory of the operating system"),
+    ] {
+        let out = env.run(["init", "--images-dir", dir]);
+        assert_eq!(code(&out), Some(1), "{dir}: {}", show(&out));
+        assert!(stderr(&out).contains(says), "{dir}: {}", show(&out));
+        assert!(!env.root.exists(), "{dir}: nothing made");
+    }
+    // A directory below one that holds others' directories may be one.
+    let mine = env.scratch.join("srv-like/images");
+    fs::create_dir_all(&mine).unwrap();
+    env.ok(["init", "--images-dir", mine.to_str().unwrap()]);
 }
 
 /// The root's entries, each with its kind, mode and group: what a refused
