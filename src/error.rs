@@ -51,7 +51,7 @@ pub enum Error {
     NoSuchImage(String),
 
     /// The root does not exist, and the command only reads (exit 66).
-    #[error("root {} does not exist (nothing to show or remove; 'stowage --root {} init' creates it)", .0.display(), .0.display())]
+    #[error("root {} does not exist ('stowage --root {} init' creates it)", .0.display(), .0.display())]
     NoRoot(PathBuf),
 
     /// The image exists but cannot be read in its state (exit 66).

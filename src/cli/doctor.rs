@@ -10,7 +10,7 @@ use crate::store::Store;
 #[derive(clap::Args)]
 #[command(
     after_help = "Exit status: 0 healthy (or fully repaired); 1 problems remain (including a store\n\
-    you may not write); 66 the root does not exist (without --repair nothing is created);\n\
+    you may not write, and a root that does not exist: nothing is created);\n\
     69 flock does not work, or is not safe, on the root's filesystem."
 )]
 pub struct Args {
@@ -26,20 +26,20 @@ pub struct Args {
     hold_probe: Option<String>,
 }
 
-impl Args {
-    /// Whether this may create a store that does not exist (only a repair).
-    pub fn creates(&self) -> bool {
-        self.repair
-    }
-}
-
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     if let Some(raw) = &args.hold_probe {
         let secs = super::parse_seconds("--hold-probe", raw)?;
         doctor::hold_probe(store, secs)?;
         return Ok(0);
     }
-    let report = doctor::run(store, args.repair)?;
+    let report = match doctor::run(store, args.repair) {
+        // A problem doctor finds (it exits 0, 1 or 69), not a missing image's 66.
+        Err(e) if matches!(crate::error::typed(&e), Some(crate::Error::NoRoot(_))) => {
+            complain!("stowage: {e}");
+            return Ok(code::FAILURE);
+        }
+        other => other?,
+    };
     if args.json {
         super::print(&format!(
             "{}\n",

@@ -98,15 +98,15 @@ enum Command {
 }
 
 impl Command {
-    /// Whether the command creates a missing root: those that write (`exec`, `init`, `slots set`;
-    /// `doctor --repair` sets up what it repairs). The others, `gc` and `rm` too, say it is
-    /// missing: a mistyped root in a cron job must not grow a store.
+    /// Whether the command creates a missing root: those that write (`exec`, `init`, `slots set`).
+    /// The others, `gc`, `rm` and `doctor --repair` too, say it is missing: a mistyped root in a
+    /// cron job must not grow a store.
     fn creates_root(&self) -> bool {
         match self {
             Command::Init(_) | Command::Exec(_) => true,
             Command::Slots(a) => a.creates(),
-            Command::Doctor(a) => a.creates(),
             Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) | Command::Gc(_) => false,
+            Command::Doctor(_) => false,
             Command::Completions { .. } | Command::Man { .. } => false,
         }
     }

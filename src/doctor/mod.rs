@@ -181,7 +181,7 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
 
 pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     let root = store.root().clone();
-    if !repair && !root.exists() {
+    if !root.exists() {
         return Err(crate::Error::NoRoot(root.dir().to_owned()).into());
     }
     let fs_info = filesystem::filesystem(root.dir()).ok();

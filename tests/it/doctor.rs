@@ -863,6 +863,26 @@ fn a_lock_file_a_repair_cannot_open_is_reported_not_passed_over() {
     );
 }
 
+/// A root that does not exist is a problem doctor reports (exit 1, as the
+/// contract gives doctor 0, 1 or 69), with or without a repair, and
+/// creates nothing: a mistyped root is not grown into a store. doctor
+/// exited 66, and its repair made an empty store at the mistyped path.
+#[test]
+fn doctor_of_a_root_that_does_not_exist_says_so_and_creates_nothing() {
+    let env = Env::new();
+    for args in [
+        &["doctor"][..],
+        &["doctor", "--repair"],
+        &["doctor", "--json"],
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        assert!(stderr(&out).contains("does not exist"), "{}", show(&out));
+        assert_eq!(stderr(&out).lines().count(), 1, "{}", show(&out));
+        assert!(!env.root.exists(), "{args:?} created the root");
+    }
+}
+
 /// Asserts that a command's output says each of `lines`.
 fn says(out: &std::process::Output, lines: &[&str]) {
     let text = String::from_utf8_lossy(&out.stdout);
