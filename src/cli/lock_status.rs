@@ -170,10 +170,11 @@ pub struct LockJson {
     pub name: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_state: Option<&'static str>,
+    /// A slot class's (absent for other locks; null once the class is removed while held).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub limit: Option<u32>,
+    pub limit: Option<Option<u32>>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub reserve_high: Option<u32>,
+    pub reserve_high: Option<Option<u32>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub in_use: Option<u32>,
     pub state: &'static str,
@@ -350,13 +351,15 @@ fn outsider_files(look: &Look, root: &Root) -> Vec<String> {
 
 /// A lock report as JSON.
 fn lock_json(r: &LockReport) -> LockJson {
+    let slot = r.kind == LockKind::Slot;
     LockJson {
         kind: r.kind.as_str(),
         name: r.name.clone(),
         image_state: r.image_state.map(State::as_str),
-        limit: r.slot.map(|s| s.0),
-        reserve_high: r.slot.map(|s| s.1),
-        in_use: r.slot.map(|s| s.2),
+        limit: slot.then_some(r.slot.map(|s| s.0)),
+        reserve_high: slot.then_some(r.slot.map(|s| s.1)),
+        // A removed class's holders are still counted.
+        in_use: slot.then(|| r.slot.map_or(r.holders.len() as u32, |s| s.2)),
         state: state_str(r.state),
         holders: r.holders.iter().map(PartyJson::from).collect(),
         waiters: r.waiters.iter().map(PartyJson::from).collect(),

@@ -444,6 +444,10 @@ fn a_removed_class_shows_its_holders_until_they_end_and_ends_its_waits() {
         .slot_entry("one")
         .expect("the removed class is shown while held");
     assert_eq!(e["holders"].as_array().unwrap().len(), 1, "{e}");
+    // Every field of a slot class's entry is there: no limit any more, its holders counted.
+    assert_eq!(e.get("limit"), Some(&serde_json::Value::Null), "{e}");
+    assert_eq!(e.get("reserve_high"), Some(&serde_json::Value::Null), "{e}");
+    assert_eq!(e["in_use"], 1, "{e}");
     let text = String::from_utf8_lossy(&env.ok(["lock-status"]).stdout).into_owned();
     assert!(text.contains("one (removed)"), "{text}");
     env.release("release");
