@@ -79,6 +79,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             dir.display()
         ));
     }
+    // The whole layout, the catalog and the global lock too (filled by the next look).
+    store.with_catalog(None, |_, _| Ok(()))?;
     store.ctx().say(&format!(
         "root {} ready; images in {}{}",
         root.dir().display(),

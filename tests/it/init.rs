@@ -16,7 +16,10 @@ fn creates_the_layout_idempotently() {
     for d in ["locks/images", "locks/slots", "img", "trash"] {
         assert!(env.root.join(d).is_dir(), "{d}");
     }
-    assert!(env.root.join("store.conf").is_file());
+    // The contract's layout: the catalog and the global lock too.
+    for f in ["store.conf", "stowage.db", "locks/global.lock"] {
+        assert!(env.root.join(f).is_file(), "{f}");
+    }
     let before = tree(&env.root);
     env.ok(["init"]);
     assert_eq!(tree(&env.root), before);
