@@ -136,29 +136,53 @@ fn log_every() -> Duration {
 
 impl Line {
     fn render(&self) -> String {
+        let width = self.tty.then(|| terminal_width().saturating_sub(1).max(20));
+        self.render_in(width)
+    }
+
+    /// The line; within `width` characters (a terminal's), what matters least is left out first:
+    /// the place in the queue, then the holder's command, so the holder is still named.
+    fn render_in(&self, width: Option<usize>) -> String {
         let waited = span(self.started.elapsed().as_secs());
-        let mut s = if self.tty {
+        let head = if self.tty {
             format!("stowage: waiting {waited} for {}", self.what)
         } else {
             format!("stowage: still waiting for {} after {waited}", self.what)
         };
-        if let Some((at, of)) = self.place {
-            s.push_str(&format!(" ({} of {of} in queue)", ordinal(at)));
-        }
-        if let Some(h) = self.holders.first() {
-            s.push_str(&format!(": {}", holder(h, &self.host)));
-            if self.holders.len() > 1 {
-                s.push_str(&format!(" and {} more", self.holders.len() - 1));
-            }
-        }
-        s
+        let queue = self.place.map_or(String::new(), |(at, of)| {
+            format!(" ({} of {of} in queue)", ordinal(at))
+        });
+        let held = |command: usize| {
+            self.holders.first().map_or(String::new(), |h| {
+                let more = match self.holders.len() {
+                    1 => String::new(),
+                    n => format!(" and {} more", n - 1),
+                };
+                format!(": {}{more}", holder(h, &self.host, command))
+            })
+        };
+        let full = format!("{head}{queue}{}", held(61));
+        let Some(width) = width else {
+            return full;
+        };
+        let shorter = [format!("{head}{}", held(61)), format!("{head}{}", held(16))];
+        std::iter::once(full)
+            .chain(shorter)
+            .find(|l| l.chars().count() <= width)
+            .unwrap_or_else(|| format!("{head}{}", held(0)))
     }
 }
 
-/// "held by pid 4121 on node07 (make all) for 3m12s", the host only if another (the line is short).
-fn holder(p: &Party, me: &str) -> String {
+/// "held by pid 4121 on node07 (make all) for 3m12s", the host only if another (the line is short);
+/// the command cut to `command` characters, left out at 0.
+fn holder(p: &Party, me: &str, command: usize) -> String {
     let who = pid_on(p, "a process stowage cannot identify", Some(me), false);
-    let mut s = format!("held by {who}{}", command_cut(p, 61));
+    let cmd = if command == 0 {
+        String::new()
+    } else {
+        command_cut(p, command)
+    };
+    let mut s = format!("held by {who}{cmd}");
     if let Some(t) = p.since {
         let secs = (clock::now_ms().saturating_sub(t) / 1000).max(0) as u64;
         s.push_str(&format!(" for {}", span(secs)));
@@ -251,5 +275,43 @@ mod tests {
         assert_eq!(ordinal(3), "3rd");
         assert_eq!(ordinal(11), "11th");
         assert_eq!(ordinal(22), "22nd");
+    }
+
+    #[test]
+    fn a_terminal_line_too_long_still_names_the_holder() {
+        let holder = Party {
+            pid: Some(10813),
+            host: Some("vm".into()),
+            user: None,
+            mode: crate::lock::Mode::Exclusive,
+            command: Some("ch-image build --force -t app -f Dockerfile.app .".into()),
+            since: Some(clock::now_ms()),
+            stowage: true,
+            lease: None,
+            reading: false,
+            pid_space: crate::holders::PidSpace::Here,
+        };
+        let mut line = Line {
+            what: "read lock on image 'registry.example.com/app'".into(),
+            started: Instant::now(),
+            tty: true,
+            place: Some((1, 3)),
+            holders: vec![holder],
+            host: "vm".into(),
+        };
+        let long = line.render_in(None);
+        assert!(long.contains("(1st of 3 in queue)"), "{long}");
+        assert!(long.contains("(ch-image build --force"), "{long}");
+        for width in [100, 119] {
+            let cut = line.render_in(Some(width));
+            assert!(cut.chars().count() <= width, "{width}: {cut}");
+            assert!(cut.contains("held by pid 10813"), "{width}: {cut}");
+            assert!(cut.ends_with(" for 0s"), "{width}: {cut}");
+        }
+        // An 80-column terminal.
+        line.what = "read lock on image 'app'".into();
+        let cut = line.render_in(Some(79));
+        assert!(cut.chars().count() <= 79, "{cut}");
+        assert!(cut.contains("held by pid 10813"), "{cut}");
     }
 }
