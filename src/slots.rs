@@ -176,8 +176,9 @@ fn unknown_class(root: &Root, class: &str) -> Error {
     Error::Usage(format!("unknown slot class '{class}' ({hint})"))
 }
 
-/// Sets a class's limits (making the class if new), under the global lock.
-pub fn set(store: &mut Store, class: &str, limit: u32, reserve: u32) -> Result<()> {
+/// Sets a class's limits (making the class if new), under the global lock; a `reserve` not given
+/// keeps the class's (none with no limit). Returns what was set.
+pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> Result<Limits> {
     validate_class(class)?;
     let root = store.root().clone();
     let global = store.global(None)?;
@@ -189,13 +190,14 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: u32) -> Result<(
         Class::Limits(l) => Some(l),
         _ => None,
     };
-    let limits = Limits::set(limit, reserve, before);
+    let kept = before.filter(|_| limit > 0).map_or(0, |b| b.reserve);
+    let limits = Limits::set(limit, reserve.unwrap_or(kept), before);
     slot_limits::write(&zero, class, Some(&limits))
         .with_context(|| format!("cannot write the limits of slot class '{class}'"))?;
     settle(&root, class, &zero, limits);
     drop(global);
     notify_change(store.ctx(), class);
-    Ok(())
+    Ok(limits)
 }
 
 /// Forgets the files beyond a lowered limit once nobody holds them (tried without waiting, under

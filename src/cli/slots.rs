@@ -29,9 +29,9 @@ enum Action {
         class: String,
         /// Normal holders at once (0 = unlimited)
         limit: String,
-        /// Extra slots only --priority high may take
-        #[arg(long, value_name = "N", default_value = "0")]
-        reserve_high: String,
+        /// Extra slots only --priority high may take [default: the class's, else 0]
+        #[arg(long, value_name = "N")]
+        reserve_high: Option<String>,
     },
     /// Remove a class (current holders keep their slots until they finish)
     Rm { class: String },
@@ -65,14 +65,16 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         }) => {
             slots::validate_class(&class)?;
             let limit = number("LIMIT", &limit, MAX_LIMIT)?;
-            let reserve_high = number("--reserve-high", &reserve_high, MAX_RESERVE)?;
-            if limit == 0 && reserve_high > 0 {
+            let reserve_high = reserve_high
+                .map(|r| number("--reserve-high", &r, MAX_RESERVE))
+                .transpose()?;
+            if limit == 0 && reserve_high.is_some_and(|r| r > 0) {
                 return super::usage(format!(
                     "slot class '{class}': a reserve for high priority needs a limit (LIMIT 0 means unlimited)"
                 ));
             }
-            slots::set(store, &class, limit, reserve_high)?;
-            store.ctx().say(&match (limit, reserve_high) {
+            let set = slots::set(store, &class, limit, reserve_high)?;
+            store.ctx().say(&match (set.limit, set.reserve) {
                 (0, _) => format!("slot class '{class}': unlimited"),
                 (n, 0) => format!("slot class '{class}': at most {n} at once"),
                 (n, r) => {

@@ -878,3 +878,26 @@ fn a_waiter_whose_class_directory_was_removed_ends_saying_so() {
     assert!(stderr(&out).contains("'c' was removed"), "{}", show(&out));
     assert!(!ran.exists());
 }
+
+/// Changing a class's limit keeps its reserve for high priority unless one
+/// is given: `slots set pull 1` after `--reserve-high 1` dropped the
+/// reserve without a word.
+#[test]
+fn a_new_limit_keeps_the_reserve_unless_one_is_given() {
+    let env = Env::new();
+    let reserve = |env: &Env| env.slot_entry("pull").unwrap()["reserve_high"].clone();
+    env.ok(["slots", "set", "pull", "4", "--reserve-high", "1"]);
+    let out = env.ok(["slots", "set", "pull", "2"]);
+    assert!(
+        stderr(&out).contains("1 more for high priority"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(reserve(&env), 1);
+    env.ok(["slots", "set", "pull", "2", "--reserve-high", "0"]);
+    assert_eq!(reserve(&env), 0);
+    env.ok(["slots", "set", "pull", "3", "--reserve-high", "2"]);
+    // Unlimited: no reserve to keep.
+    env.ok(["slots", "set", "pull", "0"]);
+    assert_eq!(reserve(&env), 0);
+}
