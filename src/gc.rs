@@ -457,9 +457,14 @@ fn under_lock(img: &Image, now: crate::image_record::Record, used: Option<Millis
     }
 }
 
-/// Parses a size (`500M`, `4096` bytes): K, M, G, T, P are powers of 1024; `B`/`iB` optional.
+/// Parses a size (`500M`, `4096B`): K, M, G, T, P are powers of 1024, `B`/`iB` optional after
+/// them. Bytes are said with `B` (a forgotten `G` must not empty the store); `0` needs no unit, and
+/// a byte count is whole.
 pub fn parse_size(raw: &str) -> Option<u64> {
     let s = raw.trim();
+    if s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return s.parse::<f64>().ok().filter(|n| *n == 0.0).map(|_| 0);
+    }
     let digits = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
@@ -471,7 +476,7 @@ pub fn parse_size(raw: &str) -> Option<u64> {
         .or_else(|| unit.strip_suffix('B'))
         .unwrap_or(unit);
     let mult: f64 = match unit.to_ascii_uppercase().as_str() {
-        "" => 1.0,
+        "" if num.fract() == 0.0 => 1.0,
         "K" => 1024.0,
         "M" => 1024f64.powi(2),
         "G" => 1024f64.powi(3),
@@ -489,14 +494,14 @@ mod tests {
 
     #[test]
     fn sizes() {
-        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("4096B"), Some(4096));
         assert_eq!(parse_size("500M"), Some(500 << 20));
         assert_eq!(parse_size("20G"), Some(20 << 30));
         assert_eq!(parse_size("1.5K"), Some(1536));
         assert_eq!(parse_size("2GiB"), Some(2 << 30));
         assert_eq!(parse_size("3 MB"), Some(3 << 20));
         assert_eq!(parse_size("0"), Some(0));
-        for bad in ["", "-1G", "lots", "5X", "1e3", "nanG"] {
+        for bad in ["", "-1G", "lots", "5X", "1e3", "nanG", "20", "1.5", "1.5B"] {
             assert_eq!(parse_size(bad), None, "{bad}");
         }
     }

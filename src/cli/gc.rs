@@ -15,7 +15,7 @@ use crate::store::Store;
     stowage gc --max-size 20G --dry-run # what would go to fit 20 GiB\n\
     An image in use (locked) is never removed, however old.")]
 pub struct Args {
-    /// Remove least recently used images until the images fit SIZE (500M, 20G)
+    /// Remove least recently used images until the images fit SIZE (500M, 20G; bytes: 4096B)
     #[arg(long, value_name = "SIZE")]
     max_size: Option<String>,
     /// Remove images not used for DURATION (30m, 12h, 7d)
@@ -57,9 +57,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 fn policy(args: &Args) -> Result<Policy> {
     let size = |raw: &String| {
         gc::parse_size(raw).ok_or_else(|| {
-            Error::Usage(format!(
-                "--max-size {raw:?}: not a size (e.g. 500M, 20G, 1.5T, or bytes)"
-            ))
+            let t = raw.trim();
+            Error::Usage(if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
+                format!("--max-size '{t}': give a unit (e.g. {t}G, {t}M, or {t}B for bytes)")
+            } else {
+                format!("--max-size '{raw}': not a size (e.g. 500M, 20G, 1.5T, or 4096B)")
+            })
         })
     };
     let duration = |raw: &String| {

@@ -162,10 +162,22 @@ fn gc_bad_arguments_exit_64() {
         vec!["gc", "--max-size", "-1G"],
         vec!["gc", "--unused-for", "soon"],
         vec!["gc", "--unused-for", "-3d"],
+        vec!["gc", "--max-size", "1.5"],
     ] {
         let out = env.run(&args);
         assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
     }
+    // A size without its unit is not taken for bytes: a forgotten G would
+    // empty the store (it was a budget of 20 bytes).
+    env.make_image("kept");
+    let out = env.run(["gc", "--max-size", "20"]);
+    assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("give a unit (e.g. 20G"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("kept").as_deref(), Some("ready"));
 }
 
 #[test]
