@@ -177,6 +177,30 @@ pub fn locking_unavailable(err: &io::Error) -> bool {
     flock_unsupported(err) || err.raw_os_error() == Some(libc::EROFS)
 }
 
+/// `text` without the " (os error 13)" Rust appends to a system error's words, which already say
+/// what went wrong ("Permission denied").
+pub fn without_errno(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(" (os error ") {
+        let tail = &rest[at + " (os error ".len()..];
+        let digits = tail.bytes().take_while(u8::is_ascii_digit).count();
+        let whole = digits > 0 && tail[digits..].starts_with(')');
+        let skip = if whole {
+            " (os error ".len() + digits + 1
+        } else {
+            1
+        };
+        out.push_str(&rest[..at]);
+        if !whole {
+            out.push(' ');
+        }
+        rest = &rest[at + skip..];
+    }
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,5 +219,17 @@ mod tests {
         assert_eq!(exit_code(&e), code::NO_INPUT);
         let e = anyhow::anyhow!("plain");
         assert_eq!(exit_code(&e), code::FAILURE);
+    }
+
+    #[test]
+    fn errno_numbers_are_left_out_of_messages() {
+        assert_eq!(
+            without_errno("cannot run './b': No such file or directory (os error 2)"),
+            "cannot run './b': No such file or directory"
+        );
+        assert_eq!(
+            without_errno("a (os error 13): b (os error x) c"),
+            "a: b (os error x) c"
+        );
     }
 }

@@ -102,7 +102,7 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         Err(e) => {
             let what = shown[0].clone();
             undo(session, store)?;
-            return Err(e).with_context(|| format!("cannot run '{what}'"));
+            return Err(not_run(e.into(), &what));
         }
     };
     let status = match command::wait(&signals, pid, keeper) {
@@ -280,7 +280,7 @@ fn run_store_wide(
         let (pid, keeper) = match started {
             Ok(Ok(started)) => started,
             Ok(Err(sig)) => return Err(Error::Interrupted(sig).into()),
-            Err(e) => return Err(e).with_context(|| format!("cannot run '{}'", shown[0])),
+            Err(e) => return Err(not_run(e.into(), &shown[0])),
         };
         let status = command::wait(&signals, pid, keeper).map_err(wait_failed)?;
         Ok(command::exit_code(&status))
@@ -293,4 +293,12 @@ fn run_store_wide(
     }
     hold.release(store);
     code
+}
+
+/// Why command `what` did not start; a path to a directory says so ("Permission denied" does not).
+fn not_run(e: anyhow::Error, what: &str) -> anyhow::Error {
+    if what.contains('/') && std::path::Path::new(what).is_dir() {
+        return anyhow::anyhow!("cannot run '{what}': it is a directory");
+    }
+    e.context(format!("cannot run '{what}'"))
 }

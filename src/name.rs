@@ -36,14 +36,15 @@ pub enum NameRule {
     #[error("a name may not contain control characters")]
     Control,
     #[error(
-        "a name may not contain {0:?} (allowed: ASCII letters, digits, '.', '_', '-', '/', ':', '@')"
+        "a name may not contain '{}' (allowed: ASCII letters, digits, '.', '_', '-', '/', ':', '@')",
+        crate::ident::printable(&.0.to_string())
     )]
     NotAllowed(char),
 }
 
 /// A rejected name together with the rule it broke.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid image name {name:?}: {rule}")]
+#[error("invalid image name '{}': {rule}", crate::ident::printable(name))]
 pub struct InvalidName {
     pub name: String,
     pub rule: NameRule,

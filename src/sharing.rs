@@ -222,7 +222,7 @@ pub fn group_id(group: &str) -> Result<u32> {
         .next()
         .ok_or_else(|| {
             crate::Error::Usage(format!(
-                "--group {group:?}: no such group in /etc/group (give its number, e.g. from 'getent group {group}')"
+                "--group '{group}': no such group in /etc/group (give its number, e.g. from 'getent group {group}')"
             ))
             .into()
         })

@@ -39,7 +39,8 @@ pub enum Priority {
 /// Checks a class name: lowercase letters, digits, `.`, `_`, `-`, in components separated by single
 /// `/`, at most 64 bytes.
 pub fn validate_class(class: &str) -> Result<(), Error> {
-    let bad = |why: &str| Err(Error::Usage(format!("invalid slot class {class:?}: {why}")));
+    let shown = crate::ident::printable(class);
+    let bad = |why: &str| Err(Error::Usage(format!("invalid slot class '{shown}': {why}")));
     if class.is_empty() {
         return bad("the name is empty");
     }
@@ -57,7 +58,8 @@ pub fn validate_class(class: &str) -> Result<(), Error> {
             !(c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '_' | '-'))
         }) {
             return bad(&format!(
-                "{c:?} is not allowed (use lowercase letters, digits, '.', '_', '-', '/')"
+                "'{}' is not allowed (use lowercase letters, digits, '.', '_', '-', '/')",
+                crate::ident::printable(&c.to_string())
             ));
         }
     }

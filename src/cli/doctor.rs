@@ -54,7 +54,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 Verdict::Problem => "PROBLEM",
                 Verdict::Repaired => "repaired",
             };
-            let detail = crate::ident::printable(&c.detail);
+            let detail = crate::error::without_errno(&crate::ident::printable(&c.detail));
             out.push_str(&format!("{tag:>8}  {:<10}  {detail}\n", c.check));
         }
         // (A repair needs write access: no advice to someone without it.)

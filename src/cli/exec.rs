@@ -61,7 +61,7 @@ pub struct Args {
     #[arg(long, conflicts_with = "wait")]
     no_wait: bool,
     /// Exit with N instead of 75 when a lock is not acquired in time
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = exit_status)]
     conflict_exit_code: Option<u8>,
     /// Keep the lock descriptors from the command: stowage holds the locks
     /// until the command and every process it started have exited, and
@@ -187,4 +187,11 @@ fn lineage(
         (None, [only], 1) => Some(only.clone()),
         _ => None,
     }
+}
+
+/// An exit status given on the command line (`--conflict-exit-code`).
+fn exit_status(raw: &str) -> Result<u8, String> {
+    raw.trim()
+        .parse()
+        .map_err(|_| "an exit status is a whole number from 0 to 255".to_owned())
 }

@@ -66,9 +66,10 @@ fn policy(args: &Args) -> Result<Policy> {
         })
     };
     let duration = |raw: &String| {
-        humantime::parse_duration(raw).map_err(|e| {
+        // humantime's own words ("expected number at 0") say less than an example.
+        humantime::parse_duration(raw).map_err(|_| {
             Error::Usage(format!(
-                "--unused-for {raw:?}: not a duration (e.g. 30m, 12h, 7d): {e}"
+                "--unused-for '{raw}': not a duration (a number and a unit: 30m, 12h, 7d, 2w)"
             ))
         })
     };

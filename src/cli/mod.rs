@@ -19,7 +19,8 @@ use crate::store::Store;
 macro_rules! complain {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
+        let line = format!($($arg)*);
+        let _ = writeln!(std::io::stderr(), "{}", crate::error::without_errno(&line));
     }};
 }
 
@@ -46,13 +47,24 @@ mod why;
 )]
 struct Cli {
     /// The storage root [default: $STOWAGE_ROOT, else /var/tmp/$USER.stowage]
-    #[arg(long, global = true, value_name = "DIR")]
+    #[arg(
+        long,
+        global = true,
+        value_name = "DIR",
+        help_heading = "Global options"
+    )]
     root: Option<PathBuf>,
     /// Say more about what is happening
-    #[arg(short, long, global = true)]
+    #[arg(short, long, global = true, help_heading = "Global options")]
     verbose: bool,
     /// Say nothing but errors (no waiting messages)
-    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    #[arg(
+        short,
+        long,
+        global = true,
+        conflicts_with = "verbose",
+        help_heading = "Global options"
+    )]
     quiet: bool,
     #[command(subcommand)]
     command: Command,
@@ -289,7 +301,16 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         complain!("stowage: no command to run: put it after '--' ({EXEC_USAGE})");
         return ExitCode::from(error::code::USAGE);
     }
-    complain!("stowage: {}", usage_error(&e, sub.as_ref()));
+    // The help page the mistake is on: a subcommand's own (`slots set`) if one is named.
+    let page = sub.as_ref().map(|(name, at)| {
+        let nested = args.get(at + 1).and_then(|a| a.to_str()).filter(|a| {
+            Cli::command()
+                .find_subcommand(name)
+                .is_some_and(|c| c.find_subcommand(a).is_some())
+        });
+        nested.map_or_else(|| name.clone(), |n| format!("{name} {n}"))
+    });
+    complain!("stowage: {}", usage_error(&e, page.as_deref()));
     ExitCode::from(error::code::USAGE)
 }
 
@@ -433,8 +454,8 @@ fn command_start(args: &[OsString], at: usize) -> Option<usize> {
 }
 
 /// Any other usage error in one line: what, clap's suggestion, where help is.
-fn usage_error(e: &clap::Error, sub: Option<&(String, usize)>) -> String {
-    use clap::error::{ContextKind, ErrorKind};
+fn usage_error(e: &clap::Error, page: Option<&str>) -> String {
+    use clap::error::ContextKind;
     // clap's first paragraph says what is wrong (maybe over several lines); usage and tips follow.
     let text = e.render().to_string();
     let what: Vec<&str> = text
@@ -451,12 +472,11 @@ fn usage_error(e: &clap::Error, sub: Option<&(String, usize)>) -> String {
         (Some(s), _) | (None, Some(s)) => format!("; did you mean '{s}'?"),
         (None, None) => String::new(),
     };
-    let help = match sub {
-        Some((name, _)) if e.kind() != ErrorKind::InvalidSubcommand => {
-            format!("stowage {name} --help")
-        }
-        _ => "stowage --help".into(),
-    };
+    // An unknown subcommand of a subcommand (`slots foo`) is on that subcommand's page.
+    let help = page.map_or_else(
+        || "stowage --help".into(),
+        |p| format!("stowage {p} --help"),
+    );
     format!("{what}{hint} (see '{help}')")
 }
 
@@ -509,7 +529,7 @@ const MAX_WAIT_SECS: f64 = 10.0 * 365.0 * 86_400.0;
 fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
     let bad = || {
         Error::Usage(format!(
-            "{flag} {raw:?}: not a time (seconds, e.g. 10 or 2.5, or with a unit: 500ms, 10s, 2m, 1h, 1d)"
+            "{flag} '{raw}': not a time (seconds, e.g. 10 or 2.5, or with a unit: 500ms, 10s, 2m, 1h, 1d)"
         ))
     };
     let t = raw.trim();
@@ -535,12 +555,12 @@ fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
     let secs = number.parse::<f64>().map_err(|_| bad())? * scale;
     if !secs.is_finite() || secs < 0.0 {
         return usage(format!(
-            "{flag} {raw:?}: must be a finite number of seconds, 0 or more"
+            "{flag} '{raw}': must be a finite number of seconds, 0 or more"
         ));
     }
     if secs > MAX_WAIT_SECS {
         return usage(format!(
-            "{flag} {raw:?}: too long (at most {MAX_WAIT_SECS:.0} seconds; omit {flag} to wait forever)"
+            "{flag} '{raw}': too long (at most {MAX_WAIT_SECS:.0} seconds; omit {flag} to wait forever)"
         ));
     }
     Ok(Duration::from_secs_f64(secs))

@@ -26,6 +26,7 @@ pub struct Args {
 enum Action {
     /// Create or change a class: at most LIMIT normal holders (0: unlimited)
     Set {
+        /// The class (pull, load/podman): lowercase letters, digits, ., _, - in parts joined by /
         class: String,
         /// Normal holders at once (0 = unlimited)
         limit: String,
@@ -34,7 +35,10 @@ enum Action {
         reserve_high: Option<String>,
     },
     /// Remove a class (current holders keep their slots until they finish)
-    Rm { class: String },
+    Rm {
+        /// The class to remove
+        class: String,
+    },
 }
 
 #[derive(Serialize)]
@@ -101,7 +105,7 @@ fn number(what: &str, raw: &str, max: u32) -> Result<u32> {
     match raw.trim().parse::<u32>() {
         Ok(n) if n <= max => Ok(n),
         _ => super::usage(format!(
-            "{what} {raw:?}: must be a whole number from 0 to {max}"
+            "{what} '{raw}': must be a whole number from 0 to {max}"
         )),
     }
 }

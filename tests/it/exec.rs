@@ -722,6 +722,31 @@ fn a_waiting_writer_whose_command_cannot_start_leaves_the_image_ready() {
     env.ok(["exec", "--read", "base", "--", "true"]);
 }
 
+/// A command that cannot start is said in the user's words, one line: a
+/// directory given as the command is "a directory" (it was "Permission
+/// denied"), and no "(os error N)" trails the cause.
+#[test]
+fn a_command_that_cannot_start_is_said_plainly() {
+    let env = Env::new();
+    let dir = env.tmp.path().to_str().unwrap().to_owned();
+    for (cmd, says) in [
+        (dir.as_str(), "it is a directory"),
+        ("./no-such-builder", "No such file or directory"),
+    ] {
+        let out = env.run(["exec", "--write", "app", "--", cmd]);
+        assert_eq!(code(&out), Some(1), "{cmd}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("cannot run '{cmd}': {says}")),
+            "{}",
+            show(&out)
+        );
+        assert!(!err.contains("os error"), "{}", show(&out));
+        assert_eq!(err.trim_end().lines().count(), 1, "{}", show(&out));
+    }
+    assert!(env.image("app").is_none());
+}
+
 /// A request that writes an existing image and a new one whose place in
 /// the images directory is taken by a file: it fails before its command,
 /// and the existing image is as its last write left it, ready.

@@ -297,6 +297,20 @@ fn unknown_classes_and_bad_settings_are_usage_errors() {
             stderr(&out)
         );
     }
+    // A mistake in a subcommand of slots points to that subcommand's help
+    // (it pointed to 'stowage slots --help', which has no LIMIT, and for an
+    // unknown one to 'stowage --help').
+    for (args, page) in [
+        (
+            &["slots", "set", "pull"][..],
+            "see 'stowage slots set --help'",
+        ),
+        (&["slots", "frobnicate"], "see 'stowage slots --help'"),
+    ] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {}", show(&out));
+        assert!(stderr(&out).contains(page), "{args:?}: {}", show(&out));
+    }
     env.ok(["slots", "rm", "pull"]);
     let out = env.ok(["slots", "--json"]);
     let classes: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
