@@ -79,12 +79,12 @@ pub enum Error {
     Busy(Busy),
 
     /// A termination signal arrived before the command started.
-    #[error("interrupted by signal {0} before the command started")]
+    #[error("interrupted by {} before the command started", signal_name(*.0))]
     Interrupted(i32),
 
     /// A termination signal was passed on to the command, whose end is unknown (its keeper gone);
     /// its tree was ended.
-    #[error("stopped by signal {0}")]
+    #[error("stopped by {}", signal_name(*.0))]
     Stopped(i32),
 }
 
@@ -175,6 +175,12 @@ fn lock_advice(err: &io::Error) -> &'static str {
 /// True when locks cannot be taken at all on this filesystem (exit 69).
 pub fn locking_unavailable(err: &io::Error) -> bool {
     flock_unsupported(err) || err.raw_os_error() == Some(libc::EROFS)
+}
+
+/// "SIGINT" for 2; "signal 99" for a number with no name.
+pub fn signal_name(sig: i32) -> String {
+    nix::sys::signal::Signal::try_from(sig)
+        .map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_owned())
 }
 
 /// `text` without the " (os error 13)" Rust appends to a system error's words, which already say

@@ -46,6 +46,12 @@ fn signal_while_waiting_exits_without_running_the_command() {
     waiter.signal(libc::SIGINT);
     let out = waiter.finish();
     assert_eq!(out.status.code(), Some(130), "{}", show(&out));
+    // The signal by its name ("signal 2" was all it said).
+    assert!(
+        stderr(&out).contains("interrupted by SIGINT before the command started"),
+        "{}",
+        show(&out)
+    );
     assert!(!ran.exists());
     let entry = env.lock_entry("app").unwrap();
     assert!(entry["waiters"].as_array().unwrap().is_empty(), "{entry}");
