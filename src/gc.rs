@@ -57,9 +57,10 @@ impl Reason {
         }
     }
 
+    /// Why, in words: "removed 'a' (incomplete, 4 KiB): its writer failed or died".
     pub fn describe(self) -> &'static str {
         match self {
-            Reason::Incomplete => "incomplete",
+            Reason::Incomplete => "its writer failed or died",
             Reason::Unused => "unused",
             Reason::OverBudget => "least recently used, over budget",
         }

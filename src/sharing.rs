@@ -207,6 +207,17 @@ fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<
 /// A group by name or number, as `init --group` takes it. Names are read from `/etc/group`, as a
 /// static binary can (glibc's lookup through NSS modules is not to be had there); a group known
 /// only to LDAP or SSSD is given by number.
+/// "'users' (100)", by `/etc/group`; the number alone for a group it does not name.
+pub fn group_label(gid: u32) -> String {
+    let text = fs::read_to_string("/etc/group").unwrap_or_default();
+    let name = text.lines().find_map(|l| {
+        let mut f = l.split(':');
+        let name = f.next()?;
+        (f.nth(1)?.parse::<u32>().ok()? == gid).then(|| name.to_owned())
+    });
+    name.map_or_else(|| gid.to_string(), |n| format!("'{n}' ({gid})"))
+}
+
 pub fn group_id(group: &str) -> Result<u32> {
     if let Ok(n) = group.parse::<u32>() {
         return Ok(n);

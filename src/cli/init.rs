@@ -133,11 +133,12 @@ fn share(store: &mut Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> R
 /// what a group store needs; exit 1 if a part is someone else's, naming it.
 fn share_parts(store: &Store, gid: u32) -> Result<u8> {
     let root = store.root();
+    let label = crate::sharing::group_label(gid);
     let wrong = crate::sharing::check(root, gid);
     let done = crate::sharing::repair(root, gid, wrong);
     if !done.fixed.is_empty() {
         store.ctx().detail(&format!(
-            "gave group {gid} and group write to {}",
+            "gave group {label} and group write to {}",
             crate::sharing::list(&done.fixed, 8)
         ));
     }
@@ -149,14 +150,14 @@ fn share_parts(store: &Store, gid: u32) -> Result<u8> {
         .collect();
     if !left.is_empty() {
         bail!(
-            "root {} is shared with group {gid}, but not every part: {} (their owners or root can run 'stowage doctor --repair'; {})",
+            "root {} is shared with group {label}, but not every part: {} (their owners or root can run 'stowage doctor --repair'; {})",
             root.dir().display(),
             crate::sharing::list(&left, 3),
             crate::sharing::DOC
         );
     }
     store.ctx().say(&format!(
-        "root {} shared with group {gid}: every part is group-writable",
+        "root {} shared with group {label}: every part is group-writable",
         root.dir().display()
     ));
     Ok(0)

@@ -338,23 +338,25 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
         return;
     };
     let doc = sharing::DOC;
+    let label = sharing::group_label(gid);
     let wrong = sharing::check(root, gid);
     if wrong.is_empty() {
         let mode = mode & 0o7777;
         let detail =
-            format!("group store (group {gid}, mode {mode:o}): every part is group-writable");
+            format!("group store (group {label}, mode {mode:o}): every part is group-writable");
         report.ok("sharing", detail);
         return;
     }
     if !repair {
         let (n, parts) = (wrong.len(), sharing::list(&wrong, 4));
-        report.problem("sharing", format!("group store (group {gid}), but {n} part(s) are not group-writable with its group: {parts} ({doc})"));
+        report.problem("sharing", format!("group store (group {label}), but {n} part(s) are not group-writable with its group: {parts} ({doc})"));
         return;
     }
     let done = sharing::repair(root, gid, wrong);
     if !done.fixed.is_empty() {
         let parts = sharing::list(&done.fixed, 4);
-        let detail = format!("gave group {gid} and group write (setgid on directories) to {parts}");
+        let detail =
+            format!("gave group {label} and group write (setgid on directories) to {parts}");
         report.repaired("sharing", detail);
     }
     if !done.not_ours.is_empty() {

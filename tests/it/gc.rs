@@ -141,6 +141,14 @@ fn gc_removes_incomplete_and_unused_images() {
         reasons.contains(&"incomplete") && reasons.contains(&"unused"),
         "{report}"
     );
+    // In words, the reason says why ("(incomplete, 0 B): incomplete" said nothing).
+    env.run(["exec", "--write", "failed", "--", "false"]);
+    let out = env.ok(["gc", "--dry-run"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("would remove 'failed' (incomplete, 0 B): its writer failed or died"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -121,8 +121,9 @@ fn init_group_converts_an_existing_store() {
     let refused = as_member(&env, &["exec", "--read", "base", "--", "true"]);
     assert_eq!(code(&refused), Some(1), "{}", show(&refused));
     let out = env.ok(["init", "--group", "100"]);
+    // Named as /etc/group names it, with its number (the number alone before).
     assert!(
-        stderr(&out).contains("shared with group 100"),
+        stderr(&out).contains("shared with group 'users' (100)"),
         "{}",
         show(&out)
     );
