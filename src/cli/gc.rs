@@ -49,7 +49,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         ))?;
         return Ok(code);
     }
-    super::print(&report_text(&report, args.dry_run))?;
+    // -q: nothing but errors, as rm says nothing of what it removed.
+    if !store.ctx().quiet {
+        super::print(&report_text(&report, args.dry_run))?;
+    }
     Ok(code)
 }
 

@@ -149,6 +149,14 @@ fn gc_removes_incomplete_and_unused_images() {
         text.contains("would remove 'failed' (incomplete, 0 B): its writer failed or died"),
         "{text}"
     );
+    // -q: nothing but errors, as for rm.
+    let out = env.ok(["-q", "gc"]);
+    assert!(
+        out.stdout.is_empty() && out.stderr.is_empty(),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("failed"), None);
 }
 
 #[test]

@@ -893,3 +893,28 @@ fn images_lists_more_images_than_its_descriptor_limit() {
         "{rows:?}"
     );
 }
+
+/// `images` lists by name as written ('app' before 'app-debug' and
+/// 'app/sub'), not by lock file name, which put 'app/sub' ('app%sub') and
+/// 'app-debug' before 'app'.
+#[test]
+fn images_are_listed_by_name() {
+    let env = Env::new();
+    for n in ["app_x", "app/sub", "app-debug", "app", "app.v2"] {
+        env.make_image(n);
+    }
+    let names: Vec<String> = env
+        .images_json()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["app", "app-debug", "app.v2", "app/sub", "app_x"]);
+    let out = env.ok(["images"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let listed: Vec<&str> = text
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(listed, names);
+}
