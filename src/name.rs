@@ -302,7 +302,7 @@ mod tests {
     #[test]
     fn messages_name_the_rule() {
         let e = ImageName::parse("a b").unwrap_err().to_string();
-        assert!(e.contains("\"a b\"") && e.contains("whitespace"), "{e}");
+        assert!(e.contains("'a b'") && e.contains("whitespace"), "{e}");
     }
 
     #[test]
