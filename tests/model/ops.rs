@@ -571,7 +571,7 @@ impl Proto {
     }
 
     /// Takes image `i`'s lock exclusively without waiting, with the file
-    /// (`gc::take_exclusive`, `doctor::take_held`): `None` if busy, gone,
+    /// (`gc::take_to_repair`, `gc::take_exclusive`): `None` if busy, gone,
     /// or (a hinted image) a store-wide hold stands.
     fn take_exclusive(&self, s: &mut State, p: usize, i: u8) -> Option<File> {
         let f = s.files[i as usize]?;

@@ -53,7 +53,7 @@ steps! {
     DropRecord "drop" ["root::drop_record" "image_record::clear"]
     DeleteTrash "delete-trash" ["dir::remove_entry"]
     ListInterrupted "list-interrupted" ["gc::finish_interrupted" "census::take"]
-    LockInterrupted "lock-interrupted" ["gc::take_exclusive" "doctor::take_held"
+    LockInterrupted "lock-interrupted" ["gc::take_to_repair" "gc::take_exclusive"
         "store_wide::blocks" "remove::finish_held"]
     Survey "survey" ["survey::survey" "survey::refresh" "store::connection" "census::take"
         "migrate::run"]
@@ -62,7 +62,7 @@ steps! {
     DocHints "doc-hints" ["doctor::hints" "store_wide::probe"]
     ClearHint "clear-hint" ["doctor::hints" "image_record::set_store_wide"]
     DocTrees "doc-trees" ["doctor::trees" "census::take"]
-    DropMissing "drop-missing" ["doctor::missing_trees" "doctor::take_held" "root::drop_record"]
+    DropMissing "drop-missing" ["doctor::missing_trees" "gc::take_to_repair" "root::drop_record"]
     ListOrphans "list-orphans" ["adopt::orphans"]
     Adopt "adopt" ["adopt::adopt" "store_wide::probe" "image_record::write"]
     DocLeftovers "doc-leftovers" ["doctor::leftovers" "census::take"]
