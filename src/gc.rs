@@ -246,7 +246,7 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
         let Some(Ok(name)) = e.name().map(ImageName::parse) else {
             continue;
         };
-        let held = match take_to_repair(&root, &name) {
+        let held = match take_to_repair(store.ctx(), &name) {
             Taken::Held(h) if deleting(&h.seen) => h,
             // Finished by the next gc, said as any image in use.
             Taken::Busy => {
@@ -302,21 +302,36 @@ pub(crate) enum Taken {
 }
 
 /// [`take_exclusive`] of an existing lock file, for a repair.
-pub(crate) fn take_to_repair(root: &crate::root::Root, name: &ImageName) -> Taken {
+pub(crate) fn take_to_repair(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
+    let root = &ctx.root;
     match take_exclusive(root, name, lock::IfMissing::Fail) {
         Ok(Some(h)) if crate::store_wide::blocks(root, &h.seen) => Taken::Busy,
         Ok(Some(h)) => Taken::Held(Box::new(h)),
-        Ok(None) if underway(root, name) => Taken::Underway,
-        Ok(None) => Taken::Busy,
+        Ok(None) => match underway(ctx, name) {
+            Some(true) => Taken::Underway,
+            Some(false) => Taken::Busy,
+            None => Taken::Gone,
+        },
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Taken::Gone,
         Err(e) => Taken::Failed(e),
     }
 }
 
-/// Whether another process holds image `name`'s lock exclusively: a removal or repair in progress
-/// (or a writer, which finishes a removal it finds), not one a crash cut short.
-pub(crate) fn underway(root: &crate::root::Root, name: &ImageName) -> bool {
-    lock::probe(&root.image_lock(name)).is_ok_and(|p| p == lock::Probe::Exclusive)
+/// Whether image `name`'s removal is under way: `Some(true)` while a stowage process holds its lock
+/// exclusively (a removal, a repair, or a writer, which finishes a removal it finds), `Some(false)`
+/// if not (free, shared, or an outside program's), `None` once its lock file is gone (finished).
+pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> {
+    let path = ctx.root.image_lock(name);
+    match lock::probe(&path) {
+        Ok(lock::Probe::Missing) => None,
+        Ok(lock::Probe::Exclusive) => {
+            let rel = ctx.root.locks_rel(&path);
+            let kind = crate::holders::LockKind::Image;
+            let r = crate::holders::Look::new(ctx).report(kind, name.as_str(), &path, &rel);
+            Some(r.holders.iter().any(|h| h.stowage))
+        }
+        _ => Some(false),
+    }
 }
 
 /// An image's lock taken exclusively without waiting (`None`: busy), with its record read under it;

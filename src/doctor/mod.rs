@@ -519,6 +519,7 @@ fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
 fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
     let entries = crate::census::take(&root)?;
+    crate::debug::pause("doctor-listed");
     let damaged: Vec<String> = entries
         .iter()
         .filter(|e| e.seen.damaged)
@@ -527,7 +528,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     report.naming("records", Verdict::Problem, &damaged, |files| {
         format!("the record in {files} cannot be read, so its image's state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it")
     });
-    removals(&root, &entries, repair, report);
+    removals(store.ctx(), &entries, repair, report);
     // Incomplete images: those whose writer failed or died, or those adopted.
     let incomplete = |adopted: bool| -> Vec<String> {
         let was_adopted = |e: &Entry| {
@@ -551,7 +552,8 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
 }
 
 /// Interrupted removals (records `deleting`): reported, or with `repair` finished under its lock.
-fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &mut Report) {
+fn removals(ctx: &crate::ctx::Ctx, entries: &[Entry], repair: bool, report: &mut Report) {
+    let root = &ctx.root;
     let (mut finished, mut stuck, mut busy, mut underway) = (vec![], vec![], vec![], vec![]);
     for e in entries.iter().filter(|e| crate::gc::deleting(&e.seen)) {
         let Some(Ok(name)) = e.name().map(ImageName::parse) else {
@@ -559,11 +561,15 @@ fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &
         };
         let said = name.as_str().to_owned();
         if !repair {
-            let under = crate::gc::underway(root, &name);
-            (if under { &mut underway } else { &mut stuck }).push(said);
+            match crate::gc::underway(ctx, &name) {
+                Some(true) => underway.push(said),
+                Some(false) => stuck.push(said),
+                // Finished since the census.
+                None => {}
+            }
             continue;
         }
-        match crate::gc::take_to_repair(root, &name) {
+        match crate::gc::take_to_repair(ctx, &name) {
             Taken::Held(h) if crate::gc::deleting(&h.seen) => match remove::finish_held(root, *h) {
                 Ok(()) => finished.push(said),
                 Err(err) => report.problem("removals", format!("{err:#}")),
@@ -579,7 +585,7 @@ fn removals(root: &crate::root::Root, entries: &[Entry], repair: bool, report: &
         }
     }
     report.naming("removals", Verdict::Info, &underway, |names| {
-        format!("removal of {names} is under way: its lock is held exclusively (if no removal runs, a later 'stowage gc' finishes it)")
+        format!("removal of {names} is under way (a stowage process holds its lock)")
     });
     report.naming("removals", Verdict::Problem, &stuck, |names| {
         format!("removal of {names} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it")
@@ -690,7 +696,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     if !foreign.is_empty() {
         report.problem("images", format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
     }
-    missing_trees(&root, &gone, repair, report);
+    missing_trees(store.ctx(), &gone, repair, report);
     let orphans = adopt::orphans(&images, &dir, &named)?;
     for (entry, why) in &orphans.skipped {
         let detail = format!(
@@ -734,7 +740,7 @@ fn orphan_trees(
 
 /// Ready records whose trees are gone (deleted by hand): the image is gone.
 fn missing_trees(
-    root: &crate::root::Root,
+    ctx: &crate::ctx::Ctx,
     gone: &[(ImageName, &Entry)],
     repair: bool,
     report: &mut Report,
@@ -750,13 +756,14 @@ fn missing_trees(
         report.problem("images", detail);
         return;
     }
+    let root = &ctx.root;
     let (mut dropped, mut busy) = (Vec::new(), Vec::new());
     for (n, e) in gone {
         // Under the lock of the file the record was read from (the census's own).
         let Some(Ok(file_name)) = e.name().map(ImageName::parse) else {
             continue;
         };
-        let h = match crate::gc::take_to_repair(root, &file_name) {
+        let h = match crate::gc::take_to_repair(ctx, &file_name) {
             Taken::Held(h) => h,
             Taken::Busy | Taken::Underway => {
                 busy.push(n.as_str());

@@ -596,13 +596,8 @@ pub fn flock_waiters_on(path: &Path) -> usize {
 /// it runs `sh -c "touch STARTED; THEN"`; returns once STARTED exists, so
 /// the lock is held until THEN ends or the holder is killed.
 pub fn flock_holder(path: &Path, started: &Path, then: &str) -> Bg {
-    flock_holder_as("-x", path, started, then)
-}
-
-/// [`flock_holder`] with flock(1)'s mode flag `mode` (`-s`: shared).
-pub fn flock_holder_as(mode: &str, path: &Path, started: &Path, then: &str) -> Bg {
     let mut c = Command::new("flock");
-    c.arg(mode).arg(path).args([
+    c.arg("-x").arg(path).args([
         "sh",
         "-c",
         &format!("touch '{}'; {then}", started.display()),

@@ -732,8 +732,8 @@ fn a_repair_that_finds_a_lock_held_says_what_it_left() {
     fs::remove_dir_all(env.root.join("img/vanished")).unwrap();
     let then = "i=0; while [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done";
     let holders = [
-        // Shared: an exclusive holder may be its remover (a removal under way).
-        flock_holder_as("-s", &env.lock_file("doomed"), &env.sentinel("h1"), then),
+        // Exclusively, by an outside program: no removal is under way.
+        flock_holder(&env.lock_file("doomed"), &env.sentinel("h1"), then),
         flock_holder(&env.lock_file("vanished"), &env.sentinel("h2"), then),
     ];
 
@@ -809,6 +809,23 @@ fn a_removal_under_way_is_noted_not_taken_for_an_interrupted_one() {
     fs::remove_file(pause).unwrap();
     assert_eq!(code(&rm.finish()), Some(0));
     assert_eq!(env.state("doomed"), None);
+}
+
+/// A removal that finishes while doctor looks is no interrupted one: doctor
+/// read its record `deleting`, and took the lock file gone since for one
+/// nobody holds (a problem, exit 1).
+#[test]
+fn a_removal_that_finishes_while_doctor_looks_is_not_reported() {
+    let env = Env::new();
+    env.make_image("doomed");
+    let (rm, rm_pause) = env.paused(["rm", "doomed"], "rm-moved");
+    let (doctor, doctor_pause) = env.paused(["doctor"], "doctor-listed");
+    fs::remove_file(rm_pause).unwrap();
+    assert_eq!(code(&rm.finish()), Some(0));
+    fs::remove_file(doctor_pause).unwrap();
+    let out = doctor.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(!show(&out).contains("'doomed'"), "{}", show(&out));
 }
 
 /// A repair that cannot take an image's lock file (here: not its user's to
