@@ -20,6 +20,7 @@ use anyhow::{Context, Result};
 
 use crate::clock::Millis;
 use crate::config::Config;
+use crate::holders::LockKind;
 use crate::image_record::{self, ImagesDir, Record, State};
 use crate::lock::{self, Mode};
 use crate::name::ImageName;
@@ -369,8 +370,7 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
 fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Result<()> {
     let path = store.root().image_lock(name);
     let mut wait = lock::Wait::on(&store.root().image_locks(), deadline);
-    let holders =
-        crate::holders::holders_phrase(store.ctx(), crate::holders::LockKind::Image, &path);
+    let holders = crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path);
     let _line = crate::wait_line::announce(
         store.ctx(),
         &format!("the lock on image '{name}' before migrating the store"),
@@ -380,12 +380,16 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
     let started = Instant::now();
     match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait) {
         Ok(lock::Waited::Acquired(_)) => Ok(()),
-        Ok(lock::Waited::TimedOut) => Err(crate::Error::Busy(crate::error::Busy {
-            what: format!("the lock on image '{name}' (needed free to migrate the store)"),
-            holders,
-            waited: started.elapsed(),
-        })
-        .into()),
+        Ok(lock::Waited::TimedOut) => {
+            // Who holds it now, not who did when the wait began.
+            let now = crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path);
+            Err(crate::Error::Busy(crate::error::Busy {
+                what: format!("the lock on image '{name}' (needed free to migrate the store)"),
+                holders: if now.is_empty() { holders } else { now },
+                waited: started.elapsed(),
+            })
+            .into())
+        }
         Ok(lock::Waited::Interrupted(sig)) => Err(crate::Error::Interrupted(sig).into()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(lock::error(&format!("image '{name}'"), &path, e)),

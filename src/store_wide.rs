@@ -432,7 +432,8 @@ fn wait_in_turn<T>(
     let report = move |look: &crate::holders::Look| look.report(kind, &name, &shown, &rel);
     let _line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(Box::new(report)));
     let mut wait = Wait::on(&dir, deadline);
-    crate::acquire::wait_for(store, awaited, &[], what, holders, move || {
+    let now = || crate::holders::holders_phrase(store.ctx(), kind, path);
+    crate::acquire::wait_for(store, awaited, &[], what, holders, now, move || {
         attempt(&mut wait)
     })
 }

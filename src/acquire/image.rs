@@ -101,10 +101,18 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
         Box::new(move |look| look.report(LockKind::Image, &name, &path, &rel))
     };
     let line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(reread));
-    let mut holding = crate::lease::Holding::now(want.mode, rel, true, want.command);
+    let mut holding = crate::lease::Holding::now(want.mode, rel.clone(), true, want.command);
     holding.reading = want.reading;
     let mut wait = Wait::on(&root.image_locks(), want.deadline);
-    let waited = wait_for(store, holding, want.held, what, holders, || {
+    let now = || {
+        let r = Look::new(store.ctx()).report(LockKind::Image, name.as_str(), &path, &rel);
+        let holders = crate::holders::phrase(&r.holders);
+        match (holders.is_empty(), writer_ahead) {
+            (false, true) => holders + "; and a writer waits ahead of new readers",
+            _ => holders,
+        }
+    };
+    let waited = wait_for(store, holding, want.held, what, holders, now, || {
         wait_image(store.ctx(), name, want.mode, &mut wait).map_err(err)
     });
     // Cleared before anything else is said.

@@ -24,13 +24,15 @@ pub mod slot;
 /// Runs a wait announced as `what`, held by `holders`, with the lock `awaited` listed in our lease
 /// meanwhile, and the locks `held` already (listed with it, in one write: a look on another host,
 /// where no lock table shows them, names their holder while it waits); a timeout is [`Error::Busy`]
-/// (exit 75), a signal [`Error::Interrupted`].
+/// (exit 75) naming the holders then (`holders_now`; those of the start if none is seen), a signal
+/// [`Error::Interrupted`].
 pub(crate) fn wait_for<T>(
     store: &Store,
     awaited: Holding,
     held: &[Holding],
     what: String,
     holders: String,
+    holders_now: impl FnOnce() -> String,
     wait: impl FnOnce() -> Result<Waited<T>>,
 ) -> Result<T> {
     let leases = store.root().leases();
@@ -43,12 +45,15 @@ pub(crate) fn wait_for<T>(
     crate::lease::forget(&leases, &lockfile);
     match out? {
         Waited::Acquired(got) => Ok(got),
-        Waited::TimedOut => Err(Error::Busy(Busy {
-            what,
-            holders,
-            waited: t0.elapsed(),
-        })
-        .into()),
+        Waited::TimedOut => {
+            let now = holders_now();
+            Err(Error::Busy(Busy {
+                what,
+                holders: if now.is_empty() { holders } else { now },
+                waited: t0.elapsed(),
+            })
+            .into())
+        }
         Waited::Interrupted(sig) => Err(Error::Interrupted(sig).into()),
     }
 }

@@ -153,7 +153,11 @@ pub(crate) fn take(
     let line =
         crate::wait_line::announce(store.ctx(), &what, &format!("all {holders}"), Some(reread));
     let awaited = crate::lease::Holding::now(Mode::Exclusive, class_rel, true, command);
-    let got = super::wait_for(store, awaited, &[], what, holders, || {
+    let now = || {
+        let r = crate::slots::report(&Look::new(store.ctx()), root, class, Some(limits));
+        crate::holders::phrase_slots(&r.holders)
+    };
+    let got = super::wait_for(store, awaited, &[], what, holders, now, || {
         wait_for_slot(store, class, priority, &dir, limits, slots, deadline)
     });
     drop(line);

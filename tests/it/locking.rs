@@ -83,6 +83,40 @@ fn bounded_wait_gives_75_naming_the_holder() {
     assert_eq!(entry["waiters"].as_array().unwrap().len(), 0, "{entry}");
 }
 
+/// A wait that gives up names who holds the lock then: the holder seen
+/// when the wait began may be long gone (it named that one).
+#[test]
+fn a_wait_that_gives_up_names_the_holder_at_its_end() {
+    let env = Env::new();
+    env.make_image("app");
+    let first = env.hold_until(&["--read", "app"], "first", "first-go");
+    let second = env.hold_until(&["--read", "app"], "second", "second-go");
+    let writer = env.spawn(["exec", "--write", "app", "--wait", "3", "--", "true"]);
+    env.wait_for_waiter("app");
+    let first_pid = first.pid();
+    env.release("first-go");
+    assert_eq!(code(&first.finish()), Some(0));
+    let out = writer.finish();
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    let gave_up = stderr(&out)
+        .lines()
+        .find(|l| l.contains("gave up after"))
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        gave_up.contains(&format!("pid {}", second.pid())),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        !gave_up.contains(&format!("pid {first_pid}")),
+        "{}",
+        show(&out)
+    );
+    env.release("second-go");
+    assert_eq!(code(&second.finish()), Some(0));
+}
+
 /// A lock held by many, each with a long command, is still said in one
 /// short line: the first holder and how many more (`lock-status` lists
 /// them all).
