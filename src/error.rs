@@ -191,7 +191,11 @@ pub fn without_errno(text: &str) -> String {
     while let Some(at) = rest.find(" (os error ") {
         let tail = &rest[at + " (os error ".len()..];
         let digits = tail.bytes().take_while(u8::is_ascii_digit).count();
-        let whole = digits > 0 && tail[digits..].starts_with(')');
+        // Where a cause ends (the line, or ": " before the next): never inside a path.
+        let after = tail.get(digits + 1..).unwrap_or("");
+        let whole = digits > 0
+            && tail[digits..].starts_with(')')
+            && (after.is_empty() || after.starts_with(": ") || after.starts_with("; "));
         let skip = if whole {
             " (os error ".len() + digits + 1
         } else {
@@ -237,5 +241,8 @@ mod tests {
             without_errno("a (os error 13): b (os error x) c"),
             "a: b (os error x) c"
         );
+        // Inside a path it stays.
+        let path = "root /tmp/a (os error 5)/r does not exist";
+        assert_eq!(without_errno(path), path);
     }
 }

@@ -325,10 +325,16 @@ pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> 
     match lock::probe(&path) {
         Ok(lock::Probe::Missing) => None,
         Ok(lock::Probe::Exclusive) => {
+            crate::debug::pause("underway-probed");
             let rel = ctx.root.locks_rel(&path);
             let kind = crate::holders::LockKind::Image;
             let r = crate::holders::Look::new(ctx).report(kind, name.as_str(), &path, &rel);
-            Some(r.holders.iter().any(|h| h.stowage))
+            // A live stowage process: a dead one's lease (no pid) explains an inheritor's hold,
+            // and a removal has none.
+            let live = r.holders.iter().any(|h| h.stowage && h.pid.is_some());
+            // Finished while we looked: its lock file went with it.
+            let gone = matches!(lock::probe(&path), Ok(lock::Probe::Missing));
+            (!gone).then_some(live)
         }
         _ => Some(false),
     }

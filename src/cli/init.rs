@@ -36,7 +36,15 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // Refused before anything is created: a failed init leaves no root behind.
     if let Some(dir) = &wanted {
         refuse_images_dir(store.root(), dir)?;
-        refuse_what_is_no_images_dir(dir)?;
+        // Judged when a store takes it, not again at each idempotent `init` of that store.
+        let root = store.root();
+        let current = root
+            .exists()
+            .then(|| crate::images_dir::config(root).ok())
+            .flatten();
+        if current.is_none_or(|c| c.images.path_in(root.dir()) != *dir) {
+            refuse_what_is_no_images_dir(dir)?;
+        }
         refuse_another_stores(store.root(), dir)?;
     }
     store.root().refuse_planted_layout()?;
@@ -192,10 +200,25 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Refuses a directory that is no images directory: `/`, one that would be made at the top of the
-/// filesystem (`$UNSET/img`), a home directory, a builder's storage directory (its images are in
-/// its `img/`), or one that holds files (an images directory holds image trees only).
+/// Refuses a directory that is no images directory: `/`, one at the top of the filesystem, a home
+/// directory, the system's, a builder's storage directory (its images are in its `img/`), or one
+/// that holds files (an images directory holds image trees only). Judged as written with `.` and
+/// `..` taken out, and as the kernel resolves it (`/lib` is `/usr/lib` on many systems).
 fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
+    let Some(what) = [lexical(dir), resolved(dir)]
+        .iter()
+        .find_map(|d| no_images_dir(d))
+    else {
+        return Ok(());
+    };
+    bail!(
+        "refusing {} as the images directory: it is {what}; give a directory that holds image trees only (a new one, or a builder's own images directory)",
+        dir.display()
+    )
+}
+
+/// Why `dir` (absolute, without `.` or `..`) is no images directory, if it is not one.
+fn no_images_dir(dir: &Path) -> Option<String> {
     let what = if dir == Path::new("/") {
         "the root of the filesystem".to_owned()
     } else if dir.parent() == Some(Path::new("/")) && !dir.exists() {
@@ -204,6 +227,9 @@ fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
         "a home directory".to_owned()
     } else if let Some(why) = of_the_system(dir) {
         why
+    } else if dir.parent() == Some(Path::new("/")) {
+        // /scratch holds its users' directories, /nix its store, /efi a boot loader's.
+        "a directory at the top of the filesystem, where the system's and its users' directories are".to_owned()
     } else if ["bucache", "dlcache", "ulcache"]
         .iter()
         .any(|d| dir.join(d).is_dir())
@@ -216,32 +242,55 @@ fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
     } else if let Some(f) = files_in(dir) {
         format!("a directory that holds files ({f}), not image trees only")
     } else {
-        return Ok(());
+        return None;
     };
-    bail!(
-        "refusing {} as the images directory: it is {what}; give a directory that holds image trees only (a new one, or a builder's own images directory)",
-        dir.display()
-    )
+    Some(what)
 }
 
-/// The operating system's trees (the Filesystem Hierarchy Standard's): nothing in them is an image.
+/// `dir` with `.` and `..` taken out as written (`/tmp/../usr/x` is `/usr/x`).
+fn lexical(dir: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::from("/");
+    for c in dir.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::Normal(n) => out.push(n),
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    out
+}
+
+/// `dir` as the kernel resolves it: its deepest existing ancestor resolved (links followed), the
+/// rest as written; as written if none resolves.
+fn resolved(dir: &Path) -> PathBuf {
+    let mut rest = Vec::new();
+    let mut at = dir.to_owned();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(&at) {
+            return lexical(&rest.iter().rev().fold(real, |p: PathBuf, n| p.join(n)));
+        }
+        match (at.file_name().map(ToOwned::to_owned), at.pop()) {
+            (Some(name), true) => rest.push(name),
+            _ => return lexical(dir),
+        }
+    }
+}
+
+/// The operating system's trees (the Filesystem Hierarchy Standard's, and the package stores of
+/// Nix and Guix): nothing in them is an image. `/dev/shm` is a tmpfs for anyone's files.
 const SYSTEM_TREES: &[&str] = &[
-    "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin",
-    "/sys", "/usr",
+    "/bin", "/boot", "/dev", "/efi", "/etc", "/gnu", "/lib", "/lib32", "/lib64", "/libx32", "/nix",
+    "/proc", "/sbin", "/sys", "/usr",
 ];
 
 /// Directories of the operating system that hold others' directories: a directory below one may be
 /// an images directory (`/var/tmp/me/img`, `/srv/images`), never the directory itself.
 const SYSTEM_DIRS: &[&str] = &[
-    "/home",
-    "/media",
-    "/mnt",
-    "/opt",
-    "/run",
+    "/dev/shm",
     "/run/user",
-    "/srv",
-    "/tmp",
-    "/var",
     "/var/cache",
     "/var/lib",
     "/var/local",
@@ -259,11 +308,9 @@ const SYSTEM_NAMES: &[&str] = &[
 /// Why `dir` is a directory of the operating system or a tree like one, if it is: its trees would
 /// be taken for images, one `gc` away from deletion.
 fn of_the_system(dir: &Path) -> Option<String> {
-    // As given, and as it resolves (`/lib` is `/usr/lib` on many systems).
-    let real = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
-    let either = |p: &dyn Fn(&Path) -> bool| p(dir) || p(&real);
-    if either(&|d| SYSTEM_TREES.iter().any(|t| d.starts_with(t)))
-        || either(&|d| SYSTEM_DIRS.iter().any(|t| d == Path::new(t)))
+    let shm = dir.starts_with("/dev/shm") && dir != Path::new("/dev/shm");
+    if (!shm && SYSTEM_TREES.iter().any(|t| dir.starts_with(t)))
+        || SYSTEM_DIRS.iter().any(|t| dir == Path::new(t))
     {
         return Some("a directory of the operating system".into());
     }

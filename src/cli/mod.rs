@@ -19,8 +19,9 @@ use crate::store::Store;
 macro_rules! complain {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let line = format!($($arg)*);
-        let _ = writeln!(std::io::stderr(), "{}", crate::error::without_errno(&line));
+        // One line, nothing in it that drives the terminal (a name may hold an escape sequence).
+        let line = crate::error::without_errno(&format!($($arg)*));
+        let _ = writeln!(std::io::stderr(), "{}", crate::ident::printable(&line));
     }};
 }
 

@@ -828,6 +828,22 @@ fn a_removal_that_finishes_while_doctor_looks_is_not_reported() {
     assert!(!show(&out).contains("'doomed'"), "{}", show(&out));
 }
 
+/// The same, when the removal finishes after doctor found its lock held
+/// and before it asked who holds it: it found nobody, and said interrupted.
+#[test]
+fn a_removal_that_finishes_while_doctor_asks_who_holds_it_is_not_reported() {
+    let env = Env::new();
+    env.make_image("doomed");
+    let (rm, rm_pause) = env.paused(["rm", "doomed"], "rm-moved");
+    let (doctor, doctor_pause) = env.paused(["doctor"], "underway-probed");
+    fs::remove_file(rm_pause).unwrap();
+    assert_eq!(code(&rm.finish()), Some(0));
+    fs::remove_file(doctor_pause).unwrap();
+    let out = doctor.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(!show(&out).contains("'doomed'"), "{}", show(&out));
+}
+
 /// A repair that cannot take an image's lock file (here: not its user's to
 /// open) says so, and never takes the image for gone: gc exited 0 saying
 /// nothing, doctor's repair reported nothing of the removal.

@@ -745,6 +745,12 @@ fn a_command_that_cannot_start_is_said_plainly() {
         assert_eq!(err.trim_end().lines().count(), 1, "{}", show(&out));
     }
     assert!(env.image("app").is_none());
+    // Whatever the words hold, one line and no escape reaching the terminal
+    // (a command given without '--' was printed raw, over three lines).
+    let out = env.run(["exec", "--write", "app", "x\x1b[31m\ny"]);
+    assert_eq!(code(&out), Some(64), "{}", show(&out));
+    assert_eq!(stderr(&out).trim_end().lines().count(), 1, "{}", show(&out));
+    assert!(!stderr(&out).contains('\x1b'), "{}", show(&out));
 }
 
 /// A request that writes an existing image and a new one whose place in

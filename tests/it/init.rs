@@ -419,23 +419,45 @@ fn init_refuses_the_systems_directories_and_trees_like_them() {
     for d in ["bin", "lib", "share/doc"] {
         fs::create_dir_all(prefix.join(d)).unwrap();
     }
+    // An existing directory at the top of the filesystem (/scratch holds its
+    // users' directories, /nix a store), and paths that climb out with '..'
+    // to a system directory not made yet: all three were taken.
+    let top = std::path::PathBuf::from(format!("/stowage-test-top-{}", std::process::id()));
+    fs::create_dir_all(top.join("alice")).unwrap();
+    let climbs = format!("{}/../../usr/stowage-test-new", env.tmp.path().display());
+    let prefix = prefix.to_str().unwrap();
     for (dir, says) in [
-        (
-            prefix.to_str().unwrap(),
-            "a system tree (it holds bin, lib, share)",
-        ),
+        (prefix, "a system tree (it holds bin, lib, share)"),
         ("/usr", "a directory of the operating system"),
         ("/usr/share", "a directory of the operating system"),
         ("/var/lib", "a directory of the operating system"),
+        (
+            top.to_str().unwrap(),
+            "a directory at the top of the filesystem",
+        ),
+        (
+            "/tmp/../usr/stowage-test-new",
+            "a directory of the operating system",
+        ),
+        (climbs.as_str(), "a directory of the operating system"),
     ] {
         let out = env.run(["init", "--images-dir", dir]);
         assert_eq!(code(&out), Some(1), "{dir}: {}", show(&out));
         assert!(stderr(&out).contains(says), "{dir}: {}", show(&out));
         assert!(!env.root.exists(), "{dir}: nothing made");
     }
-    // A directory below one that holds others' directories may be one.
+    fs::remove_dir_all(&top).unwrap();
+    assert!(!std::path::Path::new("/usr/stowage-test-new").exists());
+    // A directory below one that holds others' directories may be one, and
+    // init of that store again is no new adoption: not judged again.
     let mine = env.scratch.join("srv-like/images");
     fs::create_dir_all(&mine).unwrap();
+    env.ok(["init", "--images-dir", mine.to_str().unwrap()]);
+    fs::write(
+        mine.join("NOTES"),
+        "a file a new images directory may not hold",
+    )
+    .unwrap();
     env.ok(["init", "--images-dir", mine.to_str().unwrap()]);
 }
 
