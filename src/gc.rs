@@ -319,11 +319,12 @@ pub(crate) fn take_to_repair(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
 
 /// Whether image `name`'s removal is under way: `Some(true)` while a stowage process holds its lock
 /// exclusively (a removal, a repair, or a writer, which finishes a removal it finds), `Some(false)`
-/// if not (free, shared, or an outside program's), `None` once its lock file is gone (finished).
+/// if not (free, shared, or an outside program's), `None` once finished (no lock file, or a record
+/// no longer `deleting`).
 pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> {
     let path = ctx.root.image_lock(name);
-    match lock::probe(&path) {
-        Ok(lock::Probe::Missing) => None,
+    let live = match lock::probe(&path) {
+        Ok(lock::Probe::Missing) => return None,
         Ok(lock::Probe::Exclusive) => {
             crate::debug::pause("underway-probed");
             let rel = ctx.root.locks_rel(&path);
@@ -331,13 +332,18 @@ pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> 
             let r = crate::holders::Look::new(ctx).report(kind, name.as_str(), &path, &rel);
             // A live stowage process: a dead one's lease (no pid) explains an inheritor's hold,
             // and a removal has none.
-            let live = r.holders.iter().any(|h| h.stowage && h.pid.is_some());
-            // Finished while we looked: its lock file went with it.
-            let gone = matches!(lock::probe(&path), Ok(lock::Probe::Missing));
-            (!gone).then_some(live)
+            r.holders.iter().any(|h| h.stowage && h.pid.is_some())
         }
-        _ => Some(false),
-    }
+        _ => false,
+    };
+    // Finished meanwhile: its lock file gone, or its record no longer `deleting` (cleared where
+    // lock files stay, or written anew by a writer since).
+    let still = lock::open_existing_read(&path)
+        .ok()
+        .flatten()
+        .and_then(|f| crate::image_record::read_of(&f, name.as_str()).ok())
+        .is_some_and(|seen| deleting(&seen));
+    still.then_some(live)
 }
 
 /// An image's lock taken exclusively without waiting (`None`: busy), with its record read under it;

@@ -33,19 +33,21 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         std::path::absolute(d).with_context(|| format!("cannot resolve {}", d.display()))
     };
     let wanted = args.images_dir.as_ref().map(resolve).transpose()?;
-    // Refused before anything is created: a failed init leaves no root behind.
+    // Refused before anything is created: a failed init leaves no root behind. Judged by its path
+    // always (a group's members may write the configuration), by what it holds only when a store
+    // takes it: an idempotent `init` of a store with a file in its images directory goes on.
+    let root = store.root();
+    let current = root
+        .exists()
+        .then(|| crate::images_dir::config(root).ok())
+        .flatten()
+        .map(|c| c.images.path_in(root.dir()));
     if let Some(dir) = &wanted {
-        refuse_images_dir(store.root(), dir)?;
-        // Judged when a store takes it, not again at each idempotent `init` of that store.
-        let root = store.root();
-        let current = root
-            .exists()
-            .then(|| crate::images_dir::config(root).ok())
-            .flatten();
-        if current.is_none_or(|c| c.images.path_in(root.dir()) != *dir) {
-            refuse_what_is_no_images_dir(dir)?;
-        }
-        refuse_another_stores(store.root(), dir)?;
+        refuse_images_dir(root, dir)?;
+        refuse_what_is_no_images_dir(dir, current.as_ref() != Some(dir))?;
+        refuse_another_stores(root, dir)?;
+    } else if let Some(dir) = current.filter(|d| *d != root.default_images_dir()) {
+        refuse_what_is_no_images_dir(&dir, false)?;
     }
     store.root().refuse_planted_layout()?;
     let group = args
@@ -204,10 +206,10 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
 /// directory, the system's, a builder's storage directory (its images are in its `img/`), or one
 /// that holds files (an images directory holds image trees only). Judged as written with `.` and
 /// `..` taken out, and as the kernel resolves it (`/lib` is `/usr/lib` on many systems).
-fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
+fn refuse_what_is_no_images_dir(dir: &Path, contents: bool) -> Result<()> {
     let Some(what) = [lexical(dir), resolved(dir)]
         .iter()
-        .find_map(|d| no_images_dir(d))
+        .find_map(|d| no_images_dir(d, contents))
     else {
         return Ok(());
     };
@@ -217,19 +219,24 @@ fn refuse_what_is_no_images_dir(dir: &Path) -> Result<()> {
     )
 }
 
-/// Why `dir` (absolute, without `.` or `..`) is no images directory, if it is not one.
-fn no_images_dir(dir: &Path) -> Option<String> {
+/// Why `dir` (absolute, without `.` or `..`) is no images directory, if it is not one: by its path,
+/// and with `contents` by what it holds.
+fn no_images_dir(dir: &Path, contents: bool) -> Option<String> {
     let what = if dir == Path::new("/") {
         "the root of the filesystem".to_owned()
     } else if dir.parent() == Some(Path::new("/")) && !dir.exists() {
         "a new directory at the top of the filesystem (is a variable in its path unset?)".to_owned()
     } else if is_home(dir) {
         "a home directory".to_owned()
-    } else if let Some(why) = of_the_system(dir) {
-        why
+    } else if of_the_system(dir) {
+        "a directory of the operating system".to_owned()
     } else if dir.parent() == Some(Path::new("/")) {
         // /scratch holds its users' directories, /nix its store, /efi a boot loader's.
         "a directory at the top of the filesystem, where the system's and its users' directories are".to_owned()
+    } else if !contents {
+        return None;
+    } else if let Some(held) = like_the_system(dir) {
+        format!("a system tree (it holds {held}), not a directory of image trees")
     } else if ["bucache", "dlcache", "ulcache"]
         .iter()
         .any(|d| dir.join(d).is_dir())
@@ -305,36 +312,33 @@ const SYSTEM_NAMES: &[&str] = &[
     "bin", "sbin", "lib", "lib64", "libexec", "include", "share", "etc", "usr", "var",
 ];
 
-/// Why `dir` is a directory of the operating system or a tree like one, if it is: its trees would
-/// be taken for images, one `gc` away from deletion.
-fn of_the_system(dir: &Path) -> Option<String> {
+/// Whether `dir` is a directory of the operating system: its trees would be taken for images, one
+/// `gc` away from deletion.
+fn of_the_system(dir: &Path) -> bool {
     let shm = dir.starts_with("/dev/shm") && dir != Path::new("/dev/shm");
-    if (!shm && SYSTEM_TREES.iter().any(|t| dir.starts_with(t)))
+    (!shm && SYSTEM_TREES.iter().any(|t| dir.starts_with(t)))
         || SYSTEM_DIRS.iter().any(|t| dir == Path::new(t))
-    {
-        return Some("a directory of the operating system".into());
-    }
+}
+
+/// The names of a system tree `dir` holds at its top ("bin, lib, share"), if two or more.
+fn like_the_system(dir: &Path) -> Option<String> {
     let held: Vec<&str> = SYSTEM_NAMES
         .iter()
         .copied()
         .filter(|n| dir.join(n).symlink_metadata().is_ok_and(|m| m.is_dir()))
         .collect();
-    (held.len() >= 2).then(|| {
-        format!(
-            "a system tree (it holds {}), not a directory of image trees",
-            held.join(", ")
-        )
-    })
+    (held.len() >= 2).then(|| held.join(", "))
 }
 
-/// Whether `dir` is this user's home or any `/etc/passwd` user's (read directly: no name service).
+/// Whether `dir` is this user's home or any `/etc/passwd` user's (read directly: no name service),
+/// each as written and as resolved (`/home` is a link on many clusters).
 fn is_home(dir: &Path) -> bool {
-    let mine = std::env::var_os("HOME").map(PathBuf::from);
-    mine.as_deref() == Some(dir)
+    let is = |h: &Path| h.as_os_str().len() > 1 && (h == dir || resolved(h) == dir);
+    std::env::var_os("HOME").is_some_and(|h| is(Path::new(&h)))
         || std::fs::read_to_string("/etc/passwd").is_ok_and(|t| {
             t.lines()
                 .filter_map(|l| l.split(':').nth(5))
-                .any(|h| h.len() > 1 && Path::new(h) == dir)
+                .any(|h| is(Path::new(h)))
         })
 }
 

@@ -829,7 +829,8 @@ fn a_removal_that_finishes_while_doctor_looks_is_not_reported() {
 }
 
 /// The same, when the removal finishes after doctor found its lock held
-/// and before it asked who holds it: it found nobody, and said interrupted.
+/// and before it asked who holds it, and the name is even written anew:
+/// it found nobody holding it, and said interrupted.
 #[test]
 fn a_removal_that_finishes_while_doctor_asks_who_holds_it_is_not_reported() {
     let env = Env::new();
@@ -838,6 +839,7 @@ fn a_removal_that_finishes_while_doctor_asks_who_holds_it_is_not_reported() {
     let (doctor, doctor_pause) = env.paused(["doctor"], "underway-probed");
     fs::remove_file(rm_pause).unwrap();
     assert_eq!(code(&rm.finish()), Some(0));
+    env.make_image("doomed");
     fs::remove_file(doctor_pause).unwrap();
     let out = doctor.finish();
     assert_eq!(code(&out), Some(0), "{}", show(&out));

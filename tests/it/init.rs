@@ -453,12 +453,43 @@ fn init_refuses_the_systems_directories_and_trees_like_them() {
     let mine = env.scratch.join("srv-like/images");
     fs::create_dir_all(&mine).unwrap();
     env.ok(["init", "--images-dir", mine.to_str().unwrap()]);
-    fs::write(
-        mine.join("NOTES"),
-        "a file a new images directory may not hold",
-    )
-    .unwrap();
+    fs::write(mine.join("NOTES"), "no new images directory holds files").unwrap();
     env.ok(["init", "--images-dir", mine.to_str().unwrap()]);
+    // A configuration that names a system directory (a group's members may
+    // write it) is judged by its path all the same, with or without
+    // --images-dir: it was taken as the store's own.
+    let conf = env.root.join("store.conf");
+    let text = fs::read_to_string(&conf).unwrap();
+    let planted = text.replace(mine.to_str().unwrap(), "/usr/share");
+    assert_ne!(planted, text);
+    fs::write(&conf, planted).unwrap();
+    for args in [&["init"][..], &["init", "--images-dir", "/usr/share"]] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("of the operating system"),
+            "{}",
+            show(&out)
+        );
+    }
+}
+
+/// A home directory given by its real path, where the one written down
+/// goes through a link (`/home` is a link on many clusters), is a home
+/// directory still: it was taken.
+#[test]
+fn init_refuses_a_home_directory_reached_through_a_link() {
+    let env = Env::new();
+    let real = env.scratch.join("real-homes/u");
+    fs::create_dir_all(real.join("projects")).unwrap();
+    let link = env.scratch.join("homes");
+    std::os::unix::fs::symlink(env.scratch.join("real-homes"), &link).unwrap();
+    let mut c = env.cmd(["init", "--images-dir", real.to_str().unwrap()]);
+    c.env("HOME", link.join("u"));
+    let out = output(c);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("a home directory"), "{}", show(&out));
+    assert!(!env.root.exists());
 }
 
 /// The root's entries, each with its kind, mode and group: what a refused
