@@ -246,7 +246,7 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
         let Some(Ok(name)) = e.name().map(ImageName::parse) else {
             continue;
         };
-        let held = match take_to_repair(store.ctx(), &name) {
+        let held = match take_removal(store.ctx(), &name) {
             Taken::Held(h) if deleting(&h.seen) => h,
             // Finished by the next gc, said as any image in use.
             Taken::Busy => {
@@ -307,13 +307,22 @@ pub(crate) fn take_to_repair(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
     match take_exclusive(root, name, lock::IfMissing::Fail) {
         Ok(Some(h)) if crate::store_wide::blocks(root, &h.seen) => Taken::Busy,
         Ok(Some(h)) => Taken::Held(Box::new(h)),
-        Ok(None) => match underway(ctx, name) {
+        Ok(None) => Taken::Busy,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Taken::Gone,
+        Err(e) => Taken::Failed(e),
+    }
+}
+
+/// [`take_to_repair`] for an interrupted removal: one whose lock is busy may be under way, or
+/// finished meanwhile ([`underway`]).
+pub(crate) fn take_removal(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
+    match take_to_repair(ctx, name) {
+        Taken::Busy => match underway(ctx, name) {
             Some(true) => Taken::Underway,
             Some(false) => Taken::Busy,
             None => Taken::Gone,
         },
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Taken::Gone,
-        Err(e) => Taken::Failed(e),
+        taken => taken,
     }
 }
 

@@ -569,7 +569,7 @@ fn removals(ctx: &crate::ctx::Ctx, entries: &[Entry], repair: bool, report: &mut
             }
             continue;
         }
-        match crate::gc::take_to_repair(ctx, &name) {
+        match crate::gc::take_removal(ctx, &name) {
             Taken::Held(h) if crate::gc::deleting(&h.seen) => match remove::finish_held(root, *h) {
                 Ok(()) => finished.push(said),
                 Err(err) => report.problem("removals", format!("{err:#}")),
