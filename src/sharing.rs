@@ -207,30 +207,33 @@ fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<
 /// A group by name or number, as `init --group` takes it. Names are read from `/etc/group`, as a
 /// static binary can (glibc's lookup through NSS modules is not to be had there); a group known
 /// only to LDAP or SSSD is given by number.
+/// The groups `/etc/group` names, as (name, gid) (read directly: no name service).
+fn groups() -> Vec<(String, u32)> {
+    let text = fs::read_to_string("/etc/group").unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split(':');
+            let name = f.next()?;
+            Some((name.to_owned(), f.nth(1)?.parse().ok()?))
+        })
+        .collect()
+}
+
 /// "'users' (100)", by `/etc/group`; the number alone for a group it does not name.
 pub fn group_label(gid: u32) -> String {
-    let text = fs::read_to_string("/etc/group").unwrap_or_default();
-    let name = text.lines().find_map(|l| {
-        let mut f = l.split(':');
-        let name = f.next()?;
-        (f.nth(1)?.parse::<u32>().ok()? == gid).then(|| name.to_owned())
-    });
-    name.map_or_else(|| gid.to_string(), |n| format!("'{n}' ({gid})"))
+    groups()
+        .into_iter()
+        .find(|(_, g)| *g == gid)
+        .map_or_else(|| gid.to_string(), |(n, _)| format!("'{n}' ({gid})"))
 }
 
 pub fn group_id(group: &str) -> Result<u32> {
     if let Ok(n) = group.parse::<u32>() {
         return Ok(n);
     }
-    let text = fs::read_to_string("/etc/group").unwrap_or_default();
-    text.lines()
-        .filter_map(|l| {
-            let mut f = l.split(':');
-            let name = f.next()?;
-            let gid = f.nth(1)?.parse::<u32>().ok()?;
-            (name == group).then_some(gid)
-        })
-        .next()
+    groups()
+        .into_iter()
+        .find_map(|(name, gid)| (name == group).then_some(gid))
         .ok_or_else(|| {
             crate::Error::Usage(format!(
                 "--group '{group}': no such group in /etc/group (give its number, e.g. from 'getent group {group}')"

@@ -424,7 +424,8 @@ fn wait_in_turn<T>(
         ),
         _ => (LockKind::Global, root.locks(), "store".to_owned()),
     };
-    let holders = crate::holders::holders_phrase(store.ctx(), kind, path);
+    let now = || crate::holders::holders_phrase(store.ctx(), kind, path);
+    let holders = now();
     if let Some(busy) = refuse {
         return Err(Busy::now(busy, holders).into());
     }
@@ -432,7 +433,6 @@ fn wait_in_turn<T>(
     let report = move |look: &crate::holders::Look| look.report(kind, &name, &shown, &rel);
     let _line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(Box::new(report)));
     let mut wait = Wait::on(&dir, deadline);
-    let now = || crate::holders::holders_phrase(store.ctx(), kind, path);
     crate::acquire::wait_for(store, awaited, &[], what, holders, now, move || {
         attempt(&mut wait)
     })

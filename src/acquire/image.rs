@@ -88,8 +88,11 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
         want.mode.verb()
     };
     let what = format!("{verb} lock on image '{name}'");
-    let report = Look::new(store.ctx()).report(LockKind::Image, name.as_str(), &path, &rel);
-    let mut holders = crate::holders::phrase(&report.holders);
+    let phrase_now = || {
+        let r = Look::new(store.ctx()).report(LockKind::Image, name.as_str(), &path, &rel);
+        crate::holders::phrase(&r.holders)
+    };
+    let mut holders = phrase_now();
     if writer_ahead {
         holders.push_str("; and a writer waits ahead of new readers");
     }
@@ -105,8 +108,7 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
     holding.reading = want.reading;
     let mut wait = Wait::on(&root.image_locks(), want.deadline);
     let now = || {
-        let r = Look::new(store.ctx()).report(LockKind::Image, name.as_str(), &path, &rel);
-        let holders = crate::holders::phrase(&r.holders);
+        let holders = phrase_now();
         match (holders.is_empty(), writer_ahead) {
             (false, true) => holders + "; and a writer waits ahead of new readers",
             _ => holders,

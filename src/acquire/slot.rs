@@ -141,8 +141,11 @@ pub(crate) fn take(
         "a {word} slot of class '{class}' (limit {}, {} reserved for high priority)",
         limits.limit, limits.reserve
     );
-    let report = crate::slots::report(&Look::new(store.ctx()), root, class, Some(limits));
-    let holders = crate::holders::phrase_slots(&report.holders);
+    let now = || {
+        let r = crate::slots::report(&Look::new(store.ctx()), root, class, Some(limits));
+        crate::holders::phrase_slots(&r.holders)
+    };
+    let holders = now();
     if no_wait {
         return Err(Busy::now(what, holders).into());
     }
@@ -153,10 +156,6 @@ pub(crate) fn take(
     let line =
         crate::wait_line::announce(store.ctx(), &what, &format!("all {holders}"), Some(reread));
     let awaited = crate::lease::Holding::now(Mode::Exclusive, class_rel, true, command);
-    let now = || {
-        let r = crate::slots::report(&Look::new(store.ctx()), root, class, Some(limits));
-        crate::holders::phrase_slots(&r.holders)
-    };
     let got = super::wait_for(store, awaited, &[], what, holders, now, || {
         wait_for_slot(store, class, priority, &dir, limits, slots, deadline)
     });

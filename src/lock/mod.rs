@@ -588,18 +588,21 @@ static INHERITED: std::sync::OnceLock<Vec<std::os::fd::RawFd>> = std::sync::Once
 
 /// Notes inherited descriptors before we open any: a `/proc/self/fd` listing, no server request.
 pub fn note_inherited() {
-    let listed: Vec<std::os::fd::RawFd> = fs::read_dir("/proc/self/fd")
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+    use nix::fcntl::OFlag;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let fds = nix::dir::Dir::open("/proc/self/fd", flags, nix::sys::stat::Mode::empty())
+        .map(|mut d| {
+            // Not the listing's own descriptor: its number, free again once it closes, goes to the
+            // next open (an image lock a repair takes), which must not pass for an inherited one.
+            let own = d.as_raw_fd();
+            d.iter()
+                .flatten()
+                .filter_map(|e| e.file_name().to_str().ok()?.parse().ok())
+                .filter(|&fd| fd != own)
                 .collect()
         })
         .unwrap_or_default();
-    // The listing's own descriptor is closed by now; its number, reused by the next open (an image
-    // lock taken by a repair), must not pass for an inherited one.
-    // SAFETY: F_GETFD only asks whether a descriptor is open; it changes nothing.
-    let open = |fd: &std::os::fd::RawFd| unsafe { libc::fcntl(*fd, libc::F_GETFD) } != -1;
-    let _ = INHERITED.set(listed.into_iter().filter(open).collect());
+    let _ = INHERITED.set(fds);
 }
 
 /// Whether an inherited fd flocks a file in `dir`: an enclosing command's, held while it waits for
