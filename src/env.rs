@@ -34,5 +34,8 @@ pub const DEBUG_DB_BUSY_MS: &str = "STOWAGE_DEBUG_DB_BUSY_MS";
 /// Hidden test hook: how long (ms) a lease nobody wrote is left to a maker that may be about to
 /// lock it (`lease.rs`; 10 minutes otherwise).
 pub const DEBUG_UNWRITTEN_LEASE_MS: &str = "STOWAGE_DEBUG_UNWRITTEN_LEASE_MS";
+/// Hidden test hook: ms after which an exec on a shared filesystem makes the lease it named
+/// (`lease.rs`; 30 otherwise).
+pub const DEBUG_ANNOUNCE_MS: &str = "STOWAGE_DEBUG_ANNOUNCE_MS";
 /// Test hook: ms between a wait's plain lines where stderr is no terminal (else one a minute).
 pub const DEBUG_WAIT_LINE_MS: &str = "STOWAGE_DEBUG_WAIT_LINE_MS";

@@ -58,6 +58,11 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         Locks::Images(ref req) => req,
     };
     let from = plan.from.as_ref();
+    // Where each request is a round trip, a command that ends at once is never announced (lease.rs);
+    // a keeper (`--no-inherit`) holds the lease with the locks, so it is made first.
+    if !plan.no_inherit {
+        crate::lease::announce_late();
+    }
     let mut session = match Session::begin(store, req) {
         Ok(s) => s,
         Err(e) => return refused(store, plan, e),
@@ -68,6 +73,8 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     ));
 
     if let Some(base) = from {
+        // A copy takes a while: its holder is named meanwhile.
+        crate::lease::announce();
         session = copy_base(store, session, plan, base, &req.writes[0])?;
     }
 

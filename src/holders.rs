@@ -606,7 +606,8 @@ impl<'c> Look<'c> {
 
     /// Held, and no lease read before said so: a holder that listed the lock since (on another
     /// host, where no table names it) is found by rereading the leases, a few times a moment apart
-    /// without a table (a holder lists its lock just after taking it). Else an unknown holder.
+    /// without a table (a holder lists its lock just after taking it, or, announcing its lease
+    /// late, `lease::announce_after` into its exec). Else an unknown holder.
     fn held_by_whom(&self, rel: &str, state: Probe, entries: Option<&[Entry]>) -> Vec<Party> {
         let mode = match state {
             Probe::Exclusive => Mode::Exclusive,
@@ -616,7 +617,7 @@ impl<'c> Look<'c> {
         // At most WAIT_BUDGET in all, or many locks held outside stowage on a
         // shared filesystem would each cost sleeps; past it, one read each.
         let tries = if self.waited.get() < WAIT_BUDGET {
-            3
+            5
         } else {
             1
         };
@@ -673,8 +674,9 @@ fn read_leases<'a>(dir: &Path, names: impl Iterator<Item = &'a String>) -> Vec<L
     names.filter_map(read).collect()
 }
 
-/// The most a look sleeps in all for other hosts' holders to list locks seen held (70 ms a lock).
-const WAIT_BUDGET: std::time::Duration = std::time::Duration::from_millis(350);
+/// The most a look sleeps in all for other hosts' holders to list locks seen held (150 ms a lock:
+/// 10, 20, 40, 80; a lease announced late comes 30 ms into its command).
+const WAIT_BUDGET: std::time::Duration = std::time::Duration::from_millis(600);
 
 fn probe(path: &Path) -> Probe {
     crate::lock::probe(path).unwrap_or(Probe::Free)

@@ -11,6 +11,10 @@
 //! - Unlinked only under the exclusive lock, by its owner ([`retire`]) or by [`clean_keeping`] for
 //!   dead owners; kept while an inheritor still holds its lock (`holders::Look::clean_leases`).
 //! - Inheritance follows the image locks; with `--no-inherit` the keeper holds both.
+//! - Announced late on a shared filesystem, where each request is a round trip: an exec names its
+//!   lease (records, its command's environment) but makes it only once it awaits a lock, copies a
+//!   base, or [`announce_after`] has passed since it named it (a thread of its own). A look waits
+//!   that long for a holder to list its lock; a nested call for its enclosing exec's (nested.rs).
 
 use std::fs;
 use std::io;
@@ -47,11 +51,73 @@ fn mine_all() -> std::sync::MutexGuard<'static, Vec<(PathBuf, Lease)>> {
     MINE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The name of our lease in `leases` (the root's leases directory), made first if there is none.
+/// How long after naming its lease an exec makes it, where it is announced late (module doc): an
+/// exec whose command ends sooner (`true`, a test) costs the server no lease at all. 30 ms, unless
+/// a test sets [`crate::env::DEBUG_ANNOUNCE_MS`].
+pub fn announce_after() -> std::time::Duration {
+    let ms = std::env::var(crate::env::DEBUG_ANNOUNCE_MS)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    std::time::Duration::from_millis(ms)
+}
+
+/// Whether this process announces its lease late (set by an exec; off once it is made).
+static LATE: AtomicBool = AtomicBool::new(false);
+
+/// A lease named but not made yet: its directory, name, and what it is to list.
+struct Named {
+    dir: PathBuf,
+    name: String,
+    holdings: Vec<Holding>,
+}
+
+/// Our leases named and not yet made (lock order: [`MINE`] first).
+static NAMED: Mutex<Vec<Named>> = Mutex::new(Vec::new());
+
+fn named_all() -> std::sync::MutexGuard<'static, Vec<Named>> {
+    NAMED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// This process (an exec) announces its lease late where the store is on a shared filesystem.
+pub fn announce_late() {
+    LATE.store(true, Relaxed);
+}
+
+/// The name of our lease in `leases` (the root's leases directory), made first if there is none
+/// (only named, where it is announced late: see the module doc).
 pub fn mine(leases: &Path) -> io::Result<String> {
     let mut all = mine_all();
     if let Some((_, l)) = all.iter().find(|(d, _)| d == leases) {
         return Ok(l.name.clone());
+    }
+    if LATE.load(Relaxed) && lock::write_through_flag() != 0 {
+        let mut named = named_all();
+        if let Some(n) = named.iter().find(|n| n.dir == leases) {
+            return Ok(n.name.clone());
+        }
+        let name = fresh_name(&crate::ident::Me::current());
+        named.push(Named {
+            dir: leases.to_owned(),
+            name: name.clone(),
+            holdings: Vec::new(),
+        });
+        // Detached: the process may end first, and then nothing is announced. Threads start
+        // after the exec's signal mask is set (exec.rs), so this one takes none of its signals.
+        let after = announce_after();
+        let timer = std::thread::Builder::new().name("announce".into());
+        if timer
+            .spawn(move || {
+                std::thread::sleep(after);
+                announce();
+            })
+            .is_err()
+        {
+            drop(named);
+            drop(all);
+            announce();
+        }
+        return Ok(name);
     }
     let lease = create(leases)?;
     let name = lease.name.clone();
@@ -59,9 +125,33 @@ pub fn mine(leases: &Path) -> io::Result<String> {
     Ok(name)
 }
 
+/// Makes every lease named and not yet made, under its name, listing what it is to list; from
+/// now on leases are made at once. One that cannot be made is left unmade (only information: a
+/// look names its holder "unknown"; its name, told already, is a dead lease's).
+pub fn announce() {
+    // Under MINE throughout: no lease is made or noted meanwhile by another thread.
+    let mut all = mine_all();
+    LATE.store(false, Relaxed);
+    let named = std::mem::take(&mut *named_all());
+    for n in named {
+        let made = open_leases_dir(&n.dir).and_then(|pinned| {
+            let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
+            let guard = lock_fresh(&via.join(&n.name))?;
+            Ok(guard
+                .map(|g| with_identity(g, n.name.clone(), &crate::ident::Me::current(), pinned)))
+        });
+        if let Ok(Some(mut lease)) = made {
+            lease.holdings = n.holdings;
+            lease.rewrite();
+            all.push((n.dir, lease));
+        }
+    }
+}
+
 /// [`mine`], with the identity written if nothing was yet: a process (gc,
 /// rm) that lists locks only while removing an image is named between.
 pub fn introduce(leases: &Path) -> io::Result<String> {
+    announce();
     let name = mine(leases)?;
     let mut all = mine_all();
     if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases)
@@ -90,6 +180,7 @@ pub fn set_inheritable(inherit: bool) -> io::Result<()> {
 /// Ends this process's leases once it is done with every lock: unlinks each
 /// file under its lock, then closes it (a dying one's go to [`clean_keeping`]).
 pub fn retire() {
+    named_all().clear();
     let all = std::mem::take(&mut *mine_all());
     for (_, l) in all {
         let _ = l.guard.unlink_lease();
@@ -186,29 +277,41 @@ pub fn note(leases: &Path, h: Holding) {
 /// [`note`] for every lock of `hs`, in one write: each write is a (synced) server request on a
 /// shared filesystem, and an exec of a base and a new image holds two locks, a slot three.
 pub fn note_all(leases: &Path, hs: Vec<Holding>) {
+    // A process that awaits a lock is announced at once: waiters and their queue are named.
+    if hs.iter().any(|h| h.awaits) {
+        announce();
+    }
     if hs.is_empty() || mine(leases).is_err() {
         return;
     }
     let mut all = mine_all();
     if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases) {
-        let mut changed = false;
-        for h in hs {
-            // Listed already as it is (announced before the lock was taken): nothing to write.
-            let same = |o: &Holding| {
-                (&o.lockfile, o.mode, o.awaits, o.reading, &o.command)
-                    == (&h.lockfile, h.mode, h.awaits, h.reading, &h.command)
-            };
-            if l.written > 0 && l.holdings.iter().any(same) {
-                continue;
-            }
-            l.holdings.retain(|o| o.lockfile != h.lockfile);
-            l.holdings.push(h);
-            changed = true;
-        }
-        if changed {
+        if merge(&mut l.holdings, hs, l.written > 0) {
             l.rewrite();
         }
+    } else if let Some(n) = named_all().iter_mut().find(|n| n.dir == leases) {
+        merge(&mut n.holdings, hs, false);
     }
+}
+
+/// Lists each of `hs` in `holdings`, replacing any entry for its lock; whether anything changed.
+/// `written`: the lease says `holdings` already, so one listed as it is needs no write.
+fn merge(holdings: &mut Vec<Holding>, hs: Vec<Holding>, written: bool) -> bool {
+    let mut changed = false;
+    for h in hs {
+        // Listed already as it is (announced before the lock was taken): nothing to write.
+        let same = |o: &Holding| {
+            (&o.lockfile, o.mode, o.awaits, o.reading, &o.command)
+                == (&h.lockfile, h.mode, h.awaits, h.reading, &h.command)
+        };
+        if written && holdings.iter().any(same) {
+            continue;
+        }
+        holdings.retain(|o| o.lockfile != h.lockfile);
+        holdings.push(h);
+        changed = true;
+    }
+    changed
 }
 
 /// Takes the lock file `lockfile` out of this process's lease.
@@ -230,6 +333,10 @@ pub fn forget_all(leases: &Path, lockfiles: &[&str]) {
     if ENDING.load(Relaxed) {
         return;
     }
+    if let Some(n) = named_all().iter_mut().find(|n| n.dir == leases) {
+        n.holdings
+            .retain(|o| !lockfiles.contains(&o.lockfile.as_str()));
+    }
     let mut all = mine_all();
     if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases)
         && l.holdings
@@ -244,7 +351,7 @@ pub fn forget_all(leases: &Path, lockfiles: &[&str]) {
 
 /// Whether `name` is one of this process's own leases.
 pub fn is_mine(name: &str) -> bool {
-    mine_all().iter().any(|(_, l)| l.name == name)
+    mine_all().iter().any(|(_, l)| l.name == name) || named_all().iter().any(|n| n.name == name)
 }
 
 /// The boot part of a lease name: the first 8 hex digits of the boot id.
@@ -260,13 +367,10 @@ fn boot_part(me: &crate::ident::Me) -> String {
 
 fn create(dir: &Path) -> io::Result<Lease> {
     let me = crate::ident::Me::current();
-    let boot = boot_part(&me);
-    let host = safe_part(&me.host);
     let pinned = open_leases_dir(dir)?;
     let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
-    let ns = pid_namespace_number().unwrap_or(0);
     for _ in 0..100 {
-        let name = format!("{host}-{boot}-{ns}-{}-{:016x}{SUFFIX}", me.pid, random());
+        let name = fresh_name(&me);
         let path = via.join(&name);
         let fresh = lock_fresh(&path).map_err(|e| {
             let at = dir.join(&name);
@@ -283,6 +387,18 @@ fn create(dir: &Path) -> io::Result<Lease> {
         "cannot create a lease under {}: every fresh file was taken from us",
         dir.display()
     )))
+}
+
+/// A new lease name: `HOST-BOOT-PIDNS-PID-RANDOM.lease` (HOST has no '-').
+fn fresh_name(me: &crate::ident::Me) -> String {
+    let ns = pid_namespace_number().unwrap_or(0);
+    format!(
+        "{}-{}-{ns}-{}-{:016x}{SUFFIX}",
+        safe_part(&me.host),
+        boot_part(me),
+        me.pid,
+        random()
+    )
 }
 
 /// Opens the leases directory, made by the store's first lease (a missing root or locks directory
@@ -389,7 +505,7 @@ fn unwritten_grace() -> std::time::Duration {
 }
 
 /// This host's time since boot, suspend included (a stopped process's clock runs on).
-fn boot_time() -> std::time::Duration {
+pub fn boot_time() -> std::time::Duration {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
         .map(|t| std::time::Duration::new(t.tv_sec() as u64, t.tv_nsec() as u32))
         .unwrap_or_default()
@@ -413,23 +529,27 @@ fn pid_namespace_number() -> Option<u64> {
 /// Anything else may be a maker between its create and its lock, which a prober must not unlink
 /// ([`lock::create_locked_with`]).
 fn unwritten_maker_gone(name: &str) -> bool {
-    let Some(stem) = name.strip_suffix(SUFFIX) else {
-        return false;
-    };
+    maker_here(name).is_some_and(|pid| {
+        pid > 0
+            && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+                == Err(nix::errno::Errno::ESRCH)
+    })
+}
+
+/// The pid of the process that named lease `name`, where its name says this host, boot and pid
+/// namespace (so the pid means that process to us, or a later one given its pid).
+pub fn maker_here(name: &str) -> Option<i32> {
+    let stem = name.strip_suffix(SUFFIX)?;
     let parts: Vec<&str> = stem.split('-').collect();
     let [host, boot, ns, pid, _random] = parts[..] else {
-        return false;
+        return None;
     };
     let me = crate::ident::Me::current();
     let (Ok(ns), Ok(pid)) = (ns.parse::<u64>(), pid.parse::<i32>()) else {
-        return false;
+        return None;
     };
-    if host != safe_part(&me.host) || boot != boot_part(&me) || Some(ns) != pid_namespace_number() {
-        return false;
-    }
-    pid > 0
-        && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
-            == Err(nix::errno::Errno::ESRCH)
+    (host == safe_part(&me.host) && boot == boot_part(&me) && Some(ns) == pid_namespace_number())
+        .then_some(pid)
 }
 
 /// A host name as a file name component: no '/', no control characters, bounded length.

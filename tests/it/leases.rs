@@ -1876,3 +1876,168 @@ fn why_says_to_kill_a_containers_holder_here() {
     drop(h);
     waiter.kill_all();
 }
+
+// --- leases announced late, where each request is a round trip --------------
+
+/// `cmd` made to see the store as on a shared filesystem, its exec making
+/// the lease it names only `announce_ms` in.
+fn on_shared_fs(mut c: Command, announce_ms: u64) -> Command {
+    c.env(stowage::env::DEBUG_FILESYSTEM, "nfs")
+        .env(stowage::env::DEBUG_ANNOUNCE_MS, announce_ms.to_string());
+    c
+}
+
+/// On a shared filesystem an exec whose command ends before its lease is
+/// due never makes one (its create, synced write and unlink are each a
+/// request to the server); on a local one the lease is there before the
+/// command starts. Either way the write is recorded as ever.
+#[test]
+fn an_exec_that_ends_before_its_lease_is_due_makes_none() {
+    let env = Env::new();
+    env.make_image("base");
+    let script = r#"ls -A "$STOWAGE_ROOT/locks/leases"; echo "lease: $STOWAGE_EXEC_LEASES""#;
+    let run = |shared: bool| {
+        let mut c = env.cmd([
+            "exec", "--read", "base", "--write", "app", "--", "sh", "-c", script,
+        ]);
+        if shared {
+            c = on_shared_fs(c, 600_000);
+        }
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let shared = run(true);
+    let mut lines = shared.lines();
+    let named = lines.next().unwrap_or_default();
+    assert!(
+        named.starts_with("lease: ") && named.ends_with(".lease"),
+        "the command is told the lease's name: {shared}"
+    );
+    assert!(lines.next().is_none(), "a lease was made: {shared}");
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    let local = run(false);
+    assert_eq!(
+        local.lines().count(),
+        2,
+        "no lease on a local filesystem: {local}"
+    );
+    let left: Vec<_> = fs::read_dir(env.root.join("locks/leases"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// A holder whose lease is announced late is named by it once it is due,
+/// without a lock table (as from another host): by its pid and command,
+/// never as an outsider for good.
+#[test]
+fn a_holder_is_named_once_its_late_lease_is_due() {
+    let env = Env::new();
+    env.make_image("base");
+    let mut c = env.cmd([
+        "exec",
+        "--read",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.01; done",
+            env.sentinel("started").display(),
+            env.sentinel("release").display()
+        ),
+    ]);
+    c = on_shared_fs(c, 200);
+    let bg = Bg::from_command(c);
+    wait_for_file(&env.sentinel("started"));
+    wait_until("the reader is named by its lease", || {
+        let out = output(on_shared_fs(
+            env.cmd(["lock-status", "--json", "base"]),
+            200,
+        ));
+        let st: Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let entry = image_entry(&st, "base");
+        entry["holders"][0]["pid"] == bg.pid() && entry["holders"][0]["stowage"] == true
+    });
+    env.release("release");
+    assert_eq!(code(&bg.finish()), Some(0));
+}
+
+/// A process that waits for a lock makes its lease at once, however late
+/// it would have announced it: waiters and their queue are named.
+#[test]
+fn a_waiter_makes_its_lease_at_once() {
+    let env = Env::new();
+    env.make_image("base");
+    let holder = env.hold_with(&["--write", "base"], "started", |c| {
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs")
+            .env(stowage::env::DEBUG_ANNOUNCE_MS, "600000");
+    });
+    let waiter = Bg::from_command(on_shared_fs(
+        env.cmd(["exec", "--read", "base", "--", "true"]),
+        600_000,
+    ));
+    wait_until("the waiter lists what it awaits", || {
+        waiter_lines(&env)
+            .iter()
+            .any(|l| l.starts_with("await=shared images/base.lock "))
+    });
+    let leases = fs::read_dir(env.root.join("locks/leases")).unwrap().count();
+    assert_eq!(leases, 1, "the holder, not due yet, has none");
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    assert_eq!(code(&waiter.finish()), Some(0));
+}
+
+/// The `await=` lines of every lease.
+fn waiter_lines(env: &Env) -> Vec<String> {
+    fs::read_dir(env.root.join("locks/leases"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|e| {
+            fs::read_to_string(e.path())
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.starts_with("await="))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// A stowage call nested in an exec's command at once, before the exec's
+/// lease is made, that would wait for a lock the exec holds still knows
+/// the exec as enclosing it and fails at once, not after its wait: whether
+/// its environment names the lease or was cleared on the way. Its parent
+/// closes every inherited descriptor (Python's subprocess does), so only
+/// the lease can tell.
+#[test]
+fn a_call_nested_before_its_enclosing_exec_is_announced_knows_it() {
+    let env = Env::new();
+    env.make_image("base");
+    for cleared in [false, true] {
+        let environment = if cleared {
+            "env={'PATH': os.environ['PATH'], 'STOWAGE_DEBUG_FILESYSTEM': 'nfs'}"
+        } else {
+            "env=os.environ"
+        };
+        let inner = format!(
+            "import os, subprocess, sys; sys.exit(subprocess.run(['{bin}', '--root', '{root}', \
+             'exec', '--write', 'base', '--wait', '60', '--', 'true'], {environment}).returncode)",
+            bin = bin(),
+            root = env.root.display()
+        );
+        let c = env.cmd(["exec", "--read", "base", "--", "python3", "-c", &inner]);
+        let out = output(on_shared_fs(c, 400));
+        assert_eq!(code(&out), Some(75), "cleared {cleared}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("enclosing command"),
+            "cleared {cleared}: {}",
+            show(&out)
+        );
+    }
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}

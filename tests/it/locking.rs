@@ -904,8 +904,9 @@ fn a_request_refused_a_later_lock_leaves_the_earlier_images_as_they_were() {
 /// its command beside the second one's. The writer sees the store as on a
 /// shared filesystem (where an empty file proves itself at its path), the
 /// `rm` as local (a host that sees the store as local unlinks). The window
-/// is made by delaying the writer's second flock (its image lock's; the
-/// first is its lease's) under strace.
+/// is made by delaying the writer's first flock (its image lock's: its
+/// lease, announced late on a shared filesystem, is made after) under
+/// strace.
 #[test]
 fn a_lock_file_unlinked_between_open_and_flock_is_never_written_through() {
     if !tool_or_skip("strace", "strace") {
@@ -916,14 +917,15 @@ fn a_lock_file_unlinked_between_open_and_flock_is_never_written_through() {
     let ran = env.sentinel("first-ran");
     let mut c = Command::new("strace");
     c.args(["-f", "-o", "/dev/null", "-e", "trace=flock"])
-        .args(["-e", "inject=flock:delay_enter=4000000:when=2"])
+        .args(["-e", "inject=flock:delay_enter=4000000:when=1"])
         .arg(bin())
         .arg("--root")
         .arg(&env.root)
         .args(["exec", "--write", "new", "--wait", "0.3", "--", "touch"])
         .arg(&ran)
         .env_remove("STOWAGE_ROOT")
-        .env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        .env(stowage::env::DEBUG_FILESYSTEM, "nfs")
+        .env(stowage::env::DEBUG_ANNOUNCE_MS, "600000");
     let first = Bg::from_command(c);
     let lock = env.lock_file("new");
     let until = Instant::now() + Duration::from_secs(30);

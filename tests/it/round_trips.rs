@@ -76,6 +76,48 @@ fn execs_cost_no_more_round_trips_than_the_contract_allows() {
     );
 }
 
+/// On a shared filesystem an exec whose command ends before its lease is
+/// due makes none: a read costs its lock file's open, lock, read and close
+/// and the mount's checks (8), not the lease's create, lock, synced write,
+/// unlink and closes on top (14 before).
+#[test]
+fn a_short_exec_on_a_shared_filesystem_makes_no_lease_request() {
+    if !tool_or_skip("strace", "strace") || !tool_or_skip("python3", "python3") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let shared = |c: &mut Command| {
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs")
+            .env(stowage::env::DEBUG_ANNOUNCE_MS, "600000");
+    };
+    let args = ["exec", "--read", "base", "--", "true"];
+    let mut warm = env.cmd(args);
+    shared(&mut warm);
+    assert_eq!(code(&output(warm)), Some(0));
+    let Some(log) = traced_with(&env, None, &args, shared) else {
+        return;
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/roundtrips-count.py");
+    let counted = Command::new("python3")
+        .arg(script)
+        .arg(&env.root)
+        .arg(&log)
+        .arg("--list")
+        .output()
+        .unwrap();
+    assert!(counted.status.success(), "{}", show(&counted));
+    let v: serde_json::Value = serde_json::from_slice(&counted.stdout).unwrap();
+    let n = v["total"].as_u64().unwrap();
+    assert!(
+        n <= 8,
+        "exec --read on NFS: {n} calls: {}",
+        stderr(&counted)
+    );
+    let listed = stderr(&counted);
+    assert!(!listed.contains("leases"), "a lease was made: {listed}");
+}
+
 /// lock-status with nothing held: its cost is fixed (it lists the leases,
 /// tries the global lock, asks store.lock, reads each slot class), and
 /// stays within what docs/performance.md says (41 counted calls on tmpfs).
