@@ -215,10 +215,12 @@ impl<'c> Look<'c> {
 
     /// Every lock file (relative to `locks/`) a live lease lists.
     pub fn leased_lockfiles(&self) -> Vec<String> {
+        // Without a table, a dead lease (kept while a lock it lists is held) is all that tells of a
+        // command whose stowage died: announced late, its lease was never the command's.
         let mut out: Vec<String> = self
             .said
             .iter()
-            .filter(|(n, id)| !id.holdings.is_empty() && self.alive(n))
+            .filter(|(n, id)| !id.holdings.is_empty() && (self.table.is_none() || self.alive(n)))
             .flat_map(|(_, id)| id.holdings.iter().map(|h| h.lockfile.clone()))
             .collect();
         out.sort();
@@ -632,10 +634,33 @@ impl<'c> Look<'c> {
             std::thread::sleep(pause);
             self.reread.borrow_mut().take();
         }
+        if holders.is_empty() && self.table.is_none() {
+            holders = self.listed_by_dead(rel, mode);
+        }
         if holders.is_empty() {
             holders.push(Party::unknown(mode));
         }
         holders
+    }
+
+    /// Held, no live lease listing it, no table: the dead leases that list it in `mode` name its
+    /// holder, without a pid — a command whose stowage died holds it through its descriptors.
+    fn listed_by_dead(&self, rel: &str, mode: Mode) -> Vec<Party> {
+        let reread = self.reread.borrow();
+        reread
+            .iter()
+            .flatten()
+            .filter(|(n, _)| !self.alive(n))
+            .flat_map(|(n, id)| {
+                id.holdings
+                    .iter()
+                    .filter(|h| !h.awaits && h.lockfile == rel && h.mode == mode)
+                    .map(move |h| Party {
+                        pid: None,
+                        ..Party::leased(n, id, h)
+                    })
+            })
+            .collect()
     }
 
     /// The global lock's report: the table's entries (no lease lists it;

@@ -323,9 +323,10 @@ pub fn forget(leases: &Path, lockfile: &str) {
 /// reader judges each listed lock by the lock itself, so one listed too long never shows held).
 static ENDING: AtomicBool = AtomicBool::new(false);
 
-/// Marks the process as ending (see `ENDING`).
+/// Marks the process as ending (see `ENDING`): a lease not made yet never will be.
 pub fn ending() {
     ENDING.store(true, Relaxed);
+    named_all().clear();
 }
 
 /// Takes each of `lockfiles` out of this process's lease, in one write.

@@ -9,9 +9,10 @@
 //!   our ancestors do, where a lease's pid means the same process to us (same host, boot and pid
 //!   namespace); and so does an inherited descriptor that locks a store file (`lock.rs`).
 //! - Looked at only when a lock is busy or a hint asks: an uncontended exec pays nothing for it.
-//! - An enclosing exec that announces its lease late (lease.rs) makes it within
-//!   [`crate::lease::announce_after`] of its start, so of its command's: a lease of an ancestor
-//!   missing or unwritten is waited for until then, and [`ANNOUNCE_GRACE`] more.
+//! - On a shared filesystem an enclosing exec may announce its lease late (lease.rs): a lease
+//!   named here, missing or unwritten, whose maker is our ancestor (or, the environment cleared,
+//!   an ancestor exec without one) is waited for a moment, then looked at again while we wait for
+//!   the lock (`acquire/image.rs`). Never on a local filesystem, where leases come first.
 
 use std::path::Path;
 use std::time::Duration;
@@ -30,62 +31,114 @@ pub fn for_command(mine: Option<&str>) -> String {
     }
 }
 
-/// What the live leases of our enclosing execs list as held.
-pub fn enclosing_holds(root: &Root) -> Vec<Holding> {
-    let Ok(named) = std::env::var(crate::env::EXEC_LEASES) else {
-        // No word from the environment (cleared on the way, or none): our ancestors' leases.
-        return ancestor_holds(root);
-    };
-    let leases = root.leases();
-    let chain = chain_of(std::process::id());
-    named
-        .split(':')
-        .filter(|n| !n.is_empty() && !crate::lease::is_mine(n))
-        .filter_map(|n| enclosing_identity(&leases, n, &chain))
-        .flat_map(|id| id.holdings.into_iter().filter(|h| !h.awaits))
-        .collect()
+/// What the live leases of our enclosing execs list as held in this root, and whether one of them
+/// may announce more yet (module doc).
+pub struct Enclosing {
+    pub holds: Vec<Holding>,
+    pub unannounced: bool,
 }
 
-/// How long past the start of its command a late-announced lease is waited for, beyond
-/// [`crate::lease::announce_after`]: a loaded host or a slow server delays its maker.
-const ANNOUNCE_GRACE: Duration = Duration::from_secs(1);
+impl Enclosing {
+    /// How an enclosing exec holds the lock file `rel` (relative to `locks/`), if one does.
+    pub fn hold(&self, rel: &str) -> Option<Mode> {
+        self.holds
+            .iter()
+            .filter(|h| h.lockfile == rel)
+            .map(|h| h.mode)
+            .max()
+    }
+}
 
-/// What the live lease `name` (named by our environment) says, waited for while its maker, one of
-/// our ancestors, may still be about to make or write it.
-fn enclosing_identity(leases: &Path, name: &str, chain: &[u32]) -> Option<Identity> {
-    let until = crate::lease::maker_here(name)
-        .and_then(|pid| u32::try_from(pid).ok())
-        .and_then(|pid| announced_by(chain, pid));
+/// How long a nested call waits for an enclosing exec to announce its lease before it looks at a
+/// busy lock's holders, beyond [`crate::lease::announce_after`]; it looks again while it waits.
+const ANNOUNCE_GRACE: Duration = Duration::from_millis(100);
+
+/// [`Enclosing`], waited for a moment while an enclosing exec may not have announced its lease.
+pub fn enclosing(root: &Root) -> Enclosing {
+    let until = std::time::Instant::now() + crate::lease::announce_after() + ANNOUNCE_GRACE;
     loop {
-        let alive = !matches!(
-            crate::lease::probe(leases, name),
-            Ok(crate::lease::Liveness::Dead)
-        );
-        let id = alive
-            .then(|| crate::lease::identity(leases, name))
-            .flatten();
-        if id.as_ref().is_some_and(|id| id.since.is_some()) || !pending(until) {
-            return id;
+        let e = enclosing_now(root);
+        if !e.unannounced || std::time::Instant::now() >= until {
+            return e;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
 }
 
-/// Whether a late-announced lease due by `until` (time since boot) may still come.
-fn pending(until: Option<Duration>) -> bool {
-    until.is_some_and(|u| crate::lease::boot_time() < u)
+/// [`Enclosing`] as the leases say it now. An enclosing exec may announce its lease late only
+/// where this root is on a shared filesystem (on a local one it is made before any lock).
+pub fn enclosing_now(root: &Root) -> Enclosing {
+    let late = root.filesystem().is_some_and(|f| !f.local);
+    let chain = chain_of(std::process::id());
+    let leases = root.leases();
+    let Ok(named) = std::env::var(crate::env::EXEC_LEASES) else {
+        // No word from the environment (cleared on the way, or none): our ancestors' leases.
+        return ancestors(&leases, &chain, late);
+    };
+    let mut out = Enclosing {
+        holds: Vec::new(),
+        unannounced: false,
+    };
+    for name in named
+        .split(':')
+        .filter(|n| !n.is_empty() && !crate::lease::is_mine(n))
+    {
+        let id = live_identity(&leases, name);
+        if let Some(id) = id.filter(|id| id.since.is_some()) {
+            out.holds.extend(held(id));
+            continue;
+        }
+        if !late {
+            continue;
+        }
+        // Missing or unwritten: its maker, if our ancestor still, may announce it yet. Dead: its
+        // exec is gone, but the command that runs us may hold its locks still (through inherited
+        // descriptors: a lease announced late was never the command's).
+        out.unannounced |= crate::lease::maker_here(name)
+            .and_then(|p| u32::try_from(p).ok())
+            .is_some_and(|p| chain[1..].contains(&p));
+        out.holds
+            .extend(still_held_above(root, &leases, name, &chain));
+    }
+    out
 }
 
-/// When our ancestor `maker` has made its lease if it announces it late: its command (the process
-/// below it in `chain`, ours then our ancestors') started `announce_after` and the grace before.
-fn announced_by(chain: &[u32], maker: u32) -> Option<Duration> {
-    let at = chain.iter().position(|p| *p == maker)?;
-    let command = *chain.get(at.checked_sub(1)?)?;
-    let ticks = crate::ident::start_time(command)?;
-    // SAFETY: sysconf reads a constant.
-    let hz = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok()?;
-    let started = Duration::from_millis(ticks.checked_mul(1000)? / hz.max(1));
-    Some(started + crate::lease::announce_after() + ANNOUNCE_GRACE)
+/// The holds dead lease `name` lists that one of our ancestors (`chain[1..]`) still has the lock
+/// file of open: the command of its exec, which inherited the descriptor. Read from `/proc`'s
+/// links, never through them (a stat would wait on a hung server).
+fn still_held_above(root: &Root, leases: &Path, name: &str, chain: &[u32]) -> Vec<Holding> {
+    let Some(id) = crate::lease::identity(leases, name) else {
+        return Vec::new();
+    };
+    let Ok(locks) = std::fs::canonicalize(root.locks()) else {
+        return Vec::new();
+    };
+    let open: Vec<std::path::PathBuf> = chain[1..]
+        .iter()
+        .filter_map(|p| std::fs::read_dir(format!("/proc/{p}/fd")).ok())
+        .flat_map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+        })
+        .collect();
+    held(id)
+        .filter(|h| open.contains(&locks.join(&h.lockfile)))
+        .collect()
+}
+
+/// What lease `name` says, if its owner is alive.
+fn live_identity(leases: &Path, name: &str) -> Option<Identity> {
+    let alive = !matches!(
+        crate::lease::probe(leases, name),
+        Ok(crate::lease::Liveness::Dead)
+    );
+    alive
+        .then(|| crate::lease::identity(leases, name))
+        .flatten()
+}
+
+fn held(id: Identity) -> impl Iterator<Item = Holding> {
+    id.holdings.into_iter().filter(|h| !h.awaits)
 }
 
 /// This process, then its ancestors ([`ancestors_of`]).
@@ -93,48 +146,57 @@ fn chain_of(pid: u32) -> Vec<u32> {
     std::iter::once(pid).chain(ancestors_of(pid)).collect()
 }
 
+/// What the live leases of our enclosing execs list as held ([`enclosing`]).
+pub fn enclosing_holds(root: &Root) -> Vec<Holding> {
+    enclosing(root).holds
+}
+
 /// How an enclosing exec holds the lock file `rel` (relative to `locks/`), if one does.
 pub fn enclosing_hold(root: &Root, rel: &str) -> Option<Mode> {
-    enclosing_holds(root)
-        .into_iter()
-        .filter(|h| h.lockfile == rel)
-        .map(|h| h.mode)
-        .max()
+    enclosing(root).hold(rel)
 }
 
 /// The holds of live leases owned by our ancestors, by a pid that is ours (module doc): enclosing
 /// execs whose naming environment was cleared (`env -i`, sudo) and descriptors not inherited
 /// (`--no-inherit`). Reads every lease: asked only when a hold would be waited for.
 pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
-    let chain = chain_of(std::process::id());
+    let late = root.filesystem().is_some_and(|f| !f.local);
+    ancestors(&root.leases(), &chain_of(std::process::id()), late).holds
+}
+
+/// [`ancestor_holds`] of `chain` (ours, then our ancestors'); unannounced where `late` and an
+/// ancestor runs stowage's exec (not its keeper) with no lease written here.
+fn ancestors(leases: &Path, chain: &[u32], late: bool) -> Enclosing {
+    let mut out = Enclosing {
+        holds: Vec::new(),
+        unannounced: false,
+    };
     if chain.len() < 2 {
-        return Vec::new();
+        return out;
     }
-    let leases = root.leases();
-    loop {
-        let ids: Vec<Identity> = crate::lease::listing(&leases)
-            .names
+    let ids: Vec<Identity> = crate::lease::listing(leases)
+        .names
+        .iter()
+        .filter(|n| !crate::lease::is_mine(n))
+        .filter_map(|n| crate::lease::identity(leases, n))
+        .filter(|id| id.pid_is_ours() && id.pid.is_some_and(|p| chain[1..].contains(&p)))
+        .collect();
+    let written = |p: &u32| {
+        ids.iter()
+            .any(|id| id.pid == Some(*p) && id.since.is_some())
+    };
+    out.unannounced = late
+        && chain[1..]
             .iter()
-            .filter(|n| !crate::lease::is_mine(n))
-            .filter_map(|n| crate::lease::identity(&leases, n))
-            .filter(|id| id.pid_is_ours() && id.pid.is_some_and(|p| chain[1..].contains(&p)))
-            .collect();
-        // An ancestor running stowage whose lease is not written yet may announce it late.
-        let written = |p: &u32| {
-            ids.iter()
-                .any(|id| id.pid == Some(*p) && id.since.is_some())
-        };
-        let awaited = chain[1..].iter().any(|p| {
-            !written(p) && pending(announced_by(&chain, *p)) && crate::ident::runs_stowage(*p)
-        });
-        if !awaited {
-            return ids
-                .into_iter()
-                .flat_map(|id| id.holdings.into_iter().filter(|h| !h.awaits))
-                .collect();
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+            .any(|p| !written(p) && crate::ident::runs_stowage(*p) && !is_keeper(*p));
+    out.holds = ids.into_iter().flat_map(held).collect();
+    out
+}
+
+/// Whether the local process `pid` is stowage's `--no-inherit` keeper, which makes no lease.
+fn is_keeper(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(crate::keeper::ARG.as_bytes()))
 }
 
 /// The local process `pid`'s ancestors from `/proc`, parent first, init excluded (none without it).

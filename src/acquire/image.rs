@@ -76,12 +76,26 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
         Tried::WriterWaiting => true,
     };
     let rel = Root::image_lock_rel(name);
-    if let Some(held) = crate::nested::enclosing_hold(root, &rel)
-        && (want.mode == Mode::Exclusive || held == Mode::Exclusive)
-    {
+    let enclosing = crate::nested::enclosing(root);
+    if let Some(held) = conflict(&enclosing, &rel, want.mode) {
         return Err(waits_for_itself(name, want.mode, held));
     }
     require_all(root, want.must_exist)?;
+    wait_taking(store, name, want, writer_ahead, &enclosing)
+}
+
+/// [`take`] once the lock proved busy: says for whom we wait, waits as allowed, and gives up
+/// where an enclosing exec announced since that it holds the lock.
+fn wait_taking(
+    store: &Store,
+    name: &ImageName,
+    want: &Want,
+    writer_ahead: bool,
+    enclosing: &crate::nested::Enclosing,
+) -> Result<Held> {
+    let root = store.root();
+    let (path, rel) = (root.image_lock(name), Root::image_lock_rel(name));
+    let err = |e| lock::error(&format!("image '{name}'"), &path, e);
     let verb = if want.reading {
         "exclusive read"
     } else {
@@ -91,6 +105,13 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
     let phrase_now = || {
         let r = Look::new(store.ctx()).report(LockKind::Image, name.as_str(), &path, &rel);
         crate::holders::phrase(&r.holders)
+    };
+    let now = || {
+        let holders = phrase_now();
+        match (holders.is_empty(), writer_ahead) {
+            (false, true) => holders + "; and a writer waits ahead of new readers",
+            _ => holders,
+        }
     };
     let mut holders = phrase_now();
     if writer_ahead {
@@ -106,29 +127,29 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
     let line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(reread));
     let mut holding = crate::lease::Holding::now(want.mode, rel.clone(), true, want.command);
     holding.reading = want.reading;
-    let mut wait = Wait::on(&root.image_locks(), want.deadline);
-    let now = || {
-        let holders = phrase_now();
-        match (holders.is_empty(), writer_ahead) {
-            (false, true) => holders + "; and a writer waits ahead of new readers",
-            _ => holders,
-        }
+    // An enclosing exec that had not announced its lease: looked for again while we wait.
+    let ours_now = || {
+        let now = crate::nested::enclosing_now(root);
+        conflict(&now, &rel, want.mode)
     };
+    let mut wait = Wait::on(&root.image_locks(), want.deadline);
+    if enclosing.unannounced {
+        wait.give_up = Some(Box::new(|| ours_now().is_some()));
+    }
     let waited = wait_for(store, holding, want.held, what, holders, now, || {
         wait_image(store.ctx(), name, want.mode, &mut wait).map_err(err)
     });
     // Cleared before anything else is said.
     drop(line);
+    if waited.is_err()
+        && enclosing.unannounced
+        && let Some(held) = ours_now()
+    {
+        return Err(waits_for_itself(name, want.mode, held));
+    }
     let guard = match waited {
         // Removed while we waited (a reader makes no lock file).
-        Err(e)
-            if e.chain().any(|c| {
-                c.downcast_ref::<io::Error>()
-                    .is_some_and(|io| io.kind() == io::ErrorKind::NotFound)
-            }) =>
-        {
-            return Err(no_such(name));
-        }
+        Err(e) if is_not_found(&e) => return Err(no_such(name)),
         other => other?,
     };
     let seen =
@@ -169,6 +190,20 @@ pub(crate) fn record_error(path: &Path, e: io::Error) -> anyhow::Error {
 /// The error for a lock this process's enclosing command holds in a conflicting mode: waiting would
 /// never end. A read of an image it writes finds the image not ready (66); a write of an image it
 /// holds is a lock that cannot be had (75).
+fn is_not_found(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<io::Error>()
+            .is_some_and(|io| io.kind() == io::ErrorKind::NotFound)
+    })
+}
+
+/// How an enclosing exec holds `rel` if we would wait for it in `mode`: for good.
+fn conflict(enclosing: &crate::nested::Enclosing, rel: &str, mode: Mode) -> Option<Mode> {
+    enclosing
+        .hold(rel)
+        .filter(|held| mode == Mode::Exclusive || *held == Mode::Exclusive)
+}
+
 fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
     let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
     match mode {

@@ -42,6 +42,8 @@ pub struct Wait<'a> {
     /// Re-issue blocked requests this often: NFS clients retry a blocked lock with a back-off up to
     /// 30 s (NFSv4), so a freed lock may go unnoticed that long; local filesystems need none.
     pub rearm: Option<Duration>,
+    /// Asked at each re-arm: true gives the wait up as timed out (the caller asks why).
+    pub give_up: Option<Box<dyn FnMut() -> bool + 'a>>,
 }
 
 impl<'a> Wait<'a> {
@@ -289,6 +291,9 @@ fn first_acquired(
                 if let (Some(at), Some(every)) = (next_rearm, wait.rearm)
                     && Instant::now() >= at
                 {
+                    if wait.give_up.as_mut().is_some_and(|f| f()) {
+                        return Ok(Waited::TimedOut);
+                    }
                     rearm(workers);
                     next_rearm = Some(Instant::now() + every);
                 }

@@ -2009,9 +2009,10 @@ fn waiter_lines(env: &Env) -> Vec<String> {
 }
 
 /// A stowage call nested in an exec's command at once, before the exec's
-/// lease is made, that would wait for a lock the exec holds still knows
-/// the exec as enclosing it and fails at once, not after its wait: whether
-/// its environment names the lease or was cleared on the way. Its parent
+/// lease is made (here 1.5 s in: a loaded host, a slow server), that would
+/// wait for a lock the exec holds still knows the exec as enclosing it and
+/// fails once the lease is made, not after its wait: whether its
+/// environment names the lease or was cleared on the way. Its parent
 /// closes every inherited descriptor (Python's subprocess does), so only
 /// the lease can tell.
 #[test]
@@ -2024,14 +2025,16 @@ fn a_call_nested_before_its_enclosing_exec_is_announced_knows_it() {
         } else {
             "env=os.environ"
         };
+        // The inner call's own announcement time is the default: it looks again while it waits.
         let inner = format!(
-            "import os, subprocess, sys; sys.exit(subprocess.run(['{bin}', '--root', '{root}', \
+            "import os, subprocess, sys; os.environ.pop('STOWAGE_DEBUG_ANNOUNCE_MS'); \
+             sys.exit(subprocess.run(['{bin}', '--root', '{root}', \
              'exec', '--write', 'base', '--wait', '60', '--', 'true'], {environment}).returncode)",
             bin = bin(),
             root = env.root.display()
         );
         let c = env.cmd(["exec", "--read", "base", "--", "python3", "-c", &inner]);
-        let out = output(on_shared_fs(c, 400));
+        let out = output(on_shared_fs(c, 1500));
         assert_eq!(code(&out), Some(75), "cleared {cleared}: {}", show(&out));
         assert!(
             stderr(&out).contains("enclosing command"),
@@ -2040,4 +2043,59 @@ fn a_call_nested_before_its_enclosing_exec_is_announced_knows_it() {
         );
     }
     assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
+
+/// A command whose stowage was SIGKILLed after it announced its lease
+/// still holds its locks (inherited descriptors), but not the lease (made
+/// after the command started): without a lock table the dead lease names
+/// it, without a pid, and a stowage call nested in it that would wait for
+/// its own lock knows it as enclosing.
+#[test]
+fn a_command_whose_stowage_died_stays_named_and_enclosing() {
+    let env = Env::new();
+    env.make_image("base");
+    let inner = format!(
+        "import subprocess, sys; sys.exit(subprocess.run(['{bin}', '--root', '{root}', \
+         'exec', '--write', 'base', '--wait', '60', '--', 'true']).returncode)",
+        bin = bin(),
+        root = env.root.display()
+    );
+    let script = format!(
+        "touch '{started}'; while [ ! -e '{go}' ]; do sleep 0.01; done; \
+         python3 -c \"$1\" 2> '{err}'; echo $? > '{rc}'",
+        started = env.sentinel("started").display(),
+        go = env.sentinel("go").display(),
+        err = env.sentinel("err").display(),
+        rc = env.sentinel("rc").display(),
+    );
+    let c = env.cmd([
+        "exec", "--read", "base", "--", "sh", "-c", &script, "sh", &inner,
+    ]);
+    let mut bg = Bg::from_command(on_shared_fs(c, 0));
+    wait_for_file(&env.sentinel("started"));
+    wait_until("the lease is made", || {
+        fs::read_dir(env.root.join("locks/leases")).unwrap().count() == 1
+    });
+    bg.signal(libc::SIGKILL);
+    let _ = bg.child.as_mut().unwrap().wait();
+    let out = output(on_shared_fs(env.cmd(["lock-status", "--json", "base"]), 0));
+    let st: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let entry = image_entry(&st, "base");
+    let holders = entry["holders"].as_array().unwrap();
+    assert_eq!(holders.len(), 1, "{entry:#}");
+    assert_eq!(holders[0]["stowage"], true, "{entry:#}");
+    assert_eq!(holders[0]["pid"], Value::Null, "{entry:#}");
+    assert!(
+        holders[0]["command"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("sh -c ")),
+        "{entry:#}"
+    );
+    std::fs::write(env.sentinel("go"), "").unwrap();
+    wait_for_file(&env.sentinel("rc"));
+    let rc = fs::read_to_string(env.sentinel("rc")).unwrap();
+    let err = fs::read_to_string(env.sentinel("err")).unwrap();
+    assert_eq!(rc.trim(), "75", "{err}");
+    assert!(err.contains("enclosing command"), "{err}");
+    bg.kill_all();
 }
