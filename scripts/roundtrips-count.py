@@ -54,11 +54,21 @@ def main():
     def add(cat, call, path):
         counted.append((cat, call, path.replace(root, "ROOT")))
 
+    unfinished = {}      # pid -> (call, its first half), while another thread's call ran
     for line in lines:
         m = CALL.match(line)
-        if not m or "unfinished" in m.group(4):
+        if not m:
             continue
-        pid, name, rest = m.group(1), m.group(3) or m.group(2), m.group(4)
+        pid = m.group(1)
+        if m.group(3) and "<unfinished ...>" in m.group(4):
+            unfinished[pid] = (m.group(3), m.group(4).replace("<unfinished ...>", ""))
+            continue
+        if m.group(2):
+            # "<... flock resumed>) = 0": the call's arguments are in its first half.
+            name, head = unfinished.pop(pid, (m.group(2), ""))
+            rest = head + m.group(4)
+        else:
+            name, rest = m.group(3), m.group(4)
         if main_pid is None:
             main_pid = pid
         if name == "exit_group" and pid == main_pid:

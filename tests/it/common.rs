@@ -1345,3 +1345,22 @@ pub fn brick_waits() -> String {
     let each: Vec<String> = waits.iter().map(|(w, n)| format!("{n}× {w}")).collect();
     format!("  brick threads: {}\n", each.join(", "))
 }
+
+/// The `await=` lines of every lease: who waits for what, as lock-status
+/// learns it.
+pub fn waiter_lines(env: &Env) -> Vec<String> {
+    fs::read_dir(env.root.join("locks/leases"))
+        .map(|d| {
+            d.flatten()
+                .flat_map(|e| {
+                    fs::read_to_string(e.path())
+                        .unwrap_or_default()
+                        .lines()
+                        .filter(|l| l.starts_with("await="))
+                        .map(str::to_owned)
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}

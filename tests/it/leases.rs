@@ -1936,22 +1936,10 @@ fn an_exec_that_ends_before_its_lease_is_due_makes_none() {
 fn a_holder_is_named_once_its_late_lease_is_due() {
     let env = Env::new();
     env.make_image("base");
-    let mut c = env.cmd([
-        "exec",
-        "--read",
-        "base",
-        "--",
-        "sh",
-        "-c",
-        &format!(
-            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.01; done",
-            env.sentinel("started").display(),
-            env.sentinel("release").display()
-        ),
-    ]);
-    c = on_shared_fs(c, 200);
-    let bg = Bg::from_command(c);
-    wait_for_file(&env.sentinel("started"));
+    let bg = env.hold_with(&["--read", "base"], "started", |c| {
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs")
+            .env(stowage::env::DEBUG_ANNOUNCE_MS, "200");
+    });
     wait_until("the reader is named by its lease", || {
         let out = output(on_shared_fs(
             env.cmd(["lock-status", "--json", "base"]),
@@ -1989,23 +1977,6 @@ fn a_waiter_makes_its_lease_at_once() {
     env.release("release");
     assert_eq!(code(&holder.finish()), Some(0));
     assert_eq!(code(&waiter.finish()), Some(0));
-}
-
-/// The `await=` lines of every lease.
-fn waiter_lines(env: &Env) -> Vec<String> {
-    fs::read_dir(env.root.join("locks/leases"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .flat_map(|e| {
-            fs::read_to_string(e.path())
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| l.starts_with("await="))
-                .map(str::to_owned)
-                .collect::<Vec<_>>()
-        })
-        .collect()
 }
 
 /// A stowage call nested in an exec's command at once, before the exec's

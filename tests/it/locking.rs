@@ -276,25 +276,6 @@ fn nested(env: &Env, outer: &[&str], inner: &str) -> std::process::Output {
     env.run(&args)
 }
 
-/// The `await=` lines of every lease: who waits for what, as lock-status
-/// learns it.
-fn waiter_lines(env: &Env) -> Vec<String> {
-    fs::read_dir(env.root.join("locks/leases"))
-        .map(|d| {
-            d.flatten()
-                .flat_map(|e| {
-                    fs::read_to_string(e.path())
-                        .unwrap_or_default()
-                        .lines()
-                        .filter(|l| l.starts_with("await="))
-                        .map(str::to_owned)
-                        .collect::<Vec<_>>()
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 #[test]
 fn a_request_that_times_out_on_a_later_lock_leaves_no_waiter_record() {
     let env = Env::new();
