@@ -388,32 +388,56 @@ fn wait_for_image(
     let root = store.root();
     let rel = root.locks_rel(path);
     let what = format!("{label} to be released before the store-wide command");
-    if let Some(held) = crate::nested::enclosing_hold(root, &rel) {
-        return Err(Busy::now(what, format!(
+    let never_ends = |held: Mode| -> anyhow::Error {
+        Busy::now(what.clone(), format!(
                 "held ({}) by an enclosing command of this process (a 'stowage exec' that runs it); waiting for it would never end",
                 held.verb()
             ))
-        .into());
+        .into()
+    };
+    let enclosing = crate::nested::enclosing(root);
+    if let Some(held) = enclosing.hold(&rel) {
+        return Err(never_ends(held));
     }
+    // An enclosing exec that had not announced its lease: looked for again while we wait.
+    let ours_now = || crate::nested::enclosing_now(root).hold(&rel);
     let refuse = no_wait.then(|| what.clone());
-    let awaited = Holding::now(Mode::Exclusive, rel, true, "store-wide");
+    let awaited = Holding::now(Mode::Exclusive, rel.clone(), true, "store-wide");
     let err = |e| lock::error(label, path, e);
-    wait_in_turn(store, path, what, refuse, deadline, awaited, |wait| {
-        lock::acquire(path, Mode::Exclusive, lock::IfMissing::Fail, wait).map_err(err)
-    })
+    let got = wait_in_turn(
+        store,
+        path,
+        what.clone(),
+        refuse,
+        deadline,
+        awaited,
+        |wait| {
+            if enclosing.unannounced {
+                wait.give_up = Some(Box::new(|| ours_now().is_some()));
+            }
+            lock::acquire(path, Mode::Exclusive, lock::IfMissing::Fail, wait).map_err(err)
+        },
+    );
+    if got.is_err()
+        && enclosing.unannounced
+        && let Some(held) = ours_now()
+    {
+        return Err(never_ends(held));
+    }
+    got
 }
 
 /// Waits, by `attempt`, for lock file `path` (`store.lock` or an image's), said as `what` in a line
 /// followed until the wait ends, listed as `awaited` in our lease meanwhile. With `refuse` (what is
 /// busy) it fails at once instead.
-fn wait_in_turn<T>(
+fn wait_in_turn<'a, T>(
     store: &Store,
     path: &std::path::Path,
     what: String,
     refuse: Option<String>,
     deadline: Option<Instant>,
     awaited: Holding,
-    attempt: impl FnOnce(&mut Wait) -> Result<Waited<T>>,
+    attempt: impl FnOnce(&mut Wait<'a>) -> Result<Waited<T>>,
 ) -> Result<T> {
     let root = store.root();
     let (kind, dir, name) = match path.file_name().and_then(|f| f.to_str()) {

@@ -123,15 +123,24 @@ pub(crate) fn take(
     };
     // All busy; if our enclosing command holds one, we work under it (a wait could be for us).
     let class_rel = root.locks_rel(&dir);
-    if crate::nested::enclosing_holds(root)
-        .iter()
-        .any(|h| h.lockfile.starts_with(&format!("{class_rel}/")))
-    {
+    let of_class = |e: crate::nested::Enclosing| {
+        e.holds
+            .iter()
+            .any(|h| h.lockfile.starts_with(&format!("{class_rel}/")))
+    };
+    let enclosing = crate::nested::enclosing(root);
+    let unannounced = enclosing.unannounced;
+    let under_enclosing = || {
         store.ctx().detail(&format!(
             "an enclosing command holds a slot of class '{class}'; working under it"
         ));
-        return Ok(None);
+        Ok(None)
+    };
+    if of_class(enclosing) {
+        return under_enclosing();
     }
+    // An enclosing exec that had not announced its lease: looked for again while we wait.
+    let ours_now = || unannounced && of_class(crate::nested::enclosing_now(root));
     crate::acquire::image::require_all(root, must_exist)?;
     let word = match priority {
         Priority::Normal => "normal",
@@ -155,12 +164,21 @@ pub(crate) fn take(
     };
     let line =
         crate::wait_line::announce(store.ctx(), &what, &format!("all {holders}"), Some(reread));
-    let awaited = crate::lease::Holding::now(Mode::Exclusive, class_rel, true, command);
+    let awaited = crate::lease::Holding::now(Mode::Exclusive, class_rel.clone(), true, command);
     let got = super::wait_for(store, awaited, &[], what, holders, now, || {
-        wait_for_slot(store, class, priority, &dir, limits, slots, deadline)
+        let to = Target {
+            dir: &dir,
+            limits,
+            slots,
+        };
+        wait_for_slot(store, class, priority, to, deadline, &ours_now)
     });
     drop(line);
-    Ok(got?.map(|g| SlotGuard::new(g, class)))
+    match got? {
+        Some(g) => Ok(Some(SlotGuard::new(g, class))),
+        None if ours_now() => under_enclosing(),
+        None => Ok(None),
+    }
 }
 
 /// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is unlimited), else the class's limits
@@ -258,15 +276,28 @@ const RECHECK_LOCAL: Duration = Duration::from_secs(30);
 const POLL: Duration = Duration::from_millis(50);
 
 /// Waits for a slot in the calling thread. `Ok(None)`: the class became unlimited.
+/// What a slot waiter waits on: the class's directory, limits and slot files.
+struct Target<'a> {
+    dir: &'a Path,
+    limits: Limits,
+    slots: Slots,
+}
+
+/// Waits for a slot of `class` in `to`; `None` if the class turns unlimited, or if `under_enclosing`
+/// (asked at each recheck) says an enclosing exec has since announced that it holds one.
 fn wait_for_slot(
     store: &Store,
     class: &str,
     priority: Priority,
-    dir: &Path,
-    mut limits: Limits,
-    mut slots: Slots,
+    to: Target,
     deadline: Option<Instant>,
+    under_enclosing: &dyn Fn() -> bool,
 ) -> Result<lock::Waited<Option<Guard>>> {
+    let Target {
+        dir,
+        mut limits,
+        mut slots,
+    } = to;
     lock::starting_to_wait();
     let root = store.root();
     let failed = |e| lock::error(&format!("a slot of class '{class}'"), dir, e);
@@ -284,6 +315,9 @@ fn wait_for_slot(
         if recheck {
             recheck = false;
             recheck_at = Instant::now() + every;
+            if under_enclosing() {
+                return Ok(lock::Waited::Acquired(None));
+            }
             match reread_class(store, class, &limits)? {
                 Reread::Same => {}
                 Reread::Unlimited => return Ok(lock::Waited::Acquired(None)),

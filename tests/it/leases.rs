@@ -1981,37 +1981,57 @@ fn a_waiter_makes_its_lease_at_once() {
 
 /// A stowage call nested in an exec's command at once, before the exec's
 /// lease is made (here 1.5 s in: a loaded host, a slow server), that would
-/// wait for a lock the exec holds still knows the exec as enclosing it and
-/// fails once the lease is made, not after its wait: whether its
-/// environment names the lease or was cleared on the way. Its parent
-/// closes every inherited descriptor (Python's subprocess does), so only
-/// the lease can tell.
+/// wait for a lock the exec holds still knows the exec as enclosing it
+/// once the lease is made, not after its wait: a write of the image the
+/// exec reads fails, a slot of the class whose only slot the exec holds
+/// is worked under, a store-wide command fails — whether the environment
+/// names the lease or was cleared on the way. Its parent closes every
+/// inherited descriptor (Python's subprocess does), so only the lease can
+/// tell.
 #[test]
 fn a_call_nested_before_its_enclosing_exec_is_announced_knows_it() {
     let env = Env::new();
     env.make_image("base");
-    for cleared in [false, true] {
+    env.ok(["slots", "set", "one", "1"]);
+    let cases: [(&[&str], &str, Option<&str>); 3] = [
+        (
+            &["--read", "base"],
+            "'--write', 'base'",
+            Some("enclosing command"),
+        ),
+        (&["--slot", "one"], "'--slot', 'one'", None),
+        (
+            &["--read", "base"],
+            "'--store-wide'",
+            Some("enclosing command"),
+        ),
+    ];
+    for ((outer, inner, refused), cleared) in cases.iter().flat_map(|c| [(c, false), (c, true)]) {
         let environment = if cleared {
             "env={'PATH': os.environ['PATH'], 'STOWAGE_DEBUG_FILESYSTEM': 'nfs'}"
         } else {
             "env=os.environ"
         };
         // The inner call's own announcement time is the default: it looks again while it waits.
-        let inner = format!(
+        let call = format!(
             "import os, subprocess, sys; os.environ.pop('STOWAGE_DEBUG_ANNOUNCE_MS'); \
              sys.exit(subprocess.run(['{bin}', '--root', '{root}', \
-             'exec', '--write', 'base', '--wait', '60', '--', 'true'], {environment}).returncode)",
+             'exec', {inner}, '--wait', '60', '--', 'true'], {environment}).returncode)",
             bin = bin(),
             root = env.root.display()
         );
-        let c = env.cmd(["exec", "--read", "base", "--", "python3", "-c", &inner]);
-        let out = output(on_shared_fs(c, 1500));
-        assert_eq!(code(&out), Some(75), "cleared {cleared}: {}", show(&out));
-        assert!(
-            stderr(&out).contains("enclosing command"),
-            "cleared {cleared}: {}",
-            show(&out)
-        );
+        let mut args = vec!["exec"];
+        args.extend_from_slice(outer);
+        args.extend(["--", "python3", "-c", &call]);
+        let out = output(on_shared_fs(env.cmd(&args), 1500));
+        let case = format!("{inner} in {outer:?}, environment cleared {cleared}");
+        match refused {
+            Some(why) => {
+                assert_eq!(code(&out), Some(75), "{case}: {}", show(&out));
+                assert!(stderr(&out).contains(why), "{case}: {}", show(&out));
+            }
+            None => assert_eq!(code(&out), Some(0), "{case}: {}", show(&out)),
+        }
     }
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
