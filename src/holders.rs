@@ -216,7 +216,8 @@ impl<'c> Look<'c> {
     /// Every lock file (relative to `locks/`) a live lease lists.
     pub fn leased_lockfiles(&self) -> Vec<String> {
         // Without a table, a dead lease (kept while a lock it lists is held) is all that tells of a
-        // command whose stowage died: announced late, its lease was never the command's.
+        // lock a command whose stowage died holds (announced late, its lease was never the
+        // command's): listed, its holder unknown (it may be anyone's since).
         let mut out: Vec<String> = self
             .said
             .iter()
@@ -634,33 +635,10 @@ impl<'c> Look<'c> {
             std::thread::sleep(pause);
             self.reread.borrow_mut().take();
         }
-        if holders.is_empty() && self.table.is_none() {
-            holders = self.listed_by_dead(rel, mode);
-        }
         if holders.is_empty() {
             holders.push(Party::unknown(mode));
         }
         holders
-    }
-
-    /// Held, no live lease listing it, no table: the dead leases that list it in `mode` name its
-    /// holder, without a pid — a command whose stowage died holds it through its descriptors.
-    fn listed_by_dead(&self, rel: &str, mode: Mode) -> Vec<Party> {
-        let reread = self.reread.borrow();
-        reread
-            .iter()
-            .flatten()
-            .filter(|(n, _)| !self.alive(n))
-            .flat_map(|(n, id)| {
-                id.holdings
-                    .iter()
-                    .filter(|h| !h.awaits && h.lockfile == rel && h.mode == mode)
-                    .map(move |h| Party {
-                        pid: None,
-                        ..Party::leased(n, id, h)
-                    })
-            })
-            .collect()
     }
 
     /// The global lock's report: the table's entries (no lease lists it;

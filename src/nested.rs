@@ -91,39 +91,12 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
         if !late {
             continue;
         }
-        // Missing or unwritten: its maker, if our ancestor still, may announce it yet. Dead: its
-        // exec is gone, but the command that runs us may hold its locks still (through inherited
-        // descriptors: a lease announced late was never the command's).
+        // Missing or unwritten: its maker, if our ancestor still, may announce it yet.
         out.unannounced |= crate::lease::maker_here(name)
             .and_then(|p| u32::try_from(p).ok())
             .is_some_and(|p| chain[1..].contains(&p));
-        out.holds
-            .extend(still_held_above(root, &leases, name, &chain));
     }
     out
-}
-
-/// The holds dead lease `name` lists that one of our ancestors (`chain[1..]`) still has the lock
-/// file of open: the command of its exec, which inherited the descriptor. Read from `/proc`'s
-/// links, never through them (a stat would wait on a hung server).
-fn still_held_above(root: &Root, leases: &Path, name: &str, chain: &[u32]) -> Vec<Holding> {
-    let Some(id) = crate::lease::identity(leases, name) else {
-        return Vec::new();
-    };
-    let Ok(locks) = std::fs::canonicalize(root.locks()) else {
-        return Vec::new();
-    };
-    let open: Vec<std::path::PathBuf> = chain[1..]
-        .iter()
-        .filter_map(|p| std::fs::read_dir(format!("/proc/{p}/fd")).ok())
-        .flat_map(|d| {
-            d.flatten()
-                .filter_map(|e| std::fs::read_link(e.path()).ok())
-        })
-        .collect();
-    held(id)
-        .filter(|h| open.contains(&locks.join(&h.lockfile)))
-        .collect()
 }
 
 /// What lease `name` says, if its owner is alive.
