@@ -71,9 +71,12 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
     let late = root.filesystem().is_some_and(|f| !f.local);
     let chain = chain_of(std::process::id());
     let leases = root.leases();
+    // Where the root cannot be resolved, any ancestor may work on it.
+    let locks = late.then(|| std::fs::canonicalize(root.locks()).ok());
+    let here = |p: u32| late && locks.as_ref().is_some_and(|l| works_here(p, l.as_deref()));
     let Ok(named) = std::env::var(crate::env::EXEC_LEASES) else {
         // No word from the environment (cleared on the way, or none): our ancestors' leases.
-        return ancestors(&leases, &chain, late);
+        return ancestors(&leases, &chain, &here);
     };
     let mut out = Enclosing {
         holds: Vec::new(),
@@ -88,13 +91,11 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
             out.holds.extend(held(id));
             continue;
         }
-        if !late {
-            continue;
-        }
-        // Missing or unwritten: its maker, if our ancestor still, may announce it yet.
+        // Missing or unwritten: its maker, if our ancestor still and an exec of this root, may
+        // announce it yet.
         out.unannounced |= crate::lease::maker_here(name)
             .and_then(|p| u32::try_from(p).ok())
-            .is_some_and(|p| chain[1..].contains(&p));
+            .is_some_and(|p| chain[1..].contains(&p) && here(p));
     }
     out
 }
@@ -133,13 +134,12 @@ pub fn enclosing_hold(root: &Root, rel: &str) -> Option<Mode> {
 /// execs whose naming environment was cleared (`env -i`, sudo) and descriptors not inherited
 /// (`--no-inherit`). Reads every lease: asked only when a hold would be waited for.
 pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
-    let late = root.filesystem().is_some_and(|f| !f.local);
-    ancestors(&root.leases(), &chain_of(std::process::id()), late).holds
+    ancestors(&root.leases(), &chain_of(std::process::id()), &|_| false).holds
 }
 
-/// [`ancestor_holds`] of `chain` (ours, then our ancestors'); unannounced where `late` and an
-/// ancestor runs stowage's exec (not its keeper) with no lease written here.
-fn ancestors(leases: &Path, chain: &[u32], late: bool) -> Enclosing {
+/// [`ancestor_holds`] of `chain` (ours, then our ancestors'); unannounced where an ancestor runs
+/// stowage's exec (not its keeper) with no lease written here, and `here` says it may announce one.
+fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclosing {
     let mut out = Enclosing {
         holds: Vec::new(),
         unannounced: false,
@@ -158,12 +158,24 @@ fn ancestors(leases: &Path, chain: &[u32], late: bool) -> Enclosing {
         ids.iter()
             .any(|id| id.pid == Some(*p) && id.since.is_some())
     };
-    out.unannounced = late
-        && chain[1..]
-            .iter()
-            .any(|p| !written(p) && crate::ident::runs_stowage(*p) && !is_keeper(*p));
+    out.unannounced = chain[1..]
+        .iter()
+        .any(|p| !written(p) && here(*p) && crate::ident::runs_stowage(*p) && !is_keeper(*p));
     out.holds = ids.into_iter().flat_map(held).collect();
     out
+}
+
+/// Whether the local process `pid` has a file under `locks` (this root's, resolved) open: an exec
+/// holds its lock files open while its command runs; one of another root announces nothing here.
+/// `None` (the root could not be resolved): it may. Read from `/proc` links, never through them.
+fn works_here(pid: u32, locks: Option<&Path>) -> bool {
+    let Some(locks) = locks else {
+        return true;
+    };
+    std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|d| {
+        d.flatten()
+            .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.starts_with(locks)))
+    })
 }
 
 /// Whether the local process `pid` is stowage's `--no-inherit` keeper, which makes no lease.
