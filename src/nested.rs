@@ -71,9 +71,8 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
     let late = root.filesystem().is_some_and(|f| !f.local);
     let chain = chain_of(std::process::id());
     let leases = root.leases();
-    // Where the root cannot be resolved, any ancestor may work on it.
-    let locks = late.then(|| std::fs::canonicalize(root.locks()).ok());
-    let here = |p: u32| late && locks.as_ref().is_some_and(|l| works_here(p, l.as_deref()));
+    let locks = root.locks();
+    let here = |p: u32| late && works_here(p, &locks);
     let Ok(named) = std::env::var(crate::env::EXEC_LEASES) else {
         // No word from the environment (cleared on the way, or none): our ancestors' leases.
         return ancestors(&leases, &chain, &here);
@@ -165,17 +164,47 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
     out
 }
 
-/// Whether the local process `pid` has a file under `locks` (this root's, resolved) open: an exec
-/// holds its lock files open while its command runs; one of another root announces nothing here.
-/// `None` (the root could not be resolved): it may. Read from `/proc` links, never through them.
-fn works_here(pid: u32, locks: Option<&Path>) -> bool {
-    let Some(locks) = locks else {
+/// Whether the local process `pid` may be an exec of this root (whose lock directory is `locks`,
+/// as we reach it): it has one of this root's lock files open, as an exec holds its lock files
+/// while its command runs. Judged by inode (from `/proc/PID/fdinfo`), not path, so a root seen at
+/// another path (a container, a bind mount) is the same root; where that cannot be told, it may.
+/// `/proc`'s links are read, never followed.
+fn works_here(pid: u32, locks: &Path) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return true;
     };
-    std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|d| {
-        d.flatten()
-            .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.starts_with(locks)))
-    })
+    for fd in fds.flatten() {
+        let Ok(link) = std::fs::read_link(fd.path()) else {
+            continue;
+        };
+        // A lock file of some root: .../locks/images/NAME.lock, .../locks/slots/CLASS/N.lock.
+        let link = link.to_string_lossy();
+        let Some(rel) = link
+            .rfind("/locks/")
+            .map(|at| &link[at + "/locks/".len()..])
+        else {
+            continue;
+        };
+        if !(rel.starts_with("images/") || rel.starts_with("slots/")) || rel.contains("..") {
+            continue;
+        }
+        let info = std::fs::read_to_string(format!(
+            "/proc/{pid}/fdinfo/{}",
+            fd.file_name().to_string_lossy()
+        ));
+        let Some(ino) = info.ok().and_then(|i| {
+            i.lines()
+                .find_map(|l| l.strip_prefix("ino:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        }) else {
+            return true;
+        };
+        use std::os::unix::fs::MetadataExt;
+        if std::fs::symlink_metadata(locks.join(rel)).is_ok_and(|m| m.ino() == ino) {
+            return true;
+        }
+    }
+    false
 }
 
 /// Whether the local process `pid` is stowage's `--no-inherit` keeper, which makes no lease.

@@ -2091,3 +2091,41 @@ fn a_command_whose_stowage_died_keeps_its_locks_listed() {
     assert_eq!(left, 0, "the dead lease stayed");
     bg.kill_all();
 }
+
+/// A call nested in an exec that announces late, reaching the same root
+/// through another path (a bind mount, as a container sees it), still
+/// waits for the exec's lease and knows it as enclosing: an ancestor is
+/// judged an exec of this root by the inodes of the lock files it holds,
+/// not by their paths.
+#[test]
+fn a_call_nested_through_another_path_to_the_root_knows_its_late_enclosing_exec() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let other = env.scratch.join("elsewhere");
+    fs::create_dir_all(&other).unwrap();
+    let mounted = Command::new("mount")
+        .arg("--bind")
+        .arg(&env.root)
+        .arg(&other)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    }
+    let call = format!(
+        "import os, subprocess, sys; os.environ.pop('STOWAGE_DEBUG_ANNOUNCE_MS'); \
+         sys.exit(subprocess.run(['{bin}', '--root', '{other}', 'exec', '--write', 'base', \
+         '--wait', '60', '--', 'true']).returncode)",
+        bin = bin(),
+        other = other.display()
+    );
+    let c = env.cmd(["exec", "--read", "base", "--", "python3", "-c", &call]);
+    let out = output(on_shared_fs(c, 1500));
+    let _ = Command::new("umount").arg(&other).status();
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    assert!(stderr(&out).contains("enclosing command"), "{}", show(&out));
+}
