@@ -722,9 +722,9 @@ pub fn phrase(holders: &[Party]) -> String {
     phrase_as(&lead, holders)
 }
 
-/// "in use by pid 4121 on node07 (ch-image pull alpine) since 12:03:04"
+/// "all in use by pid 4121 on node07 (ch-image pull alpine) since 12:03:04"
 pub fn phrase_slots(holders: &[Party]) -> String {
-    phrase_as("in use by ", holders)
+    phrase_as("all in use by ", holders)
 }
 
 /// The first holder, and how many more: a message is one line, and `lock-status` lists them all.

@@ -437,7 +437,7 @@ fn wait_in_turn<'a, T>(
     refuse: Option<String>,
     deadline: Option<Instant>,
     awaited: Holding,
-    attempt: impl FnOnce(&mut Wait<'a>) -> Result<Waited<T>>,
+    mut attempt: impl FnMut(&mut Wait<'a>) -> Result<Waited<T>>,
 ) -> Result<T> {
     let root = store.root();
     let (kind, dir, name) = match path.file_name().and_then(|f| f.to_str()) {
@@ -448,8 +448,17 @@ fn wait_in_turn<'a, T>(
         ),
         _ => (LockKind::Global, root.locks(), "store".to_owned()),
     };
+    crate::debug::pause("store-wide-busy");
     let now = || crate::holders::holders_phrase(store.ctx(), kind, path);
     let holders = now();
+    // Freed while we looked (see `image::wait_taking`): one more try before saying we wait.
+    let mut once = Wait {
+        deadline: Some(Instant::now()),
+        ..Wait::default()
+    };
+    if let Waited::Acquired(got) = attempt(&mut once)? {
+        return Ok(got);
+    }
     if let Some(busy) = refuse {
         return Err(Busy::now(busy, holders).into());
     }

@@ -75,6 +75,7 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
         Tried::Busy => false,
         Tried::WriterWaiting => true,
     };
+    crate::debug::pause("image-busy");
     let rel = Root::image_lock_rel(name);
     let enclosing = crate::nested::enclosing(root);
     if let Some(held) = conflict(&enclosing, &rel, want.mode) {
@@ -114,6 +115,11 @@ fn wait_taking(
         }
     };
     let mut holders = phrase_now();
+    // The look took a moment, and the holder may be gone by now: on FUSE and NFS a close releases
+    // its lock after the closing process has moved on. One more try before saying we wait.
+    if let Ok(Tried::Got(h)) = try_image(root, name, want.mode, want.create) {
+        return Ok(*h);
+    }
     if writer_ahead {
         holders.push_str("; and a writer waits ahead of new readers");
     }

@@ -121,6 +121,7 @@ pub(crate) fn take(
         Ok(got) => return Ok(got),
         Err(busy) => busy,
     };
+    crate::debug::pause("slot-busy");
     // All busy; if our enclosing command holds one, we work under it (a wait could be for us).
     let class_rel = root.locks_rel(&dir);
     let of_class = |e: crate::nested::Enclosing| {
@@ -155,6 +156,10 @@ pub(crate) fn take(
         crate::holders::phrase_slots(&r.holders)
     };
     let holders = now();
+    // A slot freed while we looked (see `image::wait_taking`): one more try before saying we wait.
+    if let Ok(got) = try_now(root, class, priority, &dir)? {
+        return Ok(got);
+    }
     if no_wait {
         return Err(Busy::now(what, holders).into());
     }
@@ -162,8 +167,7 @@ pub(crate) fn take(
         let (root, class) = (root.clone(), class.to_owned());
         Box::new(move |look| crate::slots::report(look, &root, &class, Some(limits)))
     };
-    let line =
-        crate::wait_line::announce(store.ctx(), &what, &format!("all {holders}"), Some(reread));
+    let line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(reread));
     let awaited = crate::lease::Holding::now(Mode::Exclusive, class_rel.clone(), true, command);
     let got = super::wait_for(store, awaited, &[], what, holders, now, || {
         let to = Target {

@@ -139,3 +139,39 @@ fn on_a_terminal(env: &Env, line: &str) -> (Bg, std::path::PathBuf) {
         .env_remove("STOWAGE_ROOT");
     (spawned(c), log)
 }
+
+/// Holds `locks` with a command, pauses `args` at `point` (reached once its first try found the
+/// lock busy), lets the holder go, then the waiter: it must take the lock without a wait line.
+fn freed_while_looking(env: &Env, locks: &[&str], args: &[&str], point: &str) {
+    let (started, release) = (
+        format!("started.{}", args[1]),
+        format!("release.{}", args[1]),
+    );
+    let holder = env.hold_until(locks, &started, &release);
+    let (waiter, go_on) = env.paused(args, point);
+    env.release(&release);
+    assert_eq!(holder.finish().status.code(), Some(0));
+    fs::remove_file(go_on).unwrap();
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(
+        !stderr(&out).contains("waiting for"),
+        "a lock free by the time we would say so is taken, not announced: {}",
+        show(&out)
+    );
+}
+
+#[test]
+fn a_lock_freed_while_the_waiter_looks_for_its_holder_is_taken_without_a_line() {
+    let env = Env::new();
+    env.make_image("base");
+    let read = ["exec", "--read", "base", "--", "true"];
+    freed_while_looking(&env, &["--write", "base"], &read, "image-busy");
+    let write = ["exec", "--write", "base", "--", "true"];
+    freed_while_looking(&env, &["--read", "base"], &write, "image-busy");
+    env.ok(["slots", "set", "pull", "1"]);
+    let slot = ["exec", "--slot", "pull", "--", "true"];
+    freed_while_looking(&env, &["--slot", "pull"], &slot, "slot-busy");
+    let store_wide = ["exec", "--store-wide", "--", "true"];
+    freed_while_looking(&env, &["--read", "base"], &store_wide, "store-wide-busy");
+}
