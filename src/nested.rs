@@ -5,9 +5,11 @@
 //!   waiting for it would never end.
 //! - Judged by leases and the environment, never a pid or device number, so it holds across pid
 //!   namespaces, on btrfs and on shared filesystems. A stale name is harmless: its lease is dead.
-//! - An environment cleared on the way (`env -i`, sudo) names nothing: then the live leases of
-//!   our ancestors do, where a lease's pid means the same process to us (same host, boot and pid
-//!   namespace); and so does an inherited descriptor that locks a store file (`lock.rs`).
+//! - An environment cleared on the way (`env -i`, sudo) names nothing: then the leases of our
+//!   ancestors do, where a lease's pid means the same process to us (same host, boot and pid
+//!   namespace, and the process started when the lease's owner did: dead leases linger).
+//! - Always: a lock of this root we hold through an inherited descriptor is an enclosing
+//!   command's (a double fork or a killed stowage leaves only that), judged by device and inode.
 //! - Looked at only when a lock is busy or a hint asks: an uncontended exec pays nothing for it.
 //! - On a shared filesystem an enclosing exec may announce its lease late (lease.rs): a lease
 //!   named here, missing or unwritten, whose maker is our ancestor (or, the environment cleared,
@@ -73,10 +75,22 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
     let leases = root.leases();
     let locks = root.locks();
     let here = |p: u32| late && works_here(p, &locks);
-    let Ok(named) = std::env::var(crate::env::EXEC_LEASES) else {
+    let mut out = match std::env::var(crate::env::EXEC_LEASES) {
+        Ok(named) => named_leases(&named, &leases, &chain, &here),
         // No word from the environment (cleared on the way, or none): our ancestors' leases.
-        return ancestors(&leases, &chain, &here);
+        Err(_) => ancestors(&leases, &chain, &here),
     };
+    out.holds.extend(inherited(&locks));
+    out
+}
+
+/// [`Enclosing`] as the leases `named` in our environment say it.
+fn named_leases(
+    named: &str,
+    leases: &Path,
+    chain: &[u32],
+    here: &dyn Fn(u32) -> bool,
+) -> Enclosing {
     let mut out = Enclosing {
         holds: Vec::new(),
         unannounced: false,
@@ -85,7 +99,7 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
         .split(':')
         .filter(|n| !n.is_empty() && !crate::lease::is_mine(n))
     {
-        let id = live_identity(&leases, name);
+        let id = live_identity(leases, name);
         if let Some(id) = id.filter(|id| id.since.is_some()) {
             out.holds.extend(held(id));
             continue;
@@ -95,6 +109,31 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
         out.unannounced |= crate::lease::maker_here(name)
             .and_then(|p| u32::try_from(p).ok())
             .is_some_and(|p| chain[1..].contains(&p) && here(p));
+    }
+    out
+}
+
+/// The locks of this root we hold through descriptors we were started with: an enclosing
+/// command's, held while it waits for us, whatever our environment and ancestry say (`env -i` and a
+/// double fork, an enclosing stowage killed). A descriptor counts where its file is the one at its
+/// place under `locks` (device and inode), so the root may be reached by any path.
+fn inherited(locks: &Path) -> Vec<Holding> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    for (link, id, mode) in crate::lock::inherited_flocks() {
+        let link = link.to_string_lossy();
+        // Any "/locks/" in the link may be the root's (a slot class may have a part "locks").
+        let rel = link
+            .match_indices("/locks/")
+            .map(|(at, _)| &link[at + "/locks/".len()..])
+            .find(|rel| {
+                !rel.contains("..")
+                    && std::fs::symlink_metadata(locks.join(rel))
+                        .is_ok_and(|m| (m.dev(), m.ino()) == id)
+            });
+        if let Some(rel) = rel {
+            out.push(Holding::now(mode, rel.to_owned(), false, ""));
+        }
     }
     out
 }
@@ -152,6 +191,8 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
         .filter(|n| !crate::lease::is_mine(n))
         .filter_map(|n| crate::lease::identity(leases, n))
         .filter(|id| id.pid_is_ours() && id.pid.is_some_and(|p| chain[1..].contains(&p)))
+        // Its owner, not a later user of its pid (a dead lease lingers until a look cleans it).
+        .filter(|id| id.pid.and_then(|p| id.owner_is(p)) != Some(false))
         .collect();
     let written = |p: &u32| {
         ids.iter()

@@ -66,10 +66,6 @@ fn inside(root: &Root) -> bool {
     let ours =
         |h: &Holding| h.lockfile == Root::STORE_WIDE_LOCK_REL || h.lockfile.starts_with("images/");
     crate::nested::enclosing_holds(root).iter().any(ours)
-        // The same, told by inherited descriptors (an environment cleared on the way, `env -i`):
-        // asked only when a hold stands.
-        || lock::held_here(&root.store_wide_lock()).is_some()
-        || lock::holds_any_under(&root.image_locks())
         || crate::nested::ancestor_holds(root).iter().any(ours)
 }
 

@@ -13,7 +13,8 @@
 //! - Contention is a value: [`acquire_no_wait`]'s `Ok(None)`, a timed wait's [`Waited::TimedOut`].
 //! - Waits sleep in flock(2) in a helper thread, interrupted by [`wake_signal`]; without a thread
 //!   (a pids limit) they poll. A slot waiter sleeps on one [`Waker`] (inotify) for its [`FileSet`].
-//! - [`held_here`] finds an enclosing command's inherited hold: a wait must never wait for it.
+//! - [`inherited_flocks`] finds an enclosing command's inherited holds: a wait must never wait for
+//!   one.
 
 #![allow(clippy::disallowed_methods)] // this is the one module that may call flock
 
@@ -564,20 +565,6 @@ fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
 }
 
-/// The lock this process holds on the file at `path` through a descriptor inherited from an
-/// enclosing command (`stowage exec` passes them on, like flock(1)), per `/proc/self/fdinfo/N`'s
-/// `lock:` lines; `None` if none or no /proc. A conflicting wait on it would wait for ourselves.
-pub fn held_here(path: &Path) -> Option<Mode> {
-    let at = fs::symlink_metadata(path).ok()?;
-    let fds = fs::read_dir("/proc/self/fd").ok()?;
-    fds.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        // A number no longer open (the listing's own) fails harmlessly.
-        .filter(|&fd| fd_identity(fd) == Some((at.dev(), at.ino())))
-        .filter_map(fd_flock)
-        .max()
-}
-
 /// The flock this process holds through descriptor `fd`, per `/proc/self/fdinfo/FD`.
 fn fd_flock(fd: std::os::fd::RawFd) -> Option<Mode> {
     fdinfo_flock(&fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?)
@@ -605,17 +592,17 @@ pub fn note_inherited() {
     let _ = INHERITED.set(fds);
 }
 
-/// Whether an inherited fd flocks a file in `dir`: an enclosing command's, held while it waits for
-/// us. Judged by the kernel (`/proc/self/fd`, `fdinfo`): it works with a cleared environment.
-pub fn holds_any_under(dir: &Path) -> bool {
-    let Ok(dir) = fs::canonicalize(dir) else {
-        return false;
-    };
-    INHERITED.get().into_iter().flatten().any(|fd| {
-        fs::read_link(format!("/proc/self/fd/{fd}"))
-            .is_ok_and(|p| p.parent() == Some(dir.as_path()))
-            && fd_flock(*fd).is_some()
+/// The flocks this process holds through the descriptors it was started with ([`note_inherited`]):
+/// each one's `/proc/self/fd` link (read, never followed), its file's device and inode, and the
+/// mode. An enclosing command's, held while it waits for us: a wait on one would never end.
+pub fn inherited_flocks() -> Vec<(PathBuf, (u64, u64), Mode)> {
+    let fds = INHERITED.get().into_iter().flatten();
+    fds.filter_map(|&fd| {
+        let mode = fd_flock(fd)?;
+        let link = fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+        Some((link, fd_identity(fd)?, mode))
     })
+    .collect()
 }
 
 /// The flock mode in an fdinfo text, from lines like
@@ -1128,13 +1115,12 @@ mod tests {
         // Our own lock, through our own descriptor: the check sees it.
         let d = tmp();
         let p = d.path().join("a.lock");
-        assert_eq!(held_here(&p), None);
         let g = take(&p, Mode::Shared);
         if std::path::Path::new("/proc/self/fdinfo").exists() {
-            assert_eq!(held_here(&p), Some(Mode::Shared));
+            assert_eq!(fd_flock(g.file().as_raw_fd()), Some(Mode::Shared));
         }
-        drop(g);
-        assert_eq!(held_here(&p), None);
+        let other = File::open(&p).unwrap();
+        assert_eq!(fd_flock(other.as_raw_fd()), None);
     }
 
     #[test]

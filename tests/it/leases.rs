@@ -2129,3 +2129,47 @@ fn a_call_nested_through_another_path_to_the_root_knows_its_late_enclosing_exec(
     assert_eq!(code(&out), Some(75), "{}", show(&out));
     assert!(stderr(&out).contains("enclosing command"), "{}", show(&out));
 }
+
+/// A dead lease lingers until a look cleans it. Where its pid is taken again by an ancestor of a
+/// later call (pids repeat, soonest in containers), that ancestor is not the enclosing exec the
+/// lease names: the call waits for the lock like anyone, and no reader passes a waiting writer.
+#[test]
+fn a_dead_lease_whose_pid_an_ancestor_reuses_names_no_enclosing_exec() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    // In a pid namespace of its own, pids are handed out in order, and ns_last_pid sets the next.
+    let script = format!(
+        r#"B='{bin}'; R='{root}'; S='{scratch}'
+        await_file() {{ i=0; while [ ! -e "$1" ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; }}
+        "$B" --root "$R" exec --read base -- sh -c "touch $S/reader; exec sleep 100" &
+        X=$!; await_file "$S/reader"
+        kill -9 $(cat /proc/$X/task/$X/children) $X; wait $X
+        "$B" --root "$R" exec --write base -- sh -c "touch $S/holder; sleep 1" &
+        H=$!; await_file "$S/holder"
+        echo $((X - 1)) > /proc/sys/kernel/ns_last_pid
+        sh -c 'echo pid=$$; "$1" --root "$2" exec --write base --wait 20 -- true; echo rc=$?' sh "$B" "$R"
+        echo dead=$X; wait $H"#,
+        bin = bin(),
+        root = env.root.display(),
+        scratch = env.scratch.display(),
+    );
+    let mut c = Command::new("unshare");
+    c.args(["--pid", "--fork", "--mount-proc", "sh", "-c", &script]);
+    c.env_remove("STOWAGE_ROOT")
+        .env_remove(stowage::env::EXEC_LEASES);
+    let out = output(c);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = |k: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .map(str::to_owned)
+    };
+    let pid = field("pid=");
+    assert!(pid.is_some(), "{}", show(&out));
+    assert_eq!(pid, field("dead="), "the pid was reused: {}", show(&out));
+    assert_eq!(field("rc=").as_deref(), Some("0"), "{}", show(&out));
+    assert!(!stderr(&out).contains("never end"), "{}", show(&out));
+}

@@ -820,6 +820,72 @@ fn nested_slot_of_a_full_class_works_under_the_enclosing_slot() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
 }
 
+/// `stowage exec OUTER -- sh -c '…'` whose command starts `stowage INNER`
+/// detached and with a cleared environment (`env -i setsid -f`): the
+/// nested call has neither the enclosing exec's word in its environment nor
+/// the exec among its ancestors, only the lock descriptors it inherited.
+/// The command waits (bounded) for the nested call to end; returns its exit
+/// status and what it said.
+fn nested_detached(env: &Env, outer: &[&str], inner: &str) -> (String, String) {
+    let (rc, err) = (env.sentinel("inner.rc"), env.sentinel("inner.err"));
+    let _ = (fs::remove_file(&rc), fs::remove_file(&err));
+    let detached = format!(
+        "'{bin}' --root '{root}' {inner} 2>'{err}'; echo \\$? >'{rc}.tmp'; mv '{rc}.tmp' '{rc}'",
+        bin = bin(),
+        root = env.root.display(),
+        err = err.display(),
+        rc = rc.display(),
+    );
+    let cmd = format!(
+        "env -i setsid -f sh -c \"{detached}\"; \
+         i=0; while [ ! -e '{rc}' ] && [ $i -lt 4000 ]; do sleep 0.01; i=$((i+1)); done",
+        rc = rc.display(),
+    );
+    let mut args: Vec<&str> = vec!["exec"];
+    args.extend_from_slice(outer);
+    args.extend_from_slice(&["--", "sh", "-c", &cmd]);
+    env.run(&args);
+    wait_for_file(&rc);
+    let rc = fs::read_to_string(&rc).unwrap().trim().to_owned();
+    (rc, fs::read_to_string(&err).unwrap_or_default())
+}
+
+#[test]
+fn a_nested_call_with_only_the_inherited_locks_to_go_by_never_waits_for_them() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["slots", "set", "one", "1"]);
+    // Each would wait 30 s for a lock its own process holds, then time out.
+    let wait_for_self = [
+        (
+            &["--write", "app"][..],
+            "exec --write app --wait 30 -- true",
+        ),
+        (
+            &["--read", "base"][..],
+            "exec --write base --wait 30 -- true",
+        ),
+        (
+            &["--read", "base"][..],
+            "exec --store-wide --wait 30 -- true",
+        ),
+        (&["--read", "base"][..], "rm --wait 30 base"),
+    ];
+    for (outer, inner) in wait_for_self {
+        let (rc, err) = nested_detached(&env, outer, inner);
+        assert_eq!(rc, "75", "{outer:?} then {inner}: {err}");
+        assert!(err.contains("never end"), "{outer:?} then {inner}: {err}");
+    }
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    // A slot of a full class works under the enclosing command's.
+    let (rc, err) = nested_detached(
+        &env,
+        &["--slot", "one"],
+        "exec --slot one --wait 30 -- true",
+    );
+    assert_eq!(rc, "0", "{err}");
+}
+
 /// A read of a new image while its writer creates it waits for the
 /// writer, and then reads what it made.
 #[test]
