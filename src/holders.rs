@@ -201,10 +201,7 @@ impl<'c> Look<'c> {
         if let Some(a) = self.alive.borrow().get(name) {
             return *a;
         }
-        let a = !matches!(
-            crate::lease::probe(&self.leases_dir, name),
-            Ok(crate::lease::Liveness::Dead)
-        );
+        let a = crate::lease::alive(&self.leases_dir, name).unwrap_or(true);
         self.alive.borrow_mut().insert(name.to_owned(), a);
         a
     }

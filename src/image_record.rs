@@ -213,19 +213,12 @@ impl Record {
         if !clean(&self.name) {
             return None;
         }
-        body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
+        let body = sealed(body);
         (body.len() <= SLOT).then(|| body.into_bytes())
     }
 
     fn decode(slot: &[u8]) -> Option<Record> {
-        let end = slot.iter().position(|&b| b == 0).unwrap_or(slot.len());
-        let text = std::str::from_utf8(&slot[..end]).ok()?;
-        let body_len = text.find("\ncrc=")? + 1;
-        let (body, rest) = text.split_at(body_len);
-        let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
-        if crc != format!("{:08x}", crc32(body.as_bytes())) {
-            return None;
-        }
+        let body = checked_body(slot)?;
         let mut r = Record::new("", ImagesDir::Default, 0);
         let mut have = (false, false, false);
         for line in body.strip_prefix(FORMAT)?.lines() {
@@ -491,7 +484,22 @@ pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
 }
 
 /// CRC-32 (IEEE), the checksum of a record slot.
-pub(crate) fn crc32(bytes: &[u8]) -> u32 {
+/// `body` with its `crc=` line appended: a slot's text (records, slot limits).
+pub(crate) fn sealed(mut body: String) -> String {
+    body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
+    body
+}
+
+/// A slot's text up to its first NUL, less its `crc=` line, if that line checks out.
+pub(crate) fn checked_body(slot: &[u8]) -> Option<&str> {
+    let end = slot.iter().position(|&b| b == 0).unwrap_or(slot.len());
+    let text = std::str::from_utf8(&slot[..end]).ok()?;
+    let (body, rest) = text.split_at(text.find("\ncrc=")? + 1);
+    let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
+    (crc == format!("{:08x}", crc32(body.as_bytes()))).then_some(body)
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
     let mut crc = !0u32;
     for &b in bytes {
         crc ^= u32::from(b);

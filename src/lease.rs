@@ -707,26 +707,10 @@ pub fn listing(leases: &Path) -> Listing {
     }
 }
 
-/// Whether a lease, by file name, belongs to a live owner.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Liveness {
-    /// Locked by its owner. `identity`: the lease file's device and inode,
-    /// which find its entry (its owner's pid, here) in the kernel's lock table.
-    Alive {
-        identity: (u64, u64),
-    },
-    Dead,
-}
-
-/// Probes one lease. A name that is not a plain lease file name is dead.
-pub fn probe(leases: &Path, name: &str) -> io::Result<Liveness> {
-    if !valid_name(name) {
-        return Ok(Liveness::Dead);
-    }
-    Ok(match lock::probe_lease(&leases.join(name))? {
-        Some(identity) => Liveness::Alive { identity },
-        None => Liveness::Dead,
-    })
+/// Whether lease `name` belongs to a live owner (its owner holds it locked). A name that is not a
+/// plain lease file name is dead.
+pub fn alive(leases: &Path, name: &str) -> io::Result<bool> {
+    Ok(valid_name(name) && lock::probe_lease(&leases.join(name))?)
 }
 
 fn valid_name(name: &str) -> bool {
@@ -817,10 +801,7 @@ mod tests {
         // Written with the first lock it lists.
         assert_eq!(std::fs::metadata(leases.join(&name)).unwrap().len(), 0);
         lease.rewrite();
-        assert!(matches!(
-            probe(leases, &name).unwrap(),
-            Liveness::Alive { .. }
-        ));
+        assert!(alive(leases, &name).unwrap());
         // Held: cleaning leaves it alone.
         assert_eq!(clean_keeping(leases, &mut |_| false), 0);
         assert!(leases.join(&name).exists());
@@ -832,10 +813,10 @@ mod tests {
         assert!(text.contains("pid_ns=pid:["), "{text}");
         // Its owner gone (the descriptor closed): dead, then cleaned.
         drop(lease);
-        assert_eq!(probe(leases, &name).unwrap(), Liveness::Dead);
+        assert!(!alive(leases, &name).unwrap());
         assert_eq!(clean_keeping(leases, &mut |_| false), 1);
         assert!(!leases.join(&name).exists());
-        assert_eq!(probe(leases, &name).unwrap(), Liveness::Dead);
+        assert!(!alive(leases, &name).unwrap());
     }
 
     #[test]

@@ -246,18 +246,10 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
 
 /// A record in the older release's format (`stowage-image 2|3|4`): its state, if of this image.
 fn old_record(bytes: &[u8], name: &str) -> Option<String> {
-    let text =
-        std::str::from_utf8(&bytes[..bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len())])
-            .ok()?;
-    if !text.as_bytes().starts_with(image_record::LEGACY_PREFIX) {
+    if !bytes.starts_with(image_record::LEGACY_PREFIX) {
         return None;
     }
-    let body_len = text.find("\ncrc=")? + 1;
-    let (body, rest) = text.split_at(body_len);
-    let crc = rest.strip_prefix("crc=")?.split('\n').next()?;
-    if crc != format!("{:08x}", image_record::crc32(body.as_bytes())) {
-        return None;
-    }
+    let body = image_record::checked_body(bytes)?;
     let field = |k: &str| {
         body.lines()
             .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))

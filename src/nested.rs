@@ -140,10 +140,8 @@ fn inherited(locks: &Path) -> Vec<Holding> {
 
 /// What lease `name` says, if its owner is alive.
 fn live_identity(leases: &Path, name: &str) -> Option<Identity> {
-    let alive = !matches!(
-        crate::lease::probe(leases, name),
-        Ok(crate::lease::Liveness::Dead)
-    );
+    // A probe that fails counts as alive: nothing is taken for dead on no evidence.
+    let alive = crate::lease::alive(leases, name).unwrap_or(true);
     alive
         .then(|| crate::lease::identity(leases, name))
         .flatten()

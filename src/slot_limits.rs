@@ -20,8 +20,6 @@
 use std::io;
 use std::os::unix::fs::FileExt;
 
-use crate::image_record::crc32;
-
 const FORMAT: &str = "stowage-class 1\n";
 /// The bytes a class record takes: two slots (the rest of `0.lock` is unused).
 pub const AREA: usize = 2 * SLOT;
@@ -91,12 +89,11 @@ pub enum Class {
 }
 
 fn encode(class: &str, l: &Limits, seq: u64) -> Vec<u8> {
-    let mut body = format!(
+    let body = format!(
         "{FORMAT}seq={seq}\nclass={class}\nlimit={}\nreserve={}\nfiles={}\nhigh_files={}\n",
         l.limit, l.reserve, l.files, l.high_files
     );
-    body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));
-    let mut slot = body.into_bytes();
+    let mut slot = crate::image_record::sealed(body).into_bytes();
     slot.resize(SLOT, 0);
     slot
 }
@@ -135,12 +132,7 @@ fn decode_slot(bytes: &[u8], class: &str) -> Slot {
     }
     let mut seq = 0;
     let mut parse = || -> Option<Limits> {
-        let text = std::str::from_utf8(&bytes[..end]).ok()?;
-        let at = text.find("\ncrc=")? + 1;
-        let (body, rest) = text.split_at(at);
-        if rest.strip_prefix("crc=")?.trim_end() != format!("{:08x}", crc32(body.as_bytes())) {
-            return None;
-        }
+        let body = crate::image_record::checked_body(bytes)?;
         let mut l = Limits::default();
         let mut named = false;
         for line in body.strip_prefix(FORMAT)?.lines() {

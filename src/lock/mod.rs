@@ -606,18 +606,14 @@ pub fn inherited_flocks() -> Vec<(PathBuf, (u64, u64), Mode)> {
 }
 
 /// The flock mode in an fdinfo text, from lines like
-/// `lock:\t1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF`.
+/// `lock:\t1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF` (a blocked request has "->").
 fn fdinfo_flock(info: &str) -> Option<Mode> {
     info.lines()
         .filter_map(|l| l.strip_prefix("lock:"))
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            // "1:" "FLOCK" "ADVISORY" "WRITE" …; a blocked request has "->".
-            match f.as_slice() {
-                [_, "FLOCK", _, "WRITE", ..] => Some(Mode::Exclusive),
-                [_, "FLOCK", _, "READ", ..] => Some(Mode::Shared),
-                _ => None,
-            }
+        .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+            [_, "FLOCK", _, "WRITE", ..] => Some(Mode::Exclusive),
+            [_, "FLOCK", _, "READ", ..] => Some(Mode::Shared),
+            _ => None,
         })
         .max()
 }
@@ -657,10 +653,10 @@ pub fn try_shared_open(file: &File) -> io::Result<bool> {
     flock_try(file, Mode::Shared)
 }
 
-/// Judges a lease (`lease.rs`): `Some(device, inode)` while its owner holds it exclusively, `None`
+/// Judges a lease (`lease.rs`): true while its owner holds it exclusively, false
 /// once gone (file missing, or a shared lock granted, dropped at once: an owner's own lock never
 /// fails for long, and one finding its fresh file busy takes another).
-pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
+pub fn probe_lease(path: &Path) -> io::Result<bool> {
     let opened = match open(path, IfMissing::Fail) {
         // Another user's lease in a store without a shared group: a read-only descriptor takes
         // a shared flock too (not on NFS, where the probe then fails and says so).
@@ -671,18 +667,14 @@ pub fn probe_lease(path: &Path) -> io::Result<Option<(u64, u64)>> {
     };
     let file = match opened {
         Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         // NFS: unlinked on the server since the lookup.
-        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(false),
         // Planted under a lease's name: no owner can hold it.
-        Err(e) if crate::planted::find(&e).is_some() => return Ok(None),
+        Err(e) if crate::planted::find(&e).is_some() => return Ok(false),
         Err(e) => return Err(e),
     };
-    if flock_try(&file, Mode::Shared)? {
-        return Ok(None);
-    }
-    let m = file.metadata()?;
-    Ok(Some((m.dev(), m.ino())))
+    Ok(!flock_try(&file, Mode::Shared)?)
 }
 
 /// `Ok(true)` if two opens of one file exclude each other here, as flock needs to mean anything.
