@@ -460,10 +460,11 @@ fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::Fil
     // Leases of the execs we run inside (nested.rs), so `lock-status --why` follows nested calls.
     let within = std::env::var(crate::env::EXEC_LEASES).unwrap_or_default();
     let text = format!(
-        "host={}\npid={}\npid_ns={}\nstart={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\nwithin={}\n",
+        "host={}\npid={}\npid_ns={}\ntime_ns={}\nstart={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\nwithin={}\n",
         me.host,
         me.pid,
         pid_namespace().unwrap_or_default(),
+        namespace("time").unwrap_or_default(),
         crate::ident::own_start_time().map_or(String::new(), |t| t.to_string()),
         me.boot_id.as_deref().unwrap_or(""),
         me.user,
@@ -488,7 +489,12 @@ fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::Fil
 
 /// The pid namespace of this process, as `/proc/self/ns/pid` names it.
 pub fn pid_namespace() -> Option<String> {
-    fs::read_link("/proc/self/ns/pid")
+    namespace("pid")
+}
+
+/// This process's namespace of `kind`, as `/proc/self/ns/KIND` names it.
+fn namespace(kind: &str) -> Option<String> {
+    fs::read_link(format!("/proc/self/ns/{kind}"))
         .ok()
         .map(|p| p.to_string_lossy().into_owned())
 }
@@ -593,6 +599,9 @@ pub struct Identity {
     /// The owner's boot and pid namespace: its pid is as we number pids only where both are ours.
     pub boot_id: Option<String>,
     pub pid_ns: Option<String>,
+    /// The owner's time namespace: process start times read from `/proc` are shifted by the
+    /// reader's, so they compare only within one.
+    pub time_ns: Option<String>,
     /// Owner's start, in ticks since boot (`/proc/PID/stat`): tells it from later users of its pid.
     pub start: Option<u64>,
     /// What the owner holds and awaits, as it listed it.
@@ -605,10 +614,14 @@ pub struct Identity {
 
 impl Identity {
     /// Whether the process we see as `pid` (on this host and boot) is the lease's owner, by its
-    /// start: `None` where that cannot be told (another host or boot, a lease without its start).
+    /// start: `None` where that cannot be told (another host, boot or time namespace, a lease
+    /// without its start).
     pub fn owner_is(&self, pid: u32) -> Option<bool> {
         let me = crate::ident::Me::current();
         if self.host != me.host || self.boot_id.is_none() || self.boot_id != me.boot_id {
+            return None;
+        }
+        if self.time_ns.is_some() && self.time_ns != namespace("time") {
             return None;
         }
         let start = self.start?;
@@ -661,6 +674,7 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             "since" => id.since = v.parse().ok(),
             "boot_id" if !v.is_empty() => id.boot_id = Some(v.to_owned()),
             "pid_ns" if !v.is_empty() => id.pid_ns = Some(v.to_owned()),
+            "time_ns" if !v.is_empty() => id.time_ns = Some(v.to_owned()),
             "start" => id.start = v.parse().ok(),
             "hold" | "await" => id.holdings.extend(Holding::parse(k, v)),
             "within" => {

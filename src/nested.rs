@@ -187,10 +187,12 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
         .names
         .iter()
         .filter(|n| !crate::lease::is_mine(n))
-        .filter_map(|n| crate::lease::identity(leases, n))
-        .filter(|id| id.pid_is_ours() && id.pid.is_some_and(|p| chain[1..].contains(&p)))
-        // Its owner, not a later user of its pid (a dead lease lingers until a look cleans it).
-        .filter(|id| id.pid.and_then(|p| id.owner_is(p)) != Some(false))
+        .filter_map(|n| Some((n, crate::lease::identity(leases, n)?)))
+        .filter(|(_, id)| id.pid_is_ours() && id.pid.is_some_and(|p| chain[1..].contains(&p)))
+        // Its owner, not a later user of its pid: a dead lease lingers until a look cleans it.
+        .filter(|(_, id)| id.pid.and_then(|p| id.owner_is(p)) != Some(false))
+        .filter(|(n, _)| crate::lease::alive(leases, n).unwrap_or(true))
+        .map(|(_, id)| id)
         .collect();
     let written = |p: &u32| {
         ids.iter()

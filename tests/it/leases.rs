@@ -2173,3 +2173,95 @@ fn a_dead_lease_whose_pid_an_ancestor_reuses_names_no_enclosing_exec() {
     assert_eq!(field("rc=").as_deref(), Some("0"), "{}", show(&out));
     assert!(!stderr(&out).contains("never end"), "{}", show(&out));
 }
+
+/// Starts a holder of `base`'s write lock, then runs `sh -c SCRIPT` where SCRIPT may plant what it
+/// likes before `$B --root $R exec --write base --wait 20 -- true`, and returns its exit status
+/// and what it said; the holder is let go once the call has begun to wait, or ended.
+fn write_beside_a_holder(env: &Env, plant: &str) -> (Option<i32>, String) {
+    let holder = env.hold_until(&["--write", "base"], "held", "let-go");
+    let script = format!(
+        "B='{bin}'; R='{root}'; {plant}\n\"$B\" --root \"$R\" exec --write base --wait 20 -- true",
+        bin = bin(),
+        root = env.root.display(),
+    );
+    let mut c = Command::new("sh");
+    c.args(["-c", &script])
+        .env_remove("STOWAGE_ROOT")
+        .env_remove(stowage::env::EXEC_LEASES);
+    let mut call = Bg::from_command(c);
+    // Its lease lists the lock as awaited once it waits (read directly: a look would clean leases).
+    let awaits = || {
+        fs::read_dir(env.root.join("locks/leases"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                fs::read_to_string(e.path())
+                    .is_ok_and(|t| t.contains("await=exclusive images/base.lock"))
+            })
+    };
+    let started = std::time::Instant::now();
+    while !awaits()
+        && started.elapsed() < Duration::from_secs(20)
+        && call.child.as_mut().unwrap().try_wait().unwrap().is_none()
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    env.release("let-go");
+    assert_eq!(holder.finish().status.code(), Some(0));
+    let out = call.finish();
+    (out.status.code(), stderr(&out))
+}
+
+/// A dead lease that names our own shell — its pid, its start, our host, boot and namespaces —
+/// as the holder of a lock (left by a killed exec whose pid the shell took in the same clock tick
+/// of the start time) names no enclosing exec: it is dead.
+#[test]
+fn a_dead_lease_naming_an_ancestor_to_its_start_names_no_enclosing_exec() {
+    let env = Env::new();
+    env.make_image("base");
+    let plant = r#"L="$R/locks/leases/planted.lease"; s=$$
+        start=$(sed 's/.*) //' /proc/$s/stat | cut -d' ' -f20)
+        printf 'host=%s\npid=%s\npid_ns=%s\ntime_ns=%s\nstart=%s\nboot_id=%s\nuser=u\ncommand=planted\nsince=1\nwithin=\nhold=shared images/base.lock 1 planted\n' \
+          "$(uname -n)" $s "$(readlink /proc/self/ns/pid)" "$(readlink /proc/self/ns/time)" \
+          "$start" "$(cat /proc/sys/kernel/random/boot_id)" > "$L""#;
+    let (rc, err) = write_beside_a_holder(&env, plant);
+    assert!(env.root.join("locks/leases/planted.lease").exists());
+    assert_eq!(rc, Some(0), "{err}");
+    assert!(!err.contains("never end"), "{err}");
+}
+
+/// Process start times in `/proc` are shifted by the reader's time namespace: a call nested in
+/// another one (its environment cleared, no descriptor inherited: `--no-inherit`) still knows the
+/// exec that runs it by its lease, and fails at once instead of waiting for itself.
+#[test]
+fn a_call_nested_in_another_time_namespace_knows_its_enclosing_exec() {
+    if unsafe { libc::geteuid() } != 0
+        || !Command::new("unshare")
+            .args(["-T", "-f", "--boottime", "1000", "true"])
+            .status()
+            .is_ok_and(|s| s.success())
+    {
+        eprintln!("skipped: `unshare -T --boottime` (a time namespace) does not work here");
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let inner = format!(
+        "env -i unshare -T -f --boottime 1000 '{bin}' --root '{root}' exec --write base --wait 30 -- true",
+        bin = bin(),
+        root = env.root.display()
+    );
+    let out = env.run([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        &inner,
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(stderr(&out).contains("never end"), "{}", show(&out));
+}
