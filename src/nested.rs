@@ -7,7 +7,7 @@
 //!   namespaces, on btrfs and on shared filesystems. A stale name is harmless: its lease is dead.
 //! - An environment cleared on the way (`env -i`, sudo) names nothing: then the leases of our
 //!   ancestors do, where a lease's pid means the same process to us (same host, boot and pid
-//!   namespace, and the process started when the lease's owner did: dead leases linger).
+//!   namespace, the lease alive and open in that process: leases outlive their owners).
 //! - Always: a lock of this root we hold through an inherited descriptor is an enclosing
 //!   command's (a double fork or a killed stowage leaves only that), judged by device and inode.
 //! - Looked at only when a lock is busy or a hint asks: an uncontended exec pays nothing for it.
@@ -189,8 +189,9 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
         .filter(|n| !crate::lease::is_mine(n))
         .filter_map(|n| Some((n, crate::lease::identity(leases, n)?)))
         .filter(|(_, id)| id.pid_is_ours() && id.pid.is_some_and(|p| chain[1..].contains(&p)))
-        // Its owner, not a later user of its pid: a dead lease lingers until a look cleans it.
-        .filter(|(_, id)| id.pid.and_then(|p| id.owner_is(p)) != Some(false))
+        // Its owner, not a later user of its pid (a lease outlives its owner: dead until a look
+        // cleans it, or kept alive by the owner's command): the owner has its lease open.
+        .filter(|(n, id)| owns(n, id))
         .filter(|(n, _)| crate::lease::alive(leases, n).unwrap_or(true))
         .map(|(_, id)| id)
         .collect();
@@ -203,6 +204,32 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
         .any(|p| !written(p) && here(*p) && crate::ident::runs_stowage(*p) && !is_keeper(*p));
     out.holds = ids.into_iter().flat_map(held).collect();
     out
+}
+
+/// Whether the local process at the lease's pid is the lease's owner: it has the lease file open
+/// (by name and inode, from `/proc/PID/fd` and `fdinfo`), as an owner has until it ends. Where its
+/// descriptors cannot be read, by its start (`Identity::owner_is`).
+fn owns(name: &str, id: &Identity) -> bool {
+    let Some(pid) = id.pid else {
+        return false;
+    };
+    let open = id.file.and_then(|(_, ino)| {
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+        Some(fds.flatten().any(|fd| {
+            let lease = std::fs::read_link(fd.path())
+                .is_ok_and(|l| l.file_name().is_some_and(|f| f == name));
+            lease && fd_ino(pid, &fd.file_name().to_string_lossy()) == Some(ino)
+        }))
+    });
+    open.unwrap_or_else(|| id.owner_is(pid) != Some(false))
+}
+
+/// The inode of the file local process `pid` has open as descriptor `fd` (`/proc/PID/fdinfo`).
+fn fd_ino(pid: u32, fd: &str) -> Option<u64> {
+    let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("ino:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// Whether the local process `pid` may be an exec of this root (whose lock directory is `locks`,
@@ -229,15 +256,7 @@ fn works_here(pid: u32, locks: &Path) -> bool {
         if !(rel.starts_with("images/") || rel.starts_with("slots/")) || rel.contains("..") {
             continue;
         }
-        let info = std::fs::read_to_string(format!(
-            "/proc/{pid}/fdinfo/{}",
-            fd.file_name().to_string_lossy()
-        ));
-        let Some(ino) = info.ok().and_then(|i| {
-            i.lines()
-                .find_map(|l| l.strip_prefix("ino:"))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        }) else {
+        let Some(ino) = fd_ino(pid, &fd.file_name().to_string_lossy()) else {
             return true;
         };
         use std::os::unix::fs::MetadataExt;

@@ -2180,7 +2180,8 @@ fn a_dead_lease_whose_pid_an_ancestor_reuses_names_no_enclosing_exec() {
 fn write_beside_a_holder(env: &Env, plant: &str) -> (Option<i32>, String) {
     let holder = env.hold_until(&["--write", "base"], "held", "let-go");
     let script = format!(
-        "B='{bin}'; R='{root}'; {plant}\n\"$B\" --root \"$R\" exec --write base --wait 20 -- true",
+        "B='{bin}'; R='{root}'; k=; {plant}\n\"$B\" --root \"$R\" exec --write base --wait 20 -- true; \
+         rc=$?; [ -z \"$k\" ] || kill $k; exit $rc",
         bin = bin(),
         root = env.root.display(),
     );
@@ -2220,15 +2221,33 @@ fn write_beside_a_holder(env: &Env, plant: &str) -> (Option<i32>, String) {
 fn a_dead_lease_naming_an_ancestor_to_its_start_names_no_enclosing_exec() {
     let env = Env::new();
     env.make_image("base");
+    let (rc, err) = write_beside_a_holder(&env, &plant_lease(""));
+    assert!(env.root.join("locks/leases/planted.lease").exists());
+    assert_eq!(rc, Some(0), "{err}");
+    assert!(!err.contains("never end"), "{err}");
+}
+
+/// The same lease kept alive by another process (as a command keeps its killed stowage's lease):
+/// still not our shell's, which does not have it open.
+#[test]
+fn a_live_lease_naming_an_ancestor_that_does_not_hold_it_names_no_enclosing_exec() {
+    let env = Env::new();
+    env.make_image("base");
+    let keep = "flock -o -x \"$L\" sleep 30 >/dev/null 2>&1 & k=$!; while flock -n -s \"$L\" true; do sleep 0.01; done";
+    let (rc, err) = write_beside_a_holder(&env, &plant_lease(keep));
+    assert_eq!(rc, Some(0), "{err}");
+    assert!(!err.contains("never end"), "{err}");
+}
+
+/// A script that plants lease `planted.lease` naming the shell that runs it (pid, start, host,
+/// boot, namespaces) as a holder of `base`'s lock, then runs `then`.
+fn plant_lease(then: &str) -> String {
     let plant = r#"L="$R/locks/leases/planted.lease"; s=$$
         start=$(sed 's/.*) //' /proc/$s/stat | cut -d' ' -f20)
         printf 'host=%s\npid=%s\npid_ns=%s\ntime_ns=%s\nstart=%s\nboot_id=%s\nuser=u\ncommand=planted\nsince=1\nwithin=\nhold=shared images/base.lock 1 planted\n' \
           "$(uname -n)" $s "$(readlink /proc/self/ns/pid)" "$(readlink /proc/self/ns/time)" \
           "$start" "$(cat /proc/sys/kernel/random/boot_id)" > "$L""#;
-    let (rc, err) = write_beside_a_holder(&env, plant);
-    assert!(env.root.join("locks/leases/planted.lease").exists());
-    assert_eq!(rc, Some(0), "{err}");
-    assert!(!err.contains("never end"), "{err}");
+    format!("{plant}\n{then}")
 }
 
 /// Process start times in `/proc` are shifted by the reader's time namespace: a call nested in
