@@ -213,15 +213,32 @@ fn owns(name: &str, id: &Identity) -> bool {
     let Some(pid) = id.pid else {
         return false;
     };
-    let open = id.file.and_then(|(_, ino)| {
-        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
-        Some(fds.flatten().any(|fd| {
-            let lease = std::fs::read_link(fd.path())
-                .is_ok_and(|l| l.file_name().is_some_and(|f| f == name));
-            lease && fd_ino(pid, &fd.file_name().to_string_lossy()) == Some(ino)
-        }))
-    });
+    let open = id.file.and_then(|(_, ino)| has_open(pid, name, ino));
     open.unwrap_or_else(|| id.owner_is(pid) != Some(false))
+}
+
+/// Whether local process `pid` has a file named `name` with inode `ino` open; `None` where that
+/// cannot be told: its descriptors' links unreadable (the list is readable to the same user, the
+/// links only with ptrace access: another group, fewer capabilities) or no `ino:` in `fdinfo`.
+fn has_open(pid: u32, name: &str, ino: u64) -> Option<bool> {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+    let mut known = true;
+    for fd in fds.flatten() {
+        match std::fs::read_link(fd.path()) {
+            Ok(l) if l.file_name().is_some_and(|f| f == name) => {
+                match fd_ino(pid, &fd.file_name().to_string_lossy()) {
+                    Some(i) if i == ino => return Some(true),
+                    Some(_) => {}
+                    None => known = false,
+                }
+            }
+            Ok(_) => {}
+            // Closed since the listing.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(_) => known = false,
+        }
+    }
+    known.then_some(false)
 }
 
 /// The inode of the file local process `pid` has open as descriptor `fd` (`/proc/PID/fdinfo`).

@@ -2284,3 +2284,46 @@ fn a_call_nested_in_another_time_namespace_knows_its_enclosing_exec() {
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     assert!(stderr(&out).contains("never end"), "{}", show(&out));
 }
+
+/// A call nested under another group and without capabilities (`sg`, `setpriv`) may list the
+/// enclosing exec's descriptors but not read their links: it cannot see the lease open there, so
+/// it goes by the exec's start, and still knows its enclosing exec.
+#[test]
+fn a_call_nested_that_cannot_read_its_ancestors_descriptors_knows_its_enclosing_exec() {
+    let drop = [
+        "--regid=1",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+    ];
+    if unsafe { libc::geteuid() } != 0
+        || !Command::new("setpriv")
+            .args(drop)
+            .arg("true")
+            .status()
+            .is_ok_and(|s| s.success())
+    {
+        eprintln!("skipped: needs root and setpriv(1) to drop group and capabilities");
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let inner = format!(
+        "env -i setpriv {} '{bin}' --root '{root}' exec --write base --wait 30 -- true",
+        drop.join(" "),
+        bin = bin(),
+        root = env.root.display()
+    );
+    let out = env.run([
+        "exec",
+        "--no-inherit",
+        "--write",
+        "base",
+        "--",
+        "sh",
+        "-c",
+        &inner,
+    ]);
+    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
+    assert!(stderr(&out).contains("never end"), "{}", show(&out));
+}
