@@ -162,6 +162,9 @@ pub struct Look<'c> {
     owned: RefCell<Option<HashSet<(u32, u64)>>>,
     /// How long this look has waited for holders to list their locks.
     waited: Cell<std::time::Duration>,
+    /// While set ([`Look::deferring`]), a held lock no lease lists is read once, not waited for,
+    /// and noted here (its file relative to `locks/`) for the caller to look at again.
+    deferred: RefCell<Option<Vec<String>>>,
 }
 
 impl<'c> Look<'c> {
@@ -193,7 +196,20 @@ impl<'c> Look<'c> {
             fd_locks: RefCell::new(HashMap::new()),
             owned: RefCell::new(None),
             waited: Cell::new(std::time::Duration::ZERO),
+            deferred: RefCell::new(None),
         }
+    }
+
+    /// Reports many locks at once without waiting for each ([`Look::held_by_whom`]): each lock
+    /// held that no lease lists yet is noted instead, for the caller to look at again after one
+    /// wait of [`LIST_GRACE`] for them all ([`Look::deferred`]).
+    pub fn deferring(&self) {
+        *self.deferred.borrow_mut() = Some(Vec::new());
+    }
+
+    /// Ends [`Look::deferring`]: the locks noted, relative to `locks/`.
+    pub fn deferred(&self) -> Vec<String> {
+        self.deferred.borrow_mut().take().unwrap_or_default()
     }
 
     /// Whether lease `name` has a live owner (one probe a look; if it fails, alive: nothing goes).
@@ -614,9 +630,10 @@ impl<'c> Look<'c> {
             _ => Mode::Shared,
         };
         let mut holders = Vec::new();
+        let deferring = self.deferred.borrow().is_some() && self.table.is_none();
         // At most WAIT_BUDGET in all, or many locks held outside stowage on a
         // shared filesystem would each cost sleeps; past it, one read each.
-        let tries = if self.waited.get() < WAIT_BUDGET {
+        let tries = if !deferring && self.waited.get() < WAIT_BUDGET {
             5
         } else {
             1
@@ -633,6 +650,9 @@ impl<'c> Look<'c> {
             self.reread.borrow_mut().take();
         }
         if holders.is_empty() {
+            if let Some(noted) = self.deferred.borrow_mut().as_mut().filter(|_| deferring) {
+                noted.push(rel.to_owned());
+            }
             holders.push(Party::unknown(mode));
         }
         holders
@@ -677,6 +697,10 @@ fn read_leases<'a>(dir: &Path, names: impl Iterator<Item = &'a String>) -> Vec<L
 /// The most a look sleeps in all for other hosts' holders to list locks seen held (150 ms a lock:
 /// 10, 20, 40, 80; a lease announced late comes 30 ms into its command).
 const WAIT_BUDGET: std::time::Duration = std::time::Duration::from_millis(600);
+
+/// How long after its last look at a lock a deferring look ([`Look::deferring`]) waits for holders
+/// to list it: what the rereads of one lock add up to.
+pub const LIST_GRACE: std::time::Duration = std::time::Duration::from_millis(150);
 
 fn probe(path: &Path) -> Probe {
     crate::lock::probe(path).unwrap_or(Probe::Free)

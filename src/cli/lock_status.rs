@@ -294,9 +294,29 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
         .iter()
         .map(|n| crate::root::lock_file_name(n.encoded()))
         .collect();
+    // Locks held that no lease lists yet are looked at again together, once their holders have
+    // had their moment to list them: one wait, not one a lock.
+    look.deferring();
+    let mut reports: Vec<(String, Option<String>, LockReport)> = files
+        .into_iter()
+        .map(|(file, asked)| {
+            let r = image_report(look, root, &file, asked.clone());
+            (file, asked, r)
+        })
+        .collect();
+    let again = look.deferred();
+    if !again.is_empty() {
+        std::thread::sleep(crate::holders::LIST_GRACE);
+        look.deferring();
+        for (file, asked, r) in reports.iter_mut() {
+            if again.contains(&format!("images/{file}")) {
+                *r = image_report(look, root, file, asked.clone());
+            }
+        }
+        look.deferred();
+    }
     let mut images = Vec::new();
-    for (file, asked) in files {
-        let r = image_report(look, root, &file, asked);
+    for (file, _, r) in reports {
         let busy = r.state != Probe::Free || !r.waiters.is_empty();
         if sel.all || named.contains(&file) || (busy && sel.names.is_empty()) {
             images.push(r);
