@@ -212,6 +212,12 @@ impl<'c> Look<'c> {
         self.deferred.borrow_mut().take().unwrap_or_default()
     }
 
+    /// The one wait for the locks [`Look::deferred`] noted, counted in the look's budget.
+    pub fn wait_for_listing(&self) {
+        std::thread::sleep(LIST_GRACE);
+        self.waited.set(self.waited.get() + LIST_GRACE);
+    }
+
     /// Whether lease `name` has a live owner (one probe a look; if it fails, alive: nothing goes).
     pub fn alive(&self, name: &str) -> bool {
         if let Some(a) = self.alive.borrow().get(name) {
@@ -700,7 +706,7 @@ const WAIT_BUDGET: std::time::Duration = std::time::Duration::from_millis(600);
 
 /// How long after its last look at a lock a deferring look ([`Look::deferring`]) waits for holders
 /// to list it: what the rereads of one lock add up to.
-pub const LIST_GRACE: std::time::Duration = std::time::Duration::from_millis(150);
+const LIST_GRACE: std::time::Duration = std::time::Duration::from_millis(150);
 
 fn probe(path: &Path) -> Probe {
     crate::lock::probe(path).unwrap_or(Probe::Free)

@@ -306,7 +306,7 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
         .collect();
     let again = look.deferred();
     if !again.is_empty() {
-        std::thread::sleep(crate::holders::LIST_GRACE);
+        look.wait_for_listing();
         look.deferring();
         for (file, asked, r) in reports.iter_mut() {
             if again.contains(&format!("images/{file}")) {
