@@ -42,6 +42,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // By name as the user writes it (the survey goes by lock file name: 'app%sub' before 'app').
     images.sort_by(|a, b| a.name().cmp(b.name()));
     let look = Look::new(store.ctx());
+    // Whether each is in use, not by whom: a lock no lease explains is not waited on to name it.
+    look.deferring();
     let in_use: HashSet<&str> = images
         .iter()
         .filter(|i| {
@@ -51,6 +53,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         })
         .map(Image::name)
         .collect();
+    look.deferred();
     let sharing = Sharing::measure(store, &images);
     if args.json {
         let out: Vec<ImageJson> = images
