@@ -2264,23 +2264,22 @@ fn a_call_nested_in_another_time_namespace_knows_its_enclosing_exec() {
         eprintln!("skipped: `unshare -T --boottime` (a time namespace) does not work here");
         return;
     }
+    knows_its_enclosing_exec_through("unshare -T -f --boottime 1000");
+}
+
+/// `stowage exec --no-inherit --write base -- sh -c 'env -i WRAPPER stowage exec --write base …'`:
+/// the nested call, with neither the environment nor an inherited descriptor to go by, must fail
+/// at once (75, "would never end") rather than wait 30 s for its own enclosing exec.
+fn knows_its_enclosing_exec_through(wrapper: &str) {
     let env = Env::new();
     env.make_image("base");
     let inner = format!(
-        "env -i unshare -T -f --boottime 1000 '{bin}' --root '{root}' exec --write base --wait 30 -- true",
+        "env -i {wrapper} '{bin}' --root '{root}' exec --write base --wait 30 -- true",
         bin = bin(),
         root = env.root.display()
     );
-    let out = env.run([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "base",
-        "--",
-        "sh",
-        "-c",
-        &inner,
-    ]);
+    let outer = ["exec", "--no-inherit", "--write", "base", "--", "sh", "-c"];
+    let out = env.run(outer.iter().copied().chain([inner.as_str()]));
     assert_eq!(out.status.code(), Some(75), "{}", show(&out));
     assert!(stderr(&out).contains("never end"), "{}", show(&out));
 }
@@ -2306,24 +2305,5 @@ fn a_call_nested_that_cannot_read_its_ancestors_descriptors_knows_its_enclosing_
         eprintln!("skipped: needs root and setpriv(1) to drop group and capabilities");
         return;
     }
-    let env = Env::new();
-    env.make_image("base");
-    let inner = format!(
-        "env -i setpriv {} '{bin}' --root '{root}' exec --write base --wait 30 -- true",
-        drop.join(" "),
-        bin = bin(),
-        root = env.root.display()
-    );
-    let out = env.run([
-        "exec",
-        "--no-inherit",
-        "--write",
-        "base",
-        "--",
-        "sh",
-        "-c",
-        &inner,
-    ]);
-    assert_eq!(out.status.code(), Some(75), "{}", show(&out));
-    assert!(stderr(&out).contains("never end"), "{}", show(&out));
+    knows_its_enclosing_exec_through(&format!("setpriv {}", drop.join(" ")));
 }
