@@ -34,9 +34,13 @@ CREATE TABLE IF NOT EXISTS images (
     last_used_ms INTEGER NOT NULL,
     seq          INTEGER NOT NULL,
     size_bytes   INTEGER,
-    size_seq     INTEGER
+    size_seq     INTEGER,
+    size_record  INTEGER
 ) WITHOUT ROWID;
 "#;
+
+/// Added to schema 11 in place: releases that know only `size_seq` go on reading it.
+const SIZE_RECORD_SQL: &str = "ALTER TABLE images ADD COLUMN size_record INTEGER";
 
 /// One image as the catalog has it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,15 +52,18 @@ pub struct Row {
     pub last_used: Millis,
     /// The record's sequence number when the row was refreshed.
     pub seq: u64,
-    /// The tree's size, measured for the record `size_seq`: current only while that is still `seq`.
+    /// The tree's size, measured for the record whose fingerprint is `size_record`.
     pub size: Option<u64>,
-    pub size_seq: Option<u64>,
+    pub size_record: Option<u64>,
 }
 
 impl Row {
-    /// The size, if it was measured for the tree as the record has it now.
-    pub fn current_size(&self) -> Option<u64> {
-        self.size.filter(|_| self.size_seq == Some(self.seq))
+    /// The size, if it was measured for the tree that `record` describes: a size kept for another
+    /// record (an earlier write, the name's image before an `rm`, another store's catalog put in
+    /// place of ours) is no size.
+    pub fn size_for(&self, record: &crate::image_record::Record) -> Option<u64> {
+        self.size
+            .filter(|_| self.size_record == Some(record.fingerprint()))
     }
 }
 
@@ -346,6 +353,14 @@ pub fn create_schema(conn: &rusqlite::Connection) -> Result<()> {
     Ok(())
 }
 
+/// Gives a current catalog the columns this release added to its schema (under the global lock).
+pub fn complete_schema(conn: &rusqlite::Connection) -> Result<()> {
+    if !columns(conn, "images")?.iter().any(|c| c == "size_record") {
+        conn.execute_batch(SIZE_RECORD_SQL)?;
+    }
+    Ok(())
+}
+
 impl<'a> Catalog<'a> {
     /// The catalog in a transaction `conn` has begun, under `global`.
     pub(crate) fn new(conn: &'a rusqlite::Connection, global: &'a Guard) -> Catalog<'a> {
@@ -357,7 +372,7 @@ impl<'a> Catalog<'a> {
 
     pub fn rows(&self) -> Result<Vec<Row>> {
         let mut stmt = self.conn.prepare(
-            "SELECT name, state, base, created_ms, last_used_ms, seq, size_bytes, size_seq
+            "SELECT name, state, base, created_ms, last_used_ms, seq, size_bytes, size_record
              FROM images ORDER BY name",
         )?;
         Ok(stmt.query_map([], row)?.collect::<rusqlite::Result<_>>()?)
@@ -396,11 +411,22 @@ impl<'a> Catalog<'a> {
         Ok(())
     }
 
-    /// Keeps a size measured for the tree the record `seq` describes.
-    pub fn set_size(&self, name: &str, seq: u64, size: u64) -> Result<()> {
+    /// Keeps a size measured for the tree `record` describes (and, for releases that key sizes by
+    /// sequence number only, its `seq`).
+    pub fn set_size(
+        &self,
+        name: &str,
+        record: &crate::image_record::Record,
+        size: u64,
+    ) -> Result<()> {
         self.conn.execute(
-            "UPDATE images SET size_bytes = ?2, size_seq = ?3 WHERE name = ?1",
-            params![name, size as i64, seq as i64],
+            "UPDATE images SET size_bytes = ?2, size_seq = ?3, size_record = ?4 WHERE name = ?1",
+            params![
+                name,
+                size as i64,
+                record.seq as i64,
+                record.fingerprint() as i64
+            ],
         )?;
         Ok(())
     }
@@ -416,7 +442,7 @@ fn row(r: &rusqlite::Row) -> rusqlite::Result<Row> {
         last_used: r.get(4)?,
         seq: r.get::<_, i64>(5)? as u64,
         size: r.get::<_, Option<i64>>(6)?.map(|s| s.max(0) as u64),
-        size_seq: r.get::<_, Option<i64>>(7)?.map(|s| s as u64),
+        size_record: r.get::<_, Option<i64>>(7)?.map(|s| s as u64),
     })
 }
 
@@ -470,6 +496,9 @@ mod tests {
 
     #[test]
     fn a_size_is_current_only_for_the_record_it_was_measured_for() {
+        use crate::image_record::{ImagesDir, Record};
+        let mut measured = Record::new("a", ImagesDir::Default, 1_000);
+        measured.seq = 3;
         let r = Row {
             name: "a".into(),
             state: State::Ready,
@@ -478,16 +507,35 @@ mod tests {
             last_used: 0,
             seq: 3,
             size: Some(10),
-            size_seq: Some(3),
+            size_record: Some(measured.fingerprint()),
         };
-        assert_eq!(r.current_size(), Some(10));
-        assert_eq!(
-            Row {
-                seq: 4,
-                ..r.clone()
-            }
-            .current_size(),
-            None
+        assert_eq!(r.size_for(&measured), Some(10));
+        let later = Record {
+            seq: 4,
+            ..measured.clone()
+        };
+        // The same name and sequence number, made anew (after an `rm`, or in another store).
+        let other = Record {
+            created: 2_000,
+            ..measured.clone()
+        };
+        assert_eq!(r.size_for(&later), None);
+        assert_eq!(r.size_for(&other), None);
+    }
+
+    #[test]
+    fn a_catalog_of_schema_11_gets_the_size_record_column_once() {
+        let (_d, conn) = fresh();
+        conn.execute_batch(&SCHEMA_SQL.replace(",\n    size_record  INTEGER", ""))
+            .unwrap();
+        conn.pragma_update(None, "user_version", SCHEMA).unwrap();
+        assert_eq!(inspect(&conn).unwrap(), Found::Current);
+        complete_schema(&conn).unwrap();
+        complete_schema(&conn).unwrap();
+        assert!(
+            columns(&conn, "images")
+                .unwrap()
+                .contains(&"size_record".to_owned())
         );
     }
 

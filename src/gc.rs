@@ -478,16 +478,11 @@ fn collect(
 }
 
 /// What the record read under the exclusive lock says: the truth (a write in flight is dead). Last
-/// use: the latest of the record's change, the lock file's use and (same record) the catalog's.
+/// use: the later of the record's change and the lock file's use, as the survey has it.
 fn under_lock(img: &Image, now: crate::image_record::Record, used: Option<Millis>) -> Image {
-    let catalog = if now.seq == img.record.seq {
-        img.last_used
-    } else {
-        0
-    };
     Image {
         state: now.state_seen(false),
-        last_used: used.unwrap_or(now.changed).max(now.changed).max(catalog),
+        last_used: used.unwrap_or(now.changed).max(now.changed),
         record: now,
         entry: img.entry.clone(),
         size: img.size,

@@ -130,7 +130,7 @@ impl ImagesDir {
 /// An image's record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
-    /// Increases with every write; names the write that made the tree as it is (sizes go by it).
+    /// Increases with every write.
     pub seq: u64,
     pub name: String,
     pub state: State,
@@ -185,6 +185,16 @@ impl Record {
         } else {
             self.state
         }
+    }
+
+    /// Which write of which image this record is, across stores: its sequence number and a checksum
+    /// of all it says (creation, change, writer's lease). What is measured of the tree is kept for
+    /// it (the catalog's sizes): another store's record, or this name's before an `rm`, is another.
+    pub fn fingerprint(&self) -> u64 {
+        let said = self
+            .encode()
+            .unwrap_or_else(|| format!("{self:?}").into_bytes());
+        (u64::from(crc32(&said)) << 32) | (self.seq & 0xffff_ffff)
     }
 
     fn encode(&self) -> Option<Vec<u8>> {

@@ -166,7 +166,10 @@ impl Store {
             Err(e) => return Err(catalog_error(&db, e)),
         };
         match found {
-            Found::Current => Ok(conn),
+            Found::Current => {
+                catalog::complete_schema(&conn).map_err(|e| catalog_error(&db, e))?;
+                Ok(conn)
+            }
             Found::New => {
                 catalog::create_schema(&conn).map_err(|e| catalog_error(&db, e))?;
                 if self.ctx.shared() {

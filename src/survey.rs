@@ -15,7 +15,7 @@ use anyhow::Result;
 
 use crate::catalog::Row;
 use crate::census::{Entry, take};
-use crate::image_record::{self, State};
+use crate::image_record::{self, Record, State};
 use crate::root::Root;
 
 /// An image as `images`, `gc` and `doctor` see it: its record plus the catalog's last use and size.
@@ -92,11 +92,10 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
         }
     };
     for img in images.iter_mut() {
+        // Last use is the lock file's and the record's: a row's is only a copy of theirs (or,
+        // in a catalog put in place of ours, another store's).
         if let Some(row) = rows.get(img.name()) {
-            img.last_used = img.last_used.max(row.last_used);
-            if row.seq == img.record.seq {
-                img.size = row.current_size();
-            }
+            img.size = row.size_for(&img.record);
         }
     }
     crate::holders::Look::new(store.ctx()).clean_leases();
@@ -109,7 +108,7 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
             let _ = store.with_catalog(None, |cat, _| {
                 measured
                     .iter()
-                    .try_for_each(|(name, seq, size)| cat.set_size(name, *seq, *size))
+                    .try_for_each(|(name, record, size)| cat.set_size(name, record, *size))
             });
         }
     }
@@ -135,25 +134,18 @@ fn refresh(store: &mut crate::store::Store, images: &[Image]) -> Result<HashMap<
                 last_used: img.last_used,
                 seq: img.record.seq,
                 size: None,
-                size_seq: None,
+                size_record: None,
             };
             cat.upsert(&row)?;
-            rows.entry(row.name.clone())
-                .and_modify(|r| {
-                    if r.seq != row.seq {
-                        r.size = None;
-                    }
-                    r.last_used = r.last_used.max(row.last_used);
-                    r.seq = row.seq;
-                })
-                .or_insert(row);
+            // A kept size stays with the record it was measured for (`Row::size_for`).
+            rows.entry(row.name.clone()).or_insert(row);
         }
         Ok(rows)
     })
 }
 
 /// Measures the trees whose size is not known for their record now.
-fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, u64, u64)> {
+fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u64)> {
     let mut out = Vec::new();
     for img in images.iter_mut() {
         if img.size.is_some() || img.state.in_flight() || img.state == State::Deleting {
@@ -169,6 +161,14 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, u64, u64)>
         ) else {
             continue;
         };
+        // The tree measured is the one the record under our lock describes: the one surveyed, or
+        // no size is kept (rewritten since: the next look measures it).
+        let now = image_record::read(reading.file())
+            .ok()
+            .and_then(|s| s.record);
+        if now.as_ref().map(Record::fingerprint) != Some(img.record.fingerprint()) {
+            continue;
+        }
         // Named by our lease while it measures (on another host nothing else names the holder),
         // unnamed before the lock goes.
         let rel = format!("images/{}", img.entry.file);
@@ -187,7 +187,7 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, u64, u64)>
             _ => continue,
         };
         img.size = Some(size);
-        out.push((img.name().to_owned(), img.record.seq, size));
+        out.push((img.name().to_owned(), img.record.clone(), size));
     }
     out
 }

@@ -520,3 +520,65 @@ fn a_read_in_a_moved_root_runs_in_that_roots_images_directory() {
     );
     assert_eq!(lines.next(), Some("content"), "{}", show(&out));
 }
+
+/// Writes image `name` with `bytes` bytes in it, as if at `when`
+/// (`STOWAGE_NOW`, which is also its last use).
+fn build_sized(env: &Env, name: &str, bytes: usize, when: &str) {
+    let script = format!("head -c {bytes} /dev/zero > \"$STOWAGE_IMAGE_DIR/data\"");
+    let mut c = env.cmd(["exec", "--write", name, "--", "sh", "-c", &script]);
+    c.env("STOWAGE_NOW", when);
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+}
+
+/// Another store's catalog, which measured its images of the same names
+/// at the same sequence numbers as ours, put in place of ours: its sizes
+/// are another store's trees', and gc over a budget ours are far below
+/// removes nothing.
+#[test]
+fn another_stores_catalog_put_in_place_makes_no_image_over_the_budget() {
+    let (here, there) = (Env::new(), Env::new());
+    for name in ["base", "app"] {
+        build_sized(&here, name, 8 << 10, "2024-01-01T00:00:00Z");
+        build_sized(&there, name, 3 << 20, "2024-01-01T00:00:00Z");
+    }
+    here.ok(["images"]);
+    here.put_catalog_of(&there);
+    here.ok(["gc", "--max-size", "1M"]);
+    assert_eq!(here.state("base").as_deref(), Some("ready"));
+    assert_eq!(here.state("app").as_deref(), Some("ready"));
+}
+
+/// An image removed, then made anew under its name: its record starts at
+/// the same sequence number, but the old tree's size (kept in the
+/// catalog, which `rm` does not open) is not the new tree's.
+#[test]
+fn an_image_made_anew_after_rm_is_not_given_the_old_trees_size() {
+    let env = Env::new();
+    build_sized(&env, "app", 5 << 20, "2024-01-01T00:00:00Z");
+    build_sized(&env, "small", 8 << 10, "2024-01-01T00:00:00Z");
+    env.ok(["images"]);
+    env.ok(["rm", "app"]);
+    build_sized(&env, "app", 8 << 10, "2024-01-01T00:00:00Z");
+    env.ok(["gc", "--max-size", "1M"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.state("small").as_deref(), Some("ready"));
+}
+
+/// Another store's catalog, whose images of our names were used in
+/// another order, put in place of ours: the least recently used image is
+/// still ours to say (the lock files'), and gc over the budget removes it,
+/// not the one used last.
+#[test]
+fn another_stores_catalog_put_in_place_changes_no_images_last_use() {
+    let (here, there) = (Env::new(), Env::new());
+    build_sized(&here, "old", 64 << 10, "2024-01-01T00:00:00Z");
+    build_sized(&here, "recent", 64 << 10, "2024-06-01T00:00:00Z");
+    build_sized(&there, "recent", 64 << 10, "2024-01-01T00:00:00Z");
+    build_sized(&there, "old", 64 << 10, "2024-12-01T00:00:00Z");
+    here.ok(["images"]);
+    here.put_catalog_of(&there);
+    here.ok(["gc", "--max-size", "100K"]);
+    assert_eq!(here.state("old"), None, "the least recently used goes");
+    assert_eq!(here.state("recent").as_deref(), Some("ready"));
+}
