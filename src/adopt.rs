@@ -61,6 +61,15 @@ fn tree_names(images: &Dir) -> io::Result<Vec<std::ffi::OsString>> {
     Ok(names)
 }
 
+/// Whether the lock file at `path` holds a record now (read without its lock: the two slots make a
+/// read beside a write return the record before or after it).
+pub fn has_record(path: &Path) -> bool {
+    crate::lock::open_existing_read(path)
+        .ok()
+        .flatten()
+        .is_some_and(|f| image_record::read(&f).is_ok_and(|s| s.record.is_some()))
+}
+
 /// How an adopted tree starts out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adopt {
@@ -105,6 +114,11 @@ fn adopt_one(
     let held = crate::gc::take_exclusive(root, name, crate::lock::IfMissing::Create)
         .map_err(|e| crate::lock::error(&format!("image '{name}'"), &path, e))?;
     let Some(held) = held else {
+        // Held by the image's creator, which wrote its record before it made the tree: a tree
+        // found after the records were read is no orphan.
+        if has_record(&path) {
+            return Ok(false);
+        }
         anyhow::bail!("its lock is held (try again when it is free)");
     };
     let (guard, mut seen) = (held.guard, held.seen);

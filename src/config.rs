@@ -176,17 +176,11 @@ fn put(
 }
 
 fn random_id() -> String {
-    let mut buf = [0u8; 16];
-    // SAFETY: getrandom writes at most buf.len() bytes into buf.
-    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n != buf.len() as isize {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        buf = (t ^ (u128::from(std::process::id()) << 64)).to_le_bytes();
-    }
-    buf.iter().map(|b| format!("{b:02x}")).collect()
+    format!(
+        "{:016x}{:016x}",
+        crate::ident::nonce(),
+        crate::ident::nonce()
+    )
 }
 
 #[cfg(test)]

@@ -39,6 +39,23 @@ impl Me {
 }
 
 /// The host name (of this UTS namespace: a container's own).
+/// 64 random bits, for a name no other process on any host makes (a pid alone is no identity:
+/// hosts and containers each count their own).
+pub fn nonce() -> u64 {
+    let mut buf = [0u8; 8];
+    // SAFETY: getrandom writes at most buf.len() bytes into buf.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), libc::GRND_NONBLOCK) };
+    if n == buf.len() as isize {
+        return u64::from_ne_bytes(buf);
+    }
+    // No entropy yet (early boot): time and pid still make a fresh name; a clash costs a retry.
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
+}
+
 pub fn host_name() -> String {
     nix::unistd::gethostname()
         .ok()

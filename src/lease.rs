@@ -398,7 +398,7 @@ fn fresh_name(me: &crate::ident::Me) -> String {
         safe_part(&me.host),
         boot_part(me),
         me.pid,
-        random()
+        crate::ident::nonce()
     )
 }
 
@@ -568,21 +568,6 @@ fn safe_part(s: &str) -> String {
         .take(64)
         .collect();
     if out.is_empty() { "host".into() } else { out }
-}
-
-fn random() -> u64 {
-    let mut buf = [0u8; 8];
-    // SAFETY: getrandom writes at most buf.len() bytes into buf.
-    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), libc::GRND_NONBLOCK) };
-    if n == buf.len() as isize {
-        return u64::from_ne_bytes(buf);
-    }
-    // No entropy yet (early boot): time and pid still make a fresh name; a clash costs a retry.
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    t ^ (u64::from(std::process::id()) << 32)
 }
 
 /// The most of a lease file read: an identity is a few hundred bytes, a command line a few KiB.

@@ -269,9 +269,9 @@ fn trash_name(enc: &str) -> String {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let short: String = enc.chars().take(100).collect();
     format!(
-        "{}.{}.{}.{short}",
+        "{}.{:016x}.{}.{short}",
         clock::now_ms(),
-        std::process::id(),
+        crate::ident::nonce(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     )
 }

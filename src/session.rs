@@ -742,7 +742,7 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
             .rename_to(
                 name.encoded(),
                 &trash,
-                format!("{}.{}.finish", clock::now_ms(), std::process::id()),
+                format!("{}.{:016x}.finish", clock::now_ms(), crate::ident::nonce()),
             )
             .with_context(|| format!("cannot finish the removal of image '{name}'"))?;
     }

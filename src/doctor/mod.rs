@@ -245,10 +245,11 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
 /// Does flock exclude here at all (two opens of one file must conflict)? `false` also when this
 /// user may not make the test file: no locking fault, but nothing else can be checked.
 fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
-    // Private to this process: two doctors at once must not test against each other's lock.
+    // Private to this process: two doctors at once, on any hosts, must not test against each
+    // other's lock.
     let probe = root
         .locks()
-        .join(format!(".doctor.{}.lock", std::process::id()));
+        .join(format!(".doctor.{:016x}.lock", crate::ident::nonce()));
     match lock::opens_conflict(&probe) {
         Ok(true) => report.ok("flock", "two opens of one file exclude each other"),
         Ok(false) => {
@@ -665,6 +666,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let images = root.open_or_make_images_dir(&dir)?;
     claim(&root, &config, &images, &dir, repair, report);
     let entries = crate::census::take(&root)?;
+    crate::debug::pause("doctor-records-read");
     let ready = entries.iter().any(|e| e.state() == Some(State::Ready));
     if ready && images.names()?.is_empty() {
         report.problem("images", format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
@@ -697,7 +699,11 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         report.problem("images", format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
     }
     missing_trees(store.ctx(), &gone, repair, report);
-    let orphans = adopt::orphans(&images, &dir, &named)?;
+    let mut orphans = adopt::orphans(&images, &dir, &named)?;
+    // An image created since the records were read: its record came before its tree.
+    orphans
+        .trees
+        .retain(|(n, _)| !adopt::has_record(&root.image_lock(n)));
     for (entry, why) in &orphans.skipped {
         let detail = format!(
             "{entry:?} in {} is no image ({why}); left alone",

@@ -194,6 +194,37 @@ fn a_tree_without_a_record_is_adopted_and_never_collected() {
     assert_eq!(env.run(["doctor"]).status.code(), Some(0));
 }
 
+/// An image created while doctor (or a repair) runs, between its reading
+/// of the records and its listing of the trees: its tree is no orphan (its
+/// creator wrote the record first and holds the lock), so doctor reports
+/// nothing about it and exits 0; the image ends ready.
+#[test]
+fn doctor_says_nothing_of_an_image_created_while_it_looks() {
+    let env = Env::new();
+    env.make_image("base");
+    for (i, how) in [&["doctor"][..], &["doctor", "--repair"]]
+        .iter()
+        .enumerate()
+    {
+        let (doctor, go_on) = env.paused(*how, "doctor-records-read");
+        let new = format!("new{i}");
+        let (started, release) = (format!("started{i}"), format!("release{i}"));
+        let writer = env.hold_until(&["--write", &new], &started, &release);
+        fs::remove_file(&go_on).unwrap();
+        let out = doctor.finish();
+        assert_eq!(code(&out), Some(0), "{how:?}: {}", show(&out));
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains(&new),
+            "{}",
+            show(&out)
+        );
+        env.release(&release);
+        let out = writer.finish();
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        assert_eq!(env.state(&new).as_deref(), Some("ready"));
+    }
+}
+
 /// A record whose tree was deleted by hand: the repair drops the record
 /// (the image is gone); a record of the wrong images directory is left.
 #[test]
@@ -923,4 +954,32 @@ fn says(out: &std::process::Output, lines: &[&str]) {
     for l in lines {
         assert!(text.contains(l), "no {l:?} in:\n{}", show(out));
     }
+}
+
+/// Another host's doctor (or one in another container) can have our pid:
+/// its flock test file, held while it tests, is no file of ours to test,
+/// and doctor still finds flock working.
+#[test]
+fn doctor_beside_another_hosts_doctor_of_the_same_pid_finds_flock_working() {
+    if !root_or_skip("a pid namespace") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    // The first process of a new pid namespace is pid 1, as another host's may be.
+    let theirs = env.root.join("locks/.doctor.1.lock");
+    let wait = format!(
+        "i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+        r = env.sentinel("release").display()
+    );
+    let holder = flock_holder(&theirs, &env.sentinel("held"), &wait);
+    let mut c = Command::new("unshare");
+    c.args(["--pid", "--fork", "--"]).arg(bin());
+    c.arg("--root").arg(&env.root).arg("doctor");
+    c.env_remove("STOWAGE_ROOT")
+        .stdin(std::process::Stdio::null());
+    let out = output(c);
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
