@@ -139,6 +139,11 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
         .open(path);
+    // A stale handle: another host removed the file (a journal deleted at its commit) since this
+    // client looked its name up. Gone is missing.
+    let gone = |e: &std::io::Error| {
+        e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESTALE)
+    };
     let kind = match opened {
         // SQLite writes in place: not through a file with other names.
         Ok(f) => match f.metadata() {
@@ -146,9 +151,10 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
                 None => return Ok(()),
                 Some(kind) => kind,
             },
+            Err(e) if gone(&e) => return Ok(()),
             Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", path.display())),
         },
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if gone(&e) => return Ok(()),
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => "a symlink",
         // A socket cannot be opened at all (ENXIO); a directory can.
         Err(e) if e.raw_os_error() == Some(libc::ENXIO) => "a socket",

@@ -137,7 +137,7 @@ fn delete_from_trash(
 ) -> Result<Option<String>> {
     crate::signals::check()?;
     let mut n = 0;
-    Ok(trash.remove_entry(t, &mut n).err().map(|e| {
+    Ok(remove_trash_entry(trash, t, &mut n).err().map(|e| {
         format!(
             "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it later): {}: {e}",
             root.trash().join(t).display()
@@ -311,6 +311,20 @@ pub struct Trash {
     pub failed: Vec<String>,
 }
 
+/// Deletes a trash entry, which another process may be deleting too (a removal its own, gc all): on
+/// a shared filesystem, what the other deleted shows as a stale handle, not as missing; a second
+/// walk looks everything up afresh.
+fn remove_trash_entry(
+    trash: &crate::dir::Dir,
+    entry: &std::ffi::OsStr,
+    removed: &mut u64,
+) -> std::io::Result<()> {
+    match trash.remove_entry(entry, removed) {
+        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => trash.remove_entry(entry, removed),
+        done => done,
+    }
+}
+
 /// Deletes what removals left in the trash (with `fix`; otherwise only counts it). A trash that is
 /// not a real directory is an error: nothing in it is touched.
 pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
@@ -327,7 +341,7 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
         let path = root.trash().join(&entry);
         let bytes = disk_usage::disk_usage(&path).unwrap_or(0);
         let mut n = 0;
-        if fix && let Err(e) = trash.remove_entry(&entry, &mut n) {
+        if fix && let Err(e) = remove_trash_entry(&trash, &entry, &mut n) {
             out.failed
                 .push(format!("cannot delete {}: {e}", path.display()));
             continue;

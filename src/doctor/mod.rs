@@ -464,7 +464,8 @@ fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, S
         let Err(e) = crate::catalog::check_plain_file(&path, what) else {
             continue;
         };
-        if !repair {
+        // Only a file found to be something else is set aside, not one that could not be looked at.
+        if !repair || e.downcast_ref::<crate::catalog::CatalogError>().is_none() {
             return Ok(Some((Verdict::Problem, format!("{e:#}"))));
         }
         let _global = store.global(None)?;
@@ -486,9 +487,18 @@ fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, S
 fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let db = store.root().db();
     let shown = db.display();
-    let check: String = crate::catalog::open(&db)?
-        .query_row("PRAGMA quick_check", [], |r| r.get(0))
-        .unwrap_or_else(|e| e.to_string());
+    let conn = crate::catalog::open(&db)?;
+    crate::debug::pause("doctor-catalog-check");
+    let checked = conn
+        .query_row("PRAGMA quick_check", [], |r| r.get::<_, String>(0))
+        .map_err(anyhow::Error::from);
+    // Only SQLite saying the file is damaged is damage: a busy catalog (a transaction of another
+    // process's), an I/O error or a stale handle say nothing of it.
+    let check = match checked {
+        Ok(check) => check,
+        Err(e) if crate::catalog::is_damage(&e) => format!("{e:#}"),
+        Err(e) => return Ok((Verdict::Problem, format!("{shown}: cannot check it: {e:#}"))),
+    };
     Ok(if check == "ok" {
         let schema = crate::catalog::SCHEMA;
         (

@@ -983,3 +983,43 @@ fn doctor_beside_another_hosts_doctor_of_the_same_pid_finds_flock_working() {
     assert_eq!(code(&holder.finish()), Some(0));
     assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
+
+/// A repair whose check of the catalog meets it held in a transaction by
+/// an outside program (an sqlite3 shell) that began after doctor looked
+/// for one: SQLite's check cannot run, which says nothing of the catalog,
+/// and the repair leaves it where it is.
+#[test]
+fn a_repair_sets_no_busy_catalog_aside() {
+    let env = Env::new();
+    env.make_image("base");
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    let file = env.sentinel("paused.doctor-catalog-check");
+    let mut c = env.cmd(["doctor", "--repair"]);
+    c.env(stowage::env::DEBUG_DB_BUSY_MS, "200");
+    c.env(
+        stowage::env::DEBUG_PAUSE,
+        format!("doctor-catalog-check:{}", file.display()),
+    );
+    let doctor = Bg::from_command(c);
+    wait_for_file(&file);
+    let outside = rusqlite::Connection::open(&db).unwrap();
+    outside.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    fs::remove_file(&file).unwrap();
+    let out = doctor.finish();
+    outside.execute_batch("COMMIT").unwrap();
+    drop(outside);
+    let aside: Vec<_> = fs::read_dir(&env.root)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("stowage.db."))
+        .collect();
+    assert!(aside.is_empty(), "set aside: {aside:?}: {}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("cannot check it"),
+        "{}",
+        show(&out)
+    );
+    env.ok(["doctor"]);
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+}
