@@ -20,6 +20,7 @@ use rusqlite::{ErrorCode, params};
 use crate::clock::Millis;
 use crate::image_record::State;
 use crate::lock::Guard;
+use crate::root::Root;
 
 /// The catalog's schema version (`PRAGMA user_version`). Versions 1 to 10 were the metadata of
 /// releases before records (`migrate.rs`).
@@ -265,10 +266,11 @@ fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
 #[error("the store must be migrated first")]
 pub struct NeedsMigration;
 
-/// The schema version of the catalog at `path` if it is one of a release before records; opened
-/// read-only, and only if it is a plain file.
-pub fn legacy_version(path: &Path) -> Option<i64> {
-    check_files(path).ok()?;
+/// The schema version of the catalog of `root` if it is that store's, of a release before records
+/// ([`inspect_in`]); opened read-only, and only if it is a plain file.
+pub fn legacy_version(root: &Root) -> Option<i64> {
+    let path = root.db();
+    check_files(&path).ok()?;
     if !path.is_file() {
         return None;
     }
@@ -276,25 +278,56 @@ pub fn legacy_version(path: &Path) -> Option<i64> {
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
         | OpenFlags::SQLITE_OPEN_NO_MUTEX
         | OpenFlags::SQLITE_OPEN_NOFOLLOW;
-    let conn = rusqlite::Connection::open_with_flags(path, flags).ok()?;
-    match inspect(&conn).ok()? {
+    let conn = rusqlite::Connection::open_with_flags(&path, flags).ok()?;
+    match inspect_in(&conn, root).ok()? {
         Found::Legacy(v) => Some(v),
         _ => None,
     }
 }
 
-/// What the open database is, in a store with a configuration of this release (`configured`): there
-/// an older release's catalog can only have been put in place of the real one: not to use.
-pub fn inspect_in(conn: &rusqlite::Connection, configured: bool) -> Result<Found> {
-    Ok(match inspect(conn)? {
-        Found::Legacy(v) if configured => Found::Replaced(
-            PathBuf::new(),
-            format!(
-                "schema version {v} of a release before image records, in a store already past it"
-            ),
-        ),
-        f => f,
+/// What the open database is, as `root`'s catalog. An older release's catalog is one to migrate
+/// only if it is this store's: not where a configuration of this release is, and only if the
+/// identity that release stated in the global lock file at every transaction is its own — or,
+/// where nothing is stated, no lock file has a record yet. Else it was put in place of ours (a
+/// copy from another store, with `store.conf` lost or not): not to use.
+pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
+    let found = inspect(conn)?;
+    let Found::Legacy(v) = found else {
+        return Ok(found);
+    };
+    let why = if root.open().is_ok_and(|d| crate::config::exists(&d)) {
+        "in a store already past it"
+    } else if !legacy_is_ours(conn, root)? {
+        "not this store's (the global lock file names another, or the images have records)"
+    } else {
+        return Ok(found);
+    };
+    Ok(Found::Replaced(
+        PathBuf::new(),
+        format!("schema version {v} of a release before image records, {why}"),
+    ))
+}
+
+/// Whether an older release's catalog is `root`'s ([`inspect_in`]).
+fn legacy_is_ours(conn: &rusqlite::Connection, root: &Root) -> Result<bool> {
+    let id: i64 = conn.query_row("PRAGMA application_id", [], |r| r.get(0))?;
+    Ok(match stated_identity(root) {
+        Some(stated) => stated == id as u32,
+        None => !crate::census::take(root)?
+            .iter()
+            .any(|e| e.seen.record.is_some()),
     })
+}
+
+/// The catalog identity an older release stated in the global lock file (`db=HEX`), if any.
+fn stated_identity(root: &Root) -> Option<u32> {
+    let file = crate::lock::open_existing_read(&root.global_lock()).ok()??;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(&file, 4096), &mut text).ok()?;
+    let body = text.strip_prefix("stowage-records ")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix("db="))
+        .and_then(|v| u32::from_str_radix(v, 16).ok())
 }
 
 /// What the open database is: asked once per connection, before the first transaction. Bytes 18–19

@@ -24,7 +24,7 @@ pub fn config(root: &Root) -> Result<Config> {
     match crate::config::read(root.dir(), &root.open()?)? {
         Some(c) => Ok(c),
         // A release before records kept it in its catalog: migrated first.
-        None if crate::catalog::legacy_version(&root.db()).is_some() => {
+        None if crate::catalog::legacy_version(root).is_some() => {
             Err(crate::catalog::NeedsMigration.into())
         }
         None => Ok(Config::fresh()),

@@ -33,7 +33,7 @@ pub fn is_legacy(root: &Root) -> bool {
     if !matches!(dir.stat_at(crate::config::FILE), Ok(None)) {
         return false;
     }
-    crate::catalog::legacy_version(&root.db()).is_some()
+    crate::catalog::legacy_version(root).is_some()
 }
 
 /// Migrates the store, if one to migrate, before a command reads or changes it (one stat once not).
@@ -51,7 +51,7 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         return Ok(());
     }
-    let Some(version) = crate::catalog::legacy_version(&root.db()) else {
+    let Some(version) = crate::catalog::legacy_version(&root) else {
         // No catalog to convert: a store whose records are all there is.
         ensure_config(&root)?;
         return Ok(());

@@ -159,8 +159,7 @@ impl Store {
         // moves it (an exec never opens the catalog).
         let conn = catalog::open(&db)?;
         let root = &self.ctx.root;
-        let configured = root.open().is_ok_and(|d| crate::config::exists(&d));
-        let found = match catalog::inspect_in(&conn, configured) {
+        let found = match catalog::inspect_in(&conn, root) {
             Ok(f) => f,
             Err(e) if catalog::is_damage(&e) => Found::Replaced(db.clone(), format!("{e:#}")),
             Err(e) => return Err(catalog_error(&db, e)),

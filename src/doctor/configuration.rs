@@ -110,7 +110,7 @@ fn whose(
 /// A store whose configuration went missing: its images have records (a store of a release before
 /// records has a catalog to migrate instead).
 fn lost(root: &Root) -> Result<bool> {
-    Ok(crate::catalog::legacy_version(&root.db()).is_none()
+    Ok(crate::catalog::legacy_version(root).is_none()
         && crate::census::take(root)?
             .iter()
             .any(|e| e.seen.record.is_some()))

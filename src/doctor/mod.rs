@@ -412,8 +412,8 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     }
     let db = store.root().db();
     let shown = db.display();
-    let configured = store.root().open().is_ok_and(|d| crate::config::exists(&d));
-    let before = crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, configured));
+    let before =
+        crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, store.root()));
     let found = match before {
         Ok(f) => f,
         Err(e) if crate::catalog::is_busy(&e) => {

@@ -40,6 +40,10 @@ fn old_store() -> Env {
     env
 }
 
+fn stdout_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn catalog_version(env: &Env) -> u32 {
     let bytes = fs::read(env.root.join("stowage.db")).unwrap();
     u32::from_be_bytes(bytes[60..64].try_into().unwrap())
@@ -283,4 +287,43 @@ fn a_migration_that_gives_up_names_the_holder() {
         show(&out)
     );
     assert_eq!(catalog_version(&env), 10, "nothing migrated");
+}
+
+/// A store of this release whose `store.conf` is lost and whose catalog
+/// is replaced by another store's of the release before records: that
+/// catalog is not this store's (the global lock file names no identity
+/// of it, and the images have records), so nothing is migrated from it.
+/// An image whose record is damaged stays unknown and unreadable, the
+/// other store's images do not appear, and a repair and gc remove nothing.
+#[test]
+fn another_stores_older_catalog_with_the_configuration_lost_migrates_nothing() {
+    let env = Env::new();
+    for name in ["base", "app", "failed"] {
+        env.make_image(name);
+    }
+    for name in ["app", "failed"] {
+        fs::write(env.lock_file(name), vec![0x5a; 8192]).unwrap();
+    }
+    env.assert_read_refused("app", "a damaged record");
+    let other = tempfile::tempdir().unwrap();
+    untar(&fixture("schema10-store.tar"), other.path());
+    fs::remove_file(env.root.join("store.conf")).unwrap();
+    fs::copy(
+        other.path().join("store/stowage.db"),
+        env.root.join("stowage.db"),
+    )
+    .unwrap();
+    env.ok(["images"]);
+    env.assert_read_refused("app", "a damaged record, after the catalog");
+    // The lost configuration is written anew from this store's claim (the damaged records stay a
+    // problem to report), then gc runs.
+    let out = env.run(["doctor", "--repair"]);
+    assert!(stdout_of(&out).contains("cannot be read"), "{}", show(&out));
+    env.ok(["gc"]);
+    let names: Vec<String> = states(&env).into_iter().map(|s| s.0).collect();
+    assert_eq!(names, ["app", "base", "failed"]);
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    env.assert_read_refused("app", "a damaged record, after gc");
+    assert!(env.root.join("img/app/file").exists());
+    assert!(env.root.join("img/failed/file").exists());
 }
