@@ -129,31 +129,20 @@ pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
 }
 
 impl Claim {
-    /// Whether this claim still binds the images directory at `path` against the store whose id is
-    /// `my_id`. It does unless there is evidence that it no longer can:
-    /// - it is this very store's claim (the same id) and its root's path is gone or names another
-    ///   directory: a moved store, or a copy whose original is gone, takes its directory back.
-    ///   (Another store's root may only have moved: a path gone, or a directory made anew where it
-    ///   was, is no evidence.)
-    /// - its root is where it says and its configuration records another images directory, by the
-    ///   identity recorded (an unmounted directory is still its own): `path` is a copy's `img`,
-    ///   whose claim came along with `cp -a`.
-    ///
-    /// An error looking (permissions, a stale handle) is no evidence.
-    pub fn binds(&self, path: &Path, my_id: &str) -> bool {
-        let own = self.id == my_id;
+    /// Whether this claim still binds the images directory at `path`. It does unless its root is
+    /// where it says and its configuration records another images directory, by the identity
+    /// recorded (an unmounted directory is still its own): `path` is a copy's `img`, whose claim
+    /// came along with `cp -a`. A root whose path is gone or names another directory may only have
+    /// moved — a copy of this very store cannot tell a moved original from a deleted one — and an
+    /// error looking (permissions, a stale handle) is no evidence either.
+    pub fn binds(&self, path: &Path) -> bool {
         let root = Path::new(&self.path);
-        let anchor = match Dir::anchor_nofollow(root) {
-            Ok(d) => d,
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR)) => {
-                return !own;
-            }
-            Err(_) => return true,
+        let Ok(anchor) = Dir::anchor_nofollow(root) else {
+            return true;
         };
         match anchor.identity() {
-            Ok(now) if !crate::dir::same_identity(&self.root, &now) => return !own,
-            Ok(_) => {}
-            Err(_) => return true,
+            Ok(now) if crate::dir::same_identity(&self.root, &now) => {}
+            _ => return true,
         }
         let recorded = crate::config::read(root, &anchor)
             .ok()
@@ -170,18 +159,18 @@ impl Claim {
 pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
     let theirs = read(dir).ok()??;
     let copy = theirs.id == mine.id;
-    (!theirs.same_store(mine) && theirs.binds(path, &mine.id)).then(|| {
+    (!theirs.same_store(mine) && theirs.binds(path)).then(|| {
+        // Nothing can tell a store gone for good from one moved.
         format!(
-            "images directory {} belongs to the store at {} (its claim: {}): one store per images directory{}",
+            "images directory {} belongs to the store at {} (its claim: {}): one store per images directory; gone for good (not moved)? 'setfattr -x user.stowage.store {}'",
             path.display(),
             theirs.path,
-            if copy { "a copy of this store" } else { "another store" },
             if copy {
-                String::new()
+                "the store this one is a copy of"
             } else {
-                // Nothing can tell a store gone for good from one moved.
-                format!("; gone for good? 'setfattr -x user.stowage.store {}'", path.display())
-            }
+                "another store"
+            },
+            path.display()
         )
     })
 }

@@ -504,7 +504,7 @@ impl Root {
             .and_then(|d| d.identity())
             .is_ok_and(|me| crate::dir::same_identity(&theirs.root, &me));
         // No id of ours yet: a claim whose root is gone is nobody's.
-        if !ours && theirs.binds(&self.default_images_dir(), "") {
+        if !ours && theirs.binds(&self.default_images_dir()) {
             anyhow::bail!(
                 "images directory {} belongs to the store at {}: one images directory serves one store; choose another root",
                 self.default_images_dir().display(),

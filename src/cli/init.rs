@@ -381,12 +381,15 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
         Some(Some(config)) => Some(crate::images_dir::my_claim(root, &config)?),
         _ => None,
     };
-    let my_id = mine.as_ref().map_or("", |m| m.id.as_str());
-    if mine.as_ref().is_some_and(|m| m.same_store(&theirs)) || !theirs.binds(dir, my_id) {
+    if mine.as_ref().is_some_and(|m| m.same_store(&theirs)) || !theirs.binds(dir) {
         return Ok(());
     }
-    // Same root path, another directory: that store moved away or is gone (nothing tells which).
-    let what = if Path::new(&theirs.path) == root.dir() {
+    // Its root not where it says (the same path as ours, another directory; or gone): that store
+    // moved away or is gone for good, and nothing tells which.
+    let there = crate::dir::Dir::anchor_nofollow(Path::new(&theirs.path))
+        .and_then(|d| d.identity())
+        .is_ok_and(|now| crate::dir::same_identity(&theirs.root, &now));
+    let what = if !there || Path::new(&theirs.path) == root.dir() {
         format!(
             "a store that was here; gone for good? 'setfattr -x user.stowage.store {}'",
             dir.display()

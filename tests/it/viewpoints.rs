@@ -362,15 +362,14 @@ fn a_default_images_directory_another_store_claims_is_refused() {
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
 
-/// A store moved away from its root (or copied, the original deleted)
-/// takes its external images directory back: the claim of a root that is
-/// gone binds nobody.
+/// A store moved away from its root (renamed on its filesystem: the root
+/// is the same directory) keeps its external images directory.
 #[test]
-fn a_moved_store_takes_its_images_directory_back() {
+fn a_moved_store_keeps_its_images_directory() {
     let (env, ext) = store_with_external_images();
     env.make_image("old");
-    let copy = copy_of(&env, "moved");
-    fs::remove_dir_all(&env.root).unwrap();
+    let moved = env.tmp.path().join("moved");
+    fs::rename(&env.root, &moved).unwrap();
     for args in [
         &["exec", "--read", "old", "--", "true"][..],
         &["exec", "--write", "old", "--", "true"],
@@ -378,10 +377,67 @@ fn a_moved_store_takes_its_images_directory_back() {
         &["gc"],
         &["rm", "old"],
     ] {
+        let out = in_copy(&moved, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    assert!(!ext.join("old").exists());
+}
+
+/// A copy of a store whose original is gone from its path cannot tell
+/// whether the original was deleted or moved (and still uses the images
+/// directory): it is refused, with how to free the directory, and works
+/// once the claim is removed.
+#[test]
+fn a_copy_whose_original_is_gone_is_refused_until_the_claim_is_freed() {
+    let (env, ext) = store_with_external_images();
+    env.make_image("old");
+    let copy = copy_of(&env, "copy");
+    fs::remove_dir_all(&env.root).unwrap();
+    let out = in_copy(&copy, &["exec", "--read", "old", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("setfattr -x"), "{}", show(&out));
+    let c = std::ffi::CString::new(ext.to_str().unwrap()).unwrap();
+    // SAFETY: NUL-terminated path and attribute name.
+    let r = unsafe { libc::removexattr(c.as_ptr(), c"user.stowage.store".as_ptr()) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    for args in [
+        &["exec", "--read", "old", "--", "true"][..],
+        &["exec", "--write", "old", "--", "true"],
+        &["gc"],
+        &["rm", "old"],
+    ] {
         let out = in_copy(&copy, args);
         assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
     }
     assert!(!ext.join("old").exists());
+}
+
+/// A copy of a store, then the original moved away: the two must never
+/// both use the one images directory. The moved original keeps it; the
+/// copy, which cannot tell a moved original from a deleted one, neither
+/// writes nor removes there while the original reads.
+#[test]
+fn a_copy_and_its_moved_original_never_share_an_images_directory() {
+    let (env, ext) = store_with_external_images();
+    env.make_image("base");
+    let copy = copy_of(&env, "copy");
+    let moved = env.tmp.path().join("moved");
+    fs::rename(&env.root, &moved).unwrap();
+    let out = in_copy(&moved, &["exec", "--read", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    for args in [
+        &["exec", "--no-wait", "--write", "base", "--", "true"][..],
+        &["exec", "--write", "new", "--", "true"],
+        &["rm", "base"],
+        &["gc"],
+    ] {
+        let out = in_copy(&copy, args);
+        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    assert!(ext.join("base/file").exists());
+    assert!(!ext.join("new").exists());
+    let out = in_copy(&moved, &["exec", "--read", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
 }
 
 /// Another store's claim binds while there is no evidence against it: a
