@@ -36,13 +36,14 @@ pub fn bin() -> &'static str {
     })
 }
 
-/// SIGINT and SIGQUIT back to their defaults in this process, so that
-/// every process a test starts gets them so: a shell starts a background
-/// job (`cargo test &` in a script) with both ignored, its children inherit
-/// that, and the tests of Ctrl-C would then test nothing. Tests that want
+/// SIGINT, SIGQUIT and SIGHUP back to their defaults in this process, so
+/// that every process a test starts gets them so: a shell starts a
+/// background job (`cargo test &` in a script) with SIGINT and SIGQUIT
+/// ignored, `nohup` ignores SIGHUP, children inherit that, and the tests of
+/// Ctrl-C and of a closed terminal would then test nothing. Tests that want
 /// a signal ignored ignore it in the child they start.
 fn default_interrupts() {
-    for sig in [libc::SIGINT, libc::SIGQUIT] {
+    for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP] {
         // SAFETY: signal(2) with SIG_DFL installs no handler of ours.
         unsafe { libc::signal(sig, libc::SIG_DFL) };
     }
