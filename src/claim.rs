@@ -162,14 +162,10 @@ pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
     (!theirs.same_store(mine) && theirs.binds(path)).then(|| {
         // Nothing can tell a store gone for good from one moved.
         format!(
-            "images directory {} belongs to the store at {} (its claim: {}): one store per images directory; gone for good (not moved)? 'setfattr -x user.stowage.store {}'",
+            "images directory {} belongs to the store at {} ({}): one store per images directory; gone for good (not moved)? 'setfattr -x user.stowage.store {}'",
             path.display(),
             theirs.path,
-            if copy {
-                "the store this one is a copy of"
-            } else {
-                "another store"
-            },
+            if copy { "copied to this one" } else { "another store" },
             path.display()
         )
     })
