@@ -341,7 +341,9 @@ pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> 
             let r = crate::holders::Look::new(ctx).report(kind, name.as_str(), &path, &rel);
             // A live stowage process: a dead one's lease (no pid) explains an inheritor's hold,
             // and a removal has none.
-            r.holders.iter().any(|h| h.stowage && h.pid.is_some())
+            r.holders
+                .iter()
+                .any(|h| h.stowage == Some(true) && h.pid.is_some())
         }
         _ => false,
     };

@@ -50,8 +50,8 @@ pub struct Party {
     pub mode: Mode,
     pub command: Option<String>,
     pub since: Option<Millis>,
-    /// False for a process stowage did not start.
-    pub stowage: bool,
+    /// Whether stowage started the process: None where nothing tells (another host's, unnamed).
+    pub stowage: Option<bool>,
     /// The lease that names the party; None for an outsider.
     pub lease: Option<String>,
     /// An exclusive lock taken only to read (`--read-exclusive`).
@@ -81,7 +81,7 @@ impl Party {
             mode: h.mode,
             command: Some(h.command.clone()),
             since: Some(h.since),
-            stowage: true,
+            stowage: Some(true),
             lease: Some(name.to_owned()),
             reading: h.reading,
             pid_space: PidSpace::ItsHost,
@@ -91,6 +91,7 @@ impl Party {
     /// A process the lock table shows, that no lease names.
     fn outsider(ctx: &Ctx, e: &Entry) -> Party {
         Party {
+            stowage: Some(false),
             pid: e.pid,
             host: Some(ctx.me.host.clone()),
             user: e.pid.and_then(ident::process_user),
@@ -109,7 +110,7 @@ impl Party {
             mode,
             command: None,
             since: None,
-            stowage: false,
+            stowage: None,
             lease: None,
             reading: false,
             pid_space: PidSpace::ItsHost,
@@ -214,8 +215,15 @@ impl<'c> Look<'c> {
 
     /// The one wait for the locks [`Look::deferred`] noted, counted in the look's budget.
     pub fn wait_for_listing(&self) {
-        std::thread::sleep(LIST_GRACE);
-        self.waited.set(self.waited.get() + LIST_GRACE);
+        self.pause(LIST_GRACE);
+    }
+
+    /// Sleeps about `d`, counted in the look's budget. Drawn anew each time: two hosts' looks that
+    /// probed a lock at one moment, each seeing the other's probe, must not look again in step.
+    fn pause(&self, d: std::time::Duration) {
+        let d = d + d.mul_f64((ident::nonce() % 1024) as f64 / 2048.0);
+        self.waited.set(self.waited.get() + d);
+        std::thread::sleep(d);
     }
 
     /// Whether lease `name` has a live owner (one probe a look; if it fails, alive: nothing goes).
@@ -492,7 +500,7 @@ impl<'c> Look<'c> {
             state = probe(path);
         }
         if holders.is_empty() && state != Probe::Free && state != Probe::Missing {
-            holders = self.held_by_whom(rel, state, entries.as_deref());
+            (state, holders) = self.held_by_whom(path, rel, state, entries.as_deref());
         }
         LockReport {
             kind,
@@ -629,12 +637,15 @@ impl<'c> Look<'c> {
     /// Held, and no lease read before said so: a holder that listed the lock since (on another
     /// host, where no table names it) is found by rereading the leases, a few times a moment apart
     /// without a table (a holder lists its lock just after taking it, or, announcing its lease
-    /// late, `lease::announce_after` into its exec). Else an unknown holder.
-    fn held_by_whom(&self, rel: &str, state: Probe, entries: Option<&[Entry]>) -> Vec<Party> {
-        let mode = match state {
-            Probe::Exclusive => Mode::Exclusive,
-            _ => Mode::Shared,
-        };
+    /// late, `lease::announce_after` into its exec). The lock is probed again each time: another
+    /// host's look probing it is no holder, and is gone a moment later. Else an unknown holder.
+    fn held_by_whom(
+        &self,
+        path: &Path,
+        rel: &str,
+        mut state: Probe,
+        entries: Option<&[Entry]>,
+    ) -> (Probe, Vec<Party>) {
         let mut holders = Vec::new();
         let deferring = self.deferred.borrow().is_some() && self.table.is_none();
         // At most WAIT_BUDGET in all, or many locks held outside stowage on a
@@ -646,22 +657,26 @@ impl<'c> Look<'c> {
         };
         self.reread.borrow_mut().take();
         for attempt in 0..tries {
-            holders = self.listing_now(rel, mode, entries);
-            if !holders.is_empty() || self.table.is_some() || attempt + 1 == tries {
+            if attempt > 0 {
+                self.pause(std::time::Duration::from_millis(10 << (attempt - 1)));
+                self.reread.borrow_mut().take();
+                state = settle(probe(path));
+                if state == Probe::Free {
+                    return (state, holders);
+                }
+            }
+            holders = self.listing_now(rel, held_mode(state), entries);
+            if !holders.is_empty() || self.table.is_some() {
                 break;
             }
-            let pause = std::time::Duration::from_millis(10 << attempt);
-            self.waited.set(self.waited.get() + pause);
-            std::thread::sleep(pause);
-            self.reread.borrow_mut().take();
         }
         if holders.is_empty() {
             if let Some(noted) = self.deferred.borrow_mut().as_mut().filter(|_| deferring) {
                 noted.push(rel.to_owned());
             }
-            holders.push(Party::unknown(mode));
+            holders.push(Party::unknown(held_mode(state)));
         }
-        holders
+        (state, holders)
     }
 
     /// The global lock's report: the table's entries (no lease lists it;
@@ -673,14 +688,23 @@ impl<'c> Look<'c> {
         if state == Probe::Free {
             state = settle(probe(&path));
         }
+        // Without a table, held is all a probe tells: held a moment later too, or it was
+        // another host's look probing it (a transaction takes milliseconds, a probe less).
+        for pause in [10, 20, 40].map(std::time::Duration::from_millis) {
+            if entries.is_some() || state == Probe::Free || self.waited.get() >= WAIT_BUDGET {
+                break;
+            }
+            self.pause(pause);
+            state = settle(probe(&path));
+        }
         let party = |e: &Entry| Party {
-            stowage: e.pid.is_some_and(ident::runs_stowage),
+            stowage: Some(e.pid.is_some_and(ident::runs_stowage)),
             ..Party::outsider(self.ctx, e)
         };
         let es = entries.unwrap_or_default();
         let mut holders: Vec<Party> = es.iter().filter(|e| !e.blocked).map(party).collect();
         if holders.is_empty() && state != Probe::Free {
-            holders.push(Party::unknown(Mode::Exclusive));
+            holders.push(Party::unknown(held_mode(state)));
         }
         LockReport {
             kind: LockKind::Global,
@@ -730,6 +754,14 @@ fn state_of(entries: &[Entry]) -> Probe {
     }
 }
 
+/// The mode a lock seen in `state` is held in.
+fn held_mode(state: Probe) -> Mode {
+    match state {
+        Probe::Exclusive => Mode::Exclusive,
+        _ => Mode::Shared,
+    }
+}
+
 fn held_in(state: Probe, mode: Mode) -> bool {
     matches!(
         (state, mode),
@@ -774,12 +806,10 @@ fn describe(p: &Party) -> String {
     if let Some(t) = p.since {
         s.push_str(&format!(" since {}", clock::local_short(t)));
     }
-    if !p.stowage {
-        if p.pid.is_none() {
-            s.push_str(" that stowage cannot identify (outside stowage, or on another host)");
-        } else {
-            s.push_str(", not started by stowage");
-        }
+    match p.stowage {
+        Some(true) => {}
+        Some(false) if p.pid.is_some() => s.push_str(", not started by stowage"),
+        _ => s.push_str(" that stowage cannot identify (outside stowage, or on another host)"),
     }
     s
 }

@@ -286,7 +286,7 @@ mod tests {
             mode: crate::lock::Mode::Exclusive,
             command: Some("ch-image build --force -t app -f Dockerfile.app .".into()),
             since: Some(clock::now_ms()),
-            stowage: true,
+            stowage: Some(true),
             lease: None,
             reading: false,
             pid_space: crate::holders::PidSpace::Here,

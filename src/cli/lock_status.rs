@@ -151,8 +151,10 @@ fn party(p: &Party) -> String {
             clock::ago(t)
         ));
     }
-    if !p.stowage {
-        s.push_str(" [outside stowage]");
+    match p.stowage {
+        Some(true) => {}
+        Some(false) => s.push_str(" [outside stowage]"),
+        None => s.push_str(" [outside stowage, or on another host]"),
     }
     s
 }
@@ -190,8 +192,9 @@ pub struct PartyJson {
     pub mode: &'static str,
     pub command: Option<String>,
     pub since: Option<String>,
-    /// False for a lock taken outside stowage.
-    pub stowage: bool,
+    /// False for a lock taken outside stowage; null where nothing tells (a holder on another
+    /// host that no lease names, or one a pid namespace hides).
+    pub stowage: Option<bool>,
     /// Its lease's file name under `ROOT/locks/leases`, proving it alive; null for an outsider.
     pub lease: Option<String>,
 }
