@@ -287,9 +287,8 @@ pub fn legacy_version(root: &Root) -> Option<i64> {
 
 /// What the open database is, as `root`'s catalog. An older release's catalog is one to migrate
 /// only if it is this store's: not where a configuration of this release is, and only if the
-/// identity that release stated in the global lock file at every transaction is its own — or,
-/// where nothing is stated, no lock file has a record yet. Else it was put in place of ours (a
-/// copy from another store, with `store.conf` lost or not): not to use.
+/// identity that release stated in the global lock file at every transaction is its own. Else it
+/// was put in place of ours (a copy from another store, with `store.conf` lost or not): not to use.
 pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     let found = inspect(conn)?;
     let Found::Legacy(v) = found else {
@@ -298,7 +297,7 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     let why = if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         "in a store already past it"
     } else if !legacy_is_ours(conn, root)? {
-        "not this store's (the global lock file names another, or the images have records)"
+        "not this store's (the global lock file does not name it)"
     } else {
         return Ok(found);
     };
@@ -308,15 +307,12 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     ))
 }
 
-/// Whether an older release's catalog is `root`'s ([`inspect_in`]).
+/// Whether an older release's catalog is `root`'s ([`inspect_in`]): that release stated its
+/// catalog's identity in the global lock file at every transaction, so nothing stated is no
+/// evidence — a store of this release says nothing there, with or without images.
 fn legacy_is_ours(conn: &rusqlite::Connection, root: &Root) -> Result<bool> {
     let id: i64 = conn.query_row("PRAGMA application_id", [], |r| r.get(0))?;
-    Ok(match stated_identity(root) {
-        Some(stated) => stated == id as u32,
-        None => !crate::census::take(root)?
-            .iter()
-            .any(|e| e.seen.record.is_some()),
-    })
+    Ok(stated_identity(root) == Some(id as u32))
 }
 
 /// The catalog identity an older release stated in the global lock file (`db=HEX`), if any.

@@ -19,7 +19,10 @@ use crate::image_record::{ImagesDir, Record};
 use crate::name::ImageName;
 use crate::root::Root;
 
-/// The store's configuration, or a fresh default one when there is none.
+/// The store's configuration, or a fresh default one for a store that has none yet. One lost while
+/// images have records is refused, not replaced by a fresh one: a fresh one names the default
+/// directory and a new store id, so a write would put a tree where no record's images are, and
+/// claim it for a store that never was.
 pub fn config(root: &Root) -> Result<Config> {
     match crate::config::read(root.dir(), &root.open()?)? {
         Some(c) => Ok(c),
@@ -27,8 +30,37 @@ pub fn config(root: &Root) -> Result<Config> {
         None if crate::catalog::legacy_version(root).is_some() => {
             Err(crate::catalog::NeedsMigration.into())
         }
-        None => Ok(Config::fresh()),
+        None if has_records(root)? => anyhow::bail!(
+            "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
+            root.dir().join(crate::config::FILE).display()
+        ),
+        None => Ok(fresh(root)),
     }
+}
+
+/// A configuration for a store that has none: a fresh one, but with the store's id where `ROOT/img`
+/// carries this root's claim (the file was lost; the id lives on there), so the store is not taken
+/// for another one claiming its own directory.
+fn fresh(root: &Root) -> Config {
+    let mut config = Config::fresh();
+    let here = root.open().ok().and_then(|d| d.identity().ok());
+    let claim = root
+        .open_images_dir(&root.default_images_dir())
+        .ok()
+        .and_then(|d| crate::claim::read(&d).ok().flatten());
+    if let (Some(c), Some(here)) = (claim, here)
+        && crate::dir::same_identity(&c.root, &here)
+    {
+        config.id = c.id;
+    }
+    config
+}
+
+/// Whether any image lock file holds a record (the store is not new).
+pub fn has_records(root: &Root) -> Result<bool> {
+    Ok(crate::census::take(root)?
+        .iter()
+        .any(|e| e.seen.record.is_some()))
 }
 
 /// Where the tree of the image `record` describes lives, checked against the store's configuration:
@@ -61,6 +93,8 @@ pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     let here = root.identity().ok();
     let moved = match (config.root.as_deref(), here.as_deref()) {
         (Some(recorded), Some(here)) => !crate::dir::same_identity(recorded, here),
+        // Not recorded (a migrated store before its first repair): the claim decides.
+        (None, Some(_)) => true,
         _ => false,
     };
     if moved && let Some(why) = claimed_by_another(root, &dir) {
@@ -145,12 +179,18 @@ pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result
         .identity()
         .context("cannot inspect the images directory")?;
     let here = root.open()?.identity().ok();
-    if config.identity.as_deref() == Some(&id) && config.root == here
-        || (config.identity.is_some() && !accept)
-    {
+    if config.identity.is_some() && !accept {
+        // The directory's identity stays as recorded (one there now may be another); the root's
+        // is filled in where it never was (a migrated store).
+        if config.root.is_some() || here.is_none() {
+            return Ok(());
+        }
+        config.root = here;
+    } else if config.identity.as_deref() == Some(&id) && config.root == here {
         return Ok(());
+    } else {
+        (config.identity, config.root) = (Some(id), here);
     }
-    (config.identity, config.root) = (Some(id), here);
     crate::config::write(root.dir(), &root.open()?, config)
 }
 

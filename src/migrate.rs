@@ -329,9 +329,15 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
             ImagesDir::Default => None,
             ImagesDir::External(_) => old.identity.clone(),
         },
+        // Recorded and claimed as `init` does: a copy of the store is then told from it.
+        root: root.open()?.identity().ok(),
         ..Config::fresh()
     };
     crate::config::write(root.dir(), &root.open()?, &config)?;
+    if matches!(config.images, ImagesDir::External(_)) {
+        // Best effort: one another store claims is reported by doctor, and refused where used.
+        let _ = crate::images_dir::claim(root, &config);
+    }
     conn.execute_batch(
         "BEGIN;
          DROP TABLE IF EXISTS records;

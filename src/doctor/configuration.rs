@@ -110,10 +110,7 @@ fn whose(
 /// A store whose configuration went missing: its images have records (a store of a release before
 /// records has a catalog to migrate instead).
 fn lost(root: &Root) -> Result<bool> {
-    Ok(crate::catalog::legacy_version(root).is_none()
-        && crate::census::take(root)?
-            .iter()
-            .any(|e| e.seen.record.is_some()))
+    Ok(crate::catalog::legacy_version(root).is_none() && crate::images_dir::has_records(root)?)
 }
 
 /// The images directory every record names; or why not (they disagree, or it is no directory now).

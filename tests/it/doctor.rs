@@ -609,11 +609,13 @@ fn a_record_a_repair_drops_on_a_shared_filesystem_is_not_read() {
 /// error tells to run `doctor --repair`, and that does it — the file is
 /// set aside (never deleted) and written anew from what the images'
 /// records say of their images directory, the default one or one given to
-/// `init --images-dir`; no image is lost.
+/// `init --images-dir`; no image is lost. Until then a write is refused:
+/// with the file missing too, a default one would put a new image where no
+/// record's images are.
 #[test]
 fn an_unusable_configuration_is_set_aside_and_written_anew_from_the_records() {
     for external in [false, true] {
-        for plant in ["garbage", "", "fifo"] {
+        for plant in ["garbage", "", "fifo", "missing"] {
             let env = Env::new();
             let ext = env.tmp.path().join("ext-img");
             if external {
@@ -623,10 +625,10 @@ fn an_unusable_configuration_is_set_aside_and_written_anew_from_the_records() {
             env.make_image("base");
             let conf = env.root.join("store.conf");
             fs::remove_file(&conf).unwrap();
-            if plant == "fifo" {
-                Plant::Fifo.at(&conf, env.tmp.path());
-            } else {
-                fs::write(&conf, plant).unwrap();
+            match plant {
+                "fifo" => Plant::Fifo.at(&conf, env.tmp.path()),
+                "missing" => {}
+                _ => fs::write(&conf, plant).unwrap(),
             }
             let case = format!("external {external}, {plant:?}");
             let out = env.run(["exec", "--write", "new", "--", "true"]);
@@ -653,8 +655,15 @@ fn an_unusable_configuration_is_set_aside_and_written_anew_from_the_records() {
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .filter(|n| n.starts_with("store.conf."))
                 .collect();
-            assert_eq!(aside.len(), 1, "{case}: {aside:?}");
+            assert_eq!(
+                aside.len(),
+                usize::from(plant != "missing"),
+                "{case}: {aside:?}"
+            );
             env.ok(["exec", "--write", "new", "--", "true"]);
+            if external {
+                assert!(ext.join("new").is_dir(), "{case}: a new image goes there");
+            }
             assert_eq!(env.read_in_image("base", "file"), "content\n", "{case}");
             env.ok(["doctor"]);
         }

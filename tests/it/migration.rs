@@ -216,6 +216,32 @@ fn an_old_store_with_an_external_images_directory_keeps_it() {
     env.build("new", "echo n > \"$STOWAGE_IMAGE_DIR/n\"");
     assert!(images.join("new/n").exists(), "a new image goes there too");
     assert!(!env.root.join("img/new").exists());
+
+    // The migrated store claims its directory as `init` would: a copy of it is refused there.
+    let copy = place.join("copy");
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(&env.root)
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut other = Env::new();
+    other.root = copy;
+    for args in [
+        &["exec", "--no-wait", "--write", "app", "--", "true"][..],
+        &["rm", "base"],
+    ] {
+        let out = other.run(args);
+        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("belongs to the store at"),
+            "{args:?}: {}",
+            show(&out)
+        );
+    }
+    assert_eq!(env.read_in_image("app", "os-release"), "base\n");
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
     let _ = fs::remove_dir_all(place);
 }
 
@@ -326,4 +352,55 @@ fn another_stores_older_catalog_with_the_configuration_lost_migrates_nothing() {
     env.assert_read_refused("app", "a damaged record, after gc");
     assert!(env.root.join("img/app/file").exists());
     assert!(env.root.join("img/failed/file").exists());
+}
+
+/// This release states nothing in the global lock file, so an older
+/// release's catalog put in a store of this release whose configuration was
+/// lost is never taken for the store's own — not in a store with no images
+/// (the catalog naming an images directory elsewhere, and an image there
+/// its writer failed), nor in one whose only image's record is damaged.
+#[test]
+fn an_older_catalog_the_global_lock_file_does_not_name_migrates_nothing() {
+    let other = tempfile::tempdir().unwrap();
+    untar(&fixture("schema10-store.tar"), other.path());
+    let db = other.path().join("store/stowage.db");
+
+    let env = Env::new();
+    env.ok(["init"]);
+    let victim = env.tmp.path().join("victim");
+    fs::create_dir_all(victim.join("thesis")).unwrap();
+    fs::write(victim.join("thesis/chapter"), "precious").unwrap();
+    let planted = env.tmp.path().join("planted.db");
+    fs::copy(&db, &planted).unwrap();
+    let conn = rusqlite::Connection::open(&planted).unwrap();
+    conn.execute(
+        "INSERT OR REPLACE INTO config (key, value) VALUES ('images_dir', ?1)",
+        [victim.to_str().unwrap()],
+    )
+    .unwrap();
+    conn.execute(
+        "INSERT INTO images (name, state, created_ms, last_used_ms) VALUES ('thesis', 'incomplete', 0, 0)",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    fs::remove_file(env.root.join("store.conf")).unwrap();
+    fs::copy(&planted, env.root.join("stowage.db")).unwrap();
+    env.ok(["gc"]);
+    env.run(["doctor", "--repair"]);
+    env.ok(["gc"]);
+    assert!(
+        victim.join("thesis/chapter").exists(),
+        "deleted outside the store"
+    );
+    assert!(states(&env).is_empty(), "{:?}", states(&env));
+
+    let env = Env::new();
+    env.make_image("app");
+    fs::write(env.lock_file("app"), vec![0x5a; 8192]).unwrap();
+    fs::remove_file(env.root.join("store.conf")).unwrap();
+    fs::copy(&db, env.root.join("stowage.db")).unwrap();
+    env.ok(["images"]);
+    env.assert_read_refused("app", "a damaged record, after the catalog");
+    assert_eq!(env.state("app").as_deref(), Some("incomplete"));
 }
