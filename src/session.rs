@@ -714,12 +714,17 @@ fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
 fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<()> {
     let path = dir.join(name.encoded());
     let what = match images.stat_at(name.encoded())? {
-        Some(e) if e.is_symlink() => "a symlink",
-        Some(e) if !e.is_dir() => "not a directory",
-        Some(e) if e.uid != nix::unistd::geteuid().as_raw() => "another user's directory",
+        Some(e) if e.is_symlink() => "a symlink".to_owned(),
+        Some(e) if !e.is_dir() => "not a directory".to_owned(),
+        Some(e) if e.uid != nix::unistd::geteuid().as_raw() => {
+            "another user's directory".to_owned()
+        }
         Some(_) => match images.sub(name.encoded()).and_then(|d| d.names()) {
             Ok(n) if n.is_empty() => return Ok(()),
-            _ => "a directory with contents",
+            Ok(_) => "a directory with contents".to_owned(),
+            // On a shared filesystem: most often removed by another host a moment ago, this
+            // client's cache of names not told yet.
+            Err(e) => format!("a directory that cannot be listed: {e}"),
         },
         None => return Ok(()),
     };

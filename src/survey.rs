@@ -15,7 +15,7 @@ use anyhow::Result;
 
 use crate::catalog::Row;
 use crate::census::{Entry, take};
-use crate::image_record::{self, Record, State};
+use crate::image_record::{self, ImagesDir, Record, State};
 use crate::root::Root;
 
 /// An image as `images`, `gc` and `doctor` see it: its record plus the catalog's last use and size.
@@ -38,7 +38,8 @@ impl Image {
 /// A damaged record's stand-in in listings: name from its lock file (hashed ones: left to doctor).
 fn unknown_record(root: &Root, entry: &Entry) -> Option<image_record::Record> {
     let name = Root::image_of_lock_file(&entry.file)?;
-    let images = crate::images_dir::config(root).ok()?.images;
+    // Listed even while the configuration cannot be had (lost: commands that need it say so).
+    let images = crate::images_dir::config(root).map_or(ImagesDir::Default, |c| c.images);
     Some(image_record::Record::unknown(name.as_str(), images, 0))
 }
 
@@ -93,8 +94,11 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
     };
     for img in images.iter_mut() {
         // Last use is the lock file's and the record's: a row's is only a copy of theirs (or,
-        // in a catalog put in place of ours, another store's).
-        if let Some(row) = rows.get(img.name()) {
+        // in a catalog put in place of ours, another store's). A damaged record's stand-in is
+        // the same in every store and is never measured: no row's size is for it.
+        if let Some(row) = rows.get(img.name())
+            && img.entry.seen.record.is_some()
+        {
             img.size = row.size_for(&img.record);
         }
     }

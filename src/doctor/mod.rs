@@ -184,7 +184,15 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     if !root.exists() {
         return Err(crate::Error::NoRoot(root.dir().to_owned()).into());
     }
-    let fs_info = filesystem::filesystem(root.dir()).ok();
+    // Named as lock-status names it: by the mount table where it knows the kind ("glusterfs",
+    // where statfs says "fuse").
+    let dev = std::fs::metadata(root.dir())
+        .ok()
+        .map(|m| std::os::unix::fs::MetadataExt::dev(&m));
+    let fs_info = dev
+        .and_then(filesystem::lock_reach_of_device)
+        .and_then(|(_, _, fs)| fs)
+        .or_else(|| filesystem::filesystem(root.dir()).ok());
     let mut report = Report {
         root: root.dir().display().to_string(),
         filesystem: fs_info

@@ -466,6 +466,12 @@ fn catalog_transactions_from_every_host_at_once_never_corrupt_it() {
         "{}",
         show(&out)
     );
+    // Named as lock-status names it, not by statfs's "fuse".
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("(glusterfs)"),
+        "{}",
+        show(&out)
+    );
     for i in 0..c.hosts.len() {
         assert_eq!(
             image_state(a, &root, &format!("app{i}")).as_deref(),

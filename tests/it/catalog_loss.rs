@@ -549,6 +549,34 @@ fn another_stores_catalog_put_in_place_makes_no_image_over_the_budget() {
     assert_eq!(here.state("app").as_deref(), Some("ready"));
 }
 
+/// A damaged record's stand-in says the same in every store, so a catalog
+/// row can carry a size "for" it: gc never takes a size for an image whose
+/// record cannot be read, and removes nothing else to make room for it.
+#[test]
+fn no_catalog_row_gives_a_damaged_image_a_size() {
+    let env = Env::new();
+    build_sized(&env, "app", 8 << 10, "2024-01-01T00:00:00Z");
+    build_sized(&env, "damaged", 8 << 10, "2024-06-01T00:00:00Z");
+    fs::write(env.lock_file("damaged"), vec![0x5a; 8192]).unwrap();
+    env.ok(["images"]);
+    let stand_in = stowage::image_record::Record::unknown(
+        "damaged",
+        stowage::image_record::ImagesDir::Default,
+        0,
+    );
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    let changed = conn
+        .execute(
+            "UPDATE images SET size_bytes = ?1, size_record = ?2 WHERE name = 'damaged'",
+            rusqlite::params![10i64 << 30, stand_in.fingerprint() as i64],
+        )
+        .unwrap();
+    assert_eq!(changed, 1);
+    drop(conn);
+    env.ok(["gc", "--max-size", "1M"]);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
 /// An image removed, then made anew under its name: its record starts at
 /// the same sequence number, but the old tree's size (kept in the
 /// catalog, which `rm` does not open) is not the new tree's.
