@@ -416,8 +416,10 @@ impl<'a> Catalog<'a> {
     /// Makes the row of an image say what its record says now (keeping a measured size, which stays
     /// current only while the record's sequence number does).
     pub fn upsert(&self, r: &Row) -> Result<()> {
-        self.conn.execute(
-            "INSERT INTO images (name, state, base, created_ms, last_used_ms, seq)
+        // Cached: a survey makes one call per image, and parsing the statement is most of its cost.
+        self.conn
+            .prepare_cached(
+                "INSERT INTO images (name, state, base, created_ms, last_used_ms, seq)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)
              ON CONFLICT (name) DO UPDATE SET
                  state = excluded.state, base = excluded.base,
@@ -427,22 +429,23 @@ impl<'a> Catalog<'a> {
              WHERE state IS NOT excluded.state OR base IS NOT excluded.base
                  OR created_ms IS NOT excluded.created_ms OR seq IS NOT excluded.seq
                  OR last_used_ms < excluded.last_used_ms",
-            params![
+            )?
+            .execute(params![
                 r.name,
                 r.state.as_str(),
                 r.base,
                 r.created,
                 r.last_used,
                 r.seq as i64
-            ],
-        )?;
+            ])?;
         Ok(())
     }
 
     /// Forgets an image the records no longer have.
     pub fn remove(&self, name: &str) -> Result<()> {
         self.conn
-            .execute("DELETE FROM images WHERE name = ?1", [name])?;
+            .prepare_cached("DELETE FROM images WHERE name = ?1")?
+            .execute([name])?;
         Ok(())
     }
 
@@ -454,8 +457,9 @@ impl<'a> Catalog<'a> {
         record: &crate::image_record::Record,
         size: u64,
     ) -> Result<()> {
-        self.conn.execute(
+        self.conn.prepare_cached(
             "UPDATE images SET size_bytes = ?2, size_seq = ?3, size_record = ?4 WHERE name = ?1",
+        )?.execute(
             params![
                 name,
                 size as i64,

@@ -130,6 +130,16 @@ fn refresh(store: &mut crate::store::Store, images: &[Image]) -> Result<HashMap<
         }
         rows.retain(|n, _| live.contains(n.as_str()));
         for img in images {
+            // Most rows say it already: no statement for them.
+            if rows.get(img.name()).is_some_and(|r| {
+                r.state == img.state
+                    && r.base == img.record.base
+                    && r.created == img.record.created
+                    && r.seq == img.record.seq
+                    && r.last_used >= img.last_used
+            }) {
+                continue;
+            }
             let row = Row {
                 name: img.name().to_owned(),
                 state: img.state,
