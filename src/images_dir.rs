@@ -19,10 +19,11 @@ use crate::image_record::{ImagesDir, Record};
 use crate::name::ImageName;
 use crate::root::Root;
 
-/// The store's configuration, or a fresh default one for a store that has none yet. One lost while
-/// images have records is refused, not replaced by a fresh one: a fresh one names the default
-/// directory and a new store id, so a write would put a tree where no record's images are, and
-/// claim it for a store that never was.
+/// The store's configuration; for a store with no record yet that has none (a first use racing
+/// another's layout, or the file lost before any image was written), one made now, so that a
+/// record is never written while no configuration is on disk. One lost while images have records
+/// is refused, not made anew: a new one names the default directory and a new store id, so a write
+/// would put a tree where no record's images are, and claim it for a store that never was.
 pub fn config(root: &Root) -> Result<Config> {
     match crate::config::read(root.dir(), &root.open()?)? {
         Some(c) => Ok(c),
@@ -30,12 +31,47 @@ pub fn config(root: &Root) -> Result<Config> {
         None if crate::catalog::legacy_version(root).is_some() => {
             Err(crate::catalog::NeedsMigration.into())
         }
-        None if has_records(root)? => anyhow::bail!(
-            "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
-            root.dir().join(crate::config::FILE).display()
-        ),
-        None => Ok(fresh(root)),
+        // A record is written only while the configuration is on disk: read again after the
+        // records, it was lost if still missing (else made meanwhile by a first use beside ours).
+        None if has_records(root)? => match crate::config::read(root.dir(), &root.open()?)? {
+            Some(c) => Ok(c),
+            None => anyhow::bail!(
+                "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
+                root.dir().join(crate::config::FILE).display()
+            ),
+        },
+        None => Ok(made(root)),
     }
+}
+
+/// Makes the configuration of a store that has none and no record yet, as the first use does: two
+/// processes at once keep one (linked into place). The default images directory is claimed if
+/// nothing claims it. One who may not write the root (a reader of a group store) writes no record
+/// either: it goes on with one of its own.
+fn made(root: &Root) -> Config {
+    let Ok(dir) = root.open() else {
+        return fresh(root);
+    };
+    let img = root.open_images_dir(&root.default_images_dir()).ok();
+    let config = Config {
+        identity: img.as_ref().and_then(|d| d.identity().ok()),
+        root: dir.identity().ok(),
+        ..fresh(root)
+    };
+    if crate::config::create(root.dir(), &dir, &config).is_err() {
+        return config;
+    }
+    let config = match crate::config::read(root.dir(), &dir) {
+        Ok(Some(c)) => c,
+        _ => config,
+    };
+    if let Some(img) = &img
+        && crate::claim::read(img).is_ok_and(|c| c.is_none())
+        && let Ok(mine) = Claim::of(&config.id, &dir, root.dir())
+    {
+        let _ = crate::claim::write(img, &mine);
+    }
+    config
 }
 
 /// A configuration for a store that has none: a fresh one, but with the store's id where `ROOT/img`

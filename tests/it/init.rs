@@ -1,7 +1,9 @@
 //! `stowage init`: the layout, adoption of existing image directories
 //! (as ready only where stowage never managed them), an images directory that
 //! stowage adds nothing of its own to and that may not be the root under
-//! another name, and a failed init that leaves no root.
+//! another name, and a failed init that leaves no root. The first uses of a
+//! root, however many at once, make one configuration, never a record
+//! without one.
 
 use std::fs;
 use std::path::Path;
@@ -598,4 +600,69 @@ fn a_root_swapped_for_a_link_gets_nothing_made_through_it() {
         Vec::<String>::new(),
         "made through the link"
     );
+}
+
+/// Many first writes at once on a root that does not exist: one makes the
+/// layout, others find it half made, yet every one writes its image (none
+/// takes the configuration for lost), and all agree on one store id.
+#[test]
+fn first_writes_at_once_on_a_new_root_are_all_accepted() {
+    let env = Env::new();
+    for round in 0..12 {
+        let root = env.tmp.path().join(format!("new{round}"));
+        let children: Vec<_> = (0..6)
+            .map(|i| {
+                let mut c = Command::new(bin());
+                c.arg("--root")
+                    .arg(&root)
+                    .args(["exec", "--write", &format!("img{i}"), "--", "true"])
+                    .env_remove("STOWAGE_ROOT")
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped());
+                c.spawn().unwrap()
+            })
+            .collect();
+        for child in children {
+            let out = wait_output(child, PATIENCE);
+            assert_eq!(code(&out), Some(0), "round {round}: {}", show(&out));
+        }
+        let conf = fs::read_to_string(root.join("store.conf")).unwrap();
+        let out = Command::new("getfattr")
+            .args(["--only-values", "-n", "user.stowage.store"])
+            .arg(root.join("img"))
+            .output();
+        if let Ok(out) = out
+            && out.status.success()
+        {
+            let claim = String::from_utf8_lossy(&out.stdout).into_owned();
+            let id = |t: &str| t.lines().find(|l| l.starts_with("id=")).map(str::to_owned);
+            assert_eq!(id(&claim), id(&conf), "round {round}: {claim} / {conf}");
+        }
+    }
+}
+
+/// A configuration lost before any image was written (or after the last
+/// was removed) is made anew by the next use, once: later commands find it,
+/// and none takes the store for one whose configuration was lost.
+#[test]
+fn a_configuration_lost_while_no_image_has_a_record_is_made_once_anew() {
+    let env = Env::new();
+    env.make_image("a");
+    env.ok(["rm", "a"]);
+    let conf = env.root.join("store.conf");
+    let id = |t: &str| t.lines().find(|l| l.starts_with("id=")).map(str::to_owned);
+    let before = id(&fs::read_to_string(&conf).unwrap());
+    fs::remove_file(&conf).unwrap();
+    env.ok(["exec", "--write", "b", "--", "true"]);
+    assert!(conf.exists(), "made anew by the first write");
+    assert_eq!(
+        id(&fs::read_to_string(&conf).unwrap()),
+        before,
+        "the id the claim carries"
+    );
+    env.ok(["exec", "--write", "c", "--", "true"]);
+    env.ok(["rm", "b"]);
+    env.ok(["gc"]);
+    env.ok(["doctor"]);
 }
