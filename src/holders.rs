@@ -658,6 +658,9 @@ impl<'c> Look<'c> {
         self.reread.borrow_mut().take();
         for attempt in 0..tries {
             if attempt > 0 {
+                if self.waited.get() >= WAIT_BUDGET {
+                    break;
+                }
                 self.pause(std::time::Duration::from_millis(10 << (attempt - 1)));
                 self.reread.borrow_mut().take();
                 state = settle(probe(path));

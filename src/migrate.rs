@@ -231,14 +231,18 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
         let token = old_record(&bytes[..got], &name);
         let tree = dir.join(n.encoded());
         let record = derive(&name, old, token, tree.exists());
-        guard.file().set_len(0)?;
-        if let Some(r) = record {
-            let mut seen = image_record::Seen::default();
-            image_record::write(guard.file(), &mut seen, &r)
-                .with_context(|| format!("cannot write the record of image '{name}'"))?;
-            if let Some(used) = old.rows.get(&name).map(|r| r.last_used) {
-                let _ = image_record::set_last_use(guard.file(), used);
-            }
+        crate::debug::pause(&format!("migrate-converting-{name}"));
+        let Some(r) = record else {
+            guard.file().set_len(0)?;
+            continue;
+        };
+        // Written over the older release's bytes (the whole record area, in one write), never
+        // after emptying the file: its token is what a pass after a crash here derives from.
+        let mut seen = image_record::Seen::default();
+        image_record::write(guard.file(), &mut seen, &r)
+            .with_context(|| format!("cannot write the record of image '{name}'"))?;
+        if let Some(used) = old.rows.get(&name).map(|r| r.last_used) {
+            let _ = image_record::set_last_use(guard.file(), used);
         }
     }
     Ok(None)
@@ -322,7 +326,7 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
         let zero = dir.open_rw("0.lock", true)?;
         crate::slot_limits::write(&zero, class, Some(&limits))?;
     }
-    let config = Config {
+    let mut config = Config {
         images: old.images.clone(),
         // Only an external directory's identity tells anything: the default is found from the root.
         identity: match old.images {
@@ -333,11 +337,14 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
         root: root.open()?.identity().ok(),
         ..Config::fresh()
     };
-    crate::config::write(root.dir(), &root.open()?, &config)?;
-    if matches!(config.images, ImagesDir::External(_)) {
-        // Best effort: one another store claims is reported by doctor, and refused where used.
-        let _ = crate::images_dir::claim(root, &config);
+    // A directory another root claims (this store was copied from that one before either
+    // migrated): the root is left unrecorded, so every use asks the claim, and is refused.
+    if matches!(config.images, ImagesDir::External(_))
+        && crate::images_dir::claim(root, &config).is_err()
+    {
+        config.root = None;
     }
+    crate::config::write(root.dir(), &root.open()?, &config)?;
     conn.execute_batch(
         "BEGIN;
          DROP TABLE IF EXISTS records;

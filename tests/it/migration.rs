@@ -202,6 +202,15 @@ fn an_old_store_with_an_external_images_directory_keeps_it() {
     )
     .unwrap();
     drop(conn);
+    // A copy made before either migrates.
+    let early = place.join("early-copy");
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(place.join("ext"))
+        .arg(&early)
+        .status()
+        .unwrap();
+    assert!(st.success());
     let mut env = Env::new();
     env.root = place.join("ext");
 
@@ -240,8 +249,20 @@ fn an_old_store_with_an_external_images_directory_keeps_it() {
             show(&out)
         );
     }
+    // The copy made before migration migrates too, but the directory is claimed: refused there.
+    other.root = early;
+    other.run(["images"]);
+    for args in [
+        &["exec", "--no-wait", "--write", "app", "--", "true"][..],
+        &["rm", "base"],
+        &["gc"],
+    ] {
+        let out = other.run(args);
+        assert_ne!(code(&out), Some(0), "early copy {args:?}: {}", show(&out));
+    }
     assert_eq!(env.read_in_image("app", "os-release"), "base\n");
     assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert!(images.join("base").is_dir());
     let _ = fs::remove_dir_all(place);
 }
 
@@ -403,4 +424,17 @@ fn an_older_catalog_the_global_lock_file_does_not_name_migrates_nothing() {
     env.ok(["images"]);
     env.assert_read_refused("app", "a damaged record, after the catalog");
     assert_eq!(env.state("app").as_deref(), Some("incomplete"));
+}
+
+/// A migration killed while it converts an image whose state only its
+/// lock file's token tells (a ready image the older release's catalog has
+/// no row for): the next command's pass reads the token again, and the
+/// image stays ready.
+#[test]
+fn a_migration_killed_mid_conversion_loses_no_images_state() {
+    let env = old_store();
+    let (bg, _) = env.paused(["images"], "migrate-converting-rowless");
+    bg.kill_all();
+    assert_eq!(states(&env), expected());
+    assert_migrated(&env);
 }
