@@ -267,22 +267,34 @@ fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
 pub struct NeedsMigration;
 
 /// The schema version of the catalog of `root` if it is that store's, of a release before records
-/// ([`inspect_in`]); opened read-only, and only if it is a plain file.
+/// ([`inspect_in`]); only if it is a plain file.
 pub fn legacy_version(root: &Root) -> Option<i64> {
+    legacy_state(root).ok().flatten()
+}
+
+/// [`legacy_version`], or an error where a catalog is there but could not be asked: a caller must
+/// then not take the store for one of this release. Opened for writing where it may be, so that a
+/// transaction a crash cut short (its journal left) is rolled back first, as any use would.
+pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
     let path = root.db();
-    check_files(&path).ok()?;
+    check_files(&path)?;
     if !path.is_file() {
-        return None;
+        return Ok(None);
     }
     use rusqlite::OpenFlags;
-    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
-        | OpenFlags::SQLITE_OPEN_NO_MUTEX
-        | OpenFlags::SQLITE_OPEN_NOFOLLOW;
-    let conn = rusqlite::Connection::open_with_flags(&path, flags).ok()?;
-    match inspect_in(&conn, root).ok()? {
+    let flags = OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW;
+    let conn =
+        rusqlite::Connection::open_with_flags(&path, flags | OpenFlags::SQLITE_OPEN_READ_WRITE)
+            .or_else(|_| {
+                rusqlite::Connection::open_with_flags(
+                    &path,
+                    flags | OpenFlags::SQLITE_OPEN_READ_ONLY,
+                )
+            })?;
+    Ok(match inspect_in(&conn, root)? {
         Found::Legacy(v) => Some(v),
         _ => None,
-    }
+    })
 }
 
 /// What the open database is, as `root`'s catalog. An older release's catalog is one to migrate

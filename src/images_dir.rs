@@ -27,20 +27,34 @@ use crate::root::Root;
 pub fn config(root: &Root) -> Result<Config> {
     match crate::config::read(root.dir(), &root.open()?)? {
         Some(c) => Ok(c),
-        // A release before records kept it in its catalog: migrated first.
-        None if crate::catalog::legacy_version(root).is_some() => {
-            Err(crate::catalog::NeedsMigration.into())
+        None => {
+            // A release before records kept it in its catalog: migrated first. A catalog that
+            // cannot be asked (busy) may be one: nothing is made then.
+            let legacy = crate::catalog::legacy_state(root);
+            if legacy.as_ref().is_ok_and(Option::is_some) {
+                return Err(crate::catalog::NeedsMigration.into());
+            }
+            if has_records(root)? {
+                return reread(root);
+            }
+            Ok(if legacy.is_ok() {
+                made(root)
+            } else {
+                fresh(root)
+            })
         }
-        // A record is written only while the configuration is on disk: read again after the
-        // records, it was lost if still missing (else made meanwhile by a first use beside ours).
-        None if has_records(root)? => match crate::config::read(root.dir(), &root.open()?)? {
-            Some(c) => Ok(c),
-            None => anyhow::bail!(
-                "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
-                root.dir().join(crate::config::FILE).display()
-            ),
-        },
-        None => Ok(made(root)),
+    }
+}
+
+/// A record is written only while the configuration is on disk: read again after the records were
+/// seen, it was lost if still missing (else made meanwhile by a first use beside ours).
+fn reread(root: &Root) -> Result<Config> {
+    match crate::config::read(root.dir(), &root.open()?)? {
+        Some(c) => Ok(c),
+        None => anyhow::bail!(
+            "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
+            root.dir().join(crate::config::FILE).display()
+        ),
     }
 }
 
@@ -52,6 +66,18 @@ fn made(root: &Root) -> Config {
     let Ok(dir) = root.open() else {
         return fresh(root);
     };
+    // Only in a store whose layout is made (`Root::create_layout`, which refuses what is planted,
+    // and a root whose `img` another store claims, before it makes anything).
+    if !dir
+        .stat_at("locks/images")
+        .is_ok_and(|e| e.is_some_and(|e| e.is_dir()))
+    {
+        return fresh(root);
+    }
+    // Another's layout half made: finished first, so `img` is there to identify and claim.
+    if root.create_layout().is_err() {
+        return fresh(root);
+    }
     let img = root.open_images_dir(&root.default_images_dir()).ok();
     let config = Config {
         identity: img.as_ref().and_then(|d| d.identity().ok()),
@@ -79,15 +105,8 @@ fn made(root: &Root) -> Config {
 /// for another one claiming its own directory.
 fn fresh(root: &Root) -> Config {
     let mut config = Config::fresh();
-    let here = root.open().ok().and_then(|d| d.identity().ok());
-    let claim = root
-        .open_images_dir(&root.default_images_dir())
-        .ok()
-        .and_then(|d| crate::claim::read(&d).ok().flatten());
-    if let (Some(c), Some(here)) = (claim, here)
-        && crate::dir::same_identity(&c.root, &here)
-    {
-        config.id = c.id;
+    if let Some(id) = root.claimed_id() {
+        config.id = id;
     }
     config
 }
@@ -179,14 +198,15 @@ pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
     crate::claim::refusal(&images, dir, &my_claim(root, &config).ok()?)
 }
 
-/// Whether `dir` is this root's `ROOT/img` and claimed with this store's own id: a claim that came
-/// along with a copy of the store (`cp -a` keeps extended attributes), which the copy takes over.
+/// Whether `dir` is this root's `ROOT/img` and its claim this store's own: its id (a claim that
+/// came along with a copy of the store: `cp -a` keeps extended attributes), or this very root (an
+/// id of a configuration made anew). Either is taken over.
 fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
+    let here = root.open().ok().and_then(|d| d.identity().ok());
     dir == root.default_images_dir()
-        && crate::claim::read(images)
-            .ok()
-            .flatten()
-            .is_some_and(|c| c.id == config.id)
+        && crate::claim::read(images).ok().flatten().is_some_and(|c| {
+            c.id == config.id || here.is_some_and(|h| crate::dir::same_identity(&c.root, &h))
+        })
 }
 
 /// Claims the images directory for this store unless another store does. `Ok(false)`: the

@@ -403,11 +403,15 @@ impl Root {
             // found empty, or another mounted there, is told from the one the records describe; a
             // copy of the whole store, from either.
             let img = self.open_sub("img").ok();
-            let config = crate::config::Config {
+            let mut config = crate::config::Config {
                 identity: img.as_ref().and_then(|d| d.identity().ok()),
                 root: root.identity().ok(),
                 ..crate::config::Config::fresh()
             };
+            // The id this root's `img` claim carries, if any (a configuration lost).
+            if let Some(id) = self.claimed_id() {
+                config.id = id;
+            }
             crate::config::create(&self.dir, &root, &config)?;
             // This store's, from the start (claim.rs): as the file says, whoever made it first.
             let id = match crate::config::read(&self.dir, &root) {
@@ -490,6 +494,14 @@ impl Root {
 
     /// Before a new store is made: an `img` already in the root that another store's standing claim
     /// names is not this store's (one images directory, one store): nothing is made.
+    /// The store id this root's `img` claim carries, where the claim names this very root.
+    pub fn claimed_id(&self) -> Option<String> {
+        let here = self.open().ok()?.identity().ok()?;
+        let img = self.open_images_dir(&self.default_images_dir()).ok()?;
+        let claim = crate::claim::read(&img).ok().flatten()?;
+        crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
+    }
+
     fn refuse_claimed_img(&self) -> Result<()> {
         if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_ok() {
             return Ok(());

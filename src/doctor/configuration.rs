@@ -70,6 +70,8 @@ fn unusable(root: &Root, dir: &crate::dir::Dir, path: &std::path::Path) -> Resul
     Ok(match config::read(root.dir(), dir) {
         Ok(Some(_)) => None,
         Ok(None) if !lost(root)? => None,
+        // Made meanwhile by a first use beside this look (it writes no record before).
+        Ok(None) if config::read(root.dir(), dir).is_ok_and(|c| c.is_some()) => None,
         Ok(None) => Some(format!(
             "{} is missing while images have records",
             path.display()

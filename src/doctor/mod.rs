@@ -655,7 +655,11 @@ fn claim(
     repair: bool,
     report: &mut Report,
 ) {
-    if crate::claim::read(images).ok().flatten().is_some() {
+    let claim = crate::claim::read(images).ok().flatten();
+    let mine = crate::images_dir::my_claim(root, config).ok();
+    // Another's claim is reported where the trees are judged; a claim of this root's `img` under
+    // another id (a configuration made anew) is put right by a repair.
+    if claim.is_some() && (claim == mine || !repair) {
         return;
     }
     let shown = dir.display();

@@ -438,3 +438,35 @@ fn a_migration_killed_mid_conversion_loses_no_images_state() {
     assert_eq!(states(&env), expected());
     assert_migrated(&env);
 }
+
+/// A store of the release before records whose catalog a crash left in the
+/// middle of a transaction (its journal left: what a migration SIGKILLed in
+/// its first transaction, or that release killed mid-transaction, leaves).
+/// The journal is rolled back, the store migrated: every image keeps its
+/// state and base (the store was taken for one of this release before).
+#[test]
+fn an_old_store_with_a_transaction_cut_short_migrates_whole() {
+    let env = old_store();
+    let script = r#"
+import os, sqlite3, sys
+c = sqlite3.connect(sys.argv[1], isolation_level=None)
+c.execute("PRAGMA cache_size=1")
+c.execute("BEGIN IMMEDIATE")
+c.execute("CREATE TABLE pad(x)")
+for i in range(200):
+    c.execute("INSERT INTO pad VALUES (?)", (os.urandom(900),))
+os._exit(0)
+"#;
+    let Ok(out) = Command::new("python3")
+        .args(["-c", script])
+        .arg(env.root.join("stowage.db"))
+        .output()
+    else {
+        eprintln!("skipped: python3 is not available");
+        return;
+    };
+    assert!(out.status.success(), "{}", show(&out));
+    assert!(env.root.join("stowage.db-journal").exists());
+    assert_eq!(states(&env), expected());
+    assert_migrated(&env);
+}
