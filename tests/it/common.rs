@@ -1365,3 +1365,14 @@ pub fn waiter_lines(env: &Env) -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+/// `cp -a FROM TO`: a store copied as its users copy one (extended attributes kept).
+pub fn cp_a(from: &Path, to: &Path) {
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "cp -a: {}", show(&out));
+}

@@ -204,13 +204,7 @@ fn an_old_store_with_an_external_images_directory_keeps_it() {
     drop(conn);
     // A copy made before either migrates.
     let early = place.join("early-copy");
-    let st = Command::new("cp")
-        .arg("-a")
-        .arg(place.join("ext"))
-        .arg(&early)
-        .status()
-        .unwrap();
-    assert!(st.success());
+    cp_a(&place.join("ext"), &early);
     let mut env = Env::new();
     env.root = place.join("ext");
 
@@ -228,13 +222,7 @@ fn an_old_store_with_an_external_images_directory_keeps_it() {
 
     // The migrated store claims its directory as `init` would: a copy of it is refused there.
     let copy = place.join("copy");
-    let st = Command::new("cp")
-        .arg("-a")
-        .arg(&env.root)
-        .arg(&copy)
-        .status()
-        .unwrap();
-    assert!(st.success());
+    cp_a(&env.root, &copy);
     let mut other = Env::new();
     other.root = copy;
     for args in [

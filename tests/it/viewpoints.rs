@@ -234,13 +234,7 @@ fn in_copy(copy: &Path, args: &[&str]) -> Output {
 /// `cp -a` of `env`'s root to a sibling directory `name`.
 fn copy_of(env: &Env, name: &str) -> PathBuf {
     let copy = env.tmp.path().join(name);
-    let out = Command::new("cp")
-        .arg("-a")
-        .arg(&env.root)
-        .arg(&copy)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", show(&out));
+    cp_a(&env.root, &copy);
     copy
 }
 
@@ -313,13 +307,7 @@ fn a_copy_onto_another_filesystem_is_told_apart_from_its_original() {
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     let out = run(&root, &["exec", "--write", "old", "--", "true"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
-    let out = Command::new("cp")
-        .arg("-a")
-        .arg(&root)
-        .arg(&copy)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", show(&out));
+    cp_a(&root, &copy);
     for args in [
         &["rm", "old"][..],
         &["exec", "--write", "old", "--", "true"],
