@@ -61,13 +61,16 @@ fn tree_names(images: &Dir) -> io::Result<Vec<std::ffi::OsString>> {
     Ok(names)
 }
 
-/// Whether the lock file at `path` holds a record now (read without its lock: the two slots make a
-/// read beside a write return the record before or after it).
+/// Whether the lock file at `path` holds a record now, readable or not: a damaged one is its
+/// image's, never to be adopted over (read without its lock: the two slots make a read beside a
+/// write return the record before or after it).
 pub fn has_record(path: &Path) -> bool {
     crate::lock::open_existing_read(path)
         .ok()
         .flatten()
-        .is_some_and(|f| image_record::read(&f).is_ok_and(|s| s.record.is_some()))
+        .is_some_and(|f| {
+            image_record::read(&f).is_ok_and(|s| s.record.is_some() || s.damaged || s.legacy)
+        })
 }
 
 /// How an adopted tree starts out.

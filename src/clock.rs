@@ -16,6 +16,9 @@ pub type Millis = i64;
 /// The last millisecond of year 9999: the latest time RFC 3339 can write.
 pub const MAX_MS: Millis = 253_402_300_799_999;
 
+/// A time nobody knows (a damaged record's creation): before every time, written as unknown.
+pub const UNKNOWN: Millis = -1;
+
 pub fn now_ms() -> Millis {
     match std::env::var(crate::env::NOW) {
         // Checked at start ([`check_env`]); one that slipped past (a library caller): real clock.

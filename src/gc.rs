@@ -127,8 +127,10 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     report.unknown = rows
         .iter()
         .filter(|r| r.state == State::Incomplete && r.record.readiness_unknown())
-        .map(|r| (r.name(), r.record.outcome.as_deref().unwrap_or("")))
-        .map(|(name, why)| format!("{name}: {why}"))
+        .map(|r| match r.entry.seen.damaged {
+            true => format!("{}: its record cannot be read", r.name()),
+            false => format!("{}: its tree was adopted without a record", r.name()),
+        })
         .collect();
     crate::debug::pause("gc-listed");
     let cutoff = cutoff(policy);

@@ -40,7 +40,13 @@ fn unknown_record(root: &Root, entry: &Entry) -> Option<image_record::Record> {
     let name = Root::image_of_lock_file(&entry.file)?;
     // Listed even while the configuration cannot be had (lost: commands that need it say so).
     let images = crate::images_dir::config(root).map_or(ImagesDir::Default, |c| c.images);
-    Some(image_record::Record::unknown(name.as_str(), images, 0))
+    // Its times are not known either: its last use is the lock file's, if that says one.
+    let unknown = crate::clock::UNKNOWN;
+    Some(image_record::Record::unknown(
+        name.as_str(),
+        images,
+        unknown,
+    ))
 }
 
 /// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.

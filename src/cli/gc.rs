@@ -107,7 +107,7 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
     }
     for kept in &report.unknown {
         let (name, why) = kept.split_once(": ").unwrap_or((kept, ""));
-        line(format!("kept '{name}': its state is not known ({why})"));
+        line(format!("kept '{name}': its state is not known: {why}"));
     }
     let budget = match report.max_size {
         Some(m) => format!(" (budget {})", disk_usage::human(m)),

@@ -539,13 +539,26 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-listed");
-    let damaged: Vec<String> = entries
+    let damaged: Vec<&Entry> = entries.iter().filter(|e| e.seen.damaged).collect();
+    let files: Vec<String> = damaged
         .iter()
-        .filter(|e| e.seen.damaged)
         .map(|e| e.path.display().to_string())
         .collect();
-    report.naming("records", Verdict::Problem, &damaged, |files| {
-        format!("the record in {files} cannot be read, so its image's state is not known: it is kept; 'stowage exec --write NAME -- true' marks an image ready again, 'stowage rm NAME' removes it")
+    // The image a file is for, where its name says (hashed names do not).
+    let name = match damaged[..] {
+        [one] => crate::root::Root::image_of_lock_file(&one.file).map(|n| n.to_string()),
+        _ => None,
+    };
+    let (name, them) = match (name, damaged.len()) {
+        (Some(n), _) => (n, "its image's state is not known: it is kept"),
+        (None, 1) => ("NAME".into(), "its image's state is not known: it is kept"),
+        (None, _) => (
+            "NAME".into(),
+            "their images' states are not known: they are kept",
+        ),
+    };
+    report.naming("records", Verdict::Problem, &files, |files| {
+        format!("the record in {files} cannot be read, so {them}; 'stowage exec --write {name} -- true' marks one ready again, 'stowage rm {name}' removes it")
     });
     removals(store.ctx(), &entries, repair, report);
     // Incomplete images: those whose writer failed or died, or those adopted.
@@ -702,6 +715,12 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let mut gone = Vec::new();
     for e in &entries {
         let Some(r) = e.seen.record.as_ref() else {
+            // A record that cannot be read is still the image's: reported under "records". An
+            // empty lock file names nothing: its tree is an orphan.
+            let unreadable = e.seen.damaged || e.seen.legacy;
+            if let Some(n) = crate::root::Root::image_of_lock_file(&e.file).filter(|_| unreadable) {
+                named.insert(n.as_str().to_owned());
+            }
             continue;
         };
         named.insert(r.name.clone());
@@ -750,8 +769,12 @@ fn orphan_trees(
     }
     if !repair {
         let (names, shown) = (list(orphans.trees.iter().map(|(n, _)| n)), dir.display());
+        let (have, them) = match orphans.trees.len() {
+            1 => ("has", "it"),
+            _ => ("have", "them"),
+        };
         let detail =
-            format!("{names} in {shown} have no record; 'stowage doctor --repair' adopts them");
+            format!("{names} in {shown} {have} no record; 'stowage doctor --repair' adopts {them}");
         report.problem("images", detail);
         return Ok(());
     }
@@ -778,9 +801,12 @@ fn missing_trees(
     }
     if !repair {
         let names = list(gone.iter().map(|(n, _)| n));
-        let detail = format!(
-            "{names} have records but no tree; 'stowage doctor --repair' drops their records"
-        );
+        let detail = match gone.len() {
+            1 => format!("{names} has a record but no tree; 'stowage doctor --repair' drops it"),
+            _ => format!(
+                "{names} have records but no tree; 'stowage doctor --repair' drops their records"
+            ),
+        };
         report.problem("images", detail);
         return;
     }

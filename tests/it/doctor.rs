@@ -177,7 +177,7 @@ fn a_tree_without_a_record_is_adopted_and_never_collected() {
     let out = env.run(["doctor"]);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("have no record"),
+        String::from_utf8_lossy(&out.stdout).contains("has no record"),
         "{}",
         show(&out)
     );
@@ -283,12 +283,27 @@ fn a_damaged_record_is_kept_reported_and_mended_as_its_refusal_advises() {
     env.ok(["gc"]);
     let out = env.run(["doctor"]);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("b.lock"), "{}", show(&out));
+    // Its record is unreadable, not missing: no repair would adopt its tree.
+    assert!(!said.contains("no record"), "{}", show(&out));
+    // Listed with its state as the spec names it, and no time it cannot know.
+    let listed = String::from_utf8_lossy(&env.ok(["images", "--json"]).stdout).into_owned();
+    let rows: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let b = rows.as_array().unwrap().iter().find(|r| r["name"] == "b");
+    let b = b.expect("b listed");
+    assert_eq!(b["state"], "incomplete", "{listed}");
+    assert!(b["created"].is_null(), "{listed}");
+    let table = env.ok(["images"]);
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("b.lock"),
+        !String::from_utf8_lossy(&table.stdout).contains("1970"),
         "{}",
-        show(&out)
+        show(&table)
     );
     env.run(["doctor", "--repair"]);
+    let out = env.run(["doctor"]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(!said.contains("no record"), "{}", show(&out));
     for n in ["b", "c"] {
         assert!(
             env.root.join("img").join(n).join("file").exists(),
