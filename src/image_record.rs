@@ -295,8 +295,10 @@ impl Seen {
         path: &std::path::Path,
         writes: bool,
     ) -> bool {
-        use std::os::unix::fs::MetadataExt as _;
-        let one_name = || file.metadata().is_ok_and(|m| m.is_file() && m.nlink() == 1);
+        let one_name = || {
+            crate::planted::type_and_links(file)
+                .is_ok_and(|(mode, links)| mode & libc::S_IFMT == libc::S_IFREG && links == 1)
+        };
         if self.record.is_some() {
             return !writes || one_name();
         }

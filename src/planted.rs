@@ -297,13 +297,42 @@ pub fn denied(path: &Path) -> Option<String> {
 /// Fails unless `file` (opened from `path`) is a regular file: one `fstat`. Enough for a file that
 /// is only read (or replaced by a rename).
 pub fn check(path: &Path, file: &File) -> io::Result<()> {
-    kind_of_mode(file.metadata()?.mode()).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
+    kind_of_mode(type_and_links(file)?.0).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
 }
 
 /// Fails unless `file` (opened from `path`) is a regular file with no other name: one `fstat`. For
 /// a file written in place or chmod-ed: a second name would carry the change outside the root.
 pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
-    check_stat(path, &file.metadata()?)
+    let (mode, nlink) = type_and_links(file)?;
+    kind_of(mode, nlink).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
+}
+
+/// An open file's type bits and link count, as the attributes its open fetched say where those are
+/// still valid. Only these two are asked: a FUSE client that read the file since has marked its
+/// access time stale, and a full `fstat` would ask the filesystem's daemon again.
+pub fn type_and_links(file: &File) -> io::Result<(u32, u64)> {
+    // SAFETY: all-zero bytes are a valid value of this plain C struct.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // The system call, not libc's wrapper, which a static build may leave unresolved (dir.rs).
+    // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_statx,
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_TYPE | libc::STATX_NLINK,
+            &mut stx as *mut libc::statx,
+        )
+    };
+    match cvt(r) {
+        Ok(_) => Ok((u32::from(stx.stx_mode), u64::from(stx.stx_nlink))),
+        // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
+            file.metadata().map(|m| (m.mode(), m.nlink()))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// [`check_written`] for what an `fstat` already said.
