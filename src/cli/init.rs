@@ -65,6 +65,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     let dir = config.images.path_in(root.dir());
     let images = root.open_or_make_images_dir(&dir)?;
+    // Before anything is adopted: a directory another store claims is refused untouched.
+    make_ours(store, &root, &mut config, &dir)?;
     // Trees are adopted ready only in a directory stowage never managed, where no image has ever
     // had a lock file (see adopt.rs).
     let how = if crate::census::take(&root)?.is_empty() {
@@ -82,7 +84,6 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         store.ctx().say(&format!("not adopting {why}"));
     }
     let adopted = adopted.names.len();
-    make_ours(store, &root, &mut config, &dir)?;
     for (entry, why) in &orphans.skipped {
         store.ctx().say(&format!(
             "not adopting {entry:?} in {}: {why}",
@@ -117,14 +118,15 @@ fn open_to_group(store: &mut Store, name: &str) -> Result<u32> {
 
 /// Makes `dir` the images directory from now on (accepting a remount), and this store's.
 fn make_ours(store: &Store, root: &Root, config: &mut Config, dir: &Path) -> Result<()> {
-    crate::images_dir::record_identity(root, config, true)?;
+    // Claimed first: a root whose identity is recorded is no copy any more, and a copy refused
+    // here must stay one, so that every later use asks the claim again.
     if !crate::images_dir::claim(root, config)? {
         store.ctx().say(&format!(
             "cannot mark {} as this store's (its filesystem keeps no extended attributes): another store's init would not be refused",
             dir.display()
         ));
     }
-    Ok(())
+    crate::images_dir::record_identity(root, config, true)
 }
 
 /// Shares with group `gid` the root and an images directory outside it: the directory itself, or

@@ -363,6 +363,28 @@ fn a_copy_of_a_store_removes_nothing_from_the_original_images_directory() {
         shared.join("failed/f").exists(),
         "the original's tree is left alone"
     );
+    // A plain init on the copy is refused too, and stays refused: it makes the copy no less a
+    // copy, so neither a write nor an rm through it reaches the original's directory after.
+    a.build("kept", "echo a > \"$STOWAGE_IMAGE_DIR/f\"");
+    cp_a(&a.root, &c.root.with_extension("2"));
+    c.root = c.root.with_extension("2");
+    let out = c.run(["init"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    for args in [
+        &["exec", "--write", "new", "--", "true"][..],
+        &["rm", "kept"],
+        &["init"],
+    ] {
+        let out = c.run(args);
+        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("belongs to the store at"),
+            "{}",
+            show(&out)
+        );
+    }
+    assert!(!shared.join("new").exists(), "nothing written there");
+    assert_eq!(a.read_in_image("kept", "f"), "a\n");
 }
 
 /// What is no images directory is refused before anything is made, with
