@@ -156,10 +156,13 @@ impl Claim {
 }
 
 /// Why `dir` (at `path`) may not be used by the store whose claim is `mine`: another store's claim.
+/// One that names this very root is this store's under whatever id it had (a configuration made
+/// anew, a migration cut short between its claim and its configuration).
 pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
     let theirs = read(dir).ok()??;
     let copy = theirs.id == mine.id;
-    (!theirs.same_store(mine) && theirs.binds(path)).then(|| {
+    let this_root = crate::dir::same_identity(&theirs.root, &mine.root);
+    (!this_root && theirs.binds(path)).then(|| {
         // Nothing can tell a store gone for good from one moved.
         format!(
             "images directory {} belongs to the store at {} ({}): one store per images directory; gone for good (not moved)? 'setfattr -x user.stowage.store {}'",

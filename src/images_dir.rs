@@ -198,15 +198,15 @@ pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
     crate::claim::refusal(&images, dir, &my_claim(root, &config).ok()?)
 }
 
-/// Whether `dir` is this root's `ROOT/img` and its claim this store's own: its id (a claim that
-/// came along with a copy of the store: `cp -a` keeps extended attributes), or this very root (an
-/// id of a configuration made anew). Either is taken over.
+/// Whether `dir` is this root's `ROOT/img` and its claim carries this store's id: one that came
+/// along with a copy of the store (`cp -a` keeps extended attributes), taken over. (A claim naming
+/// this very root is this store's anywhere: `claim::refusal`.)
 fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
-    let here = root.open().ok().and_then(|d| d.identity().ok());
     dir == root.default_images_dir()
-        && crate::claim::read(images).ok().flatten().is_some_and(|c| {
-            c.id == config.id || here.is_some_and(|h| crate::dir::same_identity(&c.root, &h))
-        })
+        && crate::claim::read(images)
+            .ok()
+            .flatten()
+            .is_some_and(|c| c.id == config.id)
 }
 
 /// Claims the images directory for this store unless another store does. `Ok(false)`: the

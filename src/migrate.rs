@@ -338,12 +338,14 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
         ..Config::fresh()
     };
     // A directory another root claims (this store was copied from that one before either
-    // migrated): the root is left unrecorded, so every use asks the claim, and is refused.
-    if matches!(config.images, ImagesDir::External(_))
-        && crate::images_dir::claim(root, &config).is_err()
-    {
+    // migrated): the root is left unrecorded, so every use asks the claim, and is refused. The
+    // default one is claimed too, so that no other store's init takes it (nothing to refuse there:
+    // a copy's `img` is its own).
+    let claimed = crate::images_dir::claim(root, &config);
+    if matches!(config.images, ImagesDir::External(_)) && claimed.is_err() {
         config.root = None;
     }
+    crate::debug::pause("migrate-claimed");
     crate::config::write(root.dir(), &root.open()?, &config)?;
     conn.execute_batch(
         "BEGIN;

@@ -172,14 +172,21 @@ impl Session {
         // Listed in one write, before the records (slow if a crash-cut removal is finished first).
         let hs = session.listing(req);
         crate::lease::note_all(&session.listed.leases, hs);
-        if let Err(e) = session.start_writes(store, req) {
-            let _ = session.undo();
-            if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() {
-                return Ok(Attempt::Legacy);
+        // A store another process is migrating (its records half converted) is migrated first, or
+        // waited for, as a write or a read would find it.
+        let chosen = session
+            .start_writes(store, req)
+            .and_then(|()| session.choose_images_dir());
+        match chosen {
+            Ok(dir) => session.images_dir = dir,
+            Err(e) => {
+                let _ = session.undo();
+                if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() {
+                    return Ok(Attempt::Legacy);
+                }
+                return Err(e);
             }
-            return Err(e);
         }
-        session.images_dir = session.choose_images_dir()?;
         Ok(Attempt::Started(Box::new(session)))
     }
 

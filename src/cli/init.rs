@@ -355,10 +355,14 @@ fn files_in(dir: &Path) -> Option<String> {
 
 /// Refuses, before anything is made, an images directory another store claims (`claim.rs`).
 fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
-    // Another root's default images directory, claimed or not.
-    if let Some(other) = dir
-        .parent()
-        .filter(|p| p.join(crate::config::FILE).exists())
+    // Another root's default images directory, claimed or not: told by its layout, which outlives a
+    // lost configuration.
+    let a_root = |p: &&Path| {
+        p.join(crate::config::FILE).exists()
+            || p.join(Root::IMAGE_LOCKS_REL).is_dir()
+            || p.join("stowage.db").exists()
+    };
+    if let Some(other) = dir.parent().filter(a_root)
         && dir.file_name().is_some_and(|n| n == "img")
         && other != root.dir()
     {

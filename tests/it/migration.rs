@@ -121,6 +121,24 @@ fn an_old_store_keeps_every_image_its_state_and_its_base() {
     assert_eq!(env.read_in_image("rowless", "r"), "r\n");
     let out = env.run(["exec", "--read", "rewritten", "--", "true"]);
     assert_eq!(code(&out), Some(66), "{}", show(&out));
+    // Its images directory is claimed as a new store's is.
+    let img = std::ffi::CString::new(env.root.join("img").to_str().unwrap()).unwrap();
+    let mut buf = [0u8; 1024];
+    // SAFETY: NUL-terminated path and name, a buffer of the length given.
+    let n = unsafe {
+        libc::getxattr(
+            img.as_ptr(),
+            c"user.stowage.store".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    assert!(n > 0, "{}", std::io::Error::last_os_error());
+    let claim = String::from_utf8_lossy(&buf[..n as usize]).into_owned();
+    assert!(
+        claim.contains(&format!("path={}\n", env.root.display())),
+        "{claim}"
+    );
 }
 
 #[test]
@@ -425,6 +443,66 @@ fn a_migration_killed_mid_conversion_loses_no_images_state() {
     bg.kill_all();
     assert_eq!(states(&env), expected());
     assert_migrated(&env);
+}
+
+/// An Env whose root is the schema-10 store with an external images
+/// directory, both moved to the test's own directory (the catalog pointed
+/// at the directory there); and that directory.
+fn old_external_store() -> (Env, PathBuf) {
+    let mut env = Env::new();
+    untar(&fixture("schema10-external.tar"), env.tmp.path());
+    let images = env.tmp.path().join("ext-images");
+    let id = stowage::dir::Dir::open(&images)
+        .unwrap()
+        .identity()
+        .unwrap();
+    env.root = env.tmp.path().join("ext");
+    let conn = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    for (key, value) in [
+        ("images_dir", images.to_str().unwrap()),
+        ("images_dir_identity", &id),
+    ] {
+        conn.execute("UPDATE config SET value = ?1 WHERE key = ?2", [value, key])
+            .unwrap();
+    }
+    fs::write(env.root.join("images-dir"), images.to_str().unwrap()).unwrap();
+    (env, images)
+}
+
+/// A migration killed after it claimed the external images directory but
+/// before its configuration was in place: the next use migrates again,
+/// under another id, and the claim that names this very root is the
+/// store's (it refused its own directory for good).
+#[test]
+fn a_migration_killed_between_its_claim_and_its_configuration_keeps_the_directory() {
+    let (env, images) = old_external_store();
+    let (bg, _) = env.paused(["images"], "migrate-claimed");
+    bg.kill_all();
+    assert!(!env.root.join("store.conf").exists());
+    assert_eq!(states(&env), expected());
+    env.build("new", "echo n > \"$STOWAGE_IMAGE_DIR/n\"");
+    assert!(
+        images.join("new/n").exists(),
+        "{}",
+        show(&env.run(["doctor"]))
+    );
+    env.ok(["rm", "base"]);
+}
+
+/// A reader that comes while another process migrates a store with an
+/// external images directory (its own image's record converted, the
+/// configuration not written yet) waits for the migration, then reads.
+#[test]
+fn a_reader_during_a_migration_waits_for_it() {
+    let (env, _) = old_external_store();
+    let (bg, go) = env.paused(["images"], "migrate-converting-base");
+    let reader = env.spawn(["exec", "--read", "app", "--", "true"]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    fs::remove_file(go).unwrap();
+    let out = reader.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(code(&bg.finish()), Some(0));
+    assert_eq!(states(&env), expected());
 }
 
 /// A store of the release before records whose catalog a crash left in the

@@ -350,6 +350,33 @@ fn a_default_images_directory_another_store_claims_is_refused() {
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
 
+/// Another store's `init --images-dir` on a root's own `img` is refused by
+/// that root's layout, even with its configuration lost and its claim gone
+/// (a store migrated by a release that claimed no default directory): else
+/// the two stores shared the directory, and one's `rm` deleted the other's
+/// ready image.
+#[test]
+fn a_roots_own_img_is_refused_to_another_store_by_its_layout() {
+    let a = Env::new();
+    a.make_image("base");
+    fs::remove_file(a.root.join("store.conf")).unwrap();
+    let img = a.root.join("img");
+    let c = std::ffi::CString::new(img.to_str().unwrap()).unwrap();
+    // SAFETY: NUL-terminated path and attribute name.
+    let r = unsafe { libc::removexattr(c.as_ptr(), c"user.stowage.store".as_ptr()) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    let b = a.tmp.path().join("b");
+    let out = in_copy(&b, &["init", "--images-dir", img.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains(&format!("belongs to the store at {}", a.root.display())),
+        "{}",
+        show(&out)
+    );
+    assert!(!b.join("store.conf").exists());
+    assert!(img.join("base").is_dir());
+}
+
 /// A store moved away from its root (renamed on its filesystem: the root
 /// is the same directory) keeps its external images directory.
 #[test]
