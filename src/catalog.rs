@@ -291,6 +291,7 @@ pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
                     flags | OpenFlags::SQLITE_OPEN_READ_ONLY,
                 )
             })?;
+    conn.busy_timeout(busy_timeout())?;
     Ok(match inspect_in(&conn, root)? {
         Found::Legacy(v) => Some(v),
         _ => None,

@@ -29,19 +29,22 @@ pub fn config(root: &Root) -> Result<Config> {
         Some(c) => Ok(c),
         None => {
             // A release before records kept it in its catalog: migrated first. A catalog that
-            // cannot be asked (busy) may be one: nothing is made then.
-            let legacy = crate::catalog::legacy_state(root);
-            if legacy.as_ref().is_ok_and(Option::is_some) {
+            // cannot be asked (busy, damaged) may be one: refused, as no configuration may be
+            // made then, and no record written without one.
+            let legacy = crate::catalog::legacy_state(root).with_context(|| {
+                format!(
+                    "{} is missing, and {} cannot be asked whether to migrate it ('stowage doctor' tells more)",
+                    root.dir().join(crate::config::FILE).display(),
+                    root.db().display()
+                )
+            })?;
+            if legacy.is_some() {
                 return Err(crate::catalog::NeedsMigration.into());
             }
             if has_records(root)? {
                 return reread(root);
             }
-            Ok(if legacy.is_ok() {
-                made(root)
-            } else {
-                fresh(root)
-            })
+            Ok(made(root))
         }
     }
 }

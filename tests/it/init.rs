@@ -664,6 +664,51 @@ fn first_writes_at_once_on_a_new_root_are_all_accepted() {
     }
 }
 
+/// A configuration lost while an outside program holds the catalog
+/// (which might be an older release's, to migrate first): the first write
+/// is refused, naming both, and writes no record; once the catalog is free
+/// the configuration is made and the write goes ahead. (It wrote its record
+/// under a configuration never saved, and every command after refused the
+/// store until a repair.)
+#[test]
+fn a_lost_configuration_beside_a_busy_catalog_writes_no_record() {
+    if !tool_or_skip("python3", "python3") {
+        return;
+    }
+    let env = Env::new();
+    env.ok(["init"]);
+    let conf = env.root.join("store.conf");
+    fs::remove_file(&conf).unwrap();
+    let script = format!(
+        "import sqlite3, time, pathlib\n\
+         c = sqlite3.connect('{db}', isolation_level=None)\n\
+         c.execute('BEGIN EXCLUSIVE')\n\
+         pathlib.Path('{started}').touch()\n\
+         time.sleep(30)\n",
+        db = env.root.join("stowage.db").display(),
+        started = env.sentinel("started").display()
+    );
+    let mut c = Command::new("python3");
+    c.args(["-c", &script]);
+    let holder = Bg::from_command(c);
+    wait_for_file(&env.sentinel("started"));
+    let mut c = env.cmd(["exec", "--write", "b", "--", "true"]);
+    c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
+    let out = output(c);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("store.conf") && err.contains("stowage.db"),
+        "{err}"
+    );
+    holder.kill_all();
+    assert!(!conf.exists(), "{}", show(&out));
+    assert!(env.state("b").is_none(), "no record written");
+    env.ok(["exec", "--write", "b", "--", "true"]);
+    assert!(conf.exists());
+    env.ok(["doctor"]);
+}
+
 /// A configuration lost before any image was written (or after the last
 /// was removed) is made anew by the next use, once: later commands find it,
 /// and none takes the store for one whose configuration was lost.
