@@ -346,11 +346,25 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     if mode.eq_ignore_ascii_case("wal") {
         leave_wal(conn).context("the catalog was switched to WAL by another program")?;
     }
-    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-    let tables: Vec<String> = conn
-        .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
-        .query_map([], |r| r.get(0))?
-        .collect::<rusqlite::Result<_>>()?;
+    // The version and the tables in one read: a catalog being made beside us (doctor looks
+    // without the global lock) is never seen half made.
+    let alone = conn.is_autocommit();
+    if alone {
+        conn.execute_batch("BEGIN")?;
+    }
+    let read = || -> rusqlite::Result<(i64, Vec<String>)> {
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        let tables = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok((version, tables))
+    };
+    let read = read();
+    if alone {
+        let _ = conn.execute_batch("COMMIT");
+    }
+    let (version, tables) = read?;
     let has = |t: &str| tables.iter().any(|x| x == t);
     Ok(match version {
         0 if tables.is_empty() => Found::New,
@@ -396,8 +410,25 @@ fn legacy_columns(conn: &rusqlite::Connection) -> Result<bool> {
 
 /// Makes the schema in a new catalog.
 pub fn create_schema(conn: &rusqlite::Connection) -> Result<()> {
-    conn.execute_batch(SCHEMA_SQL)?;
-    conn.pragma_update(None, "user_version", SCHEMA)?;
+    // One transaction: a look without the global lock (doctor's) never finds the table without
+    // its version, which would pass for another program's database.
+    let alone = conn.is_autocommit();
+    if alone {
+        conn.execute_batch("BEGIN IMMEDIATE")?;
+    }
+    let made = conn
+        .execute_batch(SCHEMA_SQL)
+        .and_then(|()| conn.pragma_update(None, "user_version", SCHEMA));
+    match (made, alone) {
+        (Ok(()), true) => conn.execute_batch("COMMIT")?,
+        (Ok(()), false) => {}
+        (Err(e), _) => {
+            if alone {
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+            return Err(e.into());
+        }
+    }
     Ok(())
 }
 
