@@ -109,8 +109,11 @@ fn get(dir: &Dir, buf: &mut [u8]) -> io::Result<usize> {
 }
 
 /// Claims `dir` for `claim`'s store. `Ok(false)`: the filesystem keeps no extended attributes.
-pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
+/// `new`: only if nothing claims it (else `EEXIST`), so that of two stores claiming one directory
+/// at once one wins and the other asks again.
+pub fn write(dir: &Dir, claim: &Claim, new: bool) -> io::Result<bool> {
     let text = claim.encode();
+    let flags = if new { libc::XATTR_CREATE } else { 0 };
     // SAFETY: valid descriptor, C string and buffer of the length given.
     let r = unsafe {
         libc::fsetxattr(
@@ -118,7 +121,7 @@ pub fn write(dir: &Dir, claim: &Claim) -> io::Result<bool> {
             NAME.as_ptr(),
             text.as_ptr().cast(),
             text.len(),
-            0,
+            flags,
         )
     };
     match crate::error::cvt(r) {

@@ -98,7 +98,7 @@ fn made(root: &Root) -> Config {
         && crate::claim::read(img).is_ok_and(|c| c.is_none())
         && let Ok(mine) = Claim::of(&config.id, &dir, root.dir())
     {
-        let _ = crate::claim::write(img, &mine);
+        let _ = crate::claim::write(img, &mine, true);
     }
     config
 }
@@ -222,11 +222,15 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
     if !copied && let Some(why) = crate::claim::refusal(&images, &dir, &mine) {
         anyhow::bail!("{why}");
     }
-    if crate::claim::read(&images).ok().flatten().as_ref() == Some(&mine) {
+    let now = crate::claim::read(&images).ok().flatten();
+    if now.as_ref() == Some(&mine) {
         return Ok(true);
     }
-    crate::claim::write(&images, &mine)
-        .with_context(|| format!("cannot claim images directory {}", dir.display()))
+    match crate::claim::write(&images, &mine, now.is_none()) {
+        // Another store claimed it since it was read: asked again (it is claimed now).
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => claim(root, config),
+        done => done.with_context(|| format!("cannot claim images directory {}", dir.display())),
+    }
 }
 
 /// Records the images directory's identity in the configuration, if not recorded yet (or `accept`:

@@ -419,7 +419,8 @@ impl Root {
                 _ => config.id,
             };
             if let (Some(img), Ok(mine)) = (&img, crate::claim::Claim::of(&id, &root, &self.dir)) {
-                let _ = crate::claim::write(img, &mine);
+                // Only an unclaimed one: another store's claim made meanwhile stands.
+                let _ = crate::claim::write(img, &mine, true);
             }
         }
         crate::space::refill(&self.reserve());

@@ -355,13 +355,10 @@ fn files_in(dir: &Path) -> Option<String> {
 
 /// Refuses, before anything is made, an images directory another store claims (`claim.rs`).
 fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
-    // Another root's default images directory, claimed or not: told by its layout, which outlives a
-    // lost configuration.
-    let a_root = |p: &&Path| {
-        p.join(crate::config::FILE).exists()
-            || p.join(Root::IMAGE_LOCKS_REL).is_dir()
-            || p.join("stowage.db").exists()
-    };
+    // Another root's default images directory, claimed or not: told by its configuration or its
+    // lock directory, which outlives a lost configuration.
+    let a_root =
+        |p: &&Path| p.join(crate::config::FILE).exists() || p.join(Root::LOCKS_REL).is_dir();
     if let Some(other) = dir.parent().filter(a_root)
         && dir.file_name().is_some_and(|n| n == "img")
         && other != root.dir()
@@ -454,9 +451,20 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
             })?;
         }
         make_dir(dir)?;
+        // Named with its identity, so that another store's claim sees it bind, but with the
+        // root unrecorded until the claim is ours (`make_ours`): till then every use asks the
+        // claim, and of two inits racing for one directory only the claim's store uses it.
         config.images = ImagesDir::External(dir.to_owned());
-        config.identity = None;
-        crate::config::write(root.dir(), &root.open()?, config)
+        let images = crate::dir::Dir::open(dir)?;
+        config.identity = Some(
+            images
+                .identity()
+                .context("cannot inspect the images directory")?,
+        );
+        config.root = None;
+        crate::config::write(root.dir(), &root.open()?, config)?;
+        crate::debug::pause("init-switched");
+        Ok(())
     })();
     hold.release(store);
     out

@@ -387,6 +387,34 @@ fn a_copy_of_a_store_removes_nothing_from_the_original_images_directory() {
     assert_eq!(a.read_in_image("kept", "f"), "a\n");
 }
 
+/// Two inits racing for one new images directory: one store gets it; the
+/// other's init is refused, and so is every use of it after (it went on
+/// writing there: two stores in one directory).
+#[test]
+fn two_inits_racing_for_one_images_directory_leave_it_to_one_store() {
+    let a = Env::new();
+    let shared = a.scratch.join("img");
+    fs::create_dir(&shared).unwrap();
+    let dir = shared.to_str().unwrap();
+    let (first, go) = a.paused(["init", "--images-dir", dir], "init-switched");
+    let mut b = Env::new();
+    b.root = a.tmp.path().join("b");
+    b.ok(["init", "--images-dir", dir]);
+    fs::remove_file(go).unwrap();
+    let out = first.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let out = a.run(["exec", "--write", "from-a", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("belongs to the store at"),
+        "{}",
+        show(&out)
+    );
+    assert!(!shared.join("from-a").exists());
+    b.ok(["exec", "--write", "from-b", "--", "true"]);
+    assert!(shared.join("from-b").is_dir());
+}
+
 /// What is no images directory is refused before anything is made, with
 /// what to do instead: a builder's storage directory (its images are in
 /// its `img/`), `/`, a home directory, a directory that would be made at
