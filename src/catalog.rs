@@ -263,18 +263,14 @@ fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
 /// The catalog's schema belongs to a release before records: the store must be migrated
 /// (`migrate.rs`) before the catalog is used.
 #[derive(Debug, thiserror::Error)]
-#[error("the store must be migrated first")]
+#[error("the store is being migrated to image records, or must be first ('stowage doctor' tells)")]
 pub struct NeedsMigration;
 
 /// The schema version of the catalog of `root` if it is that store's, of a release before records
-/// ([`inspect_in`]); only if it is a plain file.
-pub fn legacy_version(root: &Root) -> Option<i64> {
-    legacy_state(root).ok().flatten()
-}
-
-/// [`legacy_version`], or an error where a catalog is there but could not be asked: a caller must
-/// then not take the store for one of this release. Opened for writing where it may be, so that a
-/// transaction a crash cut short (its journal left) is rolled back first, as any use would.
+/// ([`inspect_in`]; only a plain file), or an error where a catalog is there but could not be asked
+/// (busy, damaged): a caller must then not take the store for one of this release. Opened for
+/// writing where it may be, so that a transaction a crash cut short (its journal left) is rolled
+/// back first, as any use would.
 pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
     let path = root.db();
     check_files(&path)?;

@@ -33,7 +33,8 @@ pub fn is_legacy(root: &Root) -> bool {
     if !matches!(dir.stat_at(crate::config::FILE), Ok(None)) {
         return false;
     }
-    crate::catalog::legacy_version(root).is_some()
+    // One that cannot be asked (busy) may be one: `run` says so.
+    crate::catalog::legacy_state(root).map_or(true, |v| v.is_some())
 }
 
 /// Migrates the store, if one to migrate, before a command reads or changes it (one stat once not).
@@ -51,7 +52,13 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         return Ok(());
     }
-    let Some(version) = crate::catalog::legacy_version(&root) else {
+    let legacy = crate::catalog::legacy_state(&root).with_context(|| {
+        format!(
+            "cannot tell whether {} is to be migrated",
+            root.db().display()
+        )
+    })?;
+    let Some(version) = legacy else {
         // No catalog to convert: a store whose records are all there is.
         ensure_config(&root)?;
         return Ok(());
@@ -338,24 +345,28 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
         ..Config::fresh()
     };
     // A directory another root claims (this store was copied from that one before either
-    // migrated): the root is left unrecorded, so every use asks the claim, and is refused. The
-    // default one is claimed too, so that no other store's init takes it (nothing to refuse there:
-    // a copy's `img` is its own).
-    let claimed = crate::images_dir::claim(root, &config);
-    if matches!(config.images, ImagesDir::External(_)) && claimed.is_err() {
+    // migrated): the root is left unrecorded, so every use asks the claim, and is refused.
+    let external = matches!(config.images, ImagesDir::External(_));
+    if external && crate::images_dir::claim(root, &config).is_err() {
         config.root = None;
     }
     crate::debug::pause("migrate-claimed");
     crate::config::write(root.dir(), &root.open()?, &config)?;
+    // The default one is claimed too, so that no other store's init takes it; once the
+    // configuration carries the id, so that a copy taken meanwhile finds its own id there.
+    if !external {
+        let _ = crate::images_dir::claim(root, &config);
+    }
+    // One transaction: a look without the global lock (doctor's) never sees the catalog emptied.
     conn.execute_batch(
-        "BEGIN;
+        "BEGIN IMMEDIATE;
          DROP TABLE IF EXISTS records;
          DROP TABLE IF EXISTS slot_classes;
          DROP TABLE IF EXISTS config;
-         DROP TABLE IF EXISTS images;
-         COMMIT;",
+         DROP TABLE IF EXISTS images;",
     )?;
     crate::catalog::create_schema(conn)?;
+    conn.execute_batch("COMMIT")?;
     // The older release's statement in the global lock file, and its markers.
     if let Ok(Some(g)) = lock::open_existing(&root.global_lock()) {
         let _ = g.set_len(0);

@@ -112,7 +112,14 @@ fn whose(
 /// A store whose configuration went missing: its images have records (a store of a release before
 /// records has a catalog to migrate instead).
 fn lost(root: &Root) -> Result<bool> {
-    Ok(crate::catalog::legacy_version(root).is_none() && crate::images_dir::has_records(root)?)
+    // A catalog that cannot be asked (busy) may be an older release's mid-migration: not lost.
+    let legacy = crate::catalog::legacy_state(root).with_context(|| {
+        format!(
+            "cannot tell whether {} is to be migrated",
+            root.db().display()
+        )
+    })?;
+    Ok(legacy.is_none() && crate::images_dir::has_records(root)?)
 }
 
 /// The images directory every record names; or why not (they disagree, or it is no directory now).

@@ -489,6 +489,58 @@ fn a_migration_killed_between_its_claim_and_its_configuration_keeps_the_director
     env.ok(["rm", "base"]);
 }
 
+/// A copy taken of a store whose migration was killed (after its external
+/// claims, before its configuration) is a store of its own: it migrates
+/// and is used, its `img` never taken for the original's.
+#[test]
+fn a_copy_of_a_store_whose_migration_was_killed_migrates_on_its_own() {
+    let env = old_store();
+    let (bg, _) = env.paused(["images"], "migrate-claimed");
+    bg.kill_all();
+    let mut copy = Env::new();
+    copy.root = env.tmp.path().join("copy");
+    cp_a(&env.root, &copy.root);
+    assert_eq!(states(&copy), expected());
+    copy.build("new", "echo n > \"$STOWAGE_IMAGE_DIR/n\"");
+    copy.ok(["rm", "base"]);
+    assert_eq!(states(&env), expected());
+}
+
+/// A migration killed midway, then `doctor --repair` while an outside
+/// program holds the catalog: whether the catalog is an older release's
+/// cannot be told, so no configuration is written (one written then made
+/// the catalog "already past it" and every image not yet converted lost
+/// its state); the next use finishes the migration.
+#[test]
+fn a_repair_beside_a_busy_catalog_leaves_a_migration_to_finish() {
+    if !tool_or_skip("python3", "python3") {
+        return;
+    }
+    let env = old_store();
+    let (bg, _) = env.paused(["images"], "migrate-converting-newborn");
+    bg.kill_all();
+    let script = format!(
+        "import sqlite3, time, pathlib\n\
+         c = sqlite3.connect('{db}', isolation_level=None)\n\
+         c.execute('BEGIN EXCLUSIVE')\n\
+         pathlib.Path('{started}').touch()\n\
+         time.sleep(30)\n",
+        db = env.root.join("stowage.db").display(),
+        started = env.sentinel("started").display()
+    );
+    let mut c = Command::new("python3");
+    c.args(["-c", &script]);
+    let holder = Bg::from_command(c);
+    wait_for_file(&env.sentinel("started"));
+    let mut c = env.cmd(["doctor", "--repair"]);
+    c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
+    let out = output(c);
+    holder.kill_all();
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(!env.root.join("store.conf").exists(), "{}", show(&out));
+    assert_eq!(states(&env), expected());
+}
+
 /// A reader that comes while another process migrates a store with an
 /// external images directory (its own image's record converted, the
 /// configuration not written yet) waits for the migration, then reads.
