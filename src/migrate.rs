@@ -303,36 +303,7 @@ fn derive(name: &str, old: &Old, token: Option<String>, tree: bool) -> Option<Re
 /// Once a pass found every lock free and wrote every record: the slot classes, the configuration,
 /// the catalog at schema 11 (last), then what the older release left behind.
 fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
-    for (class, limit, reserve) in &old.classes {
-        let dir = crate::slots::make_class_dir(root, class)?;
-        let files: Vec<String> = dir
-            .names()?
-            .into_iter()
-            .filter_map(|n| n.into_string().ok())
-            .collect();
-        let top = |high: bool| {
-            files
-                .iter()
-                .filter_map(|f| crate::slot_limits::Kind::of(f))
-                .filter_map(|k| match (k, high) {
-                    (crate::slot_limits::Kind::High(i), true)
-                    | (crate::slot_limits::Kind::Normal(i), false) => Some(i + 1),
-                    _ => None,
-                })
-                .max()
-                .unwrap_or(0)
-        };
-        for f in files.iter().filter(|f| f.ends_with(".lock")) {
-            if let Ok(file) = dir.open_rw(f, false) {
-                let _ = file.set_len(0);
-            }
-        }
-        let mut limits = crate::slot_limits::Limits::set(*limit, *reserve, None);
-        limits.files = limits.files.max(top(false));
-        limits.high_files = limits.high_files.max(top(true));
-        let zero = dir.open_rw("0.lock", true)?;
-        crate::slot_limits::write(&zero, class, Some(&limits))?;
-    }
+    slot_classes(root, old)?;
     let mut config = Config {
         images: old.images.clone(),
         // Only an external directory's identity tells anything: the default is found from the root.
@@ -380,6 +351,42 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
     }
     if let Ok(d) = root.open() {
         let _ = d.unlink("images-dir");
+    }
+    Ok(())
+}
+
+/// Each slot class's limits, from the older catalog into its first slot file (its other files
+/// emptied of the older release's notes).
+fn slot_classes(root: &Root, old: &Old) -> Result<()> {
+    for (class, limit, reserve) in &old.classes {
+        let dir = crate::slots::make_class_dir(root, class)?;
+        let files: Vec<String> = dir
+            .names()?
+            .into_iter()
+            .filter_map(|n| n.into_string().ok())
+            .collect();
+        let top = |high: bool| {
+            files
+                .iter()
+                .filter_map(|f| crate::slot_limits::Kind::of(f))
+                .filter_map(|k| match (k, high) {
+                    (crate::slot_limits::Kind::High(i), true)
+                    | (crate::slot_limits::Kind::Normal(i), false) => Some(i + 1),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(0)
+        };
+        for f in files.iter().filter(|f| f.ends_with(".lock")) {
+            if let Ok(file) = dir.open_rw(f, false) {
+                let _ = file.set_len(0);
+            }
+        }
+        let mut limits = crate::slot_limits::Limits::set(*limit, *reserve, None);
+        limits.files = limits.files.max(top(false));
+        limits.high_files = limits.high_files.max(top(true));
+        let zero = dir.open_rw("0.lock", true)?;
+        crate::slot_limits::write(&zero, class, Some(&limits))?;
     }
     Ok(())
 }
