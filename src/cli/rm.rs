@@ -42,6 +42,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let command = format!("stowage rm {}", listed.join(" "));
     store.require_root()?;
     let _ = crate::lease::introduce(&store.root().leases());
+    // A store still to migrate (perhaps by another process now) is migrated first, or waited for.
+    crate::migrate::if_needed(store, deadline)?;
     let mut migrated = false;
     let held = loop {
         match take_all(store, &names, deadline, no_wait, &command) {

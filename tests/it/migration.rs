@@ -541,6 +541,41 @@ fn a_repair_beside_a_busy_catalog_leaves_a_migration_to_finish() {
     assert_eq!(states(&env), expected());
 }
 
+/// `rm` while another process migrates the store (the image's record
+/// converted already) waits for the migration, then removes the image
+/// (it failed: "the store must be migrated first").
+#[test]
+fn rm_during_a_migration_waits_for_it() {
+    let env = old_store();
+    let (bg, go) = env.paused(["images"], "migrate-converting-rowless");
+    let rm = env.spawn(["rm", "app"]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    fs::remove_file(go).unwrap();
+    let out = rm.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(code(&bg.finish()), Some(0));
+    let mut left = expected();
+    left.retain(|(n, _, _)| n != "app");
+    assert_eq!(states(&env), left);
+}
+
+/// A plain `doctor` on a store still to migrate reports it and judges no
+/// record (it stopped at "the store must be migrated first").
+#[test]
+fn a_plain_doctor_on_a_store_to_migrate_reports_it() {
+    let env = old_store();
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = stdout_of(&out);
+    assert!(
+        said.contains("schema version 10") && said.contains("not checked until"),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).is_empty(), "{}", show(&out));
+    assert_eq!(catalog_version(&env), 10, "a plain doctor migrates nothing");
+}
+
 /// A reader that comes while another process migrates a store with an
 /// external images directory (its own image's record converted, the
 /// configuration not written yet) waits for the migration, then reads.
