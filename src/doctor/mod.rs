@@ -898,6 +898,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             report.add("locks", fixed_or(Verdict::Info), detail);
         }
     }
+    config_temps(&root, repair, report)?;
     if repair {
         let n = crate::holders::Look::new(store.ctx()).clean_leases();
         if n > 0 {
@@ -907,6 +908,53 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             );
         }
     }
+    Ok(())
+}
+
+/// Temporary files of a `store.conf` write a kill cut short (`.store.conf.PID.RANDOM`): one lives
+/// for milliseconds, so one older than 10 minutes (by its ctime: the slack covers a server's clock
+/// against ours) is a leftover.
+fn config_temps(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result<()> {
+    // Listed: the root's anchor opened for reading.
+    let dir = root.open()?.sub(".")?;
+    let prefix = format!(".{}.", crate::config::FILE);
+    let now = clock::now_ms() / 1000;
+    let mut left = Vec::new();
+    for name in dir.names()? {
+        let Some(n) = name.to_str().filter(|n| n.starts_with(&prefix)) else {
+            continue;
+        };
+        let Ok(c) = std::ffi::CString::new(n) else {
+            continue;
+        };
+        if dir
+            .lstat_at(&c)
+            .is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFREG && st.st_ctime + 600 < now)
+        {
+            left.push(n.to_owned());
+        }
+    }
+    if left.is_empty() {
+        return Ok(());
+    }
+    if repair {
+        left.retain(|n| dir.unlink(n).is_ok());
+    }
+    let detail = format!(
+        "{} {} temporary file(s) of a configuration write cut short in {}",
+        done(repair, "removed"),
+        left.len(),
+        root.dir().display()
+    );
+    report.add(
+        "config",
+        if repair {
+            Verdict::Repaired
+        } else {
+            Verdict::Info
+        },
+        detail,
+    );
     Ok(())
 }
 

@@ -1047,3 +1047,47 @@ fn a_repair_sets_no_busy_catalog_aside() {
     env.ok(["doctor"]);
     assert_eq!(env.state("base").as_deref(), Some("ready"));
 }
+
+/// A temporary file of a `store.conf` write that a kill cut short is
+/// reported once it is old (10 minutes), and removed by a repair; a fresh
+/// one (a write in progress) is left alone.
+#[test]
+fn a_configuration_writes_leftover_is_removed_by_a_repair() {
+    let env = Env::new();
+    env.make_image("a");
+    let old = env.root.join(".store.conf.4242.0123456789abcdef");
+    fs::write(&old, "stowage-store 1\n").unwrap();
+    let later = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    let at_later = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env("STOWAGE_NOW", later.to_string());
+        output(c)
+    };
+    let out = env.run(["doctor"]);
+    assert!(!stdout_text(&out).contains("temporary"), "{}", show(&out));
+    let out = at_later(&["doctor"]);
+    assert!(
+        stdout_text(&out).contains("found 1 temporary file"),
+        "{}",
+        show(&out)
+    );
+    assert!(old.exists());
+    let out = env.run(["doctor", "--repair"]);
+    assert!(old.exists(), "a fresh one stays: {}", show(&out));
+    let out = at_later(&["doctor", "--repair"]);
+    assert!(
+        stdout_text(&out).contains("removed 1 temporary file"),
+        "{}",
+        show(&out)
+    );
+    assert!(!old.exists());
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+}
+
+fn stdout_text(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
