@@ -1376,3 +1376,22 @@ pub fn cp_a(from: &Path, to: &Path) {
         .unwrap();
     assert!(out.status.success(), "cp -a: {}", show(&out));
 }
+
+/// An outside program (python3's sqlite3) holding the catalog of `env` in an exclusive
+/// transaction, from when this returns until it is killed (or 30 s). Needs python3.
+pub fn hold_catalog(env: &Env) -> Bg {
+    let script = format!(
+        "import sqlite3, time, pathlib\n\
+         c = sqlite3.connect('{db}', isolation_level=None)\n\
+         c.execute('BEGIN EXCLUSIVE')\n\
+         pathlib.Path('{started}').touch()\n\
+         time.sleep(30)\n",
+        db = env.root.join("stowage.db").display(),
+        started = env.sentinel("catalog-held").display()
+    );
+    let mut c = Command::new("python3");
+    c.args(["-c", &script]);
+    let holder = Bg::from_command(c);
+    wait_for_file(&env.sentinel("catalog-held"));
+    holder
+}

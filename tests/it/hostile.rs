@@ -906,26 +906,13 @@ fn removals_and_repair_work_on_a_full_filesystem_without_a_reserve() {
 /// write the catalog says who holds it (75) rather than hang.
 #[test]
 fn a_catalog_locked_by_an_outside_program_stops_nothing_and_is_named() {
+    if !tool_or_skip("python3", "python3") {
+        return;
+    }
     let env = Env::new();
     env.make_image("a");
     env.ok(["images"]);
-    let script = format!(
-        "import sqlite3, time, pathlib\n\
-         c = sqlite3.connect('{db}', isolation_level=None)\n\
-         c.execute('BEGIN EXCLUSIVE')\n\
-         pathlib.Path('{started}').touch()\n\
-         time.sleep(30)\n",
-        db = env.root.join("stowage.db").display(),
-        started = env.sentinel("started").display()
-    );
-    if Command::new("python3").arg("--version").output().is_err() {
-        eprintln!("skipping: python3 is not available");
-        return;
-    }
-    let mut c = Command::new("python3");
-    c.args(["-c", &script]);
-    let holder = Bg::from_command(c);
-    wait_for_file(&env.sentinel("started"));
+    let holder = hold_catalog(&env);
     let mut c = env.cmd(["images"]);
     c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
     let out = output(c);

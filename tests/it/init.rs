@@ -707,19 +707,7 @@ fn a_lost_configuration_beside_a_busy_catalog_writes_no_record() {
     env.ok(["init"]);
     let conf = env.root.join("store.conf");
     fs::remove_file(&conf).unwrap();
-    let script = format!(
-        "import sqlite3, time, pathlib\n\
-         c = sqlite3.connect('{db}', isolation_level=None)\n\
-         c.execute('BEGIN EXCLUSIVE')\n\
-         pathlib.Path('{started}').touch()\n\
-         time.sleep(30)\n",
-        db = env.root.join("stowage.db").display(),
-        started = env.sentinel("started").display()
-    );
-    let mut c = Command::new("python3");
-    c.args(["-c", &script]);
-    let holder = Bg::from_command(c);
-    wait_for_file(&env.sentinel("started"));
+    let holder = hold_catalog(&env);
     let mut c = env.cmd(["exec", "--write", "b", "--", "true"]);
     c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
     let out = output(c);
