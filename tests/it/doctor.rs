@@ -1068,10 +1068,10 @@ fn a_configuration_writes_leftover_is_removed_by_a_repair() {
         output(c)
     };
     let out = env.run(["doctor"]);
-    assert!(!stdout_text(&out).contains("temporary"), "{}", show(&out));
+    assert!(!stdout(&out).contains("temporary"), "{}", show(&out));
     let out = at_later(&["doctor"]);
     assert!(
-        stdout_text(&out).contains("found 1 temporary file"),
+        stdout(&out).contains("found 1 temporary file"),
         "{}",
         show(&out)
     );
@@ -1080,14 +1080,10 @@ fn a_configuration_writes_leftover_is_removed_by_a_repair() {
     assert!(old.exists(), "a fresh one stays: {}", show(&out));
     let out = at_later(&["doctor", "--repair"]);
     assert!(
-        stdout_text(&out).contains("removed 1 temporary file"),
+        stdout(&out).contains("removed 1 temporary file"),
         "{}",
         show(&out)
     );
     assert!(!old.exists());
     assert_eq!(env.state("a").as_deref(), Some("ready"));
-}
-
-fn stdout_text(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }

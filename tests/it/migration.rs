@@ -40,10 +40,6 @@ fn old_store() -> Env {
     env
 }
 
-fn stdout_of(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 fn catalog_version(env: &Env) -> u32 {
     let bytes = fs::read(env.root.join("stowage.db")).unwrap();
     u32::from_be_bytes(bytes[60..64].try_into().unwrap())
@@ -371,7 +367,7 @@ fn another_stores_older_catalog_with_the_configuration_lost_migrates_nothing() {
     // The lost configuration is written anew from this store's claim (the damaged records stay a
     // problem to report), then gc runs.
     let out = env.run(["doctor", "--repair"]);
-    assert!(stdout_of(&out).contains("cannot be read"), "{}", show(&out));
+    assert!(stdout(&out).contains("cannot be read"), "{}", show(&out));
     env.ok(["gc"]);
     let names: Vec<String> = states(&env).into_iter().map(|s| s.0).collect();
     assert_eq!(names, ["app", "base", "failed"]);
@@ -554,7 +550,7 @@ fn a_plain_doctor_on_a_store_to_migrate_reports_it() {
     let env = old_store();
     let out = env.run(["doctor"]);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
-    let said = stdout_of(&out);
+    let said = stdout(&out);
     assert!(
         said.contains("schema version 10") && said.contains("not checked until"),
         "{}",
