@@ -94,8 +94,8 @@ fn made(root: &Root) -> Config {
         Ok(Some(c)) => c,
         _ => config,
     };
+    // Only where nothing claims it: the write itself asks (XATTR_CREATE).
     if let Some(img) = &img
-        && crate::claim::read(img).is_ok_and(|c| c.is_none())
         && let Ok(mine) = Claim::of(&config.id, &dir, root.dir())
     {
         let _ = crate::claim::write(img, &mine, true);
