@@ -211,6 +211,18 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
     Some((reach, mount, Some(fs)))
 }
 
+/// Whether a lock query (`F_OFD_GETLK`) on the filesystem of device `dev` sees every host's flocks,
+/// so a look can ask without taking a lock another host's look would see: GlusterFS, whose client
+/// keeps flocks as byte-range locks at the server and sends it every query (tested). Not NFS: under
+/// a write delegation the client answers a query itself and misses flocks, which it keeps apart.
+/// From this host's own mount table (a test's stand-in never enables it).
+pub fn queries_see_flocks(dev: u64) -> bool {
+    let want = format!("{}:{}", libc::major(dev), libc::minor(dev));
+    first_mount_of(Path::new("/proc/self/mountinfo"), &want)
+        .and_then(|l| parse_mountinfo_with_devices(&l).into_iter().next())
+        .is_some_and(|(m, _)| m.fstype == "fuse.glusterfs")
+}
+
 /// The first line of the mount table at `path` with device (third field) `want`, read no further.
 fn first_mount_of(path: &Path, want: &str) -> Option<String> {
     use std::io::BufRead;

@@ -166,6 +166,8 @@ pub struct Look<'c> {
     /// While set ([`Look::deferring`]), a held lock no lease lists is read once, not waited for,
     /// and noted here (its file relative to `locks/`) for the caller to look at again.
     deferred: RefCell<Option<Vec<String>>>,
+    /// Whether locks are asked about by query, not try-lock ([`crate::lock::query`]).
+    queries: bool,
 }
 
 impl<'c> Look<'c> {
@@ -184,6 +186,10 @@ impl<'c> Look<'c> {
             .then(|| crate::kernel::device_of(&root.locks()))
             .flatten();
         let table = kdev.and_then(|_| crate::kernel::read_table().ok());
+        let queries = !local
+            && root
+                .device()
+                .is_some_and(crate::filesystem::queries_see_flocks);
         Look {
             ctx,
             leases_dir,
@@ -198,6 +204,7 @@ impl<'c> Look<'c> {
             owned: RefCell::new(None),
             waited: Cell::new(std::time::Duration::ZERO),
             deferred: RefCell::new(None),
+            queries,
         }
     }
 
@@ -216,6 +223,13 @@ impl<'c> Look<'c> {
     /// The one wait for the locks [`Look::deferred`] noted, counted in the look's budget.
     pub fn wait_for_listing(&self) {
         self.pause(LIST_GRACE);
+    }
+
+    /// Whether anyone holds the lock at `path`: asked without taking it where the filesystem answers
+    /// such a query for every host (then no other host's look finds this one holding it), else by
+    /// a try-lock.
+    fn probe(&self, path: &Path) -> Probe {
+        crate::lock::look(path, self.queries).unwrap_or(Probe::Free)
     }
 
     /// Sleeps about `d`, counted in the look's budget. Drawn anew each time: two hosts' looks that
@@ -411,7 +425,7 @@ impl<'c> Look<'c> {
                     // namespace): held, and listed by no live lease.
                     (_, None) => {
                         !listed_live.contains(&(h.lockfile.as_str(), h.mode))
-                            && held_in(probe(&path), h.mode)
+                            && held_in(self.probe(&path), h.mode)
                     }
                 }
             })
@@ -497,7 +511,7 @@ impl<'c> Look<'c> {
         }
         // A holder the table showed is gone since: the lock may be free.
         if holders.is_empty() && vanished {
-            state = probe(path);
+            state = self.probe(path);
         }
         if holders.is_empty() && state != Probe::Free && state != Probe::Missing {
             (state, holders) = self.held_by_whom(path, rel, state, entries.as_deref());
@@ -519,7 +533,7 @@ impl<'c> Look<'c> {
         let live_hold = listing.iter().any(|(n, _, h)| !h.awaits && self.alive(n));
         match entries.map(state_of) {
             Some(s) if s != Probe::Free || (!live_hold && crate::kernel::shows_every_holder()) => s,
-            _ => probe(path),
+            _ => self.probe(path),
         }
     }
 
@@ -663,7 +677,7 @@ impl<'c> Look<'c> {
                 }
                 self.pause(std::time::Duration::from_millis(10 << (attempt - 1)));
                 self.reread.borrow_mut().take();
-                state = settle(probe(path));
+                state = settle(self.probe(path));
                 if state == Probe::Free {
                     return (state, holders);
                 }
@@ -689,7 +703,7 @@ impl<'c> Look<'c> {
         let entries = self.entries(&path);
         let mut state = entries.as_deref().map_or(Probe::Free, state_of);
         if state == Probe::Free {
-            state = settle(probe(&path));
+            state = settle(self.probe(&path));
         }
         // Without a table, held is all a probe tells: held a moment later too, or it was
         // another host's look probing it (a transaction takes milliseconds, a probe less).
@@ -698,7 +712,7 @@ impl<'c> Look<'c> {
                 break;
             }
             self.pause(pause);
-            state = settle(probe(&path));
+            state = settle(self.probe(&path));
         }
         let party = |e: &Entry| Party {
             stowage: Some(e.pid.is_some_and(ident::runs_stowage)),
@@ -734,10 +748,6 @@ const WAIT_BUDGET: std::time::Duration = std::time::Duration::from_millis(600);
 /// How long after its last look at a lock a deferring look ([`Look::deferring`]) waits for holders
 /// to list it: what the rereads of one lock add up to.
 const LIST_GRACE: std::time::Duration = std::time::Duration::from_millis(150);
-
-fn probe(path: &Path) -> Probe {
-    crate::lock::probe(path).unwrap_or(Probe::Free)
-}
 
 fn settle(p: Probe) -> Probe {
     match p {

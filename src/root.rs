@@ -258,6 +258,11 @@ impl Root {
         self.dir.join("stowage.db")
     }
 
+    /// The root's device (its stat's `st_dev`), if it has been looked at.
+    pub fn device(&self) -> Option<u64> {
+        self.dev
+    }
+
     /// The root's filesystem, if [`Root::check_locking`] found it.
     pub fn filesystem(&self) -> Option<&crate::filesystem::Filesystem> {
         self.fs.as_ref()

@@ -48,7 +48,7 @@ pub fn probe(root: &Root) -> Result<Probe> {
         Err(e) if crate::planted::find(&e).is_some() => return Ok(Probe::Free),
         Err(e) => return Err(lock::error("the store-wide lock", &path, e)),
     };
-    if lock::try_shared_open(&file).map_err(|e| lock::error("the store-wide lock", &path, e))?
+    if lock::no_writer_now(&file).map_err(|e| lock::error("the store-wide lock", &path, e))?
         || crate::planted::check(&path, &file).is_err_and(|e| crate::planted::find(&e).is_some())
     {
         return Ok(Probe::Free);

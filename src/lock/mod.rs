@@ -9,7 +9,11 @@
 //!   retry. Lock files are never unlinked on a filesystem not known local (`Root::unlink_lock`).
 //! - On shared filesystems lock files and leases are `O_DSYNC`: a write is one stable request,
 //!   seen by other hosts, and [`sync_written`] sends none.
-//! - Release is close, never `LOCK_UN`, which would drop an inheritor's lock.
+//! - A guard is released by close, never `LOCK_UN`, which would drop an inheritor's lock. A probe's
+//!   try-lock (never inherited) is let go by `LOCK_UN` ([`let_go`]): on FUSE a close's release is
+//!   asynchronous, and other hosts would see the lock held milliseconds after the probe ended.
+//! - A look that changes nothing asks by [`query`] (`F_OFD_GETLK`, no lock taken) where the
+//!   filesystem answers it for every host's flocks; elsewhere by try-lock ([`probe`]).
 //! - Contention is a value: [`acquire_no_wait`]'s `Ok(None)`, a timed wait's [`Waited::TimedOut`].
 //! - Waits sleep in flock(2) in a helper thread, interrupted by [`wake_signal`]; without a thread
 //!   (a pids limit) they poll. A slot waiter sleeps on one [`Waker`] (inotify) for its [`FileSet`].
@@ -639,18 +643,68 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
     if !flock_try(&file, Mode::Shared)? {
         return Ok(Probe::Exclusive);
     }
-    // Held shared: the upgrade succeeds only if nobody else holds it (failing leaves us unlocked).
-    Ok(if flock_try(&file, Mode::Exclusive)? {
-        Probe::Free
-    } else {
-        Probe::Shared
+    // Held shared: the upgrade succeeds only if nobody else holds it (a failure leaves us unlocked
+    // here, maybe not at a FUSE server, so every way out lets go).
+    let seen = match flock_try(&file, Mode::Exclusive) {
+        Ok(true) => Probe::Free,
+        Ok(false) => Probe::Shared,
+        Err(e) => {
+            let_go(&file);
+            return Err(e);
+        }
+    };
+    let_go(&file);
+    Ok(seen)
+}
+
+/// Whether anyone holds the lock, asked of the filesystem without taking it (`F_OFD_GETLK`): only
+/// where such a query sees flocks ([`crate::filesystem::queries_see_flocks`]), for a look that must
+/// not be seen by another host's as a holder. Opened read-only: a query needs no write access.
+pub fn query(path: &Path) -> io::Result<Probe> {
+    let file = match crate::planted::open(path, libc::O_RDONLY, 0)
+        .and_then(|f| crate::planted::check(path, &f).map(|()| f))
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Probe::Missing),
+        Err(e) => return Err(e),
+    };
+    // SAFETY: a zeroed flock is a valid value; every field the query reads is set below.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: fcntl on our descriptor, with a pointer to a flock that outlives the call.
+    cvt(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) })?;
+    Ok(match i32::from(fl.l_type) {
+        libc::F_UNLCK => Probe::Free,
+        libc::F_RDLCK => Probe::Shared,
+        _ => Probe::Exclusive,
     })
 }
 
-/// Takes a shared lock on an open lock file if no writer holds it now, kept until the file closes.
+/// [`query`] where `queries` (the filesystem answers one for every host), else [`probe`]: how a
+/// look, which changes nothing, asks. A query refused (a kernel without OFD locks) probes.
+pub fn look(path: &Path, queries: bool) -> io::Result<Probe> {
+    match queries.then(|| query(path)) {
+        Some(Ok(p)) => Ok(p),
+        _ => probe(path),
+    }
+}
+
+/// Whether no writer holds an open lock file's lock now: a shared try, let go at once.
 /// No unlink-race check: for a caller a ghost does no harm (it only empties what the file says).
-pub fn try_shared_open(file: &File) -> io::Result<bool> {
-    flock_try(file, Mode::Shared)
+pub fn no_writer_now(file: &File) -> io::Result<bool> {
+    let free = flock_try(file, Mode::Shared)?;
+    if free {
+        let_go(file);
+    }
+    Ok(free)
+}
+
+/// Lets go of a probe's lock before its descriptor closes. On FUSE (GlusterFS) a close's release
+/// is sent after the close returns: another host probing meanwhile would find the lock held, by
+/// a holder no lease names. `LOCK_UN` waits for the server. Only for descriptors no child shares.
+fn let_go(file: &File) {
+    let _ = FileExt::unlock(file);
 }
 
 /// Judges a lease (`lease.rs`): true while its owner holds it exclusively, false
@@ -674,7 +728,11 @@ pub fn probe_lease(path: &Path) -> io::Result<bool> {
         Err(e) if crate::planted::find(&e).is_some() => return Ok(false),
         Err(e) => return Err(e),
     };
-    Ok(!flock_try(&file, Mode::Shared)?)
+    let gone = flock_try(&file, Mode::Shared)?;
+    if gone {
+        let_go(&file);
+    }
+    Ok(!gone)
 }
 
 /// `Ok(true)` if two opens of one file exclude each other here, as flock needs to mean anything.
@@ -684,7 +742,10 @@ pub fn opens_conflict(path: &Path) -> io::Result<bool> {
     if !flock_try(&a, Mode::Exclusive)? {
         return Err(io::Error::other("the test file is locked by someone else"));
     }
-    Ok(!flock_try(&b, Mode::Exclusive)?)
+    let conflict = !flock_try(&b, Mode::Exclusive)?;
+    let_go(&b);
+    let_go(&a);
+    Ok(conflict)
 }
 
 /// Lock files tried again and again, kept open while a waiter waits: its
@@ -790,7 +851,7 @@ impl FileSet {
             }
             let f = self.files[i].as_ref().expect("opened above");
             if flock_try(f, Mode::Exclusive)? {
-                let _ = FileExt::unlock(f);
+                let_go(f);
             } else {
                 held += 1;
             }
