@@ -106,9 +106,11 @@ fn writers_exclude_each_other_and_readers_share_across_hosts() {
     }
     release(&env, "w");
     ok(writer.finish());
+    // A bounded wait, not --no-wait: the FUSE client sends a lock's release
+    // after its process is gone, so another host finds it free a moment later.
     ok(b.stowage_run(
         &root,
-        ["exec", "--write", "base", "--no-wait", "--", "true"],
+        ["exec", "--write", "base", "--wait", "30", "--", "true"],
     ));
 }
 
@@ -420,8 +422,12 @@ fn slots_count_across_hosts() {
     assert_eq!(code(&out), Some(75), "{}", show(&out));
     release(&env, "s0");
     ok(h0.finish());
-    ok(c.host(2)
-        .stowage_run(&root, ["exec", "--slot", "pull", "--no-wait", "--", "true"]));
+    // Free a moment after its holder is gone (the FUSE client's release is
+    // sent after the process ends): a bounded wait.
+    ok(c.host(2).stowage_run(
+        &root,
+        ["exec", "--slot", "pull", "--wait", "30", "--", "true"],
+    ));
     release(&env, "s1");
     ok(h1.finish());
 }
