@@ -58,9 +58,6 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
     let listing = dir
         .listing()
         .with_context(|| format!("cannot list {}", root.image_locks().display()))?;
-    let queries = root
-        .device()
-        .is_some_and(crate::filesystem::queries_see_flocks);
     let mut out = Vec::new();
     for file in lock_file_names(listing) {
         // Only a regular file (the open checks): anything else planted under a lock file's name is
@@ -73,7 +70,7 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
             .of(|n| crate::root::is_lock_file_of(&file, n));
         let path = root.image_locks().join(&file);
         let writer_alive = seen.record.as_ref().is_some_and(|r| r.state.in_flight())
-            && crate::lock::look(&path, queries).is_ok_and(|p| p == Probe::Exclusive);
+            && crate::lock::look(&path, root.lock_queries()).is_ok_and(|p| p == Probe::Exclusive);
         out.push(Entry {
             file,
             path,

@@ -15,6 +15,12 @@ pub struct Filesystem {
     pub name: String,
     /// True when every lock on it is visible in this host's lock table.
     pub local: bool,
+    /// True when a lock query (`F_OFD_GETLK`) sees every host's flocks, so a look can ask without
+    /// taking a lock another host's look would see: GlusterFS, whose client keeps flocks as
+    /// byte-range locks at the server and sends it every query (tested), as this host's own mount
+    /// table names it (never a test's stand-in). Not NFS: under a write delegation the client
+    /// answers a query itself and misses flocks, which it keeps apart.
+    pub queries_see_flocks: bool,
 }
 
 /// Filesystems whose locks this host's lock table shows completely.
@@ -27,7 +33,11 @@ pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
     if let Some(name) = std::env::var_os(crate::env::DEBUG_FILESYSTEM) {
         let name = name.to_string_lossy().into_owned();
         let local = LOCAL.contains(&name.as_str());
-        return Ok(Filesystem { name, local });
+        return Ok(Filesystem {
+            name,
+            local,
+            queries_see_flocks: false,
+        });
     }
     #[allow(clippy::unnecessary_cast)]
     let magic = st.filesystem_type().0 as i64;
@@ -53,11 +63,19 @@ pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
         0x7366_7673 | 0x5346_414F => ("afs", false),
         _ => {
             let name = format!("unknown (0x{magic:x})");
-            return Ok(Filesystem { name, local: false });
+            return Ok(Filesystem {
+                name,
+                local: false,
+                queries_see_flocks: false,
+            });
         }
     };
     let name = name.to_owned();
-    Ok(Filesystem { name, local })
+    Ok(Filesystem {
+        name,
+        local,
+        queries_see_flocks: false,
+    })
 }
 
 /// A mount, from /proc/self/mountinfo.
@@ -206,21 +224,11 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
     let fs = Filesystem {
         name: name.to_owned(),
         local,
+        queries_see_flocks: name == "glusterfs"
+            && std::env::var_os(crate::env::DEBUG_MOUNTINFO).is_none(),
     };
     let (reach, mount) = reach_with(&fs, Some(mount));
     Some((reach, mount, Some(fs)))
-}
-
-/// Whether a lock query (`F_OFD_GETLK`) on the filesystem of device `dev` sees every host's flocks,
-/// so a look can ask without taking a lock another host's look would see: GlusterFS, whose client
-/// keeps flocks as byte-range locks at the server and sends it every query (tested). Not NFS: under
-/// a write delegation the client answers a query itself and misses flocks, which it keeps apart.
-/// From this host's own mount table (a test's stand-in never enables it).
-pub fn queries_see_flocks(dev: u64) -> bool {
-    let want = format!("{}:{}", libc::major(dev), libc::minor(dev));
-    first_mount_of(Path::new("/proc/self/mountinfo"), &want)
-        .and_then(|l| parse_mountinfo_with_devices(&l).into_iter().next())
-        .is_some_and(|(m, _)| m.fstype == "fuse.glusterfs")
 }
 
 /// The first line of the mount table at `path` with device (third field) `want`, read no further.

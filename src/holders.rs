@@ -166,7 +166,7 @@ pub struct Look<'c> {
     /// While set ([`Look::deferring`]), a held lock no lease lists is read once, not waited for,
     /// and noted here (its file relative to `locks/`) for the caller to look at again.
     deferred: RefCell<Option<Vec<String>>>,
-    /// Whether locks are asked about by query, not try-lock ([`crate::lock::query`]).
+    /// Whether locks are asked about by query, not try-lock ([`crate::root::Root::lock_queries`]).
     queries: bool,
 }
 
@@ -186,10 +186,6 @@ impl<'c> Look<'c> {
             .then(|| crate::kernel::device_of(&root.locks()))
             .flatten();
         let table = kdev.and_then(|_| crate::kernel::read_table().ok());
-        let queries = !local
-            && root
-                .device()
-                .is_some_and(crate::filesystem::queries_see_flocks);
         Look {
             ctx,
             leases_dir,
@@ -204,7 +200,7 @@ impl<'c> Look<'c> {
             owned: RefCell::new(None),
             waited: Cell::new(std::time::Duration::ZERO),
             deferred: RefCell::new(None),
-            queries,
+            queries: root.lock_queries(),
         }
     }
 

@@ -258,9 +258,9 @@ impl Root {
         self.dir.join("stowage.db")
     }
 
-    /// The root's device (its stat's `st_dev`), if it has been looked at.
-    pub fn device(&self) -> Option<u64> {
-        self.dev
+    /// Whether a look asks about locks by query, not try-lock ([`crate::lock::look`]).
+    pub fn lock_queries(&self) -> bool {
+        self.fs.as_ref().is_some_and(|f| f.queries_see_flocks)
     }
 
     /// The root's filesystem, if [`Root::check_locking`] found it.

@@ -10,7 +10,7 @@
 //! - On shared filesystems lock files and leases are `O_DSYNC`: a write is one stable request,
 //!   seen by other hosts, and [`sync_written`] sends none.
 //! - A guard is released by close, never `LOCK_UN`, which would drop an inheritor's lock. A probe's
-//!   try-lock (never inherited) is let go by `LOCK_UN` ([`let_go`]): on FUSE a close's release is
+//!   try-lock (never inherited) is let go by `LOCK_UN` (`let_go`): on FUSE a close's release is
 //!   asynchronous, and other hosts would see the lock held milliseconds after the probe ended.
 //! - A look that changes nothing asks by [`query`] (`F_OFD_GETLK`, no lock taken) where the
 //!   filesystem answers it for every host's flocks; elsewhere by try-lock ([`probe`]).
@@ -644,22 +644,19 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
         return Ok(Probe::Exclusive);
     }
     // Held shared: the upgrade succeeds only if nobody else holds it (a failure leaves us unlocked
-    // here, maybe not at a FUSE server, so every way out lets go).
-    let seen = match flock_try(&file, Mode::Exclusive) {
-        Ok(true) => Probe::Free,
-        Ok(false) => Probe::Shared,
-        Err(e) => {
-            let_go(&file);
-            return Err(e);
-        }
-    };
+    // here, maybe not at a FUSE server, so either way we let go).
+    let upgraded = flock_try(&file, Mode::Exclusive);
     let_go(&file);
-    Ok(seen)
+    Ok(if upgraded? {
+        Probe::Free
+    } else {
+        Probe::Shared
+    })
 }
 
 /// Whether anyone holds the lock, asked of the filesystem without taking it (`F_OFD_GETLK`): only
-/// where such a query sees flocks ([`crate::filesystem::queries_see_flocks`]), for a look that must
-/// not be seen by another host's as a holder. Opened read-only: a query needs no write access.
+/// where such a query sees flocks ([`crate::filesystem::Filesystem::queries_see_flocks`]), for a
+/// look that must not be seen by another host's as a holder. Read-only: a query needs no write.
 pub fn query(path: &Path) -> io::Result<Probe> {
     let file = match crate::planted::open(path, libc::O_RDONLY, 0)
         .and_then(|f| crate::planted::check(path, &f).map(|()| f))
@@ -728,11 +725,7 @@ pub fn probe_lease(path: &Path) -> io::Result<bool> {
         Err(e) if crate::planted::find(&e).is_some() => return Ok(false),
         Err(e) => return Err(e),
     };
-    let gone = flock_try(&file, Mode::Shared)?;
-    if gone {
-        let_go(&file);
-    }
-    Ok(!gone)
+    Ok(!no_writer_now(&file)?)
 }
 
 /// `Ok(true)` if two opens of one file exclude each other here, as flock needs to mean anything.
