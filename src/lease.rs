@@ -55,11 +55,13 @@ fn mine_all() -> std::sync::MutexGuard<'static, Vec<(PathBuf, Lease)>> {
 /// exec whose command ends sooner (`true`, a test) costs the server no lease at all. 30 ms, unless
 /// a test sets [`crate::env::DEBUG_ANNOUNCE_MS`].
 pub fn announce_after() -> std::time::Duration {
-    let ms = std::env::var(crate::env::DEBUG_ANNOUNCE_MS)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(30);
-    std::time::Duration::from_millis(ms)
+    debug_ms(crate::env::DEBUG_ANNOUNCE_MS, 30)
+}
+
+/// `ms` milliseconds, unless a test sets `var`.
+fn debug_ms(var: &str, ms: u64) -> std::time::Duration {
+    let set = std::env::var(var).ok().and_then(|v| v.parse().ok());
+    std::time::Duration::from_millis(set.unwrap_or(ms))
 }
 
 /// Whether this process announces its lease late (set by an exec; off once it is made).
@@ -334,18 +336,15 @@ pub fn forget_all(leases: &Path, lockfiles: &[&str]) {
     if ENDING.load(Relaxed) {
         return;
     }
+    let listed = |o: &Holding| lockfiles.contains(&o.lockfile.as_str());
     if let Some(n) = named_all().iter_mut().find(|n| n.dir == leases) {
-        n.holdings
-            .retain(|o| !lockfiles.contains(&o.lockfile.as_str()));
+        n.holdings.retain(|o| !listed(o));
     }
     let mut all = mine_all();
     if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases)
-        && l.holdings
-            .iter()
-            .any(|o| lockfiles.contains(&o.lockfile.as_str()))
+        && l.holdings.iter().any(listed)
     {
-        l.holdings
-            .retain(|o| !lockfiles.contains(&o.lockfile.as_str()));
+        l.holdings.retain(|o| !listed(o));
         l.rewrite();
     }
 }
@@ -463,7 +462,7 @@ fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::Fil
         "host={}\npid={}\npid_ns={}\ntime_ns={}\nstart={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\nwithin={}\n",
         me.host,
         me.pid,
-        pid_namespace().unwrap_or_default(),
+        namespace("pid").unwrap_or_default(),
         namespace("time").unwrap_or_default(),
         crate::ident::own_start_time().map_or(String::new(), |t| t.to_string()),
         me.boot_id.as_deref().unwrap_or(""),
@@ -487,11 +486,6 @@ fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::Fil
     }
 }
 
-/// The pid namespace of this process, as `/proc/self/ns/pid` names it.
-pub fn pid_namespace() -> Option<String> {
-    namespace("pid")
-}
-
 /// This process's namespace of `kind`, as `/proc/self/ns/KIND` names it.
 fn namespace(kind: &str) -> Option<String> {
     fs::read_link(format!("/proc/self/ns/{kind}"))
@@ -502,13 +496,9 @@ fn namespace(kind: &str) -> Option<String> {
 /// How long an unwritten lease is left to a maker that may be about to lock it, where the maker
 /// cannot be known gone (another host or pid namespace): 10 minutes. A maker that takes half that
 /// checks its file ([`lock_fresh`]), so the slack covers clocks running at different rates; the
-/// age is by the filesystem's clock on both ends ([`clean_listed`]).
+/// age is by the filesystem's clock on both ends ([`clean_keeping`]).
 fn unwritten_grace() -> std::time::Duration {
-    let ms = std::env::var(crate::env::DEBUG_UNWRITTEN_LEASE_MS)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(600_000);
-    std::time::Duration::from_millis(ms)
+    debug_ms(crate::env::DEBUG_UNWRITTEN_LEASE_MS, 600_000)
 }
 
 /// This host's time since boot, suspend included (a stopped process's clock runs on).
@@ -527,7 +517,7 @@ fn changed(m: &fs::Metadata) -> Option<std::time::SystemTime> {
 
 /// The number of this process's pid namespace (`pid:[N]`).
 fn pid_namespace_number() -> Option<u64> {
-    let ns = pid_namespace()?;
+    let ns = namespace("pid")?;
     ns.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
 }
 
@@ -546,15 +536,12 @@ fn unwritten_maker_gone(name: &str) -> bool {
 /// The pid of the process that named lease `name`, where its name says this host, boot and pid
 /// namespace (so the pid means that process to us, or a later one given its pid).
 pub fn maker_here(name: &str) -> Option<i32> {
-    let stem = name.strip_suffix(SUFFIX)?;
-    let parts: Vec<&str> = stem.split('-').collect();
+    let parts: Vec<&str> = name.strip_suffix(SUFFIX)?.split('-').collect();
     let [host, boot, ns, pid, _random] = parts[..] else {
         return None;
     };
     let me = crate::ident::Me::current();
-    let (Ok(ns), Ok(pid)) = (ns.parse::<u64>(), pid.parse::<i32>()) else {
-        return None;
-    };
+    let (ns, pid) = (ns.parse::<u64>().ok()?, pid.parse::<i32>().ok()?);
     (host == safe_part(&me.host) && boot == boot_part(&me) && Some(ns) == pid_namespace_number())
         .then_some(pid)
 }
@@ -620,7 +607,7 @@ impl Identity {
             && self.boot_id.is_some()
             && self.boot_id == me.boot_id
             && self.pid_ns.is_some()
-            && self.pid_ns == pid_namespace()
+            && self.pid_ns == namespace("pid")
     }
 }
 
@@ -691,7 +678,7 @@ pub struct Listing {
 }
 
 /// The lease file names in `leases`, listed through a descriptor that
-/// refused a symlink in the directory's place (kept for [`clean_listed`]).
+/// refused a symlink in the directory's place (kept for [`clean_keeping`]).
 pub fn listing(leases: &Path) -> Listing {
     let dir = crate::dir::Dir::open_in_root(leases).ok();
     let names = dir.as_ref().and_then(|d| d.names().ok()).map(|ns| {
@@ -719,21 +706,13 @@ fn valid_name(name: &str) -> bool {
 /// Unlinks the leases of gone owners, each under its exclusive lock (a fresh file's owner that
 /// loses it to us retries), except those `keep` accepts: dead leases that may still name a holder
 /// (`holders::Look::clean_leases`). Returns how many went. Call under the global lock, where no
-/// other stowage probes.
+/// other stowage probes. Reached through the descriptor that refused a symlink in the directory's
+/// place ([`listing`]): no swap steers the unlinks elsewhere.
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
-    let l = listing(leases);
-    l.dir
-        .as_ref()
-        .map_or(0, |dir| clean_listed(dir, &l.names, keep))
-}
-
-/// [`clean_keeping`] of the leases `names` a listing of `dir` found, reached through the descriptor
-/// that refused a symlink in its place ([`listing`]): no swap steers the unlinks elsewhere.
-pub fn clean_listed(
-    dir: &crate::dir::Dir,
-    names: &[String],
-    keep: &mut dyn FnMut(&str) -> bool,
-) -> usize {
+    let listed = listing(leases);
+    let Some(dir) = listed.dir else {
+        return 0;
+    };
     let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
     // The filesystem's time now or earlier: the latest ctime of the directory (changed by every
     // lease made or unlinked) or of our own lease. ctime, as for the lease judged: only the
@@ -751,7 +730,7 @@ pub fn clean_listed(
         })
     };
     let mut gone = 0;
-    for name in names {
+    for name in &listed.names {
         if !valid_name(name) || is_mine(name) {
             continue;
         }
