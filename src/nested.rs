@@ -35,6 +35,7 @@ pub fn for_command(mine: Option<&str>) -> String {
 
 /// What the live leases of our enclosing execs list as held in this root, and whether one of them
 /// may announce more yet (module doc).
+#[derive(Default)]
 pub struct Enclosing {
     pub holds: Vec<Holding>,
     pub unannounced: bool,
@@ -91,10 +92,7 @@ fn named_leases(
     chain: &[u32],
     here: &dyn Fn(u32) -> bool,
 ) -> Enclosing {
-    let mut out = Enclosing {
-        holds: Vec::new(),
-        unannounced: false,
-    };
+    let mut out = Enclosing::default();
     for name in named
         .split(':')
         .filter(|n| !n.is_empty() && !crate::lease::is_mine(n))
@@ -142,9 +140,7 @@ fn inherited(locks: &Path) -> Vec<Holding> {
 fn live_identity(leases: &Path, name: &str) -> Option<Identity> {
     // A probe that fails counts as alive: nothing is taken for dead on no evidence.
     let alive = crate::lease::alive(leases, name).unwrap_or(true);
-    alive
-        .then(|| crate::lease::identity(leases, name))
-        .flatten()
+    alive.then(|| crate::lease::identity(leases, name))?
 }
 
 fn held(id: Identity) -> impl Iterator<Item = Holding> {
@@ -176,10 +172,7 @@ pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
 /// [`ancestor_holds`] of `chain` (ours, then our ancestors'); unannounced where an ancestor runs
 /// stowage's exec (not its keeper) with no lease written here, and `here` says it may announce one.
 fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclosing {
-    let mut out = Enclosing {
-        holds: Vec::new(),
-        unannounced: false,
-    };
+    let mut out = Enclosing::default();
     if chain.len() < 2 {
         return out;
     }
@@ -291,22 +284,13 @@ fn is_keeper(pid: u32) -> bool {
 }
 
 /// The local process `pid`'s ancestors from `/proc`, parent first, init excluded (none without it).
-pub fn ancestors_of(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    let mut pid = pid;
-    while out.len() < 64 {
-        let Some(ppid) = crate::ident::stat_fields(pid)
-            .and_then(|rest| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
-        else {
-            break;
-        };
-        if ppid <= 1 {
-            break;
-        }
-        out.push(ppid);
-        pid = ppid;
-    }
-    out
+pub fn ancestors_of(mut pid: u32) -> Vec<u32> {
+    let parents = std::iter::from_fn(|| {
+        let rest = crate::ident::stat_fields(pid)?;
+        pid = rest.split_whitespace().nth(1)?.parse().ok()?;
+        (pid > 1).then_some(pid)
+    });
+    parents.take(64).collect()
 }
 
 /// Whether an enclosing exec holds the store-wide lock: we run inside a store-wide command.
