@@ -238,12 +238,10 @@ impl<'c> Look<'c> {
 
     /// Whether lease `name` has a live owner (one probe a look; if it fails, alive: nothing goes).
     pub fn alive(&self, name: &str) -> bool {
-        if let Some(a) = self.alive.borrow().get(name) {
-            return *a;
-        }
-        let a = crate::lease::alive(&self.leases_dir, name).unwrap_or(true);
-        self.alive.borrow_mut().insert(name.to_owned(), a);
-        a
+        let mut alive = self.alive.borrow_mut();
+        *alive
+            .entry(name.to_owned())
+            .or_insert_with(|| crate::lease::alive(&self.leases_dir, name).unwrap_or(true))
     }
 
     pub fn leases(&self) -> &[Leased] {
@@ -421,7 +419,7 @@ impl<'c> Look<'c> {
                     // namespace): held, and listed by no live lease.
                     (_, None) => {
                         !listed_live.contains(&(h.lockfile.as_str(), h.mode))
-                            && held_in(self.probe(&path), h.mode)
+                            && self.probe(&path) == held_as(h.mode)
                     }
                 }
             })
@@ -561,7 +559,7 @@ impl<'c> Look<'c> {
                 if state != Probe::Free {
                     waiters.push(party);
                 }
-            } else if held_in(state, h.mode) {
+            } else if state == held_as(h.mode) {
                 holders.push(party);
             }
         }
@@ -753,14 +751,8 @@ fn settle(p: Probe) -> Probe {
 }
 
 fn state_of(entries: &[Entry]) -> Probe {
-    let held: Vec<&Entry> = entries.iter().filter(|e| !e.blocked).collect();
-    if held.iter().any(|e| e.mode == Mode::Exclusive) {
-        Probe::Exclusive
-    } else if held.is_empty() {
-        Probe::Free
-    } else {
-        Probe::Shared
-    }
+    let held = entries.iter().filter(|e| !e.blocked).map(|e| e.mode).max();
+    held.map_or(Probe::Free, held_as)
 }
 
 /// The mode a lock seen in `state` is held in.
@@ -771,11 +763,12 @@ fn held_mode(state: Probe) -> Mode {
     }
 }
 
-fn held_in(state: Probe, mode: Mode) -> bool {
-    matches!(
-        (state, mode),
-        (Probe::Exclusive, Mode::Exclusive) | (Probe::Shared, Mode::Shared)
-    )
+/// The state of a lock held in `mode`.
+fn held_as(mode: Mode) -> Probe {
+    match mode {
+        Mode::Exclusive => Probe::Exclusive,
+        Mode::Shared => Probe::Shared,
+    }
 }
 
 /// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"; an exclusive lock
