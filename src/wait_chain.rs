@@ -58,6 +58,16 @@ impl Relation {
             Relation::Inside => "inside",
         }
     }
+
+    /// How a chain's text introduces a step so related to the one before.
+    fn lead(self) -> &'static str {
+        match self {
+            Relation::Waiter => "",
+            Relation::Holder => "held by ",
+            Relation::Queued => "behind ",
+            Relation::Inside => "running inside it, ",
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -341,21 +351,13 @@ fn kill(p: &Party) -> String {
 pub fn render(chain: &Chain) -> String {
     let mut out = String::new();
     for (i, s) in chain.steps.iter().enumerate() {
-        let lead = match s.relation {
-            Relation::Waiter => String::new(),
-            Relation::Holder => format!("{}held by ", "  ".repeat(i)),
-            Relation::Queued => format!("{}behind ", "  ".repeat(i)),
-            Relation::Inside => format!("{}running inside it, ", "  ".repeat(i)),
-        };
-        let mut line = format!("{lead}{}", who(&s.party));
-        match (s.relation, s.party.since) {
-            (Relation::Holder, Some(t)) => line.push_str(&format!(" for {}", clock::ago(t))),
-            (Relation::Queued, Some(t)) => line.push_str(&format!(
-                ", a writer queued ahead of it for {}",
-                clock::ago(t)
-            )),
-            (Relation::Queued, None) => line.push_str(", a writer queued ahead of it"),
-            _ => {}
+        // Only the first step is the waiter: at no depth.
+        let mut line = format!("{}{}{}", "  ".repeat(i), s.relation.lead(), who(&s.party));
+        if s.relation == Relation::Queued {
+            line.push_str(", a writer queued ahead of it");
+        }
+        if let (Relation::Holder | Relation::Queued, Some(t)) = (s.relation, s.party.since) {
+            line.push_str(&format!(" for {}", clock::ago(t)));
         }
         let next = chain.steps.get(i + 1).map(|n| n.relation).or(
             // The last step of a cycle leads back through `cycle_via`.
@@ -370,14 +372,10 @@ pub fn render(chain: &Chain) -> String {
         out.push('\n');
     }
     if let Some(from) = chain.cycle_from {
-        let how = match chain.cycle_via {
-            Relation::Inside => "running inside it, ",
-            Relation::Queued => "behind ",
-            _ => "held by ",
-        };
         out.push_str(&format!(
-            "{}{how}{} again: a cycle\n",
+            "{}{}{} again: a cycle\n",
             "  ".repeat(chain.steps.len()),
+            chain.cycle_via.lead(),
             who(&chain.steps[from].party)
         ));
     }

@@ -119,7 +119,7 @@ fn follow(ctx: &Ctx, mut line: Line, mut reread: Option<Reread>, stop: &Stop) {
             line.holders = report.holders;
             next_read = Instant::now() + reread_every;
         }
-        show(line.tty, &line.render());
+        show(line.tty, &line.render_in(line.tty.then(line_width)));
     }
     if line.tty {
         say("\r\x1b[K");
@@ -135,11 +135,6 @@ fn log_every() -> Duration {
 }
 
 impl Line {
-    fn render(&self) -> String {
-        let width = self.tty.then(|| terminal_width().saturating_sub(1).max(20));
-        self.render_in(width)
-    }
-
     /// The line; within `width` characters (a terminal's), what matters least is left out first:
     /// the place in the queue, then the holder's command, so the holder is still named.
     fn render_in(&self, width: Option<usize>) -> String {
@@ -225,7 +220,7 @@ pub fn span(secs: u64) -> String {
 
 /// The line cut to the terminal's width: a wrapped line cannot be rewritten.
 fn fit(line: &str) -> String {
-    let width = terminal_width().saturating_sub(1).max(20);
+    let width = line_width();
     if line.chars().count() <= width {
         return line.to_owned();
     }
@@ -233,15 +228,13 @@ fn fit(line: &str) -> String {
     format!("{cut}…")
 }
 
-fn terminal_width() -> usize {
+/// The widest line stderr's terminal shows without wrapping (of 80 columns if it says none).
+fn line_width() -> usize {
     // SAFETY: TIOCGWINSZ fills a winsize struct we own.
     let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
     let ok = unsafe { libc::ioctl(libc::STDERR_FILENO, libc::TIOCGWINSZ, &mut ws) } == 0;
-    if ok && ws.ws_col > 0 {
-        usize::from(ws.ws_col)
-    } else {
-        80
-    }
+    let columns = if ok && ws.ws_col > 0 { ws.ws_col } else { 80 };
+    usize::from(columns).saturating_sub(1).max(20)
 }
 
 /// Shows `text`: rewritten in place with `redraw` (on a terminal), else as a line of its own.
