@@ -172,13 +172,8 @@ fn tabled(entries: impl Iterator<Item = ((u64, u64), Entry)>) -> Table {
 fn parse_line(line: &str) -> Option<((u64, u64), Entry)> {
     let mut f = line.split_whitespace().peekable();
     // fdinfo's lines keep the entry number: "1: FLOCK …".
-    if f.peek().is_some_and(|w| w.ends_with(':')) {
-        f.next();
-    }
-    let blocked = f.peek() == Some(&"->");
-    if blocked {
-        f.next();
-    }
+    f.next_if(|w| w.ends_with(':'));
+    let blocked = f.next_if_eq(&"->").is_some();
     let (kind, _, rw, pid, id) = (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
     if kind != "FLOCK" {
         return None;
