@@ -3,7 +3,7 @@
 //! - One look (`holders::Look`): the leases, then the kernel's lock table where locks are local,
 //!   probes elsewhere; image states from their records. No global lock or catalog is touched.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
 
@@ -292,11 +292,6 @@ fn image_lock_files(look: &Look, root: &Root, sel: &Selection) -> Result<Files> 
 
 /// The reports shown, by image name: the selected, and every busy lock unless images were named.
 fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec<LockReport> {
-    let named: HashSet<String> = sel
-        .names
-        .iter()
-        .map(|n| crate::root::lock_file_name(n.encoded()))
-        .collect();
     // Locks held that no lease lists yet are looked at again together, once their holders have
     // had their moment to list them: one wait, not one a lock.
     look.deferring();
@@ -319,9 +314,10 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
         look.deferred();
     }
     let mut images = Vec::new();
-    for (file, _, r) in reports {
+    // A file asked for is a named image's: shown whatever its state.
+    for (_, asked, r) in reports {
         let busy = r.state != Probe::Free || !r.waiters.is_empty();
-        if sel.all || named.contains(&file) || (busy && sel.names.is_empty()) {
+        if sel.all || asked.is_some() || (busy && sel.names.is_empty()) {
             images.push(r);
         }
     }
