@@ -78,13 +78,12 @@ impl Party {
             pid: id.pid,
             host: Some(id.host.clone()),
             user: Some(id.user.clone()),
-            mode: h.mode,
             command: Some(h.command.clone()),
             since: Some(h.since),
             stowage: Some(true),
             lease: Some(name.to_owned()),
             reading: h.reading,
-            pid_space: PidSpace::ItsHost,
+            ..Party::unknown(h.mode)
         }
     }
 
@@ -656,13 +655,9 @@ impl<'c> Look<'c> {
     ) -> (Probe, Vec<Party>) {
         let mut holders = Vec::new();
         let deferring = self.deferred.borrow().is_some() && self.table.is_none();
-        // At most WAIT_BUDGET in all, or many locks held outside stowage on a
-        // shared filesystem would each cost sleeps; past it, one read each.
-        let tries = if !deferring && self.waited.get() < WAIT_BUDGET {
-            5
-        } else {
-            1
-        };
+        // Sleeps stop at WAIT_BUDGET in all, or many locks held outside stowage on a shared
+        // filesystem would each cost them; past it, one read each.
+        let tries = if deferring { 1 } else { 5 };
         self.reread.borrow_mut().take();
         for attempt in 0..tries {
             if attempt > 0 {
