@@ -789,11 +789,9 @@ fn phrase_as(lead: &str, holders: &[Party]) -> String {
         return "no holder is known (it may have just been released)".into();
     };
     let mut s = format!("{lead}{}", describe(first));
-    if holders.len() > 1 {
-        s.push_str(&format!(
-            "; and {} more (see 'stowage lock-status')",
-            holders.len() - 1
-        ));
+    let more = holders.len() - 1;
+    if more > 0 {
+        s.push_str(&format!("; and {more} more (see 'stowage lock-status')"));
     }
     s
 }

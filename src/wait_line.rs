@@ -172,11 +172,8 @@ impl Line {
 /// the command cut to `command` characters, left out at 0.
 fn holder(p: &Party, me: &str, command: usize) -> String {
     let who = pid_on(p, "a process stowage cannot identify", Some(me), false);
-    let cmd = if command == 0 {
-        String::new()
-    } else {
-        command_cut(p, command)
-    };
+    let cmd = (command > 0).then(|| command_cut(p, command));
+    let cmd = cmd.unwrap_or_default();
     let mut s = format!("held by {who}{cmd}");
     if let Some(t) = p.since {
         let secs = (clock::now_ms().saturating_sub(t) / 1000).max(0) as u64;

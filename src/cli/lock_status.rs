@@ -145,11 +145,8 @@ fn party(p: &Party) -> String {
         s.push_str(&format!(": {}", printable(c)));
     }
     if let Some(t) = p.since {
-        s.push_str(&format!(
-            " since {} ({} ago)",
-            clock::local_short(t),
-            clock::ago(t)
-        ));
+        let (at, ago) = (clock::local_short(t), clock::ago(t));
+        s.push_str(&format!(" since {at} ({ago} ago)"));
     }
     match p.stowage {
         Some(true) => {}
