@@ -115,22 +115,16 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
             Some(s) => format!("{} ({s})", state_str(l.state)),
             None => state_str(l.state).to_owned(),
         };
-        let mut who: Vec<String> = l
-            .holders
-            .iter()
-            .map(|p| format!("held: {}", party(p)))
-            .collect();
-        who.extend(l.waiters.iter().map(|p| format!("waiting: {}", party(p))));
-        let first = who.first().cloned().unwrap_or_default();
         let name = if l.kind == LockKind::Slot && l.slot.is_none() {
             format!("{} (removed)", l.name)
         } else {
             l.name.clone()
         };
+        let held = l.holders.iter().map(|p| format!("held: {}", party(p)));
+        let mut who = held.chain(l.waiters.iter().map(|p| format!("waiting: {}", party(p))));
+        let first = who.next().unwrap_or_default();
         rows.push([name, l.kind.as_str().into(), state, first]);
-        for more in who.iter().skip(1) {
-            rows.push([String::new(), String::new(), String::new(), more.clone()]);
-        }
+        rows.extend(who.map(|more| [String::new(), String::new(), String::new(), more]));
     }
     format!("root {} ({fs})\n{}", root.display(), super::table(&rows))
 }
@@ -264,15 +258,13 @@ type Files = BTreeMap<String, Option<String>>;
 
 /// The image lock files to look at: leased, held by outsiders, selected (every one with --all).
 fn image_lock_files(look: &Look, root: &Root, sel: &Selection) -> Result<Files> {
-    let mut files = Files::new();
-    for rel in look.leased_lockfiles() {
-        if let Some(f) = rel.strip_prefix("images/").filter(|f| f.ends_with(".lock")) {
-            files.insert(f.to_owned(), None);
-        }
-    }
-    for f in outsider_files(look, root) {
-        files.insert(f, None);
-    }
+    let leased = look.leased_lockfiles();
+    let images = leased.iter().filter_map(|rel| rel.strip_prefix("images/"));
+    let mut files: Files = images
+        .filter(|f| f.ends_with(".lock"))
+        .map(|f| (f.to_owned(), None))
+        .collect();
+    files.extend(outsider_files(look, root).into_iter().map(|f| (f, None)));
     for n in &sel.names {
         files.insert(
             crate::root::lock_file_name(n.encoded()),
