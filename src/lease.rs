@@ -374,10 +374,8 @@ fn create(dir: &Path) -> io::Result<Lease> {
         let path = via.join(&name);
         let fresh = lock_fresh(&path).map_err(|e| {
             let at = dir.join(&name);
-            io::Error::new(
-                e.kind(),
-                format!("cannot create lease {}: {e}", at.display()),
-            )
+            let msg = format!("cannot create lease {}: {e}", at.display());
+            io::Error::new(e.kind(), msg)
         })?;
         if let Some(guard) = fresh {
             return Ok(with_identity(guard, name, &me, pinned));
@@ -409,9 +407,8 @@ fn open_leases_dir(dir: &Path) -> io::Result<fs::File> {
     let open_dir = || crate::planted::open(dir, libc::O_PATH | libc::O_DIRECTORY, 0);
     match open_dir() {
         Err(e) if e.kind() == io::ErrorKind::NotFound => match make_leases_dir(dir) {
-            Ok(()) => open_dir(),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => open_dir(),
-            Err(e) => Err(e),
+            Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(e),
+            _ => open_dir(),
         },
         other => other,
     }
