@@ -97,8 +97,7 @@ fn named_leases(
         .split(':')
         .filter(|n| !n.is_empty() && !crate::lease::is_mine(n))
     {
-        let id = live_identity(leases, name);
-        if let Some(id) = id.filter(|id| id.since.is_some()) {
+        if let Some(id) = live_identity(leases, name).filter(|id| id.since.is_some()) {
             out.holds.extend(held(id));
             continue;
         }

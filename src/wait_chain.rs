@@ -333,17 +333,15 @@ pub fn who(p: &Party) -> String {
 
 /// ": kill PID" (with the host where it is not this one, as a hint).
 fn kill(p: &Party) -> String {
-    match (p.pid, &p.host) {
-        (Some(pid), _) if p.pid_space == PidSpace::OtherNamespace => {
-            format!(": in the pid namespace it runs in, kill {pid}")
-        }
+    let Some(pid) = p.pid else {
+        return String::new();
+    };
+    match (p.pid_space, &p.host) {
+        (PidSpace::OtherNamespace, _) => format!(": in the pid namespace it runs in, kill {pid}"),
         // Our namespace's pid, whatever host name (a local container with its own UTS namespace).
-        (Some(pid), _) if p.pid_space == PidSpace::Here => format!(": kill {pid}"),
-        (Some(pid), Some(h)) if *h != crate::ident::Me::current().host => {
-            format!(": on {h}, kill {pid}")
-        }
-        (Some(pid), _) => format!(": kill {pid}"),
-        (None, _) => String::new(),
+        (PidSpace::Here, _) => format!(": kill {pid}"),
+        (_, Some(h)) if *h != crate::ident::Me::current().host => format!(": on {h}, kill {pid}"),
+        _ => format!(": kill {pid}"),
     }
 }
 
