@@ -10,7 +10,6 @@
 //! - **The record comes with the lock**, read by the `pread` proving the file is still at its path.
 
 use std::io;
-use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -107,12 +106,9 @@ fn wait_taking(
         let r = Look::new(store.ctx()).report(LockKind::Image, name.as_str(), &path, &rel);
         crate::holders::phrase(&r.holders)
     };
-    let now = || {
-        let holders = phrase_now();
-        match (holders.is_empty(), writer_ahead) {
-            (false, true) => holders + "; and a writer waits ahead of new readers",
-            _ => holders,
-        }
+    let now = || match phrase_now() {
+        h if writer_ahead && !h.is_empty() => h + "; and a writer waits ahead of new readers",
+        h => h,
     };
     let mut holders = phrase_now();
     // The look took a moment, and the holder may be gone by now: on FUSE and NFS a close releases
@@ -155,11 +151,16 @@ fn wait_taking(
     }
     let guard = match waited {
         // Removed while we waited (a reader makes no lock file).
-        Err(e) if is_not_found(&e) => return Err(no_such(name)),
+        Err(e) if crate::root::is_missing(&e) => return Err(no_such(name)),
         other => other?,
     };
-    let seen =
-        image_record::read_of(guard.file(), name.as_str()).map_err(|e| record_error(&path, e))?;
+    // A planted FIFO or socket fails the read (ESPIPE or so).
+    let seen = image_record::read_of(guard.file(), name.as_str()).map_err(|e| {
+        anyhow::Error::new(e).context(format!(
+            "cannot read the record in {} (is it a regular file?)",
+            path.display()
+        ))
+    })?;
     Ok(Held {
         name: name.clone(),
         guard,
@@ -185,24 +186,6 @@ fn busy_now(
     }
 }
 
-/// The error for a lock file whose record cannot be read (a planted FIFO or socket: ESPIPE or so).
-pub(crate) fn record_error(path: &Path, e: io::Error) -> anyhow::Error {
-    anyhow::Error::new(e).context(format!(
-        "cannot read the record in {} (is it a regular file?)",
-        path.display()
-    ))
-}
-
-/// The error for a lock this process's enclosing command holds in a conflicting mode: waiting would
-/// never end. A read of an image it writes finds the image not ready (66); a write of an image it
-/// holds is a lock that cannot be had (75).
-fn is_not_found(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
-        c.downcast_ref::<io::Error>()
-            .is_some_and(|io| io.kind() == io::ErrorKind::NotFound)
-    })
-}
-
 /// How an enclosing exec holds `rel` if we would wait for it in `mode`: for good.
 fn conflict(enclosing: &crate::nested::Enclosing, rel: &str, mode: Mode) -> Option<Mode> {
     enclosing
@@ -210,6 +193,9 @@ fn conflict(enclosing: &crate::nested::Enclosing, rel: &str, mode: Mode) -> Opti
         .filter(|held| mode == Mode::Exclusive || *held == Mode::Exclusive)
 }
 
+/// The error for a lock this process's enclosing command holds in a conflicting mode: waiting would
+/// never end. A read of an image it writes finds the image not ready (66); a write of an image it
+/// holds is a lock that cannot be had (75).
 fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
     let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
     match mode {
@@ -305,8 +291,7 @@ fn wait_image(
     let (gate, path) = (root.image_gate(name), root.image_lock(name));
     let passage = match lock::acquire(&gate, mode, lock::IfMissing::Create, wait) {
         Ok(Waited::Acquired(g)) => Some(g),
-        Ok(Waited::TimedOut) => return Ok(Waited::TimedOut),
-        Ok(Waited::Interrupted(sig)) => return Ok(Waited::Interrupted(sig)),
+        Ok(not_in) => return Ok(not_in),
         // Something planted as the gate orders no one (none can hold it): no writer preference.
         Err(e) if crate::planted::find(&e).is_some() => {
             ctx.say(&format!(

@@ -26,22 +26,16 @@ use crate::store::Store;
 #[derive(Debug)]
 pub struct SlotGuard {
     guard: Guard,
-    class: String,
     /// The leases directory and the slot file's name there, once the lease lists this slot.
     listed: Option<(PathBuf, String)>,
 }
 
 impl SlotGuard {
-    fn new(guard: Guard, class: &str) -> SlotGuard {
+    fn new(guard: Guard) -> SlotGuard {
         SlotGuard {
             guard,
-            class: class.to_owned(),
             listed: None,
         }
-    }
-
-    pub fn class(&self) -> &str {
-        &self.class
     }
 
     pub(crate) fn set_inheritable(&self, inherit: bool) -> std::io::Result<()> {
@@ -179,7 +173,7 @@ pub(crate) fn take(
     });
     drop(line);
     match got? {
-        Some(g) => Ok(Some(SlotGuard::new(g, class))),
+        Some(g) => Ok(Some(SlotGuard::new(g))),
         None if ours_now() => under_enclosing(),
         None => Ok(None),
     }
@@ -195,7 +189,7 @@ fn try_now(
 ) -> Result<Result<Option<SlotGuard>, (Limits, Slots)>> {
     if priority == Priority::Normal {
         match try_first(root, class)? {
-            First::Got(g) => return Ok(Ok(Some(SlotGuard::new(g, class)))),
+            First::Got(g) => return Ok(Ok(Some(SlotGuard::new(g)))),
             First::Unlimited => return Ok(Ok(None)),
             First::Busy => {}
         }
@@ -209,7 +203,7 @@ fn try_now(
         match slots.try_take(root, class)? {
             Took::Slot(g) => {
                 settle_if_free(root, class, &limits);
-                return Ok(Ok(Some(SlotGuard::new(g, class))));
+                return Ok(Ok(Some(SlotGuard::new(g))));
             }
             Took::Changed => {
                 limits = lookup(root, class)?;
@@ -263,9 +257,8 @@ fn try_first(root: &Root, class: &str) -> Result<First> {
             Ok(First::Unlimited)
         }
         Ok(Some((g, Class::Limits(l)))) if l.settled() => Ok(First::Got(g)),
-        Ok(Some((_, Class::Limits(_)))) | Ok(None) => Ok(First::Busy),
-        // No record, or no such file: the general way says what is wrong.
-        Ok(Some(_)) => Ok(First::Busy),
+        // Busy, unsettled, no record, or no such file: the general way says what is wrong.
+        Ok(_) => Ok(First::Busy),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(First::Busy),
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => Ok(First::Busy),
         Err(e) => Err(lock::error(&format!("a slot of class '{class}'"), &path, e)),
@@ -279,7 +272,6 @@ const RECHECK_LOCAL: Duration = Duration::from_secs(30);
 /// Retry interval when closes cannot wake a waiter: locally a freed slot is taken within 100 ms.
 const POLL: Duration = Duration::from_millis(50);
 
-/// Waits for a slot in the calling thread. `Ok(None)`: the class became unlimited.
 /// What a slot waiter waits on: the class's directory, limits and slot files.
 struct Target<'a> {
     dir: &'a Path,
@@ -370,14 +362,11 @@ enum Reread {
 
 /// Rereads the class for a waiter: removed is an error (64), unlimited lets it in, a change binds.
 fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Reread> {
-    let now = match crate::slots::read_class(store.root(), class)? {
-        Class::Limits(l) => l,
-        _ => {
-            return Err(Error::Usage(format!(
-                "slot class '{class}' was removed while waiting for it"
-            ))
-            .into());
-        }
+    let Class::Limits(now) = crate::slots::read_class(store.root(), class)? else {
+        return Err(Error::Usage(format!(
+            "slot class '{class}' was removed while waiting for it"
+        ))
+        .into());
     };
     if now.limit == 0 {
         store
@@ -445,11 +434,8 @@ impl Slots {
         else {
             return Ok(Took::Busy);
         };
-        let now = match crate::slots::read_class(root, class) {
-            Ok(Class::Limits(l)) => Some(l),
-            _ => None,
-        };
-        if now != Some(self.limits) {
+        let now = crate::slots::read_class(root, class);
+        if !matches!(now, Ok(Class::Limits(l)) if l == self.limits) {
             self.candidates.put_back(i, guard);
             return Ok(Took::Changed);
         }
