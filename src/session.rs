@@ -152,7 +152,19 @@ impl Session {
         started: Instant,
     ) -> Result<Attempt> {
         let root = store.root().clone();
-        let mut slot = take_slot(store, req)?;
+        // The slot first, in the lock order.
+        let mut slot = match &req.slot {
+            Some((class, prio)) => crate::acquire::slot::take(
+                store,
+                class,
+                *prio,
+                req.deadline,
+                req.no_wait,
+                &req.command,
+                &req.reads,
+            )?,
+            None => None,
+        };
         let listed_slot = slot.as_mut().map(|s| s.listing(&root, &req.command));
         let images = match take_images(store, req, wanted, listed_slot)? {
             Ok(images) => images,
@@ -426,22 +438,6 @@ enum Attempt {
     Legacy,
 }
 
-/// The request's slot, if it asks for one (first in the lock order).
-fn take_slot(store: &Store, req: &Request) -> Result<Option<SlotGuard>> {
-    let Some((class, prio)) = &req.slot else {
-        return Ok(None);
-    };
-    crate::acquire::slot::take(
-        store,
-        class,
-        *prio,
-        req.deadline,
-        req.no_wait,
-        &req.command,
-        &req.reads,
-    )
-}
-
 /// The images taken, or what to do before an attempt starts over.
 type Taken = Result<Result<Vec<Image>, Attempt>>;
 
@@ -474,20 +470,18 @@ fn take_images(
             held: &held,
         };
         waited_for.push(name.clone());
-        match crate::acquire::image::take(store, name, &want) {
-            Ok(taken) => {
-                let image = Image {
-                    held: taken,
-                    role: *role,
-                    before: None,
-                    record: None,
-                    made_tree: false,
-                };
-                held.push(image.holding(&req.command));
-                images.push(image);
-            }
+        let image = match crate::acquire::image::take(store, name, &want) {
+            Ok(taken) => Image {
+                held: taken,
+                role: *role,
+                before: None,
+                record: None,
+                made_tree: false,
+            },
             Err(e) => return give_up_on(root, images, &waited_for, e),
-        }
+        };
+        held.push(image.holding(&req.command));
+        images.push(image);
     }
     settle_taken(root, images)
 }
@@ -524,17 +518,14 @@ fn settle_taken(root: &Root, mut images: Vec<Image>) -> Taken {
 
 /// Images to lock, in lock order (ascending ENC); one read and written is taken once, exclusively.
 fn wanted(req: &Request) -> Vec<(ImageName, Role)> {
-    let mut wanted: Vec<(ImageName, Role)> = req
-        .reads
-        .iter()
-        .map(|n| (n.clone(), Role::Read))
-        .chain(
-            req.exclusive_reads
-                .iter()
-                .map(|n| (n.clone(), Role::ReadExclusive)),
-        )
-        .chain(req.writes.iter().map(|n| (n.clone(), Role::Write)))
-        .collect();
+    let mut wanted: Vec<(ImageName, Role)> = [
+        (&req.reads, Role::Read),
+        (&req.exclusive_reads, Role::ReadExclusive),
+        (&req.writes, Role::Write),
+    ]
+    .into_iter()
+    .flat_map(|(names, role)| names.iter().map(move |n| (n.clone(), role)))
+    .collect();
     wanted.sort_by(|a, b| a.0.encoded().cmp(b.0.encoded()).then(a.1.cmp(&b.1)));
     wanted.dedup_by(|later, earlier| {
         let same = later.0 == earlier.0;
@@ -591,14 +582,10 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
 
 /// Whether the tree of a ready image is missing (one `lstat`).
 fn tree_missing(root: &Root, held: &Held) -> bool {
-    let ready = held
-        .seen
-        .record
-        .as_ref()
-        .filter(|r| r.state == State::Ready);
-    ready.is_some_and(|r| {
-        crate::images_dir::for_command(root, r)
-            .is_ok_and(|d| nothing_at(&d.join(held.name.encoded())))
+    held.seen.record.as_ref().is_some_and(|r| {
+        r.state == State::Ready
+            && crate::images_dir::for_command(root, r)
+                .is_ok_and(|d| nothing_at(&d.join(held.name.encoded())))
     })
 }
 
@@ -925,12 +912,11 @@ fn clone_tree(
     use std::io::IsTerminal;
     let src = images_dir.join(base.encoded());
     let dst = images_dir.join(target.encoded());
-    if !std::fs::symlink_metadata(&src).is_ok_and(|m| m.is_dir()) {
-        anyhow::bail!(
-            "image '{base}': {} is not a directory; cannot copy it",
-            src.display()
-        );
-    }
+    anyhow::ensure!(
+        std::fs::symlink_metadata(&src).is_ok_and(|m| m.is_dir()),
+        "image '{base}': {} is not a directory; cannot copy it",
+        src.display()
+    );
     crate::remove::empty_image_dir(store.root(), images_dir, target)?;
     crate::debug::pause("clone-emptied");
     let t0 = Instant::now();
