@@ -79,7 +79,7 @@ impl Store {
         deadline: Option<Instant>,
         mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        self.retry_full(|store| store.transaction(deadline.map(Look::Until), false, &mut f))
+        self.retry_full(|store| store.transaction(Look::Until(deadline), false, &mut f))
     }
 
     /// Like [`Store::with_catalog`], for a look that can do without the catalog (a listing: the
@@ -88,23 +88,21 @@ impl Store {
     /// which the caller says in its one line. On a full filesystem, if even the reserve cannot make
     /// room for the journal, `f` runs in a transaction journalled in memory and rolled back.
     pub fn look_catalog<T>(&mut self, mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>) -> Result<T> {
-        let look = Some(Look::Quietly);
-        match self.retry_full(|store| store.transaction(look, false, &mut f)) {
-            Err(e) if crate::space::is_full(&e) => self.transaction(look, true, &mut f),
+        match self.retry_full(|store| store.transaction(Look::Quietly, false, &mut f)) {
+            Err(e) if crate::space::is_full(&e) => self.transaction(Look::Quietly, true, &mut f),
             other => other,
         }
     }
 
     fn transaction<T>(
         &mut self,
-        deadline: Option<Look>,
+        look: Look,
         in_memory: bool,
         f: &mut impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        let global = match deadline {
-            Some(Look::Quietly) => take_global_quietly(&self.ctx)?,
-            Some(Look::Until(d)) => take_global(&self.ctx, Some(d))?,
-            None => take_global(&self.ctx, None)?,
+        let global = match look {
+            Look::Quietly => take_global_quietly(&self.ctx)?,
+            Look::Until(d) => take_global(&self.ctx, d)?,
         };
         let db = self.ctx.root.db();
         self.connection()?;
@@ -138,18 +136,14 @@ impl Store {
     fn connection(&mut self) -> Result<()> {
         let db = self.ctx.root.db();
         let id = file_id(&db);
-        if self.conn.is_some() && id != self.conn_file {
-            self.conn = None;
-        }
-        if self.conn.is_some() {
+        if self.conn.is_some() && id == self.conn_file {
             // SQLite opens the journal each transaction: anything planted there since is refused.
-            catalog::check_files(&db)?;
+            return catalog::check_files(&db);
         }
-        if self.conn.is_none() {
-            let conn = self.open_settled()?;
-            self.conn_file = file_id(&db);
-            self.conn = Some(conn);
-        }
+        self.conn = None;
+        let conn = self.open_settled()?;
+        self.conn_file = file_id(&db);
+        self.conn = Some(conn);
         Ok(())
     }
 
@@ -164,20 +158,14 @@ impl Store {
             Err(e) if catalog::is_damage(&e) => Found::Replaced(db.clone(), format!("{e:#}")),
             Err(e) => return Err(catalog_error(&db, e)),
         };
-        match found {
+        let new = matches!(found, Found::New);
+        let conn = match found {
             Found::Current => {
                 catalog::complete_schema(&conn).map_err(|e| catalog_error(&db, e))?;
-                Ok(conn)
+                return Ok(conn);
             }
-            Found::New => {
-                catalog::create_schema(&conn).map_err(|e| catalog_error(&db, e))?;
-                if self.ctx.shared() {
-                    crate::debug::pause("catalog-made");
-                    catalog::share_with_group(&db)?;
-                }
-                Ok(conn)
-            }
-            Found::Legacy(_) => Err(NeedsMigration.into()),
+            Found::Legacy(_) => return Err(NeedsMigration.into()),
+            Found::New => conn,
             Found::Replaced(_, why) => {
                 drop(conn);
                 let aside = set_aside(&self.ctx.root, "damaged")?;
@@ -186,14 +174,17 @@ impl Store {
                     db.display(),
                     aside.display()
                 ));
-                let conn = catalog::open(&db)?;
-                catalog::create_schema(&conn).map_err(|e| catalog_error(&db, e))?;
-                if self.ctx.shared() {
-                    catalog::share_with_group(&db)?;
-                }
-                Ok(conn)
+                catalog::open(&db)?
             }
+        };
+        catalog::create_schema(&conn).map_err(|e| catalog_error(&db, e))?;
+        if self.ctx.shared() {
+            if new {
+                crate::debug::pause("catalog-made");
+            }
+            catalog::share_with_group(&db)?;
         }
+        Ok(conn)
     }
 
     /// Forgets the open connection (before the file is replaced).
@@ -272,8 +263,8 @@ fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
 /// How long a transaction waits for the global lock.
 #[derive(Clone, Copy)]
 enum Look {
-    /// As the caller's deadline allows (plus the grace), announced.
-    Until(Instant),
+    /// As the caller's deadline allows (plus the grace; `None`: forever), announced.
+    Until(Option<Instant>),
     /// The grace only, unannounced: for a look that can do without.
     Quietly,
 }
