@@ -179,17 +179,14 @@ fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsStr
 /// its locks, so a stowage inside it can tell that we hold them (in a store-wide hold, that it runs
 /// inside the hold: its lease lists store.lock).
 fn told(store: &Store, images: OsString) -> Vec<(&'static str, OsString)> {
+    // The enclosing execs' leases and ours.
+    let mine = crate::lease::mine(&store.root().leases()).ok();
+    let leases = crate::nested::for_command(mine.as_deref());
     vec![
         (crate::env::ROOT, store.root().dir().as_os_str().to_owned()),
         (crate::env::IMAGES_DIR, images),
-        (crate::env::EXEC_LEASES, enclosing(store).into()),
+        (crate::env::EXEC_LEASES, leases.into()),
     ]
-}
-
-/// The value of [`crate::env::EXEC_LEASES`] for our command: the enclosing execs' leases and ours.
-fn enclosing(store: &Store) -> String {
-    let mine = crate::lease::mine(&store.root().leases()).ok();
-    crate::nested::for_command(mine.as_deref())
 }
 
 /// Records how the command ended and returns the exec's exit code.

@@ -356,19 +356,16 @@ pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> 
 pub fn reports(look: &Look, root: &Root) -> Vec<LockReport> {
     let mut out = Vec::new();
     for (class, c) in classes(root) {
-        match c {
-            Class::Limits(l) => out.push(report(look, root, &class, Some(l))),
-            _ => {
-                let r = report(look, root, &class, None);
-                if r.holders.is_empty() && r.waiters.is_empty() {
-                    // Nothing of it is left in use: its files can go.
-                    if class_dir(root, &class).ok().flatten().is_some() {
-                        tidy_removed(root, &class);
-                    }
-                    continue;
-                }
-                out.push(r);
-            }
+        let limits = match c {
+            Class::Limits(l) => Some(l),
+            _ => None,
+        };
+        let r = report(look, root, &class, limits);
+        if limits.is_some() || !r.holders.is_empty() || !r.waiters.is_empty() {
+            out.push(r);
+        } else if class_dir(root, &class).ok().flatten().is_some() {
+            // Nothing of a removed class is left in use: its files can go.
+            tidy_removed(root, &class);
         }
     }
     out

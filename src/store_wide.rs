@@ -87,7 +87,7 @@ pub fn wait_free(
     let refuse = no_wait.then(|| "the store (a store-wide command runs)".to_owned());
     let what = "the store-wide command to finish".to_owned();
     let awaited = store_lock_holding(Mode::Shared, true, command);
-    let got = wait_in_turn(
+    wait_in_turn(
         store,
         &path,
         what,
@@ -95,18 +95,14 @@ pub fn wait_free(
         deadline,
         awaited,
         |wait| match lock::acquire(&path, Mode::Shared, lock::IfMissing::Fail, wait) {
+            Ok(Waited::Acquired(g)) => Ok(Waited::Acquired(Some(g))),
+            Ok(Waited::TimedOut) => Ok(Waited::TimedOut),
+            Ok(Waited::Interrupted(s)) => Ok(Waited::Interrupted(s)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Waited::Acquired(None)),
-            other => other
-                .map(|w| match w {
-                    Waited::Acquired(g) => Waited::Acquired(Some(g)),
-                    Waited::TimedOut => Waited::TimedOut,
-                    Waited::Interrupted(s) => Waited::Interrupted(s),
-                })
-                .map_err(|e| lock::error("the store-wide lock", &path, e)),
+            Err(e) => Err(lock::error("the store-wide lock", &path, e)),
         },
-    )?;
-    drop(got);
-    Ok(())
+    )
+    .map(drop)
 }
 
 /// A store-wide hold: `store.lock` held exclusively, every image lock hinted and free.
