@@ -130,10 +130,7 @@ fn wait_taking(
     let mut holding = crate::lease::Holding::now(want.mode, rel.clone(), true, want.command);
     holding.reading = want.reading;
     // An enclosing exec that had not announced its lease: looked for again while we wait.
-    let ours_now = || {
-        let now = crate::nested::enclosing_now(root);
-        conflict(&now, &rel, want.mode)
-    };
+    let ours_now = || conflict(&crate::nested::enclosing_now(root), &rel, want.mode);
     let mut wait = Wait::on(&root.image_locks(), want.deadline);
     if enclosing.unannounced {
         wait.give_up = Some(Box::new(|| ours_now().is_some()));

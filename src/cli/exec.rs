@@ -90,15 +90,11 @@ fn plan(args: Args) -> Result<Plan> {
     refuse_two_roles(&reads, &writes, &exclusive_reads, args.from.as_deref())?;
     let from = args.from.as_deref().map(ImageName::parse_os).transpose();
     let from = from.map_err(Error::from)?;
+    // The base is locked for the copy, and while the command runs only if also asked to read it.
+    let keep_base = from.as_ref().is_some_and(|b| reads.contains(b));
     if let Some(base) = &from {
         read_base_to_copy(base, &writes, &mut reads)?;
     }
-    // The base is locked for the copy, and while the command runs only if also asked to read it.
-    let keep_base = from.as_ref().is_some_and(|b| {
-        args.read
-            .iter()
-            .any(|r| ImageName::parse_os(r).is_ok_and(|n| n == *b))
-    });
     let base = lineage(from.as_ref(), &reads, &exclusive_reads, &writes);
     let (deadline, no_wait) = super::deadline(args.wait.as_deref(), args.no_wait)?;
     let locks = if args.store_wide {
