@@ -122,8 +122,7 @@ enum Slot {
 }
 
 fn decode_slot(bytes: &[u8], class: &str) -> Slot {
-    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-    if end == 0 {
+    if bytes.first().is_none_or(|&b| b == 0) {
         return if bytes.iter().all(|&b| b == 0) {
             Slot::Empty
         } else {
