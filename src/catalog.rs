@@ -415,15 +415,12 @@ pub fn create_schema(conn: &rusqlite::Connection) -> Result<()> {
     let made = conn
         .execute_batch(SCHEMA_SQL)
         .and_then(|()| conn.pragma_update(None, "user_version", SCHEMA));
-    match (made, alone) {
-        (Ok(()), true) => conn.execute_batch("COMMIT")?,
-        (Ok(()), false) => {}
-        (Err(e), _) => {
-            if alone {
-                let _ = conn.execute_batch("ROLLBACK");
-            }
-            return Err(e.into());
-        }
+    if alone && made.is_err() {
+        let _ = conn.execute_batch("ROLLBACK");
+    }
+    made?;
+    if alone {
+        conn.execute_batch("COMMIT")?;
     }
     Ok(())
 }

@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Result;
+use serde::Serialize;
 
 use crate::acquire::image::Held;
 use crate::clock::{self, Millis};
@@ -37,7 +38,9 @@ pub struct Policy {
     pub dry_run: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// As `gc --json` names it (kebab-case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Reason {
     /// Its writer failed or died.
     Incomplete,
@@ -48,15 +51,6 @@ pub enum Reason {
 }
 
 impl Reason {
-    /// As `gc --json` names it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Incomplete => "incomplete",
-            Reason::Unused => "unused",
-            Reason::OverBudget => "over-budget",
-        }
-    }
-
     /// Why, in words: "removed 'a' (incomplete, 4 KiB): its writer failed or died".
     pub fn describe(self) -> &'static str {
         match self {
@@ -67,7 +61,7 @@ impl Reason {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Collected {
     pub name: String,
     pub state: &'static str,
@@ -75,7 +69,8 @@ pub struct Collected {
     pub reason: Reason,
 }
 
-#[derive(Debug, Default)]
+/// Also `gc --json`, field for field.
+#[derive(Debug, Default, Serialize)]
 pub struct Report {
     pub dry_run: bool,
     pub removed: Vec<Collected>,

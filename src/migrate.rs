@@ -149,23 +149,18 @@ struct OldRow {
 
 impl Old {
     fn read(conn: &rusqlite::Connection, root: &Root) -> Result<Old> {
-        let mut rows = BTreeMap::new();
-        let mut stmt =
-            conn.prepare("SELECT name, state, base, created_ms, last_used_ms FROM images")?;
-        for r in stmt.query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                OldRow {
+        let rows = conn
+            .prepare("SELECT name, state, base, created_ms, last_used_ms FROM images")?
+            .query_map([], |r| {
+                let row = OldRow {
                     state: r.get(1)?,
                     base: r.get(2)?,
                     created: r.get(3)?,
                     last_used: r.get(4)?,
-                },
-            ))
-        })? {
-            let (name, row) = r?;
-            rows.insert(name, row);
-        }
+                };
+                Ok((r.get(0)?, row))
+            })?
+            .collect::<rusqlite::Result<BTreeMap<String, OldRow>>>()?;
         let config = |key: &str| -> Option<String> {
             conn.query_row("SELECT value FROM config WHERE key = ?1", [key], |r| {
                 r.get(0)

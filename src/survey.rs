@@ -41,11 +41,10 @@ fn unknown_record(root: &Root, entry: &Entry) -> Option<image_record::Record> {
     // Listed even while the configuration cannot be had (lost: commands that need it say so).
     let images = crate::images_dir::config(root).map_or(ImagesDir::Default, |c| c.images);
     // Its times are not known either: its last use is the lock file's, if that says one.
-    let unknown = crate::clock::UNKNOWN;
-    Some(image_record::Record::unknown(
+    Some(Record::unknown(
         name.as_str(),
         images,
-        unknown,
+        crate::clock::UNKNOWN,
     ))
 }
 

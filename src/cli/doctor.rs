@@ -1,7 +1,6 @@
 //! `stowage doctor`: check (and with --repair, fix) the store.
 
 use anyhow::Result;
-use serde::Serialize;
 
 use crate::doctor::{self, Verdict};
 use crate::error::code;
@@ -41,10 +40,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         other => other?,
     };
     if args.json {
-        super::print(&format!(
-            "{}\n",
-            serde_json::to_string_pretty(&ReportJson::from(&report))?
-        ))?;
+        super::print(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
     } else {
         let mut out = format!("root {} ({})\n", report.root, report.filesystem);
         for c in &report.checks {
@@ -71,41 +67,4 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     } else {
         code::FAILURE
     })
-}
-
-/// `doctor --json`: the report, field for field.
-#[derive(Serialize)]
-struct ReportJson<'a> {
-    root: &'a str,
-    filesystem: &'a str,
-    locking: bool,
-    healthy: bool,
-    checks: Vec<CheckJson<'a>>,
-}
-
-#[derive(Serialize)]
-struct CheckJson<'a> {
-    check: &'static str,
-    status: &'static str,
-    detail: &'a str,
-}
-
-impl<'a> From<&'a doctor::Report> for ReportJson<'a> {
-    fn from(r: &'a doctor::Report) -> Self {
-        ReportJson {
-            root: &r.root,
-            filesystem: &r.filesystem,
-            locking: r.locking,
-            healthy: r.healthy,
-            checks: r
-                .checks
-                .iter()
-                .map(|c| CheckJson {
-                    check: c.check,
-                    status: c.status.as_str(),
-                    detail: &c.detail,
-                })
-                .collect(),
-        }
-    }
 }

@@ -1,7 +1,6 @@
 //! `stowage gc`: remove incomplete, unused and least recently used images.
 
 use anyhow::Result;
-use serde::Serialize;
 
 use crate::disk_usage;
 use crate::error::Error;
@@ -43,10 +42,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         crate::error::code::FAILURE
     };
     if args.json {
-        super::print(&format!(
-            "{}\n",
-            serde_json::to_string_pretty(&ReportJson::from(&report))?
-        ))?;
+        super::print(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
         return Ok(code);
     }
     // -q: nothing but errors, as rm says nothing of what it removed.
@@ -121,57 +117,4 @@ fn report_text(report: &gc::Report, dry_run: bool) -> String {
         disk_usage::human(report.size_after)
     ));
     lines.iter().map(|l| format!("{l}\n")).collect()
-}
-
-/// `gc --json`: the report, field for field.
-#[derive(Serialize)]
-struct ReportJson<'a> {
-    dry_run: bool,
-    removed: Vec<CollectedJson<'a>>,
-    busy: &'a [String],
-    bytes_freed: u64,
-    size_before: u64,
-    size_after: u64,
-    max_size: Option<u64>,
-    unused_for_seconds: Option<u64>,
-    interrupted_removals: &'a [String],
-    trash_entries: usize,
-    failed: &'a [String],
-    unknown: &'a [String],
-}
-
-#[derive(Serialize)]
-struct CollectedJson<'a> {
-    name: &'a str,
-    state: &'static str,
-    size_bytes: u64,
-    reason: &'static str,
-}
-
-impl<'a> From<&'a gc::Report> for ReportJson<'a> {
-    fn from(r: &'a gc::Report) -> Self {
-        ReportJson {
-            dry_run: r.dry_run,
-            removed: r
-                .removed
-                .iter()
-                .map(|c| CollectedJson {
-                    name: &c.name,
-                    state: c.state,
-                    size_bytes: c.size_bytes,
-                    reason: c.reason.as_str(),
-                })
-                .collect(),
-            busy: &r.busy,
-            bytes_freed: r.bytes_freed,
-            size_before: r.size_before,
-            size_after: r.size_after,
-            max_size: r.max_size,
-            unused_for_seconds: r.unused_for_seconds,
-            interrupted_removals: &r.interrupted_removals,
-            trash_entries: r.trash_entries,
-            failed: &r.failed,
-            unknown: &r.unknown,
-        }
-    }
 }

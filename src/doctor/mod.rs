@@ -13,6 +13,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use serde::Serialize;
 
 use crate::adopt::{self, Adopt};
 use crate::census::Entry;
@@ -29,7 +30,9 @@ use crate::store::Store;
 mod configuration;
 mod files;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// As `doctor --json` names it (lowercase).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Verdict {
     Ok,
     /// Worth knowing, not a fault.
@@ -38,26 +41,15 @@ pub enum Verdict {
     Repaired,
 }
 
-impl Verdict {
-    /// As `doctor --json` names it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Verdict::Ok => "ok",
-            Verdict::Info => "info",
-            Verdict::Problem => "problem",
-            Verdict::Repaired => "repaired",
-        }
-    }
-}
-
-#[derive(Debug)]
+#[derive(Debug, Serialize)]
 pub struct Check {
     pub check: &'static str,
     pub status: Verdict,
     pub detail: String,
 }
 
-#[derive(Debug)]
+/// Also `doctor --json`, field for field.
+#[derive(Debug, Serialize)]
 pub struct Report {
     pub root: String,
     pub filesystem: String,
@@ -556,13 +548,10 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         [one] => crate::root::Root::image_of_lock_file(&one.file).map(|n| n.to_string()),
         _ => None,
     };
-    let (name, them) = match (name, damaged.len()) {
-        (Some(n), _) => (n, "its image's state is not known: it is kept"),
-        (None, 1) => ("NAME".into(), "its image's state is not known: it is kept"),
-        (None, _) => (
-            "NAME".into(),
-            "their images' states are not known: they are kept",
-        ),
+    let name = name.unwrap_or_else(|| "NAME".into());
+    let them = match damaged.len() {
+        1 => "its image's state is not known: it is kept",
+        _ => "their images' states are not known: they are kept",
     };
     report.naming("records", Verdict::Problem, &files, |files| {
         format!("the record in {files} cannot be read, so {them}; 'stowage exec --write {name} -- true' marks one ready again, 'stowage rm {name}' removes it")
@@ -856,7 +845,6 @@ fn missing_trees(
 /// The trash, lock files that name no image, dead leases.
 fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let root = store.root().clone();
-    let fixed_or = |found: Verdict| if repair { Verdict::Repaired } else { found };
     // A trash that is no directory: reported with the layout.
     let trash = remove::empty_trash(&root, repair).unwrap_or_default();
     for f in &trash.failed {
@@ -865,7 +853,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     if !trash.entries.is_empty() {
         report.add(
             "trash",
-            fixed_or(Verdict::Problem),
+            fixed_or(repair, Verdict::Problem),
             format!(
                 "{} {} left in {} ({})",
                 done(repair, "deleted"),
@@ -895,7 +883,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             let found = if repair { gone } else { empty.len() };
             let verb = done(repair, "removed");
             let detail = format!("{verb} {found} lock file(s) that name no image");
-            report.add("locks", fixed_or(Verdict::Info), detail);
+            report.add("locks", fixed_or(repair, Verdict::Info), detail);
         }
     }
     config_temps(&root, repair, report)?;
@@ -946,16 +934,13 @@ fn config_temps(root: &crate::root::Root, repair: bool, report: &mut Report) -> 
         left.len(),
         root.dir().display()
     );
-    report.add(
-        "config",
-        if repair {
-            Verdict::Repaired
-        } else {
-            Verdict::Info
-        },
-        detail,
-    );
+    report.add("config", fixed_or(repair, Verdict::Info), detail);
     Ok(())
+}
+
+/// What a repair made of a `found` verdict.
+fn fixed_or(repair: bool, found: Verdict) -> Verdict {
+    if repair { Verdict::Repaired } else { found }
 }
 
 fn done(repair: bool, what: &str) -> &str {
