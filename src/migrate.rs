@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
+use crate::catalog::Found;
 use crate::clock::Millis;
 use crate::config::Config;
 use crate::holders::LockKind;
@@ -85,10 +86,7 @@ fn convert_passes(
         let global = store.global(deadline)?;
         store.close_catalog();
         let conn = crate::catalog::open(&root.db())?;
-        if !matches!(
-            crate::catalog::inspect(&conn)?,
-            crate::catalog::Found::Legacy(_)
-        ) {
+        if !matches!(crate::catalog::inspect(&conn)?, Found::Legacy(_)) {
             ensure_config(&root)?;
             return Ok(());
         }

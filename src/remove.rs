@@ -197,20 +197,20 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
     };
     let images_dir = crate::images_dir::of_record(root, record)?;
     let trash = root.open_or_make_sub("trash")?;
-    if let Ok(images) = root.open_images_dir(&images_dir)
-        && crate::images_dir::unmounted(root, &images_dir).is_none()
-    {
-        let tree = images_dir.join(held.name.encoded());
-        match take_out(root, &images, &trash, &tree, &held.name) {
-            Taken::Refused(e) | Taken::Partial(e) => return Err(e),
-            _ => {}
-        }
-    } else {
+    let usable = (root.open_images_dir(&images_dir).ok())
+        .filter(|_| crate::images_dir::unmounted(root, &images_dir).is_none());
+    let Some(images) = usable else {
         anyhow::bail!(
             "cannot finish the removal of image '{}': images directory {} is not usable (is it mounted?)",
             held.name,
             images_dir.display()
         );
+    };
+    let tree = images_dir.join(held.name.encoded());
+    if let Taken::Refused(e) | Taken::Partial(e) =
+        take_out(root, &images, &trash, &tree, &held.name)
+    {
+        return Err(e);
     }
     root.drop_record(&held.name, held.guard)
 }
@@ -358,11 +358,10 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
 pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[ImageName]) {
     let mut shared = Vec::new();
     for h in held {
-        let name = h.name.clone();
-        let empty = h.seen.record.is_none() && !h.seen.damaged && !h.seen.legacy;
-        if !empty {
+        if h.seen.record.is_some() || h.seen.damaged || h.seen.legacy {
             continue;
         }
+        let name = h.name.clone();
         if h.guard_is_exclusive() {
             let _ = root.unlink_lock(h.guard);
             root.unlink_gate(&name);

@@ -264,24 +264,17 @@ fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
             report.problem("flock", "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem");
         }
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-            report.problem(
-                "access",
-                format!(
-                    "cannot create a file in {}: {e}: you may not write this store ({}); {} ({})",
-                    root.locks().display(),
-                    owner_phrase(&root.locks()),
-                    if let Some((gid, _)) = crate::sharing::is_group_store(root.dir())
-                        && !crate::ident::in_group(gid)
-                    {
-                        "you are not in the store's group: ask its owner to add you to it"
-                    } else if crate::sharing::is_group_store(root.dir()).is_some() {
-                        "its owner's 'stowage doctor --repair' makes it group-writable"
-                    } else {
-                        "the store's owner can share it: 'stowage init --group GROUP'"
-                    },
-                    crate::error::GROUP_STORE_DOC
-                ),
-            );
+            let locks = root.locks();
+            let (owner, locks) = (owner_phrase(&locks), locks.display());
+            let advice = match crate::sharing::is_group_store(root.dir()) {
+                Some((gid, _)) if !crate::ident::in_group(gid) => {
+                    "you are not in the store's group: ask its owner to add you to it"
+                }
+                Some(_) => "its owner's 'stowage doctor --repair' makes it group-writable",
+                None => "the store's owner can share it: 'stowage init --group GROUP'",
+            };
+            let doc = crate::error::GROUP_STORE_DOC;
+            report.problem("access", format!("cannot create a file in {locks}: {e}: you may not write this store ({owner}); {advice} ({doc})"));
             return false;
         }
         Err(e) => {
@@ -851,17 +844,10 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
         report.problem("trash", f.clone());
     }
     if !trash.entries.is_empty() {
-        report.add(
-            "trash",
-            fixed_or(repair, Verdict::Problem),
-            format!(
-                "{} {} left in {} ({})",
-                done(repair, "deleted"),
-                trash.entries.len(),
-                root.trash().display(),
-                crate::disk_usage::human(trash.bytes)
-            ),
-        );
+        let (verb, n) = (done(repair, "deleted"), trash.entries.len());
+        let size = crate::disk_usage::human(trash.bytes);
+        let detail = format!("{verb} {n} left in {} ({size})", root.trash().display());
+        report.add("trash", fixed_or(repair, Verdict::Problem), detail);
     }
     // On a filesystem where lock files are never unlinked, empty ones are no leftovers.
     if lock::unlinks_allowed(&root.image_locks().join("x.lock")) {
@@ -928,12 +914,8 @@ fn config_temps(root: &crate::root::Root, repair: bool, report: &mut Report) -> 
     if repair {
         left.retain(|n| dir.unlink(n).is_ok());
     }
-    let detail = format!(
-        "{} {} temporary file(s) of a configuration write cut short in {}",
-        done(repair, "removed"),
-        left.len(),
-        root.dir().display()
-    );
+    let (verb, n, at) = (done(repair, "removed"), left.len(), root.dir().display());
+    let detail = format!("{verb} {n} temporary file(s) of a configuration write cut short in {at}");
     report.add("config", fixed_or(repair, Verdict::Info), detail);
     Ok(())
 }
