@@ -178,11 +178,9 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     }
     // Named as lock-status names it: by the mount table where it knows the kind ("glusterfs",
     // where statfs says "fuse").
-    let dev = std::fs::metadata(root.dir())
+    let fs_info = fs::metadata(root.dir())
         .ok()
-        .map(|m| std::os::unix::fs::MetadataExt::dev(&m));
-    let fs_info = dev
-        .and_then(filesystem::lock_reach_of_device)
+        .and_then(|m| filesystem::lock_reach_of_device(std::os::unix::fs::MetadataExt::dev(&m)))
         .and_then(|(_, _, fs)| fs)
         .or_else(|| filesystem::filesystem(root.dir()).ok());
     let mut report = Report {
@@ -403,6 +401,9 @@ fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result
     })
 }
 
+/// How a catalog that cannot be used is put right.
+const DERIVED: &str = "it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost";
+
 /// The catalog's verdict: set aside and made anew when it cannot be used (with `repair`; otherwise
 /// the next command that needs it does so).
 fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
@@ -417,12 +418,10 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let found = match before {
         Ok(f) => f,
         Err(e) if crate::catalog::is_busy(&e) => {
-            return Ok((
-                Verdict::Problem,
-                format!(
-                    "{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records"
-                ),
-            ));
+            let detail = format!(
+                "{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records"
+            );
+            return Ok((Verdict::Problem, detail));
         }
         Err(e) => Found::Replaced(db.clone(), format!("{e:#}")),
     };
@@ -432,26 +431,22 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
             let detail = format!("{shown}: migrated from schema version {v}");
             (Verdict::Repaired, detail)
         }
-        Found::Legacy(v) => (
-            Verdict::Problem,
-            format!(
+        Found::Legacy(v) => {
+            let detail = format!(
                 "{shown}: schema version {v}, made by a release before image records; any command migrates it"
-            ),
-        ),
-        Found::Replaced(_, why) if !repair => (
-            Verdict::Problem,
-            format!(
-                "{shown} cannot be used ({why}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost"
-            ),
-        ),
+            );
+            (Verdict::Problem, detail)
+        }
+        Found::Replaced(_, why) if !repair => {
+            let detail = format!("{shown} cannot be used ({why}); {DERIVED}");
+            (Verdict::Problem, detail)
+        }
         Found::Replaced(_, why) => {
             store.with_catalog(None, |_, _| Ok(()))?;
-            (
-                Verdict::Repaired,
-                format!(
-                    "{shown} could not be used ({why}): set aside and made anew from the records"
-                ),
-            )
+            let detail = format!(
+                "{shown} could not be used ({why}): set aside and made anew from the records"
+            );
+            (Verdict::Repaired, detail)
         }
         Found::New | Found::Current => intact(store, repair)?,
     })
@@ -499,31 +494,22 @@ fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
         Err(e) if crate::catalog::is_damage(&e) => format!("{e:#}"),
         Err(e) => return Ok((Verdict::Problem, format!("{shown}: cannot check it: {e:#}"))),
     };
-    Ok(if check == "ok" {
-        let schema = crate::catalog::SCHEMA;
-        (
-            Verdict::Ok,
-            format!("{shown}: intact, schema version {schema}"),
-        )
-    } else if repair {
-        store.close_catalog();
-        let aside = crate::store::set_aside(store.root(), "damaged")?;
-        store.with_catalog(None, |_, _| Ok(()))?;
-        let aside = aside.display();
-        (
-            Verdict::Repaired,
-            format!(
-                "{shown} was damaged ({check}): set aside as {aside} and made anew from the records"
-            ),
-        )
-    } else {
-        (
-            Verdict::Problem,
-            format!(
-                "{shown} is damaged ({check}); it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost"
-            ),
-        )
-    })
+    if check == "ok" {
+        let detail = format!("{shown}: intact, schema version {}", crate::catalog::SCHEMA);
+        return Ok((Verdict::Ok, detail));
+    }
+    if !repair {
+        let detail = format!("{shown} is damaged ({check}); {DERIVED}");
+        return Ok((Verdict::Problem, detail));
+    }
+    store.close_catalog();
+    let aside = crate::store::set_aside(store.root(), "damaged")?;
+    store.with_catalog(None, |_, _| Ok(()))?;
+    let aside = aside.display();
+    let detail = format!(
+        "{shown} was damaged ({check}): set aside as {aside} and made anew from the records"
+    );
+    Ok((Verdict::Repaired, detail))
 }
 
 /// Every record: damaged, interrupted removals, failed or dead writers, stale store-wide hints.
@@ -734,11 +720,9 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     orphans
         .trees
         .retain(|(n, _)| !adopt::has_record(&root.image_lock(n)));
+    let shown = dir.display();
     for (entry, why) in &orphans.skipped {
-        let detail = format!(
-            "{entry:?} in {} is no image ({why}); left alone",
-            dir.display()
-        );
+        let detail = format!("{entry:?} in {shown} is no image ({why}); left alone");
         report.info("images", detail);
     }
     orphan_trees(&root, &config, &orphans, &dir, repair, report)
