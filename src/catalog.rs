@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use rusqlite::{ErrorCode, params};
 
 use crate::clock::Millis;
-use crate::image_record::State;
+use crate::image_record::{Record, State};
 use crate::lock::Guard;
 use crate::root::Root;
 
@@ -62,7 +62,7 @@ impl Row {
     /// The size, if it was measured for the tree that `record` describes: a size kept for another
     /// record (an earlier write, the name's image before an `rm`, another store's catalog put in
     /// place of ours) is no size.
-    pub fn size_for(&self, record: &crate::image_record::Record) -> Option<u64> {
+    pub fn size_for(&self, record: &Record) -> Option<u64> {
         self.size
             .filter(|_| self.size_record == Some(record.fingerprint()))
     }
@@ -185,21 +185,13 @@ fn configure_sqlite() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         use rusqlite::ffi;
+        let (zero, none): (libc::c_int, *mut libc::c_void) = (0, std::ptr::null_mut());
         // SAFETY: sqlite3_config before any connection is opened, with the argument types each
         // option documents; a refusal keeps defaults.
         unsafe {
-            ffi::sqlite3_config(
-                ffi::SQLITE_CONFIG_LOOKASIDE,
-                0 as libc::c_int,
-                0 as libc::c_int,
-            );
-            ffi::sqlite3_config(
-                ffi::SQLITE_CONFIG_PAGECACHE,
-                std::ptr::null_mut::<libc::c_void>(),
-                0 as libc::c_int,
-                0 as libc::c_int,
-            );
-            ffi::sqlite3_config(ffi::SQLITE_CONFIG_MEMSTATUS, 0 as libc::c_int);
+            ffi::sqlite3_config(ffi::SQLITE_CONFIG_LOOKASIDE, zero, zero);
+            ffi::sqlite3_config(ffi::SQLITE_CONFIG_PAGECACHE, none, zero, zero);
+            ffi::sqlite3_config(ffi::SQLITE_CONFIG_MEMSTATUS, zero);
         }
     });
 }
@@ -279,14 +271,9 @@ pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
     }
     use rusqlite::OpenFlags;
     let flags = OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW;
-    let conn =
-        rusqlite::Connection::open_with_flags(&path, flags | OpenFlags::SQLITE_OPEN_READ_WRITE)
-            .or_else(|_| {
-                rusqlite::Connection::open_with_flags(
-                    &path,
-                    flags | OpenFlags::SQLITE_OPEN_READ_ONLY,
-                )
-            })?;
+    let open = |mode| rusqlite::Connection::open_with_flags(&path, flags | mode);
+    let conn = open(OpenFlags::SQLITE_OPEN_READ_WRITE)
+        .or_else(|_| open(OpenFlags::SQLITE_OPEN_READ_ONLY))?;
     conn.busy_timeout(busy_timeout())?;
     Ok(match inspect_in(&conn, root)? {
         Found::Legacy(v) => Some(v),
@@ -488,22 +475,13 @@ impl<'a> Catalog<'a> {
 
     /// Keeps a size measured for the tree `record` describes (and, for releases that key sizes by
     /// sequence number only, its `seq`).
-    pub fn set_size(
-        &self,
-        name: &str,
-        record: &crate::image_record::Record,
-        size: u64,
-    ) -> Result<()> {
-        self.conn.prepare_cached(
-            "UPDATE images SET size_bytes = ?2, size_seq = ?3, size_record = ?4 WHERE name = ?1",
-        )?.execute(
-            params![
-                name,
-                size as i64,
-                record.seq as i64,
-                record.fingerprint() as i64
-            ],
-        )?;
+    pub fn set_size(&self, name: &str, record: &Record, size: u64) -> Result<()> {
+        let sql =
+            "UPDATE images SET size_bytes = ?2, size_seq = ?3, size_record = ?4 WHERE name = ?1";
+        let (size, seq, fingerprint) =
+            (size as i64, record.seq as i64, record.fingerprint() as i64);
+        let stmt = &mut self.conn.prepare_cached(sql)?;
+        stmt.execute(params![name, size, seq, fingerprint])?;
         Ok(())
     }
 }

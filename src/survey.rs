@@ -63,11 +63,8 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
                 (None, false) => return None,
             };
             let state = record.state_seen(entry.writer_alive);
-            let last_used = entry
-                .seen
-                .last_use
-                .unwrap_or(record.changed)
-                .max(record.changed);
+            let changed = record.changed;
+            let last_used = entry.seen.last_use.unwrap_or(changed).max(changed);
             Some(Image {
                 entry,
                 record,

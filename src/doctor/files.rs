@@ -208,11 +208,9 @@ fn mode(
         report.problem("files", format!("{shown} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}"));
         return;
     }
+    let fixed = format!("{shown} was mode {bits:03o}: now {want:03o}");
     match dir.chmod_at(name, want) {
-        Ok(()) => report.repaired(
-            "files",
-            format!("{shown} was mode {bits:03o}: now {want:03o}"),
-        ),
+        Ok(()) => report.repaired("files", fixed),
         Err(e) => report.problem("files", format!("cannot give {shown} back its mode: {e}")),
     }
 }

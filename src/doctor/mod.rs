@@ -860,10 +860,8 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     if repair {
         let n = crate::holders::Look::new(store.ctx()).clean_leases();
         if n > 0 {
-            report.repaired(
-                "leases",
-                format!("removed {n} lease(s) of processes that are gone"),
-            );
+            let detail = format!("removed {n} lease(s) of processes that are gone");
+            report.repaired("leases", detail);
         }
     }
     Ok(())
