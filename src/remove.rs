@@ -14,7 +14,7 @@
 //! - Nothing outside the images directory is deleted: `renameat` on descriptors that refuse
 //!   symlinks, then [`crate::dir`]'s walk.
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -131,8 +131,8 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
 /// is left there for gc, and said.
 fn delete_from_trash(
     root: &Root,
-    trash: &crate::dir::Dir,
-    t: &std::ffi::OsStr,
+    trash: &Dir,
+    t: &OsStr,
     name: &ImageName,
 ) -> Result<Option<String>> {
     crate::signals::check()?;
@@ -152,7 +152,7 @@ fn after_take_out(
     held: &mut Held,
     before: &image_record::Record,
     taken: Taken,
-) -> Result<Option<std::ffi::OsString>> {
+) -> Result<Option<OsString>> {
     let (put_back, e, what) = match taken {
         Taken::Trashed(t) => return Ok(Some(t)),
         Taken::Deleted | Taken::Gone => return Ok(None),
@@ -314,11 +314,7 @@ pub struct Trash {
 /// Deletes a trash entry, which another process may be deleting too (a removal its own, gc all): on
 /// a shared filesystem, what the other deleted shows as a stale handle, not as missing; a second
 /// walk looks everything up afresh.
-fn remove_trash_entry(
-    trash: &crate::dir::Dir,
-    entry: &std::ffi::OsStr,
-    removed: &mut u64,
-) -> std::io::Result<()> {
+fn remove_trash_entry(trash: &Dir, entry: &OsStr, removed: &mut u64) -> std::io::Result<()> {
     match trash.remove_entry(entry, removed) {
         Err(e) if e.raw_os_error() == Some(libc::ESTALE) => trash.remove_entry(entry, removed),
         done => done,

@@ -13,7 +13,7 @@
 
 use std::path::Path;
 
-use crate::dir::Dir;
+use crate::dir::{Dir, Entry};
 use crate::root::Root;
 use crate::slot_limits::Kind;
 
@@ -185,14 +185,7 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
 
 /// Reports (and with `repair`, for a file of ours, gives back) a mode that keeps this user from
 /// reading and writing a file of the layout.
-fn mode(
-    dir: &Dir,
-    path: &Path,
-    st: &crate::dir::Entry,
-    repair: bool,
-    shared: bool,
-    report: &mut Report,
-) {
+fn mode(dir: &Dir, path: &Path, st: &Entry, repair: bool, shared: bool, report: &mut Report) {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     if dir.may_read_write(name) {
         return;

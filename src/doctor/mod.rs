@@ -18,13 +18,16 @@ use serde::Serialize;
 use crate::adopt::{self, Adopt};
 use crate::census::Entry;
 use crate::clock;
+use crate::config::Config;
 use crate::ctx::Ctx;
+use crate::dir::Dir;
 use crate::filesystem;
 use crate::gc::Taken;
 use crate::image_record::State;
 use crate::lock::{self, Mode};
 use crate::name::ImageName;
 use crate::remove;
+use crate::root::Root;
 use crate::store::Store;
 
 mod configuration;
@@ -99,7 +102,7 @@ impl Report {
 }
 
 /// The two-host probe's lock file: `ROOT/locks/probe.lock`.
-fn probe_file(root: &crate::root::Root) -> PathBuf {
+fn probe_file(root: &Root) -> PathBuf {
     root.locks().join("probe.lock")
 }
 
@@ -249,7 +252,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
 
 /// Does flock exclude here at all (two opens of one file must conflict)? `false` also when this
 /// user may not make the test file: no locking fault, but nothing else can be checked.
-fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
+fn flock_works(root: &Root, report: &mut Report) -> bool {
     // Private to this process: two doctors at once, on any hosts, must not test against each
     // other's lock.
     let probe = root
@@ -286,17 +289,14 @@ fn flock_works(root: &crate::root::Root, report: &mut Report) -> bool {
             report.problem("flock", format!("cannot lock {shown}: {e}{advice}"));
         }
     }
-    if let (Ok(locks), Some(name)) = (
-        root.open_sub(crate::root::Root::LOCKS_REL),
-        probe.file_name(),
-    ) {
+    if let (Ok(locks), Some(name)) = (root.open_sub(Root::LOCKS_REL), probe.file_name()) {
         let _ = locks.unlink(name);
     }
     true
 }
 
 /// Shared filesystems mounted so that locks stay on each host.
-fn mount_reach(root: &crate::root::Root, report: &mut Report) {
+fn mount_reach(root: &Root, report: &mut Report) {
     let (reach, mount) = filesystem::lock_reach(root.dir());
     match reach {
         filesystem::Reach::NodeLocal { why, advice } => {
@@ -331,7 +331,7 @@ fn owner_phrase(dir: &Path) -> String {
 
 /// In a group store, reports each part of the layout a group member cannot use (mode or group);
 /// with `repair` fixes those ours to change (sharing.rs), saying what is left to whom.
-fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
+fn modes(root: &Root, repair: bool, report: &mut Report) {
     use crate::sharing;
     let Some((gid, mode)) = sharing::is_group_store(root.dir()) else {
         return;
@@ -372,7 +372,7 @@ fn modes(root: &crate::root::Root, repair: bool, report: &mut Report) {
 /// in one's place (symlink, FIFO, file) is, when repairing, set aside (nothing followed or deleted)
 /// and a directory made there — except a symlink for the images directory, which its user may have
 /// made on purpose: reported with advice. Returns whether the locks directories are usable.
-fn layout(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result<bool> {
+fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
     root.create_layout_reporting(|name, bad| {
         let path = root.dir().join(name);
         let shown = path.display();
@@ -524,7 +524,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         .collect();
     // The image a file is for, where its name says (hashed names do not).
     let name = match damaged[..] {
-        [one] => crate::root::Root::image_of_lock_file(&one.file).map(|n| n.to_string()),
+        [one] => Root::image_of_lock_file(&one.file).map(|n| n.to_string()),
         _ => None,
     };
     let name = name.unwrap_or_else(|| "NAME".into());
@@ -559,7 +559,7 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
 }
 
 /// Interrupted removals (records `deleting`): reported, or with `repair` finished under its lock.
-fn removals(ctx: &crate::ctx::Ctx, entries: &[Entry], repair: bool, report: &mut Report) {
+fn removals(ctx: &Ctx, entries: &[Entry], repair: bool, report: &mut Report) {
     let root = &ctx.root;
     let (mut finished, mut stuck, mut busy, mut underway) = (vec![], vec![], vec![], vec![]);
     for e in entries.iter().filter(|e| crate::gc::deleting(&e.seen)) {
@@ -636,10 +636,10 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
 
 /// Whether the images directory is claimed for this store (`claim.rs`); `repair` claims it.
 fn claim(
-    root: &crate::root::Root,
-    config: &crate::config::Config,
-    images: &crate::dir::Dir,
-    dir: &std::path::Path,
+    root: &Root,
+    config: &Config,
+    images: &Dir,
+    dir: &Path,
     repair: bool,
     report: &mut Report,
 ) {
@@ -693,7 +693,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             // A record that cannot be read is still the image's: reported under "records". An
             // empty lock file names nothing: its tree is an orphan.
             let unreadable = e.seen.damaged || e.seen.legacy;
-            if let Some(n) = crate::root::Root::image_of_lock_file(&e.file).filter(|_| unreadable) {
+            if let Some(n) = Root::image_of_lock_file(&e.file).filter(|_| unreadable) {
                 named.insert(n.as_str().to_owned());
             }
             continue;
@@ -730,8 +730,8 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
 
 /// Trees without a record: reported, or with `repair` adopted one by one, each failure with why.
 fn orphan_trees(
-    root: &crate::root::Root,
-    config: &crate::config::Config,
+    root: &Root,
+    config: &Config,
     orphans: &adopt::Orphans,
     dir: &Path,
     repair: bool,
@@ -763,12 +763,7 @@ fn orphan_trees(
 }
 
 /// Ready records whose trees are gone (deleted by hand): the image is gone.
-fn missing_trees(
-    ctx: &crate::ctx::Ctx,
-    gone: &[(ImageName, &Entry)],
-    repair: bool,
-    report: &mut Report,
-) {
+fn missing_trees(ctx: &Ctx, gone: &[(ImageName, &Entry)], repair: bool, report: &mut Report) {
     if gone.is_empty() {
         return;
     }
@@ -870,7 +865,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
 /// Temporary files of a `store.conf` write a kill cut short (`.store.conf.PID.RANDOM`): one lives
 /// for milliseconds, so one older than 10 minutes (by its ctime: the slack covers a server's clock
 /// against ours) is a leftover.
-fn config_temps(root: &crate::root::Root, repair: bool, report: &mut Report) -> Result<()> {
+fn config_temps(root: &Root, repair: bool, report: &mut Report) -> Result<()> {
     // Listed: the root's anchor opened for reading.
     let dir = root.open()?.sub(".")?;
     let prefix = format!(".{}.", crate::config::FILE);
