@@ -26,6 +26,7 @@ use crate::image_record::{self, ImagesDir, Record, State};
 use crate::lock::{self, Mode};
 use crate::name::ImageName;
 use crate::root::Root;
+use crate::slot_limits::Kind;
 use crate::store::Store;
 
 /// Whether the store is one to migrate: no configuration yet, and an older release's catalog.
@@ -359,16 +360,12 @@ fn slot_classes(root: &Root, old: &Old) -> Result<()> {
             .filter_map(|n| n.into_string().ok())
             .collect();
         let top = |high: bool| {
-            files
-                .iter()
-                .filter_map(|f| crate::slot_limits::Kind::of(f))
-                .filter_map(|k| match (k, high) {
-                    (crate::slot_limits::Kind::High(i), true)
-                    | (crate::slot_limits::Kind::Normal(i), false) => Some(i + 1),
-                    _ => None,
-                })
-                .max()
-                .unwrap_or(0)
+            let next = |k| match (k, high) {
+                (Kind::High(i), true) | (Kind::Normal(i), false) => Some(i + 1),
+                _ => None,
+            };
+            let nexts = files.iter().filter_map(|f| Kind::of(f).and_then(next));
+            nexts.max().unwrap_or(0)
         };
         for f in files.iter().filter(|f| f.ends_with(".lock")) {
             if let Ok(file) = dir.open_rw(f, false) {

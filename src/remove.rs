@@ -156,27 +156,20 @@ fn after_take_out(
     let (put_back, e, what) = match taken {
         Taken::Trashed(t) => return Ok(Some(t)),
         Taken::Deleted | Taken::Gone => return Ok(None),
-        Taken::Refused(e) => (
-            before.clone(),
-            e,
-            format!(
-                "nothing of image '{}' was removed; it is {} again",
-                held.name,
-                before.state_seen(false).as_str()
-            ),
-        ),
+        Taken::Refused(e) => {
+            let (name, state) = (&held.name, before.state_seen(false).as_str());
+            let what = format!("nothing of image '{name}' was removed; it is {state} again");
+            (before.clone(), e, what)
+        }
         Taken::Partial(e) => {
             let mut broken = before.clone();
             broken.state = State::Incomplete;
             broken.outcome = Some("removal failed half-way".into());
-            (
-                broken,
-                e,
-                format!(
-                    "image '{}' was deleted only in part and is now incomplete ('stowage gc' removes it once the cause is fixed)",
-                    held.name
-                ),
-            )
+            let name = &held.name;
+            let what = format!(
+                "image '{name}' was deleted only in part and is now incomplete ('stowage gc' removes it once the cause is fixed)"
+            );
+            (broken, e, what)
         }
     };
     let _ = image_record::write_reserved(
