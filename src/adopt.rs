@@ -42,9 +42,7 @@ pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<O
             continue;
         };
         match ImageName::from_encoded(enc) {
-            Ok(name) if !recorded.contains(name.as_str()) => {
-                out.trees.push((name, dir.join(&raw)));
-            }
+            Ok(name) if !recorded.contains(name.as_str()) => out.trees.push((name, dir.join(&raw))),
             Ok(_) => {}
             Err(e) => out.skipped.push((enc.to_owned(), e.rule.to_string())),
         }

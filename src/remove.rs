@@ -216,9 +216,8 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
         Ok(None) => return Taken::Gone,
         Ok(Some(_)) => {}
         Err(e) => {
-            return Taken::Refused(
-                anyhow::Error::new(e).context(format!("cannot inspect {}", tree.display())),
-            );
+            let e = anyhow::Error::new(e).context(format!("cannot inspect {}", tree.display()));
+            return Taken::Refused(e);
         }
     };
     let dest = trash_name(enc);
