@@ -361,17 +361,14 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
             PathBuf::new(),
             format!("schema version {v}, newer than this stowage knows ({SCHEMA})"),
         ),
-        _ => Found::Replaced(
-            PathBuf::new(),
-            format!(
-                "not a stowage catalog (schema version {version}, tables: {})",
-                if tables.is_empty() {
-                    "none".into()
-                } else {
-                    tables.join(", ")
-                }
-            ),
-        ),
+        _ => {
+            let listed = match tables.is_empty() {
+                true => "none".into(),
+                false => tables.join(", "),
+            };
+            let why = format!("not a stowage catalog (schema version {version}, tables: {listed})");
+            Found::Replaced(PathBuf::new(), why)
+        }
     })
 }
 

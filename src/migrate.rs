@@ -54,12 +54,9 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         return Ok(());
     }
-    let legacy = crate::catalog::legacy_state(&root).with_context(|| {
-        format!(
-            "cannot tell whether {} is to be migrated",
-            root.db().display()
-        )
-    })?;
+    let db = root.db();
+    let why = || format!("cannot tell whether {} is to be migrated", db.display());
+    let legacy = crate::catalog::legacy_state(&root).with_context(why)?;
     let Some(version) = legacy else {
         // No catalog to convert: a store whose records are all there is.
         ensure_config(&root)?;

@@ -113,12 +113,9 @@ fn whose(
 /// records has a catalog to migrate instead).
 fn lost(root: &Root) -> Result<bool> {
     // A catalog that cannot be asked (busy) may be an older release's mid-migration: not lost.
-    let legacy = crate::catalog::legacy_state(root).with_context(|| {
-        format!(
-            "cannot tell whether {} is to be migrated",
-            root.db().display()
-        )
-    })?;
+    let db = root.db();
+    let why = || format!("cannot tell whether {} is to be migrated", db.display());
+    let legacy = crate::catalog::legacy_state(root).with_context(why)?;
     Ok(legacy.is_none() && crate::images_dir::has_records(root)?)
 }
 
