@@ -66,13 +66,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         removed.push(remove::remove_held(store.root(), h, None)?);
     }
     crate::space::refill(&store.root().reserve());
+    let ctx = store.ctx();
     for r in &removed {
-        store.ctx().say(&format!(
-            "removed '{}' ({}, {})",
-            r.name,
-            r.state.as_str(),
-            disk_usage::human(r.bytes)
-        ));
+        let (name, state, size) = (&r.name, r.state.as_str(), disk_usage::human(r.bytes));
+        ctx.say(&format!("removed '{name}' ({state}, {size})"));
     }
     // The images are gone; space that could not be freed is a failure.
     let mut code = 0;
