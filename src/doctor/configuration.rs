@@ -129,6 +129,7 @@ fn from_records(root: &Root) -> Result<ImagesDir, String> {
             named.push(r.images);
         }
     }
+    let n = named.len();
     match named.as_slice() {
         [] | [ImagesDir::Default] => Ok(ImagesDir::Default),
         [ImagesDir::External(p)] if std::fs::metadata(p).is_ok_and(|m| m.is_dir()) => {
@@ -138,9 +139,6 @@ fn from_records(root: &Root) -> Result<ImagesDir, String> {
             "the records name {}, which is not a directory now",
             p.display()
         )),
-        _ => Err(format!(
-            "the records name {} images directories",
-            named.len()
-        )),
+        _ => Err(format!("the records name {n} images directories")),
     }
 }
