@@ -30,52 +30,43 @@ const LOCAL: &[&str] = &[
 
 pub fn filesystem(path: &Path) -> io::Result<Filesystem> {
     let st = nix::sys::statfs::statfs(path).map_err(io::Error::from)?;
-    if let Some(name) = std::env::var_os(crate::env::DEBUG_FILESYSTEM) {
-        let name = name.to_string_lossy().into_owned();
-        let local = LOCAL.contains(&name.as_str());
-        return Ok(Filesystem {
-            name,
-            local,
-            queries_see_flocks: false,
-        });
-    }
     #[allow(clippy::unnecessary_cast)]
-    let magic = st.filesystem_type().0 as i64;
-    let (name, local) = match magic {
-        0x0102_1994 => ("tmpfs", true),
-        0xEF53 => ("ext4", true),
-        0x5846_5342 => ("xfs", true),
-        0x9123_683E => ("btrfs", true),
-        0x2FC1_2FC1 => ("zfs", true),
-        0x794C_7630 => ("overlay", true),
-        0xF2F5_2010 => ("f2fs", true),
-        0x8584_58F6 => ("ramfs", true),
-        0x5265_4973 => ("reiserfs", true),
-        0x6969 => ("nfs", false),
-        0x0BD0_0BD0 => ("lustre", false),
-        0x4750_4653 => ("gpfs", false),
-        0xFF53_4D42 => ("cifs", false),
-        0xFE53_4D42 => ("smb2", false),
-        0x00C3_6400 => ("ceph", false),
-        0x1983_0326 => ("beegfs", false),
-        0x6573_5546 => ("fuse", false),
-        0x0000_564C => ("ncp", false),
-        0x7366_7673 | 0x5346_414F => ("afs", false),
-        _ => {
-            let name = format!("unknown (0x{magic:x})");
-            return Ok(Filesystem {
-                name,
-                local: false,
-                queries_see_flocks: false,
-            });
-        }
+    let name = match std::env::var_os(crate::env::DEBUG_FILESYSTEM) {
+        Some(name) => name.to_string_lossy().into_owned(),
+        None => name_of_magic(st.filesystem_type().0 as i64),
     };
-    let name = name.to_owned();
     Ok(Filesystem {
+        local: LOCAL.contains(&name.as_str()),
         name,
-        local,
         queries_see_flocks: false,
     })
+}
+
+/// The name of the filesystem whose statfs(2) magic is `magic` (local ones as in [`LOCAL`]).
+fn name_of_magic(magic: i64) -> String {
+    let name = match magic {
+        0x0102_1994 => "tmpfs",
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0x2FC1_2FC1 => "zfs",
+        0x794C_7630 => "overlay",
+        0xF2F5_2010 => "f2fs",
+        0x8584_58F6 => "ramfs",
+        0x5265_4973 => "reiserfs",
+        0x6969 => "nfs",
+        0x0BD0_0BD0 => "lustre",
+        0x4750_4653 => "gpfs",
+        0xFF53_4D42 => "cifs",
+        0xFE53_4D42 => "smb2",
+        0x00C3_6400 => "ceph",
+        0x1983_0326 => "beegfs",
+        0x6573_5546 => "fuse",
+        0x0000_564C => "ncp",
+        0x7366_7673 | 0x5346_414F => "afs",
+        _ => return format!("unknown (0x{magic:x})"),
+    };
+    name.to_owned()
 }
 
 /// A mount, from /proc/self/mountinfo.
@@ -99,14 +90,6 @@ pub fn mount_of(path: &Path) -> Option<Mount> {
 }
 
 fn parse_mountinfo(text: &str) -> Vec<Mount> {
-    parse_mountinfo_with_devices(text)
-        .into_iter()
-        .map(|(m, _)| m)
-        .collect()
-}
-
-/// The mounts, each with its device as the table writes it (`MAJ:MIN`).
-fn parse_mountinfo_with_devices(text: &str) -> Vec<(Mount, String)> {
     let mut out = Vec::new();
     for line in text.lines() {
         // id parent maj:min root mount-point options [optional...] - fstype source super-options
@@ -123,15 +106,12 @@ fn parse_mountinfo_with_devices(text: &str) -> Vec<(Mount, String)> {
             .chain(r[2].split(','))
             .map(str::to_owned)
             .collect();
-        out.push((
-            Mount {
-                mount_point: std::path::PathBuf::from(unescape(l[4])),
-                fstype: r[0].to_owned(),
-                source: unescape(r[1]),
-                options,
-            },
-            l[2].to_owned(),
-        ));
+        out.push(Mount {
+            mount_point: std::path::PathBuf::from(unescape(l[4])),
+            fstype: r[0].to_owned(),
+            source: unescape(r[1]),
+            options,
+        });
     }
     out
 }
@@ -180,9 +160,10 @@ pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>
     let Some((at, fs)) = nearest(path) else {
         return (Reach::ClusterWide, None, None);
     };
-    let own = (at == path).then(|| fs.clone());
-    let (reach, mount) = reach_of(at, fs);
-    (reach, mount, own)
+    // The mount is looked up (a canonicalized path) only where it matters.
+    let mount = is_shared_kind(&fs.name).then(|| mount_of(at)).flatten();
+    let (reach, mount) = reach_with(&fs, mount);
+    (reach, mount, (at == path).then_some(fs))
 }
 
 /// The filesystem of `path`, or, for a path not made yet, of its nearest existing ancestor, where
@@ -208,7 +189,7 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
     }
     let want = format!("{}:{}", libc::major(dev), libc::minor(dev));
     let line = first_mount_of(&mountinfo_path(), &want)?;
-    let (mount, _) = parse_mountinfo_with_devices(&line).into_iter().next()?;
+    let mount = parse_mountinfo(&line).into_iter().next()?;
     // Named as statfs names them: ext2/3/4 share one magic, NFS 3 and 4 too.
     let name = match mount.fstype.as_str() {
         "ext2" | "ext3" => "ext4",
@@ -249,12 +230,6 @@ fn mountinfo_path() -> std::path::PathBuf {
 /// The shared filesystems whose mount options (or client configuration) decide how far locks reach.
 fn is_shared_kind(name: &str) -> bool {
     matches!(name, "nfs" | "lustre" | "beegfs")
-}
-
-fn reach_of(path: &Path, fs: Filesystem) -> (Reach, Option<Mount>) {
-    // The mount is looked up (a canonicalized path) only where it matters.
-    let mount = is_shared_kind(&fs.name).then(|| mount_of(path)).flatten();
-    reach_with(&fs, mount)
 }
 
 /// How far locks reach on `fs`, mounted as `mount` (if it could be read).
