@@ -66,6 +66,31 @@ impl Claim {
     pub fn same_store(&self, other: &Claim) -> bool {
         self.id == other.id && crate::dir::same_identity(&self.root, &other.root)
     }
+
+    /// Whether this claim still binds the images directory at `path`. It does unless its root is
+    /// where it says and its configuration records another images directory, by the identity
+    /// recorded (an unmounted directory is still its own): `path` is a copy's `img`, whose claim
+    /// came along with `cp -a`. A root whose path is gone or names another directory may only have
+    /// moved — a copy of this very store cannot tell a moved original from a deleted one — and an
+    /// error looking (permissions, a stale handle) is no evidence either.
+    pub fn binds(&self, path: &Path) -> bool {
+        let root = Path::new(&self.path);
+        let Ok(anchor) = Dir::anchor_nofollow(root) else {
+            return true;
+        };
+        match anchor.identity() {
+            Ok(now) if crate::dir::same_identity(&self.root, &now) => {}
+            _ => return true,
+        }
+        let recorded = crate::config::read(root, &anchor)
+            .ok()
+            .flatten()
+            .and_then(|c| c.identity);
+        match (recorded, Dir::anchor(path).and_then(|d| d.identity())) {
+            (Some(theirs), Ok(this)) => crate::dir::same_identity(&theirs, &this),
+            _ => true,
+        }
+    }
 }
 
 /// What claims the directory `dir`: `Ok(None)` if nothing does, or the filesystem keeps no extended
@@ -73,19 +98,11 @@ impl Claim {
 pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
     let mut buf = vec![0u8; 1024];
     match get(dir, &mut buf) {
-        Ok(n) => {
-            buf.truncate(n);
-            Ok(std::str::from_utf8(&buf).ok().and_then(Claim::decode))
-        }
-        Err(e)
-            if matches!(
-                e.raw_os_error(),
-                Some(libc::ENODATA | libc::ENOTSUP | libc::ERANGE)
-            ) =>
-        {
-            Ok(None)
-        }
-        Err(e) => Err(e),
+        Ok(n) => Ok(std::str::from_utf8(&buf[..n]).ok().and_then(Claim::decode)),
+        Err(e) => match e.raw_os_error() {
+            Some(libc::ENODATA | libc::ENOTSUP | libc::ERANGE) => Ok(None),
+            _ => Err(e),
+        },
     }
 }
 
@@ -128,33 +145,6 @@ pub fn write(dir: &Dir, claim: &Claim, new: bool) -> io::Result<bool> {
         Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => Ok(false),
         Err(e) => Err(e),
-    }
-}
-
-impl Claim {
-    /// Whether this claim still binds the images directory at `path`. It does unless its root is
-    /// where it says and its configuration records another images directory, by the identity
-    /// recorded (an unmounted directory is still its own): `path` is a copy's `img`, whose claim
-    /// came along with `cp -a`. A root whose path is gone or names another directory may only have
-    /// moved — a copy of this very store cannot tell a moved original from a deleted one — and an
-    /// error looking (permissions, a stale handle) is no evidence either.
-    pub fn binds(&self, path: &Path) -> bool {
-        let root = Path::new(&self.path);
-        let Ok(anchor) = Dir::anchor_nofollow(root) else {
-            return true;
-        };
-        match anchor.identity() {
-            Ok(now) if crate::dir::same_identity(&self.root, &now) => {}
-            _ => return true,
-        }
-        let recorded = crate::config::read(root, &anchor)
-            .ok()
-            .flatten()
-            .and_then(|c| c.identity);
-        match (recorded, Dir::anchor(path).and_then(|d| d.identity())) {
-            (Some(theirs), Ok(this)) => crate::dir::same_identity(&theirs, &this),
-            _ => true,
-        }
     }
 }
 

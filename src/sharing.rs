@@ -46,17 +46,12 @@ impl Wrong {
     pub fn describe(&self) -> String {
         format!(
             "{} (mode {:o}, uid {}, group {})",
-            shown(&self.rel),
+            if self.rel.is_empty() { "." } else { &self.rel },
             self.mode & 0o7777,
             self.uid,
             self.gid
         )
     }
-}
-
-/// The root as "." in messages about parts.
-fn shown(rel: &str) -> &str {
-    if rel.is_empty() { "." } else { rel }
 }
 
 /// Whether the root at `dir` is a group store: group-writable.
@@ -68,13 +63,11 @@ pub fn is_group_store(dir: &Path) -> Option<(u32, u32)> {
 /// Every part of the layout that exists, relative to the root, with whether it is a directory.
 /// Links are not parts: `doctor`'s layout check reports those.
 pub fn parts(root: &Root) -> Vec<(String, bool)> {
-    let mut out = vec![(String::new(), true)];
-    for d in Root::LAYOUT_DIRS {
-        out.push((d.to_owned(), true));
-    }
-    for f in Root::LAYOUT_FILES.iter().chain(&["stowage.db-journal"]) {
-        out.push(((*f).to_owned(), false));
-    }
+    let dirs = std::iter::once("").chain(Root::LAYOUT_DIRS);
+    let files = Root::LAYOUT_FILES.into_iter().chain(["stowage.db-journal"]);
+    let mut out: Vec<_> = (dirs.map(|d| (d.to_owned(), true)))
+        .chain(files.map(|f| (f.to_owned(), false)))
+        .collect();
     for d in ["locks/images", "locks/leases", "img"] {
         for (name, is_dir) in entries(&root.dir().join(d)) {
             // Image directories only: what is inside is the builder's.
@@ -152,21 +145,17 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
             done.not_ours.push(w);
             continue;
         }
-        match fix(&root.dir().join(&w.rel), w.dir, gid) {
+        // Through a descriptor opened without following a link in any component: a member who
+        // swaps a directory of the layout for a link meanwhile leads this nowhere outside the root.
+        let flags = libc::O_RDONLY | if w.dir { libc::O_DIRECTORY } else { 0 };
+        match crate::planted::open(&root.dir().join(&w.rel), flags, 0)
+            .and_then(|f| fix_fd(f.as_raw_fd(), w.dir, gid, 0))
+        {
             Ok(()) => done.fixed.push(w),
             Err(e) => done.failed.push((w, e.to_string())),
         }
     }
     done
-}
-
-/// Sets group `gid` and the group store's bits on `path` (under the root), through a descriptor
-/// opened without following a link in any component: a member who swaps a directory of the layout
-/// for a link meanwhile leads this nowhere outside the root.
-fn fix(path: &Path, dir: bool, gid: u32) -> io::Result<()> {
-    let flags = libc::O_RDONLY | if dir { libc::O_DIRECTORY } else { 0 };
-    let f = crate::planted::open(path, flags, 0)?;
-    fix_fd(f.as_raw_fd(), dir, gid, 0)
 }
 
 /// Gives an images directory outside the root (the directory, not what is in it) what a group
@@ -204,10 +193,8 @@ fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<
     cvt(unsafe { libc::fchmod(fd, mode as libc::mode_t) }).map(drop)
 }
 
-/// A group by name or number, as `init --group` takes it. Names are read from `/etc/group`, as a
-/// static binary can (glibc's lookup through NSS modules is not to be had there); a group known
-/// only to LDAP or SSSD is given by number.
-/// The groups `/etc/group` names, as (name, gid) (read directly: no name service).
+/// The groups `/etc/group` names, as (name, gid): read directly, as a static binary can (glibc's
+/// lookup through NSS modules is not to be had there).
 fn groups() -> Vec<(String, u32)> {
     let text = fs::read_to_string("/etc/group").unwrap_or_default();
     text.lines()
@@ -227,6 +214,8 @@ pub fn group_label(gid: u32) -> String {
         .map_or_else(|| gid.to_string(), |(n, _)| format!("'{n}' ({gid})"))
 }
 
+/// A group by name or number, as `init --group` takes it; one known only to LDAP or SSSD is given
+/// by number.
 pub fn group_id(group: &str) -> Result<u32> {
     if let Ok(n) = group.parse::<u32>() {
         return Ok(n);
@@ -259,12 +248,16 @@ pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
         );
     }
     if !crate::ident::in_group(gid) {
-        anyhow::bail!(
-            "cannot give root {} group {gid}: you are not in that group (see {DOC})",
-            dir.display()
-        );
+        return Err(not_in_group(dir, gid));
     }
     Ok(())
+}
+
+fn not_in_group(dir: &Path, gid: u32) -> anyhow::Error {
+    anyhow::anyhow!(
+        "cannot give root {} group {gid}: you are not in that group (see {DOC})",
+        dir.display()
+    )
 }
 
 /// Makes the root at `dir` (existing) a group store for `gid`: its group, group-writable and
@@ -275,10 +268,7 @@ pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
     let root = crate::planted::open(dir, libc::O_RDONLY | libc::O_DIRECTORY, 0)
         .with_context(|| format!("cannot share root {}", dir.display()))?;
     fix_fd(root.as_raw_fd(), true, gid, 0o775).map_err(|e| match e.raw_os_error() {
-        Some(libc::EPERM) => anyhow::anyhow!(
-            "cannot give root {} group {gid}: you are not in that group (see {DOC})",
-            dir.display()
-        ),
+        Some(libc::EPERM) => not_in_group(dir, gid),
         _ => anyhow::Error::new(e).context(format!("cannot share root {}", dir.display())),
     })?;
     // Others keep reading (the default), never writing.
