@@ -41,23 +41,19 @@ pub fn config(root: &Root) -> Result<Config> {
             if legacy.is_some() {
                 return Err(crate::catalog::NeedsMigration.into());
             }
-            if has_records(root)? {
-                return reread(root);
+            if !has_records(root)? {
+                return Ok(made(root));
             }
-            Ok(made(root))
+            // A record is written only while the configuration is on disk: read again after the
+            // records were seen, it was lost if still missing (else made meanwhile by a first use
+            // beside ours).
+            crate::config::read(root.dir(), &root.open()?)?.with_context(|| {
+                format!(
+                    "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
+                    root.dir().join(crate::config::FILE).display()
+                )
+            })
         }
-    }
-}
-
-/// A record is written only while the configuration is on disk: read again after the records were
-/// seen, it was lost if still missing (else made meanwhile by a first use beside ours).
-fn reread(root: &Root) -> Result<Config> {
-    match crate::config::read(root.dir(), &root.open()?)? {
-        Some(c) => Ok(c),
-        None => anyhow::bail!(
-            "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
-            root.dir().join(crate::config::FILE).display()
-        ),
     }
 }
 
@@ -70,37 +66,13 @@ fn made(root: &Root) -> Config {
         return fresh(root);
     };
     // Only in a store whose layout is made (`Root::create_layout`, which refuses what is planted,
-    // and a root whose `img` another store claims, before it makes anything).
-    if !dir
-        .stat_at("locks/images")
-        .is_ok_and(|e| e.is_some_and(|e| e.is_dir()))
-    {
+    // and a root whose `img` another store claims, before it makes anything). Another's layout
+    // half made is finished first, so `img` is there to identify and claim.
+    let laid_out = matches!(dir.stat_at("locks/images"), Ok(Some(e)) if e.is_dir());
+    if !laid_out || root.create_layout().is_err() {
         return fresh(root);
     }
-    // Another's layout half made: finished first, so `img` is there to identify and claim.
-    if root.create_layout().is_err() {
-        return fresh(root);
-    }
-    let img = root.open_images_dir(&root.default_images_dir()).ok();
-    let config = Config {
-        identity: img.as_ref().and_then(|d| d.identity().ok()),
-        root: dir.identity().ok(),
-        ..fresh(root)
-    };
-    if crate::config::create(root.dir(), &dir, &config).is_err() {
-        return config;
-    }
-    let config = match crate::config::read(root.dir(), &dir) {
-        Ok(Some(c)) => c,
-        _ => config,
-    };
-    // Only where nothing claims it: the write itself asks (XATTR_CREATE).
-    if let Some(img) = &img
-        && let Ok(mine) = Claim::of(&config.id, &dir, root.dir())
-    {
-        let _ = crate::claim::write(img, &mine, true);
-    }
-    config
+    root.create_config(&dir).0
 }
 
 /// A configuration for a store that has none: a fresh one, but with the store's id where `ROOT/img`

@@ -6,6 +6,7 @@
 
 use std::fs;
 use std::io;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -13,7 +14,7 @@ use anyhow::{Context, Result};
 use crate::dir::Dir;
 use crate::name::ImageName;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Root {
     dir: PathBuf,
     /// The default root, `/var/tmp/$USER.stowage`: it must be the user's own (anyone may create
@@ -45,9 +46,7 @@ impl Root {
             dir: std::path::absolute(&dir)
                 .with_context(|| format!("cannot resolve root {}", dir.display()))?,
             default,
-            dev: None,
-            fs: None,
-            opened: Default::default(),
+            ..Default::default()
         })
     }
 
@@ -55,19 +54,12 @@ impl Root {
     /// does, since paths below it are opened refusing any link (`planted::open`).
     pub fn at(dir: impl Into<PathBuf>) -> Root {
         let dir: PathBuf = dir.into();
-        let dir =
-            fs::canonicalize(&dir).unwrap_or_else(|_| match (dir.parent(), dir.file_name()) {
-                (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
-                    fs::canonicalize(parent).map_or(dir.clone(), |p| p.join(name))
-                }
-                _ => dir,
-            });
+        let dir = fs::canonicalize(&dir)
+            .or_else(|_| real_path(&dir))
+            .unwrap_or(dir);
         Root {
             dir,
-            default: false,
-            dev: None,
-            fs: None,
-            opened: Default::default(),
+            ..Default::default()
         }
     }
 
@@ -139,12 +131,11 @@ impl Root {
             return Ok(());
         };
         // Opened, not only looked at: one we may not list (its mode) must not read as empty either.
-        let usable = |name: &str| -> Result<()> {
-            match locks.sub(name) {
-                Ok(_) => Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(not_a_dir(&self.locks().join(name), e)),
+        let usable = |name: &str| match locks.sub(name) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                Err(not_a_dir(&self.locks().join(name), e))
             }
+            _ => Ok(()),
         };
         usable("images")?;
         usable("slots")?;
@@ -372,23 +363,22 @@ impl Root {
     /// path should not grow a directory tree.
     pub fn create_layout(&self) -> Result<()> {
         match fs::symlink_metadata(&self.dir) {
-            Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(&self.dir) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => anyhow::bail!(
                     "cannot create root {}: its parent directory does not exist",
                     self.dir.display()
                 ),
-                Err(e) => {
+                Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
                     return Err(e)
                         .with_context(|| format!("cannot create root {}", self.dir.display()));
                 }
+                _ => {}
             },
             Err(e) => {
                 return Err(e)
                     .with_context(|| format!("cannot inspect root {}", self.dir.display()));
             }
+            Ok(_) => {}
         }
         self.refuse_claimed_img()?;
         make_dir(&self.dir)?;
@@ -404,29 +394,7 @@ impl Root {
         // A new store's configuration (a store of a release before records has a catalog to migrate
         // first, which writes it: migrate.rs).
         if root.stat_at(crate::config::FILE)?.is_none() && root.stat_at("stowage.db")?.is_none() {
-            // The images directory's and the root's identity, from the start: a directory later
-            // found empty, or another mounted there, is told from the one the records describe; a
-            // copy of the whole store, from either.
-            let img = self.open_sub("img").ok();
-            let mut config = crate::config::Config {
-                identity: img.as_ref().and_then(|d| d.identity().ok()),
-                root: root.identity().ok(),
-                ..crate::config::Config::fresh()
-            };
-            // The id this root's `img` claim carries, if any (a configuration lost).
-            if let Some(id) = self.claimed_id() {
-                config.id = id;
-            }
-            crate::config::create(&self.dir, &root, &config)?;
-            // This store's, from the start (claim.rs): as the file says, whoever made it first.
-            let id = match crate::config::read(&self.dir, &root) {
-                Ok(Some(c)) => c.id,
-                _ => config.id,
-            };
-            if let (Some(img), Ok(mine)) = (&img, crate::claim::Claim::of(&id, &root, &self.dir)) {
-                // Only an unclaimed one: another store's claim made meanwhile stands.
-                let _ = crate::claim::write(img, &mine, true);
-            }
+            self.create_config(&root).1?;
         }
         crate::space::refill(&self.reserve());
         Ok(())
@@ -498,8 +466,40 @@ impl Root {
         Ok(())
     }
 
-    /// Before a new store is made: an `img` already in the root that another store's standing claim
-    /// names is not this store's (one images directory, one store): nothing is made.
+    /// Makes the configuration of a new store through the root's descriptor `root`, unless one is
+    /// there already, and claims `img` for the store the file names (whoever made it first) if
+    /// nothing claims it. Returns the configuration, and whether it could be written.
+    pub fn create_config(&self, root: &Dir) -> (crate::config::Config, Result<()>) {
+        // The images directory's and the root's identity, from the start: a directory later found
+        // empty, or another mounted there, is told from the one the records describe; a copy of
+        // the whole store, from either.
+        let img = self.open_sub("img").ok();
+        let mut config = crate::config::Config {
+            identity: img.as_ref().and_then(|d| d.identity().ok()),
+            root: root.identity().ok(),
+            ..crate::config::Config::fresh()
+        };
+        // The id this root's `img` claim carries, if any (a configuration lost).
+        if let Some(id) = self.claimed_id() {
+            config.id = id;
+        }
+        if let Err(e) = crate::config::create(&self.dir, root, &config) {
+            return (config, Err(e));
+        }
+        let config = match crate::config::read(&self.dir, root) {
+            Ok(Some(c)) => c,
+            _ => config,
+        };
+        // Only where nothing claims it: the write itself asks (XATTR_CREATE), so another store's
+        // claim made meanwhile stands.
+        if let Some(img) = &img
+            && let Ok(mine) = crate::claim::Claim::of(&config.id, root, &self.dir)
+        {
+            let _ = crate::claim::write(img, &mine, true);
+        }
+        (config, Ok(()))
+    }
+
     /// The store id this root's `img` claim carries, where the claim names this very root.
     pub fn claimed_id(&self) -> Option<String> {
         let here = self.open().ok()?.identity().ok()?;
@@ -508,6 +508,8 @@ impl Root {
         crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
     }
 
+    /// Before a new store is made: an `img` already in the root that another store's standing claim
+    /// names is not this store's (one images directory, one store): nothing is made.
     fn refuse_claimed_img(&self) -> Result<()> {
         if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_ok() {
             return Ok(());
@@ -551,8 +553,7 @@ impl Root {
                 Ok(m) if m.is_dir() => continue,
                 Ok(m) => format!(
                     "{}, not a directory",
-                    crate::planted::kind_of_mode(std::os::unix::fs::MetadataExt::mode(&m))
-                        .unwrap_or("a regular file")
+                    crate::planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
                 ),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if locks_ok {
@@ -599,17 +600,14 @@ impl Root {
     /// A symlink that passes is resolved once, here: every later use goes to the checked directory
     /// (and SQLite, which refuses symlinks anywhere in a database path, gets the real one).
     pub fn check(&mut self) -> Result<Sharing> {
-        use std::os::unix::fs::MetadataExt;
         let euid = nix::unistd::geteuid().as_raw();
         let link = match fs::symlink_metadata(&self.dir) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 // Symlinks above the root are the user's choice; resolved once, so SQLite (which
                 // refuses any) gets a real path.
-                if let (Some(parent), Some(name)) = (self.dir.parent(), self.dir.file_name())
-                    && let Ok(real) = fs::canonicalize(parent)
-                {
-                    self.dir = real.join(name);
+                if let Ok(real) = real_path(&self.dir) {
+                    self.dir = real;
                 }
                 return Ok(Sharing::Private);
             }
@@ -642,15 +640,7 @@ impl Root {
             self.dir = real;
             m
         } else {
-            // Not a symlink itself: its real path is its parent's and its name. Resolving only the
-            // parent spares a readlink of the root, a round trip on NFS, on every command.
-            let real = match (self.dir.parent(), self.dir.file_name()) {
-                (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
-                    fs::canonicalize(parent).map(|p| p.join(name))
-                }
-                _ => fs::canonicalize(&self.dir),
-            };
-            if let Ok(real) = real {
+            if let Ok(real) = real_path(&self.dir) {
                 self.dir = real;
             }
             link
@@ -695,10 +685,20 @@ impl Root {
     }
 }
 
+/// The real path of `dir`, not itself a symlink: its parent's and its name. Resolving only the
+/// parent spares a readlink of the root, a round trip on NFS, on every command.
+fn real_path(dir: &Path) -> io::Result<PathBuf> {
+    match (dir.parent(), dir.file_name()) {
+        (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
+            fs::canonicalize(parent).map(|p| p.join(name))
+        }
+        _ => fs::canonicalize(dir),
+    }
+}
+
 /// "PATH is a symlink, not a directory; refusing to use it", and what to do, for the errors an
 /// `O_NOFOLLOW|O_DIRECTORY` open gives for what is planted in a directory's place.
 fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
-    use std::os::unix::fs::MetadataExt;
     if !matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
         return anyhow::Error::new(e).context(format!("cannot open {}", path.display()));
     }
