@@ -69,12 +69,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     make_ours(store, &root, &mut config, &dir)?;
     // Trees are adopted ready only in a directory stowage never managed, where no image has ever
     // had a lock file (see adopt.rs).
-    let how = if crate::census::take(&root)?.is_empty() {
+    let census = crate::census::take(&root)?;
+    let how = if census.is_empty() {
         Adopt::AsReady
     } else {
         Adopt::Unknown
     };
-    let named: HashSet<String> = crate::census::take(&root)?
+    let named: HashSet<String> = census
         .into_iter()
         .filter_map(|e| e.name().map(str::to_owned))
         .collect();
@@ -129,22 +130,17 @@ fn make_ours(store: &Store, root: &Root, config: &mut Config, dir: &Path) -> Res
     crate::images_dir::record_identity(root, config, true)
 }
 
-/// Shares with group `gid` the root and an images directory outside it: the directory itself, or
-/// members could make no image, but not the trees in it, which are the builders'.
-fn share(store: &mut Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Result<u8> {
-    let root = store.root().clone();
+/// Shares with group `gid` the root, an images directory outside it (the directory itself, or
+/// members could make no image, but not the trees in it, which are the builders'), and every part
+/// of the layout made before (an existing store converted); exit 1 if a part is someone else's,
+/// naming it.
+fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Result<u8> {
+    let root = store.root();
     crate::debug::pause("init-share");
     crate::sharing::share_root(root.dir(), gid)?;
     if dir != root.default_images_dir() {
         crate::sharing::share_images_dir(images, dir, gid)?;
     }
-    share_parts(store, gid)
-}
-
-/// `--group`, last step: gives every part of the layout made before (an existing store converted)
-/// what a group store needs; exit 1 if a part is someone else's, naming it.
-fn share_parts(store: &Store, gid: u32) -> Result<u8> {
-    let root = store.root();
     let label = crate::sharing::group_label(gid);
     let wrong = crate::sharing::check(root, gid);
     let done = crate::sharing::repair(root, gid, wrong);
@@ -376,14 +372,13 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     let Some(theirs) = crate::claim::read(&images).ok().flatten() else {
         return Ok(());
     };
-    let mine = match root
+    let config = root
         .open()
         .ok()
-        .and_then(|d| crate::config::read(root.dir(), &d).ok())
-    {
-        Some(Some(config)) => Some(crate::images_dir::my_claim(root, &config)?),
-        _ => None,
-    };
+        .and_then(|d| crate::config::read(root.dir(), &d).ok()?);
+    let mine = config
+        .map(|c| crate::images_dir::my_claim(root, &c))
+        .transpose()?;
     if mine.as_ref().is_some_and(|m| m.same_store(&theirs)) || !theirs.binds(dir) {
         return Ok(());
     }
