@@ -451,11 +451,10 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
         // claim, and of two inits racing for one directory only the claim's store uses it.
         config.images = ImagesDir::External(dir.to_owned());
         let images = crate::dir::Dir::open(dir)?;
-        config.identity = Some(
-            images
-                .identity()
-                .context("cannot inspect the images directory")?,
-        );
+        let identity = images
+            .identity()
+            .context("cannot inspect the images directory")?;
+        config.identity = Some(identity);
         config.root = None;
         crate::config::write(root.dir(), &root.open()?, config)?;
         crate::debug::pause("init-switched");
