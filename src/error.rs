@@ -111,16 +111,12 @@ impl Busy {
 
 impl std::fmt::Display for Busy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (what, holders) = (&self.what, &self.holders);
         if self.waited.is_zero() {
-            write!(f, "{} is busy: {}", self.what, self.holders)
+            write!(f, "{what} is busy: {holders}")
         } else {
-            write!(
-                f,
-                "gave up after {:.1} s waiting for {}: {}",
-                self.waited.as_secs_f64(),
-                self.what,
-                self.holders
-            )
+            let secs = self.waited.as_secs_f64();
+            write!(f, "gave up after {secs:.1} s waiting for {what}: {holders}")
         }
     }
 }

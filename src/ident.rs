@@ -22,23 +22,19 @@ impl Me {
         static ME: std::sync::Mutex<Option<Me>> = std::sync::Mutex::new(None);
         let pid = std::process::id();
         let mut cached = ME.lock().unwrap_or_else(|e| e.into_inner());
-        match &*cached {
-            Some(me) if me.pid == pid => me.clone(),
-            _ => {
-                let me = Me {
-                    pid,
-                    host: host_name(),
-                    boot_id: boot_id(),
-                    user: user_name(),
-                };
-                *cached = Some(me.clone());
-                me
-            }
-        }
+        // A forked child is another process: it looks itself up.
+        cached.take_if(|me| me.pid != pid);
+        cached
+            .get_or_insert_with(|| Me {
+                pid,
+                host: host_name(),
+                boot_id: boot_id(),
+                user: user_name(),
+            })
+            .clone()
     }
 }
 
-/// The host name (of this UTS namespace: a container's own).
 /// 64 random bits, for a name no other process on any host makes (a pid alone is no identity:
 /// hosts and containers each count their own).
 pub fn nonce() -> u64 {
@@ -56,6 +52,7 @@ pub fn nonce() -> u64 {
     t ^ (u64::from(std::process::id()) << 32)
 }
 
+/// The host name (of this UTS namespace: a container's own).
 pub fn host_name() -> String {
     nix::unistd::gethostname()
         .ok()
@@ -268,6 +265,8 @@ fn quote(arg: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn shell_words_read_back_as_themselves() {
         assert_eq!(
@@ -283,13 +282,11 @@ mod tests {
     #[test]
     fn a_name_is_read_from_the_password_file_or_is_the_uid() {
         let text = "# comment\nroot:x:0:0:root:/root:/bin/sh\n+nis\nana:x:1000:1000::/home/ana:/bin/sh\nbad line\n";
-        assert_eq!(super::name_in_passwd(text, 1000).as_deref(), Some("ana"));
-        assert_eq!(super::name_in_passwd(text, 0).as_deref(), Some("root"));
-        assert_eq!(super::name_in_passwd(text, 4242), None);
-        assert!(!super::user_name_of(4_000_000_000).is_empty());
+        assert_eq!(name_in_passwd(text, 1000).as_deref(), Some("ana"));
+        assert_eq!(name_in_passwd(text, 0).as_deref(), Some("root"));
+        assert_eq!(name_in_passwd(text, 4242), None);
+        assert!(!user_name_of(4_000_000_000).is_empty());
     }
-
-    use super::*;
 
     #[test]
     fn own_start_time_is_readable() {

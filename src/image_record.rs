@@ -337,11 +337,10 @@ impl Seen {
         // word (`ready` cut short) or damage. State unknown: calling it failed needs evidence.
         let record = record.filter(|r| !(torn && r.state.in_flight()));
         let area = &bytes[..bytes.len().min(HINTS_AT)];
-        let legacy = bytes.starts_with(LEGACY_PREFIX);
         let hint = |at: u64| bytes.get(at as usize).copied().unwrap_or(0);
         Seen {
             damaged: record.is_none() && area.iter().any(|&b| b != 0),
-            legacy,
+            legacy: bytes.starts_with(LEGACY_PREFIX),
             record,
             // Anything but "unset" (0) asks the authority: a torn or foreign byte costs a look,
             // never a missed writer or hold.
@@ -495,7 +494,6 @@ pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
         .is_none_or(|used| now - used >= res)
 }
 
-/// CRC-32 (IEEE), the checksum of a record slot.
 /// `body` with its `crc=` line appended: a slot's text (records, slot limits).
 pub(crate) fn sealed(mut body: String) -> String {
     body.push_str(&format!("crc={:08x}\n", crc32(body.as_bytes())));

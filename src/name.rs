@@ -145,12 +145,9 @@ fn check(name: &str) -> Result<(), NameRule> {
     if name.ends_with('/') {
         return Err(NameRule::TrailingSlash);
     }
-    for component in name.split('/') {
-        match component {
-            "." => return Err(NameRule::DotComponent(".")),
-            ".." => return Err(NameRule::DotComponent("..")),
-            _ => {}
-        }
+    let dot = |c: &str| [".", ".."].into_iter().find(|d| *d == c);
+    if let Some(dot) = name.split('/').find_map(dot) {
+        return Err(NameRule::DotComponent(dot));
     }
     // Encoding maps one ASCII byte to one, so the encoded length is the name's length.
     if name.len() > MAX_ENCODED_LEN {
@@ -184,26 +181,19 @@ mod tests {
         }
     }
 
-    fn encoded(name: &str) -> String {
-        ImageName::parse(name).unwrap().encoded().to_owned()
-    }
-
-    fn decoded(enc: &str) -> String {
-        ImageName::from_encoded(enc).unwrap().as_str().to_owned()
-    }
-
     #[test]
-    fn encodes_like_charliecloud() {
-        let n = encoded("registry.example:5000/team/app:v1");
-        assert_eq!(n, "registry.example+5000%team%app+v1");
-        assert_eq!(encoded("alpine:3.17"), "alpine+3.17");
-        assert_eq!(encoded("team/app:v1"), "team%app+v1");
-    }
-
-    #[test]
-    fn decodes_charliecloud_names() {
-        assert_eq!(decoded("alpine+3.17"), "alpine:3.17");
-        assert_eq!(decoded("team%app+v1"), "team/app:v1");
+    fn encodes_and_decodes_like_charliecloud() {
+        for (name, enc) in [
+            (
+                "registry.example:5000/team/app:v1",
+                "registry.example+5000%team%app+v1",
+            ),
+            ("alpine:3.17", "alpine+3.17"),
+            ("team/app:v1", "team%app+v1"),
+        ] {
+            assert_eq!(ImageName::parse(name).unwrap().encoded(), enc);
+            assert_eq!(ImageName::from_encoded(enc).unwrap().as_str(), name);
+        }
     }
 
     #[test]
@@ -227,66 +217,40 @@ mod tests {
         assert!(ImageName::from_encoded(".hidden").is_err());
         assert!(ImageName::from_encoded("a:b").is_err());
         assert!(ImageName::from_encoded("%lead").is_err());
-    }
-
-    #[test]
-    fn empty() {
-        assert_eq!(rule(""), NameRule::Empty);
-    }
-
-    #[test]
-    fn too_long() {
-        assert!(ImageName::parse(&"a".repeat(255)).is_ok());
-        assert_eq!(rule(&"a".repeat(256)), NameRule::TooLong(256));
-    }
-
-    #[test]
-    fn leading_characters() {
-        assert_eq!(rule(".alpine"), NameRule::LeadingChar('.'));
-        assert_eq!(rule("-alpine"), NameRule::LeadingChar('-'));
-        assert_eq!(rule("/alpine"), NameRule::LeadingChar('/'));
-    }
-
-    #[test]
-    fn double_slash() {
-        assert_eq!(rule("team//app"), NameRule::DoubleSlash);
-    }
-
-    #[test]
-    fn trailing_slash() {
-        assert_eq!(rule("q/"), NameRule::TrailingSlash);
-        assert_eq!(rule("team/app/"), NameRule::TrailingSlash);
         assert!(ImageName::from_encoded("q%").is_err());
     }
 
     #[test]
-    fn dot_components() {
-        assert_eq!(rule("team/./app"), NameRule::DotComponent("."));
-        assert_eq!(rule("team/../app"), NameRule::DotComponent(".."));
-        assert_eq!(rule("team/.."), NameRule::DotComponent(".."));
-        assert_eq!(rule("a/."), NameRule::DotComponent("."));
-    }
-
-    #[test]
-    fn reserved_characters() {
-        assert_eq!(rule("a%b"), NameRule::Reserved('%'));
-        assert_eq!(rule("a+b"), NameRule::Reserved('+'));
-    }
-
-    #[test]
-    fn whitespace_and_control() {
-        assert_eq!(rule("a b"), NameRule::Whitespace);
-        assert_eq!(rule("a\tb"), NameRule::Whitespace);
-        assert_eq!(rule("a\nb"), NameRule::Whitespace);
-        assert_eq!(rule("a\u{1}b"), NameRule::Control);
-        assert_eq!(rule("a\u{7f}b"), NameRule::Control);
-    }
-
-    #[test]
-    fn other_characters() {
-        assert_eq!(rule("a*b"), NameRule::NotAllowed('*'));
-        assert_eq!(rule("café"), NameRule::NotAllowed('é'));
-        assert_eq!(rule("a\\b"), NameRule::NotAllowed('\\'));
+    fn each_broken_rule_is_named() {
+        use NameRule::*;
+        assert!(ImageName::parse(&"a".repeat(255)).is_ok());
+        let long = "a".repeat(256);
+        for (name, broken) in [
+            ("", Empty),
+            (long.as_str(), TooLong(256)),
+            (".alpine", LeadingChar('.')),
+            ("-alpine", LeadingChar('-')),
+            ("/alpine", LeadingChar('/')),
+            ("team//app", DoubleSlash),
+            ("q/", TrailingSlash),
+            ("team/app/", TrailingSlash),
+            ("team/./app", DotComponent(".")),
+            ("team/../app", DotComponent("..")),
+            ("team/..", DotComponent("..")),
+            ("a/.", DotComponent(".")),
+            ("a%b", Reserved('%')),
+            ("a+b", Reserved('+')),
+            ("a b", Whitespace),
+            ("a\tb", Whitespace),
+            ("a\nb", Whitespace),
+            ("a\u{1}b", Control),
+            ("a\u{7f}b", Control),
+            ("a*b", NotAllowed('*')),
+            ("café", NotAllowed('é')),
+            ("a\\b", NotAllowed('\\')),
+        ] {
+            assert_eq!(rule(name), broken, "{name:?}");
+        }
     }
 
     #[test]

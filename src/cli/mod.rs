@@ -119,8 +119,7 @@ impl Command {
             Command::Init(_) | Command::Exec(_) => true,
             Command::Slots(a) => a.creates(),
             Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) | Command::Gc(_) => false,
-            Command::Doctor(_) => false,
-            Command::Completions { .. } | Command::Man { .. } => false,
+            Command::Doctor(_) | Command::Completions { .. } | Command::Man { .. } => false,
         }
     }
 }
@@ -204,17 +203,16 @@ fn run(cli: Cli) -> Result<u8> {
         root.check_locking()?;
     }
     let mut store = Store::new(root);
+    let ctx = store.ctx_mut();
     // A command that only reads never creates a store: a mistyped --root is
     // said so, not shown empty (after its arguments: bad input is 64 anyway).
-    store.ctx_mut().creates_root = cli.command.creates_root();
-    store.ctx_mut().quiet = cli.quiet;
-    store.ctx_mut().verbose = cli.verbose;
-    if sharing == Sharing::Group {
-        // What we create in a group's store must be usable by the group (lock
-        // files opened read-write, the database written; directories inherit
-        // the group from a setgid root). The command gets the umask back.
-        store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
-    }
+    ctx.creates_root = cli.command.creates_root();
+    ctx.quiet = cli.quiet;
+    ctx.verbose = cli.verbose;
+    // What we create in a group's store must be usable by the group (lock
+    // files opened read-write, the database written; directories inherit
+    // the group from a setgid root). The command gets the umask back.
+    ctx.child_umask = (sharing == Sharing::Group).then(crate::sharing::open_umask);
     match cli.command {
         Command::Init(args) => init::run(args, &mut store),
         Command::Exec(args) => exec::run(args, &mut store),
@@ -358,11 +356,7 @@ fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
             .any(|a| a.get_long() == flag.strip_prefix("--"))
     })?;
     let name = owner.get_name();
-    let span = if !words[first].contains('=') && takes_value(owner, &flag) {
-        2
-    } else {
-        1
-    };
+    let span = 1 + usize::from(!words[first].contains('=') && takes_value(owner, &flag));
     let mut fixed: Vec<String> = words[1..].to_vec();
     let moved: Vec<String> = fixed
         .drain(first - 1..(first - 1 + span).min(fixed.len()))
@@ -371,9 +365,7 @@ fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
         .iter()
         .position(|w| w == name)
         .map_or(fixed.len(), |i| i + 1);
-    for (k, m) in moved.into_iter().enumerate() {
-        fixed.insert(at + k, m);
-    }
+    fixed.splice(at..at, moved);
     Some(format!(
         "{flag} is an option of 'stowage {name}': put it after '{name}', as in: stowage {} (see 'stowage {name} --help')",
         crate::ident::shell_join(&fixed)
@@ -415,17 +407,13 @@ fn context(e: &clap::Error, kind: clap::error::ContextKind) -> Option<String> {
 /// command after `--`; `at` is the index of `exec`, `arg` the command's.
 fn command_before_dashes(args: &[OsString], at: usize, arg: &str) {
     let pos = command_start(args, at).filter(|&p| args[p] == arg);
-    let mut fixed: Vec<String> = args
-        .iter()
-        .skip(1)
-        .map(|a| crate::ident::shell_join(&[a.to_string_lossy().into_owned()]))
-        .collect();
+    let mut fixed = lossy(&args[1..]);
     match pos {
         Some(p) if !args.iter().any(|a| a == "--") => {
             fixed.insert(p - 1, "--".into());
             complain!(
                 "stowage: unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
-                fixed.join(" ")
+                crate::ident::shell_join(&fixed)
             );
         }
         _ => complain!(
@@ -466,13 +454,9 @@ fn usage_error(e: &clap::Error, page: Option<&str>) -> String {
         .collect();
     let what = what.join(" ");
     let what = what.strip_prefix("error: ").unwrap_or(&what);
-    let hint = match (
-        context(e, ContextKind::SuggestedArg),
-        context(e, ContextKind::SuggestedSubcommand),
-    ) {
-        (Some(s), _) | (None, Some(s)) => format!("; did you mean '{s}'?"),
-        (None, None) => String::new(),
-    };
+    let hint = context(e, ContextKind::SuggestedArg)
+        .or_else(|| context(e, ContextKind::SuggestedSubcommand))
+        .map_or_else(String::new, |s| format!("; did you mean '{s}'?"));
     // An unknown subcommand of a subcommand (`slots foo`) is on that subcommand's page.
     let help = page.map_or_else(
         || "stowage --help".into(),
@@ -592,20 +576,14 @@ fn table<const N: usize>(rows: &[[String; N]]) -> String {
             *w = (*w).max(cell.chars().count());
         }
     }
-    let mut out = String::new();
-    for row in &rows {
-        let mut line = String::new();
-        for (i, (cell, w)) in row.iter().zip(widths).enumerate() {
-            if i + 1 == N {
-                line.push_str(cell);
-            } else {
-                line.push_str(&format!("{cell:<w$}  "));
-            }
-        }
-        out.push_str(line.trim_end());
-        out.push('\n');
-    }
-    out
+    // Every cell padded: the line's end, the last cell's padding with it, is trimmed.
+    rows.iter()
+        .map(|row| {
+            let cells = row.iter().zip(widths);
+            let line: String = cells.map(|(c, w)| format!("{c:<w$}  ")).collect();
+            format!("{}\n", line.trim_end())
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -47,9 +47,8 @@ pub fn write_completions(shell: &str, out: &mut dyn Write) -> Result<()> {
 }
 
 /// `stowage man DIR`: stowage.1 and one page per subcommand.
-pub fn write_man_pages(cmd: Command, dir: &Path) -> Result<Vec<PathBuf>> {
+pub fn write_man_pages(mut cmd: Command, dir: &Path) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let mut cmd = cmd;
     cmd.build();
     let mut written = vec![write_page(&cmd, "stowage", dir)?];
     for sub in cmd
@@ -199,8 +198,7 @@ fn names(which: Names) -> Vec<CompletionCandidate> {
     let mut found: Vec<String> = match which {
         Names::Classes => crate::slots::classes(&root)
             .into_iter()
-            .filter(|(_, c)| matches!(c, crate::slot_limits::Class::Limits(_)))
-            .map(|(n, _)| n)
+            .filter_map(|(n, c)| matches!(c, crate::slot_limits::Class::Limits(_)).then_some(n))
             .collect(),
         _ => crate::census::take(&root)
             .unwrap_or_default()
