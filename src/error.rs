@@ -192,16 +192,13 @@ pub fn without_errno(text: &str) -> String {
         let whole = digits > 0
             && tail[digits..].starts_with(')')
             && (after.is_empty() || after.starts_with(": ") || after.starts_with("; "));
-        let skip = if whole {
-            " (os error ".len() + digits + 1
-        } else {
-            1
-        };
         out.push_str(&rest[..at]);
-        if !whole {
+        if whole {
+            rest = &tail[digits + 1..];
+        } else {
             out.push(' ');
+            rest = &rest[at + 1..];
         }
-        rest = &rest[at + skip..];
     }
     out.push_str(rest);
     out

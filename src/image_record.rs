@@ -416,13 +416,9 @@ pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Resu
     let mut record = record.clone();
     record.seq = seen.next_seq();
     let bytes = record.encode().ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!(
-                "the record of image '{}' does not fit its lock file",
-                record.name
-            ),
-        )
+        let name = &record.name;
+        let why = format!("the record of image '{name}' does not fit its lock file");
+        io::Error::new(io::ErrorKind::InvalidInput, why)
     })?;
     let at = (record.seq % 2) as usize * SLOT;
     // A shorter record leaves zeros after its own: the slot ends at the first zero byte. A file

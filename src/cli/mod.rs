@@ -319,12 +319,7 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
 fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
     let words = lossy(args);
     let cli = Cli::command();
-    let sub = words
-        .iter()
-        .enumerate()
-        .skip(1)
-        .find(|(_, w)| cli.find_subcommand(w.as_str()).is_some())
-        .map(|(i, _)| i);
+    let sub = (1..words.len()).find(|&i| cli.find_subcommand(&words[i]).is_some());
     if let Some(at) = sub
         && let Some(dashes) = words.iter().skip(at + 1).position(|w| w == "--")
     {
@@ -343,11 +338,9 @@ fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
     }
     let invalid = context(e, clap::error::ContextKind::InvalidArg)?;
     let flag = invalid.split('=').next().unwrap_or(&invalid).to_owned();
-    let first = words
-        .iter()
-        .skip(1)
-        .position(|w| *w == flag || w.starts_with(&format!("{flag}=")))?
-        + 1;
+    let with_value = format!("{flag}=");
+    let first =
+        (1..words.len()).find(|&i| words[i] == flag || words[i].starts_with(&with_value))?;
     if !flag.starts_with('-') || sub.is_some_and(|s| s < first) {
         return None;
     }
@@ -530,11 +523,8 @@ fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
     };
     let number = number.trim();
     // f64's parser takes "inf", "NaN" and "1e3"; a time is digits and a point.
-    if number.is_empty()
-        || !number
-            .chars()
-            .all(|c| c.is_ascii_digit() || c == '.' || c == '-' || c == '+')
-    {
+    let digit = |c: char| c.is_ascii_digit() || ".-+".contains(c);
+    if number.is_empty() || !number.chars().all(digit) {
         return Err(bad().into());
     }
     let secs = number.parse::<f64>().map_err(|_| bad())? * scale;
