@@ -44,28 +44,18 @@ mod why;
     long_about = "Locks and storage for a shared directory of build images.\n\n\
         Builds call 'stowage exec --read BASE --write NEW -- BUILDER ...': shared locks on the \
         images they read, exclusive locks on the images they write, so parallel builds share \
-        base images safely. 'stowage lock-status' shows who holds what."
+        base images safely. 'stowage lock-status' shows who holds what.",
+    next_help_heading = "Global options"
 )]
 struct Cli {
     /// The storage root [default: $STOWAGE_ROOT, else /var/tmp/$USER.stowage]
-    #[arg(
-        long,
-        global = true,
-        value_name = "DIR",
-        help_heading = "Global options"
-    )]
+    #[arg(long, global = true, value_name = "DIR")]
     root: Option<PathBuf>,
     /// Say more about what is happening
-    #[arg(short, long, global = true, help_heading = "Global options")]
+    #[arg(short, long, global = true)]
     verbose: bool,
     /// Say nothing but errors (no waiting messages)
-    #[arg(
-        short,
-        long,
-        global = true,
-        conflicts_with = "verbose",
-        help_heading = "Global options"
-    )]
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
     quiet: bool,
     #[command(subcommand)]
     command: Command,
