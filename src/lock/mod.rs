@@ -24,10 +24,11 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileExt as _, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Mutex, OnceLock};
 
 use fs2::FileExt;
 
@@ -81,11 +82,11 @@ pub struct Guard {
     mode: Mode,
     /// Device and inode, from the unlink-race check, else asked of the
     /// descriptor when first wanted ([`acquire_no_wait_with`]'s proof: no stat).
-    id: std::sync::OnceLock<(u64, u64)>,
+    id: OnceLock<(u64, u64)>,
 }
 
-impl std::os::fd::AsRawFd for Guard {
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+impl AsRawFd for Guard {
+    fn as_raw_fd(&self) -> RawFd {
         self.file.as_raw_fd()
     }
 }
@@ -145,11 +146,7 @@ impl Guard {
             Mode::Exclusive,
             "unlink needs the exclusive lock"
         );
-        match fs::remove_file(&self.path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e),
-        }
+        found(fs::remove_file(&self.path)).map(drop)
     }
 
     /// The locked file, for writing what it says about its holder (a lease).
@@ -180,8 +177,13 @@ fn open_existing_checked(
     path: &Path,
     check: fn(&Path, &File) -> io::Result<()>,
 ) -> io::Result<Option<File>> {
-    match open(path, IfMissing::Fail).and_then(|f| check(path, &f).map(|()| f)) {
-        Ok(f) => Ok(Some(f)),
+    found(open(path, IfMissing::Fail).and_then(|f| check(path, &f).map(|()| f)))
+}
+
+/// `Ok(None)` for `NotFound`.
+fn found<T>(r: io::Result<T>) -> io::Result<Option<T>> {
+    match r {
+        Ok(v) => Ok(Some(v)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
     }
@@ -216,13 +218,13 @@ struct Denied {
 
 /// Takes a shared flock on a directory descriptor without waiting, only so `/proc/self/fdinfo`
 /// gives the lock table's device number for that filesystem (`kernel::device_of`); close drops it.
-pub fn flock_dir_shared(fd: std::os::fd::RawFd) -> io::Result<()> {
+pub fn flock_dir_shared(fd: RawFd) -> io::Result<()> {
     // SAFETY: flock on a descriptor the caller owns; no memory is passed.
     cvt(unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) }).map(drop)
 }
 
 /// Sets or clears close-on-exec on `fd`: whether a spawned child inherits it (and any lock on it).
-pub fn set_cloexec(fd: std::os::fd::RawFd, on: bool) -> io::Result<()> {
+pub fn set_cloexec(fd: RawFd, on: bool) -> io::Result<()> {
     // SAFETY: plain fcntl on a descriptor the caller names; no memory is passed.
     let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
     let flags = if on {
@@ -292,26 +294,23 @@ pub fn note_filesystem(dev: u64, local: bool, dirs: &[PathBuf]) {
     }
     // Lock directories by name too: one is asked for by path where no lock file is stat'ed.
     for d in dirs {
-        if !seen
-            .iter()
-            .any(|(s, _, _)| s.as_deref() == Some(d.as_path()))
-        {
+        if !seen.iter().any(|(s, _, _)| s.as_ref() == Some(d)) {
             seen.push((Some(d.clone()), Some(dev), local));
         }
     }
 }
 
 /// Whether lock files and leases open written through (a shared root; set by its checks first).
-static WRITE_THROUGH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static WRITE_THROUGH: AtomicBool = AtomicBool::new(false);
 
 /// From now on opens lock files and leases written through (`O_DSYNC`) if `on` (a shared root).
 pub fn set_write_through(on: bool) {
-    WRITE_THROUGH.store(on, std::sync::atomic::Ordering::Relaxed);
+    WRITE_THROUGH.store(on, Relaxed);
 }
 
 /// The open flag that writes through, where the root is shared.
 pub fn write_through_flag() -> libc::c_int {
-    if WRITE_THROUGH.load(std::sync::atomic::Ordering::Relaxed) {
+    if WRITE_THROUGH.load(Relaxed) {
         libc::O_DSYNC
     } else {
         0
@@ -516,12 +515,10 @@ pub fn acquire_any(
                 Err(e) => return Err(e),
             };
             if got {
-                match still_linked(&file, path)? {
-                    Some(linked) => {
-                        return Ok(Waited::Acquired((i, guard(file, path, mode, Some(linked)))));
-                    }
-                    None => continue,
-                }
+                let Some(linked) = still_linked(&file, path)? else {
+                    continue;
+                };
+                return Ok(Waited::Acquired((i, guard(file, path, mode, Some(linked)))));
             }
             files.push((i, file));
         }
@@ -558,24 +555,24 @@ fn guard(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
         file,
         path: path.to_owned(),
         mode,
-        id: id.map(std::sync::OnceLock::from).unwrap_or_default(),
+        id: id.map(OnceLock::from).unwrap_or_default(),
     }
 }
 
 /// Device and inode of the file behind a descriptor.
-fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
+fn fd_identity(fd: RawFd) -> Option<(u64, u64)> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat writes into a zeroed stat we own; an fd that is not open fails with EBADF.
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
 }
 
 /// The flock this process holds through descriptor `fd`, per `/proc/self/fdinfo/FD`.
-fn fd_flock(fd: std::os::fd::RawFd) -> Option<Mode> {
+fn fd_flock(fd: RawFd) -> Option<Mode> {
     fdinfo_flock(&fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?)
 }
 
 /// The descriptors this process was started with (noted by [`note_inherited`]).
-static INHERITED: std::sync::OnceLock<Vec<std::os::fd::RawFd>> = std::sync::OnceLock::new();
+static INHERITED: OnceLock<Vec<RawFd>> = OnceLock::new();
 
 /// Notes inherited descriptors before we open any: a `/proc/self/fd` listing, no server request.
 pub fn note_inherited() {
@@ -635,10 +632,8 @@ pub enum Probe {
 /// (shared, then exclusive), so a concurrent try may find it busy for a few
 /// microseconds: prefer the lock table where it is complete (local filesystems).
 pub fn probe(path: &Path) -> io::Result<Probe> {
-    let file = match open(path, IfMissing::Fail) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Probe::Missing),
-        Err(e) => return Err(e),
+    let Some(file) = found(open(path, IfMissing::Fail))? else {
+        return Ok(Probe::Missing);
     };
     if !flock_try(&file, Mode::Shared)? {
         return Ok(Probe::Exclusive);
@@ -658,12 +653,10 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
 /// where such a query sees flocks ([`crate::filesystem::Filesystem::queries_see_flocks`]), for a
 /// look that must not be seen by another host's as a holder. Read-only: a query needs no write.
 pub fn query(path: &Path) -> io::Result<Probe> {
-    let file = match crate::planted::open(path, libc::O_RDONLY, 0)
-        .and_then(|f| crate::planted::check(path, &f).map(|()| f))
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Probe::Missing),
-        Err(e) => return Err(e),
+    let opened = crate::planted::open(path, libc::O_RDONLY, 0)
+        .and_then(|f| crate::planted::check(path, &f).map(|()| f));
+    let Some(file) = found(opened)? else {
+        return Ok(Probe::Missing);
     };
     // SAFETY: a zeroed flock is a valid value; every field the query reads is set below.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };

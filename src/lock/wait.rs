@@ -36,7 +36,7 @@ pub struct Wait<'a> {
     /// `None`: wait until acquired.
     pub deadline: Option<Instant>,
     /// Called once if the lock is still not acquired after this long.
-    pub notice: Option<(Duration, Box<dyn FnMut() + 'a>)>,
+    pub notice: Option<Notice<'a>>,
     /// Ignore [`interrupt_waits`]: for cleanup due even after a termination (undoing a start).
     pub uninterruptible: bool,
     /// Re-issue blocked requests this often: NFS clients retry a blocked lock with a back-off up to
@@ -206,14 +206,12 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
         Ok(r) => r,
         Err(sig) => return Ok(Waited::Interrupted(sig)),
     };
-    let mut workers = match start_workers(files, mode, tx)? {
-        Helpers::Started(workers) => workers,
-        Helpers::NoThread(mut workers) => {
-            // No thread to be had (a pids limit in a container or a job's cgroup): poll instead.
-            stop_workers(&mut workers, files, &rx, None);
-            return poll_any(files, mode, wait);
-        }
-    };
+    let mut workers = start_workers(files, mode, tx)?;
+    if workers.len() < files.len() {
+        // No thread to be had (a pids limit in a container or a job's cgroup): poll instead.
+        stop_workers(&mut workers, files, &rx, None);
+        return poll_any(files, mode, wait);
+    }
     let outcome = first_acquired(&mut workers, &rx, wait);
     // Stop the others; any that acquired meanwhile but lost releases it (nobody saw those locks).
     let winner = match outcome {
@@ -224,17 +222,10 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
     outcome
 }
 
-/// The helper threads [`start_workers`] could start.
-enum Helpers {
-    /// One per file.
-    Started(Vec<Worker>),
-    /// Not every one (a thread could not be had): those are to be stopped.
-    NoThread(Vec<Worker>),
-}
-
 /// Starts one helper thread per file, each blocked in flock(2) on a duplicate of it and reporting
-/// on `tx` (dropped on return: only the helpers' and the cancellation's senders stay).
-fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Result<Helpers> {
+/// on `tx` (dropped on return: only the helpers' and the cancellation's senders stay). Fewer than
+/// one per file if a thread could not be had: those are to be stopped.
+fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Result<Vec<Worker>> {
     let mut workers = Vec::with_capacity(files.len());
     for (i, file) in files.iter().enumerate() {
         // The duplicate shares the open file description: a lock through it locks `file` itself.
@@ -246,7 +237,7 @@ fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Re
                 if e.kind() == io::ErrorKind::WouldBlock
                     || e.raw_os_error() == Some(libc::EAGAIN) =>
             {
-                return Ok(Helpers::NoThread(workers));
+                return Ok(workers);
             }
             Err(e) => return Err(e),
         };
@@ -256,7 +247,7 @@ fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Re
             finished: false,
         });
     }
-    Ok(Helpers::Started(workers))
+    Ok(workers)
 }
 
 /// Waits for the first worker to acquire its lock, re-arming the workers
@@ -272,7 +263,11 @@ fn first_acquired(
     loop {
         let now = Instant::now();
         let notice_at = notice.as_ref().map(|(after, _)| started + *after);
-        let event = match earliest(wait.deadline, [notice_at, next_rearm]) {
+        let event = match [wait.deadline, notice_at, next_rearm]
+            .into_iter()
+            .flatten()
+            .min()
+        {
             None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
             Some(t) => rx.recv_timeout(t.saturating_duration_since(now)),
         };
@@ -306,11 +301,6 @@ fn first_acquired(
             }
         }
     }
-}
-
-/// The earliest of `deadline` and the times `also` (`None`: none at all).
-fn earliest(deadline: Option<Instant>, also: [Option<Instant>; 2]) -> Option<Instant> {
-    [deadline].into_iter().chain(also).flatten().min()
 }
 
 /// A [`Wait::notice`]: after how long, and what to say.
