@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::cvt;
 use crate::lock::set_cloexec;
+use crate::signals::retrying;
 
 /// The hidden first argument that makes stowage a keeper.
 pub const ARG: &str = "__keeper";
@@ -143,9 +144,7 @@ impl Keeper {
 fn reap(pid: libc::pid_t) {
     let mut st = 0;
     // SAFETY: waitpid on our own child.
-    while unsafe { libc::waitpid(pid, &mut st, 0) } < 0
-        && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
-    {}
+    let _ = retrying(|| unsafe { libc::waitpid(pid, &mut st, 0) });
 }
 
 /// Every live descendant of this process, found through /proc (parents before children). With a
@@ -157,19 +156,11 @@ fn descendants() -> Vec<libc::pid_t> {
     let Ok(procs) = crate::ident::numbered::<libc::pid_t>("/proc") else {
         return Vec::new();
     };
-    let mut parent_of: Vec<(libc::pid_t, libc::pid_t)> = Vec::new();
-    for (pid, _) in procs {
-        let Some(stat) = crate::ident::stat_fields(pid) else {
-            continue;
-        };
-        let mut f = stat.split_whitespace();
-        let (Some(_state), Some(ppid)) = (f.next(), f.next()) else {
-            continue;
-        };
-        if let Ok(ppid) = ppid.parse() {
-            parent_of.push((pid, ppid));
-        }
-    }
+    // After the state, the parent's pid.
+    let ppid = |stat: String| stat.split_whitespace().nth(1)?.parse().ok();
+    let parent_of: Vec<(libc::pid_t, libc::pid_t)> = procs
+        .filter_map(|(pid, _)| Some((pid, ppid(crate::ident::stat_fields(pid)?)?)))
+        .collect();
     let mut out = vec![me];
     let mut i = 0;
     while i < out.len() {
@@ -216,18 +207,11 @@ fn reap_exited(command: libc::pid_t, status: &mut Option<i32>) -> bool {
     loop {
         let mut st = 0;
         // SAFETY: waitpid on any child; status written to a local.
-        let r = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
-        match r {
-            0 => return true,
-            r if r > 0 => {
-                if r == command {
-                    *status = Some(st);
-                }
-            }
-            _ => match io::Error::last_os_error().raw_os_error() {
-                Some(libc::EINTR) => {}
-                _ => return false,
-            },
+        match retrying(|| unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) }) {
+            Ok(0) => return true,
+            Ok(r) if r == command => *status = Some(st),
+            Ok(_) => {}
+            Err(_) => return false,
         }
     }
 }
@@ -363,11 +347,8 @@ fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::pr
 
 /// Writes one message of the protocol on the status pipe.
 fn send(status: &mut std::fs::File, tag: u32, value: i32) {
-    let mut buf = [0u8; 8];
-    buf[..4].copy_from_slice(&tag.to_le_bytes());
-    buf[4..].copy_from_slice(&value.to_le_bytes());
     // If stowage is gone, nobody reads it: that is seen by the watch.
-    let _ = status.write_all(&buf);
+    let _ = status.write_all(&[tag.to_le_bytes(), value.to_le_bytes()].concat());
 }
 
 /// The command's tree as the keeper watches it end.

@@ -203,7 +203,7 @@ impl Forwarder {
             return Ok(Err(sig));
         }
         // Without the thread, a signal since install is still pending.
-        if let Some((sig, _)) = take(&self.shared.set, Some(0)) {
+        if let Some((sig, _)) = take(&self.shared.set, false) {
             *st = State::Interrupted(sig);
             return Ok(Err(sig));
         }
@@ -223,7 +223,7 @@ impl Forwarder {
             }
             // Still running: take the next signal. SIGCHLD: it may have ended; a termination signal
             // is forwarded (taken first by the signal thread if it runs; SIGCHLD still comes here).
-            if let Some((sig, code)) = take(&watch, None)
+            if let Some((sig, code)) = take(&watch, true)
                 && sig != libc::SIGCHLD
             {
                 forward(&self.shared.state, sig, code);
@@ -231,16 +231,18 @@ impl Forwarder {
         }
         *self.lock() = State::Done;
         let mut status = 0;
-        loop {
-            // SAFETY: waitpid on our own child, status written to a local.
-            let r = unsafe { libc::waitpid(pid, &mut status, 0) };
-            if r == pid {
-                return Ok(ExitStatus::from_raw(status));
-            }
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(e);
-            }
+        // SAFETY: waitpid on our own child, status written to a local.
+        retrying(|| unsafe { libc::waitpid(pid, &mut status, 0) })?;
+        Ok(ExitStatus::from_raw(status))
+    }
+}
+
+/// `call`'s result (`cvt`), called again while it fails with `EINTR`.
+pub fn retrying(mut call: impl FnMut() -> libc::c_int) -> io::Result<libc::c_int> {
+    loop {
+        match crate::error::cvt(call()) {
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            done => return done,
         }
     }
 }
@@ -248,27 +250,16 @@ impl Forwarder {
 /// Whether our child `pid` has exited, without reaping it. libc's waitid, not nix's: nix cannot
 /// represent a death by a real-time signal (34–64) and fails with EINVAL.
 fn exited(pid: libc::pid_t) -> io::Result<bool> {
-    loop {
-        // SAFETY: waitid fills `info`, which we own.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        let r = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                pid as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOWAIT | libc::WNOHANG,
-            )
-        };
-        if r == 0 {
-            // WNOHANG with nothing to report leaves si_pid 0.
-            // SAFETY: waitid filled `info` for a child event, so si_pid is the valid field.
-            return Ok(unsafe { info.si_pid() } == pid);
-        }
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EINTR) {
-            return Err(e);
-        }
-    }
+    let flags = libc::WEXITED | libc::WNOWAIT | libc::WNOHANG;
+    // SAFETY: waitid fills `info`, which we own.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    retrying(|| unsafe {
+        info = std::mem::zeroed();
+        libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, flags)
+    })?;
+    // WNOHANG with nothing to report leaves si_pid 0.
+    // SAFETY: waitid filled `info` for a child event, so si_pid is the valid field.
+    Ok(unsafe { info.si_pid() } == pid)
 }
 
 /// Whether a signal that the kernel sent (si_code SI_KERNEL: the terminal) certainly reached the
@@ -287,12 +278,6 @@ pub fn terminal_reached_command(
         && command_pgid == Some(our_pgid)
 }
 
-/// Our process group, and whether we lead our session.
-pub fn our_group() -> (libc::pid_t, bool) {
-    // SAFETY: plain queries of our own process.
-    unsafe { (libc::getpgrp(), libc::getsid(0) == libc::getpid()) }
-}
-
 /// The process group of `pid`, if it can be known.
 pub fn group_of(pid: libc::pid_t) -> Option<libc::pid_t> {
     // SAFETY: plain query.
@@ -303,20 +288,19 @@ pub fn group_of(pid: libc::pid_t) -> Option<libc::pid_t> {
 /// The value a keeper finds in a signal we queue to it: 1 if the terminal sent the signal to us.
 pub const FROM_TERMINAL: usize = 1;
 
-/// Takes one signal of `set` within `timeout_ms` (None: forever): the signal and its si_code.
-fn take(set: &SigSet, timeout_ms: Option<u64>) -> Option<(i32, i32)> {
+/// Takes one signal of `set`, waiting for it if `block` (else only a pending one): the signal and
+/// its si_code.
+fn take(set: &SigSet, block: bool) -> Option<(i32, i32)> {
     // SAFETY: sigtimedwait/sigwaitinfo fill `info`, which we own; `set` is blocked in this thread.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    let sig = match timeout_ms {
-        None => unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) },
-        Some(ms) => {
-            let ts = libc::timespec {
-                tv_sec: (ms / 1000) as libc::time_t,
-                tv_nsec: ((ms % 1000) * 1_000_000) as libc::c_long,
-            };
-            // SAFETY: see above: `set` and `info` are valid, `ts` a live timespec.
-            unsafe { libc::sigtimedwait(set.as_ref(), &mut info, &ts) }
-        }
+    let now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    let sig = match block {
+        true => unsafe { libc::sigwaitinfo(set.as_ref(), &mut info) },
+        // SAFETY: see above: `set` and `info` are valid, `now` a live timespec.
+        false => unsafe { libc::sigtimedwait(set.as_ref(), &mut info, &now) },
     };
     (sig > 0).then_some((sig, info.si_code))
 }
@@ -332,7 +316,8 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
         }
         State::Running(Target::Command(pid)) => {
             PASSED_ON.store(sig, Relaxed);
-            let (ours, leader) = our_group();
+            // SAFETY: plain queries of our own process.
+            let (ours, leader) = unsafe { (libc::getpgrp(), libc::getsid(0) == libc::getpid()) };
             if !terminal_reached_command(sig, code, group_of(pid), ours, leader) {
                 // SAFETY: plain kill(2); pid is our unreaped child.
                 unsafe { libc::kill(pid, sig) };
@@ -365,7 +350,7 @@ fn start_thread() {
             .stack_size(64 * 1024)
             .spawn(move || {
                 loop {
-                    if let Some((sig, code)) = take(&shared.set, None) {
+                    if let Some((sig, code)) = take(&shared.set, true) {
                         forward(&shared.state, sig, code);
                     }
                 }
@@ -391,7 +376,7 @@ fn start_thread() {
 /// Takes a pending termination signal, if any, and acts on it (where no signal thread takes it).
 fn take_pending() {
     let Some(shared) = SHARED.get() else { return };
-    if let Some((sig, code)) = take(&shared.set, Some(0)) {
+    if let Some((sig, code)) = take(&shared.set, false) {
         forward(&shared.state, sig, code);
     }
 }
