@@ -15,6 +15,7 @@ use std::os::unix::process::ExitStatusExt;
 use crate::error;
 use crate::keeper::Keeper;
 use crate::signals::{Forwarder, Target};
+use crate::spawn::{self, Start};
 
 /// Starts the command. By default it inherits the lock descriptors (made inheritable by
 /// `set_inheritable` for the moment of the spawn), like flock(1); with `no_inherit` a keeper holds
@@ -40,7 +41,8 @@ pub fn start(
                 Ok(Target::Keeper(pid))
             })
         } else {
-            with_umask(umask, || crate::spawn::spawn(command, env)).map(Target::Command)
+            with_umask(umask, || spawn::spawn(None, command, env, Start::Command))
+                .map(Target::Command)
         };
         if no_inherit || spawned.is_err() {
             set_inheritable(false)?;

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use crate::error::cvt;
 use crate::lock::set_cloexec;
 use crate::signals::retrying;
+use crate::spawn::{self, Start};
 
 /// The hidden first argument that makes stowage a keeper.
 pub const ARG: &str = "__keeper";
@@ -91,13 +92,12 @@ impl Keeper {
         ];
         args.extend(argv.iter().cloned());
         let exe = c"/proc/self/exe";
-        let pid = crate::spawn::spawn_with(Some(exe), &args, env, crate::spawn::Start::Keeper)
-            .map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("cannot start stowage's keeper process (/proc/self/exe): {e}"),
-                )
-            })?;
+        let pid = spawn::spawn(Some(exe), &args, env, Start::Keeper).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot start stowage's keeper process (/proc/self/exe): {e}"),
+            )
+        })?;
         drop(status_wr);
         drop(alive_rd);
         let mut keeper = Keeper {

@@ -12,11 +12,7 @@ use std::ffi::{CString, OsString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 
-/// Spawns `argv` with exactly `env` as its environment; returns its pid. Descriptors without
-/// close-on-exec are inherited, as with exec(2).
-pub fn spawn(argv: &[OsString], env: &[(OsString, OsString)]) -> io::Result<libc::pid_t> {
-    spawn_with(None, argv, env, Start::Command)
-}
+use nix::sys::signal::{SigSet, Signal};
 
 /// How a process is started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,8 +25,10 @@ pub enum Start {
     Keeper,
 }
 
-/// [`spawn`] with a program path (`None`: `argv[0]`, searched in PATH).
-pub fn spawn_with(
+/// Spawns `argv` with exactly `env` as its environment; returns its pid. `path` is the program
+/// (`None`: `argv[0]`, searched in PATH). Descriptors without close-on-exec are inherited, as with
+/// exec(2).
+pub fn spawn(
     path: Option<&std::ffi::CStr>,
     argv: &[OsString],
     env: &[(OsString, OsString)],
@@ -90,16 +88,16 @@ fn null_terminated(strings: &[CString]) -> Vec<*mut libc::c_char> {
 unsafe fn set_attributes(attr: &mut libc::posix_spawnattr_t, how: Start) -> io::Result<()> {
     // SAFETY: sigset ops on local sets; attribute calls on an object the caller initialised.
     unsafe {
-        let mut default: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut default);
-        libc::sigaddset(&mut default, libc::SIGPIPE);
-        libc::sigaddset(&mut default, libc::SIGCHLD);
-        check(libc::posix_spawnattr_setsigdefault(attr, &default))?;
+        let mut default = SigSet::empty();
+        default.add(Signal::SIGPIPE);
+        default.add(Signal::SIGCHLD);
+        check(libc::posix_spawnattr_setsigdefault(attr, default.as_ref()))?;
         let flags = match how {
             Start::Command => {
-                let mut none: libc::sigset_t = std::mem::zeroed();
-                libc::sigemptyset(&mut none);
-                check(libc::posix_spawnattr_setsigmask(attr, &none))?;
+                check(libc::posix_spawnattr_setsigmask(
+                    attr,
+                    SigSet::empty().as_ref(),
+                ))?;
                 libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF
             }
             Start::Keeper => {
@@ -131,11 +129,12 @@ mod tests {
             (OsString::from("CODE"), OsString::from("7")),
             (OsString::from("PATH"), OsString::from("/usr/bin:/bin")),
         ];
-        let pid = spawn(&argv, &env).unwrap();
+        let pid = spawn(None, &argv, &env, Start::Command).unwrap();
         let mut status = 0;
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
         assert_eq!(libc::WEXITSTATUS(status), 7);
-        let missing = spawn(&[OsString::from("/nonexistent/program")], &env).unwrap_err();
+        let argv = [OsString::from("/nonexistent/program")];
+        let missing = spawn(None, &argv, &env, Start::Command).unwrap_err();
         assert_eq!(missing.kind(), io::ErrorKind::NotFound);
     }
 }
