@@ -943,8 +943,7 @@ mod tests {
     #[test]
     fn a_stale_file_handle_means_retry_not_failure() {
         // NFS: another host unlinked the file between our open and flock; the server says ESTALE.
-        let d = tmp();
-        let p = d.path().join("a.lock");
+        let (_d, p) = tmp_lock();
         INJECT.with(|v| v.borrow_mut().extend([libc::ESTALE, libc::ESTALE]));
         let g = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create).unwrap();
         assert!(g.is_some(), "retried on a fresh open");
@@ -992,6 +991,26 @@ mod tests {
         tempfile::tempdir().unwrap()
     }
 
+    /// A fresh directory, and a lock file's path in it.
+    fn tmp_lock() -> (tempfile::TempDir, PathBuf) {
+        let d = tmp();
+        let p = d.path().join("a.lock");
+        (d, p)
+    }
+
+    /// Drops `held` in another thread after `ms` milliseconds.
+    fn release_after(ms: u64, held: Guard) -> thread::JoinHandle<()> {
+        thread::spawn(move || {
+            thread::sleep(Duration::from_millis(ms));
+            drop(held);
+        })
+    }
+
+    /// A deadline no test should reach.
+    fn in_30s() -> Instant {
+        Instant::now() + Duration::from_secs(30)
+    }
+
     /// The lock on `p` (made if missing), which must be free.
     fn take(p: &Path, mode: Mode) -> Guard {
         acquire_no_wait(p, mode, IfMissing::Create)
@@ -1008,8 +1027,7 @@ mod tests {
 
     #[test]
     fn shared_locks_coexist_and_exclude_writers() {
-        let d = tmp();
-        let p = d.path().join("a.lock");
+        let (_d, p) = tmp_lock();
         let r1 = take(&p, Mode::Shared);
         let r2 = take(&p, Mode::Shared);
         assert!(busy(&p, Mode::Exclusive));
@@ -1044,29 +1062,21 @@ mod tests {
 
     #[test]
     fn timed_wait_times_out_and_then_succeeds() {
-        let d = tmp();
-        let p = d.path().join("a.lock");
+        let (_d, p) = tmp_lock();
         let held = take(&p, Mode::Exclusive);
         let t0 = Instant::now();
         let r = wait_for(&p, Mode::Shared, Some(t0 + Duration::from_millis(200)));
         assert!(matches!(r, Waited::TimedOut));
         assert!(t0.elapsed() >= Duration::from_millis(200));
-        let p2 = p.clone();
-        let releaser = thread::spawn(move || {
-            thread::sleep(Duration::from_millis(100));
-            drop(held);
-            p2
-        });
-        let by = Some(Instant::now() + Duration::from_secs(30));
-        let r = wait_for(&p, Mode::Exclusive, by);
+        let releaser = release_after(100, held);
+        let r = wait_for(&p, Mode::Exclusive, Some(in_30s()));
         assert!(matches!(r, Waited::Acquired(_)));
         releaser.join().unwrap();
     }
 
     #[test]
     fn waiter_retries_when_holder_unlinks() {
-        let d = tmp();
-        let p = d.path().join("a.lock");
+        let (_d, p) = tmp_lock();
         let held = take(&p, Mode::Exclusive);
         let t = thread::spawn(move || {
             thread::sleep(Duration::from_millis(100));
@@ -1100,12 +1110,8 @@ mod tests {
             other => panic!("{other:?}"),
         };
         assert_eq!(i, 2);
-        let t = thread::spawn(move || {
-            thread::sleep(Duration::from_millis(100));
-            drop(b);
-        });
-        let by = Some(Instant::now() + Duration::from_secs(30));
-        let got = wait_any(&paths, Mode::Exclusive, by);
+        let t = release_after(100, b);
+        let got = wait_any(&paths, Mode::Exclusive, Some(in_30s()));
         assert!(matches!(got, Waited::Acquired((1, _))), "{got:?}");
         t.join().unwrap();
         // The losing helper (blocked on 0 and 2) must not have kept anything.
@@ -1117,16 +1123,12 @@ mod tests {
 
     #[test]
     fn rearmed_waits_still_acquire() {
-        let d = tmp();
-        let p = d.path().join("a.lock");
+        let (_d, p) = tmp_lock();
         let held = take(&p, Mode::Exclusive);
-        let t = thread::spawn(move || {
-            thread::sleep(Duration::from_millis(120));
-            drop(held);
-        });
+        let t = release_after(120, held);
         let mut wait = Wait {
             rearm: Some(Duration::from_millis(10)),
-            deadline: Some(Instant::now() + Duration::from_secs(30)),
+            deadline: Some(in_30s()),
             ..Wait::default()
         };
         assert!(matches!(
@@ -1152,8 +1154,7 @@ mod tests {
             assert_eq!(fdinfo_flock(info), mode, "{info:?}");
         }
         // Our own lock, through our own descriptor: the check sees it.
-        let d = tmp();
-        let p = d.path().join("a.lock");
+        let (_d, p) = tmp_lock();
         let g = take(&p, Mode::Shared);
         if std::path::Path::new("/proc/self/fdinfo").exists() {
             assert_eq!(fd_flock(g.file().as_raw_fd()), Some(Mode::Shared));
@@ -1165,19 +1166,15 @@ mod tests {
     #[test]
     fn a_polled_wait_acquires_and_times_out() {
         // The fallback when no helper thread can be started.
-        let d = tmp();
-        let p = d.path().join("a.lock");
+        let (_d, p) = tmp_lock();
         let held = take(&p, Mode::Exclusive);
         let f = open(&p, IfMissing::Fail).unwrap();
         let t0 = Instant::now();
         let r = poll(&f, t0 + Duration::from_millis(100));
         assert!(matches!(r, Waited::TimedOut));
         assert!(t0.elapsed() >= Duration::from_millis(100));
-        let t = thread::spawn(move || {
-            thread::sleep(Duration::from_millis(50));
-            drop(held);
-        });
-        let r = poll(&f, Instant::now() + Duration::from_secs(30));
+        let t = release_after(50, held);
+        let r = poll(&f, in_30s());
         assert!(matches!(r, Waited::Acquired(0)));
         t.join().unwrap();
     }
