@@ -305,16 +305,14 @@ fn run(args: &[OsString]) -> io::Result<()> {
 
 /// A signalfd for the termination signals and SIGCHLD, which arrive blocked (stowage's mask).
 fn signal_fd() -> io::Result<OwnedFd> {
-    use libc::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: sigset operations on a local set; sigprocmask on this thread.
+    use nix::sys::signal::Signal::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+    let set: nix::sys::signal::SigSet = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD]
+        .into_iter()
+        .collect();
+    // SAFETY: sigprocmask on this thread, with a local set.
     let sfd = unsafe {
-        libc::sigemptyset(&mut set);
-        for s in [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD] {
-            libc::sigaddset(&mut set, s);
-        }
-        libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        libc::signalfd(-1, &set, libc::SFD_CLOEXEC)
+        libc::sigprocmask(libc::SIG_BLOCK, set.as_ref(), std::ptr::null_mut());
+        libc::signalfd(-1, set.as_ref(), libc::SFD_CLOEXEC)
     };
     let sfd = cvt(sfd)?;
     // SAFETY: a new descriptor, ours.

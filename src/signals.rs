@@ -69,36 +69,24 @@ pub struct Forwarder {
 /// ignored one would act on it.
 fn forwarded() -> SigSet {
     use Signal::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
-    let mut set = SigSet::empty();
-    for s in [SIGINT, SIGTERM, SIGHUP, SIGQUIT] {
-        // SAFETY: queries the disposition only (no new action).
-        let ignored = unsafe {
-            let mut old: libc::sigaction = std::mem::zeroed();
-            libc::sigaction(s as libc::c_int, std::ptr::null(), &mut old) == 0
-                && old.sa_sigaction == libc::SIG_IGN
-        };
-        if !ignored {
-            set.add(s);
-        }
-    }
-    set
+    // SAFETY: queries the disposition only (no new action).
+    let ignored = |s: Signal| unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(s as libc::c_int, std::ptr::null(), &mut old) == 0
+            && old.sa_sigaction == libc::SIG_IGN
+    };
+    let signals = [SIGINT, SIGTERM, SIGHUP, SIGQUIT];
+    signals.into_iter().filter(|&s| !ignored(s)).collect()
 }
 
 /// Makes a spawned command start with no signal blocked: it must not inherit the mask that routes
 /// termination signals to us (shells reset it; most programs do not). Ignored dispositions stay
 /// ignored, as with any exec. Async-signal-safe: meant for `pre_exec`.
 pub fn reset_mask_in_child() -> io::Result<()> {
+    let none = SigSet::empty();
     // SAFETY: sigprocmask with a local empty set is async-signal-safe.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        crate::error::cvt(libc::sigprocmask(
-            libc::SIG_SETMASK,
-            &set,
-            std::ptr::null_mut(),
-        ))
-        .map(drop)
-    }
+    let r = unsafe { libc::sigprocmask(libc::SIG_SETMASK, none.as_ref(), std::ptr::null_mut()) };
+    crate::error::cvt(r).map(drop)
 }
 
 /// A termination signal that came while no command ran (before or after it): long work stops.

@@ -88,9 +88,7 @@ fn null_terminated(strings: &[CString]) -> Vec<*mut libc::c_char> {
 unsafe fn set_attributes(attr: &mut libc::posix_spawnattr_t, how: Start) -> io::Result<()> {
     // SAFETY: sigset ops on local sets; attribute calls on an object the caller initialised.
     unsafe {
-        let mut default = SigSet::empty();
-        default.add(Signal::SIGPIPE);
-        default.add(Signal::SIGCHLD);
+        let default: SigSet = [Signal::SIGPIPE, Signal::SIGCHLD].into_iter().collect();
         check(libc::posix_spawnattr_setsigdefault(attr, default.as_ref()))?;
         let flags = match how {
             Start::Command => {
