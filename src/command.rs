@@ -17,10 +17,8 @@ use crate::keeper::Keeper;
 use crate::signals::{Forwarder, Target};
 use crate::spawn::{self, Start};
 
-/// Starts the command. By default it inherits the lock descriptors (made inheritable by
-/// `set_inheritable` for the moment of the spawn), like flock(1); with `no_inherit` a keeper holds
-/// them (`lock_fds`), hides them from the command, and ends its whole tree before they go
-/// ([`crate::keeper`]). `Ok(Err(sig))`: a termination signal came first.
+/// Starts the command, inheriting the lock descriptors like flock(1), or with `no_inherit` under a
+/// keeper holding `lock_fds` (module doc). `Ok(Err(sig))`: a termination signal came first.
 pub fn start(
     signals: &Forwarder,
     command: &[OsString],

@@ -224,9 +224,8 @@ pub fn main(args: &[OsString]) -> u8 {
 }
 
 fn parse<T: std::str::FromStr>(a: Option<&OsString>) -> io::Result<T> {
-    a.and_then(|s| s.to_str())
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))
+    a.and_then(|s| s.to_str()?.parse().ok())
+        .ok_or_else(|| io::ErrorKind::InvalidInput.into())
 }
 
 /// What stowage tells its keeper on the command line (see [`Keeper::spawn`]).

@@ -205,10 +205,7 @@ impl Forwarder {
         use std::os::unix::process::ExitStatusExt;
         let mut watch = self.shared.set;
         watch.add(Signal::SIGCHLD);
-        loop {
-            if exited(pid)? {
-                break;
-            }
+        while !exited(pid)? {
             // Still running: take the next signal. SIGCHLD: it may have ended; a termination signal
             // is forwarded (taken first by the signal thread if it runs; SIGCHLD still comes here).
             if let Some((sig, code)) = take(&watch, true)

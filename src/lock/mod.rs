@@ -96,7 +96,6 @@ impl Guard {
         &self.path
     }
 
-    /// How the lock is held.
     pub fn mode(&self) -> Mode {
         self.mode
     }
