@@ -1041,12 +1041,11 @@ mod tests {
 
     #[test]
     fn missing_file_without_create() {
-        let d = tmp();
-        let e = acquire_no_wait(&d.path().join("nope.lock"), Mode::Shared, IfMissing::Fail)
-            .unwrap_err();
+        let (_d, p) = tmp_lock();
+        let e = acquire_no_wait(&p, Mode::Shared, IfMissing::Fail).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound);
-        assert!(!d.path().join("nope.lock").exists());
-        assert_eq!(probe(&d.path().join("nope.lock")).unwrap(), Probe::Missing);
+        assert!(!p.exists());
+        assert_eq!(probe(&p).unwrap(), Probe::Missing);
     }
 
     #[test]

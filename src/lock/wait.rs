@@ -274,10 +274,8 @@ fn first_acquired(
         match event {
             Ok(Event::Done(i, result)) => {
                 workers[i].finished = true;
-                match result {
-                    Ok(true) => return Ok(Waited::Acquired(i)),
-                    Ok(false) => {}
-                    Err(e) => return Err(e),
+                if result? {
+                    return Ok(Waited::Acquired(i));
                 }
             }
             Ok(Event::Cancelled(sig)) => return Ok(Waited::Interrupted(sig)),
