@@ -346,25 +346,22 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
     // The stat made anyway refuses, naming it, a planted FIFO or a hard link (a record written
     // into it would change the file of its other names, which may lie outside the root).
     crate::planted::check_stat(path, &ours)?;
-    if !local_dir(path, Some(ours.dev())) {
+    let at = if local_dir(path, Some(ours.dev())) {
+        fs::symlink_metadata(path)
+    } else {
         // A path stat may hit client caches; an open asks the server (close-to-open consistency).
-        let at = match open(path, IfMissing::Fail).and_then(|f| f.metadata()) {
-            Ok(m) => m,
-            Err(e)
-                if e.kind() == io::ErrorKind::NotFound
-                    || is_stale(&e)
-                    || crate::planted::find(&e).is_some() =>
-            {
-                return Ok(None);
-            }
-            Err(e) => return Err(e),
-        };
-        return Ok((at.dev() == ours.dev() && at.ino() == ours.ino()).then(|| dev_ino(&ours)));
-    }
-    match fs::symlink_metadata(path) {
-        Ok(at) if at.dev() == ours.dev() && at.ino() == ours.ino() => Ok(Some(dev_ino(&ours))),
-        Ok(_) => Ok(None),
-        Err(e) if e.kind() == io::ErrorKind::NotFound || is_stale(&e) => Ok(None),
+        open(path, IfMissing::Fail).and_then(|f| f.metadata())
+    };
+    match at {
+        Ok(at) => Ok((dev_ino(&at) == dev_ino(&ours)).then(|| dev_ino(&ours))),
+        // Something else planted at the path since is refused by the open (not the stat).
+        Err(e)
+            if e.kind() == io::ErrorKind::NotFound
+                || is_stale(&e)
+                || crate::planted::find(&e).is_some() =>
+        {
+            Ok(None)
+        }
         Err(e) => Err(e),
     }
 }
