@@ -858,10 +858,8 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
     } else if e.kind() == io::ErrorKind::PermissionDenied {
         let denied_at = e.get_ref().and_then(|d| d.downcast_ref::<Denied>());
         let path = denied_at.map_or(path, |d| d.path.as_path());
-        if let Some(why) = crate::planted::denied(path) {
-            return anyhow::anyhow!("cannot lock {what}: {why}");
-        }
-        anyhow::anyhow!("cannot lock {what}: {}", denied(path))
+        let why = crate::planted::denied(path).unwrap_or_else(|| denied(path));
+        anyhow::anyhow!("cannot lock {what}: {why}")
     } else {
         anyhow::Error::new(e).context(format!("cannot lock {what} ({})", path.display()))
     }

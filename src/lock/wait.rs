@@ -8,18 +8,19 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::thread::JoinHandleExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Once, mpsc};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use fs2::FileExt;
 
 use super::{Mode, flock_blocking, flock_try};
+use crate::error::cvt;
 
 /// The outcome of a wait.
 #[derive(Debug)]
@@ -101,11 +102,11 @@ static CANCEL: Mutex<Registry> = Mutex::new(Registry {
     waiters: Vec::new(),
 });
 
-fn registry() -> std::sync::MutexGuard<'static, Registry> {
+fn registry() -> MutexGuard<'static, Registry> {
     CANCEL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-static BEFORE_WAIT: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+static BEFORE_WAIT: OnceLock<fn()> = OnceLock::new();
 
 /// Registers a function to run before any wait begins (for good): the CLI
 /// starts its signal-watching thread so, only in a process that waits.
@@ -122,10 +123,10 @@ pub fn starting_to_wait() {
 
 /// A descriptor readable while a signal that ends the waits is pending, and the function taking
 /// it (calling [`interrupt_waits`]), for a process with no thread to watch signals (a pids limit).
-static SIGNAL_WATCH: std::sync::OnceLock<(std::os::fd::RawFd, fn())> = std::sync::OnceLock::new();
+static SIGNAL_WATCH: OnceLock<(RawFd, fn())> = OnceLock::new();
 
 /// Registers `SIGNAL_WATCH` (once, for good).
-pub fn watch_signals_while_waiting(fd: std::os::fd::RawFd, take: fn()) {
+pub fn watch_signals_while_waiting(fd: RawFd, take: fn()) {
     let _ = SIGNAL_WATCH.set((fd, take));
 }
 
@@ -146,7 +147,7 @@ pub fn interrupt_waits(sig: i32) {
 
 /// The pipe that [`interrupt_waits`] makes readable: (read end, write end).
 fn cancel_pipe() -> Option<&'static (i32, i32)> {
-    static PIPE: std::sync::OnceLock<Option<(i32, i32)>> = std::sync::OnceLock::new();
+    static PIPE: OnceLock<Option<(i32, i32)>> = OnceLock::new();
     PIPE.get_or_init(|| {
         let mut fds = [0; 2];
         // SAFETY: pipe2 into a two-element array. Both ends live for the process, close-on-exec.
@@ -377,7 +378,7 @@ pub enum Woke {
 /// the directory before trying the files wakes the moment one may be free. Other hosts' closes go
 /// unseen (NFS): callers poll there too. Without inotify (instance limits) it only sleeps.
 pub struct Waker {
-    inotify: Option<std::os::fd::OwnedFd>,
+    inotify: Option<OwnedFd>,
     /// The watch on `inotify`, removed again on drop.
     wd: i32,
     named: Option<std::ffi::OsString>,
@@ -385,9 +386,9 @@ pub struct Waker {
 
 /// Spare inotify instances, kept from finished waits: a close costs an RCU grace period (~18 ms)
 /// between a slot's release and its taker's command. Close-on-exec; never more than waits at once.
-static SPARE_INOTIFY: Mutex<Vec<std::os::fd::OwnedFd>> = Mutex::new(Vec::new());
+static SPARE_INOTIFY: Mutex<Vec<OwnedFd>> = Mutex::new(Vec::new());
 
-fn spare_inotify() -> std::sync::MutexGuard<'static, Vec<std::os::fd::OwnedFd>> {
+fn spare_inotify() -> MutexGuard<'static, Vec<OwnedFd>> {
     SPARE_INOTIFY.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -403,19 +404,15 @@ impl Waker {
 
     /// Watches `dir` for closes and creations; changes to `named`, a file in it, are told apart.
     pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
-        use std::os::fd::FromRawFd;
         let spare = spare_inotify().pop();
+        let flags = libc::IN_CLOEXEC | libc::IN_NONBLOCK;
         let owned = match spare {
             Some(fd) => fd,
-            None => {
-                // SAFETY: inotify_init1 returns a new descriptor or -1.
-                let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
-                if fd < 0 {
-                    return Waker::none();
-                }
-                // SAFETY: fd was just returned to us and is owned from here on.
-                unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
-            }
+            // SAFETY: inotify_init1 returns a new descriptor, owned from here on, or -1.
+            None => match cvt(unsafe { libc::inotify_init1(flags) }) {
+                Ok(fd) => unsafe { OwnedFd::from_raw_fd(fd) },
+                Err(_) => return Waker::none(),
+            },
         };
         let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
             return Waker::none();
