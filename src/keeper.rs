@@ -494,21 +494,16 @@ fn wait_for_event(signals: &OwnedFd, alive: &OwnedFd, timeout: i32) -> io::Resul
     if fds[0].revents & libc::POLLIN == 0 {
         return Ok(Woke::Nothing);
     }
-    Ok(read_signal(signals).map_or(Woke::Nothing, Woke::Signal))
-}
-
-/// One record from the signalfd; None for a short read.
-fn read_signal(signals: &OwnedFd) -> Option<libc::signalfd_siginfo> {
-    // SAFETY: signalfd reads whole signalfd_siginfo records.
+    // SAFETY: signalfd reads whole signalfd_siginfo records, into a local one.
     let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
-    let r = unsafe {
-        libc::read(
-            signals.as_raw_fd(),
-            &mut info as *mut _ as *mut libc::c_void,
-            std::mem::size_of::<libc::signalfd_siginfo>(),
-        )
-    };
-    (r == std::mem::size_of::<libc::signalfd_siginfo>() as isize).then_some(info)
+    let size = std::mem::size_of::<libc::signalfd_siginfo>();
+    let r = unsafe { libc::read(signals.as_raw_fd(), (&raw mut info).cast(), size) };
+    // A short read is nothing to act on.
+    Ok(if r == size as isize {
+        Woke::Signal(info)
+    } else {
+        Woke::Nothing
+    })
 }
 
 /// The wait status the keeper reports: the command's, unless the command succeeded but processes of

@@ -148,13 +148,9 @@ pub fn termination_pending() -> bool {
     let pending = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigpending(&mut set);
-        set
+        SigSet::from_sigset_t_unchecked(set)
     };
-    shared
-        .set
-        .iter()
-        // SAFETY: `pending` is a sigset filled by sigpending above.
-        .any(|s| unsafe { libc::sigismember(&pending, s as libc::c_int) } == 1)
+    shared.set.iter().any(|s| pending.contains(s))
 }
 
 impl Forwarder {
