@@ -34,9 +34,7 @@ pub fn start(
         let spawned = if no_inherit {
             crate::keeper::become_subreaper().and_then(|()| {
                 let k = Keeper::spawn(command, env, lock_fds, umask)?;
-                let pid = k.pid;
-                keeper = Some(k);
-                Ok(Target::Keeper(pid))
+                Ok(Target::Keeper(keeper.insert(k).pid))
             })
         } else {
             with_umask(umask, || spawn::spawn(None, command, env, Start::Command))
