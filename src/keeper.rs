@@ -107,7 +107,9 @@ impl Keeper {
         };
         match keeper.message() {
             Some((STARTED, errno)) if errno != 0 => {
-                reap(pid);
+                let mut st = 0;
+                // SAFETY: waitpid on our own child, the keeper.
+                let _ = retrying(|| unsafe { libc::waitpid(pid, &mut st, 0) });
                 Err(io::Error::from_raw_os_error(errno))
             }
             // Started — or the keeper ended without a word, perhaps after starting the command:
@@ -139,12 +141,6 @@ impl Keeper {
             self.pid
         )))
     }
-}
-
-fn reap(pid: libc::pid_t) {
-    let mut st = 0;
-    // SAFETY: waitpid on our own child.
-    let _ = retrying(|| unsafe { libc::waitpid(pid, &mut st, 0) });
 }
 
 /// Every live descendant of this process, found through /proc (parents before children). With a
