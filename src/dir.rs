@@ -14,9 +14,14 @@
 
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
+
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat;
+use nix::unistd::{AccessFlags, UnlinkatFlags};
 
 use crate::error::{cstr, cvt};
 
@@ -40,6 +45,12 @@ impl From<OwnedFd> for Dir {
     /// had to lend itself access): the caller vouches it is one.
     fn from(fd: OwnedFd) -> Dir {
         Dir { fd }
+    }
+}
+
+impl std::os::fd::AsFd for Dir {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 }
 
@@ -73,11 +84,10 @@ impl Entry {
 
 /// Every field of the stat of `fd`.
 pub fn fstat(fd: std::os::fd::RawFd) -> io::Result<libc::stat> {
-    // SAFETY: all-zero bytes are a valid value of this plain C struct.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: valid out-pointer.
-    cvt(unsafe { libc::fstat(fd, &mut st) })?;
-    Ok(st)
+    // SAFETY: the caller's descriptor, open for the duration of the call.
+    Ok(nix::sys::stat::fstat(unsafe {
+        BorrowedFd::borrow_raw(fd)
+    })?)
 }
 
 /// `chmod` of what the `O_PATH` descriptor `fd` is: fchmod refuses one, and
@@ -134,10 +144,12 @@ impl Dir {
     }
 
     fn open_flags(path: &Path, flags: libc::c_int) -> io::Result<Dir> {
-        let c = cstr(path.as_os_str())?;
-        // SAFETY: a valid C string; the descriptor is owned from here on.
-        let fd = cvt(unsafe { libc::open(c.as_ptr(), flags) })?;
-        Ok(Dir::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let flags = OFlag::from_bits_retain(flags);
+        Ok(Dir::from(nix::fcntl::open(
+            path,
+            flags,
+            stat::Mode::empty(),
+        )?))
     }
 
     /// Opens the subdirectory `name`, refusing a symlink (ELOOP) or other non-directory (ENOTDIR).
@@ -156,11 +168,13 @@ impl Dir {
         flags: libc::c_int,
         mode: u32,
     ) -> io::Result<OwnedFd> {
-        let dir = self.fd.as_raw_fd();
-        // SAFETY: valid descriptor and C string.
-        let fd = cvt(unsafe { libc::openat(dir, name.as_ptr(), flags, mode as libc::c_uint) })?;
-        // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        let mode = stat::Mode::from_bits_retain(mode as libc::mode_t);
+        Ok(nix::fcntl::openat(
+            &self.fd,
+            name,
+            OFlag::from_bits_retain(flags),
+            mode,
+        )?)
     }
 
     /// [`Dir::sub`] for a deletion: a directory of ours we may not read or search (a build can
@@ -185,18 +199,7 @@ impl Dir {
 
     /// Every field of `name`'s lstat, for the walks that copy and measure trees (tree.rs).
     pub fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat> {
-        // SAFETY: all-zero bytes are a valid value of this plain C struct.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: valid descriptor, C string and out-pointer.
-        cvt(unsafe {
-            libc::fstatat(
-                self.as_raw_fd(),
-                name.as_ptr(),
-                &mut st,
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        })?;
-        Ok(st)
+        Ok(stat::fstatat(&self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW)?)
     }
 
     /// A short /proc path naming `name` in this directory, for calls with no descriptor form
@@ -231,23 +234,15 @@ impl Dir {
 
     /// The filesystem type (statfs magic) this directory is on.
     pub fn fs_magic(&self) -> io::Result<u64> {
-        // SAFETY: all-zero bytes are a valid value of this plain C struct.
-        let mut sf: libc::statfs = unsafe { std::mem::zeroed() };
-        // SAFETY: valid descriptor and out-pointer.
-        cvt(unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut sf) })?;
-        Ok(sf.f_type as u64)
+        Ok(nix::sys::statfs::fstatfs(&self.fd)?.filesystem_type().0 as u64)
     }
 
     /// The filesystem's id (`f_fsid`), 0 where the filesystem gives none (NFS). Local filesystems
     /// derive it from their UUID or device, so two filesystems of one type tell apart by it where
     /// their root inodes do not (every ext4's root is inode 2).
     pub fn fs_id(&self) -> io::Result<u64> {
-        // SAFETY: all-zero bytes are a valid value of this plain C struct.
-        let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: valid descriptor and out-pointer.
-        cvt(unsafe { libc::fstatvfs(self.fd.as_raw_fd(), &mut sv) })?;
         #[allow(clippy::unnecessary_cast)]
-        Ok(sv.f_fsid as u64)
+        Ok(nix::sys::statvfs::fstatvfs(&self.fd)?.filesystem_id() as u64)
     }
 
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
@@ -332,10 +327,8 @@ impl Dir {
 
     /// Creates the subdirectory `name` (mode before umask).
     pub fn mkdir(&self, name: impl AsRef<OsStr>, mode: u32) -> io::Result<()> {
-        let c = cstr(name.as_ref())?;
-        // SAFETY: valid C string.
-        cvt(unsafe { libc::mkdirat(self.fd.as_raw_fd(), c.as_ptr(), mode as libc::mode_t) })?;
-        Ok(())
+        let mode = stat::Mode::from_bits_retain(mode as libc::mode_t);
+        Ok(stat::mkdirat(&self.fd, name.as_ref(), mode)?)
     }
 
     /// Moves `name` to `to/to_name` (a symlink moves as a link).
@@ -345,18 +338,8 @@ impl Dir {
         to: &Dir,
         to_name: impl AsRef<OsStr>,
     ) -> io::Result<()> {
-        let a = cstr(name.as_ref())?;
-        let b = cstr(to_name.as_ref())?;
-        // SAFETY: valid C strings and descriptors.
-        cvt(unsafe {
-            libc::renameat(
-                self.fd.as_raw_fd(),
-                a.as_ptr(),
-                to.fd.as_raw_fd(),
-                b.as_ptr(),
-            )
-        })
-        .map(drop)
+        let (a, b) = (name.as_ref(), to_name.as_ref());
+        Ok(nix::fcntl::renameat(&self.fd, a, &to.fd, b)?)
     }
 
     /// Renames `name` aside in this directory as `NAME.WHY-TIME` (`-N` added while that is taken),
@@ -413,18 +396,8 @@ impl Dir {
 
     /// Whether this process (its effective user) may open `name` read-write, by its permissions.
     pub fn may_read_write(&self, name: &str) -> bool {
-        let Ok(c) = cstr(name.as_ref()) else {
-            return false;
-        };
-        // SAFETY: valid C string and descriptor; nothing is written.
-        unsafe {
-            libc::faccessat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                libc::R_OK | libc::W_OK,
-                libc::AT_EACCESS,
-            ) == 0
-        }
+        let rw = AccessFlags::R_OK | AccessFlags::W_OK;
+        nix::unistd::faccessat(&self.fd, name, rw, AtFlags::AT_EACCESS).is_ok()
     }
 
     /// Sets the mode of the regular file `name` through an `O_PATH|O_NOFOLLOW` descriptor of it: a
@@ -438,19 +411,14 @@ impl Dir {
 
     /// Makes `to_name` a second link to `name` here: `AlreadyExists` if taken (an atomic create).
     pub fn link_to(&self, name: impl AsRef<OsStr>, to_name: impl AsRef<OsStr>) -> io::Result<()> {
-        let a = cstr(name.as_ref())?;
-        let b = cstr(to_name.as_ref())?;
-        // SAFETY: valid C strings and descriptors.
-        cvt(unsafe {
-            libc::linkat(
-                self.fd.as_raw_fd(),
-                a.as_ptr(),
-                self.fd.as_raw_fd(),
-                b.as_ptr(),
-                0,
-            )
-        })
-        .map(drop)
+        let (a, b) = (name.as_ref(), to_name.as_ref());
+        Ok(nix::unistd::linkat(
+            &self.fd,
+            a,
+            &self.fd,
+            b,
+            AtFlags::empty(),
+        )?)
     }
 
     /// Opens `name` for writing (creating it, never through a symlink) and closes it again: the
@@ -546,21 +514,19 @@ impl Dir {
 
     /// Unlinks a non-directory entry. A missing entry is not an error.
     pub fn unlink(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
-        self.unlinkat(name.as_ref(), 0)
+        self.unlinkat(name.as_ref(), UnlinkatFlags::NoRemoveDir)
     }
 
-    fn unlinkat(&self, name: &OsStr, flags: libc::c_int) -> io::Result<()> {
-        let c = cstr(name)?;
-        // SAFETY: valid C string.
-        match cvt(unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), flags) }) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
+    fn unlinkat(&self, name: &OsStr, flags: UnlinkatFlags) -> io::Result<()> {
+        match nix::unistd::unlinkat(&self.fd, name, flags) {
+            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+            Err(e) => Err(e.into()),
         }
     }
 
     /// Removes the directory `name` if empty; a missing one is no error.
     pub fn rmdir(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
-        self.unlinkat(name.as_ref(), libc::AT_REMOVEDIR)
+        self.unlinkat(name.as_ref(), UnlinkatFlags::RemoveDir)
     }
 
     /// Unlinks `name` only while it is the file `(dev, ino)` (a lock we hold), not a replacement.
@@ -591,7 +557,7 @@ impl Dir {
             return Err(mount_point(name));
         }
         empty_tree(top, removed)?;
-        self.unlinkat(name, libc::AT_REMOVEDIR).map_err(|e| {
+        self.unlinkat(name, UnlinkatFlags::RemoveDir).map_err(|e| {
             explain_refusal(e, &[(self, None, DELETE_IN, "the directory holding it")])
         })?;
         *removed += 1;
@@ -641,18 +607,13 @@ impl Dir {
             Some(n) => self.stat_at(n).ok()??,
             None => self.stat().ok()?,
         };
-        let c = CString::new(name.map_or(&b"."[..], |n| n.as_bytes())).ok()?;
-        // SAFETY: faccessat on our descriptor and a NUL-terminated name.
-        let r = unsafe {
-            libc::faccessat(
-                self.fd.as_raw_fd(),
-                c.as_ptr(),
-                access,
-                libc::AT_EACCESS | libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
+        let (path, access) = (
+            name.unwrap_or(OsStr::new(".")),
+            AccessFlags::from_bits_retain(access),
+        );
+        let flags = AtFlags::AT_EACCESS | AtFlags::AT_SYMLINK_NOFOLLOW;
         // Only EACCES names a refuser; other failures (a sandbox forbidding faccessat2) do not.
-        let refused = r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EACCES);
+        let refused = nix::unistd::faccessat(&self.fd, path, access, flags) == Err(Errno::EACCES);
         (st.is_dir() && refused && st.uid != me()).then_some(st.uid)
     }
 
@@ -853,7 +814,7 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
     }
     drop(done.dir);
     let pdir = parent.dir.as_ref().expect("reopened above");
-    match pdir.unlinkat(&done.name, libc::AT_REMOVEDIR) {
+    match pdir.unlinkat(&done.name, UnlinkatFlags::RemoveDir) {
         Ok(()) => *removed += 1,
         Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
             // Written to after we emptied it: go through it again (a bounded number of times).
