@@ -19,7 +19,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
 use nix::errno::Errno;
-use nix::fcntl::{AtFlags, OFlag};
+use nix::fcntl::{AtFlags, OFlag, openat};
 use nix::sys::stat;
 use nix::unistd::{AccessFlags, UnlinkatFlags};
 
@@ -85,9 +85,8 @@ impl Entry {
 /// Every field of the stat of `fd`.
 pub fn fstat(fd: std::os::fd::RawFd) -> io::Result<libc::stat> {
     // SAFETY: the caller's descriptor, open for the duration of the call.
-    Ok(nix::sys::stat::fstat(unsafe {
-        BorrowedFd::borrow_raw(fd)
-    })?)
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    Ok(nix::sys::stat::fstat(fd)?)
 }
 
 /// `chmod` of what the `O_PATH` descriptor `fd` is: fchmod refuses one, and
@@ -144,12 +143,8 @@ impl Dir {
     }
 
     fn open_flags(path: &Path, flags: libc::c_int) -> io::Result<Dir> {
-        let flags = OFlag::from_bits_retain(flags);
-        Ok(Dir::from(nix::fcntl::open(
-            path,
-            flags,
-            stat::Mode::empty(),
-        )?))
+        let fd = nix::fcntl::open(path, OFlag::from_bits_retain(flags), stat::Mode::empty())?;
+        Ok(Dir::from(fd))
     }
 
     /// Opens the subdirectory `name`, refusing a symlink (ELOOP) or other non-directory (ENOTDIR).
@@ -168,13 +163,8 @@ impl Dir {
         flags: libc::c_int,
         mode: u32,
     ) -> io::Result<OwnedFd> {
-        let mode = stat::Mode::from_bits_retain(mode as libc::mode_t);
-        Ok(nix::fcntl::openat(
-            &self.fd,
-            name,
-            OFlag::from_bits_retain(flags),
-            mode,
-        )?)
+        let mode = stat::Mode::from_bits_retain(mode);
+        Ok(openat(self, name, OFlag::from_bits_retain(flags), mode)?)
     }
 
     /// [`Dir::sub`] for a deletion: a directory of ours we may not read or search (a build can
@@ -412,13 +402,7 @@ impl Dir {
     /// Makes `to_name` a second link to `name` here: `AlreadyExists` if taken (an atomic create).
     pub fn link_to(&self, name: impl AsRef<OsStr>, to_name: impl AsRef<OsStr>) -> io::Result<()> {
         let (a, b) = (name.as_ref(), to_name.as_ref());
-        Ok(nix::unistd::linkat(
-            &self.fd,
-            a,
-            &self.fd,
-            b,
-            AtFlags::empty(),
-        )?)
+        Ok(nix::unistd::linkat(self, a, self, b, AtFlags::empty())?)
     }
 
     /// Opens `name` for writing (creating it, never through a symlink) and closes it again: the
@@ -607,13 +591,11 @@ impl Dir {
             Some(n) => self.stat_at(n).ok()??,
             None => self.stat().ok()?,
         };
-        let (path, access) = (
-            name.unwrap_or(OsStr::new(".")),
-            AccessFlags::from_bits_retain(access),
-        );
+        let path = name.unwrap_or(OsStr::new("."));
         let flags = AtFlags::AT_EACCESS | AtFlags::AT_SYMLINK_NOFOLLOW;
+        let r = nix::unistd::faccessat(self, path, AccessFlags::from_bits_retain(access), flags);
         // Only EACCES names a refuser; other failures (a sandbox forbidding faccessat2) do not.
-        let refused = nix::unistd::faccessat(&self.fd, path, access, flags) == Err(Errno::EACCES);
+        let refused = r == Err(Errno::EACCES);
         (st.is_dir() && refused && st.uid != me()).then_some(st.uid)
     }
 
