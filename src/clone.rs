@@ -18,12 +18,16 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, CString, OsStr};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat::{Mode, SFlag};
+use nix::unistd::{Whence, linkat, lseek};
 
 use crate::error::cvt;
 use crate::tree::{self, Dir, Trail};
@@ -48,9 +52,6 @@ pub struct Copied {
 impl Copied {
     /// What was not kept, as "security.selinux ×3 (Operation not permitted), user.x (…)"; or None.
     pub fn xattrs_summary(&self) -> Option<String> {
-        if self.xattrs_lost.is_empty() {
-            return None;
-        }
         let parts: Vec<String> = self
             .xattrs_lost
             .iter()
@@ -63,7 +64,7 @@ impl Copied {
                 }
             })
             .collect();
-        Some(parts.join(", "))
+        (!parts.is_empty()).then(|| parts.join(", "))
     }
 }
 
@@ -97,8 +98,7 @@ impl Drop for Lent {
 
 /// The owner's bits that `meta`'s mode (ours) keeps from a copy: read, and search for a directory.
 fn loan_needed(meta: &libc::stat) -> Option<libc::mode_t> {
-    // SAFETY: geteuid cannot fail.
-    let euid = unsafe { libc::geteuid() };
+    let euid = nix::unistd::geteuid().as_raw();
     let need = if tree::file_type(meta) == libc::S_IFDIR {
         0o500
     } else {
@@ -123,16 +123,13 @@ fn open_lent(
         return Err(io::Error::other("changed while being copied"));
     }
     crate::dir::chmod_o_path(path.as_raw_fd(), (now.st_mode & 0o7777) | need)?;
-    let proc = CString::new(format!("/proc/self/fd/{}", path.as_raw_fd()))
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let proc = format!("/proc/self/fd/{}", path.as_raw_fd());
     let lent = Lent {
         fd: path,
         mode: now.st_mode & 0o7777,
     };
-    // SAFETY: a valid C string.
-    let fd = cvt(unsafe { libc::open(proc.as_ptr(), flags | libc::O_CLOEXEC) })?;
-    // SAFETY: fd was just returned by a successful open, and nothing else owns it.
-    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, lent))
+    let flags = OFlag::from_bits_retain(flags | libc::O_CLOEXEC);
+    Ok((nix::fcntl::open(proc.as_str(), flags, Mode::empty())?, lent))
 }
 
 /// Copies the tree of `src_root` into the empty directory `dst_root`, both already open (`src` and
@@ -201,9 +198,7 @@ pub fn copy_tree_at(
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     let st =
         tree::fstat(top.as_raw_fd()).with_context(|| format!("cannot read {}", dst.display()))?;
-    // SAFETY: geteuid cannot fail.
-    let me = unsafe { libc::geteuid() };
-    if st.st_uid != me {
+    if st.st_uid != nix::unistd::geteuid().as_raw() {
         anyhow::bail!(
             "{} belongs to uid {}, not to you: refusing to copy into it (its owner could change names in the copy)",
             dst.display(),
@@ -345,9 +340,9 @@ impl TreeCopy<'_> {
     }
 
     fn copy_symlink(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
-        let target = readlinkat(&top.src, name).with_context(|| self.cannot_copy(name))?;
-        // SAFETY: valid descriptor and C strings.
-        cvt(unsafe { libc::symlinkat(target.as_ptr(), top.dst.as_raw_fd(), name.as_ptr()) })
+        nix::fcntl::readlinkat(&top.src, name)
+            .and_then(|target| nix::unistd::symlinkat(target.as_os_str(), &top.dst, name))
+            .map_err(io::Error::from)
             .with_context(|| self.cannot_copy(name))?;
         self.attrs_at(top, name, meta)
     }
@@ -373,24 +368,17 @@ impl TreeCopy<'_> {
 
     /// A FIFO, socket or device node; one we may not make (no privilege) is counted, not copied.
     fn copy_special(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
-        // SAFETY: valid descriptor and C string.
-        let made = cvt(unsafe {
-            libc::mknodat(
-                top.dst.as_raw_fd(),
-                name.as_ptr(),
-                meta.st_mode,
-                meta.st_rdev,
-            )
-        });
-        match made {
+        // The whole mode, type bits included, as mknodat(2) takes it.
+        let mode = Mode::from_bits_retain(meta.st_mode);
+        match nix::sys::stat::mknodat(&top.dst, name, SFlag::empty(), mode, meta.st_rdev) {
             Ok(_) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+            Err(Errno::EPERM) => {
                 self.out.skipped_special += 1;
                 // Its other names are skipped too, not linked to nothing.
                 self.links.remove(&(meta.st_dev, meta.st_ino));
                 return Ok(());
             }
-            Err(e) => return Err(e).with_context(|| self.cannot_copy(name)),
+            Err(e) => return Err(io::Error::from(e)).with_context(|| self.cannot_copy(name)),
         }
         self.attrs_at(top, name, meta)
     }
@@ -496,37 +484,25 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
             Err(e) => return Err(e),
         }
     }
-    let (s, d) = (src.as_raw_fd(), dst.as_raw_fd());
     let mut pos: u64 = 0;
     while pos < len {
-        // SAFETY: plain lseek on our descriptor.
-        let data = unsafe { libc::lseek(s, pos as libc::off_t, libc::SEEK_DATA) };
-        let data = if data < 0 {
-            match io::Error::last_os_error().raw_os_error() {
-                // No data after `pos`: the rest is a hole.
-                Some(libc::ENXIO) => break,
-                // No hole support here: all of it is data.
-                Some(libc::EINVAL | libc::EOPNOTSUPP) => pos,
-                _ => return Err(io::Error::last_os_error()),
-            }
-        } else {
-            data as u64
+        let data = match lseek(src, pos as libc::off_t, Whence::SeekData) {
+            Ok(data) => data as u64,
+            // No data after `pos`: the rest is a hole.
+            Err(Errno::ENXIO) => break,
+            // No hole support here: all of it is data.
+            Err(Errno::EINVAL | Errno::EOPNOTSUPP) => pos,
+            Err(e) => return Err(e.into()),
         };
-        // SAFETY: lseek on our own open descriptor; no memory is passed.
-        let hole = unsafe { libc::lseek(s, data as libc::off_t, libc::SEEK_HOLE) };
-        let hole = if hole < 0 {
-            len
-        } else {
-            (hole as u64).min(len)
-        };
+        let hole = lseek(src, data as libc::off_t, Whence::SeekHole).map_or(len, |h| h as u64);
+        let hole = hole.min(len);
         if hole <= data {
             break;
         }
         copy_range(src, dst, data, hole - data)?;
         pos = hole;
     }
-    // SAFETY: plain ftruncate on our descriptor.
-    cvt(unsafe { libc::ftruncate(d, len as libc::off_t) })?;
+    nix::unistd::ftruncate(dst, len as libc::off_t)?;
     Ok(false)
 }
 
@@ -612,45 +588,19 @@ fn copy_in_kernel(
     }
 }
 
-fn readlinkat(dir: &Dir, name: &CStr) -> io::Result<CString> {
-    let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
-    // SAFETY: the buffer holds buf.len() bytes.
-    let n = cvt(unsafe {
-        libc::readlinkat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    })?;
-    buf.truncate(n as usize);
-    CString::new(buf).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
-}
-
 /// A second name for the copy of a hard-linked inode: the first copy is found again from the copy's
 /// top, one directory at a time.
 fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
     let (last, parents) = first.split_last().expect("a name");
     let mut owned: Option<Dir> = None;
     for p in parents {
-        let next = owned
-            .as_ref()
-            .unwrap_or(dst_root)
-            .sub(OsStr::from_bytes(p.to_bytes()))?;
-        owned = Some(next);
+        let here = owned.as_ref().unwrap_or(dst_root);
+        owned = Some(here.sub(OsStr::from_bytes(p.to_bytes()))?);
     }
     let parent = owned.as_ref().unwrap_or(dst_root);
-    // SAFETY: valid descriptors and C strings; flags 0 never follow.
-    cvt(unsafe {
-        libc::linkat(
-            parent.as_raw_fd(),
-            last.as_ptr(),
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            0,
-        )
-    })
-    .map(drop)
+    // No AT_SYMLINK_FOLLOW: a symlink is linked as itself.
+    let nofollow = AtFlags::empty();
+    Ok(linkat(parent, last.as_c_str(), dir, name, nofollow)?)
 }
 
 /// Where attributes are read or set: an open file, or a name in a directory (symlinks and special
@@ -669,17 +619,12 @@ fn set_attrs(
     at: &dyn Fn() -> String,
 ) -> io::Result<()> {
     let symlink = tree::file_type(meta) == libc::S_IFLNK;
+    let (uid, gid, nofollow) = (meta.st_uid, meta.st_gid, libc::AT_SYMLINK_NOFOLLOW);
     // SAFETY: calls on valid descriptors and C strings; no pointers kept.
     let r = match &dst {
-        Target::Fd(fd) => unsafe { libc::fchown(*fd, meta.st_uid, meta.st_gid) },
+        Target::Fd(fd) => unsafe { libc::fchown(*fd, uid, gid) },
         Target::At(d, n) => unsafe {
-            libc::fchownat(
-                d.as_raw_fd(),
-                n.as_ptr(),
-                meta.st_uid,
-                meta.st_gid,
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
+            libc::fchownat(d.as_raw_fd(), n.as_ptr(), uid, gid, nofollow)
         },
     };
     // An unprivileged user cannot give files away: keep our own.
@@ -711,12 +656,7 @@ fn set_attrs(
     cvt(match &dst {
         Target::Fd(fd) => unsafe { libc::futimens(*fd, times.as_ptr()) },
         Target::At(d, n) => unsafe {
-            libc::utimensat(
-                d.as_raw_fd(),
-                n.as_ptr(),
-                times.as_ptr(),
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
+            libc::utimensat(d.as_raw_fd(), n.as_ptr(), times.as_ptr(), nofollow)
         },
     })
     .map(drop)
@@ -764,23 +704,13 @@ fn get_xattr(t: &Target, key: &CStr) -> io::Result<Vec<u8>> {
 }
 
 fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
-    // SAFETY: the value pointer and length describe `value`.
+    let (v, n) = (value.as_ptr().cast(), value.len());
+    // SAFETY: valid C strings; the value pointer and length describe `value`.
     let r = match t {
-        Target::Fd(fd) => unsafe {
-            libc::fsetxattr(*fd, key.as_ptr(), value.as_ptr().cast(), value.len(), 0)
-        },
+        Target::Fd(fd) => unsafe { libc::fsetxattr(*fd, key.as_ptr(), v, n, 0) },
         Target::At(d, name) => {
             let path = d.proc_path(name);
-            // SAFETY: path and key are valid C strings, value a live buffer of the length passed.
-            unsafe {
-                libc::lsetxattr(
-                    path.as_ptr(),
-                    key.as_ptr(),
-                    value.as_ptr().cast(),
-                    value.len(),
-                    0,
-                )
-            }
+            unsafe { libc::lsetxattr(path.as_ptr(), key.as_ptr(), v, n, 0) }
         }
     };
     cvt(r).map(drop)
