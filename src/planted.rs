@@ -17,9 +17,13 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
 
 use crate::error::{cstr, cvt};
 
@@ -239,41 +243,27 @@ fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     };
-    let (cparent, cname) = (cstr(parent.as_os_str())?, cstr(name)?);
-    // SAFETY: a valid C string; the descriptor is owned at once.
-    let pfd = unsafe {
-        libc::open(
-            cparent.as_ptr(),
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
-    };
-    if pfd < 0 {
-        let e = io::Error::last_os_error();
+    let anchor = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let dir = match nix::fcntl::open(parent, anchor, Mode::empty()) {
+        Ok(dir) => dir,
         // Missing behind a link is a link on the way, as openat2 says it.
-        if e.kind() == io::ErrorKind::NotFound && on_the_way(path).is_some() {
-            return Err(io::Error::from_raw_os_error(libc::ELOOP));
-        }
-        return Err(e);
-    }
-    // SAFETY: just returned to us, owned by nothing else.
-    let dir = unsafe { OwnedFd::from_raw_fd(pfd) };
+        Err(Errno::ENOENT) if on_the_way(path).is_some() => return Err(Errno::ELOOP.into()),
+        Err(e) => return Err(e.into()),
+    };
     let real = std::fs::read_link(format!("/proc/self/fd/{}", dir.as_raw_fd()))?;
     if real != parent {
         // A link on the way (refused() names it).
         return Err(io::Error::from_raw_os_error(libc::ELOOP));
     }
-    // SAFETY: a valid descriptor and C string; the result is the caller's.
-    cvt(unsafe { libc::openat(dir.as_raw_fd(), cname.as_ptr(), flags, mode as libc::c_uint) })
+    let (flags, mode) = (OFlag::from_bits_retain(flags), Mode::from_bits_retain(mode));
+    Ok(nix::fcntl::openat(&dir, name, flags, mode)?.into_raw_fd())
 }
 
 /// For a file we may not open in a directory we may write: its mode was taken (an owner's `chmod`,
 /// or planted so), and what to do. `None` if we may not write the directory either.
 pub fn denied(path: &Path) -> Option<String> {
-    let dir = cstr(path.parent()?.as_os_str()).ok()?;
-    // SAFETY: a valid C string; access(2) only reads it.
-    if unsafe { libc::access(dir.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
-        return None;
-    }
+    let wx = nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK;
+    nix::unistd::access(path.parent()?, wx).ok()?;
     let m = std::fs::symlink_metadata(path).ok()?;
     // SAFETY: geteuid cannot fail.
     let fix = if m.uid() == unsafe { libc::geteuid() } {
