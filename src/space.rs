@@ -78,8 +78,7 @@ pub fn refill(reserve: &Path) {
     // Not all free, or no fallocate: take a chunk at a time, writing zeros where fallocate fails.
     const CHUNK: u64 = 16 << 10;
     let zeros = [0u8; CHUNK as usize];
-    let mut at = 0u64;
-    while at < want {
+    for at in (0..want).step_by(CHUNK as usize) {
         // SAFETY: fallocate and pwrite on our descriptor, from a live buffer of the length passed.
         let ok = unsafe { libc::fallocate(fd, 0, at as libc::off_t, CHUNK as libc::off_t) } == 0
             || unsafe { libc::pwrite(fd, zeros.as_ptr().cast(), zeros.len(), at as libc::off_t) }
@@ -87,7 +86,6 @@ pub fn refill(reserve: &Path) {
         if !ok {
             break;
         }
-        at += CHUNK;
     }
 }
 
