@@ -177,12 +177,9 @@ pub fn copy_tree_at(
     if let Err(e) = copy.walk(&mut stack) {
         // A failed copy puts back the mode of the top and of the directories it was filling (made
         // 700), so another member of a group store can remove what it holds.
-        for f in &stack {
-            // SAFETY: fchmod on a descriptor we own.
-            unsafe { libc::fchmod(f.dst.as_raw_fd(), was) };
+        for d in stack.iter().map(|f| &f.dst).chain([&copy.dst_root]) {
+            let _ = nix::sys::stat::fchmod(d, Mode::from_bits_retain(was));
         }
-        // SAFETY: as above.
-        unsafe { libc::fchmod(copy.dst_root.as_raw_fd(), was) };
         return Err(e);
     }
     Ok(copy.finish())

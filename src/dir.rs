@@ -270,8 +270,7 @@ impl Dir {
     /// [`Dir::names`] with each entry's inode and type as the directory gives them (no stat).
     pub fn listing(&self) -> io::Result<Vec<DirEntry>> {
         let fd = self.fd.as_raw_fd();
-        // SAFETY: plain lseek on our own descriptor.
-        cvt(unsafe { libc::lseek(fd, 0, libc::SEEK_SET) })?;
+        nix::unistd::lseek(self, 0, nix::unistd::Whence::SeekSet)?;
         let mut buf = vec![0u8; 32 * 1024];
         let mut out = Vec::new();
         loop {
