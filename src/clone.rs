@@ -107,16 +107,20 @@ fn loan_needed(meta: &libc::stat) -> Option<libc::mode_t> {
     (euid != 0 && meta.st_uid == euid && meta.st_mode & need != need).then_some(need)
 }
 
-/// Opens `name` of `dir` (stat `meta`) lent the bits `need` ([`loan_needed`]): they are set through
-/// an `O_PATH` descriptor of the entry (a symlink or another inode swapped in is refused), the
-/// entry is reopened through it, and the loan returned, to be given back when the copy is done.
-fn open_lent(
+/// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One lent the bits
+/// [`loan_needed`] says gets them through an `O_PATH` descriptor of the entry (a symlink or another
+/// inode swapped in is refused), is reopened through it, and comes with the loan, to be given back
+/// when the copy is done.
+fn open_source(
     dir: &Dir,
     name: &CStr,
     meta: &libc::stat,
-    need: libc::mode_t,
     flags: libc::c_int,
-) -> io::Result<(OwnedFd, Lent)> {
+) -> io::Result<(OwnedFd, Option<Lent>)> {
+    let Some(need) = loan_needed(meta) else {
+        let opened = dir.open_at(name, flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0);
+        return opened.map(|fd| (fd, None)).map_err(|e| denied(e, meta));
+    };
     let path = dir.open_at(name, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)?;
     let now = tree::fstat(path.as_raw_fd())?;
     if (now.st_dev, now.st_ino) != (meta.st_dev, meta.st_ino) {
@@ -129,7 +133,8 @@ fn open_lent(
         mode: now.st_mode & 0o7777,
     };
     let flags = OFlag::from_bits_retain(flags | libc::O_CLOEXEC);
-    Ok((nix::fcntl::open(proc.as_str(), flags, Mode::empty())?, lent))
+    let fd = nix::fcntl::open(proc.as_str(), flags, Mode::empty())?;
+    Ok((fd, Some(lent)))
 }
 
 /// Copies the tree of `src_root` into the empty directory `dst_root`, both already open (`src` and
@@ -290,15 +295,10 @@ impl TreeCopy<'_> {
         top.dst
             .mkdir(entry, 0o700)
             .with_context(|| self.cannot_copy(&name))?;
-        let (s, lent) = if let Some(need) = loan_needed(&meta) {
-            let flags = libc::O_RDONLY | libc::O_DIRECTORY;
-            let (fd, lent) = open_lent(&top.src, &name, &meta, need, flags)
-                .with_context(|| self.cannot_copy(&name))?;
-            (Dir::from(fd), Some(lent))
-        } else {
-            let d = top.src.sub(entry).map_err(|e| denied(e, &meta));
-            (d.with_context(|| self.cannot_copy(&name))?, None)
-        };
+        let flags = libc::O_RDONLY | libc::O_DIRECTORY;
+        let (fd, lent) =
+            open_source(&top.src, &name, &meta, flags).with_context(|| self.cannot_copy(&name))?;
+        let s = Dir::from(fd);
         let d = top
             .dst
             .sub(entry)
@@ -431,13 +431,7 @@ fn open_pair(
     meta: &libc::stat,
 ) -> io::Result<(File, File, Option<Lent>)> {
     let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
-    let (fd, lent) = match loan_needed(meta) {
-        Some(need) => open_lent(src, name, meta, need, flags).map(|(fd, l)| (fd, Some(l)))?,
-        None => src
-            .open_at(name, flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)
-            .map(|fd| (fd, None))
-            .map_err(|e| denied(e, meta))?,
-    };
+    let (fd, lent) = open_source(src, name, meta, flags)?;
     let s = File::from(fd);
     let now = tree::fstat(s.as_raw_fd())?;
     if tree::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
