@@ -2060,8 +2060,14 @@ fn a_command_whose_stowage_died_keeps_its_locks_listed() {
     ]);
     let mut bg = Bg::from_command(on_shared_fs(c, 0));
     wait_for_file(&env.sentinel("started"));
-    wait_until("the lease is made", || {
-        fs::read_dir(env.root.join("locks/leases")).unwrap().count() == 1
+    // Listing the lock, not only made: on a shared filesystem a lease is made, then written, and
+    // a kill between the two leaves a hold no lease names.
+    wait_until("the lease lists the lock", || {
+        let leases: Vec<_> = fs::read_dir(env.root.join("locks/leases"))
+            .unwrap()
+            .map(|e| fs::read_to_string(e.unwrap().path()).unwrap_or_default())
+            .collect();
+        leases.len() == 1 && leases[0].contains("hold=shared")
     });
     bg.signal(libc::SIGKILL);
     let _ = bg.child.as_mut().unwrap().wait();
