@@ -271,6 +271,10 @@ pub const RECHECK: Duration = Duration::from_secs(2);
 const RECHECK_LOCAL: Duration = Duration::from_secs(30);
 /// Retry interval when closes cannot wake a waiter: locally a freed slot is taken within 100 ms.
 const POLL: Duration = Duration::from_millis(50);
+/// After a close wakes a waiter whose try then finds the slot held, it tries again after 1 ms,
+/// doubling to this (`after_close`): the kernel tells of a file's last close before it releases
+/// the file's flock, and a try in between would sleep through the release (1 wake in 100 seen).
+const SETTLE_LAST: Duration = Duration::from_millis(512);
 
 /// What a slot waiter waits on: the class's directory, limits and slot files.
 struct Target<'a> {
@@ -307,6 +311,7 @@ fn wait_for_slot(
     let every = poll.map_or(RECHECK_LOCAL, |_| RECHECK);
     let mut recheck_at = Instant::now() + every;
     let mut recheck = false;
+    let mut after_close: Option<Duration> = None;
     loop {
         if recheck {
             recheck = false;
@@ -329,6 +334,7 @@ fn wait_for_slot(
                 recheck = true;
                 continue;
             }
+            Ok(Took::Busy) if after_close.is_some() => crate::debug::pause("slot-busy-after-close"),
             Ok(Took::Busy) => {}
             // A file went with its class (`slots rm`): look again.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -343,12 +349,18 @@ fn wait_for_slot(
             return Ok(lock::Waited::TimedOut);
         }
         let polled = poll.map_or(recheck_at, |p| recheck_at.min(now + p));
+        let polled = after_close.map_or(polled, |s| polled.min(now + s));
         let until = deadline.map_or(polled, |d| polled.min(d));
         match waker.sleep(Some(until)).map_err(failed)? {
             Woke::Interrupted(sig) => return Ok(lock::Waited::Interrupted(sig)),
-            Woke::Changed { named: true } => recheck = true,
-            Woke::Changed { named: false } => {}
-            Woke::Timeout => recheck = Instant::now() >= recheck_at,
+            Woke::Changed { named } => {
+                recheck |= named;
+                after_close = Some(Duration::from_millis(1));
+            }
+            Woke::Timeout => {
+                recheck = Instant::now() >= recheck_at;
+                after_close = after_close.map(|s| s * 2).filter(|s| *s <= SETTLE_LAST);
+            }
         }
     }
 }

@@ -373,6 +373,59 @@ fn a_slot_released_by_flock_1_wakes_its_waiter() {
     );
 }
 
+/// The kernel tells of a file's last close before it releases the file's flock, so a waiter woken
+/// by a holder's exit may try while the slot is still held. Here the close comes first and the
+/// release later with no close at all (`flock -u`), the widest form of that window: the waiter,
+/// paused just after its try found the slot held, must still take it soon after the release, not
+/// at its next periodic look (30 s) or the last try at its deadline (20 s below).
+#[test]
+fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
+    let env = Env::new();
+    env.ok(["slots", "set", "one", "1"]);
+    let slot = env.root.join("locks/slots/one/0.lock");
+    fs::create_dir_all(slot.parent().unwrap()).unwrap();
+    let [held, release, released] = ["held", "release", "released"].map(|s| env.sentinel(s));
+    let holder = Bg::from_command({
+        let mut c = std::process::Command::new("sh");
+        c.arg("-c").arg(format!(
+            "exec 9<>'{slot}'; flock -x 9; touch '{held}'; \
+             while [ ! -e '{release}' ]; do sleep 0.01; done; flock -u 9; touch '{released}'; \
+             sleep 30",
+            slot = slot.display(),
+            held = held.display(),
+            release = release.display(),
+            released = released.display(),
+        ));
+        c
+    });
+    wait_for_file(&held);
+    let paused = env.sentinel("paused");
+    let mut c = env.cmd(["exec", "--slot", "one", "--wait", "20", "--", "true"]);
+    c.env(
+        stowage::env::DEBUG_PAUSE,
+        format!("slot-busy-after-close:{}", paused.display()),
+    );
+    let waiter = Bg::from_command(c);
+    // Closes of the slot file while it is held wake the waiter, which finds it held and pauses.
+    wait_until("the waiter found the slot held after a close", || {
+        drop(fs::File::open(&slot).unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+        paused.exists()
+    });
+    fs::write(&release, "").unwrap();
+    wait_for_file(&released);
+    let let_go = std::time::Instant::now();
+    fs::remove_file(&paused).unwrap();
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let took = let_go.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "the waiter slept through the release ({took:?})"
+    );
+    holder.kill_all();
+}
+
 // --- a changing configuration -----------------------------------------------
 
 #[test]
