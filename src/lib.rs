@@ -16,12 +16,12 @@
 //!
 //! 1. **Ground**: [`env`](mod@env) every `STOWAGE_*` variable; [`name`] image names; [`clock`];
 //!    [`ident`] who this process is; [`error`] typed errors and exit codes; [`filesystem`] where a
-//!    lock reaches; [`space`] the reserve file; [`spawn`]; [`debug`] test pause points; [`planted`]
-//!    what is found where stowage keeps a file of its own; [`image_record`] an image's record;
-//!    [`slot_limits`] a class's record.
-//! 2. **Locks and processes**: [`lock`] the only caller of flock(2); [`signals`]; [`lease`] holder
-//!    leases; [`kernel`] /proc/locks; [`keeper`] `--no-inherit`; [`command`]; [`dir`], [`tree`]
-//!    descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree.
+//!    lock reaches; [`space`] the reserve file; [`spawn`]; [`planted`] what is found where
+//!    stowage keeps a file of its own.
+//! 2. **Locks and processes**: [`lock`] the only caller of flock(2); [`signals`]; [`debug`] test
+//!    pause points; [`image_record`] an image's record; [`slot_limits`] a class's record; [`lease`]
+//!    holder leases; [`kernel`] /proc/locks; [`keeper`] `--no-inherit`; [`command`]; [`dir`],
+//!    [`tree`] descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree.
 //! 3. **Layout**: [`config`] `store.conf`; [`root`] every path of the layout; [`images_dir`] where
 //!    trees are; [`claim`] which store an images directory serves; [`catalog`] SQLite; [`census`]
 //!    every record in one pass; [`ctx`]; [`sharing`] the modes of a group store.

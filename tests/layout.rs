@@ -1,5 +1,5 @@
 //! The source layout keeps its promises (docs/design.md, "Source layout"):
-//! no import circle between the modules of `src/`, and the map at the top
+//! no import circle between the modules of `src/`, no module above its floor, and the map at the top
 //! of `lib.rs` names every module. Read from the source text: each module's
 //! `crate::NAME` references, outside comments and its unit tests.
 
@@ -155,6 +155,51 @@ fn the_map_in_lib_rs_names_every_module() {
             "lib.rs's map does not name module {m}"
         );
     }
+}
+
+/// Each module's floor in lib.rs's map: a numbered item names the modules of its floor, until the
+/// next item or a blank line.
+fn floors() -> BTreeMap<String, u32> {
+    let lib =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lib.rs")).unwrap();
+    let mut floors = BTreeMap::new();
+    let mut floor = None;
+    for line in lib.lines().filter_map(|l| l.strip_prefix("//!")) {
+        let line = line.trim();
+        match line.split_once(". **") {
+            Some((n, _)) if n.parse::<u32>().is_ok() => floor = n.parse().ok(),
+            _ if line.is_empty() => floor = None,
+            _ => {}
+        }
+        let Some(f) = floor else { continue };
+        for part in line.split("[`").skip(1) {
+            let name = part.split('`').next().unwrap();
+            floors.entry(name.to_owned()).or_insert(f);
+        }
+    }
+    floors
+}
+
+#[test]
+fn every_module_uses_only_its_floor_or_below() {
+    let floors = floors();
+    assert_eq!(floors.get("lock"), Some(&2), "{floors:?}");
+    let mut up = Vec::new();
+    for (m, deps) in imports() {
+        let Some(own) = floors.get(&m) else {
+            assert!(["lib", "main"].contains(&m.as_str()), "{m} has no floor");
+            continue;
+        };
+        for d in deps {
+            if floors.get(&d).is_some_and(|f| f > own) {
+                up.push(format!("{m} ({own}) uses {d} ({})", floors[&d]));
+            }
+        }
+    }
+    assert!(
+        up.is_empty(),
+        "modules that reach above their floor: {up:#?}"
+    );
 }
 
 /// Functions the standard library declares weak (it calls them only where
