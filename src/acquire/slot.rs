@@ -274,7 +274,7 @@ const POLL: Duration = Duration::from_millis(50);
 /// After a close wakes a waiter whose try then finds the slot held, it tries again after 1 ms,
 /// doubling to this (`after_close`): the kernel tells of a file's last close before it releases
 /// the file's flock, and a try in between would sleep through the release (1 wake in 100 seen).
-const SETTLE_LAST: Duration = Duration::from_millis(512);
+const SETTLE_LAST: Duration = Duration::from_millis(128);
 
 /// What a slot waiter waits on: the class's directory, limits and slot files.
 struct Target<'a> {
@@ -334,7 +334,6 @@ fn wait_for_slot(
                 recheck = true;
                 continue;
             }
-            Ok(Took::Busy) if after_close.is_some() => crate::debug::pause("slot-busy-after-close"),
             Ok(Took::Busy) => {}
             // A file went with its class (`slots rm`): look again.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -446,28 +445,32 @@ impl Slots {
         else {
             return Ok(Took::Busy);
         };
-        let now = crate::slots::read_class(root, class);
-        if !matches!(now, Ok(Class::Limits(l)) if l == self.limits) {
-            self.candidates.put_back(i, guard);
-            return Ok(Took::Changed);
-        }
         let is_high = i < high;
         let (beyond, bound) = if is_high {
             (&mut self.beyond_high, self.limits.reserve as usize)
         } else {
             (&mut self.beyond, self.limits.limit as usize)
         };
-        if beyond.paths().is_empty() {
-            return Ok(Took::Slot(guard));
-        }
-        let in_use = beyond.held_count(|_| true)?
-            + 1
-            + self
-                .candidates
-                .held_count(|j| j != i && (j < high) == is_high)?;
+        // Counted through kept descriptors before the record is read: reading it opens and closes
+        // a file, and a close wakes this waiter too, which would then spin while the count says no.
+        let in_use = match beyond.paths().is_empty() {
+            true => 0,
+            false => {
+                beyond.held_count(|_| true)?
+                    + 1
+                    + self
+                        .candidates
+                        .held_count(|j| j != i && (j < high) == is_high)?
+            }
+        };
         if in_use > bound {
             self.candidates.put_back(i, guard);
             return Ok(Took::Busy);
+        }
+        let now = crate::slots::read_class(root, class);
+        if !matches!(now, Ok(Class::Limits(l)) if l == self.limits) {
+            self.candidates.put_back(i, guard);
+            return Ok(Took::Changed);
         }
         Ok(Took::Slot(guard))
     }

@@ -374,23 +374,22 @@ fn a_slot_released_by_flock_1_wakes_its_waiter() {
 }
 
 /// The kernel tells of a file's last close before it releases the file's flock, so a waiter woken
-/// by a holder's exit may try while the slot is still held. Here the close comes first and the
-/// release later with no close at all (`flock -u`), the widest form of that window: the waiter,
-/// paused just after its try found the slot held, must still take it soon after the release, not
-/// at its next periodic look (30 s) or the last try at its deadline (20 s below).
+/// by a holder's exit may try while the slot is still held. Here the holder closes another
+/// descriptor of the slot file, which wakes the waiter, and lets go 50 ms later by `flock -u`, with
+/// no close: the waiter must take the slot then, not at its next periodic look (30 s) or the last
+/// try at its deadline (20 s below).
 #[test]
 fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
     let env = Env::new();
     env.ok(["slots", "set", "one", "1"]);
     let slot = env.root.join("locks/slots/one/0.lock");
-    fs::create_dir_all(slot.parent().unwrap()).unwrap();
     let [held, release, released] = ["held", "release", "released"].map(|s| env.sentinel(s));
     let holder = Bg::from_command({
         let mut c = std::process::Command::new("sh");
         c.arg("-c").arg(format!(
             "exec 9<>'{slot}'; flock -x 9; touch '{held}'; \
-             while [ ! -e '{release}' ]; do sleep 0.01; done; flock -u 9; touch '{released}'; \
-             sleep 30",
+             while [ ! -e '{release}' ]; do sleep 0.01; done; \
+             exec 8<'{slot}'; exec 8<&-; sleep 0.05; flock -u 9; touch '{released}'; sleep 30",
             slot = slot.display(),
             held = held.display(),
             release = release.display(),
@@ -399,23 +398,11 @@ fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
         c
     });
     wait_for_file(&held);
-    let paused = env.sentinel("paused");
-    let mut c = env.cmd(["exec", "--slot", "one", "--wait", "20", "--", "true"]);
-    c.env(
-        stowage::env::DEBUG_PAUSE,
-        format!("slot-busy-after-close:{}", paused.display()),
-    );
-    let waiter = Bg::from_command(c);
-    // Closes of the slot file while it is held wake the waiter, which finds it held and pauses.
-    wait_until("the waiter found the slot held after a close", || {
-        drop(fs::File::open(&slot).unwrap());
-        std::thread::sleep(Duration::from_millis(20));
-        paused.exists()
-    });
+    let waiter = env.spawn(["exec", "--slot", "one", "--wait", "20", "--", "true"]);
+    env.wait_for_slot_waiters("one", 1);
     fs::write(&release, "").unwrap();
     wait_for_file(&released);
     let let_go = std::time::Instant::now();
-    fs::remove_file(&paused).unwrap();
     let out = waiter.finish();
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     let took = let_go.elapsed();
@@ -424,6 +411,34 @@ fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
         "the waiter slept through the release ({took:?})"
     );
     holder.kill_all();
+}
+
+/// A waiter whose take is given back because holders beyond a lowered limit still fill it reads
+/// nothing, so it closes nothing: a close would wake itself, and it would spin until they end.
+#[test]
+fn a_waiter_held_back_by_a_lowered_limit_burns_no_cpu() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "3"]);
+    let zero = hold_slot_file(&env, "pull", "0.lock");
+    let _one = hold_slot_file(&env, "pull", "1.lock");
+    let _two = hold_slot_file(&env, "pull", "2.lock");
+    let mut waiter = env.spawn(["exec", "--slot", "pull", "--", "true"]);
+    env.wait_for_slot_waiters("pull", 1);
+    env.ok(["slots", "set", "pull", "2"]);
+    // Slot 0 comes free, but the holders of 1 and 2 (2 now beyond the limit) still fill it.
+    zero.kill_all();
+    wait_until("slot 0 is free", || {
+        flock_free(&env.root.join("locks/slots/pull/0.lock"))
+    });
+    let before = cpu_ticks(waiter.pid());
+    std::thread::sleep(Duration::from_secs(2)); // the measurement window
+    let used = cpu_ticks(waiter.pid()) - before;
+    // A spinning waiter would use ~200 ticks (2 s); a blocked one ~0.
+    assert!(
+        used <= 5,
+        "waiter used {used} clock ticks of CPU in 2 s of waiting"
+    );
+    assert!(waiter.is_running(), "the lowered limit still binds");
 }
 
 // --- a changing configuration -----------------------------------------------
