@@ -9,6 +9,8 @@
 use std::ffi::{CStr, CString};
 use std::path::Path;
 
+use nix::sys::resource::{Resource::RLIMIT_NOFILE, getrlimit, rlim_t, setrlimit};
+
 pub use crate::dir::{Dir, fstat};
 
 pub fn file_type(st: &libc::stat) -> libc::mode_t {
@@ -51,33 +53,22 @@ impl Trail {
 
 /// Raises the soft limit on open files to the hard one while it lives (a deep walk holds one or two
 /// descriptors per level), then restores it, so a command started later gets the usual one.
-pub struct MoreFiles(Option<libc::rlimit>);
+pub struct MoreFiles(Option<(rlim_t, rlim_t)>);
 
 impl MoreFiles {
     pub fn raise() -> MoreFiles {
-        // SAFETY: all-zero bytes are a valid value of this plain C struct.
-        let mut old: libc::rlimit = unsafe { std::mem::zeroed() };
-        // SAFETY: valid out-pointer.
-        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) } != 0
-            || old.rlim_cur >= old.rlim_max
-        {
+        let Ok((soft, hard)) = getrlimit(RLIMIT_NOFILE) else {
             return MoreFiles(None);
-        }
-        let new = libc::rlimit {
-            rlim_cur: old.rlim_max,
-            rlim_max: old.rlim_max,
         };
-        // SAFETY: valid pointer.
-        let raised = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &new) } == 0;
-        MoreFiles(raised.then_some(old))
+        let raised = soft < hard && setrlimit(RLIMIT_NOFILE, hard, hard).is_ok();
+        MoreFiles(raised.then_some((soft, hard)))
     }
 }
 
 impl Drop for MoreFiles {
     fn drop(&mut self) {
-        if let Some(old) = self.0 {
-            // SAFETY: valid pointer.
-            unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &old) };
+        if let Some((soft, hard)) = self.0 {
+            let _ = setrlimit(RLIMIT_NOFILE, soft, hard);
         }
     }
 }
