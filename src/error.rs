@@ -18,6 +18,16 @@ pub fn cvt<T: Default + PartialOrd>(r: T) -> io::Result<T> {
     }
 }
 
+/// `call`'s result (`cvt`), called again while it fails with `EINTR`.
+pub fn retrying<T: Default + PartialOrd>(mut call: impl FnMut() -> T) -> io::Result<T> {
+    loop {
+        match cvt(call()) {
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            done => return done,
+        }
+    }
+}
+
 /// A name or path as a C string: one with a NUL in it is `EINVAL`.
 pub(crate) fn cstr(name: &std::ffi::OsStr) -> io::Result<std::ffi::CString> {
     use std::os::unix::ffi::OsStrExt;

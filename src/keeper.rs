@@ -19,13 +19,19 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::time::{Duration, Instant};
 
-use crate::error::cvt;
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::{SigSet, SigmaskHow};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::unistd::{getpgrp, getpid, getppid, getsid, pipe2};
+
+use crate::error::{cvt, retrying};
 use crate::lock::set_cloexec;
-use crate::signals::retrying;
 use crate::spawn::{self, Start};
 
 /// The hidden first argument that makes stowage a keeper.
@@ -47,16 +53,7 @@ pub struct Keeper {
 
 /// Makes this process a child subreaper: orphans of its descendants become its children, to end.
 pub fn become_subreaper() -> io::Result<()> {
-    // SAFETY: plain prctl.
-    cvt(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) }).map(drop)
-}
-
-fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 fills the array.
-    cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
-    // SAFETY: both descriptors are new and ours.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    Ok(nix::sys::prctl::set_child_subreaper(true)?)
 }
 
 impl Keeper {
@@ -70,8 +67,8 @@ impl Keeper {
         lock_fds: &[RawFd],
         umask: Option<u32>,
     ) -> io::Result<Keeper> {
-        let (status_rd, status_wr) = pipe()?;
-        let (alive_rd, alive_wr) = pipe()?;
+        let (status_rd, status_wr) = pipe2(OFlag::O_CLOEXEC)?;
+        let (alive_rd, alive_wr) = pipe2(OFlag::O_CLOEXEC)?;
         set_cloexec(status_wr.as_raw_fd(), false)?;
         set_cloexec(alive_rd.as_raw_fd(), false)?;
         let fds: Vec<String> = lock_fds.iter().map(RawFd::to_string).collect();
@@ -80,8 +77,7 @@ impl Keeper {
             ARG.into(),
             status_wr.as_raw_fd().to_string().into(),
             alive_rd.as_raw_fd().to_string().into(),
-            // SAFETY: plain query.
-            unsafe { libc::getpgrp() }.to_string().into(),
+            getpgrp().to_string().into(),
             umask.map_or("-".to_owned(), |m| m.to_string()).into(),
             if fds.is_empty() {
                 "-".into()
@@ -147,8 +143,7 @@ impl Keeper {
 /// subreaper, the orphans among them are our children, so the set is exactly the processes we
 /// started, directly or not, that have not left through another subreaper.
 fn descendants() -> Vec<libc::pid_t> {
-    // SAFETY: plain query.
-    let me = unsafe { libc::getpid() };
+    let me = getpid().as_raw();
     let Ok(procs) = crate::ident::numbered::<libc::pid_t>("/proc") else {
         return Vec::new();
     };
@@ -272,8 +267,7 @@ fn run(args: &[OsString]) -> io::Result<()> {
     for fd in [args.status_fd, args.alive_fd].iter().chain(&args.lock_fds) {
         set_cloexec(*fd, true)?;
     }
-    // SAFETY: plain queries.
-    let (stowage, leader) = unsafe { (libc::getppid(), libc::getsid(0) == libc::getppid()) };
+    let (stowage, leader) = (getppid().as_raw(), getsid(None) == Ok(getppid()));
     become_subreaper()?;
     let signals = signal_fd()?;
     let mut cmd = command(args.argv, args.group, args.umask);
@@ -299,19 +293,13 @@ fn run(args: &[OsString]) -> io::Result<()> {
 }
 
 /// A signalfd for the termination signals and SIGCHLD, which arrive blocked (stowage's mask).
-fn signal_fd() -> io::Result<OwnedFd> {
+fn signal_fd() -> io::Result<SignalFd> {
     use nix::sys::signal::Signal::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
-    let set: nix::sys::signal::SigSet = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD]
+    let set: SigSet = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD]
         .into_iter()
         .collect();
-    // SAFETY: sigprocmask on this thread, with a local set.
-    let sfd = unsafe {
-        libc::sigprocmask(libc::SIG_BLOCK, set.as_ref(), std::ptr::null_mut());
-        libc::signalfd(-1, set.as_ref(), libc::SFD_CLOEXEC)
-    };
-    let sfd = cvt(sfd)?;
-    // SAFETY: a new descriptor, ours.
-    Ok(unsafe { OwnedFd::from_raw_fd(sfd) })
+    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None);
+    Ok(SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC)?)
 }
 
 /// The command, to start in stowage's process group with the signal mask reset, the umask asked
@@ -380,7 +368,7 @@ impl Tree {
     fn watch(
         &mut self,
         status: &mut std::fs::File,
-        signals: &OwnedFd,
+        signals: &SignalFd,
         alive: &OwnedFd,
     ) -> io::Result<()> {
         loop {
@@ -423,13 +411,11 @@ impl Tree {
         false
     }
 
-    /// Milliseconds until the kill, rounded up; -1 for none.
-    fn poll_timeout(&self) -> i32 {
-        self.kill_at.map_or(-1, |t| {
-            t.saturating_duration_since(Instant::now())
-                .as_millis()
-                .min(i32::MAX as u128) as i32
-                + 1
+    /// Milliseconds until the kill, rounded up; none without one.
+    fn poll_timeout(&self) -> PollTimeout {
+        self.kill_at.map_or(PollTimeout::NONE, |t| {
+            let ms = t.saturating_duration_since(Instant::now()).as_millis() + 1;
+            PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
         })
     }
 
@@ -469,36 +455,26 @@ impl Tree {
 }
 
 /// Polls the signalfd and the pipe from stowage for `timeout` ms; reads the signal if one came.
-fn wait_for_event(signals: &OwnedFd, alive: &OwnedFd, timeout: i32) -> io::Result<Woke> {
-    let polled = |fd: &OwnedFd| libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let mut fds = [polled(signals), polled(alive)];
-    // SAFETY: poll on two valid descriptors in a local array.
-    if unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) } < 0 {
-        let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::EINTR) => Ok(Woke::Nothing),
-            _ => Err(e),
-        };
+fn wait_for_event(signals: &SignalFd, alive: &OwnedFd, timeout: PollTimeout) -> io::Result<Woke> {
+    let mut fds = [signals.as_fd(), alive.as_fd()].map(|fd| PollFd::new(fd, PollFlags::POLLIN));
+    match poll(&mut fds, timeout) {
+        Err(Errno::EINTR) => return Ok(Woke::Nothing),
+        Err(e) => return Err(e.into()),
+        Ok(_) => {}
     }
-    if fds[1].revents != 0 {
+    if fds[1].revents() != Some(PollFlags::empty()) {
         return Ok(Woke::StowageGone);
     }
-    if fds[0].revents & libc::POLLIN == 0 {
+    if !fds[0]
+        .revents()
+        .is_some_and(|r| r.contains(PollFlags::POLLIN))
+    {
         return Ok(Woke::Nothing);
     }
-    // SAFETY: signalfd reads whole signalfd_siginfo records, into a local one.
-    let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
-    let size = std::mem::size_of::<libc::signalfd_siginfo>();
-    let r = unsafe { libc::read(signals.as_raw_fd(), (&raw mut info).cast(), size) };
-    // A short read is nothing to act on.
-    Ok(if r == size as isize {
-        Woke::Signal(info)
-    } else {
-        Woke::Nothing
+    // A failed read is nothing to act on (the kernel reads whole records only).
+    Ok(match signals.read_signal() {
+        Ok(Some(info)) => Woke::Signal(info),
+        _ => Woke::Nothing,
     })
 }
 

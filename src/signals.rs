@@ -17,11 +17,16 @@
 //!   so no signal hits a recycled pid.
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, Once, OnceLock};
 
-use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::unistd::{Pid, getpgid, getpgrp, getpid, getsid};
+
+use crate::error::retrying;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -84,9 +89,11 @@ fn forwarded() -> SigSet {
 /// ignored, as with any exec. Async-signal-safe: meant for `pre_exec`.
 pub fn reset_mask_in_child() -> io::Result<()> {
     let none = SigSet::empty();
-    // SAFETY: sigprocmask with a local empty set is async-signal-safe.
-    let r = unsafe { libc::sigprocmask(libc::SIG_SETMASK, none.as_ref(), std::ptr::null_mut()) };
-    crate::error::cvt(r).map(drop)
+    Ok(nix::sys::signal::sigprocmask(
+        SigmaskHow::SIG_SETMASK,
+        Some(&none),
+        None,
+    )?)
 }
 
 /// A termination signal that came while no command ran (before or after it): long work stops.
@@ -218,16 +225,6 @@ impl Forwarder {
     }
 }
 
-/// `call`'s result (`cvt`), called again while it fails with `EINTR`.
-pub fn retrying(mut call: impl FnMut() -> libc::c_int) -> io::Result<libc::c_int> {
-    loop {
-        match crate::error::cvt(call()) {
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-            done => return done,
-        }
-    }
-}
-
 /// Whether our child `pid` has exited, without reaping it. libc's waitid, not nix's: nix cannot
 /// represent a death by a real-time signal (34–64) and fails with EINVAL.
 fn exited(pid: libc::pid_t) -> io::Result<bool> {
@@ -261,9 +258,11 @@ pub fn terminal_reached_command(
 
 /// The process group of `pid`, if it can be known.
 pub fn group_of(pid: libc::pid_t) -> Option<libc::pid_t> {
-    // SAFETY: plain query.
-    let g = unsafe { libc::getpgid(pid) };
-    (g > 0).then_some(g)
+    // 0: a group outside our pid namespace.
+    getpgid(Some(Pid::from_raw(pid)))
+        .ok()
+        .map(Pid::as_raw)
+        .filter(|&g| g > 0)
 }
 
 /// The value a keeper finds in a signal we queue to it: 1 if the terminal sent the signal to us.
@@ -297,8 +296,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
         }
         State::Running(Target::Command(pid)) => {
             PASSED_ON.store(sig, Relaxed);
-            // SAFETY: plain queries of our own process.
-            let (ours, leader) = unsafe { (libc::getpgrp(), libc::getsid(0) == libc::getpid()) };
+            let (ours, leader) = (getpgrp().as_raw(), getsid(None) == Ok(getpid()));
             if !terminal_reached_command(sig, code, group_of(pid), ours, leader) {
                 // SAFETY: plain kill(2); pid is our unreaped child.
                 unsafe { libc::kill(pid, sig) };
@@ -339,16 +337,10 @@ fn start_thread() {
         // No thread to be had (a pids limit in a container or a job's cgroup): the waits then run
         // without helper threads too (`lock::Waker`), and watch for the signals themselves.
         if spawned.is_err() {
-            // SAFETY: signalfd with a valid set; the new descriptor (or -1) is kept for good.
-            let fd = unsafe {
-                libc::signalfd(
-                    -1,
-                    shared.set.as_ref(),
-                    libc::SFD_CLOEXEC | libc::SFD_NONBLOCK,
-                )
-            };
-            if fd >= 0 {
-                crate::lock::watch_signals_while_waiting(fd, take_pending);
+            let flags = SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK;
+            if let Ok(fd) = SignalFd::with_flags(&shared.set, flags) {
+                crate::lock::watch_signals_while_waiting(fd.as_raw_fd(), take_pending);
+                std::mem::forget(fd); // kept for good
             }
         }
     });
