@@ -12,7 +12,11 @@ use std::ffi::{CString, OsString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 
+use nix::spawn::{
+    PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags, posix_spawn, posix_spawnp,
+};
 use nix::sys::signal::{SigSet, Signal};
+use nix::unistd::Pid;
 
 /// How a process is started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,75 +46,37 @@ pub fn spawn(
         .iter()
         .map(|(k, v)| c_string([k.as_bytes(), b"=", v.as_bytes()].concat()))
         .collect::<io::Result<_>>()?;
-    let argp = null_terminated(&args);
-    let envp = null_terminated(&vars);
-
-    // SAFETY: the attribute object is initialised before use and destroyed after; every pointer
-    // passed lives until posix_spawnp returns.
-    unsafe {
-        let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
-        check(libc::posix_spawnattr_init(&mut attr))?;
-        let result = set_attributes(&mut attr, how).and_then(|()| {
-            let mut pid: libc::pid_t = 0;
-            // They take the same arguments; only posix_spawnp searches PATH.
-            let spawn = match path {
-                Some(_) => libc::posix_spawn as unsafe extern "C" fn(_, _, _, _, _, _) -> _,
-                None => libc::posix_spawnp,
-            };
-            let file = path.map_or_else(|| args[0].as_ptr(), |p| p.as_ptr());
-            let no_file_actions = std::ptr::null();
-            let (argp, envp) = (argp.as_ptr(), envp.as_ptr());
-            check(spawn(&mut pid, file, no_file_actions, &attr, argp, envp))?;
-            Ok(pid)
-        });
-        libc::posix_spawnattr_destroy(&mut attr);
-        result
-    }
+    let attr = attributes(how)?;
+    let none = PosixSpawnFileActions::init()?;
+    // They take the same arguments; only posix_spawnp searches PATH.
+    let pid = match path {
+        Some(p) => posix_spawn(p, &none, &attr, &args, &vars)?,
+        None => posix_spawnp(&args[0], &none, &attr, &args, &vars)?,
+    };
+    Ok(pid.as_raw())
 }
 
 fn c_string(bytes: Vec<u8>) -> io::Result<CString> {
     CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
-/// The array of pointers that exec(2) takes: each string, then NULL. The strings must outlive it.
-fn null_terminated(strings: &[CString]) -> Vec<*mut libc::c_char> {
-    let mut pointers: Vec<*mut libc::c_char> =
-        strings.iter().map(|s| s.as_ptr() as *mut _).collect();
-    pointers.push(std::ptr::null_mut());
-    pointers
-}
-
 /// SIGPIPE and SIGCHLD at their defaults; for the command no signal blocked, for the keeper our
 /// mask kept and a process group of its own.
-///
-/// # Safety
-/// `attr` must have been initialised by posix_spawnattr_init.
-unsafe fn set_attributes(attr: &mut libc::posix_spawnattr_t, how: Start) -> io::Result<()> {
-    // SAFETY: sigset ops on local sets; attribute calls on an object the caller initialised.
-    unsafe {
-        let default: SigSet = [Signal::SIGPIPE, Signal::SIGCHLD].into_iter().collect();
-        check(libc::posix_spawnattr_setsigdefault(attr, default.as_ref()))?;
-        let flags = match how {
-            Start::Command => {
-                check(libc::posix_spawnattr_setsigmask(
-                    attr,
-                    SigSet::empty().as_ref(),
-                ))?;
-                libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF
-            }
-            Start::Keeper => {
-                check(libc::posix_spawnattr_setpgroup(attr, 0))?;
-                libc::POSIX_SPAWN_SETPGROUP | libc::POSIX_SPAWN_SETSIGDEF
-            }
-        };
-        check(libc::posix_spawnattr_setflags(attr, flags as libc::c_short))
-    }
-}
-
-fn check(rc: libc::c_int) -> io::Result<()> {
-    (rc == 0)
-        .then_some(())
-        .ok_or_else(|| io::Error::from_raw_os_error(rc))
+fn attributes(how: Start) -> nix::Result<PosixSpawnAttr> {
+    let mut attr = PosixSpawnAttr::init()?;
+    attr.set_sigdefault(&[Signal::SIGPIPE, Signal::SIGCHLD].into_iter().collect())?;
+    let flags = match how {
+        Start::Command => {
+            attr.set_sigmask(&SigSet::empty())?;
+            PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK
+        }
+        Start::Keeper => {
+            attr.set_pgroup(Pid::from_raw(0))?;
+            PosixSpawnFlags::POSIX_SPAWN_SETPGROUP
+        }
+    };
+    attr.set_flags(flags | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF)?;
+    Ok(attr)
 }
 
 #[cfg(test)]
