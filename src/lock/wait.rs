@@ -8,8 +8,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::thread::JoinHandleExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,9 +17,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use fs2::FileExt;
+use nix::fcntl::OFlag;
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
 
 use super::{Mode, flock_blocking, flock_try};
-use crate::error::cvt;
 
 /// The outcome of a wait.
 #[derive(Debug)]
@@ -140,21 +140,15 @@ pub fn interrupt_waits(sig: i32) {
     }
     // Polled waits ([`Waker`]) watch the pipe, never drained: once fired, every wait here is over.
     if let Some((_, w)) = cancel_pipe() {
-        // SAFETY: a one-byte write from a live buffer to our own pipe.
-        unsafe { libc::write(*w, [1u8].as_ptr().cast(), 1) };
+        let _ = nix::unistd::write(w, &[1]);
     }
 }
 
-/// The pipe that [`interrupt_waits`] makes readable: (read end, write end).
-fn cancel_pipe() -> Option<&'static (i32, i32)> {
-    static PIPE: OnceLock<Option<(i32, i32)>> = OnceLock::new();
-    PIPE.get_or_init(|| {
-        let mut fds = [0; 2];
-        // SAFETY: pipe2 into a two-element array. Both ends live for the process, close-on-exec.
-        let r = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) };
-        (r == 0).then_some((fds[0], fds[1]))
-    })
-    .as_ref()
+/// The pipe that [`interrupt_waits`] makes readable: (read end, write end), both for the process.
+fn cancel_pipe() -> Option<&'static (OwnedFd, OwnedFd)> {
+    static PIPE: OnceLock<Option<(OwnedFd, OwnedFd)>> = OnceLock::new();
+    PIPE.get_or_init(|| nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).ok())
+        .as_ref()
 }
 
 /// The signal passed to [`interrupt_waits`], if it was called.
@@ -378,17 +372,16 @@ pub enum Woke {
 /// the directory before trying the files wakes the moment one may be free. Other hosts' closes go
 /// unseen (NFS): callers poll there too. Without inotify (instance limits) it only sleeps.
 pub struct Waker {
-    inotify: Option<OwnedFd>,
-    /// The watch on `inotify`, removed again on drop.
-    wd: i32,
+    /// The instance and its watch, removed again on drop.
+    inotify: Option<(Inotify, WatchDescriptor)>,
     named: Option<std::ffi::OsString>,
 }
 
 /// Spare inotify instances, kept from finished waits: a close costs an RCU grace period (~18 ms)
 /// between a slot's release and its taker's command. Close-on-exec; never more than waits at once.
-static SPARE_INOTIFY: Mutex<Vec<OwnedFd>> = Mutex::new(Vec::new());
+static SPARE_INOTIFY: Mutex<Vec<Inotify>> = Mutex::new(Vec::new());
 
-fn spare_inotify() -> MutexGuard<'static, Vec<OwnedFd>> {
+fn spare_inotify() -> MutexGuard<'static, Vec<Inotify>> {
     SPARE_INOTIFY.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -397,7 +390,6 @@ impl Waker {
     pub fn none() -> Waker {
         Waker {
             inotify: None,
-            wd: -1,
             named: None,
         }
     }
@@ -405,32 +397,21 @@ impl Waker {
     /// Watches `dir` for closes and creations; changes to `named`, a file in it, are told apart.
     pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
         let spare = spare_inotify().pop();
-        let flags = libc::IN_CLOEXEC | libc::IN_NONBLOCK;
-        let owned = match spare {
-            Some(fd) => fd,
-            // SAFETY: inotify_init1 returns a new descriptor, owned from here on, or -1.
-            None => match cvt(unsafe { libc::inotify_init1(flags) }) {
-                Ok(fd) => unsafe { OwnedFd::from_raw_fd(fd) },
-                Err(_) => return Waker::none(),
-            },
-        };
-        let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        let flags = InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK;
+        let Some(ino) = spare.or_else(|| Inotify::init(flags).ok()) else {
             return Waker::none();
         };
-        let mask = libc::IN_CLOSE_WRITE
-            | libc::IN_CLOSE_NOWRITE
-            | libc::IN_CREATE
-            | libc::IN_MOVED_TO
-            | libc::IN_ONLYDIR;
-        // SAFETY: a valid inotify descriptor and a NUL-terminated path.
-        let wd = unsafe { libc::inotify_add_watch(owned.as_raw_fd(), c.as_ptr(), mask) };
-        if wd < 0 {
-            spare_inotify().push(owned);
+        let mask = AddWatchFlags::IN_CLOSE_WRITE
+            | AddWatchFlags::IN_CLOSE_NOWRITE
+            | AddWatchFlags::IN_CREATE
+            | AddWatchFlags::IN_MOVED_TO
+            | AddWatchFlags::IN_ONLYDIR;
+        let Ok(wd) = ino.add_watch(dir, mask) else {
+            spare_inotify().push(ino);
             return Waker::none();
-        }
+        };
         let waker = Waker {
-            inotify: Some(owned),
-            wd,
+            inotify: Some((ino, wd)),
             named: named.map(Into::into),
         };
         // Whatever a previous wait left unread is not news for this one.
@@ -452,8 +433,8 @@ impl Waker {
         // The signal watch first: its `revents` are looked at below.
         let mut fds: Vec<libc::pollfd> = [
             signals.map(|(fd, _)| *fd),
-            self.inotify.as_ref().map(|i| i.as_raw_fd()),
-            cancel_pipe().map(|(r, _)| *r),
+            self.inotify.as_ref().map(|(i, _)| i.as_fd().as_raw_fd()),
+            cancel_pipe().map(|(r, _)| r.as_raw_fd()),
         ]
         .into_iter()
         .flatten()
@@ -499,39 +480,27 @@ impl Waker {
 
     /// Reads every pending event; true if one concerned the named file.
     fn drain(&self) -> bool {
-        let Some(ino) = &self.inotify else {
+        let Some((ino, wd)) = &self.inotify else {
             return false;
         };
+        let want = self.named.as_deref();
         let mut named = false;
-        let mut buf = [0u8; 4096];
-        loop {
-            // SAFETY: read into a live buffer of its length.
-            let n = unsafe { libc::read(ino.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n <= 0 {
-                return named;
-            }
-            let mut at = 0usize;
-            let head = std::mem::size_of::<libc::inotify_event>();
-            while at + head <= n as usize {
-                // SAFETY: the kernel wrote whole events; read_unaligned handles the alignment.
-                let ev: libc::inotify_event =
-                    unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
-                let name = &buf[at + head..(at + head + ev.len as usize).min(n as usize)];
-                let name = name.split(|b| *b == 0).next().unwrap_or(&[]);
-                let want = self.named.as_ref().map(|w| w.as_bytes());
-                named |= ev.wd == self.wd && want == Some(name);
-                at += head + ev.len as usize;
-            }
+        while let Ok(events) = ino.read_events()
+            && !events.is_empty()
+        {
+            let ours =
+                |e: &InotifyEvent| e.wd == *wd && want.is_some() && e.name.as_deref() == want;
+            named |= events.iter().any(ours);
         }
+        named
     }
 }
 
 impl Drop for Waker {
     fn drop(&mut self) {
-        if let Some(fd) = self.inotify.take() {
-            // SAFETY: removes our own watch from our own descriptor.
-            unsafe { libc::inotify_rm_watch(fd.as_raw_fd(), self.wd) };
-            spare_inotify().push(fd);
+        if let Some((ino, wd)) = self.inotify.take() {
+            let _ = ino.rm_watch(wd);
+            spare_inotify().push(ino);
         }
     }
 }
