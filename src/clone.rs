@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, CString, OsStr};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -26,8 +26,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag};
-use nix::sys::stat::{Mode, SFlag};
-use nix::unistd::{Whence, linkat, lseek};
+use nix::sys::stat::{FchmodatFlags, Mode, SFlag, UtimensatFlags};
+use nix::sys::stat::{fchmod, fchmodat, futimens, utimensat};
+use nix::sys::time::TimeSpec;
+use nix::unistd::{Gid, Uid, Whence, fchown, fchownat, linkat, lseek};
 
 use crate::error::cvt;
 use crate::tree::{self, Dir, Trail};
@@ -122,7 +124,7 @@ fn open_source(
         return opened.map(|fd| (fd, None)).map_err(|e| denied(e, meta));
     };
     let path = dir.open_at(name, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)?;
-    let now = tree::fstat(path.as_raw_fd())?;
+    let now = tree::fstat(&path)?;
     if (now.st_dev, now.st_ino) != (meta.st_dev, meta.st_ino) {
         return Err(io::Error::other("changed while being copied"));
     }
@@ -152,8 +154,7 @@ pub fn copy_tree_at(
     if progress.enabled {
         progress.total = crate::disk_usage::apparent_size(src).unwrap_or(0);
     }
-    let meta = tree::fstat(src_root.as_raw_fd())
-        .with_context(|| format!("cannot read {}", src.display()))?;
+    let meta = tree::fstat(&src_root).with_context(|| format!("cannot read {}", src.display()))?;
     let was = make_private(&dst_root, dst)?;
     let names = src_root
         .entries()
@@ -198,8 +199,7 @@ pub fn copy_tree_at(
 /// be empty (a name made before may have its descriptor kept by its maker). The top gets the base's
 /// mode when the copy is done (`finish_dir`).
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
-    let st =
-        tree::fstat(top.as_raw_fd()).with_context(|| format!("cannot read {}", dst.display()))?;
+    let st = tree::fstat(top).with_context(|| format!("cannot read {}", dst.display()))?;
     if st.st_uid != nix::unistd::geteuid().as_raw() {
         anyhow::bail!(
             "{} belongs to uid {}, not to you: refusing to copy into it (its owner could change names in the copy)",
@@ -212,8 +212,7 @@ fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     cvt(unsafe { libc::fchmod(top.as_raw_fd(), 0o700) })
         .with_context(|| format!("cannot make {} private while copying", dst.display()))?;
     if !top.entries().is_ok_and(|n| n.is_empty()) {
-        // SAFETY: as above.
-        unsafe { libc::fchmod(top.as_raw_fd(), was) };
+        let _ = fchmod(top, Mode::from_bits_retain(was));
         anyhow::bail!(
             "{} is not empty: refusing to copy into it (another user could change names in the copy)",
             dst.display()
@@ -261,10 +260,7 @@ impl TreeCopy<'_> {
     /// writable while we fill it, and writing into it would change its mtime.
     fn finish_dir(&mut self, done: Frame) -> Result<()> {
         self.trail.0.pop();
-        let (dst, src) = (
-            Target::Fd(done.dst.as_raw_fd()),
-            Target::Fd(done.src.as_raw_fd()),
-        );
+        let (dst, src) = (Target::Fd(done.dst.as_fd()), Target::Fd(done.src.as_fd()));
         self.attrs(dst, src, None, &done.meta)
     }
 
@@ -350,7 +346,7 @@ impl TreeCopy<'_> {
             open_pair(&top.src, &top.dst, name, meta).with_context(|| self.cannot_copy(name))?;
         let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works)
             .with_context(|| self.cannot_copy(name))?;
-        let (dst, src) = (Target::Fd(dst_f.as_raw_fd()), Target::Fd(src_f.as_raw_fd()));
+        let (dst, src) = (Target::Fd(dst_f.as_fd()), Target::Fd(src_f.as_fd()));
         self.attrs(dst, src, Some(name), meta)?;
         let len = meta.st_size as u64;
         self.out.files += 1;
@@ -433,7 +429,7 @@ fn open_pair(
     let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
     let (fd, lent) = open_source(src, name, meta, flags)?;
     let s = File::from(fd);
-    let now = tree::fstat(s.as_raw_fd())?;
+    let now = tree::fstat(&s)?;
     if tree::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
         return Err(io::Error::other("changed while being copied"));
     }
@@ -459,7 +455,7 @@ fn denied(e: io::Error, meta: &libc::stat) -> io::Error {
 /// Copies one regular file's data; returns whether it was reflinked. Without reflink only the data
 /// regions are copied and the length set after: holes stay holes.
 fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<bool> {
-    let len = tree::fstat(src.as_raw_fd())?.st_size as u64;
+    let len = tree::fstat(src)?.st_size as u64;
     if *reflink_works && len > 0 {
         match reflink_copy::reflink_file(src, dst) {
             Ok(()) => return Ok(true),
@@ -597,7 +593,7 @@ fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Res
 /// Where attributes are read or set: an open file, or a name in a directory (symlinks and special
 /// files, which are not opened).
 enum Target<'a> {
-    Fd(RawFd),
+    Fd(BorrowedFd<'a>),
     At(&'a Dir, &'a CStr),
 }
 
@@ -610,47 +606,36 @@ fn set_attrs(
     at: &dyn Fn() -> String,
 ) -> io::Result<()> {
     let symlink = tree::file_type(meta) == libc::S_IFLNK;
-    let (uid, gid, nofollow) = (meta.st_uid, meta.st_gid, libc::AT_SYMLINK_NOFOLLOW);
-    // SAFETY: calls on valid descriptors and C strings; no pointers kept.
+    let (uid, gid) = (
+        Some(Uid::from_raw(meta.st_uid)),
+        Some(Gid::from_raw(meta.st_gid)),
+    );
     let r = match &dst {
-        Target::Fd(fd) => unsafe { libc::fchown(*fd, uid, gid) },
-        Target::At(d, n) => unsafe {
-            libc::fchownat(d.as_raw_fd(), n.as_ptr(), uid, gid, nofollow)
-        },
+        Target::Fd(fd) => fchown(fd, uid, gid),
+        Target::At(d, n) => fchownat(d, *n, uid, gid, AtFlags::AT_SYMLINK_NOFOLLOW),
     };
     // An unprivileged user cannot give files away: keep our own.
-    if let Err(e) = cvt(r)
-        && e.raw_os_error() != Some(libc::EPERM)
+    if let Err(e) = r
+        && e != Errno::EPERM
     {
-        return Err(e);
+        return Err(e.into());
     }
     if !symlink {
         // After chown, which clears setuid/setgid bits.
-        let mode = meta.st_mode & 0o7777;
-        // SAFETY: fchmod/fchmodat on our descriptors and a valid C string; no memory is written.
-        cvt(match &dst {
-            Target::Fd(fd) => unsafe { libc::fchmod(*fd, mode) },
+        let mode = Mode::from_bits_retain(meta.st_mode & 0o7777);
+        match &dst {
+            Target::Fd(fd) => fchmod(fd, mode)?,
             // A FIFO, socket or device node we just created, not a symlink.
-            Target::At(d, n) => unsafe { libc::fchmodat(d.as_raw_fd(), n.as_ptr(), mode, 0) },
-        })?;
+            Target::At(d, n) => fchmodat(d, *n, mode, FchmodatFlags::FollowSymlink)?,
+        }
     }
     copy_xattrs(&src, &dst, out, at);
-    let time = |tv_sec, nsec: libc::c_long| libc::timespec {
-        tv_sec,
-        tv_nsec: nsec as _,
-    };
-    let times = [
-        time(meta.st_atime, meta.st_atime_nsec),
-        time(meta.st_mtime, meta.st_mtime_nsec),
-    ];
-    // SAFETY: a two-element array, as utimensat requires.
-    cvt(match &dst {
-        Target::Fd(fd) => unsafe { libc::futimens(*fd, times.as_ptr()) },
-        Target::At(d, n) => unsafe {
-            libc::utimensat(d.as_raw_fd(), n.as_ptr(), times.as_ptr(), nofollow)
-        },
-    })
-    .map(drop)
+    let atime = TimeSpec::new(meta.st_atime, meta.st_atime_nsec);
+    let mtime = TimeSpec::new(meta.st_mtime, meta.st_mtime_nsec);
+    Ok(match &dst {
+        Target::Fd(fd) => futimens(fd, &atime, &mtime),
+        Target::At(d, n) => utimensat(d, *n, &atime, &mtime, UtimensatFlags::NoFollowSymlink),
+    }?)
 }
 
 /// Reads the list or a value of extended attributes into a growing buffer.
@@ -675,7 +660,9 @@ fn xattr_read(mut call: impl FnMut(*mut libc::c_void, usize) -> isize) -> io::Re
 fn list_xattrs(t: &Target) -> io::Result<Vec<u8>> {
     // SAFETY: each call gets a buffer of the length it is told.
     match t {
-        Target::Fd(fd) => xattr_read(|p, n| unsafe { libc::flistxattr(*fd, p.cast(), n) }),
+        Target::Fd(fd) => {
+            xattr_read(|p, n| unsafe { libc::flistxattr(fd.as_raw_fd(), p.cast(), n) })
+        }
         Target::At(d, name) => {
             let p = d.proc_path(name);
             xattr_read(|b, n| unsafe { libc::llistxattr(p.as_ptr(), b.cast(), n) })
@@ -686,7 +673,9 @@ fn list_xattrs(t: &Target) -> io::Result<Vec<u8>> {
 fn get_xattr(t: &Target, key: &CStr) -> io::Result<Vec<u8>> {
     // SAFETY: as above.
     match t {
-        Target::Fd(fd) => xattr_read(|p, n| unsafe { libc::fgetxattr(*fd, key.as_ptr(), p, n) }),
+        Target::Fd(fd) => {
+            xattr_read(|p, n| unsafe { libc::fgetxattr(fd.as_raw_fd(), key.as_ptr(), p, n) })
+        }
         Target::At(d, name) => {
             let path = d.proc_path(name);
             xattr_read(|p, n| unsafe { libc::lgetxattr(path.as_ptr(), key.as_ptr(), p, n) })
@@ -698,7 +687,7 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
     let (v, n) = (value.as_ptr().cast(), value.len());
     // SAFETY: valid C strings; the value pointer and length describe `value`.
     let r = match t {
-        Target::Fd(fd) => unsafe { libc::fsetxattr(*fd, key.as_ptr(), v, n, 0) },
+        Target::Fd(fd) => unsafe { libc::fsetxattr(fd.as_raw_fd(), key.as_ptr(), v, n, 0) },
         Target::At(d, name) => {
             let path = d.proc_path(name);
             unsafe { libc::lsetxattr(path.as_ptr(), key.as_ptr(), v, n, 0) }

@@ -14,7 +14,7 @@
 
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
@@ -23,7 +23,7 @@ use nix::fcntl::{AtFlags, OFlag, openat};
 use nix::sys::stat;
 use nix::unistd::{AccessFlags, UnlinkatFlags};
 
-use crate::error::{cstr, cvt};
+use crate::error::{cstr, cvt, retrying};
 
 /// An open directory.
 #[derive(Debug)]
@@ -48,7 +48,7 @@ impl From<OwnedFd> for Dir {
     }
 }
 
-impl std::os::fd::AsFd for Dir {
+impl AsFd for Dir {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
@@ -83,9 +83,7 @@ impl Entry {
 }
 
 /// Every field of the stat of `fd`.
-pub fn fstat(fd: std::os::fd::RawFd) -> io::Result<libc::stat> {
-    // SAFETY: the caller's descriptor, open for the duration of the call.
-    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+pub fn fstat(fd: impl AsFd) -> io::Result<libc::stat> {
     Ok(nix::sys::stat::fstat(fd)?)
 }
 
@@ -184,7 +182,7 @@ impl Dir {
 
     /// The directory itself.
     pub fn stat(&self) -> io::Result<Entry> {
-        Ok(entry(&fstat(self.fd.as_raw_fd())?))
+        Ok(entry(&fstat(self)?))
     }
 
     /// Every field of `name`'s lstat, for the walks that copy and measure trees (tree.rs).
@@ -276,20 +274,15 @@ impl Dir {
         loop {
             // The system call: glibc's wrapper is recent; the layout is the kernel's.
             // SAFETY: a live buffer of the length given.
-            let n = unsafe { libc::syscall(libc::SYS_getdents64, fd, buf.as_mut_ptr(), buf.len()) };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                match e.raw_os_error() {
-                    Some(libc::EINTR) => continue,
-                    // A directory removed meanwhile (by another removal of the same tree) lists
-                    // nothing more: the end, as readdir(3) has it, not an error.
-                    Some(libc::ENOENT) => return Ok(out),
-                    _ => return Err(e),
-                }
-            }
-            if n == 0 {
-                return Ok(out);
-            }
+            let n = match retrying(|| unsafe {
+                libc::syscall(libc::SYS_getdents64, fd, buf.as_mut_ptr(), buf.len())
+            }) {
+                // A directory removed meanwhile (by another removal of the same tree) lists
+                // nothing more: the end, as readdir(3) has it, not an error.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+                Ok(0) => return Ok(out),
+                n => n?,
+            };
             let mut at = 0usize;
             while at < n as usize {
                 // struct linux_dirent64 { u64 d_ino; i64 d_off;
@@ -763,8 +756,7 @@ pub fn explain_refusal(
 
 /// The effective uid.
 fn me() -> u32 {
-    // SAFETY: geteuid cannot fail.
-    unsafe { libc::geteuid() }
+    nix::unistd::geteuid().as_raw()
 }
 
 /// The path from a walk's top to its current level (the top itself: empty).
@@ -923,9 +915,7 @@ mod tests {
             d = d.sub("abc").unwrap();
         }
         d.create_file("f", 0o644).unwrap();
-        let l = CString::new(victim.as_os_str().as_bytes()).unwrap();
-        let r = unsafe { libc::symlinkat(l.as_ptr(), d.as_raw_fd(), c"link".as_ptr()) };
-        assert_eq!(r, 0);
+        nix::unistd::symlinkat(&victim, &d, "link").unwrap();
         drop(d);
         let mut removed = 0;
         top.remove_entry("tree", &mut removed).unwrap();

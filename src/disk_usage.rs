@@ -101,7 +101,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
-    let st = tree::fstat(top.as_raw_fd())?;
+    let st = tree::fstat(&top)?;
     let dev = st.st_dev;
     visit(&top, c".", &st)?;
     let names = top.entries()?;

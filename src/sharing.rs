@@ -13,13 +13,14 @@
 
 use std::fs;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use anyhow::{Context, Result};
+use nix::sys::stat::{Mode, fchmod};
+use nix::unistd::{Gid, fchown};
 
-use crate::error::cvt;
 use crate::root::Root;
 
 /// Where the recipe for group stores is documented.
@@ -149,7 +150,7 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
         // swaps a directory of the layout for a link meanwhile leads this nowhere outside the root.
         let flags = libc::O_RDONLY | if w.dir { libc::O_DIRECTORY } else { 0 };
         match crate::planted::open(&root.dir().join(&w.rel), flags, 0)
-            .and_then(|f| fix_fd(f.as_raw_fd(), w.dir, gid, 0))
+            .and_then(|f| fix_fd(f.as_fd(), w.dir, gid, 0))
         {
             Ok(()) => done.fixed.push(w),
             Err(e) => done.failed.push((w, e.to_string())),
@@ -162,7 +163,7 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
 /// store's parts get, through the descriptor the caller opened and checked it by: never again by
 /// its path, where a member may have put a link meanwhile.
 pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<()> {
-    fix_fd(images.as_raw_fd(), true, gid, 0).with_context(|| {
+    fix_fd(images.as_fd(), true, gid, 0).with_context(|| {
         format!(
             "cannot give images directory {} group {gid}",
             shown.display()
@@ -172,7 +173,7 @@ pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Res
 
 /// Gives the file or directory behind `fd` group `gid`, the group store's bits and the mode bits
 /// `more`. A file with other names (a member's hard link to a file elsewhere) is refused.
-fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
+fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
     let st = crate::dir::fstat(fd)?;
     if (st.st_mode & libc::S_IFMT == libc::S_IFDIR) != dir {
         return Err(io::Error::other("changed kind while being repaired"));
@@ -183,14 +184,12 @@ fn fix_fd(fd: std::os::fd::RawFd, dir: bool, gid: u32, more: u32) -> io::Result<
         ));
     }
     if st.st_gid != gid {
-        // SAFETY: fchown on our own open descriptor; uid -1 leaves it.
-        cvt(unsafe { libc::fchown(fd, u32::MAX, gid) })?;
+        fchown(fd, None, Some(Gid::from_raw(gid)))?;
     }
     let bits = if dir { DIR_BITS } else { FILE_BITS };
     // Set after the chown, which clears setgid on a file (not a directory).
     let mode = (st.st_mode & 0o7777) | bits | more;
-    // SAFETY: fchmod on our own open descriptor.
-    cvt(unsafe { libc::fchmod(fd, mode as libc::mode_t) }).map(drop)
+    Ok(fchmod(fd, Mode::from_bits_retain(mode))?)
 }
 
 /// The groups `/etc/group` names, as (name, gid): read directly, as a static binary can (glibc's
@@ -267,7 +266,7 @@ pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
     // One descriptor, opened with no link in any component, for group and mode: no second lookup.
     let root = crate::planted::open(dir, libc::O_RDONLY | libc::O_DIRECTORY, 0)
         .with_context(|| format!("cannot share root {}", dir.display()))?;
-    fix_fd(root.as_raw_fd(), true, gid, 0o775).map_err(|e| match e.raw_os_error() {
+    fix_fd(root.as_fd(), true, gid, 0o775).map_err(|e| match e.raw_os_error() {
         Some(libc::EPERM) => not_in_group(dir, gid),
         _ => anyhow::Error::new(e).context(format!("cannot share root {}", dir.display())),
     })?;
