@@ -52,12 +52,11 @@ pub fn start(
 /// cannot set a child's umask, so the command of a group-shared store gets the caller's mask back
 /// this way for the moment of the spawn; no other thread creates files meanwhile.
 fn with_umask<T>(umask: Option<u32>, f: impl FnOnce() -> T) -> T {
-    // SAFETY: umask(2) cannot fail; it only swaps the process's mask.
-    let ours = umask.map(|m| unsafe { libc::umask(m as libc::mode_t) });
+    use nix::sys::stat::{Mode, umask as set};
+    let ours = umask.map(|m| set(Mode::from_bits_retain(m as libc::mode_t)));
     let out = f();
     if let Some(m) = ours {
-        // SAFETY: as above, restoring our own mask.
-        unsafe { libc::umask(m) };
+        set(m);
     }
     out
 }

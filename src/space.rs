@@ -9,9 +9,10 @@
 //!   file of its own; two processes filling it at once allocate the same range (harmless).
 //! - Losing it costs only the protection, until a command frees space or makes the layout.
 
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
+
+use nix::fcntl::{FallocateFlags, fallocate};
 
 /// Is this error the disk (or a quota) being full, from SQLite or the OS?
 pub fn is_full(err: &anyhow::Error) -> bool {
@@ -70,19 +71,16 @@ pub fn refill(reserve: &Path) {
     if have >= want {
         return;
     }
-    let fd = f.as_raw_fd();
-    // SAFETY: fallocate on our descriptor.
-    if unsafe { libc::fallocate(fd, 0, 0, want as libc::off_t) } == 0 {
+    let mode = FallocateFlags::empty();
+    if fallocate(&f, mode, 0, want as libc::off_t).is_ok() {
         return;
     }
     // Not all free, or no fallocate: take a chunk at a time, writing zeros where fallocate fails.
     const CHUNK: u64 = 16 << 10;
     let zeros = [0u8; CHUNK as usize];
     for at in (0..want).step_by(CHUNK as usize) {
-        // SAFETY: fallocate and pwrite on our descriptor, from a live buffer of the length passed.
-        let ok = unsafe { libc::fallocate(fd, 0, at as libc::off_t, CHUNK as libc::off_t) } == 0
-            || unsafe { libc::pwrite(fd, zeros.as_ptr().cast(), zeros.len(), at as libc::off_t) }
-                == CHUNK as isize;
+        let ok = fallocate(&f, mode, at as libc::off_t, CHUNK as libc::off_t).is_ok()
+            || f.write_at(&zeros, at).is_ok_and(|n| n == CHUNK as usize);
         if !ok {
             break;
         }
