@@ -119,10 +119,11 @@ fn inherited(locks: &Path) -> Vec<Holding> {
     let mut out = Vec::new();
     for (link, id, mode) in crate::lock::inherited_flocks() {
         let link = link.to_string_lossy();
-        // Any "/locks/" in the link may be the root's (a slot class may have a part "locks").
+        // Any "/locks/" in the link may be the root's, overlapping ones too: a root named `locks`
+        // makes ".../locks/locks/images/...", where the root's is the second.
         let rel = link
-            .match_indices("/locks/")
-            .map(|(at, _)| &link[at + "/locks/".len()..])
+            .match_indices('/')
+            .filter_map(|(at, _)| link[at..].strip_prefix("/locks/"))
             .find(|rel| {
                 !rel.contains("..")
                     && std::fs::symlink_metadata(locks.join(rel))

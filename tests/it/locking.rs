@@ -886,6 +886,20 @@ fn a_nested_call_with_only_the_inherited_locks_to_go_by_never_waits_for_them() {
     assert_eq!(rc, "0", "{err}");
 }
 
+/// The same in a root whose own directory is named `locks`: the link of an inherited lock file
+/// then holds "/locks/" twice, overlapping (`…/locks/locks/images/…`), and the root's is the
+/// second.
+#[test]
+fn a_nested_call_in_a_root_named_locks_knows_its_inherited_locks() {
+    let mut env = Env::new();
+    env.root = env.root.with_file_name("locks");
+    env.make_image("base");
+    let inner = "exec --write base --wait 10 -- true";
+    let (rc, err) = nested_detached(&env, &["--read", "base"], inner);
+    assert_eq!(rc, "75", "{err}");
+    assert!(err.contains("never end"), "{err}");
+}
+
 /// A read of a new image while its writer creates it waits for the
 /// writer, and then reads what it made.
 #[test]
