@@ -44,15 +44,18 @@ pub enum Locks {
     StoreWide,
 }
 
+/// Arguments as text, any invalid UTF-8 replaced.
+pub(crate) fn lossy(args: &[OsString]) -> Vec<String> {
+    args.iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
 /// Runs the exec; returns its exit code (the command's own, or 128+N).
 pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     // Before any other thread exists, so that every thread inherits the mask.
     let signals = Forwarder::install().context("cannot set up signal handling")?;
-    let shown: Vec<String> = plan
-        .argv
-        .iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
+    let shown = lossy(&plan.argv);
     let req = match plan.locks {
         Locks::StoreWide => return run_store_wide(store, plan, signals, shown),
         Locks::Images(ref req) => req,

@@ -40,7 +40,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         other => other?,
     };
     if args.json {
-        super::print(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
+        super::print_json(&report)?;
     } else {
         let mut out = format!("root {} ({})\n", report.root, report.filesystem);
         for c in &report.checks {

@@ -5,7 +5,7 @@ use std::ffi::{OsStr, OsString};
 use anyhow::Result;
 
 use crate::error::Error;
-use crate::exec::{Locks, Plan};
+use crate::exec::{Locks, Plan, lossy};
 use crate::ident;
 use crate::name::ImageName;
 use crate::session::Request;
@@ -111,7 +111,7 @@ fn plan(args: Args) -> Result<Plan> {
                 .slot
                 .map(|class| (class, args.priority.unwrap_or_default())),
             // The command as leases list it: one line a shell would take.
-            command: ident::shell_join(&super::lossy(&args.command)),
+            command: ident::shell_join(&lossy(&args.command)),
         })
     };
     Ok(Plan {

@@ -42,8 +42,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         crate::error::code::FAILURE
     };
     if args.json {
-        super::print(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
-        return Ok(code);
+        return super::print_json(&report).map(|()| code);
     }
     // -q: nothing but errors, as rm says nothing of what it removed.
     if !store.ctx().quiet {

@@ -70,8 +70,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 shared_bytes: sharing.shared(r),
             })
             .collect();
-        super::print(&format!("{}\n", serde_json::to_string_pretty(&out)?))?;
-        return Ok(0);
+        return super::print_json(&out).map(|()| 0);
     }
     let mut table = vec![[
         "NAME".to_owned(),

@@ -10,6 +10,7 @@ use anyhow::Result;
 use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::error::{self, Error};
+use crate::exec::lossy;
 use crate::name::ImageName;
 use crate::root::{Root, Sharing};
 use crate::store::Store;
@@ -224,6 +225,11 @@ pub(crate) fn print(text: &str) -> Result<()> {
     out.write_all(text.as_bytes())
         .and_then(|()| out.flush())
         .map_err(|e| anyhow::anyhow!("cannot write to standard output: {e}"))
+}
+
+/// [`print`]s `doc` as pretty JSON, one line break after it.
+pub(crate) fn print_json(doc: &impl serde::Serialize) -> Result<()> {
+    print(&format!("{}\n", serde_json::to_string_pretty(doc)?))
 }
 
 /// The error chain on one line, outermost first, minus causes whose words are already there (SQLite
@@ -468,13 +474,6 @@ fn subcommand(args: &[OsString]) -> Option<(String, usize)> {
         }
     }
     None
-}
-
-/// Arguments as text, any invalid UTF-8 replaced.
-fn lossy(args: &[OsString]) -> Vec<String> {
-    args.iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect()
 }
 
 /// Validates image names from the command line.

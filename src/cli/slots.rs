@@ -147,8 +147,7 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
                 }
             })
             .collect();
-        super::print(&format!("{}\n", serde_json::to_string_pretty(&out)?))?;
-        return Ok(0);
+        return super::print_json(&out).map(|()| 0);
     }
     if reports.is_empty() {
         super::print(

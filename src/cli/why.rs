@@ -63,8 +63,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
             },
             chains: chains.iter().map(chain_json).collect(),
         };
-        super::print(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?;
-        return Ok(0);
+        return super::print_json(&doc).map(|()| 0);
     }
     let text = if chains.is_empty() {
         nothing_waits(&target, image)
