@@ -199,11 +199,7 @@ fn configure_sqlite() {
 /// How long to wait for SQLite's own lock, which only outside programs (an sqlite3 shell) hold
 /// while we hold the global lock.
 pub fn busy_timeout() -> std::time::Duration {
-    let ms = std::env::var(crate::env::DEBUG_DB_BUSY_MS)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10_000);
-    std::time::Duration::from_millis(ms)
+    crate::env::debug_ms(crate::env::DEBUG_DB_BUSY_MS, 10_000)
 }
 
 /// Is this SQLite saying its lock stayed busy (an outside program)?

@@ -39,3 +39,9 @@ pub const DEBUG_UNWRITTEN_LEASE_MS: &str = "STOWAGE_DEBUG_UNWRITTEN_LEASE_MS";
 pub const DEBUG_ANNOUNCE_MS: &str = "STOWAGE_DEBUG_ANNOUNCE_MS";
 /// Test hook: ms between a wait's plain lines where stderr is no terminal (else one a minute).
 pub const DEBUG_WAIT_LINE_MS: &str = "STOWAGE_DEBUG_WAIT_LINE_MS";
+
+/// `ms` milliseconds, unless a test sets `var` (a `DEBUG_*_MS` hook) to a number.
+pub fn debug_ms(var: &str, ms: u64) -> std::time::Duration {
+    let set = std::env::var(var).ok().and_then(|v| v.parse().ok());
+    std::time::Duration::from_millis(set.unwrap_or(ms))
+}

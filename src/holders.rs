@@ -177,10 +177,7 @@ impl<'c> Look<'c> {
         let leases_dir = root.leases();
         let listing = crate::lease::listing(&leases_dir);
         let said = read_leases(&leases_dir, listing.names.iter());
-        let local = match root.filesystem() {
-            Some(f) => f.local,
-            None => crate::filesystem::filesystem(root.dir()).is_ok_and(|f| f.local),
-        };
+        let local = root.filesystem_now().is_some_and(|f| f.local);
         let kdev = local
             .then(|| crate::kernel::device_of(&root.locks()))
             .flatten();

@@ -55,13 +55,7 @@ fn mine_all() -> std::sync::MutexGuard<'static, Vec<(PathBuf, Lease)>> {
 /// exec whose command ends sooner (`true`, a test) costs the server no lease at all. 30 ms, unless
 /// a test sets [`crate::env::DEBUG_ANNOUNCE_MS`].
 pub fn announce_after() -> std::time::Duration {
-    debug_ms(crate::env::DEBUG_ANNOUNCE_MS, 30)
-}
-
-/// `ms` milliseconds, unless a test sets `var`.
-fn debug_ms(var: &str, ms: u64) -> std::time::Duration {
-    let set = std::env::var(var).ok().and_then(|v| v.parse().ok());
-    std::time::Duration::from_millis(set.unwrap_or(ms))
+    crate::env::debug_ms(crate::env::DEBUG_ANNOUNCE_MS, 30)
 }
 
 /// Whether this process announces its lease late (set by an exec; off once it is made).
@@ -318,7 +312,7 @@ fn merge(holdings: &mut Vec<Holding>, hs: Vec<Holding>, written: bool) -> bool {
 
 /// Takes the lock file `lockfile` out of this process's lease.
 pub fn forget(leases: &Path, lockfile: &str) {
-    forget_all(leases, &[lockfile]);
+    forget_all(leases, [lockfile]);
 }
 
 /// Set when the process is about to end and retire its leases: locks it drops stay listed (a
@@ -332,11 +326,12 @@ pub fn ending() {
 }
 
 /// Takes each of `lockfiles` out of this process's lease, in one write.
-pub fn forget_all(leases: &Path, lockfiles: &[&str]) {
+pub fn forget_all<S: AsRef<str>>(leases: &Path, lockfiles: impl IntoIterator<Item = S>) {
     if ENDING.load(Relaxed) {
         return;
     }
-    let listed = |o: &Holding| lockfiles.contains(&o.lockfile.as_str());
+    let lockfiles: Vec<S> = lockfiles.into_iter().collect();
+    let listed = |o: &Holding| lockfiles.iter().any(|l| l.as_ref() == o.lockfile);
     if let Some(n) = named_all().iter_mut().find(|n| n.dir == leases) {
         n.holdings.retain(|o| !listed(o));
     }
@@ -495,7 +490,7 @@ fn namespace(kind: &str) -> Option<String> {
 /// checks its file ([`lock_fresh`]), so the slack covers clocks running at different rates; the
 /// age is by the filesystem's clock on both ends ([`clean_keeping`]).
 fn unwritten_grace() -> std::time::Duration {
-    debug_ms(crate::env::DEBUG_UNWRITTEN_LEASE_MS, 600_000)
+    crate::env::debug_ms(crate::env::DEBUG_UNWRITTEN_LEASE_MS, 600_000)
 }
 
 /// This host's time since boot, suspend included (a stopped process's clock runs on).

@@ -259,6 +259,13 @@ impl Root {
         self.fs.as_ref()
     }
 
+    /// [`Root::filesystem`], or, if not found yet, what a statfs of the root says now.
+    pub fn filesystem_now(&self) -> Option<crate::filesystem::Filesystem> {
+        self.fs
+            .clone()
+            .or_else(|| crate::filesystem::filesystem(&self.dir).ok())
+    }
+
     pub fn locks(&self) -> PathBuf {
         self.dir.join("locks")
     }

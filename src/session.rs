@@ -801,9 +801,7 @@ fn finish_write(
 
 /// After a failed request: lock files it made that carry no record go.
 fn give_up(root: &Root, images: Vec<Image>, waited_for: &[ImageName]) {
-    let rels: Vec<String> = images.iter().map(|i| i.rel()).collect();
-    let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
-    crate::lease::forget_all(&root.leases(), &rels);
+    crate::lease::forget_all(&root.leases(), images.iter().map(Image::rel));
     let held = images.into_iter().map(|i| i.held).collect();
     crate::remove::release_unclaimed(root, held, waited_for);
 }
@@ -870,8 +868,7 @@ impl Listed {
 
 impl Drop for Listed {
     fn drop(&mut self) {
-        let all: Vec<&str> = self.lockfiles.iter().map(String::as_str).collect();
-        crate::lease::forget_all(&self.leases, &all);
+        crate::lease::forget_all(&self.leases, &self.lockfiles);
     }
 }
 

@@ -128,10 +128,7 @@ fn follow(ctx: &Ctx, mut line: Line, mut reread: Option<Reread>, stop: &Stop) {
 
 /// The interval of plain lines: [`LOG_EVERY`], or the test hook's.
 fn log_every() -> Duration {
-    std::env::var(crate::env::DEBUG_WAIT_LINE_MS)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .map_or(LOG_EVERY, Duration::from_millis)
+    crate::env::debug_ms(crate::env::DEBUG_WAIT_LINE_MS, LOG_EVERY.as_millis() as u64)
 }
 
 impl Line {

@@ -226,12 +226,7 @@ pub struct Selection {
 /// selected), a store-wide hold, every slot class, from the kernel, leases and records alone.
 pub fn gather(store: &mut Store, sel: &Selection) -> Result<(String, Vec<LockReport>)> {
     let root = store.root().clone();
-    let fs_name = match root.filesystem() {
-        Some(f) => f.name.clone(),
-        None => {
-            crate::filesystem::filesystem(root.dir()).map_or_else(|_| "unknown".into(), |f| f.name)
-        }
-    };
+    let fs_name = root.filesystem_now().map_or("unknown".into(), |f| f.name);
     let look = Look::new(store.ctx());
     let locks = reports(&look, &root, sel)?;
     look.clean_leases();

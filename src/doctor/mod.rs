@@ -185,7 +185,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         .ok()
         .and_then(|m| filesystem::lock_reach_of_device(std::os::unix::fs::MetadataExt::dev(&m)))
         .and_then(|(_, _, fs)| fs)
-        .or_else(|| filesystem::filesystem(root.dir()).ok());
+        .or_else(|| root.filesystem_now());
     let mut report = Report {
         root: root.dir().display().to_string(),
         filesystem: fs_info
