@@ -301,6 +301,7 @@ fn wait_for_slot(
     lock::starting_to_wait();
     let root = store.root();
     let failed = |e| lock::error(&format!("a slot of class '{class}'"), dir, e);
+    crate::debug::pause("slot-watching");
     let waker = Waker::watch(dir, Some(CHANGED));
     let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
     let poll = match (local, waker.watching()) {
@@ -310,7 +311,7 @@ fn wait_for_slot(
     };
     let every = poll.map_or(RECHECK_LOCAL, |_| RECHECK);
     let mut recheck_at = Instant::now() + every;
-    let mut recheck = false;
+    let mut recheck = true; // a change since the tries, before the watch, told nobody
     let mut after_close: Option<Duration> = None;
     loop {
         if recheck {

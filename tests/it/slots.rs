@@ -441,6 +441,28 @@ fn a_waiter_held_back_by_a_lowered_limit_burns_no_cpu() {
     assert!(waiter.is_running(), "the lowered limit still binds");
 }
 
+/// A limit raised after a waiter's last try and before it watches the class (paused there) is seen:
+/// the waiter reads the class once it watches, and takes the new slot, not at its next periodic
+/// look (30 s) or its deadline (20 s, where it would give up under the old limit).
+#[test]
+fn a_limit_raised_before_a_waiter_watches_lets_it_in() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "1"]);
+    let _zero = hold_slot_file(&env, "pull", "0.lock");
+    let args = ["exec", "--slot", "pull", "--wait", "20", "--", "true"];
+    let (waiter, paused) = env.paused(args, "slot-watching");
+    env.ok(["slots", "set", "pull", "2"]);
+    let let_go = std::time::Instant::now();
+    fs::remove_file(&paused).unwrap();
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let took = let_go.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "the waiter missed the raised limit ({took:?})"
+    );
+}
+
 // --- a changing configuration -----------------------------------------------
 
 #[test]
