@@ -235,14 +235,7 @@ fn waiting_for_a_slot_burns_no_cpu() {
     let b = holder(&env, "pull", "normal", "b");
     let waiter = env.spawn(["exec", "--slot", "pull", "--", "true"]);
     env.wait_for_slot_waiters("pull", 1);
-    let before = cpu_ticks(waiter.pid());
-    std::thread::sleep(Duration::from_secs(2)); // the measurement window
-    let used = cpu_ticks(waiter.pid()) - before;
-    // A spinning waiter would use ~200 ticks (2 s); a blocked one ~0.
-    assert!(
-        used <= 5,
-        "waiter used {used} clock ticks of CPU in 2 s of waiting"
-    );
+    assert_waits_without_cpu(&waiter);
     env.release("release");
     a.finish();
     b.finish();
@@ -364,13 +357,7 @@ fn a_slot_released_by_flock_1_wakes_its_waiter() {
     fs::write(&release, "").unwrap();
     let released = std::time::Instant::now();
     assert_eq!(holder.finish().status.code(), Some(0));
-    let out = waiter.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    let took = released.elapsed();
-    assert!(
-        took < Duration::from_secs(10),
-        "the waiter slept through the release ({took:?})"
-    );
+    assert_in_soon(waiter, released, "the waiter slept through the release");
 }
 
 /// The kernel tells of a file's last close before it releases the file's flock, so a waiter woken
@@ -403,13 +390,7 @@ fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
     fs::write(&release, "").unwrap();
     wait_for_file(&released);
     let let_go = std::time::Instant::now();
-    let out = waiter.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    let took = let_go.elapsed();
-    assert!(
-        took < Duration::from_secs(10),
-        "the waiter slept through the release ({took:?})"
-    );
+    assert_in_soon(waiter, let_go, "the waiter slept through the release");
     holder.kill_all();
 }
 
@@ -430,14 +411,7 @@ fn a_waiter_held_back_by_a_lowered_limit_burns_no_cpu() {
     wait_until("slot 0 is free", || {
         flock_free(&env.root.join("locks/slots/pull/0.lock"))
     });
-    let before = cpu_ticks(waiter.pid());
-    std::thread::sleep(Duration::from_secs(2)); // the measurement window
-    let used = cpu_ticks(waiter.pid()) - before;
-    // A spinning waiter would use ~200 ticks (2 s); a blocked one ~0.
-    assert!(
-        used <= 5,
-        "waiter used {used} clock ticks of CPU in 2 s of waiting"
-    );
+    assert_waits_without_cpu(&waiter);
     assert!(waiter.is_running(), "the lowered limit still binds");
 }
 
@@ -454,13 +428,7 @@ fn a_limit_raised_before_a_waiter_watches_lets_it_in() {
     env.ok(["slots", "set", "pull", "2"]);
     let let_go = std::time::Instant::now();
     fs::remove_file(&paused).unwrap();
-    let out = waiter.finish();
-    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
-    let took = let_go.elapsed();
-    assert!(
-        took < Duration::from_secs(10),
-        "the waiter missed the raised limit ({took:?})"
-    );
+    assert_in_soon(waiter, let_go, "the waiter missed the raised limit");
 }
 
 // --- a changing configuration -----------------------------------------------
@@ -633,6 +601,27 @@ fn a_slot_holder_is_named_by_its_lease_and_writes_no_metadata() {
     named(&e, "without a lock table");
     env.release("release");
     assert_eq!(holder.finish().status.code(), Some(0));
+}
+
+/// Asserts that `waiter` uses no CPU over 2 s of waiting: a spinning one would use ~200 clock
+/// ticks, a blocked one ~0.
+fn assert_waits_without_cpu(waiter: &Bg) {
+    let before = cpu_ticks(waiter.pid());
+    std::thread::sleep(Duration::from_secs(2)); // the measurement window
+    let used = cpu_ticks(waiter.pid()) - before;
+    assert!(
+        used <= 5,
+        "waiter used {used} clock ticks of CPU in 2 s of waiting"
+    );
+}
+
+/// Asserts that `waiter` got its slot (exit 0) well before its 20 s deadline, counted from
+/// `since`: a wake that is seen takes milliseconds, one that is missed the whole deadline.
+fn assert_in_soon(waiter: Bg, since: std::time::Instant, missed: &str) {
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let took = since.elapsed();
+    assert!(took < Duration::from_secs(10), "{missed} ({took:?})");
 }
 
 // --- the class record: taking a slot without the global lock --------------
