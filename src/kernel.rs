@@ -41,7 +41,7 @@ pub fn device_of(dir: &Path) -> Option<u64> {
 /// The flock entries of an fdinfo text (its `lock:` lines).
 fn fdinfo_entries(info: &str) -> impl Iterator<Item = ((u64, u64), Entry)> + '_ {
     info.lines()
-        .filter_map(|l| parse_line(l.strip_prefix("lock:")?.trim_start()))
+        .filter_map(|l| parse_line(l.strip_prefix("lock:")?))
 }
 
 /// The files (device, inode) local process `pid` flocks through its own fds (`/proc/PID/fdinfo`):
@@ -150,10 +150,7 @@ fn consistent(entries: &[Entry]) -> bool {
 /// 1: -> FLOCK  ADVISORY  WRITE 4130 00:2a:123456 0 EOF
 /// ```
 fn parse_table(text: &str) -> Table {
-    tabled(
-        text.lines()
-            .filter_map(|line| parse_line(line.split_once(':')?.1.trim_start())),
-    )
+    tabled(text.lines().filter_map(parse_line))
 }
 
 /// The entries by file, each once, in the order first given.
@@ -168,10 +165,9 @@ fn tabled(entries: impl Iterator<Item = ((u64, u64), Entry)>) -> Table {
     table
 }
 
-/// One entry after its number: `[->] FLOCK ADVISORY WRITE PID MAJ:MIN:INO …`.
+/// One entry: `N: [->] FLOCK ADVISORY WRITE PID MAJ:MIN:INO …`.
 fn parse_line(line: &str) -> Option<((u64, u64), Entry)> {
     let mut f = line.split_whitespace().peekable();
-    // fdinfo's lines keep the entry number: "1: FLOCK …".
     f.next_if(|w| w.ends_with(':'));
     let blocked = f.next_if_eq(&"->").is_some();
     let (kind, _, rw, pid, id) = (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
