@@ -15,6 +15,8 @@ use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use serde::Serialize;
+
 use crate::clock::{self, Millis};
 use crate::ctx::Ctx;
 use crate::ident;
@@ -24,7 +26,8 @@ use crate::lease::{Holding, Identity};
 use crate::lock::{Mode, Probe};
 
 /// What kind of lock a report is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LockKind {
     Global,
     Image,
@@ -41,23 +44,39 @@ impl LockKind {
     }
 }
 
-/// A holder or waiter.
-#[derive(Debug, Clone)]
+/// A holder or waiter; as JSON, its fields up to `lease`.
+#[derive(Debug, Clone, Serialize)]
 pub struct Party {
     pub pid: Option<u32>,
     pub host: Option<String>,
     pub user: Option<String>,
+    #[serde(serialize_with = "mode_json")]
     pub mode: Mode,
     pub command: Option<String>,
+    #[serde(serialize_with = "time_json")]
     pub since: Option<Millis>,
-    /// Whether stowage started the process: None where nothing tells (another host's, unnamed).
+    /// Whether stowage started the process: false for a lock taken outside stowage; None where
+    /// nothing tells (a holder on another host that no lease names, or one a pid namespace hides).
     pub stowage: Option<bool>,
-    /// The lease that names the party; None for an outsider.
+    /// The lease that names the party (its file name under `ROOT/locks/leases`, proving it alive);
+    /// None for an outsider.
     pub lease: Option<String>,
     /// An exclusive lock taken only to read (`--read-exclusive`).
+    #[serde(skip)]
     pub reading: bool,
     /// Where `pid` names the process.
+    #[serde(skip)]
     pub pid_space: PidSpace,
+}
+
+/// A mode as JSON says it: "shared", "exclusive".
+pub fn mode_json<S: serde::Serializer>(mode: &Mode, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(mode.as_str())
+}
+
+/// A time as JSON says it: RFC 3339, null if none.
+fn time_json<S: serde::Serializer>(t: &Option<Millis>, s: S) -> Result<S::Ok, S::Error> {
+    t.and_then(clock::rfc3339).serialize(s)
 }
 
 /// Where a party's pid names the process it stands for.

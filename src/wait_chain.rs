@@ -12,15 +12,18 @@
 
 use std::collections::HashMap;
 
+use serde::Serialize;
+
 use crate::clock;
-use crate::holders::{LockKind, LockReport, Look, Party, PidSpace, command_cut, pid_on};
+use crate::holders::{LockKind, LockReport, Look, Party, PidSpace, command_cut, mode_json, pid_on};
 use crate::lock::Mode;
 
 /// The lock a step waits for.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Awaited {
     pub kind: LockKind,
     pub name: String,
+    #[serde(serialize_with = "mode_json")]
     pub mode: Mode,
 }
 
@@ -37,7 +40,8 @@ impl Awaited {
 }
 
 /// How a step is related to the one before it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Relation {
     /// The first step: the waiter asked about.
     Waiter,
@@ -50,15 +54,6 @@ pub enum Relation {
 }
 
 impl Relation {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Relation::Waiter => "waiter",
-            Relation::Holder => "holder",
-            Relation::Queued => "queued",
-            Relation::Inside => "inside",
-        }
-    }
-
     /// How a chain's text introduces a step so related to the one before.
     fn lead(self) -> &'static str {
         match self {
@@ -70,10 +65,12 @@ impl Relation {
     }
 }
 
-#[derive(Debug, Clone)]
+/// A step; as JSON, its relation, its party's fields, and what it waits for.
+#[derive(Debug, Clone, Serialize)]
 pub struct Step {
-    pub party: Party,
     pub relation: Relation,
+    #[serde(flatten)]
+    pub party: Party,
     /// What this step waits for; None for a step waiting on a command it runs, or at a chain's end.
     pub waits_for: Option<Awaited>,
 }

@@ -151,14 +151,14 @@ fn party(p: &Party) -> String {
 }
 
 #[derive(Debug, Serialize)]
-pub struct StatusJson {
+pub struct StatusJson<'a> {
     pub root: String,
     pub filesystem: String,
-    pub locks: Vec<LockJson>,
+    pub locks: Vec<LockJson<'a>>,
 }
 
 #[derive(Debug, Serialize)]
-pub struct LockJson {
+pub struct LockJson<'a> {
     pub kind: &'static str,
     pub name: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -171,38 +171,8 @@ pub struct LockJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub in_use: Option<u32>,
     pub state: &'static str,
-    pub holders: Vec<PartyJson>,
-    pub waiters: Vec<PartyJson>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct PartyJson {
-    pub pid: Option<u32>,
-    pub host: Option<String>,
-    pub user: Option<String>,
-    pub mode: &'static str,
-    pub command: Option<String>,
-    pub since: Option<String>,
-    /// False for a lock taken outside stowage; null where nothing tells (a holder on another
-    /// host that no lease names, or one a pid namespace hides).
-    pub stowage: Option<bool>,
-    /// Its lease's file name under `ROOT/locks/leases`, proving it alive; null for an outsider.
-    pub lease: Option<String>,
-}
-
-impl From<&Party> for PartyJson {
-    fn from(p: &Party) -> Self {
-        PartyJson {
-            pid: p.pid,
-            host: p.host.clone(),
-            user: p.user.clone(),
-            mode: p.mode.as_str(),
-            command: p.command.clone(),
-            since: p.since.and_then(clock::rfc3339),
-            stowage: p.stowage,
-            lease: p.lease.clone(),
-        }
-    }
+    pub holders: &'a [Party],
+    pub waiters: &'a [Party],
 }
 
 pub fn state_str(p: Probe) -> &'static str {
@@ -353,7 +323,7 @@ fn outsider_files(look: &Look, root: &Root) -> Vec<String> {
 }
 
 /// A lock report as JSON.
-fn lock_json(r: &LockReport) -> LockJson {
+fn lock_json(r: &LockReport) -> LockJson<'_> {
     let slot = r.kind == LockKind::Slot;
     LockJson {
         kind: r.kind.as_str(),
@@ -364,7 +334,7 @@ fn lock_json(r: &LockReport) -> LockJson {
         // A removed class's holders are still counted.
         in_use: slot.then(|| r.slot.map_or(r.holders.len() as u32, |s| s.2)),
         state: state_str(r.state),
-        holders: r.holders.iter().map(PartyJson::from).collect(),
-        waiters: r.waiters.iter().map(PartyJson::from).collect(),
+        holders: &r.holders,
+        waiters: &r.waiters,
     }
 }

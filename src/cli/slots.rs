@@ -4,7 +4,7 @@ use anyhow::Result;
 use clap::Subcommand;
 use serde::Serialize;
 
-use super::lock_status::PartyJson;
+use crate::holders::Party;
 use crate::slots::{self, MAX_LIMIT, MAX_RESERVE};
 use crate::store::Store;
 
@@ -42,13 +42,13 @@ enum Action {
 }
 
 #[derive(Serialize)]
-struct ClassJson {
+struct ClassJson<'a> {
     name: String,
     limit: u32,
     reserve_high: u32,
     in_use: u32,
-    holders: Vec<PartyJson>,
-    waiters: Vec<PartyJson>,
+    holders: &'a [Party],
+    waiters: &'a [Party],
 }
 
 impl Args {
@@ -142,8 +142,8 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
                     limit,
                     reserve_high,
                     in_use,
-                    holders: r.holders.iter().map(PartyJson::from).collect(),
-                    waiters: r.waiters.iter().map(PartyJson::from).collect(),
+                    holders: &r.holders,
+                    waiters: &r.waiters,
                 }
             })
             .collect();

@@ -6,16 +6,22 @@ use std::ffi::OsStr;
 use anyhow::Result;
 use serde::Serialize;
 
-use super::lock_status::{PartyJson, Selection};
+use super::lock_status::Selection;
 use crate::holders::{LockKind, LockReport, Look, Party};
 use crate::name::ImageName;
 use crate::store::Store;
-use crate::wait_chain::{self, Chain, Graph};
+use crate::wait_chain::{self, Chain, Graph, Step};
 
-/// What `--why` was given.
+/// What `--why` was given; as JSON, `{"image": NAME}` or `{"pid": PID}`.
+#[derive(Serialize)]
+#[serde(rename_all = "lowercase")]
 enum Target {
-    Image(ImageName),
+    Image(#[serde(serialize_with = "name_json")] ImageName),
     Pid(u32),
+}
+
+fn name_json<S: serde::Serializer>(name: &ImageName, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(name.as_str())
 }
 
 pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
@@ -57,10 +63,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
     if json {
         let doc = WhyJson {
             root: root.dir().display().to_string(),
-            target: match &target {
-                Target::Image(n) => TargetJson::Image(n.as_str().to_owned()),
-                Target::Pid(p) => TargetJson::Pid(*p),
-            },
+            target: &target,
             chains: chains.iter().map(chain_json).collect(),
         };
         return super::print_json(&doc).map(|()| 0);
@@ -103,22 +106,15 @@ fn nothing_waits<'r>(
 }
 
 #[derive(Serialize)]
-struct WhyJson {
+struct WhyJson<'a> {
     root: String,
-    target: TargetJson,
-    chains: Vec<ChainJson>,
+    target: &'a Target,
+    chains: Vec<ChainJson<'a>>,
 }
 
 #[derive(Serialize)]
-#[serde(rename_all = "lowercase")]
-enum TargetJson {
-    Image(String),
-    Pid(u32),
-}
-
-#[derive(Serialize)]
-struct ChainJson {
-    steps: Vec<StepJson>,
+struct ChainJson<'a> {
+    steps: &'a [Step],
     cycle: bool,
     /// The index of the step the cycle returns to.
     cycle_from: Option<usize>,
@@ -127,36 +123,9 @@ struct ChainJson {
     advice: String,
 }
 
-#[derive(Serialize)]
-struct StepJson {
-    relation: &'static str,
-    #[serde(flatten)]
-    party: PartyJson,
-    waits_for: Option<AwaitedJson>,
-}
-
-#[derive(Serialize)]
-struct AwaitedJson {
-    kind: &'static str,
-    name: String,
-    mode: &'static str,
-}
-
-fn chain_json(c: &Chain) -> ChainJson {
+fn chain_json(c: &Chain) -> ChainJson<'_> {
     ChainJson {
-        steps: c
-            .steps
-            .iter()
-            .map(|s| StepJson {
-                relation: s.relation.as_str(),
-                party: PartyJson::from(&s.party),
-                waits_for: s.waits_for.as_ref().map(|a| AwaitedJson {
-                    kind: a.kind.as_str(),
-                    name: a.name.clone(),
-                    mode: a.mode.as_str(),
-                }),
-            })
-            .collect(),
+        steps: &c.steps,
         cycle: c.cycle_from.is_some(),
         cycle_from: c.cycle_from,
         end_pid: wait_chain::to_end(c).pid,
