@@ -184,8 +184,6 @@ pub struct Look<'c> {
     /// While set ([`Look::deferring`]), a held lock no lease lists is read once, not waited for,
     /// and noted here (its file relative to `locks/`) for the caller to look at again.
     deferred: RefCell<Option<Vec<String>>>,
-    /// Whether locks are asked about by query, not try-lock ([`crate::root::Root::lock_queries`]).
-    queries: bool,
 }
 
 impl<'c> Look<'c> {
@@ -215,7 +213,6 @@ impl<'c> Look<'c> {
             owned: RefCell::new(None),
             waited: Cell::new(std::time::Duration::ZERO),
             deferred: RefCell::new(None),
-            queries: root.lock_queries(),
         }
     }
 
@@ -240,7 +237,7 @@ impl<'c> Look<'c> {
     /// such a query for every host (then no other host's look finds this one holding it), else by
     /// a try-lock.
     fn probe(&self, path: &Path) -> Probe {
-        crate::lock::look(path, self.queries).unwrap_or(Probe::Free)
+        crate::lock::look(path, self.ctx.root.lock_queries()).unwrap_or(Probe::Free)
     }
 
     /// Sleeps about `d`, counted in the look's budget. Drawn anew each time: two hosts' looks that
