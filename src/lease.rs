@@ -228,12 +228,8 @@ impl Holding {
         )
     }
 
-    fn parse(key: &str, value: &str) -> Option<Holding> {
-        let awaits = match key {
-            "hold" => false,
-            "await" => true,
-            _ => return None,
-        };
+    /// A `hold=` line's value, or with `awaits` an `await=` line's.
+    fn parse(awaits: bool, value: &str) -> Option<Holding> {
         let mut parts = value.splitn(4, ' ');
         let mode = parts.next()?;
         let reading = mode == "exclusive-read";
@@ -420,9 +416,8 @@ fn make_leases_dir(dir: &Path) -> io::Result<()> {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     };
     let parent = crate::planted::open(locks, libc::O_PATH | libc::O_DIRECTORY, 0)?;
-    let c = crate::error::cstr(name)?;
-    // SAFETY: a valid descriptor and C string.
-    crate::error::cvt(unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o777) }).map(drop)
+    let mode = nix::sys::stat::Mode::from_bits_truncate(0o777);
+    Ok(nix::sys::stat::mkdirat(&parent, name, mode)?)
 }
 
 /// Creates and locks the file `path` if it is fresh and stays ours; `None`: try another name.
@@ -496,7 +491,7 @@ fn unwritten_grace() -> std::time::Duration {
 /// This host's time since boot, suspend included (a stopped process's clock runs on).
 pub fn boot_time() -> std::time::Duration {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
-        .map(|t| std::time::Duration::new(t.tv_sec() as u64, t.tv_nsec() as u32))
+        .map(Into::into)
         .unwrap_or_default()
 }
 
@@ -640,7 +635,7 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
             "pid_ns" if !v.is_empty() => id.pid_ns = Some(v.to_owned()),
             "time_ns" if !v.is_empty() => id.time_ns = Some(v.to_owned()),
             "start" => id.start = v.parse().ok(),
-            "hold" | "await" => id.holdings.extend(Holding::parse(k, v)),
+            "hold" | "await" => id.holdings.extend(Holding::parse(k == "await", v)),
             "within" => {
                 id.within = v
                     .split(':')
