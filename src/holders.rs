@@ -307,15 +307,14 @@ impl<'c> Look<'c> {
     /// at that pid): among those listed, else those made since (read once),
     /// else in a fresh table read that still shows `e` on the lock at `path`.
     fn lease_of_pid(&self, path: &Path, e: &Entry) -> Option<Leased> {
-        let pid = e.pid?;
-        let owner = |id: &Identity| id.owner_is(pid) != Some(false);
-        let found = |all: &[Leased]| {
-            all.iter()
-                .find(|(n, id)| self.taker(id) == Some(pid) && owner(id) && self.alive(n))
-                .cloned()
+        let (pid, table, kdev) = (e.pid?, self.table.as_ref()?, self.kdev?);
+        let owns = |table: &Table, (n, id): &&Leased| {
+            taker_in(table, kdev, id) == Some(pid)
+                && id.owner_is(pid) != Some(false)
+                && self.alive(n)
         };
-        if let Some(f) = found(&self.said) {
-            return Some(f);
+        if let Some(f) = self.said.iter().find(|l| owns(table, l)) {
+            return Some(f.clone());
         }
         let mut later = self.later.borrow_mut();
         let more = later.get_or_insert_with(|| {
@@ -323,12 +322,11 @@ impl<'c> Look<'c> {
             let made_since = |n: &&String| !self.said.iter().any(|(s, _)| s == *n);
             read_leases(&self.leases_dir, listing.names.iter().filter(made_since))
         });
-        if let Some(f) = found(more) {
-            return Some(f);
+        if let Some(f) = more.iter().find(|l| owns(table, l)) {
+            return Some(f.clone());
         }
         // The table is read per CPU list: a holder may show on its image's lock, not its lease's; a
         // fresh read still showing the entry names its lease's taker (else the pid may be reused).
-        let kdev = self.kdev?;
         if !self.still_there(path, e) {
             return None;
         }
@@ -337,7 +335,7 @@ impl<'c> Look<'c> {
         self.said
             .iter()
             .chain(more.iter())
-            .find(|(n, id)| taker_in(table, kdev, id) == Some(pid) && owner(id) && self.alive(n))
+            .find(|l| owns(table, l))
             .cloned()
     }
 
