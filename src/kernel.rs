@@ -109,10 +109,7 @@ fn fold(reads: &[String]) -> Table {
             .iter()
             .flat_map(|one| one.iter().flat_map(|(k, es)| es.iter().map(|e| (*k, *e)))),
     );
-    for (key, entries) in table.iter_mut() {
-        if consistent(entries) {
-            continue;
-        }
+    for (key, entries) in table.iter_mut().filter(|(_, es)| !consistent(es)) {
         let latest = parsed
             .iter()
             .rev()
