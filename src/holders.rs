@@ -260,20 +260,15 @@ impl<'c> Look<'c> {
         &self.said
     }
 
-    /// Every lock file (relative to `locks/`) a live lease lists.
-    pub fn leased_lockfiles(&self) -> Vec<String> {
+    /// Every lock file (relative to `locks/`) a live lease lists, as often as listed.
+    pub fn leased_lockfiles(&self) -> impl Iterator<Item = &str> {
         // Without a table, a dead lease (kept while a lock it lists is held) is all that tells of a
         // lock a command whose stowage died holds (announced late, its lease was never the
         // command's): listed, its holder unknown (it may be anyone's since).
-        let mut out: Vec<String> = self
-            .said
+        self.said
             .iter()
             .filter(|(n, id)| !id.holdings.is_empty() && (self.table.is_none() || self.alive(n)))
-            .flat_map(|(_, id)| id.holdings.iter().map(|h| h.lockfile.clone()))
-            .collect();
-        out.sort();
-        out.dedup();
-        out
+            .flat_map(|(_, id)| id.holdings.iter().map(|h| h.lockfile.as_str()))
     }
 
     /// Inodes on the store's filesystem the table shows flocked (held or awaited) that no live

@@ -223,9 +223,9 @@ type Files = BTreeMap<String, Option<String>>;
 
 /// The image lock files to look at: leased, held by outsiders, selected (every one with --all).
 fn image_lock_files(look: &Look, root: &Root, sel: &Selection) -> Result<Files> {
-    let leased = look.leased_lockfiles();
-    let images = leased.iter().filter_map(|rel| rel.strip_prefix("images/"));
-    let mut files: Files = images
+    let mut files: Files = look
+        .leased_lockfiles()
+        .filter_map(|rel| rel.strip_prefix("images/"))
         .filter(|f| f.ends_with(".lock"))
         .map(|f| (f.to_owned(), None))
         .collect();
