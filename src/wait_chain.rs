@@ -154,13 +154,14 @@ impl Graph {
             .collect()
     }
 
-    /// The waiter that is local process `pid`, runs inside it, or it runs inside (a build's pid).
-    pub fn waiter_for_pid(&self, pid: u32, holders: &[Party]) -> Option<Party> {
-        let local = |p: &Party| p.pid == Some(pid) && self.is_local(p);
-        if let Some(w) = self.waiters.iter().find(|p| local(p)) {
+    /// The waiter that is local process `pid`, runs inside it (a holder in `reports`), or it runs
+    /// inside (a build's pid).
+    pub fn waiter_for_pid(&self, pid: u32, reports: &[LockReport]) -> Option<Party> {
+        let local = |p: &&Party| p.pid == Some(pid) && self.is_local(p);
+        if let Some(w) = self.waiters.iter().find(local) {
             return Some(w.clone());
         }
-        if let Some(h) = holders.iter().find(|p| local(p))
+        if let Some(h) = reports.iter().flat_map(|r| &r.holders).find(local)
             && let Some(w) = self.inside(h).into_iter().next()
         {
             return Some(w);

@@ -47,10 +47,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
     let graph = Graph::new(&look, &store.ctx().me.host, &reports);
     let starts: Vec<Party> = match &target {
         Target::Image(n) => graph.waiters_of_image(n.as_str()),
-        Target::Pid(pid) => {
-            let holders: Vec<Party> = reports.iter().flat_map(|r| r.holders.clone()).collect();
-            graph.waiter_for_pid(*pid, &holders).into_iter().collect()
-        }
+        Target::Pid(pid) => graph.waiter_for_pid(*pid, &reports).into_iter().collect(),
     };
     let chains: Vec<Chain> = starts.iter().flat_map(|s| graph.chains(s)).collect();
     let image = |n: &ImageName| reports.iter().find(|r| is_image(r, n));
