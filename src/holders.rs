@@ -664,14 +664,13 @@ impl<'c> Look<'c> {
         // Sleeps stop at WAIT_BUDGET in all, or many locks held outside stowage on a shared
         // filesystem would each cost them; past it, one read each.
         let tries = if deferring { 1 } else { 5 };
-        self.reread.borrow_mut().take();
         for attempt in 0..tries {
+            self.reread.borrow_mut().take();
             if attempt > 0 {
                 if self.waited.get() >= WAIT_BUDGET {
                     break;
                 }
                 self.pause(std::time::Duration::from_millis(10 << (attempt - 1)));
-                self.reread.borrow_mut().take();
                 state = settle(self.probe(path));
                 if state == Probe::Free {
                     return (state, holders);
