@@ -79,10 +79,9 @@ pub struct Step {
 #[derive(Debug, Clone)]
 pub struct Chain {
     pub steps: Vec<Step>,
-    /// The index of the step the last one waits for again: a cycle.
-    pub cycle_from: Option<usize>,
-    /// How the last step leads back to it: a lock it holds, or a command it runs.
-    pub cycle_via: Relation,
+    /// A cycle: the index of the step the last one waits for again, and how the last step leads
+    /// back to it (a lock it holds, or a command it runs).
+    pub cycle: Option<(usize, Relation)>,
 }
 
 /// A party as the graph knows it: by its lease, else its pid and host.
@@ -224,8 +223,7 @@ impl Graph {
         let Some((awaited, parties, relation)) = next.filter(|_| path.len() < MAX_STEPS) else {
             out.push(Chain {
                 steps: path,
-                cycle_from: None,
-                cycle_via: Relation::Waiter,
+                cycle: None,
             });
             return;
         };
@@ -236,8 +234,7 @@ impl Graph {
             if let Some(i) = path.iter().position(|s| key(&s.party) == key(&p)) {
                 out.push(Chain {
                     steps: path.clone(),
-                    cycle_from: Some(i),
-                    cycle_via: relation,
+                    cycle: Some((i, relation)),
                 });
                 continue;
             }
@@ -295,7 +292,7 @@ fn blockers(r: &LockReport, w: &Party) -> Blockers {
 /// What to do about a chain: which process to end.
 pub fn advice(chain: &Chain) -> String {
     let end = to_end(chain);
-    if let Some(from) = chain.cycle_from {
+    if let Some((from, _)) = chain.cycle {
         return format!(
             "a cycle of {}: none of them can go on until one ends; ending {} (the newest) breaks it{}",
             chain.steps.len() - from,
@@ -318,7 +315,7 @@ pub fn advice(chain: &Chain) -> String {
 
 /// The process to end: a cycle's newest, which has done the least work; else the chain's last.
 pub fn to_end(chain: &Chain) -> &Party {
-    let from = chain.cycle_from.unwrap_or(chain.steps.len() - 1);
+    let from = chain.cycle.map_or(chain.steps.len() - 1, |(from, _)| from);
     let steps = chain.steps[from..].iter();
     let newest = steps.max_by_key(|s| s.party.since.unwrap_or(i64::MIN));
     &newest.expect("a chain has steps").party
@@ -356,8 +353,8 @@ pub fn render(chain: &Chain) -> String {
             line.push_str(&format!(" for {}", clock::ago(t)));
         }
         let next = chain.steps.get(i + 1).map(|n| n.relation).or(
-            // The last step of a cycle leads back through `cycle_via`.
-            chain.cycle_from.map(|_| chain.cycle_via),
+            // The last step of a cycle leads back to the step it waits for again.
+            chain.cycle.map(|(_, via)| via),
         );
         match (&s.waits_for, next) {
             (Some(a), _) => line.push_str(&format!(", waits for {}", a.describe())),
@@ -367,11 +364,11 @@ pub fn render(chain: &Chain) -> String {
         out.push_str(&line);
         out.push('\n');
     }
-    if let Some(from) = chain.cycle_from {
+    if let Some((from, via)) = chain.cycle {
         out.push_str(&format!(
             "{}{}{} again: a cycle\n",
             "  ".repeat(chain.steps.len()),
-            chain.cycle_via.lead(),
+            via.lead(),
             who(&chain.steps[from].party)
         ));
     }

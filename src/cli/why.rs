@@ -123,8 +123,8 @@ struct ChainJson<'a> {
 fn chain_json(c: &Chain) -> ChainJson<'_> {
     ChainJson {
         steps: &c.steps,
-        cycle: c.cycle_from.is_some(),
-        cycle_from: c.cycle_from,
+        cycle: c.cycle.is_some(),
+        cycle_from: c.cycle.map(|(from, _)| from),
         end_pid: wait_chain::to_end(c).pid,
         advice: wait_chain::advice(c),
     }
