@@ -130,7 +130,7 @@ impl Keeper {
         if let Some((EXITED, status)) = self.message() {
             return Ok(status);
         }
-        kill_tree(None);
+        kill_tree();
         Err(io::Error::other(format!(
             "its keeper process (pid {}) ended without reporting the command's status ({keeper}); \
              the command's processes were killed",
@@ -172,23 +172,15 @@ fn signal_tree(sig: i32) {
 }
 
 /// Kills and reaps every descendant until none is left. A process forked while we look is orphaned
-/// to us when its parent dies, and found by the next look. `command`'s status is kept.
-fn kill_tree(mut command: Option<(libc::pid_t, &mut Option<i32>)>) {
+/// to us when its parent dies, and found by the next look.
+fn kill_tree() {
     loop {
         signal_tree(libc::SIGKILL);
         let mut st = 0;
         // SAFETY: waitpid on any child; status written to a local.
         let r = unsafe { libc::waitpid(-1, &mut st, 0) };
-        if r < 0 {
-            match io::Error::last_os_error().raw_os_error() {
-                Some(libc::EINTR) => continue,
-                _ => return, // ECHILD: nothing left
-            }
-        }
-        if let Some((pid, status)) = command.as_mut()
-            && r == *pid
-        {
-            **status = Some(st);
+        if r < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return; // ECHILD: nothing left
         }
     }
 }
@@ -387,7 +379,7 @@ impl Tree {
                 Woke::Nothing => {}
                 Woke::StowageGone => {
                     // Only our locks outlive stowage: end the tree, then exit, releasing them.
-                    kill_tree(Some((self.command, &mut self.exit)));
+                    kill_tree();
                     return Ok(());
                 }
                 Woke::Signal(info) => self.on_signal(&info),
@@ -404,7 +396,7 @@ impl Tree {
             self.kill_at = Some(Instant::now() + GRACE);
         }
         if self.kill_at.is_some_and(|t| Instant::now() >= t) {
-            kill_tree(None);
+            kill_tree();
             self.cut_short = true;
             return true;
         }
