@@ -109,7 +109,7 @@ pub struct Session {
     root: Root,
     started: Instant,
     /// The lock files as our lease lists them, taken out when the session ends however it ends.
-    listed: Listed,
+    listed: Vec<String>,
 }
 
 impl Session {
@@ -176,14 +176,11 @@ impl Session {
             images_dir: root.default_images_dir(),
             root: root.clone(),
             started,
-            listed: Listed {
-                leases: root.leases(),
-                lockfiles: Vec::new(),
-            },
+            listed: Vec::new(),
         };
         // Listed in one write, before the records (slow if a crash-cut removal is finished first).
         let hs = session.listing(req);
-        crate::lease::note_all(&session.listed.leases, hs);
+        crate::lease::note_all(&root.leases(), hs);
         // A store another process is migrating (its records half converted) is migrated first, or
         // waited for, as a write or a read would find it.
         let chosen = session
@@ -282,7 +279,7 @@ impl Session {
             .iter()
             .map(|i| i.holding(&req.command))
             .collect();
-        self.listed.lockfiles = hs.iter().map(|h| h.lockfile.clone()).collect();
+        self.listed = hs.iter().map(|h| h.lockfile.clone()).collect();
         if let Some(s) = self.slot.as_mut() {
             hs.push(s.listing(&self.root, &req.command));
         }
@@ -346,7 +343,9 @@ impl Session {
             .position(|i| i.held.name == *name && i.role == Role::Read)
         {
             let img = self.images.remove(i);
-            self.listed.forget(&img.rel());
+            let rel = img.rel();
+            crate::lease::forget(&self.root.leases(), &rel);
+            self.listed.retain(|l| *l != rel);
         }
     }
 
@@ -853,30 +852,12 @@ fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
     })
 }
 
-/// The lock files our lease lists for this session; taken out when it ends, however it ends.
-struct Listed {
-    leases: PathBuf,
-    lockfiles: Vec<String>,
-}
-
-impl Listed {
-    fn forget(&mut self, lockfile: &str) {
-        crate::lease::forget(&self.leases, lockfile);
-        self.lockfiles.retain(|l| l != lockfile);
-    }
-}
-
-impl Drop for Listed {
-    fn drop(&mut self) {
-        crate::lease::forget_all(&self.leases, &self.lockfiles);
-    }
-}
-
 impl Drop for Session {
     /// A session dropped without finish (a library caller, a panic): its locks go, and its written
-    /// images read as incomplete (`writing` under free locks).
+    /// images read as incomplete (`writing` under free locks); our lease lists them no more.
     fn drop(&mut self) {
         self.release();
+        crate::lease::forget_all(&self.root.leases(), &self.listed);
     }
 }
 
