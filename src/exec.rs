@@ -100,7 +100,7 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         if from.is_some() {
             session.finish(store, Outcome::Failure("the command never started".into()))
         } else {
-            session.abandon(store)
+            session.abandon()
         }
     };
     let (pid, keeper) = match started {

@@ -388,7 +388,7 @@ impl Session {
 
     /// Undoes the start of a command that never ran: each written image's
     /// record as it was before, a new one's tree and lock file gone.
-    pub fn abandon(self, _store: &mut Store) -> Result<()> {
+    pub fn abandon(self) -> Result<()> {
         self.undo()
     }
 
