@@ -206,9 +206,10 @@ pub fn main(args: &[OsString]) -> u8 {
     u8::from(run(args).is_err())
 }
 
-fn parse<T: std::str::FromStr>(a: Option<&OsString>) -> io::Result<T> {
-    a.and_then(|s| s.to_str()?.parse().ok())
-        .ok_or_else(|| io::ErrorKind::InvalidInput.into())
+/// One number of the keeper's command line.
+fn number<T: std::str::FromStr>(a: impl AsRef<OsStr>) -> io::Result<T> {
+    let n = a.as_ref().to_str().and_then(|s| s.parse().ok());
+    n.ok_or_else(|| io::ErrorKind::InvalidInput.into())
 }
 
 /// What stowage tells its keeper on the command line (see [`Keeper::spawn`]).
@@ -224,29 +225,24 @@ struct Invocation<'a> {
 
 impl<'a> Invocation<'a> {
     fn parse(args: &'a [OsString]) -> io::Result<Invocation<'a>> {
-        let umask: Option<u32> = match args.get(3).and_then(|s| s.to_str()) {
-            Some("-") => None,
-            _ => Some(parse(args.get(3))?),
+        let [status_fd, alive_fd, group, umask, lock_fds, sep, argv @ ..] = args else {
+            return Err(io::ErrorKind::InvalidInput.into());
         };
-        let lock_fds: Vec<RawFd> = match args.get(4).and_then(|s| s.to_str()) {
-            Some("-") => Vec::new(),
-            Some(list) => list
-                .split(',')
-                .map(|f| f.parse())
-                .collect::<Result<_, _>>()
-                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
-            None => return Err(io::ErrorKind::InvalidInput.into()),
-        };
-        if args.get(5).map(OsString::as_os_str) != Some(OsStr::new("--")) || args.len() < 7 {
+        if sep != "--" || argv.is_empty() {
             return Err(io::ErrorKind::InvalidInput.into());
         }
+        // "-": none.
         Ok(Invocation {
-            status_fd: parse(args.first())?,
-            alive_fd: parse(args.get(1))?,
-            group: parse(args.get(2))?,
-            umask,
-            lock_fds,
-            argv: &args[6..],
+            status_fd: number(status_fd)?,
+            alive_fd: number(alive_fd)?,
+            group: number(group)?,
+            umask: (umask != "-").then(|| number(umask)).transpose()?,
+            lock_fds: match lock_fds.to_str() {
+                Some("-") => Vec::new(),
+                Some(list) => list.split(',').map(number).collect::<io::Result<_>>()?,
+                None => return Err(io::ErrorKind::InvalidInput.into()),
+            },
+            argv,
         })
     }
 }
