@@ -422,8 +422,7 @@ impl Session {
 
     /// Lets every lock go, with the lock files this session made that carry no record.
     fn release(&mut self) {
-        let images = std::mem::take(&mut self.images);
-        let held: Vec<Held> = images.into_iter().map(|i| i.held).collect();
+        let held = self.images.drain(..).map(|i| i.held).collect();
         crate::remove::release_unclaimed(&self.root, held, &[]);
         self.slot = None;
     }
