@@ -110,9 +110,8 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
             return Err(Error::Interrupted(sig).into());
         }
         Err(e) => {
-            let what = shown[0].clone();
             undo(session, store)?;
-            return Err(not_run(e.into(), &what));
+            return Err(not_run(e.into(), &shown[0]));
         }
     };
     let status = match command::wait(&signals, pid, keeper) {
