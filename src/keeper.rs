@@ -299,7 +299,10 @@ fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::pr
     // SAFETY: only async-signal-safe calls between fork and exec (and this process has one thread).
     unsafe {
         cmd.pre_exec(move || {
-            crate::signals::reset_mask_in_child()?;
+            // No signal blocked: the command must not inherit the mask that routes termination
+            // signals to us (shells reset it; most programs do not). Ignored ones stay ignored.
+            let none = SigSet::empty();
+            nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&none), None)?;
             if let Some(mask) = umask {
                 libc::umask(mask as libc::mode_t);
             }

@@ -22,7 +22,7 @@ use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, Once, OnceLock};
 
-use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::{Pid, getpgid, getpgrp, getpid, getsid};
 
@@ -82,18 +82,6 @@ fn forwarded() -> SigSet {
     };
     let signals = [SIGINT, SIGTERM, SIGHUP, SIGQUIT];
     signals.into_iter().filter(|&s| !ignored(s)).collect()
-}
-
-/// Makes a spawned command start with no signal blocked: it must not inherit the mask that routes
-/// termination signals to us (shells reset it; most programs do not). Ignored dispositions stay
-/// ignored, as with any exec. Async-signal-safe: meant for `pre_exec`.
-pub fn reset_mask_in_child() -> io::Result<()> {
-    let none = SigSet::empty();
-    Ok(nix::sys::signal::sigprocmask(
-        SigmaskHow::SIG_SETMASK,
-        Some(&none),
-        None,
-    )?)
 }
 
 /// A termination signal that came while no command ran (before or after it): long work stops.
