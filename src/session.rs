@@ -394,10 +394,8 @@ impl Session {
 
     fn undo(mut self) -> Result<()> {
         let mut out = Ok(());
-        for img in self.images.iter_mut().filter(|i| i.writes()) {
-            if img.record.is_none() {
-                continue;
-            }
+        // A written image has a record once its start is recorded.
+        for img in self.images.iter_mut().filter(|i| i.record.is_some()) {
             if img.made_tree {
                 crate::remove::remove_empty_image_dir(&self.root, &self.images_dir, &img.held.name);
             }
