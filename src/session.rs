@@ -330,9 +330,63 @@ impl Session {
             .collect()
     }
 
-    /// Makes the written image a copy of `base` (emptying it first).
+    /// Makes the written image `target` a copy of `base` (emptying it first: it is being rebuilt from
+    /// the base). Both ends are opened from one descriptor of the images directory, never a path
+    /// resolved again: a link swapped in above them cannot move the copy.
     pub fn clone_into(&self, store: &Store, base: &ImageName, target: &ImageName) -> Result<()> {
-        clone_tree(store, &self.images_dir, base, target)
+        use std::io::IsTerminal;
+        let images_dir = &self.images_dir;
+        let src = images_dir.join(base.encoded());
+        let dst = images_dir.join(target.encoded());
+        anyhow::ensure!(
+            std::fs::symlink_metadata(&src).is_ok_and(|m| m.is_dir()),
+            "image '{base}': {} is not a directory; cannot copy it",
+            src.display()
+        );
+        crate::remove::empty_image_dir(store.root(), images_dir, target)?;
+        crate::debug::pause("clone-emptied");
+        let t0 = Instant::now();
+        let ctx = store.ctx();
+        let show = std::io::stderr().is_terminal() && !ctx.quiet;
+        let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
+        let images = store.root().open_images_dir(images_dir)?;
+        make_ours(&images, target, &dst)?;
+        let open = |name: &ImageName, path: &Path| {
+            images
+                .sub(name.encoded())
+                .with_context(|| format!("cannot open {}", path.display()))
+        };
+        let (s, d) = (open(base, &src)?, open(target, &dst)?);
+        let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar)
+            .with_context(|| format!("cannot copy image '{base}' to '{target}'"))?;
+        ctx.detail(&format!(
+            "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
+            done.files,
+            crate::disk_usage::human(done.bytes),
+            done.reflinked,
+            t0.elapsed().as_secs_f64()
+        ));
+        for m in &done.mounts_left_out {
+            ctx.say(&format!(
+                "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
+            ));
+        }
+        if done.skipped_special > 0 {
+            ctx.say(&format!(
+                "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
+                done.skipped_special
+            ));
+        }
+        if let Some(lost) = done.xattrs_summary() {
+            ctx.say(&format!(
+                "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
+                if ctx.verbose { "" } else { " (-v lists the files)" }
+            ));
+            for d in &done.xattr_details {
+                ctx.detail(&format!("  not kept: {d}"));
+            }
+        }
+        Ok(())
     }
 
     /// Releases the read lock on `name` early (a `--from` base once copied), if held shared.
@@ -871,69 +925,6 @@ fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result
             .rmdir(target.encoded())
             .and_then(|()| images.mkdir(target.encoded(), st.mode & 0o7777))
             .with_context(|| format!("cannot make {} anew", dst.display()))?;
-    }
-    Ok(())
-}
-
-/// Makes the image `target` a copy of `base`, both in `images_dir` (emptying the target first: it
-/// is being rebuilt from the base). Both ends are opened from one descriptor of the images
-/// directory, never a path resolved again: a link swapped in above them cannot move the copy.
-fn clone_tree(
-    store: &Store,
-    images_dir: &Path,
-    base: &ImageName,
-    target: &ImageName,
-) -> Result<()> {
-    use std::io::IsTerminal;
-    let src = images_dir.join(base.encoded());
-    let dst = images_dir.join(target.encoded());
-    anyhow::ensure!(
-        std::fs::symlink_metadata(&src).is_ok_and(|m| m.is_dir()),
-        "image '{base}': {} is not a directory; cannot copy it",
-        src.display()
-    );
-    crate::remove::empty_image_dir(store.root(), images_dir, target)?;
-    crate::debug::pause("clone-emptied");
-    let t0 = Instant::now();
-    let ctx = store.ctx();
-    let show = std::io::stderr().is_terminal() && !ctx.quiet;
-    let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
-    let images = store.root().open_images_dir(images_dir)?;
-    make_ours(&images, target, &dst)?;
-    let open = |name: &ImageName, path: &Path| {
-        images
-            .sub(name.encoded())
-            .with_context(|| format!("cannot open {}", path.display()))
-    };
-    let (s, d) = (open(base, &src)?, open(target, &dst)?);
-    let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar)
-        .with_context(|| format!("cannot copy image '{base}' to '{target}'"))?;
-    ctx.detail(&format!(
-        "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
-        done.files,
-        crate::disk_usage::human(done.bytes),
-        done.reflinked,
-        t0.elapsed().as_secs_f64()
-    ));
-    for m in &done.mounts_left_out {
-        ctx.say(&format!(
-            "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
-        ));
-    }
-    if done.skipped_special > 0 {
-        ctx.say(&format!(
-            "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
-            done.skipped_special
-        ));
-    }
-    if let Some(lost) = done.xattrs_summary() {
-        ctx.say(&format!(
-            "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
-            if ctx.verbose { "" } else { " (-v lists the files)" }
-        ));
-        for d in &done.xattr_details {
-            ctx.detail(&format!("  not kept: {d}"));
-        }
     }
     Ok(())
 }
