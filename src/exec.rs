@@ -81,7 +81,6 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         session = copy_base(store, session, plan, base, &req.writes[0])?;
     }
 
-    let written: Vec<_> = session.writes().cloned().collect();
     let env = command_environment(store, &session);
 
     crate::debug::pause("exec-before-spawn");
@@ -122,7 +121,7 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
             return Err(wait_failed(e));
         }
     };
-    record_outcome(store, session, &status, &written)
+    record_outcome(store, session, &status)
 }
 
 /// The command's end is unknown (its keeper gone): a failure, or 128+N if a termination signal was
@@ -196,8 +195,8 @@ fn record_outcome(
     store: &mut Store,
     session: Session,
     status: &std::process::ExitStatus,
-    written: &[ImageName],
 ) -> Result<u8> {
+    let written: Vec<ImageName> = session.writes().cloned().collect();
     let code = command::exit_code(status);
     let outcome = if status.success() {
         Outcome::Success
