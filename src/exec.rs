@@ -66,13 +66,14 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     if !plan.no_inherit {
         crate::lease::announce_late();
     }
+    let t0 = Instant::now();
     let mut session = match Session::begin(store, req) {
         Ok(s) => s,
         Err(e) => return refused(store, plan, e),
     };
     store.ctx().detail(&format!(
         "locks acquired in {:.1} ms",
-        session.elapsed().as_secs_f64() * 1e3
+        t0.elapsed().as_secs_f64() * 1e3
     ));
 
     if let Some(base) = from {

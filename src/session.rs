@@ -17,7 +17,7 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 
@@ -107,7 +107,6 @@ pub struct Session {
     images: Vec<Image>,
     images_dir: PathBuf,
     root: Root,
-    started: Instant,
     /// The lock files as our lease lists them, taken out when the session ends however it ends.
     listed: Vec<String>,
 }
@@ -115,7 +114,6 @@ pub struct Session {
 impl Session {
     /// Acquires every lock the request names and records the start.
     pub fn begin(store: &mut Store, req: &Request) -> Result<Session> {
-        let started = Instant::now();
         let wanted = wanted(req);
         if !wanted.is_empty() || req.slot.is_some() {
             // The lease, before any lock: it names us to lock-status.
@@ -127,7 +125,7 @@ impl Session {
         let mut migrations = 0;
         loop {
             crate::signals::check()?;
-            match Self::attempt(store, req, &wanted, started)? {
+            match Self::attempt(store, req, &wanted)? {
                 Attempt::Started(s) => return Ok(*s),
                 Attempt::StoreWide => {
                     crate::store_wide::wait_free(store, req.deadline, req.no_wait, &req.command)?
@@ -145,12 +143,7 @@ impl Session {
         }
     }
 
-    fn attempt(
-        store: &Store,
-        req: &Request,
-        wanted: &[(ImageName, Role)],
-        started: Instant,
-    ) -> Result<Attempt> {
+    fn attempt(store: &Store, req: &Request, wanted: &[(ImageName, Role)]) -> Result<Attempt> {
         let root = store.root().clone();
         // The slot first, in the lock order.
         let mut slot = match &req.slot {
@@ -175,7 +168,6 @@ impl Session {
             images,
             images_dir: root.default_images_dir(),
             root: root.clone(),
-            started,
             listed: Vec::new(),
         };
         // Listed in one write, before the records (slow if a crash-cut removal is finished first).
@@ -302,10 +294,6 @@ impl Session {
             .iter()
             .filter(|i| i.writes())
             .map(|i| &i.held.name)
-    }
-
-    pub fn elapsed(&self) -> Duration {
-        self.started.elapsed()
     }
 
     /// Lets spawned children inherit the lock descriptors (like flock(1)), and the lease with them.
