@@ -46,14 +46,6 @@ pub enum Target {
     Keeper(libc::pid_t),
 }
 
-impl Target {
-    fn pid(self) -> libc::pid_t {
-        match self {
-            Target::Command(p) | Target::Keeper(p) => p,
-        }
-    }
-}
-
 struct Shared {
     state: Mutex<State>,
     /// The termination signals we take.
@@ -188,7 +180,8 @@ impl Forwarder {
         }
         let target = spawn()?;
         *st = State::Running(target);
-        Ok(Ok(target.pid()))
+        let (Target::Command(pid) | Target::Keeper(pid)) = target;
+        Ok(Ok(pid))
     }
 
     /// Waits for the command, forwarding termination signals to it until just before it is reaped.
