@@ -66,13 +66,14 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     if !plan.no_inherit {
         crate::lease::announce_late();
     }
+    let t0 = Instant::now();
     let mut session = match Session::begin(store, req) {
         Ok(s) => s,
         Err(e) => return refused(store, plan, e),
     };
     store.ctx().detail(&format!(
         "locks acquired in {:.1} ms",
-        session.elapsed().as_secs_f64() * 1e3
+        t0.elapsed().as_secs_f64() * 1e3
     ));
 
     if let Some(base) = from {
@@ -81,7 +82,6 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         session = copy_base(store, session, plan, base, &req.writes[0])?;
     }
 
-    let written: Vec<_> = session.writes().cloned().collect();
     let env = command_environment(store, &session);
 
     crate::debug::pause("exec-before-spawn");
@@ -100,7 +100,7 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         if from.is_some() {
             session.finish(store, Outcome::Failure("the command never started".into()))
         } else {
-            session.abandon(store)
+            session.abandon()
         }
     };
     let (pid, keeper) = match started {
@@ -110,9 +110,8 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
             return Err(Error::Interrupted(sig).into());
         }
         Err(e) => {
-            let what = shown[0].clone();
             undo(session, store)?;
-            return Err(not_run(e.into(), &what));
+            return Err(not_run(e.into(), &shown[0]));
         }
     };
     let status = match command::wait(&signals, pid, keeper) {
@@ -123,7 +122,7 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
             return Err(wait_failed(e));
         }
     };
-    record_outcome(store, session, &status, &written)
+    record_outcome(store, session, &status)
 }
 
 /// The command's end is unknown (its keeper gone): a failure, or 128+N if a termination signal was
@@ -197,8 +196,8 @@ fn record_outcome(
     store: &mut Store,
     session: Session,
     status: &std::process::ExitStatus,
-    written: &[ImageName],
 ) -> Result<u8> {
+    let written: Vec<ImageName> = session.writes().cloned().collect();
     let code = command::exit_code(status);
     let outcome = if status.success() {
         Outcome::Success

@@ -130,7 +130,7 @@ impl Keeper {
         if let Some((EXITED, status)) = self.message() {
             return Ok(status);
         }
-        kill_tree(None);
+        kill_tree();
         Err(io::Error::other(format!(
             "its keeper process (pid {}) ended without reporting the command's status ({keeper}); \
              the command's processes were killed",
@@ -172,23 +172,15 @@ fn signal_tree(sig: i32) {
 }
 
 /// Kills and reaps every descendant until none is left. A process forked while we look is orphaned
-/// to us when its parent dies, and found by the next look. `command`'s status is kept.
-fn kill_tree(mut command: Option<(libc::pid_t, &mut Option<i32>)>) {
+/// to us when its parent dies, and found by the next look.
+fn kill_tree() {
     loop {
         signal_tree(libc::SIGKILL);
         let mut st = 0;
         // SAFETY: waitpid on any child; status written to a local.
         let r = unsafe { libc::waitpid(-1, &mut st, 0) };
-        if r < 0 {
-            match io::Error::last_os_error().raw_os_error() {
-                Some(libc::EINTR) => continue,
-                _ => return, // ECHILD: nothing left
-            }
-        }
-        if let Some((pid, status)) = command.as_mut()
-            && r == *pid
-        {
-            **status = Some(st);
+        if r < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return; // ECHILD: nothing left
         }
     }
 }
@@ -214,9 +206,10 @@ pub fn main(args: &[OsString]) -> u8 {
     u8::from(run(args).is_err())
 }
 
-fn parse<T: std::str::FromStr>(a: Option<&OsString>) -> io::Result<T> {
-    a.and_then(|s| s.to_str()?.parse().ok())
-        .ok_or_else(|| io::ErrorKind::InvalidInput.into())
+/// One number of the keeper's command line.
+fn number<T: std::str::FromStr>(a: impl AsRef<OsStr>) -> io::Result<T> {
+    let n = a.as_ref().to_str().and_then(|s| s.parse().ok());
+    n.ok_or_else(|| io::ErrorKind::InvalidInput.into())
 }
 
 /// What stowage tells its keeper on the command line (see [`Keeper::spawn`]).
@@ -232,29 +225,24 @@ struct Invocation<'a> {
 
 impl<'a> Invocation<'a> {
     fn parse(args: &'a [OsString]) -> io::Result<Invocation<'a>> {
-        let umask: Option<u32> = match args.get(3).and_then(|s| s.to_str()) {
-            Some("-") => None,
-            _ => Some(parse(args.get(3))?),
+        let [status_fd, alive_fd, group, umask, lock_fds, sep, argv @ ..] = args else {
+            return Err(io::ErrorKind::InvalidInput.into());
         };
-        let lock_fds: Vec<RawFd> = match args.get(4).and_then(|s| s.to_str()) {
-            Some("-") => Vec::new(),
-            Some(list) => list
-                .split(',')
-                .map(|f| f.parse())
-                .collect::<Result<_, _>>()
-                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
-            None => return Err(io::ErrorKind::InvalidInput.into()),
-        };
-        if args.get(5).map(OsString::as_os_str) != Some(OsStr::new("--")) || args.len() < 7 {
+        if sep != "--" || argv.is_empty() {
             return Err(io::ErrorKind::InvalidInput.into());
         }
+        // "-": none.
         Ok(Invocation {
-            status_fd: parse(args.first())?,
-            alive_fd: parse(args.get(1))?,
-            group: parse(args.get(2))?,
-            umask,
-            lock_fds,
-            argv: &args[6..],
+            status_fd: number(status_fd)?,
+            alive_fd: number(alive_fd)?,
+            group: number(group)?,
+            umask: (umask != "-").then(|| number(umask)).transpose()?,
+            lock_fds: match lock_fds.to_str() {
+                Some("-") => Vec::new(),
+                Some(list) => list.split(',').map(number).collect::<io::Result<_>>()?,
+                None => return Err(io::ErrorKind::InvalidInput.into()),
+            },
+            argv,
         })
     }
 }
@@ -311,7 +299,10 @@ fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::pr
     // SAFETY: only async-signal-safe calls between fork and exec (and this process has one thread).
     unsafe {
         cmd.pre_exec(move || {
-            crate::signals::reset_mask_in_child()?;
+            // No signal blocked: the command must not inherit the mask that routes termination
+            // signals to us (shells reset it; most programs do not). Ignored ones stay ignored.
+            let none = SigSet::empty();
+            nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&none), None)?;
             if let Some(mask) = umask {
                 libc::umask(mask as libc::mode_t);
             }
@@ -387,7 +378,7 @@ impl Tree {
                 Woke::Nothing => {}
                 Woke::StowageGone => {
                     // Only our locks outlive stowage: end the tree, then exit, releasing them.
-                    kill_tree(Some((self.command, &mut self.exit)));
+                    kill_tree();
                     return Ok(());
                 }
                 Woke::Signal(info) => self.on_signal(&info),
@@ -404,7 +395,7 @@ impl Tree {
             self.kill_at = Some(Instant::now() + GRACE);
         }
         if self.kill_at.is_some_and(|t| Instant::now() >= t) {
-            kill_tree(None);
+            kill_tree();
             self.cut_short = true;
             return true;
         }

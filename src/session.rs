@@ -17,7 +17,7 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 
@@ -107,15 +107,13 @@ pub struct Session {
     images: Vec<Image>,
     images_dir: PathBuf,
     root: Root,
-    started: Instant,
     /// The lock files as our lease lists them, taken out when the session ends however it ends.
-    listed: Listed,
+    listed: Vec<String>,
 }
 
 impl Session {
     /// Acquires every lock the request names and records the start.
     pub fn begin(store: &mut Store, req: &Request) -> Result<Session> {
-        let started = Instant::now();
         let wanted = wanted(req);
         if !wanted.is_empty() || req.slot.is_some() {
             // The lease, before any lock: it names us to lock-status.
@@ -127,7 +125,7 @@ impl Session {
         let mut migrations = 0;
         loop {
             crate::signals::check()?;
-            match Self::attempt(store, req, &wanted, started)? {
+            match Self::attempt(store, req, &wanted)? {
                 Attempt::Started(s) => return Ok(*s),
                 Attempt::StoreWide => {
                     crate::store_wide::wait_free(store, req.deadline, req.no_wait, &req.command)?
@@ -145,12 +143,7 @@ impl Session {
         }
     }
 
-    fn attempt(
-        store: &Store,
-        req: &Request,
-        wanted: &[(ImageName, Role)],
-        started: Instant,
-    ) -> Result<Attempt> {
+    fn attempt(store: &Store, req: &Request, wanted: &[(ImageName, Role)]) -> Result<Attempt> {
         let root = store.root().clone();
         // The slot first, in the lock order.
         let mut slot = match &req.slot {
@@ -175,15 +168,11 @@ impl Session {
             images,
             images_dir: root.default_images_dir(),
             root: root.clone(),
-            started,
-            listed: Listed {
-                leases: root.leases(),
-                lockfiles: Vec::new(),
-            },
+            listed: Vec::new(),
         };
         // Listed in one write, before the records (slow if a crash-cut removal is finished first).
         let hs = session.listing(req);
-        crate::lease::note_all(&session.listed.leases, hs);
+        crate::lease::note_all(&root.leases(), hs);
         // A store another process is migrating (its records half converted) is migrated first, or
         // waited for, as a write or a read would find it.
         let chosen = session
@@ -282,7 +271,7 @@ impl Session {
             .iter()
             .map(|i| i.holding(&req.command))
             .collect();
-        self.listed.lockfiles = hs.iter().map(|h| h.lockfile.clone()).collect();
+        self.listed = hs.iter().map(|h| h.lockfile.clone()).collect();
         if let Some(s) = self.slot.as_mut() {
             hs.push(s.listing(&self.root, &req.command));
         }
@@ -307,10 +296,6 @@ impl Session {
             .map(|i| &i.held.name)
     }
 
-    pub fn elapsed(&self) -> Duration {
-        self.started.elapsed()
-    }
-
     /// Lets spawned children inherit the lock descriptors (like flock(1)), and the lease with them.
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
         crate::lease::set_inheritable(inherit)?;
@@ -333,9 +318,63 @@ impl Session {
             .collect()
     }
 
-    /// Makes the written image a copy of `base` (emptying it first).
+    /// Makes the written image `target` a copy of `base` (emptying it first: it is being rebuilt from
+    /// the base). Both ends are opened from one descriptor of the images directory, never a path
+    /// resolved again: a link swapped in above them cannot move the copy.
     pub fn clone_into(&self, store: &Store, base: &ImageName, target: &ImageName) -> Result<()> {
-        clone_tree(store, &self.images_dir, base, target)
+        use std::io::IsTerminal;
+        let images_dir = &self.images_dir;
+        let src = images_dir.join(base.encoded());
+        let dst = images_dir.join(target.encoded());
+        anyhow::ensure!(
+            std::fs::symlink_metadata(&src).is_ok_and(|m| m.is_dir()),
+            "image '{base}': {} is not a directory; cannot copy it",
+            src.display()
+        );
+        crate::remove::empty_image_dir(store.root(), images_dir, target)?;
+        crate::debug::pause("clone-emptied");
+        let t0 = Instant::now();
+        let ctx = store.ctx();
+        let show = std::io::stderr().is_terminal() && !ctx.quiet;
+        let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
+        let images = store.root().open_images_dir(images_dir)?;
+        make_ours(&images, target, &dst)?;
+        let open = |name: &ImageName, path: &Path| {
+            images
+                .sub(name.encoded())
+                .with_context(|| format!("cannot open {}", path.display()))
+        };
+        let (s, d) = (open(base, &src)?, open(target, &dst)?);
+        let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar)
+            .with_context(|| format!("cannot copy image '{base}' to '{target}'"))?;
+        ctx.detail(&format!(
+            "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
+            done.files,
+            crate::disk_usage::human(done.bytes),
+            done.reflinked,
+            t0.elapsed().as_secs_f64()
+        ));
+        for m in &done.mounts_left_out {
+            ctx.say(&format!(
+                "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
+            ));
+        }
+        if done.skipped_special > 0 {
+            ctx.say(&format!(
+                "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
+                done.skipped_special
+            ));
+        }
+        if let Some(lost) = done.xattrs_summary() {
+            ctx.say(&format!(
+                "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
+                if ctx.verbose { "" } else { " (-v lists the files)" }
+            ));
+            for d in &done.xattr_details {
+                ctx.detail(&format!("  not kept: {d}"));
+            }
+        }
+        Ok(())
     }
 
     /// Releases the read lock on `name` early (a `--from` base once copied), if held shared.
@@ -346,7 +385,9 @@ impl Session {
             .position(|i| i.held.name == *name && i.role == Role::Read)
         {
             let img = self.images.remove(i);
-            self.listed.forget(&img.rel());
+            let rel = img.rel();
+            crate::lease::forget(&self.root.leases(), &rel);
+            self.listed.retain(|l| *l != rel);
         }
     }
 
@@ -389,16 +430,14 @@ impl Session {
 
     /// Undoes the start of a command that never ran: each written image's
     /// record as it was before, a new one's tree and lock file gone.
-    pub fn abandon(self, _store: &mut Store) -> Result<()> {
+    pub fn abandon(self) -> Result<()> {
         self.undo()
     }
 
     fn undo(mut self) -> Result<()> {
         let mut out = Ok(());
-        for img in self.images.iter_mut().filter(|i| i.writes()) {
-            if img.record.is_none() {
-                continue;
-            }
+        // A written image has a record once its start is recorded.
+        for img in self.images.iter_mut().filter(|i| i.record.is_some()) {
             if img.made_tree {
                 crate::remove::remove_empty_image_dir(&self.root, &self.images_dir, &img.held.name);
             }
@@ -423,8 +462,7 @@ impl Session {
 
     /// Lets every lock go, with the lock files this session made that carry no record.
     fn release(&mut self) {
-        let images = std::mem::take(&mut self.images);
-        let held: Vec<Held> = images.into_iter().map(|i| i.held).collect();
+        let held = self.images.drain(..).map(|i| i.held).collect();
         crate::remove::release_unclaimed(&self.root, held, &[]);
         self.slot = None;
     }
@@ -853,30 +891,12 @@ fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
     })
 }
 
-/// The lock files our lease lists for this session; taken out when it ends, however it ends.
-struct Listed {
-    leases: PathBuf,
-    lockfiles: Vec<String>,
-}
-
-impl Listed {
-    fn forget(&mut self, lockfile: &str) {
-        crate::lease::forget(&self.leases, lockfile);
-        self.lockfiles.retain(|l| l != lockfile);
-    }
-}
-
-impl Drop for Listed {
-    fn drop(&mut self) {
-        crate::lease::forget_all(&self.leases, &self.lockfiles);
-    }
-}
-
 impl Drop for Session {
     /// A session dropped without finish (a library caller, a panic): its locks go, and its written
-    /// images read as incomplete (`writing` under free locks).
+    /// images read as incomplete (`writing` under free locks); our lease lists them no more.
     fn drop(&mut self) {
         self.release();
+        crate::lease::forget_all(&self.root.leases(), &self.listed);
     }
 }
 
@@ -893,69 +913,6 @@ fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result
             .rmdir(target.encoded())
             .and_then(|()| images.mkdir(target.encoded(), st.mode & 0o7777))
             .with_context(|| format!("cannot make {} anew", dst.display()))?;
-    }
-    Ok(())
-}
-
-/// Makes the image `target` a copy of `base`, both in `images_dir` (emptying the target first: it
-/// is being rebuilt from the base). Both ends are opened from one descriptor of the images
-/// directory, never a path resolved again: a link swapped in above them cannot move the copy.
-fn clone_tree(
-    store: &Store,
-    images_dir: &Path,
-    base: &ImageName,
-    target: &ImageName,
-) -> Result<()> {
-    use std::io::IsTerminal;
-    let src = images_dir.join(base.encoded());
-    let dst = images_dir.join(target.encoded());
-    anyhow::ensure!(
-        std::fs::symlink_metadata(&src).is_ok_and(|m| m.is_dir()),
-        "image '{base}': {} is not a directory; cannot copy it",
-        src.display()
-    );
-    crate::remove::empty_image_dir(store.root(), images_dir, target)?;
-    crate::debug::pause("clone-emptied");
-    let t0 = Instant::now();
-    let ctx = store.ctx();
-    let show = std::io::stderr().is_terminal() && !ctx.quiet;
-    let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
-    let images = store.root().open_images_dir(images_dir)?;
-    make_ours(&images, target, &dst)?;
-    let open = |name: &ImageName, path: &Path| {
-        images
-            .sub(name.encoded())
-            .with_context(|| format!("cannot open {}", path.display()))
-    };
-    let (s, d) = (open(base, &src)?, open(target, &dst)?);
-    let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar)
-        .with_context(|| format!("cannot copy image '{base}' to '{target}'"))?;
-    ctx.detail(&format!(
-        "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
-        done.files,
-        crate::disk_usage::human(done.bytes),
-        done.reflinked,
-        t0.elapsed().as_secs_f64()
-    ));
-    for m in &done.mounts_left_out {
-        ctx.say(&format!(
-            "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
-        ));
-    }
-    if done.skipped_special > 0 {
-        ctx.say(&format!(
-            "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",
-            done.skipped_special
-        ));
-    }
-    if let Some(lost) = done.xattrs_summary() {
-        ctx.say(&format!(
-            "image '{target}': extended attributes of '{base}' the filesystem refused, not kept: {lost}{}",
-            if ctx.verbose { "" } else { " (-v lists the files)" }
-        ));
-        for d in &done.xattr_details {
-            ctx.detail(&format!("  not kept: {d}"));
-        }
     }
     Ok(())
 }

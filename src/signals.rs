@@ -22,7 +22,7 @@ use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, Once, OnceLock};
 
-use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::{Pid, getpgid, getpgrp, getpid, getsid};
 
@@ -44,14 +44,6 @@ pub enum Target {
     /// The keeper running the command for `--no-inherit` ([`crate::keeper`]): it gets every signal,
     /// tagged with whether the terminal sent it, and decides as we would, knowing the command.
     Keeper(libc::pid_t),
-}
-
-impl Target {
-    fn pid(self) -> libc::pid_t {
-        match self {
-            Target::Command(p) | Target::Keeper(p) => p,
-        }
-    }
 }
 
 struct Shared {
@@ -82,18 +74,6 @@ fn forwarded() -> SigSet {
     };
     let signals = [SIGINT, SIGTERM, SIGHUP, SIGQUIT];
     signals.into_iter().filter(|&s| !ignored(s)).collect()
-}
-
-/// Makes a spawned command start with no signal blocked: it must not inherit the mask that routes
-/// termination signals to us (shells reset it; most programs do not). Ignored dispositions stay
-/// ignored, as with any exec. Async-signal-safe: meant for `pre_exec`.
-pub fn reset_mask_in_child() -> io::Result<()> {
-    let none = SigSet::empty();
-    Ok(nix::sys::signal::sigprocmask(
-        SigmaskHow::SIG_SETMASK,
-        Some(&none),
-        None,
-    )?)
 }
 
 /// A termination signal that came while no command ran (before or after it): long work stops.
@@ -200,7 +180,8 @@ impl Forwarder {
         }
         let target = spawn()?;
         *st = State::Running(target);
-        Ok(Ok(target.pid()))
+        let (Target::Command(pid) | Target::Keeper(pid)) = target;
+        Ok(Ok(pid))
     }
 
     /// Waits for the command, forwarding termination signals to it until just before it is reaped.
