@@ -3,8 +3,7 @@
 //! - A helper thread sleeps in a blocked flock(2) until the lock is free, or [`wake_signal`] (a
 //!   no-op handler: `EINTR`) interrupts it for a deadline or cancellation. Nothing spins.
 //! - If no helper thread can be started (a pids limit), the wait polls instead of failing.
-//! - A termination signal cancels every interruptible wait ([`interrupt_waits`]); cleanup waits
-//!   are uninterruptible and bounded.
+//! - A termination signal cancels every wait ([`interrupt_waits`]).
 
 use std::fs::File;
 use std::io;
@@ -38,8 +37,6 @@ pub struct Wait<'a> {
     pub deadline: Option<Instant>,
     /// Called once if the lock is still not acquired after this long.
     pub notice: Option<Notice<'a>>,
-    /// Ignore [`interrupt_waits`]: for cleanup due even after a termination (undoing a start).
-    pub uninterruptible: bool,
     /// Re-issue blocked requests this often: NFS clients retry a blocked lock with a back-off up to
     /// 30 s (NFSv4), so a freed lock may go unnoticed that long; local filesystems need none.
     pub rearm: Option<Duration>,
@@ -196,8 +193,7 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
     starting_to_wait();
     install_wake_handler();
     let (tx, rx) = mpsc::channel();
-    let registration = (!wait.uninterruptible).then(|| Registration::new(tx.clone()));
-    let _registration = match registration.transpose() {
+    let _registration = match Registration::new(tx.clone()) {
         Ok(r) => r,
         Err(sig) => return Ok(Waited::Interrupted(sig)),
     };
@@ -344,9 +340,7 @@ pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Resu
         }
         let until = wait.deadline.map_or(now + pause, |d| d.min(now + pause));
         pause = (pause * 2).min(POLL_MAX);
-        if wait.uninterruptible {
-            thread::sleep(until.saturating_duration_since(Instant::now()));
-        } else if let Woke::Interrupted(sig) = waker.sleep(Some(until))? {
+        if let Woke::Interrupted(sig) = waker.sleep(Some(until))? {
             return Ok(Waited::Interrupted(sig));
         }
     }
