@@ -323,7 +323,7 @@ const POLL_MAX: Duration = Duration::from_millis(50);
 
 /// Waits for any of `files` without helper threads: capped-backoff tries, woken by a cancellation.
 pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
-    let waker = Waker::none();
+    let waker = Waker::default();
     let started = Instant::now();
     let mut notice = wait.notice.take();
     let mut pause = POLL_MIN;
@@ -365,8 +365,9 @@ pub enum Woke {
 /// `IN_CLOSE_WRITE` (`IN_CLOSE_NOWRITE` for a read-only holder such as flock(1)): a waiter watching
 /// the directory before trying the files wakes the moment one may be free. Other hosts' closes go
 /// unseen (NFS): callers poll there too. Without inotify (instance limits) it only sleeps.
+#[derive(Default)]
 pub struct Waker {
-    /// The instance and its watch, removed again on drop.
+    /// The instance and its watch, removed again on drop; none by default (only sleeps).
     inotify: Option<(Inotify, WatchDescriptor)>,
     named: Option<std::ffi::OsString>,
 }
@@ -380,20 +381,12 @@ fn spare_inotify() -> MutexGuard<'static, Vec<Inotify>> {
 }
 
 impl Waker {
-    /// Sleeps only until a time or an interruption.
-    pub fn none() -> Waker {
-        Waker {
-            inotify: None,
-            named: None,
-        }
-    }
-
     /// Watches `dir` for closes and creations; changes to `named`, a file in it, are told apart.
     pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
         let spare = spare_inotify().pop();
         let flags = InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK;
         let Some(ino) = spare.or_else(|| Inotify::init(flags).ok()) else {
-            return Waker::none();
+            return Waker::default();
         };
         let mask = AddWatchFlags::IN_CLOSE_WRITE
             | AddWatchFlags::IN_CLOSE_NOWRITE
@@ -402,7 +395,7 @@ impl Waker {
             | AddWatchFlags::IN_ONLYDIR;
         let Ok(wd) = ino.add_watch(dir, mask) else {
             spare_inotify().push(ino);
-            return Waker::none();
+            return Waker::default();
         };
         let waker = Waker {
             inotify: Some((ino, wd)),
