@@ -422,11 +422,11 @@ impl Slots {
         };
         let (beyond, beyond_high) = crate::slots::beyond(dir, limits);
         Slots {
-            candidates: FileSet::new(candidates(dir, limits, priority), Mode::Exclusive),
+            candidates: FileSet::new(candidates(dir, limits, priority)),
             high,
             limits: *limits,
-            beyond: FileSet::new(beyond, Mode::Exclusive),
-            beyond_high: FileSet::new(beyond_high, Mode::Exclusive),
+            beyond: FileSet::new(beyond),
+            beyond_high: FileSet::new(beyond_high),
         }
     }
 
