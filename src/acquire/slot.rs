@@ -111,10 +111,11 @@ pub(crate) fn take(
     validate_class(class)?;
     let root = store.root();
     let dir = root.slot_class_dir(class);
-    let (limits, slots) = match try_now(root, class, priority, &dir)? {
+    let slots = match try_now(root, class, priority, &dir)? {
         Ok(got) => return Ok(got),
         Err(busy) => busy,
     };
+    let limits = slots.limits;
     crate::debug::pause("slot-busy");
     // All busy; if our enclosing command holds one, we work under it (a wait could be for us).
     let class_rel = root.locks_rel(&dir);
@@ -164,12 +165,7 @@ pub(crate) fn take(
     let line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(reread));
     let awaited = crate::lease::Holding::now(Mode::Exclusive, class_rel.clone(), true, command);
     let got = super::wait_for(store, awaited, &[], what, holders, now, || {
-        let to = Target {
-            dir: &dir,
-            limits,
-            slots,
-        };
-        wait_for_slot(store, class, priority, to, deadline, &ours_now)
+        wait_for_slot(store, class, priority, &dir, slots, deadline, &ours_now)
     });
     drop(line);
     match got? {
@@ -179,14 +175,14 @@ pub(crate) fn take(
     }
 }
 
-/// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is unlimited), else the class's limits
-/// and files to wait on.
+/// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is unlimited), else the class's files
+/// to wait on, with the limits they were chosen by.
 fn try_now(
     root: &Root,
     class: &str,
     priority: Priority,
     dir: &Path,
-) -> Result<Result<Option<SlotGuard>, (Limits, Slots)>> {
+) -> Result<Result<Option<SlotGuard>, Slots>> {
     if priority == Priority::Normal {
         match try_first(root, class)? {
             First::Got(g) => return Ok(Ok(Some(SlotGuard::new(g)))),
@@ -215,7 +211,7 @@ fn try_now(
             Took::Busy => break,
         }
     }
-    Ok(Err((limits, slots)))
+    Ok(Err(slots))
 }
 
 /// After a lowered limit, the first acquirer to find the files beyond it free settles the record
@@ -276,28 +272,18 @@ const POLL: Duration = Duration::from_millis(50);
 /// the file's flock, and a try in between would sleep through the release (1 wake in 100 seen).
 const SETTLE_LAST: Duration = Duration::from_millis(128);
 
-/// What a slot waiter waits on: the class's directory, limits and slot files.
-struct Target<'a> {
-    dir: &'a Path,
-    limits: Limits,
-    slots: Slots,
-}
-
-/// Waits for a slot of `class` in `to`; `None` if the class turns unlimited, or if `under_enclosing`
-/// (asked at each recheck) says an enclosing exec has since announced that it holds one.
+/// Waits for a slot of `class` in `dir`, starting from `slots`; `None` if the class turns unlimited,
+/// or if `under_enclosing` (asked at each recheck) says an enclosing exec has since announced that
+/// it holds one.
 fn wait_for_slot(
     store: &Store,
     class: &str,
     priority: Priority,
-    to: Target,
+    dir: &Path,
+    mut slots: Slots,
     deadline: Option<Instant>,
     under_enclosing: &dyn Fn() -> bool,
 ) -> Result<lock::Waited<Option<Guard>>> {
-    let Target {
-        dir,
-        mut limits,
-        mut slots,
-    } = to;
     lock::starting_to_wait();
     let root = store.root();
     let failed = |e| lock::error(&format!("a slot of class '{class}'"), dir, e);
@@ -320,13 +306,10 @@ fn wait_for_slot(
             if under_enclosing() {
                 return Ok(lock::Waited::Acquired(None));
             }
-            match reread_class(store, class, &limits)? {
+            match reread_class(store, class, &slots.limits)? {
                 Reread::Same => {}
                 Reread::Unlimited => return Ok(lock::Waited::Acquired(None)),
-                Reread::Changed(now) => {
-                    limits = now;
-                    slots = Slots::new(dir, &limits, priority);
-                }
+                Reread::Changed(now) => slots = Slots::new(dir, &now, priority),
             }
         }
         match slots.try_take(root, class) {
