@@ -307,9 +307,9 @@ fn wait_for_slot(
                 return Ok(lock::Waited::Acquired(None));
             }
             match reread_class(store, class, &slots.limits)? {
-                Reread::Same => {}
-                Reread::Unlimited => return Ok(lock::Waited::Acquired(None)),
-                Reread::Changed(now) => slots = Slots::new(dir, &now, priority),
+                None => return Ok(lock::Waited::Acquired(None)),
+                Some(now) if now != slots.limits => slots = Slots::new(dir, &now, priority),
+                Some(_) => {}
             }
         }
         match slots.try_take(root, class) {
@@ -348,15 +348,9 @@ fn wait_for_slot(
     }
 }
 
-/// What the class says when a waiter reads it again.
-enum Reread {
-    Same,
-    Unlimited,
-    Changed(Limits),
-}
-
-/// Rereads the class for a waiter: removed is an error (64), unlimited lets it in, a change binds.
-fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Reread> {
+/// Rereads the class for a waiter: removed is an error (64), unlimited (`None`) lets it in, a change
+/// (said if from `limits`) binds.
+fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Option<Limits>> {
     let Class::Limits(now) = crate::slots::read_class(store.root(), class)? else {
         return Err(Error::Usage(format!(
             "slot class '{class}' was removed while waiting for it"
@@ -367,16 +361,15 @@ fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Reread> {
         store
             .ctx()
             .detail(&format!("slot class '{class}' is unlimited now"));
-        return Ok(Reread::Unlimited);
+        return Ok(None);
     }
-    if now == *limits {
-        return Ok(Reread::Same);
+    if now != *limits {
+        store.ctx().detail(&format!(
+            "slot class '{class}' changed: limit {}, {} reserved for high priority",
+            now.limit, now.reserve
+        ));
     }
-    store.ctx().detail(&format!(
-        "slot class '{class}' changed: limit {}, {} reserved for high priority",
-        now.limit, now.reserve
-    ));
-    Ok(Reread::Changed(now))
+    Ok(Some(now))
 }
 
 enum Took {
