@@ -183,12 +183,10 @@ fn try_now(
     priority: Priority,
     dir: &Path,
 ) -> Result<Result<Option<SlotGuard>, Slots>> {
-    if priority == Priority::Normal {
-        match try_first(root, class)? {
-            First::Got(g) => return Ok(Ok(Some(SlotGuard::new(g)))),
-            First::Unlimited => return Ok(Ok(None)),
-            First::Busy => {}
-        }
+    if priority == Priority::Normal
+        && let Some(first) = try_first(root, class)?
+    {
+        return Ok(Ok(first));
     }
     let mut limits = lookup(root, class)?;
     if limits.limit == 0 {
@@ -233,15 +231,10 @@ fn settle_if_free(root: &Root, class: &str, limits: &Limits) {
     }
 }
 
-enum First {
-    Got(Guard),
-    Unlimited,
-    Busy,
-}
-
 /// A normal acquirer's first try: `0.lock`, whose class record, read under the lock just taken,
-/// allows the slot and proves the file is still at its path. An unknown class is a usage error.
-fn try_first(root: &Root, class: &str) -> Result<First> {
+/// allows the slot and proves the file is still at its path. `Some` if that decides (`Some(None)`:
+/// the class is unlimited), `None` to go the general way.
+fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
     let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
     let got = lock::acquire_no_wait_with(&path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
         let c = slot_limits::read(f, class).unwrap_or(Class::Damaged);
@@ -250,13 +243,13 @@ fn try_first(root: &Root, class: &str) -> Result<First> {
     match got {
         Ok(Some((g, Class::Limits(l)))) if l.limit == 0 => {
             drop(g);
-            Ok(First::Unlimited)
+            Ok(Some(None))
         }
-        Ok(Some((g, Class::Limits(l)))) if l.settled() => Ok(First::Got(g)),
+        Ok(Some((g, Class::Limits(l)))) if l.settled() => Ok(Some(Some(SlotGuard::new(g)))),
         // Busy, unsettled, no record, or no such file: the general way says what is wrong.
-        Ok(_) => Ok(First::Busy),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(First::Busy),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => Ok(First::Busy),
+        Ok(_) => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => Ok(None),
         Err(e) => Err(lock::error(&format!("a slot of class '{class}'"), &path, e)),
     }
 }
