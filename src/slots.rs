@@ -203,10 +203,10 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> 
 }
 
 /// Forgets the files beyond a lowered limit once nobody holds them (tried without waiting, under
-/// the global lock the caller holds). Returns the limits as they then stand.
-pub fn settle(root: &Root, class: &str, zero: &std::fs::File, limits: Limits) -> Limits {
+/// the global lock the caller holds).
+pub fn settle(root: &Root, class: &str, zero: &std::fs::File, limits: Limits) {
     if limits.settled() {
-        return limits;
+        return;
     }
     let dir = root.slot_class_dir(class);
     let (normal, high) = beyond(&dir, &limits);
@@ -214,7 +214,7 @@ pub fn settle(root: &Root, class: &str, zero: &std::fs::File, limits: Limits) ->
     for path in normal.iter().chain(&high) {
         match lock::acquire_no_wait(path, Mode::Exclusive, lock::IfMissing::Fail) {
             Ok(Some(g)) => held.push(g),
-            Ok(None) => return limits,
+            Ok(None) => return,
             Err(_) => {}
         }
     }
@@ -224,14 +224,13 @@ pub fn settle(root: &Root, class: &str, zero: &std::fs::File, limits: Limits) ->
         ..limits
     };
     if slot_limits::write(zero, class, Some(&settled)).is_err() {
-        return limits;
+        return;
     }
     // `0.lock` carries the record (an unlimited class keeps it too).
     let first = dir.join(Kind::Normal(0).file_name());
     for g in held.into_iter().filter(|g| g.path() != first) {
         let _ = root.unlink_lock(g);
     }
-    settled
 }
 
 /// Removes a class: its record goes, then every slot file nobody holds (unlinked under its

@@ -111,10 +111,11 @@ pub(crate) fn take(
     validate_class(class)?;
     let root = store.root();
     let dir = root.slot_class_dir(class);
-    let (limits, slots) = match try_now(root, class, priority, &dir)? {
+    let slots = match try_now(root, class, priority, &dir)? {
         Ok(got) => return Ok(got),
         Err(busy) => busy,
     };
+    let limits = slots.limits;
     crate::debug::pause("slot-busy");
     // All busy; if our enclosing command holds one, we work under it (a wait could be for us).
     let class_rel = root.locks_rel(&dir);
@@ -164,12 +165,7 @@ pub(crate) fn take(
     let line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(reread));
     let awaited = crate::lease::Holding::now(Mode::Exclusive, class_rel.clone(), true, command);
     let got = super::wait_for(store, awaited, &[], what, holders, now, || {
-        let to = Target {
-            dir: &dir,
-            limits,
-            slots,
-        };
-        wait_for_slot(store, class, priority, to, deadline, &ours_now)
+        wait_for_slot(store, class, priority, &dir, slots, deadline, &ours_now)
     });
     drop(line);
     match got? {
@@ -179,20 +175,18 @@ pub(crate) fn take(
     }
 }
 
-/// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is unlimited), else the class's limits
-/// and files to wait on.
+/// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is unlimited), else the class's files
+/// to wait on, with the limits they were chosen by.
 fn try_now(
     root: &Root,
     class: &str,
     priority: Priority,
     dir: &Path,
-) -> Result<Result<Option<SlotGuard>, (Limits, Slots)>> {
-    if priority == Priority::Normal {
-        match try_first(root, class)? {
-            First::Got(g) => return Ok(Ok(Some(SlotGuard::new(g)))),
-            First::Unlimited => return Ok(Ok(None)),
-            First::Busy => {}
-        }
+) -> Result<Result<Option<SlotGuard>, Slots>> {
+    if priority == Priority::Normal
+        && let Some(first) = try_first(root, class)?
+    {
+        return Ok(Ok(first));
     }
     let mut limits = lookup(root, class)?;
     if limits.limit == 0 {
@@ -215,7 +209,7 @@ fn try_now(
             Took::Busy => break,
         }
     }
-    Ok(Err((limits, slots)))
+    Ok(Err(slots))
 }
 
 /// After a lowered limit, the first acquirer to find the files beyond it free settles the record
@@ -237,15 +231,10 @@ fn settle_if_free(root: &Root, class: &str, limits: &Limits) {
     }
 }
 
-enum First {
-    Got(Guard),
-    Unlimited,
-    Busy,
-}
-
 /// A normal acquirer's first try: `0.lock`, whose class record, read under the lock just taken,
-/// allows the slot and proves the file is still at its path. An unknown class is a usage error.
-fn try_first(root: &Root, class: &str) -> Result<First> {
+/// allows the slot and proves the file is still at its path. `Some` if that decides (`Some(None)`:
+/// the class is unlimited), `None` to go the general way.
+fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
     let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
     let got = lock::acquire_no_wait_with(&path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
         let c = slot_limits::read(f, class).unwrap_or(Class::Damaged);
@@ -254,13 +243,13 @@ fn try_first(root: &Root, class: &str) -> Result<First> {
     match got {
         Ok(Some((g, Class::Limits(l)))) if l.limit == 0 => {
             drop(g);
-            Ok(First::Unlimited)
+            Ok(Some(None))
         }
-        Ok(Some((g, Class::Limits(l)))) if l.settled() => Ok(First::Got(g)),
+        Ok(Some((g, Class::Limits(l)))) if l.settled() => Ok(Some(Some(SlotGuard::new(g)))),
         // Busy, unsettled, no record, or no such file: the general way says what is wrong.
-        Ok(_) => Ok(First::Busy),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(First::Busy),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => Ok(First::Busy),
+        Ok(_) => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => Ok(None),
         Err(e) => Err(lock::error(&format!("a slot of class '{class}'"), &path, e)),
     }
 }
@@ -276,28 +265,18 @@ const POLL: Duration = Duration::from_millis(50);
 /// the file's flock, and a try in between would sleep through the release (1 wake in 100 seen).
 const SETTLE_LAST: Duration = Duration::from_millis(128);
 
-/// What a slot waiter waits on: the class's directory, limits and slot files.
-struct Target<'a> {
-    dir: &'a Path,
-    limits: Limits,
-    slots: Slots,
-}
-
-/// Waits for a slot of `class` in `to`; `None` if the class turns unlimited, or if `under_enclosing`
-/// (asked at each recheck) says an enclosing exec has since announced that it holds one.
+/// Waits for a slot of `class` in `dir`, starting from `slots`; `None` if the class turns unlimited,
+/// or if `under_enclosing` (asked at each recheck) says an enclosing exec has since announced that
+/// it holds one.
 fn wait_for_slot(
     store: &Store,
     class: &str,
     priority: Priority,
-    to: Target,
+    dir: &Path,
+    mut slots: Slots,
     deadline: Option<Instant>,
     under_enclosing: &dyn Fn() -> bool,
 ) -> Result<lock::Waited<Option<Guard>>> {
-    let Target {
-        dir,
-        mut limits,
-        mut slots,
-    } = to;
     lock::starting_to_wait();
     let root = store.root();
     let failed = |e| lock::error(&format!("a slot of class '{class}'"), dir, e);
@@ -320,13 +299,10 @@ fn wait_for_slot(
             if under_enclosing() {
                 return Ok(lock::Waited::Acquired(None));
             }
-            match reread_class(store, class, &limits)? {
-                Reread::Same => {}
-                Reread::Unlimited => return Ok(lock::Waited::Acquired(None)),
-                Reread::Changed(now) => {
-                    limits = now;
-                    slots = Slots::new(dir, &limits, priority);
-                }
+            match reread_class(store, class, &slots.limits)? {
+                None => return Ok(lock::Waited::Acquired(None)),
+                Some(now) if now != slots.limits => slots = Slots::new(dir, &now, priority),
+                Some(_) => {}
             }
         }
         match slots.try_take(root, class) {
@@ -365,15 +341,9 @@ fn wait_for_slot(
     }
 }
 
-/// What the class says when a waiter reads it again.
-enum Reread {
-    Same,
-    Unlimited,
-    Changed(Limits),
-}
-
-/// Rereads the class for a waiter: removed is an error (64), unlimited lets it in, a change binds.
-fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Reread> {
+/// Rereads the class for a waiter: removed is an error (64), unlimited (`None`) lets it in, a change
+/// (said if from `limits`) binds.
+fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Option<Limits>> {
     let Class::Limits(now) = crate::slots::read_class(store.root(), class)? else {
         return Err(Error::Usage(format!(
             "slot class '{class}' was removed while waiting for it"
@@ -384,16 +354,15 @@ fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Reread> {
         store
             .ctx()
             .detail(&format!("slot class '{class}' is unlimited now"));
-        return Ok(Reread::Unlimited);
+        return Ok(None);
     }
-    if now == *limits {
-        return Ok(Reread::Same);
+    if now != *limits {
+        store.ctx().detail(&format!(
+            "slot class '{class}' changed: limit {}, {} reserved for high priority",
+            now.limit, now.reserve
+        ));
     }
-    store.ctx().detail(&format!(
-        "slot class '{class}' changed: limit {}, {} reserved for high priority",
-        now.limit, now.reserve
-    ));
-    Ok(Reread::Changed(now))
+    Ok(Some(now))
 }
 
 enum Took {
@@ -422,11 +391,11 @@ impl Slots {
         };
         let (beyond, beyond_high) = crate::slots::beyond(dir, limits);
         Slots {
-            candidates: FileSet::new(candidates(dir, limits, priority), Mode::Exclusive),
+            candidates: FileSet::new(candidates(dir, limits, priority)),
             high,
             limits: *limits,
-            beyond: FileSet::new(beyond, Mode::Exclusive),
-            beyond_high: FileSet::new(beyond_high, Mode::Exclusive),
+            beyond: FileSet::new(beyond),
+            beyond_high: FileSet::new(beyond_high),
         }
     }
 

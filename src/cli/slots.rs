@@ -130,21 +130,18 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
     let look = crate::holders::Look::new(store.ctx());
     let reports: Vec<_> = slots::reports(&look, &root)
         .into_iter()
-        .filter(|r| r.slot.is_some())
+        .filter_map(|r| Some((r.slot?, r)))
         .collect();
     if json {
         let out: Vec<ClassJson> = reports
             .iter()
-            .map(|r| {
-                let (limit, reserve_high, in_use) = r.slot.unwrap_or_default();
-                ClassJson {
-                    name: r.name.clone(),
-                    limit,
-                    reserve_high,
-                    in_use,
-                    holders: &r.holders,
-                    waiters: &r.waiters,
-                }
+            .map(|((limit, reserve_high, in_use), r)| ClassJson {
+                name: r.name.clone(),
+                limit: *limit,
+                reserve_high: *reserve_high,
+                in_use: *in_use,
+                holders: &r.holders,
+                waiters: &r.waiters,
             })
             .collect();
         return super::print_json(&out).map(|()| 0);
@@ -157,10 +154,9 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
     }
     let head = ["CLASS", "LIMIT", "RESERVE HIGH", "IN USE", "WAITING"];
     let mut rows = vec![head.map(String::from)];
-    for r in &reports {
-        let (limit, reserve, in_use) = r.slot.unwrap_or_default();
+    for ((limit, reserve, in_use), r) in reports {
         rows.push([
-            r.name.clone(),
+            r.name,
             if limit == 0 {
                 "unlimited".into()
             } else {

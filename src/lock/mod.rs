@@ -730,23 +730,21 @@ pub fn opens_conflict(path: &Path) -> io::Result<bool> {
     Ok(conflict)
 }
 
-/// Lock files tried again and again, kept open while a waiter waits: its
+/// Lock files tried again and again (exclusively: slots), kept open while a waiter waits: its
 /// tries make no close events that would wake other waiters ([`Waker`]).
 pub struct FileSet {
     paths: Vec<PathBuf>,
     files: Vec<Option<File>>,
     /// Files found not to be regular files (planted): no slot, never held.
     skip: Vec<bool>,
-    mode: Mode,
 }
 
 impl FileSet {
-    pub fn new(paths: Vec<PathBuf>, mode: Mode) -> FileSet {
+    pub fn new(paths: Vec<PathBuf>) -> FileSet {
         FileSet {
             files: paths.iter().map(|_| None).collect(),
             skip: vec![false; paths.len()],
             paths,
-            mode,
         }
     }
 
@@ -774,7 +772,7 @@ impl FileSet {
                 }
             }
             let file = self.files[i].as_ref().expect("opened above");
-            match flock_try(file, self.mode) {
+            match flock_try(file, Mode::Exclusive) {
                 Ok(true) => {}
                 Ok(false) => continue,
                 Err(e) if is_stale(&e) => {
@@ -786,7 +784,7 @@ impl FileSet {
             let file = self.files[i].take().expect("opened above");
             match still_linked(&file, &self.paths[i]) {
                 Ok(Some(linked)) => {
-                    let g = guard(file, &self.paths[i], self.mode, Some(linked));
+                    let g = guard(file, &self.paths[i], Mode::Exclusive, Some(linked));
                     return Ok(Some((i, g)));
                 }
                 Ok(None) => {}
@@ -1179,7 +1177,7 @@ mod tests {
         let a = take(&paths[0], Mode::Exclusive);
         let b = take(&paths[1], Mode::Exclusive);
         let waker = Waker::watch(d.path(), Some("changed"));
-        let mut set = FileSet::new(paths.clone(), Mode::Exclusive);
+        let mut set = FileSet::new(paths.clone());
         assert!(set.try_any_where(|_| true).unwrap().is_none());
         assert_eq!(set.held_count(|_| true).unwrap(), 2);
         if waker.watching() {

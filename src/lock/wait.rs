@@ -3,8 +3,7 @@
 //! - A helper thread sleeps in a blocked flock(2) until the lock is free, or [`wake_signal`] (a
 //!   no-op handler: `EINTR`) interrupts it for a deadline or cancellation. Nothing spins.
 //! - If no helper thread can be started (a pids limit), the wait polls instead of failing.
-//! - A termination signal cancels every interruptible wait ([`interrupt_waits`]); cleanup waits
-//!   are uninterruptible and bounded.
+//! - A termination signal cancels every wait ([`interrupt_waits`]).
 
 use std::fs::File;
 use std::io;
@@ -38,8 +37,6 @@ pub struct Wait<'a> {
     pub deadline: Option<Instant>,
     /// Called once if the lock is still not acquired after this long.
     pub notice: Option<Notice<'a>>,
-    /// Ignore [`interrupt_waits`]: for cleanup due even after a termination (undoing a start).
-    pub uninterruptible: bool,
     /// Re-issue blocked requests this often: NFS clients retry a blocked lock with a back-off up to
     /// 30 s (NFSv4), so a freed lock may go unnoticed that long; local filesystems need none.
     pub rearm: Option<Duration>,
@@ -196,8 +193,7 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
     starting_to_wait();
     install_wake_handler();
     let (tx, rx) = mpsc::channel();
-    let registration = (!wait.uninterruptible).then(|| Registration::new(tx.clone()));
-    let _registration = match registration.transpose() {
+    let _registration = match Registration::new(tx.clone()) {
         Ok(r) => r,
         Err(sig) => return Ok(Waited::Interrupted(sig)),
     };
@@ -327,7 +323,7 @@ const POLL_MAX: Duration = Duration::from_millis(50);
 
 /// Waits for any of `files` without helper threads: capped-backoff tries, woken by a cancellation.
 pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
-    let waker = Waker::none();
+    let waker = Waker::default();
     let started = Instant::now();
     let mut notice = wait.notice.take();
     let mut pause = POLL_MIN;
@@ -344,9 +340,7 @@ pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Resu
         }
         let until = wait.deadline.map_or(now + pause, |d| d.min(now + pause));
         pause = (pause * 2).min(POLL_MAX);
-        if wait.uninterruptible {
-            thread::sleep(until.saturating_duration_since(Instant::now()));
-        } else if let Woke::Interrupted(sig) = waker.sleep(Some(until))? {
+        if let Woke::Interrupted(sig) = waker.sleep(Some(until))? {
             return Ok(Waited::Interrupted(sig));
         }
     }
@@ -371,8 +365,9 @@ pub enum Woke {
 /// `IN_CLOSE_WRITE` (`IN_CLOSE_NOWRITE` for a read-only holder such as flock(1)): a waiter watching
 /// the directory before trying the files wakes the moment one may be free. Other hosts' closes go
 /// unseen (NFS): callers poll there too. Without inotify (instance limits) it only sleeps.
+#[derive(Default)]
 pub struct Waker {
-    /// The instance and its watch, removed again on drop.
+    /// The instance and its watch, removed again on drop; none by default (only sleeps).
     inotify: Option<(Inotify, WatchDescriptor)>,
     named: Option<std::ffi::OsString>,
 }
@@ -386,20 +381,12 @@ fn spare_inotify() -> MutexGuard<'static, Vec<Inotify>> {
 }
 
 impl Waker {
-    /// Sleeps only until a time or an interruption.
-    pub fn none() -> Waker {
-        Waker {
-            inotify: None,
-            named: None,
-        }
-    }
-
     /// Watches `dir` for closes and creations; changes to `named`, a file in it, are told apart.
     pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
         let spare = spare_inotify().pop();
         let flags = InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK;
         let Some(ino) = spare.or_else(|| Inotify::init(flags).ok()) else {
-            return Waker::none();
+            return Waker::default();
         };
         let mask = AddWatchFlags::IN_CLOSE_WRITE
             | AddWatchFlags::IN_CLOSE_NOWRITE
@@ -408,7 +395,7 @@ impl Waker {
             | AddWatchFlags::IN_ONLYDIR;
         let Ok(wd) = ino.add_watch(dir, mask) else {
             spare_inotify().push(ino);
-            return Waker::none();
+            return Waker::default();
         };
         let waker = Waker {
             inotify: Some((ino, wd)),
