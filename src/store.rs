@@ -21,9 +21,9 @@ use crate::lock::{self, Mode, Wait, Waited};
 use crate::root::Root;
 
 pub struct Store {
-    conn: Option<rusqlite::Connection>,
-    /// Device and inode of `conn`'s file: a catalog replaced under a running process is reopened.
-    conn_file: Option<(u64, u64)>,
+    /// The catalog's connection, with the device and inode of its file: a catalog replaced under a
+    /// running process is reopened.
+    conn: Option<(rusqlite::Connection, Option<(u64, u64)>)>,
     ctx: Ctx,
 }
 
@@ -41,7 +41,6 @@ impl Store {
     pub fn new(root: Root) -> Store {
         Store {
             conn: None,
-            conn_file: None,
             ctx: Ctx::new(root),
         }
     }
@@ -106,7 +105,7 @@ impl Store {
         };
         let db = self.ctx.root.db();
         self.connection()?;
-        let conn = self.conn.as_ref().expect("opened above");
+        let conn = &self.conn.as_ref().expect("opened above").0;
         let ctx = &self.ctx;
         if in_memory {
             conn.execute_batch("PRAGMA journal_mode = MEMORY; PRAGMA cache_spill = OFF;")?;
@@ -136,14 +135,13 @@ impl Store {
     fn connection(&mut self) -> Result<()> {
         let db = self.ctx.root.db();
         let id = file_id(&db);
-        if self.conn.is_some() && id == self.conn_file {
+        if self.conn.as_ref().is_some_and(|(_, file)| *file == id) {
             // SQLite opens the journal each transaction: anything planted there since is refused.
             return catalog::check_files(&db);
         }
         self.conn = None;
         let conn = self.open_settled()?;
-        self.conn_file = file_id(&db);
-        self.conn = Some(conn);
+        self.conn = Some((conn, file_id(&db)));
         Ok(())
     }
 
@@ -190,7 +188,6 @@ impl Store {
     /// Forgets the open connection (before the file is replaced).
     pub fn close_catalog(&mut self) {
         self.conn = None;
-        self.conn_file = None;
     }
 
     /// Runs `f`; if it fails because the disk is full, empties the reserve (`space.rs`), runs it
