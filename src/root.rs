@@ -845,10 +845,9 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// "image 'alpine:3.17'" for a lock file name, or the name itself if shortened (not decodable).
 pub fn lock_file_label(fname: &str) -> String {
-    let enc = fname.strip_suffix(".lock").unwrap_or(fname);
-    match ImageName::from_encoded(enc) {
-        Ok(n) => format!("image '{n}'"),
-        Err(_) => format!("image lock {fname}"),
+    match Root::image_of_lock_file(fname) {
+        Some(n) => format!("image '{n}'"),
+        None => format!("image lock {fname}"),
     }
 }
 
