@@ -187,17 +187,17 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
             root.dir().display()
         );
     }
-    if dir.starts_with(root.dir()) && *dir != root.default_images_dir() {
+    if *dir == root.default_images_dir() {
+        return Ok(());
+    }
+    if dir.starts_with(root.dir()) {
         bail!(
             "images directory {} is inside the root {}; use the default (omit --images-dir) or a directory outside it",
             dir.display(),
             root.dir().display()
         );
     }
-    if *dir != root.default_images_dir() {
-        refuse_overlap(root.dir(), dir)?;
-    }
-    Ok(())
+    refuse_overlap(root.dir(), dir)
 }
 
 /// Refuses a directory that is no images directory: `/`, one at the top of the filesystem, a home
