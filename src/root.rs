@@ -421,11 +421,9 @@ impl Root {
             None => (root.duplicate()?, rel),
         };
         match parent.mkdir(name, 0o777) {
-            Ok(()) => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("cannot create directory {}", path.display()));
+            made => {
+                return made.with_context(|| format!("cannot create directory {}", path.display()));
             }
         }
         match parent.stat_at(name)? {
