@@ -2,7 +2,7 @@
 //!
 //! - Local filesystems (`LOCAL`) show every lock in this host's lock table.
 //! - NFS, Lustre and BeeGFS keep locks cluster-wide only with the right mount options or client
-//!   configuration ([`lock_reach`]).
+//!   configuration ([`lock_reach_with`]).
 //! - Anything else is treated as shared: locks reach other hosts, the table does not show them.
 
 use std::fs;
@@ -148,14 +148,9 @@ pub enum Reach {
     Unknown { why: String },
 }
 
-/// How far locks on the filesystem of `path` reach, and the mount looked at. Cheap where it
-/// matters: one statfs(2); mountinfo (and a client config file) only on NFS, Lustre and BeeGFS.
-pub fn lock_reach(path: &Path) -> (Reach, Option<Mount>) {
-    let (reach, mount, _) = lock_reach_with(path);
-    (reach, mount)
-}
-
-/// [`lock_reach`], with the filesystem of `path` itself when it exists.
+/// How far locks on the filesystem of `path` reach, the mount looked at, and the filesystem of
+/// `path` itself when it exists. Cheap where it matters: one statfs(2); mountinfo (and a client
+/// config file) only on NFS, Lustre and BeeGFS.
 pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>) {
     let Some((at, fs)) = nearest(path) else {
         return (Reach::ClusterWide, None, None);
@@ -378,7 +373,7 @@ mod tests {
             assert!(local_only_options(&opts(safe)).is_empty(), "{safe}");
         }
         // A local filesystem is never NFS, whatever its options.
-        assert_eq!(lock_reach(Path::new("/")).0, Reach::ClusterWide);
+        assert_eq!(lock_reach_with(Path::new("/")).0, Reach::ClusterWide);
     }
 
     /// Lines as /proc/self/mountinfo shows such mounts.

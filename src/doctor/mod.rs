@@ -297,7 +297,7 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
 
 /// Shared filesystems mounted so that locks stay on each host.
 fn mount_reach(root: &Root, report: &mut Report) {
-    let (reach, mount) = filesystem::lock_reach(root.dir());
+    let (reach, mount, _) = filesystem::lock_reach_with(root.dir());
     match reach {
         filesystem::Reach::NodeLocal { why, advice } => {
             report.locking = false;
