@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
-use crate::catalog::{self, Catalog, CatalogError, Found};
+use crate::catalog::{self, Catalog, CatalogError, Found, NeedsMigration};
 use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::lock::{self, Mode, Wait, Waited};
@@ -33,8 +33,6 @@ const GLOBAL_NOTICE: Duration = Duration::from_secs(2);
 /// The global lock is held for one short transaction, so even `--no-wait` waits for it — up to this
 /// long past the caller's deadline, which still bounds the wait when a holder is stuck.
 const GLOBAL_GRACE: Duration = Duration::from_secs(5);
-
-pub use crate::catalog::NeedsMigration;
 
 impl Store {
     /// A store at `root`. No I/O happens until the first operation.
