@@ -600,7 +600,7 @@ impl Root {
     ///
     /// A symlink that passes is resolved once, here: every later use goes to the checked directory
     /// (and SQLite, which refuses symlinks anywhere in a database path, gets the real one).
-    pub fn check(&mut self) -> Result<Sharing> {
+    pub fn check(&mut self) -> Result<bool> {
         let euid = nix::unistd::geteuid().as_raw();
         let link = match fs::symlink_metadata(&self.dir) {
             Ok(m) => m,
@@ -610,7 +610,7 @@ impl Root {
                 if let Ok(real) = real_path(&self.dir) {
                     self.dir = real;
                 }
-                return Ok(Sharing::Private);
+                return Ok(false);
             }
             Err(e) => {
                 return Err(e)
@@ -651,11 +651,8 @@ impl Root {
         }
         self.check_owner(m.uid(), m.mode(), m.gid())?;
         self.dev = Some(m.dev());
-        Ok(if m.mode() & 0o020 != 0 {
-            Sharing::Group
-        } else {
-            Sharing::Private
-        })
+        // Group-writable: files and directories are made so every member can lock and update them.
+        Ok(m.mode() & 0o020 != 0)
     }
 
     /// [`Root::check`]'s ownership rules for a directory: owner `uid`, `mode`, group `gid`.
@@ -754,14 +751,6 @@ impl Root {
         }
         Ok(())
     }
-}
-
-/// Who a root is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sharing {
-    Private,
-    /// Group-writable: files and directories are made so every member can lock and update them.
-    Group,
 }
 
 /// Whether an error comes of something missing (a file, a directory of the layout).
