@@ -23,9 +23,6 @@ use nix::unistd::{Gid, fchown};
 
 use crate::root::Root;
 
-/// Where the recipe for group stores is documented.
-pub const DOC: &str = crate::error::GROUP_STORE_DOC;
-
 /// The mode bits a group store's directories need: setgid, group rwx.
 const DIR_BITS: u32 = 0o2070;
 /// The mode bits a group store's files need: group read-write.
@@ -254,8 +251,9 @@ pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
 
 fn not_in_group(dir: &Path, gid: u32) -> anyhow::Error {
     anyhow::anyhow!(
-        "cannot give root {} group {gid}: you are not in that group (see {DOC})",
-        dir.display()
+        "cannot give root {} group {gid}: you are not in that group (see {})",
+        dir.display(),
+        crate::error::GROUP_STORE_DOC
     )
 }
 

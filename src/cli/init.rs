@@ -161,7 +161,7 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
             "root {} is shared with group {label}, but not every part: {} (their owners or root can run 'stowage doctor --repair'; {})",
             root.dir().display(),
             crate::sharing::list(&left, 3),
-            crate::sharing::DOC
+            crate::error::GROUP_STORE_DOC
         );
     }
     store.ctx().say(&format!(

@@ -336,7 +336,7 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     let Some((gid, mode)) = sharing::is_group_store(root.dir()) else {
         return;
     };
-    let doc = sharing::DOC;
+    let doc = crate::error::GROUP_STORE_DOC;
     let label = sharing::group_label(gid);
     let wrong = sharing::check(root, gid);
     if wrong.is_empty() {
