@@ -384,10 +384,7 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     }
     // Its root not where it says (the same path as ours, another directory; or gone): that store
     // moved away or is gone for good, and nothing tells which.
-    let there = crate::dir::Dir::anchor_nofollow(Path::new(&theirs.path))
-        .and_then(|d| d.identity())
-        .is_ok_and(|now| crate::dir::same_identity(&theirs.root, &now));
-    let what = if !there || Path::new(&theirs.path) == root.dir() {
+    let what = if theirs.root_there().is_none() || Path::new(&theirs.path) == root.dir() {
         format!(
             "a store that was here; gone for good? 'setfattr -x user.stowage.store {}'",
             dir.display()
