@@ -504,7 +504,7 @@ impl Root {
     /// The store id this root's `img` claim carries, where the claim names this very root.
     pub fn claimed_id(&self) -> Option<String> {
         let here = self.open().ok()?.identity().ok()?;
-        let img = self.open_images_dir(&self.default_images_dir()).ok()?;
+        let img = self.open_sub("img").ok()?;
         let claim = crate::claim::read(&img).ok().flatten()?;
         crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
     }
