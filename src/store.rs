@@ -76,7 +76,7 @@ impl Store {
         deadline: Option<Instant>,
         mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        self.retry_full(|store| store.transaction(Look::Until(deadline), false, &mut f))
+        self.retry_full(|store| store.transaction(|c| take_global(c, deadline), false, &mut f))
     }
 
     /// Like [`Store::with_catalog`], for a look that can do without the catalog (a listing: the
@@ -85,22 +85,22 @@ impl Store {
     /// which the caller says in its one line. On a full filesystem, if even the reserve cannot make
     /// room for the journal, `f` runs in a transaction journalled in memory and rolled back.
     pub fn look_catalog<T>(&mut self, mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>) -> Result<T> {
-        match self.retry_full(|store| store.transaction(Look::Quietly, false, &mut f)) {
-            Err(e) if crate::space::is_full(&e) => self.transaction(Look::Quietly, true, &mut f),
+        match self.retry_full(|store| store.transaction(take_global_quietly, false, &mut f)) {
+            Err(e) if crate::space::is_full(&e) => {
+                self.transaction(take_global_quietly, true, &mut f)
+            }
             other => other,
         }
     }
 
+    /// Runs `f` in one transaction under the global lock, taken by `take`.
     fn transaction<T>(
         &mut self,
-        look: Look,
+        take: impl Fn(&Ctx) -> Result<lock::Guard>,
         in_memory: bool,
         f: &mut impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        let global = match look {
-            Look::Quietly => take_global_quietly(&self.ctx)?,
-            Look::Until(d) => take_global(&self.ctx, d)?,
-        };
+        let global = take(&self.ctx)?;
         let db = self.ctx.root.db();
         self.connection()?;
         let conn = &self.conn.as_ref().expect("opened above").0;
@@ -253,15 +253,6 @@ fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
         ""
     };
     e.context(CatalogError(format!("catalog {}{hint}", db.display())))
-}
-
-/// How long a transaction waits for the global lock.
-#[derive(Clone, Copy)]
-enum Look {
-    /// As the caller's deadline allows (plus the grace; `None`: forever), announced.
-    Until(Option<Instant>),
-    /// The grace only, unannounced: for a look that can do without.
-    Quietly,
 }
 
 /// [`take_global`] for a look that can do without the catalog: waits [`GLOBAL_GRACE`] at most,
