@@ -99,11 +99,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         dir.display(),
         adopted_note(adopted, how)
     ));
-    match group {
-        // Last, once nothing is left to refuse: a refused init changes no mode and no group.
-        Some(gid) => share(store, &images, &dir, gid),
-        None => Ok(0),
-    }
+    // Shared last, once nothing is left to refuse: a refused init changes no mode and no group.
+    group.map_or(Ok(0), |gid| share(store, &images, &dir, gid))
 }
 
 /// Checks the root may be shared with group `name`; makes what init creates from now on
