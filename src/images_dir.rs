@@ -78,7 +78,7 @@ fn made(root: &Root) -> Config {
 /// A configuration for a store that has none: a fresh one, but with the store's id where `ROOT/img`
 /// carries this root's claim (the file was lost; the id lives on there), so the store is not taken
 /// for another one claiming its own directory.
-pub(crate) fn fresh(root: &Root) -> Config {
+fn fresh(root: &Root) -> Config {
     let mut config = Config::fresh();
     if let Some(id) = root.claimed_id() {
         config.id = id;

@@ -479,11 +479,15 @@ impl Root {
         // empty, or another mounted there, is told from the one the records describe; a copy of
         // the whole store, from either.
         let img = self.open_sub("img").ok();
-        let config = crate::config::Config {
+        let mut config = crate::config::Config {
             identity: img.as_ref().and_then(|d| d.identity().ok()),
             root: root.identity().ok(),
-            ..crate::images_dir::fresh(self)
+            ..crate::config::Config::fresh()
         };
+        // The id this root's `img` claim carries, if any (a configuration lost).
+        if let Some(id) = self.claimed_id() {
+            config.id = id;
+        }
         if let Err(e) = crate::config::create(&self.dir, root, &config) {
             return (config, Err(e));
         }
