@@ -74,15 +74,10 @@ impl Claim {
     /// moved — a copy of this very store cannot tell a moved original from a deleted one — and an
     /// error looking (permissions, a stale handle) is no evidence either.
     pub fn binds(&self, path: &Path) -> bool {
-        let root = Path::new(&self.path);
-        let Ok(anchor) = Dir::anchor_nofollow(root) else {
+        let Some(anchor) = self.root_there() else {
             return true;
         };
-        match anchor.identity() {
-            Ok(now) if crate::dir::same_identity(&self.root, &now) => {}
-            _ => return true,
-        }
-        let recorded = crate::config::read(root, &anchor)
+        let recorded = crate::config::read(Path::new(&self.path), &anchor)
             .ok()
             .flatten()
             .and_then(|c| c.identity);
@@ -90,6 +85,13 @@ impl Claim {
             (Some(theirs), Ok(this)) => crate::dir::same_identity(&theirs, &this),
             _ => true,
         }
+    }
+
+    /// The claiming store's root, if the directory at its path is still the one it names.
+    pub fn root_there(&self) -> Option<Dir> {
+        let anchor = Dir::anchor_nofollow(Path::new(&self.path)).ok()?;
+        let now = anchor.identity().ok()?;
+        crate::dir::same_identity(&self.root, &now).then_some(anchor)
     }
 }
 

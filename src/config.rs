@@ -141,18 +141,12 @@ pub fn write(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<(
 }
 
 /// Makes the configuration of a new store, unless one is there already (two first uses at once keep
-/// one identity): linked into place, which fails if the name exists. `Ok(false)`: there was one.
-pub fn create(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<bool> {
-    let mut made = true;
+/// one identity): linked into place, which fails if the name exists.
+pub fn create(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<()> {
     put(root_dir, dir, config, |tmp| match dir.link_to(tmp, FILE) {
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            made = false;
-            dir.unlink(tmp)
-        }
-        Err(e) => Err(e),
-        Ok(()) => dir.unlink(tmp),
-    })?;
-    Ok(made)
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
+        _ => dir.unlink(tmp),
+    })
 }
 
 fn put(

@@ -2,7 +2,7 @@
 //!
 //! - Local filesystems (`LOCAL`) show every lock in this host's lock table.
 //! - NFS, Lustre and BeeGFS keep locks cluster-wide only with the right mount options or client
-//!   configuration ([`lock_reach`]).
+//!   configuration ([`lock_reach_with`]).
 //! - Anything else is treated as shared: locks reach other hosts, the table does not show them.
 
 use std::fs;
@@ -148,22 +148,20 @@ pub enum Reach {
     Unknown { why: String },
 }
 
-/// How far locks on the filesystem of `path` reach, and the mount looked at. Cheap where it
-/// matters: one statfs(2); mountinfo (and a client config file) only on NFS, Lustre and BeeGFS.
-pub fn lock_reach(path: &Path) -> (Reach, Option<Mount>) {
-    let (reach, mount, _) = lock_reach_with(path);
-    (reach, mount)
-}
-
-/// [`lock_reach`], with the filesystem of `path` itself when it exists.
+/// How far locks on the filesystem of `path` reach, the mount looked at, and the filesystem of
+/// `path` itself when it exists. Cheap where it matters: one statfs(2); mountinfo (and a client
+/// config file) only on NFS, Lustre and BeeGFS.
 pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>) {
     let Some((at, fs)) = nearest(path) else {
         return (Reach::ClusterWide, None, None);
     };
     // The mount is looked up (a canonicalized path) only where it matters.
     let mount = is_shared_kind(&fs.name).then(|| mount_of(at)).flatten();
-    let (reach, mount) = reach_with(&fs, mount);
-    (reach, mount, (at == path).then_some(fs))
+    (
+        reach_with(&fs, mount.as_ref()),
+        mount,
+        (at == path).then_some(fs),
+    )
 }
 
 /// The filesystem of `path`, or, for a path not made yet, of its nearest existing ancestor, where
@@ -208,8 +206,8 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
         queries_see_flocks: name == "glusterfs"
             && std::env::var_os(crate::env::DEBUG_MOUNTINFO).is_none(),
     };
-    let (reach, mount) = reach_with(&fs, Some(mount));
-    Some((reach, mount, Some(fs)))
+    let reach = reach_with(&fs, Some(&mount));
+    Some((reach, is_shared_kind(name).then_some(mount), Some(fs)))
 }
 
 /// The first line of the mount table at `path` with device (third field) `want`, read no further.
@@ -233,24 +231,20 @@ fn is_shared_kind(name: &str) -> bool {
 }
 
 /// How far locks reach on `fs`, mounted as `mount` (if it could be read).
-fn reach_with(fs: &Filesystem, mount: Option<Mount>) -> (Reach, Option<Mount>) {
+fn reach_with(fs: &Filesystem, mount: Option<&Mount>) -> Reach {
     if !is_shared_kind(&fs.name) {
-        return (Reach::ClusterWide, None);
+        return Reach::ClusterWide;
     }
     let Some(m) = mount else {
-        return (
-            Reach::Unknown {
-                why: format!("{} mount options could not be read", fs.name),
-            },
-            None,
-        );
+        return Reach::Unknown {
+            why: format!("{} mount options could not be read", fs.name),
+        };
     };
-    let reach = match fs.name.as_str() {
+    match fs.name.as_str() {
         "nfs" => nfs_reach(&m.options),
         "lustre" => lustre_reach(&m.options),
         _ => beegfs_reach(&m.options, |p| fs::read_to_string(p).ok()),
-    };
-    (reach, Some(m))
+    }
 }
 
 /// NFS: `nolock` and `local_lock=flock|posix|all` keep locks on the client. `local_lock=flock`
@@ -379,7 +373,7 @@ mod tests {
             assert!(local_only_options(&opts(safe)).is_empty(), "{safe}");
         }
         // A local filesystem is never NFS, whatever its options.
-        assert_eq!(lock_reach(Path::new("/")).0, Reach::ClusterWide);
+        assert_eq!(lock_reach_with(Path::new("/")).0, Reach::ClusterWide);
     }
 
     /// Lines as /proc/self/mountinfo shows such mounts.

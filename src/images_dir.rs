@@ -257,10 +257,7 @@ fn moved(root: &Root, seen: &Config) -> bool {
             return Ok(());
         };
         if now.images == ImagesDir::Default && now.identity == seen.identity {
-            now.identity = Some(
-                root.open_images_dir(&root.default_images_dir())?
-                    .identity()?,
-            );
+            now.identity = Some(root.open_sub("img")?.identity()?);
             now.root = Some(here);
             crate::config::write(root.dir(), &dir, &now)?;
         }

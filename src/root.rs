@@ -421,11 +421,9 @@ impl Root {
             None => (root.duplicate()?, rel),
         };
         match parent.mkdir(name, 0o777) {
-            Ok(()) => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("cannot create directory {}", path.display()));
+            made => {
+                return made.with_context(|| format!("cannot create directory {}", path.display()));
             }
         }
         match parent.stat_at(name)? {
@@ -510,7 +508,7 @@ impl Root {
     /// The store id this root's `img` claim carries, where the claim names this very root.
     pub fn claimed_id(&self) -> Option<String> {
         let here = self.open().ok()?.identity().ok()?;
-        let img = self.open_images_dir(&self.default_images_dir()).ok()?;
+        let img = self.open_sub("img").ok()?;
         let claim = crate::claim::read(&img).ok().flatten()?;
         crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
     }
@@ -606,7 +604,7 @@ impl Root {
     ///
     /// A symlink that passes is resolved once, here: every later use goes to the checked directory
     /// (and SQLite, which refuses symlinks anywhere in a database path, gets the real one).
-    pub fn check(&mut self) -> Result<Sharing> {
+    pub fn check(&mut self) -> Result<bool> {
         let euid = nix::unistd::geteuid().as_raw();
         let link = match fs::symlink_metadata(&self.dir) {
             Ok(m) => m,
@@ -616,7 +614,7 @@ impl Root {
                 if let Ok(real) = real_path(&self.dir) {
                     self.dir = real;
                 }
-                return Ok(Sharing::Private);
+                return Ok(false);
             }
             Err(e) => {
                 return Err(e)
@@ -657,11 +655,8 @@ impl Root {
         }
         self.check_owner(m.uid(), m.mode(), m.gid())?;
         self.dev = Some(m.dev());
-        Ok(if m.mode() & 0o020 != 0 {
-            Sharing::Group
-        } else {
-            Sharing::Private
-        })
+        // Group-writable: files and directories are made so every member can lock and update them.
+        Ok(m.mode() & 0o020 != 0)
     }
 
     /// [`Root::check`]'s ownership rules for a directory: owner `uid`, `mode`, group `gid`.
@@ -762,14 +757,6 @@ impl Root {
     }
 }
 
-/// Who a root is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sharing {
-    Private,
-    /// Group-writable: files and directories are made so every member can lock and update them.
-    Group,
-}
-
 /// Whether an error comes of something missing (a file, a directory of the layout).
 pub(crate) fn is_missing(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
@@ -849,10 +836,9 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// "image 'alpine:3.17'" for a lock file name, or the name itself if shortened (not decodable).
 pub fn lock_file_label(fname: &str) -> String {
-    let enc = fname.strip_suffix(".lock").unwrap_or(fname);
-    match ImageName::from_encoded(enc) {
-        Ok(n) => format!("image '{n}'"),
-        Err(_) => format!("image lock {fname}"),
+    match Root::image_of_lock_file(fname) {
+        Some(n) => format!("image '{n}'"),
+        None => format!("image lock {fname}"),
     }
 }
 

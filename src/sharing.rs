@@ -23,9 +23,6 @@ use nix::unistd::{Gid, fchown};
 
 use crate::root::Root;
 
-/// Where the recipe for group stores is documented.
-pub const DOC: &str = crate::error::GROUP_STORE_DOC;
-
 /// The mode bits a group store's directories need: setgid, group rwx.
 const DIR_BITS: u32 = 0o2070;
 /// The mode bits a group store's files need: group read-write.
@@ -61,9 +58,9 @@ pub fn is_group_store(dir: &Path) -> Option<(u32, u32)> {
     (m.mode() & 0o020 != 0).then_some((m.gid(), m.mode()))
 }
 
-/// Every part of the layout that exists, relative to the root, with whether it is a directory.
-/// Links are not parts: `doctor`'s layout check reports those.
-pub fn parts(root: &Root) -> Vec<(String, bool)> {
+/// Every part the layout may have, relative to the root, with whether it is a directory. Links are
+/// not parts: `doctor`'s layout check reports those.
+fn parts(root: &Root) -> Vec<(String, bool)> {
     let dirs = std::iter::once("").chain(Root::LAYOUT_DIRS);
     let files = Root::LAYOUT_FILES.into_iter().chain(["stowage.db-journal"]);
     let mut out: Vec<_> = (dirs.map(|d| (d.to_owned(), true)))
@@ -89,9 +86,6 @@ pub fn parts(root: &Root) -> Vec<(String, bool)> {
             out.push((rel, true));
         }
     }
-    out.retain(|(rel, is_dir)| {
-        fs::symlink_metadata(root.dir().join(rel)).is_ok_and(|m| m.is_dir() == *is_dir)
-    });
     out
 }
 
@@ -114,7 +108,10 @@ pub fn check(root: &Root, gid: u32) -> Vec<Wrong> {
     parts(root)
         .into_iter()
         .filter_map(|(rel, dir)| {
-            let m = fs::symlink_metadata(root.dir().join(&rel)).ok()?;
+            // Missing, or not of its kind (a link): no part.
+            let m = fs::symlink_metadata(root.dir().join(&rel))
+                .ok()
+                .filter(|m| m.is_dir() == dir)?;
             let bits = if dir { DIR_BITS } else { FILE_BITS };
             let fine = m.mode() & bits == bits && m.gid() == gid;
             (!fine).then(|| Wrong {
@@ -254,8 +251,9 @@ pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
 
 fn not_in_group(dir: &Path, gid: u32) -> anyhow::Error {
     anyhow::anyhow!(
-        "cannot give root {} group {gid}: you are not in that group (see {DOC})",
-        dir.display()
+        "cannot give root {} group {gid}: you are not in that group (see {})",
+        dir.display(),
+        crate::error::GROUP_STORE_DOC
     )
 }
 

@@ -14,16 +14,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
-use crate::catalog::{self, Catalog, CatalogError, Found};
+use crate::catalog::{self, Catalog, CatalogError, Found, NeedsMigration};
 use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
 use crate::lock::{self, Mode, Wait, Waited};
 use crate::root::Root;
 
 pub struct Store {
-    conn: Option<rusqlite::Connection>,
-    /// Device and inode of `conn`'s file: a catalog replaced under a running process is reopened.
-    conn_file: Option<(u64, u64)>,
+    /// The catalog's connection, with the device and inode of its file: a catalog replaced under a
+    /// running process is reopened.
+    conn: Option<(rusqlite::Connection, Option<(u64, u64)>)>,
     ctx: Ctx,
 }
 
@@ -34,14 +34,11 @@ const GLOBAL_NOTICE: Duration = Duration::from_secs(2);
 /// long past the caller's deadline, which still bounds the wait when a holder is stuck.
 const GLOBAL_GRACE: Duration = Duration::from_secs(5);
 
-pub use crate::catalog::NeedsMigration;
-
 impl Store {
     /// A store at `root`. No I/O happens until the first operation.
     pub fn new(root: Root) -> Store {
         Store {
             conn: None,
-            conn_file: None,
             ctx: Ctx::new(root),
         }
     }
@@ -79,7 +76,7 @@ impl Store {
         deadline: Option<Instant>,
         mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        self.retry_full(|store| store.transaction(Look::Until(deadline), false, &mut f))
+        self.retry_full(|store| store.transaction(|c| take_global(c, deadline), false, &mut f))
     }
 
     /// Like [`Store::with_catalog`], for a look that can do without the catalog (a listing: the
@@ -88,25 +85,25 @@ impl Store {
     /// which the caller says in its one line. On a full filesystem, if even the reserve cannot make
     /// room for the journal, `f` runs in a transaction journalled in memory and rolled back.
     pub fn look_catalog<T>(&mut self, mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>) -> Result<T> {
-        match self.retry_full(|store| store.transaction(Look::Quietly, false, &mut f)) {
-            Err(e) if crate::space::is_full(&e) => self.transaction(Look::Quietly, true, &mut f),
+        match self.retry_full(|store| store.transaction(take_global_quietly, false, &mut f)) {
+            Err(e) if crate::space::is_full(&e) => {
+                self.transaction(take_global_quietly, true, &mut f)
+            }
             other => other,
         }
     }
 
+    /// Runs `f` in one transaction under the global lock, taken by `take`.
     fn transaction<T>(
         &mut self,
-        look: Look,
+        take: impl Fn(&Ctx) -> Result<lock::Guard>,
         in_memory: bool,
         f: &mut impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
-        let global = match look {
-            Look::Quietly => take_global_quietly(&self.ctx)?,
-            Look::Until(d) => take_global(&self.ctx, d)?,
-        };
+        let global = take(&self.ctx)?;
         let db = self.ctx.root.db();
         self.connection()?;
-        let conn = self.conn.as_ref().expect("opened above");
+        let conn = &self.conn.as_ref().expect("opened above").0;
         let ctx = &self.ctx;
         if in_memory {
             conn.execute_batch("PRAGMA journal_mode = MEMORY; PRAGMA cache_spill = OFF;")?;
@@ -136,14 +133,13 @@ impl Store {
     fn connection(&mut self) -> Result<()> {
         let db = self.ctx.root.db();
         let id = file_id(&db);
-        if self.conn.is_some() && id == self.conn_file {
+        if self.conn.as_ref().is_some_and(|(_, file)| *file == id) {
             // SQLite opens the journal each transaction: anything planted there since is refused.
             return catalog::check_files(&db);
         }
         self.conn = None;
         let conn = self.open_settled()?;
-        self.conn_file = file_id(&db);
-        self.conn = Some(conn);
+        self.conn = Some((conn, file_id(&db)));
         Ok(())
     }
 
@@ -190,7 +186,6 @@ impl Store {
     /// Forgets the open connection (before the file is replaced).
     pub fn close_catalog(&mut self) {
         self.conn = None;
-        self.conn_file = None;
     }
 
     /// Runs `f`; if it fails because the disk is full, empties the reserve (`space.rs`), runs it
@@ -258,15 +253,6 @@ fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
         ""
     };
     e.context(CatalogError(format!("catalog {}{hint}", db.display())))
-}
-
-/// How long a transaction waits for the global lock.
-#[derive(Clone, Copy)]
-enum Look {
-    /// As the caller's deadline allows (plus the grace; `None`: forever), announced.
-    Until(Option<Instant>),
-    /// The grace only, unannounced: for a look that can do without.
-    Quietly,
 }
 
 /// [`take_global`] for a look that can do without the catalog: waits [`GLOBAL_GRACE`] at most,

@@ -347,12 +347,11 @@ fn hint_and_pass(
     let path = root.image_locks().join(file);
     let label = crate::root::lock_file_label(file);
     let err = |e| lock::error(&label, &path, e);
-    match lock::open_existing(&path) {
-        Ok(Some(f)) => {
+    match lock::open_existing(&path).map_err(err)? {
+        Some(f) => {
             let _ = image_record::set_store_wide(&f, true);
         }
-        Ok(None) => return Ok(()),
-        Err(e) => return Err(err(e)),
+        None => return Ok(()),
     }
     let guard = match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail) {
         Ok(Some(g)) => g,

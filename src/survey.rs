@@ -77,7 +77,7 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
     let mut catalog = true;
     let rows = match refresh(store, &images) {
         Ok(rows) => rows,
-        Err(e) if e.downcast_ref::<crate::store::NeedsMigration>().is_some() => {
+        Err(e) if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() => {
             crate::migrate::run(store, None)?;
             return survey(store, measure);
         }

@@ -99,11 +99,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         dir.display(),
         adopted_note(adopted, how)
     ));
-    match group {
-        // Last, once nothing is left to refuse: a refused init changes no mode and no group.
-        Some(gid) => share(store, &images, &dir, gid),
-        None => Ok(0),
-    }
+    // Shared last, once nothing is left to refuse: a refused init changes no mode and no group.
+    group.map_or(Ok(0), |gid| share(store, &images, &dir, gid))
 }
 
 /// Checks the root may be shared with group `name`; makes what init creates from now on
@@ -161,7 +158,7 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
             "root {} is shared with group {label}, but not every part: {} (their owners or root can run 'stowage doctor --repair'; {})",
             root.dir().display(),
             crate::sharing::list(&left, 3),
-            crate::sharing::DOC
+            crate::error::GROUP_STORE_DOC
         );
     }
     store.ctx().say(&format!(
@@ -187,17 +184,17 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
             root.dir().display()
         );
     }
-    if dir.starts_with(root.dir()) && *dir != root.default_images_dir() {
+    if *dir == root.default_images_dir() {
+        return Ok(());
+    }
+    if dir.starts_with(root.dir()) {
         bail!(
             "images directory {} is inside the root {}; use the default (omit --images-dir) or a directory outside it",
             dir.display(),
             root.dir().display()
         );
     }
-    if *dir != root.default_images_dir() {
-        refuse_overlap(root.dir(), dir)?;
-    }
-    Ok(())
+    refuse_overlap(root.dir(), dir)
 }
 
 /// Refuses a directory that is no images directory: `/`, one at the top of the filesystem, a home
@@ -384,10 +381,7 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     }
     // Its root not where it says (the same path as ours, another directory; or gone): that store
     // moved away or is gone for good, and nothing tells which.
-    let there = crate::dir::Dir::anchor_nofollow(Path::new(&theirs.path))
-        .and_then(|d| d.identity())
-        .is_ok_and(|now| crate::dir::same_identity(&theirs.root, &now));
-    let what = if !there || Path::new(&theirs.path) == root.dir() {
+    let what = if theirs.root_there().is_none() || Path::new(&theirs.path) == root.dir() {
         format!(
             "a store that was here; gone for good? 'setfattr -x user.stowage.store {}'",
             dir.display()

@@ -12,7 +12,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use crate::error::{self, Error};
 use crate::exec::lossy;
 use crate::name::ImageName;
-use crate::root::{Root, Sharing};
+use crate::root::Root;
 use crate::store::Store;
 
 /// `eprintln!` that never panics: with stderr gone (a closed pipe), an exec must still exit with
@@ -203,7 +203,7 @@ fn run(cli: Cli) -> Result<u8> {
     // What we create in a group's store must be usable by the group (lock
     // files opened read-write, the database written; directories inherit
     // the group from a setgid root). The command gets the umask back.
-    ctx.child_umask = (sharing == Sharing::Group).then(crate::sharing::open_umask);
+    ctx.child_umask = sharing.then(crate::sharing::open_umask);
     match cli.command {
         Command::Init(args) => init::run(args, &mut store),
         Command::Exec(args) => exec::run(args, &mut store),

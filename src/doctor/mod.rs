@@ -297,7 +297,7 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
 
 /// Shared filesystems mounted so that locks stay on each host.
 fn mount_reach(root: &Root, report: &mut Report) {
-    let (reach, mount) = filesystem::lock_reach(root.dir());
+    let (reach, mount, _) = filesystem::lock_reach_with(root.dir());
     match reach {
         filesystem::Reach::NodeLocal { why, advice } => {
             report.locking = false;
@@ -336,7 +336,7 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     let Some((gid, mode)) = sharing::is_group_store(root.dir()) else {
         return;
     };
-    let doc = sharing::DOC;
+    let doc = crate::error::GROUP_STORE_DOC;
     let label = sharing::group_label(gid);
     let wrong = sharing::check(root, gid);
     if wrong.is_empty() {
