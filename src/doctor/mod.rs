@@ -423,7 +423,7 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
             );
             return Ok((Verdict::Problem, detail));
         }
-        Err(e) => Found::Replaced(db.clone(), format!("{e:#}")),
+        Err(e) => Found::Replaced(format!("{e:#}")),
     };
     Ok(match found {
         Found::Legacy(v) if repair => {
@@ -437,11 +437,11 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
             );
             (Verdict::Problem, detail)
         }
-        Found::Replaced(_, why) if !repair => {
+        Found::Replaced(why) if !repair => {
             let detail = format!("{shown} cannot be used ({why}); {DERIVED}");
             (Verdict::Problem, detail)
         }
-        Found::Replaced(_, why) => {
+        Found::Replaced(why) => {
             store.with_catalog(None, |_, _| Ok(()))?;
             let detail = format!(
                 "{shown} could not be used ({why}): set aside and made anew from the records"
