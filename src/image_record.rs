@@ -354,11 +354,6 @@ impl Seen {
             gone: false,
         }
     }
-
-    /// The next sequence number a write of this file uses.
-    pub fn next_seq(&self) -> u64 {
-        self.record.as_ref().map_or(1, |r| r.seq + 1)
-    }
 }
 
 /// [`write()`], using the space kept in `reserve` (`space.rs`) when the filesystem is full: a
@@ -414,7 +409,7 @@ pub fn read(file: &std::fs::File) -> io::Result<Seen> {
 /// lock. `seen` is updated to say what the file says now.
 pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Result<()> {
     let mut record = record.clone();
-    record.seq = seen.next_seq();
+    record.seq = seen.record.as_ref().map_or(1, |r| r.seq + 1);
     let bytes = record.encode().ok_or_else(|| {
         let name = &record.name;
         let why = format!("the record of image '{name}' does not fit its lock file");
