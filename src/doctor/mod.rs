@@ -906,11 +906,10 @@ fn done(repair: bool, what: &str) -> &str {
     if repair { what } else { "found" }
 }
 
-/// "'a', 'b' and 3 more"
+/// "'a', 'b' and 3 more"; every caller has a name at least.
 fn list(names: impl IntoIterator<Item = impl std::fmt::Display>) -> String {
     let names: Vec<String> = names.into_iter().map(|n| format!("'{n}'")).collect();
     match names.len() {
-        0 => "no image".into(),
         n if n > 5 => format!("{} and {} more", names[..5].join(", "), n - 5),
         _ => names.join(", "),
     }
