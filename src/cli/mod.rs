@@ -250,8 +250,8 @@ fn one_line(err: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    // One line, and nothing in it that drives the terminal (a name may hold an escape sequence).
-    crate::ident::printable(&line.replace('\n', " ")).into_owned()
+    // One line; `complain!` escapes what else could drive the terminal.
+    line.replace('\n', " ")
 }
 
 /// Help and version go to stdout, exit 0; anything else is a usage error, exit 64, in one line with

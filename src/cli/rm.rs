@@ -74,7 +74,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // The images are gone; space that could not be freed is a failure.
     let mut code = 0;
     for why in removed.iter().filter_map(|r| r.left_in_trash.as_deref()) {
-        complain!("stowage: {}", crate::ident::printable(why));
+        complain!("stowage: {why}");
         code = crate::error::code::FAILURE;
     }
     Ok(code)
