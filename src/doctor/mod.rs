@@ -871,11 +871,8 @@ fn config_temps(root: &Root, repair: bool, report: &mut Report) -> Result<()> {
     let prefix = format!(".{}.", crate::config::FILE);
     let now = clock::now_ms() / 1000;
     let mut left = Vec::new();
-    for name in dir.names()? {
-        let Some(n) = name.to_str().filter(|n| n.starts_with(&prefix)) else {
-            continue;
-        };
-        let Ok(c) = std::ffi::CString::new(n) else {
+    for c in dir.entries()? {
+        let Some(n) = c.to_str().ok().filter(|n| n.starts_with(&prefix)) else {
             continue;
         };
         if dir
