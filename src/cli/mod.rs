@@ -148,13 +148,11 @@ fn advice(err: &anyhow::Error) -> String {
         .find_map(|c| c.downcast_ref::<std::io::Error>()?.raw_os_error());
     match errno {
         Some(libc::EMFILE) => {
-            // SAFETY: all-zero bytes are a valid value of this plain C struct.
-            let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
-            // SAFETY: a valid out-pointer.
-            let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0;
-            let limit =
-                known.then(|| format!(" of {} (hard limit {})", lim.rlim_cur, lim.rlim_max));
-            let limit = limit.unwrap_or_default();
+            use nix::sys::resource::{Resource, getrlimit};
+            let limit = getrlimit(Resource::RLIMIT_NOFILE).map_or_else(
+                |_| String::new(),
+                |(soft, hard)| format!(" of {soft} (hard limit {hard})"),
+            );
             format!(
                 " — this process reached its limit{limit} on open files: raise it with 'ulimit -n' and try again"
             )
