@@ -445,11 +445,8 @@ fn usage_error(e: &clap::Error, page: Option<&str>) -> String {
         .or_else(|| context(e, ContextKind::SuggestedSubcommand))
         .map_or_else(String::new, |s| format!("; did you mean '{s}'?"));
     // An unknown subcommand of a subcommand (`slots foo`) is on that subcommand's page.
-    let help = page.map_or_else(
-        || "stowage --help".into(),
-        |p| format!("stowage {p} --help"),
-    );
-    format!("{what}{hint} (see '{help}')")
+    let page = page.map_or_else(String::new, |p| format!(" {p}"));
+    format!("{what}{hint} (see 'stowage{page} --help')")
 }
 
 /// exec's usage, for the mistakes made with it (one line, as every error).
