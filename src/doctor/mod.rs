@@ -708,7 +708,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         };
         let there = images.stat_at(n.encoded())?.is_some();
         if !there && r.state_seen(e.writer_alive) == State::Ready {
-            gone.push((n, e));
+            gone.push(n);
         }
     }
     if !foreign.is_empty() {
@@ -763,12 +763,12 @@ fn orphan_trees(
 }
 
 /// Ready records whose trees are gone (deleted by hand): the image is gone.
-fn missing_trees(ctx: &Ctx, gone: &[(ImageName, &Entry)], repair: bool, report: &mut Report) {
+fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Report) {
     if gone.is_empty() {
         return;
     }
     if !repair {
-        let names = list(gone.iter().map(|(n, _)| n));
+        let names = list(gone);
         let detail = match gone.len() {
             1 => format!("{names} has a record but no tree; 'stowage doctor --repair' drops it"),
             _ => format!(
@@ -780,12 +780,8 @@ fn missing_trees(ctx: &Ctx, gone: &[(ImageName, &Entry)], repair: bool, report: 
     }
     let root = &ctx.root;
     let (mut dropped, mut busy) = (Vec::new(), Vec::new());
-    for (n, e) in gone {
-        // Under the lock of the file the record was read from (the census's own).
-        let Some(Ok(file_name)) = e.name().map(ImageName::parse) else {
-            continue;
-        };
-        let h = match crate::gc::take_to_repair(ctx, &file_name) {
+    for n in gone {
+        let h = match crate::gc::take_to_repair(ctx, n) {
             Taken::Held(h) => h,
             Taken::Busy | Taken::Underway => {
                 busy.push(n.as_str());
