@@ -635,14 +635,7 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
 }
 
 /// Whether the images directory is claimed for this store (`claim.rs`); `repair` claims it.
-fn claim(
-    root: &Root,
-    config: &Config,
-    images: &Dir,
-    dir: &Path,
-    repair: bool,
-    report: &mut Report,
-) {
+fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut Report) {
     let claim = crate::claim::read(images).ok().flatten();
     let mine = crate::images_dir::my_claim(root, config).ok();
     // Another's claim is reported where the trees are judged; a claim of this root's `img` under
@@ -650,6 +643,7 @@ fn claim(
     if claim.is_some() && (claim == mine || !repair) {
         return;
     }
+    let dir = config.images.path_in(root.dir());
     let shown = dir.display();
     if !repair {
         report.info("claim", format!("{shown} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)"));
@@ -674,7 +668,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         return Ok(());
     }
     let images = root.open_or_make_images_dir(&dir)?;
-    claim(&root, &config, &images, &dir, repair, report);
+    claim(&root, &config, &images, repair, report);
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-records-read");
     let ready = entries.iter().any(|e| e.state() == Some(State::Ready));
