@@ -77,8 +77,8 @@ pub enum Found {
     New,
     /// The metadata of a release before records: `migrate.rs` converts it.
     Legacy(i64),
-    /// Set aside as `PathBuf` and made anew (damaged, foreign).
-    Replaced(PathBuf, String),
+    /// To be set aside and made anew (damaged, foreign), for the reason given.
+    Replaced(String),
 }
 
 /// The catalog, open under the global lock.
@@ -293,10 +293,9 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     } else {
         return Ok(found);
     };
-    Ok(Found::Replaced(
-        PathBuf::new(),
-        format!("schema version {v} of a release before image records, {why}"),
-    ))
+    Ok(Found::Replaced(format!(
+        "schema version {v} of a release before image records, {why}"
+    )))
 }
 
 /// Whether an older release's catalog is `root`'s ([`inspect_in`]): that release stated its
@@ -353,17 +352,16 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
         1..=10 if has("images") && has("records") && has("config") && legacy_columns(conn)? => {
             Found::Legacy(version)
         }
-        v if v > SCHEMA => Found::Replaced(
-            PathBuf::new(),
-            format!("schema version {v}, newer than this stowage knows ({SCHEMA})"),
-        ),
+        v if v > SCHEMA => Found::Replaced(format!(
+            "schema version {v}, newer than this stowage knows ({SCHEMA})"
+        )),
         _ => {
             let listed = match tables.is_empty() {
                 true => "none".into(),
                 false => tables.join(", "),
             };
             let why = format!("not a stowage catalog (schema version {version}, tables: {listed})");
-            Found::Replaced(PathBuf::new(), why)
+            Found::Replaced(why)
         }
     })
 }

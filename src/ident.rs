@@ -109,14 +109,16 @@ fn boot_id() -> Option<String> {
 }
 
 /// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None when the process is gone
-/// or a zombie (a zombie holds no locks).
-pub fn start_time(pid: u32) -> Option<u64> {
-    start_in(&stat_fields(pid)?)
-}
-
-/// This process's start time ([`start_time`]), whatever pid namespace the mounted /proc is of.
-pub fn own_start_time() -> Option<u64> {
-    start_in(&stat_fields("self")?)
+/// or a zombie (a zombie holds no locks). `"self"` is this process, whatever pid namespace the
+/// mounted /proc is of.
+pub fn start_time(pid: impl std::fmt::Display) -> Option<u64> {
+    let rest = stat_fields(pid)?;
+    let mut fields = rest.split_whitespace();
+    if matches!(fields.next()?, "Z" | "X") {
+        return None;
+    }
+    // `rest` starts at field 3 (state); field 22 is 19 further on.
+    fields.nth(18)?.parse().ok()
 }
 
 /// `/proc/PID/stat` from field 3 (the state) on; None when the process is gone. The command name
@@ -125,16 +127,6 @@ pub fn own_start_time() -> Option<u64> {
 pub fn stat_fields(pid: impl std::fmt::Display) -> Option<String> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     Some(stat[stat.rfind(')')? + 1..].to_owned())
-}
-
-fn start_in(rest: &str) -> Option<u64> {
-    let mut fields = rest.split_whitespace();
-    let state = fields.next()?;
-    if state == "Z" || state == "X" {
-        return None;
-    }
-    // `rest` starts at field 3 (state); field 22 is 19 further on.
-    fields.nth(18)?.parse().ok()
 }
 
 /// The entries of `dir` named by a number (processes in /proc, descriptors in /proc/PID/fd), each
@@ -291,6 +283,7 @@ mod tests {
     #[test]
     fn own_start_time_is_readable() {
         assert!(start_time(std::process::id()).is_some());
+        assert!(start_time("self").is_some());
     }
 
     #[test]

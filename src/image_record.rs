@@ -14,9 +14,10 @@
 //! - Unlinking marks first (`lock::mark_gone`), so a valid record, or a file without the mark, read
 //!   under a lock proves the file is the one at its path.
 
+use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::clock::Millis;
@@ -101,7 +102,7 @@ pub enum ImagesDir {
 
 impl ImagesDir {
     /// The directory as this process reaches it, for the root at `root_dir` (as it names the root).
-    pub fn path_in(&self, root_dir: &std::path::Path) -> PathBuf {
+    pub fn path_in(&self, root_dir: &Path) -> PathBuf {
         match self {
             ImagesDir::Default => root_dir.join("img"),
             ImagesDir::External(p) => p.clone(),
@@ -289,12 +290,7 @@ impl Seen {
     /// proves nothing if it has another name (`fstat`, answered from what its open fetched): a hard
     /// link there (to a file outside the root, or another store's lock file: `cp -al`) gets the
     /// stat check, which refuses it. A reader writes nothing through it.
-    pub fn proves_linked(
-        &self,
-        file: &std::fs::File,
-        path: &std::path::Path,
-        writes: bool,
-    ) -> bool {
+    pub fn proves_linked(&self, file: &File, path: &Path, writes: bool) -> bool {
         let one_name = || {
             crate::planted::type_and_links(file)
                 .is_ok_and(|(mode, links)| mode & libc::S_IFMT == libc::S_IFREG && links == 1)
@@ -354,21 +350,16 @@ impl Seen {
             gone: false,
         }
     }
-
-    /// The next sequence number a write of this file uses.
-    pub fn next_seq(&self) -> u64 {
-        self.record.as_ref().map_or(1, |r| r.seq + 1)
-    }
 }
 
 /// [`write()`], using the space kept in `reserve` (`space.rs`) when the filesystem is full: a
 /// record saying a build failed, or an image is being removed, must be written when a build filled
 /// the disk (on a copy-on-write filesystem even an overwrite needs new blocks).
 pub fn write_reserved(
-    file: &std::fs::File,
+    file: &File,
     seen: &mut Seen,
     record: &Record,
-    reserve: &std::path::Path,
+    reserve: &Path,
 ) -> io::Result<()> {
     match write(file, seen, record) {
         Err(e) if crate::space::is_full_io(&e) && crate::space::release(reserve) => {
@@ -381,13 +372,13 @@ pub fn write_reserved(
 }
 
 /// Reads what the lock file of the image `name` says (see [`Seen::of`]).
-pub fn read_of(file: &std::fs::File, name: &str) -> io::Result<Seen> {
+pub fn read_of(file: &File, name: &str) -> io::Result<Seen> {
     Ok(read(file)?.of(|n| n == name))
 }
 
 /// [`read_of`] under an exclusive lock just taken from `path`, and whether it proves the file still
 /// at its path ([`Seen::proves_linked`]); a failed read proves nothing and reads as no image.
-pub fn read_proving(file: &std::fs::File, path: &std::path::Path, name: &str) -> (Seen, bool) {
+pub fn read_proving(file: &File, path: &Path, name: &str) -> (Seen, bool) {
     read_of(file, name).map_or((Seen::default(), false), |seen| {
         let proven = seen.proves_linked(file, path, true);
         (seen, proven)
@@ -395,7 +386,7 @@ pub fn read_proving(file: &std::fs::File, path: &std::path::Path, name: &str) ->
 }
 
 /// Reads what the lock file behind `file` says.
-pub fn read(file: &std::fs::File) -> io::Result<Seen> {
+pub fn read(file: &File) -> io::Result<Seen> {
     let mut buf = vec![0u8; AREA];
     let mut got = 0;
     while got < buf.len() {
@@ -412,9 +403,9 @@ pub fn read(file: &std::fs::File) -> io::Result<Seen> {
 
 /// Writes `record` (its `seq` set from `seen`) and syncs it: call only holding the file's exclusive
 /// lock. `seen` is updated to say what the file says now.
-pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Result<()> {
+pub fn write(file: &File, seen: &mut Seen, record: &Record) -> io::Result<()> {
     let mut record = record.clone();
-    record.seq = seen.next_seq();
+    record.seq = seen.record.as_ref().map_or(1, |r| r.seq + 1);
     let bytes = record.encode().ok_or_else(|| {
         let name = &record.name;
         let why = format!("the record of image '{name}' does not fit its lock file");
@@ -445,18 +436,18 @@ pub fn write(file: &std::fs::File, seen: &mut Seen, record: &Record) -> io::Resu
 
 /// Empties the file (both slots and the hints): the image has no record. Call only holding the
 /// exclusive lock; every unlink of a lock file does this first (see the module doc).
-pub fn clear(file: &std::fs::File) -> io::Result<()> {
+pub fn clear(file: &File) -> io::Result<()> {
     file.set_len(0)?;
     file.sync_data()
 }
 
 /// Sets or clears the writer-waits hint (no lock needed: it is a hint).
-pub fn set_writer_waits(file: &std::fs::File, on: bool) -> io::Result<()> {
+pub fn set_writer_waits(file: &File, on: bool) -> io::Result<()> {
     file.write_all_at(&[if on { b'W' } else { b'-' }], WRITER_WAITS_AT)
 }
 
 /// Sets or clears the store-wide hint.
-pub fn set_store_wide(file: &std::fs::File, on: bool) -> io::Result<()> {
+pub fn set_store_wide(file: &File, on: bool) -> io::Result<()> {
     file.write_all_at(&[if on { b'S' } else { b'-' }], STORE_WIDE_AT)?;
     // A holder excludes image users through it: synced, so caching clients on other hosts see it.
     if on {
@@ -466,13 +457,13 @@ pub fn set_store_wide(file: &std::fs::File, on: bool) -> io::Result<()> {
 }
 
 /// Records a use of the image at `now`.
-pub fn set_last_use(file: &std::fs::File, now: Millis) -> io::Result<()> {
+pub fn set_last_use(file: &File, now: Millis) -> io::Result<()> {
     file.write_all_at(format!("{now:016x}").as_bytes(), LAST_USE_AT)
 }
 
 /// Records a use at `now`, unless the recorded one (`seen`) is later: a process whose clock is
 /// behind never makes an image look older.
-pub fn record_use(file: &std::fs::File, seen: &Seen, now: Millis) -> io::Result<()> {
+pub fn record_use(file: &File, seen: &Seen, now: Millis) -> io::Result<()> {
     match seen.last_use.max(seen.record.as_ref().map(|r| r.changed)) {
         Some(used) if used >= now => Ok(()),
         _ => set_last_use(file, now),
@@ -548,7 +539,7 @@ mod tests {
         }
     }
 
-    fn file() -> std::fs::File {
+    fn file() -> File {
         tempfile::tempfile().unwrap()
     }
 

@@ -451,7 +451,7 @@ fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::Fil
         me.pid,
         namespace("pid").unwrap_or_default(),
         namespace("time").unwrap_or_default(),
-        crate::ident::own_start_time().map_or(String::new(), |t| t.to_string()),
+        crate::ident::start_time("self").map_or(String::new(), |t| t.to_string()),
         me.boot_id.as_deref().unwrap_or(""),
         me.user,
         crate::ident::shell_join(

@@ -267,20 +267,19 @@ fn derive(name: &str, old: &Old, token: Option<String>, tree: bool) -> Option<Re
     let (state, outcome, base) = match (row, marked, token.as_deref()) {
         // A writer's record is the truth while its marker stands.
         (_, true, Some("ready")) => (State::Ready, "exit 0", None),
-        (_, true, Some(_)) | (_, true, None) if row.is_some() || token.is_some() => {
+        (_, true, _) if row.is_some() || token.is_some() => {
             (State::Incomplete, "its writer failed or died", None)
         }
-        (Some(r), _, _) => match r.state.as_str() {
-            "ready" => (State::Ready, "exit 0", r.base.clone()),
-            "deleting" => (State::Deleting, "removal interrupted", r.base.clone()),
-            "incomplete" => (
-                State::Incomplete,
-                "its writer failed or died",
-                r.base.clone(),
-            ),
-            // Its lock is free (we hold it): the writer died.
-            _ => (State::Incomplete, "its writer died", r.base.clone()),
-        },
+        (Some(r), _, _) => {
+            let (state, outcome) = match r.state.as_str() {
+                "ready" => (State::Ready, "exit 0"),
+                "deleting" => (State::Deleting, "removal interrupted"),
+                "incomplete" => (State::Incomplete, "its writer failed or died"),
+                // Its lock is free (we hold it): the writer died.
+                _ => (State::Incomplete, "its writer died"),
+            };
+            (state, outcome, r.base.clone())
+        }
         // A ready token whose row was lost: it was ready.
         (None, false, Some("ready")) if tree => (State::Ready, "exit 0", None),
         (None, _, _) if tree => (State::Incomplete, crate::image_record::ADOPTED, None),

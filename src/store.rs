@@ -151,7 +151,7 @@ impl Store {
         let root = &self.ctx.root;
         let found = match catalog::inspect_in(&conn, root) {
             Ok(f) => f,
-            Err(e) if catalog::is_damage(&e) => Found::Replaced(db.clone(), format!("{e:#}")),
+            Err(e) if catalog::is_damage(&e) => Found::Replaced(format!("{e:#}")),
             Err(e) => return Err(catalog_error(&db, e)),
         };
         let new = matches!(found, Found::New);
@@ -162,7 +162,7 @@ impl Store {
             }
             Found::Legacy(_) => return Err(NeedsMigration.into()),
             Found::New => conn,
-            Found::Replaced(_, why) => {
+            Found::Replaced(why) => {
                 drop(conn);
                 let aside = set_aside(&self.ctx.root, "damaged")?;
                 self.ctx.say(&format!(

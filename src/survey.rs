@@ -74,9 +74,8 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
             })
         })
         .collect();
-    let mut catalog = true;
     let rows = match refresh(store, &images) {
-        Ok(rows) => rows,
+        Ok(rows) => Some(rows),
         Err(e) if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() => {
             crate::migrate::run(store, None)?;
             return survey(store, measure);
@@ -90,15 +89,14 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
             } else {
                 store.ctx().say(&line);
             }
-            catalog = false;
-            Default::default()
+            None
         }
     };
     for img in images.iter_mut() {
         // Last use is the lock file's and the record's: a row's is only a copy of theirs (or,
         // in a catalog put in place of ours, another store's). A damaged record's stand-in is
         // the same in every store and is never measured: no row's size is for it.
-        if let Some(row) = rows.get(img.name())
+        if let Some(row) = rows.as_ref().and_then(|rows| rows.get(img.name()))
             && img.entry.seen.record.is_some()
         {
             img.size = row.size_for(&img.record);
@@ -110,7 +108,7 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
         crate::debug::pause("sizes-measured");
         // Kept only if the catalog could be had just now: a second wait for a global lock held by a
         // stuck process would undo the first.
-        if catalog && !measured.is_empty() {
+        if rows.is_some() && !measured.is_empty() {
             let _ = store.with_catalog(None, |cat, _| {
                 measured
                     .iter()

@@ -33,7 +33,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     store.require_root()?;
     let report = gc::run(store, &policy)?;
     for why in &report.failed {
-        complain!("stowage: {}", crate::ident::printable(why));
+        complain!("stowage: {why}");
     }
     // Everything else was done; a removal that failed is an error.
     let code = if report.failed.is_empty() {

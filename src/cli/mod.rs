@@ -148,13 +148,11 @@ fn advice(err: &anyhow::Error) -> String {
         .find_map(|c| c.downcast_ref::<std::io::Error>()?.raw_os_error());
     match errno {
         Some(libc::EMFILE) => {
-            // SAFETY: all-zero bytes are a valid value of this plain C struct.
-            let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
-            // SAFETY: a valid out-pointer.
-            let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0;
-            let limit =
-                known.then(|| format!(" of {} (hard limit {})", lim.rlim_cur, lim.rlim_max));
-            let limit = limit.unwrap_or_default();
+            use nix::sys::resource::{Resource, getrlimit};
+            let limit = getrlimit(Resource::RLIMIT_NOFILE).map_or_else(
+                |_| String::new(),
+                |(soft, hard)| format!(" of {soft} (hard limit {hard})"),
+            );
             format!(
                 " — this process reached its limit{limit} on open files: raise it with 'ulimit -n' and try again"
             )
@@ -250,8 +248,8 @@ fn one_line(err: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    // One line, and nothing in it that drives the terminal (a name may hold an escape sequence).
-    crate::ident::printable(&line.replace('\n', " ")).into_owned()
+    // One line; `complain!` escapes what else could drive the terminal.
+    line.replace('\n', " ")
 }
 
 /// Help and version go to stdout, exit 0; anything else is a usage error, exit 64, in one line with
@@ -447,11 +445,8 @@ fn usage_error(e: &clap::Error, page: Option<&str>) -> String {
         .or_else(|| context(e, ContextKind::SuggestedSubcommand))
         .map_or_else(String::new, |s| format!("; did you mean '{s}'?"));
     // An unknown subcommand of a subcommand (`slots foo`) is on that subcommand's page.
-    let help = page.map_or_else(
-        || "stowage --help".into(),
-        |p| format!("stowage {p} --help"),
-    );
-    format!("{what}{hint} (see '{help}')")
+    let page = page.map_or_else(String::new, |p| format!(" {p}"));
+    format!("{what}{hint} (see 'stowage{page} --help')")
 }
 
 /// exec's usage, for the mistakes made with it (one line, as every error).

@@ -74,7 +74,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // The images are gone; space that could not be freed is a failure.
     let mut code = 0;
     for why in removed.iter().filter_map(|r| r.left_in_trash.as_deref()) {
-        complain!("stowage: {}", crate::ident::printable(why));
+        complain!("stowage: {why}");
         code = crate::error::code::FAILURE;
     }
     Ok(code)
@@ -113,9 +113,9 @@ fn take_all(
         };
         let rel = crate::root::Root::image_lock_rel(name);
         listed.push(Holding::now(Mode::Exclusive, rel, false, command));
-        let missing = h.seen.record.is_none() && !h.seen.damaged;
+        let missing = (h.seen.record.is_none() && !h.seen.damaged) || h.seen.legacy;
         held.push(h);
-        if missing || held.last().is_some_and(|h| h.seen.legacy) {
+        if missing {
             crate::remove::release_unclaimed(store.root(), held, &[]);
             return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into());
         }

@@ -423,7 +423,7 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
             );
             return Ok((Verdict::Problem, detail));
         }
-        Err(e) => Found::Replaced(db.clone(), format!("{e:#}")),
+        Err(e) => Found::Replaced(format!("{e:#}")),
     };
     Ok(match found {
         Found::Legacy(v) if repair => {
@@ -437,11 +437,11 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
             );
             (Verdict::Problem, detail)
         }
-        Found::Replaced(_, why) if !repair => {
+        Found::Replaced(why) if !repair => {
             let detail = format!("{shown} cannot be used ({why}); {DERIVED}");
             (Verdict::Problem, detail)
         }
-        Found::Replaced(_, why) => {
+        Found::Replaced(why) => {
             store.with_catalog(None, |_, _| Ok(()))?;
             let detail = format!(
                 "{shown} could not be used ({why}): set aside and made anew from the records"
@@ -635,14 +635,7 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
 }
 
 /// Whether the images directory is claimed for this store (`claim.rs`); `repair` claims it.
-fn claim(
-    root: &Root,
-    config: &Config,
-    images: &Dir,
-    dir: &Path,
-    repair: bool,
-    report: &mut Report,
-) {
+fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut Report) {
     let claim = crate::claim::read(images).ok().flatten();
     let mine = crate::images_dir::my_claim(root, config).ok();
     // Another's claim is reported where the trees are judged; a claim of this root's `img` under
@@ -650,6 +643,7 @@ fn claim(
     if claim.is_some() && (claim == mine || !repair) {
         return;
     }
+    let dir = config.images.path_in(root.dir());
     let shown = dir.display();
     if !repair {
         report.info("claim", format!("{shown} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)"));
@@ -674,7 +668,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         return Ok(());
     }
     let images = root.open_or_make_images_dir(&dir)?;
-    claim(&root, &config, &images, &dir, repair, report);
+    claim(&root, &config, &images, repair, report);
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-records-read");
     let ready = entries.iter().any(|e| e.state() == Some(State::Ready));
@@ -708,7 +702,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         };
         let there = images.stat_at(n.encoded())?.is_some();
         if !there && r.state_seen(e.writer_alive) == State::Ready {
-            gone.push((n, e));
+            gone.push(n);
         }
     }
     if !foreign.is_empty() {
@@ -763,12 +757,12 @@ fn orphan_trees(
 }
 
 /// Ready records whose trees are gone (deleted by hand): the image is gone.
-fn missing_trees(ctx: &Ctx, gone: &[(ImageName, &Entry)], repair: bool, report: &mut Report) {
+fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Report) {
     if gone.is_empty() {
         return;
     }
     if !repair {
-        let names = list(gone.iter().map(|(n, _)| n));
+        let names = list(gone);
         let detail = match gone.len() {
             1 => format!("{names} has a record but no tree; 'stowage doctor --repair' drops it"),
             _ => format!(
@@ -780,12 +774,8 @@ fn missing_trees(ctx: &Ctx, gone: &[(ImageName, &Entry)], repair: bool, report: 
     }
     let root = &ctx.root;
     let (mut dropped, mut busy) = (Vec::new(), Vec::new());
-    for (n, e) in gone {
-        // Under the lock of the file the record was read from (the census's own).
-        let Some(Ok(file_name)) = e.name().map(ImageName::parse) else {
-            continue;
-        };
-        let h = match crate::gc::take_to_repair(ctx, &file_name) {
+    for n in gone {
+        let h = match crate::gc::take_to_repair(ctx, n) {
             Taken::Held(h) => h,
             Taken::Busy | Taken::Underway => {
                 busy.push(n.as_str());
@@ -871,11 +861,8 @@ fn config_temps(root: &Root, repair: bool, report: &mut Report) -> Result<()> {
     let prefix = format!(".{}.", crate::config::FILE);
     let now = clock::now_ms() / 1000;
     let mut left = Vec::new();
-    for name in dir.names()? {
-        let Some(n) = name.to_str().filter(|n| n.starts_with(&prefix)) else {
-            continue;
-        };
-        let Ok(c) = std::ffi::CString::new(n) else {
+    for c in dir.entries()? {
+        let Some(n) = c.to_str().ok().filter(|n| n.starts_with(&prefix)) else {
             continue;
         };
         if dir
@@ -906,11 +893,10 @@ fn done(repair: bool, what: &str) -> &str {
     if repair { what } else { "found" }
 }
 
-/// "'a', 'b' and 3 more"
+/// "'a', 'b' and 3 more"; every caller has a name at least.
 fn list(names: impl IntoIterator<Item = impl std::fmt::Display>) -> String {
     let names: Vec<String> = names.into_iter().map(|n| format!("'{n}'")).collect();
     match names.len() {
-        0 => "no image".into(),
         n if n > 5 => format!("{} and {} more", names[..5].join(", "), n - 5),
         _ => names.join(", "),
     }
