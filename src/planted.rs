@@ -25,7 +25,7 @@ use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 
-use crate::error::{cstr, cvt};
+use crate::error::cstr;
 
 /// How every file under the root is opened, whatever else is asked.
 pub const FLAGS: libc::c_int =
@@ -301,22 +301,8 @@ pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
 /// still valid. Only these two are asked: a FUSE client that read the file since has marked its
 /// access time stale, and a full `fstat` would ask the filesystem's daemon again.
 pub fn type_and_links(file: &File) -> io::Result<(u32, u64)> {
-    // SAFETY: all-zero bytes are a valid value of this plain C struct.
-    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-    // The system call, not libc's wrapper, which a static build may leave unresolved (dir.rs).
-    // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_statx,
-            file.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            libc::STATX_TYPE | libc::STATX_NLINK,
-            &mut stx as *mut libc::statx,
-        )
-    };
-    match cvt(r) {
-        Ok(_) => Ok((u32::from(stx.stx_mode), u64::from(stx.stx_nlink))),
+    match crate::dir::statx(file, libc::STATX_TYPE | libc::STATX_NLINK) {
+        Ok(stx) => Ok((u32::from(stx.stx_mode), u64::from(stx.stx_nlink))),
         // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
             file.metadata().map(|m| (m.mode(), m.nlink()))
