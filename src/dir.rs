@@ -225,19 +225,6 @@ impl Dir {
         (stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
     }
 
-    /// The filesystem type (statfs magic) this directory is on.
-    pub fn fs_magic(&self) -> io::Result<u64> {
-        Ok(nix::sys::statfs::fstatfs(&self.fd)?.filesystem_type().0 as u64)
-    }
-
-    /// The filesystem's id (`f_fsid`), 0 where the filesystem gives none (NFS). Local filesystems
-    /// derive it from their UUID or device, so two filesystems of one type tell apart by it where
-    /// their root inodes do not (every ext4's root is inode 2).
-    pub fn fs_id(&self) -> io::Result<u64> {
-        #[allow(clippy::unnecessary_cast)]
-        Ok(nix::sys::statvfs::fstatvfs(&self.fd)?.filesystem_id() as u64)
-    }
-
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
     pub fn is_mount_root(&self) -> io::Result<bool> {
         let up = self.sub("..")?;
@@ -426,11 +413,17 @@ impl Dir {
     /// `INO@FSTYPE[@FSID]`: the directory's inode number, its filesystem's type (statfs magic, hex)
     /// and, where it has one, its id. Not the device number: NFS numbers devices anew at each
     /// mount. An unmounted directory (the mount point below) differs in inode or type; another
-    /// filesystem of the same type mounted there, in its id.
+    /// filesystem of the same type mounted there, in its id. The id is `f_fsid`, 0 where the
+    /// filesystem gives none (NFS): local filesystems derive it from their UUID or device, so two
+    /// filesystems of one type tell apart by it where their root inodes do not (every ext4's root
+    /// is inode 2).
     pub fn identity(&self) -> io::Result<String> {
         let st = self.stat()?;
-        let id = format!("{}@{:x}", st.ino, self.fs_magic()?);
-        Ok(match self.fs_id()? {
+        let magic = nix::sys::statfs::fstatfs(&self.fd)?.filesystem_type().0 as u64;
+        let id = format!("{}@{magic:x}", st.ino);
+        #[allow(clippy::unnecessary_cast)]
+        let fsid = nix::sys::statvfs::fstatvfs(&self.fd)?.filesystem_id() as u64;
+        Ok(match fsid {
             0 => id,
             fsid => format!("{id}@{fsid:x}"),
         })
