@@ -208,8 +208,8 @@ fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
         );
     }
     let was = st.st_mode & 0o7777;
-    // SAFETY: fchmod on a descriptor we own; no memory is passed.
-    cvt(unsafe { libc::fchmod(top.as_raw_fd(), 0o700) })
+    fchmod(top, Mode::from_bits_retain(0o700))
+        .map_err(io::Error::from)
         .with_context(|| format!("cannot make {} private while copying", dst.display()))?;
     if !top.entries().is_ok_and(|n| n.is_empty()) {
         let _ = fchmod(top, Mode::from_bits_retain(was));
