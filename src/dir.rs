@@ -724,30 +724,21 @@ pub fn explain_refusal(
     e: io::Error,
     suspects: &[(&Dir, Option<&OsStr>, libc::c_int, &str)],
 ) -> io::Error {
-    let said = |why: String| io::Error::new(e.kind(), format!("{e}: {why}"));
-    match e.raw_os_error() {
-        Some(libc::EACCES) => {
-            for (dir, name, access, shown) in suspects {
-                if let Some(owner) = dir.refuser(*name, *access) {
-                    return said(format!(
-                        "{shown} is uid {owner}'s, and only that user or root can empty or move it"
-                    ));
-                }
+    for (dir, name, access, shown) in suspects {
+        let why = match e.raw_os_error() {
+            Some(libc::EACCES) => dir.refuser(*name, *access).map(|owner| {
+                format!("{shown} is uid {owner}'s, and only that user or root can empty or move it")
+            }),
+            Some(libc::EPERM) if name.is_none() && *access == DELETE_IN => {
+                dir.sticky_owner().map(|owner| {
+                    format!("{shown} is sticky and uid {owner}'s: only an entry's owner, that user or root may delete in it")
+                })
             }
+            _ => None,
+        };
+        if let Some(why) = why {
+            return io::Error::new(e.kind(), format!("{e}: {why}"));
         }
-        Some(libc::EPERM) => {
-            for (dir, name, access, shown) in suspects {
-                if name.is_none()
-                    && *access == DELETE_IN
-                    && let Some(owner) = dir.sticky_owner()
-                {
-                    return said(format!(
-                        "{shown} is sticky and uid {owner}'s: only an entry's owner, that user or root may delete in it"
-                    ));
-                }
-            }
-        }
-        _ => {}
     }
     e
 }
