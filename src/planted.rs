@@ -122,9 +122,8 @@ fn kind_refused(path: &Path, e: &io::Error) -> Option<&'static str> {
 /// The first directory on the way to `path` that is not one (a symlink, a file, a FIFO …), for an
 /// open that failed with `ELOOP` or `ENOTDIR` on the way: the component to name.
 fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
-    let mut ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
-    ancestors.reverse();
-    ancestors.into_iter().find_map(|dir| {
+    let ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
+    ancestors.into_iter().rev().find_map(|dir| {
         let m = std::fs::symlink_metadata(dir).ok()?;
         (m.mode() & libc::S_IFMT != libc::S_IFDIR).then(|| {
             (
@@ -142,7 +141,7 @@ pub fn refused(path: &Path, e: io::Error) -> io::Error {
     if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR))
         && let Some((dir, kind)) = on_the_way(path)
     {
-        return not_a(&dir, kind, "a directory");
+        return not_a_dir(&dir, kind);
     }
     kind_refused(path, &e).map_or(e, |kind| not_a_file(path, kind))
 }
@@ -265,8 +264,7 @@ pub fn denied(path: &Path) -> Option<String> {
     let wx = nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK;
     nix::unistd::access(path.parent()?, wx).ok()?;
     let m = std::fs::symlink_metadata(path).ok()?;
-    // SAFETY: geteuid cannot fail.
-    let fix = if m.uid() == unsafe { libc::geteuid() } {
+    let fix = if m.uid() == nix::unistd::geteuid().as_raw() {
         "'stowage doctor --repair' gives it back its mode".to_owned()
     } else if m.mode() & 0o020 == 0 && crate::ident::in_group(m.gid()) {
         // A group store's file: group-writable again, never world-writable.
