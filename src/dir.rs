@@ -89,7 +89,7 @@ pub fn fstat(fd: impl AsFd) -> io::Result<libc::stat> {
 
 /// `statx` of what `fd` is open on, asking for the fields `mask`. The system call itself, not
 /// libc's wrapper: in a static build a weak declaration of the symbol can win and leave the call
-/// jumping to address 0 (clone.rs, copy_range).
+/// jumping to address 0 (clone.rs, copy_in_kernel).
 pub(crate) fn statx(fd: impl AsFd, mask: u32) -> io::Result<libc::statx> {
     // SAFETY: all-zero bytes are a valid value of this plain C struct.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
