@@ -286,8 +286,7 @@ impl Dir {
                 let name = &buf[at + 19..at + reclen];
                 let name = &name[..name.iter().position(|b| *b == 0).unwrap_or(name.len())];
                 if name != b"." && name != b".." {
-                    let mut ino = [0u8; 8];
-                    ino.copy_from_slice(&buf[at..at + 8]);
+                    let ino = buf[at..at + 8].try_into().expect("reclen >= 20");
                     out.push(DirEntry {
                         name: OsStr::from_bytes(name).to_owned(),
                         ino: u64::from_ne_bytes(ino),
