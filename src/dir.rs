@@ -87,26 +87,6 @@ pub fn fstat(fd: impl AsFd) -> io::Result<libc::stat> {
     Ok(nix::sys::stat::fstat(fd)?)
 }
 
-/// `statx` of what `fd` is open on, asking for the fields `mask`. The system call itself, not
-/// libc's wrapper: in a static build a weak declaration of the symbol can win and leave the call
-/// jumping to address 0 (clone.rs, copy_in_kernel).
-pub(crate) fn statx(fd: impl AsFd, mask: u32) -> io::Result<libc::statx> {
-    // SAFETY: all-zero bytes are a valid value of this plain C struct.
-    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_statx,
-            fd.as_fd().as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            mask,
-            &mut stx as *mut libc::statx,
-        )
-    };
-    cvt(r).map(|_| stx)
-}
-
 /// `chmod` of what the `O_PATH` descriptor `fd` is: fchmod refuses one, and
 /// its /proc name is that very inode, whatever happens to its name since.
 pub(crate) fn chmod_o_path(fd: std::os::fd::RawFd, mode: libc::mode_t) -> io::Result<()> {
@@ -221,7 +201,7 @@ impl Dir {
     /// The id of the mount this directory is on, where the kernel says (Linux 5.8+). Unlike the
     /// device number it tells a bind mount of the same filesystem apart.
     fn mount_id(&self) -> Option<u64> {
-        let stx = statx(self, libc::STATX_MNT_ID).ok()?;
+        let stx = crate::planted::statx(self, libc::STATX_MNT_ID).ok()?;
         (stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
     }
 

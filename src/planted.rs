@@ -17,7 +17,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -25,7 +25,7 @@ use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 
-use crate::error::cstr;
+use crate::error::{cstr, cvt};
 
 /// How every file under the root is opened, whatever else is asked.
 pub const FLAGS: libc::c_int =
@@ -299,7 +299,7 @@ pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
 /// still valid. Only these two are asked: a FUSE client that read the file since has marked its
 /// access time stale, and a full `fstat` would ask the filesystem's daemon again.
 pub fn type_and_links(file: &File) -> io::Result<(u32, u64)> {
-    match crate::dir::statx(file, libc::STATX_TYPE | libc::STATX_NLINK) {
+    match statx(file, libc::STATX_TYPE | libc::STATX_NLINK) {
         Ok(stx) => Ok((u32::from(stx.stx_mode), u64::from(stx.stx_nlink))),
         // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
@@ -307,6 +307,26 @@ pub fn type_and_links(file: &File) -> io::Result<(u32, u64)> {
         }
         Err(e) => Err(e),
     }
+}
+
+/// `statx` of what `fd` is open on, asking for the fields `mask`. The system call itself, not
+/// libc's wrapper: in a static build a weak declaration of the symbol can win and leave the call
+/// jumping to address 0 (clone.rs, copy_in_kernel).
+pub(crate) fn statx(fd: impl AsFd, mask: u32) -> io::Result<libc::statx> {
+    // SAFETY: all-zero bytes are a valid value of this plain C struct.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_statx,
+            fd.as_fd().as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            mask,
+            &mut stx as *mut libc::statx,
+        )
+    };
+    cvt(r).map(|_| stx)
 }
 
 /// [`check_written`] for what an `fstat` already said.
