@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, CString, OsStr};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -31,7 +31,7 @@ use nix::sys::stat::{fchmod, fchmodat, futimens, utimensat};
 use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid, Whence, fchown, fchownat, linkat, lseek};
 
-use crate::error::cvt;
+use crate::error::{cvt, retrying};
 use crate::tree::{self, Dir, Trail};
 
 /// What a copy did.
@@ -208,8 +208,8 @@ fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
         );
     }
     let was = st.st_mode & 0o7777;
-    // SAFETY: fchmod on a descriptor we own; no memory is passed.
-    cvt(unsafe { libc::fchmod(top.as_raw_fd(), 0o700) })
+    fchmod(top, Mode::from_bits_retain(0o700))
+        .map_err(io::Error::from)
         .with_context(|| format!("cannot make {} private while copying", dst.display()))?;
     if !top.entries().is_ok_and(|n| n.is_empty()) {
         let _ = fchmod(top, Mode::from_bits_retain(was));
@@ -493,85 +493,67 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
     Ok(false)
 }
 
-/// Copies `len` bytes at `off` from `s` to the same offset of `d`: in the kernel, else by a buffer.
+/// Copies `len` bytes at `off` from `src` to the same offset of `dst`: in the kernel, else by a
+/// buffer.
 fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
-    use std::os::unix::fs::FileExt as _;
-    let (s, d) = (src.as_raw_fd(), dst.as_raw_fd());
-    let (mut off_in, mut off_out) = (off as libc::loff_t, off as libc::loff_t);
-    let end = off + len;
-    let mut kernel = true;
-    let mut buf = Vec::new();
-    while (off_in as u64) < end {
-        let want = (end - off_in as u64).min(1 << 30) as usize;
-        if kernel {
-            match copy_in_kernel(s, &mut off_in, d, &mut off_out, want)? {
-                InKernel::GoOn => {}
-                InKernel::End => return Ok(()),
-                InKernel::Unsupported => {
-                    kernel = false;
-                    buf.resize(1 << 20, 0);
-                }
-            }
-            continue;
+    let (end, mut pos) = (off + len, off);
+    while pos < end {
+        let want = (end - pos).min(1 << 30) as usize;
+        match copy_in_kernel(src, dst, pos, want)? {
+            // The source ended before the range did (it shrank under us).
+            Some(0) => return Ok(()),
+            Some(n) => pos += n as u64,
+            None => return copy_by_buffer(src, dst, pos, end),
         }
-        let chunk = want.min(buf.len());
-        let n = match src.read_at(&mut buf[..chunk], off_in as u64) {
+    }
+    Ok(())
+}
+
+/// The rest of a [`copy_range`] the kernel cannot copy for these files, from `pos` to `end`.
+fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    let mut buf = vec![0u8; 1 << 20];
+    while pos < end {
+        let chunk = (end - pos).min(buf.len() as u64) as usize;
+        let n = match src.read_at(&mut buf[..chunk], pos) {
             Ok(0) => return Ok(()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        dst.write_all_at(&buf[..n], off_out as u64)?;
-        off_in += n as libc::loff_t;
-        off_out += n as libc::loff_t;
+        dst.write_all_at(&buf[..n], pos)?;
+        pos += n as u64;
     }
     Ok(())
 }
 
-/// What one copy_file_range(2) call came to.
-enum InKernel {
-    /// Bytes were copied (the offsets moved on), or the call was interrupted: call again.
-    GoOn,
-    /// The source ended before the range did (it shrank under us).
-    End,
-    /// These files cannot be copied in the kernel: use a buffer.
-    Unsupported,
-}
-
-fn copy_in_kernel(
-    s: RawFd,
-    off_in: &mut libc::loff_t,
-    d: RawFd,
-    off_out: &mut libc::loff_t,
-    want: usize,
-) -> io::Result<InKernel> {
+/// One copy_file_range(2) of up to `want` bytes at `pos` of both files (again if interrupted): the
+/// bytes copied, or `None` if these files cannot be copied in the kernel.
+fn copy_in_kernel(src: &File, dst: &File, pos: u64, want: usize) -> io::Result<Option<usize>> {
+    let (mut off_in, mut off_out) = (pos as libc::loff_t, pos as libc::loff_t);
     // The system call itself, not libc's wrapper: the standard library declares that symbol weak,
     // and in a static build whose link-time optimisation merges the declarations a weak one can
     // win, leaving the call to jump to address 0.
     // SAFETY: valid descriptors and offset pointers, as the system call documents them.
-    let n = unsafe {
+    let copied = retrying(|| unsafe {
         libc::syscall(
             libc::SYS_copy_file_range,
-            s,
-            off_in as *mut libc::loff_t,
-            d,
-            off_out as *mut libc::loff_t,
+            src.as_raw_fd(),
+            &mut off_in as *mut libc::loff_t,
+            dst.as_raw_fd(),
+            &mut off_out as *mut libc::loff_t,
             want,
             0u32,
         )
-    };
-    if n > 0 {
-        return Ok(InKernel::GoOn);
-    }
-    if n == 0 {
-        return Ok(InKernel::End);
-    }
-    match io::Error::last_os_error().raw_os_error() {
-        Some(libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | libc::EPERM) => {
-            Ok(InKernel::Unsupported)
-        }
-        Some(libc::EINTR) => Ok(InKernel::GoOn),
-        _ => Err(io::Error::last_os_error()),
+    });
+    match copied {
+        Ok(n) => Ok(Some(n as usize)),
+        Err(e) => match e.raw_os_error() {
+            Some(libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | libc::EPERM) => {
+                Ok(None)
+            }
+            _ => Err(e),
+        },
     }
 }
 

@@ -201,36 +201,8 @@ impl Dir {
     /// The id of the mount this directory is on, where the kernel says (Linux 5.8+). Unlike the
     /// device number it tells a bind mount of the same filesystem apart.
     fn mount_id(&self) -> Option<u64> {
-        // SAFETY: all-zero bytes are a valid value of this plain C struct.
-        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-        let empty = c"";
-        // The system call itself, not libc's wrapper: in a static build a weak declaration of the
-        // symbol can win and leave the call jumping to address 0 (clone.rs, copy_range).
-        // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_statx,
-                self.fd.as_raw_fd(),
-                empty.as_ptr(),
-                libc::AT_EMPTY_PATH,
-                libc::STATX_MNT_ID,
-                &mut stx as *mut libc::statx,
-            )
-        };
-        (r == 0 && stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
-    }
-
-    /// The filesystem type (statfs magic) this directory is on.
-    pub fn fs_magic(&self) -> io::Result<u64> {
-        Ok(nix::sys::statfs::fstatfs(&self.fd)?.filesystem_type().0 as u64)
-    }
-
-    /// The filesystem's id (`f_fsid`), 0 where the filesystem gives none (NFS). Local filesystems
-    /// derive it from their UUID or device, so two filesystems of one type tell apart by it where
-    /// their root inodes do not (every ext4's root is inode 2).
-    pub fn fs_id(&self) -> io::Result<u64> {
-        #[allow(clippy::unnecessary_cast)]
-        Ok(nix::sys::statvfs::fstatvfs(&self.fd)?.filesystem_id() as u64)
+        let stx = crate::planted::statx(self, libc::STATX_MNT_ID).ok()?;
+        (stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
     }
 
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
@@ -294,8 +266,7 @@ impl Dir {
                 let name = &buf[at + 19..at + reclen];
                 let name = &name[..name.iter().position(|b| *b == 0).unwrap_or(name.len())];
                 if name != b"." && name != b".." {
-                    let mut ino = [0u8; 8];
-                    ino.copy_from_slice(&buf[at..at + 8]);
+                    let ino = buf[at..at + 8].try_into().expect("reclen >= 20");
                     out.push(DirEntry {
                         name: OsStr::from_bytes(name).to_owned(),
                         ino: u64::from_ne_bytes(ino),
@@ -421,11 +392,17 @@ impl Dir {
     /// `INO@FSTYPE[@FSID]`: the directory's inode number, its filesystem's type (statfs magic, hex)
     /// and, where it has one, its id. Not the device number: NFS numbers devices anew at each
     /// mount. An unmounted directory (the mount point below) differs in inode or type; another
-    /// filesystem of the same type mounted there, in its id.
+    /// filesystem of the same type mounted there, in its id. The id is `f_fsid`, 0 where the
+    /// filesystem gives none (NFS): local filesystems derive it from their UUID or device, so two
+    /// filesystems of one type tell apart by it where their root inodes do not (every ext4's root
+    /// is inode 2).
     pub fn identity(&self) -> io::Result<String> {
         let st = self.stat()?;
-        let id = format!("{}@{:x}", st.ino, self.fs_magic()?);
-        Ok(match self.fs_id()? {
+        let magic = nix::sys::statfs::fstatfs(&self.fd)?.filesystem_type().0 as u64;
+        let id = format!("{}@{magic:x}", st.ino);
+        #[allow(clippy::unnecessary_cast)]
+        let fsid = nix::sys::statvfs::fstatvfs(&self.fd)?.filesystem_id() as u64;
+        Ok(match fsid {
             0 => id,
             fsid => format!("{id}@{fsid:x}"),
         })
@@ -726,30 +703,21 @@ pub fn explain_refusal(
     e: io::Error,
     suspects: &[(&Dir, Option<&OsStr>, libc::c_int, &str)],
 ) -> io::Error {
-    let said = |why: String| io::Error::new(e.kind(), format!("{e}: {why}"));
-    match e.raw_os_error() {
-        Some(libc::EACCES) => {
-            for (dir, name, access, shown) in suspects {
-                if let Some(owner) = dir.refuser(*name, *access) {
-                    return said(format!(
-                        "{shown} is uid {owner}'s, and only that user or root can empty or move it"
-                    ));
-                }
+    for (dir, name, access, shown) in suspects {
+        let why = match e.raw_os_error() {
+            Some(libc::EACCES) => dir.refuser(*name, *access).map(|owner| {
+                format!("{shown} is uid {owner}'s, and only that user or root can empty or move it")
+            }),
+            Some(libc::EPERM) if name.is_none() && *access == DELETE_IN => {
+                dir.sticky_owner().map(|owner| {
+                    format!("{shown} is sticky and uid {owner}'s: only an entry's owner, that user or root may delete in it")
+                })
             }
+            _ => None,
+        };
+        if let Some(why) = why {
+            return io::Error::new(e.kind(), format!("{e}: {why}"));
         }
-        Some(libc::EPERM) => {
-            for (dir, name, access, shown) in suspects {
-                if name.is_none()
-                    && *access == DELETE_IN
-                    && let Some(owner) = dir.sticky_owner()
-                {
-                    return said(format!(
-                        "{shown} is sticky and uid {owner}'s: only an entry's owner, that user or root may delete in it"
-                    ));
-                }
-            }
-        }
-        _ => {}
     }
     e
 }

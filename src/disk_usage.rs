@@ -200,11 +200,7 @@ fn fiemap_shared(fd: RawFd, ranges: &mut Vec<(u64, u64)>) -> u64 {
         extents: [FiemapExtent::default(); EXTENTS_PER_CALL],
     });
     let mut shared = 0u64;
-    let mut start = 0u64;
     loop {
-        map.start = start;
-        map.length = u64::MAX - start;
-        map.mapped_extents = 0;
         // SAFETY: `map` is a fiemap header followed by room for extent_count extents, as required.
         if unsafe { libc::ioctl(fd, FS_IOC_FIEMAP as _, &mut *map as *mut Fiemap) } != 0 {
             return shared;
@@ -227,7 +223,9 @@ fn fiemap_shared(fd: RawFd, ranges: &mut Vec<(u64, u64)>) -> u64 {
         if last || n < EXTENTS_PER_CALL {
             return shared;
         }
-        start = e.logical.saturating_add(e.length);
+        map.start = e.logical.saturating_add(e.length);
+        map.length = u64::MAX - map.start;
+        map.mapped_extents = 0;
     }
 }
 

@@ -17,7 +17,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -122,9 +122,8 @@ fn kind_refused(path: &Path, e: &io::Error) -> Option<&'static str> {
 /// The first directory on the way to `path` that is not one (a symlink, a file, a FIFO …), for an
 /// open that failed with `ELOOP` or `ENOTDIR` on the way: the component to name.
 fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
-    let mut ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
-    ancestors.reverse();
-    ancestors.into_iter().find_map(|dir| {
+    let ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
+    ancestors.into_iter().rev().find_map(|dir| {
         let m = std::fs::symlink_metadata(dir).ok()?;
         (m.mode() & libc::S_IFMT != libc::S_IFDIR).then(|| {
             (
@@ -142,7 +141,7 @@ pub fn refused(path: &Path, e: io::Error) -> io::Error {
     if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR))
         && let Some((dir, kind)) = on_the_way(path)
     {
-        return not_a(&dir, kind, "a directory");
+        return not_a_dir(&dir, kind);
     }
     kind_refused(path, &e).map_or(e, |kind| not_a_file(path, kind))
 }
@@ -265,8 +264,7 @@ pub fn denied(path: &Path) -> Option<String> {
     let wx = nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK;
     nix::unistd::access(path.parent()?, wx).ok()?;
     let m = std::fs::symlink_metadata(path).ok()?;
-    // SAFETY: geteuid cannot fail.
-    let fix = if m.uid() == unsafe { libc::geteuid() } {
+    let fix = if m.uid() == nix::unistd::geteuid().as_raw() {
         "'stowage doctor --repair' gives it back its mode".to_owned()
     } else if m.mode() & 0o020 == 0 && crate::ident::in_group(m.gid()) {
         // A group store's file: group-writable again, never world-writable.
@@ -301,28 +299,34 @@ pub fn check_written(path: &Path, file: &File) -> io::Result<()> {
 /// still valid. Only these two are asked: a FUSE client that read the file since has marked its
 /// access time stale, and a full `fstat` would ask the filesystem's daemon again.
 pub fn type_and_links(file: &File) -> io::Result<(u32, u64)> {
-    // SAFETY: all-zero bytes are a valid value of this plain C struct.
-    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-    // The system call, not libc's wrapper, which a static build may leave unresolved (dir.rs).
-    // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_statx,
-            file.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            libc::STATX_TYPE | libc::STATX_NLINK,
-            &mut stx as *mut libc::statx,
-        )
-    };
-    match cvt(r) {
-        Ok(_) => Ok((u32::from(stx.stx_mode), u64::from(stx.stx_nlink))),
+    match statx(file, libc::STATX_TYPE | libc::STATX_NLINK) {
+        Ok(stx) => Ok((u32::from(stx.stx_mode), u64::from(stx.stx_nlink))),
         // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
             file.metadata().map(|m| (m.mode(), m.nlink()))
         }
         Err(e) => Err(e),
     }
+}
+
+/// `statx` of what `fd` is open on, asking for the fields `mask`. The system call itself, not
+/// libc's wrapper: in a static build a weak declaration of the symbol can win and leave the call
+/// jumping to address 0 (clone.rs, copy_in_kernel).
+pub(crate) fn statx(fd: impl AsFd, mask: u32) -> io::Result<libc::statx> {
+    // SAFETY: all-zero bytes are a valid value of this plain C struct.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: valid descriptor, empty C string with AT_EMPTY_PATH, a zeroed statx out-pointer.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_statx,
+            fd.as_fd().as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            mask,
+            &mut stx as *mut libc::statx,
+        )
+    };
+    cvt(r).map(|_| stx)
 }
 
 /// [`check_written`] for what an `fstat` already said.
