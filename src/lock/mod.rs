@@ -114,9 +114,10 @@ impl Guard {
 
     /// Replaces the lock file's contents (a note for others, such as who holds the probe lock)
     /// through the locked descriptor, never the path, where a symlink may have been planted since.
+    /// Written before the old tail is cut, so a reader never finds the note empty.
     pub fn set_contents(&self, bytes: &[u8]) -> io::Result<()> {
-        self.file.set_len(0)?;
         self.file.write_all_at(bytes, 0)?;
+        self.file.set_len(bytes.len() as u64)?;
         // On NFS a write reaches the server (and other hosts) on a sync or close; we stay open.
         sync_written(&self.file)
     }

@@ -153,7 +153,9 @@ fn a_hold_probe_on_another_host_is_seen_by_doctor() {
     // A probe on this host is told apart from one elsewhere.
     let here = env.spawn(["doctor", "--hold-probe", "60"]);
     wait_until("the probe is held here", || {
-        fs::read_to_string(&file).is_ok_and(|t| !t.starts_with("probe-host")) && !flock_free(&file)
+        // The whole note, not the moment its holder begins to write it.
+        fs::read_to_string(&file).is_ok_and(|t| t.ends_with('\n') && !t.starts_with("probe-host"))
+            && !flock_free(&file)
     });
     let out = env.run(["doctor"]);
     assert!(
