@@ -6,7 +6,8 @@
 //! stowage-claim 1
 //! id=5e1f00d2c0ffee0123456789abcdef01     (the store's, from store.conf)
 //! root=77@ef53                            (the root's identity)
-//! path=/var/tmp/ana.stowage               (where it was, to name it)
+//! path=/var/tmp/ana.stowage               (where it was, to name it; `\\`, `\n` and bytes that
+//!                                          are not UTF-8 as `\xNN` escaped: any path is one line)
 //! ```
 //!
 //! - One store per images directory: `init` refuses one another store claims, naming its root. A
@@ -17,7 +18,8 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
-use std::path::Path;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
 
 use crate::dir::Dir;
 
@@ -29,7 +31,7 @@ const FORMAT: &str = "stowage-claim 1\n";
 pub struct Claim {
     pub id: String,
     pub root: String,
-    pub path: String,
+    pub path: PathBuf,
 }
 
 impl Claim {
@@ -38,24 +40,28 @@ impl Claim {
         Ok(Claim {
             id: id.to_owned(),
             root: root_dir.identity()?,
-            path: root_path.display().to_string(),
+            path: root_path.to_owned(),
         })
     }
 
     fn encode(&self) -> String {
         format!(
             "{FORMAT}id={}\nroot={}\npath={}\n",
-            self.id, self.root, self.path
+            self.id,
+            self.root,
+            escaped(&self.path)
         )
     }
 
     fn decode(text: &str) -> Option<Claim> {
         let mut c = Claim::default();
+        // A line without `=` is skipped like an unknown key: the tail of a path an older release
+        // wrote unescaped.
         for line in text.strip_prefix(FORMAT)?.lines() {
-            match line.split_once('=')? {
-                ("id", v) => c.id = v.to_owned(),
-                ("root", v) => c.root = v.to_owned(),
-                ("path", v) => c.path = v.to_owned(),
+            match line.split_once('=') {
+                Some(("id", v)) => c.id = v.to_owned(),
+                Some(("root", v)) => c.root = v.to_owned(),
+                Some(("path", v)) => c.path = unescaped(v),
                 _ => {}
             }
         }
@@ -77,7 +83,7 @@ impl Claim {
         let Some(anchor) = self.root_there() else {
             return true;
         };
-        let recorded = crate::config::read(Path::new(&self.path), &anchor)
+        let recorded = crate::config::read(&self.path, &anchor)
             .ok()
             .flatten()
             .and_then(|c| c.identity);
@@ -89,7 +95,7 @@ impl Claim {
 
     /// The claiming store's root, if the directory at its path is still the one it names.
     pub fn root_there(&self) -> Option<Dir> {
-        let anchor = Dir::anchor_nofollow(Path::new(&self.path)).ok()?;
+        let anchor = Dir::anchor_nofollow(&self.path).ok()?;
         let now = anchor.identity().ok()?;
         crate::dir::same_identity(&self.root, &now).then_some(anchor)
     }
@@ -162,11 +168,47 @@ pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
         format!(
             "images directory {} belongs to the store at {} ({}): one store per images directory; gone for good (not moved)? 'setfattr -x user.stowage.store {}'",
             path.display(),
-            theirs.path,
+            theirs.path.display(),
             if copy { "copied to this one" } else { "another store" },
-            path.display()
+            crate::ident::shell_word(&path.to_string_lossy())
         )
     })
+}
+
+/// `path` as one line of a claim: `\\`, a newline and each byte that is not UTF-8 escaped.
+fn escaped(path: &Path) -> String {
+    let mut out = String::new();
+    for chunk in path.as_os_str().as_bytes().utf8_chunks() {
+        for c in chunk.valid().chars() {
+            match c {
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                c => out.push(c),
+            }
+        }
+        for b in chunk.invalid() {
+            out.push_str(&format!("\\x{b:02x}"));
+        }
+    }
+    out
+}
+
+/// The path `escaped` wrote as `text`.
+fn unescaped(text: &str) -> PathBuf {
+    let (bytes, mut out) = (text.as_bytes(), Vec::with_capacity(text.len()));
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 2..i + 4)
+            .and_then(|h| u8::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok());
+        match (bytes[i], bytes.get(i + 1)) {
+            (b'\\', Some(b'\\')) => (out.push(b'\\'), i += 2),
+            (b'\\', Some(b'n')) => (out.push(b'\n'), i += 2),
+            (b'\\', Some(b'x')) if hex.is_some() => (out.extend(hex), i += 4),
+            (b, _) => (out.push(b), i += 1),
+        };
+    }
+    PathBuf::from(std::ffi::OsString::from_vec(out))
 }
 
 #[cfg(test)]
@@ -181,6 +223,15 @@ mod tests {
             path: "/r".into(),
         };
         assert_eq!(Claim::decode(&c.encode()), Some(c.clone()));
+        for odd in [&b"/r/a\nb\\n\\x41"[..], b"/r/\xff\xfe=\\", b"/r/\\"] {
+            let path = PathBuf::from(std::ffi::OsStr::from_bytes(odd));
+            let c = Claim { path, ..c.clone() };
+            assert_eq!(c.encode().lines().count(), 4);
+            assert_eq!(Claim::decode(&c.encode()), Some(c.clone()));
+        }
+        // An older release's unescaped newline: the rest of the path is lost, the claim kept.
+        let old = Claim::decode("stowage-claim 1\nid=ab\nroot=7@ef53\npath=/r/a\nb\n").unwrap();
+        assert_eq!(old.path, Path::new("/r/a"));
         assert_eq!(Claim::decode("junk"), None);
         let moved = Claim {
             root: "8@ef53".into(),

@@ -199,8 +199,16 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
         return Ok(true);
     }
     match crate::claim::write(&images, &mine, now.is_none()) {
-        // Another store claimed it since it was read: asked again (it is claimed now).
-        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => claim(root, config),
+        // Another store claimed it since it was read: asked again (it is claimed now). A value that
+        // reads as no claim is not overwritten: it may be a later release's.
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => match crate::claim::read(&images) {
+            Ok(Some(_)) => claim(root, config),
+            _ => anyhow::bail!(
+                "cannot claim images directory {}: its user.stowage.store holds no claim this release reads; unused? 'setfattr -x user.stowage.store {}'",
+                dir.display(),
+                crate::ident::shell_word(&dir.to_string_lossy())
+            ),
+        },
         done => done.with_context(|| format!("cannot claim images directory {}", dir.display())),
     }
 }

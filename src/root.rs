@@ -533,7 +533,7 @@ impl Root {
             anyhow::bail!(
                 "images directory {} belongs to the store at {}: one images directory serves one store; choose another root",
                 self.default_images_dir().display(),
-                theirs.path
+                theirs.path.display()
             );
         }
         Ok(())

@@ -42,7 +42,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     if args.json {
         super::print_json(&report)?;
     } else {
-        let mut out = format!("root {} ({})\n", report.root, report.filesystem);
+        let root = crate::ident::printable(&report.root);
+        let mut out = format!("root {root} ({})\n", report.filesystem);
         for c in &report.checks {
             let tag = match c.status {
                 Verdict::Ok => "ok",

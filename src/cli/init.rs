@@ -7,6 +7,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::adopt::{self, Adopt};
 use crate::config::Config;
+use crate::ident::shell_word;
 use crate::image_record::ImagesDir;
 use crate::root::{Root, make_dir};
 use crate::store::Store;
@@ -33,6 +34,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         std::path::absolute(d).with_context(|| format!("cannot resolve {}", d.display()))
     };
     let wanted = args.images_dir.as_ref().map(resolve).transpose()?;
+    if let Some(dir) = &wanted {
+        refuse_unrecordable(dir)?;
+    }
     // Refused before anything is created: a failed init leaves no root behind. Judged by its path
     // always (a group's members may write the configuration), by what it holds only when a store
     // takes it: an idempotent `init` of a store with a file in its images directory goes on.
@@ -166,6 +170,21 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
         root.dir().display()
     ));
     Ok(0)
+}
+
+/// Refuses an images directory whose path cannot be written on one line of text: every image's
+/// record and the configuration name it so.
+fn refuse_unrecordable(dir: &Path) -> Result<()> {
+    let why = match dir.to_str() {
+        None => "is not UTF-8",
+        Some(s) if s.contains('\n') => "holds a newline",
+        Some(_) => return Ok(()),
+    };
+    Err(crate::Error::Usage(format!(
+        "invalid images directory {}: its path {why} (the records name it on one line of text)",
+        dir.display()
+    ))
+    .into())
 }
 
 /// Refuses an images directory `dir` (absolute) that does not exist and cannot be made, or that
@@ -360,7 +379,7 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
             "images directory {} belongs to the store at {}: one images directory serves one store (use that root: --root {})",
             dir.display(),
             other.display(),
-            other.display()
+            shell_word(&other.to_string_lossy())
         );
     }
     let Ok(images) = crate::dir::Dir::open_nofollow(dir) else {
@@ -381,18 +400,21 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     }
     // Its root not where it says (the same path as ours, another directory; or gone): that store
     // moved away or is gone for good, and nothing tells which.
-    let what = if theirs.root_there().is_none() || Path::new(&theirs.path) == root.dir() {
+    let what = if theirs.root_there().is_none() || theirs.path == root.dir() {
         format!(
             "a store that was here; gone for good? 'setfattr -x user.stowage.store {}'",
-            dir.display()
+            shell_word(&dir.to_string_lossy())
         )
     } else {
-        format!("use that root: --root {}", theirs.path)
+        format!(
+            "use that root: --root {}",
+            shell_word(&theirs.path.to_string_lossy())
+        )
     };
     bail!(
         "images directory {} belongs to the store at {}: one images directory serves one store ({what})",
         dir.display(),
-        theirs.path,
+        theirs.path.display(),
     )
 }
 

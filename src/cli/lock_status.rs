@@ -126,7 +126,8 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
         rows.push([name, l.kind.as_str().into(), state, first]);
         rows.extend(who.map(|more| [String::new(), String::new(), String::new(), more]));
     }
-    format!("root {} ({fs})\n{}", root.display(), super::table(&rows))
+    let root = root.display().to_string();
+    format!("root {} ({fs})\n{}", printable(&root), super::table(&rows))
 }
 
 fn party(p: &Party) -> String {

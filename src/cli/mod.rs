@@ -248,8 +248,9 @@ fn one_line(err: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    // One line; `complain!` escapes what else could drive the terminal.
-    line.replace('\n', " ")
+    // One line: `complain!` shows a newline (in a path, say) as `\n`, like anything else that could
+    // drive the terminal.
+    line
 }
 
 /// Help and version go to stdout, exit 0; anything else is a usage error, exit 64, in one line with

@@ -104,7 +104,7 @@ fn whose(
         return Ok(None);
     }
     Err(match &claim {
-        Some(c) => format!("the store at {} claims it", c.path),
+        Some(c) => format!("the store at {} claims it", c.path.display()),
         None => "it carries no claim of this store (is it mounted?)".to_owned(),
     })
 }

@@ -545,6 +545,55 @@ fn your_own_symlink_as_the_root_of_an_existing_store_works() {
     assert!(real.join("r/img/b").is_dir());
 }
 
+/// A root's path may hold any byte but `/` and NUL: a newline, an escape
+/// sequence, a carriage return, a byte that is not UTF-8. Each root works
+/// like any other (its images directory claimed, doctor content), and
+/// every line printed shows the path escaped.
+#[test]
+fn a_root_whose_path_holds_a_newline_or_an_escape_works() {
+    use std::os::unix::ffi::OsStrExt;
+    let odd: [(&[u8], &str); 4] = [
+        (b"q\nx", "q\\nx"),
+        (b"q\x1b[2Jx", "q\\x1b[2Jx"),
+        (b"q\rx", "q\\rx"),
+        (b"q\xffx", "q\u{fffd}x"),
+    ];
+    for (name, shown) in odd {
+        let mut env = Env::new();
+        env.root = env.tmp.path().join(std::ffi::OsStr::from_bytes(name));
+        env.ok(["init"]);
+        env.ok(["init"]);
+        env.make_image("a");
+        env.ok(["exec", "--read", "a", "--write", "b", "--", "true"]);
+        for args in [&["doctor"][..], &["lock-status", "--all"]] {
+            let out = env.ok(args);
+            let text = stdout(&out);
+            let first = text.lines().next().unwrap_or_default();
+            assert!(first.contains(shown), "{shown} {args:?}: {text}");
+            assert!(!text.contains("not marked"), "{shown}: {text}");
+            let raw = |c: char| c.is_control() && c != '\n';
+            assert!(!text.chars().any(raw), "{shown} {args:?}: {text:?}");
+        }
+    }
+}
+
+/// An images directory's path is written in every image's record, one line
+/// of text: one with a newline, or that is not UTF-8, is refused as a usage
+/// error before anything is made.
+#[test]
+fn an_images_directory_whose_path_cannot_be_recorded_is_refused() {
+    use std::os::unix::ffi::OsStrExt;
+    for (name, why) in [(&b"i\nx"[..], "holds a newline"), (b"i\xffx", "not UTF-8")] {
+        let env = Env::new();
+        let dir = env.tmp.path().join(std::ffi::OsStr::from_bytes(name));
+        let out = env.run(["init".as_ref(), "--images-dir".as_ref(), dir.as_os_str()]);
+        assert_eq!(code(&out), Some(64), "{}", show(&out));
+        assert_eq!(stderr(&out).lines().count(), 1, "{}", show(&out));
+        assert!(stderr(&out).contains(why), "{}", show(&out));
+        assert!(!env.root.exists() && !dir.exists(), "{}", show(&out));
+    }
+}
+
 #[test]
 fn a_store_shared_by_a_group_is_usable_by_its_members() {
     if !root_or_skip("acting as another user") {

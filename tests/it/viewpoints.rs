@@ -377,6 +377,39 @@ fn a_roots_own_img_is_refused_to_another_store_by_its_layout() {
     assert!(img.join("base").is_dir());
 }
 
+/// A claim attribute that holds no claim this release reads (a later
+/// release's, or damage) is neither overwritten nor taken for none: init
+/// says what to do, in one line, and goes on once it is removed.
+#[test]
+fn an_unreadable_claim_is_named_and_left_alone() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let img = env.root.join("img");
+    let c = std::ffi::CString::new(img.to_str().unwrap()).unwrap();
+    let junk = b"stowage-claim 9\nwho=knows\n";
+    // SAFETY: NUL-terminated path and name, a value of the length given.
+    let r = unsafe {
+        libc::setxattr(
+            c.as_ptr(),
+            c"user.stowage.store".as_ptr(),
+            junk.as_ptr().cast(),
+            junk.len(),
+            0,
+        )
+    };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    fs::remove_file(env.root.join("store.conf")).unwrap();
+    let out = env.run(["init"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", show(&out));
+    assert!(stderr(&out).contains("setfattr -x"), "{}", show(&out));
+    // SAFETY: NUL-terminated path and attribute name.
+    let r = unsafe { libc::removexattr(c.as_ptr(), c"user.stowage.store".as_ptr()) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    env.ok(["init"]);
+    env.make_image("a");
+}
+
 /// A store moved away from its root (renamed on its filesystem: the root
 /// is the same directory) keeps its external images directory.
 #[test]
