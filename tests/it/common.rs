@@ -701,6 +701,18 @@ pub fn cpu_ticks(pid: u32) -> u64 {
 }
 
 /// Live (non-zombie) processes in a process group.
+/// Asserts that `waiter` uses no CPU over 2 s of waiting: a spinning one would use ~200 clock
+/// ticks, a blocked one ~0.
+pub fn assert_waits_without_cpu(waiter: &Bg) {
+    let before = cpu_ticks(waiter.pid());
+    std::thread::sleep(Duration::from_secs(2)); // the measurement window
+    let used = cpu_ticks(waiter.pid()) - before;
+    assert!(
+        used <= 5,
+        "waiter used {used} clock ticks of CPU in 2 s of waiting"
+    );
+}
+
 pub fn group_members(pgid: i32) -> usize {
     fs::read_dir("/proc")
         .unwrap()

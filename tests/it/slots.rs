@@ -603,18 +603,6 @@ fn a_slot_holder_is_named_by_its_lease_and_writes_no_metadata() {
     assert_eq!(holder.finish().status.code(), Some(0));
 }
 
-/// Asserts that `waiter` uses no CPU over 2 s of waiting: a spinning one would use ~200 clock
-/// ticks, a blocked one ~0.
-fn assert_waits_without_cpu(waiter: &Bg) {
-    let before = cpu_ticks(waiter.pid());
-    std::thread::sleep(Duration::from_secs(2)); // the measurement window
-    let used = cpu_ticks(waiter.pid()) - before;
-    assert!(
-        used <= 5,
-        "waiter used {used} clock ticks of CPU in 2 s of waiting"
-    );
-}
-
 /// Asserts that `waiter` got its slot (exit 0) well before its 20 s deadline, counted from
 /// `since`: a wake that is seen takes milliseconds, one that is missed the whole deadline.
 fn assert_in_soon(waiter: Bg, since: std::time::Instant, missed: &str) {
