@@ -16,6 +16,7 @@ use anyhow::Result;
 use crate::catalog::Row;
 use crate::census::{Entry, take};
 use crate::image_record::{self, ImagesDir, Record, State};
+use crate::name::ImageName;
 use crate::root::Root;
 
 /// An image as `images`, `gc` and `doctor` see it: its record plus the catalog's last use and size.
@@ -35,17 +36,30 @@ impl Image {
     }
 }
 
-/// A damaged record's stand-in in listings: name from its lock file (hashed ones: left to doctor).
+/// A damaged record's stand-in in listings, named by its lock file or, where that name was cut and
+/// hashed, by the tree it was cut from.
 fn unknown_record(root: &Root, entry: &Entry) -> Option<image_record::Record> {
-    let name = Root::image_of_lock_file(&entry.file)?;
     // Listed even while the configuration cannot be had (lost: commands that need it say so).
     let images = crate::images_dir::config(root).map_or(ImagesDir::Default, |c| c.images);
+    let name = match Root::image_of_lock_file(&entry.file) {
+        Some(name) => name,
+        None => tree_hashed_as(root, &images, &entry.file)?,
+    };
     // Its times are not known either: its last use is the lock file's, if that says one.
     Some(Record::unknown(
         name.as_str(),
         images,
         crate::clock::UNKNOWN,
     ))
+}
+
+/// The image whose tree in `images` has the cut and hashed lock file name `file`.
+fn tree_hashed_as(root: &Root, images: &ImagesDir, file: &str) -> Option<ImageName> {
+    let dir = root.open_images_dir(&images.path_in(root.dir())).ok()?;
+    dir.listing().ok()?.into_iter().find_map(|e| {
+        let name = ImageName::from_encoded(e.name.to_str()?).ok()?;
+        (crate::root::lock_file_name(name.encoded()) == file).then_some(name)
+    })
 }
 
 /// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.

@@ -252,13 +252,39 @@ fn a_record_whose_tree_is_gone_is_dropped_by_a_repair() {
 /// Flips a byte in both slots of the record of image `name` (its lock
 /// file): bytes no writer wrote, as a disk or a hand leaves them.
 fn damage_record(env: &Env, name: &str) {
-    let lock = env.lock_file(name);
+    let lock = env
+        .root
+        .join("locks/images")
+        .join(stowage::root::lock_file_name(name));
     let mut bytes = fs::read(&lock).unwrap();
     let slot = stowage::image_record::SLOT;
     assert!(bytes.len() > slot + 40, "{name} has two record slots");
     bytes[30] ^= 1;
     bytes[slot + 30] ^= 1;
     fs::write(&lock, bytes).unwrap();
+}
+
+/// An image whose name is too long for its lock file's (cut and hashed)
+/// and whose record is damaged is listed by the tree the name was cut
+/// from, kept and reported by gc like any other.
+#[test]
+fn a_damaged_record_under_a_cut_lock_file_name_is_listed_by_its_tree() {
+    let env = Env::new();
+    let long = "a".repeat(252);
+    env.make_image(&long);
+    env.make_image("b");
+    damage_record(&env, &long);
+    let listed = String::from_utf8_lossy(&env.ok(["images", "--json"]).stdout).into_owned();
+    let rows: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let row = rows.as_array().unwrap().iter().find(|r| r["name"] == *long);
+    assert_eq!(row.expect("listed")["state"], "incomplete", "{listed}");
+    let out = env.ok(["gc"]);
+    assert!(
+        stdout(&out).contains("its state is not known"),
+        "{}",
+        show(&out)
+    );
+    assert!(env.root.join("img").join(&long).join("file").exists());
 }
 
 #[test]
