@@ -57,7 +57,8 @@ impl Claim {
         let mut c = Claim::default();
         // A line without `=` is skipped like an unknown key: the tail of a path an older release
         // wrote unescaped.
-        for line in text.strip_prefix(FORMAT)?.lines() {
+        // At '\n' only: `lines()` would drop a path's trailing '\r'.
+        for line in text.strip_prefix(FORMAT)?.split_terminator('\n') {
             match line.split_once('=') {
                 Some(("id", v)) => c.id = v.to_owned(),
                 Some(("root", v)) => c.root = v.to_owned(),
@@ -102,15 +103,22 @@ impl Claim {
 }
 
 /// What claims the directory `dir`: `Ok(None)` if nothing does, or the filesystem keeps no extended
-/// attributes. A value that is not a claim is taken for none.
+/// attributes. A value that is not a claim is taken for none. Read whole, however long (an escaped
+/// path may be long): a claim read cut would be taken for none.
 pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
     let mut buf = vec![0u8; 1024];
-    match get(dir, &mut buf) {
-        Ok(n) => Ok(std::str::from_utf8(&buf[..n]).ok().and_then(Claim::decode)),
-        Err(e) => match e.raw_os_error() {
-            Some(libc::ENODATA | libc::ENOTSUP | libc::ERANGE) => Ok(None),
-            _ => Err(e),
-        },
+    loop {
+        match get(dir, &mut buf) {
+            Ok(n) => return Ok(std::str::from_utf8(&buf[..n]).ok().and_then(Claim::decode)),
+            // Grown since its size was asked: asked again.
+            Err(e) if e.raw_os_error() == Some(libc::ERANGE) => {
+                buf = vec![0u8; get(dir, &mut [])?.max(buf.len() * 2)];
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::ENOTSUP)) => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 
@@ -170,7 +178,7 @@ pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
             path.display(),
             theirs.path.display(),
             if copy { "copied to this one" } else { "another store" },
-            crate::ident::shell_word(&path.to_string_lossy())
+            crate::ident::shell_path(path)
         )
     })
 }

@@ -64,7 +64,8 @@ impl Config {
 
     fn decode(text: &str) -> Option<Config> {
         let (mut id, mut images, mut identity, mut root) = (None, None, None, None);
-        for line in text.strip_prefix(FORMAT)?.lines() {
+        // At '\n' only: `lines()` would drop a path's trailing '\r'.
+        for line in text.strip_prefix(FORMAT)?.split_terminator('\n') {
             match line.split_once('=')? {
                 ("id", v) if !v.is_empty() => id = Some(v.to_owned()),
                 ("images", v) => images = ImagesDir::decode(v).or(images),

@@ -167,7 +167,9 @@ pub fn process_user(pid: u32) -> Option<String> {
 /// A recorded command, host or user name as it may be printed on a terminal. These come from other
 /// users' processes: a control character (an escape sequence, a newline, a carriage return) or a
 /// bidirectional override printed raw would break the table or drive the reader's terminal. Each
-/// such character is shown as a visible escape (`\n`, `\x1b`, `\u{202e}`); everything else is kept.
+/// such character is shown as a visible escape (`\n`, `\x1b`, `\u{202e}`), and then a backslash
+/// as `\\` (so an escape is never mistaken for the characters that spell it); a text with nothing to
+/// escape is kept as it is.
 /// Every text printer of a recorded party uses this one function; JSON output needs none (its
 /// encoder escapes control characters).
 pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
@@ -183,6 +185,7 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     let mut out = String::with_capacity(s.len() + 8);
     for c in s.chars() {
         match c {
+            '\\' => out.push_str("\\\\"),
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
@@ -202,17 +205,41 @@ pub fn shell_word(s: &str) -> String {
     if !s.chars().any(char::is_control) {
         return quote(s);
     }
+    dollar_quoted(s.as_bytes())
+}
+
+/// [`shell_word`] for a path, which may hold bytes that are not UTF-8 (written as `\xNN` in `$'…'`).
+pub fn shell_path(path: &std::path::Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    match path.to_str() {
+        Some(s) => shell_word(s),
+        None => dollar_quoted(path.as_os_str().as_bytes()),
+    }
+}
+
+/// `bytes` in bash's `$'…'`, control characters and bytes that are not UTF-8 escaped.
+fn dollar_quoted(bytes: &[u8]) -> String {
     let mut out = String::from("$'");
-    for c in s.chars() {
-        match c {
-            '\\' | '\'' => {
-                out.push('\\');
-                out.push(c);
+    for chunk in bytes.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            match c {
+                '\\' | '\'' => {
+                    out.push('\\');
+                    out.push(c);
+                }
+                '\n' => out.push_str("\\n"),
+                '\t' => out.push_str("\\t"),
+                // Byte by byte: `\xNN` is one byte to bash, and a C1 control is two in UTF-8.
+                c if c.is_control() => {
+                    for b in c.encode_utf8(&mut [0; 4]).bytes() {
+                        out.push_str(&format!("\\x{b:02x}"));
+                    }
+                }
+                c => out.push(c),
             }
-            '\n' => out.push_str("\\n"),
-            '\t' => out.push_str("\\t"),
-            c if c.is_control() => out.push_str(&format!("\\x{:02x}", c as u32 & 0xff)),
-            c => out.push(c),
+        }
+        for b in chunk.invalid() {
+            out.push_str(&format!("\\x{b:02x}"));
         }
     }
     out.push('\'');
@@ -287,6 +314,15 @@ mod tests {
     }
 
     #[test]
+    fn shell_words_read_back_as_written() {
+        use std::os::unix::ffi::OsStrExt;
+        assert_eq!(shell_word("/r/a b"), "'/r/a b'");
+        assert_eq!(shell_word("a\n'\u{9b}"), r"$'a\n\'\xc2\x9b'");
+        let odd = std::path::Path::new(std::ffi::OsStr::from_bytes(b"/r/\xff\n"));
+        assert_eq!(shell_path(odd), r"$'/r/\xff\n'");
+    }
+
+    #[test]
     fn printable_escapes_what_drives_a_terminal() {
         assert_eq!(
             printable("ch-image build -t app ."),
@@ -297,6 +333,9 @@ mod tests {
             r"a\x1b[2J\nb\rc\u{202e}d\x9b"
         );
         assert_eq!(printable("naïve"), "naïve");
+        // A backslash is doubled only beside an escape, so a pasted `$'…'` word stays as it is.
+        assert_eq!(printable(r"$'a\nb'"), r"$'a\nb'");
+        assert_eq!(printable("a\\nb\n"), r"a\\nb\n");
     }
 
     #[test]

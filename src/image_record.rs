@@ -232,7 +232,8 @@ impl Record {
         let body = checked_body(slot)?;
         let mut r = Record::new("", ImagesDir::Default, 0);
         let mut have = (false, false, false);
-        for line in body.strip_prefix(FORMAT)?.lines() {
+        // At '\n' only: `lines()` would drop a path's trailing '\r'.
+        for line in body.strip_prefix(FORMAT)?.split_terminator('\n') {
             let (k, v) = line.split_once('=')?;
             match k {
                 "seq" => r.seq = v.parse().ok()?,

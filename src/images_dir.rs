@@ -206,7 +206,7 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
             _ => anyhow::bail!(
                 "cannot claim images directory {}: its user.stowage.store holds no claim this release reads; unused? 'setfattr -x user.stowage.store {}'",
                 dir.display(),
-                crate::ident::shell_word(&dir.to_string_lossy())
+                crate::ident::shell_path(&dir)
             ),
         },
         done => done.with_context(|| format!("cannot claim images directory {}", dir.display())),

@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::adopt::{self, Adopt};
 use crate::config::Config;
-use crate::ident::shell_word;
+use crate::ident::shell_path;
 use crate::image_record::ImagesDir;
 use crate::root::{Root, make_dir};
 use crate::store::Store;
@@ -379,7 +379,7 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
             "images directory {} belongs to the store at {}: one images directory serves one store (use that root: --root {})",
             dir.display(),
             other.display(),
-            shell_word(&other.to_string_lossy())
+            shell_path(other)
         );
     }
     let Ok(images) = crate::dir::Dir::open_nofollow(dir) else {
@@ -403,13 +403,10 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     let what = if theirs.root_there().is_none() || theirs.path == root.dir() {
         format!(
             "a store that was here; gone for good? 'setfattr -x user.stowage.store {}'",
-            shell_word(&dir.to_string_lossy())
+            shell_path(dir)
         )
     } else {
-        format!(
-            "use that root: --root {}",
-            shell_word(&theirs.path.to_string_lossy())
-        )
+        format!("use that root: --root {}", shell_path(&theirs.path))
     };
     bail!(
         "images directory {} belongs to the store at {}: one images directory serves one store ({what})",

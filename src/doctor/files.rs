@@ -119,8 +119,10 @@ fn holds_a_record(dir: &Dir, name: &str) -> bool {
 /// user knows when nothing uses the store.
 fn shared_record(path: &Path, report: &mut Report) {
     let shown = path.display();
-    let p = crate::ident::shell_word(&path.to_string_lossy());
-    let own = crate::ident::shell_word(&format!("{}.own", path.to_string_lossy()));
+    let p = crate::ident::shell_path(path);
+    let mut own = path.as_os_str().to_owned();
+    own.push(".own");
+    let own = crate::ident::shell_path(Path::new(&own));
     report.problem(
         "files",
         format!(

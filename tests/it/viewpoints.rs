@@ -244,28 +244,62 @@ fn copy_of(env: &Env, name: &str) -> PathBuf {
 /// original's), and says which store the directory serves.
 #[test]
 fn a_copy_of_a_store_never_uses_the_originals_images_directory() {
-    let (env, ext) = store_with_external_images();
-    env.make_image("old");
-    let copy = copy_of(&env, "copy");
-    for args in [
-        &["rm", "old"][..],
-        &["exec", "--read", "old", "--", "true"],
-        &["exec", "--write", "old", "--", "true"],
-        &["exec", "--write", "new", "--", "true"],
-    ] {
-        let out = in_copy(&copy, args);
-        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
-        let err = stderr(&out);
-        assert!(
-            err.contains(&*env.root.to_string_lossy()) && err.lines().count() == 1,
-            "{args:?}: {}",
-            show(&out)
-        );
+    use std::os::unix::ffi::OsStrExt;
+    // The claim holds the original's path escaped: one long past any fixed buffer (each byte that
+    // is not UTF-8 takes four), and one ending in a carriage return, are read back whole.
+    let long = [0xffu8; 240];
+    for name in [&b"root"[..], &long, b"root\r"] {
+        let mut env = Env::new();
+        let ext = env.tmp.path().join("ext-img");
+        fs::create_dir(&ext).unwrap();
+        env.root = env.tmp.path().join(std::ffi::OsStr::from_bytes(name));
+        env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+        env.make_image("old");
+        let copy = copy_of(&env, "copy");
+        let shown = env.root.to_string_lossy().replace('\r', "\\r");
+        for args in [
+            &["rm", "old"][..],
+            &["exec", "--read", "old", "--", "true"],
+            &["exec", "--write", "old", "--", "true"],
+            &["exec", "--write", "new", "--", "true"],
+        ] {
+            let out = in_copy(&copy, args);
+            assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+            let err = stderr(&out);
+            assert!(
+                err.contains(&shown) && err.lines().count() == 1,
+                "{args:?}: {}",
+                show(&out)
+            );
+        }
+        assert!(ext.join("old").exists());
+        assert!(!ext.join("new").exists());
+        assert_eq!(env.state("old").as_deref(), Some("ready"));
+        env.ok(["exec", "--read", "old", "--", "true"]);
     }
-    assert!(ext.join("old").exists());
-    assert!(!ext.join("new").exists());
-    assert_eq!(env.state("old").as_deref(), Some("ready"));
-    env.ok(["exec", "--read", "old", "--", "true"]);
+}
+
+/// Two directories whose names differ only by a trailing carriage return
+/// are two images directories: each store's configuration and records name
+/// its own, and nothing of one store's lands in the other's.
+#[test]
+fn an_images_directory_ending_in_a_carriage_return_is_not_its_namesakes() {
+    let (env, ext) = store_with_external_images();
+    env.make_image("precious");
+    let mut cr = ext.clone().into_os_string();
+    cr.push("\r");
+    let cr = PathBuf::from(cr);
+    fs::create_dir(&cr).unwrap();
+    let other = env.tmp.path().join("other");
+    let init = ["init".as_ref(), "--images-dir".as_ref(), cr.as_os_str()];
+    let out = in_copy(&other, &init.map(|a| a.to_str().unwrap()));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = in_copy(&other, &["exec", "--write", "x", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(cr.join("x").is_dir() && !ext.join("x").exists());
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    env.ok(["exec", "--read", "precious", "--", "true"]);
 }
 
 /// A copy of a store with its images in `ROOT/img` took its images along:
