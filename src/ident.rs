@@ -164,21 +164,24 @@ pub fn process_user(pid: u32) -> Option<String> {
     Some(user_name_of(uid))
 }
 
+/// Whether `c` printed raw could drive a terminal or reorder what it shows: a control character
+/// (C0 or C1), a bidirectional override or mark, a line or paragraph separator.
+pub fn risky(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{2028}' | '\u{2029}')
+        || ('\u{202a}'..='\u{202e}').contains(&c)
+        || ('\u{2066}'..='\u{2069}').contains(&c)
+}
+
 /// A recorded command, host or user name as it may be printed on a terminal. These come from other
 /// users' processes: a control character (an escape sequence, a newline, a carriage return) or a
 /// bidirectional override printed raw would break the table or drive the reader's terminal. Each
 /// such character is shown as a visible escape (`\n`, `\x1b`, `\u{202e}`), and then a backslash
 /// as `\\` (so an escape is never mistaken for the characters that spell it); a text with nothing to
 /// escape is kept as it is.
-/// Every text printer of a recorded party uses this one function; JSON output needs none (its
-/// encoder escapes control characters).
+/// Every text printer of a recorded party uses this one function; JSON output has its own
+/// (`cli::json_text`).
 pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
-    fn risky(c: char) -> bool {
-        c.is_control()
-            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{2028}' | '\u{2029}')
-            || ('\u{202a}'..='\u{202e}').contains(&c)
-            || ('\u{2066}'..='\u{2069}').contains(&c)
-    }
     if !s.chars().any(risky) {
         return std::borrow::Cow::Borrowed(s);
     }

@@ -88,11 +88,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
                 filesystem: fs,
                 locks: locks.iter().map(lock_json).collect(),
             };
-            if every.is_some() {
-                serde_json::to_string(&doc)?
-            } else {
-                serde_json::to_string_pretty(&doc)?
-            }
+            super::json_text(&doc, every.is_none())?
         } else {
             render(store.root().dir(), &fs, &locks)
         };

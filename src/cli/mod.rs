@@ -227,7 +227,33 @@ pub(crate) fn print(text: &str) -> Result<()> {
 
 /// [`print`]s `doc` as pretty JSON, one line break after it.
 pub(crate) fn print_json(doc: &impl serde::Serialize) -> Result<()> {
-    print(&format!("{}\n", serde_json::to_string_pretty(doc)?))
+    print(&format!("{}\n", json_text(doc, true)?))
+}
+
+/// `doc` as JSON with every character that could drive a terminal escaped (`\u009b`): the encoder
+/// escapes C0 controls only, and a recorded command or a path may hold a C1 control or a
+/// bidirectional override. Such characters only occur inside strings, so escaping the whole text
+/// is escaping the strings, and the values read back the same.
+pub(crate) fn json_text(doc: &impl serde::Serialize, pretty: bool) -> Result<String> {
+    let text = if pretty {
+        serde_json::to_string_pretty(doc)?
+    } else {
+        serde_json::to_string(doc)?
+    };
+    // A raw newline is the pretty layout's: the encoder escapes every one in a string.
+    let risky = |c: char| c != '\n' && crate::ident::risky(c);
+    if !text.chars().any(risky) {
+        return Ok(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        match c {
+            // All in the Basic Multilingual Plane: one `\uXXXX` each.
+            c if risky(c) => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    Ok(out)
 }
 
 /// The error chain on one line, outermost first, minus causes whose words are already there (SQLite

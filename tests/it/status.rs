@@ -224,7 +224,8 @@ fn control_characters_of_a_recorded_command_are_escaped_when_printed() {
     env.make_image("app");
     // The holder's command carries a screen-clearing escape and a newline
     // that would forge a second table row.
-    let evil = "\u{1b}[2J\u{1b}]0;pwned\u{7}\nglobal  global  free  forged";
+    // A C1 CSI and a right-to-left override drive or reorder a terminal too.
+    let evil = "\u{1b}[2J\u{1b}]0;pwned\u{7}\u{9b}2J\u{202e}\nglobal  global  free  forged";
     let mut args: Vec<String> = ["exec", "--write", "app", "--"]
         .iter()
         .map(|s| s.to_string())
@@ -236,10 +237,11 @@ fn control_characters_of_a_recorded_command_are_escaped_when_printed() {
 
     let out = env.ok(["lock-status"]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        !text.contains('\u{1b}') && !text.contains('\u{7}'),
-        "{text:?}"
-    );
+    let raw = |t: &str| {
+        t.chars()
+            .any(|c| c != '\n' && (c.is_control() || c == '\u{202e}'))
+    };
+    assert!(!raw(&text), "{text:?}");
     assert!(!text.contains("\nglobal  global  free  forged"), "{text}");
     assert!(text.contains(r"\x1b[2J"), "{text}");
 
@@ -249,10 +251,17 @@ fn control_characters_of_a_recorded_command_are_escaped_when_printed() {
     assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 
-    // JSON keeps the exact command (its encoder escapes it).
-    let st = env.status_json(["app"]);
-    let raw = serde_json::to_string(&st).unwrap();
-    assert!(raw.contains(r"\u001b[2J"), "{raw}");
+    // JSON keeps the exact command, every such character escaped.
+    let json = stdout(&env.ok(["lock-status", "--json", "app"]));
+    assert!(!raw(&json), "{json:?}");
+    assert!(json.contains(r"\u009b2J\u202e"), "{json}");
+    let st: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let holder = &st["locks"].as_array().unwrap().last().unwrap()["holders"][0];
+    let command = holder["command"].as_str().unwrap();
+    assert!(
+        command.contains("\u{1b}[2J\u{1b}]0;pwned\u{7}\u{9b}2J\u{202e}"),
+        "{st}"
+    );
     env.release("release");
 }
 
