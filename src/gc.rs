@@ -329,7 +329,8 @@ pub(crate) fn take_removal(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
 /// no longer `deleting`).
 pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> {
     let path = ctx.root.image_lock(name);
-    let live = match lock::probe(&path) {
+    // Asked, not tried, where queries see flocks: a try would be a holder to another host's look.
+    let live = match lock::look(&path, ctx.root.lock_queries()) {
         Ok(lock::Probe::Missing) => return None,
         Ok(lock::Probe::Exclusive) => {
             crate::debug::pause("underway-probed");

@@ -161,6 +161,7 @@ fn probe_holder(path: &Path) -> String {
 /// Reports a probe lock held by `doctor --hold-probe`, here or elsewhere.
 fn probe_check(ctx: &Ctx, report: &mut Report) {
     let path = probe_file(&ctx.root);
+    // Tried, never only asked: what the check proves is that a lock taken there excludes one here.
     let Ok(lock::Probe::Exclusive) = lock::probe(&path) else {
         return;
     };
