@@ -460,7 +460,17 @@ fn command_start(args: &[OsString], at: usize) -> Option<usize> {
 fn usage_error(e: &clap::Error, page: Option<&str>) -> String {
     use clap::error::ContextKind;
     // clap's first paragraph says what is wrong (maybe over several lines); usage and tips follow.
-    let text = e.render().to_string();
+    // The argument it quotes is escaped first: a newline in it would be taken for clap's.
+    let mut text = e.render().to_string();
+    for kind in [
+        ContextKind::InvalidArg,
+        ContextKind::InvalidValue,
+        ContextKind::InvalidSubcommand,
+    ] {
+        if let Some(arg) = context(e, kind).filter(|a| a.contains('\n')) {
+            text = text.replace(&arg, &crate::ident::printable(&arg));
+        }
+    }
     let what: Vec<&str> = text
         .lines()
         .take_while(|l| !l.trim().is_empty())

@@ -560,6 +560,18 @@ fn typos_get_a_suggestion() {
         );
         assert_eq!(err.lines().count(), 1, "{err}");
     }
+    // A newline in the word it quotes is shown as one, not as a space
+    // (which would name another word).
+    for args in [&["bo\ngus"][..], &["images", "--bo\ngus"]] {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(64), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(r"'bo\ngus'") || err.contains(r"'--bo\ngus'"),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
 }
 
 #[test]
