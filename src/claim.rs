@@ -54,15 +54,26 @@ impl Claim {
     }
 
     fn decode(text: &str) -> Option<Claim> {
-        let mut c = Claim::default();
-        // A line without `=` is skipped like an unknown key: the tail of a path an older release
-        // wrote unescaped.
-        // At '\n' only: `lines()` would drop a path's trailing '\r'.
-        for line in text.strip_prefix(FORMAT)?.split_terminator('\n') {
+        let body = text.strip_prefix(FORMAT)?;
+        // The path is the last field, taken whole to the end: an older release wrote it unescaped,
+        // newlines and all.
+        let (fields, path) = match body.strip_prefix("path=") {
+            Some(path) => ("", Some(path)),
+            None => body
+                .split_once("\npath=")
+                .map_or((body, None), |(f, p)| (f, Some(p))),
+        };
+        let mut c = Claim {
+            path: path.map_or_else(PathBuf::new, |p| {
+                unescaped(p.strip_suffix('\n').unwrap_or(p))
+            }),
+            ..Claim::default()
+        };
+        // At '\n' only: `lines()` would drop a trailing '\r'.
+        for line in fields.split_terminator('\n') {
             match line.split_once('=') {
                 Some(("id", v)) => c.id = v.to_owned(),
                 Some(("root", v)) => c.root = v.to_owned(),
-                Some(("path", v)) => c.path = unescaped(v),
                 _ => {}
             }
         }
@@ -237,9 +248,9 @@ mod tests {
             assert_eq!(c.encode().lines().count(), 4);
             assert_eq!(Claim::decode(&c.encode()), Some(c.clone()));
         }
-        // An older release's unescaped newline: the rest of the path is lost, the claim kept.
+        // An older release's unescaped newline: the path is whole.
         let old = Claim::decode("stowage-claim 1\nid=ab\nroot=7@ef53\npath=/r/a\nb\n").unwrap();
-        assert_eq!(old.path, Path::new("/r/a"));
+        assert_eq!(old.path, Path::new("/r/a\nb"));
         assert_eq!(Claim::decode("junk"), None);
         let moved = Claim {
             root: "8@ef53".into(),

@@ -53,13 +53,16 @@ fn unknown_record(root: &Root, entry: &Entry) -> Option<image_record::Record> {
     ))
 }
 
-/// The image whose tree in `images` has the cut and hashed lock file name `file`.
+/// The image whose tree in `images` has the cut and hashed lock file name `file`, if one alone
+/// does (a hash may collide: two trees are no name).
 fn tree_hashed_as(root: &Root, images: &ImagesDir, file: &str) -> Option<ImageName> {
     let dir = root.open_images_dir(&images.path_in(root.dir())).ok()?;
-    dir.listing().ok()?.into_iter().find_map(|e| {
+    let mut named = dir.listing().ok()?.into_iter().filter_map(|e| {
         let name = ImageName::from_encoded(e.name.to_str()?).ok()?;
         (crate::root::lock_file_name(name.encoded()) == file).then_some(name)
-    })
+    });
+    let first = named.next();
+    named.next().is_none().then_some(first).flatten()
 }
 
 /// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.

@@ -468,7 +468,8 @@ fn usage_error(e: &clap::Error, page: Option<&str>) -> String {
         ContextKind::InvalidSubcommand,
     ] {
         if let Some(arg) = context(e, kind).filter(|a| a.contains('\n')) {
-            text = text.replace(&arg, &crate::ident::printable(&arg));
+            let shown = format!("'{}'", crate::ident::printable(&arg));
+            text = text.replacen(&format!("'{arg}'"), &shown, 1);
         }
     }
     let what: Vec<&str> = text

@@ -266,18 +266,25 @@ fn damage_record(env: &Env, name: &str) {
 
 /// An image whose name is too long for its lock file's (cut and hashed)
 /// and whose record is damaged is listed by the tree the name was cut
-/// from, kept and reported by gc like any other.
+/// from, kept and reported by gc like any other. A second tree whose name
+/// hashes alike (FNV-1a collides) makes the name unknown: neither is named.
 #[test]
 fn a_damaged_record_under_a_cut_lock_file_name_is_listed_by_its_tree() {
     let env = Env::new();
-    let long = "a".repeat(252);
+    let (long, twin) = ("a".repeat(235), "a".repeat(235));
+    let (long, twin) = (long + "cd82abed273c49b5", twin + "234f0bb426e2641c");
+    let lock_file = stowage::root::lock_file_name;
+    assert_eq!(lock_file(&long), lock_file(&twin), "a collision");
     env.make_image(&long);
     env.make_image("b");
     damage_record(&env, &long);
-    let listed = String::from_utf8_lossy(&env.ok(["images", "--json"]).stdout).into_owned();
-    let rows: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let listed = |env: &Env| {
+        let out = env.ok(["images", "--json"]);
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let rows = listed(&env);
     let row = rows.as_array().unwrap().iter().find(|r| r["name"] == *long);
-    assert_eq!(row.expect("listed")["state"], "incomplete", "{listed}");
+    assert_eq!(row.expect("listed")["state"], "incomplete", "{rows}");
     let out = env.ok(["gc"]);
     assert!(
         stdout(&out).contains("its state is not known"),
@@ -285,6 +292,13 @@ fn a_damaged_record_under_a_cut_lock_file_name_is_listed_by_its_tree() {
         show(&out)
     );
     assert!(env.root.join("img").join(&long).join("file").exists());
+    fs::create_dir(env.root.join("img").join(&twin)).unwrap();
+    let rows = listed(&env);
+    let named = |n: &str| rows.as_array().unwrap().iter().any(|r| r["name"] == *n);
+    assert!(!named(&long) && !named(&twin), "{rows}");
+    env.ok(["gc", "--unused-for", "0s", "--max-size", "0"]);
+    assert!(env.root.join("img").join(&long).join("file").exists());
+    assert!(env.root.join("img").join(&twin).is_dir());
 }
 
 #[test]

@@ -444,6 +444,57 @@ fn an_unreadable_claim_is_named_and_left_alone() {
     env.make_image("a");
 }
 
+/// A claim whose root path holds a newline names that root whole, however
+/// it was written (escaped, or raw by an older release): another store is
+/// told to use that root, in a word that pastes back as its path, and
+/// never that the store is gone.
+#[test]
+fn a_claim_names_a_root_with_a_newline_whole() {
+    let mut env = Env::new();
+    let ext = env.tmp.path().join("ext");
+    fs::create_dir(&ext).unwrap();
+    env.root = env.tmp.path().join("q\nx");
+    env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
+    let c = std::ffi::CString::new(ext.to_str().unwrap()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: NUL-terminated path and name, a buffer of the length given.
+    let n = unsafe {
+        libc::getxattr(
+            c.as_ptr(),
+            c"user.stowage.store".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    assert!(n > 0, "{}", std::io::Error::last_os_error());
+    let escaped = String::from_utf8(buf[..n as usize].to_vec()).unwrap();
+    let raw = escaped.replace(r"q\nx", "q\nx");
+    let word = format!("--root $'{}/q\\nx'", env.tmp.path().display());
+    for claim in [&escaped, &raw] {
+        // SAFETY: NUL-terminated path and name, a value of the length given.
+        let r = unsafe {
+            libc::setxattr(
+                c.as_ptr(),
+                c"user.stowage.store".as_ptr(),
+                claim.as_ptr().cast(),
+                claim.len(),
+                0,
+            )
+        };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        let other = env.tmp.path().join("other");
+        let out = in_copy(&other, &["init", "--images-dir", ext.to_str().unwrap()]);
+        assert_eq!(code(&out), Some(1), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&word) && !err.contains("gone"),
+            "{word}: {err}"
+        );
+        assert!(!other.join("store.conf").exists());
+    }
+    env.ok(["exec", "--write", "a", "--", "true"]);
+}
+
 /// A store moved away from its root (renamed on its filesystem: the root
 /// is the same directory) keeps its external images directory.
 #[test]
