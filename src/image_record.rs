@@ -268,16 +268,16 @@ pub struct Seen {
     pub last_use: Option<Millis>,
     /// Marked gone by an unlinker (`lock::mark_gone`): no image, no proof the file is at its path.
     pub gone: bool,
+    /// The image a record set aside by [`Seen::of`] names: another image's.
+    pub foreign: Option<String>,
 }
 
 impl Seen {
     /// The record only if it is the image's that `is_ours` accepts: a record copied from another
     /// image's lock file says nothing of this one, whose state is then not known (damaged).
     pub fn of(mut self, is_ours: impl FnOnce(&str) -> bool) -> Seen {
-        if let Some(r) = &self.record
-            && !is_ours(&r.name)
-        {
-            (self.record, self.damaged) = (None, true);
+        if let Some(r) = self.record.take_if(|r| !is_ours(&r.name)) {
+            (self.foreign, self.damaged) = (Some(r.name), true);
         }
         self
     }
@@ -349,6 +349,7 @@ impl Seen {
                 .and_then(|s| Millis::from_str_radix(s, 16).ok())
                 .filter(|&ms| ms > 0),
             gone: false,
+            foreign: None,
         }
     }
 }

@@ -815,7 +815,7 @@ pub fn is_lock_file_of(file: &str, name: &str) -> bool {
 }
 
 /// `ENC.lock`; an ENC too long for NAME_MAX is cut and suffixed with a hash of the whole (a
-/// collision shares a lock: more exclusion, never less).
+/// collision would share a record: the second name is refused, `acquire::image::take`).
 pub fn lock_file_name(enc: &str) -> String {
     named(enc, ".lock")
 }

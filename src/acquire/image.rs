@@ -57,6 +57,27 @@ pub(crate) struct Want<'a> {
 /// Takes one image lock, waiting as allowed. A read of an image without a lock file fails at once
 /// (66); nothing is created unless `want.create`.
 pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
+    let held = take_any(store, name, want)?;
+    match sharing_lock_file(name, &held.seen) {
+        None => Ok(held),
+        Some(other) => Err(Error::Usage(format!(
+            "image name '{name}' cannot be used: cut to fit with a hash, its lock file is image '{other}''s; choose another name"
+        ))
+        .into()),
+    }
+}
+
+/// The image whose record is in `name`'s lock file because the two names, cut to fit a file name,
+/// hash alike. That record is the other image's authority: never read, written or removed as
+/// `name`'s (a record copied from another lock file is only damage, which a write settles).
+fn sharing_lock_file(name: &ImageName, seen: &Seen) -> Option<ImageName> {
+    let other = ImageName::parse(seen.foreign.as_deref()?).ok()?;
+    let file = crate::root::lock_file_name;
+    (file(other.encoded()) == file(name.encoded())).then_some(other)
+}
+
+/// [`take`], whoever's record the lock file holds.
+fn take_any(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
     let root = store.root();
     let path = root.image_lock(name);
     let err = |e| lock::error(&format!("image '{name}'"), &path, e);

@@ -127,3 +127,31 @@ fn the_longest_name_works() {
     assert_eq!(env.state(&name).as_deref(), Some("ready"));
     env.ok(["exec", "--read", &name, "--", "true"]);
 }
+
+/// Two long names cut to fit a lock file's name hash alike (FNV-1a; such
+/// pairs are found in minutes): the first keeps the lock file and its
+/// record, the second is refused as a name, whatever is asked of it, and
+/// the first stays ready and readable.
+#[test]
+fn a_name_whose_cut_lock_file_is_another_images_is_refused() {
+    let env = Env::new();
+    let (first, second) = ("a".repeat(235), "a".repeat(235));
+    let (first, second) = (first + "cd82abed273c49b5", second + "234f0bb426e2641c");
+    let lock_file = stowage::root::lock_file_name;
+    assert_eq!(lock_file(&first), lock_file(&second), "a collision");
+    env.make_image(&first);
+    for args in [
+        &["exec", "--write", &second, "--", "true"][..],
+        &["exec", "--read", &second, "--", "true"],
+        &["exec", "--write", &second, "--from", &first, "--", "true"],
+        &["rm", &second],
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(64), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains(&first) && err.lines().count() == 1, "{err}");
+    }
+    assert_eq!(env.state(&first).as_deref(), Some("ready"));
+    assert_eq!(env.read_in_image(&first, "file"), "content\n");
+    assert!(!env.root.join("img").join(&second).exists());
+}
