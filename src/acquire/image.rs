@@ -58,22 +58,44 @@ pub(crate) struct Want<'a> {
 /// (66); nothing is created unless `want.create`.
 pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
     let held = take_any(store, name, want)?;
-    match sharing_lock_file(name, &held.seen) {
-        None => Ok(held),
-        Some(other) => Err(Error::Usage(format!(
-            "image name '{name}' cannot be used: cut to fit with a hash, its lock file is image '{other}''s; choose another name"
-        ))
-        .into()),
-    }
+    refuse_shared_lock_file(name, &held.seen)?;
+    Ok(held)
 }
 
-/// The image whose record is in `name`'s lock file because the two names, cut to fit a file name,
-/// hash alike. That record is the other image's authority: never read, written or removed as
-/// `name`'s (a record copied from another lock file is only damage, which a write settles).
-fn sharing_lock_file(name: &ImageName, seen: &Seen) -> Option<ImageName> {
-    let other = ImageName::parse(seen.foreign.as_deref()?).ok()?;
+/// Refuses `name` if its lock file holds the record of another image whose names, cut to fit a
+/// file name, hash alike: that record is the other image's authority, never read, written or
+/// removed as `name`'s (a record copied from another lock file is only damage, which a write
+/// settles). Exit 64: the name cannot be used here.
+fn refuse_shared_lock_file(name: &ImageName, seen: &Seen) -> Result<()> {
+    let Some(other) = seen
+        .foreign
+        .as_deref()
+        .and_then(|n| ImageName::parse(n).ok())
+    else {
+        return Ok(());
+    };
     let file = crate::root::lock_file_name;
-    (file(other.encoded()) == file(name.encoded())).then_some(other)
+    if file(other.encoded()) != file(name.encoded()) {
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "image name '{name}' cannot be used: cut to fit with a hash, its lock file is image '{other}''s; choose another name"
+    ))
+    .into())
+}
+
+/// Before a wait for a busy lock: [`refuse_shared_lock_file`] by the record read without the lock
+/// (its two slots make that safe), so that a name that can never be used neither waits nor holds
+/// up others at the gate. Only a cut name can share its lock file: no read for any other.
+fn refuse_shared_lock_file_now(root: &Root, name: &ImageName) -> Result<()> {
+    let file = crate::root::lock_file_name(name.encoded());
+    if file == format!("{}.lock", name.encoded()) {
+        return Ok(());
+    }
+    match lock::open_existing_read(&root.image_lock(name)) {
+        Ok(Some(f)) => refuse_shared_lock_file(name, &image_record::read_of(&f, name.as_str())?),
+        _ => Ok(()),
+    }
 }
 
 /// [`take`], whoever's record the lock file holds.
@@ -96,6 +118,7 @@ fn take_any(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
         Tried::WriterWaiting => true,
     };
     crate::debug::pause("image-busy");
+    refuse_shared_lock_file_now(root, name)?;
     let rel = Root::image_lock_rel(name);
     let enclosing = crate::nested::enclosing(root);
     if let Some(held) = conflict(&enclosing, &rel, want.mode) {

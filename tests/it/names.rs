@@ -151,6 +151,35 @@ fn a_name_whose_cut_lock_file_is_another_images_is_refused() {
         let err = stderr(&out);
         assert!(err.contains(&first) && err.lines().count() == 1, "{err}");
     }
+    // Refused at once while the first is in use, never waited for (nor
+    // 75): from outside, and from a command the first's writer runs.
+    let holder = env.hold(&["--write", &first], "started");
+    for args in [
+        &["exec", "--write", &second, "--", "true"][..],
+        &["exec", "--write", &second, "--no-wait", "--", "true"],
+        &["exec", "--read", &second, "--wait", "1", "--", "true"],
+        &["rm", &second],
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(64), "{}", show(&out));
+    }
+    env.release("release");
+    holder.finish();
+    for (outer, inner) in [("--read", "--write"), ("--write", "--read")] {
+        let code_file = env.sentinel("inner");
+        let script = format!(
+            "'{}' --root '{}' exec {inner} {second} -- true; echo $? > '{}'",
+            bin(),
+            env.root.display(),
+            code_file.display()
+        );
+        env.ok(["exec", outer, &first, "--", "sh", "-c", &script]);
+        assert_eq!(
+            std::fs::read_to_string(&code_file).unwrap(),
+            "64\n",
+            "{outer} {inner}"
+        );
+    }
     assert_eq!(env.state(&first).as_deref(), Some("ready"));
     assert_eq!(env.read_in_image(&first, "file"), "content\n");
     assert!(!env.root.join("img").join(&second).exists());
