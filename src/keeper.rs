@@ -57,10 +57,9 @@ pub fn become_subreaper() -> io::Result<()> {
 }
 
 impl Keeper {
-    /// Starts a keeper that runs `argv` with `env`. `lock_fds` must be inheritable during this call
-    /// (the keeper inherits them and hides them from the command). Returns once the command started
-    /// (or the keeper ended without saying whether it did), or with the error that kept it from
-    /// starting (the keeper is then reaped).
+    /// Starts a keeper that runs `argv` with `env`; `lock_fds` must be inheritable during this call.
+    /// Returns once the command started (or the keeper ended silently), or with the error that kept
+    /// it from starting (the keeper reaped).
     pub fn spawn(
         argv: &[OsString],
         env: &[(OsString, OsString)],
@@ -108,9 +107,8 @@ impl Keeper {
                 let _ = retrying(|| unsafe { libc::waitpid(pid, &mut st, 0) });
                 Err(io::Error::from_raw_os_error(errno))
             }
-            // Started — or the keeper ended without a word, perhaps after starting the command:
-            // taken as started, so the wait finds the keeper gone, kills what is left of the tree
-            // (ours now: we are a subreaper) and the image is no success.
+            // Started, or ended silently: taken as started, so the wait finds the keeper gone and
+            // kills what is left of the tree (ours: we are a subreaper).
             _ => Ok(keeper),
         }
     }
@@ -123,9 +121,8 @@ impl Keeper {
         Some((tag, value))
     }
 
-    /// After the keeper exited: the command's wait status. If the keeper died without reporting it
-    /// (killed), what is left of the command's tree is our child (we are a subreaper): it is killed
-    /// and reaped, and the outcome is an error.
+    /// After the keeper exited: the command's wait status; if the keeper died without reporting it,
+    /// what is left of the tree (ours: we are a subreaper) is killed, and the outcome is an error.
     pub fn outcome(mut self, keeper: std::process::ExitStatus) -> io::Result<i32> {
         if let Some((EXITED, status)) = self.message() {
             return Ok(status);
@@ -139,9 +136,7 @@ impl Keeper {
     }
 }
 
-/// Every live descendant of this process, found through /proc (parents before children). With a
-/// subreaper, the orphans among them are our children, so the set is exactly the processes we
-/// started, directly or not, that have not left through another subreaper.
+/// Every live descendant of this process, through /proc (parents before children).
 fn descendants() -> Vec<libc::pid_t> {
     let me = getpid().as_raw();
     let Ok(procs) = crate::ident::numbered::<libc::pid_t>("/proc") else {
@@ -171,8 +166,7 @@ fn signal_tree(sig: i32) {
     }
 }
 
-/// Kills and reaps every descendant until none is left. A process forked while we look is orphaned
-/// to us when its parent dies, and found by the next look.
+/// Kills and reaps every descendant until none is left (one forked meanwhile is orphaned to us).
 fn kill_tree() {
     loop {
         signal_tree(libc::SIGKILL);
@@ -199,9 +193,8 @@ fn reap_exited(command: libc::pid_t, status: &mut Option<i32>) -> bool {
     }
 }
 
-/// The keeper's `main`: `args` are what follows [`ARG`]. Returns its exit code; what matters to
-/// stowage is on the status pipe, where an error shows as a keeper that ended without starting the
-/// command. Never writes to the terminal: in a background group a write may stop it (TOSTOP).
+/// The keeper's `main`: `args` follow [`ARG`]. What matters is on the status pipe. Never writes to
+/// the terminal: in a background group a write may stop it (TOSTOP).
 pub fn main(args: &[OsString]) -> u8 {
     u8::from(run(args).is_err())
 }
@@ -290,8 +283,7 @@ fn signal_fd() -> io::Result<SignalFd> {
     Ok(SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC)?)
 }
 
-/// The command, to start in stowage's process group with the signal mask reset, the umask asked
-/// for, and a death signal tied to the keeper.
+/// The command, in stowage's process group, mask reset, umask set, dying with the keeper.
 fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::process::Command {
     let me = unsafe { libc::getpid() };
     let mut cmd = std::process::Command::new(&argv[0]);
@@ -299,8 +291,7 @@ fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::pr
     // SAFETY: only async-signal-safe calls between fork and exec (and this process has one thread).
     unsafe {
         cmd.pre_exec(move || {
-            // No signal blocked: the command must not inherit the mask that routes termination
-            // signals to us (shells reset it; most programs do not). Ignored ones stay ignored.
+            // No signal blocked: the command must not inherit our mask (most programs keep it).
             let none = SigSet::empty();
             nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&none), None)?;
             if let Some(mask) = umask {
@@ -354,8 +345,8 @@ enum Woke {
 }
 
 impl Tree {
-    /// Waits until every process of the tree has exited, forwarding the signals stowage sends, then
-    /// reports the outcome on `status`; or, if stowage goes first, kills and reaps the tree.
+    /// Waits until the whole tree has exited, forwarding signals, then reports on `status`; if
+    /// stowage goes first, kills and reaps the tree.
     fn watch(
         &mut self,
         status: &mut std::fs::File,
@@ -386,8 +377,8 @@ impl Tree {
         }
     }
 
-    /// Once the command has ended: signals its tree's leftovers with a termination signal received,
-    /// and kills them after [`GRACE`]. Returns whether the tree was just killed (to be reaped).
+    /// Once the command has ended: signals the leftovers with a termination signal received, kills
+    /// them after [`GRACE`]. Returns whether the tree was just killed (to be reaped).
     fn end_leftovers(&mut self) -> bool {
         if let (Some(sig), None) = (self.terminating, self.kill_at) {
             signal_tree(sig);
@@ -410,8 +401,7 @@ impl Tree {
         })
     }
 
-    /// A termination signal: to the command while it runs (unless the terminal reached it already),
-    /// else to every process left.
+    /// A termination signal: to the command while it runs, else to every process left.
     fn on_signal(&mut self, info: &libc::signalfd_siginfo) {
         let sig = info.ssi_signo as i32;
         if sig == libc::SIGCHLD {
@@ -469,9 +459,8 @@ fn wait_for_event(signals: &SignalFd, alive: &OwnedFd, timeout: PollTimeout) -> 
     })
 }
 
-/// The wait status the keeper reports: the command's, unless the command succeeded but processes of
-/// its tree had to be ended by a signal — then a death by that signal (the one forwarded, else
-/// SIGKILL), so the exec exits 128+N and a written image is not recorded ready.
+/// The wait status the keeper reports: the command's, unless it succeeded but leftovers had to be
+/// ended by a signal: then a death by that signal (else SIGKILL), so no image is recorded ready.
 fn tree_status(exit: Option<i32>, cut_short: bool, terminating: Option<i32>) -> i32 {
     let exit = exit.unwrap_or(0);
     let succeeded = libc::WIFEXITED(exit) && libc::WEXITSTATUS(exit) == 0;

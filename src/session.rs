@@ -173,15 +173,14 @@ impl Session {
         // Listed in one write, before the records (slow if a crash-cut removal is finished first).
         let hs = session.listing(req);
         crate::lease::note_all(&root.leases(), hs);
-        // A store another process is migrating (its records half converted) is migrated first, or
-        // waited for, as a write or a read would find it.
+        // A store another process is migrating (records half converted) is migrated or waited for.
         let chosen = session
             .start_writes(store, req)
             .and_then(|()| session.choose_images_dir());
         match chosen {
             Ok(dir) => session.images_dir = dir,
             Err(e) => {
-                let _ = session.undo();
+                let _ = session.abandon();
                 if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() {
                     return Ok(Attempt::Legacy);
                 }
@@ -198,8 +197,7 @@ impl Session {
         let base = req.base.as_ref().map(|b| b.as_str().to_owned());
         for img in self.images.iter_mut() {
             if img.role != Role::Write {
-                // A reader's lock file may have other names (it proved itself by its record): its
-                // use is written only into a file of its own, once in a while.
+                // Written only into a file of its own (a reader's may have other names).
                 if img.role == Role::ReadExclusive
                     || (image_record::last_use_stale(&img.held.seen, now)
                         && img.held.guard.has_one_name())
@@ -214,8 +212,7 @@ impl Session {
             }
             let existing = match (&img.held.seen.record, img.held.seen.damaged) {
                 (Some(r), _) => Some(r.clone()),
-                // State unknown: written anew like an existing image (its tree kept), put back as
-                // unknown if the command never runs.
+                // State unknown: written like an existing image, put back as unknown if unrun.
                 (None, true) => Some(Record::unknown(
                     img.held.name.as_str(),
                     crate::images_dir::config(&self.root)?.images,
@@ -244,8 +241,8 @@ impl Session {
         Ok(())
     }
 
-    /// The images directory the command is told: the one its images' records name (all the same:
-    /// the directory switches only when no image exists), else the store's.
+    /// The images directory its images' records name (all one: it switches only with no image),
+    /// else the store's.
     fn choose_images_dir(&self) -> Result<PathBuf> {
         let mut dirs = self
             .images
@@ -278,12 +275,10 @@ impl Session {
         hs
     }
 
-    /// The images directory, for the command's environment.
     pub fn images_dir(&self) -> &Path {
         &self.images_dir
     }
 
-    /// The directory of an image.
     pub fn image_dir(&self, name: &ImageName) -> PathBuf {
         self.images_dir.join(name.encoded())
     }
@@ -318,9 +313,8 @@ impl Session {
             .collect()
     }
 
-    /// Makes the written image `target` a copy of `base` (emptying it first: it is being rebuilt from
-    /// the base). Both ends are opened from one descriptor of the images directory, never a path
-    /// resolved again: a link swapped in above them cannot move the copy.
+    /// Makes the written image `target` a copy of `base`, emptied first. Both ends are opened from
+    /// one descriptor of the images directory: a link swapped in above them cannot move the copy.
     pub fn clone_into(&self, store: &Store, base: &ImageName, target: &ImageName) -> Result<()> {
         use std::io::IsTerminal;
         let images_dir = &self.images_dir;
@@ -392,8 +386,7 @@ impl Session {
     }
 
     /// Records the outcome and releases the locks. A written image is `ready` only if the command
-    /// succeeded and its lock is still ours; a lock lost meanwhile (an NFS lease expired) is not
-    /// written through and is an error.
+    /// succeeded and its lock is still ours; a lock lost meanwhile (NFS lease expiry) is an error.
     pub fn finish(mut self, store: &mut Store, outcome: Outcome) -> Result<()> {
         let now = clock::now_ms();
         let mut lost = Vec::new();
@@ -430,11 +423,7 @@ impl Session {
 
     /// Undoes the start of a command that never ran: each written image's
     /// record as it was before, a new one's tree and lock file gone.
-    pub fn abandon(self) -> Result<()> {
-        self.undo()
-    }
-
-    fn undo(mut self) -> Result<()> {
+    pub fn abandon(mut self) -> Result<()> {
         let mut out = Ok(());
         // A written image has a record once its start is recorded.
         for img in self.images.iter_mut().filter(|i| i.record.is_some()) {
@@ -479,8 +468,7 @@ enum Attempt {
 /// The images taken, or what to do before an attempt starts over.
 type Taken = Result<Result<Vec<Image>, Attempt>>;
 
-/// Every image lock, in lock order, each with its record, then [`settle_taken`]; `Ok(Err(_))`:
-/// start over.
+/// Every image lock, in lock order, with its record, then [`settle_taken`]; `Ok(Err(_))`: again.
 fn take_images(
     store: &Store,
     req: &Request,
@@ -524,8 +512,8 @@ fn take_images(
     settle_taken(root, images)
 }
 
-/// What the taken images' records say of the attempt: an older release's store to migrate, someone
-/// else's store-wide hold to wait for, reads that cannot be. All but going on lets every lock go.
+/// What the records say of the attempt: a store to migrate, another's store-wide hold to wait for,
+/// reads that cannot be. All but going on lets every lock go.
 fn settle_taken(root: &Root, mut images: Vec<Image>) -> Taken {
     if images.iter().any(|i| i.held.seen.legacy) {
         if crate::migrate::is_legacy(root) {
@@ -576,9 +564,8 @@ fn wanted(req: &Request) -> Vec<(ImageName, Role)> {
 }
 
 /// Asks `store.lock` when an image we hold has the store-wide hint, or is new (so cannot have one).
-/// - Free: the hints were left by a hold that is gone, and go — but for an image whose tree is
-///   missing, which that hold's command deleted while someone else held the image (so its record
-///   could not be dropped): it is returned as gone, and keeps its hint for the next user.
+/// - Free: a gone hold's hints go — but a ready image whose tree is missing (that hold's command
+///   deleted it while another held it) is returned as gone, keeping its hint for the next user.
 /// - Inside a hold: a new image's lock file gets the hint, so users outside ask `store.lock` too.
 fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<ImageName>)> {
     let hinted = images.iter().any(|i| i.held.seen.store_wide);
@@ -656,8 +643,7 @@ fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> 
     Ok(())
 }
 
-/// Writes a record, using the reserve if the filesystem is full (a build that filled it must still
-/// have its outcome recorded).
+/// Writes a record, using the reserve if the filesystem is full.
 fn write_record(store: &Store, held: &mut Held, r: &Record) -> Result<()> {
     let path = held.guard.path().display().to_string();
     let reserve = store.root().reserve();
@@ -691,8 +677,7 @@ fn start_new(
     Ok(())
 }
 
-/// Makes the tree of an existing image that has none (its first writer failed and left it empty, so
-/// it went): `true` if made.
+/// Makes the tree of an existing image that has none (a failed first write's went): `true` if made.
 fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
     let Some(r) = held.seen.record.as_ref() else {
         return Ok(false);
@@ -712,10 +697,9 @@ fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<b
     }
 }
 
-/// An existing image's tree must be a directory of its own: a symlink or a file swapped in for it
-/// would send the command's writes elsewhere (one `lstat`: the command is handed the path). One
-/// missing from an images directory that is not the one recorded (unmounted, or something planted
-/// in its place) is no tree to write either: the command would write where nobody looks.
+/// An existing image's tree must be a directory of its own (one `lstat`): a symlink or file swapped
+/// in would send the command's writes elsewhere, as would a missing one in an images directory not
+/// the one recorded (unmounted, or planted).
 fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
     let Some(r) = held.seen.record.as_ref() else {
         return Ok(());
@@ -741,8 +725,8 @@ fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
     )
 }
 
-/// A new image's directory that exists already is this write's only if it is an empty directory of
-/// ours (one a write cut short made): anything else is refused, never handed to the builder.
+/// A new image's existing directory is used only if it is an empty one of ours (a write cut short
+/// made it): anything else is refused, never handed to the builder.
 fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<()> {
     let path = dir.join(name.encoded());
     let what = match images.stat_at(name.encoded())? {
@@ -788,8 +772,8 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
     Ok(())
 }
 
-/// The end of one write: the tree the command deleted goes with its record; otherwise the record
-/// says how the command ended. Returns what to tell the user, if anything is unusual.
+/// The end of one write: a tree the command deleted goes with its record, else the record says how
+/// the command ended. Returns what to tell the user, if anything is unusual.
 fn finish_write(
     root: &Root,
     images_dir: &Path,
@@ -844,7 +828,7 @@ fn give_up(root: &Root, images: Vec<Image>, waited_for: &[ImageName]) {
     crate::remove::release_unclaimed(root, held, waited_for);
 }
 
-/// [`give_up`] for `e`; an image missing from an unmigrated store is sought again once migrated.
+/// [`give_up`]; an image missing from an unmigrated store is sought again once migrated.
 fn give_up_on(root: &Root, images: Vec<Image>, waited: &[ImageName], e: anyhow::Error) -> Taken {
     give_up(root, images, waited);
     if matches!(crate::error::typed(&e), Some(Error::NoSuchImage(_)))
@@ -892,17 +876,16 @@ fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
 }
 
 impl Drop for Session {
-    /// A session dropped without finish (a library caller, a panic): its locks go, and its written
-    /// images read as incomplete (`writing` under free locks); our lease lists them no more.
+    /// Dropped without finish (a library caller, a panic): the locks go, written images read as
+    /// incomplete (`writing` under free locks), and our lease lists them no more.
     fn drop(&mut self) {
         self.release();
         crate::lease::forget_all(&self.root.leases(), &self.listed);
     }
 }
 
-/// Replaces the emptied tree of `target` by one of ours if another user made it (an image first
-/// written by another member of a group store): a copy makes its top ours alone while it is made,
-/// which another user's directory cannot be (`clone::copy_tree_at` checks it got one).
+/// Replaces the emptied tree of `target` by one of ours if another user made it (a group store): a
+/// copy makes its top ours alone while it is made (`clone::copy_tree_at` checks it got one).
 fn make_ours(images: &crate::dir::Dir, target: &ImageName, dst: &Path) -> Result<()> {
     let me = nix::unistd::geteuid().as_raw();
     if let Ok(Some(st)) = images.stat_at(target.encoded())

@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use crate::catalog::{self, Catalog, CatalogError, Found, NeedsMigration};
 use crate::ctx::Ctx;
 use crate::error::{Busy, Error};
-use crate::lock::{self, Mode, Wait, Waited};
+use crate::lock::{self, Mode, Wait};
 use crate::root::Root;
 
 pub struct Store {
@@ -30,8 +30,8 @@ pub struct Store {
 /// How long a wait for the global lock goes before it is reported.
 const GLOBAL_NOTICE: Duration = Duration::from_secs(2);
 
-/// The global lock is held for one short transaction, so even `--no-wait` waits for it — up to this
-/// long past the caller's deadline, which still bounds the wait when a holder is stuck.
+/// Even `--no-wait` waits for the global lock (held for one short transaction), this long past the
+/// caller's deadline.
 const GLOBAL_GRACE: Duration = Duration::from_secs(5);
 
 impl Store {
@@ -55,8 +55,7 @@ impl Store {
         &self.ctx.root
     }
 
-    /// For a command that only reads: a missing root is reported (66), never created — after the
-    /// arguments were checked (bad input is 64 whatever the root).
+    /// For a command that only reads: a missing root is reported (66), never created.
     pub fn require_root(&self) -> Result<()> {
         if !self.ctx.creates_root && !self.ctx.root.exists() {
             return Err(Error::NoRoot(self.ctx.root.dir().to_owned()).into());
@@ -69,8 +68,8 @@ impl Store {
         take_global(&self.ctx, deadline)
     }
 
-    /// Runs `f` in one catalog transaction under the global lock, and commits. A full filesystem
-    /// gets one more try in the space kept in reserve (`space.rs`).
+    /// Runs `f` in one catalog transaction under the global lock, and commits; a full filesystem
+    /// gets one more try with the reserve (`space.rs`).
     pub fn with_catalog<T>(
         &mut self,
         deadline: Option<Instant>,
@@ -79,11 +78,9 @@ impl Store {
         self.retry_full(|store| store.transaction(|c| take_global(c, deadline), false, &mut f))
     }
 
-    /// Like [`Store::with_catalog`], for a look that can do without the catalog (a listing: the
-    /// records say all that matters). It waits for the global lock a bounded time, without notice:
-    /// a holder stuck longer (a stopped process, `flock(1)` by hand) fails it with [`Error::Busy`],
-    /// which the caller says in its one line. On a full filesystem, if even the reserve cannot make
-    /// room for the journal, `f` runs in a transaction journalled in memory and rolled back.
+    /// [`Store::with_catalog`] for a look that can do without the catalog: the global lock is waited
+    /// for a bounded time, silently ([`Error::Busy`] past it). On a full filesystem, if even the
+    /// reserve cannot make room for the journal, `f` runs journalled in memory and rolled back.
     pub fn look_catalog<T>(&mut self, mut f: impl FnMut(&Catalog, &Ctx) -> Result<T>) -> Result<T> {
         match self.retry_full(|store| store.transaction(take_global_quietly, false, &mut f)) {
             Err(e) if crate::space::is_full(&e) => {
@@ -128,8 +125,7 @@ impl Store {
     }
 
     /// The catalog's connection, under the global lock: opened on first use, and anew once the file
-    /// at the path is another (set aside and rebuilt by another process). Settled here: made,
-    /// rebuilt, or refused as needing migration.
+    /// at the path is another (rebuilt by another process); made, rebuilt, or refused to migrate.
     fn connection(&mut self) -> Result<()> {
         let db = self.ctx.root.db();
         let id = file_id(&db);
@@ -145,8 +141,7 @@ impl Store {
 
     fn open_settled(&self) -> Result<rusqlite::Connection> {
         let db = self.ctx.root.db();
-        // A FIFO, socket or link planted at the catalog is an error here: only `doctor --repair`
-        // moves it (an exec never opens the catalog).
+        // Something planted at the catalog is an error here: only `doctor --repair` moves it.
         let conn = catalog::open(&db)?;
         let root = &self.ctx.root;
         let found = match catalog::inspect_in(&conn, root) {
@@ -188,8 +183,8 @@ impl Store {
         self.conn = None;
     }
 
-    /// Runs `f`; if it fails because the disk is full, empties the reserve (`space.rs`), runs it
-    /// once more, and fills the reserve again. `f` must be safe to repeat.
+    /// Runs `f`, and once more with the reserve (`space.rs`) freed if the disk is full: `f` must be
+    /// safe to repeat.
     pub fn retry_full<T>(&mut self, mut f: impl FnMut(&mut Store) -> Result<T>) -> Result<T> {
         match f(self) {
             Err(e)
@@ -218,8 +213,8 @@ pub(crate) fn set_aside(root: &Root, why: &str) -> Result<PathBuf> {
     set_aside_file(root, &root.db(), why)
 }
 
-/// Renames an entry of the root (the catalog, its journal, or whatever was planted in their place)
-/// to `NAME.WHY-STAMP`, through the root's descriptor: nothing is followed, nothing deleted.
+/// Renames an entry of the root to `NAME.WHY-STAMP` through the root's descriptor: nothing is
+/// followed, nothing deleted.
 pub(crate) fn set_aside_file(root: &Root, path: &Path, why: &str) -> Result<PathBuf> {
     let dir = root.open()?;
     let name = path
@@ -256,28 +251,28 @@ fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
 }
 
 /// [`take_global`] for a look that can do without the catalog: waits [`GLOBAL_GRACE`] at most,
-/// announces nothing (the caller's one line says it went on without), fails naming the holder.
+/// silently, then fails naming the holder.
 fn take_global_quietly(ctx: &Ctx) -> Result<lock::Guard> {
     let path = ctx.root.global_lock();
     let t0 = Instant::now();
     let mut wait = Wait::on(&ctx.root.locks(), Some(t0 + GLOBAL_GRACE));
     match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => take_global(ctx, None),
-        other => match other.map_err(|e| lock::error("the global lock", &path, e))? {
-            Waited::Acquired(g) => Ok(g),
-            Waited::TimedOut => Err(Error::Busy(Busy {
-                what: format!("the global lock ({})", path.display()),
-                holders: crate::holders::global_holder_phrase(ctx),
-                waited: t0.elapsed(),
-            })
-            .into()),
-            Waited::Interrupted(sig) => Err(Error::Interrupted(sig).into()),
-        },
+        other => other
+            .map_err(|e| lock::error("the global lock", &path, e))?
+            .or_else_busy(|| {
+                Error::Busy(Busy {
+                    what: format!("the global lock ({})", path.display()),
+                    holders: crate::holders::global_holder_phrase(ctx),
+                    waited: t0.elapsed(),
+                })
+                .into()
+            }),
     }
 }
 
-/// Takes the global lock: tried a few times (it is held for microseconds), then waited for, bounded
-/// by the caller's deadline plus a grace, and reported if the wait goes on.
+/// Takes the global lock: tried a few times (it is held for microseconds), then waited for until the
+/// caller's deadline plus a grace, reported if the wait goes on.
 fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
     let path = ctx.root.global_lock();
     let deadline = deadline.map(|d| d.max(Instant::now() + GLOBAL_GRACE));
@@ -319,15 +314,10 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
     let waited = lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, &mut wait);
     drop(wait);
     drop(line);
-    match waited.map_err(|e| lock::error("the global lock", &path, e))? {
-        Waited::Acquired(g) => Ok(g),
-        Waited::TimedOut => Err(Busy::now(
-            "the global lock".into(),
-            crate::holders::global_holder_phrase(ctx),
-        )
-        .into()),
-        Waited::Interrupted(sig) => Err(Error::Interrupted(sig).into()),
-    }
+    let holders = || crate::holders::global_holder_phrase(ctx);
+    waited
+        .map_err(|e| lock::error("the global lock", &path, e))?
+        .or_else_busy(|| Busy::now("the global lock".into(), holders()).into())
 }
 
 /// Device and inode of a file, if it exists.

@@ -36,15 +36,13 @@ pub enum Probe {
     Held,
 }
 
-/// Asks `store.lock` without waiting. Call holding the image locks the answer is for (a new image's
-/// writer: after taking its own).
+/// Asks `store.lock` without waiting, holding the image locks the answer is for.
 pub fn probe(root: &Root) -> Result<Probe> {
     let path = root.store_wide_lock();
     let file = match lock::open_existing_read(&path) {
         Ok(Some(f)) => f,
         Ok(None) => return Ok(Probe::Free),
-        // No hold stands on a non-regular file (taking one refuses it): a planted one stops no
-        // image user, only the next hold, which names it.
+        // No hold stands on a planted file (taking one refuses it).
         Err(e) if crate::planted::find(&e).is_some() => return Ok(Probe::Free),
         Err(e) => return Err(lock::error("the store-wide lock", &path, e)),
     };
@@ -60,8 +58,8 @@ pub fn probe(root: &Root) -> Result<Probe> {
     })
 }
 
-/// Whether we run inside a store-wide hold, or inside the command of an image user (which a hold
-/// waits for). A slot holder's command is not: a hold does not wait for slots.
+/// Whether we run inside a store-wide hold, or inside an image user's command (which a hold waits
+/// for; not a slot holder's).
 fn inside(root: &Root) -> bool {
     let ours =
         |h: &Holding| h.lockfile == Root::STORE_WIDE_LOCK_REL || h.lockfile.starts_with("images/");
@@ -69,14 +67,14 @@ fn inside(root: &Root) -> bool {
         || crate::nested::ancestor_holds(root).iter().any(ours)
 }
 
-/// Whether another's store-wide hold stands over an image whose lock (the caller holds it) said
-/// `seen`: then the image may not change now (gc and repair leave it for later).
+/// Whether another's store-wide hold stands over an image whose lock (held) said `seen`: then the
+/// image may not change now.
 pub fn blocks(root: &Root, seen: &crate::image_record::Seen) -> bool {
     seen.store_wide && !matches!(probe(root), Ok(Probe::Free | Probe::Inside))
 }
 
 /// Waits until no store-wide hold stands: `store.lock` taken shared and let go, holding nothing
-/// else. Bounded by `deadline`; `no_wait` fails at once.
+/// else.
 pub fn wait_free(
     store: &Store,
     deadline: Option<Instant>,
@@ -95,9 +93,7 @@ pub fn wait_free(
         deadline,
         awaited,
         |wait| match lock::acquire(&path, Mode::Shared, lock::IfMissing::Fail, wait) {
-            Ok(Waited::Acquired(g)) => Ok(Waited::Acquired(Some(g))),
-            Ok(Waited::TimedOut) => Ok(Waited::TimedOut),
-            Ok(Waited::Interrupted(s)) => Ok(Waited::Interrupted(s)),
+            Ok(w) => Ok(w.map(Some)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Waited::Acquired(None)),
             Err(e) => Err(lock::error("the store-wide lock", &path, e)),
         },
@@ -124,8 +120,7 @@ impl Hold {
             return Err(Busy::now("the store-wide lock".into(), "held by an enclosing command of this process (a 'stowage exec --store-wide' that runs it); a store-wide command cannot run inside another".into())
             .into());
         }
-        // Inside an image user's command, a hold already waiting (for that very user, among others)
-        // would wait for us: fail at once.
+        // Inside an image user's command, a hold already waiting (for that user) would wait for us.
         let under_image = crate::nested::enclosing_holds(root)
             .iter()
             .any(|h| h.lockfile.starts_with("images/"));
@@ -143,8 +138,7 @@ impl Hold {
         Ok(hold)
     }
 
-    /// Takes `store.lock` exclusively without the scan (the migration of an older store holds the
-    /// older release off its own way).
+    /// Takes `store.lock` exclusively without the scan (for the migration).
     pub fn take_raw(
         store: &Store,
         command: &str,
@@ -191,17 +185,15 @@ impl Hold {
         self.guard.set_inheritable(inherit)
     }
 
-    /// After the command: drops the records of images whose trees it deleted (`ch-image delete` run
-    /// store-wide), unless the images directory looks unmounted (then a missing tree proves
-    /// nothing); an incomplete image may have no tree: kept. Returns their names.
+    /// After the command: drops the records of ready images whose trees it deleted, unless the
+    /// images directory looks unmounted. Returns their names.
     pub fn forget_deleted(&self, store: &Store) -> Vec<String> {
         let entries = crate::census::take(store.root()).unwrap_or_default();
         forget_missing(store, entries, |_| true)
     }
-    /// Ends the hold. If a process the command left behind still holds the inherited `store.lock`,
-    /// the hold lasts until it ends too (hints and file stay; image users keep waiting). Otherwise,
-    /// with `store.lock` retaken exclusively by us alone, hints go from every lock file nobody
-    /// holds (one a nested exec holds keeps it, for its next holder to clear), then `store.lock`.
+    /// Ends the hold. If a process the command left still holds the inherited `store.lock`, the hold
+    /// lasts until it ends (hints stay). Otherwise, with `store.lock` retaken, hints go from every
+    /// lock file nobody holds (a held one's next holder clears it), then `store.lock`.
     pub fn release(self, store: &Store) {
         let root = store.root();
         let path = self.guard.path().to_owned();
@@ -225,8 +217,8 @@ impl Hold {
     }
 }
 
-/// What an ended hold could not forget: ready images whose trees its command deleted while another
-/// process held them (hints stay); forgotten by the next look at every image with no hold standing.
+/// What an ended hold could not forget (trees its command deleted while another held the image,
+/// hints kept): forgotten by the next look at every image with no hold standing.
 pub fn forget_left(store: &Store, entries: &[crate::census::Entry]) -> Vec<String> {
     let hinted: Vec<crate::census::Entry> = entries
         .iter()
@@ -242,8 +234,7 @@ pub fn forget_left(store: &Store, entries: &[crate::census::Entry]) -> Vec<Strin
 }
 
 /// Drops the records of ready images in `entries` whose trees are missing, each under its exclusive
-/// lock (tried) and only if `still` holds of what the lock file then says; none if the images
-/// directory looks unmounted or empty.
+/// lock (tried) if `still` holds of what it then says; none if the images directory looks unmounted.
 fn forget_missing(
     store: &Store,
     entries: Vec<crate::census::Entry>,
@@ -418,9 +409,8 @@ fn wait_for_image(
     got
 }
 
-/// Waits, by `attempt`, for lock file `path` (`store.lock` or an image's), said as `what` in a line
-/// followed until the wait ends, listed as `awaited` in our lease meanwhile. With `refuse` (what is
-/// busy) it fails at once instead.
+/// Waits, by `attempt`, for lock file `path` (`store.lock` or an image's), announced as `what`,
+/// listed as `awaited` in our lease; with `refuse` (what is busy) it fails at once instead.
 fn wait_in_turn<'a, T>(
     store: &Store,
     path: &std::path::Path,
@@ -475,7 +465,7 @@ fn lock_file_names(root: &Root) -> Result<Vec<String>> {
     Ok(crate::census::lock_file_names(dir.listing()?))
 }
 
-/// Clears the hints a dead hold left on images the caller holds, once `store.lock` was found free.
+/// Clears a dead hold's hints on images the caller holds, once `store.lock` was found free.
 pub fn clear_hints<'a>(files: impl IntoIterator<Item = &'a std::fs::File>) {
     for f in files {
         let _ = image_record::set_store_wide(f, false);

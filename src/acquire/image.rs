@@ -62,10 +62,8 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
     Ok(held)
 }
 
-/// Refuses `name` if its lock file holds the record of another image whose names, cut to fit a
-/// file name, hash alike: that record is the other image's authority, never read, written or
-/// removed as `name`'s (a record copied from another lock file is only damage, which a write
-/// settles). Exit 64: the name cannot be used here.
+/// Refuses `name` (exit 64) if its lock file holds the record of another image whose name, cut to
+/// fit a file name, hashes alike: that record is the other image's, never used as `name`'s.
 fn refuse_shared_lock_file(name: &ImageName, seen: &Seen) -> Result<()> {
     let Some(other) = seen
         .foreign
@@ -84,9 +82,8 @@ fn refuse_shared_lock_file(name: &ImageName, seen: &Seen) -> Result<()> {
     .into())
 }
 
-/// Before a wait for a busy lock: [`refuse_shared_lock_file`] by the record read without the lock
-/// (its two slots make that safe), so that a name that can never be used neither waits nor holds
-/// up others at the gate. Only a cut name can share its lock file: no read for any other.
+/// [`refuse_shared_lock_file`] before a wait, by the record read without the lock (its two slots
+/// make that safe): a name that can never be used does not wait. Only a cut name is read.
 fn refuse_shared_lock_file_now(root: &Root, name: &ImageName) -> Result<()> {
     let file = crate::root::lock_file_name(name.encoded());
     if file == format!("{}.lock", name.encoded()) {
@@ -128,8 +125,8 @@ fn take_any(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
     wait_taking(store, name, want, writer_ahead, &enclosing)
 }
 
-/// [`take`] once the lock proved busy: says for whom we wait, waits as allowed, and gives up
-/// where an enclosing exec announced since that it holds the lock.
+/// [`take`] once the lock proved busy: says for whom we wait, waits as allowed, and gives up if an
+/// enclosing exec announces meanwhile that it holds the lock.
 fn wait_taking(
     store: &Store,
     name: &ImageName,
@@ -155,8 +152,7 @@ fn wait_taking(
         h => h,
     };
     let mut holders = phrase_now();
-    // The look took a moment, and the holder may be gone by now: on FUSE and NFS a close releases
-    // its lock after the closing process has moved on. One more try before saying we wait.
+    // The holder may be gone by now (on FUSE and NFS a close releases the lock late): one more try.
     if let Ok(Tried::Got(h)) = try_image(root, name, want.mode, want.create) {
         return Ok(*h);
     }
@@ -234,9 +230,8 @@ fn conflict(enclosing: &crate::nested::Enclosing, rel: &str, mode: Mode) -> Opti
         .filter(|held| mode == Mode::Exclusive || *held == Mode::Exclusive)
 }
 
-/// The error for a lock this process's enclosing command holds in a conflicting mode: waiting would
-/// never end. A read of an image it writes finds the image not ready (66); a write of an image it
-/// holds is a lock that cannot be had (75).
+/// The error for a lock our enclosing command holds in a conflicting mode: a read finds the image
+/// not ready (66); a write finds the lock busy (75).
 fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
     let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
     match mode {
@@ -292,21 +287,17 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
     };
     if mode == Mode::Shared && seen.writer_waits {
         match lock::acquire_no_wait(&root.image_gate(name), Mode::Shared, lock::IfMissing::Fail) {
-            // No writer holds the gate: the hint is stale (its writer got in, or died waiting).
-            // Cleared while we hold the gate, when no writer can be setting it — but not through a
-            // file with other names (a reader's proves itself by its record): a reader writes
-            // nothing through it.
+            // No writer holds the gate: the hint is stale. Cleared while we hold the gate (no
+            // writer can be setting it), but not through a file with other names.
             Ok(Some(_passed)) => {
                 if guard.has_one_name() {
                     let _ = image_record::set_writer_waits(guard.file(), false);
                 }
             }
-            // No gate file: nobody waits there. Nor at something planted in its place, which no
-            // writer can hold (doctor reports it).
+            // No gate file, or something planted there that no writer can hold: nobody waits.
             Err(e) if e.kind() == io::ErrorKind::NotFound || crate::planted::find(&e).is_some() => {
             }
-            // A reader whose enclosing command reads the image already is part of that hold: the
-            // writer at the gate waits for it, so queueing behind the writer would be a cycle.
+            // Our enclosing command reads the image: the writer waits for it, queueing is a cycle.
             Ok(None)
                 if crate::nested::enclosing_hold(root, &Root::image_lock_rel(name)).is_some() => {}
             Ok(None) => return Ok(Tried::WriterWaiting),
@@ -343,8 +334,7 @@ fn wait_image(
         Err(e) => return Err(e),
     };
     if mode == Mode::Exclusive && passage.is_some() {
-        // Holding the gate: readers that see the hint queue behind us. Closed before the wait,
-        // which on NFS sends it to the server.
+        // Readers that see the hint queue behind us (closed before the wait: NFS sends it then).
         if let Ok(Some(file)) = lock::open_existing(&path) {
             let _ = image_record::set_writer_waits(&file, true);
         }
@@ -369,10 +359,8 @@ fn wait_image(
     got
 }
 
-/// Before a wait: fails with [`Error::NoSuchImage`] (66) if one of `names` has no record. Read
-/// without the lock (the record's two slots make a read beside a write safe): an image in any state
-/// may still become readable while we wait, so only absence is final — and an image whose creator
-/// holds its lock has a `creating` record to wait for.
+/// Before a wait: [`Error::NoSuchImage`] (66) if one of `names` has no record, read without the lock
+/// (two slots make that safe). Only absence is final: any state may become readable meanwhile.
 pub(crate) fn require_all(root: &Root, names: &[ImageName]) -> Result<()> {
     for n in names {
         let seen = match lock::open_existing_read(&root.image_lock(n)) {
@@ -386,7 +374,6 @@ pub(crate) fn require_all(root: &Root, names: &[ImageName]) -> Result<()> {
     Ok(())
 }
 
-/// [`Error::NoSuchImage`] (66).
 fn no_such(name: &ImageName) -> anyhow::Error {
     Error::NoSuchImage(name.as_str().to_owned()).into()
 }

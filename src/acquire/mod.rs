@@ -21,11 +21,9 @@ use crate::store::Store;
 pub mod image;
 pub mod slot;
 
-/// Runs a wait announced as `what`, held by `holders`, with the lock `awaited` listed in our lease
-/// meanwhile, and the locks `held` already (listed with it, in one write: a look on another host,
-/// where no lock table shows them, names their holder while it waits); a timeout is [`Error::Busy`]
-/// (exit 75) naming the holders then (`holders_now`; those of the start if none is seen), a signal
-/// [`Error::Interrupted`].
+/// Runs a wait announced as `what`, held by `holders`, with `awaited` and the locks `held` already
+/// listed in our lease meanwhile (one write: another host sees no lock table). A timeout is
+/// [`Error::Busy`] naming the holders then (`holders_now`, else `holders`); a signal interrupts.
 pub(crate) fn wait_for<T>(
     store: &Store,
     awaited: Holding,
@@ -43,17 +41,13 @@ pub(crate) fn wait_for<T>(
     let t0 = Instant::now();
     let out = wait();
     crate::lease::forget(&leases, &lockfile);
-    match out? {
-        Waited::Acquired(got) => Ok(got),
-        Waited::TimedOut => {
-            let now = holders_now();
-            Err(Error::Busy(Busy {
-                what,
-                holders: if now.is_empty() { holders } else { now },
-                waited: t0.elapsed(),
-            })
-            .into())
-        }
-        Waited::Interrupted(sig) => Err(Error::Interrupted(sig).into()),
-    }
+    out?.or_else_busy(|| {
+        let now = holders_now();
+        Error::Busy(Busy {
+            what,
+            holders: if now.is_empty() { holders } else { now },
+            waited: t0.elapsed(),
+        })
+        .into()
+    })
 }

@@ -46,8 +46,7 @@ impl SlotGuard {
         std::os::fd::AsRawFd::as_raw_fd(&self.guard)
     }
 
-    /// What this process's lease is to say of the slot, for `command`: how lock-status and waiting
-    /// messages name a slot holder. The caller writes it (with its other locks); the slot takes it
+    /// What our lease is to say of the slot, for `command`: the caller writes it; the slot takes it
     /// out of the lease when it goes.
     pub(crate) fn listing(&mut self, root: &Root, command: &str) -> crate::lease::Holding {
         let rel = root.locks_rel(self.guard.path());
@@ -213,7 +212,7 @@ fn try_now(
 }
 
 /// After a lowered limit, the first acquirer to find the files beyond it free settles the record
-/// (under the global lock, tried, never awaited): later ones need not count them.
+/// (under the global lock, tried, never awaited).
 fn settle_if_free(root: &Root, class: &str, limits: &Limits) {
     if limits.settled() {
         return;
@@ -231,9 +230,8 @@ fn settle_if_free(root: &Root, class: &str, limits: &Limits) {
     }
 }
 
-/// A normal acquirer's first try: `0.lock`, whose class record, read under the lock just taken,
-/// allows the slot and proves the file is still at its path. `Some` if that decides (`Some(None)`:
-/// the class is unlimited), `None` to go the general way.
+/// A normal acquirer's first try: `0.lock`, whose class record, read under the lock, allows the
+/// slot and proves the file at its path. `Some` if that decides (`Some(None)`: unlimited).
 fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
     let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
     let got = lock::acquire_no_wait_with(&path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
@@ -265,9 +263,8 @@ const POLL: Duration = Duration::from_millis(50);
 /// the file's flock, and a try in between would sleep through the release (1 wake in 100 seen).
 const SETTLE_LAST: Duration = Duration::from_millis(128);
 
-/// Waits for a slot of `class` in `dir`, starting from `slots`; `None` if the class turns unlimited,
-/// or if `under_enclosing` (asked at each recheck) says an enclosing exec has since announced that
-/// it holds one.
+/// Waits for a slot of `class` in `dir`, starting from `slots`; `None` if the class turns unlimited
+/// or `under_enclosing` (asked at each recheck) says an enclosing exec holds one.
 fn wait_for_slot(
     store: &Store,
     class: &str,
@@ -341,8 +338,7 @@ fn wait_for_slot(
     }
 }
 
-/// Rereads the class for a waiter: removed is an error (64), unlimited (`None`) lets it in, a change
-/// (said if from `limits`) binds.
+/// Rereads the class for a waiter: removed is an error (64), unlimited (`None`) lets it in.
 fn reread_class(store: &Store, class: &str, limits: &Limits) -> Result<Option<Limits>> {
     let Class::Limits(now) = crate::slots::read_class(store.root(), class)? else {
         return Err(Error::Usage(format!(
@@ -399,11 +395,10 @@ impl Slots {
         }
     }
 
-    /// One pass of tries. A slot is kept only if the record, read after the take, still says these
-    /// limits, and its kind's slots in use (holders above a lowered limit too) stay within them.
+    /// One pass of tries. A slot is kept only if the record read after the take still says these
+    /// limits, and its kind's slots in use (beyond a lowered limit too) stay within them.
     fn try_take(&mut self, root: &Root, class: &str) -> std::io::Result<Took> {
-        // Kinds whose holders beyond a lowered limit fill it are not even tried: a try holds a file
-        // for a moment, which others would see.
+        // Kinds filled by holders beyond a lowered limit are not tried (others would see the try).
         let normal_full = !self.beyond.paths().is_empty()
             && self.beyond.held_count(|_| true)? >= self.limits.limit as usize;
         let high_full = !self.beyond_high.paths().is_empty()
@@ -421,8 +416,7 @@ impl Slots {
         } else {
             (&mut self.beyond, self.limits.limit as usize)
         };
-        // Counted through kept descriptors before the record is read: reading it opens and closes
-        // a file, and a close wakes this waiter too, which would then spin while the count says no.
+        // Counted before the record is read: its read's close wakes this waiter, which would spin.
         let in_use = match beyond.paths().is_empty() {
             true => 0,
             false => {

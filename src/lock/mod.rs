@@ -80,8 +80,7 @@ pub struct Guard {
     file: File,
     path: PathBuf,
     mode: Mode,
-    /// Device and inode, from the unlink-race check, else asked of the
-    /// descriptor when first wanted ([`acquire_no_wait_with`]'s proof: no stat).
+    /// Device and inode, from the unlink-race check, else fstat'ed when first wanted.
     id: OnceLock<(u64, u64)>,
 }
 
@@ -112,9 +111,8 @@ impl Guard {
         set_cloexec(self.file.as_raw_fd(), !inherit)
     }
 
-    /// Replaces the lock file's contents (a note for others, such as who holds the probe lock)
-    /// through the locked descriptor, never the path, where a symlink may have been planted since.
-    /// Written before the old tail is cut, so a reader never finds the note empty.
+    /// Replaces the lock file's contents through the locked descriptor (never the path, where a
+    /// symlink may be planted since); written before the tail is cut: a reader never finds it empty.
     pub fn set_contents(&self, bytes: &[u8]) -> io::Result<()> {
         self.file.write_all_at(bytes, 0)?;
         self.file.set_len(bytes.len() as u64)?;
@@ -122,10 +120,9 @@ impl Guard {
         sync_written(&self.file)
     }
 
-    /// Checks in one request that the lock is still ours as far as the filesystem can tell, for a
-    /// holder about to write and sync the file. An NFS server drops a client's locks after a
-    /// partition longer than its lease (another host may take them), so a non-blocking flock
-    /// reasserts the held mode (local no-op, NFS request); on failure it cannot be vouched for.
+    /// Checks in one request that the lock is still ours, before a holder writes the file: an NFS
+    /// server drops a client's locks after a partition longer than its lease, so a non-blocking
+    /// flock reasserts the held mode (local no-op, NFS request).
     pub fn still_held(&self) -> io::Result<()> {
         if lost_in_test(&self.path) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -136,10 +133,9 @@ impl Guard {
         Ok(())
     }
 
-    /// Unlinks a lease (`lease.rs`) on every filesystem, else NFS keeps one per exec. Lock files
-    /// stay on shared filesystems, where two processes could lock two files of one name; a lease
-    /// has one owner, who made it under a fresh name and checks it after locking, and its unlinker
-    /// holds it exclusively (a server-side lock: no live owner's lease is taken for dead).
+    /// Unlinks a lease (`lease.rs`) on every filesystem, else NFS keeps one per exec. Unlike a lock
+    /// file, a lease has one owner, who made it under a fresh name and checks it after locking; its
+    /// unlinker holds it exclusively.
     pub fn unlink_lease(self) -> io::Result<()> {
         assert_eq!(
             self.mode,
@@ -154,21 +150,21 @@ impl Guard {
         &self.file
     }
 
-    /// Whether the locked file has no other name (one `fstat`): asked by a holder that proved its
-    /// file by a record before writing a hint or a use into it (it may be another store's too).
+    /// Whether the locked file has no other name (one `fstat`), before a holder that proved it by a
+    /// record writes a hint or use into it (it may be another store's too).
     pub fn has_one_name(&self) -> bool {
         crate::planted::check_written(&self.path, &self.file).is_ok()
     }
 }
 
-/// Opens an existing lock file, unlocked, to write what it says (an image's hint): `None` if
-/// missing. Only a regular file with no other name (`fstat`): no unlink-race check asked it.
+/// Opens an existing lock file, unlocked, to write a hint: `None` if missing. Only a regular file
+/// with no other name (`fstat`).
 pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
     open_existing_checked(path, crate::planted::check_written)
 }
 
-/// [`open_existing`] for a file only read or locked (a record asked for, `store.lock` probed):
-/// only its type is checked, so a lock file with other names (a store copied by `cp -al`) is read.
+/// [`open_existing`] for a file only read or locked: only its type is checked, so a lock file with
+/// other names (a store copied by `cp -al`) is read.
 pub fn open_existing_read(path: &Path) -> io::Result<Option<File>> {
     open_existing_checked(path, crate::planted::check)
 }
@@ -189,10 +185,8 @@ fn found<T>(r: io::Result<T>) -> io::Result<Option<T>> {
     }
 }
 
-/// Opens a lock file: read-write, close-on-exec, never through a symlink in any component
-/// (`planted::open`), never blocking (a planted FIFO would block a plain open). A refused type is
-/// a `planted::NotAFile` naming it; a FIFO opens, and is refused by the type check after locking
-/// ([`still_linked`]) or before a wait.
+/// Opens a lock file: read-write, close-on-exec, no symlink in any component, never blocking (a
+/// planted FIFO opens, and is refused by the type check after locking or before a wait).
 fn open(path: &Path, missing: IfMissing) -> io::Result<File> {
     let create = match missing {
         IfMissing::Create => libc::O_CREAT,
@@ -216,8 +210,8 @@ struct Denied {
     cause: io::Error,
 }
 
-/// Takes a shared flock on a directory descriptor without waiting, only so `/proc/self/fdinfo`
-/// gives the lock table's device number for that filesystem (`kernel::device_of`); close drops it.
+/// A shared flock on a directory descriptor, without waiting, only so `/proc/self/fdinfo` gives
+/// the lock table's device number for that filesystem (`kernel::device_of`).
 pub fn flock_dir_shared(fd: RawFd) -> io::Result<()> {
     // SAFETY: flock on a descriptor the caller owns; no memory is passed.
     cvt(unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) }).map(drop)
@@ -265,8 +259,8 @@ pub fn unlinks_allowed(path: &Path) -> bool {
     local_dir(path, None)
 }
 
-/// Whether `path`'s directory is on a local filesystem. `dev`, the device of a file in it if known,
-/// names the filesystem, so a root's lease and image lock directories cost one statfs in all.
+/// Whether `path`'s directory is on a local filesystem. `dev`, a file's device there if known,
+/// names the filesystem: a root's lock directories cost one statfs in all.
 fn local_dir(path: &Path, dev: Option<u64>) -> bool {
     let dir = path.parent().unwrap_or(Path::new("/"));
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
@@ -400,10 +394,9 @@ impl IfMissing {
     }
 }
 
-/// [`acquire_no_wait`] for a lock file whose contents can prove it is still the file at its path:
-/// `read` reads the locked file (as its caller would anyway) and returns what it found and
-/// whether that proves it (a record only holders write, or no [`GONE`] mark). A proof spares the
-/// unlink-race stat (on NFS, a lookup at the server).
+/// [`acquire_no_wait`] where `read` reads the locked file and says whether its contents prove it is
+/// still the file at its path (a record, or no [`GONE`] mark): a proof spares the unlink-race stat
+/// (on NFS, a lookup at the server).
 pub fn acquire_no_wait_with<T>(
     path: &Path,
     mode: Mode,
@@ -439,12 +432,10 @@ pub fn mark_gone(file: &File) -> io::Result<()> {
     file.write_all_at(GONE, 0)
 }
 
-/// Makes a fresh lock file at `path` (`O_EXCL`) and locks it exclusively: a lease (`lease.rs`).
-/// No unlink-race check: the only other unlinker, a prober cleaning dead leases, leaves an
-/// unwritten file unless its maker is known dead or it is older than any maker takes to lock it
-/// (one that slow checks with [`still_at_path`]), and a maker writes only once it holds the lock.
-/// A prober's lock is waited out briefly; `Ok(None)`: the name exists or stayed locked (take
-/// another). `flags` are extra open flags (`O_DSYNC`).
+/// Makes a fresh lock file at `path` (`O_EXCL`, plus `flags`) and locks it exclusively: a lease.
+/// No unlink-race check: a prober cleaning dead leases leaves an unwritten file unless its maker is
+/// dead or slower than any (which checks with [`still_at_path`]). A prober's lock is waited out
+/// briefly; `Ok(None)`: the name exists or stayed locked (take another).
 pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<Guard>> {
     let file = match OpenOptions::new()
         .read(true)
@@ -467,8 +458,7 @@ pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<
     Ok(None)
 }
 
-/// The unlink-race check for a lock taken without it ([`create_locked_with`]) whose taker learns it
-/// may be needed after all: whether the file locked is still the one at its path.
+/// The unlink-race check, late, for a lock taken without it ([`create_locked_with`]).
 pub fn still_at_path(guard: &Guard) -> io::Result<bool> {
     Ok(still_linked(&guard.file, &guard.path)?.is_some())
 }
@@ -486,11 +476,7 @@ pub fn acquire(
     wait: &mut Wait,
 ) -> io::Result<Waited<Guard>> {
     let paths = [path.to_owned()];
-    Ok(match acquire_any(&paths, mode, missing, wait)? {
-        Waited::Acquired((_, guard)) => Waited::Acquired(guard),
-        Waited::TimedOut => Waited::TimedOut,
-        Waited::Interrupted(sig) => Waited::Interrupted(sig),
-    })
+    Ok(acquire_any(&paths, mode, missing, wait)?.map(|(_, guard)| guard))
 }
 
 /// Locks whichever of `paths` frees first (tried in order, then all waited on); returns its index.
@@ -625,9 +611,8 @@ pub enum Probe {
     Exclusive,
 }
 
-/// Whether anyone holds the lock, without waiting. It briefly takes the lock
-/// (shared, then exclusive), so a concurrent try may find it busy for a few
-/// microseconds: prefer the lock table where it is complete (local filesystems).
+/// Whether anyone holds the lock, without waiting. It briefly takes the lock (shared, then
+/// exclusive), so a concurrent try may find it busy for microseconds.
 pub fn probe(path: &Path) -> io::Result<Probe> {
     let Some(file) = found(open(path, IfMissing::Fail))? else {
         return Ok(Probe::Missing);
@@ -646,9 +631,8 @@ pub fn probe(path: &Path) -> io::Result<Probe> {
     })
 }
 
-/// Whether anyone holds the lock, asked of the filesystem without taking it (`F_OFD_GETLK`): only
-/// where such a query sees flocks ([`crate::filesystem::Filesystem::queries_see_flocks`]), for a
-/// look that must not be seen by another host's as a holder. Read-only: a query needs no write.
+/// Whether anyone holds the lock, asked without taking it (`F_OFD_GETLK`, read-only): only where
+/// such a query sees flocks ([`crate::filesystem::Filesystem::queries_see_flocks`]).
 pub fn query(path: &Path) -> io::Result<Probe> {
     let opened = crate::planted::open(path, libc::O_RDONLY, 0)
         .and_then(|f| crate::planted::check(path, &f).map(|()| f));
@@ -677,8 +661,8 @@ pub fn look(path: &Path, queries: bool) -> io::Result<Probe> {
     }
 }
 
-/// Whether no writer holds an open lock file's lock now: a shared try, let go at once.
-/// No unlink-race check: for a caller a ghost does no harm (it only empties what the file says).
+/// Whether no writer holds an open lock file's lock now: a shared try, let go at once (no
+/// unlink-race check: a ghost does no harm here).
 pub fn no_writer_now(file: &File) -> io::Result<bool> {
     let free = flock_try(file, Mode::Shared)?;
     if free {
@@ -687,16 +671,14 @@ pub fn no_writer_now(file: &File) -> io::Result<bool> {
     Ok(free)
 }
 
-/// Lets go of a probe's lock before its descriptor closes. On FUSE (GlusterFS) a close's release
-/// is sent after the close returns: another host probing meanwhile would find the lock held, by
-/// a holder no lease names. `LOCK_UN` waits for the server. Only for descriptors no child shares.
+/// Lets go of a probe's lock before its descriptor closes: on FUSE a close's release is sent after
+/// the close returns, `LOCK_UN` waits for the server. Only for descriptors no child shares.
 fn let_go(file: &File) {
     let _ = FileExt::unlock(file);
 }
 
-/// Judges a lease (`lease.rs`): true while its owner holds it exclusively, false
-/// once gone (file missing, or a shared lock granted, dropped at once: an owner's own lock never
-/// fails for long, and one finding its fresh file busy takes another).
+/// Judges a lease (`lease.rs`): true while its owner holds it exclusively, false once gone (file
+/// missing, or a shared lock granted, dropped at once).
 pub fn probe_lease(path: &Path) -> io::Result<bool> {
     let opened = match open(path, IfMissing::Fail) {
         // Another user's lease in a store without a shared group: a read-only descriptor takes
@@ -708,11 +690,14 @@ pub fn probe_lease(path: &Path) -> io::Result<bool> {
     };
     let file = match opened {
         Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-        // NFS: unlinked on the server since the lookup.
-        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => return Ok(false),
-        // Planted under a lease's name: no owner can hold it.
-        Err(e) if crate::planted::find(&e).is_some() => return Ok(false),
+        // Gone (on an NFS server since the lookup), or planted under a lease's name: no owner.
+        Err(e)
+            if e.kind() == io::ErrorKind::NotFound
+                || is_stale(&e)
+                || crate::planted::find(&e).is_some() =>
+        {
+            return Ok(false);
+        }
         Err(e) => return Err(e),
     };
     Ok(!no_writer_now(&file)?)
@@ -731,8 +716,8 @@ pub fn opens_conflict(path: &Path) -> io::Result<bool> {
     Ok(conflict)
 }
 
-/// Lock files tried again and again (exclusively: slots), kept open while a waiter waits: its
-/// tries make no close events that would wake other waiters ([`Waker`]).
+/// Lock files tried again and again (slots), kept open while a waiter waits: its tries make no
+/// close events that would wake other waiters ([`Waker`]).
 pub struct FileSet {
     paths: Vec<PathBuf>,
     files: Vec<Option<File>>,
@@ -753,8 +738,8 @@ impl FileSet {
         &self.paths
     }
 
-    /// Tries each file `wanted` accepts (by index) once, in order, creating missing ones; returns
-    /// the first taken with its index. A ghost (unlinked after locking) is reopened next try.
+    /// Tries each file `wanted` accepts (by index) once, in order, creating missing ones: the first
+    /// taken, with its index. A ghost is reopened next try.
     pub fn try_any_where(
         &mut self,
         wanted: impl Fn(usize) -> bool,
@@ -766,8 +751,7 @@ impl FileSet {
             if self.files[i].is_none() {
                 match open(&self.paths[i], IfMissing::Create) {
                     Ok(f) => self.files[i] = Some(f),
-                    // Only a regular file is a slot: a plant under a slot's
-                    // name is none (doctor reports it), and stops no other.
+                    // A plant under a slot's name is no slot (doctor reports it).
                     Err(e) if crate::planted::find(&e).is_some() => continue,
                     Err(e) => return Err(e),
                 }
@@ -789,8 +773,7 @@ impl FileSet {
                     return Ok(Some((i, g)));
                 }
                 Ok(None) => {}
-                // A FIFO: kept open (closing it would wake the waiters), so
-                // it is not opened and refused again at every try.
+                // A FIFO: kept open (a close would wake the waiters), skipped from now on.
                 Err(e) if crate::planted::find(&e).is_some() => {
                     let _ = FileExt::unlock(&file);
                     self.files[i] = Some(file);
@@ -802,17 +785,15 @@ impl FileSet {
         Ok(None)
     }
 
-    /// Gives back a lock from [`FileSet::try_any_where`] the caller may not keep. The descriptor
-    /// stays open (a close would wake every waiter on the directory, this one too) and `LOCK_UN`
-    /// drops the lock, safe as no child ever had this descriptor.
+    /// Gives back a lock from [`FileSet::try_any_where`]: `LOCK_UN`, the descriptor kept open (a
+    /// close would wake every waiter on the directory); no child ever had it.
     pub fn put_back(&mut self, i: usize, g: Guard) {
         let _ = FileExt::unlock(&g.file);
         self.files[i] = Some(g.file);
     }
 
-    /// How many of the files `include` accepts someone holds now, asked through our own
-    /// descriptors (no open or close to wake other waiters). Missing files (not created) and
-    /// planted non-regular files (no slot) count as free.
+    /// How many of the files `include` accepts someone holds now, asked through our own descriptors
+    /// (no close to wake waiters). Missing and planted files count as free.
     pub fn held_count(&mut self, include: impl Fn(usize) -> bool) -> io::Result<usize> {
         let mut held = 0;
         for i in 0..self.paths.len() {
@@ -865,8 +846,7 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
 }
 
 /// Why lock file `path` could not be opened read-write, naming the file or else its directory,
-/// whose mode stops us. Its owner fixes a group store with `doctor --repair`, and shares an
-/// unshared store with `init --group`.
+/// and the fix.
 fn denied(path: &Path) -> String {
     use nix::unistd::{AccessFlags, access};
     let dir = path.parent().unwrap_or(Path::new("/"));
@@ -910,8 +890,8 @@ fn denied(path: &Path) -> String {
     }
 }
 
-/// Hidden test hook ([`crate::env::DEBUG_LOST_LOCK`]): that lock file's check before an outcome is
-/// recorded fails, as an NFS lock lost to lease expiry would (the client then fails its I/O: EIO).
+/// Test hook ([`crate::env::DEBUG_LOST_LOCK`]): that lock file's [`Guard::still_held`] fails with
+/// EIO, as an NFS lock lost to lease expiry would.
 fn lost_in_test(path: &Path) -> bool {
     std::env::var_os(crate::env::DEBUG_LOST_LOCK)
         .is_some_and(|v| path.file_name() == Some(v.as_os_str()))

@@ -30,6 +30,25 @@ pub enum Waited<T> {
     Interrupted(i32),
 }
 
+impl<T> Waited<T> {
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Waited<U> {
+        match self {
+            Waited::Acquired(t) => Waited::Acquired(f(t)),
+            Waited::TimedOut => Waited::TimedOut,
+            Waited::Interrupted(sig) => Waited::Interrupted(sig),
+        }
+    }
+
+    /// The lock, or the error for a wait that ended without it: `timed_out()`, or interrupted.
+    pub fn or_else_busy(self, timed_out: impl FnOnce() -> anyhow::Error) -> anyhow::Result<T> {
+        match self {
+            Waited::Acquired(t) => Ok(t),
+            Waited::TimedOut => Err(timed_out()),
+            Waited::Interrupted(sig) => Err(crate::error::Error::Interrupted(sig).into()),
+        }
+    }
+}
+
 /// How long to wait, and what to say if it takes a while.
 #[derive(Default)]
 pub struct Wait<'a> {
@@ -59,8 +78,8 @@ impl<'a> Wait<'a> {
 /// How often blocked requests are re-issued on remote filesystems.
 pub const REMOTE_REARM: Duration = Duration::from_millis(250);
 
-/// The signal that interrupts a helper thread's blocked flock(2): its handler does nothing and
-/// lacks `SA_RESTART`, so the call returns `EINTR`. Sent only to stowage's own helper threads.
+/// The signal that interrupts a helper thread's blocked flock(2) (`EINTR`: its handler does nothing,
+/// without `SA_RESTART`).
 pub fn wake_signal() -> libc::c_int {
     libc::SIGRTMIN() + 5
 }
@@ -105,8 +124,7 @@ fn registry() -> MutexGuard<'static, Registry> {
 
 static BEFORE_WAIT: OnceLock<fn()> = OnceLock::new();
 
-/// Registers a function to run before any wait begins (for good): the CLI
-/// starts its signal-watching thread so, only in a process that waits.
+/// Registers a function to run before any wait begins: the CLI starts its signal thread so.
 pub fn before_waiting(f: fn()) {
     let _ = BEFORE_WAIT.set(f);
 }
@@ -118,8 +136,8 @@ pub fn starting_to_wait() {
     }
 }
 
-/// A descriptor readable while a signal that ends the waits is pending, and the function taking
-/// it (calling [`interrupt_waits`]), for a process with no thread to watch signals (a pids limit).
+/// A descriptor readable while a terminating signal is pending, and the function taking it, for a
+/// process with no thread to watch signals (a pids limit).
 static SIGNAL_WATCH: OnceLock<(RawFd, fn())> = OnceLock::new();
 
 /// Registers `SIGNAL_WATCH` (once, for good).
@@ -127,8 +145,7 @@ pub fn watch_signals_while_waiting(fd: RawFd, take: fn()) {
     let _ = SIGNAL_WATCH.set((fd, take));
 }
 
-/// Makes every current and future wait in this process return [`Waited::Interrupted`]: the CLI
-/// calls it when a termination signal arrives before its command has started.
+/// Makes every current and future wait in this process return [`Waited::Interrupted`].
 pub fn interrupt_waits(sig: i32) {
     let mut reg = registry();
     reg.fired = Some(sig);
@@ -180,8 +197,8 @@ struct Worker {
     finished: bool,
 }
 
-/// How long a stopped worker may take to answer before being left behind: only a flock(2) ignoring
-/// signals (a hard NFS mount, server gone) is that slow; it releases whatever it later acquires.
+/// How long a stopped worker may take to answer before being left behind (a flock(2) ignoring
+/// signals: a hard NFS mount, server gone); it releases whatever it later acquires.
 const STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Blocks until one of `files` is locked in `mode`; returns its index.
@@ -213,9 +230,8 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
     outcome
 }
 
-/// Starts one helper thread per file, each blocked in flock(2) on a duplicate of it and reporting
-/// on `tx` (dropped on return: only the helpers' and the cancellation's senders stay). Fewer than
-/// one per file if a thread could not be had: those are to be stopped.
+/// Starts one helper thread per file, blocked in flock(2) on a duplicate, reporting on `tx`. Fewer
+/// than one per file if a thread could not be had: those are to be stopped.
 fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Result<Vec<Worker>> {
     let mut workers = Vec::with_capacity(files.len());
     for (i, file) in files.iter().enumerate() {
@@ -241,8 +257,7 @@ fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Re
     Ok(workers)
 }
 
-/// Waits for the first worker to acquire its lock, re-arming the workers
-/// and saying the notice when due, until the deadline or a cancellation.
+/// Waits for the first worker to acquire, re-arming and saying the notice when due.
 fn first_acquired(
     workers: &mut [Worker],
     rx: &mpsc::Receiver<Event>,
@@ -316,8 +331,7 @@ fn rearm(workers: &[Worker]) {
     }
 }
 
-/// How often a polled wait retries at most, and at least: a freed lock is
-/// taken within [`POLL_MAX`] (the slots' handover promise is 100 ms).
+/// A polled wait's retry interval bounds: a freed lock is taken within [`POLL_MAX`].
 const POLL_MIN: Duration = Duration::from_millis(2);
 const POLL_MAX: Duration = Duration::from_millis(50);
 
@@ -359,12 +373,11 @@ pub enum Woke {
 }
 
 /// Sleeps in the calling thread until a directory changes, a time passes or our waits are
-/// interrupted: a wait on many lock files must not take a thread per file (a pids limit fails it).
+/// interrupted: a wait on many lock files takes no thread per file.
 ///
-/// A flock is released at the last close of its open file description, exactly when inotify reports
-/// `IN_CLOSE_WRITE` (`IN_CLOSE_NOWRITE` for a read-only holder such as flock(1)): a waiter watching
-/// the directory before trying the files wakes the moment one may be free. Other hosts' closes go
-/// unseen (NFS): callers poll there too. Without inotify (instance limits) it only sleeps.
+/// A flock is released at the last close of its open file description, when inotify reports
+/// `IN_CLOSE_WRITE`/`IN_CLOSE_NOWRITE`: a waiter watching before trying wakes when one may be free.
+/// Other hosts' closes go unseen (callers poll there too). Without inotify it only sleeps.
 #[derive(Default)]
 pub struct Waker {
     /// The instance and its watch, removed again on drop; none by default (only sleeps).
@@ -373,7 +386,7 @@ pub struct Waker {
 }
 
 /// Spare inotify instances, kept from finished waits: a close costs an RCU grace period (~18 ms)
-/// between a slot's release and its taker's command. Close-on-exec; never more than waits at once.
+/// between a slot's release and its taker's command.
 static SPARE_INOTIFY: Mutex<Vec<Inotify>> = Mutex::new(Vec::new());
 
 fn spare_inotify() -> MutexGuard<'static, Vec<Inotify>> {
