@@ -59,9 +59,7 @@ pub struct Row {
 }
 
 impl Row {
-    /// The size, if it was measured for the tree that `record` describes: a size kept for another
-    /// record (an earlier write, the name's image before an `rm`, another store's catalog put in
-    /// place of ours) is no size.
+    /// The size, if it was measured for the tree that `record` describes.
     pub fn size_for(&self, record: &Record) -> Option<u64> {
         self.size
             .filter(|_| self.size_record == Some(record.fingerprint()))
@@ -87,8 +85,7 @@ pub struct Catalog<'a> {
     _global: &'a Guard,
 }
 
-/// Opens the catalog file (not yet a transaction). Refuses a FIFO, socket, directory or link at the
-/// database or its journal, naming it.
+/// Opens the catalog file (not yet a transaction), refusing anything planted at its files.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     check_files(path)?;
     configure_sqlite();
@@ -114,8 +111,7 @@ fn beside(db: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(s)
 }
 
-/// Checks that every file SQLite may open for the catalog at `db` is missing or a regular file:
-/// itself, its journal, the WAL files it opens if an outside program switched it to WAL.
+/// Checks that every file SQLite may open for the catalog at `db` is missing or a regular file.
 pub fn check_files(db: &Path) -> Result<()> {
     for (path, what) in files(db) {
         check_plain_file(&path, what)?;
@@ -134,14 +130,13 @@ pub fn files(db: &Path) -> [(PathBuf, &'static str); 4] {
 }
 
 /// Fails unless `path` is missing or a regular file: opened without following a link and without
-/// blocking (a FIFO's open would wait for a writer), then asked what it is.
+/// blocking (a FIFO's open would wait), then asked what it is.
 pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
     let opened = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
         .open(path);
-    // A stale handle: another host removed the file (a journal deleted at its commit) since this
-    // client looked its name up. Gone is missing.
+    // A stale handle: another host removed the file (a journal at its commit) since the lookup.
     let gone = |e: &std::io::Error| {
         e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESTALE)
     };
@@ -179,8 +174,7 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
 #[error("{0}")]
 pub struct CatalogError(pub String);
 
-/// A stowage process runs a few tiny transactions and exits: SQLite's per-connection lookaside and
-/// bulk page cache are set up for nothing.
+/// A stowage process runs a few tiny transactions: SQLite's lookaside and page cache are waste.
 fn configure_sqlite() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -196,8 +190,7 @@ fn configure_sqlite() {
     });
 }
 
-/// How long to wait for SQLite's own lock, which only outside programs (an sqlite3 shell) hold
-/// while we hold the global lock.
+/// How long to wait for SQLite's own lock (only outside programs hold it under the global lock).
 pub fn busy_timeout() -> std::time::Duration {
     crate::env::debug_ms(crate::env::DEBUG_DB_BUSY_MS, 10_000)
 }
@@ -230,8 +223,7 @@ fn sqlite_code(err: &anyhow::Error) -> Option<rusqlite::ErrorCode> {
         })
 }
 
-/// Switches a database an outside program put in WAL mode back to the rollback journal, retrying
-/// while that program still has it open.
+/// Switches a database put in WAL mode back to the rollback journal, retrying while busy.
 fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
     let until = std::time::Instant::now() + busy_timeout();
     loop {
@@ -248,17 +240,14 @@ fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
     }
 }
 
-/// The catalog's schema belongs to a release before records: the store must be migrated
-/// (`migrate.rs`) before the catalog is used.
+/// The catalog's schema is a release's before records: the store must be migrated first.
 #[derive(Debug, thiserror::Error)]
 #[error("the store is being migrated to image records, or must be first ('stowage doctor' tells)")]
 pub struct NeedsMigration;
 
-/// The schema version of the catalog of `root` if it is that store's, of a release before records
-/// ([`inspect_in`]; only a plain file), or an error where a catalog is there but could not be asked
-/// (busy, damaged): a caller must then not take the store for one of this release. Opened for
-/// writing where it may be, so that a transaction a crash cut short (its journal left) is rolled
-/// back first, as any use would.
+/// The schema version of `root`'s catalog if it is of a release before records ([`inspect_in`]),
+/// or an error if it could not be asked (busy, damaged). Opened for writing where it may be, so a
+/// transaction a crash cut short is rolled back first, as any use would.
 pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
     let path = root.db();
     check_files(&path)?;
@@ -278,9 +267,8 @@ pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
 }
 
 /// What the open database is, as `root`'s catalog. An older release's catalog is one to migrate
-/// only if it is this store's: not where a configuration of this release is, and only if the
-/// identity that release stated in the global lock file at every transaction is its own. Else it
-/// was put in place of ours (a copy from another store, with `store.conf` lost or not): not to use.
+/// only if it is this store's: no configuration of this release there, and the identity that
+/// release stated in the global lock file is its own. Else it was put in place of ours.
 pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     let found = inspect(conn)?;
     let Found::Legacy(v) = found else {
@@ -298,9 +286,7 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     )))
 }
 
-/// Whether an older release's catalog is `root`'s ([`inspect_in`]): that release stated its
-/// catalog's identity in the global lock file at every transaction, so nothing stated is no
-/// evidence — a store of this release says nothing there, with or without images.
+/// Whether an older release's catalog is `root`'s ([`inspect_in`]): nothing stated is no evidence.
 fn legacy_is_ours(conn: &rusqlite::Connection, root: &Root) -> Result<bool> {
     let id: i64 = conn.query_row("PRAGMA application_id", [], |r| r.get(0))?;
     Ok(stated_identity(root) == Some(id as u32))
@@ -317,15 +303,13 @@ fn stated_identity(root: &Root) -> Option<u32> {
         .and_then(|v| u32::from_str_radix(v, 16).ok())
 }
 
-/// What the open database is: asked once per connection, before the first transaction. Bytes 18–19
-/// of the header say WAL.
+/// What the open database is: asked once per connection, before the first transaction.
 pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
     if mode.eq_ignore_ascii_case("wal") {
         leave_wal(conn).context("the catalog was switched to WAL by another program")?;
     }
-    // The version and the tables in one read: a catalog being made beside us (doctor looks
-    // without the global lock) is never seen half made.
+    // One read: a catalog being made beside us (doctor looks unlocked) is never seen half made.
     let alone = conn.is_autocommit();
     if alone {
         conn.execute_batch("BEGIN")?;
@@ -385,7 +369,7 @@ fn legacy_columns(conn: &rusqlite::Connection) -> Result<bool> {
 /// Makes the schema in a new catalog.
 pub fn create_schema(conn: &rusqlite::Connection) -> Result<()> {
     // One transaction: a look without the global lock (doctor's) never finds the table without
-    // its version, which would pass for another program's database.
+    // its version (another program's database).
     let alone = conn.is_autocommit();
     if alone {
         conn.execute_batch("BEGIN IMMEDIATE")?;
@@ -428,8 +412,7 @@ impl<'a> Catalog<'a> {
         Ok(stmt.query_map([], row)?.collect::<rusqlite::Result<_>>()?)
     }
 
-    /// Makes the row of an image say what its record says now (keeping a measured size, which stays
-    /// current only while the record's sequence number does).
+    /// Makes the row of an image say what its record says now (keeping a measured size).
     pub fn upsert(&self, r: &Row) -> Result<()> {
         // Cached: a survey makes one call per image, and parsing the statement is most of its cost.
         self.conn
@@ -464,8 +447,7 @@ impl<'a> Catalog<'a> {
         Ok(())
     }
 
-    /// Keeps a size measured for the tree `record` describes (and, for releases that key sizes by
-    /// sequence number only, its `seq`).
+    /// Keeps a size measured for the tree `record` describes (and its `seq`, for older releases).
     pub fn set_size(&self, name: &str, record: &Record, size: u64) -> Result<()> {
         let sql =
             "UPDATE images SET size_bytes = ?2, size_seq = ?3, size_record = ?4 WHERE name = ?1";
@@ -491,9 +473,8 @@ fn row(r: &rusqlite::Row) -> rusqlite::Result<Row> {
     })
 }
 
-/// Makes the database group-writable when we own it (a group's store), via a descriptor opened with
-/// no link in any component, refusing a file with other names: a member who put a (hard) link to a
-/// file elsewhere in the catalog's place gets nothing changed there.
+/// Makes the database group-writable when we own it (a group's store), through a descriptor opened
+/// with no link in any component, refusing a file with other names (hard links).
 pub fn share_with_group(path: &Path) -> Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let why = || format!("cannot share {} with its group", path.display());

@@ -33,8 +33,7 @@ fn real_now_ms() -> Millis {
         .map_or(0, |d| (d.as_millis() as Millis).clamp(0, MAX_MS))
 }
 
-/// Refuses a `STOWAGE_NOW` that is not a time stowage can record: the one line names the variable
-/// and what is wrong (exit 64 as bad input).
+/// Refuses a `STOWAGE_NOW` that is not a time stowage can record (exit 64).
 pub fn check_env() -> std::result::Result<(), crate::Error> {
     match std::env::var_os(crate::env::NOW) {
         Some(v) if !v.is_empty() => {
@@ -76,8 +75,7 @@ pub fn parse_time(s: &str) -> Result<Millis> {
     Ok(ms.min(MAX_MS as u128) as Millis)
 }
 
-/// RFC 3339 UTC with second precision, as in the JSON contract; None for a stored time it cannot
-/// express (before 1970 or after year 9999).
+/// RFC 3339 UTC with second precision; None before 1970 or after year 9999.
 pub fn rfc3339(ms: Millis) -> Option<String> {
     if !(0..=MAX_MS).contains(&ms) {
         return None;

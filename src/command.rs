@@ -48,9 +48,8 @@ pub fn start(
     Ok(started.map(|pid| (pid, keeper)))
 }
 
-/// Runs `f` with the process umask set to `umask` (when given), restoring ours after. posix_spawn
-/// cannot set a child's umask, so the command of a group-shared store gets the caller's mask back
-/// this way for the moment of the spawn; no other thread creates files meanwhile.
+/// Runs `f` with the process umask set to `umask` (when given), restored after: posix_spawn cannot
+/// set a child's umask. No other thread creates files meanwhile.
 fn with_umask<T>(umask: Option<u32>, f: impl FnOnce() -> T) -> T {
     use nix::sys::stat::{Mode, umask as set};
     let ours = umask.map(|m| set(Mode::from_bits_retain(m as libc::mode_t)));
@@ -92,10 +91,8 @@ pub fn describe(status: &std::process::ExitStatus) -> String {
     }
 }
 
-/// The command's environment: ours, without any `STOWAGE_*` variable that this exec sets or that
-/// describes images (`STOWAGE_IMAGE_DIR` of an outer exec would name another image), then the ones
-/// this exec means, once each. Programs read the first of duplicate entries, so a caller's
-/// `STOWAGE_ROOT` left in would win over `--root`.
+/// The command's environment: ours, without the `STOWAGE_*` variables this exec sets or that
+/// describe images (an outer exec's), then this exec's, once each (programs read the first).
 pub fn environment(
     ours: impl Iterator<Item = (OsString, OsString)>,
     set: &[(&str, OsString)],

@@ -83,8 +83,7 @@ impl Config {
     }
 }
 
-/// Whether the root (its descriptor) has a configuration: a store made or migrated by this release,
-/// whose catalog can never be one to migrate.
+/// Whether the root (its descriptor) has a configuration: a store of this release.
 pub fn exists(dir: &Dir) -> bool {
     !matches!(dir.stat_at(FILE), Ok(None))
 }
@@ -114,8 +113,7 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     ))
 }
 
-/// The configuration exists but cannot be read, or is not its format: what `doctor --repair` sets
-/// aside and writes anew from the records.
+/// The configuration exists but cannot be read, or is not its format.
 #[derive(Debug, thiserror::Error)]
 #[error(
     "{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records"
@@ -141,8 +139,8 @@ pub fn write(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<(
     put(root_dir, dir, config, |tmp| dir.rename_to(tmp, dir, FILE))
 }
 
-/// Makes the configuration of a new store, unless one is there already (two first uses at once keep
-/// one identity): linked into place, which fails if the name exists.
+/// Makes the configuration of a new store unless one is there (two first uses keep one identity):
+/// linked into place, which fails if the name exists.
 pub fn create(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<()> {
     put(root_dir, dir, config, |tmp| match dir.link_to(tmp, FILE) {
         Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),

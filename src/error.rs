@@ -92,8 +92,7 @@ pub enum Error {
     #[error("interrupted by {} before the command started", signal_name(*.0))]
     Interrupted(i32),
 
-    /// A termination signal was passed on to the command, whose end is unknown (its keeper gone);
-    /// its tree was ended.
+    /// A termination signal was passed on to the command, whose end is unknown (its keeper gone).
     #[error("stopped by {}", signal_name(*.0))]
     Stopped(i32),
 }
@@ -151,8 +150,7 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
     typed(err).map_or(code::FAILURE, Error::exit_code)
 }
 
-/// The typed error in the chain, if any: an [`Error`] given as a context (`e.context(Error::…)`)
-/// included, which the chain's items hide.
+/// The typed error in the chain, if any, one given as a context included.
 pub fn typed(err: &anyhow::Error) -> Option<&Error> {
     err.downcast_ref::<Error>()
         .or_else(|| err.chain().find_map(|e| e.downcast_ref::<Error>()))
@@ -189,8 +187,7 @@ pub fn signal_name(sig: i32) -> String {
         .map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_owned())
 }
 
-/// `text` without the " (os error 13)" Rust appends to a system error's words, which already say
-/// what went wrong ("Permission denied").
+/// `text` without the " (os error 13)" Rust appends to a system error's words.
 pub fn without_errno(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;

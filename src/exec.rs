@@ -55,14 +55,12 @@ pub(crate) fn lossy(args: &[OsString]) -> Vec<String> {
 pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     // Before any other thread exists, so that every thread inherits the mask.
     let signals = Forwarder::install().context("cannot set up signal handling")?;
-    let shown = lossy(&plan.argv);
     let req = match plan.locks {
-        Locks::StoreWide => return run_store_wide(store, plan, signals, shown),
+        Locks::StoreWide => return run_store_wide(store, plan, signals),
         Locks::Images(ref req) => req,
     };
     let from = plan.from.as_ref();
-    // Where each request is a round trip, a command that ends at once is never announced (lease.rs);
-    // a keeper (`--no-inherit`) holds the lease with the locks, so it is made first.
+    // A command that ends at once is never announced (lease.rs), unless a keeper must hold it.
     if !plan.no_inherit {
         crate::lease::announce_late();
     }
@@ -85,33 +83,18 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     let env = command_environment(store, &session);
 
     crate::debug::pause("exec-before-spawn");
-    let started = command::start(
-        &signals,
-        &plan.argv,
-        &env,
-        store.ctx().child_umask,
-        plan.no_inherit,
-        &session.lock_fds(),
-        &|inherit| session.set_inheritable(inherit),
-    );
-    // If the command never starts, the start is undone — unless a copy from the base already
-    // changed the image: then it is incomplete, like any unfinished write.
-    let undo = |session: Session, store: &mut Store| {
-        if from.is_some() {
-            session.finish(store, Outcome::Failure("the command never started".into()))
-        } else {
-            session.abandon()
-        }
-    };
+    let inherit = |inherit| session.set_inheritable(inherit);
+    let started = start(store, &signals, plan, &env, &session.lock_fds(), &inherit);
     let (pid, keeper) = match started {
-        Ok(Ok(started)) => started,
-        Ok(Err(sig)) => {
-            undo(session, store)?;
-            return Err(Error::Interrupted(sig).into());
+        Ok(started) => started,
+        // Undone, unless a copy from the base already changed the image: then it is incomplete.
+        Err(e) if from.is_some() => {
+            session.finish(store, Outcome::Failure("the command never started".into()))?;
+            return Err(e);
         }
         Err(e) => {
-            undo(session, store)?;
-            return Err(not_run(e.into(), &shown[0]));
+            session.abandon()?;
+            return Err(e);
         }
     };
     let status = match command::wait(&signals, pid, keeper) {
@@ -125,8 +108,34 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     record_outcome(store, session, &status)
 }
 
+/// Starts the command holding the locks `lock_fds`: a signal first, or a failure, is the error.
+fn start(
+    store: &Store,
+    signals: &Forwarder,
+    plan: &Plan,
+    env: &[(OsString, OsString)],
+    lock_fds: &[std::os::fd::RawFd],
+    set_inheritable: &dyn Fn(bool) -> std::io::Result<()>,
+) -> Result<(libc::pid_t, Option<crate::keeper::Keeper>)> {
+    let umask = store.ctx().child_umask;
+    let argv = &plan.argv;
+    match command::start(
+        signals,
+        argv,
+        env,
+        umask,
+        plan.no_inherit,
+        lock_fds,
+        set_inheritable,
+    ) {
+        Ok(Ok(started)) => Ok(started),
+        Ok(Err(sig)) => Err(Error::Interrupted(sig).into()),
+        Err(e) => Err(not_run(e.into(), &argv[0].to_string_lossy())),
+    }
+}
+
 /// The command's end is unknown (its keeper gone): a failure, or 128+N if a termination signal was
-/// passed on (or came meanwhile), as for any exec it cut short; its tree is gone either way.
+/// passed on (or came meanwhile).
 fn wait_failed(e: std::io::Error) -> anyhow::Error {
     let e = anyhow::Error::new(e).context("cannot wait for the command");
     match crate::signals::passed_on().or_else(crate::signals::cancelled) {
@@ -149,8 +158,7 @@ fn copy_base(
             store,
             Outcome::Failure("the copy from its base failed".into()),
         );
-        // Stopped by a termination signal (wherever the walk noticed it, even inside an I/O error):
-        // exit 128+N, like any signal before the command starts.
+        // Stopped by a termination signal (even noticed inside an I/O error): exit 128+N.
         if let Some(sig) = crate::signals::cancelled()
             && error::typed(&e).is_none()
         {
@@ -178,8 +186,7 @@ fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsStr
 }
 
 /// What every command is told: the root, the images directory `images`, and the leases that hold
-/// its locks, so a stowage inside it can tell that we hold them (in a store-wide hold, that it runs
-/// inside the hold: its lease lists store.lock).
+/// its locks, so a stowage inside it can tell that we hold them.
 fn told(store: &Store, images: OsString) -> Vec<(&'static str, OsString)> {
     // The enclosing execs' leases and ours.
     let mine = crate::lease::mine(&store.root().leases()).ok();
@@ -208,8 +215,7 @@ fn record_outcome(
     let full = failed_write
         .then(|| full_note(session.images_dir()))
         .flatten();
-    // The lease goes with the process: what it lists need not be taken out lock by lock (one write
-    // less, a request to the server on NFS).
+    // The lease goes with the process: no need to take out what it lists lock by lock.
     crate::lease::ending();
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
@@ -227,8 +233,7 @@ fn record_outcome(
     Ok(code)
 }
 
-/// When a failed writer left the images directory's filesystem (nearly) full, the likely cause: a
-/// note saying so, and how to free space.
+/// A note when a failed writer left the images directory's filesystem (nearly) full.
 fn full_note(images_dir: &std::path::Path) -> Option<String> {
     let free = crate::space::free_bytes(images_dir)?;
     // Less than a reserve's worth: no build can write there.
@@ -241,8 +246,7 @@ fn full_note(images_dir: &std::path::Path) -> Option<String> {
     })
 }
 
-/// A start refused with `e`: a busy lock exits with `--conflict-exit-code` if given (after saying
-/// why), anything else is the error.
+/// A start refused with `e`: a busy lock exits with `--conflict-exit-code` if given (said first).
 fn refused(store: &Store, plan: &Plan, e: anyhow::Error) -> Result<u8> {
     if let (Some(Error::Busy(_)), Some(code)) = (error::typed(&e), plan.conflict_exit_code) {
         store.ctx().say(&format!("{e:#}"));
@@ -252,12 +256,7 @@ fn refused(store: &Store, plan: &Plan, e: anyhow::Error) -> Result<u8> {
 }
 
 /// `--store-wide`: the command runs while no image lock is held or granted.
-fn run_store_wide(
-    store: &mut Store,
-    plan: &Plan,
-    signals: Forwarder,
-    shown: Vec<String>,
-) -> Result<u8> {
+fn run_store_wide(store: &mut Store, plan: &Plan, signals: Forwarder) -> Result<u8> {
     let (deadline, no_wait) = (plan.deadline, plan.no_wait);
     // Before any hold: a copied store gets no images directory of another.
     if store.root().exists()
@@ -265,29 +264,17 @@ fn run_store_wide(
     {
         crate::images_dir::checked(store.root(), &config)?;
     }
-    let hold =
-        match crate::store_wide::Hold::take(store, &ident::shell_join(&shown), deadline, no_wait) {
-            Ok(h) => h,
-            Err(e) => return refused(store, plan, e),
-        };
+    let shown = ident::shell_join(&lossy(&plan.argv));
+    let hold = match crate::store_wide::Hold::take(store, &shown, deadline, no_wait) {
+        Ok(h) => h,
+        Err(e) => return refused(store, plan, e),
+    };
     let images_dir =
         crate::images_dir::config(store.root()).map(|c| c.images.path_in(store.root().dir()));
     let run = || -> Result<u8> {
         let env = command::environment(std::env::vars_os(), &told(store, images_dir?.into()));
-        let started = command::start(
-            &signals,
-            &plan.argv,
-            &env,
-            store.ctx().child_umask,
-            plan.no_inherit,
-            &hold.lock_fds(),
-            &|inherit| hold.set_inheritable(inherit),
-        );
-        let (pid, keeper) = match started {
-            Ok(Ok(started)) => started,
-            Ok(Err(sig)) => return Err(Error::Interrupted(sig).into()),
-            Err(e) => return Err(not_run(e.into(), &shown[0])),
-        };
+        let inherit = |inherit| hold.set_inheritable(inherit);
+        let (pid, keeper) = start(store, &signals, plan, &env, &hold.lock_fds(), &inherit)?;
         let status = command::wait(&signals, pid, keeper).map_err(wait_failed)?;
         Ok(command::exit_code(&status))
     };

@@ -163,8 +163,7 @@ impl Record {
         }
     }
 
-    /// What stands for the record of an image whose record cannot be read (`Seen::damaged`):
-    /// incomplete, readiness unknown — kept, never collected, until a writer or `rm` settles it.
+    /// What stands for a record that cannot be read: incomplete, readiness unknown (never collected).
     pub fn unknown(name: &str, images: ImagesDir, now: Millis) -> Record {
         Record {
             state: State::Incomplete,
@@ -189,8 +188,7 @@ impl Record {
     }
 
     /// Which write of which image this record is, across stores: its sequence number and a checksum
-    /// of all it says (creation, change, writer's lease). What is measured of the tree is kept for
-    /// it (the catalog's sizes): another store's record, or this name's before an `rm`, is another.
+    /// of all it says. The catalog's sizes are kept for it.
     pub fn fingerprint(&self) -> u64 {
         let said = self
             .encode()
@@ -282,15 +280,11 @@ impl Seen {
         self
     }
 
-    /// Whether this, read under a lock just taken from `path`, proves the file is still the one at
-    /// its path: a record (only holders write one), or — where lock files are unlinked only by a
-    /// host that sees the store as local, which marks them first — a file naming no image, never
-    /// marked gone. Where lock files are unlinked (local filesystem) an empty file gets a stat,
-    /// costing no server there: a build from before the mark, which emptied files it unlinked, may
-    /// share the store. A file its taker will write (`writes`: exclusive), or one without a record,
-    /// proves nothing if it has another name (`fstat`, answered from what its open fetched): a hard
-    /// link there (to a file outside the root, or another store's lock file: `cp -al`) gets the
-    /// stat check, which refuses it. A reader writes nothing through it.
+    /// Whether this, read under a lock just taken from `path`, proves the file still at its path: a
+    /// record (only holders write one), or a file never marked gone where lock files are not
+    /// unlinked (locally, an older build unlinked without marking: a stat costs nothing there). A
+    /// file to be written, or without a record, proves nothing if it has another name (`fstat`):
+    /// the stat check then refuses the hard link.
     pub fn proves_linked(&self, file: &File, path: &Path, writes: bool) -> bool {
         let one_name = || {
             crate::planted::type_and_links(file)
@@ -303,8 +297,7 @@ impl Seen {
             && one_name()
     }
 
-    /// Nothing at all: no record, hint or last use (a lock file made for nothing, or left by an
-    /// unlinker that did not get to unlink it).
+    /// Nothing at all: no record, hint or last use.
     pub fn names_nothing(&self) -> bool {
         Seen {
             gone: false,
@@ -330,8 +323,7 @@ impl Seen {
             (Some(a), Some(b)) => Some(if b.seq > a.seq { b } else { a }),
             (a, b) => a.or(b),
         };
-        // A write in flight beside a slot that is no record: the torn slot may be its writer's last
-        // word (`ready` cut short) or damage. State unknown: calling it failed needs evidence.
+        // A write in flight beside a torn slot (maybe its `ready` cut short): state unknown.
         let record = record.filter(|r| !(torn && r.state.in_flight()));
         let area = &bytes[..bytes.len().min(HINTS_AT)];
         let hint = |at: u64| bytes.get(at as usize).copied().unwrap_or(0);
@@ -339,8 +331,7 @@ impl Seen {
             damaged: record.is_none() && area.iter().any(|&b| b != 0),
             legacy: bytes.starts_with(LEGACY_PREFIX),
             record,
-            // Anything but "unset" (0) asks the authority: a torn or foreign byte costs a look,
-            // never a missed writer or hold.
+            // Anything but unset asks the authority: a torn byte costs a look, never a missed hold.
             writer_waits: hint(WRITER_WAITS_AT) != 0 && hint(WRITER_WAITS_AT) != b'-',
             store_wide: hint(STORE_WIDE_AT) != 0 && hint(STORE_WIDE_AT) != b'-',
             last_use: bytes
@@ -354,9 +345,8 @@ impl Seen {
     }
 }
 
-/// [`write()`], using the space kept in `reserve` (`space.rs`) when the filesystem is full: a
-/// record saying a build failed, or an image is being removed, must be written when a build filled
-/// the disk (on a copy-on-write filesystem even an overwrite needs new blocks).
+/// [`write()`], using the space kept in `reserve` (`space.rs`) when the filesystem is full (on a
+/// copy-on-write filesystem even an overwrite needs new blocks).
 pub fn write_reserved(
     file: &File,
     seen: &mut Seen,
@@ -378,8 +368,8 @@ pub fn read_of(file: &File, name: &str) -> io::Result<Seen> {
     Ok(read(file)?.of(|n| n == name))
 }
 
-/// [`read_of`] under an exclusive lock just taken from `path`, and whether it proves the file still
-/// at its path ([`Seen::proves_linked`]); a failed read proves nothing and reads as no image.
+/// [`read_of`] under an exclusive lock just taken from `path`, and [`Seen::proves_linked`]; a
+/// failed read proves nothing.
 pub fn read_proving(file: &File, path: &Path, name: &str) -> (Seen, bool) {
     read_of(file, name).map_or((Seen::default(), false), |seen| {
         let proven = seen.proves_linked(file, path, true);
@@ -414,9 +404,8 @@ pub fn write(file: &File, seen: &mut Seen, record: &Record) -> io::Result<()> {
         io::Error::new(io::ErrorKind::InvalidInput, why)
     })?;
     let at = (record.seq % 2) as usize * SLOT;
-    // A shorter record leaves zeros after its own: the slot ends at the first zero byte. A file
-    // without a record gets the whole area, so its blocks exist for every later write (a build may
-    // fill the filesystem before the outcome is recorded).
+    // The slot ends at its first zero byte. A file without a record gets the whole area, so its
+    // blocks exist for every later write (a build may fill the filesystem first).
     let mut area = bytes;
     let at = if seen.record.is_none() && !seen.damaged && !seen.legacy && seen.last_use.is_none() {
         let mut whole = vec![0u8; AREA];
@@ -436,8 +425,7 @@ pub fn write(file: &File, seen: &mut Seen, record: &Record) -> io::Result<()> {
     Ok(())
 }
 
-/// Empties the file (both slots and the hints): the image has no record. Call only holding the
-/// exclusive lock; every unlink of a lock file does this first (see the module doc).
+/// Empties the file (slots and hints): no record. Call only holding the exclusive lock.
 pub fn clear(file: &File) -> io::Result<()> {
     file.set_len(0)?;
     file.sync_data()
@@ -463,8 +451,7 @@ pub fn set_last_use(file: &File, now: Millis) -> io::Result<()> {
     file.write_all_at(format!("{now:016x}").as_bytes(), LAST_USE_AT)
 }
 
-/// Records a use at `now`, unless the recorded one (`seen`) is later: a process whose clock is
-/// behind never makes an image look older.
+/// Records a use at `now`, unless the recorded one is later (a clock behind makes no image older).
 pub fn record_use(file: &File, seen: &Seen, now: Millis) -> io::Result<()> {
     match seen.last_use.max(seen.record.as_ref().map(|r| r.changed)) {
         Some(used) if used >= now => Ok(()),
@@ -472,8 +459,8 @@ pub fn record_use(file: &File, seen: &Seen, now: Millis) -> io::Result<()> {
     }
 }
 
-/// Whether a reader should record its use: the recorded one is unknown or, by the reader's clock,
-/// older than the resolution. One in its future (another host's clock, ours behind) stays.
+/// Whether a reader should record its use: the recorded one is unknown or older than the
+/// resolution (one in the future stays).
 pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
     let res = LAST_USE_RESOLUTION.as_millis() as Millis;
     // A write's use is its record's change.

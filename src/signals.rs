@@ -55,15 +55,13 @@ struct Shared {
 
 static SHARED: OnceLock<Shared> = OnceLock::new();
 
-/// The handle `exec` uses; the state is process-wide, as the lock waits that start the signal
-/// thread know nothing of `exec`.
+/// The handle `exec` uses; the state is process-wide (the lock waits start the signal thread).
 pub struct Forwarder {
     shared: &'static Shared,
 }
 
-/// The termination signals we take, minus those our parent made us ignore (`nohup` ignores SIGHUP;
-/// a shell's background job SIGINT and SIGQUIT): a blocked signal is never discarded, so taking an
-/// ignored one would act on it.
+/// The termination signals we take, minus those our parent made us ignore (`nohup`, a background
+/// job): a blocked signal is never discarded, so taking an ignored one would act on it.
 fn forwarded() -> SigSet {
     use Signal::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
     // SAFETY: queries the disposition only (no new action).
@@ -80,7 +78,7 @@ fn forwarded() -> SigSet {
 static CANCELLED: AtomicI32 = AtomicI32::new(0);
 
 /// The last termination signal passed on to a running command (or its keeper): an exec whose
-/// command's end is then unknown (its keeper gone) was still asked to stop, and exits 128+N.
+/// command's end is unknown (keeper gone) exits 128+N.
 static PASSED_ON: AtomicI32 = AtomicI32::new(0);
 
 /// See `PASSED_ON`.
@@ -102,9 +100,8 @@ fn epoch() -> std::time::Instant {
 }
 
 /// The cancellation check for long work (copy, measure, delete), between steps: once a termination
-/// signal came, `Err(Interrupted(sig))`; the caller stops where the next process can finish or
-/// undo. Only an `exec` routes signals here ([`Forwarder`]); other commands die at once (each is
-/// crash-safe). Cheap per file of a walk: pending signals are looked at every few ms at most.
+/// signal came, `Err(Interrupted(sig))`. Only an `exec` routes signals here; others die at once.
+/// Cheap per file of a walk: pending signals are looked at every few ms at most.
 pub fn check() -> Result<(), crate::error::Error> {
     cancelled().map_or(Ok(()), |sig| Err(crate::error::Error::Interrupted(sig)))
 }
@@ -206,8 +203,8 @@ impl Forwarder {
     }
 }
 
-/// Whether our child `pid` has exited, without reaping it. libc's waitid, not nix's: nix cannot
-/// represent a death by a real-time signal (34–64) and fails with EINVAL.
+/// Whether our child `pid` has exited, without reaping it. libc's waitid: nix's fails (EINVAL) on a
+/// death by a real-time signal.
 fn exited(pid: libc::pid_t) -> io::Result<bool> {
     let flags = libc::WEXITED | libc::WNOWAIT | libc::WNOHANG;
     // SAFETY: waitid fills `info`, which we own.
@@ -221,10 +218,8 @@ fn exited(pid: libc::pid_t) -> io::Result<bool> {
     Ok(unsafe { info.si_pid() } == pid)
 }
 
-/// Whether a signal that the kernel sent (si_code SI_KERNEL: the terminal) certainly reached the
-/// command as well, so forwarding it would deliver it twice. The terminal signals its foreground
-/// process group — the command got it too if it is in ours — except for a hangup, which goes to the
-/// session leader alone. `command_pgid` is the command's process group (None if unknown).
+/// Whether a signal the terminal sent (SI_KERNEL) certainly reached the command too: it signals its
+/// foreground group (the command's if in ours), but a hangup goes to the session leader alone.
 pub fn terminal_reached_command(
     sig: i32,
     code: i32,
@@ -315,8 +310,7 @@ fn start_thread() {
                     }
                 }
             });
-        // No thread to be had (a pids limit in a container or a job's cgroup): the waits then run
-        // without helper threads too (`lock::Waker`), and watch for the signals themselves.
+        // No thread to be had (a pids limit): the waits, without helper threads too, watch a signalfd.
         if spawned.is_err() {
             let flags = SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK;
             if let Ok(fd) = SignalFd::with_flags(&shared.set, flags) {

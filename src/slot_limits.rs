@@ -166,9 +166,8 @@ pub fn read(file: &std::fs::File, class: &str) -> io::Result<Class> {
     Ok(Class::Damaged)
 }
 
-/// Writes the class record into `0.lock` and syncs it (under the global lock), into the slot not
-/// holding the current record: a write cut short leaves the record before. `None` removes the
-/// class: the older slot is emptied first, then the current one.
+/// Writes the class record into the slot of `0.lock` not holding the current one, synced (under the
+/// global lock). `None` removes the class: the older slot is emptied first, then the current one.
 pub fn write(file: &std::fs::File, class: &str, limits: Option<&Limits>) -> io::Result<()> {
     let mut buf = vec![0u8; AREA];
     let n = file.read_at(&mut buf, 0)?;

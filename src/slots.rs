@@ -101,8 +101,7 @@ pub fn notify_change(ctx: &Ctx, class: &str) {
 /// The class's record, as its `0.lock` says now (read without its lock).
 pub fn read_class(root: &Root, class: &str) -> Result<Class> {
     let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
-    // Through the root's descriptor, a directory at a time: a link planted for `locks/slots` or the
-    // class's directory is refused, naming it.
+    // Through the root's descriptor: a link planted for a directory on the way is refused.
     let dir = match root.open_sub(&Root::slot_class_rel(class)) {
         Ok(d) => d,
         // No such class (or no slots directory yet).
@@ -121,8 +120,7 @@ pub fn read_class(root: &Root, class: &str) -> Result<Class> {
     }
 }
 
-/// The error for a class file that cannot be opened: one planted in its place names itself and the
-/// fix; anything else names the file.
+/// The error for a class file that cannot be opened, naming what is planted or the file.
 fn planted_or(path: &Path, class: &str, e: std::io::Error) -> anyhow::Error {
     let e = crate::planted::at(path, e);
     if crate::planted::find(&e).is_some() {
@@ -179,7 +177,7 @@ fn unknown_class(root: &Root, class: &str) -> Error {
 }
 
 /// Sets a class's limits (making the class if new), under the global lock; a `reserve` not given
-/// keeps the class's (none with no limit). Returns what was set.
+/// keeps the class's. Returns what was set.
 pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> Result<Limits> {
     validate_class(class)?;
     let root = store.root().clone();
@@ -202,8 +200,7 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> 
     Ok(limits)
 }
 
-/// Forgets the files beyond a lowered limit once nobody holds them (tried without waiting, under
-/// the global lock the caller holds).
+/// Forgets the files beyond a lowered limit once nobody holds them (under the global lock).
 pub fn settle(root: &Root, class: &str, zero: &std::fs::File, limits: Limits) {
     if limits.settled() {
         return;
@@ -233,9 +230,8 @@ pub fn settle(root: &Root, class: &str, zero: &std::fs::File, limits: Limits) {
     }
 }
 
-/// Removes a class: its record goes, then every slot file nobody holds (unlinked under its
-/// exclusive lock). Returns how many slots were still held (their files stay until released, the
-/// class shown as removed meanwhile).
+/// Removes a class: its record goes, then every slot file nobody holds. Returns how many slots were
+/// still held (their files stay until released).
 pub fn remove(store: &mut Store, class: &str) -> Result<u32> {
     validate_class(class)?;
     let root = store.root().clone();
@@ -304,8 +300,7 @@ pub fn make_class_dir(root: &Root, class: &str) -> Result<Dir> {
     Ok(d)
 }
 
-/// A class as lock-status and `slots` show it: every slot file's holders, how many are held, and
-/// who waits (leases that await the class).
+/// A class as lock-status and `slots` show it: every slot file's holders, how many, and who waits.
 pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> LockReport {
     let dir = root.slot_class_dir(class);
     let mut files: Vec<String> = crate::root::names_in(&dir)
@@ -370,9 +365,8 @@ pub fn reports(look: &Look, root: &Root) -> Vec<LockReport> {
     out
 }
 
-/// Takes away a removed class's files nobody holds, then its directory if left empty, under the
-/// global lock (tried without waiting) so no `slots set` makes the class anew meanwhile. Best
-/// effort: where lock files are kept (NFS) they stay.
+/// Takes away a removed class's files nobody holds, then its directory if empty, under the global
+/// lock (tried) so no `slots set` makes the class anew meanwhile. Best effort.
 fn tidy_removed(root: &Root, class: &str) {
     let Ok(Some(_global)) =
         lock::acquire_no_wait(&root.global_lock(), Mode::Exclusive, lock::IfMissing::Fail)

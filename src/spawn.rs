@@ -3,10 +3,8 @@
 //! - The command starts with no signal blocked (we block the termination signals for our signal
 //!   thread) and SIGPIPE at its default (Rust ignores it).
 //! - std's `Command` could do that only in a `pre_exec` hook, which forces a full fork(2);
-//!   posix_spawn takes the mask and dispositions as attributes and clones vfork-style, without
-//!   copying our page tables.
-//! - `--no-inherit` starts our keeper this way (`keeper.rs`), which, single-threaded, starts the
-//!   command with std.
+//!   posix_spawn clones vfork-style.
+//! - `--no-inherit` starts our keeper this way (`keeper.rs`); it starts the command with std.
 
 use std::ffi::{CString, OsString};
 use std::io;
@@ -23,15 +21,13 @@ use nix::unistd::Pid;
 pub enum Start {
     /// The user's command: no signal blocked, SIGPIPE at its default.
     Command,
-    /// Our own keeper ([`crate::keeper`]): it keeps our signal mask, so the termination signals
-    /// stay blocked until it takes them itself, and leads a process group of its own, so a signal
-    /// to our group (a `kill -9 -PGID`) leaves it to clean up after the command.
+    /// Our own keeper ([`crate::keeper`]): our signal mask kept (it takes them itself), in a process
+    /// group of its own (a `kill -9 -PGID` of ours leaves it to clean up).
     Keeper,
 }
 
-/// Spawns `argv` with exactly `env` as its environment; returns its pid. `path` is the program
-/// (`None`: `argv[0]`, searched in PATH). Descriptors without close-on-exec are inherited, as with
-/// exec(2).
+/// Spawns `argv` with exactly `env`; returns its pid. `path` is the program (`None`: `argv[0]`,
+/// searched in PATH). Descriptors without close-on-exec are inherited.
 pub fn spawn(
     path: Option<&std::ffi::CStr>,
     argv: &[OsString],
@@ -60,8 +56,6 @@ fn c_string(bytes: Vec<u8>) -> io::Result<CString> {
     CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
-/// SIGPIPE and SIGCHLD at their defaults; for the command no signal blocked, for the keeper our
-/// mask kept and a process group of its own.
 fn attributes(how: Start) -> nix::Result<PosixSpawnAttr> {
     let mut attr = PosixSpawnAttr::init()?;
     attr.set_sigdefault(&[Signal::SIGPIPE, Signal::SIGCHLD].into_iter().collect())?;

@@ -15,8 +15,8 @@ use crate::name::ImageName;
 use crate::root::Root;
 use crate::store::Store;
 
-/// `eprintln!` that never panics: with stderr gone (a closed pipe), an exec must still exit with
-/// its contract's code (66, 75, ...), not a panic's 101. Defined before the command modules.
+/// `eprintln!` that never panics: with stderr gone, an exec must still exit with its contract's
+/// code, not a panic's 101.
 macro_rules! complain {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
@@ -102,9 +102,8 @@ enum Command {
 }
 
 impl Command {
-    /// Whether the command creates a missing root: those that write (`exec`, `init`, `slots set`).
-    /// The others, `gc`, `rm` and `doctor --repair` too, say it is missing: a mistyped root in a
-    /// cron job must not grow a store.
+    /// Whether the command creates a missing root: only `exec`, `init`, `slots set` (a mistyped root
+    /// in a cron job must not grow a store).
     fn creates_root(&self) -> bool {
         match self {
             Command::Init(_) | Command::Exec(_) => true,
@@ -126,8 +125,7 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return parse_failure(e, &args),
     };
-    // SIGPIPE stays ignored (as Rust sets it): an exec outlives a gone reader to record its
-    // outcome, and a listing whose reader left fails in one line, exit 1 ([`print`]), not silently.
+    // SIGPIPE stays ignored: an exec outlives a gone reader to record its outcome.
     let result = run(cli);
     // Every lock of ours is closed by now: the lease goes too (one unlink).
     crate::lease::retire();
@@ -140,8 +138,7 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// What to do about a cause that does not say it: out of file descriptors (a deep `--from` copy
-/// keeps two per level), which the line names only as "Too many open files".
+/// What to do when out of file descriptors (a deep `--from` copy keeps two per level).
 fn advice(err: &anyhow::Error) -> String {
     let errno = err
         .chain()
@@ -193,14 +190,10 @@ fn run(cli: Cli) -> Result<u8> {
     }
     let mut store = Store::new(root);
     let ctx = store.ctx_mut();
-    // A command that only reads never creates a store: a mistyped --root is
-    // said so, not shown empty (after its arguments: bad input is 64 anyway).
     ctx.creates_root = cli.command.creates_root();
     ctx.quiet = cli.quiet;
     ctx.verbose = cli.verbose;
-    // What we create in a group's store must be usable by the group (lock
-    // files opened read-write, the database written; directories inherit
-    // the group from a setgid root). The command gets the umask back.
+    // What we create in a group's store must be usable by the group; the command gets the umask.
     ctx.child_umask = sharing.then(crate::sharing::open_umask);
     match cli.command {
         Command::Init(args) => init::run(args, &mut store),
@@ -215,8 +208,8 @@ fn run(cli: Cli) -> Result<u8> {
     }
 }
 
-/// Writes `text` to stdout and flushes it: the one way commands print (clippy forbids `println!`,
-/// which panics). A failed write (a full disk, a reader gone) is a one-line error, exit 1.
+/// Writes `text` to stdout and flushes it (never `println!`, which panics): a failed write is a
+/// one-line error, exit 1.
 pub(crate) fn print(text: &str) -> Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
@@ -230,10 +223,8 @@ pub(crate) fn print_json(doc: &impl serde::Serialize) -> Result<()> {
     print(&format!("{}\n", json_text(doc, true)?))
 }
 
-/// `doc` as JSON with every character that could drive a terminal escaped (`\u009b`): the encoder
-/// escapes C0 controls only, and a recorded command or a path may hold a C1 control or a
-/// bidirectional override. Such characters only occur inside strings, so escaping the whole text
-/// is escaping the strings, and the values read back the same.
+/// `doc` as JSON with every character that could drive a terminal escaped (`\u009b`), where the
+/// encoder escapes C0 controls only; they only occur inside strings, so the values read the same.
 pub(crate) fn json_text(doc: &impl serde::Serialize, pretty: bool) -> Result<String> {
     let text = if pretty {
         serde_json::to_string_pretty(doc)?
@@ -274,13 +265,11 @@ fn one_line(err: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    // One line: `complain!` shows a newline (in a path, say) as `\n`, like anything else that could
-    // drive the terminal.
     line
 }
 
 /// Help and version go to stdout, exit 0; anything else is a usage error, exit 64, in one line with
-/// clap's typo suggestion; a command given to `exec` without `--` gets the fix spelled out.
+/// clap's suggestion.
 fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     use clap::error::{ContextKind, ErrorKind};
     match e.kind() {
@@ -334,9 +323,8 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     ExitCode::from(error::code::USAGE)
 }
 
-/// The two mistakes clap's message misplaces: an option's value forgotten just before `--` (clap
-/// takes `--` as the value, then blames the command), and a subcommand's option given before its
-/// name (clap names the option's value as the command).
+/// The two mistakes clap's message misplaces: an option's value forgotten just before `--` (taken
+/// as the value), and a subcommand's option given before its name.
 fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
     let words = lossy(args);
     let cli = Cli::command();
@@ -417,8 +405,7 @@ fn context(e: &clap::Error, kind: clap::error::ContextKind) -> Option<String> {
     }
 }
 
-/// `stowage exec --write app ch-image build …`: shows the line with the
-/// command after `--`; `at` is the index of `exec`, `arg` the command's.
+/// `stowage exec --write app ch-image build …`: shows the line with the command after `--`.
 fn command_before_dashes(args: &[OsString], at: usize, arg: &str) {
     let pos = command_start(args, at).filter(|&p| args[p] == arg);
     let mut fixed = lossy(&args[1..]);
@@ -436,8 +423,7 @@ fn command_before_dashes(args: &[OsString], at: usize, arg: &str) {
     }
 }
 
-/// The index in `args` of the command's first word as exec parses it when given without `--`: the
-/// first word after `exec` (at `at`) that is neither an option nor an option's value.
+/// The index of the command's first word given to exec (at `at`) without `--`.
 fn command_start(args: &[OsString], at: usize) -> Option<usize> {
     let cli = Cli::command();
     let exec = cli.find_subcommand("exec")?;
@@ -459,8 +445,8 @@ fn command_start(args: &[OsString], at: usize) -> Option<usize> {
 /// Any other usage error in one line: what, clap's suggestion, where help is.
 fn usage_error(e: &clap::Error, page: Option<&str>) -> String {
     use clap::error::ContextKind;
-    // clap's first paragraph says what is wrong (maybe over several lines); usage and tips follow.
-    // The argument it quotes is escaped first: a newline in it would be taken for clap's.
+    // clap's first paragraph says what is wrong; the argument it quotes is escaped first (a newline
+    // in it would be taken for clap's).
     let mut text = e.render().to_string();
     for kind in [
         ContextKind::InvalidArg,
@@ -491,7 +477,7 @@ fn usage_error(e: &clap::Error, page: Option<&str>) -> String {
 const EXEC_USAGE: &str = "usage: stowage exec [OPTIONS] -- CMD [ARG]...";
 
 /// The subcommand named on the command line and its index: the first argument that is neither a
-/// global option nor its value, if it names one (after a misplaced `--write app`, `app` is none).
+/// global option nor its value, if it names one.
 fn subcommand(args: &[OsString]) -> Option<(String, usize)> {
     let mut i = 1;
     while i < args.len() {
@@ -524,8 +510,8 @@ fn usage<T>(why: String) -> Result<T> {
 /// The longest bounded wait accepted: ten years. More is surely a mistake; forever is the default.
 const MAX_WAIT_SECS: f64 = 10.0 * 365.0 * 86_400.0;
 
-/// Parses a command-line time (`--wait`, `--watch`): seconds, fractional allowed (`2.5`) as the
-/// contract writes it, or with a unit (`500ms`, `10s`, `1.5m`, `2h`, `1d`). Finite, not negative.
+/// Parses a command-line time (`--wait`, `--watch`): seconds (`2.5`), or with a unit (`500ms`,
+/// `10s`, `1.5m`, `2h`, `1d`). Finite, not negative.
 fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
     let bad = || {
         Error::Usage(format!(
@@ -577,7 +563,7 @@ fn deadline(wait: Option<&str>, no_wait: bool) -> Result<(Option<Instant>, bool)
 
 /// Rows as left-aligned columns two spaces apart; the last is not padded, no line ends in spaces.
 fn table<const N: usize>(rows: &[[String; N]]) -> String {
-    // A cell may hold a forged record's text (a base): one row a line, no terminal control codes.
+    // A cell may hold a forged record's text: no terminal control codes.
     let rows: Vec<[std::borrow::Cow<str>; N]> = rows
         .iter()
         .map(|r| std::array::from_fn(|i| crate::ident::printable(&r[i])))
@@ -588,7 +574,6 @@ fn table<const N: usize>(rows: &[[String; N]]) -> String {
             *w = (*w).max(cell.chars().count());
         }
     }
-    // Every cell padded: the line's end, the last cell's padding with it, is trimmed.
     rows.iter()
         .map(|row| {
             let cells = row.iter().zip(widths);
