@@ -205,53 +205,34 @@ fn number<T: std::str::FromStr>(a: impl AsRef<OsStr>) -> io::Result<T> {
     n.ok_or_else(|| io::ErrorKind::InvalidInput.into())
 }
 
-/// What stowage tells its keeper on the command line (see [`Keeper::spawn`]).
-struct Invocation<'a> {
-    status_fd: RawFd,
-    alive_fd: RawFd,
-    /// stowage's process group, which the command joins.
-    group: libc::pid_t,
-    umask: Option<u32>,
-    lock_fds: Vec<RawFd>,
-    argv: &'a [OsString],
-}
-
-impl<'a> Invocation<'a> {
-    fn parse(args: &'a [OsString]) -> io::Result<Invocation<'a>> {
-        let [status_fd, alive_fd, group, umask, lock_fds, sep, argv @ ..] = args else {
-            return Err(io::ErrorKind::InvalidInput.into());
-        };
-        if sep != "--" || argv.is_empty() {
-            return Err(io::ErrorKind::InvalidInput.into());
-        }
-        // "-": none.
-        Ok(Invocation {
-            status_fd: number(status_fd)?,
-            alive_fd: number(alive_fd)?,
-            group: number(group)?,
-            umask: (umask != "-").then(|| number(umask)).transpose()?,
-            lock_fds: match lock_fds.to_str() {
-                Some("-") => Vec::new(),
-                Some(list) => list.split(',').map(number).collect::<io::Result<_>>()?,
-                None => return Err(io::ErrorKind::InvalidInput.into()),
-            },
-            argv,
-        })
-    }
-}
-
+/// Runs the keeper for what [`Keeper::spawn`] put on its command line (`-`: none).
 fn run(args: &[OsString]) -> io::Result<()> {
-    let args = Invocation::parse(args)?;
+    let invalid = || io::Error::from(io::ErrorKind::InvalidInput);
+    let [status_fd, alive_fd, group, umask, lock_fds, sep, argv @ ..] = args else {
+        return Err(invalid());
+    };
+    if sep != "--" || argv.is_empty() {
+        return Err(invalid());
+    }
+    let (status_fd, alive_fd): (RawFd, RawFd) = (number(status_fd)?, number(alive_fd)?);
+    // stowage's process group, which the command joins.
+    let group: libc::pid_t = number(group)?;
+    let umask = (umask != "-").then(|| number(umask)).transpose()?;
+    let lock_fds: Vec<RawFd> = match lock_fds.to_str() {
+        Some("-") => Vec::new(),
+        Some(list) => list.split(',').map(number).collect::<io::Result<_>>()?,
+        None => return Err(invalid()),
+    };
     // SAFETY: the descriptors were passed to us by stowage and are ours.
-    let mut status = unsafe { std::fs::File::from_raw_fd(args.status_fd) };
-    let alive = unsafe { OwnedFd::from_raw_fd(args.alive_fd) };
-    for fd in [args.status_fd, args.alive_fd].iter().chain(&args.lock_fds) {
+    let mut status = unsafe { std::fs::File::from_raw_fd(status_fd) };
+    let alive = unsafe { OwnedFd::from_raw_fd(alive_fd) };
+    for fd in [status_fd, alive_fd].iter().chain(&lock_fds) {
         set_cloexec(*fd, true)?;
     }
     let (stowage, leader) = (getppid().as_raw(), getsid(None) == Ok(getppid()));
     become_subreaper()?;
     let signals = signal_fd()?;
-    let mut cmd = command(args.argv, args.group, args.umask);
+    let mut cmd = command(argv, group, umask);
     let child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
@@ -266,7 +247,7 @@ fn run(args: &[OsString]) -> io::Result<()> {
     let mut tree = Tree {
         command,
         stowage,
-        group: args.group,
+        group,
         leader,
         ..Tree::default()
     };
