@@ -1,8 +1,7 @@
 //! The catalog: SQLite at `ROOT/stowage.db`, derived from the images' records and trees
 //! (docs/design.md, "The catalog").
 //!
-//! - Derived, never trusted over the records: refreshed whenever a command looks at every image; no
-//!   decision changing an image rests on it (gc and repair re-read the record under its lock).
+//! - Derived, never trusted over the records: no decision changing an image rests on it.
 //! - Losing it costs a rebuild and the sizes: one missing, empty, damaged or another program's is
 //!   set aside (never deleted) and made anew.
 //! - Used only under the global lock ([`Catalog`] owns the guard), in one short transaction.

@@ -1,11 +1,7 @@
-//! The command an exec runs: its environment, how it gets the locks (inherited descriptors, or a
-//! keeper that holds them for it), the umask it starts with, waiting for it, and its exit code.
+//! The command an exec runs: its environment, how it gets the locks, its umask, its exit code.
 //!
-//! Invariants:
 //! - The lock descriptors are inheritable only for the moment of the spawn (no other thread spawns
-//!   meanwhile), so nothing else we start gets them.
-//! - With `--no-inherit` the keeper holds them and ends the command's whole tree before they go
-//!   (`keeper.rs`).
+//!   meanwhile). With `--no-inherit` a keeper holds them instead (`keeper.rs`).
 //! - Termination signals are routed to the command (or its keeper) from the moment it exists
 //!   (`signals.rs`); a signal before that stops the start.
 

@@ -3,16 +3,14 @@
 //! "`--no-inherit`: descendants outliving the locks").
 //!
 //! - PR_SET_PDEATHSIG and signal forwarding reach one process only, so stowage re-executes itself
-//!   as the keeper: single-threaded (may fork freely), holding the lock descriptors (the command
-//!   does not), a child subreaper (orphans of the tree become its children), leading its own group
-//!   (a `kill -9 -PGID` of stowage's leaves it) while the command stays in stowage's group (the
-//!   terminal treats it as before).
+//!   as the keeper: single-threaded, holding the lock descriptors (the command does not), a child
+//!   subreaper, leading its own group (a `kill -9 -PGID` of stowage's leaves it); the command stays
+//!   in stowage's group.
 //! - Its status is reported only once every process of the tree has exited.
 //! - A forwarded termination signal goes to the command, once it is gone to the rest of the tree;
 //!   what is left [`GRACE`] later is killed.
-//! - stowage's death (even SIGKILL) ends a pipe: the keeper kills and reaps the tree, then exits,
-//!   releasing the locks last. The keeper's death kills the command (PDEATHSIG); stowage, a
-//!   subreaper too, kills the rest.
+//! - stowage's death (even SIGKILL) ends a pipe: the keeper kills and reaps the tree, then exits.
+//!   The keeper's death kills the command (PDEATHSIG); stowage, a subreaper too, kills the rest.
 //! - Not covered: both killed by SIGKILL at once (`pkill -9 stowage`) leave the tree to init.
 //! - Status pipe (keeper → stowage), 8-byte messages: `b"S\0\0\0" + errno` once the command started
 //!   (0) or failed to, then `b"X\0\0\0" + wait status` once the tree is gone.

@@ -1,15 +1,11 @@
 //! Termination signals during `exec`.
 //!
 //! - SIGINT, SIGTERM, SIGHUP, SIGQUIT (and SIGCHLD) are blocked in every thread and taken with
-//!   sigwaitinfo(2): no system call is interrupted by them. Signals the parent made us ignore stay
-//!   ignored (`nohup`).
+//!   sigwaitinfo(2): no system call is interrupted by them. Ignored ones stay ignored (`nohup`).
 //! - Before the command starts, a signal cancels the lock waits (exit 128+N, nothing left behind).
-//!   The thread that takes signals starts lazily, with the first wait; without one (a pids limit)
-//!   the waits watch a signalfd.
-//! - While the command runs, signals are forwarded. A terminal's signal (SI_KERNEL) is not
-//!   forwarded only if the command is in our process group and it is not the hangup sent to a
-//!   session leader alone: Ctrl-C is one SIGINT, yet reaches a command in its own group (`timeout`)
-//!   or under a stowage that leads its session (`setsid`, `ssh -t`).
+//!   The signal thread starts with the first wait; without one the waits watch a signalfd.
+//! - While the command runs, signals are forwarded, but for a terminal's (SI_KERNEL) that reached a
+//!   command in our process group too (not a hangup to a session leader alone).
 //! - Long work outside the command (a `--from` copy, measuring) asks [`check`] between steps: a
 //!   pending signal stops it, exit 128+N.
 //! - Hand-over: Waiting → Running(pid) under a mutex while spawning (a signal is seen before the

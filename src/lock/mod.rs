@@ -9,16 +9,14 @@
 //!   retry. Lock files are never unlinked on a filesystem not known local (`Root::unlink_lock`).
 //! - On shared filesystems lock files and leases are `O_DSYNC`: a write is one stable request,
 //!   seen by other hosts, and [`sync_written`] sends none.
-//! - A guard is released by close, never `LOCK_UN`, which would drop an inheritor's lock. A probe's
-//!   try-lock (never inherited) is let go by `LOCK_UN` (`let_go`): on FUSE a close's release is
-//!   asynchronous, and other hosts would see the lock held milliseconds after the probe ended.
+//! - A guard is released by close, never `LOCK_UN`, which would drop an inheritor's lock. A probe
+//!   lets go by `LOCK_UN` (`let_go`): on FUSE a close's release is asynchronous.
 //! - A look that changes nothing asks by [`query`] (`F_OFD_GETLK`, no lock taken) where the
 //!   filesystem answers it for every host's flocks; elsewhere by try-lock ([`probe`]).
 //! - Contention is a value: [`acquire_no_wait`]'s `Ok(None)`, a timed wait's [`Waited::TimedOut`].
 //! - Waits sleep in flock(2) in a helper thread, interrupted by [`wake_signal`]; without a thread
 //!   (a pids limit) they poll. A slot waiter sleeps on one [`Waker`] (inotify) for its [`FileSet`].
-//! - [`inherited_flocks`] finds an enclosing command's inherited holds: a wait must never wait for
-//!   one.
+//! - [`inherited_flocks`] finds an enclosing command's inherited holds, never to be waited for.
 
 #![allow(clippy::disallowed_methods)] // this is the one module that may call flock
 
