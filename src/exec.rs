@@ -134,8 +134,7 @@ fn start(
     }
 }
 
-/// The command's end is unknown (its keeper gone): a failure, or 128+N if a termination signal was
-/// passed on (or came meanwhile).
+/// The command's end is unknown (keeper gone): a failure, or 128+N if a signal was passed on.
 fn wait_failed(e: std::io::Error) -> anyhow::Error {
     let e = anyhow::Error::new(e).context("cannot wait for the command");
     match crate::signals::passed_on().or_else(crate::signals::cancelled) {
@@ -185,8 +184,7 @@ fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsStr
     command::environment(std::env::vars_os(), &images)
 }
 
-/// What every command is told: the root, the images directory `images`, and the leases that hold
-/// its locks, so a stowage inside it can tell that we hold them.
+/// What every command is told: the root, the images directory, and our leases (nested execs).
 fn told(store: &Store, images: OsString) -> Vec<(&'static str, OsString)> {
     // The enclosing execs' leases and ours.
     let mine = crate::lease::mine(&store.root().leases()).ok();

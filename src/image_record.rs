@@ -177,8 +177,7 @@ impl Record {
         matches!(self.outcome.as_deref(), Some(ADOPTED | UNKNOWN))
     }
 
-    /// The state as a reader must take it: a write in flight whose lock nobody holds exclusively
-    /// (`exclusively_held` false) lost its writer: the image is incomplete.
+    /// The state as a reader takes it: a write in flight under no exclusive lock is incomplete.
     pub fn state_seen(&self, exclusively_held: bool) -> State {
         if self.state.in_flight() && !exclusively_held {
             State::Incomplete
@@ -368,8 +367,7 @@ pub fn read_of(file: &File, name: &str) -> io::Result<Seen> {
     Ok(read(file)?.of(|n| n == name))
 }
 
-/// [`read_of`] under an exclusive lock just taken from `path`, and [`Seen::proves_linked`]; a
-/// failed read proves nothing.
+/// [`read_of`] under an exclusive lock just taken, and [`Seen::proves_linked`].
 pub fn read_proving(file: &File, path: &Path, name: &str) -> (Seen, bool) {
     read_of(file, name).map_or((Seen::default(), false), |seen| {
         let proven = seen.proves_linked(file, path, true);
@@ -393,8 +391,7 @@ pub fn read(file: &File) -> io::Result<Seen> {
     Ok(Seen::parse(&buf))
 }
 
-/// Writes `record` (its `seq` set from `seen`) and syncs it: call only holding the file's exclusive
-/// lock. `seen` is updated to say what the file says now.
+/// Writes `record` (`seq` from `seen`, updated) and syncs it, holding the exclusive lock.
 pub fn write(file: &File, seen: &mut Seen, record: &Record) -> io::Result<()> {
     let mut record = record.clone();
     record.seq = seen.record.as_ref().map_or(1, |r| r.seq + 1);
@@ -459,8 +456,7 @@ pub fn record_use(file: &File, seen: &Seen, now: Millis) -> io::Result<()> {
     }
 }
 
-/// Whether a reader should record its use: the recorded one is unknown or older than the
-/// resolution (one in the future stays).
+/// Whether a reader should record its use: the recorded one unknown or older than resolution.
 pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
     let res = LAST_USE_RESOLUTION.as_millis() as Millis;
     // A write's use is its record's change.

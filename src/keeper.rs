@@ -307,8 +307,7 @@ struct Tree {
     exit: Option<i32>,
     /// The last termination signal received.
     terminating: Option<i32>,
-    /// Processes left after the command ended were signalled: their work was cut short, so the
-    /// outcome is no success even if the command succeeded.
+    /// Leftovers were signalled after the command ended: no success.
     cut_short: bool,
     /// When what is left of the tree is killed.
     kill_at: Option<Instant>,

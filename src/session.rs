@@ -197,7 +197,7 @@ impl Session {
         let base = req.base.as_ref().map(|b| b.as_str().to_owned());
         for img in self.images.iter_mut() {
             if img.role != Role::Write {
-                // Written only into a file of its own (a reader's may have other names).
+                // Once in a while, only into a file of its own (a reader's may have other names).
                 if img.role == Role::ReadExclusive
                     || (image_record::last_use_stale(&img.held.seen, now)
                         && img.held.guard.has_one_name())
@@ -241,8 +241,7 @@ impl Session {
         Ok(())
     }
 
-    /// The images directory its images' records name (all one: it switches only with no image),
-    /// else the store's.
+    /// The images directory its images' records name (all one), else the store's.
     fn choose_images_dir(&self) -> Result<PathBuf> {
         let mut dirs = self
             .images
@@ -385,8 +384,7 @@ impl Session {
         }
     }
 
-    /// Records the outcome and releases the locks. A written image is `ready` only if the command
-    /// succeeded and its lock is still ours; a lock lost meanwhile (NFS lease expiry) is an error.
+    /// Records the outcome and releases the locks; a write lock lost meanwhile (NFS) is an error.
     pub fn finish(mut self, store: &mut Store, outcome: Outcome) -> Result<()> {
         let now = clock::now_ms();
         let mut lost = Vec::new();
@@ -421,8 +419,7 @@ impl Session {
         failed.map_or(Ok(()), Err)
     }
 
-    /// Undoes the start of a command that never ran: each written image's
-    /// record as it was before, a new one's tree and lock file gone.
+    /// Undoes the start of a command that never ran: records put back, new trees and files gone.
     pub fn abandon(self) -> Result<()> {
         self.undo()
     }
@@ -655,8 +652,7 @@ fn write_record(store: &Store, held: &mut Held, r: &Record) -> Result<()> {
         .with_context(|| format!("cannot write the record of image '{}' in {path}", r.name))
 }
 
-/// A new image: its record says `creating` (synced), then its empty tree is made through a
-/// descriptor of the images directory.
+/// A new image: its record says `creating` (synced), then its empty tree is made.
 fn start_new(
     store: &Store,
     img: &mut Image,
@@ -742,8 +738,7 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
         Some(_) => match images.sub(name.encoded()).and_then(|d| d.names()) {
             Ok(n) if n.is_empty() => return Ok(()),
             Ok(_) => "a directory with contents".to_owned(),
-            // On a shared filesystem: most often removed by another host a moment ago, this
-            // client's cache of names not told yet.
+            // On a shared filesystem: most often removed by another host a moment ago.
             Err(e) => format!("a directory that cannot be listed: {e}"),
         },
         None => return Ok(()),
@@ -843,8 +838,7 @@ fn give_up_on(root: &Root, images: Vec<Image>, waited: &[ImageName], e: anyhow::
     Err(e)
 }
 
-/// Whether another process holds the same open file description as our lock (a background job of
-/// the command that inherited it): it may still write the tree.
+/// Whether another process (the command's background job) shares our lock: it may write the tree.
 fn open_elsewhere(guard: &crate::lock::Guard) -> bool {
     use std::os::fd::AsRawFd;
     let mine = guard.as_raw_fd();

@@ -240,8 +240,7 @@ pub fn group_of(pid: libc::pid_t) -> Option<libc::pid_t> {
 /// The value a keeper finds in a signal we queue to it: 1 if the terminal sent the signal to us.
 pub const FROM_TERMINAL: usize = 1;
 
-/// Takes one signal of `set`, waiting for it if `block` (else only a pending one): the signal and
-/// its si_code.
+/// Takes one signal of `set` (waiting if `block`): the signal and its si_code.
 fn take(set: &SigSet, block: bool) -> Option<(i32, i32)> {
     // SAFETY: sigtimedwait/sigwaitinfo fill `info`, which we own; `set` is blocked in this thread.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };

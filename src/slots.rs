@@ -176,8 +176,7 @@ fn unknown_class(root: &Root, class: &str) -> Error {
     Error::Usage(format!("unknown slot class '{class}' ({hint})"))
 }
 
-/// Sets a class's limits (making the class if new), under the global lock; a `reserve` not given
-/// keeps the class's. Returns what was set.
+/// Sets a class's limits under the global lock (`reserve` kept if not given): what was set.
 pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> Result<Limits> {
     validate_class(class)?;
     let root = store.root().clone();

@@ -68,8 +68,7 @@ impl Store {
         take_global(&self.ctx, deadline)
     }
 
-    /// Runs `f` in one catalog transaction under the global lock, and commits; a full filesystem
-    /// gets one more try with the reserve (`space.rs`).
+    /// Runs `f` in one catalog transaction under the global lock (again with the reserve if full).
     pub fn with_catalog<T>(
         &mut self,
         deadline: Option<Instant>,
@@ -183,8 +182,7 @@ impl Store {
         self.conn = None;
     }
 
-    /// Runs `f`, and once more with the reserve (`space.rs`) freed if the disk is full: `f` must be
-    /// safe to repeat.
+    /// Runs `f`, once more with the reserve (`space.rs`) freed if the disk is full.
     pub fn retry_full<T>(&mut self, mut f: impl FnMut(&mut Store) -> Result<T>) -> Result<T> {
         match f(self) {
             Err(e)

@@ -73,8 +73,7 @@ pub fn blocks(root: &Root, seen: &crate::image_record::Seen) -> bool {
     seen.store_wide && !matches!(probe(root), Ok(Probe::Free | Probe::Inside))
 }
 
-/// Waits until no store-wide hold stands: `store.lock` taken shared and let go, holding nothing
-/// else.
+/// Waits until no store-wide hold stands: `store.lock` taken shared and let go.
 pub fn wait_free(
     store: &Store,
     deadline: Option<Instant>,
@@ -185,8 +184,7 @@ impl Hold {
         self.guard.set_inheritable(inherit)
     }
 
-    /// After the command: drops the records of ready images whose trees it deleted, unless the
-    /// images directory looks unmounted. Returns their names.
+    /// After the command: drops the records of ready images whose trees it deleted; their names.
     pub fn forget_deleted(&self, store: &Store) -> Vec<String> {
         let entries = crate::census::take(store.root()).unwrap_or_default();
         forget_missing(store, entries, |_| true)

@@ -47,15 +47,13 @@ pub(crate) struct Want<'a> {
     pub deadline: Option<Instant>,
     pub no_wait: bool,
     pub command: &'a str,
-    /// Images that must exist for the request to go ahead (its reads): checked before any wait, so
-    /// a request that can only fail says so at once.
+    /// Images that must exist (the reads): checked before any wait, to fail at once.
     pub must_exist: &'a [ImageName],
     /// The locks the request holds already, listed in the lease with a wait (`acquire::wait_for`).
     pub held: &'a [crate::lease::Holding],
 }
 
-/// Takes one image lock, waiting as allowed. A read of an image without a lock file fails at once
-/// (66); nothing is created unless `want.create`.
+/// Takes one image lock, waiting as allowed; nothing is created unless `want.create`.
 pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
     let held = take_any(store, name, want)?;
     refuse_shared_lock_file(name, &held.seen)?;
@@ -259,8 +257,7 @@ enum Tried {
     WriterWaiting,
 }
 
-/// One non-blocking attempt: the lock and the record in one go; a reader that sees the writer-waits
-/// hint asks the gate.
+/// One non-blocking attempt, lock and record; a reader seeing the writer-waits hint asks the gate.
 fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Result<Tried> {
     let path = root.image_lock(name);
     let mut failed = None;
@@ -311,8 +308,7 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
     })))
 }
 
-/// Waits through the gate, taken in our mode (a writer exclusively, holding back new readers; a
-/// reader shared, queueing behind a waiting writer) and held while waiting for the lock.
+/// Waits through the gate, taken in our mode and held while waiting for the lock.
 fn wait_image(
     ctx: &crate::ctx::Ctx,
     name: &ImageName,

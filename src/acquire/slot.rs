@@ -46,8 +46,7 @@ impl SlotGuard {
         std::os::fd::AsRawFd::as_raw_fd(&self.guard)
     }
 
-    /// What our lease is to say of the slot, for `command`: the caller writes it; the slot takes it
-    /// out of the lease when it goes.
+    /// What our lease is to say of the slot; taken out of the lease when the slot goes.
     pub(crate) fn listing(&mut self, root: &Root, command: &str) -> crate::lease::Holding {
         let rel = root.locks_rel(self.guard.path());
         self.listed = Some((root.leases(), rel.clone()));
@@ -96,8 +95,7 @@ pub fn acquire(
     Ok(slot)
 }
 
-/// Takes a slot; the caller lists it in its lease ([`SlotGuard::listing`]).
-/// `must_exist`: images the request reads, checked before any wait.
+/// Takes a slot; the caller lists it in its lease. `must_exist` is checked before any wait.
 pub(crate) fn take(
     store: &Store,
     class: &str,
@@ -211,8 +209,7 @@ fn try_now(
     Ok(Err(slots))
 }
 
-/// After a lowered limit, the first acquirer to find the files beyond it free settles the record
-/// (under the global lock, tried, never awaited).
+/// Settles the record once the files beyond a lowered limit are free (global lock tried).
 fn settle_if_free(root: &Root, class: &str, limits: &Limits) {
     if limits.settled() {
         return;

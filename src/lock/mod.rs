@@ -148,8 +148,7 @@ impl Guard {
         &self.file
     }
 
-    /// Whether the locked file has no other name (one `fstat`), before a holder that proved it by a
-    /// record writes a hint or use into it (it may be another store's too).
+    /// Whether the locked file has no other name (one `fstat`), before a hint is written into it.
     pub fn has_one_name(&self) -> bool {
         crate::planted::check_written(&self.path, &self.file).is_ok()
     }
@@ -251,8 +250,7 @@ pub(super) fn flock_blocking(file: &File, mode: Mode) -> io::Result<()> {
     }
 }
 
-/// Whether lock files in `path`'s directory may be unlinked: only on a filesystem known to be
-/// local (module doc). Decided once per filesystem and process (one statfs).
+/// Whether lock files in `path`'s directory may be unlinked: only on a local filesystem.
 pub fn unlinks_allowed(path: &Path) -> bool {
     local_dir(path, None)
 }
@@ -587,8 +585,7 @@ pub fn inherited_flocks() -> Vec<(PathBuf, (u64, u64), Mode)> {
     .collect()
 }
 
-/// The flock mode in an fdinfo text, from lines like
-/// `lock:\t1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF` (a blocked request has "->").
+/// The flock mode in an fdinfo text (`lock:\t1: FLOCK  ADVISORY  WRITE ...`; blocked: `->`).
 fn fdinfo_flock(info: &str) -> Option<Mode> {
     info.lines()
         .filter_map(|l| l.strip_prefix("lock:"))
@@ -650,8 +647,7 @@ pub fn query(path: &Path) -> io::Result<Probe> {
     })
 }
 
-/// [`query`] where `queries` (the filesystem answers one for every host), else [`probe`]: how a
-/// look, which changes nothing, asks. A query refused (a kernel without OFD locks) probes.
+/// [`query`] where `queries`, else (or if refused) [`probe`]: how a look asks.
 pub fn look(path: &Path, queries: bool) -> io::Result<Probe> {
     match queries.then(|| query(path)) {
         Some(Ok(p)) => Ok(p),
@@ -843,8 +839,7 @@ pub fn error(what: &str, path: &std::path::Path, e: io::Error) -> anyhow::Error 
     }
 }
 
-/// Why lock file `path` could not be opened read-write, naming the file or else its directory,
-/// and the fix.
+/// Why lock file `path` could not be opened read-write, naming file or directory, and the fix.
 fn denied(path: &Path) -> String {
     use nix::unistd::{AccessFlags, access};
     let dir = path.parent().unwrap_or(Path::new("/"));

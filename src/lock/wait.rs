@@ -230,8 +230,7 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
     outcome
 }
 
-/// Starts one helper thread per file, blocked in flock(2) on a duplicate, reporting on `tx`. Fewer
-/// than one per file if a thread could not be had: those are to be stopped.
+/// Starts one helper per file, blocked in flock(2) on a duplicate; fewer if threads run out.
 fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Result<Vec<Worker>> {
     let mut workers = Vec::with_capacity(files.len());
     for (i, file) in files.iter().enumerate() {
