@@ -16,7 +16,7 @@ use crate::root::Root;
 use crate::store::Store;
 
 /// `eprintln!` that never panics: with stderr gone, an exec must still exit with its contract's
-/// code, not a panic's 101.
+/// code, not a panic's 101. Defined before the command modules, which use it.
 macro_rules! complain {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
