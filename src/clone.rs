@@ -7,7 +7,7 @@
 //! - Data: FICLONE where the filesystem can (no space), else only data regions
 //!   (SEEK_DATA/SEEK_HOLE, then copy_file_range).
 //! - Nothing is followed and no path is built: the walk goes by directory descriptor
-//!   ([`crate::tree`]), at any depth; symlinks are copied as links.
+//!   ([`crate::dir`]), at any depth; symlinks are copied as links.
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
 //!   image's empty directory, mode 700 until done: the copy cannot write outside it, and no name in
 //!   it can be swapped between a create and its attributes. No inode is shared with the base.
@@ -31,8 +31,8 @@ use nix::sys::stat::{fchmod, fchmodat, futimens, utimensat};
 use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid, Whence, fchown, fchownat, linkat, lseek};
 
+use crate::dir::{self, Dir, Trail};
 use crate::error::{cvt, retrying};
-use crate::tree::{self, Dir, Trail};
 
 /// What a copy did.
 #[derive(Debug, Default, Clone)]
@@ -94,14 +94,14 @@ struct Lent {
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        let _ = crate::dir::chmod_o_path(self.fd.as_raw_fd(), self.mode);
+        let _ = dir::chmod_o_path(self.fd.as_raw_fd(), self.mode);
     }
 }
 
 /// The owner's bits that `meta`'s mode (ours) keeps from a copy: read, and search for a directory.
 fn loan_needed(meta: &libc::stat) -> Option<libc::mode_t> {
     let euid = nix::unistd::geteuid().as_raw();
-    let need = if tree::file_type(meta) == libc::S_IFDIR {
+    let need = if dir::file_type(meta) == libc::S_IFDIR {
         0o500
     } else {
         0o400
@@ -124,11 +124,11 @@ fn open_source(
         return opened.map(|fd| (fd, None)).map_err(|e| denied(e, meta));
     };
     let path = dir.open_at(name, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)?;
-    let now = tree::fstat(&path)?;
+    let now = dir::fstat(&path)?;
     if (now.st_dev, now.st_ino) != (meta.st_dev, meta.st_ino) {
         return Err(io::Error::other("changed while being copied"));
     }
-    crate::dir::chmod_o_path(path.as_raw_fd(), (now.st_mode & 0o7777) | need)?;
+    dir::chmod_o_path(path.as_raw_fd(), (now.st_mode & 0o7777) | need)?;
     let proc = format!("/proc/self/fd/{}", path.as_raw_fd());
     let lent = Lent {
         fd: path,
@@ -149,12 +149,12 @@ pub fn copy_tree_at(
     dst: &Path,
     progress: &mut Bar,
 ) -> Result<Copied> {
-    let _files = tree::MoreFiles::raise();
+    let _files = dir::MoreFiles::raise();
     // A bar never shown needs no total: the base is not walked for it.
     if progress.enabled {
         progress.total = crate::disk_usage::apparent_size(src).unwrap_or(0);
     }
-    let meta = tree::fstat(&src_root).with_context(|| format!("cannot read {}", src.display()))?;
+    let meta = dir::fstat(&src_root).with_context(|| format!("cannot read {}", src.display()))?;
     let was = make_private(&dst_root, dst)?;
     let names = src_root
         .entries()
@@ -199,7 +199,7 @@ pub fn copy_tree_at(
 /// be empty (a name made before may have its descriptor kept by its maker). The top gets the base's
 /// mode when the copy is done (`finish_dir`).
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
-    let st = tree::fstat(top).with_context(|| format!("cannot read {}", dst.display()))?;
+    let st = dir::fstat(top).with_context(|| format!("cannot read {}", dst.display()))?;
     if st.st_uid != nix::unistd::geteuid().as_raw() {
         anyhow::bail!(
             "{} belongs to uid {}, not to you: refusing to copy into it (its owner could change names in the copy)",
@@ -270,7 +270,7 @@ impl TreeCopy<'_> {
             .src
             .lstat_at(&name)
             .with_context(|| self.cannot_copy(&name))?;
-        let ft = tree::file_type(&meta);
+        let ft = dir::file_type(&meta);
         if ft == libc::S_IFDIR {
             return self.enter_dir(top, name, meta).map(Some);
         }
@@ -429,8 +429,8 @@ fn open_pair(
     let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
     let (fd, lent) = open_source(src, name, meta, flags)?;
     let s = File::from(fd);
-    let now = tree::fstat(&s)?;
-    if tree::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
+    let now = dir::fstat(&s)?;
+    if dir::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
         return Err(io::Error::other("changed while being copied"));
     }
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
@@ -455,7 +455,7 @@ fn denied(e: io::Error, meta: &libc::stat) -> io::Error {
 /// Copies one regular file's data; returns whether it was reflinked. Without reflink only the data
 /// regions are copied and the length set after: holes stay holes.
 fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<bool> {
-    let len = tree::fstat(src)?.st_size as u64;
+    let len = dir::fstat(src)?.st_size as u64;
     if *reflink_works && len > 0 {
         match reflink_copy::reflink_file(src, dst) {
             Ok(()) => return Ok(true),
@@ -587,7 +587,7 @@ fn set_attrs(
     out: &mut Copied,
     at: &dyn Fn() -> String,
 ) -> io::Result<()> {
-    let symlink = tree::file_type(meta) == libc::S_IFLNK;
+    let symlink = dir::file_type(meta) == libc::S_IFLNK;
     let (uid, gid) = (
         Some(Uid::from_raw(meta.st_uid)),
         Some(Gid::from_raw(meta.st_gid)),

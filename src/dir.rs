@@ -11,6 +11,9 @@
 //!   the same filesystem included), and holds a bounded number of descriptors at any depth: far
 //!   levels are reopened through `..`, which must be the directory left (device, inode), so a tree
 //!   moved mid-walk stops the walk instead of redirecting it.
+//! - The walks that copy and measure trees (clone.rs, disk_usage.rs) go the same way, from an open
+//!   directory to a name in it, never following: any depth works, and paths exist only for
+//!   messages, bounded ([`Trail::show`]).
 
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
@@ -20,6 +23,7 @@ use std::path::Path;
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat};
+use nix::sys::resource::{Resource::RLIMIT_NOFILE, getrlimit, rlim_t, setrlimit};
 use nix::sys::stat;
 use nix::unistd::{AccessFlags, UnlinkatFlags};
 
@@ -41,8 +45,7 @@ pub struct DirEntry {
 }
 
 impl From<OwnedFd> for Dir {
-    /// A directory opened by other means (through /proc, for a copy that
-    /// had to lend itself access): the caller vouches it is one.
+    /// A directory opened by other means: the caller vouches it is one.
     fn from(fd: OwnedFd) -> Dir {
         Dir { fd }
     }
@@ -55,7 +58,6 @@ impl AsFd for Dir {
 }
 
 impl AsRawFd for Dir {
-    /// For calls this type does not wrap (the copy's `fsetxattr`, `mknodat`, `FIEMAP`; tree.rs).
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         self.fd.as_raw_fd()
     }
@@ -125,7 +127,8 @@ impl Dir {
 
     /// [`Dir::anchor`] of the subdirectory `name`, never through a symlink.
     pub fn anchor_sub(&self, name: impl AsRef<OsStr>) -> io::Result<Dir> {
-        self.sub_flags(name.as_ref(), ANCHOR_FLAGS | libc::O_NOFOLLOW)
+        let flags = ANCHOR_FLAGS | libc::O_NOFOLLOW;
+        self.open_at(&cstr(name.as_ref())?, flags, 0).map(Dir::from)
     }
 
     /// Opens a directory whose last component must not be a symlink.
@@ -147,11 +150,8 @@ impl Dir {
 
     /// Opens the subdirectory `name`, refusing a symlink (ELOOP) or other non-directory (ENOTDIR).
     pub fn sub(&self, name: impl AsRef<OsStr>) -> io::Result<Dir> {
-        self.sub_flags(name.as_ref(), DIR_FLAGS | libc::O_NOFOLLOW)
-    }
-
-    fn sub_flags(&self, name: &OsStr, flags: libc::c_int) -> io::Result<Dir> {
-        self.open_at(&cstr(name)?, flags, 0).map(Dir::from)
+        let flags = DIR_FLAGS | libc::O_NOFOLLOW;
+        self.open_at(&cstr(name.as_ref())?, flags, 0).map(Dir::from)
     }
 
     /// `openat` of `name` here, the descriptor owned (`mode` counts only where a file is created).
@@ -165,9 +165,8 @@ impl Dir {
         Ok(openat(self, name, OFlag::from_bits_retain(flags), mode)?)
     }
 
-    /// [`Dir::sub`] for a deletion: a directory of ours we may not read or search (a build can
-    /// leave one mode 000) first gets owner access, else it could never be deleted; the mode is
-    /// changed through an `O_PATH|O_NOFOLLOW` descriptor, so a symlink swapped in is refused.
+    /// [`Dir::sub`] for a deletion: a directory of ours we may not search (a build can leave one
+    /// mode 000) first gets owner access through an `O_PATH|O_NOFOLLOW` descriptor.
     fn sub_for_deletion(&self, name: &OsStr) -> io::Result<Dir> {
         match self.sub(name) {
             Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
@@ -185,7 +184,7 @@ impl Dir {
         Ok(entry(&fstat(self)?))
     }
 
-    /// Every field of `name`'s lstat, for the walks that copy and measure trees (tree.rs).
+    /// Every field of `name`'s lstat, for the walks that copy and measure trees.
     pub fn lstat_at(&self, name: &CStr) -> io::Result<libc::stat> {
         Ok(stat::fstatat(&self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW)?)
     }
@@ -220,10 +219,8 @@ impl Dir {
         }
     }
 
-    /// The names in the directory (without `.` and `..`), read through this very descriptor with
-    /// `getdents64`, from its start: `opendir` would open the directory again and stat it — three
-    /// more calls per directory, each a round trip on NFS, in every walk. The offset it moves is
-    /// used by nothing else: every other use of the descriptor is an `*at()` call.
+    /// The names in the directory (without `.` and `..`), by `getdents64` on this very descriptor:
+    /// `opendir` would cost three more calls, each a round trip on NFS. Only this uses the offset.
     pub fn names(&self) -> io::Result<Vec<OsString>> {
         Ok(self.listing()?.into_iter().map(|e| e.name).collect())
     }
@@ -295,9 +292,8 @@ impl Dir {
         Ok(nix::fcntl::renameat(&self.fd, a, &to.fd, b)?)
     }
 
-    /// Renames `name` aside in this directory as `NAME.WHY-TIME` (`-N` added while that is taken),
-    /// never over an existing entry: whatever it is (a planted FIFO, a damaged file) is kept, not
-    /// followed, not deleted. Returns the new name; a `name` gone meanwhile is `NotFound`.
+    /// Renames `name` aside here as `NAME.WHY-TIME` (`-N` added while taken), never over an
+    /// entry: nothing is followed or deleted. Returns the new name; `name` gone is `NotFound`.
     pub fn set_aside(&self, name: &str, why: &str) -> io::Result<String> {
         let stamp = crate::clock::rfc3339(crate::clock::now_ms())
             .unwrap_or_default()
@@ -317,8 +313,7 @@ impl Dir {
         ))
     }
 
-    /// `renameat2(RENAME_NOREPLACE)` within this directory; where the
-    /// filesystem cannot, a look first (`AlreadyExists` if taken).
+    /// `renameat2(RENAME_NOREPLACE)` here; where the filesystem cannot, a look first.
     fn rename_new(&self, name: &str, to_name: &str) -> io::Result<()> {
         let a = cstr(name.as_ref())?;
         let b = cstr(to_name.as_ref())?;
@@ -368,19 +363,15 @@ impl Dir {
         Ok(nix::unistd::linkat(self, a, self, b, AtFlags::empty())?)
     }
 
-    /// Opens `name` for writing (creating it, never through a symlink) and closes it again: the
-    /// close is what inotify watchers of this directory see (`IN_CLOSE_WRITE`). Nothing is written.
-    /// Never blocks: a FIFO planted under the name fails the open (`ENXIO`) unless something reads
-    /// it, and then is only closed.
+    /// Opens `name` for writing (created, never through a symlink) and closes it: what inotify
+    /// watchers see (`IN_CLOSE_WRITE`). A FIFO planted there fails the open (`ENXIO`), never blocks.
     pub fn touch_closed(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
         let flags = libc::O_WRONLY | libc::O_CREAT | crate::planted::FLAGS;
         self.open_at(&cstr(name.as_ref())?, flags, 0o666).map(drop)
     }
 
-    /// Opens the regular file `name` read-write (made if `create` and missing, mode 0666 before
-    /// umask, as lock files are), never through a symlink, without blocking on a FIFO planted under
-    /// that name; what is not a regular file is a `planted::NotAFile` (named by the entry:
-    /// `planted::at` names it in full).
+    /// Opens the regular file `name` read-write (made if `create`, mode 0666 before umask), never
+    /// through a symlink or blocking on a FIFO; anything else is a `planted::NotAFile`.
     pub fn open_rw(&self, name: impl AsRef<OsStr>, create: bool) -> io::Result<std::fs::File> {
         let flags = libc::O_RDWR
             | crate::planted::FLAGS
@@ -389,13 +380,9 @@ impl Dir {
         self.open_file_at(name.as_ref(), flags)
     }
 
-    /// `INO@FSTYPE[@FSID]`: the directory's inode number, its filesystem's type (statfs magic, hex)
-    /// and, where it has one, its id. Not the device number: NFS numbers devices anew at each
-    /// mount. An unmounted directory (the mount point below) differs in inode or type; another
-    /// filesystem of the same type mounted there, in its id. The id is `f_fsid`, 0 where the
-    /// filesystem gives none (NFS): local filesystems derive it from their UUID or device, so two
-    /// filesystems of one type tell apart by it where their root inodes do not (every ext4's root
-    /// is inode 2).
+    /// `INO@FSTYPE[@FSID]`: inode, statfs magic (hex) and `f_fsid` where not 0 (NFS gives none).
+    /// Not the device number, which NFS numbers anew at each mount; the fsid tells apart two
+    /// filesystems of one type whose roots share an inode (every ext4's is 2).
     pub fn identity(&self) -> io::Result<String> {
         let st = self.stat()?;
         let magic = nix::sys::statfs::fstatfs(&self.fd)?.filesystem_type().0 as u64;
@@ -413,15 +400,13 @@ impl Dir {
         self.open_file_at(name.as_ref(), libc::O_RDONLY | crate::planted::FLAGS)
     }
 
-    /// [`Dir::open_read`] without its `fstat`, for a caller whose read proves a regular file when
-    /// it finds what it expects (a FIFO reads as empty, a directory fails the read) and that asks
-    /// `planted::check` only when it does not: a round trip less on the way every new image takes.
+    /// [`Dir::open_read`] without its `fstat` (a round trip), for a caller whose read proves a
+    /// regular file when it finds what it expects, and that asks `planted::check` only if not.
     pub fn open_read_unchecked(&self, name: impl AsRef<OsStr>) -> io::Result<std::fs::File> {
         self.open_flags_at(name.as_ref(), libc::O_RDONLY | crate::planted::FLAGS)
     }
 
-    /// Opens `name` (a file stowage keeps) and makes sure it is a regular
-    /// file (one `fstat`), with no other name if it is opened to write.
+    /// Opens `name`, a regular file (one `fstat`) with no other name if opened to write.
     fn open_file_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
         let shown = Path::new(name);
         let f = self.open_flags_at(name, flags)?;
@@ -826,6 +811,66 @@ fn close_far_levels(stack: &mut [Level]) {
     }
 }
 
+pub fn file_type(st: &libc::stat) -> libc::mode_t {
+    st.st_mode & libc::S_IFMT
+}
+
+/// The names from the top of a walk to where it is, for messages only.
+#[derive(Debug, Default, Clone)]
+pub struct Trail(pub Vec<CString>);
+
+/// How much of a path a message shows: both ends of a deeper one.
+const SHOWN: usize = 160;
+
+impl Trail {
+    /// `top/a/b/name`, or for a path longer than a line
+    /// `top/a/b/…(2400 more bytes, depth 1200)…/y/name`.
+    pub fn show(&self, top: &Path, name: Option<&CStr>) -> String {
+        let mut parts: Vec<String> = vec![top.display().to_string()];
+        parts.extend(
+            self.0
+                .iter()
+                .map(CString::as_c_str)
+                .chain(name)
+                .map(|c| String::from_utf8_lossy(c.to_bytes()).into_owned()),
+        );
+        let full = parts.join("/");
+        if full.len() <= SHOWN {
+            return full;
+        }
+        let head: String = full.chars().take(SHOWN / 3).collect();
+        let tail_rev: String = full.chars().rev().take(SHOWN / 2).collect();
+        let tail: String = tail_rev.chars().rev().collect();
+        format!(
+            "{head}…({} more bytes, depth {})…{tail}",
+            full.len() - head.len() - tail.len(),
+            parts.len() - 1
+        )
+    }
+}
+
+/// Raises the soft limit on open files to the hard one while it lives (a deep walk holds one or two
+/// descriptors per level), then restores it, so a command started later gets the usual one.
+pub struct MoreFiles(Option<(rlim_t, rlim_t)>);
+
+impl MoreFiles {
+    pub fn raise() -> MoreFiles {
+        let Ok((soft, hard)) = getrlimit(RLIMIT_NOFILE) else {
+            return MoreFiles(None);
+        };
+        let raised = soft < hard && setrlimit(RLIMIT_NOFILE, hard, hard).is_ok();
+        MoreFiles(raised.then_some((soft, hard)))
+    }
+}
+
+impl Drop for MoreFiles {
+    fn drop(&mut self) {
+        if let Some((soft, hard)) = self.0 {
+            let _ = setrlimit(RLIMIT_NOFILE, soft, hard);
+        }
+    }
+}
+
 /// Whether `now` is the `recorded` identity (one recorded without fs id matches on inode and type).
 pub fn same_identity(recorded: &str, now: &str) -> bool {
     recorded == now
@@ -892,5 +937,19 @@ mod tests {
         assert_eq!(fs::read_to_string(victim.join("keep")).unwrap(), "x");
         symlink(&victim, t.path().join("l")).unwrap();
         assert!(top.sub("l").is_err(), "a symlink is never opened as a dir");
+    }
+
+    #[test]
+    fn a_deep_path_is_shown_bounded() {
+        let t = Trail(vec![CString::new("d".repeat(200)).unwrap(); 40]);
+        let s = t.show(Path::new("/store/img/base"), Some(c"bottom"));
+        assert!(s.len() < 300, "{} bytes", s.len());
+        assert!(s.starts_with("/store/img/base/"), "{s}");
+        assert!(s.ends_with("/bottom"), "{s}");
+        assert!(s.contains("depth 41"), "{s}");
+        assert_eq!(
+            Trail(vec![CString::new("a").unwrap()]).show(Path::new("/r"), None),
+            "/r/a"
+        );
     }
 }

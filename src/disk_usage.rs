@@ -6,7 +6,7 @@
 //!   `FIEMAP_EXTENT_SHARED` ranges, so a [`Footprint`] of all images says what they take together
 //!   and what removing one frees (docs/storage.md, "Shared extents"). A range shared with something
 //!   outside the store (a snapshot) counts as the image's own.
-//! - The walk goes by directory descriptor ([`crate::tree`]): any depth, and an error names a
+//! - The walk goes by directory descriptor ([`crate::dir`]): any depth, and an error names a
 //!   bounded path.
 
 use std::collections::{BTreeMap, HashSet};
@@ -16,7 +16,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use crate::tree::{self, Dir, Trail};
+use crate::dir::{self, Dir, Trail};
 
 /// What one image tree takes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -46,7 +46,7 @@ pub fn disk_usage_if_there(dir: &Path) -> io::Result<Option<u64>> {
 pub fn apparent_size(dir: &Path) -> io::Result<u64> {
     let mut total = 0;
     walk(dir, &mut |_, _, st| {
-        if tree::file_type(st) == libc::S_IFREG {
+        if dir::file_type(st) == libc::S_IFREG {
             total += st.st_size as u64;
         }
         Ok(())
@@ -62,7 +62,7 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
     walk(dir, &mut |parent, name, st| {
         // The top is visited first, as `.`, only if it could be opened.
         out.there |= name == c".";
-        let ft = tree::file_type(st);
+        let ft = dir::file_type(st);
         if st.st_nlink > 1 && ft != libc::S_IFDIR && !seen.insert((st.st_dev, st.st_ino)) {
             return Ok(());
         }
@@ -95,13 +95,13 @@ type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 /// staying on the top's filesystem. Entries that vanish while walked are skipped, and so is the
 /// inside of a directory we may not read; a missing top is an empty tree.
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
-    let _files = tree::MoreFiles::raise();
+    let _files = dir::MoreFiles::raise();
     let top = match Dir::open_nofollow(dir) {
         Ok(d) => d,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
-    let st = tree::fstat(&top)?;
+    let st = dir::fstat(&top)?;
     let dev = st.st_dev;
     visit(&top, c".", &st)?;
     let names = top.entries()?;
@@ -127,7 +127,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
             continue;
         }
         visit(d, &name, &st).map_err(|e| bounded(e, &trail, &name))?;
-        if tree::file_type(&st) == libc::S_IFDIR {
+        if dir::file_type(&st) == libc::S_IFDIR {
             // A directory we may not read (a build left it mode 000) counts as itself: failing
             // would leave the image unmeasured, counted as nothing against gc's budget.
             let denied = |e: &io::Error| e.raw_os_error() == Some(libc::EACCES);

@@ -20,8 +20,8 @@
 //!    stowage keeps a file of its own.
 //! 2. **Locks and processes**: [`lock`] the only caller of flock(2); [`signals`]; [`debug`] test
 //!    pause points; [`image_record`] an image's record; [`slot_limits`] a class's record; [`lease`]
-//!    holder leases; [`kernel`] /proc/locks; [`keeper`] `--no-inherit`; [`command`]; [`dir`],
-//!    [`tree`] descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree.
+//!    holder leases; [`kernel`] /proc/locks; [`keeper`] `--no-inherit`; [`command`]; [`dir`]
+//!    descriptor-based walks; [`disk_usage`]; [`clone`] copying a tree.
 //! 3. **Layout**: [`config`] `store.conf`; [`root`] every path of the layout; [`images_dir`] where
 //!    trees are; [`claim`] which store an images directory serves; [`catalog`] SQLite; [`census`]
 //!    every record in one pass; [`ctx`]; [`sharing`] the modes of a group store.
@@ -101,7 +101,6 @@ pub mod spawn;
 pub mod store;
 pub mod store_wide;
 pub mod survey;
-pub mod tree;
 pub mod wait_chain;
 pub mod wait_line;
 
