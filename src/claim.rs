@@ -12,8 +12,7 @@
 //!
 //! - One store per images directory: `init` refuses one another store claims, naming its root. A
 //!   copy (same id, another root) is another store.
-//! - Nothing is deleted in a directory another store claims (gc, repair, the end of a store-wide
-//!   hold check first).
+//! - Nothing is deleted in a directory another store claims.
 //! - No extended attributes (old NFS servers): the directory stays unclaimed; `init` says so once.
 
 use std::io;
@@ -55,8 +54,7 @@ impl Claim {
 
     fn decode(text: &str) -> Option<Claim> {
         let body = text.strip_prefix(FORMAT)?;
-        // The path is the last field, taken whole to the end: an older release wrote it unescaped,
-        // newlines and all.
+        // The path is the last field, taken whole: an older release wrote it unescaped.
         let (fields, path) = match body.strip_prefix("path=") {
             Some(path) => ("", Some(path)),
             None => body
@@ -85,12 +83,9 @@ impl Claim {
         self.id == other.id && crate::dir::same_identity(&self.root, &other.root)
     }
 
-    /// Whether this claim still binds the images directory at `path`. It does unless its root is
-    /// where it says and its configuration records another images directory, by the identity
-    /// recorded (an unmounted directory is still its own): `path` is a copy's `img`, whose claim
-    /// came along with `cp -a`. A root whose path is gone or names another directory may only have
-    /// moved — a copy of this very store cannot tell a moved original from a deleted one — and an
-    /// error looking (permissions, a stale handle) is no evidence either.
+    /// Whether this claim still binds the images directory at `path`: unless its root is where it
+    /// says and its configuration records another images directory (`path` is a copy's `img`,
+    /// claim and all). A root gone may only have moved, and an error looking is no evidence.
     pub fn binds(&self, path: &Path) -> bool {
         let Some(anchor) = self.root_there() else {
             return true;
@@ -113,9 +108,8 @@ impl Claim {
     }
 }
 
-/// What claims the directory `dir`: `Ok(None)` if nothing does, or the filesystem keeps no extended
-/// attributes. A value that is not a claim is taken for none. Read whole, however long (an escaped
-/// path may be long): a claim read cut would be taken for none.
+/// What claims the directory `dir`: `Ok(None)` if nothing does (or no extended attributes, or a
+/// value that is no claim). Read whole, however long: a claim read cut would be taken for none.
 pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
     let mut buf = vec![0u8; 1024];
     loop {
@@ -153,8 +147,7 @@ fn get(dir: &Dir, buf: &mut [u8]) -> io::Result<usize> {
 }
 
 /// Claims `dir` for `claim`'s store. `Ok(false)`: the filesystem keeps no extended attributes.
-/// `new`: only if nothing claims it (else `EEXIST`), so that of two stores claiming one directory
-/// at once one wins and the other asks again.
+/// `new`: only if nothing claims it (else `EEXIST`: of two stores at once, one wins).
 pub fn write(dir: &Dir, claim: &Claim, new: bool) -> io::Result<bool> {
     let text = claim.encode();
     let flags = if new { libc::XATTR_CREATE } else { 0 };
@@ -176,8 +169,7 @@ pub fn write(dir: &Dir, claim: &Claim, new: bool) -> io::Result<bool> {
 }
 
 /// Why `dir` (at `path`) may not be used by the store whose claim is `mine`: another store's claim.
-/// One that names this very root is this store's under whatever id it had (a configuration made
-/// anew, a migration cut short between its claim and its configuration).
+/// One naming this very root is this store's under whatever id it had (a configuration made anew).
 pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
     let theirs = read(dir).ok()??;
     let copy = theirs.id == mine.id;

@@ -185,8 +185,20 @@ struct Budget {
 }
 
 impl Budget {
+    /// What each image takes, measured where not known or where extents may be shared.
     fn new(store: &Store, rows: &[Image], shares: bool) -> Result<Budget> {
-        let cost = costs(store, rows, shares)?;
+        let mut cost = HashMap::new();
+        for r in rows {
+            crate::signals::check()?;
+            let tree = || crate::images_dir::tree_of(store.root(), &r.record);
+            let measured =
+                (shares || r.size.is_none()).then(|| disk_usage::measure(&tree(), shares));
+            let (own, shared_ranges) = match measured.and_then(Result::ok) {
+                Some(m) => (m.allocated.saturating_sub(m.shared), m.shared_ranges),
+                None => (r.size.unwrap_or(0), Vec::new()),
+            };
+            cost.insert(r.name().to_owned(), Cost { own, shared_ranges });
+        }
         let footprint =
             disk_usage::Footprint::new(cost.values().map(|c| c.shared_ranges.as_slice()));
         let total = cost.values().map(|c| c.own).sum::<u64>() + footprint.bytes();
@@ -212,8 +224,7 @@ impl Budget {
 }
 
 /// The last use before which an image is unused for `--unused-for D`: a read records its use only
-/// when the recorded one is older than the resolution, so only one older than D plus the resolution
-/// surely is. Saturating: a D longer than history means "no image is that old".
+/// when the recorded one is older than the resolution, so D plus the resolution. Saturating.
 fn cutoff(policy: &Policy) -> Option<Millis> {
     let resolution = crate::image_record::LAST_USE_RESOLUTION.as_millis() as Millis;
     policy.unused_for.map(|d| {
@@ -324,9 +335,7 @@ pub(crate) fn take_removal(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
 }
 
 /// Whether image `name`'s removal is under way: `Some(true)` while a stowage process holds its lock
-/// exclusively (a removal, a repair, or a writer, which finishes a removal it finds), `Some(false)`
-/// if not (free, shared, or an outside program's), `None` once finished (no lock file, or a record
-/// no longer `deleting`).
+/// exclusively, `Some(false)` if not, `None` once finished (no lock file, or no longer `deleting`).
 pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> {
     let path = ctx.root.image_lock(name);
     // Asked, not tried, where queries see flocks: a try would be a holder to another host's look.
@@ -345,8 +354,7 @@ pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> 
         }
         _ => false,
     };
-    // Finished meanwhile: its lock file gone, or its record no longer `deleting` (cleared where
-    // lock files stay, or written anew by a writer since).
+    // Finished meanwhile: its lock file gone, or its record no longer `deleting`.
     let still = lock::open_existing_read(&path)
         .ok()
         .flatten()
@@ -370,28 +378,6 @@ pub(crate) fn take_exclusive(
         guard,
         seen,
     }))
-}
-
-/// What each image takes, and what removing it frees (see disk_usage.rs).
-fn costs(store: &Store, rows: &[Image], shares: bool) -> Result<HashMap<String, Cost>> {
-    let mut cost = HashMap::new();
-    for r in rows {
-        crate::signals::check()?;
-        let tree = || crate::images_dir::tree_of(store.root(), &r.record);
-        let measured = (shares || r.size.is_none()).then(|| disk_usage::measure(&tree(), shares));
-        let c = match measured.and_then(Result::ok) {
-            Some(m) => Cost {
-                own: m.allocated.saturating_sub(m.shared),
-                shared_ranges: m.shared_ranges,
-            },
-            None => Cost {
-                own: r.size.unwrap_or(0),
-                shared_ranges: Vec::new(),
-            },
-        };
-        cost.insert(r.name().to_owned(), c);
-    }
-    Ok(cost)
 }
 
 /// What an image takes on the filesystem beyond what it shares.
@@ -445,7 +431,15 @@ fn collect(
         report.busy.push(img.name().to_owned());
         return Ok(false);
     }
-    let current = under_lock(img, now, held.seen.last_use);
+    // The record read under the exclusive lock is the truth (a write in flight is dead); last use
+    // is the later of its change and the lock file's use, as the survey has it.
+    let current = Image {
+        state: now.state_seen(false),
+        last_used: held.seen.last_use.unwrap_or(now.changed).max(now.changed),
+        record: now,
+        entry: img.entry.clone(),
+        size: img.size,
+    };
     if !qualifies(&current, reason, cutoff)
         || (reason == Reason::OverBudget && current.last_used != img.last_used)
     {
@@ -475,18 +469,6 @@ fn collect(
     });
     budget.removed(img, bytes);
     Ok(true)
-}
-
-/// What the record read under the exclusive lock says: the truth (a write in flight is dead). Last
-/// use: the later of the record's change and the lock file's use, as the survey has it.
-fn under_lock(img: &Image, now: crate::image_record::Record, used: Option<Millis>) -> Image {
-    Image {
-        state: now.state_seen(false),
-        last_used: used.unwrap_or(now.changed).max(now.changed),
-        record: now,
-        entry: img.entry.clone(),
-        size: img.size,
-    }
 }
 
 /// Parses a size (`500M`, `4096B`): K, M, G, T, P are powers of 1024, `B`/`iB` optional after

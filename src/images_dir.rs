@@ -1,12 +1,10 @@
 //! The images directory: where an image's tree is, and whether the directory there is the one whose
 //! trees the records describe.
 //!
-//! - **Where trees go** comes from the store's configuration (`config.rs`); an image's record
-//!   repeats it, as a cache for reads, never trusted against the configuration where something is
-//!   written or deleted ([`of_record`]).
-//! - **A missing tree proves nothing** when the images directory is missing, or is not the
-//!   directory recorded (another inode or filesystem: unmounted, or another filesystem mounted
-//!   there): nothing is dropped because of it ([`unmounted`]).
+//! - **Where trees go** comes from the store's configuration (`config.rs`); a record repeats it
+//!   for reads, never trusted where something is written or deleted ([`of_record`]).
+//! - **A missing tree proves nothing** when the images directory is missing or is not the one
+//!   recorded (unmounted, or another filesystem mounted there) ([`unmounted`]).
 
 use std::path::{Path, PathBuf};
 
@@ -19,18 +17,15 @@ use crate::image_record::{ImagesDir, Record};
 use crate::name::ImageName;
 use crate::root::Root;
 
-/// The store's configuration; for a store with no record yet that has none (a first use racing
-/// another's layout, or the file lost before any image was written), one made now, so that a
-/// record is never written while no configuration is on disk. One lost while images have records
-/// is refused, not made anew: a new one names the default directory and a new store id, so a write
-/// would put a tree where no record's images are, and claim it for a store that never was.
+/// The store's configuration; for a store with no record yet that has none, one made now, so no
+/// record is written without one on disk. One lost while images have records is refused, not made
+/// anew: a new one would name the default directory and a new store id.
 pub fn config(root: &Root) -> Result<Config> {
     match crate::config::read(root.dir(), &root.open()?)? {
         Some(c) => Ok(c),
         None => {
-            // A release before records kept it in its catalog: migrated first. A catalog that
-            // cannot be asked (busy, damaged) may be one: refused, as no configuration may be
-            // made then, and no record written without one.
+            // A release before records kept it in its catalog: migrated first. One that cannot be
+            // asked (busy, damaged) may be such: refused.
             let legacy = crate::catalog::legacy_state(root).with_context(|| {
                 format!(
                     "{} is missing, and {} cannot be asked whether to migrate it ('stowage doctor' tells more)",
@@ -44,9 +39,7 @@ pub fn config(root: &Root) -> Result<Config> {
             if !has_records(root)? {
                 return Ok(made(root));
             }
-            // A record is written only while the configuration is on disk: read again after the
-            // records were seen, it was lost if still missing (else made meanwhile by a first use
-            // beside ours).
+            // Read again after the records were seen: lost if still missing (else made meanwhile).
             crate::config::read(root.dir(), &root.open()?)?.with_context(|| {
                 format!(
                     "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
@@ -57,17 +50,14 @@ pub fn config(root: &Root) -> Result<Config> {
     }
 }
 
-/// Makes the configuration of a store that has none and no record yet, as the first use does: two
-/// processes at once keep one (linked into place). The default images directory is claimed if
-/// nothing claims it. One who may not write the root (a reader of a group store) writes no record
-/// either: it goes on with one of its own.
+/// Makes the configuration of a store that has none and no record yet, as the first use does
+/// (`Root::create_config`). One who may not write the root goes on with one of its own.
 fn made(root: &Root) -> Config {
     let Ok(dir) = root.open() else {
         return fresh(root);
     };
-    // Only in a store whose layout is made (`Root::create_layout`, which refuses what is planted,
-    // and a root whose `img` another store claims, before it makes anything). Another's layout
-    // half made is finished first, so `img` is there to identify and claim.
+    // Only in a store whose layout is made; another's half made is finished first, so `img` is
+    // there to identify and claim.
     let laid_out = matches!(dir.stat_at("locks/images"), Ok(Some(e)) if e.is_dir());
     if !laid_out || root.create_layout().is_err() {
         return fresh(root);
@@ -75,9 +65,8 @@ fn made(root: &Root) -> Config {
     root.create_config(&dir).0
 }
 
-/// A configuration for a store that has none: a fresh one, but with the store's id where `ROOT/img`
-/// carries this root's claim (the file was lost; the id lives on there), so the store is not taken
-/// for another one claiming its own directory.
+/// A fresh configuration, with the store's id where `ROOT/img` carries this root's claim (the file
+/// was lost; the id lives on there).
 fn fresh(root: &Root) -> Config {
     let mut config = Config::fresh();
     if let Some(id) = root.claimed_id() {
@@ -93,9 +82,8 @@ pub fn has_records(root: &Root) -> Result<bool> {
         .any(|e| e.seen.record.is_some()))
 }
 
-/// Where the tree of the image `record` describes lives, checked against the store's configuration:
-/// a record naming another images directory (planted, or left from elsewhere) is refused before
-/// anything there is written or deleted.
+/// Where the tree of the image `record` describes lives, checked against the store's configuration
+/// (a record naming another images directory is refused).
 pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
     let config = config(root)?;
     if config.images != record.images {
@@ -109,17 +97,14 @@ pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
     checked(root, &config)
 }
 
-/// The images directory `config` names, as this process reaches it — refused if it is external,
-/// this root is not the one that recorded it (a copied or moved store: `store.conf` came along) and
-/// another root's store claims it: the copy would write and delete under locks the original's users
-/// never see. Costs nothing more unless the root moved.
+/// The images directory `config` names — refused if it is external, this root is not the one that
+/// recorded it (a copied store) and another root's store claims it: the copy would write under
+/// locks the original's users never see.
 pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     let dir = config.images.path_in(root.dir());
     if config.images == ImagesDir::Default {
         return Ok(dir);
     }
-    // The root's identity against the one recorded (a copy is an accident to catch, not an attack:
-    // store.conf is the group's to edit anyway).
     let here = root.identity().ok();
     let moved = match (config.root.as_deref(), here.as_deref()) {
         (Some(recorded), Some(here)) => !crate::dir::same_identity(recorded, here),
@@ -135,10 +120,8 @@ pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Where the tree of the image `record` describes lives, for its command: `ROOT/img` as this
-/// process names the root, or an external directory only if the configuration names it too (a
-/// record's absolute path is never followed on its own word). Costs the configuration's read only
-/// for an external directory.
+/// Where the tree of the image `record` describes lives, for its command: `ROOT/img`, or an
+/// external directory only if the configuration names it too ([`of_record`]).
 pub fn for_command(root: &Root, record: &Record) -> Result<PathBuf> {
     match record.images {
         ImagesDir::Default => Ok(root.default_images_dir()),
@@ -146,8 +129,7 @@ pub fn for_command(root: &Root, record: &Record) -> Result<PathBuf> {
     }
 }
 
-/// The tree a record describes, as this process reaches it (for reading and measuring: nothing is
-/// changed through it).
+/// The tree a record describes, for reading and measuring only.
 pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
     let dir = r.images.path_in(root.dir());
     match ImageName::parse(&r.name) {
@@ -174,8 +156,7 @@ pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
 }
 
 /// Whether `dir` is this root's `ROOT/img` and its claim carries this store's id: one that came
-/// along with a copy of the store (`cp -a` keeps extended attributes), taken over. (A claim naming
-/// this very root is this store's anywhere: `claim::refusal`.)
+/// along with a copy of the store (`cp -a`), taken over.
 fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
     dir == root.default_images_dir()
         && crate::claim::read(images)
@@ -199,8 +180,8 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
         return Ok(true);
     }
     match crate::claim::write(&images, &mine, now.is_none()) {
-        // Another store claimed it since it was read: asked again (it is claimed now). A value that
-        // reads as no claim is not overwritten: it may be a later release's.
+        // Claimed since it was read: asked again. A value that reads as no claim is not
+        // overwritten: it may be a later release's.
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => match crate::claim::read(&images) {
             Ok(Some(_)) => claim(root, config),
             _ => anyhow::bail!(
@@ -223,8 +204,7 @@ pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result
         .context("cannot inspect the images directory")?;
     let here = root.open()?.identity().ok();
     if config.identity.is_some() && !accept {
-        // The directory's identity stays as recorded (one there now may be another); the root's
-        // is filled in where it never was (a migrated store).
+        // The directory's identity stays as recorded; the root's is filled in where it never was.
         if config.root.is_some() || here.is_none() {
             return Ok(());
         }
@@ -238,9 +218,8 @@ pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result
 }
 
 /// Whether the store was copied or moved since its default images directory's identity was recorded
-/// (the root is another directory, so its `img` is its own), or that was never recorded. Either way
-/// the identities are recorded afresh — if the global lock is free, so a switch of the images
-/// directory made meanwhile is never undone.
+/// (so its `img` is its own), or that was never recorded. Either way the identities are recorded
+/// afresh, under the global lock (a switch of the images directory meanwhile is never undone).
 fn moved(root: &Root, seen: &Config) -> bool {
     let Ok(here) = root.open().and_then(|d| Ok(d.identity()?)) else {
         return false;

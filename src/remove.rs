@@ -114,9 +114,17 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
     root.drop_record(&name, held.guard)
         .with_context(|| format!("cannot remove the lock file of image '{name}'"))?;
-    // 4. Outside every lock.
+    // 4. Outside every lock; what could not be deleted is left for gc, and said.
     let left_in_trash = match moved {
-        Some(t) => delete_from_trash(root, &trash, &t, &name)?,
+        Some(t) => {
+            crate::signals::check()?;
+            remove_trash_entry(&trash, &t, &mut 0).err().map(|e| {
+                format!(
+                    "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it later): {}: {e}",
+                    root.trash().join(&t).display()
+                )
+            })
+        }
         None => None,
     };
     Ok(Removed {
@@ -127,26 +135,8 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     })
 }
 
-/// Deletes the tree of removed image `name` from the trash (entry `t`); what could not be deleted
-/// is left there for gc, and said.
-fn delete_from_trash(
-    root: &Root,
-    trash: &Dir,
-    t: &OsStr,
-    name: &ImageName,
-) -> Result<Option<String>> {
-    crate::signals::check()?;
-    let mut n = 0;
-    Ok(remove_trash_entry(trash, t, &mut n).err().map(|e| {
-        format!(
-            "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it later): {}: {e}",
-            root.trash().join(t).display()
-        )
-    }))
-}
-
 /// Once the tree was taken out: the trash entry to delete, if any. If it could not be, the record
-/// is put back as it was (nothing removed) or `incomplete` (removed in part).
+/// is put back as it was or `incomplete` (removed in part).
 fn after_take_out(
     root: &Root,
     held: &mut Held,
@@ -182,8 +172,7 @@ fn after_take_out(
 }
 
 /// Finishes a removal a crash cut short, for an image whose `deleting` record the caller found
-/// under the exclusive lock it holds: the tree leaves the images directory if it is still there,
-/// and the record goes. The trash is left to [`empty_trash`].
+/// under its exclusive lock: the tree leaves the images directory, the record goes.
 pub fn finish_held(root: &Root, held: Held) -> Result<()> {
     let Some(record) = held.seen.record.as_ref() else {
         return Ok(());
@@ -303,9 +292,8 @@ pub struct Trash {
     pub failed: Vec<String>,
 }
 
-/// Deletes a trash entry, which another process may be deleting too (a removal its own, gc all): on
-/// a shared filesystem, what the other deleted shows as a stale handle, not as missing; a second
-/// walk looks everything up afresh.
+/// Deletes a trash entry, which another process may be deleting too: on a shared filesystem, what
+/// the other deleted shows as a stale handle, not as missing; a second walk looks up afresh.
 fn remove_trash_entry(trash: &Dir, entry: &OsStr, removed: &mut u64) -> std::io::Result<()> {
     match trash.remove_entry(entry, removed) {
         Err(e) if e.raw_os_error() == Some(libc::ESTALE) => trash.remove_entry(entry, removed),
@@ -340,9 +328,8 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
     Ok(out)
 }
 
-/// After a request that did not start (a later lock timed out, a signal, a refusal): record-less
-/// lock files we hold exclusively go, and gates of images we waited for if nobody holds them, so
-/// nothing is left behind for an image that does not exist.
+/// After a request that did not start: record-less lock files we hold exclusively go, and gates of
+/// images we waited for if nobody holds them.
 pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[ImageName]) {
     let mut shared = Vec::new();
     for h in held {

@@ -22,8 +22,7 @@ pub struct Root {
     default: bool,
     /// The root's device, once [`Root::check`] has looked at it.
     dev: Option<u64>,
-    /// The root's filesystem, once [`Root::check_locking`] has looked at it: every lock file of the
-    /// root is on it (one statfs serves them all).
+    /// The root's filesystem, once [`Root::check_locking`] has looked at it (every lock file's).
     fs: Option<crate::filesystem::Filesystem>,
     /// The root, opened and its owner checked once, on first use.
     opened: std::sync::Arc<std::sync::OnceLock<Dir>>,
@@ -50,8 +49,7 @@ impl Root {
         })
     }
 
-    /// A root at `dir`, for a library caller: its path made canonical once, as [`Root::check`]
-    /// does, since paths below it are opened refusing any link (`planted::open`).
+    /// A root at `dir`, for a library caller: its path made canonical, as [`Root::check`] does.
     pub fn at(dir: impl Into<PathBuf>) -> Root {
         let dir: PathBuf = dir.into();
         let dir = fs::canonicalize(&dir)
@@ -78,14 +76,12 @@ impl Root {
             .with_context(|| format!("cannot inspect root {}", self.dir.display()))
     }
 
-    /// Opens the root directory. Its ownership is checked again on the descriptor: whatever is done
-    /// through it is done in what passed.
+    /// Opens the root directory, its ownership checked again on the descriptor.
     pub fn open(&self) -> Result<Dir> {
         let cannot = || format!("cannot open root {}", self.dir.display());
         if let Some(d) = self.opened.get() {
             return d.duplicate().with_context(cannot);
         }
-        // An anchor: every use of the root's descriptor is an `*at()` call or a stat, no listing.
         let d = Dir::anchor(&self.dir).with_context(cannot)?;
         let st = d
             .stat()
@@ -124,13 +120,12 @@ impl Root {
     }
 
     /// Fails, naming it, if something is planted in the place of the directory of image locks or of
-    /// slots (a command that lists them must not take that for an empty store). One in the leases'
-    /// place costs only the holders' names: `say` is told, and the look goes on.
+    /// slots (not to be taken for an empty store); in the leases' place, `say` is told.
     pub fn check_lock_dirs(&self, say: impl Fn(&str)) -> Result<()> {
         let Some(locks) = self.open_sub_if_there(Self::LOCKS_REL)? else {
             return Ok(());
         };
-        // Opened, not only looked at: one we may not list (its mode) must not read as empty either.
+        // Opened, not only looked at: one we may not list must not read as empty either.
         let usable = |name: &str| match locks.sub(name) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => {
                 Err(not_a_dir(&self.locks().join(name), e))
@@ -158,9 +153,8 @@ impl Root {
         root.sub(name).map_err(|e| not_a_dir(&at, e))
     }
 
-    /// Unlinks a lock file we hold exclusively (the unlink rule) via the lock directories'
-    /// descriptors: only the very file we locked, after marking it gone (what it said must not
-    /// prove a ghost: `lock::acquire_no_wait_with`). Kept on a filesystem not known to be local.
+    /// Unlinks a lock file we hold exclusively, only the very file we locked, after marking it gone
+    /// (`lock::acquire_no_wait_with`). Kept on a filesystem not known to be local.
     pub fn unlink_lock(&self, guard: crate::lock::Guard) -> Result<()> {
         let path = guard.path().to_owned();
         if !crate::lock::unlinks_allowed(&path) {
@@ -184,8 +178,8 @@ impl Root {
         Ok(())
     }
 
-    /// The image has no record any more: its lock file is emptied (synced: no reader may find the
-    /// record after) and unlinked where allowed, and its gate if nobody is passing it.
+    /// The image has no record any more: its lock file is emptied (synced) and unlinked where
+    /// allowed, and its gate if nobody is passing it.
     pub fn drop_record(&self, name: &ImageName, guard: crate::lock::Guard) -> Result<()> {
         crate::image_record::clear(guard.file())
             .with_context(|| format!("cannot empty {}", guard.path().display()))?;
@@ -214,8 +208,7 @@ impl Root {
         }
     }
 
-    /// [`Root::open_or_make_images_dir`] as an anchor for `*at()` calls only (`Dir::anchor`): what
-    /// a new image's `mkdirat` needs.
+    /// [`Root::open_or_make_images_dir`] as an anchor (`Dir::anchor`), for a new image's `mkdirat`.
     pub fn anchor_images_dir(&self, dir: &Path) -> Result<Dir> {
         if dir != self.default_images_dir() {
             return Dir::anchor_nofollow(dir).map_err(|e| not_a_dir(dir, e));
@@ -231,8 +224,7 @@ impl Root {
         .map_err(|e| not_a_dir(dir, e))
     }
 
-    /// [`Root::open_images_dir`], making the default one if it is missing (a configured one must
-    /// exist: it may be a mount).
+    /// [`Root::open_images_dir`], making the default one if missing (a configured one may be a mount).
     pub fn open_or_make_images_dir(&self, dir: &Path) -> Result<Dir> {
         if dir == self.default_images_dir() {
             self.open_or_make_sub("img")
@@ -313,7 +305,6 @@ impl Root {
 
     /// [`Root::store_wide_lock`] relative to `locks/`, as records name it.
     pub const STORE_WIDE_LOCK_REL: &'static str = "store.lock";
-
     /// `locks/` and `locks/images/` relative to the root, to open through the root's descriptor.
     pub const LOCKS_REL: &'static str = "locks";
     /// The directories of the layout, parents first.
@@ -366,8 +357,7 @@ impl Root {
         self.dir.join("reserve")
     }
 
-    /// Creates the root and its directories. Idempotent. The root's parent must exist: a mistyped
-    /// path should not grow a directory tree.
+    /// Creates the root and its directories. Idempotent. The root's parent must exist.
     pub fn create_layout(&self) -> Result<()> {
         match fs::symlink_metadata(&self.dir) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(&self.dir) {
@@ -389,8 +379,7 @@ impl Root {
         }
         self.refuse_claimed_img()?;
         make_dir(&self.dir)?;
-        // Checked again on what was created or found: someone may have made the root between the
-        // caller's check and our mkdir.
+        // Checked again on what was made or found (`open`): another may have made it meanwhile.
         let root = self.open()?;
         for rel in ["locks", "locks/images", "locks/slots", "img", "trash"] {
             self.make_layout_dir(&root, rel)?;
@@ -398,8 +387,7 @@ impl Root {
                 crate::debug::pause("layout-locks-made");
             }
         }
-        // A new store's configuration (a store of a release before records has a catalog to migrate
-        // first, which writes it: migrate.rs).
+        // A new store's configuration (an old release's catalog is migrated first, which writes it).
         if root.stat_at(crate::config::FILE)?.is_none() && root.stat_at("stowage.db")?.is_none() {
             self.create_config(&root).1?;
         }
@@ -407,9 +395,8 @@ impl Root {
         Ok(())
     }
 
-    /// Makes layout directory `rel` (its parent made before) by `mkdirat` in its parent, opened
-    /// from the root's descriptor without following links: a link swapped in for `locks` meanwhile
-    /// is refused, and nothing is ever made outside the root.
+    /// Makes layout directory `rel` by `mkdirat` in its parent, opened from the root's descriptor
+    /// without following links: nothing is ever made outside the root.
     fn make_layout_dir(&self, root: &Dir, rel: &str) -> Result<()> {
         let path = self.dir.join(rel);
         let (parent, name) = match rel.rsplit_once('/') {
@@ -436,9 +423,8 @@ impl Root {
         }
     }
 
-    /// Refuses, before anything is made or changed, a layout entry not of its kind (a symlink where
-    /// a directory goes, a FIFO for `store.conf`), which `init` would refuse only halfway, after
-    /// making the rest. A root not there yet passes.
+    /// Refuses, before anything is made, a layout entry not of its kind (a symlink where a directory
+    /// goes, a FIFO for `store.conf`), which `init` would refuse only halfway. A root not there passes.
     pub fn refuse_planted_layout(&self) -> Result<()> {
         let Ok(root) = Dir::anchor_nofollow(&self.dir) else {
             return Ok(());
@@ -471,13 +457,11 @@ impl Root {
         Ok(())
     }
 
-    /// Makes the configuration of a new store through the root's descriptor `root`, unless one is
-    /// there already, and claims `img` for the store the file names (whoever made it first) if
-    /// nothing claims it. Returns the configuration, and whether it could be written.
+    /// Makes a new store's configuration through `root` unless one is there, and claims `img` for
+    /// the store the file names if nothing claims it. Returns it, and whether it could be written.
     pub fn create_config(&self, root: &Dir) -> (crate::config::Config, Result<()>) {
-        // The images directory's and the root's identity, from the start: a directory later found
-        // empty, or another mounted there, is told from the one the records describe; a copy of
-        // the whole store, from either.
+        // Both identities from the start: another directory mounted there, or a copy of the whole
+        // store, is told from the one the records describe.
         let img = self.open_sub("img").ok();
         let mut config = crate::config::Config {
             identity: img.as_ref().and_then(|d| d.identity().ok()),
@@ -495,8 +479,7 @@ impl Root {
             Ok(Some(c)) => c,
             _ => config,
         };
-        // Only where nothing claims it: the write itself asks (XATTR_CREATE), so another store's
-        // claim made meanwhile stands.
+        // Only where nothing claims it (XATTR_CREATE): another store's claim made meanwhile stands.
         if let Some(img) = &img
             && let Ok(mine) = crate::claim::Claim::of(&config.id, root, &self.dir)
         {
@@ -513,8 +496,8 @@ impl Root {
         crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
     }
 
-    /// Before a new store is made: an `img` already in the root that another store's standing claim
-    /// names is not this store's (one images directory, one store): nothing is made.
+    /// Before a new store is made: an `img` in the root that another store's standing claim names
+    /// is refused.
     fn refuse_claimed_img(&self) -> Result<()> {
         if fs::symlink_metadata(self.dir.join(crate::config::FILE)).is_ok() {
             return Ok(());
@@ -539,9 +522,9 @@ impl Root {
         Ok(())
     }
 
-    /// [`Root::create_layout`] for `doctor`: a non-directory planted in place of a root directory
-    /// is passed to `bad`, with a phrase saying what it is, instead of failing; `bad` says whether
-    /// it put a directory there. Returns whether the lock directories are usable.
+    /// [`Root::create_layout`] for `doctor`: a non-directory planted in a layout directory's place
+    /// is passed to `bad` (saying what it is), which says whether it put a directory there. Returns
+    /// whether the lock directories are usable.
     pub fn create_layout_reporting(&self, mut bad: impl FnMut(&str, &str) -> bool) -> Result<bool> {
         if fs::symlink_metadata(&self.dir).is_err() {
             return self.create_layout().map(|()| true);
@@ -577,8 +560,8 @@ impl Root {
         Ok(locks_ok)
     }
 
-    /// Sets aside what is planted in place of layout directory `name` (`NAME.planted-TIME` beside
-    /// it: nothing followed or deleted) and makes an empty directory there. Returns where it went.
+    /// Sets aside what is planted in place of layout directory `name` (`Dir::set_aside`) and makes
+    /// an empty directory there. Returns where it went.
     pub fn replace_with_dir(&self, name: &str) -> Result<PathBuf> {
         let path = self.dir.join(name);
         let (parent, entry) = match name.rsplit_once('/') {
@@ -596,21 +579,16 @@ impl Root {
         Ok(path.with_file_name(aside))
     }
 
-    /// Refuses a root someone else could control; says whether it is shared with a group. A root
-    /// must be a directory owned by us (or root) or writable by a group of ours; never
-    /// world-writable without the sticky bit; and a symlink must be ours (in a world-writable
-    /// parent like /var/tmp anyone can plant one). Within a root that passes only we (or our group)
-    /// can create or replace anything, so nothing below needs checking again.
-    ///
-    /// A symlink that passes is resolved once, here: every later use goes to the checked directory
-    /// (and SQLite, which refuses symlinks anywhere in a database path, gets the real one).
+    /// Refuses a root someone else could control ([`Root::check_owner`]; a symlink must be ours, as
+    /// anyone can plant one in /var/tmp); says whether it is shared with a group. Within a root that
+    /// passes only we (or our group) can replace anything. A symlink that passes is resolved once,
+    /// here: later uses go to the checked directory (and SQLite, which refuses links, gets it).
     pub fn check(&mut self) -> Result<bool> {
         let euid = nix::unistd::geteuid().as_raw();
         let link = match fs::symlink_metadata(&self.dir) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                // Symlinks above the root are the user's choice; resolved once, so SQLite (which
-                // refuses any) gets a real path.
+                // Symlinks above the root are the user's choice; resolved once, for SQLite.
                 if let Ok(real) = real_path(&self.dir) {
                     self.dir = real;
                 }
@@ -659,7 +637,8 @@ impl Root {
         Ok(m.mode() & 0o020 != 0)
     }
 
-    /// [`Root::check`]'s ownership rules for a directory: owner `uid`, `mode`, group `gid`.
+    /// A root must be ours (or root's) or writable by a group of ours, and never world-writable
+    /// without the sticky bit: owner `uid`, `mode`, group `gid`.
     fn check_owner(&self, uid: u32, mode: u32, gid: u32) -> Result<()> {
         let euid = nix::unistd::geteuid().as_raw();
         if self.default && uid != euid {
@@ -687,8 +666,8 @@ impl Root {
     }
 }
 
-/// The real path of `dir`, not itself a symlink: its parent's and its name. Resolving only the
-/// parent spares a readlink of the root, a round trip on NFS, on every command.
+/// The real path of `dir`, not itself a symlink: its parent's and its name (no readlink of the
+/// root, a round trip on NFS).
 fn real_path(dir: &Path) -> io::Result<PathBuf> {
     match (dir.parent(), dir.file_name()) {
         (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
@@ -725,20 +704,18 @@ impl Root {
     /// `local_lock=flock|posix|all`, Lustre with `localflock` or `noflock`, BeeGFS without global
     /// file locks. (`doctor` reports it instead of refusing.)
     pub fn check_locking(&mut self) -> Result<()> {
-        // From the mount table when the root's device is listed there (no request to an NFS
-        // server), else from a statfs of the root.
+        // From the mount table (no request to an NFS server), else from a statfs of the root.
         let (reach, mount, own) = self
             .dev
             .and_then(crate::filesystem::lock_reach_of_device)
             .unwrap_or_else(|| crate::filesystem::lock_reach_with(&self.dir));
-        // What the statfs found serves every lock file on the root's filesystem (lock.rs decides by
-        // it whether they may be unlinked).
+        // What was found serves every lock file on the root's filesystem (whether to unlink them).
         if let (Some(dev), Some(fs)) = (self.dev, &own) {
             let dirs = [self.locks(), self.image_locks(), self.leases()];
             crate::lock::note_filesystem(dev, fs.local, &dirs);
         }
         // Other hosts read leases and records: on a shared filesystem writes must reach the server
-        // at once, not when the client pleases (a root not made yet: its nearest ancestor's).
+        // at once (a root not made yet: its nearest ancestor's filesystem).
         let local = match &own {
             Some(fs) => fs.local,
             None => crate::filesystem::nearest(&self.dir).is_some_and(|(_, fs)| fs.local),
