@@ -111,39 +111,23 @@ impl Claim {
 /// What claims the directory `dir`: `Ok(None)` if nothing does (or no extended attributes, or a
 /// value that is no claim). Read whole, however long: a claim read cut would be taken for none.
 pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
-    let mut buf = vec![0u8; 1024];
-    loop {
-        match get(dir, &mut buf) {
-            Ok(n) => return Ok(std::str::from_utf8(&buf[..n]).ok().and_then(Claim::decode)),
-            // Grown since its size was asked: asked again.
-            Err(e) if e.raw_os_error() == Some(libc::ERANGE) => {
-                buf = vec![0u8; get(dir, &mut [])?.max(buf.len() * 2)];
-            }
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::ENOTSUP)) => {
-                return Ok(None);
-            }
-            Err(e) => return Err(e),
-        }
+    let fd = dir.as_raw_fd();
+    // SAFETY: valid descriptor, C string and buffer of the length given.
+    match crate::dir::xattr_read(1024, |p, n| unsafe {
+        libc::fgetxattr(fd, NAME.as_ptr(), p, n)
+    }) {
+        Ok(v) => Ok(std::str::from_utf8(&v).ok().and_then(Claim::decode)),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::ENOTSUP)) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
 /// Whether the filesystem of `dir` keeps extended attributes (claims).
 pub fn supported(dir: &Dir) -> bool {
-    get(dir, &mut [0u8; 1]).map_or_else(|e| e.raw_os_error() != Some(libc::ENOTSUP), |_| true)
-}
-
-/// The claim attribute's value into `buf`: its length.
-fn get(dir: &Dir, buf: &mut [u8]) -> io::Result<usize> {
+    let mut b = [0u8; 1];
     // SAFETY: valid descriptor, C string and buffer of the length given.
-    let n = crate::error::cvt(unsafe {
-        libc::fgetxattr(
-            dir.as_raw_fd(),
-            NAME.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    })?;
-    Ok(n as usize)
+    let r = unsafe { libc::fgetxattr(dir.as_raw_fd(), NAME.as_ptr(), b.as_mut_ptr().cast(), 1) };
+    r >= 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ENOTSUP)
 }
 
 /// Claims `dir` for `claim`'s store. `Ok(false)`: the filesystem keeps no extended attributes.

@@ -9,8 +9,8 @@
 //! - Nothing is followed and no path is built: the walk goes by directory descriptor
 //!   ([`crate::dir`]), at any depth; symlinks are copied as links.
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
-//!   image's empty directory, mode 700 until done: the copy cannot write outside it, and no name in
-//!   it can be swapped between a create and its attributes. No inode is shared with the base.
+//!   image's empty directory, mode 700 until done: no name in it can be swapped between a create
+//!   and its attributes. No inode is shared with the base.
 //! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
 //!   rewrites the group bits), times.
 
@@ -31,7 +31,7 @@ use nix::sys::stat::{fchmod, fchmodat, futimens, utimensat};
 use nix::sys::time::TimeSpec;
 use nix::unistd::{Gid, Uid, Whence, fchown, fchownat, linkat, lseek};
 
-use crate::dir::{self, Dir, Trail};
+use crate::dir::{self, Dir, Trail, xattr_read};
 use crate::error::{cvt, retrying};
 
 /// What a copy did.
@@ -84,9 +84,8 @@ struct Frame {
 }
 
 /// Access to a base file or directory that is ours but its mode keeps from us (a mode-000
-/// `/etc/shadow`, a directory a build left unreadable): while the copy needs it, the owner's read
-/// (and for a directory search) bit is set on that very inode, until this is dropped. Without it an
-/// unprivileged user could not copy what every RHEL-family image holds; root needs none.
+/// `/etc/shadow`, as RHEL-family images hold): the owner's read (and search) bit is set on that
+/// very inode until this is dropped.
 struct Lent {
     fd: OwnedFd,
     mode: libc::mode_t,
@@ -109,10 +108,9 @@ fn loan_needed(meta: &libc::stat) -> Option<libc::mode_t> {
     (euid != 0 && meta.st_uid == euid && meta.st_mode & need != need).then_some(need)
 }
 
-/// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One lent the bits
-/// [`loan_needed`] says gets them through an `O_PATH` descriptor of the entry (a symlink or another
-/// inode swapped in is refused), is reopened through it, and comes with the loan, to be given back
-/// when the copy is done.
+/// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One that needs a
+/// loan ([`loan_needed`]) gets it through an `O_PATH` descriptor of the very inode, is reopened
+/// through it, and comes with the loan.
 fn open_source(
     dir: &Dir,
     name: &CStr,
@@ -139,9 +137,8 @@ fn open_source(
     Ok((fd, Some(lent)))
 }
 
-/// Copies the tree of `src_root` into the empty directory `dst_root`, both already open (`src` and
-/// `dst` name them in messages): the caller opened them from the images directory's descriptor, so
-/// a symlink swapped in above them since cannot redirect the copy out of the store.
+/// Copies the tree of `src_root` into the empty directory `dst_root`, both opened by the caller
+/// from the images directory's descriptor (`src` and `dst` name them in messages).
 pub fn copy_tree_at(
     src_root: Dir,
     src: &Path,
@@ -181,8 +178,7 @@ pub fn copy_tree_at(
     };
     let mut stack = vec![top];
     if let Err(e) = copy.walk(&mut stack) {
-        // A failed copy puts back the mode of the top and of the directories it was filling (made
-        // 700), so another member of a group store can remove what it holds.
+        // The directories made 700 get their mode back, so a group store's member can remove them.
         for d in stack.iter().map(|f| &f.dst).chain([&copy.dst_root]) {
             let _ = nix::sys::stat::fchmod(d, Mode::from_bits_retain(was));
         }
@@ -191,13 +187,10 @@ pub fn copy_tree_at(
     Ok(copy.finish())
 }
 
-/// Makes the copy's (empty) top ours alone while the copy is made, and returns the mode it had.
-/// Nobody but us may create or rename a name in it: an entry's owner and mode are set by its name
-/// (a FIFO, a symlink), and a member of a group store could otherwise swap in a link to a file
-/// elsewhere between the create and the chmod. Mode 700 keeps out all but the owner, so the owner
-/// must be us (root may chmod another user's directory, whose owner keeps full access), and it must
-/// be empty (a name made before may have its descriptor kept by its maker). The top gets the base's
-/// mode when the copy is done (`finish_dir`).
+/// Makes the copy's (empty) top ours alone while the copy is made, and returns the mode it had:
+/// attributes are set by name (a FIFO, a symlink), and a member of a group store could otherwise
+/// swap in a link between the create and the chmod. So it must be ours (its owner keeps access
+/// whatever root does) and empty (a name made before may be held open by its maker).
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     let st = dir::fstat(top).with_context(|| format!("cannot read {}", dst.display()))?;
     if st.st_uid != nix::unistd::geteuid().as_raw() {
@@ -256,8 +249,7 @@ impl TreeCopy<'_> {
         Ok(())
     }
 
-    /// Directories get their mode and times after their contents: a read-only directory must stay
-    /// writable while we fill it, and writing into it would change its mtime.
+    /// Directories get their mode and times after their contents (read-only ones, mtimes).
     fn finish_dir(&mut self, done: Frame) -> Result<()> {
         self.trail.0.pop();
         let (dst, src) = (Target::Fd(done.dst.as_fd()), Target::Fd(done.src.as_fd()));
@@ -299,8 +291,7 @@ impl TreeCopy<'_> {
             .dst
             .sub(entry)
             .with_context(|| self.cannot_copy(&name))?;
-        // A filesystem mounted inside the base (a bind mount a build left) is not the base's tree,
-        // as measuring and deleting have it: its mount point is copied, its contents are not.
+        // A filesystem mounted inside the base is not its tree: the mount point is copied, empty.
         let names = if meta.st_dev == self.dev {
             s.entries().with_context(|| self.cannot_copy(&name))?
         } else {
@@ -418,8 +409,8 @@ impl TreeCopy<'_> {
     }
 }
 
-/// Opens a regular file of the base and creates its copy. The source is opened without blocking (a
-/// FIFO swapped in after the look would hang the copy) and must still be the file looked at.
+/// Opens a regular file of the base (without blocking on a FIFO swapped in; still the file looked
+/// at) and creates its copy.
 fn open_pair(
     src: &Dir,
     dst: &Dir,
@@ -493,8 +484,7 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
     Ok(false)
 }
 
-/// Copies `len` bytes at `off` from `src` to the same offset of `dst`: in the kernel, else by a
-/// buffer.
+/// Copies `len` bytes at `off` from `src` to the same offset of `dst`: in the kernel, else by buffer.
 fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
     let (end, mut pos) = (off + len, off);
     while pos < end {
@@ -531,9 +521,8 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
 /// bytes copied, or `None` if these files cannot be copied in the kernel.
 fn copy_in_kernel(src: &File, dst: &File, pos: u64, want: usize) -> io::Result<Option<usize>> {
     let (mut off_in, mut off_out) = (pos as libc::loff_t, pos as libc::loff_t);
-    // The system call itself, not libc's wrapper: the standard library declares that symbol weak,
-    // and in a static build whose link-time optimisation merges the declarations a weak one can
-    // win, leaving the call to jump to address 0.
+    // The system call itself: std declares libc's symbol weak, and a static LTO build may then
+    // call address 0.
     // SAFETY: valid descriptors and offset pointers, as the system call documents them.
     let copied = retrying(|| unsafe {
         libc::syscall(
@@ -557,8 +546,7 @@ fn copy_in_kernel(src: &File, dst: &File, pos: u64, want: usize) -> io::Result<O
     }
 }
 
-/// A second name for the copy of a hard-linked inode: the first copy is found again from the copy's
-/// top, one directory at a time.
+/// A second name for the copy of a hard-linked inode, its first copy found from the copy's top.
 fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Result<()> {
     let (last, parents) = first.split_last().expect("a name");
     let mut owned: Option<Dir> = None;
@@ -620,34 +608,17 @@ fn set_attrs(
     }?)
 }
 
-/// Reads the list or a value of extended attributes into a growing buffer.
-fn xattr_read(mut call: impl FnMut(*mut libc::c_void, usize) -> isize) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; 256];
-    loop {
-        let n = call(buf.as_mut_ptr().cast(), buf.len());
-        if n >= 0 {
-            buf.truncate(n as usize);
-            return Ok(buf);
-        }
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::ERANGE) || buf.len() >= 1 << 24 {
-            return Err(e);
-        }
-        // Ask for the size needed, then try again with it.
-        let need = cvt(call(std::ptr::null_mut(), 0))?;
-        buf.resize((need as usize).max(buf.len() * 2), 0);
-    }
-}
-
 fn list_xattrs(t: &Target) -> io::Result<Vec<u8>> {
     // SAFETY: each call gets a buffer of the length it is told.
     match t {
-        Target::Fd(fd) => {
-            xattr_read(|p, n| unsafe { libc::flistxattr(fd.as_raw_fd(), p.cast(), n) })
-        }
+        Target::Fd(fd) => xattr_read(256, |p, n| unsafe {
+            libc::flistxattr(fd.as_raw_fd(), p.cast(), n)
+        }),
         Target::At(d, name) => {
             let p = d.proc_path(name);
-            xattr_read(|b, n| unsafe { libc::llistxattr(p.as_ptr(), b.cast(), n) })
+            xattr_read(256, |b, n| unsafe {
+                libc::llistxattr(p.as_ptr(), b.cast(), n)
+            })
         }
     }
 }
@@ -655,12 +626,14 @@ fn list_xattrs(t: &Target) -> io::Result<Vec<u8>> {
 fn get_xattr(t: &Target, key: &CStr) -> io::Result<Vec<u8>> {
     // SAFETY: as above.
     match t {
-        Target::Fd(fd) => {
-            xattr_read(|p, n| unsafe { libc::fgetxattr(fd.as_raw_fd(), key.as_ptr(), p, n) })
-        }
+        Target::Fd(fd) => xattr_read(256, |p, n| unsafe {
+            libc::fgetxattr(fd.as_raw_fd(), key.as_ptr(), p, n)
+        }),
         Target::At(d, name) => {
             let path = d.proc_path(name);
-            xattr_read(|p, n| unsafe { libc::lgetxattr(path.as_ptr(), key.as_ptr(), p, n) })
+            xattr_read(256, |p, n| unsafe {
+                libc::lgetxattr(path.as_ptr(), key.as_ptr(), p, n)
+            })
         }
     }
 }
@@ -679,7 +652,7 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
 }
 
 /// Copies every extended attribute the source has and the target accepts; counts the refusals. One
-/// the target already has with the same value (a label the filesystem gave it) is left alone.
+/// the target has already (a label the filesystem gave it) is left alone.
 fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> String) {
     // No extended attributes here at all, or none readable.
     let Ok(names) = list_xattrs(src) else { return };

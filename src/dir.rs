@@ -871,6 +871,28 @@ impl Drop for MoreFiles {
     }
 }
 
+/// Reads the list or a value of extended attributes into a growing buffer, `size` bytes at first.
+pub fn xattr_read(
+    size: usize,
+    mut call: impl FnMut(*mut libc::c_void, usize) -> isize,
+) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; size];
+    loop {
+        let n = call(buf.as_mut_ptr().cast(), buf.len());
+        if n >= 0 {
+            buf.truncate(n as usize);
+            return Ok(buf);
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ERANGE) || buf.len() >= 1 << 24 {
+            return Err(e);
+        }
+        // Ask for the size needed (it may have grown since), then try again with it.
+        let need = cvt(call(std::ptr::null_mut(), 0))?;
+        buf.resize((need as usize).max(buf.len() * 2), 0);
+    }
+}
+
 /// Whether `now` is the `recorded` identity (one recorded without fs id matches on inode and type).
 pub fn same_identity(recorded: &str, now: &str) -> bool {
     recorded == now

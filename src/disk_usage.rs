@@ -2,12 +2,10 @@
 //!
 //! - Allocated blocks (a sparse file counts what it uses), each hard-linked inode once, symlinks as
 //!   themselves, never crossing into another filesystem.
-//! - Shared extents (reflink clones on btrfs, XFS, bcachefs): the walk also keeps each file's
+//! - Shared extents (reflinks on btrfs, XFS, bcachefs): the walk keeps each file's
 //!   `FIEMAP_EXTENT_SHARED` ranges, so a [`Footprint`] of all images says what they take together
-//!   and what removing one frees (docs/storage.md, "Shared extents"). A range shared with something
-//!   outside the store (a snapshot) counts as the image's own.
-//! - The walk goes by directory descriptor ([`crate::dir`]): any depth, and an error names a
-//!   bounded path.
+//!   and what removing one frees. A range shared outside the store counts as the image's own.
+//! - The walk goes by directory descriptor ([`crate::dir`]).
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::{CStr, OsStr};
@@ -91,9 +89,8 @@ pub fn can_share(dir: &Path) -> bool {
 
 type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 
-/// Calls `visit` for every entry under `dir` (the top included, as `(dir, ".")`), depth first,
-/// staying on the top's filesystem. Entries that vanish while walked are skipped, and so is the
-/// inside of a directory we may not read; a missing top is an empty tree.
+/// Calls `visit` for every entry under `dir` (the top as `(dir, ".")`), depth first, on the top's
+/// filesystem. Entries that vanish are skipped, and a directory we may not read counts as itself.
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
     let _files = dir::MoreFiles::raise();
     let top = match Dir::open_nofollow(dir) {
@@ -128,8 +125,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         }
         visit(d, &name, &st).map_err(|e| bounded(e, &trail, &name))?;
         if dir::file_type(&st) == libc::S_IFDIR {
-            // A directory we may not read (a build left it mode 000) counts as itself: failing
-            // would leave the image unmeasured, counted as nothing against gc's budget.
+            // Failing would leave the image unmeasured, counted as nothing against gc's budget.
             let denied = |e: &io::Error| e.raw_os_error() == Some(libc::EACCES);
             let sub = match d.sub(OsStr::from_bytes(name.to_bytes())) {
                 Ok(s) => s,

@@ -15,11 +15,9 @@ pub struct Filesystem {
     pub name: String,
     /// True when every lock on it is visible in this host's lock table.
     pub local: bool,
-    /// True when a lock query (`F_OFD_GETLK`) sees every host's flocks, so a look can ask without
-    /// taking a lock another host's look would see: GlusterFS, whose client keeps flocks as
-    /// byte-range locks at the server and sends it every query (tested), as this host's own mount
-    /// table names it (never a test's stand-in). Not NFS: under a write delegation the client
-    /// answers a query itself and misses flocks, which it keeps apart.
+    /// True when a lock query (`F_OFD_GETLK`) sees every host's flocks, so a look need not take a
+    /// lock: GlusterFS (its client sends every query to the server), as the mount table names it.
+    /// Not NFS: under a write delegation the client answers a query itself and misses flocks.
     pub queries_see_flocks: bool,
 }
 
@@ -149,13 +147,11 @@ pub enum Reach {
 }
 
 /// How far locks on the filesystem of `path` reach, the mount looked at, and the filesystem of
-/// `path` itself when it exists. Cheap where it matters: one statfs(2); mountinfo (and a client
-/// config file) only on NFS, Lustre and BeeGFS.
+/// `path` itself when it exists: one statfs(2); mountinfo only on NFS, Lustre and BeeGFS.
 pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>) {
     let Some((at, fs)) = nearest(path) else {
         return (Reach::ClusterWide, None, None);
     };
-    // The mount is looked up (a canonicalized path) only where it matters.
     let mount = is_shared_kind(&fs.name).then(|| mount_of(at)).flatten();
     (
         reach_with(&fs, mount.as_ref()),
@@ -164,8 +160,8 @@ pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>
     )
 }
 
-/// The filesystem of `path`, or, for a path not made yet, of its nearest existing ancestor, where
-/// it lives once made; with where it was found. The common case (it exists) costs one statfs.
+/// The filesystem of `path`, or of its nearest existing ancestor (where it lives once made), with
+/// where it was found.
 pub fn nearest(path: &Path) -> Option<(&Path, Filesystem)> {
     let (at, fs) = path.ancestors().find_map(|p| match filesystem(p) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
@@ -174,13 +170,10 @@ pub fn nearest(path: &Path) -> Option<(&Path, Filesystem)> {
     Some((at, fs.ok()?))
 }
 
-/// [`lock_reach_with`] for a root whose device is `dev` (its stat's), from the mount table alone: a
-/// statfs of the root is a request to the server on NFS, the mount table is this host's own. `None`
-/// where the table lists no mount of that device (a btrfs subvolume reports a device of its own) or
-/// does not name a filesystem this knows, and where a test names the filesystem: the caller asks
-/// statfs then. The table costs the kernel time in proportion to the mounts it lists — milliseconds
-/// on a host with thousands (containers, bind mounts) — so it is read only up to the first mount of
-/// the device (the root's filesystem is most often mounted early), and only that line is parsed.
+/// [`lock_reach_with`] for a root on device `dev`, from the mount table alone (a statfs is a
+/// request to the server on NFS). `None` where the table lists no mount of that device (a btrfs
+/// subvolume) or no filesystem this knows, or a test names one: the caller asks statfs then. The
+/// table is read only up to the device's first mount: on a host with thousands it costs ms.
 pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Filesystem>)> {
     if std::env::var_os(crate::env::DEBUG_FILESYSTEM).is_some() {
         return None;
@@ -247,12 +240,9 @@ fn reach_with(fs: &Filesystem, mount: Option<&Mount>) -> Reach {
     }
 }
 
-/// NFS: `nolock` and `local_lock=flock|posix|all` keep locks on the client. `local_lock=flock`
-/// breaks the image and global locks outright. `local_lock=posix` looks harmless — SQLite's fcntl
-/// locks are only taken under the global flock, which still reaches the server — but the NFS client
-/// revalidates a file's cached pages when a lock *on that file* goes to the server: with SQLite's
-/// locks local, a process could read stale database pages cached before another host's transaction,
-/// and write a transaction on top of them.
+/// NFS: `nolock` and `local_lock=flock|posix|all` keep locks on the client. Even `posix` is
+/// unsafe: the client revalidates a file's cached pages only when a lock on that file goes to the
+/// server, so with SQLite's locks local a process could write on stale database pages.
 fn nfs_reach(options: &[String]) -> Reach {
     let bad = local_only_options(options);
     if bad.is_empty() {
@@ -267,8 +257,7 @@ fn nfs_reach(options: &[String]) -> Reach {
     }
 }
 
-/// Lustre: `flock` gives cluster-wide flocks, `localflock` flocks that exclude only on one client
-/// node (how shared SQLite databases get corrupted on Lustre), `noflock` none at all (ENOSYS). With
+/// Lustre: `flock` gives cluster-wide flocks, `localflock` node-local ones, `noflock` none. With
 /// none of them the default depends on the Lustre release.
 fn lustre_reach(options: &[String]) -> Reach {
     let has = |o: &str| options.iter().any(|x| x == o);
@@ -292,8 +281,7 @@ fn lustre_reach(options: &[String]) -> Reach {
 }
 
 /// BeeGFS: flocks are cluster-wide only with `tuneUseGlobalFileLocks = true` in the client
-/// configuration (the mount's `cfgFile=`, else /etc/beegfs/beegfs-client.conf); the default, false,
-/// keeps them on the node.
+/// configuration (the mount's `cfgFile=`, else /etc/beegfs/beegfs-client.conf).
 fn beegfs_reach(options: &[String], read: impl Fn(&Path) -> Option<String>) -> Reach {
     let conf = options
         .iter()

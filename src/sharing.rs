@@ -1,15 +1,11 @@
 //! A store shared by a group: the modes every part of its layout needs.
 //!
-//! - **A group store** is a root that is group-writable: every member of its group opens lock files
-//!   read-write, creates lock files, leases and image directories, and writes the catalog. So every
-//!   part of the layout must be group-writable and belong to the root's group; directories are
-//!   setgid, so what is created later gets the group too.
-//! - **One list of parts** ([`parts`]): the root, `locks/` and what is in it (lock files, gates,
-//!   slot classes, leases), `img/` and its image directories (not the trees inside: those are the
-//!   builder's), `trash/`, the catalog and its journal, `store.conf`, the reserve.
-//! - **Only what is ours is fixed** ([`repair`]): a part owned by the caller (or any part, for
-//!   root). Each change is made on a descriptor opened without following a link, so a link planted
-//!   in a part's place changes nothing outside the store.
+//! - **A group store** is a group-writable root: every part of its layout must be group-writable
+//!   and of the root's group; directories are setgid, so what is made later gets the group too.
+//! - **One list of parts** ([`parts`]): the layout, lock files, gates, slot classes, leases, image
+//!   directories (not the trees inside: those are the builder's), the catalog's journal.
+//! - **Only what is ours is fixed** ([`repair`]), each on a descriptor opened without following a
+//!   link: a link planted in a part's place changes nothing outside the store.
 
 use std::fs;
 use std::io;
@@ -58,8 +54,7 @@ pub fn is_group_store(dir: &Path) -> Option<(u32, u32)> {
     (m.mode() & 0o020 != 0).then_some((m.gid(), m.mode()))
 }
 
-/// Every part the layout may have, relative to the root, with whether it is a directory. Links are
-/// not parts: `doctor`'s layout check reports those.
+/// Every part the layout may have, relative to the root, with whether it is a directory.
 fn parts(root: &Root) -> Vec<(String, bool)> {
     let dirs = std::iter::once("").chain(Root::LAYOUT_DIRS);
     let files = Root::LAYOUT_FILES.into_iter().chain(["stowage.db-journal"]);
@@ -143,8 +138,6 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
             done.not_ours.push(w);
             continue;
         }
-        // Through a descriptor opened without following a link in any component: a member who
-        // swaps a directory of the layout for a link meanwhile leads this nowhere outside the root.
         let flags = libc::O_RDONLY | if w.dir { libc::O_DIRECTORY } else { 0 };
         match crate::planted::open(&root.dir().join(&w.rel), flags, 0)
             .and_then(|f| fix_fd(f.as_fd(), w.dir, gid, 0))
@@ -156,9 +149,8 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
     done
 }
 
-/// Gives an images directory outside the root (the directory, not what is in it) what a group
-/// store's parts get, through the descriptor the caller opened and checked it by: never again by
-/// its path, where a member may have put a link meanwhile.
+/// Gives an images directory outside the root (not what is in it) what a group store's parts get,
+/// through the descriptor the caller checked it by.
 pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<()> {
     fix_fd(images.as_fd(), true, gid, 0).with_context(|| {
         format!(
@@ -189,8 +181,7 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
     Ok(fchmod(fd, Mode::from_bits_retain(mode))?)
 }
 
-/// The groups `/etc/group` names, as (name, gid): read directly, as a static binary can (glibc's
-/// lookup through NSS modules is not to be had there).
+/// The groups `/etc/group` names, as (name, gid): read directly, as a static binary has no NSS.
 fn groups() -> Vec<(String, u32)> {
     let text = fs::read_to_string("/etc/group").unwrap_or_default();
     text.lines()
@@ -227,8 +218,8 @@ pub fn group_id(group: &str) -> Result<u32> {
         })
 }
 
-/// Refuses, before anything is changed, to share the root at `dir` (if it exists) with `gid` where
-/// [`share_root`] could not: only the root's owner (or root) may, and only with a group of theirs.
+/// Refuses, before anything is changed, to share the root at `dir` with `gid` where [`share_root`]
+/// could not: only its owner (or root) may, with a group of theirs.
 pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
     let euid = nix::unistd::geteuid().as_raw();
     if euid == 0 {
@@ -261,7 +252,6 @@ fn not_in_group(dir: &Path, gid: u32) -> anyhow::Error {
 /// setgid, not writable by others. Only its owner (or root) may.
 pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
     may_share(dir, gid)?;
-    // One descriptor, opened with no link in any component, for group and mode: no second lookup.
     let root = crate::planted::open(dir, libc::O_RDONLY | libc::O_DIRECTORY, 0)
         .with_context(|| format!("cannot share root {}", dir.display()))?;
     fix_fd(root.as_fd(), true, gid, 0o775).map_err(|e| match e.raw_os_error() {

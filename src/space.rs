@@ -5,9 +5,8 @@
 //!   A metadata write that fails for a full disk empties it, runs again in the space given back,
 //!   and refills it with what is left ([`crate::store::Store::retry_full`]).
 //! - Commands that free space (`rm`, `gc`, `doctor --repair`) top it up.
-//! - Only ever truncated or extended in place, opened without following symlinks, used only as a
-//!   file of its own; two processes filling it at once allocate the same range (harmless).
-//! - Losing it costs only the protection, until a command frees space or makes the layout.
+//! - Only ever truncated or extended in place, opened without following symlinks; two processes
+//!   filling it at once allocate the same range (harmless). Losing it costs only the protection.
 
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
@@ -39,11 +38,9 @@ pub fn target(reserve: &Path) -> u64 {
     }
 }
 
-/// Opens the reserve for writing: never through a symlink or blocking on a planted FIFO, and only
-/// if a regular file with no other name (filling or emptying a hard link would change a file that
-/// may lie outside the root).
+/// Opens the reserve for writing: no link in any component, no blocking on a planted FIFO, and
+/// only a regular file with no other name (a hard link may lie outside the root).
 fn open(reserve: &Path, create: bool) -> Option<std::fs::File> {
-    // No link in any component: a root since swapped for a link gets no reserve where that points.
     let create = if create { libc::O_CREAT } else { 0 };
     let f = crate::planted::open(reserve, libc::O_WRONLY | create, 0o666).ok()?;
     crate::planted::check_written(reserve, &f)
