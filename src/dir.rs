@@ -619,13 +619,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
             match level.found_more() {
                 Ok(true) => continue,
                 Ok(false) => {}
-                Err(e) => {
-                    let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
-                    return Err(explain_refusal(
-                        e,
-                        &[(dir, None, LIST, &shown(&trail(&stack)))],
-                    ));
-                }
+                Err(e) => return Err(refused_here(&stack, e, LIST)),
             }
             if depth == 1 {
                 return Ok(());
@@ -750,15 +744,15 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
             }
             parent.pending.push(done.name);
         }
-        Err(e) => {
-            let pdir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
-            return Err(explain_refusal(
-                e,
-                &[(pdir, None, DELETE_IN, &shown(&trail(stack)))],
-            ));
-        }
+        Err(e) => return Err(refused_here(stack, e, DELETE_IN)),
     }
     Ok(())
+}
+
+/// `e`, a step refused in the walk's current level, explained ([`explain_refusal`]).
+fn refused_here(stack: &[Level], e: io::Error, access: libc::c_int) -> io::Error {
+    let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
+    explain_refusal(e, &[(dir, None, access, &shown(&trail(stack)))])
 }
 
 /// Climbs back through `..` of `done`; a different directory there means the tree moved: stop.
@@ -786,9 +780,8 @@ fn remove_or_open(
     removed: &mut u64,
 ) -> io::Result<Option<Level>> {
     let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
-    let here = || shown(&trail(stack));
     let there = || shown(&trail(stack).join(&name));
-    let in_dir = |e| explain_refusal(e, &[(dir, None, DELETE_IN, &here())]);
+    let in_dir = |e| refused_here(stack, e, DELETE_IN);
     let Some(sub) = dir.open_to_empty(&name, Some(dev), removed, &in_dir, &there)? else {
         return Ok(None);
     };

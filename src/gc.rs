@@ -42,7 +42,6 @@ pub struct Policy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Reason {
-    /// Its writer failed or died.
     Incomplete,
     /// Not used for longer than `--unused-for`.
     Unused,

@@ -21,33 +21,31 @@ use crate::root::Root;
 /// record is written without one on disk. One lost while images have records is refused, not made
 /// anew: a new one would name the default directory and a new store id.
 pub fn config(root: &Root) -> Result<Config> {
-    match crate::config::read(root.dir(), &root.open()?)? {
-        Some(c) => Ok(c),
-        None => {
-            // A release before records kept it in its catalog: migrated first. One that cannot be
-            // asked (busy, damaged) may be such: refused.
-            let legacy = crate::catalog::legacy_state(root).with_context(|| {
-                format!(
-                    "{} is missing, and {} cannot be asked whether to migrate it ('stowage doctor' tells more)",
-                    root.dir().join(crate::config::FILE).display(),
-                    root.db().display()
-                )
-            })?;
-            if legacy.is_some() {
-                return Err(crate::catalog::NeedsMigration.into());
-            }
-            if !has_records(root)? {
-                return Ok(made(root));
-            }
-            // Read again after the records were seen: lost if still missing (else made meanwhile).
-            crate::config::read(root.dir(), &root.open()?)?.with_context(|| {
-                format!(
-                    "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
-                    root.dir().join(crate::config::FILE).display()
-                )
-            })
-        }
+    if let Some(c) = crate::config::read(root.dir(), &root.open()?)? {
+        return Ok(c);
     }
+    // A release before records kept it in its catalog: migrated first. One that cannot be asked
+    // (busy, damaged) may be such: refused.
+    let legacy = crate::catalog::legacy_state(root).with_context(|| {
+        format!(
+            "{} is missing, and {} cannot be asked whether to migrate it ('stowage doctor' tells more)",
+            root.dir().join(crate::config::FILE).display(),
+            root.db().display()
+        )
+    })?;
+    if legacy.is_some() {
+        return Err(crate::catalog::NeedsMigration.into());
+    }
+    if !has_records(root)? {
+        return Ok(made(root));
+    }
+    // Read again after the records were seen: lost if still missing (else made meanwhile).
+    crate::config::read(root.dir(), &root.open()?)?.with_context(|| {
+        format!(
+            "{} is missing while images have records: 'stowage doctor --repair' writes it anew from them",
+            root.dir().join(crate::config::FILE).display()
+        )
+    })
 }
 
 /// Makes the configuration of a store that has none and no record yet, as the first use does

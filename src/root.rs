@@ -664,6 +664,39 @@ impl Root {
         }
         Ok(())
     }
+
+    /// Refuses a root whose locks would not exclude other hosts: NFS mounted with `nolock` or
+    /// `local_lock=flock|posix|all`, Lustre with `localflock` or `noflock`, BeeGFS without global
+    /// file locks. (`doctor` reports it instead of refusing.)
+    pub fn check_locking(&mut self) -> Result<()> {
+        // From the mount table (no request to an NFS server), else from a statfs of the root.
+        let (reach, mount, own) = self
+            .dev
+            .and_then(crate::filesystem::lock_reach_of_device)
+            .unwrap_or_else(|| crate::filesystem::lock_reach_with(&self.dir));
+        // What was found serves every lock file on the root's filesystem (whether to unlink them).
+        if let (Some(dev), Some(fs)) = (self.dev, &own) {
+            let dirs = [self.locks(), self.image_locks(), self.leases()];
+            crate::lock::note_filesystem(dev, fs.local, &dirs);
+        }
+        // Other hosts read leases and records: on a shared filesystem writes must reach the server
+        // at once (a root not made yet: its nearest ancestor's filesystem).
+        let local = match &own {
+            Some(fs) => fs.local,
+            None => crate::filesystem::nearest(&self.dir).is_some_and(|(_, fs)| fs.local),
+        };
+        crate::lock::set_write_through(!local);
+        self.fs = own;
+        if let crate::filesystem::Reach::NodeLocal { why, advice } = reach {
+            let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));
+            return Err(crate::Error::UnsafeLocking(format!(
+                "root {}{at} is on {why}, so other hosts' builds and metadata updates would not be excluded; {advice} (see 'stowage doctor')",
+                self.dir.display(),
+            ))
+            .into());
+        }
+        Ok(())
+    }
 }
 
 /// The real path of `dir`, not itself a symlink: its parent's and its name (no readlink of the
@@ -697,41 +730,6 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
         "{} is {kind}, not a directory: refusing to use it; {fix}",
         path.display()
     )
-}
-
-impl Root {
-    /// Refuses a root whose locks would not exclude other hosts: NFS mounted with `nolock` or
-    /// `local_lock=flock|posix|all`, Lustre with `localflock` or `noflock`, BeeGFS without global
-    /// file locks. (`doctor` reports it instead of refusing.)
-    pub fn check_locking(&mut self) -> Result<()> {
-        // From the mount table (no request to an NFS server), else from a statfs of the root.
-        let (reach, mount, own) = self
-            .dev
-            .and_then(crate::filesystem::lock_reach_of_device)
-            .unwrap_or_else(|| crate::filesystem::lock_reach_with(&self.dir));
-        // What was found serves every lock file on the root's filesystem (whether to unlink them).
-        if let (Some(dev), Some(fs)) = (self.dev, &own) {
-            let dirs = [self.locks(), self.image_locks(), self.leases()];
-            crate::lock::note_filesystem(dev, fs.local, &dirs);
-        }
-        // Other hosts read leases and records: on a shared filesystem writes must reach the server
-        // at once (a root not made yet: its nearest ancestor's filesystem).
-        let local = match &own {
-            Some(fs) => fs.local,
-            None => crate::filesystem::nearest(&self.dir).is_some_and(|(_, fs)| fs.local),
-        };
-        crate::lock::set_write_through(!local);
-        self.fs = own;
-        if let crate::filesystem::Reach::NodeLocal { why, advice } = reach {
-            let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));
-            return Err(crate::Error::UnsafeLocking(format!(
-                "root {}{at} is on {why}, so other hosts' builds and metadata updates would not be excluded; {advice} (see 'stowage doctor')",
-                self.dir.display(),
-            ))
-            .into());
-        }
-        Ok(())
-    }
 }
 
 /// Whether an error comes of something missing (a file, a directory of the layout).
