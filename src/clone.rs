@@ -97,30 +97,25 @@ impl Drop for Lent {
     }
 }
 
-/// The owner's bits that `meta`'s mode (ours) keeps from a copy: read, and search for a directory.
-fn loan_needed(meta: &libc::stat) -> Option<libc::mode_t> {
-    let euid = nix::unistd::geteuid().as_raw();
-    let need = if dir::file_type(meta) == libc::S_IFDIR {
-        0o500
-    } else {
-        0o400
-    };
-    (euid != 0 && meta.st_uid == euid && meta.st_mode & need != need).then_some(need)
-}
-
-/// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One that needs a
-/// loan ([`loan_needed`]) gets it through an `O_PATH` descriptor of the very inode, is reopened
-/// through it, and comes with the loan.
+/// Opens `name` of `dir` (stat `meta`) with `flags`, never through a symlink. One whose mode (ours)
+/// keeps the owner's read (and for a directory search) bits from us gets a loan of them through an
+/// `O_PATH` descriptor of the very inode, is reopened through it, and comes with the loan.
 fn open_source(
     dir: &Dir,
     name: &CStr,
     meta: &libc::stat,
     flags: libc::c_int,
 ) -> io::Result<(OwnedFd, Option<Lent>)> {
-    let Some(need) = loan_needed(meta) else {
+    let euid = nix::unistd::geteuid().as_raw();
+    let need = if dir::file_type(meta) == libc::S_IFDIR {
+        0o500
+    } else {
+        0o400
+    };
+    if euid == 0 || meta.st_uid != euid || meta.st_mode & need == need {
         let opened = dir.open_at(name, flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0);
         return opened.map(|fd| (fd, None)).map_err(|e| denied(e, meta));
-    };
+    }
     let path = dir.open_at(name, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)?;
     let now = dir::fstat(&path)?;
     if (now.st_dev, now.st_ino) != (meta.st_dev, meta.st_ino) {

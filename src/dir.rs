@@ -629,7 +629,13 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         };
         if let Some(sub) = remove_or_open(&stack, name, dev, mount, removed)? {
             stack.push(sub);
-            close_far_levels(&mut stack);
+            // Only the last few levels keep their descriptor.
+            let open = stack.iter().filter(|l| l.dir.is_some()).count();
+            if open > OPEN_LEVELS
+                && let Some(l) = stack.iter_mut().find(|l| l.dir.is_some())
+            {
+                l.dir = None;
+            }
         }
     }
 }
@@ -730,7 +736,15 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
     let done = stack.pop().expect("depth > 1");
     let parent = stack.last_mut().expect("depth > 1");
     if parent.dir.is_none() {
-        reopen_parent(&done, parent)?;
+        // Back through `..`, which must be the directory left: else the tree moved, and we stop.
+        let up = done.dir.as_ref().expect("open").sub("..")?;
+        let id = up.stat()?;
+        if (id.dev, id.ino) != parent.id {
+            return Err(io::Error::other(
+                "the tree was moved while being deleted; stopped",
+            ));
+        }
+        parent.dir = Some(up);
     }
     drop(done.dir);
     let pdir = parent.dir.as_ref().expect("reopened above");
@@ -753,19 +767,6 @@ fn climb_out(stack: &mut Vec<Level>, removed: &mut u64) -> io::Result<()> {
 fn refused_here(stack: &[Level], e: io::Error, access: libc::c_int) -> io::Error {
     let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
     explain_refusal(e, &[(dir, None, access, &shown(&trail(stack)))])
-}
-
-/// Climbs back through `..` of `done`; a different directory there means the tree moved: stop.
-fn reopen_parent(done: &Level, parent: &mut Level) -> io::Result<()> {
-    let up = done.dir.as_ref().expect("open").sub("..")?;
-    let id = up.stat()?;
-    if (id.dev, id.ino) != parent.id {
-        return Err(io::Error::other(
-            "the tree was moved while being deleted; stopped",
-        ));
-    }
-    parent.dir = Some(up);
-    Ok(())
 }
 
 /// Removes the entry `name` of the walk's current level (the top of `stack`) unless it is a
@@ -792,16 +793,6 @@ fn remove_or_open(
     let mut level = Level::enter(sub, &sst, &there)?;
     level.name = name;
     Ok(Some(level))
-}
-
-/// Keeps only the last few levels open.
-fn close_far_levels(stack: &mut [Level]) {
-    let open = stack.iter().filter(|l| l.dir.is_some()).count();
-    if open > OPEN_LEVELS
-        && let Some(l) = stack.iter_mut().find(|l| l.dir.is_some())
-    {
-        l.dir = None;
-    }
 }
 
 pub fn file_type(st: &libc::stat) -> libc::mode_t {

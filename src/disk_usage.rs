@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::{CStr, OsStr};
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -180,12 +180,9 @@ struct Fiemap {
 fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u64 {
     let flags =
         libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY;
-    parent
-        .open_at(name, flags, 0)
-        .map_or(0, |file| fiemap_shared(file.as_raw_fd(), ranges))
-}
-
-fn fiemap_shared(fd: RawFd, ranges: &mut Vec<(u64, u64)>) -> u64 {
+    let Ok(file) = parent.open_at(name, flags, 0) else {
+        return 0;
+    };
     let mut map: Box<Fiemap> = Box::new(Fiemap {
         start: 0,
         length: u64::MAX,
@@ -196,6 +193,7 @@ fn fiemap_shared(fd: RawFd, ranges: &mut Vec<(u64, u64)>) -> u64 {
         extents: [FiemapExtent::default(); EXTENTS_PER_CALL],
     });
     let mut shared = 0u64;
+    let fd = file.as_raw_fd();
     loop {
         // SAFETY: `map` is a fiemap header followed by room for extent_count extents, as required.
         if unsafe { libc::ioctl(fd, FS_IOC_FIEMAP as _, &mut *map as *mut Fiemap) } != 0 {

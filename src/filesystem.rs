@@ -179,7 +179,10 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
         return None;
     }
     let want = format!("{}:{}", libc::major(dev), libc::minor(dev));
-    let line = first_mount_of(&mountinfo_path(), &want)?;
+    use std::io::BufRead;
+    let table = io::BufReader::new(fs::File::open(mountinfo_path()).ok()?);
+    let mut lines = table.lines().map_while(Result::ok);
+    let line = lines.find(|l| l.split(' ').nth(2) == Some(&want))?;
     let mount = parse_mountinfo(&line).into_iter().next()?;
     // Named as statfs names them: ext2/3/4 share one magic, NFS 3 and 4 too.
     let name = match mount.fstype.as_str() {
@@ -201,16 +204,6 @@ pub fn lock_reach_of_device(dev: u64) -> Option<(Reach, Option<Mount>, Option<Fi
     };
     let reach = reach_with(&fs, Some(&mount));
     Some((reach, is_shared_kind(name).then_some(mount), Some(fs)))
-}
-
-/// The first line of the mount table at `path` with device (third field) `want`, read no further.
-fn first_mount_of(path: &Path, want: &str) -> Option<String> {
-    use std::io::BufRead;
-    let table = io::BufReader::new(fs::File::open(path).ok()?);
-    table
-        .lines()
-        .map_while(Result::ok)
-        .find(|l| l.split(' ').nth(2) == Some(want))
 }
 
 fn mountinfo_path() -> std::path::PathBuf {

@@ -142,7 +142,22 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
-        over_budget(store, cutoff, max, rows, &mut budget, &mut report)?;
+        // Least recently used first, passing over an image whose removal would free nothing now
+        // while a later one frees something.
+        rows.retain(|r| r.state == State::Ready);
+        while budget.total > max && !rows.is_empty() {
+            crate::signals::check()?;
+            let i = rows.iter().position(|r| budget.frees(r) > 0).unwrap_or(0);
+            let r = rows.remove(i);
+            collect(
+                store,
+                &r,
+                Reason::OverBudget,
+                cutoff,
+                &mut budget,
+                &mut report,
+            )?;
+        }
     }
     report.size_after = budget.total;
     if !policy.dry_run {
@@ -150,29 +165,6 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     }
     report.bytes_freed += report.removed.iter().map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
-}
-
-/// With `--max-size`: least recently used first, passing over an image whose removal would free
-/// nothing now while a later one frees something.
-fn over_budget(
-    store: &mut Store,
-    cutoff: Option<Millis>,
-    max: u64,
-    rows: Vec<Image>,
-    budget: &mut Budget,
-    report: &mut Report,
-) -> Result<()> {
-    let mut left: Vec<Image> = rows
-        .into_iter()
-        .filter(|r| r.state == State::Ready)
-        .collect();
-    while budget.total > max && !left.is_empty() {
-        crate::signals::check()?;
-        let i = left.iter().position(|r| budget.frees(r) > 0).unwrap_or(0);
-        let r = left.remove(i);
-        collect(store, &r, Reason::OverBudget, cutoff, budget, report)?;
-    }
-    Ok(())
 }
 
 /// What the images take, and what removing one frees as gc goes: its own blocks, and the shared

@@ -214,17 +214,13 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
         Ok(()) => Taken::Trashed(dest.into()),
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
             let mut removed = 0;
-            match images.remove_entry(enc, &mut removed) {
-                Ok(()) => Taken::Deleted,
-                Err(e) => {
-                    let e =
-                        anyhow::Error::new(e).context(format!("cannot delete {}", tree.display()));
-                    if removed == 0 {
-                        Taken::Refused(e)
-                    } else {
-                        Taken::Partial(e)
-                    }
-                }
+            let Err(e) = images.remove_entry(enc, &mut removed) else {
+                return Taken::Deleted;
+            };
+            let e = anyhow::Error::new(e).context(format!("cannot delete {}", tree.display()));
+            match removed {
+                0 => Taken::Refused(e),
+                _ => Taken::Partial(e),
             }
         }
         Err(e) => {

@@ -800,13 +800,11 @@ fn named(enc: &str, suffix: &str) -> String {
         return format!("{enc}{suffix}");
     }
     // ENC is ASCII, so any byte index is a char boundary.
-    format!("{}~{:016x}{suffix}", &enc[..200], fnv1a(enc.as_bytes()))
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
+    // FNV-1a.
+    let hash = (enc.bytes()).fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{}~{hash:016x}{suffix}", &enc[..200])
 }
 
 /// "image 'alpine:3.17'" for a lock file name, or the name itself if shortened (not decodable).
