@@ -404,8 +404,7 @@ impl TreeCopy<'_> {
     }
 }
 
-/// Opens a regular file of the base (without blocking on a FIFO swapped in; still the file looked
-/// at) and creates its copy.
+/// Opens a regular file of the base (never blocking on a FIFO) and creates its copy.
 fn open_pair(
     src: &Dir,
     dst: &Dir,
@@ -479,7 +478,7 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
     Ok(false)
 }
 
-/// Copies `len` bytes at `off` from `src` to the same offset of `dst`: in the kernel, else by buffer.
+/// Copies `len` bytes at `off` from `src` to the same offset of `dst` (in the kernel if it can).
 fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
     let (end, mut pos) = (off + len, off);
     while pos < end {
@@ -512,8 +511,7 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
     Ok(())
 }
 
-/// One copy_file_range(2) of up to `want` bytes at `pos` of both files (again if interrupted): the
-/// bytes copied, or `None` if these files cannot be copied in the kernel.
+/// One copy_file_range(2) of up to `want` bytes at `pos`: `None` if the kernel cannot.
 fn copy_in_kernel(src: &File, dst: &File, pos: u64, want: usize) -> io::Result<Option<usize>> {
     let (mut off_in, mut off_out) = (pos as libc::loff_t, pos as libc::loff_t);
     // The system call itself: std declares libc's symbol weak, and a static LTO build may then
@@ -555,8 +553,7 @@ fn link_to(dst_root: &Dir, first: &[CString], dir: &Dir, name: &CStr) -> io::Res
     Ok(linkat(parent, last.as_c_str(), dir, name, nofollow)?)
 }
 
-/// Where attributes are read or set: an open file, or a name in a directory (symlinks and special
-/// files, which are not opened).
+/// Where attributes are read or set: an open file, or a name in a directory (not opened).
 enum Target<'a> {
     Fd(BorrowedFd<'a>),
     At(&'a Dir, &'a CStr),

@@ -89,8 +89,7 @@ pub fn fstat(fd: impl AsFd) -> io::Result<libc::stat> {
     Ok(nix::sys::stat::fstat(fd)?)
 }
 
-/// `chmod` of what the `O_PATH` descriptor `fd` is: fchmod refuses one, and
-/// its /proc name is that very inode, whatever happens to its name since.
+/// `chmod` of what the `O_PATH` descriptor `fd` is, by its /proc name (fchmod refuses one).
 pub(crate) fn chmod_o_path(fd: std::os::fd::RawFd, mode: libc::mode_t) -> io::Result<()> {
     let proc = cstr(OsStr::new(&format!("/proc/self/fd/{fd}")))?;
     // SAFETY: a valid C string.
@@ -364,7 +363,7 @@ impl Dir {
     }
 
     /// Opens `name` for writing (created, never through a symlink) and closes it: what inotify
-    /// watchers see (`IN_CLOSE_WRITE`). A FIFO planted there fails the open (`ENXIO`), never blocks.
+    /// watchers see (`IN_CLOSE_WRITE`). A FIFO planted there fails the open (`ENXIO`), no block.
     pub fn touch_closed(&self, name: impl AsRef<OsStr>) -> io::Result<()> {
         let flags = libc::O_WRONLY | libc::O_CREAT | crate::planted::FLAGS;
         self.open_at(&cstr(name.as_ref())?, flags, 0o666).map(drop)
@@ -604,8 +603,7 @@ struct Level {
     relisted: u32,
 }
 
-/// Empties the tree `top`, without following any symlink or leaving its filesystem, with at most
-/// [`OPEN_LEVELS`] descriptors open. `top` itself is left for the caller to remove.
+/// Empties the tree `top` (left for the caller to remove), with at most [`OPEN_LEVELS`] open.
 fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
     let st = top.stat()?;
     let dev = st.dev;
@@ -833,8 +831,7 @@ impl Trail {
     }
 }
 
-/// Raises the soft limit on open files to the hard one while it lives (a deep walk holds one or two
-/// descriptors per level), then restores it, so a command started later gets the usual one.
+/// Raises the soft limit on open files to the hard one while it lives (for a deep walk).
 pub struct MoreFiles(Option<(rlim_t, rlim_t)>);
 
 impl MoreFiles {

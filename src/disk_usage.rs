@@ -175,8 +175,7 @@ struct Fiemap {
     extents: [FiemapExtent; EXTENTS_PER_CALL],
 }
 
-/// Bytes of `name`'s extents flagged shared; their physical ranges go to `ranges`. A file that
-/// cannot be opened or mapped counts as unshared.
+/// Bytes of `name`'s extents flagged shared (0 if it cannot be mapped); ranges go to `ranges`.
 fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u64 {
     let flags =
         libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY;
@@ -236,8 +235,7 @@ fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     out
 }
 
-/// The shared ranges of a set of images, each counted once however many images refer to it: what
-/// the images take together, and what removing one of them frees.
+/// The shared ranges of a set of images, each counted once however many images refer to it.
 #[derive(Debug, Default)]
 pub struct Footprint {
     /// Disjoint segments `start → (end, how many images refer to it)`.

@@ -160,8 +160,7 @@ pub fn lock_reach_with(path: &Path) -> (Reach, Option<Mount>, Option<Filesystem>
     )
 }
 
-/// The filesystem of `path`, or of its nearest existing ancestor (where it lives once made), with
-/// where it was found.
+/// The filesystem of `path`, or of its nearest existing ancestor, with where it was found.
 pub fn nearest(path: &Path) -> Option<(&Path, Filesystem)> {
     let (at, fs) = path.ancestors().find_map(|p| match filesystem(p) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,

@@ -167,8 +167,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     Ok(report)
 }
 
-/// What the images take, and what removing one frees as gc goes: its own blocks, and the shared
-/// extents no image left keeps.
+/// What the images take, and what removing one frees: its own blocks and unshared extents.
 struct Budget {
     cost: HashMap<String, Cost>,
     footprint: disk_usage::Footprint,
@@ -312,8 +311,7 @@ pub(crate) fn take_to_repair(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
     }
 }
 
-/// [`take_to_repair`] for an interrupted removal: one whose lock is busy may be under way, or
-/// finished meanwhile ([`underway`]).
+/// [`take_to_repair`] for an interrupted removal: a busy one may be [`underway`] or finished.
 pub(crate) fn take_removal(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
     match take_to_repair(ctx, name) {
         Taken::Busy => match underway(ctx, name) {
@@ -354,8 +352,7 @@ pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> 
     still.then_some(live)
 }
 
-/// An image's lock taken exclusively without waiting (`None`: busy), with its record read under it;
-/// doctor and adoption take theirs so too.
+/// An image's lock taken exclusively without waiting (`None`: busy), its record read under it.
 pub(crate) fn take_exclusive(
     root: &crate::root::Root,
     name: &ImageName,
@@ -384,8 +381,7 @@ fn oldest_first(a: &Image, b: &Image) -> std::cmp::Ordering {
         .then_with(|| a.name().cmp(b.name()))
 }
 
-/// Removes one image if its lock is free and, by its record read again under the lock, its reason
-/// still holds. Returns whether it was removed.
+/// Removes one image if its lock is free and its reason still holds under it: whether removed.
 fn collect(
     store: &mut Store,
     img: &Image,

@@ -63,8 +63,7 @@ fn made(root: &Root) -> Config {
     root.create_config(&dir).0
 }
 
-/// A fresh configuration, with the store's id where `ROOT/img` carries this root's claim (the file
-/// was lost; the id lives on there).
+/// A fresh configuration, with the store's id where `ROOT/img` carries this root's claim.
 fn fresh(root: &Root) -> Config {
     let mut config = Config::fresh();
     if let Some(id) = root.claimed_id() {
@@ -80,8 +79,7 @@ pub fn has_records(root: &Root) -> Result<bool> {
         .any(|e| e.seen.record.is_some()))
 }
 
-/// Where the tree of the image `record` describes lives, checked against the store's configuration
-/// (a record naming another images directory is refused).
+/// Where the tree of the image `record` describes lives, refused unless the configuration agrees.
 pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
     let config = config(root)?;
     if config.images != record.images {
@@ -142,8 +140,7 @@ pub fn my_claim(root: &Root, config: &Config) -> Result<Claim> {
         .with_context(|| format!("cannot inspect root {}", root.dir().display()))
 }
 
-/// Why nothing may be removed from the images directory `dir`: another store claims it (one images
-/// directory serves one store).
+/// Why nothing may be removed from the images directory `dir`: another store claims it.
 pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
     let config = config(root).ok()?;
     let images = root.open_images_dir(dir).ok()?;
@@ -163,8 +160,7 @@ fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
             .is_some_and(|c| c.id == config.id)
 }
 
-/// Claims the images directory for this store unless another store does. `Ok(false)`: the
-/// filesystem keeps no extended attributes.
+/// Claims the images directory for this store unless another does; `Ok(false)`: no xattrs.
 pub fn claim(root: &Root, config: &Config) -> Result<bool> {
     let dir = config.images.path_in(root.dir());
     let images = root.open_images_dir(&dir)?;
@@ -192,8 +188,7 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
     }
 }
 
-/// Records the images directory's identity in the configuration, if not recorded yet (or `accept`:
-/// init takes the directory as it is now).
+/// Records the images directory's identity in the configuration, if not yet (or if `accept`).
 pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result<()> {
     let dir = config.images.path_in(root.dir());
     let images = root.open_images_dir(&dir)?;
@@ -251,8 +246,7 @@ fn moved(root: &Root, seen: &Config) -> bool {
     true
 }
 
-/// Why a tree missing from `dir` may be the images directory's fault (missing, or not the directory
-/// recorded) rather than a deletion, if it may.
+/// Why a tree missing from `dir` may be the images directory's fault rather than a deletion.
 pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
     let images = match root.open_images_dir(dir) {
         Ok(d) => d,

@@ -52,8 +52,7 @@ enum Taken {
     Partial(anyhow::Error),
 }
 
-/// Removes an image whose exclusive lock `held` the caller holds: the image must have a record.
-/// `size`: a size known for it (else measured).
+/// Removes an image whose exclusive lock `held` the caller holds; `size`: if known.
 pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Removed> {
     let unknown = match held.seen.damaged {
         true => Some(image_record::Record::unknown(
@@ -197,8 +196,7 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
     root.drop_record(&held.name, held.guard)
 }
 
-/// Takes an image tree out of the images directory: into the trash, or deleted in place when the
-/// images directory is on another filesystem.
+/// Takes an image tree out of the images directory: into the trash, or deleted in place (EXDEV).
 fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName) -> Taken {
     let enc = name.encoded();
     match images.stat_at(enc) {
@@ -297,8 +295,7 @@ fn remove_trash_entry(trash: &Dir, entry: &OsStr, removed: &mut u64) -> std::io:
     }
 }
 
-/// Deletes what removals left in the trash (with `fix`; otherwise only counts it). A trash that is
-/// not a real directory is an error: nothing in it is touched.
+/// Deletes what removals left in the trash (with `fix`; else only counts it).
 pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
     let mut out = Trash::default();
     let trash = match root.open_sub("trash") {

@@ -224,7 +224,7 @@ impl Root {
         .map_err(|e| not_a_dir(dir, e))
     }
 
-    /// [`Root::open_images_dir`], making the default one if missing (a configured one may be a mount).
+    /// [`Root::open_images_dir`], making the default one if missing (not a configured one).
     pub fn open_or_make_images_dir(&self, dir: &Path) -> Result<Dir> {
         if dir == self.default_images_dir() {
             self.open_or_make_sub("img")
@@ -387,7 +387,7 @@ impl Root {
                 crate::debug::pause("layout-locks-made");
             }
         }
-        // A new store's configuration (an old release's catalog is migrated first, which writes it).
+        // A new store's configuration (an old release's catalog is migrated first instead).
         if root.stat_at(crate::config::FILE)?.is_none() && root.stat_at("stowage.db")?.is_none() {
             self.create_config(&root).1?;
         }
@@ -423,8 +423,8 @@ impl Root {
         }
     }
 
-    /// Refuses, before anything is made, a layout entry not of its kind (a symlink where a directory
-    /// goes, a FIFO for `store.conf`), which `init` would refuse only halfway. A root not there passes.
+    /// Refuses, before anything is made, a layout entry not of its kind (a symlink for a directory,
+    /// a FIFO for `store.conf`), which `init` would refuse only halfway. A root not there passes.
     pub fn refuse_planted_layout(&self) -> Result<()> {
         let Ok(root) = Dir::anchor_nofollow(&self.dir) else {
             return Ok(());
@@ -579,8 +579,8 @@ impl Root {
         Ok(path.with_file_name(aside))
     }
 
-    /// Refuses a root someone else could control ([`Root::check_owner`]; a symlink must be ours, as
-    /// anyone can plant one in /var/tmp); says whether it is shared with a group. Within a root that
+    /// Refuses a root someone else could control ([`Root::check_owner`]; a symlink must be ours:
+    /// anyone can plant one in /var/tmp); says whether it is shared with a group. In a root that
     /// passes only we (or our group) can replace anything. A symlink that passes is resolved once,
     /// here: later uses go to the checked directory (and SQLite, which refuses links, gets it).
     pub fn check(&mut self) -> Result<bool> {
@@ -740,8 +740,7 @@ pub(crate) fn is_missing(e: &anyhow::Error) -> bool {
     })
 }
 
-/// The names in directory `dir` of the root (`Dir::open_in_root`) that are UTF-8; none if it cannot
-/// be listed.
+/// The UTF-8 names in directory `dir` of the root (`Dir::open_in_root`); none if not listed.
 pub(crate) fn names_in(dir: &Path) -> Vec<String> {
     Dir::open_in_root(dir)
         .and_then(|d| d.names())
@@ -761,8 +760,7 @@ pub(crate) fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<()> {
     }
 }
 
-/// Creates `dir` (and missing parents). An existing symlink in its place is refused rather than
-/// followed: in a shared directory it could point anywhere.
+/// Creates `dir` (and missing parents), refusing a symlink in its place.
 pub fn make_dir(dir: &Path) -> Result<()> {
     match fs::symlink_metadata(dir) {
         Ok(m) if m.is_dir() => return Ok(()),
@@ -783,8 +781,7 @@ pub fn make_dir(dir: &Path) -> Result<()> {
     }
 }
 
-/// Whether `file` (a name in `locks/images/`) is the lock file of the image named `name` (a
-/// record's, which may be anything).
+/// Whether `file` (in `locks/images/`) is the lock file of the image named `name` (any string).
 pub fn is_lock_file_of(file: &str, name: &str) -> bool {
     ImageName::parse(name).is_ok_and(|n| lock_file_name(n.encoded()) == file)
 }

@@ -201,8 +201,7 @@ pub fn group_label(gid: u32) -> String {
         .map_or_else(|| gid.to_string(), |(n, _)| format!("'{n}' ({gid})"))
 }
 
-/// A group by name or number, as `init --group` takes it; one known only to LDAP or SSSD is given
-/// by number.
+/// A group by name or number, as `init --group` takes it (by number if not in /etc/group).
 pub fn group_id(group: &str) -> Result<u32> {
     if let Ok(n) = group.parse::<u32>() {
         return Ok(n);
@@ -248,8 +247,7 @@ fn not_in_group(dir: &Path, gid: u32) -> anyhow::Error {
     )
 }
 
-/// Makes the root at `dir` (existing) a group store for `gid`: its group, group-writable and
-/// setgid, not writable by others. Only its owner (or root) may.
+/// Makes the root at `dir` a group store for `gid`: its group, group-writable, setgid, not o+w.
 pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
     may_share(dir, gid)?;
     let root = crate::planted::open(dir, libc::O_RDONLY | libc::O_DIRECTORY, 0)
@@ -264,8 +262,7 @@ pub fn share_root(dir: &Path, gid: u32) -> Result<()> {
         .with_context(|| format!("cannot set the mode of root {}", dir.display()))
 }
 
-/// The umask for a process working in a group store: the caller's without its group bits, so
-/// everything made is group-writable. Returns the caller's, which an exec's command gets back.
+/// Sets the umask for a group store (the caller's without its group bits); returns the caller's.
 pub fn open_umask() -> u32 {
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     let shared = old.bits() & !0o070;

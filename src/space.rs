@@ -57,8 +57,7 @@ pub fn release(reserve: &Path) -> bool {
     had && f.set_len(0).is_ok()
 }
 
-/// Fills the reserve up to its size with what is free (best effort: a full filesystem gets back
-/// what the last transaction left).
+/// Fills the reserve up to its size with what is free (best effort).
 pub fn refill(reserve: &Path) {
     let Some(f) = open(reserve, true) else {
         return;
