@@ -1,6 +1,5 @@
 //! The claim of an images directory by one store: an extended attribute on the directory itself
-//! (`user.stowage.store`), since nothing of stowage's may go *into* it (docs/design.md, "One store
-//! per images directory").
+//! (`user.stowage.store`), since nothing of stowage's may go *into* it.
 //!
 //! ```text
 //! stowage-claim 1

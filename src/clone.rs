@@ -1,16 +1,12 @@
 //! Faithful copies of image trees, for `exec --write NEW --from BASE`.
 //!
-//! - Kept: file types (device nodes where permitted), permission bits with setuid/setgid/sticky,
-//!   ownership where permitted, times, hard links (as new shared inodes), holes, and every extended
-//!   attribute the target accepts (capabilities, ACLs, `user.*`). What cannot be kept is counted
-//!   and reported, never silently dropped.
-//! - Data: FICLONE where the filesystem can (no space), else only data regions
-//!   (SEEK_DATA/SEEK_HOLE, then copy_file_range).
-//! - Nothing is followed and no path is built: the walk goes by directory descriptor
-//!   ([`crate::dir`]), at any depth; symlinks are copied as links.
+//! - Kept: file types, modes with setuid/setgid/sticky, owners and device nodes where permitted,
+//!   times, hard links, holes, every extended attribute the target accepts. What cannot be kept is
+//!   counted and reported, never silently dropped.
+//! - Data: FICLONE where the filesystem can, else only data regions (SEEK_DATA, copy_file_range).
+//! - The walk goes by directory descriptor ([`crate::dir`]); symlinks are copied as links.
 //! - Every destination is created fresh (`O_EXCL`, `mkdirat`, `mknodat`, `symlinkat`) in the new
-//!   image's empty directory, mode 700 until done: no name in it can be swapped between a create
-//!   and its attributes. No inode is shared with the base.
+//!   image's empty directory, mode 700 until done. No inode is shared with the base.
 //! - Attribute order: owner (clears setuid and capabilities), mode, extended attributes (an ACL
 //!   rewrites the group bits), times.
 

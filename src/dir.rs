@@ -1,18 +1,13 @@
 //! Directory descriptors: how stowage moves and deletes anything.
 //!
-//! - A path is resolved anew at each use, so a check on it says nothing of the next use: every
-//!   destructive operation works from descriptors.
-//! - A walk starts at a trusted directory (the root, a configured images directory), opened once;
-//!   below it, `openat(…, O_DIRECTORY|O_NOFOLLOW)`: a symlink where a directory should be is an
-//!   error, never followed.
-//! - Renames and deletions are `renameat`/`unlinkat` on those descriptors: what was checked is what
-//!   is acted on.
-//! - Deleting a tree ([`Dir::remove_entry`]) unlinks symlinks, stops at any mount (bind mounts of
-//!   the same filesystem included), and holds a bounded number of descriptors at any depth: far
-//!   levels are reopened through `..`, which must be the directory left (device, inode), so a tree
-//!   moved mid-walk stops the walk instead of redirecting it.
-//! - The walks that copy and measure trees (clone.rs, disk_usage.rs) go the same way, from an open
-//!   directory to a name in it, never following: any depth works, and paths exist only for
+//! - Every destructive operation works from descriptors: a check on a path says nothing of its
+//!   next use. A walk starts at a trusted directory opened once; below it,
+//!   `openat(…, O_DIRECTORY|O_NOFOLLOW)`: a symlink where a directory should be is an error.
+//! - Renames and deletions are `renameat`/`unlinkat` on those descriptors.
+//! - Deleting a tree ([`Dir::remove_entry`]) unlinks symlinks, stops at any mount (bind mounts
+//!   included), and holds few descriptors at any depth: far levels are reopened through `..`,
+//!   which must be the directory left, so a tree moved mid-walk stops the walk.
+//! - The walks that copy and measure trees go the same way, at any depth; paths exist only for
 //!   messages, bounded ([`Trail::show`]).
 
 use std::ffi::{CStr, CString, OsStr, OsString};
@@ -954,5 +949,15 @@ mod tests {
             Trail(vec![CString::new("a").unwrap()]).show(Path::new("/r"), None),
             "/r/a"
         );
+    }
+
+    #[test]
+    fn an_identity_recorded_without_a_filesystem_id_matches_on_inode_and_type() {
+        assert!(same_identity("2@ef53@abc", "2@ef53@abc"));
+        assert!(!same_identity("2@ef53@abc", "2@ef53@abd"));
+        assert!(same_identity("2@ef53", "2@ef53@abc"));
+        assert!(!same_identity("2@ef53", "2@ef5@abc"));
+        assert!(!same_identity("2@ef53", "22@ef53@abc"));
+        assert!(!same_identity("2@ef53@abc", "2@ef53"));
     }
 }

@@ -270,17 +270,3 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
         )
     })
 }
-
-#[cfg(test)]
-mod tests {
-
-    #[test]
-    fn an_identity_recorded_without_a_filesystem_id_matches_on_inode_and_type() {
-        assert!(crate::dir::same_identity("2@ef53@abc", "2@ef53@abc"));
-        assert!(!crate::dir::same_identity("2@ef53@abc", "2@ef53@abd"));
-        assert!(crate::dir::same_identity("2@ef53", "2@ef53@abc"));
-        assert!(!crate::dir::same_identity("2@ef53", "2@ef5@abc"));
-        assert!(!crate::dir::same_identity("2@ef53", "22@ef53@abc"));
-        assert!(!crate::dir::same_identity("2@ef53@abc", "2@ef53"));
-    }
-}

@@ -8,11 +8,9 @@
 //! 4. deletes the tree from the trash, outside every lock.
 //!
 //! - A crash after 1 leaves `deleting` under a free lock, finished by `gc`, `doctor --repair` or
-//!   the next writer; after 3, a leftover in the trash. No half-deleted tree sits under a record
-//!   that says `ready`.
+//!   the next writer; after 3, a leftover in the trash. No half-deleted tree is ever `ready`.
 //! - A removal that fails before its tree moved is undone, and says why.
-//! - Nothing outside the images directory is deleted: `renameat` on descriptors that refuse
-//!   symlinks, then [`crate::dir`]'s walk.
+//! - Nothing outside the images directory is deleted (descriptors: [`crate::dir`]).
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
