@@ -462,14 +462,10 @@ impl Dir {
     }
 
     /// Unlinks `name` only while it is the file `(dev, ino)` (a lock we hold), not a replacement.
-    pub fn unlink_if(&self, name: impl AsRef<OsStr>, dev: u64, ino: u64) -> io::Result<bool> {
-        let name = name.as_ref();
-        match self.stat_at(name)? {
-            Some(e) if e.dev == dev && e.ino == ino && !e.is_dir() => {
-                self.unlink(name)?;
-                Ok(true)
-            }
-            _ => Ok(false),
+    pub fn unlink_if(&self, name: impl AsRef<OsStr>, dev: u64, ino: u64) -> io::Result<()> {
+        match self.stat_at(name.as_ref())? {
+            Some(e) if e.dev == dev && e.ino == ino && !e.is_dir() => self.unlink(name),
+            _ => Ok(()),
         }
     }
 

@@ -174,8 +174,7 @@ impl Root {
         crate::lock::mark_gone(guard.file())
             .with_context(|| format!("cannot mark {} gone before unlinking it", path.display()))?;
         dir.unlink_if(file, dev, ino)
-            .with_context(|| format!("cannot unlink {}", path.display()))?;
-        Ok(())
+            .with_context(|| format!("cannot unlink {}", path.display()))
     }
 
     /// The image has no record any more: its lock file is emptied (synced) and unlinked where
