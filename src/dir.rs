@@ -221,9 +221,8 @@ impl Dir {
 
     /// [`Dir::names`] as C strings, for `*at()` calls.
     pub fn entries(&self) -> io::Result<Vec<CString>> {
-        Ok(self
-            .names()?
-            .into_iter()
+        let names = self.names()?.into_iter();
+        Ok(names
             .filter_map(|n| CString::new(n.into_vec()).ok())
             .collect())
     }

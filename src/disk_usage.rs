@@ -266,19 +266,14 @@ impl Footprint {
 
     /// Bytes referred to by at least one image.
     pub fn bytes(&self) -> u64 {
-        self.segs
-            .iter()
-            .filter(|(_, (_, n))| *n > 0)
-            .map(|(s, (e, _))| e - s)
-            .sum()
+        let used = self.segs.iter().filter(|(_, (_, n))| *n > 0);
+        used.map(|(s, (e, _))| e - s).sum()
     }
 
     /// Bytes of `ranges` that no other image refers to.
     pub fn unique(&self, ranges: &[(u64, u64)]) -> u64 {
-        ranges
-            .iter()
-            .flat_map(|&(s, e)| self.segs.range(s..e))
-            .filter(|(_, (_, n))| *n == 1)
+        let segs = ranges.iter().flat_map(|&(s, e)| self.segs.range(s..e));
+        segs.filter(|(_, (_, n))| *n == 1)
             .map(|(s, (e, _))| e - s)
             .sum()
     }

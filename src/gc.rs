@@ -102,7 +102,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         ..Report::default()
     };
     finish_interrupted(store, policy.dry_run, &mut report)?;
-    let images = crate::survey::survey(store, true)?;
+    let mut rows = crate::survey::survey(store, true)?;
     let config = crate::images_dir::config(store.root())?;
     let images_dir = config.images.path_in(store.root().dir());
     if let Some(why) = crate::images_dir::unmounted(store.root(), &images_dir)
@@ -111,10 +111,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         report.failed.push(format!("no image removed: {why}"));
         return Ok(report);
     }
-    let mut rows: Vec<Image> = images
-        .into_iter()
-        .filter(|i| i.state != State::Deleting)
-        .collect();
+    rows.retain(|i| i.state != State::Deleting);
     let shares = policy.max_size.is_some() && disk_usage::can_share(&images_dir);
     let mut budget = Budget::new(store, &rows, shares)?;
     report.size_before = budget.total;

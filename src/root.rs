@@ -741,12 +741,9 @@ pub(crate) fn is_missing(e: &anyhow::Error) -> bool {
 
 /// The UTF-8 names in directory `dir` of the root (`Dir::open_in_root`); none if not listed.
 pub(crate) fn names_in(dir: &Path) -> Vec<String> {
-    Dir::open_in_root(dir)
-        .and_then(|d| d.names())
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|n| n.into_string().ok())
-        .collect()
+    let names = Dir::open_in_root(dir).and_then(|d| d.names());
+    let names = names.unwrap_or_default().into_iter();
+    names.filter_map(|n| n.into_string().ok()).collect()
 }
 
 /// Makes directory `name` (at `path`) in `parent`; one made there meanwhile is as good.
