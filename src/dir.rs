@@ -239,8 +239,7 @@ impl Dir {
             let n = match retrying(|| unsafe {
                 libc::syscall(libc::SYS_getdents64, fd, buf.as_mut_ptr(), buf.len())
             }) {
-                // A directory removed meanwhile (by another removal of the same tree) lists
-                // nothing more: the end, as readdir(3) has it, not an error.
+                // Removed meanwhile (by another removal): the end, as readdir(3) has it.
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
                 Ok(0) => return Ok(out),
                 n => n?,
@@ -477,8 +476,7 @@ impl Dir {
         let Some(top) = self.open_to_empty(name, None, removed, &|e| e, &shown)? else {
             return Ok(());
         };
-        // The walk keeps to the tree's filesystem, so a mount at the top itself (an image directory
-        // bind-mounted, a mount directly in an image being emptied) is caught here.
+        // The walk checks for mounts below the top; one at the top itself is caught here.
         let (here, there) = (self.stat()?, top.stat()?);
         if here.dev != there.dev || self.mount_id() != top.mount_id() {
             return Err(mount_point(name));

@@ -139,8 +139,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
-        // Least recently used first, passing over an image whose removal would free nothing now
-        // while a later one frees something.
+        // Least recently used first, passing over one whose removal would free nothing now.
         rows.retain(|r| r.state == State::Ready);
         while budget.total > max && !rows.is_empty() {
             crate::signals::check()?;
@@ -332,8 +331,7 @@ pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> 
             let rel = ctx.root.locks_rel(&path);
             let kind = crate::holders::LockKind::Image;
             let r = crate::holders::Look::new(ctx).report(kind, name.as_str(), &path, &rel);
-            // A live stowage process: a dead one's lease (no pid) explains an inheritor's hold,
-            // and a removal has none.
+            // A live stowage process (a dead one's lease, no pid, explains an inheritor's hold).
             r.holders
                 .iter()
                 .any(|h| h.stowage == Some(true) && h.pid.is_some())
@@ -415,8 +413,8 @@ fn collect(
         report.busy.push(img.name().to_owned());
         return Ok(false);
     }
-    // The record read under the exclusive lock is the truth (a write in flight is dead); last use
-    // is the later of its change and the lock file's use, as the survey has it.
+    // The record read under the lock is the truth (a write in flight is dead); last use as the
+    // survey has it.
     let current = Image {
         state: now.state_seen(false),
         last_used: held.seen.last_use.unwrap_or(now.changed).max(now.changed),

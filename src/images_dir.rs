@@ -24,8 +24,7 @@ pub fn config(root: &Root) -> Result<Config> {
     if let Some(c) = crate::config::read(root.dir(), &root.open()?)? {
         return Ok(c);
     }
-    // A release before records kept it in its catalog: migrated first. One that cannot be asked
-    // (busy, damaged) may be such: refused.
+    // An old release's catalog is migrated first; one that cannot be asked is refused.
     let legacy = crate::catalog::legacy_state(root).with_context(|| {
         format!(
             "{} is missing, and {} cannot be asked whether to migrate it ('stowage doctor' tells more)",
@@ -54,8 +53,7 @@ fn made(root: &Root) -> Config {
     let Ok(dir) = root.open() else {
         return fresh(root);
     };
-    // Only in a store whose layout is made; another's half made is finished first, so `img` is
-    // there to identify and claim.
+    // Only in a laid-out store (another's half made is finished first, so `img` is there).
     let laid_out = matches!(dir.stat_at("locks/images"), Ok(Some(e)) if e.is_dir());
     if !laid_out || root.create_layout().is_err() {
         return fresh(root);
@@ -174,8 +172,7 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
         return Ok(true);
     }
     match crate::claim::write(&images, &mine, now.is_none()) {
-        // Claimed since it was read: asked again. A value that reads as no claim is not
-        // overwritten: it may be a later release's.
+        // Claimed meanwhile: asked again. A value read as no claim may be a later release's: kept.
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => match crate::claim::read(&images) {
             Ok(Some(_)) => claim(root, config),
             _ => anyhow::bail!(

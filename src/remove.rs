@@ -105,8 +105,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     }
     let moved = after_take_out(root, &mut held, &before, taken)?;
     debug::pause("rm-moved");
-    // 3. The record and its lock file go, unlisted from our lease first: the lock's next taker is
-    // then the only holder to name (the trash is deleted below, outside every lock).
+    // 3. The record and its lock file go, unlisted from our lease first (its next taker is named).
     let name = held.name.clone();
     crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
     root.drop_record(&name, held.guard)

@@ -459,8 +459,7 @@ impl Root {
     /// Makes a new store's configuration through `root` unless one is there, and claims `img` for
     /// the store the file names if nothing claims it. Returns it, and whether it could be written.
     pub fn create_config(&self, root: &Dir) -> (crate::config::Config, Result<()>) {
-        // Both identities from the start: another directory mounted there, or a copy of the whole
-        // store, is told from the one the records describe.
+        // Both identities from the start, to tell a directory mounted there later, or a copy.
         let img = self.open_sub("img").ok();
         let mut config = crate::config::Config {
             identity: img.as_ref().and_then(|d| d.identity().ok()),
@@ -678,8 +677,8 @@ impl Root {
             let dirs = [self.locks(), self.image_locks(), self.leases()];
             crate::lock::note_filesystem(dev, fs.local, &dirs);
         }
-        // Other hosts read leases and records: on a shared filesystem writes must reach the server
-        // at once (a root not made yet: its nearest ancestor's filesystem).
+        // Other hosts read leases and records: on a shared filesystem, writes go to the server at
+        // once (a root not made yet: its nearest ancestor's filesystem).
         let local = match &own {
             Some(fs) => fs.local,
             None => crate::filesystem::nearest(&self.dir).is_some_and(|(_, fs)| fs.local),
