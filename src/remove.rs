@@ -52,14 +52,10 @@ enum Taken {
 
 /// Removes an image whose exclusive lock `held` the caller holds; `size`: if known.
 pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Removed> {
-    let unknown = match held.seen.damaged {
-        true => Some(image_record::Record::unknown(
-            held.name.as_str(),
-            crate::images_dir::config(root)?.images,
-            clock::now_ms(),
-        )),
-        false => None,
-    };
+    let config = (held.seen.damaged).then(|| crate::images_dir::config(root));
+    let unknown = config
+        .transpose()?
+        .map(|c| image_record::Record::unknown(held.name.as_str(), c.images, clock::now_ms()));
     // A damaged record is an image of unknown state: removed on request.
     let Some(before) = held.seen.record.clone().or(unknown) else {
         let name = held.name.clone();
