@@ -14,6 +14,7 @@ use crate::image_record::ImagesDir;
 use crate::root::Root;
 
 use super::Report;
+use super::Verdict::{Problem, Repaired};
 
 /// Checks the configuration; returns whether it can be used now.
 pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
@@ -25,7 +26,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     let images = match from_records(root) {
         Ok(images) => images,
         Err(doubt) => {
-            report.problem("config", format!("{why}; it is not written anew because {doubt}: set it aside and run 'stowage init --images-dir DIR' with the images directory the records name"));
+            report.add("config", Problem, format!("{why}; it is not written anew because {doubt}: set it aside and run 'stowage init --images-dir DIR' with the images directory the records name"));
             return Ok(false);
         }
     };
@@ -36,12 +37,12 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     let ours = match whose(&images, images_dir.as_ref(), root_identity.as_deref()) {
         Ok(ours) => ours,
         Err(whose) => {
-            report.problem("config", format!("{why}; the images' records name images directory {shown}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {shown}' records it"));
+            report.add("config", Problem, format!("{why}; the images' records name images directory {shown}, but {whose}: nothing is written; if that directory is this store's, 'stowage init --images-dir {shown}' records it"));
             return Ok(false);
         }
     };
     if !repair {
-        report.problem("config", format!("{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {shown})"));
+        report.add("config", Problem, format!("{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records (they say: images in {shown})"));
         return Ok(false);
     }
     let aside = match dir.set_aside(config::FILE, "damaged") {
@@ -61,7 +62,7 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     }
     config::write(root.dir(), &dir, &fresh)?;
     let detail = format!("{why}: {aside}written anew from the images' records (images in {shown})");
-    report.repaired("config", detail);
+    report.add("config", Repaired, detail);
     Ok(true)
 }
 

@@ -18,6 +18,7 @@ use crate::root::Root;
 use crate::slot_limits::Kind;
 
 use super::Report;
+use super::Verdict::{Problem, Repaired};
 
 /// The files stowage keeps in a directory of the layout, by name.
 type Wanted = fn(&str) -> bool;
@@ -123,8 +124,9 @@ fn shared_record(path: &Path, report: &mut Report) {
     let mut own = path.as_os_str().to_owned();
     own.push(".own");
     let own = crate::ident::shell_path(Path::new(&own));
-    report.problem(
+    report.add(
         "files",
+        Problem,
         format!(
             "{shown} is a hard link: its image's record is shared with another name (a store copied \
              with 'cp -al'?), so the image is read but not written or removed here; while \
@@ -167,7 +169,7 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
     if !repair {
         let fix = crate::planted::FIX;
         let detail = format!("{shown} is {kind}, not {not}: {why}{replaced}; {fix}");
-        report.problem("files", detail);
+        report.add("files", Problem, detail);
         return;
     }
     match dir.set_aside(name, "planted") {
@@ -175,12 +177,12 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
             let aside = path.with_file_name(aside);
             let aside = aside.display();
             let detail = format!("{shown} was {kind}, not {not}: set aside as {aside}{replaced}");
-            report.repaired("files", detail);
+            report.add("files", Repaired, detail);
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => {
             let detail = format!("{shown} is {kind}, not {not}, and cannot be set aside: {e}");
-            report.problem("files", detail);
+            report.add("files", Problem, detail);
         }
     }
 }
@@ -195,17 +197,21 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, repair: bool, shared: bool, report: 
     let (shown, bits, uid) = (path.display(), st.mode & 0o7777, st.uid);
     let ours = uid == nix::unistd::geteuid().as_raw();
     if !ours {
-        report.problem("files", format!("{shown} (mode {bits:03o}) belongs to uid {uid}, and you may not read and write it: they may 'chmod 666' it"));
+        report.add("files", Problem, format!("{shown} (mode {bits:03o}) belongs to uid {uid}, and you may not read and write it: they may 'chmod 666' it"));
         return;
     }
     let want = bits | 0o600 | if shared { 0o060 } else { 0 };
     if !repair {
-        report.problem("files", format!("{shown} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}"));
+        report.add("files", Problem, format!("{shown} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}"));
         return;
     }
     let fixed = format!("{shown} was mode {bits:03o}: now {want:03o}");
     match dir.chmod_at(name, want) {
-        Ok(()) => report.repaired("files", fixed),
-        Err(e) => report.problem("files", format!("cannot give {shown} back its mode: {e}")),
+        Ok(()) => report.add("files", Repaired, fixed),
+        Err(e) => report.add(
+            "files",
+            Problem,
+            format!("cannot give {shown} back its mode: {e}"),
+        ),
     }
 }

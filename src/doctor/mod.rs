@@ -10,7 +10,7 @@
 //! - An image whose state cannot be known (a damaged record) is reported, never removed.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
@@ -32,6 +32,8 @@ use crate::store::Store;
 
 mod configuration;
 mod files;
+
+use Verdict::{Info, Problem, Repaired};
 
 /// As `doctor --json` names it (lowercase).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -71,22 +73,6 @@ impl Report {
         });
     }
 
-    fn ok(&mut self, check: &'static str, detail: impl Into<String>) {
-        self.add(check, Verdict::Ok, detail);
-    }
-
-    fn info(&mut self, check: &'static str, detail: impl Into<String>) {
-        self.add(check, Verdict::Info, detail);
-    }
-
-    fn problem(&mut self, check: &'static str, detail: impl Into<String>) {
-        self.add(check, Verdict::Problem, detail);
-    }
-
-    fn repaired(&mut self, check: &'static str, detail: impl Into<String>) {
-        self.add(check, Verdict::Repaired, detail);
-    }
-
     /// One line about `names`, which `say` words given their [`list`]; none without a name.
     fn naming<T: std::fmt::Display>(
         &mut self,
@@ -101,25 +87,22 @@ impl Report {
     }
 }
 
-/// The two-host probe's lock file: `ROOT/locks/probe.lock`.
-fn probe_file(root: &Root) -> PathBuf {
-    root.locks().join("probe.lock")
-}
-
 /// `doctor --hold-probe SECONDS`: holds the probe lock that `doctor` on another host looks for,
 /// naming the holder in the file. If that doctor sees it held, locks taken here exclude processes
-/// there — the real test where mount options cannot tell (Lustre's default, a client configuration
-/// out of reach).
+/// there — the real test where mount options cannot tell (Lustre's default).
 pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     let root = store.root();
     root.create_layout()?;
-    let path = probe_file(root);
+    let path = root.locks().join("probe.lock");
     let ctx = store.ctx();
     let Some(guard) = lock::acquire_no_wait(&path, lock::Mode::Exclusive, lock::IfMissing::Create)
         .map_err(|e| crate::lock::error("the probe lock", &path, e))?
     else {
         let what = format!("the probe lock {}", path.display());
-        let holders = format!("held by another probe: {}", probe_holder(&path));
+        let holders = format!(
+            "held by another probe: {}",
+            probe_holder(&probe_text(&path))
+        );
         return Err(crate::error::Busy::now(what, holders).into());
     };
     let since = clock::rfc3339(clock::now_ms()).unwrap_or_else(|| "?".into());
@@ -136,22 +119,24 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
 
 /// What the probe file says, read only from a regular file (a FIFO planted there and held would
 /// block a plain read for good).
-fn probe_text(path: &Path) -> Option<String> {
+fn probe_text(path: &Path) -> String {
     use std::os::unix::fs::OpenOptionsExt;
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(crate::planted::FLAGS)
-        .open(path)
-        .ok()?;
-    crate::planted::check(path, &file).ok()?;
-    let mut text = String::new();
-    std::io::Read::read_to_string(&mut std::io::Read::take(file, 4096), &mut text).ok()?;
-    Some(text)
+    let read = || {
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(crate::planted::FLAGS)
+            .open(path)
+            .ok()?;
+        crate::planted::check(path, &file).ok()?;
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::Read::take(file, 4096), &mut text).ok()?;
+        Some(text)
+    };
+    read().unwrap_or_default()
 }
 
-/// Who the probe file says holds it.
-fn probe_holder(path: &Path) -> String {
-    let text = probe_text(path).unwrap_or_default();
+/// Who the probe file's `text` says holds it.
+fn probe_holder(text: &str) -> String {
     match text.trim().split('\t').collect::<Vec<_>>().as_slice() {
         [host, pid, since] => format!("host {host}, pid {pid}, since {since}"),
         _ => "an unknown holder".into(),
@@ -160,18 +145,17 @@ fn probe_holder(path: &Path) -> String {
 
 /// Reports a probe lock held by `doctor --hold-probe`, here or elsewhere.
 fn probe_check(ctx: &Ctx, report: &mut Report) {
-    let path = probe_file(&ctx.root);
+    let path = ctx.root.locks().join("probe.lock");
     // Tried, never only asked: what the check proves is that a lock taken there excludes one here.
     let Ok(lock::Probe::Exclusive) = lock::probe(&path) else {
         return;
     };
-    let text = probe_text(&path).unwrap_or_default();
-    let host = text.split('\t').next().unwrap_or("");
-    let who = probe_holder(&path);
-    if host == ctx.me.host {
-        report.info("probe", format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"));
+    let text = probe_text(&path);
+    let who = probe_holder(&text);
+    if text.split('\t').next() == Some(ctx.me.host.as_str()) {
+        report.add("probe", Info, format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"));
     } else {
-        report.ok("probe", format!("the probe lock held on another host ({who}) is seen held here: locks taken there exclude processes here"));
+        report.add("probe", Verdict::Ok, format!("the probe lock held on another host ({who}) is seen held here: locks taken there exclude processes here"));
     }
 }
 
@@ -202,57 +186,56 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         } else {
             "shared or unknown: lock-status probes locks, and waits re-issue blocked requests every 250 ms"
         };
-        report.info("filesystem", format!("{} ({kind})", f.name));
+        report.add("filesystem", Info, format!("{} ({kind})", f.name));
     }
-
-    // A symlink planted in place of a root directory is reported, never followed.
-    if !layout(&root, repair, &mut report)? {
-        report.healthy = false;
-        return Ok(report);
-    }
-
-    // A group store's parts, before any write: a member who cannot write learns which stops them.
-    modes(store.root(), repair, &mut report);
-
-    if !flock_works(&root, &mut report) {
-        report.healthy = false;
-        return Ok(report);
-    }
-    mount_reach(&root, &mut report);
-    probe_check(store.ctx(), &mut report);
-    if !report.locking {
-        report.healthy = false;
-        return Ok(report);
-    }
-    files::check(&root, repair, store.ctx().shared(), &mut report);
-    let configured = configuration::check(&root, repair, &mut report)?;
-
-    let (status, detail) = catalog(store, repair)?;
-    report.add("catalog", status, detail);
-    // A store still to migrate has records only in part: nothing more to judge until it is.
-    if !repair && crate::migrate::is_legacy(&root) {
-        let detail = "not checked until the store is migrated (any command but lock-status and a plain doctor migrates it)";
-        report.info("records", detail);
-        report.healthy = false;
-        return Ok(report);
-    }
-    records(store, repair, &mut report)?;
-    if configured {
-        trees(store, repair, &mut report)?;
-    }
-    leftovers(store, repair, &mut report)?;
-    if status != Verdict::Problem {
-        // The catalog made to say what the records say now.
-        if let Err(e) = crate::survey::survey(store, false) {
-            report.problem("catalog", format!("cannot refresh it: {e:#}"));
-        }
-    }
-    report.healthy = !report.checks.iter().any(|c| c.status == Verdict::Problem);
+    // A look cut short leaves the store unhealthy, whatever it found.
+    let complete = checks(store, &root, repair, &mut report)?;
+    report.healthy = complete && !report.checks.iter().any(|c| c.status == Problem);
     Ok(report)
 }
 
+/// Every check after the filesystem's, in order; `false` where one stops the look.
+fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
+    // A symlink planted in place of a root directory is reported, never followed.
+    if !layout(root, repair, report)? {
+        return Ok(false);
+    }
+    // A group store's parts, before any write: a member who cannot write learns which stops them.
+    modes(root, repair, report);
+    if !flock_works(root, report) {
+        return Ok(false);
+    }
+    mount_reach(root, report);
+    probe_check(store.ctx(), report);
+    if !report.locking {
+        return Ok(false);
+    }
+    files::check(root, repair, store.ctx().shared(), report);
+    let configured = configuration::check(root, repair, report)?;
+    let (status, detail) = catalog(store, repair)?;
+    report.add("catalog", status, detail);
+    // A store still to migrate has records only in part: nothing more to judge until it is.
+    if !repair && crate::migrate::is_legacy(root) {
+        let detail = "not checked until the store is migrated (any command but lock-status and a plain doctor migrates it)";
+        report.add("records", Info, detail);
+        return Ok(false);
+    }
+    records(store, repair, report)?;
+    if configured {
+        trees(store, repair, report)?;
+    }
+    leftovers(store, repair, report)?;
+    // The catalog made to say what the records say now.
+    if status != Problem
+        && let Err(e) = crate::survey::survey(store, false)
+    {
+        report.add("catalog", Problem, format!("cannot refresh it: {e:#}"));
+    }
+    Ok(true)
+}
+
 /// Does flock exclude here at all (two opens of one file must conflict)? `false` also when this
-/// user may not make the test file: no locking fault, but nothing else can be checked.
+/// user may not make the test file: nothing else can be checked.
 fn flock_works(root: &Root, report: &mut Report) -> bool {
     // Private to this process: two doctors at once, on any hosts, must not test against each
     // other's lock.
@@ -260,10 +243,14 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
         .locks()
         .join(format!(".doctor.{:016x}.lock", crate::ident::nonce()));
     match lock::opens_conflict(&probe) {
-        Ok(true) => report.ok("flock", "two opens of one file exclude each other"),
+        Ok(true) => report.add(
+            "flock",
+            Verdict::Ok,
+            "two opens of one file exclude each other",
+        ),
         Ok(false) => {
             report.locking = false;
-            report.problem("flock", "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem");
+            report.add("flock", Problem, "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem");
         }
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
             let locks = root.locks();
@@ -276,7 +263,7 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
                 None => "the store's owner can share it: 'stowage init --group GROUP'",
             };
             let doc = crate::error::GROUP_STORE_DOC;
-            report.problem("access", format!("cannot create a file in {locks}: {e}: you may not write this store ({owner}); {advice} ({doc})"));
+            report.add("access", Problem, format!("cannot create a file in {locks}: {e}: you may not write this store ({owner}); {advice} ({doc})"));
             return false;
         }
         Err(e) => {
@@ -286,8 +273,8 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
             } else {
                 ""
             };
-            let shown = probe.display();
-            report.problem("flock", format!("cannot lock {shown}: {e}{advice}"));
+            let detail = format!("cannot lock {}: {e}{advice}", probe.display());
+            report.add("flock", Problem, detail);
         }
     }
     if let (Ok(locks), Some(name)) = (root.open_sub(Root::LOCKS_REL), probe.file_name()) {
@@ -305,13 +292,13 @@ fn mount_reach(root: &Root, report: &mut Report) {
             let at = mount
                 .as_ref()
                 .map_or_else(String::new, |m| format!("{}: ", m.mount_point.display()));
-            report.problem("mount", format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"));
+            report.add("mount", Problem, format!("{at}{why}, so builds and metadata updates on different hosts do not exclude each other; {advice}"));
         }
-        filesystem::Reach::Unknown { why } => report.info("mount", format!("{why}; to check, run 'stowage doctor --hold-probe 60' on one host and 'stowage doctor' on another within the minute")),
+        filesystem::Reach::Unknown { why } => report.add("mount", Info, format!("{why}; to check, run 'stowage doctor --hold-probe 60' on one host and 'stowage doctor' on another within the minute")),
         filesystem::Reach::ClusterWide => {
             if let Some(m) = mount.or_else(|| filesystem::mount_of(root.dir())) {
                 let (at, fstype, source) = (m.mount_point.display(), &m.fstype, &m.source);
-                report.ok("mount", format!("{at} ({fstype}) on {source}"));
+                report.add("mount", Verdict::Ok, format!("{at} ({fstype}) on {source}"));
             }
         }
     }
@@ -344,12 +331,12 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
         let mode = mode & 0o7777;
         let detail =
             format!("group store (group {label}, mode {mode:o}): every part is group-writable");
-        report.ok("sharing", detail);
+        report.add("sharing", Verdict::Ok, detail);
         return;
     }
     if !repair {
         let (n, parts) = (wrong.len(), sharing::list(&wrong, 4));
-        report.problem("sharing", format!("group store (group {label}), but {n} part(s) are not group-writable with its group: {parts} ({doc})"));
+        report.add("sharing", Problem, format!("group store (group {label}), but {n} part(s) are not group-writable with its group: {parts} ({doc})"));
         return;
     }
     let done = sharing::repair(root, gid, wrong);
@@ -357,15 +344,16 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
         let parts = sharing::list(&done.fixed, 4);
         let detail =
             format!("gave group {label} and group write (setgid on directories) to {parts}");
-        report.repaired("sharing", detail);
+        report.add("sharing", Repaired, detail);
     }
     if !done.not_ours.is_empty() {
         let parts = sharing::list(&done.not_ours, 4);
         let detail = format!("not ours to fix, left to their owners or root: {parts} ({doc})");
-        report.problem("sharing", detail);
+        report.add("sharing", Problem, detail);
     }
     for (w, e) in &done.failed {
-        report.problem("sharing", format!("cannot fix {}: {e}", w.describe()));
+        let detail = format!("cannot fix {}: {e}", w.describe());
+        report.add("sharing", Problem, detail);
     }
 }
 
@@ -386,9 +374,9 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
             match &fixed {
                 Ok(aside) => {
                     let aside = aside.display();
-                    report.repaired("layout", format!("{shown} was {bad}{target}: set aside as {aside}, nothing in it touched; an empty directory made in its place"));
+                    report.add("layout", Repaired, format!("{shown} was {bad}{target}: set aside as {aside}, nothing in it touched; an empty directory made in its place"));
                 }
-                Err(e) => report.problem("layout", format!("{shown} is {bad}{target}: {e:#}")),
+                Err(e) => report.add("layout", Problem, format!("{shown} is {bad}{target}: {e:#}")),
             }
             return fixed.is_ok();
         }
@@ -397,7 +385,7 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
         } else {
             " — stowage will not use it; 'stowage doctor --repair' sets it aside (renamed, never deleted) and makes the directory anew"
         };
-        report.problem("layout", format!("{shown} is {bad}{target}{advice}"));
+        report.add("layout", Problem, format!("{shown} is {bad}{target}{advice}"));
         false
     })
 }
@@ -419,35 +407,41 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let found = match before {
         Ok(f) => f,
         Err(e) if crate::catalog::is_busy(&e) => {
-            let detail = format!(
-                "{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records"
-            );
-            return Ok((Verdict::Problem, detail));
+            return Ok((
+                Problem,
+                format!(
+                    "{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records"
+                ),
+            ));
         }
         Err(e) => Found::Replaced(format!("{e:#}")),
     };
     Ok(match found {
         Found::Legacy(v) if repair => {
             crate::migrate::run(store, None)?;
-            let detail = format!("{shown}: migrated from schema version {v}");
-            (Verdict::Repaired, detail)
+            (
+                Repaired,
+                format!("{shown}: migrated from schema version {v}"),
+            )
         }
-        Found::Legacy(v) => {
-            let detail = format!(
+        Found::Legacy(v) => (
+            Problem,
+            format!(
                 "{shown}: schema version {v}, made by a release before image records; any command migrates it"
-            );
-            (Verdict::Problem, detail)
-        }
-        Found::Replaced(why) if !repair => {
-            let detail = format!("{shown} cannot be used ({why}); {DERIVED}");
-            (Verdict::Problem, detail)
-        }
+            ),
+        ),
+        Found::Replaced(why) if !repair => (
+            Problem,
+            format!("{shown} cannot be used ({why}); {DERIVED}"),
+        ),
         Found::Replaced(why) => {
             store.with_catalog(None, |_, _| Ok(()))?;
-            let detail = format!(
-                "{shown} could not be used ({why}): set aside and made anew from the records"
-            );
-            (Verdict::Repaired, detail)
+            (
+                Repaired,
+                format!(
+                    "{shown} could not be used ({why}): set aside and made anew from the records"
+                ),
+            )
         }
         Found::New | Found::Current => intact(store, repair)?,
     })
@@ -462,14 +456,14 @@ fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, S
         };
         // Only a file found to be something else is set aside, not one that could not be looked at.
         if !repair || e.downcast_ref::<crate::catalog::CatalogError>().is_none() {
-            return Ok(Some((Verdict::Problem, format!("{e:#}"))));
+            return Ok(Some((Problem, format!("{e:#}"))));
         }
         let _global = store.global(None)?;
         store.close_catalog();
         let aside = crate::store::set_aside_file(store.root(), &path, "planted")?;
         let (shown, aside) = (path.display(), aside.display());
         return Ok(Some((
-            Verdict::Repaired,
+            Repaired,
             format!(
                 "{shown} was no regular file of its own: set aside as {aside}; the catalog is made anew from the records"
             ),
@@ -493,24 +487,28 @@ fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let check = match checked {
         Ok(check) => check,
         Err(e) if crate::catalog::is_damage(&e) => format!("{e:#}"),
-        Err(e) => return Ok((Verdict::Problem, format!("{shown}: cannot check it: {e:#}"))),
+        Err(e) => return Ok((Problem, format!("{shown}: cannot check it: {e:#}"))),
     };
     if check == "ok" {
-        let detail = format!("{shown}: intact, schema version {}", crate::catalog::SCHEMA);
-        return Ok((Verdict::Ok, detail));
+        let schema = crate::catalog::SCHEMA;
+        return Ok((
+            Verdict::Ok,
+            format!("{shown}: intact, schema version {schema}"),
+        ));
     }
     if !repair {
-        let detail = format!("{shown} is damaged ({check}); {DERIVED}");
-        return Ok((Verdict::Problem, detail));
+        return Ok((Problem, format!("{shown} is damaged ({check}); {DERIVED}")));
     }
     store.close_catalog();
     let aside = crate::store::set_aside(store.root(), "damaged")?;
     store.with_catalog(None, |_, _| Ok(()))?;
     let aside = aside.display();
-    let detail = format!(
-        "{shown} was damaged ({check}): set aside as {aside} and made anew from the records"
-    );
-    Ok((Verdict::Repaired, detail))
+    Ok((
+        Repaired,
+        format!(
+            "{shown} was damaged ({check}): set aside as {aside} and made anew from the records"
+        ),
+    ))
 }
 
 /// Every record: damaged, interrupted removals, failed or dead writers, stale store-wide hints.
@@ -519,21 +517,17 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-listed");
     let damaged: Vec<&Entry> = entries.iter().filter(|e| e.seen.damaged).collect();
-    let files: Vec<String> = damaged
-        .iter()
-        .map(|e| e.path.display().to_string())
-        .collect();
+    let files: Vec<_> = damaged.iter().map(|e| e.path.display()).collect();
     // The image a file is for, where its name says (hashed names do not).
-    let name = match damaged[..] {
-        [one] => Root::image_of_lock_file(&one.file).map(|n| n.to_string()),
-        _ => None,
+    let (name, them) = match damaged[..] {
+        [one] => (
+            Root::image_of_lock_file(&one.file).map(|n| n.to_string()),
+            "its image's state is not known: it is kept",
+        ),
+        _ => (None, "their images' states are not known: they are kept"),
     };
     let name = name.unwrap_or_else(|| "NAME".into());
-    let them = match damaged.len() {
-        1 => "its image's state is not known: it is kept",
-        _ => "their images' states are not known: they are kept",
-    };
-    report.naming("records", Verdict::Problem, &files, |files| {
+    report.naming("records", Problem, &files, |files| {
         format!("the record in {files} cannot be read, so {them}; 'stowage exec --write {name} -- true' marks one ready again, 'stowage rm {name}' removes it")
     });
     removals(store.ctx(), &entries, repair, report);
@@ -549,10 +543,10 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
             .filter_map(|e| e.name().map(str::to_owned))
             .collect()
     };
-    report.naming("images", Verdict::Info, &incomplete(false), |names| {
+    report.naming("images", Info, &incomplete(false), |names| {
         format!("{names} incomplete: their writers failed or died; 'stowage gc' removes them")
     });
-    report.naming("images", Verdict::Info, &incomplete(true), |names| {
+    report.naming("images", Info, &incomplete(true), |names| {
         format!("{names} adopted without a record: whether complete is not known, so kept ('stowage exec --write NAME -- true' marks one ready)")
     });
     hints(store, &entries, repair, report);
@@ -580,28 +574,29 @@ fn removals(ctx: &Ctx, entries: &[Entry], repair: bool, report: &mut Report) {
         match crate::gc::take_removal(ctx, &name) {
             Taken::Held(h) if crate::gc::deleting(&h.seen) => match remove::finish_held(root, *h) {
                 Ok(()) => finished.push(said),
-                Err(err) => report.problem("removals", format!("{err:#}")),
+                Err(err) => report.add("removals", Problem, format!("{err:#}")),
             },
             Taken::Busy => busy.push(said),
             Taken::Underway => underway.push(said),
-            Taken::Failed(err) => report.problem(
+            Taken::Failed(err) => report.add(
                 "removals",
+                Problem,
                 format!("{}: {err}", crate::gc::unfinished(&name)),
             ),
             // Finished or written anew since the census.
             Taken::Held(_) | Taken::Gone => {}
         }
     }
-    report.naming("removals", Verdict::Info, &underway, |names| {
+    report.naming("removals", Info, &underway, |names| {
         format!("removal of {names} is under way (a stowage process holds its lock)")
     });
-    report.naming("removals", Verdict::Problem, &stuck, |names| {
+    report.naming("removals", Problem, &stuck, |names| {
         format!("removal of {names} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it")
     });
-    report.naming("removals", Verdict::Problem, &busy, |names| {
+    report.naming("removals", Problem, &busy, |names| {
         format!("removal of {names} was interrupted, and its lock is held now: a later 'stowage gc' or 'stowage doctor --repair' finishes it")
     });
-    report.naming("removals", Verdict::Repaired, &finished, |names| {
+    report.naming("removals", Repaired, &finished, |names| {
         format!("finished the interrupted removal of {names}")
     });
 }
@@ -615,7 +610,7 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
         return;
     }
     if !repair {
-        report.info("hints", format!("{} image lock file(s) carry the hint of a store-wide command that ended; the next user of each clears it", hinted.len()));
+        report.add("hints", Info, format!("{} image lock file(s) carry the hint of a store-wide command that ended; the next user of each clears it", hinted.len()));
         return;
     }
     let mut cleared = 0;
@@ -632,7 +627,7 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
         }
     }
     let detail = format!("cleared the store-wide hint of {cleared} image lock file(s)");
-    report.repaired("hints", detail);
+    report.add("hints", Repaired, detail);
 }
 
 /// Whether the images directory is claimed for this store (`claim.rs`); `repair` claims it.
@@ -647,13 +642,13 @@ fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut 
     let dir = config.images.path_in(root.dir());
     let shown = dir.display();
     if !repair {
-        report.info("claim", format!("{shown} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)"));
+        report.add("claim", Info, format!("{shown} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)"));
         return;
     }
     match crate::images_dir::claim(root, config) {
-        Ok(true) => report.repaired("claim", format!("marked {shown} as this store's images directory")),
-        Ok(false) => report.info("claim", format!("{shown}: its filesystem keeps no extended attributes, so it cannot be marked as this store's")),
-        Err(e) => report.problem("claim", format!("{e:#}")),
+        Ok(true) => report.add("claim", Repaired, format!("marked {shown} as this store's images directory")),
+        Ok(false) => report.add("claim", Info, format!("{shown}: its filesystem keeps no extended attributes, so it cannot be marked as this store's")),
+        Err(e) => report.add("claim", Problem, format!("{e:#}")),
     }
 }
 
@@ -665,7 +660,11 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     if let Some(why) = crate::images_dir::unmounted(&root, &dir)
         .or_else(|| crate::images_dir::claimed_by_another(&root, &dir))
     {
-        report.problem("images", format!("{why}; no record is judged by its tree"));
+        report.add(
+            "images",
+            Problem,
+            format!("{why}; no record is judged by its tree"),
+        );
         return Ok(());
     }
     let images = root.open_or_make_images_dir(&dir)?;
@@ -674,7 +673,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     crate::debug::pause("doctor-records-read");
     let ready = entries.iter().any(|e| e.state() == Some(State::Ready));
     if ready && images.names()?.is_empty() {
-        report.problem("images", format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
+        report.add("images", Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
         return Ok(());
     }
     if repair {
@@ -707,7 +706,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         }
     }
     if !foreign.is_empty() {
-        report.problem("images", format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
+        report.add("images", Problem, format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
     }
     missing_trees(store.ctx(), &gone, repair, report);
     let mut orphans = adopt::orphans(&images, &dir, &named)?;
@@ -718,7 +717,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let shown = dir.display();
     for (entry, why) in &orphans.skipped {
         let detail = format!("{entry:?} in {shown} is no image ({why}); left alone");
-        report.info("images", detail);
+        report.add("images", Info, detail);
     }
     orphan_trees(&root, &config, &orphans, &dir, repair, report)
 }
@@ -743,16 +742,16 @@ fn orphan_trees(
         };
         let detail =
             format!("{names} in {shown} {have} no record; 'stowage doctor --repair' adopts {them}");
-        report.problem("images", detail);
+        report.add("images", Problem, detail);
         return Ok(());
     }
     let done = adopt::adopt(root, config, orphans, Adopt::Unknown)?;
     if !done.names.is_empty() {
-        report.repaired("images", format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
+        report.add("images", Repaired, format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
     }
     for why in done.left {
         let detail = format!("cannot adopt the tree without a record {why}");
-        report.problem("images", detail);
+        report.add("images", Problem, detail);
     }
     Ok(())
 }
@@ -770,7 +769,7 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
                 "{names} have records but no tree; 'stowage doctor --repair' drops their records"
             ),
         };
-        report.problem("images", detail);
+        report.add("images", Problem, detail);
         return;
     }
     let root = &ctx.root;
@@ -783,7 +782,11 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
                 continue;
             }
             Taken::Failed(err) => {
-                report.problem("images", format!("cannot drop the record of '{n}': {err}"));
+                report.add(
+                    "images",
+                    Problem,
+                    format!("cannot drop the record of '{n}': {err}"),
+                );
                 continue;
             }
             Taken::Gone => continue,
@@ -797,10 +800,10 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
             dropped.push(n.as_str().to_owned());
         }
     }
-    report.naming("images", Verdict::Repaired, &dropped, |names| {
+    report.naming("images", Repaired, &dropped, |names| {
         format!("dropped the records of {names}, whose trees are gone")
     });
-    report.naming("images", Verdict::Problem, &busy, |names| {
+    report.naming("images", Problem, &busy, |names| {
         format!("{names} have records but no tree, and their locks are held now: a later 'stowage doctor --repair' drops their records")
     });
 }
@@ -811,13 +814,13 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     // A trash that is no directory: reported with the layout.
     let trash = remove::empty_trash(&root, repair).unwrap_or_default();
     for f in &trash.failed {
-        report.problem("trash", f.clone());
+        report.add("trash", Problem, f.clone());
     }
     if !trash.entries.is_empty() {
         let (verb, n) = (done(repair, "deleted"), trash.entries.len());
         let size = crate::disk_usage::human(trash.bytes);
         let detail = format!("{verb} {n} left in {} ({size})", root.trash().display());
-        report.add("trash", fixed_or(repair, Verdict::Problem), detail);
+        report.add("trash", fixed_or(repair, Problem), detail);
     }
     // On a filesystem where lock files are never unlinked, empty ones are no leftovers.
     if lock::unlinks_allowed(&root.image_locks().join("x.lock")) {
@@ -839,7 +842,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             let found = if repair { gone } else { empty.len() };
             let verb = done(repair, "removed");
             let detail = format!("{verb} {found} lock file(s) that name no image");
-            report.add("locks", fixed_or(repair, Verdict::Info), detail);
+            report.add("locks", fixed_or(repair, Info), detail);
         }
     }
     config_temps(&root, repair, report)?;
@@ -847,7 +850,7 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
         let n = crate::holders::Look::new(store.ctx()).clean_leases();
         if n > 0 {
             let detail = format!("removed {n} lease(s) of processes that are gone");
-            report.repaired("leases", detail);
+            report.add("leases", Repaired, detail);
         }
     }
     Ok(())
@@ -881,13 +884,13 @@ fn config_temps(root: &Root, repair: bool, report: &mut Report) -> Result<()> {
     }
     let (verb, n, at) = (done(repair, "removed"), left.len(), root.dir().display());
     let detail = format!("{verb} {n} temporary file(s) of a configuration write cut short in {at}");
-    report.add("config", fixed_or(repair, Verdict::Info), detail);
+    report.add("config", fixed_or(repair, Info), detail);
     Ok(())
 }
 
 /// What a repair made of a `found` verdict.
 fn fixed_or(repair: bool, found: Verdict) -> Verdict {
-    if repair { Verdict::Repaired } else { found }
+    if repair { Repaired } else { found }
 }
 
 fn done(repair: bool, what: &str) -> &str {
