@@ -85,24 +85,18 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .collect();
     let orphans = adopt::orphans(&images, &dir, &named)?;
     let adopted = adopt::adopt(&root, &config, &orphans, how)?;
+    let (ctx, shown) = (store.ctx(), dir.display());
     for why in &adopted.left {
-        store.ctx().say(&format!("not adopting {why}"));
+        ctx.say(&format!("not adopting {why}"));
     }
-    let adopted = adopted.names.len();
     for (entry, why) in &orphans.skipped {
-        store.ctx().say(&format!(
-            "not adopting {entry:?} in {}: {why}",
-            dir.display()
-        ));
+        ctx.say(&format!("not adopting {entry:?} in {shown}: {why}"));
     }
     // The whole layout, the catalog and the global lock too (filled by the next look).
     store.with_catalog(None, |_, _| Ok(()))?;
-    store.ctx().say(&format!(
-        "root {} ready; images in {}{}",
-        root.dir().display(),
-        dir.display(),
-        adopted_note(adopted, how)
-    ));
+    let (at, note) = (root.dir().display(), adopted_note(adopted.names.len(), how));
+    let said = format!("root {at} ready; images in {shown}{note}");
+    store.ctx().say(&said);
     // Shared last, once nothing is left to refuse: a refused init changes no mode and no group.
     group.map_or(Ok(0), |gid| share(store, &images, &dir, gid))
 }
@@ -123,10 +117,8 @@ fn make_ours(store: &Store, root: &Root, config: &mut Config, dir: &Path) -> Res
     // Claimed first: a root whose identity is recorded is no copy any more, and a copy refused
     // here must stay one, so that every later use asks the claim again.
     if !crate::images_dir::claim(root, config)? {
-        store.ctx().say(&format!(
-            "cannot mark {} as this store's (its filesystem keeps no extended attributes): another store's init would not be refused",
-            dir.display()
-        ));
+        let shown = dir.display();
+        store.ctx().say(&format!("cannot mark {shown} as this store's (its filesystem keeps no extended attributes): another store's init would not be refused"));
     }
     crate::images_dir::record_identity(root, config, true)
 }
@@ -142,14 +134,13 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
     if dir != root.default_images_dir() {
         crate::sharing::share_images_dir(images, dir, gid)?;
     }
-    let label = crate::sharing::group_label(gid);
-    let wrong = crate::sharing::check(root, gid);
-    let done = crate::sharing::repair(root, gid, wrong);
+    let (label, at) = (crate::sharing::group_label(gid), root.dir().display());
+    let done = crate::sharing::repair(root, gid, crate::sharing::check(root, gid));
     if !done.fixed.is_empty() {
-        store.ctx().detail(&format!(
-            "gave group {label} and group write to {}",
-            crate::sharing::list(&done.fixed, 8)
-        ));
+        let parts = crate::sharing::list(&done.fixed, 8);
+        store
+            .ctx()
+            .detail(&format!("gave group {label} and group write to {parts}"));
     }
     let left: Vec<_> = done
         .not_ours
@@ -158,17 +149,16 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
         .cloned()
         .collect();
     if !left.is_empty() {
-        bail!(
-            "root {} is shared with group {label}, but not every part: {} (their owners or root can run 'stowage doctor --repair'; {})",
-            root.dir().display(),
+        let (parts, doc) = (
             crate::sharing::list(&left, 3),
-            crate::error::GROUP_STORE_DOC
+            crate::error::GROUP_STORE_DOC,
+        );
+        bail!(
+            "root {at} is shared with group {label}, but not every part: {parts} (their owners or root can run 'stowage doctor --repair'; {doc})"
         );
     }
-    store.ctx().say(&format!(
-        "root {} shared with group {label}: every part is group-writable",
-        root.dir().display()
-    ));
+    let said = format!("root {at} shared with group {label}: every part is group-writable");
+    store.ctx().say(&said);
     Ok(0)
 }
 
@@ -180,27 +170,23 @@ fn refuse_unrecordable(dir: &Path) -> Result<()> {
         Some(s) if s.contains('\n') => "holds a newline",
         Some(_) => return Ok(()),
     };
-    Err(crate::Error::Usage(format!(
-        "invalid images directory {}: its path {why} (the records name it on one line of text)",
-        dir.display()
-    ))
-    .into())
+    let shown = dir.display();
+    let said = format!(
+        "invalid images directory {shown}: its path {why} (the records name it on one line of text)"
+    );
+    Err(crate::Error::Usage(said).into())
 }
 
 /// Refuses an images directory `dir` (absolute) that does not exist and cannot be made, or that
 /// overlaps the root: by path, then by directory.
 fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
+    let (shown, at) = (dir.display(), root.dir().display());
     if !dir.is_dir() && !dir.parent().is_some_and(Path::is_dir) {
-        bail!(
-            "cannot create images directory {}: its parent directory does not exist",
-            dir.display()
-        );
+        bail!("cannot create images directory {shown}: its parent directory does not exist");
     }
     if root.dir().starts_with(dir) {
         bail!(
-            "images directory {} contains the root {}: its trees and stowage's own files would mix",
-            dir.display(),
-            root.dir().display()
+            "images directory {shown} contains the root {at}: its trees and stowage's own files would mix"
         );
     }
     if *dir == root.default_images_dir() {
@@ -208,9 +194,7 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
     }
     if dir.starts_with(root.dir()) {
         bail!(
-            "images directory {} is inside the root {}; use the default (omit --images-dir) or a directory outside it",
-            dir.display(),
-            root.dir().display()
+            "images directory {shown} is inside the root {at}; use the default (omit --images-dir) or a directory outside it"
         );
     }
     refuse_overlap(root.dir(), dir)
@@ -227,9 +211,9 @@ fn refuse_what_is_no_images_dir(dir: &Path, contents: bool) -> Result<()> {
     else {
         return Ok(());
     };
+    let shown = dir.display();
     bail!(
-        "refusing {} as the images directory: it is {what}; give a directory that holds image trees only (a new one, or a builder's own images directory)",
-        dir.display()
+        "refusing {shown} as the images directory: it is {what}; give a directory that holds image trees only (a new one, or a builder's own images directory)"
     )
 }
 
@@ -256,9 +240,10 @@ fn no_images_dir(dir: &Path, contents: bool) -> Option<String> {
         .any(|d| dir.join(d).is_dir())
         && dir.join("img").is_dir()
     {
+        let img = dir.join("img");
         format!(
             "a Charliecloud storage directory: its images are in {}",
-            dir.join("img").display()
+            img.display()
         )
     } else if let Some(f) = files_in(dir) {
         format!("a directory that holds files ({f}), not image trees only")
@@ -371,15 +356,14 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     // lock directory, which outlives a lost configuration.
     let a_root =
         |p: &&Path| p.join(crate::config::FILE).exists() || p.join(Root::LOCKS_REL).is_dir();
+    let shown = dir.display();
     if let Some(other) = dir.parent().filter(a_root)
         && dir.file_name().is_some_and(|n| n == "img")
         && other != root.dir()
     {
+        let (at, arg) = (other.display(), shell_path(other));
         bail!(
-            "images directory {} belongs to the store at {}: one images directory serves one store (use that root: --root {})",
-            dir.display(),
-            other.display(),
-            shell_path(other)
+            "images directory {shown} belongs to the store at {at}: one images directory serves one store (use that root: --root {arg})"
         );
     }
     let Ok(images) = crate::dir::Dir::open_nofollow(dir) else {
@@ -401,17 +385,14 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     // Its root not where it says (the same path as ours, another directory; or gone): that store
     // moved away or is gone for good, and nothing tells which.
     let what = if theirs.root_there().is_none() || theirs.path == root.dir() {
-        format!(
-            "a store that was here; gone for good? 'setfattr -x user.stowage.store {}'",
-            shell_path(dir)
-        )
+        let arg = shell_path(dir);
+        format!("a store that was here; gone for good? 'setfattr -x user.stowage.store {arg}'")
     } else {
         format!("use that root: --root {}", shell_path(&theirs.path))
     };
+    let at = theirs.path.display();
     bail!(
-        "images directory {} belongs to the store at {}: one images directory serves one store ({what})",
-        dir.display(),
-        theirs.path.display(),
+        "images directory {shown} belongs to the store at {at}: one images directory serves one store ({what})"
     )
 }
 
@@ -441,22 +422,18 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
             .iter()
             .filter(|e| e.seen.record.is_some() || e.seen.damaged)
             .count();
+        let shown = dir.display();
         if n > 0 {
+            let (at, now) = (root.dir().display(), config.images.path_in(root.dir()));
+            let now = now.display();
             bail!(
-                "root {} already keeps {n} images in {}; refusing to switch to {} (remove them first)",
-                root.dir().display(),
-                config.images.path_in(root.dir()).display(),
-                dir.display()
+                "root {at} already keeps {n} images in {now}; refusing to switch to {shown} (remove them first)"
             );
         }
         // Its parent must exist: a mistyped path should not grow a tree.
         if !dir.is_dir() {
-            std::fs::create_dir(dir).with_context(|| {
-                format!(
-                    "cannot create images directory {} (does its parent exist?)",
-                    dir.display()
-                )
-            })?;
+            let why = || format!("cannot create images directory {shown} (does its parent exist?)");
+            std::fs::create_dir(dir).with_context(why)?;
         }
         make_dir(dir)?;
         // Named with its identity, so that another store's claim sees it bind, but with the
@@ -504,23 +481,16 @@ fn refuse_overlap(root: &Path, dir: &Path) -> Result<()> {
     let (Ok(root_ids), Ok(dir_ids)) = (chain(r), chain(i)) else {
         return Ok(());
     };
+    let (shown, at) = (dir.display(), root.display());
     if dir.is_dir() && root_ids.contains(&dir_ids[0]) {
         bail!(
-            "images directory {} is the root {} or contains it (a bind mount or a symlink): its trees and stowage's own files would mix",
-            dir.display(),
-            root.display()
+            "images directory {shown} is the root {at} or contains it (a bind mount or a symlink): its trees and stowage's own files would mix"
         );
     }
-    let above = if dir.is_dir() {
-        &dir_ids[1..]
-    } else {
-        &dir_ids[..]
-    };
+    let above = &dir_ids[usize::from(dir.is_dir())..];
     if root.is_dir() && above.contains(&root_ids[0]) {
         bail!(
-            "images directory {} is inside the root {} (through a bind mount or a symlink); use the default (omit --images-dir) or a directory outside it",
-            dir.display(),
-            root.display()
+            "images directory {shown} is inside the root {at} (through a bind mount or a symlink); use the default (omit --images-dir) or a directory outside it"
         );
     }
     Ok(())

@@ -1,15 +1,12 @@
 //! `doctor`'s look at every path where stowage keeps a file of its own: each holds a regular file
 //! this user may read and write, or nothing.
 //!
-//! - **Anything else there was planted** (FIFO, symlink, directory, socket, device): reported;
-//!   `--repair` renames it aside (`NAME.planted-TIME`), never deletes or follows it. No stowage
-//!   process locks it (locks are on regular files only): moving it disturbs nobody.
-//! - **A hard link** to a file outside is planted, like the above; one that holds an image's record
-//!   (a store copied with `cp -al`) is only reported: moving it would make its image unreadable.
-//! - **A file of ours we may no longer read or write** gets read and write back (for the group too
-//!   in a shared store); another user's is reported, naming who may fix it.
-//! - The catalog's files (itself, its journal, its WAL files) are the catalog check's (it sets them
-//!   aside under the global lock); the layout's directories, `layout`'s.
+//! - Anything else there (FIFO, symlink, directory, socket, device, hard link) was planted:
+//!   reported; `--repair` renames it aside (`NAME.planted-TIME`), never deletes or follows it (no
+//!   stowage process locks it). A hard link holding an image's record (a store copied with `cp -al`)
+//!   is only reported: moving it would make its image unreadable.
+//! - A file of ours we may not read or write gets its mode back; another user's is reported.
+//! - The catalog's files are the catalog check's; the layout's directories, `layout`'s.
 
 use std::path::Path;
 
@@ -23,7 +20,6 @@ use super::Verdict::{Problem, Repaired};
 /// The files stowage keeps in a directory of the layout, by name.
 type Wanted = fn(&str) -> bool;
 
-/// Checks every file of the layout (see the module doc).
 pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report) {
     let mut places: Vec<(String, Wanted)> = vec![
         (String::new(), |n| {
@@ -113,11 +109,8 @@ fn holds_a_record(dir: &Dir, name: &str) -> bool {
             .is_ok_and(|seen| seen.record.is_some())
 }
 
-/// A lock file whose record another name shares: reported, left as it is even by `--repair`.
-/// Readers use it (writing nothing through it), writers refuse it. Set aside, its image would be
-/// unreadable here; given a file of its own, a process that opened the old one would hold a file
-/// its record still vouches for (nothing may be marked in it: the other store uses it). Only the
-/// user knows when nothing uses the store.
+/// A lock file whose record another name shares: left as it is even by `--repair` (set aside, its
+/// image would be unreadable here). Only the user knows when nothing uses the store.
 fn shared_record(path: &Path, report: &mut Report) {
     let shown = path.display();
     let p = crate::ident::shell_path(path);
@@ -135,7 +128,6 @@ fn shared_record(path: &Path, report: &mut Report) {
     );
 }
 
-/// What was in the place of a file at `path` tells what it took away.
 fn what_it_replaced(path: &Path) -> &'static str {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     let dir = path

@@ -188,7 +188,6 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         };
         report.add("filesystem", Info, format!("{} ({kind})", f.name));
     }
-    // A look cut short leaves the store unhealthy, whatever it found.
     let complete = checks(store, &root, repair, &mut report)?;
     report.healthy = complete && !report.checks.iter().any(|c| c.status == Problem);
     Ok(report)
@@ -304,7 +303,6 @@ fn mount_reach(root: &Root, report: &mut Report) {
     }
 }
 
-/// "owned by uid U, group G, mode M" of a directory, for permission messages.
 fn owner_phrase(dir: &Path) -> String {
     use std::os::unix::fs::MetadataExt;
     let shown = dir.display();
@@ -357,10 +355,8 @@ fn modes(root: &Root, repair: bool, report: &mut Report) {
     }
 }
 
-/// Checks that the root's own directories are directories, creating missing ones. Anything planted
-/// in one's place (symlink, FIFO, file) is, when repairing, set aside (nothing followed or deleted)
-/// and a directory made there — except a symlink for the images directory, which its user may have
-/// made on purpose: reported with advice. Returns whether the locks directories are usable.
+/// The root's own directories, missing ones made; with `repair` what is planted in one's place set
+/// aside, but a symlink for `img` (its user's, perhaps) only reported. Whether `locks` is usable.
 fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
     root.create_layout_reporting(|name, bad| {
         let path = root.dir().join(name);
@@ -860,7 +856,6 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
 /// for milliseconds, so one older than 10 minutes (by its ctime: the slack covers a server's clock
 /// against ours) is a leftover.
 fn config_temps(root: &Root, repair: bool, report: &mut Report) -> Result<()> {
-    // Listed: the root's anchor opened for reading.
     let dir = root.open()?.sub(".")?;
     let prefix = format!(".{}.", crate::config::FILE);
     let now = clock::now_ms() / 1000;
@@ -888,7 +883,6 @@ fn config_temps(root: &Root, repair: bool, report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// What a repair made of a `found` verdict.
 fn fixed_or(repair: bool, found: Verdict) -> Verdict {
     if repair { Repaired } else { found }
 }
