@@ -62,22 +62,18 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
         ensure_config(&root)?;
         return Ok(());
     };
-    store.ctx().say(&format!(
-        "migrating the store at {} (catalog schema {version}) to image records",
-        root.dir().display()
-    ));
+    let at = root.dir().display();
+    let said = format!("migrating the store at {at} (catalog schema {version}) to image records");
+    store.ctx().say(&said);
     let hold =
         crate::store_wide::Hold::take_raw(store, "migrating to image records", deadline, false)?;
-    let out = convert_passes(store, &hold, deadline);
+    let out = convert_passes(store, deadline);
     hold.release(store);
     out
 }
 
-fn convert_passes(
-    store: &mut Store,
-    _hold: &crate::store_wide::Hold,
-    deadline: Option<Instant>,
-) -> Result<()> {
+/// Under the store-wide hold: passes until one finds every image lock free.
+fn convert_passes(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     let root = store.root().clone();
     hint_older_release(&root);
     loop {
@@ -381,22 +377,19 @@ fn slot_classes(root: &Root, old: &Old) -> Result<()> {
 fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Result<()> {
     let path = store.root().image_lock(name);
     let mut wait = lock::Wait::on(&store.root().image_locks(), deadline);
-    let holders = crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path);
-    let _line = crate::wait_line::announce(
-        store.ctx(),
-        &format!("the lock on image '{name}' before migrating the store"),
-        &holders,
-        None,
-    );
+    let holders = || crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path);
+    let what = format!("the lock on image '{name}' before migrating the store");
+    let before = holders();
+    let _line = crate::wait_line::announce(store.ctx(), &what, &before, None);
     let started = Instant::now();
     match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait) {
         Ok(lock::Waited::Acquired(_)) => Ok(()),
         Ok(lock::Waited::TimedOut) => {
             // Who holds it now, not who did when the wait began.
-            let now = crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path);
+            let now = holders();
             Err(crate::Error::Busy(crate::error::Busy {
                 what: format!("the lock on image '{name}' (needed free to migrate the store)"),
-                holders: if now.is_empty() { holders } else { now },
+                holders: if now.is_empty() { before } else { now },
                 waited: started.elapsed(),
             })
             .into())
