@@ -1,8 +1,7 @@
 //! Adopting trees that have no record.
 //!
-//! - **Adoption** gives a tree without a record one: `ready` when `init` adopts a directory stowage
-//!   never managed (what a builder put there); else `incomplete`, outcome "adopted": state unknown,
-//!   so kept, reported, never collected until `stowage exec --write NAME -- true` makes it ready.
+//! - A tree without a record gets one: `ready` when `init` adopts a directory stowage never managed;
+//!   else `incomplete` ([`ADOPTED`]): kept, never collected until `exec --write` makes it ready.
 //! - Entries that are no directories, or whose names decode to no image name: reported, left alone.
 
 use std::collections::HashSet;
@@ -25,7 +24,7 @@ pub struct Orphans {
     pub skipped: Vec<(String, String)>,
 }
 
-/// Lists the trees in `images` (at `dir`) whose names `recorded` lacks.
+/// The trees in `images` (at `dir`) whose names `recorded` lacks.
 pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<Orphans> {
     let mut out = Orphans::default();
     let entries = tree_names(images)
@@ -35,10 +34,8 @@ pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<O
             continue;
         }
         let Some(enc) = raw.to_str() else {
-            out.skipped.push((
-                raw.to_string_lossy().into_owned(),
-                "the name is not valid UTF-8".into(),
-            ));
+            let why = "the name is not valid UTF-8".into();
+            out.skipped.push((raw.to_string_lossy().into_owned(), why));
             continue;
         };
         match ImageName::from_encoded(enc) {
@@ -60,15 +57,15 @@ fn tree_names(images: &Dir) -> io::Result<Vec<std::ffi::OsString>> {
 }
 
 /// Whether the lock file at `path` holds a record now, readable or not: a damaged one is its
-/// image's, never to be adopted over (read without its lock: the two slots make a read beside a
-/// write return the record before or after it).
+/// image's, never to be adopted over (read without its lock, as the census reads).
 pub fn has_record(path: &Path) -> bool {
-    crate::lock::open_existing_read(path)
-        .ok()
-        .flatten()
-        .is_some_and(|f| {
-            image_record::read(&f).is_ok_and(|s| s.record.is_some() || s.damaged || s.legacy)
-        })
+    let file = crate::lock::open_existing_read(path).ok().flatten();
+    file.is_some_and(|f| image_record::read(&f).is_ok_and(|s| !unrecorded(&s)))
+}
+
+/// No record there, not even one that cannot be read.
+fn unrecorded(seen: &image_record::Seen) -> bool {
+    seen.record.is_none() && !seen.damaged && !seen.legacy
 }
 
 /// How an adopted tree starts out.
@@ -123,7 +120,7 @@ fn adopt_one(
         anyhow::bail!("its lock is held (try again when it is free)");
     };
     let (guard, mut seen) = (held.guard, held.seen);
-    if seen.record.is_some() || seen.damaged || seen.legacy {
+    if !unrecorded(&seen) {
         return Ok(false);
     }
     // Again under the lock: an undone new-image start may have taken its tree back since.
@@ -155,7 +152,7 @@ fn adopt_one(
     Ok(true)
 }
 
-/// When a tree was last modified (when it was made, for an adopted one).
+/// When a tree was last modified (made, for an adopted one).
 fn tree_time(tree: &Path) -> Millis {
     std::fs::metadata(tree)
         .ok()

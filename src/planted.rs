@@ -1,16 +1,13 @@
 //! What is found where stowage keeps a file of its own: a regular file, or something planted there
-//! (FIFO, symlink, directory, socket, device) by another program or member of the store's group
 //! (docs/design.md, "What is planted in the layout").
 //!
-//! - Opened `O_NOFOLLOW|O_NONBLOCK|O_NOCTTY|O_CLOEXEC` ([`FLAGS`]): a FIFO cannot hang the open, a
-//!   symlink or socket fails it, a directory cannot be opened to write, a terminal never becomes
-//!   the command's.
+//! - Opened with [`FLAGS`]: a FIFO cannot hang the open, a symlink or socket fails it, a directory
+//!   cannot be opened to write, a terminal never becomes the command's.
 //! - Written in place only with one name: a planted hard link would carry the write outside the
-//!   root ([`HARD_LINK`], [`check_written`]).
-//! - Then used only as a regular file; anything else is a [`NotAFile`] that keeps its path, so the
-//!   report names the file that is wrong.
-//! - A valid record read proves a regular file (a FIFO cannot `pread`), so the `fstat`, a round
-//!   trip on NFS, is spared.
+//!   root ([`check_written`]).
+//! - Anything but a regular file is a [`NotAFile`] naming its path.
+//! - A valid record read proves a regular file (a FIFO cannot `pread`): the `fstat`, a round trip
+//!   on NFS, is spared.
 //! - No symlink under the root is followed: `openat2(RESOLVE_NO_SYMLINKS)` ([`open`]), or on older
 //!   kernels the parent's descriptor, checked.
 //! - Nothing planted is deleted: `doctor --repair` renames it aside (`NAME.planted-TIME`).
@@ -51,21 +48,15 @@ impl std::fmt::Display for NotAFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // A hard link holding an image's record is another store's lock file too, which doctor
         // reports and leaves: it says what to do.
-        let (refusal, fix) = if self.kind == HARD_LINK {
-            (
+        let (refusal, fix) = match self.kind {
+            HARD_LINK => (
                 "refusing to write through it",
                 "'stowage doctor' says what to do",
-            )
-        } else {
-            ("refusing to use it", FIX)
+            ),
+            _ => ("refusing to use it", FIX),
         };
-        write!(
-            f,
-            "{} is {}, not {}: {refusal}; {fix}",
-            self.path.display(),
-            self.kind,
-            self.expected
-        )
+        let (path, kind, expected) = (self.path.display(), self.kind, self.expected);
+        write!(f, "{path} is {kind}, not {expected}: {refusal}; {fix}")
     }
 }
 
@@ -111,12 +102,8 @@ fn kind_refused(path: &Path, e: &io::Error) -> Option<&'static str> {
         libc::ENXIO => "a socket",
         _ => return None,
     };
-    Some(
-        std::fs::symlink_metadata(path)
-            .ok()
-            .and_then(|m| kind_of_mode(m.mode()))
-            .unwrap_or(by_errno),
-    )
+    let m = std::fs::symlink_metadata(path).ok();
+    Some(m.and_then(|m| kind_of_mode(m.mode())).unwrap_or(by_errno))
 }
 
 /// The first directory on the way to `path` that is not one (a symlink, a file, a FIFO …), for an
@@ -125,12 +112,8 @@ fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
     let ancestors: Vec<&Path> = path.ancestors().skip(1).collect();
     ancestors.into_iter().rev().find_map(|dir| {
         let m = std::fs::symlink_metadata(dir).ok()?;
-        (m.mode() & libc::S_IFMT != libc::S_IFDIR).then(|| {
-            (
-                dir.to_owned(),
-                kind_of_mode(m.mode()).unwrap_or("a regular file"),
-            )
-        })
+        let kind = kind_of_mode(m.mode()).unwrap_or("a regular file");
+        (m.mode() & libc::S_IFMT != libc::S_IFDIR).then(|| (dir.to_owned(), kind))
     })
 }
 
@@ -146,12 +129,11 @@ pub fn refused(path: &Path, e: io::Error) -> io::Error {
     kind_refused(path, &e).map_or(e, |kind| not_a_file(path, kind))
 }
 
-/// The error for `path`, found to be `kind`.
 pub fn not_a_file(path: &Path, kind: &'static str) -> io::Error {
     not_a(path, kind, expected(kind))
 }
 
-/// The error for `path`, a directory of the layout, found to be `kind`.
+/// For `path`, a directory of the layout.
 pub fn not_a_dir(path: &Path, kind: &'static str) -> io::Error {
     not_a(path, kind, "a directory")
 }
@@ -264,21 +246,18 @@ pub fn denied(path: &Path) -> Option<String> {
     let wx = nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK;
     nix::unistd::access(path.parent()?, wx).ok()?;
     let m = std::fs::symlink_metadata(path).ok()?;
-    let fix = if m.uid() == nix::unistd::geteuid().as_raw() {
+    let uid = m.uid();
+    let fix = if uid == nix::unistd::geteuid().as_raw() {
         "'stowage doctor --repair' gives it back its mode".to_owned()
     } else if m.mode() & 0o020 == 0 && crate::ident::in_group(m.gid()) {
         // A group store's file: group-writable again, never world-writable.
-        format!(
-            "it belongs to uid {}, whose 'stowage doctor --repair' gives it back its mode",
-            m.uid()
-        )
+        format!("it belongs to uid {uid}, whose 'stowage doctor --repair' gives it back its mode")
     } else {
-        format!("it belongs to uid {}, who may 'chmod 666' it", m.uid())
+        format!("it belongs to uid {uid}, who may 'chmod 666' it")
     };
+    let (shown, mode) = (path.display(), m.mode() & 0o7777);
     Some(format!(
-        "{} is mode {:03o}, not readable and writable by you; {fix}",
-        path.display(),
-        m.mode() & 0o7777
+        "{shown} is mode {mode:03o}, not readable and writable by you; {fix}"
     ))
 }
 
@@ -336,8 +315,7 @@ pub fn check_stat(path: &Path, m: &std::fs::Metadata) -> io::Result<()> {
 
 /// The [`NotAFile`] an I/O error carries, if any.
 pub fn find(e: &io::Error) -> Option<&NotAFile> {
-    e.get_ref()
-        .and_then(|inner| inner.downcast_ref::<NotAFile>())
+    e.get_ref()?.downcast_ref::<NotAFile>()
 }
 
 /// Names the file of a [`NotAFile`] in full: one opened through a directory's descriptor knows only

@@ -5,9 +5,8 @@
 //!   whenever every image is looked at.
 //! - Sizes are measured off the write's path, here: trees with no size known for the current
 //!   record, under a shared lock tried without waiting (one being written is left unmeasured).
-//! - A catalog that cannot be written (a read-only user, a full filesystem, an outside program
-//!   holding it, a global lock stuck for more than a few seconds) is done without: the records say
-//!   all that matters, and one line says why.
+//! - A catalog that cannot be written (read-only user, full filesystem, an outside program holding
+//!   it, a global lock stuck for seconds) is done without, one line saying why.
 
 use std::collections::{HashMap, HashSet};
 
@@ -16,6 +15,7 @@ use anyhow::Result;
 use crate::catalog::Row;
 use crate::census::{Entry, take};
 use crate::image_record::{self, ImagesDir, Record, State};
+use crate::lock::IfMissing;
 use crate::name::ImageName;
 use crate::root::Root;
 
@@ -79,8 +79,7 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
                 (None, true) => unknown_record(store.root(), &entry)?,
                 (None, false) => return None,
             };
-            let state = record.state_seen(entry.writer_alive);
-            let changed = record.changed;
+            let (state, changed) = (record.state_seen(entry.writer_alive), record.changed);
             let last_used = entry.seen.last_use.unwrap_or(changed).max(changed);
             Some(Image {
                 entry,
@@ -185,11 +184,8 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         if crate::signals::check().is_err() {
             break;
         }
-        let Ok(Some(reading)) = crate::lock::acquire_no_wait(
-            &img.entry.path,
-            crate::lock::Mode::Shared,
-            crate::lock::IfMissing::Fail,
-        ) else {
+        let (path, shared) = (&img.entry.path, crate::lock::Mode::Shared);
+        let Ok(Some(reading)) = crate::lock::acquire_no_wait(path, shared, IfMissing::Fail) else {
             continue;
         };
         // The tree measured is the one the record under our lock describes: the one surveyed, or
@@ -204,7 +200,7 @@ fn measure_missing(root: &Root, images: &mut [Image]) -> Vec<(String, Record, u6
         // unnamed before the lock goes.
         let rel = format!("images/{}", img.entry.file);
         let what = "stowage (measuring the image's size)";
-        let hold = crate::lease::Holding::now(crate::lock::Mode::Shared, rel.clone(), false, what);
+        let hold = crate::lease::Holding::now(shared, rel.clone(), false, what);
         crate::lease::note(&root.leases(), hold);
         crate::debug::pause("size-measuring");
         let tree = crate::images_dir::tree_of(root, &img.record);
