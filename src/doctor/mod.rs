@@ -1,12 +1,9 @@
 //! `stowage doctor`: is this store safe to use, and is it consistent?
 //!
-//! - Checks, in order: the filesystem and whether flock(2) really excludes there (two opens of one
-//!   file must conflict); shared mounts whose locks are local only; the catalog; every image's
-//!   record against its tree; removals a crash interrupted, trash, leftovers, dead leases.
-//! - Without `--repair` nothing changes; with it, only what is safe is fixed, on positive evidence:
-//!   interrupted removals finished, records of gone trees dropped, trees without records adopted
-//!   (readiness unknown: kept, not collectable), stale hints cleared, trash emptied; an unusable
-//!   catalog set aside (never deleted) and made anew from the records.
+//! - Checks, in order: the filesystem and whether flock(2) excludes there; shared mounts whose
+//!   locks are local only; the catalog; every record against its tree; leftovers.
+//! - Without `--repair` nothing changes; with it, only what is safe is fixed, on positive evidence;
+//!   an unusable catalog is set aside (never deleted) and made anew from the records.
 //! - An image whose state cannot be known (a damaged record) is reported, never removed.
 
 use std::fs;
@@ -73,6 +70,12 @@ impl Report {
         });
     }
 
+    /// "found `what`" with verdict `found`; or, `fixed` by a repair, "`fixed` `what`".
+    fn swept(&mut self, check: &'static str, fixed: Option<&str>, found: Verdict, what: String) {
+        let (status, verb) = fixed.map_or((found, "found"), |verb| (Repaired, verb));
+        self.add(check, status, format!("{verb} {what}"));
+    }
+
     /// One line about `names`, which `say` words given their [`list`]; none without a name.
     fn naming<T: std::fmt::Display>(
         &mut self,
@@ -87,9 +90,8 @@ impl Report {
     }
 }
 
-/// `doctor --hold-probe SECONDS`: holds the probe lock that `doctor` on another host looks for,
-/// naming the holder in the file. If that doctor sees it held, locks taken here exclude processes
-/// there — the real test where mount options cannot tell (Lustre's default).
+/// `doctor --hold-probe SECONDS`: holds the probe lock `doctor` on another host looks for, naming
+/// the holder in it: the real test of locks across hosts where mount options cannot tell.
 pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     let root = store.root();
     root.create_layout()?;
@@ -195,7 +197,6 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
 
 /// Every check after the filesystem's, in order; `false` where one stops the look.
 fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
-    // A symlink planted in place of a root directory is reported, never followed.
     if !layout(root, repair, report)? {
         return Ok(false);
     }
@@ -236,17 +237,15 @@ fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> 
 /// Does flock exclude here at all (two opens of one file must conflict)? `false` also when this
 /// user may not make the test file: nothing else can be checked.
 fn flock_works(root: &Root, report: &mut Report) -> bool {
-    // Private to this process: two doctors at once, on any hosts, must not test against each
-    // other's lock.
+    // Private to this process: two doctors at once must not test against each other's lock.
     let probe = root
         .locks()
         .join(format!(".doctor.{:016x}.lock", crate::ident::nonce()));
     match lock::opens_conflict(&probe) {
-        Ok(true) => report.add(
-            "flock",
-            Verdict::Ok,
-            "two opens of one file exclude each other",
-        ),
+        Ok(true) => {
+            let detail = "two opens of one file exclude each other";
+            report.add("flock", Verdict::Ok, detail);
+        }
         Ok(false) => {
             report.locking = false;
             report.add("flock", Problem, "two opens of one file do NOT exclude each other: flock is a no-op on this filesystem");
@@ -389,8 +388,7 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
 /// How a catalog that cannot be used is put right.
 const DERIVED: &str = "it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost";
 
-/// The catalog's verdict: set aside and made anew when it cannot be used (with `repair`; otherwise
-/// the next command that needs it does so).
+/// The catalog's verdict; with `repair` one that cannot be used is set aside and made anew.
 fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     use crate::catalog::Found;
     if let Some(said) = planted_catalog(store, repair)? {
@@ -443,8 +441,7 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     })
 }
 
-/// A file of the catalog's (itself, its journal, WAL files) that is no regular file of its own:
-/// reported, or with `repair` set aside (the catalog is then made anew from the records).
+/// A catalog file (itself, journal, WAL) that is no regular file of its own; `repair` sets it aside.
 fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, String)>> {
     for (path, what) in crate::catalog::files(&store.root().db()) {
         let Err(e) = crate::catalog::check_plain_file(&path, what) else {
@@ -468,8 +465,7 @@ fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, S
     Ok(None)
 }
 
-/// SQLite's own check of a catalog of the current schema; with `repair`, a damaged one is set aside
-/// and made anew from the records.
+/// SQLite's own check of a current catalog; with `repair` a damaged one is set aside, made anew.
 fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let db = store.root().db();
     let shown = db.display();
@@ -478,8 +474,7 @@ fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let checked = conn
         .query_row("PRAGMA quick_check", [], |r| r.get::<_, String>(0))
         .map_err(anyhow::Error::from);
-    // Only SQLite saying the file is damaged is damage: a busy catalog (a transaction of another
-    // process's), an I/O error or a stale handle say nothing of it.
+    // Only SQLite saying the file is damaged is damage (not busy, an I/O error, a stale handle).
     let check = match checked {
         Ok(check) => check,
         Err(e) if crate::catalog::is_damage(&e) => format!("{e:#}"),
@@ -656,11 +651,8 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     if let Some(why) = crate::images_dir::unmounted(&root, &dir)
         .or_else(|| crate::images_dir::claimed_by_another(&root, &dir))
     {
-        report.add(
-            "images",
-            Problem,
-            format!("{why}; no record is judged by its tree"),
-        );
+        let detail = format!("{why}; no record is judged by its tree");
+        report.add("images", Problem, detail);
         return Ok(());
     }
     let images = root.open_or_make_images_dir(&dir)?;
@@ -813,10 +805,9 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
         report.add("trash", Problem, f.clone());
     }
     if !trash.entries.is_empty() {
-        let (verb, n) = (done(repair, "deleted"), trash.entries.len());
-        let size = crate::disk_usage::human(trash.bytes);
-        let detail = format!("{verb} {n} left in {} ({size})", root.trash().display());
-        report.add("trash", fixed_or(repair, Problem), detail);
+        let (n, size) = (trash.entries.len(), crate::disk_usage::human(trash.bytes));
+        let what = format!("{n} left in {} ({size})", root.trash().display());
+        report.swept("trash", repair.then_some("deleted"), Problem, what);
     }
     // On a filesystem where lock files are never unlinked, empty ones are no leftovers.
     if lock::unlinks_allowed(&root.image_locks().join("x.lock")) {
@@ -836,9 +827,8 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
         }
         if !empty.is_empty() {
             let found = if repair { gone } else { empty.len() };
-            let verb = done(repair, "removed");
-            let detail = format!("{verb} {found} lock file(s) that name no image");
-            report.add("locks", fixed_or(repair, Info), detail);
+            let what = format!("{found} lock file(s) that name no image");
+            report.swept("locks", repair.then_some("removed"), Info, what);
         }
     }
     config_temps(&root, repair, report)?;
@@ -852,9 +842,8 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
     Ok(())
 }
 
-/// Temporary files of a `store.conf` write a kill cut short (`.store.conf.PID.RANDOM`): one lives
-/// for milliseconds, so one older than 10 minutes (by its ctime: the slack covers a server's clock
-/// against ours) is a leftover.
+/// Temporary files of a `store.conf` write cut short (`.store.conf.PID.RANDOM`): one lives for
+/// milliseconds, so one with a ctime 10 minutes old (slack for a server's clock) is a leftover.
 fn config_temps(root: &Root, repair: bool, report: &mut Report) -> Result<()> {
     let dir = root.open()?.sub(".")?;
     let prefix = format!(".{}.", crate::config::FILE);
@@ -877,18 +866,10 @@ fn config_temps(root: &Root, repair: bool, report: &mut Report) -> Result<()> {
     if repair {
         left.retain(|n| dir.unlink(n).is_ok());
     }
-    let (verb, n, at) = (done(repair, "removed"), left.len(), root.dir().display());
-    let detail = format!("{verb} {n} temporary file(s) of a configuration write cut short in {at}");
-    report.add("config", fixed_or(repair, Info), detail);
+    let (n, at) = (left.len(), root.dir().display());
+    let what = format!("{n} temporary file(s) of a configuration write cut short in {at}");
+    report.swept("config", repair.then_some("removed"), Info, what);
     Ok(())
-}
-
-fn fixed_or(repair: bool, found: Verdict) -> Verdict {
-    if repair { Repaired } else { found }
-}
-
-fn done(repair: bool, what: &str) -> &str {
-    if repair { what } else { "found" }
 }
 
 /// "'a', 'b' and 3 more"; every caller has a name at least.
