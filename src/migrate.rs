@@ -101,8 +101,7 @@ fn convert_passes(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     }
 }
 
-/// The older release's store-wide hint (byte 3073 of each lock file): its reads without the
-/// database see it, ask `store.lock`, and wait.
+/// The older release's store-wide hint (byte 3073 of each lock file): its reads see it and wait.
 fn hint_older_release(root: &Root) {
     for file in image_lock_files(root) {
         if let Ok(Some(f)) = lock::open_existing(&root.image_locks().join(&file)) {
@@ -192,9 +191,8 @@ fn markers(root: &Root) -> BTreeSet<String> {
         .collect()
 }
 
-/// Writes every image's record, each under its exclusive lock taken without waiting. `Some(name)`:
-/// a lock was busy; the catalog is not committed, the caller waits for it and starts over, and the
-/// records written so far stand (their images' truth cannot change meanwhile).
+/// Writes every image's record under its lock taken without waiting. `Some(name)`: a lock was busy,
+/// to wait for before another pass; the records written so far stand.
 fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
     let mut names: BTreeSet<String> = old.rows.keys().cloned().collect();
     names.extend(old.markers.iter().cloned());

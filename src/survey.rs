@@ -109,9 +109,8 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
         }
     };
     for img in images.iter_mut() {
-        // Last use is the lock file's and the record's: a row's is only a copy of theirs (or,
-        // in a catalog put in place of ours, another store's). A damaged record's stand-in is
-        // the same in every store and is never measured: no row's size is for it.
+        // Only a row's size is used: its last use is a copy (or another store's, in a catalog put
+        // in place of ours). A damaged record's stand-in is never measured.
         if let Some(row) = rows.as_ref().and_then(|rows| rows.get(img.name()))
             && img.entry.seen.record.is_some()
         {

@@ -37,9 +37,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     if let Some(dir) = &wanted {
         refuse_unrecordable(dir)?;
     }
-    // Refused before anything is created: a failed init leaves no root behind. Judged by its path
-    // always (a group's members may write the configuration), by what it holds only when a store
-    // takes it: an idempotent `init` of a store with a file in its images directory goes on.
+    // Refused before anything is created. Judged by its path always (a group's members may write
+    // the configuration), by what it holds only when a store takes it (an idempotent `init` goes on).
     let root = store.root();
     let current = root
         .exists()
@@ -123,10 +122,8 @@ fn make_ours(store: &Store, root: &Root, config: &mut Config, dir: &Path) -> Res
     crate::images_dir::record_identity(root, config, true)
 }
 
-/// Shares with group `gid` the root, an images directory outside it (the directory itself, or
-/// members could make no image, but not the trees in it, which are the builders'), and every part
-/// of the layout made before (an existing store converted); exit 1 if a part is someone else's,
-/// naming it.
+/// Shares with group `gid` the root, an external images directory (not the builders' trees in it)
+/// and every part of the layout made before; exit 1 naming a part that is someone else's.
 fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Result<u8> {
     let root = store.root();
     crate::debug::pause("init-share");
@@ -162,8 +159,7 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
     Ok(0)
 }
 
-/// Refuses an images directory whose path cannot be written on one line of text: every image's
-/// record and the configuration name it so.
+/// Refuses an images directory whose path cannot be one line of text, as records name it.
 fn refuse_unrecordable(dir: &Path) -> Result<()> {
     let why = match dir.to_str() {
         None => "is not UTF-8",
@@ -177,8 +173,7 @@ fn refuse_unrecordable(dir: &Path) -> Result<()> {
     Err(crate::Error::Usage(said).into())
 }
 
-/// Refuses an images directory `dir` (absolute) that does not exist and cannot be made, or that
-/// overlaps the root: by path, then by directory.
+/// Refuses an images directory `dir` (absolute) that cannot be made, or that overlaps the root.
 fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
     let (shown, at) = (dir.display(), root.dir().display());
     if !dir.is_dir() && !dir.parent().is_some_and(Path::is_dir) {
@@ -200,10 +195,8 @@ fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
     refuse_overlap(root.dir(), dir)
 }
 
-/// Refuses a directory that is no images directory: `/`, one at the top of the filesystem, a home
-/// directory, the system's, a builder's storage directory (its images are in its `img/`), or one
-/// that holds files (an images directory holds image trees only). Judged as written with `.` and
-/// `..` taken out, and as the kernel resolves it (`/lib` is `/usr/lib` on many systems).
+/// Refuses a directory that is no images directory ([`no_images_dir`]), judged as written without
+/// `.` and `..`, and as the kernel resolves it (`/lib` is `/usr/lib` on many systems).
 fn refuse_what_is_no_images_dir(dir: &Path, contents: bool) -> Result<()> {
     let Some(what) = [lexical(dir), resolved(dir)]
         .iter()
@@ -217,8 +210,8 @@ fn refuse_what_is_no_images_dir(dir: &Path, contents: bool) -> Result<()> {
     )
 }
 
-/// Why `dir` (absolute, without `.` or `..`) is no images directory, if it is not one: by its path,
-/// and with `contents` by what it holds.
+/// Why `dir` (absolute, without `.` or `..`) is no images directory, if so: by its path, and with
+/// `contents` by what it holds (an images directory holds image trees only).
 fn no_images_dir(dir: &Path, contents: bool) -> Option<String> {
     let what = if dir == Path::new("/") {
         "the root of the filesystem".to_owned()
@@ -311,8 +304,7 @@ const SYSTEM_NAMES: &[&str] = &[
     "bin", "sbin", "lib", "lib64", "libexec", "include", "share", "etc", "usr", "var",
 ];
 
-/// Whether `dir` is a directory of the operating system: its trees would be taken for images, one
-/// `gc` away from deletion.
+/// Whether `dir` is the system's: its trees would be taken for images, one `gc` from deletion.
 fn of_the_system(dir: &Path) -> bool {
     let shm = dir.starts_with("/dev/shm") && dir != Path::new("/dev/shm");
     (!shm && SYSTEM_TREES.iter().any(|t| dir.starts_with(t)))
@@ -341,7 +333,6 @@ fn is_home(dir: &Path) -> bool {
         })
 }
 
-/// A regular file or symlink at the top of `dir` (not a hidden one), if there is one.
 fn files_in(dir: &Path) -> Option<String> {
     std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
         let name = e.file_name().to_string_lossy().into_owned();
@@ -454,11 +445,10 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
     out
 }
 
-/// The checks above compare paths; this compares directories (device and inode, climbing `..`).
-/// Through a bind mount of the root or a symlinked parent, an unrelated-looking path can be the
-/// root or lie in it, and its `locks`, `img` and `trash` would be adopted as images (`gc` would
-/// then delete the lock directory). So the images directory (or its parent, if not yet made) must
-/// be neither the root nor a parent of it, and the root no parent of it.
+/// The checks above by directory (device and inode, climbing `..`): through a bind mount or a
+/// symlinked parent, another path can be the root or in it, and `gc` would then delete the lock
+/// directory adopted as an image. The images directory (or its parent, if not yet made) must be
+/// neither the root nor above it, nor below it.
 fn refuse_overlap(root: &Path, dir: &Path) -> Result<()> {
     use crate::dir::Dir;
     // The directories from `d` up to `/`, as (device, inode).

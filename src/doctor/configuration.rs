@@ -84,10 +84,8 @@ fn unusable(root: &Root, dir: &crate::dir::Dir, path: &std::path::Path) -> Resul
     })
 }
 
-/// Whose the images directory the records name is, by its claim: `Ok` with this root's claim (it
-/// carries the store's id), if any; `Err` saying why an external directory is not this store's —
-/// unless it can keep no claim (no extended attributes): then the records are all there is to go
-/// by. (`ROOT/img` is this root's whatever its claim says: one may have come with a copy.)
+/// Whose the images directory the records name is: `Ok` with this root's claim (it carries the
+/// store's id), if any; `Err` why an external one that can keep a claim is not this store's.
 fn whose(
     images: &ImagesDir,
     images_dir: Option<&crate::dir::Dir>,
@@ -110,8 +108,7 @@ fn whose(
     })
 }
 
-/// A store whose configuration went missing: its images have records (a store of a release before
-/// records has a catalog to migrate instead).
+/// A store whose configuration went missing: no older catalog to migrate, and records.
 fn lost(root: &Root) -> Result<bool> {
     // A catalog that cannot be asked (busy) may be an older release's mid-migration: not lost.
     let db = root.db();
