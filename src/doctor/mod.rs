@@ -20,7 +20,7 @@ use crate::ctx::Ctx;
 use crate::dir::Dir;
 use crate::filesystem;
 use crate::gc::Taken;
-use crate::image_record::State;
+use crate::image_record::{ADOPTED, Record, State};
 use crate::lock::{self, Mode};
 use crate::name::ImageName;
 use crate::remove;
@@ -522,22 +522,17 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         format!("the record in {files} cannot be read, so {them}; 'stowage exec --write {name} -- true' marks one ready again, 'stowage rm {name}' removes it")
     });
     removals(store.ctx(), &entries, repair, report);
-    // Incomplete images: those whose writer failed or died, or those adopted.
-    let incomplete = |adopted: bool| -> Vec<String> {
-        let was_adopted = |e: &Entry| {
-            e.seen.record.as_ref().and_then(|r| r.outcome.as_deref())
-                == Some(crate::image_record::ADOPTED)
-        };
-        entries
-            .iter()
-            .filter(|e| e.state() == Some(State::Incomplete) && was_adopted(e) == adopted)
-            .filter_map(|e| e.name().map(str::to_owned))
-            .collect()
-    };
-    report.naming("images", Info, &incomplete(false), |names| {
+    // Incomplete images: those whose writer failed or died, and those adopted.
+    let (adopted, failed): (Vec<&Record>, Vec<_>) = entries
+        .iter()
+        .filter(|e| e.state() == Some(State::Incomplete))
+        .filter_map(|e| e.seen.record.as_ref())
+        .partition(|r| r.outcome.as_deref() == Some(ADOPTED));
+    let names = |rs: Vec<&Record>| -> Vec<String> { rs.iter().map(|r| r.name.clone()).collect() };
+    report.naming("images", Info, &names(failed), |names| {
         format!("{names} incomplete: their writers failed or died; 'stowage gc' removes them")
     });
-    report.naming("images", Info, &incomplete(true), |names| {
+    report.naming("images", Info, &names(adopted), |names| {
         format!("{names} adopted without a record: whether complete is not known, so kept ('stowage exec --write NAME -- true' marks one ready)")
     });
     hints(store, &entries, repair, report);
@@ -569,11 +564,10 @@ fn removals(ctx: &Ctx, entries: &[Entry], repair: bool, report: &mut Report) {
             },
             Taken::Busy => busy.push(said),
             Taken::Underway => underway.push(said),
-            Taken::Failed(err) => report.add(
-                "removals",
-                Problem,
-                format!("{}: {err}", crate::gc::unfinished(&name)),
-            ),
+            Taken::Failed(err) => {
+                let detail = format!("{}: {err}", crate::gc::unfinished(&name));
+                report.add("removals", Problem, detail);
+            }
             // Finished or written anew since the census.
             Taken::Held(_) | Taken::Gone => {}
         }
@@ -702,12 +696,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     orphans
         .trees
         .retain(|(n, _)| !adopt::has_record(&root.image_lock(n)));
-    let shown = dir.display();
-    for (entry, why) in &orphans.skipped {
-        let detail = format!("{entry:?} in {shown} is no image ({why}); left alone");
-        report.add("images", Info, detail);
-    }
-    orphan_trees(&root, &config, &orphans, &dir, repair, report)
+    orphan_trees(&root, &config, &orphans, dir.display(), repair, report)
 }
 
 /// Trees without a record: reported, or with `repair` adopted one by one, each failure with why.
@@ -715,28 +704,30 @@ fn orphan_trees(
     root: &Root,
     config: &Config,
     orphans: &adopt::Orphans,
-    dir: &Path,
+    shown: std::path::Display,
     repair: bool,
     report: &mut Report,
 ) -> Result<()> {
-    if orphans.trees.is_empty() {
-        return Ok(());
+    for (entry, why) in &orphans.skipped {
+        let detail = format!("{entry:?} in {shown} is no image ({why}); left alone");
+        report.add("images", Info, detail);
     }
     if !repair {
-        let (names, shown) = (list(orphans.trees.iter().map(|(n, _)| n)), dir.display());
-        let (have, them) = match orphans.trees.len() {
+        let orphaned: Vec<_> = orphans.trees.iter().map(|(n, _)| n).collect();
+        let (have, them) = match orphaned.len() {
             1 => ("has", "it"),
             _ => ("have", "them"),
         };
-        let detail =
-            format!("{names} in {shown} {have} no record; 'stowage doctor --repair' adopts {them}");
-        report.add("images", Problem, detail);
+        report.naming("images", Problem, &orphaned, |names| {
+            format!("{names} in {shown} {have} no record; 'stowage doctor --repair' adopts {them}")
+        });
         return Ok(());
     }
     let done = adopt::adopt(root, config, orphans, Adopt::Unknown)?;
-    if !done.names.is_empty() {
-        report.add("images", Repaired, format!("adopted {} tree(s) without a record ({}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)", done.names.len(), list(&done.names)));
-    }
+    let n = done.names.len();
+    report.naming("images", Repaired, &done.names, |names| {
+        format!("adopted {n} tree(s) without a record ({names}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)")
+    });
     for why in done.left {
         let detail = format!("cannot adopt the tree without a record {why}");
         report.add("images", Problem, detail);
@@ -770,11 +761,8 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
                 continue;
             }
             Taken::Failed(err) => {
-                report.add(
-                    "images",
-                    Problem,
-                    format!("cannot drop the record of '{n}': {err}"),
-                );
+                let detail = format!("cannot drop the record of '{n}': {err}");
+                report.add("images", Problem, detail);
                 continue;
             }
             Taken::Gone => continue,
