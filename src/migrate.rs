@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -152,12 +153,8 @@ impl Old {
                 Ok((r.get(0)?, row))
             })?
             .collect::<rusqlite::Result<BTreeMap<String, OldRow>>>()?;
-        let config = |key: &str| -> Option<String> {
-            conn.query_row("SELECT value FROM config WHERE key = ?1", [key], |r| {
-                r.get(0)
-            })
-            .ok()
-        };
+        let sql = "SELECT value FROM config WHERE key = ?1";
+        let config = |key: &str| conn.query_row(sql, [key], |r| r.get::<_, String>(0)).ok();
         let classes = conn
             .prepare("SELECT name, lim, reserve_high FROM slot_classes")
             .and_then(|mut s| {
@@ -166,9 +163,7 @@ impl Old {
             })
             .unwrap_or_default();
         let images = match config("images_dir") {
-            Some(d) if std::path::Path::new(&d) != root.default_images_dir() => {
-                ImagesDir::External(d.into())
-            }
+            Some(d) if Path::new(&d) != root.default_images_dir() => ImagesDir::External(d.into()),
             _ => ImagesDir::Default,
         };
         Ok(Old {
@@ -185,8 +180,7 @@ impl Old {
 fn markers(root: &Root) -> BTreeSet<String> {
     crate::root::names_in(&root.leases())
         .into_iter()
-        .filter_map(|n| n.strip_suffix(".dirty").map(str::to_owned))
-        .filter_map(|enc| ImageName::from_encoded(&enc).ok())
+        .filter_map(|n| ImageName::from_encoded(n.strip_suffix(".dirty")?).ok())
         .map(|n| n.as_str().to_owned())
         .collect()
 }
@@ -196,11 +190,9 @@ fn markers(root: &Root) -> BTreeSet<String> {
 fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
     let mut names: BTreeSet<String> = old.rows.keys().cloned().collect();
     names.extend(old.markers.iter().cloned());
-    for file in image_lock_files(root) {
-        if let Some(n) = crate::root::Root::image_of_lock_file(&file) {
-            names.insert(n.as_str().to_owned());
-        }
-    }
+    let on_file = image_lock_files(root).into_iter();
+    let on_file = on_file.filter_map(|f| Root::image_of_lock_file(&f));
+    names.extend(on_file.map(|n| n.as_str().to_owned()));
     let dir = old.images.path_in(root.dir());
     for name in names {
         let Ok(n) = ImageName::parse(&name) else {
@@ -221,8 +213,7 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
         let mut bytes = vec![0u8; 3072];
         let got = guard.file().read_at(&mut bytes, 0).unwrap_or(0);
         let token = old_record(&bytes[..got], &name);
-        let tree = dir.join(n.encoded());
-        let record = derive(&name, old, token, tree.exists());
+        let record = derive(&name, old, token, dir.join(n.encoded()).exists());
         crate::debug::pause(&format!("migrate-converting-{name}"));
         let Some(r) = record else {
             guard.file().set_len(0)?;
