@@ -389,18 +389,15 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
 
 /// What init's last line says of the images it adopted, if any.
 fn adopted_note(adopted: usize, how: Adopt) -> String {
-    if adopted == 0 {
-        return String::new();
-    }
-    format!(
-        "; adopted {adopted} existing image{}{}",
-        if adopted == 1 { "" } else { "s" },
-        if how == Adopt::Unknown {
-            " as incomplete (whether complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
-        } else {
-            " as ready"
+    let s = if adopted == 1 { "" } else { "s" };
+    let how = match how {
+        Adopt::AsReady => "ready",
+        Adopt::Unknown => {
+            "incomplete (whether complete is not known; 'stowage exec --write NAME -- true' marks one ready)"
         }
-    )
+    };
+    let note = format!("; adopted {adopted} existing image{s} as {how}");
+    if adopted == 0 { String::new() } else { note }
 }
 
 /// Switches the images directory to `dir`: a store-wide operation (no image is written meanwhile,

@@ -39,8 +39,13 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
     let classes = classes(root, repair, report).into_iter();
     places.extend(classes.map(|c| (format!("locks/slots/{c}"), in_class)));
     for (rel, wanted) in places {
-        // A directory of the layout that cannot be opened is `layout`'s.
-        let Ok(dir) = open(root, &rel) else { continue };
+        // The root's own descriptor is an anchor, not listed: "." is opened through it. A
+        // directory of the layout that cannot be opened is `layout`'s.
+        let dir = match rel.as_str() {
+            "" => root.open().and_then(|d| Ok(d.sub(".")?)),
+            _ => root.open_sub(&rel),
+        };
+        let Ok(dir) = dir else { continue };
         let at = root.dir().join(&rel);
         for name in dir.names().unwrap_or_default() {
             let Some(name) = name.to_str().filter(|n| wanted(n)) else {
@@ -65,15 +70,6 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
                 None => mode(&dir, &path, &st, repair, shared, report),
             }
         }
-    }
-}
-
-/// A layout directory opened for listing (the root's own descriptor is an anchor: it cannot be).
-fn open(root: &Root, rel: &str) -> anyhow::Result<Dir> {
-    if rel.is_empty() {
-        Ok(root.open()?.sub(".")?)
-    } else {
-        root.open_sub(rel)
     }
 }
 
