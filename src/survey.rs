@@ -145,14 +145,11 @@ fn refresh(store: &mut crate::store::Store, images: &[Image]) -> Result<HashMap<
         }
         rows.retain(|n, _| live.contains(n.as_str()));
         for img in images {
+            let (rec, used) = (&img.record, img.last_used);
+            let now = (img.state, &rec.base, rec.created, rec.seq);
             // Most rows say it already: no statement for them.
-            if rows.get(img.name()).is_some_and(|r| {
-                r.state == img.state
-                    && r.base == img.record.base
-                    && r.created == img.record.created
-                    && r.seq == img.record.seq
-                    && r.last_used >= img.last_used
-            }) {
+            let says = |r: &Row| (r.state, &r.base, r.created, r.seq) == now && r.last_used >= used;
+            if rows.get(img.name()).is_some_and(says) {
                 continue;
             }
             let row = Row {
