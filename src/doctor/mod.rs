@@ -70,6 +70,12 @@ impl Report {
         });
     }
 
+    /// The catalog check's line; returns its verdict.
+    fn catalog(&mut self, status: Verdict, detail: String) -> Verdict {
+        self.add("catalog", status, detail);
+        status
+    }
+
     /// "found `what`" with verdict `found`; or, `fixed` by a repair, "`fixed` `what`".
     fn swept(&mut self, check: &'static str, fixed: Option<&str>, found: Verdict, what: String) {
         let (status, verb) = fixed.map_or((found, "found"), |verb| (Repaired, verb));
@@ -212,8 +218,7 @@ fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> 
     }
     files::check(root, repair, store.ctx().shared(), report);
     let configured = configuration::check(root, repair, report)?;
-    let (status, detail) = catalog(store, repair)?;
-    report.add("catalog", status, detail);
+    let status = catalog(store, repair, report)?;
     // A store still to migrate has records only in part: nothing more to judge until it is.
     if !repair && crate::migrate::is_legacy(root) {
         let detail = "not checked until the store is migrated (any command but lock-status and a plain doctor migrates it)";
@@ -388,11 +393,11 @@ fn layout(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
 /// How a catalog that cannot be used is put right.
 const DERIVED: &str = "it is derived from the records: 'stowage doctor --repair' sets it aside and makes it anew, and no image is lost";
 
-/// The catalog's verdict; with `repair` one that cannot be used is set aside and made anew.
-fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
+/// The catalog's check; with `repair` one that cannot be used is set aside and made anew.
+fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdict> {
     use crate::catalog::Found;
-    if let Some(said) = planted_catalog(store, repair)? {
-        return Ok(said);
+    if let Some(status) = planted_catalog(store, repair, report)? {
+        return Ok(status);
     }
     let db = store.root().db();
     let shown = db.display();
@@ -401,72 +406,54 @@ fn catalog(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let found = match before {
         Ok(f) => f,
         Err(e) if crate::catalog::is_busy(&e) => {
-            return Ok((
-                Problem,
-                format!(
-                    "{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records"
-                ),
-            ));
+            return Ok(report.catalog(Problem, format!("{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records")));
         }
         Err(e) => Found::Replaced(format!("{e:#}")),
     };
     Ok(match found {
         Found::Legacy(v) if repair => {
             crate::migrate::run(store, None)?;
-            (
-                Repaired,
-                format!("{shown}: migrated from schema version {v}"),
-            )
+            report.catalog(Repaired, format!("{shown}: migrated from schema version {v}"))
         }
-        Found::Legacy(v) => (
-            Problem,
-            format!(
-                "{shown}: schema version {v}, made by a release before image records; any command migrates it"
-            ),
-        ),
-        Found::Replaced(why) if !repair => (
-            Problem,
-            format!("{shown} cannot be used ({why}); {DERIVED}"),
-        ),
+        Found::Legacy(v) => {
+            report.catalog(Problem, format!("{shown}: schema version {v}, made by a release before image records; any command migrates it"))
+        }
+        Found::Replaced(why) if !repair => {
+            report.catalog(Problem, format!("{shown} cannot be used ({why}); {DERIVED}"))
+        }
         Found::Replaced(why) => {
             store.with_catalog(None, |_, _| Ok(()))?;
-            (
-                Repaired,
-                format!(
-                    "{shown} could not be used ({why}): set aside and made anew from the records"
-                ),
-            )
+            report.catalog(Repaired, format!("{shown} could not be used ({why}): set aside and made anew from the records"))
         }
-        Found::New | Found::Current => intact(store, repair)?,
+        Found::New | Found::Current => intact(store, repair, report)?,
     })
 }
 
 /// A catalog file (itself, journal, WAL) that is no regular file of its own; `repair` sets it aside.
-fn planted_catalog(store: &mut Store, repair: bool) -> Result<Option<(Verdict, String)>> {
+fn planted_catalog(
+    store: &mut Store,
+    repair: bool,
+    report: &mut Report,
+) -> Result<Option<Verdict>> {
     for (path, what) in crate::catalog::files(&store.root().db()) {
         let Err(e) = crate::catalog::check_plain_file(&path, what) else {
             continue;
         };
         // Only a file found to be something else is set aside, not one that could not be looked at.
         if !repair || e.downcast_ref::<crate::catalog::CatalogError>().is_none() {
-            return Ok(Some((Problem, format!("{e:#}"))));
+            return Ok(Some(report.catalog(Problem, format!("{e:#}"))));
         }
         let _global = store.global(None)?;
         store.close_catalog();
         let aside = crate::store::set_aside_file(store.root(), &path, "planted")?;
         let (shown, aside) = (path.display(), aside.display());
-        return Ok(Some((
-            Repaired,
-            format!(
-                "{shown} was no regular file of its own: set aside as {aside}; the catalog is made anew from the records"
-            ),
-        )));
+        return Ok(Some(report.catalog(Repaired, format!("{shown} was no regular file of its own: set aside as {aside}; the catalog is made anew from the records"))));
     }
     Ok(None)
 }
 
 /// SQLite's own check of a current catalog; with `repair` a damaged one is set aside, made anew.
-fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
+fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdict> {
     let db = store.root().db();
     let shown = db.display();
     let conn = crate::catalog::open(&db)?;
@@ -478,28 +465,25 @@ fn intact(store: &mut Store, repair: bool) -> Result<(Verdict, String)> {
     let check = match checked {
         Ok(check) => check,
         Err(e) if crate::catalog::is_damage(&e) => format!("{e:#}"),
-        Err(e) => return Ok((Problem, format!("{shown}: cannot check it: {e:#}"))),
+        Err(e) => {
+            return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {e:#}")));
+        }
     };
     if check == "ok" {
-        let schema = crate::catalog::SCHEMA;
-        return Ok((
-            Verdict::Ok,
-            format!("{shown}: intact, schema version {schema}"),
-        ));
+        let detail = format!("{shown}: intact, schema version {}", crate::catalog::SCHEMA);
+        return Ok(report.catalog(Verdict::Ok, detail));
     }
     if !repair {
-        return Ok((Problem, format!("{shown} is damaged ({check}); {DERIVED}")));
+        return Ok(report.catalog(Problem, format!("{shown} is damaged ({check}); {DERIVED}")));
     }
     store.close_catalog();
     let aside = crate::store::set_aside(store.root(), "damaged")?;
     store.with_catalog(None, |_, _| Ok(()))?;
     let aside = aside.display();
-    Ok((
-        Repaired,
-        format!(
-            "{shown} was damaged ({check}): set aside as {aside} and made anew from the records"
-        ),
-    ))
+    let detail = format!(
+        "{shown} was damaged ({check}): set aside as {aside} and made anew from the records"
+    );
+    Ok(report.catalog(Repaired, detail))
 }
 
 /// Every record: damaged, interrupted removals, failed or dead writers, stale store-wide hints.
