@@ -181,36 +181,24 @@ fn openat2(path: &std::ffi::CStr, flags: libc::c_int, mode: u32) -> Option<libc:
     if MISSING.load(Relaxed) {
         return None;
     }
-    #[repr(C)]
-    struct OpenHow {
-        flags: u64,
-        mode: u64,
-        resolve: u64,
-    }
-    const RESOLVE_NO_SYMLINKS: u64 = 0x04;
     // openat2 refuses a mode where no file is created.
     let mode = if flags & libc::O_CREAT != 0 { mode } else { 0 };
-    let how = OpenHow {
-        flags: flags as u64,
-        mode: u64::from(mode),
-        resolve: RESOLVE_NO_SYMLINKS,
-    };
+    // SAFETY: all-zero bytes are a valid value of this plain C struct (not built by fields: it is
+    // non-exhaustive).
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    (how.flags, how.mode, how.resolve) = (flags as u64, mode.into(), libc::RESOLVE_NO_SYMLINKS);
     // SAFETY: a valid C string and a live open_how of the size passed.
     let fd = unsafe {
         libc::syscall(
             libc::SYS_openat2,
             libc::AT_FDCWD,
             path.as_ptr(),
-            &how as *const OpenHow,
-            std::mem::size_of::<OpenHow>(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
         )
     };
-    if fd < 0
-        && matches!(
-            io::Error::last_os_error().raw_os_error(),
-            Some(libc::ENOSYS | libc::EPERM)
-        )
-    {
+    let errno = io::Error::last_os_error().raw_os_error();
+    if fd < 0 && matches!(errno, Some(libc::ENOSYS | libc::EPERM)) {
         MISSING.store(true, Relaxed);
         return None;
     }
