@@ -164,11 +164,10 @@ impl Sharing {
             .values()
             .map(|m| m.allocated.saturating_sub(m.shared))
             .sum();
+        let h = disk_usage::human;
+        let (total, allocated, shared) = (h(own + fp.bytes()), h(allocated), h(shared));
         Some(format!(
-            "images take {} on the filesystem ({} allocated; {} in extents shared between files)",
-            disk_usage::human(own + fp.bytes()),
-            disk_usage::human(allocated),
-            disk_usage::human(shared)
+            "images take {total} on the filesystem ({allocated} allocated; {shared} in extents shared between files)"
         ))
     }
 }

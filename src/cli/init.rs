@@ -234,10 +234,8 @@ fn no_images_dir(dir: &Path, contents: bool) -> Option<String> {
         && dir.join("img").is_dir()
     {
         let img = dir.join("img");
-        format!(
-            "a Charliecloud storage directory: its images are in {}",
-            img.display()
-        )
+        let img = img.display();
+        format!("a Charliecloud storage directory: its images are in {img}")
     } else if let Some(f) = files_in(dir) {
         format!("a directory that holds files ({f}), not image trees only")
     } else {

@@ -107,10 +107,8 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
         .map_err(|e| crate::lock::error("the probe lock", &path, e))?
     else {
         let what = format!("the probe lock {}", path.display());
-        let holders = format!(
-            "held by another probe: {}",
-            probe_holder(&probe_text(&path))
-        );
+        let holder = probe_holder(&probe_text(&path));
+        let holders = format!("held by another probe: {holder}");
         return Err(crate::error::Busy::now(what, holders).into());
     };
     let since = clock::rfc3339(clock::now_ms()).unwrap_or_else(|| "?".into());
