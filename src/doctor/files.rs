@@ -175,8 +175,7 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, repair: bool, shared: bool, report: 
         return;
     }
     let (shown, bits, uid) = (path.display(), st.mode & 0o7777, st.uid);
-    let ours = uid == nix::unistd::geteuid().as_raw();
-    if !ours {
+    if uid != nix::unistd::geteuid().as_raw() {
         report.add("files", Problem, format!("{shown} (mode {bits:03o}) belongs to uid {uid}, and you may not read and write it: they may 'chmod 666' it"));
         return;
     }
@@ -188,10 +187,9 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, repair: bool, shared: bool, report: 
     let fixed = format!("{shown} was mode {bits:03o}: now {want:03o}");
     match dir.chmod_at(name, want) {
         Ok(()) => report.add("files", Repaired, fixed),
-        Err(e) => report.add(
-            "files",
-            Problem,
-            format!("cannot give {shown} back its mode: {e}"),
-        ),
+        Err(e) => {
+            let detail = format!("cannot give {shown} back its mode: {e}");
+            report.add("files", Problem, detail);
+        }
     }
 }

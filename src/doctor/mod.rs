@@ -719,18 +719,14 @@ fn orphan_trees(
 
 /// Ready records whose trees are gone (deleted by hand): the image is gone.
 fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Report) {
-    if gone.is_empty() {
-        return;
-    }
     if !repair {
-        let names = list(gone);
-        let detail = match gone.len() {
-            1 => format!("{names} has a record but no tree; 'stowage doctor --repair' drops it"),
-            _ => format!(
-                "{names} have records but no tree; 'stowage doctor --repair' drops their records"
-            ),
+        let (have, them) = match gone.len() {
+            1 => ("has a record", "it"),
+            _ => ("have records", "their records"),
         };
-        report.add("images", Problem, detail);
+        report.naming("images", Problem, gone, |names| {
+            format!("{names} {have} but no tree; 'stowage doctor --repair' drops {them}")
+        });
         return;
     }
     let root = &ctx.root;
