@@ -29,10 +29,8 @@ pub struct Entry {
 impl Entry {
     /// The image's state as a reader must take it, if it has a record.
     pub fn state(&self) -> Option<State> {
-        self.seen
-            .record
-            .as_ref()
-            .map(|r| r.state_seen(self.writer_alive))
+        let record = self.seen.record.as_ref();
+        record.map(|r| r.state_seen(self.writer_alive))
     }
 
     pub fn name(&self) -> Option<&str> {

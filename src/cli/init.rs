@@ -135,9 +135,8 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
     let done = crate::sharing::repair(root, gid, crate::sharing::check(root, gid));
     if !done.fixed.is_empty() {
         let parts = crate::sharing::list(&done.fixed, 8);
-        store
-            .ctx()
-            .detail(&format!("gave group {label} and group write to {parts}"));
+        let said = format!("gave group {label} and group write to {parts}");
+        store.ctx().detail(&said);
     }
     let left: Vec<_> = done
         .not_ours

@@ -179,9 +179,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         .or_else(|| root.filesystem_now());
     let mut report = Report {
         root: root.dir().display().to_string(),
-        filesystem: fs_info
-            .as_ref()
-            .map_or_else(|| "unknown".into(), |f| f.name.clone()),
+        filesystem: fs_info.as_ref().map_or("unknown", |f| &f.name).to_owned(),
         locking: true,
         healthy: true,
         checks: Vec::new(),
@@ -241,9 +239,8 @@ fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> 
 /// user may not make the test file: nothing else can be checked.
 fn flock_works(root: &Root, report: &mut Report) -> bool {
     // Private to this process: two doctors at once must not test against each other's lock.
-    let probe = root
-        .locks()
-        .join(format!(".doctor.{:016x}.lock", crate::ident::nonce()));
+    let probe = format!(".doctor.{:016x}.lock", crate::ident::nonce());
+    let probe = root.locks().join(probe);
     match lock::opens_conflict(&probe) {
         Ok(true) => {
             let detail = "two opens of one file exclude each other";
