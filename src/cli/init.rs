@@ -344,15 +344,18 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     // lock directory, which outlives a lost configuration.
     let a_root =
         |p: &&Path| p.join(crate::config::FILE).exists() || p.join(Root::LOCKS_REL).is_dir();
-    let shown = dir.display();
+    let belongs = |at: &Path, what: String| {
+        let (shown, at) = (dir.display(), at.display());
+        anyhow::anyhow!(
+            "images directory {shown} belongs to the store at {at}: one images directory serves one store ({what})"
+        )
+    };
+    let use_root = |at: &Path| format!("use that root: --root {}", shell_path(at));
     if let Some(other) = dir.parent().filter(a_root)
         && dir.file_name().is_some_and(|n| n == "img")
         && other != root.dir()
     {
-        let (at, arg) = (other.display(), shell_path(other));
-        bail!(
-            "images directory {shown} belongs to the store at {at}: one images directory serves one store (use that root: --root {arg})"
-        );
+        return Err(belongs(other, use_root(other)));
     }
     let Ok(images) = crate::dir::Dir::open_nofollow(dir) else {
         return Ok(());
@@ -376,12 +379,9 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
         let arg = shell_path(dir);
         format!("a store that was here; gone for good? 'setfattr -x user.stowage.store {arg}'")
     } else {
-        format!("use that root: --root {}", shell_path(&theirs.path))
+        use_root(&theirs.path)
     };
-    let at = theirs.path.display();
-    bail!(
-        "images directory {shown} belongs to the store at {at}: one images directory serves one store ({what})"
-    )
+    Err(belongs(&theirs.path, what))
 }
 
 /// What init's last line says of the images it adopted, if any.

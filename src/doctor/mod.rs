@@ -6,6 +6,7 @@
 //!   an unusable catalog is set aside (never deleted) and made anew from the records.
 //! - An image whose state cannot be known (a damaged record) is reported, never removed.
 
+use std::collections::HashSet;
 use std::fs;
 use std::path::Path;
 
@@ -640,9 +641,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     if repair {
         crate::images_dir::record_identity(&root, &mut config, false)?;
     }
-    let mut named = std::collections::HashSet::new();
-    let mut foreign = Vec::new();
-    let mut gone = Vec::new();
+    let (mut named, mut foreign, mut gone) = (HashSet::new(), Vec::new(), Vec::new());
     for e in &entries {
         let Some(r) = e.seen.record.as_ref() else {
             // A record that cannot be read is still the image's: reported under "records". An
