@@ -8,6 +8,7 @@
 
 use std::collections::HashSet;
 use std::fs;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -175,7 +176,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     // where statfs says "fuse").
     let fs_info = fs::metadata(root.dir())
         .ok()
-        .and_then(|m| filesystem::lock_reach_of_device(std::os::unix::fs::MetadataExt::dev(&m)))
+        .and_then(|m| filesystem::lock_reach_of_device(m.dev()))
         .and_then(|(_, _, fs)| fs)
         .or_else(|| root.filesystem_now());
     let mut report = Report {
@@ -253,7 +254,14 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
         }
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
             let locks = root.locks();
-            let (owner, locks) = (owner_phrase(&locks), locks.display());
+            let (owner, locks) = (fs::metadata(&locks), locks.display());
+            let owner = match owner {
+                Ok(m) => {
+                    let (uid, gid, mode) = (m.uid(), m.gid(), m.mode() & 0o7777);
+                    format!("{locks} is owned by uid {uid}, group {gid}, mode {mode:o}")
+                }
+                Err(e) => format!("{locks}: {e}"),
+            };
             let advice = match crate::sharing::is_group_store(root.dir()) {
                 Some((gid, _)) if !crate::ident::in_group(gid) => {
                     "you are not in the store's group: ask its owner to add you to it"
@@ -300,18 +308,6 @@ fn mount_reach(root: &Root, report: &mut Report) {
                 report.add("mount", Verdict::Ok, format!("{at} ({fstype}) on {source}"));
             }
         }
-    }
-}
-
-fn owner_phrase(dir: &Path) -> String {
-    use std::os::unix::fs::MetadataExt;
-    let shown = dir.display();
-    match fs::metadata(dir) {
-        Ok(m) => {
-            let (uid, gid, mode) = (m.uid(), m.gid(), m.mode() & 0o7777);
-            format!("{shown} is owned by uid {uid}, group {gid}, mode {mode:o}")
-        }
-        Err(e) => format!("{shown}: {e}"),
     }
 }
 
