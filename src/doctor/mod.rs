@@ -109,7 +109,7 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
         .map_err(|e| crate::lock::error("the probe lock", &path, e))?
     else {
         let what = format!("the probe lock {}", path.display());
-        let holder = probe_holder(&probe_text(&path));
+        let holder = probe_holder(&probe_text(&path).unwrap_or_default());
         let holders = format!("held by another probe: {holder}");
         return Err(crate::error::Busy::now(what, holders).into());
     };
@@ -127,20 +127,17 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
 
 /// What the probe file says, read only from a regular file (a FIFO planted there and held would
 /// block a plain read for good).
-fn probe_text(path: &Path) -> String {
+fn probe_text(path: &Path) -> Option<String> {
     use std::os::unix::fs::OpenOptionsExt;
-    let read = || {
-        let file = fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(crate::planted::FLAGS)
-            .open(path)
-            .ok()?;
-        crate::planted::check(path, &file).ok()?;
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut std::io::Read::take(file, 4096), &mut text).ok()?;
-        Some(text)
-    };
-    read().unwrap_or_default()
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(crate::planted::FLAGS)
+        .open(path)
+        .ok()?;
+    crate::planted::check(path, &file).ok()?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(file, 4096), &mut text).ok()?;
+    Some(text)
 }
 
 /// Who the probe file's `text` says holds it.
@@ -158,7 +155,7 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
     let Ok(lock::Probe::Exclusive) = lock::probe(&path) else {
         return;
     };
-    let text = probe_text(&path);
+    let text = probe_text(&path).unwrap_or_default();
     let who = probe_holder(&text);
     if text.split('\t').next() == Some(ctx.me.host.as_str()) {
         report.add("probe", Info, format!("the probe lock is held on this host ({who}); run 'stowage doctor' on another host to test locks across hosts"));
