@@ -428,9 +428,8 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
         let images = crate::dir::Dir::open(dir)?;
         let identity = images
             .identity()
-            .context("cannot inspect the images directory")?;
-        config.identity = Some(identity);
-        config.root = None;
+            .context("cannot inspect the images directory");
+        (config.identity, config.root) = (Some(identity?), None);
         crate::config::write(root.dir(), &root.open()?, config)?;
         crate::debug::pause("init-switched");
         Ok(())
