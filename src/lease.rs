@@ -28,15 +28,23 @@ use crate::lock::{self, Guard, Mode};
 
 const SUFFIX: &str = ".lease";
 
-/// This process's lease.
+/// One of this process's leases: named at once, its file made at once or, announced late, later.
 #[derive(Debug)]
-pub struct Lease {
-    guard: Guard,
+struct Lease {
+    /// The leases directory of its root.
+    dir: PathBuf,
     name: String,
+    /// What it lists as held and awaited (the lines after its identity).
+    holdings: Vec<Holding>,
+    /// None until made.
+    file: Option<LeaseFile>,
+}
+
+#[derive(Debug)]
+struct LeaseFile {
+    guard: Guard,
     /// What the file says of its owner (the first lines).
     identity: String,
-    /// What it lists as held and awaited (the lines after).
-    holdings: Vec<Holding>,
     /// File size: a shorter text is padded with empty lines, not truncated (a request more on NFS).
     written: usize,
     /// The leases directory, opened once without following a link and kept
@@ -44,11 +52,16 @@ pub struct Lease {
     _dir: fs::File,
 }
 
-/// Our leases by directory, one per root used (a library caller may use several), until [`retire`].
-static MINE: Mutex<Vec<(PathBuf, Lease)>> = Mutex::new(Vec::new());
+/// Our leases, one per root used (a library caller may use several), until [`retire`].
+static MINE: Mutex<Vec<Lease>> = Mutex::new(Vec::new());
 
-fn mine_all() -> std::sync::MutexGuard<'static, Vec<(PathBuf, Lease)>> {
+fn mine_all() -> std::sync::MutexGuard<'static, Vec<Lease>> {
     MINE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Our made leases' files.
+fn files(all: &[Lease]) -> impl Iterator<Item = &LeaseFile> {
+    all.iter().filter_map(|l| l.file.as_ref())
 }
 
 /// How long after naming its lease an exec makes it, where it is announced late (module doc): an
@@ -61,20 +74,6 @@ pub fn announce_after() -> std::time::Duration {
 /// Whether this process announces its lease late (set by an exec; off once it is made).
 static LATE: AtomicBool = AtomicBool::new(false);
 
-/// A lease named but not made yet: its directory, name, and what it is to list.
-struct Named {
-    dir: PathBuf,
-    name: String,
-    holdings: Vec<Holding>,
-}
-
-/// Our leases named and not yet made (lock order: [`MINE`] first).
-static NAMED: Mutex<Vec<Named>> = Mutex::new(Vec::new());
-
-fn named_all() -> std::sync::MutexGuard<'static, Vec<Named>> {
-    NAMED.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// This process (an exec) announces its lease late where the store is on a shared filesystem.
 pub fn announce_late() {
     LATE.store(true, Relaxed);
@@ -84,19 +83,16 @@ pub fn announce_late() {
 /// (only named, where it is announced late: see the module doc).
 pub fn mine(leases: &Path) -> io::Result<String> {
     let mut all = mine_all();
-    if let Some((_, l)) = all.iter().find(|(d, _)| d == leases) {
+    if let Some(l) = all.iter().find(|l| l.dir == leases) {
         return Ok(l.name.clone());
     }
     if LATE.load(Relaxed) && lock::write_through_flag() != 0 {
-        let mut named = named_all();
-        if let Some(n) = named.iter().find(|n| n.dir == leases) {
-            return Ok(n.name.clone());
-        }
         let name = fresh_name(&crate::ident::Me::current());
-        named.push(Named {
+        all.push(Lease {
             dir: leases.to_owned(),
             name: name.clone(),
             holdings: Vec::new(),
+            file: None,
         });
         // Detached: the process may end first, and then nothing is announced. Threads start
         // after the exec's signal mask is set (exec.rs), so this one takes none of its signals.
@@ -109,7 +105,6 @@ pub fn mine(leases: &Path) -> io::Result<String> {
             })
             .is_err()
         {
-            drop(named);
             drop(all);
             announce();
         }
@@ -117,31 +112,30 @@ pub fn mine(leases: &Path) -> io::Result<String> {
     }
     let lease = create(leases)?;
     let name = lease.name.clone();
-    all.push((leases.to_owned(), lease));
+    all.push(lease);
     Ok(name)
 }
 
 /// Makes every lease named and not yet made, under its name, listing what it is to list; from
-/// now on leases are made at once. One that cannot be made is left unmade (only information: a
-/// look names its holder "unknown"; its name, told already, is a dead lease's).
+/// now on leases are made at once. One that cannot be made is dropped (only information: a look
+/// names its holder "unknown"; its name, told already, is a dead lease's).
 pub fn announce() {
     // Under MINE throughout: no lease is made or noted meanwhile by another thread.
     let mut all = mine_all();
     LATE.store(false, Relaxed);
-    let named = std::mem::take(&mut *named_all());
-    for n in named {
-        let made = open_leases_dir(&n.dir).and_then(|pinned| {
-            let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
-            let guard = lock_fresh(&via.join(&n.name))?;
-            Ok(guard
-                .map(|g| with_identity(g, n.name.clone(), &crate::ident::Me::current(), pinned)))
-        });
-        if let Ok(Some(mut lease)) = made {
-            lease.holdings = n.holdings;
-            lease.rewrite();
-            all.push((n.dir, lease));
+    all.retain_mut(|l| {
+        if l.file.is_some() {
+            return true;
         }
-    }
+        let made = open_leases_dir(&l.dir).and_then(|pinned| {
+            let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
+            let guard = lock_fresh(&via.join(&l.name))?;
+            Ok(guard.map(|g| with_identity(g, &crate::ident::Me::current(), pinned)))
+        });
+        l.file = made.ok().flatten();
+        l.rewrite();
+        l.file.is_some()
+    });
 }
 
 /// [`mine`], with the identity written if nothing was yet: a process (gc,
@@ -150,8 +144,8 @@ pub fn introduce(leases: &Path) -> io::Result<String> {
     announce();
     let name = mine(leases)?;
     let mut all = mine_all();
-    if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases)
-        && l.written == 0
+    if let Some(l) = all.iter_mut().find(|l| l.dir == leases)
+        && l.file.as_ref().is_some_and(|f| f.written == 0)
     {
         l.rewrite();
     }
@@ -160,26 +154,20 @@ pub fn introduce(leases: &Path) -> io::Result<String> {
 
 /// Our leases' descriptors, for the `--no-inherit` keeper, which holds them with the locks.
 pub fn raw_fds() -> Vec<RawFd> {
-    mine_all()
-        .iter()
-        .map(|(_, l)| l.guard.as_raw_fd())
-        .collect()
+    files(&mine_all()).map(|f| f.guard.as_raw_fd()).collect()
 }
 
 /// Whether a spawned command inherits the leases: exactly when it inherits the lock descriptors.
 pub fn set_inheritable(inherit: bool) -> io::Result<()> {
-    mine_all()
-        .iter()
-        .try_for_each(|(_, l)| l.guard.set_inheritable(inherit))
+    files(&mine_all()).try_for_each(|f| f.guard.set_inheritable(inherit))
 }
 
 /// Ends this process's leases once it is done with every lock: unlinks each
 /// file under its lock, then closes it (a dying one's go to [`clean_keeping`]).
 pub fn retire() {
-    named_all().clear();
     let all = std::mem::take(&mut *mine_all());
-    for (_, l) in all {
-        let _ = l.guard.unlink_lease();
+    for f in all.into_iter().filter_map(|l| l.file) {
+        let _ = f.guard.unlink_lease();
     }
 }
 
@@ -245,18 +233,22 @@ impl Holding {
 }
 
 impl Lease {
-    /// Writes identity and holdings over the file's start (only information: failing is harmless).
+    /// Writes identity and holdings over the file's start, if made (only information: failing is
+    /// harmless).
     fn rewrite(&mut self) {
         use std::os::unix::fs::FileExt;
-        let mut text = self.identity.clone();
+        let Some(f) = self.file.as_mut() else {
+            return;
+        };
+        let mut text = f.identity.clone();
         for h in &self.holdings {
             text.push_str(&h.line());
         }
-        if text.len() < self.written {
-            text.push_str(&"\n".repeat(self.written - text.len()));
+        if text.len() < f.written {
+            text.push_str(&"\n".repeat(f.written - text.len()));
         }
-        if self.guard.file().write_all_at(text.as_bytes(), 0).is_ok() {
-            self.written = text.len();
+        if f.guard.file().write_all_at(text.as_bytes(), 0).is_ok() {
+            f.written = text.len();
         }
     }
 }
@@ -277,12 +269,11 @@ pub fn note_all(leases: &Path, hs: Vec<Holding>) {
         return;
     }
     let mut all = mine_all();
-    if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases) {
-        if merge(&mut l.holdings, hs, l.written > 0) {
+    if let Some(l) = all.iter_mut().find(|l| l.dir == leases) {
+        let written = l.file.as_ref().is_some_and(|f| f.written > 0);
+        if merge(&mut l.holdings, hs, written) {
             l.rewrite();
         }
-    } else if let Some(n) = named_all().iter_mut().find(|n| n.dir == leases) {
-        merge(&mut n.holdings, hs, false);
     }
 }
 
@@ -318,7 +309,7 @@ static ENDING: AtomicBool = AtomicBool::new(false);
 /// Marks the process as ending (see `ENDING`): a lease not made yet never will be.
 pub fn ending() {
     ENDING.store(true, Relaxed);
-    named_all().clear();
+    mine_all().retain(|l| l.file.is_some());
 }
 
 /// Takes each of `lockfiles` out of this process's lease, in one write.
@@ -328,11 +319,8 @@ pub fn forget_all<S: AsRef<str>>(leases: &Path, lockfiles: impl IntoIterator<Ite
     }
     let lockfiles: Vec<S> = lockfiles.into_iter().collect();
     let listed = |o: &Holding| lockfiles.iter().any(|l| l.as_ref() == o.lockfile);
-    if let Some(n) = named_all().iter_mut().find(|n| n.dir == leases) {
-        n.holdings.retain(|o| !listed(o));
-    }
     let mut all = mine_all();
-    if let Some((_, l)) = all.iter_mut().find(|(d, _)| d == leases)
+    if let Some(l) = all.iter_mut().find(|l| l.dir == leases)
         && l.holdings.iter().any(listed)
     {
         l.holdings.retain(|o| !listed(o));
@@ -342,7 +330,7 @@ pub fn forget_all<S: AsRef<str>>(leases: &Path, lockfiles: impl IntoIterator<Ite
 
 /// Whether `name` is one of this process's own leases.
 pub fn is_mine(name: &str) -> bool {
-    mine_all().iter().any(|(_, l)| l.name == name) || named_all().iter().any(|n| n.name == name)
+    mine_all().iter().any(|l| l.name == name)
 }
 
 /// The boot part of a lease name: the first 8 hex digits of the boot id.
@@ -369,7 +357,12 @@ fn create(dir: &Path) -> io::Result<Lease> {
             io::Error::new(e.kind(), msg)
         })?;
         if let Some(guard) = fresh {
-            return Ok(with_identity(guard, name, &me, pinned));
+            return Ok(Lease {
+                dir: dir.to_owned(),
+                name,
+                holdings: Vec::new(),
+                file: Some(with_identity(guard, &me, pinned)),
+            });
         }
     }
     Err(io::Error::other(format!(
@@ -442,7 +435,7 @@ fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
 
 /// The lease held by `guard`; its identity is written with the first lock it lists ([`note`],
 /// [`introduce`]): one write, not two. Probers leave it until then (unwritten, it is its maker's).
-fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::File) -> Lease {
+fn with_identity(guard: Guard, me: &crate::ident::Me, dir: fs::File) -> LeaseFile {
     // Leases of the execs we run inside (nested.rs), so `lock-status --why` follows nested calls.
     let within = std::env::var(crate::env::EXEC_LEASES).unwrap_or_default();
     let text = format!(
@@ -463,11 +456,9 @@ fn with_identity(guard: Guard, name: String, me: &crate::ident::Me, dir: fs::Fil
         crate::clock::now_ms(),
         within.replace('\n', ""),
     );
-    Lease {
+    LeaseFile {
         guard,
-        name,
         identity: text,
-        holdings: Vec::new(),
         written: 0,
         _dir: dir,
     }
@@ -707,9 +698,8 @@ pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize
     let now = std::cell::OnceCell::new();
     let fs_now = || {
         *now.get_or_init(|| {
-            let own = mine_all()
-                .iter()
-                .filter_map(|(_, l)| l.guard.file().metadata().ok())
+            let own = files(&mine_all())
+                .filter_map(|f| f.guard.file().metadata().ok())
                 .filter_map(|m| changed(&m))
                 .max();
             let dir = std::fs::metadata(&pinned).ok().and_then(|m| changed(&m));
