@@ -120,7 +120,7 @@ impl Party {
     }
 
     /// A holder nothing names (another host's flock(1), or one a pid namespace hides).
-    fn unknown(mode: Mode) -> Party {
+    pub fn unknown(mode: Mode) -> Party {
         Party {
             pid: None,
             host: None,
@@ -216,9 +216,8 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// Reports many locks at once without waiting for each ([`Look::held_by_whom`]): each lock
-    /// held that no lease lists yet is noted instead, for the caller to look at again after one
-    /// wait of [`LIST_GRACE`] for them all ([`Look::deferred`]).
+    /// Reports many locks without waiting for each ([`Look::held_by_whom`]): a lock held that no
+    /// lease lists yet is noted instead ([`Look::deferred`]), to look at again after one wait.
     pub fn deferring(&self) {
         *self.deferred.borrow_mut() = Some(Vec::new());
     }
@@ -233,9 +232,8 @@ impl<'c> Look<'c> {
         self.pause(LIST_GRACE);
     }
 
-    /// Whether anyone holds the lock at `path`: asked without taking it where the filesystem answers
-    /// such a query for every host (then no other host's look finds this one holding it), else by
-    /// a try-lock.
+    /// Whether anyone holds the lock at `path`: queried without taking it where the filesystem
+    /// answers for every host (no other host's look then sees us holding it), else by a try-lock.
     fn probe(&self, path: &Path) -> Probe {
         crate::lock::look(path, self.ctx.root.lock_queries()).unwrap_or(Probe::Free)
     }
@@ -293,7 +291,7 @@ impl<'c> Look<'c> {
         )
     }
 
-    /// The pid (in our namespace) holding a lease: its owner, which took its other locks too.
+    /// The pid (in our namespace) holding a lease: its owner.
     fn taker(&self, id: &Identity) -> Option<u32> {
         taker_in(self.table.as_ref()?, self.kdev?, id)
     }
@@ -371,15 +369,19 @@ impl<'c> Look<'c> {
     /// Whether a fresh read of the table (once per look) still shows `e` on
     /// the file at `path`: a process nothing explains may have ended since.
     fn still_there(&self, path: &Path, e: &Entry) -> bool {
-        let (Some(kdev), Ok(m)) = (self.kdev, std::fs::symlink_metadata(path)) else {
+        let Some(key) = self.key_of(path) else {
             return true;
         };
         let mut fresh = self.fresh.borrow_mut();
         let table = fresh.get_or_insert_with(|| crate::kernel::read_table().ok());
-        table.as_ref().is_none_or(|t| {
-            t.get(&(kdev, m.ino()))
-                .is_some_and(|es| es.iter().any(|x| x == e))
-        })
+        table
+            .as_ref()
+            .is_none_or(|t| t.get(&key).is_some_and(|es| es.contains(e)))
+    }
+
+    /// The lock table's key for the file at `path`: (device, inode).
+    fn key_of(&self, path: &Path) -> Option<(u64, u64)> {
+        Some((self.kdev?, std::fs::symlink_metadata(path).ok()?.ino()))
     }
 
     /// Unlinks gone owners' leases (under the exclusive lock, not waited for), but keeps a dead one
@@ -460,20 +462,17 @@ impl<'c> Look<'c> {
     /// inherited from a dead taker of that pid): `Some(false)` also if no process has the pid,
     /// `None` if that cannot be told (another user's process, no table).
     fn pid_holds(&self, pid: u32, path: &Path) -> Option<bool> {
-        let (Some(kdev), Ok(m)) = (self.kdev, std::fs::symlink_metadata(path)) else {
-            return None;
-        };
+        let key = self.key_of(path)?;
         let mut cache = self.fd_locks.borrow_mut();
         let held = cache
             .entry(pid)
             .or_insert_with(|| crate::kernel::locks_through_own_fds(pid));
-        held.as_ref().map(|h| h.contains(&(kdev, m.ino())))
+        held.as_ref().map(|h| h.contains(&key))
     }
 
     fn entries(&self, path: &Path) -> Option<Vec<Entry>> {
-        let (table, kdev) = (self.table.as_ref()?, self.kdev?);
-        let ino = std::fs::symlink_metadata(path).ok()?.ino();
-        Some(table.get(&(kdev, ino)).cloned().unwrap_or_default())
+        let (table, key) = (self.table.as_ref()?, self.key_of(path)?);
+        Some(table.get(&key).cloned().unwrap_or_default())
     }
 
     /// The report on one lock file (`rel`: relative to `locks/`).
@@ -582,12 +581,9 @@ impl<'c> Look<'c> {
             None if id.pid_is_ours() => id.pid.filter(|&p| id.owner_is(p) != Some(false)),
             None => id.pid,
         };
-        let this_host = id.host == self.ctx.me.host
-            && id.boot_id.is_some()
-            && id.boot_id == self.ctx.me.boot_id;
         party.pid_space = if taker.is_some() || id.pid_is_ours() {
             PidSpace::Here
-        } else if this_host {
+        } else if id.this_boot() {
             PidSpace::OtherNamespace
         } else {
             PidSpace::ItsHost

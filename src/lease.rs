@@ -567,11 +567,7 @@ impl Identity {
     /// start: `None` where that cannot be told (another host, boot or time namespace, a lease
     /// without its start).
     pub fn owner_is(&self, pid: u32) -> Option<bool> {
-        let me = crate::ident::Me::current();
-        if self.host != me.host || self.boot_id.is_none() || self.boot_id != me.boot_id {
-            return None;
-        }
-        if self.time_ns.is_some() && self.time_ns != namespace("time") {
+        if !self.this_boot() || (self.time_ns.is_some() && self.time_ns != namespace("time")) {
             return None;
         }
         let start = self.start?;
@@ -580,12 +576,13 @@ impl Identity {
 
     /// Whether the owner's pid means the same process to us: same host, boot and pid namespace.
     pub fn pid_is_ours(&self) -> bool {
+        self.this_boot() && self.pid_ns.is_some() && self.pid_ns == namespace("pid")
+    }
+
+    /// Whether the owner runs on this host, in this boot.
+    pub fn this_boot(&self) -> bool {
         let me = crate::ident::Me::current();
-        self.host == me.host
-            && self.boot_id.is_some()
-            && self.boot_id == me.boot_id
-            && self.pid_ns.is_some()
-            && self.pid_ns == namespace("pid")
+        self.host == me.host && self.boot_id.is_some() && self.boot_id == me.boot_id
     }
 }
 

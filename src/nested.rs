@@ -152,16 +152,6 @@ fn chain_of(pid: u32) -> Vec<u32> {
     std::iter::once(pid).chain(ancestors_of(pid)).collect()
 }
 
-/// What the live leases of our enclosing execs list as held ([`enclosing`]).
-pub fn enclosing_holds(root: &Root) -> Vec<Holding> {
-    enclosing(root).holds
-}
-
-/// How an enclosing exec holds the lock file `rel` (relative to `locks/`), if one does.
-pub fn enclosing_hold(root: &Root, rel: &str) -> Option<Mode> {
-    enclosing(root).hold(rel)
-}
-
 /// The holds of live leases owned by our ancestors, by a pid that is ours (module doc): enclosing
 /// execs whose naming environment was cleared (`env -i`, sudo) and descriptors not inherited
 /// (`--no-inherit`). Reads every lease: asked only when a hold would be waited for.
@@ -295,5 +285,5 @@ pub fn ancestors_of(mut pid: u32) -> Vec<u32> {
 
 /// Whether an enclosing exec holds the store-wide lock: we run inside a store-wide command.
 pub fn inside_store_wide(root: &Root) -> bool {
-    enclosing_hold(root, Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive)
+    enclosing(root).hold(Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive)
 }

@@ -63,7 +63,7 @@ pub fn probe(root: &Root) -> Result<Probe> {
 fn inside(root: &Root) -> bool {
     let ours =
         |h: &Holding| h.lockfile == Root::STORE_WIDE_LOCK_REL || h.lockfile.starts_with("images/");
-    crate::nested::enclosing_holds(root).iter().any(ours)
+    crate::nested::enclosing(root).holds.iter().any(ours)
         || crate::nested::ancestor_holds(root).iter().any(ours)
 }
 
@@ -120,7 +120,8 @@ impl Hold {
             .into());
         }
         // Inside an image user's command, a hold already waiting (for that user) would wait for us.
-        let under_image = crate::nested::enclosing_holds(root)
+        let under_image = crate::nested::enclosing(root)
+            .holds
             .iter()
             .any(|h| h.lockfile.starts_with("images/"));
         let hold = match Hold::take_raw(store, command, deadline, no_wait || under_image) {

@@ -187,10 +187,8 @@ impl Graph {
             .iter()
             .filter(|w| key(w) != hkey)
             .filter(|w| {
-                let by_lease = match (&w.lease, &holder.lease) {
-                    (Some(wl), Some(hl)) => self.within.get(wl).is_some_and(|v| v.contains(hl)),
-                    _ => false,
-                };
+                let by_lease = (w.lease.as_ref().zip(holder.lease.as_ref()))
+                    .is_some_and(|(wl, hl)| self.within.get(wl).is_some_and(|v| v.contains(hl)));
                 let by_pid = self.is_local(w)
                     && self.is_local(holder)
                     && w.pid

@@ -212,16 +212,6 @@ pub fn span(secs: u64) -> String {
     }
 }
 
-/// The line cut to the terminal's width: a wrapped line cannot be rewritten.
-fn fit(line: &str) -> String {
-    let width = line_width();
-    if line.chars().count() <= width {
-        return line.to_owned();
-    }
-    let cut: String = line.chars().take(width - 1).collect();
-    format!("{cut}…")
-}
-
 /// The widest line stderr's terminal shows without wrapping (of 80 columns if it says none).
 fn line_width() -> usize {
     // SAFETY: TIOCGWINSZ fills a winsize struct we own.
@@ -234,7 +224,9 @@ fn line_width() -> usize {
 /// Shows `text`: rewritten in place with `redraw` (on a terminal), else as a line of its own.
 fn show(redraw: bool, text: &str) {
     if redraw {
-        say(&format!("\r{}\x1b[K", fit(text)));
+        // Cut to the terminal's width: a wrapped line cannot be rewritten.
+        let fit = crate::ident::shortened(text, line_width());
+        say(&format!("\r{fit}\x1b[K"));
     } else {
         say(&format!("{text}\n"));
     }
@@ -269,14 +261,10 @@ mod tests {
         let holder = Party {
             pid: Some(10813),
             host: Some("vm".into()),
-            user: None,
-            mode: crate::lock::Mode::Exclusive,
             command: Some("ch-image build --force -t app -f Dockerfile.app .".into()),
             since: Some(clock::now_ms()),
             stowage: Some(true),
-            lease: None,
-            reading: false,
-            pid_space: crate::holders::PidSpace::Here,
+            ..Party::unknown(crate::lock::Mode::Exclusive)
         };
         let mut line = Line {
             what: "read lock on image 'registry.example.com/app'".into(),

@@ -296,7 +296,9 @@ fn try_image(root: &Root, name: &ImageName, mode: Mode, create: bool) -> io::Res
             }
             // Our enclosing command reads the image: the writer waits for it, queueing is a cycle.
             Ok(None)
-                if crate::nested::enclosing_hold(root, &Root::image_lock_rel(name)).is_some() => {}
+                if crate::nested::enclosing(root)
+                    .hold(&Root::image_lock_rel(name))
+                    .is_some() => {}
             Ok(None) => return Ok(Tried::WriterWaiting),
             Err(e) => return Err(e),
         }
