@@ -181,9 +181,8 @@ pub struct Look<'c> {
     owned: RefCell<Option<HashSet<(u32, u64)>>>,
     /// How long this look has waited for holders to list their locks.
     waited: Cell<std::time::Duration>,
-    /// While set ([`Look::deferring`]), a held lock no lease lists is read once, not waited for,
-    /// and noted here (its file relative to `locks/`) for the caller to look at again.
-    deferred: RefCell<Option<Vec<String>>>,
+    /// While set ([`Look::deferring`]), a held lock no lease lists is read once, not waited for.
+    deferring: Cell<bool>,
 }
 
 impl<'c> Look<'c> {
@@ -192,8 +191,7 @@ impl<'c> Look<'c> {
     pub fn new(ctx: &'c Ctx) -> Look<'c> {
         let root = &ctx.root;
         let leases_dir = root.leases();
-        let listing = crate::lease::listing(&leases_dir);
-        let said = read_leases(&leases_dir, listing.names.iter());
+        let said = read_leases(&leases_dir, |_| true);
         let local = root.filesystem_now().is_some_and(|f| f.local);
         let kdev = local
             .then(|| crate::kernel::device_of(&root.locks()))
@@ -212,22 +210,19 @@ impl<'c> Look<'c> {
             fd_locks: RefCell::new(HashMap::new()),
             owned: RefCell::new(None),
             waited: Cell::new(std::time::Duration::ZERO),
-            deferred: RefCell::new(None),
+            deferring: Cell::new(false),
         }
     }
 
-    /// Reports many locks without waiting for each ([`Look::held_by_whom`]): a lock held that no
-    /// lease lists yet is noted instead ([`Look::deferred`]), to look at again after one wait.
-    pub fn deferring(&self) {
-        *self.deferred.borrow_mut() = Some(Vec::new());
+    /// Reports many locks without waiting for each ([`Look::held_by_whom`]), where no table names
+    /// holders (which it says): a lock held that no lease lists yet shows one holder without a
+    /// lease, to look at again after [`Look::wait_for_listing`].
+    pub fn deferring(&self, on: bool) -> bool {
+        self.deferring.set(on && self.table.is_none());
+        self.deferring.get()
     }
 
-    /// Ends [`Look::deferring`]: the locks noted, relative to `locks/`.
-    pub fn deferred(&self) -> Vec<String> {
-        self.deferred.borrow_mut().take().unwrap_or_default()
-    }
-
-    /// The one wait for the locks [`Look::deferred`] noted, counted in the look's budget.
+    /// The one wait for the locks held that no lease listed while deferring, counted in the budget.
     pub fn wait_for_listing(&self) {
         self.pause(LIST_GRACE);
     }
@@ -311,9 +306,7 @@ impl<'c> Look<'c> {
         }
         let mut later = self.later.borrow_mut();
         let more = later.get_or_insert_with(|| {
-            let listing = crate::lease::listing(&self.leases_dir);
-            let made_since = |n: &&String| !self.said.iter().any(|(s, _)| s == *n);
-            read_leases(&self.leases_dir, listing.names.iter().filter(made_since))
+            read_leases(&self.leases_dir, |n| !self.said.iter().any(|(s, _)| s == n))
         });
         if let Some(f) = more.iter().find(|l| owns(table, l)) {
             return Some(f.clone());
@@ -348,12 +341,7 @@ impl<'c> Look<'c> {
     /// The live leases listing `rel` as held in `mode` now (read afresh, once per look).
     fn listing_now(&self, rel: &str, mode: Mode, entries: Option<&[Entry]>) -> Vec<Party> {
         let mut reread = self.reread.borrow_mut();
-        let all = reread.get_or_insert_with(|| {
-            read_leases(
-                &self.leases_dir,
-                crate::lease::listing(&self.leases_dir).names.iter(),
-            )
-        });
+        let all = reread.get_or_insert_with(|| read_leases(&self.leases_dir, |_| true));
         all.iter()
             .filter(|(n, _)| self.alive(n))
             .flat_map(|(n, id)| {
@@ -656,10 +644,9 @@ impl<'c> Look<'c> {
         entries: Option<&[Entry]>,
     ) -> (Probe, Vec<Party>) {
         let mut holders = Vec::new();
-        let deferring = self.deferred.borrow().is_some() && self.table.is_none();
         // Sleeps stop at WAIT_BUDGET in all, or many locks held outside stowage on a shared
         // filesystem would each cost them; past it, one read each.
-        let tries = if deferring { 1 } else { 5 };
+        let tries = if self.deferring.get() { 1 } else { 5 };
         for attempt in 0..tries {
             self.reread.borrow_mut().take();
             if attempt > 0 {
@@ -678,9 +665,6 @@ impl<'c> Look<'c> {
             }
         }
         if holders.is_empty() {
-            if let Some(noted) = self.deferred.borrow_mut().as_mut().filter(|_| deferring) {
-                noted.push(rel.to_owned());
-            }
             holders.push(Party::unknown(held_mode(state)));
         }
         (state, holders)
@@ -725,9 +709,10 @@ impl<'c> Look<'c> {
     }
 }
 
-/// What each of the leases `names` in `dir` says (those that can be read).
-fn read_leases<'a>(dir: &Path, names: impl Iterator<Item = &'a String>) -> Vec<Leased> {
-    let read = |n: &String| crate::lease::identity(dir, n).map(|id| (n.clone(), id));
+/// What each lease in `dir` that `wanted` names says (those that can be read).
+fn read_leases(dir: &Path, wanted: impl Fn(&str) -> bool) -> Vec<Leased> {
+    let names = crate::lease::listing(dir).into_iter().filter(|n| wanted(n));
+    let read = |n: String| crate::lease::identity(dir, &n).map(|id| (n, id));
     names.filter_map(read).collect()
 }
 

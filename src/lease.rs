@@ -59,6 +59,13 @@ fn mine_all() -> std::sync::MutexGuard<'static, Vec<Lease>> {
     MINE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Runs `f` on our lease in `leases`, if there is one.
+fn with_lease(leases: &Path, f: impl FnOnce(&mut Lease)) {
+    if let Some(l) = mine_all().iter_mut().find(|l| l.dir == leases) {
+        f(l);
+    }
+}
+
 /// Our made leases' files.
 fn files(all: &[Lease]) -> impl Iterator<Item = &LeaseFile> {
     all.iter().filter_map(|l| l.file.as_ref())
@@ -138,17 +145,16 @@ pub fn announce() {
     });
 }
 
-/// [`mine`], with the identity written if nothing was yet: a process (gc,
-/// rm) that lists locks only while removing an image is named between.
+/// [`mine`], with the identity written if nothing was yet: a process (gc, rm) that lists locks
+/// only while removing an image is named between.
 pub fn introduce(leases: &Path) -> io::Result<String> {
     announce();
     let name = mine(leases)?;
-    let mut all = mine_all();
-    if let Some(l) = all.iter_mut().find(|l| l.dir == leases)
-        && l.file.as_ref().is_some_and(|f| f.written == 0)
-    {
-        l.rewrite();
-    }
+    with_lease(leases, |l| {
+        if l.file.as_ref().is_some_and(|f| f.written == 0) {
+            l.rewrite();
+        }
+    });
     Ok(name)
 }
 
@@ -162,8 +168,8 @@ pub fn set_inheritable(inherit: bool) -> io::Result<()> {
     files(&mine_all()).try_for_each(|f| f.guard.set_inheritable(inherit))
 }
 
-/// Ends this process's leases once it is done with every lock: unlinks each
-/// file under its lock, then closes it (a dying one's go to [`clean_keeping`]).
+/// Ends this process's leases once it is done with every lock: unlinks each file under its lock,
+/// then closes it (a dying one's go to [`clean_keeping`]).
 pub fn retire() {
     let all = std::mem::take(&mut *mine_all());
     for f in all.into_iter().filter_map(|l| l.file) {
@@ -233,8 +239,7 @@ impl Holding {
 }
 
 impl Lease {
-    /// Writes identity and holdings over the file's start, if made (only information: failing is
-    /// harmless).
+    /// Writes identity and holdings over the made file's start (failing is harmless: information).
     fn rewrite(&mut self) {
         use std::os::unix::fs::FileExt;
         let Some(f) = self.file.as_mut() else {
@@ -268,33 +273,26 @@ pub fn note_all(leases: &Path, hs: Vec<Holding>) {
     if hs.is_empty() || mine(leases).is_err() {
         return;
     }
-    let mut all = mine_all();
-    if let Some(l) = all.iter_mut().find(|l| l.dir == leases) {
+    with_lease(leases, |l| {
         let written = l.file.as_ref().is_some_and(|f| f.written > 0);
-        if merge(&mut l.holdings, hs, written) {
+        let mut changed = false;
+        for h in hs {
+            // Listed already as it is (announced before the lock was taken): nothing to write.
+            let same = |o: &Holding| {
+                (&o.lockfile, o.mode, o.awaits, o.reading, &o.command)
+                    == (&h.lockfile, h.mode, h.awaits, h.reading, &h.command)
+            };
+            if written && l.holdings.iter().any(same) {
+                continue;
+            }
+            l.holdings.retain(|o| o.lockfile != h.lockfile);
+            l.holdings.push(h);
+            changed = true;
+        }
+        if changed {
             l.rewrite();
         }
-    }
-}
-
-/// Lists each of `hs` in `holdings`, replacing any entry for its lock; whether anything changed.
-/// `written`: the lease says `holdings` already, so one listed as it is needs no write.
-fn merge(holdings: &mut Vec<Holding>, hs: Vec<Holding>, written: bool) -> bool {
-    let mut changed = false;
-    for h in hs {
-        // Listed already as it is (announced before the lock was taken): nothing to write.
-        let same = |o: &Holding| {
-            (&o.lockfile, o.mode, o.awaits, o.reading, &o.command)
-                == (&h.lockfile, h.mode, h.awaits, h.reading, &h.command)
-        };
-        if written && holdings.iter().any(same) {
-            continue;
-        }
-        holdings.retain(|o| o.lockfile != h.lockfile);
-        holdings.push(h);
-        changed = true;
-    }
-    changed
+    });
 }
 
 /// Takes the lock file `lockfile` out of this process's lease.
@@ -319,13 +317,12 @@ pub fn forget_all<S: AsRef<str>>(leases: &Path, lockfiles: impl IntoIterator<Ite
     }
     let lockfiles: Vec<S> = lockfiles.into_iter().collect();
     let listed = |o: &Holding| lockfiles.iter().any(|l| l.as_ref() == o.lockfile);
-    let mut all = mine_all();
-    if let Some(l) = all.iter_mut().find(|l| l.dir == leases)
-        && l.holdings.iter().any(listed)
-    {
-        l.holdings.retain(|o| !listed(o));
-        l.rewrite();
-    }
+    with_lease(leases, |l| {
+        if l.holdings.iter().any(listed) {
+            l.holdings.retain(|o| !listed(o));
+            l.rewrite();
+        }
+    });
 }
 
 /// Whether `name` is one of this process's own leases.
@@ -645,27 +642,20 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
     Some(id)
 }
 
-/// The leases directory as one look listed it.
-pub struct Listing {
-    /// None when the directory could not be opened (no lease yet).
-    pub dir: Option<crate::dir::Dir>,
-    pub names: Vec<String>,
+/// The lease file names in `leases` (none if it cannot be opened: no lease yet).
+pub fn listing(leases: &Path) -> Vec<String> {
+    crate::dir::Dir::open_in_root(leases)
+        .ok()
+        .map_or_else(Vec::new, |d| names_in(&d))
 }
 
-/// The lease file names in `leases`, listed through a descriptor that
-/// refused a symlink in the directory's place (kept for [`clean_keeping`]).
-pub fn listing(leases: &Path) -> Listing {
-    let dir = crate::dir::Dir::open_in_root(leases).ok();
-    let names = dir.as_ref().and_then(|d| d.names().ok()).map(|ns| {
-        ns.into_iter()
-            .filter_map(|n| n.into_string().ok())
-            .filter(|n| valid_name(n))
-            .collect()
-    });
-    Listing {
-        dir,
-        names: names.unwrap_or_default(),
-    }
+/// The lease file names in `dir`, opened refusing a symlink in its place.
+fn names_in(dir: &crate::dir::Dir) -> Vec<String> {
+    let names = dir.names().unwrap_or_default().into_iter();
+    names
+        .filter_map(|n| n.into_string().ok())
+        .filter(|n| valid_name(n))
+        .collect()
 }
 
 /// Whether lease `name` belongs to a live owner (its owner holds it locked). A name that is not a
@@ -682,10 +672,9 @@ fn valid_name(name: &str) -> bool {
 /// loses it to us retries), except those `keep` accepts: dead leases that may still name a holder
 /// (`holders::Look::clean_leases`). Returns how many went. Call under the global lock, where no
 /// other stowage probes. Reached through the descriptor that refused a symlink in the directory's
-/// place ([`listing`]): no swap steers the unlinks elsewhere.
+/// place: no swap steers the unlinks elsewhere.
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
-    let listed = listing(leases);
-    let Some(dir) = listed.dir else {
+    let Ok(dir) = crate::dir::Dir::open_in_root(leases) else {
         return 0;
     };
     let pinned = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
@@ -704,7 +693,7 @@ pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize
         })
     };
     let mut gone = 0;
-    for name in &listed.names {
+    for name in &names_in(&dir) {
         if !valid_name(name) || is_mine(name) {
             continue;
         }

@@ -167,7 +167,6 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
         return out;
     }
     let ids: Vec<Identity> = crate::lease::listing(leases)
-        .names
         .iter()
         .filter(|n| !crate::lease::is_mine(n))
         .filter_map(|n| Some((n, crate::lease::identity(leases, n)?)))

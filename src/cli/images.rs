@@ -43,7 +43,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     images.sort_by(|a, b| a.name().cmp(b.name()));
     let look = Look::new(store.ctx());
     // Whether each is in use, not by whom: a lock no lease explains is not waited on to name it.
-    look.deferring();
+    look.deferring(true);
     let in_use: HashSet<&str> = images
         .iter()
         .filter(|i| {
@@ -53,7 +53,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         })
         .map(Image::name)
         .collect();
-    look.deferred();
+    look.deferring(false);
     let sharing = Sharing::measure(store, &images);
     if args.json {
         let out: Vec<ImageJson> = images

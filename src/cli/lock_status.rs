@@ -245,7 +245,7 @@ fn image_lock_files(look: &Look, root: &Root, sel: &Selection) -> Result<Files> 
 fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec<LockReport> {
     // Locks held that no lease lists yet are looked at again together, once their holders have
     // had their moment to list them: one wait, not one a lock.
-    look.deferring();
+    let deferring = look.deferring(true);
     let mut reports: Vec<(String, Option<String>, LockReport)> = files
         .into_iter()
         .map(|(file, asked)| {
@@ -253,17 +253,14 @@ fn image_reports(look: &Look, root: &Root, sel: &Selection, files: Files) -> Vec
             (file, asked, r)
         })
         .collect();
-    let again = look.deferred();
-    if !again.is_empty() {
+    let unlisted = |r: &LockReport| deferring && r.holders.iter().any(|p| p.lease.is_none());
+    if reports.iter().any(|(_, _, r)| unlisted(r)) {
         look.wait_for_listing();
-        look.deferring();
-        for (file, asked, r) in reports.iter_mut() {
-            if again.contains(&format!("images/{file}")) {
-                *r = image_report(look, root, file, asked.clone());
-            }
+        for (file, asked, r) in reports.iter_mut().filter(|(_, _, r)| unlisted(r)) {
+            *r = image_report(look, root, file, asked.clone());
         }
-        look.deferred();
     }
+    look.deferring(false);
     let mut images = Vec::new();
     // A file asked for is a named image's: shown whatever its state.
     for (_, asked, r) in reports {
