@@ -58,8 +58,7 @@ pub struct Party {
     /// Whether stowage started the process: false for a lock taken outside stowage; None where
     /// nothing tells (a holder on another host that no lease names, or one a pid namespace hides).
     pub stowage: Option<bool>,
-    /// The lease that names the party (its file name under `ROOT/locks/leases`, proving it alive);
-    /// None for an outsider.
+    /// The lease that names the party (its file name under `ROOT/locks/leases`); None for outsiders.
     pub lease: Option<String>,
     /// An exclusive lock taken only to read (`--read-exclusive`).
     #[serde(skip)]
@@ -186,8 +185,8 @@ pub struct Look<'c> {
 }
 
 impl<'c> Look<'c> {
-    /// Reads the leases, then (on a local filesystem) the lock table: a
-    /// holder the table shows made its lease before its lock, so it is listed.
+    /// Reads the leases, then (on a local filesystem) the lock table: a holder the table shows made
+    /// its lease before its lock, so it is listed.
     pub fn new(ctx: &'c Ctx) -> Look<'c> {
         let root = &ctx.root;
         let leases_dir = root.leases();
@@ -256,8 +255,7 @@ impl<'c> Look<'c> {
     /// Every lock file (relative to `locks/`) a live lease lists, as often as listed.
     pub fn leased_lockfiles(&self) -> impl Iterator<Item = &str> {
         // Without a table, a dead lease (kept while a lock it lists is held) is all that tells of a
-        // lock a command whose stowage died holds (announced late, its lease was never the
-        // command's): listed, its holder unknown (it may be anyone's since).
+        // lock held by a command whose stowage died: listed, its holder unknown.
         self.said
             .iter()
             .filter(|(n, id)| !id.holdings.is_empty() && (self.table.is_none() || self.alive(n)))
@@ -291,9 +289,8 @@ impl<'c> Look<'c> {
         taker_in(self.table.as_ref()?, self.kdev?, id)
     }
 
-    /// The live lease whose owner the table shows as `pid` (still the process
-    /// at that pid): among those listed, else those made since (read once),
-    /// else in a fresh table read that still shows `e` on the lock at `path`.
+    /// The live lease whose owner the table shows as `e`'s pid (still the process at that pid):
+    /// among those listed, else those made since, else in a fresh table still showing `e`.
     fn lease_of_pid(&self, path: &Path, e: &Entry) -> Option<Leased> {
         let (pid, table, kdev) = (e.pid?, self.table.as_ref()?, self.kdev?);
         let owns = |table: &Table, (n, id): &&Leased| {
@@ -325,9 +322,8 @@ impl<'c> Look<'c> {
             .cloned()
     }
 
-    /// Whether the table shows the owner of lease `id` (by its lease's lock)
-    /// but none of its entries in `entries` in the mode the held line `h`
-    /// lists: the line outlived its lock (a removal gone on, a process ending).
+    /// Whether the table shows lease `id`'s owner but none of its entries in `entries` in the mode
+    /// the held line `h` lists: the line outlived its lock (a removal gone on, a process ending).
     fn outlived(&self, id: &Identity, h: &Holding, entries: Option<&[Entry]>) -> bool {
         let (Some(es), Some(taker)) = (entries, self.taker(id)) else {
             return false;
@@ -354,8 +350,8 @@ impl<'c> Look<'c> {
             .collect()
     }
 
-    /// Whether a fresh read of the table (once per look) still shows `e` on
-    /// the file at `path`: a process nothing explains may have ended since.
+    /// Whether a fresh read of the table (once per look) still shows `e` on the file at `path`: a
+    /// process nothing explains may have ended since.
     fn still_there(&self, path: &Path, e: &Entry) -> bool {
         let Some(key) = self.key_of(path) else {
             return true;
@@ -372,10 +368,9 @@ impl<'c> Look<'c> {
         Some((self.kdev?, std::fs::symlink_metadata(path).ok()?.ino()))
     }
 
-    /// Unlinks gone owners' leases (under the exclusive lock, not waited for), but keeps a dead one
-    /// that may still name a holder (a command that closed its inherited lease, its stowage gone):
-    /// while the table shows a lock it lists held by its owner's pid (not a later process given
-    /// that pid), or, with no table, while a lock it lists is held at all. Returns how many went.
+    /// Unlinks gone owners' leases, but keeps a dead one that may still name a holder (a command
+    /// that closed its inherited lease, its stowage gone): while a lock it lists is held by its
+    /// owner's pid, or (no table) held at all. Returns how many went.
     pub fn clean_leases(&self) -> usize {
         let locks = self.ctx.root.locks();
         let listed_live: HashSet<(&str, Mode)> = self
@@ -398,20 +393,17 @@ impl<'c> Look<'c> {
                     .entries(&path)
                     .filter(|_| crate::kernel::shows_every_holder());
                 match (pid, table) {
-                    // Still held under its owner's pid (whoever has it now
-                    // may hold it too: a shared lock's entries of one pid are one).
+                    // Held under its owner's pid (a shared lock's entries of one pid are one).
                     (Some(pid), Some(es)) => es
                         .iter()
                         .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(pid)),
-                    // Its pid means nothing here (another host or pid
-                    // namespace): a holder no live lease explains.
+                    // Its pid means nothing here: a holder no live lease explains.
                     (None, Some(es)) => {
                         let ino = std::fs::symlink_metadata(&path).map_or(0, |m| m.ino());
                         es.iter()
                             .any(|e| !e.blocked && e.mode == h.mode && !self.explained(e, ino))
                     }
-                    // No table can tell (a shared filesystem, a child pid
-                    // namespace): held, and listed by no live lease.
+                    // No table can tell: held, and listed by no live lease.
                     (_, None) => {
                         !listed_live.contains(&(h.lockfile.as_str(), h.mode))
                             && self.probe(&path) == held_as(h.mode)
@@ -421,8 +413,8 @@ impl<'c> Look<'c> {
         })
     }
 
-    /// Whether the table entry `e` on the file `ino` is a live lease owner's:
-    /// its pid took a live lease that lists the lock, and is still its owner.
+    /// Whether the table entry `e` on the file `ino` is a live lease owner's: its pid took a live
+    /// lease that lists the lock, and is still its owner.
     fn explained(&self, e: &Entry, ino: u64) -> bool {
         let Some(pid) = e.pid else { return false };
         let mut owned = self.owned.borrow_mut();
@@ -513,8 +505,7 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// The lock's state: the table's, probed where the table may hide a
-    /// holder (another pid namespace), or where there is no table.
+    /// The lock's state: the table's, probed where it may hide a holder (another pid namespace).
     fn state(&self, path: &Path, entries: Option<&[Entry]>, listing: &Listing) -> Probe {
         let live_hold = listing.iter().any(|(n, _, h)| !h.awaits && self.alive(n));
         match entries.map(state_of) {
@@ -559,8 +550,7 @@ impl<'c> Look<'c> {
     }
 
     /// The party a live lease names for one of its locks, with the pid that reaches it here: its
-    /// lease's taker in the table (never a pid the lease merely says), else the lease's pid; none
-    /// if no longer the owner's (reused since), marked if another pid namespace's of this host.
+    /// lease's taker in the table, else the lease's pid; none if reused since.
     pub fn party(&self, n: &str, id: &Identity, h: &Holding) -> Party {
         let taker = self.taker(id);
         let mut party = Party::leased(n, id, h);
@@ -631,11 +621,10 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// Held, and no lease read before said so: a holder that listed the lock since (on another
-    /// host, where no table names it) is found by rereading the leases, a few times a moment apart
-    /// without a table (a holder lists its lock just after taking it, or, announcing its lease
-    /// late, `lease::announce_after` into its exec). The lock is probed again each time: another
-    /// host's look probing it is no holder, and is gone a moment later. Else an unknown holder.
+    /// Held, and no lease read before said so: the leases are read again, a few times a moment
+    /// apart without a table (a holder lists its lock just after taking it, or
+    /// `lease::announce_after` into its exec), probing the lock each time (another host's look
+    /// probing it is gone a moment later). Else an unknown holder.
     fn held_by_whom(
         &self,
         path: &Path,
@@ -670,8 +659,8 @@ impl<'c> Look<'c> {
         (state, holders)
     }
 
-    /// The global lock's report: the table's entries (no lease lists it;
-    /// its holders are almost always stowage itself, in a transaction).
+    /// The global lock's report: the table's entries (no lease lists it: its holders are almost
+    /// always stowage itself, in a transaction).
     pub fn global_report(&self) -> LockReport {
         let path = self.ctx.root.global_lock();
         let entries = self.entries(&path);
@@ -720,8 +709,8 @@ fn read_leases(dir: &Path, wanted: impl Fn(&str) -> bool) -> Vec<Leased> {
 /// 10, 20, 40, 80; a lease announced late comes 30 ms into its command).
 const WAIT_BUDGET: std::time::Duration = std::time::Duration::from_millis(600);
 
-/// How long after its last look at a lock a deferring look ([`Look::deferring`]) waits for holders
-/// to list it: what the rereads of one lock add up to.
+/// How long a deferring look ([`Look::deferring`]) waits for holders to list locks: what the
+/// rereads of one lock add up to.
 const LIST_GRACE: std::time::Duration = std::time::Duration::from_millis(150);
 
 fn settle(p: Probe) -> Probe {
@@ -795,8 +784,8 @@ fn describe(p: &Party) -> String {
     s
 }
 
-/// "pid 4121 on node07": the party's pid, else `nobody`; its host unless
-/// that is `here`; with `ns`, whether the pid is another namespace's.
+/// "pid 4121 on node07": the pid, else `nobody`; the host unless `here`; with `ns`, whether the pid
+/// is another namespace's.
 pub fn pid_on(p: &Party, nobody: &str, here: Option<&str>, ns: bool) -> String {
     let mut s = p
         .pid

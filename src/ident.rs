@@ -27,8 +27,14 @@ impl Me {
         cached
             .get_or_insert_with(|| Me {
                 pid,
-                host: host_name(),
-                boot_id: boot_id(),
+                // Of this UTS namespace: a container's own.
+                host: nix::unistd::gethostname()
+                    .ok()
+                    .and_then(|h| h.into_string().ok())
+                    .unwrap_or_else(|| "localhost".to_owned()),
+                boot_id: fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                    .ok()
+                    .map(|s| s.trim().to_owned()),
                 user: user_name(),
             })
             .clone()
@@ -50,14 +56,6 @@ pub fn nonce() -> u64 {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     t ^ (u64::from(std::process::id()) << 32)
-}
-
-/// The host name (of this UTS namespace: a container's own).
-pub fn host_name() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "localhost".to_owned())
 }
 
 /// `$USER`, else the password file, else the numeric uid.
@@ -100,12 +98,6 @@ fn name_in_passwd(text: &str, uid: u32) -> Option<String> {
             let id: u32 = f.nth(1)?.parse().ok()?;
             (id == uid && !name.is_empty()).then(|| name.to_owned())
         })
-}
-
-fn boot_id() -> Option<String> {
-    fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .ok()
-        .map(|s| s.trim().to_owned())
 }
 
 /// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None when the process is gone

@@ -47,8 +47,7 @@ struct LeaseFile {
     identity: String,
     /// File size: a shorter text is padded with empty lines, not truncated (a request more on NFS).
     written: usize,
-    /// The leases directory, opened once without following a link and kept
-    /// open with the lease: its path (`/proc/self/fd/N/NAME`) goes through it.
+    /// The leases directory, opened following no link: the lease's path goes through it.
     _dir: fs::File,
 }
 
@@ -71,9 +70,8 @@ fn files(all: &[Lease]) -> impl Iterator<Item = &LeaseFile> {
     all.iter().filter_map(|l| l.file.as_ref())
 }
 
-/// How long after naming its lease an exec makes it, where it is announced late (module doc): an
-/// exec whose command ends sooner (`true`, a test) costs the server no lease at all. 30 ms, unless
-/// a test sets [`crate::env::DEBUG_ANNOUNCE_MS`].
+/// How long after naming its lease an exec makes it, where announced late: an exec whose command
+/// ends sooner (`true`, a test) costs the server no lease at all. 30 ms unless a test says.
 pub fn announce_after() -> std::time::Duration {
     crate::env::debug_ms(crate::env::DEBUG_ANNOUNCE_MS, 30)
 }
@@ -86,8 +84,8 @@ pub fn announce_late() {
     LATE.store(true, Relaxed);
 }
 
-/// The name of our lease in `leases` (the root's leases directory), made first if there is none
-/// (only named, where it is announced late: see the module doc).
+/// The name of our lease in `leases` (a root's leases directory), made (or named, where announced
+/// late) if there is none.
 pub fn mine(leases: &Path) -> io::Result<String> {
     let mut all = mine_all();
     if let Some(l) = all.iter().find(|l| l.dir == leases) {
@@ -123,9 +121,8 @@ pub fn mine(leases: &Path) -> io::Result<String> {
     Ok(name)
 }
 
-/// Makes every lease named and not yet made, under its name, listing what it is to list; from
-/// now on leases are made at once. One that cannot be made is dropped (only information: a look
-/// names its holder "unknown"; its name, told already, is a dead lease's).
+/// Makes every lease named and not yet made; from now on leases are made at once. One that cannot
+/// be made is dropped (only information: a look names its holder "unknown").
 pub fn announce() {
     // Under MINE throughout: no lease is made or noted meanwhile by another thread.
     let mut all = mine_all();
@@ -177,10 +174,9 @@ pub fn retire() {
     }
 }
 
-/// A lock a lease's owner holds or awaits, as the lease lists it: `hold=shared images/base.lock
-/// SINCE COMMAND` (or `await=…`), the lock file relative to `locks/`, SINCE in ms since the epoch.
-/// It names a holder that writes no record (a reader) where the kernel's lock table cannot: on
-/// NFS, and in a pid namespace that does not see the holder.
+/// A lock a lease's owner holds or awaits, as listed: `hold=shared images/base.lock SINCE COMMAND`
+/// (or `await=…`), relative to `locks/`, SINCE in ms since the epoch. It names holders the lock
+/// table cannot (NFS, another pid namespace).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holding {
     pub mode: Mode,
@@ -415,8 +411,7 @@ fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
     let began = boot_time();
     // Written through where shared: other hosts read it to name holders; a client may delay writes.
     match lock::create_locked_with(path, lock::write_through_flag())? {
-        // A maker that took half the grace to lock its fresh file (stopped,
-        // starved) may have had it cleaned away: it checks, as takers do.
+        // A maker that took half the grace to lock its fresh file may have had it cleaned away.
         Some(g)
             if boot_time().saturating_sub(began) >= unwritten_grace() / 2
                 && !lock::still_at_path(&g).unwrap_or(false) =>
@@ -424,8 +419,7 @@ fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
             Ok(None)
         }
         Some(g) => Ok(Some(g)),
-        // The name exists, or a prober keeps our fresh file: another name
-        // (the file is left to probers, as a dead maker's).
+        // The name exists, or a prober keeps our fresh file (left to it, as a dead maker's).
         None => Ok(None),
     }
 }
@@ -468,10 +462,9 @@ fn namespace(kind: &str) -> Option<String> {
         .map(|p| p.to_string_lossy().into_owned())
 }
 
-/// How long an unwritten lease is left to a maker that may be about to lock it, where the maker
-/// cannot be known gone (another host or pid namespace): 10 minutes. A maker that takes half that
-/// checks its file ([`lock_fresh`]), so the slack covers clocks running at different rates; the
-/// age is by the filesystem's clock on both ends ([`clean_keeping`]).
+/// How long an unwritten lease is left to a maker not known gone (another host or pid namespace)
+/// that may be about to lock it: 10 minutes. A maker that takes half that checks its file
+/// ([`lock_fresh`]): the slack covers clocks running at different rates.
 fn unwritten_grace() -> std::time::Duration {
     crate::env::debug_ms(crate::env::DEBUG_UNWRITTEN_LEASE_MS, 600_000)
 }
@@ -497,9 +490,8 @@ fn pid_namespace_number() -> Option<u64> {
 }
 
 /// Whether an unwritten lease's maker is known gone: its name says this host, boot and pid
-/// namespace, and a pid that no longer exists (a pid reused since keeps it until that ends too).
-/// Anything else may be a maker between its create and its lock, which a prober must not unlink
-/// ([`lock::create_locked_with`]).
+/// namespace, and a pid that no longer exists. Anything else may be a maker between its create
+/// and its lock, which a prober must not unlink.
 fn unwritten_maker_gone(name: &str) -> bool {
     maker_here(name).is_some_and(|pid| {
         pid > 0
@@ -560,9 +552,8 @@ pub struct Identity {
 }
 
 impl Identity {
-    /// Whether the process we see as `pid` (on this host and boot) is the lease's owner, by its
-    /// start: `None` where that cannot be told (another host, boot or time namespace, a lease
-    /// without its start).
+    /// Whether the process we see as `pid` is the lease's owner, by its start: `None` where that
+    /// cannot be told (another host, boot or time namespace, no start in the lease).
     pub fn owner_is(&self, pid: u32) -> Option<bool> {
         if !self.this_boot() || (self.time_ns.is_some() && self.time_ns != namespace("time")) {
             return None;
@@ -632,8 +623,7 @@ pub fn identity(leases: &Path, name: &str) -> Option<Identity> {
         }
     }
     if id.host.is_empty() {
-        // Not written yet (its owner writes it with its first lock): what
-        // its name says (HOST-BOOT-PIDNS-PID-RANDOM; HOST has no '-').
+        // Not written yet: what its name says (HOST-BOOT-PIDNS-PID-RANDOM; HOST has no '-').
         let mut parts = name.strip_suffix(SUFFIX)?.split('-');
         id.host = parts.next()?.to_owned();
         id.pid = parts.nth(2).and_then(|p| p.parse().ok());
@@ -668,11 +658,10 @@ fn valid_name(name: &str) -> bool {
     name.ends_with(SUFFIX) && !name.contains('/') && !name.starts_with('.')
 }
 
-/// Unlinks the leases of gone owners, each under its exclusive lock (a fresh file's owner that
-/// loses it to us retries), except those `keep` accepts: dead leases that may still name a holder
-/// (`holders::Look::clean_leases`). Returns how many went. Call under the global lock, where no
-/// other stowage probes. Reached through the descriptor that refused a symlink in the directory's
-/// place: no swap steers the unlinks elsewhere.
+/// Unlinks the leases of gone owners, each under its exclusive lock, except those `keep` accepts
+/// (dead leases that may still name a holder). Returns how many went. Call under the global lock.
+/// Reached through a descriptor that refused a symlink in the directory's place: no swap steers
+/// the unlinks elsewhere.
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     let Ok(dir) = crate::dir::Dir::open_in_root(leases) else {
         return 0;
@@ -697,8 +686,7 @@ pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize
         if !valid_name(name) || is_mine(name) {
             continue;
         }
-        // A lease never written may be a maker's between its create and its
-        // lock: kept unless its maker is gone or it is older than the grace.
+        // A lease never written may be a maker's between its create and its lock.
         let goes = |g: &Guard| match g.file().metadata() {
             Ok(m) if m.len() > 0 => true,
             Ok(m) => {

@@ -21,7 +21,7 @@ use crate::holders::{LockReport, Look, Party, command_cut, pid_on};
 
 /// How often the line is redrawn on a terminal.
 const TTY_EVERY: Duration = Duration::from_secs(1);
-/// How often a plain line is added where stderr is no terminal.
+/// How often a plain line is added where stderr is no terminal (unless a test sets its own).
 pub const LOG_EVERY: Duration = Duration::from_secs(60);
 /// How often, at most, holders and waiters are read again.
 pub const REREAD_EVERY: Duration = Duration::from_secs(5);
@@ -98,7 +98,10 @@ pub fn announce(ctx: &Ctx, what: &str, holders: &str, reread: Option<Reread>) ->
 /// The helper's loop: redraw (or log) on each tick, re-read at most every
 /// [`REREAD_EVERY`], until told to stop; then clear a terminal's line.
 fn follow(ctx: &Ctx, mut line: Line, mut reread: Option<Reread>, stop: &Stop) {
-    let every = if line.tty { TTY_EVERY } else { log_every() };
+    let every = match line.tty {
+        true => TTY_EVERY,
+        false => crate::env::debug_ms(crate::env::DEBUG_WAIT_LINE_MS, LOG_EVERY.as_millis() as u64),
+    };
     let reread_every = REREAD_EVERY.min(every);
     let mut next_read = Instant::now();
     let mut stopped = stop.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -124,11 +127,6 @@ fn follow(ctx: &Ctx, mut line: Line, mut reread: Option<Reread>, stop: &Stop) {
     if line.tty {
         say("\r\x1b[K");
     }
-}
-
-/// The interval of plain lines: [`LOG_EVERY`], or the test hook's.
-fn log_every() -> Duration {
-    crate::env::debug_ms(crate::env::DEBUG_WAIT_LINE_MS, LOG_EVERY.as_millis() as u64)
 }
 
 impl Line {
