@@ -3,8 +3,8 @@
 //! - The kernel is the truth about locks; leases (`lease.rs`) name the holders. A [`Look`] reads
 //!   the leases once, then the lock table (local filesystems), and judges every lock by both.
 //! - A holder is listed once, wherever it runs: a lease's owner is found in the table by the lease
-//!   file's own entry, and its entries on a lock are its own; a lease line the table shows no
-//!   entry for names nobody. Across pid namespaces and hosts the lease alone names it.
+//!   file's own entry; a lease line the table shows no entry for names nobody. Across pid
+//!   namespaces and hosts the lease alone names it.
 //! - A pid is never enough: it is a lease owner's only while its process started when the owner
 //!   did, and a dead owner's only while no other process holds the lock through its own descriptor.
 //! - A lock held by a process stowage did not start shows as held: by pid and command where the

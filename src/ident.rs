@@ -68,9 +68,8 @@ pub fn user_name() -> String {
     user_name_of(nix::unistd::getuid().as_raw())
 }
 
-/// The name `/etc/passwd` gives `uid`, else the uid itself. Read from the file, never asked of the
-/// C library: a static binary's `getpwuid` loads the host's NSS modules (`libnss_systemd`, `sss`,
-/// LDAP), which crash it. Users known only to a directory service are named by their uid.
+/// The name `/etc/passwd` gives `uid`, else the uid itself. Never asked of the C library: a static
+/// binary's `getpwuid` loads the host's NSS modules, which crash it.
 pub fn user_name_of(uid: u32) -> String {
     passwd_name(uid).unwrap_or_else(|| uid.to_string())
 }
@@ -101,8 +100,7 @@ fn name_in_passwd(text: &str, uid: u32) -> Option<String> {
 }
 
 /// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None when the process is gone
-/// or a zombie (a zombie holds no locks). `"self"` is this process, whatever pid namespace the
-/// mounted /proc is of.
+/// or a zombie (which holds no locks). `"self"`: this process, whatever /proc's pid namespace.
 pub fn start_time(pid: impl std::fmt::Display) -> Option<u64> {
     let rest = stat_fields(pid)?;
     let mut fields = rest.split_whitespace();
@@ -113,9 +111,8 @@ pub fn start_time(pid: impl std::fmt::Display) -> Option<u64> {
     fields.nth(18)?.parse().ok()
 }
 
-/// `/proc/PID/stat` from field 3 (the state) on; None when the process is gone. The command name
-/// (field 2) is in parentheses and may contain spaces or parentheses itself: the fields start after
-/// the last `)`.
+/// `/proc/PID/stat` from field 3 (the state) on, after the last `)` (the command name may hold
+/// spaces and parentheses); None when the process is gone.
 pub fn stat_fields(pid: impl std::fmt::Display) -> Option<String> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     Some(stat[stat.rfind(')')? + 1..].to_owned())
@@ -165,13 +162,9 @@ pub fn risky(c: char) -> bool {
         || ('\u{2066}'..='\u{2069}').contains(&c)
 }
 
-/// A recorded command, host or user name as it may be printed on a terminal. These come from other
-/// users' processes: a control character (an escape sequence, a newline, a carriage return) or a
-/// bidirectional override printed raw would break the table or drive the reader's terminal. Each
-/// such character is shown as a visible escape (`\n`, `\x1b`, `\u{202e}`); everything else is kept,
-/// backslashes too: a line may hold a `$'…'` word to paste (`shell_word`), which must stay whole.
-/// Every text printer of a recorded party uses this one function; JSON output has its own
-/// (`cli::json_text`).
+/// A recorded command, host or user name (from other users' processes) as it may be printed on a
+/// terminal: each [`risky`] character as a visible escape (`\n`, `\x1b`, `\u{202e}`), everything
+/// else kept, backslashes too (a `$'…'` word to paste must stay whole). JSON has its own.
 pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     if !s.chars().any(risky) {
         return std::borrow::Cow::Borrowed(s);
@@ -190,10 +183,9 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// `s` as one word a shell reads back as `s`, for a command a message tells the user to run: as it
-/// is if it holds only characters no shell treats specially, else in single quotes — or, where it
-/// holds a character [`printable`] would escape, in bash's `$'…'` with them escaped (a name may hold
-/// `;` or a newline: pasted unquoted it would run something else), which no printer changes.
+/// `s` as one word a shell reads back as `s`, for a command a message tells the user to run: as
+/// it is, else in single quotes, or where it holds a [`risky`] character in bash's `$'…'` with them
+/// escaped (which no printer changes).
 pub fn shell_word(s: &str) -> String {
     if !s.chars().any(risky) {
         return quote(s);

@@ -44,10 +44,9 @@ fn fdinfo_entries(info: &str) -> impl Iterator<Item = ((u64, u64), Entry)> + '_ 
         .filter_map(|l| parse_line(l.strip_prefix("lock:")?))
 }
 
-/// The files (device, inode) local process `pid` flocks through its own fds (`/proc/PID/fdinfo`):
-/// the table names a lock by the pid that took it, maybe another's since. Empty if no process has
-/// the pid, `None` if its fds are unreadable. Only links named like lock files or leases are read
-/// (one `readlink` each of maybe thousands), no `stat` (it waits on a hung FUSE or NFS mount).
+/// The files (device, inode) local process `pid` flocks through its own fds (the table names the
+/// pid that took a lock, maybe another's since). Empty if no process has the pid, `None` if its
+/// fds are unreadable. No `stat` (it waits on a hung FUSE or NFS mount).
 pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
     let fds = match fs::read_dir(format!("/proc/{pid}/fd")) {
         Ok(fds) => fds,

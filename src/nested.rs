@@ -1,20 +1,16 @@
 //! Nested calls: the holds of the `stowage exec` commands that run us.
 //!
 //! - Each exec appends its lease to its command's [`crate::env::EXEC_LEASES`] (outermost first).
-//!   A lock a live lease named there lists is held by an enclosing command, which waits for us:
-//!   waiting for it would never end.
-//! - Judged by leases and the environment, never a pid or device number, so it holds across pid
-//!   namespaces, on btrfs and on shared filesystems. A stale name is harmless: its lease is dead.
-//! - An environment cleared on the way (`env -i`, sudo) names nothing: then the leases of our
-//!   ancestors do, where a lease's pid means the same process to us (same host, boot and pid
-//!   namespace, the lease alive and open in that process: leases outlive their owners).
-//! - Always: a lock of this root we hold through an inherited descriptor is an enclosing
-//!   command's (a double fork or a killed stowage leaves only that), judged by device and inode.
+//!   A lock a live lease named there lists is held by an enclosing command, which waits for us.
+//! - Judged by leases and the environment, never a pid or device number: it holds across pid
+//!   namespaces, on btrfs and on shared filesystems. A stale name's lease is dead: harmless.
+//! - An environment cleared on the way (`env -i`, sudo) names nothing: then the live leases of
+//!   our ancestors do, where a lease's pid means the same process to us and it has the lease open.
+//! - Always: a lock of this root held through an inherited descriptor is an enclosing command's.
 //! - Looked at only when a lock is busy or a hint asks: an uncontended exec pays nothing for it.
 //! - On a shared filesystem an enclosing exec may announce its lease late (lease.rs): a lease
-//!   named here, missing or unwritten, whose maker is our ancestor (or, the environment cleared,
-//!   an ancestor exec without one) is waited for a moment, then looked at again while we wait for
-//!   the lock (`acquire/image.rs`). Never on a local filesystem, where leases come first.
+//!   named here, missing or unwritten, whose maker is our ancestor is waited for a moment, then
+//!   looked at again while we wait for the lock. Never on a local filesystem.
 
 use std::path::Path;
 use std::time::Duration;
@@ -111,9 +107,8 @@ fn named_leases(
 }
 
 /// The locks of this root we hold through descriptors we were started with: an enclosing
-/// command's, held while it waits for us, whatever our environment and ancestry say (`env -i` and a
-/// double fork, an enclosing stowage killed). A descriptor counts where its file is the one at its
-/// place under `locks` (device and inode), so the root may be reached by any path.
+/// command's, whatever our environment and ancestry say. A descriptor counts where its file is the
+/// one at its place under `locks` (device and inode), so the root may be reached by any path.
 fn inherited(locks: &Path) -> Vec<Holding> {
     use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
@@ -152,9 +147,8 @@ fn chain_of(pid: u32) -> Vec<u32> {
     std::iter::once(pid).chain(ancestors_of(pid)).collect()
 }
 
-/// The holds of live leases owned by our ancestors, by a pid that is ours (module doc): enclosing
-/// execs whose naming environment was cleared (`env -i`, sudo) and descriptors not inherited
-/// (`--no-inherit`). Reads every lease: asked only when a hold would be waited for.
+/// The holds of live leases owned by our ancestors (module doc), also where descriptors were not
+/// inherited (`--no-inherit`). Reads every lease: asked only when a hold would be waited for.
 pub fn ancestor_holds(root: &Root) -> Vec<Holding> {
     ancestors(&root.leases(), &chain_of(std::process::id()), &|_| false).holds
 }
@@ -188,9 +182,8 @@ fn ancestors(leases: &Path, chain: &[u32], here: &dyn Fn(u32) -> bool) -> Enclos
     out
 }
 
-/// Whether the local process at the lease's pid is the lease's owner: it has the lease file open
-/// (by name and inode, from `/proc/PID/fd` and `fdinfo`), as an owner has until it ends. Where its
-/// descriptors cannot be read, by its start (`Identity::owner_is`).
+/// Whether the local process at the lease's pid is its owner: it has the lease file open (as an
+/// owner has until it ends), else where that cannot be told, by its start.
 fn owns(name: &str, id: &Identity) -> bool {
     let Some(pid) = id.pid else {
         return false;
@@ -200,8 +193,7 @@ fn owns(name: &str, id: &Identity) -> bool {
 }
 
 /// Whether local process `pid` has a file named `name` with inode `ino` open; `None` where that
-/// cannot be told: its descriptors' links unreadable (the list is readable to the same user, the
-/// links only with ptrace access: another group, fewer capabilities) or no `ino:` in `fdinfo`.
+/// cannot be told (links readable only with ptrace access, or no `ino:` in `fdinfo`).
 fn has_open(pid: u32, name: &str, ino: u64) -> Option<bool> {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
     let mut known = true;
@@ -231,11 +223,9 @@ fn fd_ino(pid: u32, fd: &str) -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// Whether the local process `pid` may be an exec of this root (whose lock directory is `locks`,
-/// as we reach it): it has one of this root's lock files open, as an exec holds its lock files
-/// while its command runs. Judged by inode (from `/proc/PID/fdinfo`), not path, so a root seen at
-/// another path (a container, a bind mount) is the same root; where that cannot be told, it may.
-/// `/proc`'s links are read, never followed.
+/// Whether the local process `pid` may be an exec of this root (lock directory `locks`): it has one
+/// of its lock files open, judged by inode, not path (a container or bind mount sees another
+/// path); where that cannot be told, it may. `/proc`'s links are read, never followed.
 fn works_here(pid: u32, locks: &Path) -> bool {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return true;

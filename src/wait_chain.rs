@@ -5,9 +5,8 @@
 //!   it runs, inside which another waits (a nested `stowage exec`, a script's `flock(1)`).
 //! - **Blocked by** whoever holds the lock in a conflicting mode; a reader of an image that is
 //!   only read waits behind the writers queued ahead of it (the gate).
-//! - **Inside** is told by the leases (each names in `within` the execs whose
-//!   `STOWAGE_EXEC_LEASES` it inherited), and for processes of this host and pid namespace by
-//!   their ancestry in `/proc`, which also places the `flock(1)` users the lock table shows.
+//! - **Inside** is told by the leases (`within`: the execs it runs inside), and for processes of
+//!   this host and pid namespace by their ancestry in `/proc` (placing `flock(1)` users too).
 //! - Built from one look ([`Look`]) and its reports: no lock is taken, nothing is waited for.
 
 use std::collections::HashMap;
@@ -263,8 +262,8 @@ const MAX_STEPS: usize = 32;
 /// Who keeps a waiter waiting, and how: they hold the lock, or are queued ahead.
 type Blockers = (Vec<Party>, Relation);
 
-/// Who keeps `w` waiting on the lock of `r`: the holders in a conflicting
-/// mode; for a reader of a lock only read, the writers queued ahead; else all.
+/// Who keeps `w` waiting on the lock of `r`: the holders in a conflicting mode; for a reader of a
+/// lock only read, the writers queued ahead; else all.
 fn blockers(r: &LockReport, w: &Party) -> Blockers {
     let others = |ps: &[Party], pick: &dyn Fn(&Party) -> bool| -> Vec<Party> {
         ps.iter()

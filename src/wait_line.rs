@@ -95,8 +95,8 @@ pub fn announce(ctx: &Ctx, what: &str, holders: &str, reread: Option<Reread>) ->
     }
 }
 
-/// The helper's loop: redraw (or log) on each tick, re-read at most every
-/// [`REREAD_EVERY`], until told to stop; then clear a terminal's line.
+/// The helper's loop: redraw (or log) on each tick, re-read at most every [`REREAD_EVERY`], until
+/// told to stop; then clear a terminal's line.
 fn follow(ctx: &Ctx, mut line: Line, mut reread: Option<Reread>, stop: &Stop) {
     let every = match line.tty {
         true => TTY_EVERY,

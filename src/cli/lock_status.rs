@@ -189,8 +189,7 @@ pub struct Selection {
     pub all: bool,
 }
 
-/// Gathers everything lock-status shows: the global lock, the image locks held or awaited (or
-/// selected), a store-wide hold, every slot class, from the kernel, leases and records alone.
+/// Everything lock-status shows, from the kernel, leases and records alone ([`reports`]).
 pub fn gather(store: &mut Store, sel: &Selection) -> Result<(String, Vec<LockReport>)> {
     let root = store.root().clone();
     let fs_name = root.filesystem_now().map_or("unknown".into(), |f| f.name);
@@ -298,8 +297,8 @@ fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> 
     r
 }
 
-/// Image lock files someone holds that no lease explains (flock(1) in a
-/// script), by inode in the lock table: `locks/images/` is listed only then.
+/// Image lock files someone holds that no lease explains (flock(1) in a script), by inode in the
+/// lock table: `locks/images/` is listed only then.
 fn outsider_files(look: &Look, root: &Root) -> Vec<String> {
     let Some(inodes) = look.unexplained().filter(|i| !i.is_empty()) else {
         return Vec::new();

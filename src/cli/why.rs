@@ -82,8 +82,8 @@ fn is_image(r: &LockReport, n: &ImageName) -> bool {
     r.kind == LockKind::Image && r.name == n.as_str()
 }
 
-/// The answer when no chain starts at the target: nobody waits for the
-/// image (who holds it, if anyone), or the process waits for no lock.
+/// The answer when no chain starts at the target: nobody waits for the image, or the process
+/// waits for no lock.
 fn nothing_waits<'r>(
     target: &Target,
     image: impl Fn(&ImageName) -> Option<&'r LockReport>,
