@@ -183,22 +183,14 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// `s` as one word a shell reads back as `s`, for a command a message tells the user to run: as
-/// it is, else in single quotes, or where it holds a [`risky`] character in bash's `$'…'` with them
-/// escaped (which no printer changes).
-pub fn shell_word(s: &str) -> String {
-    if !s.chars().any(risky) {
-        return quote(s);
-    }
-    dollar_quoted(s.as_bytes())
-}
-
-/// [`shell_word`] for a path, which may hold bytes that are not UTF-8 (written as `\xNN` in `$'…'`).
+/// A path as one word a shell reads back as it, for a command a message tells the user to run: as
+/// it is, else in single quotes, or where it holds a [`risky`] character or bytes that are not
+/// UTF-8, in bash's `$'…'` with them escaped (which no printer changes).
 pub fn shell_path(path: &std::path::Path) -> String {
     use std::os::unix::ffi::OsStrExt;
     match path.to_str() {
-        Some(s) => shell_word(s),
-        None => dollar_quoted(path.as_os_str().as_bytes()),
+        Some(s) if !s.chars().any(risky) => quote(s),
+        _ => dollar_quoted(path.as_os_str().as_bytes()),
     }
 }
 
@@ -273,18 +265,16 @@ mod tests {
 
     #[test]
     fn shell_words_read_back_as_themselves() {
-        assert_eq!(
-            shell_word("/r/locks/images/a.lock"),
-            "/r/locks/images/a.lock"
-        );
-        assert_eq!(shell_word("/r/a;rm -rf ~;.lock"), "'/r/a;rm -rf ~;.lock'");
-        assert_eq!(shell_word("it's"), r"'it'\''s'");
-        assert_eq!(shell_word("a\nb'c"), r"$'a\nb\'c'");
-        assert_eq!(shell_word("a\u{9b}\u{202e}"), r"$'a\xc2\x9b\xe2\x80\xae'");
+        let word = |s: &str| shell_path(std::path::Path::new(s));
+        assert_eq!(word("/r/locks/images/a.lock"), "/r/locks/images/a.lock");
+        assert_eq!(word("/r/a;rm -rf ~;.lock"), "'/r/a;rm -rf ~;.lock'");
+        assert_eq!(word("it's"), r"'it'\''s'");
+        assert_eq!(word("a\nb'c"), r"$'a\nb\'c'");
+        assert_eq!(word("a\u{9b}\u{202e}"), r"$'a\xc2\x9b\xe2\x80\xae'");
         use std::os::unix::ffi::OsStrExt;
         let odd = std::path::Path::new(std::ffi::OsStr::from_bytes(b"/r/\xff\n"));
         assert_eq!(shell_path(odd), r"$'/r/\xff\n'");
-        assert_eq!(shell_word(""), "''");
+        assert_eq!(word(""), "''");
     }
 
     #[test]
