@@ -753,13 +753,9 @@ pub fn phrase(holders: &[Party]) -> String {
     phrase_as(&lead, holders)
 }
 
-/// "all in use by pid 4121 on node07 (ch-image pull alpine) since 12:03:04"
-pub fn phrase_slots(holders: &[Party]) -> String {
-    phrase_as("all in use by ", holders)
-}
-
-/// The first holder, and how many more: a message is one line, and `lock-status` lists them all.
-fn phrase_as(lead: &str, holders: &[Party]) -> String {
+/// `lead` and the first holder ("all in use by pid 4121 on node07 (ch-image pull alpine) since
+/// 12:03:04"), and how many more: a message is one line, and `lock-status` lists them all.
+pub fn phrase_as(lead: &str, holders: &[Party]) -> String {
     let Some(first) = holders.first() else {
         return "no holder is known (it may have just been released)".into();
     };

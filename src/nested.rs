@@ -271,8 +271,3 @@ pub fn ancestors_of(mut pid: u32) -> Vec<u32> {
     });
     parents.take(64).collect()
 }
-
-/// Whether an enclosing exec holds the store-wide lock: we run inside a store-wide command.
-pub fn inside_store_wide(root: &Root) -> bool {
-    enclosing(root).hold(Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive)
-}

@@ -115,7 +115,7 @@ impl Hold {
         no_wait: bool,
     ) -> Result<Hold> {
         let root = store.root();
-        if crate::nested::inside_store_wide(root) {
+        if crate::nested::enclosing(root).hold(Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive) {
             return Err(Busy::now("the store-wide lock".into(), "held by an enclosing command of this process (a 'stowage exec --store-wide' that runs it); a store-wide command cannot run inside another".into())
             .into());
         }

@@ -145,7 +145,7 @@ pub(crate) fn take(
     );
     let now = || {
         let r = crate::slots::report(&Look::new(store.ctx()), root, class, Some(limits));
-        crate::holders::phrase_slots(&r.holders)
+        crate::holders::phrase_as("all in use by ", &r.holders)
     };
     let holders = now();
     // A slot freed while we looked (see `image::wait_taking`): one more try before saying we wait.
