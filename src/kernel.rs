@@ -139,12 +139,7 @@ fn consistent(entries: &[Entry]) -> bool {
     exclusive == 0 || (exclusive == 1 && held(Mode::Shared) == 0)
 }
 
-/// Parses the flock(2) entries of /proc/locks:
-///
-/// ```text
-/// 1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF
-/// 1: -> FLOCK  ADVISORY  WRITE 4130 00:2a:123456 0 EOF
-/// ```
+/// Parses the flock(2) entries of /proc/locks ([`parse_line`]).
 fn parse_table(text: &str) -> Table {
     tabled(text.lines().filter_map(parse_line))
 }
@@ -161,7 +156,7 @@ fn tabled(entries: impl Iterator<Item = ((u64, u64), Entry)>) -> Table {
     table
 }
 
-/// One entry: `N: [->] FLOCK ADVISORY WRITE PID MAJ:MIN:INO …`.
+/// One entry: `1: [->] FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF` (`->`: blocked).
 fn parse_line(line: &str) -> Option<((u64, u64), Entry)> {
     let mut f = line.split_whitespace().peekable();
     f.next_if(|w| w.ends_with(':'));
