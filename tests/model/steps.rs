@@ -27,7 +27,7 @@ macro_rules! steps {
 }
 
 steps! {
-    SlotTry "slot-try" ["acquire::slot::take" "acquire::slot::try_first" "nested::enclosing_holds"]
+    SlotTry "slot-try" ["acquire::slot::take" "acquire::slot::try_first" "nested::enclosing"]
     SlotWait "slot-wait" ["acquire::slot::wait_for_slot"]
     Try "try" ["acquire::image::take" "acquire::image::try_image" "lock::acquire_no_wait_with"
         "image_record::read" "acquire::image::require_all"]
@@ -68,7 +68,7 @@ steps! {
     DocLeftovers "doc-leftovers" ["doctor::leftovers" "census::take"]
     UnlinkEmpty "unlink-empty" ["doctor::leftovers" "lock::acquire_no_wait" "root::unlink_lock"]
     StoreLock "store-lock" ["store_wide::take" "store_wide::take_store_lock"
-        "nested::inside_store_wide"]
+        "nested::enclosing"]
     Pass "pass" ["store_wide::quiesce" "store_wide::hint_and_pass" "image_record::set_store_wide"]
     PassWait "pass-wait" ["store_wide::wait_for_image" "lock::acquire"]
     Forget "forget" ["store_wide::forget_deleted" "root::drop_record"]
