@@ -734,13 +734,16 @@ fn a_waiting_writer_whose_command_cannot_start_leaves_the_image_ready() {
 
 /// A command that cannot start is said in the user's words, one line: a
 /// directory given as the command is "a directory" (it was "Permission
-/// denied"), and no "(os error N)" trails the cause.
+/// denied"), and no "(os error N)" trails the cause. So is the written
+/// image's own new directory: it is looked at before the image is undone.
 #[test]
 fn a_command_that_cannot_start_is_said_plainly() {
     let env = Env::new();
     let dir = env.tmp.path().to_str().unwrap().to_owned();
+    let own = env.root.join("img/app").to_str().unwrap().to_owned();
     for (cmd, says) in [
         (dir.as_str(), "it is a directory"),
+        (own.as_str(), "it is a directory"),
         ("./no-such-builder", "No such file or directory"),
     ] {
         let out = env.run(["exec", "--write", "app", "--", cmd]);
