@@ -142,13 +142,13 @@ Seconds since the epoch to use as the current time (tests and gc rehearsals).
 .SH FILES
 .TP
 \fIROOT\fB/stowage.db\fR
-The metadata (SQLite, rollback journal).
+The catalog: names, lineage, last use, sizes (SQLite, rollback journal). Derived from the images' records and trees; \fBstowage doctor \-\-repair\fR rebuilds it.
 .TP
 \fIROOT\fB/locks/global.lock\fR
 The global lock, held for one short metadata transaction at a time.
 .TP
 \fIROOT\fB/locks/images/\fIENC\fB.lock\fR
-One flock(2) lock per image; ENC is the name with '/' as '%' and ':' as '+'. \fBflock\fR(1) can take the same lock.
+One flock(2) lock per image, holding its record (state, base, creation); ENC is the name with '/' as '%' and ':' as '+'. \fBflock\fR(1) can take the same lock.
 .TP
 \fIROOT\fB/locks/slots/\fICLASS\fB/\fR
 The lock files of a slot class.
