@@ -54,12 +54,12 @@ impl Copied {
             .xattrs_lost
             .iter()
             .map(|(name, (n, cause))| {
-                let name = crate::ident::printable(name);
-                if *n == 1 {
-                    format!("{name} ({cause})")
+                let times = if *n == 1 {
+                    String::new()
                 } else {
-                    format!("{name} ×{n} ({cause})")
-                }
+                    format!(" ×{n}")
+                };
+                format!("{}{times} ({cause})", crate::ident::printable(name))
             })
             .collect();
         (!parts.is_empty()).then(|| parts.join(", "))
@@ -175,7 +175,9 @@ pub fn copy_tree_at(
         }
         return Err(e);
     }
-    Ok(copy.finish())
+    drop(copy.dst_root);
+    copy.progress.finish();
+    Ok(copy.out)
 }
 
 /// Makes the copy's (empty) top ours alone while the copy is made, and returns the mode it had:
@@ -391,12 +393,6 @@ impl TreeCopy<'_> {
             self.trail.show(self.src, Some(name)),
             self.trail.show(self.dst, Some(name))
         )
-    }
-
-    fn finish(self) -> Copied {
-        drop(self.dst_root);
-        self.progress.finish();
-        self.out
     }
 }
 

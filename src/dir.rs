@@ -321,12 +321,9 @@ impl Dir {
                 libc::RENAME_NOREPLACE,
             )
         };
-        if r == 0 {
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        if !matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
-            return Err(e);
+        match cvt(r) {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => {}
+            other => return other.map(drop),
         }
         if self.stat_at(to_name)?.is_some() {
             return Err(io::ErrorKind::AlreadyExists.into());
@@ -615,12 +612,9 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         };
         if let Some(sub) = remove_or_open(&stack, name, dev, mount, removed)? {
             stack.push(sub);
-            // Only the last few levels keep their descriptor.
-            let open = stack.iter().filter(|l| l.dir.is_some()).count();
-            if open > OPEN_LEVELS
-                && let Some(l) = stack.iter_mut().find(|l| l.dir.is_some())
-            {
-                l.dir = None;
+            // Only the last few levels keep their descriptor (the open ones are the top ones).
+            if let Some(i) = stack.len().checked_sub(OPEN_LEVELS + 1) {
+                stack[i].dir = None;
             }
         }
     }

@@ -166,9 +166,7 @@ pub fn open(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<File> {
             None => through_parent(path, flags, mode).map_err(|e| refused(path, e))?,
         }
     };
-    if fd < 0 {
-        return Err(refused(path, io::Error::last_os_error()));
-    }
+    let fd = cvt(fd).map_err(|e| refused(path, e))?;
     // SAFETY: a descriptor just returned to us and owned by nothing else.
     Ok(unsafe { File::from_raw_fd(fd) })
 }

@@ -110,7 +110,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     let left_in_trash = match moved {
         Some(t) => {
             crate::signals::check()?;
-            remove_trash_entry(&trash, &t, &mut 0).err().map(|e| {
+            remove_trash_entry(&trash, &t).err().map(|e| {
                 format!(
                     "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it later): {}: {e}",
                     root.trash().join(&t).display()
@@ -258,13 +258,12 @@ pub fn empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) -> Resu
         .open_images_dir(images_dir)?
         .sub(name.encoded())
         .with_context(|| format!("cannot open {}", path.display()))?;
-    let mut n = 0;
     for entry in dir
         .names()
         .with_context(|| format!("cannot list {}", path.display()))?
     {
         crate::signals::check()?;
-        dir.remove_entry(&entry, &mut n)
+        dir.remove_entry(&entry, &mut 0)
             .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
     }
     Ok(())
@@ -281,9 +280,9 @@ pub struct Trash {
 
 /// Deletes a trash entry, which another process may be deleting too: on a shared filesystem, what
 /// the other deleted shows as a stale handle, not as missing; a second walk looks up afresh.
-fn remove_trash_entry(trash: &Dir, entry: &OsStr, removed: &mut u64) -> std::io::Result<()> {
-    match trash.remove_entry(entry, removed) {
-        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => trash.remove_entry(entry, removed),
+fn remove_trash_entry(trash: &Dir, entry: &OsStr) -> std::io::Result<()> {
+    match trash.remove_entry(entry, &mut 0) {
+        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => trash.remove_entry(entry, &mut 0),
         done => done,
     }
 }
@@ -302,8 +301,7 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
     {
         let path = root.trash().join(&entry);
         let bytes = disk_usage::disk_usage(&path).unwrap_or(0);
-        let mut n = 0;
-        if fix && let Err(e) = remove_trash_entry(&trash, &entry, &mut n) {
+        if fix && let Err(e) = remove_trash_entry(&trash, &entry) {
             out.failed
                 .push(format!("cannot delete {}: {e}", path.display()));
             continue;

@@ -94,25 +94,25 @@ impl Root {
     /// Opens `ROOT/NAME` (e.g. `trash`, `locks/images`), one component at a time, refusing a
     /// symlink or anything else that is not a directory in the place of any of them.
     pub fn open_sub(&self, name: &str) -> Result<Dir> {
-        let mut d = self.open()?;
-        let mut at = self.dir.clone();
-        for part in name.split('/') {
-            at.push(part);
-            d = d.sub(part).map_err(|e| not_a_dir(&at, e))?;
-        }
-        Ok(d)
+        Ok(self
+            .walk_sub(name, false)?
+            .expect("a missing component is an error"))
     }
 
     /// [`Root::open_sub`], or `None` if a component is missing (a layout not made yet): what is
     /// planted in a directory's place is an error naming it, never taken for "nothing there".
     pub fn open_sub_if_there(&self, name: &str) -> Result<Option<Dir>> {
+        self.walk_sub(name, true)
+    }
+
+    fn walk_sub(&self, name: &str, missing_ok: bool) -> Result<Option<Dir>> {
         let mut d = self.open()?;
         let mut at = self.dir.clone();
         for part in name.split('/') {
             at.push(part);
             d = match d.sub(part) {
                 Ok(d) => d,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+                Err(e) if missing_ok && e.kind() == io::ErrorKind::NotFound => return Ok(None),
                 Err(e) => return Err(not_a_dir(&at, e)),
             };
         }

@@ -10,6 +10,7 @@ use crate::lease::Holding;
 use crate::lock::Mode;
 use crate::remove;
 use crate::store::Store;
+use crate::store_wide::Probe;
 
 #[derive(clap::Args)]
 #[command(
@@ -61,10 +62,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             Err(e) => return Err(e),
         }
     };
-    let mut removed = Vec::new();
-    for h in held {
-        removed.push(remove::remove_held(store.root(), h, None)?);
-    }
+    let removed = (held.into_iter())
+        .map(|h| remove::remove_held(store.root(), h, None))
+        .collect::<Result<Vec<_>>>()?;
     crate::space::refill(&store.root().reserve());
     let ctx = store.ctx();
     for r in &removed {
@@ -107,7 +107,7 @@ fn take_all(
         let h = match crate::acquire::image::take(store, name, &want) {
             Ok(h) => h,
             Err(e) => {
-                crate::remove::release_unclaimed(store.root(), held, &[]);
+                remove::release_unclaimed(store.root(), held, &[]);
                 return Err(e);
             }
         };
@@ -116,20 +116,18 @@ fn take_all(
         let missing = (h.seen.record.is_none() && !h.seen.damaged) || h.seen.legacy;
         held.push(h);
         if missing {
-            crate::remove::release_unclaimed(store.root(), held, &[]);
+            remove::release_unclaimed(store.root(), held, &[]);
             return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into());
         }
     }
     if held.iter().any(|h| h.seen.store_wide) {
         match crate::store_wide::probe(store.root())? {
-            crate::store_wide::Probe::Held => {
-                crate::remove::release_unclaimed(store.root(), held, &[]);
+            Probe::Held => {
+                remove::release_unclaimed(store.root(), held, &[]);
                 return Ok(None);
             }
-            crate::store_wide::Probe::Free => {
-                crate::store_wide::clear_hints(held.iter().map(|h| h.guard.file()));
-            }
-            crate::store_wide::Probe::Inside => {}
+            Probe::Free => crate::store_wide::clear_hints(held.iter().map(|h| h.guard.file())),
+            Probe::Inside => {}
         }
     }
     crate::lease::note_all(&store.root().leases(), listed);
