@@ -584,47 +584,44 @@ impl Root {
     pub fn check(&mut self) -> Result<bool> {
         let euid = nix::unistd::geteuid().as_raw();
         let link = match fs::symlink_metadata(&self.dir) {
-            Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Err(e)
+                    .with_context(|| format!("cannot inspect root {}", self.dir.display()));
+            }
+            found => found.ok(),
+        };
+        let m = match link {
+            // Only a symlink needs a second look, at what it names.
+            Some(link) if link.file_type().is_symlink() => {
+                if link.uid() != euid && (link.uid() != 0 || self.default) {
+                    anyhow::bail!(
+                        "root {} is a symlink owned by uid {}, not by you: refusing to follow it",
+                        self.dir.display(),
+                        link.uid()
+                    );
+                }
+                let real = fs::canonicalize(&self.dir).with_context(|| {
+                    format!(
+                        "root {} is a symlink to {}, which cannot be used",
+                        self.dir.display(),
+                        fs::read_link(&self.dir)
+                            .map(|t| t.display().to_string())
+                            .unwrap_or_else(|_| "?".into())
+                    )
+                })?;
+                let m = fs::metadata(&real)
+                    .with_context(|| format!("cannot inspect root {}", real.display()))?;
+                self.dir = real;
+                m
+            }
+            found => {
                 // Symlinks above the root are the user's choice; resolved once, for SQLite.
                 if let Ok(real) = real_path(&self.dir) {
                     self.dir = real;
                 }
-                return Ok(false);
+                let Some(m) = found else { return Ok(false) };
+                m
             }
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("cannot inspect root {}", self.dir.display()));
-            }
-        };
-        if link.file_type().is_symlink() && link.uid() != euid && (link.uid() != 0 || self.default)
-        {
-            anyhow::bail!(
-                "root {} is a symlink owned by uid {}, not by you: refusing to follow it",
-                self.dir.display(),
-                link.uid()
-            );
-        }
-        // Only a symlink needs a second look, at what it names.
-        let m = if link.file_type().is_symlink() {
-            let real = fs::canonicalize(&self.dir).with_context(|| {
-                format!(
-                    "root {} is a symlink to {}, which cannot be used",
-                    self.dir.display(),
-                    fs::read_link(&self.dir)
-                        .map(|t| t.display().to_string())
-                        .unwrap_or_else(|_| "?".into())
-                )
-            })?;
-            let m = fs::metadata(&real)
-                .with_context(|| format!("cannot inspect root {}", real.display()))?;
-            self.dir = real;
-            m
-        } else {
-            if let Ok(real) = real_path(&self.dir) {
-                self.dir = real;
-            }
-            link
         };
         if !m.is_dir() {
             anyhow::bail!("root {} is not a directory", self.dir.display());
