@@ -13,6 +13,7 @@ use anyhow::{Context, Result};
 
 use crate::dir::Dir;
 use crate::name::ImageName;
+use crate::planted;
 
 #[derive(Debug, Clone, Default)]
 pub struct Root {
@@ -441,17 +442,13 @@ impl Root {
             let Some(e) = root.stat_at(rel)? else {
                 continue;
             };
-            let kind = crate::planted::kind_of_mode(e.mode);
             let path = self.dir.join(rel);
-            match (dir, kind) {
-                (true, Some("a directory")) | (false, None) => {}
-                (true, kind) => {
-                    return Err(
-                        crate::planted::not_a_dir(&path, kind.unwrap_or("a regular file")).into(),
-                    );
-                }
-                (false, Some(kind)) => return Err(crate::planted::not_a_file(&path, kind).into()),
+            return Err(match (dir, planted::kind_of_mode(e.mode)) {
+                (true, Some("a directory")) | (false, None) => continue,
+                (true, kind) => planted::not_a_dir(&path, kind.unwrap_or("a regular file")),
+                (false, Some(kind)) => planted::not_a_file(&path, kind),
             }
+            .into());
         }
         Ok(())
     }
@@ -539,7 +536,7 @@ impl Root {
                 Ok(m) if m.is_dir() => continue,
                 Ok(m) => format!(
                     "{}, not a directory",
-                    crate::planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
+                    planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
                 ),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if locks_ok {
@@ -713,13 +710,13 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
     }
     // Linux says ENOTDIR for a symlink opened O_DIRECTORY|O_NOFOLLOW: look.
     let kind = fs::symlink_metadata(path).map_or("not a directory", |m| {
-        crate::planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
+        planted::kind_of_mode(m.mode()).unwrap_or("a regular file")
     });
     // A link in the default images directory's place may be the user's own: it is left for them.
     let fix = if path.file_name().is_some_and(|n| n == "img") && kind == "a symlink" {
         "to keep images elsewhere, use 'stowage init --images-dir DIR' on a new root"
     } else {
-        crate::planted::FIX
+        planted::FIX
     };
     anyhow::anyhow!(
         "{} is {kind}, not a directory: refusing to use it; {fix}",
