@@ -559,14 +559,10 @@ fn set_attrs(
     out: &mut Copied,
     at: &dyn Fn() -> String,
 ) -> io::Result<()> {
-    let symlink = dir::file_type(meta) == libc::S_IFLNK;
-    let (uid, gid) = (
-        Some(Uid::from_raw(meta.st_uid)),
-        Some(Gid::from_raw(meta.st_gid)),
-    );
+    let (uid, gid) = (Uid::from_raw(meta.st_uid), Gid::from_raw(meta.st_gid));
     let r = match &dst {
-        Target::Fd(fd) => fchown(fd, uid, gid),
-        Target::At(d, n) => fchownat(d, *n, uid, gid, AtFlags::AT_SYMLINK_NOFOLLOW),
+        Target::Fd(fd) => fchown(fd, Some(uid), Some(gid)),
+        Target::At(d, n) => fchownat(d, *n, Some(uid), Some(gid), AtFlags::AT_SYMLINK_NOFOLLOW),
     };
     // An unprivileged user cannot give files away: keep our own.
     if let Err(e) = r
@@ -574,7 +570,7 @@ fn set_attrs(
     {
         return Err(e.into());
     }
-    if !symlink {
+    if dir::file_type(meta) != libc::S_IFLNK {
         // After chown, which clears setuid/setgid bits.
         let mode = Mode::from_bits_retain(meta.st_mode & 0o7777);
         match &dst {
