@@ -32,16 +32,13 @@ pub struct Root {
 impl Root {
     /// `--root`, else `$STOWAGE_ROOT`, else `/var/tmp/$USER.stowage`.
     pub fn resolve(flag: Option<&Path>) -> Result<Root> {
-        let (dir, default) = match flag {
-            Some(d) => (d.to_owned(), false),
-            None => match std::env::var_os(crate::env::ROOT) {
-                Some(d) if !d.is_empty() => (PathBuf::from(d), false),
-                _ => (
-                    PathBuf::from(format!("/var/tmp/{}.stowage", crate::ident::user_name())),
-                    true,
-                ),
-            },
-        };
+        let named = flag.map(Path::to_owned).or_else(|| {
+            let env = std::env::var_os(crate::env::ROOT);
+            env.filter(|d| !d.is_empty()).map(PathBuf::from)
+        });
+        let default = named.is_none();
+        let dir = named
+            .unwrap_or_else(|| format!("/var/tmp/{}.stowage", crate::ident::user_name()).into());
         Ok(Root {
             dir: std::path::absolute(&dir)
                 .with_context(|| format!("cannot resolve root {}", dir.display()))?,
