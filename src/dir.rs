@@ -591,7 +591,6 @@ struct Level {
 /// Empties the tree `top` (left for the caller to remove), with at most [`OPEN_LEVELS`] open.
 fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
     let st = top.stat()?;
-    let dev = st.dev;
     let mount = top.mount_id();
     let mut stack = vec![Level::enter(top, &st, &|| "the directory".to_owned())?];
     loop {
@@ -600,17 +599,14 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
         let level = stack.last_mut().expect("the walk ends when the stack does");
         let Some(name) = level.pending.pop() else {
             match level.found_more() {
-                Ok(true) => continue,
-                Ok(false) => {}
+                Ok(true) => {}
+                Ok(false) if depth == 1 => return Ok(()),
+                Ok(false) => climb_out(&mut stack, removed)?,
                 Err(e) => return Err(refused_here(&stack, e, LIST)),
             }
-            if depth == 1 {
-                return Ok(());
-            }
-            climb_out(&mut stack, removed)?;
             continue;
         };
-        if let Some(sub) = remove_or_open(&stack, name, dev, mount, removed)? {
+        if let Some(sub) = remove_or_open(&stack, name, st.dev, mount, removed)? {
             stack.push(sub);
             // Only the last few levels keep their descriptor (the open ones are the top ones).
             if let Some(i) = stack.len().checked_sub(OPEN_LEVELS + 1) {
