@@ -412,10 +412,7 @@ impl Root {
         }
         match parent.stat_at(name)? {
             Some(e) if e.is_dir() => Ok(()),
-            Some(_) => Err(not_a_dir(
-                &path,
-                io::Error::from_raw_os_error(libc::ENOTDIR),
-            )),
+            Some(_) => Err(not_a_dir(&path, nix::errno::Errno::ENOTDIR.into())),
             None => anyhow::bail!("{} was removed while being made", path.display()),
         }
     }
