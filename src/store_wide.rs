@@ -86,7 +86,6 @@ pub fn wait_free(
     let awaited = store_lock_holding(Mode::Shared, true, command);
     wait_in_turn(
         store,
-        &path,
         what,
         refuse,
         deadline,
@@ -321,7 +320,7 @@ fn take_store_lock(
     let what = "the store-wide lock".to_owned();
     let refuse = no_wait.then(|| what.clone());
     let awaited = store_lock_holding(Mode::Exclusive, true, command);
-    wait_in_turn(store, &path, what, refuse, deadline, awaited, |wait| {
+    wait_in_turn(store, what, refuse, deadline, awaited, |wait| {
         lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Create, wait).map_err(err)
     })
 }
@@ -385,20 +384,12 @@ fn wait_for_image(
     let refuse = no_wait.then(|| what.clone());
     let awaited = Holding::now(Mode::Exclusive, rel.clone(), true, "store-wide");
     let err = |e| lock::error(label, path, e);
-    let got = wait_in_turn(
-        store,
-        path,
-        what.clone(),
-        refuse,
-        deadline,
-        awaited,
-        |wait| {
-            if enclosing.unannounced {
-                wait.give_up = Some(Box::new(|| ours_now().is_some()));
-            }
-            lock::acquire(path, Mode::Exclusive, lock::IfMissing::Fail, wait).map_err(err)
-        },
-    );
+    let got = wait_in_turn(store, what.clone(), refuse, deadline, awaited, |wait| {
+        if enclosing.unannounced {
+            wait.give_up = Some(Box::new(|| ours_now().is_some()));
+        }
+        lock::acquire(path, Mode::Exclusive, lock::IfMissing::Fail, wait).map_err(err)
+    });
     if got.is_err()
         && enclosing.unannounced
         && let Some(held) = ours_now()
@@ -408,11 +399,10 @@ fn wait_for_image(
     got
 }
 
-/// Waits, by `attempt`, for lock file `path` (`store.lock` or an image's), announced as `what`,
-/// listed as `awaited` in our lease; with `refuse` (what is busy) it fails at once instead.
+/// Waits, by `attempt`, for the lock file `awaited` lists in our lease (`store.lock` or an
+/// image's), announced as `what`; with `refuse` (what is busy) it fails at once instead.
 fn wait_in_turn<'a, T>(
     store: &Store,
-    path: &std::path::Path,
     what: String,
     refuse: Option<String>,
     deadline: Option<Instant>,
@@ -420,16 +410,18 @@ fn wait_in_turn<'a, T>(
     mut attempt: impl FnMut(&mut Wait<'a>) -> Result<Waited<T>>,
 ) -> Result<T> {
     let root = store.root();
-    let (kind, dir, name) = match path.file_name().and_then(|f| f.to_str()) {
-        Some(file) if path.starts_with(root.image_locks()) => (
+    let rel = awaited.lockfile.clone();
+    let path = root.locks().join(&rel);
+    let (kind, dir, name) = match rel.strip_prefix("images/") {
+        Some(file) => (
             LockKind::Image,
             root.image_locks(),
             crate::root::lock_file_label(file),
         ),
-        _ => (LockKind::Global, root.locks(), "store".to_owned()),
+        None => (LockKind::Global, root.locks(), "store".to_owned()),
     };
     crate::debug::pause("store-wide-busy");
-    let now = || crate::holders::holders_phrase(store.ctx(), kind, path);
+    let now = || crate::holders::holders_phrase(store.ctx(), kind, &path);
     let holders = now();
     // Freed while we looked (see `image::wait_taking`): one more try before saying we wait.
     let mut once = Wait {
@@ -442,7 +434,7 @@ fn wait_in_turn<'a, T>(
     if let Some(busy) = refuse {
         return Err(Busy::now(busy, holders).into());
     }
-    let (rel, shown) = (root.locks_rel(path), path.to_owned());
+    let shown = path.clone();
     let report = move |look: &crate::holders::Look| look.report(kind, &name, &shown, &rel);
     let _line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(Box::new(report)));
     let mut wait = Wait::on(&dir, deadline);
