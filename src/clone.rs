@@ -588,34 +588,22 @@ fn set_attrs(
     }?)
 }
 
-fn list_xattrs(t: &Target) -> io::Result<Vec<u8>> {
-    // SAFETY: each call gets a buffer of the length it is told.
-    match t {
-        Target::Fd(fd) => xattr_read(256, |p, n| unsafe {
-            libc::flistxattr(fd.as_raw_fd(), p.cast(), n)
-        }),
-        Target::At(d, name) => {
-            let p = d.proc_path(name);
-            xattr_read(256, |b, n| unsafe {
-                libc::llistxattr(p.as_ptr(), b.cast(), n)
-            })
+/// The value of attribute `key` or, without a key, the list of names.
+fn xattr(t: &Target, key: Option<&CStr>) -> io::Result<Vec<u8>> {
+    // An entry is named by a /proc path, for the `l*` calls (the descriptor is then unused).
+    let (fd, path) = match t {
+        Target::Fd(fd) => (fd.as_raw_fd(), None),
+        Target::At(d, name) => (-1, Some(d.proc_path(name))),
+    };
+    // SAFETY: each call gets a buffer of the length it is told, and valid C strings.
+    xattr_read(256, |p, n| unsafe {
+        match (&path, key) {
+            (None, None) => libc::flistxattr(fd, p.cast(), n),
+            (None, Some(k)) => libc::fgetxattr(fd, k.as_ptr(), p, n),
+            (Some(at), None) => libc::llistxattr(at.as_ptr(), p.cast(), n),
+            (Some(at), Some(k)) => libc::lgetxattr(at.as_ptr(), k.as_ptr(), p, n),
         }
-    }
-}
-
-fn get_xattr(t: &Target, key: &CStr) -> io::Result<Vec<u8>> {
-    // SAFETY: as above.
-    match t {
-        Target::Fd(fd) => xattr_read(256, |p, n| unsafe {
-            libc::fgetxattr(fd.as_raw_fd(), key.as_ptr(), p, n)
-        }),
-        Target::At(d, name) => {
-            let path = d.proc_path(name);
-            xattr_read(256, |p, n| unsafe {
-                libc::lgetxattr(path.as_ptr(), key.as_ptr(), p, n)
-            })
-        }
-    }
+    })
 }
 
 fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
@@ -635,11 +623,11 @@ fn set_xattr(t: &Target, key: &CStr, value: &[u8]) -> io::Result<()> {
 /// the target has already (a label the filesystem gave it) is left alone.
 fn copy_xattrs(src: &Target, dst: &Target, out: &mut Copied, at: &dyn Fn() -> String) {
     // No extended attributes here at all, or none readable.
-    let Ok(names) = list_xattrs(src) else { return };
+    let Ok(names) = xattr(src, None) else { return };
     for key in names.split(|b| *b == 0).filter(|k| !k.is_empty()) {
         let Ok(key) = CString::new(key) else { continue };
-        let result = get_xattr(src, &key).and_then(|value| {
-            if get_xattr(dst, &key).is_ok_and(|have| have == value) {
+        let result = xattr(src, Some(&key)).and_then(|value| {
+            if xattr(dst, Some(&key)).is_ok_and(|have| have == value) {
                 return Ok(());
             }
             set_xattr(dst, &key, &value)
