@@ -264,26 +264,17 @@ fn forget_missing(
             .say(&format!("not checking for deleted images: {why}"));
         return Vec::new();
     }
-    let mut gone = Vec::new();
-    for e in missing {
-        let Some(name) = e.name().and_then(|n| crate::name::ImageName::parse(n).ok()) else {
-            continue;
-        };
-        let Ok(Some((g, seen))) =
+    let forget = |e: crate::census::Entry| {
+        let name = crate::name::ImageName::parse(e.name()?).ok()?;
+        let (g, seen) =
             lock::acquire_no_wait_with(&e.path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
                 image_record::read_proving(f, &e.path, name.as_str())
             })
-        else {
-            continue;
-        };
-        if seen.record.as_ref().is_some_and(missing_tree)
-            && still(&seen)
-            && root.drop_record(&name, g).is_ok()
-        {
-            gone.push(name.as_str().to_owned());
-        }
-    }
-    gone
+            .ok()??;
+        let gone = seen.record.as_ref().is_some_and(missing_tree) && still(&seen);
+        (gone && root.drop_record(&name, g).is_ok()).then(|| name.as_str().to_owned())
+    };
+    missing.into_iter().filter_map(forget).collect()
 }
 
 /// Why a missing tree in `dir` would prove nothing: not the recorded directory, or empty while
