@@ -88,30 +88,23 @@ pub fn mount_of(path: &Path) -> Option<Mount> {
 }
 
 fn parse_mountinfo(text: &str) -> Vec<Mount> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        // id parent maj:min root mount-point options [optional...] - fstype source super-options
-        let Some((left, right)) = line.split_once(" - ") else {
-            continue;
-        };
+    // id parent maj:min root mount-point options [optional...] - fstype source super-options
+    let mount = |line: &str| {
+        let (left, right) = line.split_once(" - ")?;
         let l: Vec<&str> = left.split(' ').collect();
         let r: Vec<&str> = right.split(' ').collect();
         if l.len() < 6 || r.len() < 3 {
-            continue;
+            return None;
         }
-        let options = l[5]
-            .split(',')
-            .chain(r[2].split(','))
-            .map(str::to_owned)
-            .collect();
-        out.push(Mount {
+        let options = l[5].split(',').chain(r[2].split(','));
+        Some(Mount {
             mount_point: std::path::PathBuf::from(unescape(l[4])),
             fstype: r[0].to_owned(),
             source: unescape(r[1]),
-            options,
-        });
-    }
-    out
+            options: options.map(str::to_owned).collect(),
+        })
+    };
+    text.lines().filter_map(mount).collect()
 }
 
 /// mountinfo escapes space, tab, newline and backslash as octal.
