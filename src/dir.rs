@@ -409,13 +409,12 @@ impl Dir {
 
     /// [`crate::planted::refused`] for an entry here, told by `fstatat` (no path is built).
     fn refused(&self, name: &OsStr, e: io::Error) -> io::Error {
-        if !matches!(
+        let typed = matches!(
             e.raw_os_error(),
             Some(libc::ELOOP | libc::EISDIR | libc::ENXIO)
-        ) {
-            return e;
-        }
-        if let Ok(Some(st)) = self.stat_at(name)
+        );
+        if typed
+            && let Ok(Some(st)) = self.stat_at(name)
             && let Some(kind) = crate::planted::kind_of_mode(st.mode)
         {
             return crate::planted::not_a_file(Path::new(name), kind);
