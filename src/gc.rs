@@ -21,7 +21,9 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::acquire::image::Held;
+use crate::census::Entry;
 use crate::clock::{self, Millis};
+use crate::ctx::Ctx;
 use crate::disk_usage;
 use crate::image_record::State;
 use crate::lock::{self, Mode};
@@ -236,35 +238,10 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     let root = store.root().clone();
     let entries = crate::census::take(&root)?;
     crate::debug::pause("interrupted-listed");
-    for e in entries.iter().filter(|e| deleting(&e.seen)) {
-        let Some(Ok(name)) = e.name().map(ImageName::parse) else {
-            continue;
-        };
-        let held = match take_removal(store.ctx(), &name) {
-            Taken::Held(h) if deleting(&h.seen) => h,
-            // Finished by the next gc, said as any image in use.
-            Taken::Busy => {
-                report.busy.push(name.as_str().to_owned());
-                continue;
-            }
-            Taken::Failed(e) => {
-                report.failed.push(format!("{}: {e}", unfinished(&name)));
-                continue;
-            }
-            // Its remover still runs, or it is finished or written anew.
-            Taken::Underway | Taken::Held(_) | Taken::Gone => continue,
-        };
-        let finished = if dry_run {
-            Ok(())
-        } else {
-            remove::finish_held(&root, *held)
-        };
-        match finished {
-            Ok(()) => report.interrupted_removals.push(name.as_str().to_owned()),
-            // It names the image.
-            Err(e) => report.failed.push(format!("{e:#}")),
-        }
-    }
+    let done = finish_removals(store.ctx(), &entries, dry_run);
+    // A busy one is finished by the next gc, said as any image in use.
+    (report.interrupted_removals, report.busy, report.failed) =
+        (done.finished, done.busy, done.failed);
     let trash = remove::empty_trash(&root, !dry_run)?;
     report.trash_entries = trash.entries.len();
     report.bytes_freed += trash.bytes;
@@ -272,14 +249,55 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     Ok(())
 }
 
-/// Whether a lock file says its image's removal was under way.
-pub(crate) fn deleting(seen: &crate::image_record::Seen) -> bool {
-    matches!(&seen.record, Some(r) if r.state == State::Deleting)
+/// What became of the interrupted removals a repair (gc's, doctor's) took on.
+#[derive(Default)]
+pub(crate) struct Removals {
+    pub finished: Vec<String>,
+    pub busy: Vec<String>,
+    /// Another process (its remover) is at it.
+    pub underway: Vec<String>,
+    /// One line each, naming the image.
+    pub failed: Vec<String>,
 }
 
-/// "cannot finish the removal of 'a'"
-pub(crate) fn unfinished(name: &ImageName) -> String {
-    format!("cannot finish the removal of '{name}'")
+/// Finishes each removal `entries` show interrupted whose lock is free; `dry_run` only takes it.
+pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], dry_run: bool) -> Removals {
+    let mut out = Removals::default();
+    for name in interrupted(entries) {
+        let said = name.as_str().to_owned();
+        match take_removal(ctx, &name) {
+            Taken::Held(h) if deleting(&h.seen) => {
+                let finished = match dry_run {
+                    true => Ok(()),
+                    false => remove::finish_held(&ctx.root, *h),
+                };
+                match finished {
+                    Ok(()) => out.finished.push(said),
+                    Err(e) => out.failed.push(format!("{e:#}")),
+                }
+            }
+            Taken::Busy => out.busy.push(said),
+            Taken::Underway => out.underway.push(said),
+            Taken::Failed(e) => {
+                let said = format!("cannot finish the removal of '{name}': {e}");
+                out.failed.push(said);
+            }
+            // Finished or written anew since the census.
+            Taken::Held(_) | Taken::Gone => {}
+        }
+    }
+    out
+}
+
+/// The images whose records `entries` show `deleting`: removals under way or interrupted.
+pub(crate) fn interrupted(entries: &[Entry]) -> impl Iterator<Item = ImageName> + '_ {
+    let marked = entries.iter().filter(|e| deleting(&e.seen));
+    marked.filter_map(|e| ImageName::parse(e.name()?).ok())
+}
+
+/// Whether a lock file says its image's removal was under way.
+fn deleting(seen: &crate::image_record::Seen) -> bool {
+    matches!(&seen.record, Some(r) if r.state == State::Deleting)
 }
 
 /// What a repair (gc's, doctor's) finds when it takes an image's lock.

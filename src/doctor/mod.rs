@@ -514,47 +514,32 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
 
 /// Interrupted removals (records `deleting`): reported, or with `repair` finished under its lock.
 fn removals(ctx: &Ctx, entries: &[Entry], repair: bool, report: &mut Report) {
-    let root = &ctx.root;
-    let (mut finished, mut stuck, mut busy, mut underway) = (vec![], vec![], vec![], vec![]);
-    for e in entries.iter().filter(|e| crate::gc::deleting(&e.seen)) {
-        let Some(Ok(name)) = e.name().map(ImageName::parse) else {
-            continue;
-        };
-        let said = name.as_str().to_owned();
-        if !repair {
-            match crate::gc::underway(ctx, &name) {
-                Some(true) => underway.push(said),
-                Some(false) => stuck.push(said),
-                // Finished since the census.
-                None => {}
-            }
-            continue;
-        }
-        match crate::gc::take_removal(ctx, &name) {
-            Taken::Held(h) if crate::gc::deleting(&h.seen) => match remove::finish_held(root, *h) {
-                Ok(()) => finished.push(said),
-                Err(err) => report.add("removals", Problem, format!("{err:#}")),
-            },
-            Taken::Busy => busy.push(said),
-            Taken::Underway => underway.push(said),
-            Taken::Failed(err) => {
-                let detail = format!("{}: {err}", crate::gc::unfinished(&name));
-                report.add("removals", Problem, detail);
-            }
-            // Finished or written anew since the census.
-            Taken::Held(_) | Taken::Gone => {}
+    let mut done = crate::gc::Removals::default();
+    let mut stuck = Vec::new();
+    if repair {
+        done = crate::gc::finish_removals(ctx, entries, false);
+    }
+    for name in crate::gc::interrupted(entries).filter(|_| !repair) {
+        match crate::gc::underway(ctx, &name) {
+            Some(true) => done.underway.push(name.as_str().to_owned()),
+            Some(false) => stuck.push(name.as_str().to_owned()),
+            // Finished since the census.
+            None => {}
         }
     }
-    report.naming("removals", Info, &underway, |names| {
+    for f in &done.failed {
+        report.add("removals", Problem, f.clone());
+    }
+    report.naming("removals", Info, &done.underway, |names| {
         format!("removal of {names} is under way (a stowage process holds its lock)")
     });
     report.naming("removals", Problem, &stuck, |names| {
         format!("removal of {names} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it")
     });
-    report.naming("removals", Problem, &busy, |names| {
+    report.naming("removals", Problem, &done.busy, |names| {
         format!("removal of {names} was interrupted, and its lock is held now: a later 'stowage gc' or 'stowage doctor --repair' finishes it")
     });
-    report.naming("removals", Repaired, &finished, |names| {
+    report.naming("removals", Repaired, &done.finished, |names| {
         format!("finished the interrupted removal of {names}")
     });
 }
