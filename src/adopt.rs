@@ -5,7 +5,6 @@
 //! - Entries that are no directories, or whose names decode to no image name: reported, left alone.
 
 use std::collections::HashSet;
-use std::io;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -27,8 +26,12 @@ pub struct Orphans {
 /// The trees in `images` (at `dir`) whose names `recorded` lacks.
 pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<Orphans> {
     let mut out = Orphans::default();
-    let entries = tree_names(images)
-        .with_context(|| format!("cannot list images directory {}", dir.display()))?;
+    let why = || format!("cannot list images directory {}", dir.display());
+    let mut entries = images.names().with_context(why)?;
+    // Not `lost+found` where it is a mount's root.
+    if entries.iter().any(|n| n == "lost+found") && images.is_mount_root().with_context(why)? {
+        entries.retain(|n| n != "lost+found");
+    }
     for raw in entries {
         if !matches!(images.stat_at(&raw), Ok(Some(e)) if e.is_dir()) {
             continue;
@@ -45,15 +48,6 @@ pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<O
         }
     }
     Ok(out)
-}
-
-/// The images directory's entries that may be trees: not `lost+found` where it is a mount's root.
-fn tree_names(images: &Dir) -> io::Result<Vec<std::ffi::OsString>> {
-    let mut names = images.names()?;
-    if names.iter().any(|n| n == "lost+found") && images.is_mount_root()? {
-        names.retain(|n| n != "lost+found");
-    }
-    Ok(names)
 }
 
 /// Whether the lock file at `path` holds a record now, readable or not: a damaged one is its

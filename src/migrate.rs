@@ -168,21 +168,17 @@ impl Old {
         };
         Ok(Old {
             rows,
-            markers: markers(root),
+            // The images writers' markers stand for (`locks/leases/ENC.dirty`).
+            markers: crate::root::names_in(&root.leases())
+                .into_iter()
+                .filter_map(|n| ImageName::from_encoded(n.strip_suffix(".dirty")?).ok())
+                .map(|n| n.as_str().to_owned())
+                .collect(),
             classes,
             images,
             identity: config("images_dir_identity"),
         })
     }
-}
-
-/// The images writers' markers stand for (`locks/leases/ENC.dirty`).
-fn markers(root: &Root) -> BTreeSet<String> {
-    crate::root::names_in(&root.leases())
-        .into_iter()
-        .filter_map(|n| ImageName::from_encoded(n.strip_suffix(".dirty")?).ok())
-        .map(|n| n.as_str().to_owned())
-        .collect()
 }
 
 /// Writes every image's record under its lock taken without waiting. `Some(name)`: a lock was busy,
