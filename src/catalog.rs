@@ -349,7 +349,6 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     })
 }
 
-/// The columns of `table`.
 fn columns(conn: &rusqlite::Connection, table: &str) -> Result<Vec<String>> {
     let mut stmt = conn.prepare("SELECT name FROM pragma_table_info(?1)")?;
     Ok(stmt
@@ -365,7 +364,6 @@ fn legacy_columns(conn: &rusqlite::Connection) -> Result<bool> {
         .all(|c| cols.iter().any(|x| x == c)))
 }
 
-/// Makes the schema in a new catalog.
 pub fn create_schema(conn: &rusqlite::Connection) -> Result<()> {
     // One transaction: a look without the global lock (doctor's) never finds the table without
     // its version (another program's database).

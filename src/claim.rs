@@ -187,7 +187,6 @@ fn escaped(path: &Path) -> String {
     out
 }
 
-/// The path `escaped` wrote as `text`.
 fn unescaped(text: &str) -> PathBuf {
     let (bytes, mut out) = (text.as_bytes(), Vec::with_capacity(text.len()));
     let mut i = 0;

@@ -22,7 +22,6 @@ use crate::dir::Dir;
 use crate::image_record::ImagesDir;
 
 const FORMAT: &str = "stowage-store 1\n";
-/// The file's name in the root.
 pub const FILE: &str = "store.conf";
 
 #[derive(Debug, Clone, PartialEq, Eq)]

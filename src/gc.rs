@@ -295,7 +295,6 @@ pub(crate) fn interrupted(entries: &[Entry]) -> impl Iterator<Item = ImageName> 
     marked.filter_map(|e| ImageName::parse(e.name()?).ok())
 }
 
-/// Whether a lock file says its image's removal was under way.
 fn deleting(seen: &crate::image_record::Seen) -> bool {
     matches!(&seen.record, Some(r) if r.state == State::Deleting)
 }

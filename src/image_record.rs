@@ -22,7 +22,6 @@ use std::time::Duration;
 
 use crate::clock::Millis;
 
-/// The first line of a record slot.
 const FORMAT: &str = "stowage-record 1\n";
 /// The first bytes of a lock file written by a release before records (`stowage-image N`): its
 /// store must be migrated (`migrate.rs`).
@@ -30,7 +29,6 @@ pub const LEGACY_PREFIX: &[u8] = b"stowage-image ";
 
 /// Size of one record slot; a record never exceeds it.
 pub const SLOT: usize = 4096;
-/// Where the hints begin.
 pub const HINTS_AT: usize = 2 * SLOT;
 const HINTS_LEN: usize = 64;
 /// Everything a reader reads, in one `pread`.
@@ -51,7 +49,6 @@ pub const ADOPTED: &str = "adopted (readiness unknown)";
 /// Outcome for an unreadable record: state unknown, so kept (and reported) like an adopted tree.
 pub const UNKNOWN: &str = "record damaged (readiness unknown)";
 
-/// An image's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum State {
     Creating,
@@ -128,7 +125,6 @@ impl ImagesDir {
     }
 }
 
-/// An image's record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
     /// Increases with every write.
@@ -375,7 +371,6 @@ pub fn read_proving(file: &File, path: &Path, name: &str) -> (Seen, bool) {
     })
 }
 
-/// Reads what the lock file behind `file` says.
 pub fn read(file: &File) -> io::Result<Seen> {
     let mut buf = vec![0u8; AREA];
     let mut got = 0;
@@ -433,7 +428,6 @@ pub fn set_writer_waits(file: &File, on: bool) -> io::Result<()> {
     file.write_all_at(&[if on { b'W' } else { b'-' }], WRITER_WAITS_AT)
 }
 
-/// Sets or clears the store-wide hint.
 pub fn set_store_wide(file: &File, on: bool) -> io::Result<()> {
     file.write_all_at(&[if on { b'S' } else { b'-' }], STORE_WIDE_AT)?;
     // A holder excludes image users through it: synced, so caching clients on other hosts see it.
@@ -443,7 +437,6 @@ pub fn set_store_wide(file: &File, on: bool) -> io::Result<()> {
     Ok(())
 }
 
-/// Records a use of the image at `now`.
 pub fn set_last_use(file: &File, now: Millis) -> io::Result<()> {
     file.write_all_at(format!("{now:016x}").as_bytes(), LAST_USE_AT)
 }

@@ -394,7 +394,6 @@ fn ensure_config(root: &Root) -> Result<()> {
     Ok(())
 }
 
-/// The image lock files (`*.lock`) in `locks/images/`.
 fn image_lock_files(root: &Root) -> Vec<String> {
     crate::root::names_in(&root.image_locks())
         .into_iter()

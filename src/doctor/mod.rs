@@ -140,7 +140,6 @@ fn probe_text(path: &Path) -> Option<String> {
     Some(text)
 }
 
-/// Who the probe file's `text` says holds it.
 fn probe_holder(text: &str) -> String {
     match text.trim().split('\t').collect::<Vec<_>>().as_slice() {
         [host, pid, since] => format!("host {host}, pid {pid}, since {since}"),
