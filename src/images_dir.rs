@@ -61,10 +61,18 @@ fn made(root: &Root) -> Config {
     root.create_config(&dir).0
 }
 
-/// A fresh configuration, with the store's id where `ROOT/img` carries this root's claim.
-fn fresh(root: &Root) -> Config {
+/// A fresh configuration, with the store id the claim of `ROOT/img` carries where it names this
+/// very root (a configuration lost).
+pub(crate) fn fresh(root: &Root) -> Config {
     let mut config = Config::fresh();
-    if let Some(id) = root.claimed_id() {
+    let claimed = || {
+        let here = root.open().ok()?.identity().ok()?;
+        let claim = crate::claim::read(&root.open_sub("img").ok()?)
+            .ok()
+            .flatten()?;
+        crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
+    };
+    if let Some(id) = claimed() {
         config.id = id;
     }
     config

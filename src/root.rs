@@ -452,15 +452,11 @@ impl Root {
     pub fn create_config(&self, root: &Dir) -> (crate::config::Config, Result<()>) {
         // Both identities from the start, to tell a directory mounted there later, or a copy.
         let img = self.open_sub("img").ok();
-        let mut config = crate::config::Config {
+        let config = crate::config::Config {
             identity: img.as_ref().and_then(|d| d.identity().ok()),
             root: root.identity().ok(),
-            ..crate::config::Config::fresh()
+            ..crate::images_dir::fresh(self)
         };
-        // The id this root's `img` claim carries, if any (a configuration lost).
-        if let Some(id) = self.claimed_id() {
-            config.id = id;
-        }
         if let Err(e) = crate::config::create(&self.dir, root, &config) {
             return (config, Err(e));
         }
@@ -475,14 +471,6 @@ impl Root {
             let _ = crate::claim::write(img, &mine, true);
         }
         (config, Ok(()))
-    }
-
-    /// The store id this root's `img` claim carries, where the claim names this very root.
-    pub fn claimed_id(&self) -> Option<String> {
-        let here = self.open().ok()?.identity().ok()?;
-        let img = self.open_sub("img").ok()?;
-        let claim = crate::claim::read(&img).ok().flatten()?;
-        crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
     }
 
     /// Before a new store is made: an `img` in the root that another store's standing claim names
