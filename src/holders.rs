@@ -170,8 +170,6 @@ pub struct Look<'c> {
     kdev: Option<u64>,
     /// Leases made since the listing, read once for a table entry none of `said` explains.
     later: RefCell<Option<Vec<Leased>>>,
-    /// Every lease read again (once), for a lock held that no lease said.
-    reread: RefCell<Option<Vec<Leased>>>,
     /// The table read again (once), to confirm an unexplained holder stayed.
     fresh: RefCell<Option<Option<Table>>>,
     /// Per pid, the files it flocks through its own descriptors (read once; None: unreadable).
@@ -204,7 +202,6 @@ impl<'c> Look<'c> {
             table,
             kdev,
             later: RefCell::new(None),
-            reread: RefCell::new(None),
             fresh: RefCell::new(None),
             fd_locks: RefCell::new(HashMap::new()),
             owned: RefCell::new(None),
@@ -334,10 +331,9 @@ impl<'c> Look<'c> {
                 .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(taker))
     }
 
-    /// The live leases listing `rel` as held in `mode` now (read afresh, once per look).
+    /// The live leases listing `rel` as held in `mode` now (read afresh).
     fn listing_now(&self, rel: &str, mode: Mode, entries: Option<&[Entry]>) -> Vec<Party> {
-        let mut reread = self.reread.borrow_mut();
-        let all = reread.get_or_insert_with(|| read_leases(&self.leases_dir, |_| true));
+        let all = read_leases(&self.leases_dir, |_| true);
         all.iter()
             .filter(|(n, _)| self.alive(n))
             .flat_map(|(n, id)| {
@@ -637,7 +633,6 @@ impl<'c> Look<'c> {
         // filesystem would each cost them; past it, one read each.
         let tries = if self.deferring.get() { 1 } else { 5 };
         for attempt in 0..tries {
-            self.reread.borrow_mut().take();
             if attempt > 0 {
                 if self.waited.get() >= WAIT_BUDGET {
                     break;
