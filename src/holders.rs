@@ -50,7 +50,6 @@ pub struct Party {
     pub pid: Option<u32>,
     pub host: Option<String>,
     pub user: Option<String>,
-    #[serde(serialize_with = "mode_json")]
     pub mode: Mode,
     pub command: Option<String>,
     #[serde(serialize_with = "time_json")]
@@ -66,11 +65,6 @@ pub struct Party {
     /// Where `pid` names the process.
     #[serde(skip)]
     pub pid_space: PidSpace,
-}
-
-/// A mode as JSON says it: "shared", "exclusive".
-pub fn mode_json<S: serde::Serializer>(mode: &Mode, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(mode.as_str())
 }
 
 /// A time as JSON says it: RFC 3339, null if none.

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use crate::clock;
-use crate::holders::{LockKind, LockReport, Look, Party, PidSpace, command_cut, mode_json, pid_on};
+use crate::holders::{LockKind, LockReport, Look, Party, PidSpace, command_cut, pid_on};
 use crate::lock::Mode;
 
 /// The lock a step waits for.
@@ -22,7 +22,6 @@ use crate::lock::Mode;
 pub struct Awaited {
     pub kind: LockKind,
     pub name: String,
-    #[serde(serialize_with = "mode_json")]
     pub mode: Mode,
 }
 

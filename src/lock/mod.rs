@@ -41,7 +41,8 @@ pub use wait::{
 };
 
 /// How a lock is held.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Mode {
     Shared,
     Exclusive,
