@@ -345,9 +345,8 @@ pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> 
         Ok(lock::Probe::Missing) => return None,
         Ok(lock::Probe::Exclusive) => {
             crate::debug::pause("underway-probed");
-            let rel = ctx.root.locks_rel(&path);
             let kind = crate::holders::LockKind::Image;
-            let r = crate::holders::Look::new(ctx).report(kind, name.as_str(), &path, &rel);
+            let r = crate::holders::Look::new(ctx).report(kind, name.as_str(), &path);
             // A live stowage process (a dead one's lease, no pid, explains an inheritor's hold).
             r.holders
                 .iter()

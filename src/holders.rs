@@ -445,9 +445,9 @@ impl<'c> Look<'c> {
         Some(table.get(&key).cloned().unwrap_or_default())
     }
 
-    /// The report on one lock file (`rel`: relative to `locks/`).
-    pub fn report(&self, kind: LockKind, name: &str, path: &Path, rel: &str) -> LockReport {
-        let entries = self.entries(path);
+    /// The report on one lock file.
+    pub fn report(&self, kind: LockKind, name: &str, path: &Path) -> LockReport {
+        let (rel, entries) = (self.ctx.root.locks_rel(path), self.entries(path));
         let listing: Listing = self
             .said
             .iter()
@@ -467,7 +467,7 @@ impl<'c> Look<'c> {
             if claimed[i] {
                 continue;
             }
-            let Some(party) = self.unclaimed(&listing, path, rel, e) else {
+            let Some(party) = self.unclaimed(&listing, path, &rel, e) else {
                 vanished |= !e.blocked;
                 continue;
             };
@@ -482,7 +482,7 @@ impl<'c> Look<'c> {
             state = self.probe(path);
         }
         if holders.is_empty() && state != Probe::Free && state != Probe::Missing {
-            (state, holders) = self.held_by_whom(path, rel, state, entries.as_deref());
+            (state, holders) = self.held_by_whom(path, &rel, state, entries.as_deref());
         }
         LockReport {
             kind,
@@ -793,8 +793,7 @@ pub fn command_cut(p: &Party, width: usize) -> String {
 
 /// Who holds a lock file, for a message: one look at it.
 pub fn holders_phrase(ctx: &Ctx, kind: LockKind, path: &Path) -> String {
-    let rel = ctx.root.locks_rel(path);
-    let r = Look::new(ctx).report(kind, &rel, path, &rel);
+    let r = Look::new(ctx).report(kind, &ctx.root.locks_rel(path), path);
     phrase(&r.holders)
 }
 

@@ -311,8 +311,7 @@ pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> 
     let mut holders: Vec<Party> = Vec::new();
     for f in &files {
         let path = dir.join(f);
-        let rel = root.locks_rel(&path);
-        let r = look.report(LockKind::Slot, class, &path, &rel);
+        let r = look.report(LockKind::Slot, class, &path);
         if r.state != Probe::Free {
             in_use += 1;
         }

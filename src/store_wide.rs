@@ -426,7 +426,7 @@ fn wait_in_turn<'a, T>(
         return Err(Busy::now(busy, holders).into());
     }
     let shown = path.clone();
-    let report = move |look: &crate::holders::Look| look.report(kind, &name, &shown, &rel);
+    let report = move |look: &crate::holders::Look| look.report(kind, &name, &shown);
     let _line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(Box::new(report)));
     let mut wait = Wait::on(&dir, deadline);
     crate::acquire::wait_for(store, awaited, &[], what, holders, now, move || {

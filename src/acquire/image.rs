@@ -142,7 +142,7 @@ fn wait_taking(
     };
     let what = format!("{verb} lock on image '{name}'");
     let phrase_now = || {
-        let r = Look::new(store.ctx()).report(LockKind::Image, name.as_str(), &path, &rel);
+        let r = Look::new(store.ctx()).report(LockKind::Image, name.as_str(), &path);
         crate::holders::phrase(&r.holders)
     };
     let now = || match phrase_now() {
@@ -161,8 +161,8 @@ fn wait_taking(
         return busy_now(root, name, want, what, holders);
     }
     let reread: crate::wait_line::Reread = {
-        let (name, path, rel) = (name.as_str().to_owned(), path.clone(), rel.clone());
-        Box::new(move |look| look.report(LockKind::Image, &name, &path, &rel))
+        let (name, path) = (name.as_str().to_owned(), path.clone());
+        Box::new(move |look| look.report(LockKind::Image, &name, &path))
     };
     let line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(reread));
     let mut holding = crate::lease::Holding::now(want.mode, rel.clone(), true, want.command);

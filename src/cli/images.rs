@@ -47,8 +47,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let in_use: HashSet<&str> = images
         .iter()
         .filter(|i| {
-            let rel = store.root().locks_rel(&i.entry.path);
-            let r = look.report(LockKind::Image, i.name(), &i.entry.path, &rel);
+            let r = look.report(LockKind::Image, i.name(), &i.entry.path);
             r.state != crate::lock::Probe::Free || i.entry.writer_alive
         })
         .map(Image::name)

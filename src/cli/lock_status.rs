@@ -205,8 +205,7 @@ pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockRepo
     crate::debug::pause("status-table-read");
     let files = image_lock_files(look, root, sel)?;
     locks.extend(image_reports(look, root, sel, files));
-    let (store_lock, rel) = (root.store_wide_lock(), Root::STORE_WIDE_LOCK_REL);
-    let r = look.report(LockKind::Global, "store", &store_lock, rel);
+    let r = look.report(LockKind::Global, "store", &root.store_wide_lock());
     if r.state != Probe::Free || !r.waiters.is_empty() {
         locks.push(r);
     }
@@ -288,8 +287,7 @@ fn image_report(look: &Look, root: &Root, file: &str, asked: Option<String>) -> 
         .or(asked)
         .or_else(|| Root::image_of_lock_file(file).map(|n| n.as_str().to_owned()))
         .unwrap_or_else(|| file.to_owned());
-    let rel = format!("images/{file}");
-    let mut r = look.report(LockKind::Image, &name, &path, &rel);
+    let mut r = look.report(LockKind::Image, &name, &path);
     r.image_state = seen
         .record
         .as_ref()
