@@ -232,7 +232,7 @@ impl<'c> Look<'c> {
     }
 
     /// Whether lease `name` has a live owner (one probe a look; if it fails, alive: nothing goes).
-    pub fn alive(&self, name: &str) -> bool {
+    fn alive(&self, name: &str) -> bool {
         let mut alive = self.alive.borrow_mut();
         *alive
             .entry(name.to_owned())
@@ -328,16 +328,26 @@ impl<'c> Look<'c> {
     /// The live leases listing `rel` as held in `mode` now (read afresh).
     fn listing_now(&self, rel: &str, mode: Mode, entries: Option<&[Entry]>) -> Vec<Party> {
         let all = read_leases(&self.leases_dir, |_| true);
-        all.iter()
+        self.parties(&all, |id, h| {
+            !h.awaits && h.lockfile == rel && h.mode == mode && !self.outlived(id, h, entries)
+        })
+    }
+
+    /// The live leases waiting for the lock (or slot class) `rel`, as they listed it.
+    pub fn awaiting(&self, rel: &str) -> Vec<Party> {
+        self.parties(&self.said, |_, h| h.awaits && h.lockfile == rel)
+    }
+
+    /// The parties of every line of the live leases in `leases` that `pick` accepts.
+    fn parties(&self, leases: &[Leased], pick: impl Fn(&Identity, &Holding) -> bool) -> Vec<Party> {
+        let lines = leases
+            .iter()
             .filter(|(n, _)| self.alive(n))
             .flat_map(|(n, id)| {
-                id.holdings
-                    .iter()
-                    .filter(|h| !h.awaits && h.lockfile == rel && h.mode == mode)
-                    .filter(move |h| !self.outlived(id, h, entries))
-                    .map(move |h| self.party(n, id, h))
-            })
-            .collect()
+                let picked = id.holdings.iter().filter(|h| pick(id, h));
+                picked.map(move |h| self.party(n, id, h))
+            });
+        lines.collect()
     }
 
     /// Whether a fresh read of the table (once per look) still shows `e` on the file at `path`: a
@@ -541,7 +551,7 @@ impl<'c> Look<'c> {
 
     /// The party a live lease names for one of its locks, with the pid that reaches it here: its
     /// lease's taker in the table, else the lease's pid; none if reused since.
-    pub fn party(&self, n: &str, id: &Identity, h: &Holding) -> Party {
+    fn party(&self, n: &str, id: &Identity, h: &Holding) -> Party {
         let taker = self.taker(id);
         let mut party = Party::leased(n, id, h);
         party.pid = match taker {

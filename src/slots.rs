@@ -317,18 +317,7 @@ pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> 
         }
         holders.extend(r.holders);
     }
-    let class_rel = root.locks_rel(&dir);
-    let waiters: Vec<Party> = look
-        .leases()
-        .iter()
-        .filter(|(n, _)| look.alive(n))
-        .flat_map(|(n, id)| {
-            id.holdings
-                .iter()
-                .filter(|h| h.awaits && h.lockfile == class_rel)
-                .map(move |h| look.party(n, id, h))
-        })
-        .collect();
+    let waiters = look.awaiting(&root.locks_rel(&dir));
     LockReport {
         kind: LockKind::Slot,
         name: class.to_owned(),
