@@ -66,7 +66,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
         return super::print_json(&doc).map(|()| 0);
     }
     let text = if chains.is_empty() {
-        nothing_waits(&target, image)
+        nothing_waits(&target, &reports)
     } else {
         chains
             .iter()
@@ -84,14 +84,11 @@ fn is_image(r: &LockReport, n: &ImageName) -> bool {
 
 /// The answer when no chain starts at the target: nobody waits for the image, or the process
 /// waits for no lock.
-fn nothing_waits<'r>(
-    target: &Target,
-    image: impl Fn(&ImageName) -> Option<&'r LockReport>,
-) -> String {
+fn nothing_waits(target: &Target, reports: &[LockReport]) -> String {
     match target {
         Target::Image(n) => format!(
             "nobody waits for image '{n}'{}\n",
-            image(n)
+            (reports.iter().find(|r| is_image(r, n)))
                 .and_then(|r| r.holders.first())
                 .map(|h| format!(" (held by {})", wait_chain::who(h)))
                 .unwrap_or_default()
