@@ -47,11 +47,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         names: super::names(&args.images)?,
         all: args.all,
     };
-    let every = args
-        .watch
-        .as_deref()
-        .map(|raw| super::parse_seconds("--watch", raw));
-    let every = every.transpose()?;
+    let watch = args.watch.as_deref();
+    let every = watch
+        .map(|raw| super::parse_seconds("--watch", raw))
+        .transpose()?;
     if every.is_some_and(|d| d.is_zero()) {
         return super::usage("--watch needs an interval above 0 seconds".into());
     }
