@@ -742,7 +742,7 @@ fn held_as(mode: Mode) -> Probe {
 
 /// "held (read) by pid 4121 on node07 (ch-image build -t app .) since 12:03:04"; an exclusive lock
 /// taken only to read (`--read-exclusive`) is no write.
-pub fn phrase(holders: &[Party]) -> String {
+fn phrase(holders: &[Party]) -> String {
     let lead = holders
         .first()
         .map_or(String::new(), |p| match (p.mode, p.reading) {

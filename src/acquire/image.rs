@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::Result;
 
 use crate::error::{Busy, Error};
-use crate::holders::{LockKind, Look};
+use crate::holders::LockKind;
 use crate::image_record::{self, Seen};
 use crate::lock::{self, Guard, Mode, Wait, Waited};
 use crate::name::ImageName;
@@ -141,10 +141,7 @@ fn wait_taking(
         want.mode.verb()
     };
     let what = format!("{verb} lock on image '{name}'");
-    let phrase_now = || {
-        let r = Look::new(store.ctx()).report(LockKind::Image, name.as_str(), &path);
-        crate::holders::phrase(&r.holders)
-    };
+    let phrase_now = || crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path);
     let now = || match phrase_now() {
         h if writer_ahead && !h.is_empty() => h + "; and a writer waits ahead of new readers",
         h => h,
