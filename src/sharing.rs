@@ -152,12 +152,9 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
 /// Gives an images directory outside the root (not what is in it) what a group store's parts get,
 /// through the descriptor the caller checked it by.
 pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Result<()> {
-    fix_fd(images.as_fd(), true, gid, 0).with_context(|| {
-        format!(
-            "cannot give images directory {} group {gid}",
-            shown.display()
-        )
-    })
+    let shown = shown.display();
+    fix_fd(images.as_fd(), true, gid, 0)
+        .with_context(|| format!("cannot give images directory {shown} group {gid}"))
 }
 
 /// Gives the file or directory behind `fd` group `gid`, the group store's bits and the mode bits

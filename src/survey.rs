@@ -14,6 +14,7 @@ use anyhow::Result;
 
 use crate::catalog::Row;
 use crate::census::{Entry, take};
+use crate::clock;
 use crate::image_record::{self, ImagesDir, Record, State};
 use crate::lock::IfMissing;
 use crate::name::ImageName;
@@ -25,7 +26,7 @@ pub struct Image {
     pub entry: Entry,
     pub record: image_record::Record,
     pub state: State,
-    pub last_used: crate::clock::Millis,
+    pub last_used: clock::Millis,
     /// The tree's size, measured for the record as it is now.
     pub size: Option<u64>,
 }
@@ -46,11 +47,7 @@ fn unknown_record(root: &Root, entry: &Entry) -> Option<image_record::Record> {
         None => tree_hashed_as(root, &images, &entry.file)?,
     };
     // Its times are not known either: its last use is the lock file's, if that says one.
-    Some(Record::unknown(
-        name.as_str(),
-        images,
-        crate::clock::UNKNOWN,
-    ))
+    Some(Record::unknown(name.as_str(), images, clock::UNKNOWN))
 }
 
 /// The image whose tree in `images` has the cut and hashed lock file name `file`, if one alone

@@ -288,25 +288,19 @@ fn blockers(r: &LockReport, w: &Party) -> Blockers {
 /// What to do about a chain: which process to end.
 pub fn advice(chain: &Chain) -> String {
     let end = to_end(chain);
+    let (name, kill) = (who(end), kill(end));
     if let Some((from, _)) = chain.cycle {
+        let n = chain.steps.len() - from;
         return format!(
-            "a cycle of {}: none of them can go on until one ends; ending {} (the newest) breaks it{}",
-            chain.steps.len() - from,
-            who(end),
-            kill(end)
+            "a cycle of {n}: none of them can go on until one ends; ending {name} (the newest) breaks it{kill}"
         );
     }
     if end.pid.is_none() {
         return format!(
-            "the end is {}: look on the hosts sharing the store for a process holding it",
-            who(end)
+            "the end is {name}: look on the hosts sharing the store for a process holding it"
         );
     }
-    format!(
-        "{} waits for nothing stowage can see: let it finish, or end it{}",
-        who(end),
-        kill(end)
-    )
+    format!("{name} waits for nothing stowage can see: let it finish, or end it{kill}")
 }
 
 /// The process to end: a cycle's newest, which has done the least work; else the chain's last.

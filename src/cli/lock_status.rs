@@ -225,10 +225,8 @@ fn image_lock_files(look: &Look, root: &Root, sel: &Selection) -> Result<Files> 
         .collect();
     files.extend(outsider_files(look, root).into_iter().map(|f| (f, None)));
     for n in &sel.names {
-        files.insert(
-            crate::root::lock_file_name(n.encoded()),
-            Some(n.as_str().to_owned()),
-        );
+        let file = crate::root::lock_file_name(n.encoded());
+        files.insert(file, Some(n.as_str().to_owned()));
     }
     if sel.all {
         for e in crate::census::take(root)? {
