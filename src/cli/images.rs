@@ -52,7 +52,6 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         })
         .map(Image::name)
         .collect();
-    look.deferring(false);
     let sharing = Sharing::measure(store, &images);
     if args.json {
         let out: Vec<ImageJson> = images
