@@ -13,7 +13,6 @@ use serde::Serialize;
 use crate::clock;
 use crate::holders::{LockKind, LockReport, Look, Party};
 use crate::ident::printable;
-use crate::image_record::State;
 use crate::lock::Probe;
 use crate::name::ImageName;
 use crate::root::Root;
@@ -85,7 +84,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
             let doc = StatusJson {
                 root: store.root().dir().display().to_string(),
                 filesystem: fs,
-                locks: locks.iter().map(lock_json).collect(),
+                locks: &locks,
             };
             super::json_text(&doc, every.is_none())?
         } else {
@@ -147,28 +146,35 @@ fn party(p: &Party) -> String {
 }
 
 #[derive(Debug, Serialize)]
-pub struct StatusJson<'a> {
-    pub root: String,
-    pub filesystem: String,
-    pub locks: Vec<LockJson<'a>>,
+struct StatusJson<'a> {
+    root: String,
+    filesystem: String,
+    locks: &'a [LockReport],
 }
 
-#[derive(Debug, Serialize)]
-pub struct LockJson<'a> {
-    pub kind: &'static str,
-    pub name: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image_state: Option<&'static str>,
-    /// A slot class's (absent for other locks; null once the class is removed while held).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub limit: Option<Option<u32>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reserve_high: Option<Option<u32>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub in_use: Option<u32>,
-    pub state: &'static str,
-    pub holders: &'a [Party],
-    pub waiters: &'a [Party],
+/// As JSON: kind, name, the image's state, a slot class's limit, reserve and slots in use (null
+/// once the class is removed while held), then state, holders and waiters.
+impl Serialize for LockReport {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut m = s.serialize_struct("LockReport", 9)?;
+        m.serialize_field("kind", &self.kind)?;
+        m.serialize_field("name", &self.name)?;
+        if let Some(st) = self.image_state {
+            m.serialize_field("image_state", st.as_str())?;
+        }
+        if self.kind == LockKind::Slot {
+            m.serialize_field("limit", &self.slot.map(|s| s.0))?;
+            m.serialize_field("reserve_high", &self.slot.map(|s| s.1))?;
+            // A removed class's holders are still counted.
+            let in_use = self.slot.map_or(self.holders.len() as u32, |s| s.2);
+            m.serialize_field("in_use", &in_use)?;
+        }
+        m.serialize_field("state", state_str(self.state))?;
+        m.serialize_field("holders", &self.holders)?;
+        m.serialize_field("waiters", &self.waiters)?;
+        m.end()
+    }
 }
 
 pub fn state_str(p: Probe) -> &'static str {
@@ -308,21 +314,4 @@ fn outsider_files(look: &Look, root: &Root) -> Vec<String> {
         .filter_map(|e| e.name.into_string().ok())
         .filter(|n| n.ends_with(".lock"))
         .collect()
-}
-
-/// A lock report as JSON.
-fn lock_json(r: &LockReport) -> LockJson<'_> {
-    let slot = r.kind == LockKind::Slot;
-    LockJson {
-        kind: r.kind.as_str(),
-        name: r.name.clone(),
-        image_state: r.image_state.map(State::as_str),
-        limit: slot.then_some(r.slot.map(|s| s.0)),
-        reserve_high: slot.then_some(r.slot.map(|s| s.1)),
-        // A removed class's holders are still counted.
-        in_use: slot.then(|| r.slot.map_or(r.holders.len() as u32, |s| s.2)),
-        state: state_str(r.state),
-        holders: &r.holders,
-        waiters: &r.waiters,
-    }
 }
