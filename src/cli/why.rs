@@ -10,7 +10,7 @@ use super::lock_status::Selection;
 use crate::holders::{LockKind, LockReport, Look, Party};
 use crate::name::ImageName;
 use crate::store::Store;
-use crate::wait_chain::{self, Chain, Graph, Step};
+use crate::wait_chain::{self, Chain, Graph};
 
 /// What `--why` was given; as JSON, `{"image": NAME}` or `{"pid": PID}`.
 #[derive(Serialize)]
@@ -61,7 +61,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
         let doc = WhyJson {
             root: root.dir().display().to_string(),
             target: &target,
-            chains: chains.iter().map(chain_json).collect(),
+            chains: &chains,
         };
         return super::print_json(&doc).map(|()| 0);
     }
@@ -103,26 +103,20 @@ fn nothing_waits(target: &Target, reports: &[LockReport]) -> String {
 struct WhyJson<'a> {
     root: String,
     target: &'a Target,
-    chains: Vec<ChainJson<'a>>,
+    chains: &'a [Chain],
 }
 
-#[derive(Serialize)]
-struct ChainJson<'a> {
-    steps: &'a [Step],
-    cycle: bool,
-    /// The index of the step the cycle returns to.
-    cycle_from: Option<usize>,
-    /// The pid to end: the chain's last process, or the cycle's newest.
-    end_pid: Option<u32>,
-    advice: String,
-}
-
-fn chain_json(c: &Chain) -> ChainJson<'_> {
-    ChainJson {
-        steps: &c.steps,
-        cycle: c.cycle.is_some(),
-        cycle_from: c.cycle.map(|(from, _)| from),
-        end_pid: wait_chain::to_end(c).pid,
-        advice: wait_chain::advice(c),
+/// As JSON: its steps, whether a cycle, the index of the step the cycle returns to, the pid to end
+/// (the chain's last process, or the cycle's newest), and the advice.
+impl Serialize for Chain {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut m = s.serialize_struct("Chain", 5)?;
+        m.serialize_field("steps", &self.steps)?;
+        m.serialize_field("cycle", &self.cycle.is_some())?;
+        m.serialize_field("cycle_from", &self.cycle.map(|(from, _)| from))?;
+        m.serialize_field("end_pid", &wait_chain::to_end(self).pid)?;
+        m.serialize_field("advice", &wait_chain::advice(self))?;
+        m.end()
     }
 }
