@@ -34,7 +34,7 @@ use crate::error::cvt;
 
 mod wait;
 
-use wait::block_any;
+use wait::block;
 pub use wait::{
     REMOTE_REARM, Wait, Waited, Waker, Woke, before_waiting, interrupt_waits, interrupted,
     starting_to_wait, wake_signal, watch_signals_while_waiting,
@@ -472,62 +472,30 @@ pub fn acquire(
     missing: IfMissing,
     wait: &mut Wait,
 ) -> io::Result<Waited<Guard>> {
-    let paths = [path.to_owned()];
-    Ok(acquire_any(&paths, mode, missing, wait)?.map(|(_, guard)| guard))
-}
-
-/// Locks whichever of `paths` frees first (tried in order, then all waited on); returns its index.
-pub fn acquire_any(
-    paths: &[PathBuf],
-    mode: Mode,
-    missing: IfMissing,
-    wait: &mut Wait,
-) -> io::Result<Waited<(usize, Guard)>> {
-    assert!(!paths.is_empty());
     for _ in 0..MAX_GHOSTS {
-        let mut files = Vec::with_capacity(paths.len());
-        for (i, path) in paths.iter().enumerate() {
-            let file = open(path, missing)?;
-            let got = match flock_try(&file, mode) {
-                Ok(got) => got,
-                // Gone on the server: leave it out, so the pass starts over.
-                Err(e) if is_stale(&e) => continue,
-                Err(e) => return Err(e),
-            };
-            if got {
-                let Some(linked) = still_linked(&file, path)? else {
-                    continue;
-                };
-                return Ok(Waited::Acquired((i, guard(file, path, mode, Some(linked)))));
+        let file = open(path, missing)?;
+        let blocked = match flock_try(&file, mode) {
+            Ok(true) => Ok(Waited::Acquired(())),
+            Ok(false) => {
+                // Before waiting (off the fast path), a locked FIFO is refused by name, not waited for.
+                crate::planted::check(path, &file)?;
+                block(&file, mode, wait)
             }
-            files.push((i, file));
-        }
-        if files.len() < paths.len() {
-            // Some file was a ghost: start over with fresh opens.
-            continue;
-        }
-        // Before waiting (off the fast path), a locked FIFO is refused by name, not waited for.
-        for (i, f) in &files {
-            crate::planted::check(&paths[*i], f)?;
-        }
-        let refs: Vec<&File> = files.iter().map(|(_, f)| f).collect();
-        let blocked = match block_any(&refs, mode, wait) {
-            Err(e) if is_stale(&e) => continue,
-            other => other?,
+            Err(e) => Err(e),
         };
         match blocked {
-            Waited::Acquired(k) => {
-                let (i, file) = files.swap_remove(k);
-                if let Some(linked) = still_linked(&file, &paths[i])? {
-                    let g = guard(file, &paths[i], mode, Some(linked));
-                    return Ok(Waited::Acquired((i, g)));
-                }
-            }
-            Waited::TimedOut => return Ok(Waited::TimedOut),
-            Waited::Interrupted(sig) => return Ok(Waited::Interrupted(sig)),
+            Ok(Waited::Acquired(())) => {}
+            Ok(Waited::TimedOut) => return Ok(Waited::TimedOut),
+            Ok(Waited::Interrupted(sig)) => return Ok(Waited::Interrupted(sig)),
+            // Gone on the server: start over with a fresh open.
+            Err(e) if is_stale(&e) => continue,
+            Err(e) => return Err(e),
+        }
+        if let Some(linked) = still_linked(&file, path)? {
+            return Ok(Waited::Acquired(guard(file, path, mode, Some(linked))));
         }
     }
-    Err(ghost_error(&paths[0]))
+    Err(ghost_error(path))
 }
 
 fn guard(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
@@ -893,7 +861,7 @@ fn lost_in_test(path: &Path) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::wait::poll_any;
+    use super::wait::poll;
     use super::*;
     use std::thread;
     use std::time::{Duration, Instant};
@@ -916,8 +884,10 @@ mod tests {
         assert!(g.is_some(), "retried on a fresh open");
         drop(g);
         INJECT.with(|v| v.borrow_mut().push(libc::ESTALE));
-        let got = wait_any(std::slice::from_ref(&p), Mode::Shared, None);
-        assert!(matches!(got, Waited::Acquired((0, _))));
+        assert!(matches!(
+            wait_for(&p, Mode::Shared, None),
+            Waited::Acquired(_)
+        ));
         // Anything else is still an error.
         INJECT.with(|v| v.borrow_mut().push(libc::EIO));
         assert_eq!(
@@ -940,18 +910,9 @@ mod tests {
         acquire(p, mode, IfMissing::Create, &mut until(deadline)).unwrap()
     }
 
-    /// [`wait_for`] whichever of `paths` frees first.
-    fn wait_any(
-        paths: &[PathBuf],
-        mode: Mode,
-        deadline: Option<Instant>,
-    ) -> Waited<(usize, Guard)> {
-        acquire_any(paths, mode, IfMissing::Create, &mut until(deadline)).unwrap()
-    }
-
     /// A polled wait for `f` until `deadline`.
-    fn poll(f: &File, deadline: Instant) -> Waited<usize> {
-        poll_any(&[f], Mode::Exclusive, &mut until(Some(deadline))).unwrap()
+    fn polled(f: &File, deadline: Instant) -> Waited<()> {
+        poll(f, Mode::Exclusive, &mut until(Some(deadline))).unwrap()
     }
 
     fn tmp() -> tempfile::TempDir {
@@ -1066,28 +1027,6 @@ mod tests {
     }
 
     #[test]
-    fn any_of_several() {
-        let d = tmp();
-        let paths: Vec<PathBuf> = (0..3).map(|i| d.path().join(format!("{i}.lock"))).collect();
-        let a = take(&paths[0], Mode::Exclusive);
-        let b = take(&paths[1], Mode::Exclusive);
-        let (i, c) = match wait_any(&paths, Mode::Exclusive, None) {
-            Waited::Acquired(x) => x,
-            other => panic!("{other:?}"),
-        };
-        assert_eq!(i, 2);
-        let t = release_after(100, b);
-        let got = wait_any(&paths, Mode::Exclusive, Some(in_30s()));
-        assert!(matches!(got, Waited::Acquired((1, _))), "{got:?}");
-        t.join().unwrap();
-        // The losing helper (blocked on 0 and 2) must not have kept anything.
-        drop(a);
-        drop(c);
-        assert_eq!(probe(&paths[0]).unwrap(), Probe::Free);
-        assert_eq!(probe(&paths[2]).unwrap(), Probe::Free);
-    }
-
-    #[test]
     fn rearmed_waits_still_acquire() {
         let (_d, p) = tmp_lock();
         let held = take(&p, Mode::Exclusive);
@@ -1136,12 +1075,12 @@ mod tests {
         let held = take(&p, Mode::Exclusive);
         let f = open(&p, IfMissing::Fail).unwrap();
         let t0 = Instant::now();
-        let r = poll(&f, t0 + Duration::from_millis(100));
+        let r = polled(&f, t0 + Duration::from_millis(100));
         assert!(matches!(r, Waited::TimedOut));
         assert!(t0.elapsed() >= Duration::from_millis(100));
         let t = release_after(50, held);
-        let r = poll(&f, in_30s());
-        assert!(matches!(r, Waited::Acquired(0)));
+        let r = polled(&f, in_30s());
+        assert!(matches!(r, Waited::Acquired(())));
         t.join().unwrap();
     }
 

@@ -1,4 +1,4 @@
-//! Waiting for locks: in flock(2) in helper threads, or for many files at once, on inotify.
+//! Waiting for locks: in flock(2) in a helper thread, or for many files at once, on inotify.
 //!
 //! - A helper thread sleeps in a blocked flock(2) until the lock is free, or [`wake_signal`] (a
 //!   no-op handler: `EINTR`) interrupts it for a deadline or cancellation. Nothing spins.
@@ -101,8 +101,8 @@ fn install_wake_handler() {
 }
 
 enum Event {
-    /// Worker `i` finished: `Ok(true)` acquired, `Ok(false)` stopped.
-    Done(usize, io::Result<bool>),
+    /// The worker finished: `Ok(true)` acquired, `Ok(false)` stopped.
+    Done(io::Result<bool>),
     Cancelled(i32),
 }
 
@@ -191,8 +191,9 @@ impl Drop for Registration {
     }
 }
 
+/// The helper thread blocked in flock(2) for a wait.
 struct Worker {
-    handle: Option<thread::JoinHandle<()>>,
+    handle: thread::JoinHandle<()>,
     stop: Arc<AtomicBool>,
     finished: bool,
 }
@@ -201,9 +202,9 @@ struct Worker {
 /// signals: a hard NFS mount, server gone); it releases whatever it later acquires.
 const STOP_GRACE: Duration = Duration::from_secs(2);
 
-/// Blocks until one of `files` is locked in `mode`; returns its index.
-pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
-    // A deadline already past (a try pass) needs no threads to say so.
+/// Blocks until `file` is locked in `mode`.
+pub(super) fn block(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Waited<()>> {
+    // A deadline already past (a try pass) needs no thread to say so.
     if wait.deadline.is_some_and(|d| Instant::now() >= d) {
         return Ok(Waited::TimedOut);
     }
@@ -214,94 +215,100 @@ pub(super) fn block_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Res
         Ok(r) => r,
         Err(sig) => return Ok(Waited::Interrupted(sig)),
     };
-    let mut workers = start_workers(files, mode, tx)?;
-    if workers.len() < files.len() {
+    // The duplicate shares the open file description: a lock through it locks `file` itself.
+    let dup = file.try_clone()?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let handle = match spawn_worker(dup, mode, Arc::clone(&stop), tx) {
+        Ok(h) => h,
         // No thread to be had (a pids limit in a container or a job's cgroup): poll instead.
-        stop_workers(&mut workers, files, &rx, None);
-        return poll_any(files, mode, wait);
-    }
-    let outcome = first_acquired(&mut workers, &rx, wait);
-    // Stop the others; any that acquired meanwhile but lost releases it (nobody saw those locks).
-    let winner = match outcome {
-        Ok(Waited::Acquired(i)) => Some(i),
-        _ => None,
+        Err(e)
+            if e.kind() == io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::EAGAIN) =>
+        {
+            return poll(file, mode, wait);
+        }
+        Err(e) => return Err(e),
     };
-    stop_workers(&mut workers, files, &rx, winner);
+    let mut worker = Worker {
+        handle,
+        stop,
+        finished: false,
+    };
+    let outcome = worker.acquired(&rx, wait);
+    worker.stop(file, &rx);
     outcome
 }
 
-/// Starts one helper per file, blocked in flock(2) on a duplicate; fewer if threads run out.
-fn start_workers(files: &[&File], mode: Mode, tx: mpsc::Sender<Event>) -> io::Result<Vec<Worker>> {
-    let mut workers = Vec::with_capacity(files.len());
-    for (i, file) in files.iter().enumerate() {
-        // The duplicate shares the open file description: a lock through it locks `file` itself.
-        let dup = file.try_clone()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let handle = match spawn_worker(i, dup, mode, Arc::clone(&stop), tx.clone()) {
-            Ok(h) => h,
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.raw_os_error() == Some(libc::EAGAIN) =>
+impl Worker {
+    /// Waits for the worker to acquire, re-arming and saying the notice when due.
+    fn acquired(&mut self, rx: &mpsc::Receiver<Event>, wait: &mut Wait) -> io::Result<Waited<()>> {
+        let started = Instant::now();
+        let mut notice = wait.notice.take();
+        let mut next_rearm = wait.rearm.map(|r| started + r);
+        loop {
+            let now = Instant::now();
+            let notice_at = notice.as_ref().map(|(after, _)| started + *after);
+            let event = match [wait.deadline, notice_at, next_rearm]
+                .into_iter()
+                .flatten()
+                .min()
             {
-                return Ok(workers);
-            }
-            Err(e) => return Err(e),
-        };
-        workers.push(Worker {
-            handle: Some(handle),
-            stop,
-            finished: false,
-        });
-    }
-    Ok(workers)
-}
-
-/// Waits for the first worker to acquire, re-arming and saying the notice when due.
-fn first_acquired(
-    workers: &mut [Worker],
-    rx: &mpsc::Receiver<Event>,
-    wait: &mut Wait,
-) -> io::Result<Waited<usize>> {
-    let started = Instant::now();
-    let mut notice = wait.notice.take();
-    let mut next_rearm = wait.rearm.map(|r| started + r);
-    loop {
-        let now = Instant::now();
-        let notice_at = notice.as_ref().map(|(after, _)| started + *after);
-        let event = match [wait.deadline, notice_at, next_rearm]
-            .into_iter()
-            .flatten()
-            .min()
-        {
-            None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-            Some(t) => rx.recv_timeout(t.saturating_duration_since(now)),
-        };
-        match event {
-            Ok(Event::Done(i, result)) => {
-                workers[i].finished = true;
-                if result? {
-                    return Ok(Waited::Acquired(i));
+                None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+                Some(t) => rx.recv_timeout(t.saturating_duration_since(now)),
+            };
+            match event {
+                Ok(Event::Done(result)) => {
+                    self.finished = true;
+                    if result? {
+                        return Ok(Waited::Acquired(()));
+                    }
                 }
-            }
-            Ok(Event::Cancelled(sig)) => return Ok(Waited::Interrupted(sig)),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                say_if_due(&mut notice, started);
-                if let (Some(at), Some(every)) = (next_rearm, wait.rearm)
-                    && Instant::now() >= at
-                {
-                    if wait.give_up.as_mut().is_some_and(|f| f()) {
+                Ok(Event::Cancelled(sig)) => return Ok(Waited::Interrupted(sig)),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    say_if_due(&mut notice, started);
+                    if let (Some(at), Some(every)) = (next_rearm, wait.rearm)
+                        && Instant::now() >= at
+                    {
+                        if wait.give_up.as_mut().is_some_and(|f| f()) {
+                            return Ok(Waited::TimedOut);
+                        }
+                        self.rearm();
+                        next_rearm = Some(Instant::now() + every);
+                    }
+                    if wait.deadline.is_some_and(|d| Instant::now() >= d) {
                         return Ok(Waited::TimedOut);
                     }
-                    rearm(workers);
-                    next_rearm = Some(Instant::now() + every);
                 }
-                if wait.deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Ok(Waited::TimedOut);
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(io::Error::other("lock wait helpers vanished"));
                 }
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(io::Error::other("lock wait helpers vanished"));
+        }
+    }
+
+    /// Interrupts the worker if still blocked: seeing no stop flag, it issues its request again.
+    fn rearm(&self) {
+        if !self.finished {
+            // SAFETY: not yet joined, so its pthread_t is valid; the signal's handler does nothing.
+            unsafe { libc::pthread_kill(self.handle.as_pthread_t(), wake_signal()) };
+        }
+    }
+
+    /// Stops a worker still blocked; a lock it acquires meanwhile is let go (nobody saw it).
+    fn stop(mut self, file: &File, rx: &mpsc::Receiver<Event>) {
+        self.stop.store(true, Ordering::Release);
+        let give_up = Instant::now() + STOP_GRACE;
+        while !self.finished && Instant::now() < give_up {
+            self.rearm();
+            if let Ok(Event::Done(r)) = rx.recv_timeout(Duration::from_millis(5)) {
+                self.finished = true;
+                if matches!(r, Ok(true)) {
+                    let _ = FileExt::unlock(file);
+                }
             }
+        }
+        // An unfinished worker is left detached; its stop flag set, it unlocks what it acquires.
+        if self.finished {
+            let _ = self.handle.join();
         }
     }
 }
@@ -320,31 +327,19 @@ fn say_if_due(notice: &mut Option<Notice<'_>>, started: Instant) {
     }
 }
 
-/// Interrupts the still-blocked workers, which see no stop flag and issue their request again.
-fn rearm(workers: &[Worker]) {
-    for w in workers.iter().filter(|w| !w.finished) {
-        if let Some(h) = &w.handle {
-            // SAFETY: not yet joined, so its pthread_t is valid; the signal's handler does nothing.
-            unsafe { libc::pthread_kill(h.as_pthread_t(), wake_signal()) };
-        }
-    }
-}
-
 /// A polled wait's retry interval bounds: a freed lock is taken within [`POLL_MAX`].
 const POLL_MIN: Duration = Duration::from_millis(2);
 const POLL_MAX: Duration = Duration::from_millis(50);
 
-/// Waits for any of `files` without helper threads: capped-backoff tries, woken by a cancellation.
-pub(super) fn poll_any(files: &[&File], mode: Mode, wait: &mut Wait) -> io::Result<Waited<usize>> {
+/// Waits for `file` without a helper thread: capped-backoff tries, woken by a cancellation.
+pub(super) fn poll(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Waited<()>> {
     let waker = Waker::default();
     let started = Instant::now();
     let mut notice = wait.notice.take();
     let mut pause = POLL_MIN;
     loop {
-        for (i, f) in files.iter().enumerate() {
-            if flock_try(f, mode)? {
-                return Ok(Waited::Acquired(i));
-            }
+        if flock_try(file, mode)? {
+            return Ok(Waited::Acquired(()));
         }
         say_if_due(&mut notice, started);
         let now = Instant::now();
@@ -505,7 +500,6 @@ impl Drop for Waker {
 }
 
 fn spawn_worker(
-    i: usize,
     file: File,
     mode: Mode,
     stop: Arc<AtomicBool>,
@@ -537,38 +531,6 @@ fn spawn_worker(
                 // Abandoned after its grace period: nobody will use this lock.
                 let _ = FileExt::unlock(&file);
             }
-            let _ = tx.send(Event::Done(i, result));
+            let _ = tx.send(Event::Done(result));
         })
-}
-
-fn stop_workers(
-    workers: &mut [Worker],
-    files: &[&File],
-    rx: &mpsc::Receiver<Event>,
-    winner: Option<usize>,
-) {
-    for w in workers.iter() {
-        w.stop.store(true, Ordering::Release);
-    }
-    let give_up = Instant::now() + STOP_GRACE;
-    while workers.iter().any(|w| !w.finished) && Instant::now() < give_up {
-        rearm(workers);
-        match rx.recv_timeout(Duration::from_millis(5)) {
-            Ok(Event::Done(i, r)) => {
-                workers[i].finished = true;
-                if matches!(r, Ok(true)) && Some(i) != winner {
-                    let _ = FileExt::unlock(files[i]);
-                }
-            }
-            Ok(Event::Cancelled(_)) | Err(_) => {}
-        }
-    }
-    for w in workers.iter_mut() {
-        // An unfinished worker is left detached; its stop flag set, it unlocks what it acquires.
-        if let Some(h) = w.handle.take()
-            && w.finished
-        {
-            let _ = h.join();
-        }
-    }
 }

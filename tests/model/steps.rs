@@ -32,7 +32,7 @@ steps! {
     Try "try" ["acquire::image::take" "acquire::image::try_image" "lock::acquire_no_wait_with"
         "image_record::read" "acquire::image::require_all"]
     Gate "gate" ["acquire::image::wait_image" "image_record::set_writer_waits"]
-    Wait "wait" ["acquire::image::wait_image" "lock::acquire_any" "lock::still_linked"]
+    Wait "wait" ["acquire::image::wait_image" "lock::acquire" "lock::still_linked"]
     Check "check" ["session::attempt" "session::settle_store_wide" "store_wide::probe"
         "session::check_reads" "cli::rm::take_all"]
     ClearHints "clear-hints" ["store_wide::clear_hints"]
