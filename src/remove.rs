@@ -321,7 +321,7 @@ pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[Imag
             continue;
         }
         let name = h.name.clone();
-        if h.guard_is_exclusive() {
+        if h.guard.mode() == Mode::Exclusive {
             let _ = root.unlink_lock(h.guard);
             root.unlink_gate(&name);
         } else {

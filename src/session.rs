@@ -180,7 +180,7 @@ impl Session {
         match chosen {
             Ok(dir) => session.images_dir = dir,
             Err(e) => {
-                let _ = session.undo();
+                let _ = session.abandon();
                 if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() {
                     return Ok(Attempt::Legacy);
                 }
@@ -420,11 +420,7 @@ impl Session {
     }
 
     /// Undoes the start of a command that never ran: records put back, new trees and files gone.
-    pub fn abandon(self) -> Result<()> {
-        self.undo()
-    }
-
-    fn undo(mut self) -> Result<()> {
+    pub fn abandon(mut self) -> Result<()> {
         let mut out = Ok(());
         // A written image has a record once its start is recorded.
         for img in self.images.iter_mut().filter(|i| i.record.is_some()) {

@@ -31,12 +31,6 @@ pub struct Held {
     pub seen: Seen,
 }
 
-impl Held {
-    pub fn guard_is_exclusive(&self) -> bool {
-        self.guard.mode() == Mode::Exclusive
-    }
-}
-
 /// How to take one image lock.
 pub(crate) struct Want<'a> {
     pub mode: Mode,

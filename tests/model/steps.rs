@@ -45,7 +45,7 @@ steps! {
     Spawn "spawn" ["exec::run" "command::start" "session::set_inheritable"]
     Command "command" ["command::wait"]
     Finish "finish" ["session::finish" "session::finish_write" "lock::still_held"]
-    Abandon "abandon" ["session::abandon" "session::undo"]
+    Abandon "abandon" ["session::abandon"]
     Release "release" ["session::release" "remove::release_unclaimed" "root::unlink_lock"
         "dir::unlink_if"]
     Mark "mark" ["remove::remove_held" "image_record::write"]
