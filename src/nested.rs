@@ -93,7 +93,10 @@ fn named_leases(
         .split(':')
         .filter(|n| !n.is_empty() && !crate::lease::is_mine(n))
     {
-        if let Some(id) = live_identity(leases, name).filter(|id| id.since.is_some()) {
+        // A probe that fails counts as alive: nothing is taken for dead on no evidence.
+        let alive = crate::lease::alive(leases, name).unwrap_or(true);
+        let id = alive.then(|| crate::lease::identity(leases, name)).flatten();
+        if let Some(id) = id.filter(|id| id.since.is_some()) {
             out.holds.extend(held(id));
             continue;
         }
@@ -129,13 +132,6 @@ fn inherited(locks: &Path) -> Vec<Holding> {
         }
     }
     out
-}
-
-/// What lease `name` says, if its owner is alive.
-fn live_identity(leases: &Path, name: &str) -> Option<Identity> {
-    // A probe that fails counts as alive: nothing is taken for dead on no evidence.
-    let alive = crate::lease::alive(leases, name).unwrap_or(true);
-    alive.then(|| crate::lease::identity(leases, name))?
 }
 
 fn held(id: Identity) -> impl Iterator<Item = Holding> {

@@ -294,7 +294,7 @@ impl Session {
     pub fn set_inheritable(&self, inherit: bool) -> io::Result<()> {
         crate::lease::set_inheritable(inherit)?;
         if let Some(s) = &self.slot {
-            s.set_inheritable(inherit)?;
+            s.guard.set_inheritable(inherit)?;
         }
         self.images
             .iter()
@@ -306,7 +306,7 @@ impl Session {
         use std::os::fd::AsRawFd;
         self.slot
             .iter()
-            .map(|s| s.raw_fd())
+            .map(|s| s.guard.as_raw_fd())
             .chain(self.images.iter().map(|i| i.held.guard.as_raw_fd()))
             .chain(crate::lease::raw_fds())
             .collect()

@@ -92,7 +92,7 @@ pub(crate) fn beyond(dir: &Path, limits: &Limits) -> (Vec<PathBuf>, Vec<PathBuf>
 pub(crate) const CHANGED: &str = "changed";
 
 /// Tells waiters of `class` on this host to re-read its record. Best effort.
-pub fn notify_change(ctx: &Ctx, class: &str) {
+fn notify_change(ctx: &Ctx, class: &str) {
     if let Ok(Some(dir)) = class_dir(&ctx.root, class) {
         let _ = dir.touch_closed(CHANGED);
     }
@@ -263,7 +263,7 @@ pub fn remove(store: &mut Store, class: &str) -> Result<u32> {
 }
 
 /// Removes the directory of a removed class once it is empty.
-pub(crate) fn remove_empty_class_dir(root: &Root, class: &str) {
+fn remove_empty_class_dir(root: &Root, class: &str) {
     let rel = Root::slot_class_rel(class);
     let (parent, name) = rel
         .rsplit_once('/')

@@ -25,7 +25,7 @@ use crate::store::Store;
 #[must_use = "the slot is released when the guard is dropped"]
 #[derive(Debug)]
 pub struct SlotGuard {
-    guard: Guard,
+    pub(crate) guard: Guard,
     /// The leases directory and the slot file's name there, once the lease lists this slot.
     listed: Option<(PathBuf, String)>,
 }
@@ -36,14 +36,6 @@ impl SlotGuard {
             guard,
             listed: None,
         }
-    }
-
-    pub(crate) fn set_inheritable(&self, inherit: bool) -> std::io::Result<()> {
-        self.guard.set_inheritable(inherit)
-    }
-
-    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
-        std::os::fd::AsRawFd::as_raw_fd(&self.guard)
     }
 
     /// What our lease is to say of the slot; taken out of the lease when the slot goes.
@@ -250,7 +242,7 @@ fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
 }
 
 /// How often a waiting acquirer re-reads its class untold, where another host may change it unseen.
-pub const RECHECK: Duration = Duration::from_secs(2);
+const RECHECK: Duration = Duration::from_secs(2);
 /// The same on a local filesystem watched with inotify.
 const RECHECK_LOCAL: Duration = Duration::from_secs(30);
 /// Retry interval when closes cannot wake a waiter: locally a freed slot is taken within 100 ms.
