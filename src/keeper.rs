@@ -313,15 +313,6 @@ struct Tree {
     kill_at: Option<Instant>,
 }
 
-/// What woke the keeper's watch.
-enum Woke {
-    /// Nothing to act on (an interrupted poll, a timeout, a short read).
-    Nothing,
-    /// The pipe from stowage ended: stowage is gone.
-    StowageGone,
-    Signal(libc::signalfd_siginfo),
-}
-
 impl Tree {
     /// Waits until the whole tree has exited, forwarding signals, then reports on `status`; if
     /// stowage goes first, kills and reaps the tree.
@@ -343,14 +334,26 @@ impl Tree {
                     continue;
                 }
             }
-            match wait_for_event(signals, alive, self.poll_timeout())? {
-                Woke::Nothing => {}
-                Woke::StowageGone => {
-                    // Only our locks outlive stowage: end the tree, then exit, releasing them.
-                    kill_tree();
-                    return Ok(());
-                }
-                Woke::Signal(info) => self.on_signal(&info),
+            let mut fds =
+                [signals.as_fd(), alive.as_fd()].map(|fd| PollFd::new(fd, PollFlags::POLLIN));
+            match poll(&mut fds, self.poll_timeout()) {
+                Err(Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+                Ok(_) => {}
+            }
+            if fds[1].revents() != Some(PollFlags::empty()) {
+                // The pipe from stowage ended: only our locks outlive stowage. End the tree, then
+                // exit, releasing them.
+                kill_tree();
+                return Ok(());
+            }
+            // A failed read is nothing to act on (the kernel reads whole records only).
+            if fds[0]
+                .revents()
+                .is_some_and(|r| r.contains(PollFlags::POLLIN))
+                && let Ok(Some(info)) = signals.read_signal()
+            {
+                self.on_signal(&info);
             }
         }
     }
@@ -411,30 +414,6 @@ impl Tree {
             unsafe { libc::kill(self.command, sig) };
         }
     }
-}
-
-/// Polls the signalfd and the pipe from stowage for `timeout` ms; reads the signal if one came.
-fn wait_for_event(signals: &SignalFd, alive: &OwnedFd, timeout: PollTimeout) -> io::Result<Woke> {
-    let mut fds = [signals.as_fd(), alive.as_fd()].map(|fd| PollFd::new(fd, PollFlags::POLLIN));
-    match poll(&mut fds, timeout) {
-        Err(Errno::EINTR) => return Ok(Woke::Nothing),
-        Err(e) => return Err(e.into()),
-        Ok(_) => {}
-    }
-    if fds[1].revents() != Some(PollFlags::empty()) {
-        return Ok(Woke::StowageGone);
-    }
-    if !fds[0]
-        .revents()
-        .is_some_and(|r| r.contains(PollFlags::POLLIN))
-    {
-        return Ok(Woke::Nothing);
-    }
-    // A failed read is nothing to act on (the kernel reads whole records only).
-    Ok(match signals.read_signal() {
-        Ok(Some(info)) => Woke::Signal(info),
-        _ => Woke::Nothing,
-    })
 }
 
 /// The wait status the keeper reports: the command's, unless it succeeded but leftovers had to be

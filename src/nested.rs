@@ -95,7 +95,9 @@ fn named_leases(
     {
         // A probe that fails counts as alive: nothing is taken for dead on no evidence.
         let alive = crate::lease::alive(leases, name).unwrap_or(true);
-        let id = alive.then(|| crate::lease::identity(leases, name)).flatten();
+        let id = alive
+            .then(|| crate::lease::identity(leases, name))
+            .flatten();
         if let Some(id) = id.filter(|id| id.since.is_some()) {
             out.holds.extend(held(id));
             continue;
