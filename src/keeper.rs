@@ -36,7 +36,7 @@ use crate::spawn::{self, Start};
 pub const ARG: &str = "__keeper";
 
 /// How long processes left in the tree after a termination signal have before they are killed.
-pub const GRACE: Duration = Duration::from_secs(5);
+const GRACE: Duration = Duration::from_secs(5);
 
 const STARTED: u32 = u32::from_le_bytes(*b"S\0\0\0");
 const EXITED: u32 = u32::from_le_bytes(*b"X\0\0\0");
