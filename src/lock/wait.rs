@@ -192,11 +192,8 @@ pub(super) fn block(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Wait
         Ok(r) => r,
         Err(sig) => return Ok(Waited::Interrupted(sig)),
     };
-    // The duplicate shares the open file description: a lock through it locks `file` itself.
-    let dup = file.try_clone()?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let handle = match spawn_worker(dup, mode, Arc::clone(&stop), tx) {
-        Ok(h) => h,
+    let mut worker = match Worker::spawn(file, mode, tx) {
+        Ok(w) => w,
         // No thread to be had (a pids limit in a container or a job's cgroup): poll instead.
         Err(e)
             if e.kind() == io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::EAGAIN) =>
@@ -205,17 +202,53 @@ pub(super) fn block(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Wait
         }
         Err(e) => return Err(e),
     };
-    let mut worker = Worker {
-        handle,
-        stop,
-        finished: false,
-    };
     let outcome = worker.acquired(&rx, wait);
     worker.stop(file, &rx);
     outcome
 }
 
 impl Worker {
+    /// Starts a helper blocked in flock(2) on a duplicate of `file`, which shares its open file
+    /// description: a lock through it locks `file` itself.
+    fn spawn(file: &File, mode: Mode, tx: mpsc::Sender<Event>) -> io::Result<Worker> {
+        let file = file.try_clone()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let handle = thread::Builder::new()
+            .name("stowage-lock-wait".into())
+            .stack_size(64 * 1024)
+            .spawn(move || {
+                // Masks are inherited, even across exec: a blocked wake signal would deafen us.
+                // SAFETY: sigset manipulation on a local set.
+                unsafe {
+                    let mut set: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut set);
+                    libc::sigaddset(&mut set, wake_signal());
+                    libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+                }
+                let result = loop {
+                    if stopped.load(Ordering::Acquire) {
+                        break Ok(false);
+                    }
+                    match flock_blocking(&file, mode) {
+                        Ok(()) => break Ok(true),
+                        Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                        Err(e) => break Err(e),
+                    }
+                };
+                if matches!(result, Ok(true)) && stopped.load(Ordering::Acquire) {
+                    // Abandoned after its grace period: nobody will use this lock.
+                    let _ = FileExt::unlock(&file);
+                }
+                let _ = tx.send(Event::Done(result));
+            })?;
+        Ok(Worker {
+            handle,
+            stop,
+            finished: false,
+        })
+    }
+
     /// Waits for the worker to acquire, re-arming and saying the notice when due.
     fn acquired(&mut self, rx: &mpsc::Receiver<Event>, wait: &mut Wait) -> io::Result<Waited<()>> {
         let started = Instant::now();
@@ -472,40 +505,4 @@ impl Drop for Waker {
             spare_inotify().push(ino);
         }
     }
-}
-
-fn spawn_worker(
-    file: File,
-    mode: Mode,
-    stop: Arc<AtomicBool>,
-    tx: mpsc::Sender<Event>,
-) -> io::Result<thread::JoinHandle<()>> {
-    thread::Builder::new()
-        .name("stowage-lock-wait".into())
-        .stack_size(64 * 1024)
-        .spawn(move || {
-            // Masks are inherited, even across exec: a blocked wake signal would deafen us.
-            // SAFETY: sigset manipulation on a local set.
-            unsafe {
-                let mut set: libc::sigset_t = std::mem::zeroed();
-                libc::sigemptyset(&mut set);
-                libc::sigaddset(&mut set, wake_signal());
-                libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
-            }
-            let result = loop {
-                if stop.load(Ordering::Acquire) {
-                    break Ok(false);
-                }
-                match flock_blocking(&file, mode) {
-                    Ok(()) => break Ok(true),
-                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                    Err(e) => break Err(e),
-                }
-            };
-            if matches!(result, Ok(true)) && stop.load(Ordering::Acquire) {
-                // Abandoned after its grace period: nobody will use this lock.
-                let _ = FileExt::unlock(&file);
-            }
-            let _ = tx.send(Event::Done(result));
-        })
 }
