@@ -49,7 +49,31 @@ pub(crate) struct Want<'a> {
 
 /// Takes one image lock, waiting as allowed; nothing is created unless `want.create`.
 pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
-    let held = take_any(store, name, want)?;
+    let root = store.root();
+    let path = root.image_lock(name);
+    let first = match try_image(root, name, want.mode, want.create) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound && want.create => {
+            // The layout does not exist yet: the first use of this root.
+            root.create_layout()?;
+            try_image(root, name, want.mode, true)
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(no_such(name)),
+        other => other,
+    };
+    let held = match first.map_err(|e| lock::error(&format!("image '{name}'"), &path, e))? {
+        Tried::Got(h) => *h,
+        busy => {
+            crate::debug::pause("image-busy");
+            refuse_shared_lock_file_now(root, name)?;
+            let enclosing = crate::nested::enclosing(root);
+            if let Some(held) = conflict(&enclosing, &Root::image_lock_rel(name), want.mode) {
+                return Err(waits_for_itself(name, want.mode, held));
+            }
+            require_all(root, want.must_exist)?;
+            let writer_ahead = matches!(busy, Tried::WriterWaiting);
+            wait_taking(store, name, want, writer_ahead, &enclosing)?
+        }
+    };
     refuse_shared_lock_file(name, &held.seen)?;
     Ok(held)
 }
@@ -85,36 +109,6 @@ fn refuse_shared_lock_file_now(root: &Root, name: &ImageName) -> Result<()> {
         Ok(Some(f)) => refuse_shared_lock_file(name, &image_record::read_of(&f, name.as_str())?),
         _ => Ok(()),
     }
-}
-
-/// [`take`], whoever's record the lock file holds.
-fn take_any(store: &Store, name: &ImageName, want: &Want) -> Result<Held> {
-    let root = store.root();
-    let path = root.image_lock(name);
-    let err = |e| lock::error(&format!("image '{name}'"), &path, e);
-    let first = match try_image(root, name, want.mode, want.create) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound && want.create => {
-            // The layout does not exist yet: the first use of this root.
-            root.create_layout()?;
-            try_image(root, name, want.mode, true)
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(no_such(name)),
-        other => other,
-    };
-    let writer_ahead = match first.map_err(err)? {
-        Tried::Got(h) => return Ok(*h),
-        Tried::Busy => false,
-        Tried::WriterWaiting => true,
-    };
-    crate::debug::pause("image-busy");
-    refuse_shared_lock_file_now(root, name)?;
-    let rel = Root::image_lock_rel(name);
-    let enclosing = crate::nested::enclosing(root);
-    if let Some(held) = conflict(&enclosing, &rel, want.mode) {
-        return Err(waits_for_itself(name, want.mode, held));
-    }
-    require_all(root, want.must_exist)?;
-    wait_taking(store, name, want, writer_ahead, &enclosing)
 }
 
 /// [`take`] once the lock proved busy: says for whom we wait, waits as allowed, and gives up if an
