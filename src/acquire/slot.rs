@@ -108,24 +108,23 @@ pub(crate) fn take(
     crate::debug::pause("slot-busy");
     // All busy; if our enclosing command holds one, we work under it (a wait could be for us).
     let class_rel = root.locks_rel(&dir);
-    let of_class = |e: crate::nested::Enclosing| {
+    let of_class = |e: &crate::nested::Enclosing| {
         e.holds
             .iter()
             .any(|h| h.lockfile.starts_with(&format!("{class_rel}/")))
     };
     let enclosing = crate::nested::enclosing(root);
-    let unannounced = enclosing.unannounced;
     let under_enclosing = || {
         store.ctx().detail(&format!(
             "an enclosing command holds a slot of class '{class}'; working under it"
         ));
         Ok(None)
     };
-    if of_class(enclosing) {
+    if of_class(&enclosing) {
         return under_enclosing();
     }
     // An enclosing exec that had not announced its lease: looked for again while we wait.
-    let ours_now = || unannounced && of_class(crate::nested::enclosing_now(root));
+    let ours_now = || enclosing.unannounced && of_class(&crate::nested::enclosing_now(root));
     crate::acquire::image::require_all(root, must_exist)?;
     let word = match priority {
         Priority::Normal => "normal",
