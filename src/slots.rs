@@ -274,7 +274,7 @@ fn remove_empty_class_dir(root: &Root, class: &str) {
 }
 
 /// The class's directory, opened from the root's descriptor following no link; `None` if missing.
-pub fn class_dir(root: &Root, class: &str) -> Result<Option<Dir>> {
+fn class_dir(root: &Root, class: &str) -> Result<Option<Dir>> {
     root.open_sub_if_there(&Root::slot_class_rel(class))
 }
 
