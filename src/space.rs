@@ -15,8 +15,12 @@ use nix::fcntl::{FallocateFlags, fallocate};
 
 /// Is this error the disk (or a quota) being full, from SQLite or the OS?
 pub fn is_full(err: &anyhow::Error) -> bool {
-    let io = |e: &(dyn std::error::Error + 'static)| e.downcast_ref().is_some_and(is_full_io);
-    crate::catalog::is_full(err) || err.chain().any(io)
+    err.chain().any(|e| {
+        if let Some(rusqlite::Error::SqliteFailure(f, _)) = e.downcast_ref::<rusqlite::Error>() {
+            return f.code == rusqlite::ErrorCode::DiskFull;
+        }
+        e.downcast_ref::<std::io::Error>().is_some_and(is_full_io)
+    })
 }
 
 /// Is this I/O error the disk (or a quota) being full?
