@@ -39,7 +39,7 @@ pub fn device_of(dir: &Path) -> Option<u64> {
 }
 
 /// The flock entries of an fdinfo text (its `lock:` lines).
-pub(crate) fn fdinfo_entries(info: &str) -> impl Iterator<Item = ((u64, u64), Entry)> + '_ {
+fn fdinfo_entries(info: &str) -> impl Iterator<Item = ((u64, u64), Entry)> + '_ {
     info.lines()
         .filter_map(|l| parse_line(l.strip_prefix("lock:")?))
 }

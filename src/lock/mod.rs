@@ -553,10 +553,16 @@ pub fn inherited_flocks() -> Vec<(PathBuf, (u64, u64), Mode)> {
     .collect()
 }
 
-/// The flock mode held (not a blocked request's) in an fdinfo text.
+/// The flock mode in an fdinfo text (`lock:\t1: FLOCK  ADVISORY  WRITE ...`; blocked: `->`).
 fn fdinfo_flock(info: &str) -> Option<Mode> {
-    let held = crate::kernel::fdinfo_entries(info).filter(|(_, e)| !e.blocked);
-    held.map(|(_, e)| e.mode).max()
+    info.lines()
+        .filter_map(|l| l.strip_prefix("lock:"))
+        .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+            [_, "FLOCK", _, "WRITE", ..] => Some(Mode::Exclusive),
+            [_, "FLOCK", _, "READ", ..] => Some(Mode::Shared),
+            _ => None,
+        })
+        .max()
 }
 
 /// What a lock file's lock looks like from outside.
