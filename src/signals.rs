@@ -13,7 +13,7 @@
 //!   so no signal hits a recycled pid.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, Once, OnceLock};
@@ -149,6 +149,7 @@ impl Forwarder {
             set,
             thread: Once::new(),
         });
+        crate::lock::before_waiting(start_thread);
         Ok(Forwarder { shared })
     }
 
@@ -291,7 +292,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
 }
 
 /// Starts the thread that takes termination signals, once, when the first lock wait begins.
-pub(crate) fn start_thread() {
+fn start_thread() {
     let Some(shared) = SHARED.get() else { return };
     shared.thread.call_once(|| {
         let spawned = std::thread::Builder::new()
@@ -308,23 +309,15 @@ pub(crate) fn start_thread() {
         if spawned.is_err() {
             let flags = SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK;
             if let Ok(fd) = SignalFd::with_flags(&shared.set, flags) {
-                let _ = WATCH.set(fd.as_raw_fd());
+                crate::lock::watch_signals_while_waiting(fd.as_raw_fd(), take_pending);
                 std::mem::forget(fd); // kept for good
             }
         }
     });
 }
 
-/// A signalfd readable while a termination signal is pending, for waits in a process with no signal
-/// thread (a pids limit): they call [`take_pending`] when it is.
-static WATCH: OnceLock<RawFd> = OnceLock::new();
-
-pub(crate) fn watch_fd() -> Option<RawFd> {
-    WATCH.get().copied()
-}
-
 /// Takes a pending termination signal, if any, and acts on it (where no signal thread takes it).
-pub(crate) fn take_pending() {
+fn take_pending() {
     let Some(shared) = SHARED.get() else { return };
     if let Some((sig, code)) = take(&shared.set, false) {
         forward(&shared.state, sig, code);

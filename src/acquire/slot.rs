@@ -262,7 +262,7 @@ fn wait_for_slot(
     deadline: Option<Instant>,
     under_enclosing: &dyn Fn() -> bool,
 ) -> Result<lock::Waited<Option<Guard>>> {
-    crate::signals::start_thread();
+    lock::starting_to_wait();
     let root = store.root();
     let failed = |e| lock::error(&format!("a slot of class '{class}'"), dir, e);
     crate::debug::pause("slot-watching");

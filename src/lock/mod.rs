@@ -36,7 +36,8 @@ mod wait;
 
 use wait::block;
 pub use wait::{
-    REMOTE_REARM, Wait, Waited, Waker, Woke, interrupt_waits, interrupted, wake_signal,
+    REMOTE_REARM, Wait, Waited, Waker, Woke, before_waiting, interrupt_waits, interrupted,
+    starting_to_wait, wake_signal, watch_signals_while_waiting,
 };
 
 /// How a lock is held.

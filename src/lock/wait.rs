@@ -7,7 +7,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::thread::JoinHandleExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -122,6 +122,29 @@ fn registry() -> MutexGuard<'static, Registry> {
     CANCEL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+static BEFORE_WAIT: OnceLock<fn()> = OnceLock::new();
+
+/// Registers a function to run before any wait begins: the CLI starts its signal thread so.
+pub fn before_waiting(f: fn()) {
+    let _ = BEFORE_WAIT.set(f);
+}
+
+/// Runs [`before_waiting`]'s function, for waits outside [`super::acquire`] (a polled slot wait).
+pub fn starting_to_wait() {
+    if let Some(f) = BEFORE_WAIT.get() {
+        f();
+    }
+}
+
+/// A descriptor readable while a terminating signal is pending, and the function taking it, for a
+/// process with no thread to watch signals (a pids limit).
+static SIGNAL_WATCH: OnceLock<(RawFd, fn())> = OnceLock::new();
+
+/// Registers `SIGNAL_WATCH` (once, for good).
+pub fn watch_signals_while_waiting(fd: RawFd, take: fn()) {
+    let _ = SIGNAL_WATCH.set((fd, take));
+}
+
 /// Makes every current and future wait in this process return [`Waited::Interrupted`].
 pub fn interrupt_waits(sig: i32) {
     let mut reg = registry();
@@ -185,7 +208,7 @@ pub(super) fn block(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Wait
     if wait.deadline.is_some_and(|d| Instant::now() >= d) {
         return Ok(Waited::TimedOut);
     }
-    crate::signals::start_thread();
+    starting_to_wait();
     install_wake_handler();
     let (tx, rx) = mpsc::channel();
     let _registration = match Registration::new(tx.clone()) {
@@ -433,10 +456,10 @@ impl Waker {
         if let Some(sig) = interrupted() {
             return Ok(Woke::Interrupted(sig));
         }
-        let signals = crate::signals::watch_fd();
+        let signals = SIGNAL_WATCH.get();
         // The signal watch first: its `revents` are looked at below.
         let mut fds: Vec<libc::pollfd> = [
-            signals,
+            signals.map(|(fd, _)| *fd),
             self.inotify.as_ref().map(|(i, _)| i.as_fd().as_raw_fd()),
             cancel_pipe().map(|(r, _)| r.as_raw_fd()),
         ]
@@ -466,8 +489,10 @@ impl Waker {
             }
             return Err(e);
         }
-        if signals.is_some() && fds[0].revents != 0 {
-            crate::signals::take_pending();
+        if let Some((_, take)) = signals
+            && fds[0].revents != 0
+        {
+            take();
         }
         if let Some(sig) = interrupted() {
             return Ok(Woke::Interrupted(sig));
