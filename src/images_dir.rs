@@ -51,31 +51,14 @@ pub fn config(root: &Root) -> Result<Config> {
 /// (`Root::create_config`). One who may not write the root goes on with one of its own.
 fn made(root: &Root) -> Config {
     let Ok(dir) = root.open() else {
-        return fresh(root);
+        return root.fresh_config();
     };
     // Only in a laid-out store (another's half made is finished first, so `img` is there).
     let laid_out = matches!(dir.stat_at("locks/images"), Ok(Some(e)) if e.is_dir());
     if !laid_out || root.create_layout().is_err() {
-        return fresh(root);
+        return root.fresh_config();
     }
     root.create_config(&dir).0
-}
-
-/// A fresh configuration, with the store id the claim of `ROOT/img` carries where it names this
-/// very root (a configuration lost).
-pub(crate) fn fresh(root: &Root) -> Config {
-    let mut config = Config::fresh();
-    let claimed = || {
-        let here = root.open().ok()?.identity().ok()?;
-        let claim = crate::claim::read(&root.open_sub("img").ok()?)
-            .ok()
-            .flatten()?;
-        crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
-    };
-    if let Some(id) = claimed() {
-        config.id = id;
-    }
-    config
 }
 
 /// Whether any image lock file holds a record (the store is not new).

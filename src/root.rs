@@ -455,7 +455,7 @@ impl Root {
         let config = crate::config::Config {
             identity: img.as_ref().and_then(|d| d.identity().ok()),
             root: root.identity().ok(),
-            ..crate::images_dir::fresh(self)
+            ..self.fresh_config()
         };
         if let Err(e) = crate::config::create(&self.dir, root, &config) {
             return (config, Err(e));
@@ -471,6 +471,23 @@ impl Root {
             let _ = crate::claim::write(img, &mine, true);
         }
         (config, Ok(()))
+    }
+
+    /// A fresh configuration, with the store id the claim of `ROOT/img` carries where it names this
+    /// very root (a configuration lost).
+    pub(crate) fn fresh_config(&self) -> crate::config::Config {
+        let mut config = crate::config::Config::fresh();
+        let claimed = || {
+            let here = self.open().ok()?.identity().ok()?;
+            let claim = crate::claim::read(&self.open_sub("img").ok()?)
+                .ok()
+                .flatten()?;
+            crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
+        };
+        if let Some(id) = claimed() {
+            config.id = id;
+        }
+        config
     }
 
     /// Before a new store is made: an `img` in the root that another store's standing claim names
