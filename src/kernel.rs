@@ -7,12 +7,14 @@
 //!   subvolumes): learned from a lock of our own via `/proc/self/fdinfo`, never assumed `st_dev`.
 //! - Pids are as our pid namespace numbers them; locks of processes outside it are hidden, so
 //!   "free" from the table is confirmed by a probe before it contradicts a live lease.
+//! - [`inherited_flocks`] finds an enclosing command's inherited holds, never to be waited for.
 
 use std::collections::HashMap;
 use std::fs;
 use std::io;
-use std::os::fd::AsRawFd;
-use std::path::Path;
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use crate::lock::Mode;
 
@@ -42,6 +44,48 @@ pub fn device_of(dir: &Path) -> Option<u64> {
 fn fdinfo_entries(info: &str) -> impl Iterator<Item = ((u64, u64), Entry)> + '_ {
     info.lines()
         .filter_map(|l| parse_line(l.strip_prefix("lock:")?))
+}
+
+/// The descriptors this process was started with (noted by [`note_inherited`]).
+static INHERITED: OnceLock<Vec<RawFd>> = OnceLock::new();
+
+/// Notes inherited descriptors before we open any: a `/proc/self/fd` listing, no server request.
+pub fn note_inherited() {
+    use nix::fcntl::OFlag;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let fds = nix::dir::Dir::open("/proc/self/fd", flags, nix::sys::stat::Mode::empty())
+        .map(|mut d| {
+            // Not the listing's own descriptor: its number, free again once it closes, goes to the
+            // next open (an image lock a repair takes), which must not pass for an inherited one.
+            let own = d.as_raw_fd();
+            d.iter()
+                .flatten()
+                .filter_map(|e| e.file_name().to_str().ok()?.parse().ok())
+                .filter(|&fd| fd != own)
+                .collect()
+        })
+        .unwrap_or_default();
+    let _ = INHERITED.set(fds);
+}
+
+/// The flocks this process holds through the descriptors it was started with ([`note_inherited`]):
+/// each one's `/proc/self/fd` link (read, never followed), its file's device and inode, and the
+/// mode. An enclosing command's, held while it waits for us: a wait on one would never end.
+pub fn inherited_flocks() -> Vec<(PathBuf, (u64, u64), Mode)> {
+    let fds = INHERITED.get().into_iter().flatten();
+    fds.filter_map(|&fd| {
+        let mode = fd_flock(fd)?;
+        let link = fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+        Some((link, crate::lock::fd_identity(fd)?, mode))
+    })
+    .collect()
+}
+
+/// The flock this process holds through descriptor `fd`, per `/proc/self/fdinfo/FD`.
+fn fd_flock(fd: RawFd) -> Option<Mode> {
+    let info = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+    let held = fdinfo_entries(&info).filter(|(_, e)| !e.blocked);
+    held.map(|(_, e)| e.mode).max()
 }
 
 /// The files (device, inode) local process `pid` flocks through its own fds (the table names the
@@ -212,6 +256,18 @@ mod tests {
         let es = &t[&(libc::makedev(0, 0x2a), 5)];
         assert_eq!(es.len(), 1);
         assert_eq!(es[0].pid, Some(2));
+    }
+
+    #[test]
+    fn an_inherited_flock_is_seen_in_fdinfo() {
+        use crate::lock::{IfMissing, acquire_no_wait};
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("a.lock");
+        let g = acquire_no_wait(&p, Mode::Shared, IfMissing::Create)
+            .unwrap()
+            .unwrap();
+        assert_eq!(fd_flock(g.as_raw_fd()), Some(Mode::Shared));
+        assert_eq!(fd_flock(fs::File::open(&p).unwrap().as_raw_fd()), None);
     }
 
     #[test]

@@ -117,7 +117,7 @@ fn named_leases(
 fn inherited(locks: &Path) -> Vec<Holding> {
     use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
-    for (link, id, mode) in crate::lock::inherited_flocks() {
+    for (link, id, mode) in crate::kernel::inherited_flocks() {
         let link = link.to_string_lossy();
         // Any "/locks/" in the link may be the root's, overlapping ones too: a root named `locks`
         // makes ".../locks/locks/images/...", where the root's is the second.

@@ -115,7 +115,7 @@ impl Command {
 }
 
 pub fn main() -> ExitCode {
-    crate::lock::note_inherited();
+    crate::kernel::note_inherited();
     let args: Vec<OsString> = std::env::args_os().collect();
     if args.get(1).is_some_and(|a| a == crate::keeper::ARG) {
         return ExitCode::from(crate::keeper::main(&args[2..]));

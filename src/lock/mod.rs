@@ -16,7 +16,6 @@
 //! - Contention is a value: [`acquire_no_wait`]'s `Ok(None)`, a timed wait's [`Waited::TimedOut`].
 //! - Waits sleep in flock(2) in a helper thread, interrupted by [`wake_signal`]; without a thread
 //!   (a pids limit) they poll. A slot waiter sleeps on one [`Waker`] (inotify) for its [`FileSet`].
-//! - [`inherited_flocks`] finds an enclosing command's inherited holds, never to be waited for.
 
 #![allow(clippy::disallowed_methods)] // this is the one module that may call flock
 
@@ -508,62 +507,10 @@ fn guard(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
 }
 
 /// Device and inode of the file behind a descriptor.
-fn fd_identity(fd: RawFd) -> Option<(u64, u64)> {
+pub fn fd_identity(fd: RawFd) -> Option<(u64, u64)> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat writes into a zeroed stat we own; an fd that is not open fails with EBADF.
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
-}
-
-/// The flock this process holds through descriptor `fd`, per `/proc/self/fdinfo/FD`.
-fn fd_flock(fd: RawFd) -> Option<Mode> {
-    fdinfo_flock(&fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?)
-}
-
-/// The descriptors this process was started with (noted by [`note_inherited`]).
-static INHERITED: OnceLock<Vec<RawFd>> = OnceLock::new();
-
-/// Notes inherited descriptors before we open any: a `/proc/self/fd` listing, no server request.
-pub fn note_inherited() {
-    use nix::fcntl::OFlag;
-    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
-    let fds = nix::dir::Dir::open("/proc/self/fd", flags, nix::sys::stat::Mode::empty())
-        .map(|mut d| {
-            // Not the listing's own descriptor: its number, free again once it closes, goes to the
-            // next open (an image lock a repair takes), which must not pass for an inherited one.
-            let own = d.as_raw_fd();
-            d.iter()
-                .flatten()
-                .filter_map(|e| e.file_name().to_str().ok()?.parse().ok())
-                .filter(|&fd| fd != own)
-                .collect()
-        })
-        .unwrap_or_default();
-    let _ = INHERITED.set(fds);
-}
-
-/// The flocks this process holds through the descriptors it was started with ([`note_inherited`]):
-/// each one's `/proc/self/fd` link (read, never followed), its file's device and inode, and the
-/// mode. An enclosing command's, held while it waits for us: a wait on one would never end.
-pub fn inherited_flocks() -> Vec<(PathBuf, (u64, u64), Mode)> {
-    let fds = INHERITED.get().into_iter().flatten();
-    fds.filter_map(|&fd| {
-        let mode = fd_flock(fd)?;
-        let link = fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
-        Some((link, fd_identity(fd)?, mode))
-    })
-    .collect()
-}
-
-/// The flock mode in an fdinfo text (`lock:\t1: FLOCK  ADVISORY  WRITE ...`; blocked: `->`).
-fn fdinfo_flock(info: &str) -> Option<Mode> {
-    info.lines()
-        .filter_map(|l| l.strip_prefix("lock:"))
-        .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
-            [_, "FLOCK", _, "WRITE", ..] => Some(Mode::Exclusive),
-            [_, "FLOCK", _, "READ", ..] => Some(Mode::Shared),
-            _ => None,
-        })
-        .max()
 }
 
 /// What a lock file's lock looks like from outside.
@@ -1041,31 +988,6 @@ mod tests {
             Waited::Acquired(_)
         ));
         t.join().unwrap();
-    }
-
-    #[test]
-    fn an_inherited_flock_is_seen_in_fdinfo() {
-        for (info, mode) in [
-            (
-                "pos:\t0\nflags:\t02\nlock:\t1: FLOCK  ADVISORY  WRITE 12 00:2a:5 0 EOF\n",
-                Some(Mode::Exclusive),
-            ),
-            (
-                "lock:\t1: FLOCK  ADVISORY  READ 12 00:2a:5 0 EOF\n",
-                Some(Mode::Shared),
-            ),
-            ("lock:\t1: POSIX  ADVISORY  WRITE 12 00:2a:5 0 EOF\n", None),
-        ] {
-            assert_eq!(fdinfo_flock(info), mode, "{info:?}");
-        }
-        // Our own lock, through our own descriptor: the check sees it.
-        let (_d, p) = tmp_lock();
-        let g = take(&p, Mode::Shared);
-        if std::path::Path::new("/proc/self/fdinfo").exists() {
-            assert_eq!(fd_flock(g.file().as_raw_fd()), Some(Mode::Shared));
-        }
-        let other = File::open(&p).unwrap();
-        assert_eq!(fd_flock(other.as_raw_fd()), None);
     }
 
     #[test]
