@@ -28,6 +28,11 @@ pub fn retrying<T: Default + PartialOrd>(mut call: impl FnMut() -> T) -> io::Res
     }
 }
 
+/// `m` locked; a panic while another thread held it leaves its data usable as it is.
+pub fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A name or path as a C string: one with a NUL in it is `EINVAL`.
 pub(crate) fn cstr(name: &std::ffi::OsStr) -> io::Result<std::ffi::CString> {
     use std::os::unix::ffi::OsStrExt;

@@ -410,7 +410,7 @@ fn make_leases_dir(dir: &Path) -> io::Result<()> {
 fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
     let began = boot_time();
     // Written through where shared: other hosts read it to name holders; a client may delay writes.
-    match lock::create_locked_with(path, lock::write_through_flag())? {
+    match lock::create_locked(path)? {
         // A maker that took half the grace to lock its fresh file may have had it cleaned away.
         Some(g)
             if boot_time().saturating_sub(began) >= unwritten_grace() / 2

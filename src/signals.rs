@@ -22,7 +22,7 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::{Pid, getpgid, getpgrp, getpid, getsid};
 
-use crate::error::retrying;
+use crate::error::{locked, retrying};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -153,16 +153,12 @@ impl Forwarder {
         Ok(Forwarder { shared })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Spawns the command (or its keeper) unless a signal came first (`Ok(Err(sig))`).
     pub fn spawn(
         &self,
         spawn: impl FnOnce() -> io::Result<Target>,
     ) -> io::Result<Result<libc::pid_t, i32>> {
-        let mut st = self.lock();
+        let mut st = locked(&self.shared.state);
         if let State::Interrupted(sig) = *st {
             return Ok(Err(sig));
         }
@@ -191,7 +187,7 @@ impl Forwarder {
                 forward(&self.shared.state, sig, code);
             }
         }
-        *self.lock() = State::Done;
+        *locked(&self.shared.state) = State::Done;
         let mut status = 0;
         // SAFETY: waitpid on our own child, status written to a local.
         retrying(|| unsafe { libc::waitpid(pid, &mut status, 0) })?;
@@ -258,7 +254,7 @@ fn take(set: &SigSet, block: bool) -> Option<(i32, i32)> {
 
 /// What a termination signal means in the current state.
 fn forward(state: &Mutex<State>, sig: i32, code: i32) {
-    let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+    let mut st = locked(state);
     match *st {
         State::Waiting => {
             *st = State::Interrupted(sig);

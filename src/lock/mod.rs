@@ -29,7 +29,7 @@ use std::sync::{Mutex, OnceLock};
 
 use fs2::FileExt;
 
-use crate::error::cvt;
+use crate::error::{cvt, locked};
 
 mod wait;
 
@@ -259,7 +259,7 @@ pub fn unlinks_allowed(path: &Path) -> bool {
 /// names the filesystem: a root's lock directories cost one statfs in all.
 fn local_dir(path: &Path, dev: Option<u64>) -> bool {
     let dir = path.parent().unwrap_or(Path::new("/"));
-    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut seen = locked(&SEEN);
     if let Some((_, _, local)) = seen
         .iter()
         .find(|(d, v, _)| d.as_deref() == Some(dir) || (dev.is_some() && *v == dev))
@@ -278,7 +278,7 @@ static SEEN: Mutex<Seen> = Mutex::new(Vec::new());
 
 /// Records the root's device and locality from its checks: lock files under it cost no statfs.
 pub fn note_filesystem(dev: u64, local: bool, dirs: &[PathBuf]) {
-    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut seen = locked(&SEEN);
     if !seen.iter().any(|(_, v, _)| *v == Some(dev)) {
         seen.push((None, Some(dev), local));
     }
@@ -346,15 +346,14 @@ fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
     match at {
         Ok(at) => Ok((dev_ino(&at) == dev_ino(&ours)).then(|| dev_ino(&ours))),
         // Something else planted at the path since is refused by the open (not the stat).
-        Err(e)
-            if e.kind() == io::ErrorKind::NotFound
-                || is_stale(&e)
-                || crate::planted::find(&e).is_some() =>
-        {
-            Ok(None)
-        }
+        Err(e) if gone(&e) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// Missing, unlinked on the server (`ESTALE`), or something planted in its place: not the file.
+fn gone(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotFound || is_stale(e) || crate::planted::find(e).is_some()
 }
 
 fn dev_ino(m: &fs::Metadata) -> (u64, u64) {
@@ -428,17 +427,17 @@ pub fn mark_gone(file: &File) -> io::Result<()> {
     file.write_all_at(GONE, 0)
 }
 
-/// Makes a fresh lock file at `path` (`O_EXCL`, plus `flags`) and locks it exclusively: a lease.
-/// No unlink-race check: a prober cleaning dead leases leaves an unwritten file unless its maker is
-/// dead or slower than any (which checks with [`still_at_path`]). A prober's lock is waited out
-/// briefly; `Ok(None)`: the name exists or stayed locked (take another).
-pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<Guard>> {
+/// Makes a fresh lock file at `path` (`O_EXCL`, written through where shared) and locks it
+/// exclusively: a lease. No unlink-race check: a prober cleaning dead leases leaves an unwritten
+/// file unless its maker is dead or slower than any (which checks with [`still_at_path`]). A
+/// prober's lock is waited out briefly. `Ok(None)`: the name exists or stayed locked; take another.
+pub fn create_locked(path: &Path) -> io::Result<Option<Guard>> {
     let file = match OpenOptions::new()
         .read(true)
         .write(true)
         .create_new(true)
         .mode(0o666)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | flags)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | write_through_flag())
         .open(path)
     {
         Ok(f) => f,
@@ -454,7 +453,7 @@ pub fn create_locked_with(path: &Path, flags: libc::c_int) -> io::Result<Option<
     Ok(None)
 }
 
-/// The unlink-race check, late, for a lock taken without it ([`create_locked_with`]).
+/// The unlink-race check, late, for a lock taken without it ([`create_locked`]).
 pub fn still_at_path(guard: &Guard) -> io::Result<bool> {
     Ok(still_linked(&guard.file, &guard.path)?.is_some())
 }
@@ -601,13 +600,7 @@ pub fn probe_lease(path: &Path) -> io::Result<bool> {
     let file = match opened {
         Ok(f) => f,
         // Gone (on an NFS server since the lookup), or planted under a lease's name: no owner.
-        Err(e)
-            if e.kind() == io::ErrorKind::NotFound
-                || is_stale(&e)
-                || crate::planted::find(&e).is_some() =>
-        {
-            return Ok(false);
-        }
+        Err(e) if gone(&e) => return Ok(false),
         Err(e) => return Err(e),
     };
     Ok(!no_writer_now(&file)?)

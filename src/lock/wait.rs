@@ -11,7 +11,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::thread::JoinHandleExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock, mpsc};
+use std::sync::{Arc, Mutex, Once, OnceLock, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,7 @@ use nix::fcntl::OFlag;
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
 
 use super::{Mode, flock_blocking, flock_try};
+use crate::error::locked;
 
 /// The outcome of a wait.
 #[derive(Debug)]
@@ -93,7 +94,6 @@ fn install_wake_handler() {
         unsafe {
             let mut sa: libc::sigaction = std::mem::zeroed();
             sa.sa_sigaction = do_nothing as *const () as libc::sighandler_t;
-            sa.sa_flags = 0;
             libc::sigemptyset(&mut sa.sa_mask);
             libc::sigaction(wake_signal(), &sa, std::ptr::null_mut());
         }
@@ -117,10 +117,6 @@ static CANCEL: Mutex<Registry> = Mutex::new(Registry {
     next_id: 0,
     waiters: Vec::new(),
 });
-
-fn registry() -> MutexGuard<'static, Registry> {
-    CANCEL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 static BEFORE_WAIT: OnceLock<fn()> = OnceLock::new();
 
@@ -147,7 +143,7 @@ pub fn watch_signals_while_waiting(fd: RawFd, take: fn()) {
 
 /// Makes every current and future wait in this process return [`Waited::Interrupted`].
 pub fn interrupt_waits(sig: i32) {
-    let mut reg = registry();
+    let mut reg = locked(&CANCEL);
     reg.fired = Some(sig);
     for (_, tx) in &reg.waiters {
         let _ = tx.send(Event::Cancelled(sig));
@@ -167,14 +163,14 @@ fn cancel_pipe() -> Option<&'static (OwnedFd, OwnedFd)> {
 
 /// The signal passed to [`interrupt_waits`], if it was called.
 pub fn interrupted() -> Option<i32> {
-    registry().fired
+    locked(&CANCEL).fired
 }
 
 struct Registration(u64);
 
 impl Registration {
     fn new(tx: mpsc::Sender<Event>) -> Result<Registration, i32> {
-        let mut reg = registry();
+        let mut reg = locked(&CANCEL);
         if let Some(sig) = reg.fired {
             return Err(sig);
         }
@@ -187,7 +183,7 @@ impl Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        registry().waiters.retain(|(id, _)| *id != self.0);
+        locked(&CANCEL).waiters.retain(|(id, _)| *id != self.0);
     }
 }
 
@@ -416,14 +412,10 @@ pub struct Waker {
 /// between a slot's release and its taker's command.
 static SPARE_INOTIFY: Mutex<Vec<Inotify>> = Mutex::new(Vec::new());
 
-fn spare_inotify() -> MutexGuard<'static, Vec<Inotify>> {
-    SPARE_INOTIFY.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Waker {
     /// Watches `dir` for closes and creations; changes to `named`, a file in it, are told apart.
     pub fn watch(dir: &Path, named: Option<&str>) -> Waker {
-        let spare = spare_inotify().pop();
+        let spare = locked(&SPARE_INOTIFY).pop();
         let flags = InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK;
         let Some(ino) = spare.or_else(|| Inotify::init(flags).ok()) else {
             return Waker::default();
@@ -434,7 +426,7 @@ impl Waker {
             | AddWatchFlags::IN_MOVED_TO
             | AddWatchFlags::IN_ONLYDIR;
         let Ok(wd) = ino.add_watch(dir, mask) else {
-            spare_inotify().push(ino);
+            locked(&SPARE_INOTIFY).push(ino);
             return Waker::default();
         };
         let waker = Waker {
@@ -527,7 +519,7 @@ impl Drop for Waker {
     fn drop(&mut self) {
         if let Some((ino, wd)) = self.inotify.take() {
             let _ = ino.rm_watch(wd);
-            spare_inotify().push(ino);
+            locked(&SPARE_INOTIFY).push(ino);
         }
     }
 }
