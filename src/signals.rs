@@ -15,8 +15,9 @@
 use std::io;
 use std::os::fd::AsRawFd;
 use std::process::ExitStatus;
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 use std::sync::{Mutex, Once, OnceLock};
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
@@ -77,7 +78,6 @@ static CANCELLED: AtomicI32 = AtomicI32::new(0);
 /// command's end is unknown (keeper gone) exits 128+N.
 static PASSED_ON: AtomicI32 = AtomicI32::new(0);
 
-/// See `PASSED_ON`.
 pub fn passed_on() -> Option<i32> {
     signal_in(&PASSED_ON)
 }
@@ -87,13 +87,8 @@ fn signal_in(seen: &AtomicI32) -> Option<i32> {
     Some(seen.load(Relaxed)).filter(|&sig| sig != 0)
 }
 
-/// When [`check`] last looked for a pending signal, in ms since [`epoch`] (`u64::MAX`: never).
-static LAST_LOOK_MS: AtomicU64 = AtomicU64::new(u64::MAX);
-
-fn epoch() -> std::time::Instant {
-    static EPOCH: OnceLock<std::time::Instant> = OnceLock::new();
-    *EPOCH.get_or_init(std::time::Instant::now)
-}
+/// When [`check`] last looked for a pending signal.
+static LAST_LOOK: Mutex<Option<Instant>> = Mutex::new(None);
 
 /// The cancellation check for long work (copy, measure, delete), between steps: once a termination
 /// signal came, `Err(Interrupted(sig))`. Only an `exec` routes signals here; others die at once.
@@ -108,12 +103,12 @@ pub fn cancelled() -> Option<i32> {
     if let Some(sig) = signal_in(&CANCELLED).or_else(crate::lock::interrupted) {
         return Some(sig);
     }
-    let now = epoch().elapsed().as_millis() as u64;
-    let last = LAST_LOOK_MS.load(Relaxed);
-    if last != u64::MAX && now.saturating_sub(last) < 5 {
+    let mut last = locked(&LAST_LOOK);
+    if last.is_some_and(|t| t.elapsed() < Duration::from_millis(5)) {
         return None;
     }
-    LAST_LOOK_MS.store(now, Relaxed);
+    *last = Some(Instant::now());
+    drop(last);
     // Without the signal thread, a signal stays pending until taken here.
     take_pending();
     signal_in(&CANCELLED).or_else(crate::lock::interrupted)
