@@ -229,7 +229,13 @@ fn reach_with(fs: &Filesystem, mount: Option<&Mount>) -> Reach {
 /// unsafe: the client revalidates a file's cached pages only when a lock on that file goes to the
 /// server, so with SQLite's locks local a process could write on stale database pages.
 fn nfs_reach(options: &[String]) -> Reach {
-    let bad = local_only_options(options);
+    let local_only =
+        |o: &&String| *o == "nolock" || (o.starts_with("local_lock=") && *o != "local_lock=none");
+    let bad: Vec<&str> = options
+        .iter()
+        .filter(local_only)
+        .map(String::as_str)
+        .collect();
     if bad.is_empty() {
         return Reach::ClusterWide;
     }
@@ -298,17 +304,6 @@ fn beegfs_reach(options: &[String], read: impl Fn(&Path) -> Option<String>) -> R
     }
 }
 
-/// The NFS mount options that keep locks on the client.
-fn local_only_options(options: &[String]) -> Vec<String> {
-    options
-        .iter()
-        .filter(|o| {
-            o.as_str() == "nolock" || (o.starts_with("local_lock=") && *o != "local_lock=none")
-        })
-        .cloned()
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,14 +331,14 @@ mod tests {
             "rw,local_lock=posix",
             "local_lock=all,hard",
         ] {
-            assert_eq!(local_only_options(&opts(unsafe_)).len(), 1, "{unsafe_}");
+            assert_eq!(kind(nfs_reach(&opts(unsafe_))), "node-local", "{unsafe_}");
         }
         for safe in [
             "rw,vers=4.2,local_lock=none",
             "rw,lock,hard",
             "rw,nolocks_are_not_a_thing",
         ] {
-            assert!(local_only_options(&opts(safe)).is_empty(), "{safe}");
+            assert_eq!(nfs_reach(&opts(safe)), Reach::ClusterWide, "{safe}");
         }
         // A local filesystem is never NFS, whatever its options.
         assert_eq!(lock_reach_with(Path::new("/")).0, Reach::ClusterWide);
