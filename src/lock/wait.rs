@@ -213,12 +213,8 @@ pub(super) fn block(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Wait
     };
     let mut worker = match Worker::spawn(file, mode, tx) {
         Ok(w) => w,
-        // No thread to be had (a pids limit in a container or a job's cgroup): poll instead.
-        Err(e)
-            if e.kind() == io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::EAGAIN) =>
-        {
-            return poll(file, mode, wait);
-        }
+        // EAGAIN, no thread to be had (a pids limit in a container or a job's cgroup): poll instead.
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return poll(file, mode, wait),
         Err(e) => return Err(e),
     };
     let outcome = worker.acquired(&rx, wait);
@@ -463,15 +459,11 @@ impl Waker {
             revents: 0,
         })
         .collect();
-        let timeout = match until {
-            None => -1,
-            Some(t) => {
-                let left = t.saturating_duration_since(Instant::now());
-                // Round up: waking a hair early would only loop once more.
-                left.as_millis().min(i32::MAX as u128 - 1) as i32
-                    + i32::from(left.subsec_nanos() % 1_000_000 != 0)
-            }
-        };
+        let timeout = until.map_or(-1, |t| {
+            // Rounded up: waking a hair early would only loop once more.
+            let left = t.saturating_duration_since(Instant::now()).as_nanos();
+            left.div_ceil(1_000_000).min(i32::MAX as u128) as i32
+        });
         // SAFETY: poll on a live array of pollfds.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
         if n < 0 {
