@@ -343,12 +343,8 @@ type Notice<'a> = (Duration, Box<dyn FnMut() + 'a>);
 
 /// Says the notice once its time has come (and never again).
 fn say_if_due(notice: &mut Option<Notice<'_>>, started: Instant) {
-    if let Some((after, mut say)) = notice.take() {
-        if Instant::now() >= started + after {
-            say();
-        } else {
-            *notice = Some((after, say));
-        }
+    if let Some((_, mut say)) = notice.take_if(|(after, _)| Instant::now() >= started + *after) {
+        say();
     }
 }
 
