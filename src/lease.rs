@@ -31,7 +31,6 @@ const SUFFIX: &str = ".lease";
 /// One of this process's leases: named at once, its file made at once or, announced late, later.
 #[derive(Debug)]
 struct Lease {
-    /// The leases directory of its root.
     dir: PathBuf,
     name: String,
     /// What it lists as held and awaited (the lines after its identity).
@@ -58,14 +57,12 @@ fn mine_all() -> std::sync::MutexGuard<'static, Vec<Lease>> {
     MINE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Runs `f` on our lease in `leases`, if there is one.
 fn with_lease(leases: &Path, f: impl FnOnce(&mut Lease)) {
     if let Some(l) = mine_all().iter_mut().find(|l| l.dir == leases) {
         f(l);
     }
 }
 
-/// Our made leases' files.
 fn files(all: &[Lease]) -> impl Iterator<Item = &LeaseFile> {
     all.iter().filter_map(|l| l.file.as_ref())
 }
@@ -131,12 +128,9 @@ pub fn announce() {
         if l.file.is_some() {
             return true;
         }
-        let made = open_leases_dir(&l.dir).and_then(|pinned| {
-            let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
-            let guard = lock_fresh(&via.join(&l.name))?;
-            Ok(guard.map(|g| with_identity(g, &crate::ident::Me::current(), pinned)))
-        });
-        l.file = made.ok().flatten();
+        l.file = make_file(&l.dir, &l.name, &crate::ident::Me::current())
+            .ok()
+            .flatten();
         l.rewrite();
         l.file.is_some()
     });
@@ -191,7 +185,6 @@ pub struct Holding {
 }
 
 impl Holding {
-    /// A holding taken now, for `command`.
     pub fn now(mode: Mode, lockfile: String, awaits: bool, command: &str) -> Holding {
         Holding {
             mode,
@@ -291,7 +284,6 @@ pub fn note_all(leases: &Path, hs: Vec<Holding>) {
     });
 }
 
-/// Takes the lock file `lockfile` out of this process's lease.
 pub fn forget(leases: &Path, lockfile: &str) {
     forget_all(leases, [lockfile]);
 }
@@ -321,7 +313,6 @@ pub fn forget_all<S: AsRef<str>>(leases: &Path, lockfiles: impl IntoIterator<Ite
     });
 }
 
-/// Whether `name` is one of this process's own leases.
 pub fn is_mine(name: &str) -> bool {
     mine_all().iter().any(|l| l.name == name)
 }
@@ -339,22 +330,14 @@ fn boot_part(me: &crate::ident::Me) -> String {
 
 fn create(dir: &Path) -> io::Result<Lease> {
     let me = crate::ident::Me::current();
-    let pinned = open_leases_dir(dir)?;
-    let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
     for _ in 0..100 {
         let name = fresh_name(&me);
-        let path = via.join(&name);
-        let fresh = lock_fresh(&path).map_err(|e| {
-            let at = dir.join(&name);
-            let msg = format!("cannot create lease {}: {e}", at.display());
-            io::Error::new(e.kind(), msg)
-        })?;
-        if let Some(guard) = fresh {
+        if let Some(file) = make_file(dir, &name, &me)? {
             return Ok(Lease {
                 dir: dir.to_owned(),
                 name,
                 holdings: Vec::new(),
-                file: Some(with_identity(guard, &me, pinned)),
+                file: Some(file),
             });
         }
     }
@@ -362,6 +345,18 @@ fn create(dir: &Path) -> io::Result<Lease> {
         "cannot create a lease under {}: every fresh file was taken from us",
         dir.display()
     )))
+}
+
+/// Makes and locks lease file `name` in `dir`, reached through the directory opened following no
+/// link; None: the name is taken, or not ours to keep ([`lock_fresh`]).
+fn make_file(dir: &Path, name: &str, me: &crate::ident::Me) -> io::Result<Option<LeaseFile>> {
+    let pinned = open_leases_dir(dir)?;
+    let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
+    let guard = lock_fresh(&via.join(name)).map_err(|e| {
+        let msg = format!("cannot create lease {}: {e}", dir.join(name).display());
+        io::Error::new(e.kind(), msg)
+    })?;
+    Ok(guard.map(|g| with_identity(g, me, pinned)))
 }
 
 /// A new lease name: `HOST-BOOT-PIDNS-PID-RANDOM.lease` (HOST has no '-').
@@ -470,7 +465,7 @@ fn unwritten_grace() -> std::time::Duration {
 }
 
 /// This host's time since boot, suspend included (a stopped process's clock runs on).
-pub fn boot_time() -> std::time::Duration {
+fn boot_time() -> std::time::Duration {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
         .map(Into::into)
         .unwrap_or_default()
@@ -567,7 +562,6 @@ impl Identity {
         self.this_boot() && self.pid_ns.is_some() && self.pid_ns == namespace("pid")
     }
 
-    /// Whether the owner runs on this host, in this boot.
     pub fn this_boot(&self) -> bool {
         let me = crate::ident::Me::current();
         self.host == me.host && self.boot_id.is_some() && self.boot_id == me.boot_id
@@ -683,7 +677,7 @@ pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize
     };
     let mut gone = 0;
     for name in &names_in(&dir) {
-        if !valid_name(name) || is_mine(name) {
+        if is_mine(name) {
             continue;
         }
         // A lease never written may be a maker's between its create and its lock.
