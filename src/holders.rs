@@ -25,23 +25,13 @@ use crate::kernel::{Entry, Table};
 use crate::lease::{Holding, Identity};
 use crate::lock::{Mode, Probe};
 
-/// What kind of lock a report is about.
+/// What kind of lock a report is about; its name is its variant's, lowercase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LockKind {
     Global,
     Image,
     Slot,
-}
-
-impl LockKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LockKind::Global => "global",
-            LockKind::Image => "image",
-            LockKind::Slot => "slot",
-        }
-    }
 }
 
 /// A holder or waiter; as JSON, its fields up to `lease`.
@@ -183,10 +173,8 @@ impl<'c> Look<'c> {
         let root = &ctx.root;
         let leases_dir = root.leases();
         let said = read_leases(&leases_dir, |_| true);
-        let local = root.filesystem_now().is_some_and(|f| f.local);
-        let kdev = local
-            .then(|| crate::kernel::device_of(&root.locks()))
-            .flatten();
+        let local = root.filesystem_now().filter(|f| f.local);
+        let kdev = local.and_then(|_| crate::kernel::device_of(&root.locks()));
         let table = kdev.and_then(|_| crate::kernel::read_table().ok());
         Look {
             ctx,
@@ -204,15 +192,14 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// Reports many locks without waiting for each ([`Look::held_by_whom`]), where no table names
-    /// holders (which it says): a lock held that no lease lists yet shows one holder without a
-    /// lease, to look at again after [`Look::wait_for_listing`].
+    /// Where no table names holders (returned): a lock held that no lease lists yet shows one holder
+    /// without a lease, not waited for, to look at again after [`Look::wait_for_listing`].
     pub fn deferring(&self, on: bool) -> bool {
         self.deferring.set(on && self.table.is_none());
         self.deferring.get()
     }
 
-    /// The one wait for the locks held that no lease listed while deferring, counted in the budget.
+    /// The one wait for holders to list the locks seen while deferring.
     pub fn wait_for_listing(&self) {
         self.pause(LIST_GRACE);
     }
@@ -275,7 +262,6 @@ impl<'c> Look<'c> {
         )
     }
 
-    /// The pid (in our namespace) holding a lease: its owner.
     fn taker(&self, id: &Identity) -> Option<u32> {
         taker_in(self.table.as_ref()?, self.kdev?, id)
     }
@@ -363,7 +349,6 @@ impl<'c> Look<'c> {
             .is_none_or(|t| t.get(&key).is_some_and(|es| es.contains(e)))
     }
 
-    /// The lock table's key for the file at `path`: (device, inode).
     fn key_of(&self, path: &Path) -> Option<(u64, u64)> {
         Some((self.kdev?, std::fs::symlink_metadata(path).ok()?.ino()))
     }
@@ -455,7 +440,6 @@ impl<'c> Look<'c> {
         Some(table.get(&key).cloned().unwrap_or_default())
     }
 
-    /// The report on one lock file.
     pub fn report(&self, kind: LockKind, name: &str, path: &Path) -> LockReport {
         let (rel, entries) = (self.ctx.root.locks_rel(path), self.entries(path));
         let listing: Listing = self

@@ -117,7 +117,8 @@ fn render(root: &std::path::Path, fs: &str, locks: &[LockReport]) -> String {
         let held = l.holders.iter().map(|p| format!("held: {}", party(p)));
         let mut who = held.chain(l.waiters.iter().map(|p| format!("waiting: {}", party(p))));
         let first = who.next().unwrap_or_default();
-        rows.push([name, l.kind.as_str().into(), state, first]);
+        let kind = format!("{:?}", l.kind).to_lowercase();
+        rows.push([name, kind, state, first]);
         rows.extend(who.map(|more| [String::new(), String::new(), String::new(), more]));
     }
     let root = root.display().to_string();
@@ -177,7 +178,7 @@ impl Serialize for LockReport {
     }
 }
 
-pub fn state_str(p: Probe) -> &'static str {
+fn state_str(p: Probe) -> &'static str {
     match p {
         Probe::Missing | Probe::Free => "free",
         Probe::Shared => "shared",
