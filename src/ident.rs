@@ -70,21 +70,20 @@ pub fn user_name() -> String {
 
 /// The name `/etc/passwd` gives `uid`, else the uid itself. Never asked of the C library: a static
 /// binary's `getpwuid` loads the host's NSS modules, which crash it.
-pub fn user_name_of(uid: u32) -> String {
-    passwd_name(uid).unwrap_or_else(|| uid.to_string())
-}
-
-fn passwd_name(uid: u32) -> Option<String> {
-    // Bounded: a planted or huge file costs at most this much.
-    let mut text = String::new();
-    let file = std::os::unix::fs::OpenOptionsExt::custom_flags(
-        fs::OpenOptions::new().read(true),
-        libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC,
-    )
-    .open("/etc/passwd")
-    .ok()?;
-    std::io::Read::read_to_string(&mut std::io::Read::take(file, 4 << 20), &mut text).ok()?;
-    name_in_passwd(&text, uid)
+fn user_name_of(uid: u32) -> String {
+    let read = || {
+        // Bounded: a planted or huge file costs at most this much.
+        let mut text = String::new();
+        let file = std::os::unix::fs::OpenOptionsExt::custom_flags(
+            fs::OpenOptions::new().read(true),
+            libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+        .open("/etc/passwd")
+        .ok()?;
+        std::io::Read::read_to_string(&mut std::io::Read::take(file, 4 << 20), &mut text).ok()?;
+        name_in_passwd(&text, uid)
+    };
+    read().unwrap_or_else(|| uid.to_string())
 }
 
 /// The name of `uid` in the text of a password file.
