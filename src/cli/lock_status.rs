@@ -59,7 +59,11 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let tty = std::io::stdout().is_terminal();
     let mut missing_any = false;
     loop {
-        let (fs, mut locks) = gather(store, &sel)?;
+        let root = store.root();
+        let fs = root.filesystem_now().map_or("unknown".into(), |f| f.name);
+        let look = Look::new(store.ctx());
+        let mut locks = reports(&look, root, &sel)?;
+        look.clean_leases();
         // A named image with no row whose lock nobody holds or awaits does not exist: not free.
         let missing: Vec<String> = locks
             .iter()
@@ -191,21 +195,10 @@ fn state_str(p: Probe) -> &'static str {
 pub struct Selection {
     /// Named images (shown whatever their state).
     pub names: Vec<ImageName>,
-    /// Every image.
     pub all: bool,
 }
 
-/// Everything lock-status shows, from the kernel, leases and records alone ([`reports`]).
-pub fn gather(store: &mut Store, sel: &Selection) -> Result<(String, Vec<LockReport>)> {
-    let root = store.root().clone();
-    let fs_name = root.filesystem_now().map_or("unknown".into(), |f| f.name);
-    let look = Look::new(store.ctx());
-    let locks = reports(&look, &root, sel)?;
-    look.clean_leases();
-    Ok((fs_name, locks))
-}
-
-/// Every report lock-status shows, from one look.
+/// Every report lock-status shows, from one look: the kernel, leases and records alone.
 pub fn reports(look: &Look, root: &Root, sel: &Selection) -> Result<Vec<LockReport>> {
     let mut locks = vec![look.global_report()];
     crate::debug::pause("status-table-read");
