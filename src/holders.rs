@@ -44,10 +44,9 @@ pub struct Party {
     pub command: Option<String>,
     #[serde(serialize_with = "time_json")]
     pub since: Option<Millis>,
-    /// Whether stowage started the process: false for a lock taken outside stowage; None where
-    /// nothing tells (a holder on another host that no lease names, or one a pid namespace hides).
+    /// Whether stowage started the process; None where nothing tells (another host, pid namespace).
     pub stowage: Option<bool>,
-    /// The lease that names the party (its file name under `ROOT/locks/leases`); None for outsiders.
+    /// The file name of the lease that names the party; None for outsiders.
     pub lease: Option<String>,
     /// An exclusive lock taken only to read (`--read-exclusive`).
     #[serde(skip)]
@@ -146,7 +145,6 @@ type Listing<'a> = Vec<(&'a String, &'a Identity, &'a Holding)>;
 pub struct Look<'c> {
     ctx: &'c Ctx,
     leases_dir: PathBuf,
-    /// Every lease file listed, with what it says.
     said: Vec<Leased>,
     alive: RefCell<HashMap<String, bool>>,
     table: Option<Table>,
@@ -167,8 +165,7 @@ pub struct Look<'c> {
 }
 
 impl<'c> Look<'c> {
-    /// Reads the leases, then (on a local filesystem) the lock table: a holder the table shows made
-    /// its lease before its lock, so it is listed.
+    /// Reads leases, then (locally) the lock table: a holder it shows made its lease first: listed.
     pub fn new(ctx: &'c Ctx) -> Look<'c> {
         let root = &ctx.root;
         let leases_dir = root.leases();
@@ -192,8 +189,8 @@ impl<'c> Look<'c> {
         }
     }
 
-    /// Where no table names holders (returned): a lock held that no lease lists yet shows one holder
-    /// without a lease, not waited for, to look at again after [`Look::wait_for_listing`].
+    /// Where no table names holders (returned): a lock held that no lease lists yet shows one
+    /// holder without a lease, not waited for, to look at again after [`Look::wait_for_listing`].
     pub fn deferring(&self, on: bool) -> bool {
         self.deferring.set(on && self.table.is_none());
         self.deferring.get()
@@ -210,8 +207,8 @@ impl<'c> Look<'c> {
         crate::lock::look(path, self.ctx.root.lock_queries()).unwrap_or(Probe::Free)
     }
 
-    /// Sleeps about `d`, counted in the look's budget. Drawn anew each time: two hosts' looks that
-    /// probed a lock at one moment, each seeing the other's probe, must not look again in step.
+    /// Sleeps about `d`, counted in the budget; jittered, so two hosts' looks that each saw the
+    /// other's probe do not probe again in step.
     fn pause(&self, d: std::time::Duration) {
         let d = d + d.mul_f64((ident::nonce() % 1024) as f64 / 2048.0);
         self.waited.set(self.waited.get() + d);
@@ -336,8 +333,7 @@ impl<'c> Look<'c> {
         lines.collect()
     }
 
-    /// Whether a fresh read of the table (once per look) still shows `e` on the file at `path`: a
-    /// process nothing explains may have ended since.
+    /// Whether a fresh read of the table (once per look) still shows `e` on the file at `path`.
     fn still_there(&self, path: &Path, e: &Entry) -> bool {
         let Some(key) = self.key_of(path) else {
             return true;
@@ -642,8 +638,7 @@ impl<'c> Look<'c> {
         (state, holders)
     }
 
-    /// The global lock's report: the table's entries (no lease lists it: its holders are almost
-    /// always stowage itself, in a transaction).
+    /// The global lock's report, from the table alone: no lease lists it (held for a transaction).
     pub fn global_report(&self) -> LockReport {
         let path = self.ctx.root.global_lock();
         let entries = self.entries(&path);
@@ -692,8 +687,7 @@ fn read_leases(dir: &Path, wanted: impl Fn(&str) -> bool) -> Vec<Leased> {
 /// 10, 20, 40, 80; a lease announced late comes 30 ms into its command).
 const WAIT_BUDGET: std::time::Duration = std::time::Duration::from_millis(600);
 
-/// How long a deferring look ([`Look::deferring`]) waits for holders to list locks: what the
-/// rereads of one lock add up to.
+/// How long a deferring look waits for holders to list locks: what one lock's rereads add up to.
 const LIST_GRACE: std::time::Duration = std::time::Duration::from_millis(150);
 
 fn settle(p: Probe) -> Probe {
@@ -708,7 +702,6 @@ fn state_of(entries: &[Entry]) -> Probe {
     held.map_or(Probe::Free, held_as)
 }
 
-/// The mode a lock seen in `state` is held in.
 fn held_mode(state: Probe) -> Mode {
     match state {
         Probe::Exclusive => Mode::Exclusive,
@@ -716,7 +709,6 @@ fn held_mode(state: Probe) -> Mode {
     }
 }
 
-/// The state of a lock held in `mode`.
 fn held_as(mode: Mode) -> Probe {
     match mode {
         Mode::Exclusive => Probe::Exclusive,
@@ -785,7 +777,6 @@ pub fn command_cut(p: &Party, width: usize) -> String {
     })
 }
 
-/// Who holds a lock file, for a message: one look at it.
 pub fn holders_phrase(ctx: &Ctx, kind: LockKind, path: &Path) -> String {
     let r = Look::new(ctx).report(kind, &ctx.root.locks_rel(path), path);
     phrase(&r.holders)

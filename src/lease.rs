@@ -633,7 +633,6 @@ pub fn listing(leases: &Path) -> Vec<String> {
         .map_or_else(Vec::new, |d| names_in(&d))
 }
 
-/// The lease file names in `dir`, opened refusing a symlink in its place.
 fn names_in(dir: &crate::dir::Dir) -> Vec<String> {
     let names = dir.names().unwrap_or_default().into_iter();
     names
@@ -653,9 +652,8 @@ fn valid_name(name: &str) -> bool {
 }
 
 /// Unlinks the leases of gone owners, each under its exclusive lock, except those `keep` accepts
-/// (dead leases that may still name a holder). Returns how many went. Call under the global lock.
-/// Reached through a descriptor that refused a symlink in the directory's place: no swap steers
-/// the unlinks elsewhere.
+/// (dead leases that may still name a holder); how many went. Call under the global lock. Through
+/// a descriptor that refused a symlink in the directory's place: no swap steers the unlinks.
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     let Ok(dir) = crate::dir::Dir::open_in_root(leases) else {
         return 0;

@@ -318,7 +318,6 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
         .or_else_busy(|| Busy::now("the global lock".into(), holders()).into())
 }
 
-/// Device and inode of a file, if it exists.
 fn file_id(path: &Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     std::fs::symlink_metadata(path)

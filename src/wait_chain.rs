@@ -73,7 +73,6 @@ pub struct Step {
     pub waits_for: Option<Awaited>,
 }
 
-/// One chain of waits.
 #[derive(Debug, Clone)]
 pub struct Chain {
     pub steps: Vec<Step>,
@@ -137,7 +136,6 @@ impl Graph {
         g
     }
 
-    /// The parties waiting on the image lock `name`.
     pub fn waiters_of_image(&self, name: &str) -> Vec<Party> {
         self.waiters
             .iter()
