@@ -10,7 +10,7 @@
 //! - A lock held by a process stowage did not start shows as held: by pid and command where the
 //!   table has them, else as unidentified.
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -151,13 +151,13 @@ pub struct Look<'c> {
     /// The kernel's device number of the store's filesystem.
     kdev: Option<u64>,
     /// Leases made since the listing, read once for a table entry none of `said` explains.
-    later: RefCell<Option<Vec<Leased>>>,
+    later: OnceCell<Vec<Leased>>,
     /// The table read again (once), to confirm an unexplained holder stayed.
-    fresh: RefCell<Option<Option<Table>>>,
+    fresh: OnceCell<Option<Table>>,
     /// Per pid, the files it flocks through its own descriptors (read once; None: unreadable).
     fd_locks: RefCell<HashMap<u32, Option<FileKeys>>>,
     /// Per live lease owner's table pid, the inodes of its lease and listed locks (once per look).
-    owned: RefCell<Option<HashSet<(u32, u64)>>>,
+    owned: OnceCell<HashSet<(u32, u64)>>,
     /// How long this look has waited for holders to list their locks.
     waited: Cell<std::time::Duration>,
     /// While set ([`Look::deferring`]), a held lock no lease lists is read once, not waited for.
@@ -180,10 +180,10 @@ impl<'c> Look<'c> {
             alive: RefCell::new(HashMap::new()),
             table,
             kdev,
-            later: RefCell::new(None),
-            fresh: RefCell::new(None),
+            later: OnceCell::new(),
+            fresh: OnceCell::new(),
             fd_locks: RefCell::new(HashMap::new()),
-            owned: RefCell::new(None),
+            owned: OnceCell::new(),
             waited: Cell::new(std::time::Duration::ZERO),
             deferring: Cell::new(false),
         }
@@ -275,8 +275,7 @@ impl<'c> Look<'c> {
         if let Some(f) = self.said.iter().find(|l| owns(table, l)) {
             return Some(f.clone());
         }
-        let mut later = self.later.borrow_mut();
-        let more = later.get_or_insert_with(|| {
+        let more = self.later.get_or_init(|| {
             read_leases(&self.leases_dir, |n| !self.said.iter().any(|(s, _)| s == n))
         });
         if let Some(f) = more.iter().find(|l| owns(table, l)) {
@@ -287,8 +286,7 @@ impl<'c> Look<'c> {
         if !self.still_there(path, e) {
             return None;
         }
-        let fresh = self.fresh.borrow();
-        let table = fresh.as_ref()?.as_ref()?;
+        let table = self.fresh.get()?.as_ref()?;
         self.said
             .iter()
             .chain(more.iter())
@@ -338,8 +336,7 @@ impl<'c> Look<'c> {
         let Some(key) = self.key_of(path) else {
             return true;
         };
-        let mut fresh = self.fresh.borrow_mut();
-        let table = fresh.get_or_insert_with(|| crate::kernel::read_table().ok());
+        let table = self.fresh.get_or_init(|| crate::kernel::read_table().ok());
         table
             .as_ref()
             .is_none_or(|t| t.get(&key).is_some_and(|es| es.contains(e)))
@@ -398,8 +395,7 @@ impl<'c> Look<'c> {
     /// lease that lists the lock, and is still its owner.
     fn explained(&self, e: &Entry, ino: u64) -> bool {
         let Some(pid) = e.pid else { return false };
-        let mut owned = self.owned.borrow_mut();
-        let owned = owned.get_or_insert_with(|| {
+        let owned = self.owned.get_or_init(|| {
             let locks = self.ctx.root.locks();
             let mut set = HashSet::new();
             for (n, id) in &self.said {
