@@ -113,13 +113,13 @@ impl Hold {
         deadline: Option<Instant>,
         no_wait: bool,
     ) -> Result<Hold> {
-        let root = store.root();
-        if crate::nested::enclosing(root).hold(Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive) {
+        let enclosing = crate::nested::enclosing(store.root());
+        if enclosing.hold(Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive) {
             return Err(Busy::now("the store-wide lock".into(), "held by an enclosing command of this process (a 'stowage exec --store-wide' that runs it); a store-wide command cannot run inside another".into())
             .into());
         }
         // Inside an image user's command, a hold already waiting (for that user) would wait for us.
-        let under_image = crate::nested::enclosing(root)
+        let under_image = enclosing
             .holds
             .iter()
             .any(|h| h.lockfile.starts_with("images/"));
