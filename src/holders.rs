@@ -74,7 +74,7 @@ pub enum PidSpace {
 
 impl Party {
     /// The party a lease names for one of the locks it lists.
-    pub fn leased(name: &str, id: &Identity, h: &Holding) -> Party {
+    fn leased(name: &str, id: &Identity, h: &Holding) -> Party {
         Party {
             pid: id.pid,
             host: Some(id.host.clone()),

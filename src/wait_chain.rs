@@ -124,13 +124,11 @@ impl Graph {
                     name: r.name.clone(),
                     mode: w.mode,
                 };
-                g.waits
-                    .entry(key(w))
-                    .or_default()
-                    .push((awaited, blockers(r, w)));
-                if !g.waiters.iter().any(|p| key(p) == key(w)) {
+                let ws = g.waits.entry(key(w)).or_insert_with(|| {
                     g.waiters.push(w.clone());
-                }
+                    Vec::new()
+                });
+                ws.push((awaited, blockers(r, w)));
             }
         }
         g
