@@ -107,18 +107,15 @@ impl Claim {
     }
 }
 
-/// What claims the directory `dir`: `Ok(None)` if nothing does (or no extended attributes, or a
-/// value that is no claim). Read whole, however long: a claim read cut would be taken for none.
-pub fn read(dir: &Dir) -> io::Result<Option<Claim>> {
+/// What claims the directory `dir`: `None` if nothing does (or no extended attributes, a value
+/// that is no claim, a failed read). Read whole, however long: a claim read cut would be none.
+pub fn read(dir: &Dir) -> Option<Claim> {
     let fd = dir.as_raw_fd();
     // SAFETY: valid descriptor, C string and buffer of the length given.
-    match crate::dir::xattr_read(1024, |p, n| unsafe {
+    let v = crate::dir::xattr_read(1024, |p, n| unsafe {
         libc::fgetxattr(fd, NAME.as_ptr(), p, n)
-    }) {
-        Ok(v) => Ok(std::str::from_utf8(&v).ok().and_then(Claim::decode)),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENODATA | libc::ENOTSUP)) => Ok(None),
-        Err(e) => Err(e),
-    }
+    });
+    Claim::decode(std::str::from_utf8(&v.ok()?).ok()?)
 }
 
 /// Whether the filesystem of `dir` keeps extended attributes (claims).
@@ -154,7 +151,7 @@ pub fn write(dir: &Dir, claim: &Claim, new: bool) -> io::Result<bool> {
 /// Why `dir` (at `path`) may not be used by the store whose claim is `mine`: another store's claim.
 /// One naming this very root is this store's under whatever id it had (a configuration made anew).
 pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
-    let theirs = read(dir).ok()??;
+    let theirs = read(dir)?;
     let copy = theirs.id == mine.id;
     let this_root = crate::dir::same_identity(&theirs.root, &mine.root);
     (!this_root && theirs.binds(path)).then(|| {

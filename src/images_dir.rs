@@ -143,10 +143,7 @@ pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
 /// along with a copy of the store (`cp -a`), taken over.
 fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
     dir == root.default_images_dir()
-        && crate::claim::read(images)
-            .ok()
-            .flatten()
-            .is_some_and(|c| c.id == config.id)
+        && crate::claim::read(images).is_some_and(|c| c.id == config.id)
 }
 
 /// Claims the images directory for this store unless another does; `Ok(false)`: no xattrs.
@@ -158,14 +155,14 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
     if !copied && let Some(why) = crate::claim::refusal(&images, &dir, &mine) {
         anyhow::bail!("{why}");
     }
-    let now = crate::claim::read(&images).ok().flatten();
+    let now = crate::claim::read(&images);
     if now.as_ref() == Some(&mine) {
         return Ok(true);
     }
     match crate::claim::write(&images, &mine, now.is_none()) {
         // Claimed meanwhile: asked again. A value read as no claim may be a later release's: kept.
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => match crate::claim::read(&images) {
-            Ok(Some(_)) => claim(root, config),
+            Some(_) => claim(root, config),
             _ => anyhow::bail!(
                 "cannot claim images directory {}: its user.stowage.store holds no claim this release reads; unused? 'setfattr -x user.stowage.store {}'",
                 dir.display(),

@@ -479,9 +479,7 @@ impl Root {
         let mut config = crate::config::Config::fresh();
         let claimed = || {
             let here = self.open().ok()?.identity().ok()?;
-            let claim = crate::claim::read(&self.open_sub("img").ok()?)
-                .ok()
-                .flatten()?;
+            let claim = crate::claim::read(&self.open_sub("img").ok()?)?;
             crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
         };
         if let Some(id) = claimed() {
@@ -499,7 +497,7 @@ impl Root {
         let Ok(img) = Dir::open_nofollow(&self.default_images_dir()) else {
             return Ok(());
         };
-        let Some(theirs) = crate::claim::read(&img).ok().flatten() else {
+        let Some(theirs) = crate::claim::read(&img) else {
             return Ok(());
         };
         let ours = Dir::anchor_nofollow(&self.dir)

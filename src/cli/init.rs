@@ -360,7 +360,7 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
     let Ok(images) = crate::dir::Dir::open_nofollow(dir) else {
         return Ok(());
     };
-    let Some(theirs) = crate::claim::read(&images).ok().flatten() else {
+    let Some(theirs) = crate::claim::read(&images) else {
         return Ok(());
     };
     let config = root

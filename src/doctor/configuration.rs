@@ -91,7 +91,7 @@ fn whose(
     images_dir: Option<&crate::dir::Dir>,
     root_identity: Option<&str>,
 ) -> Result<Option<crate::claim::Claim>, String> {
-    let claim = images_dir.and_then(|d| crate::claim::read(d).ok().flatten());
+    let claim = images_dir.and_then(crate::claim::read);
     let mine = |c: &crate::claim::Claim| {
         root_identity.is_some_and(|me| crate::dir::same_identity(&c.root, me))
     };

@@ -574,7 +574,7 @@ fn hints(store: &Store, entries: &[Entry], repair: bool, report: &mut Report) {
 
 /// Whether the images directory is claimed for this store (`claim.rs`); `repair` claims it.
 fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut Report) {
-    let claim = crate::claim::read(images).ok().flatten();
+    let claim = crate::claim::read(images);
     let mine = crate::images_dir::my_claim(root, config).ok();
     // Another's claim is reported where the trees are judged; a claim of this root's `img` under
     // another id (a configuration made anew) is put right by a repair.
