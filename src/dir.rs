@@ -535,22 +535,6 @@ impl Dir {
         let refused = r == Err(Errno::EACCES);
         (st.is_dir() && refused && st.uid != me()).then_some(st.uid)
     }
-
-    /// The owner of this directory if it is sticky and not ours: in it,
-    /// only an entry's owner, the directory's owner or root may delete.
-    fn sticky_owner(&self) -> Option<u32> {
-        let st = self.stat().ok()?;
-        (st.mode & libc::S_ISVTX != 0 && st.uid != me()).then_some(st.uid)
-    }
-
-    /// Gives the owner full access to this directory if it lacks it, so a read-only directory
-    /// inside an image can be emptied (root needs no such thing; anyone else does).
-    fn make_writable(&self, st: &Entry) {
-        if st.mode & 0o700 != 0o700 {
-            // SAFETY: plain fchmod on our descriptor; a failure shows in the unlinks that follow.
-            unsafe { libc::fchmod(self.fd.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _) };
-        }
-    }
 }
 
 fn mount_point(name: &OsStr) -> io::Error {
@@ -619,7 +603,13 @@ impl Level {
     /// The directory `dir` (its stat `st`; `shown` names it), made writable and listed: a level to
     /// empty, its name in its parent still to be set.
     fn enter(dir: Dir, st: &Entry, shown: &dyn Fn() -> String) -> io::Result<Level> {
-        dir.make_writable(st);
+        // A read-only directory inside an image gets owner access; a failure shows in the unlinks.
+        if st.mode & 0o700 != 0o700 {
+            let _ = stat::fchmod(
+                &dir,
+                stat::Mode::from_bits_retain((st.mode & 0o7777) | 0o700),
+            );
+        }
         let pending = dir
             .names()
             .map_err(|e| explain_refusal(e, &[(&dir, None, LIST, &shown())]))?;
@@ -668,11 +658,15 @@ pub fn explain_refusal(
             Some(libc::EACCES) => dir.refuser(*name, *access).map(|owner| {
                 format!("{shown} is uid {owner}'s, and only that user or root can empty or move it")
             }),
-            Some(libc::EPERM) if name.is_none() && *access == DELETE_IN => {
-                dir.sticky_owner().map(|owner| {
+            // A sticky directory not ours.
+            Some(libc::EPERM) if name.is_none() && *access == DELETE_IN => dir
+                .stat()
+                .ok()
+                .filter(|st| st.mode & libc::S_ISVTX != 0 && st.uid != me())
+                .map(|st| {
+                    let owner = st.uid;
                     format!("{shown} is sticky and uid {owner}'s: only an entry's owner, that user or root may delete in it")
-                })
-            }
+                }),
             _ => None,
         };
         if let Some(why) = why {
