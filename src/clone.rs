@@ -54,12 +54,11 @@ impl Copied {
             .xattrs_lost
             .iter()
             .map(|(name, (n, cause))| {
-                let times = if *n == 1 {
-                    String::new()
-                } else {
-                    format!(" ×{n}")
-                };
-                format!("{}{times} ({cause})", crate::ident::printable(name))
+                let name = crate::ident::printable(name);
+                match n {
+                    1 => format!("{name} ({cause})"),
+                    n => format!("{name} ×{n} ({cause})"),
+                }
             })
             .collect();
         (!parts.is_empty()).then(|| parts.join(", "))
@@ -110,7 +109,18 @@ fn open_source(
     };
     if euid == 0 || meta.st_uid != euid || meta.st_mode & need == need {
         let opened = dir.open_at(name, flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0);
-        return opened.map(|fd| (fd, None)).map_err(|e| denied(e, meta));
+        // Not ours to lend: says whose it is (only they or root may copy it).
+        return opened.map(|fd| (fd, None)).map_err(|e| match e.kind() {
+            io::ErrorKind::PermissionDenied => io::Error::new(
+                e.kind(),
+                format!(
+                    "{e}: it is mode {:03o} and belongs to uid {}, so only they or root can copy it",
+                    meta.st_mode & 0o7777,
+                    meta.st_uid
+                ),
+            ),
+            _ => e,
+        });
     }
     let path = dir.open_at(name, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0)?;
     let now = dir::fstat(&path)?;
@@ -414,21 +424,6 @@ fn open_pair(
     Ok((s, File::from(dst.open_at(name, flags, 0o600)?), lent))
 }
 
-/// A refused read of a base file not ours to lend: says whose it is (only they or root may copy).
-fn denied(e: io::Error, meta: &libc::stat) -> io::Error {
-    if e.kind() != io::ErrorKind::PermissionDenied {
-        return e;
-    }
-    io::Error::new(
-        e.kind(),
-        format!(
-            "{e}: it is mode {:03o} and belongs to uid {}, so only they or root can copy it",
-            meta.st_mode & 0o7777,
-            meta.st_uid
-        ),
-    )
-}
-
 /// Copies one regular file's data; returns whether it was reflinked. Without reflink only the data
 /// regions are copied and the length set after: holes stay holes.
 fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<bool> {
@@ -475,11 +470,36 @@ fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
     let (end, mut pos) = (off + len, off);
     while pos < end {
         let want = (end - pos).min(1 << 30) as usize;
-        match copy_in_kernel(src, dst, pos, want)? {
+        let (mut off_in, mut off_out) = (pos as libc::loff_t, pos as libc::loff_t);
+        // The system call itself: std declares libc's symbol weak, and a static LTO build may then
+        // call address 0.
+        // SAFETY: valid descriptors and offset pointers, as the system call documents them.
+        let copied = retrying(|| unsafe {
+            libc::syscall(
+                libc::SYS_copy_file_range,
+                src.as_raw_fd(),
+                &mut off_in as *mut libc::loff_t,
+                dst.as_raw_fd(),
+                &mut off_out as *mut libc::loff_t,
+                want,
+                0u32,
+            )
+        });
+        match copied {
             // The source ended before the range did (it shrank under us).
-            Some(0) => return Ok(()),
-            Some(n) => pos += n as u64,
-            None => return copy_by_buffer(src, dst, pos, end),
+            Ok(0) => return Ok(()),
+            Ok(n) => pos += n as u64,
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(
+                        libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | libc::EPERM
+                    )
+                ) =>
+            {
+                return copy_by_buffer(src, dst, pos, end);
+            }
+            Err(e) => return Err(e),
         }
     }
     Ok(())
@@ -501,34 +521,6 @@ fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<
         pos += n as u64;
     }
     Ok(())
-}
-
-/// One copy_file_range(2) of up to `want` bytes at `pos`: `None` if the kernel cannot.
-fn copy_in_kernel(src: &File, dst: &File, pos: u64, want: usize) -> io::Result<Option<usize>> {
-    let (mut off_in, mut off_out) = (pos as libc::loff_t, pos as libc::loff_t);
-    // The system call itself: std declares libc's symbol weak, and a static LTO build may then
-    // call address 0.
-    // SAFETY: valid descriptors and offset pointers, as the system call documents them.
-    let copied = retrying(|| unsafe {
-        libc::syscall(
-            libc::SYS_copy_file_range,
-            src.as_raw_fd(),
-            &mut off_in as *mut libc::loff_t,
-            dst.as_raw_fd(),
-            &mut off_out as *mut libc::loff_t,
-            want,
-            0u32,
-        )
-    });
-    match copied {
-        Ok(n) => Ok(Some(n as usize)),
-        Err(e) => match e.raw_os_error() {
-            Some(libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | libc::EPERM) => {
-                Ok(None)
-            }
-            _ => Err(e),
-        },
-    }
 }
 
 /// A second name for the copy of a hard-linked inode, its first copy found from the copy's top.
