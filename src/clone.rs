@@ -240,8 +240,11 @@ impl TreeCopy<'_> {
     fn walk(&mut self, stack: &mut Vec<Frame>) -> Result<()> {
         while let Some(top) = stack.last_mut() {
             let Some(name) = top.names.next() else {
+                // A directory gets its mode and times after its contents (read-only ones, mtimes).
                 let done = stack.pop().expect("not empty");
-                self.finish_dir(done)?;
+                self.trail.0.pop();
+                let (dst, src) = (Target::Fd(done.dst.as_fd()), Target::Fd(done.src.as_fd()));
+                self.attrs(dst, src, None, &done.meta)?;
                 continue;
             };
             crate::signals::check()?;
@@ -250,13 +253,6 @@ impl TreeCopy<'_> {
             }
         }
         Ok(())
-    }
-
-    /// Directories get their mode and times after their contents (read-only ones, mtimes).
-    fn finish_dir(&mut self, done: Frame) -> Result<()> {
-        self.trail.0.pop();
-        let (dst, src) = (Target::Fd(done.dst.as_fd()), Target::Fd(done.src.as_fd()));
-        self.attrs(dst, src, None, &done.meta)
     }
 
     /// Copies the entry `name` of `top`; a directory is created and returned, to be filled next.
