@@ -159,20 +159,6 @@ impl Dir {
         Ok(openat(self, name, OFlag::from_bits_retain(flags), mode)?)
     }
 
-    /// [`Dir::sub`] for a deletion: a directory of ours we may not search (a build can leave one
-    /// mode 000) first gets owner access through an `O_PATH|O_NOFOLLOW` descriptor.
-    fn sub_for_deletion(&self, name: &OsStr) -> io::Result<Dir> {
-        match self.sub(name) {
-            Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
-                let path = self.anchor_sub(name)?;
-                let st = path.stat()?;
-                chmod_o_path(path.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _).map_err(|_| e)?;
-                self.sub(name)
-            }
-            other => other,
-        }
-    }
-
     /// The directory itself.
     pub fn stat(&self) -> io::Result<Entry> {
         Ok(entry(&fstat(self)?))
@@ -407,21 +393,6 @@ impl Dir {
         Ok(f)
     }
 
-    /// [`crate::planted::refused`] for an entry here, told by `fstatat` (no path is built).
-    fn refused(&self, name: &OsStr, e: io::Error) -> io::Error {
-        let typed = matches!(
-            e.raw_os_error(),
-            Some(libc::ELOOP | libc::EISDIR | libc::ENXIO)
-        );
-        if typed
-            && let Ok(Some(st)) = self.stat_at(name)
-            && let Some(kind) = crate::planted::kind_of_mode(st.mode)
-        {
-            return crate::planted::not_a_file(Path::new(name), kind);
-        }
-        e
-    }
-
     /// Creates the file `name`, which must not exist (mode before umask).
     pub fn create_file(&self, name: impl AsRef<OsStr>, mode: u32) -> io::Result<std::fs::File> {
         let flags =
@@ -430,12 +401,24 @@ impl Dir {
             .map(std::fs::File::from)
     }
 
-    /// Opens the file `name` (mode 0666 where made), a refusal for its type said ([`Dir::refused`]).
+    /// Opens the file `name` (mode 0666 where made); a refusal for its type is said as
+    /// [`crate::planted::refused`] says it, told by `fstatat` (no path is built).
     fn open_flags_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
-        let opened = cstr(name).and_then(|c| self.open_at(&c, flags, 0o666));
-        opened
-            .map(std::fs::File::from)
-            .map_err(|e| self.refused(name, e))
+        let e = match cstr(name).and_then(|c| self.open_at(&c, flags, 0o666)) {
+            Ok(fd) => return Ok(fd.into()),
+            Err(e) => e,
+        };
+        let typed = matches!(
+            e.raw_os_error(),
+            Some(libc::ELOOP | libc::EISDIR | libc::ENXIO)
+        );
+        if typed
+            && let Ok(Some(st)) = self.stat_at(name)
+            && let Some(kind) = crate::planted::kind_of_mode(st.mode)
+        {
+            return Err(crate::planted::not_a_file(Path::new(name), kind));
+        }
+        Err(e)
     }
 
     /// Unlinks a non-directory entry. A missing entry is not an error.
@@ -510,7 +493,18 @@ impl Dir {
         if dev.is_some_and(|dev| st.dev != dev) {
             return Err(mount_point(name));
         }
-        match self.sub_for_deletion(name) {
+        let opened = match self.sub(name) {
+            // A directory of ours we may not search (a build can leave one mode 000) first gets
+            // owner access through an `O_PATH|O_NOFOLLOW` descriptor.
+            Err(e) if e.raw_os_error() == Some(libc::EACCES) => (|| {
+                let path = self.anchor_sub(name)?;
+                let st = path.stat()?;
+                chmod_o_path(path.as_raw_fd(), ((st.mode & 0o7777) | 0o700) as _).map_err(|_| e)?;
+                self.sub(name)
+            })(),
+            other => other,
+        };
+        match opened {
             Ok(d) => Ok(Some(d)),
             // Replaced by a non-directory since the stat: unlink that.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
