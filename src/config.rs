@@ -103,12 +103,10 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     let mut buf = vec![0u8; 64 * 1024];
     let n = std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0)
         .map_err(|e| not_a_file(Unusable::because(&path, e)))?;
-    let text = String::from_utf8_lossy(&buf[..n]);
-    let damaged = || Unusable {
-        why: format!("{} is damaged", path.display()),
-    };
+    let why = || format!("{} is damaged", path.display());
+    let config = Config::decode(&String::from_utf8_lossy(&buf[..n]));
     Ok(Some(
-        Config::decode(&text).ok_or_else(|| not_a_file(damaged()))?,
+        config.ok_or_else(|| not_a_file(Unusable { why: why() }))?,
     ))
 }
 
