@@ -150,7 +150,15 @@ pub fn copy_tree_at(
     let _files = dir::MoreFiles::raise();
     // A bar never shown needs no total: the base is not walked for it.
     if progress.enabled {
-        progress.total = crate::disk_usage::apparent_size(src).unwrap_or(0);
+        // What the copy reads: the lengths of the regular files.
+        let mut total = 0;
+        let walked = crate::disk_usage::walk(src, &mut |_, _, st| {
+            if dir::file_type(st) == libc::S_IFREG {
+                total += st.st_size as u64;
+            }
+            Ok(())
+        });
+        progress.total = walked.map_or(0, |()| total);
     }
     let meta = dir::fstat(&src_root).with_context(|| format!("cannot read {}", src.display()))?;
     let was = make_private(&dst_root, dst)?;

@@ -40,18 +40,6 @@ pub fn disk_usage_if_there(dir: &Path) -> io::Result<Option<u64>> {
     Ok(m.there.then_some(m.allocated))
 }
 
-/// The sum of the lengths of the regular files under `dir` (what a copy reads), for progress.
-pub fn apparent_size(dir: &Path) -> io::Result<u64> {
-    let mut total = 0;
-    walk(dir, &mut |_, _, st| {
-        if dir::file_type(st) == libc::S_IFREG {
-            total += st.st_size as u64;
-        }
-        Ok(())
-    })?;
-    Ok(total)
-}
-
 /// Measures `dir`; with `extents`, also which of its blocks are shared.
 pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
     let mut seen: HashSet<(u64, u64)> = HashSet::new();
