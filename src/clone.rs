@@ -340,8 +340,19 @@ impl TreeCopy<'_> {
 
     fn copy_file(&mut self, top: &Frame, name: &CStr, meta: &libc::stat) -> Result<()> {
         // A loan is kept until the attributes are copied: reading `user.*` needs the data's access.
-        let (src_f, dst_f, _lent) =
-            open_pair(&top.src, &top.dst, name, meta).with_context(|| self.cannot_copy(name))?;
+        let opened = (|| {
+            // Never blocking on a FIFO; the copy is made fresh.
+            let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
+            let (fd, lent) = open_source(&top.src, name, meta, flags)?;
+            let now = dir::fstat(&fd)?;
+            if dir::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
+                return Err(io::Error::other("changed while being copied"));
+            }
+            let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW;
+            let copy = top.dst.open_at(name, flags | libc::O_CLOEXEC, 0o600)?;
+            Ok((File::from(fd), File::from(copy), lent))
+        })();
+        let (src_f, dst_f, _lent) = opened.with_context(|| self.cannot_copy(name))?;
         let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works)
             .with_context(|| self.cannot_copy(name))?;
         let (dst, src) = (Target::Fd(dst_f.as_fd()), Target::Fd(src_f.as_fd()));
@@ -408,24 +419,6 @@ impl TreeCopy<'_> {
             self.trail.show(self.dst, Some(name))
         )
     }
-}
-
-/// Opens a regular file of the base (never blocking on a FIFO) and creates its copy.
-fn open_pair(
-    src: &Dir,
-    dst: &Dir,
-    name: &CStr,
-    meta: &libc::stat,
-) -> io::Result<(File, File, Option<Lent>)> {
-    let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY;
-    let (fd, lent) = open_source(src, name, meta, flags)?;
-    let s = File::from(fd);
-    let now = dir::fstat(&s)?;
-    if dir::file_type(&now) != libc::S_IFREG || now.st_ino != meta.st_ino {
-        return Err(io::Error::other("changed while being copied"));
-    }
-    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-    Ok((s, File::from(dst.open_at(name, flags, 0o600)?), lent))
 }
 
 /// Copies one regular file's data; returns whether it was reflinked. Without reflink only the data
