@@ -482,9 +482,7 @@ impl Root {
             let claim = crate::claim::read(&self.open_sub("img").ok()?)?;
             crate::dir::same_identity(&claim.root, &here).then_some(claim.id)
         };
-        if let Some(id) = claimed() {
-            config.id = id;
-        }
+        config.id = claimed().unwrap_or(config.id);
         config
     }
 
