@@ -194,7 +194,9 @@ pub fn copy_tree_at(
         return Err(e);
     }
     drop(copy.dst_root);
-    copy.progress.finish();
+    if let Some(b) = copy.progress.bar.take() {
+        b.finish_and_clear();
+    }
     Ok(copy.out)
 }
 
@@ -677,12 +679,6 @@ impl Bar {
         }
         if let Some(b) = &self.bar {
             b.set_position(self.done);
-        }
-    }
-
-    fn finish(&mut self) {
-        if let Some(b) = self.bar.take() {
-            b.finish_and_clear();
         }
     }
 }
