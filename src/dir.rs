@@ -352,7 +352,9 @@ impl Dir {
             | crate::planted::FLAGS
             | crate::lock::write_through_flag()
             | if create { libc::O_CREAT } else { 0 };
-        self.open_file_at(name.as_ref(), flags)
+        let f = self.open_flags_at(name.as_ref(), flags)?;
+        crate::planted::check_written(Path::new(name.as_ref()), &f)?;
+        Ok(f)
     }
 
     /// `INO@FSTYPE[@FSID]`: inode, statfs magic (hex) and `f_fsid` where not 0 (NFS gives none).
@@ -370,27 +372,17 @@ impl Dir {
         })
     }
 
-    /// Opens the regular file `name` read-only, as [`Dir::open_rw`] does.
+    /// Opens the regular file `name` read-only, as [`Dir::open_rw`] does (one `fstat`).
     pub fn open_read(&self, name: impl AsRef<OsStr>) -> io::Result<std::fs::File> {
-        self.open_file_at(name.as_ref(), libc::O_RDONLY | crate::planted::FLAGS)
+        let f = self.open_read_unchecked(name.as_ref())?;
+        crate::planted::check(Path::new(name.as_ref()), &f)?;
+        Ok(f)
     }
 
     /// [`Dir::open_read`] without its `fstat` (a round trip), for a caller whose read proves a
     /// regular file when it finds what it expects, and that asks `planted::check` only if not.
     pub fn open_read_unchecked(&self, name: impl AsRef<OsStr>) -> io::Result<std::fs::File> {
         self.open_flags_at(name.as_ref(), libc::O_RDONLY | crate::planted::FLAGS)
-    }
-
-    /// Opens `name`, a regular file (one `fstat`) with no other name if opened to write.
-    fn open_file_at(&self, name: &OsStr, flags: libc::c_int) -> io::Result<std::fs::File> {
-        let shown = Path::new(name);
-        let f = self.open_flags_at(name, flags)?;
-        if flags & libc::O_ACCMODE == libc::O_RDONLY {
-            crate::planted::check(shown, &f)?;
-        } else {
-            crate::planted::check_written(shown, &f)?;
-        }
-        Ok(f)
     }
 
     /// Creates the file `name`, which must not exist (mode before umask).
