@@ -40,7 +40,6 @@ pub struct Policy {
     pub dry_run: bool,
 }
 
-/// As `gc --json` names it (kebab-case).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Reason {
@@ -146,15 +145,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         while budget.total > max && !rows.is_empty() {
             crate::signals::check()?;
             let i = rows.iter().position(|r| budget.frees(r) > 0).unwrap_or(0);
-            let r = rows.remove(i);
-            collect(
-                store,
-                &r,
-                Reason::OverBudget,
-                cutoff,
-                &mut budget,
-                &mut report,
-            )?;
+            let (r, reason) = (rows.remove(i), Reason::OverBudget);
+            collect(store, &r, reason, cutoff, &mut budget, &mut report)?;
         }
     }
     report.size_after = budget.total;
@@ -265,7 +257,7 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], dry_run: bool) -> Re
     let mut out = Removals::default();
     for name in interrupted(entries) {
         let said = name.as_str().to_owned();
-        match take_removal(ctx, &name) {
+        match take_to_repair(ctx, &name) {
             Taken::Held(h) if deleting(&h.seen) => {
                 let finished = match dry_run {
                     true => Ok(()),
@@ -276,8 +268,12 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], dry_run: bool) -> Re
                     Err(e) => out.failed.push(format!("{e:#}")),
                 }
             }
-            Taken::Busy => out.busy.push(said),
-            Taken::Underway => out.underway.push(said),
+            // Busy: its remover may be at it, or it finished meanwhile.
+            Taken::Busy => match underway(ctx, &name) {
+                Some(true) => out.underway.push(said),
+                Some(false) => out.busy.push(said),
+                None => {}
+            },
             Taken::Failed(e) => {
                 let said = format!("cannot finish the removal of '{name}': {e}");
                 out.failed.push(said);
@@ -302,10 +298,8 @@ fn deleting(seen: &crate::image_record::Seen) -> bool {
 /// What a repair (gc's, doctor's) finds when it takes an image's lock.
 pub(crate) enum Taken {
     Held(Box<Held>),
-    /// Its lock is held shared, or a store-wide command holds the store: left for later, and said.
+    /// Its lock is held, or a store-wide command holds the store: left for later, and said.
     Busy,
-    /// Its lock is held exclusively: another process (a removal, a repair, a writer) is at it.
-    Underway,
     /// Gone since it was listed (its removal finished).
     Gone,
     /// Its lock file cannot be taken (permissions, a planted file): said, never taken for gone.
@@ -313,7 +307,7 @@ pub(crate) enum Taken {
 }
 
 /// [`take_exclusive`] of an existing lock file, for a repair.
-pub(crate) fn take_to_repair(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
+pub(crate) fn take_to_repair(ctx: &Ctx, name: &ImageName) -> Taken {
     let root = &ctx.root;
     match take_exclusive(root, name, lock::IfMissing::Fail) {
         Ok(Some(h)) if crate::store_wide::blocks(root, &h.seen) => Taken::Busy,
@@ -324,21 +318,9 @@ pub(crate) fn take_to_repair(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
     }
 }
 
-/// [`take_to_repair`] for an interrupted removal: a busy one may be [`underway`] or finished.
-pub(crate) fn take_removal(ctx: &crate::ctx::Ctx, name: &ImageName) -> Taken {
-    match take_to_repair(ctx, name) {
-        Taken::Busy => match underway(ctx, name) {
-            Some(true) => Taken::Underway,
-            Some(false) => Taken::Busy,
-            None => Taken::Gone,
-        },
-        taken => taken,
-    }
-}
-
 /// Whether image `name`'s removal is under way: `Some(true)` while a stowage process holds its lock
 /// exclusively, `Some(false)` if not, `None` once finished (no lock file, or no longer `deleting`).
-pub(crate) fn underway(ctx: &crate::ctx::Ctx, name: &ImageName) -> Option<bool> {
+pub(crate) fn underway(ctx: &Ctx, name: &ImageName) -> Option<bool> {
     let path = ctx.root.image_lock(name);
     // Asked, not tried, where queries see flocks: a try would be a holder to another host's look.
     let live = match lock::look(&path, ctx.root.lock_queries()) {

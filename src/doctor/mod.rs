@@ -707,7 +707,7 @@ fn missing_trees(ctx: &Ctx, gone: &[ImageName], repair: bool, report: &mut Repor
     for n in gone {
         let h = match crate::gc::take_to_repair(ctx, n) {
             Taken::Held(h) => h,
-            Taken::Busy | Taken::Underway => {
+            Taken::Busy => {
                 busy.push(n.as_str());
                 continue;
             }

@@ -53,7 +53,7 @@ steps! {
     DropRecord "drop" ["root::drop_record" "image_record::clear"]
     DeleteTrash "delete-trash" ["dir::remove_entry"]
     ListInterrupted "list-interrupted" ["gc::finish_interrupted" "census::take"]
-    LockInterrupted "lock-interrupted" ["gc::take_removal" "gc::take_to_repair" "gc::take_exclusive"
+    LockInterrupted "lock-interrupted" ["gc::finish_removals" "gc::take_to_repair" "gc::take_exclusive"
         "store_wide::blocks" "remove::finish_held"]
     Survey "survey" ["survey::survey" "survey::refresh" "store::connection" "census::take"
         "migrate::run"]
