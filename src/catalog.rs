@@ -194,32 +194,32 @@ pub fn busy_timeout() -> std::time::Duration {
     crate::env::debug_ms(crate::env::DEBUG_DB_BUSY_MS, 10_000)
 }
 
+const BUSY: &[ErrorCode] = &[ErrorCode::DatabaseBusy, ErrorCode::DatabaseLocked];
+
 /// Is this SQLite saying its lock stayed busy (an outside program)?
 pub fn is_busy(err: &anyhow::Error) -> bool {
-    sqlite_code(err).is_some_and(busy_code)
-}
-
-fn busy_code(c: ErrorCode) -> bool {
-    matches!(c, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
+    said(err, BUSY)
 }
 
 /// Is this SQLite saying the file is no healthy database?
 pub fn is_damage(err: &anyhow::Error) -> bool {
-    sqlite_code(err)
-        .is_some_and(|c| matches!(c, ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase))
+    said(err, &[ErrorCode::DatabaseCorrupt, ErrorCode::NotADatabase])
 }
 
 /// Is this a full filesystem, as SQLite says it?
 pub fn is_full(err: &anyhow::Error) -> bool {
-    sqlite_code(err).is_some_and(|c| c == rusqlite::ErrorCode::DiskFull)
+    said(err, &[ErrorCode::DiskFull])
 }
 
-fn sqlite_code(err: &anyhow::Error) -> Option<rusqlite::ErrorCode> {
-    err.chain()
+/// Whether the first SQLite error in `err`'s chain has one of `codes`.
+fn said(err: &anyhow::Error, codes: &[ErrorCode]) -> bool {
+    let code = err
+        .chain()
         .find_map(|e| match e.downcast_ref::<rusqlite::Error>() {
             Some(rusqlite::Error::SqliteFailure(f, _)) => Some(f.code),
             _ => None,
-        })
+        });
+    code.is_some_and(|c| codes.contains(&c))
 }
 
 /// Switches a database put in WAL mode back to the rollback journal, retrying while busy.
@@ -228,7 +228,7 @@ fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
     loop {
         match conn.pragma_update(None, "journal_mode", "DELETE") {
             Err(rusqlite::Error::SqliteFailure(f, _))
-                if busy_code(f.code)
+                if BUSY.contains(&f.code)
                     && std::time::Instant::now() < until
                     && crate::signals::cancelled().is_none() =>
             {
@@ -273,9 +273,11 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     let Found::Legacy(v) = found else {
         return Ok(found);
     };
+    let id = || conn.query_row("PRAGMA application_id", [], |r| r.get::<_, i64>(0));
     let why = if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         "in a store already past it"
-    } else if !legacy_is_ours(conn, root)? {
+    // Nothing stated in the global lock file is no evidence that it is ours.
+    } else if Some(id()? as u32) != stated_identity(root) {
         "not this store's (the global lock file does not name it)"
     } else {
         return Ok(found);
@@ -283,12 +285,6 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     Ok(Found::Replaced(format!(
         "schema version {v} of a release before image records, {why}"
     )))
-}
-
-/// Whether an older release's catalog is `root`'s ([`inspect_in`]): nothing stated is no evidence.
-fn legacy_is_ours(conn: &rusqlite::Connection, root: &Root) -> Result<bool> {
-    let id: i64 = conn.query_row("PRAGMA application_id", [], |r| r.get(0))?;
-    Ok(stated_identity(root) == Some(id as u32))
 }
 
 /// The catalog identity an older release stated in the global lock file (`db=HEX`), if any.
