@@ -230,7 +230,7 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     let root = store.root().clone();
     let entries = crate::census::take(&root)?;
     crate::debug::pause("interrupted-listed");
-    let done = finish_removals(store.ctx(), &entries, dry_run);
+    let done = finish_removals(store.ctx(), &entries, true, !dry_run);
     // A busy one is finished by the next gc, said as any image in use.
     (report.interrupted_removals, report.busy, report.failed) =
         (done.finished, done.busy, done.failed);
@@ -252,16 +252,23 @@ pub(crate) struct Removals {
     pub failed: Vec<String>,
 }
 
-/// Finishes each removal `entries` show interrupted whose lock is free; `dry_run` only takes it.
-pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], dry_run: bool) -> Removals {
+/// Takes each removal `entries` show interrupted whose lock is free (if `take`) and finishes it (if
+/// `finish`).
+pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: bool) -> Removals {
     let mut out = Removals::default();
     for name in interrupted(entries) {
         let said = name.as_str().to_owned();
-        match take_to_repair(ctx, &name) {
+        // Not taken, a lock is asked as a busy one is: under way or not.
+        let taken = if take {
+            take_to_repair(ctx, &name)
+        } else {
+            Taken::Busy
+        };
+        match taken {
             Taken::Held(h) if deleting(&h.seen) => {
-                let finished = match dry_run {
-                    true => Ok(()),
-                    false => remove::finish_held(&ctx.root, *h),
+                let finished = match finish {
+                    true => remove::finish_held(&ctx.root, *h),
+                    false => Ok(()),
                 };
                 match finished {
                     Ok(()) => out.finished.push(said),
@@ -286,7 +293,7 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], dry_run: bool) -> Re
 }
 
 /// The images whose records `entries` show `deleting`: removals under way or interrupted.
-pub(crate) fn interrupted(entries: &[Entry]) -> impl Iterator<Item = ImageName> + '_ {
+fn interrupted(entries: &[Entry]) -> impl Iterator<Item = ImageName> + '_ {
     let marked = entries.iter().filter(|e| deleting(&e.seen));
     marked.filter_map(|e| ImageName::parse(e.name()?).ok())
 }
@@ -320,7 +327,7 @@ pub(crate) fn take_to_repair(ctx: &Ctx, name: &ImageName) -> Taken {
 
 /// Whether image `name`'s removal is under way: `Some(true)` while a stowage process holds its lock
 /// exclusively, `Some(false)` if not, `None` once finished (no lock file, or no longer `deleting`).
-pub(crate) fn underway(ctx: &Ctx, name: &ImageName) -> Option<bool> {
+fn underway(ctx: &Ctx, name: &ImageName) -> Option<bool> {
     let path = ctx.root.image_lock(name);
     // Asked, not tried, where queries see flocks: a try would be a holder to another host's look.
     let live = match lock::look(&path, ctx.root.lock_queries()) {

@@ -34,7 +34,6 @@ mod files;
 
 use Verdict::{Info, Problem, Repaired};
 
-/// As `doctor --json` names it (lowercase).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Verdict {
@@ -121,7 +120,6 @@ pub fn hold_probe(store: &Store, secs: std::time::Duration) -> Result<()> {
     let secs_f = secs.as_secs_f64();
     ctx.say(&format!("holding the probe lock {shown} on host {host} for {secs_f:.0} s: run 'stowage doctor' on another host sharing this root now"));
     std::thread::sleep(secs);
-    drop(guard);
     Ok(())
 }
 
@@ -513,30 +511,16 @@ fn records(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
 
 /// Interrupted removals (records `deleting`): reported, or with `repair` finished under its lock.
 fn removals(ctx: &Ctx, entries: &[Entry], repair: bool, report: &mut Report) {
-    let mut done = crate::gc::Removals::default();
-    let mut stuck = Vec::new();
-    if repair {
-        done = crate::gc::finish_removals(ctx, entries, false);
-    }
-    for name in crate::gc::interrupted(entries).filter(|_| !repair) {
-        match crate::gc::underway(ctx, &name) {
-            Some(true) => done.underway.push(name.as_str().to_owned()),
-            Some(false) => stuck.push(name.as_str().to_owned()),
-            // Finished since the census.
-            None => {}
-        }
-    }
+    let done = crate::gc::finish_removals(ctx, entries, repair, true);
     for f in &done.failed {
         report.add("removals", Problem, f.clone());
     }
     report.naming("removals", Info, &done.underway, |names| {
         format!("removal of {names} is under way (a stowage process holds its lock)")
     });
-    report.naming("removals", Problem, &stuck, |names| {
-        format!("removal of {names} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it")
-    });
-    report.naming("removals", Problem, &done.busy, |names| {
-        format!("removal of {names} was interrupted, and its lock is held now: a later 'stowage gc' or 'stowage doctor --repair' finishes it")
+    report.naming("removals", Problem, &done.busy, |names| match repair {
+        false => format!("removal of {names} was interrupted; 'stowage gc' or 'stowage doctor --repair' finishes it"),
+        true => format!("removal of {names} was interrupted, and its lock is held now: a later 'stowage gc' or 'stowage doctor --repair' finishes it"),
     });
     report.naming("removals", Repaired, &done.finished, |names| {
         format!("finished the interrupted removal of {names}")
