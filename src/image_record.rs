@@ -334,8 +334,7 @@ impl Seen {
                 .and_then(|b| std::str::from_utf8(b).ok())
                 .and_then(|s| Millis::from_str_radix(s, 16).ok())
                 .filter(|&ms| ms > 0),
-            gone: false,
-            foreign: None,
+            ..Seen::default()
         }
     }
 }
@@ -390,27 +389,23 @@ pub fn read(file: &File) -> io::Result<Seen> {
 pub fn write(file: &File, seen: &mut Seen, record: &Record) -> io::Result<()> {
     let mut record = record.clone();
     record.seq = seen.record.as_ref().map_or(1, |r| r.seq + 1);
-    let bytes = record.encode().ok_or_else(|| {
+    let mut area = record.encode().ok_or_else(|| {
         let name = &record.name;
         let why = format!("the record of image '{name}' does not fit its lock file");
         io::Error::new(io::ErrorKind::InvalidInput, why)
     })?;
-    let at = (record.seq % 2) as usize * SLOT;
+    let mut at = (record.seq % 2) as usize * SLOT;
     // The slot ends at its first zero byte. A file without a record gets the whole area, so its
     // blocks exist for every later write (a build may fill the filesystem first).
-    let mut area = bytes;
-    let at = if seen.record.is_none() && !seen.damaged && !seen.legacy && seen.last_use.is_none() {
+    area.resize(SLOT, 0);
+    if seen.record.is_none() && !seen.damaged && !seen.legacy && seen.last_use.is_none() {
         let mut whole = vec![0u8; AREA];
-        whole[at..at + area.len()].copy_from_slice(&area);
+        whole[at..at + SLOT].copy_from_slice(&area);
         // The hints it carries stay.
         whole[WRITER_WAITS_AT as usize] = if seen.writer_waits { b'W' } else { 0 };
         whole[STORE_WIDE_AT as usize] = if seen.store_wide { b'S' } else { 0 };
-        area = whole;
-        0
-    } else {
-        area.resize(SLOT, 0);
-        at
-    };
+        (area, at) = (whole, 0);
+    }
     file.write_all_at(&area, at as u64)?;
     crate::lock::sync_written(file)?;
     (seen.record, seen.damaged, seen.legacy) = (Some(record), false, false);
