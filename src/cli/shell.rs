@@ -16,6 +16,7 @@ use clap::{Arg, Command};
 use clap_complete::engine::{ArgValueCandidates, CompletionCandidate};
 use clap_complete::env::{Bash, EnvCompleter, Fish, Zsh};
 
+use crate::image_record::State;
 use crate::root::Root;
 
 /// Answers a completion callback and exits, if this run is one.
@@ -166,9 +167,9 @@ const SEE_ALSO: &str = r#".SH "SEE ALSO"
 
 /// The command line with image names and slot classes offered as values.
 fn with_candidates(cmd: Command) -> Command {
-    let images = |a: Arg| a.add(ArgValueCandidates::new(|| names(Names::Images)));
-    let ready = |a: Arg| a.add(ArgValueCandidates::new(|| names(Names::Ready)));
-    let classes = |a: Arg| a.add(ArgValueCandidates::new(|| names(Names::Classes)));
+    let images = |a: Arg| a.add(ArgValueCandidates::new(|| image_names(false)));
+    let ready = |a: Arg| a.add(ArgValueCandidates::new(|| image_names(true)));
+    let classes = |a: Arg| a.add(ArgValueCandidates::new(class_names));
     cmd.mut_subcommand("exec", |c| {
         c.mut_arg("read", ready)
             .mut_arg("from", ready)
@@ -183,35 +184,25 @@ fn with_candidates(cmd: Command) -> Command {
     })
 }
 
-#[derive(Clone, Copy)]
-enum Names {
-    Images,
-    Ready,
-    Classes,
+/// Image names (only ready ones if `ready`) from the records: no lock, no wait, nothing created.
+fn image_names(ready: bool) -> Vec<CompletionCandidate> {
+    let entries = completion_root().and_then(|r| crate::census::take(&r).ok());
+    let wanted = |e: &crate::census::Entry| !ready || e.state() == Some(State::Ready);
+    let names = entries.unwrap_or_default().into_iter().filter(wanted);
+    sorted(names.filter_map(|e| e.name().map(str::to_owned)))
 }
 
-/// Names to complete, from the records and slot class files: no lock, no wait, nothing created.
-fn names(which: Names) -> Vec<CompletionCandidate> {
-    let Some(root) = completion_root() else {
-        return Vec::new();
-    };
-    let mut found: Vec<String> = match which {
-        Names::Classes => crate::slots::classes(&root)
-            .into_iter()
-            .filter_map(|(n, c)| matches!(c, crate::slot_limits::Class::Limits(_)).then_some(n))
-            .collect(),
-        _ => crate::census::take(&root)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|e| {
-                !matches!(which, Names::Ready)
-                    || e.state() == Some(crate::image_record::State::Ready)
-            })
-            .filter_map(|e| e.name().map(str::to_owned))
-            .collect(),
-    };
-    found.sort();
-    found.into_iter().map(CompletionCandidate::new).collect()
+/// Slot classes with limits, from their files.
+fn class_names() -> Vec<CompletionCandidate> {
+    let classes = completion_root().map(|r| crate::slots::classes(&r));
+    let limited = |(n, c)| matches!(c, crate::slot_limits::Class::Limits(_)).then_some(n);
+    sorted(classes.unwrap_or_default().into_iter().filter_map(limited))
+}
+
+fn sorted(names: impl Iterator<Item = String>) -> Vec<CompletionCandidate> {
+    let mut names: Vec<String> = names.collect();
+    names.sort();
+    names.into_iter().map(CompletionCandidate::new).collect()
 }
 
 /// The root the completed line names (`--root DIR`, `--root=DIR`), else the default; never created.
