@@ -42,7 +42,6 @@ CREATE TABLE IF NOT EXISTS images (
 /// Added to schema 11 in place: releases that know only `size_seq` go on reading it.
 const SIZE_RECORD_SQL: &str = "ALTER TABLE images ADD COLUMN size_record INTEGER";
 
-/// One image as the catalog has it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Row {
     pub name: String,

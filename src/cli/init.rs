@@ -439,9 +439,8 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
 }
 
 /// The checks above by directory (device and inode, climbing `..`): through a bind mount or a
-/// symlinked parent, another path can be the root or in it, and `gc` would then delete the lock
-/// directory adopted as an image. The images directory (or its parent, if not yet made) must be
-/// neither the root nor above it, nor below it.
+/// symlinked parent another path can be the root or in it, and `gc` would delete the lock directory
+/// adopted as an image.
 fn refuse_overlap(root: &Path, dir: &Path) -> Result<()> {
     use crate::dir::Dir;
     // The directories from `d` up to `/`, as (device, inode).

@@ -495,7 +495,6 @@ fn subcommand(args: &[OsString]) -> Option<(String, usize)> {
     None
 }
 
-/// Validates image names from the command line.
 fn names(raw: &[OsString]) -> Result<Vec<ImageName>> {
     raw.iter()
         .map(|r| ImageName::parse_os(r).map_err(|e| Error::from(e).into()))
