@@ -107,8 +107,6 @@ pub struct Session {
     images: Vec<Image>,
     images_dir: PathBuf,
     root: Root,
-    /// The lock files as our lease lists them, taken out when the session ends however it ends.
-    listed: Vec<String>,
 }
 
 impl Session {
@@ -168,11 +166,14 @@ impl Session {
             images,
             images_dir: root.default_images_dir(),
             root: root.clone(),
-            listed: Vec::new(),
         };
         // Listed in one write, before the records (slow if a crash-cut removal is finished first).
-        let hs = session.listing(req);
-        crate::lease::note_all(&root.leases(), hs);
+        let images = session.images.iter().map(|i| i.holding(&req.command));
+        let slot = session
+            .slot
+            .as_mut()
+            .map(|s| s.listing(&root, &req.command));
+        crate::lease::note_all(&root.leases(), images.chain(slot).collect());
         // A store another process is migrating (records half converted) is migrated or waited for.
         let chosen = session
             .start_writes(store, req)
@@ -258,20 +259,6 @@ impl Session {
             ),
             None => crate::images_dir::checked(&self.root, &crate::images_dir::config(&self.root)?),
         }
-    }
-
-    /// What our lease says of the session's locks until it ends (the caller writes it at once).
-    fn listing(&mut self, req: &Request) -> Vec<crate::lease::Holding> {
-        let mut hs: Vec<_> = self
-            .images
-            .iter()
-            .map(|i| i.holding(&req.command))
-            .collect();
-        self.listed = hs.iter().map(|h| h.lockfile.clone()).collect();
-        if let Some(s) = self.slot.as_mut() {
-            hs.push(s.listing(&self.root, &req.command));
-        }
-        hs
     }
 
     pub fn images_dir(&self) -> &Path {
@@ -378,9 +365,7 @@ impl Session {
             .position(|i| i.held.name == *name && i.role == Role::Read)
         {
             let img = self.images.remove(i);
-            let rel = img.rel();
-            crate::lease::forget(&self.root.leases(), &rel);
-            self.listed.retain(|l| *l != rel);
+            crate::lease::forget(&self.root.leases(), &img.rel());
         }
     }
 
@@ -446,11 +431,14 @@ impl Session {
         out
     }
 
-    /// Lets every lock go, with the lock files this session made that carry no record.
+    /// Lets every lock go, with the lock files this session made that carry no record; then our
+    /// lease lists them no more.
     fn release(&mut self) {
+        let rels: Vec<_> = self.images.iter().map(Image::rel).collect();
         let held = self.images.drain(..).map(|i| i.held).collect();
         crate::remove::release_unclaimed(&self.root, held, &[]);
         self.slot = None;
+        crate::lease::forget_all(&self.root.leases(), rels);
     }
 }
 
@@ -528,10 +516,7 @@ fn settle_taken(root: &Root, mut images: Vec<Image>) -> Taken {
             return Ok(Err(Attempt::StoreWide));
         }
         Ok((_, gone)) => gone,
-        Err(e) => {
-            give_up(root, images, &[]);
-            return Err(e);
-        }
+        Err(e) => return give_up_on(root, images, &[], e),
     };
     if let Err(e) = check_reads(root, &images, &gone) {
         return give_up_on(root, images, &[], e);
@@ -874,7 +859,6 @@ impl Drop for Session {
     /// incomplete (`writing` under free locks), and our lease lists them no more.
     fn drop(&mut self) {
         self.release();
-        crate::lease::forget_all(&self.root.leases(), &self.listed);
     }
 }
 
