@@ -11,7 +11,6 @@ use anyhow::{Context, Result};
 
 use crate::command;
 use crate::error::{self, Error};
-use crate::ident;
 use crate::name::ImageName;
 use crate::session::{Outcome, Request, Session};
 use crate::signals::Forwarder;
@@ -20,7 +19,10 @@ use crate::store::Store;
 /// What an exec does, validated.
 #[derive(Debug)]
 pub struct Plan {
-    pub locks: Locks,
+    /// The image locks to hold, or (empty) the store-wide hold's deadline and command line.
+    pub request: Request,
+    /// Hold no image lock, and let none be held or granted meanwhile.
+    pub store_wide: bool,
     /// Start the single written image as a copy of this image.
     pub from: Option<ImageName>,
     /// Keep `from` read-locked for the command (also named with `--read`), not just the copy.
@@ -31,17 +33,6 @@ pub struct Plan {
     pub no_inherit: bool,
     /// Exit with this instead of 75 when a lock is busy past the deadline.
     pub conflict_exit_code: Option<u8>,
-    /// For a store-wide hold (an image request carries its own).
-    pub deadline: Option<Instant>,
-    pub no_wait: bool,
-}
-
-/// The locks an exec holds while its command runs.
-#[derive(Debug)]
-pub enum Locks {
-    Images(Request),
-    /// Nothing else is held or granted meanwhile.
-    StoreWide,
 }
 
 /// Arguments as text, any invalid UTF-8 replaced.
@@ -55,10 +46,10 @@ pub(crate) fn lossy(args: &[OsString]) -> Vec<String> {
 pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     // Before any other thread exists, so that every thread inherits the mask.
     let signals = Forwarder::install().context("cannot set up signal handling")?;
-    let req = match plan.locks {
-        Locks::StoreWide => return run_store_wide(store, plan, signals),
-        Locks::Images(ref req) => req,
-    };
+    if plan.store_wide {
+        return run_store_wide(store, plan, signals);
+    }
+    let req = &plan.request;
     let from = plan.from.as_ref();
     // A command that ends at once is never announced (lease.rs), unless a keeper must hold it.
     if !plan.no_inherit {
@@ -255,15 +246,14 @@ fn refused(store: &Store, plan: &Plan, e: anyhow::Error) -> Result<u8> {
 
 /// `--store-wide`: the command runs while no image lock is held or granted.
 fn run_store_wide(store: &mut Store, plan: &Plan, signals: Forwarder) -> Result<u8> {
-    let (deadline, no_wait) = (plan.deadline, plan.no_wait);
+    let req = &plan.request;
     // Before any hold: a copied store gets no images directory of another.
     if store.root().exists()
         && let Ok(config) = crate::images_dir::config(store.root())
     {
         crate::images_dir::checked(store.root(), &config)?;
     }
-    let shown = ident::shell_join(&lossy(&plan.argv));
-    let hold = match crate::store_wide::Hold::take(store, &shown, deadline, no_wait) {
+    let hold = match crate::store_wide::Hold::take(store, &req.command, req.deadline, req.no_wait) {
         Ok(h) => h,
         Err(e) => return refused(store, plan, e),
     };

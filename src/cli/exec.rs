@@ -5,7 +5,7 @@ use std::ffi::{OsStr, OsString};
 use anyhow::Result;
 
 use crate::error::Error;
-use crate::exec::{Locks, Plan, lossy};
+use crate::exec::{Plan, lossy};
 use crate::ident;
 use crate::name::ImageName;
 use crate::session::Request;
@@ -95,34 +95,35 @@ fn plan(args: Args) -> Result<Plan> {
     if let Some(base) = &from {
         read_base_to_copy(base, &writes, &mut reads)?;
     }
-    let base = lineage(from.as_ref(), &reads, &exclusive_reads, &writes);
+    // Lineage: the --from image, else the one image read (shared or exclusively) by a one-image write.
+    let mut read_any = reads.iter().chain(&exclusive_reads);
+    let base = match (&from, read_any.next(), read_any.next(), writes.len()) {
+        (Some(b), ..) => Some(b.clone()),
+        (None, Some(only), None, 1) => Some(only.clone()),
+        _ => None,
+    };
     let (deadline, no_wait) = super::deadline(args.wait.as_deref(), args.no_wait)?;
-    let locks = if args.store_wide {
-        Locks::StoreWide
-    } else {
-        Locks::Images(Request {
-            reads,
-            writes,
-            exclusive_reads,
-            base,
-            deadline,
-            no_wait,
-            slot: args
-                .slot
-                .map(|class| (class, args.priority.unwrap_or_default())),
-            // The command as leases list it: one line a shell would take.
-            command: ident::shell_join(&lossy(&args.command)),
-        })
+    let request = Request {
+        reads,
+        writes,
+        exclusive_reads,
+        base,
+        deadline,
+        no_wait,
+        slot: args
+            .slot
+            .map(|class| (class, args.priority.unwrap_or_default())),
+        // The command as leases list it: one line a shell would take.
+        command: ident::shell_join(&lossy(&args.command)),
     };
     Ok(Plan {
-        locks,
+        request,
+        store_wide: args.store_wide,
         from,
         keep_base,
         argv: args.command,
         no_inherit: args.no_inherit,
         conflict_exit_code: args.conflict_exit_code,
-        deadline,
-        no_wait,
     })
 }
 
@@ -168,21 +169,6 @@ fn read_base_to_copy(
         reads.push(base.clone());
     }
     Ok(())
-}
-
-/// Lineage: the --from image, else the one image read (shared or exclusively) by a one-image write.
-fn lineage(
-    from: Option<&ImageName>,
-    reads: &[ImageName],
-    exclusive_reads: &[ImageName],
-    writes: &[ImageName],
-) -> Option<ImageName> {
-    let read_any: Vec<ImageName> = reads.iter().chain(exclusive_reads).cloned().collect();
-    match (from, read_any.as_slice(), writes.len()) {
-        (Some(b), _, _) => Some(b.clone()),
-        (None, [only], 1) => Some(only.clone()),
-        _ => None,
-    }
 }
 
 /// An exit status given on the command line (`--conflict-exit-code`).
