@@ -71,7 +71,12 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         session = copy_base(store, session, plan, base, &req.writes[0])?;
     }
 
-    let env = command_environment(store, &session);
+    // Ours, where the images are, and the tree of the one image written.
+    let mut told = told(store, session.images_dir().into());
+    if let [only] = session.writes().collect::<Vec<_>>().as_slice() {
+        told.push((crate::env::IMAGE_DIR, session.image_dir(only).into()));
+    }
+    let env = command::environment(std::env::vars_os(), &told);
 
     crate::debug::pause("exec-before-spawn");
     let inherit = |inherit| session.set_inheritable(inherit);
@@ -108,13 +113,12 @@ fn start(
     lock_fds: &[std::os::fd::RawFd],
     set_inheritable: &dyn Fn(bool) -> std::io::Result<()>,
 ) -> Result<(libc::pid_t, Option<crate::keeper::Keeper>)> {
-    let umask = store.ctx().child_umask;
     let argv = &plan.argv;
     match command::start(
         signals,
         argv,
         env,
-        umask,
+        store.ctx().child_umask,
         plan.no_inherit,
         lock_fds,
         set_inheritable,
@@ -160,19 +164,6 @@ fn copy_base(
         session.release_read(base);
     }
     Ok(session)
-}
-
-/// The command's environment: ours, and where the images are.
-fn command_environment(store: &Store, session: &Session) -> Vec<(OsString, OsString)> {
-    let mut images = told(store, session.images_dir().as_os_str().to_owned());
-    let written: Vec<_> = session.writes().collect();
-    if let [only] = written.as_slice() {
-        images.push((
-            crate::env::IMAGE_DIR,
-            session.image_dir(only).into_os_string(),
-        ));
-    }
-    command::environment(std::env::vars_os(), &images)
 }
 
 /// What every command is told: the root, the images directory, and our leases (nested execs).
