@@ -191,39 +191,30 @@ fn record_outcome(
     } else {
         Outcome::Failure(command::describe(status))
     };
-    let failed_write = outcome != Outcome::Success && !written.is_empty();
-    let full = failed_write
-        .then(|| full_note(session.images_dir()))
-        .flatten();
+    // A failed write that left less than a reserve's worth free: no build can write there.
+    let dir = session.images_dir().to_owned();
+    let full = (outcome != Outcome::Success && !written.is_empty())
+        .then(|| crate::space::free_bytes(&dir))
+        .flatten()
+        .filter(|free| *free < 1 << 20);
     // The lease goes with the process: no need to take out what it lists lock by lock.
     crate::lease::ending();
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
     })?;
-    if let Some(note) = full {
+    if let Some(free) = full {
         store.ctx().say(&format!(
-            "{} incomplete: the command failed with {note}",
+            "{} incomplete: the command failed with the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
             written
                 .iter()
                 .map(|w| format!("image '{w}' is"))
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            dir.display(),
+            crate::disk_usage::human(free)
         ));
     }
     Ok(code)
-}
-
-/// A note when a failed writer left the images directory's filesystem (nearly) full.
-fn full_note(images_dir: &std::path::Path) -> Option<String> {
-    let free = crate::space::free_bytes(images_dir)?;
-    // Less than a reserve's worth: no build can write there.
-    (free < 1 << 20).then(|| {
-        format!(
-            "the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
-            images_dir.display(),
-            crate::disk_usage::human(free)
-        )
-    })
 }
 
 /// A start refused with `e`: a busy lock exits with `--conflict-exit-code` if given (said first).
