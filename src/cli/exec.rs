@@ -92,8 +92,19 @@ fn plan(args: Args) -> Result<Plan> {
     let from = from.map_err(Error::from)?;
     // The base is locked for the copy, and while the command runs only if also asked to read it.
     let keep_base = from.as_ref().is_some_and(|b| reads.contains(b));
+    // --from BASE: the one image written starts as a copy of BASE, read (locked shared) for it.
     if let Some(base) = &from {
-        read_base_to_copy(base, &writes, &mut reads)?;
+        if writes.len() != 1 {
+            return super::usage(
+                "--from needs exactly one --write (the image to start as a copy)".into(),
+            );
+        }
+        if writes[0] == *base {
+            return super::usage(format!("--from '{base}' names the image being written"));
+        }
+        if !keep_base {
+            reads.push(base.clone());
+        }
     }
     // Lineage: the --from image, else the one image read (shared or exclusively) by a one-image write.
     let mut read_any = reads.iter().chain(&exclusive_reads);
@@ -147,26 +158,6 @@ fn refuse_two_roles(
         return super::usage(format!(
             "image '{both}' is --read-exclusive and also --read, --write or --from; name it once"
         ));
-    }
-    Ok(())
-}
-
-/// --from BASE: the one image written starts as a copy of BASE, read (locked shared) for the copy.
-fn read_base_to_copy(
-    base: &ImageName,
-    writes: &[ImageName],
-    reads: &mut Vec<ImageName>,
-) -> Result<()> {
-    if writes.len() != 1 {
-        return super::usage(
-            "--from needs exactly one --write (the image to start as a copy)".into(),
-        );
-    }
-    if writes[0] == *base {
-        return super::usage(format!("--from '{base}' names the image being written"));
-    }
-    if !reads.contains(base) {
-        reads.push(base.clone());
     }
     Ok(())
 }
