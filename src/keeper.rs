@@ -156,7 +156,6 @@ fn descendants() -> Vec<libc::pid_t> {
     out
 }
 
-/// Sends `sig` to every descendant.
 fn signal_tree(sig: i32) {
     for p in descendants() {
         // SAFETY: plain kill(2).

@@ -87,7 +87,6 @@ impl Image {
         Root::image_lock_rel(&self.held.name)
     }
 
-    /// The state its record says, if it has one.
     fn state(&self) -> Option<State> {
         self.held.seen.record.as_ref().map(|r| r.state)
     }
