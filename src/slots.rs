@@ -153,27 +153,23 @@ pub fn classes(root: &Root) -> Vec<(String, Class)> {
 /// The limits of `class`; an unknown class is a usage error that lists the configured ones.
 pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
     match read_class(root, class)? {
-        Class::Limits(l) => Ok(l),
+        Class::Limits(l) => return Ok(l),
         Class::Damaged => anyhow::bail!(
             "the limits of slot class '{class}' in {} are damaged; set them again with 'stowage slots set {class} LIMIT'",
             root.slot_class_dir(class).join("0.lock").display()
         ),
-        Class::None => Err(unknown_class(root, class).into()),
+        Class::None => {}
     }
-}
-
-fn unknown_class(root: &Root, class: &str) -> Error {
     let known: Vec<String> = classes(root)
         .into_iter()
-        .filter(|(_, c)| matches!(c, Class::Limits(_)))
-        .map(|(n, _)| n)
+        .filter_map(|(n, c)| matches!(c, Class::Limits(_)).then_some(n))
         .collect();
     let hint = if known.is_empty() {
         "no slot classes are configured; add one with 'stowage slots set CLASS LIMIT'".to_owned()
     } else {
         format!("configured classes: {}", known.join(", "))
     };
-    Error::Usage(format!("unknown slot class '{class}' ({hint})"))
+    Err(Error::Usage(format!("unknown slot class '{class}' ({hint})")).into())
 }
 
 /// Sets a class's limits under the global lock (`reserve` kept if not given): what was set.

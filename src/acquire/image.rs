@@ -64,7 +64,14 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
         Tried::Got(h) => *h,
         busy => {
             crate::debug::pause("image-busy");
-            refuse_shared_lock_file_now(root, name)?;
+            // A name that can never be used does not wait: a cut name's record is read without the
+            // lock (its two slots make that safe).
+            let file = crate::root::lock_file_name(name.encoded());
+            if file != format!("{}.lock", name.encoded())
+                && let Ok(Some(f)) = lock::open_existing_read(&path)
+            {
+                refuse_shared_lock_file(name, &image_record::read_of(&f, name.as_str())?)?;
+            }
             let enclosing = crate::nested::enclosing(root);
             if let Some(held) = conflict(&enclosing, &Root::image_lock_rel(name), want.mode) {
                 return Err(waits_for_itself(name, want.mode, held));
@@ -96,19 +103,6 @@ fn refuse_shared_lock_file(name: &ImageName, seen: &Seen) -> Result<()> {
         "image name '{name}' cannot be used: cut to fit with a hash, its lock file is image '{other}''s; choose another name"
     ))
     .into())
-}
-
-/// [`refuse_shared_lock_file`] before a wait, by the record read without the lock (its two slots
-/// make that safe): a name that can never be used does not wait. Only a cut name is read.
-fn refuse_shared_lock_file_now(root: &Root, name: &ImageName) -> Result<()> {
-    let file = crate::root::lock_file_name(name.encoded());
-    if file == format!("{}.lock", name.encoded()) {
-        return Ok(());
-    }
-    match lock::open_existing_read(&root.image_lock(name)) {
-        Ok(Some(f)) => refuse_shared_lock_file(name, &image_record::read_of(&f, name.as_str())?),
-        _ => Ok(()),
-    }
 }
 
 /// [`take`] once the lock proved busy: says for whom we wait, waits as allowed, and gives up if an
