@@ -323,9 +323,16 @@ impl Tree {
     ) -> io::Result<()> {
         loop {
             let left = reap_exited(self.command, &mut self.exit);
-            if self.exit.is_some() {
+            if let Some(exit) = self.exit {
                 if !left {
-                    let outcome = tree_status(self.exit, self.cut_short, self.terminating);
+                    // A success whose leftovers had to be ended by a signal is a death by that
+                    // signal (else SIGKILL), so no image is recorded ready.
+                    let succeeded = libc::WIFEXITED(exit) && libc::WEXITSTATUS(exit) == 0;
+                    let outcome = if self.cut_short && succeeded {
+                        self.terminating.unwrap_or(libc::SIGKILL)
+                    } else {
+                        exit
+                    };
                     send(status, EXITED, outcome);
                     return Ok(());
                 }
@@ -412,17 +419,5 @@ impl Tree {
             // SAFETY: plain kill(2) of our unreaped child.
             unsafe { libc::kill(self.command, sig) };
         }
-    }
-}
-
-/// The wait status the keeper reports: the command's, unless it succeeded but leftovers had to be
-/// ended by a signal: then a death by that signal (else SIGKILL), so no image is recorded ready.
-fn tree_status(exit: Option<i32>, cut_short: bool, terminating: Option<i32>) -> i32 {
-    let exit = exit.unwrap_or(0);
-    let succeeded = libc::WIFEXITED(exit) && libc::WEXITSTATUS(exit) == 0;
-    if cut_short && succeeded {
-        terminating.unwrap_or(libc::SIGKILL)
-    } else {
-        exit
     }
 }
