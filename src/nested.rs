@@ -72,31 +72,21 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
     let leases = root.leases();
     let locks = root.locks();
     let here = |p: u32| late && works_here(p, &locks);
-    let mut out = match std::env::var(crate::env::EXEC_LEASES) {
-        Ok(named) => named_leases(&named, &leases, &chain, &here),
+    let Ok(named) = std::env::var(crate::env::EXEC_LEASES) else {
         // No word from the environment (cleared on the way, or none): our ancestors' leases.
-        Err(_) => ancestors(&leases, &chain, &here),
+        let mut out = ancestors(&leases, &chain, &here);
+        out.holds.extend(inherited(&locks));
+        return out;
     };
-    out.holds.extend(inherited(&locks));
-    out
-}
-
-/// [`Enclosing`] as the leases `named` in our environment say it.
-fn named_leases(
-    named: &str,
-    leases: &Path,
-    chain: &[u32],
-    here: &dyn Fn(u32) -> bool,
-) -> Enclosing {
     let mut out = Enclosing::default();
     for name in named
         .split(':')
         .filter(|n| !n.is_empty() && !crate::lease::is_mine(n))
     {
         // A probe that fails counts as alive: nothing is taken for dead on no evidence.
-        let alive = crate::lease::alive(leases, name).unwrap_or(true);
+        let alive = crate::lease::alive(&leases, name).unwrap_or(true);
         let id = alive
-            .then(|| crate::lease::identity(leases, name))
+            .then(|| crate::lease::identity(&leases, name))
             .flatten();
         if let Some(id) = id.filter(|id| id.since.is_some()) {
             out.holds.extend(held(id));
@@ -108,6 +98,7 @@ fn named_leases(
             .and_then(|p| u32::try_from(p).ok())
             .is_some_and(|p| chain[1..].contains(&p) && here(p));
     }
+    out.holds.extend(inherited(&locks));
     out
 }
 

@@ -562,7 +562,12 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
         Probe::Free if hinted => {
             let mut clear = Vec::new();
             for i in images.iter().filter(|i| i.held.seen.store_wide) {
-                match tree_missing(root, &i.held) {
+                let tree_missing = i.held.seen.record.as_ref().is_some_and(|r| {
+                    r.state == State::Ready
+                        && crate::images_dir::for_command(root, r)
+                            .is_ok_and(|d| nothing_at(&d.join(i.held.name.encoded())))
+                });
+                match tree_missing {
                     true => gone.push(i.held.name.clone()),
                     // Not through a reader's file with other names.
                     false if i.held.guard.has_one_name() => clear.push(i.held.guard.file()),
@@ -584,15 +589,6 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
         _ => {}
     }
     Ok((p, gone))
-}
-
-/// Whether the tree of a ready image is missing (one `lstat`).
-fn tree_missing(root: &Root, held: &Held) -> bool {
-    held.seen.record.as_ref().is_some_and(|r| {
-        r.state == State::Ready
-            && crate::images_dir::for_command(root, r)
-                .is_ok_and(|d| nothing_at(&d.join(held.name.encoded())))
-    })
 }
 
 /// Whether nothing is at `path` (one `lstat`).
