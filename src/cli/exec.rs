@@ -1,6 +1,6 @@
 //! `stowage exec`: run a command holding image locks.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsString;
 
 use anyhow::Result;
 
@@ -87,7 +87,21 @@ fn plan(args: Args) -> Result<Plan> {
     let mut reads = super::names(&args.read)?;
     let writes = super::names(&args.write)?;
     let exclusive_reads = super::names(&args.read_exclusive)?;
-    refuse_two_roles(&reads, &writes, &exclusive_reads, args.from.as_deref())?;
+    // An image in two roles: --read and --write, or --read-exclusive and anything else.
+    if let Some(both) = reads.iter().find(|r| writes.contains(r)) {
+        return super::usage(format!(
+            "image '{both}' is both --read and --write; --write alone gives the command full access"
+        ));
+    }
+    let as_from = |r: &ImageName| args.from.as_deref() == Some(r.as_str().as_ref());
+    if let Some(both) = exclusive_reads
+        .iter()
+        .find(|r| reads.contains(r) || writes.contains(r) || as_from(r))
+    {
+        return super::usage(format!(
+            "image '{both}' is --read-exclusive and also --read, --write or --from; name it once"
+        ));
+    }
     let from = args.from.as_deref().map(ImageName::parse_os).transpose();
     let from = from.map_err(Error::from)?;
     // The base is locked for the copy, and while the command runs only if also asked to read it.
@@ -136,30 +150,6 @@ fn plan(args: Args) -> Result<Plan> {
         no_inherit: args.no_inherit,
         conflict_exit_code: args.conflict_exit_code,
     })
-}
-
-/// Refuses an image named in two roles: --read and --write, or
-/// --read-exclusive and anything else (`from` is --from as given).
-fn refuse_two_roles(
-    reads: &[ImageName],
-    writes: &[ImageName],
-    exclusive_reads: &[ImageName],
-    from: Option<&OsStr>,
-) -> Result<()> {
-    if let Some(both) = reads.iter().find(|r| writes.contains(r)) {
-        return super::usage(format!(
-            "image '{both}' is both --read and --write; --write alone gives the command full access"
-        ));
-    }
-    if let Some(both) = exclusive_reads
-        .iter()
-        .find(|r| reads.contains(r) || writes.contains(r) || from == Some(r.as_str().as_ref()))
-    {
-        return super::usage(format!(
-            "image '{both}' is --read-exclusive and also --read, --write or --from; name it once"
-        ));
-    }
-    Ok(())
 }
 
 /// An exit status given on the command line (`--conflict-exit-code`).
