@@ -184,7 +184,19 @@ fn try_now(
     for _ in 0..2 {
         match slots.try_take(root, class)? {
             Took::Slot(g) => {
-                settle_if_free(root, class, &limits);
+                // The record is settled once the files beyond a lowered limit are free (global
+                // lock tried).
+                if !limits.settled()
+                    && let Ok(Some(_global)) = lock::acquire_no_wait(
+                        &root.global_lock(),
+                        Mode::Exclusive,
+                        lock::IfMissing::Fail,
+                    )
+                    && let Ok(Some(f)) = lock::open_existing(&dir.join(Kind::Normal(0).file_name()))
+                    && slot_limits::read(&f, class).ok() == Some(Class::Limits(limits))
+                {
+                    crate::slots::settle(root, class, &f, limits);
+                }
                 return Ok(Ok(Some(SlotGuard::new(g))));
             }
             Took::Changed => {
@@ -198,24 +210,6 @@ fn try_now(
         }
     }
     Ok(Err(slots))
-}
-
-/// Settles the record once the files beyond a lowered limit are free (global lock tried).
-fn settle_if_free(root: &Root, class: &str, limits: &Limits) {
-    if limits.settled() {
-        return;
-    }
-    let Ok(Some(_global)) =
-        lock::acquire_no_wait(&root.global_lock(), Mode::Exclusive, lock::IfMissing::Fail)
-    else {
-        return;
-    };
-    let zero = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
-    if let Ok(Some(f)) = lock::open_existing(&zero)
-        && slot_limits::read(&f, class).ok() == Some(Class::Limits(*limits))
-    {
-        crate::slots::settle(root, class, &f, *limits);
-    }
 }
 
 /// A normal acquirer's first try: `0.lock`, whose class record, read under the lock, allows the
