@@ -310,7 +310,8 @@ fn wait_image(
         }
         Err(e) => return Err(e),
     };
-    if mode == Mode::Exclusive && passage.is_some() {
+    let gated_writer = mode == Mode::Exclusive && passage.is_some();
+    if gated_writer {
         // Readers that see the hint queue behind us (closed before the wait: NFS sends it then).
         if let Ok(Some(file)) = lock::open_existing(&path) {
             let _ = image_record::set_writer_waits(&file, true);
@@ -323,7 +324,6 @@ fn wait_image(
         lock::IfMissing::create_if(mode == Mode::Exclusive),
         wait,
     );
-    let gated_writer = mode == Mode::Exclusive && passage.is_some();
     drop(passage);
     // In: the hint goes unless another writer now waits at the gate.
     if gated_writer
