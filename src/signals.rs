@@ -16,7 +16,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
-use std::sync::{Mutex, Once, OnceLock};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{SigSet, Signal};
@@ -47,7 +47,16 @@ struct Shared {
     state: Mutex<State>,
     /// The termination signals we take.
     set: SigSet,
-    thread: Once,
+    /// How termination signals are taken during waits: by a thread, else by a signalfd they watch.
+    watch: Mutex<Watch>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Watch {
+    NotYet,
+    /// No thread could be had (a pids limit): waits poll this descriptor. Tried again at each wait.
+    Descriptor,
+    Thread,
 }
 
 static SHARED: OnceLock<Shared> = OnceLock::new();
@@ -142,7 +151,7 @@ impl Forwarder {
         let shared = SHARED.get_or_init(|| Shared {
             state: Mutex::new(State::Waiting),
             set,
-            thread: Once::new(),
+            watch: Mutex::new(Watch::NotYet),
         });
         crate::lock::before_waiting(start_thread);
         Ok(Forwarder { shared })
@@ -282,29 +291,41 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
     }
 }
 
-/// Starts the thread that takes termination signals, once, when the first lock wait begins.
-fn start_thread() {
-    let Some(shared) = SHARED.get() else { return };
-    shared.thread.call_once(|| {
-        let spawned = std::thread::Builder::new()
-            .name("stowage-signals".into())
-            .stack_size(64 * 1024)
-            .spawn(move || {
-                loop {
-                    if let Some((sig, code)) = take(&shared.set, true) {
-                        forward(&shared.state, sig, code);
-                    }
+/// Starts the thread that takes termination signals when a lock wait begins, if none runs yet;
+/// `false` if none could be had (a pids limit), and the wait must poll the signalfd instead: a wait
+/// sleeping in a helper thread would hear no signal. A later wait tries again (pids freed).
+fn start_thread() -> bool {
+    let Some(shared) = SHARED.get() else {
+        return true;
+    };
+    let mut watch = locked(&shared.watch);
+    if *watch == Watch::Thread {
+        return true;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("stowage-signals".into())
+        .stack_size(64 * 1024)
+        .spawn(move || {
+            loop {
+                if let Some((sig, code)) = take(&shared.set, true) {
+                    forward(&shared.state, sig, code);
                 }
-            });
-        // No thread to be had (a pids limit): the waits, without helper threads too, watch a signalfd.
-        if spawned.is_err() {
-            let flags = SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK;
-            if let Ok(fd) = SignalFd::with_flags(&shared.set, flags) {
-                crate::lock::watch_signals_while_waiting(fd.as_raw_fd(), take_pending);
-                std::mem::forget(fd); // kept for good
             }
+        });
+    if spawned.is_ok() {
+        // A descriptor made before stays registered: whichever of the two takes a signal acts on it.
+        *watch = Watch::Thread;
+        return true;
+    }
+    if *watch == Watch::NotYet {
+        let flags = SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK;
+        if let Ok(fd) = SignalFd::with_flags(&shared.set, flags) {
+            crate::lock::watch_signals_while_waiting(fd.as_raw_fd(), take_pending);
+            std::mem::forget(fd); // kept for good
         }
-    });
+        *watch = Watch::Descriptor;
+    }
+    false
 }
 
 /// Takes a pending termination signal, if any, and acts on it (where no signal thread takes it).

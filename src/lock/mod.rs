@@ -14,8 +14,9 @@
 //! - A look that changes nothing asks by [`query`] (`F_OFD_GETLK`, no lock taken) where the
 //!   filesystem answers it for every host's flocks; elsewhere by try-lock ([`probe`]).
 //! - Contention is a value: [`acquire_no_wait`]'s `Ok(None)`, a timed wait's [`Waited::TimedOut`].
-//! - Waits sleep in flock(2) in a helper thread, interrupted by [`wake_signal`]; without a thread
-//!   (a pids limit) they poll. A slot waiter sleeps on one [`Waker`] (inotify) for its [`FileSet`].
+//! - Waits sleep in flock(2) in a helper thread, interrupted by [`wake_signal`]; without a thread,
+//!   for the wait or for signals (a pids limit), they poll. A slot waiter sleeps on one [`Waker`]
+//!   (inotify) for its [`FileSet`].
 
 #![allow(clippy::disallowed_methods)] // this is the one module that may call flock
 

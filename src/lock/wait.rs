@@ -118,18 +118,18 @@ static CANCEL: Mutex<Registry> = Mutex::new(Registry {
     waiters: Vec::new(),
 });
 
-static BEFORE_WAIT: OnceLock<fn()> = OnceLock::new();
+static BEFORE_WAIT: OnceLock<fn() -> bool> = OnceLock::new();
 
-/// Registers a function to run before any wait begins: the CLI starts its signal thread so.
-pub fn before_waiting(f: fn()) {
+/// Registers a function to run before any wait begins: the CLI starts its signal thread so, and
+/// says whether it runs (else a wait polls, watching the signalfd of [`watch_signals_while_waiting`]).
+pub fn before_waiting(f: fn() -> bool) {
     let _ = BEFORE_WAIT.set(f);
 }
 
-/// Runs [`before_waiting`]'s function, for waits outside [`super::acquire`] (a polled slot wait).
-pub fn starting_to_wait() {
-    if let Some(f) = BEFORE_WAIT.get() {
-        f();
-    }
+/// Runs [`before_waiting`]'s function, also for waits outside [`super::acquire`] (a polled slot
+/// wait): whether a thread takes signals (`true` where none are taken).
+pub fn starting_to_wait() -> bool {
+    BEFORE_WAIT.get().is_none_or(|f| f())
 }
 
 /// A descriptor readable while a terminating signal is pending, and the function taking it, for a
@@ -204,7 +204,9 @@ pub(super) fn block(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Wait
     if wait.deadline.is_some_and(|d| Instant::now() >= d) {
         return Ok(Waited::TimedOut);
     }
-    starting_to_wait();
+    if !starting_to_wait() {
+        return poll(file, mode, wait);
+    }
     install_wake_handler();
     let (tx, rx) = mpsc::channel();
     let _registration = match Registration::new(tx.clone()) {

@@ -1052,6 +1052,11 @@ impl PidsCgroup {
         None
     }
 
+    /// Admits at most `max` tasks from now on.
+    pub fn set_max(&self, max: u32) {
+        fs::write(self.0.join("pids.max"), max.to_string()).unwrap();
+    }
+
     /// Makes `c` start inside the cgroup.
     pub fn enter(&self, c: &mut Command) {
         let procs = std::ffi::CString::new(

@@ -122,6 +122,47 @@ fn sigterm_ends_a_wait_that_could_start_no_thread() {
     }
 }
 
+/// The waiters of `image`'s lock, by pid.
+fn waits_on(env: &Env, image: &str, pid: u32) -> bool {
+    env.lock_entry(image).is_some_and(|e| {
+        e["waiters"]
+            .as_array()
+            .is_some_and(|w| w.iter().any(|w| w["pid"] == pid))
+    })
+}
+
+/// A process that could start no thread at its first wait (a pids limit) but can at a later one:
+/// the later wait, sleeping in a helper thread, must still end on SIGTERM.
+#[test]
+fn sigterm_ends_a_later_wait_once_threads_can_be_had() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let first = env.hold_until(&["--write", "a"], "a-held", "let-a-go");
+    let _second = long_holder(&env, &["--write", "b"], "b-held");
+    let Some(cg) = PidsCgroup::new(1) else {
+        return;
+    };
+    let mut c = env.cmd(["exec", "--read", "a", "--read", "b", "--", "true"]);
+    cg.enter(&mut c);
+    let mut waiter = Bg::from_command(c);
+    wait_until("the waiter waits for a", || {
+        waits_on(&env, "a", waiter.pid())
+    });
+    cg.set_max(64);
+    env.release("let-a-go");
+    assert_eq!(first.finish().status.code(), Some(0));
+    wait_until("the waiter waits for b", || {
+        waits_on(&env, "b", waiter.pid())
+    });
+    waiter.signal(libc::SIGTERM);
+    // The holder of b never lets go: only the signal can end the wait.
+    wait_until("the waiter ends on SIGTERM", || !waiter.is_running());
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+    drop(cg);
+}
+
 #[test]
 fn a_signal_before_the_command_starts_undoes_the_start() {
     // The start transaction has marked 'base' writing (and created 'fresh');
