@@ -821,7 +821,7 @@ mod tests {
         // NFS: another host unlinked the file between our open and flock; the server says ESTALE.
         let (_d, p) = tmp_lock();
         INJECT.with(|v| v.borrow_mut().extend([libc::ESTALE, libc::ESTALE]));
-        let g = acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create).unwrap();
+        let g = try_take(&p, Mode::Exclusive).unwrap();
         assert!(g.is_some(), "retried on a fresh open");
         drop(g);
         INJECT.with(|v| v.borrow_mut().push(libc::ESTALE));
@@ -831,29 +831,22 @@ mod tests {
         ));
         // Anything else is still an error.
         INJECT.with(|v| v.borrow_mut().push(libc::EIO));
-        assert_eq!(
-            acquire_no_wait(&p, Mode::Exclusive, IfMissing::Create)
-                .unwrap_err()
-                .raw_os_error(),
-            Some(libc::EIO)
-        );
+        let e = try_take(&p, Mode::Exclusive).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO));
     }
 
-    fn until(deadline: Option<Instant>) -> Wait<'static> {
+    /// A wait until `deadline` (`None`: for good) that re-arms every `rearm`.
+    fn until(deadline: Option<Instant>, rearm: Option<Duration>) -> Wait<'static> {
         Wait {
             deadline,
+            rearm,
             ..Wait::default()
         }
     }
 
     /// Waits for the lock on `p` (made if missing) until `deadline` (`None`: for good).
     fn wait_for(p: &Path, mode: Mode, deadline: Option<Instant>) -> Waited<Guard> {
-        acquire(p, mode, IfMissing::Create, &mut until(deadline)).unwrap()
-    }
-
-    /// A polled wait for `f` until `deadline`.
-    fn polled(f: &File, deadline: Instant) -> Waited<()> {
-        poll(f, Mode::Exclusive, &mut until(Some(deadline))).unwrap()
+        acquire(p, mode, IfMissing::Create, &mut until(deadline, None)).unwrap()
     }
 
     fn tmp() -> tempfile::TempDir {
@@ -875,23 +868,19 @@ mod tests {
         })
     }
 
-    /// A deadline no test should reach.
-    fn in_30s() -> Instant {
-        Instant::now() + Duration::from_secs(30)
+    /// Tries the lock on `p` (made if missing) without waiting.
+    fn try_take(p: &Path, mode: Mode) -> io::Result<Option<Guard>> {
+        acquire_no_wait(p, mode, IfMissing::Create)
     }
 
     /// The lock on `p` (made if missing), which must be free.
     fn take(p: &Path, mode: Mode) -> Guard {
-        acquire_no_wait(p, mode, IfMissing::Create)
-            .unwrap()
-            .unwrap()
+        try_take(p, mode).unwrap().unwrap()
     }
 
     /// Whether the lock on `p` (made if missing) cannot be taken now.
     fn busy(p: &Path, mode: Mode) -> bool {
-        acquire_no_wait(p, mode, IfMissing::Create)
-            .unwrap()
-            .is_none()
+        try_take(p, mode).unwrap().is_none()
     }
 
     #[test]
@@ -923,23 +912,39 @@ mod tests {
         let d = tmp();
         let (target, link) = (d.path().join("target"), d.path().join("link.lock"));
         std::os::unix::fs::symlink(&target, &link).unwrap();
-        let e = acquire_no_wait(&link, Mode::Exclusive, IfMissing::Create).unwrap_err();
+        let e = try_take(&link, Mode::Exclusive).unwrap_err();
         assert_eq!(crate::planted::find(&e).map(|n| n.kind), Some("a symlink"));
         assert!(!target.exists());
     }
 
-    #[test]
-    fn timed_wait_times_out_and_then_succeeds() {
-        let (_d, p) = tmp_lock();
-        let held = take(&p, Mode::Exclusive);
+    /// While `held` is held, `wait(deadline)` times out no sooner than the deadline; once it is
+    /// dropped, the wait acquires.
+    fn times_out_then_acquires<T>(held: Guard, wait: impl Fn(Instant) -> Waited<T>) {
         let t0 = Instant::now();
-        let r = wait_for(&p, Mode::Shared, Some(t0 + Duration::from_millis(200)));
+        let r = wait(t0 + Duration::from_millis(100));
         assert!(matches!(r, Waited::TimedOut));
-        assert!(t0.elapsed() >= Duration::from_millis(200));
-        let releaser = release_after(100, held);
-        let r = wait_for(&p, Mode::Exclusive, Some(in_30s()));
+        assert!(t0.elapsed() >= Duration::from_millis(100));
+        let releaser = release_after(50, held);
+        let r = wait(Instant::now() + Duration::from_secs(30));
         assert!(matches!(r, Waited::Acquired(_)));
         releaser.join().unwrap();
+    }
+
+    #[test]
+    fn timed_rearmed_and_polled_waits_time_out_and_then_succeed() {
+        let (_d, p) = tmp_lock();
+        times_out_then_acquires(take(&p, Mode::Exclusive), |d| {
+            wait_for(&p, Mode::Shared, Some(d))
+        });
+        times_out_then_acquires(take(&p, Mode::Exclusive), |d| {
+            let mut wait = until(Some(d), Some(Duration::from_millis(10)));
+            acquire(&p, Mode::Exclusive, IfMissing::Create, &mut wait).unwrap()
+        });
+        // The fallback when no helper thread can be started.
+        let f = open(&p, IfMissing::Fail).unwrap();
+        times_out_then_acquires(take(&p, Mode::Exclusive), |d| {
+            poll(&f, Mode::Exclusive, &mut until(Some(d), None)).unwrap()
+        });
     }
 
     #[test]
@@ -960,44 +965,7 @@ mod tests {
         t.join().unwrap();
         // The lock is on the file now at the path (inodes get reused: check by locking the path).
         assert_eq!(fs::metadata(&p).unwrap().ino(), g.identity().1);
-        assert!(
-            acquire_no_wait(&p, Mode::Shared, IfMissing::Fail)
-                .unwrap()
-                .is_none()
-        );
-    }
-
-    #[test]
-    fn rearmed_waits_still_acquire() {
-        let (_d, p) = tmp_lock();
-        let held = take(&p, Mode::Exclusive);
-        let t = release_after(120, held);
-        let mut wait = Wait {
-            rearm: Some(Duration::from_millis(10)),
-            deadline: Some(in_30s()),
-            ..Wait::default()
-        };
-        assert!(matches!(
-            acquire(&p, Mode::Exclusive, IfMissing::Create, &mut wait).unwrap(),
-            Waited::Acquired(_)
-        ));
-        t.join().unwrap();
-    }
-
-    #[test]
-    fn a_polled_wait_acquires_and_times_out() {
-        // The fallback when no helper thread can be started.
-        let (_d, p) = tmp_lock();
-        let held = take(&p, Mode::Exclusive);
-        let f = open(&p, IfMissing::Fail).unwrap();
-        let t0 = Instant::now();
-        let r = polled(&f, t0 + Duration::from_millis(100));
-        assert!(matches!(r, Waited::TimedOut));
-        assert!(t0.elapsed() >= Duration::from_millis(100));
-        let t = release_after(50, held);
-        let r = polled(&f, in_30s());
-        assert!(matches!(r, Waited::Acquired(())));
-        t.join().unwrap();
+        assert!(busy(&p, Mode::Shared));
     }
 
     #[test]
@@ -1007,30 +975,28 @@ mod tests {
         let a = take(&paths[0], Mode::Exclusive);
         let b = take(&paths[1], Mode::Exclusive);
         let waker = Waker::watch(d.path(), Some("changed"));
+        // Where inotify is missing the waker is not checked.
+        let woke = |until, want: Woke| {
+            if waker.watching() {
+                assert_eq!(waker.sleep(until).unwrap(), want);
+            }
+        };
         let mut set = FileSet::new(paths.clone());
         assert!(set.try_any_where(|_| true).unwrap().is_none());
         assert_eq!(set.held_count(|_| true).unwrap(), 2);
-        if waker.watching() {
-            // Nothing closed yet: the tries made no event.
-            assert_eq!(
-                waker
-                    .sleep(Some(Instant::now() + Duration::from_millis(20)))
-                    .unwrap(),
-                Woke::Timeout
-            );
-        }
+        // Nothing closed yet: the tries made no event.
+        woke(
+            Some(Instant::now() + Duration::from_millis(20)),
+            Woke::Timeout,
+        );
         drop(b); // the last descriptor of that lock closes: wake
-        if waker.watching() {
-            assert_eq!(waker.sleep(None).unwrap(), Woke::Changed { named: false });
-        }
+        woke(None, Woke::Changed { named: false });
         let (i, g) = set.try_any_where(|_| true).unwrap().unwrap();
         assert_eq!(i, 1);
         set.put_back(i, g);
         assert_eq!(set.held_count(|_| true).unwrap(), 1);
         std::fs::write(d.path().join("changed"), "").unwrap();
-        if waker.watching() {
-            assert_eq!(waker.sleep(None).unwrap(), Woke::Changed { named: true });
-        }
+        woke(None, Woke::Changed { named: true });
         drop(a);
     }
 
