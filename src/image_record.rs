@@ -512,8 +512,14 @@ mod tests {
         }
     }
 
-    fn file() -> File {
-        tempfile::tempfile().unwrap()
+    /// A new file holding the records of `states`, written in turn.
+    fn written(states: &[State]) -> File {
+        let f = tempfile::tempfile().unwrap();
+        let mut seen = Seen::default();
+        for &state in states {
+            write(&f, &mut seen, &record(state)).unwrap();
+        }
+        f
     }
 
     #[test]
@@ -523,7 +529,7 @@ mod tests {
 
     #[test]
     fn a_record_reads_back_and_alternates_slots() {
-        let f = file();
+        let f = written(&[]);
         let mut seen = read(&f).unwrap();
         assert_eq!(seen, Seen::default());
         write(&f, &mut seen, &record(State::Writing)).unwrap();
@@ -537,10 +543,7 @@ mod tests {
 
     #[test]
     fn a_write_cut_short_leaves_the_record_before_it() {
-        let f = file();
-        let mut seen = Seen::default();
-        write(&f, &mut seen, &record(State::Ready)).unwrap();
-        write(&f, &mut seen, &record(State::Writing)).unwrap();
+        let f = written(&[State::Ready, State::Writing]);
         // Slot A (seq 2) torn: B (seq 1, ready) is the record.
         f.write_all_at(b"garbage", 100).unwrap();
         let after = read(&f).unwrap();
@@ -557,10 +560,8 @@ mod tests {
     }
 
     #[test]
-    fn hints_are_separate_from_the_record() {
-        let f = file();
-        let mut seen = Seen::default();
-        write(&f, &mut seen, &record(State::Ready)).unwrap();
+    fn hints_are_separate_from_the_record_and_cleared_with_it() {
+        let f = written(&[State::Ready]);
         set_writer_waits(&f, true).unwrap();
         set_store_wide(&f, true).unwrap();
         set_last_use(&f, 1_764_543_600_123).unwrap();
@@ -572,6 +573,9 @@ mod tests {
         set_store_wide(&f, false).unwrap();
         let s = read(&f).unwrap();
         assert!(!s.writer_waits && !s.store_wide);
+        // Clearing leaves no image, nor any hint (last_use is still set).
+        clear(&f).unwrap();
+        assert_eq!(read(&f).unwrap(), Seen::default());
     }
 
     #[test]
@@ -590,14 +594,5 @@ mod tests {
         let mut r = record(State::Ready);
         r.images = ImagesDir::External("relative".into());
         assert!(r.encode().is_none());
-    }
-
-    #[test]
-    fn clearing_leaves_no_image() {
-        let f = file();
-        let mut seen = Seen::default();
-        write(&f, &mut seen, &record(State::Ready)).unwrap();
-        clear(&f).unwrap();
-        assert_eq!(read(&f).unwrap(), Seen::default());
     }
 }
