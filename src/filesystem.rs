@@ -325,20 +325,16 @@ mod tests {
     #[test]
     fn only_mounts_that_keep_flock_local_are_unsafe() {
         let opts = |o: &str| o.split(',').map(str::to_owned).collect::<Vec<_>>();
-        for unsafe_ in [
-            "rw,nolock",
-            "rw,vers=3,local_lock=flock",
-            "rw,local_lock=posix",
-            "local_lock=all,hard",
+        for (options, reach) in [
+            ("rw,nolock", "node-local"),
+            ("rw,vers=3,local_lock=flock", "node-local"),
+            ("rw,local_lock=posix", "node-local"),
+            ("local_lock=all,hard", "node-local"),
+            ("rw,vers=4.2,local_lock=none", "cluster-wide"),
+            ("rw,lock,hard", "cluster-wide"),
+            ("rw,nolocks_are_not_a_thing", "cluster-wide"),
         ] {
-            assert_eq!(kind(nfs_reach(&opts(unsafe_))), "node-local", "{unsafe_}");
-        }
-        for safe in [
-            "rw,vers=4.2,local_lock=none",
-            "rw,lock,hard",
-            "rw,nolocks_are_not_a_thing",
-        ] {
-            assert_eq!(nfs_reach(&opts(safe)), Reach::ClusterWide, "{safe}");
+            assert_eq!(kind(nfs_reach(&opts(options))), reach, "{options}");
         }
         // A local filesystem is never NFS, whatever its options.
         assert_eq!(lock_reach_with(Path::new("/")).0, Reach::ClusterWide);
@@ -353,16 +349,11 @@ mod tests {
 105 30 0:64 / /mnt/beegfs rw,relatime - beegfs beegfs_nodev rw,cfgFile=/etc/beegfs/beegfs-client.conf,_netdev\n\
 106 30 0:65 / /mnt/nfs rw,relatime - nfs4 srv:/export rw,vers=4.2,local_lock=none\n";
 
-    fn reach_of(mount_point: &str, fstype: &str) -> Reach {
-        let m = parse_mountinfo(FIXTURE)
-            .into_iter()
-            .find(|m| m.mount_point == Path::new(mount_point))
-            .unwrap();
-        match fstype {
-            "lustre" => lustre_reach(&m.options),
-            "nfs" => nfs_reach(&m.options),
-            _ => unreachable!(),
-        }
+    /// The options of the FIXTURE mount at `mount_point`.
+    fn options_at(mount_point: &str) -> Vec<String> {
+        let mut mounts = parse_mountinfo(FIXTURE).into_iter();
+        let m = mounts.find(|m| m.mount_point == Path::new(mount_point));
+        m.unwrap().options
     }
 
     /// What kind of reach `r` is, without its explanation.
@@ -376,26 +367,26 @@ mod tests {
 
     #[test]
     fn lustre_mount_options_decide_the_reach_of_locks() {
-        assert_eq!(kind(reach_of("/lustre/scratch", "lustre")), "node-local");
-        assert_eq!(kind(reach_of("/lustre/old", "lustre")), "node-local");
-        assert_eq!(reach_of("/lustre/work", "lustre"), Reach::ClusterWide);
-        assert_eq!(kind(reach_of("/lustre/plain", "lustre")), "unknown");
-        assert_eq!(reach_of("/mnt/nfs", "nfs"), Reach::ClusterWide);
+        for (mount_point, reach) in [
+            ("/lustre/scratch", "node-local"),
+            ("/lustre/old", "node-local"),
+            ("/lustre/work", "cluster-wide"),
+            ("/lustre/plain", "unknown"),
+        ] {
+            assert_eq!(kind(lustre_reach(&options_at(mount_point))), reach);
+        }
+        assert_eq!(nfs_reach(&options_at("/mnt/nfs")), Reach::ClusterWide);
     }
 
     #[test]
     fn beegfs_client_configuration_decides_the_reach_of_locks() {
-        let m = parse_mountinfo(FIXTURE)
-            .into_iter()
-            .find(|m| m.fstype == "beegfs")
-            .unwrap();
-        let conf = |text: &'static str| {
-            move |p: &Path| {
+        let options = options_at("/mnt/beegfs");
+        let reach = |text: &'static str| {
+            kind(beegfs_reach(&options, |p: &Path| {
                 assert_eq!(p, Path::new("/etc/beegfs/beegfs-client.conf"));
                 Some(text.to_owned())
-            }
+            }))
         };
-        let reach = |text| kind(beegfs_reach(&m.options, conf(text)));
         // The default is node-local.
         assert_eq!(reach("sysMgmtdHost = mgmt\n"), "node-local");
         assert_eq!(reach("tuneUseGlobalFileLocks = false\n"), "node-local");
@@ -405,6 +396,6 @@ mod tests {
             ),
             "cluster-wide"
         );
-        assert_eq!(kind(beegfs_reach(&m.options, |_| None)), "unknown");
+        assert_eq!(kind(beegfs_reach(&options, |_| None)), "unknown");
     }
 }
