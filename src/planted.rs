@@ -316,17 +316,11 @@ pub fn at(full: &Path, e: io::Error) -> io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::OpenOptionsExt;
 
+    /// Opens `path` as a file of the layout is opened to write, and checks its type.
     fn open(path: &Path) -> io::Result<File> {
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(FLAGS)
-            .open(path)
-            .map_err(|e| refused(path, e))?;
-        check(path, &f)?;
-        Ok(f)
+        let f = super::open(path, libc::O_RDWR, 0)?;
+        check(path, &f).map(|()| f)
     }
 
     #[test]
