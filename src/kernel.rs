@@ -276,10 +276,8 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let dev = device_of(d.path()).expect("fdinfo lists flocks here");
         // On most filesystems it is stat's device; on btrfs it is not.
-        let st = fs::metadata(d.path()).unwrap();
-        let fs = crate::filesystem::filesystem(d.path()).unwrap();
-        if fs.name != "btrfs" {
-            assert_eq!(dev, st.dev());
+        if crate::filesystem::filesystem(d.path()).unwrap().name != "btrfs" {
+            assert_eq!(dev, fs::metadata(d.path()).unwrap().dev());
         }
     }
 }
