@@ -849,13 +849,9 @@ mod tests {
         acquire(p, mode, IfMissing::Create, &mut until(deadline, None)).unwrap()
     }
 
-    fn tmp() -> tempfile::TempDir {
-        tempfile::tempdir().unwrap()
-    }
-
     /// A fresh directory, and a lock file's path in it.
     fn tmp_lock() -> (tempfile::TempDir, PathBuf) {
-        let d = tmp();
+        let d = tempfile::tempdir().unwrap();
         let p = d.path().join("a.lock");
         (d, p)
     }
@@ -909,8 +905,8 @@ mod tests {
 
     #[test]
     fn refuses_symlinks() {
-        let d = tmp();
-        let (target, link) = (d.path().join("target"), d.path().join("link.lock"));
+        let (d, link) = tmp_lock();
+        let target = d.path().join("target");
         std::os::unix::fs::symlink(&target, &link).unwrap();
         let e = try_take(&link, Mode::Exclusive).unwrap_err();
         assert_eq!(crate::planted::find(&e).map(|n| n.kind), Some("a symlink"));
@@ -970,7 +966,7 @@ mod tests {
 
     #[test]
     fn a_file_set_keeps_its_descriptors_and_a_waker_sees_closes() {
-        let d = tmp();
+        let (d, _) = tmp_lock();
         let paths: Vec<PathBuf> = (0..2).map(|i| d.path().join(format!("{i}.lock"))).collect();
         let a = take(&paths[0], Mode::Exclusive);
         let b = take(&paths[1], Mode::Exclusive);
@@ -1002,7 +998,7 @@ mod tests {
 
     #[test]
     fn two_opens_conflict_here() {
-        let d = tmp();
-        assert!(opens_conflict(&d.path().join("t.lock")).unwrap());
+        let (_d, p) = tmp_lock();
+        assert!(opens_conflict(&p).unwrap());
     }
 }
