@@ -142,30 +142,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn formats_rfc3339_utc() {
-        assert_eq!(
-            rfc3339(1_795_953_784_000).as_deref(),
-            Some("2026-11-29T12:03:04Z")
-        );
+    fn formats_rfc3339_utc_and_parses_both_forms() {
+        let (ms, text) = (1_795_953_784_000, "2026-11-29T12:03:04Z");
+        assert_eq!(rfc3339(ms).as_deref(), Some(text));
         assert_eq!(rfc3339(MAX_MS + 1), None);
         assert_eq!(rfc3339(i64::MAX), None);
         assert_eq!(rfc3339(-1), None);
         assert_eq!(local_minutes(i64::MAX), "unknown");
         assert_eq!(local_short(i64::MIN), "an unknown time");
         let _ = ago(i64::MIN);
-    }
-
-    #[test]
-    fn parses_both_forms() {
-        assert_eq!(
-            parse_time("2026-11-29T12:03:04Z").unwrap(),
-            1_795_953_784_000
-        );
-        assert_eq!(parse_time("1795953784").unwrap(), 1_795_953_784_000);
-        assert!(parse_time("yesterday").is_err());
-        assert!(parse_time("nan").is_err());
-        // Milliseconds where seconds are meant: year 58880.
-        assert!(parse_time("1795953784000").is_err());
-        assert!(parse_time("-5").is_err());
+        assert_eq!(parse_time(text).unwrap(), ms);
+        assert_eq!(parse_time("1795953784").unwrap(), ms);
+        // 1795953784000: milliseconds where seconds are meant, year 58880.
+        for bad in ["yesterday", "nan", "1795953784000", "-5"] {
+            assert!(parse_time(bad).is_err(), "{bad}");
+        }
     }
 }
