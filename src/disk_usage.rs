@@ -319,14 +319,11 @@ mod tests {
 
     #[test]
     fn footprint_counts_shared_ranges_once() {
-        let base = vec![(0u64, 100u64)];
-        let clone1 = vec![(0, 100)];
-        let clone2 = vec![(50, 150)];
-        let fp = Footprint::new([&base[..], &clone1[..], &clone2[..]]);
+        let (base, clone1, clone2) = ([(0u64, 100u64)], [(0, 100)], [(50, 150)]);
+        let mut fp = Footprint::new([&base[..], &clone1[..], &clone2[..]]);
         assert_eq!(fp.bytes(), 150);
         assert_eq!(fp.unique(&base), 0);
         assert_eq!(fp.unique(&clone2), 50);
-        let mut fp = fp;
         fp.release(&base);
         assert_eq!(fp.bytes(), 150);
         fp.release(&clone1);

@@ -727,10 +727,8 @@ mod tests {
         assert_eq!(clean_keeping(leases, &mut |_| false), 0);
         assert!(leases.join(&name).exists());
         let text = std::fs::read_to_string(leases.join(&name)).unwrap();
-        assert!(
-            text.contains(&format!("pid={}\n", std::process::id())),
-            "{text}"
-        );
+        let pid = format!("pid={}\n", std::process::id());
+        assert!(text.contains(&pid), "{text}");
         assert!(text.contains("pid_ns=pid:["), "{text}");
         // Its owner gone (the descriptor closed): dead, then cleaned.
         drop(lease);

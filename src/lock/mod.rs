@@ -825,10 +825,8 @@ mod tests {
         assert!(g.is_some(), "retried on a fresh open");
         drop(g);
         INJECT.with(|v| v.borrow_mut().push(libc::ESTALE));
-        assert!(matches!(
-            wait_for(&p, Mode::Shared, None),
-            Waited::Acquired(_)
-        ));
+        let r = wait_for(&p, Mode::Shared, None);
+        assert!(matches!(r, Waited::Acquired(_)));
         // Anything else is still an error.
         INJECT.with(|v| v.borrow_mut().push(libc::EIO));
         let e = try_take(&p, Mode::Exclusive).unwrap_err();
