@@ -545,11 +545,8 @@ mod tests {
         assert_eq!(inspect(&conn).unwrap(), Found::Current);
         complete_schema(&conn).unwrap();
         complete_schema(&conn).unwrap();
-        assert!(
-            columns(&conn, "images")
-                .unwrap()
-                .contains(&"size_record".to_owned())
-        );
+        let images = columns(&conn, "images").unwrap();
+        assert!(images.contains(&"size_record".to_owned()));
     }
 
     #[test]

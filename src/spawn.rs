@@ -79,14 +79,8 @@ mod tests {
 
     #[test]
     fn runs_with_the_given_environment_and_reports_a_missing_program() {
-        let argv: Vec<OsString> = ["sh", "-c", "exit $CODE"]
-            .iter()
-            .map(OsString::from)
-            .collect();
-        let env = vec![
-            (OsString::from("CODE"), OsString::from("7")),
-            (OsString::from("PATH"), OsString::from("/usr/bin:/bin")),
-        ];
+        let argv = ["sh", "-c", "exit $CODE"].map(OsString::from);
+        let env = [("CODE", "7"), ("PATH", "/usr/bin:/bin")].map(|(k, v)| (k.into(), v.into()));
         let pid = spawn(None, &argv, &env, Start::Command).unwrap();
         let mut status = 0;
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
