@@ -23,19 +23,15 @@ use crate::store::Store;
     75 a lock was busy past --wait/--no-wait (or --conflict-exit-code); 1 other failures.")]
 pub struct Args {
     /// Take a shared lock on IMG, which must exist and be ready
-    #[arg(long = "read", value_name = "IMG", allow_hyphen_values = true)]
+    #[arg(long, value_name = "IMG", allow_hyphen_values = true)]
     read: Vec<OsString>,
     /// Take an exclusive lock on IMG, creating it if new
-    #[arg(long = "write", value_name = "IMG", allow_hyphen_values = true)]
+    #[arg(long, value_name = "IMG", allow_hyphen_values = true)]
     write: Vec<OsString>,
     /// Take an exclusive lock on IMG, which must exist and be ready, without
     /// writing it: its state stays (for a builder that rewrites a base's
     /// metadata in place)
-    #[arg(
-        long = "read-exclusive",
-        value_name = "IMG",
-        allow_hyphen_values = true
-    )]
+    #[arg(long, value_name = "IMG", allow_hyphen_values = true)]
     read_exclusive: Vec<OsString>,
     /// Run CMD while no image lock is held or granted: it waits for every
     /// image user, and every later one waits for it (whole-store commands
