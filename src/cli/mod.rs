@@ -108,8 +108,7 @@ impl Command {
         match self {
             Command::Init(_) | Command::Exec(_) => true,
             Command::Slots(a) => a.creates(),
-            Command::Images(_) | Command::LockStatus(_) | Command::Rm(_) | Command::Gc(_) => false,
-            Command::Doctor(_) | Command::Completions { .. } | Command::Man { .. } => false,
+            _ => false,
         }
     }
 }

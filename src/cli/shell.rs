@@ -29,17 +29,12 @@ pub fn complete_if_asked(command: fn() -> Command) {
         .complete();
 }
 
-/// `stowage completions SHELL`: the script that `source` or fish loads.
+/// `stowage completions SHELL` (clap allows bash, zsh, fish): the script that `source` or fish loads.
 pub fn write_completions(shell: &str, out: &mut dyn Write) -> Result<()> {
     let completer: &dyn EnvCompleter = match shell {
         "bash" => &Bash,
         "zsh" => &Zsh,
-        "fish" => &Fish,
-        other => {
-            return super::usage(format!(
-                "no completions for shell '{other}' (bash, zsh, fish)"
-            ));
-        }
+        _ => &Fish,
     };
     // The script calls the stowage on PATH: right across upgrades (the binary owns the protocol).
     completer
