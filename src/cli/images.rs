@@ -99,8 +99,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         out.push_str(&line);
         out.push('\n');
     }
-    super::print(&out)?;
-    Ok(0)
+    super::print(&out).map(|()| 0)
 }
 
 /// Shared extents between images on a filesystem that can share them (reflink clones): what each

@@ -166,10 +166,9 @@ fn refuse_unrecordable(dir: &Path) -> Result<()> {
         Some(_) => return Ok(()),
     };
     let shown = dir.display();
-    let said = format!(
+    super::usage(format!(
         "invalid images directory {shown}: its path {why} (the records name it on one line of text)"
-    );
-    Err(crate::Error::Usage(said).into())
+    ))
 }
 
 /// Refuses an images directory `dir` (absolute) that cannot be made, or that overlaps the root.

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 
 use anyhow::Result;
 use serde::Serialize;
@@ -46,8 +46,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         names: super::names(&args.images)?,
         all: args.all,
     };
-    let watch = args.watch.as_deref();
-    let every = watch
+    let every = (args.watch.as_deref())
         .map(|raw| super::parse_seconds("--watch", raw))
         .transpose()?;
     if every.is_some_and(|d| d.is_zero()) {
@@ -80,7 +79,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         // Said once, however often --watch redraws.
         if !missing.is_empty() && !missing_any {
             for name in &missing {
-                let _ = writeln!(std::io::stderr(), "stowage: image '{name}' does not exist");
+                complain!("stowage: image '{name}' does not exist");
             }
             missing_any = true;
         }
