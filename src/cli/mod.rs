@@ -107,7 +107,7 @@ impl Command {
     fn creates_root(&self) -> bool {
         match self {
             Command::Init(_) | Command::Exec(_) => true,
-            Command::Slots(a) => a.creates(),
+            Command::Slots(a) => matches!(a.action, Some(slots::Action::Set { .. })),
             _ => false,
         }
     }
@@ -232,10 +232,7 @@ pub(crate) fn json_text(doc: &impl serde::Serialize, pretty: bool) -> Result<Str
     };
     // A raw newline is the pretty layout's: the encoder escapes every one in a string.
     let risky = |c: char| c != '\n' && crate::ident::risky(c);
-    if !text.chars().any(risky) {
-        return Ok(text);
-    }
-    let mut out = String::with_capacity(text.len() + 16);
+    let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {
             // All in the Basic Multilingual Plane: one `\uXXXX` each.

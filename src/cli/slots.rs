@@ -16,14 +16,14 @@ use crate::store::Store;
     stowage exec --slot pull --write alpine -- ./pull alpine")]
 pub struct Args {
     #[command(subcommand)]
-    action: Option<Action>,
+    pub(super) action: Option<Action>,
     /// Print JSON (when showing)
     #[arg(long)]
     json: bool,
 }
 
 #[derive(Subcommand)]
-enum Action {
+pub(super) enum Action {
     /// Create or change a class: at most LIMIT normal holders (0: unlimited)
     Set {
         /// The class (pull, load/podman): lowercase letters, digits, ., _, - in parts joined by /
@@ -49,13 +49,6 @@ struct ClassJson<'a> {
     in_use: u32,
     holders: &'a [Party],
     waiters: &'a [Party],
-}
-
-impl Args {
-    /// Whether this creates a store that does not exist (only `set` does).
-    pub fn creates(&self) -> bool {
-        matches!(self.action, Some(Action::Set { .. }))
-    }
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
@@ -167,6 +160,5 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
             r.waiters.len().to_string(),
         ]);
     }
-    super::print(&super::table(&rows))?;
-    Ok(0)
+    super::print(&super::table(&rows)).map(|()| 0)
 }
