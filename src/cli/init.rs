@@ -10,6 +10,7 @@ use crate::config::Config;
 use crate::ident::shell_path;
 use crate::image_record::ImagesDir;
 use crate::root::{Root, make_dir};
+use crate::sharing;
 use crate::store::Store;
 
 #[derive(clap::Args)]
@@ -103,10 +104,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 /// Checks the root may be shared with group `name`; makes what init creates from now on
 /// group-writable (an external images directory too); the root is shared last. Returns the gid.
 fn open_to_group(store: &mut Store, name: &str) -> Result<u32> {
-    let gid = crate::sharing::group_id(name)?;
-    crate::sharing::may_share(store.root().dir(), gid)?;
+    let gid = sharing::group_id(name)?;
+    sharing::may_share(store.root().dir(), gid)?;
     if store.ctx().child_umask.is_none() {
-        store.ctx_mut().child_umask = Some(crate::sharing::open_umask());
+        store.ctx_mut().child_umask = Some(sharing::open_umask());
     }
     Ok(gid)
 }
@@ -127,14 +128,14 @@ fn make_ours(store: &Store, root: &Root, config: &mut Config, dir: &Path) -> Res
 fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Result<u8> {
     let root = store.root();
     crate::debug::pause("init-share");
-    crate::sharing::share_root(root.dir(), gid)?;
+    sharing::share_root(root.dir(), gid)?;
     if dir != root.default_images_dir() {
-        crate::sharing::share_images_dir(images, dir, gid)?;
+        sharing::share_images_dir(images, dir, gid)?;
     }
-    let (label, at) = (crate::sharing::group_label(gid), root.dir().display());
-    let done = crate::sharing::repair(root, gid, crate::sharing::check(root, gid));
+    let (label, at) = (sharing::group_label(gid), root.dir().display());
+    let done = sharing::repair(root, gid, sharing::check(root, gid));
     if !done.fixed.is_empty() {
-        let parts = crate::sharing::list(&done.fixed, 8);
+        let parts = sharing::list(&done.fixed, 8);
         let said = format!("gave group {label} and group write to {parts}");
         store.ctx().detail(&said);
     }
@@ -145,10 +146,7 @@ fn share(store: &Store, images: &crate::dir::Dir, dir: &Path, gid: u32) -> Resul
         .cloned()
         .collect();
     if !left.is_empty() {
-        let (parts, doc) = (
-            crate::sharing::list(&left, 3),
-            crate::error::GROUP_STORE_DOC,
-        );
+        let (parts, doc) = (sharing::list(&left, 3), crate::error::GROUP_STORE_DOC);
         bail!(
             "root {at} is shared with group {label}, but not every part: {parts} (their owners or root can run 'stowage doctor --repair'; {doc})"
         );

@@ -74,8 +74,7 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
             .collect::<Vec<_>>()
             .join("\n")
     };
-    super::print(&text)?;
-    Ok(0)
+    super::print(&text).map(|()| 0)
 }
 
 fn is_image(r: &LockReport, n: &ImageName) -> bool {
