@@ -4,7 +4,6 @@ use std::ffi::OsString;
 
 use anyhow::Result;
 
-use crate::error::Error;
 use crate::exec::{Plan, lossy};
 use crate::ident;
 use crate::name::ImageName;
@@ -98,8 +97,7 @@ fn plan(args: Args) -> Result<Plan> {
             "image '{both}' is --read-exclusive and also --read, --write or --from; name it once"
         ));
     }
-    let from = args.from.as_deref().map(ImageName::parse_os).transpose();
-    let from = from.map_err(Error::from)?;
+    let from = super::names(args.from.as_slice())?.pop();
     // The base is locked for the copy, and while the command runs only if also asked to read it.
     let keep_base = from.as_ref().is_some_and(|b| reads.contains(b));
     // --from BASE: the one image written starts as a copy of BASE, read (locked shared) for it.
