@@ -1,11 +1,9 @@
-//! What a shell and `man` need from the command line: completion scripts (`stowage completions
-//! SHELL`) and manual pages (`stowage man DIR`, used by `scripts/install`), both generated from
-//! the clap definitions.
+//! Completion scripts (`stowage completions SHELL`) and manual pages (`stowage man DIR`, used by
+//! `scripts/install`), both generated from the clap definitions.
 //!
 //! - Completion is dynamic: the script calls stowage back with the words typed so far
 //!   (`_STOWAGE_COMPLETE`), so image names and slot classes come from the store.
-//! - That callback never waits, writes or creates a root: it reads the database read-only with a
-//!   busy timeout of zero, and offers nothing while a writer is inside.
+//! - That callback never waits, writes or creates a root: it reads records and class files only.
 
 use std::ffi::OsString;
 use std::io::Write;
