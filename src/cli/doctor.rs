@@ -28,8 +28,7 @@ pub struct Args {
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     if let Some(raw) = &args.hold_probe {
         let secs = super::parse_seconds("--hold-probe", raw)?;
-        doctor::hold_probe(store, secs)?;
-        return Ok(0);
+        return doctor::hold_probe(store, secs).map(|()| 0);
     }
     let report = match doctor::run(store, args.repair) {
         // A problem doctor finds (it exits 0, 1 or 69), not a missing image's 66.

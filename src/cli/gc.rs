@@ -3,7 +3,7 @@
 use anyhow::Result;
 
 use crate::disk_usage;
-use crate::error::Error;
+use crate::error::{Error, code::FAILURE};
 use crate::gc::{self, Policy};
 use crate::store::Store;
 
@@ -36,11 +36,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         complain!("stowage: {why}");
     }
     // Everything else was done; a removal that failed is an error.
-    let code = if report.failed.is_empty() {
-        0
-    } else {
-        crate::error::code::FAILURE
-    };
+    let code = if report.failed.is_empty() { 0 } else { FAILURE };
     if args.json {
         return super::print_json(&report).map(|()| code);
     }
