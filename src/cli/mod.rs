@@ -101,18 +101,6 @@ enum Command {
     },
 }
 
-impl Command {
-    /// Whether the command creates a missing root: only `exec`, `init`, `slots set` (a mistyped root
-    /// in a cron job must not grow a store).
-    fn creates_root(&self) -> bool {
-        match self {
-            Command::Init(_) | Command::Exec(_) => true,
-            Command::Slots(a) => matches!(a.action, Some(slots::Action::Set { .. })),
-            _ => false,
-        }
-    }
-}
-
 pub fn main() -> ExitCode {
     crate::kernel::note_inherited();
     let args: Vec<OsString> = std::env::args_os().collect();
@@ -189,7 +177,12 @@ fn run(cli: Cli) -> Result<u8> {
     }
     let mut store = Store::new(root);
     let ctx = store.ctx_mut();
-    ctx.creates_root = cli.command.creates_root();
+    // Only these create a missing root: a mistyped root in a cron job must not grow a store.
+    ctx.creates_root = match &cli.command {
+        Command::Init(_) | Command::Exec(_) => true,
+        Command::Slots(a) => matches!(a.action, Some(slots::Action::Set { .. })),
+        _ => false,
+    };
     ctx.quiet = cli.quiet;
     ctx.verbose = cli.verbose;
     // What we create in a group's store must be usable by the group; the command gets the umask.
