@@ -37,13 +37,15 @@ pub fn device_of(dir: &Path) -> Option<u64> {
     let d = crate::dir::Dir::open_in_root(dir).ok()?;
     crate::lock::flock_dir_shared(d.as_raw_fd()).ok()?;
     let info = fs::read_to_string(format!("/proc/self/fdinfo/{}", d.as_raw_fd())).ok()?;
-    fdinfo_entries(&info).next().map(|((dev, _), _)| dev)
+    fdinfo_flocks(&info).next().map(|((dev, _), _)| dev)
 }
 
-/// The flock entries of an fdinfo text (its `lock:` lines).
-fn fdinfo_entries(info: &str) -> impl Iterator<Item = ((u64, u64), Entry)> + '_ {
+/// The flocks held, not awaited, in an fdinfo text (its `lock:` lines).
+fn fdinfo_flocks(info: &str) -> impl Iterator<Item = ((u64, u64), Mode)> + '_ {
     info.lines()
         .filter_map(|l| parse_line(l.strip_prefix("lock:")?))
+        .filter(|(_, e)| !e.blocked)
+        .map(|(key, e)| (key, e.mode))
 }
 
 /// The descriptors this process was started with (noted by [`note_inherited`]).
@@ -84,8 +86,7 @@ pub fn inherited_flocks() -> Vec<(PathBuf, (u64, u64), Mode)> {
 /// The flock this process holds through descriptor `fd`, per `/proc/self/fdinfo/FD`.
 fn fd_flock(fd: RawFd) -> Option<Mode> {
     let info = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
-    let held = fdinfo_entries(&info).filter(|(_, e)| !e.blocked);
-    held.map(|(_, e)| e.mode).max()
+    fdinfo_flocks(&info).map(|(_, mode)| mode).max()
 }
 
 /// The files (device, inode) local process `pid` flocks through its own fds (the table names the
@@ -107,11 +108,7 @@ pub fn locks_through_own_fds(pid: u32) -> Option<Vec<(u64, u64)>> {
         }
         let info = format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy());
         match fs::read_to_string(info) {
-            Ok(info) => held.extend(
-                fdinfo_entries(&info)
-                    .filter(|(_, e)| !e.blocked)
-                    .map(|(key, _)| key),
-            ),
+            Ok(info) => held.extend(fdinfo_flocks(&info).map(|(key, _)| key)),
             // Closed since the listing.
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(_) => return None,
