@@ -119,9 +119,8 @@ impl Guard {
         sync_written(&self.file)
     }
 
-    /// Checks in one request that the lock is still ours, before a holder writes the file: an NFS
-    /// server drops a client's locks after a partition longer than its lease, so a non-blocking
-    /// flock reasserts the held mode (local no-op, NFS request).
+    /// Checks in one request that the lock is still ours before a holder writes (an NFS server drops
+    /// locks after a partition longer than its lease): a non-blocking flock of the held mode.
     pub fn still_held(&self) -> io::Result<()> {
         if lost_in_test(&self.path) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -132,9 +131,8 @@ impl Guard {
         Ok(())
     }
 
-    /// Unlinks a lease (`lease.rs`) on every filesystem, else NFS keeps one per exec. Unlike a lock
-    /// file, a lease has one owner, who made it under a fresh name and checks it after locking; its
-    /// unlinker holds it exclusively.
+    /// Unlinks a lease (`lease.rs`) on every filesystem, else NFS keeps one per exec: unlike a lock
+    /// file, it has one owner, who made it under a fresh name and checks it after locking.
     pub fn unlink_lease(self) -> io::Result<()> {
         assert_eq!(
             self.mode,
@@ -273,7 +271,7 @@ fn local_dir(path: &Path, dev: Option<u64>) -> bool {
     local
 }
 
-/// What is known of filesystems: directory or device, and whether local.
+/// Known filesystems: directory or device, and whether local.
 type Seen = Vec<(Option<PathBuf>, Option<u64>, bool)>;
 static SEEN: Mutex<Seen> = Mutex::new(Vec::new());
 
@@ -291,7 +289,6 @@ pub fn note_filesystem(dev: u64, local: bool, dirs: &[PathBuf]) {
     }
 }
 
-/// Whether lock files and leases open written through (a shared root; set by its checks first).
 static WRITE_THROUGH: AtomicBool = AtomicBool::new(false);
 
 /// From now on opens lock files and leases written through (`O_DSYNC`) if `on` (a shared root).
@@ -506,7 +503,6 @@ fn guard(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
     }
 }
 
-/// Device and inode of the file behind a descriptor.
 pub fn fd_identity(fd: RawFd) -> Option<(u64, u64)> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat writes into a zeroed stat we own; an fd that is not open fails with EBADF.
