@@ -10,11 +10,11 @@ use std::os::unix::process::ExitStatusExt;
 
 use crate::error;
 use crate::keeper::Keeper;
-use crate::signals::{Forwarder, Target};
+use crate::signals::Forwarder;
 use crate::spawn::{self, Start};
 
 /// Starts the command, inheriting the lock descriptors like flock(1), or with `no_inherit` under a
-/// keeper holding `lock_fds` (module doc). `Ok(Err(sig))`: a termination signal came first.
+/// keeper holding `lock_fds` (module doc). A termination signal first is the error.
 pub fn start(
     signals: &Forwarder,
     command: &[OsString],
@@ -23,25 +23,37 @@ pub fn start(
     no_inherit: bool,
     lock_fds: &[std::os::fd::RawFd],
     set_inheritable: &dyn Fn(bool) -> std::io::Result<()>,
-) -> std::io::Result<Result<(libc::pid_t, Option<Keeper>), i32>> {
+) -> anyhow::Result<(libc::pid_t, Option<Keeper>)> {
     let mut keeper: Option<Keeper> = None;
     let started = signals.spawn(|| {
         set_inheritable(true)?;
         let spawned = if no_inherit {
             crate::keeper::become_subreaper().and_then(|()| {
                 let k = Keeper::spawn(command, env, lock_fds, umask)?;
-                Ok(Target::Keeper(keeper.insert(k).pid))
+                Ok((Start::Keeper, keeper.insert(k).pid))
             })
         } else {
             with_umask(umask, || spawn::spawn(None, command, env, Start::Command))
-                .map(Target::Command)
+                .map(|pid| (Start::Command, pid))
         };
         if no_inherit || spawned.is_err() {
             set_inheritable(false)?;
         }
         spawned
-    })?;
-    Ok(started.map(|pid| (pid, keeper)))
+    });
+    match started {
+        Ok(Ok(pid)) => Ok((pid, keeper)),
+        Ok(Err(sig)) => Err(error::Error::Interrupted(sig).into()),
+        Err(e) => Err(not_run(e.into(), &command[0].to_string_lossy())),
+    }
+}
+
+/// Why command `what` did not start; a path to a directory says so ("Permission denied" does not).
+fn not_run(e: anyhow::Error, what: &str) -> anyhow::Error {
+    if what.contains('/') && std::path::Path::new(what).is_dir() {
+        return anyhow::anyhow!("cannot run '{what}': it is a directory");
+    }
+    e.context(format!("cannot run '{what}'"))
 }
 
 /// Runs `f` with the process umask set to `umask` (when given), restored after: posix_spawn cannot

@@ -113,20 +113,16 @@ fn start(
     lock_fds: &[std::os::fd::RawFd],
     set_inheritable: &dyn Fn(bool) -> std::io::Result<()>,
 ) -> Result<(libc::pid_t, Option<crate::keeper::Keeper>)> {
-    let argv = &plan.argv;
-    match command::start(
+    let (argv, umask) = (&plan.argv, store.ctx().child_umask);
+    command::start(
         signals,
         argv,
         env,
-        store.ctx().child_umask,
+        umask,
         plan.no_inherit,
         lock_fds,
         set_inheritable,
-    ) {
-        Ok(Ok(started)) => Ok(started),
-        Ok(Err(sig)) => Err(Error::Interrupted(sig).into()),
-        Err(e) => Err(not_run(e.into(), &argv[0].to_string_lossy())),
-    }
+    )
 }
 
 /// The command's end is unknown (keeper gone): a failure, or 128+N if a signal was passed on.
@@ -256,12 +252,4 @@ fn run_store_wide(store: &mut Store, plan: &Plan, signals: Forwarder) -> Result<
     }
     hold.release(store);
     code
-}
-
-/// Why command `what` did not start; a path to a directory says so ("Permission denied" does not).
-fn not_run(e: anyhow::Error, what: &str) -> anyhow::Error {
-    if what.contains('/') && std::path::Path::new(what).is_dir() {
-        return anyhow::anyhow!("cannot run '{what}': it is a directory");
-    }
-    e.context(format!("cannot run '{what}'"))
 }

@@ -24,23 +24,15 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::{Pid, getpgid, getpgrp, getpid, getsid};
 
 use crate::error::{locked, retrying};
+use crate::spawn::Start;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Waiting,
     Interrupted(i32),
-    Running(Target),
+    /// Signals go to the command, or to its keeper, tagged with whether the terminal sent them.
+    Running(Start, libc::pid_t),
     Done,
-}
-
-/// What a forwarded signal is sent to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Target {
-    /// The command itself, our child.
-    Command(libc::pid_t),
-    /// The keeper running the command for `--no-inherit` ([`crate::keeper`]): it gets every signal,
-    /// tagged with whether the terminal sent it, and decides as we would, knowing the command.
-    Keeper(libc::pid_t),
 }
 
 struct Shared {
@@ -160,7 +152,7 @@ impl Forwarder {
     /// Spawns the command (or its keeper) unless a signal came first (`Ok(Err(sig))`).
     pub fn spawn(
         &self,
-        spawn: impl FnOnce() -> io::Result<Target>,
+        spawn: impl FnOnce() -> io::Result<(Start, libc::pid_t)>,
     ) -> io::Result<Result<libc::pid_t, i32>> {
         let mut st = locked(&self.shared.state);
         if let State::Interrupted(sig) = *st {
@@ -171,9 +163,8 @@ impl Forwarder {
             *st = State::Interrupted(sig);
             return Ok(Err(sig));
         }
-        let target = spawn()?;
-        *st = State::Running(target);
-        let (Target::Command(pid) | Target::Keeper(pid)) = target;
+        let (how, pid) = spawn()?;
+        *st = State::Running(how, pid);
         Ok(Ok(pid))
     }
 
@@ -265,7 +256,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
             CANCELLED.store(sig, Relaxed);
             crate::lock::interrupt_waits(sig);
         }
-        State::Running(Target::Command(pid)) => {
+        State::Running(Start::Command, pid) => {
             PASSED_ON.store(sig, Relaxed);
             let (ours, leader) = (getpgrp().as_raw(), getsid(None) == Ok(getpid()));
             if !terminal_reached_command(sig, code, group_of(pid), ours, leader) {
@@ -273,7 +264,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
                 unsafe { libc::kill(pid, sig) };
             }
         }
-        State::Running(Target::Keeper(pid)) => {
+        State::Running(Start::Keeper, pid) => {
             PASSED_ON.store(sig, Relaxed);
             let tag = if code == libc::SI_KERNEL {
                 FROM_TERMINAL
