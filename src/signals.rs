@@ -16,7 +16,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{SigSet, Signal};
@@ -39,16 +39,10 @@ struct Shared {
     state: Mutex<State>,
     /// The termination signals we take.
     set: SigSet,
-    /// How termination signals are taken during waits: by a thread, else by a signalfd they watch.
-    watch: Mutex<Watch>,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Watch {
-    NotYet,
-    /// No thread could be had (a pids limit): waits poll this descriptor. Tried again at each wait.
-    Descriptor,
-    Thread,
+    /// Whether a thread takes termination signals during waits; else they watch a signalfd, made
+    /// once. A thread is tried again at each wait.
+    thread: Mutex<bool>,
+    descriptor: Once,
 }
 
 static SHARED: OnceLock<Shared> = OnceLock::new();
@@ -143,7 +137,8 @@ impl Forwarder {
         let shared = SHARED.get_or_init(|| Shared {
             state: Mutex::new(State::Waiting),
             set,
-            watch: Mutex::new(Watch::NotYet),
+            thread: Mutex::new(false),
+            descriptor: Once::new(),
         });
         crate::lock::before_waiting(start_thread);
         Ok(Forwarder { shared })
@@ -289,34 +284,31 @@ fn start_thread() -> bool {
     let Some(shared) = SHARED.get() else {
         return true;
     };
-    let mut watch = locked(&shared.watch);
-    if *watch == Watch::Thread {
-        return true;
-    }
-    let spawned = std::thread::Builder::new()
-        .name("stowage-signals".into())
-        .stack_size(64 * 1024)
-        .spawn(move || {
-            loop {
-                if let Some((sig, code)) = take(&shared.set, true) {
-                    forward(&shared.state, sig, code);
+    let mut running = locked(&shared.thread);
+    if !*running {
+        let spawned = std::thread::Builder::new()
+            .name("stowage-signals".into())
+            .stack_size(64 * 1024)
+            .spawn(move || {
+                loop {
+                    if let Some((sig, code)) = take(&shared.set, true) {
+                        forward(&shared.state, sig, code);
+                    }
                 }
+            });
+        *running = spawned.is_ok();
+    }
+    // A descriptor made before stays registered once a thread runs: either takes a signal.
+    if !*running {
+        shared.descriptor.call_once(|| {
+            let flags = SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK;
+            if let Ok(fd) = SignalFd::with_flags(&shared.set, flags) {
+                crate::lock::watch_signals_while_waiting(fd.as_raw_fd(), take_pending);
+                std::mem::forget(fd); // kept for good
             }
         });
-    if spawned.is_ok() {
-        // A descriptor made before stays registered: whichever of the two takes a signal acts on it.
-        *watch = Watch::Thread;
-        return true;
     }
-    if *watch == Watch::NotYet {
-        let flags = SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK;
-        if let Ok(fd) = SignalFd::with_flags(&shared.set, flags) {
-            crate::lock::watch_signals_while_waiting(fd.as_raw_fd(), take_pending);
-            std::mem::forget(fd); // kept for good
-        }
-        *watch = Watch::Descriptor;
-    }
-    false
+    *running
 }
 
 /// Takes a pending termination signal, if any, and acts on it (where no signal thread takes it).
