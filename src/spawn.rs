@@ -16,7 +16,6 @@ use nix::spawn::{
 use nix::sys::signal::{SigSet, Signal};
 use nix::unistd::Pid;
 
-/// How a process is started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Start {
     /// The user's command: no signal blocked, SIGPIPE at its default.
@@ -42,21 +41,6 @@ pub fn spawn(
         .iter()
         .map(|(k, v)| c_string([k.as_bytes(), b"=", v.as_bytes()].concat()))
         .collect::<io::Result<_>>()?;
-    let attr = attributes(how)?;
-    let none = PosixSpawnFileActions::init()?;
-    // They take the same arguments; only posix_spawnp searches PATH.
-    let pid = match path {
-        Some(p) => posix_spawn(p, &none, &attr, &args, &vars)?,
-        None => posix_spawnp(&args[0], &none, &attr, &args, &vars)?,
-    };
-    Ok(pid.as_raw())
-}
-
-fn c_string(bytes: Vec<u8>) -> io::Result<CString> {
-    CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
-}
-
-fn attributes(how: Start) -> nix::Result<PosixSpawnAttr> {
     let mut attr = PosixSpawnAttr::init()?;
     attr.set_sigdefault(&[Signal::SIGPIPE, Signal::SIGCHLD].into_iter().collect())?;
     let flags = match how {
@@ -70,7 +54,17 @@ fn attributes(how: Start) -> nix::Result<PosixSpawnAttr> {
         }
     };
     attr.set_flags(flags | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF)?;
-    Ok(attr)
+    let none = PosixSpawnFileActions::init()?;
+    // They take the same arguments; only posix_spawnp searches PATH.
+    let pid = match path {
+        Some(p) => posix_spawn(p, &none, &attr, &args, &vars)?,
+        None => posix_spawnp(&args[0], &none, &attr, &args, &vars)?,
+    };
+    Ok(pid.as_raw())
+}
+
+fn c_string(bytes: Vec<u8>) -> io::Result<CString> {
+    CString::new(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
 #[cfg(test)]
