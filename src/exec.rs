@@ -27,7 +27,6 @@ pub struct Plan {
     pub from: Option<ImageName>,
     /// Keep `from` read-locked for the command (also named with `--read`), not just the copy.
     pub keep_base: bool,
-    /// The command and its arguments.
     pub argv: Vec<OsString>,
     /// The command does not inherit the lock descriptors; a keeper holds them.
     pub no_inherit: bool,
@@ -164,7 +163,6 @@ fn copy_base(
 
 /// What every command is told: the root, the images directory, and our leases (nested execs).
 fn told(store: &Store, images: OsString) -> Vec<(&'static str, OsString)> {
-    // The enclosing execs' leases and ours.
     let mine = crate::lease::mine(&store.root().leases()).ok();
     let leases = crate::nested::for_command(mine.as_deref());
     vec![

@@ -286,7 +286,6 @@ fn command(argv: &[OsString], group: libc::pid_t, umask: Option<u32>) -> std::pr
     cmd
 }
 
-/// Writes one message of the protocol on the status pipe.
 fn send(status: &mut std::fs::File, tag: u32, value: i32) {
     // If stowage is gone, nobody reads it: that is seen by the watch.
     let _ = status.write_all(&[tag.to_le_bytes(), value.to_le_bytes()].concat());

@@ -51,7 +51,6 @@ pub struct Request {
     pub command: String,
 }
 
-/// How the command ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     Success,
