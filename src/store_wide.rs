@@ -359,13 +359,7 @@ fn wait_for_image(
     let root = store.root();
     let rel = root.locks_rel(path);
     let what = format!("{label} to be released before the store-wide command");
-    let never_ends = |held: Mode| -> anyhow::Error {
-        Busy::now(what.clone(), format!(
-                "held ({}) by an enclosing command of this process (a 'stowage exec' that runs it); waiting for it would never end",
-                held.verb()
-            ))
-        .into()
-    };
+    let never_ends = |held| crate::acquire::never_ends(what.clone(), held);
     let enclosing = crate::nested::enclosing(root);
     if let Some(held) = enclosing.hold(&rel) {
         return Err(never_ends(held));

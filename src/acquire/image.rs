@@ -210,21 +210,13 @@ fn conflict(enclosing: &crate::nested::Enclosing, rel: &str, mode: Mode) -> Opti
 /// The error for a lock our enclosing command holds in a conflicting mode: a read finds the image
 /// not ready (66); a write finds the lock busy (75).
 fn waits_for_itself(name: &ImageName, mode: Mode, held: Mode) -> anyhow::Error {
-    let by = "an enclosing command of this process (a 'stowage exec' that runs it)";
     match mode {
         Mode::Shared => Error::NotReady {
             name: name.as_str().to_owned(),
-            state: format!("being written by {by}"),
+            state: format!("being written by {}", super::ENCLOSING),
         }
         .into(),
-        Mode::Exclusive => Busy::now(
-            format!("write lock on image '{name}'"),
-            format!(
-                "held ({}) by {by}; waiting for it would never end",
-                held.verb()
-            ),
-        )
-        .into(),
+        Mode::Exclusive => super::never_ends(format!("write lock on image '{name}'"), held),
     }
 }
 

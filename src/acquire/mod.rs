@@ -15,7 +15,7 @@ use anyhow::Result;
 
 use crate::error::{Busy, Error};
 use crate::lease::Holding;
-use crate::lock::Waited;
+use crate::lock::{Mode, Waited};
 use crate::store::Store;
 
 pub mod image;
@@ -50,4 +50,17 @@ pub(crate) fn wait_for<T>(
         })
         .into()
     })
+}
+
+/// Who holds a lock a nested call finds its enclosing exec holding.
+pub(crate) const ENCLOSING: &str =
+    "an enclosing command of this process (a 'stowage exec' that runs it)";
+
+/// Busy (75): `what` is held (in mode `held`) by our enclosing exec, which waits for us.
+pub(crate) fn never_ends(what: String, held: Mode) -> anyhow::Error {
+    let holders = format!(
+        "held ({}) by {ENCLOSING}; waiting for it would never end",
+        held.verb()
+    );
+    Busy::now(what, holders).into()
 }
