@@ -423,9 +423,7 @@ fn wait_in_turn<'a, T>(
     let report = move |look: &crate::holders::Look| look.report(kind, &name, &shown);
     let _line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(Box::new(report)));
     let mut wait = Wait::on(&dir, deadline);
-    crate::acquire::wait_for(store, awaited, &[], what, holders, now, move || {
-        attempt(&mut wait)
-    })
+    crate::acquire::wait_for(store, awaited, &[], what, now, move || attempt(&mut wait))
 }
 
 /// `store.lock` as our lease names it: held, or awaited, in `mode`.

@@ -123,21 +123,24 @@ fn wait_taking(
         want.mode.verb()
     };
     let what = format!("{verb} lock on image '{name}'");
-    let phrase_now = || crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path);
-    let now = || match phrase_now() {
+    let now = || match crate::holders::holders_phrase(store.ctx(), LockKind::Image, &path) {
         h if writer_ahead && !h.is_empty() => h + "; and a writer waits ahead of new readers",
         h => h,
     };
-    let mut holders = phrase_now();
+    let holders = now();
     // The holder may be gone by now (on FUSE and NFS a close releases the lock late): one more try.
     if let Ok(Tried::Got(h)) = try_image(root, name, want.mode, want.create) {
         return Ok(*h);
     }
-    if writer_ahead {
-        holders.push_str("; and a writer waits ahead of new readers");
-    }
+    // `--no-wait`: once more (lock-status or a store-wide scan may hold it a moment), then busy.
     if want.no_wait {
-        return busy_now(root, name, want, what, holders);
+        return match try_image(root, name, want.mode, want.create) {
+            Ok(Tried::Got(h)) => Ok(*h),
+            // Removed meanwhile.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(no_such(name)),
+            Err(e) => Err(err(e)),
+            Ok(_) => Err(Busy::now(what, holders).into()),
+        };
     }
     let reread: crate::wait_line::Reread = {
         let (name, path) = (name.as_str().to_owned(), path.clone());
@@ -152,7 +155,7 @@ fn wait_taking(
     if enclosing.unannounced {
         wait.give_up = Some(Box::new(|| ours_now().is_some()));
     }
-    let waited = wait_for(store, holding, want.held, what, holders, now, || {
+    let waited = wait_for(store, holding, want.held, what, now, || {
         wait_image(store.ctx(), name, want.mode, &mut wait).map_err(err)
     });
     // Cleared before anything else is said.
@@ -180,24 +183,6 @@ fn wait_taking(
         guard,
         seen,
     })
-}
-
-/// `--no-wait`: one more try (lock-status or a store-wide scan may hold it a moment), then busy.
-fn busy_now(
-    root: &Root,
-    name: &ImageName,
-    want: &Want,
-    what: String,
-    holders: String,
-) -> Result<Held> {
-    let path = root.image_lock(name);
-    match try_image(root, name, want.mode, want.create) {
-        Ok(Tried::Got(h)) => Ok(*h),
-        // Removed meanwhile.
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(no_such(name)),
-        Err(e) => Err(lock::error(&format!("image '{name}'"), &path, e)),
-        Ok(_) => Err(Busy::now(what, holders).into()),
-    }
 }
 
 /// How an enclosing exec holds `rel` if we would wait for it in `mode`: for good.

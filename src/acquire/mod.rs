@@ -21,15 +21,14 @@ use crate::store::Store;
 pub mod image;
 pub mod slot;
 
-/// Runs a wait announced as `what`, held by `holders`, with `awaited` and the locks `held` already
-/// listed in our lease meanwhile (one write: another host sees no lock table). A timeout is
-/// [`Error::Busy`] naming the holders then (`holders_now`, else `holders`); a signal interrupts.
+/// Runs a wait announced as `what`, with `awaited` and the locks `held` already listed in our lease
+/// meanwhile (one write: another host sees no lock table). A timeout is [`Error::Busy`] naming the
+/// holders then (`holders_now`); a signal interrupts.
 pub(crate) fn wait_for<T>(
     store: &Store,
     awaited: Holding,
     held: &[Holding],
     what: String,
-    holders: String,
     holders_now: impl FnOnce() -> String,
     wait: impl FnOnce() -> Result<Waited<T>>,
 ) -> Result<T> {
@@ -42,10 +41,9 @@ pub(crate) fn wait_for<T>(
     let out = wait();
     crate::lease::forget(&leases, &lockfile);
     out?.or_else_busy(|| {
-        let now = holders_now();
         Error::Busy(Busy {
             what,
-            holders: if now.is_empty() { holders } else { now },
+            holders: holders_now(),
             waited: t0.elapsed(),
         })
         .into()

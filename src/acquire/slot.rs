@@ -152,7 +152,7 @@ pub(crate) fn take(
     };
     let line = crate::wait_line::announce(store.ctx(), &what, &holders, Some(reread));
     let awaited = crate::lease::Holding::now(Mode::Exclusive, class_rel.clone(), true, command);
-    let got = super::wait_for(store, awaited, &[], what, holders, now, || {
+    let got = super::wait_for(store, awaited, &[], what, now, || {
         wait_for_slot(store, class, priority, &dir, slots, deadline, &ours_now)
     });
     drop(line);
