@@ -306,14 +306,6 @@ impl<'c> Look<'c> {
                 .any(|e| !e.blocked && e.mode == h.mode && e.pid == Some(taker))
     }
 
-    /// The live leases listing `rel` as held in `mode` now (read afresh).
-    fn listing_now(&self, rel: &str, mode: Mode, entries: Option<&[Entry]>) -> Vec<Party> {
-        let all = read_leases(&self.leases_dir, |_| true);
-        self.parties(&all, |id, h| {
-            !h.awaits && h.lockfile == rel && h.mode == mode && !self.outlived(id, h, entries)
-        })
-    }
-
     /// The live leases waiting for the lock (or slot class) `rel`, as they listed it.
     pub fn awaiting(&self, rel: &str) -> Vec<Party> {
         self.parties(&self.said, |_, h| h.awaits && h.lockfile == rel)
@@ -623,7 +615,11 @@ impl<'c> Look<'c> {
                     return (state, holders);
                 }
             }
-            holders = self.listing_now(rel, held_mode(state), entries);
+            // The live leases listing the lock as held so now (read afresh).
+            let (all, mode) = (read_leases(&self.leases_dir, |_| true), held_mode(state));
+            holders = self.parties(&all, |id, h| {
+                !h.awaits && h.lockfile == rel && h.mode == mode && !self.outlived(id, h, entries)
+            });
             if !holders.is_empty() || self.table.is_some() {
                 break;
             }
