@@ -176,12 +176,16 @@ fn try_now(
     {
         return Ok(Ok(first));
     }
-    let mut limits = lookup(root, class)?;
-    if limits.limit == 0 {
-        return Ok(Ok(None));
-    }
-    let mut slots = Slots::new(dir, &limits, priority);
-    for _ in 0..2 {
+    // Two tries; a record changed again after them is left to the wait.
+    for tries in 1.. {
+        let limits = lookup(root, class)?;
+        if limits.limit == 0 {
+            return Ok(Ok(None));
+        }
+        let mut slots = Slots::new(dir, &limits, priority);
+        if tries > 2 {
+            return Ok(Err(slots));
+        }
         match slots.try_take(root, class)? {
             Took::Slot(g) => {
                 // The record is settled once the files beyond a lowered limit are free (global
@@ -199,17 +203,11 @@ fn try_now(
                 }
                 return Ok(Ok(Some(SlotGuard::new(g))));
             }
-            Took::Changed => {
-                limits = lookup(root, class)?;
-                if limits.limit == 0 {
-                    return Ok(Ok(None));
-                }
-                slots = Slots::new(dir, &limits, priority);
-            }
-            Took::Busy => break,
+            Took::Changed => {}
+            Took::Busy => return Ok(Err(slots)),
         }
     }
-    Ok(Err(slots))
+    unreachable!("the tries end")
 }
 
 /// A normal acquirer's first try: `0.lock`, whose class record, read under the lock, allows the
