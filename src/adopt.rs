@@ -54,12 +54,7 @@ pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<O
 /// image's, never to be adopted over (read without its lock, as the census reads).
 pub fn has_record(path: &Path) -> bool {
     let file = crate::lock::open_existing_read(path).ok().flatten();
-    file.is_some_and(|f| image_record::read(&f).is_ok_and(|s| !unrecorded(&s)))
-}
-
-/// No record there, not even one that cannot be read.
-fn unrecorded(seen: &image_record::Seen) -> bool {
-    seen.record.is_none() && !seen.damaged && !seen.legacy
+    file.is_some_and(|f| image_record::read(&f).is_ok_and(|s| !s.unrecorded()))
 }
 
 /// How an adopted tree starts out.
@@ -114,7 +109,7 @@ fn adopt_one(
         anyhow::bail!("its lock is held (try again when it is free)");
     };
     let (guard, mut seen) = (held.guard, held.seen);
-    if !unrecorded(&seen) {
+    if !seen.unrecorded() {
         return Ok(false);
     }
     // Again under the lock: an undone new-image start may have taken its tree back since.

@@ -292,6 +292,11 @@ impl Seen {
             && one_name()
     }
 
+    /// No record there, not even one that cannot be read.
+    pub fn unrecorded(&self) -> bool {
+        self.record.is_none() && !self.damaged && !self.legacy
+    }
+
     /// Nothing at all: no record, hint or last use.
     pub fn names_nothing(&self) -> bool {
         Seen {
@@ -398,7 +403,7 @@ pub fn write(file: &File, seen: &mut Seen, record: &Record) -> io::Result<()> {
     // The slot ends at its first zero byte. A file without a record gets the whole area, so its
     // blocks exist for every later write (a build may fill the filesystem first).
     area.resize(SLOT, 0);
-    if seen.record.is_none() && !seen.damaged && !seen.legacy && seen.last_use.is_none() {
+    if seen.unrecorded() && seen.last_use.is_none() {
         let mut whole = vec![0u8; AREA];
         whole[at..at + SLOT].copy_from_slice(&area);
         // The hints it carries stay.

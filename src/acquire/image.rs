@@ -321,7 +321,7 @@ pub(crate) fn require_all(root: &Root, names: &[ImageName]) -> Result<()> {
             Ok(Some(f)) => image_record::read_of(&f, n.as_str()).unwrap_or_default(),
             _ => Seen::default(),
         };
-        if seen.record.is_none() && !seen.legacy && !seen.damaged {
+        if seen.unrecorded() {
             return Err(no_such(n));
         }
     }
