@@ -24,7 +24,7 @@ use crate::debug;
 use crate::dir::Dir;
 use crate::disk_usage;
 use crate::image_record::{self, State};
-use crate::lock::{self, Mode};
+use crate::lock::Mode;
 use crate::name::ImageName;
 use crate::root::Root;
 
@@ -317,7 +317,7 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
 pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[ImageName]) {
     let mut shared = Vec::new();
     for h in held {
-        if h.seen.record.is_some() || h.seen.damaged || h.seen.legacy {
+        if !h.seen.unrecorded() {
             continue;
         }
         let name = h.name.clone();
@@ -332,13 +332,6 @@ pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[Imag
     }
     for name in shared.iter().chain(waited_for) {
         root.unlink_gate(name);
-        if let Ok(Some(g)) = lock::acquire_no_wait(
-            &root.image_lock(name),
-            Mode::Exclusive,
-            lock::IfMissing::Fail,
-        ) && image_record::read(g.file()).is_ok_and(|s| s.names_nothing())
-        {
-            let _ = root.unlink_lock(g);
-        }
+        root.unlink_if_empty(&root.image_lock(name));
     }
 }

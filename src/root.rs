@@ -185,6 +185,17 @@ impl Root {
         Ok(())
     }
 
+    /// Unlinks the lock file at `path` if, under its exclusive lock taken without waiting, it names
+    /// nothing (no record, hint or last use).
+    pub fn unlink_if_empty(&self, path: &Path) -> bool {
+        let (mode, missing) = (crate::lock::Mode::Exclusive, crate::lock::IfMissing::Fail);
+        let Ok(Some(g)) = crate::lock::acquire_no_wait(path, mode, missing) else {
+            return false;
+        };
+        crate::image_record::read(g.file()).is_ok_and(|s| s.names_nothing())
+            && self.unlink_lock(g).is_ok()
+    }
+
     /// Unlinks an image's gate under its own exclusive lock; kept while someone is passing it.
     pub fn unlink_gate(&self, name: &ImageName) {
         if let Ok(Some(gate)) = crate::lock::acquire_no_wait(

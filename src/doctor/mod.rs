@@ -738,16 +738,10 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             .into_iter()
             .filter(|e| e.seen.names_nothing())
             .collect();
-        let mut gone = 0;
-        for e in empty.iter().filter(|_| repair) {
-            if let Ok(Some(g)) =
-                lock::acquire_no_wait(&e.path, Mode::Exclusive, lock::IfMissing::Fail)
-                && crate::image_record::read(g.file()).is_ok_and(|s| s.names_nothing())
-                && root.unlink_lock(g).is_ok()
-            {
-                gone += 1;
-            }
-        }
+        let gone = empty
+            .iter()
+            .filter(|e| repair && root.unlink_if_empty(&e.path));
+        let gone = gone.count();
         if !empty.is_empty() {
             let found = if repair { gone } else { empty.len() };
             let what = format!("{found} lock file(s) that name no image");
