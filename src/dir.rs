@@ -662,7 +662,6 @@ pub fn explain_refusal(
     e
 }
 
-/// The effective uid.
 fn me() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
@@ -778,8 +777,8 @@ impl Trail {
             return full;
         }
         let head: String = full.chars().take(SHOWN / 3).collect();
-        let tail_rev: String = full.chars().rev().take(SHOWN / 2).collect();
-        let tail: String = tail_rev.chars().rev().collect();
+        let skip = full.chars().count().saturating_sub(SHOWN / 2);
+        let tail: String = full.chars().skip(skip).collect();
         format!(
             "{head}…({} more bytes, depth {})…{tail}",
             full.len() - head.len() - tail.len(),

@@ -791,8 +791,7 @@ fn named(enc: &str, suffix: &str) -> String {
     if enc.len() + suffix.len() <= crate::name::MAX_ENCODED_LEN {
         return format!("{enc}{suffix}");
     }
-    // ENC is ASCII, so any byte index is a char boundary.
-    // FNV-1a.
+    // FNV-1a; ENC is ASCII, so any byte index is a char boundary.
     let hash = (enc.bytes()).fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     });
