@@ -205,23 +205,21 @@ pub fn copy_tree_at(
 /// swap in a link between the create and the chmod. So it must be ours (its owner keeps access
 /// whatever root does) and empty (a name made before may be held open by its maker).
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
-    let st = dir::fstat(top).with_context(|| format!("cannot read {}", dst.display()))?;
-    if st.st_uid != nix::unistd::geteuid().as_raw() {
+    let dst = dst.display();
+    let st = dir::fstat(top).with_context(|| format!("cannot read {dst}"))?;
+    let (uid, was) = (st.st_uid, st.st_mode & 0o7777);
+    if uid != nix::unistd::geteuid().as_raw() {
         anyhow::bail!(
-            "{} belongs to uid {}, not to you: refusing to copy into it (its owner could change names in the copy)",
-            dst.display(),
-            st.st_uid
+            "{dst} belongs to uid {uid}, not to you: refusing to copy into it (its owner could change names in the copy)"
         );
     }
-    let was = st.st_mode & 0o7777;
     fchmod(top, Mode::from_bits_retain(0o700))
         .map_err(io::Error::from)
-        .with_context(|| format!("cannot make {} private while copying", dst.display()))?;
+        .with_context(|| format!("cannot make {dst} private while copying"))?;
     if !top.entries().is_ok_and(|n| n.is_empty()) {
         let _ = fchmod(top, Mode::from_bits_retain(was));
         anyhow::bail!(
-            "{} is not empty: refusing to copy into it (another user could change names in the copy)",
-            dst.display()
+            "{dst} is not empty: refusing to copy into it (another user could change names in the copy)"
         );
     }
     Ok(was)

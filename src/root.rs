@@ -367,22 +367,18 @@ impl Root {
 
     /// Creates the root and its directories. Idempotent. The root's parent must exist.
     pub fn create_layout(&self) -> Result<()> {
+        let shown = self.dir.display();
         match fs::symlink_metadata(&self.dir) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(&self.dir) {
-                Err(e) if e.kind() == io::ErrorKind::NotFound => anyhow::bail!(
-                    "cannot create root {}: its parent directory does not exist",
-                    self.dir.display()
-                ),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    anyhow::bail!("cannot create root {shown}: its parent directory does not exist")
+                }
                 Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
-                    return Err(e)
-                        .with_context(|| format!("cannot create root {}", self.dir.display()));
+                    return Err(e).with_context(|| format!("cannot create root {shown}"));
                 }
                 _ => {}
             },
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("cannot inspect root {}", self.dir.display()));
-            }
+            Err(e) => return Err(e).with_context(|| format!("cannot inspect root {shown}")),
             Ok(_) => {}
         }
         self.refuse_claimed_img()?;
@@ -585,32 +581,26 @@ impl Root {
     /// passes only we (or our group) can replace anything. A symlink that passes is resolved once,
     /// here: later uses go to the checked directory (and SQLite, which refuses links, gets it).
     pub fn check(&mut self) -> Result<bool> {
-        let euid = nix::unistd::geteuid().as_raw();
+        let (euid, shown) = (nix::unistd::geteuid().as_raw(), self.dir.display());
         let link = match fs::symlink_metadata(&self.dir) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                return Err(e)
-                    .with_context(|| format!("cannot inspect root {}", self.dir.display()));
+                return Err(e).with_context(|| format!("cannot inspect root {shown}"));
             }
             found => found.ok(),
         };
         let m = match link {
             // Only a symlink needs a second look, at what it names.
             Some(link) if link.file_type().is_symlink() => {
-                if link.uid() != euid && (link.uid() != 0 || self.default) {
+                let uid = link.uid();
+                if uid != euid && (uid != 0 || self.default) {
                     anyhow::bail!(
-                        "root {} is a symlink owned by uid {}, not by you: refusing to follow it",
-                        self.dir.display(),
-                        link.uid()
+                        "root {shown} is a symlink owned by uid {uid}, not by you: refusing to follow it"
                     );
                 }
                 let real = fs::canonicalize(&self.dir).with_context(|| {
-                    format!(
-                        "root {} is a symlink to {}, which cannot be used",
-                        self.dir.display(),
-                        fs::read_link(&self.dir)
-                            .map(|t| t.display().to_string())
-                            .unwrap_or_else(|_| "?".into())
-                    )
+                    let to = fs::read_link(&self.dir).map(|t| t.display().to_string());
+                    let to = to.unwrap_or_else(|_| "?".into());
+                    format!("root {shown} is a symlink to {to}, which cannot be used")
                 })?;
                 let m = fs::metadata(&real)
                     .with_context(|| format!("cannot inspect root {}", real.display()))?;
@@ -638,26 +628,23 @@ impl Root {
     /// A root must be ours (or root's) or writable by a group of ours, and never world-writable
     /// without the sticky bit: owner `uid`, `mode`, group `gid`.
     fn check_owner(&self, uid: u32, mode: u32, gid: u32) -> Result<()> {
-        let euid = nix::unistd::geteuid().as_raw();
+        let (euid, root) = (nix::unistd::geteuid().as_raw(), self.dir.display());
         if self.default && uid != euid {
             anyhow::bail!(
                 "default root {} belongs to uid {}, not to you: refusing it (its owner controls its locks); remove it, or choose a root with --root or STOWAGE_ROOT",
-                self.dir.display(),
+                root,
                 uid
             );
         }
         let shared = mode & 0o020 != 0 && crate::ident::in_group(gid);
         if uid != euid && uid != 0 && !shared {
             anyhow::bail!(
-                "root {} belongs to uid {} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)",
-                self.dir.display(),
-                uid
+                "root {root} belongs to uid {uid} and is not shared with a group of yours: refusing to use it (whoever owns it controls its locks)"
             );
         }
         if mode & 0o002 != 0 && mode & 0o1000 == 0 {
             anyhow::bail!(
-                "root {} is writable by everyone: refusing to use it (anyone could replace its lock files); chmod o-w it",
-                self.dir.display()
+                "root {root} is writable by everyone: refusing to use it (anyone could replace its lock files); chmod o-w it"
             );
         }
         Ok(())
@@ -687,9 +674,9 @@ impl Root {
         self.fs = own;
         if let crate::filesystem::Reach::NodeLocal { why, advice } = reach {
             let at = mount.map_or_else(String::new, |m| format!(" ({})", m.mount_point.display()));
+            let root = self.dir.display();
             return Err(crate::Error::UnsafeLocking(format!(
-                "root {}{at} is on {why}, so other hosts' builds and metadata updates would not be excluded; {advice} (see 'stowage doctor')",
-                self.dir.display(),
+                "root {root}{at} is on {why}, so other hosts' builds and metadata updates would not be excluded; {advice} (see 'stowage doctor')"
             ))
             .into());
         }
