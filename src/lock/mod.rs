@@ -122,7 +122,9 @@ impl Guard {
     /// Checks in one request that the lock is still ours before a holder writes (an NFS server drops
     /// locks after a partition longer than its lease): a non-blocking flock of the held mode.
     pub fn still_held(&self) -> io::Result<()> {
-        if lost_in_test(&self.path) {
+        // Test hook: this lock file's lock is lost, as an NFS lock to lease expiry.
+        let lost = std::env::var_os(crate::env::DEBUG_LOST_LOCK);
+        if lost.is_some_and(|v| self.path.file_name() == Some(v.as_os_str())) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         if !flock_try(&self.file, self.mode)? {
@@ -789,13 +791,6 @@ fn denied(path: &Path) -> String {
     }
 }
 
-/// Test hook ([`crate::env::DEBUG_LOST_LOCK`]): that lock file's [`Guard::still_held`] fails with
-/// EIO, as an NFS lock lost to lease expiry would.
-fn lost_in_test(path: &Path) -> bool {
-    std::env::var_os(crate::env::DEBUG_LOST_LOCK)
-        .is_some_and(|v| path.file_name() == Some(v.as_os_str()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::wait::poll;
@@ -848,14 +843,6 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("a.lock");
         (d, p)
-    }
-
-    /// Drops `held` in another thread after `ms` milliseconds.
-    fn release_after(ms: u64, held: Guard) -> thread::JoinHandle<()> {
-        thread::spawn(move || {
-            thread::sleep(Duration::from_millis(ms));
-            drop(held);
-        })
     }
 
     /// Tries the lock on `p` (made if missing) without waiting.
@@ -914,7 +901,10 @@ mod tests {
         let r = wait(t0 + Duration::from_millis(100));
         assert!(matches!(r, Waited::TimedOut));
         assert!(t0.elapsed() >= Duration::from_millis(100));
-        let releaser = release_after(50, held);
+        let releaser = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(50));
+            drop(held);
+        });
         let r = wait(Instant::now() + Duration::from_secs(30));
         assert!(matches!(r, Waited::Acquired(_)));
         releaser.join().unwrap();
