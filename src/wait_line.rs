@@ -201,7 +201,7 @@ fn ordinal(n: usize) -> String {
 }
 
 /// "42s", "3m12s", "2h05m", "3d04h"
-pub fn span(secs: u64) -> String {
+fn span(secs: u64) -> String {
     match secs {
         s if s < 60 => format!("{s}s"),
         s if s < 3600 => format!("{}m{:02}s", s / 60, s % 60),

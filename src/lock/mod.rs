@@ -14,7 +14,7 @@
 //! - A look that changes nothing asks by [`query`] (`F_OFD_GETLK`, no lock taken) where the
 //!   filesystem answers it for every host's flocks; elsewhere by try-lock ([`probe`]).
 //! - Contention is a value: [`acquire_no_wait`]'s `Ok(None)`, a timed wait's [`Waited::TimedOut`].
-//! - Waits sleep in flock(2) in a helper thread, interrupted by [`wake_signal`]; without a thread,
+//! - Waits sleep in flock(2) in a helper thread, interrupted by a no-op signal; without a thread,
 //!   for the wait or for signals (a pids limit), they poll. A slot waiter sleeps on one [`Waker`]
 //!   (inotify) for its [`FileSet`].
 
@@ -37,7 +37,7 @@ mod wait;
 use wait::block;
 pub use wait::{
     REMOTE_REARM, Wait, Waited, Waker, Woke, before_waiting, interrupt_waits, interrupted,
-    starting_to_wait, wake_signal, watch_signals_while_waiting,
+    starting_to_wait, watch_signals_while_waiting,
 };
 
 /// How a lock is held.
