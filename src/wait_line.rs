@@ -22,9 +22,9 @@ use crate::holders::{LockReport, Look, Party, command_cut, pid_on};
 /// How often the line is redrawn on a terminal.
 const TTY_EVERY: Duration = Duration::from_secs(1);
 /// How often a plain line is added where stderr is no terminal (unless a test sets its own).
-pub const LOG_EVERY: Duration = Duration::from_secs(60);
+const LOG_EVERY: Duration = Duration::from_secs(60);
 /// How often, at most, holders and waiters are read again.
-pub const REREAD_EVERY: Duration = Duration::from_secs(5);
+const REREAD_EVERY: Duration = Duration::from_secs(5);
 
 /// What re-reads the awaited lock's report, for the line's details.
 pub type Reread = Box<dyn FnMut(&Look) -> LockReport + Send>;
