@@ -143,7 +143,10 @@ pub fn read_table() -> io::Result<Table> {
 /// seen); but reads from different moments can show a state no lock was in (two exclusive holders
 /// in turn): such a lock gets its entries from the latest read that holds together.
 fn fold(reads: &[String]) -> Table {
-    let parsed: Vec<Table> = reads.iter().map(|t| parse_table(t)).collect();
+    let parsed: Vec<Table> = reads
+        .iter()
+        .map(|t| tabled(t.lines().filter_map(parse_line)))
+        .collect();
     let mut table = tabled(
         parsed
             .iter()
@@ -178,11 +181,6 @@ fn consistent(entries: &[Entry]) -> bool {
     let held = |m| entries.iter().filter(|e| !e.blocked && e.mode == m).count();
     let exclusive = held(Mode::Exclusive);
     exclusive == 0 || (exclusive == 1 && held(Mode::Shared) == 0)
-}
-
-/// Parses the flock(2) entries of /proc/locks ([`parse_line`]).
-fn parse_table(text: &str) -> Table {
-    tabled(text.lines().filter_map(parse_line))
 }
 
 /// The entries by file, each once, in the order first given.
@@ -234,11 +232,10 @@ mod tests {
 
     #[test]
     fn parses_the_lock_table() {
-        let t = parse_table(
-            "1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF\n\
+        let text = "1: FLOCK  ADVISORY  WRITE 4121 00:2a:123456 0 EOF\n\
              1: -> FLOCK  ADVISORY  READ 4130 00:2a:123456 0 EOF\n\
-             2: POSIX  ADVISORY  WRITE 99 00:2a:7 0 EOF\n",
-        );
+             2: POSIX  ADVISORY  WRITE 99 00:2a:7 0 EOF\n";
+        let t = tabled(text.lines().filter_map(parse_line));
         let es = &t[&(libc::makedev(0, 0x2a), 123456)];
         assert_eq!(es.len(), 2);
         assert!(es[1].blocked && es[1].mode == Mode::Shared);
