@@ -169,8 +169,7 @@ pub fn retire() {
 }
 
 /// A lock a lease's owner holds or awaits, as listed: `hold=shared images/base.lock SINCE COMMAND`
-/// (or `await=…`), relative to `locks/`, SINCE in ms since the epoch. It names holders the lock
-/// table cannot (NFS, another pid namespace).
+/// (or `await=…`), relative to `locks/`, SINCE in ms since the epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holding {
     pub mode: Mode,
@@ -457,9 +456,8 @@ fn namespace(kind: &str) -> Option<String> {
         .map(|p| p.to_string_lossy().into_owned())
 }
 
-/// How long an unwritten lease is left to a maker not known gone (another host or pid namespace)
-/// that may be about to lock it: 10 minutes. A maker that takes half that checks its file
-/// ([`lock_fresh`]): the slack covers clocks running at different rates.
+/// How long an unwritten lease is left to a maker not known gone that may be about to lock it: 10
+/// minutes. A maker that takes half that checks its file ([`lock_fresh`]): clocks' rates differ.
 fn unwritten_grace() -> std::time::Duration {
     crate::env::debug_ms(crate::env::DEBUG_UNWRITTEN_LEASE_MS, 600_000)
 }
@@ -485,8 +483,7 @@ fn pid_namespace_number() -> Option<u64> {
 }
 
 /// Whether an unwritten lease's maker is known gone: its name says this host, boot and pid
-/// namespace, and a pid that no longer exists. Anything else may be a maker between its create
-/// and its lock, which a prober must not unlink.
+/// namespace, and a pid that no longer exists (else it may be between its create and its lock).
 fn unwritten_maker_gone(name: &str) -> bool {
     maker_here(name).is_some_and(|pid| {
         pid > 0
@@ -651,9 +648,8 @@ fn valid_name(name: &str) -> bool {
     name.ends_with(SUFFIX) && !name.contains('/') && !name.starts_with('.')
 }
 
-/// Unlinks the leases of gone owners, each under its exclusive lock, except those `keep` accepts
-/// (dead leases that may still name a holder); how many went. Call under the global lock. Through
-/// a descriptor that refused a symlink in the directory's place: no swap steers the unlinks.
+/// Unlinks the leases of gone owners under their exclusive locks, except those `keep` accepts; how
+/// many went. Through a descriptor that refused a symlink in the directory's place.
 pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
     let Ok(dir) = crate::dir::Dir::open_in_root(leases) else {
         return 0;

@@ -102,9 +102,8 @@ pub fn enclosing_now(root: &Root) -> Enclosing {
     out
 }
 
-/// The locks of this root we hold through descriptors we were started with: an enclosing
-/// command's, whatever our environment and ancestry say. A descriptor counts where its file is the
-/// one at its place under `locks` (device and inode), so the root may be reached by any path.
+/// The locks of this root held through descriptors we were started with (an enclosing command's,
+/// whatever our environment says): by device and inode, so the root may be reached by any path.
 fn inherited(locks: &Path) -> Vec<Holding> {
     use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
@@ -212,9 +211,8 @@ fn fd_ino(pid: u32, fd: &str) -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// Whether the local process `pid` may be an exec of this root (lock directory `locks`): it has one
-/// of its lock files open, judged by inode, not path (a container or bind mount sees another
-/// path); where that cannot be told, it may. `/proc`'s links are read, never followed.
+/// Whether local process `pid` may be an exec of this root: it has one of its lock files open, by
+/// inode, not path (a container sees another path); where that cannot be told, it may.
 fn works_here(pid: u32, locks: &Path) -> bool {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return true;

@@ -429,8 +429,7 @@ impl Session {
         out
     }
 
-    /// Lets every lock go, with the lock files this session made that carry no record; then our
-    /// lease lists them no more.
+    /// Lets every lock go, with the lock files this session made that carry no record.
     fn release(&mut self) {
         let rels: Vec<_> = self.images.iter().map(Image::rel).collect();
         let held = self.images.drain(..).map(|i| i.held).collect();
@@ -673,8 +672,7 @@ fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<b
 }
 
 /// An existing image's tree must be a directory of its own (one `lstat`): a symlink or file swapped
-/// in would send the command's writes elsewhere, as would a missing one in an images directory not
-/// the one recorded (unmounted, or planted).
+/// in, or a missing one where the images directory is not the recorded one, misdirects writes.
 fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
     let Some(r) = held.seen.record.as_ref() else {
         return Ok(());
