@@ -78,8 +78,15 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
     let env = command::environment(std::env::vars_os(), &told);
 
     crate::debug::pause("exec-before-spawn");
-    let inherit = |inherit| session.set_inheritable(inherit);
-    let started = start(store, &signals, plan, &env, &session.lock_fds(), &inherit);
+    let started = command::start(
+        &signals,
+        &plan.argv,
+        &env,
+        store.ctx().child_umask,
+        plan.no_inherit,
+        &session.lock_fds(),
+        &|inherit| session.set_inheritable(inherit),
+    );
     let (pid, keeper) = match started {
         Ok(started) => started,
         // Undone, unless a copy from the base already changed the image: then it is incomplete.
@@ -101,27 +108,6 @@ pub fn run(store: &mut Store, plan: &Plan) -> Result<u8> {
         }
     };
     record_outcome(store, session, &status)
-}
-
-/// Starts the command holding the locks `lock_fds`: a signal first, or a failure, is the error.
-fn start(
-    store: &Store,
-    signals: &Forwarder,
-    plan: &Plan,
-    env: &[(OsString, OsString)],
-    lock_fds: &[std::os::fd::RawFd],
-    set_inheritable: &dyn Fn(bool) -> std::io::Result<()>,
-) -> Result<(libc::pid_t, Option<crate::keeper::Keeper>)> {
-    let (argv, umask) = (&plan.argv, store.ctx().child_umask);
-    command::start(
-        signals,
-        argv,
-        env,
-        umask,
-        plan.no_inherit,
-        lock_fds,
-        set_inheritable,
-    )
 }
 
 /// The command's end is unknown (keeper gone): a failure, or 128+N if a signal was passed on.
@@ -237,8 +223,15 @@ fn run_store_wide(store: &mut Store, plan: &Plan, signals: Forwarder) -> Result<
         crate::images_dir::config(store.root()).map(|c| c.images.path_in(store.root().dir()));
     let run = || -> Result<u8> {
         let env = command::environment(std::env::vars_os(), &told(store, images_dir?.into()));
-        let inherit = |inherit| hold.set_inheritable(inherit);
-        let (pid, keeper) = start(store, &signals, plan, &env, &hold.lock_fds(), &inherit)?;
+        let (pid, keeper) = command::start(
+            &signals,
+            &plan.argv,
+            &env,
+            store.ctx().child_umask,
+            plan.no_inherit,
+            &hold.lock_fds(),
+            &|inherit| hold.set_inheritable(inherit),
+        )?;
         let status = command::wait(&signals, pid, keeper).map_err(wait_failed)?;
         Ok(command::exit_code(&status))
     };

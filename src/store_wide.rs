@@ -156,10 +156,10 @@ impl Hold {
     /// Hints each image lock file, waits for it to be free; relists until a pass finds none new.
     fn quiesce(&self, store: &Store, deadline: Option<Instant>, no_wait: bool) -> Result<()> {
         let root = store.root();
-        let mut done: HashSet<String> = HashSet::new();
+        let mut done = HashSet::new();
         loop {
-            let names = lock_file_names(root)?;
-            let fresh: Vec<String> = names.into_iter().filter(|n| !done.contains(n)).collect();
+            let mut fresh = lock_file_names(root)?;
+            fresh.retain(|n| !done.contains(n));
             if fresh.is_empty() {
                 return Ok(());
             }
@@ -327,12 +327,11 @@ fn hint_and_pass(
     let path = root.image_locks().join(file);
     let label = crate::root::lock_file_label(file);
     let err = |e| lock::error(&label, &path, e);
-    match lock::open_existing(&path).map_err(err)? {
-        Some(f) => {
-            let _ = image_record::set_store_wide(&f, true);
-        }
-        None => return Ok(()),
-    }
+    let Some(f) = lock::open_existing(&path).map_err(err)? else {
+        return Ok(());
+    };
+    let _ = image_record::set_store_wide(&f, true);
+    drop(f);
     let guard = match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Fail) {
         Ok(Some(g)) => g,
         Ok(None) => match wait_for_image(store, &path, &label, deadline, no_wait) {
