@@ -33,8 +33,14 @@ pub fn start(
                 Ok((Start::Keeper, keeper.insert(k).pid))
             })
         } else {
-            with_umask(umask, || spawn::spawn(None, command, env, Start::Command))
-                .map(|pid| (Start::Command, pid))
+            // posix_spawn cannot set a child's umask: ours meanwhile (no other thread makes files).
+            use nix::sys::stat::{Mode, umask as set};
+            let ours = umask.map(|m| set(Mode::from_bits_retain(m as libc::mode_t)));
+            let spawned = spawn::spawn(None, command, env, Start::Command);
+            if let Some(m) = ours {
+                set(m);
+            }
+            spawned.map(|pid| (Start::Command, pid))
         };
         if no_inherit || spawned.is_err() {
             set_inheritable(false)?;
@@ -54,18 +60,6 @@ fn not_run(e: anyhow::Error, what: &str) -> anyhow::Error {
         return anyhow::anyhow!("cannot run '{what}': it is a directory");
     }
     e.context(format!("cannot run '{what}'"))
-}
-
-/// Runs `f` with the process umask set to `umask` (when given), restored after: posix_spawn cannot
-/// set a child's umask. No other thread creates files meanwhile.
-fn with_umask<T>(umask: Option<u32>, f: impl FnOnce() -> T) -> T {
-    use nix::sys::stat::{Mode, umask as set};
-    let ours = umask.map(|m| set(Mode::from_bits_retain(m as libc::mode_t)));
-    let out = f();
-    if let Some(m) = ours {
-        set(m);
-    }
-    out
 }
 
 /// Waits for the command (through its keeper's report for --no-inherit).
