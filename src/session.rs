@@ -598,22 +598,18 @@ fn nothing_at(path: &Path) -> bool {
 fn check_reads(root: &Root, images: &[Image], gone: &[ImageName]) -> Result<()> {
     for img in images.iter().filter(|i| !i.writes()) {
         let name = img.held.name.as_str().to_owned();
-        if gone.contains(&img.held.name) {
-            return Err(Error::NoSuchImage(name).into());
-        }
-        if img.held.seen.damaged {
-            let path = root.image_lock(&img.held.name);
-            return Err(Error::DamagedRecord { name, path }.into());
-        }
-        let record = img.held.seen.record.as_ref();
-        match record.map(|r| r.state_seen(false)) {
-            None | Some(State::Deleting) => return Err(Error::NoSuchImage(name).into()),
-            Some(State::Ready) => {}
-            Some(s) => {
-                let state = s.as_str().to_owned();
-                return Err(Error::NotReady { name, state }.into());
-            }
-        }
+        let path = root.image_lock(&img.held.name);
+        let error = match img.held.seen.record.as_ref().map(|r| r.state_seen(false)) {
+            _ if gone.contains(&img.held.name) => Error::NoSuchImage(name),
+            _ if img.held.seen.damaged => Error::DamagedRecord { name, path },
+            None | Some(State::Deleting) => Error::NoSuchImage(name),
+            Some(State::Ready) => continue,
+            Some(s) => Error::NotReady {
+                name,
+                state: s.as_str().to_owned(),
+            },
+        };
+        return Err(error.into());
     }
     Ok(())
 }
