@@ -752,8 +752,7 @@ fn finish_write(
     let Some(mut r) = img.record.clone() else {
         return Ok(None);
     };
-    let tree = images_dir.join(img.held.name.encoded());
-    let missing = nothing_at(&tree);
+    let missing = nothing_at(&images_dir.join(img.held.name.encoded()));
     let mut note = None;
     (r.state, r.outcome) = match outcome {
         Outcome::Success if missing => match crate::images_dir::unmounted(root, images_dir) {
