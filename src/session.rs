@@ -180,10 +180,8 @@ impl Session {
             Ok(dir) => session.images_dir = dir,
             Err(e) => {
                 let _ = session.abandon();
-                if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() {
-                    return Ok(Attempt::Legacy);
-                }
-                return Err(e);
+                let legacy = e.downcast_ref::<crate::catalog::NeedsMigration>().is_some();
+                return if legacy { Ok(Attempt::Legacy) } else { Err(e) };
             }
         }
         Ok(Attempt::Started(Box::new(session)))
