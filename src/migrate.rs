@@ -368,18 +368,16 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
     let _line = crate::wait_line::announce(store.ctx(), &what, &before, None);
     let started = Instant::now();
     match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait) {
-        Ok(lock::Waited::Acquired(_)) => Ok(()),
-        Ok(lock::Waited::TimedOut) => {
+        Ok(waited) => waited.map(drop).or_else_busy(|| {
             // Who holds it now, not who did when the wait began.
             let now = holders();
-            Err(crate::Error::Busy(crate::error::Busy {
+            crate::Error::Busy(crate::error::Busy {
                 what: format!("the lock on image '{name}' (needed free to migrate the store)"),
                 holders: if now.is_empty() { before } else { now },
                 waited: started.elapsed(),
             })
-            .into())
-        }
-        Ok(lock::Waited::Interrupted(sig)) => Err(crate::Error::Interrupted(sig).into()),
+            .into()
+        }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(lock::error(&format!("image '{name}'"), &path, e)),
     }
