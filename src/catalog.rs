@@ -21,8 +21,7 @@ use crate::image_record::{Record, State};
 use crate::lock::Guard;
 use crate::root::Root;
 
-/// The catalog's schema version (`PRAGMA user_version`). Versions 1 to 10 were the metadata of
-/// releases before records (`migrate.rs`).
+/// The catalog's schema version (`PRAGMA user_version`); 1 to 10 were releases' before records.
 pub const SCHEMA: i64 = 11;
 
 const SCHEMA_SQL: &str = r#"
@@ -98,12 +97,8 @@ pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     Ok(conn)
 }
 
-/// The journal SQLite keeps beside `db` during a transaction.
-pub fn journal_of(db: &Path) -> PathBuf {
-    beside(db, "-journal")
-}
-
-fn beside(db: &Path, suffix: &str) -> PathBuf {
+/// `db` with `suffix`: a file SQLite keeps beside it (`-journal` during a transaction).
+pub fn beside(db: &Path, suffix: &str) -> PathBuf {
     let mut s = db.as_os_str().to_owned();
     s.push(suffix);
     PathBuf::from(s)
@@ -121,7 +116,7 @@ pub fn check_files(db: &Path) -> Result<()> {
 pub fn files(db: &Path) -> [(PathBuf, &'static str); 4] {
     [
         (db.to_owned(), "the catalog"),
-        (journal_of(db), "the catalog's journal"),
+        (beside(db, "-journal"), "the catalog's journal"),
         (beside(db, "-wal"), "the catalog's WAL file"),
         (beside(db, "-shm"), "the catalog's WAL index"),
     ]

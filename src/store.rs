@@ -30,8 +30,7 @@ pub struct Store {
 /// How long a wait for the global lock goes before it is reported.
 const GLOBAL_NOTICE: Duration = Duration::from_secs(2);
 
-/// Even `--no-wait` waits for the global lock (held for one short transaction), this long past the
-/// caller's deadline.
+/// How long past the caller's deadline even `--no-wait` waits for the global lock (held briefly).
 const GLOBAL_GRACE: Duration = Duration::from_secs(5);
 
 impl Store {
@@ -203,7 +202,7 @@ impl Store {
 
 /// Sets the catalog aside as `stowage.db.WHY-STAMP` (never deleted), with its journal; says where.
 pub(crate) fn set_aside(root: &Root, why: &str) -> Result<PathBuf> {
-    let journal = crate::catalog::journal_of(&root.db());
+    let journal = crate::catalog::beside(&root.db(), "-journal");
     // A journal beside a damaged file is part of it: it goes along.
     if std::fs::symlink_metadata(&journal).is_ok() {
         set_aside_file(root, &journal, why)?;
