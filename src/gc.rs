@@ -252,8 +252,7 @@ pub(crate) struct Removals {
     pub failed: Vec<String>,
 }
 
-/// Takes each removal `entries` show interrupted whose lock is free (if `take`) and finishes it (if
-/// `finish`).
+/// Takes (if `take`) and finishes (if `finish`) each interrupted removal `entries` show.
 pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: bool) -> Removals {
     let mut out = Removals::default();
     for name in interrupted(entries) {
@@ -266,13 +265,9 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
         };
         match taken {
             Taken::Held(h) if deleting(&h.seen) => {
-                let finished = match finish {
-                    true => remove::finish_held(&ctx.root, *h),
-                    false => Ok(()),
-                };
-                match finished {
-                    Ok(()) => out.finished.push(said),
-                    Err(e) => out.failed.push(format!("{e:#}")),
+                match finish.then(|| remove::finish_held(&ctx.root, *h)) {
+                    Some(Err(e)) => out.failed.push(format!("{e:#}")),
+                    _ => out.finished.push(said),
                 }
             }
             // Busy: its remover may be at it, or it finished meanwhile.
@@ -424,8 +419,7 @@ fn collect(
         state: now.state_seen(false),
         last_used: held.seen.last_use.unwrap_or(now.changed).max(now.changed),
         record: now,
-        entry: img.entry.clone(),
-        size: img.size,
+        ..img.clone()
     };
     if !qualifies(&current, reason, cutoff)
         || (reason == Reason::OverBudget && current.last_used != img.last_used)
@@ -458,9 +452,8 @@ fn collect(
     Ok(true)
 }
 
-/// Parses a size (`500M`, `4096B`): K, M, G, T, P are powers of 1024, `B`/`iB` optional after
-/// them. Bytes are said with `B` (a forgotten `G` must not empty the store); `0` needs no unit, and
-/// a byte count is whole.
+/// Parses a size (`500M`, `4096B`): K, M, G, T, P are powers of 1024, `B`/`iB` optional after them.
+/// Bytes need `B` (a forgotten `G` must not empty the store), `0` no unit; a byte count is whole.
 pub fn parse_size(raw: &str) -> Option<u64> {
     let s = raw.trim();
     if s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
