@@ -23,8 +23,7 @@ use std::time::Duration;
 use crate::clock::Millis;
 
 const FORMAT: &str = "stowage-record 1\n";
-/// The first bytes of a lock file written by a release before records (`stowage-image N`): its
-/// store must be migrated (`migrate.rs`).
+/// A lock file's first bytes from a release before records (`stowage-image N`): migrate its store.
 pub const LEGACY_PREFIX: &[u8] = b"stowage-image ";
 
 /// Size of one record slot; a record never exceeds it.
@@ -214,11 +213,8 @@ impl Record {
                 body.push_str(&format!("{key}={v}\n"));
             }
         }
-        if !clean(&self.name) {
-            return None;
-        }
         let body = sealed(body);
-        (body.len() <= SLOT).then(|| body.into_bytes())
+        (clean(&self.name) && body.len() <= SLOT).then(|| body.into_bytes())
     }
 
     fn decode(slot: &[u8]) -> Option<Record> {
