@@ -66,15 +66,14 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
                 Some(crate::planted::HARD_LINK) if holds_a_record(&dir, name) => {
                     shared_record(&path, report)
                 }
-                Some(kind) => planted(&dir, &path, kind, repair, report),
+                Some(kind) => planted(&dir, name, &path, kind, repair, report),
                 None => mode(&dir, &path, &st, repair, shared, report),
             }
         }
     }
 }
 
-/// The slot classes' directories in `locks/slots`, by entry name; an entry there that is not a
-/// directory is planted, and reported so.
+/// The slot class directories in `locks/slots`; one named as a class but no directory is planted.
 fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
     let Ok(slots) = root.open_sub("locks/slots") else {
         return Vec::new();
@@ -87,7 +86,7 @@ fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
             Ok(Some(st)) if crate::slots::validate_class(&name.replace('%', "/")).is_ok() => {
                 let kind = crate::planted::kind_of_mode(st.mode).unwrap_or("a regular file");
                 let path = root.slot_locks().join(name);
-                planted(&slots, &path, kind, repair, report);
+                planted(&slots, name, &path, kind, repair, report);
             }
             _ => {}
         }
@@ -135,8 +134,7 @@ fn what_it_replaced(path: &Path) -> &'static str {
 }
 
 /// Reports (and with `repair` sets aside) what is planted at `path`, an entry of `dir`.
-fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report) {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+fn planted(dir: &Dir, name: &str, path: &Path, kind: &str, repair: bool, report: &mut Report) {
     let replaced = what_it_replaced(path);
     // A hard link may be stowage's own file given a second name (a store copied with 'cp -al'):
     // what is wrong is the other name.
@@ -167,8 +165,7 @@ fn planted(dir: &Dir, path: &Path, kind: &str, repair: bool, report: &mut Report
     }
 }
 
-/// Reports (and with `repair`, for a file of ours, gives back) a mode that keeps this user from
-/// reading and writing a file of the layout.
+/// Reports a mode that keeps this user from reading and writing a layout file; `repair` fixes ours.
 fn mode(dir: &Dir, path: &Path, st: &Entry, repair: bool, shared: bool, report: &mut Report) {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     if dir.may_read_write(name) {

@@ -166,8 +166,7 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     if !root.exists() {
         return Err(crate::Error::NoRoot(root.dir().to_owned()).into());
     }
-    // Named as lock-status names it: by the mount table where it knows the kind ("glusterfs",
-    // where statfs says "fuse").
+    // Named as lock-status names it: by the mount table's kind ("glusterfs", not statfs's "fuse").
     let fs_info = fs::metadata(root.dir())
         .ok()
         .and_then(|m| filesystem::lock_reach_of_device(m.dev()))
