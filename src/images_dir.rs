@@ -211,8 +211,7 @@ fn moved(root: &Root, seen: &Config) -> bool {
         return false;
     }
     let _ = (|| -> Result<()> {
-        let mode = crate::lock::Mode::Exclusive;
-        let missing = crate::lock::IfMissing::Fail;
+        let (mode, missing) = (crate::lock::Mode::Exclusive, crate::lock::IfMissing::Fail);
         let Some(_global) = crate::lock::acquire_no_wait(&root.global_lock(), mode, missing)?
         else {
             return Ok(());
@@ -222,8 +221,7 @@ fn moved(root: &Root, seen: &Config) -> bool {
             return Ok(());
         };
         if now.images == ImagesDir::Default && now.identity == seen.identity {
-            now.identity = Some(root.open_sub("img")?.identity()?);
-            now.root = Some(here);
+            (now.identity, now.root) = (Some(root.open_sub("img")?.identity()?), Some(here));
             crate::config::write(root.dir(), &dir, &now)?;
         }
         Ok(())
