@@ -260,7 +260,7 @@ fn one_line(err: &anyhow::Error) -> String {
 /// Help and version go to stdout, exit 0; anything else is a usage error, exit 64, in one line with
 /// clap's suggestion.
 fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
-    use clap::error::{ContextKind, ErrorKind};
+    use clap::error::ErrorKind;
     match e.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
             return match print(&e.render().to_string()) {
@@ -273,43 +273,70 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
         }
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
             let _ = e.print();
-            return ExitCode::from(error::code::USAGE);
         }
-        _ => {}
+        _ => complain!("stowage: {}", usage_line(&e, args)),
     }
-    if let Some(line) = misplaced(&e, args) {
-        complain!("stowage: {line}");
-        return ExitCode::from(error::code::USAGE);
+    ExitCode::from(error::code::USAGE)
+}
+
+/// A usage error in one line: what, clap's suggestion, where help is (or a fix for a mistake clap
+/// misreads).
+fn usage_line(e: &clap::Error, args: &[OsString]) -> String {
+    use clap::error::{ContextKind, ErrorKind};
+    if let Some(line) = misplaced(e, args) {
+        return line;
     }
     let sub = subcommand(args);
-    let exec = sub.as_ref().is_some_and(|(name, _)| name == "exec");
-    let invalid = context(&e, ContextKind::InvalidArg);
+    let exec = sub
+        .as_ref()
+        .filter(|(name, _)| name == "exec")
+        .map(|(_, at)| *at);
+    let invalid = context(e, ContextKind::InvalidArg);
     if e.kind() == ErrorKind::UnknownArgument
-        && exec
+        && let Some(at) = exec
         && let Some(arg) = invalid.as_deref().filter(|a| !a.starts_with('-'))
     {
-        let at = sub.as_ref().map_or(0, |(_, i)| *i);
-        command_before_dashes(args, at, arg);
-        return ExitCode::from(error::code::USAGE);
+        return command_before_dashes(args, at, arg);
     }
     if e.kind() == ErrorKind::MissingRequiredArgument
-        && exec
+        && exec.is_some()
         && invalid.is_some_and(|a| a.contains("CMD"))
     {
-        complain!("stowage: no command to run: put it after '--' ({EXEC_USAGE})");
-        return ExitCode::from(error::code::USAGE);
+        return format!("no command to run: put it after '--' ({EXEC_USAGE})");
     }
-    // The help page the mistake is on: a subcommand's own (`slots set`) if one is named.
-    let page = sub.as_ref().map(|(name, at)| {
+    // clap's first paragraph says what is wrong; the argument it quotes is escaped first (a newline
+    // in it would be taken for clap's).
+    let mut text = e.render().to_string();
+    for kind in [
+        ContextKind::InvalidArg,
+        ContextKind::InvalidValue,
+        ContextKind::InvalidSubcommand,
+    ] {
+        if let Some(arg) = context(e, kind).filter(|a| a.contains('\n')) {
+            let shown = format!("'{}'", crate::ident::printable(&arg));
+            text = text.replacen(&format!("'{arg}'"), &shown, 1);
+        }
+    }
+    let what: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let what = what.join(" ");
+    let what = what.strip_prefix("error: ").unwrap_or(&what);
+    let hint = context(e, ContextKind::SuggestedArg)
+        .or_else(|| context(e, ContextKind::SuggestedSubcommand))
+        .map_or_else(String::new, |s| format!("; did you mean '{s}'?"));
+    // The help page the mistake is on: a subcommand's own (`slots set`, or `slots` for `slots foo`).
+    let page = sub.map_or_else(String::new, |(name, at)| {
         let nested = args.get(at + 1).and_then(|a| a.to_str()).filter(|a| {
             Cli::command()
-                .find_subcommand(name)
+                .find_subcommand(&name)
                 .is_some_and(|c| c.find_subcommand(a).is_some())
         });
-        nested.map_or_else(|| name.clone(), |n| format!("{name} {n}"))
+        nested.map_or_else(|| format!(" {name}"), |n| format!(" {name} {n}"))
     });
-    complain!("stowage: {}", usage_error(&e, page.as_deref()));
-    ExitCode::from(error::code::USAGE)
+    format!("{what}{hint} (see 'stowage{page} --help')")
 }
 
 /// The two mistakes clap's message misplaces: an option's value forgotten just before `--` (taken
@@ -395,19 +422,19 @@ fn context(e: &clap::Error, kind: clap::error::ContextKind) -> Option<String> {
 }
 
 /// `stowage exec --write app ch-image build …`: shows the line with the command after `--`.
-fn command_before_dashes(args: &[OsString], at: usize, arg: &str) {
+fn command_before_dashes(args: &[OsString], at: usize, arg: &str) -> String {
     let pos = command_start(args, at).filter(|&p| args[p] == arg);
     let mut fixed = lossy(&args[1..]);
     match pos {
         Some(p) if !args.iter().any(|a| a == "--") => {
             fixed.insert(p - 1, "--".into());
-            complain!(
-                "stowage: unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
+            format!(
+                "unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
                 crate::ident::shell_join(&fixed)
-            );
+            )
         }
-        _ => complain!(
-            "stowage: unexpected argument '{arg}' before '--': only options go there, the command after '--' ({EXEC_USAGE})"
+        _ => format!(
+            "unexpected argument '{arg}' before '--': only options go there, the command after '--' ({EXEC_USAGE})"
         ),
     }
 }
@@ -429,37 +456,6 @@ fn command_start(args: &[OsString], at: usize) -> Option<usize> {
         i += if value { 2 } else { 1 };
     }
     None
-}
-
-/// Any other usage error in one line: what, clap's suggestion, where help is.
-fn usage_error(e: &clap::Error, page: Option<&str>) -> String {
-    use clap::error::ContextKind;
-    // clap's first paragraph says what is wrong; the argument it quotes is escaped first (a newline
-    // in it would be taken for clap's).
-    let mut text = e.render().to_string();
-    for kind in [
-        ContextKind::InvalidArg,
-        ContextKind::InvalidValue,
-        ContextKind::InvalidSubcommand,
-    ] {
-        if let Some(arg) = context(e, kind).filter(|a| a.contains('\n')) {
-            let shown = format!("'{}'", crate::ident::printable(&arg));
-            text = text.replacen(&format!("'{arg}'"), &shown, 1);
-        }
-    }
-    let what: Vec<&str> = text
-        .lines()
-        .take_while(|l| !l.trim().is_empty())
-        .map(str::trim)
-        .collect();
-    let what = what.join(" ");
-    let what = what.strip_prefix("error: ").unwrap_or(&what);
-    let hint = context(e, ContextKind::SuggestedArg)
-        .or_else(|| context(e, ContextKind::SuggestedSubcommand))
-        .map_or_else(String::new, |s| format!("; did you mean '{s}'?"));
-    // An unknown subcommand of a subcommand (`slots foo`) is on that subcommand's page.
-    let page = page.map_or_else(String::new, |p| format!(" {p}"));
-    format!("{what}{hint} (see 'stowage{page} --help')")
 }
 
 /// exec's usage, for the mistakes made with it (one line, as every error).
