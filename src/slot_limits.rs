@@ -88,6 +88,15 @@ pub enum Class {
     Damaged,
 }
 
+impl Class {
+    pub fn limits(self) -> Option<Limits> {
+        match self {
+            Class::Limits(l) => Some(l),
+            _ => None,
+        }
+    }
+}
+
 fn encode(class: &str, l: &Limits, seq: u64) -> Vec<u8> {
     let body = format!(
         "{FORMAT}seq={seq}\nclass={class}\nlimit={}\nreserve={}\nfiles={}\nhigh_files={}\n",

@@ -78,14 +78,9 @@ pub(crate) fn candidates(dir: &Path, limits: &Limits, priority: Priority) -> Vec
 
 /// Files beyond `limits` that holders of a higher limit may still hold: normal, then reserved.
 pub(crate) fn beyond(dir: &Path, limits: &Limits) -> (Vec<PathBuf>, Vec<PathBuf>) {
-    (
-        (limits.limit..limits.files)
-            .map(|i| dir.join(Kind::Normal(i).file_name()))
-            .collect(),
-        (limits.reserve..limits.high_files)
-            .map(|i| dir.join(Kind::High(i).file_name()))
-            .collect(),
-    )
+    let normal = (limits.limit..limits.files).map(|i| dir.join(Kind::Normal(i).file_name()));
+    let high = (limits.reserve..limits.high_files).map(|i| dir.join(Kind::High(i).file_name()));
+    (normal.collect(), high.collect())
 }
 
 /// The file whose close tells waiters that the class changed.
@@ -150,6 +145,12 @@ pub fn classes(root: &Root) -> Vec<(String, Class)> {
     out
 }
 
+/// The names of the classes with limits, sorted.
+pub fn configured(root: &Root) -> Vec<String> {
+    let classes = classes(root).into_iter();
+    classes.filter_map(|(n, c)| c.limits().map(|_| n)).collect()
+}
+
 /// The limits of `class`; an unknown class is a usage error that lists the configured ones.
 pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
     match read_class(root, class)? {
@@ -160,10 +161,7 @@ pub fn lookup(root: &Root, class: &str) -> Result<Limits> {
         ),
         Class::None => {}
     }
-    let known: Vec<String> = classes(root)
-        .into_iter()
-        .filter_map(|(n, c)| matches!(c, Class::Limits(_)).then_some(n))
-        .collect();
+    let known = configured(root);
     let hint = if known.is_empty() {
         "no slot classes are configured; add one with 'stowage slots set CLASS LIMIT'".to_owned()
     } else {
@@ -181,10 +179,7 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> 
     let zero = dir
         .open_rw(Kind::Normal(0).file_name(), true)
         .map_err(|e| planted_or(&root.slot_class_dir(class).join("0.lock"), class, e))?;
-    let before = match slot_limits::read(&zero, class)? {
-        Class::Limits(l) => Some(l),
-        _ => None,
-    };
+    let before = slot_limits::read(&zero, class)?.limits();
     let kept = before.filter(|_| limit > 0).map_or(0, |b| b.reserve);
     let limits = Limits::set(limit, reserve.unwrap_or(kept), before);
     slot_limits::write(&zero, class, Some(&limits))
@@ -333,10 +328,7 @@ pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> 
 pub fn reports(look: &Look, root: &Root) -> Vec<LockReport> {
     let mut out = Vec::new();
     for (class, c) in classes(root) {
-        let limits = match c {
-            Class::Limits(l) => Some(l),
-            _ => None,
-        };
+        let limits = c.limits();
         let r = report(look, root, &class, limits);
         if limits.is_some() || !r.holders.is_empty() || !r.waiters.is_empty() {
             out.push(r);

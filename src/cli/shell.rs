@@ -182,20 +182,16 @@ fn image_names(ready: bool) -> Vec<CompletionCandidate> {
     let entries = completion_root().and_then(|r| crate::census::take(&r).ok());
     let wanted = |e: &crate::census::Entry| !ready || e.state() == Some(State::Ready);
     let names = entries.unwrap_or_default().into_iter().filter(wanted);
-    sorted(names.filter_map(|e| e.name().map(str::to_owned)))
+    let mut names: Vec<String> = names.filter_map(|e| e.name().map(str::to_owned)).collect();
+    names.sort();
+    names.into_iter().map(CompletionCandidate::new).collect()
 }
 
 /// Slot classes with limits, from their files.
 fn class_names() -> Vec<CompletionCandidate> {
-    let classes = completion_root().map(|r| crate::slots::classes(&r));
-    let limited = |(n, c)| matches!(c, crate::slot_limits::Class::Limits(_)).then_some(n);
-    sorted(classes.unwrap_or_default().into_iter().filter_map(limited))
-}
-
-fn sorted(names: impl Iterator<Item = String>) -> Vec<CompletionCandidate> {
-    let mut names: Vec<String> = names.collect();
-    names.sort();
-    names.into_iter().map(CompletionCandidate::new).collect()
+    let classes = completion_root().map(|r| crate::slots::configured(&r));
+    let classes = classes.unwrap_or_default().into_iter();
+    classes.map(CompletionCandidate::new).collect()
 }
 
 /// The root the completed line names (`--root DIR`, `--root=DIR`), else the default; never created.
