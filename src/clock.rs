@@ -86,12 +86,10 @@ pub fn rfc3339(ms: Millis) -> Option<String> {
 
 /// Local wall-clock time for messages: `12:03:04` today, else with the date.
 pub fn local_short(ms: Millis) -> String {
-    if !(0..=MAX_MS).contains(&ms) {
+    let Some((date, time)) = local_parts(ms) else {
         return "an unknown time".into();
-    }
-    let (date, time) = local_parts(ms);
-    let (today, _) = local_parts(now_ms());
-    if date == today {
+    };
+    if Some(&date) == local_parts(now_ms()).as_ref().map(|(today, _)| today) {
         time
     } else {
         format!("{date} {time}")
@@ -100,22 +98,22 @@ pub fn local_short(ms: Millis) -> String {
 
 /// Local date and time for tables: `2026-11-29 12:03`.
 pub fn local_minutes(ms: Millis) -> String {
-    if !(0..=MAX_MS).contains(&ms) {
-        return "unknown".into();
-    }
-    let (date, time) = local_parts(ms);
-    format!("{date} {}", &time[..5])
+    local_parts(ms).map_or_else(
+        || "unknown".into(),
+        |(date, time)| format!("{date} {}", &time[..5]),
+    )
 }
 
-fn local_parts(ms: Millis) -> (String, String) {
+/// The local date and time of `ms`; None before 1970 or after year 9999.
+fn local_parts(ms: Millis) -> Option<(String, String)> {
+    let utc = rfc3339(ms)?;
     let secs = (ms / 1000) as libc::time_t;
     // SAFETY: localtime_r writes only into `tm`, which we own.
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
     if unsafe { libc::localtime_r(&secs, &mut tm) }.is_null() {
-        let s = rfc3339(ms).unwrap_or_else(|| "????-??-??T??:??:??Z".into());
-        return (s[..10].to_owned(), s[11..19].to_owned());
+        return Some((utc[..10].to_owned(), utc[11..19].to_owned()));
     }
-    (
+    Some((
         format!(
             "{:04}-{:02}-{:02}",
             tm.tm_year + 1900,
@@ -123,7 +121,7 @@ fn local_parts(ms: Millis) -> (String, String) {
             tm.tm_mday
         ),
         format!("{:02}:{:02}:{:02}", tm.tm_hour, tm.tm_min, tm.tm_sec),
-    )
+    ))
 }
 
 /// "3 s", "12 min", "5 h", "2 days": how long ago, for humans.

@@ -103,11 +103,9 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     let mut buf = vec![0u8; 64 * 1024];
     let n = std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0)
         .map_err(|e| not_a_file(Unusable::because(&path, e)))?;
-    let why = || format!("{} is damaged", path.display());
+    let why = format!("{} is damaged", path.display());
     let config = Config::decode(&String::from_utf8_lossy(&buf[..n]));
-    Ok(Some(
-        config.ok_or_else(|| not_a_file(Unusable { why: why() }))?,
-    ))
+    Ok(Some(config.ok_or_else(|| not_a_file(Unusable { why }))?))
 }
 
 /// The configuration exists but cannot be read, or is not its format.
