@@ -43,7 +43,7 @@ pub(super) enum Action {
 
 #[derive(Serialize)]
 struct ClassJson<'a> {
-    name: String,
+    name: &'a str,
     limit: u32,
     reserve_high: u32,
     in_use: u32,
@@ -109,16 +109,15 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
     // Something planted in a lock directory's place is not "no classes".
     root.check_lock_dirs(|line| store.ctx().say(line))?;
     // A class whose limits cannot be read is not listed: said why, once.
-    for (class, c) in slots::classes(&root) {
-        if c == crate::slot_limits::Class::Damaged {
-            let why = match slots::read_class(&root, &class) {
-                Err(e) => format!("{e:#}"),
-                Ok(_) => format!(
-                    "the limits of slot class '{class}' are damaged; set them again with 'stowage slots set {class} LIMIT'"
-                ),
-            };
-            store.ctx().say(&why);
-        }
+    let classes = slots::classes(&root).into_iter();
+    for (class, _) in classes.filter(|(_, c)| *c == crate::slot_limits::Class::Damaged) {
+        let why = match slots::read_class(&root, &class) {
+            Err(e) => format!("{e:#}"),
+            Ok(_) => format!(
+                "the limits of slot class '{class}' are damaged; set them again with 'stowage slots set {class} LIMIT'"
+            ),
+        };
+        store.ctx().say(&why);
     }
     let look = crate::holders::Look::new(store.ctx());
     let reports: Vec<_> = slots::reports(&look, &root)
@@ -129,7 +128,7 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
         let out: Vec<ClassJson> = reports
             .iter()
             .map(|((limit, reserve_high, in_use), r)| ClassJson {
-                name: r.name.clone(),
+                name: &r.name,
                 limit: *limit,
                 reserve_high: *reserve_high,
                 in_use: *in_use,
@@ -140,10 +139,9 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
         return super::print_json(&out).map(|()| 0);
     }
     if reports.is_empty() {
-        super::print(
-            "no slot classes; add one with 'stowage slots set CLASS LIMIT [--reserve-high N]'\n",
-        )?;
-        return Ok(0);
+        let none =
+            "no slot classes; add one with 'stowage slots set CLASS LIMIT [--reserve-high N]'\n";
+        return super::print(none).map(|()| 0);
     }
     let head = ["CLASS", "LIMIT", "RESERVE HIGH", "IN USE", "WAITING"];
     let mut rows = vec![head.map(String::from)];
