@@ -165,39 +165,27 @@ mod tests {
     }
 
     #[test]
-    fn accepts_references_and_round_trips_them() {
-        for name in [
-            "alpine",
-            "alpine:3.17",
-            "registry.example:5000/team/app:v1",
-            "app@sha256:0123456789abcdef",
-            "a",
-            "x.y_z-w",
-            "team/app",
-            "a..b",
-            "a/.b",
-            "a/b/c:d@sha256:ff",
-            "r.ex:5000/x_y-z:1.0",
-        ] {
-            let n = ImageName::parse(name).unwrap_or_else(|e| panic!("{name}: {e}"));
-            let back = ImageName::from_encoded(n.encoded()).unwrap();
-            assert_eq!(back, n);
-            assert_eq!(back.as_str(), name);
-        }
-    }
-
-    #[test]
-    fn encodes_and_decodes_like_charliecloud() {
+    fn accepts_references_and_encodes_them_like_charliecloud() {
         for (name, enc) in [
+            ("alpine", "alpine"),
+            ("alpine:3.17", "alpine+3.17"),
             (
                 "registry.example:5000/team/app:v1",
                 "registry.example+5000%team%app+v1",
             ),
-            ("alpine:3.17", "alpine+3.17"),
+            ("app@sha256:0123456789abcdef", "app@sha256+0123456789abcdef"),
+            ("a", "a"),
+            ("x.y_z-w", "x.y_z-w"),
             ("team/app:v1", "team%app+v1"),
+            ("a..b", "a..b"),
+            ("a/.b", "a%.b"),
+            ("a/b/c:d@sha256:ff", "a%b%c+d@sha256+ff"),
         ] {
-            assert_eq!(ImageName::parse(name).unwrap().encoded(), enc);
-            assert_eq!(ImageName::from_encoded(enc).unwrap().as_str(), name);
+            let n = ImageName::parse(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(n.encoded(), enc);
+            let back = ImageName::from_encoded(enc).unwrap();
+            assert_eq!(back, n);
+            assert_eq!(back.as_str(), name);
         }
     }
 
