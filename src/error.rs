@@ -135,24 +135,21 @@ impl std::fmt::Display for Busy {
     }
 }
 
-impl Error {
-    pub fn exit_code(&self) -> u8 {
-        match self {
-            Error::Usage(_) | Error::InvalidName(_) => code::USAGE,
+/// The exit code for any error: the first typed [`Error`] in the chain decides, else a failure.
+pub fn exit_code(err: &anyhow::Error) -> u8 {
+    match typed(err) {
+        None => code::FAILURE,
+        Some(Error::Usage(_) | Error::InvalidName(_)) => code::USAGE,
+        Some(
             Error::NoSuchImage(_)
             | Error::NotReady { .. }
             | Error::DamagedRecord { .. }
-            | Error::NoRoot(_) => code::NO_INPUT,
-            Error::LockingUnavailable { .. } | Error::UnsafeLocking(_) => code::UNAVAILABLE,
-            Error::Busy(_) => code::TEMPFAIL,
-            Error::Interrupted(sig) | Error::Stopped(sig) => 128u8.saturating_add(*sig as u8),
-        }
+            | Error::NoRoot(_),
+        ) => code::NO_INPUT,
+        Some(Error::LockingUnavailable { .. } | Error::UnsafeLocking(_)) => code::UNAVAILABLE,
+        Some(Error::Busy(_)) => code::TEMPFAIL,
+        Some(Error::Interrupted(sig) | Error::Stopped(sig)) => 128u8.saturating_add(*sig as u8),
     }
-}
-
-/// The exit code for any error: the first typed [`Error`] in the chain decides, else a failure.
-pub fn exit_code(err: &anyhow::Error) -> u8 {
-    typed(err).map_or(code::FAILURE, Error::exit_code)
 }
 
 /// The typed error in the chain, if any, one given as a context included.
