@@ -10,18 +10,15 @@ pub const ROOT: &str = "STOWAGE_ROOT";
 pub const IMAGES_DIR: &str = "STOWAGE_IMAGES_DIR";
 /// Set for an exec's command when it writes exactly one image: its tree.
 pub const IMAGE_DIR: &str = "STOWAGE_IMAGE_DIR";
-/// Set by `stowage exec` for its command: the leases of the execs that run it, outermost first,
-/// separated by `:` (each appends its own).
+/// Set for an exec's command: the leases of the execs that run it, outermost first, `:` between.
 pub const EXEC_LEASES: &str = "STOWAGE_EXEC_LEASES";
-/// The time "now" for `gc --unused-for` and last-use times (tests, reproducible reports): RFC 3339
-/// or seconds since the epoch.
+/// The time "now" for recorded times (tests, reproducible reports): RFC 3339 or epoch seconds.
 pub const NOW: &str = "STOWAGE_NOW";
 /// The variable through which a completion script calls stowage back: stowage's own name, so
 /// another tool's `COMPLETE` in a build's environment never turns an exec into a completion.
 pub const COMPLETE: &str = "_STOWAGE_COMPLETE";
 
-/// Hidden test hook: `NAME` makes every filesystem look like NAME (`nfs`, `lustre`, `beegfs`,
-/// `tmpfs`, …), so the code for shared filesystems runs, with real processes, where there is none.
+/// Hidden test hook: every filesystem looks like NAME (`nfs`, `lustre`, `beegfs`, `tmpfs`, …).
 pub const DEBUG_FILESYSTEM: &str = "STOWAGE_DEBUG_FILESYSTEM";
 /// Hidden test hook: a file read instead of /proc/self/mountinfo (mounts that are not here).
 pub const DEBUG_MOUNTINFO: &str = "STOWAGE_DEBUG_MOUNTINFO";
@@ -31,11 +28,9 @@ pub const DEBUG_PAUSE: &str = "STOWAGE_DEBUG_PAUSE";
 pub const DEBUG_LOST_LOCK: &str = "STOWAGE_DEBUG_LOST_LOCK";
 /// Hidden test hook: SQLite's busy timeout in milliseconds.
 pub const DEBUG_DB_BUSY_MS: &str = "STOWAGE_DEBUG_DB_BUSY_MS";
-/// Hidden test hook: how long (ms) a lease nobody wrote is left to a maker that may be about to
-/// lock it (`lease.rs`; 10 minutes otherwise).
+/// Hidden test hook: ms a lease nobody wrote is left to its maker (`lease.rs`; else 10 minutes).
 pub const DEBUG_UNWRITTEN_LEASE_MS: &str = "STOWAGE_DEBUG_UNWRITTEN_LEASE_MS";
-/// Hidden test hook: ms after which an exec on a shared filesystem makes the lease it named
-/// (`lease.rs`; 30 otherwise).
+/// Hidden test hook: ms before an exec on a shared filesystem makes the lease it named (else 30).
 pub const DEBUG_ANNOUNCE_MS: &str = "STOWAGE_DEBUG_ANNOUNCE_MS";
 /// Test hook: ms between a wait's plain lines where stderr is no terminal (else one a minute).
 pub const DEBUG_WAIT_LINE_MS: &str = "STOWAGE_DEBUG_WAIT_LINE_MS";
