@@ -15,7 +15,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
-use crate::ctx::Ctx;
 use crate::dir::Dir;
 use crate::error::Error;
 use crate::holders::{LockKind, LockReport, Look, Party};
@@ -87,8 +86,8 @@ pub(crate) fn beyond(dir: &Path, limits: &Limits) -> (Vec<PathBuf>, Vec<PathBuf>
 pub(crate) const CHANGED: &str = "changed";
 
 /// Tells waiters of `class` on this host to re-read its record. Best effort.
-fn notify_change(ctx: &Ctx, class: &str) {
-    if let Ok(Some(dir)) = class_dir(&ctx.root, class) {
+fn notify_change(root: &Root, class: &str) {
+    if let Ok(Some(dir)) = class_dir(root, class) {
         let _ = dir.touch_closed(CHANGED);
     }
 }
@@ -186,7 +185,7 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> 
         .with_context(|| format!("cannot write the limits of slot class '{class}'"))?;
     settle(&root, class, &zero, limits);
     drop(global);
-    notify_change(store.ctx(), class);
+    notify_change(&root, class);
     Ok(limits)
 }
 
@@ -233,7 +232,7 @@ pub fn remove(store: &mut Store, class: &str) -> Result<u32> {
     slot_limits::write(&zero, class, None)
         .with_context(|| format!("cannot remove slot class '{class}'"))?;
     drop(zero);
-    notify_change(store.ctx(), class);
+    notify_change(&root, class);
     let mut busy = 0;
     if let Some(d) = class_dir(&root, class)? {
         for name in d.names().unwrap_or_default() {
