@@ -164,11 +164,8 @@ fn put(
 }
 
 fn random_id() -> String {
-    format!(
-        "{:016x}{:016x}",
-        crate::ident::nonce(),
-        crate::ident::nonce()
-    )
+    let nonce = crate::ident::nonce;
+    format!("{:016x}{:016x}", nonce(), nonce())
 }
 
 #[cfg(test)]

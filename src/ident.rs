@@ -60,12 +60,8 @@ pub fn nonce() -> u64 {
 
 /// `$USER`, else the password file, else the numeric uid.
 pub fn user_name() -> String {
-    if let Ok(u) = std::env::var("USER")
-        && !u.is_empty()
-    {
-        return u;
-    }
-    user_name_of(nix::unistd::getuid().as_raw())
+    let user = std::env::var("USER").ok().filter(|u| !u.is_empty());
+    user.unwrap_or_else(|| user_name_of(nix::unistd::getuid().as_raw()))
 }
 
 /// The name `/etc/passwd` gives `uid`, else the uid itself. Never asked of the C library: a static
@@ -231,11 +227,10 @@ pub fn in_group(gid: u32) -> bool {
 /// `s` cut to `max` characters, the last of them `…` where it was cut.
 pub fn shortened(s: &str, max: usize) -> String {
     if s.chars().count() <= max {
-        s.to_owned()
-    } else {
-        let cut: String = s.chars().take(max - 1).collect();
-        format!("{cut}…")
+        return s.to_owned();
     }
+    let cut: String = s.chars().take(max - 1).collect();
+    format!("{cut}…")
 }
 
 /// Joins arguments into one line a user could paste into a shell.
