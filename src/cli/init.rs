@@ -106,9 +106,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
 fn open_to_group(store: &mut Store, name: &str) -> Result<u32> {
     let gid = sharing::group_id(name)?;
     sharing::may_share(store.root().dir(), gid)?;
-    if store.ctx().child_umask.is_none() {
-        store.ctx_mut().child_umask = Some(sharing::open_umask());
-    }
+    let umask = &mut store.ctx_mut().child_umask;
+    umask.get_or_insert_with(sharing::open_umask);
     Ok(gid)
 }
 
