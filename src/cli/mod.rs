@@ -155,14 +155,12 @@ fn run(cli: Cli) -> Result<u8> {
         Command::Completions { shell } => {
             let mut script = Vec::new();
             shell::write_completions(shell, &mut script)?;
-            print(&String::from_utf8_lossy(&script))?;
-            return Ok(0);
+            return print(&String::from_utf8_lossy(&script)).map(|()| 0);
         }
         Command::Man { dir } => {
-            for page in shell::write_man_pages(Cli::command(), dir)? {
-                if cli.verbose {
-                    complain!("stowage: wrote {}", page.display());
-                }
+            let pages = shell::write_man_pages(Cli::command(), dir)?;
+            for page in pages.iter().filter(|_| cli.verbose) {
+                complain!("stowage: wrote {}", page.display());
             }
             return Ok(0);
         }
