@@ -180,8 +180,7 @@ pub fn read(file: &std::fs::File, class: &str) -> io::Result<Class> {
 pub fn write(file: &std::fs::File, class: &str, limits: Option<&Limits>) -> io::Result<()> {
     let mut buf = vec![0u8; AREA];
     let n = file.read_at(&mut buf, 0)?;
-    let current = decode(&buf[..n], class).1;
-    let (newest, seq) = current.unwrap_or((1, 0));
+    let (newest, seq) = decode(&buf[..n], class).1.unwrap_or((1, 0));
     let other = (1 - newest) as u64 * SLOT as u64;
     match limits {
         Some(l) => {
