@@ -421,10 +421,9 @@ fn context(e: &clap::Error, kind: clap::error::ContextKind) -> Option<String> {
 
 /// `stowage exec --write app ch-image build …`: shows the line with the command after `--`.
 fn command_before_dashes(args: &[OsString], at: usize, arg: &str) -> String {
-    let pos = command_start(args, at).filter(|&p| args[p] == arg);
     let mut fixed = lossy(&args[1..]);
-    match pos {
-        Some(p) if !args.iter().any(|a| a == "--") => {
+    match command_start(args, at) {
+        Some(p) if args[p] == arg && !args.iter().any(|a| a == "--") => {
             fixed.insert(p - 1, "--".into());
             format!(
                 "unexpected argument '{arg}': put the command after '--', as in: stowage {} ({EXEC_USAGE})",
