@@ -269,6 +269,14 @@ mod tests {
         let odd = std::path::Path::new(std::ffi::OsStr::from_bytes(b"/r/\xff\n"));
         assert_eq!(shell_path(odd), r"$'/r/\xff\n'");
         assert_eq!(word(""), "''");
+        assert_eq!(
+            shell_join(&["sh", "-c", "echo 'hi' there"]),
+            r"sh -c 'echo '\''hi'\'' there'"
+        );
+        assert_eq!(
+            shell_join(&["ch-image", "-t", "app", "."]),
+            "ch-image -t app ."
+        );
     }
 
     #[test]
@@ -299,17 +307,5 @@ mod tests {
         assert_eq!(printable("naïve"), "naïve");
         // A `$'…'` word to paste stays whole beside a raw newline.
         assert_eq!(printable("a\nb $'c\\nd'"), r"a\nb $'c\nd'");
-    }
-
-    #[test]
-    fn quotes_for_the_shell() {
-        assert_eq!(
-            shell_join(&["ch-image", "build", "-t", "app", "."]),
-            "ch-image build -t app ."
-        );
-        assert_eq!(
-            shell_join(&["sh", "-c", "echo 'hi' there"]),
-            r"sh -c 'echo '\''hi'\'' there'"
-        );
     }
 }
