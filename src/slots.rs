@@ -300,8 +300,7 @@ pub fn report(look: &Look, root: &Root, class: &str, limits: Option<Limits>) -> 
     let mut in_use = 0;
     let mut holders: Vec<Party> = Vec::new();
     for f in &files {
-        let path = dir.join(f);
-        let r = look.report(LockKind::Slot, class, &path);
+        let r = look.report(LockKind::Slot, class, &dir.join(f));
         if r.state != Probe::Free {
             in_use += 1;
         }
