@@ -287,25 +287,21 @@ impl TreeCopy<'_> {
     /// Creates the copy of directory `name` (mode 700 until filled) and opens both for the walk.
     fn enter_dir(&mut self, top: &Frame, name: CString, meta: libc::stat) -> Result<Frame> {
         let entry = OsStr::from_bytes(name.to_bytes());
-        top.dst
-            .mkdir(entry, 0o700)
-            .with_context(|| self.cannot_copy(&name))?;
-        let flags = libc::O_RDONLY | libc::O_DIRECTORY;
-        let (fd, lent) =
-            open_source(&top.src, &name, &meta, flags).with_context(|| self.cannot_copy(&name))?;
-        let s = Dir::from(fd);
-        let d = top
-            .dst
-            .sub(entry)
-            .with_context(|| self.cannot_copy(&name))?;
         // A filesystem mounted inside the base is not its tree: the mount point is copied, empty.
-        let names = if meta.st_dev == self.dev {
-            s.entries().with_context(|| self.cannot_copy(&name))?
-        } else {
+        let mount = meta.st_dev != self.dev;
+        let opened = (|| {
+            top.dst.mkdir(entry, 0o700)?;
+            let flags = libc::O_RDONLY | libc::O_DIRECTORY;
+            let (fd, lent) = open_source(&top.src, &name, &meta, flags)?;
+            let (s, d) = (Dir::from(fd), top.dst.sub(entry)?);
+            let names = if mount { Vec::new() } else { s.entries()? };
+            io::Result::Ok((s, d, names, lent))
+        })();
+        let (s, d, names, lent) = opened.with_context(|| self.cannot_copy(&name))?;
+        if mount {
             let mount = self.trail.show(self.src, Some(&name));
             self.out.mounts_left_out.push(mount);
-            Vec::new()
-        };
+        }
         self.trail.0.push(name);
         Ok(Frame {
             src: s,

@@ -24,7 +24,6 @@ use nix::unistd::{AccessFlags, UnlinkatFlags};
 
 use crate::error::{cstr, cvt, retrying};
 
-/// An open directory.
 #[derive(Debug)]
 pub struct Dir {
     fd: OwnedFd,
@@ -79,7 +78,6 @@ impl Entry {
     }
 }
 
-/// Every field of the stat of `fd`.
 pub fn fstat(fd: impl AsFd) -> io::Result<libc::stat> {
     Ok(nix::sys::stat::fstat(fd)?)
 }
@@ -92,7 +90,6 @@ pub(crate) fn chmod_o_path(fd: std::os::fd::RawFd, mode: libc::mode_t) -> io::Re
 }
 
 const DIR_FLAGS: libc::c_int = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
-/// An anchor's flags ([`Dir::anchor`]).
 const ANCHOR_FLAGS: libc::c_int = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
 
 impl Dir {
@@ -113,8 +110,7 @@ impl Dir {
         Self::open_flags(path, ANCHOR_FLAGS)
     }
 
-    /// [`Dir::anchor`], refusing a symlink as the last component (with
-    /// `O_DIRECTORY`, `O_PATH|O_NOFOLLOW` of a symlink is `ENOTDIR`).
+    /// [`Dir::anchor`], refusing a symlink as the last component (`ENOTDIR`).
     pub fn anchor_nofollow(path: &Path) -> io::Result<Dir> {
         Self::open_flags(path, ANCHOR_FLAGS | libc::O_NOFOLLOW)
     }
@@ -159,7 +155,6 @@ impl Dir {
         Ok(openat(self, name, OFlag::from_bits_retain(flags), mode)?)
     }
 
-    /// The directory itself.
     pub fn stat(&self) -> io::Result<Entry> {
         Ok(entry(&fstat(self)?))
     }

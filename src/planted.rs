@@ -93,19 +93,6 @@ pub fn expected(kind: &str) -> &'static str {
     }
 }
 
-/// The kind of a file an open refused for its type (`ELOOP`, `ENXIO`, `EISDIR`), asked of the entry
-/// itself without following it; `None` for any other failure.
-fn kind_refused(path: &Path, e: &io::Error) -> Option<&'static str> {
-    let by_errno = match e.raw_os_error()? {
-        libc::ELOOP => "a symlink",
-        libc::EISDIR => "a directory",
-        libc::ENXIO => "a socket",
-        _ => return None,
-    };
-    let m = std::fs::symlink_metadata(path).ok();
-    Some(m.and_then(|m| kind_of_mode(m.mode())).unwrap_or(by_errno))
-}
-
 /// The first directory on the way to `path` that is not one (a symlink, a file, a FIFO …), for an
 /// open that failed with `ELOOP` or `ENOTDIR` on the way: the component to name.
 fn on_the_way(path: &Path) -> Option<(PathBuf, &'static str)> {
@@ -126,7 +113,18 @@ pub fn refused(path: &Path, e: io::Error) -> io::Error {
     {
         return not_a_dir(&dir, kind);
     }
-    kind_refused(path, &e).map_or(e, |kind| not_a_file(path, kind))
+    // The kind is asked of the entry itself, not followed; the errno says it if that fails.
+    let by_errno = match e.raw_os_error() {
+        Some(libc::ELOOP) => "a symlink",
+        Some(libc::EISDIR) => "a directory",
+        Some(libc::ENXIO) => "a socket",
+        _ => return e,
+    };
+    let m = std::fs::symlink_metadata(path).ok();
+    not_a_file(
+        path,
+        m.and_then(|m| kind_of_mode(m.mode())).unwrap_or(by_errno),
+    )
 }
 
 pub fn not_a_file(path: &Path, kind: &'static str) -> io::Error {

@@ -192,26 +192,24 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
 /// Takes an image tree out of the images directory: into the trash, or deleted in place (EXDEV).
 fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageName) -> Taken {
     let enc = name.encoded();
-    match images.stat_at(enc) {
+    match (images.stat_at(enc)).with_context(|| format!("cannot inspect {}", tree.display())) {
         Ok(None) => return Taken::Gone,
+        Err(e) => return Taken::Refused(e),
         Ok(Some(_)) => {}
-        Err(e) => {
-            let e = anyhow::Error::new(e).context(format!("cannot inspect {}", tree.display()));
-            return Taken::Refused(e);
-        }
-    };
-    let dest = trash_name(enc);
+    }
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let (now, nonce) = (clock::now_ms(), crate::ident::nonce());
+    let (seq, short) = (SEQ.fetch_add(1, Ordering::Relaxed), enc.chars().take(100));
+    let dest = format!("{now}.{nonce:016x}.{seq}.{}", short.collect::<String>());
     match images.rename_to(enc, trash, &dest) {
         Ok(()) => Taken::Trashed(dest.into()),
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
             let mut removed = 0;
-            let Err(e) = images.remove_entry(enc, &mut removed) else {
-                return Taken::Deleted;
-            };
-            let e = anyhow::Error::new(e).context(format!("cannot delete {}", tree.display()));
-            match removed {
-                0 => Taken::Refused(e),
-                _ => Taken::Partial(e),
+            let r = images.remove_entry(enc, &mut removed);
+            match r.with_context(|| format!("cannot delete {}", tree.display())) {
+                Ok(()) => Taken::Deleted,
+                Err(e) if removed == 0 => Taken::Refused(e),
+                Err(e) => Taken::Partial(e),
             }
         }
         Err(e) => {
@@ -231,17 +229,6 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
             )))
         }
     }
-}
-
-fn trash_name(enc: &str) -> String {
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let short: String = enc.chars().take(100).collect();
-    format!(
-        "{}.{:016x}.{}.{short}",
-        clock::now_ms(),
-        crate::ident::nonce(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    )
 }
 
 /// Removes an image's empty directory (undoing a start) via the images directory's descriptor.

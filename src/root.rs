@@ -147,7 +147,7 @@ impl Root {
         match root.sub(name) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => mkdir_in(&root, name, &at)?,
             other => return other.map_err(|e| not_a_dir(&at, e)),
-        }
+        };
         root.sub(name).map_err(|e| not_a_dir(&at, e))
     }
 
@@ -188,23 +188,23 @@ impl Root {
     /// Unlinks the lock file at `path` if, under its exclusive lock taken without waiting, it names
     /// nothing (no record, hint or last use).
     pub fn unlink_if_empty(&self, path: &Path) -> bool {
-        let (mode, missing) = (crate::lock::Mode::Exclusive, crate::lock::IfMissing::Fail);
-        let Ok(Some(g)) = crate::lock::acquire_no_wait(path, mode, missing) else {
-            return false;
-        };
-        crate::image_record::read(g.file()).is_ok_and(|s| s.names_nothing())
-            && self.unlink_lock(g).is_ok()
+        self.unlink_if_free(path, |f| {
+            crate::image_record::read(f).is_ok_and(|s| s.names_nothing())
+        })
     }
 
     /// Unlinks an image's gate under its own exclusive lock; kept while someone is passing it.
     pub fn unlink_gate(&self, name: &ImageName) {
-        if let Ok(Some(gate)) = crate::lock::acquire_no_wait(
-            &self.image_gate(name),
-            crate::lock::Mode::Exclusive,
-            crate::lock::IfMissing::Fail,
-        ) {
-            let _ = self.unlink_lock(gate);
-        }
+        self.unlink_if_free(&self.image_gate(name), |_| true);
+    }
+
+    /// Unlinks the lock file at `path` if its exclusive lock is free and `unused` says so of it.
+    fn unlink_if_free(&self, path: &Path, unused: impl FnOnce(&fs::File) -> bool) -> bool {
+        let (mode, missing) = (crate::lock::Mode::Exclusive, crate::lock::IfMissing::Fail);
+        let Ok(Some(g)) = crate::lock::acquire_no_wait(path, mode, missing) else {
+            return false;
+        };
+        unused(g.file()) && self.unlink_lock(g).is_ok()
     }
 
     /// Opens images directory `dir` (the default via the root's descriptor), refusing a symlink.
@@ -411,11 +411,8 @@ impl Root {
             ),
             None => (root.duplicate()?, rel),
         };
-        match parent.mkdir(name, 0o777) {
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            made => {
-                return made.with_context(|| format!("cannot create directory {}", path.display()));
-            }
+        if mkdir_in(&parent, name, &path)? {
+            return Ok(());
         }
         match parent.stat_at(name)? {
             Some(e) if e.is_dir() => Ok(()),
@@ -732,13 +729,14 @@ pub(crate) fn names_in(dir: &Path) -> Vec<String> {
     names.filter_map(|n| n.into_string().ok()).collect()
 }
 
-/// Makes directory `name` (at `path`) in `parent`; one made there meanwhile is as good.
-pub(crate) fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<()> {
+/// Makes directory `name` (at `path`) in `parent`; one made there meanwhile is as good. Returns
+/// whether this call made it.
+pub(crate) fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<bool> {
     match parent.mkdir(name, 0o777) {
-        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
-            Err(e).with_context(|| format!("cannot create directory {}", path.display()))
-        }
-        _ => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+        made => made
+            .map(|()| true)
+            .with_context(|| format!("cannot create directory {}", path.display())),
     }
 }
 
