@@ -113,16 +113,12 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         }
         visit(d, &name, &st).map_err(|e| bounded(e, &trail, &name))?;
         if dir::file_type(&st) == libc::S_IFDIR {
-            // Failing would leave the image unmeasured, counted as nothing against gc's budget.
-            let denied = |e: &io::Error| e.raw_os_error() == Some(libc::EACCES);
-            let sub = match d.sub(OsStr::from_bytes(name.to_bytes())) {
-                Ok(s) => s,
-                Err(e) if gone(&e) || denied(&e) => continue,
-                Err(e) => return Err(bounded(e, &trail, &name)),
-            };
-            let names = match sub.entries() {
-                Ok(n) => n,
-                Err(e) if denied(&e) => continue,
+            // A listing never fails for a directory gone (`Dir::listing`).
+            let sub = d.sub(OsStr::from_bytes(name.to_bytes()));
+            let (names, sub) = match sub.and_then(|s| Ok((s.entries()?, s))) {
+                Ok(found) => found,
+                // Failing would leave the image unmeasured, counted as nothing against gc's budget.
+                Err(e) if gone(&e) || e.raw_os_error() == Some(libc::EACCES) => continue,
                 Err(e) => return Err(bounded(e, &trail, &name)),
             };
             trail.0.push(name);
