@@ -200,10 +200,9 @@ pub fn copy_tree_at(
     Ok(copy.out)
 }
 
-/// Makes the copy's (empty) top ours alone while the copy is made, and returns the mode it had:
-/// attributes are set by name (a FIFO, a symlink), and a member of a group store could otherwise
-/// swap in a link between the create and the chmod. So it must be ours (its owner keeps access
-/// whatever root does) and empty (a name made before may be held open by its maker).
+/// Makes the copy's top ours alone while the copy is made; returns the mode it had. Attributes are
+/// set by name, so a group store's member could otherwise swap in a link between create and chmod:
+/// it must be ours and empty (a name made before may be held open by its maker).
 fn make_private(top: &Dir, dst: &Path) -> Result<libc::mode_t> {
     let dst = dst.display();
     let st = dir::fstat(top).with_context(|| format!("cannot read {dst}"))?;

@@ -718,10 +718,8 @@ fn refused_here(stack: &[Level], e: io::Error, access: libc::c_int) -> io::Error
     explain_refusal(e, &[(dir, None, access, &shown(&trail(stack)))])
 }
 
-/// Removes the entry `name` of the walk's current level (the top of `stack`) unless it is a
-/// directory; a directory (on the tree's filesystem, not a mount point) is opened instead, made
-/// writable and listed: the next level to empty. A step refused by permissions names the directory
-/// that refused it (its path from the top, computed only then).
+/// Removes the entry `name` of the walk's current level, or opens it if a directory (not a mount
+/// point): the next level to empty. A refused step names its directory (its path made only then).
 fn remove_or_open(
     stack: &[Level],
     name: OsString,

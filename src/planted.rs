@@ -272,9 +272,8 @@ pub fn type_and_links(file: &File) -> io::Result<(u32, u64)> {
     }
 }
 
-/// `statx` of what `fd` is open on, asking for the fields `mask`. The system call itself, not
-/// libc's wrapper: in a static build a weak declaration of the symbol can win and leave the call
-/// jumping to address 0 (clone.rs, copy_in_kernel).
+/// `statx` of what `fd` is open on, fields `mask`: the system call itself, as in a static build
+/// libc's weak symbol can leave the call jumping to address 0.
 pub(crate) fn statx(fd: impl AsFd, mask: u32) -> io::Result<libc::statx> {
     // SAFETY: all-zero bytes are a valid value of this plain C struct.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };

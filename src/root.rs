@@ -647,9 +647,8 @@ impl Root {
         Ok(())
     }
 
-    /// Refuses a root whose locks would not exclude other hosts: NFS mounted with `nolock` or
-    /// `local_lock=flock|posix|all`, Lustre with `localflock` or `noflock`, BeeGFS without global
-    /// file locks. (`doctor` reports it instead of refusing.)
+    /// Refuses a root whose locks would not exclude other hosts ([`crate::filesystem::Reach`]);
+    /// `doctor` reports it instead.
     pub fn check_locking(&mut self) -> Result<()> {
         // From the mount table (no request to an NFS server), else from a statfs of the root.
         let (reach, mount, own) = self

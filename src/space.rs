@@ -43,9 +43,7 @@ pub fn target(reserve: &Path) -> u64 {
 fn open(reserve: &Path, create: bool) -> Option<std::fs::File> {
     let create = if create { libc::O_CREAT } else { 0 };
     let f = crate::planted::open(reserve, libc::O_WRONLY | create, 0o666).ok()?;
-    crate::planted::check_written(reserve, &f)
-        .is_ok()
-        .then_some(f)
+    crate::planted::check_written(reserve, &f).ok().map(|()| f)
 }
 
 /// Empties the reserve; true if it gave back any space.
