@@ -109,19 +109,13 @@ fn parse_mountinfo(text: &str) -> Vec<Mount> {
 
 /// mountinfo escapes space, tab, newline and backslash as octal.
 fn unescape(s: &str) -> String {
-    let mut out = String::new();
-    let mut chars = s.chars().peekable();
+    let (mut out, mut chars) = (String::new(), s.chars());
     while let Some(c) = chars.next() {
-        if c == '\\' {
-            let oct: String = chars.by_ref().take(3).collect();
-            if let Ok(v) = u8::from_str_radix(&oct, 8) {
-                out.push(v as char);
-                continue;
-            }
-            out.push(c);
-            out.push_str(&oct);
-        } else {
-            out.push(c);
+        // The three octal digits after a backslash; nothing after any other character.
+        let oct: String = chars.by_ref().take(if c == '\\' { 3 } else { 0 }).collect();
+        match u8::from_str_radix(&oct, 8) {
+            Ok(v) => out.push(v as char),
+            Err(_) => out.extend([c].into_iter().chain(oct.chars())),
         }
     }
     out
