@@ -58,11 +58,10 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         .map(|c| image_record::Record::unknown(held.name.as_str(), c.images, clock::now_ms()));
     // A damaged record is an image of unknown state: removed on request.
     let Some(before) = held.seen.record.clone().or(unknown) else {
-        let name = held.name.clone();
         // The file (perhaps made by the very lock taken) names nothing.
         let _ = root.unlink_lock(held.guard);
-        root.unlink_gate(&name);
-        return Err(crate::Error::NoSuchImage(name.as_str().to_owned()).into());
+        root.unlink_gate(&held.name);
+        return Err(crate::Error::NoSuchImage(held.name.as_str().to_owned()).into());
     };
     let state = before.state_seen(false);
     let images_dir = crate::images_dir::of_record(root, &before)?;
@@ -307,14 +306,13 @@ pub(crate) fn release_unclaimed(root: &Root, held: Vec<Held>, waited_for: &[Imag
         if !h.seen.unrecorded() {
             continue;
         }
-        let name = h.name.clone();
         if h.guard.mode() == Mode::Exclusive {
             let _ = root.unlink_lock(h.guard);
-            root.unlink_gate(&name);
+            root.unlink_gate(&h.name);
         } else {
             // Let go first: only an exclusive holder may unlink it.
             drop(h.guard);
-            shared.push(name);
+            shared.push(h.name);
         }
     }
     for name in shared.iter().chain(waited_for) {
