@@ -772,11 +772,8 @@ impl Trail {
         let head: String = full.chars().take(SHOWN / 3).collect();
         let skip = full.chars().count().saturating_sub(SHOWN / 2);
         let tail: String = full.chars().skip(skip).collect();
-        format!(
-            "{head}…({} more bytes, depth {})…{tail}",
-            full.len() - head.len() - tail.len(),
-            parts.len() - 1
-        )
+        let (more, depth) = (full.len() - head.len() - tail.len(), parts.len() - 1);
+        format!("{head}…({more} more bytes, depth {depth})…{tail}")
     }
 }
 

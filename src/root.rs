@@ -707,10 +707,8 @@ fn not_a_dir(path: &Path, e: io::Error) -> anyhow::Error {
     } else {
         planted::FIX
     };
-    anyhow::anyhow!(
-        "{} is {kind}, not a directory: refusing to use it; {fix}",
-        path.display()
-    )
+    let shown = path.display();
+    anyhow::anyhow!("{shown} is {kind}, not a directory: refusing to use it; {fix}")
 }
 
 /// Whether an error comes of something missing (a file, a directory of the layout).
@@ -741,22 +739,20 @@ pub(crate) fn mkdir_in(parent: &Dir, name: &str, path: &Path) -> Result<bool> {
 
 /// Creates `dir` (and missing parents), refusing a symlink in its place.
 pub fn make_dir(dir: &Path) -> Result<()> {
+    let shown = dir.display();
     match fs::symlink_metadata(dir) {
         Ok(m) if m.is_dir() => return Ok(()),
         Ok(m) if m.file_type().is_symlink() => {
-            anyhow::bail!(
-                "{} is a symlink, not a directory; refusing to use it",
-                dir.display()
-            )
+            anyhow::bail!("{shown} is a symlink, not a directory; refusing to use it")
         }
-        Ok(_) => anyhow::bail!("{} exists and is not a directory", dir.display()),
+        Ok(_) => anyhow::bail!("{shown} exists and is not a directory"),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", dir.display())),
+        Err(e) => return Err(e).with_context(|| format!("cannot inspect {shown}")),
     }
     match fs::create_dir_all(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
-        Err(e) => Err(e).with_context(|| format!("cannot create directory {}", dir.display())),
+        Err(e) => Err(e).with_context(|| format!("cannot create directory {shown}")),
     }
 }
 

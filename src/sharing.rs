@@ -38,13 +38,9 @@ pub struct Wrong {
 impl Wrong {
     /// "locks/images (mode 755, uid 0, group 0)"
     pub fn describe(&self) -> String {
-        format!(
-            "{} (mode {:o}, uid {}, group {})",
-            if self.rel.is_empty() { "." } else { &self.rel },
-            self.mode & 0o7777,
-            self.uid,
-            self.gid
-        )
+        let rel = if self.rel.is_empty() { "." } else { &self.rel };
+        let (mode, uid, gid) = (self.mode & 0o7777, self.uid, self.gid);
+        format!("{rel} (mode {mode:o}, uid {uid}, group {gid})")
     }
 }
 
@@ -224,10 +220,9 @@ pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
     if let Ok(m) = fs::symlink_metadata(dir)
         && m.uid() != euid
     {
+        let (root, uid) = (dir.display(), m.uid());
         anyhow::bail!(
-            "root {} belongs to uid {}: only its owner (or root) can share it with a group",
-            dir.display(),
-            m.uid()
+            "root {root} belongs to uid {uid}: only its owner (or root) can share it with a group"
         );
     }
     if !crate::ident::in_group(gid) {
@@ -237,11 +232,8 @@ pub fn may_share(dir: &Path, gid: u32) -> Result<()> {
 }
 
 fn not_in_group(dir: &Path, gid: u32) -> anyhow::Error {
-    anyhow::anyhow!(
-        "cannot give root {} group {gid}: you are not in that group (see {})",
-        dir.display(),
-        crate::error::GROUP_STORE_DOC
-    )
+    let (root, doc) = (dir.display(), crate::error::GROUP_STORE_DOC);
+    anyhow::anyhow!("cannot give root {root} group {gid}: you are not in that group (see {doc})")
 }
 
 /// Makes the root at `dir` a group store for `gid`: its group, group-writable, setgid, not o+w.
