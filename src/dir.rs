@@ -757,14 +757,10 @@ impl Trail {
     /// `top/a/b/name`, or for a path longer than a line
     /// `top/a/b/…(2400 more bytes, depth 1200)…/y/name`.
     pub fn show(&self, top: &Path, name: Option<&CStr>) -> String {
-        let mut parts: Vec<String> = vec![top.display().to_string()];
-        parts.extend(
-            self.0
-                .iter()
-                .map(CString::as_c_str)
-                .chain(name)
-                .map(|c| String::from_utf8_lossy(c.to_bytes()).into_owned()),
-        );
+        let names = self.0.iter().map(CString::as_c_str).chain(name);
+        let names = names.map(|c| String::from_utf8_lossy(c.to_bytes()).into_owned());
+        let top = std::iter::once(top.display().to_string());
+        let parts: Vec<String> = top.chain(names).collect();
         let full = parts.join("/");
         if full.len() <= SHOWN {
             return full;

@@ -225,11 +225,8 @@ fn reach_with(fs: &Filesystem, mount: Option<&Mount>) -> Reach {
 fn nfs_reach(options: &[String]) -> Reach {
     let local_only =
         |o: &&String| *o == "nolock" || (o.starts_with("local_lock=") && *o != "local_lock=none");
-    let bad: Vec<&str> = options
-        .iter()
-        .filter(local_only)
-        .map(String::as_str)
-        .collect();
+    let bad = options.iter().filter(local_only).map(String::as_str);
+    let bad: Vec<&str> = bad.collect();
     if bad.is_empty() {
         return Reach::ClusterWide;
     }

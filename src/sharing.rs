@@ -68,12 +68,9 @@ fn parts(root: &Root) -> Vec<(String, bool)> {
     for (class, is_dir) in entries(&root.slot_locks()) {
         if is_dir {
             let rel = format!("locks/slots/{class}");
-            out.extend(
-                entries(&root.dir().join(&rel))
-                    .into_iter()
-                    .filter(|(_, d)| !d)
-                    .map(|(n, _)| (format!("{rel}/{n}"), false)),
-            );
+            let files = entries(&root.dir().join(&rel)).into_iter();
+            let files = files.filter(|(_, d)| !d);
+            out.extend(files.map(|(n, _)| (format!("{rel}/{n}"), false)));
             out.push((rel, true));
         }
     }
