@@ -161,6 +161,7 @@ pub fn copy_tree_at(
         progress.total = walked.map_or(0, |()| total);
     }
     let meta = dir::fstat(&src_root).with_context(|| format!("cannot read {}", src.display()))?;
+    let mount = src_root.mount_id();
     let was = make_private(&dst_root, dst)?;
     let names = src_root
         .entries()
@@ -179,6 +180,7 @@ pub fn copy_tree_at(
         dst,
         dst_root,
         dev: meta.st_dev,
+        mount,
         trail: Trail::default(),
         links: HashMap::new(),
         reflink_works: true,
@@ -231,8 +233,9 @@ struct TreeCopy<'a> {
     dst: &'a Path,
     /// The top of the copy, where hard links find their first copies.
     dst_root: Dir,
-    /// The base's filesystem: a directory on another is a mount point.
+    /// The base's filesystem and mount: a directory on another is a mount point.
     dev: u64,
+    mount: Option<u64>,
     /// The names from the tops down to the directory being copied.
     trail: Trail,
     /// First copy of each hard-linked inode, as names from `dst`.
@@ -286,17 +289,19 @@ impl TreeCopy<'_> {
     /// Creates the copy of directory `name` (mode 700 until filled) and opens both for the walk.
     fn enter_dir(&mut self, top: &Frame, name: CString, meta: libc::stat) -> Result<Frame> {
         let entry = OsStr::from_bytes(name.to_bytes());
-        // A filesystem mounted inside the base is not its tree: the mount point is copied, empty.
-        let mount = meta.st_dev != self.dev;
         let opened = (|| {
             top.dst.mkdir(entry, 0o700)?;
             let flags = libc::O_RDONLY | libc::O_DIRECTORY;
             let (fd, lent) = open_source(&top.src, &name, &meta, flags)?;
             let (s, d) = (Dir::from(fd), top.dst.sub(entry)?);
+            // A filesystem mounted inside the base is not its tree: the mount point is copied,
+            // empty. A bind mount of the base's own filesystem shows only in its mount id.
+            let mount =
+                meta.st_dev != self.dev || (self.mount.is_some() && s.mount_id() != self.mount);
             let names = if mount { Vec::new() } else { s.entries()? };
-            io::Result::Ok((s, d, names, lent))
+            io::Result::Ok((s, d, names, lent, mount))
         })();
-        let (s, d, names, lent) = opened.with_context(|| self.cannot_copy(&name))?;
+        let (s, d, names, lent, mount) = opened.with_context(|| self.cannot_copy(&name))?;
         if mount {
             let mount = self.trail.show(self.src, Some(&name));
             self.out.mounts_left_out.push(mount);

@@ -174,7 +174,7 @@ impl Dir {
 
     /// The id of the mount this directory is on, where the kernel says (Linux 5.8+). Unlike the
     /// device number it tells a bind mount of the same filesystem apart.
-    fn mount_id(&self) -> Option<u64> {
+    pub fn mount_id(&self) -> Option<u64> {
         let stx = crate::planted::statx(self, libc::STATX_MNT_ID).ok()?;
         (stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
     }

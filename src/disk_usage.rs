@@ -1,7 +1,7 @@
 //! Disk usage of an image tree, as gc and `images` count it.
 //!
 //! - Allocated blocks (a sparse file counts what it uses), each hard-linked inode once, symlinks as
-//!   themselves, never crossing into another filesystem.
+//!   themselves, never crossing into another filesystem or mount (a bind mount has the same device).
 //! - Shared extents (reflinks on btrfs, XFS, bcachefs): the walk keeps each file's
 //!   `FIEMAP_EXTENT_SHARED` ranges, so a [`Footprint`] of all images says what they take together
 //!   and what removing one frees. A range shared outside the store counts as the image's own.
@@ -78,7 +78,7 @@ pub fn can_share(dir: &Path) -> bool {
 type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 
 /// Calls `visit` for every entry under `dir` (the top as `(dir, ".")`), depth first, on the top's
-/// filesystem. Entries that vanish are skipped, and a directory we may not read counts as itself.
+/// filesystem and mount. Entries that vanish are skipped; a directory we may not read counts as itself.
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
     let _files = dir::MoreFiles::raise();
     let top = match Dir::open_nofollow(dir) {
@@ -87,7 +87,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
     let st = dir::fstat(&top)?;
-    let dev = st.st_dev;
+    let (dev, mount) = (st.st_dev, top.mount_id());
     visit(&top, c".", &st)?;
     let names = top.entries()?;
     let mut trail = Trail::default();
@@ -111,14 +111,25 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         if st.st_dev != dev {
             continue;
         }
+        // A directory is opened before it is counted: a bind mount of this same filesystem has
+        // its device number, and only the mount id tells it is not the tree.
+        let sub = match dir::file_type(&st) == libc::S_IFDIR {
+            false => None,
+            true => match d.sub(OsStr::from_bytes(name.to_bytes())) {
+                Ok(sub) if mount.is_some() && sub.mount_id() != mount => continue,
+                Ok(sub) => Some(sub),
+                Err(e) if gone(&e) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EACCES) => None,
+                Err(e) => return Err(bounded(e, &trail, &name)),
+            },
+        };
         visit(d, &name, &st).map_err(|e| bounded(e, &trail, &name))?;
-        if dir::file_type(&st) == libc::S_IFDIR {
+        if let Some(sub) = sub {
             // A listing never fails for a directory gone (`Dir::listing`).
-            let sub = d.sub(OsStr::from_bytes(name.to_bytes()));
-            let (names, sub) = match sub.and_then(|s| Ok((s.entries()?, s))) {
-                Ok(found) => found,
+            let names = match sub.entries() {
+                Ok(names) => names,
                 // Failing would leave the image unmeasured, counted as nothing against gc's budget.
-                Err(e) if gone(&e) || e.raw_os_error() == Some(libc::EACCES) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EACCES) => continue,
                 Err(e) => return Err(bounded(e, &trail, &name)),
             };
             trail.0.push(name);

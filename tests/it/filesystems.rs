@@ -393,6 +393,39 @@ fn a_copy_from_a_base_leaves_out_a_filesystem_mounted_inside_it() {
     assert!(stderr(&out).contains("mount point"), "{}", show(&out));
 }
 
+#[test]
+fn a_bind_mount_of_the_same_filesystem_inside_a_base_is_neither_copied_nor_counted() {
+    if !root_or_skip("bind mounts") {
+        return;
+    }
+    let env = Env::new();
+    env.build(
+        "base",
+        "mkdir \"$STOWAGE_IMAGE_DIR/mnt\" && echo own > \"$STOWAGE_IMAGE_DIR/own\"",
+    );
+    // A build bind-mounted a host directory of the store's own filesystem into its tree and
+    // died before unmounting it: the device number is the tree's, only the mount differs.
+    let v = victim(&env);
+    fs::write(v.join("big"), vec![7u8; 4 << 20]).unwrap();
+    let Some(_m) = Mount::at(
+        &["--bind", v.to_str().unwrap()],
+        &env.root.join("img/base/mnt"),
+    ) else {
+        eprintln!("skipping: cannot bind-mount here");
+        return;
+    };
+    let images = env.images_json();
+    let size = images[0]["size_bytes"].as_u64().unwrap();
+    assert!(size < 1 << 20, "the host's files were counted: {images:?}");
+    let out = env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    let app = env.root.join("img/app");
+    assert_eq!(fs::read_to_string(app.join("own")).unwrap(), "own\n");
+    let copied = fs::read_dir(app.join("mnt")).unwrap().count();
+    assert_eq!(copied, 0, "the host's files were copied: {}", show(&out));
+    assert!(stderr(&out).contains("mount point"), "{}", show(&out));
+    assert_intact(&v);
+}
+
 // --- network and cluster filesystems ----------------------------------------
 
 /// A mountinfo that puts the test's directory on a filesystem of `fstype`
