@@ -244,9 +244,21 @@ pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
     if config.images == ImagesDir::Default && moved(root, &config) {
         return None;
     }
-    let recorded = config.identity?;
+    not_the_recorded(&config, &images, dir)
+}
+
+/// Why a new image's tree may not be made in `images`, opened as `dir`: a configured images
+/// directory that is not the one recorded (unmounted, or another filesystem in its place) would
+/// hide the tree once the right one is mounted again.
+pub fn refused_for_new(config: &Config, images: &Dir, dir: &Path) -> Option<String> {
+    let external = matches!(config.images, ImagesDir::External(_));
+    external.then(|| not_the_recorded(config, images, dir))?
+}
+
+fn not_the_recorded(config: &Config, images: &Dir, dir: &Path) -> Option<String> {
+    let recorded = config.identity.as_deref()?;
     let now = images.identity().ok()?;
-    (!crate::dir::same_identity(&recorded, &now)).then(|| {
+    (!crate::dir::same_identity(recorded, &now)).then(|| {
         format!(
             "images directory {} is not the directory recorded ({now}, not {recorded}): is the right filesystem mounted? ('stowage init' accepts it)",
             dir.display()

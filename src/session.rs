@@ -632,12 +632,15 @@ fn start_new(
     let config = crate::images_dir::config(root)?;
     let dir = crate::images_dir::checked(root, &config)?;
     let name = img.held.name.clone();
+    let images = root.anchor_images_dir(&dir)?;
+    if let Some(why) = crate::images_dir::refused_for_new(&config, &images, &dir) {
+        anyhow::bail!("cannot create image '{name}': {why}");
+    }
     let mut r = Record::new(name.as_str(), config.images.clone(), now);
     (r.base, r.writer) = (base, lease);
     write_record(store, &mut img.held, &r)?;
     img.record = Some(r);
     crate::debug::pause("new-recorded");
-    let images = root.anchor_images_dir(&dir)?;
     img.made_tree = make_tree(&images, &dir, &name)?;
     if !img.made_tree {
         refuse_planted(&images, &dir, &name)?;

@@ -172,23 +172,10 @@ fn nothing_is_removed_while_the_images_directory_is_unmounted() {
     let Some(m) = env.init_on_tmpfs() else {
         return;
     };
-    let images = m.dir.clone();
     for name in ["a", "b", "c"] {
         env.make_image(name);
     }
-    // Move the filesystem away (as an unmount would, keeping its trees)
-    // and leave the empty mount point.
-    let aside = env.tmp.path().join("aside");
-    fs::create_dir(&aside).unwrap();
-    let moved = Command::new("mount")
-        .arg("--move")
-        .arg(&images)
-        .arg(&aside)
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(moved);
-    std::mem::forget(m);
-    let _m = Mount::adopt(&aside);
+    let (aside, _m) = unmount_aside(&env, m);
     for args in [
         &["gc", "--max-size", "0"][..],
         &["gc", "--max-size", "0", "--dry-run"],
@@ -209,6 +196,52 @@ fn nothing_is_removed_while_the_images_directory_is_unmounted() {
         assert_eq!(env.state(name).as_deref(), Some("ready"), "{name}");
         assert!(aside.join(name).join("file").exists());
     }
+}
+
+/// Moves the images filesystem `m` away, as an unmount would (keeping its
+/// trees, now in the directory returned), leaving the empty mount point.
+fn unmount_aside(env: &Env, m: Mount) -> (PathBuf, Mount) {
+    let aside = env.tmp.path().join("aside");
+    fs::create_dir(&aside).unwrap();
+    let moved = Command::new("mount")
+        .arg("--move")
+        .arg(&m.dir)
+        .arg(&aside)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(moved);
+    std::mem::forget(m);
+    let m = Mount::adopt(&aside);
+    (aside, m)
+}
+
+/// A new image made while the images directory is unmounted would go into
+/// the bare mount point, hidden once the filesystem is back, its record
+/// then without a tree: it is refused before anything is recorded or made.
+#[test]
+fn no_new_image_is_made_while_the_images_directory_is_unmounted() {
+    let env = Env::new();
+    let Some(m) = env.init_on_tmpfs() else {
+        return;
+    };
+    let images = m.dir.clone();
+    env.make_image("a");
+    let (aside, _m) = unmount_aside(&env, m);
+    let ran = env.sentinel("ran");
+    let touch = ["touch", ran.to_str().unwrap()];
+    let out = env.run([&["exec", "--write", "new", "--"][..], &touch].concat());
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("mounted"), "{}", show(&out));
+    assert!(!ran.exists(), "the command ran");
+    assert_eq!(
+        fs::read_dir(&images).unwrap().count(),
+        0,
+        "made in the mount point"
+    );
+    assert_eq!(env.state("new"), None, "{}", show(&out));
+    assert!(!env.root.join("locks/images/new.lock").exists());
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    assert!(aside.join("a/file").exists());
 }
 
 /// A write of an image while its images directory is not the one
