@@ -2,12 +2,13 @@
 //!
 //! - Allocated blocks (a sparse file counts what it uses), each hard-linked inode once, symlinks as
 //!   themselves, never crossing into another filesystem or mount (a bind mount has the same device).
-//! - Shared extents (reflinks on btrfs, XFS, bcachefs): the walk keeps each file's
-//!   `FIEMAP_EXTENT_SHARED` ranges, so a [`Footprint`] of all images says what they take together
-//!   and what removing one frees. A range shared outside the store counts as the image's own.
+//! - Shared extents (reflinks on btrfs, XFS, bcachefs) and inodes with several names: the walk
+//!   keeps each file's `FIEMAP_EXTENT_SHARED` ranges and each such inode ([`Shares`]), so a
+//!   [`Footprint`] of all images says what they take together and what removing one frees. What
+//!   is shared only outside the store counts as the image's own.
 //! - The walk goes by directory descriptor ([`crate::dir`]).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{CStr, OsStr};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -23,8 +24,8 @@ pub struct Measure {
     pub allocated: u64,
     /// Of those, bytes in extents shared with another file (here, in another image, or outside).
     pub shared: u64,
-    /// The physical ranges of those extents, sorted and merged: `[start, end)`.
-    pub shared_ranges: Vec<(u64, u64)>,
+    /// What another image may refer to too.
+    pub shares: Shares,
     /// Whether `dir` was there (a missing one measures nothing).
     pub there: bool,
 }
@@ -40,6 +41,24 @@ pub fn disk_usage_if_there(dir: &Path) -> io::Result<Option<u64>> {
     Ok(m.there.then_some(m.allocated))
 }
 
+/// What an image may share with others.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Shares {
+    /// The physical ranges of its shared extents, sorted and merged: `[start, end)`.
+    pub ranges: Vec<(u64, u64)>,
+    /// Its inodes with several names (device, inode) and their allocated bytes: another image
+    /// may hold a name of one (a build that hard-linked a file of an image it read).
+    pub inodes: Vec<((u64, u64), u64)>,
+}
+
+impl Measure {
+    /// Bytes no other image can refer to: outside shared extents and inodes with several names.
+    pub fn own(&self) -> u64 {
+        let linked: u64 = self.shares.inodes.iter().map(|(_, b)| b).sum();
+        self.allocated.saturating_sub(self.shared + linked)
+    }
+}
+
 /// Measures `dir`; with `extents`, also which of its blocks are shared.
 pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
     let mut seen: HashSet<(u64, u64)> = HashSet::new();
@@ -49,17 +68,23 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
         // The top is visited first, as `.`, only if it could be opened.
         out.there |= name == c".";
         let ft = dir::file_type(st);
-        if st.st_nlink > 1 && ft != libc::S_IFDIR && !seen.insert((st.st_dev, st.st_ino)) {
-            return Ok(());
-        }
         let blocks = st.st_blocks as u64 * 512;
+        let linked = st.st_nlink > 1 && ft != libc::S_IFDIR;
+        if linked {
+            let key = (st.st_dev, st.st_ino);
+            if !seen.insert(key) {
+                return Ok(());
+            }
+            out.shares.inodes.push((key, blocks));
+        }
         out.allocated += blocks;
-        if extents && ft == libc::S_IFREG && blocks > 0 {
+        // An inode with several names is shared whole; its extents are not looked at.
+        if extents && !linked && ft == libc::S_IFREG && blocks > 0 {
             out.shared += shared_extents(parent, name, &mut ranges).min(blocks);
         }
         Ok(())
     })?;
-    out.shared_ranges = merge(ranges);
+    out.shares.ranges = merge(ranges);
     Ok(out)
 }
 
@@ -230,56 +255,66 @@ fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     out
 }
 
-/// The shared ranges of a set of images, each counted once however many images refer to it.
+/// What a set of images shares, each range and inode counted once however many refer to it.
 #[derive(Debug, Default)]
 pub struct Footprint {
     /// Disjoint segments `start → (end, how many images refer to it)`.
     segs: BTreeMap<u64, (u64, u32)>,
+    /// Inodes with several names: `(device, inode) → (bytes, how many images name it)`.
+    inodes: HashMap<(u64, u64), (u64, u32)>,
 }
 
 impl Footprint {
-    /// From each image's merged shared ranges.
-    pub fn new<'a>(images: impl IntoIterator<Item = &'a [(u64, u64)]> + Clone) -> Footprint {
+    /// From each image's shares.
+    pub fn new<'a>(images: impl IntoIterator<Item = &'a Shares> + Clone) -> Footprint {
         let mut points: Vec<u64> = images
             .clone()
             .into_iter()
-            .flat_map(|r| r.iter().flat_map(|&(s, e)| [s, e]))
+            .flat_map(|sh| sh.ranges.iter().flat_map(|&(s, e)| [s, e]))
             .collect();
         points.sort_unstable();
         points.dedup();
-        let mut segs: BTreeMap<u64, (u64, u32)> =
-            points.windows(2).map(|w| (w[0], (w[1], 0))).collect();
-        for ranges in images {
-            for &(s, e) in ranges {
-                for (_, seg) in segs.range_mut(s..e) {
-                    seg.1 += 1;
-                }
-            }
+        let segs = points.windows(2).map(|w| (w[0], (w[1], 0))).collect();
+        let mut fp = Footprint {
+            segs,
+            inodes: HashMap::new(),
+        };
+        for sh in images {
+            fp.count(sh, |n| *n += 1);
         }
-        Footprint { segs }
+        fp
+    }
+
+    fn count(&mut self, sh: &Shares, by: impl Fn(&mut u32)) {
+        for &(s, e) in &sh.ranges {
+            self.segs
+                .range_mut(s..e)
+                .for_each(|(_, seg)| by(&mut seg.1));
+        }
+        for &(key, bytes) in &sh.inodes {
+            by(&mut self.inodes.entry(key).or_insert((bytes, 0)).1);
+        }
     }
 
     /// Bytes referred to by at least one image.
     pub fn bytes(&self) -> u64 {
         let used = self.segs.iter().filter(|(_, (_, n))| *n > 0);
-        used.map(|(s, (e, _))| e - s).sum()
+        let inodes = self.inodes.values().filter(|(_, n)| *n > 0);
+        used.map(|(s, (e, _))| e - s).sum::<u64>() + inodes.map(|(b, _)| b).sum::<u64>()
     }
 
-    /// Bytes of `ranges` that no other image refers to.
-    pub fn unique(&self, ranges: &[(u64, u64)]) -> u64 {
-        let segs = ranges.iter().flat_map(|&(s, e)| self.segs.range(s..e));
-        segs.filter(|(_, (_, n))| *n == 1)
-            .map(|(s, (e, _))| e - s)
-            .sum()
+    /// Bytes of `sh` that no other image refers to.
+    pub fn unique(&self, sh: &Shares) -> u64 {
+        let segs = sh.ranges.iter().flat_map(|&(s, e)| self.segs.range(s..e));
+        let segs = segs.filter(|(_, (_, n))| *n == 1).map(|(s, (e, _))| e - s);
+        let inodes = sh.inodes.iter().filter_map(|(k, _)| self.inodes.get(k));
+        let inodes = inodes.filter(|(_, n)| *n == 1).map(|(b, _)| b);
+        segs.sum::<u64>() + inodes.sum::<u64>()
     }
 
-    /// Forgets an image's ranges.
-    pub fn release(&mut self, ranges: &[(u64, u64)]) {
-        for &(s, e) in ranges {
-            for (_, seg) in self.segs.range_mut(s..e) {
-                seg.1 = seg.1.saturating_sub(1);
-            }
-        }
+    /// Forgets an image's shares.
+    pub fn release(&mut self, sh: &Shares) {
+        self.count(sh, |n| *n = n.saturating_sub(1));
     }
 }
 
@@ -325,9 +360,17 @@ mod tests {
     }
 
     #[test]
-    fn footprint_counts_shared_ranges_once() {
-        let (base, clone1, clone2) = ([(0u64, 100u64)], [(0, 100)], [(50, 150)]);
-        let mut fp = Footprint::new([&base[..], &clone1[..], &clone2[..]]);
+    fn footprint_counts_shared_ranges_and_inodes_once() {
+        let shares = |ranges: &[(u64, u64)]| Shares {
+            ranges: ranges.to_vec(),
+            inodes: Vec::new(),
+        };
+        let (base, clone1, clone2) = (
+            shares(&[(0, 100)]),
+            shares(&[(0, 100)]),
+            shares(&[(50, 150)]),
+        );
+        let mut fp = Footprint::new([&base, &clone1, &clone2]);
         assert_eq!(fp.bytes(), 150);
         assert_eq!(fp.unique(&base), 0);
         assert_eq!(fp.unique(&clone2), 50);
@@ -337,6 +380,16 @@ mod tests {
         assert_eq!(fp.bytes(), 100);
         fp.release(&clone2);
         assert_eq!(fp.bytes(), 0);
+        // A file hard-linked into a second image: its bytes once, freed only with both.
+        let linked = |n| Shares {
+            ranges: Vec::new(),
+            inodes: vec![((1, 7), 4096), ((1, n), 512)],
+        };
+        let (a, b) = (linked(8), linked(9));
+        let mut fp = Footprint::new([&a, &b]);
+        assert_eq!((fp.bytes(), fp.unique(&a)), (4096 + 1024, 512));
+        fp.release(&a);
+        assert_eq!((fp.bytes(), fp.unique(&b)), (4096 + 512, 4096 + 512));
         assert_eq!(
             merge(vec![(5, 9), (0, 3), (3, 4), (8, 12)]),
             vec![(0, 4), (5, 12)]

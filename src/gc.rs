@@ -24,7 +24,7 @@ use crate::acquire::image::Held;
 use crate::census::Entry;
 use crate::clock::{self, Millis};
 use crate::ctx::Ctx;
-use crate::disk_usage;
+use crate::disk_usage::{self, Shares};
 use crate::image_record::State;
 use crate::lock::{self, Mode};
 use crate::name::ImageName;
@@ -114,7 +114,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     }
     rows.retain(|i| i.state != State::Deleting);
     let shares = policy.max_size.is_some() && disk_usage::can_share(&images_dir);
-    let mut budget = Budget::new(store, &rows, shares)?;
+    let mut budget = Budget::new(store, &rows, shares, false)?;
     report.size_before = budget.total;
     report.unknown = rows
         .iter()
@@ -140,6 +140,13 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         rows.sort_by(oldest_first);
     }
     if let Some(max) = policy.max_size {
+        // No ready image goes for the budget on sizes measured apart (a file hard-linked into two
+        // images counts in both): every image left is measured now, each inode once.
+        if budget.total > max {
+            let gone = report.size_before.saturating_sub(budget.total);
+            budget = Budget::new(store, &rows, shares, true)?;
+            report.size_before = budget.total + gone;
+        }
         // Least recently used first, passing over one whose removal would free nothing now.
         rows.retain(|r| r.state == State::Ready);
         while budget.total > max && !rows.is_empty() {
@@ -165,22 +172,21 @@ struct Budget {
 }
 
 impl Budget {
-    /// What each image takes, measured where not known or where extents may be shared.
-    fn new(store: &Store, rows: &[Image], shares: bool) -> Result<Budget> {
+    /// What each image takes, measured where not known, where extents may be shared, or `fresh`.
+    fn new(store: &Store, rows: &[Image], shares: bool, fresh: bool) -> Result<Budget> {
         let mut cost = HashMap::new();
         for r in rows {
             crate::signals::check()?;
             let tree = || crate::images_dir::tree_of(store.root(), &r.record);
             let measured =
-                (shares || r.size.is_none()).then(|| disk_usage::measure(&tree(), shares));
-            let (own, shared_ranges) = match measured.and_then(Result::ok) {
-                Some(m) => (m.allocated.saturating_sub(m.shared), m.shared_ranges),
-                None => (r.size.unwrap_or(0), Vec::new()),
+                (fresh || shares || r.size.is_none()).then(|| disk_usage::measure(&tree(), shares));
+            let (own, shares) = match measured.and_then(Result::ok) {
+                Some(m) => (m.own(), m.shares),
+                None => (r.size.unwrap_or(0), Shares::default()),
             };
-            cost.insert(r.name().to_owned(), Cost { own, shared_ranges });
+            cost.insert(r.name().to_owned(), Cost { own, shares });
         }
-        let footprint =
-            disk_usage::Footprint::new(cost.values().map(|c| c.shared_ranges.as_slice()));
+        let footprint = disk_usage::Footprint::new(cost.values().map(|c| &c.shares));
         let total = cost.values().map(|c| c.own).sum::<u64>() + footprint.bytes();
         Ok(Budget {
             cost,
@@ -192,13 +198,13 @@ impl Budget {
     fn frees(&self, r: &Image) -> u64 {
         self.cost
             .get(r.name())
-            .map_or(0, |c| c.own + self.footprint.unique(&c.shared_ranges))
+            .map_or(0, |c| c.own + self.footprint.unique(&c.shares))
     }
 
     fn removed(&mut self, r: &Image, bytes: u64) {
         self.total = self.total.saturating_sub(bytes);
         if let Some(c) = self.cost.get(r.name()) {
-            self.footprint.release(&c.shared_ranges);
+            self.footprint.release(&c.shares);
         }
     }
 }
@@ -366,7 +372,7 @@ pub(crate) fn take_exclusive(
 /// What an image takes on the filesystem beyond what it shares.
 struct Cost {
     own: u64,
-    shared_ranges: Vec<(u64, u64)>,
+    shares: Shares,
 }
 
 /// Least recently used first; by name among equals, so runs repeat.

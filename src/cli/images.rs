@@ -122,7 +122,7 @@ impl Sharing {
                     by_image.insert(r.name().to_owned(), m);
                 }
             }
-            disk_usage::Footprint::new(by_image.values().map(|m| m.shared_ranges.as_slice()))
+            disk_usage::Footprint::new(by_image.values().map(|m| &m.shares))
         });
         Sharing {
             by_image,
@@ -143,7 +143,7 @@ impl Sharing {
             Some(fp) => self
                 .by_image
                 .get(r.name())
-                .map(|m| m.allocated.saturating_sub(m.shared) + fp.unique(&m.shared_ranges)),
+                .map(|m| m.own() + fp.unique(&m.shares)),
         }
     }
 
@@ -156,11 +156,7 @@ impl Sharing {
             return None;
         }
         let allocated: u64 = rows.iter().filter_map(|r| r.size).sum();
-        let own: u64 = self
-            .by_image
-            .values()
-            .map(|m| m.allocated.saturating_sub(m.shared))
-            .sum();
+        let own: u64 = self.by_image.values().map(disk_usage::Measure::own).sum();
         let h = disk_usage::human;
         let (total, allocated, shared) = (h(own + fp.bytes()), h(allocated), h(shared));
         Some(format!(

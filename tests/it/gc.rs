@@ -85,6 +85,45 @@ fn gc_removes_least_recently_used_until_the_budget_fits() {
     assert!(!env.root.join("img/a").exists());
 }
 
+/// A build that hard-linked a file of the image it read: two images name one
+/// inode. Sizes measured image by image count it twice; the budget counts it
+/// once, so a store that fits loses nothing, and one that does not is told
+/// what each removal really frees.
+#[test]
+fn a_file_hard_linked_into_two_images_counts_once_against_the_budget() {
+    let env = Env::new();
+    env.build(
+        "a",
+        "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/big\"",
+    );
+    let out = env.ok([
+        "exec",
+        "--read",
+        "a",
+        "--write",
+        "b",
+        "--",
+        "sh",
+        "-c",
+        "ln \"$STOWAGE_IMAGES_DIR/a/big\" \"$STOWAGE_IMAGE_DIR/big\"",
+    ]);
+    assert!(env.root.join("img/b/big").exists(), "{}", show(&out));
+    // Each image measured alone is over 1 MiB; together they take about 1 MiB.
+    env.images_json();
+    let report = gc_json(&env, &["--max-size", "1536K"], "2026-02-01T00:00:00Z");
+    assert!(removed(&report).is_empty(), "{report}");
+    assert!(
+        report["size_before"].as_u64().unwrap() < 1536 << 10,
+        "{report}"
+    );
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+    let report = gc_json(&env, &["--max-size", "512K"], "2026-02-01T00:00:00Z");
+    assert_eq!(removed(&report), ["a", "b"], "{report}");
+    let freed = report["bytes_freed"].as_u64().unwrap();
+    assert!(freed < 1536 << 10, "the shared file freed twice: {report}");
+}
+
 #[test]
 fn gc_never_touches_a_locked_image_even_the_oldest() {
     let env = lru_store();
