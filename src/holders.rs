@@ -34,7 +34,7 @@ pub enum LockKind {
     Slot,
 }
 
-/// A holder or waiter; as JSON, its fields up to `lease`.
+/// A holder or waiter; as JSON, every field but `reading`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Party {
     pub pid: Option<u32>,
@@ -51,8 +51,7 @@ pub struct Party {
     /// An exclusive lock taken only to read (`--read-exclusive`).
     #[serde(skip)]
     pub reading: bool,
-    /// Where `pid` names the process.
-    #[serde(skip)]
+    /// Where `pid` names the process: JSON says it, since a container shares the host name.
     pub pid_space: PidSpace,
 }
 
@@ -62,11 +61,13 @@ fn time_json<S: serde::Serializer>(t: &Option<Millis>, s: S) -> Result<S::Ok, S:
 }
 
 /// Where a party's pid names the process it stands for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum PidSpace {
     /// This pid namespace (a table pid, or a lease's of it), whatever host name: signals reach it.
     Here,
     /// Another pid namespace of this host (a container's, or the host's from one): signals miss it.
+    #[serde(rename = "another-namespace")]
     OtherNamespace,
     /// The holder's own host's.
     ItsHost,

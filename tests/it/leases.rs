@@ -312,9 +312,21 @@ fn a_writer_in_a_container_names_the_holder_outside() {
             hostname.is_none(),
             "from {hostname:?}: {err}"
         );
+        // JSON says so too: the host name alone would call it this host's pid.
+        let args = ["lock-status", "base", "--json"].map(String::from);
+        let out = output(in_namespace(hostname, &stowage_argv(&env, &args)));
+        let status: Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&out)));
+        let seen = &image_entry(&status, "base")["holders"][0];
+        let space = match hostname {
+            None => "another-namespace",
+            Some(_) => "its-host",
+        };
+        assert_eq!(seen["pid_space"], space, "from {hostname:?}: {seen}");
     }
     // The holder's record survived both looks.
     let entry = env.lock_entry("base").unwrap();
+    assert_eq!(entry["holders"][0]["pid_space"], "here", "{entry}");
     assert_listed_once(&entry, &[("outside", here.as_str())], 0, "this host");
     env.release("release");
     holder.finish();
