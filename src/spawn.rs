@@ -57,8 +57,18 @@ pub fn spawn(
     let none = PosixSpawnFileActions::init()?;
     // They take the same arguments; only posix_spawnp searches PATH.
     let pid = match path {
-        Some(p) => posix_spawn(p, &none, &attr, &args, &vars)?,
-        None => posix_spawnp(&args[0], &none, &attr, &args, &vars)?,
+        Some(p) => posix_spawn(p, &none, &attr, &args, &vars),
+        None => posix_spawnp(&args[0], &none, &attr, &args, &vars),
+    };
+    let pid = match pid {
+        // A file without "#!" is a shell script, as execvp(3) has it (and so flock(1), and our
+        // keeper's start): a POSIX shell runs one it cannot exec. Only posix_spawn does not.
+        Err(nix::errno::Errno::ENOEXEC) if how == Start::Command => {
+            let sh = [c"/bin/sh", c"-c", c"exec \"$0\" \"$@\""].map(CString::from);
+            let args: Vec<CString> = sh.into_iter().chain(args).collect();
+            posix_spawn(args[0].as_c_str(), &none, &attr, &args, &vars)?
+        }
+        pid => pid?,
     };
     Ok(pid.as_raw())
 }

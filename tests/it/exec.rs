@@ -766,6 +766,43 @@ fn a_command_that_cannot_start_is_said_plainly() {
     assert!(!stderr(&out).contains('\x1b'), "{}", show(&out));
 }
 
+/// An executable file without "#!" runs as a shell script, as execvp(3)
+/// and so flock(1) run it, with or without `--no-inherit` (posix_spawn alone
+/// refused it: "Exec format error"), by path and found in PATH.
+#[test]
+fn an_executable_script_without_an_interpreter_line_runs_in_the_shell() {
+    let env = Env::new();
+    let bin = env.tmp.path().join("bin");
+    fs::create_dir(&bin).unwrap();
+    let script = bin.join("plain-script");
+    fs::write(&script, "echo \"$@\" > \"$STOWAGE_IMAGE_DIR/said\"\n").unwrap();
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let by_path = script.to_str().unwrap();
+    for (n, (how, cmd)) in [
+        ("", by_path),
+        ("", "plain-script"),
+        ("--no-inherit", by_path),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let img = format!("app{n}");
+        let mut args = vec!["exec", "--write", &img];
+        args.extend([how].into_iter().filter(|h| !h.is_empty()));
+        args.extend(["--", cmd, "one", "two"]);
+        let mut c = env.cmd(&args);
+        c.env("PATH", &path);
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "{how} {cmd}: {}", show(&out));
+        assert_eq!(env.read_in_image(&img, "said"), "one two\n");
+    }
+}
+
 /// A request that writes an existing image and a new one whose place in
 /// the images directory is taken by a file: it fails before its command,
 /// and the existing image is as its last write left it, ready.
