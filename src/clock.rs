@@ -66,13 +66,42 @@ pub fn parse_time(s: &str) -> Result<Millis> {
         }
         return Ok(ms as Millis);
     }
-    let t = humantime::parse_rfc3339_weak(s)
+    let t = parse_rfc3339(s)
         .context("not a time (RFC 3339, e.g. 2026-11-29T12:03:04Z, or epoch seconds)")?;
     let ms = t
         .duration_since(UNIX_EPOCH)
         .map_err(|_| anyhow::anyhow!("before 1970, not a time stowage can record"))?
         .as_millis();
     Ok(ms.min(MAX_MS as u128) as Millis)
+}
+
+/// RFC 3339 with any offset (`-05:00`) and either case: humantime reads only `Z` and `+00:00`.
+fn parse_rfc3339(s: &str) -> Result<SystemTime> {
+    let s = s.to_ascii_uppercase();
+    let split = s.len().checked_sub(6).filter(|&i| s.is_char_boundary(i));
+    let offset = split.map(|i| s.split_at(i)).and_then(|(time, off)| {
+        let (sign, hh, mm) = (off.get(..1)?, off.get(1..3)?, off.get(4..)?);
+        let minutes = hh.parse::<u64>().ok()? * 60 + mm.parse::<u64>().ok()?;
+        let valid = ["+", "-"].contains(&sign) && off.get(3..4) == Some(":") && minutes < 24 * 60;
+        valid.then(|| {
+            (
+                format!("{time}Z"),
+                sign == "-",
+                Duration::from_secs(minutes * 60),
+            )
+        })
+    });
+    let Some((utc, behind, by)) = offset else {
+        return Ok(humantime::parse_rfc3339_weak(&s)?);
+    };
+    let local = humantime::parse_rfc3339_weak(&utc)?;
+    // The offset is local time less UTC: a time behind UTC is later in UTC.
+    let t = if behind {
+        local.checked_add(by)
+    } else {
+        local.checked_sub(by)
+    };
+    t.context("out of range")
 }
 
 /// RFC 3339 UTC with second precision; None before 1970 or after year 9999.
@@ -151,8 +180,21 @@ mod tests {
         let _ = ago(i64::MIN);
         assert_eq!(parse_time(text).unwrap(), ms);
         assert_eq!(parse_time("1795953784").unwrap(), ms);
+        for same in [
+            "2026-11-29t12:03:04z",
+            "2026-11-29T07:03:04-05:00",
+            "2026-11-30T02:03:04+14:00",
+        ] {
+            assert_eq!(parse_time(same).unwrap(), ms, "{same}");
+        }
         // 1795953784000: milliseconds where seconds are meant, year 58880.
-        for bad in ["yesterday", "nan", "1795953784000", "-5"] {
+        for bad in [
+            "yesterday",
+            "nan",
+            "1795953784000",
+            "-5",
+            "2026-11-29T12:03:04+24:00",
+        ] {
             assert!(parse_time(bad).is_err(), "{bad}");
         }
     }

@@ -307,6 +307,24 @@ fn a_clock_in_milliseconds_or_bogus_is_refused_and_creates_nothing() {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
 }
 
+/// RFC 3339 allows any offset and either case: each names the same instant,
+/// recorded in UTC (only "Z" and "+00:00" were read; the rest exited 64).
+#[test]
+fn a_clock_given_with_an_offset_is_the_same_instant() {
+    let env = Env::new();
+    for (n, now) in ["2026-11-29T07:03:04-05:00", "2026-11-30t02:03:04+14:00"]
+        .iter()
+        .enumerate()
+    {
+        let img = format!("app{n}");
+        let mut c = env.cmd(["exec", "--write", &img, "--", "true"]);
+        c.env("STOWAGE_NOW", now);
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(0), "{now}: {}", show(&out));
+        assert_eq!(env.image(&img).unwrap()["created"], "2026-11-29T12:03:04Z");
+    }
+}
+
 /// Rewrites an image's record with its creation and last use at the given
 /// times, as another host's clock may have written them.
 fn set_stored_times(env: &Env, image: &str, created: i64, used: i64) {
