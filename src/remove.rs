@@ -33,7 +33,8 @@ use crate::root::Root;
 pub struct Removed {
     pub name: String,
     pub state: State,
-    pub bytes: u64,
+    /// None if the tree could not be measured.
+    pub bytes: Option<u64>,
     /// Why the image's tree was left in the trash; `gc` deletes it once the cause is fixed.
     pub left_in_trash: Option<String>,
 }
@@ -80,7 +81,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     {
         anyhow::bail!("cannot remove image '{}': {why}", held.name);
     }
-    let mut bytes = size.unwrap_or_else(|| disk_usage::disk_usage(&tree).unwrap_or(0));
+    let mut bytes = size.or_else(|| disk_usage::disk_usage(&tree).ok());
     // 1. The record says so first, durably.
     let mut deleting = before.clone();
     deleting.state = State::Deleting;
@@ -96,7 +97,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     // 2. The tree leaves the images directory.
     let taken = take_out(root, &images, &trash, &tree, &held.name);
     if matches!(taken, Taken::Gone) {
-        bytes = 0;
+        bytes = Some(0);
     }
     let moved = after_take_out(root, &mut held, &before, taken)?;
     debug::pause("rm-moved");

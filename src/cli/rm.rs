@@ -68,7 +68,10 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     crate::space::refill(&store.root().reserve());
     let ctx = store.ctx();
     for r in &removed {
-        let (name, state, size) = (&r.name, r.state.as_str(), disk_usage::human(r.bytes));
+        let size = r
+            .bytes
+            .map_or_else(|| "size unknown".into(), disk_usage::human);
+        let (name, state) = (&r.name, r.state.as_str());
         ctx.say(&format!("removed '{name}' ({state}, {size})"));
     }
     // The images are gone; space that could not be freed is a failure.

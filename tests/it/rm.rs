@@ -33,6 +33,39 @@ fn rm_removes_everything_of_the_image_and_nothing_else() {
     assert_eq!(env.state("other").as_deref(), Some("ready"));
 }
 
+/// A tree that cannot be measured (here: deeper than the descriptors the
+/// process may open) is still removed, and its size is said unknown, not
+/// "0 B".
+#[test]
+fn a_removal_whose_tree_cannot_be_measured_says_its_size_is_unknown() {
+    let env = Env::new();
+    env.build(
+        "deep",
+        "cd \"$STOWAGE_IMAGE_DIR\" && for i in $(seq 300); do mkdir d && cd d || exit 1; done",
+    );
+    let root = env.root.to_str().unwrap();
+    let out = output({
+        let mut c = Command::new("sh");
+        c.args([
+            "-c",
+            "ulimit -n 64 && exec \"$0\" \"$@\"",
+            bin(),
+            "--root",
+            root,
+        ]);
+        c.args(["rm", "deep"]);
+        c
+    });
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("removed 'deep' (ready, size unknown)"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("deep"), None);
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+}
+
 #[test]
 fn rm_of_a_locked_image_gives_75_and_keeps_it() {
     let env = Env::new();
