@@ -713,8 +713,13 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
         },
         None => return Ok(()),
     };
+    // Only a directory is a tree `doctor --repair` adopts.
+    let adopt = match what.as_str() {
+        "a symlink" | "not a directory" => "",
+        _ => ", or 'stowage doctor --repair' adopts it",
+    };
     anyhow::bail!(
-        "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it, or 'stowage doctor --repair' adopts it)",
+        "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it{adopt})",
         path.display()
     )
 }

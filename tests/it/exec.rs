@@ -803,6 +803,33 @@ fn an_executable_script_without_an_interpreter_line_runs_in_the_shell() {
     }
 }
 
+/// Something in a new image's place is refused with advice that works:
+/// `doctor --repair` adopts a directory with contents, never a symlink or a
+/// file, so only the directory's refusal offers it.
+#[test]
+fn a_new_image_refused_for_what_is_in_its_place_is_told_what_repair_does() {
+    let env = Env::new();
+    env.ok(["init"]);
+    let img = env.root.join("img");
+    std::os::unix::fs::symlink(env.tmp.path(), img.join("linked")).unwrap();
+    fs::write(img.join("file"), "x").unwrap();
+    fs::create_dir(img.join("full")).unwrap();
+    fs::write(img.join("full/data"), "x").unwrap();
+    for (name, adopted) in [("linked", false), ("file", false), ("full", true)] {
+        let out = env.run(["exec", "--write", name, "--", "true"]);
+        assert_eq!(code(&out), Some(1), "{name}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("refusing to build into it (remove it"),
+            "{err}"
+        );
+        assert_eq!(err.contains("adopts it"), adopted, "{name}: {err}");
+    }
+    env.ok(["doctor", "--repair"]);
+    assert!(env.image("full").is_some(), "the directory was adopted");
+    assert!(env.image("linked").is_none() && env.image("file").is_none());
+}
+
 /// A request that writes an existing image and a new one whose place in
 /// the images directory is taken by a file: it fails before its command,
 /// and the existing image is as its last write left it, ready.
