@@ -410,8 +410,28 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
             store.with_catalog(None, |_, _| Ok(()))?;
             report.catalog(Repaired, format!("{shown} could not be used ({why}): set aside and made anew from the records"))
         }
-        Found::New | Found::Current => intact(store, repair, report)?,
+        Found::New => empty_catalog(store, repair, report)?,
+        Found::Current => intact(store, repair, report)?,
     })
+}
+
+/// A catalog with no schema yet (emptied, or made and never written): the next command fills it
+/// from the records; `repair` makes it now, and one it cannot make is a problem.
+fn empty_catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdict> {
+    let db = store.root().db();
+    let shown = db.display();
+    if !repair {
+        let detail = format!("{shown}: empty; the next command fills it from the records");
+        return Ok(report.catalog(Verdict::Ok, detail));
+    }
+    let made = store.with_catalog(None, |_, _| Ok(())).and_then(|()| {
+        crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, store.root()))
+    });
+    match made {
+        Ok(crate::catalog::Found::Current) => intact(store, repair, report),
+        Ok(_) => Ok(report.catalog(Problem, format!("{shown} is empty and could not be made anew; images are still used and listed, from their records"))),
+        Err(e) => Ok(report.catalog(Problem, format!("{shown} is empty and could not be made anew ({e:#}); images are still used and listed, from their records"))),
+    }
 }
 
 /// A catalog file (itself, journal, WAL) that is no regular file of its own; `repair` sets it aside.

@@ -125,6 +125,48 @@ fn an_emptied_catalog_changes_no_image() {
     nothing_changed(&env, "emptied");
 }
 
+/// An emptied catalog that cannot be written (immutable here; read-only
+/// elsewhere) is not reported "intact": `doctor` says it is empty, and a
+/// repair that cannot make it anew is a problem (exit 1). No image changes.
+#[test]
+fn an_emptied_catalog_that_cannot_be_made_anew_is_a_problem_not_intact() {
+    if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    let env = store_with_images();
+    let db = env.root.join("stowage.db");
+    fs::write(&db, "").unwrap();
+    let chattr = |flag: &str| {
+        let status = std::process::Command::new("chattr")
+            .arg(flag)
+            .arg(&db)
+            .status();
+        status.is_ok_and(|s| s.success())
+    };
+    if !chattr("+i") {
+        eprintln!("skipping: chattr +i is not supported here");
+        return;
+    }
+    let looked = env.run(["doctor"]);
+    let repaired = env.run(["doctor", "--repair"]);
+    assert!(chattr("-i"));
+    assert_eq!(code(&looked), Some(0), "{}", show(&looked));
+    assert!(
+        stdout(&looked).contains("stowage.db: empty;"),
+        "{}",
+        show(&looked)
+    );
+    assert_eq!(code(&repaired), Some(1), "{}", show(&repaired));
+    let said = stdout(&repaired);
+    assert!(
+        said.contains("is empty and could not be made anew"),
+        "{}",
+        show(&repaired)
+    );
+    assert!(!said.contains("intact"), "{}", show(&repaired));
+    nothing_changed(&env, "an immutable emptied catalog");
+}
+
 #[test]
 fn another_programs_database_as_the_catalog_changes_no_image() {
     let env = store_with_images();

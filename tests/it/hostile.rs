@@ -887,7 +887,7 @@ fn reading_commands_work_when_even_the_reserve_is_gone() {
     let out = env.run(["doctor"]);
     assert!(matches!(out.status.code(), Some(0 | 1)), "{}", show(&out));
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("intact") && stderr(&out).is_empty(),
+        String::from_utf8_lossy(&out.stdout).contains("ok  catalog") && stderr(&out).is_empty(),
         "{}",
         show(&out)
     );
