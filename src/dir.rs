@@ -313,9 +313,9 @@ impl Dir {
     }
 
     /// Whether this process (its effective user) may open `name` read-write, by its permissions.
-    pub fn may_read_write(&self, name: &str) -> bool {
+    pub fn may_read_write(&self, name: &str) -> nix::Result<()> {
         let rw = AccessFlags::R_OK | AccessFlags::W_OK;
-        nix::unistd::faccessat(&self.fd, name, rw, AtFlags::AT_EACCESS).is_ok()
+        nix::unistd::faccessat(&self.fd, name, rw, AtFlags::AT_EACCESS)
     }
 
     /// Sets the mode of the regular file `name` through an `O_PATH|O_NOFOLLOW` descriptor of it: a

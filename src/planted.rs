@@ -230,6 +230,14 @@ pub fn denied(path: &Path) -> Option<String> {
     let wx = nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK;
     nix::unistd::access(path.parent()?, wx).ok()?;
     let m = std::fs::symlink_metadata(path).ok()?;
+    let (shown, mode) = (path.display(), m.mode() & 0o7777);
+    // Refused although the mode allows it (or refused to root): a flag, not the mode.
+    let rw = nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK;
+    if matches!(nix::unistd::access(path, rw), Ok(()) | Err(Errno::EPERM)) {
+        return Some(format!(
+            "{shown} may not be written though its mode {mode:03o} allows it: it is immutable or append-only ('chattr -i -a' clears it), or a policy refuses it"
+        ));
+    }
     let uid = m.uid();
     let fix = if uid == nix::unistd::geteuid().as_raw() {
         "'stowage doctor --repair' gives it back its mode".to_owned()
@@ -239,7 +247,6 @@ pub fn denied(path: &Path) -> Option<String> {
     } else {
         format!("it belongs to uid {uid}, who may 'chmod 666' it")
     };
-    let (shown, mode) = (path.display(), m.mode() & 0o7777);
     Some(format!(
         "{shown} is mode {mode:03o}, not readable and writable by you; {fix}"
     ))

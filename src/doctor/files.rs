@@ -168,10 +168,16 @@ fn planted(dir: &Dir, name: &str, path: &Path, kind: &str, repair: bool, report:
 /// Reports a mode that keeps this user from reading and writing a layout file; `repair` fixes ours.
 fn mode(dir: &Dir, path: &Path, st: &Entry, repair: bool, shared: bool, report: &mut Report) {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    if dir.may_read_write(name) {
-        return;
-    }
     let (shown, bits, uid) = (path.display(), st.mode & 0o7777, st.uid);
+    match dir.may_read_write(name) {
+        Ok(()) => return,
+        // No mode gives it back: a flag (or a security policy) refuses the write.
+        Err(nix::errno::Errno::EPERM) => {
+            report.add("files", Problem, format!("{shown} is immutable: nobody may write it ('chattr -i' clears the flag; 'lsattr' shows it)"));
+            return;
+        }
+        Err(_) => {}
+    }
     if uid != nix::unistd::geteuid().as_raw() {
         report.add("files", Problem, format!("{shown} (mode {bits:03o}) belongs to uid {uid}, and you may not read and write it: they may 'chmod 666' it"));
         return;

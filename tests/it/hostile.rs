@@ -1621,6 +1621,42 @@ fn rm_of_a_read_image_frees_a_full_copy_on_write_filesystem() {
     assert!(env.image("old").is_none());
 }
 
+/// An immutable lock file is named as such, by a read, a removal and doctor:
+/// its mode allows the write, so "mode 644, not readable and writable by
+/// you; 'stowage doctor --repair' gives it back its mode" sent the user to a
+/// repair that cannot help.
+#[test]
+fn an_immutable_lock_file_is_said_to_be_immutable_not_of_the_wrong_mode() {
+    if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    let lock = env.lock_file("a");
+    let chattr = |flag: &str| {
+        let status = Command::new("chattr").arg(flag).arg(&lock).status();
+        status.is_ok_and(|s| s.success())
+    };
+    if !chattr("+i") {
+        eprintln!("skipping: chattr +i is not supported here");
+        return;
+    }
+    let outs = [
+        env.run(["exec", "--read", "a", "--", "true"]),
+        env.run(["rm", "a"]),
+        env.run(["doctor", "--repair"]),
+    ];
+    assert!(chattr("-i"));
+    for out in &outs {
+        assert_eq!(code(out), Some(1), "{}", show(out));
+        let said = format!("{}{}", stdout(out), stderr(out));
+        assert!(said.contains("immutable"), "{}", show(out));
+        assert!(!said.contains("not readable and writable"), "{}", show(out));
+        assert!(!said.contains("you may not read and write it"), "{}", show(out));
+    }
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+}
+
 /// A writer that died before its command, whose lock file this process
 /// cannot write (immutable here; another user's elsewhere): its image is
 /// still shown incomplete, never ready, and is once the file can be
