@@ -37,6 +37,8 @@ pub struct Removed {
     pub bytes: Option<u64>,
     /// Why the image's tree was left in the trash; `gc` deletes it once the cause is fixed.
     pub left_in_trash: Option<String>,
+    /// Why its emptied lock file (which names no image) could not be unlinked.
+    pub lock_file_left: Option<String>,
 }
 
 /// How taking one tree out of the images directory went.
@@ -104,8 +106,10 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     // 3. The record and its lock file go, unlisted from our lease first (its next taker is named).
     let name = held.name.clone();
     crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
-    root.drop_record(&name, held.guard)
-        .with_context(|| format!("cannot remove the lock file of image '{name}'"))?;
+    let lock_file_left = root
+        .drop_record(&name, held.guard)
+        .with_context(|| format!("cannot remove the record of image '{name}'"))?
+        .map(|why| format!("image '{name}' was removed, but its emptied lock file is left (it names no image; 'stowage doctor --repair' removes it once it can): {why}"));
     // 4. Outside every lock; what could not be deleted is left for gc, and said.
     let left_in_trash = match moved {
         Some(t) => {
@@ -124,6 +128,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         state,
         bytes,
         left_in_trash,
+        lock_file_left,
     })
 }
 
@@ -186,7 +191,7 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
     {
         return Err(e);
     }
-    root.drop_record(&held.name, held.guard)
+    root.drop_record(&held.name, held.guard).map(drop)
 }
 
 /// Takes an image tree out of the images directory: into the trash, or deleted in place (EXDEV).

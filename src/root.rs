@@ -177,12 +177,17 @@ impl Root {
 
     /// The image has no record any more: its lock file is emptied (synced) and unlinked where
     /// allowed, and its gate if nobody is passing it.
-    pub fn drop_record(&self, name: &ImageName, guard: crate::lock::Guard) -> Result<()> {
+    /// Why the emptied lock file is left, if it is: it names no image, so the image is gone.
+    pub fn drop_record(
+        &self,
+        name: &ImageName,
+        guard: crate::lock::Guard,
+    ) -> Result<Option<String>> {
         crate::image_record::clear(guard.file())
             .with_context(|| format!("cannot empty {}", guard.path().display()))?;
-        self.unlink_lock(guard)?;
+        let left = self.unlink_lock(guard).err();
         self.unlink_gate(name);
-        Ok(())
+        Ok(left.map(|e| format!("{e:#}")))
     }
 
     /// Unlinks the lock file at `path` if, under its exclusive lock taken without waiting, it names

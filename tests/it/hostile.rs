@@ -1652,7 +1652,11 @@ fn an_immutable_lock_file_is_said_to_be_immutable_not_of_the_wrong_mode() {
         let said = format!("{}{}", stdout(out), stderr(out));
         assert!(said.contains("immutable"), "{}", show(out));
         assert!(!said.contains("not readable and writable"), "{}", show(out));
-        assert!(!said.contains("you may not read and write it"), "{}", show(out));
+        assert!(
+            !said.contains("you may not read and write it"),
+            "{}",
+            show(out)
+        );
     }
     assert_eq!(env.state("a").as_deref(), Some("ready"));
 }

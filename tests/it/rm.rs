@@ -66,6 +66,47 @@ fn a_removal_whose_tree_cannot_be_measured_says_its_size_is_unknown() {
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
 
+/// A lock file that cannot be unlinked (its directory immutable here) once
+/// its record is emptied names no image: the image is removed, its tree
+/// deleted, and the leftover said. It was "cannot remove the lock file",
+/// exit 1, with the image already gone and its tree left in the trash.
+#[test]
+fn a_removal_whose_lock_file_cannot_be_unlinked_still_removes_the_image() {
+    if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    let locks = env.root.join("locks/images");
+    let chattr = |flag: &str| {
+        let status = Command::new("chattr").arg(flag).arg(&locks).status();
+        status.is_ok_and(|s| s.success())
+    };
+    if !chattr("+i") {
+        eprintln!("skipping: chattr +i is not supported here");
+        return;
+    }
+    let out = env.run(["rm", "a"]);
+    let listed = env.images_json();
+    assert!(chattr("-i"));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("removed 'a' (ready"),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        stderr(&out).contains("was removed, but its emptied lock file is left"),
+        "{}",
+        show(&out)
+    );
+    assert!(listed.is_empty(), "{listed:?}");
+    assert!(!env.root.join("img/a").exists());
+    assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+    env.ok(["doctor", "--repair"]);
+    assert!(!env.lock_file("a").exists());
+}
+
 #[test]
 fn rm_of_a_locked_image_gives_75_and_keeps_it() {
     let env = Env::new();
