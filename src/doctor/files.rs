@@ -66,7 +66,10 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
                 Some(crate::planted::HARD_LINK) if holds_a_record(&dir, name) => {
                     shared_record(&path, report)
                 }
-                Some(kind) => planted(&dir, name, &path, kind, repair, report),
+                Some(kind) => {
+                    let not = crate::planted::expected(kind);
+                    planted(&dir, name, &path, (kind, not), repair, report)
+                }
                 None => mode(&dir, &path, &st, repair, shared, report),
             }
         }
@@ -86,7 +89,7 @@ fn classes(root: &Root, repair: bool, report: &mut Report) -> Vec<String> {
             Ok(Some(st)) if crate::slots::validate_class(&name.replace('%', "/")).is_ok() => {
                 let kind = crate::planted::kind_of_mode(st.mode).unwrap_or("a regular file");
                 let path = root.slot_locks().join(name);
-                planted(&slots, name, &path, kind, repair, report);
+                planted(&slots, name, &path, (kind, "a directory"), repair, report);
             }
             _ => {}
         }
@@ -133,8 +136,17 @@ fn what_it_replaced(path: &Path) -> &'static str {
     }
 }
 
-/// Reports (and with `repair` sets aside) what is planted at `path`, an entry of `dir`.
-fn planted(dir: &Dir, name: &str, path: &Path, kind: &str, repair: bool, report: &mut Report) {
+/// Reports (and with `repair` sets aside) what is planted at `path`, an entry of `dir`: `kind`
+/// where `not` belongs.
+fn planted(
+    dir: &Dir,
+    name: &str,
+    path: &Path,
+    found: (&str, &str),
+    repair: bool,
+    report: &mut Report,
+) {
+    let (kind, not) = found;
     let replaced = what_it_replaced(path);
     // A hard link may be stowage's own file given a second name (a store copied with 'cp -al'):
     // what is wrong is the other name.
@@ -143,7 +155,7 @@ fn planted(dir: &Dir, name: &str, path: &Path, kind: &str, repair: bool, report:
     } else {
         "not made by stowage"
     };
-    let (shown, not) = (path.display(), crate::planted::expected(kind));
+    let shown = path.display();
     if !repair {
         let fix = crate::planted::FIX;
         let detail = format!("{shown} is {kind}, not {not}: {why}{replaced}; {fix}");

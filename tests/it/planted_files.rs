@@ -150,6 +150,21 @@ fn a_planted_first_slot_file_is_named_and_set_aside() {
     }
 }
 
+/// A file where a slot class's directory belongs is called what it is, in
+/// place of what: "a regular file, not a directory" (it said "a regular
+/// file, not a regular file").
+#[test]
+fn a_file_in_a_slot_class_directorys_place_is_said_to_be_no_directory() {
+    let env = Env::new();
+    env.ok(["slots", "set", "pull", "2"]);
+    let class = env.root.join("locks/slots/pull");
+    fs::remove_dir_all(&class).unwrap();
+    fs::write(&class, "x").unwrap();
+    let out = env.run(["doctor"]);
+    let said = format!("{} is a regular file, not a directory", class.display());
+    assert!(stdout(&out).contains(&said), "{}", show(&out));
+}
+
 /// A FIFO at a class's `changed` file, whose close wakes the class's
 /// waiters: `slots set` and `slots rm` end (a plain open for writing would
 /// wait for a reader for ever), and doctor sets the FIFO aside.
