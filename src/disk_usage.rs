@@ -46,8 +46,8 @@ pub fn disk_usage_if_there(dir: &Path) -> io::Result<Option<u64>> {
 pub struct Shares {
     /// The physical ranges of its shared extents, sorted and merged: `[start, end)`.
     pub ranges: Vec<(u64, u64)>,
-    /// Its inodes with several names (device, inode) and their allocated bytes: another image
-    /// may hold a name of one (a build that hard-linked a file of an image it read).
+    /// Its inodes with several names (device, inode) and their allocated bytes outside shared
+    /// extents: another image may hold a name of one (a build that hard-linked a file it read).
     pub inodes: Vec<((u64, u64), u64)>,
 }
 
@@ -69,18 +69,20 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
         out.there |= name == c".";
         let ft = dir::file_type(st);
         let blocks = st.st_blocks as u64 * 512;
-        let linked = st.st_nlink > 1 && ft != libc::S_IFDIR;
-        if linked {
-            let key = (st.st_dev, st.st_ino);
-            if !seen.insert(key) {
-                return Ok(());
-            }
-            out.shares.inodes.push((key, blocks));
+        let key = (st.st_nlink > 1 && ft != libc::S_IFDIR).then_some((st.st_dev, st.st_ino));
+        if key.is_some_and(|k| !seen.insert(k)) {
+            return Ok(());
         }
         out.allocated += blocks;
-        // An inode with several names is shared whole; its extents are not looked at.
-        if extents && !linked && ft == libc::S_IFREG && blocks > 0 {
-            out.shared += shared_extents(parent, name, &mut ranges).min(blocks);
+        let mut shared = 0;
+        if extents && ft == libc::S_IFREG && blocks > 0 {
+            shared = shared_extents(parent, name, &mut ranges).min(blocks);
+            out.shared += shared;
+        }
+        // An inode with several names is shared whole, but for its extents shared anyway (a
+        // linked file cloned into another image): those count as ranges, once.
+        if let Some(k) = key {
+            out.shares.inodes.push((k, blocks - shared));
         }
         Ok(())
     })?;

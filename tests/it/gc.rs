@@ -295,6 +295,35 @@ fn gc_budget_counts_reflinked_extents_once() {
     );
 }
 
+/// A file with two names in a base, cloned by `--from` (reflinked, its
+/// copy two names too): each image's inode is linked, and its blocks are
+/// the extents both share. They count once, so a budget the images fit
+/// removes nothing (the base went when linked files were counted whole).
+#[test]
+fn a_linked_file_cloned_into_another_image_counts_once_on_btrfs() {
+    let Some(mnt) = Mount::btrfs_loop("600M") else {
+        return;
+    };
+    let env = mnt.env();
+    env.build(
+        "base",
+        "head -c 67108864 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\" && \
+         ln \"$STOWAGE_IMAGE_DIR/blob\" \"$STOWAGE_IMAGE_DIR/again\"",
+    );
+    env.ok(["exec", "--write", "c1", "--from", "base", "--", "true"]);
+    let report = gc_json(&env, &["--max-size", "100M"], "2026-02-01T00:00:00Z");
+    assert!(
+        removed(&report).is_empty(),
+        "gc removed images that fit: {report}"
+    );
+    let taken = report["size_before"].as_u64().unwrap();
+    assert!((64 * MIB..80 * MIB).contains(&taken), "{report}");
+    for img in env.images_json() {
+        assert!(img["shared_bytes"].as_u64().unwrap() >= 63 * MIB, "{img}");
+        assert!(img["exclusive_bytes"].as_u64().unwrap() < MIB, "{img}");
+    }
+}
+
 #[test]
 fn links_inside_the_trash_are_unlinked_not_followed() {
     let env = Env::new();
