@@ -88,6 +88,8 @@ pub struct Report {
     pub failed: Vec<String>,
     /// Kept because their state is unknown (damaged record, tree adopted without one): `name: why`.
     pub unknown: Vec<String>,
+    /// Removed images whose emptied lock file could not be unlinked, one line each.
+    pub lock_files_left: Vec<String>,
 }
 
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
@@ -441,7 +443,10 @@ fn collect(
         let removed = remove::remove_held(&root, held, Some(bytes));
         crate::lease::forget(&root.leases(), &rel);
         match removed {
-            Ok(done) => report.failed.extend(done.left_in_trash),
+            Ok(done) => {
+                report.failed.extend(done.left_in_trash);
+                report.lock_files_left.extend(done.lock_file_left);
+            }
             Err(e) => {
                 report.failed.push(format!("{e:#}"));
                 return Ok(false);

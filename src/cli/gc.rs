@@ -32,7 +32,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let policy = policy(&args)?;
     store.require_root()?;
     let report = gc::run(store, &policy)?;
-    for why in &report.failed {
+    for why in report.failed.iter().chain(&report.lock_files_left) {
         complain!("stowage: {why}");
     }
     // Everything else was done; a removal that failed is an error.

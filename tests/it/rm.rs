@@ -105,6 +105,21 @@ fn a_removal_whose_lock_file_cannot_be_unlinked_still_removes_the_image() {
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
     env.ok(["doctor", "--repair"]);
     assert!(!env.lock_file("a").exists());
+    // gc the same: removed, and the leftover said.
+    env.make_image("b");
+    assert!(chattr("+i"));
+    let out = env.run(["gc", "--max-size", "0", "--json"]);
+    assert!(chattr("-i"));
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["removed"][0]["name"], "b", "{report}");
+    assert_eq!(report["lock_files_left"].as_array().unwrap().len(), 1);
+    assert!(
+        stderr(&out).contains("image 'b' was removed, but"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(env.state("b"), None);
 }
 
 #[test]
