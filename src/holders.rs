@@ -52,6 +52,7 @@ pub struct Party {
     #[serde(skip)]
     pub reading: bool,
     /// Where `pid` names the process: JSON says it, since a container shares the host name.
+    #[serde(serialize_with = "pid_space_json")]
     pub pid_space: PidSpace,
 }
 
@@ -61,16 +62,26 @@ fn time_json<S: serde::Serializer>(t: &Option<Millis>, s: S) -> Result<S::Ok, S:
 }
 
 /// Where a party's pid names the process it stands for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PidSpace {
     /// This pid namespace (a table pid, or a lease's of it), whatever host name: signals reach it.
     Here,
     /// Another pid namespace of this host (a container's, or the host's from one): signals miss it.
-    #[serde(rename = "another-namespace")]
     OtherNamespace,
     /// The holder's own host's.
     ItsHost,
+    /// No pid is known.
+    Unknown,
+}
+
+fn pid_space_json<S: serde::Serializer>(p: &PidSpace, s: S) -> Result<S::Ok, S::Error> {
+    let word = match p {
+        PidSpace::Here => Some("here"),
+        PidSpace::OtherNamespace => Some("another-namespace"),
+        PidSpace::ItsHost => Some("its-host"),
+        PidSpace::Unknown => None,
+    };
+    word.serialize(s)
 }
 
 impl Party {
@@ -85,6 +96,7 @@ impl Party {
             stowage: Some(true),
             lease: Some(name.to_owned()),
             reading: h.reading,
+            pid_space: PidSpace::ItsHost,
             ..Party::unknown(h.mode)
         }
     }
@@ -97,7 +109,7 @@ impl Party {
             host: Some(ctx.me.host.clone()),
             user: e.pid.and_then(ident::process_user),
             command: e.pid.and_then(ident::command_line),
-            pid_space: PidSpace::Here,
+            pid_space: e.pid.map_or(PidSpace::Unknown, |_| PidSpace::Here),
             ..Party::unknown(e.mode)
         }
     }
@@ -114,7 +126,7 @@ impl Party {
             stowage: None,
             lease: None,
             reading: false,
-            pid_space: PidSpace::ItsHost,
+            pid_space: PidSpace::Unknown,
         }
     }
 }
@@ -528,7 +540,9 @@ impl<'c> Look<'c> {
             None if id.pid_is_ours() => id.pid.filter(|&p| id.owner_is(p) != Some(false)),
             None => id.pid,
         };
-        party.pid_space = if taker.is_some() || id.pid_is_ours() {
+        party.pid_space = if party.pid.is_none() {
+            PidSpace::Unknown
+        } else if taker.is_some() || id.pid_is_ours() {
             PidSpace::Here
         } else if id.this_boot() {
             PidSpace::OtherNamespace

@@ -282,6 +282,35 @@ fn holders_in_other_pid_namespaces_are_listed_once_from_everywhere() {
     flock.finish();
 }
 
+/// A lock held outside stowage, seen from a container: the holder is
+/// unidentified, with no pid, and so no place where a pid would name it.
+#[test]
+fn an_unidentified_holder_has_no_pid_space() {
+    if !namespaces() {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let mut flock = Command::new("flock");
+    flock.arg("-s").arg(env.lock_file("base"));
+    flock.args(env.hold_cmd("by-flock", "release"));
+    let flock = Bg::from_command(flock);
+    wait_for_file(&env.sentinel("by-flock"));
+    let args = ["lock-status", "base", "--json"].map(String::from);
+    let out = output(in_namespace(None, &stowage_argv(&env, &args)));
+    let status: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&out)));
+    let seen = &image_entry(&status, "base")["holders"][0];
+    assert_eq!(seen["pid"], Value::Null, "{seen}");
+    assert_eq!(seen["pid_space"], Value::Null, "{seen}");
+    assert_eq!(
+        env.lock_entry("base").unwrap()["holders"][0]["pid_space"],
+        "here"
+    );
+    env.release("release");
+    flock.finish();
+}
+
 #[test]
 fn a_writer_in_a_container_names_the_holder_outside() {
     if !namespaces() {
