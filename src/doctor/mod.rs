@@ -420,6 +420,10 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
 fn empty_catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdict> {
     let db = store.root().db();
     let shown = db.display();
+    let rw = nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK;
+    if let Err(e) = nix::unistd::access(&db, rw) {
+        return Ok(report.catalog(Problem, format!("{shown} is empty and may not be written ({}); images are still used and listed, from their records", e.desc())));
+    }
     if !repair {
         let detail = format!("{shown}: empty; the next command fills it from the records");
         return Ok(report.catalog(Verdict::Ok, detail));
