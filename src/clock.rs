@@ -72,7 +72,10 @@ pub fn parse_time(s: &str) -> Result<Millis> {
         .duration_since(UNIX_EPOCH)
         .map_err(|_| anyhow::anyhow!("before 1970, not a time stowage can record"))?
         .as_millis();
-    Ok(ms.min(MAX_MS as u128) as Millis)
+    if ms > MAX_MS as u128 {
+        bail!("after year 9999, not a time stowage can record");
+    }
+    Ok(ms as Millis)
 }
 
 /// RFC 3339 with any offset (`-05:00`) and either case: humantime reads only `Z` and `+00:00`.
@@ -80,16 +83,13 @@ fn parse_rfc3339(s: &str) -> Result<SystemTime> {
     let s = s.to_ascii_uppercase();
     let split = s.len().checked_sub(6).filter(|&i| s.is_char_boundary(i));
     let offset = split.map(|i| s.split_at(i)).and_then(|(time, off)| {
-        let (sign, hh, mm) = (off.get(..1)?, off.get(1..3)?, off.get(4..)?);
-        let minutes = hh.parse::<u64>().ok()? * 60 + mm.parse::<u64>().ok()?;
-        let valid = ["+", "-"].contains(&sign) && off.get(3..4) == Some(":") && minutes < 24 * 60;
-        valid.then(|| {
-            (
-                format!("{time}Z"),
-                sign == "-",
-                Duration::from_secs(minutes * 60),
-            )
-        })
+        let b = off.as_bytes();
+        let two = |i: usize| u64::from(b[i] - b'0') * 10 + u64::from(b[i + 1] - b'0');
+        let digits = [1, 2, 4, 5].iter().all(|&i| b[i].is_ascii_digit());
+        let form = matches!(b[0], b'+' | b'-') && b[3] == b':' && digits && !time.ends_with('Z');
+        let (hh, mm) = form.then(|| (two(1), two(4)))?;
+        let by = Duration::from_secs((hh * 60 + mm) * 60);
+        (hh < 24 && mm < 60).then(|| (format!("{time}Z"), b[0] == b'-', by))
     });
     let Some((utc, behind, by)) = offset else {
         return Ok(humantime::parse_rfc3339_weak(&s)?);
@@ -194,6 +194,12 @@ mod tests {
             "1795953784000",
             "-5",
             "2026-11-29T12:03:04+24:00",
+            "2026-11-29T12:03:04+00:60",
+            "2026-11-29T12:03:04Z+01:00",
+            "2026-11-29T12:03:04++1:00",
+            "2026-11-29T12:03:04+0é:00",
+            "é-05:00",
+            "9999-12-31T23:59:59-23:59",
         ] {
             assert!(parse_time(bad).is_err(), "{bad}");
         }
