@@ -224,11 +224,21 @@ fn through_parent(path: &Path, flags: libc::c_int, mode: u32) -> io::Result<libc
     Ok(nix::fcntl::openat(&dir, name, flags, mode)?.into_raw_fd())
 }
 
-/// For a file we may not open in a directory we may write: its mode was taken (an owner's `chmod`,
-/// or planted so), and what to do. `None` if we may not write the directory either.
+/// For a file we may not open: its mode was taken (an owner's `chmod`, or planted so), or a flag
+/// refuses it or its directory, and what to do. `None` if the directory's mode refuses us.
 pub fn denied(path: &Path) -> Option<String> {
     let wx = nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK;
-    nix::unistd::access(path.parent()?, wx).ok()?;
+    let dir = path.parent()?;
+    match nix::unistd::access(dir, wx) {
+        Ok(()) => {}
+        Err(Errno::EPERM) => {
+            let dir = dir.display();
+            return Some(format!(
+                "{dir} may not be written: it is immutable ('chattr -i' clears it), or a policy refuses it"
+            ));
+        }
+        Err(_) => return None,
+    }
     let m = std::fs::symlink_metadata(path).ok()?;
     let (shown, mode) = (path.display(), m.mode() & 0o7777);
     // Refused although the mode allows it (or refused to root): a flag, not the mode.

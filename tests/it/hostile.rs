@@ -1661,6 +1661,37 @@ fn an_immutable_lock_file_is_said_to_be_immutable_not_of_the_wrong_mode() {
     assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
 
+/// A reader that must wait makes a gate in `locks/images`: with that
+/// directory immutable it is refused naming the flag, not sent to
+/// `init --group` (which root, owning the store, has no use for).
+#[test]
+fn an_immutable_lock_directory_is_said_to_be_immutable() {
+    if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    let writer = env.hold(&["--write", "a"], "writing");
+    let locks = env.root.join("locks/images");
+    let chattr = |flag: &str| {
+        let status = Command::new("chattr").arg(flag).arg(&locks).status();
+        status.is_ok_and(|s| s.success())
+    };
+    if !chattr("+i") {
+        eprintln!("skipping: chattr +i is not supported here");
+        env.release("release");
+        writer.finish();
+        return;
+    }
+    let out = env.run(["exec", "--read", "a", "--wait", "5", "--", "true"]);
+    assert!(chattr("-i"));
+    env.release("release");
+    writer.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("is immutable"), "{}", show(&out));
+    assert!(!stderr(&out).contains("init --group"), "{}", show(&out));
+}
+
 /// A writer that died before its command, whose lock file this process
 /// cannot write (immutable here; another user's elsewhere): its image is
 /// still shown incomplete, never ready, and is once the file can be
