@@ -79,8 +79,8 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
             shared = shared_extents(parent, name, &mut ranges).min(blocks);
             out.shared += shared;
         }
-        // An inode with several names is shared whole, but for its extents shared anyway (a
-        // linked file cloned into another image): those count as ranges, once.
+        // An inode with several names is a unit another image may name too; what of it is in
+        // extents shared anyway (a linked file cloned into another image) counts as ranges.
         if let Some(k) = key {
             out.shares.inodes.push((k, blocks - shared));
         }
@@ -105,7 +105,8 @@ pub fn can_share(dir: &Path) -> bool {
 type Visit<'a> = dyn FnMut(&Dir, &CStr, &libc::stat) -> io::Result<()> + 'a;
 
 /// Calls `visit` for every entry under `dir` (the top as `(dir, ".")`), depth first, on the top's
-/// filesystem and mount. Entries that vanish are skipped; a directory we may not read counts as itself.
+/// filesystem and mount. Entries that vanish are skipped; a directory we may not read counts as
+/// itself.
 pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
     let _files = dir::MoreFiles::raise();
     let top = match Dir::open_nofollow(dir) {
