@@ -315,6 +315,17 @@ impl Footprint {
         segs.sum::<u64>() + inodes.sum::<u64>()
     }
 
+    /// Bytes of an image measured as `m` that others may refer to: its shared extents (with other
+    /// files, here or outside), and its inodes another image names.
+    pub fn shared(&self, m: &Measure) -> u64 {
+        let inodes = m
+            .shares
+            .inodes
+            .iter()
+            .filter_map(|(k, _)| self.inodes.get(k));
+        m.shared + inodes.filter(|(_, n)| *n > 1).map(|(b, _)| b).sum::<u64>()
+    }
+
     /// Forgets an image's shares.
     pub fn release(&mut self, sh: &Shares) {
         self.count(sh, |n| *n = n.saturating_sub(1));

@@ -133,7 +133,7 @@ impl Sharing {
     fn shared(&self, r: &Image) -> Option<u64> {
         match &self.footprint {
             None => r.size.map(|_| 0),
-            Some(_) => self.by_image.get(r.name()).map(|m| m.shared),
+            Some(fp) => self.by_image.get(r.name()).map(|m| fp.shared(m)),
         }
     }
 
@@ -151,7 +151,7 @@ impl Sharing {
     /// of it shared between images)" — only when something is shared.
     fn summary(&self, rows: &[Image]) -> Option<String> {
         let fp = self.footprint.as_ref()?;
-        let shared: u64 = self.by_image.values().map(|m| m.shared).sum();
+        let shared: u64 = self.by_image.values().map(|m| fp.shared(m)).sum();
         if shared == 0 {
             return None;
         }
@@ -160,7 +160,7 @@ impl Sharing {
         let h = disk_usage::human;
         let (total, allocated, shared) = (h(own + fp.bytes()), h(allocated), h(shared));
         Some(format!(
-            "images take {total} on the filesystem ({allocated} allocated; {shared} in extents shared between files)"
+            "images take {total} on the filesystem ({allocated} allocated; {shared} of it shared between images or files)"
         ))
     }
 }

@@ -295,12 +295,14 @@ fn gc_budget_counts_reflinked_extents_once() {
     );
 }
 
-/// A file with two names in a base, cloned by `--from` (reflinked, its
-/// copy two names too): each image's inode is linked, and its blocks are
-/// the extents both share. They count once, so a budget the images fit
-/// removes nothing (the base went when linked files were counted whole).
+/// On btrfs, linked files count once and as shared: a file with two names
+/// in a base cloned by `--from` (reflinked, its copy two names too), whose
+/// blocks are extents both images share; and a file a build hard-linked
+/// into a second image. A budget the images fit removes nothing (the base
+/// went when linked files were counted whole), and `images` says each
+/// image shares all it has (it said 0 shared, 0 exclusive for the link).
 #[test]
-fn a_linked_file_cloned_into_another_image_counts_once_on_btrfs() {
+fn linked_files_count_once_and_as_shared_on_btrfs() {
     let Some(mnt) = Mount::btrfs_loop("600M") else {
         return;
     };
@@ -311,15 +313,26 @@ fn a_linked_file_cloned_into_another_image_counts_once_on_btrfs() {
          ln \"$STOWAGE_IMAGE_DIR/blob\" \"$STOWAGE_IMAGE_DIR/again\"",
     );
     env.ok(["exec", "--write", "c1", "--from", "base", "--", "true"]);
+    // And a file no clone shares, hard-linked by a build into a second image.
+    env.build(
+        "solo",
+        "head -c 16777216 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    let ln = "ln \"$STOWAGE_IMAGES_DIR/solo/blob\" \"$STOWAGE_IMAGE_DIR/blob\"";
+    env.ok([
+        "exec", "--read", "solo", "--write", "l1", "--", "sh", "-c", ln,
+    ]);
     let report = gc_json(&env, &["--max-size", "100M"], "2026-02-01T00:00:00Z");
     assert!(
         removed(&report).is_empty(),
         "gc removed images that fit: {report}"
     );
     let taken = report["size_before"].as_u64().unwrap();
-    assert!((64 * MIB..80 * MIB).contains(&taken), "{report}");
+    assert!((80 * MIB..96 * MIB).contains(&taken), "{report}");
+    // Each shares all it has, and frees nothing alone.
     for img in env.images_json() {
-        assert!(img["shared_bytes"].as_u64().unwrap() >= 63 * MIB, "{img}");
+        let (size, shared) = (img["size_bytes"].as_u64(), img["shared_bytes"].as_u64());
+        assert!(shared.unwrap() + MIB > size.unwrap(), "{img}");
         assert!(img["exclusive_bytes"].as_u64().unwrap() < MIB, "{img}");
     }
 }
