@@ -858,6 +858,16 @@ pub fn assert_intact(v: &Path) {
     assert_eq!(fs::read_to_string(v.join("sub/keep")).unwrap(), "precious");
 }
 
+/// `chattr +i` (`on`) or `chattr -i` on `path`; false where the filesystem
+/// cannot.
+pub fn immutable(path: &Path, on: bool) -> bool {
+    Command::new("chattr")
+        .arg(if on { "+i" } else { "-i" })
+        .arg(path)
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
 /// A filesystem mounted for one test. Dropping it takes the mount away
 /// (lazily if something still uses it), before the scratch directory it
 /// may sit in is removed, so no test leaves a mount behind.

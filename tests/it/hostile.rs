@@ -1633,11 +1633,7 @@ fn an_immutable_lock_file_is_said_to_be_immutable_not_of_the_wrong_mode() {
     let env = Env::new();
     env.make_image("a");
     let lock = env.lock_file("a");
-    let chattr = |flag: &str| {
-        let status = Command::new("chattr").arg(flag).arg(&lock).status();
-        status.is_ok_and(|s| s.success())
-    };
-    if !chattr("+i") {
+    if !immutable(&lock, true) {
         eprintln!("skipping: chattr +i is not supported here");
         return;
     }
@@ -1646,7 +1642,7 @@ fn an_immutable_lock_file_is_said_to_be_immutable_not_of_the_wrong_mode() {
         env.run(["rm", "a"]),
         env.run(["doctor", "--repair"]),
     ];
-    assert!(chattr("-i"));
+    assert!(immutable(&lock, false));
     for out in &outs {
         assert_eq!(code(out), Some(1), "{}", show(out));
         let said = format!("{}{}", stdout(out), stderr(out));
@@ -1673,18 +1669,14 @@ fn an_immutable_lock_directory_is_said_to_be_immutable() {
     env.make_image("a");
     let writer = env.hold(&["--write", "a"], "writing");
     let locks = env.root.join("locks/images");
-    let chattr = |flag: &str| {
-        let status = Command::new("chattr").arg(flag).arg(&locks).status();
-        status.is_ok_and(|s| s.success())
-    };
-    if !chattr("+i") {
+    if !immutable(&locks, true) {
         eprintln!("skipping: chattr +i is not supported here");
         env.release("release");
         writer.finish();
         return;
     }
     let out = env.run(["exec", "--read", "a", "--wait", "5", "--", "true"]);
-    assert!(chattr("-i"));
+    assert!(immutable(&locks, false));
     env.release("release");
     writer.finish();
     assert_eq!(code(&out), Some(1), "{}", show(&out));
@@ -1717,20 +1709,13 @@ fn a_dead_writers_image_whose_lock_file_cannot_be_written_is_shown_incomplete() 
     );
     writer.kill_all();
     let lock = env.lock_file("a");
-    let chattr = |flag: &str| {
-        Command::new("chattr")
-            .arg(flag)
-            .arg(&lock)
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !chattr("+i") {
+    if !immutable(&lock, true) {
         eprintln!("skipping: chattr +i is not supported here");
         return;
     }
     let listed = env.run(["images", "--json"]);
     let read = env.run(["exec", "--read", "a", "--", "true"]);
-    assert!(chattr("-i"));
+    assert!(immutable(&lock, false));
     assert_eq!(code(&listed), Some(0), "{}", show(&listed));
     let rows: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
     assert_eq!(rows[0]["state"], "incomplete", "{rows}");

@@ -78,17 +78,13 @@ fn a_removal_whose_lock_file_cannot_be_unlinked_still_removes_the_image() {
     let env = Env::new();
     env.make_image("a");
     let locks = env.root.join("locks/images");
-    let chattr = |flag: &str| {
-        let status = Command::new("chattr").arg(flag).arg(&locks).status();
-        status.is_ok_and(|s| s.success())
-    };
-    if !chattr("+i") {
+    if !immutable(&locks, true) {
         eprintln!("skipping: chattr +i is not supported here");
         return;
     }
     let out = env.run(["rm", "a"]);
     let listed = env.images_json();
-    assert!(chattr("-i"));
+    assert!(immutable(&locks, false));
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert!(
         stderr(&out).contains("removed 'a' (ready"),
@@ -107,9 +103,9 @@ fn a_removal_whose_lock_file_cannot_be_unlinked_still_removes_the_image() {
     assert!(!env.lock_file("a").exists());
     // gc the same: removed, and the leftover said.
     env.make_image("b");
-    assert!(chattr("+i"));
+    assert!(immutable(&locks, true));
     let out = env.run(["gc", "--max-size", "0", "--json"]);
-    assert!(chattr("-i"));
+    assert!(immutable(&locks, false));
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["removed"][0]["name"], "b", "{report}");
@@ -351,16 +347,6 @@ fn a_directory_without_permissions_in_ones_own_image_is_deleted() {
         let out = unprivileged(&env, args);
         assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
     }
-}
-
-/// `chattr +i` (`on`) or `chattr -i` on `path`; false where the filesystem
-/// cannot.
-fn immutable(path: &Path, on: bool) -> bool {
-    Command::new("chattr")
-        .arg(if on { "+i" } else { "-i" })
-        .arg(path)
-        .output()
-        .is_ok_and(|o| o.status.success())
 }
 
 /// Makes `path` immutable (chattr +i) for the life of the guard, if the
