@@ -143,8 +143,9 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     }
     if let Some(max) = policy.max_size {
         // No ready image goes for the budget on sizes measured apart (a file hard-linked into two
-        // images counts in both): every image left is measured now, each inode once.
-        if budget.total > max {
+        // images counts in both): every image left is measured now, each inode once (where
+        // extents may be shared, the budget measured every image already).
+        if budget.total > max && !shares {
             let gone = report.size_before.saturating_sub(budget.total);
             budget = Budget::new(store, &rows, shares, true)?;
             report.size_before = budget.total + gone;
