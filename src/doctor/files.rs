@@ -185,7 +185,9 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, repair: bool, shared: bool, report: 
         Ok(()) => return,
         // No mode gives it back: a flag (or a security policy) refuses the write.
         Err(nix::errno::Errno::EPERM) => {
-            report.add("files", Problem, format!("{shown} is immutable: nobody may write it ('chattr -i' clears the flag; 'lsattr' shows it)"));
+            let why = crate::planted::denied(path);
+            let why = why.unwrap_or_else(|| format!("{shown} may not be written"));
+            report.add("files", Problem, why);
             return;
         }
         Err(_) => {}
