@@ -421,21 +421,25 @@ fn empty_catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result
     let db = store.root().db();
     let shown = db.display();
     let rw = nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK;
-    if let Err(e) = nix::unistd::access(&db, rw) {
-        return Ok(report.catalog(Problem, format!("{shown} is empty and may not be written ({}); images are still used and listed, from their records", e.desc())));
-    }
-    if !repair {
+    let why = if let Err(e) = nix::unistd::access(&db, rw) {
+        format!("may not be written ({})", e.desc())
+    } else if !repair {
         let detail = format!("{shown}: empty; the next command fills it from the records");
         return Ok(report.catalog(Verdict::Ok, detail));
-    }
-    let made = store.with_catalog(None, |_, _| Ok(())).and_then(|()| {
-        crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, store.root()))
-    });
-    match made {
-        Ok(crate::catalog::Found::Current) => intact(store, repair, report),
-        Ok(_) => Ok(report.catalog(Problem, format!("{shown} is empty and could not be made anew; images are still used and listed, from their records"))),
-        Err(e) => Ok(report.catalog(Problem, format!("{shown} is empty and could not be made anew ({e:#}); images are still used and listed, from their records"))),
-    }
+    } else {
+        let made = store.with_catalog(None, |_, _| Ok(())).and_then(|()| {
+            crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, store.root()))
+        });
+        match made {
+            Ok(crate::catalog::Found::Current) => return intact(store, repair, report),
+            Ok(_) => "could not be made anew".to_owned(),
+            Err(e) => format!("could not be made anew ({e:#})"),
+        }
+    };
+    Ok(report.catalog(
+        Problem,
+        format!("{shown} is empty and {why}; images are still used and listed, from their records"),
+    ))
 }
 
 /// A catalog file (itself, journal, WAL) that is no regular file of its own; `repair` sets it aside.
