@@ -504,7 +504,7 @@ party() {
     n=$(od -An -N1 -tu1 /dev/urandom); n=$((n + 0)); i=$((n % 3))
     case $((n % 4)) in
       0|1) "$STOWAGE" exec --read "img$i" --wait 0.5 -- sh -c              '[ "$(cat "$STOWAGE_IMAGES_DIR/img'$i'/state" 2>/dev/null)" != writing ] || echo "read beside a write: img'$i'" >> "$VIOLATIONS"' ;;
-      2|3) "$STOWAGE" exec --write "img$i" --wait 0.5 -- sh -c              'cd "$STOWAGE_IMAGE_DIR" && t=$(od -An -N4 -tu4 /dev/urandom | tr -d " "); echo "$t" > owner; echo writing > state; sleep 0.0'$((n % 5 + 1))'; [ "$(cat owner)" = "$t" ] || echo "two writers: img'$i'" >> "$VIOLATIONS"; echo done > state' ;;
+      2|3) "$STOWAGE" exec --write "img$i" --wait 0.5 -- sh -c              'cd "${STOWAGE_IMAGE_DIR:?}" && t=$(od -An -N4 -tu4 /dev/urandom | tr -d " "); echo "$t" > owner; echo writing > state; sleep 0.0'$((n % 5 + 1))'; [ "$(cat owner)" = "$t" ] || echo "two writers: img'$i'" >> "$VIOLATIONS"; echo done > state' ;;
     esac >/dev/null 2>&1
   done
 }
