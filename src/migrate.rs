@@ -366,7 +366,7 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
     let what = format!("the lock on image '{name}' before migrating the store");
     let before = holders();
     let _line = crate::wait_line::announce(store.ctx(), &what, &before, None);
-    let started = Instant::now();
+    let since = crate::acquire::waiting_since();
     match lock::acquire(&path, Mode::Exclusive, lock::IfMissing::Fail, &mut wait) {
         Ok(waited) => waited.map(drop).or_else_busy(|| {
             // Who holds it now, not who did when the wait began.
@@ -374,7 +374,7 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
             crate::Error::Busy(crate::error::Busy {
                 what: format!("the lock on image '{name}' (needed free to migrate the store)"),
                 holders: if now.is_empty() { before } else { now },
-                waited: started.elapsed(),
+                waited: since.elapsed(),
             })
             .into()
         }),

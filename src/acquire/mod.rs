@@ -21,9 +21,16 @@ use crate::store::Store;
 pub mod image;
 pub mod slot;
 
+/// When this process began its first wait: a command that waits for several locks in turn gives
+/// up after the whole of its `--wait`, and says so, not the part its last lock took.
+pub(crate) fn waiting_since() -> Instant {
+    static SINCE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *SINCE.get_or_init(Instant::now)
+}
+
 /// Runs a wait announced as `what`, with `awaited` and the locks `held` already listed in our lease
 /// meanwhile (one write: another host sees no lock table). A timeout is [`Error::Busy`] naming the
-/// holders then (`holders_now`); a signal interrupts.
+/// holders then (`holders_now`) and the time waited in all; a signal interrupts.
 pub(crate) fn wait_for<T>(
     store: &Store,
     awaited: Holding,
@@ -37,14 +44,14 @@ pub(crate) fn wait_for<T>(
     let mut listed = held.to_vec();
     listed.push(awaited);
     crate::lease::note_all(&leases, listed);
-    let t0 = Instant::now();
+    let since = waiting_since();
     let out = wait();
     crate::lease::forget(&leases, &lockfile);
     out?.or_else_busy(|| {
         Error::Busy(Busy {
             what,
             holders: holders_now(),
-            waited: t0.elapsed(),
+            waited: since.elapsed(),
         })
         .into()
     })

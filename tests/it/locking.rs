@@ -83,6 +83,37 @@ fn bounded_wait_gives_75_naming_the_holder() {
     assert_eq!(entry["waiters"].as_array().unwrap().len(), 0, "{entry}");
 }
 
+/// A wait for several locks in turn gives up after the whole `--wait`
+/// and says so: not the part of it the last lock took.
+#[test]
+fn a_wait_for_several_locks_says_it_gave_up_after_the_whole_wait() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    let on_a = env.hold_until(&["--write", "a"], "a-held", "a-go");
+    let on_b = env.hold_until(&["--write", "b"], "b-held", "b-go");
+    let reader = env.spawn([
+        "exec", "--read", "a", "--read", "b", "--wait", "2", "--", "true",
+    ]);
+    env.wait_for_waiter("a");
+    // Most of the wait goes to 'a'; what is left of it, to 'b'.
+    std::thread::sleep(Duration::from_millis(1500));
+    env.release("a-go");
+    assert_eq!(code(&on_a.finish()), Some(0));
+    let out = reader.finish();
+    env.release("b-go");
+    assert_eq!(code(&on_b.finish()), Some(0));
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    let said: f64 = stderr(&out)
+        .split("gave up after ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|secs| secs.parse().ok())
+        .unwrap_or_else(|| panic!("no time given: {}", show(&out)));
+    assert!(said >= 1.5, "said {said} s of a 2 s wait: {}", show(&out));
+    assert!(stderr(&out).contains("image 'b'"), "{}", show(&out));
+}
+
 /// A wait that gives up names who holds the lock then: the holder seen
 /// when the wait began may be long gone (it named that one).
 #[test]
