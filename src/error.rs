@@ -93,6 +93,11 @@ pub enum Error {
     #[error("{0}")]
     Busy(Busy),
 
+    /// Standard output's reader is gone (`| head`): the command ends quietly, as SIGPIPE would
+    /// end it (exit 141).
+    #[error("standard output closed by its reader")]
+    ReaderGone,
+
     /// A termination signal arrived before the command started.
     #[error("interrupted by {} before the command started", signal_name(*.0))]
     Interrupted(i32),
@@ -149,6 +154,7 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         Some(Error::LockingUnavailable { .. } | Error::UnsafeLocking(_)) => code::UNAVAILABLE,
         Some(Error::Busy(_)) => code::TEMPFAIL,
         Some(Error::Interrupted(sig) | Error::Stopped(sig)) => 128u8.saturating_add(*sig as u8),
+        Some(Error::ReaderGone) => 128 + libc::SIGPIPE as u8,
     }
 }
 

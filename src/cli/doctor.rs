@@ -27,7 +27,7 @@ pub struct Args {
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     if let Some(raw) = &args.hold_probe {
-        let secs = super::parse_seconds("--hold-probe", raw)?;
+        let secs = super::parse_seconds("--hold-probe", raw, false)?;
         return doctor::hold_probe(store, secs).map(|()| 0);
     }
     let report = match doctor::run(store, args.repair) {

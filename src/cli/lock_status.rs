@@ -47,11 +47,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         all: args.all,
     };
     let every = (args.watch.as_deref())
-        .map(|raw| super::parse_seconds("--watch", raw))
+        .map(|raw| super::parse_seconds("--watch", raw, false))
         .transpose()?;
-    if every.is_some_and(|d| d.is_zero()) {
-        return super::usage("--watch needs an interval above 0 seconds".into());
-    }
     store.require_root()?;
     // Something planted in a lock directory's place is not "nothing held".
     store.root().check_lock_dirs(|line| store.ctx().say(line))?;

@@ -116,10 +116,17 @@ pub fn main() -> ExitCode {
     let result = run(cli);
     // Every lock of ours is closed by now: the lease goes too (one unlink).
     crate::lease::retire();
+    exit_with(result)
+}
+
+/// The exit code for `result`, and its one line on stderr; none when stdout's reader has gone.
+fn exit_with(result: Result<u8>) -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            complain!("stowage: {}{}", one_line(&e), advice(&e));
+            if !matches!(error::typed(&e), Some(Error::ReaderGone)) {
+                complain!("stowage: {}{}", one_line(&e), advice(&e));
+            }
             ExitCode::from(error::exit_code(&e))
         }
     }
@@ -199,13 +206,16 @@ fn run(cli: Cli) -> Result<u8> {
 }
 
 /// Writes `text` to stdout and flushes it (never `println!`, which panics): a failed write is a
-/// one-line error, exit 1.
+/// one-line error, exit 1; a reader gone (`| head`) ends the command quietly.
 pub(crate) fn print(text: &str) -> Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     out.write_all(text.as_bytes())
         .and_then(|()| out.flush())
-        .map_err(|e| anyhow::anyhow!("cannot write to standard output: {e}"))
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::BrokenPipe => Error::ReaderGone.into(),
+            _ => anyhow::anyhow!("cannot write to standard output: {e}"),
+        })
 }
 
 /// [`print`]s `doc` as pretty JSON, one line break after it.
@@ -261,13 +271,7 @@ fn parse_failure(e: clap::Error, args: &[OsString]) -> ExitCode {
     use clap::error::ErrorKind;
     match e.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
-            return match print(&e.render().to_string()) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    complain!("stowage: {e}");
-                    ExitCode::from(error::code::FAILURE)
-                }
-            };
+            return exit_with(print(&e.render().to_string()).map(|()| 0));
         }
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
             let _ = e.print();
@@ -492,8 +496,8 @@ fn usage<T>(why: String) -> Result<T> {
 const MAX_WAIT_SECS: f64 = 10.0 * 365.0 * 86_400.0;
 
 /// Parses a command-line time (`--wait`, `--watch`): seconds (`2.5`), or with a unit (`500ms`,
-/// `10s`, `1.5m`, `2h`, `1d`). Finite, not negative.
-fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
+/// `10s`, `1.5m`, `2h`, `1d`). Finite, not negative; above 0 unless `zero_ok`.
+fn parse_seconds(flag: &str, raw: &str, zero_ok: bool) -> Result<Duration> {
     let bad = || {
         Error::Usage(format!(
             "{flag} '{raw}': not a time (seconds, e.g. 10 or 2.5, or with a unit: 500ms, 10s, 2m, 1h, 1d)"
@@ -517,9 +521,10 @@ fn parse_seconds(flag: &str, raw: &str) -> Result<Duration> {
         return Err(bad().into());
     }
     let secs = number.parse::<f64>().map_err(|_| bad())? * scale;
-    if !secs.is_finite() || secs < 0.0 {
+    if !secs.is_finite() || secs < 0.0 || (secs == 0.0 && !zero_ok) {
+        let least = if zero_ok { "0 or more" } else { "above 0" };
         return usage(format!(
-            "{flag} '{raw}': must be a finite number of seconds, 0 or more"
+            "{flag} '{raw}': must be a finite number of seconds, {least}"
         ));
     }
     if secs > MAX_WAIT_SECS {
@@ -535,7 +540,7 @@ fn deadline(wait: Option<&str>, no_wait: bool) -> Result<(Option<Instant>, bool)
     match (wait, no_wait) {
         (_, true) => Ok((Some(Instant::now()), true)),
         (Some(raw), false) => {
-            let d = parse_seconds("--wait", raw)?;
+            let d = parse_seconds("--wait", raw, true)?;
             Ok((Some(Instant::now() + d), d.is_zero()))
         }
         (None, false) => Ok((None, false)),
@@ -570,7 +575,11 @@ mod tests {
 
     #[test]
     fn times_in_seconds_or_with_units() {
-        let s = |raw: &str| parse_seconds("--wait", raw).map(|d| d.as_secs_f64()).ok();
+        let s = |raw: &str| {
+            parse_seconds("--wait", raw, true)
+                .map(|d| d.as_secs_f64())
+                .ok()
+        };
         assert_eq!(s("10"), Some(10.0));
         assert_eq!(s("2.5"), Some(2.5));
         assert_eq!(s("0"), Some(0.0));
