@@ -37,9 +37,9 @@ stowage_root() {
     rc=$?
     case $rc in
         0) ;;
-        66) # no such root
+        66) # no such root, or a directory that holds no store
             fix="stowage${named:+ --root $(printf %q "$named")} init --images-dir $(printf %q "$S/img")"
-            fail 64 "the stowage root ${named:-(the default one)} does not exist (mistyped?); to keep this storage directory's locks there, run: $fix" ;;
+            fail 64 "the stowage root ${named:-(the default one)} does not exist or holds no store (mistyped?); to keep this storage directory's locks there, run: $fix" ;;
         *) fail "$rc" "cannot ask stowage about its root: $err" ;;
     esac
     # shellcheck disable=SC2016  # expanded by that sh

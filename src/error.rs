@@ -69,6 +69,12 @@ pub enum Error {
     #[error("root {} does not exist ('stowage --root {} init' creates it)", .0.display(), .0.display())]
     NoRoot(PathBuf),
 
+    /// The root is a directory that holds no store (exit 66): a command that reads creates
+    /// nothing there, one that writes makes a store only in an empty one; `init` is asked to.
+    #[error("root {} holds no store{} (mistyped? 'stowage --root {} init' makes it one)",
+        dir.display(), held.as_ref().map_or(String::new(), |h| format!(": it holds '{h}' but no 'locks'")), dir.display())]
+    NotAStore { dir: PathBuf, held: Option<String> },
+
     /// The image exists but cannot be read in its state (exit 66).
     #[error("image '{name}' is not ready (state: {state})")]
     NotReady { name: String, state: String },
@@ -149,7 +155,8 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
             Error::NoSuchImage(_)
             | Error::NotReady { .. }
             | Error::DamagedRecord { .. }
-            | Error::NoRoot(_),
+            | Error::NoRoot(_)
+            | Error::NotAStore { .. },
         ) => code::NO_INPUT,
         Some(Error::LockingUnavailable { .. } | Error::UnsafeLocking(_)) => code::UNAVAILABLE,
         Some(Error::Busy(_)) => code::TEMPFAIL,

@@ -64,6 +64,52 @@ impl Root {
         self.dir.is_dir()
     }
 
+    /// Whether a store lives here: one of its first-made parts (`locks`, the configuration, an old
+    /// release's catalog) is there. One lstat in a store.
+    pub fn holds_store(&self) -> bool {
+        ["locks", crate::config::FILE, "stowage.db"]
+            .iter()
+            .any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
+    }
+
+    /// For a command that only reads: a store is here, else why not (66), nothing created.
+    pub fn require_store(&self) -> Result<()> {
+        if self.holds_store() {
+            Ok(())
+        } else if !self.exists() {
+            Err(crate::Error::NoRoot(self.dir.clone()).into())
+        } else {
+            Err(self.no_store().into())
+        }
+    }
+
+    /// The root holds no store: what it holds that no store's making puts there, if anything
+    /// (another maker's half-made layout is no reason to refuse).
+    fn no_store(&self) -> crate::Error {
+        const PARTS: [&str; 7] = [
+            "locks",
+            "img",
+            "trash",
+            "reserve",
+            crate::config::FILE,
+            "stowage.db",
+            "stowage.db-journal",
+        ];
+        // The configuration is written under a temporary name first (`config.rs`).
+        let writing = format!(".{}.", crate::config::FILE);
+        let held = fs::read_dir(&self.dir).ok().and_then(|entries| {
+            let name = entries.flatten().map(|e| e.file_name()).find(|n| {
+                let n = n.to_string_lossy();
+                !PARTS.contains(&n.as_ref()) && !n.starts_with(&writing)
+            })?;
+            Some(crate::ident::printable(&name.to_string_lossy()).into_owned())
+        });
+        crate::Error::NotAStore {
+            dir: self.dir.clone(),
+            held,
+        }
+    }
+
     /// The root directory's identity, through its open descriptor (no duplicate made).
     pub fn identity(&self) -> Result<String> {
         if self.opened.get().is_none() {
@@ -372,8 +418,18 @@ impl Root {
 
     /// Creates the root and its directories. Idempotent. The root's parent must exist.
     pub fn create_layout(&self) -> Result<()> {
+        self.lay_out(false)
+    }
+
+    /// [`Root::create_layout`] for `init`, which is asked to: also in a directory that holds
+    /// other things than a store (a store is made only in a new or empty one unasked).
+    pub fn create_layout_here(&self) -> Result<()> {
+        self.lay_out(true)
+    }
+
+    fn lay_out(&self, asked: bool) -> Result<()> {
         let shown = self.dir.display();
-        match fs::symlink_metadata(&self.dir) {
+        let existed = match fs::symlink_metadata(&self.dir) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(&self.dir) {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     anyhow::bail!("cannot create root {shown}: its parent directory does not exist")
@@ -381,12 +437,19 @@ impl Root {
                 Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
                     return Err(e).with_context(|| format!("cannot create root {shown}"));
                 }
-                _ => {}
+                _ => false,
             },
             Err(e) => return Err(e).with_context(|| format!("cannot inspect root {shown}")),
-            Ok(_) => {}
-        }
+            Ok(_) => true,
+        };
         self.refuse_claimed_img()?;
+        // A mistyped root (a builder's storage, a project's directory) must not grow a store.
+        if existed && !asked && !self.holds_store() {
+            let no = self.no_store();
+            if matches!(no, crate::Error::NotAStore { held: Some(_), .. }) {
+                return Err(no.into());
+            }
+        }
         make_dir(&self.dir)?;
         // Checked again on what was made or found (`open`): another may have made it meanwhile.
         let root = self.open()?;

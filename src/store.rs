@@ -54,10 +54,11 @@ impl Store {
         &self.ctx.root
     }
 
-    /// For a command that only reads: a missing root is reported (66), never created.
+    /// For a command that only reads: a missing root, or a directory that holds no store, is
+    /// reported (66), never made a store.
     pub fn require_root(&self) -> Result<()> {
-        if !self.ctx.creates_root && !self.ctx.root.exists() {
-            return Err(Error::NoRoot(self.ctx.root.dir().to_owned()).into());
+        if !self.ctx.creates_root {
+            self.ctx.root.require_store()?;
         }
         Ok(())
     }
@@ -279,8 +280,8 @@ fn take_global(ctx: &Ctx, deadline: Option<Instant>) -> Result<lock::Guard> {
             Ok(Some(g)) => return Ok(g),
             Ok(None) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound && !created => {
-                if !ctx.creates_root && !ctx.root.exists() {
-                    return Err(Error::NoRoot(ctx.root.dir().to_owned()).into());
+                if !ctx.creates_root {
+                    ctx.root.require_store()?;
                 }
                 ctx.root.create_layout()?;
                 created = true;

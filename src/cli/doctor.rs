@@ -32,7 +32,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     let report = match doctor::run(store, args.repair) {
         // A problem doctor finds (it exits 0, 1 or 69), not a missing image's 66.
-        Err(e) if matches!(crate::error::typed(&e), Some(crate::Error::NoRoot(_))) => {
+        Err(e)
+            if matches!(
+                crate::error::typed(&e),
+                Some(crate::Error::NoRoot(_) | crate::Error::NotAStore { .. })
+            ) =>
+        {
             complain!("stowage: {e}");
             return Ok(code::FAILURE);
         }

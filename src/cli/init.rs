@@ -53,13 +53,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     } else if let Some(dir) = current.filter(|d| *d != root.default_images_dir()) {
         refuse_what_is_no_images_dir(&dir, false)?;
     }
+    refuse_what_is_no_root(store.root())?;
     store.root().refuse_planted_layout()?;
     let group = args
         .group
         .as_deref()
         .map(|g| open_to_group(store, g))
         .transpose()?;
-    store.root().create_layout()?;
+    store.root().create_layout_here()?;
     let root = store.root().clone();
     let mut config = crate::images_dir::config(&root)?;
     if let Some(dir) = &wanted
@@ -223,11 +224,7 @@ fn no_images_dir(dir: &Path, contents: bool) -> Option<String> {
         return None;
     } else if let Some(held) = like_the_system(dir) {
         format!("a system tree (it holds {held}), not a directory of image trees")
-    } else if ["bucache", "dlcache", "ulcache"]
-        .iter()
-        .any(|d| dir.join(d).is_dir())
-        && dir.join("img").is_dir()
-    {
+    } else if charliecloud_storage(dir) {
         let img = dir.join("img");
         let img = img.display();
         format!("a Charliecloud storage directory: its images are in {img}")
@@ -237,6 +234,51 @@ fn no_images_dir(dir: &Path, contents: bool) -> Option<String> {
         return None;
     };
     Some(what)
+}
+
+/// Whether `dir` is ch-image's storage directory, which ch-image refuses to use with other files in
+/// it (stowage's, say).
+fn charliecloud_storage(dir: &Path) -> bool {
+    ["bucache", "dlcache", "ulcache"]
+        .iter()
+        .any(|d| dir.join(d).is_dir())
+        && dir.join("img").is_dir()
+}
+
+/// Refuses, before a store is made at the root, a directory that is no place for stowage's files:
+/// the filesystem's root, a home, the system's, or a builder's storage (ch-image would stop).
+fn refuse_what_is_no_root(root: &Root) -> Result<()> {
+    if root.holds_store() {
+        return Ok(());
+    }
+    let dir = root.dir();
+    let own = "give a directory of the store's own (a new or empty one)".to_owned();
+    let what = [lexical(dir), resolved(dir)].iter().find_map(|d| {
+        Some(if d == Path::new("/") {
+            ("the root of the filesystem".to_owned(), own.clone())
+        } else if is_home(d) {
+            ("a home directory".to_owned(), own.clone())
+        } else if of_the_system(d) {
+            ("a directory of the operating system".to_owned(), own.clone())
+        } else if let Some(held) = like_the_system(d) {
+            (format!("a system tree (it holds {held})"), own.clone())
+        } else if charliecloud_storage(d) {
+            let img = d.join("img");
+            let img = img.display();
+            let what = "a Charliecloud storage directory, which ch-image uses only with nothing else in it";
+            let tail = format!("give the store a root of its own and --images-dir {img}");
+            (what.to_owned(), tail)
+        } else {
+            return None;
+        })
+    });
+    match what {
+        Some((what, tail)) => bail!(
+            "refusing {} as the root: it is {what}; {tail}",
+            dir.display()
+        ),
+        None => Ok(()),
+    }
 }
 
 /// `dir` with `.` and `..` taken out as written (`/tmp/../usr/x` is `/usr/x`).

@@ -163,9 +163,7 @@ fn probe_check(ctx: &Ctx, report: &mut Report) {
 
 pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
     let root = store.root().clone();
-    if !root.exists() {
-        return Err(crate::Error::NoRoot(root.dir().to_owned()).into());
-    }
+    root.require_store()?;
     // Named as lock-status names it: by the mount table's kind ("glusterfs", not statfs's "fuse").
     let fs_info = fs::metadata(root.dir())
         .ok()

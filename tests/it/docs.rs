@@ -123,10 +123,10 @@ fn prepare(env: &Env, example: &str) -> Command {
     fn image_like(w: &&str) -> bool {
         !w.starts_with('-') && !w.starts_with('$') && !w.contains('"')
     }
-    // A store exists (reading commands on a missing root say so), except
-    // for the examples that make one.
+    // A store exists (reading commands on a missing root, or a directory
+    // that holds no store, say so), except for the examples that make one.
     if words.get(1) != Some(&"init") {
-        fs::create_dir_all(&env.root).unwrap();
+        env.ok(["init"]);
     }
     let mut reads = values_of(&words, &["--read", "--from", "--why"]);
     if words.get(1) == Some(&"rm") {

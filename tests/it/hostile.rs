@@ -507,6 +507,69 @@ fn reading_commands_on_a_missing_root_say_so_and_create_nothing() {
     assert!(env.root.join("locks/slots/pull/0.lock").exists());
 }
 
+/// A root that names a directory holding no store (a project, a builder's
+/// storage: a mistyped root) is never made one, except by `init`, asked:
+/// a look says so (66) and creates nothing, empty directory or not; a
+/// write makes a store only in an empty one, else says so (66).
+#[test]
+fn a_directory_that_holds_no_store_is_not_made_one_unasked() {
+    let env = Env::new();
+    let empty = env.tmp.path().join("empty");
+    let project = env.tmp.path().join("project");
+    fs::create_dir(&empty).unwrap();
+    fs::create_dir_all(project.join("img/icons")).unwrap();
+    fs::write(project.join("index.html"), "hi").unwrap();
+    let looks: [&[&str]; 11] = [
+        &["images"],
+        &["images", "--json"],
+        &["lock-status"],
+        &["lock-status", "--why", "a"],
+        &["slots"],
+        &["doctor"],
+        &["doctor", "--repair"],
+        &["gc", "--dry-run"],
+        &["gc"],
+        &["rm", "a"],
+        &["exec", "--read", "a", "--", "true"],
+    ];
+    let writes: [&[&str]; 3] = [
+        &["exec", "--write", "a", "--", "true"],
+        &["exec", "--", "true"],
+        &["slots", "set", "pull", "1"],
+    ];
+    for dir in [&empty, &project] {
+        let before = tree(dir);
+        let in_project = dir == &project;
+        for args in looks.iter().chain(writes.iter().filter(|_| in_project)) {
+            let mut c = Command::new(bin());
+            c.arg("--root").arg(dir).args(args.iter());
+            let out = output(c);
+            let doctor = args[0] == "doctor";
+            assert_eq!(
+                code(&out),
+                Some(if doctor { 1 } else { 66 }),
+                "{args:?}: {}",
+                show(&out)
+            );
+            let err = stderr(&out);
+            let said = err.contains("holds no store") || err.contains("image 'a' does not exist");
+            assert!(said && err.lines().count() == 1, "{args:?}: {err}");
+            assert_eq!(tree(dir), before, "{args:?} in {}", dir.display());
+        }
+    }
+    // The empty one is made a store by a write, the other by init.
+    let mut c = Command::new(bin());
+    c.arg("--root")
+        .arg(&empty)
+        .args(["exec", "--write", "a", "--", "true"]);
+    assert_eq!(code(&output(c)), Some(0));
+    let mut c = Command::new(bin());
+    c.arg("--root").arg(&project).arg("init");
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(project.join("locks").is_dir() && project.join("index.html").exists());
+}
+
 #[test]
 fn gc_on_a_missing_root_says_so_and_creates_nothing() {
     let env = Env::new();

@@ -526,6 +526,85 @@ fn init_refuses_the_systems_directories_and_trees_like_them() {
     }
 }
 
+/// A root is no place for a store where stowage's files would land among
+/// others': the filesystem's root, a home, the system's, or a Charliecloud
+/// storage directory (ch-image then refuses it). All were made stores; the
+/// refusal changes nothing, and says what to give instead.
+#[test]
+fn init_refuses_a_root_that_is_no_place_for_a_store() {
+    let env = Env::new();
+    let storage = env.scratch.join("storage");
+    for d in ["img/alpine", "bucache", "dlcache"] {
+        fs::create_dir_all(storage.join(d)).unwrap();
+    }
+    let home = env.scratch.join("home");
+    fs::create_dir(&home).unwrap();
+    let before = tree(&env.scratch);
+    let _slash = LayoutIn::new("/");
+    for (dir, says) in [
+        ("/", "the root of the filesystem"),
+        ("/usr/local", "a directory of the operating system"),
+        (home.to_str().unwrap(), "a home directory"),
+        (storage.to_str().unwrap(), "--images-dir"),
+    ] {
+        let mut c = Command::new(bin());
+        c.args(["--root", dir, "init"]).env("HOME", &home);
+        let out = output(c);
+        assert_eq!(code(&out), Some(1), "{dir}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(says) && err.contains("refusing"),
+            "{dir}: {err}"
+        );
+        assert!(!std::path::Path::new(dir).join("store.conf").exists());
+    }
+    assert_eq!(tree(&env.scratch), before);
+    assert!(!std::path::Path::new("/locks").exists());
+    // What the refusal says to give instead works.
+    let img = storage.join("img");
+    let own = env.scratch.join("storage.stowage");
+    let mut c = Command::new(bin());
+    c.arg("--root")
+        .arg(&own)
+        .args(["init", "--images-dir"])
+        .arg(&img);
+    assert_eq!(code(&output(c)), Some(0));
+    assert_eq!(fs::read_dir(&storage).unwrap().count(), 3);
+}
+
+/// Removes, when dropped, the parts of a store a failing test made in
+/// `dir` (which held none of them): a regression must not leave them in `/`.
+struct LayoutIn(Vec<std::path::PathBuf>);
+
+impl LayoutIn {
+    fn new(dir: &str) -> LayoutIn {
+        let parts = [
+            "locks",
+            "img",
+            "trash",
+            "reserve",
+            "store.conf",
+            "stowage.db",
+        ];
+        let dir = Path::new(dir);
+        LayoutIn(
+            parts
+                .iter()
+                .map(|p| dir.join(p))
+                .filter(|p| !p.exists())
+                .collect(),
+        )
+    }
+}
+
+impl Drop for LayoutIn {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = fs::remove_dir_all(p).or_else(|_| fs::remove_file(p));
+        }
+    }
+}
+
 /// A home directory given by its real path, where the one written down
 /// goes through a link (`/home` is a link on many clusters), is a home
 /// directory still: it was taken.

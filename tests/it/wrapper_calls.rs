@@ -142,6 +142,27 @@ fn a_mistyped_root_is_refused_and_never_created() {
         );
         assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
     }
+    // A directory that exists but holds no store (a project's) is as
+    // mistyped: nothing of a store is made in it either.
+    let project = ch.env.tmp.path().join("project");
+    fs::create_dir(&project).unwrap();
+    fs::write(project.join("notes"), "mine").unwrap();
+    for wrapper in [CH_BUILD, CH_DELETE] {
+        let args: &[&str] = if wrapper == CH_BUILD {
+            &["-t", "next"]
+        } else {
+            &["app"]
+        };
+        let mut c = naming(ch.command(wrapper), Naming::Flag, &project, args);
+        if wrapper == CH_BUILD {
+            c.arg(&ch.ctx);
+        }
+        let out = output(c);
+        assert_eq!(out.status.code(), Some(64), "{wrapper}: {}", show(&out));
+        assert!(stderr(&out).contains("holds no store"), "{}", show(&out));
+        assert_eq!(tree(&project), ["notes"], "{wrapper}");
+    }
+    assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
 }
 
 /// Builds and deletes work with the root named either way; `--root`
