@@ -372,6 +372,29 @@ pub fn read_proving(file: &File, path: &Path, name: &str) -> (Seen, bool) {
 }
 
 pub fn read(file: &File) -> io::Result<Seen> {
+    Ok(Seen::parse(&read_area(file)?))
+}
+
+/// Whether `file` holds `ours` still, as its holder last wrote it, and nothing later (one read).
+/// Judged slot by slot: noise in the other slot (a damaged record being mended) is no change.
+pub fn holds_latest(file: &File, ours: Option<&Record>) -> io::Result<bool> {
+    let bytes = read_area(file)?;
+    let slot = |i: usize| {
+        bytes
+            .get(i * SLOT..((i + 1) * SLOT).min(bytes.len()))
+            .and_then(Record::decode)
+    };
+    Ok(match ours {
+        None => slot(0).is_none() && slot(1).is_none(),
+        Some(r) => {
+            let at = (r.seq % 2) as usize;
+            slot(at).as_ref() == Some(r) && slot(1 - at).is_none_or(|o| o.seq < r.seq)
+        }
+    })
+}
+
+/// The file's first [`AREA`] bytes, or all it has.
+fn read_area(file: &File) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; AREA];
     let mut got = 0;
     while got < buf.len() {
@@ -383,7 +406,7 @@ pub fn read(file: &File) -> io::Result<Seen> {
         }
     }
     buf.truncate(got);
-    Ok(Seen::parse(&buf))
+    Ok(buf)
 }
 
 /// Writes `record` (`seq` from `seen`, updated) and syncs it, holding the exclusive lock.

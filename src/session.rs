@@ -378,7 +378,7 @@ impl Session {
                 continue;
             }
             crate::debug::pause("write-finishing");
-            if let Err(e) = img.held.guard.still_held() {
+            if let Err(e) = still_ours(img, now) {
                 lost.push(format!(
                     "lost the write lock on image '{}' ({e})",
                     img.held.name
@@ -748,6 +748,31 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
 
 /// The end of one write: a tree the command deleted goes with its record, else the record says how
 /// the command ended. Returns what to tell the user, if anything is unusual.
+/// Whether the write lock is still ours, and was all along: a lock lost while free is taken again
+/// by the check (a client reconnected without its locks, a partition healed), so the record tells
+/// whether another acted meanwhile (one read). A record another changed is marked incomplete, the
+/// lock being ours again: two writers' files may be mixed in the tree.
+fn still_ours(img: &mut Image, now: clock::Millis) -> Result<(), String> {
+    img.held.guard.still_held().map_err(|e| e.to_string())?;
+    let file = img.held.guard.file();
+    let cannot = |e: std::io::Error| format!("its record cannot be read: {e}");
+    if image_record::holds_latest(file, img.held.seen.record.as_ref()).map_err(cannot)? {
+        return Ok(());
+    }
+    let found = image_record::read(file).map_err(cannot)?;
+    let Some(mut r) = found.record.clone() else {
+        return Err("its record was emptied or replaced meanwhile".into());
+    };
+    let said = format!("its record was changed meanwhile, to {}", r.state);
+    if r.state != State::Deleting {
+        (r.state, r.changed) = (State::Incomplete, now);
+        r.outcome = Some("written while its writer's lock was lost".into());
+        img.held.seen = found;
+        let _ = image_record::write(file, &mut img.held.seen, &r);
+    }
+    Err(said)
+}
+
 fn finish_write(
     root: &Root,
     images_dir: &Path,

@@ -114,6 +114,58 @@ fn writers_exclude_each_other_and_readers_share_across_hosts() {
     ));
 }
 
+/// A host whose connection to the server drops for a moment (a network
+/// blip, a brick restart) loses its locks there, and its client reopens
+/// its files without them. What another host did meanwhile shows in the
+/// image's record: the writer never records `ready` over it, and says its
+/// lock was lost (exit 1). Another host's gc removed the image as its
+/// writer's; another host's write finished it: then it is incomplete, two
+/// writers' files mixed in its tree.
+#[test]
+fn a_writer_whose_host_lost_its_connection_never_records_ready_over_another() {
+    let Some(c) = Cluster::start("blip", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    for (other, then) in [("gc", None), ("write", Some("incomplete"))] {
+        ok(a.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
+        let (started, go) = (env.sentinel(other), env.sentinel(&format!("{other}.go")));
+        let script = format!(
+            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done; echo a > \"$STOWAGE_IMAGE_DIR/a\" || true",
+            started.display(),
+            go.display()
+        );
+        let writer = Bg::from_command(
+            a.stowage(&root, ["exec", "--write", "img", "--", "sh", "-c", &script]),
+        );
+        wait_for_file(&started);
+        a.disconnect();
+        let out = match other {
+            "gc" => ok(b.stowage_run(&root, ["gc"])),
+            _ => ok(b.stowage_run(&root, ["exec", "--write", "img", "--no-wait", "--", "true"])),
+        };
+        assert!(
+            other != "gc" || stdout(&out).contains("removed 'img'"),
+            "{}",
+            show(&out)
+        );
+        std::fs::write(&go, "").unwrap();
+        let out = writer.finish();
+        assert_eq!(code(&out), Some(1), "after {other}: {}", show(&out));
+        assert!(
+            stderr(&out).contains("lost the write lock on image 'img'"),
+            "{}",
+            show(&out)
+        );
+        assert_eq!(
+            image_state(b, &root, "img").as_deref(),
+            then,
+            "after {other}"
+        );
+    }
+}
+
 #[test]
 fn a_waiter_on_another_host_names_the_holder_and_gets_in_when_it_ends() {
     let Some(c) = Cluster::start("wait", 2) else {

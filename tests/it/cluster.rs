@@ -152,6 +152,14 @@ impl Host {
         output(self.stowage(root, args))
     }
 
+    /// Drops the host's connection to the server for a moment (a network
+    /// blip): the server releases its client's locks; the client connects
+    /// again by itself, its files reopened without them.
+    pub fn disconnect(&self) {
+        let out = gluster(["host-disconnect", &self.name]);
+        assert!(out.status.success(), "{}", show(&out));
+    }
+
     /// Kills the whole host, its client included; returns once the server
     /// has dropped its connection (and so its locks).
     pub fn crash(&mut self) {

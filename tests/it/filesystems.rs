@@ -624,6 +624,41 @@ fn a_write_lock_lost_while_the_command_ran_makes_the_image_incomplete() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
 
+/// A lock lost while nobody held it is taken again by the check before the
+/// outcome (GlusterFS reopens a file after a reconnect without its locks):
+/// what another host did meanwhile shows in the record, and the writer
+/// never records `ready` over it. Here the test plays the other host,
+/// writing into the lock file as it would: a removal empties it; another
+/// writer's outcome replaces the record.
+#[test]
+fn a_record_changed_while_the_write_lock_was_lost_is_never_made_ready() {
+    let env = Env::new();
+    env.make_image("app");
+    let lock = env.lock_file("app");
+    let ready = fs::read(&lock).unwrap();
+    for (other, then) in [(ready.clone(), Some("incomplete")), (Vec::new(), None)] {
+        let flag = env.sentinel("changed");
+        let _ = fs::remove_file(&flag);
+        let script = format!("while [ ! -e '{}' ]; do sleep 0.01; done", flag.display());
+        let writer = env.spawn(["exec", "--write", "app", "--", "sh", "-c", &script]);
+        wait_until("the write's record", || {
+            env.state("app").as_deref() == Some("writing")
+        });
+        fs::write(&lock, &other).unwrap();
+        fs::write(&flag, "").unwrap();
+        let out = writer.finish();
+        assert_eq!(code(&out), Some(1), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("lost the write lock on image 'app'"), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert_eq!(env.state("app").as_deref(), then, "{err}");
+        if then.is_none() {
+            assert!(fs::read(&lock).unwrap().iter().all(|&b| b == 0));
+        }
+        fs::write(&lock, &ready).unwrap();
+    }
+}
+
 /// The root's filesystem comes from the mount table by the root's device,
 /// whatever mount point the table lists it at (a bind mount seen
 /// elsewhere): NFS mounted so that locks stay on each client is refused
