@@ -768,8 +768,14 @@ pub fn pid_on(p: &Party, nobody: &str, here: Option<&str>, ns: bool) -> String {
     let mut s = p
         .pid
         .map_or_else(|| nobody.to_owned(), |pid| format!("pid {pid}"));
-    if let Some(h) = p.host.as_deref().filter(|h| Some(*h) != here) {
-        s.push_str(&format!(" on {}", ident::printable(h)));
+    if let Some(h) = p.host.as_deref() {
+        // Another machine of our name (a cloned VM): its pid is not one of ours to signal.
+        let namesake = p.pid_space == PidSpace::ItsHost && h == ident::Me::current().host;
+        if namesake {
+            s.push_str(&format!(" on another host named {}", ident::printable(h)));
+        } else if Some(h) != here {
+            s.push_str(&format!(" on {}", ident::printable(h)));
+        }
     }
     if ns && p.pid_space == PidSpace::OtherNamespace {
         s.push_str(" (in another pid namespace)");

@@ -322,6 +322,8 @@ fn kill(p: &Party) -> String {
         // Our namespace's pid, whatever host name (a local container with its own UTS namespace).
         (PidSpace::Here, _) => format!(": kill {pid}"),
         (_, Some(h)) if *h != crate::ident::Me::current().host => format!(": on {h}, kill {pid}"),
+        // Of another machine of our name: the pid means another process here.
+        (PidSpace::ItsHost, Some(h)) => format!(": on the other host named {h}, kill {pid}"),
         _ => format!(": kill {pid}"),
     }
 }

@@ -166,6 +166,43 @@ fn a_writer_whose_host_lost_its_connection_never_records_ready_over_another() {
     }
 }
 
+/// A holder on another machine of our host name (a cloned VM: the same
+/// name, another boot) is named as another host's: its pid is another
+/// process here, and no advice says to kill it here.
+#[test]
+fn a_holder_on_another_machine_of_our_name_is_never_taken_for_ours() {
+    let Some(c) = Cluster::start("namesake", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    let boot = env.sentinel("boot_id");
+    std::fs::write(&boot, "0f0e0d0c-0b0a-4908-8706-050403020100\n").unwrap();
+    let namesake = format!(
+        "hostname '{}' && mount --bind '{}' /proc/sys/kernel/random/boot_id",
+        a.name,
+        boot.display()
+    );
+    ok(output(b.cmd(["sh", "-c", &namesake])));
+    ok(a.stowage_run(&root, ["exec", "--write", "app", "--", "true"]));
+    let holder = hold(&env, a, &root, &["--write", "app"], "h");
+    let out = b.stowage_run(
+        &root,
+        ["exec", "--write", "app", "--wait", "0.3", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    let named = format!("on another host named {}", a.name);
+    assert!(stderr(&out).contains(&named), "{}", show(&out));
+    let why = stdout(&ok(b.stowage_run(&root, ["lock-status", "--why", "app"])));
+    assert!(why.contains(&named), "{why}");
+    assert!(
+        !why.contains(": kill ") || why.contains(": on the other host named"),
+        "{why}"
+    );
+    release(&env, "h");
+    ok(holder.finish());
+}
+
 #[test]
 fn a_waiter_on_another_host_names_the_holder_and_gets_in_when_it_ends() {
     let Some(c) = Cluster::start("wait", 2) else {
