@@ -161,7 +161,9 @@ pub fn copy_tree_at(
         progress.total = walked.map_or(0, |()| total);
     }
     let meta = dir::fstat(&src_root).with_context(|| format!("cannot read {}", src.display()))?;
-    let mount = src_root.mount_id();
+    let mount = src_root
+        .mount_id()
+        .with_context(|| format!("cannot read {}", src.display()))?;
     let was = make_private(&dst_root, dst)?;
     let names = src_root
         .entries()
@@ -297,7 +299,7 @@ impl TreeCopy<'_> {
             // A filesystem mounted inside the base is not its tree: the mount point is copied,
             // empty. A bind mount of the base's own filesystem shows only in its mount id.
             let mount =
-                meta.st_dev != self.dev || (self.mount.is_some() && s.mount_id() != self.mount);
+                meta.st_dev != self.dev || (self.mount.is_some() && s.mount_id()? != self.mount);
             let names = if mount { Vec::new() } else { s.entries()? };
             io::Result::Ok((s, d, names, lent, mount))
         })();

@@ -172,17 +172,18 @@ impl Dir {
         CString::new(p).expect("no NUL in a directory entry")
     }
 
-    /// The id of the mount this directory is on, where the kernel says (Linux 5.8+). Unlike the
-    /// device number it tells a bind mount of the same filesystem apart.
-    pub fn mount_id(&self) -> Option<u64> {
-        let stx = crate::planted::statx(self, libc::STATX_MNT_ID).ok()?;
-        (stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)
+    /// The id of the mount this directory is on, where the kernel says (Linux 5.8+; `None` before).
+    /// Unlike the device number it tells a bind mount of the same filesystem apart. A failed look
+    /// is an error, never "another mount": a walk would leave a whole subtree out.
+    pub fn mount_id(&self) -> io::Result<Option<u64>> {
+        let stx = crate::planted::statx(self, libc::STATX_MNT_ID)?;
+        Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id))
     }
 
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
     pub fn is_mount_root(&self) -> io::Result<bool> {
         let up = self.sub("..")?;
-        Ok(up.stat()?.dev != self.stat()?.dev || up.mount_id() != self.mount_id())
+        Ok(up.stat()?.dev != self.stat()?.dev || up.mount_id()? != self.mount_id()?)
     }
 
     /// The entry `name`, not followed; `None` if there is none.
@@ -444,7 +445,7 @@ impl Dir {
         };
         // The walk checks for mounts below the top; one at the top itself is caught here.
         let (here, there) = (self.stat()?, top.stat()?);
-        if here.dev != there.dev || self.mount_id() != top.mount_id() {
+        if here.dev != there.dev || self.mount_id()? != top.mount_id()? {
             return Err(mount_point(name));
         }
         empty_tree(top, removed)?;
@@ -555,7 +556,7 @@ struct Level {
 /// Empties the tree `top` (left for the caller to remove), with at most [`OPEN_LEVELS`] open.
 fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
     let st = top.stat()?;
-    let mount = top.mount_id();
+    let mount = top.mount_id()?;
     let mut stack = vec![Level::enter(top, &st, &|| "the directory".to_owned())?];
     loop {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
@@ -734,7 +735,7 @@ fn remove_or_open(
         return Ok(None);
     };
     let sst = sub.stat()?;
-    if sst.dev != dev || (mount.is_some() && sub.mount_id() != mount) {
+    if sst.dev != dev || (mount.is_some() && sub.mount_id()? != mount) {
         return Err(mount_point(&name));
     }
     let mut level = Level::enter(sub, &sst, &there)?;

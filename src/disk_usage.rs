@@ -115,7 +115,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
     let st = dir::fstat(&top)?;
-    let (dev, mount) = (st.st_dev, top.mount_id());
+    let (dev, mount) = (st.st_dev, top.mount_id()?);
     visit(&top, c".", &st)?;
     let names = top.entries()?;
     let mut trail = Trail::default();
@@ -144,8 +144,11 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         let sub = match dir::file_type(&st) == libc::S_IFDIR {
             false => None,
             true => match d.sub(OsStr::from_bytes(name.to_bytes())) {
-                Ok(sub) if mount.is_some() && sub.mount_id() != mount => continue,
-                Ok(sub) => Some(sub),
+                Ok(sub) => match sub.mount_id() {
+                    Ok(here) if mount.is_some() && here != mount => continue,
+                    Ok(_) => Some(sub),
+                    Err(e) => return Err(bounded(e, &trail, &name)),
+                },
                 Err(e) if gone(&e) => continue,
                 Err(e) if e.raw_os_error() == Some(libc::EACCES) => None,
                 Err(e) => return Err(bounded(e, &trail, &name)),

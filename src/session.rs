@@ -302,8 +302,13 @@ impl Session {
         let images_dir = &self.images_dir;
         let src = images_dir.join(base.encoded());
         let dst = images_dir.join(target.encoded());
+        let looked = match std::fs::symlink_metadata(&src) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e)
+                .with_context(|| format!("image '{base}': cannot look at {}", src.display()))?,
+            looked => looked.ok(),
+        };
         anyhow::ensure!(
-            std::fs::symlink_metadata(&src).is_ok_and(|m| m.is_dir()),
+            looked.is_some_and(|m| m.is_dir()),
             "image '{base}': {} is not a directory; cannot copy it",
             src.display()
         );

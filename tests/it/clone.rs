@@ -689,3 +689,51 @@ fn a_copy_out_of_file_descriptors_says_what_to_do() {
         "x\n"
     );
 }
+
+/// A look at a directory of the base that fails (EIO from a dying disk,
+/// ESTALE on NFS) is a failed copy, never taken for a mount point inside
+/// the base: that left the subtree out, empty, and the image `ready`.
+/// Each `statx` of the copy fails in turn (strace's fault injection).
+#[test]
+fn a_failed_look_at_a_directory_of_the_base_is_no_mount_point() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    env.build(
+        "base",
+        "mkdir -p \"$STOWAGE_IMAGE_DIR/d/e\"; echo data > \"$STOWAGE_IMAGE_DIR/d/e/f\"",
+    );
+    for n in 1..=12 {
+        let name = format!("new{n}");
+        let mut c = Command::new("strace");
+        c.args(["-f", "-qq", "-o", "/dev/null", "-e", "trace=statx"])
+            .arg(format!("--inject=statx:error=EIO:when={n}"))
+            .arg(bin())
+            .arg("--root")
+            .arg(&env.root)
+            .args(["exec", "--write", &name, "--from", "base", "--", "true"]);
+        let out = output(c);
+        let copied = env.root.join("img").join(&name).join("d/e/f").exists();
+        if code(&out) == Some(0) {
+            assert!(
+                copied,
+                "statx {n} failed, yet exit 0 without d/e/f: {}",
+                show(&out)
+            );
+            assert_eq!(env.state(&name).as_deref(), Some("ready"));
+        } else {
+            assert_ne!(
+                env.state(&name).as_deref(),
+                Some("ready"),
+                "statx {n}: {}",
+                show(&out)
+            );
+            assert!(
+                !stderr(&out).contains("mount point"),
+                "statx {n}: {}",
+                show(&out)
+            );
+        }
+    }
+}
