@@ -421,6 +421,48 @@ impl Root {
         self.lay_out(false)
     }
 
+    /// Refuses a new store inside another's `img`, `trash` or `locks` (that store's gc would remove
+    /// it, its init adopt it), or in an images directory a store claims. Judged on the real path.
+    fn refuse_inside_another(&self) -> Result<()> {
+        let real = match (
+            fs::canonicalize(&self.dir),
+            self.dir.parent(),
+            self.dir.file_name(),
+        ) {
+            (Ok(real), _, _) => real,
+            (Err(_), Some(parent), Some(name)) => match fs::canonicalize(parent) {
+                Ok(p) => p.join(name),
+                Err(_) => return Ok(()),
+            },
+            _ => return Ok(()),
+        };
+        let mut at = real.as_path();
+        while let Some(parent) = at.parent() {
+            let part = at.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            let store = Root::at(parent);
+            if ["img", "trash", "locks"].contains(&part) && store.holds_store() {
+                anyhow::bail!(
+                    "refusing {} as a root: it lies in '{part}' of the store at {}, which would take it for its own",
+                    self.dir.display(),
+                    parent.display()
+                );
+            }
+            if let Some(c) = Dir::open_nofollow(at)
+                .ok()
+                .and_then(|d| crate::claim::read(&d))
+            {
+                anyhow::bail!(
+                    "refusing {} as a root: it lies in images directory {} of the store at {}",
+                    self.dir.display(),
+                    at.display(),
+                    c.path.display()
+                );
+            }
+            at = parent;
+        }
+        Ok(())
+    }
+
     /// [`Root::create_layout`] for `init`, which is asked to: also in a directory that holds
     /// other things than a store (a store is made only in a new or empty one unasked).
     pub fn create_layout_here(&self) -> Result<()> {
@@ -429,6 +471,9 @@ impl Root {
 
     fn lay_out(&self, asked: bool) -> Result<()> {
         let shown = self.dir.display();
+        if !self.holds_store() {
+            self.refuse_inside_another()?;
+        }
         let existed = match fs::symlink_metadata(&self.dir) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(&self.dir) {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {

@@ -572,6 +572,51 @@ fn init_refuses_a_root_that_is_no_place_for_a_store() {
     assert_eq!(fs::read_dir(&storage).unwrap().count(), 3);
 }
 
+/// A store is never made inside another's `img`, `trash` or `locks`, nor
+/// in an images directory a store keeps: the other's gc removed it as a
+/// trash entry, its init adopted it as an image. Refused before anything
+/// is made, by init and by a first write alike.
+#[test]
+fn a_root_inside_another_store_is_refused() {
+    let env = Env::new();
+    env.make_image("x");
+    let ext = env.scratch.join("ext");
+    fs::create_dir(&ext).unwrap();
+    let keeper = env.scratch.join("keeper");
+    let mut c = Command::new(bin());
+    c.arg("--root")
+        .arg(&keeper)
+        .args(["init", "--images-dir"])
+        .arg(&ext);
+    assert_eq!(code(&output(c)), Some(0));
+    let before = (tree(&env.root), tree(&ext));
+    for (inner, says) in [
+        (env.root.join("trash/inner"), "'trash' of the store at"),
+        (env.root.join("img/inner"), "'img' of the store at"),
+        (env.root.join("img"), "'img' of the store at"),
+        (env.root.join("locks/inner"), "'locks' of the store at"),
+        (ext.join("inner"), "images directory"),
+        (ext.clone(), "images directory"),
+    ] {
+        for args in [&["init"][..], &["exec", "--write", "y", "--", "true"]] {
+            let mut c = Command::new(bin());
+            c.arg("--root").arg(&inner).args(args);
+            let out = output(c);
+            assert_eq!(
+                code(&out),
+                Some(1),
+                "{} {args:?}: {}",
+                inner.display(),
+                show(&out)
+            );
+            assert!(stderr(&out).contains(says), "{}", show(&out));
+        }
+    }
+    assert_eq!((tree(&env.root), tree(&ext)), before);
+    env.ok(["gc"]);
+    assert_eq!(env.state("x").as_deref(), Some("ready"));
+}
+
 /// Removes, when dropped, the parts of a store a failing test made in
 /// `dir` (which held none of them): a regression must not leave them in `/`.
 struct LayoutIn(Vec<std::path::PathBuf>);
