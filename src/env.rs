@@ -32,6 +32,8 @@ pub const DEBUG_DB_BUSY_MS: &str = "STOWAGE_DEBUG_DB_BUSY_MS";
 pub const DEBUG_UNWRITTEN_LEASE_MS: &str = "STOWAGE_DEBUG_UNWRITTEN_LEASE_MS";
 /// Hidden test hook: ms before an exec on a shared filesystem makes the lease it named (else 30).
 pub const DEBUG_ANNOUNCE_MS: &str = "STOWAGE_DEBUG_ANNOUNCE_MS";
+/// Hidden test hook: ms of the last use's resolution (`image_record.rs`; else five minutes).
+pub const DEBUG_USE_RESOLUTION_MS: &str = "STOWAGE_DEBUG_USE_RESOLUTION_MS";
 /// Test hook: ms between a wait's plain lines where stderr is no terminal (else one a minute).
 pub const DEBUG_WAIT_LINE_MS: &str = "STOWAGE_DEBUG_WAIT_LINE_MS";
 

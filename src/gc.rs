@@ -215,7 +215,7 @@ impl Budget {
 /// The last use before which an image is unused for `--unused-for D`: a read records its use only
 /// when the recorded one is older than the resolution, so D plus the resolution. Saturating.
 fn cutoff(policy: &Policy) -> Option<Millis> {
-    let resolution = crate::image_record::LAST_USE_RESOLUTION.as_millis() as Millis;
+    let resolution = crate::image_record::last_use_resolution().as_millis() as Millis;
     policy.unused_for.map(|d| {
         let ms = Millis::try_from(d.as_millis()).unwrap_or(Millis::MAX);
         clock::now_ms()

@@ -10,7 +10,7 @@
 //!   (state unknown).
 //! - Hints (bytes 8192..8256: `W`, `S`, last use) are not the record: any process with the file
 //!   open writes them; each is only a reason to ask the authority. Last use is refreshed at most
-//!   every [`LAST_USE_RESOLUTION`].
+//!   every [`last_use_resolution`], when a read begins and when a long one ends.
 //! - Unlinking marks first (`lock::mark_gone`), so a valid record, or a file without the mark, read
 //!   under a lock proves the file is the one at its path.
 
@@ -39,8 +39,11 @@ const LAST_USE_AT: u64 = HINTS_AT as u64 + 8;
 const LAST_USE_LEN: usize = 16;
 
 /// A reader refreshes an image's last use only once the recorded one is older than this (cargo uses
-/// the same): most reads write nothing. `gc --unused-for D` counts unused only past D plus this.
-pub const LAST_USE_RESOLUTION: Duration = Duration::from_secs(300);
+/// the same: five minutes): most reads write nothing. `gc --unused-for D` counts unused only past
+/// D plus this. A test may shorten it ([`crate::env::DEBUG_USE_RESOLUTION_MS`]).
+pub fn last_use_resolution() -> Duration {
+    crate::env::debug_ms(crate::env::DEBUG_USE_RESOLUTION_MS, 300_000)
+}
 
 /// Outcome of a tree adopted without a record: unknown readiness proves no failure; gc keeps it.
 pub const ADOPTED: &str = "adopted (readiness unknown)";
@@ -470,7 +473,7 @@ pub fn record_use(file: &File, seen: &Seen, now: Millis) -> io::Result<()> {
 
 /// Whether a reader should record its use: the recorded one unknown or older than resolution.
 pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
-    let res = LAST_USE_RESOLUTION.as_millis() as Millis;
+    let res = last_use_resolution().as_millis() as Millis;
     // A write's use is its record's change.
     let changed = seen.record.as_ref().map(|r| r.changed);
     seen.last_use

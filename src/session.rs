@@ -199,7 +199,10 @@ impl Session {
                     || (image_record::last_use_stale(&img.held.seen, now)
                         && img.held.guard.has_one_name())
                 {
-                    let _ = image_record::record_use(img.held.guard.file(), &img.held.seen, now);
+                    let file = img.held.guard.file();
+                    if image_record::record_use(file, &img.held.seen, now).is_ok() {
+                        img.held.seen.last_use = img.held.seen.last_use.max(Some(now));
+                    }
                 }
                 continue;
             }
@@ -376,7 +379,12 @@ impl Session {
         let mut lost = Vec::new();
         let mut failed = None;
         for img in self.images.iter_mut() {
-            if img.role == Role::ReadExclusive {
+            // A read that outlasted the resolution is a use until its end: a gc right after a long
+            // build must not take its base for unused since the build began.
+            let long_read = img.role == Role::Read
+                && image_record::last_use_stale(&img.held.seen, now)
+                && img.held.guard.has_one_name();
+            if img.role == Role::ReadExclusive || long_read {
                 let _ = image_record::record_use(img.held.guard.file(), &img.held.seen, now);
             }
             if !img.writes() {

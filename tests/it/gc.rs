@@ -6,6 +6,7 @@
 
 use std::fs;
 use std::os::unix::fs::symlink;
+use std::time::Duration;
 
 use crate::common::*;
 
@@ -672,4 +673,32 @@ fn a_reader_with_a_slow_clock_does_not_make_an_image_look_unused() {
         "{}",
         show(&out)
     );
+}
+
+/// A read is a use until its end: an image a long build read is not
+/// unused since the build began, for a gc right after it. (The resolution
+/// of last use, five minutes, is shortened to 300 ms here.)
+#[test]
+fn an_image_read_for_long_is_used_until_the_read_ends() {
+    let env = Env::new();
+    env.make_image("base");
+    let resolution = (stowage::env::DEBUG_USE_RESOLUTION_MS, "300");
+    let mut read = env.cmd(["exec", "--read", "base", "--", "sleep", "3"]);
+    read.env(resolution.0, resolution.1);
+    assert_eq!(code(&output(read)), Some(0));
+    let mut gc = env.cmd(["gc", "--unused-for", "1s"]);
+    gc.env(resolution.0, resolution.1);
+    let out = output(gc);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(
+        env.state("base").as_deref(),
+        Some("ready"),
+        "{}",
+        show(&out)
+    );
+    // Unused for longer than that since, it goes.
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut gc = env.cmd(["gc", "--unused-for", "1s"]);
+    gc.env(resolution.0, resolution.1);
+    assert!(stdout(&output(gc)).contains("removed 'base'"));
 }
