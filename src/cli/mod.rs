@@ -413,12 +413,12 @@ fn example_value(flag: &str) -> &'static str {
     }
 }
 
-/// A value clap attached to its error (the first, if several).
+/// A value clap attached to its error; of several (suggestions), the last: clap lists the most similar last.
 fn context(e: &clap::Error, kind: clap::error::ContextKind) -> Option<String> {
     use clap::error::ContextValue;
     match e.get(kind) {
         Some(ContextValue::String(s)) => Some(s.clone()),
-        Some(ContextValue::Strings(v)) => v.first().cloned(),
+        Some(ContextValue::Strings(v)) => v.last().cloned(),
         _ => None,
     }
 }

@@ -550,6 +550,9 @@ fn typos_get_a_suggestion() {
         (&["exec", "--wirte", "app", "--", "true"][..], "'--write'"),
         (&["image"][..], "'images'"),
         (&["lock-status", "--wath", "1"][..], "'--watch'"),
+        // Of several near words, the nearest ('ls' is near too).
+        (&["lockstatus"][..], "'lock-status'"),
+        (&["lock_status"][..], "'lock-status'"),
     ] {
         let out = env.run(args);
         assert_eq!(out.status.code(), Some(64), "{}", show(&out));
