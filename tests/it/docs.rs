@@ -195,6 +195,27 @@ fn prepare(env: &Env, example: &str) -> Command {
     c
 }
 
+/// A `$STOWAGE_…` variable of the command's, after the `--`, that the
+/// caller's shell would expand (outside single quotes) before stowage sets it.
+fn expanded_too_early(example: &str) -> Option<String> {
+    let (_, command) = example.split_once(" -- ")?;
+    let mut quoted = false;
+    for (i, c) in command.char_indices() {
+        match c {
+            '\'' => quoted = !quoted,
+            '$' if !quoted && command[i + 1..].starts_with("STOWAGE_") => {
+                let name: String = command[i + 1..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                return Some(name);
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
 #[test]
 fn every_stowage_example_in_the_docs_runs() {
     let examples = examples();
@@ -209,6 +230,12 @@ fn every_stowage_example_in_the_docs_runs() {
         if let Some(why) = unrunnable(&ex.text) {
             eprintln!("skipping {}:{} ({why}): {}", ex.file, ex.line, ex.text);
             continue;
+        }
+        if let Some(var) = expanded_too_early(&ex.text) {
+            failures.push(format!(
+                "{}:{}: {}\n    ${var} is set for the command, yet the caller's shell expands it (quote it in sh -c '…')",
+                ex.file, ex.line, ex.text
+            ));
         }
         let env = Env::new();
         let out = output(prepare(&env, &ex.text));
