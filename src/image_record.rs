@@ -262,6 +262,9 @@ pub struct Seen {
     pub gone: bool,
     /// The image a record set aside by [`Seen::of`] names: another image's.
     pub foreign: Option<String>,
+    /// The highest sequence number of any slot that decodes, ours or not, torn beside or not: the
+    /// next record is numbered above it, so a stale slot never reads as a later one.
+    pub top_seq: u64,
 }
 
 impl Seen {
@@ -318,6 +321,7 @@ impl Seen {
         let noise =
             |i: usize, valid: bool| !valid && slot(i).is_some_and(|s| s.iter().any(|&b| b != 0));
         let torn = noise(0, a.is_some()) || noise(1, b.is_some());
+        let top_seq = a.iter().chain(&b).map(|r| r.seq).max().unwrap_or(0);
         let record = match (a, b) {
             (Some(a), Some(b)) => Some(if b.seq > a.seq { b } else { a }),
             (a, b) => a.or(b),
@@ -338,6 +342,7 @@ impl Seen {
                 .and_then(|b| std::str::from_utf8(b).ok())
                 .and_then(|s| Millis::from_str_radix(s, 16).ok())
                 .filter(|&ms| ms > 0),
+            top_seq,
             ..Seen::default()
         }
     }
@@ -415,7 +420,7 @@ fn read_area(file: &File) -> io::Result<Vec<u8>> {
 /// Writes `record` (`seq` from `seen`, updated) and syncs it, holding the exclusive lock.
 pub fn write(file: &File, seen: &mut Seen, record: &Record) -> io::Result<()> {
     let mut record = record.clone();
-    record.seq = seen.record.as_ref().map_or(1, |r| r.seq + 1);
+    record.seq = seen.record.as_ref().map_or(0, |r| r.seq).max(seen.top_seq) + 1;
     let mut area = record.encode().ok_or_else(|| {
         let name = &record.name;
         let why = format!("the record of image '{name}' does not fit its lock file");
@@ -435,6 +440,7 @@ pub fn write(file: &File, seen: &mut Seen, record: &Record) -> io::Result<()> {
     }
     file.write_all_at(&area, at as u64)?;
     crate::lock::sync_written(file)?;
+    seen.top_seq = record.seq;
     (seen.record, seen.damaged, seen.legacy) = (Some(record), false, false);
     Ok(())
 }

@@ -772,7 +772,7 @@ fn still_ours(img: &mut Image, now: clock::Millis) -> Result<(), String> {
     if image_record::holds_latest(file, img.held.seen.record.as_ref()).map_err(cannot)? {
         return Ok(());
     }
-    let found = image_record::read(file).map_err(cannot)?;
+    let found = image_record::read_of(file, img.held.name.as_str()).map_err(cannot)?;
     let Some(mut r) = found.record.clone() else {
         return Err("its record was emptied or replaced meanwhile".into());
     };

@@ -336,3 +336,26 @@ fn a_forged_base_is_shown_escaped() {
     assert!(said.contains("\\x1b[2J\\rbase"), "{said}");
     assert!(!said.contains('\x1b') && !said.contains('\r'), "{said:?}");
 }
+
+/// A write over a record that cannot be read (another image's copied in,
+/// or a torn slot beside a valid one) numbers its own above every slot
+/// that decodes: its check before the outcome then finds its record the
+/// latest, and the write ends `ready`, as the refusal's advice says. The
+/// stale slot was taken for another writer's later record: "lost the
+/// write lock", exit 1, every time.
+#[test]
+fn a_write_over_a_record_that_cannot_be_read_ends_ready() {
+    let env = Env::new();
+    env.make_image("a");
+    env.make_image("b");
+    for _ in 0..3 {
+        env.build("b", "true");
+    }
+    fs::copy(env.lock_file("b"), env.lock_file("a")).unwrap();
+    let out = env.run(["exec", "--read", "a", "--", "true"]);
+    assert_eq!(code(&out), Some(66), "{}", show(&out));
+    let out = env.run(["exec", "--write", "a", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
+    assert_eq!(env.state("b").as_deref(), Some("ready"));
+}
