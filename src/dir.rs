@@ -172,12 +172,16 @@ impl Dir {
         CString::new(p).expect("no NUL in a directory entry")
     }
 
-    /// The id of the mount this directory is on, where the kernel says (Linux 5.8+; `None` before).
+    /// The id of the mount this directory is on, where the kernel says (Linux 5.8+; else `None`).
     /// Unlike the device number it tells a bind mount of the same filesystem apart. A failed look
     /// is an error, never "another mount": a walk would leave a whole subtree out.
     pub fn mount_id(&self) -> io::Result<Option<u64>> {
-        let stx = crate::planted::statx(self, libc::STATX_MNT_ID)?;
-        Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id))
+        match crate::planted::statx(self, libc::STATX_MNT_ID) {
+            Ok(stx) => Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)),
+            // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
