@@ -53,8 +53,8 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     } else if let Some(dir) = current.filter(|d| *d != root.default_images_dir()) {
         refuse_what_is_no_images_dir(&dir, false)?;
     }
-    refuse_what_is_no_root(store.root())?;
     store.root().refuse_planted_layout()?;
+    refuse_what_is_no_root(store.root())?;
     let group = args
         .group
         .as_deref()
@@ -245,6 +245,11 @@ fn charliecloud_storage(dir: &Path) -> bool {
         && dir.join("img").is_dir()
 }
 
+/// Whether `dir` is missing or has no entry.
+fn empty(dir: &Path) -> bool {
+    std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
+}
+
 /// Refuses, before a store is made at the root, a directory that is no place for stowage's files:
 /// the filesystem's root, a home, the system's, or a builder's storage (ch-image would stop).
 fn refuse_what_is_no_root(root: &Root) -> Result<()> {
@@ -262,6 +267,12 @@ fn refuse_what_is_no_root(root: &Root) -> Result<()> {
             ("a directory of the operating system".to_owned(), own.clone())
         } else if let Some(held) = like_the_system(d) {
             (format!("a system tree (it holds {held})"), own.clone())
+        } else if d.parent() == Some(Path::new("/")) && d.exists() {
+            let what = "a directory at the top of the filesystem, where the system's and its users' directories are";
+            (what.to_owned(), "give a directory of the store's own below it".to_owned())
+        } else if !empty(&d.join("trash")) {
+            let what = "a directory whose 'trash' holds what stowage did not put there (gc would delete it)";
+            (what.to_owned(), own.clone())
         } else if charliecloud_storage(d) {
             let img = d.join("img");
             let img = img.display();

@@ -527,9 +527,11 @@ fn init_refuses_the_systems_directories_and_trees_like_them() {
 }
 
 /// A root is no place for a store where stowage's files would land among
-/// others': the filesystem's root, a home, the system's, or a Charliecloud
-/// storage directory (ch-image then refuses it). All were made stores; the
-/// refusal changes nothing, and says what to give instead.
+/// others': the filesystem's root or a directory at its top, a home, the
+/// system's, a Charliecloud storage directory (ch-image then refuses it),
+/// or one whose `trash` holds others' files (gc would delete them). All
+/// were made stores; the refusal changes nothing, and says what to give
+/// instead.
 #[test]
 fn init_refuses_a_root_that_is_no_place_for_a_store() {
     let env = Env::new();
@@ -539,10 +541,19 @@ fn init_refuses_a_root_that_is_no_place_for_a_store() {
     }
     let home = env.scratch.join("home");
     fs::create_dir(&home).unwrap();
-    let before = tree(&env.scratch);
     let _slash = LayoutIn::new("/");
+    let trash = env.scratch.join("project");
+    fs::create_dir_all(trash.join("trash/notes")).unwrap();
+    fs::write(trash.join("trash/notes/keep"), "mine").unwrap();
+    let before = tree(&env.scratch);
+    let _var = LayoutIn::new("/var");
     for (dir, says) in [
         ("/", "the root of the filesystem"),
+        ("/var", "at the top of the filesystem"),
+        (
+            trash.to_str().unwrap(),
+            "'trash' holds what stowage did not put there",
+        ),
         ("/usr/local", "a directory of the operating system"),
         (home.to_str().unwrap(), "a home directory"),
         (storage.to_str().unwrap(), "--images-dir"),
@@ -559,7 +570,7 @@ fn init_refuses_a_root_that_is_no_place_for_a_store() {
         assert!(!std::path::Path::new(dir).join("store.conf").exists());
     }
     assert_eq!(tree(&env.scratch), before);
-    assert!(!std::path::Path::new("/locks").exists());
+    assert!(!std::path::Path::new("/locks").exists() && !Path::new("/var/locks").exists());
     // What the refusal says to give instead works.
     let img = storage.join("img");
     let own = env.scratch.join("storage.stowage");
