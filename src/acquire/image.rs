@@ -57,7 +57,11 @@ pub(crate) fn take(store: &Store, name: &ImageName, want: &Want) -> Result<Held>
             root.create_layout()?;
             try_image(root, name, want.mode, true)
         }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(no_such(name)),
+        // No lock file: no such image, or no store here at all (a mistyped root), said as such.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            root.require_store()?;
+            return Err(no_such(name));
+        }
         other => other,
     };
     let held = match first.map_err(|e| lock::error(&format!("image '{name}'"), &path, e))? {

@@ -496,6 +496,8 @@ fn reading_commands_on_a_missing_root_say_so_and_create_nothing() {
         &["slots"],
         &["slots", "rm", "pull"],
         &["rm", "a"],
+        // A read names the missing root, not a missing image.
+        &["exec", "--read", "a", "--", "true"],
     ] {
         let out = env.run(args);
         assert_missing_root_refused(&env, args, &out);
