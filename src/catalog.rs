@@ -303,24 +303,35 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     if alone {
         conn.execute_batch("BEGIN")?;
     }
-    let read = || -> rusqlite::Result<(i64, Vec<String>)> {
+    let read = || -> rusqlite::Result<(i64, Vec<[String; 3]>)> {
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-        let tables = conn
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
-            .query_map([], |r| r.get(0))?
+        let sql = "SELECT type, name, coalesce(sql, '') FROM sqlite_master ORDER BY type, name";
+        let objects = conn
+            .prepare(sql)?
+            .query_map([], |r| Ok([r.get(0)?, r.get(1)?, r.get(2)?]))?
             .collect::<rusqlite::Result<_>>()?;
-        Ok((version, tables))
+        Ok((version, objects))
     };
     let read = read();
     if alone {
         let _ = conn.execute_batch("COMMIT");
     }
-    let (version, tables) = read?;
-    let has = |t: &str| tables.iter().any(|x| x == t);
+    let (version, objects) = read?;
+    let tables: Vec<&str> = objects
+        .iter()
+        .filter(|[kind, ..]| kind == "table")
+        .map(|[_, name, _]| name.as_str())
+        .collect();
+    let has = |t: &str| tables.contains(&t);
     Ok(match version {
-        0 if tables.is_empty() => Found::New,
-        SCHEMA if has("images") && columns(conn, "images")?.contains(&"size_seq".to_owned()) => {
-            Found::Current
+        0 if objects.is_empty() => Found::New,
+        SCHEMA if is_ours(&objects) => Found::Current,
+        SCHEMA => {
+            let listed: Vec<String> = objects.iter().map(|[k, n, _]| format!("{k} {n}")).collect();
+            Found::Replaced(format!(
+                "schema version {SCHEMA}, but not the schema stowage makes: it holds {}",
+                listed.join(", ")
+            ))
         }
         1..=10 if has("images") && has("records") && has("config") && legacy_columns(conn)? => {
             Found::Legacy(version)
@@ -337,6 +348,27 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
             Found::Replaced(why)
         }
     })
+}
+
+/// Whether the database holds the one table this release makes, as it makes it or as the release
+/// before `size_record` made it: nothing added (a trigger, an index, a view), nothing changed (a
+/// type, a key, a check). SQLite keeps each object's statement as written, so this is one read.
+fn is_ours(objects: &[[String; 3]]) -> bool {
+    // Spaces only where SQLite needs them: `ALTER TABLE … ADD COLUMN` appends its own way.
+    let squeeze = |sql: &str| {
+        let words = sql.split_whitespace().collect::<Vec<_>>().join(" ");
+        ["(", ")", ","].iter().fold(words, |s, p| {
+            s.replace(&format!(" {p}"), p).replace(&format!("{p} "), p)
+        })
+    };
+    let made = squeeze(SCHEMA_SQL.trim().trim_end_matches(';')).replace(" IF NOT EXISTS", "");
+    let before = made.replace(",size_record INTEGER", "");
+    match objects {
+        [[kind, name, sql]] => {
+            kind == "table" && name == "images" && [&made, &before].contains(&&squeeze(sql))
+        }
+        _ => false,
+    }
 }
 
 fn columns(conn: &rusqlite::Connection, table: &str) -> Result<Vec<String>> {
@@ -542,6 +574,28 @@ mod tests {
         complete_schema(&conn).unwrap();
         let images = columns(&conn, "images").unwrap();
         assert!(images.contains(&"size_record".to_owned()));
+        assert_eq!(inspect(&conn).unwrap(), Found::Current);
+    }
+
+    #[test]
+    fn our_version_over_another_schema_is_not_ours() {
+        let trigger = "CREATE TRIGGER t AFTER UPDATE ON images BEGIN SELECT 1; END;";
+        let check = SCHEMA_SQL.replace("size_record  INTEGER", "size_record INTEGER CHECK (1)");
+        let made = |sql: &str| {
+            let (_d, conn) = fresh();
+            conn.execute_batch(sql).unwrap();
+            conn.pragma_update(None, "user_version", SCHEMA).unwrap();
+            inspect(&conn).unwrap()
+        };
+        for sql in [
+            "CREATE TABLE images (size_seq);",
+            &check,
+            &format!("{SCHEMA_SQL} {trigger}"),
+            &format!("{SCHEMA_SQL} CREATE INDEX i ON images (seq);"),
+        ] {
+            assert!(matches!(made(sql), Found::Replaced(..)), "{sql}");
+        }
+        assert_eq!(made(SCHEMA_SQL), Found::Current);
     }
 
     #[test]

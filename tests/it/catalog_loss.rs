@@ -642,3 +642,58 @@ fn another_stores_catalog_put_in_place_changes_no_images_last_use() {
     assert_eq!(here.state("old"), None, "the least recently used goes");
     assert_eq!(here.state("recent").as_deref(), Some("ready"));
 }
+
+/// Names of the files set aside beside the catalog.
+fn set_aside(env: &Env) -> Vec<String> {
+    let names = fs::read_dir(&env.root).unwrap().flatten();
+    let names = names.map(|e| e.file_name().to_string_lossy().into_owned());
+    names.filter(|n| n.starts_with("stowage.db.")).collect()
+}
+
+/// A database of this schema version that is not this release's schema
+/// (a look-alike table; ours with a trigger added) is no catalog: `doctor`
+/// says so (exit 1), and the first listing sets it aside in one line naming
+/// it. A trigger that rewrote every size to 1 B kept an image over the
+/// budget from gc; once set aside, the sizes are measured again.
+#[test]
+fn our_schema_version_over_another_schema_is_set_aside_by_the_first_command() {
+    let env = Env::new();
+    build_sized(&env, "old", 3 << 20, "2024-01-01T00:00:00Z");
+    build_sized(&env, "new", 8 << 10, "2024-06-01T00:00:00Z");
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    conn.execute_batch(
+        "CREATE TRIGGER t AFTER UPDATE OF size_bytes ON images WHEN NEW.size_bytes > 1
+         BEGIN UPDATE images SET size_bytes = 1 WHERE name = NEW.name; END;
+         UPDATE images SET size_record = NULL;",
+    )
+    .unwrap();
+    drop(conn);
+    let out = env.run(["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains("trigger t"), "{}", show(&out));
+    let out = env.run(["gc", "--max-size", "1M"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&format!("{} could not be used", db.display())),
+        "{err}"
+    );
+    assert_eq!(set_aside(&env).len(), 1, "{err}");
+    assert_eq!(env.state("old"), None, "gc went by the trigger's sizes");
+    assert_eq!(env.state("new").as_deref(), Some("ready"));
+
+    fs::remove_file(&db).unwrap();
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    conn.execute_batch("CREATE TABLE images (size_seq); PRAGMA user_version = 11;")
+        .unwrap();
+    drop(conn);
+    let out = env.run(["images"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("set aside as"), "{}", show(&out));
+    assert_eq!(set_aside(&env).len(), 2);
+    env.ok(["doctor"]);
+    env.ok(["images"]);
+}
