@@ -200,6 +200,11 @@ pub fn is_damage(err: &anyhow::Error) -> bool {
     said(err, &[ErrorCode::DatabaseCorrupt, ErrorCode::NotADatabase])
 }
 
+/// Is this an error SQLite gave?
+pub fn is_sqlite(err: &anyhow::Error) -> bool {
+    err.chain().any(|e| e.is::<rusqlite::Error>())
+}
+
 /// Is this a full filesystem, as SQLite says it?
 pub fn is_full(err: &anyhow::Error) -> bool {
     said(err, &[ErrorCode::DiskFull])

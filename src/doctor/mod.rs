@@ -474,7 +474,12 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
         .map_err(anyhow::Error::from);
     // Only SQLite saying the file is damaged is damage (not busy, an I/O error, a stale handle).
     let check = match checked {
-        Ok(check) => check,
+        // Its answer is lines, the first a heading ("*** in database main ***"): one line here.
+        Ok(check) => check
+            .lines()
+            .filter(|l| !l.starts_with("***"))
+            .collect::<Vec<_>>()
+            .join("; "),
         Err(e) if crate::catalog::is_damage(&e) => format!("{e:#}"),
         Err(e) => {
             return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {e:#}")));
