@@ -200,6 +200,36 @@ pub fn is_damage(err: &anyhow::Error) -> bool {
     said(err, &[ErrorCode::DatabaseCorrupt, ErrorCode::NotADatabase])
 }
 
+/// Is this SQLite failing to write or open a file (which it does not name)?
+pub fn is_refused(err: &anyhow::Error) -> bool {
+    let codes = [
+        ErrorCode::ReadOnly,
+        ErrorCode::SystemIoFailure,
+        ErrorCode::CannotOpen,
+    ];
+    said(err, &codes)
+}
+
+/// Why this process may not write the catalog at `db` (itself, its journal, their directory), if
+/// it may not: the file and the cause, as [`crate::planted::denied`] words them.
+pub fn unwritable(db: &Path) -> Option<String> {
+    use nix::unistd::{AccessFlags, access};
+    for path in [db.to_owned(), beside(db, "-journal")] {
+        let rw = AccessFlags::R_OK | AccessFlags::W_OK;
+        if std::fs::symlink_metadata(&path).is_ok() && access(&path, rw).is_err() {
+            let shown = path.display();
+            let not = || format!("{shown} may not be written by you");
+            return Some(crate::planted::denied(&path).unwrap_or_else(not));
+        }
+    }
+    let dir = db.parent()?;
+    let wx = AccessFlags::W_OK | AccessFlags::X_OK;
+    access(dir, wx).is_err().then(|| {
+        let dir = dir.display();
+        format!("{dir} may not be written by you, and the catalog's journal is made there")
+    })
+}
+
 /// Is this an error SQLite gave?
 pub fn is_sqlite(err: &anyhow::Error) -> bool {
     err.chain().any(|e| e.is::<rusqlite::Error>())

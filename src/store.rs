@@ -265,6 +265,14 @@ fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
     if e.downcast_ref::<CatalogError>().is_some() {
         return e;
     }
+    // SQLite names neither the file it could not write or open nor why: the catalog's files say.
+    if catalog::is_refused(&e) {
+        let why = catalog::check_files(db).err().map(|e| format!("{e:#}"));
+        if let Some(why) = why.or_else(|| catalog::unwritable(db)) {
+            let shown = db.display();
+            return CatalogError(format!("catalog {shown} cannot be used: {why}")).into();
+        }
+    }
     let hint = if catalog::is_full(&e) {
         " (its filesystem is full: free space with 'stowage rm IMAGE' or 'stowage gc')"
     } else {

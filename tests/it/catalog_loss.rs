@@ -127,8 +127,7 @@ fn an_emptied_catalog_changes_no_image() {
 
 /// An emptied catalog that cannot be written (immutable here; read-only
 /// elsewhere) is not reported "intact": `doctor`, with or without
-/// `--repair`, says it is empty and may not be written (exit 1). No image
-/// changes.
+/// `--repair`, says it may not be written (exit 1). No image changes.
 #[test]
 fn an_emptied_catalog_that_cannot_be_made_anew_is_a_problem_not_intact() {
     if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
@@ -147,11 +146,8 @@ fn an_emptied_catalog_that_cannot_be_made_anew_is_a_problem_not_intact() {
     for out in [&looked, &repaired] {
         assert_eq!(code(out), Some(1), "{}", show(out));
         let said = stdout(out);
-        assert!(
-            said.contains("is empty and may not be written"),
-            "{}",
-            show(out)
-        );
+        let named = format!("{} may not be written", db.display());
+        assert!(said.contains(&named), "{}", show(out));
         assert!(!said.contains("intact"), "{}", show(out));
     }
     nothing_changed(&env, "an immutable emptied catalog");
@@ -734,4 +730,76 @@ fn our_schema_version_over_another_schema_is_set_aside_by_the_first_command() {
     assert_eq!(set_aside(&env).len(), 2);
     env.ok(["doctor"]);
     env.ok(["images"]);
+}
+
+/// A catalog or journal that may not be written (immutable here) is no
+/// intact catalog: `doctor`, with or without `--repair`, names the file and
+/// the cause (exit 1), and a listing's line names them too, where SQLite
+/// names neither.
+#[test]
+fn an_unwritable_catalog_is_named_with_its_cause_not_intact() {
+    if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    for file in ["stowage.db", "stowage.db-journal"] {
+        let env = Env::new();
+        env.make_image("app");
+        env.ok(["images"]);
+        env.make_image("new");
+        let path = env.root.join(file);
+        if !path.exists() {
+            fs::write(&path, "").unwrap();
+        }
+        if !immutable(&path, true) {
+            eprintln!("skipping: chattr +i is not supported here");
+            return;
+        }
+        let listed = env.run(["images"]);
+        let looked = env.run(["doctor"]);
+        let repaired = env.run(["doctor", "--repair"]);
+        assert!(immutable(&path, false));
+        let named = format!("{} may not be written", path.display());
+        let err = stderr(&listed);
+        assert!(err.contains(&named) && err.contains("immutable"), "{err}");
+        for out in [&looked, &repaired] {
+            assert_eq!(code(out), Some(1), "{}", show(out));
+            assert!(stdout(out).contains(&named), "{}", show(out));
+            assert!(!stdout(out).contains("intact"), "{}", show(out));
+        }
+        env.ok(["images"]);
+        env.ok(["doctor"]);
+    }
+}
+
+/// A catalog of ours its mode was taken from (`chmod 000`): the listing
+/// says a repair gives it back its mode, and the repair does just that,
+/// never setting it aside as something planted.
+#[test]
+fn a_catalog_whose_mode_was_taken_gets_it_back_from_a_repair() {
+    use std::os::unix::fs::PermissionsExt;
+    if as_nobody().is_none() {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "app", "true");
+    let out = unprivileged(&env, &["images"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let db = env.root.join("stowage.db");
+    fs::set_permissions(&db, fs::Permissions::from_mode(0o000)).unwrap();
+    let out = unprivileged(&env, &["images"]);
+    assert!(
+        stderr(&out).contains("'stowage doctor --repair' gives it back its mode"),
+        "{}",
+        show(&out)
+    );
+    let out = unprivileged(&env, &["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stdout(&out).contains("was mode 000: now 600"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(set_aside(&env), Vec::<String>::new());
+    let out = unprivileged(&env, &["images"]);
+    assert_eq!(stderr(&out), "", "{}", show(&out));
 }
