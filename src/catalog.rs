@@ -168,19 +168,61 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
 pub struct CatalogError(pub String);
 
 /// A stowage process runs a few tiny transactions: SQLite's lookaside and page cache are waste.
+/// And SQLite's every open goes through [`open_no_wait`].
 fn configure_sqlite() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         use rusqlite::ffi;
         let (zero, none): (libc::c_int, *mut libc::c_void) = (0, std::ptr::null_mut());
         // SAFETY: sqlite3_config before any connection is opened, with the argument types each
-        // option documents; a refusal keeps defaults.
+        // option documents; a refusal keeps defaults. The default VFS (unix) lets a program replace
+        // its system calls before use; `open_no_wait` has the signature of the "open" it replaces.
         unsafe {
             ffi::sqlite3_config(ffi::SQLITE_CONFIG_LOOKASIDE, zero, zero);
             ffi::sqlite3_config(ffi::SQLITE_CONFIG_PAGECACHE, none, zero, zero);
             ffi::sqlite3_config(ffi::SQLITE_CONFIG_MEMSTATUS, zero);
+            let vfs = ffi::sqlite3_vfs_find(std::ptr::null());
+            if let Some(set) = vfs.as_ref().and_then(|v| v.xSetSystemCall) {
+                type Open = unsafe extern "C" fn(
+                    *const libc::c_char,
+                    libc::c_int,
+                    libc::c_int,
+                ) -> libc::c_int;
+                let open = std::mem::transmute::<Open, unsafe extern "C" fn()>(open_no_wait);
+                set(vfs, c"open".as_ptr(), Some(open));
+            }
         }
     });
+}
+
+/// SQLite's open(2). Its hot-journal check opens the journal read-only, which waits for a writer
+/// if a FIFO was put there after our check (`check_files`), holding the global lock. Opened
+/// without waiting instead, anything but a file or directory is refused (`ENXIO`: SQLite cannot
+/// open it, and the error names what is there); the descriptor blocks again, as SQLite expects.
+unsafe extern "C" fn open_no_wait(
+    path: *const libc::c_char,
+    flags: libc::c_int,
+    mode: libc::c_int,
+) -> libc::c_int {
+    // SAFETY: `path` is SQLite's C string; the descriptor is ours until returned.
+    unsafe {
+        let fd = libc::open(path, flags | libc::O_NONBLOCK, mode as libc::c_uint);
+        let mut st: libc::stat = std::mem::zeroed();
+        if fd < 0 || libc::fstat(fd, &mut st) != 0 {
+            return fd;
+        }
+        if !matches!(st.st_mode & libc::S_IFMT, libc::S_IFREG | libc::S_IFDIR) {
+            libc::close(fd);
+            *libc::__errno_location() = libc::ENXIO;
+            return -1;
+        }
+        libc::fcntl(
+            fd,
+            libc::F_SETFL,
+            libc::fcntl(fd, libc::F_GETFL) & !libc::O_NONBLOCK,
+        );
+        fd
+    }
 }
 
 /// How long to wait for SQLite's own lock (only outside programs hold it under the global lock).
@@ -282,6 +324,7 @@ pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
     if !path.is_file() {
         return Ok(None);
     }
+    configure_sqlite();
     use rusqlite::OpenFlags;
     let flags = OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW;
     let open = |mode| rusqlite::Connection::open_with_flags(&path, flags | mode);

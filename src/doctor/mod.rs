@@ -488,7 +488,9 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
             .join("; "),
         Err(e) if crate::catalog::is_damage(&e) => format!("{e:#}"),
         Err(e) => {
-            return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {e:#}")));
+            // SQLite names no file it could not open: what was put in one's place since, if any.
+            let why = crate::catalog::check_files(&db).err().unwrap_or(e);
+            return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {why:#}")));
         }
     };
     if check == "ok" {
