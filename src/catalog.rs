@@ -168,19 +168,61 @@ pub fn check_plain_file(path: &Path, what: &str) -> Result<()> {
 pub struct CatalogError(pub String);
 
 /// A stowage process runs a few tiny transactions: SQLite's lookaside and page cache are waste.
+/// And SQLite's every open goes through [`open_no_wait`].
 fn configure_sqlite() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         use rusqlite::ffi;
         let (zero, none): (libc::c_int, *mut libc::c_void) = (0, std::ptr::null_mut());
         // SAFETY: sqlite3_config before any connection is opened, with the argument types each
-        // option documents; a refusal keeps defaults.
+        // option documents; a refusal keeps defaults. The default VFS (unix) lets a program replace
+        // its system calls before use; `open_no_wait` has the signature of the "open" it replaces.
         unsafe {
             ffi::sqlite3_config(ffi::SQLITE_CONFIG_LOOKASIDE, zero, zero);
             ffi::sqlite3_config(ffi::SQLITE_CONFIG_PAGECACHE, none, zero, zero);
             ffi::sqlite3_config(ffi::SQLITE_CONFIG_MEMSTATUS, zero);
+            let vfs = ffi::sqlite3_vfs_find(std::ptr::null());
+            if let Some(set) = vfs.as_ref().and_then(|v| v.xSetSystemCall) {
+                type Open = unsafe extern "C" fn(
+                    *const libc::c_char,
+                    libc::c_int,
+                    libc::c_int,
+                ) -> libc::c_int;
+                let open = std::mem::transmute::<Open, unsafe extern "C" fn()>(open_no_wait);
+                set(vfs, c"open".as_ptr(), Some(open));
+            }
         }
     });
+}
+
+/// SQLite's open(2). Its hot-journal check opens the journal read-only, which waits for a writer
+/// if a FIFO was put there after our check (`check_files`), holding the global lock. Opened
+/// without waiting instead, anything but a file or directory is refused (`ENXIO`: SQLite cannot
+/// open it, and the error names what is there); the descriptor blocks again, as SQLite expects.
+unsafe extern "C" fn open_no_wait(
+    path: *const libc::c_char,
+    flags: libc::c_int,
+    mode: libc::c_int,
+) -> libc::c_int {
+    // SAFETY: `path` is SQLite's C string; the descriptor is ours until returned.
+    unsafe {
+        let fd = libc::open(path, flags | libc::O_NONBLOCK, mode as libc::c_uint);
+        let mut st: libc::stat = std::mem::zeroed();
+        if fd < 0 || libc::fstat(fd, &mut st) != 0 {
+            return fd;
+        }
+        if !matches!(st.st_mode & libc::S_IFMT, libc::S_IFREG | libc::S_IFDIR) {
+            libc::close(fd);
+            *libc::__errno_location() = libc::ENXIO;
+            return -1;
+        }
+        libc::fcntl(
+            fd,
+            libc::F_SETFL,
+            libc::fcntl(fd, libc::F_GETFL) & !libc::O_NONBLOCK,
+        );
+        fd
+    }
 }
 
 /// How long to wait for SQLite's own lock (only outside programs hold it under the global lock).
@@ -198,6 +240,41 @@ pub fn is_busy(err: &anyhow::Error) -> bool {
 /// Is this SQLite saying the file is no healthy database?
 pub fn is_damage(err: &anyhow::Error) -> bool {
     said(err, &[ErrorCode::DatabaseCorrupt, ErrorCode::NotADatabase])
+}
+
+/// Is this SQLite failing to write or open a file (which it does not name)?
+pub fn is_refused(err: &anyhow::Error) -> bool {
+    let codes = [
+        ErrorCode::ReadOnly,
+        ErrorCode::SystemIoFailure,
+        ErrorCode::CannotOpen,
+    ];
+    said(err, &codes)
+}
+
+/// Why this process may not write the catalog at `db` (itself, its journal, their directory), if
+/// it may not: the file and the cause, as [`crate::planted::denied`] words them.
+pub fn unwritable(db: &Path) -> Option<String> {
+    use nix::unistd::{AccessFlags, access};
+    for path in [db.to_owned(), beside(db, "-journal")] {
+        let rw = AccessFlags::R_OK | AccessFlags::W_OK;
+        if std::fs::symlink_metadata(&path).is_ok() && access(&path, rw).is_err() {
+            let shown = path.display();
+            let not = || format!("{shown} may not be written by you");
+            return Some(crate::planted::denied(&path).unwrap_or_else(not));
+        }
+    }
+    let dir = db.parent()?;
+    let wx = AccessFlags::W_OK | AccessFlags::X_OK;
+    access(dir, wx).is_err().then(|| {
+        let dir = dir.display();
+        format!("{dir} may not be written by you, and the catalog's journal is made there")
+    })
+}
+
+/// Is this an error SQLite gave?
+pub fn is_sqlite(err: &anyhow::Error) -> bool {
+    err.chain().any(|e| e.is::<rusqlite::Error>())
 }
 
 /// Is this a full filesystem, as SQLite says it?
@@ -247,6 +324,7 @@ pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
     if !path.is_file() {
         return Ok(None);
     }
+    configure_sqlite();
     use rusqlite::OpenFlags;
     let flags = OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW;
     let open = |mode| rusqlite::Connection::open_with_flags(&path, flags | mode);
@@ -303,24 +381,35 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
     if alone {
         conn.execute_batch("BEGIN")?;
     }
-    let read = || -> rusqlite::Result<(i64, Vec<String>)> {
+    let read = || -> rusqlite::Result<(i64, Vec<[String; 3]>)> {
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-        let tables = conn
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")?
-            .query_map([], |r| r.get(0))?
+        let sql = "SELECT type, name, coalesce(sql, '') FROM sqlite_master ORDER BY type, name";
+        let objects = conn
+            .prepare(sql)?
+            .query_map([], |r| Ok([r.get(0)?, r.get(1)?, r.get(2)?]))?
             .collect::<rusqlite::Result<_>>()?;
-        Ok((version, tables))
+        Ok((version, objects))
     };
     let read = read();
     if alone {
         let _ = conn.execute_batch("COMMIT");
     }
-    let (version, tables) = read?;
-    let has = |t: &str| tables.iter().any(|x| x == t);
+    let (version, objects) = read?;
+    let tables: Vec<&str> = objects
+        .iter()
+        .filter(|[kind, ..]| kind == "table")
+        .map(|[_, name, _]| name.as_str())
+        .collect();
+    let has = |t: &str| tables.contains(&t);
     Ok(match version {
-        0 if tables.is_empty() => Found::New,
-        SCHEMA if has("images") && columns(conn, "images")?.contains(&"size_seq".to_owned()) => {
-            Found::Current
+        0 if objects.is_empty() => Found::New,
+        SCHEMA if is_ours(&objects) => Found::Current,
+        SCHEMA => {
+            let listed: Vec<String> = objects.iter().map(|[k, n, _]| format!("{k} {n}")).collect();
+            Found::Replaced(format!(
+                "schema version {SCHEMA}, but not the schema stowage makes: it holds {}",
+                listed.join(", ")
+            ))
         }
         1..=10 if has("images") && has("records") && has("config") && legacy_columns(conn)? => {
             Found::Legacy(version)
@@ -337,6 +426,27 @@ pub fn inspect(conn: &rusqlite::Connection) -> Result<Found> {
             Found::Replaced(why)
         }
     })
+}
+
+/// Whether the database holds the one table this release makes, as it makes it or as the release
+/// before `size_record` made it: nothing added (a trigger, an index, a view), nothing changed (a
+/// type, a key, a check). SQLite keeps each object's statement as written, so this is one read.
+fn is_ours(objects: &[[String; 3]]) -> bool {
+    // Spaces only where SQLite needs them: `ALTER TABLE … ADD COLUMN` appends its own way.
+    let squeeze = |sql: &str| {
+        let words = sql.split_whitespace().collect::<Vec<_>>().join(" ");
+        ["(", ")", ","].iter().fold(words, |s, p| {
+            s.replace(&format!(" {p}"), p).replace(&format!("{p} "), p)
+        })
+    };
+    let made = squeeze(SCHEMA_SQL.trim().trim_end_matches(';')).replace(" IF NOT EXISTS", "");
+    let before = made.replace(",size_record INTEGER", "");
+    match objects {
+        [[kind, name, sql]] => {
+            kind == "table" && name == "images" && [&made, &before].contains(&&squeeze(sql))
+        }
+        _ => false,
+    }
 }
 
 fn columns(conn: &rusqlite::Connection, table: &str) -> Result<Vec<String>> {
@@ -542,6 +652,28 @@ mod tests {
         complete_schema(&conn).unwrap();
         let images = columns(&conn, "images").unwrap();
         assert!(images.contains(&"size_record".to_owned()));
+        assert_eq!(inspect(&conn).unwrap(), Found::Current);
+    }
+
+    #[test]
+    fn our_version_over_another_schema_is_not_ours() {
+        let trigger = "CREATE TRIGGER t AFTER UPDATE ON images BEGIN SELECT 1; END;";
+        let check = SCHEMA_SQL.replace("size_record  INTEGER", "size_record INTEGER CHECK (1)");
+        let made = |sql: &str| {
+            let (_d, conn) = fresh();
+            conn.execute_batch(sql).unwrap();
+            conn.pragma_update(None, "user_version", SCHEMA).unwrap();
+            inspect(&conn).unwrap()
+        };
+        for sql in [
+            "CREATE TABLE images (size_seq);",
+            &check,
+            &format!("{SCHEMA_SQL} {trigger}"),
+            &format!("{SCHEMA_SQL} CREATE INDEX i ON images (seq);"),
+        ] {
+            assert!(matches!(made(sql), Found::Replaced(..)), "{sql}");
+        }
+        assert_eq!(made(SCHEMA_SQL), Found::Current);
     }
 
     #[test]

@@ -97,6 +97,25 @@ impl Store {
         f: &mut impl FnMut(&Catalog, &Ctx) -> Result<T>,
     ) -> Result<T> {
         let global = take(&self.ctx)?;
+        match self.attempt(&global, in_memory, f) {
+            // Damage past what opening reads (a page of the table): set aside and made anew here,
+            // as at the open, then done once more. Not while full: nothing could be made.
+            Err(e) if catalog::is_damage(&e) && !in_memory => {
+                self.conn = None;
+                self.replace(&e.root_cause().to_string())?;
+                self.attempt(&global, in_memory, f)
+            }
+            other => other,
+        }
+    }
+
+    /// One transaction on the catalog, under `global`; SQLite's errors name the file.
+    fn attempt<T>(
+        &mut self,
+        global: &lock::Guard,
+        in_memory: bool,
+        f: &mut impl FnMut(&Catalog, &Ctx) -> Result<T>,
+    ) -> Result<T> {
         let db = self.ctx.root.db();
         self.connection()?;
         let conn = &self.conn.as_ref().expect("opened above").0;
@@ -105,22 +124,22 @@ impl Store {
             conn.execute_batch("PRAGMA journal_mode = MEMORY; PRAGMA cache_spill = OFF;")?;
         }
         let out = (|| {
-            let tx = conn
-                .unchecked_transaction()
-                .map_err(|e| catalog_error(&db, e.into()))?;
-            let out = f(&Catalog::new(&tx, &global), ctx)?;
+            let tx = conn.unchecked_transaction()?;
+            let out = f(&Catalog::new(&tx, global), ctx)?;
             if in_memory {
                 tx.rollback()?;
             } else {
-                tx.commit().map_err(|e| catalog_error(&db, e.into()))?;
+                tx.commit()?;
             }
             Ok(out)
         })();
         if in_memory {
             let _ = conn.execute_batch("PRAGMA journal_mode = DELETE; PRAGMA cache_spill = ON;");
         }
-        drop(global);
-        out
+        out.map_err(|e| match catalog::is_sqlite(&e) {
+            true => catalog_error(&db, e),
+            false => e,
+        })
     }
 
     /// The catalog's connection, under the global lock: opened on first use, and anew once the file
@@ -158,12 +177,7 @@ impl Store {
             Found::New => conn,
             Found::Replaced(why) => {
                 drop(conn);
-                let aside = set_aside(&self.ctx.root, "damaged")?;
-                self.ctx.say(&format!(
-                    "catalog {} could not be used ({why}); set aside as {} and made anew from the images' records (no image is lost)",
-                    db.display(),
-                    aside.display()
-                ));
+                self.replace(&why)?;
                 catalog::open(&db)?
             }
         };
@@ -175,6 +189,17 @@ impl Store {
             catalog::share_with_group(&db)?;
         }
         Ok(conn)
+    }
+
+    /// Sets aside a catalog that cannot be used, for `why`, saying so: the next open makes it anew.
+    fn replace(&self, why: &str) -> Result<()> {
+        let aside = set_aside(&self.ctx.root, "damaged")?;
+        self.ctx.say(&format!(
+            "catalog {} could not be used ({why}); set aside as {} and made anew from the images' records (no image is lost)",
+            self.ctx.root.db().display(),
+            aside.display()
+        ));
+        Ok(())
     }
 
     /// Forgets the open connection (before the file is replaced).
@@ -239,6 +264,14 @@ fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
     }
     if e.downcast_ref::<CatalogError>().is_some() {
         return e;
+    }
+    // SQLite names neither the file it could not write or open nor why: the catalog's files say.
+    if catalog::is_refused(&e) {
+        let why = catalog::check_files(db).err().map(|e| format!("{e:#}"));
+        if let Some(why) = why.or_else(|| catalog::unwritable(db)) {
+            let shown = db.display();
+            return CatalogError(format!("catalog {shown} cannot be used: {why}")).into();
+        }
     }
     let hint = if catalog::is_full(&e) {
         " (its filesystem is full: free space with 'stowage rm IMAGE' or 'stowage gc')"

@@ -6,7 +6,8 @@
 //!   stowage process locks it). A hard link holding an image's record (a store copied with `cp -al`)
 //!   is only reported: moving it would make its image unreadable.
 //! - A file of ours we may not read or write gets its mode back; another user's is reported.
-//! - The catalog's files are the catalog check's; the layout's directories, `layout`'s.
+//! - The catalog's files are the catalog check's (it asks [`catalog_modes`]); the layout's
+//!   directories, `layout`'s.
 
 use std::path::Path;
 
@@ -70,7 +71,7 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
                     let not = crate::planted::expected(kind);
                     planted(&dir, name, &path, (kind, not), repair, report)
                 }
-                None => mode(&dir, &path, &st, repair, shared, report),
+                None => mode(&dir, &path, &st, (repair, shared), ("files", report)),
             }
         }
     }
@@ -177,8 +178,29 @@ fn planted(
     }
 }
 
-/// Reports a mode that keeps this user from reading and writing a layout file; `repair` fixes ours.
-fn mode(dir: &Dir, path: &Path, st: &Entry, repair: bool, shared: bool, report: &mut Report) {
+/// The catalog and its journal, where each is a regular file, as [`check`] judges the layout's:
+/// whether one is left that this user may not read and write.
+pub(super) fn catalog_modes(root: &Root, repair: bool, shared: bool, report: &mut Report) -> bool {
+    let Ok(dir) = root.open().and_then(|d| Ok(d.sub(".")?)) else {
+        return false;
+    };
+    let problems = |r: &Report| r.checks.iter().filter(|c| c.status == Problem).count();
+    let before = problems(report);
+    for (path, _) in crate::catalog::files(&root.db()).into_iter().take(2) {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if let Ok(Some(st)) = dir.stat_at(name)
+            && crate::planted::kind_of(st.mode, st.nlink).is_none()
+        {
+            mode(&dir, &path, &st, (repair, shared), ("catalog", report));
+        }
+    }
+    problems(report) > before
+}
+
+/// Reports a mode that keeps this user from reading and writing a layout file, under `check`;
+/// `repair` fixes ours.
+fn mode(dir: &Dir, path: &Path, st: &Entry, how: (bool, bool), to: (&'static str, &mut Report)) {
+    let ((repair, shared), (check, report)) = (how, to);
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     let (shown, bits, uid) = (path.display(), st.mode & 0o7777, st.uid);
     match dir.may_read_write(name) {
@@ -187,26 +209,26 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, repair: bool, shared: bool, report: 
         Err(nix::errno::Errno::EPERM) => {
             let why = crate::planted::denied(path);
             let why = why.unwrap_or_else(|| format!("{shown} may not be written"));
-            report.add("files", Problem, why);
+            report.add(check, Problem, why);
             return;
         }
         Err(_) => {}
     }
     if uid != nix::unistd::geteuid().as_raw() {
-        report.add("files", Problem, format!("{shown} (mode {bits:03o}) belongs to uid {uid}, and you may not read and write it: they may 'chmod 666' it"));
+        report.add(check, Problem, format!("{shown} (mode {bits:03o}) belongs to uid {uid}, and you may not read and write it: they may 'chmod 666' it"));
         return;
     }
     let want = bits | 0o600 | if shared { 0o060 } else { 0 };
     if !repair {
-        report.add("files", Problem, format!("{shown} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}"));
+        report.add(check, Problem, format!("{shown} is mode {bits:03o}: you may not read and write it; 'stowage doctor --repair' makes it {want:03o}"));
         return;
     }
     let fixed = format!("{shown} was mode {bits:03o}: now {want:03o}");
     match dir.chmod_at(name, want) {
-        Ok(()) => report.add("files", Repaired, fixed),
+        Ok(()) => report.add(check, Repaired, fixed),
         Err(e) => {
             let detail = format!("cannot give {shown} back its mode: {e}");
-            report.add("files", Problem, detail);
+            report.add(check, Problem, detail);
         }
     }
 }

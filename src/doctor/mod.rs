@@ -382,6 +382,10 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
     if let Some(status) = planted_catalog(store, repair, report)? {
         return Ok(status);
     }
+    // SQLite opens a file it may not write read-only, and only a write fails.
+    if files::catalog_modes(store.root(), repair, store.ctx().shared(), report) {
+        return Ok(Problem);
+    }
     let db = store.root().db();
     let shown = db.display();
     let before =
@@ -418,21 +422,18 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
 fn empty_catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdict> {
     let db = store.root().db();
     let shown = db.display();
-    let rw = nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK;
-    let why = if let Err(e) = nix::unistd::access(&db, rw) {
-        format!("may not be written ({})", e.desc())
-    } else if !repair {
+    // One that may not be written was reported by `files::catalog_modes`.
+    if !repair {
         let detail = format!("{shown}: empty; the next command fills it from the records");
         return Ok(report.catalog(Verdict::Ok, detail));
-    } else {
-        let made = store.with_catalog(None, |_, _| Ok(())).and_then(|()| {
-            crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, store.root()))
-        });
-        match made {
-            Ok(crate::catalog::Found::Current) => return intact(store, repair, report),
-            Ok(_) => "could not be made anew".to_owned(),
-            Err(e) => format!("could not be made anew ({e:#})"),
-        }
+    }
+    let made = store.with_catalog(None, |_, _| Ok(())).and_then(|()| {
+        crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, store.root()))
+    });
+    let why = match made {
+        Ok(crate::catalog::Found::Current) => return intact(store, repair, report),
+        Ok(_) => "could not be made anew".to_owned(),
+        Err(e) => format!("could not be made anew ({e:#})"),
     };
     Ok(report.catalog(
         Problem,
@@ -450,6 +451,11 @@ fn planted_catalog(
         let Err(e) = crate::catalog::check_plain_file(&path, what) else {
             continue;
         };
+        // A regular file of its own that may not be opened is the modes' to judge, and to give back.
+        let plain = fs::symlink_metadata(&path).ok();
+        if plain.is_some_and(|m| crate::planted::kind_of(m.mode(), m.nlink()).is_none()) {
+            continue;
+        }
         // Only a file found to be something else is set aside, not one that could not be looked at.
         if !repair || e.downcast_ref::<crate::catalog::CatalogError>().is_none() {
             return Ok(Some(report.catalog(Problem, format!("{e:#}"))));
@@ -474,10 +480,17 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
         .map_err(anyhow::Error::from);
     // Only SQLite saying the file is damaged is damage (not busy, an I/O error, a stale handle).
     let check = match checked {
-        Ok(check) => check,
+        // Its answer is lines, the first a heading ("*** in database main ***"): one line here.
+        Ok(check) => check
+            .lines()
+            .filter(|l| !l.starts_with("***"))
+            .collect::<Vec<_>>()
+            .join("; "),
         Err(e) if crate::catalog::is_damage(&e) => format!("{e:#}"),
         Err(e) => {
-            return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {e:#}")));
+            // SQLite names no file it could not open: what was put in one's place since, if any.
+            let why = crate::catalog::check_files(&db).err().unwrap_or(e);
+            return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {why:#}")));
         }
     };
     if check == "ok" {

@@ -181,6 +181,31 @@ fn a_fifo_at_a_classs_changed_file_hangs_no_change_of_the_class() {
     env.ok(["slots", "rm", "pull"]);
 }
 
+/// A FIFO put at the catalog's journal after stowage checked it, before
+/// SQLite opens it (its hot-journal check opens the journal read-only,
+/// which waits for a writer): the open is refused at once, the command ends
+/// naming the FIFO, and the next one says what to do.
+#[test]
+fn a_fifo_put_at_the_catalogs_journal_after_the_check_blocks_nothing() {
+    let env = Env::new();
+    env.make_image("app");
+    env.ok(["images"]);
+    let (mut doctor, file) = env.paused(["doctor"], "doctor-catalog-check");
+    let journal = env.root.join("stowage.db-journal");
+    Plant::Fifo.at(&journal, env.tmp.path());
+    fs::remove_file(&file).unwrap();
+    wait_until("doctor ends, not waiting on the FIFO", || {
+        !doctor.is_running()
+    });
+    let out = doctor.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let named = format!("{} is a FIFO", journal.display());
+    assert!(stdout(&out).contains(&named), "{}", show(&out));
+    let out = env.run(["images"]);
+    assert!(stderr(&out).contains(&named), "{}", show(&out));
+    doctor_sets_aside(&env, &journal, Plant::Fifo);
+}
+
 /// A link and a directory planted under slot names that holders of a
 /// higher limit may still hold (a lowered limit counts them): only regular
 /// files are slots, so a waiter skips them and gets the slot freed.
