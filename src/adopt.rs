@@ -142,7 +142,7 @@ fn adopt_one(
 }
 
 /// When a tree was last modified (made, for an adopted one).
-fn tree_time(tree: &Path) -> Millis {
+pub(crate) fn tree_time(tree: &Path) -> Millis {
     std::fs::metadata(tree)
         .ok()
         .and_then(|m| m.modified().ok())
