@@ -692,3 +692,37 @@ fn an_old_store_keeps_its_images_last_use() {
         assert!(said.contains(&format!("would remove '{name}'")), "{said}");
     }
 }
+
+/// A store still to migrate, on a read-only mount: every command that
+/// would read its images says it cannot be migrated there (69), rather
+/// than listing tokens as damaged records.
+#[test]
+fn a_store_to_migrate_on_a_read_only_root_says_so() {
+    let Some(m) = Mount::tmpfs("size=4m") else {
+        return;
+    };
+    let mut env = Env::new();
+    env.root = m.dir.join("store");
+    untar(&fixture("schema10-store.tar"), &m.dir);
+    let ro = Command::new("mount")
+        .args(["-o", "remount,ro"])
+        .arg(&m.dir)
+        .status()
+        .unwrap();
+    assert!(ro.success());
+    for args in [
+        vec!["images"],
+        vec!["gc", "--dry-run"],
+        vec!["slots"],
+        vec!["exec", "--read", "app", "--", "true"],
+    ] {
+        let out = env.run(&args);
+        assert_eq!(code(&out), Some(69), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("read-only"), "{args:?}: {err}");
+        assert!(
+            !err.contains("damaged") && !err.contains("cannot be read"),
+            "{err}"
+        );
+    }
+}
