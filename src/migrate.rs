@@ -321,7 +321,7 @@ fn derive(name: &str, old: &Old, token: Option<&Token>, path: &Path) -> Option<R
     let created = match (row, token.and_then(|t| t.used)) {
         (Some(r), _) => r.created,
         (None, Some(used)) => used,
-        (None, None) => crate::adopt::tree_time(path),
+        (None, None) => crate::clock::tree_time(path),
     };
     let mut r = Record::new(name, old.images.clone(), created);
     (r.state, r.outcome, r.base) = (state, Some(outcome.to_owned()), base);
