@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
-use crate::clock::{self, Millis};
+use crate::clock;
 use crate::config::Config;
 use crate::dir::Dir;
 use crate::image_record::{self, ADOPTED, Record, State};
@@ -123,7 +123,7 @@ fn adopt_one(
         let holders = "a store-wide command runs; try again when it ends".into();
         return Err(crate::error::Busy::now(what, holders).into());
     }
-    let mut r = Record::new(name.as_str(), config.images.clone(), tree_time(tree));
+    let mut r = Record::new(name.as_str(), config.images.clone(), clock::tree_time(tree));
     (r.state, r.outcome) = match how {
         Adopt::AsReady => (State::Ready, Some("adopted".to_owned())),
         Adopt::Unknown => (State::Incomplete, Some(ADOPTED.to_owned())),
@@ -139,13 +139,4 @@ fn adopt_one(
         anyhow::bail!("cannot write its record in {}: {e}{full}", path.display());
     }
     Ok(true)
-}
-
-/// When a tree was last modified (made, for an adopted one).
-fn tree_time(tree: &Path) -> Millis {
-    std::fs::metadata(tree)
-        .ok()
-        .and_then(|m| m.modified().ok())
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or_else(clock::now_ms, |d| d.as_millis() as Millis)
 }

@@ -361,7 +361,9 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
 
 /// The catalog identity an older release stated in the global lock file (`db=HEX`), if any.
 fn stated_identity(root: &Root) -> Option<u32> {
-    let file = crate::lock::open_existing_read(&root.global_lock()).ok()??;
+    // Opened for reading only: a store on a read-only mount is still found to be one to migrate.
+    let locks = crate::dir::Dir::open_in_root(&root.locks()).ok()?;
+    let file = locks.open_read("global.lock").ok()?;
     let mut text = String::new();
     std::io::Read::read_to_string(&mut std::io::Read::take(&file, 4096), &mut text).ok()?;
     let body = text.strip_prefix("stowage-records ")?;

@@ -27,6 +27,15 @@ pub fn now_ms() -> Millis {
     }
 }
 
+/// When a tree was last modified (made, for an adopted one), else now.
+pub fn tree_time(tree: &std::path::Path) -> Millis {
+    std::fs::metadata(tree)
+        .ok()
+        .and_then(|m| m.modified().ok())
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or_else(now_ms, |d| d.as_millis() as Millis)
+}
+
 fn real_now_ms() -> Millis {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -427,16 +427,19 @@ pub fn write(file: &File, seen: &mut Seen, record: &Record) -> io::Result<()> {
         io::Error::new(io::ErrorKind::InvalidInput, why)
     })?;
     let mut at = (record.seq % 2) as usize * SLOT;
-    // The slot ends at its first zero byte. A file without a record gets the whole area, so its
-    // blocks exist for every later write (a build may fill the filesystem first).
+    // The slot ends at its first zero byte. A file without a record gets the area from its slot
+    // on, so its blocks exist for every later write (a build may fill the filesystem first); from
+    // 0 only if empty: bytes in slot A (an older release's token) stay until this record is
+    // durable, whatever cuts the write short (a full filesystem, a crash).
     area.resize(SLOT, 0);
-    if seen.unrecorded() && seen.last_use.is_none() {
-        let mut whole = vec![0u8; AREA];
-        whole[at..at + SLOT].copy_from_slice(&area);
+    if seen.record.is_none() && seen.last_use.is_none() {
+        let from = if seen.unrecorded() { 0 } else { at };
+        let mut whole = vec![0u8; AREA - from];
+        whole[at - from..at - from + SLOT].copy_from_slice(&area);
         // The hints it carries stay.
-        whole[WRITER_WAITS_AT as usize] = if seen.writer_waits { b'W' } else { 0 };
-        whole[STORE_WIDE_AT as usize] = if seen.store_wide { b'S' } else { 0 };
-        (area, at) = (whole, 0);
+        whole[WRITER_WAITS_AT as usize - from] = if seen.writer_waits { b'W' } else { 0 };
+        whole[STORE_WIDE_AT as usize - from] = if seen.store_wide { b'S' } else { 0 };
+        (area, at) = (whole, from);
     }
     file.write_all_at(&area, at as u64)?;
     crate::lock::sync_written(file)?;

@@ -11,6 +11,9 @@
 //! - A pass that finds an image lock busy lets the global lock go, waits, and starts over; one that
 //!   finds all free converts and commits schema 11 last, after which the older release refuses the
 //!   store.
+//! - Every pass derives every record anew (one that gave up let the older release back in) from
+//!   the older release's token, which stays in slot A (the record goes in slot B), disabled for
+//!   that release once the record is durable.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
@@ -23,7 +26,7 @@ use crate::catalog::Found;
 use crate::clock::Millis;
 use crate::config::Config;
 use crate::holders::LockKind;
-use crate::image_record::{self, ImagesDir, Record, State};
+use crate::image_record::{self, ImagesDir, LEGACY_PREFIX, Record, State};
 use crate::lock::{self, Mode};
 use crate::name::ImageName;
 use crate::root::Root;
@@ -202,50 +205,97 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(lock::error(&format!("image '{name}'"), &path, e)),
         };
-        // An earlier pass's record stands: the older release, held off, cannot have changed it.
-        if image_record::read(guard.file()).is_ok_and(|s| s.record.is_some()) {
-            continue;
-        }
+        let seen = image_record::read(guard.file())
+            .with_context(|| format!("cannot read the lock file of image '{name}'"))?;
         let mut bytes = vec![0u8; 3072];
         let got = guard.file().read_at(&mut bytes, 0).unwrap_or(0);
-        let token = old_record(&bytes[..got], &name);
-        let record = derive(&name, old, token, dir.join(n.encoded()).exists());
+        let token = Token::of(&bytes[..got], &name);
+        let record = derive(&name, old, token.as_ref(), &dir.join(n.encoded()));
         crate::debug::pause(&format!("migrate-converting-{name}"));
         let Some(r) = record else {
             guard.file().set_len(0)?;
             continue;
         };
-        // Written over the older release's bytes (the whole record area, in one write), never
-        // after emptying the file: its token is what a pass after a crash here derives from.
-        let mut seen = image_record::Seen::default();
-        image_record::write(guard.file(), &mut seen, &r)
+        write_beside_token(guard.file(), seen, &r)
             .with_context(|| format!("cannot write the record of image '{name}'"))?;
-        if let Some(used) = old.rows.get(&name).map(|r| r.last_used) {
+        // Only once the record is durable: that release no longer takes its token (it asks its
+        // catalog, which changes the file for anything it changes), this one still does.
+        if got > 0 && bytes[0] == LEGACY_PREFIX[0] && token.is_some() {
+            guard
+                .file()
+                .write_all_at(&[DISABLED], 0)
+                .with_context(|| format!("cannot write the lock file of image '{name}'"))?;
+        }
+        let used = old.rows.get(&name).map(|r| r.last_used);
+        if let Some(used) = used.or(token.and_then(|t| t.used)) {
             let _ = image_record::set_last_use(guard.file(), used);
         }
     }
     Ok(None)
 }
 
-/// A record in the older release's format (`stowage-image 2|3|4`): its state, if of this image.
-fn old_record(bytes: &[u8], name: &str) -> Option<String> {
-    if !bytes.starts_with(image_record::LEGACY_PREFIX) {
-        return None;
+/// A record in the older release's format (`stowage-image 2|3|4`), if of this image.
+struct Token {
+    state: String,
+    /// The row's last use, written with it.
+    used: Option<Millis>,
+}
+
+/// The first byte of a token once the record beside it is durable (`stowage-image` → `-towage-image`).
+const DISABLED: u8 = b'-';
+
+impl Token {
+    /// The token in `bytes`, disabled or not, if of the image `name`.
+    fn of(bytes: &[u8], name: &str) -> Option<Token> {
+        let mut bytes = bytes.to_vec();
+        if bytes.first() == Some(&DISABLED) {
+            bytes[0] = LEGACY_PREFIX[0];
+        }
+        if !bytes.starts_with(LEGACY_PREFIX) {
+            return None;
+        }
+        let body = image_record::checked_body(&bytes)?;
+        let field = |k: &str| {
+            body.lines()
+                .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+        };
+        (field("image")? == name).then(|| Token {
+            state: field("state").unwrap_or("").to_owned(),
+            used: field("used").and_then(|u| u.parse().ok()),
+        })
     }
-    let body = image_record::checked_body(bytes)?;
-    let field = |k: &str| {
-        body.lines()
-            .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+}
+
+/// Writes `r` unless the record there says the same. Derived anew by every pass, as the older
+/// release may have changed the image since an earlier one (a pass that gave up let `store.lock`
+/// go). Its token stays in slot A: the record goes in slot B (odd sequence numbers), so every
+/// pass, and one after a write cut short, derives from it.
+fn write_beside_token(
+    file: &std::fs::File,
+    mut seen: image_record::Seen,
+    r: &Record,
+) -> Result<()> {
+    let same = |s: &Record| {
+        *s == Record {
+            seq: s.seq,
+            ..r.clone()
+        }
     };
-    (field("image")? == name).then(|| field("state").unwrap_or("").to_owned())
+    if seen.record.as_ref().is_some_and(same) {
+        return Ok(());
+    }
+    if let Some(s) = seen.record.as_mut() {
+        s.seq += s.seq % 2;
+    }
+    Ok(image_record::write(file, &mut seen, r)?)
 }
 
 /// The record an image gets, from what the older release held true.
-fn derive(name: &str, old: &Old, token: Option<String>, tree: bool) -> Option<Record> {
-    let now = crate::clock::now_ms();
+fn derive(name: &str, old: &Old, token: Option<&Token>, path: &Path) -> Option<Record> {
+    let tree = path.exists();
     let row = old.rows.get(name);
     let marked = old.markers.contains(name);
-    let (state, outcome, base) = match (row, marked, token.as_deref()) {
+    let (state, outcome, base) = match (row, marked, token.map(|t| t.state.as_str())) {
         // A writer's record is the truth while its marker stands.
         (_, true, Some("ready")) => (State::Ready, "exit 0", None),
         (_, true, _) if row.is_some() || token.is_some() => {
@@ -266,7 +316,14 @@ fn derive(name: &str, old: &Old, token: Option<String>, tree: bool) -> Option<Re
         (None, _, _) if tree => (State::Incomplete, crate::image_record::ADOPTED, None),
         (None, _, _) => return None,
     };
-    let mut r = Record::new(name, old.images.clone(), row.map_or(now, |r| r.created));
+    // Without a row that release recorded no creation: its token's last use, else the tree's
+    // time (as an adoption takes it), so gc's age and order stay what they were.
+    let created = match (row, token.and_then(|t| t.used)) {
+        (Some(r), _) => r.created,
+        (None, Some(used)) => used,
+        (None, None) => crate::clock::tree_time(path),
+    };
+    let mut r = Record::new(name, old.images.clone(), created);
     (r.state, r.outcome, r.base) = (state, Some(outcome.to_owned()), base);
     Some(r)
 }

@@ -180,16 +180,20 @@ pub fn read(file: &std::fs::File, class: &str) -> io::Result<Class> {
 pub fn write(file: &std::fs::File, class: &str, limits: Option<&Limits>) -> io::Result<()> {
     let mut buf = vec![0u8; AREA];
     let n = file.read_at(&mut buf, 0)?;
-    let (newest, seq) = decode(&buf[..n], class).1.unwrap_or((1, 0));
+    let found = decode(&buf[..n], class).1;
+    let (newest, seq) = found.unwrap_or((1, 0));
     let other = (1 - newest) as u64 * SLOT as u64;
     match limits {
         Some(l) => {
             let slot = encode(class, l, seq + 1);
             if n < AREA {
-                // A new file: both slots written, the other one empty.
-                let mut area = vec![0u8; AREA];
-                area[(1 - newest) * SLOT..(2 - newest) * SLOT].copy_from_slice(&slot);
-                file.write_all_at(&area, 0)?;
+                // A new or short file: both slots written, the current record's as it was (a
+                // write cut short keeps it), an empty one's emptied.
+                if found.is_none() {
+                    buf.fill(0);
+                }
+                buf[(1 - newest) * SLOT..(2 - newest) * SLOT].copy_from_slice(&slot);
+                file.write_all_at(&buf, 0)?;
             } else {
                 file.write_all_at(&slot, other)?;
             }
@@ -221,6 +225,23 @@ mod tests {
             b[i] ^= 0x04;
             assert_ne!(decode(&b, "load/podman").0, Class::Limits(l), "byte {i}");
         }
+    }
+
+    #[test]
+    fn a_write_to_a_short_file_keeps_the_current_record_until_the_new_one_is_written() {
+        // A first write cut short after its first slot: the record, alone, in a short file.
+        let f = tempfile::tempfile().unwrap();
+        let old = Limits::set(4, 1, None);
+        f.write_all_at(&encode("pull", &old, 1), 0).unwrap();
+        write(&f, "pull", Some(&Limits::set(2, 0, None))).unwrap();
+        let mut first = vec![0u8; SLOT];
+        f.read_at(&mut first, 0).unwrap();
+        // Written over in the same write, the slot says what it said: a cut there loses nothing.
+        assert_eq!(decode(&first, "pull").0, Class::Limits(old));
+        assert_eq!(
+            read(&f, "pull").unwrap(),
+            Class::Limits(Limits::set(2, 0, None))
+        );
     }
 
     #[test]

@@ -89,7 +89,12 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
         .collect();
     let rows = match refresh(store, &images) {
         Ok(rows) => Some(rows),
-        Err(e) if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some() => {
+        // A store to migrate whose catalog cannot be had (a read-only root) is not surveyed from
+        // tokens, which are no records: the migration says why it cannot run.
+        Err(e)
+            if e.downcast_ref::<crate::catalog::NeedsMigration>().is_some()
+                || crate::migrate::is_legacy(store.root()) =>
+        {
             crate::migrate::run(store, None)?;
             return survey(store, measure);
         }

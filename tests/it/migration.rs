@@ -90,7 +90,7 @@ fn assert_migrated(env: &Env) {
         let has = |what: &[u8]| text.windows(what.len()).any(|w| w == what);
         assert!(
             has(b"stowage-record 1\n") && !has(b"stowage-image "),
-            "{} holds a record of this release, and only that",
+            "{} holds a record of this release, and no token the older release takes",
             f.display()
         );
     }
@@ -606,4 +606,123 @@ os._exit(0)
     assert!(env.root.join("stowage.db-journal").exists());
     assert_eq!(states(&env), expected());
     assert_migrated(&env);
+}
+
+/// The fixture on a 2 MiB tmpfs filled to leave 0 to 47 pages free: wherever
+/// the full filesystem stops the migration, no image has lost its state once
+/// space is freed (the older release's token is never overwritten before the
+/// record beside it is written).
+#[test]
+fn a_migration_stopped_by_a_full_filesystem_loses_no_images_state() {
+    let Some(m) = Mount::tmpfs("size=2m") else {
+        return;
+    };
+    let mut env = Env::new();
+    env.root = m.dir.join("store");
+    let mut stopped = 0;
+    for pages in 0..48u64 {
+        let _ = fs::remove_dir_all(&env.root);
+        untar(&fixture("schema10-store.tar"), &m.dir);
+        let fill = m.dir.join("fill");
+        let f = fs::File::create(&fill).unwrap();
+        let st = nix::sys::statvfs::statvfs(&m.dir).unwrap();
+        let free = st.blocks_available() * st.fragment_size();
+        let len = free.saturating_sub(pages * 4096) as i64;
+        nix::fcntl::fallocate(&f, nix::fcntl::FallocateFlags::empty(), 0, len).unwrap();
+        let out = env.run(["images"]);
+        drop(f);
+        fs::remove_file(&fill).unwrap();
+        stopped += usize::from(code(&out) != Some(0));
+        assert_eq!(
+            states(&env),
+            expected(),
+            "stopped with {pages} pages free: {}",
+            show(&out)
+        );
+    }
+    assert!(stopped > 0, "the filesystem stopped some migration");
+}
+
+/// A migration that gave up lets the older release back in: what it
+/// changes then (here its rows, as its transactions do: a rewrite of
+/// `base` failed, `failed` rebuilt) is what the pass that finishes the
+/// migration derives from, not the records the one that gave up wrote.
+#[test]
+fn a_resumed_migration_takes_what_the_older_release_changed_meanwhile() {
+    let env = old_store();
+    let then = "i=0; while [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done";
+    let holder = flock_holder(&env.lock_file("folded"), &env.sentinel("held"), then);
+    let out = env.run(["exec", "--write", "other", "--wait", "1", "--", "true"]);
+    holder.kill_all();
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    let base = fs::read(env.lock_file("base")).unwrap();
+    assert!(
+        base.windows(16).any(|w| w == b"stowage-record 1"),
+        "the pass that gave up wrote base's record"
+    );
+    let db = rusqlite::Connection::open(env.root.join("stowage.db")).unwrap();
+    db.execute_batch(
+        "UPDATE images SET state = 'incomplete' WHERE name = 'base';
+         UPDATE images SET state = 'ready' WHERE name = 'failed';",
+    )
+    .unwrap();
+    drop(db);
+    let mut want = expected();
+    want[1] = st("base", "incomplete", None);
+    want[3] = st("failed", "ready", None);
+    assert_eq!(states(&env), want);
+    assert_migrated(&env);
+}
+
+/// Images the older release kept without a row (its token said ready) keep
+/// the last use their token recorded, and a creation no later: gc finds
+/// them as unused as the others.
+#[test]
+fn an_old_store_keeps_its_images_last_use() {
+    let env = old_store();
+    for i in env.images_json() {
+        if i["state"] == "ready" {
+            assert_eq!(i["last_used"], "2023-11-14T22:13:20Z", "{i}");
+            assert_eq!(i["created"], "2023-11-14T22:13:20Z", "{i}");
+        }
+    }
+    let out = env.ok(["gc", "--unused-for", "30d", "--dry-run"]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    for name in ["app", "base", "folded", "rowless"] {
+        assert!(said.contains(&format!("would remove '{name}'")), "{said}");
+    }
+}
+
+/// A store still to migrate, on a read-only mount: every command that
+/// would read its images says it cannot be migrated there (69), rather
+/// than listing tokens as damaged records.
+#[test]
+fn a_store_to_migrate_on_a_read_only_root_says_so() {
+    let Some(m) = Mount::tmpfs("size=4m") else {
+        return;
+    };
+    let mut env = Env::new();
+    env.root = m.dir.join("store");
+    untar(&fixture("schema10-store.tar"), &m.dir);
+    let ro = Command::new("mount")
+        .args(["-o", "remount,ro"])
+        .arg(&m.dir)
+        .status()
+        .unwrap();
+    assert!(ro.success());
+    for args in [
+        vec!["images"],
+        vec!["gc", "--dry-run"],
+        vec!["slots"],
+        vec!["exec", "--read", "app", "--", "true"],
+    ] {
+        let out = env.run(&args);
+        assert_eq!(code(&out), Some(69), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains("read-only"), "{args:?}: {err}");
+        assert!(
+            !err.contains("damaged") && !err.contains("cannot be read"),
+            "{err}"
+        );
+    }
 }
