@@ -237,9 +237,36 @@ pub fn is_busy(err: &anyhow::Error) -> bool {
     said(err, BUSY)
 }
 
-/// Is this SQLite saying the file is no healthy database?
-pub fn is_damage(err: &anyhow::Error) -> bool {
+/// Is this SQLite saying the catalog at `db` is no healthy database, and is it so? SQLite takes a
+/// read that failed (EIO from a dying disk) for damage too: a file that cannot be read whole is
+/// an I/O error, kept ([`unreadable`]), never set aside as damaged, command after command.
+pub fn is_damage(err: &anyhow::Error, db: &Path) -> bool {
     said(err, &[ErrorCode::DatabaseCorrupt, ErrorCode::NotADatabase])
+        && unreadable(db).is_none()
+        && !checks_ok(db)
+}
+
+/// Whether a look of its own (`PRAGMA quick_check`, on a connection of its own) finds the catalog
+/// sound: damage one read said it met, and the next does not, was the read's (a one-off EIO).
+fn checks_ok(db: &Path) -> bool {
+    let Ok(conn) = open(db) else { return false };
+    conn.query_row("PRAGMA quick_check", [], |r| r.get::<_, String>(0))
+        .is_ok_and(|answer| answer == "ok")
+}
+
+/// Why the regular file at `db` cannot be read whole, if it cannot (one plain read to its end).
+pub fn unreadable(db: &Path) -> Option<std::io::Error> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let flags = libc::O_NOFOLLOW | libc::O_NONBLOCK;
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(db)
+        .ok()?;
+    if !file.metadata().is_ok_and(|m| m.is_file()) {
+        return None;
+    }
+    std::io::copy(&mut file, &mut std::io::sink()).err()
 }
 
 /// Is this SQLite failing to write or open a file (which it does not name)?

@@ -100,7 +100,7 @@ impl Store {
         match self.attempt(&global, in_memory, f) {
             // Damage past what opening reads (a page of the table): set aside and made anew here,
             // as at the open, then done once more. Not while full: nothing could be made.
-            Err(e) if catalog::is_damage(&e) && !in_memory => {
+            Err(e) if !in_memory && catalog::is_damage(&e, &self.ctx.root.db()) => {
                 self.conn = None;
                 self.replace(&e.root_cause().to_string())?;
                 self.attempt(&global, in_memory, f)
@@ -164,7 +164,7 @@ impl Store {
         let root = &self.ctx.root;
         let found = match catalog::inspect_in(&conn, root) {
             Ok(f) => f,
-            Err(e) if catalog::is_damage(&e) => Found::Replaced(format!("{e:#}")),
+            Err(e) if catalog::is_damage(&e, &db) => Found::Replaced(format!("{e:#}")),
             Err(e) => return Err(catalog_error(&db, e)),
         };
         let new = matches!(found, Found::New);
@@ -272,6 +272,11 @@ fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
             let shown = db.display();
             return CatalogError(format!("catalog {shown} cannot be used: {why}")).into();
         }
+    }
+    // What SQLite calls damage may be a read that failed: said as what it is.
+    if let Some(io) = catalog::unreadable(db) {
+        let io = crate::error::without_errno(&io.to_string());
+        return CatalogError(format!("catalog {} cannot be read: {io}", db.display())).into();
     }
     let hint = if catalog::is_full(&e) {
         " (its filesystem is full: free space with 'stowage rm IMAGE' or 'stowage gc')"

@@ -486,7 +486,7 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
             .filter(|l| !l.starts_with("***"))
             .collect::<Vec<_>>()
             .join("; "),
-        Err(e) if crate::catalog::is_damage(&e) => format!("{e:#}"),
+        Err(e) if crate::catalog::is_damage(&e, &db) => format!("{e:#}"),
         Err(e) => {
             // SQLite names no file it could not open: what was put in one's place since, if any.
             let why = crate::catalog::check_files(&db).err().unwrap_or(e);

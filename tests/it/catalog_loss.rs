@@ -5,6 +5,7 @@
 //! its new images into its own images directory.
 
 use std::fs;
+use std::process::Command;
 
 use crate::common::*;
 
@@ -802,4 +803,53 @@ fn a_catalog_whose_mode_was_taken_gets_it_back_from_a_repair() {
     assert_eq!(set_aside(&env), Vec::<String>::new());
     let out = unprivileged(&env, &["images"]);
     assert_eq!(stderr(&out), "", "{}", show(&out));
+}
+
+/// A catalog that cannot be read (EIO from a dying disk, which SQLite
+/// reports as damage) is an I/O error, never set aside as damaged: a copy
+/// piled up at every command. Nor is a sound one after a read that failed
+/// once. Reads fail by strace's fault injection.
+#[test]
+fn a_catalog_that_cannot_be_read_is_not_set_aside_as_damaged() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    let copies = || {
+        fs::read_dir(&env.root)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().contains(".damaged-"))
+            .count()
+    };
+    for (n, lasting) in [(3, true), (4, true), (5, true), (3, false), (5, false)] {
+        let when = if lasting {
+            format!("{n}+")
+        } else {
+            n.to_string()
+        };
+        let mut c = Command::new("strace");
+        c.args(["-f", "-qq", "-o", "/dev/null", "-P"])
+            .arg(&db)
+            .arg(format!("--inject=pread64:error=EIO:when={when}"));
+        if lasting {
+            c.arg("--inject=read:error=EIO");
+        }
+        c.arg(bin())
+            .arg("--root")
+            .arg(&env.root)
+            .args(["images", "--json"]);
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "{n} {lasting}: {}", show(&out));
+        assert_eq!(copies(), 0, "EIO at read {when}: {}", show(&out));
+        assert!(
+            !lasting || stderr(&out).contains("cannot be read"),
+            "{}",
+            show(&out)
+        );
+    }
+    assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
