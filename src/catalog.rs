@@ -91,8 +91,12 @@ pub fn open(path: &Path) -> Result<rusqlite::Connection> {
         | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_NO_MUTEX
         | OpenFlags::SQLITE_OPEN_NOFOLLOW;
-    let conn = rusqlite::Connection::open_with_flags(path, flags)
-        .map_err(|e| CatalogError(format!("cannot open catalog {}: {e}", path.display())))?;
+    // SQLite names nothing it could not open: what was put in the catalog's place since, if any.
+    let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(|e| {
+        check_files(path).err().unwrap_or_else(|| {
+            CatalogError(format!("cannot open catalog {}: {e}", path.display())).into()
+        })
+    })?;
     conn.busy_timeout(busy_timeout())?;
     Ok(conn)
 }

@@ -853,3 +853,33 @@ fn a_catalog_that_cannot_be_read_is_not_set_aside_as_damaged() {
     }
     assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
+
+/// A FIFO put at the catalog after its check, while SQLite opens it, is
+/// named, not "unable to open database file": SQLite names nothing it
+/// cannot open. (Its second open is held 1.5 s by strace; the FIFO goes in
+/// meanwhile.) Nothing blocks.
+#[test]
+fn a_fifo_put_at_the_catalog_while_it_is_opened_is_named() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    env.ok(["images"]);
+    let db = env.root.join("stowage.db");
+    let mut c = Command::new("strace");
+    c.args(["-f", "-qq", "-o", "/dev/null", "-P"])
+        .arg(&db)
+        .arg("--inject=openat:delay_enter=1500000:when=2")
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .arg("images");
+    let images = Bg::from_command(c);
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    fs::remove_file(&db).unwrap();
+    nix::unistd::mkfifo(&db, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+    let out = images.finish();
+    assert!(stderr(&out).contains("FIFO"), "{}", show(&out));
+    assert!(!stderr(&out).contains("unable to open"), "{}", show(&out));
+}
