@@ -220,7 +220,7 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
             .with_context(|| format!("cannot write the record of image '{name}'"))?;
         // Only once the record is durable: that release no longer takes its token (it asks its
         // catalog, which changes the file for anything it changes), this one still does.
-        if got > 0 && bytes[0] == LEGACY_PREFIX[0] && token.is_some() {
+        if bytes[..got].starts_with(LEGACY_PREFIX) {
             guard
                 .file()
                 .write_all_at(&[DISABLED], 0)

@@ -137,6 +137,40 @@ fn an_old_store_keeps_every_image_its_state_and_its_base() {
     );
 }
 
+/// A lock file in the older release's format whose token cannot be taken
+/// (torn: its check fails; or another image's, copied in) is migrated from
+/// the catalog's row, and its prefix disabled all the same: it was left,
+/// and every read of the image was refused as damaged (66) while `images`
+/// listed it ready.
+#[test]
+fn an_old_token_that_cannot_be_taken_is_disabled_beside_its_record() {
+    let env = old_store();
+    let lock = env.root.join("locks/images/base.lock");
+    let torn = fs::read_to_string(&lock)
+        .unwrap()
+        .replace("used=1700000000000", "used=1700000000001");
+    fs::write(&lock, torn).unwrap();
+    fs::copy(
+        env.root.join("locks/images/app.lock"),
+        env.root.join("locks/images/folded.lock"),
+    )
+    .unwrap();
+    env.ok(["images"]);
+    let out = env.run(["exec", "--read", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    // folded's own token is gone: its row alone says what it was, and the
+    // refusal says that state, not damage.
+    let out = env.run(["exec", "--read", "folded", "--", "true"]);
+    let state = env.state("folded").unwrap();
+    assert!(!stderr(&out).contains("damaged"), "{state}: {}", show(&out));
+    assert!(
+        state == "ready" || stderr(&out).contains(&format!("state: {state}")),
+        "{}",
+        show(&out)
+    );
+}
+
 #[test]
 fn an_old_store_keeps_its_slot_classes() {
     let env = old_store();
