@@ -4,8 +4,8 @@
 //! deletes. And a copy of a store, or a store seen at another path, writes
 //! its new images into its own images directory.
 
+use std::ffi::OsStr;
 use std::fs;
-use std::process::Command;
 
 use crate::common::*;
 
@@ -831,18 +831,15 @@ fn a_catalog_that_cannot_be_read_is_not_set_aside_as_damaged() {
         } else {
             n.to_string()
         };
-        let mut c = Command::new("strace");
-        c.args(["-f", "-qq", "-o", "/dev/null", "-P"])
-            .arg(&db)
-            .arg(format!("--inject=pread64:error=EIO:when={when}"));
+        let mut faults = vec![
+            "-P".into(),
+            db.clone().into_os_string(),
+            format!("--inject=pread64:error=EIO:when={when}").into(),
+        ];
         if lasting {
-            c.arg("--inject=read:error=EIO");
+            faults.push("--inject=read:error=EIO".into());
         }
-        c.arg(bin())
-            .arg("--root")
-            .arg(&env.root)
-            .args(["images", "--json"]);
-        let out = output(c);
+        let out = output(under_strace(&env, &faults, &["images", "--json"]));
         assert_eq!(code(&out), Some(0), "{n} {lasting}: {}", show(&out));
         assert_eq!(copies(), 0, "EIO at read {when}: {}", show(&out));
         assert!(
@@ -867,14 +864,12 @@ fn a_fifo_put_at_the_catalog_while_it_is_opened_is_named() {
     env.make_image("a");
     env.ok(["images"]);
     let db = env.root.join("stowage.db");
-    let mut c = Command::new("strace");
-    c.args(["-f", "-qq", "-o", "/dev/null", "-P"])
-        .arg(&db)
-        .arg("--inject=openat:delay_enter=1500000:when=2")
-        .arg(bin())
-        .arg("--root")
-        .arg(&env.root)
-        .arg("images");
+    let delay = "--inject=openat:delay_enter=1500000:when=2";
+    let c = under_strace(
+        &env,
+        &[OsStr::new("-P"), db.as_os_str(), OsStr::new(delay)],
+        &["images"],
+    );
     let images = Bg::from_command(c);
     std::thread::sleep(std::time::Duration::from_millis(700));
     fs::remove_file(&db).unwrap();

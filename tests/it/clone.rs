@@ -706,14 +706,13 @@ fn a_failed_look_at_a_directory_of_the_base_is_no_mount_point() {
     );
     for n in 1..=12 {
         let name = format!("new{n}");
-        let mut c = Command::new("strace");
-        c.args(["-f", "-qq", "-o", "/dev/null", "-e", "trace=statx"])
-            .arg(format!("--inject=statx:error=EIO:when={n}"))
-            .arg(bin())
-            .arg("--root")
-            .arg(&env.root)
-            .args(["exec", "--write", &name, "--from", "base", "--", "true"]);
-        let out = output(c);
+        let faults = [
+            "-e".into(),
+            "trace=statx".into(),
+            format!("--inject=statx:error=EIO:when={n}"),
+        ];
+        let args = ["exec", "--write", &name, "--from", "base", "--", "true"];
+        let out = output(under_strace(&env, &faults, &args));
         let copied = env.root.join("img").join(&name).join("d/e/f").exists();
         if code(&out) == Some(0) {
             assert!(
@@ -753,16 +752,12 @@ fn without_statx_a_copy_a_removal_and_gc_work() {
         "mkdir -p \"$STOWAGE_IMAGE_DIR/d\"; echo data > \"$STOWAGE_IMAGE_DIR/d/f\"",
     );
     for errno in ["ENOSYS", "EPERM"] {
-        let run = |args: &[&str]| {
-            let mut c = Command::new("strace");
-            c.args(["-f", "-qq", "-o", "/dev/null", "-e", "trace=statx"])
-                .arg(format!("--inject=statx:error={errno}"))
-                .arg(bin())
-                .arg("--root")
-                .arg(&env.root)
-                .args(args);
-            output(c)
-        };
+        let faults = [
+            "-e".into(),
+            "trace=statx".into(),
+            format!("--inject=statx:error={errno}"),
+        ];
+        let run = |args: &[&str]| output(under_strace(&env, &faults, args));
         let out = run(&["exec", "--write", "copy", "--from", "base", "--", "true"]);
         assert_eq!(code(&out), Some(0), "{errno}: {}", show(&out));
         assert!(env.root.join("img/copy/d/f").exists(), "{errno}");

@@ -841,6 +841,20 @@ pub fn tool_or_skip(tool: &str, package: &str) -> bool {
     found
 }
 
+/// `stowage --root ROOT ARGS…` of `env`, under strace with `faults` (its
+/// `-P PATH`, `-e trace=…` and `--inject=…` options) and its trace
+/// discarded: errors injected into real calls of the real binary.
+pub fn under_strace<S: AsRef<OsStr>>(env: &Env, faults: &[S], args: &[&str]) -> Command {
+    let mut c = Command::new("strace");
+    c.args(["-f", "-qq", "-o", "/dev/null"])
+        .args(faults)
+        .arg(bin())
+        .arg("--root")
+        .arg(&env.root)
+        .args(args);
+    c
+}
+
 /// A directory outside the root (in the test's scratch directory) with
 /// files at two depths that must survive whatever the test does; check
 /// with [`assert_intact`].
