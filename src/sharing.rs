@@ -132,9 +132,15 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
             continue;
         }
         let flags = libc::O_RDONLY | if w.dir { libc::O_DIRECTORY } else { 0 };
-        match crate::planted::open(&root.dir().join(&w.rel), flags, 0)
-            .and_then(|f| fix_fd(f.as_fd(), w.dir, gid, 0))
-        {
+        let path = root.dir().join(&w.rel);
+        let opened = match crate::planted::open(&path, flags, 0) {
+            // A file of ours we may not read (mode 000, the catalog's say): an O_PATH descriptor.
+            Err(e) if !w.dir && e.raw_os_error() == Some(libc::EACCES) => {
+                crate::planted::open(&path, libc::O_PATH, 0)
+            }
+            other => other,
+        };
+        match opened.and_then(|f| fix_fd(f.as_fd(), w.dir, gid, 0)) {
             Ok(()) => done.fixed.push(w),
             Err(e) => done.failed.push((w, e.to_string())),
         }
@@ -154,7 +160,9 @@ pub fn share_images_dir(images: &crate::dir::Dir, shown: &Path, gid: u32) -> Res
 /// `more`. A file with other names (a member's hard link to a file elsewhere) is refused.
 fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
     let st = crate::dir::fstat(fd)?;
-    if (st.st_mode & libc::S_IFMT == libc::S_IFDIR) != dir {
+    // A directory or a regular file, nothing else: a link swapped in is never chmodded through.
+    let kind = if dir { libc::S_IFDIR } else { libc::S_IFREG };
+    if st.st_mode & libc::S_IFMT != kind {
         return Err(io::Error::other("changed kind while being repaired"));
     }
     if !dir && st.st_nlink > 1 {
@@ -162,12 +170,26 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
             "it has other names (hard links), which may be outside the store",
         ));
     }
-    if st.st_gid != gid {
+    // An O_PATH descriptor takes neither fchown nor fchmod: the same through the kernel's links.
+    let by_path = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFL)? & libc::O_PATH != 0;
+    let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+    if st.st_gid != gid && by_path {
+        // SAFETY: a descriptor of ours and an empty C string, as AT_EMPTY_PATH asks.
+        crate::error::cvt(unsafe {
+            libc::fchownat(raw, c"".as_ptr(), u32::MAX, gid, libc::AT_EMPTY_PATH)
+        })?;
+    } else if st.st_gid != gid {
         fchown(fd, None, Some(Gid::from_raw(gid)))?;
     }
     let bits = if dir { DIR_BITS } else { FILE_BITS };
     // Set after the chown, which clears setgid on a file (not a directory).
     let mode = (st.st_mode & 0o7777) | bits | more;
+    if by_path {
+        let link = std::ffi::CString::new(format!("/proc/self/fd/{raw}"))?;
+        // SAFETY: a C string naming our own descriptor's link.
+        crate::error::cvt(unsafe { libc::chmod(link.as_ptr(), mode) })?;
+        return Ok(());
+    }
     Ok(fchmod(fd, Mode::from_bits_retain(mode))?)
 }
 

@@ -805,6 +805,33 @@ fn a_catalog_whose_mode_was_taken_gets_it_back_from_a_repair() {
     assert_eq!(stderr(&out), "", "{}", show(&out));
 }
 
+/// In a group store the same repair is whole: the group's share of the
+/// catalog, which its owner may not open while of mode 000, is given back
+/// through a descriptor that needs no read, and doctor exits 0 (it said it
+/// could not fix the file, then fixed it, and exited 1).
+#[test]
+fn a_group_stores_catalog_whose_mode_was_taken_is_repaired_whole() {
+    use std::os::unix::fs::PermissionsExt;
+    if as_nobody().is_none() {
+        return;
+    }
+    let env = unprivileged_env();
+    let out = unprivileged(&env, &["init", "--group", "65534"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    unprivileged_build(&env, "app", "true");
+    assert_eq!(code(&unprivileged(&env, &["images"])), Some(0));
+    let db = env.root.join("stowage.db");
+    fs::set_permissions(&db, fs::Permissions::from_mode(0o000)).unwrap();
+    let out = unprivileged(&env, &["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(!stdout(&out).contains("PROBLEM"), "{}", show(&out));
+    assert_eq!(
+        fs::metadata(&db).unwrap().permissions().mode() & 0o777,
+        0o660
+    );
+    assert_eq!(code(&unprivileged(&env, &["doctor"])), Some(0));
+}
+
 /// A catalog that cannot be read (EIO from a dying disk, which SQLite
 /// reports as damage) is an I/O error, never set aside as damaged: a copy
 /// piled up at every command. Nor is a sound one after a read that failed
