@@ -471,7 +471,9 @@ impl Root {
 
     fn lay_out(&self, asked: bool) -> Result<()> {
         let shown = self.dir.display();
-        if !self.holds_store() {
+        // Judged once: a maker racing us adds only a store's parts, which `no_store` passes.
+        let store = self.holds_store();
+        if !store {
             self.refuse_inside_another()?;
         }
         let existed = match fs::symlink_metadata(&self.dir) {
@@ -489,7 +491,7 @@ impl Root {
         };
         self.refuse_claimed_img()?;
         // A mistyped root (a builder's storage, a project's directory) must not grow a store.
-        if existed && !asked && !self.holds_store() {
+        if existed && !asked && !store {
             let no = self.no_store();
             if matches!(no, crate::Error::NotAStore { held: Some(_), .. }) {
                 return Err(no.into());

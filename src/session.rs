@@ -759,8 +759,6 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
     Ok(())
 }
 
-/// The end of one write: a tree the command deleted goes with its record, else the record says how
-/// the command ended. Returns what to tell the user, if anything is unusual.
 /// Whether the write lock is still ours, and was all along: a lock lost while free is taken again
 /// by the check (a client reconnected without its locks, a partition healed), so the record tells
 /// whether another acted meanwhile (one read). A record another changed is marked incomplete, the
@@ -786,6 +784,8 @@ fn still_ours(img: &mut Image, now: clock::Millis) -> Result<(), String> {
     Err(said)
 }
 
+/// The end of one write: a tree the command deleted goes with its record, else the record says how
+/// the command ended. Returns what to tell the user, if anything is unusual.
 fn finish_write(
     root: &Root,
     images_dir: &Path,
