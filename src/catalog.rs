@@ -14,7 +14,7 @@ use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use rusqlite::{ErrorCode, params};
+use rusqlite::{ErrorCode, OpenFlags, params};
 
 use crate::clock::Millis;
 use crate::image_record::{Record, State};
@@ -85,18 +85,20 @@ pub struct Catalog<'a> {
 /// Opens the catalog file (not yet a transaction), refusing anything planted at its files.
 pub fn open(path: &Path) -> Result<rusqlite::Connection> {
     check_files(path)?;
-    configure_sqlite();
-    use rusqlite::OpenFlags;
-    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
-        | OpenFlags::SQLITE_OPEN_CREATE
-        | OpenFlags::SQLITE_OPEN_NO_MUTEX
-        | OpenFlags::SQLITE_OPEN_NOFOLLOW;
     // SQLite names nothing it could not open: what was put in the catalog's place since, if any.
-    let conn = rusqlite::Connection::open_with_flags(path, flags).map_err(|e| {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE;
+    connect(path, flags).map_err(|e| {
         check_files(path).err().unwrap_or_else(|| {
             CatalogError(format!("cannot open catalog {}: {e}", path.display())).into()
         })
-    })?;
+    })
+}
+
+/// A connection to `path` opened with `flags`, never through a link, with our busy timeout.
+fn connect(path: &Path, flags: OpenFlags) -> rusqlite::Result<rusqlite::Connection> {
+    configure_sqlite();
+    let flags = flags | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW;
+    let conn = rusqlite::Connection::open_with_flags(path, flags)?;
     conn.busy_timeout(busy_timeout())?;
     Ok(conn)
 }
@@ -253,18 +255,24 @@ pub fn is_damage(err: &anyhow::Error, db: &Path) -> bool {
 /// Whether a look of its own (`PRAGMA quick_check`, on a connection of its own) finds the catalog
 /// sound: damage one read said it met, and the next does not, was the read's (a one-off EIO).
 fn checks_ok(db: &Path) -> bool {
-    let Ok(conn) = open(db) else { return false };
-    conn.query_row("PRAGMA quick_check", [], |r| r.get::<_, String>(0))
-        .is_ok_and(|answer| answer == "ok")
+    open(db).is_ok_and(|conn| quick_check(&conn).is_ok_and(|answer| answer == "ok"))
+}
+
+/// SQLite's own check of the database: "ok", or lines saying what is wrong.
+pub fn quick_check(conn: &rusqlite::Connection) -> rusqlite::Result<String> {
+    conn.query_row("PRAGMA quick_check", [], |r| r.get(0))
+}
+
+/// `db`'s catalog opened and asked what it is, as `root`'s ([`inspect_in`]).
+pub fn inspect_file(db: &Path, root: &Root) -> Result<Found> {
+    inspect_in(&open(db)?, root)
 }
 
 /// Why the regular file at `db` cannot be read whole, if it cannot (one plain read to its end).
 pub fn unreadable(db: &Path) -> Option<std::io::Error> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let flags = libc::O_NOFOLLOW | libc::O_NONBLOCK;
     let mut file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(flags)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(db)
         .ok()?;
     if !file.metadata().is_ok_and(|m| m.is_file()) {
@@ -275,12 +283,8 @@ pub fn unreadable(db: &Path) -> Option<std::io::Error> {
 
 /// Is this SQLite failing to write or open a file (which it does not name)?
 pub fn is_refused(err: &anyhow::Error) -> bool {
-    let codes = [
-        ErrorCode::ReadOnly,
-        ErrorCode::SystemIoFailure,
-        ErrorCode::CannotOpen,
-    ];
-    said(err, &codes)
+    use ErrorCode::{CannotOpen, ReadOnly, SystemIoFailure};
+    said(err, &[ReadOnly, SystemIoFailure, CannotOpen])
 }
 
 /// Why this process may not write the catalog at `db` (itself, its journal, their directory), if
@@ -355,13 +359,8 @@ pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
     if !path.is_file() {
         return Ok(None);
     }
-    configure_sqlite();
-    use rusqlite::OpenFlags;
-    let flags = OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW;
-    let open = |mode| rusqlite::Connection::open_with_flags(&path, flags | mode);
-    let conn = open(OpenFlags::SQLITE_OPEN_READ_WRITE)
-        .or_else(|_| open(OpenFlags::SQLITE_OPEN_READ_ONLY))?;
-    conn.busy_timeout(busy_timeout())?;
+    let conn = connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
+        .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))?;
     Ok(match inspect_in(&conn, root)? {
         Found::Legacy(v) => Some(v),
         _ => None,

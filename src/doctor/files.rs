@@ -113,9 +113,7 @@ fn holds_a_record(dir: &Dir, name: &str) -> bool {
 fn shared_record(path: &Path, report: &mut Report) {
     let shown = path.display();
     let p = crate::ident::shell_path(path);
-    let mut own = path.as_os_str().to_owned();
-    own.push(".own");
-    let own = crate::ident::shell_path(Path::new(&own));
+    let own = crate::ident::shell_path(&crate::catalog::beside(path, ".own"));
     report.add("files", Problem, format!("{shown} is a hard link: its image's record is shared with another name (a store copied with 'cp -al'?), so the image is read but not written or removed here; while nothing uses this store, give it a file of its own: cp {p} {own} && mv {own} {p}"));
 }
 

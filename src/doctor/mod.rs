@@ -388,9 +388,7 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
     }
     let db = store.root().db();
     let shown = db.display();
-    let before =
-        crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, store.root()));
-    let found = match before {
+    let found = match crate::catalog::inspect_file(&db, store.root()) {
         Ok(f) => f,
         Err(e) if crate::catalog::is_busy(&e) => {
             return Ok(report.catalog(Problem, format!("{shown} is locked by a program outside stowage (an sqlite3 shell?); images are still used and listed, from their records")));
@@ -427,9 +425,9 @@ fn empty_catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result
         let detail = format!("{shown}: empty; the next command fills it from the records");
         return Ok(report.catalog(Verdict::Ok, detail));
     }
-    let made = store.with_catalog(None, |_, _| Ok(())).and_then(|()| {
-        crate::catalog::open(&db).and_then(|c| crate::catalog::inspect_in(&c, store.root()))
-    });
+    let made = store
+        .with_catalog(None, |_, _| Ok(()))
+        .and_then(|()| crate::catalog::inspect_file(&db, store.root()));
     let why = match made {
         Ok(crate::catalog::Found::Current) => return intact(store, repair, report),
         Ok(_) => "could not be made anew".to_owned(),
@@ -475,9 +473,7 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
     let shown = db.display();
     let conn = crate::catalog::open(&db)?;
     crate::debug::pause("doctor-catalog-check");
-    let checked = conn
-        .query_row("PRAGMA quick_check", [], |r| r.get::<_, String>(0))
-        .map_err(anyhow::Error::from);
+    let checked = crate::catalog::quick_check(&conn).map_err(anyhow::Error::from);
     // Only SQLite saying the file is damaged is damage (not busy, an I/O error, a stale handle).
     let check = match checked {
         // Its answer is lines, the first a heading ("*** in database main ***"): one line here.
@@ -776,12 +772,9 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             .into_iter()
             .filter(|e| e.seen.names_nothing())
             .collect();
-        let gone = empty
-            .iter()
-            .filter(|e| repair && root.unlink_if_empty(&e.path));
-        let gone = gone.count();
         if !empty.is_empty() {
-            let found = if repair { gone } else { empty.len() };
+            let gone = || empty.iter().filter(|e| root.unlink_if_empty(&e.path));
+            let found = if repair { gone().count() } else { empty.len() };
             let what = format!("{found} lock file(s) that name no image");
             report.swept("locks", repair.then_some("removed"), Info, what);
         }
