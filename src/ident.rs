@@ -82,16 +82,19 @@ fn user_name_of(uid: u32) -> String {
     read().unwrap_or_else(|| uid.to_string())
 }
 
-/// The name of `uid` in the text of a password file.
+/// The name of `uid` in the text of a password file (not a comment, nor an NIS `+`/`-` line).
 fn name_in_passwd(text: &str, uid: u32) -> Option<String> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.starts_with('+') && !l.starts_with('-'))
-        .find_map(|l| {
-            let mut f = l.split(':');
-            let name = f.next()?;
-            let id: u32 = f.nth(1)?.parse().ok()?;
-            (id == uid && !name.is_empty()).then(|| name.to_owned())
-        })
+    let skipped = |name: &str| name.is_empty() || name.starts_with(['#', '+', '-']);
+    let (name, _) = id_entries(text).find(|&(name, id)| id == uid && !skipped(name))?;
+    Some(name.to_owned())
+}
+
+/// Each line's name and number in the text of a password or group file (`name:x:ID:…`).
+pub fn id_entries(text: &str) -> impl Iterator<Item = (&str, u32)> {
+    text.lines().filter_map(|l| {
+        let mut f = l.split(':');
+        Some((f.next()?, f.nth(1)?.parse().ok()?))
+    })
 }
 
 /// Field 22 of /proc/PID/stat: start time in clock ticks since boot. None when the process is gone

@@ -196,13 +196,8 @@ fn fix_fd(fd: BorrowedFd, dir: bool, gid: u32, more: u32) -> io::Result<()> {
 /// The groups `/etc/group` names, as (name, gid): read directly, as a static binary has no NSS.
 fn groups() -> Vec<(String, u32)> {
     let text = fs::read_to_string("/etc/group").unwrap_or_default();
-    text.lines()
-        .filter_map(|l| {
-            let mut f = l.split(':');
-            let name = f.next()?;
-            Some((name.to_owned(), f.nth(1)?.parse().ok()?))
-        })
-        .collect()
+    let groups = crate::ident::id_entries(&text).map(|(name, gid)| (name.to_owned(), gid));
+    groups.collect()
 }
 
 /// "'users' (100)", by `/etc/group`; the number alone for a group it does not name.
