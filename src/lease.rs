@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
+use crate::error::locked;
 use crate::lock::{self, Guard, Mode};
 
 const SUFFIX: &str = ".lease";
@@ -53,12 +54,8 @@ struct LeaseFile {
 /// Our leases, one per root used (a library caller may use several), until [`retire`].
 static MINE: Mutex<Vec<Lease>> = Mutex::new(Vec::new());
 
-fn mine_all() -> std::sync::MutexGuard<'static, Vec<Lease>> {
-    MINE.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn with_lease(leases: &Path, f: impl FnOnce(&mut Lease)) {
-    if let Some(l) = mine_all().iter_mut().find(|l| l.dir == leases) {
+    if let Some(l) = locked(&MINE).iter_mut().find(|l| l.dir == leases) {
         f(l);
     }
 }
@@ -84,7 +81,7 @@ pub fn announce_late() {
 /// The name of our lease in `leases` (a root's leases directory), made (or named, where announced
 /// late) if there is none.
 pub fn mine(leases: &Path) -> io::Result<String> {
-    let mut all = mine_all();
+    let mut all = locked(&MINE);
     if let Some(l) = all.iter().find(|l| l.dir == leases) {
         return Ok(l.name.clone());
     }
@@ -122,7 +119,7 @@ pub fn mine(leases: &Path) -> io::Result<String> {
 /// be made is dropped (only information: a look names its holder "unknown").
 pub fn announce() {
     // Under MINE throughout: no lease is made or noted meanwhile by another thread.
-    let mut all = mine_all();
+    let mut all = locked(&MINE);
     LATE.store(false, Relaxed);
     all.retain_mut(|l| {
         if l.file.is_some() {
@@ -151,18 +148,18 @@ pub fn introduce(leases: &Path) -> io::Result<String> {
 
 /// Our leases' descriptors, for the `--no-inherit` keeper, which holds them with the locks.
 pub fn raw_fds() -> Vec<RawFd> {
-    files(&mine_all()).map(|f| f.guard.as_raw_fd()).collect()
+    files(&locked(&MINE)).map(|f| f.guard.as_raw_fd()).collect()
 }
 
 /// Whether a spawned command inherits the leases: exactly when it inherits the lock descriptors.
 pub fn set_inheritable(inherit: bool) -> io::Result<()> {
-    files(&mine_all()).try_for_each(|f| f.guard.set_inheritable(inherit))
+    files(&locked(&MINE)).try_for_each(|f| f.guard.set_inheritable(inherit))
 }
 
 /// Ends this process's leases once it is done with every lock: unlinks each file under its lock,
 /// then closes it (a dying one's go to [`clean_keeping`]).
 pub fn retire() {
-    let all = std::mem::take(&mut *mine_all());
+    let all = std::mem::take(&mut *locked(&MINE));
     for f in all.into_iter().filter_map(|l| l.file) {
         let _ = f.guard.unlink_lease();
     }
@@ -294,7 +291,7 @@ static ENDING: AtomicBool = AtomicBool::new(false);
 /// Marks the process as ending (see `ENDING`): a lease not made yet never will be.
 pub fn ending() {
     ENDING.store(true, Relaxed);
-    mine_all().retain(|l| l.file.is_some());
+    locked(&MINE).retain(|l| l.file.is_some());
 }
 
 /// Takes each of `lockfiles` out of this process's lease, in one write.
@@ -313,7 +310,7 @@ pub fn forget_all<S: AsRef<str>>(leases: &Path, lockfiles: impl IntoIterator<Ite
 }
 
 pub fn is_mine(name: &str) -> bool {
-    mine_all().iter().any(|l| l.name == name)
+    locked(&MINE).iter().any(|l| l.name == name)
 }
 
 /// The boot part of a lease name: the first 8 hex digits of the boot id.
@@ -347,7 +344,9 @@ fn create(dir: &Path) -> io::Result<Lease> {
 }
 
 /// Makes and locks lease file `name` in `dir`, reached through the directory opened following no
-/// link; None: the name is taken, or not ours to keep ([`lock_fresh`]).
+/// link; None: the name is taken, or not ours to keep ([`lock_fresh`]). Its identity is written
+/// with the first lock it lists ([`note`], [`introduce`]): one write, not two. Probers leave it
+/// until then (unwritten, it is its maker's).
 fn make_file(dir: &Path, name: &str, me: &crate::ident::Me) -> io::Result<Option<LeaseFile>> {
     let pinned = open_leases_dir(dir)?;
     let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
@@ -355,7 +354,33 @@ fn make_file(dir: &Path, name: &str, me: &crate::ident::Me) -> io::Result<Option
         let msg = format!("cannot create lease {}: {e}", dir.join(name).display());
         io::Error::new(e.kind(), msg)
     })?;
-    Ok(guard.map(|g| with_identity(g, me, pinned)))
+    let Some(guard) = guard else {
+        return Ok(None);
+    };
+    // Leases of the execs we run inside (nested.rs), so `lock-status --why` follows nested calls.
+    let within = std::env::var(crate::env::EXEC_LEASES).unwrap_or_default();
+    let identity = format!(
+        "host={}\npid={}\npid_ns={}\ntime_ns={}\nstart={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\nwithin={}\n",
+        me.host,
+        me.pid,
+        namespace("pid").unwrap_or_default(),
+        namespace("time").unwrap_or_default(),
+        crate::ident::start_time("self").map_or(String::new(), |t| t.to_string()),
+        me.boot_id.as_deref().unwrap_or(""),
+        me.user,
+        crate::ident::shell_join(&crate::exec::lossy(
+            &std::env::args_os().collect::<Vec<_>>()
+        ))
+        .replace('\n', "\\n"),
+        crate::clock::now_ms(),
+        within.replace('\n', ""),
+    );
+    Ok(Some(LeaseFile {
+        guard,
+        identity,
+        written: 0,
+        _dir: pinned,
+    }))
 }
 
 /// A new lease name: `HOST-BOOT-PIDNS-PID-RANDOM.lease` (HOST has no '-').
@@ -415,37 +440,6 @@ fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
         Some(g) => Ok(Some(g)),
         // The name exists, or a prober keeps our fresh file (left to it, as a dead maker's).
         None => Ok(None),
-    }
-}
-
-/// The lease held by `guard`; its identity is written with the first lock it lists ([`note`],
-/// [`introduce`]): one write, not two. Probers leave it until then (unwritten, it is its maker's).
-fn with_identity(guard: Guard, me: &crate::ident::Me, dir: fs::File) -> LeaseFile {
-    // Leases of the execs we run inside (nested.rs), so `lock-status --why` follows nested calls.
-    let within = std::env::var(crate::env::EXEC_LEASES).unwrap_or_default();
-    let text = format!(
-        "host={}\npid={}\npid_ns={}\ntime_ns={}\nstart={}\nboot_id={}\nuser={}\ncommand={}\nsince={}\nwithin={}\n",
-        me.host,
-        me.pid,
-        namespace("pid").unwrap_or_default(),
-        namespace("time").unwrap_or_default(),
-        crate::ident::start_time("self").map_or(String::new(), |t| t.to_string()),
-        me.boot_id.as_deref().unwrap_or(""),
-        me.user,
-        crate::ident::shell_join(
-            &std::env::args_os()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect::<Vec<_>>()
-        )
-        .replace('\n', "\\n"),
-        crate::clock::now_ms(),
-        within.replace('\n', ""),
-    );
-    LeaseFile {
-        guard,
-        identity: text,
-        written: 0,
-        _dir: dir,
     }
 }
 
@@ -661,7 +655,7 @@ pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize
     let now = std::cell::OnceCell::new();
     let fs_now = || {
         *now.get_or_init(|| {
-            let own = files(&mine_all())
+            let own = files(&locked(&MINE))
                 .filter_map(|f| f.guard.file().metadata().ok())
                 .filter_map(|m| changed(&m))
                 .max();

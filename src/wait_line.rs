@@ -41,7 +41,7 @@ pub struct WaitLine {
 impl Drop for WaitLine {
     fn drop(&mut self) {
         if let Some((stop, handle)) = self.helper.take() {
-            *stop.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            *crate::error::locked(&stop.0) = true;
             stop.1.notify_all();
             let _ = handle.join();
         }
@@ -104,7 +104,7 @@ fn follow(ctx: &Ctx, mut line: Line, mut reread: Option<Reread>, stop: &Stop) {
     };
     let reread_every = REREAD_EVERY.min(every);
     let mut next_read = Instant::now();
-    let mut stopped = stop.0.lock().unwrap_or_else(|e| e.into_inner());
+    let mut stopped = crate::error::locked(&stop.0);
     loop {
         let (s, _) = stop
             .1
