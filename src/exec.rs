@@ -141,6 +141,16 @@ fn copy_base(
         }
         return Err(e);
     }
+    // Where its lock may have been lost during the copy, the base must be as it was read.
+    if let Some(changed) = session.reads_changed(Some(base)) {
+        let _ = session.finish(
+            store,
+            Outcome::Failure("its base changed while copied".into()),
+        );
+        anyhow::bail!(
+            "{changed} changed while copied to '{target}' (its read lock was lost: another host may have written it); '{target}' is incomplete"
+        );
+    }
     if !plan.keep_base {
         session.release_read(base);
     }
@@ -166,14 +176,16 @@ fn record_outcome(
 ) -> Result<u8> {
     let written: Vec<ImageName> = session.writes().cloned().collect();
     let code = command::exit_code(status);
-    let outcome = if status.success() {
-        Outcome::Success
-    } else {
-        Outcome::Failure(command::describe(status))
+    // An image read that another host may have written meanwhile: the command's result is no use.
+    let changed = session.reads_changed(None);
+    let outcome = match &changed {
+        Some(_) => Outcome::Failure("an image it read changed meanwhile".into()),
+        None if status.success() => Outcome::Success,
+        None => Outcome::Failure(command::describe(status)),
     };
     // A failed write that left less than a reserve's worth free: no build can write there.
     let dir = session.images_dir().to_owned();
-    let full = (outcome != Outcome::Success && !written.is_empty())
+    let full = (!status.success() && !written.is_empty())
         .then(|| crate::space::free_bytes(&dir))
         .flatten()
         .filter(|free| *free < 1 << 20);
@@ -182,6 +194,16 @@ fn record_outcome(
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
     })?;
+    if let Some(changed) = changed {
+        let wrote = if written.is_empty() {
+            ""
+        } else {
+            "; what it wrote is incomplete"
+        };
+        anyhow::bail!(
+            "{changed} changed while the command read it (its read lock was lost: another host may have written it){wrote}"
+        );
+    }
     if let Some(free) = full {
         store.ctx().say(&format!(
             "{} incomplete: the command failed with the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",

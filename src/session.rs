@@ -373,6 +373,22 @@ impl Session {
         }
     }
 
+    /// The images read (or `only` that one) that are not as they were read, named, where their
+    /// lock may have been lost meanwhile: another host may have written one (a read each).
+    pub fn reads_changed(&self, only: Option<&ImageName>) -> Option<String> {
+        let changed: Vec<String> = (self.images.iter())
+            .filter(|i| !i.writes() && only.is_none_or(|n| *n == i.held.name))
+            .filter(|i| i.held.guard.may_be_lost())
+            .filter(|i| {
+                let (file, seen) = (i.held.guard.file(), i.held.seen.record.as_ref());
+                !image_record::holds_latest(file, seen).unwrap_or(false)
+            })
+            .map(|i| format!("'{}'", i.held.name))
+            .collect();
+        let plural = if changed.len() > 1 { "s" } else { "" };
+        (!changed.is_empty()).then(|| format!("image{plural} {}", changed.join(", ")))
+    }
+
     /// Records the outcome and releases the locks; a write lock lost meanwhile (NFS) is an error.
     pub fn finish(mut self, store: &mut Store, outcome: Outcome) -> Result<()> {
         let now = clock::now_ms();

@@ -133,6 +133,12 @@ impl Guard {
         Ok(())
     }
 
+    /// Whether the lock can be lost while held: on a filesystem not known local, a server drops
+    /// the locks of a client it lost touch with (NFS lease expiry, a GlusterFS reconnect).
+    pub fn may_be_lost(&self) -> bool {
+        !local_dir(&self.path, None)
+    }
+
     /// Unlinks a lease (`lease.rs`) on every filesystem, else NFS keeps one per exec: unlike a lock
     /// file, it has one owner, who made it under a fresh name and checks it after locking.
     pub fn unlink_lease(self) -> io::Result<()> {

@@ -166,6 +166,45 @@ fn a_writer_whose_host_lost_its_connection_never_records_ready_over_another() {
     }
 }
 
+/// The same for a reader: its shared lock dropped with its host's
+/// connection, another host rewrote the image it read. The read fails
+/// (exit 1) when its command ends, and the image it wrote from what it read
+/// is incomplete, never ready.
+#[test]
+fn a_read_whose_host_lost_its_connection_fails_if_another_wrote_meanwhile() {
+    let Some(c) = Cluster::start("readblip", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(a.stowage_run(&root, ["exec", "--write", "base", "--", "true"]));
+    let (started, go) = (env.sentinel("started"), env.sentinel("go"));
+    let script = format!(
+        "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
+        started.display(),
+        go.display()
+    );
+    let reader = Bg::from_command(a.stowage(
+        &root,
+        [
+            "exec", "--read", "base", "--write", "app", "--", "sh", "-c", &script,
+        ],
+    ));
+    wait_for_file(&started);
+    a.disconnect();
+    ok(b.stowage_run(
+        &root,
+        ["exec", "--write", "base", "--no-wait", "--", "true"],
+    ));
+    std::fs::write(&go, "").unwrap();
+    let out = reader.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = "image 'base' changed while the command read it";
+    assert!(stderr(&out).contains(said), "{}", show(&out));
+    assert_eq!(image_state(b, &root, "app").as_deref(), Some("incomplete"));
+    assert_eq!(image_state(b, &root, "base").as_deref(), Some("ready"));
+}
+
 /// A holder on another machine of our host name (a cloned VM: the same
 /// name, another boot) is named as another host's: its pid is another
 /// process here, and no advice says to kill it here.

@@ -659,6 +659,86 @@ fn a_record_changed_while_the_write_lock_was_lost_is_never_made_ready() {
     }
 }
 
+/// Where a read lock may be lost while held (a shared filesystem: here the
+/// hidden hook makes the store look like NFS), an image read must be as it
+/// was read when the command ends, or when a copy from it ends: another
+/// host may have written it meanwhile. The test plays that host, writing
+/// a later record of the image into its lock file. The command's result is
+/// then no use: exit 1, and what it wrote is incomplete.
+#[test]
+fn an_image_changed_while_read_under_a_lock_that_may_be_lost_fails_the_read() {
+    let env = Env::new();
+    env.make_image("base");
+    let lock = env.lock_file("base");
+    let before = fs::read(&lock).unwrap();
+    env.ok(["exec", "--write", "base", "--", "true"]);
+    let later = fs::read(&lock).unwrap();
+    let nfs = |args: &[&str], point: &str| {
+        let flag = env.sentinel(&format!("paused.{point}"));
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        c.env(
+            stowage::env::DEBUG_PAUSE,
+            format!("{point}:{}", flag.display()),
+        );
+        (Bg::from_command(c), flag)
+    };
+    let hold = ["sh", "-c", "sleep 0.5"];
+    for (args, then, said) in [
+        (
+            vec!["--read", "base"],
+            None,
+            "changed while the command read it",
+        ),
+        (
+            vec!["--read", "base", "--write", "app"],
+            Some("incomplete"),
+            "what it wrote is incomplete",
+        ),
+        (
+            vec!["--write", "copy", "--from", "base"],
+            Some("incomplete"),
+            "changed while copied to 'copy'",
+        ),
+    ] {
+        fs::write(&lock, &before).unwrap();
+        let point = if args.contains(&"--from") {
+            "clone-emptied"
+        } else {
+            "exec-before-spawn"
+        };
+        let mut all = vec!["exec"];
+        all.extend(&args);
+        all.push("--");
+        all.extend(hold);
+        let (bg, flag) = nfs(&all, point);
+        wait_for_file(&flag);
+        fs::write(&lock, &later).unwrap();
+        fs::remove_file(&flag).unwrap();
+        let out = bg.finish();
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("image 'base' ") && err.contains(said),
+            "{args:?}: {err}"
+        );
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        let written = args.iter().rfind(|a| ["app", "copy"].contains(a));
+        assert_eq!(
+            written.and_then(|w| env.state(w)).as_deref(),
+            then,
+            "{args:?}"
+        );
+    }
+    // Unchanged, the same reads end as their commands do.
+    fs::write(&lock, &later).unwrap();
+    let mut c = env.cmd(["exec", "--write", "copy", "--from", "base", "--", "true"]);
+    c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(env.state("copy").as_deref(), Some("ready"));
+}
+
 /// The root's filesystem comes from the mount table by the root's device,
 /// whatever mount point the table lists it at (a bind mount seen
 /// elsewhere): NFS mounted so that locks stay on each client is refused

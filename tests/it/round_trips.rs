@@ -77,9 +77,10 @@ fn execs_cost_no_more_round_trips_than_the_contract_allows() {
 }
 
 /// On a shared filesystem an exec whose command ends before its lease is
-/// due makes none: a read costs its lock file's open, lock, read and close
-/// and the mount's checks (8), not the lease's create, lock, synced write,
-/// unlink and closes on top (14 before).
+/// due makes none: a read costs its lock file's open, lock, read and close,
+/// the mount's checks and its record read again at the end, where a lock
+/// may be lost (9), not the lease's create, lock, synced write, unlink and
+/// closes on top (14 before).
 #[test]
 fn a_short_exec_on_a_shared_filesystem_makes_no_lease_request() {
     if !tool_or_skip("strace", "strace") || !tool_or_skip("python3", "python3") {
@@ -110,7 +111,7 @@ fn a_short_exec_on_a_shared_filesystem_makes_no_lease_request() {
     let v: serde_json::Value = serde_json::from_slice(&counted.stdout).unwrap();
     let n = v["total"].as_u64().unwrap();
     assert!(
-        n <= 8,
+        n <= 9,
         "exec --read on NFS: {n} calls: {}",
         stderr(&counted)
     );
