@@ -134,6 +134,13 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         let st = match d.lstat_at(&name) {
             Ok(st) => st,
             Err(e) if gone(&e) => continue,
+            // A directory we may list but not search (mode 600): its inside is not seen, as one
+            // we may not list is not.
+            Err(e) if e.raw_os_error() == Some(libc::EACCES) => {
+                stack.pop();
+                trail.0.pop();
+                continue;
+            }
             Err(e) => return Err(bounded(e, &trail, &name)),
         };
         if st.st_dev != dev {

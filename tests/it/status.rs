@@ -429,21 +429,26 @@ fn an_incomplete_image_has_a_size() {
 #[test]
 fn an_image_with_a_directory_one_may_not_read_still_has_a_size() {
     let env = unprivileged_env();
-    unprivileged_build(
-        &env,
-        "a",
-        "head -c 300000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\" && mkdir \"$STOWAGE_IMAGE_DIR/locked\" && chmod 000 \"$STOWAGE_IMAGE_DIR/locked\"",
-    );
+    // Not readable nor searchable; listable, not searchable; searchable, not listable.
+    let modes = ["000", "600", "100"];
+    for mode in modes {
+        let script = format!(
+            "cd \"$STOWAGE_IMAGE_DIR\" && head -c 300000 /dev/urandom > data && mkdir locked && echo x > locked/f && chmod {mode} locked"
+        );
+        unprivileged_build(&env, &format!("mode{mode}"), &script);
+    }
     let out = unprivileged(&env, &["images", "--json"]);
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let size = rows[0]["size_bytes"].as_u64();
-    assert!(size.is_some_and(|s| s >= 300_000), "{}", show(&out));
-    // So gc's budget sees it.
+    for row in rows.as_array().unwrap() {
+        let size = row["size_bytes"].as_u64();
+        assert!(size.is_some_and(|s| s >= 300_000), "{row}: {}", show(&out));
+    }
+    // So gc's budget sees them.
     let out = unprivileged(&env, &["gc", "--max-size", "100K", "--dry-run", "--json"]);
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
         report["removed"].as_array().map(Vec::len),
-        Some(1),
+        Some(modes.len()),
         "{}",
         show(&out)
     );
