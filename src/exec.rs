@@ -128,6 +128,12 @@ fn copy_base(
     base: &ImageName,
     target: &ImageName,
 ) -> Result<Session> {
+    // Refused or stopped before anything of the image changed: its start is undone.
+    let unchanged = session.check_base(base);
+    if let Err(e) = unchanged.and_then(|()| Ok(crate::signals::check()?)) {
+        session.abandon()?;
+        return Err(e);
+    }
     if let Err(e) = session.clone_into(store, base, target) {
         let _ = session.finish(
             store,

@@ -298,6 +298,20 @@ impl Session {
             .collect()
     }
 
+    /// Whether `base`'s tree is a directory to copy, before anything of the copy is done.
+    pub fn check_base(&self, base: &ImageName) -> Result<()> {
+        let src = self.images_dir.join(base.encoded());
+        let shown = src.display();
+        match std::fs::symlink_metadata(&src) {
+            Ok(m) if m.is_dir() => Ok(()),
+            Ok(_) => anyhow::bail!("image '{base}': {shown} is not a directory; cannot copy it"),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                anyhow::bail!("image '{base}': its tree {shown} is missing; cannot copy it")
+            }
+            Err(e) => Err(e).with_context(|| format!("image '{base}': cannot look at {shown}")),
+        }
+    }
+
     /// Makes the written image `target` a copy of `base`, emptied first. Both ends are opened from
     /// one descriptor of the images directory: a link swapped in above them cannot move the copy.
     pub fn clone_into(&self, store: &Store, base: &ImageName, target: &ImageName) -> Result<()> {
@@ -305,16 +319,6 @@ impl Session {
         let images_dir = &self.images_dir;
         let src = images_dir.join(base.encoded());
         let dst = images_dir.join(target.encoded());
-        let looked = match std::fs::symlink_metadata(&src) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e)
-                .with_context(|| format!("image '{base}': cannot look at {}", src.display()))?,
-            looked => looked.ok(),
-        };
-        anyhow::ensure!(
-            looked.is_some_and(|m| m.is_dir()),
-            "image '{base}': {} is not a directory; cannot copy it",
-            src.display()
-        );
         crate::remove::empty_image_dir(store.root(), images_dir, target)?;
         crate::debug::pause("clone-emptied");
         let t0 = Instant::now();

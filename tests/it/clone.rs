@@ -518,6 +518,53 @@ fn sigterm_stops_a_from_copy_promptly() {
     assert!(flock_free(&env.lock_file("base")));
 }
 
+/// A `--from` refused before its copy began (the base's tree missing), or
+/// stopped by a signal then, changed nothing: the start is undone as any
+/// other, an image rewritten keeps its state, tree and base, a new one
+/// leaves nothing. Before, each was `incomplete` for gc to delete.
+#[test]
+fn a_copy_refused_or_stopped_before_it_began_changes_nothing() {
+    let env = Env::new();
+    env.build("base", "echo BASE > \"$STOWAGE_IMAGE_DIR/content\"");
+    env.build("app", "echo APP > \"$STOWAGE_IMAGE_DIR/content\"");
+    let content = env.root.join("img/app/content");
+    let unchanged = |how: &str| {
+        assert_eq!(env.state("app").as_deref(), Some("ready"), "{how}");
+        assert_eq!(
+            env.image("app").unwrap()["base"],
+            serde_json::Value::Null,
+            "{how}"
+        );
+        assert_eq!(fs::read_to_string(&content).unwrap(), "APP\n", "{how}");
+        assert_eq!(env.state("new"), None, "{how}");
+        assert!(!env.root.join("img/new").exists(), "{how}");
+        assert!(!env.lock_file("new").exists(), "{how}");
+    };
+    for (sig, code) in [(libc::SIGTERM, 143), (libc::SIGINT, 130)] {
+        for image in ["app", "new"] {
+            let args = ["exec", "--write", image, "--from", "base", "--", "true"];
+            let (bg, pause) = env.paused(args, "exec-started");
+            bg.signal(sig);
+            fs::remove_file(&pause).unwrap();
+            let out = bg.finish();
+            assert_eq!(out.status.code(), Some(code), "{image}: {}", show(&out));
+            unchanged(&format!("{image} after signal {sig}"));
+        }
+    }
+    fs::rename(env.root.join("img/base"), env.sentinel("base-tree")).unwrap();
+    for image in ["app", "new"] {
+        let out = env.run(["exec", "--write", image, "--from", "base", "--", "true"]);
+        assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("image 'base': its tree") && err.contains("is missing"),
+            "{err}"
+        );
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        unchanged(image);
+    }
+}
+
 #[test]
 fn a_clone_whose_command_cannot_start_is_incomplete_not_restored() {
     // The copy changed the image before the command failed to start: its
