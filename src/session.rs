@@ -228,9 +228,9 @@ impl Session {
                     write_record(store, &mut img.held, &w)?;
                     img.before = Some(r.clone());
                     img.record = Some(w);
-                    refuse_swapped_tree(&self.root, &img.held)?;
-                    // A failed first write may have left no tree: made anew.
-                    if r.state != State::Ready {
+                    // No tree (a failed first write's went; a store-wide command deleted a
+                    // ready one, its stowage killed before it forgot it): made anew.
+                    if tree_missing(&self.root, &img.held)? {
                         img.made_tree = make_missing_tree(&self.root, &img.held)?;
                     }
                 }
@@ -701,11 +701,12 @@ fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<b
     }
 }
 
-/// An existing image's tree must be a directory of its own (one `lstat`): a symlink or file swapped
-/// in, or a missing one where the images directory is not the recorded one, misdirects writes.
-fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
+/// Whether an existing image has no tree; one that is not a directory of its own (one `lstat`): a
+/// symlink or file swapped in, or a missing one where the images directory is not the recorded
+/// one, misdirects writes, and is refused.
+fn tree_missing(root: &Root, held: &Held) -> Result<bool> {
     let Some(r) = held.seen.record.as_ref() else {
-        return Ok(());
+        return Ok(false);
     };
     let images = crate::images_dir::for_command(root, r)?;
     let tree = images.join(held.name.encoded());
@@ -715,10 +716,10 @@ fn refuse_swapped_tree(root: &Root, held: &Held) -> Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             match crate::images_dir::unmounted(root, &images) {
                 Some(why) => anyhow::bail!("cannot write image '{}': {why}", held.name),
-                None => return Ok(()),
+                None => return Ok(true),
             }
         }
-        _ => return Ok(()),
+        _ => return Ok(false),
     };
     anyhow::bail!(
         "image '{}': its tree {} is {what}: refusing to write through it (remove it with 'stowage rm {}')",

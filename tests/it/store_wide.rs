@@ -441,6 +441,42 @@ fn a_store_wide_command_runs_beside_a_slot_holder_whose_nested_exec_waits_for_it
     assert_eq!(fs::read_to_string(&code).unwrap().trim(), "0");
 }
 
+/// A store-wide command deleted the trees of ready images, and its stowage
+/// was killed before it forgot them: their records still say `ready`. The
+/// next write of such a name, plain or `--from`, makes the tree anew and
+/// succeeds; before, the builder got a directory that did not exist (or
+/// the copy could not open it) and the image was left incomplete.
+#[test]
+fn a_write_of_an_image_whose_tree_a_killed_store_wide_command_deleted_makes_it_anew() {
+    let env = Env::new();
+    for name in ["base", "x", "y"] {
+        env.make_image(name);
+    }
+    let out = env.run([
+        "exec",
+        "--store-wide",
+        "--",
+        "sh",
+        "-c",
+        "rm -rf \"$STOWAGE_IMAGES_DIR/x\" \"$STOWAGE_IMAGES_DIR/y\"; kill -9 $PPID",
+    ]);
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGKILL), "{}", show(&out));
+    // Not asked through a listing, which would forget them.
+    for name in ["x", "y"] {
+        let record = String::from_utf8_lossy(&fs::read(env.lock_file(name)).unwrap()).into_owned();
+        assert!(record.contains("state=ready"), "{name}: {record:?}");
+        assert!(!env.root.join("img").join(name).exists(), "{name}");
+    }
+    env.build("x", "echo new > \"$STOWAGE_IMAGE_DIR/f\"");
+    env.ok(["exec", "--write", "y", "--from", "base", "--", "true"]);
+    for (name, file, text) in [("x", "f", "new\n"), ("y", "file", "content\n")] {
+        assert_eq!(env.state(name).as_deref(), Some("ready"), "{name}");
+        let got = fs::read_to_string(env.root.join("img").join(name).join(file)).unwrap();
+        assert_eq!(got, text, "{name}");
+    }
+}
+
 /// A failed first build leaves an incomplete row and no directory. A
 /// store-wide command that deletes nothing must not take that missing tree
 /// for its own deletion: the failure stays listed, and nothing is said
