@@ -67,6 +67,9 @@ pub struct Collected {
     pub state: &'static str,
     pub size_bytes: u64,
     pub reason: Reason,
+    /// Its tree is left in the trash: nothing freed yet.
+    #[serde(skip)]
+    pub left_in_trash: bool,
 }
 
 /// Also `gc --json`, field for field.
@@ -163,7 +166,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     if !policy.dry_run {
         crate::space::refill(&store.root().reserve());
     }
-    report.bytes_freed += report.removed.iter().map(|r| r.size_bytes).sum::<u64>();
+    let freed = report.removed.iter().filter(|r| !r.left_in_trash);
+    report.bytes_freed += freed.map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
 }
 
@@ -435,23 +439,11 @@ fn collect(
     {
         return Ok(false);
     }
+    let mut left_in_trash = false;
     if !report.dry_run {
-        crate::debug::pause("gc-rechecked");
-        // Named by our lease while it goes: on another host nothing else names a removal's holder.
-        let rel = crate::root::Root::image_lock_rel(&name);
-        let hold = crate::lease::Holding::now(Mode::Exclusive, rel.clone(), false, "stowage gc");
-        crate::lease::note(&root.leases(), hold);
-        let removed = remove::remove_held(&root, held, Some(bytes));
-        crate::lease::forget(&root.leases(), &rel);
-        match removed {
-            Ok(done) => {
-                report.failed.extend(done.left_in_trash);
-                report.lock_files_left.extend(done.lock_file_left);
-            }
-            Err(e) => {
-                report.failed.push(format!("{e:#}"));
-                return Ok(false);
-            }
+        match remove_named(&root, held, &name, bytes, report) {
+            Some(left) => left_in_trash = left,
+            None => return Ok(false),
         }
     }
     report.removed.push(Collected {
@@ -459,9 +451,39 @@ fn collect(
         state: current.state.as_str(),
         size_bytes: bytes,
         reason,
+        left_in_trash,
     });
     budget.removed(img, bytes);
     Ok(true)
+}
+
+/// Removes `name`, named by our lease while it goes (on another host nothing else names a
+/// removal's holder): whether its tree is left in the trash; `None` if it failed (reported).
+fn remove_named(
+    root: &crate::root::Root,
+    held: Held,
+    name: &ImageName,
+    bytes: u64,
+    report: &mut Report,
+) -> Option<bool> {
+    crate::debug::pause("gc-rechecked");
+    let rel = crate::root::Root::image_lock_rel(name);
+    let hold = crate::lease::Holding::now(Mode::Exclusive, rel.clone(), false, "stowage gc");
+    crate::lease::note(&root.leases(), hold);
+    let removed = remove::remove_held(root, held, Some(bytes));
+    crate::lease::forget(&root.leases(), &rel);
+    match removed {
+        Ok(done) => {
+            let left = done.left_in_trash.is_some();
+            report.failed.extend(done.left_in_trash);
+            report.lock_files_left.extend(done.lock_file_left);
+            Some(left)
+        }
+        Err(e) => {
+            report.failed.push(format!("{e:#}"));
+            None
+        }
+    }
 }
 
 /// Parses a size (`500M`, `4096B`): K, M, G, T, P are powers of 1024, `B`/`iB` optional after them.
