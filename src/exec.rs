@@ -129,12 +129,16 @@ fn copy_base(
     target: &ImageName,
 ) -> Result<Session> {
     // Refused or stopped before anything of the image changed: its start is undone.
-    let unchanged = session.check_base(base);
-    if let Err(e) = unchanged.and_then(|()| Ok(crate::signals::check()?)) {
-        session.abandon()?;
-        return Err(e);
-    }
-    if let Err(e) = session.clone_into(store, base, target) {
+    let opened = session.open_base(store, base);
+    let opened = opened.and_then(|o| crate::signals::check_now().map(|()| o).map_err(Into::into));
+    let opened = match opened {
+        Ok(opened) => opened,
+        Err(e) => {
+            session.abandon()?;
+            return Err(e);
+        }
+    };
+    if let Err(e) = session.clone_into(store, opened, base, target) {
         let _ = session.finish(
             store,
             Outcome::Failure("the copy from its base failed".into()),
@@ -200,16 +204,6 @@ fn record_outcome(
     session.finish(store, outcome).with_context(|| {
         format!("the command exited with status {code}, but recording that failed")
     })?;
-    if let Some(changed) = changed {
-        let wrote = if written.is_empty() {
-            ""
-        } else {
-            "; what it wrote is incomplete"
-        };
-        anyhow::bail!(
-            "{changed} changed while the command read it (its read lock was lost: another host may have written it){wrote}"
-        );
-    }
     if let Some(free) = full {
         store.ctx().say(&format!(
             "{} incomplete: the command failed with the filesystem of {} full ({} free): free space with 'stowage rm IMAGE' or 'stowage gc'",
@@ -221,6 +215,15 @@ fn record_outcome(
             dir.display(),
             crate::disk_usage::human(free)
         ));
+    }
+    if let Some(changed) = changed {
+        let wrote = match written.is_empty() {
+            true => "",
+            false => ", and what it wrote is incomplete",
+        };
+        anyhow::bail!(
+            "{changed} changed while the command read it (its read lock was lost: another host may have written it): its exit status {code} is not to be trusted{wrote}"
+        );
     }
     Ok(code)
 }

@@ -24,6 +24,7 @@ use anyhow::{Context, Result};
 use crate::acquire::image::{Held, Want};
 use crate::acquire::slot::SlotGuard;
 use crate::clock;
+use crate::dir::Dir;
 use crate::error::Error;
 use crate::image_record::{self, Record, State};
 use crate::lock::Mode;
@@ -204,6 +205,14 @@ impl Session {
                         img.held.seen.last_use = img.held.seen.last_use.max(Some(now));
                     }
                 }
+                // It may change the tree: where locks may be lost, its record is numbered anew
+                // (same contents), which a reader whose lock was lost meanwhile finds changed.
+                if img.role == Role::ReadExclusive
+                    && img.held.guard.may_be_lost()
+                    && let Some(r) = img.held.seen.record.clone()
+                {
+                    write_record(store, &mut img.held, &r)?;
+                }
                 continue;
             }
             crate::debug::pause("write-locked");
@@ -298,43 +307,51 @@ impl Session {
             .collect()
     }
 
-    /// Whether `base`'s tree is a directory to copy, before anything of the copy is done.
-    pub fn check_base(&self, base: &ImageName) -> Result<()> {
+    /// The images directory and `base`'s tree in it, opened to copy from before anything of the
+    /// copy is done: a directory of its own that we may open, else why not.
+    pub fn open_base(&self, store: &Store, base: &ImageName) -> Result<(Dir, Dir)> {
+        let images = store.root().open_images_dir(&self.images_dir)?;
         let src = self.images_dir.join(base.encoded());
         let shown = src.display();
-        match std::fs::symlink_metadata(&src) {
-            Ok(m) if m.is_dir() => Ok(()),
-            Ok(_) => anyhow::bail!("image '{base}': {shown} is not a directory; cannot copy it"),
+        match images.sub(base.encoded()) {
+            Ok(tree) => Ok((images, tree)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 anyhow::bail!("image '{base}': its tree {shown} is missing; cannot copy it")
             }
-            Err(e) => Err(e).with_context(|| format!("image '{base}': cannot look at {shown}")),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => {
+                anyhow::bail!("image '{base}': {shown} is not a directory; cannot copy it")
+            }
+            Err(e) => {
+                Err(e).with_context(|| format!("image '{base}': cannot open {shown} to copy it"))
+            }
         }
     }
 
     /// Makes the written image `target` a copy of `base`, emptied first. Both ends are opened from
     /// one descriptor of the images directory: a link swapped in above them cannot move the copy.
-    pub fn clone_into(&self, store: &Store, base: &ImageName, target: &ImageName) -> Result<()> {
+    pub fn clone_into(
+        &self,
+        store: &Store,
+        (images, s): (Dir, Dir),
+        base: &ImageName,
+        target: &ImageName,
+    ) -> Result<()> {
         use std::io::IsTerminal;
         let images_dir = &self.images_dir;
         let src = images_dir.join(base.encoded());
         let dst = images_dir.join(target.encoded());
-        crate::remove::empty_image_dir(store.root(), images_dir, target)?;
+        let cannot = || format!("cannot copy image '{base}' to '{target}'");
+        crate::remove::empty_image_dir(store.root(), images_dir, target).with_context(cannot)?;
         crate::debug::pause("clone-emptied");
         let t0 = Instant::now();
         let ctx = store.ctx();
         let show = std::io::stderr().is_terminal() && !ctx.quiet;
         let mut bar = crate::clone::Bar::new(format!("copying '{base}' to '{target}'"), show);
-        let images = store.root().open_images_dir(images_dir)?;
-        make_ours(&images, target, &dst)?;
-        let open = |name: &ImageName, path: &Path| {
-            images
-                .sub(name.encoded())
-                .with_context(|| format!("cannot open {}", path.display()))
-        };
-        let (s, d) = (open(base, &src)?, open(target, &dst)?);
-        let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar)
-            .with_context(|| format!("cannot copy image '{base}' to '{target}'"))?;
+        make_ours(&images, target, &dst).with_context(cannot)?;
+        let d = (images.sub(target.encoded()))
+            .with_context(|| format!("cannot open {}", dst.display()))
+            .with_context(cannot)?;
+        let done = crate::clone::copy_tree_at(s, &src, d, &dst, &mut bar).with_context(cannot)?;
         ctx.detail(&format!(
             "copied '{base}' to '{target}': {} files, {} ({} reflinked) in {:.2} s",
             done.files,

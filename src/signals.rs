@@ -92,6 +92,13 @@ pub fn check() -> Result<(), crate::error::Error> {
     cancelled().map_or(Ok(()), |sig| Err(crate::error::Error::Interrupted(sig)))
 }
 
+/// [`check`], looking at pending signals now however recently it looked: before a step that
+/// cannot be undone.
+pub fn check_now() -> Result<(), crate::error::Error> {
+    *locked(&LAST_LOOK) = None;
+    check()
+}
+
 /// The signal [`check`] reports, if any.
 pub fn cancelled() -> Option<i32> {
     SHARED.get()?;

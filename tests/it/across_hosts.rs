@@ -172,37 +172,37 @@ fn a_writer_whose_host_lost_its_connection_never_records_ready_over_another() {
 /// is incomplete, never ready.
 #[test]
 fn a_read_whose_host_lost_its_connection_fails_if_another_wrote_meanwhile() {
-    let Some(c) = Cluster::start("readblip", 2) else {
+    let Some(c) = Cluster::start("readblip", 3) else {
         return;
     };
     let env = Env::new();
-    let (a, b, root) = (c.host(0), c.host(1), c.root());
-    ok(a.stowage_run(&root, ["exec", "--write", "base", "--", "true"]));
-    let (started, go) = (env.sentinel("started"), env.sentinel("go"));
-    let script = format!(
-        "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
-        started.display(),
-        go.display()
-    );
-    let reader = Bg::from_command(a.stowage(
-        &root,
-        [
+    let (b, root) = (c.host(2), c.root());
+    ok(b.stowage_run(&root, ["exec", "--write", "base", "--", "true"]));
+    // A rewrite, or an exclusive read (which may change the tree, not the record's contents); a
+    // reader's host of its own each time (a client reconnects more slowly once it has).
+    for (i, other) in ["--write", "--read-exclusive"].into_iter().enumerate() {
+        let a = c.host(i);
+        let (started, go) = (env.sentinel(other), env.sentinel(&format!("{other}.go")));
+        let script = format!(
+            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
+            started.display(),
+            go.display()
+        );
+        let args = [
             "exec", "--read", "base", "--write", "app", "--", "sh", "-c", &script,
-        ],
-    ));
-    wait_for_file(&started);
-    a.disconnect();
-    ok(b.stowage_run(
-        &root,
-        ["exec", "--write", "base", "--no-wait", "--", "true"],
-    ));
-    std::fs::write(&go, "").unwrap();
-    let out = reader.finish();
-    assert_eq!(code(&out), Some(1), "{}", show(&out));
-    let said = "image 'base' changed while the command read it";
-    assert!(stderr(&out).contains(said), "{}", show(&out));
-    assert_eq!(image_state(b, &root, "app").as_deref(), Some("incomplete"));
-    assert_eq!(image_state(b, &root, "base").as_deref(), Some("ready"));
+        ];
+        let reader = Bg::from_command(a.stowage(&root, args));
+        wait_for_file(&started);
+        a.disconnect();
+        ok(b.stowage_run(&root, ["exec", other, "base", "--no-wait", "--", "true"]));
+        std::fs::write(&go, "").unwrap();
+        let out = reader.finish();
+        assert_eq!(code(&out), Some(1), "{other}: {}", show(&out));
+        let said = "image 'base' changed while the command read it";
+        assert!(stderr(&out).contains(said), "{other}: {}", show(&out));
+        assert_eq!(image_state(b, &root, "app").as_deref(), Some("incomplete"));
+        assert_eq!(image_state(b, &root, "base").as_deref(), Some("ready"));
+    }
 }
 
 /// A holder on another machine of our host name (a cloned VM: the same

@@ -565,6 +565,64 @@ fn a_copy_refused_or_stopped_before_it_began_changes_nothing() {
     }
 }
 
+/// The same at real timing: SIGTERM arrives as the exec opens the base's
+/// lock file (injected there by strace), a moment before the copy would
+/// begin. Pending signals are looked at only every few milliseconds during
+/// a walk; the look before the copy must not be one skipped, or the image
+/// is emptied and left incomplete.
+#[test]
+fn a_signal_as_the_locks_are_taken_undoes_a_copy_that_never_began() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    env.build("base", "echo BASE > \"$STOWAGE_IMAGE_DIR/content\"");
+    env.build("app", "echo APP > \"$STOWAGE_IMAGE_DIR/content\"");
+    let lock = env.lock_file("base");
+    let faults = [
+        "-P".to_owned(),
+        lock.display().to_string(),
+        "--inject=openat,openat2:signal=SIGTERM:when=1".to_owned(),
+    ];
+    let args = ["exec", "--write", "app", "--from", "base", "--", "true"];
+    for _ in 0..3 {
+        let out = output(under_strace(&env, &faults, &args));
+        assert_eq!(out.status.code(), Some(143), "{}", show(&out));
+        assert_eq!(env.state("app").as_deref(), Some("ready"), "{}", show(&out));
+        let content = fs::read_to_string(env.root.join("img/app/content")).unwrap();
+        assert_eq!(content, "APP\n");
+    }
+}
+
+/// A base's tree we may not open (another user's, mode 700) is refused
+/// before the image written is emptied, naming the base.
+#[test]
+fn a_base_tree_one_may_not_open_is_refused_before_the_copy() {
+    if !root_or_skip("a base tree another user owns") {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "base", "echo BASE > \"$STOWAGE_IMAGE_DIR/content\"");
+    unprivileged_build(&env, "app", "echo APP > \"$STOWAGE_IMAGE_DIR/content\"");
+    let tree = env.images_dir().join("base");
+    chown(&tree, 0, 0);
+    fs::set_permissions(&tree, fs::Permissions::from_mode(0o700)).unwrap();
+    let out = unprivileged(
+        &env,
+        &["exec", "--write", "app", "--from", "base", "--", "true"],
+    );
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(err.contains("image 'base': cannot open"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    let content = fs::read_to_string(env.images_dir().join("app/content")).unwrap();
+    assert_eq!(content, "APP\n");
+    let out = unprivileged(&env, &["images", "--json"]);
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let app = rows.as_array().unwrap().iter().find(|r| r["name"] == "app");
+    assert_eq!(app.unwrap()["state"], "ready", "{}", show(&out));
+}
+
 #[test]
 fn a_clone_whose_command_cannot_start_is_incomplete_not_restored() {
     // The copy changed the image before the command failed to start: its
