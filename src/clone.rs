@@ -186,6 +186,8 @@ pub fn copy_tree_at(
         trail: Trail::default(),
         links: HashMap::new(),
         reflink_works: true,
+        // Where a client may answer from stale attributes (not a local filesystem).
+        shared: !crate::filesystem::filesystem(src).is_ok_and(|f| f.local),
         out: Copied::default(),
         progress,
     };
@@ -243,6 +245,8 @@ struct TreeCopy<'a> {
     /// First copy of each hard-linked inode, as names from `dst`.
     links: HashMap<(u64, u64), Vec<CString>>,
     reflink_works: bool,
+    /// Files' lengths are read from their data too ([`length_read`]).
+    shared: bool,
     out: Copied,
     progress: &'a mut Bar,
 }
@@ -355,7 +359,7 @@ impl TreeCopy<'_> {
             Ok((File::from(fd), File::from(copy), lent))
         })();
         let (src_f, dst_f, _lent) = opened.with_context(|| self.cannot_copy(name))?;
-        let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works)
+        let reflinked = copy_data(&src_f, &dst_f, &mut self.reflink_works, self.shared)
             .with_context(|| self.cannot_copy(name))?;
         let (dst, src) = (Target::Fd(dst_f.as_fd()), Target::Fd(src_f.as_fd()));
         self.attrs(dst, src, Some(name), meta)?;
@@ -425,7 +429,7 @@ impl TreeCopy<'_> {
 
 /// Copies one regular file's data; returns whether it was reflinked. Without reflink only the data
 /// regions are copied and the length set after: holes stay holes.
-fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<bool> {
+fn copy_data(src: &File, dst: &File, reflink_works: &mut bool, shared: bool) -> io::Result<bool> {
     let len = dir::fstat(src)?.st_size as u64;
     if *reflink_works && len > 0 {
         match reflink_copy::reflink_file(src, dst) {
@@ -460,8 +464,50 @@ fn copy_data(src: &File, dst: &File, reflink_works: &mut bool) -> io::Result<boo
         copy_range(src, dst, data, hole - data)?;
         pos = hole;
     }
+    let len = if shared {
+        length_read(src, dst, len)?
+    } else {
+        len
+    };
     nix::unistd::ftruncate(dst, len as libc::off_t)?;
     Ok(false)
+}
+
+/// The length the data shows, where `len` (from `fstat`) may be stale: a shared filesystem's
+/// client answers from attributes it cached (GlusterFS: for a second), from before another host
+/// rewrote the file, while reads reach the server. Data past `len` is copied too; a file that
+/// ends before it is not padded. One read, and more only where `len` was wrong.
+fn length_read(src: &File, dst: &File, len: u64) -> io::Result<u64> {
+    let at = len.saturating_sub(1);
+    let mut two = [0u8; 2];
+    let seen = at + read_at(src, &mut two[..(len > 0) as usize + 1], at)? as u64;
+    if seen > len {
+        return copy_by_buffer(src, dst, len, u64::MAX);
+    }
+    if seen == len {
+        return Ok(len);
+    }
+    // It ends before `len`: the first offset with nothing to read, found by halves.
+    let (mut lo, mut hi) = (0, at);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match read_at(src, &mut two[..1], mid)? {
+            0 => hi = mid,
+            _ => lo = mid + 1,
+        }
+    }
+    Ok(lo)
+}
+
+/// `pread`, again when interrupted.
+fn read_at(file: &File, buf: &mut [u8], at: u64) -> io::Result<usize> {
+    use std::os::unix::fs::FileExt as _;
+    loop {
+        match file.read_at(buf, at) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
 }
 
 /// Copies `len` bytes at `off` from `src` to the same offset of `dst` (in the kernel if it can).
@@ -496,7 +542,7 @@ fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
                     )
                 ) =>
             {
-                return copy_by_buffer(src, dst, pos, end);
+                return copy_by_buffer(src, dst, pos, end).map(drop);
             }
             Err(e) => return Err(e),
         }
@@ -505,21 +551,20 @@ fn copy_range(src: &File, dst: &File, off: u64, len: u64) -> io::Result<()> {
 }
 
 /// The rest of a [`copy_range`] the kernel cannot copy for these files, from `pos` to `end`.
-fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<()> {
+/// Returns where the source ended, or `end`.
+fn copy_by_buffer(src: &File, dst: &File, mut pos: u64, end: u64) -> io::Result<u64> {
     use std::os::unix::fs::FileExt as _;
     let mut buf = vec![0u8; 1 << 20];
     while pos < end {
         let chunk = (end - pos).min(buf.len() as u64) as usize;
-        let n = match src.read_at(&mut buf[..chunk], pos) {
-            Ok(0) => return Ok(()),
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
+        let n = match read_at(src, &mut buf[..chunk], pos)? {
+            0 => return Ok(pos),
+            n => n,
         };
         dst.write_all_at(&buf[..n], pos)?;
         pos += n as u64;
     }
-    Ok(())
+    Ok(pos)
 }
 
 /// A second name for the copy of a hard-linked inode, its first copy found from the copy's top.

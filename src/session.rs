@@ -343,6 +343,19 @@ impl Session {
         let cannot = || format!("cannot copy image '{base}' to '{target}'");
         crate::remove::empty_image_dir(store.root(), images_dir, target).with_context(cannot)?;
         crate::debug::pause("clone-emptied");
+        // The directory opened before is still the one at its path (the builder gets that path).
+        let now = store
+            .root()
+            .open_images_dir(images_dir)
+            .with_context(cannot)?;
+        let id = |d: &Dir| crate::dir::fstat(d).map(|st| (st.st_dev, st.st_ino));
+        if id(&now)? != id(&images)? {
+            anyhow::bail!(
+                "{}: {} was replaced during the copy",
+                cannot(),
+                images_dir.display()
+            );
+        }
         let t0 = Instant::now();
         let ctx = store.ctx();
         let show = std::io::stderr().is_terminal() && !ctx.quiet;

@@ -205,6 +205,38 @@ fn a_read_whose_host_lost_its_connection_fails_if_another_wrote_meanwhile() {
     }
 }
 
+/// A copy from a base another host has just rewritten copies the base as it
+/// is: the file's length is asked of the server, not taken from what this
+/// host's client cached (for a second, from its own last write), which cut
+/// the copy short or padded it with zeros, and the image was `ready`.
+#[test]
+fn a_copy_right_after_another_host_rewrote_its_base_is_whole() {
+    let Some(c) = Cluster::start("freshcopy", 2) else {
+        return;
+    };
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    let write = |chunks: usize| {
+        format!(
+            "d=$STOWAGE_IMAGE_DIR; : > $d/data; for i in $(seq {chunks}); do head -c 20000 /dev/urandom >> $d/data; done; cksum < $d/data > $d/SUM"
+        )
+    };
+    let check = "[ \"$(cksum < $STOWAGE_IMAGE_DIR/data)\" = \"$(cat $STOWAGE_IMAGE_DIR/SUM)\" ] || { echo torn: $(wc -c < $STOWAGE_IMAGE_DIR/data) bytes >&2; exit 1; }";
+    for (mine, theirs) in [(1, 3), (4, 2), (2, 5), (5, 1)] {
+        ok(b.stowage_run(
+            &root,
+            ["exec", "--write", "base", "--", "sh", "-c", &write(mine)],
+        ));
+        ok(a.stowage_run(
+            &root,
+            ["exec", "--write", "base", "--", "sh", "-c", &write(theirs)],
+        ));
+        let args = [
+            "exec", "--write", "app", "--from", "base", "--", "sh", "-c", check,
+        ];
+        ok(b.stowage_run(&root, args));
+    }
+}
+
 /// A holder on another machine of our host name (a cloned VM: the same
 /// name, another boot) is named as another host's: its pid is another
 /// process here, and no advice says to kill it here.

@@ -623,6 +623,29 @@ fn a_base_tree_one_may_not_open_is_refused_before_the_copy() {
     assert_eq!(app.unwrap()["state"], "ready", "{}", show(&out));
 }
 
+/// Where a copy reads lengths from the data (a filesystem not known local:
+/// the hidden hook makes tmpfs look like NFS), files of every shape copy
+/// whole: empty, one byte, a sparse one ending in a hole.
+#[test]
+fn a_copy_that_reads_lengths_from_the_data_copies_every_file_whole() {
+    let env = Env::new();
+    env.build(
+        "base",
+        "cd \"$STOWAGE_IMAGE_DIR\" && : > empty && printf x > one && head -c 5000 /dev/urandom > some && printf abc > sparse && truncate -s 1M sparse",
+    );
+    let mut c = env.cmd(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    for f in ["empty", "one", "some", "sparse"] {
+        let (a, b) = (
+            env.root.join("img/base").join(f),
+            env.root.join("img/app").join(f),
+        );
+        assert_eq!(fs::read(&a).unwrap(), fs::read(&b).unwrap(), "{f}");
+    }
+}
+
 #[test]
 fn a_clone_whose_command_cannot_start_is_incomplete_not_restored() {
     // The copy changed the image before the command failed to start: its
