@@ -35,6 +35,7 @@ pub const AREA: usize = HINTS_AT + HINTS_LEN;
 
 const WRITER_WAITS_AT: u64 = HINTS_AT as u64;
 const STORE_WIDE_AT: u64 = HINTS_AT as u64 + 1;
+const FOREIGN_WRITE_AT: u64 = HINTS_AT as u64 + 2;
 const LAST_USE_AT: u64 = HINTS_AT as u64 + 8;
 const LAST_USE_LEN: usize = 16;
 
@@ -257,6 +258,8 @@ pub struct Seen {
     pub legacy: bool,
     pub writer_waits: bool,
     pub store_wide: bool,
+    /// A writer whose lock was lost wrote into the tree while another held the lock (`F`).
+    pub foreign_write: bool,
     pub last_use: Option<Millis>,
     /// Marked gone by an unlinker (`lock::mark_gone`): no image, no proof the file is at its path.
     pub gone: bool,
@@ -337,6 +340,7 @@ impl Seen {
             // Anything but unset asks the authority: a torn byte costs a look, never a missed hold.
             writer_waits: hint(WRITER_WAITS_AT) != 0 && hint(WRITER_WAITS_AT) != b'-',
             store_wide: hint(STORE_WIDE_AT) != 0 && hint(STORE_WIDE_AT) != b'-',
+            foreign_write: hint(FOREIGN_WRITE_AT) == b'F',
             last_use: bytes
                 .get(LAST_USE_AT as usize..LAST_USE_AT as usize + LAST_USE_LEN)
                 .and_then(|b| std::str::from_utf8(b).ok())
@@ -383,10 +387,14 @@ pub fn read(file: &File) -> io::Result<Seen> {
     Ok(Seen::parse(&read_area(file)?))
 }
 
-/// Whether `file` holds `ours` still, as its holder last wrote it, and nothing later (one read).
-/// Judged slot by slot: noise in the other slot (a damaged record being mended) is no change.
+/// Whether `file` holds `ours` still, as its holder last wrote it, and nothing later, nor a writer
+/// that lost its lock wrote into the tree meanwhile (one read). Judged slot by slot: noise in the
+/// other slot (a damaged record being mended) is no change.
 pub fn holds_latest(file: &File, ours: Option<&Record>) -> io::Result<bool> {
     let bytes = read_area(file)?;
+    if bytes.get(FOREIGN_WRITE_AT as usize) == Some(&b'F') {
+        return Ok(false);
+    }
     let slot = |i: usize| {
         bytes
             .get(i * SLOT..((i + 1) * SLOT).min(bytes.len()))
@@ -462,6 +470,15 @@ pub fn set_writer_waits(file: &File, on: bool) -> io::Result<()> {
 pub fn set_store_wide(file: &File, on: bool) -> io::Result<()> {
     file.write_all_at(&[if on { b'S' } else { b'-' }], STORE_WIDE_AT)?;
     // A holder excludes image users through it: synced, so caching clients on other hosts see it.
+    if on {
+        crate::lock::sync_written(file)?;
+    }
+    Ok(())
+}
+
+/// Sets (synced: the taker may be on another host) or clears the foreign-write hint.
+pub fn set_foreign_write(file: &File, on: bool) -> io::Result<()> {
+    file.write_all_at(&[if on { b'F' } else { b'-' }], FOREIGN_WRITE_AT)?;
     if on {
         crate::lock::sync_written(file)?;
     }

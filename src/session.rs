@@ -235,6 +235,10 @@ impl Session {
                     (w.state, w.changed, w.writer, w.outcome, w.base) =
                         (State::Writing, now, lease.clone(), None, base.clone());
                     write_record(store, &mut img.held, &w)?;
+                    // A write starts over the tree as it finds it: a hint from before is not its.
+                    if img.held.seen.foreign_write {
+                        let _ = image_record::set_foreign_write(img.held.guard.file(), false);
+                    }
                     img.before = Some(r.clone());
                     img.record = Some(w);
                     // No tree (a failed first write's went; a store-wide command deleted a
@@ -441,11 +445,8 @@ impl Session {
                 continue;
             }
             crate::debug::pause("write-finishing");
-            if let Err(e) = still_ours(img, now) {
-                lost.push(format!(
-                    "lost the write lock on image '{}' ({e})",
-                    img.held.name
-                ));
+            if let Err(why) = still_ours(img, now) {
+                lost.push(why);
                 continue;
             }
             match finish_write(&self.root, &self.images_dir, img, &outcome, now) {
@@ -455,10 +456,7 @@ impl Session {
         }
         self.release();
         if !lost.is_empty() {
-            anyhow::bail!(
-                "{} while the command ran: another host may have taken it; the image is not ready",
-                lost.join("; ")
-            );
+            anyhow::bail!("{}; the image is not ready", lost.join("; "));
         }
         failed.map_or(Ok(()), Err)
     }
@@ -813,25 +811,47 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
 /// Whether the write lock is still ours, and was all along: a lock lost while free is taken again
 /// by the check (a client reconnected without its locks, a partition healed), so the record tells
 /// whether another acted meanwhile (one read). A record another changed is marked incomplete, the
-/// lock being ours again: two writers' files may be mixed in the tree.
+/// lock being ours again: two writers' files may be mixed in the tree. One another holds now is
+/// told so by the `F` hint, which its writer reads back at its end; we may not write its record.
 fn still_ours(img: &mut Image, now: clock::Millis) -> Result<(), String> {
-    img.held.guard.still_held().map_err(|e| e.to_string())?;
+    let name = img.held.name.clone();
+    let lost = |why: String| {
+        format!(
+            "lost the write lock on image '{name}' ({why}) while the command ran: another host may have taken it"
+        )
+    };
+    if let Err(e) = img.held.guard.still_held() {
+        let file = img.held.guard.file();
+        if image_record::read(file).is_ok_and(|s| s.record.is_some()) {
+            let _ = image_record::set_foreign_write(file, true);
+        }
+        // Its taker may have finished meanwhile: the lock is then ours again, its record ours to mark.
+        img.held
+            .guard
+            .still_held()
+            .map_err(|_| lost(e.to_string()))?;
+    }
     let file = img.held.guard.file();
-    let cannot = |e: std::io::Error| format!("its record cannot be read: {e}");
+    let cannot = |e: std::io::Error| lost(format!("its record cannot be read: {e}"));
     if image_record::holds_latest(file, img.held.seen.record.as_ref()).map_err(cannot)? {
         return Ok(());
     }
     let found = image_record::read_of(file, img.held.name.as_str()).map_err(cannot)?;
     let Some(mut r) = found.record.clone() else {
-        return Err("its record was emptied or replaced meanwhile".into());
+        return Err(lost("its record was emptied or replaced meanwhile".into()));
     };
-    let said = format!("its record was changed meanwhile, to {}", r.state);
+    let said = if img.held.seen.record.as_ref() == Some(&r) {
+        format!("image '{name}': a writer whose lock was lost wrote into its tree meanwhile")
+    } else {
+        lost(format!("its record was changed meanwhile, to {}", r.state))
+    };
     if r.state != State::Deleting {
         (r.state, r.changed) = (State::Incomplete, now);
         r.outcome = Some("written while its writer's lock was lost".into());
         img.held.seen = found;
         let _ = image_record::write(file, &mut img.held.seen, &r);
     }
+    let _ = image_record::set_foreign_write(file, false);
     Err(said)
 }
 

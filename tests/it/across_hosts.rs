@@ -166,6 +166,51 @@ fn a_writer_whose_host_lost_its_connection_never_records_ready_over_another() {
     }
 }
 
+/// The writer that took the lock of one whose host lost its connection is
+/// told, at its end, that the other's command wrote into the tree while it
+/// held the lock (the other, failing, leaves a hint in the lock file): its
+/// image is incomplete, never `ready` with two writers' files in it.
+#[test]
+fn a_writer_after_one_that_lost_its_lock_and_wrote_on_is_never_ready() {
+    let Some(c) = Cluster::start("mixed", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(a.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
+    let wait_for = |started: &Path, go: &Path, then: &str| {
+        format!(
+            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done; {then}",
+            started.display(),
+            go.display()
+        )
+    };
+    let [s1, go1, s2, go2] = ["s1", "go1", "s2", "go2"].map(|n| env.sentinel(n));
+    let first = wait_for(&s1, &go1, "echo junk > \"$STOWAGE_IMAGE_DIR/junk\"");
+    let w1 =
+        Bg::from_command(a.stowage(&root, ["exec", "--write", "img", "--", "sh", "-c", &first]));
+    wait_for_file(&s1);
+    a.disconnect();
+    let second = wait_for(&s2, &go2, "true");
+    let args = [
+        "exec", "--write", "img", "--wait", "30", "--", "sh", "-c", &second,
+    ];
+    let w2 = Bg::from_command(b.stowage(&root, args));
+    wait_for_file(&s2);
+    std::fs::write(&go1, "").unwrap();
+    let out = w1.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    std::fs::write(&go2, "").unwrap();
+    let out = w2.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = "a writer whose lock was lost wrote into its tree meanwhile";
+    assert!(stderr(&out).contains(said), "{}", show(&out));
+    assert_eq!(image_state(b, &root, "img").as_deref(), Some("incomplete"));
+    // The hint is spent: the next write is ready.
+    ok(b.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
+    assert_eq!(image_state(b, &root, "img").as_deref(), Some("ready"));
+}
+
 /// The same for a reader: its shared lock dropped with its host's
 /// connection, another host rewrote the image it read. The read fails
 /// (exit 1) when its command ends, and the image it wrote from what it read
