@@ -387,12 +387,13 @@ pub fn read(file: &File) -> io::Result<Seen> {
     Ok(Seen::parse(&read_area(file)?))
 }
 
-/// Whether `file` holds `ours` still, as its holder last wrote it, and nothing later, nor a writer
-/// that lost its lock wrote into the tree meanwhile (one read). Judged slot by slot: noise in the
-/// other slot (a damaged record being mended) is no change.
-pub fn holds_latest(file: &File, ours: Option<&Record>) -> io::Result<bool> {
-    let bytes = read_area(file)?;
-    if bytes.get(FOREIGN_WRITE_AT as usize) == Some(&b'F') {
+/// Whether `file` holds the record `seen` has still, as its holder last wrote or read it, and
+/// nothing later, nor did a writer that lost its lock write into the tree meanwhile (`F`, unless
+/// `seen` had it already; one read). Judged slot by slot: noise in the other slot (a record being
+/// mended) is no change.
+pub fn holds_latest(file: &File, seen: &Seen) -> io::Result<bool> {
+    let (bytes, ours) = (read_area(file)?, seen.record.as_ref());
+    if bytes.get(FOREIGN_WRITE_AT as usize) == Some(&b'F') && !seen.foreign_write {
         return Ok(false);
     }
     let slot = |i: usize| {

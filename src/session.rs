@@ -238,6 +238,7 @@ impl Session {
                     // A write starts over the tree as it finds it: a hint from before is not its.
                     if img.held.seen.foreign_write {
                         let _ = image_record::set_foreign_write(img.held.guard.file(), false);
+                        img.held.seen.foreign_write = false;
                     }
                     img.before = Some(r.clone());
                     img.record = Some(w);
@@ -418,8 +419,7 @@ impl Session {
             .filter(|i| !i.writes() && only.is_none_or(|n| *n == i.held.name))
             .filter(|i| i.held.guard.may_be_lost())
             .filter(|i| {
-                let (file, seen) = (i.held.guard.file(), i.held.seen.record.as_ref());
-                !image_record::holds_latest(file, seen).unwrap_or(false)
+                !image_record::holds_latest(i.held.guard.file(), &i.held.seen).unwrap_or(false)
             })
             .map(|i| format!("'{}'", i.held.name))
             .collect();
@@ -821,8 +821,10 @@ fn still_ours(img: &mut Image, now: clock::Millis) -> Result<(), String> {
         )
     };
     if let Err(e) = img.held.guard.still_held() {
-        let file = img.held.guard.file();
-        if image_record::read(file).is_ok_and(|s| s.record.is_some()) {
+        // A writer holds it now (a reader's read is its own to check): not `ready` over our files.
+        let (file, path) = (img.held.guard.file(), img.held.guard.path());
+        let writer = crate::lock::probe(path).is_ok_and(|p| p == crate::lock::Probe::Exclusive);
+        if writer && image_record::read(file).is_ok_and(|s| s.record.is_some()) {
             let _ = image_record::set_foreign_write(file, true);
         }
         // Its taker may have finished meanwhile: the lock is then ours again, its record ours to mark.
@@ -833,7 +835,7 @@ fn still_ours(img: &mut Image, now: clock::Millis) -> Result<(), String> {
     }
     let file = img.held.guard.file();
     let cannot = |e: std::io::Error| lost(format!("its record cannot be read: {e}"));
-    if image_record::holds_latest(file, img.held.seen.record.as_ref()).map_err(cannot)? {
+    if image_record::holds_latest(file, &img.held.seen).map_err(cannot)? {
         return Ok(());
     }
     let found = image_record::read_of(file, img.held.name.as_str()).map_err(cannot)?;

@@ -211,6 +211,47 @@ fn a_writer_after_one_that_lost_its_lock_and_wrote_on_is_never_ready() {
     assert_eq!(image_state(b, &root, "img").as_deref(), Some("ready"));
 }
 
+/// A writer whose lock was lost while readers hold it leaves no hint: a
+/// hint no writer takes in would fail every later read of the image, on
+/// every host, while it is listed `ready`.
+#[test]
+fn a_writer_that_lost_its_lock_to_readers_leaves_later_reads_alone() {
+    let Some(c) = Cluster::start("lostread", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(b.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
+    let [s1, go1, s2, go2] = ["s1", "go1", "s2", "go2"].map(|n| env.sentinel(n));
+    let wait_for = |started: &Path, go: &Path| {
+        format!(
+            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
+            started.display(),
+            go.display()
+        )
+    };
+    let first = wait_for(&s1, &go1);
+    let w1 =
+        Bg::from_command(a.stowage(&root, ["exec", "--write", "img", "--", "sh", "-c", &first]));
+    wait_for_file(&s1);
+    a.disconnect();
+    ok(b.stowage_run(
+        &root,
+        ["exec", "--write", "img", "--wait", "30", "--", "true"],
+    ));
+    let read = wait_for(&s2, &go2);
+    let r1 = Bg::from_command(b.stowage(&root, ["exec", "--read", "img", "--", "sh", "-c", &read]));
+    wait_for_file(&s2);
+    std::fs::write(&go1, "").unwrap();
+    assert_eq!(code(&w1.finish()), Some(1));
+    std::fs::write(&go2, "").unwrap();
+    r1.finish();
+    for h in [a, b] {
+        ok(h.stowage_run(&root, ["exec", "--read", "img", "--", "true"]));
+    }
+    assert_eq!(image_state(b, &root, "img").as_deref(), Some("ready"));
+}
+
 /// The same for a reader: its shared lock dropped with its host's
 /// connection, another host rewrote the image it read. The read fails
 /// (exit 1) when its command ends, and the image it wrote from what it read
