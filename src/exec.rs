@@ -222,7 +222,7 @@ fn record_outcome(
             false => ", and what it wrote is incomplete",
         };
         anyhow::bail!(
-            "{changed} changed while the command read it (its read lock was lost: another host may have written it): its exit status {code} is not to be trusted{wrote}"
+            "{changed} changed while the command read it (its read lock was lost: another host may have written it): its exit status {code} proves nothing{wrote}"
         );
     }
     Ok(code)
