@@ -35,7 +35,9 @@ pub const AREA: usize = HINTS_AT + HINTS_LEN;
 
 const WRITER_WAITS_AT: u64 = HINTS_AT as u64;
 const STORE_WIDE_AT: u64 = HINTS_AT as u64 + 1;
-const FOREIGN_WRITE_AT: u64 = HINTS_AT as u64 + 2;
+/// `F` and the number of the record in flight it names, 16 hex digits.
+const FOREIGN_WRITE_AT: u64 = HINTS_AT as u64 + 24;
+const FOREIGN_WRITE_LEN: usize = 17;
 const LAST_USE_AT: u64 = HINTS_AT as u64 + 8;
 const LAST_USE_LEN: usize = 16;
 
@@ -258,8 +260,9 @@ pub struct Seen {
     pub legacy: bool,
     pub writer_waits: bool,
     pub store_wide: bool,
-    /// A writer whose lock was lost wrote into the tree while another held the lock (`F`).
-    pub foreign_write: bool,
+    /// A writer whose lock was lost wrote into the tree while the writer of the record in flight
+    /// this numbers held it (`F`).
+    pub foreign_write: Option<u64>,
     pub last_use: Option<Millis>,
     /// Marked gone by an unlinker (`lock::mark_gone`): no image, no proof the file is at its path.
     pub gone: bool,
@@ -340,7 +343,10 @@ impl Seen {
             // Anything but unset asks the authority: a torn byte costs a look, never a missed hold.
             writer_waits: hint(WRITER_WAITS_AT) != 0 && hint(WRITER_WAITS_AT) != b'-',
             store_wide: hint(STORE_WIDE_AT) != 0 && hint(STORE_WIDE_AT) != b'-',
-            foreign_write: hint(FOREIGN_WRITE_AT) == b'F',
+            foreign_write: bytes
+                .get(FOREIGN_WRITE_AT as usize..FOREIGN_WRITE_AT as usize + FOREIGN_WRITE_LEN)
+                .and_then(|b| std::str::from_utf8(b.strip_prefix(b"F")?).ok())
+                .and_then(|s| u64::from_str_radix(s, 16).ok()),
             last_use: bytes
                 .get(LAST_USE_AT as usize..LAST_USE_AT as usize + LAST_USE_LEN)
                 .and_then(|b| std::str::from_utf8(b).ok())
@@ -388,12 +394,12 @@ pub fn read(file: &File) -> io::Result<Seen> {
 }
 
 /// Whether `file` holds the record `seen` has still, as its holder last wrote or read it, and
-/// nothing later, nor did a writer that lost its lock write into the tree meanwhile (`F`, unless
-/// `seen` had it already; one read). Judged slot by slot: noise in the other slot (a record being
+/// nothing later, nor did a writer that lost its lock write into the tree while that record was in
+/// flight (`F` naming it; one read). Judged slot by slot: noise in the other slot (a record being
 /// mended) is no change.
 pub fn holds_latest(file: &File, seen: &Seen) -> io::Result<bool> {
     let (bytes, ours) = (read_area(file)?, seen.record.as_ref());
-    if bytes.get(FOREIGN_WRITE_AT as usize) == Some(&b'F') && !seen.foreign_write {
+    if ours.is_some_and(|r| Seen::parse(&bytes).foreign_write == Some(r.seq)) {
         return Ok(false);
     }
     let slot = |i: usize| {
@@ -477,13 +483,14 @@ pub fn set_store_wide(file: &File, on: bool) -> io::Result<()> {
     Ok(())
 }
 
-/// Sets (synced: the taker may be on another host) or clears the foreign-write hint.
-pub fn set_foreign_write(file: &File, on: bool) -> io::Result<()> {
-    file.write_all_at(&[if on { b'F' } else { b'-' }], FOREIGN_WRITE_AT)?;
-    if on {
-        crate::lock::sync_written(file)?;
-    }
-    Ok(())
+/// Sets the foreign-write hint for the record in flight numbered `seq` (synced: its writer may be on
+/// another host), or clears it.
+pub fn set_foreign_write(file: &File, seq: Option<u64>) -> io::Result<()> {
+    let Some(seq) = seq else {
+        return file.write_all_at(b"-", FOREIGN_WRITE_AT);
+    };
+    file.write_all_at(format!("F{seq:016x}").as_bytes(), FOREIGN_WRITE_AT)?;
+    crate::lock::sync_written(file)
 }
 
 pub fn set_last_use(file: &File, now: Millis) -> io::Result<()> {

@@ -235,11 +235,6 @@ impl Session {
                     (w.state, w.changed, w.writer, w.outcome, w.base) =
                         (State::Writing, now, lease.clone(), None, base.clone());
                     write_record(store, &mut img.held, &w)?;
-                    // A write starts over the tree as it finds it: a hint from before is not its.
-                    if img.held.seen.foreign_write {
-                        let _ = image_record::set_foreign_write(img.held.guard.file(), false);
-                        img.held.seen.foreign_write = false;
-                    }
                     img.before = Some(r.clone());
                     img.record = Some(w);
                     // No tree (a failed first write's went; a store-wide command deleted a
@@ -821,12 +816,7 @@ fn still_ours(img: &mut Image, now: clock::Millis) -> Result<(), String> {
         )
     };
     if let Err(e) = img.held.guard.still_held() {
-        // A writer holds it now (a reader's read is its own to check): not `ready` over our files.
-        let (file, path) = (img.held.guard.file(), img.held.guard.path());
-        let writer = crate::lock::probe(path).is_ok_and(|p| p == crate::lock::Probe::Exclusive);
-        if writer && image_record::read(file).is_ok_and(|s| s.record.is_some()) {
-            let _ = image_record::set_foreign_write(file, true);
-        }
+        tell_writer(img);
         // Its taker may have finished meanwhile: the lock is then ours again, its record ours to mark.
         img.held
             .guard
@@ -853,8 +843,24 @@ fn still_ours(img: &mut Image, now: clock::Millis) -> Result<(), String> {
         img.held.seen = found;
         let _ = image_record::write(file, &mut img.held.seen, &r);
     }
-    let _ = image_record::set_foreign_write(file, false);
+    let _ = image_record::set_foreign_write(file, None);
     Err(said)
+}
+
+/// Our write lock lost: tells the writer holding it now that our command wrote into its tree (`F`
+/// naming its record, which it reads back at its end). Only a record in flight, the same before and
+/// after a probe finds the lock held exclusively: its writer holds it (a reader is not told).
+fn tell_writer(img: &Image) {
+    let (file, path) = (img.held.guard.file(), img.held.guard.path());
+    let in_flight = || {
+        let seen = image_record::read(file).ok()?;
+        seen.record.filter(|r| r.state.in_flight()).map(|r| r.seq)
+    };
+    let Some(seq) = in_flight() else { return };
+    let held = crate::lock::probe(path).is_ok_and(|p| p == crate::lock::Probe::Exclusive);
+    if held && in_flight() == Some(seq) {
+        let _ = image_record::set_foreign_write(file, Some(seq));
+    }
 }
 
 /// The end of one write: a tree the command deleted goes with its record, else the record says how

@@ -5,6 +5,7 @@
 //! written, and the catalog survives transactions from every host at once.
 //! Skipped, saying why, where no volume runs.
 
+use std::fs;
 use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
@@ -208,6 +209,79 @@ fn a_writer_after_one_that_lost_its_lock_and_wrote_on_is_never_ready() {
     assert_eq!(image_state(b, &root, "img").as_deref(), Some("incomplete"));
     // The hint is spent: the next write is ready.
     ok(b.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
+    assert_eq!(image_state(b, &root, "img").as_deref(), Some("ready"));
+}
+
+/// The lost writer's hint names the record in flight of the writer that
+/// holds the lock: one that comes late — here its probe's answer held back
+/// five seconds by strace, while that writer ends and another takes the
+/// image — lands on no one else. Before, the next writer, which began after
+/// the lost writer's command had ended, was made incomplete (exit 1).
+#[test]
+fn a_lost_writers_late_hint_never_lands_on_the_next_writer() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let Some(c) = Cluster::start("latehint", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(b.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
+    let gate = |n: &str| {
+        let (started, go) = (env.sentinel(n), env.sentinel(&format!("go{n}")));
+        let script = format!(
+            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
+            started.display(),
+            go.display()
+        );
+        (started, go, script)
+    };
+    let (s1, go1, first) = gate("1");
+    let w1 =
+        Bg::from_command(a.stowage(&root, ["exec", "--write", "img", "--", "sh", "-c", &first]));
+    wait_for_file(&s1);
+    a.disconnect();
+    let (s2, go2, second) = gate("2");
+    let args = [
+        "exec", "--write", "img", "--wait", "30", "--", "sh", "-c", &second,
+    ];
+    let w2 = Bg::from_command(b.stowage(&root, args));
+    wait_for_file(&s2);
+    // host-run's process is nsenter; stowage is its only child.
+    let children = format!("/proc/{0}/task/{0}/children", w1.pid());
+    let stowage = fs::read_to_string(children).unwrap().trim().to_owned();
+    let delay = "flock:delay_exit=5000000:when=2";
+    let tracer = Bg::from_command({
+        let mut c = std::process::Command::new("strace");
+        c.args([
+            "-q",
+            "-o",
+            "/dev/null",
+            "-p",
+            &stowage,
+            "-e",
+            "trace=flock",
+            "-e",
+        ]);
+        c.arg(format!("inject={delay}"));
+        c
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    fs::write(&go1, "").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    fs::write(&go2, "").unwrap();
+    ok(w2.finish());
+    let (s3, go3, third) = gate("3");
+    let args = [
+        "exec", "--write", "img", "--wait", "30", "--", "sh", "-c", &third,
+    ];
+    let w3 = Bg::from_command(b.stowage(&root, args));
+    wait_for_file(&s3);
+    assert_eq!(code(&w1.finish()), Some(1));
+    fs::write(&go3, "").unwrap();
+    ok(w3.finish());
+    tracer.finish();
     assert_eq!(image_state(b, &root, "img").as_deref(), Some("ready"));
 }
 
