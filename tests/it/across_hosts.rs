@@ -179,13 +179,8 @@ fn a_writer_after_one_that_lost_its_lock_and_wrote_on_is_never_ready() {
     let env = Env::new();
     let (a, b, root) = (c.host(0), c.host(1), c.root());
     ok(a.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
-    let wait_for = |started: &Path, go: &Path, then: &str| {
-        format!(
-            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done; {then}",
-            started.display(),
-            go.display()
-        )
-    };
+    let wait_for =
+        |started: &Path, go: &Path, then: &str| format!("{}; {then}", hold_script(started, go));
     let [s1, go1, s2, go2] = ["s1", "go1", "s2", "go2"].map(|n| env.sentinel(n));
     let first = wait_for(&s1, &go1, "echo junk > \"$STOWAGE_IMAGE_DIR/junk\"");
     let w1 =
@@ -230,11 +225,7 @@ fn a_lost_writers_late_hint_never_lands_on_the_next_writer() {
     ok(b.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
     let gate = |n: &str| {
         let (started, go) = (env.sentinel(n), env.sentinel(&format!("go{n}")));
-        let script = format!(
-            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
-            started.display(),
-            go.display()
-        );
+        let script = hold_script(&started, &go);
         (started, go, script)
     };
     let (s1, go1, first) = gate("1");
@@ -297,14 +288,7 @@ fn a_writer_that_lost_its_lock_to_readers_leaves_later_reads_alone() {
     let (a, b, root) = (c.host(0), c.host(1), c.root());
     ok(b.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
     let [s1, go1, s2, go2] = ["s1", "go1", "s2", "go2"].map(|n| env.sentinel(n));
-    let wait_for = |started: &Path, go: &Path| {
-        format!(
-            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
-            started.display(),
-            go.display()
-        )
-    };
-    let first = wait_for(&s1, &go1);
+    let first = hold_script(&s1, &go1);
     let w1 =
         Bg::from_command(a.stowage(&root, ["exec", "--write", "img", "--", "sh", "-c", &first]));
     wait_for_file(&s1);
@@ -313,7 +297,7 @@ fn a_writer_that_lost_its_lock_to_readers_leaves_later_reads_alone() {
         &root,
         ["exec", "--write", "img", "--wait", "30", "--", "true"],
     ));
-    let read = wait_for(&s2, &go2);
+    let read = hold_script(&s2, &go2);
     let r1 = Bg::from_command(b.stowage(&root, ["exec", "--read", "img", "--", "sh", "-c", &read]));
     wait_for_file(&s2);
     std::fs::write(&go1, "").unwrap();
@@ -343,11 +327,7 @@ fn a_read_whose_host_lost_its_connection_fails_if_another_wrote_meanwhile() {
     for (i, other) in ["--write", "--read-exclusive"].into_iter().enumerate() {
         let a = c.host(i);
         let (started, go) = (env.sentinel(other), env.sentinel(&format!("{other}.go")));
-        let script = format!(
-            "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
-            started.display(),
-            go.display()
-        );
+        let script = hold_script(&started, &go);
         let args = [
             "exec", "--read", "base", "--write", "app", "--", "sh", "-c", &script,
         ];
