@@ -35,7 +35,7 @@ pub const AREA: usize = HINTS_AT + HINTS_LEN;
 
 const WRITER_WAITS_AT: u64 = HINTS_AT as u64;
 const STORE_WIDE_AT: u64 = HINTS_AT as u64 + 1;
-/// `F` and the number of the record in flight it names, 16 hex digits.
+/// `F` and the fingerprint of the record in flight it names, 16 hex digits.
 const FOREIGN_WRITE_AT: u64 = HINTS_AT as u64 + 24;
 const FOREIGN_WRITE_LEN: usize = 17;
 const LAST_USE_AT: u64 = HINTS_AT as u64 + 8;
@@ -261,7 +261,7 @@ pub struct Seen {
     pub writer_waits: bool,
     pub store_wide: bool,
     /// A writer whose lock was lost wrote into the tree while the writer of the record in flight
-    /// this numbers held it (`F`).
+    /// of this fingerprint held it (`F`).
     pub foreign_write: Option<u64>,
     pub last_use: Option<Millis>,
     /// Marked gone by an unlinker (`lock::mark_gone`): no image, no proof the file is at its path.
@@ -394,12 +394,13 @@ pub fn read(file: &File) -> io::Result<Seen> {
 }
 
 /// Whether `file` holds the record `seen` has still, as its holder last wrote or read it, and
-/// nothing later, nor did a writer that lost its lock write into the tree while that record was in
-/// flight (`F` naming it; one read). Judged slot by slot: noise in the other slot (a record being
-/// mended) is no change.
-pub fn holds_latest(file: &File, seen: &Seen) -> io::Result<bool> {
+/// nothing later (one read). A writer (`in_flight`) asks too whether a writer that lost its lock
+/// wrote into the tree while its record was in flight (`F` naming it). Judged slot by slot: noise
+/// in the other slot (a record being mended) is no change.
+pub fn holds_latest(file: &File, seen: &Seen, in_flight: bool) -> io::Result<bool> {
     let (bytes, ours) = (read_area(file)?, seen.record.as_ref());
-    if ours.is_some_and(|r| Seen::parse(&bytes).foreign_write == Some(r.seq)) {
+    let named = |r: &Record| Seen::parse(&bytes).foreign_write == Some(r.fingerprint());
+    if in_flight && ours.is_some_and(named) {
         return Ok(false);
     }
     let slot = |i: usize| {
@@ -483,13 +484,13 @@ pub fn set_store_wide(file: &File, on: bool) -> io::Result<()> {
     Ok(())
 }
 
-/// Sets the foreign-write hint for the record in flight numbered `seq` (synced: its writer may be on
-/// another host), or clears it.
-pub fn set_foreign_write(file: &File, seq: Option<u64>) -> io::Result<()> {
-    let Some(seq) = seq else {
+/// Sets the foreign-write hint for the record in flight of fingerprint `named` (synced: its writer
+/// may be on another host), or clears it.
+pub fn set_foreign_write(file: &File, named: Option<u64>) -> io::Result<()> {
+    let Some(fp) = named else {
         return file.write_all_at(b"-", FOREIGN_WRITE_AT);
     };
-    file.write_all_at(format!("F{seq:016x}").as_bytes(), FOREIGN_WRITE_AT)?;
+    file.write_all_at(format!("F{fp:016x}").as_bytes(), FOREIGN_WRITE_AT)?;
     crate::lock::sync_written(file)
 }
 

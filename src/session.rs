@@ -414,7 +414,8 @@ impl Session {
             .filter(|i| !i.writes() && only.is_none_or(|n| *n == i.held.name))
             .filter(|i| i.held.guard.may_be_lost())
             .filter(|i| {
-                !image_record::holds_latest(i.held.guard.file(), &i.held.seen).unwrap_or(false)
+                !image_record::holds_latest(i.held.guard.file(), &i.held.seen, false)
+                    .unwrap_or(false)
             })
             .map(|i| format!("'{}'", i.held.name))
             .collect();
@@ -825,7 +826,7 @@ fn still_ours(img: &mut Image, now: clock::Millis) -> Result<(), String> {
     }
     let file = img.held.guard.file();
     let cannot = |e: std::io::Error| lost(format!("its record cannot be read: {e}"));
-    if image_record::holds_latest(file, &img.held.seen).map_err(cannot)? {
+    if image_record::holds_latest(file, &img.held.seen, true).map_err(cannot)? {
         return Ok(());
     }
     let found = image_record::read_of(file, img.held.name.as_str()).map_err(cannot)?;
@@ -854,12 +855,14 @@ fn tell_writer(img: &Image) {
     let (file, path) = (img.held.guard.file(), img.held.guard.path());
     let in_flight = || {
         let seen = image_record::read(file).ok()?;
-        seen.record.filter(|r| r.state.in_flight()).map(|r| r.seq)
+        seen.record
+            .filter(|r| r.state.in_flight())
+            .map(|r| r.fingerprint())
     };
-    let Some(seq) = in_flight() else { return };
+    let Some(named) = in_flight() else { return };
     let held = crate::lock::probe(path).is_ok_and(|p| p == crate::lock::Probe::Exclusive);
-    if held && in_flight() == Some(seq) {
-        let _ = image_record::set_foreign_write(file, Some(seq));
+    if held && in_flight() == Some(named) {
+        let _ = image_record::set_foreign_write(file, Some(named));
     }
 }
 

@@ -739,6 +739,50 @@ fn an_image_changed_while_read_under_a_lock_that_may_be_lost_fails_the_read() {
     assert_eq!(env.state("copy").as_deref(), Some("ready"));
 }
 
+/// The hint a writer that lost its lock leaves (`F` and a record's
+/// fingerprint at byte 8216) is for the writer whose record in flight it
+/// names: a reader of that image, or an exclusive reader, never fails for
+/// it, whatever record it names. Planted here by hand, on a store seen as
+/// shared (where reads check their record at their end).
+#[test]
+fn a_lost_writers_hint_never_fails_a_read() {
+    use std::os::unix::fs::FileExt;
+    let env = Env::new();
+    env.make_image("a");
+    let lock = env.lock_file("a");
+    let record = || {
+        let file = fs::File::open(&lock).unwrap();
+        let seen = stowage::image_record::read(&file).unwrap();
+        seen.record.unwrap()
+    };
+    let shared = |args: &[&str]| {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_FILESYSTEM, "nfs");
+        output(c)
+    };
+    let names: [fn(&stowage::image_record::Record) -> u64; 3] =
+        [|r| r.fingerprint(), |r| r.seq, |r| r.seq + 1];
+    for name in names {
+        let named = name(&record());
+        let file = fs::OpenOptions::new().write(true).open(&lock).unwrap();
+        file.write_all_at(format!("F{named:016x}").as_bytes(), 8216)
+            .unwrap();
+        for args in [
+            &["exec", "--read", "a", "--", "true"][..],
+            &["exec", "--read-exclusive", "a", "--", "true"],
+        ] {
+            let out = shared(args);
+            assert_eq!(
+                code(&out),
+                Some(0),
+                "F{named:016x}, {args:?}: {}",
+                show(&out)
+            );
+        }
+        assert_eq!(env.state("a").as_deref(), Some("ready"));
+    }
+}
+
 /// The root's filesystem comes from the mount table by the root's device,
 /// whatever mount point the table lists it at (a bind mount seen
 /// elsewhere): NFS mounted so that locks stay on each client is refused
