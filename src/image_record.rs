@@ -343,10 +343,7 @@ impl Seen {
             // Anything but unset asks the authority: a torn byte costs a look, never a missed hold.
             writer_waits: hint(WRITER_WAITS_AT) != 0 && hint(WRITER_WAITS_AT) != b'-',
             store_wide: hint(STORE_WIDE_AT) != 0 && hint(STORE_WIDE_AT) != b'-',
-            foreign_write: bytes
-                .get(FOREIGN_WRITE_AT as usize..FOREIGN_WRITE_AT as usize + FOREIGN_WRITE_LEN)
-                .and_then(|b| std::str::from_utf8(b.strip_prefix(b"F")?).ok())
-                .and_then(|s| u64::from_str_radix(s, 16).ok()),
+            foreign_write: foreign_write_in(bytes),
             last_use: bytes
                 .get(LAST_USE_AT as usize..LAST_USE_AT as usize + LAST_USE_LEN)
                 .and_then(|b| std::str::from_utf8(b).ok())
@@ -399,7 +396,7 @@ pub fn read(file: &File) -> io::Result<Seen> {
 /// in the other slot (a record being mended) is no change.
 pub fn holds_latest(file: &File, seen: &Seen, in_flight: bool) -> io::Result<bool> {
     let (bytes, ours) = (read_area(file)?, seen.record.as_ref());
-    let named = |r: &Record| Seen::parse(&bytes).foreign_write == Some(r.fingerprint());
+    let named = |r: &Record| foreign_write_in(&bytes) == Some(r.fingerprint());
     if in_flight && ours.is_some_and(named) {
         return Ok(false);
     }
@@ -482,6 +479,13 @@ pub fn set_store_wide(file: &File, on: bool) -> io::Result<()> {
         crate::lock::sync_written(file)?;
     }
     Ok(())
+}
+
+/// The fingerprint the foreign-write hint in `bytes` (a lock file's first bytes) names, if set.
+fn foreign_write_in(bytes: &[u8]) -> Option<u64> {
+    let at = FOREIGN_WRITE_AT as usize;
+    let hint = bytes.get(at..at + FOREIGN_WRITE_LEN)?.strip_prefix(b"F")?;
+    u64::from_str_radix(std::str::from_utf8(hint).ok()?, 16).ok()
 }
 
 /// Sets the foreign-write hint for the record in flight of fingerprint `named` (synced: its writer

@@ -243,13 +243,12 @@ pub fn remove_empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) 
     }
 }
 
-/// Empties an image's directory without following links in it (`exec --from` rebuilding from base).
-pub fn empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) -> Result<()> {
+/// Empties an image's directory in `images` (the images directory `images_dir`, opened) without
+/// following links in it (`exec --from` rebuilding from base).
+pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Result<()> {
     let path = images_dir.join(name.encoded());
-    let dir = root
-        .open_images_dir(images_dir)?
-        .sub(name.encoded())
-        .with_context(|| format!("cannot open {}", path.display()))?;
+    let dir =
+        (images.sub(name.encoded())).with_context(|| format!("cannot open {}", path.display()))?;
     for entry in dir
         .names()
         .with_context(|| format!("cannot list {}", path.display()))?

@@ -341,7 +341,7 @@ impl Session {
         let src = images_dir.join(base.encoded());
         let dst = images_dir.join(target.encoded());
         let cannot = || format!("cannot copy image '{base}' to '{target}'");
-        crate::remove::empty_image_dir(store.root(), images_dir, target).with_context(cannot)?;
+        crate::remove::empty_image_dir(&images, images_dir, target).with_context(cannot)?;
         crate::debug::pause("clone-emptied");
         // The directory opened before is still the one at its path (the builder gets that path).
         let now = store
