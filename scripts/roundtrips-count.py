@@ -2,7 +2,8 @@
 """Counts the system calls one stowage command makes on the store's files,
 the way the contract counts server round trips: opens, closes, locks and
 unlocks (flock, and SQLite's fcntl locks), fsyncs, stats, reads, directory
-reads, renames/unlinks/mkdirs, setattrs. Buffered writes are shown but not
+reads, renames/unlinks/mkdirs, setattrs, extended attributes (NFS 4.2
+sends each). Buffered writes are shown but not
 counted. A lock the kernel releases for us counts as an unlock (closing a
 locked descriptor, or exiting with it open), and a regular file still open at
 exit counts as a close: so `flock -s LOCK true` counts exactly 4. Closing a
@@ -10,7 +11,8 @@ directory is not counted: an NFS client sends nothing for it (directories
 are not opened on the server; only the open's lookup and attribute check
 go there, and those are counted).
 
-usage: roundtrips-count.py ROOT STRACE_LOG [--list]
+usage: roundtrips-count.py ROOT[:IMAGES_DIR] STRACE_LOG [--list]
+       (IMAGES_DIR: an images directory outside the root, counted too)
        (the log from `strace -f -y -o STRACE_LOG ...`)
 Prints one JSON object: {"total": N, "by_category": {...}}; with --list,
 every counted call first.
@@ -34,16 +36,20 @@ CATEGORIES = {
     "setattr": {"fchown", "fchmod", "fchownat", "fchmodat", "chmod", "chown", "lchown",
                 "ftruncate", "truncate", "utimensat", "futimesat", "fallocate"},
     "write": {"write", "pwrite64", "writev", "pwritev"},
+    "xattr": {"getxattr", "lgetxattr", "fgetxattr", "setxattr", "lsetxattr", "fsetxattr",
+              "listxattr", "llistxattr", "flistxattr", "removexattr", "lremovexattr",
+              "fremovexattr"},
 }
 NOT_COUNTED = {"write"}
 CALL = re.compile(r"^(\d+)\s+(?:<\.\.\. (\w+) resumed>|(\w+)\()(.*)$")
 
 
 def main():
-    root = os.path.realpath(sys.argv[1]).rstrip("/")
+    dirs = [os.path.realpath(d).rstrip("/") for d in sys.argv[1].split(":")]
+    root = dirs[0]
     lines = open(sys.argv[2]).read().splitlines()
     listing = "--list" in sys.argv
-    under = lambda p: p == root or p.startswith(root + "/")
+    under = lambda p: any(p == d or p.startswith(d + "/") for d in dirs)
     fdpath = {}          # (pid, fd) -> path, from strace's -y annotations
     open_fds = {}        # main process: fd -> path of store files open
     dir_fds = set()      # main process: those of them opened as directories
@@ -52,7 +58,10 @@ def main():
     counted = []         # (category, call, path)
 
     def add(cat, call, path):
-        counted.append((cat, call, path.replace(root, "ROOT")))
+        shown = path.replace(root, "ROOT")
+        for d in dirs[1:]:
+            shown = shown.replace(d, "IMAGES")
+        counted.append((cat, call, shown))
 
     unfinished = {}      # pid -> (call, its first half), while another thread's call ran
     for line in lines:
@@ -79,7 +88,7 @@ def main():
                     add("unlock", "(exit)", p)
                 add("close", "(exit)", p)
             continue
-        paths = re.findall(r"<(" + re.escape(root) + r"[^>]*)>", rest)
+        paths = [p for d in dirs for p in re.findall(r"<(" + re.escape(d) + r"[^>]*)>", rest)]
         for q in re.findall(r'"(/[^"]*)"', rest):
             fdref = re.match(r"/proc/self/fd/(\d+)(.*)", q)
             if fdref and (pid, fdref.group(1)) in fdpath:

@@ -12,6 +12,9 @@
 //! - One store per images directory: `init` refuses one another store claims, naming its root. A
 //!   copy (same id, another root) is another store.
 //! - Nothing is deleted in a directory another store claims.
+//! - Where others may write the store's configuration (a group store), an external images directory
+//!   is used only with this store's claim, written only by `init --images-dir` naming it: a member
+//!   rewriting `store.conf` cannot send writes or deletions to a directory of the user's.
 //! - No extended attributes (old NFS servers): the directory stays unclaimed; `init` says so once.
 
 use std::io;
@@ -118,6 +121,22 @@ pub fn read(dir: &Dir) -> Option<Claim> {
     Claim::decode(std::str::from_utf8(&v.ok()?).ok()?)
 }
 
+/// What claims the directory at `path`, its last component not followed: `Ok(None)` if nothing
+/// does or the value is no claim; an error reading it as it is (`ENOTSUP`: no extended attributes).
+pub fn read_path(path: &Path) -> io::Result<Option<Claim>> {
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: valid C strings and a buffer of the length given.
+    let v = crate::dir::xattr_read(1024, |p, n| unsafe {
+        libc::lgetxattr(c.as_ptr(), NAME.as_ptr(), p, n)
+    });
+    match v {
+        Ok(v) => Ok(std::str::from_utf8(&v).ok().and_then(Claim::decode)),
+        Err(e) if e.raw_os_error() == Some(libc::ENODATA) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Whether the filesystem of `dir` keeps extended attributes (claims).
 pub fn supported(dir: &Dir) -> bool {
     let mut b = [0u8; 1];
@@ -151,9 +170,14 @@ pub fn write(dir: &Dir, claim: &Claim, new: bool) -> io::Result<bool> {
 /// Why `dir` (at `path`) may not be used by the store whose claim is `mine`: another store's claim.
 /// One naming this very root is this store's under whatever id it had (a configuration made anew).
 pub fn refusal(dir: &Dir, path: &Path, mine: &Claim) -> Option<String> {
-    let theirs = read(dir)?;
-    let copy = theirs.id == mine.id;
-    let this_root = crate::dir::same_identity(&theirs.root, &mine.root);
+    refusal_by(&read(dir)?, path, &mine.id, &mine.root)
+}
+
+/// Why the images directory at `path`, which `theirs` claims, is not for the store of id `id` at the
+/// root of identity `root`: the claim is another root's and still binds the directory.
+pub fn refusal_by(theirs: &Claim, path: &Path, id: &str, root: &str) -> Option<String> {
+    let copy = theirs.id == id;
+    let this_root = crate::dir::same_identity(&theirs.root, root);
     (!this_root && theirs.binds(path)).then(|| {
         // Nothing can tell a store gone for good from one moved.
         format!(

@@ -82,27 +82,69 @@ pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
     checked(root, &config)
 }
 
-/// The images directory `config` names — refused if it is external, this root is not the one that
-/// recorded it (a copied store) and another root's store claims it: the copy would write under
-/// locks the original's users never see.
+/// The images directory `config` names — refused if it is external and not this store's
+/// ([`not_this_stores`]).
 pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     let dir = config.images.path_in(root.dir());
     if config.images == ImagesDir::Default {
         return Ok(dir);
     }
-    let here = root.identity().ok();
-    let moved = match (config.root.as_deref(), here.as_deref()) {
-        (Some(recorded), Some(here)) => !crate::dir::same_identity(recorded, here),
-        // Not recorded (a migrated store before its first repair): the claim decides.
-        (None, Some(_)) => true,
-        _ => false,
-    };
-    if moved && let Some(why) = claimed_by_another(root, &dir) {
-        anyhow::bail!(
-            "{why}; this root is a copy of that store ('stowage --root ROOT init --images-dir DIR' gives it images of its own)"
-        );
+    if let Some(why) = not_this_stores(root, config, &dir) {
+        anyhow::bail!("{why}");
     }
     Ok(dir)
+}
+
+/// Why this store may not use the external images directory `dir` its configuration names:
+/// - another root's claim binds it (a copy of the store, or another store);
+/// - no claim of this store's is on it while others may have written the configuration (a group
+///   store): a member may name any directory there, so only a claim, which `init --images-dir`
+///   writes, makes it this store's. No extended attributes: nothing to tell it by.
+fn not_this_stores(root: &Root, config: &Config, dir: &Path) -> Option<String> {
+    let here = root.identity().ok()?;
+    let theirs = match crate::claim::read_path(dir) {
+        Ok(c) => c,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTSUP | libc::ENOENT)) => return None,
+        Err(_) => None,
+    };
+    if let Some(t) = &theirs {
+        if crate::dir::same_identity(&t.root, &here) {
+            return None;
+        }
+        if let Some(why) = crate::claim::refusal_by(t, dir, &config.id, &here) {
+            let recorded = config.root.as_deref();
+            if recorded.is_some_and(|r| !crate::dir::same_identity(r, &here)) {
+                return Some(format!(
+                    "{why}; this root is a copy of that store ('stowage --root ROOT init --images-dir DIR' gives it images of its own)"
+                ));
+            }
+            return Some(why);
+        }
+    }
+    others_may_write_config(root).then(|| unclaimed(dir))
+}
+
+fn unclaimed(dir: &Path) -> String {
+    let shown = crate::ident::shell_path(dir);
+    format!(
+        "images directory {} is not marked as this store's, and others may rewrite its store.conf: if it is this store's, 'stowage init --images-dir {shown}'",
+        dir.display()
+    )
+}
+
+/// Whether anyone but the root's owner may have written the store's configuration: the root or
+/// `store.conf` writable by group or others (a group store), or `store.conf` another user's.
+fn others_may_write_config(root: &Root) -> bool {
+    let Ok(dir) = root.open() else {
+        return true;
+    };
+    // None yet (a migration): the root alone decides.
+    match (dir.stat(), dir.stat_at(crate::config::FILE)) {
+        (Ok(r), Ok(c)) => {
+            r.mode & 0o022 != 0 || c.is_some_and(|c| c.mode & 0o022 != 0 || c.uid != r.uid)
+        }
+        _ => true,
+    }
 }
 
 /// Where the tree of the image `record` describes lives, for its command: `ROOT/img`, or an
@@ -129,9 +171,13 @@ pub fn my_claim(root: &Root, config: &Config) -> Result<Claim> {
         .with_context(|| format!("cannot inspect root {}", root.dir().display()))
 }
 
-/// Why nothing may be removed from the images directory `dir`: another store claims it.
-pub fn claimed_by_another(root: &Root, dir: &Path) -> Option<String> {
+/// Why nothing may be made or removed in the images directory `dir`: another store claims it, or
+/// an external one is not this store's ([`not_this_stores`]).
+pub fn not_ours(root: &Root, dir: &Path) -> Option<String> {
     let config = config(root).ok()?;
+    if config.images != ImagesDir::Default {
+        return not_this_stores(root, &config, dir);
+    }
     let images = root.open_images_dir(dir).ok()?;
     if copied_with(root, &images, dir, &config) {
         return None;
@@ -146,8 +192,10 @@ fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
         && crate::claim::read(images).is_some_and(|c| c.id == config.id)
 }
 
-/// Claims the images directory for this store unless another does; `Ok(false)`: no xattrs.
-pub fn claim(root: &Root, config: &Config) -> Result<bool> {
+/// Claims the images directory for this store unless another does; `Ok(false)`: no xattrs. An
+/// external one no claim marks is claimed only if `named` (`init --images-dir` names it), or if
+/// nobody but the root's owner may have written the configuration that names it.
+pub fn claim(root: &Root, config: &Config, named: bool) -> Result<bool> {
     let dir = config.images.path_in(root.dir());
     let images = root.open_images_dir(&dir)?;
     let mine = my_claim(root, config)?;
@@ -159,10 +207,17 @@ pub fn claim(root: &Root, config: &Config) -> Result<bool> {
     if now.as_ref() == Some(&mine) {
         return Ok(true);
     }
+    let external = config.images != ImagesDir::Default;
+    let by_root = now
+        .as_ref()
+        .is_some_and(|c| crate::dir::same_identity(&c.root, &mine.root));
+    if external && !named && !by_root && others_may_write_config(root) {
+        anyhow::bail!("{}", unclaimed(&dir));
+    }
     match crate::claim::write(&images, &mine, now.is_none()) {
         // Claimed meanwhile: asked again. A value read as no claim may be a later release's: kept.
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => match crate::claim::read(&images) {
-            Some(_) => claim(root, config),
+            Some(_) => claim(root, config, named),
             _ => anyhow::bail!(
                 "cannot claim images directory {}: its user.stowage.store holds no claim this release reads; unused? 'setfattr -x user.stowage.store {}'",
                 dir.display(),

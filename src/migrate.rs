@@ -346,7 +346,7 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
     // A directory another root claims (this store was copied from that one before either
     // migrated): the root is left unrecorded, so every use asks the claim, and is refused.
     let external = matches!(config.images, ImagesDir::External(_));
-    if external && crate::images_dir::claim(root, &config).is_err() {
+    if external && crate::images_dir::claim(root, &config, false).is_err() {
         config.root = None;
     }
     crate::debug::pause("migrate-claimed");
@@ -354,7 +354,7 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
     // The default one is claimed too, so that no other store's init takes it; once the
     // configuration carries the id, so that a copy taken meanwhile finds its own id there.
     if !external {
-        let _ = crate::images_dir::claim(root, &config);
+        let _ = crate::images_dir::claim(root, &config, false);
     }
     // One transaction: a look without the global lock (doctor's) never sees the catalog emptied.
     conn.execute_batch(

@@ -71,7 +71,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let dir = config.images.path_in(root.dir());
     let images = root.open_or_make_images_dir(&dir)?;
     // Before anything is adopted: a directory another store claims is refused untouched.
-    make_ours(store, &root, &mut config, &dir)?;
+    make_ours(store, &root, &mut config, &dir, wanted.is_some())?;
     // Trees are adopted ready only in a directory stowage never managed, where no image has ever
     // had a lock file (see adopt.rs).
     let census = crate::census::take(&root)?;
@@ -112,11 +112,18 @@ fn open_to_group(store: &mut Store, name: &str) -> Result<u32> {
     Ok(gid)
 }
 
-/// Makes `dir` the images directory from now on (accepting a remount), and this store's.
-fn make_ours(store: &Store, root: &Root, config: &mut Config, dir: &Path) -> Result<()> {
+/// Makes `dir` the images directory from now on (accepting a remount), and this store's; one the
+/// configuration names without a claim only if `named` on the command line (see `claim`).
+fn make_ours(
+    store: &Store,
+    root: &Root,
+    config: &mut Config,
+    dir: &Path,
+    named: bool,
+) -> Result<()> {
     // Claimed first: a root whose identity is recorded is no copy any more, and a copy refused
     // here must stay one, so that every later use asks the claim again.
-    if !crate::images_dir::claim(root, config)? {
+    if !crate::images_dir::claim(root, config, named)? {
         let shown = dir.display();
         store.ctx().say(&format!("cannot mark {shown} as this store's (its filesystem keeps no extended attributes): another store's init would not be refused"));
     }

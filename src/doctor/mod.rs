@@ -605,7 +605,7 @@ fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut 
         report.add("claim", Info, format!("{shown} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)"));
         return;
     }
-    match crate::images_dir::claim(root, config) {
+    match crate::images_dir::claim(root, config, false) {
         Ok(true) => report.add("claim", Repaired, format!("marked {shown} as this store's images directory")),
         Ok(false) => report.add("claim", Info, format!("{shown}: its filesystem keeps no extended attributes, so it cannot be marked as this store's")),
         Err(e) => report.add("claim", Problem, format!("{e:#}")),
@@ -618,7 +618,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let mut config = crate::images_dir::config(&root)?;
     let dir = config.images.path_in(root.dir());
     if let Some(why) = crate::images_dir::unmounted(&root, &dir)
-        .or_else(|| crate::images_dir::claimed_by_another(&root, &dir))
+        .or_else(|| crate::images_dir::not_ours(&root, &dir))
     {
         let detail = format!("{why}; no record is judged by its tree");
         report.add("images", Problem, detail);

@@ -766,3 +766,104 @@ fn a_refused_deletion_names_the_refusing_directory_by_its_path() {
     env.ok(["gc"]);
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
+
+/// A member rewrites the group store's `store.conf` to name a directory
+/// of another user's that the member may not write, and plants a record
+/// saying an image there failed: no command of that user's makes, marks,
+/// adopts, shares or deletes anything there. Only `init --images-dir`
+/// naming a directory makes it the store's.
+#[test]
+fn a_configuration_a_member_rewrote_sends_nothing_outside_the_store() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    env.make_image("base");
+    let data = env.tmp.path().join("data");
+    fs::create_dir_all(data.join("projects/thesis")).unwrap();
+    fs::write(data.join("projects/thesis/ch1.tex"), "chapter 1").unwrap();
+    let before = mode_and_group(&data);
+    let conf = env.root.join("store.conf");
+    let id = fs::read_to_string(&conf).unwrap();
+    let id = id.lines().find(|l| l.starts_with("id=")).unwrap();
+    let planted = format!("stowage-store 1\n{id}\nimages={}\n", data.display());
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=65534", "--regid=100", "--clear-groups", "--"])
+        .args([
+            "sh",
+            "-c",
+            "printf %s \"$1\" > \"$2.new\" && mv \"$2.new\" \"$2\"",
+        ])
+        .args(["sh", &planted, conf.to_str().unwrap()]);
+    assert_eq!(code(&output(c)), Some(0), "the member rewrites store.conf");
+    plant_failed_record(&env, "projects", &data);
+    for args in [
+        &["gc"][..],
+        &["rm", "projects"],
+        &["exec", "--write", "newthing", "--", "true"],
+        &["exec", "--write", "projects", "--", "true"],
+        &["doctor", "--repair"],
+        &["init"],
+    ] {
+        let out = env.run(args);
+        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    assert_eq!(
+        fs::read_to_string(data.join("projects/thesis/ch1.tex")).unwrap(),
+        "chapter 1"
+    );
+    assert_eq!(
+        fs::read_dir(&data).unwrap().count(),
+        1,
+        "nothing made there"
+    );
+    assert_eq!(mode_and_group(&data), before, "not shared");
+    assert!(!has_claim(&data), "not marked as the store's");
+    // Named on the command line, a directory becomes the store's for every member.
+    let env = group_store().unwrap();
+    let ext = env.tmp.path().join("images");
+    fs::create_dir(&ext).unwrap();
+    std::os::unix::fs::chown(&ext, None, Some(GID)).unwrap();
+    fs::set_permissions(&ext, fs::Permissions::from_mode(0o2775)).unwrap();
+    let out = as_member(&env, &["init", "--images-dir", ext.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    member_builds(&env, "app", "true");
+    env.ok(["exec", "--write", "app2", "--from", "app", "--", "true"]);
+    env.ok(["rm", "app"]);
+    assert!(!ext.join("app").exists() && ext.join("app2").is_dir());
+}
+
+/// A record of image `name` in `images`, saying its writer failed, as a
+/// member may write one into its lock file.
+fn plant_failed_record(env: &Env, name: &str, images: &Path) {
+    use stowage::image_record::{self, ImagesDir, Record, State};
+    let path = env.root.join(format!("locks/images/{name}.lock"));
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .unwrap();
+    let mut seen = image_record::read(&file).unwrap();
+    let record = Record {
+        state: State::Incomplete,
+        outcome: Some("exit 1".into()),
+        ..Record::new(name, ImagesDir::External(images.to_owned()), 0)
+    };
+    image_record::write(&file, &mut seen, &record).unwrap();
+    std::os::unix::fs::chown(&path, Some(65534), Some(GID)).unwrap();
+}
+
+fn has_claim(dir: &Path) -> bool {
+    let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    // SAFETY: NUL-terminated path and name; a size query (no buffer).
+    let n = unsafe {
+        libc::getxattr(
+            c.as_ptr(),
+            c"user.stowage.store".as_ptr(),
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    n >= 0
+}
