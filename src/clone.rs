@@ -41,6 +41,8 @@ pub struct Copied {
     pub skipped_special: u64,
     /// Mount points inside the base, copied as empty directories.
     pub mounts_left_out: Vec<String>,
+    /// The base's top-level `.git` was a git worktree's link, left out ([`worktree_link`]).
+    pub worktree_link_left_out: bool,
     /// Extended attributes the target refused, by name: how many, and the first cause.
     pub xattrs_lost: BTreeMap<String, (u64, String)>,
     /// The first few refusals in full (file, attribute, cause), for -v.
@@ -165,9 +167,12 @@ pub fn copy_tree_at(
         .mount_id()
         .with_context(|| format!("cannot read {}", src.display()))?;
     let was = make_private(&dst_root, dst)?;
-    let names = src_root
+    let mut names = src_root
         .entries()
         .with_context(|| format!("cannot list {}", src.display()))?;
+    let before = names.len();
+    names.retain(|n| n.as_bytes() != b".git" || !worktree_link(&src_root));
+    let worktree_link_left_out = names.len() < before;
     let top = Frame {
         src: src_root,
         dst: dst_root
@@ -188,7 +193,10 @@ pub fn copy_tree_at(
         reflink_works: true,
         // Where a client may answer from stale attributes (not a local filesystem).
         shared: !crate::filesystem::filesystem(src).is_ok_and(|f| f.local),
-        out: Copied::default(),
+        out: Copied {
+            worktree_link_left_out,
+            ..Copied::default()
+        },
         progress,
     };
     let mut stack = vec![top];
@@ -204,6 +212,17 @@ pub fn copy_tree_at(
         b.finish_and_clear();
     }
     Ok(copy.out)
+}
+
+/// Whether the tree's top-level `.git` is a git worktree's link (a file `gitdir: …`): copied, it
+/// would make the copy a second checkout claiming the base's worktree, and git (ch-image's build
+/// cache) fails on it from then on. Left out, as ch-image's own copy of an image leaves it.
+fn worktree_link(top: &Dir) -> bool {
+    use std::os::unix::fs::FileExt as _;
+    let mut head = [0u8; 7];
+    top.open_read(".git")
+        .and_then(|f| f.read_exact_at(&mut head, 0))
+        .is_ok_and(|()| &head == b"gitdir:")
 }
 
 /// Makes the copy's top ours alone while the copy is made; returns the mode it had. Attributes are

@@ -377,6 +377,11 @@ impl Session {
                 "image '{target}': {m} is a mount point in '{base}'; copied as an empty directory (a mounted filesystem is not part of the image)"
             ));
         }
+        if done.worktree_link_left_out {
+            ctx.detail(&format!(
+                "image '{target}': /.git of '{base}' not copied: it links '{base}' to a git worktree (a build cache's), which a copy must not claim"
+            ));
+        }
         if done.skipped_special > 0 {
             ctx.say(&format!(
                 "image '{target}': {} device node(s) of '{base}' not copied (creating them needs privilege)",

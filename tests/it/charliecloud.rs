@@ -1370,3 +1370,24 @@ fn a_build_cache_reset_store_wide_keeps_the_records_true() {
     let out = output(ch.ch_build(["-t", "x", "-f", &df]));
     assert_eq!(out.status.code(), Some(66), "{}", show(&out));
 }
+
+/// A copy (`exec --from`) of a base linked to the build cache leaves out
+/// the base's `/.git` (its git worktree's link), as ch-image's own copy
+/// does: with it, the copy claimed the base's worktree, and every later
+/// cache-mode command (list, build, delete) failed on ch-image's check.
+#[test]
+fn a_copy_of_a_cache_linked_base_leaves_the_build_cache_whole() {
+    let Some(ch) = Ch::new() else { return };
+    assert!(ch.img("base/.git").is_file(), "base is linked to the cache");
+    let out = output(ch.stowage(["exec", "--write", "app", "--from", "base", "--", "true"]));
+    assert_ok_ref(&out);
+    assert!(!ch.img("app/.git").exists());
+    assert!(ch.img("app/bin/busybox").is_file());
+    assert_ok(output(ch.ch_image(["--no-lock", "list"])));
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    let df = ch.dockerfile("Dockerfile.c1", "FROM base\nRUN echo c1 > /which\n");
+    assert_ok(output(ch.ch_build(["--cache", "-t", "c1", "-f", &df])));
+    let mut delete = ch.command(CH_DELETE);
+    delete.arg("app");
+    assert_ok(output(delete));
+}

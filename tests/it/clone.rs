@@ -900,3 +900,22 @@ fn without_statx_a_copy_a_removal_and_gc_work() {
         );
     }
 }
+
+/// A base's top-level `.git` that links it to a git worktree (a file
+/// `gitdir: …`) is not copied: the copy would claim the base's worktree.
+/// A `.git` directory, one below the top, and other `.git*` files are.
+#[test]
+fn a_copy_leaves_out_only_the_bases_worktree_link() {
+    let env = Env::new();
+    let script = "cd \"$STOWAGE_IMAGE_DIR\" && printf 'gitdir: /cache/worktrees/base\\n' > .git \
+                  && mkdir -p sub && printf 'gitdir: ../x\\n' > sub/.git && echo '*.o' > .gitignore";
+    env.ok(["exec", "--write", "base", "--", "sh", "-c", script]);
+    env.ok(["exec", "--write", "app", "--from", "base", "--", "true"]);
+    let app = env.root.join("img/app");
+    assert!(!app.join(".git").exists());
+    assert!(app.join("sub/.git").is_file() && app.join(".gitignore").is_file());
+    let script = "mkdir \"$STOWAGE_IMAGE_DIR/.git\"";
+    env.ok(["exec", "--write", "repo", "--", "sh", "-c", script]);
+    env.ok(["exec", "--write", "repo2", "--from", "repo", "--", "true"]);
+    assert!(env.root.join("img/repo2/.git").is_dir());
+}
