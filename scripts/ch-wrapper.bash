@@ -59,6 +59,26 @@ stowage_root() {
     fail 64 "the stowage root $root keeps images of its own ($n) in $dir, not in $S/img, so its locks would not protect this storage directory; name the root that keeps $S/img (--root or STOWAGE_ROOT), or make one: $fix"
 }
 
+# ch-image refuses a storage directory that holds imgtmp, which a cache-mode
+# import makes while it runs (under `stowage exec --store-wide`, which holds
+# ROOT/locks/store.lock exclusively). Waits for that hold to end, as long as
+# --wait allows ($1: its text, may be empty), with a shared flock(1) of the
+# lock; an imgtmp still there then was left by an import that was stopped,
+# and is refused, saying what to remove.
+await_import() {
+    local lock w=()
+    [ -e "$S/imgtmp" ] || return 0
+    [ -n "${root:-}" ] || stowage_root "$1"
+    lock=$root/locks/store.lock
+    if ! flock -n -s "$lock" true 2>/dev/null; then
+        echo "$me: waiting for the store-wide command that holds $S/imgtmp (a ch-image import) to end" >&2
+        [ -z "$1" ] || w=(-w "$(seconds "$(time_ms "$1")")")
+        flock "${w[@]}" -s "$lock" true || fail 75 "the store-wide command holding $S/imgtmp did not end within --wait $1"
+    fi
+    [ -e "$S/imgtmp" ] || return 0
+    fail 1 "$S/imgtmp was left by a ch-image import that was stopped (no store-wide command runs): remove it (rm -rf $(printf %q "$S/imgtmp")) and run this again"
+}
+
 # Milliseconds in a time that stowage has accepted: a number (fractional
 # allowed) and an optional unit (500ms, 10s, 1.5m, 2h, 1d; bare seconds), as
 # stowage reads --wait. Wrappers have stowage check the value first

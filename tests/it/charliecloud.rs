@@ -1391,3 +1391,92 @@ fn a_copy_of_a_cache_linked_base_leaves_the_build_cache_whole() {
     delete.arg("app");
     assert_ok(output(delete));
 }
+
+/// An image stowage records without a directory (its build stopped before
+/// ch-image made it) is one ch-image cannot see: ch-delete says so and
+/// names the `stowage rm` that removes it, which then works.
+#[test]
+fn ch_delete_names_what_only_stowage_records() {
+    let Some(ch) = Ch::new() else { return };
+    let script = "rmdir \"$STOWAGE_IMAGE_DIR\"; exit 1";
+    let out = output(ch.stowage(["exec", "--write", "ek", "--", "sh", "-c", script]));
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert_eq!(ch.stowage_list(), ["base", "ek"]);
+    let mut delete = ch.command(CH_DELETE);
+    delete.arg("ek");
+    let out = output(delete);
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    let said = stderr(&out);
+    let fix = said
+        .split("remove with '")
+        .nth(1)
+        .and_then(|r| r.split('\'').next());
+    let fix = fix.unwrap_or_else(|| panic!("no command named: {said}"));
+    let mut rm = ch.command("sh");
+    rm.args(["-c", fix]);
+    assert_ok(output(rm));
+    assert_eq!(ch.stowage_list(), ["base"]);
+}
+
+/// ch-image refuses a storage directory holding `imgtmp`, which a
+/// cache-mode import makes while it runs under `--store-wide`: ch-build and
+/// ch-delete started meanwhile wait for it and then go on (before, each
+/// failed at once); an `imgtmp` left by a stopped import is named, with
+/// what to remove.
+#[test]
+fn wrappers_started_during_a_store_wide_import_wait_for_it() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    ch.dockerfile("Dockerfile", "FROM base\nRUN echo b > /b\n");
+    assert_ok(output(ch.ch_build(["-t", "old"])));
+    let imgtmp = ch.storage.join("imgtmp");
+    let script = format!(
+        "mkdir {t} && touch {held} && while [ ! -e {go} ]; do sleep 0.05; done; rmdir {t}",
+        t = imgtmp.display(),
+        held = ch.env.sentinel("held").display(),
+        go = ch.env.sentinel("go").display()
+    );
+    let wide = Bg::from_command(ch.stowage(["exec", "--store-wide", "--", "sh", "-c", &script]));
+    wait_for_file(&ch.env.sentinel("held"));
+    let build = Bg::from_command(ch.ch_build(["-t", "app"]));
+    let mut delete = ch.command(CH_DELETE);
+    delete.arg("old");
+    let delete = Bg::from_command(delete);
+    let store_lock = ch.env.root.join("locks/store.lock");
+    wait_until("both wrappers wait for the import", || {
+        flock_waiters_on(&store_lock) >= 2
+    });
+    fs::write(ch.env.sentinel("go"), "").unwrap();
+    assert_ok(wide.finish());
+    let out = build.finish();
+    assert_ok_ref(&out);
+    assert!(stderr(&out).contains("imgtmp"), "{}", show(&out));
+    assert_ok(delete.finish());
+    assert_eq!(ch.file("app", "b"), "b");
+    assert!(!ch.img("old").exists());
+
+    fs::create_dir(&imgtmp).unwrap();
+    let out = output(ch.ch_build(["-t", "app2"]));
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("rm -rf"), "{}", show(&out));
+    assert!(!ch.img("app2").exists());
+}
+
+/// The wrappers take `--option=value` as `--option value`, as stowage does.
+#[test]
+fn wrappers_take_options_with_an_equals_sign() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", "FROM base\nARG A\n");
+    let ctx = ch.ctx.to_str().unwrap();
+    let spaced = dry_run(
+        &ch,
+        &["-t", "app", "--wait", "10s", "--build-arg", "A=1", ctx],
+    );
+    let joined = dry_run(&ch, &["--tag=app", "--wait=10s", "--build-arg=A=1", ctx]);
+    assert_eq!(joined, spaced);
+    let mut delete = ch.command(CH_DELETE);
+    delete.args(["--dry-run", "--wait=10s", "base"]);
+    let out = output(delete);
+    assert_ok_ref(&out);
+    assert!(stdout(&out).contains("--wait 10s"), "{}", show(&out));
+}
