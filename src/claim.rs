@@ -124,17 +124,33 @@ pub fn read(dir: &Dir) -> Option<Claim> {
 /// What claims the directory at `path`, its last component not followed: `Ok(None)` if nothing
 /// does or the value is no claim; an error reading it as it is (`ENOTSUP`: no extended attributes).
 pub fn read_path(path: &Path) -> io::Result<Option<Claim>> {
+    read_named(path, false)
+}
+
+fn read_named(path: &Path, follow: bool) -> io::Result<Option<Claim>> {
     let c = std::ffi::CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let get = if follow {
+        libc::getxattr
+    } else {
+        libc::lgetxattr
+    };
     // SAFETY: valid C strings and a buffer of the length given.
-    let v = crate::dir::xattr_read(1024, |p, n| unsafe {
-        libc::lgetxattr(c.as_ptr(), NAME.as_ptr(), p, n)
-    });
+    let v = crate::dir::xattr_read(1024, |p, n| unsafe { get(c.as_ptr(), NAME.as_ptr(), p, n) });
     match v {
         Ok(v) => Ok(std::str::from_utf8(&v).ok().and_then(Claim::decode)),
         Err(e) if e.raw_os_error() == Some(libc::ENODATA) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// What claims the directory open as `dir` (an `O_PATH` one too, through `/proc/self/fd`): as
+/// [`read_path`], on that very directory.
+pub fn read_fd(dir: &Dir) -> io::Result<Option<Claim>> {
+    read_named(
+        Path::new(&format!("/proc/self/fd/{}", dir.as_raw_fd())),
+        true,
+    )
 }
 
 /// Whether the filesystem of `dir` keeps extended attributes (claims).

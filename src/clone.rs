@@ -220,9 +220,14 @@ pub fn copy_tree_at(
 fn worktree_link(top: &Dir) -> bool {
     use std::os::unix::fs::FileExt as _;
     let mut head = [0u8; 7];
-    top.open_read(".git")
+    // One we may not read (mode 000, not ours to lend) is a file named `.git` all the same.
+    match top
+        .open_read(".git")
         .and_then(|f| f.read_exact_at(&mut head, 0))
-        .is_ok_and(|()| &head == b"gitdir:")
+    {
+        Ok(()) => &head == b"gitdir:",
+        Err(e) => e.kind() == io::ErrorKind::PermissionDenied,
+    }
 }
 
 /// Makes the copy's top ours alone while the copy is made; returns the mode it had. Attributes are

@@ -132,6 +132,23 @@ fn unclaimed(dir: &Path) -> String {
     )
 }
 
+/// `opened`, the images directory at `dir` opened to make or remove trees in, refused unless it is
+/// this store's, judged on that very descriptor (a path checked, then opened again, may lead
+/// elsewhere by then): where others may write the configuration, an external one needs this root's
+/// claim on it; no extended attributes: nothing to tell it by.
+pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
+    let images = opened?;
+    if dir == root.default_images_dir() || !others_may_write_config(root) {
+        return Ok(images);
+    }
+    let here = root.identity()?;
+    match crate::claim::read_fd(&images) {
+        Ok(Some(c)) if crate::dir::same_identity(&c.root, &here) => Ok(images),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => Ok(images),
+        _ => anyhow::bail!("{}", unclaimed(dir)),
+    }
+}
+
 /// Whether anyone but the root's owner may have written the store's configuration: the root or
 /// `store.conf` writable by group or others (a group store), or `store.conf` another user's.
 fn others_may_write_config(root: &Root) -> bool {
@@ -195,15 +212,14 @@ fn copied_with(root: &Root, images: &Dir, dir: &Path, config: &Config) -> bool {
 /// Claims the images directory for this store unless another does; `Ok(false)`: no xattrs. An
 /// external one no claim marks is claimed only if `named` (`init --images-dir` names it), or if
 /// nobody but the root's owner may have written the configuration that names it.
-pub fn claim(root: &Root, config: &Config, named: bool) -> Result<bool> {
+pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<bool> {
     let dir = config.images.path_in(root.dir());
-    let images = root.open_images_dir(&dir)?;
     let mine = my_claim(root, config)?;
-    let copied = copied_with(root, &images, &dir, config);
-    if !copied && let Some(why) = crate::claim::refusal(&images, &dir, &mine) {
+    let copied = copied_with(root, images, &dir, config);
+    if !copied && let Some(why) = crate::claim::refusal(images, &dir, &mine) {
         anyhow::bail!("{why}");
     }
-    let now = crate::claim::read(&images);
+    let now = crate::claim::read(images);
     if now.as_ref() == Some(&mine) {
         return Ok(true);
     }
@@ -214,10 +230,10 @@ pub fn claim(root: &Root, config: &Config, named: bool) -> Result<bool> {
     if external && !named && !by_root && others_may_write_config(root) {
         anyhow::bail!("{}", unclaimed(&dir));
     }
-    match crate::claim::write(&images, &mine, now.is_none()) {
+    match crate::claim::write(images, &mine, now.is_none()) {
         // Claimed meanwhile: asked again. A value read as no claim may be a later release's: kept.
-        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => match crate::claim::read(&images) {
-            Some(_) => claim(root, config, named),
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => match crate::claim::read(images) {
+            Some(_) => claim(root, config, named, images),
             _ => anyhow::bail!(
                 "cannot claim images directory {}: its user.stowage.store holds no claim this release reads; unused? 'setfattr -x user.stowage.store {}'",
                 dir.display(),

@@ -346,7 +346,11 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
     // A directory another root claims (this store was copied from that one before either
     // migrated): the root is left unrecorded, so every use asks the claim, and is refused.
     let external = matches!(config.images, ImagesDir::External(_));
-    if external && crate::images_dir::claim(root, &config, false).is_err() {
+    let claimed = |c: &Config| {
+        let images = root.open_images_dir(&c.images.path_in(root.dir()))?;
+        crate::images_dir::claim(root, c, false, &images)
+    };
+    if external && claimed(&config).is_err() {
         config.root = None;
     }
     crate::debug::pause("migrate-claimed");
@@ -354,7 +358,7 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
     // The default one is claimed too, so that no other store's init takes it; once the
     // configuration carries the id, so that a copy taken meanwhile finds its own id there.
     if !external {
-        let _ = crate::images_dir::claim(root, &config, false);
+        let _ = claimed(&config);
     }
     // One transaction: a look without the global lock (doctor's) never sees the catalog emptied.
     conn.execute_batch(

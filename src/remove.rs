@@ -69,7 +69,8 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     let state = before.state_seen(false);
     let images_dir = crate::images_dir::of_record(root, &before)?;
     let trash = root.open_or_make_sub("trash")?;
-    let images = root.open_images_dir(&images_dir).with_context(|| {
+    let opened = root.open_images_dir(&images_dir);
+    let images = crate::images_dir::confirmed(root, &images_dir, opened).with_context(|| {
         format!(
             "cannot remove image '{}': images directory {} is not usable (is it mounted?)",
             held.name,
@@ -176,7 +177,8 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
     };
     let images_dir = crate::images_dir::of_record(root, record)?;
     let trash = root.open_or_make_sub("trash")?;
-    let usable = (root.open_images_dir(&images_dir).ok())
+    let opened = root.open_images_dir(&images_dir);
+    let usable = (crate::images_dir::confirmed(root, &images_dir, opened).ok())
         .filter(|_| crate::images_dir::unmounted(root, &images_dir).is_none());
     let Some(images) = usable else {
         anyhow::bail!(
@@ -238,7 +240,8 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
 
 /// Removes an image's empty directory (undoing a start) via the images directory's descriptor.
 pub fn remove_empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) {
-    if let Ok(images) = root.open_images_dir(images_dir) {
+    let opened = root.open_images_dir(images_dir);
+    if let Ok(images) = crate::images_dir::confirmed(root, images_dir, opened) {
         let _ = images.rmdir(name.encoded());
     }
 }

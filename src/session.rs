@@ -310,7 +310,8 @@ impl Session {
     /// The images directory and `base`'s tree in it, opened to copy from before anything of the
     /// copy is done: a directory of its own that we may open, else why not.
     pub fn open_base(&self, store: &Store, base: &ImageName) -> Result<(Dir, Dir)> {
-        let images = store.root().open_images_dir(&self.images_dir)?;
+        let (root, dir) = (store.root(), &self.images_dir);
+        let images = crate::images_dir::confirmed(root, dir, root.open_images_dir(dir))?;
         let src = self.images_dir.join(base.encoded());
         let shown = src.display();
         match images.sub(base.encoded()) {
@@ -694,7 +695,8 @@ fn start_new(
     let config = crate::images_dir::config(root)?;
     let dir = crate::images_dir::checked(root, &config)?;
     let name = img.held.name.clone();
-    let images = root.anchor_images_dir(&dir)?;
+    crate::debug::pause("images-dir-checked");
+    let images = crate::images_dir::confirmed(root, &dir, root.anchor_images_dir(&dir))?;
     if let Some(why) = crate::images_dir::refused_for_new(&config, &images, &dir) {
         anyhow::bail!("cannot create image '{name}': {why}");
     }
@@ -716,7 +718,12 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
         return Ok(false);
     };
     let dir = crate::images_dir::of_record(root, r)?;
-    make_tree(&root.open_or_make_images_dir(&dir)?, &dir, &held.name)
+    let opened = root.open_or_make_images_dir(&dir);
+    make_tree(
+        &crate::images_dir::confirmed(root, &dir, opened)?,
+        &dir,
+        &held.name,
+    )
 }
 
 /// Makes `name`'s tree in `images` (the images directory `dir`): `false` if something is there.
@@ -793,16 +800,14 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
     let record = img.held.seen.record.clone().expect("a deleting record");
     let dir = crate::images_dir::of_record(root, &record)?;
     let trash = root.open_or_make_sub("trash")?;
-    if let Ok(images) = root.open_images_dir(&dir)
-        && images.stat_at(name.encoded())?.is_some()
-    {
-        images
-            .rename_to(
-                name.encoded(),
-                &trash,
-                format!("{}.{:016x}.finish", clock::now_ms(), crate::ident::nonce()),
-            )
-            .with_context(|| format!("cannot finish the removal of image '{name}'"))?;
+    if let Ok(opened) = root.open_images_dir(&dir) {
+        let images = crate::images_dir::confirmed(root, &dir, Ok(opened))?;
+        if images.stat_at(name.encoded())?.is_some() {
+            let to = format!("{}.{:016x}.finish", clock::now_ms(), crate::ident::nonce());
+            images
+                .rename_to(name.encoded(), &trash, to)
+                .with_context(|| format!("cannot finish the removal of image '{name}'"))?;
+        }
     }
     image_record::clear(img.held.guard.file())?;
     img.held.seen = Default::default();

@@ -71,7 +71,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let dir = config.images.path_in(root.dir());
     let images = root.open_or_make_images_dir(&dir)?;
     // Before anything is adopted: a directory another store claims is refused untouched.
-    make_ours(store, &root, &mut config, &dir, wanted.is_some())?;
+    make_ours(store, &root, &mut config, (&images, &dir), wanted.is_some())?;
     // Trees are adopted ready only in a directory stowage never managed, where no image has ever
     // had a lock file (see adopt.rs).
     let census = crate::census::take(&root)?;
@@ -118,12 +118,12 @@ fn make_ours(
     store: &Store,
     root: &Root,
     config: &mut Config,
-    dir: &Path,
+    (images, dir): (&crate::dir::Dir, &Path),
     named: bool,
 ) -> Result<()> {
-    // Claimed first: a root whose identity is recorded is no copy any more, and a copy refused
-    // here must stay one, so that every later use asks the claim again.
-    if !crate::images_dir::claim(root, config, named)? {
+    // Claimed first, on the descriptor adoption and sharing use: a root whose identity is recorded
+    // is no copy any more, and a copy refused here must stay one, so every later use asks again.
+    if !crate::images_dir::claim(root, config, named, images)? {
         let shown = dir.display();
         store.ctx().say(&format!("cannot mark {shown} as this store's (its filesystem keeps no extended attributes): another store's init would not be refused"));
     }

@@ -605,7 +605,7 @@ fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut 
         report.add("claim", Info, format!("{shown} is not marked as this store's images directory: another store's init would not be refused ('stowage doctor --repair' marks it)"));
         return;
     }
-    match crate::images_dir::claim(root, config, false) {
+    match crate::images_dir::claim(root, config, false, images) {
         Ok(true) => report.add("claim", Repaired, format!("marked {shown} as this store's images directory")),
         Ok(false) => report.add("claim", Info, format!("{shown}: its filesystem keeps no extended attributes, so it cannot be marked as this store's")),
         Err(e) => report.add("claim", Problem, format!("{e:#}")),
@@ -624,7 +624,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         report.add("images", Problem, detail);
         return Ok(());
     }
-    let images = root.open_or_make_images_dir(&dir)?;
+    let images = crate::images_dir::confirmed(&root, &dir, root.open_or_make_images_dir(&dir))?;
     claim(&root, &config, &images, repair, report);
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-records-read");

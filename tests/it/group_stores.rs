@@ -867,3 +867,45 @@ fn has_claim(dir: &Path) -> bool {
     };
     n >= 0
 }
+
+/// The claim is judged on the directory a command then uses, not on a path
+/// looked at before: a link in the configured path that a member swaps, from
+/// a directory carrying the store's claim to one of another user's, between
+/// the look and the use, gets nothing made there.
+#[test]
+fn a_link_swapped_after_the_claim_was_looked_at_leads_nowhere() {
+    let Some(env) = group_store() else {
+        return;
+    };
+    let member = env.tmp.path().join("member");
+    let claimed = member.join("real/work");
+    fs::create_dir_all(&claimed).unwrap();
+    std::os::unix::fs::chown(&claimed, None, Some(GID)).unwrap();
+    fs::set_permissions(&claimed, fs::Permissions::from_mode(0o2775)).unwrap();
+    let link = member.join("p");
+    std::os::unix::fs::symlink(member.join("real"), &link).unwrap();
+    let images = link.join("work");
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    // The member drops the directory's recorded identity, which would tell the swap otherwise.
+    let conf = env.root.join("store.conf");
+    let text = fs::read_to_string(&conf).unwrap();
+    let kept: String = text
+        .lines()
+        .filter(|l| !l.starts_with("identity="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    fs::write(&conf, kept).unwrap();
+    let victim = env.tmp.path().join("victim");
+    fs::create_dir_all(victim.join("work")).unwrap();
+    let (write, go) = env.paused(
+        ["exec", "--write", "new", "--", "true"],
+        "images-dir-checked",
+    );
+    fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    fs::remove_file(&go).unwrap();
+    let out = write.finish();
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    let made = fs::read_dir(victim.join("work")).unwrap().count();
+    assert_eq!(made, 0, "made in the other directory");
+}
