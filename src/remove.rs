@@ -219,6 +219,9 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
                 Err(e) => Taken::Partial(e),
             }
         }
+        // A name cached by a shared filesystem's client (another host moved the tree away a moment
+        // ago): the server says it is gone.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && trash_there(trash) => Taken::Gone,
         Err(e) => {
             use crate::dir::{DELETE_IN, MOVE};
             let e = crate::dir::explain_refusal(
@@ -236,6 +239,12 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
             )))
         }
     }
+}
+
+/// Whether the trash opened as `trash` is still there: a rename into it that found nothing, then,
+/// found nothing to move.
+fn trash_there(trash: &Dir) -> bool {
+    crate::dir::fstat(trash).is_ok_and(|st| st.st_nlink > 0)
 }
 
 /// Removes an image's empty directory (undoing a start) via the images directory's descriptor.

@@ -62,15 +62,21 @@ pub struct Wait<'a> {
     pub rearm: Option<Duration>,
     /// Asked at each re-arm: true gives the wait up as timed out (the caller asks why).
     pub give_up: Option<Box<dyn FnMut() -> bool + 'a>>,
+    /// Try without blocking, again and again, instead of one blocked request: on FUSE, whose
+    /// servers may wedge on an interrupted lock request (GlusterFS 10's client, when the holder's
+    /// host crashes while two of its processes wait).
+    pub poll: bool,
 }
 
 impl<'a> Wait<'a> {
     /// A wait suited to the filesystem holding the lock files in `dir`.
     pub fn on(dir: &Path, deadline: Option<Instant>) -> Self {
-        let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
+        let fs = crate::filesystem::filesystem(dir);
+        let local = fs.as_ref().is_ok_and(|f| f.local);
         Wait {
             deadline,
             rearm: (!local).then_some(REMOTE_REARM),
+            poll: fs.is_ok_and(|f| f.name == "fuse"),
             ..Wait::default()
         }
     }
@@ -204,7 +210,7 @@ pub(super) fn block(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Wait
     if wait.deadline.is_some_and(|d| Instant::now() >= d) {
         return Ok(Waited::TimedOut);
     }
-    if !starting_to_wait() {
+    if wait.poll || !starting_to_wait() {
         return poll(file, mode, wait);
     }
     install_wake_handler();
@@ -354,12 +360,14 @@ fn say_if_due(notice: &mut Option<Notice<'_>>, started: Instant) {
 const POLL_MIN: Duration = Duration::from_millis(2);
 const POLL_MAX: Duration = Duration::from_millis(50);
 
-/// Waits for `file` without a helper thread: capped-backoff tries, woken by a cancellation.
+/// Waits for `file` without a helper thread: capped-backoff tries, woken by a cancellation;
+/// `give_up` is asked as often as a blocked wait would re-arm.
 pub(super) fn poll(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Waited<()>> {
     let waker = Waker::default();
     let started = Instant::now();
     let mut notice = wait.notice.take();
     let mut pause = POLL_MIN;
+    let mut next_ask = wait.rearm.map(|r| started + r);
     loop {
         if flock_try(file, mode)? {
             return Ok(Waited::Acquired(()));
@@ -368,6 +376,14 @@ pub(super) fn poll(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Waite
         let now = Instant::now();
         if wait.deadline.is_some_and(|d| now >= d) {
             return Ok(Waited::TimedOut);
+        }
+        if let (Some(at), Some(every)) = (next_ask, wait.rearm)
+            && now >= at
+        {
+            if wait.give_up.as_mut().is_some_and(|f| f()) {
+                return Ok(Waited::TimedOut);
+            }
+            next_ask = Some(now + every);
         }
         let until = wait.deadline.map_or(now + pause, |d| d.min(now + pause));
         pause = (pause * 2).min(POLL_MAX);

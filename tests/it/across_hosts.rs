@@ -951,3 +951,36 @@ fn check_look(st: &Value, dead: &[String], problems: &mut Vec<String>) {
         }
     }
 }
+
+/// A removal cut short by its host's crash after the tree went to the
+/// trash is finished by the next gc on another host — also on the host
+/// that wrote the image a moment before, whose client still has the tree's
+/// name cached and is told by the server, at the rename, that it is gone.
+#[test]
+fn a_removal_its_host_crashed_in_is_finished_where_the_tree_is_cached() {
+    let Some(mut c) = Cluster::start("rmcrash", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let root = c.root();
+    let fill = "mkdir \"$STOWAGE_IMAGE_DIR/d\" && echo x > \"$STOWAGE_IMAGE_DIR/d/f\"";
+    ok(c.host(1)
+        .stowage_run(&root, ["exec", "--write", "img", "--", "sh", "-c", fill]));
+    let pause = env.sentinel("paused");
+    let mut cmd = c.host(0).stowage(&root, ["rm", "img"]);
+    cmd.env(
+        stowage::env::DEBUG_PAUSE,
+        format!("rm-moved:{}", pause.display()),
+    );
+    let _removal = Bg::from_command(cmd);
+    wait_for_file(&pause);
+    c.hosts[0].crash();
+    let b = c.host(1);
+    wait_until("the crashed removal's lock is free", || {
+        let st = status(b, &root, &["img"]);
+        image_lock(&st, "img").is_some_and(|l| l["state"] == "free")
+    });
+    let out = b.stowage_run(&root, ["gc"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(image_state(b, &root, "img"), None);
+}

@@ -875,3 +875,51 @@ fn the_mount_table_is_read_no_further_than_the_roots_mount() {
         "the mount table was read past the root's mount, to its end"
     );
 }
+
+/// On FUSE (GlusterFS), a wait never leaves a lock request blocked in the
+/// kernel to be interrupted: it tries again and again without blocking.
+/// GlusterFS 10's client wedged, the whole mount with it, when a host that
+/// held a lock crashed while two processes of another host sat in
+/// interrupted blocked requests. Elsewhere off this machine (NFS) a wait
+/// still blocks.
+#[test]
+fn on_fuse_a_wait_never_blocks_in_a_lock_request() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("a");
+    let lock = env.lock_file("a");
+    let release = env.sentinel("release");
+    let wait_for = format!(
+        "while [ ! -e '{}' ]; do sleep 0.05; done",
+        release.display()
+    );
+    for (fstype, blocks) in [("fuse", false), ("nfs", true)] {
+        let _ = fs::remove_file(&release);
+        let held = env.sentinel(&format!("held-{fstype}"));
+        let holder = flock_holder(&lock, &held, &wait_for);
+        let log = env.sentinel(&format!("flock-{fstype}.log"));
+        let mut c = Command::new("strace");
+        c.args(["-f", "-e", "trace=flock", "-o"])
+            .arg(&log)
+            .arg(bin())
+            .arg("--root")
+            .arg(&env.root)
+            .args(["exec", "--write", "a", "--", "true"])
+            .env(stowage::env::DEBUG_FILESYSTEM, fstype);
+        let writer = Bg::from_command(c);
+        wait_until("the writer waits", || {
+            fs::read_to_string(&log).is_ok_and(|l| l.matches("LOCK_EX").count() >= 3)
+        });
+        fs::write(&release, "").unwrap();
+        for out in [holder.finish(), writer.finish()] {
+            assert_eq!(code(&out), Some(0), "{}", show(&out));
+        }
+        let log = fs::read_to_string(&log).unwrap();
+        let blocked = log
+            .lines()
+            .any(|l| l.contains("flock(") && l.contains("LOCK_EX") && !l.contains("LOCK_NB"));
+        assert_eq!(blocked, blocks, "{fstype}:\n{log}");
+    }
+}
