@@ -300,6 +300,36 @@ fn moved(root: &Root, seen: &Config) -> bool {
     true
 }
 
+/// The identity of the images directory the configuration names, if it is the one recorded.
+pub fn recorded_identity(root: &Root) -> Option<String> {
+    let config = config(root).ok()?;
+    let now = root
+        .open_images_dir(&config.images.path_in(root.dir()))
+        .ok()?
+        .identity()
+        .ok()?;
+    let recorded = config.identity.as_deref()?;
+    crate::dir::same_identity(recorded, &now).then_some(now)
+}
+
+/// Records the images directory a store-wide command made anew (`ch-image reset` does): at
+/// `before` it was the recorded one; now another directory of the same filesystem is at its path,
+/// so no unmount is to blame. True if recorded.
+pub fn accept_remade(root: &Root, before: &str) -> bool {
+    let Ok(mut config) = config(root) else {
+        return false;
+    };
+    let dir = config.images.path_in(root.dir());
+    let Ok(now) = root.open_images_dir(&dir).and_then(|d| Ok(d.identity()?)) else {
+        return false;
+    };
+    let fs = |id: &str| id.split_once('@').map(|(_, fs)| fs.to_owned());
+    if now == before || fs(&now) != fs(before) || config.identity.as_deref() != Some(before) {
+        return false;
+    }
+    record_identity(root, &mut config, true).is_ok()
+}
+
 /// Why a tree missing from `dir` may be the images directory's fault rather than a deletion.
 pub fn unmounted(root: &Root, dir: &Path) -> Option<String> {
     let images = match root.open_images_dir(dir) {

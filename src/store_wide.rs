@@ -185,9 +185,13 @@ impl Hold {
     }
 
     /// After the command: drops the records of ready images whose trees it deleted; their names.
-    pub fn forget_deleted(&self, store: &Store) -> Vec<String> {
+    /// `images_before`: the images directory's identity before it ran, if the one recorded; one
+    /// the command made anew is recorded, and what it no longer holds was deleted, empty or not.
+    pub fn forget_deleted(&self, store: &Store, images_before: Option<&str>) -> Vec<String> {
+        let remade =
+            images_before.is_some_and(|b| crate::images_dir::accept_remade(store.root(), b));
         let entries = crate::census::take(store.root()).unwrap_or_default();
-        forget_missing(store, entries, |_| true)
+        forget_missing(store, entries, remade, |_| true)
     }
     /// Ends the hold. If a process the command left still holds the inherited `store.lock`, the hold
     /// lasts until it ends (hints stay). Otherwise, with `store.lock` retaken, hints go from every
@@ -226,16 +230,18 @@ pub fn forget_left(store: &Store, entries: &[crate::census::Entry]) -> Vec<Strin
     if hinted.is_empty() || probe(store.root()).ok() != Some(Probe::Free) {
         return Vec::new();
     }
-    forget_missing(store, hinted, |seen| {
+    forget_missing(store, hinted, false, |seen| {
         seen.store_wide && probe(store.root()).ok() == Some(Probe::Free)
     })
 }
 
 /// Drops the records of ready images in `entries` whose trees are missing, each under its exclusive
-/// lock (tried) if `still` holds of what it then says; none if the images directory looks unmounted.
+/// lock (tried) if `still` holds of what it then says; none if the images directory looks unmounted
+/// (unless `remade`: the command made it anew).
 fn forget_missing(
     store: &Store,
     entries: Vec<crate::census::Entry>,
+    remade: bool,
     still: impl Fn(&image_record::Seen) -> bool,
 ) -> Vec<String> {
     let root = store.root();
@@ -258,7 +264,7 @@ fn forget_missing(
     if missing.is_empty() {
         return Vec::new();
     }
-    if let Some(why) = unusable(root, &dir) {
+    if let Some(why) = unusable(root, &dir).filter(|_| !remade) {
         store
             .ctx()
             .say(&format!("not checking for deleted images: {why}"));

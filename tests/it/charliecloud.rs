@@ -1480,3 +1480,34 @@ fn wrappers_take_options_with_an_equals_sign() {
     assert_ok_ref(&out);
     assert!(stdout(&out).contains("--wait 10s"), "{}", show(&out));
 }
+
+/// `ch-image reset` under `--store-wide` makes the storage directory, and
+/// so the images directory, anew: stowage takes the new directory (same
+/// filesystem, made while it held the whole store) for the one it records,
+/// and forgets every image it no longer holds. Before, the records stayed
+/// `ready` ("not the directory recorded"), and reads of gone trees ran.
+#[test]
+fn a_reset_store_wide_forgets_every_image_it_removed() {
+    let Some(ch) = Ch::new() else { return };
+    derived(&ch, "app", "base");
+    let storage = ch.storage.display().to_string();
+    let reset = [
+        "exec",
+        "--store-wide",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+        "reset",
+    ];
+    let out = output(ch.stowage(reset));
+    assert_ok_ref(&out);
+    assert!(!ch.img("base").exists() && !ch.img("app").exists());
+    assert_eq!(ch.stowage_list(), Vec::<String>::new());
+    let out = output(ch.stowage(["exec", "--read", "base", "--", "true"]));
+    assert_eq!(out.status.code(), Some(66), "{}", show(&out));
+    ch.env.ok(["doctor"]);
+    ch.env.ok(["exec", "--write", "new", "--", "true"]);
+    assert!(ch.img("new").is_dir());
+}
