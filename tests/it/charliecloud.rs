@@ -1342,18 +1342,7 @@ fn a_cache_mode_import_runs_store_wide() {
 fn a_build_cache_reset_store_wide_keeps_the_records_true() {
     let Some(ch) = Ch::new() else { return };
     derived(&ch, "app", "base");
-    let storage = ch.storage.display().to_string();
-    let out = output(ch.stowage([
-        "exec",
-        "--store-wide",
-        "--",
-        "ch-image",
-        "-s",
-        &storage,
-        "--no-lock",
-        "build-cache",
-        "--reset",
-    ]));
+    let out = ch_image_store_wide(&ch, &["build-cache", "--reset"]);
     assert_ok_ref(&out);
     assert!(
         !ch.img("base").exists(),
@@ -1490,18 +1479,7 @@ fn wrappers_take_options_with_an_equals_sign() {
 fn a_reset_store_wide_forgets_every_image_it_removed() {
     let Some(ch) = Ch::new() else { return };
     derived(&ch, "app", "base");
-    let storage = ch.storage.display().to_string();
-    let reset = [
-        "exec",
-        "--store-wide",
-        "--",
-        "ch-image",
-        "-s",
-        &storage,
-        "--no-lock",
-        "reset",
-    ];
-    let out = output(ch.stowage(reset));
+    let out = ch_image_store_wide(&ch, &["reset"]);
     assert_ok_ref(&out);
     assert!(!ch.img("base").exists() && !ch.img("app").exists());
     assert_eq!(ch.stowage_list(), Vec::<String>::new());
@@ -1510,4 +1488,20 @@ fn a_reset_store_wide_forgets_every_image_it_removed() {
     ch.env.ok(["doctor"]);
     ch.env.ok(["exec", "--write", "new", "--", "true"]);
     assert!(ch.img("new").is_dir());
+}
+
+/// `stowage exec --store-wide -- ch-image -s STORAGE --no-lock ARGS…`.
+fn ch_image_store_wide(ch: &Ch, args: &[&str]) -> std::process::Output {
+    let storage = ch.storage.display().to_string();
+    let mut all = vec![
+        "exec",
+        "--store-wide",
+        "--",
+        "ch-image",
+        "-s",
+        &storage,
+        "--no-lock",
+    ];
+    all.extend_from_slice(args);
+    output(ch.stowage(all))
 }
