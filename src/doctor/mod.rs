@@ -178,8 +178,11 @@ pub fn run(store: &mut Store, repair: bool) -> Result<Report> {
         checks: Vec::new(),
     };
     if let Some(f) = &fs_info {
+        let polls = crate::filesystem::filesystem(root.dir()).is_ok_and(|f| lock::polls(&f));
         let kind = if f.local {
             "local: the kernel's lock table shows every holder"
+        } else if polls {
+            "shared or unknown: lock-status probes locks; on FUSE, waits try again without blocking every 2-50 ms"
         } else {
             "shared or unknown: lock-status probes locks, and waits re-issue blocked requests every 250 ms"
         };

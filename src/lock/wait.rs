@@ -76,10 +76,15 @@ impl<'a> Wait<'a> {
         Wait {
             deadline,
             rearm: (!local).then_some(REMOTE_REARM),
-            poll: fs.is_ok_and(|f| f.name == "fuse"),
+            poll: fs.is_ok_and(|f| polls(&f)),
             ..Wait::default()
         }
     }
+}
+
+/// Whether waits on filesystem `fs` poll ([`Wait::poll`]): FUSE.
+pub fn polls(fs: &crate::filesystem::Filesystem) -> bool {
+    fs.name == "fuse"
 }
 
 /// How often blocked requests are re-issued on remote filesystems.
@@ -210,7 +215,8 @@ pub(super) fn block(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Wait
     if wait.deadline.is_some_and(|d| Instant::now() >= d) {
         return Ok(Waited::TimedOut);
     }
-    if wait.poll || !starting_to_wait() {
+    // Asked first, polling or not: it starts the thread that takes the signals ending a wait.
+    if !starting_to_wait() || wait.poll {
         return poll(file, mode, wait);
     }
     install_wake_handler();

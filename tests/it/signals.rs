@@ -1192,3 +1192,40 @@ fn paused_pid(pause: &std::path::Path) -> i32 {
     });
     pid
 }
+
+/// On FUSE a wait tries again and again without blocking (no blocked
+/// request to interrupt): SIGTERM and SIGINT still end it at once, with
+/// 128+N, for an image lock (as writer, and as reader queued behind one)
+/// and for a store-wide hold.
+#[test]
+fn a_signal_ends_a_polled_wait_on_fuse() {
+    let env = Env::new();
+    env.make_image("a");
+    let _image = long_holder(&env, &["--write", "a"], "image-held");
+    let store_wide = ["exec", "--store-wide", "--", "true"];
+    for (sig, args) in [
+        (libc::SIGTERM, &["exec", "--write", "a", "--", "true"][..]),
+        (libc::SIGINT, &["exec", "--read", "a", "--", "true"]),
+        (libc::SIGTERM, &store_wide),
+    ] {
+        let mut c = env.cmd(args);
+        c.env(stowage::env::DEBUG_FILESYSTEM, "fuse");
+        let mut waiter = Bg::from_command(c);
+        wait_until("the waiter waits", || {
+            waits_on(&env, "a", waiter.pid()) || {
+                let out = env.ok(["lock-status", "--json"]);
+                String::from_utf8_lossy(&out.stdout).contains(&format!("\"pid\": {}", waiter.pid()))
+            }
+        });
+        waiter.signal(sig);
+        // The holder never lets go: only the signal can end the wait.
+        wait_until("the waiter ends on the signal", || !waiter.is_running());
+        let out = waiter.finish();
+        assert_eq!(
+            out.status.code(),
+            Some(128 + sig),
+            "{args:?}: {}",
+            show(&out)
+        );
+    }
+}
