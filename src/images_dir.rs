@@ -313,14 +313,17 @@ pub fn recorded_identity(root: &Root) -> Option<String> {
 }
 
 /// Records the images directory a store-wide command made anew (`ch-image reset` does): at
-/// `before` it was the recorded one; now another directory of the same filesystem is at its path,
-/// so no unmount is to blame. True if recorded.
+/// `before` it was the recorded one; now another directory of the same filesystem, and no mount
+/// (a bind mount hides trees, it deletes none), is at its path. True if recorded.
 pub fn accept_remade(root: &Root, before: &str) -> bool {
     let Ok(mut config) = config(root) else {
         return false;
     };
     let dir = config.images.path_in(root.dir());
-    let Ok(now) = root.open_images_dir(&dir).and_then(|d| Ok(d.identity()?)) else {
+    let Ok(images) = root.open_images_dir(&dir) else {
+        return false;
+    };
+    let (Ok(now), Ok(false)) = (images.identity(), images.is_mount_root()) else {
         return false;
     };
     let fs = |id: &str| id.split_once('@').map(|(_, fs)| fs.to_owned());

@@ -1126,35 +1126,40 @@ fn a_repair_clearing_stale_hints_leaves_a_new_holds_hints_alone() {
     hold.kill_all();
 }
 
-/// A store-wide command that mounts another filesystem over the images
-/// directory has not deleted the trees it hides: they are kept (only a
-/// directory made anew on the same filesystem, as `ch-image reset` makes
-/// it, is taken for the images directory).
+/// A store-wide command that mounts a filesystem over the images directory
+/// (another one, or another directory of the same one bound there) has not
+/// deleted the trees it hides: they are kept (only a directory made anew
+/// on the same filesystem, as `ch-image reset` makes it, is taken for the
+/// images directory).
 #[test]
 fn a_filesystem_mounted_over_the_images_directory_by_a_store_wide_command_forgets_nothing() {
-    if !root_or_skip("mounting a tmpfs") {
+    if !root_or_skip("mounting") {
         return;
     }
     let env = Env::new();
     env.make_image("a");
     let img = env.root.join("img");
     let img = img.to_str().unwrap();
-    let out = env.run([
-        "exec",
-        "--store-wide",
-        "--",
-        "mount",
-        "-t",
-        "tmpfs",
-        "none",
-        img,
-    ]);
-    let unmounted = std::process::Command::new("umount")
-        .arg(img)
-        .status()
-        .unwrap();
-    assert!(unmounted.success());
-    assert_eq!(code(&out), Some(0), "{}", show(&out));
-    assert_eq!(env.state("a").as_deref(), Some("ready"), "{}", show(&out));
-    env.ok(["exec", "--read", "a", "--", "true"]);
+    let other = env.tmp.path().join("other");
+    fs::create_dir(&other).unwrap();
+    let other = other.to_str().unwrap();
+    for mount in [&["-t", "tmpfs", "none"][..], &["--bind", other]] {
+        let mut args = vec!["exec", "--store-wide", "--", "mount"];
+        args.extend(mount);
+        args.push(img);
+        let out = env.run(&args);
+        let unmounted = std::process::Command::new("umount")
+            .arg(img)
+            .status()
+            .unwrap();
+        assert!(unmounted.success());
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        assert_eq!(
+            env.state("a").as_deref(),
+            Some("ready"),
+            "{mount:?}: {}",
+            show(&out)
+        );
+        env.ok(["exec", "--read", "a", "--", "true"]);
+    }
 }
