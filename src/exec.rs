@@ -266,9 +266,9 @@ fn run_store_wide(store: &mut Store, plan: &Plan, signals: Forwarder) -> Result<
         let status = command::wait(&signals, pid, keeper).map_err(wait_failed)?;
         Ok(command::exit_code(&status))
     };
-    let before = crate::images_dir::recorded_identity(store.root());
+    let before = crate::images_dir::recorded_open(store.root());
     let code = run();
-    for name in hold.forget_deleted(store, before.as_deref()) {
+    for name in hold.forget_deleted(store, before.as_ref()) {
         store.ctx().say(&format!(
             "image '{name}' was deleted by the store-wide command"
         ));

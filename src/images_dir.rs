@@ -300,35 +300,40 @@ fn moved(root: &Root, seen: &Config) -> bool {
     true
 }
 
-/// The identity of the images directory the configuration names, if it is the one recorded.
-pub fn recorded_identity(root: &Root) -> Option<String> {
+/// The images directory the configuration names, opened, if it is the one recorded: kept open
+/// through a store-wide command, to tell afterwards whether the command deleted it
+/// ([`accept_remade`]).
+pub fn recorded_open(root: &Root) -> Option<Dir> {
     let config = config(root).ok()?;
-    let now = root
+    let images = root
         .open_images_dir(&config.images.path_in(root.dir()))
-        .ok()?
-        .identity()
         .ok()?;
     let recorded = config.identity.as_deref()?;
-    crate::dir::same_identity(recorded, &now).then_some(now)
+    crate::dir::same_identity(recorded, &images.identity().ok()?).then_some(images)
 }
 
-/// Records the images directory a store-wide command made anew (`ch-image reset` does): at
-/// `before` it was the recorded one; now another directory of the same filesystem, and no mount
-/// (a bind mount hides trees, it deletes none), is at its path. True if recorded.
-pub fn accept_remade(root: &Root, before: &str) -> bool {
+/// Records the images directory a store-wide command made anew (`ch-image reset` does): `before`,
+/// the recorded one it ran beside, was deleted (not moved: no name is left to it), and a directory
+/// on the same device that is no mount (a mount hides trees, it deletes none) is at its path now.
+/// A claim of this store's on the old one goes to the new one. True if recorded.
+pub fn accept_remade(root: &Root, before: &Dir) -> bool {
     let Ok(mut config) = config(root) else {
         return false;
     };
     let dir = config.images.path_in(root.dir());
-    let Ok(images) = root.open_images_dir(&dir) else {
+    let (Ok(old), Ok(images)) = (before.stat(), root.open_images_dir(&dir)) else {
         return false;
     };
-    let (Ok(now), Ok(false)) = (images.identity(), images.is_mount_root()) else {
+    let (Ok(now), Ok(false)) = (images.stat(), images.is_mount_root()) else {
         return false;
     };
-    let fs = |id: &str| id.split_once('@').map(|(_, fs)| fs.to_owned());
-    if now == before || fs(&now) != fs(before) || config.identity.as_deref() != Some(before) {
+    if old.nlink != 0 || now.dev != old.dev {
         return false;
+    }
+    if let (Ok(Some(c)), Ok(here)) = (crate::claim::read_fd(before), root.identity())
+        && crate::dir::same_identity(&c.root, &here)
+    {
+        let _ = crate::claim::write(&images, &c, true);
     }
     record_identity(root, &mut config, true).is_ok()
 }

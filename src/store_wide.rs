@@ -185,9 +185,13 @@ impl Hold {
     }
 
     /// After the command: drops the records of ready images whose trees it deleted; their names.
-    /// `images_before`: the images directory's identity before it ran, if the one recorded; one
-    /// the command made anew is recorded, and what it no longer holds was deleted, empty or not.
-    pub fn forget_deleted(&self, store: &Store, images_before: Option<&str>) -> Vec<String> {
+    /// `images_before`: the images directory before it ran, opened, if the one recorded; one the
+    /// command made anew is recorded, and what it no longer holds was deleted, empty or not.
+    pub fn forget_deleted(
+        &self,
+        store: &Store,
+        images_before: Option<&crate::dir::Dir>,
+    ) -> Vec<String> {
         let remade =
             images_before.is_some_and(|b| crate::images_dir::accept_remade(store.root(), b));
         let entries = crate::census::take(store.root()).unwrap_or_default();

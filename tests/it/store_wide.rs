@@ -1163,3 +1163,33 @@ fn a_filesystem_mounted_over_the_images_directory_by_a_store_wide_command_forget
         env.ok(["exec", "--read", "a", "--", "true"]);
     }
 }
+
+/// A store-wide command that deletes the images directory and makes it
+/// again (as `ch-image reset` does; on ext4 the new one often gets the old
+/// one's inode number) has deleted the trees in it: their images are
+/// forgotten. One that moves the directory away and makes another has
+/// deleted nothing: every image is kept.
+#[test]
+fn an_images_directory_deleted_and_made_again_is_told_from_one_moved_away() {
+    for (script, kept) in [
+        (
+            "rm -rf \"$STOWAGE_IMAGES_DIR\" && mkdir \"$STOWAGE_IMAGES_DIR\"",
+            false,
+        ),
+        (
+            "mv \"$STOWAGE_IMAGES_DIR\" \"$STOWAGE_IMAGES_DIR.old\" && mkdir \"$STOWAGE_IMAGES_DIR\"",
+            true,
+        ),
+    ] {
+        let env = Env::new();
+        env.make_image("a");
+        let out = env.ok(["exec", "--store-wide", "--", "sh", "-c", script]);
+        let state = env.state("a");
+        assert_eq!(state.is_some(), kept, "{script}: {state:?} {}", show(&out));
+        if !kept {
+            let read = env.run(["exec", "--read", "a", "--", "true"]);
+            assert_eq!(code(&read), Some(66), "{}", show(&read));
+        }
+        env.ok(["exec", "--write", "b", "--", "true"]);
+    }
+}
