@@ -138,13 +138,15 @@ fn unclaimed(dir: &Path) -> String {
 /// claim on it; no extended attributes: nothing to tell it by.
 pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
     let images = opened?;
-    if dir == root.default_images_dir() || !others_may_write_config(root) {
+    if dir == root.default_images_dir() {
         return Ok(images);
     }
+    // The claim first: found, it settles it without asking who may write the configuration.
     let here = root.identity()?;
     match crate::claim::read_fd(&images) {
         Ok(Some(c)) if crate::dir::same_identity(&c.root, &here) => Ok(images),
         Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => Ok(images),
+        _ if !others_may_write_config(root) => Ok(images),
         _ => anyhow::bail!("{}", unclaimed(dir)),
     }
 }

@@ -27,6 +27,8 @@ pub struct Root {
     fs: Option<crate::filesystem::Filesystem>,
     /// The root, opened and its owner checked once, on first use.
     opened: std::sync::Arc<std::sync::OnceLock<Dir>>,
+    /// That descriptor's identity: its inode's, fixed for its life.
+    identity: std::sync::Arc<std::sync::OnceLock<String>>,
 }
 
 impl Root {
@@ -110,14 +112,19 @@ impl Root {
         }
     }
 
-    /// The root directory's identity, through its open descriptor (no duplicate made).
+    /// The root directory's identity, through its open descriptor (no duplicate made), asked once.
     pub fn identity(&self) -> Result<String> {
+        if let Some(id) = self.identity.get() {
+            return Ok(id.clone());
+        }
         if self.opened.get().is_none() {
             self.open()?;
         }
         let d = self.opened.get().expect("opened above");
-        d.identity()
-            .with_context(|| format!("cannot inspect root {}", self.dir.display()))
+        let id = d
+            .identity()
+            .with_context(|| format!("cannot inspect root {}", self.dir.display()))?;
+        Ok(self.identity.get_or_init(|| id).clone())
     }
 
     /// Opens the root directory, its ownership checked again on the descriptor.
