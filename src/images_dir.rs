@@ -83,36 +83,69 @@ pub fn of_record(root: &Root, record: &Record) -> Result<PathBuf> {
 }
 
 /// The images directory `config` names — refused if it is external and not this store's
-/// ([`not_this_stores`]).
+/// ([`not_this_stores`], by the claim on its path; one missing is left to what opens it).
 pub fn checked(root: &Root, config: &Config) -> Result<PathBuf> {
     let dir = config.images.path_in(root.dir());
     if config.images == ImagesDir::Default {
         return Ok(dir);
     }
-    if let Some(why) = not_this_stores(root, config, &dir) {
+    if let Some(why) = not_this_stores_by_path(root, config, &dir) {
         anyhow::bail!("{why}");
     }
     Ok(dir)
 }
 
-/// Why this store may not use the external images directory `dir` its configuration names:
+/// [`not_this_stores`] by the claim on `dir`'s path; one missing is left to what opens it.
+fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<String> {
+    let claim = crate::claim::read_path(dir);
+    if claim
+        .as_ref()
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    {
+        return None;
+    }
+    not_this_stores(root, Some(config), dir, claim)
+}
+
+/// `opened`, the images directory at `dir` opened to make or remove trees in, refused unless it is
+/// this store's, judged on that very descriptor (a path checked, then opened again, may lead
+/// elsewhere by then).
+pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
+    let images = opened?;
+    if dir == root.default_images_dir() {
+        return Ok(images);
+    }
+    match not_this_stores(root, None, dir, crate::claim::read_fd(&images)) {
+        Some(why) => anyhow::bail!("{why}"),
+        None => Ok(images),
+    }
+}
+
+/// Why this store may not use the external images directory `dir`, by `claim`, what was read of
+/// its claim (the claim first: found, it settles it without asking who may write `store.conf`):
 /// - another root's claim binds it (a copy of the store, or another store);
 /// - no claim of this store's is on it while others may have written the configuration (a group
 ///   store): a member may name any directory there, so only a claim, which `init --images-dir`
 ///   writes, makes it this store's. No extended attributes: nothing to tell it by.
-fn not_this_stores(root: &Root, config: &Config, dir: &Path) -> Option<String> {
+fn not_this_stores(
+    root: &Root,
+    config: Option<&Config>,
+    dir: &Path,
+    claim: std::io::Result<Option<Claim>>,
+) -> Option<String> {
     let here = root.identity().ok()?;
-    let theirs = match crate::claim::read_path(dir) {
+    let theirs = match claim {
         Ok(c) => c,
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTSUP | libc::ENOENT)) => return None,
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => return None,
         Err(_) => None,
     };
     if let Some(t) = &theirs {
         if crate::dir::same_identity(&t.root, &here) {
             return None;
         }
-        if let Some(why) = crate::claim::refusal_by(t, dir, &config.id, &here) {
-            let recorded = config.root.as_deref();
+        let id = config.map_or("", |c| c.id.as_str());
+        if let Some(why) = crate::claim::refusal_by(t, dir, id, &here) {
+            let recorded = config.and_then(|c| c.root.as_deref());
             if recorded.is_some_and(|r| !crate::dir::same_identity(r, &here)) {
                 return Some(format!(
                     "{why}; this root is a copy of that store ('stowage --root ROOT init --images-dir DIR' gives it images of its own)"
@@ -130,25 +163,6 @@ fn unclaimed(dir: &Path) -> String {
         "images directory {} is not marked as this store's, and others may rewrite its store.conf: if it is this store's, 'stowage init --images-dir {shown}'",
         dir.display()
     )
-}
-
-/// `opened`, the images directory at `dir` opened to make or remove trees in, refused unless it is
-/// this store's, judged on that very descriptor (a path checked, then opened again, may lead
-/// elsewhere by then): where others may write the configuration, an external one needs this root's
-/// claim on it; no extended attributes: nothing to tell it by.
-pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
-    let images = opened?;
-    if dir == root.default_images_dir() {
-        return Ok(images);
-    }
-    // The claim first: found, it settles it without asking who may write the configuration.
-    let here = root.identity()?;
-    match crate::claim::read_fd(&images) {
-        Ok(Some(c)) if crate::dir::same_identity(&c.root, &here) => Ok(images),
-        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => Ok(images),
-        _ if !others_may_write_config(root) => Ok(images),
-        _ => anyhow::bail!("{}", unclaimed(dir)),
-    }
 }
 
 /// Whether anyone but the root's owner may have written the store's configuration: the root or
@@ -195,7 +209,7 @@ pub fn my_claim(root: &Root, config: &Config) -> Result<Claim> {
 pub fn not_ours(root: &Root, dir: &Path) -> Option<String> {
     let config = config(root).ok()?;
     if config.images != ImagesDir::Default {
-        return not_this_stores(root, &config, dir);
+        return not_this_stores_by_path(root, &config, dir);
     }
     let images = root.open_images_dir(dir).ok()?;
     if copied_with(root, &images, dir, &config) {
