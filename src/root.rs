@@ -88,21 +88,15 @@ impl Root {
     /// The root holds no store: what it holds that no store's making puts there, if anything
     /// (another maker's half-made layout is no reason to refuse).
     fn no_store(&self) -> crate::Error {
-        const PARTS: [&str; 7] = [
-            "locks",
-            "img",
-            "trash",
-            "reserve",
-            crate::config::FILE,
-            "stowage.db",
-            "stowage.db-journal",
-        ];
+        let parts = Self::LAYOUT_DIRS.iter().chain(&Self::LAYOUT_FILES);
         // The configuration is written under a temporary name first (`config.rs`).
         let writing = format!(".{}.", crate::config::FILE);
         let held = fs::read_dir(&self.dir).ok().and_then(|entries| {
             let name = entries.flatten().map(|e| e.file_name()).find(|n| {
                 let n = n.to_string_lossy();
-                !PARTS.contains(&n.as_ref()) && !n.starts_with(&writing)
+                !parts.clone().any(|p| *p == n)
+                    && n != "stowage.db-journal"
+                    && !n.starts_with(&writing)
             })?;
             Some(crate::ident::printable(&name.to_string_lossy()).into_owned())
         });
@@ -307,6 +301,40 @@ impl Root {
         self.dir.join("stowage.db")
     }
 
+    pub fn locks(&self) -> PathBuf {
+        self.dir.join("locks")
+    }
+
+    pub fn global_lock(&self) -> PathBuf {
+        self.dir.join("locks/global.lock")
+    }
+
+    pub fn image_locks(&self) -> PathBuf {
+        self.dir.join("locks/images")
+    }
+
+    pub fn slot_locks(&self) -> PathBuf {
+        self.dir.join("locks/slots")
+    }
+
+    /// Holder leases (`lease.rs`).
+    pub fn leases(&self) -> PathBuf {
+        self.dir.join("locks/leases")
+    }
+
+    pub fn default_images_dir(&self) -> PathBuf {
+        self.dir.join("img")
+    }
+
+    pub fn trash(&self) -> PathBuf {
+        self.dir.join("trash")
+    }
+
+    /// Space kept in reserve for the metadata (`space.rs`).
+    pub fn reserve(&self) -> PathBuf {
+        self.dir.join("reserve")
+    }
+
     /// Whether a look asks about locks by query, not try-lock ([`crate::lock::look`]).
     pub fn lock_queries(&self) -> bool {
         self.fs.as_ref().is_some_and(|f| f.queries_see_flocks)
@@ -324,18 +352,6 @@ impl Root {
             .or_else(|| crate::filesystem::filesystem(&self.dir).ok())
     }
 
-    pub fn locks(&self) -> PathBuf {
-        self.dir.join("locks")
-    }
-
-    pub fn global_lock(&self) -> PathBuf {
-        self.dir.join("locks/global.lock")
-    }
-
-    pub fn image_locks(&self) -> PathBuf {
-        self.dir.join("locks/images")
-    }
-
     pub fn image_lock(&self, name: &ImageName) -> PathBuf {
         self.image_locks().join(lock_file_name(name.encoded()))
     }
@@ -348,10 +364,6 @@ impl Root {
     /// The relative name of an image's lock file under `locks/`, as holder records name it.
     pub fn image_lock_rel(name: &ImageName) -> String {
         format!("images/{}", lock_file_name(name.encoded()))
-    }
-
-    pub fn slot_locks(&self) -> PathBuf {
-        self.dir.join("locks/slots")
     }
 
     /// A slot class's directory: `locks/slots/ENC` (`/` → `%`).
@@ -397,30 +409,12 @@ impl Root {
         ImageName::from_encoded(fname.strip_suffix(".lock")?).ok()
     }
 
-    /// Holder leases (`lease.rs`).
-    pub fn leases(&self) -> PathBuf {
-        self.dir.join("locks/leases")
-    }
-
     /// A lock file's name relative to `locks/`, as records name it.
     pub fn locks_rel(&self, path: &Path) -> String {
         path.strip_prefix(self.locks())
             .unwrap_or(path)
             .display()
             .to_string()
-    }
-
-    pub fn default_images_dir(&self) -> PathBuf {
-        self.dir.join("img")
-    }
-
-    pub fn trash(&self) -> PathBuf {
-        self.dir.join("trash")
-    }
-
-    /// Space kept in reserve for the metadata (`space.rs`).
-    pub fn reserve(&self) -> PathBuf {
-        self.dir.join("reserve")
     }
 
     /// Creates the root and its directories. Idempotent. The root's parent must exist.
@@ -431,17 +425,8 @@ impl Root {
     /// Refuses a new store inside another's `img`, `trash` or `locks` (that store's gc would remove
     /// it, its init adopt it), or in an images directory a store claims. Judged on the real path.
     fn refuse_inside_another(&self) -> Result<()> {
-        let real = match (
-            fs::canonicalize(&self.dir),
-            self.dir.parent(),
-            self.dir.file_name(),
-        ) {
-            (Ok(real), _, _) => real,
-            (Err(_), Some(parent), Some(name)) => match fs::canonicalize(parent) {
-                Ok(p) => p.join(name),
-                Err(_) => return Ok(()),
-            },
-            _ => return Ok(()),
+        let Ok(real) = fs::canonicalize(&self.dir).or_else(|_| real_path(&self.dir)) else {
+            return Ok(());
         };
         let mut at = real.as_path();
         while let Some(parent) = at.parent() {
@@ -750,9 +735,7 @@ impl Root {
         let (euid, root) = (nix::unistd::geteuid().as_raw(), self.dir.display());
         if self.default && uid != euid {
             anyhow::bail!(
-                "default root {} belongs to uid {}, not to you: refusing it (its owner controls its locks); remove it, or choose a root with --root or STOWAGE_ROOT",
-                root,
-                uid
+                "default root {root} belongs to uid {uid}, not to you: refusing it (its owner controls its locks); remove it, or choose a root with --root or STOWAGE_ROOT"
             );
         }
         let shared = mode & 0o020 != 0 && crate::ident::in_group(gid);
