@@ -97,6 +97,20 @@ impl Image {
         h.reading = self.role == Role::ReadExclusive;
         h
     }
+
+    /// Records a read's use: an exclusive read's always, a shared one's once in a while, and only
+    /// into a file of its own (a reader's may have other names).
+    fn record_use(&mut self, now: clock::Millis) {
+        let seen = &mut self.held.seen;
+        let shared_due = self.role == Role::Read
+            && image_record::last_use_stale(seen, now)
+            && self.held.guard.has_one_name();
+        if (self.role == Role::ReadExclusive || shared_due)
+            && image_record::record_use(self.held.guard.file(), seen, now).is_ok()
+        {
+            seen.last_use = seen.last_use.max(Some(now));
+        }
+    }
 }
 
 /// The locks held for one command.
@@ -195,16 +209,7 @@ impl Session {
         let base = req.base.as_ref().map(|b| b.as_str().to_owned());
         for img in self.images.iter_mut() {
             if img.role != Role::Write {
-                // Once in a while, only into a file of its own (a reader's may have other names).
-                if img.role == Role::ReadExclusive
-                    || (image_record::last_use_stale(&img.held.seen, now)
-                        && img.held.guard.has_one_name())
-                {
-                    let file = img.held.guard.file();
-                    if image_record::record_use(file, &img.held.seen, now).is_ok() {
-                        img.held.seen.last_use = img.held.seen.last_use.max(Some(now));
-                    }
-                }
+                img.record_use(now);
                 // It may change the tree: where locks may be lost, its record is numbered anew
                 // (same contents), which a reader whose lock was lost meanwhile finds changed.
                 if img.role == Role::ReadExclusive
@@ -239,9 +244,7 @@ impl Session {
                     img.record = Some(w);
                     // No tree (a failed first write's went; a store-wide command deleted a
                     // ready one, its stowage killed before it forgot it): made anew.
-                    if tree_missing(&self.root, &img.held)? {
-                        img.made_tree = make_missing_tree(&self.root, &img.held)?;
-                    }
+                    img.made_tree = make_missing_tree(&self.root, &img.held)?;
                 }
                 None => start_new(store, img, base.clone(), lease.clone(), now)?,
             }
@@ -437,12 +440,7 @@ impl Session {
         for img in self.images.iter_mut() {
             // A read that outlasted the resolution is a use until its end: a gc right after a long
             // build must not take its base for unused since the build began.
-            let long_read = img.role == Role::Read
-                && image_record::last_use_stale(&img.held.seen, now)
-                && img.held.guard.has_one_name();
-            if img.role == Role::ReadExclusive || long_read {
-                let _ = image_record::record_use(img.held.guard.file(), &img.held.seen, now);
-            }
+            img.record_use(now);
             if !img.writes() {
                 continue;
             }
@@ -651,7 +649,7 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
 }
 
 /// Whether nothing is at `path` (one `lstat`).
-fn nothing_at(path: &Path) -> bool {
+pub(crate) fn nothing_at(path: &Path) -> bool {
     matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == io::ErrorKind::NotFound)
 }
 
@@ -712,20 +710,6 @@ fn start_new(
     Ok(())
 }
 
-/// Makes the tree of an existing image that has none (a failed first write's went): `true` if made.
-fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
-    let Some(r) = held.seen.record.as_ref() else {
-        return Ok(false);
-    };
-    let dir = crate::images_dir::of_record(root, r)?;
-    let opened = root.open_or_make_images_dir(&dir);
-    make_tree(
-        &crate::images_dir::confirmed(root, &dir, opened)?,
-        &dir,
-        &held.name,
-    )
-}
-
 /// Makes `name`'s tree in `images` (the images directory `dir`): `false` if something is there.
 fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<bool> {
     match images.mkdir(name.encoded(), 0o777) {
@@ -737,10 +721,10 @@ fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<b
     }
 }
 
-/// Whether an existing image has no tree; one that is not a directory of its own (one `lstat`): a
-/// symlink or file swapped in, or a missing one where the images directory is not the recorded
-/// one, misdirects writes, and is refused.
-fn tree_missing(root: &Root, held: &Held) -> Result<bool> {
+/// Makes the tree of an existing image that has none (a failed first write's went): `true` if made.
+/// One that is not a directory of its own (one `lstat`): a symlink or file swapped in, or a missing
+/// one where the images directory is not the recorded one, misdirects writes, and is refused.
+fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
     let Some(r) = held.seen.record.as_ref() else {
         return Ok(false);
     };
@@ -750,10 +734,13 @@ fn tree_missing(root: &Root, held: &Held) -> Result<bool> {
         Ok(m) if m.file_type().is_symlink() => "a symlink",
         Ok(m) if !m.is_dir() => "not a directory",
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            match crate::images_dir::unmounted(root, &images) {
-                Some(why) => anyhow::bail!("cannot write image '{}': {why}", held.name),
-                None => return Ok(true),
+            if let Some(why) = crate::images_dir::unmounted(root, &images) {
+                anyhow::bail!("cannot write image '{}': {why}", held.name);
             }
+            let dir = crate::images_dir::of_record(root, r)?;
+            let opened = root.open_or_make_images_dir(&dir);
+            let images = crate::images_dir::confirmed(root, &dir, opened)?;
+            return make_tree(&images, &dir, &held.name);
         }
         _ => return Ok(false),
     };
