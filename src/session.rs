@@ -509,7 +509,9 @@ enum Attempt {
 /// The images taken, or what to do before an attempt starts over.
 type Taken = Result<Result<Vec<Image>, Attempt>>;
 
-/// Every image lock, in lock order, with its record, then [`settle_taken`]; `Ok(Err(_))`: again.
+/// Every image lock, in lock order, with its record, then what the records say of the attempt: a
+/// store to migrate, another's store-wide hold to wait for, reads that cannot be. All but going on
+/// lets every lock go; `Ok(Err(_))`: again.
 fn take_images(
     store: &Store,
     req: &Request,
@@ -550,12 +552,6 @@ fn take_images(
         held.push(image.holding(&req.command));
         images.push(image);
     }
-    settle_taken(root, images)
-}
-
-/// What the records say of the attempt: a store to migrate, another's store-wide hold to wait for,
-/// reads that cannot be. All but going on lets every lock go.
-fn settle_taken(root: &Root, mut images: Vec<Image>) -> Taken {
     if images.iter().any(|i| i.held.seen.legacy) {
         if crate::migrate::is_legacy(root) {
             give_up(root, images, &[]);
@@ -756,24 +752,21 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
 /// made it): anything else is refused, never handed to the builder.
 fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<()> {
     let path = dir.join(name.encoded());
-    let what = match images.stat_at(name.encoded())? {
-        Some(e) if e.is_symlink() => "a symlink".to_owned(),
-        Some(e) if !e.is_dir() => "not a directory".to_owned(),
+    // Only a directory is a tree `doctor --repair` adopts.
+    let adopt = ", or 'stowage doctor --repair' adopts it";
+    let (what, adopt) = match images.stat_at(name.encoded())? {
+        Some(e) if e.is_symlink() => ("a symlink".to_owned(), ""),
+        Some(e) if !e.is_dir() => ("not a directory".to_owned(), ""),
         Some(e) if e.uid != nix::unistd::geteuid().as_raw() => {
-            "another user's directory".to_owned()
+            ("another user's directory".to_owned(), adopt)
         }
         Some(_) => match images.sub(name.encoded()).and_then(|d| d.names()) {
             Ok(n) if n.is_empty() => return Ok(()),
-            Ok(_) => "a directory with contents".to_owned(),
+            Ok(_) => ("a directory with contents".to_owned(), adopt),
             // On a shared filesystem: most often removed by another host a moment ago.
-            Err(e) => format!("a directory that cannot be listed: {e}"),
+            Err(e) => (format!("a directory that cannot be listed: {e}"), adopt),
         },
         None => return Ok(()),
-    };
-    // Only a directory is a tree `doctor --repair` adopts.
-    let adopt = match what.as_str() {
-        "a symlink" | "not a directory" => "",
-        _ => ", or 'stowage doctor --repair' adopts it",
     };
     anyhow::bail!(
         "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it{adopt})",

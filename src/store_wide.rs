@@ -268,7 +268,20 @@ fn forget_missing(
     if missing.is_empty() {
         return Vec::new();
     }
-    if let Some(why) = unusable(root, &dir).filter(|_| !remade) {
+    // A missing tree proves nothing where the directory is not the recorded one, or is empty while
+    // images are recorded.
+    let empty = crate::dir::Dir::open_nofollow(&dir)
+        .and_then(|d| d.names())
+        .is_ok_and(|n| n.is_empty());
+    let unusable = crate::images_dir::unmounted(root, &dir).or_else(|| {
+        empty.then(|| {
+            format!(
+                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images)",
+                dir.display()
+            )
+        })
+    });
+    if let Some(why) = unusable.filter(|_| !remade) {
         store
             .ctx()
             .say(&format!("not checking for deleted images: {why}"));
@@ -285,22 +298,6 @@ fn forget_missing(
         (gone && root.drop_record(&name, g).is_ok()).then(|| name.as_str().to_owned())
     };
     missing.into_iter().filter_map(forget).collect()
-}
-
-/// Why a missing tree in `dir` would prove nothing: not the recorded directory, or empty while
-/// images are recorded.
-fn unusable(root: &Root, dir: &std::path::Path) -> Option<String> {
-    let empty = crate::dir::Dir::open_nofollow(dir)
-        .and_then(|d| d.names())
-        .is_ok_and(|n| n.is_empty());
-    crate::images_dir::unmounted(root, dir).or_else(|| {
-        empty.then(|| {
-            format!(
-                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images)",
-                dir.display()
-            )
-        })
-    })
 }
 
 /// Takes `store.lock` exclusively, waiting as allowed (holding nothing).
