@@ -97,6 +97,20 @@ impl Image {
         h.reading = self.role == Role::ReadExclusive;
         h
     }
+
+    /// Records a read's use: an exclusive read's always, a shared one's once in a while, and only
+    /// into a file of its own (a reader's may have other names).
+    fn record_use(&mut self, now: clock::Millis) {
+        let seen = &mut self.held.seen;
+        let shared_due = self.role == Role::Read
+            && image_record::last_use_stale(seen, now)
+            && self.held.guard.has_one_name();
+        if (self.role == Role::ReadExclusive || shared_due)
+            && image_record::record_use(self.held.guard.file(), seen, now).is_ok()
+        {
+            seen.last_use = seen.last_use.max(Some(now));
+        }
+    }
 }
 
 /// The locks held for one command.
@@ -195,16 +209,7 @@ impl Session {
         let base = req.base.as_ref().map(|b| b.as_str().to_owned());
         for img in self.images.iter_mut() {
             if img.role != Role::Write {
-                // Once in a while, only into a file of its own (a reader's may have other names).
-                if img.role == Role::ReadExclusive
-                    || (image_record::last_use_stale(&img.held.seen, now)
-                        && img.held.guard.has_one_name())
-                {
-                    let file = img.held.guard.file();
-                    if image_record::record_use(file, &img.held.seen, now).is_ok() {
-                        img.held.seen.last_use = img.held.seen.last_use.max(Some(now));
-                    }
-                }
+                img.record_use(now);
                 // It may change the tree: where locks may be lost, its record is numbered anew
                 // (same contents), which a reader whose lock was lost meanwhile finds changed.
                 if img.role == Role::ReadExclusive
@@ -239,9 +244,7 @@ impl Session {
                     img.record = Some(w);
                     // No tree (a failed first write's went; a store-wide command deleted a
                     // ready one, its stowage killed before it forgot it): made anew.
-                    if tree_missing(&self.root, &img.held)? {
-                        img.made_tree = make_missing_tree(&self.root, &img.held)?;
-                    }
+                    img.made_tree = make_missing_tree(&self.root, &img.held)?;
                 }
                 None => start_new(store, img, base.clone(), lease.clone(), now)?,
             }
@@ -437,12 +440,7 @@ impl Session {
         for img in self.images.iter_mut() {
             // A read that outlasted the resolution is a use until its end: a gc right after a long
             // build must not take its base for unused since the build began.
-            let long_read = img.role == Role::Read
-                && image_record::last_use_stale(&img.held.seen, now)
-                && img.held.guard.has_one_name();
-            if img.role == Role::ReadExclusive || long_read {
-                let _ = image_record::record_use(img.held.guard.file(), &img.held.seen, now);
-            }
+            img.record_use(now);
             if !img.writes() {
                 continue;
             }
@@ -511,7 +509,9 @@ enum Attempt {
 /// The images taken, or what to do before an attempt starts over.
 type Taken = Result<Result<Vec<Image>, Attempt>>;
 
-/// Every image lock, in lock order, with its record, then [`settle_taken`]; `Ok(Err(_))`: again.
+/// Every image lock, in lock order, with its record, then what the records say of the attempt: a
+/// store to migrate, another's store-wide hold to wait for, reads that cannot be. All but going on
+/// lets every lock go; `Ok(Err(_))`: again.
 fn take_images(
     store: &Store,
     req: &Request,
@@ -552,12 +552,6 @@ fn take_images(
         held.push(image.holding(&req.command));
         images.push(image);
     }
-    settle_taken(root, images)
-}
-
-/// What the records say of the attempt: a store to migrate, another's store-wide hold to wait for,
-/// reads that cannot be. All but going on lets every lock go.
-fn settle_taken(root: &Root, mut images: Vec<Image>) -> Taken {
     if images.iter().any(|i| i.held.seen.legacy) {
         if crate::migrate::is_legacy(root) {
             give_up(root, images, &[]);
@@ -651,7 +645,7 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
 }
 
 /// Whether nothing is at `path` (one `lstat`).
-fn nothing_at(path: &Path) -> bool {
+pub(crate) fn nothing_at(path: &Path) -> bool {
     matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == io::ErrorKind::NotFound)
 }
 
@@ -712,20 +706,6 @@ fn start_new(
     Ok(())
 }
 
-/// Makes the tree of an existing image that has none (a failed first write's went): `true` if made.
-fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
-    let Some(r) = held.seen.record.as_ref() else {
-        return Ok(false);
-    };
-    let dir = crate::images_dir::of_record(root, r)?;
-    let opened = root.open_or_make_images_dir(&dir);
-    make_tree(
-        &crate::images_dir::confirmed(root, &dir, opened)?,
-        &dir,
-        &held.name,
-    )
-}
-
 /// Makes `name`'s tree in `images` (the images directory `dir`): `false` if something is there.
 fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<bool> {
     match images.mkdir(name.encoded(), 0o777) {
@@ -737,10 +717,10 @@ fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<b
     }
 }
 
-/// Whether an existing image has no tree; one that is not a directory of its own (one `lstat`): a
-/// symlink or file swapped in, or a missing one where the images directory is not the recorded
-/// one, misdirects writes, and is refused.
-fn tree_missing(root: &Root, held: &Held) -> Result<bool> {
+/// Makes the tree of an existing image that has none (a failed first write's went): `true` if made.
+/// One that is not a directory of its own (one `lstat`): a symlink or file swapped in, or a missing
+/// one where the images directory is not the recorded one, misdirects writes, and is refused.
+fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
     let Some(r) = held.seen.record.as_ref() else {
         return Ok(false);
     };
@@ -750,10 +730,13 @@ fn tree_missing(root: &Root, held: &Held) -> Result<bool> {
         Ok(m) if m.file_type().is_symlink() => "a symlink",
         Ok(m) if !m.is_dir() => "not a directory",
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            match crate::images_dir::unmounted(root, &images) {
-                Some(why) => anyhow::bail!("cannot write image '{}': {why}", held.name),
-                None => return Ok(true),
+            if let Some(why) = crate::images_dir::unmounted(root, &images) {
+                anyhow::bail!("cannot write image '{}': {why}", held.name);
             }
+            let dir = crate::images_dir::of_record(root, r)?;
+            let opened = root.open_or_make_images_dir(&dir);
+            let images = crate::images_dir::confirmed(root, &dir, opened)?;
+            return make_tree(&images, &dir, &held.name);
         }
         _ => return Ok(false),
     };
@@ -769,24 +752,21 @@ fn tree_missing(root: &Root, held: &Held) -> Result<bool> {
 /// made it): anything else is refused, never handed to the builder.
 fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<()> {
     let path = dir.join(name.encoded());
-    let what = match images.stat_at(name.encoded())? {
-        Some(e) if e.is_symlink() => "a symlink".to_owned(),
-        Some(e) if !e.is_dir() => "not a directory".to_owned(),
+    // Only a directory is a tree `doctor --repair` adopts.
+    let adopt = ", or 'stowage doctor --repair' adopts it";
+    let (what, adopt) = match images.stat_at(name.encoded())? {
+        Some(e) if e.is_symlink() => ("a symlink".to_owned(), ""),
+        Some(e) if !e.is_dir() => ("not a directory".to_owned(), ""),
         Some(e) if e.uid != nix::unistd::geteuid().as_raw() => {
-            "another user's directory".to_owned()
+            ("another user's directory".to_owned(), adopt)
         }
         Some(_) => match images.sub(name.encoded()).and_then(|d| d.names()) {
             Ok(n) if n.is_empty() => return Ok(()),
-            Ok(_) => "a directory with contents".to_owned(),
+            Ok(_) => ("a directory with contents".to_owned(), adopt),
             // On a shared filesystem: most often removed by another host a moment ago.
-            Err(e) => format!("a directory that cannot be listed: {e}"),
+            Err(e) => (format!("a directory that cannot be listed: {e}"), adopt),
         },
         None => return Ok(()),
-    };
-    // Only a directory is a tree `doctor --repair` adopts.
-    let adopt = match what.as_str() {
-        "a symlink" | "not a directory" => "",
-        _ => ", or 'stowage doctor --repair' adopts it",
     };
     anyhow::bail!(
         "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it{adopt})",

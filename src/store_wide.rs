@@ -113,10 +113,12 @@ impl Hold {
         deadline: Option<Instant>,
         no_wait: bool,
     ) -> Result<Hold> {
+        let busy = |why: &str| Err(Busy::now("the store-wide lock".into(), why.into()).into());
         let enclosing = crate::nested::enclosing(store.root());
         if enclosing.hold(Root::STORE_WIDE_LOCK_REL) == Some(Mode::Exclusive) {
-            return Err(Busy::now("the store-wide lock".into(), "held by an enclosing command of this process (a 'stowage exec --store-wide' that runs it); a store-wide command cannot run inside another".into())
-            .into());
+            return busy(
+                "held by an enclosing command of this process (a 'stowage exec --store-wide' that runs it); a store-wide command cannot run inside another",
+            );
         }
         // Inside an image user's command, a hold already waiting (for that user) would wait for us.
         let under_image = enclosing
@@ -125,8 +127,9 @@ impl Hold {
             .any(|h| h.lockfile.starts_with("images/"));
         let hold = match Hold::take_raw(store, command, deadline, no_wait || under_image) {
             Err(e) if under_image && matches!(crate::error::typed(&e), Some(Error::Busy(_))) => {
-                return Err(Busy::now("the store-wide lock".into(), "held by another store-wide command, which waits for the exec this process runs in: waiting would never end".into())
-                .into());
+                return busy(
+                    "held by another store-wide command, which waits for the exec this process runs in: waiting would never end",
+                );
             }
             other => other?,
         };
@@ -148,8 +151,7 @@ impl Hold {
         let leases = store.root().leases();
         let _ = crate::lease::mine(&leases);
         let guard = take_store_lock(store, command, deadline, no_wait)?;
-        let hold = store_lock_holding(Mode::Exclusive, false, command);
-        crate::lease::note(&leases, hold);
+        crate::lease::note(&leases, store_lock_holding(Mode::Exclusive, false, command));
         Ok(Hold { guard })
     }
 
@@ -256,10 +258,8 @@ fn forget_missing(
     let missing_tree = |r: &image_record::Record| {
         r.state == crate::image_record::State::Ready
             && r.images == config.images
-            && crate::name::ImageName::parse(&r.name).is_ok_and(|n| {
-                matches!(std::fs::symlink_metadata(dir.join(n.encoded())),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound)
-            })
+            && crate::name::ImageName::parse(&r.name)
+                .is_ok_and(|n| crate::session::nothing_at(&dir.join(n.encoded())))
     };
     let missing: Vec<crate::census::Entry> = entries
         .into_iter()
@@ -268,7 +268,20 @@ fn forget_missing(
     if missing.is_empty() {
         return Vec::new();
     }
-    if let Some(why) = unusable(root, &dir).filter(|_| !remade) {
+    // A missing tree proves nothing where the directory is not the recorded one, or is empty while
+    // images are recorded.
+    let empty = crate::dir::Dir::open_nofollow(&dir)
+        .and_then(|d| d.names())
+        .is_ok_and(|n| n.is_empty());
+    let unusable = crate::images_dir::unmounted(root, &dir).or_else(|| {
+        empty.then(|| {
+            format!(
+                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images)",
+                dir.display()
+            )
+        })
+    });
+    if let Some(why) = unusable.filter(|_| !remade) {
         store
             .ctx()
             .say(&format!("not checking for deleted images: {why}"));
@@ -285,22 +298,6 @@ fn forget_missing(
         (gone && root.drop_record(&name, g).is_ok()).then(|| name.as_str().to_owned())
     };
     missing.into_iter().filter_map(forget).collect()
-}
-
-/// Why a missing tree in `dir` would prove nothing: not the recorded directory, or empty while
-/// images are recorded.
-fn unusable(root: &Root, dir: &std::path::Path) -> Option<String> {
-    let empty = crate::dir::Dir::open_nofollow(dir)
-        .and_then(|d| d.names())
-        .is_ok_and(|n| n.is_empty());
-    crate::images_dir::unmounted(root, dir).or_else(|| {
-        empty.then(|| {
-            format!(
-                "images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images)",
-                dir.display()
-            )
-        })
-    })
 }
 
 /// Takes `store.lock` exclusively, waiting as allowed (holding nothing).

@@ -12,7 +12,7 @@
 use std::io;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::error::{Busy, Error};
 use crate::holders::LockKind;
@@ -176,11 +176,9 @@ fn wait_taking(
         other => other?,
     };
     // A planted FIFO or socket fails the read (ESPIPE or so).
-    let seen = image_record::read_of(guard.file(), name.as_str()).map_err(|e| {
-        anyhow::Error::new(e).context(format!(
-            "cannot read the record in {} (is it a regular file?)",
-            path.display()
-        ))
+    let seen = image_record::read_of(guard.file(), name.as_str()).with_context(|| {
+        let path = path.display();
+        format!("cannot read the record in {path} (is it a regular file?)")
     })?;
     Ok(Held {
         name: name.clone(),

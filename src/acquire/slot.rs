@@ -219,10 +219,7 @@ fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
         (c, matches!(c, Class::Limits(_)))
     });
     match got {
-        Ok(Some((g, Class::Limits(l)))) if l.limit == 0 => {
-            drop(g);
-            Ok(Some(None))
-        }
+        Ok(Some((_, Class::Limits(l)))) if l.limit == 0 => Ok(Some(None)),
         Ok(Some((g, Class::Limits(l)))) if l.settled() => Ok(Some(Some(SlotGuard::new(g)))),
         // Busy, unsettled, no record, or no such file: the general way says what is wrong.
         Ok(_) => Ok(None),
