@@ -783,9 +783,10 @@ pub fn pid_on(p: &Party, nobody: &str, here: Option<&str>, ns: bool) -> String {
     s
 }
 
-/// " (make all)": the party's command, cut to `width` characters.
+/// " (make all)": the party's command, cut to `width` characters; none at 0.
 pub fn command_cut(p: &Party, width: usize) -> String {
-    p.command.as_deref().map_or_else(String::new, |c| {
+    let command = p.command.as_deref().filter(|_| width > 0);
+    command.map_or_else(String::new, |c| {
         format!(" ({})", ident::shortened(&ident::printable(c), width))
     })
 }
