@@ -454,18 +454,11 @@ impl<'c> Look<'c> {
         let (mut holders, mut waiters) =
             self.leased(&listing, entries.as_deref(), state, &mut claimed);
         let mut vanished = false;
-        for (i, e) in entries.iter().flatten().enumerate() {
-            if claimed[i] {
-                continue;
-            }
-            let Some(party) = self.unclaimed(&listing, path, &rel, e) else {
-                vanished |= !e.blocked;
-                continue;
-            };
-            if e.blocked {
-                waiters.push(party);
-            } else {
-                holders.push(party);
+        for (e, _) in entries.iter().flatten().zip(claimed).filter(|(_, c)| !c) {
+            match self.unclaimed(&listing, path, &rel, e) {
+                Some(party) if e.blocked => waiters.push(party),
+                Some(party) => holders.push(party),
+                None => vanished |= !e.blocked,
             }
         }
         // A holder the table showed is gone since: the lock may be free.
@@ -519,12 +512,10 @@ impl<'c> Look<'c> {
                 continue;
             }
             let party = self.party(n, id, h);
-            if h.awaits {
-                if state != Probe::Free {
-                    waiters.push(party);
-                }
-            } else if state == held_as(h.mode) {
-                holders.push(party);
+            match h.awaits {
+                true if state != Probe::Free => waiters.push(party),
+                false if state == held_as(h.mode) => holders.push(party),
+                _ => {}
             }
         }
         (holders, waiters)
