@@ -280,31 +280,29 @@ impl<'c> Look<'c> {
     /// among those listed, else those made since, else in a fresh table still showing `e`.
     fn lease_of_pid(&self, path: &Path, e: &Entry) -> Option<Leased> {
         let (pid, table, kdev) = (e.pid?, self.table.as_ref()?, self.kdev?);
-        let owns = |table: &Table, (n, id): &&Leased| {
-            taker_in(table, kdev, id) == Some(pid)
-                && id.owner_is(pid) != Some(false)
-                && self.alive(n)
+        let owner = |table: &Table, leases: &[Leased]| {
+            let owns = |(n, id): &&Leased| {
+                taker_in(table, kdev, id) == Some(pid)
+                    && id.owner_is(pid) != Some(false)
+                    && self.alive(n)
+            };
+            leases.iter().find(owns).cloned()
         };
-        if let Some(f) = self.said.iter().find(|l| owns(table, l)) {
-            return Some(f.clone());
-        }
-        let more = self.later.get_or_init(|| {
-            read_leases(&self.leases_dir, |n| !self.said.iter().any(|(s, _)| s == n))
-        });
-        if let Some(f) = more.iter().find(|l| owns(table, l)) {
-            return Some(f.clone());
+        let more = || {
+            self.later.get_or_init(|| {
+                read_leases(&self.leases_dir, |n| !self.said.iter().any(|(s, _)| s == n))
+            })
+        };
+        let either = |table: &Table| owner(table, &self.said).or_else(|| owner(table, more()));
+        if let found @ Some(_) = either(table) {
+            return found;
         }
         // The table is read per CPU list: a holder may show on its image's lock, not its lease's; a
         // fresh read still showing the entry names its lease's taker (else the pid may be reused).
         if !self.still_there(path, e) {
             return None;
         }
-        let table = self.fresh.get()?.as_ref()?;
-        self.said
-            .iter()
-            .chain(more.iter())
-            .find(|l| owns(table, l))
-            .cloned()
+        either(self.fresh.get()?.as_ref()?)
     }
 
     /// Whether the table shows lease `id`'s owner but none of its entries in `entries` in the mode
