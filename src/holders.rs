@@ -280,31 +280,29 @@ impl<'c> Look<'c> {
     /// among those listed, else those made since, else in a fresh table still showing `e`.
     fn lease_of_pid(&self, path: &Path, e: &Entry) -> Option<Leased> {
         let (pid, table, kdev) = (e.pid?, self.table.as_ref()?, self.kdev?);
-        let owns = |table: &Table, (n, id): &&Leased| {
-            taker_in(table, kdev, id) == Some(pid)
-                && id.owner_is(pid) != Some(false)
-                && self.alive(n)
+        let owner = |table: &Table, leases: &[Leased]| {
+            let owns = |(n, id): &&Leased| {
+                taker_in(table, kdev, id) == Some(pid)
+                    && id.owner_is(pid) != Some(false)
+                    && self.alive(n)
+            };
+            leases.iter().find(owns).cloned()
         };
-        if let Some(f) = self.said.iter().find(|l| owns(table, l)) {
-            return Some(f.clone());
-        }
-        let more = self.later.get_or_init(|| {
-            read_leases(&self.leases_dir, |n| !self.said.iter().any(|(s, _)| s == n))
-        });
-        if let Some(f) = more.iter().find(|l| owns(table, l)) {
-            return Some(f.clone());
+        let more = || {
+            self.later.get_or_init(|| {
+                read_leases(&self.leases_dir, |n| !self.said.iter().any(|(s, _)| s == n))
+            })
+        };
+        let either = |table: &Table| owner(table, &self.said).or_else(|| owner(table, more()));
+        if let found @ Some(_) = either(table) {
+            return found;
         }
         // The table is read per CPU list: a holder may show on its image's lock, not its lease's; a
         // fresh read still showing the entry names its lease's taker (else the pid may be reused).
         if !self.still_there(path, e) {
             return None;
         }
-        let table = self.fresh.get()?.as_ref()?;
-        self.said
-            .iter()
-            .chain(more.iter())
-            .find(|l| owns(table, l))
-            .cloned()
+        either(self.fresh.get()?.as_ref()?)
     }
 
     /// Whether the table shows lease `id`'s owner but none of its entries in `entries` in the mode
@@ -454,18 +452,11 @@ impl<'c> Look<'c> {
         let (mut holders, mut waiters) =
             self.leased(&listing, entries.as_deref(), state, &mut claimed);
         let mut vanished = false;
-        for (i, e) in entries.iter().flatten().enumerate() {
-            if claimed[i] {
-                continue;
-            }
-            let Some(party) = self.unclaimed(&listing, path, &rel, e) else {
-                vanished |= !e.blocked;
-                continue;
-            };
-            if e.blocked {
-                waiters.push(party);
-            } else {
-                holders.push(party);
+        for (e, _) in entries.iter().flatten().zip(claimed).filter(|(_, c)| !c) {
+            match self.unclaimed(&listing, path, &rel, e) {
+                Some(party) if e.blocked => waiters.push(party),
+                Some(party) => holders.push(party),
+                None => vanished |= !e.blocked,
             }
         }
         // A holder the table showed is gone since: the lock may be free.
@@ -519,12 +510,10 @@ impl<'c> Look<'c> {
                 continue;
             }
             let party = self.party(n, id, h);
-            if h.awaits {
-                if state != Probe::Free {
-                    waiters.push(party);
-                }
-            } else if state == held_as(h.mode) {
-                holders.push(party);
+            match h.awaits {
+                true if state != Probe::Free => waiters.push(party),
+                false if state == held_as(h.mode) => holders.push(party),
+                _ => {}
             }
         }
         (holders, waiters)
@@ -783,9 +772,10 @@ pub fn pid_on(p: &Party, nobody: &str, here: Option<&str>, ns: bool) -> String {
     s
 }
 
-/// " (make all)": the party's command, cut to `width` characters.
+/// " (make all)": the party's command, cut to `width` characters; none at 0.
 pub fn command_cut(p: &Party, width: usize) -> String {
-    p.command.as_deref().map_or_else(String::new, |c| {
+    let command = p.command.as_deref().filter(|_| width > 0);
+    command.map_or_else(String::new, |c| {
         format!(" ({})", ident::shortened(&ident::printable(c), width))
     })
 }

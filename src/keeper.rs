@@ -147,13 +147,11 @@ fn descendants() -> Vec<libc::pid_t> {
         .collect();
     let mut out = vec![me];
     let mut i = 0;
-    while i < out.len() {
-        let p = out[i];
+    while let Some(&p) = out.get(i) {
         out.extend(parent_of.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
         i += 1;
     }
-    out.remove(0);
-    out
+    out.split_off(1)
 }
 
 fn signal_tree(sig: i32) {
@@ -394,29 +392,17 @@ impl Tree {
             return;
         }
         self.terminating = Some(sig);
-        if self.exit.is_none() {
-            self.forward(sig, info);
-        } else {
+        if self.exit.is_some() {
             signal_tree(sig);
             self.cut_short = true;
             self.kill_at.get_or_insert(Instant::now() + GRACE);
+            return;
         }
-    }
-
-    fn forward(&self, sig: i32, info: &libc::signalfd_siginfo) {
         // stowage tags what the terminal sent it; decide as it would.
-        let code = if info.ssi_code == libc::SI_QUEUE
+        let tagged = info.ssi_code == libc::SI_QUEUE
             && info.ssi_pid as libc::pid_t == self.stowage
-            && info.ssi_ptr as usize == crate::signals::FROM_TERMINAL
-        {
-            libc::SI_KERNEL
-        } else {
-            0
-        };
-        let pgid = crate::signals::group_of(self.command);
-        if !crate::signals::terminal_reached_command(sig, code, pgid, self.group, self.leader) {
-            // SAFETY: plain kill(2) of our unreaped child.
-            unsafe { libc::kill(self.command, sig) };
-        }
+            && info.ssi_ptr as usize == crate::signals::FROM_TERMINAL;
+        let code = if tagged { libc::SI_KERNEL } else { 0 };
+        crate::signals::pass_on(self.command, sig, code, self.group, self.leader);
     }
 }

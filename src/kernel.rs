@@ -158,20 +158,12 @@ fn fold(reads: &[String]) -> Table {
             .rev()
             .filter_map(|one| one.get(key))
             .find(|es| consistent(es) && es.iter().any(|e| !e.blocked));
-        *entries = match latest {
-            Some(es) => es.clone(),
-            None => {
-                let holder = entries
-                    .iter()
-                    .rev()
-                    .find(|e| !e.blocked && e.mode == Mode::Exclusive)
-                    .copied();
-                holder
-                    .into_iter()
-                    .chain(entries.iter().filter(|e| e.blocked).copied())
-                    .collect()
-            }
-        };
+        *entries = latest.cloned().unwrap_or_else(|| {
+            let exclusive = |e: &&Entry| !e.blocked && e.mode == Mode::Exclusive;
+            let holder = entries.iter().rev().find(exclusive);
+            let blocked = entries.iter().filter(|e| e.blocked);
+            holder.into_iter().chain(blocked).copied().collect()
+        });
     }
     table
 }

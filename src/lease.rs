@@ -30,7 +30,7 @@ use crate::lock::{self, Guard, Mode};
 const SUFFIX: &str = ".lease";
 
 /// One of this process's leases: named at once, its file made at once or, announced late, later.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Lease {
     dir: PathBuf,
     name: String,
@@ -85,14 +85,18 @@ pub fn mine(leases: &Path) -> io::Result<String> {
     if let Some(l) = all.iter().find(|l| l.dir == leases) {
         return Ok(l.name.clone());
     }
-    if LATE.load(Relaxed) && lock::write_through_flag() != 0 {
-        let name = fresh_name(&crate::ident::Me::current());
-        all.push(Lease {
+    let late = LATE.load(Relaxed) && lock::write_through_flag() != 0;
+    let lease = match late {
+        true => Lease {
             dir: leases.to_owned(),
-            name: name.clone(),
-            holdings: Vec::new(),
-            file: None,
-        });
+            name: fresh_name(&crate::ident::Me::current()),
+            ..Lease::default()
+        },
+        false => create(leases)?,
+    };
+    let name = lease.name.clone();
+    all.push(lease);
+    if late {
         // Detached: the process may end first, and then nothing is announced. Threads start
         // after the exec's signal mask is set (exec.rs), so this one takes none of its signals.
         let after = announce_after();
@@ -107,11 +111,7 @@ pub fn mine(leases: &Path) -> io::Result<String> {
             drop(all);
             announce();
         }
-        return Ok(name);
     }
-    let lease = create(leases)?;
-    let name = lease.name.clone();
-    all.push(lease);
     Ok(name)
 }
 
@@ -193,18 +193,14 @@ impl Holding {
     }
 
     fn line(&self) -> String {
-        format!(
-            "{}={} {} {} {}\n",
-            if self.awaits { "await" } else { "hold" },
-            if self.reading {
-                "exclusive-read"
-            } else {
-                self.mode.as_str()
-            },
-            self.lockfile,
-            self.since,
-            self.command.replace('\n', "\\n")
-        )
+        let verb = if self.awaits { "await" } else { "hold" };
+        let mode = if self.reading {
+            "exclusive-read"
+        } else {
+            self.mode.as_str()
+        };
+        let command = self.command.replace('\n', "\\n");
+        format!("{verb}={mode} {} {} {command}\n", self.lockfile, self.since)
     }
 
     /// A `hold=` line's value, or with `awaits` an `await=` line's.
@@ -332,8 +328,8 @@ fn create(dir: &Path) -> io::Result<Lease> {
             return Ok(Lease {
                 dir: dir.to_owned(),
                 name,
-                holdings: Vec::new(),
                 file: Some(file),
+                ..Lease::default()
             });
         }
     }
@@ -431,18 +427,13 @@ fn make_leases_dir(dir: &Path) -> io::Result<()> {
 fn lock_fresh(path: &Path) -> io::Result<Option<Guard>> {
     let began = boot_time();
     // Written through where shared: other hosts read it to name holders; a client may delay writes.
-    match lock::create_locked(path)? {
-        // A maker that took half the grace to lock its fresh file may have had it cleaned away.
-        Some(g)
-            if boot_time().saturating_sub(began) >= unwritten_grace() / 2
-                && !lock::still_at_path(&g).unwrap_or(false) =>
-        {
-            Ok(None)
-        }
-        Some(g) => Ok(Some(g)),
-        // The name exists, or a prober keeps our fresh file (left to it, as a dead maker's).
-        None => Ok(None),
-    }
+    // None: the name exists, or a prober keeps our fresh file (left to it, as a dead maker's).
+    let guard = lock::create_locked(path)?;
+    // A maker that took half the grace to lock its fresh file may have had it cleaned away.
+    Ok(guard.filter(|g| {
+        boot_time().saturating_sub(began) < unwritten_grace() / 2
+            || lock::still_at_path(g).unwrap_or(false)
+    }))
 }
 
 /// This process's namespace of `kind`, as `/proc/self/ns/KIND` names it.

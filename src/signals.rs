@@ -209,7 +209,7 @@ fn exited(pid: libc::pid_t) -> io::Result<bool> {
 
 /// Whether a signal the terminal sent (SI_KERNEL) certainly reached the command too: it signals its
 /// foreground group (the command's if in ours), but a hangup goes to the session leader alone.
-pub fn terminal_reached_command(
+fn terminal_reached_command(
     sig: i32,
     code: i32,
     command_pgid: Option<libc::pid_t>,
@@ -221,13 +221,15 @@ pub fn terminal_reached_command(
         && command_pgid == Some(our_pgid)
 }
 
-/// The process group of `pid`, if it can be known.
-pub fn group_of(pid: libc::pid_t) -> Option<libc::pid_t> {
+/// Passes `sig` (with si_code `code`) on to our unreaped child `pid`, unless the terminal sent it
+/// and it reached the command too ([`terminal_reached_command`]).
+pub fn pass_on(pid: libc::pid_t, sig: i32, code: i32, our_pgid: libc::pid_t, we_lead: bool) {
     // 0: a group outside our pid namespace.
-    getpgid(Some(Pid::from_raw(pid)))
-        .ok()
-        .map(Pid::as_raw)
-        .filter(|&g| g > 0)
+    let group = getpgid(Some(Pid::from_raw(pid))).ok().map(Pid::as_raw);
+    if !terminal_reached_command(sig, code, group.filter(|&g| g > 0), our_pgid, we_lead) {
+        // SAFETY: plain kill(2) of our unreaped child.
+        unsafe { libc::kill(pid, sig) };
+    }
 }
 
 /// The value a keeper finds in a signal we queue to it: 1 if the terminal sent the signal to us.
@@ -261,10 +263,7 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
         State::Running(Start::Command, pid) => {
             PASSED_ON.store(sig, Relaxed);
             let (ours, leader) = (getpgrp().as_raw(), getsid(None) == Ok(getpid()));
-            if !terminal_reached_command(sig, code, group_of(pid), ours, leader) {
-                // SAFETY: plain kill(2); pid is our unreaped child.
-                unsafe { libc::kill(pid, sig) };
-            }
+            pass_on(pid, sig, code, ours, leader);
         }
         State::Running(Start::Keeper, pid) => {
             PASSED_ON.store(sig, Relaxed);

@@ -31,8 +31,8 @@ impl Awaited {
         match self.kind {
             LockKind::Image => format!("{} lock on image '{}'", self.mode.verb(), self.name),
             LockKind::Slot => format!("a slot of class '{}'", self.name),
-            LockKind::Global if self.name == "store" => "the store-wide lock".into(),
-            LockKind::Global => format!("the {} lock", self.name),
+            // The global lock is never awaited in a graph ([`Graph::new`]): this is the store's.
+            LockKind::Global => "the store-wide lock".into(),
         }
     }
 }

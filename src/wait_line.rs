@@ -152,14 +152,15 @@ impl Line {
             })
         };
         let full = format!("{head}{queue}{}", held(61));
-        let Some(width) = width else {
-            return full;
-        };
-        let shorter = [format!("{head}{}", held(61)), format!("{head}{}", held(16))];
-        std::iter::once(full)
-            .chain(shorter)
-            .find(|l| l.chars().count() <= width)
-            .unwrap_or_else(|| format!("{head}{}", held(0)))
+        let Some(width) = width else { return full };
+        [
+            full,
+            format!("{head}{}", held(61)),
+            format!("{head}{}", held(16)),
+        ]
+        .into_iter()
+        .find(|l| l.chars().count() <= width)
+        .unwrap_or_else(|| format!("{head}{}", held(0)))
     }
 }
 
@@ -167,9 +168,7 @@ impl Line {
 /// the command cut to `command` characters, left out at 0.
 fn holder(p: &Party, me: &str, command: usize) -> String {
     let who = pid_on(p, "a process stowage cannot identify", Some(me), false);
-    let cmd = (command > 0).then(|| command_cut(p, command));
-    let cmd = cmd.unwrap_or_default();
-    let mut s = format!("held by {who}{cmd}");
+    let mut s = format!("held by {who}{}", command_cut(p, command));
     if let Some(t) = p.since {
         let secs = (clock::now_ms().saturating_sub(t) / 1000).max(0) as u64;
         s.push_str(&format!(" for {}", span(secs)));
