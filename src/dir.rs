@@ -362,11 +362,9 @@ impl Dir {
     /// filesystems of one type whose roots share an inode (every ext4's is 2).
     pub fn identity(&self) -> io::Result<String> {
         let st = self.stat()?;
-        let magic = nix::sys::statfs::fstatfs(&self.fd)?.filesystem_type().0 as u64;
-        let id = format!("{}@{magic:x}", st.ino);
-        #[allow(clippy::unnecessary_cast)]
-        let fsid = nix::sys::statvfs::fstatvfs(&self.fd)?.filesystem_id() as u64;
-        Ok(match fsid {
+        let fs = nix::sys::statfs::fstatfs(&self.fd)?;
+        let id = format!("{}@{:x}", st.ino, fs.filesystem_type().0 as u64);
+        Ok(match statvfs_fsid(&fs) {
             0 => id,
             fsid => format!("{id}@{fsid:x}"),
         })
@@ -821,6 +819,15 @@ pub fn xattr_read(
     }
 }
 
+/// The `f_fsid` statvfs(3) gives (64-bit glibc: statfs's two words, the second above the first),
+/// from the statfs already made: identities are recorded, so they stay what they were, without a
+/// second call to the server.
+fn statvfs_fsid(fs: &nix::sys::statfs::Statfs) -> u64 {
+    // SAFETY: `fsid_t` is `#[repr(C)]` around `[c_int; 2]` (its field is private).
+    let [lo, hi]: [libc::c_int; 2] = unsafe { std::mem::transmute(fs.filesystem_id()) };
+    u64::from(lo as u32) | (u64::from(hi as u32) << 32)
+}
+
 /// Whether `now` is the `recorded` identity (one recorded without fs id matches on inode and type).
 pub fn same_identity(recorded: &str, now: &str) -> bool {
     recorded == now
@@ -911,5 +918,27 @@ mod tests {
         assert!(!same_identity("2@ef53", "2@ef5@abc"));
         assert!(!same_identity("2@ef53", "22@ef53@abc"));
         assert!(!same_identity("2@ef53@abc", "2@ef53"));
+    }
+
+    #[test]
+    fn an_identity_has_the_fsid_statvfs_gives_on_every_mounted_filesystem() {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        let mut compared = 0;
+        for point in mounts.lines().filter_map(|l| l.split(' ').nth(1)) {
+            let Ok(d) = Dir::anchor(Path::new(point)) else {
+                continue;
+            };
+            let (Ok(fs), Ok(vfs)) = (
+                nix::sys::statfs::fstatfs(&d.fd),
+                nix::sys::statvfs::fstatvfs(&d.fd),
+            ) else {
+                continue;
+            };
+            #[allow(clippy::unnecessary_cast)]
+            let want = vfs.filesystem_id() as u64;
+            assert_eq!(statvfs_fsid(&fs), want, "{point}");
+            compared += 1;
+        }
+        assert!(compared > 0, "no filesystem to compare on");
     }
 }
