@@ -361,9 +361,13 @@ impl Dir {
     /// Not the device number, which NFS numbers anew at each mount; the fsid tells apart two
     /// filesystems of one type whose roots share an inode (every ext4's is 2).
     pub fn identity(&self) -> io::Result<String> {
-        let st = self.stat()?;
+        self.identity_of(self.stat()?.ino)
+    }
+
+    /// [`Dir::identity`] of this directory, whose inode `ino` is already known.
+    pub fn identity_of(&self, ino: u64) -> io::Result<String> {
         let fs = nix::sys::statfs::fstatfs(&self.fd)?;
-        let id = format!("{}@{:x}", st.ino, fs.filesystem_type().0 as u64);
+        let id = format!("{ino}@{:x}", fs.filesystem_type().0 as u64);
         Ok(match statvfs_fsid(&fs) {
             0 => id,
             fsid => format!("{id}@{fsid:x}"),

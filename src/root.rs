@@ -25,8 +25,8 @@ pub struct Root {
     dev: Option<u64>,
     /// The root's filesystem, once [`Root::check_locking`] has looked at it (every lock file's).
     fs: Option<crate::filesystem::Filesystem>,
-    /// The root, opened and its owner checked once, on first use.
-    opened: std::sync::Arc<std::sync::OnceLock<Dir>>,
+    /// The root, opened and its owner checked once, on first use; and its inode, fixed for its life.
+    opened: std::sync::Arc<std::sync::OnceLock<(Dir, u64)>>,
     /// That descriptor's identity: its inode's, fixed for its life.
     identity: std::sync::Arc<std::sync::OnceLock<String>>,
 }
@@ -114,9 +114,9 @@ impl Root {
         if self.opened.get().is_none() {
             self.open()?;
         }
-        let d = self.opened.get().expect("opened above");
+        let (d, ino) = self.opened.get().expect("opened above");
         let id = d
-            .identity()
+            .identity_of(*ino)
             .with_context(|| format!("cannot inspect root {}", self.dir.display()))?;
         Ok(self.identity.get_or_init(|| id).clone())
     }
@@ -124,7 +124,7 @@ impl Root {
     /// Opens the root directory, its ownership checked again on the descriptor.
     pub fn open(&self) -> Result<Dir> {
         let cannot = || format!("cannot open root {}", self.dir.display());
-        if let Some(d) = self.opened.get() {
+        if let Some((d, _)) = self.opened.get() {
             return d.duplicate().with_context(cannot);
         }
         let d = Dir::anchor(&self.dir).with_context(cannot)?;
@@ -132,7 +132,9 @@ impl Root {
             .stat()
             .with_context(|| format!("cannot inspect root {}", self.dir.display()))?;
         self.check_owner(st.uid, st.mode, st.gid)?;
-        let _ = self.opened.set(d.duplicate().with_context(cannot)?);
+        let _ = self
+            .opened
+            .set((d.duplicate().with_context(cannot)?, st.ino));
         Ok(d)
     }
 
