@@ -26,7 +26,7 @@ use crate::acquire::slot::SlotGuard;
 use crate::clock;
 use crate::dir::Dir;
 use crate::error::Error;
-use crate::image_record::{self, Record, State};
+use crate::image_record::{self, ImagesDir, Record, State};
 use crate::lock::Mode;
 use crate::name::ImageName;
 use crate::root::Root;
@@ -76,6 +76,8 @@ struct Image {
     record: Option<Record>,
     /// This session made the image's tree.
     made_tree: bool,
+    /// For writes: the images directory the tree was found or made in, checked for it.
+    images_dir: Option<PathBuf>,
 }
 
 impl Image {
@@ -244,7 +246,7 @@ impl Session {
                     img.record = Some(w);
                     // No tree (a failed first write's went; a store-wide command deleted a
                     // ready one, its stowage killed before it forgot it): made anew.
-                    img.made_tree = make_missing_tree(&self.root, &img.held)?;
+                    (img.made_tree, img.images_dir) = make_missing_tree(&self.root, &img.held)?;
                 }
                 None => start_new(store, img, base.clone(), lease.clone(), now)?,
             }
@@ -253,15 +255,26 @@ impl Session {
         Ok(())
     }
 
-    /// The images directory its images' records name (all one), else the store's.
+    /// The images directory its images' records name (all one), else the store's. Each is asked
+    /// once: a write's was checked as its tree was found or made.
     fn choose_images_dir(&self) -> Result<PathBuf> {
-        let mut dirs = self
-            .images
-            .iter()
-            .filter_map(|i| i.record.as_ref().or(i.held.seen.record.as_ref()))
-            .map(|r| crate::images_dir::for_command(&self.root, r))
-            .collect::<Result<Vec<_>>>()?
-            .into_iter();
+        let mut known: Vec<(&ImagesDir, PathBuf)> = Vec::new();
+        for i in &self.images {
+            let Some(r) = i.record.as_ref().or(i.held.seen.record.as_ref()) else {
+                continue;
+            };
+            let asked = known.iter().find(|(k, _)| **k == r.images);
+            let dir = match i
+                .images_dir
+                .clone()
+                .or_else(|| asked.map(|(_, d)| d.clone()))
+            {
+                Some(d) => d,
+                None => crate::images_dir::for_command(&self.root, r)?,
+            };
+            known.push((&r.images, dir));
+        }
+        let mut dirs = known.into_iter().map(|(_, d)| d);
         match dirs.next() {
             Some(d) if dirs.all(|o| o == d) => Ok(d),
             Some(d) => anyhow::bail!(
@@ -546,6 +559,7 @@ fn take_images(
                 before: None,
                 record: None,
                 made_tree: false,
+                images_dir: None,
             },
             Err(e) => return give_up_on(root, images, &waited_for, e),
         };
@@ -703,6 +717,7 @@ fn start_new(
     if !img.made_tree {
         refuse_planted(&images, &dir, &name)?;
     }
+    img.images_dir = Some(dir);
     Ok(())
 }
 
@@ -717,12 +732,13 @@ fn make_tree(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<b
     }
 }
 
-/// Makes the tree of an existing image that has none (a failed first write's went): `true` if made.
-/// One that is not a directory of its own (one `lstat`): a symlink or file swapped in, or a missing
-/// one where the images directory is not the recorded one, misdirects writes, and is refused.
-fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
+/// Makes the tree of an existing image that has none (a failed first write's went): whether made,
+/// and the images directory checked for it. One that is not a directory of its own (one `lstat`):
+/// a symlink or file swapped in, or a missing one where the images directory is not the recorded
+/// one, misdirects writes, and is refused.
+fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>)> {
     let Some(r) = held.seen.record.as_ref() else {
-        return Ok(false);
+        return Ok((false, None));
     };
     let images = crate::images_dir::for_command(root, r)?;
     let tree = images.join(held.name.encoded());
@@ -735,10 +751,14 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<bool> {
             }
             let dir = crate::images_dir::of_record(root, r)?;
             let opened = root.open_or_make_images_dir(&dir);
-            let images = crate::images_dir::confirmed(root, &dir, opened)?;
-            return make_tree(&images, &dir, &held.name);
+            let made = make_tree(
+                &crate::images_dir::confirmed(root, &dir, opened)?,
+                &dir,
+                &held.name,
+            )?;
+            return Ok((made, Some(images)));
         }
-        _ => return Ok(false),
+        _ => return Ok((false, Some(images))),
     };
     anyhow::bail!(
         "image '{}': its tree {} is {what}: refusing to write through it (remove it with 'stowage rm {}')",
