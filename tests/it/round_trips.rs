@@ -255,3 +255,43 @@ fn a_new_images_lock_file_is_not_looked_up_again_after_its_lock() {
         .collect();
     assert!(statfs.is_empty(), "{statfs:#?}");
 }
+
+/// An exec on a store whose images directory is outside the root reads
+/// `store.conf` once, asks the directory's claim once and the root's
+/// identity once (one stat, one statfs): each is a request to the server,
+/// and what one look found holds for the whole exec, which holds the
+/// image's lock meanwhile.
+#[test]
+fn an_external_images_directory_is_asked_about_once_an_exec() {
+    if !tool_or_skip("strace", "strace") {
+        return;
+    }
+    let env = Env::new();
+    let images = env.scratch.join("images");
+    fs::create_dir(&images).unwrap();
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.make_image("base");
+    let root = fs::canonicalize(&env.root).unwrap();
+    let root = root.to_str().unwrap();
+    for args in [
+        &["exec", "--write", "new", "--", "true"][..],
+        &["exec", "--write", "base", "--", "true"],
+        &["exec", "--read", "base", "--read", "new", "--", "true"],
+    ] {
+        let Some(log) = traced(&env, None, args) else {
+            return;
+        };
+        let trace = fs::read_to_string(&log).unwrap();
+        let calls = |what: &dyn Fn(&str) -> bool| trace.lines().filter(|l| what(l)).count();
+        let config = calls(&|l| l.contains("open") && l.contains("store.conf\""));
+        let claims = calls(&|l| l.contains("xattr(") && l.contains("user.stowage.store"));
+        let root_statfs = calls(&|l| l.contains("statfs(") && l.contains(&format!("<{root}>")));
+        eprintln!("{args:?}: store.conf {config}, claim {claims}, root statfs {root_statfs}");
+        assert_eq!(config, 1, "{args:?} opened store.conf {config} times");
+        assert_eq!(claims, 1, "{args:?} asked the claim {claims} times");
+        assert!(
+            root_statfs <= 1,
+            "{args:?} asked the root's filesystem {root_statfs} times"
+        );
+    }
+}
