@@ -136,7 +136,13 @@ fn read_named(path: &Path, follow: bool) -> io::Result<Option<Claim>> {
         libc::lgetxattr
     };
     // SAFETY: valid C strings and a buffer of the length given.
-    let v = crate::dir::xattr_read(1024, |p, n| unsafe { get(c.as_ptr(), NAME.as_ptr(), p, n) });
+    decoded(crate::dir::xattr_read(1024, |p, n| unsafe {
+        get(c.as_ptr(), NAME.as_ptr(), p, n)
+    }))
+}
+
+/// A claim as read: `Ok(None)` for none (`ENODATA`) or a value that is no claim.
+fn decoded(v: io::Result<Vec<u8>>) -> io::Result<Option<Claim>> {
     match v {
         Ok(v) => Ok(std::str::from_utf8(&v).ok().and_then(Claim::decode)),
         Err(e) if e.raw_os_error() == Some(libc::ENODATA) => Ok(None),
@@ -144,13 +150,25 @@ fn read_named(path: &Path, follow: bool) -> io::Result<Option<Claim>> {
     }
 }
 
-/// What claims the directory open as `dir` (an `O_PATH` one too, through `/proc/self/fd`): as
-/// [`read_path`], on that very directory.
+/// What claims the directory open as `dir`: as [`read_path`], on that very directory. An `O_PATH`
+/// descriptor (an anchor) has no attributes to ask: it is asked through `/proc/self/fd`, else
+/// (no `/proc` here, as in some containers) through the directory opened from it.
 pub fn read_fd(dir: &Dir) -> io::Result<Option<Claim>> {
-    read_named(
-        Path::new(&format!("/proc/self/fd/{}", dir.as_raw_fd())),
-        true,
-    )
+    let of_fd = |fd: std::os::fd::RawFd| {
+        // SAFETY: valid descriptor, C string and buffer of the length given.
+        decoded(crate::dir::xattr_read(1024, |p, n| unsafe {
+            libc::fgetxattr(fd, NAME.as_ptr(), p, n)
+        }))
+    };
+    let fd = dir.as_raw_fd();
+    // SAFETY: F_GETFL on a valid descriptor.
+    if unsafe { libc::fcntl(fd, libc::F_GETFL) } & libc::O_PATH == 0 {
+        return of_fd(fd);
+    }
+    match read_named(Path::new(&format!("/proc/self/fd/{fd}")), true) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => of_fd(dir.sub(".")?.as_raw_fd()),
+        read => read,
+    }
 }
 
 /// Whether the filesystem of `dir` keeps extended attributes (claims).

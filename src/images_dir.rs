@@ -109,18 +109,21 @@ fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<S
 
 /// `opened`, the images directory at `dir` opened to make or remove trees in, refused unless it is
 /// this store's, judged on that very descriptor (a path checked, then opened again, may lead
-/// elsewhere by then); `config`, if read, words a refusal.
-pub fn confirmed(
-    root: &Root,
-    config: Option<&Config>,
-    dir: &Path,
-    opened: Result<Dir>,
-) -> Result<Dir> {
+/// elsewhere by then). A claim that cannot be read there refuses it: the descriptor is what the
+/// trees are then made or removed through.
+pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
     let images = opened?;
     if dir == root.default_images_dir() {
         return Ok(images);
     }
-    match not_this_stores(root, config, dir, crate::claim::read_fd(&images)) {
+    let claim = crate::claim::read_fd(&images);
+    if let Err(e) = &claim
+        && e.raw_os_error() != Some(libc::ENOTSUP)
+    {
+        let shown = dir.display();
+        anyhow::bail!("cannot read which store images directory {shown} serves: {e}");
+    }
+    match not_this_stores(root, None, dir, claim) {
         Some(why) => anyhow::bail!("{why}"),
         None => Ok(images),
     }

@@ -70,14 +70,13 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     let images_dir = crate::images_dir::of_record(root, &before)?;
     let trash = root.open_or_make_sub("trash")?;
     let opened = root.open_images_dir(&images_dir);
-    let images =
-        crate::images_dir::confirmed(root, None, &images_dir, opened).with_context(|| {
-            format!(
-                "cannot remove image '{}': images directory {} is not usable (is it mounted?)",
-                held.name,
-                images_dir.display()
-            )
-        })?;
+    let images = crate::images_dir::confirmed(root, &images_dir, opened).with_context(|| {
+        format!(
+            "cannot remove image '{}': images directory {} is not usable (is it mounted?)",
+            held.name,
+            images_dir.display()
+        )
+    })?;
     let tree = images_dir.join(held.name.encoded());
     // A tree missing from an unmounted images directory is not gone: its record must stay.
     if images.stat_at(held.name.encoded())?.is_none()
@@ -179,7 +178,7 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
     let images_dir = crate::images_dir::of_record(root, record)?;
     let trash = root.open_or_make_sub("trash")?;
     let opened = root.open_images_dir(&images_dir);
-    let usable = (crate::images_dir::confirmed(root, None, &images_dir, opened).ok())
+    let usable = (crate::images_dir::confirmed(root, &images_dir, opened).ok())
         .filter(|_| crate::images_dir::unmounted(root, &images_dir).is_none());
     let Some(images) = usable else {
         anyhow::bail!(
@@ -251,7 +250,7 @@ fn trash_there(trash: &Dir) -> bool {
 /// Removes an image's empty directory (undoing a start) via the images directory's descriptor.
 pub fn remove_empty_image_dir(root: &Root, images_dir: &Path, name: &ImageName) {
     let opened = root.open_images_dir(images_dir);
-    if let Ok(images) = crate::images_dir::confirmed(root, None, images_dir, opened) {
+    if let Ok(images) = crate::images_dir::confirmed(root, images_dir, opened) {
         let _ = images.rmdir(name.encoded());
     }
 }

@@ -327,7 +327,7 @@ impl Session {
     /// copy is done: a directory of its own that we may open, else why not.
     pub fn open_base(&self, store: &Store, base: &ImageName) -> Result<(Dir, Dir)> {
         let (root, dir) = (store.root(), &self.images_dir);
-        let images = crate::images_dir::confirmed(root, None, dir, root.open_images_dir(dir))?;
+        let images = crate::images_dir::confirmed(root, dir, root.open_images_dir(dir))?;
         let src = self.images_dir.join(base.encoded());
         let shown = src.display();
         match images.sub(base.encoded()) {
@@ -701,11 +701,10 @@ fn start_new(
 ) -> Result<()> {
     let root = store.root();
     let config = crate::images_dir::config(root)?;
-    let dir = config.images.path_in(root.dir());
+    let dir = crate::images_dir::checked(root, &config)?;
     let name = img.held.name.clone();
     crate::debug::pause("images-dir-checked");
-    let opened = root.anchor_images_dir(&dir);
-    let images = crate::images_dir::confirmed(root, Some(&config), &dir, opened)?;
+    let images = crate::images_dir::confirmed(root, &dir, root.anchor_images_dir(&dir))?;
     if let Some(why) = crate::images_dir::refused_for_new(&config, &images, &dir) {
         anyhow::bail!("cannot create image '{name}': {why}");
     }
@@ -753,7 +752,7 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>)
             let dir = crate::images_dir::of_record(root, r)?;
             let opened = root.open_or_make_images_dir(&dir);
             let made = make_tree(
-                &crate::images_dir::confirmed(root, None, &dir, opened)?,
+                &crate::images_dir::confirmed(root, &dir, opened)?,
                 &dir,
                 &held.name,
             )?;
@@ -802,7 +801,7 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
     let dir = crate::images_dir::of_record(root, &record)?;
     let trash = root.open_or_make_sub("trash")?;
     if let Ok(opened) = root.open_images_dir(&dir) {
-        let images = crate::images_dir::confirmed(root, None, &dir, Ok(opened))?;
+        let images = crate::images_dir::confirmed(root, &dir, Ok(opened))?;
         if images.stat_at(name.encoded())?.is_some() {
             let to = format!("{}.{:016x}.finish", clock::now_ms(), crate::ident::nonce());
             images

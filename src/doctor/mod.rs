@@ -627,8 +627,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         report.add("images", Problem, detail);
         return Ok(());
     }
-    let images =
-        crate::images_dir::confirmed(&root, None, &dir, root.open_or_make_images_dir(&dir))?;
+    let images = crate::images_dir::confirmed(&root, &dir, root.open_or_make_images_dir(&dir))?;
     claim(&root, &config, &images, repair, report);
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-records-read");

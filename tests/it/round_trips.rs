@@ -257,10 +257,11 @@ fn a_new_images_lock_file_is_not_looked_up_again_after_its_lock() {
 }
 
 /// An exec on a store whose images directory is outside the root reads
-/// `store.conf` once, asks the directory's claim once and the root's
-/// identity once (one stat, one statfs): each is a request to the server,
-/// and what one look found holds for the whole exec, which holds the
-/// image's lock meanwhile.
+/// `store.conf` once, asks the directory's claim once (a new image twice:
+/// by path, then on the descriptor its tree is made through) and the
+/// root's identity once (one stat, one statfs): each is a request to the
+/// server, and what one look found holds for the whole exec, which holds
+/// the image's lock meanwhile.
 #[test]
 fn an_external_images_directory_is_asked_about_once_an_exec() {
     if !tool_or_skip("strace", "strace") {
@@ -273,10 +274,13 @@ fn an_external_images_directory_is_asked_about_once_an_exec() {
     env.make_image("base");
     let root = fs::canonicalize(&env.root).unwrap();
     let root = root.to_str().unwrap();
-    for args in [
-        &["exec", "--write", "new", "--", "true"][..],
-        &["exec", "--write", "base", "--", "true"],
-        &["exec", "--read", "base", "--read", "new", "--", "true"],
+    for (args, most_claims) in [
+        (&["exec", "--write", "new", "--", "true"][..], 2),
+        (&["exec", "--write", "base", "--", "true"], 1),
+        (
+            &["exec", "--read", "base", "--read", "new", "--", "true"],
+            1,
+        ),
     ] {
         let Some(log) = traced(&env, None, args) else {
             return;
@@ -288,7 +292,10 @@ fn an_external_images_directory_is_asked_about_once_an_exec() {
         let root_statfs = calls(&|l| l.contains("statfs(") && l.contains(&format!("<{root}>")));
         eprintln!("{args:?}: store.conf {config}, claim {claims}, root statfs {root_statfs}");
         assert_eq!(config, 1, "{args:?} opened store.conf {config} times");
-        assert_eq!(claims, 1, "{args:?} asked the claim {claims} times");
+        assert!(
+            claims <= most_claims,
+            "{args:?} asked the claim {claims} times"
+        );
         assert!(
             root_statfs <= 1,
             "{args:?} asked the root's filesystem {root_statfs} times"

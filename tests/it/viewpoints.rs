@@ -684,3 +684,41 @@ fn store_with_external_images() -> (Env, PathBuf) {
     env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
     (env, ext)
 }
+
+/// Where `/proc/self` cannot be resolved (a mount namespace entered
+/// without its pid namespace, as some containers are), a copy of a store
+/// is still refused the original's images directory, and the original
+/// still makes new images there: the claim is read on the directory's
+/// descriptor without `/proc`, and one that cannot be read refuses.
+#[test]
+fn without_proc_a_copy_still_never_uses_the_originals_images_directory() {
+    if !root_or_skip("unmounting /proc in a mount namespace")
+        || !tool_or_skip("unshare", "util-linux")
+    {
+        return;
+    }
+    let (env, ext) = store_with_external_images();
+    env.make_image("old");
+    let copy = copy_of(&env, "copy");
+    let without_proc = |root: &Path, args: &[&str]| {
+        let mut c = Command::new("unshare");
+        c.args(["--mount", "--propagation", "private", "sh", "-c"]);
+        c.arg("umount -l /proc && exec \"$0\" \"$@\"").arg(bin());
+        c.arg("--root").arg(root).args(args);
+        c.env_remove("STOWAGE_ROOT").env_remove("STOWAGE_NOW");
+        output(c)
+    };
+    for args in [
+        &["exec", "--write", "new", "--", "true"][..],
+        &["rm", "old"],
+    ] {
+        let out = without_proc(&copy, args);
+        assert_ne!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    assert!(!ext.join("new").exists());
+    assert!(ext.join("old").is_dir());
+    let out = without_proc(&env.root, &["exec", "--write", "mine", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(ext.join("mine").is_dir());
+    assert_eq!(env.state("mine").as_deref(), Some("ready"));
+}
