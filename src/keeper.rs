@@ -249,12 +249,11 @@ fn run(args: &[OsString]) -> io::Result<()> {
     tree.watch(&mut status, &signals, &alive)
 }
 
-/// A signalfd for the termination signals and SIGCHLD, which arrive blocked (stowage's mask).
+/// A signalfd for the signals stowage takes (and passes on here) and SIGCHLD, which arrive blocked
+/// (stowage's mask).
 fn signal_fd() -> io::Result<SignalFd> {
-    use nix::sys::signal::Signal::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
-    let set: SigSet = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD]
-        .into_iter()
-        .collect();
+    let mut set = crate::signals::taken();
+    set.add(nix::sys::signal::Signal::SIGCHLD);
     let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None);
     Ok(SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC)?)
 }

@@ -1,7 +1,8 @@
 //! Termination signals during `exec`.
 //!
-//! - SIGINT, SIGTERM, SIGHUP, SIGQUIT (and SIGCHLD) are blocked in every thread and taken with
-//!   sigwaitinfo(2): no system call is interrupted by them. Ignored ones stay ignored (`nohup`).
+//! - The signals [`taken`] (INT, TERM, HUP, QUIT, USR1, USR2, ALRM, real-time; and SIGCHLD) are
+//!   blocked in every thread and taken with sigwaitinfo(2): no system call is interrupted by them.
+//!   Ignored ones stay ignored (`nohup`).
 //! - Before the command starts, a signal cancels the lock waits (exit 128+N, nothing left behind).
 //!   The signal thread starts with the first wait; without one the waits watch a signalfd.
 //! - While the command runs, signals are forwarded, but for a terminal's (SI_KERNEL) that reached a
@@ -52,18 +53,29 @@ pub struct Forwarder {
     shared: &'static Shared,
 }
 
-/// The termination signals we take, minus those our parent made us ignore (`nohup`, a background
-/// job): a blocked signal is never discarded, so taking an ignored one would act on it.
-fn forwarded() -> SigSet {
-    use Signal::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
-    // SAFETY: queries the disposition only (no new action).
-    let ignored = |s: Signal| unsafe {
-        let mut old: libc::sigaction = std::mem::zeroed();
-        libc::sigaction(s as libc::c_int, std::ptr::null(), &mut old) == 0
-            && old.sa_sigaction == libc::SIG_IGN
-    };
-    let signals = [SIGINT, SIGTERM, SIGHUP, SIGQUIT];
-    signals.into_iter().filter(|&s| !ignored(s)).collect()
+/// The signals we take: every one whose default action would end us and that is sent to stop or
+/// steer the command (INT, TERM, HUP, QUIT; USR1, USR2, ALRM; the real-time ones but the lock
+/// waits' own), minus those our parent made us ignore (`nohup`, a background job): a blocked
+/// signal is never discarded, so taking an ignored one would act on it. Faults (SEGV, BUS, …) and
+/// resource limits (XCPU, XFSZ) are our own, and stay as they are.
+pub fn taken() -> SigSet {
+    use Signal::{SIGALRM, SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2};
+    let named = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM].map(|s| s as i32);
+    let real_time =
+        (libc::SIGRTMIN()..=libc::SIGRTMAX()).filter(|&s| s != crate::lock::wake_signal());
+    // SAFETY: queries the disposition only (no new action); sigaddset on a local set.
+    unsafe {
+        let ignored = |s: libc::c_int| {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(s, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+        };
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in named.into_iter().chain(real_time).filter(|&s| !ignored(s)) {
+            libc::sigaddset(&mut set, s);
+        }
+        SigSet::from_sigset_t_unchecked(set)
+    }
 }
 
 /// A termination signal that came while no command ran (before or after it): long work stops.
@@ -121,13 +133,14 @@ pub fn termination_pending() -> bool {
     let Some(shared) = SHARED.get() else {
         return false;
     };
-    // SAFETY: sigpending fills a local set.
-    let pending = unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigpending(&mut set);
-        SigSet::from_sigset_t_unchecked(set)
-    };
-    shared.set.iter().any(|s| pending.contains(s))
+    // SAFETY: sigpending fills a local set; sigismember reads two sets.
+    unsafe {
+        let mut pending: libc::sigset_t = std::mem::zeroed();
+        libc::sigpending(&mut pending);
+        (1..=libc::SIGRTMAX()).any(|s| {
+            libc::sigismember(&pending, s) == 1 && libc::sigismember(shared.set.as_ref(), s) == 1
+        })
+    }
 }
 
 impl Forwarder {
@@ -137,7 +150,7 @@ impl Forwarder {
         // SAFETY: restores the default action; no handler is involved.
         unsafe { nix::sys::signal::signal(Signal::SIGCHLD, nix::sys::signal::SigHandler::SigDfl) }
             .map_err(io::Error::from)?;
-        let set = forwarded();
+        let set = taken();
         let mut blocked = set;
         blocked.add(Signal::SIGCHLD);
         blocked.thread_block().map_err(io::Error::from)?;

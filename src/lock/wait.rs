@@ -92,7 +92,7 @@ pub const REMOTE_REARM: Duration = Duration::from_millis(250);
 
 /// The signal that interrupts a helper thread's blocked flock(2) (`EINTR`: its handler does nothing,
 /// without `SA_RESTART`).
-fn wake_signal() -> libc::c_int {
+pub fn wake_signal() -> libc::c_int {
     libc::SIGRTMIN() + 5
 }
 

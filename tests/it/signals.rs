@@ -249,6 +249,92 @@ fn a_command_killed_by_a_real_time_signal_gives_128_plus_n() {
     }
 }
 
+/// Python: notes each signal of argv[3:] in argv[1] as it comes, once
+/// ready touches argv[2], and ends once it has them all.
+const HANDLER: &str = r#"import signal, sys, time
+wanted = [int(n) for n in sys.argv[3:]]
+seen = []
+def note(n, _):
+    seen.append(n)
+    open(sys.argv[1], 'a').write(f'{n}\n')
+for n in wanted:
+    signal.signal(n, note)
+open(sys.argv[2], 'w').close()
+while len(seen) < len(wanted):
+    time.sleep(0.01)
+"#;
+
+/// A signal sent to stop or steer the command (USR1, USR2, a real-time
+/// one) goes through stowage to it, in both modes: one that would end
+/// stowage by default left the command running without it, holding the
+/// image's lock, and a build that went on to succeed was recorded
+/// incomplete.
+#[test]
+fn signals_a_command_handles_reach_it_through_stowage() {
+    if !tool_or_skip("python3", "python3") {
+        return;
+    }
+    let env = Env::new();
+    let (usr1, usr2, rt) = (libc::SIGUSR1, libc::SIGUSR2, libc::SIGRTMIN() + 1);
+    let script = env.scratch.join("handler.py");
+    fs::write(&script, HANDLER).unwrap();
+    for inherit in [true, false] {
+        let got = env.scratch.join(format!("got-{inherit}"));
+        let _ = fs::remove_file(env.sentinel("started"));
+        let mut locks = vec!["--write", "app"];
+        if !inherit {
+            locks.push("--no-inherit");
+        }
+        let bg = env.start_sh(&locks, |started| {
+            let (got, started) = (got.display(), started.display());
+            let script = script.display();
+            format!("exec python3 '{script}' '{got}' '{started}' {usr1} {usr2} {rt}")
+        });
+        for (i, sig) in [usr1, usr2, rt].into_iter().enumerate() {
+            bg.signal(sig);
+            wait_until(&format!("signal {sig} reached the command"), || {
+                fs::read_to_string(&got).is_ok_and(|t| t.lines().count() > i)
+            });
+        }
+        let out = bg.finish();
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+        let text = fs::read_to_string(&got).unwrap();
+        assert_eq!(text, format!("{usr1}\n{usr2}\n{rt}\n"), "each once");
+        assert_eq!(env.state("app").as_deref(), Some("ready"));
+    }
+}
+
+/// Before the command starts, such a signal ends the wait as a termination
+/// signal does: 128+N, the command never run, nothing left behind.
+#[test]
+fn a_user_signal_ends_a_wait_as_a_termination_signal_does() {
+    let env = Env::new();
+    let holder = env.hold(&["--write", "app"], "started");
+    let ran = env.sentinel("ran");
+    let waiter = env.spawn([
+        "exec",
+        "--write",
+        "app",
+        "--",
+        "touch",
+        ran.to_str().unwrap(),
+    ]);
+    env.wait_for_waiter("app");
+    waiter.signal(libc::SIGUSR1);
+    let out = waiter.finish();
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGUSR1),
+        "{}",
+        show(&out)
+    );
+    assert!(!ran.exists());
+    let entry = env.lock_entry("app").unwrap();
+    assert!(entry["waiters"].as_array().unwrap().is_empty(), "{entry}");
+    env.release("release");
+    holder.finish();
+}
+
 // --- SIGKILL at the worst moments -------------------------------------------
 
 #[test]
