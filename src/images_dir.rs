@@ -197,6 +197,11 @@ pub fn for_command(root: &Root, record: &Record) -> Result<PathBuf> {
     }
 }
 
+/// Whether nothing is at `path` (one `lstat`): a tree gone.
+pub fn nothing_at(path: &Path) -> bool {
+    matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+}
+
 /// The tree a record describes, for reading and measuring only.
 pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
     let dir = r.images.path_in(root.dir());

@@ -737,7 +737,9 @@ impl Root {
         let (euid, root) = (nix::unistd::geteuid().as_raw(), self.dir.display());
         if self.default && uid != euid {
             anyhow::bail!(
-                "default root {root} belongs to uid {uid}, not to you: refusing it (its owner controls its locks); remove it, or choose a root with --root or STOWAGE_ROOT"
+                "default root {} belongs to uid {}, not to you: refusing it (its owner controls its locks); remove it, or choose a root with --root or STOWAGE_ROOT",
+                root,
+                uid
             );
         }
         let shared = mode & 0o020 != 0 && crate::ident::in_group(gid);

@@ -631,8 +631,9 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
             for i in images.iter().filter(|i| i.held.seen.store_wide) {
                 let tree_missing = i.held.seen.record.as_ref().is_some_and(|r| {
                     r.state == State::Ready
-                        && crate::images_dir::for_command(root, r)
-                            .is_ok_and(|d| nothing_at(&d.join(i.held.name.encoded())))
+                        && crate::images_dir::for_command(root, r).is_ok_and(|d| {
+                            crate::images_dir::nothing_at(&d.join(i.held.name.encoded()))
+                        })
                 });
                 match tree_missing {
                     true => gone.push(i.held.name.clone()),
@@ -656,11 +657,6 @@ fn settle_store_wide(root: &Root, images: &mut [Image]) -> Result<(Probe, Vec<Im
         _ => {}
     }
     Ok((p, gone))
-}
-
-/// Whether nothing is at `path` (one `lstat`).
-pub(crate) fn nothing_at(path: &Path) -> bool {
-    matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == io::ErrorKind::NotFound)
 }
 
 /// Reads need `ready` (a write in flight whose lock we share was a dead writer's: incomplete).
@@ -888,7 +884,7 @@ fn finish_write(
     let Some(mut r) = img.record.clone() else {
         return Ok(None);
     };
-    let missing = nothing_at(&images_dir.join(img.held.name.encoded()));
+    let missing = crate::images_dir::nothing_at(&images_dir.join(img.held.name.encoded()));
     let mut note = None;
     (r.state, r.outcome) = match outcome {
         Outcome::Success if missing => match crate::images_dir::unmounted(root, images_dir) {

@@ -259,7 +259,7 @@ fn forget_missing(
         r.state == crate::image_record::State::Ready
             && r.images == config.images
             && crate::name::ImageName::parse(&r.name)
-                .is_ok_and(|n| crate::session::nothing_at(&dir.join(n.encoded())))
+                .is_ok_and(|n| crate::images_dir::nothing_at(&dir.join(n.encoded())))
     };
     let missing: Vec<crate::census::Entry> = entries
         .into_iter()
