@@ -255,6 +255,9 @@ fn signal_fd() -> io::Result<SignalFd> {
     let mut set = crate::signals::taken();
     set.add(nix::sys::signal::Signal::SIGCHLD);
     let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None);
+    // stowage's lock waits' own signal is not taken: harmless here too (a handler, not an
+    // ignored disposition, which the command would inherit).
+    crate::lock::install_wake_handler();
     Ok(SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC)?)
 }
 
@@ -384,17 +387,23 @@ impl Tree {
         })
     }
 
-    /// A termination signal: to the command while it runs, else to every process left.
+    /// A signal: to the command while it runs, else to every process left; a termination signal
+    /// then ends what is left ([`GRACE`]), one only to take note (USR1) does not.
     fn on_signal(&mut self, info: &libc::signalfd_siginfo) {
         let sig = info.ssi_signo as i32;
         if sig == libc::SIGCHLD {
             return;
         }
-        self.terminating = Some(sig);
+        let ends = crate::signals::ends_the_command(sig);
+        if ends {
+            self.terminating = Some(sig);
+        }
         if self.exit.is_some() {
             signal_tree(sig);
-            self.cut_short = true;
-            self.kill_at.get_or_insert(Instant::now() + GRACE);
+            if ends {
+                self.cut_short = true;
+                self.kill_at.get_or_insert(Instant::now() + GRACE);
+            }
             return;
         }
         // stowage tags what the terminal sent it; decide as it would.

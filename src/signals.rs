@@ -78,6 +78,15 @@ pub fn taken() -> SigSet {
     }
 }
 
+/// Whether `sig` asks the command to end (INT, TERM, HUP, QUIT), not only to take note (USR1, a
+/// real-time signal): only these count against its outcome or end work after it.
+pub fn ends_the_command(sig: i32) -> bool {
+    matches!(
+        sig,
+        libc::SIGINT | libc::SIGTERM | libc::SIGHUP | libc::SIGQUIT
+    )
+}
+
 /// A termination signal that came while no command ran (before or after it): long work stops.
 static CANCELLED: AtomicI32 = AtomicI32::new(0);
 
@@ -154,6 +163,8 @@ impl Forwarder {
         let mut blocked = set;
         blocked.add(Signal::SIGCHLD);
         blocked.thread_block().map_err(io::Error::from)?;
+        // The lock waits' own signal, which is not taken: harmless whenever it comes.
+        crate::lock::install_wake_handler();
         let shared = SHARED.get_or_init(|| Shared {
             state: Mutex::new(State::Waiting),
             set,
@@ -274,12 +285,16 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
             crate::lock::interrupt_waits(sig);
         }
         State::Running(Start::Command, pid) => {
-            PASSED_ON.store(sig, Relaxed);
+            if ends_the_command(sig) {
+                PASSED_ON.store(sig, Relaxed);
+            }
             let (ours, leader) = (getpgrp().as_raw(), getsid(None) == Ok(getpid()));
             pass_on(pid, sig, code, ours, leader);
         }
         State::Running(Start::Keeper, pid) => {
-            PASSED_ON.store(sig, Relaxed);
+            if ends_the_command(sig) {
+                PASSED_ON.store(sig, Relaxed);
+            }
             let tag = if code == libc::SI_KERNEL {
                 FROM_TERMINAL
             } else {
@@ -291,7 +306,9 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
             // SAFETY: sigqueue(3) to our unreaped child; the value is a tag, never dereferenced.
             unsafe { libc::sigqueue(pid, sig, value) };
         }
-        State::Done => CANCELLED.store(sig, Relaxed),
+        // The command is gone: only a termination signal ends what is left to do.
+        State::Done if ends_the_command(sig) => CANCELLED.store(sig, Relaxed),
+        State::Done => {}
         State::Interrupted(_) => {}
     }
 }

@@ -36,8 +36,8 @@ mod wait;
 
 use wait::block;
 pub use wait::{
-    REMOTE_REARM, Wait, Waited, Waker, Woke, before_waiting, interrupt_waits, interrupted, polls,
-    starting_to_wait, wake_signal, watch_signals_while_waiting,
+    REMOTE_REARM, Wait, Waited, Waker, Woke, before_waiting, install_wake_handler, interrupt_waits,
+    interrupted, polls, starting_to_wait, wake_signal, watch_signals_while_waiting,
 };
 
 /// How a lock is held.

@@ -98,7 +98,8 @@ pub fn wake_signal() -> libc::c_int {
 
 extern "C" fn do_nothing(_: libc::c_int) {}
 
-fn install_wake_handler() {
+/// Gives [`wake_signal`] its handler that does nothing, once per process.
+pub fn install_wake_handler() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
         // SAFETY: installs a handler that touches nothing; sa is zeroed, its mask emptied first.

@@ -304,6 +304,63 @@ fn signals_a_command_handles_reach_it_through_stowage() {
     }
 }
 
+/// Under `--no-inherit`, such a signal that comes once the command has
+/// exited goes to what it left running, and is no reason to end that or
+/// to call the write failed: a termination signal would be.
+#[test]
+fn a_signal_only_to_take_note_does_not_cut_short_what_a_command_left_running() {
+    if !tool_or_skip("python3", "python3") {
+        return;
+    }
+    let env = Env::new();
+    let script = env.scratch.join("handler.py");
+    fs::write(&script, HANDLER).unwrap();
+    let got = env.scratch.join("got");
+    let locks = ["--write", "app", "--no-inherit"];
+    let bg = env.start_sh(&locks, |started| {
+        let (script, got, started) = (script.display(), got.display(), started.display());
+        format!(
+            "python3 '{script}' '{got}' '{started}' {} & exit 0",
+            libc::SIGUSR1
+        )
+    });
+    bg.signal(libc::SIGUSR1);
+    let out = bg.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(
+        fs::read_to_string(&got).unwrap(),
+        format!("{}\n", libc::SIGUSR1)
+    );
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// The one real-time signal stowage's lock waits use to wake a waiting
+/// thread is not taken, and harms nothing whenever it comes: it ended
+/// stowage, leaving its command running without it.
+#[test]
+fn the_lock_waits_own_signal_leaves_an_exec_unharmed() {
+    let env = Env::new();
+    for inherit in [true, false] {
+        let _ = fs::remove_file(env.sentinel("started"));
+        let release = env.sentinel("release");
+        let mut locks = vec!["--write", "app"];
+        if !inherit {
+            locks.push("--no-inherit");
+        }
+        let bg = env.start_sh(&locks, |started| {
+            let (started, release) = (started.display(), release.display());
+            format!("touch '{started}'; while [ ! -e '{release}' ]; do sleep 0.01; done")
+        });
+        bg.signal(libc::SIGRTMIN() + 5);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        fs::write(&release, "").unwrap();
+        let out = bg.finish();
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+        assert_eq!(env.state("app").as_deref(), Some("ready"));
+        fs::remove_file(&release).unwrap();
+    }
+}
+
 /// Before the command starts, such a signal ends the wait as a termination
 /// signal does: 128+N, the command never run, nothing left behind.
 #[test]
