@@ -257,7 +257,7 @@ fn signal_fd() -> io::Result<SignalFd> {
     let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&set), None);
     // stowage's lock waits' own signal is not taken: harmless here too (a handler, not an
     // ignored disposition, which the command would inherit).
-    crate::lock::install_wake_handler();
+    crate::lock::disarm_wake_signal();
     Ok(SignalFd::with_flags(&set, SfdFlags::SFD_CLOEXEC)?)
 }
 

@@ -164,7 +164,7 @@ impl Forwarder {
         blocked.add(Signal::SIGCHLD);
         blocked.thread_block().map_err(io::Error::from)?;
         // The lock waits' own signal, which is not taken: harmless whenever it comes.
-        crate::lock::install_wake_handler();
+        crate::lock::disarm_wake_signal();
         let shared = SHARED.get_or_init(|| Shared {
             state: Mutex::new(State::Waiting),
             set,

@@ -36,7 +36,7 @@ mod wait;
 
 use wait::block;
 pub use wait::{
-    REMOTE_REARM, Wait, Waited, Waker, Woke, before_waiting, install_wake_handler, interrupt_waits,
+    REMOTE_REARM, Wait, Waited, Waker, Woke, before_waiting, disarm_wake_signal, interrupt_waits,
     interrupted, polls, starting_to_wait, wake_signal, watch_signals_while_waiting,
 };
 

@@ -98,8 +98,22 @@ pub fn wake_signal() -> libc::c_int {
 
 extern "C" fn do_nothing(_: libc::c_int) {}
 
+/// Makes [`wake_signal`] harmless before any wait needs it: its handler, unless the parent made
+/// us ignore it (kept so, for the command to inherit, until a wait needs the handler).
+pub fn disarm_wake_signal() {
+    // SAFETY: queries the disposition only (no new action).
+    let ignored = unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(wake_signal(), std::ptr::null(), &mut old) == 0
+            && old.sa_sigaction == libc::SIG_IGN
+    };
+    if !ignored {
+        install_wake_handler();
+    }
+}
+
 /// Gives [`wake_signal`] its handler that does nothing, once per process.
-pub fn install_wake_handler() {
+fn install_wake_handler() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
         // SAFETY: installs a handler that touches nothing; sa is zeroed, its mask emptied first.

@@ -221,6 +221,35 @@ fn an_ignored_sighup_stays_ignored() {
     assert!(ran.exists());
 }
 
+/// A caller that ignores the lock waits' own signal passes that on to the
+/// command, in both modes, as it does any ignored signal: giving the signal
+/// a handler at the start had set it back to its default for the command.
+#[test]
+fn the_lock_waits_own_signal_ignored_by_the_caller_stays_ignored() {
+    let env = Env::new();
+    let wake = libc::SIGRTMIN() + 5;
+    for inherit in [true, false] {
+        let mut args = vec!["exec", "--write", "app"];
+        if !inherit {
+            args.push("--no-inherit");
+        }
+        args.extend(["--", "grep", "SigIgn", "/proc/self/status"]);
+        let mut c = Command::new("sh");
+        c.arg("-c")
+            .arg(format!("trap '' {wake}; exec \"$0\" \"$@\""))
+            .arg(bin())
+            .arg("--root")
+            .arg(&env.root)
+            .args(&args);
+        let out = output(c);
+        assert_eq!(code(&out), Some(0), "{}", show(&out));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mask = text.split_whitespace().nth(1).unwrap_or("0");
+        let ignored = u64::from_str_radix(mask, 16).unwrap() >> (wake - 1) & 1 == 1;
+        assert!(ignored, "inherit {inherit}: {text}");
+    }
+}
+
 #[test]
 fn an_ignored_sigchld_does_not_lose_the_outcome() {
     let env = Env::new();
