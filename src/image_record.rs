@@ -535,10 +535,30 @@ pub(crate) fn checked_body(slot: &[u8]) -> Option<&str> {
     (crc == format!("{:08x}", crc32(body.as_bytes()))).then_some(body)
 }
 
-/// CRC-32 (IEEE), as the record format fixes it.
 fn crc32(bytes: &[u8]) -> u32 {
-    crc32fast::hash(bytes)
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc = CRC_TABLE[((crc ^ u32::from(b)) & 0xff) as usize] ^ (crc >> 8);
+    }
+    !crc
 }
+
+/// CRC-32 (IEEE) a byte at a time: a survey checks two record slots per image.
+const CRC_TABLE: [u32; 256] = {
+    let mut table = [0u32; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut c = i as u32;
+        let mut k = 0;
+        while k < 8 {
+            c = (c >> 1) ^ (0xEDB8_8320 & (c & 1).wrapping_neg());
+            k += 1;
+        }
+        table[i] = c;
+        i += 1;
+    }
+    table
+};
 
 #[cfg(test)]
 mod tests {
