@@ -27,41 +27,43 @@ fn sigterm_is_forwarded_and_gives_143() {
     assert!(flock_free(&env.lock_file("app")));
 }
 
+/// A signal while waiting ends the wait: 128+N, the command never run,
+/// nothing left behind. USR1 too, as every signal that would end stowage
+/// by default (it killed stowage outright).
 #[test]
 fn signal_while_waiting_exits_without_running_the_command() {
-    let env = Env::new();
-    let holder = env.hold(&["--write", "app"], "started");
-    let ran = env.sentinel("ran");
-    let waiter = env.spawn([
-        "exec",
-        "--write",
-        "app",
-        "--write",
-        "other",
-        "--",
-        "touch",
-        ran.to_str().unwrap(),
-    ]);
-    env.wait_for_waiter("app");
-    waiter.signal(libc::SIGINT);
-    let out = waiter.finish();
-    assert_eq!(out.status.code(), Some(130), "{}", show(&out));
-    // The signal by its name ("signal 2" was all it said).
-    assert!(
-        stderr(&out).contains("interrupted by SIGINT before the command started"),
-        "{}",
-        show(&out)
-    );
-    assert!(!ran.exists());
-    let entry = env.lock_entry("app").unwrap();
-    assert!(entry["waiters"].as_array().unwrap().is_empty(), "{entry}");
-    env.release("release");
-    holder.finish();
-    assert_eq!(
-        env.state("other"),
-        None,
-        "an image never written is not left behind"
-    );
+    for (sig, name) in [(libc::SIGINT, "SIGINT"), (libc::SIGUSR1, "SIGUSR1")] {
+        let env = Env::new();
+        let holder = env.hold(&["--write", "app"], "started");
+        let ran = env.sentinel("ran");
+        let waiter = env.spawn([
+            "exec",
+            "--write",
+            "app",
+            "--write",
+            "other",
+            "--",
+            "touch",
+            ran.to_str().unwrap(),
+        ]);
+        env.wait_for_waiter("app");
+        waiter.signal(sig);
+        let out = waiter.finish();
+        assert_eq!(out.status.code(), Some(128 + sig), "{}", show(&out));
+        // The signal by its name ("signal 2" was all it said).
+        let said = format!("interrupted by {name} before the command started");
+        assert!(stderr(&out).contains(&said), "{}", show(&out));
+        assert!(!ran.exists());
+        let entry = env.lock_entry("app").unwrap();
+        assert!(entry["waiters"].as_array().unwrap().is_empty(), "{entry}");
+        env.release("release");
+        holder.finish();
+        assert_eq!(
+            env.state("other"),
+            None,
+            "an image never written is not left behind"
+        );
+    }
 }
 
 /// `exec ARGS -- sh -c 'touch STARTED; sleep 600'` in the background: a
@@ -388,37 +390,6 @@ fn the_lock_waits_own_signal_leaves_an_exec_unharmed() {
         assert_eq!(env.state("app").as_deref(), Some("ready"));
         fs::remove_file(&release).unwrap();
     }
-}
-
-/// Before the command starts, such a signal ends the wait as a termination
-/// signal does: 128+N, the command never run, nothing left behind.
-#[test]
-fn a_user_signal_ends_a_wait_as_a_termination_signal_does() {
-    let env = Env::new();
-    let holder = env.hold(&["--write", "app"], "started");
-    let ran = env.sentinel("ran");
-    let waiter = env.spawn([
-        "exec",
-        "--write",
-        "app",
-        "--",
-        "touch",
-        ran.to_str().unwrap(),
-    ]);
-    env.wait_for_waiter("app");
-    waiter.signal(libc::SIGUSR1);
-    let out = waiter.finish();
-    assert_eq!(
-        out.status.code(),
-        Some(128 + libc::SIGUSR1),
-        "{}",
-        show(&out)
-    );
-    assert!(!ran.exists());
-    let entry = env.lock_entry("app").unwrap();
-    assert!(entry["waiters"].as_array().unwrap().is_empty(), "{entry}");
-    env.release("release");
-    holder.finish();
 }
 
 // --- SIGKILL at the worst moments -------------------------------------------
