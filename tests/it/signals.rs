@@ -223,6 +223,38 @@ fn an_ignored_sighup_stays_ignored() {
     assert!(ran.exists());
 }
 
+/// The `--no-inherit` keeper is stowage started anew, which has no handler
+/// for the lock waits' own signal in its first moments: it starts with that
+/// signal blocked (one sent then killed it, and the command with it).
+#[test]
+fn the_keeper_starts_with_the_lock_waits_own_signal_blocked() {
+    let env = Env::new();
+    let release = env.sentinel("release");
+    let locks = ["--write", "app", "--no-inherit"];
+    let bg = env.start_sh(&locks, |started| {
+        let (started, release) = (started.display(), release.display());
+        format!("touch '{started}'; while [ ! -e '{release}' ]; do sleep 0.01; done")
+    });
+    let pid = bg.pid();
+    let children = fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    let keeper = children.split_whitespace().next().expect("a keeper");
+    let status = fs::read_to_string(format!("/proc/{keeper}/status")).unwrap();
+    let blocked = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigBlk:"))
+        .unwrap();
+    let mask = u64::from_str_radix(blocked.trim(), 16).unwrap();
+    fs::write(&release, "").unwrap();
+    let out = bg.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let wake = libc::SIGRTMIN() + 5;
+    assert_eq!(
+        mask >> (wake - 1) & 1,
+        1,
+        "keeper {keeper}: SigBlk {blocked}"
+    );
+}
+
 /// A caller that ignores the lock waits' own signal passes that on to the
 /// command, in both modes, as it does any ignored signal: giving the signal
 /// a handler at the start had set it back to its default for the command.
