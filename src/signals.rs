@@ -63,15 +63,15 @@ pub fn taken() -> SigSet {
     let named = [SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM].map(|s| s as i32);
     let real_time =
         (libc::SIGRTMIN()..=libc::SIGRTMAX()).filter(|&s| s != crate::lock::wake_signal());
-    // SAFETY: queries the disposition only (no new action); sigaddset on a local set.
+    // SAFETY: sigaddset on a local set.
     unsafe {
-        let ignored = |s: libc::c_int| {
-            let mut old: libc::sigaction = std::mem::zeroed();
-            libc::sigaction(s, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
-        };
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        for s in named.into_iter().chain(real_time).filter(|&s| !ignored(s)) {
+        for s in named
+            .into_iter()
+            .chain(real_time)
+            .filter(|&s| !crate::spawn::ignored(s))
+        {
             libc::sigaddset(&mut set, s);
         }
         SigSet::from_sigset_t_unchecked(set)

@@ -16,6 +16,16 @@ use nix::spawn::{
 use nix::sys::signal::{SigSet, Signal};
 use nix::unistd::Pid;
 
+/// Whether our parent made us ignore `sig`: a disposition exec keeps, so the command inherits it
+/// (no handler of ours may replace it).
+pub fn ignored(sig: libc::c_int) -> bool {
+    // SAFETY: queries the disposition only (no new action).
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Start {
     /// The user's command: no signal blocked, SIGPIPE at its default.

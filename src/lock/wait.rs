@@ -101,13 +101,7 @@ extern "C" fn do_nothing(_: libc::c_int) {}
 /// Makes [`wake_signal`] harmless before any wait needs it: its handler, unless the parent made
 /// us ignore it (kept so, for the command to inherit, until a wait needs the handler).
 pub fn disarm_wake_signal() {
-    // SAFETY: queries the disposition only (no new action).
-    let ignored = unsafe {
-        let mut old: libc::sigaction = std::mem::zeroed();
-        libc::sigaction(wake_signal(), std::ptr::null(), &mut old) == 0
-            && old.sa_sigaction == libc::SIG_IGN
-    };
-    if !ignored {
+    if !crate::spawn::ignored(wake_signal()) {
         install_wake_handler();
     }
 }
