@@ -22,9 +22,8 @@ use std::os::fd::AsRawFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
-use crate::dir::Dir;
+use crate::dir::{CLAIM as NAME, Dir};
 
-const NAME: &std::ffi::CStr = c"user.stowage.store";
 const FORMAT: &str = "stowage-claim 1\n";
 
 /// Who claims an images directory.

@@ -7,6 +7,7 @@
 //! - Deleting a tree ([`Dir::remove_entry`]) unlinks symlinks, stops at any mount (bind mounts
 //!   included), and holds few descriptors at any depth: far levels are reopened through `..`,
 //!   which must be the directory left, so a tree moved mid-walk stops the walk.
+//! - Nor does it delete a directory a store claims as its images directory ([`CLAIM`]).
 //! - The walks that copy and measure trees go the same way, at any depth; paths exist only for
 //!   messages, bounded ([`Trail::show`]).
 
@@ -23,6 +24,9 @@ use nix::sys::stat;
 use nix::unistd::{AccessFlags, UnlinkatFlags};
 
 use crate::error::{cstr, cvt, retrying};
+
+/// The extended attribute by which a store claims its images directory (`claim.rs`).
+pub const CLAIM: &CStr = c"user.stowage.store";
 
 #[derive(Debug)]
 pub struct Dir {
@@ -591,6 +595,16 @@ impl Level {
     /// The directory `dir` (its stat `st`; `shown` names it), made writable and listed: a level to
     /// empty, its name in its parent still to be set.
     fn enter(dir: Dir, st: &Entry, shown: &dyn Fn() -> String) -> io::Result<Level> {
+        // Whatever put it in this tree, a store's images directory is that store's to empty.
+        // SAFETY: valid descriptor and C string; a null buffer of size 0 asks only the length.
+        if unsafe { libc::fgetxattr(dir.as_raw_fd(), CLAIM.as_ptr(), std::ptr::null_mut(), 0) } >= 0
+        {
+            let c = CLAIM.to_string_lossy();
+            return Err(io::Error::other(format!(
+                "{} is a store's images directory ({c}): not deleted; if no store uses it, remove that attribute",
+                shown()
+            )));
+        }
         // A read-only directory inside an image gets owner access; a failure shows in the unlinks.
         if st.mode & 0o700 != 0o700 {
             let _ = stat::fchmod(

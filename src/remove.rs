@@ -204,6 +204,12 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
         Err(e) => return Taken::Refused(e),
         Ok(Some(_)) => {}
     }
+    // Never another store's images directory or root, whatever put it here (a store made in a tree).
+    let other = images.sub(enc).ok();
+    if let Some(what) = other.and_then(|d| crate::images_dir::holds_a_store(&d, tree, None)) {
+        let shown = tree.display();
+        return Taken::Refused(anyhow::anyhow!("{shown} is {what}, not an image tree"));
+    }
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let (now, nonce) = (clock::now_ms(), crate::ident::nonce());
     let (seq, short) = (SEQ.fetch_add(1, Ordering::Relaxed), enc.chars().take(100));

@@ -430,31 +430,10 @@ impl Root {
         let Ok(real) = fs::canonicalize(&self.dir).or_else(|_| real_path(&self.dir)) else {
             return Ok(());
         };
-        let mut at = real.as_path();
-        while let Some(parent) = at.parent() {
-            let part = at.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            let store = Root::at(parent);
-            if ["img", "trash", "locks"].contains(&part) && store.holds_store() {
-                anyhow::bail!(
-                    "refusing {} as a root: it lies in '{part}' of the store at {}, which would take it for its own",
-                    self.dir.display(),
-                    parent.display()
-                );
-            }
-            if let Some(c) = Dir::open_nofollow(at)
-                .ok()
-                .and_then(|d| crate::claim::read(&d))
-            {
-                anyhow::bail!(
-                    "refusing {} as a root: it lies in images directory {} of the store at {}",
-                    self.dir.display(),
-                    at.display(),
-                    c.path.display()
-                );
-            }
-            at = parent;
+        match inside_another_store(&real, true) {
+            Some(why) => anyhow::bail!("refusing {} as a root: {why}", self.dir.display()),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// [`Root::create_layout`] for `init`, which is asked to: also in a directory that holds
@@ -786,6 +765,36 @@ impl Root {
             .into());
         }
         Ok(())
+    }
+}
+
+/// Why a directory at the real path `real` lies where another store would take it for its own: in
+/// a store's `img`, `trash` or `locks`, or in a directory a store claims as its images directory
+/// (`real` itself too if `itself`). One walk up, for what is made once (a root, an images directory).
+pub fn inside_another_store(real: &Path, itself: bool) -> Option<String> {
+    let mut at = real;
+    if !itself {
+        at = at.parent()?;
+    }
+    loop {
+        let parent = at.parent()?;
+        let part = at.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if ["img", "trash", "locks"].contains(&part) && Root::at(parent).holds_store() {
+            let store = parent.display();
+            return Some(format!(
+                "it lies in '{part}' of the store at {store}, which would take it for its own"
+            ));
+        }
+        if let Some(c) = Dir::open_nofollow(at)
+            .ok()
+            .and_then(|d| crate::claim::read(&d))
+        {
+            let (dir, store) = (at.display(), c.path.display());
+            return Some(format!(
+                "it lies in images directory {dir} of the store at {store}"
+            ));
+        }
+        at = parent;
     }
 }
 

@@ -50,6 +50,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         refuse_images_dir(root, dir)?;
         refuse_what_is_no_images_dir(dir, current.as_ref() != Some(dir))?;
         refuse_another_stores(root, dir)?;
+        refuse_nesting(dir, current.as_ref() != Some(dir))?;
     } else if let Some(dir) = current.filter(|d| *d != root.default_images_dir()) {
         refuse_what_is_no_images_dir(&dir, false)?;
     }
@@ -438,6 +439,33 @@ fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
         use_root(&theirs.path)
     };
     Err(belongs(&theirs.path, what))
+}
+
+/// Refuses an images directory that lies in another store's (whose removals would delete this
+/// one's trees) or, with `contents`, holds one or a store's root (adopted as an image, gc would
+/// delete it): one store's images may not hold another's, whichever was made first.
+fn refuse_nesting(dir: &Path, contents: bool) -> Result<()> {
+    let shown = dir.display();
+    if let Some(why) = crate::root::inside_another_store(&resolved(dir), false) {
+        bail!("refusing {shown} as the images directory: {why}");
+    }
+    let listed = || crate::dir::Dir::open_nofollow(dir).and_then(|d| Ok((d.names()?, d)));
+    let Some(Ok((names, images))) = contents.then(listed) else {
+        return Ok(());
+    };
+    for name in names {
+        let Ok(sub) = images.sub(&name) else {
+            continue;
+        };
+        let path = dir.join(&name);
+        if let Some(what) = crate::images_dir::holds_a_store(&sub, &path, None) {
+            let path = path.display();
+            bail!(
+                "refusing {shown} as the images directory: {path} in it is {what}, which it would adopt as an image"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// What init's last line says of the images it adopted, if any.

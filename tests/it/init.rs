@@ -326,6 +326,54 @@ fn a_second_root_cannot_take_an_images_directory_another_store_serves() {
     assert_eq!(a.read_in_image("base", "f"), "a\n");
 }
 
+/// An images directory may not hold another store's, nor lie in one,
+/// whichever was made first: the outer store would adopt the inner one's
+/// images directory (or root) as an image, and `rm` or gc delete it; the
+/// inner one's trees would be deleted with the outer image they lie in.
+#[test]
+fn an_images_directory_may_not_hold_or_lie_in_another_stores() {
+    let a = Env::new();
+    let shared = a.scratch.join("shared");
+    let img = shared.join("img");
+    fs::create_dir_all(&img).unwrap();
+    a.ok(["init", "--images-dir", img.to_str().unwrap()]);
+    a.build("base", "echo a > \"$STOWAGE_IMAGE_DIR/f\"");
+    fs::create_dir(img.join("base/sub")).unwrap();
+    let other = Env::new();
+    other.make_image("x");
+    fs::create_dir(other.root.join("img/x/sub")).unwrap();
+    let b = Env::new();
+    for (dir, says) in [
+        (
+            shared.clone(),
+            "in it is the images directory of the store at",
+        ),
+        (other.scratch.clone(), ""),
+        (img.join("base/sub"), "lies in images directory"),
+        (
+            other.root.join("img/x/sub"),
+            "lies in 'img' of the store at",
+        ),
+    ] {
+        if dir == other.scratch {
+            // A store's root among the entries, not only a claimed directory.
+            let moved = other.scratch.join("store");
+            fs::rename(&other.root, &moved).unwrap();
+            let out = b.run(["init", "--images-dir", dir.to_str().unwrap()]);
+            fs::rename(&moved, &other.root).unwrap();
+            assert_eq!(code(&out), Some(1), "{}", show(&out));
+            assert!(stderr(&out).contains("is a store's root"), "{}", show(&out));
+            continue;
+        }
+        let out = b.run(["init", "--images-dir", dir.to_str().unwrap()]);
+        assert_eq!(code(&out), Some(1), "{}: {}", dir.display(), show(&out));
+        assert!(stderr(&out).contains(says), "{}", show(&out));
+        assert!(!b.root.exists(), "nothing made for the refused store");
+    }
+    assert_eq!(a.read_in_image("base", "f"), "a\n");
+    other.ok(["exec", "--read", "x", "--", "true"]);
+}
+
 /// A copy of a store with an external images directory is another store
 /// over the same directory: it removes nothing there.
 #[test]

@@ -372,6 +372,46 @@ impl Drop for Immutable {
     }
 }
 
+/// Removal never deletes another store, whatever put it in an images
+/// directory (moved there by hand, or made before the outer directory was
+/// taken): a tree that is a store's root or claimed images directory is
+/// refused and stays as it was, and a claimed images directory deeper in a
+/// tree is not deleted.
+#[test]
+fn removal_never_deletes_another_stores_root_or_images_directory() {
+    let b = Env::new();
+    let images = b.root.join("img");
+    let inner = Env::new();
+    inner.make_image("kept");
+    b.make_image("plain");
+    fs::rename(&inner.root, images.join("inner")).unwrap();
+    let a = Env::new();
+    let a_img = a.scratch.join("img");
+    fs::create_dir(&a_img).unwrap();
+    a.ok(["init", "--images-dir", a_img.to_str().unwrap()]);
+    a.make_image("also-kept");
+    fs::create_dir(images.join("outer")).unwrap();
+    fs::rename(&a_img, images.join("outer/img")).unwrap();
+    b.ok(["doctor", "--repair"]);
+    let out = b.run(["rm", "inner"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains("is a store's root"), "{}", show(&out));
+    assert!(images.join("inner/img/kept/file").exists());
+    let out = b.run(["rm", "outer"]);
+    assert!(
+        stderr(&out).contains("is a store's images directory"),
+        "{}",
+        show(&out)
+    );
+    let trash: Vec<_> = fs::read_dir(b.root.join("trash")).unwrap().collect();
+    assert_eq!(trash.len(), 1, "{}", show(&out));
+    let kept = trash[0].as_ref().unwrap().path().join("img/also-kept/file");
+    assert!(kept.exists(), "{}", show(&out));
+    b.run(["gc"]);
+    assert!(kept.exists());
+    assert!(images.join("inner/img/kept/file").exists());
+}
+
 #[test]
 fn a_removal_that_cannot_move_the_tree_is_undone() {
     let env = Env::new();
