@@ -11,8 +11,8 @@
 //! - Hints (bytes 8192..8256: `W`, `S`, last use) are not the record: any process with the file
 //!   open writes them; each is only a reason to ask the authority. Last use is refreshed at most
 //!   every [`last_use_resolution`], when a read begins and when a long one ends.
-//! - Unlinking marks first (`lock::mark_gone`), so a valid record, or a file without the mark, read
-//!   under a lock proves the file is the one at its path.
+//! - Unlinking empties and marks first (`lock::mark_gone`): read under a lock, a valid record proves
+//!   the file is the one at its path; so does a file without the mark where none is unlinked.
 
 use std::fs::File;
 use std::io;

@@ -237,7 +237,14 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
     // Private to this process: two doctors at once must not test against each other's lock.
     let probe = format!(".doctor.{:016x}.lock", crate::ident::nonce());
     let probe = root.locks().join(probe);
-    match lock::opens_conflict(&probe) {
+    // No room for a file (no inode left): tried on the reserve, which only its size is ever for.
+    let tried = match lock::opens_conflict(&probe) {
+        Err(e) if crate::space::is_full_io(&e) => {
+            lock::opens_conflict(&root.reserve()).map_err(|_| e)
+        }
+        tried => tried,
+    };
+    match tried {
         Ok(true) => {
             let detail = "two opens of one file exclude each other";
             report.add("flock", Verdict::Ok, detail);
@@ -266,6 +273,17 @@ fn flock_works(root: &Root, report: &mut Report) -> bool {
             let doc = crate::error::GROUP_STORE_DOC;
             report.add("access", Problem, format!("cannot create a file in {locks}: {e}: you may not write this store ({owner}); {advice} ({doc})"));
             return false;
+        }
+        Err(e) if crate::space::is_full_io(&e) => {
+            let locks = root.locks();
+            let locks = locks.display();
+            report.add(
+                "flock",
+                Info,
+                format!(
+                    "not tested: cannot create a file in {locks}: {e} ('stowage gc' frees space)"
+                ),
+            );
         }
         Err(e) => {
             report.locking = false;
@@ -775,11 +793,23 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
             .into_iter()
             .filter(|e| e.seen.names_nothing())
             .collect();
-        if !empty.is_empty() {
-            let gone = || empty.iter().filter(|e| root.unlink_if_empty(&e.path));
-            let found = if repair { gone().count() } else { empty.len() };
-            let what = format!("{found} lock file(s) that name no image");
-            report.swept("locks", repair.then_some("removed"), Info, what);
+        let removed = if repair {
+            empty
+                .iter()
+                .filter(|e| root.unlink_if_empty(&e.path))
+                .count()
+        } else {
+            0
+        };
+        if removed > 0 {
+            let what = format!("{removed} lock file(s) that name no image");
+            report.swept("locks", Some("removed"), Info, what);
+        }
+        // In use, or a disk too full to mark one gone: the next repair removes it.
+        let left = empty.len() - removed;
+        if left > 0 {
+            let what = format!("{left} lock file(s) that name no image");
+            report.swept("locks", None, Info, what);
         }
     }
     config_temps(&root, repair, report)?;

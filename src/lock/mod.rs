@@ -430,7 +430,12 @@ pub const GONE: &[u8] = b"stowage-unlinked\n";
 /// the unlink reads the mark and knows it locked a ghost (nothing else it could read says so).
 pub fn mark_gone(file: &File) -> io::Result<()> {
     file.set_len(0)?;
-    file.write_all_at(GONE, 0)
+    // Emptied, it already proves nothing where lock files are unlinked (only a record does): a
+    // disk too full for the mark keeps no lock file of an image that is gone.
+    match file.write_all_at(GONE, 0) {
+        Err(e) if crate::space::is_full_io(&e) => Ok(()),
+        marked => marked,
+    }
 }
 
 /// Makes a fresh lock file at `path` (`O_EXCL`, written through where shared) and locks it

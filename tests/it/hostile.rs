@@ -768,6 +768,61 @@ fn a_read_only_root_exits_69() {
     }
 }
 
+/// A filesystem with no inode left: doctor still tests flock (on the
+/// reserve) and goes through every check; no "locking unusable" (69).
+#[test]
+fn doctor_on_a_filesystem_out_of_inodes_checks_everything() {
+    let Some(fs_) = Mount::tmpfs("size=8m,nr_inodes=64") else {
+        return;
+    };
+    let root = fs_.dir.join("root");
+    let out = stowage_at(&root, &["exec", "--write", "a", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    for i in 0.. {
+        if fs::File::create(fs_.dir.join(format!("f{i}"))).is_err() {
+            break;
+        }
+    }
+    let out = stowage_at(&root, &["doctor"]);
+    assert_ne!(out.status.code(), Some(69), "{}", show(&out));
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(said.contains("catalog"), "{}", show(&out));
+    // A repair cannot make the global lock's file (no inode): one line, not 69.
+    let out = stowage_at(&root, &["doctor", "--repair"]);
+    assert_ne!(out.status.code(), Some(69), "{}", show(&out));
+}
+
+/// A start refused for a disk too full for its record leaves no lock
+/// file behind: emptied, the file is unlinked even without room for the
+/// mark that it is gone.
+#[test]
+fn a_start_refused_by_a_full_disk_leaves_no_lock_file() {
+    let Some(fs_) = Mount::tmpfs("size=2m") else {
+        return;
+    };
+    let root = fs_.dir.join("root");
+    let out = stowage_at(&root, &["exec", "--write", "a", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let fill = |name: &str| {
+        let _ = Command::new("dd")
+            .args(["if=/dev/zero", "bs=4k"])
+            .arg(format!("of={}", fs_.dir.join(name).display()))
+            .output();
+    };
+    fill("filler");
+    fs::remove_file(root.join("reserve")).unwrap();
+    fill("filler2");
+    let out = stowage_at(&root, &["exec", "--write", "n", "--", "true"]);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(!root.join("locks/images/n.lock").exists(), "{}", show(&out));
+    assert_eq!(
+        stowage_at(&root, &["exec", "--read", "a", "--", "true"])
+            .status
+            .code(),
+        Some(0)
+    );
+}
+
 #[test]
 fn a_full_filesystem_fails_cleanly_and_loses_nothing() {
     let Some(fs_) = Mount::tmpfs("size=2m") else {
