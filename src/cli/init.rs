@@ -181,7 +181,15 @@ fn refuse_unrecordable(dir: &Path) -> Result<()> {
 fn refuse_images_dir(root: &Root, dir: &Path) -> Result<()> {
     let (shown, at) = (dir.display(), root.dir().display());
     if !dir.is_dir() && !dir.parent().is_some_and(Path::is_dir) {
-        bail!("cannot create images directory {shown}: its parent directory does not exist");
+        // `$CH_IMAGE_STORAGE/img` before ch-image made its storage: a directory made by hand
+        // would not be one ch-image takes.
+        let hint = match dir.file_name() {
+            Some(n) if n == "img" => {
+                "; a builder's storage directory is the builder's to make: use the builder first, then init"
+            }
+            _ => "",
+        };
+        bail!("cannot create images directory {shown}: its parent directory does not exist{hint}");
     }
     if root.dir().starts_with(dir) {
         bail!(

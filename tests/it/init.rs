@@ -145,6 +145,12 @@ fn an_images_directory_must_not_contain_the_root_nor_grow_missing_parents() {
         !env.tmp.path().join("typo").exists(),
         "no missing parent created"
     );
+    // `$CH_IMAGE_STORAGE/img` before the builder made its storage.
+    assert!(
+        stderr(&out).contains("use the builder first"),
+        "{}",
+        show(&out)
+    );
     let after: Vec<String> = tree(env.tmp.path())
         .into_iter()
         .filter(|p| !p.starts_with("root"))
