@@ -22,7 +22,9 @@ use std::os::fd::AsRawFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
-use crate::dir::{CLAIM as NAME, Dir};
+use crate::dir::Dir;
+
+const NAME: &std::ffi::CStr = c"user.stowage.store";
 
 const FORMAT: &str = "stowage-claim 1\n";
 
@@ -99,6 +101,19 @@ impl Claim {
             (Some(theirs), Ok(this)) => crate::dir::same_identity(&theirs, &this),
             _ => true,
         }
+    }
+
+    /// Whether the claiming store uses `dir` as its images directory now, by positive evidence: its
+    /// root is where it says and records `dir`'s identity (a copy of a claimed directory is none).
+    pub fn in_use_for(&self, dir: &Dir) -> bool {
+        let recorded = self.root_there().and_then(|anchor| {
+            let config = crate::config::read(&self.path, &anchor).ok().flatten()?;
+            config.identity
+        });
+        recorded.is_some_and(|r| {
+            dir.identity()
+                .is_ok_and(|d| crate::dir::same_identity(&r, &d))
+        })
     }
 
     /// The claiming store's root, if the directory at its path is still the one it names.

@@ -7,7 +7,8 @@
 //! - Deleting a tree ([`Dir::remove_entry`]) unlinks symlinks, stops at any mount (bind mounts
 //!   included), and holds few descriptors at any depth: far levels are reopened through `..`,
 //!   which must be the directory left, so a tree moved mid-walk stops the walk.
-//! - Nor does it delete a directory a store claims as its images directory ([`CLAIM`]).
+//! - Nor does it delete a directory its caller's [`Keep`] says a store uses (a claimed images
+//!   directory, a root): it stops there.
 //! - The walks that copy and measure trees go the same way, at any depth; paths exist only for
 //!   messages, bounded ([`Trail::show`]).
 
@@ -25,8 +26,8 @@ use nix::unistd::{AccessFlags, UnlinkatFlags};
 
 use crate::error::{cstr, cvt, retrying};
 
-/// The extended attribute by which a store claims its images directory (`claim.rs`).
-pub const CLAIM: &CStr = c"user.stowage.store";
+/// Why a directory met in a tree to delete must be kept (a store uses it), if it must.
+pub type Keep<'a> = &'a dyn Fn(&Dir) -> Option<String>;
 
 #[derive(Debug)]
 pub struct Dir {
@@ -447,7 +448,12 @@ impl Dir {
     /// Deletes the entry `name` whatever it is: a tree is emptied and removed (see the module doc),
     /// anything else unlinked. A missing entry is not an error. `removed` counts what was deleted,
     /// so a caller can tell a failure before anything went from one half-way.
-    pub fn remove_entry(&self, name: impl AsRef<OsStr>, removed: &mut u64) -> io::Result<()> {
+    pub fn remove_entry(
+        &self,
+        name: impl AsRef<OsStr>,
+        removed: &mut u64,
+        keep: Keep,
+    ) -> io::Result<()> {
         let name = name.as_ref();
         let shown = || "the directory".to_owned();
         let Some(top) = self.open_to_empty(name, None, removed, &|e| e, &shown)? else {
@@ -458,7 +464,7 @@ impl Dir {
         if here.dev != there.dev || self.mount_id()? != top.mount_id()? {
             return Err(mount_point(name));
         }
-        empty_tree(top, removed)?;
+        empty_tree(top, removed, keep)?;
         self.unlinkat(name, UnlinkatFlags::RemoveDir).map_err(|e| {
             explain_refusal(e, &[(self, None, DELETE_IN, "the directory holding it")])
         })?;
@@ -564,10 +570,15 @@ struct Level {
 }
 
 /// Empties the tree `top` (left for the caller to remove), with at most [`OPEN_LEVELS`] open.
-fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
+fn empty_tree(top: Dir, removed: &mut u64, keep: Keep) -> io::Result<()> {
     let st = top.stat()?;
     let mount = top.mount_id()?;
-    let mut stack = vec![Level::enter(top, &st, &|| "the directory".to_owned())?];
+    let mut stack = vec![Level::enter(
+        top,
+        &st,
+        &|| "the directory".to_owned(),
+        keep,
+    )?];
     loop {
         crate::signals::check().map_err(|e| io::Error::new(io::ErrorKind::Interrupted, e))?;
         let depth = stack.len();
@@ -581,7 +592,7 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
             }
             continue;
         };
-        if let Some(sub) = remove_or_open(&stack, name, st.dev, mount, removed)? {
+        if let Some(sub) = remove_or_open(&stack, name, (st.dev, mount), removed, keep)? {
             stack.push(sub);
             // Only the last few levels keep their descriptor (the open ones are the top ones).
             if let Some(i) = stack.len().checked_sub(OPEN_LEVELS + 1) {
@@ -594,16 +605,10 @@ fn empty_tree(top: Dir, removed: &mut u64) -> io::Result<()> {
 impl Level {
     /// The directory `dir` (its stat `st`; `shown` names it), made writable and listed: a level to
     /// empty, its name in its parent still to be set.
-    fn enter(dir: Dir, st: &Entry, shown: &dyn Fn() -> String) -> io::Result<Level> {
-        // Whatever put it in this tree, a store's images directory is that store's to empty.
-        // SAFETY: valid descriptor and C string; a null buffer of size 0 asks only the length.
-        if unsafe { libc::fgetxattr(dir.as_raw_fd(), CLAIM.as_ptr(), std::ptr::null_mut(), 0) } >= 0
-        {
-            let c = CLAIM.to_string_lossy();
-            return Err(io::Error::other(format!(
-                "{} is a store's images directory ({c}): not deleted; if no store uses it, remove that attribute",
-                shown()
-            )));
+    fn enter(dir: Dir, st: &Entry, shown: &dyn Fn() -> String, keep: Keep) -> io::Result<Level> {
+        if let Some(why) = keep(&dir) {
+            let shown = shown();
+            return Err(io::Error::other(format!("{shown} is {why}: not deleted")));
         }
         // A read-only directory inside an image gets owner access; a failure shows in the unlinks.
         if st.mode & 0o700 != 0o700 {
@@ -744,9 +749,9 @@ fn refused_here(stack: &[Level], e: io::Error, access: libc::c_int) -> io::Error
 fn remove_or_open(
     stack: &[Level],
     name: OsString,
-    dev: u64,
-    mount: Option<u64>,
+    (dev, mount): (u64, Option<u64>),
     removed: &mut u64,
+    keep: Keep,
 ) -> io::Result<Option<Level>> {
     let dir = stack.last().and_then(|l| l.dir.as_ref()).expect("open");
     let there = || shown(&trail(stack).join(&name));
@@ -758,7 +763,7 @@ fn remove_or_open(
     if sst.dev != dev || (mount.is_some() && sub.mount_id()? != mount) {
         return Err(mount_point(&name));
     }
-    let mut level = Level::enter(sub, &sst, &there)?;
+    let mut level = Level::enter(sub, &sst, &there, keep)?;
     level.name = name;
     Ok(Some(level))
 }
@@ -906,7 +911,7 @@ mod tests {
         nix::unistd::symlinkat(&victim, &d, "link").unwrap();
         drop(d);
         let mut removed = 0;
-        top.remove_entry("tree", &mut removed).unwrap();
+        top.remove_entry("tree", &mut removed, &|_| None).unwrap();
         assert!(top.stat_at("tree").unwrap().is_none());
         assert_eq!(removed, 3000 + 1 + 2);
         assert_eq!(fs::read_to_string(victim.join("keep")).unwrap(), "x");

@@ -211,24 +211,6 @@ pub fn tree_of(root: &Root, r: &Record) -> PathBuf {
     }
 }
 
-/// Why the directory `dir` (at `path`) is no image tree to adopt or remove: another store's images
-/// directory (its claim binds it; a claim by this store's `mine` is none), or a store's root (its
-/// lock directory beside its configuration or catalog; one of them alone may be any tree's).
-pub fn holds_a_store(dir: &Dir, path: &Path, mine: Option<&Claim>) -> Option<String> {
-    if let Some(c) = crate::claim::read(dir)
-        && !mine.is_some_and(|m| m.same_store(&c))
-        && c.binds(path)
-    {
-        return Some(format!(
-            "the images directory of the store at {}",
-            c.path.display()
-        ));
-    }
-    let has = |n: &str| matches!(dir.stat_at(n), Ok(Some(_)));
-    let store = has(Root::LOCKS_REL) && (has(crate::config::FILE) || has("stowage.db"));
-    store.then(|| "a store's root".to_owned())
-}
-
 /// This store's claim on its images directory (`claim.rs`).
 pub fn my_claim(root: &Root, config: &Config) -> Result<Claim> {
     Claim::of(&config.id, &root.open()?, root.dir())

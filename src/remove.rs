@@ -26,7 +26,7 @@ use crate::disk_usage;
 use crate::image_record::{self, State};
 use crate::lock::Mode;
 use crate::name::ImageName;
-use crate::root::Root;
+use crate::root::{Root, in_use_by_a_store};
 
 /// What one removal freed.
 #[derive(Debug, Clone)]
@@ -204,9 +204,8 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
         Err(e) => return Taken::Refused(e),
         Ok(Some(_)) => {}
     }
-    // Never another store's images directory or root, whatever put it here (a store made in a tree).
-    let other = images.sub(enc).ok();
-    if let Some(what) = other.and_then(|d| crate::images_dir::holds_a_store(&d, tree, None)) {
+    // Never a store's images directory or root, whatever put it here: kept whole where it is.
+    if let Some(what) = images.sub(enc).ok().and_then(|d| in_use_by_a_store(&d)) {
         let shown = tree.display();
         return Taken::Refused(anyhow::anyhow!("{shown} is {what}, not an image tree"));
     }
@@ -218,7 +217,7 @@ fn take_out(root: &Root, images: &Dir, trash: &Dir, tree: &Path, name: &ImageNam
         Ok(()) => Taken::Trashed(dest.into()),
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
             let mut removed = 0;
-            let r = images.remove_entry(enc, &mut removed);
+            let r = images.remove_entry(enc, &mut removed, &in_use_by_a_store);
             match r.with_context(|| format!("cannot delete {}", tree.display())) {
                 Ok(()) => Taken::Deleted,
                 Err(e) if removed == 0 => Taken::Refused(e),
@@ -272,7 +271,7 @@ pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Res
         .with_context(|| format!("cannot list {}", path.display()))?
     {
         crate::signals::check()?;
-        dir.remove_entry(&entry, &mut 0)
+        dir.remove_entry(&entry, &mut 0, &in_use_by_a_store)
             .with_context(|| format!("cannot delete {}", path.join(&entry).display()))?;
     }
     Ok(())
@@ -290,8 +289,10 @@ pub struct Trash {
 /// Deletes a trash entry, which another process may be deleting too: on a shared filesystem, what
 /// the other deleted shows as a stale handle, not as missing; a second walk looks up afresh.
 fn remove_trash_entry(trash: &Dir, entry: &OsStr) -> std::io::Result<()> {
-    match trash.remove_entry(entry, &mut 0) {
-        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => trash.remove_entry(entry, &mut 0),
+    match trash.remove_entry(entry, &mut 0, &in_use_by_a_store) {
+        Err(e) if e.raw_os_error() == Some(libc::ESTALE) => {
+            trash.remove_entry(entry, &mut 0, &in_use_by_a_store)
+        }
         done => done,
     }
 }

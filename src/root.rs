@@ -66,6 +66,14 @@ impl Root {
         self.dir.is_dir()
     }
 
+    /// Whether a store's layout is here, seen from outside: its configuration, its catalog, or its
+    /// image locks' directory (which outlives a lost configuration; a `locks` may be anyone's).
+    pub fn has_layout(&self) -> bool {
+        [Self::IMAGE_LOCKS_REL, crate::config::FILE, "stowage.db"]
+            .iter()
+            .any(|n| fs::symlink_metadata(self.dir.join(n)).is_ok())
+    }
+
     /// Whether a store lives here: one of its first-made parts (`locks`, the configuration, an old
     /// release's catalog) is there. One lstat in a store.
     pub fn holds_store(&self) -> bool {
@@ -769,7 +777,7 @@ impl Root {
 }
 
 /// Why a directory at the real path `real` lies where another store would take it for its own: in
-/// a store's `img`, `trash` or `locks`, or in a directory a store claims as its images directory
+/// a store's `img`, `trash` or `locks`, or in a directory a store uses as its images directory
 /// (`real` itself too if `itself`). One walk up, for what is made once (a root, an images directory).
 pub fn inside_another_store(real: &Path, itself: bool) -> Option<String> {
     let mut at = real;
@@ -779,15 +787,16 @@ pub fn inside_another_store(real: &Path, itself: bool) -> Option<String> {
     loop {
         let parent = at.parent()?;
         let part = at.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if ["img", "trash", "locks"].contains(&part) && Root::at(parent).holds_store() {
+        if ["img", "trash", "locks"].contains(&part) && Root::at(parent).has_layout() {
             let store = parent.display();
             return Some(format!(
                 "it lies in '{part}' of the store at {store}, which would take it for its own"
             ));
         }
-        if let Some(c) = Dir::open_nofollow(at)
-            .ok()
-            .and_then(|d| crate::claim::read(&d))
+        let opened = Dir::open_nofollow(at).ok();
+        if let Some((c, _)) = opened
+            .and_then(|d| Some((crate::claim::read(&d)?, d)))
+            .filter(|(c, d)| c.in_use_for(d))
         {
             let (dir, store) = (at.display(), c.path.display());
             return Some(format!(
@@ -796,6 +805,24 @@ pub fn inside_another_store(real: &Path, itself: bool) -> Option<String> {
         }
         at = parent;
     }
+}
+
+/// Why the directory `dir` may not be deleted, adopted as an image or moved away: a store uses it,
+/// by positive evidence ([`crate::claim::Claim::in_use_for`]; a root whose configuration records
+/// it as itself). A copy of either (a backup inside an image) is no store's.
+pub fn in_use_by_a_store(dir: &Dir) -> Option<String> {
+    if let Some(c) = crate::claim::read(dir).filter(|c| c.in_use_for(dir)) {
+        return Some(format!(
+            "the images directory of the store at {}",
+            c.path.display()
+        ));
+    }
+    let config = crate::config::read(Path::new("."), dir).ok()??;
+    let here = dir.identity().ok()?;
+    let itself = config
+        .root
+        .is_some_and(|r| crate::dir::same_identity(&r, &here));
+    itself.then(|| "a store's root".to_owned())
 }
 
 /// The real path of `dir`, not itself a symlink: its parent's and its name (no readlink of the

@@ -799,6 +799,12 @@ fn finish_removal(root: &Root, img: &mut Image) -> Result<()> {
     if let Ok(opened) = root.open_images_dir(&dir) {
         let images = crate::images_dir::confirmed(root, &dir, Ok(opened))?;
         if images.stat_at(name.encoded())?.is_some() {
+            let tree = images.sub(name.encoded()).ok();
+            if let Some(what) = tree.and_then(|t| crate::root::in_use_by_a_store(&t)) {
+                let path = dir.join(name.encoded());
+                let path = path.display();
+                anyhow::bail!("cannot finish the removal of image '{name}': {path} is {what}");
+            }
             let to = format!("{}.{:016x}.finish", clock::now_ms(), crate::ident::nonce());
             images
                 .rename_to(name.encoded(), &trash, to)

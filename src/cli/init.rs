@@ -465,8 +465,8 @@ fn refuse_nesting(dir: &Path, contents: bool) -> Result<()> {
         let Ok(sub) = images.sub(&name) else {
             continue;
         };
-        let path = dir.join(&name);
-        if let Some(what) = crate::images_dir::holds_a_store(&sub, &path, None) {
+        if let Some(what) = crate::root::in_use_by_a_store(&sub) {
+            let path = dir.join(&name);
             let path = path.display();
             bail!(
                 "refusing {shown} as the images directory: {path} in it is {what}, which it would adopt as an image"

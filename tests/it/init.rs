@@ -380,6 +380,31 @@ fn an_images_directory_may_not_hold_or_lie_in_another_stores() {
     other.ok(["exec", "--read", "x", "--", "true"]);
 }
 
+/// What no store uses is no reason to refuse: a directory whose claim its
+/// store no longer records (it moved to another images directory), and a
+/// workspace that merely holds a `locks` directory beside an `img`.
+#[test]
+fn an_images_directory_beside_no_store_in_use_is_taken() {
+    let a = Env::new();
+    let (old, new) = (a.scratch.join("old"), a.scratch.join("new"));
+    fs::create_dir(&old).unwrap();
+    fs::create_dir(&new).unwrap();
+    a.ok(["init", "--images-dir", old.to_str().unwrap()]);
+    a.ok(["init", "--images-dir", new.to_str().unwrap()]);
+    fs::create_dir(old.join("sub")).unwrap();
+    let b = Env::new();
+    b.ok(["init", "--images-dir", old.join("sub").to_str().unwrap()]);
+    let ws = a.scratch.join("ci");
+    fs::create_dir_all(ws.join("locks")).unwrap();
+    fs::create_dir_all(ws.join("img/images")).unwrap();
+    let c = Env::new();
+    c.ok([
+        "init",
+        "--images-dir",
+        ws.join("img/images").to_str().unwrap(),
+    ]);
+}
+
 /// A copy of a store with an external images directory is another store
 /// over the same directory: it removes nothing there.
 #[test]

@@ -399,7 +399,7 @@ fn removal_never_deletes_another_stores_root_or_images_directory() {
     assert!(images.join("inner/img/kept/file").exists());
     let out = b.run(["rm", "outer"]);
     assert!(
-        stderr(&out).contains("is a store's images directory"),
+        stderr(&out).contains("is the images directory of the store at"),
         "{}",
         show(&out)
     );
@@ -410,6 +410,53 @@ fn removal_never_deletes_another_stores_root_or_images_directory() {
     b.run(["gc"]);
     assert!(kept.exists());
     assert!(images.join("inner/img/kept/file").exists());
+}
+
+/// A removal killed after it marked the image, finished by the next
+/// writer of the name, keeps a store's root found as the tree as well.
+#[test]
+fn a_killed_removal_finished_by_a_writer_keeps_a_stores_root() {
+    let b = Env::new();
+    let inner = Env::new();
+    inner.make_image("kept");
+    b.make_image("plain");
+    let at = b.root.join("img/inner");
+    fs::rename(&inner.root, &at).unwrap();
+    b.ok(["doctor", "--repair"]);
+    let (bg, _) = b.paused(["rm", "inner"], "rm-marked");
+    bg.kill_all();
+    let out = b.run(["exec", "--write", "inner", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("is a store's root"), "{}", show(&out));
+    assert!(at.join("locks/images/kept.lock").exists());
+    assert!(at.join("img/kept/file").exists());
+}
+
+/// A copy of a store, or of a claimed images directory, inside an image
+/// (a backup, a clone of it) is the image's like any tree: removed, as a
+/// tree whose top happens to hold `locks` and `store.conf` is.
+#[test]
+fn copies_of_a_store_inside_an_image_are_removed_with_it() {
+    let a = Env::new();
+    let a_img = a.scratch.join("img");
+    fs::create_dir(&a_img).unwrap();
+    a.ok(["init", "--images-dir", a_img.to_str().unwrap()]);
+    a.make_image("x");
+    let b = Env::new();
+    let (src, store) = (a_img.to_str().unwrap(), a.root.to_str().unwrap());
+    let copy = format!("cp -a {src} {store} \"$STOWAGE_IMAGE_DIR\"/");
+    b.build("backup", &copy);
+    b.build(
+        "odd",
+        "cd \"$STOWAGE_IMAGE_DIR\" && mkdir locks && : > store.conf",
+    );
+    b.ok(["exec", "--write", "clone", "--from", "backup", "--", "true"]);
+    for name in ["backup", "odd", "clone"] {
+        let out = b.run(["rm", name]);
+        assert_eq!(code(&out), Some(0), "{name}: {}", show(&out));
+    }
+    assert_eq!(fs::read_dir(b.root.join("trash")).unwrap().count(), 0);
+    a.ok(["exec", "--read", "x", "--", "true"]);
 }
 
 #[test]
