@@ -10,6 +10,7 @@ use std::io::IsTerminal;
 use anyhow::Result;
 use serde::Serialize;
 
+use super::duration::TimeOption;
 use crate::clock;
 use crate::holders::{LockKind, LockReport, Look, Party};
 use crate::ident::printable;
@@ -29,12 +30,14 @@ pub struct Args {
     /// Print one JSON object (with --watch, one per line)
     #[arg(long)]
     json: bool,
-    /// Refresh every SECONDS (fractional, or with a unit: 500ms, 2s, 1m) until interrupted
-    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true, help = concat!(
+        "Refresh every SECONDS (fractional, or with a unit of ", time_units!(),
+        ": 1, 500ms) until interrupted"))]
     watch: Option<String>,
     /// Why IMG's waiters (or process PID) wait: the chain of waits to the
     /// process at its end, or the cycle they are caught in, and what to end
-    #[arg(long, value_name = "IMG|PID", conflicts_with_all = ["watch", "all", "images"])]
+    #[arg(long, value_name = "IMG|PID", allow_hyphen_values = true,
+        conflicts_with_all = ["watch", "all", "images"])]
     why: Option<OsString>,
 }
 
@@ -47,7 +50,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         all: args.all,
     };
     let every = (args.watch.as_deref())
-        .map(|raw| super::parse_seconds("--watch", raw, false))
+        .map(|raw| TimeOption::Watch.parse(raw))
         .transpose()?;
     store.require_root()?;
     // Something planted in a lock directory's place is not "nothing held".
