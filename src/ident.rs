@@ -144,6 +144,17 @@ pub fn runs_stowage(pid: u32) -> bool {
     matches!((theirs, ours), (Ok(a), Ok(b)) if a == b)
 }
 
+/// Whether a process `pid` of this pid namespace exists (kill(2) with no signal: /proc may hide
+/// other users' processes). A zombie exists until reaped.
+pub fn process_exists(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    pid > 0
+        && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+            != Err(nix::errno::Errno::ESRCH)
+}
+
 /// The owner of a local process.
 pub fn process_user(pid: u32) -> Option<String> {
     use std::os::unix::fs::MetadataExt;

@@ -20,6 +20,11 @@ use crate::root::Root;
 use crate::store::Store;
 
 #[derive(clap::Args)]
+#[command(
+    after_help = "Exit status: 0 shown; 66 a named image (or --why's) does not exist, no process\n\
+    has --why's PID, or the root does not exist; 64 bad usage or name (--why 0: no pid is 0);\n\
+    69 locking does not work here; 1 other failures."
+)]
 pub struct Args {
     /// Show these images' locks even when free
     #[arg(value_name = "IMG")]

@@ -26,6 +26,12 @@ fn name_json<S: serde::Serializer>(name: &ImageName, s: S) -> Result<S::Ok, S::E
 
 pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
     let target = target(raw)?;
+    // A pid no process has would get "waits for no lock", as if it were one that waits for none.
+    if let Target::Pid(pid) = target
+        && !crate::ident::process_exists(pid)
+    {
+        return Err(crate::Error::NoSuchProcess(pid).into());
+    }
     store.require_root()?;
     let root = store.root().clone();
     let look = Look::new(store.ctx());
