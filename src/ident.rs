@@ -76,6 +76,14 @@ pub fn account_name() -> String {
         .unwrap_or_else(|| uid.to_string())
 }
 
+/// A user as a message names them: `user 'ana' (uid 1000)`, or `uid 1000` when unnamed.
+pub fn someone(uid: u32) -> String {
+    match passwd_name(uid) {
+        Some(name) => format!("user '{name}' (uid {uid})"),
+        None => format!("uid {uid}"),
+    }
+}
+
 /// The name `/etc/passwd` gives `uid`, else the uid itself.
 fn user_name_of(uid: u32) -> String {
     passwd_name(uid).unwrap_or_else(|| uid.to_string())
