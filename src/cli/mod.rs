@@ -307,26 +307,7 @@ fn usage_line(e: &clap::Error, args: &[OsString]) -> String {
     {
         return format!("no command to run: put it after '--' ({EXEC_USAGE})");
     }
-    // clap's first paragraph says what is wrong; the argument it quotes is escaped first (a newline
-    // in it would be taken for clap's).
-    let mut text = e.render().to_string();
-    for kind in [
-        ContextKind::InvalidArg,
-        ContextKind::InvalidValue,
-        ContextKind::InvalidSubcommand,
-    ] {
-        if let Some(arg) = context(e, kind).filter(|a| a.contains('\n')) {
-            let shown = format!("'{}'", crate::ident::printable(&arg));
-            text = text.replacen(&format!("'{arg}'"), &shown, 1);
-        }
-    }
-    let what: Vec<&str> = text
-        .lines()
-        .take_while(|l| !l.trim().is_empty())
-        .map(str::trim)
-        .collect();
-    let what = what.join(" ");
-    let what = what.strip_prefix("error: ").unwrap_or(&what);
+    let what = given_empty(e, args).unwrap_or_else(|| what_clap_says(e));
     let hint = context(e, ContextKind::SuggestedArg)
         .or_else(|| context(e, ContextKind::SuggestedSubcommand))
         .map_or_else(String::new, |s| format!("; did you mean '{s}'?"));
@@ -391,6 +372,51 @@ fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
         "{flag} is an option of 'stowage {name}': put it after '{name}', as in: stowage {} (see 'stowage {name} --help')",
         crate::ident::shell_join(&fixed)
     ))
+}
+
+/// clap's first paragraph, which says what is wrong, in one line; the argument it quotes is
+/// escaped first (a newline in it would be taken for clap's).
+fn what_clap_says(e: &clap::Error) -> String {
+    use clap::error::ContextKind;
+    let mut text = e.render().to_string();
+    for kind in [
+        ContextKind::InvalidArg,
+        ContextKind::InvalidValue,
+        ContextKind::InvalidSubcommand,
+    ] {
+        if let Some(arg) = context(e, kind).filter(|a| a.contains('\n')) {
+            let shown = format!("'{}'", crate::ident::printable(&arg));
+            text = text.replacen(&format!("'{arg}'"), &shown, 1);
+        }
+    }
+    let what: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let what = what.join(" ");
+    what.strip_prefix("error: ").unwrap_or(&what).to_owned()
+}
+
+/// An empty value given (`--root "$UNSET"`), which clap calls "none was supplied": said as empty.
+fn given_empty(e: &clap::Error, args: &[OsString]) -> Option<String> {
+    use clap::error::{ContextKind, ErrorKind};
+    if e.kind() != ErrorKind::InvalidValue || !context(e, ContextKind::InvalidValue)?.is_empty() {
+        return None;
+    }
+    // `--root <DIR>`, or `<SHELL>` for an argument by position.
+    let arg = context(e, ContextKind::InvalidArg)?;
+    let (flag, value) = match arg.split_once(' ') {
+        Some((flag, value)) => (Some(flag), value),
+        None => (None, arg.as_str()),
+    };
+    let value = value.trim_start_matches('<').trim_end_matches(['>', '.']);
+    let given = match flag {
+        Some(flag) => args.windows(2).any(|w| w[0] == flag && w[1].is_empty()),
+        None => args.iter().skip(1).any(|a| a.is_empty()),
+    } || flag.is_some_and(|f| args.iter().any(|a| *a == *format!("{f}=")));
+    let named = flag.map_or_else(String::new, |f| format!("{f}: "));
+    given.then(|| format!("{named}the {value} given is empty (is a variable unset?)"))
 }
 
 /// Whether `flag` (`--wait`) is an option of `cmd` that takes a value.

@@ -676,6 +676,46 @@ fn every_time_option_reads_one_grammar_and_says_it_alike() {
     }
 }
 
+/// An empty value (`--root "$UNSET"`) is called empty, not "none was supplied", for every
+/// argument clap would misname so: paths, choices, positions.
+#[test]
+fn an_empty_value_is_called_empty_not_missing() {
+    let env = Env::new();
+    for (args, says) in [
+        (
+            &["--root", "", "images"][..],
+            "--root: the DIR given is empty (is a variable unset?)",
+        ),
+        (&["--root=", "images"], "--root: the DIR given is empty"),
+        (
+            &["init", "--images-dir", ""],
+            "--images-dir: the DIR given is empty",
+        ),
+        (
+            &["init", "--images-dir="],
+            "--images-dir: the DIR given is empty",
+        ),
+        (
+            &["exec", "--slot", "x", "--priority", "", "--", "true"],
+            "--priority: the PRIORITY given is empty",
+        ),
+        (&["completions", ""], "the SHELL given is empty"),
+    ] {
+        let mut c = Command::new(bin());
+        c.args(args).env("STOWAGE_ROOT", &env.root);
+        let out = output(c);
+        assert_eq!(code(&out), Some(64), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("none was supplied"), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    }
+    // A value truly missing is still said so.
+    let out = env.run(["--root"]);
+    assert!(stderr(&out).contains("none was supplied"), "{}", show(&out));
+    assert!(!env.root.exists(), "nothing created");
+}
+
 /// A new image whose writer failed before putting anything in its tree
 /// leaves no directory behind (builders that list the images directory,
 /// like `ch-image list`, trip over empty ones): the row stays, incomplete,
