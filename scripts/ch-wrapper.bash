@@ -80,8 +80,9 @@ await_import() {
 }
 
 # Milliseconds in a time that stowage has accepted: a number (fractional
-# allowed) and an optional unit (500ms, 10s, 1.5m, 2h, 1d; bare seconds), as
-# stowage reads --wait. Wrappers have stowage check the value first
+# allowed) and an optional unit (ms, s, m, h, d, w, or spelled out: 500ms,
+# 10s, 1.5m, 2hours, 1d; bare seconds), as stowage reads --wait (README.md,
+# "Times"). Wrappers have stowage check the value first
 # (stowage_root), so stowage's message refuses a bad one; this converts for
 # the waits a wrapper does itself. Integers only: no awk or bc, whose
 # comparisons of "1m" or "500ms" are of strings.
@@ -91,11 +92,12 @@ time_ms() {
     number=${t%%[[:alpha:]]*}
     unit=${t#"$number"}
     case $unit in
-        '' | s | sec | secs) scale=1000 ;;
-        ms) scale=1 ;;
-        m | min | mins) scale=60000 ;;
-        h) scale=3600000 ;;
-        d) scale=86400000 ;;
+        '' | s | sec | secs | second | seconds) scale=1000 ;;
+        ms | msec) scale=1 ;;
+        m | min | mins | minute | minutes) scale=60000 ;;
+        h | hr | hrs | hour | hours) scale=3600000 ;;
+        d | day | days) scale=86400000 ;;
+        w | week | weeks) scale=604800000 ;;
         *) return 1 ;;
     esac
     number=${number#[+-]}

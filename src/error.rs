@@ -65,6 +65,10 @@ pub enum Error {
     #[error("image '{0}' does not exist")]
     NoSuchImage(String),
 
+    /// No process has this pid on this host (exit 66, as a named image that does not exist).
+    #[error("no process has pid {0} (on this host, in this pid namespace)")]
+    NoSuchProcess(u32),
+
     /// The root does not exist, and the command only reads (exit 66).
     #[error("root {} does not exist ('stowage --root {} init' creates it)", .0.display(), .0.display())]
     NoRoot(PathBuf),
@@ -153,6 +157,7 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         Some(Error::Usage(_) | Error::InvalidName(_)) => code::USAGE,
         Some(
             Error::NoSuchImage(_)
+            | Error::NoSuchProcess(_)
             | Error::NotReady { .. }
             | Error::DamagedRecord { .. }
             | Error::NoRoot(_)

@@ -35,7 +35,7 @@ impl Me {
                 boot_id: fs::read_to_string("/proc/sys/kernel/random/boot_id")
                     .ok()
                     .map(|s| s.trim().to_owned()),
-                user: user_name(),
+                user: account_name(),
             })
             .clone()
     }
@@ -58,15 +58,40 @@ pub fn nonce() -> u64 {
     t ^ (u64::from(std::process::id()) << 32)
 }
 
-/// `$USER`, else the password file, else the numeric uid.
+/// `$USER`, else the password file, else the numeric uid: what the default root is named by
+/// (`/var/tmp/$USER.stowage`, as the contract says).
 pub fn user_name() -> String {
     let user = std::env::var("USER").ok().filter(|u| !u.is_empty());
     user.unwrap_or_else(|| user_name_of(nix::unistd::getuid().as_raw()))
 }
 
-/// The name `/etc/passwd` gives `uid`, else the uid itself. Never asked of the C library: a static
-/// binary's `getpwuid` loads the host's NSS modules, which crash it.
+/// Who this process is, as its leases and records say: its uid's name in the password file, else
+/// `$USER` (a user the file does not list, from a directory service), else the uid. `$USER` is
+/// what a session started as (`su` keeps it), not who runs: two holders of one uid, one name.
+pub fn account_name() -> String {
+    let uid = nix::unistd::geteuid().as_raw();
+    let user = || std::env::var("USER").ok().filter(|u| !u.is_empty());
+    passwd_name(uid)
+        .or_else(user)
+        .unwrap_or_else(|| uid.to_string())
+}
+
+/// A user as a message names them: `user 'ana' (uid 1000)`, or `uid 1000` when unnamed.
+pub fn someone(uid: u32) -> String {
+    match passwd_name(uid) {
+        Some(name) => format!("user '{name}' (uid {uid})"),
+        None => format!("uid {uid}"),
+    }
+}
+
+/// The name `/etc/passwd` gives `uid`, else the uid itself.
 fn user_name_of(uid: u32) -> String {
+    passwd_name(uid).unwrap_or_else(|| uid.to_string())
+}
+
+/// The name `/etc/passwd` gives `uid`. Never asked of the C library: a static binary's `getpwuid`
+/// loads the host's NSS modules, which crash it.
+pub fn passwd_name(uid: u32) -> Option<String> {
     let read = || {
         // Bounded: a planted or huge file costs at most this much.
         let mut text = String::new();
@@ -79,7 +104,7 @@ fn user_name_of(uid: u32) -> String {
         std::io::Read::read_to_string(&mut std::io::Read::take(file, 4 << 20), &mut text).ok()?;
         name_in_passwd(&text, uid)
     };
-    read().unwrap_or_else(|| uid.to_string())
+    read()
 }
 
 /// The name of `uid` in the text of a password file (not a comment, nor an NIS `+`/`-` line).
@@ -142,6 +167,17 @@ pub fn runs_stowage(pid: u32) -> bool {
     let theirs = fs::read_link(format!("/proc/{pid}/exe"));
     let ours = fs::read_link("/proc/self/exe");
     matches!((theirs, ours), (Ok(a), Ok(b)) if a == b)
+}
+
+/// Whether a process `pid` of this pid namespace exists (kill(2) with no signal: /proc may hide
+/// other users' processes). A zombie exists until reaped.
+pub fn process_exists(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    pid > 0
+        && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+            != Err(nix::errno::Errno::ESRCH)
 }
 
 /// The owner of a local process.

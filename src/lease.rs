@@ -473,9 +473,7 @@ fn pid_namespace_number() -> Option<u64> {
 /// namespace, and a pid that no longer exists (else it may be between its create and its lock).
 fn unwritten_maker_gone(name: &str) -> bool {
     maker_here(name).is_some_and(|pid| {
-        pid > 0
-            && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
-                == Err(nix::errno::Errno::ESRCH)
+        u32::try_from(pid).is_ok_and(|pid| pid > 0 && !crate::ident::process_exists(pid))
     })
 }
 

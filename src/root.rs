@@ -724,9 +724,9 @@ impl Root {
         let (euid, root) = (nix::unistd::geteuid().as_raw(), self.dir.display());
         if self.default && uid != euid {
             anyhow::bail!(
-                "default root {} belongs to uid {}, not to you: refusing it (its owner controls its locks); remove it, or choose a root with --root or STOWAGE_ROOT",
-                root,
-                uid
+                "default root {root} belongs to {}, not to you: refusing it (its owner controls its locks); {}",
+                crate::ident::someone(uid),
+                Root::another_default(uid, euid)
             );
         }
         let shared = mode & 0o020 != 0 && crate::ident::in_group(gid);
@@ -741,6 +741,22 @@ impl Root {
             );
         }
         Ok(())
+    }
+
+    /// What the user can do about a default root of someone else's, which they cannot remove.
+    fn another_default(owner: u32, euid: u32) -> String {
+        let user = crate::ident::user_name();
+        let named = crate::ident::passwd_name(owner).is_some_and(|o| o == user);
+        if named && crate::ident::passwd_name(euid).is_some_and(|me| me != user) {
+            // `su` keeps USER: the root is named for the user the session started as.
+            return format!(
+                "it is named by $USER ({user}), who you are not: set USER to your name, or give --root DIR or STOWAGE_ROOT"
+            );
+        }
+        format!(
+            "give a root of your own with --root DIR or STOWAGE_ROOT, or ask {} to remove it",
+            crate::ident::someone(owner)
+        )
     }
 
     /// Refuses a root whose locks would not exclude other hosts ([`crate::filesystem::Reach`]);

@@ -2,6 +2,7 @@
 
 use anyhow::Result;
 
+use super::duration::TimeOption;
 use crate::doctor::{self, Verdict};
 use crate::error::code;
 use crate::store::Store;
@@ -19,15 +20,17 @@ pub struct Args {
     /// Print a JSON report
     #[arg(long)]
     json: bool,
-    /// Hold a probe lock for SECONDS, for 'stowage doctor' on another host
-    /// sharing the root to see: the two-host check that locks reach across
-    #[arg(long, value_name = "SECONDS", conflicts_with_all = ["repair", "json"])]
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true,
+        conflicts_with_all = ["repair", "json"], help = concat!(
+        "Hold a probe lock for SECONDS (fractional, or with a unit of ", time_units!(),
+        ": 30, 10m), for 'stowage doctor' on another host sharing the root to see: the two-host \
+        check that locks reach across"))]
     hold_probe: Option<String>,
 }
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     if let Some(raw) = &args.hold_probe {
-        let secs = super::parse_seconds("--hold-probe", raw, false)?;
+        let secs = TimeOption::HoldProbe.parse(raw)?;
         return doctor::hold_probe(store, secs).map(|()| 0);
     }
     let report = match doctor::run(store, args.repair) {

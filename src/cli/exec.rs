@@ -48,15 +48,15 @@ pub struct Args {
     /// Slot priority: high may also take the slots reserved for it
     #[arg(long, value_enum, value_name = "PRIORITY", requires = "slot")]
     priority: Option<Priority>,
-    /// Give up after SECONDS (fractional, or with a unit: 500ms, 10s, 2m, 1h)
-    /// waiting for locks [default: wait forever]
-    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true, help = concat!(
+        "Give up after SECONDS (fractional, or with a unit of ", time_units!(),
+        ": 30, 500ms, 2m) waiting for locks [default: wait forever]"))]
     wait: Option<String>,
     /// Fail at once if a lock is busy
     #[arg(long, conflicts_with = "wait")]
     no_wait: bool,
     /// Exit with N instead of 75 when a lock is not acquired in time
-    #[arg(long, value_name = "N", value_parser = exit_status)]
+    #[arg(long, value_name = "N", value_parser = exit_status, allow_hyphen_values = true)]
     conflict_exit_code: Option<u8>,
     /// Keep the lock descriptors from the command: stowage holds the locks
     /// until the command and every process it started have exited, and
@@ -121,7 +121,7 @@ fn plan(args: Args) -> Result<Plan> {
         (None, Some(only), None, 1) => Some(only.clone()),
         _ => None,
     };
-    let (deadline, no_wait) = super::deadline(args.wait.as_deref(), args.no_wait)?;
+    let (deadline, no_wait) = super::duration::deadline(args.wait.as_deref(), args.no_wait)?;
     let request = Request {
         reads,
         writes,

@@ -2,6 +2,7 @@
 
 use anyhow::Result;
 
+use super::duration::TimeOption;
 use crate::disk_usage;
 use crate::error::{Error, code::FAILURE};
 use crate::gc::{self, Policy};
@@ -15,10 +16,11 @@ use crate::store::Store;
     An image in use (locked) is never removed, however old.")]
 pub struct Args {
     /// Remove least recently used images until the images fit SIZE (500M, 20G; bytes: 4096B)
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     max_size: Option<String>,
-    /// Remove images not used for DURATION (30m, 12h, 7d)
-    #[arg(long, value_name = "DURATION")]
+    #[arg(long, value_name = "DURATION", allow_hyphen_values = true, help = concat!(
+        "Remove images not used for DURATION: a number and a unit of ", time_units!(),
+        ", whole seconds (30m, 12h, 7d)"))]
     unused_for: Option<String>,
     /// Only say what would be removed
     #[arg(long)]
@@ -59,16 +61,10 @@ fn policy(args: &Args) -> Result<Policy> {
             })
         })
     };
-    let duration = |raw: &String| {
-        // humantime's own words ("expected number at 0") say less than an example.
-        humantime::parse_duration(raw).map_err(|_| {
-            Error::Usage(format!(
-                "--unused-for '{raw}': not a duration (a number and a unit: 30m, 12h, 7d, 2w)"
-            ))
-        })
-    };
     let max_size = args.max_size.as_ref().map(size).transpose()?;
-    let unused_for = args.unused_for.as_ref().map(duration).transpose()?;
+    let unused_for = (args.unused_for.as_deref())
+        .map(|raw| TimeOption::UnusedFor.parse(raw))
+        .transpose()?;
     Ok(Policy {
         max_size,
         unused_for,

@@ -10,6 +10,7 @@ use std::io::IsTerminal;
 use anyhow::Result;
 use serde::Serialize;
 
+use super::duration::TimeOption;
 use crate::clock;
 use crate::holders::{LockKind, LockReport, Look, Party};
 use crate::ident::printable;
@@ -19,6 +20,11 @@ use crate::root::Root;
 use crate::store::Store;
 
 #[derive(clap::Args)]
+#[command(
+    after_help = "Exit status: 0 shown; 66 a named image (or --why's) does not exist, no process\n\
+    has --why's PID, or the root does not exist; 64 bad usage or name (--why 0: no pid is 0);\n\
+    69 locking does not work here; 1 other failures."
+)]
 pub struct Args {
     /// Show these images' locks even when free
     #[arg(value_name = "IMG")]
@@ -29,12 +35,14 @@ pub struct Args {
     /// Print one JSON object (with --watch, one per line)
     #[arg(long)]
     json: bool,
-    /// Refresh every SECONDS (fractional, or with a unit: 500ms, 2s, 1m) until interrupted
-    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true, help = concat!(
+        "Refresh every SECONDS (fractional, or with a unit of ", time_units!(),
+        ": 1, 500ms) until interrupted"))]
     watch: Option<String>,
     /// Why IMG's waiters (or process PID) wait: the chain of waits to the
     /// process at its end, or the cycle they are caught in, and what to end
-    #[arg(long, value_name = "IMG|PID", conflicts_with_all = ["watch", "all", "images"])]
+    #[arg(long, value_name = "IMG|PID", allow_hyphen_values = true,
+        conflicts_with_all = ["watch", "all", "images"])]
     why: Option<OsString>,
 }
 
@@ -47,7 +55,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         all: args.all,
     };
     let every = (args.watch.as_deref())
-        .map(|raw| super::parse_seconds("--watch", raw, false))
+        .map(|raw| TimeOption::Watch.parse(raw))
         .transpose()?;
     store.require_root()?;
     // Something planted in a lock directory's place is not "nothing held".

@@ -4,7 +4,6 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use clap::{CommandFactory, Parser, Subcommand};
@@ -26,6 +25,8 @@ macro_rules! complain {
     }};
 }
 
+#[macro_use]
+mod duration;
 mod doctor;
 mod exec;
 mod gc;
@@ -306,26 +307,7 @@ fn usage_line(e: &clap::Error, args: &[OsString]) -> String {
     {
         return format!("no command to run: put it after '--' ({EXEC_USAGE})");
     }
-    // clap's first paragraph says what is wrong; the argument it quotes is escaped first (a newline
-    // in it would be taken for clap's).
-    let mut text = e.render().to_string();
-    for kind in [
-        ContextKind::InvalidArg,
-        ContextKind::InvalidValue,
-        ContextKind::InvalidSubcommand,
-    ] {
-        if let Some(arg) = context(e, kind).filter(|a| a.contains('\n')) {
-            let shown = format!("'{}'", crate::ident::printable(&arg));
-            text = text.replacen(&format!("'{arg}'"), &shown, 1);
-        }
-    }
-    let what: Vec<&str> = text
-        .lines()
-        .take_while(|l| !l.trim().is_empty())
-        .map(str::trim)
-        .collect();
-    let what = what.join(" ");
-    let what = what.strip_prefix("error: ").unwrap_or(&what);
+    let what = given_empty(e, args).unwrap_or_else(|| what_clap_says(e));
     let hint = context(e, ContextKind::SuggestedArg)
         .or_else(|| context(e, ContextKind::SuggestedSubcommand))
         .map_or_else(String::new, |s| format!("; did you mean '{s}'?"));
@@ -390,6 +372,51 @@ fn misplaced(e: &clap::Error, args: &[OsString]) -> Option<String> {
         "{flag} is an option of 'stowage {name}': put it after '{name}', as in: stowage {} (see 'stowage {name} --help')",
         crate::ident::shell_join(&fixed)
     ))
+}
+
+/// clap's first paragraph, which says what is wrong, in one line; the argument it quotes is
+/// escaped first (a newline in it would be taken for clap's).
+fn what_clap_says(e: &clap::Error) -> String {
+    use clap::error::ContextKind;
+    let mut text = e.render().to_string();
+    for kind in [
+        ContextKind::InvalidArg,
+        ContextKind::InvalidValue,
+        ContextKind::InvalidSubcommand,
+    ] {
+        if let Some(arg) = context(e, kind).filter(|a| a.contains('\n')) {
+            let shown = format!("'{}'", crate::ident::printable(&arg));
+            text = text.replacen(&format!("'{arg}'"), &shown, 1);
+        }
+    }
+    let what: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let what = what.join(" ");
+    what.strip_prefix("error: ").unwrap_or(&what).to_owned()
+}
+
+/// An empty value given (`--root "$UNSET"`), which clap calls "none was supplied": said as empty.
+fn given_empty(e: &clap::Error, args: &[OsString]) -> Option<String> {
+    use clap::error::{ContextKind, ErrorKind};
+    if e.kind() != ErrorKind::InvalidValue || !context(e, ContextKind::InvalidValue)?.is_empty() {
+        return None;
+    }
+    // `--root <DIR>`, or `<SHELL>` for an argument by position.
+    let arg = context(e, ContextKind::InvalidArg)?;
+    let (flag, value) = match arg.split_once(' ') {
+        Some((flag, value)) => (Some(flag), value),
+        None => (None, arg.as_str()),
+    };
+    let value = value.trim_start_matches('<').trim_end_matches(['>', '.']);
+    let given = match flag {
+        Some(flag) => args.windows(2).any(|w| w[0] == flag && w[1].is_empty()),
+        None => args.iter().skip(1).any(|a| a.is_empty()),
+    } || flag.is_some_and(|f| args.iter().any(|a| *a == *format!("{f}=")));
+    let named = flag.map_or_else(String::new, |f| format!("{f}: "));
+    given.then(|| format!("{named}the {value} given is empty (is a variable unset?)"))
 }
 
 /// Whether `flag` (`--wait`) is an option of `cmd` that takes a value.
@@ -492,61 +519,6 @@ fn usage<T>(why: String) -> Result<T> {
     Err(Error::Usage(why).into())
 }
 
-/// The longest bounded wait accepted: ten years. More is surely a mistake; forever is the default.
-const MAX_WAIT_SECS: f64 = 10.0 * 365.0 * 86_400.0;
-
-/// Parses a command-line time (`--wait`, `--watch`): seconds (`2.5`), or with a unit (`500ms`,
-/// `10s`, `1.5m`, `2h`, `1d`). Finite, not negative; above 0 unless `zero_ok`.
-fn parse_seconds(flag: &str, raw: &str, zero_ok: bool) -> Result<Duration> {
-    let bad = || {
-        Error::Usage(format!(
-            "{flag} '{raw}': not a time (seconds, e.g. 10 or 2.5, or with a unit: 500ms, 10s, 2m, 1h, 1d)"
-        ))
-    };
-    let t = raw.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let scale = match unit.trim() {
-        "" | "s" | "sec" | "secs" => 1.0,
-        "ms" => 1e-3,
-        "m" | "min" | "mins" => 60.0,
-        "h" => 3600.0,
-        "d" => 86_400.0,
-        _ => return Err(bad().into()),
-    };
-    let number = number.trim();
-    // f64's parser takes "inf", "NaN" and "1e3"; a time is digits and a point.
-    let digit = |c: char| c.is_ascii_digit() || ".-+".contains(c);
-    if number.is_empty() || !number.chars().all(digit) {
-        return Err(bad().into());
-    }
-    let secs = number.parse::<f64>().map_err(|_| bad())? * scale;
-    if !secs.is_finite() || secs < 0.0 || (secs == 0.0 && !zero_ok) {
-        let least = if zero_ok { "0 or more" } else { "above 0" };
-        return usage(format!(
-            "{flag} '{raw}': must be a finite number of seconds, {least}"
-        ));
-    }
-    if secs > MAX_WAIT_SECS {
-        return usage(format!(
-            "{flag} '{raw}': too long (at most {MAX_WAIT_SECS:.0} seconds; omit {flag} to wait forever)"
-        ));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-/// The deadline for `--wait S` / `--no-wait` / neither (forever).
-fn deadline(wait: Option<&str>, no_wait: bool) -> Result<(Option<Instant>, bool)> {
-    match (wait, no_wait) {
-        (_, true) => Ok((Some(Instant::now()), true)),
-        (Some(raw), false) => {
-            let d = parse_seconds("--wait", raw, true)?;
-            Ok((Some(Instant::now() + d), d.is_zero()))
-        }
-        (None, false) => Ok((None, false)),
-    }
-}
-
 /// Rows as left-aligned columns two spaces apart; the last is not padded, no line ends in spaces.
 fn table<const N: usize>(rows: &[[String; N]]) -> String {
     // A cell may hold a forged record's text: no terminal control codes.
@@ -573,27 +545,38 @@ fn table<const N: usize>(rows: &[[String; N]]) -> String {
 mod tests {
     use super::*;
 
+    /// Each argument that takes a value, by the name of its value, of every command: a number,
+    /// size or time takes a leading '-' as its value, so its own rule refuses `-5G` whole (clap
+    /// would take `-5` for an option). A new argument must be sorted here to pass.
     #[test]
-    fn times_in_seconds_or_with_units() {
-        let s = |raw: &str| {
-            parse_seconds("--wait", raw, true)
-                .map(|d| d.as_secs_f64())
-                .ok()
-        };
-        assert_eq!(s("10"), Some(10.0));
-        assert_eq!(s("2.5"), Some(2.5));
-        assert_eq!(s("0"), Some(0.0));
-        assert_eq!(s("10s"), Some(10.0));
-        assert_eq!(s("500ms"), Some(0.5));
-        assert_eq!(s("1.5m"), Some(90.0));
-        assert_eq!(s("2h"), Some(7200.0));
-        assert_eq!(s("1d"), Some(86_400.0));
-        assert_eq!(s(" 3 s "), Some(3.0));
-        for bad in [
-            "", "s", "-1", "-1s", "10x", "inf", "NaN", "1e3", "ten", "1.2.3",
-        ] {
-            assert_eq!(s(bad), None, "{bad:?} must be refused");
+    fn every_number_size_or_time_takes_a_leading_hyphen_as_its_value() {
+        const NUMBERS: [&str; 6] = ["SECONDS", "DURATION", "SIZE", "N", "LIMIT", "IMG|PID"];
+        const OTHERS: [&str; 8] = [
+            "IMG", "BASE", "CLASS", "PRIORITY", "DIR", "CMD", "GROUP", "SHELL",
+        ];
+        fn walk(cmd: &clap::Command, at: &str, seen: &mut Vec<String>) {
+            for a in cmd.get_arguments() {
+                if !a.get_action().takes_values() {
+                    continue;
+                }
+                let names = a.get_value_names().unwrap_or_default();
+                let name = names.first().map_or_else(String::new, |n| n.to_string());
+                let what = format!("{at} {}: {name}", a.get_id());
+                if NUMBERS.contains(&name.as_str()) {
+                    assert!(a.is_allow_hyphen_values_set(), "{what}: '-1' is its value");
+                } else {
+                    assert!(OTHERS.contains(&name.as_str()), "{what}: a number or not?");
+                }
+                seen.push(name);
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{at} {}", sub.get_name()), seen);
+            }
         }
-        assert_eq!(s("100000d"), None, "beyond ten years");
+        let mut seen = Vec::new();
+        walk(&Cli::command(), "stowage", &mut seen);
+        for n in NUMBERS {
+            assert!(seen.iter().any(|s| s == n), "{n} is a value of none");
+        }
     }
 }

@@ -24,9 +24,9 @@ pub struct Args {
     /// Images to remove
     #[arg(value_name = "IMG", required = true)]
     images: Vec<OsString>,
-    /// Give up after SECONDS (fractional, or with a unit: 500ms, 10s, 2m, 1h)
-    /// waiting for an image in use [default: wait forever]
-    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true, help = concat!(
+        "Give up after SECONDS (fractional, or with a unit of ", time_units!(),
+        ": 30, 500ms, 2m) waiting for an image in use [default: wait forever]"))]
     wait: Option<String>,
     /// Fail at once if an image is in use
     #[arg(long, conflicts_with = "wait")]
@@ -35,7 +35,7 @@ pub struct Args {
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let mut names = super::names(&args.images)?;
-    let (deadline, no_wait) = super::deadline(args.wait.as_deref(), args.no_wait)?;
+    let (deadline, no_wait) = super::duration::deadline(args.wait.as_deref(), args.no_wait)?;
     // The lock order, and each image once.
     names.sort_by(|a, b| a.encoded().cmp(b.encoded()));
     names.dedup();

@@ -29,9 +29,10 @@ pub(super) enum Action {
         /// The class (pull, load/podman): lowercase letters, digits, ., _, - in parts joined by /
         class: String,
         /// Normal holders at once (0 = unlimited)
+        #[arg(allow_hyphen_values = true)]
         limit: String,
         /// Extra slots only --priority high may take [default: the class's, else 0]
-        #[arg(long, value_name = "N")]
+        #[arg(long, value_name = "N", allow_hyphen_values = true)]
         reserve_high: Option<String>,
     },
     /// Remove a class (current holders keep their slots until they finish)

@@ -25,10 +25,13 @@ fn name_json<S: serde::Serializer>(name: &ImageName, s: S) -> Result<S::Ok, S::E
 }
 
 pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
-    let target = match raw.to_str().and_then(|s| s.parse::<u32>().ok()) {
-        Some(pid) => Target::Pid(pid),
-        None => Target::Image(ImageName::parse_os(raw).map_err(crate::Error::from)?),
-    };
+    let target = target(raw)?;
+    // A pid no process has would get "waits for no lock", as if it were one that waits for none.
+    if let Target::Pid(pid) = target
+        && !crate::ident::process_exists(pid)
+    {
+        return Err(crate::Error::NoSuchProcess(pid).into());
+    }
     store.require_root()?;
     let root = store.root().clone();
     let look = Look::new(store.ctx());
@@ -75,6 +78,25 @@ pub fn run(store: &mut Store, raw: &OsStr, json: bool) -> Result<u8> {
             .join("\n")
     };
     super::print(&text).map(|()| 0)
+}
+
+/// A number is a pid (an image named so is asked for by its waiters' pids); anything else an image.
+fn target(raw: &OsStr) -> Result<Target> {
+    let text = raw.to_str().unwrap_or_default();
+    let digits = text.strip_prefix(['-', '+']).unwrap_or(text);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Ok(Target::Image(
+            ImageName::parse_os(raw).map_err(crate::Error::from)?,
+        ));
+    }
+    // 0 and negative numbers name process groups to kill(2), never a process.
+    match text.parse::<i32>() {
+        Ok(pid) if pid > 0 => Ok(Target::Pid(pid as u32)),
+        _ => super::usage(format!(
+            "--why '{text}': a number is a pid, and a pid is from 1 to {}",
+            i32::MAX
+        )),
+    }
 }
 
 fn is_image(r: &LockReport, n: &ImageName) -> bool {

@@ -595,6 +595,127 @@ fn times_take_units() {
     assert!(stderr(&out).contains("--wait"), "{}", show(&out));
 }
 
+/// A number, size or time that starts with '-' is that option's value, refused by the option's
+/// own rule (which quotes it whole), never "unexpected argument '-5'" with the unit cut off.
+#[test]
+fn a_negative_number_size_or_time_is_refused_by_its_options_own_rule() {
+    let env = Env::new();
+    env.ok(["init"]);
+    for (args, says) in [
+        (&["gc", "--max-size", "-5G"][..], "--max-size '-5G'"),
+        (&["gc", "--unused-for", "-1d"], "--unused-for '-1d'"),
+        (
+            &["exec", "--conflict-exit-code", "-1", "--", "true"],
+            "'-1' for '--conflict-exit-code",
+        ),
+        (&["exec", "--wait", "-1s", "--", "true"], "--wait '-1s'"),
+        (&["rm", "--wait", "-1", "x"], "--wait '-1'"),
+        (&["slots", "set", "pull", "-1"], "LIMIT '-1'"),
+        (
+            &["slots", "set", "pull", "1", "--reserve-high", "-1"],
+            "--reserve-high '-1'",
+        ),
+        (&["lock-status", "--why", "-1"], "--why '-1'"),
+        (&["lock-status", "--watch", "-1m"], "--watch '-1m'"),
+        (&["doctor", "--hold-probe", "-1"], "--hold-probe '-1'"),
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(64), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("unexpected argument"), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    }
+    // An option's name is still an option where a number goes.
+    env.ok(["slots", "set", "pull", "-v", "2"]);
+}
+
+/// Every time option reads one grammar (a number, a unit of ms, s, m, h, d or w), says it in its
+/// help and its refusal alike; a unit spelled out is the same unit.
+#[test]
+fn every_time_option_reads_one_grammar_and_says_it_alike() {
+    let env = Env::new();
+    for wait in ["1hour", "1w", "10seconds", "2mins", "0.5d", "3 hrs"] {
+        let out = env.run(["exec", "--write", "a", "--wait", wait, "--", "true"]);
+        assert_eq!(code(&out), Some(0), "{wait}: {}", show(&out));
+    }
+    for unused in ["3hours", "2weeks", "30minutes", "0"] {
+        env.ok(["gc", "--unused-for", unused, "--dry-run"]);
+    }
+    let units = "a unit of ms, s, m, h, d, w";
+    for (args, option) in [
+        (&["exec", "--wait", "1x", "--", "true"][..], "exec"),
+        (&["rm", "--wait", "1x", "a"], "rm"),
+        (&["lock-status", "--watch", "1x"], "lock-status"),
+        (&["doctor", "--hold-probe", "1x"], "doctor"),
+        (&["gc", "--unused-for", "1x"], "gc"),
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(64), "{args:?}: {}", show(&out));
+        assert!(
+            stderr(&out).contains(&format!("'1x': not a time (a number and {units}")),
+            "{args:?}: {}",
+            show(&out)
+        );
+        let help = stdout(&env.ok([option, "--help"]));
+        assert!(help.contains(units), "{option}: {help}");
+    }
+    // Months and years have no one length (and M is a minute to some): refused, not guessed.
+    for (args, value) in [
+        (&["gc", "--unused-for", "1M"][..], "1M"),
+        (&["gc", "--unused-for", "6months"], "6months"),
+        (&["exec", "--wait", "1y", "--", "true"], "1y"),
+    ] {
+        let out = env.run(args);
+        assert_eq!(code(&out), Some(64), "{args:?}: {}", show(&out));
+        assert!(
+            stderr(&out).contains(&format!("'{value}': months and years")),
+            "{}",
+            show(&out)
+        );
+    }
+}
+
+/// An empty value (`--root "$UNSET"`) is called empty, not "none was supplied", for every
+/// argument clap would misname so: paths, choices, positions.
+#[test]
+fn an_empty_value_is_called_empty_not_missing() {
+    let env = Env::new();
+    for (args, says) in [
+        (
+            &["--root", "", "images"][..],
+            "--root: the DIR given is empty (is a variable unset?)",
+        ),
+        (&["--root=", "images"], "--root: the DIR given is empty"),
+        (
+            &["init", "--images-dir", ""],
+            "--images-dir: the DIR given is empty",
+        ),
+        (
+            &["init", "--images-dir="],
+            "--images-dir: the DIR given is empty",
+        ),
+        (
+            &["exec", "--slot", "x", "--priority", "", "--", "true"],
+            "--priority: the PRIORITY given is empty",
+        ),
+        (&["completions", ""], "the SHELL given is empty"),
+    ] {
+        let mut c = Command::new(bin());
+        c.args(args).env("STOWAGE_ROOT", &env.root);
+        let out = output(c);
+        assert_eq!(code(&out), Some(64), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("none was supplied"), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    }
+    // A value truly missing is still said so.
+    let out = env.run(["--root"]);
+    assert!(stderr(&out).contains("none was supplied"), "{}", show(&out));
+    assert!(!env.root.exists(), "nothing created");
+}
+
 /// A new image whose writer failed before putting anything in its tree
 /// leaves no directory behind (builders that list the images directory,
 /// like `ch-image list`, trip over empty ones): the row stays, incomplete,

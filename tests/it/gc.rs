@@ -204,7 +204,7 @@ fn an_unused_for_longer_than_history_removes_nothing() {
     let env = lru_store();
     let report = gc_json(
         &env,
-        &["--unused-for", "1000000000y", "--dry-run"],
+        &["--unused-for", "3650d", "--dry-run"],
         "2026-02-01T00:00:00Z",
     );
     assert!(removed(&report).is_empty(), "{report}");
@@ -234,6 +234,29 @@ fn gc_bad_arguments_exit_64() {
         show(&out)
     );
     assert_eq!(env.state("kept").as_deref(), Some("ready"));
+}
+
+/// `--unused-for 500ms` was taken as 0 seconds (every unused image); `7` is no number of days.
+/// What gc cannot count, or a number without a unit, is refused, and nothing is removed.
+#[test]
+fn an_unused_for_below_a_second_or_without_a_unit_is_refused_not_rounded() {
+    let env = Env::new();
+    env.make_image("kept");
+    for (value, says) in [
+        ("500ms", "'500ms': not a whole number of seconds"),
+        ("1.5s", "'1.5s': not a whole number of seconds"),
+        ("7", "'7': give a unit (e.g. 7d for days"),
+    ] {
+        let out = env.run(["gc", "--unused-for", value, "--json"]);
+        assert_eq!(code(&out), Some(64), "{value}: {}", show(&out));
+        assert!(stderr(&out).contains(says), "{value}: {}", show(&out));
+        assert!(out.stdout.is_empty(), "{value}: {}", show(&out));
+    }
+    assert_eq!(env.state("kept").as_deref(), Some("ready"));
+    // Whole seconds in any unit are counted exactly.
+    let out = env.ok(["gc", "--unused-for", "1.5m", "--dry-run", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["unused_for_seconds"], 90, "{report}");
 }
 
 #[test]

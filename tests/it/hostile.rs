@@ -416,6 +416,58 @@ impl Drop for DefaultRoot {
     }
 }
 
+/// Someone else's default root is one the user cannot remove (/var/tmp is sticky): the refusal
+/// says what they can do instead, and when `$USER` is not who runs (`su` keeps it), that.
+#[test]
+fn a_default_root_of_someone_elses_is_refused_with_what_the_user_can_do() {
+    if !root_or_skip("making a root owned by someone else") {
+        return;
+    }
+    let d = DefaultRoot::new("others");
+    fs::create_dir(&d.dir).unwrap();
+    chown(&d.dir, 65534, 65534);
+    let out = output(d.cmd(&["images"]));
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("give a root of your own with --root DIR or STOWAGE_ROOT"),
+        "{err}"
+    );
+    assert!(
+        err.contains("or ask ") && err.contains("uid 65534") && err.contains("to remove it"),
+        "{err}"
+    );
+    assert!(!err.contains("; remove it"), "{err}");
+    // Named by a $USER that is another account's, the root is that account's.
+    let passwd = fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let Some((name, uid)) = ["daemon", "bin", "sys"].iter().find_map(|n| {
+        let l = passwd.lines().find(|l| l.starts_with(&format!("{n}:")))?;
+        Some((n.to_string(), l.split(':').nth(2)?.parse::<u32>().ok()?))
+    }) else {
+        eprintln!("skipping the $USER case: no daemon, bin or sys account here");
+        return;
+    };
+    let dir = PathBuf::from(format!("/var/tmp/{name}.stowage"));
+    if dir.exists() {
+        eprintln!("skipping the $USER case: {} exists", dir.display());
+        return;
+    }
+    fs::create_dir(&dir).unwrap();
+    chown(&dir, uid, uid);
+    let mut c = Command::new(bin());
+    c.arg("images")
+        .env("USER", &name)
+        .env_remove("STOWAGE_ROOT");
+    let out = output(c);
+    let _ = fs::remove_dir(&dir);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("it is named by $USER ({name}), who you are not")),
+        "{err}"
+    );
+}
+
 #[test]
 fn the_default_root_must_be_the_users_own() {
     if !root_or_skip("making a root owned by someone else") {

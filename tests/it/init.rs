@@ -249,6 +249,28 @@ fn init_without_a_switch_takes_no_store_lock() {
     assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
 
+/// One image is "1 image", and "remove it".
+#[test]
+fn a_switch_refused_for_one_image_says_one_image() {
+    let env = Env::new();
+    env.make_image("only");
+    let other = env.tmp.path().join("elsewhere");
+    let out = env.run(["init", "--images-dir", other.to_str().unwrap()]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("already keeps 1 image in") && err.contains("(remove it first)"),
+        "{err}"
+    );
+    env.make_image("second");
+    let out = env.run(["init", "--images-dir", other.to_str().unwrap()]);
+    assert!(
+        stderr(&out).contains("already keeps 2 images in"),
+        "{}",
+        show(&out)
+    );
+}
+
 /// The images directory does not switch while a new image's writer runs
 /// (its tree is in the directory the switch would leave behind): the
 /// switch is refused as busy, and the image ends ready where it was made.

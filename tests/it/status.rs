@@ -44,7 +44,10 @@ fn holder_and_waiter_with_every_field() {
     assert_eq!(img["kind"], "image");
     assert_eq!(img["image_state"], "ready");
     assert_eq!(img["state"], "shared");
-    let user = std::env::var("USER").unwrap_or_else(|_| "root".into());
+    let uid = unsafe { libc::geteuid() };
+    let user = passwd_name(uid)
+        .or_else(|| std::env::var("USER").ok())
+        .unwrap_or_else(|| uid.to_string());
     let host = our_hostname();
 
     let h = &img["holders"][0];
@@ -77,6 +80,47 @@ fn holder_and_waiter_with_every_field() {
     // Nothing is held now: only the global lock is listed.
     let st = env.status_json(Vec::<String>::new());
     assert_eq!(st["locks"].as_array().unwrap().len(), 1, "{st}");
+}
+
+/// The name of a uid in the password file, if it has one.
+fn passwd_name(uid: u32) -> Option<String> {
+    let text = fs::read_to_string("/etc/passwd").ok()?;
+    text.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.len() > 2 && f[2] == uid.to_string() && !f[0].starts_with(['#', '+', '-']))
+            .then(|| f[0].to_owned())
+    })
+}
+
+/// A holder and a waiter are named by their uid's name, whatever `$USER` says (`su` keeps it): two
+/// processes of one uid are one user, as a flock(1) holder of that uid is shown.
+#[test]
+fn a_holders_user_is_its_uids_name_not_its_user_variable() {
+    let env = Env::new();
+    env.make_image("app");
+    let posing = "somebody-else";
+    let holder = env.hold_with(&["--read", "app"], "started", |c| {
+        c.env("USER", posing);
+    });
+    let mut c = env.cmd(["exec", "--write", "app", "--", "true"]);
+    c.env("USER", posing);
+    let waiter = Bg::from_command(c);
+    env.wait_for_waiter("app");
+    let uid = unsafe { libc::geteuid() };
+    // Without an entry, $USER is the best name there is.
+    let want = passwd_name(uid).unwrap_or_else(|| posing.to_owned());
+    let entry = env.lock_entry("app").unwrap();
+    assert_eq!(entry["holders"][0]["user"], want.as_str(), "{entry}");
+    assert_eq!(entry["waiters"][0]["user"], want.as_str(), "{entry}");
+    env.release("release");
+    assert_eq!(code(&holder.finish()), Some(0));
+    assert_eq!(code(&waiter.finish()), Some(0));
+    // The same uid holding with flock(1) is the same user.
+    let outsider = flock_holder(&env.lock_file("app"), &env.sentinel("flock"), "sleep 60");
+    let entry = env.lock_entry("app").unwrap();
+    if entry["holders"][0]["pid"] == outsider.pid() {
+        assert_eq!(entry["holders"][0]["user"], want.as_str(), "{entry}");
+    }
 }
 
 #[test]

@@ -205,6 +205,36 @@ fn why_of_an_image_nobody_waits_for_says_so() {
     assert_eq!(code(&out), Some(66), "{}", show(&out));
 }
 
+/// A pid no process has is said to be none (66, as an image that does not exist), not a process
+/// that "waits for no lock"; 0 and negative numbers are never a pid (64).
+#[test]
+fn why_of_a_pid_no_process_has_says_there_is_none() {
+    let env = Env::new();
+    env.ok(["init"]);
+    // Pids are below pid_max: this one no process can have.
+    let max = std::fs::read_to_string("/proc/sys/kernel/pid_max").unwrap();
+    let none = max.trim();
+    for args in [&["--why", none][..], &["--why", none, "--json"]] {
+        let out = env.run([&["lock-status"][..], args].concat());
+        assert_eq!(code(&out), Some(66), "{}", show(&out));
+        let err = stderr(&out);
+        assert!(err.contains(&format!("no process has pid {none}")), "{err}");
+        assert!(out.stdout.is_empty(), "{}", show(&out));
+    }
+    for pid in ["0", "-1"] {
+        let out = env.run(["lock-status", "--why", pid]);
+        assert_eq!(code(&out), Some(64), "{}", show(&out));
+        assert!(
+            stderr(&out).contains(&format!("--why '{pid}': a number is a pid")),
+            "{}",
+            show(&out)
+        );
+    }
+    // A process that exists and waits for nothing is still told so.
+    let out = env.ok(["lock-status", "--why", &std::process::id().to_string()]);
+    assert!(stdout(&out).contains("waits for no lock"), "{}", show(&out));
+}
+
 #[test]
 fn why_of_a_reader_names_the_writer_queued_ahead_as_queued_not_as_a_holder() {
     let env = Env::new();
