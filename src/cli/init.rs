@@ -25,7 +25,7 @@ pub struct Args {
     /// Share the store with GROUP (name or number): the root and every part
     /// of its layout get the group, group write and (directories) setgid.
     /// Makes a new store, or converts an existing one of yours
-    #[arg(long, value_name = "GROUP")]
+    #[arg(long, value_name = "GROUP", allow_hyphen_values = true)]
     group: Option<String>,
 }
 
