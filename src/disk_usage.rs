@@ -6,6 +6,8 @@
 //!   keeps each file's `FIEMAP_EXTENT_SHARED` ranges and each such inode ([`Shares`]), so a
 //!   [`Footprint`] of all images says what they take together and what removing one frees. What
 //!   is shared only outside the store counts as the image's own.
+//! - Extent maps are read after the file's dirty data is written back (`FIEMAP_FLAG_SYNC`):
+//!   before, btrfs maps a rewritten range to the old extent it shared.
 //! - The walk goes by directory descriptor ([`crate::dir`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -179,6 +181,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
 
 // The FIEMAP ioctl (linux/fiemap.h).
 const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
+const FIEMAP_FLAG_SYNC: u32 = 0x1;
 const FIEMAP_EXTENT_LAST: u32 = 0x1;
 const FIEMAP_EXTENT_UNKNOWN: u32 = 0x2;
 const FIEMAP_EXTENT_DELALLOC: u32 = 0x4;
@@ -218,7 +221,9 @@ fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u6
     let mut map: Box<Fiemap> = Box::new(Fiemap {
         start: 0,
         length: u64::MAX,
-        flags: 0,
+        // Dirty data written back first: btrfs maps it to where it was, an extent the file may no
+        // longer share (a clone's rewrite read as shared with its base until the next sync).
+        flags: FIEMAP_FLAG_SYNC,
         mapped_extents: 0,
         extent_count: EXTENTS_PER_CALL as u32,
         reserved: 0,
@@ -325,15 +330,15 @@ impl Footprint {
         segs.sum::<u64>() + inodes.sum::<u64>()
     }
 
-    /// Bytes of an image measured as `m` that others may refer to: its shared extents (with other
-    /// files, here or outside), and its inodes another image names.
+    /// Bytes of an image measured as `m` that others hold too: its ranges another image refers
+    /// to, and its inodes another image names. Not an extent flagged shared that no other image
+    /// refers to: shared outside the store it counts as the image's own, and a rewrite written
+    /// back later in the walk may have left it.
     pub fn shared(&self, m: &Measure) -> u64 {
-        let inodes = m
-            .shares
-            .inodes
-            .iter()
-            .filter_map(|(k, _)| self.inodes.get(k));
-        m.shared + inodes.filter(|(_, n)| *n > 1).map(|(b, _)| b).sum::<u64>()
+        let segs = (m.shares.ranges.iter()).flat_map(|&(s, e)| self.segs.range(s..e));
+        let segs = segs.filter(|(_, (_, n))| *n > 1).map(|(s, (e, _))| e - s);
+        let inodes = (m.shares.inodes.iter()).filter_map(|(k, _)| self.inodes.get(k));
+        segs.sum::<u64>() + inodes.filter(|(_, n)| *n > 1).map(|(b, _)| b).sum::<u64>()
     }
 
     /// Forgets an image's shares.
