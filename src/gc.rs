@@ -11,7 +11,9 @@
 //! - Every image is removed under its exclusive lock, taken without waiting (a busy image is
 //!   skipped, however old), its record read again under it: a reason that stopped holding keeps it.
 //! - Sizes are allocated blocks, hard links once; `--max-size` is the space the images take (each
-//!   shared extent once); an image whose removal would free nothing is not removed for the budget.
+//!   shared extent and linked inode once); an image whose removal would free nothing is not
+//!   removed for the budget. What a removal frees is what `df` gets back: once anything goes,
+//!   every image is measured afresh, so blocks another image keeps are not counted.
 //! - `--dry-run` changes nothing: the same decisions, every lock released at once.
 
 use std::collections::HashMap;
@@ -118,8 +120,14 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         return Ok(report);
     }
     rows.retain(|i| i.state != State::Deleting);
-    let shares = policy.max_size.is_some() && disk_usage::can_share(&images_dir);
-    let mut budget = Budget::new(store, &rows, shares, false)?;
+    let cutoff = cutoff(policy);
+    // An image that goes for a reason of its own counts what its removal frees: every image is
+    // measured afresh (a file or extent another image holds too frees nothing).
+    let going = rows
+        .iter()
+        .any(|r| qualifies(r, Reason::Incomplete, cutoff) || qualifies(r, Reason::Unused, cutoff));
+    let shares = (policy.max_size.is_some() || going) && disk_usage::can_share(&images_dir);
+    let mut budget = Budget::new(store, &rows, shares, going)?;
     report.size_before = budget.total;
     report.unknown = rows
         .iter()
@@ -130,7 +138,6 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         })
         .collect();
     crate::debug::pause("gc-listed");
-    let cutoff = cutoff(policy);
     rows.sort_by(oldest_first);
     for reason in [Reason::Incomplete, Reason::Unused] {
         let (these, rest): (Vec<Image>, Vec<Image>) =
@@ -147,8 +154,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     if let Some(max) = policy.max_size {
         // No ready image goes for the budget on sizes measured apart (a file hard-linked into two
         // images counts in both): every image left is measured now, each inode once (where
-        // extents may be shared, the budget measured every image already).
-        if budget.total > max && !shares {
+        // extents may be shared, or an image went for a reason of its own, every image was).
+        if budget.total > max && !shares && !going {
             let gone = report.size_before.saturating_sub(budget.total);
             budget = Budget::new(store, &rows, shares, true)?;
             report.size_before = budget.total + gone;

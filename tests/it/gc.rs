@@ -384,6 +384,53 @@ fn a_rewrite_not_yet_written_back_shares_nothing_on_btrfs() {
     );
 }
 
+/// On btrfs, what gc says it freed removing reflinked clones is what df
+/// gets back, whatever the reason: an incomplete clone frees almost
+/// nothing (gc said 60 MiB), and a base with its clone, unused, one copy
+/// (gc said two). Only the budget counted shared extents before.
+#[test]
+fn incomplete_and_unused_clones_free_what_df_gets_back_on_btrfs() {
+    let Some(mnt) = Mount::btrfs_loop("400M") else {
+        return;
+    };
+    let env = mnt.env();
+    env.build(
+        "big",
+        "head -c 62914560 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    env.ok(["exec", "--write", "clone-ok", "--from", "big", "--", "true"]);
+    let out = env.run([
+        "exec",
+        "--write",
+        "clone-failed",
+        "--from",
+        "big",
+        "--",
+        "false",
+    ]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let freed = |args: &[&str], now: &str, gone: &[&str]| {
+        let before = mnt.used();
+        let report = gc_json(&env, args, now);
+        let got_back = before.saturating_sub(mnt.used());
+        assert_eq!(removed(&report), gone, "{report}");
+        let freed = report["bytes_freed"].as_u64().unwrap();
+        assert!(
+            freed.abs_diff(got_back) < 4 * MIB,
+            "gc says it freed {freed}, df got back {got_back}: {report}"
+        );
+        freed
+    };
+    assert!(freed(&[], "2026-02-01T00:00:00Z", &["clone-failed"]) < MIB);
+    let later = (std::time::SystemTime::now() + Duration::from_secs(30 * 86400))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        .to_string();
+    let both = freed(&["--unused-for", "7d"], &later, &["big", "clone-ok"]);
+    assert!(both >= 59 * MIB, "{both}");
+}
+
 #[test]
 fn links_inside_the_trash_are_unlinked_not_followed() {
     let env = Env::new();
