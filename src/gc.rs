@@ -13,7 +13,8 @@
 //! - Sizes are allocated blocks, hard links once; `--max-size` is the space the images take (each
 //!   shared extent and linked inode once); an image whose removal would free nothing is not
 //!   removed for the budget. What a removal frees is what `df` gets back: once anything goes,
-//!   every image is measured afresh, so blocks another image keeps are not counted.
+//!   every image is measured afresh, so blocks another image, or a name outside, keeps are not
+//!   counted.
 //! - `--dry-run` changes nothing: the same decisions, every lock released at once.
 
 use std::collections::HashMap;
@@ -122,7 +123,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     rows.retain(|i| i.state != State::Deleting);
     let cutoff = cutoff(policy);
     // An image that goes for a reason of its own counts what its removal frees: every image is
-    // measured afresh (a file or extent another image holds too frees nothing).
+    // measured afresh (a file another image, or a name outside, holds too frees nothing).
     let going = rows
         .iter()
         .any(|r| qualifies(r, Reason::Incomplete, cutoff) || qualifies(r, Reason::Unused, cutoff));

@@ -84,7 +84,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     {
         anyhow::bail!("cannot remove image '{}': {why}", held.name);
     }
-    let mut bytes = size.or_else(|| disk_usage::disk_usage(&tree).ok());
+    let mut bytes = size.or_else(|| disk_usage::freed_by_deleting(&tree).ok());
     // 1. The record says so first, durably.
     let mut deleting = before.clone();
     deleting.state = State::Deleting;
@@ -303,7 +303,7 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
         .with_context(|| format!("cannot list {}", root.trash().display()))?
     {
         let path = root.trash().join(&entry);
-        let bytes = disk_usage::disk_usage(&path).unwrap_or(0);
+        let bytes = disk_usage::freed_by_deleting(&path).unwrap_or(0);
         if fix && let Err(e) = remove_trash_entry(&trash, &entry) {
             out.failed
                 .push(format!("cannot delete {}: {e}", path.display()));

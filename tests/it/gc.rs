@@ -125,6 +125,45 @@ fn a_file_hard_linked_into_two_images_counts_once_against_the_budget() {
     assert!(freed < 1536 << 10, "the shared file freed twice: {report}");
 }
 
+/// A file a build hard-linked into its image from outside the store stays
+/// allocated when the image goes: gc does not count it in what the images
+/// take, nor as freed, whatever the reason of the removal, and `rm` does
+/// not either. gc removed such an image for a 1 MiB budget, saying it
+/// freed 4 MiB, and df got back a few KiB.
+#[test]
+fn a_file_hard_linked_from_outside_the_store_is_not_counted_as_freed() {
+    let env = Env::new();
+    let outside = env.scratch.join("outside");
+    fs::write(&outside, vec![7u8; 4 << 20]).unwrap();
+    let ln = format!(
+        "ln '{}' \"$STOWAGE_IMAGE_DIR/big\" && head -c 65536 /dev/urandom > \"$STOWAGE_IMAGE_DIR/own\"",
+        outside.display()
+    );
+    env.build("a", &ln);
+    env.images_json();
+    let report = gc_json(&env, &["--max-size", "1M"], "2026-02-01T00:00:00Z");
+    assert!(removed(&report).is_empty(), "{report}");
+    assert!(report["size_before"].as_u64().unwrap() < MIB, "{report}");
+    // Unused, it goes: what it frees is its own file.
+    let later = (std::time::SystemTime::now() + Duration::from_secs(30 * 86400))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let report = gc_json(&env, &["--unused-for", "7d"], &later.to_string());
+    assert_eq!(removed(&report), ["a"], "{report}");
+    assert!(report["bytes_freed"].as_u64().unwrap() < MIB, "{report}");
+    // And so does rm.
+    env.build("b", &ln);
+    let out = env.ok(["rm", "b"]);
+    assert!(
+        stderr(&out).contains("removed 'b' (ready, "),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).contains(" KiB)"), "{}", show(&out));
+    assert_eq!(fs::read(&outside).unwrap().len(), 4 << 20);
+}
+
 #[test]
 fn gc_never_touches_a_locked_image_even_the_oldest() {
     let env = lru_store();
