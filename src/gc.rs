@@ -255,6 +255,7 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     // A busy one is finished by the next gc, said as any image in use.
     (report.interrupted_removals, report.busy, report.failed) =
         (done.finished, done.busy, done.failed);
+    report.bytes_freed += done.bytes;
     let trash = remove::empty_trash(&root, !dry_run)?;
     report.trash_entries = trash.entries.len();
     report.bytes_freed += trash.bytes;
@@ -266,6 +267,9 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
 #[derive(Default)]
 pub(crate) struct Removals {
     pub finished: Vec<String>,
+    /// What deleting their trees in place freed (those moved to the trash count there); unfinished,
+    /// what deleting them would.
+    pub bytes: u64,
     pub busy: Vec<String>,
     /// Another process (its remover) is at it.
     pub underway: Vec<String>,
@@ -286,9 +290,16 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
         };
         match taken {
             Taken::Held(h) if deleting(&h.seen) => {
-                match finish.then(|| remove::finish_held(&ctx.root, *h)) {
-                    Some(Err(e)) => out.failed.push(format!("{e:#}")),
-                    _ => out.finished.push(said),
+                let done = match finish {
+                    true => remove::finish_held(&ctx.root, *h),
+                    false => Ok(would_free(&ctx.root, &h)),
+                };
+                match done {
+                    Ok(bytes) => {
+                        out.bytes += bytes;
+                        out.finished.push(said);
+                    }
+                    Err(e) => out.failed.push(format!("{e:#}")),
                 }
             }
             // Busy: its remover may be at it, or it finished meanwhile.
@@ -306,6 +317,16 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
         }
     }
     out
+}
+
+/// What finishing the removal `held` would free deleting its tree from the images directory (a
+/// tree already in the trash counts with the trash).
+fn would_free(root: &crate::root::Root, held: &Held) -> u64 {
+    let Some(record) = held.seen.record.as_ref() else {
+        return 0;
+    };
+    let tree = crate::images_dir::tree_of(root, record);
+    disk_usage::freed_by_deleting(&tree).unwrap_or(0)
 }
 
 /// The images whose records `entries` show `deleting`: removals under way or interrupted.

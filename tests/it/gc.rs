@@ -511,17 +511,48 @@ fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
         );
         let (bg, _pause) = env.paused(["rm", "big"], point);
         bg.kill_all();
-        let out = env.ok(["gc", "--json"]);
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let freed = report["bytes_freed"].as_u64().unwrap();
-        assert!(
-            (1 << 20..2 << 20).contains(&freed),
-            "{point}: freed {freed}: {}",
-            show(&out)
-        );
+        for dry in [true, false] {
+            let mut c = env.cmd(["gc", "--json"]);
+            c.args(dry.then_some("--dry-run"));
+            let out = output(c);
+            assert_eq!(code(&out), Some(0), "{}", show(&out));
+            let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let freed = report["bytes_freed"].as_u64().unwrap();
+            assert!(
+                (1 << 20..2 << 20).contains(&freed),
+                "{point}, dry run {dry}: freed {freed}: {}",
+                show(&out)
+            );
+        }
         assert!(env.images_json().is_empty(), "{point}");
         assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
     }
+}
+
+/// A removal killed once marked, finished by gc where the images directory
+/// is on another filesystem than the root: its tree is deleted in place,
+/// never passing through the trash, and its bytes count as freed all the
+/// same. gc said it freed 0 B.
+#[test]
+fn gc_counts_the_bytes_of_a_killed_removal_it_deletes_in_place() {
+    let env = Env::new();
+    let Some(_tmpfs) = env.init_on_tmpfs() else {
+        return;
+    };
+    env.build(
+        "big",
+        "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\"",
+    );
+    let (bg, _pause) = env.paused(["rm", "big"], "rm-marked");
+    bg.kill_all();
+    let tree = env.tmp.path().join("images/big");
+    assert!(tree.is_dir());
+    let out = env.ok(["gc", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["interrupted_removals"], serde_json::json!(["big"]));
+    let freed = report["bytes_freed"].as_u64().unwrap();
+    assert!((1 << 20..2 << 20).contains(&freed), "{report}");
+    assert!(!tree.exists(), "{report}");
 }
 
 /// An interrupted removal gc could not finish is not reported as finished:
