@@ -3,12 +3,15 @@
 //! - Allocated blocks (a sparse file counts what it uses), each hard-linked inode once, symlinks as
 //!   themselves, never crossing into another filesystem or mount (a bind mount has the same device).
 //! - Shared extents (reflinks on btrfs, XFS, bcachefs) and inodes with several names: the walk
-//!   keeps each file's `FIEMAP_EXTENT_SHARED` ranges and each such inode ([`Shares`]), so a
-//!   [`Footprint`] of all images says what they take together and what removing one frees. What
-//!   is shared only outside the store counts as the image's own.
+//!   keeps each file's `FIEMAP_EXTENT_SHARED` ranges and each such inode with its names found
+//!   and `st_nlink` ([`Shares`]), so a [`Footprint`] of all images says what they take together
+//!   and what removing one frees. An extent shared only outside the store counts as the image's
+//!   own (FIEMAP names no other owner); an inode named outside the store is never freed.
+//! - Extent maps are read after the file's dirty data is written back (`FIEMAP_FLAG_SYNC`):
+//!   before, btrfs maps a rewritten range to the old extent it shared.
 //! - The walk goes by directory descriptor ([`crate::dir`]).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, OsStr};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -41,27 +44,54 @@ pub fn disk_usage_if_there(dir: &Path) -> io::Result<Option<u64>> {
     Ok(m.there.then_some(m.allocated))
 }
 
+/// Bytes deleting `dir` alone gives back ([`Measure::freed`]); extents read where they may be
+/// shared. A missing directory frees nothing.
+pub fn freed_by_deleting(dir: &Path) -> io::Result<u64> {
+    Ok(measure(dir, can_share(dir))?.freed())
+}
+
 /// What an image may share with others.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Shares {
     /// The physical ranges of its shared extents, sorted and merged: `[start, end)`.
     pub ranges: Vec<(u64, u64)>,
-    /// Its inodes with several names (device, inode) and their allocated bytes outside shared
-    /// extents: another image may hold a name of one (a build that hard-linked a file it read).
-    pub inodes: Vec<((u64, u64), u64)>,
+    /// Its inodes with several names: another image may hold a name of one (a build that
+    /// hard-linked a file it read), or a file outside the store.
+    pub inodes: Vec<Linked>,
+}
+
+/// An inode with several names, as one tree has it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Linked {
+    /// (device, inode).
+    pub key: (u64, u64),
+    /// Its allocated bytes outside shared extents.
+    pub bytes: u64,
+    /// Its names in this tree.
+    pub names: u64,
+    /// Its names on the filesystem (`st_nlink`): more than all images hold keep it allocated.
+    pub nlink: u64,
 }
 
 impl Measure {
     /// Bytes no other image can refer to: outside shared extents and inodes with several names.
     pub fn own(&self) -> u64 {
-        let linked: u64 = self.shares.inodes.iter().map(|(_, b)| b).sum();
+        let linked: u64 = self.shares.inodes.iter().map(|l| l.bytes).sum();
         self.allocated.saturating_sub(self.shared + linked)
+    }
+
+    /// Bytes deleting this tree alone gives back: [`own`](Self::own), and the inodes it holds every
+    /// name of. A shared extent is not counted, whoever else holds it (this tree too, at worst).
+    pub fn freed(&self) -> u64 {
+        let linked = self.shares.inodes.iter().filter(|l| l.names >= l.nlink);
+        self.own() + linked.map(|l| l.bytes).sum::<u64>()
     }
 }
 
 /// Measures `dir`; with `extents`, also which of its blocks are shared.
 pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
-    let mut seen: HashSet<(u64, u64)> = HashSet::new();
+    // Each linked inode's place in `out.shares.inodes`, to count its names.
+    let mut seen: HashMap<(u64, u64), usize> = HashMap::new();
     let mut out = Measure::default();
     let mut ranges = Vec::new();
     walk(dir, &mut |parent, name, st| {
@@ -70,7 +100,8 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
         let ft = dir::file_type(st);
         let blocks = st.st_blocks as u64 * 512;
         let key = (st.st_nlink > 1 && ft != libc::S_IFDIR).then_some((st.st_dev, st.st_ino));
-        if key.is_some_and(|k| !seen.insert(k)) {
+        if let Some(&i) = key.and_then(|k| seen.get(&k)) {
+            out.shares.inodes[i].names += 1;
             return Ok(());
         }
         out.allocated += blocks;
@@ -81,8 +112,19 @@ pub fn measure(dir: &Path, extents: bool) -> io::Result<Measure> {
         }
         // An inode with several names is a unit another image may name too; what of it is in
         // extents shared anyway (a linked file cloned into another image) counts as ranges.
-        if let Some(k) = key {
-            out.shares.inodes.push((k, blocks - shared));
+        if let Some(key) = key {
+            seen.insert(key, out.shares.inodes.len());
+            // nlink_t is narrower on some targets.
+            #[allow(clippy::unnecessary_cast)]
+            let nlink = st.st_nlink as u64;
+            let (bytes, names) = (blocks - shared, 1);
+            let linked = Linked {
+                key,
+                bytes,
+                names,
+                nlink,
+            };
+            out.shares.inodes.push(linked);
         }
         Ok(())
     })?;
@@ -179,6 +221,7 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
 
 // The FIEMAP ioctl (linux/fiemap.h).
 const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
+const FIEMAP_FLAG_SYNC: u32 = 0x1;
 const FIEMAP_EXTENT_LAST: u32 = 0x1;
 const FIEMAP_EXTENT_UNKNOWN: u32 = 0x2;
 const FIEMAP_EXTENT_DELALLOC: u32 = 0x4;
@@ -218,7 +261,9 @@ fn shared_extents(parent: &Dir, name: &CStr, ranges: &mut Vec<(u64, u64)>) -> u6
     let mut map: Box<Fiemap> = Box::new(Fiemap {
         start: 0,
         length: u64::MAX,
-        flags: 0,
+        // Dirty data written back first: btrfs maps it to where it was, an extent the file may no
+        // longer share (a clone's rewrite read as shared with its base until the next sync).
+        flags: FIEMAP_FLAG_SYNC,
         mapped_extents: 0,
         extent_count: EXTENTS_PER_CALL as u32,
         reserved: 0,
@@ -273,8 +318,27 @@ fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
 pub struct Footprint {
     /// Disjoint segments `start → (end, how many images refer to it)`.
     segs: BTreeMap<u64, (u64, u32)>,
-    /// Inodes with several names: `(device, inode) → (bytes, how many images name it)`.
-    inodes: HashMap<(u64, u64), (u64, u32)>,
+    /// Inodes with several names, by (device, inode).
+    inodes: HashMap<(u64, u64), Named>,
+}
+
+/// An inode with several names, as the images together hold it.
+#[derive(Debug, Clone, Copy)]
+struct Named {
+    bytes: u64,
+    /// How many images name it.
+    images: u32,
+    /// Its names in those images, and on the filesystem.
+    names: u64,
+    nlink: u64,
+}
+
+impl Named {
+    /// Named outside the images too (a file a build hard-linked from elsewhere): removing every
+    /// image leaves it allocated, so it is none of theirs to free.
+    fn kept_outside(&self) -> bool {
+        self.names < self.nlink
+    }
 }
 
 impl Footprint {
@@ -293,52 +357,69 @@ impl Footprint {
             inodes: HashMap::new(),
         };
         for sh in images {
-            fp.count(sh, |n| *n += 1);
+            fp.count(sh, true);
         }
         fp
     }
 
-    fn count(&mut self, sh: &Shares, by: impl Fn(&mut u32)) {
+    /// Counts an image's shares in (`add`), or out: its names go with it, from `st_nlink` too.
+    fn count(&mut self, sh: &Shares, add: bool) {
+        let by = |n: &mut u32| *n = if add { *n + 1 } else { n.saturating_sub(1) };
         for &(s, e) in &sh.ranges {
             self.segs
                 .range_mut(s..e)
                 .for_each(|(_, seg)| by(&mut seg.1));
         }
-        for &(key, bytes) in &sh.inodes {
-            by(&mut self.inodes.entry(key).or_insert((bytes, 0)).1);
+        for l in &sh.inodes {
+            let named = self.inodes.entry(l.key).or_insert(Named {
+                bytes: l.bytes,
+                images: 0,
+                names: 0,
+                nlink: 0,
+            });
+            by(&mut named.images);
+            if add {
+                named.names += l.names;
+                // Measured apart, images may see a link made between their walks.
+                named.nlink = named.nlink.max(l.nlink);
+            } else {
+                named.names = named.names.saturating_sub(l.names);
+                named.nlink = named.nlink.saturating_sub(l.names);
+            }
         }
     }
 
     /// Bytes referred to by at least one image.
     pub fn bytes(&self) -> u64 {
         let used = self.segs.iter().filter(|(_, (_, n))| *n > 0);
-        let inodes = self.inodes.values().filter(|(_, n)| *n > 0);
-        used.map(|(s, (e, _))| e - s).sum::<u64>() + inodes.map(|(b, _)| b).sum::<u64>()
+        let inodes = (self.inodes.values()).filter(|i| i.images > 0 && !i.kept_outside());
+        used.map(|(s, (e, _))| e - s).sum::<u64>() + inodes.map(|i| i.bytes).sum::<u64>()
     }
 
     /// Bytes of `sh` that no other image refers to.
     pub fn unique(&self, sh: &Shares) -> u64 {
         let segs = sh.ranges.iter().flat_map(|&(s, e)| self.segs.range(s..e));
         let segs = segs.filter(|(_, (_, n))| *n == 1).map(|(s, (e, _))| e - s);
-        let inodes = sh.inodes.iter().filter_map(|(k, _)| self.inodes.get(k));
-        let inodes = inodes.filter(|(_, n)| *n == 1).map(|(b, _)| b);
-        segs.sum::<u64>() + inodes.sum::<u64>()
+        let inodes = sh.inodes.iter().filter_map(|l| self.inodes.get(&l.key));
+        let inodes = inodes.filter(|i| i.images == 1 && !i.kept_outside());
+        segs.sum::<u64>() + inodes.map(|i| i.bytes).sum::<u64>()
     }
 
-    /// Bytes of an image measured as `m` that others may refer to: its shared extents (with other
-    /// files, here or outside), and its inodes another image names.
+    /// Bytes of an image measured as `m` that others hold too: its ranges another image refers
+    /// to, and its inodes another image, or a name outside, holds. Not an extent flagged shared
+    /// that no other image refers to: shared outside the store it counts as the image's own, and
+    /// a rewrite written back later in the walk may have left it.
     pub fn shared(&self, m: &Measure) -> u64 {
-        let inodes = m
-            .shares
-            .inodes
-            .iter()
-            .filter_map(|(k, _)| self.inodes.get(k));
-        m.shared + inodes.filter(|(_, n)| *n > 1).map(|(b, _)| b).sum::<u64>()
+        let segs = (m.shares.ranges.iter()).flat_map(|&(s, e)| self.segs.range(s..e));
+        let segs = segs.filter(|(_, (_, n))| *n > 1).map(|(s, (e, _))| e - s);
+        let inodes = (m.shares.inodes.iter()).filter_map(|l| self.inodes.get(&l.key));
+        let inodes = inodes.filter(|i| i.images > 1 || i.kept_outside());
+        segs.sum::<u64>() + inodes.map(|i| i.bytes).sum::<u64>()
     }
 
     /// Forgets an image's shares.
     pub fn release(&mut self, sh: &Shares) {
-        self.count(sh, |n| *n = n.saturating_sub(1));
+        self.count(sh, false);
     }
 }
 
@@ -379,6 +460,21 @@ mod tests {
     }
 
     #[test]
+    fn deleting_frees_no_file_a_name_outside_keeps() {
+        let top = tempfile::tempdir().unwrap();
+        let d = top.path().join("tree");
+        fs::create_dir(&d).unwrap();
+        fs::write(d.join("inside"), vec![1u8; 1 << 20]).unwrap();
+        fs::hard_link(d.join("inside"), d.join("again")).unwrap();
+        fs::write(top.path().join("outside"), vec![1u8; 4 << 20]).unwrap();
+        fs::hard_link(top.path().join("outside"), d.join("linked")).unwrap();
+        let m = measure(&d, false).unwrap();
+        assert!(m.allocated >= 5 << 20, "{m:?}");
+        assert!((1 << 20..2 << 20).contains(&m.freed()), "{m:?}");
+        assert_eq!(freed_by_deleting(&d).unwrap(), m.freed());
+    }
+
+    #[test]
     fn missing_dir_is_empty() {
         assert_eq!(disk_usage(Path::new("/nonexistent/x")).unwrap(), 0);
     }
@@ -404,16 +500,24 @@ mod tests {
         assert_eq!(fp.bytes(), 100);
         fp.release(&clone2);
         assert_eq!(fp.bytes(), 0);
-        // A file hard-linked into a second image: its bytes once, freed only with both.
+        // A file hard-linked into a second image: its bytes once, freed only with both. One
+        // also named outside the images: never theirs to free.
+        let inode = |ino, bytes, nlink| Linked {
+            key: (1, ino),
+            bytes,
+            names: 1,
+            nlink,
+        };
         let linked = |n| Shares {
             ranges: Vec::new(),
-            inodes: vec![((1, 7), 4096), ((1, n), 512)],
+            inodes: vec![inode(7, 4096, 2), inode(n, 512, 2), inode(n + 2, 256, 2)],
         };
-        let (a, b) = (linked(8), linked(9));
+        let (mut a, b) = (linked(8), linked(9));
+        a.inodes[1].names = 2;
         let mut fp = Footprint::new([&a, &b]);
-        assert_eq!((fp.bytes(), fp.unique(&a)), (4096 + 1024, 512));
+        assert_eq!((fp.bytes(), fp.unique(&a)), (4096 + 512, 512));
         fp.release(&a);
-        assert_eq!((fp.bytes(), fp.unique(&b)), (4096 + 512, 4096 + 512));
+        assert_eq!((fp.bytes(), fp.unique(&b)), (4096, 4096));
         assert_eq!(
             merge(vec![(5, 9), (0, 3), (3, 4), (8, 12)]),
             vec![(0, 4), (5, 12)]

@@ -11,7 +11,10 @@
 //! - Every image is removed under its exclusive lock, taken without waiting (a busy image is
 //!   skipped, however old), its record read again under it: a reason that stopped holding keeps it.
 //! - Sizes are allocated blocks, hard links once; `--max-size` is the space the images take (each
-//!   shared extent once); an image whose removal would free nothing is not removed for the budget.
+//!   shared extent and linked inode once); an image whose removal would free nothing is not
+//!   removed for the budget. What a removal frees is what `df` gets back: once anything goes,
+//!   every image is measured afresh, so blocks another image, or a name outside, keeps are not
+//!   counted.
 //! - `--dry-run` changes nothing: the same decisions, every lock released at once.
 
 use std::collections::HashMap;
@@ -118,8 +121,14 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         return Ok(report);
     }
     rows.retain(|i| i.state != State::Deleting);
-    let shares = policy.max_size.is_some() && disk_usage::can_share(&images_dir);
-    let mut budget = Budget::new(store, &rows, shares, false)?;
+    let cutoff = cutoff(policy);
+    // An image that goes for a reason of its own counts what its removal frees: every image is
+    // measured afresh (a file another image, or a name outside, holds too frees nothing).
+    let going = rows
+        .iter()
+        .any(|r| qualifies(r, Reason::Incomplete, cutoff) || qualifies(r, Reason::Unused, cutoff));
+    let shares = (policy.max_size.is_some() || going) && disk_usage::can_share(&images_dir);
+    let mut budget = Budget::new(store, &rows, shares, going)?;
     report.size_before = budget.total;
     report.unknown = rows
         .iter()
@@ -130,7 +139,6 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         })
         .collect();
     crate::debug::pause("gc-listed");
-    let cutoff = cutoff(policy);
     rows.sort_by(oldest_first);
     for reason in [Reason::Incomplete, Reason::Unused] {
         let (these, rest): (Vec<Image>, Vec<Image>) =
@@ -147,8 +155,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     if let Some(max) = policy.max_size {
         // No ready image goes for the budget on sizes measured apart (a file hard-linked into two
         // images counts in both): every image left is measured now, each inode once (where
-        // extents may be shared, the budget measured every image already).
-        if budget.total > max && !shares {
+        // extents may be shared, or an image went for a reason of its own, every image was).
+        if budget.total > max && !shares && !going {
             let gone = report.size_before.saturating_sub(budget.total);
             budget = Budget::new(store, &rows, shares, true)?;
             report.size_before = budget.total + gone;
@@ -247,6 +255,7 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
     // A busy one is finished by the next gc, said as any image in use.
     (report.interrupted_removals, report.busy, report.failed) =
         (done.finished, done.busy, done.failed);
+    report.bytes_freed += done.bytes;
     let trash = remove::empty_trash(&root, !dry_run)?;
     report.trash_entries = trash.entries.len();
     report.bytes_freed += trash.bytes;
@@ -258,6 +267,9 @@ fn finish_interrupted(store: &mut Store, dry_run: bool, report: &mut Report) -> 
 #[derive(Default)]
 pub(crate) struct Removals {
     pub finished: Vec<String>,
+    /// What deleting their trees in place freed (those moved to the trash count there); unfinished,
+    /// what deleting them would.
+    pub bytes: u64,
     pub busy: Vec<String>,
     /// Another process (its remover) is at it.
     pub underway: Vec<String>,
@@ -278,9 +290,16 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
         };
         match taken {
             Taken::Held(h) if deleting(&h.seen) => {
-                match finish.then(|| remove::finish_held(&ctx.root, *h)) {
-                    Some(Err(e)) => out.failed.push(format!("{e:#}")),
-                    _ => out.finished.push(said),
+                let done = match finish {
+                    true => remove::finish_held(&ctx.root, *h),
+                    false => Ok(would_free(&ctx.root, &h)),
+                };
+                match done {
+                    Ok(bytes) => {
+                        out.bytes += bytes;
+                        out.finished.push(said);
+                    }
+                    Err(e) => out.failed.push(format!("{e:#}")),
                 }
             }
             // Busy: its remover may be at it, or it finished meanwhile.
@@ -298,6 +317,16 @@ pub(crate) fn finish_removals(ctx: &Ctx, entries: &[Entry], take: bool, finish: 
         }
     }
     out
+}
+
+/// What finishing the removal `held` would free deleting its tree from the images directory (a
+/// tree already in the trash counts with the trash).
+fn would_free(root: &crate::root::Root, held: &Held) -> u64 {
+    let Some(record) = held.seen.record.as_ref() else {
+        return 0;
+    };
+    let tree = crate::images_dir::tree_of(root, record);
+    disk_usage::freed_by_deleting(&tree).unwrap_or(0)
 }
 
 /// The images whose records `entries` show `deleting`: removals under way or interrupted.

@@ -84,7 +84,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     {
         anyhow::bail!("cannot remove image '{}': {why}", held.name);
     }
-    let mut bytes = size.or_else(|| disk_usage::disk_usage(&tree).ok());
+    let mut bytes = size.or_else(|| disk_usage::freed_by_deleting(&tree).ok());
     // 1. The record says so first, durably.
     let mut deleting = before.clone();
     deleting.state = State::Deleting;
@@ -170,10 +170,11 @@ fn after_take_out(
 }
 
 /// Finishes a removal a crash cut short, for an image whose `deleting` record the caller found
-/// under its exclusive lock: the tree leaves the images directory, the record goes.
-pub fn finish_held(root: &Root, held: Held) -> Result<()> {
+/// under its exclusive lock: the tree leaves the images directory, the record goes. The bytes it
+/// freed if the tree was deleted in place (one moved to the trash frees them there).
+pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     let Some(record) = held.seen.record.as_ref() else {
-        return Ok(());
+        return Ok(0);
     };
     let images_dir = crate::images_dir::of_record(root, record)?;
     let trash = root.open_or_make_sub("trash")?;
@@ -188,12 +189,16 @@ pub fn finish_held(root: &Root, held: Held) -> Result<()> {
         );
     };
     let tree = images_dir.join(held.name.encoded());
-    if let Taken::Refused(e) | Taken::Partial(e) =
-        take_out(root, &images, &trash, &tree, &held.name)
-    {
-        return Err(e);
-    }
-    root.drop_record(&held.name, held.guard).map(drop)
+    // Measured before it goes: only the move tells whether it is deleted here or in the trash,
+    // which counts it there.
+    let bytes = disk_usage::freed_by_deleting(&tree).unwrap_or(0);
+    let freed = match take_out(root, &images, &trash, &tree, &held.name) {
+        Taken::Refused(e) | Taken::Partial(e) => return Err(e),
+        Taken::Deleted => bytes,
+        Taken::Trashed(_) | Taken::Gone => 0,
+    };
+    root.drop_record(&held.name, held.guard)?;
+    Ok(freed)
 }
 
 /// Takes an image tree out of the images directory: into the trash, or deleted in place (EXDEV).
@@ -310,7 +315,7 @@ pub fn empty_trash(root: &Root, fix: bool) -> Result<Trash> {
         .with_context(|| format!("cannot list {}", root.trash().display()))?
     {
         let path = root.trash().join(&entry);
-        let bytes = disk_usage::disk_usage(&path).unwrap_or(0);
+        let bytes = disk_usage::freed_by_deleting(&path).unwrap_or(0);
         if fix && let Err(e) = remove_trash_entry(&trash, &entry) {
             out.failed
                 .push(format!("cannot delete {}: {e}", path.display()));

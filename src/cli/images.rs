@@ -32,7 +32,8 @@ struct ImageJson<'a> {
     /// What removing this image alone would free: its blocks that no other
     /// image shares (extra field; null when the size is unknown).
     exclusive_bytes: Option<u64>,
-    /// Of size_bytes, the bytes in extents shared with other files (reflinks); 0 if unsupported.
+    /// Of size_bytes, the bytes other images hold too (reflinked extents, linked files), and
+    /// files named outside the store; 0 if extents cannot be shared.
     shared_bytes: Option<u64>,
 }
 

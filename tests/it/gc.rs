@@ -125,6 +125,45 @@ fn a_file_hard_linked_into_two_images_counts_once_against_the_budget() {
     assert!(freed < 1536 << 10, "the shared file freed twice: {report}");
 }
 
+/// A file a build hard-linked into its image from outside the store stays
+/// allocated when the image goes: gc does not count it in what the images
+/// take, nor as freed, whatever the reason of the removal, and `rm` does
+/// not either. gc removed such an image for a 1 MiB budget, saying it
+/// freed 4 MiB, and df got back a few KiB.
+#[test]
+fn a_file_hard_linked_from_outside_the_store_is_not_counted_as_freed() {
+    let env = Env::new();
+    let outside = env.scratch.join("outside");
+    fs::write(&outside, vec![7u8; 4 << 20]).unwrap();
+    let ln = format!(
+        "ln '{}' \"$STOWAGE_IMAGE_DIR/big\" && head -c 65536 /dev/urandom > \"$STOWAGE_IMAGE_DIR/own\"",
+        outside.display()
+    );
+    env.build("a", &ln);
+    env.images_json();
+    let report = gc_json(&env, &["--max-size", "1M"], "2026-02-01T00:00:00Z");
+    assert!(removed(&report).is_empty(), "{report}");
+    assert!(report["size_before"].as_u64().unwrap() < MIB, "{report}");
+    // Unused, it goes: what it frees is its own file.
+    let later = (std::time::SystemTime::now() + Duration::from_secs(30 * 86400))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let report = gc_json(&env, &["--unused-for", "7d"], &later.to_string());
+    assert_eq!(removed(&report), ["a"], "{report}");
+    assert!(report["bytes_freed"].as_u64().unwrap() < MIB, "{report}");
+    // And so does rm.
+    env.build("b", &ln);
+    let out = env.ok(["rm", "b"]);
+    assert!(
+        stderr(&out).contains("removed 'b' (ready, "),
+        "{}",
+        show(&out)
+    );
+    assert!(stderr(&out).contains(" KiB)"), "{}", show(&out));
+    assert_eq!(fs::read(&outside).unwrap().len(), 4 << 20);
+}
+
 #[test]
 fn gc_never_touches_a_locked_image_even_the_oldest() {
     let env = lru_store();
@@ -361,6 +400,99 @@ fn linked_files_count_once_and_as_shared_on_btrfs() {
     }
 }
 
+/// On btrfs, a clone that rewrote its whole file a moment ago shares
+/// nothing with its base, though its data is not yet written back: gc's
+/// budget and `images` read extent maps after it is. Read before, btrfs
+/// mapped the rewrite to the base's extents: the two images "fit" a 60 MiB
+/// budget until the next sync, and the clone's `exclusive_bytes` was 0.
+#[test]
+fn a_rewrite_not_yet_written_back_shares_nothing_on_btrfs() {
+    let Some(mnt) = Mount::btrfs_loop("400M") else {
+        return;
+    };
+    let env = mnt.env();
+    env.build(
+        "base",
+        "head -c 41943040 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    mnt.used();
+    let rewrite = "head -c 41943040 /dev/urandom | dd of=\"$STOWAGE_IMAGE_DIR/blob\" bs=1M conv=notrunc 2>/dev/null";
+    let clone = |name| {
+        env.ok([
+            "exec", "--write", name, "--from", "base", "--", "sh", "-c", rewrite,
+        ])
+    };
+    clone("c1");
+    let report = gc_json(
+        &env,
+        &["--max-size", "60M", "--dry-run"],
+        "2026-02-01T00:00:00Z",
+    );
+    assert!(
+        report["size_before"].as_u64().unwrap() >= 78 * MIB,
+        "{report}"
+    );
+    assert_eq!(removed(&report), ["base"], "{report}");
+    clone("c2");
+    let images = env.images_json();
+    let row = |name: &str| images.iter().find(|i| i["name"] == name).unwrap();
+    assert!(
+        row("c2")["exclusive_bytes"].as_u64().unwrap() >= 39 * MIB,
+        "{images:?}"
+    );
+    assert!(
+        row("base")["shared_bytes"].as_u64().unwrap() < MIB,
+        "{images:?}"
+    );
+}
+
+/// On btrfs, what gc says it freed removing reflinked clones is what df
+/// gets back, whatever the reason: an incomplete clone frees almost
+/// nothing (gc said 60 MiB), and a base with its clone, unused, one copy
+/// (gc said two). Only the budget counted shared extents before.
+#[test]
+fn incomplete_and_unused_clones_free_what_df_gets_back_on_btrfs() {
+    let Some(mnt) = Mount::btrfs_loop("400M") else {
+        return;
+    };
+    let env = mnt.env();
+    env.build(
+        "big",
+        "head -c 62914560 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
+    );
+    env.ok(["exec", "--write", "clone-ok", "--from", "big", "--", "true"]);
+    let out = env.run([
+        "exec",
+        "--write",
+        "clone-failed",
+        "--from",
+        "big",
+        "--",
+        "false",
+    ]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let freed = |args: &[&str], now: &str, gone: &[&str]| {
+        let before = mnt.used();
+        let report = gc_json(&env, args, now);
+        let got_back = before.saturating_sub(mnt.used());
+        assert_eq!(removed(&report), gone, "{report}");
+        let freed = report["bytes_freed"].as_u64().unwrap();
+        assert!(
+            freed.abs_diff(got_back) < 4 * MIB,
+            "gc says it freed {freed}, df got back {got_back}: {report}"
+        );
+        freed
+    };
+    assert!(freed(&[], "2026-02-01T00:00:00Z", &["clone-failed"]) < MIB);
+    let later = (std::time::SystemTime::now() + Duration::from_secs(30 * 86400))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        .to_string();
+    let both = freed(&["--unused-for", "7d"], &later, &["big", "clone-ok"]);
+    assert!(both >= 59 * MIB, "{both}");
+}
+
 #[test]
 fn links_inside_the_trash_are_unlinked_not_followed() {
     let env = Env::new();
@@ -402,17 +534,48 @@ fn gc_counts_the_bytes_it_frees_when_it_finishes_a_killed_removal() {
         );
         let (bg, _pause) = env.paused(["rm", "big"], point);
         bg.kill_all();
-        let out = env.ok(["gc", "--json"]);
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let freed = report["bytes_freed"].as_u64().unwrap();
-        assert!(
-            (1 << 20..2 << 20).contains(&freed),
-            "{point}: freed {freed}: {}",
-            show(&out)
-        );
+        for dry in [true, false] {
+            let mut c = env.cmd(["gc", "--json"]);
+            c.args(dry.then_some("--dry-run"));
+            let out = output(c);
+            assert_eq!(code(&out), Some(0), "{}", show(&out));
+            let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let freed = report["bytes_freed"].as_u64().unwrap();
+            assert!(
+                (1 << 20..2 << 20).contains(&freed),
+                "{point}, dry run {dry}: freed {freed}: {}",
+                show(&out)
+            );
+        }
         assert!(env.images_json().is_empty(), "{point}");
         assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
     }
+}
+
+/// A removal killed once marked, finished by gc where the images directory
+/// is on another filesystem than the root: its tree is deleted in place,
+/// never passing through the trash, and its bytes count as freed all the
+/// same. gc said it freed 0 B.
+#[test]
+fn gc_counts_the_bytes_of_a_killed_removal_it_deletes_in_place() {
+    let env = Env::new();
+    let Some(_tmpfs) = env.init_on_tmpfs() else {
+        return;
+    };
+    env.build(
+        "big",
+        "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/data\"",
+    );
+    let (bg, _pause) = env.paused(["rm", "big"], "rm-marked");
+    bg.kill_all();
+    let tree = env.tmp.path().join("images/big");
+    assert!(tree.is_dir());
+    let out = env.ok(["gc", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["interrupted_removals"], serde_json::json!(["big"]));
+    let freed = report["bytes_freed"].as_u64().unwrap();
+    assert!((1 << 20..2 << 20).contains(&freed), "{report}");
+    assert!(!tree.exists(), "{report}");
 }
 
 /// An interrupted removal gc could not finish is not reported as finished:
