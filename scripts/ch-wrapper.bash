@@ -126,12 +126,15 @@ uptime_ms() {
 # they end the wrapper at once, with 128+N, saying that nothing was done
 # ($task names the work). $signalled keeps the last one, for the wrapper's
 # report.
+# The handlers only set variables and call builtins, with every value fixed
+# here: bash 5.2's parser is not re-entrant, and a command substitution in
+# a handler that a second signal interrupted failed to parse.
 forward_signals() {
     local sig
     child='' signalled=''
     for sig in TERM INT HUP QUIT; do
-        # shellcheck disable=SC2064  # the signal's name, fixed now
-        trap "on_signal $sig" "$sig"
+        # shellcheck disable=SC2064  # the signal's name and number, fixed now
+        trap "on_signal $sig $(kill -l "$sig")" "$sig"
     done
 }
 on_signal() {
@@ -140,7 +143,7 @@ on_signal() {
     if [ -n "$child" ]; then
         kill -s "$1" "$child" 2>/dev/null
     else
-        fail $((128 + $(kill -l "$1"))) "stopped by SIG$1 before $task started: nothing was changed"
+        fail $((128 + $2)) "stopped by SIG$1 before $task started: nothing was changed"
     fi
 }
 
@@ -160,4 +163,80 @@ run_child() {
     done
     child=
     return $rc
+}
+
+# Under the locks: runs a command (ch-image) in a process group of its own
+# and passes every termination signal to that whole group, since ch-image
+# does not pass signals on to its RUN step. SIGINT goes on as SIGTERM, which ends ch-image (Python) quietly
+# where SIGINT would print a traceback; the exit status still says SIGINT
+# (130). Once the command has exited, however it ended (a signal to
+# ch-image alone, the OOM killer), what is left of its group is ended
+# (end_group) before this returns the command's status: ch-image starts
+# its RUN steps without the lock descriptors (close_fds), so only this
+# shell, the command of the stowage exec that took the locks, keeps them
+# for as long as any process of the build may write.
+run_group() {
+    local pid='' got='' send='' rc sig
+    for sig in TERM INT HUP QUIT; do
+        # shellcheck disable=SC2064  # the names, fixed now
+        trap "group_signal $sig ${sig/#INT/TERM}" "$sig"
+    done
+    # Job control for the start only: bash then puts the job in its group in
+    # parent and child alike, so a signal sent at once still reaches it. Off
+    # again, so that the shell does not report the job's end on stderr
+    # ("[1]+ Terminated ...").
+    set -m
+    "$@" </dev/null &
+    pid=$!
+    set +m
+    [ -z "$got" ] || kill -s "$send" -- "-$pid" 2>/dev/null
+    while :; do
+        wait "$pid" 2>/dev/null
+        rc=$?
+        if [ $rc -le 128 ] || ! kill -0 "$pid" 2>/dev/null; then break; fi
+    done
+    end_group "$pid"
+    [ "$got" != INT ] || [ $rc != 143 ] || rc=130
+    return $rc
+}
+# A trap handler of run_group's (its variables): sets and kills only, with
+# the names fixed when the trap was set (see forward_signals), so that a
+# second signal while it runs does no harm.
+group_signal() {
+    got=$1 send=$2
+    [ -z "${pid-}" ] || kill -s "$2" -- "-$pid" 2>/dev/null
+}
+
+# Ends what is left of process group $1, whose leader has exited: SIGTERM,
+# then SIGKILL once 5 s have passed (the grace stowage's --no-inherit keeper
+# gives), and returns only when no live process of it is left. A group that
+# is already empty costs one kill(2).
+end_group() {
+    local i
+    group_lives "$1" || return 0
+    kill -s TERM -- "-$1" 2>/dev/null
+    for ((i = 0; i < 50; i++)); do
+        group_lives "$1" || return 0
+        sleep 0.1
+    done
+    while group_lives "$1"; do
+        kill -s KILL -- "-$1" 2>/dev/null
+        sleep 0.1
+    done
+}
+
+# Whether process group $1 has a live member. kill -0 counts zombies too
+# (an orphan whose reaper has not reaped it yet writes nothing), so /proc
+# decides: in each stat, after the command's name, the state and the group.
+group_lives() {
+    local f s state group
+    kill -0 -- "-$1" 2>/dev/null || return 1
+    for f in /proc/[0-9]*/stat; do
+        s=''
+        read -r -d '' s 2>/dev/null <"$f"
+        s=${s##*) }
+        read -r state _ group _ <<<"$s"
+        [ "${group-}" = "$1" ] && [ "$state" != Z ] && [ "$state" != X ] && return 0
+    done
+    return 1
 }

@@ -1505,3 +1505,126 @@ fn ch_image_store_wide(ch: &Ch, args: &[&str]) -> std::process::Output {
     all.extend_from_slice(args);
     output(ch.stowage(all))
 }
+/// Every live process whose arguments contain all of `words`, with them.
+fn processes_with(words: &[&str]) -> Vec<(u32, Vec<String>)> {
+    processes_mentioning(words[0])
+        .into_iter()
+        .filter_map(|pid| {
+            let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<String> = raw
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            words
+                .iter()
+                .all(|w| args.iter().any(|a| a.contains(w)))
+                .then_some((pid, args))
+        })
+        .collect()
+}
+/// The ch-image (Python) process of the build whose build argument is
+/// `ID=id`.
+fn ch_image_of(id: &str) -> u32 {
+    let arg = format!("ID={id}");
+    let mut pid = None;
+    wait_until("ch-image runs", || {
+        pid = processes_with(&[&arg, "build"])
+            .into_iter()
+            .find(|(_, args)| args[0].contains("python"))
+            .map(|(p, _)| p);
+        pid.is_some()
+    });
+    pid.unwrap()
+}
+/// ch-image killed alone (SIGKILL, as the OOM killer does, or SIGTERM, as
+/// a kill by name does) ends the build: its RUN step, which ch-image starts
+/// without the lock descriptors, is ended before ch-build exits, so no
+/// process of the build writes once the locks are gone. Before, the RUN
+/// step went on writing the image after ch-build had exited and another
+/// writer held its lock.
+#[test]
+fn ch_image_killed_alone_leaves_no_process_of_the_build_behind_its_locks() {
+    let Some(ch) = Ch::new() else { return };
+    for (i, sig) in [libc::SIGKILL, libc::SIGTERM].into_iter().enumerate() {
+        let tag = format!("orphan{i}");
+        let id = format!("orphan{i}-4471");
+        // The RUN step ignores SIGTERM, as a step that must not be cut
+        // short may: only a SIGKILL after the grace ends it.
+        ch.dockerfile(
+            "Dockerfile",
+            &format!(
+                "FROM base\nARG ID\nRUN : run-{id}; trap '' TERM; touch /started; i=0; \
+                 while [ $i -lt 1200 ]; do echo $i > /tick; sleep 0.05; i=$((i+1)); done\n"
+            ),
+        );
+        // Its log in a file: a process left of the build would keep a
+        // pipe open after ch-build's exit.
+        let log = ch.env.tmp.path().join(format!("{tag}.log"));
+        let mut c = ch.ch_build(["-t", &tag, "--build-arg", &format!("ID={id}")]);
+        c.stderr(fs::File::create(&log).unwrap());
+        let b = Bg::from_command_keep_stderr(c);
+        wait_for_file(&ch.img(&tag).join("started"));
+        let pid = ch_image_of(&id);
+        unsafe { libc::kill(pid as i32, sig) };
+        let out = b.finish();
+        let err = fs::read_to_string(&log).unwrap();
+        assert_eq!(out.status.code(), Some(128 + sig), "{err}");
+        // At ch-build's exit, nothing of the build is left to write.
+        let left = processes_mentioning(&format!("run-{id}"));
+        assert!(left.is_empty(), "the RUN step outlived ch-build: {left:?}");
+        assert!(flock_free(&ch.env.lock_file(&tag)));
+        assert_eq!(ch.env.state(&tag).as_deref(), Some("incomplete"));
+        // The next writer holds the tree alone: it does not change under it.
+        let tick = ch.img(&tag).join("tick");
+        let before = fs::read(&tick).unwrap();
+        let script = format!(
+            "a=$(cat {t}); touch {held}; while [ ! -e {go} ]; do sleep 0.01; done; \
+             [ \"$a\" = \"$(cat {t})\" ]",
+            t = tick.display(),
+            held = ch.env.sentinel(&format!("held{i}")).display(),
+            go = ch.env.sentinel(&format!("go{i}")).display()
+        );
+        let mut next = ch.stowage(["exec", "--no-wait", "--write", &tag, "--"]);
+        next.args(["sh", "-c", &script]);
+        let next = Bg::from_command(next);
+        wait_for_file(&ch.env.sentinel(&format!("held{i}")));
+        fs::write(ch.env.sentinel(&format!("go{i}")), "").unwrap();
+        assert_ok(next.finish());
+        assert_eq!(fs::read(&tick).unwrap(), before);
+    }
+}
+/// `ch-build --locked`, the command under the locks, takes a burst of
+/// signals (a process-group SIGTERM reaches it directly and through stowage
+/// at once) without an error in the log. Before, its trap handler ran a
+/// command substitution, and bash 5.2 reported `unexpected EOF while
+/// looking for matching ')'` when a second signal interrupted its parse.
+#[test]
+fn ch_build_locked_takes_a_burst_of_signals_without_an_error() {
+    let env = Env::new();
+    let go = env.sentinel("go");
+    let started = env.sentinel("started");
+    // A command that ignores the signals, so that the burst meets the
+    // handlers, not the end of the build.
+    let script = format!(
+        "trap '' TERM HUP QUIT INT; touch {s}; while [ ! -e {g} ]; do sleep 0.01; done",
+        s = started.display(),
+        g = go.display()
+    );
+    let mut c = Command::new(CH_BUILD);
+    c.args(["--locked", "-t", "burst", "--", "sh", "-c", &script])
+        .env("CH_BUILD_STARTED", env.sentinel("build-started"));
+    let b = Bg::from_command(c);
+    wait_for_file(&started);
+    for _ in 0..2000 {
+        for sig in [libc::SIGTERM, libc::SIGHUP] {
+            b.signal(sig);
+        }
+        std::thread::sleep(std::time::Duration::from_micros(500));
+    }
+    fs::write(&go, "").unwrap();
+    let out = b.finish();
+    let err = stderr(&out);
+    assert!(!err.contains("unexpected EOF"), "{err}");
+    assert!(err.trim().is_empty(), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
