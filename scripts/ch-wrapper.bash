@@ -165,9 +165,10 @@ run_child() {
     return $rc
 }
 
-# Under the locks: runs a command (ch-image) in a process group of its own
-# and passes every termination signal to that whole group, since ch-image
-# does not pass signals on to its RUN step. SIGINT goes on as SIGTERM, which ends ch-image (Python) quietly
+# Under the locks: runs a command (ch-image, or ch-plan running ch-image's
+# code) in a process group of its own and passes every termination signal
+# to that whole group, since ch-image does not pass signals on to its RUN
+# step. SIGINT goes on as SIGTERM, which ends ch-image (Python) quietly
 # where SIGINT would print a traceback; the exit status still says SIGINT
 # (130). Once the command has exited, however it ended (a signal to
 # ch-image alone, the OOM killer), what is left of its group is ended

@@ -1628,3 +1628,135 @@ fn ch_build_locked_takes_a_burst_of_signals_without_an_error() {
     assert!(err.trim().is_empty(), "{err}");
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
 }
+/// `ch-delete GLOB` deletes exactly the images it locked. A build of a tag
+/// that begins to match the glob once ch-delete has checked its set under
+/// the locks is left alone. Before, ch-delete ran `ch-image delete GLOB`,
+/// which globbed again as it started (here held at its start by a copy of
+/// ch-image, as a slow Python start-up holds it) and deleted the new
+/// build's tree under that build's exclusive lock.
+#[test]
+fn ch_delete_leaves_an_image_that_begins_to_match_once_its_set_is_checked() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    ch.dockerfile("Dockerfile.old", "FROM base\nRUN echo old > /old\n");
+    let df = ch.ctx.join("Dockerfile.old");
+    assert_ok(output(ch.ch_build([
+        "-t",
+        "ci_old",
+        "-f",
+        df.to_str().unwrap(),
+    ])));
+
+    // A ch-image whose `delete` waits for a sentinel before it does anything.
+    let shim = ch.env.tmp.path().join("shim");
+    fs::create_dir_all(shim.join("bin")).unwrap();
+    fs::create_dir_all(shim.join("lib")).unwrap();
+    let which = output({
+        let mut c = ch.command("sh");
+        c.args(["-c", "command -v ch-image; command -v ch-run"]);
+        c
+    });
+    let found = stdout(&which);
+    let mut lines = found.lines();
+    let (real, run) = (lines.next().unwrap(), lines.next().unwrap());
+    let go = ch.env.sentinel("delete-go");
+    let text = fs::read_to_string(real).unwrap().replacen(
+        "def main():\n",
+        &format!(
+            "def main():\n   if \"delete\" in sys.argv and __name__ == \"__main__\":\n      \
+             import time\n      \
+             for _ in range(1200):\n         \
+             if os.path.exists({go:?}): break\n         \
+             time.sleep(0.05)\n",
+            go = go.display().to_string()
+        ),
+        1,
+    );
+    assert!(text.contains("delete-go"), "ch-image has no main()");
+    let lib = Path::new(real)
+        .parent()
+        .unwrap()
+        .join("../lib/charliecloud");
+    fs::write(shim.join("bin/ch-image"), text).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(shim.join("bin/ch-image"), fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::symlink(run, shim.join("bin/ch-run")).unwrap();
+    std::os::unix::fs::symlink(
+        fs::canonicalize(lib).unwrap(),
+        shim.join("lib/charliecloud"),
+    )
+    .unwrap();
+    let tmp = ch.env.tmp.path().join("wrapper-tmp");
+    fs::create_dir(&tmp).unwrap();
+    let shimmed = |mut c: Command| {
+        let path = std::env::var("PATH").unwrap_or_default();
+        let bin_dir = Path::new(bin()).parent().unwrap();
+        c.env(
+            "PATH",
+            format!(
+                "{}:{}:/usr/bin:{path}",
+                shim.join("bin").display(),
+                bin_dir.display()
+            ),
+        )
+        .env("TMPDIR", &tmp);
+        c
+    };
+
+    let mut c = ch.command(CH_DELETE);
+    c.arg("ci_*");
+    let delete = Bg::from_command(shimmed(c));
+    wait_until("ch-delete has checked its set under the locks", || {
+        fs::read_dir(&tmp)
+            .unwrap()
+            .flatten()
+            .any(|w| w.path().join("started").exists())
+    });
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let build = Bg::from_command(shimmed(ch.ch_build([
+        "-t",
+        "ci_new",
+        "--build-arg",
+        "ID=n",
+    ])));
+    ch.wait_started("ci_new", "n");
+    fs::write(&go, "").unwrap();
+    let out = delete.finish();
+    assert_ok_ref(&out);
+    assert!(
+        ch.img("ci_new/started-n").exists(),
+        "ch-delete deleted ci_new, which a build held exclusively: {}",
+        show(&out)
+    );
+    assert!(!stderr(&out).contains("ci_new"), "{}", show(&out));
+    ch.go("ci_new", "n");
+    assert_ok(build.finish());
+    assert!(!ch.img("ci_old").exists());
+    assert_eq!(ch.file("ci_new", "id"), "n");
+    assert_eq!(ch.env.state("ci_new").as_deref(), Some("ready"));
+    assert_eq!(ch.stowage_list(), ["base", "ci_new"]);
+    assert_eq!(ch.ch_list(), ["base", "ci_new"]);
+}
+/// An image that begins to match while ch-delete waits for its locks is
+/// found under them: ch-delete plans again, locks it too, and deletes
+/// both.
+#[test]
+fn ch_delete_plans_again_for_an_image_that_matches_while_it_waits() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    ch.dockerfile("Dockerfile", "FROM base\nRUN true\n");
+    assert_ok(output(ch.ch_build(["-t", "x1"])));
+    let reader = ch.env.hold_until(&["--read", "x1"], "held", "release");
+    let mut c = ch.command(CH_DELETE);
+    c.arg("x*");
+    let delete = Bg::from_command(c);
+    ch.env.wait_for_waiter("x1");
+    assert_ok(output(ch.ch_build(["-t", "x2"])));
+    ch.env.release("release");
+    assert_ok(reader.finish());
+    let out = delete.finish();
+    assert_ok_ref(&out);
+    assert!(stderr(&out).contains("planning again"), "{}", show(&out));
+    assert_eq!(ch.stowage_list(), ["base"]);
+    assert_eq!(ch.ch_list(), ["base"]);
+}
