@@ -121,16 +121,36 @@ uptime_ms() {
     echo $((10#${up//./} * 10))
 }
 
+# The termination signals the wrapper's caller left ignored (nohup ignores
+# SIGHUP; a script's `ch-build … &` ignores SIGINT and SIGQUIT), read from
+# the kernel before this shell sets any trap. Sets defaults to the others,
+# comma-separated: those run_child starts at their default disposition.
+# An ignore by the caller stays an ignore for stowage and the build, as
+# stowage keeps it for its own command.
+caller_ignores() {
+    local key value mask='' sig n
+    while read -r key value; do
+        [ "$key" != SigIgn: ] || mask=$value
+    done 2>/dev/null </proc/$$/status
+    defaults=''
+    for sig in INT QUIT TERM HUP; do
+        n=$(kill -l "$sig")
+        [ -n "$mask" ] && (((16#$mask >> (n - 1)) & 1)) && continue
+        defaults+=${defaults:+,}$sig
+    done
+}
+
 # From now on, signals to the wrapper go to the stowage it runs
 # (run_child), which forwards them to its command; with no stowage running,
 # they end the wrapper at once, with 128+N, saying that nothing was done
 # ($task names the work). $signalled keeps the last one, for the wrapper's
-# report.
+# report. A signal the caller ignored stays ignored (bash cannot trap it).
 # The handlers only set variables and call builtins, with every value fixed
 # here: bash 5.2's parser is not re-entrant, and a command substitution in
 # a handler that a second signal interrupted failed to parse.
 forward_signals() {
     local sig
+    caller_ignores
     child='' signalled=''
     for sig in TERM INT HUP QUIT; do
         # shellcheck disable=SC2064  # the signal's name and number, fixed now
@@ -148,11 +168,16 @@ on_signal() {
 }
 
 # Runs a command as $child and returns its status. It starts with default
-# dispositions (a non-interactive shell's background job would otherwise
-# ignore SIGINT and SIGQUIT), in the background so that our traps run while
-# it does; no job control, so the shell reports nothing of it.
+# dispositions for the signals the caller did not ignore (a non-interactive
+# shell's background job would otherwise ignore SIGINT and SIGQUIT), in the
+# background so that our traps run while it does; no job control, so the
+# shell reports nothing of it.
 run_child() {
-    env --default-signal=INT,QUIT,TERM,HUP "$@" &
+    if [ -n "$defaults" ]; then
+        env --default-signal="$defaults" "$@" &
+    else
+        "$@" &
+    fi
     child=$!
     local rc
     # wait returns early (>128) when a trapped signal arrives: wait again.

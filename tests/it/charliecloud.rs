@@ -1536,6 +1536,16 @@ fn ch_image_of(id: &str) -> u32 {
     });
     pid.unwrap()
 }
+/// Whether process `pid` ignores signal `sig` (SigIgn in its status).
+fn ignores(pid: u32, sig: i32) -> bool {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .unwrap_or(0);
+    mask >> (sig - 1) & 1 == 1
+}
 /// ch-image killed alone (SIGKILL, as the OOM killer does, or SIGTERM, as
 /// a kill by name does) ends the build: its RUN step, which ch-image starts
 /// without the lock descriptors, is ended before ch-build exits, so no
@@ -1759,4 +1769,48 @@ fn ch_delete_plans_again_for_an_image_that_matches_while_it_waits() {
     assert!(stderr(&out).contains("planning again"), "{}", show(&out));
     assert_eq!(ch.stowage_list(), ["base"]);
     assert_eq!(ch.ch_list(), ["base"]);
+}
+/// A signal the caller of ch-build ignored stays ignored for stowage and
+/// the build: SIGHUP under nohup, SIGINT for a script's `ch-build … &`. The
+/// signal reaching every process of the build then stops nothing. Before,
+/// the wrapper reset them to their default for stowage, and a hang-up
+/// ended the build (exit 129).
+#[test]
+fn a_signal_the_caller_of_ch_build_ignored_stays_ignored() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    for (i, sig) in [libc::SIGHUP, libc::SIGINT].into_iter().enumerate() {
+        let tag = format!("app{i}");
+        let id = format!("ign{i}-8812");
+        let args = ["-t", &tag, "--build-arg", &format!("ID={id}")];
+        let mut c = if sig == libc::SIGHUP {
+            ch.command("nohup")
+        } else {
+            // A non-interactive shell's background job ignores SIGINT.
+            let mut c = ch.command("bash");
+            c.args(["-c", "\"$@\" & wait $!", "bash"]);
+            c
+        };
+        c.arg(CH_BUILD).args(args).arg(&ch.ctx);
+        let b = Bg::from_command(c);
+        ch.wait_started(&tag, &id);
+        let build: Vec<u32> = processes_with(&[&format!("ID={id}")])
+            .into_iter()
+            .map(|(p, _)| p)
+            .filter(|&p| p != b.pid() || sig == libc::SIGHUP)
+            .collect();
+        // The wrapper, stowage, `ch-build --locked` and ch-image.
+        assert!(build.len() >= 4, "{build:?}");
+        for &p in &build {
+            assert!(ignores(p, sig), "process {p} does not ignore signal {sig}");
+        }
+        for &p in &build {
+            unsafe { libc::kill(p as i32, sig) };
+        }
+        ch.go(&tag, &id);
+        let out = b.finish();
+        assert_ok_ref(&out);
+        assert_eq!(ch.env.state(&tag).as_deref(), Some("ready"));
+        assert_eq!(ch.file(&tag, "id"), id);
+    }
 }
