@@ -170,8 +170,8 @@ on_signal() {
 # Runs a command as $child and returns its status. It starts with default
 # dispositions for the signals the caller did not ignore (a non-interactive
 # shell's background job would otherwise ignore SIGINT and SIGQUIT), in the
-# background so that our traps run while it does; no job control, so the
-# shell reports nothing of it.
+# background so that our traps run while it does; no job control, and its
+# end (even by a signal) is not reported on stderr.
 run_child() {
     if [ -n "$defaults" ]; then
         env --default-signal="$defaults" "$@" &
@@ -182,7 +182,7 @@ run_child() {
     local rc
     # wait returns early (>128) when a trapped signal arrives: wait again.
     while :; do
-        wait "$child"
+        wait "$child" 2>/dev/null
         rc=$?
         kill -0 "$child" 2>/dev/null || break
     done

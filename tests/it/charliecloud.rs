@@ -1814,3 +1814,43 @@ fn a_signal_the_caller_of_ch_build_ignored_stays_ignored() {
         assert_eq!(ch.file(&tag, "id"), id);
     }
 }
+/// SIGKILL of the stowage a ch-build runs leaves the build going on under
+/// the locks it inherited: ch-build says so, and how to see it, without
+/// bash's job report in the log. Before, it said at once that the image
+/// was left incomplete and to build it again, while it was still building.
+#[test]
+fn a_build_whose_stowage_is_killed_is_said_to_go_on_under_its_locks() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let id = "ks-3390";
+    // Its log in a file: the build, going on, keeps a pipe open.
+    let log = ch.env.tmp.path().join("ks.log");
+    let mut c = ch.ch_build(["-t", "app", "--build-arg", &format!("ID={id}")]);
+    c.stderr(fs::File::create(&log).unwrap());
+    let b = Bg::from_command_keep_stderr(c);
+    ch.wait_started("app", id);
+    let arg = format!("ID={id}");
+    let stowage = processes_with(&[&arg, "exec"])
+        .into_iter()
+        .find(|(_, args)| args[0].ends_with("stowage"))
+        .map(|(p, _)| p)
+        .expect("the wrapper's stowage");
+    unsafe { libc::kill(stowage as i32, libc::SIGKILL) };
+    let out = b.finish();
+    let err = fs::read_to_string(&log).unwrap();
+    assert_eq!(out.status.code(), Some(137), "{err}");
+    assert!(err.contains("may still be running"), "{err}");
+    assert!(err.contains("lock-status app"), "{err}");
+    assert!(!err.contains("build it again, or delete it"), "{err}");
+    assert!(!err.contains("Killed"), "{err}");
+    assert!(
+        !flock_free(&ch.env.lock_file("app")),
+        "the build holds its locks"
+    );
+    ch.go("app", id);
+    wait_until("the build has ended", || {
+        processes_mentioning(&arg).is_empty()
+    });
+    assert!(flock_free(&ch.env.lock_file("app")));
+    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
+}
