@@ -597,6 +597,7 @@ fn an_import_by_build_runs_beside_builds() {
     ch.env.ok(["slots", "set", "ch-cache", "1"]);
     assert_ok(output(ch.stowage([
         "exec",
+        "--no-inherit",
         "--slot",
         "ch-cache",
         "--write",
@@ -621,6 +622,7 @@ fn an_import_by_build_runs_beside_builds() {
     .unwrap();
     let mut import = ch.stowage([
         "exec",
+        "--no-inherit",
         "--slot",
         "ch-cache",
         "--read",
@@ -1303,6 +1305,7 @@ fn a_cache_mode_import_runs_store_wide() {
     let tarball = ch.env.tmp.path().join("base.tar").display().to_string();
     let import = Bg::from_command(ch.stowage([
         "exec",
+        "--no-inherit",
         "--store-wide",
         "--",
         bin(),
@@ -1495,6 +1498,7 @@ fn ch_image_store_wide(ch: &Ch, args: &[&str]) -> std::process::Output {
     let storage = ch.storage.display().to_string();
     let mut all = vec![
         "exec",
+        "--no-inherit",
         "--store-wide",
         "--",
         "ch-image",
@@ -1505,6 +1509,7 @@ fn ch_image_store_wide(ch: &Ch, args: &[&str]) -> std::process::Output {
     all.extend_from_slice(args);
     output(ch.stowage(all))
 }
+
 /// Every live process whose arguments contain all of `words`, with them.
 fn processes_with(words: &[&str]) -> Vec<(u32, Vec<String>)> {
     processes_mentioning(words[0])
@@ -1852,5 +1857,47 @@ fn a_build_whose_stowage_is_killed_is_said_to_go_on_under_its_locks() {
         processes_mentioning(&arg).is_empty()
     });
     assert!(flock_free(&ch.env.lock_file("app")));
+    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
+}
+/// ch-image run directly under `stowage exec --no-inherit`, as
+/// docs/charliecloud.md gives its pulls, imports and store-wide commands:
+/// killed alone, its RUN step (started without the lock descriptors) goes
+/// on, and stowage holds the locks until that has ended too.
+#[test]
+fn ch_image_run_directly_with_no_inherit_holds_its_locks_until_its_tree_ends() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let storage = ch.storage.display().to_string();
+    let id = "direct-6120";
+    let arg = format!("ID={id}");
+    let mut c = ch.stowage(["exec", "--no-inherit", "--write", "app", "--", "ch-image"]);
+    c.args([
+        "-s",
+        &storage,
+        "--no-lock",
+        "--no-cache",
+        "build",
+        "-t",
+        "app",
+    ])
+    .args(["--build-arg", &arg])
+    .arg(&ch.ctx);
+    // Its log in a file: the RUN step keeps a pipe open.
+    let log = ch.env.tmp.path().join("direct.log");
+    c.stderr(fs::File::create(&log).unwrap());
+    let mut exec = Bg::from_command_keep_stderr(c);
+    ch.wait_started("app", id);
+    let pid = ch_image_of(id);
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    wait_until("ch-image is reaped", || proc_state(pid).is_none());
+    assert!(exec.is_running(), "stowage ended with the RUN step running");
+    assert!(!flock_free(&ch.env.lock_file("app")));
+    assert!(ch.img("app").join(format!("started-{id}")).exists());
+    ch.go("app", id);
+    let out = exec.finish();
+    let err = fs::read_to_string(&log).unwrap();
+    assert_eq!(out.status.code(), Some(137), "{err}");
+    assert!(flock_free(&ch.env.lock_file("app")));
+    assert!(!ch.img("app").join(format!("started-{id}")).exists());
     assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
 }
