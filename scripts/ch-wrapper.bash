@@ -123,17 +123,40 @@ uptime_ms() {
     echo $((10#${up//./} * 10))
 }
 
+# The termination signals the wrapper's caller left ignored (nohup ignores
+# SIGHUP; a script's `ch-build … &` ignores SIGINT and SIGQUIT), read from
+# the kernel before this shell sets any trap. Sets defaults to the others,
+# comma-separated: those run_child starts at their default disposition.
+# An ignore by the caller stays an ignore for stowage and the build, as
+# stowage keeps it for its own command.
+caller_ignores() {
+    local key value mask='' sig n
+    while read -r key value; do
+        [ "$key" != SigIgn: ] || mask=$value
+    done 2>/dev/null </proc/$$/status
+    defaults=''
+    for sig in INT QUIT TERM HUP; do
+        n=$(kill -l "$sig")
+        [ -n "$mask" ] && (((16#$mask >> (n - 1)) & 1)) && continue
+        defaults+=${defaults:+,}$sig
+    done
+}
+
 # From now on, signals to the wrapper go to the stowage it runs
 # (run_child), which forwards them to its command; with no stowage running,
 # they end the wrapper at once, with 128+N, saying that nothing was done
 # ($task names the work). $signalled keeps the last one, for the wrapper's
-# report.
+# report. A signal the caller ignored stays ignored (bash cannot trap it).
+# The handlers only set variables and call builtins, with every value fixed
+# here: bash 5.2's parser is not re-entrant, and a command substitution in
+# a handler that a second signal interrupted failed to parse.
 forward_signals() {
     local sig
+    caller_ignores
     child='' signalled=''
     for sig in TERM INT HUP QUIT; do
-        # shellcheck disable=SC2064  # the signal's name, fixed now
-        trap "on_signal $sig" "$sig"
+        # shellcheck disable=SC2064  # the signal's name and number, fixed now
+        trap "on_signal $sig $(kill -l "$sig")" "$sig"
     done
 }
 on_signal() {
@@ -142,24 +165,106 @@ on_signal() {
     if [ -n "$child" ]; then
         kill -s "$1" "$child" 2>/dev/null
     else
-        fail $((128 + $(kill -l "$1"))) "stopped by SIG$1 before $task started: nothing was changed"
+        fail $((128 + $2)) "stopped by SIG$1 before $task started: nothing was changed"
     fi
 }
 
 # Runs a command as $child and returns its status. It starts with default
-# dispositions (a non-interactive shell's background job would otherwise
-# ignore SIGINT and SIGQUIT), in the background so that our traps run while
-# it does; no job control, so the shell reports nothing of it.
+# dispositions for the signals the caller did not ignore (a non-interactive
+# shell's background job would otherwise ignore SIGINT and SIGQUIT), in the
+# background so that our traps run while it does; no job control, and its
+# end (even by a signal) is not reported on stderr.
 run_child() {
-    env --default-signal=INT,QUIT,TERM,HUP "$@" &
+    if [ -n "$defaults" ]; then
+        env --default-signal="$defaults" "$@" &
+    else
+        "$@" &
+    fi
     child=$!
     local rc
     # wait returns early (>128) when a trapped signal arrives: wait again.
     while :; do
-        wait "$child"
+        wait "$child" 2>/dev/null
         rc=$?
         kill -0 "$child" 2>/dev/null || break
     done
     child=
     return $rc
+}
+
+# Under the locks: runs a command (ch-image, or ch-plan running ch-image's
+# code) in a process group of its own and passes every termination signal
+# to that whole group, since ch-image does not pass signals on to its RUN
+# step. SIGINT goes on as SIGTERM, which ends ch-image (Python) quietly
+# where SIGINT would print a traceback; the exit status still says SIGINT
+# (130). Once the command has exited, however it ended (a signal to
+# ch-image alone, the OOM killer), what is left of its group is ended
+# (end_group) before this returns the command's status: ch-image starts
+# its RUN steps without the lock descriptors (close_fds), so only this
+# shell, the command of the stowage exec that took the locks, keeps them
+# for as long as any process of the build may write.
+run_group() {
+    local pid='' got='' send='' rc sig
+    for sig in TERM INT HUP QUIT; do
+        # shellcheck disable=SC2064  # the names, fixed now
+        trap "group_signal $sig ${sig/#INT/TERM}" "$sig"
+    done
+    # Job control for the start only: bash then puts the job in its group in
+    # parent and child alike, so a signal sent at once still reaches it. Off
+    # again, so that the shell does not report the job's end on stderr
+    # ("[1]+ Terminated ...").
+    set -m
+    "$@" </dev/null &
+    pid=$!
+    set +m
+    [ -z "$got" ] || kill -s "$send" -- "-$pid" 2>/dev/null
+    while :; do
+        wait "$pid" 2>/dev/null
+        rc=$?
+        if [ $rc -le 128 ] || ! kill -0 "$pid" 2>/dev/null; then break; fi
+    done
+    end_group "$pid"
+    [ "$got" != INT ] || [ $rc != 143 ] || rc=130
+    return $rc
+}
+# A trap handler of run_group's (its variables): sets and kills only, with
+# the names fixed when the trap was set (see forward_signals), so that a
+# second signal while it runs does no harm.
+group_signal() {
+    got=$1 send=$2
+    [ -z "${pid-}" ] || kill -s "$2" -- "-$pid" 2>/dev/null
+}
+
+# Ends what is left of process group $1, whose leader has exited: SIGTERM,
+# then SIGKILL once 5 s have passed (the grace stowage's --no-inherit keeper
+# gives), and returns only when no live process of it is left. A group that
+# is already empty costs one kill(2).
+end_group() {
+    local i
+    group_lives "$1" || return 0
+    kill -s TERM -- "-$1" 2>/dev/null
+    for ((i = 0; i < 50; i++)); do
+        group_lives "$1" || return 0
+        sleep 0.1
+    done
+    while group_lives "$1"; do
+        kill -s KILL -- "-$1" 2>/dev/null
+        sleep 0.1
+    done
+}
+
+# Whether process group $1 has a live member. kill -0 counts zombies too
+# (an orphan whose reaper has not reaped it yet writes nothing), so /proc
+# decides: in each stat, after the command's name, the state and the group.
+group_lives() {
+    local f s state group
+    kill -0 -- "-$1" 2>/dev/null || return 1
+    for f in /proc/[0-9]*/stat; do
+        s=''
+        read -r -d '' s 2>/dev/null <"$f"
+        s=${s##*) }
+        read -r state _ group _ <<<"$s"
+        [ "${group-}" = "$1" ] && [ "$state" != Z ] && [ "$state" != X ] && return 0
+    done
+    return 1
 }

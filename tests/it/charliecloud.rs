@@ -597,6 +597,7 @@ fn an_import_by_build_runs_beside_builds() {
     ch.env.ok(["slots", "set", "ch-cache", "1"]);
     assert_ok(output(ch.stowage([
         "exec",
+        "--no-inherit",
         "--slot",
         "ch-cache",
         "--write",
@@ -621,6 +622,7 @@ fn an_import_by_build_runs_beside_builds() {
     .unwrap();
     let mut import = ch.stowage([
         "exec",
+        "--no-inherit",
         "--slot",
         "ch-cache",
         "--read",
@@ -1303,6 +1305,7 @@ fn a_cache_mode_import_runs_store_wide() {
     let tarball = ch.env.tmp.path().join("base.tar").display().to_string();
     let import = Bg::from_command(ch.stowage([
         "exec",
+        "--no-inherit",
         "--store-wide",
         "--",
         bin(),
@@ -1495,6 +1498,7 @@ fn ch_image_store_wide(ch: &Ch, args: &[&str]) -> std::process::Output {
     let storage = ch.storage.display().to_string();
     let mut all = vec![
         "exec",
+        "--no-inherit",
         "--store-wide",
         "--",
         "ch-image",
@@ -1504,4 +1508,396 @@ fn ch_image_store_wide(ch: &Ch, args: &[&str]) -> std::process::Output {
     ];
     all.extend_from_slice(args);
     output(ch.stowage(all))
+}
+
+/// Every live process whose arguments contain all of `words`, with them.
+fn processes_with(words: &[&str]) -> Vec<(u32, Vec<String>)> {
+    processes_mentioning(words[0])
+        .into_iter()
+        .filter_map(|pid| {
+            let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<String> = raw
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            words
+                .iter()
+                .all(|w| args.iter().any(|a| a.contains(w)))
+                .then_some((pid, args))
+        })
+        .collect()
+}
+/// The ch-image (Python) process of the build whose build argument is
+/// `ID=id`.
+fn ch_image_of(id: &str) -> u32 {
+    let arg = format!("ID={id}");
+    let mut pid = None;
+    wait_until("ch-image runs", || {
+        pid = processes_with(&[&arg, "build"])
+            .into_iter()
+            .find(|(_, args)| args[0].contains("python"))
+            .map(|(p, _)| p);
+        pid.is_some()
+    });
+    pid.unwrap()
+}
+/// Whether process `pid` ignores signal `sig` (SigIgn in its status).
+fn ignores(pid: u32, sig: i32) -> bool {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .unwrap_or(0);
+    mask >> (sig - 1) & 1 == 1
+}
+/// ch-image killed alone (SIGKILL, as the OOM killer does, or SIGTERM, as
+/// a kill by name does) ends the build: its RUN step, which ch-image starts
+/// without the lock descriptors, is ended before ch-build exits, so no
+/// process of the build writes once the locks are gone. Before, the RUN
+/// step went on writing the image after ch-build had exited and another
+/// writer held its lock.
+#[test]
+fn ch_image_killed_alone_leaves_no_process_of_the_build_behind_its_locks() {
+    let Some(ch) = Ch::new() else { return };
+    for (i, sig) in [libc::SIGKILL, libc::SIGTERM].into_iter().enumerate() {
+        let tag = format!("orphan{i}");
+        let id = format!("orphan{i}-4471");
+        // The RUN step ignores SIGTERM, as a step that must not be cut
+        // short may: only a SIGKILL after the grace ends it.
+        ch.dockerfile(
+            "Dockerfile",
+            &format!(
+                "FROM base\nARG ID\nRUN : run-{id}; trap '' TERM; touch /started; i=0; \
+                 while [ $i -lt 1200 ]; do echo $i > /tick; sleep 0.05; i=$((i+1)); done\n"
+            ),
+        );
+        // Its log in a file: a process left of the build would keep a
+        // pipe open after ch-build's exit.
+        let log = ch.env.tmp.path().join(format!("{tag}.log"));
+        let mut c = ch.ch_build(["-t", &tag, "--build-arg", &format!("ID={id}")]);
+        c.stderr(fs::File::create(&log).unwrap());
+        let b = Bg::from_command_keep_stderr(c);
+        wait_for_file(&ch.img(&tag).join("started"));
+        let pid = ch_image_of(&id);
+        unsafe { libc::kill(pid as i32, sig) };
+        let out = b.finish();
+        let err = fs::read_to_string(&log).unwrap();
+        assert_eq!(out.status.code(), Some(128 + sig), "{err}");
+        // At ch-build's exit, nothing of the build is left to write.
+        let left = processes_mentioning(&format!("run-{id}"));
+        assert!(left.is_empty(), "the RUN step outlived ch-build: {left:?}");
+        assert!(flock_free(&ch.env.lock_file(&tag)));
+        assert_eq!(ch.env.state(&tag).as_deref(), Some("incomplete"));
+        // The next writer holds the tree alone: it does not change under it.
+        let tick = ch.img(&tag).join("tick");
+        let before = fs::read(&tick).unwrap();
+        let script = format!(
+            "a=$(cat {t}); touch {held}; while [ ! -e {go} ]; do sleep 0.01; done; \
+             [ \"$a\" = \"$(cat {t})\" ]",
+            t = tick.display(),
+            held = ch.env.sentinel(&format!("held{i}")).display(),
+            go = ch.env.sentinel(&format!("go{i}")).display()
+        );
+        let mut next = ch.stowage(["exec", "--no-wait", "--write", &tag, "--"]);
+        next.args(["sh", "-c", &script]);
+        let next = Bg::from_command(next);
+        wait_for_file(&ch.env.sentinel(&format!("held{i}")));
+        fs::write(ch.env.sentinel(&format!("go{i}")), "").unwrap();
+        assert_ok(next.finish());
+        assert_eq!(fs::read(&tick).unwrap(), before);
+    }
+}
+/// `ch-build --locked`, the command under the locks, takes a burst of
+/// signals (a process-group SIGTERM reaches it directly and through stowage
+/// at once) without an error in the log. Before, its trap handler ran a
+/// command substitution, and bash 5.2 reported `unexpected EOF while
+/// looking for matching ')'` when a second signal interrupted its parse.
+#[test]
+fn ch_build_locked_takes_a_burst_of_signals_without_an_error() {
+    let env = Env::new();
+    let go = env.sentinel("go");
+    let started = env.sentinel("started");
+    // A command that ignores the signals, so that the burst meets the
+    // handlers, not the end of the build.
+    let script = format!(
+        "trap '' TERM HUP QUIT INT; touch {s}; while [ ! -e {g} ]; do sleep 0.01; done",
+        s = started.display(),
+        g = go.display()
+    );
+    let mut c = Command::new(CH_BUILD);
+    c.args(["--locked", "-t", "burst", "--", "sh", "-c", &script])
+        .env("CH_BUILD_STARTED", env.sentinel("build-started"));
+    let b = Bg::from_command(c);
+    wait_for_file(&started);
+    for _ in 0..2000 {
+        for sig in [libc::SIGTERM, libc::SIGHUP] {
+            b.signal(sig);
+        }
+        std::thread::sleep(std::time::Duration::from_micros(500));
+    }
+    fs::write(&go, "").unwrap();
+    let out = b.finish();
+    let err = stderr(&out);
+    assert!(!err.contains("unexpected EOF"), "{err}");
+    assert!(err.trim().is_empty(), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+}
+/// `ch-delete GLOB` deletes exactly the images it locked. A build of a tag
+/// that begins to match the glob once ch-delete has checked its set under
+/// the locks is left alone. Before, ch-delete ran `ch-image delete GLOB`,
+/// which globbed again as it started (here held at its start by a copy of
+/// ch-image, as a slow Python start-up holds it) and deleted the new
+/// build's tree under that build's exclusive lock.
+#[test]
+fn ch_delete_leaves_an_image_that_begins_to_match_once_its_set_is_checked() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    ch.dockerfile("Dockerfile.old", "FROM base\nRUN echo old > /old\n");
+    let df = ch.ctx.join("Dockerfile.old");
+    assert_ok(output(ch.ch_build([
+        "-t",
+        "ci_old",
+        "-f",
+        df.to_str().unwrap(),
+    ])));
+
+    // A ch-image whose `delete` waits for a sentinel before it does anything.
+    let shim = ch.env.tmp.path().join("shim");
+    fs::create_dir_all(shim.join("bin")).unwrap();
+    fs::create_dir_all(shim.join("lib")).unwrap();
+    let which = output({
+        let mut c = ch.command("sh");
+        c.args(["-c", "command -v ch-image; command -v ch-run"]);
+        c
+    });
+    let found = stdout(&which);
+    let mut lines = found.lines();
+    let (real, run) = (lines.next().unwrap(), lines.next().unwrap());
+    let go = ch.env.sentinel("delete-go");
+    let text = fs::read_to_string(real).unwrap().replacen(
+        "def main():\n",
+        &format!(
+            "def main():\n   if \"delete\" in sys.argv and __name__ == \"__main__\":\n      \
+             import time\n      \
+             for _ in range(1200):\n         \
+             if os.path.exists({go:?}): break\n         \
+             time.sleep(0.05)\n",
+            go = go.display().to_string()
+        ),
+        1,
+    );
+    assert!(text.contains("delete-go"), "ch-image has no main()");
+    let lib = Path::new(real)
+        .parent()
+        .unwrap()
+        .join("../lib/charliecloud");
+    fs::write(shim.join("bin/ch-image"), text).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(shim.join("bin/ch-image"), fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::symlink(run, shim.join("bin/ch-run")).unwrap();
+    std::os::unix::fs::symlink(
+        fs::canonicalize(lib).unwrap(),
+        shim.join("lib/charliecloud"),
+    )
+    .unwrap();
+    let tmp = ch.env.tmp.path().join("wrapper-tmp");
+    fs::create_dir(&tmp).unwrap();
+    let shimmed = |mut c: Command| {
+        let path = std::env::var("PATH").unwrap_or_default();
+        let bin_dir = Path::new(bin()).parent().unwrap();
+        c.env(
+            "PATH",
+            format!(
+                "{}:{}:/usr/bin:{path}",
+                shim.join("bin").display(),
+                bin_dir.display()
+            ),
+        )
+        .env("TMPDIR", &tmp);
+        c
+    };
+
+    let mut c = ch.command(CH_DELETE);
+    c.arg("ci_*");
+    let delete = Bg::from_command(shimmed(c));
+    wait_until("ch-delete has checked its set under the locks", || {
+        fs::read_dir(&tmp)
+            .unwrap()
+            .flatten()
+            .any(|w| w.path().join("started").exists())
+    });
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let build = Bg::from_command(shimmed(ch.ch_build([
+        "-t",
+        "ci_new",
+        "--build-arg",
+        "ID=n",
+    ])));
+    ch.wait_started("ci_new", "n");
+    fs::write(&go, "").unwrap();
+    let out = delete.finish();
+    assert_ok_ref(&out);
+    assert!(
+        ch.img("ci_new/started-n").exists(),
+        "ch-delete deleted ci_new, which a build held exclusively: {}",
+        show(&out)
+    );
+    assert!(!stderr(&out).contains("ci_new"), "{}", show(&out));
+    ch.go("ci_new", "n");
+    assert_ok(build.finish());
+    assert!(!ch.img("ci_old").exists());
+    assert_eq!(ch.file("ci_new", "id"), "n");
+    assert_eq!(ch.env.state("ci_new").as_deref(), Some("ready"));
+    assert_eq!(ch.stowage_list(), ["base", "ci_new"]);
+    assert_eq!(ch.ch_list(), ["base", "ci_new"]);
+}
+/// An image that begins to match while ch-delete waits for its locks is
+/// found under them: ch-delete plans again, locks it too, and deletes
+/// both.
+#[test]
+fn ch_delete_plans_again_for_an_image_that_matches_while_it_waits() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    ch.dockerfile("Dockerfile", "FROM base\nRUN true\n");
+    assert_ok(output(ch.ch_build(["-t", "x1"])));
+    let reader = ch.env.hold_until(&["--read", "x1"], "held", "release");
+    let mut c = ch.command(CH_DELETE);
+    c.arg("x*");
+    let delete = Bg::from_command(c);
+    ch.env.wait_for_waiter("x1");
+    assert_ok(output(ch.ch_build(["-t", "x2"])));
+    ch.env.release("release");
+    assert_ok(reader.finish());
+    let out = delete.finish();
+    assert_ok_ref(&out);
+    assert!(stderr(&out).contains("planning again"), "{}", show(&out));
+    assert_eq!(ch.stowage_list(), ["base"]);
+    assert_eq!(ch.ch_list(), ["base"]);
+}
+/// A signal the caller of ch-build ignored stays ignored for stowage and
+/// the build: SIGHUP under nohup, SIGINT for a script's `ch-build … &`. The
+/// signal reaching every process of the build then stops nothing. Before,
+/// the wrapper reset them to their default for stowage, and a hang-up
+/// ended the build (exit 129).
+#[test]
+fn a_signal_the_caller_of_ch_build_ignored_stays_ignored() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    for (i, sig) in [libc::SIGHUP, libc::SIGINT].into_iter().enumerate() {
+        let tag = format!("app{i}");
+        let id = format!("ign{i}-8812");
+        let args = ["-t", &tag, "--build-arg", &format!("ID={id}")];
+        let mut c = if sig == libc::SIGHUP {
+            ch.command("nohup")
+        } else {
+            // A non-interactive shell's background job ignores SIGINT.
+            let mut c = ch.command("bash");
+            c.args(["-c", "\"$@\" & wait $!", "bash"]);
+            c
+        };
+        c.arg(CH_BUILD).args(args).arg(&ch.ctx);
+        let b = Bg::from_command(c);
+        ch.wait_started(&tag, &id);
+        let build: Vec<u32> = processes_with(&[&format!("ID={id}")])
+            .into_iter()
+            .map(|(p, _)| p)
+            .filter(|&p| p != b.pid() || sig == libc::SIGHUP)
+            .collect();
+        // The wrapper, stowage, `ch-build --locked` and ch-image.
+        assert!(build.len() >= 4, "{build:?}");
+        for &p in &build {
+            assert!(ignores(p, sig), "process {p} does not ignore signal {sig}");
+        }
+        for &p in &build {
+            unsafe { libc::kill(p as i32, sig) };
+        }
+        ch.go(&tag, &id);
+        let out = b.finish();
+        assert_ok_ref(&out);
+        assert_eq!(ch.env.state(&tag).as_deref(), Some("ready"));
+        assert_eq!(ch.file(&tag, "id"), id);
+    }
+}
+/// SIGKILL of the stowage a ch-build runs leaves the build going on under
+/// the locks it inherited: ch-build says so, and how to see it, without
+/// bash's job report in the log. Before, it said at once that the image
+/// was left incomplete and to build it again, while it was still building.
+#[test]
+fn a_build_whose_stowage_is_killed_is_said_to_go_on_under_its_locks() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let id = "ks-3390";
+    // Its log in a file: the build, going on, keeps a pipe open.
+    let log = ch.env.tmp.path().join("ks.log");
+    let mut c = ch.ch_build(["-t", "app", "--build-arg", &format!("ID={id}")]);
+    c.stderr(fs::File::create(&log).unwrap());
+    let b = Bg::from_command_keep_stderr(c);
+    ch.wait_started("app", id);
+    let arg = format!("ID={id}");
+    let stowage = processes_with(&[&arg, "exec"])
+        .into_iter()
+        .find(|(_, args)| args[0].ends_with("stowage"))
+        .map(|(p, _)| p)
+        .expect("the wrapper's stowage");
+    unsafe { libc::kill(stowage as i32, libc::SIGKILL) };
+    let out = b.finish();
+    let err = fs::read_to_string(&log).unwrap();
+    assert_eq!(out.status.code(), Some(137), "{err}");
+    assert!(err.contains("may still be running"), "{err}");
+    assert!(err.contains("lock-status app"), "{err}");
+    assert!(!err.contains("build it again, or delete it"), "{err}");
+    assert!(!err.contains("Killed"), "{err}");
+    assert!(
+        !flock_free(&ch.env.lock_file("app")),
+        "the build holds its locks"
+    );
+    ch.go("app", id);
+    wait_until("the build has ended", || {
+        processes_mentioning(&arg).is_empty()
+    });
+    assert!(flock_free(&ch.env.lock_file("app")));
+    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
+}
+/// ch-image run directly under `stowage exec --no-inherit`, as
+/// docs/charliecloud.md gives its pulls, imports and store-wide commands:
+/// killed alone, its RUN step (started without the lock descriptors) goes
+/// on, and stowage holds the locks until that has ended too.
+#[test]
+fn ch_image_run_directly_with_no_inherit_holds_its_locks_until_its_tree_ends() {
+    let Some(ch) = Ch::new() else { return };
+    ch.dockerfile("Dockerfile", &gated("base"));
+    let storage = ch.storage.display().to_string();
+    let id = "direct-6120";
+    let arg = format!("ID={id}");
+    let mut c = ch.stowage(["exec", "--no-inherit", "--write", "app", "--", "ch-image"]);
+    c.args([
+        "-s",
+        &storage,
+        "--no-lock",
+        "--no-cache",
+        "build",
+        "-t",
+        "app",
+    ])
+    .args(["--build-arg", &arg])
+    .arg(&ch.ctx);
+    // Its log in a file: the RUN step keeps a pipe open.
+    let log = ch.env.tmp.path().join("direct.log");
+    c.stderr(fs::File::create(&log).unwrap());
+    let mut exec = Bg::from_command_keep_stderr(c);
+    ch.wait_started("app", id);
+    let pid = ch_image_of(id);
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    wait_until("ch-image is reaped", || proc_state(pid).is_none());
+    assert!(exec.is_running(), "stowage ended with the RUN step running");
+    assert!(!flock_free(&ch.env.lock_file("app")));
+    assert!(ch.img("app").join(format!("started-{id}")).exists());
+    ch.go("app", id);
+    let out = exec.finish();
+    let err = fs::read_to_string(&log).unwrap();
+    assert_eq!(out.status.code(), Some(137), "{err}");
+    assert!(flock_free(&ch.env.lock_file("app")));
+    assert!(!ch.img("app").join(format!("started-{id}")).exists());
+    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
 }

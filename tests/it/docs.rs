@@ -528,3 +528,27 @@ fn the_readme_flock_example_shares_the_image_lock() {
         show(&after)
     );
 }
+
+/// README's headline example reads its base under a shared lock, which is
+/// sound only for a base ch-image only reads (pulled: linked to its build
+/// cache). The text beside it says so, and sends builds from a base built
+/// or imported with `--no-cache`, whose `ch/metadata.json` every `FROM`
+/// rewrites, to `scripts/ch-build`: run 24 times at once from such a base,
+/// the example failed 8 times.
+#[test]
+fn the_readme_headline_example_says_which_bases_it_suits() {
+    let readme = fs::read_to_string(Path::new(DOCS).join("README.md")).unwrap();
+    let at = readme
+        .find("--write app -- ch-image --no-lock --no-cache build")
+        .expect("README's headline example");
+    let after = &readme[at..];
+    // The paragraph right after the example's code block.
+    let beside = after
+        .split("```")
+        .nth(1)
+        .and_then(|rest| rest.trim_start().split("\n\n").next())
+        .unwrap_or_default();
+    for says in ["pulled", "--no-cache", "metadata.json", "scripts/ch-build"] {
+        assert!(beside.contains(says), "{says}: {beside}");
+    }
+}
