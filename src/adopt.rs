@@ -2,7 +2,8 @@
 //!
 //! - A tree without a record gets one: `ready` when `init` adopts a directory stowage never managed;
 //!   else `incomplete` ([`ADOPTED`]): kept, never collected until `exec --write` makes it ready.
-//! - Entries that are no directories, or whose names decode to no image name: reported, left alone.
+//! - Entries that are no directories, whose names decode to no image name, or that a store uses
+//!   (`root::in_use_by_a_store`): reported, left alone.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -41,9 +42,19 @@ pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<O
             out.skipped.push((raw.to_string_lossy().into_owned(), why));
             continue;
         };
+        let in_use = || {
+            images
+                .sub(&raw)
+                .ok()
+                .and_then(|d| crate::root::in_use_by_a_store(&d))
+        };
         match ImageName::from_encoded(enc) {
-            Ok(name) if !recorded.contains(name.as_str()) => out.trees.push((name, dir.join(&raw))),
-            Ok(_) => {}
+            Ok(name) if recorded.contains(name.as_str()) => {}
+            // Adopted, a store's root or images directory would be one `rm` from deletion.
+            Ok(_) if let Some(what) = in_use() => {
+                out.skipped.push((enc.to_owned(), format!("it is {what}")))
+            }
+            Ok(name) => out.trees.push((name, dir.join(&raw))),
             Err(e) => out.skipped.push((enc.to_owned(), e.rule.to_string())),
         }
     }

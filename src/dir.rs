@@ -608,7 +608,9 @@ impl Level {
     fn enter(dir: Dir, st: &Entry, shown: &dyn Fn() -> String, keep: Keep) -> io::Result<Level> {
         if let Some(why) = keep(&dir) {
             let shown = shown();
-            return Err(io::Error::other(format!("{shown} is {why}: not deleted")));
+            return Err(io::Error::other(format!(
+                "{shown} is {why}: not deleted; move it out"
+            )));
         }
         // A read-only directory inside an image gets owner access; a failure shows in the unlinks.
         if st.mode & 0o700 != 0o700 {

@@ -70,8 +70,18 @@ pub fn user_name() -> String {
 /// what a session started as (`su` keeps it), not who runs: two holders of one uid, one name.
 pub fn account_name() -> String {
     let uid = nix::unistd::geteuid().as_raw();
-    let user = || std::env::var("USER").ok().filter(|u| !u.is_empty());
-    passwd_name(uid)
+    let text = passwd_text();
+    let listed = |name: &str| {
+        text.as_deref()
+            .is_some_and(|t| id_entries(t).any(|e| e.0 == name))
+    };
+    // A name the file gives another uid is not this one's, whatever `$USER` says.
+    let user = || {
+        std::env::var("USER")
+            .ok()
+            .filter(|u| !u.is_empty() && !listed(u))
+    };
+    (text.as_deref().and_then(|t| name_in_passwd(t, uid)))
         .or_else(user)
         .unwrap_or_else(|| uid.to_string())
 }
@@ -92,19 +102,20 @@ fn user_name_of(uid: u32) -> String {
 /// The name `/etc/passwd` gives `uid`. Never asked of the C library: a static binary's `getpwuid`
 /// loads the host's NSS modules, which crash it.
 pub fn passwd_name(uid: u32) -> Option<String> {
-    let read = || {
-        // Bounded: a planted or huge file costs at most this much.
-        let mut text = String::new();
-        let file = std::os::unix::fs::OpenOptionsExt::custom_flags(
-            fs::OpenOptions::new().read(true),
-            libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC,
-        )
-        .open("/etc/passwd")
-        .ok()?;
-        std::io::Read::read_to_string(&mut std::io::Read::take(file, 4 << 20), &mut text).ok()?;
-        name_in_passwd(&text, uid)
-    };
-    read()
+    name_in_passwd(&passwd_text()?, uid)
+}
+
+/// The text of `/etc/passwd`; bounded: a planted or huge file costs at most 4 MiB.
+fn passwd_text() -> Option<String> {
+    let mut text = String::new();
+    let file = std::os::unix::fs::OpenOptionsExt::custom_flags(
+        fs::OpenOptions::new().read(true),
+        libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC,
+    )
+    .open("/etc/passwd")
+    .ok()?;
+    std::io::Read::read_to_string(&mut std::io::Read::take(file, 4 << 20), &mut text).ok()?;
+    Some(text)
 }
 
 /// The name of `uid` in the text of a password file (not a comment, nor an NIS `+`/`-` line).

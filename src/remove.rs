@@ -117,7 +117,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
             crate::signals::check()?;
             remove_trash_entry(&trash, &t).err().map(|e| {
                 format!(
-                    "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it later): {}: {e}",
+                    "image '{name}' was removed, but its tree is left in the trash ('stowage gc' deletes it once it can): {}: {e}",
                     root.trash().join(&t).display()
                 )
             })
@@ -271,6 +271,13 @@ pub fn empty_image_dir(images: &Dir, images_dir: &Path, name: &ImageName) -> Res
     let path = images_dir.join(name.encoded());
     let dir =
         (images.sub(name.encoded())).with_context(|| format!("cannot open {}", path.display()))?;
+    // Asked of the top too: a root's parts (store.conf, locks) are no store on their own.
+    if let Some(what) = in_use_by_a_store(&dir) {
+        anyhow::bail!(
+            "cannot empty {}: it is {what}; move it out first",
+            path.display()
+        );
+    }
     for entry in dir
         .names()
         .with_context(|| format!("cannot list {}", path.display()))?

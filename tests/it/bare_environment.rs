@@ -171,3 +171,41 @@ fn every_command_ends_with_one_line_when_its_output_cannot_be_written() {
         assert_eq!(env.state("new").as_deref(), Some("ready"));
     }
 }
+
+/// A uid the password file does not know, whose `USER` is a name the file
+/// gives another uid (root's): its holds are named by its number, never
+/// by that other user's name.
+#[test]
+fn a_holder_without_a_password_entry_is_not_named_by_another_users_name() {
+    if !root_or_skip("running as a uid without a password entry") {
+        return;
+    }
+    let env = Env::new();
+    fs::create_dir_all(&env.root).unwrap();
+    chown(env.tmp.path(), STRANGER, STRANGER);
+    chown(&env.root, STRANGER, STRANGER);
+    let root = env.root.to_str().unwrap();
+    let look = format!("{} --root {root} lock-status --json", bin());
+    let mut c = Command::new("setpriv");
+    c.args([
+        &format!("--reuid={STRANGER}"),
+        &format!("--regid={STRANGER}"),
+        "--clear-groups",
+        bin(),
+    ])
+    .args([
+        "--root", root, "exec", "--write", "app", "--", "sh", "-c", &look,
+    ])
+    .env_clear()
+    .env("USER", "root")
+    .current_dir("/")
+    .stdin(Stdio::null());
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains(&format!("\"user\": \"{STRANGER}\"")),
+        "{said}"
+    );
+    assert!(!said.contains("\"user\": \"root\""), "{said}");
+}

@@ -384,15 +384,32 @@ fn removal_never_deletes_another_stores_root_or_images_directory() {
     let inner = Env::new();
     inner.make_image("kept");
     b.make_image("plain");
+    b.make_image("inner");
+    fs::remove_dir_all(images.join("inner")).unwrap();
     fs::rename(&inner.root, images.join("inner")).unwrap();
     let a = Env::new();
     let a_img = a.scratch.join("img");
     fs::create_dir(&a_img).unwrap();
     a.ok(["init", "--images-dir", a_img.to_str().unwrap()]);
     a.make_image("also-kept");
-    fs::create_dir(images.join("outer")).unwrap();
+    b.make_image("outer");
     fs::rename(&a_img, images.join("outer/img")).unwrap();
-    b.ok(["doctor", "--repair"]);
+    // Not adopted where no record names it: a store's root among the trees.
+    let moved = inner.scratch.join("store");
+    inner.make_image("x");
+    fs::rename(&inner.root, &moved).unwrap();
+    fs::rename(&moved, images.join("loose")).unwrap();
+    let out = b.ok(["doctor", "--repair"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("loose"),
+        "{}",
+        show(&out)
+    );
+    assert_eq!(b.state("loose"), None);
+    // Nor emptied for a copy from a base over it.
+    let out = b.run(["exec", "--write", "inner", "--from", "plain", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(images.join("inner/locks/images/kept.lock").exists());
     let out = b.run(["rm", "inner"]);
     assert_eq!(code(&out), Some(1), "{}", show(&out));
     assert!(stderr(&out).contains("is a store's root"), "{}", show(&out));
@@ -420,9 +437,10 @@ fn a_killed_removal_finished_by_a_writer_keeps_a_stores_root() {
     let inner = Env::new();
     inner.make_image("kept");
     b.make_image("plain");
+    b.make_image("inner");
     let at = b.root.join("img/inner");
+    fs::remove_dir_all(&at).unwrap();
     fs::rename(&inner.root, &at).unwrap();
-    b.ok(["doctor", "--repair"]);
     let (bg, _) = b.paused(["rm", "inner"], "rm-marked");
     bg.kill_all();
     let out = b.run(["exec", "--write", "inner", "--", "true"]);
