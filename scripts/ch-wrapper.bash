@@ -153,20 +153,38 @@ caller_ignores() {
 forward_signals() {
     local sig
     caller_ignores
+    passed_on
     child='' signalled=''
-    for sig in TERM INT HUP QUIT; do
+    for sig in TERM INT HUP QUIT "${pass_on[@]}"; do
         # shellcheck disable=SC2064  # the signal's name and number, fixed now
         trap "on_signal $sig $(kill -l "$sig")" "$sig"
     done
 }
+# A signal that asks for no end (SIGUSR1, SIGUSR2, SIGALRM, the real-time
+# ones) goes on to stowage too, and kills no wrapper; with no stowage
+# running, there is nothing to pass it to, and it is dropped.
 on_signal() {
-    # shellcheck disable=SC2034  # the wrapper's report reads it
-    signalled=$1
     if [ -n "$child" ]; then
+        # shellcheck disable=SC2034  # the wrapper's report reads it
+        signalled=$1
         kill -s "$1" "$child" 2>/dev/null
-    else
-        fail $((128 + $2)) "stopped by SIG$1 before $task started: nothing was changed"
+        return
     fi
+    case " ${pass_on[*]} " in *" $1 "*) return ;; esac
+    signalled=$1
+    fail $((128 + $2)) "stopped by SIG$1 before $task started: nothing was changed"
+}
+
+# Sets pass_on to the signals that each layer passes on as themselves and
+# never dies of: SIGUSR1, SIGUSR2, SIGALRM and every real-time signal
+# (RTMIN+N, named from the number bash gives RTMIN here).
+passed_on() {
+    local n min max
+    pass_on=(USR1 USR2 ALRM)
+    min=$(kill -l RTMIN 2>/dev/null) max=$(kill -l RTMAX 2>/dev/null) || return 0
+    for ((n = min; n <= max; n++)); do pass_on+=("RTMIN+$((n - min))"); done
+    pass_on[${#pass_on[@]} - 1]=RTMAX
+    [ "$min" != "$max" ] || pass_on[${#pass_on[@]} - 1]=RTMIN
 }
 
 # Runs a command as $child and returns its status. It starts with default
@@ -197,7 +215,11 @@ run_child() {
 # to that whole group, since ch-image does not pass signals on to its RUN
 # step. SIGINT goes on as SIGTERM, which ends ch-image (Python) quietly
 # where SIGINT would print a traceback; the exit status still says SIGINT
-# (130). Once the command has exited, however it ended (a signal to
+# (130). SIGUSR1, SIGUSR2, SIGALRM and the real-time signals go on to the
+# group as themselves (pass_on). The command starts with SIGTERM at its default even where the
+# caller ignored it: its process group only ever gets the signals this shell
+# sends it, and a SIGINT that went on as an ignored SIGTERM stopped nothing.
+# Once the command has exited, however it ended (a signal to
 # ch-image alone, the OOM killer), what is left of its group is ended
 # (end_group) before this returns the command's status: ch-image starts
 # its RUN steps without the lock descriptors (close_fds), so only this
@@ -205,16 +227,27 @@ run_child() {
 # for as long as any process of the build may write.
 run_group() {
     local pid='' got='' send='' rc sig
-    for sig in TERM INT HUP QUIT; do
+    passed_on
+    for sig in TERM INT HUP QUIT "${pass_on[@]}"; do
         # shellcheck disable=SC2064  # the names, fixed now
         trap "group_signal $sig ${sig/#INT/TERM}" "$sig"
     done
+    # end_group's pauses, as a read that times out on a pipe nobody writes
+    # (held open both ways here, so it never ends early): no fork, which a
+    # pids limit the build has exhausted would refuse. Made now, before the
+    # build can take every pid.
+    quiet=''
+    exec {quiet}<> <(:) || quiet=
     # Job control for the start only: bash then puts the job in its group in
     # parent and child alike, so a signal sent at once still reaches it. Off
     # again, so that the shell does not report the job's end on stderr
     # ("[1]+ Terminated ...").
     set -m
-    "$@" </dev/null &
+    if [ -n "$quiet" ]; then
+        env --default-signal=TERM "$@" </dev/null {quiet}>&- &
+    else
+        env --default-signal=TERM "$@" </dev/null &
+    fi
     pid=$!
     set +m
     [ -z "$got" ] || kill -s "$send" -- "-$pid" 2>/dev/null
@@ -245,12 +278,23 @@ end_group() {
     kill -s TERM -- "-$1" 2>/dev/null
     for ((i = 0; i < 50; i++)); do
         group_lives "$1" || return 0
-        sleep 0.1
+        pause
     done
     while group_lives "$1"; do
         kill -s KILL -- "-$1" 2>/dev/null
-        sleep 0.1
+        pause
     done
+}
+# A tenth of a second without a fork (builtins only): a read that times out
+# on run_group's quiet pipe; sleep(1) only where that pipe could not be made
+# or the read fails at once, so that the loop still waits.
+pause() {
+    local _
+    if [ -n "${quiet-}" ]; then
+        read -r -t 0.1 -u "$quiet" _
+        [ $? -le 128 ] || return 0
+    fi
+    sleep 0.1
 }
 
 # Whether process group $1 has a live member. kill -0 counts zombies too

@@ -1901,3 +1901,175 @@ fn ch_image_run_directly_with_no_inherit_holds_its_locks_until_its_tree_ends() {
     assert!(!ch.img("app").join(format!("started-{id}")).exists());
     assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
 }
+/// A Dockerfile FROM `base` whose RUN step (its arguments name `run-ID`)
+/// makes /started, then runs on for about 5 s and succeeds.
+fn running_on(id: &str) -> String {
+    format!(
+        "FROM base\nRUN : run-{id}; touch /started; i=0; \
+         while [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done\n"
+    )
+}
+/// Ctrl-C (SIGINT) stops a build whose caller ignores SIGTERM (a job
+/// script's `trap '' TERM`): the build ends at once with 130, and its image
+/// is left incomplete. Before, SIGINT went on to ch-image's group as a
+/// SIGTERM that ch-image, inheriting the ignore, ignored: the build ran on
+/// to its end.
+#[test]
+fn sigint_stops_a_build_whose_caller_ignores_sigterm() {
+    let Some(ch) = Ch::new() else { return };
+    let id = "ignterm-5127";
+    ch.dockerfile("Dockerfile", &running_on(id));
+    let mut c = ch.command("bash");
+    c.args([
+        "-c",
+        "trap '' TERM; exec \"$@\"",
+        "bash",
+        CH_BUILD,
+        "-t",
+        "app",
+    ])
+    .arg(&ch.ctx);
+    let b = Bg::from_command(c);
+    wait_for_file(&ch.img("app").join("started"));
+    assert!(ignores(b.pid(), libc::SIGTERM));
+    b.signal(libc::SIGINT);
+    let out = b.finish();
+    assert_eq!(out.status.code(), Some(130), "{}", show(&out));
+    assert!(stderr(&out).contains("stopped by SIGINT"), "{}", show(&out));
+    assert!(processes_mentioning(&format!("run-{id}")).is_empty());
+    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
+}
+/// A build that fails, or is stopped by SIGTERM, while another build of
+/// its tag waits for the lock, says it left the image incomplete. Before,
+/// the waiting build's hold of the lock made it say that its stowage had
+/// ended but the build might still be running.
+#[test]
+fn a_build_that_fails_with_another_queued_says_it_left_its_image_incomplete() {
+    let Some(ch) = Ch::new() else { return };
+    for (i, sig) in [None, Some(libc::SIGTERM)].into_iter().enumerate() {
+        let tag = format!("app{i}");
+        let id = format!("q{i}-3318");
+        ch.dockerfile("Dockerfile", &gated("base"));
+        let first = ch.build(&tag, &id);
+        ch.wait_started(&tag, &id);
+        let second = ch.build(&tag, &format!("{id}-2"));
+        ch.env.wait_for_waiter(&tag);
+        match sig {
+            Some(s) => first.signal(s),
+            // The RUN step fails: its sentinel is taken away.
+            None => fs::remove_file(ch.img(&tag).join(format!("started-{id}"))).unwrap(),
+        }
+        if sig.is_none() {
+            ch.go(&tag, &id);
+        }
+        let out = first.finish();
+        let err = stderr(&out);
+        assert!(!err.contains("may still be running"), "{}", show(&out));
+        assert!(err.contains("left incomplete"), "{}", show(&out));
+        ch.wait_started(&tag, &format!("{id}-2"));
+        ch.go(&tag, &format!("{id}-2"));
+        assert_ok(second.finish());
+    }
+}
+/// SIGUSR1 to ch-build goes on through stowage and `ch-build --locked` to
+/// the build (here ch-image, which it ends), and no wrapper dies of it: the
+/// wrapper says what the build left, and nothing of the build outlives it.
+/// Before, ch-build died of SIGUSR1 at once, saying nothing, while the
+/// build went on.
+#[test]
+fn sigusr1_to_ch_build_goes_on_to_the_build() {
+    let Some(ch) = Ch::new() else { return };
+    let id = "usr1-7730";
+    ch.dockerfile("Dockerfile", &running_on(id));
+    let b = Bg::from_command(ch.ch_build(["-t", "app"]));
+    wait_for_file(&ch.img("app").join("started"));
+    b.signal(libc::SIGUSR1);
+    let out = b.finish();
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGUSR1),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        stderr(&out).contains("stopped by SIGUSR1"),
+        "{}",
+        show(&out)
+    );
+    assert!(processes_mentioning(&format!("run-{id}")).is_empty());
+    assert_eq!(ch.env.state("app").as_deref(), Some("incomplete"));
+}
+/// `ch-build --locked` passes SIGUSR1, SIGUSR2, SIGALRM and a real-time
+/// signal on to its command as themselves, and lives on: a command that
+/// handles them succeeds. Before, it died of the first.
+#[test]
+fn ch_build_locked_passes_user_signals_on_and_lives() {
+    let env = Env::new();
+    let got = env.sentinel("got");
+    let started = env.sentinel("started");
+    let script = format!(
+        "for s in USR1 USR2 ALRM RTMIN+2; do trap \"echo $s >> {g}\" $s; done; \
+         touch {st}; i=0; while [ \"$(wc -l < {g} 2>/dev/null)\" != 4 ] && [ $i -lt 1200 ]; do \
+         sleep 0.05; i=$((i+1)); done; [ $i -lt 1200 ]",
+        g = got.display(),
+        st = started.display()
+    );
+    let mut c = Command::new(CH_BUILD);
+    c.args(["--locked", "-t", "usr", "--", "bash", "-c", &script])
+        .env("CH_BUILD_STARTED", env.sentinel("build-started"));
+    let b = Bg::from_command(c);
+    wait_for_file(&started);
+    for sig in [
+        libc::SIGUSR1,
+        libc::SIGUSR2,
+        libc::SIGALRM,
+        libc::SIGRTMIN() + 2,
+    ] {
+        let before = fs::read_to_string(&got).unwrap_or_default().lines().count();
+        b.signal(sig);
+        // One at a time: signals of one kind pending at once merge.
+        wait_until("the command has it, or the wrapper died", || {
+            fs::read_to_string(&got).unwrap_or_default().lines().count() > before
+                || matches!(proc_state(b.pid()), None | Some('Z'))
+        });
+    }
+    let out = b.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert_eq!(
+        fs::read_to_string(&got).unwrap(),
+        "USR1\nUSR2\nALRM\nRTMIN+2\n"
+    );
+}
+/// `ch-build --locked` waits out the grace of a build group it ends without
+/// forking (a pids limit the build has exhausted refuses every fork): here
+/// no `sleep` of PATH's is ever run. Before, each pause ran sleep(1), which
+/// at the limit failed, and bash gave up while the group still wrote.
+#[test]
+fn ch_build_locked_ends_a_build_group_without_forking() {
+    let env = Env::new();
+    let shim = env.tmp.path().join("shim");
+    fs::create_dir(&shim).unwrap();
+    let forked = env.sentinel("forked");
+    fs::write(
+        shim.join("sleep"),
+        format!(
+            "#!/bin/sh\ntouch {}\nexec /bin/sleep \"$@\"\n",
+            forked.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(shim.join("sleep"), fs::Permissions::from_mode(0o755)).unwrap();
+    // The leader exits at once; what it left ignores SIGTERM, as a RUN
+    // step that must not be cut short may, until SIGKILL.
+    let script = "(trap '' TERM; : nofork-2291; while :; do /bin/sleep 0.05; done) & exit 3";
+    let mut c = Command::new(CH_BUILD);
+    let path = std::env::var("PATH").unwrap_or_default();
+    c.args(["--locked", "-t", "nofork", "--", "sh", "-c", script])
+        .env("PATH", format!("{}:/usr/bin:{path}", shim.display()))
+        .env("CH_BUILD_STARTED", env.sentinel("build-started"));
+    let out = output(c);
+    assert_eq!(out.status.code(), Some(3), "{}", show(&out));
+    assert!(processes_mentioning("nofork-2291").is_empty());
+    assert!(!forked.exists(), "end_group ran sleep(1)");
+}
