@@ -2073,3 +2073,33 @@ fn ch_build_locked_ends_a_build_group_without_forking() {
     assert!(processes_mentioning("nofork-2291").is_empty());
     assert!(!forked.exists(), "end_group ran sleep(1)");
 }
+/// ch-delete that has to plan again leaves the images it found under the
+/// locks, and did not delete, as they were: `ready`. Before, its step
+/// under the locks exited 99, which stowage recorded as a failed write, and
+/// an intact image was left `incomplete` (and for good, had it given up or
+/// been stopped next).
+#[test]
+fn ch_delete_planning_again_leaves_the_images_ready() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    ch.dockerfile("Dockerfile", "FROM base\nRUN true\n");
+    assert_ok(output(ch.ch_build(["-t", "x1"])));
+    let reader = ch.env.hold_until(&["--read", "x1"], "held", "release");
+    let mut c = ch.command(CH_DELETE);
+    c.arg("x*");
+    let delete = Bg::from_command(c);
+    ch.env.wait_for_waiter("x1");
+    assert_ok(output(ch.ch_build(["-t", "x2"])));
+    // The second attempt waits for x2: the first has ended by then.
+    let reader2 = ch.env.hold_until(&["--read", "x2"], "held2", "release2");
+    ch.env.release("release");
+    assert_ok(reader.finish());
+    ch.env.wait_for_waiter("x2");
+    assert_eq!(ch.env.state("x1").as_deref(), Some("ready"));
+    ch.env.release("release2");
+    assert_ok(reader2.finish());
+    let out = delete.finish();
+    assert_ok_ref(&out);
+    assert!(stderr(&out).contains("planning again"), "{}", show(&out));
+    assert_eq!(ch.stowage_list(), ["base"]);
+}
