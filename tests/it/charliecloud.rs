@@ -2103,3 +2103,44 @@ fn ch_delete_planning_again_leaves_the_images_ready() {
     assert!(stderr(&out).contains("planning again"), "{}", show(&out));
     assert_eq!(ch.stowage_list(), ["base"]);
 }
+/// ch-delete planning again leaves an image that was `incomplete` (a failed
+/// build) incomplete: its step under the locks exits 0 only when every
+/// image it locked was ready, since stowage records a write that exits 0
+/// `ready`.
+#[test]
+fn ch_delete_planning_again_leaves_an_incomplete_image_incomplete() {
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    ch.dockerfile("Dockerfile", "FROM base\nRUN false\n");
+    let failed = output(ch.ch_build(["-t", "x1"]));
+    assert_ne!(failed.status.code(), Some(0), "{}", show(&failed));
+    assert_eq!(ch.env.state("x1").as_deref(), Some("incomplete"));
+    assert!(ch.img("x1").exists());
+    // An incomplete image cannot be read: its lock file is held directly.
+    let release = ch.env.sentinel("release");
+    let holder = flock_holder(
+        &ch.env.lock_file("x1"),
+        &ch.env.sentinel("held"),
+        &format!(
+            "i=0; while [ ! -e '{}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            release.display()
+        ),
+    );
+    let mut c = ch.command(CH_DELETE);
+    c.arg("x*");
+    let delete = Bg::from_command(c);
+    ch.env.wait_for_waiter("x1");
+    ch.dockerfile("Dockerfile", "FROM base\nRUN true\n");
+    assert_ok(output(ch.ch_build(["-t", "x2"])));
+    let reader2 = ch.env.hold_until(&["--read", "x2"], "held2", "release2");
+    fs::write(&release, "").unwrap();
+    assert_ok(holder.finish());
+    ch.env.wait_for_waiter("x2");
+    assert_eq!(ch.env.state("x1").as_deref(), Some("incomplete"));
+    assert_eq!(ch.env.state("x2").as_deref(), Some("ready"));
+    ch.env.release("release2");
+    assert_ok(reader2.finish());
+    let out = delete.finish();
+    assert_ok_ref(&out);
+    assert_eq!(ch.stowage_list(), ["base"]);
+}
