@@ -155,9 +155,14 @@ forward_signals() {
     caller_ignores
     passed_on
     child='' signalled=''
-    for sig in TERM INT HUP QUIT "${pass_on[@]}"; do
+    for sig in TERM INT HUP QUIT; do
         # shellcheck disable=SC2064  # the signal's name and number, fixed now
         trap "on_signal $sig $(kill -l "$sig")" "$sig"
+    done
+    # No number: on_signal never ends the wrapper for these.
+    for sig in "${pass_on[@]}"; do
+        # shellcheck disable=SC2064  # the name, fixed now
+        trap "on_signal $sig 0" "$sig"
     done
 }
 # A signal that asks for no end (SIGUSR1, SIGUSR2, SIGALRM, the real-time
@@ -177,7 +182,8 @@ on_signal() {
 
 # Sets pass_on to the signals that each layer passes on as themselves and
 # never dies of: SIGUSR1, SIGUSR2, SIGALRM and every real-time signal
-# (RTMIN+N, named from the number bash gives RTMIN here).
+# (RTMIN+N, named from the number bash gives RTMIN here; stowage takes the
+# one its lock waits use, SIGRTMIN+5, and does not pass it on).
 passed_on() {
     local n min max
     pass_on=(USR1 USR2 ALRM)
