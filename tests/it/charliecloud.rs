@@ -2144,3 +2144,38 @@ fn ch_delete_planning_again_leaves_an_incomplete_image_incomplete() {
     assert_ok_ref(&out);
     assert_eq!(ch.stowage_list(), ["base"]);
 }
+
+/// A SIGUSR1 in a wrapper's first moments, before it passes signals on
+/// (here sent by every `readlink` a wrapper shell runs at its start, so at
+/// that moment always), is dropped: neither ch-build nor its `--locked`
+/// shell under the locks dies of it, and the build succeeds.
+#[test]
+fn a_user_signal_at_a_wrappers_start_is_dropped() {
+    let Some(ch) = Ch::new() else { return };
+    let fake = ch.env.scratch.join("fake-bin");
+    fs::create_dir_all(&fake).unwrap();
+    let readlink = fake.join("readlink");
+    fs::write(
+        &readlink,
+        "#!/bin/sh\np=$PPID\nwhile [ \"$p\" -gt 1 ]; do\n\
+         tr '\\0' ' ' </proc/$p/cmdline | grep -q '^bash [^ ]*/ch-build ' && kill -USR1 $p\n\
+         p=$(cut -d' ' -f4 /proc/$p/stat)\ndone\nexec /usr/bin/readlink \"$@\"\n",
+    )
+    .unwrap();
+    let exe = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+    fs::set_permissions(&readlink, exe).unwrap();
+    ch.dockerfile("Dockerfile", "FROM base\nRUN true\n");
+    let mut c = ch.ch_build(["-t", "app"]);
+    let path = c
+        .get_envs()
+        .find(|(k, _)| *k == "PATH")
+        .and_then(|(_, v)| v.map(ToOwned::to_owned))
+        .unwrap();
+    c.env(
+        "PATH",
+        format!("{}:{}", fake.display(), path.to_string_lossy()),
+    );
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(ch.env.state("app").as_deref(), Some("ready"));
+}
