@@ -16,6 +16,11 @@ const STRANGER: u32 = 54_321;
 
 /// `stowage ARGS…` as `STRANGER`, with an empty environment.
 fn as_stranger(args: &[&str]) -> std::process::Output {
+    output(stranger(args))
+}
+
+/// The command [`as_stranger`] runs, for a caller to add to its environment.
+fn stranger(args: &[&str]) -> Command {
     let mut c = Command::new("setpriv");
     c.args([
         &format!("--reuid={STRANGER}"),
@@ -27,7 +32,7 @@ fn as_stranger(args: &[&str]) -> std::process::Output {
     .env_clear()
     .current_dir("/")
     .stdin(Stdio::null());
-    output(c)
+    c
 }
 
 /// Without `USER`, as a uid with no entry in /etc/passwd: the user's name
@@ -186,20 +191,10 @@ fn a_holder_without_a_password_entry_is_not_named_by_another_users_name() {
     chown(&env.root, STRANGER, STRANGER);
     let root = env.root.to_str().unwrap();
     let look = format!("{} --root {root} lock-status --json", bin());
-    let mut c = Command::new("setpriv");
-    c.args([
-        &format!("--reuid={STRANGER}"),
-        &format!("--regid={STRANGER}"),
-        "--clear-groups",
-        bin(),
-    ])
-    .args([
+    let mut c = stranger(&[
         "--root", root, "exec", "--write", "app", "--", "sh", "-c", &look,
-    ])
-    .env_clear()
-    .env("USER", "root")
-    .current_dir("/")
-    .stdin(Stdio::null());
+    ]);
+    c.env("USER", "root");
     let out = output(c);
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     let said = String::from_utf8_lossy(&out.stdout);

@@ -1752,12 +1752,10 @@ fn ch_delete_leaves_an_image_that_begins_to_match_once_its_set_is_checked() {
     assert_eq!(ch.stowage_list(), ["base", "ci_new"]);
     assert_eq!(ch.ch_list(), ["base", "ci_new"]);
 }
-/// An image that begins to match while ch-delete waits for its locks is
-/// found under them: ch-delete plans again, locks it too, and deletes
-/// both.
-#[test]
-fn ch_delete_plans_again_for_an_image_that_matches_while_it_waits() {
-    let Some(ch) = Ch::new() else { return };
+
+/// `ch-delete 'x*'` started while a reader holds `x1`, and `x2` built while
+/// it waits: the set it planned changes under it. (The reader, the delete.)
+fn delete_as_x2_appears(ch: &Ch) -> (Bg, Bg) {
     ch.env.ok(["slots", "set", "ch-cache", "1"]);
     ch.dockerfile("Dockerfile", "FROM base\nRUN true\n");
     assert_ok(output(ch.ch_build(["-t", "x1"])));
@@ -1767,6 +1765,16 @@ fn ch_delete_plans_again_for_an_image_that_matches_while_it_waits() {
     let delete = Bg::from_command(c);
     ch.env.wait_for_waiter("x1");
     assert_ok(output(ch.ch_build(["-t", "x2"])));
+    (reader, delete)
+}
+
+/// An image that begins to match while ch-delete waits for its locks is
+/// found under them: ch-delete plans again, locks it too, and deletes
+/// both.
+#[test]
+fn ch_delete_plans_again_for_an_image_that_matches_while_it_waits() {
+    let Some(ch) = Ch::new() else { return };
+    let (reader, delete) = delete_as_x2_appears(&ch);
     ch.env.release("release");
     assert_ok(reader.finish());
     let out = delete.finish();
@@ -2081,15 +2089,7 @@ fn ch_build_locked_ends_a_build_group_without_forking() {
 #[test]
 fn ch_delete_planning_again_leaves_the_images_ready() {
     let Some(ch) = Ch::new() else { return };
-    ch.env.ok(["slots", "set", "ch-cache", "1"]);
-    ch.dockerfile("Dockerfile", "FROM base\nRUN true\n");
-    assert_ok(output(ch.ch_build(["-t", "x1"])));
-    let reader = ch.env.hold_until(&["--read", "x1"], "held", "release");
-    let mut c = ch.command(CH_DELETE);
-    c.arg("x*");
-    let delete = Bg::from_command(c);
-    ch.env.wait_for_waiter("x1");
-    assert_ok(output(ch.ch_build(["-t", "x2"])));
+    let (reader, delete) = delete_as_x2_appears(&ch);
     // The second attempt waits for x2: the first has ended by then.
     let reader2 = ch.env.hold_until(&["--read", "x2"], "held2", "release2");
     ch.env.release("release");
