@@ -24,8 +24,14 @@ pub struct Orphans {
     pub skipped: Vec<(String, String)>,
 }
 
-/// The trees in `images` (at `dir`) whose names `recorded` lacks.
-pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<Orphans> {
+/// The trees in `images` (at `dir`) whose names `recorded` lacks. `stores_judged`: the caller has
+/// just refused a directory holding a store in use, so none is asked again.
+pub fn orphans(
+    images: &Dir,
+    dir: &Path,
+    recorded: &HashSet<String>,
+    stores_judged: bool,
+) -> Result<Orphans> {
     let mut out = Orphans::default();
     let why = || format!("cannot list images directory {}", dir.display());
     let mut entries = images.names().with_context(why)?;
@@ -43,10 +49,8 @@ pub fn orphans(images: &Dir, dir: &Path, recorded: &HashSet<String>) -> Result<O
             continue;
         };
         let in_use = || {
-            images
-                .sub(&raw)
-                .ok()
-                .and_then(|d| crate::root::in_use_by_a_store(&d))
+            let sub = (!stores_judged).then(|| images.sub(&raw).ok()).flatten();
+            sub.and_then(|d| crate::root::in_use_by_a_store(&d))
         };
         match ImageName::from_encoded(enc) {
             Ok(name) if recorded.contains(name.as_str()) => {}

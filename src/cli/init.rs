@@ -46,11 +46,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .then(|| crate::images_dir::config(root).ok())
         .flatten()
         .map(|c| c.images.path_in(root.dir()));
+    let taken = wanted.as_ref().filter(|d| current.as_ref() != Some(*d));
     if let Some(dir) = &wanted {
         refuse_images_dir(root, dir)?;
-        refuse_what_is_no_images_dir(dir, current.as_ref() != Some(dir))?;
+        refuse_what_is_no_images_dir(dir, taken.is_some())?;
         refuse_another_stores(root, dir)?;
-        refuse_nesting(dir, current.as_ref() != Some(dir))?;
+        refuse_nesting(dir, taken.is_some())?;
     } else if let Some(dir) = current.filter(|d| *d != root.default_images_dir()) {
         refuse_what_is_no_images_dir(&dir, false)?;
     }
@@ -85,7 +86,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .into_iter()
         .filter_map(|e| e.name().map(str::to_owned))
         .collect();
-    let orphans = adopt::orphans(&images, &dir, &named)?;
+    let orphans = adopt::orphans(&images, &dir, &named, taken.is_some())?;
     let adopted = adopt::adopt(&root, &config, &orphans, how)?;
     let (ctx, shown) = (store.ctx(), dir.display());
     for why in &adopted.left {

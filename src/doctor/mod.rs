@@ -685,7 +685,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         report.add("images", Problem, format!("the records of {} name another images directory than the store's ({}): they are left alone; remove them with 'stowage rm'", list(&foreign), dir.display()));
     }
     missing_trees(store.ctx(), &gone, repair, report);
-    let mut orphans = adopt::orphans(&images, &dir, &named)?;
+    let mut orphans = adopt::orphans(&images, &dir, &named, false)?;
     // An image created since the records were read: its record came before its tree.
     orphans
         .trees
