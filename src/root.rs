@@ -810,10 +810,8 @@ pub fn inside_another_store(real: &Path, itself: bool) -> Option<String> {
             ));
         }
         let opened = Dir::open_nofollow(at).ok();
-        if let Some((c, _)) = opened
-            .and_then(|d| Some((crate::claim::read(&d)?, d)))
-            .filter(|(c, d)| c.in_use_for(d))
-        {
+        let claim = opened.and_then(|d| crate::claim::read(&d).filter(|c| c.in_use_for(&d)));
+        if let Some(c) = claim {
             let (dir, store) = (at.display(), c.path.display());
             return Some(format!(
                 "it lies in images directory {dir} of the store at {store}"

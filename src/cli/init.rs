@@ -406,10 +406,9 @@ fn files_in(dir: &Path) -> Option<String> {
 
 /// Refuses, before anything is made, an images directory another store claims (`claim.rs`).
 fn refuse_another_stores(root: &Root, dir: &Path) -> Result<()> {
-    // Another root's default images directory, claimed or not: told by its configuration or its
-    // lock directory, which outlives a lost configuration.
-    let a_root =
-        |p: &&Path| p.join(crate::config::FILE).exists() || p.join(Root::LOCKS_REL).is_dir();
+    // Another root's default images directory, claimed or not: told by its layout, which outlives a
+    // lost configuration (`Root::has_layout`).
+    let a_root = |p: &&Path| Root::at(p).has_layout();
     let belongs = |at: &Path, what: String| {
         let (shown, at) = (dir.display(), at.display());
         anyhow::anyhow!(
