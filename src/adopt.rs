@@ -2,6 +2,8 @@
 //!
 //! - A tree without a record gets one: `ready` when `init` adopts a directory stowage never managed;
 //!   else `incomplete` ([`ADOPTED`]): kept, never collected until `exec --write` makes it ready.
+//! - An adoption as `ready` is said in the configuration while it runs ([`mark_adopting`]): one
+//!   interrupted is finished as it began, by the next `init` or `doctor --repair`.
 //! - Entries that are no directories, whose names decode to no image name, or that a store uses
 //!   (`root::in_use_by_a_store`): reported, left alone.
 
@@ -72,6 +74,14 @@ pub fn has_record(path: &Path) -> bool {
     file.is_some_and(|f| image_record::read(&f).is_ok_and(|s| !s.unrecorded()))
 }
 
+/// Says in the configuration, under the global lock, whether trees are being adopted as `ready`:
+/// the lock files an interrupted adoption made must not make the next one judge them leftovers.
+pub fn mark_adopting(store: &crate::store::Store, on: bool) -> Result<()> {
+    let _global = store.global(None)?;
+    let root = store.root();
+    crate::config::update(root.dir(), &root.open()?, |c| c.adopting = on)
+}
+
 /// How an adopted tree starts out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adopt {
@@ -95,7 +105,10 @@ pub fn adopt(root: &Root, config: &Config, orphans: &Orphans, how: Adopt) -> Res
     let mut out = Adopted::default();
     for (name, tree) in &orphans.trees {
         match adopt_one(root, config, name, tree, how) {
-            Ok(true) => out.names.push(name.as_str().to_owned()),
+            Ok(true) => {
+                out.names.push(name.as_str().to_owned());
+                crate::debug::pause("adopted-one");
+            }
             Ok(false) => {}
             Err(e) if crate::error::typed(&e).is_some() => return Err(e),
             Err(e) => out.left.push(format!("'{name}': {e:#}")),

@@ -9,6 +9,9 @@
 //!                            an unmounted one is not taken for empty)
 //! root=77@ef53@9a1b          (the root's: a copied or moved store is
 //!                            told from a mount)
+//! adopting=ready             (init adopts the trees it found as ready:
+//!                            one interrupted is finished so, not taken
+//!                            for a managed store's leftovers)
 //! ```
 //!
 //! - Written whole and renamed into place through the root's descriptor (under the store-wide lock
@@ -34,6 +37,8 @@ pub struct Config {
     /// The root's identity when the images directory's was recorded: a root no longer that
     /// directory is a copied or moved store, whose default images directory came with it.
     pub root: Option<String>,
+    /// `init` is adopting, as `ready`, the trees a builder left before stowage managed them.
+    pub adopting: bool,
 }
 
 impl Config {
@@ -44,6 +49,7 @@ impl Config {
             images: ImagesDir::Default,
             identity: None,
             root: None,
+            adopting: false,
         }
     }
 
@@ -58,11 +64,15 @@ impl Config {
                 text.push_str(&format!("{key}={v}\n"));
             }
         }
+        if self.adopting {
+            text.push_str("adopting=ready\n");
+        }
         text
     }
 
     fn decode(text: &str) -> Option<Config> {
         let (mut id, mut images, mut identity, mut root) = (None, None, None, None);
+        let mut adopting = false;
         // At '\n' only: `lines()` would drop a path's trailing '\r'.
         for line in text.strip_prefix(FORMAT)?.split_terminator('\n') {
             match line.split_once('=')? {
@@ -70,6 +80,7 @@ impl Config {
                 ("images", v) => images = ImagesDir::decode(v).or(images),
                 ("identity", v) if !v.is_empty() => identity = Some(v.to_owned()),
                 ("root", v) if !v.is_empty() => root = Some(v.to_owned()),
+                ("adopting", v) => adopting = v == "ready",
                 _ => {}
             }
         }
@@ -78,6 +89,7 @@ impl Config {
             images: images?,
             identity,
             root,
+            adopting,
         })
     }
 }
@@ -134,6 +146,24 @@ pub fn write(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<(
     put(root_dir, dir, config, |tmp| dir.rename_to(tmp, dir, FILE))
 }
 
+/// Reads the configuration afresh, changes it by `change` and writes it if that changed it: the
+/// caller holds the global lock, which every such change takes (none is lost to another).
+pub fn update(
+    root_dir: &std::path::Path,
+    dir: &Dir,
+    change: impl FnOnce(&mut Config),
+) -> Result<()> {
+    let Some(was) = read(root_dir, dir)? else {
+        return Ok(());
+    };
+    let mut now = was.clone();
+    change(&mut now);
+    if now == was {
+        return Ok(());
+    }
+    write(root_dir, dir, &now)
+}
+
 /// Makes the configuration of a new store unless one is there (two first uses keep one identity):
 /// linked into place, which fails if the name exists.
 pub fn create(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<()> {
@@ -180,6 +210,7 @@ mod tests {
                 images,
                 identity: Some("2@ef53".into()),
                 root: Some("7@ef53@1".into()),
+                adopting: true,
             };
             assert_eq!(Config::decode(&c.encode()), Some(c));
         }

@@ -75,9 +75,9 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     // Before anything is adopted: a directory another store claims is refused untouched.
     make_ours(store, &root, &mut config, (&images, &dir), wanted.is_some())?;
     // Trees are adopted ready only in a directory stowage never managed, where no image has ever
-    // had a lock file (see adopt.rs).
+    // had a lock file, or by an init finishing such an adoption, interrupted (see adopt.rs).
     let census = crate::census::take(&root)?;
-    let how = if census.is_empty() {
+    let how = if census.is_empty() || config.adopting {
         Adopt::AsReady
     } else {
         Adopt::Unknown
@@ -87,7 +87,14 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .filter_map(|e| e.name().map(str::to_owned))
         .collect();
     let orphans = adopt::orphans(&images, &dir, &named, taken.is_some())?;
+    let as_ready = how == Adopt::AsReady && !orphans.trees.is_empty();
+    if as_ready {
+        adopt::mark_adopting(store, true)?;
+    }
     let adopted = adopt::adopt(&root, &config, &orphans, how)?;
+    if (as_ready || config.adopting) && adopted.left.is_empty() {
+        adopt::mark_adopting(store, false)?;
+    }
     let (ctx, shown) = (store.ctx(), dir.display());
     for why in &adopted.left {
         ctx.say(&format!("not adopting {why}"));

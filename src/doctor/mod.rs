@@ -690,12 +690,13 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     orphans
         .trees
         .retain(|(n, _)| !adopt::has_record(&root.image_lock(n)));
-    orphan_trees(&root, &config, &orphans, dir.display(), repair, report)
+    orphan_trees(store, &config, &orphans, dir.display(), repair, report)
 }
 
-/// Trees without a record: reported, or with `repair` adopted one by one, each failure with why.
+/// Trees without a record: reported, or with `repair` adopted one by one, each failure with why;
+/// as `ready` where an `init` adopting them so was interrupted.
 fn orphan_trees(
-    root: &Root,
+    store: &Store,
     config: &Config,
     orphans: &adopt::Orphans,
     shown: std::path::Display,
@@ -706,6 +707,18 @@ fn orphan_trees(
         let detail = format!("{entry:?} in {shown} is no image ({why}); left alone");
         report.add("images", Info, detail);
     }
+    let (how, state, why) = match config.adopting {
+        true => (
+            Adopt::AsReady,
+            "ready",
+            "an init adopting them so was interrupted",
+        ),
+        false => (
+            Adopt::Unknown,
+            "incomplete",
+            "whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)",
+        ),
+    };
     if !repair {
         let orphaned: Vec<_> = orphans.trees.iter().map(|(n, _)| n).collect();
         let (have, them) = match orphaned.len() {
@@ -713,14 +726,17 @@ fn orphan_trees(
             _ => ("have", "them"),
         };
         report.naming("images", Problem, &orphaned, |names| {
-            format!("{names} in {shown} {have} no record; 'stowage doctor --repair' adopts {them}")
+            format!("{names} in {shown} {have} no record; 'stowage doctor --repair' adopts {them} as {state}")
         });
         return Ok(());
     }
-    let done = adopt::adopt(root, config, orphans, Adopt::Unknown)?;
+    let done = adopt::adopt(store.root(), config, orphans, how)?;
+    if config.adopting && done.left.is_empty() {
+        adopt::mark_adopting(store, false)?;
+    }
     let n = done.names.len();
     report.naming("images", Repaired, &done.names, |names| {
-        format!("adopted {n} tree(s) without a record ({names}) as incomplete: whether complete is not known, so they are kept ('stowage exec --write NAME -- true' marks one ready)")
+        format!("adopted {n} tree(s) without a record ({names}) as {state}: {why}")
     });
     for why in done.left {
         let detail = format!("cannot adopt the tree without a record {why}");

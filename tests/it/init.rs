@@ -178,6 +178,32 @@ fn init_adopts_as_ready_only_in_a_directory_stowage_never_managed() {
     assert_eq!(env.state("after").as_deref(), Some("incomplete"));
 }
 
+/// An `init` killed while it adopts a builder's trees as ready (Ctrl-C, a
+/// host crash) leaves lock files of its own: the next `init`, or `doctor
+/// --repair`, finishes the adoption as it began, instead of taking those
+/// files for a managed store's and the rest of the trees for leftovers.
+#[test]
+fn an_interrupted_adoption_is_finished_as_it_began() {
+    for finisher in [&["init"][..], &["doctor", "--repair"]] {
+        let env = Env::new();
+        for t in ["a", "b", "c"] {
+            fs::create_dir_all(env.root.join("img").join(t)).unwrap();
+            fs::write(env.root.join("img").join(t).join("f"), "x").unwrap();
+        }
+        let (init, _go) = env.paused(["init"], "adopted-one");
+        init.kill_all();
+        let out = env.ok(finisher);
+        for t in ["a", "b", "c"] {
+            let state = env.state(t);
+            assert_eq!(state.as_deref(), Some("ready"), "{t}: {}", show(&out));
+        }
+        // Finished, the store is managed: a tree appearing later is no builder's.
+        fs::create_dir_all(env.root.join("img/later")).unwrap();
+        env.ok(["init"]);
+        assert_eq!(env.state("later").as_deref(), Some("incomplete"));
+    }
+}
+
 #[test]
 fn the_root_seen_through_a_bind_mount_or_a_symlink_is_no_images_directory() {
     let env = Env::new();
