@@ -41,6 +41,7 @@ pub struct Args {
     watch: Option<String>,
     /// Why IMG's waiters (or process PID) wait: the chain of waits to the
     /// process at its end, or the cycle they are caught in, and what to end
+    /// (a number is a pid: an image named by digits is asked for by a waiter's pid)
     #[arg(long, value_name = "IMG|PID", allow_hyphen_values = true,
         conflicts_with_all = ["watch", "all", "images"])]
     why: Option<OsString>,
