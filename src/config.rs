@@ -16,6 +16,7 @@
 //!
 //! - Written whole and renamed into place through the root's descriptor (under the store-wide lock
 //!   when the images directory switches): a reader sees the old file or the new one.
+//! - A change is made to the file read afresh ([`update`]), never to a copy read earlier.
 //! - Read through the root's descriptor, only as a regular file: a planted FIFO hangs no command.
 //! - Missing: a store from before this file (`migrate.rs`), or none yet.
 

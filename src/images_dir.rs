@@ -292,7 +292,12 @@ pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result
     } else {
         (config.identity, config.root) = (Some(id), here);
     }
-    crate::config::write(root.dir(), &root.open()?, config)
+    // Into the configuration as it is now: what another process changed meanwhile stays.
+    crate::config::update(root.dir(), &root.open()?, |now| {
+        if now.images == config.images {
+            (now.identity, now.root) = (config.identity.clone(), config.root.clone());
+        }
+    })
 }
 
 /// Whether the store was copied or moved since its default images directory's identity was recorded

@@ -533,7 +533,10 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
             .identity()
             .context("cannot inspect the images directory");
         (config.identity, config.root) = (Some(identity?), None);
-        crate::config::write(root.dir(), &root.open()?, config)?;
+        let new = config.clone();
+        crate::config::update(root.dir(), &root.open()?, |now| {
+            (now.images, now.identity, now.root) = (new.images, new.identity, new.root)
+        })?;
         crate::debug::pause("init-switched");
         Ok(())
     })();
