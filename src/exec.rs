@@ -268,6 +268,14 @@ fn run_store_wide(store: &mut Store, plan: &Plan, signals: Forwarder) -> Result<
     };
     let before = crate::images_dir::recorded_open(store.root());
     let code = run();
+    // Checked before its end is reconciled on its strength (docs/design.md, "Lost locks").
+    if let Some(why) = hold.lost() {
+        hold.end_lost(store);
+        let code = code?;
+        anyhow::bail!(
+            "lost the store-wide hold while the command ran ({why}): other commands may have used the store meanwhile; its exit status {code} proves nothing"
+        );
+    }
     for name in hold.forget_deleted(store, before.as_ref()) {
         store.ctx().say(&format!(
             "image '{name}' was deleted by the store-wide command"
