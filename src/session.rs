@@ -495,6 +495,12 @@ impl Session {
                 Err(e) => failed = failed.or(Some(e)),
             }
         }
+        // Nothing is recorded on a slot's strength: a lost one is told, the command's status kept.
+        if let Some(s) = &self.slot
+            && let Some(why) = s.lost(&self.root)
+        {
+            store.ctx().say(&s.lost_warning(&why));
+        }
         self.release();
         if !lost.is_empty() {
             anyhow::bail!("{}; the image is not ready", lost.join("; "));
