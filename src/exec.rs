@@ -181,17 +181,20 @@ fn told(store: &Store, images: OsString) -> Vec<(&'static str, OsString)> {
 /// Records how the command ended and returns the exec's exit code.
 fn record_outcome(
     store: &mut Store,
-    session: Session,
+    mut session: Session,
     status: &std::process::ExitStatus,
 ) -> Result<u8> {
     let written: Vec<ImageName> = session.writes().cloned().collect();
     let code = command::exit_code(status);
-    // An image read that another host may have written meanwhile: the command's result is no use.
+    // An image read that another host may have written meanwhile, or read exclusively while
+    // others came in: the command's result is no use.
+    let lost = session.exclusive_reads_lost();
     let changed = session.reads_changed(None);
-    let outcome = match &changed {
-        Some(_) => Outcome::Failure("an image it read changed meanwhile".into()),
-        None if status.success() => Outcome::Success,
-        None => Outcome::Failure(command::describe(status)),
+    let outcome = match (&lost, &changed) {
+        (Some(_), _) => Outcome::Failure("its exclusive read lock was lost".into()),
+        (_, Some(_)) => Outcome::Failure("an image it read changed meanwhile".into()),
+        _ if status.success() => Outcome::Success,
+        _ => Outcome::Failure(command::describe(status)),
     };
     // A failed write that left less than a reserve's worth free: no build can write there.
     let dir = session.images_dir().to_owned();
@@ -216,11 +219,14 @@ fn record_outcome(
             crate::disk_usage::human(free)
         ));
     }
+    let wrote = match written.is_empty() {
+        true => "",
+        false => ", and what it wrote is incomplete",
+    };
+    if let Some(lost) = lost {
+        anyhow::bail!("{lost}; its exit status {code} proves nothing{wrote}");
+    }
     if let Some(changed) = changed {
-        let wrote = match written.is_empty() {
-            true => "",
-            false => ", and what it wrote is incomplete",
-        };
         anyhow::bail!(
             "{changed} changed while the command read it (its read lock was lost: another host may have written it): its exit status {code} proves nothing{wrote}"
         );
@@ -268,6 +274,14 @@ fn run_store_wide(store: &mut Store, plan: &Plan, signals: Forwarder) -> Result<
     };
     let before = crate::images_dir::recorded_open(store.root());
     let code = run();
+    // Checked before its end is reconciled on its strength (docs/design.md, "Lost locks").
+    if let Some(why) = hold.lost() {
+        hold.end_lost(store);
+        let code = code?;
+        anyhow::bail!(
+            "lost the store-wide hold while the command ran ({why}): other commands may have used the store meanwhile; its exit status {code} proves nothing"
+        );
+    }
     for name in hold.forget_deleted(store, before.as_ref()) {
         store.ctx().say(&format!(
             "image '{name}' was deleted by the store-wide command"

@@ -104,6 +104,7 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     }
     let moved = after_take_out(root, &mut held, &before, taken)?;
     debug::pause("rm-moved");
+    still_ours(&held)?;
     // 3. The record and its lock file go, unlisted from our lease first (its next taker is named).
     let name = held.name.clone();
     crate::lease::forget(&root.leases(), &Root::image_lock_rel(&name));
@@ -197,8 +198,22 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
         Taken::Deleted => bytes,
         Taken::Trashed(_) | Taken::Gone => 0,
     };
+    still_ours(&held)?;
     root.drop_record(&held.name, held.guard)?;
     Ok(freed)
+}
+
+/// Before a removal's record goes: its lock, where it may be lost (a tree deleted in place takes
+/// a while), must still be ours, else another may have recorded the name anew since; the record
+/// is left as the other left it (a `deleting` one is finished by the next gc or writer).
+fn still_ours(held: &Held) -> Result<()> {
+    match held.guard.lost() {
+        None => Ok(()),
+        Some(why) => anyhow::bail!(
+            "lost the lock on image '{}' while removing it ({why}): its record is left as another host may have written it",
+            held.name
+        ),
+    }
 }
 
 /// Takes an image tree out of the images directory: into the trash, or deleted in place (EXDEV).

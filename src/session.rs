@@ -78,6 +78,8 @@ struct Image {
     made_tree: bool,
     /// For writes: the images directory the tree was found or made in, checked for it.
     images_dir: Option<PathBuf>,
+    /// Its lock was found lost at the command's end: nothing more is written through it.
+    lost: bool,
 }
 
 impl Image {
@@ -103,6 +105,9 @@ impl Image {
     /// Records a read's use: an exclusive read's always, a shared one's once in a while, and only
     /// into a file of its own (a reader's may have other names).
     fn record_use(&mut self, now: clock::Millis) {
+        if self.lost {
+            return;
+        }
         let seen = &mut self.held.seen;
         let shared_due = self.role == Role::Read
             && image_record::last_use_stale(seen, now)
@@ -448,6 +453,26 @@ impl Session {
         (!changed.is_empty()).then(|| format!("image{plural} {}", changed.join(", ")))
     }
 
+    /// The exclusive reads whose lock was lost while the command ran, where it may be (a request
+    /// each), as an error to report: readers may have come in, the tree changed under them. Each
+    /// is marked: its use is not recorded, nor its record numbered anew (the lock is not ours).
+    pub fn exclusive_reads_lost(&mut self) -> Option<String> {
+        let mut lost = Vec::new();
+        for img in (self.images.iter_mut()).filter(|i| i.role == Role::ReadExclusive) {
+            if let Some(why) = img.held.guard.lost() {
+                img.lost = true;
+                lost.push(format!("'{}' ({why})", img.held.name));
+            }
+        }
+        let plural = if lost.len() > 1 { "s" } else { "" };
+        (!lost.is_empty()).then(|| {
+            format!(
+                "lost the exclusive read lock on image{plural} {} while the command ran: other commands may have used it meanwhile",
+                lost.join(", ")
+            )
+        })
+    }
+
     /// Records the outcome and releases the locks; a write lock lost meanwhile (NFS) is an error.
     pub fn finish(mut self, store: &mut Store, outcome: Outcome) -> Result<()> {
         let now = clock::now_ms();
@@ -469,6 +494,12 @@ impl Session {
                 Ok(note) => note.into_iter().for_each(|n| store.ctx().say(&n)),
                 Err(e) => failed = failed.or(Some(e)),
             }
+        }
+        // Nothing is recorded on a slot's strength: a lost one is told, the command's status kept.
+        if let Some(s) = &self.slot
+            && let Some(why) = s.lost(&self.root)
+        {
+            store.ctx().say(&s.lost_warning(&why));
         }
         self.release();
         if !lost.is_empty() {
@@ -563,6 +594,7 @@ fn take_images(
                 record: None,
                 made_tree: false,
                 images_dir: None,
+                lost: false,
             },
             Err(e) => return give_up_on(root, images, &waited_for, e),
         };

@@ -199,6 +199,19 @@ impl Hold {
         let entries = crate::census::take(store.root()).unwrap_or_default();
         forget_missing(store, entries, remade, |_| true)
     }
+    /// Whether the hold was lost (`store.lock` dropped with the connection to the server, where it
+    /// may be): `Some(cause)`. Image users may have come in meanwhile: nothing is done on its strength.
+    pub fn lost(&self) -> Option<String> {
+        self.guard.lost()
+    }
+
+    /// Ends a lost hold as a dead holder's ends: its hints stay (each image's next user clears its
+    /// own, and takes a ready image whose tree is missing for gone), nothing is forgotten.
+    pub fn end_lost(self, store: &Store) {
+        drop(self.guard);
+        crate::lease::forget(&store.root().leases(), Root::STORE_WIDE_LOCK_REL);
+    }
+
     /// Ends the hold. If a process the command left still holds the inherited `store.lock`, the hold
     /// lasts until it ends (hints stay). Otherwise, with `store.lock` retaken, hints go from every
     /// lock file nobody holds (a held one's next holder clears it), then `store.lock`.

@@ -45,6 +45,30 @@ impl SlotGuard {
         crate::lease::Holding::now(Mode::Exclusive, rel, false, command)
     }
 
+    /// The slot's class, as its directory names it.
+    pub fn class(&self) -> String {
+        let dir = self.guard.path().parent().and_then(Path::file_name);
+        dir.map_or_else(String::new, |d| d.to_string_lossy().replace('%', "/"))
+    }
+
+    /// Whether the slot was lost while held (the connection to the server dropped, where it may):
+    /// `Some(cause)`. Another may have taken it meanwhile, the class over its limit.
+    pub fn lost(&self, root: &Root) -> Option<String> {
+        // Asked of the locks directory, whose filesystem is known: a class's costs a statfs.
+        if crate::lock::unlinks_allowed(&root.locks().join("slots")) {
+            return None;
+        }
+        self.guard.lost()
+    }
+
+    /// What to warn of a slot found [lost](SlotGuard::lost) at the end of the command it covered.
+    pub fn lost_warning(&self, why: &str) -> String {
+        let class = self.class();
+        format!(
+            "warning: lost its slot of class '{class}' while the command ran ({why}): slot class '{class}' may have gone over its limit meanwhile"
+        )
+    }
+
     /// Releases the slot.
     pub fn release(self) {
         drop(self);

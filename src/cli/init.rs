@@ -524,6 +524,10 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
             std::fs::create_dir(dir).with_context(why)?;
         }
         make_dir(dir)?;
+        // Only while no image is created: a hold lost since the count proves nothing.
+        if let Some(why) = hold.lost() {
+            bail!("lost the store-wide hold before switching to {shown} ({why}): run it again");
+        }
         // Named with its identity, so that another store's claim sees it bind, but with the
         // root unrecorded until the claim is ours (`make_ours`): till then every use asks the
         // claim, and of two inits racing for one directory only the claim's store uses it.

@@ -127,10 +127,41 @@ impl Guard {
         if lost.is_some_and(|v| self.path.file_name() == Some(v.as_os_str())) {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
-        if !flock_try(&self.file, self.mode)? {
-            return Err(io::Error::other("the lock is held by someone else now"));
+        match flock_try(&self.file, self.mode) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(io::Error::other("the lock is held by someone else now")),
+            // GlusterFS with strict locks: a descriptor that held locks is not reopened on a reconnect.
+            Err(e) if e.raw_os_error() == Some(libc::EBADFD) => Err(io::Error::new(
+                e.kind(),
+                "its connection to the server dropped",
+            )),
+            Err(e) => Err(e),
         }
-        Ok(())
+    }
+
+    /// Whether a lock that [may be lost](Guard::may_be_lost) was lost while held: `Some(cause)`.
+    /// `None` on a local filesystem, where nothing is asked. An exclusive lock is first tried shared
+    /// through a fresh descriptor (an open and a lock request): granted, nobody holds it, so ours
+    /// was dropped — a try through our own descriptor would be granted it anew (a GlusterFS client
+    /// reconnects with its files reopened without locks), hiding the loss. Then [`Guard::still_held`]:
+    /// another may hold it now.
+    pub fn lost(&self) -> Option<String> {
+        if !self.may_be_lost() {
+            return None;
+        }
+        if self.mode == Mode::Exclusive {
+            let dropped = match found(open(&self.path, IfMissing::Fail)) {
+                Ok(Some(fresh)) => no_writer_now(&fresh).map_err(|e| e.to_string()),
+                Ok(None) => Err("its lock file is gone".to_owned()),
+                Err(e) => Err(e.to_string()),
+            };
+            match dropped {
+                Ok(false) => {}
+                Ok(true) => return Some("the server holds it for us no more".to_owned()),
+                Err(why) => return Some(format!("it cannot be asked: {why}")),
+            }
+        }
+        self.still_held().err().map(|e| e.to_string())
     }
 
     /// Whether the lock can be lost while held: on a filesystem not known local, a server drops

@@ -984,3 +984,144 @@ fn a_removal_its_host_crashed_in_is_finished_where_the_tree_is_cached() {
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert_eq!(image_state(b, &root, "img"), None);
 }
+
+/// Runs `exec ARGS -- hold` on `host` in the background, the hold ending in
+/// `then`; returns once its command runs, and the file that lets it go on.
+fn hold_then(
+    env: &Env,
+    host: &Host,
+    root: &Path,
+    args: &[&str],
+    tag: &str,
+    then: &str,
+) -> (Bg, std::path::PathBuf) {
+    let (started, go) = (env.sentinel(tag), env.sentinel(&format!("{tag}.go")));
+    let script = format!("{}; {then}", hold_script(&started, &go));
+    let mut a: Vec<&str> = vec!["exec"];
+    a.extend(args);
+    a.extend(["--", "sh", "-c", &script]);
+    let bg = Bg::from_command(host.stowage(root, &a));
+    wait_for_file(&started);
+    (bg, go)
+}
+
+/// A store-wide hold whose host lost its connection while its command ran
+/// (the server dropped `store.lock`, and an image user on another host got
+/// in) says so and exits 1, its command's status 0 notwithstanding: before,
+/// it exited 0 as if it had run alone. What its command deleted is not
+/// forgotten on the strength of the lost hold: the image is gone to its
+/// next user, as after a dead holder.
+#[test]
+fn a_store_wide_hold_whose_host_lost_its_connection_fails_and_says_so() {
+    let Some(c) = Cluster::start("swblip", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(b.stowage_run(&root, ["exec", "--write", "base", "--", "true"]));
+    ok(b.stowage_run(&root, ["exec", "--write", "old", "--", "true"]));
+    // Held throughout, with image users inside it: no loss is told.
+    let nested = format!(
+        "{0} --root {1} exec --write new -- true && {0} --root {1} exec --write base -- true",
+        bin(),
+        root.display()
+    );
+    let out = ok(a.stowage_run(&root, ["exec", "--store-wide", "--", "sh", "-c", &nested]));
+    assert!(!stderr(&out).contains("lost"), "{}", show(&out));
+    let delete = "rm -rf \"$STOWAGE_IMAGES_DIR/old\"";
+    let (hold, go) = hold_then(&env, a, &root, &["--store-wide"], "sw", delete);
+    a.disconnect();
+    ok(b.stowage_run(&root, ["exec", "--write", "w2", "--no-wait", "--", "true"]));
+    std::fs::write(&go, "").unwrap();
+    let out = hold.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = "lost the store-wide hold while the command ran";
+    assert!(stderr(&out).contains(said), "{}", show(&out));
+    let out = b.stowage_run(&root, ["exec", "--read", "old", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    ok(b.stowage_run(&root, ["exec", "--read", "base", "--no-wait", "--", "true"]));
+}
+
+/// The same for an exclusive read: a reader on another host got in while
+/// its lock was lost; it exits 1, and the image it wrote is incomplete.
+#[test]
+fn an_exclusive_read_whose_host_lost_its_connection_fails_and_says_so() {
+    let Some(c) = Cluster::start("rxblip", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(b.stowage_run(&root, ["exec", "--write", "base", "--", "true"]));
+    let args = ["--read-exclusive", "base", "--write", "app"];
+    let (reader, go) = hold_then(&env, a, &root, &args, "held", "true");
+    std::fs::write(&go, "").unwrap();
+    let out = ok(reader.finish());
+    assert!(!stderr(&out).contains("lost"), "{}", show(&out));
+    let (reader, go) = hold_then(&env, a, &root, &args, "rx", "true");
+    a.disconnect();
+    ok(b.stowage_run(&root, ["exec", "--read", "base", "--no-wait", "--", "true"]));
+    std::fs::write(&go, "").unwrap();
+    let out = reader.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = "lost the exclusive read lock on image 'base'";
+    assert!(stderr(&out).contains(said), "{}", show(&out));
+    assert_eq!(image_state(b, &root, "app").as_deref(), Some("incomplete"));
+    assert_eq!(image_state(b, &root, "base").as_deref(), Some("ready"));
+}
+
+/// A slot lost with its host's connection lets another host's command in
+/// over the class's limit: the holder's exec warns that the class may have
+/// run over it, and exits with its command's status.
+#[test]
+fn a_slot_whose_host_lost_its_connection_is_warned_of_with_the_commands_status() {
+    let Some(c) = Cluster::start("slotblip", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(b.stowage_run(&root, ["slots", "set", "pull", "1"]));
+    let args = ["--slot", "pull", "--write", "s1"];
+    let (holder, go) = hold_then(&env, a, &root, &args, "held", "true");
+    std::fs::write(&go, "").unwrap();
+    let out = ok(holder.finish());
+    assert!(!stderr(&out).contains("lost"), "{}", show(&out));
+    let (holder, go) = hold_then(&env, a, &root, &args, "slot", "exit 3");
+    a.disconnect();
+    ok(b.stowage_run(&root, ["exec", "--slot", "pull", "--no-wait", "--", "true"]));
+    std::fs::write(&go, "").unwrap();
+    let out = holder.finish();
+    assert_eq!(code(&out), Some(3), "{}", show(&out));
+    let said = "slot class 'pull' may have gone over its limit";
+    assert!(stderr(&out).contains(said), "{}", show(&out));
+}
+
+/// A removal whose host lost its connection after the tree went to the
+/// trash never empties the record another host wrote meanwhile (its writer
+/// finished the removal and wrote the image anew): it says the lock was
+/// lost, and the new image stays. Before, the removal emptied the new
+/// record, and the image written after it vanished.
+#[test]
+fn a_removal_whose_host_lost_its_connection_leaves_the_image_written_meanwhile() {
+    let Some(c) = Cluster::start("rmblip", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(b.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
+    let pause = env.sentinel("paused");
+    let mut cmd = a.stowage(&root, ["rm", "img"]);
+    cmd.env(
+        stowage::env::DEBUG_PAUSE,
+        format!("rm-moved:{}", pause.display()),
+    );
+    let removal = Bg::from_command(cmd);
+    wait_for_file(&pause);
+    a.disconnect();
+    ok(b.stowage_run(&root, ["exec", "--write", "img", "--no-wait", "--", "true"]));
+    std::fs::remove_file(&pause).unwrap();
+    let out = removal.finish();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let said = "lost the lock on image 'img' while removing it";
+    assert!(stderr(&out).contains(said), "{}", show(&out));
+    assert_eq!(image_state(b, &root, "img").as_deref(), Some("ready"));
+}
