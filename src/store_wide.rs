@@ -15,7 +15,7 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::error::{Busy, Error};
 use crate::holders::LockKind;
@@ -471,7 +471,10 @@ fn lock_file_names(root: &Root) -> Result<Vec<String>> {
     let Some(dir) = root.open_sub_if_there(Root::IMAGE_LOCKS_REL)? else {
         return Ok(Vec::new());
     };
-    Ok(crate::census::lock_file_names(dir.listing()?))
+    let listing = dir.listing();
+    let listing =
+        listing.with_context(|| format!("cannot list {}", root.image_locks().display()))?;
+    Ok(crate::census::lock_file_names(listing))
 }
 
 /// Clears a dead hold's hints on images the caller holds, once `store.lock` was found free.
