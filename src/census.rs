@@ -58,15 +58,19 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
         .with_context(|| format!("cannot list {}", root.image_locks().display()))?;
     let mut out = Vec::new();
     for file in lock_file_names(listing) {
-        // Only a regular file (the open checks): anything else planted under a lock file's name is
-        // no record (doctor reports it).
-        let Ok(f) = dir.open_read(&file) else {
-            continue;
-        };
-        let seen = image_record::read(&f)
-            .unwrap_or_default()
-            .of(|n| crate::root::is_lock_file_of(&file, n));
         let path = root.image_locks().join(&file);
+        // Only a regular file (the open checks): anything else planted under a lock file's name is
+        // no record (doctor reports it), nor is one removed meanwhile. A file that could not be read
+        // may hold one: taken for none, doctor would advise adopting its tree.
+        let cannot = || format!("cannot read the record in {}", path.display());
+        let f = match dir.open_read(&file) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) if crate::planted::find(&e).is_some() => continue,
+            Err(e) => return Err(anyhow::Error::new(e).context(cannot())),
+        };
+        let seen = image_record::read(&f).with_context(cannot)?;
+        let seen = seen.of(|n| crate::root::is_lock_file_of(&file, n));
         let writer_alive = seen.record.as_ref().is_some_and(|r| r.state.in_flight())
             && crate::lock::look(&path, root.lock_queries()).is_ok_and(|p| p == Probe::Exclusive);
         out.push(Entry {

@@ -106,10 +106,10 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
     let file = match dir.open_read_unchecked(FILE) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Unusable::because(&path, e).into()),
+        Err(e) => return Err(Unusable::because(&path, e)),
     };
     // What it is is asked only when the read finds no format (a FIFO reads empty, a dir fails).
-    let not_a_file = |e| match crate::planted::check(&path, &file) {
+    let not_a_file = |e: anyhow::Error| match crate::planted::check(&path, &file) {
         Err(planted) => Unusable::because(&path, planted),
         Ok(()) => e,
     };
@@ -118,10 +118,14 @@ pub fn read(root_dir: &std::path::Path, dir: &Dir) -> Result<Option<Config>> {
         .map_err(|e| not_a_file(Unusable::because(&path, e)))?;
     let why = format!("{} is damaged", path.display());
     let config = Config::decode(&String::from_utf8_lossy(&buf[..n]));
-    Ok(Some(config.ok_or_else(|| not_a_file(Unusable { why }))?))
+    Ok(Some(
+        config.ok_or_else(|| not_a_file(Unusable { why }.into()))?,
+    ))
 }
 
-/// The configuration exists but cannot be read, or is not its format.
+/// The configuration exists but is not its format, or is no regular file: only then is it set
+/// aside. One that could not be read (a lost connection, EIO, EACCES) may be sound: that error is
+/// said as it is.
 #[derive(Debug, thiserror::Error)]
 #[error(
     "{why}; 'stowage doctor --repair' sets it aside and writes it anew from the images' records"
@@ -132,13 +136,17 @@ pub struct Unusable {
 }
 
 impl Unusable {
-    fn because(path: &std::path::Path, e: std::io::Error) -> Unusable {
+    /// The error for `e`, met opening or reading `path`: [`Unusable`] if something other than a
+    /// regular file is there, else the I/O error naming the file.
+    fn because(path: &std::path::Path, e: std::io::Error) -> anyhow::Error {
         let e = crate::planted::at(path, e);
-        let why = match crate::planted::find(&e) {
-            Some(n) => format!("{} is {}, not a regular file", n.path.display(), n.kind),
-            None => format!("cannot read {}: {e}", path.display()),
-        };
-        Unusable { why }
+        match crate::planted::find(&e) {
+            Some(n) => {
+                let why = format!("{} is {}, not a regular file", n.path.display(), n.kind);
+                Unusable { why }.into()
+            }
+            None => anyhow::Error::new(e).context(format!("cannot read {}", path.display())),
+        }
     }
 }
 
@@ -202,6 +210,24 @@ fn random_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_read_that_failed_is_its_cause_never_advice_to_set_the_file_aside() {
+        let path = std::path::Path::new("/s/store.conf");
+        for errno in [
+            libc::ENOTCONN,
+            libc::EBADFD,
+            libc::EIO,
+            libc::ETIMEDOUT,
+            libc::EACCES,
+        ] {
+            let e = Unusable::because(path, std::io::Error::from_raw_os_error(errno));
+            assert!(e.downcast_ref::<Unusable>().is_none(), "{e:#}");
+            let said = format!("{e:#}");
+            assert!(said.starts_with("cannot read /s/store.conf: "), "{said}");
+            assert!(!said.contains("doctor"), "{said}");
+        }
+    }
 
     #[test]
     fn reads_back_and_refuses_what_is_not_its_format() {

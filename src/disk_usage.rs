@@ -156,10 +156,11 @@ pub fn walk(dir: &Path, visit: &mut Visit) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))),
     };
-    let st = dir::fstat(&top)?;
-    let (dev, mount) = (st.st_dev, top.mount_id()?);
+    let at_top = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", dir.display()));
+    let st = dir::fstat(&top).map_err(at_top)?;
+    let (dev, mount) = (st.st_dev, top.mount_id().map_err(at_top)?);
     visit(&top, c".", &st)?;
-    let names = top.entries()?;
+    let names = top.entries().map_err(at_top)?;
     let mut trail = Trail::default();
     let mut stack = vec![(top, names.into_iter())];
     let gone = |e: &io::Error| e.raw_os_error() == Some(libc::ENOENT);

@@ -393,7 +393,8 @@ fn slot_classes(root: &Root, old: &Old) -> Result<()> {
     for (class, limit, reserve) in &old.classes {
         let dir = crate::slots::make_class_dir(root, class)?;
         let files: Vec<String> = dir
-            .names()?
+            .names()
+            .with_context(|| format!("cannot list {}", root.slot_class_dir(class).display()))?
             .into_iter()
             .filter_map(|n| n.into_string().ok())
             .collect();
@@ -447,7 +448,14 @@ fn wait_for(store: &Store, name: &ImageName, deadline: Option<Instant>) -> Resul
 /// A store without a configuration and without an older catalog: its configuration, made now.
 fn ensure_config(root: &Root) -> Result<()> {
     let dir = root.open()?;
-    if dir.stat_at(crate::config::FILE)?.is_none() {
+    let found = dir.stat_at(crate::config::FILE);
+    let found = found.with_context(|| {
+        format!(
+            "cannot look at {}",
+            root.dir().join(crate::config::FILE).display()
+        )
+    })?;
+    if found.is_none() {
         crate::config::create(root.dir(), &dir, &Config::fresh())?;
     }
     Ok(())

@@ -79,7 +79,9 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     })?;
     let tree = images_dir.join(held.name.encoded());
     // A tree missing from an unmounted images directory is not gone: its record must stay.
-    if images.stat_at(held.name.encoded())?.is_none()
+    let there = images.stat_at(held.name.encoded());
+    let there = there.with_context(|| format!("cannot look at {}", tree.display()))?;
+    if there.is_none()
         && let Some(why) = crate::images_dir::unmounted(root, &images_dir)
     {
         anyhow::bail!("cannot remove image '{}': {why}", held.name);

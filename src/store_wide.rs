@@ -15,7 +15,7 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::error::{Busy, Error};
 use crate::holders::LockKind;
@@ -125,19 +125,48 @@ impl Hold {
             .holds
             .iter()
             .any(|h| h.lockfile.starts_with("images/"));
-        let hold = match Hold::take_raw(store, command, deadline, no_wait || under_image) {
-            Err(e) if under_image && matches!(crate::error::typed(&e), Some(Error::Busy(_))) => {
-                return busy(
-                    "held by another store-wide command, which waits for the exec this process runs in: waiting would never end",
-                );
+        loop {
+            let hold = match Hold::take_raw(store, command, deadline, no_wait || under_image) {
+                Err(e)
+                    if under_image && matches!(crate::error::typed(&e), Some(Error::Busy(_))) =>
+                {
+                    return busy(
+                        "held by another store-wide command, which waits for the exec this process runs in: waiting would never end",
+                    );
+                }
+                other => other?,
+            };
+            if let Err(e) = hold.quiesce(store, deadline, no_wait) {
+                hold.release(store);
+                return Err(e);
             }
-            other => other?,
-        };
-        if let Err(e) = hold.quiesce(store, deadline, no_wait) {
-            hold.release(store);
-            return Err(e);
+            match hold.stood(store) {
+                Ok(true) => return Ok(hold),
+                Ok(false) => hold.release(store),
+                Err(e) => {
+                    hold.release(store);
+                    return Err(e);
+                }
+            }
         }
-        Ok(hold)
+    }
+
+    /// Whether `store.lock` stayed ours through the scan's waits: if the connection to the server
+    /// was lost meanwhile, the server dropped it, and the hold, which has not begun, starts over.
+    fn stood(&self, store: &Store) -> Result<bool> {
+        if !self.guard.may_be_lost() {
+            return Ok(true);
+        }
+        match self.guard.still_held() {
+            Ok(()) => Ok(true),
+            Err(e) if lock::is_disconnected(&e) || e.raw_os_error().is_none() => {
+                store.ctx().detail(&format!(
+                    "the store-wide lock was lost while waiting ({e}): taking it again"
+                ));
+                Ok(false)
+            }
+            Err(e) => Err(lock::error("the store-wide lock", self.guard.path(), e)),
+        }
     }
 
     /// Takes `store.lock` exclusively without the scan (for the migration).
@@ -455,7 +484,10 @@ fn lock_file_names(root: &Root) -> Result<Vec<String>> {
     let Some(dir) = root.open_sub_if_there(Root::IMAGE_LOCKS_REL)? else {
         return Ok(Vec::new());
     };
-    Ok(crate::census::lock_file_names(dir.listing()?))
+    let listing = dir.listing();
+    let listing =
+        listing.with_context(|| format!("cannot list {}", root.image_locks().display()))?;
+    Ok(crate::census::lock_file_names(listing))
 }
 
 /// Clears a dead hold's hints on images the caller holds, once `store.lock` was found free.

@@ -265,7 +265,8 @@ const POLL: Duration = Duration::from_millis(50);
 const SETTLE_LAST: Duration = Duration::from_millis(128);
 
 /// Waits for a slot of `class` in `dir`, starting from `slots`; `None` if the class turns unlimited
-/// or `under_enclosing` (asked at each recheck) says an enclosing exec holds one.
+/// or `under_enclosing` (asked at each recheck) says an enclosing exec holds one. Descriptors lost
+/// with the connection to the server are dropped, and the wait goes on with fresh ones.
 fn wait_for_slot(
     store: &Store,
     class: &str,
@@ -276,7 +277,6 @@ fn wait_for_slot(
     under_enclosing: &dyn Fn() -> bool,
 ) -> Result<lock::Waited<Option<Guard>>> {
     lock::starting_to_wait();
-    let root = store.root();
     let failed = |e| lock::error(&format!("a slot of class '{class}'"), dir, e);
     crate::debug::pause("slot-watching");
     let waker = Waker::watch(dir, Some(CHANGED));
@@ -290,33 +290,26 @@ fn wait_for_slot(
     let mut recheck_at = Instant::now() + every;
     let mut recheck = true; // a change since the tries, before the watch, told nobody
     let mut after_close: Option<Duration> = None;
+    let mut reconnect = lock::Reconnect::default();
     loop {
         if recheck {
-            recheck = false;
             recheck_at = Instant::now() + every;
-            if under_enclosing() {
-                return Ok(lock::Waited::Acquired(None));
-            }
-            match reread_class(store, class, &slots.limits)? {
-                None => return Ok(lock::Waited::Acquired(None)),
-                Some(now) if now != slots.limits => slots = Slots::new(dir, &now, priority),
-                Some(_) => {}
-            }
         }
-        match slots.try_take(root, class) {
-            Ok(Took::Slot(g)) => return Ok(lock::Waited::Acquired(Some(g))),
-            Ok(Took::Changed) => {
+        match slot_pass(store, class, dir, &mut slots, &mut recheck, under_enclosing) {
+            Ok(Some(done)) => return Ok(done),
+            Ok(None) => {}
+            Err(e) if lock::disconnected_in(&e) => {
+                slots = Slots::new(dir, &slots.limits, priority);
                 recheck = true;
-                continue;
+                match reconnect.pause(e, deadline)? {
+                    Some(end) => return Ok(end),
+                    None => continue,
+                }
             }
-            Ok(Took::Busy) => {}
-            // A file went with its class (`slots rm`): look again.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                recheck = true;
-                std::thread::sleep(POLL);
-                continue;
-            }
-            Err(e) => return Err(failed(e)),
+            Err(e) => return Err(e),
+        }
+        if recheck {
+            continue;
         }
         let now = Instant::now();
         if deadline.is_some_and(|d| now >= d) {
@@ -337,6 +330,40 @@ fn wait_for_slot(
             }
         }
     }
+}
+
+/// One pass of a slot wait: the class reread if `recheck`, then one try of its files. `Some`: the
+/// wait is over; `None` with `recheck` set: look again at once.
+fn slot_pass(
+    store: &Store,
+    class: &str,
+    dir: &Path,
+    slots: &mut Slots,
+    recheck: &mut bool,
+    under_enclosing: &dyn Fn() -> bool,
+) -> Result<Option<lock::Waited<Option<Guard>>>> {
+    if std::mem::take(recheck) {
+        if under_enclosing() {
+            return Ok(Some(lock::Waited::Acquired(None)));
+        }
+        match reread_class(store, class, &slots.limits)? {
+            None => return Ok(Some(lock::Waited::Acquired(None))),
+            Some(now) if now != slots.limits => *slots = Slots::new(dir, &now, slots.priority),
+            Some(_) => {}
+        }
+    }
+    match slots.try_take(store.root(), class) {
+        Ok(Took::Slot(g)) => return Ok(Some(lock::Waited::Acquired(Some(g)))),
+        Ok(Took::Changed) => *recheck = true,
+        Ok(Took::Busy) => {}
+        // A file went with its class (`slots rm`): look again.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            *recheck = true;
+            std::thread::sleep(POLL);
+        }
+        Err(e) => return Err(lock::error(&format!("a slot of class '{class}'"), dir, e)),
+    }
+    Ok(None)
 }
 
 /// Rereads the class for a waiter: removed is an error (64), unlimited (`None`) lets it in.
@@ -375,6 +402,7 @@ struct Slots {
     candidates: FileSet,
     /// How many of `candidates` (the first ones) are reserved slots.
     high: usize,
+    priority: Priority,
     limits: Limits,
     beyond: FileSet,
     beyond_high: FileSet,
@@ -390,6 +418,7 @@ impl Slots {
         Slots {
             candidates: FileSet::new(candidates(dir, limits, priority)),
             high,
+            priority,
             limits: *limits,
             beyond: FileSet::new(beyond),
             beyond_high: FileSet::new(beyond_high),

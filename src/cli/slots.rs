@@ -112,11 +112,13 @@ fn show(store: &mut Store, json: bool) -> Result<u8> {
     // A class whose limits cannot be read is not listed: said why, once.
     let classes = slots::classes(&root).into_iter();
     for (class, _) in classes.filter(|(_, c)| *c == crate::slot_limits::Class::Damaged) {
+        // Read again: advice to set them again only for limits read and found bad.
         let why = match slots::read_class(&root, &class) {
             Err(e) => format!("{e:#}"),
-            Ok(_) => format!(
+            Ok(crate::slot_limits::Class::Damaged) => format!(
                 "the limits of slot class '{class}' are damaged; set them again with 'stowage slots set {class} LIMIT'"
             ),
+            Ok(_) => continue,
         };
         store.ctx().say(&why);
     }

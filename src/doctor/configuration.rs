@@ -20,8 +20,14 @@ use super::Verdict::{Problem, Repaired};
 pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bool> {
     let dir = root.open()?;
     let path = root.dir().join(config::FILE);
-    let Some(why) = unusable(root, &dir, &path)? else {
-        return Ok(true);
+    let why = match unusable(root, &dir, &path) {
+        Ok(None) => return Ok(true),
+        Ok(Some(why)) => why,
+        // Not read (a lost connection, EIO, EACCES): it may be sound, so nothing is set aside.
+        Err(e) => {
+            report.add("config", Problem, format!("{e:#}"));
+            return Ok(false);
+        }
     };
     let images = match from_records(root) {
         Ok(images) => images,
@@ -66,7 +72,8 @@ pub(super) fn check(root: &Root, repair: bool, report: &mut Report) -> Result<bo
     Ok(true)
 }
 
-/// Why the configuration cannot be used, if so: unreadable, or missing while images have records.
+/// Why the configuration cannot be used, if so: damaged, no regular file, or missing while images
+/// have records; an error if it could not be read.
 fn unusable(root: &Root, dir: &crate::dir::Dir, path: &std::path::Path) -> Result<Option<String>> {
     Ok(match config::read(root.dir(), dir) {
         Ok(Some(_)) => None,

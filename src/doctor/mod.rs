@@ -650,7 +650,10 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     let entries = crate::census::take(&root)?;
     crate::debug::pause("doctor-records-read");
     let ready = entries.iter().any(|e| e.state() == Some(State::Ready));
-    if ready && images.names()?.is_empty() {
+    let listed = images.names();
+    let listed =
+        listed.with_context(|| format!("cannot list images directory {}", dir.display()))?;
+    if ready && listed.is_empty() {
         report.add("images", Problem, format!("images directory {} is empty while images are recorded: is it mounted? (if their trees are really gone, 'stowage rm' the images); no record is judged by its tree", dir.display()));
         return Ok(());
     }
@@ -676,7 +679,10 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         let Ok(n) = ImageName::parse(&r.name) else {
             continue;
         };
-        let there = images.stat_at(n.encoded())?.is_some();
+        let there = images.stat_at(n.encoded());
+        let there = there
+            .with_context(|| format!("cannot look at {}", dir.join(n.encoded()).display()))?
+            .is_some();
         if !there && r.state_seen(e.writer_alive) == State::Ready {
             gone.push(n);
         }
@@ -842,11 +848,12 @@ fn leftovers(store: &mut Store, repair: bool, report: &mut Report) -> Result<()>
 /// Temporary files of a `store.conf` write cut short (`.store.conf.PID.RANDOM`): one lives for
 /// milliseconds, so one with a ctime 10 minutes old (slack for a server's clock) is a leftover.
 fn config_temps(root: &Root, repair: bool, report: &mut Report) -> Result<()> {
-    let dir = root.open()?.sub(".")?;
+    let cannot = || format!("cannot list {}", root.dir().display());
+    let dir = root.open()?.sub(".").with_context(cannot)?;
     let prefix = format!(".{}.", crate::config::FILE);
     let now = clock::now_ms() / 1000;
     let mut left = Vec::new();
-    for c in dir.entries()? {
+    for c in dir.entries().with_context(cannot)? {
         let Some(n) = c.to_str().ok().filter(|n| n.starts_with(&prefix)) else {
             continue;
         };

@@ -36,8 +36,9 @@ mod wait;
 
 use wait::block;
 pub use wait::{
-    REMOTE_REARM, Wait, Waited, Waker, Woke, before_waiting, disarm_wake_signal, interrupt_waits,
-    interrupted, polls, starting_to_wait, wake_signal, watch_signals_while_waiting,
+    REMOTE_REARM, Reconnect, Wait, Waited, Waker, Woke, before_waiting, disarm_wake_signal,
+    interrupt_waits, interrupted, polls, starting_to_wait, wake_signal,
+    watch_signals_while_waiting,
 };
 
 /// How a lock is held.
@@ -360,6 +361,20 @@ fn is_stale(e: &io::Error) -> bool {
     e.raw_os_error() == Some(libc::ESTALE)
 }
 
+/// A descriptor lost with its connection to the server (`EBADFD`: GlusterFS's answer, after its
+/// client reconnects, on one in use meanwhile) or no connection now (`ENOTCONN`): a fresh open
+/// after a pause works once the client has reconnected.
+pub fn is_disconnected(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EBADFD | libc::ENOTCONN))
+}
+
+/// Whether [`is_disconnected`] says an error's cause (any in its chain).
+pub fn disconnected_in(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<io::Error>())
+        .any(is_disconnected)
+}
+
 /// Is the file we locked still the one at `path`? If so, its device and inode.
 fn still_linked(file: &File, path: &Path) -> io::Result<Option<(u64, u64)>> {
     let ours = match file.metadata() {
@@ -505,37 +520,59 @@ pub fn acquire_no_wait(path: &Path, mode: Mode, missing: IfMissing) -> io::Resul
     Ok(acquire_no_wait_with(path, mode, missing, |_| ((), false))?.map(|(g, ())| g))
 }
 
-/// Takes the lock, waiting as `wait` allows. Tries first without blocking.
+/// Takes the lock, waiting as `wait` allows. Tries first without blocking. A descriptor lost with
+/// its connection to the server ([`is_disconnected`]) is dropped and the wait goes on afresh after
+/// a pause ([`Reconnect`]): holding nothing yet, a waiter loses nothing by it.
 pub fn acquire(
     path: &Path,
     mode: Mode,
     missing: IfMissing,
     wait: &mut Wait,
 ) -> io::Result<Waited<Guard>> {
-    for _ in 0..MAX_GHOSTS {
-        let file = open(path, missing)?;
-        let blocked = match flock_try(&file, mode) {
-            Ok(true) => Ok(Waited::Acquired(())),
-            Ok(false) => {
-                // Before waiting (off the fast path), a locked FIFO is refused by name, not waited for.
-                crate::planted::check(path, &file)?;
-                block(&file, mode, wait)
+    let mut reconnect = Reconnect::default();
+    let mut ghosts = 0;
+    loop {
+        match acquire_once(path, mode, missing, wait) {
+            Ok(Some(done)) => return Ok(done),
+            // A ghost, or gone on the server (ESTALE): start over with a fresh open.
+            Ok(None) if ghosts + 1 < MAX_GHOSTS => ghosts += 1,
+            Ok(None) => return Err(ghost_error(path)),
+            Err(e) if is_disconnected(&e) => {
+                if let Some(end) = reconnect.pause(e, wait.deadline)? {
+                    return Ok(end);
+                }
             }
-            Err(e) => Err(e),
-        };
-        match blocked {
-            Ok(Waited::Acquired(())) => {}
-            Ok(Waited::TimedOut) => return Ok(Waited::TimedOut),
-            Ok(Waited::Interrupted(sig)) => return Ok(Waited::Interrupted(sig)),
-            // Gone on the server: start over with a fresh open.
-            Err(e) if is_stale(&e) => continue,
             Err(e) => return Err(e),
         }
-        if let Some(linked) = still_linked(&file, path)? {
-            return Ok(Waited::Acquired(guard(file, path, mode, Some(linked))));
-        }
     }
-    Err(ghost_error(path))
+}
+
+/// One open of `path` and a wait on it: `None` if what it locked is no longer the file at `path`.
+fn acquire_once(
+    path: &Path,
+    mode: Mode,
+    missing: IfMissing,
+    wait: &mut Wait,
+) -> io::Result<Option<Waited<Guard>>> {
+    let file = open(path, missing)?;
+    let blocked = match flock_try(&file, mode) {
+        Ok(true) => Ok(Waited::Acquired(())),
+        Ok(false) => {
+            // Before waiting (off the fast path), a locked FIFO is refused by name, not waited for.
+            crate::planted::check(path, &file)?;
+            block(&file, mode, wait)
+        }
+        Err(e) => Err(e),
+    };
+    match blocked {
+        Ok(Waited::Acquired(())) => {}
+        Ok(Waited::TimedOut) => return Ok(Some(Waited::TimedOut)),
+        Ok(Waited::Interrupted(sig)) => return Ok(Some(Waited::Interrupted(sig))),
+        Err(e) if is_stale(&e) => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let linked = still_linked(&file, path)?;
+    Ok(linked.map(|linked| Waited::Acquired(guard(file, path, mode, Some(linked)))))
 }
 
 fn guard(file: File, path: &Path, mode: Mode, id: Option<(u64, u64)>) -> Guard {
@@ -864,6 +901,29 @@ mod tests {
         INJECT.with(|v| v.borrow_mut().push(libc::EIO));
         let e = try_take(&p, Mode::Exclusive).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EIO));
+    }
+
+    #[test]
+    fn a_wait_whose_connection_is_lost_opens_afresh_and_waits_on() {
+        // GlusterFS after a reconnect: EBADFD on a descriptor in use meanwhile; ENOTCONN before.
+        let (_d, p) = tmp_lock();
+        let lost = [libc::EBADFD, libc::ENOTCONN, libc::EBADFD];
+        INJECT.with(|v| v.borrow_mut().extend(lost));
+        let r = wait_for(&p, Mode::Exclusive, None);
+        assert!(matches!(r, Waited::Acquired(_)), "{r:?}");
+        assert!(INJECT.with(|v| v.borrow().is_empty()), "every loss retried");
+        drop(r);
+        // Lost for longer than the wait may last: timed out (75), not an error.
+        INJECT.with(|v| v.borrow_mut().extend([libc::EBADFD; 64]));
+        let t0 = Instant::now();
+        let r = wait_for(&p, Mode::Exclusive, Some(t0 + Duration::from_millis(200)));
+        assert!(matches!(r, Waited::TimedOut), "{r:?}");
+        assert!(t0.elapsed() >= Duration::from_millis(200));
+        INJECT.with(|v| v.borrow_mut().clear());
+        // No wait asked: the loss is the answer.
+        INJECT.with(|v| v.borrow_mut().push(libc::EBADFD));
+        let e = try_take(&p, Mode::Exclusive).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EBADFD));
     }
 
     /// A wait until `deadline` (`None`: for good) that re-arms every `rearm`.

@@ -408,6 +408,48 @@ pub(super) fn poll(file: &File, mode: Mode, wait: &mut Wait) -> io::Result<Waite
     }
 }
 
+/// A wait's pauses while its connection to the server is lost: the first, then doubling to the last.
+const RECONNECT_FIRST: Duration = Duration::from_millis(50);
+const RECONNECT_LAST: Duration = Duration::from_secs(1);
+
+/// Pauses of one wait between fresh opens of lock files whose descriptors died with their
+/// connection ([`super::is_disconnected`]): the client reconnects by itself within seconds.
+#[derive(Default)]
+pub struct Reconnect {
+    /// The last pause, `None` before the first.
+    last: Option<Duration>,
+}
+
+impl Reconnect {
+    /// After `lost`, a lost connection: pauses, within `deadline` and interruptibly, then `None`
+    /// (open afresh), or how the wait ends. A try (its deadline past before any pause) fails with
+    /// `lost`: it asked for no wait.
+    pub fn pause<T, E: From<io::Error>>(
+        &mut self,
+        lost: E,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Waited<T>>, E> {
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
+            return match self.last {
+                Some(_) => Ok(Some(Waited::TimedOut)),
+                None => Err(lost),
+            };
+        }
+        let pause = self
+            .last
+            .map_or(RECONNECT_FIRST, |p| (p * 2).min(RECONNECT_LAST));
+        self.last = Some(pause);
+        // The thread taking the signals that end a wait runs from now, if it did not yet.
+        starting_to_wait();
+        let until = deadline.map_or(now + pause, |d| d.min(now + pause));
+        match Waker::default().sleep(Some(until))? {
+            Woke::Interrupted(sig) => Ok(Some(Waited::Interrupted(sig))),
+            Woke::Changed { .. } | Woke::Timeout => Ok(None),
+        }
+    }
+}
+
 /// Why [`Waker::sleep`] returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Woke {

@@ -1125,3 +1125,55 @@ fn a_removal_whose_host_lost_its_connection_leaves_the_image_written_meanwhile()
     assert!(stderr(&out).contains(said), "{}", show(&out));
     assert_eq!(image_state(b, &root, "img").as_deref(), Some("ready"));
 }
+
+/// Starts `stowage ARGS` on `host`, its stderr in sentinel `LOG.log`, and
+/// waits until it says it waits.
+fn waiter(env: &Env, host: &Host, root: &Path, args: &[&str], log: &str) -> Bg {
+    let path = env.sentinel(&format!("{log}.log"));
+    let mut c = host.stowage(root, args);
+    c.stderr(fs::File::create(&path).unwrap());
+    let bg = Bg::from_command_keep_stderr(c);
+    wait_until(&format!("{log} says it waits"), || {
+        fs::read_to_string(&path)
+            .unwrap_or_default()
+            .contains("waiting for")
+    });
+    bg
+}
+
+#[test]
+fn waiters_whose_host_lost_its_connection_wait_on_and_get_their_locks() {
+    let Some(c) = Cluster::start("blip", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    ok(b.stowage_run(&root, ["slots", "set", "s", "1"]));
+    ok(b.stowage_run(&root, ["exec", "--write", "w", "--", "true"]));
+    let holder = hold(&env, b, &root, &["--write", "w", "--slot", "s"], "h");
+    let run = ["--", "true"];
+    let waiters: Vec<(&str, Bg)> = [
+        ("writer", vec!["exec", "--write", "w"]),
+        ("bounded", vec!["exec", "--write", "w", "--wait", "60"]),
+        ("slot", vec!["exec", "--slot", "s"]),
+        ("wide", vec!["exec", "--store-wide"]),
+    ]
+    .into_iter()
+    .map(|(log, mut args)| {
+        args.extend(run);
+        (log, waiter(&env, a, &root, &args, log))
+    })
+    .collect();
+    // The blip: every waiter's descriptor, blocked or tried, dies with it.
+    a.disconnect();
+    // Connected again, host A works: the waiters have met their dead
+    // descriptors by the time this returns.
+    ok(a.stowage_run(&root, ["lock-status"]));
+    release(&env, "h");
+    ok(holder.finish());
+    for (log, w) in waiters {
+        let out = w.finish();
+        let said = fs::read_to_string(env.sentinel(&format!("{log}.log"))).unwrap();
+        assert_eq!(code(&out), Some(0), "{log}: {said}");
+    }
+}

@@ -727,6 +727,39 @@ fn an_unusable_configuration_is_set_aside_and_written_anew_from_the_records() {
     }
 }
 
+/// A configuration that could not be read (here: mode 000 to its owner;
+/// on a shared filesystem, a lost connection) may be sound: the error says
+/// the cause, never to set it aside, and `doctor --repair` leaves it where
+/// it is.
+#[test]
+fn a_configuration_that_could_not_be_read_is_never_advised_set_aside() {
+    if as_nobody().is_none() {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "a", "true");
+    let conf = env.root.join("store.conf");
+    fs::set_permissions(&conf, fs::Permissions::from_mode(0o000)).unwrap();
+    let cause = format!("cannot read {}: Permission denied", conf.display());
+    let out = unprivileged(&env, &["rm", "a"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stderr(&out).contains(&cause), "{}", show(&out));
+    assert!(!stderr(&out).contains("set"), "{}", show(&out));
+    let out = unprivileged(&env, &["doctor"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(stdout(&out).contains(&cause), "{}", show(&out));
+    assert!(!stdout(&out).contains("sets it aside"), "{}", show(&out));
+    let out = unprivileged(&env, &["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let kept = fs::read_dir(&env.root).unwrap().flatten();
+    let aside: Vec<_> = kept
+        .filter(|e| e.file_name().to_string_lossy().contains("damaged"))
+        .collect();
+    assert!(aside.is_empty(), "{aside:?}");
+    let out = unprivileged(&env, &["images"]);
+    assert!(stdout(&out).contains("ready"), "{}", show(&out));
+}
+
 /// Records that name two images directories say nothing sure: the
 /// configuration is not guessed, and doctor says what to do.
 #[test]
