@@ -61,15 +61,18 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
         let path = root.image_locks().join(&file);
         // Only a regular file (the open checks): anything else planted under a lock file's name is
         // no record (doctor reports it), nor is one removed meanwhile. A file that could not be read
-        // may hold one: taken for none, doctor would advise adopting its tree.
-        let cannot = || format!("cannot read the record in {}", path.display());
-        let f = match dir.open_read(&file) {
-            Ok(f) => f,
+        // (no permission, an I/O error) may hold one: its image's state is unknown, so it is kept
+        // and reported as a damaged record is; taken for none, its tree would be adopted.
+        let unread = Seen {
+            damaged: true,
+            ..Seen::default()
+        };
+        let seen = match dir.open_read(&file) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) if crate::planted::find(&e).is_some() => continue,
-            Err(e) => return Err(anyhow::Error::new(e).context(cannot())),
+            Err(_) => unread,
+            Ok(f) => image_record::read(&f).unwrap_or(unread),
         };
-        let seen = image_record::read(&f).with_context(cannot)?;
         let seen = seen.of(|n| crate::root::is_lock_file_of(&file, n));
         let writer_alive = seen.record.as_ref().is_some_and(|r| r.state.in_flight())
             && crate::lock::look(&path, root.lock_queries()).is_ok_and(|p| p == Probe::Exclusive);
