@@ -760,6 +760,31 @@ fn a_configuration_that_could_not_be_read_is_never_advised_set_aside() {
     assert!(stdout(&out).contains("ready"), "{}", show(&out));
 }
 
+/// A lock file its user cannot read (a group member's mode 000, an I/O
+/// error) may hold a record: its image's state is unknown, so it is kept
+/// and reported, its tree never taken for one without a record, and no
+/// other image is kept from being listed, collected or checked.
+#[test]
+fn a_record_that_could_not_be_read_is_kept_as_unknown() {
+    if as_nobody().is_none() {
+        return;
+    }
+    let env = unprivileged_env();
+    unprivileged_build(&env, "a", "true");
+    unprivileged_build(&env, "b", "true");
+    let lock = env.root.join("locks/images/a.lock");
+    fs::set_permissions(&lock, fs::Permissions::from_mode(0o000)).unwrap();
+    let out = unprivileged(&env, &["images"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(stdout(&out).lines().any(|l| l.starts_with("a ")), "{}", show(&out));
+    let out = unprivileged(&env, &["gc"]);
+    assert!(stdout(&out).contains("kept 'a'"), "{}", show(&out));
+    let out = unprivileged(&env, &["doctor"]);
+    assert!(stdout(&out).contains("cannot be read"), "{}", show(&out));
+    assert!(!stdout(&out).contains("no record"), "{}", show(&out));
+    assert!(env.root.join("img/a").is_dir());
+}
+
 /// Records that name two images directories say nothing sure: the
 /// configuration is not guessed, and doctor says what to do.
 #[test]
