@@ -354,6 +354,9 @@ struct Slots {
     limits: Limits,
     beyond: FileSet,
     beyond_high: FileSet,
+    /// Every reserved file that may be held (only while some lie beyond a lowered reserve): their
+    /// holders beyond the reserve count against the limit.
+    reserved: FileSet,
 }
 
 impl Slots {
@@ -363,21 +366,39 @@ impl Slots {
             Priority::Normal => 0,
         };
         let (beyond, beyond_high) = crate::slots::beyond(dir, limits);
+        let reserved = match beyond_high.is_empty() {
+            true => Vec::new(),
+            false => (0..limits.high_files)
+                .map(|i| dir.join(Kind::High(i).file_name()))
+                .collect(),
+        };
         Slots {
             candidates: FileSet::new(candidates(dir, limits, priority)),
             high,
             limits: *limits,
             beyond: FileSet::new(beyond),
             beyond_high: FileSet::new(beyond_high),
+            reserved: FileSet::new(reserved),
         }
+    }
+
+    /// Holders of reserved files beyond the reserve (a lowered one): they count as normal holders,
+    /// so the total stays within limit + reserve.
+    fn spilled(&mut self) -> std::io::Result<usize> {
+        if self.reserved.paths().is_empty() {
+            return Ok(0);
+        }
+        let held = self.reserved.held_count(|_| true)?;
+        Ok(held.saturating_sub(self.limits.reserve as usize))
     }
 
     /// One pass of tries. A slot is kept only if the record read after the take still says these
     /// limits, and its kind's slots in use (beyond a lowered limit too) stay within them.
     fn try_take(&mut self, root: &Root, class: &str) -> std::io::Result<Took> {
         // Kinds filled by holders beyond a lowered limit are not tried (others would see the try).
-        let normal_full = !self.beyond.paths().is_empty()
-            && self.beyond.held_count(|_| true)? >= self.limits.limit as usize;
+        let spilled = self.spilled()?;
+        let normal_full = (!self.beyond.paths().is_empty() || spilled > 0)
+            && self.beyond.held_count(|_| true)? + spilled >= self.limits.limit as usize;
         let high_full = !self.beyond_high.paths().is_empty()
             && self.beyond_high.held_count(|_| true)? >= self.limits.reserve as usize;
         let high = self.high;
@@ -394,10 +415,12 @@ impl Slots {
             (&mut self.beyond, self.limits.limit as usize)
         };
         // Counted before the record is read: its read's close wakes this waiter, which would spin.
-        let in_use = match beyond.paths().is_empty() {
+        let spilled = if is_high { 0 } else { spilled };
+        let in_use = match beyond.paths().is_empty() && spilled == 0 {
             true => 0,
             false => {
                 beyond.held_count(|_| true)?
+                    + spilled
                     + 1
                     + self
                         .candidates

@@ -497,6 +497,45 @@ fn a_lowered_slot_limit_binds_queued_waiters() {
     assert!(env.sentinel("waiter-ran").exists());
 }
 
+/// A high-priority holder of a reserved slot counts against the limit once
+/// the reserve is removed: with limit 2, reserve 0 and three holders (one
+/// on `high-0`), a normal holder's end lets no one new in.
+#[test]
+fn a_holder_of_a_removed_reserve_counts_against_the_limit() {
+    let env = Env::new();
+    env.ok(["slots", "set", "c", "2", "--reserve-high", "1"]);
+    let high = env.hold_until(
+        &["--slot", "c", "--priority", "high"],
+        "high",
+        "release-high",
+    );
+    let a = env.hold_until(&["--slot", "c"], "a", "release-a");
+    let b = env.hold_until(&["--slot", "c"], "b", "release-b");
+    env.ok(["slots", "set", "c", "2", "--reserve-high", "0"]);
+    let ran = env.sentinel("waiter-ran");
+    let waiter = env.spawn(["exec", "--slot", "c", "--", "touch", ran.to_str().unwrap()]);
+    env.wait_for_slot_waiters("c", 1);
+    env.release("release-a");
+    assert_eq!(a.finish().status.code(), Some(0));
+    // Two run (b and the high holder), the limit is 2: the waiter stays out.
+    for _ in 0..20 {
+        let e = env.slot_entry("c").unwrap();
+        assert_eq!(e["in_use"], 2, "{e}");
+        assert!(
+            !ran.exists(),
+            "the removed reserve's holder was not counted"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    env.release("release-high");
+    assert_eq!(high.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(ran.exists());
+    env.release("release-b");
+    assert_eq!(b.finish().status.code(), Some(0));
+}
+
 #[test]
 fn a_removed_class_shows_its_holders_until_they_end_and_ends_its_waits() {
     let env = Env::new();
