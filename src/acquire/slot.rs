@@ -234,7 +234,10 @@ const RECHECK: Duration = Duration::from_secs(2);
 /// The same on a local filesystem watched with inotify.
 const RECHECK_LOCAL: Duration = Duration::from_secs(30);
 /// Retry interval when closes cannot wake a waiter: locally a freed slot is taken within 100 ms.
+/// So too while a slot is held outside stowage (flock(1)), which may let go by `flock -u`: no close.
 const POLL: Duration = Duration::from_millis(50);
+/// How often such a waiter looks again (leases only) whether an outsider still holds a slot.
+const OUTSIDER_LOOK: Duration = Duration::from_secs(1);
 /// After a close wakes a waiter whose try then finds the slot held, it tries again after 1 ms,
 /// doubling to this (`after_close`): the kernel tells of a file's last close before it releases
 /// the file's flock, and a try in between would sleep through the release (1 wake in 100 seen).
@@ -266,7 +269,15 @@ fn wait_for_slot(
     let mut recheck_at = Instant::now() + every;
     let mut recheck = true; // a change since the tries, before the watch, told nobody
     let mut after_close: Option<Duration> = None;
+    // Where closes wake us: whether an outsider holds a slot (looked at on each recheck, when the
+    // tries after a close end busy, and every OUTSIDER_LOOK while one does).
+    let (mut outsider, mut look_outside, mut look_at) = (false, false, Instant::now());
     loop {
+        look_outside |= recheck || (outsider && Instant::now() >= look_at);
+        if poll.is_none() && std::mem::take(&mut look_outside) {
+            look_at = Instant::now() + OUTSIDER_LOOK;
+            outsider = slots.held_outside(root).map_err(failed)?;
+        }
         if recheck {
             recheck = false;
             recheck_at = Instant::now() + every;
@@ -298,6 +309,7 @@ fn wait_for_slot(
         if deadline.is_some_and(|d| now >= d) {
             return Ok(lock::Waited::TimedOut);
         }
+        let poll = if outsider { Some(POLL) } else { poll };
         let polled = poll.map_or(recheck_at, |p| recheck_at.min(now + p));
         let polled = after_close.map_or(polled, |s| polled.min(now + s));
         let until = deadline.map_or(polled, |d| polled.min(d));
@@ -309,6 +321,8 @@ fn wait_for_slot(
             }
             Woke::Timeout => {
                 recheck = Instant::now() >= recheck_at;
+                // Tries after a close ended busy: an outsider may have taken the slot.
+                look_outside |= after_close.is_some_and(|s| s * 2 > SETTLE_LAST);
                 after_close = after_close.map(|s| s * 2).filter(|s| *s <= SETTLE_LAST);
             }
         }
@@ -380,6 +394,22 @@ impl Slots {
             beyond_high: FileSet::new(beyond_high),
             reserved: FileSet::new(reserved),
         }
+    }
+
+    /// Whether a file this acquirer may take is held by a process stowage did not start: no lease
+    /// lists it as held. Asked through our own descriptors and the leases: no close in the class.
+    fn held_outside(&mut self, root: &Root) -> std::io::Result<bool> {
+        let leases = root.leases();
+        let listed: std::collections::HashSet<String> = crate::lease::listing(&leases)
+            .iter()
+            .filter_map(|n| crate::lease::identity(&leases, n))
+            .flat_map(|id| id.holdings.into_iter().filter(|h| !h.awaits))
+            .map(|h| h.lockfile)
+            .collect();
+        let unlisted: Vec<bool> = (self.candidates.paths().iter())
+            .map(|p| !listed.contains(&root.locks_rel(p)))
+            .collect();
+        Ok(self.candidates.held_count(|j| unlisted[j])? > 0)
     }
 
     /// Holders of reserved files beyond the reserve (a lowered one): they count as normal holders,

@@ -394,6 +394,41 @@ fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
     holder.kill_all();
 }
 
+/// A script that takes a slot the flock(1) way on a descriptor and lets go
+/// by `flock -u`, keeping the descriptor open, closes nothing: the waiter,
+/// which saw the slot held by a process stowage did not start, tries often
+/// and takes it then, not at its next periodic look (30 s) or its deadline.
+/// It lets go a second after being told: the tries after the last close
+/// (lock-status's look) are over by then.
+#[test]
+fn a_slot_let_go_by_flock_u_without_a_close_is_taken_soon() {
+    let env = Env::new();
+    env.ok(["slots", "set", "one", "1"]);
+    let slot = env.root.join("locks/slots/one/0.lock");
+    let [held, release, released] = ["held", "release", "released"].map(|s| env.sentinel(s));
+    let holder = Bg::from_command({
+        let mut c = std::process::Command::new("sh");
+        c.arg("-c").arg(format!(
+            "exec 9<>'{slot}'; flock -x 9; touch '{held}'; \
+             while [ ! -e '{release}' ]; do sleep 0.01; done; \
+             sleep 1; flock -u 9; touch '{released}'; sleep 30",
+            slot = slot.display(),
+            held = held.display(),
+            release = release.display(),
+            released = released.display(),
+        ));
+        c
+    });
+    wait_for_file(&held);
+    let waiter = env.spawn(["exec", "--slot", "one", "--wait", "20", "--", "true"]);
+    env.wait_for_slot_waiters("one", 1);
+    fs::write(&release, "").unwrap();
+    wait_for_file(&released);
+    let let_go = std::time::Instant::now();
+    assert_in_soon(waiter, let_go, "the waiter slept through the flock -u");
+    holder.kill_all();
+}
+
 /// A waiter whose take is given back because holders beyond a lowered limit still fill it reads
 /// nothing, so it closes nothing: a close would wake itself, and it would spin until they end.
 #[test]
