@@ -59,7 +59,8 @@ impl Drop for SlotGuard {
     }
 }
 
-/// Takes a slot of `class`, listing it in our lease. `Ok(None)` when the class is unlimited.
+/// Takes a slot of `class`, listing it in our lease (in an unlimited class too: it counts against a
+/// limit set later). `Ok(None)` only where a waiter was let in without one (an enclosing holder's).
 ///
 /// ```no_run
 /// use stowage::{Root, Store, acquire::slot, slots::Priority};
@@ -163,8 +164,8 @@ pub(crate) fn take(
     }
 }
 
-/// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is unlimited), else the class's files
-/// to wait on, with the limits they were chosen by.
+/// A slot if one is free now (`Ok(Ok(_))`), else the class's files to wait on, with the limits they
+/// were chosen by.
 fn try_now(
     root: &Root,
     class: &str,
@@ -179,8 +180,12 @@ fn try_now(
     // Two tries; a record changed again after them is left to the wait.
     for tries in 1.. {
         let limits = lookup(root, class)?;
-        if limits.limit == 0 {
-            return Ok(Ok(None));
+        if limits.limit == 0 && tries <= 2 {
+            match take_unlimited(root, class, dir) {
+                Ok(Some(g)) => return Ok(Ok(Some(SlotGuard::new(g)))),
+                Ok(None) => continue,
+                Err(e) => return Err(lock::error(&format!("a slot of class '{class}'"), dir, e)),
+            }
         }
         let mut slots = Slots::new(dir, &limits, priority);
         if tries > 2 {
@@ -211,7 +216,7 @@ fn try_now(
 }
 
 /// A normal acquirer's first try: `0.lock`, whose class record, read under the lock, allows the
-/// slot and proves the file at its path. `Some` if that decides (`Some(None)`: unlimited).
+/// slot (unlimited too) and proves the file at its path. `Some` if that decides.
 fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
     let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
     let got = lock::acquire_no_wait_with(&path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
@@ -219,7 +224,6 @@ fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
         (c, matches!(c, Class::Limits(_)))
     });
     match got {
-        Ok(Some((_, Class::Limits(l)))) if l.limit == 0 => Ok(Some(None)),
         Ok(Some((g, Class::Limits(l)))) if l.settled() => Ok(Some(Some(SlotGuard::new(g)))),
         // Busy, unsettled, no record, or no such file: the general way says what is wrong.
         Ok(_) => Ok(None),
@@ -227,6 +231,26 @@ fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => Ok(None),
         Err(e) => Err(lock::error(&format!("a slot of class '{class}'"), &path, e)),
     }
+}
+
+/// A slot file of an unlimited class, taken without waiting: the first free one, made if need be,
+/// so a limit set later counts its holder. `None` if the class has a limit now (read after the take,
+/// as `slots set` lists the files after writing it).
+fn take_unlimited(root: &Root, class: &str, dir: &Path) -> std::io::Result<Option<Guard>> {
+    for i in 0.. {
+        let path = dir.join(Kind::Normal(i).file_name());
+        let g = match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create) {
+            Ok(Some(g)) => g,
+            Ok(None) => continue,
+            // A plant under a slot's name is no slot (doctor reports it).
+            Err(e) if crate::planted::find(&e).is_some() => continue,
+            Err(e) => return Err(e),
+        };
+        let unlimited =
+            matches!(crate::slots::read_class(root, class), Ok(Class::Limits(l)) if l.limit == 0);
+        return Ok(unlimited.then_some(g));
+    }
+    unreachable!("a free file is found")
 }
 
 /// How often a waiting acquirer re-reads its class untold, where another host may change it unseen.
@@ -243,8 +267,8 @@ const OUTSIDER_LOOK: Duration = Duration::from_secs(1);
 /// the file's flock, and a try in between would sleep through the release (1 wake in 100 seen).
 const SETTLE_LAST: Duration = Duration::from_millis(128);
 
-/// Waits for a slot of `class` in `dir`, starting from `slots`; `None` if the class turns unlimited
-/// or `under_enclosing` (asked at each recheck) says an enclosing exec holds one.
+/// Waits for a slot of `class` in `dir`, starting from `slots` (a class turned unlimited gives one at
+/// once); `None` if `under_enclosing` (asked at each recheck) says an enclosing exec holds one.
 fn wait_for_slot(
     store: &Store,
     class: &str,
@@ -285,7 +309,13 @@ fn wait_for_slot(
                 return Ok(lock::Waited::Acquired(None));
             }
             match reread_class(store, class, &slots.limits)? {
-                None => return Ok(lock::Waited::Acquired(None)),
+                None => match take_unlimited(root, class, dir).map_err(failed)? {
+                    Some(g) => return Ok(lock::Waited::Acquired(Some(g))),
+                    None => {
+                        recheck = true;
+                        continue;
+                    }
+                },
                 Some(now) if now != slots.limits => slots = Slots::new(dir, &now, priority),
                 Some(_) => {}
             }

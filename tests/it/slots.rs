@@ -76,19 +76,50 @@ fn unlimited_class_lets_everyone_in_at_once() {
         assert_eq!(w.finish().status.code(), Some(0));
     }
     assert_eq!(max_count(&env), 5);
-    // One lock file, never a slot: `0.lock` carries the class's record
-    // (that no slot is needed) and lets lock-status list the class.
-    let mut files: Vec<String> = fs::read_dir(env.root.join("locks/slots/load%docker"))
+    // Each holder took a file of its own without waiting (so a limit set
+    // later counts it): no more files than ran at once, numbered from 0.
+    let files: Vec<String> = fs::read_dir(env.root.join("locks/slots/load%docker"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .filter(|n| n.ends_with(".lock"))
         .collect();
-    files.sort();
-    assert_eq!(
-        files,
-        ["0.lock"],
-        "one record carrier for an unlimited class"
-    );
+    assert!((1..=5).contains(&files.len()), "{files:?}");
+    for i in 0..files.len() {
+        assert!(files.contains(&format!("{i}.lock")), "{files:?}");
+    }
+}
+
+/// Holders of an unlimited class count against a limit set while they run:
+/// with two holders and the limit lowered from 0 to 1, lock-status says 2
+/// in use and no one new gets in until both have ended.
+#[test]
+fn holders_of_an_unlimited_class_count_against_a_limit_set_later() {
+    let env = Env::new();
+    env.ok(["slots", "set", "z", "0"]);
+    let a = env.hold_until(&["--slot", "z"], "a", "release-a");
+    let b = env.hold_until(&["--slot", "z"], "b", "release-b");
+    env.ok(["slots", "set", "z", "1"]);
+    let e = env.slot_entry("z").unwrap();
+    assert_eq!(e["in_use"], 2, "{e}");
+    let ran = env.sentinel("waiter-ran");
+    let waiter = env.spawn(["exec", "--slot", "z", "--", "touch", ran.to_str().unwrap()]);
+    env.wait_for_slot_waiters("z", 1);
+    env.release("release-a");
+    assert_eq!(a.finish().status.code(), Some(0));
+    // b still runs, the limit is 1: the waiter stays out.
+    for _ in 0..20 {
+        assert_eq!(env.slot_entry("z").unwrap()["in_use"], 1);
+        assert!(
+            !ran.exists(),
+            "a holder from before the limit was not counted"
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    env.release("release-b");
+    assert_eq!(b.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(ran.exists());
 }
 
 fn holder(env: &Env, class: &str, priority: &str, tag: &str) -> Bg {
