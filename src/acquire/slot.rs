@@ -283,25 +283,14 @@ fn wait_for_slot(
     let failed = |e| lock::error(&format!("a slot of class '{class}'"), dir, e);
     crate::debug::pause("slot-watching");
     let waker = Waker::watch(dir, Some(CHANGED));
-    let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
-    let poll = match (local, waker.watching()) {
-        (true, true) => None,
-        (true, false) => Some(POLL),
-        (false, _) => Some(lock::REMOTE_REARM),
-    };
+    let poll = polling(dir, &waker);
     let every = poll.map_or(RECHECK_LOCAL, |_| RECHECK);
     let mut recheck_at = Instant::now() + every;
     let mut recheck = true; // a change since the tries, before the watch, told nobody
     let mut after_close: Option<Duration> = None;
-    // Where closes wake us: whether an outsider holds a slot (looked at on each recheck, when the
-    // tries after a close end busy, and every OUTSIDER_LOOK while one does).
-    let (mut outsider, mut look_outside, mut look_at) = (false, false, Instant::now());
+    let mut outsider = Outsider::watched(poll.is_none());
     loop {
-        look_outside |= recheck || (outsider && Instant::now() >= look_at);
-        if poll.is_none() && std::mem::take(&mut look_outside) {
-            look_at = Instant::now() + OUTSIDER_LOOK;
-            outsider = slots.held_outside(root).map_err(failed)?;
-        }
+        outsider.look(&mut slots, root, recheck).map_err(failed)?;
         if recheck {
             recheck = false;
             recheck_at = Instant::now() + every;
@@ -339,7 +328,7 @@ fn wait_for_slot(
         if deadline.is_some_and(|d| now >= d) {
             return Ok(lock::Waited::TimedOut);
         }
-        let poll = if outsider { Some(POLL) } else { poll };
+        let poll = if outsider.holds { Some(POLL) } else { poll };
         let polled = poll.map_or(recheck_at, |p| recheck_at.min(now + p));
         let polled = after_close.map_or(polled, |s| polled.min(now + s));
         let until = deadline.map_or(polled, |d| polled.min(d));
@@ -352,10 +341,51 @@ fn wait_for_slot(
             Woke::Timeout => {
                 recheck = Instant::now() >= recheck_at;
                 // Tries after a close ended busy: an outsider may have taken the slot.
-                look_outside |= after_close.is_some_and(|s| s * 2 > SETTLE_LAST);
+                outsider.due |= after_close.is_some_and(|s| s * 2 > SETTLE_LAST);
                 after_close = after_close.map(|s| s * 2).filter(|s| *s <= SETTLE_LAST);
             }
         }
+    }
+}
+
+/// How often a waiter polls untold: never where inotify tells it of each local close.
+fn polling(dir: &Path, waker: &Waker) -> Option<Duration> {
+    let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
+    match (local, waker.watching()) {
+        (true, true) => None,
+        (true, false) => Some(POLL),
+        (false, _) => Some(lock::REMOTE_REARM),
+    }
+}
+
+/// Where closes wake a waiter: whether a process no lease names holds a slot it may take (looked
+/// at on each recheck, when the tries after a close end busy, and every [`OUTSIDER_LOOK`] while
+/// one does), so that it polls meanwhile.
+struct Outsider {
+    watched: bool,
+    due: bool,
+    holds: bool,
+    next: Instant,
+}
+
+impl Outsider {
+    fn watched(watched: bool) -> Outsider {
+        let (due, holds, next) = (false, false, Instant::now());
+        Outsider {
+            watched,
+            due,
+            holds,
+            next,
+        }
+    }
+
+    fn look(&mut self, slots: &mut Slots, root: &Root, recheck: bool) -> std::io::Result<()> {
+        self.due |= recheck || (self.holds && Instant::now() >= self.next);
+        if self.watched && std::mem::take(&mut self.due) {
+            self.next = Instant::now() + OUTSIDER_LOOK;
+            self.holds = slots.held_outside(root)?;
+        }
+        Ok(())
     }
 }
 
