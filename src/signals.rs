@@ -15,8 +15,9 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::thread::JoinHandleExt;
 use std::process::ExitStatus;
-use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering::Relaxed};
 use std::sync::{Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -40,9 +41,11 @@ struct Shared {
     state: Mutex<State>,
     /// The termination signals we take.
     set: SigSet,
-    /// Whether a thread takes termination signals during waits; else they watch a signalfd, made
-    /// once. A thread is tried again at each wait.
-    thread: Mutex<bool>,
+    /// The thread taking termination signals during waits, if one runs; else they watch a
+    /// signalfd, made once. A thread is tried again at each wait.
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Set while the thread is told to end (by [`lock::wake_signal`](crate::lock::wake_signal)).
+    ending: AtomicBool,
     descriptor: Once,
 }
 
@@ -168,30 +171,48 @@ impl Forwarder {
         let shared = SHARED.get_or_init(|| Shared {
             state: Mutex::new(State::Waiting),
             set,
-            thread: Mutex::new(false),
+            thread: Mutex::new(None),
+            ending: AtomicBool::new(false),
             descriptor: Once::new(),
         });
         crate::lock::before_waiting(start_thread);
         Ok(Forwarder { shared })
     }
 
-    /// Spawns the command (or its keeper) unless a signal came first (`Ok(Err(sig))`).
+    /// Spawns the command (or its keeper) unless a signal came first (`Ok(Err(sig))`). The signal
+    /// thread ends first: a signal after it stays pending, seen here or forwarded by [`wait`].
+    ///
+    /// [`wait`]: Forwarder::wait
     pub fn spawn(
         &self,
-        spawn: impl FnOnce() -> io::Result<(Start, libc::pid_t)>,
+        mut spawn: impl FnMut() -> io::Result<(Start, libc::pid_t)>,
     ) -> io::Result<Result<libc::pid_t, i32>> {
+        let ended = end_thread(self.shared);
         let mut st = locked(&self.shared.state);
-        if let State::Interrupted(sig) = *st {
-            return Ok(Err(sig));
+        // A thread's task is freed a moment after it is joined: under a pids limit, a spawn then
+        // fails with EAGAIN until it is.
+        let mut retries = if ended { SPAWN_RETRIES } else { 0 };
+        loop {
+            if let State::Interrupted(sig) = *st {
+                return Ok(Err(sig));
+            }
+            // Without the thread, a signal since install is still pending.
+            if let Some((sig, _)) = take(&self.shared.set, false) {
+                *st = State::Interrupted(sig);
+                return Ok(Err(sig));
+            }
+            match spawn() {
+                Ok((how, pid)) => {
+                    *st = State::Running(how, pid);
+                    return Ok(Ok(pid));
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && retries > 0 => {
+                    retries -= 1;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(e),
+            }
         }
-        // Without the thread, a signal since install is still pending.
-        if let Some((sig, _)) = take(&self.shared.set, false) {
-            *st = State::Interrupted(sig);
-            return Ok(Err(sig));
-        }
-        let (how, pid) = spawn()?;
-        *st = State::Running(how, pid);
-        Ok(Ok(pid))
     }
 
     /// Waits for the command, forwarding termination signals to it until just before it is reaped.
@@ -313,6 +334,9 @@ fn forward(state: &Mutex<State>, sig: i32, code: i32) {
     }
 }
 
+/// How often a spawn failing with EAGAIN is tried again after the signal thread ended (2 ms apart).
+const SPAWN_RETRIES: u32 = 50;
+
 /// Starts the thread that takes termination signals when a lock wait begins, if none runs yet;
 /// `false` if none could be had (a pids limit), and the wait must poll the signalfd instead: a wait
 /// sleeping in a helper thread would hear no signal. A later wait tries again (pids freed).
@@ -321,21 +345,28 @@ fn start_thread() -> bool {
         return true;
     };
     let mut running = locked(&shared.thread);
-    if !*running {
-        let spawned = std::thread::Builder::new()
+    if running.is_none() {
+        // Born with the wake signal blocked (masks are inherited): one sent at once waits for it.
+        let wake = crate::lock::wake_signal();
+        // SAFETY: sigset manipulation on local sets; the mask changed is this thread's, restored.
+        let before = unsafe {
+            let mut own: libc::sigset_t = std::mem::zeroed();
+            let mut before: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut own);
+            libc::sigaddset(&mut own, wake);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &own, &mut before);
+            before
+        };
+        *running = std::thread::Builder::new()
             .name("stowage-signals".into())
             .stack_size(64 * 1024)
-            .spawn(move || {
-                loop {
-                    if let Some((sig, code)) = take(&shared.set, true) {
-                        forward(&shared.state, sig, code);
-                    }
-                }
-            });
-        *running = spawned.is_ok();
+            .spawn(move || take_signals(shared))
+            .ok();
+        // SAFETY: restores the mask read above.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut()) };
     }
     // A descriptor made before stays registered once a thread runs: either takes a signal.
-    if !*running {
+    if running.is_none() {
         shared.descriptor.call_once(|| {
             let flags = SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK;
             if let Ok(fd) = SignalFd::with_flags(&shared.set, flags) {
@@ -344,7 +375,41 @@ fn start_thread() -> bool {
             }
         });
     }
-    *running
+    running.is_some()
+}
+
+/// The signal thread's loop, until [`end_thread`] sends it the wake signal, which it alone blocks
+/// (from birth) and takes: sent before it sleeps, the signal waits for it, so no ending is missed.
+fn take_signals(shared: &Shared) {
+    let wake = crate::lock::wake_signal();
+    let mut watch = *shared.set.as_ref();
+    // SAFETY: a valid signal number added to a local set.
+    unsafe { libc::sigaddset(&mut watch, wake) };
+    // SAFETY: `watch` is an initialized sigset_t.
+    let watch = unsafe { SigSet::from_sigset_t_unchecked(watch) };
+    loop {
+        match take(&watch, true) {
+            Some((sig, _)) if sig == wake && shared.ending.load(Relaxed) => return,
+            // A stray wake signal (the thread is not told to end) is nothing.
+            Some((sig, _)) if sig == wake => {}
+            Some((sig, code)) => forward(&shared.state, sig, code),
+            None => {}
+        }
+    }
+}
+
+/// Ends the signal thread, if one runs, once it has acted on what it took; whether one ran.
+fn end_thread(shared: &Shared) -> bool {
+    let mut running = locked(&shared.thread);
+    let Some(thread) = running.take() else {
+        return false;
+    };
+    shared.ending.store(true, Relaxed);
+    // SAFETY: the thread is not yet joined, so its pthread_t is valid.
+    unsafe { libc::pthread_kill(thread.as_pthread_t(), crate::lock::wake_signal()) };
+    let _ = thread.join();
+    shared.ending.store(false, Relaxed);
+    true
 }
 
 /// Takes a pending termination signal, if any, and acts on it (where no signal thread takes it).

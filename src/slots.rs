@@ -4,7 +4,8 @@
 //! - A slot is an exclusive flock: the kernel frees it when its holder dies, so no token is lost.
 //! - Slots come first in the lock order (slots → images → global).
 //! - Normal work takes one of the first LIMIT files; high priority a reserved one first, else a
-//!   normal one: at most LIMIT + RESERVE at once. LIMIT 0 is unlimited: no slot is taken.
+//!   normal one: at most LIMIT + RESERVE at once. LIMIT 0 is unlimited: each holder takes the first
+//!   free file, made if need be, so a limit set later counts it.
 //! - Limits live in one record per class (`slot_limits.rs`), changed only under the global lock. A
 //!   lowered limit never disturbs holders: they count against it until they end ([`settle`] forgets
 //!   them once free).
@@ -180,9 +181,27 @@ pub fn set(store: &mut Store, class: &str, limit: u32, reserve: Option<u32>) -> 
         .map_err(|e| planted_or(&root.slot_class_dir(class).join("0.lock"), class, e))?;
     let before = slot_limits::read(&zero, class)?.limits();
     let kept = before.filter(|_| limit > 0).map_or(0, |b| b.reserve);
-    let limits = Limits::set(limit, reserve.unwrap_or(kept), before);
-    slot_limits::write(&zero, class, Some(&limits))
-        .with_context(|| format!("cannot write the limits of slot class '{class}'"))?;
+    let mut limits = Limits::set(limit, reserve.unwrap_or(kept), before);
+    let write = |limits: &Limits| {
+        slot_limits::write(&zero, class, Some(limits))
+            .with_context(|| format!("cannot write the limits of slot class '{class}'"))
+    };
+    write(&limits)?;
+    // An unlimited class's holders each hold a file of their own: limited now, they count against
+    // the limit. Listed after the write, as each reads the record after its take.
+    if before.is_some_and(|b| b.limit == 0) && limit > 0 {
+        let made = (dir.names().unwrap_or_default().iter())
+            .filter_map(|n| match Kind::of(n.to_str()?) {
+                Some(Kind::Normal(i)) => Some(i + 1),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        if made > limits.files {
+            limits.files = made;
+            write(&limits)?;
+        }
+    }
     settle(&root, class, &zero, limits);
     drop(global);
     notify_change(&root, class);

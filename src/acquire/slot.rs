@@ -83,7 +83,8 @@ impl Drop for SlotGuard {
     }
 }
 
-/// Takes a slot of `class`, listing it in our lease. `Ok(None)` when the class is unlimited.
+/// Takes a slot of `class`, listing it in our lease (in an unlimited class too: it counts against a
+/// limit set later). `Ok(None)` only where a waiter was let in without one (an enclosing holder's).
 ///
 /// ```no_run
 /// use stowage::{Root, Store, acquire::slot, slots::Priority};
@@ -187,8 +188,8 @@ pub(crate) fn take(
     }
 }
 
-/// A slot if one is free now (`Ok(Ok(_))`; `None`: the class is unlimited), else the class's files
-/// to wait on, with the limits they were chosen by.
+/// A slot if one is free now (`Ok(Ok(_))`), else the class's files to wait on, with the limits they
+/// were chosen by.
 fn try_now(
     root: &Root,
     class: &str,
@@ -203,8 +204,12 @@ fn try_now(
     // Two tries; a record changed again after them is left to the wait.
     for tries in 1.. {
         let limits = lookup(root, class)?;
-        if limits.limit == 0 {
-            return Ok(Ok(None));
+        if limits.limit == 0 && tries <= 2 {
+            match take_unlimited(root, class, dir) {
+                Ok(Some(g)) => return Ok(Ok(Some(SlotGuard::new(g)))),
+                Ok(None) => continue,
+                Err(e) => return Err(lock::error(&format!("a slot of class '{class}'"), dir, e)),
+            }
         }
         let mut slots = Slots::new(dir, &limits, priority);
         if tries > 2 {
@@ -235,7 +240,7 @@ fn try_now(
 }
 
 /// A normal acquirer's first try: `0.lock`, whose class record, read under the lock, allows the
-/// slot and proves the file at its path. `Some` if that decides (`Some(None)`: unlimited).
+/// slot (unlimited too) and proves the file at its path. `Some` if that decides.
 fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
     let path = root.slot_class_dir(class).join(Kind::Normal(0).file_name());
     let got = lock::acquire_no_wait_with(&path, Mode::Exclusive, lock::IfMissing::Fail, |f| {
@@ -243,7 +248,6 @@ fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
         (c, matches!(c, Class::Limits(_)))
     });
     match got {
-        Ok(Some((_, Class::Limits(l)))) if l.limit == 0 => Ok(Some(None)),
         Ok(Some((g, Class::Limits(l)))) if l.settled() => Ok(Some(Some(SlotGuard::new(g)))),
         // Busy, unsettled, no record, or no such file: the general way says what is wrong.
         Ok(_) => Ok(None),
@@ -253,20 +257,43 @@ fn try_first(root: &Root, class: &str) -> Result<Option<Option<SlotGuard>>> {
     }
 }
 
+/// A slot file of an unlimited class, taken without waiting: the first free one, made if need be,
+/// so a limit set later counts its holder. `None` if the class has a limit now (read after the take,
+/// as `slots set` lists the files after writing it).
+fn take_unlimited(root: &Root, class: &str, dir: &Path) -> std::io::Result<Option<Guard>> {
+    for i in 0.. {
+        let path = dir.join(Kind::Normal(i).file_name());
+        let g = match lock::acquire_no_wait(&path, Mode::Exclusive, lock::IfMissing::Create) {
+            Ok(Some(g)) => g,
+            Ok(None) => continue,
+            // A plant under a slot's name is no slot (doctor reports it).
+            Err(e) if crate::planted::find(&e).is_some() => continue,
+            Err(e) => return Err(e),
+        };
+        let unlimited =
+            matches!(crate::slots::read_class(root, class), Ok(Class::Limits(l)) if l.limit == 0);
+        return Ok(unlimited.then_some(g));
+    }
+    unreachable!("a free file is found")
+}
+
 /// How often a waiting acquirer re-reads its class untold, where another host may change it unseen.
 const RECHECK: Duration = Duration::from_secs(2);
 /// The same on a local filesystem watched with inotify.
 const RECHECK_LOCAL: Duration = Duration::from_secs(30);
 /// Retry interval when closes cannot wake a waiter: locally a freed slot is taken within 100 ms.
+/// So too while a slot is held outside stowage (flock(1)), which may let go by `flock -u`: no close.
 const POLL: Duration = Duration::from_millis(50);
+/// How often such a waiter looks again (leases only) whether an outsider still holds a slot.
+const OUTSIDER_LOOK: Duration = Duration::from_secs(1);
 /// After a close wakes a waiter whose try then finds the slot held, it tries again after 1 ms,
 /// doubling to this (`after_close`): the kernel tells of a file's last close before it releases
 /// the file's flock, and a try in between would sleep through the release (1 wake in 100 seen).
 const SETTLE_LAST: Duration = Duration::from_millis(128);
 
-/// Waits for a slot of `class` in `dir`, starting from `slots`; `None` if the class turns unlimited
-/// or `under_enclosing` (asked at each recheck) says an enclosing exec holds one. Descriptors lost
-/// with the connection to the server are dropped, and the wait goes on with fresh ones.
+/// Waits for a slot of `class` in `dir`, starting from `slots` (a class turned unlimited gives one at
+/// once); `None` if `under_enclosing` (asked at each recheck) says an enclosing exec holds one.
+/// Descriptors lost with the connection to the server are dropped, and the wait goes on afresh.
 fn wait_for_slot(
     store: &Store,
     class: &str,
@@ -280,18 +307,16 @@ fn wait_for_slot(
     let failed = |e| lock::error(&format!("a slot of class '{class}'"), dir, e);
     crate::debug::pause("slot-watching");
     let waker = Waker::watch(dir, Some(CHANGED));
-    let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
-    let poll = match (local, waker.watching()) {
-        (true, true) => None,
-        (true, false) => Some(POLL),
-        (false, _) => Some(lock::REMOTE_REARM),
-    };
+    let poll = polling(dir, &waker);
     let every = poll.map_or(RECHECK_LOCAL, |_| RECHECK);
     let mut recheck_at = Instant::now() + every;
     let mut recheck = true; // a change since the tries, before the watch, told nobody
     let mut after_close: Option<Duration> = None;
     let mut reconnect = lock::Reconnect::default();
+    let mut outsider = Outsider::watched(poll.is_none());
     loop {
+        // Only how soon to try again rests on it: a look that failed (a dropped connection) is none.
+        let _ = outsider.look(&mut slots, store.root(), recheck);
         if recheck {
             recheck_at = Instant::now() + every;
         }
@@ -315,6 +340,7 @@ fn wait_for_slot(
         if deadline.is_some_and(|d| now >= d) {
             return Ok(lock::Waited::TimedOut);
         }
+        let poll = if outsider.holds { Some(POLL) } else { poll };
         let polled = poll.map_or(recheck_at, |p| recheck_at.min(now + p));
         let polled = after_close.map_or(polled, |s| polled.min(now + s));
         let until = deadline.map_or(polled, |d| polled.min(d));
@@ -326,6 +352,8 @@ fn wait_for_slot(
             }
             Woke::Timeout => {
                 recheck = Instant::now() >= recheck_at;
+                // Tries after a close ended busy: an outsider may have taken the slot.
+                outsider.due |= after_close.is_some_and(|s| s * 2 > SETTLE_LAST);
                 after_close = after_close.map(|s| s * 2).filter(|s| *s <= SETTLE_LAST);
             }
         }
@@ -347,7 +375,12 @@ fn slot_pass(
             return Ok(Some(lock::Waited::Acquired(None)));
         }
         match reread_class(store, class, &slots.limits)? {
-            None => return Ok(Some(lock::Waited::Acquired(None))),
+            // Turned unlimited: a file of its own all the same, so that a limit set later counts it.
+            None => match take_unlimited(store.root(), class, dir) {
+                Ok(Some(g)) => return Ok(Some(lock::Waited::Acquired(Some(g)))),
+                Ok(None) => *recheck = true,
+                Err(e) => return Err(lock::error(&format!("a slot of class '{class}'"), dir, e)),
+            },
             Some(now) if now != slots.limits => *slots = Slots::new(dir, &now, slots.priority),
             Some(_) => {}
         }
@@ -364,6 +397,47 @@ fn slot_pass(
         Err(e) => return Err(lock::error(&format!("a slot of class '{class}'"), dir, e)),
     }
     Ok(None)
+}
+
+/// How often a waiter polls untold: never where inotify tells it of each local close.
+fn polling(dir: &Path, waker: &Waker) -> Option<Duration> {
+    let local = crate::filesystem::filesystem(dir).is_ok_and(|f| f.local);
+    match (local, waker.watching()) {
+        (true, true) => None,
+        (true, false) => Some(POLL),
+        (false, _) => Some(lock::REMOTE_REARM),
+    }
+}
+
+/// Where closes wake a waiter: whether a process no lease names holds a slot it may take (looked
+/// at on each recheck, when the tries after a close end busy, and every [`OUTSIDER_LOOK`] while
+/// one does), so that it polls meanwhile.
+struct Outsider {
+    watched: bool,
+    due: bool,
+    holds: bool,
+    next: Instant,
+}
+
+impl Outsider {
+    fn watched(watched: bool) -> Outsider {
+        let (due, holds, next) = (false, false, Instant::now());
+        Outsider {
+            watched,
+            due,
+            holds,
+            next,
+        }
+    }
+
+    fn look(&mut self, slots: &mut Slots, root: &Root, recheck: bool) -> std::io::Result<()> {
+        self.due |= recheck || (self.holds && Instant::now() >= self.next);
+        if self.watched && std::mem::take(&mut self.due) {
+            self.next = Instant::now() + OUTSIDER_LOOK;
+            self.holds = slots.held_outside(root)?;
+        }
+        Ok(())
+    }
 }
 
 /// Rereads the class for a waiter: removed is an error (64), unlimited (`None`) lets it in.
@@ -406,6 +480,9 @@ struct Slots {
     limits: Limits,
     beyond: FileSet,
     beyond_high: FileSet,
+    /// Every reserved file that may be held (only while some lie beyond a lowered reserve): their
+    /// holders beyond the reserve count against the limit.
+    reserved: FileSet,
 }
 
 impl Slots {
@@ -415,6 +492,12 @@ impl Slots {
             Priority::Normal => 0,
         };
         let (beyond, beyond_high) = crate::slots::beyond(dir, limits);
+        let reserved = match beyond_high.is_empty() {
+            true => Vec::new(),
+            false => (0..limits.high_files)
+                .map(|i| dir.join(Kind::High(i).file_name()))
+                .collect(),
+        };
         Slots {
             candidates: FileSet::new(candidates(dir, limits, priority)),
             high,
@@ -422,15 +505,43 @@ impl Slots {
             limits: *limits,
             beyond: FileSet::new(beyond),
             beyond_high: FileSet::new(beyond_high),
+            reserved: FileSet::new(reserved),
         }
+    }
+
+    /// Whether a file this acquirer may take is held by a process stowage did not start: no lease
+    /// lists it as held. Asked through our own descriptors and the leases: no close in the class.
+    fn held_outside(&mut self, root: &Root) -> std::io::Result<bool> {
+        let leases = root.leases();
+        let listed: std::collections::HashSet<String> = crate::lease::listing(&leases)
+            .iter()
+            .filter_map(|n| crate::lease::identity(&leases, n))
+            .flat_map(|id| id.holdings.into_iter().filter(|h| !h.awaits))
+            .map(|h| h.lockfile)
+            .collect();
+        let unlisted: Vec<bool> = (self.candidates.paths().iter())
+            .map(|p| !listed.contains(&root.locks_rel(p)))
+            .collect();
+        Ok(self.candidates.held_count(|j| unlisted[j])? > 0)
+    }
+
+    /// Holders of reserved files beyond the reserve (a lowered one): they count as normal holders,
+    /// so the total stays within limit + reserve.
+    fn spilled(&mut self) -> std::io::Result<usize> {
+        if self.reserved.paths().is_empty() {
+            return Ok(0);
+        }
+        let held = self.reserved.held_count(|_| true)?;
+        Ok(held.saturating_sub(self.limits.reserve as usize))
     }
 
     /// One pass of tries. A slot is kept only if the record read after the take still says these
     /// limits, and its kind's slots in use (beyond a lowered limit too) stay within them.
     fn try_take(&mut self, root: &Root, class: &str) -> std::io::Result<Took> {
         // Kinds filled by holders beyond a lowered limit are not tried (others would see the try).
-        let normal_full = !self.beyond.paths().is_empty()
-            && self.beyond.held_count(|_| true)? >= self.limits.limit as usize;
+        let spilled = self.spilled()?;
+        let normal_full = (!self.beyond.paths().is_empty() || spilled > 0)
+            && self.beyond.held_count(|_| true)? + spilled >= self.limits.limit as usize;
         let high_full = !self.beyond_high.paths().is_empty()
             && self.beyond_high.held_count(|_| true)? >= self.limits.reserve as usize;
         let high = self.high;
@@ -447,10 +558,12 @@ impl Slots {
             (&mut self.beyond, self.limits.limit as usize)
         };
         // Counted before the record is read: its read's close wakes this waiter, which would spin.
-        let in_use = match beyond.paths().is_empty() {
+        let spilled = if is_high { 0 } else { spilled };
+        let in_use = match beyond.paths().is_empty() && spilled == 0 {
             true => 0,
             false => {
                 beyond.held_count(|_| true)?
+                    + spilled
                     + 1
                     + self
                         .candidates

@@ -124,6 +124,50 @@ fn sigterm_ends_a_wait_that_could_start_no_thread() {
     }
 }
 
+/// Under a pids limit that admits stowage and its command alone (and a
+/// keeper with `--no-inherit`), the command still starts after a wait: the
+/// thread that took signals while waiting has ended by then.
+#[test]
+fn a_command_starts_after_a_wait_under_a_pids_limit_with_no_task_to_spare() {
+    let env = Env::new();
+    env.make_image("a");
+    env.ok(["slots", "set", "one", "1"]);
+    for (what, locks, tasks) in [
+        ("write", &["--write", "a"][..], 2),
+        ("slot", &["--slot", "one"][..], 2),
+        ("no-inherit", &["--no-inherit", "--read", "a"][..], 3),
+    ] {
+        let Some(cg) = PidsCgroup::new(tasks) else {
+            return;
+        };
+        let held = if what == "slot" { "--slot" } else { "--write" };
+        let (started, let_go) = (format!("held-{what}"), format!("let-go-{what}"));
+        let holder = env.hold_until(&[held, locks[locks.len() - 1]], &started, &let_go);
+        let ran = env.sentinel(&format!("ran-{what}"));
+        let mut args = vec!["-q", "exec"];
+        args.extend(locks);
+        args.extend(["--", "touch", ran.to_str().unwrap()]);
+        let mut c = env.cmd(args);
+        cg.enter(&mut c);
+        let waiter = Bg::from_command(c);
+        wait_until(&format!("the {what} waiter is recorded"), || {
+            let out = env.ok(["lock-status", "--json"]);
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            v["locks"].as_array().unwrap().iter().any(|l| {
+                l["waiters"]
+                    .as_array()
+                    .is_some_and(|w| w.iter().any(|w| w["pid"] == waiter.pid()))
+            })
+        });
+        env.release(&let_go);
+        assert_eq!(holder.finish().status.code(), Some(0));
+        let out = waiter.finish();
+        assert_eq!(out.status.code(), Some(0), "{what}: {}", show(&out));
+        assert!(ran.exists(), "{what}: the command did not run");
+        drop(cg);
+    }
+}
+
 /// The waiters of `image`'s lock, by pid.
 fn waits_on(env: &Env, image: &str, pid: u32) -> bool {
     env.lock_entry(image).is_some_and(|e| {

@@ -76,19 +76,50 @@ fn unlimited_class_lets_everyone_in_at_once() {
         assert_eq!(w.finish().status.code(), Some(0));
     }
     assert_eq!(max_count(&env), 5);
-    // One lock file, never a slot: `0.lock` carries the class's record
-    // (that no slot is needed) and lets lock-status list the class.
-    let mut files: Vec<String> = fs::read_dir(env.root.join("locks/slots/load%docker"))
+    // Each holder took a file of its own without waiting (so a limit set
+    // later counts it): no more files than ran at once, numbered from 0.
+    let files: Vec<String> = fs::read_dir(env.root.join("locks/slots/load%docker"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .filter(|n| n.ends_with(".lock"))
         .collect();
-    files.sort();
-    assert_eq!(
-        files,
-        ["0.lock"],
-        "one record carrier for an unlimited class"
-    );
+    assert!((1..=5).contains(&files.len()), "{files:?}");
+    for i in 0..files.len() {
+        assert!(files.contains(&format!("{i}.lock")), "{files:?}");
+    }
+}
+
+/// Holders of an unlimited class count against a limit set while they run:
+/// with two holders and the limit lowered from 0 to 1, lock-status says 2
+/// in use and no one new gets in until both have ended.
+#[test]
+fn holders_of_an_unlimited_class_count_against_a_limit_set_later() {
+    let env = Env::new();
+    env.ok(["slots", "set", "z", "0"]);
+    let a = env.hold_until(&["--slot", "z"], "a", "release-a");
+    let b = env.hold_until(&["--slot", "z"], "b", "release-b");
+    env.ok(["slots", "set", "z", "1"]);
+    let e = env.slot_entry("z").unwrap();
+    assert_eq!(e["in_use"], 2, "{e}");
+    let ran = env.sentinel("waiter-ran");
+    let waiter = env.spawn(["exec", "--slot", "z", "--", "touch", ran.to_str().unwrap()]);
+    env.wait_for_slot_waiters("z", 1);
+    env.release("release-a");
+    assert_eq!(a.finish().status.code(), Some(0));
+    // b still runs, the limit is 1: the waiter stays out.
+    for _ in 0..20 {
+        assert_eq!(env.slot_entry("z").unwrap()["in_use"], 1);
+        assert!(
+            !ran.exists(),
+            "a holder from before the limit was not counted"
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    env.release("release-b");
+    assert_eq!(b.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(ran.exists());
 }
 
 fn holder(env: &Env, class: &str, priority: &str, tag: &str) -> Bg {
@@ -394,6 +425,41 @@ fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
     holder.kill_all();
 }
 
+/// A script that takes a slot the flock(1) way on a descriptor and lets go
+/// by `flock -u`, keeping the descriptor open, closes nothing: the waiter,
+/// which saw the slot held by a process stowage did not start, tries often
+/// and takes it then, not at its next periodic look (30 s) or its deadline.
+/// It lets go a second after being told: the tries after the last close
+/// (lock-status's look) are over by then.
+#[test]
+fn a_slot_let_go_by_flock_u_without_a_close_is_taken_soon() {
+    let env = Env::new();
+    env.ok(["slots", "set", "one", "1"]);
+    let slot = env.root.join("locks/slots/one/0.lock");
+    let [held, release, released] = ["held", "release", "released"].map(|s| env.sentinel(s));
+    let holder = Bg::from_command({
+        let mut c = std::process::Command::new("sh");
+        c.arg("-c").arg(format!(
+            "exec 9<>'{slot}'; flock -x 9; touch '{held}'; \
+             while [ ! -e '{release}' ]; do sleep 0.01; done; \
+             sleep 1; flock -u 9; touch '{released}'; sleep 30",
+            slot = slot.display(),
+            held = held.display(),
+            release = release.display(),
+            released = released.display(),
+        ));
+        c
+    });
+    wait_for_file(&held);
+    let waiter = env.spawn(["exec", "--slot", "one", "--wait", "20", "--", "true"]);
+    env.wait_for_slot_waiters("one", 1);
+    fs::write(&release, "").unwrap();
+    wait_for_file(&released);
+    let let_go = std::time::Instant::now();
+    assert_in_soon(waiter, let_go, "the waiter slept through the flock -u");
+    holder.kill_all();
+}
+
 /// A waiter whose take is given back because holders beyond a lowered limit still fill it reads
 /// nothing, so it closes nothing: a close would wake itself, and it would spin until they end.
 #[test]
@@ -495,6 +561,45 @@ fn a_lowered_slot_limit_binds_queued_waiters() {
     let out = waiter.finish();
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     assert!(env.sentinel("waiter-ran").exists());
+}
+
+/// A high-priority holder of a reserved slot counts against the limit once
+/// the reserve is removed: with limit 2, reserve 0 and three holders (one
+/// on `high-0`), a normal holder's end lets no one new in.
+#[test]
+fn a_holder_of_a_removed_reserve_counts_against_the_limit() {
+    let env = Env::new();
+    env.ok(["slots", "set", "c", "2", "--reserve-high", "1"]);
+    let high = env.hold_until(
+        &["--slot", "c", "--priority", "high"],
+        "high",
+        "release-high",
+    );
+    let a = env.hold_until(&["--slot", "c"], "a", "release-a");
+    let b = env.hold_until(&["--slot", "c"], "b", "release-b");
+    env.ok(["slots", "set", "c", "2", "--reserve-high", "0"]);
+    let ran = env.sentinel("waiter-ran");
+    let waiter = env.spawn(["exec", "--slot", "c", "--", "touch", ran.to_str().unwrap()]);
+    env.wait_for_slot_waiters("c", 1);
+    env.release("release-a");
+    assert_eq!(a.finish().status.code(), Some(0));
+    // Two run (b and the high holder), the limit is 2: the waiter stays out.
+    for _ in 0..20 {
+        let e = env.slot_entry("c").unwrap();
+        assert_eq!(e["in_use"], 2, "{e}");
+        assert!(
+            !ran.exists(),
+            "the removed reserve's holder was not counted"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    env.release("release-high");
+    assert_eq!(high.finish().status.code(), Some(0));
+    let out = waiter.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(ran.exists());
+    env.release("release-b");
+    assert_eq!(b.finish().status.code(), Some(0));
 }
 
 #[test]
