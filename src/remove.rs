@@ -23,7 +23,7 @@ use crate::clock;
 use crate::debug;
 use crate::dir::Dir;
 use crate::disk_usage;
-use crate::image_record::{self, State};
+use crate::image_record::{self, Record, State};
 use crate::lock::Mode;
 use crate::name::ImageName;
 use crate::root::{Root, in_use_by_a_store};
@@ -67,25 +67,8 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         return Err(crate::Error::NoSuchImage(held.name.as_str().to_owned()).into());
     };
     let state = before.state_seen(false);
-    let images_dir = crate::images_dir::of_record(root, &before)?;
+    let (images, tree) = images_dir_of(root, &held.name, &before)?;
     let trash = root.open_or_make_sub("trash")?;
-    let opened = root.open_images_dir(&images_dir);
-    let images = crate::images_dir::confirmed(root, &images_dir, opened).with_context(|| {
-        format!(
-            "cannot remove image '{}': images directory {} is not usable (is it mounted?)",
-            held.name,
-            images_dir.display()
-        )
-    })?;
-    let tree = images_dir.join(held.name.encoded());
-    // A tree missing from an unmounted images directory is not gone: its record must stay.
-    let there = images.stat_at(held.name.encoded());
-    let there = there.with_context(|| format!("cannot look at {}", tree.display()))?;
-    if there.is_none()
-        && let Some(why) = crate::images_dir::unmounted(root, &images_dir)
-    {
-        anyhow::bail!("cannot remove image '{}': {why}", held.name);
-    }
     let mut bytes = size.or_else(|| disk_usage::freed_by_deleting(&tree).ok());
     // 1. The record says so first, durably.
     let mut deleting = before.clone();
@@ -134,6 +117,28 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
         left_in_trash,
         lock_file_left,
     })
+}
+
+/// The images directory `record` names, opened and confirmed, and the path of `name`'s tree in it;
+/// refused where unmounted and the tree missing (not gone: its record must stay).
+fn images_dir_of(root: &Root, name: &ImageName, record: &Record) -> Result<(Dir, PathBuf)> {
+    let images_dir = crate::images_dir::of_record(root, record)?;
+    let opened = root.open_images_dir(&images_dir);
+    let images = crate::images_dir::confirmed(root, &images_dir, opened).with_context(|| {
+        format!(
+            "cannot remove image '{name}': images directory {} is not usable (is it mounted?)",
+            images_dir.display()
+        )
+    })?;
+    let tree = images_dir.join(name.encoded());
+    let there = images.stat_at(name.encoded());
+    let there = there.with_context(|| format!("cannot look at {}", tree.display()))?;
+    if there.is_none()
+        && let Some(why) = crate::images_dir::unmounted(root, &images_dir)
+    {
+        anyhow::bail!("cannot remove image '{name}': {why}");
+    }
+    Ok((images, tree))
 }
 
 /// Once the tree was taken out: the trash entry to delete, if any. If it could not be, the record

@@ -74,9 +74,28 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     let images = root.open_or_make_images_dir(&dir)?;
     // Before anything is adopted: a directory another store claims is refused untouched.
     make_ours(store, &root, &mut config, (&images, &dir), wanted.is_some())?;
+    let (adopted, how) = adopt_found(store, &config, (&images, &dir), taken.is_some())?;
+    // The whole layout, the catalog and the global lock too (filled by the next look).
+    store.with_catalog(None, |_, _| Ok(()))?;
+    let (at, note) = (root.dir().display(), adopted_note(adopted, how));
+    let said = format!("root {at} ready; images in {}{note}", dir.display());
+    store.ctx().say(&said);
+    // Shared last, once nothing is left to refuse: a refused init changes no mode and no group.
+    group.map_or(Ok(0), |gid| share(store, &images, &dir, gid))
+}
+
+/// Adopts the trees in the images directory (`images`, at `dir`) that have no record, saying which
+/// it left and why; `stores_judged`: as for [`adopt::orphans`].
+fn adopt_found(
+    store: &Store,
+    config: &Config,
+    (images, dir): (&crate::dir::Dir, &Path),
+    stores_judged: bool,
+) -> Result<(usize, Adopt)> {
+    let root = store.root();
     // Trees are adopted ready only in a directory stowage never managed, where no image has ever
     // had a lock file, or by an init finishing such an adoption, interrupted (see adopt.rs).
-    let census = crate::census::take(&root)?;
+    let census = crate::census::take(root)?;
     let how = if census.is_empty() || config.adopting {
         Adopt::AsReady
     } else {
@@ -86,12 +105,12 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         .into_iter()
         .filter_map(|e| e.name().map(str::to_owned))
         .collect();
-    let orphans = adopt::orphans(&images, &dir, &named, taken.is_some())?;
+    let orphans = adopt::orphans(images, dir, &named, stores_judged)?;
     let as_ready = how == Adopt::AsReady && !orphans.trees.is_empty();
     if as_ready {
         adopt::mark_adopting(store, true)?;
     }
-    let adopted = adopt::adopt(&root, &config, &orphans, how)?;
+    let adopted = adopt::adopt(root, config, &orphans, how)?;
     if (as_ready || config.adopting) && adopted.left.is_empty() {
         adopt::mark_adopting(store, false)?;
     }
@@ -102,13 +121,7 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     for (entry, why) in &orphans.skipped {
         ctx.say(&format!("not adopting {entry:?} in {shown}: {why}"));
     }
-    // The whole layout, the catalog and the global lock too (filled by the next look).
-    store.with_catalog(None, |_, _| Ok(()))?;
-    let (at, note) = (root.dir().display(), adopted_note(adopted.names.len(), how));
-    let said = format!("root {at} ready; images in {shown}{note}");
-    store.ctx().say(&said);
-    // Shared last, once nothing is left to refuse: a refused init changes no mode and no group.
-    group.map_or(Ok(0), |gid| share(store, &images, &dir, gid))
+    Ok((adopted.names.len(), how))
 }
 
 /// Checks the root may be shared with group `name`; makes what init creates from now on
