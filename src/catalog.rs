@@ -350,21 +350,94 @@ fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
 #[error("the store is being migrated to image records, or must be first ('stowage doctor' tells)")]
 pub struct NeedsMigration;
 
-/// The schema version of `root`'s catalog if it is of a release before records ([`inspect_in`]),
-/// or an error if it could not be asked (busy, damaged). Opened for writing where it may be, so a
-/// transaction a crash cut short is rolled back first, as any use would.
-pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
+/// What a store without a configuration holds of a release before records ([`legacy_state`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Legacy {
+    /// This store's catalog of that release, at this schema version.
+    Catalog(i64),
+    /// That release's tokens in the image lock files, its catalog lost (missing, emptied, damaged,
+    /// another's), as said here.
+    Lost(String),
+}
+
+/// What `root` holds of a release before records, if anything: its catalog (see [`inspect_in`]),
+/// or, that lost, its tokens ([`older_release_tokens`]). An error only if the catalog could not be
+/// asked (busy: it may be that release's): one process waits for it once
+/// ([`busy_timeout`]), then is told at once. Opened for writing where it may be, so a transaction a
+/// crash cut short is rolled back first, as any use would.
+pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
+    static BUSY_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let path = root.db();
     check_files(&path)?;
-    if !path.is_file() {
-        return Ok(None);
+    let found = if !path.is_file() {
+        Ok(Found::Replaced("missing".into()))
+    } else if BUSY_SEEN.load(std::sync::atomic::Ordering::Relaxed) {
+        Err(busy_again(&path))
+    } else {
+        connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
+            .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))
+            .map_err(anyhow::Error::from)
+            .and_then(|conn| inspect_in(&conn, root))
+    };
+    let why = match found {
+        Ok(Found::Legacy(v)) => return Ok(Some(Legacy::Catalog(v))),
+        Ok(Found::New) => "empty".to_owned(),
+        Ok(Found::Current) => "one of this release, not the older release's".to_owned(),
+        Ok(Found::Replaced(why)) => why,
+        Err(e) if is_damage(&e, &path) => format!("damaged ({e:#})"),
+        Err(e) if is_busy(&e) => {
+            let waited = match BUSY_SEEN.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                true => std::time::Duration::ZERO,
+                false => busy_timeout(),
+            };
+            return Err(crate::Error::Busy(crate::error::Busy {
+                what: format!("the catalog {}", path.display()),
+                holders: "held by a program outside stowage (an sqlite3 shell?): whether the store is to be migrated cannot be told".into(),
+                waited,
+            })
+            .into());
+        }
+        Err(e) => {
+            let shown = path.display();
+            return Err(e.context(format!("cannot tell whether {shown} is to be migrated")));
+        }
+    };
+    Ok(older_release_tokens(root).then_some(Legacy::Lost(why)))
+}
+
+/// The error a second look at a catalog found busy gives without waiting again.
+fn busy_again(path: &Path) -> anyhow::Error {
+    let busy = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY);
+    let why = format!("{} stayed locked by another program", path.display());
+    anyhow::Error::from(rusqlite::Error::SqliteFailure(busy, Some(why)))
+}
+
+/// Whether the store is a release's before records, still to migrate (its catalog aside): that
+/// release's statement in the global lock file (made at its every transaction, emptied only once
+/// migrated); or its tokens in the image lock files, and no record of this release (a token put in
+/// a store of this release is no store of that one).
+pub fn older_release_tokens(root: &Root) -> bool {
+    if stated_identity(root).is_some() {
+        return true;
     }
-    let conn = connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
-        .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))?;
-    Ok(match inspect_in(&conn, root)? {
-        Found::Legacy(v) => Some(v),
-        _ => None,
-    })
+    let (mut token, locks) = (false, root.image_locks());
+    for name in crate::root::names_in(&locks) {
+        if !name.ends_with(".lock") {
+            continue;
+        }
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(locks.join(&name));
+        let Ok(Ok(seen)) = opened.as_ref().map(crate::image_record::read) else {
+            continue;
+        };
+        if seen.record.is_some() {
+            return false;
+        }
+        token |= seen.legacy;
+    }
+    token
 }
 
 /// What the open database is, as `root`'s catalog. An older release's catalog is one to migrate

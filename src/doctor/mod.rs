@@ -399,7 +399,7 @@ const DERIVED: &str = "it is derived from the records: 'stowage doctor --repair'
 
 /// The catalog's check; with `repair` one that cannot be used is set aside and made anew.
 fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdict> {
-    use crate::catalog::Found;
+    use crate::catalog::{Found, Legacy};
     if let Some(status) = planted_catalog(store, repair, report)? {
         return Ok(status);
     }
@@ -409,6 +409,18 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
     }
     let db = store.root().db();
     let shown = db.display();
+    // A store of a release before records whose catalog is lost: its tokens are to migrate, not
+    // records to judge (nor a catalog to make, which would say nothing of them).
+    if crate::migrate::is_legacy(store.root())
+        && let Ok(Some(Legacy::Lost(why))) = crate::catalog::legacy_state(store.root())
+    {
+        if !repair {
+            return Ok(report.catalog(Problem, format!("{shown} lost ({why}) in a store of a release before image records: any command migrates it from its lock files (bases not known)")));
+        }
+        crate::migrate::run(store, None)?;
+        let detail = format!("{shown} lost ({why}): the store migrated from its lock files");
+        return Ok(report.catalog(Repaired, detail));
+    }
     let found = match crate::catalog::inspect_file(&db, store.root()) {
         Ok(f) => f,
         Err(e) if crate::catalog::is_busy(&e) => {
