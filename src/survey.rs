@@ -64,6 +64,17 @@ fn tree_hashed_as(root: &Root, images: &ImagesDir, file: &str) -> Option<ImageNa
 
 /// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.
 pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Image>> {
+    // A store to migrate whose older catalog another program holds: listed from what that
+    // release's lock files say, unmigrated, saying so (its tokens are no damaged records).
+    let tokens = match crate::migrate::if_needed(store, None) {
+        Err(e) if matches!(crate::error::typed(&e), Some(crate::Error::Busy(_))) => {
+            let line =
+                format!("{e:#} (listed from the older release's lock files, bases not known)");
+            store.ctx().say(&line);
+            Some(crate::migrate::records_from_tokens(store.root()))
+        }
+        other => other.map(|()| None)?,
+    };
     let mut entries = take(store.root())?;
     if !crate::store_wide::forget_left(store, &entries).is_empty() {
         entries = take(store.root())?;
@@ -71,7 +82,9 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
     let mut images: Vec<Image> = entries
         .into_iter()
         .filter_map(|entry| {
+            let token = tokens.as_ref().and_then(|t| t.get(&entry.file));
             let record = match (&entry.seen.record, entry.seen.damaged) {
+                _ if token.is_some() => token?.clone(),
                 (Some(r), _) => r.clone(),
                 (None, true) => unknown_record(store.root(), &entry)?,
                 (None, false) => return None,
@@ -88,6 +101,7 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
         })
         .collect();
     let rows = match refresh(store, &images) {
+        _ if tokens.is_some() => None,
         Ok(rows) => Some(rows),
         // A store to migrate whose catalog cannot be had (a read-only root) is not surveyed from
         // tokens, which are no records: the migration says why it cannot run.

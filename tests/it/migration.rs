@@ -898,3 +898,56 @@ fn an_old_catalog_damaged_past_its_header_is_named_and_set_aside() {
     assert!(got == rows || got == tokens, "{got:?}");
     assert_migrated(&env);
 }
+
+/// The older catalog held by an outside program (`BEGIN EXCLUSIVE`): a
+/// command that needs the store migrated waits a bounded time, then fails
+/// with 75 naming the catalog and its holder (it failed with 1, "database
+/// is locked", and `images` waited a minute and more); a listing goes on
+/// from the tokens, saying so. Once let go, the store migrates.
+#[test]
+fn an_old_catalog_held_by_another_program_is_waited_for_boundedly() {
+    if !tool_or_skip("python3", "python3") {
+        return;
+    }
+    let env = old_store();
+    let holder = hold_catalog(&env);
+    let db = env.root.join("stowage.db").display().to_string();
+    for args in [
+        &["exec", "--read", "base", "--", "true"][..],
+        &["exec", "--write", "zz", "--", "true"],
+        &["gc"],
+    ] {
+        let mut c = env.cmd(args);
+        c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
+        let out = output(c);
+        assert_eq!(code(&out), Some(75), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&db) && err.contains("held by"),
+            "{args:?}: {err}"
+        );
+    }
+    let mut c = env.cmd(["images", "--json"]);
+    c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("listed from the older release's lock files"),
+        "{}",
+        show(&out)
+    );
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let base = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"] == "base");
+    assert_eq!(
+        base.map(|b| b["state"].clone()),
+        Some("ready".into()),
+        "{listed}"
+    );
+    holder.kill_all();
+    assert_eq!(states(&env), expected());
+    assert_migrated(&env);
+}
