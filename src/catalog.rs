@@ -391,8 +391,8 @@ pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
                 false => busy_timeout(),
             };
             return Err(crate::Error::Busy(crate::error::Busy {
-                what: format!("the catalog {}", path.display()),
-                holders: "held by a program outside stowage (an sqlite3 shell?): whether the store is to be migrated cannot be told".into(),
+                what: format!("the catalog {} (is the store to migrate?)", path.display()),
+                holders: "held by a program outside stowage (an sqlite3 shell?)".into(),
                 waited,
             })
             .into());

@@ -211,8 +211,9 @@ fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> 
     files::check(root, repair, store.ctx().shared(), report);
     let configured = configuration::check(root, repair, report)?;
     let status = catalog(store, repair, report)?;
-    // A store still to migrate has records only in part: nothing more to judge until it is.
-    if !repair && crate::migrate::is_legacy(root) {
+    // A store still to migrate (a repair could not: its older catalog is held) has records only in
+    // part: nothing more to judge until it is.
+    if crate::migrate::is_legacy(root) {
         let detail = "not checked until the store is migrated (any command but lock-status and a plain doctor migrates it)";
         report.add("records", Info, detail);
         return Ok(false);
@@ -411,9 +412,20 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
     let shown = db.display();
     // A store of a release before records whose catalog is lost: its tokens are to migrate, not
     // records to judge (nor a catalog to make, which would say nothing of them).
-    if crate::migrate::is_legacy(store.root())
-        && let Ok(Some(Legacy::Lost(why))) = crate::catalog::legacy_state(store.root())
+    let legacy = match crate::migrate::is_legacy(store.root()) {
+        true => crate::catalog::legacy_state(store.root()),
+        false => Ok(None),
+    };
+    // Held by another program (asked once, bounded): whether it is to migrate cannot be told.
+    if let Err(e) = &legacy
+        && matches!(crate::error::typed(e), Some(crate::Error::Busy(_)))
     {
+        return Ok(report.catalog(
+            Problem,
+            format!("{e:#}; nothing is migrated until it lets go"),
+        ));
+    }
+    if let Ok(Some(Legacy::Lost(why))) = legacy {
         if !repair {
             return Ok(report.catalog(Problem, format!("{shown} lost ({why}) in a store of a release before image records: any command migrates it from its lock files (bases not known)")));
         }

@@ -916,6 +916,8 @@ fn an_old_catalog_held_by_another_program_is_waited_for_boundedly() {
         &["exec", "--read", "base", "--", "true"][..],
         &["exec", "--write", "zz", "--", "true"],
         &["gc"],
+        &["gc", "--dry-run"],
+        &["init"],
     ] {
         let mut c = env.cmd(args);
         c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
@@ -926,6 +928,18 @@ fn an_old_catalog_held_by_another_program_is_waited_for_boundedly() {
             err.contains(&db) && err.contains("held by"),
             "{args:?}: {err}"
         );
+    }
+    for args in [&["doctor"][..], &["doctor", "--repair"]] {
+        let mut c = env.cmd(args);
+        c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
+        let out = output(c);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        let said = stdout(&out);
+        assert!(
+            said.contains(&db) && said.contains("held by"),
+            "{args:?}: {said}"
+        );
+        assert!(!said.contains("cannot be read"), "{args:?}: {said}");
     }
     let mut c = env.cmd(["images", "--json"]);
     c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
