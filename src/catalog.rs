@@ -361,7 +361,7 @@ pub enum Legacy {
 }
 
 /// What `root` holds of a release before records, if anything: its catalog (see [`inspect_in`]),
-/// or, that lost, its tokens ([`older_release_tokens`]). An error only if the catalog could not be
+/// or, that lost, its tokens ([`Root::older_release_left`]). An error only if the catalog could not be
 /// asked (busy: it may be that release's): one process waits for it once
 /// ([`busy_timeout`]), then is told at once. Opened for writing where it may be, so a transaction a
 /// crash cut short is rolled back first, as any use would.
@@ -402,7 +402,7 @@ pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
             return Err(e.context(format!("cannot tell whether {shown} is to be migrated")));
         }
     };
-    Ok(older_release_tokens(root).then_some(Legacy::Lost(why)))
+    Ok(root.older_release_left().then_some(Legacy::Lost(why)))
 }
 
 /// The error a second look at a catalog found busy gives without waiting again.
@@ -410,34 +410,6 @@ fn busy_again(path: &Path) -> anyhow::Error {
     let busy = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY);
     let why = format!("{} stayed locked by another program", path.display());
     anyhow::Error::from(rusqlite::Error::SqliteFailure(busy, Some(why)))
-}
-
-/// Whether the store is a release's before records, still to migrate (its catalog aside): that
-/// release's statement in the global lock file (made at its every transaction, emptied only once
-/// migrated); or its tokens in the image lock files, and no record of this release (a token put in
-/// a store of this release is no store of that one).
-pub fn older_release_tokens(root: &Root) -> bool {
-    if stated_identity(root).is_some() {
-        return true;
-    }
-    let (mut token, locks) = (false, root.image_locks());
-    for name in crate::root::names_in(&locks) {
-        if !name.ends_with(".lock") {
-            continue;
-        }
-        let opened = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-            .open(locks.join(&name));
-        let Ok(Ok(seen)) = opened.as_ref().map(crate::image_record::read) else {
-            continue;
-        };
-        if seen.record.is_some() {
-            return false;
-        }
-        token |= seen.legacy;
-    }
-    token
 }
 
 /// What the open database is, as `root`'s catalog. An older release's catalog is one to migrate
@@ -452,7 +424,7 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     let why = if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         "in a store already past it"
     // Nothing stated in the global lock file is no evidence that it is ours.
-    } else if Some(id()? as u32) != stated_identity(root) {
+    } else if Some(id()? as u32) != root.older_release_catalog_id() {
         "not this store's (the global lock file does not name it)"
     } else {
         return Ok(found);
@@ -460,19 +432,6 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     Ok(Found::Replaced(format!(
         "schema version {v} of a release before image records, {why}"
     )))
-}
-
-/// The catalog identity an older release stated in the global lock file (`db=HEX`), if any.
-fn stated_identity(root: &Root) -> Option<u32> {
-    // Opened for reading only: a store on a read-only mount is still found to be one to migrate.
-    let locks = crate::dir::Dir::open_in_root(&root.locks()).ok()?;
-    let file = locks.open_read("global.lock").ok()?;
-    let mut text = String::new();
-    std::io::Read::read_to_string(&mut std::io::Read::take(&file, 4096), &mut text).ok()?;
-    let body = text.strip_prefix("stowage-records ")?;
-    body.lines()
-        .find_map(|l| l.strip_prefix("db="))
-        .and_then(|v| u32::from_str_radix(v, 16).ok())
 }
 
 /// What the open database is: asked once per connection, before the first transaction.

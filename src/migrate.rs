@@ -148,7 +148,7 @@ fn read_old(store: &Store) -> Result<Option<(Option<rusqlite::Connection>, Old)>
         Ok(_) => (None, true),
     };
     drop(conn);
-    if !crate::catalog::older_release_tokens(root) {
+    if !root.older_release_left() {
         return Ok(None);
     }
     if let Some(e) = damage {

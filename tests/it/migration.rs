@@ -822,6 +822,12 @@ fn an_old_store_whose_catalog_is_lost_takes_each_images_state_from_its_token() {
         let out = env.run(["doctor", "--repair"]);
         assert_eq!(code(&out), Some(0), "{loss}: {}", show(&out));
     }
+    // A command that locks nothing, first, made a fresh configuration: the store was taken for
+    // migrated, its tokens never read.
+    let env = old_store();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    env.ok(["exec", "--", "true"]);
+    assert_eq!(states(&env), expected_from_tokens());
     // A repair as the first command migrates it so too (it reported 7 unreadable records).
     let env = old_store();
     fs::remove_file(env.root.join("stowage.db")).unwrap();
