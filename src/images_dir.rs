@@ -25,14 +25,12 @@ pub fn config(root: &Root) -> Result<Config> {
         return Ok(c);
     }
     // An old release's catalog is migrated first; one that cannot be asked is refused.
-    // Held by another program: said as the wait it is (75), naming the catalog already.
-    let legacy = crate::catalog::legacy_state(root).map_err(|e| match crate::error::typed(&e) {
-        Some(crate::Error::Busy(_)) => e,
-        _ => e.context(format!(
+    let legacy = crate::catalog::legacy_state(root).with_context(|| {
+        format!(
             "{} is missing, and {} cannot be asked whether to migrate it ('stowage doctor' tells more)",
             root.dir().join(crate::config::FILE).display(),
             root.db().display()
-        )),
+        )
     })?;
     if legacy.is_some() {
         return Err(crate::catalog::NeedsMigration.into());
