@@ -350,21 +350,66 @@ fn leave_wal(conn: &rusqlite::Connection) -> rusqlite::Result<()> {
 #[error("the store is being migrated to image records, or must be first ('stowage doctor' tells)")]
 pub struct NeedsMigration;
 
-/// The schema version of `root`'s catalog if it is of a release before records ([`inspect_in`]),
-/// or an error if it could not be asked (busy, damaged). Opened for writing where it may be, so a
-/// transaction a crash cut short is rolled back first, as any use would.
-pub fn legacy_state(root: &Root) -> Result<Option<i64>> {
+/// What a store without a configuration holds of a release before records ([`legacy_state`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Legacy {
+    /// This store's catalog of that release, at this schema version.
+    Catalog(i64),
+    /// That release's tokens in the image lock files, its catalog lost (missing, emptied, damaged,
+    /// another's), as said here.
+    Lost(String),
+}
+
+/// What `root` holds of a release before records, if anything: its catalog (see [`inspect_in`]),
+/// or, that lost, its tokens ([`Root::older_release_left`]). An error only if the catalog could not be
+/// asked (busy: it may be that release's): one process waits for it once
+/// ([`busy_timeout`]), then is told at once. Opened for writing where it may be, so a transaction a
+/// crash cut short is rolled back first, as any use would.
+pub fn legacy_state(root: &Root) -> Result<Option<Legacy>> {
+    static BUSY_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let path = root.db();
     check_files(&path)?;
-    if !path.is_file() {
-        return Ok(None);
-    }
-    let conn = connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
-        .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))?;
-    Ok(match inspect_in(&conn, root)? {
-        Found::Legacy(v) => Some(v),
-        _ => None,
-    })
+    let found = if !path.is_file() {
+        Ok(Found::Replaced("missing".into()))
+    } else if BUSY_SEEN.load(std::sync::atomic::Ordering::Relaxed) {
+        Err(busy_again(&path))
+    } else {
+        connect(&path, OpenFlags::SQLITE_OPEN_READ_WRITE)
+            .or_else(|_| connect(&path, OpenFlags::SQLITE_OPEN_READ_ONLY))
+            .map_err(anyhow::Error::from)
+            .and_then(|conn| inspect_in(&conn, root))
+    };
+    let why = match found {
+        Ok(Found::Legacy(v)) => return Ok(Some(Legacy::Catalog(v))),
+        Ok(Found::New) => "empty".to_owned(),
+        Ok(Found::Current) => "one of this release, not the older release's".to_owned(),
+        Ok(Found::Replaced(why)) => why,
+        Err(e) if is_damage(&e, &path) => format!("damaged ({e:#})"),
+        Err(e) if is_busy(&e) => {
+            let waited = match BUSY_SEEN.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                true => std::time::Duration::ZERO,
+                false => busy_timeout(),
+            };
+            return Err(crate::Error::Busy(crate::error::Busy {
+                what: format!("the catalog {} (is the store to migrate?)", path.display()),
+                holders: "held by a program outside stowage (an sqlite3 shell?)".into(),
+                waited,
+            })
+            .into());
+        }
+        Err(e) => {
+            let shown = path.display();
+            return Err(e.context(format!("cannot tell whether {shown} is to be migrated")));
+        }
+    };
+    Ok(root.older_release_left().then_some(Legacy::Lost(why)))
+}
+
+/// The error a second look at a catalog found busy gives without waiting again.
+fn busy_again(path: &Path) -> anyhow::Error {
+    let busy = rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY);
+    let why = format!("{} stayed locked by another program", path.display());
+    anyhow::Error::from(rusqlite::Error::SqliteFailure(busy, Some(why)))
 }
 
 /// What the open database is, as `root`'s catalog. An older release's catalog is one to migrate
@@ -379,7 +424,7 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     let why = if root.open().is_ok_and(|d| crate::config::exists(&d)) {
         "in a store already past it"
     // Nothing stated in the global lock file is no evidence that it is ours.
-    } else if Some(id()? as u32) != stated_identity(root) {
+    } else if Some(id()? as u32) != root.older_release_catalog_id() {
         "not this store's (the global lock file does not name it)"
     } else {
         return Ok(found);
@@ -387,19 +432,6 @@ pub fn inspect_in(conn: &rusqlite::Connection, root: &Root) -> Result<Found> {
     Ok(Found::Replaced(format!(
         "schema version {v} of a release before image records, {why}"
     )))
-}
-
-/// The catalog identity an older release stated in the global lock file (`db=HEX`), if any.
-fn stated_identity(root: &Root) -> Option<u32> {
-    // Opened for reading only: a store on a read-only mount is still found to be one to migrate.
-    let locks = crate::dir::Dir::open_in_root(&root.locks()).ok()?;
-    let file = locks.open_read("global.lock").ok()?;
-    let mut text = String::new();
-    std::io::Read::read_to_string(&mut std::io::Read::take(&file, 4096), &mut text).ok()?;
-    let body = text.strip_prefix("stowage-records ")?;
-    body.lines()
-        .find_map(|l| l.strip_prefix("db="))
-        .and_then(|v| u32::from_str_radix(v, 16).ok())
 }
 
 /// What the open database is: asked once per connection, before the first transaction.

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use crate::catalog::Found;
+use crate::catalog::{Found, Legacy};
 use crate::clock::Millis;
 use crate::config::Config;
 use crate::holders::LockKind;
@@ -59,15 +59,20 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
         return Ok(());
     }
     let db = root.db();
-    let why = || format!("cannot tell whether {} is to be migrated", db.display());
-    let legacy = crate::catalog::legacy_state(&root).with_context(why)?;
-    let Some(version) = legacy else {
-        // No catalog to convert: a store whose records are all there is.
+    // A catalog held by another program may be that release's: not migrated without it (75).
+    let legacy = crate::catalog::legacy_state(&root).map_err(|e| named(&db, e))?;
+    let Some(legacy) = legacy else {
+        // Nothing of that release: a store whose records are all there is.
         ensure_config(&root)?;
         return Ok(());
     };
     let at = root.dir().display();
-    let said = format!("migrating the store at {at} (catalog schema {version}) to image records");
+    let said = match legacy {
+        Legacy::Catalog(v) => {
+            format!("migrating the store at {at} (catalog schema {v}) to image records")
+        }
+        Legacy::Lost(why) => lost_line(&root, &why),
+    };
     store.ctx().say(&said);
     let hold =
         crate::store_wide::Hold::take_raw(store, "migrating to image records", deadline, false)?;
@@ -76,20 +81,36 @@ pub fn run(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     out
 }
 
+/// The migration's line for a store whose older catalog is lost (`why`): the bases were only there.
+fn lost_line(root: &Root, why: &str) -> String {
+    let (at, db) = (root.dir().display(), root.db());
+    let db = db.display();
+    format!(
+        "migrating the store at {at} to image records from its lock files, its catalog {db} lost ({why}): states kept, bases not known"
+    )
+}
+
+/// A SQLite error of the catalog at `db` named (busy: exit 75, saying another program holds it).
+fn named(db: &Path, e: anyhow::Error) -> anyhow::Error {
+    if crate::catalog::is_sqlite(&e) {
+        crate::store::catalog_error(db, e)
+    } else {
+        e
+    }
+}
+
 /// Under the store-wide hold: passes until one finds every image lock free.
 fn convert_passes(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     let root = store.root().clone();
+    let db = root.db();
     hint_older_release(&root);
     loop {
         let global = store.global(deadline)?;
         store.close_catalog();
-        let conn = crate::catalog::open(&root.db())?;
-        if !matches!(crate::catalog::inspect(&conn)?, Found::Legacy(_)) {
+        let Some((conn, old)) = read_old(store)? else {
             ensure_config(&root)?;
             return Ok(());
-        }
-        mark_held_off(&conn);
-        let old = Old::read(&conn, &root)?;
+        };
         match convert(&root, &old)? {
             Some(busy) => {
                 drop(conn);
@@ -97,12 +118,59 @@ fn convert_passes(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
                 wait_for(store, &busy, deadline)?;
             }
             None => {
-                finish(&root, &conn, &old)?;
+                finish(store, conn.as_ref(), &old).map_err(|e| named(&db, e))?;
                 drop(global);
                 return Ok(());
             }
         }
     }
+}
+
+/// What the older release held true, from its catalog (returned, to be retired at the end) or,
+/// that lost, from its tokens; `None` if the store holds nothing of it (migrated meanwhile).
+fn read_old(store: &Store) -> Result<Option<(Option<rusqlite::Connection>, Old)>> {
+    let root = store.root();
+    let db = root.db();
+    let conn = crate::catalog::open(&db)?;
+    let found = crate::catalog::inspect_in(&conn, root);
+    // Damage the migration's line said already (its header), or found only now (its rows).
+    let (damage, said) = match found {
+        Ok(Found::Legacy(_)) => {
+            mark_held_off(&conn);
+            match Old::read(&conn, root) {
+                Ok(old) => return Ok(Some((Some(conn), old))),
+                Err(e) if crate::catalog::is_damage(&e, &db) => (Some(e), false),
+                Err(e) => return Err(named(&db, e)),
+            }
+        }
+        Err(e) if crate::catalog::is_damage(&e, &db) => (Some(e), true),
+        Err(e) => return Err(named(&db, e)),
+        Ok(_) => (None, true),
+    };
+    drop(conn);
+    if !root.older_release_left() {
+        return Ok(None);
+    }
+    if let Some(e) = damage {
+        let line = set_aside_damaged(store, &e)?;
+        let line = format!("{line}; migrating from the lock files, bases not known");
+        if said {
+            store.ctx().detail(&line);
+        } else {
+            store.ctx().say(&line);
+        }
+    }
+    Ok(Some((None, Old::from_tokens(root))))
+}
+
+/// Sets a damaged catalog aside (never deleted), as any use of it would; the line saying so.
+fn set_aside_damaged(store: &Store, e: &anyhow::Error) -> Result<String> {
+    let aside = crate::store::set_aside(store.root(), "damaged")?;
+    let (shown, aside) = (store.root().db(), aside.display());
+    let shown = shown.display();
+    Ok(format!(
+        "catalog {shown} is damaged ({e:#}): set aside as {aside}"
+    ))
 }
 
 /// The older release's store-wide hint (byte 3073 of each lock file): its reads see it and wait.
@@ -128,6 +196,11 @@ fn mark_held_off(conn: &rusqlite::Connection) {
 
 /// What the older release held true.
 struct Old {
+    /// The catalog file the rows were read from (device, inode), if any.
+    catalog: Option<(u64, u64)>,
+    /// Its catalog lost: no rows, the tokens alone tell (a record an earlier pass wrote from a
+    /// row, its token disabled since, is kept: it had the row).
+    lost: bool,
     rows: BTreeMap<String, OldRow>,
     markers: BTreeSet<String>,
     classes: Vec<(String, u32, u32)>,
@@ -170,18 +243,80 @@ impl Old {
             _ => ImagesDir::Default,
         };
         Ok(Old {
+            catalog: file_id(&root.db()),
+            lost: false,
             rows,
-            // The images writers' markers stand for (`locks/leases/ENC.dirty`).
-            markers: crate::root::names_in(&root.leases())
-                .into_iter()
-                .filter_map(|n| ImageName::from_encoded(n.strip_suffix(".dirty")?).ok())
-                .map(|n| n.as_str().to_owned())
-                .collect(),
+            markers: markers(root),
             classes,
             images,
             identity: config("images_dir_identity"),
         })
     }
+
+    /// What the older release held true with its catalog lost: its tokens and markers, and the
+    /// slot classes its slot files repeat; the images directory its tokens name.
+    fn from_tokens(root: &Root) -> Old {
+        let mut images = None;
+        for file in image_lock_files(root) {
+            let Some(name) = Root::image_of_lock_file(&file) else {
+                continue;
+            };
+            let Ok(Some(f)) = lock::open_existing(&root.image_locks().join(&file)) else {
+                continue;
+            };
+            let mut bytes = vec![0u8; 3072];
+            let got = f.read_at(&mut bytes, 0).unwrap_or(0);
+            if let Some(t) = Token::of(&bytes[..got], name.as_str()) {
+                images = images.or(t.images);
+            }
+        }
+        Old {
+            catalog: None,
+            lost: true,
+            rows: BTreeMap::new(),
+            markers: markers(root),
+            classes: old_slot_classes(root),
+            images: images.unwrap_or(ImagesDir::Default),
+            identity: None,
+        }
+    }
+}
+
+/// The images writers' markers stand for (`locks/leases/ENC.dirty`).
+fn markers(root: &Root) -> BTreeSet<String> {
+    crate::root::names_in(&root.leases())
+        .into_iter()
+        .filter_map(|n| ImageName::from_encoded(n.strip_suffix(".dirty")?).ok())
+        .map(|n| n.as_str().to_owned())
+        .collect()
+}
+
+/// The slot classes the older release's slot files state (`stowage-slot 2`: class, limit,
+/// reserve), each class once.
+fn old_slot_classes(root: &Root) -> Vec<(String, u32, u32)> {
+    let slots = root.locks().join("slots");
+    let mut classes = Vec::new();
+    for dir in crate::root::names_in(&slots) {
+        let mut files = crate::root::names_in(&slots.join(&dir));
+        files.sort();
+        let stated = files.iter().find_map(|f| {
+            let bytes = std::fs::read(slots.join(&dir).join(f)).ok()?;
+            let body = image_record::checked_body(&bytes)?;
+            let body = body.strip_prefix("stowage-slot ")?;
+            let field = |k: &str| {
+                body.lines()
+                    .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+            };
+            let limit = field("limit")?.parse().ok()?;
+            Some((
+                field("class")?.to_owned(),
+                limit,
+                field("reserve")?.parse().ok()?,
+            ))
+        });
+        classes.extend(stated);
+    }
+    classes
 }
 
 /// Writes every image's record under its lock taken without waiting. `Some(name)`: a lock was busy,
@@ -210,6 +345,11 @@ fn convert(root: &Root, old: &Old) -> Result<Option<ImageName>> {
         let mut bytes = vec![0u8; 3072];
         let got = guard.file().read_at(&mut bytes, 0).unwrap_or(0);
         let token = Token::of(&bytes[..got], &name);
+        // Its catalog lost since an earlier pass wrote this record from its row: the record knows
+        // more (the base, a deletion) than any token, which that release has not written since.
+        if old.lost && seen.record.is_some() && token.as_ref().is_none_or(|t| t.disabled) {
+            continue;
+        }
         let record = derive(&name, old, token.as_ref(), &dir.join(n.encoded()));
         crate::debug::pause(&format!("migrate-converting-{name}"));
         let Some(r) = record else {
@@ -239,6 +379,10 @@ struct Token {
     state: String,
     /// The row's last use, written with it.
     used: Option<Millis>,
+    /// The images directory it names (`default`, or an absolute path).
+    images: Option<ImagesDir>,
+    /// Disabled by a pass that wrote the record beside it (that release has not written since).
+    disabled: bool,
 }
 
 /// The first byte of a token once the record beside it is durable (`stowage-image` → `-towage-image`).
@@ -248,7 +392,8 @@ impl Token {
     /// The token in `bytes`, disabled or not, if of the image `name`.
     fn of(bytes: &[u8], name: &str) -> Option<Token> {
         let mut bytes = bytes.to_vec();
-        if bytes.first() == Some(&DISABLED) {
+        let disabled = bytes.first() == Some(&DISABLED);
+        if disabled {
             bytes[0] = LEGACY_PREFIX[0];
         }
         if !bytes.starts_with(LEGACY_PREFIX) {
@@ -262,6 +407,8 @@ impl Token {
         (field("image")? == name).then(|| Token {
             state: field("state").unwrap_or("").to_owned(),
             used: field("used").and_then(|u| u.parse().ok()),
+            images: field("images").and_then(ImagesDir::decode),
+            disabled,
         })
     }
 }
@@ -302,17 +449,16 @@ fn derive(name: &str, old: &Old, token: Option<&Token>, path: &Path) -> Option<R
             (State::Incomplete, "its writer failed or died", None)
         }
         (Some(r), _, _) => {
-            let (state, outcome) = match r.state.as_str() {
-                "ready" => (State::Ready, "exit 0"),
-                "deleting" => (State::Deleting, "removal interrupted"),
-                "incomplete" => (State::Incomplete, "its writer failed or died"),
-                // Its lock is free (we hold it): the writer died.
-                _ => (State::Incomplete, "its writer died"),
-            };
+            let (state, outcome) = old_state(&r.state);
             (state, outcome, r.base.clone())
         }
         // A ready token whose row was lost: it was ready.
         (None, false, Some("ready")) if tree => (State::Ready, "exit 0", None),
+        // The catalog lost: the token is all that says what the image was.
+        (None, false, Some(said)) if tree && old.lost => {
+            let (state, outcome) = old_state(said);
+            (state, outcome, None)
+        }
         (None, _, _) if tree => (State::Incomplete, crate::image_record::ADOPTED, None),
         (None, _, _) => return None,
     };
@@ -328,9 +474,50 @@ fn derive(name: &str, old: &Old, token: Option<&Token>, path: &Path) -> Option<R
     Some(r)
 }
 
+/// Each image's record as a migration with the catalog lost would write it, by lock file name:
+/// what a listing shows of a store it cannot migrate now.
+pub fn records_from_tokens(root: &Root) -> BTreeMap<String, Record> {
+    let old = Old::from_tokens(root);
+    let dir = old.images.path_in(root.dir());
+    let mut records = BTreeMap::new();
+    for file in image_lock_files(root) {
+        let Some(name) = Root::image_of_lock_file(&file) else {
+            continue;
+        };
+        let Ok(bytes) = std::fs::read(root.image_locks().join(&file)) else {
+            continue;
+        };
+        let token = Token::of(&bytes[..bytes.len().min(3072)], name.as_str());
+        let seen = image_record::Seen::parse(&bytes);
+        let record = match (&token, seen.record) {
+            (t, Some(r)) if t.as_ref().is_none_or(|t| t.disabled) => Some(r),
+            _ => derive(
+                name.as_str(),
+                &old,
+                token.as_ref(),
+                &dir.join(name.encoded()),
+            ),
+        };
+        records.extend(record.map(|r| (file, r)));
+    }
+    records
+}
+
+/// A state of the older release's (a row's or a token's), as a record of this one, with its outcome.
+fn old_state(said: &str) -> (State, &'static str) {
+    match said {
+        "ready" => (State::Ready, "exit 0"),
+        "deleting" => (State::Deleting, "removal interrupted"),
+        "incomplete" => (State::Incomplete, "its writer failed or died"),
+        // Its lock is free (we hold it): the writer died.
+        _ => (State::Incomplete, "its writer died"),
+    }
+}
+
 /// Once a pass found every lock free and wrote every record: the slot classes, the configuration,
 /// the catalog at schema 11 (last), then what the older release left behind.
-fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
+fn finish(store: &Store, conn: Option<&rusqlite::Connection>, old: &Old) -> Result<()> {
+    let root = store.root();
     slot_classes(root, old)?;
     let mut config = Config {
         images: old.images.clone(),
@@ -360,16 +547,9 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
     if !external {
         let _ = claimed(&config);
     }
-    // One transaction: a look without the global lock (doctor's) never sees the catalog emptied.
-    conn.execute_batch(
-        "BEGIN IMMEDIATE;
-         DROP TABLE IF EXISTS records;
-         DROP TABLE IF EXISTS slot_classes;
-         DROP TABLE IF EXISTS config;
-         DROP TABLE IF EXISTS images;",
-    )?;
-    crate::catalog::create_schema(conn)?;
-    conn.execute_batch("COMMIT")?;
+    if let Some(conn) = conn {
+        retire_catalog(store, conn, old.catalog)?;
+    }
     // The older release's statement in the global lock file, and its markers.
     if let Ok(Some(g)) = lock::open_existing(&root.global_lock()) {
         let _ = g.set_len(0);
@@ -385,6 +565,48 @@ fn finish(root: &Root, conn: &rusqlite::Connection, old: &Old) -> Result<()> {
         let _ = d.unlink("images-dir");
     }
     Ok(())
+}
+
+/// The older catalog at schema 11, emptied (that release then refuses the store). One deleted or
+/// replaced since it was read is not the older release's any more: nothing to retire there.
+fn retire_catalog(
+    store: &Store,
+    conn: &rusqlite::Connection,
+    opened: Option<(u64, u64)>,
+) -> Result<()> {
+    let db = store.root().db();
+    // One transaction: a look without the global lock (doctor's) never sees the catalog emptied.
+    let retired = conn
+        .execute_batch(
+            "BEGIN IMMEDIATE;
+         DROP TABLE IF EXISTS records;
+         DROP TABLE IF EXISTS slot_classes;
+         DROP TABLE IF EXISTS config;
+         DROP TABLE IF EXISTS images;",
+        )
+        .map_err(anyhow::Error::from)
+        .and_then(|()| crate::catalog::create_schema(conn))
+        .and_then(|()| Ok(conn.execute_batch("COMMIT")?));
+    match retired {
+        Err(_) if file_id(&db) != opened => Ok(()),
+        // Damaged past its rows (read whole): the records are written, the catalog is made anew.
+        Err(e) if crate::catalog::is_damage(&e, &db) => {
+            let line = set_aside_damaged(store, &e)?;
+            store
+                .ctx()
+                .say(&format!("{line} (the images' records are written)"));
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// The file at `path` (device, inode), if any.
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// Each slot class's limits, from the older catalog into its first slot file (its other files

@@ -487,8 +487,12 @@ impl Root {
                 crate::debug::pause("layout-locks-made");
             }
         }
-        // A new store's configuration (an old release's catalog is migrated first instead).
-        if root.stat_at(crate::config::FILE)?.is_none() && root.stat_at("stowage.db")?.is_none() {
+        // A new store's configuration (an old release's store is migrated first instead, its
+        // catalog lost or not).
+        if root.stat_at(crate::config::FILE)?.is_none()
+            && root.stat_at("stowage.db")?.is_none()
+            && !self.older_release_left()
+        {
             self.create_config(&root).1?;
         }
         crate::space::refill(&self.reserve());
@@ -545,6 +549,49 @@ impl Root {
             .into());
         }
         Ok(())
+    }
+
+    /// Whether the store is a release's before records, still to migrate (its catalog aside): that
+    /// release's statement in the global lock file (made at its every transaction, emptied only
+    /// once migrated); or its tokens in the image lock files, and no record of this release (a token
+    /// put in a store of this release makes no store of that one).
+    pub fn older_release_left(&self) -> bool {
+        use std::os::unix::fs::OpenOptionsExt;
+        if self.older_release_catalog_id().is_some() {
+            return true;
+        }
+        let (mut token, locks) = (false, self.image_locks());
+        for name in names_in(&locks) {
+            if !name.ends_with(".lock") {
+                continue;
+            }
+            let opened = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+                .open(locks.join(&name));
+            let Ok(Ok(seen)) = opened.as_ref().map(crate::image_record::read) else {
+                continue;
+            };
+            if seen.record.is_some() {
+                return false;
+            }
+            token |= seen.legacy;
+        }
+        token
+    }
+
+    /// The catalog identity a release before records stated in the global lock file (`db=HEX`),
+    /// if any (this release states nothing there).
+    pub fn older_release_catalog_id(&self) -> Option<u32> {
+        // Opened for reading only: a store on a read-only mount is still found to be one to migrate.
+        let locks = Dir::open_in_root(&self.locks()).ok()?;
+        let file = locks.open_read("global.lock").ok()?;
+        let mut text = String::new();
+        io::Read::read_to_string(&mut io::Read::take(&file, 4096), &mut text).ok()?;
+        let body = text.strip_prefix("stowage-records ")?;
+        body.lines()
+            .find_map(|l| l.strip_prefix("db="))
+            .and_then(|v| u32::from_str_radix(v, 16).ok())
     }
 
     /// Makes a new store's configuration through `root` unless one is there, and claims `img` for

@@ -253,7 +253,7 @@ pub(crate) fn set_aside_file(root: &Root, path: &Path, why: &str) -> Result<Path
 }
 
 /// Names the catalog in SQLite errors; its lock held by an outside program is busy (exit 75).
-fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
+pub(crate) fn catalog_error(db: &Path, e: anyhow::Error) -> anyhow::Error {
     if catalog::is_busy(&e) {
         return Error::Busy(Busy {
             what: format!("the catalog {}", db.display()),

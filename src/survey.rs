@@ -64,6 +64,32 @@ fn tree_hashed_as(root: &Root, images: &ImagesDir, file: &str) -> Option<ImageNa
 
 /// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.
 pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Image>> {
+    // A store to migrate is migrated first: its tokens are no damaged records.
+    crate::migrate::if_needed(store, None)?;
+    survey_from(store, measure, None)
+}
+
+/// [`survey`] for a listing: a store to migrate whose older catalog another program holds is
+/// listed from what that release's lock files say, unmigrated, in one line saying so.
+pub fn listing(store: &mut crate::store::Store) -> Result<Vec<Image>> {
+    match crate::migrate::if_needed(store, None) {
+        Err(e) if matches!(crate::error::typed(&e), Some(crate::Error::Busy(_))) => {
+            let line =
+                format!("{e:#} (listed from the older release's lock files, bases not known)");
+            store.ctx().say(&line);
+            let tokens = crate::migrate::records_from_tokens(store.root());
+            survey_from(store, true, Some(tokens))
+        }
+        other => other.and_then(|()| survey_from(store, true, None)),
+    }
+}
+
+/// [`survey`], with `tokens` (by lock file) standing for the records of a store to migrate.
+fn survey_from(
+    store: &mut crate::store::Store,
+    measure: bool,
+    tokens: Option<std::collections::BTreeMap<String, Record>>,
+) -> Result<Vec<Image>> {
     let mut entries = take(store.root())?;
     if !crate::store_wide::forget_left(store, &entries).is_empty() {
         entries = take(store.root())?;
@@ -71,7 +97,9 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
     let mut images: Vec<Image> = entries
         .into_iter()
         .filter_map(|entry| {
+            let token = tokens.as_ref().and_then(|t| t.get(&entry.file));
             let record = match (&entry.seen.record, entry.seen.damaged) {
+                _ if token.is_some() => token?.clone(),
                 (Some(r), _) => r.clone(),
                 (None, true) => unknown_record(store.root(), &entry)?,
                 (None, false) => return None,
@@ -87,8 +115,13 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
             })
         })
         .collect();
-    let rows = match refresh(store, &images) {
-        Ok(rows) => Some(rows),
+    // Tokens stand for records: the catalog, which they would refresh, is not asked.
+    let refreshed = match tokens {
+        Some(_) => Ok(None),
+        None => refresh(store, &images).map(Some),
+    };
+    let rows = match refreshed {
+        Ok(rows) => rows,
         // A store to migrate whose catalog cannot be had (a read-only root) is not surveyed from
         // tokens, which are no records: the migration says why it cannot run.
         Err(e)
@@ -96,7 +129,7 @@ pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Imag
                 || crate::migrate::is_legacy(store.root()) =>
         {
             crate::migrate::run(store, None)?;
-            return survey(store, measure);
+            return survey_from(store, measure, None);
         }
         Err(e) => {
             // Derived: the records say all that matters, so the listing goes on, saying why sizes

@@ -39,7 +39,7 @@ struct ImageJson<'a> {
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     store.require_root()?;
-    let mut images = crate::survey::survey(store, true)?;
+    let mut images = crate::survey::listing(store)?;
     // By name as the user writes it (the survey goes by lock file name: 'app%sub' before 'app').
     images.sort_by(|a, b| a.name().cmp(b.name()));
     let look = Look::new(store.ctx());

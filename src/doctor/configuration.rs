@@ -117,10 +117,14 @@ fn whose(
 
 /// A store whose configuration went missing: no older catalog to migrate, and records.
 fn lost(root: &Root) -> Result<bool> {
-    // A catalog that cannot be asked (busy) may be an older release's mid-migration: not lost.
-    let db = root.db();
-    let why = || format!("cannot tell whether {} is to be migrated", db.display());
-    let legacy = crate::catalog::legacy_state(root).with_context(why)?;
+    // A catalog that cannot be asked (busy) may be an older release's mid-migration: not lost
+    // (the catalog's check reports it).
+    let legacy = match crate::catalog::legacy_state(root) {
+        Err(e) if matches!(crate::error::typed(&e), Some(crate::Error::Busy(_))) => {
+            return Ok(false);
+        }
+        other => other?,
+    };
     Ok(legacy.is_none() && crate::images_dir::has_records(root)?)
 }
 

@@ -211,8 +211,9 @@ fn checks(store: &mut Store, root: &Root, repair: bool, report: &mut Report) -> 
     files::check(root, repair, store.ctx().shared(), report);
     let configured = configuration::check(root, repair, report)?;
     let status = catalog(store, repair, report)?;
-    // A store still to migrate has records only in part: nothing more to judge until it is.
-    if !repair && crate::migrate::is_legacy(root) {
+    // A store still to migrate (a repair could not: its older catalog is held) has records only in
+    // part: nothing more to judge until it is.
+    if crate::migrate::is_legacy(root) {
         let detail = "not checked until the store is migrated (any command but lock-status and a plain doctor migrates it)";
         report.add("records", Info, detail);
         return Ok(false);
@@ -399,7 +400,7 @@ const DERIVED: &str = "it is derived from the records: 'stowage doctor --repair'
 
 /// The catalog's check; with `repair` one that cannot be used is set aside and made anew.
 fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdict> {
-    use crate::catalog::Found;
+    use crate::catalog::{Found, Legacy};
     if let Some(status) = planted_catalog(store, repair, report)? {
         return Ok(status);
     }
@@ -409,6 +410,29 @@ fn catalog(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdi
     }
     let db = store.root().db();
     let shown = db.display();
+    // A store of a release before records whose catalog is lost: its tokens are to migrate, not
+    // records to judge (nor a catalog to make, which would say nothing of them).
+    let legacy = match crate::migrate::is_legacy(store.root()) {
+        true => crate::catalog::legacy_state(store.root()),
+        false => Ok(None),
+    };
+    // Held by another program (asked once, bounded): whether it is to migrate cannot be told.
+    if let Err(e) = &legacy
+        && matches!(crate::error::typed(e), Some(crate::Error::Busy(_)))
+    {
+        return Ok(report.catalog(
+            Problem,
+            format!("{e:#}; nothing is migrated until it lets go"),
+        ));
+    }
+    if let Ok(Some(Legacy::Lost(why))) = legacy {
+        if !repair {
+            return Ok(report.catalog(Problem, format!("{shown} lost ({why}) in a store of a release before image records: any command migrates it from its lock files (bases not known)")));
+        }
+        crate::migrate::run(store, None)?;
+        let detail = format!("{shown} lost ({why}): the store migrated from its lock files");
+        return Ok(report.catalog(Repaired, detail));
+    }
     let found = match crate::catalog::inspect_file(&db, store.root()) {
         Ok(f) => f,
         Err(e) if crate::catalog::is_busy(&e) => {
@@ -510,6 +534,14 @@ fn intact(store: &mut Store, repair: bool, report: &mut Report) -> Result<Verdic
             return Ok(report.catalog(Problem, format!("{shown}: cannot check it: {why:#}")));
         }
     };
+    // Intact but not writable (its journal cannot be made, an immutable root): every command
+    // does without it, so it is no healthy catalog.
+    if check == "ok"
+        && let Some(why) = crate::catalog::unwritable(&db)
+    {
+        let then = "commands go on from the images' records without it";
+        return Ok(report.catalog(Problem, format!("{shown} cannot be written: {why}; {then}")));
+    }
     if check == "ok" {
         let detail = format!("{shown}: intact, schema version {}", crate::catalog::SCHEMA);
         return Ok(report.catalog(Verdict::Ok, detail));

@@ -154,6 +154,37 @@ fn an_emptied_catalog_that_cannot_be_made_anew_is_a_problem_not_intact() {
     nothing_changed(&env, "an immutable emptied catalog");
 }
 
+/// An intact catalog whose journal cannot be made (the root immutable,
+/// an image written since so the catalog is stale) is no healthy catalog:
+/// `doctor`, with or without `--repair`, reports it (exit 1, `healthy`
+/// false); it said "intact" and exit 0 while its own stderr said the
+/// catalog could not be used.
+#[test]
+fn a_catalog_whose_journal_cannot_be_made_is_a_problem_not_intact() {
+    if !root_or_skip("chattr +i") || !tool_or_skip("chattr", "e2fsprogs") {
+        return;
+    }
+    let env = store_with_images();
+    if !immutable(&env.root, true) {
+        eprintln!("skipping: chattr +i is not supported here");
+        return;
+    }
+    let wrote = env.run(["exec", "--write", "later", "--", "true"]);
+    let looked = env.run(["doctor"]);
+    let repaired = env.run(["doctor", "--repair", "--json"]);
+    assert!(immutable(&env.root, false));
+    assert_eq!(code(&wrote), Some(0), "{}", show(&wrote));
+    for out in [&looked, &repaired] {
+        assert_eq!(code(out), Some(1), "{}", show(out));
+        let said = stdout(out);
+        let named = format!("{} may not be written", env.root.display());
+        assert!(said.contains(&named), "{}", show(out));
+        assert!(!said.contains("intact"), "{}", show(out));
+    }
+    let report: serde_json::Value = serde_json::from_slice(&repaired.stdout).unwrap();
+    assert_eq!(report["healthy"], false, "{report}");
+}
+
 #[test]
 fn another_programs_database_as_the_catalog_changes_no_image() {
     let env = store_with_images();

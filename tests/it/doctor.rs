@@ -776,7 +776,11 @@ fn a_record_that_could_not_be_read_is_kept_as_unknown() {
     fs::set_permissions(&lock, fs::Permissions::from_mode(0o000)).unwrap();
     let out = unprivileged(&env, &["images"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
-    assert!(stdout(&out).lines().any(|l| l.starts_with("a ")), "{}", show(&out));
+    assert!(
+        stdout(&out).lines().any(|l| l.starts_with("a ")),
+        "{}",
+        show(&out)
+    );
     let out = unprivileged(&env, &["gc"]);
     assert!(stdout(&out).contains("kept 'a'"), "{}", show(&out));
     let out = unprivileged(&env, &["doctor"]);

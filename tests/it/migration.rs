@@ -760,3 +760,214 @@ fn a_store_to_migrate_on_a_read_only_root_says_so() {
         );
     }
 }
+
+/// What a migration with the older catalog lost can know: each image's
+/// state from its lock file's token (a tree with none, `doomed` whose
+/// deletion only the catalog said, is adopted), no base (that release kept
+/// bases only in its catalog).
+fn expected_from_tokens() -> Vec<(String, String, Option<String>)> {
+    let mut want = expected();
+    for s in want.iter_mut() {
+        s.2 = None;
+    }
+    want[2] = st("doomed", "incomplete", None);
+    want
+}
+
+/// Deterministic noise of `len` bytes written over `file` at `at`.
+fn noise_over(file: &Path, at: u64, len: usize) {
+    use std::os::unix::fs::FileExt;
+    let mut x: u32 = 0x9e37_79b9;
+    let bytes: Vec<u8> = (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect();
+    let f = fs::OpenOptions::new().write(true).open(file).unwrap();
+    f.write_all_at(&bytes, at).unwrap();
+}
+
+/// A store of the release before records whose catalog is deleted,
+/// emptied, damaged in its header or replaced by another store's: every
+/// image keeps the state its token says (they were all listed incomplete,
+/// and a read of a ready image refused as a damaged record), the line
+/// says the bases are not known, and the store is migrated whole.
+#[test]
+fn an_old_store_whose_catalog_is_lost_takes_each_images_state_from_its_token() {
+    let other = Env::new();
+    other.make_image("stranger");
+    other.ok(["images"]);
+    for loss in ["deleted", "emptied", "header", "another store's"] {
+        let env = old_store();
+        let db = env.root.join("stowage.db");
+        match loss {
+            "deleted" => fs::remove_file(&db).unwrap(),
+            "emptied" => fs::write(&db, "").unwrap(),
+            "header" => noise_over(&db, 0, 14),
+            _ => {
+                fs::copy(other.root.join("stowage.db"), &db).unwrap();
+            }
+        }
+        let out = env.run(["exec", "--read", "base", "--", "true"]);
+        assert_eq!(code(&out), Some(0), "{loss}: {}", show(&out));
+        let said = stderr(&out);
+        assert!(said.contains("bases not known"), "{loss}: {said}");
+        assert!(!said.contains("damaged record"), "{loss}: {said}");
+        assert_eq!(states(&env), expected_from_tokens(), "{loss}");
+        assert_migrated(&env);
+        env.ok(["exec", "--read", "rowless", "--", "true"]);
+        let out = env.run(["doctor", "--repair"]);
+        assert_eq!(code(&out), Some(0), "{loss}: {}", show(&out));
+    }
+    // A command that locks nothing, first, made a fresh configuration: the store was taken for
+    // migrated, its tokens never read.
+    let env = old_store();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    env.ok(["exec", "--", "true"]);
+    assert_eq!(states(&env), expected_from_tokens());
+    // A repair as the first command migrates it so too (it reported 7 unreadable records).
+    let env = old_store();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(states(&env), expected_from_tokens());
+    let out = env.ok(["slots", "--json"]);
+    let classes: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pull = classes
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "pull");
+    assert_eq!(
+        pull.map(|c| c["limit"].clone()),
+        Some(3.into()),
+        "{classes}"
+    );
+}
+
+/// A migration killed midway, then its catalog deleted: the next command
+/// resumes from the tokens of the images not converted yet (never read as
+/// damaged records), and the records already written keep what the rows
+/// said (bases, a deletion).
+#[test]
+fn a_migration_killed_then_its_catalog_lost_resumes_from_the_tokens() {
+    let env = old_store();
+    let (bg, _) = env.paused(["images"], "migrate-converting-rowless");
+    bg.kill_all();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    let out = env.run(["exec", "--read", "rowless", "--", "true"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(states(&env), expected());
+    assert_migrated(&env);
+}
+
+/// A catalog deleted while a migration converts (having read its rows):
+/// the migration finishes from what it read, without a bare SQLite error
+/// ("attempt to write a readonly database").
+#[test]
+fn a_catalog_deleted_during_its_migration_lets_it_finish() {
+    let env = old_store();
+    let (bg, go) = env.paused(["images"], "migrate-converting-base");
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    fs::remove_file(go).unwrap();
+    let out = bg.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(states(&env), expected());
+    assert_migrated(&env);
+}
+
+/// Noise over the older catalog past its first page (its `config` table):
+/// the migration names the catalog in every line (it said only "database
+/// disk image is malformed" and failed), sets it aside, and loses no
+/// image's state.
+#[test]
+fn an_old_catalog_damaged_past_its_header_is_named_and_set_aside() {
+    let env = old_store();
+    let db = env.root.join("stowage.db");
+    noise_over(&db, 4096, 400);
+    let out = env.run(["images"]);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let err = stderr(&out);
+    for line in err.lines() {
+        assert!(line.contains(&env.root.display().to_string()), "{err}");
+    }
+    assert!(err.contains("set aside"), "{err}");
+    let got: Vec<(String, String)> = states(&env).into_iter().map(|s| (s.0, s.1)).collect();
+    let rows: Vec<(String, String)> = expected().into_iter().map(|s| (s.0, s.1)).collect();
+    let tokens: Vec<(String, String)> = expected_from_tokens()
+        .into_iter()
+        .map(|s| (s.0, s.1))
+        .collect();
+    assert!(got == rows || got == tokens, "{got:?}");
+    assert_migrated(&env);
+}
+
+/// The older catalog held by an outside program (`BEGIN EXCLUSIVE`): a
+/// command that needs the store migrated waits a bounded time, then fails
+/// with 75 naming the catalog and its holder (it failed with 1, "database
+/// is locked", and `images` waited a minute and more); a listing goes on
+/// from the tokens, saying so. Once let go, the store migrates.
+#[test]
+fn an_old_catalog_held_by_another_program_is_waited_for_boundedly() {
+    if !tool_or_skip("python3", "python3") {
+        return;
+    }
+    let env = old_store();
+    let holder = hold_catalog(&env);
+    let db = env.root.join("stowage.db").display().to_string();
+    for args in [
+        &["exec", "--read", "base", "--", "true"][..],
+        &["exec", "--write", "zz", "--", "true"],
+        &["gc"],
+        &["gc", "--dry-run"],
+        &["init"],
+    ] {
+        let mut c = env.cmd(args);
+        c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
+        let out = output(c);
+        assert_eq!(code(&out), Some(75), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&db) && err.contains("held by"),
+            "{args:?}: {err}"
+        );
+    }
+    for args in [&["doctor"][..], &["doctor", "--repair"]] {
+        let mut c = env.cmd(args);
+        c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
+        let out = output(c);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        let said = stdout(&out);
+        assert!(
+            said.contains(&db) && said.contains("held by"),
+            "{args:?}: {said}"
+        );
+        assert!(!said.contains("cannot be read"), "{args:?}: {said}");
+    }
+    let mut c = env.cmd(["images", "--json"]);
+    c.env("STOWAGE_DEBUG_DB_BUSY_MS", "300");
+    let out = output(c);
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("listed from the older release's lock files"),
+        "{}",
+        show(&out)
+    );
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let base = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"] == "base");
+    assert_eq!(
+        base.map(|b| b["state"].clone()),
+        Some("ready".into()),
+        "{listed}"
+    );
+    holder.kill_all();
+    assert_eq!(states(&env), expected());
+    assert_migrated(&env);
+}
