@@ -96,24 +96,7 @@ fn survey_from(
     }
     let mut images: Vec<Image> = entries
         .into_iter()
-        .filter_map(|entry| {
-            let token = tokens.as_ref().and_then(|t| t.get(&entry.file));
-            let record = match (&entry.seen.record, entry.seen.damaged) {
-                _ if token.is_some() => token?.clone(),
-                (Some(r), _) => r.clone(),
-                (None, true) => unknown_record(store.root(), &entry)?,
-                (None, false) => return None,
-            };
-            let (state, changed) = (record.state_seen(entry.writer_alive), record.changed);
-            let last_used = entry.seen.last_use.unwrap_or(changed).max(changed);
-            Some(Image {
-                entry,
-                record,
-                state,
-                last_used,
-                size: None,
-            })
-        })
+        .filter_map(|entry| image_of(store.root(), entry, tokens.as_ref()))
         .collect();
     // Tokens stand for records: the catalog, which they would refresh, is not asked.
     let refreshed = match tokens {
@@ -167,6 +150,31 @@ fn survey_from(
         }
     }
     Ok(images)
+}
+
+/// The image a lock file's entry is, from its record (or the old release's token that stands for
+/// it, in a store to migrate); `None` where it names none.
+fn image_of(
+    root: &crate::root::Root,
+    entry: crate::census::Entry,
+    tokens: Option<&std::collections::BTreeMap<String, Record>>,
+) -> Option<Image> {
+    let token = tokens.and_then(|t| t.get(&entry.file));
+    let record = match (&entry.seen.record, entry.seen.damaged) {
+        _ if token.is_some() => token?.clone(),
+        (Some(r), _) => r.clone(),
+        (None, true) => unknown_record(root, &entry)?,
+        (None, false) => return None,
+    };
+    let (state, changed) = (record.state_seen(entry.writer_alive), record.changed);
+    let last_used = entry.seen.last_use.unwrap_or(changed).max(changed);
+    Some(Image {
+        entry,
+        record,
+        state,
+        last_used,
+        size: None,
+    })
 }
 
 /// Makes the catalog say what the records say; returns its rows.
