@@ -239,6 +239,19 @@ impl Env {
         });
     }
 
+    /// Waits (bounded) until lock-status shows process `pid` waiting for
+    /// some lock (`what` names it in a failure).
+    pub fn wait_for_waiting_pid(&self, pid: u32, what: &str) {
+        wait_until(&format!("the {what} waiter is recorded"), || {
+            let st = self.status_json(Vec::<&str>::new());
+            st["locks"].as_array().unwrap().iter().any(|l| {
+                l["waiters"]
+                    .as_array()
+                    .is_some_and(|w| w.iter().any(|w| w["pid"] == pid))
+            })
+        });
+    }
+
     /// Makes the store with its images directory on a 4 MiB tmpfs of its
     /// own (`images` in the scratch directory), so trees there are deleted
     /// in place; `None`, with the reason printed, unless this test runs as

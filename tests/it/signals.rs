@@ -104,15 +104,7 @@ fn sigterm_ends_a_wait_that_could_start_no_thread() {
         let mut c = env.cmd(args);
         cg.enter(&mut c);
         let mut waiter = Bg::from_command(c);
-        wait_until(&format!("the {what} waiter is recorded"), || {
-            let out = env.ok(["lock-status", "--json"]);
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            v["locks"].as_array().unwrap().iter().any(|l| {
-                l["waiters"]
-                    .as_array()
-                    .is_some_and(|w| w.iter().any(|w| w["pid"] == waiter.pid()))
-            })
-        });
+        env.wait_for_waiting_pid(waiter.pid(), what);
         waiter.signal(libc::SIGTERM);
         // The holder never lets go: only the signal can end the wait.
         wait_until(&format!("the {what} waiter ends on SIGTERM"), || {
@@ -150,15 +142,7 @@ fn a_command_starts_after_a_wait_under_a_pids_limit_with_no_task_to_spare() {
         let mut c = env.cmd(args);
         cg.enter(&mut c);
         let waiter = Bg::from_command(c);
-        wait_until(&format!("the {what} waiter is recorded"), || {
-            let out = env.ok(["lock-status", "--json"]);
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            v["locks"].as_array().unwrap().iter().any(|l| {
-                l["waiters"]
-                    .as_array()
-                    .is_some_and(|w| w.iter().any(|w| w["pid"] == waiter.pid()))
-            })
-        });
+        env.wait_for_waiting_pid(waiter.pid(), what);
         env.release(&let_go);
         assert_eq!(holder.finish().status.code(), Some(0));
         let out = waiter.finish();

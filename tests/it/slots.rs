@@ -391,23 +391,19 @@ fn a_slot_released_by_flock_1_wakes_its_waiter() {
     assert_in_soon(waiter, released, "the waiter slept through the release");
 }
 
-/// The kernel tells of a file's last close before it releases the file's flock, so a waiter woken
-/// by a holder's exit may try while the slot is still held. Here the holder closes another
-/// descriptor of the slot file, which wakes the waiter, and lets go 50 ms later by `flock -u`, with
-/// no close: the waiter must take the slot then, not at its next periodic look (30 s) or the last
-/// try at its deadline (20 s below).
-#[test]
-fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
-    let env = Env::new();
-    env.ok(["slots", "set", "one", "1"]);
+/// A script holds class `one`'s slot `0.lock` the flock(1) way on a
+/// descriptor, a waiter queues for it, and the script lets go by `let_go`
+/// (shell, `{slot}` naming the file): returns once it has let go.
+fn slot_let_go_by_a_script(env: &Env, let_go: &str) -> (Bg, Bg) {
     let slot = env.root.join("locks/slots/one/0.lock");
+    let let_go = let_go.replace("{slot}", &slot.display().to_string());
     let [held, release, released] = ["held", "release", "released"].map(|s| env.sentinel(s));
     let holder = Bg::from_command({
         let mut c = std::process::Command::new("sh");
         c.arg("-c").arg(format!(
             "exec 9<>'{slot}'; flock -x 9; touch '{held}'; \
              while [ ! -e '{release}' ]; do sleep 0.01; done; \
-             exec 8<'{slot}'; exec 8<&-; sleep 0.05; flock -u 9; touch '{released}'; sleep 30",
+             {let_go} touch '{released}'; sleep 30",
             slot = slot.display(),
             held = held.display(),
             release = release.display(),
@@ -420,6 +416,20 @@ fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
     env.wait_for_slot_waiters("one", 1);
     fs::write(&release, "").unwrap();
     wait_for_file(&released);
+    (holder, waiter)
+}
+
+/// The kernel tells of a file's last close before it releases the file's flock, so a waiter woken
+/// by a holder's exit may try while the slot is still held. Here the holder closes another
+/// descriptor of the slot file, which wakes the waiter, and lets go 50 ms later by `flock -u`, with
+/// no close: the waiter must take the slot then, not at its next periodic look (30 s) or the last
+/// try at its deadline (20 s below).
+#[test]
+fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
+    let env = Env::new();
+    env.ok(["slots", "set", "one", "1"]);
+    let (holder, waiter) =
+        slot_let_go_by_a_script(&env, "exec 8<'{slot}'; exec 8<&-; sleep 0.05; flock -u 9;");
     let let_go = std::time::Instant::now();
     assert_in_soon(waiter, let_go, "the waiter slept through the release");
     holder.kill_all();
@@ -435,26 +445,7 @@ fn a_slot_released_just_after_the_close_that_woke_its_waiter_is_taken() {
 fn a_slot_let_go_by_flock_u_without_a_close_is_taken_soon() {
     let env = Env::new();
     env.ok(["slots", "set", "one", "1"]);
-    let slot = env.root.join("locks/slots/one/0.lock");
-    let [held, release, released] = ["held", "release", "released"].map(|s| env.sentinel(s));
-    let holder = Bg::from_command({
-        let mut c = std::process::Command::new("sh");
-        c.arg("-c").arg(format!(
-            "exec 9<>'{slot}'; flock -x 9; touch '{held}'; \
-             while [ ! -e '{release}' ]; do sleep 0.01; done; \
-             sleep 1; flock -u 9; touch '{released}'; sleep 30",
-            slot = slot.display(),
-            held = held.display(),
-            release = release.display(),
-            released = released.display(),
-        ));
-        c
-    });
-    wait_for_file(&held);
-    let waiter = env.spawn(["exec", "--slot", "one", "--wait", "20", "--", "true"]);
-    env.wait_for_slot_waiters("one", 1);
-    fs::write(&release, "").unwrap();
-    wait_for_file(&released);
+    let (holder, waiter) = slot_let_go_by_a_script(&env, "sleep 1; flock -u 9;");
     let let_go = std::time::Instant::now();
     assert_in_soon(waiter, let_go, "the waiter slept through the flock -u");
     holder.kill_all();
