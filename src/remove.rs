@@ -82,7 +82,9 @@ pub fn remove_held(root: &Root, mut held: Held, size: Option<u64>) -> Result<Rem
     )
     .with_context(|| format!("cannot write the record of image '{}'", held.name))?;
     debug::pause("rm-marked");
-    // 2. The tree leaves the images directory.
+    // 2. The tree leaves the images directory, the lock asked first where it may be lost: another
+    // host that took it meanwhile may have finished this removal and written a new tree there.
+    still_ours(&held)?;
     let taken = take_out(root, &images, &trash, &tree, &held.name);
     if matches!(taken, Taken::Gone) {
         bytes = Some(0);
@@ -200,6 +202,7 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     // Measured before it goes: only the move tells whether it is deleted here or in the trash,
     // which counts it there.
     let bytes = disk_usage::freed_by_deleting(&tree).unwrap_or(0);
+    still_ours(&held)?;
     let freed = match take_out(root, &images, &trash, &tree, &held.name) {
         Taken::Refused(e) | Taken::Partial(e) => return Err(e),
         Taken::Deleted => bytes,
@@ -210,9 +213,10 @@ pub fn finish_held(root: &Root, held: Held) -> Result<u64> {
     Ok(freed)
 }
 
-/// Before a removal's record goes: its lock, where it may be lost (a tree deleted in place takes
-/// a while), must still be ours, else another may have recorded the name anew since; the record
-/// is left as the other left it (a `deleting` one is finished by the next gc or writer).
+/// Before a removal's tree and then its record go: its lock, where it may be lost (measuring and a
+/// tree deleted in place take a while), must still be ours, else another may have finished the
+/// removal and written the name anew since; the record and the tree are left as the other left them
+/// (a `deleting` record is finished by the next gc or writer).
 fn still_ours(held: &Held) -> Result<()> {
     match held.guard.lost() {
         None => Ok(()),

@@ -154,18 +154,16 @@ impl Hold {
     /// Whether `store.lock` stayed ours through the scan's waits: if the connection to the server
     /// was lost meanwhile, the server dropped it, and the hold, which has not begun, starts over.
     fn stood(&self, store: &Store) -> Result<bool> {
-        if !self.guard.may_be_lost() {
-            return Ok(true);
-        }
-        match self.guard.still_held() {
-            Ok(()) => Ok(true),
-            Err(e) if lock::is_disconnected(&e) || e.raw_os_error().is_none() => {
+        // Asked through a fresh descriptor (`Guard::lost`): a try through ours would be granted
+        // the dropped lock anew, hiding that image users came in meanwhile.
+        match self.guard.lost() {
+            None => Ok(true),
+            Some(why) => {
                 store.ctx().detail(&format!(
-                    "the store-wide lock was lost while waiting ({e}): taking it again"
+                    "the store-wide lock was lost while waiting ({why}): taking it again"
                 ));
                 Ok(false)
             }
-            Err(e) => Err(lock::error("the store-wide lock", self.guard.path(), e)),
         }
     }
 

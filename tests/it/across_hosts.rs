@@ -1042,6 +1042,73 @@ fn a_store_wide_hold_whose_host_lost_its_connection_fails_and_says_so() {
     ok(b.stowage_run(&root, ["exec", "--read", "base", "--no-wait", "--", "true"]));
 }
 
+/// A store-wide hold whose host lost its connection while it waited for
+/// an image user lost `store.lock`: an image user on another host that
+/// came in meanwhile is waited for too (the hold starts over), never run
+/// beside the hold's command. Before, the hold asked its lock through its
+/// own descriptor, which the server granted it anew.
+#[test]
+fn a_store_wide_hold_whose_lock_went_while_it_waited_waits_for_who_came_in() {
+    let Some(c) = Cluster::start("swwait", 2) else {
+        return;
+    };
+    let env = Env::new();
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    for n in ["i1", "i2", "i3", "i4", "i5", "i6"] {
+        ok(b.stowage_run(&root, ["exec", "--write", n, "--", "true"]));
+    }
+    // The hold passes the images in the order their directory lists them:
+    // it waits for the last while the first, passed, is written.
+    let listed = ok(a.run(["ls", "-U", root.join("locks/images").to_str().unwrap()]));
+    let names: Vec<String> = stdout(&listed)
+        .lines()
+        .filter_map(|l| l.strip_suffix(".lock").map(str::to_owned))
+        .collect();
+    let (first, last) = (names[0].as_str(), names[names.len() - 1].as_str());
+    let holder = hold(&env, b, &root, &["--write", last], "last");
+    let [wide, started, go, overlap] =
+        ["wide", "first.started", "first.go", "overlap"].map(|n| env.sentinel(n));
+    let touch = format!("touch '{}'", wide.display());
+    let args = ["exec", "--store-wide", "--", "sh", "-c", &touch];
+    let hold_wide = waiter(&env, a, &root, &args, "sw");
+    a.disconnect();
+    // In while the hold's lock is gone: it checks, at its end, whether the
+    // hold's command ran beside it.
+    let script = format!(
+        "touch '{}'; while [ ! -e '{}' ]; do sleep 0.05; done; if [ -e '{}' ]; then touch '{}'; fi",
+        started.display(),
+        go.display(),
+        wide.display(),
+        overlap.display()
+    );
+    let args = [
+        "exec",
+        "--write",
+        first,
+        "--no-wait",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ];
+    let user = Bg::from_command(b.stowage(&root, args));
+    wait_for_file(&started);
+    release(&env, "last");
+    ok(holder.finish());
+    // Either the hold's command ran (the defect) or it waits for `first`.
+    let (log, waits) = (env.sentinel("sw.log"), format!("image '{first}'"));
+    wait_until("the hold runs or waits for the image written", || {
+        wide.exists() || fs::read_to_string(&log).is_ok_and(|l| l.contains(&waits))
+    });
+    std::fs::write(&go, "").unwrap();
+    ok(user.finish());
+    ok(hold_wide.finish());
+    assert!(
+        !overlap.exists(),
+        "the store-wide command ran beside the image's writer"
+    );
+}
+
 /// The same for an exclusive read: a reader on another host got in while
 /// its lock was lost; it exits 1, and the image it wrote is incomplete.
 #[test]
@@ -1095,35 +1162,53 @@ fn a_slot_whose_host_lost_its_connection_is_warned_of_with_the_commands_status()
     assert!(stderr(&out).contains(said), "{}", show(&out));
 }
 
-/// A removal whose host lost its connection after the tree went to the
-/// trash never empties the record another host wrote meanwhile (its writer
-/// finished the removal and wrote the image anew): it says the lock was
-/// lost, and the new image stays. Before, the removal emptied the new
-/// record, and the image written after it vanished.
+/// A removal whose host lost its connection, after its record said
+/// `deleting` or after the tree went to the trash, never moves or empties
+/// what another host wrote meanwhile (its writer finished the removal and
+/// wrote the image anew): it says the lock was lost, and the new image
+/// stays, its tree with it. Before, the removal emptied the new record, or
+/// moved the new tree to the trash behind a `ready` record.
 #[test]
 fn a_removal_whose_host_lost_its_connection_leaves_the_image_written_meanwhile() {
-    let Some(c) = Cluster::start("rmblip", 2) else {
+    let Some(c) = Cluster::start("rmblip", 3) else {
         return;
     };
     let env = Env::new();
     let (a, b, root) = (c.host(0), c.host(1), c.root());
-    ok(b.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
-    let pause = env.sentinel("paused");
-    let mut cmd = a.stowage(&root, ["rm", "img"]);
-    cmd.env(
-        stowage::env::DEBUG_PAUSE,
-        format!("rm-moved:{}", pause.display()),
-    );
-    let removal = Bg::from_command(cmd);
-    wait_for_file(&pause);
-    a.disconnect();
-    ok(b.stowage_run(&root, ["exec", "--write", "img", "--no-wait", "--", "true"]));
-    std::fs::remove_file(&pause).unwrap();
-    let out = removal.finish();
-    assert_eq!(code(&out), Some(1), "{}", show(&out));
-    let said = "lost the lock on image 'img' while removing it";
-    assert!(stderr(&out).contains(said), "{}", show(&out));
-    assert_eq!(image_state(b, &root, "img").as_deref(), Some("ready"));
+    for point in ["rm-marked", "rm-moved"] {
+        ok(b.stowage_run(&root, ["exec", "--write", "img", "--", "true"]));
+        let pause = env.sentinel(&format!("paused-{point}"));
+        let mut cmd = a.stowage(&root, ["rm", "img"]);
+        cmd.env(
+            stowage::env::DEBUG_PAUSE,
+            format!("{point}:{}", pause.display()),
+        );
+        let removal = Bg::from_command(cmd);
+        wait_for_file(&pause);
+        a.disconnect();
+        let write = "touch \"$STOWAGE_IMAGE_DIR/new\"";
+        let args = [
+            "exec",
+            "--write",
+            "img",
+            "--no-wait",
+            "--",
+            "sh",
+            "-c",
+            write,
+        ];
+        ok(b.stowage_run(&root, args));
+        std::fs::remove_file(&pause).unwrap();
+        let out = removal.finish();
+        assert_eq!(code(&out), Some(1), "{point}: {}", show(&out));
+        let said = "lost the lock on image 'img' while removing it";
+        assert!(stderr(&out).contains(said), "{point}: {}", show(&out));
+        assert_eq!(image_state(b, &root, "img").as_deref(), Some("ready"));
+        let tree = root.join("img/img/new");
+        // Looked at from a third host: the others' clients may answer from their caches.
+        let found = c.host(2).run(["test", "-e", tree.to_str().unwrap()]);
+        assert_eq!(code(&found), Some(0), "{point}: the new tree is gone");
+    }
 }
 
 /// Starts `stowage ARGS` on `host`, its stderr in sentinel `LOG.log`, and
