@@ -76,10 +76,8 @@ pub fn has_record(path: &Path) -> bool {
 
 /// Says in the configuration, under the global lock, whether trees are being adopted as `ready`:
 /// the lock files an interrupted adoption made must not make the next one judge them leftovers.
-pub fn mark_adopting(store: &crate::store::Store, on: bool) -> Result<()> {
-    let _global = store.global(None)?;
-    let root = store.root();
-    crate::config::update(root.dir(), &root.open()?, |c| c.adopting = on)
+pub fn mark_adopting(root: &Root, on: bool) -> Result<()> {
+    crate::images_dir::update_config(root, |c| c.adopting = on)
 }
 
 /// How an adopted tree starts out.

@@ -36,6 +36,18 @@ impl Entry {
     pub fn name(&self) -> Option<&str> {
         self.seen.record.as_ref().map(|r| r.name.as_str())
     }
+
+    /// The image this file is for: its record's, else, for one that cannot be read (or an old
+    /// release's token), the name the file's own name encodes (hashed names say none).
+    pub fn image(&self) -> Option<String> {
+        let unread = self.seen.damaged || self.seen.legacy;
+        (self.name().map(str::to_owned)).or_else(|| {
+            let named = unread
+                .then(|| Root::image_of_lock_file(&self.file))
+                .flatten();
+            named.map(|n| n.as_str().to_owned())
+        })
+    }
 }
 
 /// The `*.lock` files (regular, or of no type the directory says) in a listing of `locks/images/`.

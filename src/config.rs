@@ -156,7 +156,7 @@ pub fn write(root_dir: &std::path::Path, dir: &Dir, config: &Config) -> Result<(
 }
 
 /// Reads the configuration afresh, changes it by `change` and writes it if that changed it: the
-/// caller holds the global lock, which every such change takes (none is lost to another).
+/// caller holds the global lock, which every such change takes (`images_dir::update_config`).
 pub fn update(
     root_dir: &std::path::Path,
     dir: &Dir,

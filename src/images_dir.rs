@@ -273,6 +273,26 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
     }
 }
 
+/// Changes the configuration, read afresh, under the global lock: every change to it is made so,
+/// and none undoes another made at the same moment. Waited for at most 10 s (the global lock is
+/// held for moments; a caller holding it itself fails then, never hangs).
+pub fn update_config(root: &Root, change: impl FnOnce(&mut Config)) -> Result<()> {
+    use crate::lock::{IfMissing, Mode, Wait};
+    let path = root.global_lock();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut wait = Wait::on(&root.locks(), Some(until));
+    let waited = crate::lock::acquire(&path, Mode::Exclusive, IfMissing::Create, &mut wait)
+        .map_err(|e| crate::lock::error("the global lock", &path, e))?;
+    let _global = waited.or_else_busy(|| {
+        let conf = root.dir().join(crate::config::FILE);
+        anyhow::anyhow!(
+            "cannot change {}: the global lock stayed held for 10 s",
+            conf.display()
+        )
+    })?;
+    crate::config::update(root.dir(), &root.open()?, change)
+}
+
 /// Records the images directory's identity in the configuration, if not yet (or if `accept`).
 pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result<()> {
     let dir = config.images.path_in(root.dir());
@@ -293,7 +313,7 @@ pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result
         (config.identity, config.root) = (Some(id), here);
     }
     // Into the configuration as it is now: what another process changed meanwhile stays.
-    crate::config::update(root.dir(), &root.open()?, |now| {
+    update_config(root, |now| {
         if now.images == config.images {
             (now.identity, now.root) = (config.identity.clone(), config.root.clone());
         }

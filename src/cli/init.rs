@@ -101,18 +101,17 @@ fn adopt_found(
     } else {
         Adopt::Unknown
     };
-    let named: HashSet<String> = census
-        .into_iter()
-        .filter_map(|e| e.name().map(str::to_owned))
-        .collect();
+    let named: HashSet<String> = census.iter().filter_map(|e| e.image()).collect();
     let orphans = adopt::orphans(images, dir, &named, stores_judged)?;
     let as_ready = how == Adopt::AsReady && !orphans.trees.is_empty();
     if as_ready {
-        adopt::mark_adopting(store, true)?;
+        adopt::mark_adopting(root, true)?;
     }
     let adopted = adopt::adopt(root, config, &orphans, how)?;
-    if (as_ready || config.adopting) && adopted.left.is_empty() {
-        adopt::mark_adopting(store, false)?;
+    // Ended, not interrupted: a tree left (its lock held, its file planted) is said, and adopted
+    // as `incomplete` later; a mark kept for it would make any later stray tree `ready`.
+    if as_ready || config.adopting {
+        adopt::mark_adopting(root, false)?;
     }
     let (ctx, shown) = (store.ctx(), dir.display());
     for why in &adopted.left {
@@ -551,7 +550,7 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
             .context("cannot inspect the images directory");
         (config.identity, config.root) = (Some(identity?), None);
         let new = config.clone();
-        crate::config::update(root.dir(), &root.open()?, |now| {
+        crate::images_dir::update_config(&root, |now| {
             (now.images, now.identity, now.root) = (new.images, new.identity, new.root)
         })?;
         crate::debug::pause("init-switched");

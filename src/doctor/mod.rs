@@ -694,16 +694,12 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
     }
     let (mut named, mut foreign, mut gone) = (HashSet::new(), Vec::new(), Vec::new());
     for e in &entries {
+        // A record that cannot be read is still the image's: reported under "records". An empty
+        // lock file names nothing: its tree is an orphan.
+        named.extend(e.image());
         let Some(r) = e.seen.record.as_ref() else {
-            // A record that cannot be read is still the image's: reported under "records". An
-            // empty lock file names nothing: its tree is an orphan.
-            let unreadable = e.seen.damaged || e.seen.legacy;
-            if let Some(n) = Root::image_of_lock_file(&e.file).filter(|_| unreadable) {
-                named.insert(n.as_str().to_owned());
-            }
             continue;
         };
-        named.insert(r.name.clone());
         if r.images != config.images {
             foreign.push(r.name.clone());
             continue;
@@ -769,8 +765,8 @@ fn orphan_trees(
         return Ok(());
     }
     let done = adopt::adopt(store.root(), config, orphans, how)?;
-    if config.adopting && done.left.is_empty() {
-        adopt::mark_adopting(store, false)?;
+    if config.adopting {
+        adopt::mark_adopting(store.root(), false)?;
     }
     let n = done.names.len();
     report.naming("images", Repaired, &done.names, |names| {

@@ -786,6 +786,8 @@ fn a_record_that_could_not_be_read_is_kept_as_unknown() {
     let out = unprivileged(&env, &["doctor"]);
     assert!(stdout(&out).contains("cannot be read"), "{}", show(&out));
     assert!(!stdout(&out).contains("no record"), "{}", show(&out));
+    let out = unprivileged(&env, &["init"]);
+    assert!(!stderr(&out).contains("not adopting"), "{}", show(&out));
     assert!(env.root.join("img/a").is_dir());
 }
 

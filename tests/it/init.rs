@@ -204,6 +204,40 @@ fn an_interrupted_adoption_is_finished_as_it_began() {
     }
 }
 
+/// An `init` that ends, even with a tree it could not adopt (its lock held
+/// by another program), was not interrupted: it leaves no mark, so a tree
+/// that appears later (a failed build's) is adopted `incomplete`, never
+/// `ready`.
+#[test]
+fn an_adoption_that_ended_with_a_tree_left_leaves_no_mark() {
+    let env = Env::new();
+    for t in ["a", "b", "c"] {
+        fs::create_dir_all(env.root.join("img").join(t)).unwrap();
+    }
+    let (mut init, go) = env.paused(["init"], "adopted-one");
+    let left = ["a", "b", "c"]
+        .into_iter()
+        .find(|t| !env.lock_file(t).exists())
+        .unwrap();
+    let started = env.sentinel("flock.started");
+    let holder = flock_holder(&env.lock_file(left), &started, "sleep 30");
+    // It pauses after each tree it adopts: let it go each time.
+    wait_until("init ends", || {
+        let _ = fs::remove_file(&go);
+        !init.is_running()
+    });
+    let out = init.finish();
+    assert!(
+        stderr(&out).contains(&format!("not adopting '{left}'")),
+        "{}",
+        show(&out)
+    );
+    holder.kill_all();
+    fs::create_dir_all(env.root.join("img/stray")).unwrap();
+    env.ok(["init"]);
+    assert_eq!(env.state("stray").as_deref(), Some("incomplete"));
+}
+
 #[test]
 fn the_root_seen_through_a_bind_mount_or_a_symlink_is_no_images_directory() {
     let env = Env::new();
