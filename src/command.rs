@@ -25,28 +25,30 @@ pub fn start(
     set_inheritable: &dyn Fn(bool) -> std::io::Result<()>,
 ) -> anyhow::Result<(libc::pid_t, Option<Keeper>)> {
     let mut keeper: Option<Keeper> = None;
-    let started = signals.spawn(|| {
-        set_inheritable(true)?;
-        let spawned = if no_inherit {
-            crate::keeper::become_subreaper().and_then(|()| {
-                let k = Keeper::spawn(command, env, lock_fds, umask)?;
-                Ok((Start::Keeper, keeper.insert(k).pid))
-            })
-        } else {
-            // posix_spawn cannot set a child's umask: ours meanwhile (no other thread makes files).
-            use nix::sys::stat::{Mode, umask as set};
-            let ours = umask.map(|m| set(Mode::from_bits_retain(m as libc::mode_t)));
-            let spawned = spawn::spawn(None, command, env, Start::Command);
-            if let Some(m) = ours {
-                set(m);
-            }
-            spawned.map(|pid| (Start::Command, pid))
-        };
-        if no_inherit || spawned.is_err() {
-            set_inheritable(false)?;
-        }
-        spawned
+    // Made (and the descriptors and umask set) before the last look for a signal, so that the
+    // start follows it at once.
+    let prepared = (!no_inherit)
+        .then(|| spawn::prepare(None, command, env, Start::Command))
+        .transpose()
+        .map_err(|e| not_run(e.into(), &command[0].to_string_lossy()))?;
+    set_inheritable(true)?;
+    // posix_spawn cannot set a child's umask: ours meanwhile (no other thread makes files).
+    use nix::sys::stat::{Mode, umask as set};
+    let ours =
+        (umask.filter(|_| !no_inherit)).map(|m| set(Mode::from_bits_retain(m as libc::mode_t)));
+    let started = signals.spawn(|| match &prepared {
+        Some(prepared) => prepared.launch().map(|pid| (Start::Command, pid)),
+        None => crate::keeper::become_subreaper().and_then(|()| {
+            let k = Keeper::spawn(command, env, lock_fds, umask)?;
+            Ok((Start::Keeper, keeper.insert(k).pid))
+        }),
     });
+    if let Some(m) = ours {
+        set(m);
+    }
+    if no_inherit || !matches!(started, Ok(Ok(_))) {
+        set_inheritable(false)?;
+    }
     match started {
         Ok(Ok(pid)) => Ok((pid, keeper)),
         Ok(Err(sig)) => Err(error::Error::Interrupted(sig).into()),

@@ -43,6 +43,27 @@ pub fn spawn(
     env: &[(OsString, OsString)],
     how: Start,
 ) -> io::Result<libc::pid_t> {
+    prepare(path, argv, env, how)?.launch()
+}
+
+/// A command ready to start: its strings and attributes made beforehand, so that starting it is
+/// one call (a terminal's signal between the last look for one and the start reaches us alone:
+/// the longer that gap, the likelier a Ctrl-C the command never gets).
+pub struct Prepared {
+    path: Option<CString>,
+    args: Vec<CString>,
+    vars: Vec<CString>,
+    attr: PosixSpawnAttr,
+    how: Start,
+}
+
+/// Makes what [`spawn`] starts `argv` with.
+pub fn prepare(
+    path: Option<&std::ffi::CStr>,
+    argv: &[OsString],
+    env: &[(OsString, OsString)],
+    how: Start,
+) -> io::Result<Prepared> {
     let args: Vec<CString> = argv
         .iter()
         .map(|a| c_string(a.as_bytes().to_vec()))
@@ -64,23 +85,42 @@ pub fn spawn(
         }
     };
     attr.set_flags(flags | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF)?;
-    let none = PosixSpawnFileActions::init()?;
-    // They take the same arguments; only posix_spawnp searches PATH.
-    let pid = match path {
-        Some(p) => posix_spawn(p, &none, &attr, &args, &vars),
-        None => posix_spawnp(&args[0], &none, &attr, &args, &vars),
-    };
-    let pid = match pid {
-        // A file without "#!" is a shell script, as execvp(3) has it (and so flock(1), and our
-        // keeper's start): a POSIX shell runs one it cannot exec. Only posix_spawn does not.
-        Err(nix::errno::Errno::ENOEXEC) if how == Start::Command => {
-            let sh = [c"/bin/sh", c"-c", c"exec \"$0\" \"$@\""].map(CString::from);
-            let args: Vec<CString> = sh.into_iter().chain(args).collect();
-            posix_spawn(args[0].as_c_str(), &none, &attr, &args, &vars)?
-        }
-        pid => pid?,
-    };
-    Ok(pid.as_raw())
+    let path = path.map(CString::from);
+    Ok(Prepared {
+        path,
+        args,
+        vars,
+        attr,
+        how,
+    })
+}
+
+impl Prepared {
+    /// Starts it; returns its pid.
+    pub fn launch(&self) -> io::Result<libc::pid_t> {
+        let (none, attr, args, vars) = (
+            PosixSpawnFileActions::init()?,
+            &self.attr,
+            &self.args,
+            &self.vars,
+        );
+        // They take the same arguments; only posix_spawnp searches PATH.
+        let pid = match &self.path {
+            Some(p) => posix_spawn(p.as_c_str(), &none, attr, args, vars),
+            None => posix_spawnp(&args[0], &none, attr, args, vars),
+        };
+        let pid = match pid {
+            // A file without "#!" is a shell script, as execvp(3) has it (and so flock(1), and our
+            // keeper's start): a POSIX shell runs one it cannot exec. Only posix_spawn does not.
+            Err(nix::errno::Errno::ENOEXEC) if self.how == Start::Command => {
+                let sh = [c"/bin/sh", c"-c", c"exec \"$0\" \"$@\""].map(CString::from);
+                let args: Vec<CString> = sh.into_iter().chain(args.iter().cloned()).collect();
+                posix_spawn(args[0].as_c_str(), &none, attr, &args, vars)?
+            }
+            pid => pid?,
+        };
+        Ok(pid.as_raw())
+    }
 }
 
 fn c_string(bytes: Vec<u8>) -> io::Result<CString> {
