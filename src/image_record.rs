@@ -390,6 +390,41 @@ pub fn read(file: &File) -> io::Result<Seen> {
     Ok(Seen::parse(&read_area(file)?))
 }
 
+/// What slot A holds besides a record of this release: which release wrote the file last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotA {
+    /// Zeros, a record or part of one: this release's.
+    Ours,
+    /// The older release's token, which it still takes: its store is one to migrate.
+    Token,
+    /// That token disabled by a migration once the record beside it was durable.
+    Disabled,
+    /// Nothing but the older release's store-wide hint (byte 3073), which a migration sets on every
+    /// lock file before it writes a record: a record beside it is the migration's.
+    Hint,
+}
+
+/// [`read`], and what its slot A holds (one `pread`): a record a migration wrote beside the older
+/// release's bytes is no evidence of a store of this release.
+pub fn read_with_slot_a(file: &File) -> io::Result<(Seen, SlotA)> {
+    const OLDER_HINT_AT: usize = 3073;
+    let bytes = read_area(file)?;
+    let slot_a = &bytes[..bytes.len().min(SLOT)];
+    let disabled = slot_a.first() == Some(&b'-') && slot_a[1..].starts_with(&LEGACY_PREFIX[1..]);
+    let hint_only = slot_a.get(OLDER_HINT_AT).is_some_and(|&b| b != 0)
+        && slot_a
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| i == OLDER_HINT_AT || b == 0);
+    let a = match () {
+        _ if slot_a.starts_with(LEGACY_PREFIX) => SlotA::Token,
+        _ if disabled => SlotA::Disabled,
+        _ if hint_only => SlotA::Hint,
+        _ => SlotA::Ours,
+    };
+    Ok((Seen::parse(&bytes), a))
+}
+
 /// Whether `file` holds the record `seen` has still, as its holder last wrote or read it, and
 /// nothing later (one read). A writer (`in_flight`) asks too whether a writer that lost its lock
 /// wrote into the tree while its record was in flight (`F` naming it). Judged slot by slot: noise
@@ -586,6 +621,36 @@ mod tests {
             write(&f, &mut seen, &record(state)).unwrap();
         }
         f
+    }
+
+    /// Slot A tells a migration's record (beside the older release's token, disabled or not, or
+    /// its store-wide hint alone) from one of this release's own use.
+    #[test]
+    fn slot_a_tells_a_migrations_record_from_one_of_this_releases_use() {
+        let slot_a = |f: &File| read_with_slot_a(f).unwrap().1;
+        assert_eq!(slot_a(&written(&[State::Ready])), SlotA::Ours);
+        assert_eq!(
+            slot_a(&written(&[State::Writing, State::Ready])),
+            SlotA::Ours
+        );
+        let hinted = tempfile::tempfile().unwrap();
+        hinted.write_all_at(b"1", 3073).unwrap();
+        let mut seen = read(&hinted).unwrap();
+        write(&hinted, &mut seen, &record(State::Ready)).unwrap();
+        assert_eq!(slot_a(&hinted), SlotA::Hint);
+        let token = tempfile::tempfile().unwrap();
+        token
+            .write_all_at(b"stowage-image 4\nstate=ready\n", 0)
+            .unwrap();
+        let mut seen = read(&token).unwrap();
+        write(&token, &mut seen, &record(State::Ready)).unwrap();
+        assert_eq!(slot_a(&token), SlotA::Token);
+        token.write_all_at(b"-", 0).unwrap();
+        let (seen, a) = read_with_slot_a(&token).unwrap();
+        assert_eq!(
+            (seen.record.map(|r| r.state), a),
+            (Some(State::Ready), SlotA::Disabled)
+        );
     }
 
     #[test]

@@ -107,6 +107,11 @@ fn convert_passes(store: &mut Store, deadline: Option<Instant>) -> Result<()> {
     loop {
         let global = store.global(deadline)?;
         store.close_catalog();
+        // Another process finished it while this one waited for the hold: its records, beside
+        // the tokens they disabled, are no store still to migrate.
+        if root.open().is_ok_and(|d| crate::config::exists(&d)) {
+            return Ok(());
+        }
         let Some((conn, old)) = read_old(store)? else {
             ensure_config(&root)?;
             return Ok(());

@@ -553,9 +553,12 @@ impl Root {
 
     /// Whether the store is a release's before records, still to migrate (its catalog aside): that
     /// release's statement in the global lock file (made at its every transaction, emptied only
-    /// once migrated); or its tokens in the image lock files, and no record of this release (a token
-    /// put in a store of this release makes no store of that one).
+    /// once migrated); or its tokens in the image lock files, enabled or disabled beside a record a
+    /// migration wrote (one begun stays to finish: its records beside that release's bytes are
+    /// none of this release's use), and no record of this release's own use (a token put in a
+    /// store of this release makes no store of that one).
     pub fn older_release_left(&self) -> bool {
+        use crate::image_record::SlotA;
         use std::os::unix::fs::OpenOptionsExt;
         if self.older_release_catalog_id().is_some() {
             return true;
@@ -569,13 +572,15 @@ impl Root {
                 .read(true)
                 .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
                 .open(locks.join(&name));
-            let Ok(Ok(seen)) = opened.as_ref().map(crate::image_record::read) else {
+            let Ok(Ok((seen, a))) = opened.as_ref().map(crate::image_record::read_with_slot_a)
+            else {
                 continue;
             };
-            if seen.record.is_some() {
-                return false;
+            match (seen.record.is_some(), a) {
+                (true, SlotA::Ours) => return false,
+                (_, SlotA::Token) | (true, SlotA::Disabled) => token = true,
+                _ => {}
             }
-            token |= seen.legacy;
         }
         token
     }

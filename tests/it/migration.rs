@@ -971,3 +971,106 @@ fn an_old_catalog_held_by_another_program_is_waited_for_boundedly() {
     assert_eq!(states(&env), expected());
     assert_migrated(&env);
 }
+
+/// The schema-10 store with its catalog deleted and the global lock file's
+/// statement emptied: only the tokens in its lock files say it is one to
+/// migrate.
+fn old_store_known_by_its_tokens_alone() -> Env {
+    let env = old_store();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    fs::write(env.root.join("locks/global.lock"), "").unwrap();
+    env
+}
+
+/// A store known as one to migrate by its tokens alone, whose migration
+/// finds `folded` locked by another program, waits, and starts another
+/// pass: that pass still takes the store for one to migrate (it took the
+/// records the first pass wrote for this release's, wrote `store.conf` and
+/// left `folded` and `rowless`, ready in their tokens, damaged records).
+#[test]
+fn a_migration_from_the_tokens_alone_that_waits_for_a_lock_converts_every_image() {
+    let env = old_store_known_by_its_tokens_alone();
+    let release = env.sentinel("flock-release");
+    let holder = flock_holder(
+        &env.lock_file("folded"),
+        &env.sentinel("flock-held"),
+        &format!(
+            "i=0; while [ ! -e '{r}' ] && [ $i -lt 6000 ]; do sleep 0.01; i=$((i+1)); done",
+            r = release.display()
+        ),
+    );
+    let migration = env.spawn(["images"]);
+    wait_until("the migration waits for folded", || {
+        flock_waited_on(&env.lock_file("folded"))
+    });
+    fs::write(&release, "").unwrap();
+    let out = holder.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let out = migration.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    assert_eq!(states(&env), expected_from_tokens());
+    assert_migrated(&env);
+    env.ok(["exec", "--read", "rowless", "--", "true"]);
+    env.ok(["exec", "--read", "folded", "--", "true"]);
+}
+
+/// A store known as one to migrate by its tokens alone, its migration
+/// killed midway (records written for some images, their tokens disabled)
+/// or once every record was written but before `store.conf`: the next
+/// command resumes it, and every image takes its token's state (`rowless`
+/// was left a damaged record, its state unknown, and `store.conf` written
+/// from nothing).
+#[test]
+fn a_migration_from_the_tokens_alone_killed_midway_is_resumed_to_the_end() {
+    for point in ["migrate-converting-folded", "migrate-claimed"] {
+        let env = old_store_known_by_its_tokens_alone();
+        let (bg, _) = env.paused(["images"], point);
+        bg.kill_all();
+        assert!(!env.root.join("store.conf").exists(), "{point}");
+        let out = env.run(["exec", "--read", "rowless", "--", "true"]);
+        assert_eq!(code(&out), Some(0), "{point}: {}", show(&out));
+        assert_eq!(states(&env), expected_from_tokens(), "{point}");
+        assert_migrated(&env);
+        let out = env.ok(["slots", "--json"]);
+        let classes: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let pull = classes
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "pull");
+        assert_eq!(
+            pull.map(|c| c["limit"].clone()),
+            Some(3.into()),
+            "{point}: {classes}"
+        );
+    }
+}
+
+/// A store of this release whose `store.conf` is lost, with a token of the
+/// release before records put in a lock file of its own: the records of
+/// its use say it is no store to migrate, so nothing is migrated over them
+/// (only a migration's records, beside that release's bytes, are not).
+#[test]
+fn a_token_put_in_a_store_of_this_release_makes_no_migration() {
+    let env = Env::new();
+    for name in ["base", "app"] {
+        env.make_image(name);
+    }
+    let fx = tempfile::tempdir().unwrap();
+    untar(&fixture("schema10-store.tar"), fx.path());
+    fs::copy(
+        fx.path().join("store/locks/images/folded.lock"),
+        env.lock_file("folded"),
+    )
+    .unwrap();
+    fs::remove_file(env.root.join("store.conf")).unwrap();
+    let out = env.ok(["images"]);
+    assert!(!stderr(&out).contains("migrating"), "{}", show(&out));
+    assert_eq!(env.state("base").as_deref(), Some("ready"));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    let token = fs::read(env.lock_file("folded")).unwrap();
+    assert!(
+        token.starts_with(b"stowage-image "),
+        "the token is left as it was"
+    );
+}
