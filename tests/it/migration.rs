@@ -834,6 +834,11 @@ fn an_old_store_whose_catalog_is_lost_takes_each_images_state_from_its_token() {
     let out = env.run(["doctor", "--repair"]);
     assert_eq!(code(&out), Some(0), "{}", show(&out));
     assert_eq!(states(&env), expected_from_tokens());
+    assert_pull_limit_kept(&env, "repair");
+}
+
+/// The old store's slot class `pull` (limit 3) survived its migration.
+fn assert_pull_limit_kept(env: &Env, when: &str) {
     let out = env.ok(["slots", "--json"]);
     let classes: Value = serde_json::from_slice(&out.stdout).unwrap();
     let pull = classes
@@ -841,11 +846,8 @@ fn an_old_store_whose_catalog_is_lost_takes_each_images_state_from_its_token() {
         .unwrap()
         .iter()
         .find(|c| c["name"] == "pull");
-    assert_eq!(
-        pull.map(|c| c["limit"].clone()),
-        Some(3.into()),
-        "{classes}"
-    );
+    let limit = pull.map(|c| c["limit"].clone());
+    assert_eq!(limit, Some(3.into()), "{when}: {classes}");
 }
 
 /// A migration killed midway, then its catalog deleted: the next command
@@ -1031,18 +1033,7 @@ fn a_migration_from_the_tokens_alone_killed_midway_is_resumed_to_the_end() {
         assert_eq!(code(&out), Some(0), "{point}: {}", show(&out));
         assert_eq!(states(&env), expected_from_tokens(), "{point}");
         assert_migrated(&env);
-        let out = env.ok(["slots", "--json"]);
-        let classes: Value = serde_json::from_slice(&out.stdout).unwrap();
-        let pull = classes
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == "pull");
-        assert_eq!(
-            pull.map(|c| c["limit"].clone()),
-            Some(3.into()),
-            "{point}: {classes}"
-        );
+        assert_pull_limit_kept(&env, point);
     }
 }
 
