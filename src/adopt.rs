@@ -76,8 +76,9 @@ pub fn has_record(path: &Path) -> bool {
 
 /// Says in the configuration, under the global lock, whether trees are being adopted as `ready`:
 /// the lock files an interrupted adoption made must not make the next one judge them leftovers.
-pub fn mark_adopting(root: &Root, on: bool) -> Result<()> {
-    crate::images_dir::update_config(root, |c| c.adopting = on)
+pub fn mark_adopting(store: &crate::store::Store, on: bool) -> Result<()> {
+    let global = || store.global(None);
+    crate::images_dir::update_config(store.root(), global, |c| c.adopting = on)
 }
 
 /// How an adopted tree starts out.

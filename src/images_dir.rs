@@ -273,28 +273,26 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
     }
 }
 
-/// Changes the configuration, read afresh, under the global lock: every change to it is made so,
-/// and none undoes another made at the same moment. Waited for at most 10 s (the global lock is
-/// held for moments; a caller holding it itself fails then, never hangs).
-pub fn update_config(root: &Root, change: impl FnOnce(&mut Config)) -> Result<()> {
-    use crate::lock::{IfMissing, Mode, Wait};
-    let path = root.global_lock();
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut wait = Wait::on(&root.locks(), Some(until));
-    let waited = crate::lock::acquire(&path, Mode::Exclusive, IfMissing::Create, &mut wait)
-        .map_err(|e| crate::lock::error("the global lock", &path, e))?;
-    let _global = waited.or_else_busy(|| {
-        let conf = root.dir().join(crate::config::FILE);
-        anyhow::anyhow!(
-            "cannot change {}: the global lock stayed held for 10 s",
-            conf.display()
-        )
-    })?;
+/// Changes the configuration, read afresh, under the global lock, which `global` takes (the
+/// caller's wait, said as every wait for it is): every change to it is made so, and none undoes
+/// another made at the same moment.
+pub fn update_config(
+    root: &Root,
+    global: impl FnOnce() -> Result<crate::lock::Guard>,
+    change: impl FnOnce(&mut Config),
+) -> Result<()> {
+    let _global = global()?;
     crate::config::update(root.dir(), &root.open()?, change)
 }
 
-/// Records the images directory's identity in the configuration, if not yet (or if `accept`).
-pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result<()> {
+/// Records the images directory's identity in the configuration, if not yet (or if `accept`), under
+/// the global lock `global` takes.
+pub fn record_identity(
+    root: &Root,
+    config: &mut Config,
+    accept: bool,
+    global: impl FnOnce() -> Result<crate::lock::Guard>,
+) -> Result<()> {
     let dir = config.images.path_in(root.dir());
     let images = root.open_images_dir(&dir)?;
     let id = images
@@ -313,7 +311,7 @@ pub fn record_identity(root: &Root, config: &mut Config, accept: bool) -> Result
         (config.identity, config.root) = (Some(id), here);
     }
     // Into the configuration as it is now: what another process changed meanwhile stays.
-    update_config(root, |now| {
+    update_config(root, global, |now| {
         if now.images == config.images {
             (now.identity, now.root) = (config.identity.clone(), config.root.clone());
         }
@@ -369,27 +367,35 @@ pub fn recorded_open(root: &Root) -> Option<Dir> {
 /// Records the images directory a store-wide command made anew (`ch-image reset` does): `before`,
 /// the recorded one it ran beside, was deleted (not moved: no name is left to it), and a directory
 /// on the same device that is no mount (a mount hides trees, it deletes none) is at its path now.
-/// A claim of this store's on the old one goes to the new one. True if recorded.
-pub fn accept_remade(root: &Root, before: &Dir) -> bool {
+/// A claim of this store's on the old one goes to the new one. `Ok(true)` if recorded; an error if
+/// remade but not recorded.
+pub fn accept_remade(
+    root: &Root,
+    before: &Dir,
+    global: impl FnOnce() -> Result<crate::lock::Guard>,
+) -> Result<bool> {
     let Ok(mut config) = config(root) else {
-        return false;
+        return Ok(false);
     };
     let dir = config.images.path_in(root.dir());
     let (Ok(old), Ok(images)) = (before.stat(), root.open_images_dir(&dir)) else {
-        return false;
+        return Ok(false);
     };
     let (Ok(now), Ok(false)) = (images.stat(), images.is_mount_root()) else {
-        return false;
+        return Ok(false);
     };
     if old.nlink != 0 || now.dev != old.dev {
-        return false;
+        return Ok(false);
     }
     if let (Ok(Some(c)), Ok(here)) = (crate::claim::read_fd(before), root.identity())
         && crate::dir::same_identity(&c.root, &here)
     {
         let _ = crate::claim::write(&images, &c, true);
     }
-    record_identity(root, &mut config, true).is_ok()
+    let shown = dir.display();
+    record_identity(root, &mut config, true, global)
+        .with_context(|| format!("cannot record images directory {shown}, made anew"))?;
+    Ok(true)
 }
 
 /// Why a tree missing from `dir` may be the images directory's fault rather than a deletion.

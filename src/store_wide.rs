@@ -221,8 +221,20 @@ impl Hold {
         store: &Store,
         images_before: Option<&crate::dir::Dir>,
     ) -> Vec<String> {
-        let remade =
-            images_before.is_some_and(|b| crate::images_dir::accept_remade(store.root(), b));
+        let global = || store.global(None);
+        let accepted =
+            images_before.map(|b| crate::images_dir::accept_remade(store.root(), b, global));
+        let remade = match accepted {
+            Some(Ok(remade)) => remade,
+            // Said, and nothing taken for deleted on its strength: the next look asks again.
+            Some(Err(e)) => {
+                store
+                    .ctx()
+                    .say(&format!("{e:#}; 'stowage init' records it"));
+                return Vec::new();
+            }
+            None => false,
+        };
         let entries = crate::census::take(store.root()).unwrap_or_default();
         forget_missing(store, entries, remade, |_| true)
     }

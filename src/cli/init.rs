@@ -105,13 +105,13 @@ fn adopt_found(
     let orphans = adopt::orphans(images, dir, &named, stores_judged)?;
     let as_ready = how == Adopt::AsReady && !orphans.trees.is_empty();
     if as_ready {
-        adopt::mark_adopting(root, true)?;
+        adopt::mark_adopting(store, true)?;
     }
     let adopted = adopt::adopt(root, config, &orphans, how)?;
     // Ended, not interrupted: a tree left (its lock held, its file planted) is said, and adopted
     // as `incomplete` later; a mark kept for it would make any later stray tree `ready`.
     if as_ready || config.adopting {
-        adopt::mark_adopting(root, false)?;
+        adopt::mark_adopting(store, false)?;
     }
     let (ctx, shown) = (store.ctx(), dir.display());
     for why in &adopted.left {
@@ -148,7 +148,7 @@ fn make_ours(
         let shown = dir.display();
         store.ctx().say(&format!("cannot mark {shown} as this store's (its filesystem keeps no extended attributes): another store's init would not be refused"));
     }
-    crate::images_dir::record_identity(root, config, true)
+    crate::images_dir::record_identity(root, config, true, || store.global(None))
 }
 
 /// Shares with group `gid` the root, an external images directory (not the builders' trees in it)
@@ -550,9 +550,11 @@ fn switch(store: &mut Store, config: &mut Config, dir: &Path) -> Result<()> {
             .context("cannot inspect the images directory");
         (config.identity, config.root) = (Some(identity?), None);
         let new = config.clone();
-        crate::images_dir::update_config(&root, |now| {
-            (now.images, now.identity, now.root) = (new.images, new.identity, new.root)
-        })?;
+        crate::images_dir::update_config(
+            &root,
+            || store.global(None),
+            |now| (now.images, now.identity, now.root) = (new.images, new.identity, new.root),
+        )?;
         crate::debug::pause("init-switched");
         Ok(())
     })();

@@ -690,7 +690,7 @@ fn trees(store: &mut Store, repair: bool, report: &mut Report) -> Result<()> {
         return Ok(());
     }
     if repair {
-        crate::images_dir::record_identity(&root, &mut config, false)?;
+        crate::images_dir::record_identity(&root, &mut config, false, || store.global(None))?;
     }
     let (mut named, mut foreign, mut gone) = (HashSet::new(), Vec::new(), Vec::new());
     for e in &entries {
@@ -766,7 +766,7 @@ fn orphan_trees(
     }
     let done = adopt::adopt(store.root(), config, orphans, how)?;
     if config.adopting {
-        adopt::mark_adopting(store.root(), false)?;
+        adopt::mark_adopting(store, false)?;
     }
     let n = done.names.len();
     report.naming("images", Repaired, &done.names, |names| {

@@ -238,6 +238,30 @@ fn an_adoption_that_ended_with_a_tree_left_leaves_no_mark() {
     assert_eq!(env.state("stray").as_deref(), Some("incomplete"));
 }
 
+/// The mark of an adoption under way is cleared at its end however long
+/// another program holds the global lock (the clear waits, as every wait
+/// for it does). Before, it was given up after 10 s and left set, so a
+/// later stray tree was adopted `ready`.
+#[test]
+fn an_adoption_clears_its_mark_after_a_long_hold_of_the_global_lock() {
+    let env = Env::new();
+    for t in ["a", "b"] {
+        fs::create_dir_all(env.root.join("img").join(t)).unwrap();
+    }
+    let (mut init, go) = env.paused(["init"], "adopted-one");
+    let started = env.sentinel("global.started");
+    let holder = flock_holder(&env.root.join("locks/global.lock"), &started, "sleep 11");
+    wait_until("init ends", || {
+        let _ = fs::remove_file(&go);
+        !init.is_running()
+    });
+    let out = init.finish();
+    assert_eq!(code(&out), Some(0), "{}", show(&out));
+    let _ = holder.finish();
+    let conf = fs::read_to_string(env.root.join("store.conf")).unwrap();
+    assert!(!conf.contains("adopting"), "{conf}");
+}
+
 #[test]
 fn the_root_seen_through_a_bind_mount_or_a_symlink_is_no_images_directory() {
     let env = Env::new();

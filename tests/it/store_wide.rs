@@ -180,6 +180,30 @@ fn a_killed_store_wide_holder_blocks_nobody() {
     assert!(out.status.success(), "{}", show(&out));
 }
 
+/// A store-wide command that makes the images directory anew (as `ch-image
+/// reset` does) while another program holds the global lock for longer
+/// than any bound: the new directory is recorded once the lock is free, and
+/// the images it deleted are said and forgotten. Before, the record was
+/// given up after 10 s, silently, exit 0, the deleted image left `ready`.
+#[test]
+fn a_remade_images_directory_is_recorded_once_the_global_lock_is_free() {
+    let env = Env::new();
+    env.make_image("a");
+    let (img, started) = (env.root.join("img"), env.sentinel("global-held"));
+    let global = env.root.join("locks/global.lock");
+    let script = format!(
+        "rm -rf '{img}' && mkdir '{img}' && setsid flock '{global}' sh -c 'touch {started}; sleep 11' </dev/null >/dev/null 2>&1 & \
+         while [ ! -e '{started}' ]; do sleep 0.01; done",
+        img = img.display(),
+        global = global.display(),
+        started = started.display()
+    );
+    let out = env.ok(["exec", "--store-wide", "--", "sh", "-c", &script]);
+    let said = "image 'a' was deleted by the store-wide command";
+    assert!(stderr(&out).contains(said), "{}", show(&out));
+    assert!(env.image("a").is_none());
+}
+
 /// Images whose trees a store-wide command removed are forgotten when it
 /// ends — unless the images directory looks unmounted (empty while images
 /// are recorded), which says nothing about the trees.
