@@ -552,6 +552,14 @@ impl Slots {
             return Ok(Took::Busy);
         };
         let is_high = i < high;
+        // A reserved slot taken while normal holders run beyond a lowered limit: what they take
+        // past the limit is of the total, which stays within limit + reserve.
+        let over = match is_high && !self.beyond.paths().is_empty() {
+            true => (self.beyond.held_count(|_| true)?
+                + self.candidates.held_count(|j| j >= high)?)
+            .saturating_sub(self.limits.limit as usize),
+            false => 0,
+        };
         let (beyond, bound) = if is_high {
             (&mut self.beyond_high, self.limits.reserve as usize)
         } else {
@@ -559,11 +567,12 @@ impl Slots {
         };
         // Counted before the record is read: its read's close wakes this waiter, which would spin.
         let spilled = if is_high { 0 } else { spilled };
-        let in_use = match beyond.paths().is_empty() && spilled == 0 {
+        let in_use = match beyond.paths().is_empty() && spilled == 0 && over == 0 {
             true => 0,
             false => {
                 beyond.held_count(|_| true)?
                     + spilled
+                    + over
                     + 1
                     + self
                         .candidates

@@ -593,6 +593,38 @@ fn a_holder_of_a_removed_reserve_counts_against_the_limit() {
     assert_eq!(b.finish().status.code(), Some(0));
 }
 
+/// Holders beyond a lowered limit count against the total a reserve
+/// allows too: with three normal holders and the class set to limit 1,
+/// reserve 2, the total (3) is at LIMIT+N already, so a high-priority
+/// newcomer waits rather than take a reserved slot.
+#[test]
+fn a_high_priority_newcomer_waits_while_holders_beyond_a_lowered_limit_fill_the_total() {
+    let env = Env::new();
+    env.ok(["slots", "set", "c", "3"]);
+    let held: Vec<Bg> = ["a", "b", "d"]
+        .iter()
+        .map(|t| env.hold_until(&["--slot", "c"], t, &format!("release-{t}")))
+        .collect();
+    env.ok(["slots", "set", "c", "1", "--reserve-high", "2"]);
+    let args = [
+        "exec",
+        "--slot",
+        "c",
+        "--priority",
+        "high",
+        "--no-wait",
+        "--",
+        "true",
+    ];
+    let out = env.run(args);
+    assert_eq!(code(&out), Some(75), "{}", show(&out));
+    for (t, h) in ["a", "b", "d"].iter().zip(held) {
+        env.release(&format!("release-{t}"));
+        assert_eq!(h.finish().status.code(), Some(0));
+    }
+    env.ok(args);
+}
+
 #[test]
 fn a_removed_class_shows_its_holders_until_they_end_and_ends_its_waits() {
     let env = Env::new();
