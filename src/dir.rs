@@ -204,6 +204,29 @@ impl Dir {
         }
     }
 
+    /// Whether this directory was deleted: no link left, or its handle stale, or dead to a listing.
+    /// A client may cache the link count (GlusterFS keeps 2 for a second, then says ESTALE); the
+    /// kernel marks a directory removed on this host dead at once, whatever the filesystem.
+    pub fn deleted(&self) -> bool {
+        let gone = |e: &io::Error| matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESTALE));
+        match self.stat() {
+            Ok(st) if st.nlink == 0 => return true,
+            Err(e) => return gone(&e),
+            Ok(_) => {}
+        }
+        let mut buf = [0u8; 1024];
+        // SAFETY: a live buffer of the length given.
+        let listed = retrying(|| unsafe {
+            libc::syscall(
+                libc::SYS_getdents64,
+                self.fd.as_raw_fd(),
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        });
+        listed.is_err_and(|e| gone(&e))
+    }
+
     /// The names in the directory (without `.` and `..`), by `getdents64` on this very descriptor:
     /// `opendir` would cost three more calls, each a round trip on NFS. Only this uses the offset.
     pub fn names(&self) -> io::Result<Vec<OsString>> {

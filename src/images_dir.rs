@@ -365,8 +365,8 @@ pub fn recorded_open(root: &Root) -> Option<Dir> {
 }
 
 /// Records the images directory a store-wide command made anew (`ch-image reset` does): `before`,
-/// the recorded one it ran beside, was deleted (not moved: no name is left to it), and a directory
-/// on the same device that is no mount (a mount hides trees, it deletes none) is at its path now.
+/// the recorded one it ran beside, was deleted (not moved: [`Dir::deleted`]), and a directory on
+/// the same device that is no mount (a mount hides trees, it deletes none) is at its path now.
 /// A claim of this store's on the old one goes to the new one. `Ok(true)` if recorded; an error if
 /// remade but not recorded.
 pub fn accept_remade(
@@ -378,18 +378,29 @@ pub fn accept_remade(
         return Ok(false);
     };
     let dir = config.images.path_in(root.dir());
-    let (Ok(old), Ok(images)) = (before.stat(), root.open_images_dir(&dir)) else {
+    if !before.deleted() {
+        return Ok(false);
+    }
+    let Ok(images) = root.open_images_dir(&dir) else {
         return Ok(false);
     };
     let (Ok(now), Ok(false)) = (images.stat(), images.is_mount_root()) else {
         return Ok(false);
     };
-    if old.nlink != 0 || now.dev != old.dev {
+    if before.stat().is_ok_and(|old| old.dev != now.dev) {
         return Ok(false);
     }
-    if let (Ok(Some(c)), Ok(here)) = (crate::claim::read_fd(before), root.identity())
-        && crate::dir::same_identity(&c.root, &here)
-    {
+    // A claim of this store's goes along; one a stale handle hides was the recorded directory's.
+    let here = root.identity();
+    let claim = match crate::claim::read_fd(before) {
+        Ok(c) => c.filter(|c| {
+            here.as_ref()
+                .is_ok_and(|h| crate::dir::same_identity(&c.root, h))
+        }),
+        Err(_) if config.images != ImagesDir::Default => my_claim(root, &config).ok(),
+        Err(_) => None,
+    };
+    if let Some(c) = claim {
         let _ = crate::claim::write(&images, &c, true);
     }
     let shown = dir.display();

@@ -1262,3 +1262,36 @@ fn waiters_whose_host_lost_its_connection_wait_on_and_get_their_locks() {
         assert_eq!(code(&out), Some(0), "{log}: {said}");
     }
 }
+
+/// A store-wide command that deletes the images directory and makes it
+/// again (`ch-image reset` does) has deleted every tree in it, though the
+/// client caches the old directory's link count, and then says it stale:
+/// its images are forgotten, and new ones are made in the new directory.
+/// The images directory both inside the root and outside it.
+#[test]
+fn an_images_directory_remade_by_a_store_wide_command_is_taken_on_a_shared_filesystem() {
+    let Some(c) = Cluster::start("remade", 1) else {
+        return;
+    };
+    let a = c.host(0);
+    for (n, external) in [(0, false), (1, true)] {
+        let root = c.dir.join(format!("root{n}"));
+        if external {
+            let img = c.dir.join(format!("img{n}"));
+            ok(a.run(["mkdir", img.to_str().unwrap()]));
+            ok(a.stowage_run(&root, ["init", "--images-dir", img.to_str().unwrap()]));
+        }
+        ok(a.stowage_run(&root, ["exec", "--write", "a", "--", "true"]));
+        let script = "rm -rf \"$STOWAGE_IMAGES_DIR\" && mkdir \"$STOWAGE_IMAGES_DIR\"";
+        let wide = ok(a.stowage_run(&root, ["exec", "--store-wide", "--", "sh", "-c", script]));
+        let read = a.stowage_run(&root, ["exec", "--read", "a", "--", "true"]);
+        assert_eq!(
+            code(&read),
+            Some(66),
+            "external {external}: {}\n{}",
+            show(&wide),
+            show(&read)
+        );
+        ok(a.stowage_run(&root, ["exec", "--write", "b", "--", "true"]));
+    }
+}
