@@ -722,3 +722,64 @@ fn without_proc_a_copy_still_never_uses_the_originals_images_directory() {
     assert!(ext.join("mine").is_dir());
     assert_eq!(env.state("mine").as_deref(), Some("ready"));
 }
+
+/// `sh -c SCRIPT` in a mount namespace of its own (a container's view of
+/// the machine), with `$0` the stowage binary; `None`, saying why, where
+/// this test cannot make one.
+fn in_mount_namespace(script: &str) -> Option<Output> {
+    if !root_or_skip("a mount namespace") || !tool_or_skip("unshare", "util-linux") {
+        return None;
+    }
+    let mut c = Command::new("unshare");
+    c.args(["--mount", "--propagation", "private", "sh", "-c", script]);
+    c.arg(bin())
+        .env_remove("STOWAGE_ROOT")
+        .env_remove("STOWAGE_NOW");
+    Some(output(c))
+}
+
+/// A container that sees the store through a bind mount, and another
+/// directory at the external images directory's path (its own tmpfs,
+/// holding a tree named as an image): reads, rewrites, removes, creates
+/// nothing there, and its `init` does not make that directory the store's,
+/// so the host goes on using its own, image and all.
+#[test]
+fn a_container_with_another_directory_at_the_images_path_never_uses_it() {
+    let env = Env::new();
+    let Some(m) = env.init_on_tmpfs() else {
+        return;
+    };
+    env.make_image("app");
+    let (images, inside) = (m.dir.clone(), env.tmp.path().join("inside"));
+    fs::create_dir(&inside).unwrap();
+    let (i, r, v) = (images.display(), env.root.display(), inside.display());
+    let script = format!(
+        "mount --bind '{r}' '{v}' && mount -t tmpfs tmpfs '{i}' && mkdir '{i}/app' && echo theirs > '{i}/app/data' || exit 99
+         s() {{ \"$0\" --root '{v}' \"$@\" 2>&1; echo \"rc=$?\"; }}
+         s exec --read app -- cat '{i}/app/data'
+         s exec --write app -- sh -c 'echo mine > \"$STOWAGE_IMAGE_DIR/data\"'
+         s exec --write copy --from app -- true
+         s rm app
+         s init
+         echo; cat '{i}/app/data'; ls '{i}'"
+    );
+    let Some(out) = in_mount_namespace(&script) else {
+        return;
+    };
+    let said = stdout(&out);
+    let (runs, after) = said
+        .split_once("\n\n")
+        .unwrap_or_else(|| panic!("{}", show(&out)));
+    assert_eq!(runs.matches("rc=1").count(), 5, "{}", show(&out));
+    assert_eq!(
+        runs.matches("not the directory recorded").count(),
+        5,
+        "{}",
+        show(&out)
+    );
+    assert_eq!(after, "theirs\napp\n", "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.state("copy"), None);
+    assert_eq!(env.read_in_image("app", "file"), "content\n");
+    env.ok(["exec", "--write", "new", "--", "true"]);
+}
