@@ -783,3 +783,51 @@ fn a_container_with_another_directory_at_the_images_path_never_uses_it() {
     assert_eq!(env.read_in_image("app", "file"), "content\n");
     env.ok(["exec", "--write", "new", "--", "true"]);
 }
+
+/// Through a read-only bind mount of the store (a container's `-v
+/// STORE:/s:ro`), a write under way is shown under way: the lock files
+/// that cannot be opened for writing there are asked read-only, and their
+/// holders still seen.
+#[test]
+fn a_read_only_view_of_the_store_sees_a_write_under_way() {
+    if !root_or_skip("a bind mount") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let ro = env.tmp.path().join("ro");
+    fs::create_dir(&ro).unwrap();
+    let Some(_m) = Mount::at(&["--bind", "-o", "ro", env.root.to_str().unwrap()], &ro) else {
+        eprintln!("skipping: cannot make a read-only bind mount here");
+        return;
+    };
+    let writers = [
+        env.hold_until(&["--write", "app"], "app-started", "release"),
+        env.hold_until(&["--write", "base"], "base-started", "release"),
+    ];
+    let view = |args: &[&str]| {
+        let mut c = Command::new(bin());
+        c.arg("--root")
+            .arg(&ro)
+            .args(args)
+            .env_remove("STOWAGE_ROOT");
+        output(c)
+    };
+    let listed: serde_json::Value =
+        serde_json::from_slice(&view(&["images", "--json"]).stdout).expect("images --json");
+    let state = |n: &str| {
+        let found = listed.as_array().unwrap().iter().find(|i| i["name"] == n);
+        found.map(|i| i["state"].as_str().unwrap().to_owned())
+    };
+    assert_eq!(state("app").as_deref(), Some("creating"), "{listed}");
+    assert_eq!(state("base").as_deref(), Some("writing"), "{listed}");
+    let out = view(&["lock-status", "app", "base"]);
+    let said = stdout(&out);
+    assert!(said.contains("exclusive (creating)"), "{}", show(&out));
+    assert!(said.contains("exclusive (writing)"), "{}", show(&out));
+    env.release("release");
+    for w in writers {
+        assert_eq!(code(&w.finish()), Some(0));
+    }
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
