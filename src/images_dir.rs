@@ -262,7 +262,9 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
         anyhow::bail!("{why}");
     }
     let now = crate::claim::read(images);
-    if now.as_ref() == Some(&mine) {
+    // Ours whatever root path it names: the root seen at another path (a bind mount, a container)
+    // is the same root, and rewriting the path from each view would only make them alternate.
+    if now.as_ref().is_some_and(|c| c.same_store(&mine)) {
         return Ok(true);
     }
     let external = config.images != ImagesDir::Default;

@@ -831,3 +831,48 @@ fn a_read_only_view_of_the_store_sees_a_write_under_way() {
     }
     assert_eq!(env.state("app").as_deref(), Some("ready"));
 }
+
+/// The user.stowage.store claim on `dir`, as text.
+fn claim_on(dir: &Path) -> String {
+    let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: NUL-terminated path and name, a buffer of the length given.
+    let n = unsafe {
+        libc::getxattr(
+            c.as_ptr(),
+            c"user.stowage.store".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    assert!(n >= 0, "{}", std::io::Error::last_os_error());
+    String::from_utf8_lossy(&buf[..n as usize]).into_owned()
+}
+
+/// The root seen at a second path (a bind mount) is the same root: its
+/// claim on the external images directory is healthy from there too, so
+/// neither `doctor --repair` nor `init` there rewrites it to name the
+/// second path (views would each put it back to theirs, in turn).
+#[test]
+fn a_second_view_of_the_root_leaves_its_claim_as_it_is() {
+    if !root_or_skip("a bind mount") {
+        return;
+    }
+    let (env, ext) = store_with_external_images();
+    let alt = env.tmp.path().join("alt");
+    fs::create_dir(&alt).unwrap();
+    let Some(_m) = Mount::at(&["--bind", env.root.to_str().unwrap()], &alt) else {
+        eprintln!("skipping: cannot make a bind mount here");
+        return;
+    };
+    let claim = claim_on(&ext);
+    assert!(claim.contains(env.root.to_str().unwrap()), "{claim}");
+    for args in [&["doctor", "--repair"][..], &["init"]] {
+        let out = in_copy(&alt, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert!(!stdout(&out).contains("marked"), "{args:?}: {}", show(&out));
+        assert_eq!(claim_on(&ext), claim, "{args:?}: {}", show(&out));
+    }
+    let out = env.ok(["doctor", "--repair"]);
+    assert!(!stdout(&out).contains("repaired"), "{}", show(&out));
+}
