@@ -104,7 +104,8 @@ fn not_this_stores_by_path(root: &Root, config: &Config, dir: &Path) -> Option<S
     {
         return None;
     }
-    not_this_stores(root, Some(config), dir, claim)
+    let now = || root.open_images_dir(dir).ok()?.identity().ok();
+    not_this_stores(root, Some(config), dir, claim, now)
 }
 
 /// `opened`, the images directory at `dir` opened to make or remove trees in, refused unless it is
@@ -123,7 +124,7 @@ pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
         let shown = dir.display();
         anyhow::bail!("cannot read which store images directory {shown} serves: {e}");
     }
-    match not_this_stores(root, None, dir, claim) {
+    match not_this_stores(root, None, dir, claim, || images.identity().ok()) {
         Some(why) => anyhow::bail!("{why}"),
         None => Ok(images),
     }
@@ -132,21 +133,24 @@ pub fn confirmed(root: &Root, dir: &Path, opened: Result<Dir>) -> Result<Dir> {
 /// Why this store may not use the external images directory `dir`, by `claim`, what was read of
 /// its claim (the claim first: found, it settles it without asking who may write `store.conf`):
 /// - another root's claim binds it (a copy of the store, or another store);
+/// - no claim of this store's is on it, and its identity, `now` (asked only then), is not the one
+///   recorded: another directory at the recorded path (another disk mounted there; the path seen
+///   from a container, or another host, where another directory is at it);
 /// - no claim of this store's is on it while others may have written the configuration (a group
 ///   store): a member may name any directory there, so only a claim, which `init --images-dir`
-///   writes, makes it this store's. No extended attributes: nothing to tell it by.
+///   writes, makes it this store's. No extended attributes: nothing else to tell it by.
 fn not_this_stores(
     root: &Root,
     config: Option<&Config>,
     dir: &Path,
     claim: std::io::Result<Option<Claim>>,
+    now: impl FnOnce() -> Option<String>,
 ) -> Option<String> {
     let here = root.identity().ok()?;
-    let theirs = match claim {
-        Ok(c) => c,
-        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => return None,
-        Err(_) => None,
-    };
+    let no_xattrs = claim
+        .as_ref()
+        .is_err_and(|e| e.raw_os_error() == Some(libc::ENOTSUP));
+    let theirs = claim.unwrap_or(None);
     if let Some(t) = &theirs {
         if crate::dir::same_identity(&t.root, &here) {
             return None;
@@ -162,7 +166,16 @@ fn not_this_stores(
             return Some(why);
         }
     }
-    others_may_write_config(root).then(|| unclaimed(dir))
+    // Read only now, without a claim of ours: one found spares the store's every use a look.
+    let loaded = config.is_none().then(|| self::config(root).ok()).flatten();
+    if let Some(c) = config.or(loaded.as_ref())
+        && let Some(recorded) = c.identity.as_deref()
+        && let Some(now) = now()
+        && !crate::dir::same_identity(recorded, &now)
+    {
+        return Some(not_recorded(dir, &now, recorded));
+    }
+    (!no_xattrs && others_may_write_config(root)).then(|| unclaimed(dir))
 }
 
 fn unclaimed(dir: &Path) -> String {
@@ -249,10 +262,19 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
         anyhow::bail!("{why}");
     }
     let now = crate::claim::read(images);
-    if now.as_ref() == Some(&mine) {
+    // Ours whatever root path it names: the root seen at another path (a bind mount, a container)
+    // is the same root, and rewriting the path from each view would only make them alternate.
+    if now.as_ref().is_some_and(|c| c.same_store(&mine)) {
         return Ok(true);
     }
     let external = config.images != ImagesDir::Default;
+    // Another directory at the recorded path is claimed only if named (`init --images-dir`).
+    if external
+        && !named
+        && let Some(why) = refused_for_new(config, images, &dir)
+    {
+        anyhow::bail!("{why}");
+    }
     let by_root = now
         .as_ref()
         .is_some_and(|c| crate::dir::same_identity(&c.root, &mine.root));
@@ -438,10 +460,15 @@ pub fn refused_for_new(config: &Config, images: &Dir, dir: &Path) -> Option<Stri
 fn not_the_recorded(config: &Config, images: &Dir, dir: &Path) -> Option<String> {
     let recorded = config.identity.as_deref()?;
     let now = images.identity().ok()?;
-    (!crate::dir::same_identity(recorded, &now)).then(|| {
-        format!(
-            "images directory {} is not the directory recorded ({now}, not {recorded}): is the right filesystem mounted? ('stowage init' accepts it)",
-            dir.display()
-        )
-    })
+    (!crate::dir::same_identity(recorded, &now)).then(|| not_recorded(dir, &now, recorded))
+}
+
+/// The directory at `dir`, of identity `now`, is not the images directory recorded. Accepting it
+/// makes it the store's images directory for every host and container that uses the store.
+fn not_recorded(dir: &Path, now: &str, recorded: &str) -> String {
+    format!(
+        "images directory {} is not the directory recorded ({now}, not {recorded}): unmounted? ('stowage init --images-dir {}' makes it the store's for all)",
+        dir.display(),
+        crate::ident::shell_path(dir)
+    )
 }

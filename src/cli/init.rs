@@ -72,6 +72,13 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     }
     let dir = config.images.path_in(root.dir());
     let images = root.open_or_make_images_dir(&dir)?;
+    // Another directory at the recorded path (another disk; the path seen from a container or from
+    // another host) is made the store's, for every view, only if named: never by a plain init.
+    if wanted.is_none()
+        && let Some(why) = crate::images_dir::refused_for_new(&config, &images, &dir)
+    {
+        bail!("{why}");
+    }
     // Before anything is adopted: a directory another store claims is refused untouched.
     make_ours(store, &root, &mut config, (&images, &dir), wanted.is_some())?;
     let (adopted, how) = adopt_found(store, &config, (&images, &dir), taken.is_some())?;

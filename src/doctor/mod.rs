@@ -649,7 +649,11 @@ fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut 
     let mine = crate::images_dir::my_claim(root, config).ok();
     // Another's claim is reported where the trees are judged; a claim of this root's `img` under
     // another id (a configuration made anew) is put right by a repair.
-    if claim.is_some() && (claim == mine || !repair) {
+    // Ours whatever root path it names (the root seen through another mount is the same root).
+    let ours = claim
+        .as_ref()
+        .is_some_and(|c| mine.as_ref().is_some_and(|m| c.same_store(m)));
+    if claim.is_some() && (ours || !repair) {
         return;
     }
     let dir = config.images.path_in(root.dir());

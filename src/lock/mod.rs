@@ -196,20 +196,32 @@ impl Guard {
 /// Opens an existing lock file, unlocked, to write a hint: `None` if missing. Only a regular file
 /// with no other name (`fstat`).
 pub fn open_existing(path: &Path) -> io::Result<Option<File>> {
-    open_existing_checked(path, crate::planted::check_written)
+    let opened = open(path, IfMissing::Fail);
+    found(opened.and_then(|f| crate::planted::check_written(path, &f).map(|()| f)))
 }
 
 /// [`open_existing`] for a file only read or locked: only its type is checked, so a lock file with
 /// other names (a store copied by `cp -al`) is read.
 pub fn open_existing_read(path: &Path) -> io::Result<Option<File>> {
-    open_existing_checked(path, crate::planted::check)
+    found(open_to_look(path).and_then(|f| crate::planted::check(path, &f).map(|()| f)))
 }
 
-fn open_existing_checked(
-    path: &Path,
-    check: fn(&Path, &File) -> io::Result<()>,
-) -> io::Result<Option<File>> {
-    found(open(path, IfMissing::Fail).and_then(|f| check(path, &f).map(|()| f)))
+/// Opens an existing lock file to read it or to ask who holds it: read-write, as lock files are
+/// opened, else read-only where this view may not write it (the store through a read-only mount,
+/// another user's file): a flock is taken and seen through either, so a holder is still seen.
+fn open_to_look(path: &Path) -> io::Result<File> {
+    match open(path, IfMissing::Fail) {
+        Err(e)
+            if e.raw_os_error() == Some(libc::EROFS)
+                || e.kind() == io::ErrorKind::PermissionDenied =>
+        {
+            crate::planted::open(path, libc::O_RDONLY, 0).map_err(|r| match r.kind() {
+                io::ErrorKind::PermissionDenied => e,
+                _ => r,
+            })
+        }
+        other => other,
+    }
 }
 
 /// `Ok(None)` for `NotFound`.
@@ -602,7 +614,7 @@ pub enum Probe {
 /// Whether anyone holds the lock, without waiting. It briefly takes the lock (shared, then
 /// exclusive), so a concurrent try may find it busy for microseconds.
 pub fn probe(path: &Path) -> io::Result<Probe> {
-    let Some(file) = found(open(path, IfMissing::Fail))? else {
+    let Some(file) = found(open_to_look(path))? else {
         return Ok(Probe::Missing);
     };
     if !flock_try(&file, Mode::Shared)? {
@@ -667,15 +679,7 @@ fn let_go(file: &File) {
 /// Judges a lease (`lease.rs`): true while its owner holds it exclusively, false once gone (file
 /// missing, or a shared lock granted, dropped at once).
 pub fn probe_lease(path: &Path) -> io::Result<bool> {
-    let opened = match open(path, IfMissing::Fail) {
-        // Another user's lease in a store without a shared group: a read-only descriptor takes
-        // a shared flock too (not on NFS, where the probe then fails and says so).
-        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
-            crate::planted::open(path, libc::O_RDONLY, 0)
-        }
-        other => other,
-    };
-    let file = match opened {
+    let file = match open_to_look(path) {
         Ok(f) => f,
         // Gone (on an NFS server since the lookup), or planted under a lease's name: no owner.
         Err(e) if gone(&e) => return Ok(false),

@@ -1295,3 +1295,47 @@ fn an_images_directory_remade_by_a_store_wide_command_is_taken_on_a_shared_files
         ok(a.stowage_run(&root, ["exec", "--write", "b", "--", "true"]));
     }
 }
+
+/// A store on the volume whose images directory is a node-local path
+/// (each host's own tmpfs there): on another host that path is another
+/// directory, which holds a tree named as an image. Neither a read, a
+/// rewrite, a removal nor an `init` there touches it, and the image stays
+/// ready on the host whose directory it is.
+#[test]
+fn a_node_local_images_directory_is_never_used_from_another_host() {
+    let Some(c) = Cluster::start("nodelocal", 2) else {
+        return;
+    };
+    let (a, b, root) = (c.host(0), c.host(1), c.root());
+    let env = Env::new();
+    let local = env.tmp.path().join("local");
+    std::fs::create_dir(&local).unwrap();
+    let (l, img) = (local.display(), local.join("img"));
+    for (h, tree) in [(a, ""), (b, "/app")] {
+        let make = format!("mount -t tmpfs tmpfs '{l}' && mkdir -p '{l}/img{tree}'");
+        ok(h.run(["sh", "-c", &make]));
+    }
+    ok(b.run(["sh", "-c", &format!("echo theirs > '{l}/img/app/data'")]));
+    ok(a.stowage_run(&root, ["init", "--images-dir", img.to_str().unwrap()]));
+    ok(a.stowage_run(&root, ["exec", "--write", "app", "--", "true"]));
+    for args in [
+        &["exec", "--read", "app", "--", "true"][..],
+        &["exec", "--write", "app", "--", "true"],
+        &["rm", "app"],
+        &["init"],
+    ] {
+        let out = b.stowage_run(&root, args);
+        assert_eq!(code(&out), Some(1), "{args:?}: {}", show(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("not the directory recorded"),
+            "{args:?}: {}",
+            show(&out)
+        );
+    }
+    let out = ok(b.run(["cat", &format!("{l}/img/app/data")]));
+    assert_eq!(stdout(&out), "theirs\n");
+    assert_eq!(image_state(a, &root, "app").as_deref(), Some("ready"));
+    ok(a.stowage_run(&root, ["exec", "--read", "app", "--", "true"]));
+    ok(a.run(["test", "-d", &format!("{l}/img/app")]));
+}

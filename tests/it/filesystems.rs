@@ -98,6 +98,60 @@ fn another_filesystem_on_the_images_directory_keeps_rows_and_adopts_nothing() {
     env.ok(["exec", "--read", "a", "--", "true"]);
 }
 
+/// Another filesystem mounted over the external images directory, holding
+/// a tree named as an image and no claim: a read, a rewrite, a copy from
+/// the image, `rm`, gc and a plain `init` are each refused before anything
+/// runs (the path is the recorded one, the directory is not), so nothing
+/// of it is read, written, deleted or adopted, and the image is there,
+/// ready, once the right filesystem is back.
+#[test]
+fn another_filesystem_over_the_external_images_directory_is_never_read_written_or_removed() {
+    let env = Env::new();
+    let Some(right) = env.init_on_tmpfs() else {
+        return;
+    };
+    env.make_image("app");
+    let images = right.dir.clone();
+    let Some(wrong) = Mount::tmpfs_at(&images, "1m") else {
+        return;
+    };
+    fs::create_dir(images.join("app")).unwrap();
+    fs::write(images.join("app/data"), "theirs\n").unwrap();
+    let ran = env.sentinel("ran");
+    let touch = ["touch", ran.to_str().unwrap()];
+    let refused = |args: &[&str], out: &std::process::Output| {
+        assert_eq!(code(out), Some(1), "{args:?}: {}", show(out));
+        let err = stderr(out);
+        assert!(
+            err.contains("not the directory recorded"),
+            "{args:?}: {}",
+            show(out)
+        );
+        assert!(err.contains("init --images-dir"), "{args:?}: {}", show(out));
+    };
+    for args in [
+        &["exec", "--read", "app", "--"][..],
+        &["exec", "--write", "app", "--"],
+        &["exec", "--write", "copy", "--from", "app", "--"],
+    ] {
+        refused(args, &env.run([args, &touch].concat()));
+        assert!(!ran.exists(), "{args:?}: the command ran");
+    }
+    for args in [&["rm", "app"][..], &["gc", "--max-size", "0"], &["init"]] {
+        refused(args, &env.run(args));
+    }
+    assert_eq!(tree(&images), ["app", "app/data"]);
+    assert_eq!(
+        fs::read_to_string(images.join("app/data")).unwrap(),
+        "theirs\n"
+    );
+    drop(wrong);
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.state("copy"), None);
+    assert_eq!(env.read_in_image("app", "file"), "content\n");
+    env.ok(["exec", "--write", "new", "--", "true"]);
+}
+
 /// A fresh ext4 filesystem in a file under `dir`, for loop mounts.
 fn ext4_file(dir: &Path, name: &str) -> Option<PathBuf> {
     let f = dir.join(name);

@@ -1069,3 +1069,38 @@ fn a_configuration_lost_while_no_image_has_a_record_is_made_once_anew() {
     env.ok(["gc"]);
     env.ok(["doctor"]);
 }
+
+/// Another directory at the external images directory's path (another
+/// filesystem mounted there, or the path as a container or another host
+/// sees it) is made the store's by `init --images-dir` naming it, never by
+/// a plain `init`, whose refusal says that: the directory recorded is the
+/// store's for every view, which one view cannot see is not elsewhere.
+#[test]
+fn only_init_naming_it_makes_another_directory_at_the_images_path_the_stores() {
+    let env = Env::new();
+    let Some(right) = env.init_on_tmpfs() else {
+        return;
+    };
+    env.make_image("app");
+    let images = right.dir.clone();
+    let Some(other) = Mount::tmpfs_at(&images, "1m") else {
+        return;
+    };
+    fs::create_dir(images.join("tools")).unwrap();
+    let out = env.run(["init"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let named = format!("init --images-dir {}", images.display());
+    assert!(stderr(&out).contains(&named), "{}", show(&out));
+    assert_eq!(env.state("tools"), None, "adopted");
+    assert_eq!(tree(&images), ["tools"]);
+    drop(other);
+    env.ok(["exec", "--write", "new", "--", "true"]);
+    assert_eq!(env.read_in_image("app", "file"), "content\n");
+    // Named, it is the store's from then on (and the one it replaced no more).
+    let Some(_other) = Mount::tmpfs_at(&images, "1m") else {
+        return;
+    };
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.ok(["exec", "--write", "there", "--", "true"]);
+    assert!(images.join("there").is_dir());
+}

@@ -722,3 +722,157 @@ fn without_proc_a_copy_still_never_uses_the_originals_images_directory() {
     assert!(ext.join("mine").is_dir());
     assert_eq!(env.state("mine").as_deref(), Some("ready"));
 }
+
+/// `sh -c SCRIPT` in a mount namespace of its own (a container's view of
+/// the machine), with `$0` the stowage binary; `None`, saying why, where
+/// this test cannot make one.
+fn in_mount_namespace(script: &str) -> Option<Output> {
+    if !root_or_skip("a mount namespace") || !tool_or_skip("unshare", "util-linux") {
+        return None;
+    }
+    let mut c = Command::new("unshare");
+    c.args(["--mount", "--propagation", "private", "sh", "-c", script]);
+    c.arg(bin())
+        .env_remove("STOWAGE_ROOT")
+        .env_remove("STOWAGE_NOW");
+    Some(output(c))
+}
+
+/// A container that sees the store through a bind mount, and another
+/// directory at the external images directory's path (its own tmpfs,
+/// holding a tree named as an image): reads, rewrites, removes, creates
+/// nothing there, and its `init` does not make that directory the store's,
+/// so the host goes on using its own, image and all.
+#[test]
+fn a_container_with_another_directory_at_the_images_path_never_uses_it() {
+    let env = Env::new();
+    let Some(m) = env.init_on_tmpfs() else {
+        return;
+    };
+    env.make_image("app");
+    let (images, inside) = (m.dir.clone(), env.tmp.path().join("inside"));
+    fs::create_dir(&inside).unwrap();
+    let (i, r, v) = (images.display(), env.root.display(), inside.display());
+    let script = format!(
+        "mount --bind '{r}' '{v}' && mount -t tmpfs tmpfs '{i}' && mkdir '{i}/app' && echo theirs > '{i}/app/data' || exit 99
+         s() {{ \"$0\" --root '{v}' \"$@\" 2>&1; echo \"rc=$?\"; }}
+         s exec --read app -- cat '{i}/app/data'
+         s exec --write app -- sh -c 'echo mine > \"$STOWAGE_IMAGE_DIR/data\"'
+         s exec --write copy --from app -- true
+         s rm app
+         s init
+         echo; cat '{i}/app/data'; ls '{i}'"
+    );
+    let Some(out) = in_mount_namespace(&script) else {
+        return;
+    };
+    let said = stdout(&out);
+    let (runs, after) = said
+        .split_once("\n\n")
+        .unwrap_or_else(|| panic!("{}", show(&out)));
+    assert_eq!(runs.matches("rc=1").count(), 5, "{}", show(&out));
+    assert_eq!(
+        runs.matches("not the directory recorded").count(),
+        5,
+        "{}",
+        show(&out)
+    );
+    assert_eq!(after, "theirs\napp\n", "{}", show(&out));
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+    assert_eq!(env.state("copy"), None);
+    assert_eq!(env.read_in_image("app", "file"), "content\n");
+    env.ok(["exec", "--write", "new", "--", "true"]);
+}
+
+/// Through a read-only bind mount of the store (a container's `-v
+/// STORE:/s:ro`), a write under way is shown under way: the lock files
+/// that cannot be opened for writing there are asked read-only, and their
+/// holders still seen.
+#[test]
+fn a_read_only_view_of_the_store_sees_a_write_under_way() {
+    if !root_or_skip("a bind mount") {
+        return;
+    }
+    let env = Env::new();
+    env.make_image("base");
+    let ro = env.tmp.path().join("ro");
+    fs::create_dir(&ro).unwrap();
+    let Some(_m) = Mount::at(&["--bind", "-o", "ro", env.root.to_str().unwrap()], &ro) else {
+        eprintln!("skipping: cannot make a read-only bind mount here");
+        return;
+    };
+    let writers = [
+        env.hold_until(&["--write", "app"], "app-started", "release"),
+        env.hold_until(&["--write", "base"], "base-started", "release"),
+    ];
+    let view = |args: &[&str]| {
+        let mut c = Command::new(bin());
+        c.arg("--root")
+            .arg(&ro)
+            .args(args)
+            .env_remove("STOWAGE_ROOT");
+        output(c)
+    };
+    let listed: serde_json::Value =
+        serde_json::from_slice(&view(&["images", "--json"]).stdout).expect("images --json");
+    let state = |n: &str| {
+        let found = listed.as_array().unwrap().iter().find(|i| i["name"] == n);
+        found.map(|i| i["state"].as_str().unwrap().to_owned())
+    };
+    assert_eq!(state("app").as_deref(), Some("creating"), "{listed}");
+    assert_eq!(state("base").as_deref(), Some("writing"), "{listed}");
+    let out = view(&["lock-status", "app", "base"]);
+    let said = stdout(&out);
+    assert!(said.contains("exclusive (creating)"), "{}", show(&out));
+    assert!(said.contains("exclusive (writing)"), "{}", show(&out));
+    env.release("release");
+    for w in writers {
+        assert_eq!(code(&w.finish()), Some(0));
+    }
+    assert_eq!(env.state("app").as_deref(), Some("ready"));
+}
+
+/// The user.stowage.store claim on `dir`, as text.
+fn claim_on(dir: &Path) -> String {
+    let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: NUL-terminated path and name, a buffer of the length given.
+    let n = unsafe {
+        libc::getxattr(
+            c.as_ptr(),
+            c"user.stowage.store".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    assert!(n >= 0, "{}", std::io::Error::last_os_error());
+    String::from_utf8_lossy(&buf[..n as usize]).into_owned()
+}
+
+/// The root seen at a second path (a bind mount) is the same root: its
+/// claim on the external images directory is healthy from there too, so
+/// neither `doctor --repair` nor `init` there rewrites it to name the
+/// second path (views would each put it back to theirs, in turn).
+#[test]
+fn a_second_view_of_the_root_leaves_its_claim_as_it_is() {
+    if !root_or_skip("a bind mount") {
+        return;
+    }
+    let (env, ext) = store_with_external_images();
+    let alt = env.tmp.path().join("alt");
+    fs::create_dir(&alt).unwrap();
+    let Some(_m) = Mount::at(&["--bind", env.root.to_str().unwrap()], &alt) else {
+        eprintln!("skipping: cannot make a bind mount here");
+        return;
+    };
+    let claim = claim_on(&ext);
+    assert!(claim.contains(env.root.to_str().unwrap()), "{claim}");
+    for args in [&["doctor", "--repair"][..], &["init"]] {
+        let out = in_copy(&alt, args);
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+        assert!(!stdout(&out).contains("marked"), "{args:?}: {}", show(&out));
+        assert_eq!(claim_on(&ext), claim, "{args:?}: {}", show(&out));
+    }
+    let out = env.ok(["doctor", "--repair"]);
+    assert!(!stdout(&out).contains("repaired"), "{}", show(&out));
+}
