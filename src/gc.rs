@@ -465,7 +465,10 @@ fn collect(
     // The record read under the lock is the truth (a write in flight is dead); last use as the
     // survey has it, bounded by when the lock file was written since.
     let path = root.image_lock(&name);
-    let written = crate::planted::check_dated(&path, held.guard.file()).unwrap_or(None);
+    // Not told why not: kept, as nothing shows it unused.
+    let Ok(written) = crate::planted::check_dated(&path, held.guard.file()) else {
+        return Ok(false);
+    };
     let recorded = held.seen.last_use.unwrap_or(now.changed).max(now.changed);
     let mut entry = img.entry.clone();
     entry.written = written;
