@@ -776,7 +776,10 @@ mod tests {
         assert_eq!(last_use(t0 + 3 * year, Some(t0)), t0 + res);
         assert_eq!(last_use(t0, Some(t0 + year)), t0);
         assert_eq!(last_use(t0 + 3 * year, Some(0)), t0 + 3 * year);
-        assert_eq!(last_use(crate::clock::UNKNOWN, Some(t0)), crate::clock::UNKNOWN);
+        assert_eq!(
+            last_use(crate::clock::UNKNOWN, Some(t0)),
+            crate::clock::UNKNOWN
+        );
     }
 
     #[test]
