@@ -24,6 +24,8 @@ pub struct Entry {
     pub seen: Seen,
     /// For a record in flight: whether its writer still holds the lock.
     pub writer_alive: bool,
+    /// When the file was last written, by the filesystem's clock (`None` where not told).
+    pub written: Option<crate::clock::Millis>,
 }
 
 impl Entry {
@@ -79,11 +81,16 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
             damaged: true,
             ..Seen::default()
         };
-        let seen = match dir.open_read(&file) {
+        // Its type and when it was last written, told by one `statx`.
+        let opened = dir.open_read_unchecked(&file).and_then(|f| {
+            let written = crate::planted::check_dated(std::path::Path::new(&file), &f)?;
+            Ok((f, written))
+        });
+        let (seen, written) = match opened {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) if crate::planted::find(&e).is_some() => continue,
-            Err(_) => unread,
-            Ok(f) => image_record::read(&f).unwrap_or(unread),
+            Err(_) => (unread, None),
+            Ok((f, written)) => (image_record::read(&f).unwrap_or(unread), written),
         };
         let seen = seen.of(|n| crate::root::is_lock_file_of(&file, n));
         let writer_alive = seen.record.as_ref().is_some_and(|r| r.state.in_flight())
@@ -93,6 +100,7 @@ pub fn take(root: &Root) -> Result<Vec<Entry>> {
             path,
             seen,
             writer_alive,
+            written,
         });
     }
     out.sort_by(|a, b| a.file.cmp(&b.file));

@@ -241,9 +241,16 @@ fn cutoff(policy: &Policy) -> Option<Millis> {
 fn qualifies(r: &Image, reason: Reason, cutoff: Option<Millis>) -> bool {
     match reason {
         Reason::Incomplete => r.state == State::Incomplete && !r.record.readiness_unknown(),
-        Reason::Unused => r.state == State::Ready && cutoff.is_some_and(|c| r.last_used < c),
+        Reason::Unused => r.state == State::Ready && cutoff.is_some_and(|c| unused(r, c)),
         Reason::OverBudget => r.state == State::Ready,
     }
+}
+
+/// Whether an image was last used before `cutoff`, and its lock file last written before it too, by
+/// the filesystem's clock: a use recorded by a clock behind is no evidence that it is unused (a
+/// write that is no use, a repair or a store-wide hold, only keeps it longer).
+fn unused(r: &Image, cutoff: Millis) -> bool {
+    r.last_used < cutoff && r.entry.written.is_none_or(|w| w < cutoff)
 }
 
 /// Finishes removals a crash cut short (records left `deleting`, lock free); empties the trash.
@@ -456,11 +463,20 @@ fn collect(
         return Ok(false);
     }
     // The record read under the lock is the truth (a write in flight is dead); last use as the
-    // survey has it.
+    // survey has it, bounded by when the lock file was written since.
+    let path = root.image_lock(&name);
+    // Not told why not: kept, as nothing shows it unused.
+    let Ok(written) = crate::planted::check_dated(&path, held.guard.file()) else {
+        return Ok(false);
+    };
+    let recorded = held.seen.last_use.unwrap_or(now.changed).max(now.changed);
+    let mut entry = img.entry.clone();
+    entry.written = written;
     let current = Image {
         state: now.state_seen(false),
-        last_used: held.seen.last_use.unwrap_or(now.changed).max(now.changed),
+        last_used: crate::image_record::last_use(recorded, written),
         record: now,
+        entry,
         ..img.clone()
     };
     if !qualifies(&current, reason, cutoff)

@@ -537,22 +537,67 @@ pub fn set_last_use(file: &File, now: Millis) -> io::Result<()> {
     file.write_all_at(format!("{now:016x}").as_bytes(), LAST_USE_AT)
 }
 
-/// Records a use at `now`, unless the recorded one is later (a clock behind makes no image older).
-pub fn record_use(file: &File, seen: &Seen, now: Millis) -> io::Result<()> {
-    match seen.last_use.max(seen.record.as_ref().map(|r| r.changed)) {
-        Some(used) if used >= now => Ok(()),
-        _ => set_last_use(file, now),
+/// The last use the record and hints say, by the clocks of the hosts that wrote them: a write's
+/// use is its record's change.
+pub fn recorded_use(seen: &Seen) -> Option<Millis> {
+    seen.last_use.max(seen.record.as_ref().map(|r| r.changed))
+}
+
+/// Whether `used` is later than `now` by more than the resolution: by the clock `now` comes from, it
+/// is no time of use yet.
+fn ahead(used: Millis, now: Millis) -> bool {
+    used.saturating_sub(now) > last_use_resolution().as_millis() as Millis
+}
+
+/// Whether the recorded last use is later than `now` beyond the resolution: either this host's
+/// clock is behind or the use was recorded by one ahead; the lock file's time tells which.
+pub fn recorded_ahead(seen: &Seen, now: Millis) -> bool {
+    recorded_use(seen).is_some_and(|used| ahead(used, now))
+}
+
+/// Records a use at `now`, unless the recorded one is later: a clock behind makes no image older.
+/// A recorded use later than the lock file's last write (`written`, by the filesystem's clock)
+/// beyond the resolution was recorded by a clock ahead: this use replaces it, or it would keep the
+/// image as used until that clock's time.
+pub fn record_use(
+    file: &File,
+    seen: &mut Seen,
+    now: Millis,
+    written: Option<Millis>,
+) -> io::Result<()> {
+    let wrong = |used: Millis| written.filter(|&w| w > 0).is_some_and(|w| ahead(used, w));
+    let kept = |used: Millis| used >= now && !wrong(used);
+    // A record changed by a clock ahead stays so: a hint of a use since by a right clock says it.
+    if recorded_use(seen).is_some_and(kept) || seen.last_use.is_some_and(kept) {
+        return Ok(());
+    }
+    set_last_use(file, now)?;
+    seen.last_use = Some(now);
+    Ok(())
+}
+
+/// Whether a reader should record its use: the recorded one unknown, older than the resolution,
+/// or later than `now` beyond it (a clock ahead, which would otherwise pin the image as used).
+pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
+    let res = last_use_resolution().as_millis() as Millis;
+    let due = |used: Millis| now.saturating_sub(used) >= res || ahead(used, now);
+    match recorded_use(seen) {
+        // A record changed by a clock ahead: the hint decides, or every read would write.
+        Some(used) if ahead(used, now) => seen.last_use.is_none_or(due),
+        used => used.is_none_or(due),
     }
 }
 
-/// Whether a reader should record its use: the recorded one unknown or older than resolution.
-pub fn last_use_stale(seen: &Seen, now: Millis) -> bool {
+/// An image's last use as `images` shows it and gc decides on: the recorded one (`recorded`), but
+/// never later than the resolution after its lock file was last written by the filesystem's clock
+/// (`written`), as a later one is a clock ahead. Unknown (negative) stays so.
+pub fn last_use(recorded: Millis, written: Option<Millis>) -> Millis {
     let res = last_use_resolution().as_millis() as Millis;
-    // A write's use is its record's change.
-    let changed = seen.record.as_ref().map(|r| r.changed);
-    seen.last_use
-        .max(changed)
-        .is_none_or(|used| now - used >= res)
+    // A filesystem that says no time (0) bounds nothing: lowered, an image would look unused.
+    match written.filter(|&w| w > 0) {
+        Some(w) => recorded.min(w.saturating_add(res)),
+        None => recorded,
+    }
 }
 
 /// `body` with its `crc=` line appended: a slot's text (records, slot limits).
@@ -707,6 +752,34 @@ mod tests {
         // Clearing leaves no image, nor any hint (last_use is still set).
         clear(&f).unwrap();
         assert_eq!(read(&f).unwrap(), Seen::default());
+    }
+
+    /// A use recorded later than the reader's clock beyond the resolution is a clock ahead if it is
+    /// later than the lock file's last write too (replaced), else the reader's clock is behind.
+    #[test]
+    fn a_use_recorded_by_a_clock_ahead_is_replaced_and_bounded_by_the_files_time() {
+        let (t0, year) = (1_764_543_600_000, 365 * 86_400_000);
+        let f = written(&[State::Ready]);
+        set_last_use(&f, t0 + 3 * year).unwrap();
+        let mut seen = read(&f).unwrap();
+        assert!(last_use_stale(&seen, t0 + 100));
+        // The file last written at t0: the reader is right, the recorded use ahead.
+        record_use(&f, &mut seen, t0 + 100, Some(t0)).unwrap();
+        assert_eq!(read(&f).unwrap().last_use, Some(t0 + 100));
+        // Written when the use says: the reader's clock is behind, and it records nothing.
+        set_last_use(&f, t0 + year).unwrap();
+        let mut seen = read(&f).unwrap();
+        record_use(&f, &mut seen, t0, Some(t0 + year)).unwrap();
+        assert_eq!(read(&f).unwrap().last_use, Some(t0 + year));
+        // Shown and decided on: no later than the resolution after the file's last write.
+        let res = last_use_resolution().as_millis() as Millis;
+        assert_eq!(last_use(t0 + 3 * year, Some(t0)), t0 + res);
+        assert_eq!(last_use(t0, Some(t0 + year)), t0);
+        assert_eq!(last_use(t0 + 3 * year, Some(0)), t0 + 3 * year);
+        assert_eq!(
+            last_use(crate::clock::UNKNOWN, Some(t0)),
+            crate::clock::UNKNOWN
+        );
     }
 
     #[test]

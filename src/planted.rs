@@ -22,6 +22,7 @@ use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 
+use crate::clock::Millis;
 use crate::error::{cstr, cvt};
 
 /// How every file under the root is opened, whatever else is asked.
@@ -266,6 +267,43 @@ pub fn denied(path: &Path) -> Option<String> {
 /// is only read (or replaced by a rename).
 pub fn check(path: &Path, file: &File) -> io::Result<()> {
     kind_of_mode(type_and_links(file)?.0).map_or(Ok(()), |kind| Err(not_a_file(path, kind)))
+}
+
+/// [`check`], and when the file was last written by the filesystem's clock (ms; `None` where not
+/// told), in the same `statx`: a time no host's clock stamped.
+pub fn check_dated(path: &Path, file: &File) -> io::Result<Option<Millis>> {
+    let (mode, _, written) = dated(file)?;
+    kind_of_mode(mode).map_or(Ok(written), |kind| Err(not_a_file(path, kind)))
+}
+
+/// [`check_written`] and [`check_dated`] in one `statx`.
+pub fn check_written_dated(path: &Path, file: &File) -> io::Result<Option<Millis>> {
+    let (mode, nlink, written) = dated(file)?;
+    kind_of(mode, nlink).map_or(Ok(written), |kind| Err(not_a_file(path, kind)))
+}
+
+/// An open file's type bits, link count and last modification (ms, if told): one `statx`.
+fn dated(file: &File) -> io::Result<(u32, u64, Option<Millis>)> {
+    let mask = libc::STATX_TYPE | libc::STATX_NLINK | libc::STATX_MTIME;
+    match statx(file, mask) {
+        Ok(stx) => {
+            let t = &stx.stx_mtime;
+            let ms = t.tv_sec.saturating_mul(1000) + i64::from(t.tv_nsec / 1_000_000);
+            let told = stx.stx_mask & libc::STATX_MTIME != 0;
+            Ok((
+                u32::from(stx.stx_mode),
+                u64::from(stx.stx_nlink),
+                told.then_some(ms),
+            ))
+        }
+        // A kernel before statx(2) (Linux 4.11), or a sandbox that forbids it.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
+            let m = file.metadata()?;
+            let ms = m.mtime().saturating_mul(1000) + m.mtime_nsec() / 1_000_000;
+            Ok((m.mode(), m.nlink(), Some(ms)))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Fails unless `file` (opened from `path`) is a regular file with no other name: one `fstat`. For

@@ -103,19 +103,24 @@ impl Image {
     }
 
     /// Records a read's use: an exclusive read's always, a shared one's once in a while, and only
-    /// into a file of its own (a reader's may have other names).
+    /// into a file of its own (a reader's may have other names). The lock file's last write, told
+    /// by the same `fstat`, tells a use recorded by a clock ahead from this clock behind.
     fn record_use(&mut self, now: clock::Millis) {
         if self.lost {
             return;
         }
-        let seen = &mut self.held.seen;
-        let shared_due = self.role == Role::Read
-            && image_record::last_use_stale(seen, now)
-            && self.held.guard.has_one_name();
-        if (self.role == Role::ReadExclusive || shared_due)
-            && image_record::record_use(self.held.guard.file(), seen, now).is_ok()
-        {
-            seen.last_use = seen.last_use.max(Some(now));
+        let (seen, guard) = (&mut self.held.seen, &self.held.guard);
+        let written = match self.role {
+            Role::Read if image_record::last_use_stale(seen, now) => guard.one_name_written(),
+            // Asked only where the recorded use is ahead of this clock (one host's is wrong).
+            Role::ReadExclusive if image_record::recorded_ahead(seen, now) => {
+                Some(crate::planted::check_dated(guard.path(), guard.file()).unwrap_or(None))
+            }
+            Role::ReadExclusive => Some(None),
+            _ => None,
+        };
+        if let Some(written) = written {
+            let _ = image_record::record_use(guard.file(), seen, now, written);
         }
     }
 }

@@ -167,7 +167,8 @@ fn image_of(
         (None, false) => return None,
     };
     let (state, changed) = (record.state_seen(entry.writer_alive), record.changed);
-    let last_used = entry.seen.last_use.unwrap_or(changed).max(changed);
+    let recorded = entry.seen.last_use.unwrap_or(changed).max(changed);
+    let last_used = image_record::last_use(recorded, entry.written);
     Some(Image {
         entry,
         record,

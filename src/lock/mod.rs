@@ -191,6 +191,12 @@ impl Guard {
     pub fn has_one_name(&self) -> bool {
         crate::planted::check_written(&self.path, &self.file).is_ok()
     }
+
+    /// [`Guard::has_one_name`], and if so when the file was last written by the filesystem's clock
+    /// (`Some(None)` where not told), in the same `fstat`.
+    pub fn one_name_written(&self) -> Option<Option<crate::clock::Millis>> {
+        crate::planted::check_written_dated(&self.path, &self.file).ok()
+    }
 }
 
 /// Opens an existing lock file, unlocked, to write a hint: `None` if missing. Only a regular file

@@ -337,13 +337,61 @@ impl Env {
             .cloned()
     }
 
-    /// Writes image `name` as if at 2020-01-01 (`STOWAGE_NOW`): its
-    /// recorded last use is long past.
+    /// Writes image `name` (a plain name) as if at 2020-01-01: its
+    /// recorded last use is long past, and so is its lock file's last write.
     pub fn make_image_used_long_ago(&self, name: &str) {
-        let mut c = self.cmd(["exec", "--write", name, "--", "true"]);
-        c.env("STOWAGE_NOW", "2020-01-01T00:00:00Z");
+        self.ok_at(
+            "2020-01-01T00:00:00Z",
+            &["exec", "--write", name, "--", "true"],
+        );
+        self.date_lock_file(name, "2020-01-01T00:00:00Z");
+    }
+
+    /// `stowage ARGS` on a host whose clock says `now` (`STOWAGE_NOW`: RFC
+    /// 3339 or epoch seconds); it must succeed.
+    pub fn ok_at(&self, now: &str, args: &[&str]) -> Output {
+        let mut c = self.cmd(args);
+        c.env("STOWAGE_NOW", now);
         let out = output(c);
-        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+        assert_eq!(code(&out), Some(0), "at {now}: {}", show(&out));
+        out
+    }
+
+    /// [`Env::ok_at`], and image `enc`'s lock file dated `now` if the
+    /// command wrote it (its bytes changed), else left as dated before: what
+    /// a filesystem whose clock says `now` would leave.
+    pub fn ok_at_dated(&self, now: &str, args: &[&str], enc: &str) -> Output {
+        let path = self.lock_file(enc);
+        let (before, dated) = (
+            fs::read(&path).ok(),
+            fs::metadata(&path).and_then(|m| m.modified()),
+        );
+        let out = self.ok_at(now, args);
+        match dated {
+            Ok(t) if fs::read(&path).ok() == before => {
+                let secs = t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+                self.date_lock_file(enc, &secs.to_string());
+            }
+            _ => self.date_lock_file(enc, now),
+        }
+        out
+    }
+
+    /// Sets when the lock file of image `enc` was last written, by the
+    /// filesystem's clock, to `when` (RFC 3339 or epoch seconds): what a
+    /// file last written then has, where a test fakes the hosts' clocks.
+    pub fn date_lock_file(&self, enc: &str, when: &str) {
+        let date = match when.parse::<u64>() {
+            Ok(secs) => format!("@{secs}"),
+            Err(_) => when.to_owned(),
+        };
+        let path = self.lock_file(enc);
+        let st = std::process::Command::new("touch")
+            .args(["-m", "-d", &date])
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(st.success(), "touch -d {date} {}", path.display());
     }
 
     /// Puts the catalog of `from` in the place of this store's (a copy

@@ -24,8 +24,10 @@ fn lru_store() -> Env {
             "-c",
             "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"",
         ]);
-        c.env("STOWAGE_NOW", format!("2026-01-0{}T00:00:00Z", i + 1));
+        let when = format!("2026-01-0{}T00:00:00Z", i + 1);
+        c.env("STOWAGE_NOW", &when);
         assert_eq!(output(c).status.code(), Some(0));
+        env.date_lock_file(name, &when);
     }
     env
 }
@@ -691,6 +693,7 @@ fn gc_unused_for_keeps_an_image_read_since_its_recorded_last_use() {
         "2026-01-01T00:00:00Z",
         &["exec", "--write", "base", "--", "true"],
     );
+    env.date_lock_file("base", "2026-01-01T00:00:00Z");
     // Read four minutes later: the recorded last use (00:00) is fresh
     // enough, so the read writes nothing.
     ok_at(
@@ -837,18 +840,25 @@ fn a_reader_with_a_slow_clock_does_not_make_an_image_look_unused() {
         let out = output(c);
         assert_eq!(code(&out), Some(0), "{}", show(&out));
     };
+    // Each write of the lock file dated as the filesystem would date it.
     at(
         "2026-01-01T00:00:00Z",
         &["exec", "--write", "daily", "--", "true"],
     );
+    env.date_lock_file("daily", "2026-01-01T00:00:00Z");
     at(
         "2026-01-20T00:00:00Z",
         &["exec", "--read", "daily", "--", "true"],
     );
+    env.date_lock_file("daily", "2026-01-20T00:00:00Z");
+    // On Jan 20 too, by a host whose clock says Dec 20: it writes nothing.
     at(
         "2025-12-20T00:00:00Z",
         &["exec", "--read", "daily", "--", "true"],
     );
+    let listed = env.ok_at("2026-01-21T00:00:00Z", &["images", "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(listed[0]["last_used"], "2026-01-20T00:00:00Z", "{listed}");
     let mut c = env.cmd(["gc", "--unused-for", "7d"]);
     c.env("STOWAGE_NOW", "2026-01-21T00:00:00Z");
     let out = output(c);
@@ -932,4 +942,105 @@ fn a_tree_left_in_the_trash_is_not_counted_as_freed() {
         "{report}"
     );
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
+}
+
+/// Epoch seconds `days` days after `from` (epoch seconds), as `STOWAGE_NOW` reads them.
+fn day(from: u64, days: i64) -> String {
+    (from as i64 + days * 86_400).to_string()
+}
+
+/// RFC 3339 UTC (as stowage writes it) of epoch seconds `secs`.
+fn rfc3339(secs: &str) -> String {
+    let mut c = std::process::Command::new("date");
+    c.args(["-u", "-d", &format!("@{secs}"), "+%Y-%m-%dT%H:%M:%SZ"]);
+    let out = c.output().unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+/// Writes image `name`, 1 MiB, on a host whose clock says `now`.
+fn write_mib_at(env: &Env, now: &str, name: &str) {
+    let blob = "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"";
+    env.ok_at(now, &["exec", "--write", name, "--", "sh", "-c", blob]);
+}
+
+/// A build that ends on a host whose clock is three years behind stamps its
+/// record three years back; the lock file's last write, by the filesystem's
+/// clock, says it was just now: gc --unused-for keeps it.
+#[test]
+fn an_image_just_written_by_a_host_whose_clock_is_years_behind_is_not_unused() {
+    let env = Env::new();
+    let behind = secs_ago(3 * 365 * 86_400);
+    write_mib_at(&env, &behind, "just-built");
+    let out = env.ok(["gc", "--unused-for", "1d"]);
+    assert_eq!(
+        env.state("just-built").as_deref(),
+        Some("ready"),
+        "{}",
+        show(&out)
+    );
+}
+
+/// Day 0 (500 days ago): `old` and `hot` written, and `old` read by a host
+/// whose clock is three years ahead. Each lock file is dated as the
+/// filesystem dates its writes.
+fn read_once_by_a_clock_ahead() -> (Env, u64) {
+    let env = Env::new();
+    let d0: u64 = secs_ago(500 * 86_400).parse().unwrap();
+    for name in ["old", "hot"] {
+        let blob = "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"";
+        let write = ["exec", "--write", name, "--", "sh", "-c", blob];
+        env.ok_at_dated(&day(d0, 0), &write, name);
+    }
+    let ahead = day(d0, 3 * 365);
+    env.ok_at_dated(&ahead, &["exec", "--read", "old", "--", "true"], "old");
+    env.date_lock_file("old", &day(d0, 0));
+    (env, d0)
+}
+
+/// A read by a host whose clock is years ahead does not keep its image as
+/// used until that time, nor hide later uses: a read by a right clock records
+/// its own time over it, gc --unused-for keeps the image while that read is
+/// recent and takes it once unused since.
+#[test]
+fn a_read_by_a_clock_years_ahead_is_replaced_by_a_later_read_by_a_right_one() {
+    let (env, d0) = read_once_by_a_clock_ahead();
+    let read_old = ["exec", "--read", "old", "--", "true"];
+    env.ok_at_dated(&day(d0, 100), &read_old, "old");
+    let out = env.ok_at(&day(d0, 120), &["gc", "--unused-for", "50d"]);
+    assert_eq!(env.state("old").as_deref(), Some("ready"), "{}", show(&out));
+    assert_eq!(env.state("hot"), None, "{}", show(&out));
+    let out = env.ok_at(&day(d0, 401), &["gc", "--unused-for", "200d"]);
+    assert_eq!(env.state("old"), None, "{}", show(&out));
+}
+
+/// An image read once by a host whose clock is years ahead, and never since,
+/// is as old as its lock file's last write says (within the resolution):
+/// listed so, and the first to go for the budget, before one read yesterday.
+#[test]
+fn a_read_by_a_clock_years_ahead_does_not_make_its_image_the_most_recently_used() {
+    let (env, d0) = read_once_by_a_clock_ahead();
+    env.ok_at_dated(
+        &day(d0, 400),
+        &["exec", "--read", "hot", "--", "true"],
+        "hot",
+    );
+    let listed = env.ok_at(&day(d0, 401), &["images", "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let old = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"] == "old");
+    let used = old
+        .and_then(|i| i["last_used"].as_str())
+        .unwrap_or_default();
+    // Within the resolution (5 min) of day 0, not three years ahead.
+    let (from, to) = (rfc3339(&day(d0, 0)), rfc3339(&(d0 + 300).to_string()));
+    assert!(
+        from.as_str() <= used && used <= to.as_str(),
+        "{from}..{to}: {listed}"
+    );
+    let report = gc_json(&env, &["--max-size", "1536K"], &day(d0, 401));
+    assert_eq!(removed(&report), ["old"], "{report}");
+    assert_eq!(env.state("hot").as_deref(), Some("ready"), "{report}");
 }

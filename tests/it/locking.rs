@@ -754,10 +754,11 @@ fn read_exclusive_excludes_others_and_keeps_the_state() {
     assert_eq!(env.image("app").unwrap()["base"], "base");
 
     // A failed command leaves its exclusively read image ready, and records
-    // the use.
+    // the use (its lock file dated as a filesystem in 2031 would date it).
     let mut c = env.cmd(["exec", "--read-exclusive", "base", "--", "false"]);
     c.env("STOWAGE_NOW", "2031-01-01T00:00:00Z");
     assert_eq!(output(c).status.code(), Some(1));
+    env.date_lock_file("base", "2031-01-01T00:00:00Z");
     let img = env.image("base").unwrap();
     assert_eq!(img["state"], "ready", "{img}");
     assert_eq!(img["last_used"], "2031-01-01T00:00:00Z", "{img}");

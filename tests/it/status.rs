@@ -406,7 +406,9 @@ fn a_stored_time_past_year_9999_is_shown_as_unknown_not_a_panic() {
     set_stored_times(&env, "app", i64::MAX, 1_795_953_784_000_000);
     let img = env.image("app").unwrap();
     assert!(img["created"].is_null(), "{img}");
-    assert!(img["last_used"].is_null(), "{img}");
+    // A use recorded past the lock file's last write is a clock ahead: shown
+    // as that write's time (within the resolution), a time RFC 3339 can say.
+    assert!(img["last_used"].is_string(), "{img}");
     let out = env.ok(["images"]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("unknown"));
     env.status_json(["--all"]);
