@@ -1044,3 +1044,15 @@ fn a_read_by_a_clock_years_ahead_does_not_make_its_image_the_most_recently_used(
     assert_eq!(removed(&report), ["old"], "{report}");
     assert_eq!(env.state("hot").as_deref(), Some("ready"), "{report}");
 }
+
+/// A store-wide hold hints every image's lock file, and that is no use:
+/// an image unused for long is still unused after one (the file's time,
+/// gc's evidence beside the recorded use, is put back after each hint).
+#[test]
+fn a_store_wide_hold_makes_no_image_look_used() {
+    let env = Env::new();
+    env.make_image_used_long_ago("old");
+    env.ok(["exec", "--store-wide", "--", "true"]);
+    let out = env.ok(["gc", "--unused-for", "7d"]);
+    assert_eq!(env.state("old"), None, "{}", show(&out));
+}
