@@ -395,11 +395,40 @@ impl Dir {
     /// [`Dir::identity`] of this directory, whose inode `ino` is already known.
     pub fn identity_of(&self, ino: u64) -> io::Result<String> {
         let fs = nix::sys::statfs::fstatfs(&self.fd)?;
-        let id = format!("{ino}@{:x}", fs.filesystem_type().0 as u64);
-        Ok(match statvfs_fsid(&fs) {
-            0 => id,
-            fsid => format!("{id}@{fsid:x}"),
-        })
+        let magic = fs.filesystem_type().0 as u64;
+        let id = format!("{ino}@{magic:x}");
+        Ok(
+            match (statvfs_fsid(&fs), self.uuid_where_fsid_is_the_device(magic)) {
+                (0, _) => id,
+                (fsid, None) => format!("{id}@{fsid:x}"),
+                (fsid, Some(uuid)) => format!("{id}@{fsid:x}@{uuid}"),
+            },
+        )
+    }
+
+    /// The filesystem's UUID where its `f_fsid` is its device number (XFS), which changes when
+    /// disks come up in another order: the UUID tells it the same across boots.
+    fn uuid_where_fsid_is_the_device(&self, magic: u64) -> Option<String> {
+        const XFS_MAGIC: u64 = 0x5846_5342;
+        // FS_IOC_GETFSUUID (Linux 6.5): _IOR(0x15, 0, struct fsuuid2 { u8 len; u8 uuid[16]; }).
+        const FS_IOC_GETFSUUID: libc::c_ulong = 0x8011_1500;
+        if magic != XFS_MAGIC {
+            return None;
+        }
+        let mut u = [0u8; 17];
+        // SAFETY: a live buffer of the size the request encodes.
+        let ask = |fd: i32, u: &mut [u8; 17]| unsafe {
+            libc::ioctl(fd, FS_IOC_GETFSUUID as _, u.as_mut_ptr())
+        };
+        let mut r = ask(self.fd.as_raw_fd(), &mut u);
+        // A descriptor opened only to name the directory (`O_PATH`) takes no ioctl.
+        if r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EBADF) {
+            let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+            let d = openat(&self.fd, ".", flags, stat::Mode::empty()).ok()?;
+            r = ask(d.as_raw_fd(), &mut u);
+        }
+        let len = usize::from(u[0]).min(16);
+        (r == 0 && len > 0).then(|| u[1..=len].iter().map(|b| format!("{b:02x}")).collect())
     }
 
     /// Opens the regular file `name` read-only, as [`Dir::open_rw`] does (one `fstat`).
@@ -876,13 +905,18 @@ fn statvfs_fsid(fs: &nix::sys::statfs::Statfs) -> u64 {
     u64::from(lo as u32) | (u64::from(hi as u32) << 32)
 }
 
-/// Whether `now` is the `recorded` identity (one recorded without fs id matches on inode and type).
+/// Whether `now` is the `recorded` identity (`INO@MAGIC[@FSID[@UUID]]`): one recorded without fs
+/// id matches on inode and type; where one side lacks the UUID (recorded before it was asked, or a
+/// kernel that does not tell it), on the fs id too; two with a UUID match on inode, type and UUID,
+/// whatever device number the fs id says.
 pub fn same_identity(recorded: &str, now: &str) -> bool {
-    recorded == now
-        || (recorded.matches('@').count() == 1
-            && now
-                .strip_prefix(recorded)
-                .is_some_and(|rest| rest.starts_with('@')))
+    let (r, n): (Vec<&str>, Vec<&str>) = (recorded.split('@').collect(), now.split('@').collect());
+    match (r.len(), n.len()) {
+        (4, 4) => r[..2] == n[..2] && r[3] == n[3],
+        (2, 2..) => r[..] == n[..2],
+        (3 | 4, 3 | 4) => r[..3] == n[..3],
+        _ => recorded == now,
+    }
 }
 
 #[cfg(test)]
@@ -966,6 +1000,12 @@ mod tests {
         assert!(!same_identity("2@ef53", "2@ef5@abc"));
         assert!(!same_identity("2@ef53", "22@ef53@abc"));
         assert!(!same_identity("2@ef53@abc", "2@ef53"));
+        // A UUID where the fs id is the device number: the device may change, not the UUID.
+        assert!(same_identity("128@58465342@703@aa", "128@58465342@704@aa"));
+        assert!(!same_identity("128@58465342@703@aa", "128@58465342@703@bb"));
+        assert!(same_identity("128@58465342@703", "128@58465342@703@aa"));
+        assert!(same_identity("128@58465342@703@aa", "128@58465342@703"));
+        assert!(!same_identity("128@58465342@703", "128@58465342@704@aa"));
     }
 
     #[test]

@@ -264,7 +264,8 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
     let now = crate::claim::read(images);
     // Ours whatever root path it names: the root seen at another path (a bind mount, a container)
     // is the same root, and rewriting the path from each view would only make them alternate.
-    if now.as_ref().is_some_and(|c| c.same_store(&mine)) {
+    if let Some(c) = now.as_ref().filter(|c| c.same_store(&mine)) {
+        refresh_claim(images, c, &mine);
         return Ok(true);
     }
     let external = config.images != ImagesDir::Default;
@@ -292,6 +293,18 @@ pub fn claim(root: &Root, config: &Config, named: bool, images: &Dir) -> Result<
             ),
         },
         done => done.with_context(|| format!("cannot claim images directory {}", dir.display())),
+    }
+}
+
+/// Gives our claim `c` the root's identity as this release tells it, where it was written with less
+/// (no filesystem UUID, asked where the fs id is the device number): its path stays as written.
+pub fn refresh_claim(images: &Dir, c: &Claim, mine: &Claim) {
+    if c.root.split('@').count() < mine.root.split('@').count() {
+        let fuller = Claim {
+            root: mine.root.clone(),
+            ..c.clone()
+        };
+        let _ = crate::claim::write(images, &fuller, false);
     }
 }
 

@@ -653,6 +653,9 @@ fn claim(root: &Root, config: &Config, images: &Dir, repair: bool, report: &mut 
     let ours = claim
         .as_ref()
         .is_some_and(|c| mine.as_ref().is_some_and(|m| c.same_store(m)));
+    if let (Some(c), Some(m), true) = (&claim, &mine, ours && repair) {
+        crate::images_dir::refresh_claim(images, c, m);
+    }
     if claim.is_some() && (ours || !repair) {
         return;
     }

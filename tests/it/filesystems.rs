@@ -977,3 +977,55 @@ fn on_fuse_a_wait_never_blocks_in_a_lock_request() {
         assert_eq!(blocked, blocks, "{fstype}:\n{log}");
     }
 }
+
+/// A loop device attached to a file while it lives: it takes the lowest free
+/// device number, as disks and LVM volumes take theirs as they come up.
+struct Attached(String);
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
+
+/// A store whose root and images directory are on one XFS, once its disk
+/// comes up under another device number (at the next boot: XFS tells its
+/// filesystem id from the device): the store is used as before, its images
+/// read and new ones made, as it knows the filesystem by its UUID.
+#[test]
+fn a_store_on_xfs_is_used_as_before_once_its_disk_is_renumbered() {
+    if !root_or_skip("loop mounts") || !tool_or_skip("mkfs.xfs", "xfsprogs") {
+        return;
+    }
+    let mut env = Env::new();
+    let (img, dir) = (env.tmp.path().join("x.xfs"), env.tmp.path().join("mnt"));
+    fs::File::create(&img).unwrap().set_len(300 << 20).unwrap();
+    fs::create_dir(&dir).unwrap();
+    let made = Command::new("mkfs.xfs")
+        .args(["-q", "-f"])
+        .arg(&img)
+        .status();
+    let mount = || Mount::at(&["-o", "loop", img.to_str().unwrap()], &dir);
+    let Some(m) = made.is_ok_and(|s| s.success()).then(mount).flatten() else {
+        eprintln!("skipping: cannot make and mount an XFS loop device here");
+        return;
+    };
+    env.root = dir.join("root");
+    let images = dir.join("img");
+    fs::create_dir(&images).unwrap();
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.make_image("base");
+    drop(m);
+    let dummy = env.tmp.path().join("dummy");
+    fs::File::create(&dummy).unwrap().set_len(1 << 20).unwrap();
+    let out = Command::new("losetup")
+        .args(["-f", "--show"])
+        .arg(&dummy)
+        .output()
+        .unwrap();
+    let _taken = Attached(String::from_utf8_lossy(&out.stdout).trim().to_owned());
+    let _m = mount().expect("mounted again");
+    env.ok(["exec", "--read", "base", "--", "true"]);
+    env.ok(["exec", "--write", "new", "--", "true"]);
+    env.ok(["doctor"]);
+}
