@@ -20,6 +20,7 @@ storage_dir() {
         '') fail 64 'CH_IMAGE_STORAGE is not set (the storage directory, absolute)' ;;
         *) fail 64 "CH_IMAGE_STORAGE must be absolute: $S" ;;
     esac
+    [ -d "$S/img" ] || ! present "$S/img" || fail 66 "$S/img is not a directory (a storage directory's images are there)"
     [ -d "$S/img" ] || fail 66 "$S is not a Charliecloud storage directory (no $S/img); set it up first (docs/charliecloud.md)"
 }
 
@@ -60,23 +61,118 @@ stowage_root() {
 }
 
 # ch-image refuses a storage directory that holds imgtmp, which a cache-mode
-# import makes while it runs (under `stowage exec --store-wide`, which holds
-# ROOT/locks/store.lock exclusively). Waits for that hold to end, as long as
-# --wait allows ($1: its text, may be empty), with a shared flock(1) of the
-# lock; an imgtmp still there then was left by an import that was stopped,
-# and is refused, saying what to remove.
+# import makes while it runs (under `stowage exec --store-wide`). Waits for
+# that hold to end, as long as --wait allows ($1: its text, may be empty),
+# asking stowage (store_wide_held), never opening ROOT/locks/store.lock
+# itself: flock(1) would block for good opening a FIFO planted there. An
+# imgtmp still there then is looked at again once a network filesystem's
+# cached names have expired (a FUSE client answers from its entry cache
+# for a second: docs/shared-filesystems.md), within --wait; still there,
+# it was left by an import that was stopped, and is refused, saying what
+# to remove.
 await_import() {
-    local lock w=()
-    [ -e "$S/imgtmp" ] || return 0
+    local end='' told='' held
+    present "$S/imgtmp" || return 0
     [ -n "${root:-}" ] || stowage_root "$1"
-    lock=$root/locks/store.lock
-    if ! flock -n -s "$lock" true 2>/dev/null; then
-        echo "$me: waiting for the store-wide command that holds $S/imgtmp (a ch-image import) to end" >&2
-        [ -z "$1" ] || w=(-w "$(seconds "$(time_ms "$1")")")
-        flock "${w[@]}" -s "$lock" true || fail 75 "the store-wide command holding $S/imgtmp did not end within --wait $1"
-    fi
-    [ -e "$S/imgtmp" ] || return 0
+    [ -z "$1" ] || end=$(($(uptime_ms) + $(time_ms "$1")))
+    while :; do
+        store_wide_held
+        held=$?
+        [ $held != 1 ] || break
+        [ $held = 0 ] || fail 1 "cannot ask stowage whether a store-wide command holds $S/imgtmp: $why"
+        [ -n "$told" ] || echo "$me: waiting for the store-wide command that holds $S/imgtmp (a ch-image import) to end" >&2
+        told=1
+        [ -z "$end" ] || (($(uptime_ms) < end)) || fail 75 "the store-wide command holding $S/imgtmp did not end within --wait $1"
+        sleep 0.2
+    done
+    present "$S/imgtmp" || return 0
+    recheck_after_cache "$end"
+    present "$S/imgtmp" || return 0
+    store_wide_lock_usable
     fail 1 "$S/imgtmp was left by a ch-image import that was stopped (no store-wide command runs): remove it (rm -rf $(printf %q "$S/imgtmp")) and run this again"
+}
+
+# Whether a store-wide command holds the store (0) or not (1), as stowage's
+# lock-status sees it (every host's holds, on a shared filesystem); 2, with
+# stowage's message in $why, when it cannot say. stowage opens only a
+# regular file at a lock's path, so a FIFO planted there blocks nothing.
+store_wide_held() {
+    local out
+    out=$("${stowage[@]}" lock-status --json 2>/dev/null) || {
+        why=$("${stowage[@]}" lock-status --json 2>&1 >/dev/null)
+        return 2
+    }
+    python3 -c '
+import json, sys
+locks = json.loads(sys.argv[1])["locks"]
+held = any(l["kind"] == "global" and l["name"] == "store" and l["state"] != "free" for l in locks)
+sys.exit(0 if held else 1)' "$out" 2>/dev/null && return 0
+    [ $? = 1 ] && return 1
+    why="stowage lock-status --json gave no answer one can read"
+    return 2
+}
+
+# A path the wrappers rely on being absent that a name cache may still
+# show (a FUSE client's entry cache: 1 s by default) is looked at again
+# only after that time, cut short at the deadline $1 (uptime_ms; empty:
+# none).
+recheck_after_cache() {
+    local ms=1200 left
+    if [ -n "$1" ]; then
+        left=$(($1 - $(uptime_ms)))
+        ((left > 0)) || left=0
+        ((left >= ms)) || ms=$left
+    fi
+    ((ms == 0)) || sleep "$(seconds "$ms")"
+}
+
+# Refuses, naming it, a ROOT/locks/store.lock that is no regular file (a
+# FIFO or a symlink planted there): stowage refuses to lock it, so no
+# store-wide command can hold it, and imgtmp is not explained by a stopped
+# import alone. Looked at by lstat, never opened.
+store_wide_lock_usable() {
+    local lock=$root/locks/store.lock kind
+    [ -e "$lock" ] || [ -L "$lock" ] || return 0
+    [ -L "$lock" ] || [ ! -f "$lock" ] || return 0
+    kind=$(file_kind "$lock")
+    fail 1 "$lock is $kind, not a regular file: refusing to use it; 'stowage doctor --repair' sets it aside (renamed, never deleted)"
+}
+
+# What path $1 is, as stowage names what it refuses: "a FIFO", "a symlink",
+# "a directory"… (by lstat, never opened).
+file_kind() {
+    local k
+    k=$(stat -c %F -- "$1" 2>/dev/null) || k='something else'
+    case $k in
+        fifo) k=FIFO ;;
+        'symbolic link') k=symlink ;;
+        'regular empty file') k='regular file' ;;
+    esac
+    case $k in [aeiou]*) echo "an $k" ;; *) echo "a $k" ;; esac
+}
+
+# Whether path $1 exists (0) or not (1), by lstat; 2 when that cannot be
+# told, with the cause in $why. A test such as [ -e ] is false on any
+# error: a network filesystem's client reconnecting (ENOTCONN), EIO,
+# EACCES, and "cannot tell" must not read as "not there".
+lookup() {
+    local err
+    if [ -e "$1" ] || [ -L "$1" ]; then return 0; fi
+    err=$(LC_ALL=C stat -- "$1" 2>&1 >/dev/null) && return 0
+    case $err in *'No such file or directory' | *'Not a directory') return 1 ;; esac
+    why=${err##*: }
+    return 2
+}
+
+# lookup, failing the wrapper, naming the path and the cause, when it
+# cannot tell.
+present() {
+    lookup "$1"
+    case $? in
+        0) return 0 ;;
+        1) return 1 ;;
+    esac
+    fail 1 "cannot tell whether $1 exists: $why"
 }
 
 # Milliseconds in a time that stowage has accepted: a number (fractional

@@ -88,8 +88,34 @@ impl Root {
             Ok(())
         } else if !self.exists() {
             Err(crate::Error::NoRoot(self.dir.clone()).into())
+        } else if let Err(e) = self.look_inside() {
+            Err(e)
         } else {
             Err(self.no_store().into())
+        }
+    }
+
+    /// Whether the root can be looked into: a lookup refused (a mode, a client reconnecting) says
+    /// nothing of whether a store is there, and is said as itself, never as "holds no store".
+    fn look_inside(&self) -> Result<()> {
+        let e = match fs::symlink_metadata(self.dir.join("locks")) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => e,
+            _ => return Ok(()),
+        };
+        let shown = self.dir.display();
+        let mode = fs::metadata(&self.dir).map(|m| (m.mode() & 0o7777, m.uid()));
+        let me = nix::unistd::geteuid().as_raw();
+        match mode {
+            Ok((mode, uid)) if e.kind() == io::ErrorKind::PermissionDenied && uid == me => {
+                let fix = format!("'chmod u+rwx {shown}' gives it back");
+                anyhow::bail!(
+                    "cannot look into the root: {shown} is mode {mode:03o}, which keeps you, its owner, out; {fix}"
+                )
+            }
+            Ok((mode, uid)) => {
+                anyhow::bail!("cannot look into root {shown} (mode {mode:03o}, uid {uid}'s): {e}")
+            }
+            _ => anyhow::bail!("cannot look into root {shown}: {e}"),
         }
     }
 

@@ -856,12 +856,19 @@ fn denied(path: &Path) -> String {
             )
         },
     );
-    let store = path
+    let root = path
         .ancestors()
         .find(|a| a.file_name().is_some_and(|n| n == "locks"))
-        .and_then(Path::parent)
-        .and_then(|r| std::fs::metadata(r).ok());
+        .and_then(Path::parent);
+    let store = root.and_then(|r| std::fs::metadata(r).ok());
     let doc = crate::error::GROUP_STORE_DOC;
+    // The owner is kept out by a mode alone (a chmod): sharing is not the cause, nor its fix.
+    let owner = store.as_ref().map(MetadataExt::uid) == Some(nix::unistd::geteuid().as_raw());
+    if let (true, Some(root)) = (owner, root) {
+        return owner_kept_out(root, dir, path).unwrap_or_else(|| {
+            format!("{said}: yours, but not writable by you; 'stowage doctor --repair' gives it its mode back")
+        });
+    }
     match store {
         Some(m) if m.mode() & 0o020 != 0 && !crate::ident::in_group(m.gid()) => format!(
             "{}: you are not in group {}, whose store this is: ask its owner to add you to that group ({doc})",
@@ -878,6 +885,31 @@ fn denied(path: &Path) -> String {
         ),
         None => format!("{said}: not writable by you"),
     }
+}
+
+/// Why the store's owner cannot open `path`: the first directory from `root` down to `dir` whose
+/// mode keeps them from passing through it (or, for `dir`, from making a file in it).
+fn owner_kept_out(root: &Path, dir: &Path, path: &Path) -> Option<String> {
+    use nix::unistd::{AccessFlags, access};
+    let mut chain: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|a| a.starts_with(root))
+        .collect();
+    chain.reverse();
+    let closed = chain.into_iter().find(|d| {
+        let need = if *d == dir {
+            AccessFlags::W_OK
+        } else {
+            AccessFlags::empty()
+        };
+        access(*d, need | AccessFlags::X_OK).is_err()
+    })?;
+    let mode = std::fs::symlink_metadata(closed).ok()?.mode() & 0o7777;
+    let shown = closed.display();
+    Some(format!(
+        "{}: {shown} is mode {mode:03o}, which keeps you, its owner, out; 'chmod u+rwx {shown}' gives it back",
+        path.display()
+    ))
 }
 
 #[cfg(test)]

@@ -909,3 +909,45 @@ fn a_link_swapped_after_the_claim_was_looked_at_leads_nowhere() {
     let made = fs::read_dir(victim.join("work")).unwrap().count();
     assert_eq!(made, 0, "made in the other directory");
 }
+
+/// The owner of a private store kept out by a directory's mode (a `chmod
+/// 000` of `locks/images`, or of the root) is told that mode is the cause,
+/// naming the directory, its mode and the chmod that gives it back; not
+/// (as before) that the store is theirs and not shared, with `init --group`
+/// as the fix.
+#[test]
+fn the_owner_kept_out_by_a_mode_is_told_the_mode_not_sharing() {
+    if !root_or_skip("acting as the store's owner, another user") {
+        return;
+    }
+    let env = unprivileged_env();
+    assert_eq!(code(&unprivileged(&env, &["init"])), Some(0));
+    unprivileged_build(&env, "x", "true");
+    for dir in [env.root.join("locks/images"), env.root.clone()] {
+        let mode = fs::metadata(&dir).unwrap().mode() & 0o7777;
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o000)).unwrap();
+        let mut outs = vec![unprivileged(&env, &["exec", "--read", "x", "--", "true"])];
+        if dir == env.root {
+            // A command that only reads is not told the root holds no store.
+            outs.push(unprivileged(&env, &["images"]));
+        }
+        fs::set_permissions(&dir, fs::Permissions::from_mode(mode)).unwrap();
+        for out in outs {
+            assert_eq!(code(&out), Some(1), "{}", show(&out));
+            let said = stderr(&out);
+            let cause = format!(
+                "{} is mode 000, which keeps you, its owner, out",
+                dir.display()
+            );
+            assert!(said.contains(&cause), "{}", show(&out));
+            let fix = format!("'chmod u+rwx {}'", dir.display());
+            assert!(said.contains(&fix), "{}", show(&out));
+            assert!(!said.contains("init"), "{}", show(&out));
+            assert_eq!(said.lines().count(), 1, "{}", show(&out));
+        }
+    }
+    assert_eq!(
+        code(&unprivileged(&env, &["exec", "--read", "x", "--", "true"])),
+        Some(0)
+    );
+}
