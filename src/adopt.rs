@@ -150,7 +150,10 @@ fn adopt_one(
         let holders = "a store-wide command runs; try again when it ends".into();
         return Err(crate::error::Busy::now(what, holders).into());
     }
+    // Made when its tree was, as far as anyone knows; used last when adopted (when it was really
+    // used is not known, and a tree's time says nothing of it: an import keeps a tarball's times).
     let mut r = Record::new(name.as_str(), config.images.clone(), clock::tree_time(tree));
+    r.changed = clock::now_ms().max(r.created);
     (r.state, r.outcome) = match how {
         Adopt::AsReady => (State::Ready, Some("adopted".to_owned())),
         Adopt::Unknown => (State::Incomplete, Some(ADOPTED.to_owned())),
