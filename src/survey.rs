@@ -90,6 +90,8 @@ fn survey_from(
     measure: bool,
     tokens: Option<std::collections::BTreeMap<String, Record>>,
 ) -> Result<Vec<Image>> {
+    // First: a dead lease's reads are recorded as uses as it goes, and then read with the records.
+    crate::holders::Look::new(store.ctx()).clean_leases();
     let mut entries = take(store.root())?;
     if !crate::store_wide::forget_left(store, &entries).is_empty() {
         entries = take(store.root())?;
@@ -135,7 +137,6 @@ fn survey_from(
             img.size = row.size_for(&img.record);
         }
     }
-    crate::holders::Look::new(store.ctx()).clean_leases();
     if measure {
         let measured = measure_missing(store.root(), &mut images);
         crate::debug::pause("sizes-measured");

@@ -933,3 +933,34 @@ fn a_tree_left_in_the_trash_is_not_counted_as_freed() {
     );
     assert_eq!(fs::read_dir(env.root.join("trash")).unwrap().count(), 0);
 }
+
+/// A read whose stowage was SIGKILLed goes on in its command, which
+/// inherited the lock: nobody records when that use ended but the look that
+/// finds its lease dead and unlinks it, which records its own now. gc,
+/// looking right after the command ended, keeps the image it read.
+#[test]
+fn a_read_whose_stowage_was_killed_is_used_until_its_dead_lease_is_cleaned() {
+    let env = Env::new();
+    ok_at(
+        &env,
+        "2026-01-01T00:00:00Z",
+        &["exec", "--write", "base", "--", "true"],
+    );
+    let mut read = env.hold_with(&["--read", "base"], "started", |c| {
+        c.env("STOWAGE_NOW", "2026-01-01T00:01:00Z");
+    });
+    read.signal(libc::SIGKILL);
+    let _ = read.child.as_mut().unwrap().wait();
+    assert!(!flock_free(&env.lock_file("base")), "the command reads on");
+    env.release("release");
+    wait_until("the command ended", || flock_free(&env.lock_file("base")));
+    let out = ok_at(&env, "2026-01-01T02:00:00Z", &["gc", "--unused-for", "1h"]);
+    assert!(
+        env.root.join("img/base").is_dir(),
+        "gc removed an image read until a moment ago: {}",
+        show(&out)
+    );
+    // Its use was recorded then: unused an hour after that, it goes.
+    let out = ok_at(&env, "2026-01-01T03:10:00Z", &["gc", "--unused-for", "1h"]);
+    assert!(!env.root.join("img/base").exists(), "{}", show(&out));
+}
