@@ -98,6 +98,15 @@ pub struct Report {
     pub lock_files_left: Vec<String>,
 }
 
+impl Report {
+    /// Says `name` kept in use once, however many reasons it qualified for.
+    fn kept_busy(&mut self, name: &str) {
+        if !self.busy.iter().any(|n| n == name) {
+            self.busy.push(name.to_owned());
+        }
+    }
+}
+
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     // gc locks images: its lease names it to lock-status meanwhile.
     if !policy.dry_run {
@@ -435,7 +444,7 @@ fn collect(
     let held = match take_exclusive(&root, &name, lock::IfMissing::Fail) {
         Ok(Some(h)) => h,
         Ok(None) => {
-            report.busy.push(img.name().to_owned());
+            report.kept_busy(img.name());
             return Ok(false);
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
@@ -452,7 +461,7 @@ fn collect(
     };
     // A store-wide command holds the store: kept, as an image in use is.
     if crate::store_wide::blocks(&root, &held.seen) {
-        report.busy.push(img.name().to_owned());
+        report.kept_busy(img.name());
         return Ok(false);
     }
     // The record read under the lock is the truth (a write in flight is dead); last use as the

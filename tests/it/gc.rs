@@ -964,3 +964,31 @@ fn a_read_whose_stowage_was_killed_is_used_until_its_dead_lease_is_cleaned() {
     let out = ok_at(&env, "2026-01-01T03:10:00Z", &["gc", "--unused-for", "1h"]);
     assert!(!env.root.join("img/base").exists(), "{}", show(&out));
 }
+
+/// An image kept in use that qualifies for two reasons (unused, and over
+/// the budget) is said kept once: here every image, a store-wide command
+/// holding the store.
+#[test]
+fn an_image_in_use_that_qualifies_twice_is_said_kept_once() {
+    let env = Env::new();
+    let fill = "echo content > \"$STOWAGE_IMAGE_DIR/f\"";
+    ok_at(
+        &env,
+        "2026-01-01T00:00:00Z",
+        &["exec", "--write", "a", "--", "sh", "-c", fill],
+    );
+    let read = env.hold(&["--store-wide"], "started");
+    let args = ["gc", "--unused-for", "1h", "--max-size", "0"];
+    let out = ok_at(&env, "2026-02-01T00:00:00Z", &args);
+    let said = stdout(&out);
+    assert_eq!(said.matches("kept 'a': in use").count(), 1, "{said}");
+    let report = gc_json(
+        &env,
+        &["--unused-for", "1h", "--max-size", "0"],
+        "2026-02-01T00:00:00Z",
+    );
+    assert_eq!(report["busy"], serde_json::json!(["a"]), "{report:#}");
+    env.release("release");
+    let _ = read.finish();
+    assert!(env.root.join("img/a").is_dir());
+}
