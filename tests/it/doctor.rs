@@ -1193,3 +1193,18 @@ fn a_configuration_writes_leftover_is_removed_by_a_repair() {
     assert!(!old.exists());
     assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
+
+/// A lock file listed by `doctor --repair` and unlinked before it is looked
+/// at (its image's remover was quicker) is no problem: nothing is left to
+/// judge or repair.
+#[test]
+fn a_lock_file_gone_after_the_repair_listed_it_is_no_problem() {
+    let env = Env::new();
+    env.make_image("a");
+    let (doctor, go) = env.paused(["doctor", "--repair"], "doctor-file-stated-a.lock");
+    fs::remove_file(env.lock_file("a")).unwrap();
+    fs::remove_file(&go).unwrap();
+    let out = doctor.finish();
+    assert!(!stdout(&out).contains("back its mode"), "{}", show(&out));
+    assert!(!stdout(&out).contains("PROBLEM"), "{}", show(&out));
+}
