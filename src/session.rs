@@ -803,7 +803,8 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>)
 /// made it): anything else is refused, never handed to the builder.
 fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<()> {
     let path = dir.join(name.encoded());
-    // Only a directory is a tree `doctor --repair` adopts.
+    // Only a directory is a tree `doctor --repair` adopts, and not every one: advised only there
+    // (asked only here, refusing: a new image's start pays nothing for it).
     let adopt = ", or 'stowage doctor --repair' adopts it";
     let (what, adopt) = match images.stat_at(name.encoded())? {
         Some(e) if e.is_symlink() => ("a symlink".to_owned(), ""),
@@ -818,6 +819,10 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
             Err(e) => (format!("a directory that cannot be listed: {e}"), adopt),
         },
         None => return Ok(()),
+    };
+    let adopt = match crate::adopt::never_adopted(images, name.encoded()) {
+        None => adopt,
+        Some(_) => "",
     };
     anyhow::bail!(
         "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it{adopt})",

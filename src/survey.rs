@@ -9,12 +9,14 @@
 //!   it, a global lock stuck for seconds) is done without, one line saying why.
 
 use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::catalog::Row;
 use crate::census::{Entry, take};
 use crate::clock;
+use crate::dir::Dir;
 use crate::image_record::{self, ImagesDir, Record, State};
 use crate::lock::IfMissing;
 use crate::name::ImageName;
@@ -60,6 +62,78 @@ fn tree_hashed_as(root: &Root, images: &ImagesDir, file: &str) -> Option<ImageNa
     });
     let first = named.next();
     named.next().is_none().then_some(first).flatten()
+}
+
+/// Trees in the images directory no record names, and entries that are no image trees (name, why).
+#[derive(Default)]
+pub struct Orphans {
+    pub trees: Vec<(ImageName, PathBuf)>,
+    pub skipped: Vec<(String, String)>,
+}
+
+/// The trees in `images` (at `dir`) whose names `recorded` lacks. `stores_judged`: the caller has
+/// just refused a directory holding a store in use, so none is asked again.
+pub fn orphans(
+    images: &Dir,
+    dir: &Path,
+    recorded: &HashSet<String>,
+    stores_judged: bool,
+) -> Result<Orphans> {
+    let mut out = Orphans::default();
+    let why = || format!("cannot list images directory {}", dir.display());
+    let mut entries = images.names().with_context(why)?;
+    // Not `lost+found` where it is a mount's root.
+    if entries.iter().any(|n| n == LOST_FOUND) && images.is_mount_root().with_context(why)? {
+        entries.retain(|n| n != LOST_FOUND);
+    }
+    for raw in entries {
+        // A recorded image's entry costs no stat: a listing of every image must not.
+        let name = raw.to_str().map(ImageName::from_encoded);
+        if matches!(&name, Some(Ok(n)) if recorded.contains(n.as_str())) {
+            continue;
+        }
+        if !matches!(images.stat_at(&raw), Ok(Some(e)) if e.is_dir()) {
+            continue;
+        }
+        let Some(enc) = raw.to_str() else {
+            let why = "the name is not valid UTF-8".into();
+            out.skipped.push((raw.to_string_lossy().into_owned(), why));
+            continue;
+        };
+        let in_use = || {
+            let sub = (!stores_judged).then(|| images.sub(&raw).ok()).flatten();
+            sub.and_then(|d| crate::root::in_use_by_a_store(&d))
+        };
+        match ImageName::from_encoded(enc) {
+            // Adopted, a store's root or images directory would be one `rm` from deletion.
+            Ok(_) if let Some(what) = in_use() => {
+                out.skipped.push((enc.to_owned(), format!("it is {what}")))
+            }
+            Ok(name) => out.trees.push((name, dir.join(&raw))),
+            Err(e) => out.skipped.push((enc.to_owned(), e.rule.to_string())),
+        }
+    }
+    Ok(out)
+}
+
+/// Whether the lock file at `path` holds a record now, readable or not: a damaged one is its
+/// image's, never to be adopted over (read without its lock, as the census reads).
+pub fn has_record(path: &Path) -> bool {
+    let file = crate::lock::open_existing_read(path).ok().flatten();
+    file.is_some_and(|f| image_record::read(&f).is_ok_and(|s| !s.unrecorded()))
+}
+
+/// The filesystem's own directory at a mount's root: never an image.
+const LOST_FOUND: &str = "lost+found";
+
+/// Why the directory `encoded` in `images` is never adopted, named as an image though it is: the
+/// filesystem's `lost+found` at a mount's root, or a store's root or images directory.
+pub fn never_adopted(images: &Dir, encoded: &str) -> Option<String> {
+    if encoded == LOST_FOUND && images.is_mount_root().unwrap_or(true) {
+        return Some("the filesystem's lost+found".into());
+    }
+    let sub = images.sub(encoded).ok()?;
+    crate::root::in_use_by_a_store(&sub).map(|what| format!("it is {what}"))
 }
 
 /// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.

@@ -1208,3 +1208,22 @@ fn a_lock_file_gone_after_the_repair_listed_it_is_no_problem() {
     assert!(!stdout(&out).contains("back its mode"), "{}", show(&out));
     assert!(!stdout(&out).contains("PROBLEM"), "{}", show(&out));
 }
+
+/// `lost+found` at the root of the images directory's filesystem is never
+/// adopted: a write refused over it must not say that a repair adopts it.
+#[test]
+fn a_write_refused_over_lost_found_does_not_advise_a_repair_that_never_adopts_it() {
+    let env = Env::new();
+    let Some(_m) = env.init_on_tmpfs() else {
+        return;
+    };
+    let lost = env.tmp.path().join("images/lost+found");
+    fs::create_dir(&lost).unwrap();
+    fs::write(lost.join("#1234"), "a file fsck found").unwrap();
+    let out = env.run(["exec", "--write", "lost:found", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("refusing"), "{}", show(&out));
+    assert!(!stderr(&out).contains("adopts it"), "{}", show(&out));
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(env.image("lost:found"), None, "{}", show(&out));
+}
