@@ -136,6 +136,69 @@ pub fn never_adopted(images: &Dir, encoded: &str) -> Option<String> {
     crate::root::in_use_by_a_store(&sub).map(|what| format!("it is {what}"))
 }
 
+/// A tree in the images directory that no listed image is (its lock file missing, or holding no
+/// record: a directory, FIFO or symlink in its place, an empty file): its state cannot be known.
+pub struct Unlisted {
+    pub name: ImageName,
+    pub tree: PathBuf,
+    /// Why no record says its state, for a report: "its lock file is missing".
+    pub why: &'static str,
+}
+
+/// The trees in the images directory that none of `images` is, each with why (a tree made since
+/// they were listed is not one: its record came first). Nothing where the directory cannot be
+/// listed (its absence is said elsewhere).
+pub fn unlisted(root: &Root, images: &[Image]) -> Vec<Unlisted> {
+    let Ok(config) = crate::images_dir::config(root) else {
+        return Vec::new();
+    };
+    let dir = config.images.path_in(root.dir());
+    let Ok(opened) = root.open_images_dir(&dir) else {
+        return Vec::new();
+    };
+    let named: HashSet<String> = images.iter().map(|i| i.name().to_owned()).collect();
+    // A store's root or images directory among the trees is no image (`doctor` says so).
+    let Ok(found) = orphans(&opened, &dir, &named, false) else {
+        return Vec::new();
+    };
+    let unlisted = found.trees.into_iter().filter_map(|(name, tree)| {
+        let lock = root.image_lock(&name);
+        let why = match std::fs::symlink_metadata(&lock) {
+            _ if has_record(&lock) => return None,
+            Err(_) => "its lock file is missing",
+            Ok(m) if !m.is_file() => "its lock file is no regular file",
+            Ok(_) => "its lock file holds no record",
+        };
+        Some(Unlisted { name, tree, why })
+    });
+    let mut unlisted: Vec<Unlisted> = unlisted.collect();
+    unlisted.sort_by(|a, b| a.name.as_str().cmp(b.name.as_str()));
+    unlisted
+}
+
+impl Unlisted {
+    /// As a listing shows it: incomplete, readiness unknown, times unknown, its tree measured.
+    pub fn as_image(&self, root: &Root) -> Image {
+        let images = crate::images_dir::config(root).map_or(ImagesDir::Default, |c| c.images);
+        let path = root.image_lock(&self.name);
+        let file = path.file_name().map(|f| f.to_string_lossy().into_owned());
+        Image {
+            entry: Entry {
+                file: file.unwrap_or_default(),
+                path,
+                seen: image_record::Seen::default(),
+                writer_alive: false,
+            },
+            record: Record::unknown(self.name.as_str(), images, clock::UNKNOWN),
+            state: State::Incomplete,
+            last_used: clock::UNKNOWN,
+            size: crate::disk_usage::disk_usage_if_there(&self.tree)
+                .ok()
+                .flatten(),
+        }
+    }
+}
+
 /// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.
 pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Image>> {
     // A store to migrate is migrated first: its tokens are no damaged records.

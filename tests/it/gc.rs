@@ -992,3 +992,53 @@ fn an_image_in_use_that_qualifies_twice_is_said_kept_once() {
     let _ = read.finish();
     assert!(env.root.join("img/a").is_dir());
 }
+
+/// A tree whose lock file is missing, or replaced by a directory or FIFO,
+/// has no state anyone can know: gc keeps it, reports it, and counts it
+/// against the budget (the images directory must fit, not only what has
+/// records); `images` lists it.
+#[test]
+fn trees_whose_lock_files_are_missing_or_replaced_are_kept_reported_and_counted() {
+    let env = Env::new();
+    let fill = "head -c 100000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/f\"";
+    for name in ["ok", "x1", "x2", "x3"] {
+        env.build(name, fill);
+    }
+    let locks = env.root.join("locks/images");
+    fs::remove_file(locks.join("x1.lock")).unwrap();
+    fs::remove_file(locks.join("x2.lock")).unwrap();
+    fs::create_dir(locks.join("x2.lock")).unwrap();
+    fs::remove_file(locks.join("x3.lock")).unwrap();
+    let fifo = std::process::Command::new("mkfifo")
+        .arg(locks.join("x3.lock"))
+        .status();
+    assert!(fifo.unwrap().success());
+    let listed: Vec<String> = env
+        .images_json()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(listed, ["ok", "x1", "x2", "x3"]);
+    let report = gc_json(
+        &env,
+        &["--unused-for", "1s", "--max-size", "150K"],
+        "2031-01-01T00:00:00Z",
+    );
+    assert_eq!(removed(&report), ["ok"], "{report:#}");
+    let unknown = report["unknown"].as_array().unwrap();
+    for name in ["x1", "x2", "x3"] {
+        assert!(
+            env.root.join("img").join(name).is_dir(),
+            "{name}: {report:#}"
+        );
+        let said = unknown
+            .iter()
+            .any(|u| u.as_str().unwrap().starts_with(&format!("{name}: ")));
+        assert!(said, "{name} not reported: {report:#}");
+    }
+    // Three trees of about 100 KiB each still take the images directory past 150 KiB.
+    assert!(
+        report["size_after"].as_u64().unwrap() >= 300_000,
+        "{report:#}"
+    );
+}
