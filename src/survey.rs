@@ -161,6 +161,15 @@ pub fn unlisted(root: &Root, images: &[Image]) -> Vec<Unlisted> {
     let Ok(found) = orphans(&opened, &dir, &named, false) else {
         return Vec::new();
     };
+    // What is mounted over it, or another store's, holds no tree of ours (asked only where a tree
+    // is found: most listings find none).
+    if found.trees.is_empty()
+        || crate::images_dir::unmounted(root, &dir)
+            .or_else(|| crate::images_dir::not_ours(root, &dir))
+            .is_some()
+    {
+        return Vec::new();
+    }
     let unlisted = found.trees.into_iter().filter_map(|(name, tree)| {
         let lock = root.image_lock(&name);
         let why = match std::fs::symlink_metadata(&lock) {
