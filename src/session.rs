@@ -813,7 +813,11 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
             ("another user's directory".to_owned(), adopt)
         }
         Some(_) => match images.sub(name.encoded()).and_then(|d| d.names()) {
-            Ok(n) if n.is_empty() => return Ok(()),
+            // Empty, the filesystem's lost+found (or a store's directory) is still no tree of ours.
+            Ok(n) if n.is_empty() => match crate::adopt::never_adopted(images, name.encoded()) {
+                None => return Ok(()),
+                Some(why) => (why, ""),
+            },
             Ok(_) => ("a directory with contents".to_owned(), adopt),
             // On a shared filesystem: most often removed by another host a moment ago.
             Err(e) => (format!("a directory that cannot be listed: {e}"), adopt),
