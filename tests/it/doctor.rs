@@ -1220,7 +1220,8 @@ fn a_write_refused_over_lost_found_does_not_advise_a_repair_that_never_adopts_it
     let lost = env.tmp.path().join("images/lost+found");
     fs::create_dir(&lost).unwrap();
     // Empty, as mkfs makes it: still the filesystem's, never an image's tree.
-    let out = env.run(["exec", "--write", "lost:found", "--", "touch", "built"]);
+    let build = "touch \"$STOWAGE_IMAGE_DIR/built\"";
+    let out = env.run(["exec", "--write", "lost:found", "--", "sh", "-c", build]);
     assert_ne!(code(&out), Some(0), "{}", show(&out));
     assert!(stderr(&out).contains("lost+found"), "{}", show(&out));
     assert!(!stderr(&out).contains("adopts it"), "{}", show(&out));
