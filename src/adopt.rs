@@ -7,72 +7,18 @@
 //! - Entries that are no directories, whose names decode to no image name, or that a store uses
 //!   (`root::in_use_by_a_store`): reported, left alone.
 
-use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
 use crate::clock;
 use crate::config::Config;
-use crate::dir::Dir;
 use crate::image_record::{self, ADOPTED, Record, State};
 use crate::name::ImageName;
 use crate::root::Root;
 
-/// Trees in the images directory no record names, and entries that are no image trees (name, why).
-#[derive(Default)]
-pub struct Orphans {
-    pub trees: Vec<(ImageName, PathBuf)>,
-    pub skipped: Vec<(String, String)>,
-}
-
-/// The trees in `images` (at `dir`) whose names `recorded` lacks. `stores_judged`: the caller has
-/// just refused a directory holding a store in use, so none is asked again.
-pub fn orphans(
-    images: &Dir,
-    dir: &Path,
-    recorded: &HashSet<String>,
-    stores_judged: bool,
-) -> Result<Orphans> {
-    let mut out = Orphans::default();
-    let why = || format!("cannot list images directory {}", dir.display());
-    let mut entries = images.names().with_context(why)?;
-    // Not `lost+found` where it is a mount's root.
-    if entries.iter().any(|n| n == "lost+found") && images.is_mount_root().with_context(why)? {
-        entries.retain(|n| n != "lost+found");
-    }
-    for raw in entries {
-        if !matches!(images.stat_at(&raw), Ok(Some(e)) if e.is_dir()) {
-            continue;
-        }
-        let Some(enc) = raw.to_str() else {
-            let why = "the name is not valid UTF-8".into();
-            out.skipped.push((raw.to_string_lossy().into_owned(), why));
-            continue;
-        };
-        let in_use = || {
-            let sub = (!stores_judged).then(|| images.sub(&raw).ok()).flatten();
-            sub.and_then(|d| crate::root::in_use_by_a_store(&d))
-        };
-        match ImageName::from_encoded(enc) {
-            Ok(name) if recorded.contains(name.as_str()) => {}
-            // Adopted, a store's root or images directory would be one `rm` from deletion.
-            Ok(_) if let Some(what) = in_use() => {
-                out.skipped.push((enc.to_owned(), format!("it is {what}")))
-            }
-            Ok(name) => out.trees.push((name, dir.join(&raw))),
-            Err(e) => out.skipped.push((enc.to_owned(), e.rule.to_string())),
-        }
-    }
-    Ok(out)
-}
-
-/// Whether the lock file at `path` holds a record now, readable or not: a damaged one is its
-/// image's, never to be adopted over (read without its lock, as the census reads).
-pub fn has_record(path: &Path) -> bool {
-    let file = crate::lock::open_existing_read(path).ok().flatten();
-    file.is_some_and(|f| image_record::read(&f).is_ok_and(|s| !s.unrecorded()))
-}
+/// Where the images directory is listed: adoption, gc and listings see the same trees.
+pub use crate::survey::{Orphans, has_record, never_adopted, orphans};
 
 /// Says in the configuration, under the global lock, whether trees are being adopted as `ready`:
 /// the lock files an interrupted adoption made must not make the next one judge them leftovers.
@@ -150,7 +96,10 @@ fn adopt_one(
         let holders = "a store-wide command runs; try again when it ends".into();
         return Err(crate::error::Busy::now(what, holders).into());
     }
+    // Made when its tree was, as far as anyone knows; used last when adopted (when it was really
+    // used is not known, and a tree's time says nothing of it: an import keeps a tarball's times).
     let mut r = Record::new(name.as_str(), config.images.clone(), clock::tree_time(tree));
+    r.changed = clock::now_ms().max(r.created);
     (r.state, r.outcome) = match how {
         Adopt::AsReady => (State::Ready, Some("adopted".to_owned())),
         Adopt::Unknown => (State::Incomplete, Some(ADOPTED.to_owned())),

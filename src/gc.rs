@@ -92,10 +92,20 @@ pub struct Report {
     pub trash_entries: usize,
     /// Removals that failed (the images keep their state), one line each.
     pub failed: Vec<String>,
-    /// Kept because their state is unknown (damaged record, tree adopted without one): `name: why`.
+    /// Kept because their state is unknown (damaged record, tree adopted without one, tree whose
+    /// lock file is missing or holds no record): `name: why`.
     pub unknown: Vec<String>,
     /// Removed images whose emptied lock file could not be unlinked, one line each.
     pub lock_files_left: Vec<String>,
+}
+
+impl Report {
+    /// Says `name` kept in use once, however many reasons it qualified for.
+    fn kept_busy(&mut self, name: &str) {
+        if !self.busy.iter().any(|n| n == name) {
+            self.busy.push(name.to_owned());
+        }
+    }
 }
 
 pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
@@ -120,6 +130,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         report.failed.push(format!("no image removed: {why}"));
         return Ok(report);
     }
+    // Kept and reported, but counted: they take room in the images directory.
+    let unlisted = crate::survey::unlisted(store.root(), &rows);
     rows.retain(|i| i.state != State::Deleting);
     let cutoff = cutoff(policy);
     // An image that goes for a reason of its own counts what its removal frees: every image is
@@ -128,7 +140,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         .iter()
         .any(|r| qualifies(r, Reason::Incomplete, cutoff) || qualifies(r, Reason::Unused, cutoff));
     let shares = (policy.max_size.is_some() || going) && disk_usage::can_share(&images_dir);
-    let mut budget = Budget::new(store, &rows, shares, going)?;
+    let mut budget = Budget::new(store, &rows, &unlisted, shares, going)?;
     report.size_before = budget.total;
     report.unknown = rows
         .iter()
@@ -138,6 +150,8 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
             false => format!("{}: its tree was adopted without a record", r.name()),
         })
         .collect();
+    let unknown = unlisted.iter().map(|u| format!("{}: {}", u.name, u.why));
+    report.unknown.extend(unknown);
     crate::debug::pause("gc-listed");
     rows.sort_by(oldest_first);
     for reason in [Reason::Incomplete, Reason::Unused] {
@@ -158,7 +172,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
         // extents may be shared, or an image went for a reason of its own, every image was).
         if budget.total > max && !shares && !going {
             let gone = report.size_before.saturating_sub(budget.total);
-            budget = Budget::new(store, &rows, shares, true)?;
+            budget = Budget::new(store, &rows, &unlisted, shares, true)?;
             report.size_before = budget.total + gone;
         }
         // Least recently used first, passing over one whose removal would free nothing now.
@@ -187,9 +201,24 @@ struct Budget {
 }
 
 impl Budget {
-    /// What each image takes, measured where not known, where extents may be shared, or `fresh`.
-    fn new(store: &Store, rows: &[Image], shares: bool, fresh: bool) -> Result<Budget> {
+    /// What each image takes, measured where not known, where extents may be shared, or `fresh`;
+    /// and each unlisted tree, always measured (never removed, it counts all the same).
+    fn new(
+        store: &Store,
+        rows: &[Image],
+        unlisted: &[crate::survey::Unlisted],
+        shares: bool,
+        fresh: bool,
+    ) -> Result<Budget> {
         let mut cost = HashMap::new();
+        for u in unlisted {
+            crate::signals::check()?;
+            let (own, shares) = match disk_usage::measure(&u.tree, shares) {
+                Ok(m) => (m.own(), m.shares),
+                Err(_) => (0, Shares::default()),
+            };
+            cost.insert(u.name.as_str().to_owned(), Cost { own, shares });
+        }
         for r in rows {
             crate::signals::check()?;
             let tree = || crate::images_dir::tree_of(store.root(), &r.record);
@@ -442,7 +471,7 @@ fn collect(
     let held = match take_exclusive(&root, &name, lock::IfMissing::Fail) {
         Ok(Some(h)) => h,
         Ok(None) => {
-            report.busy.push(img.name().to_owned());
+            report.kept_busy(img.name());
             return Ok(false);
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
@@ -459,7 +488,7 @@ fn collect(
     };
     // A store-wide command holds the store: kept, as an image in use is.
     if crate::store_wide::blocks(&root, &held.seen) {
-        report.busy.push(img.name().to_owned());
+        report.kept_busy(img.name());
         return Ok(false);
     }
     // The record read under the lock is the truth (a write in flight is dead); last use as the

@@ -351,7 +351,8 @@ impl<'c> Look<'c> {
 
     /// Unlinks gone owners' leases, but keeps a dead one that may still name a holder (a command
     /// that closed its inherited lease, its stowage gone): while a lock it lists is held by its
-    /// owner's pid, or (no table) held at all. Returns how many went.
+    /// owner's pid, or (no table) held at all. Each read a lease that goes lists is recorded as a
+    /// use first ([`Look::record_reads_ended`]). Returns how many went.
     pub fn clean_leases(&self) -> usize {
         let locks = self.ctx.root.locks();
         let listed_live: HashSet<(&str, Mode)> = self
@@ -362,7 +363,7 @@ impl<'c> Look<'c> {
             .filter(|h| !h.awaits)
             .map(|h| (h.lockfile.as_str(), h.mode))
             .collect();
-        crate::lease::clean_keeping(&self.leases_dir, &mut |name| {
+        let mut keep = |name: &str| {
             // Made since the listing: judged by the next look.
             let Some((_, id)) = self.said.iter().find(|(n, _)| n == name) else {
                 return true;
@@ -391,7 +392,44 @@ impl<'c> Look<'c> {
                     }
                 }
             })
-        })
+        };
+        let mut ending = |name: &str| {
+            if let Some((_, id)) = self.said.iter().find(|(n, _)| n == name) {
+                self.record_reads_ended(id);
+            }
+        };
+        crate::lease::clean_keeping(&self.leases_dir, &mut keep, &mut ending)
+    }
+
+    /// Records a use, now, of each image lease `id` lists as read. Its owner died, and its reads
+    /// may have gone on in the command that inherited the locks, whose end nobody recorded: this
+    /// look's now is an upper bound, the side gc must err on. Under a shared lock only tried (an
+    /// image held exclusively is being written or removed, which says its own), never the global.
+    fn record_reads_ended(&self, id: &Identity) {
+        let locks = self.ctx.root.locks();
+        let now = clock::now_ms();
+        let reads = id.holdings.iter().filter(|h| {
+            !h.awaits && (h.mode == Mode::Shared || h.reading) && h.lockfile.starts_with("images/")
+        });
+        for h in reads {
+            let path = locks.join(&h.lockfile);
+            let read = |f: &std::fs::File| (crate::image_record::read(f).ok(), false);
+            let missing = crate::lock::IfMissing::Fail;
+            let Ok(Some((guard, Some(mut seen)))) =
+                crate::lock::acquire_no_wait_with(&path, Mode::Shared, missing, read)
+            else {
+                continue;
+            };
+            // Only into the image's own file: the record there names the image the line names.
+            let named = seen
+                .record
+                .as_ref()
+                .and_then(|r| crate::name::ImageName::parse(&r.name).ok());
+            let ours = named.is_some_and(|n| crate::root::Root::image_lock_rel(&n) == h.lockfile);
+            if ours && let Some(written) = guard.one_name_written() {
+                let _ = crate::image_record::record_use(guard.file(), &mut seen, now, written);
+            }
+        }
     }
 
     /// Whether the table entry `e` on the file `ino` is a live lease owner's: its pid took a live

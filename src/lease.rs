@@ -634,8 +634,13 @@ fn valid_name(name: &str) -> bool {
 }
 
 /// Unlinks the leases of gone owners under their exclusive locks, except those `keep` accepts; how
-/// many went. Through a descriptor that refused a symlink in the directory's place.
-pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize {
+/// many went. `ending` is told each name about to go, under its lock: what it lists is then said
+/// nowhere else. Through a descriptor that refused a symlink in the directory's place.
+pub fn clean_keeping(
+    leases: &Path,
+    keep: &mut dyn FnMut(&str) -> bool,
+    ending: &mut dyn FnMut(&str),
+) -> usize {
     let Ok(dir) = crate::dir::Dir::open_in_root(leases) else {
         return 0;
     };
@@ -675,8 +680,11 @@ pub fn clean_keeping(leases: &Path, keep: &mut dyn FnMut(&str) -> bool) -> usize
             lock::acquire_no_wait(&pinned.join(name), Mode::Exclusive, lock::IfMissing::Fail)
             && !keep(name)
             && goes(&g)
-            && g.unlink_lease().is_ok()
         {
+            ending(name);
+            if g.unlink_lease().is_err() {
+                continue;
+            }
             gone += 1;
         }
     }
@@ -705,7 +713,7 @@ mod tests {
         lease.rewrite();
         assert!(alive(leases, &name).unwrap());
         // Held: cleaning leaves it alone.
-        assert_eq!(clean_keeping(leases, &mut |_| false), 0);
+        assert_eq!(clean_keeping(leases, &mut |_| false, &mut |_| {}), 0);
         assert!(leases.join(&name).exists());
         let text = std::fs::read_to_string(leases.join(&name)).unwrap();
         let pid = format!("pid={}\n", std::process::id());
@@ -714,7 +722,7 @@ mod tests {
         // Its owner gone (the descriptor closed): dead, then cleaned.
         drop(lease);
         assert!(!alive(leases, &name).unwrap());
-        assert_eq!(clean_keeping(leases, &mut |_| false), 1);
+        assert_eq!(clean_keeping(leases, &mut |_| false, &mut |_| {}), 1);
         assert!(!leases.join(&name).exists());
         assert!(!alive(leases, &name).unwrap());
     }

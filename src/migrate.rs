@@ -467,14 +467,19 @@ fn derive(name: &str, old: &Old, token: Option<&Token>, path: &Path) -> Option<R
         (None, _, _) if tree => (State::Incomplete, crate::image_record::ADOPTED, None),
         (None, _, _) => return None,
     };
-    // Without a row that release recorded no creation: its token's last use, else the tree's
-    // time (as an adoption takes it), so gc's age and order stay what they were.
-    let created = match (row, token.and_then(|t| t.used)) {
-        (Some(r), _) => r.created,
-        (None, Some(used)) => used,
-        (None, None) => crate::clock::tree_time(path),
+    // Without a row that release recorded no creation: its token's last use, so gc's age and
+    // order stay what they were; else the tree's time, as an adoption takes it, and as there a
+    // last use of now (a tree's time says nothing of its use: gc must not take it for one).
+    let (created, changed) = match (row, token.and_then(|t| t.used)) {
+        (Some(r), _) => (r.created, r.created),
+        (None, Some(used)) => (used, used),
+        (None, None) => {
+            let made = crate::clock::tree_time(path);
+            (made, crate::clock::now_ms().max(made))
+        }
     };
     let mut r = Record::new(name, old.images.clone(), created);
+    r.changed = changed;
     (r.state, r.outcome, r.base) = (state, Some(outcome.to_owned()), base);
     Some(r)
 }

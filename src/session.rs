@@ -808,7 +808,8 @@ fn make_missing_tree(root: &Root, held: &Held) -> Result<(bool, Option<PathBuf>)
 /// made it): anything else is refused, never handed to the builder.
 fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Result<()> {
     let path = dir.join(name.encoded());
-    // Only a directory is a tree `doctor --repair` adopts.
+    // Only a directory is a tree `doctor --repair` adopts, and not every one: advised only there
+    // (asked only here, refusing: a new image's start pays nothing for it).
     let adopt = ", or 'stowage doctor --repair' adopts it";
     let (what, adopt) = match images.stat_at(name.encoded())? {
         Some(e) if e.is_symlink() => ("a symlink".to_owned(), ""),
@@ -817,12 +818,20 @@ fn refuse_planted(images: &crate::dir::Dir, dir: &Path, name: &ImageName) -> Res
             ("another user's directory".to_owned(), adopt)
         }
         Some(_) => match images.sub(name.encoded()).and_then(|d| d.names()) {
-            Ok(n) if n.is_empty() => return Ok(()),
+            // Empty, the filesystem's lost+found (or a store's directory) is still no tree of ours.
+            Ok(n) if n.is_empty() => match crate::adopt::never_adopted(images, name.encoded()) {
+                None => return Ok(()),
+                Some(why) => (why, ""),
+            },
             Ok(_) => ("a directory with contents".to_owned(), adopt),
             // On a shared filesystem: most often removed by another host a moment ago.
             Err(e) => (format!("a directory that cannot be listed: {e}"), adopt),
         },
         None => return Ok(()),
+    };
+    let adopt = match crate::adopt::never_adopted(images, name.encoded()) {
+        None => adopt,
+        Some(_) => "",
     };
     anyhow::bail!(
         "image '{name}' is new, but {} exists ({what}): refusing to build into it (remove it{adopt})",

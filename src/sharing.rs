@@ -142,6 +142,8 @@ pub fn repair(root: &Root, gid: u32, wrong: Vec<Wrong>) -> Repaired {
         };
         match opened.and_then(|f| fix_fd(f.as_fd(), w.dir, gid, 0)) {
             Ok(()) => done.fixed.push(w),
+            // Gone since it was listed (a lock file its image's remover unlinked): nothing to fix.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => done.failed.push((w, e.to_string())),
         }
     }

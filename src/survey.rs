@@ -9,12 +9,14 @@
 //!   it, a global lock stuck for seconds) is done without, one line saying why.
 
 use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::catalog::Row;
 use crate::census::{Entry, take};
 use crate::clock;
+use crate::dir::Dir;
 use crate::image_record::{self, ImagesDir, Record, State};
 use crate::lock::IfMissing;
 use crate::name::ImageName;
@@ -62,6 +64,151 @@ fn tree_hashed_as(root: &Root, images: &ImagesDir, file: &str) -> Option<ImageNa
     named.next().is_none().then_some(first).flatten()
 }
 
+/// Trees in the images directory no record names, and entries that are no image trees (name, why).
+#[derive(Default)]
+pub struct Orphans {
+    pub trees: Vec<(ImageName, PathBuf)>,
+    pub skipped: Vec<(String, String)>,
+}
+
+/// The trees in `images` (at `dir`) whose names `recorded` lacks. `stores_judged`: the caller has
+/// just refused a directory holding a store in use, so none is asked again.
+pub fn orphans(
+    images: &Dir,
+    dir: &Path,
+    recorded: &HashSet<String>,
+    stores_judged: bool,
+) -> Result<Orphans> {
+    let mut out = Orphans::default();
+    let why = || format!("cannot list images directory {}", dir.display());
+    let mut entries = images.names().with_context(why)?;
+    // Not `lost+found` where it is a mount's root.
+    if entries.iter().any(|n| n == LOST_FOUND) && images.is_mount_root().with_context(why)? {
+        entries.retain(|n| n != LOST_FOUND);
+    }
+    for raw in entries {
+        // A recorded image's entry costs no stat: a listing of every image must not.
+        let name = raw.to_str().map(ImageName::from_encoded);
+        if matches!(&name, Some(Ok(n)) if recorded.contains(n.as_str())) {
+            continue;
+        }
+        if !matches!(images.stat_at(&raw), Ok(Some(e)) if e.is_dir()) {
+            continue;
+        }
+        let Some(enc) = raw.to_str() else {
+            let why = "the name is not valid UTF-8".into();
+            out.skipped.push((raw.to_string_lossy().into_owned(), why));
+            continue;
+        };
+        let in_use = || {
+            let sub = (!stores_judged).then(|| images.sub(&raw).ok()).flatten();
+            sub.and_then(|d| crate::root::in_use_by_a_store(&d))
+        };
+        match ImageName::from_encoded(enc) {
+            // Adopted, a store's root or images directory would be one `rm` from deletion.
+            Ok(_) if let Some(what) = in_use() => {
+                out.skipped.push((enc.to_owned(), format!("it is {what}")))
+            }
+            Ok(name) => out.trees.push((name, dir.join(&raw))),
+            Err(e) => out.skipped.push((enc.to_owned(), e.rule.to_string())),
+        }
+    }
+    Ok(out)
+}
+
+/// Whether the lock file at `path` holds a record now, readable or not: a damaged one is its
+/// image's, never to be adopted over (read without its lock, as the census reads).
+pub fn has_record(path: &Path) -> bool {
+    let file = crate::lock::open_existing_read(path).ok().flatten();
+    file.is_some_and(|f| image_record::read(&f).is_ok_and(|s| !s.unrecorded()))
+}
+
+/// The filesystem's own directory at a mount's root: never an image.
+const LOST_FOUND: &str = "lost+found";
+
+/// Why the directory `encoded` in `images` is never adopted, named as an image though it is: the
+/// filesystem's `lost+found` at a mount's root, or a store's root or images directory.
+pub fn never_adopted(images: &Dir, encoded: &str) -> Option<String> {
+    if encoded == LOST_FOUND && images.is_mount_root().unwrap_or(true) {
+        return Some("the filesystem's lost+found".into());
+    }
+    let sub = images.sub(encoded).ok()?;
+    crate::root::in_use_by_a_store(&sub).map(|what| format!("it is {what}"))
+}
+
+/// A tree in the images directory that no listed image is (its lock file missing, or holding no
+/// record: a directory, FIFO or symlink in its place, an empty file): its state cannot be known.
+pub struct Unlisted {
+    pub name: ImageName,
+    pub tree: PathBuf,
+    /// Why no record says its state, for a report: "its lock file is missing".
+    pub why: &'static str,
+}
+
+/// The trees in the images directory that none of `images` is, each with why (a tree made since
+/// they were listed is not one: its record came first). Nothing where the directory cannot be
+/// listed (its absence is said elsewhere).
+pub fn unlisted(root: &Root, images: &[Image]) -> Vec<Unlisted> {
+    let Ok(config) = crate::images_dir::config(root) else {
+        return Vec::new();
+    };
+    let dir = config.images.path_in(root.dir());
+    let Ok(opened) = root.open_images_dir(&dir) else {
+        return Vec::new();
+    };
+    let named: HashSet<String> = images.iter().map(|i| i.name().to_owned()).collect();
+    // A store's root or images directory among the trees is no image (`doctor` says so).
+    let Ok(found) = orphans(&opened, &dir, &named, false) else {
+        return Vec::new();
+    };
+    // What is mounted over it, or another store's, holds no tree of ours (asked only where a tree
+    // is found: most listings find none).
+    if found.trees.is_empty()
+        || crate::images_dir::unmounted(root, &dir)
+            .or_else(|| crate::images_dir::not_ours(root, &dir))
+            .is_some()
+    {
+        return Vec::new();
+    }
+    let unlisted = found.trees.into_iter().filter_map(|(name, tree)| {
+        let lock = root.image_lock(&name);
+        let why = match std::fs::symlink_metadata(&lock) {
+            _ if has_record(&lock) => return None,
+            Err(_) => "its lock file is missing",
+            Ok(m) if !m.is_file() => "its lock file is no regular file",
+            Ok(_) => "its lock file holds no record",
+        };
+        Some(Unlisted { name, tree, why })
+    });
+    let mut unlisted: Vec<Unlisted> = unlisted.collect();
+    unlisted.sort_by(|a, b| a.name.as_str().cmp(b.name.as_str()));
+    unlisted
+}
+
+impl Unlisted {
+    /// As a listing shows it: incomplete, readiness unknown, times unknown, its tree measured.
+    pub fn as_image(&self, root: &Root) -> Image {
+        let images = crate::images_dir::config(root).map_or(ImagesDir::Default, |c| c.images);
+        let path = root.image_lock(&self.name);
+        let file = path.file_name().map(|f| f.to_string_lossy().into_owned());
+        Image {
+            entry: Entry {
+                file: file.unwrap_or_default(),
+                path,
+                seen: image_record::Seen::default(),
+                writer_alive: false,
+                written: None,
+            },
+            record: Record::unknown(self.name.as_str(), images, clock::UNKNOWN),
+            state: State::Incomplete,
+            last_used: clock::UNKNOWN,
+            size: crate::disk_usage::disk_usage_if_there(&self.tree)
+                .ok()
+                .flatten(),
+        }
+    }
+}
+
 /// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.
 pub fn survey(store: &mut crate::store::Store, measure: bool) -> Result<Vec<Image>> {
     // A store to migrate is migrated first: its tokens are no damaged records.
@@ -90,6 +237,8 @@ fn survey_from(
     measure: bool,
     tokens: Option<std::collections::BTreeMap<String, Record>>,
 ) -> Result<Vec<Image>> {
+    // First: a dead lease's reads are recorded as uses as it goes, and then read with the records.
+    crate::holders::Look::new(store.ctx()).clean_leases();
     let mut entries = take(store.root())?;
     if !crate::store_wide::forget_left(store, &entries).is_empty() {
         entries = take(store.root())?;
@@ -135,7 +284,6 @@ fn survey_from(
             img.size = row.size_for(&img.record);
         }
     }
-    crate::holders::Look::new(store.ctx()).clean_leases();
     if measure {
         let measured = measure_missing(store.root(), &mut images);
         crate::debug::pause("sizes-measured");

@@ -40,19 +40,23 @@ struct ImageJson<'a> {
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     store.require_root()?;
     let mut images = crate::survey::listing(store)?;
-    // By name as the user writes it (the survey goes by lock file name: 'app%sub' before 'app').
-    images.sort_by(|a, b| a.name().cmp(b.name()));
+    // A tree no record describes is listed too, its state unknown (gc keeps it), never probed: its
+    // lock file is missing or no lock file.
+    let unlisted = crate::survey::unlisted(store.root(), &images);
     let look = Look::new(store.ctx());
     // Whether each is in use, not by whom: a lock no lease explains is not waited on to name it.
     look.deferring(true);
-    let in_use: HashSet<&str> = images
+    let in_use: HashSet<String> = images
         .iter()
         .filter(|i| {
             let r = look.report(LockKind::Image, i.name(), &i.entry.path);
             r.state != crate::lock::Probe::Free || i.entry.writer_alive
         })
-        .map(Image::name)
+        .map(|i| i.name().to_owned())
         .collect();
+    images.extend(unlisted.iter().map(|u| u.as_image(store.root())));
+    // By name as the user writes it (the survey goes by lock file name: 'app%sub' before 'app').
+    images.sort_by(|a, b| a.name().cmp(b.name()));
     let sharing = Sharing::measure(store, &images);
     if args.json {
         let out: Vec<ImageJson> = images

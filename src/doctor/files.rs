@@ -55,6 +55,7 @@ pub(super) fn check(root: &Root, repair: bool, shared: bool, report: &mut Report
             let Ok(Some(st)) = dir.stat_at(name) else {
                 continue;
             };
+            crate::debug::pause(&format!("doctor-file-stated-{name}"));
             let path = at.join(name);
             // The configuration is replaced by a rename, never written in place: another name for
             // it changes nothing outside.
@@ -202,7 +203,8 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, how: (bool, bool), to: (&'static str
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     let (shown, bits, uid) = (path.display(), st.mode & 0o7777, st.uid);
     match dir.may_read_write(name) {
-        Ok(()) => return,
+        // Gone since it was listed (an image removed meanwhile): nothing to judge.
+        Ok(()) | Err(nix::errno::Errno::ENOENT) => return,
         // No mode gives it back: a flag (or a security policy) refuses the write.
         Err(nix::errno::Errno::EPERM) => {
             let why = crate::planted::denied(path);
@@ -224,6 +226,7 @@ fn mode(dir: &Dir, path: &Path, st: &Entry, how: (bool, bool), to: (&'static str
     let fixed = format!("{shown} was mode {bits:03o}: now {want:03o}");
     match dir.chmod_at(name, want) {
         Ok(()) => report.add(check, Repaired, fixed),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => {
             let detail = format!("cannot give {shown} back its mode: {e}");
             report.add(check, Problem, detail);

@@ -1193,3 +1193,44 @@ fn a_configuration_writes_leftover_is_removed_by_a_repair() {
     assert!(!old.exists());
     assert_eq!(env.state("a").as_deref(), Some("ready"));
 }
+
+/// A lock file listed by `doctor --repair` and unlinked before it is looked
+/// at (its image's remover was quicker) is no problem: nothing is left to
+/// judge or repair.
+#[test]
+fn a_lock_file_gone_after_the_repair_listed_it_is_no_problem() {
+    let env = Env::new();
+    env.make_image("a");
+    let (doctor, go) = env.paused(["doctor", "--repair"], "doctor-file-stated-a.lock");
+    fs::remove_file(env.lock_file("a")).unwrap();
+    fs::remove_file(&go).unwrap();
+    let out = doctor.finish();
+    assert!(!stdout(&out).contains("back its mode"), "{}", show(&out));
+    assert!(!stdout(&out).contains("PROBLEM"), "{}", show(&out));
+}
+
+/// `lost+found` at the root of the images directory's filesystem is never
+/// adopted: a write refused over it must not say that a repair adopts it.
+#[test]
+fn a_write_refused_over_lost_found_does_not_advise_a_repair_that_never_adopts_it() {
+    let env = Env::new();
+    let Some(_m) = env.init_on_tmpfs() else {
+        return;
+    };
+    let lost = env.tmp.path().join("images/lost+found");
+    fs::create_dir(&lost).unwrap();
+    // Empty, as mkfs makes it: still the filesystem's, never an image's tree.
+    let build = "touch \"$STOWAGE_IMAGE_DIR/built\"";
+    let out = env.run(["exec", "--write", "lost:found", "--", "sh", "-c", build]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("lost+found"), "{}", show(&out));
+    assert!(!stderr(&out).contains("adopts it"), "{}", show(&out));
+    assert_eq!(fs::read_dir(&lost).unwrap().count(), 0, "{}", show(&out));
+    fs::write(lost.join("#1234"), "a file fsck found").unwrap();
+    let out = env.run(["exec", "--write", "lost:found", "--", "true"]);
+    assert_ne!(code(&out), Some(0), "{}", show(&out));
+    assert!(stderr(&out).contains("refusing"), "{}", show(&out));
+    assert!(!stderr(&out).contains("adopts it"), "{}", show(&out));
+    let out = env.run(["doctor", "--repair"]);
+    assert_eq!(env.image("lost:found"), None, "{}", show(&out));
+}

@@ -1056,3 +1056,112 @@ fn a_store_wide_hold_makes_no_image_look_used() {
     let out = env.ok(["gc", "--unused-for", "7d"]);
     assert_eq!(env.state("old"), None, "{}", show(&out));
 }
+
+/// A read whose stowage was SIGKILLed goes on in its command, which
+/// inherited the lock: nobody records when that use ended but the look that
+/// finds its lease dead and unlinks it, which records its own now. gc,
+/// looking right after the command ended, keeps the image it read.
+#[test]
+fn a_read_whose_stowage_was_killed_is_used_until_its_dead_lease_is_cleaned() {
+    let env = Env::new();
+    ok_at(
+        &env,
+        "2026-01-01T00:00:00Z",
+        &["exec", "--write", "base", "--", "true"],
+    );
+    let mut read = env.hold_with(&["--read", "base"], "started", |c| {
+        c.env("STOWAGE_NOW", "2026-01-01T00:01:00Z");
+    });
+    read.signal(libc::SIGKILL);
+    let _ = read.child.as_mut().unwrap().wait();
+    assert!(!flock_free(&env.lock_file("base")), "the command reads on");
+    env.release("release");
+    wait_until("the command ended", || flock_free(&env.lock_file("base")));
+    let out = ok_at(&env, "2026-01-01T02:00:00Z", &["gc", "--unused-for", "1h"]);
+    assert!(
+        env.root.join("img/base").is_dir(),
+        "gc removed an image read until a moment ago: {}",
+        show(&out)
+    );
+    // Its use was recorded then: unused an hour after that, it goes.
+    let out = ok_at(&env, "2026-01-01T03:10:00Z", &["gc", "--unused-for", "1h"]);
+    assert!(!env.root.join("img/base").exists(), "{}", show(&out));
+}
+
+/// An image kept in use that qualifies for two reasons (unused, and over
+/// the budget) is said kept once: here every image, a store-wide command
+/// holding the store.
+#[test]
+fn an_image_in_use_that_qualifies_twice_is_said_kept_once() {
+    let env = Env::new();
+    let fill = "echo content > \"$STOWAGE_IMAGE_DIR/f\"";
+    ok_at(
+        &env,
+        "2026-01-01T00:00:00Z",
+        &["exec", "--write", "a", "--", "sh", "-c", fill],
+    );
+    let read = env.hold(&["--store-wide"], "started");
+    let args = ["gc", "--unused-for", "1h", "--max-size", "0"];
+    let out = ok_at(&env, "2026-02-01T00:00:00Z", &args);
+    let said = stdout(&out);
+    assert_eq!(said.matches("kept 'a': in use").count(), 1, "{said}");
+    let report = gc_json(
+        &env,
+        &["--unused-for", "1h", "--max-size", "0"],
+        "2026-02-01T00:00:00Z",
+    );
+    assert_eq!(report["busy"], serde_json::json!(["a"]), "{report:#}");
+    env.release("release");
+    let _ = read.finish();
+    assert!(env.root.join("img/a").is_dir());
+}
+
+/// A tree whose lock file is missing, or replaced by a directory or FIFO,
+/// has no state anyone can know: gc keeps it, reports it, and counts it
+/// against the budget (the images directory must fit, not only what has
+/// records); `images` lists it.
+#[test]
+fn trees_whose_lock_files_are_missing_or_replaced_are_kept_reported_and_counted() {
+    let env = Env::new();
+    let fill = "head -c 100000 /dev/urandom > \"$STOWAGE_IMAGE_DIR/f\"";
+    for name in ["ok", "x1", "x2", "x3"] {
+        env.build(name, fill);
+    }
+    let locks = env.root.join("locks/images");
+    fs::remove_file(locks.join("x1.lock")).unwrap();
+    fs::remove_file(locks.join("x2.lock")).unwrap();
+    fs::create_dir(locks.join("x2.lock")).unwrap();
+    fs::remove_file(locks.join("x3.lock")).unwrap();
+    let fifo = std::process::Command::new("mkfifo")
+        .arg(locks.join("x3.lock"))
+        .status();
+    assert!(fifo.unwrap().success());
+    let listed: Vec<String> = env
+        .images_json()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(listed, ["ok", "x1", "x2", "x3"]);
+    let report = gc_json(
+        &env,
+        &["--unused-for", "1s", "--max-size", "150K"],
+        "2031-01-01T00:00:00Z",
+    );
+    assert_eq!(removed(&report), ["ok"], "{report:#}");
+    let unknown = report["unknown"].as_array().unwrap();
+    for name in ["x1", "x2", "x3"] {
+        assert!(
+            env.root.join("img").join(name).is_dir(),
+            "{name}: {report:#}"
+        );
+        let said = unknown
+            .iter()
+            .any(|u| u.as_str().unwrap().starts_with(&format!("{name}: ")));
+        assert!(said, "{name} not reported: {report:#}");
+    }
+    // Three trees of about 100 KiB each still take the images directory past 150 KiB.
+    assert!(
+        report["size_after"].as_u64().unwrap() >= 300_000,
+        "{report:#}"
+    );
+}

@@ -1104,3 +1104,44 @@ fn only_init_naming_it_makes_another_directory_at_the_images_path_the_stores() {
     env.ok(["exec", "--write", "there", "--", "true"]);
     assert!(images.join("there").is_dir());
 }
+
+/// An adopted tree's time says when it was made, not when it was last used
+/// (an image unpacked from a tarball keeps the tarball's times): the images
+/// `init` adopts, and those an interrupted adoption's finisher adopts, count
+/// as used at their adoption, so the `gc --unused-for` the docs advise after
+/// `init --images-dir` removes none of them.
+#[test]
+fn adopted_images_count_as_used_at_their_adoption_not_at_their_trees_time() {
+    for finisher in [&[][..], &["init"][..], &["doctor", "--repair"]] {
+        let env = Env::new();
+        let img = env.tmp.path().join("images");
+        for t in ["a", "b", "c"] {
+            fs::create_dir_all(img.join(t)).unwrap();
+            fs::write(img.join(t).join("f"), "x").unwrap();
+            let aged = Command::new("touch")
+                .args(["-d", "30 days ago"])
+                .arg(img.join(t).join("f"))
+                .arg(img.join(t))
+                .status()
+                .unwrap();
+            assert!(aged.success());
+        }
+        let init = ["init", "--images-dir", img.to_str().unwrap()];
+        if finisher.is_empty() {
+            env.ok(init);
+        } else {
+            let (init, _go) = env.paused(init, "adopted-one");
+            init.kill_all();
+            env.ok(finisher);
+        }
+        let out = env.ok(["gc", "--unused-for", "7d"]);
+        for t in ["a", "b", "c"] {
+            assert!(
+                img.join(t).is_dir(),
+                "{finisher:?}: {t} removed: {}",
+                show(&out)
+            );
+            assert_eq!(env.state(t).as_deref(), Some("ready"), "{finisher:?}: {t}");
+        }
+    }
+}

@@ -1075,3 +1075,57 @@ fn a_token_put_in_a_store_of_this_release_makes_no_migration() {
         "the token is left as it was"
     );
 }
+
+/// CRC-32 (IEEE), bit by bit: the check of an older release's token.
+fn token_crc(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// An image the older release knew neither a row nor a last use for gets
+/// its tree's time as creation only: that time says when the tree was made
+/// (unpacked, copied), never when it was used, so the migration counts it
+/// used now, as an adoption does, and `gc --unused-for` keeps it.
+#[test]
+fn an_old_image_without_a_known_last_use_counts_as_used_at_its_migration() {
+    let env = old_store();
+    let lock = env.root.join("locks/images/rowless.lock");
+    let bytes = fs::read(&lock).unwrap();
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    let text = String::from_utf8(bytes[..end].to_vec()).unwrap();
+    let body: String = text[..text.find("\ncrc=").unwrap() + 1]
+        .lines()
+        .filter(|l| !l.starts_with("used="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let token = format!("{body}crc={:08x}\n", token_crc(body.as_bytes()));
+    let mut rewritten = bytes.clone();
+    rewritten[..end].fill(0);
+    rewritten[..token.len()].copy_from_slice(token.as_bytes());
+    fs::write(&lock, rewritten).unwrap();
+    fs::remove_file(env.root.join("stowage.db")).unwrap();
+    let tree = env.root.join("img/rowless");
+    let aged = Command::new("touch")
+        .args(["-d", "60 days ago"])
+        .arg(&tree)
+        .status();
+    assert!(aged.unwrap().success());
+    let out = env.ok(["gc", "--unused-for", "30d"]);
+    assert_eq!(
+        env.state("rowless").as_deref(),
+        Some("ready"),
+        "{}",
+        show(&out)
+    );
+    assert!(env.root.join("img/rowless").is_dir(), "{}", show(&out));
+}

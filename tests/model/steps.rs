@@ -63,7 +63,7 @@ steps! {
     ClearHint "clear-hint" ["doctor::hints" "image_record::set_store_wide"]
     DocTrees "doc-trees" ["doctor::trees" "census::take"]
     DropMissing "drop-missing" ["doctor::missing_trees" "gc::take_to_repair" "root::drop_record"]
-    ListOrphans "list-orphans" ["adopt::orphans"]
+    ListOrphans "list-orphans" ["survey::orphans"]
     Adopt "adopt" ["adopt::adopt" "store_wide::probe" "image_record::write"]
     DocLeftovers "doc-leftovers" ["doctor::leftovers" "census::take"]
     UnlinkEmpty "unlink-empty" ["doctor::leftovers" "lock::acquire_no_wait" "root::unlink_lock"]
