@@ -142,16 +142,7 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let shares = (policy.max_size.is_some() || going) && disk_usage::can_share(&images_dir);
     let mut budget = Budget::new(store, &rows, &unlisted, shares, going)?;
     report.size_before = budget.total;
-    report.unknown = rows
-        .iter()
-        .filter(|r| r.state == State::Incomplete && r.record.readiness_unknown())
-        .map(|r| match r.entry.seen.damaged {
-            true => format!("{}: its record cannot be read", r.name()),
-            false => format!("{}: its tree was adopted without a record", r.name()),
-        })
-        .collect();
-    let unknown = unlisted.iter().map(|u| format!("{}: {}", u.name, u.why));
-    report.unknown.extend(unknown);
+    report.unknown = unknown(&rows, &unlisted);
     crate::debug::pause("gc-listed");
     rows.sort_by(oldest_first);
     for reason in [Reason::Incomplete, Reason::Unused] {
@@ -191,6 +182,20 @@ pub fn run(store: &mut Store, policy: &Policy) -> Result<Report> {
     let freed = report.removed.iter().filter(|r| !r.left_in_trash);
     report.bytes_freed += freed.map(|r| r.size_bytes).sum::<u64>();
     Ok(report)
+}
+
+/// The images whose state cannot be known, kept and said: a record that cannot be read, a tree
+/// adopted without one, a tree no record names.
+fn unknown(rows: &[Image], unlisted: &[crate::survey::Unlisted]) -> Vec<String> {
+    let recorded = rows
+        .iter()
+        .filter(|r| r.state == State::Incomplete && r.record.readiness_unknown())
+        .map(|r| match r.entry.seen.damaged {
+            true => format!("{}: its record cannot be read", r.name()),
+            false => format!("{}: its tree was adopted without a record", r.name()),
+        });
+    let unrecorded = unlisted.iter().map(|u| format!("{}: {}", u.name, u.why));
+    recorded.chain(unrecorded).collect()
 }
 
 /// What the images take, and what removing one frees: its own blocks and unshared extents.
@@ -270,16 +275,9 @@ fn cutoff(policy: &Policy) -> Option<Millis> {
 fn qualifies(r: &Image, reason: Reason, cutoff: Option<Millis>) -> bool {
     match reason {
         Reason::Incomplete => r.state == State::Incomplete && !r.record.readiness_unknown(),
-        Reason::Unused => r.state == State::Ready && cutoff.is_some_and(|c| unused(r, c)),
+        Reason::Unused => r.state == State::Ready && cutoff.is_some_and(|c| r.last_used < c),
         Reason::OverBudget => r.state == State::Ready,
     }
-}
-
-/// Whether an image was last used before `cutoff`, and its lock file last written before it too, by
-/// the filesystem's clock: a use recorded by a clock behind is no evidence that it is unused (a
-/// write that is no use, a repair or a store-wide hold, only keeps it longer).
-fn unused(r: &Image, cutoff: Millis) -> bool {
-    r.last_used < cutoff && r.entry.written.is_none_or(|w| w < cutoff)
 }
 
 /// Finishes removals a crash cut short (records left `deleting`, lock free); empties the trash.

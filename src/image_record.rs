@@ -504,31 +504,14 @@ pub fn clear(file: &File) -> io::Result<()> {
 
 /// Sets or clears the writer-waits hint (no lock needed: it is a hint).
 pub fn set_writer_waits(file: &File, on: bool) -> io::Result<()> {
-    as_written(file, || {
-        file.write_all_at(&[if on { b'W' } else { b'-' }], WRITER_WAITS_AT)
-    })
+    file.write_all_at(&[if on { b'W' } else { b'-' }], WRITER_WAITS_AT)
 }
 
 pub fn set_store_wide(file: &File, on: bool) -> io::Result<()> {
-    as_written(file, || {
-        file.write_all_at(&[if on { b'S' } else { b'-' }], STORE_WIDE_AT)?;
-        // A holder excludes image users through it: synced, so caching clients on other hosts see it.
-        if on {
-            crate::lock::sync_written(file)?;
-        }
-        Ok(())
-    })
-}
-
-/// Writes a hint and puts the file's modification time back: it says when a record or a use was
-/// last written, by the filesystem's clock (gc's evidence of disuse), and a hint is neither — a
-/// store-wide hold hints every image, and would make each look used at every hold.
-fn as_written(file: &File, write: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
-    let before = nix::sys::stat::fstat(file).ok();
-    write()?;
-    if let Some(st) = before {
-        let mtime = nix::sys::time::TimeSpec::new(st.st_mtime, st.st_mtime_nsec);
-        let _ = nix::sys::stat::futimens(file, &nix::sys::time::TimeSpec::UTIME_OMIT, &mtime);
+    file.write_all_at(&[if on { b'S' } else { b'-' }], STORE_WIDE_AT)?;
+    // A holder excludes image users through it: synced, so caching clients on other hosts see it.
+    if on {
+        crate::lock::sync_written(file)?;
     }
     Ok(())
 }

@@ -957,29 +957,6 @@ fn rfc3339(secs: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
-/// Writes image `name`, 1 MiB, on a host whose clock says `now`.
-fn write_mib_at(env: &Env, now: &str, name: &str) {
-    let blob = "head -c 1048576 /dev/urandom > \"$STOWAGE_IMAGE_DIR/blob\"";
-    env.ok_at(now, &["exec", "--write", name, "--", "sh", "-c", blob]);
-}
-
-/// A build that ends on a host whose clock is three years behind stamps its
-/// record three years back; the lock file's last write, by the filesystem's
-/// clock, says it was just now: gc --unused-for keeps it.
-#[test]
-fn an_image_just_written_by_a_host_whose_clock_is_years_behind_is_not_unused() {
-    let env = Env::new();
-    let behind = secs_ago(3 * 365 * 86_400);
-    write_mib_at(&env, &behind, "just-built");
-    let out = env.ok(["gc", "--unused-for", "1d"]);
-    assert_eq!(
-        env.state("just-built").as_deref(),
-        Some("ready"),
-        "{}",
-        show(&out)
-    );
-}
-
 /// Day 0 (500 days ago): `old` and `hot` written, and `old` read by a host
 /// whose clock is three years ahead. Each lock file is dated as the
 /// filesystem dates its writes.
@@ -1043,18 +1020,6 @@ fn a_read_by_a_clock_years_ahead_does_not_make_its_image_the_most_recently_used(
     let report = gc_json(&env, &["--max-size", "1536K"], &day(d0, 401));
     assert_eq!(removed(&report), ["old"], "{report}");
     assert_eq!(env.state("hot").as_deref(), Some("ready"), "{report}");
-}
-
-/// A store-wide hold hints every image's lock file, and that is no use:
-/// an image unused for long is still unused after one (the file's time,
-/// gc's evidence beside the recorded use, is put back after each hint).
-#[test]
-fn a_store_wide_hold_makes_no_image_look_used() {
-    let env = Env::new();
-    env.make_image_used_long_ago("old");
-    env.ok(["exec", "--store-wide", "--", "true"]);
-    let out = env.ok(["gc", "--unused-for", "7d"]);
-    assert_eq!(env.state("old"), None, "{}", show(&out));
 }
 
 /// A read whose stowage was SIGKILLed goes on in its command, which
