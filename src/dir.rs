@@ -912,11 +912,45 @@ fn statvfs_fsid(fs: &nix::sys::statfs::Statfs) -> u64 {
 pub fn same_identity(recorded: &str, now: &str) -> bool {
     let (r, n): (Vec<&str>, Vec<&str>) = (recorded.split('@').collect(), now.split('@').collect());
     match (r.len(), n.len()) {
-        (4, 4) => r[..2] == n[..2] && r[3] == n[3],
+        (4, 4) if r[2] != n[2] => r[..2] == n[..2] && r[3] == n[3] && !twin_mounted(r[2], r[3]),
         (2, 2..) => r[..] == n[..2],
         (3 | 4, 3 | 4) => r[..3] == n[..3],
         _ => recorded == now,
     }
+}
+
+/// Whether an XFS of fs id `fsid` (its device number, hex) and UUID `uuid` is mounted now: then a
+/// filesystem of that UUID on another device is a block-level copy of it (a cloned disk mounted
+/// with `nouuid`), not the same one renumbered. A mount there that cannot be asked counts as one.
+fn twin_mounted(fsid: &str, uuid: &str) -> bool {
+    let Ok(x) = u64::from_str_radix(fsid, 16) else {
+        return false;
+    };
+    // The kernel's huge_encode_dev, undone.
+    let dev = format!(
+        "{}:{}",
+        (x & 0xfff00) >> 8,
+        (x & 0xff) | ((x >> 12) & 0xfff00)
+    );
+    let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    table.lines().any(|line| {
+        let f: Vec<&str> = line.split(' ').collect();
+        let fstype = f.iter().skip_while(|&&x| x != "-").nth(1);
+        if f.get(2) != Some(&dev.as_str()) || fstype != Some(&"xfs") {
+            return false;
+        }
+        let at = f[4]
+            .replace("\\040", " ")
+            .replace("\\011", "\t")
+            .replace("\\012", "\n");
+        let Ok(d) = Dir::open(Path::new(&at)) else {
+            return true;
+        };
+        d.uuid_where_fsid_is_the_device(0x5846_5342)
+            .is_none_or(|u| u == uuid)
+    })
 }
 
 #[cfg(test)]

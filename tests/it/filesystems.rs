@@ -1001,14 +1001,8 @@ fn a_store_on_xfs_is_used_as_before_once_its_disk_is_renumbered() {
     }
     let mut env = Env::new();
     let (img, dir) = (env.tmp.path().join("x.xfs"), env.tmp.path().join("mnt"));
-    fs::File::create(&img).unwrap().set_len(300 << 20).unwrap();
-    fs::create_dir(&dir).unwrap();
-    let made = Command::new("mkfs.xfs")
-        .args(["-q", "-f"])
-        .arg(&img)
-        .status();
     let mount = || Mount::at(&["-o", "loop", img.to_str().unwrap()], &dir);
-    let Some(m) = made.is_ok_and(|s| s.success()).then(mount).flatten() else {
+    let Some(m) = xfs_file(&img, &dir).then(mount).flatten() else {
         eprintln!("skipping: cannot make and mount an XFS loop device here");
         return;
     };
@@ -1030,4 +1024,61 @@ fn a_store_on_xfs_is_used_as_before_once_its_disk_is_renumbered() {
     env.ok(["exec", "--read", "base", "--", "true"]);
     env.ok(["exec", "--write", "new", "--", "true"]);
     env.ok(["doctor"]);
+}
+
+/// A fresh XFS in the file `img`, and a directory `dir` to mount it on.
+fn xfs_file(img: &Path, dir: &Path) -> bool {
+    fs::File::create(img).unwrap().set_len(300 << 20).unwrap();
+    fs::create_dir(dir).unwrap();
+    let made = Command::new("mkfs.xfs")
+        .args(["-q", "-f"])
+        .arg(img)
+        .status();
+    made.is_ok_and(|s| s.success())
+}
+
+/// A block-level copy of the XFS a store's root is on (a cloned disk, an
+/// LVM snapshot), mounted beside it: the same UUID and inode numbers, on
+/// another device. Its copy of the store may not write the external images
+/// directory the store claims: its locks are not the store's.
+#[test]
+fn a_cloned_xfs_mounted_beside_its_original_is_a_copy_of_the_store() {
+    if !root_or_skip("loop mounts") || !tool_or_skip("mkfs.xfs", "xfsprogs") {
+        return;
+    }
+    let mut env = Env::new();
+    let t = env.tmp.path().to_owned();
+    let (img, dir) = (t.join("x.xfs"), t.join("mnt"));
+    let Some(_m) = xfs_file(&img, &dir)
+        .then(|| Mount::at(&["-o", "loop", img.to_str().unwrap()], &dir))
+        .flatten()
+    else {
+        eprintln!("skipping: cannot make and mount an XFS loop device here");
+        return;
+    };
+    env.root = dir.join("root");
+    let images = t.join("img");
+    fs::create_dir(&images).unwrap();
+    env.ok(["init", "--images-dir", images.to_str().unwrap()]);
+    env.make_image("base");
+    // Copied frozen, as a snapshot is taken: the original stays on its device.
+    let freeze = |how: &str| Command::new("fsfreeze").arg(how).arg(&dir).status();
+    assert!(freeze("-f").is_ok_and(|s| s.success()), "fsfreeze");
+    let copied = fs::copy(&img, t.join("clone.xfs"));
+    assert!(freeze("-u").is_ok_and(|s| s.success()), "fsfreeze -u");
+    copied.unwrap();
+    let (clone, clone_dir) = (t.join("clone.xfs"), t.join("clone"));
+    fs::create_dir(&clone_dir).unwrap();
+    let o = ["-o", "loop,nouuid", clone.to_str().unwrap()];
+    let _c = Mount::at(&o, &clone_dir).expect("the clone mounted");
+    let mut copy = Env::new();
+    copy.root = clone_dir.join("root");
+    let out = copy.run(["exec", "--write", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    assert!(
+        stderr(&out).contains("copied to this one"),
+        "{}",
+        show(&out)
+    );
+    env.ok(["exec", "--write", "base", "--", "true"]);
 }
