@@ -913,6 +913,7 @@ pub fn same_identity(recorded: &str, now: &str) -> bool {
     let (r, n): (Vec<&str>, Vec<&str>) = (recorded.split('@').collect(), now.split('@').collect());
     match (r.len(), n.len()) {
         (4, 4) if r[2] != n[2] => r[..2] == n[..2] && r[3] == n[3] && !twin_mounted(r[2], r[3]),
+        (4, 4) => r == n,
         (2, 2..) => r[..] == n[..2],
         (3 | 4, 3 | 4) => r[..3] == n[..3],
         _ => recorded == now,
