@@ -456,18 +456,8 @@ fn a_claim_names_a_root_with_a_newline_whole() {
     env.root = env.tmp.path().join("q\nx");
     env.ok(["init", "--images-dir", ext.to_str().unwrap()]);
     let c = std::ffi::CString::new(ext.to_str().unwrap()).unwrap();
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: NUL-terminated path and name, a buffer of the length given.
-    let n = unsafe {
-        libc::getxattr(
-            c.as_ptr(),
-            c"user.stowage.store".as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    assert!(n > 0, "{}", std::io::Error::last_os_error());
-    let escaped = String::from_utf8(buf[..n as usize].to_vec()).unwrap();
+    let escaped = claim_on(&ext);
+    assert!(!escaped.is_empty());
     let raw = escaped.replace(r"q\nx", "q\nx");
     let word = format!("--root $'{}/q\\nx'", env.tmp.path().display());
     for claim in [&escaped, &raw] {
