@@ -922,7 +922,8 @@ pub fn same_identity(recorded: &str, now: &str) -> bool {
 
 /// Whether an XFS of fs id `fsid` (its device number, hex) and UUID `uuid` is mounted now: then a
 /// filesystem of that UUID on another device is a block-level copy of it (a cloned disk mounted
-/// with `nouuid`), not the same one renumbered. A mount there that cannot be asked counts as one.
+/// with `nouuid`), not the same one renumbered. A mount there this process cannot ask (another
+/// user's) is not the store's, whose root it could not use: no twin.
 fn twin_mounted(fsid: &str, uuid: &str) -> bool {
     let Ok(x) = u64::from_str_radix(fsid, 16) else {
         return false;
@@ -942,16 +943,26 @@ fn twin_mounted(fsid: &str, uuid: &str) -> bool {
         if f.get(2) != Some(&dev.as_str()) || fstype != Some(&"xfs") {
             return false;
         }
-        let at = f[4]
-            .replace("\\040", " ")
-            .replace("\\011", "\t")
-            .replace("\\012", "\n");
-        let Ok(d) = Dir::open(Path::new(&at)) else {
-            return true;
-        };
-        d.uuid_where_fsid_is_the_device(0x5846_5342)
-            .is_none_or(|u| u == uuid)
+        Dir::open(&mount_point_named(f[4])).is_ok_and(|d| {
+            d.uuid_where_fsid_is_the_device(0x5846_5342)
+                .is_some_and(|u| u == uuid)
+        })
     })
+}
+
+/// A mount point as /proc/self/mountinfo writes it (`\ooo` escapes), as a path.
+fn mount_point_named(field: &str) -> std::path::PathBuf {
+    let (b, mut out, mut i) = (field.as_bytes(), Vec::new(), 0);
+    while i < b.len() {
+        let oct = b
+            .get(i + 1..i + 4)
+            .and_then(|o| std::str::from_utf8(o).ok());
+        match oct.map(|o| u8::from_str_radix(o, 8)) {
+            Some(Ok(c)) if b[i] == b'\\' => (out.push(c), i += 4),
+            _ => (out.push(b[i]), i += 1),
+        };
+    }
+    std::path::PathBuf::from(OsString::from_vec(out))
 }
 
 #[cfg(test)]
@@ -1041,6 +1052,7 @@ mod tests {
         assert!(same_identity("128@58465342@703", "128@58465342@703@aa"));
         assert!(same_identity("128@58465342@703@aa", "128@58465342@703"));
         assert!(!same_identity("128@58465342@703", "128@58465342@704@aa"));
+        assert_eq!(mount_point_named(r"/m\040n\134b"), Path::new("/m n\\b"));
     }
 
     #[test]

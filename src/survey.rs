@@ -82,6 +82,7 @@ pub fn orphans(
     let mut out = Orphans::default();
     let why = || format!("cannot list images directory {}", dir.display());
     let mut entries = images.names().with_context(why)?;
+    let here = std::cell::OnceCell::new();
     // Not `lost+found` where it is a mount's root.
     if entries.iter().any(|n| n == LOST_FOUND) && images.is_mount_root().with_context(why)? {
         entries.retain(|n| n != LOST_FOUND);
@@ -92,7 +93,17 @@ pub fn orphans(
         if matches!(&name, Some(Ok(n)) if recorded.contains(n.as_str())) {
             continue;
         }
-        if !matches!(images.stat_at(&raw), Ok(Some(e)) if e.is_dir()) {
+        let Ok(Some(e)) = images.stat_at(&raw) else {
+            continue;
+        };
+        if !e.is_dir() {
+            continue;
+        }
+        // Another filesystem mounted there is no tree: nothing of it is ours to adopt, measure or
+        // count (it would never be freed).
+        if e.dev != *here.get_or_init(|| images.stat().map_or(e.dev, |d| d.dev)) {
+            let why = "it is another filesystem's mount point".into();
+            out.skipped.push((raw.to_string_lossy().into_owned(), why));
             continue;
         }
         let Some(enc) = raw.to_str() else {
@@ -183,30 +194,6 @@ pub fn unlisted(root: &Root, images: &[Image]) -> Vec<Unlisted> {
     let mut unlisted: Vec<Unlisted> = unlisted.collect();
     unlisted.sort_by(|a, b| a.name.as_str().cmp(b.name.as_str()));
     unlisted
-}
-
-impl Unlisted {
-    /// As a listing shows it: incomplete, readiness unknown, times unknown, its tree measured.
-    pub fn as_image(&self, root: &Root) -> Image {
-        let images = crate::images_dir::config(root).map_or(ImagesDir::Default, |c| c.images);
-        let path = root.image_lock(&self.name);
-        let file = path.file_name().map(|f| f.to_string_lossy().into_owned());
-        Image {
-            entry: Entry {
-                file: file.unwrap_or_default(),
-                path,
-                seen: image_record::Seen::default(),
-                writer_alive: false,
-                written: None,
-            },
-            record: Record::unknown(self.name.as_str(), images, clock::UNKNOWN),
-            state: State::Incomplete,
-            last_used: clock::UNKNOWN,
-            size: crate::disk_usage::disk_usage_if_there(&self.tree)
-                .ok()
-                .flatten(),
-        }
-    }
 }
 
 /// Every image, the catalog refreshed from the records; `measure` measures and keeps unknown sizes.

@@ -39,10 +39,9 @@ struct ImageJson<'a> {
 
 pub fn run(args: Args, store: &mut Store) -> Result<u8> {
     store.require_root()?;
+    // A tree no record describes is not listed: gc and doctor say it (a listing lists the images
+    // directory only if it must, a round trip where each is one).
     let mut images = crate::survey::listing(store)?;
-    // A tree no record describes is listed too, its state unknown (gc keeps it), never probed: its
-    // lock file is missing or no lock file.
-    let unlisted = crate::survey::unlisted(store.root(), &images);
     let look = Look::new(store.ctx());
     // Whether each is in use, not by whom: a lock no lease explains is not waited on to name it.
     look.deferring(true);
@@ -54,7 +53,6 @@ pub fn run(args: Args, store: &mut Store) -> Result<u8> {
         })
         .map(|i| i.name().to_owned())
         .collect();
-    images.extend(unlisted.iter().map(|u| u.as_image(store.root())));
     // By name as the user writes it (the survey goes by lock file name: 'app%sub' before 'app').
     images.sort_by(|a, b| a.name().cmp(b.name()));
     let sharing = Sharing::measure(store, &images);
