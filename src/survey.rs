@@ -100,8 +100,14 @@ pub fn orphans(
             continue;
         }
         // Another filesystem mounted there is no tree: nothing of it is ours to adopt, measure or
-        // count (it would never be freed).
-        if e.dev != *here.get_or_init(|| images.stat().map_or(e.dev, |d| d.dev)) {
+        // count (it would never be freed). Another device on the same mount is a btrfs subvolume.
+        let mount = || images.mount_id().ok().flatten();
+        let (dev, mnt) = here.get_or_init(|| (images.stat().map_or(e.dev, |d| d.dev), mount()));
+        let mounted = || match (mnt, images.sub(&raw).map(|d| d.mount_id())) {
+            (Some(m), Ok(Ok(Some(sub)))) => sub != *m,
+            _ => true,
+        };
+        if e.dev != *dev && mounted() {
             let why = "it is another filesystem's mount point".into();
             out.skipped.push((raw.to_string_lossy().into_owned(), why));
             continue;

@@ -1146,3 +1146,31 @@ fn a_filesystem_mounted_in_the_images_directory_is_not_counted() {
     assert_eq!(env.state("a").as_deref(), Some("ready"));
     assert!(mnt.join("blob").exists());
 }
+
+/// A btrfs subvolume in the images directory (a builder may make each
+/// image one) has a device number of its own but is on the same mount: a
+/// tree like any other, counted by gc and adopted by a repair.
+#[test]
+fn a_btrfs_subvolume_in_the_images_directory_is_a_tree() {
+    let Some(m) = Mount::btrfs_loop("300M") else {
+        return;
+    };
+    let env = m.env();
+    env.make_image("a");
+    let sub = env.root.join("img/sub");
+    let made = std::process::Command::new("btrfs")
+        .args(["-q", "subvolume", "create"])
+        .arg(&sub)
+        .status();
+    assert!(made.unwrap().success());
+    let report = gc_json(&env, &["--max-size", "1G"], "2031-01-01T00:00:00Z");
+    let unknown = report["unknown"].as_array().unwrap();
+    assert!(
+        unknown
+            .iter()
+            .any(|u| u.as_str().unwrap().starts_with("sub: ")),
+        "{report:#}"
+    );
+    env.ok(["doctor", "--repair"]);
+    assert_eq!(env.state("sub").as_deref(), Some("incomplete"));
+}
