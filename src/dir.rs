@@ -189,6 +189,31 @@ impl Dir {
         }
     }
 
+    /// The mount id of the entry `name`, not followed (`None` where the kernel does not tell it).
+    pub fn mount_id_at(&self, name: impl AsRef<OsStr>) -> io::Result<Option<u64>> {
+        let name = cstr(name.as_ref())?;
+        // SAFETY: all-zero bytes are a valid value of this plain C struct.
+        let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+        let flags = libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT;
+        // SAFETY: valid descriptor and C string, a zeroed statx out-pointer.
+        let r = unsafe {
+            let (fd, out) = (self.fd.as_raw_fd(), &mut stx as *mut libc::statx);
+            libc::syscall(
+                libc::SYS_statx,
+                fd,
+                name.as_ptr(),
+                flags,
+                libc::STATX_MNT_ID,
+                out,
+            )
+        };
+        match crate::error::cvt(r) {
+            Ok(_) => Ok((stx.stx_mask & libc::STATX_MNT_ID != 0).then_some(stx.stx_mnt_id)),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Whether this directory is the root of a mount (`..` is on another device or mount).
     pub fn is_mount_root(&self) -> io::Result<bool> {
         let up = self.sub("..")?;
@@ -922,18 +947,19 @@ pub fn same_identity(recorded: &str, now: &str) -> bool {
 
 /// Whether an XFS of fs id `fsid` (its device number, hex) and UUID `uuid` is mounted now: then a
 /// filesystem of that UUID on another device is a block-level copy of it (a cloned disk mounted
-/// with `nouuid`), not the same one renumbered. A mount there this process cannot ask (another
-/// user's) is not the store's, whose root it could not use: no twin.
+/// with `nouuid`), not the same one renumbered. A mount there this process cannot open (another
+/// user's) is not the store's, whose root it could not use: no twin; one hidden by a later mount
+/// may be: a twin.
 fn twin_mounted(fsid: &str, uuid: &str) -> bool {
     let Ok(x) = u64::from_str_radix(fsid, 16) else {
         return false;
     };
     // The kernel's huge_encode_dev, undone.
-    let dev = format!(
-        "{}:{}",
-        (x & 0xfff00) >> 8,
-        (x & 0xff) | ((x >> 12) & 0xfff00)
+    let (major, minor) = (
+        ((x & 0xfff00) >> 8) as u32,
+        ((x & 0xff) | ((x >> 12) & 0xfff00)) as u32,
     );
+    let dev = format!("{major}:{minor}");
     let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
     };
@@ -943,9 +969,15 @@ fn twin_mounted(fsid: &str, uuid: &str) -> bool {
         if f.get(2) != Some(&dev.as_str()) || fstype != Some(&"xfs") {
             return false;
         }
+        // Opened onto another filesystem, its mount point is hidden by a later mount: the XFS
+        // there cannot be asked, but it is mounted, and may be the store's own disk.
         Dir::open(&mount_point_named(f[4])).is_ok_and(|d| {
-            d.uuid_where_fsid_is_the_device(0x5846_5342)
-                .is_some_and(|u| u == uuid)
+            let hidden = d
+                .stat()
+                .is_ok_and(|st| st.dev != libc::makedev(major, minor));
+            hidden
+                || d.uuid_where_fsid_is_the_device(0x5846_5342)
+                    .is_some_and(|u| u == uuid)
         })
     })
 }

@@ -100,14 +100,15 @@ pub fn orphans(
             continue;
         }
         // Another filesystem mounted there is no tree: nothing of it is ours to adopt, measure or
-        // count (it would never be freed). Another device on the same mount is a btrfs subvolume.
+        // count (it would never be freed): asked by mount, as a bind mount keeps the device and a
+        // btrfs subvolume has one of its own on the same mount.
         let mount = || images.mount_id().ok().flatten();
         let (dev, mnt) = here.get_or_init(|| (images.stat().map_or(e.dev, |d| d.dev), mount()));
-        let mounted = || match (mnt, images.sub(&raw).map(|d| d.mount_id())) {
-            (Some(m), Ok(Ok(Some(sub)))) => sub != *m,
-            _ => true,
+        let mounted = match (mnt, images.mount_id_at(&raw)) {
+            (Some(m), Ok(Some(sub))) => sub != *m,
+            _ => e.dev != *dev,
         };
-        if e.dev != *dev && mounted() {
+        if mounted {
             let why = "it is another filesystem's mount point".into();
             out.skipped.push((raw.to_string_lossy().into_owned(), why));
             continue;

@@ -1078,5 +1078,10 @@ fn a_cloned_xfs_mounted_beside_its_original_is_a_copy_of_the_store() {
         "{}",
         show(&out)
     );
+    // The original hidden by a later mount over its mount point is still mounted: still a copy.
+    let hide = Mount::tmpfs_at(&dir, "1m").expect("a tmpfs over the original");
+    let out = copy.run(["exec", "--write", "base", "--", "true"]);
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    drop(hide);
     env.ok(["exec", "--write", "base", "--", "true"]);
 }

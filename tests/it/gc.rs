@@ -1141,10 +1141,21 @@ fn a_filesystem_mounted_in_the_images_directory_is_not_counted() {
         return;
     };
     fs::write(mnt.join("blob"), vec![7u8; 2 << 20]).unwrap();
+    // And a directory of the same filesystem bind-mounted there: the same device, another mount.
+    let (outside, bound) = (env.tmp.path().join("outside"), env.root.join("img/bound"));
+    fs::create_dir(&outside).unwrap();
+    fs::create_dir(&bound).unwrap();
+    fs::write(outside.join("blob"), vec![7u8; 2 << 20]).unwrap();
+    let o = ["--bind", outside.to_str().unwrap()];
+    let Some(_b) = Mount::at(&o, &bound) else {
+        return;
+    };
     let report = gc_json(&env, &["--max-size", "1M"], "2031-01-01T00:00:00Z");
     assert!(removed(&report).is_empty(), "{report:#}");
     assert_eq!(env.state("a").as_deref(), Some("ready"));
-    assert!(mnt.join("blob").exists());
+    assert!(mnt.join("blob").exists() && outside.join("blob").exists());
+    env.ok(["doctor", "--repair"]);
+    assert_eq!((env.state("mnt"), env.state("bound")), (None, None));
 }
 
 /// A btrfs subvolume in the images directory (a builder may make each
