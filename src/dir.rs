@@ -982,6 +982,21 @@ fn twin_mounted(fsid: &str, uuid: &str) -> bool {
     })
 }
 
+/// The names in directory `dir` that something is mounted on, by the mount table: known without a
+/// stat of them, which would wait on a mount whose server does not answer.
+pub fn mount_points_in(dir: &Path) -> std::collections::HashSet<OsString> {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let points = table
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(mount_point_named);
+    points
+        .filter(|p| p.parent() == Some(dir.as_path()))
+        .filter_map(|p| p.file_name().map(OsStr::to_owned))
+        .collect()
+}
+
 /// A mount point as /proc/self/mountinfo writes it (`\ooo` escapes), as a path.
 fn mount_point_named(field: &str) -> std::path::PathBuf {
     let (b, mut out, mut i) = (field.as_bytes(), Vec::new(), 0);

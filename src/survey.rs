@@ -82,7 +82,7 @@ pub fn orphans(
     let mut out = Orphans::default();
     let why = || format!("cannot list images directory {}", dir.display());
     let mut entries = images.names().with_context(why)?;
-    let here = std::cell::OnceCell::new();
+    let (here, mount_points) = (std::cell::OnceCell::new(), std::cell::OnceCell::new());
     // Not `lost+found` where it is a mount's root.
     if entries.iter().any(|n| n == LOST_FOUND) && images.is_mount_root().with_context(why)? {
         entries.retain(|n| n != LOST_FOUND);
@@ -91,6 +91,16 @@ pub fn orphans(
         // A recorded image's entry costs no stat: a listing of every image must not.
         let name = raw.to_str().map(ImageName::from_encoded);
         if matches!(&name, Some(Ok(n)) if recorded.contains(n.as_str())) {
+            continue;
+        }
+        // A mount point is not stat-ed: its server may not answer (the mount id below tells the
+        // mounts the table names otherwise, as the store's path may not be the table's).
+        if mount_points
+            .get_or_init(|| crate::dir::mount_points_in(dir))
+            .contains(&raw)
+        {
+            let why = "it is another filesystem's mount point".into();
+            out.skipped.push((raw.to_string_lossy().into_owned(), why));
             continue;
         }
         let Ok(Some(e)) = images.stat_at(&raw) else {

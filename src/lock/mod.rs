@@ -904,8 +904,15 @@ fn owner_kept_out(root: &Path, dir: &Path, path: &Path) -> Option<String> {
         };
         access(*d, need | AccessFlags::X_OK).is_err()
     })?;
-    let mode = std::fs::symlink_metadata(closed).ok()?.mode() & 0o7777;
-    let shown = closed.display();
+    let m = std::fs::symlink_metadata(closed).ok()?;
+    let (mode, owner, shown) = (m.mode() & 0o7777, m.uid(), closed.display());
+    // Another's directory in the store: its mode is not ours to change, its owner is the cause.
+    if owner != nix::unistd::geteuid().as_raw() {
+        return Some(format!(
+            "{}: {shown} belongs to uid {owner} (mode {mode:03o}), which keeps you out; 'chown' it back to you (as root)",
+            path.display()
+        ));
+    }
     Some(format!(
         "{}: {shown} is mode {mode:03o}, which keeps you, its owner, out; 'chmod u+rwx {shown}' gives it back",
         path.display()

@@ -1339,3 +1339,32 @@ fn a_node_local_images_directory_is_never_used_from_another_host() {
     ok(a.stowage_run(&root, ["exec", "--read", "app", "--", "true"]));
     ok(a.run(["test", "-d", &format!("{l}/img/app")]));
 }
+
+/// A mount in the images directory whose server does not answer (a FUSE
+/// client stopped) stops no look: gc, doctor and init never stat it, as the
+/// mount table names it; it is no tree of the store's.
+#[test]
+fn a_mount_that_does_not_answer_in_the_images_directory_stops_no_look() {
+    let Some(c) = Cluster::start("hung", 1) else {
+        return;
+    };
+    let env = Env::new();
+    env.make_image("a");
+    let at = env.root.join("img/gl");
+    fs::create_dir(&at).unwrap();
+    let client = c.client_at("sub", &at);
+    client.stop();
+    // Past the client's attribute cache (1 s): a stat of the mount point would now wait.
+    std::thread::sleep(Duration::from_secs(2));
+    for args in [&["gc", "--max-size", "1G"][..], &["doctor"], &["init"]] {
+        let mut cmd = std::process::Command::new("timeout");
+        cmd.args(["-k", "5", "60", bin()])
+            .arg("--root")
+            .arg(&env.root)
+            .args(args);
+        let out = output(cmd);
+        assert_ne!(code(&out), Some(124), "{args:?} waited on the mount");
+        assert_eq!(code(&out), Some(0), "{args:?}: {}", show(&out));
+    }
+    drop(client);
+}

@@ -181,6 +181,69 @@ impl Drop for Host {
     }
 }
 
+/// A client of the volume mounted in the test's own namespace, serving only
+/// a subdirectory of the test's directory: its process can be stopped, as a
+/// server that does not answer. Continued and unmounted on drop.
+pub struct Client {
+    at: PathBuf,
+    pid: i32,
+}
+
+impl Cluster {
+    /// Mounts the test's subdirectory `sub` (made if missing) at `at`.
+    pub fn client_at(&self, sub: &str, at: &Path) -> Client {
+        let info = String::from_utf8_lossy(&gluster(["info"]).stdout).into_owned();
+        let value = |k: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(k))
+                .unwrap()
+                .to_owned()
+        };
+        let (volume, server) = (value("volume="), value("server="));
+        let out = self
+            .host(0)
+            .run(["mkdir", "-p", self.dir.join(sub).to_str().unwrap()]);
+        assert!(out.status.success(), "{}", show(&out));
+        let tag = self.dir.file_name().unwrap().to_str().unwrap();
+        let source = format!("{server}:/{volume}/{tag}/{sub}");
+        let st = Command::new("mount")
+            .args(["-t", "glusterfs", &source])
+            .arg(at)
+            .status();
+        assert!(st.is_ok_and(|s| s.success()), "mount {source}");
+        let pgrep = Command::new("pgrep")
+            .args(["-f", &format!("glusterfs.*{}", at.display())])
+            .output()
+            .unwrap();
+        let pid = String::from_utf8_lossy(&pgrep.stdout)
+            .lines()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        Client {
+            at: at.to_owned(),
+            pid,
+        }
+    }
+}
+
+impl Client {
+    /// Stops the client: every request through the mount waits.
+    pub fn stop(&self) {
+        unsafe { libc::kill(self.pid, libc::SIGSTOP) };
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.pid, libc::SIGCONT) };
+        let mut c = Command::new("umount");
+        c.arg("-l").arg(&self.at);
+        quietly(c);
+    }
+}
+
 /// Runs `c` within [`PATIENCE`] without ever panicking, for drops: a drop
 /// that panics while a failed test unwinds aborts the whole test binary.
 /// Whether it ran and succeeded; a command still running is killed.

@@ -946,6 +946,15 @@ fn the_owner_kept_out_by_a_mode_is_told_the_mode_not_sharing() {
             assert_eq!(said.lines().count(), 1, "{}", show(&out));
         }
     }
+    // A directory of the store another user owns: its owner is the cause, not a mode to change.
+    let dir = env.root.join("locks/images");
+    let uid = fs::metadata(&dir).unwrap().uid();
+    std::os::unix::fs::chown(&dir, Some(0), None).unwrap();
+    let out = unprivileged(&env, &["exec", "--write", "y", "--", "true"]);
+    std::os::unix::fs::chown(&dir, Some(uid), None).unwrap();
+    assert_eq!(code(&out), Some(1), "{}", show(&out));
+    let cause = format!("{} belongs to uid 0", dir.display());
+    assert!(stderr(&out).contains(&cause), "{}", show(&out));
     assert_eq!(
         code(&unprivileged(&env, &["exec", "--read", "x", "--", "true"])),
         Some(0)
