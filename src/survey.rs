@@ -99,8 +99,8 @@ pub fn orphans(
             .get_or_init(|| crate::dir::mount_points_in(dir))
             .contains(&raw)
         {
-            let why = "it is another filesystem's mount point".into();
-            out.skipped.push((raw.to_string_lossy().into_owned(), why));
+            out.skipped
+                .push((raw.to_string_lossy().into_owned(), MOUNT_POINT.into()));
             continue;
         }
         let Ok(Some(e)) = images.stat_at(&raw) else {
@@ -119,8 +119,8 @@ pub fn orphans(
             _ => e.dev != *dev,
         };
         if mounted {
-            let why = "it is another filesystem's mount point".into();
-            out.skipped.push((raw.to_string_lossy().into_owned(), why));
+            out.skipped
+                .push((raw.to_string_lossy().into_owned(), MOUNT_POINT.into()));
             continue;
         }
         let Some(enc) = raw.to_str() else {
@@ -150,6 +150,9 @@ pub fn has_record(path: &Path) -> bool {
     let file = crate::lock::open_existing_read(path).ok().flatten();
     file.is_some_and(|f| image_record::read(&f).is_ok_and(|s| !s.unrecorded()))
 }
+
+/// Why an entry of the images directory that something is mounted on is no tree.
+const MOUNT_POINT: &str = "it is another filesystem's mount point";
 
 /// The filesystem's own directory at a mount's root: never an image.
 const LOST_FOUND: &str = "lost+found";
