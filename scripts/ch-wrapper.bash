@@ -28,8 +28,7 @@ storage_dir() {
 # $S/img: locks in another root protect nothing. `stowage slots` asks first,
 # reading only, so that a mistyped root is refused and not created; then an
 # exec with no image (which creates nothing in an existing root) names the
-# root and its images directory, and checks the --wait value ($1, may be
-# empty) with stowage's own parser. Every command suggested here works as
+# root and its images directory, waiting at most what is left of --wait. Every command suggested here works as
 # typed, however the root was named.
 stowage_root() {
     local named err rc where dir n own fix
@@ -44,7 +43,8 @@ stowage_root() {
         *) fail "$rc" "cannot ask stowage about its root: $err" ;;
     esac
     # shellcheck disable=SC2016  # expanded by that sh
-    where=$("${stowage[@]}" exec ${1:+--wait "$1"} -- sh -c 'printf "%s\n%s" "$STOWAGE_ROOT" "$STOWAGE_IMAGES_DIR"') || exit
+    wait_left
+    where=$("${stowage[@]}" exec "${wait[@]}" -- sh -c 'printf "%s\n%s" "$STOWAGE_ROOT" "$STOWAGE_IMAGES_DIR"') || exit
     root=${where%%$'\n'*} dir=${where#*$'\n'}
     [ "$dir" -ef "$S/img" ] && return
     n=$("${stowage[@]}" images --json | grep -o '"name":' | wc -l)
@@ -62,7 +62,7 @@ stowage_root() {
 
 # ch-image refuses a storage directory that holds imgtmp, which a cache-mode
 # import makes while it runs (under `stowage exec --store-wide`). Waits for
-# that hold to end, as long as --wait allows ($1: its text, may be empty),
+# that hold to end, as long as --wait allows (its deadline),
 # asking stowage (store_wide_held), never opening ROOT/locks/store.lock
 # itself: flock(1) would block for good opening a FIFO planted there. An
 # imgtmp still there then is looked at again once a network filesystem's
@@ -71,10 +71,9 @@ stowage_root() {
 # it was left by an import that was stopped, and is refused, saying what
 # to remove.
 await_import() {
-    local end='' told='' held
+    local told='' held
     present "$S/imgtmp" || return 0
-    [ -n "${root:-}" ] || stowage_root "$1"
-    [ -z "$1" ] || end=$(($(uptime_ms) + $(time_ms "$1")))
+    [ -n "${root:-}" ] || stowage_root
     while :; do
         store_wide_held
         held=$?
@@ -82,11 +81,11 @@ await_import() {
         [ $held = 0 ] || fail 1 "cannot ask stowage whether a store-wide command holds $S/imgtmp: $why"
         [ -n "$told" ] || echo "$me: waiting for the store-wide command that holds $S/imgtmp (a ch-image import) to end" >&2
         told=1
-        [ -z "$end" ] || (($(uptime_ms) < end)) || fail 75 "the store-wide command holding $S/imgtmp did not end within --wait $1"
+        [ -z "$deadline" ] || (($(uptime_ms) < deadline)) || fail 75 "the store-wide command holding $S/imgtmp did not end within --wait $wait_text"
         sleep 0.2
     done
     present "$S/imgtmp" || return 0
-    recheck_after_cache "$end"
+    recheck_after_cache "$deadline"
     present "$S/imgtmp" || return 0
     store_wide_lock_usable
     fail 1 "$S/imgtmp was left by a ch-image import that was stopped (no store-wide command runs): remove it (rm -rf $(printf %q "$S/imgtmp")) and run this again"
@@ -175,12 +174,11 @@ present() {
     fail 1 "cannot tell whether $1 exists: $why"
 }
 
-# Milliseconds in a time that stowage has accepted: a number (fractional
+# Milliseconds in a time, read as stowage reads --wait: a number (fractional
 # allowed) and an optional unit (ms, s, m, h, d, w, or spelled out: 500ms,
 # 10s, 1.5m, 2hours, 1d; bare seconds), as stowage reads --wait (README.md,
-# "Times"). Wrappers have stowage check the value first
-# (stowage_root), so stowage's message refuses a bad one; this converts for
-# the waits a wrapper does itself. Integers only: no awk or bc, whose
+# "Times"); a value refused here is handed to stowage (start_deadline), whose
+# message refuses it. Integers only: no awk or bc, whose
 # comparisons of "1m" or "500ms" are of strings.
 time_ms() {
     local t=$1 number unit whole frac scale
@@ -210,6 +208,30 @@ seconds() {
     f=$(printf %03d $(($1 % 1000)))
     while [[ $f == *0 ]]; do f=${f%0}; done
     echo "$s${f:+.$f}"
+}
+
+# The deadline of --wait ($wait_text; uptime_ms, empty for none), set once
+# when the wrapper starts: every wait it does, its own and stowage's, draws
+# on it, so that --wait bounds them all together rather than each anew. A
+# time this parser refuses is handed to stowage, whose message refuses it.
+start_deadline() {
+    deadline= wait_ms=
+    [ -n "$wait_text" ] || return 0
+    wait_ms=$(time_ms "$wait_text") || {
+        "${stowage[@]}" exec --wait "$wait_text" -- true >/dev/null || exit
+        fail 64 "--wait $wait_text: not a time"
+    }
+    deadline=$(($(uptime_ms) + wait_ms))
+}
+
+# wait=(--wait REST): what is left of --wait, for the next stowage.
+wait_left() {
+    local left
+    wait=()
+    [ -n "$deadline" ] || return 0
+    left=$((deadline - $(uptime_ms)))
+    ((left > 0)) || left=0
+    wait=(--wait "$(seconds "$left")")
 }
 
 # Milliseconds since boot: a clock that no change of the date moves.

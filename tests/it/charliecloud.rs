@@ -1464,6 +1464,79 @@ fn wrappers_started_during_a_store_wide_import_wait_for_it() {
     assert!(!ch.img("app2").exists());
 }
 
+/// One --wait bounds all of a wrapper's waiting: the wait for a store-wide
+/// import and the locks' after it draw on one deadline. Every stowage that
+/// ch-build and ch-delete run is logged by a `stowage` found first on PATH;
+/// with the import held 3 s of a 60 s --wait, the exec that takes the
+/// locks is given 57 s at most (before, a full 60 s anew).
+#[test]
+fn a_wrappers_wait_bounds_an_import_and_the_locks_together() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(ch) = Ch::new() else { return };
+    ch.env.ok(["slots", "set", "ch-cache", "1"]);
+    ch.dockerfile("Dockerfile", "FROM base\nRUN echo b > /b\n");
+    assert_ok(output(ch.ch_build(["-t", "old"])));
+    let shim_dir = ch.env.sentinel("shim");
+    fs::create_dir(&shim_dir).unwrap();
+    let log = ch.env.sentinel("calls.log");
+    let shim = shim_dir.join("stowage");
+    fs::write(
+        &shim,
+        format!(
+            "#!/bin/sh\nprintf '%s\\n' \"$*\" >> '{}'\nexec '{}' \"$@\"\n",
+            log.display(),
+            bin()
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&shim, fs::Permissions::from_mode(0o755)).unwrap();
+    let script = format!(
+        "mkdir {t} && touch {held} && while [ ! -e {go} ]; do sleep 0.05; done; rmdir {t}",
+        t = ch.storage.join("imgtmp").display(),
+        held = ch.env.sentinel("held").display(),
+        go = ch.env.sentinel("go").display()
+    );
+    let wide = Bg::from_command(ch.stowage(["exec", "--store-wide", "--", "sh", "-c", &script]));
+    wait_for_file(&ch.env.sentinel("held"));
+    let logs = [ch.env.sentinel("build.log"), ch.env.sentinel("delete.log")];
+    let mut delete = ch.command(CH_DELETE);
+    delete.args(["--wait", "60", "old"]);
+    let [build, delete] = [ch.ch_build(["--wait", "60", "-t", "app"]), delete];
+    let [build, delete] = [(build, &logs[0]), (delete, &logs[1])].map(|(mut c, l)| {
+        // The stowage the wrapper runs is the shim, found first on its PATH.
+        let path = c
+            .get_envs()
+            .find(|(k, _)| *k == "PATH")
+            .and_then(|(_, v)| v);
+        let path = path.unwrap().to_string_lossy().into_owned();
+        c.env("PATH", format!("{}:{path}", shim_dir.display()));
+        c.stderr(fs::File::create(l).unwrap());
+        Bg::from_command_keep_stderr(c)
+    });
+    let waiting =
+        |l: &Path| fs::read_to_string(l).is_ok_and(|t| t.contains("waiting for the store-wide"));
+    wait_until("both wrappers wait for the import", || {
+        logs.iter().all(|l| waiting(l))
+    });
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    fs::write(ch.env.sentinel("go"), "").unwrap();
+    assert_ok(wide.finish());
+    for (bg, l) in [(build, &logs[0]), (delete, &logs[1])] {
+        let out = bg.finish();
+        let said = fs::read_to_string(l).unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}{said}", show(&out));
+    }
+    let calls = fs::read_to_string(&log).unwrap();
+    let given: Vec<f64> = calls
+        .lines()
+        .filter(|l| l.contains(" --write "))
+        .filter_map(|l| l.split("--wait ").nth(1))
+        .map(|w| w.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(given.len(), 2, "{calls}");
+    assert!(given.iter().all(|w| *w <= 57.0), "{calls}");
+}
+
 /// After a store-wide import ends, a network filesystem's client may still
 /// show its `imgtmp` for a second from its name cache (GlusterFS's FUSE
 /// client, after the import's host crashed): ch-build looks again once that
